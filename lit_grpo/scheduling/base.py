@@ -92,7 +92,14 @@ class FIFOScheduler(Scheduler):
 
 
 class RoundScheduler(FIFOScheduler):
-    """Naive micro sampling groups: a new round starts only when every sample of the last one has finished."""
+    """Naive micro sampling groups: rounds of up to g samples of one prompt; a round starts only when every
+    sample of the previous one has finished (the paper's "micro" baseline, before continuous sampling)."""
 
     def admit(self, num_free: int, num_running: int) -> list[SampleKey]:
-        return super().admit(num_free, num_running) if num_running == 0 else []
+        if num_running or not self._pending:
+            return []
+        prompt = self._pending[-1][0]
+        taken = []
+        while self._pending and self._pending[-1][0] == prompt and len(taken) < num_free:
+            taken.append(self._pending.pop())
+        return taken
