@@ -195,7 +195,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
 def _tiny_model(name: str) -> PreTrainedModel:
     tokenizer = tiny_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
     config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random models (Llama and Qwen2) with the offline byte-level tokenizer."""
+
+import pytest
+import torch
+
+from lit_grpo.models import load_model_and_tokenizer
+
+# Tiny models run fastest on one thread, and one thread cannot be starved by a busy machine.
+torch.set_num_threads(1)
+
+PROMPT_TEXTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
+
+
+@pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen2"])
+def tiny(request):
+    """(model, tokenizer) in float64, so batch-dependent rounding cannot flip a token and equality is exact."""
+    model, tokenizer = load_model_and_tokenizer(request.param)
+    return model.double().eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_llama):
+    _, tokenizer = tiny_llama
+    return [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]

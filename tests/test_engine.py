@@ -1,0 +1,220 @@
+"""The rollout engine: schedule invariance, greedy parity, KV bounds, step arithmetic, bad inputs."""
+
+import math
+
+import pytest
+import torch
+
+from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
+from lit_grpo.sampling.token_sampler import filter_logits
+
+G = 5
+
+
+def _ids(tokenizer, texts):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+PROMPTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_every_strategy_and_micro_group_size_returns_the_same_completions(tiny, temperature, top_k, top_p):
+    model, tokenizer = tiny
+    prompts = _ids(tokenizer, PROMPTS)
+    runs = {}
+    for strategy in ("full", "micro", "continuous"):
+        for g in (1, 3, G):
+            engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=g, strategy=strategy,
+                                   max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+            runs[(strategy, g)] = engine.generate(prompts)
+    reference = runs[("full", 1)]
+    for key, result in runs.items():
+        assert result.completion_ids == reference.completion_ids, key
+        for got, want in zip(sum(result.logprobs, []), sum(reference.logprobs, [])):
+            assert got == pytest.approx(want, abs=1e-9), key
+    if temperature > 0:  # samples of a group differ: each draws from its own stream
+        assert len({tuple(c) for c in reference.completion_ids[0]}) > 1
+
+
+def test_successive_rollouts_draw_fresh_samples_and_seeds_differ(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=8, seed=1)
+    first, second = engine.generate(prompt_ids), engine.generate(prompt_ids)
+    assert first.completion_ids != second.completion_ids
+    other_seed = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=8, seed=2).generate(prompt_ids)
+    assert other_seed.completion_ids != first.completion_ids
+    state = engine.state_dict()
+    resumed = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=8, seed=1)
+    resumed.load_state_dict(state)
+    assert resumed.generate(prompt_ids).completion_ids == engine.generate(prompt_ids).completion_ids
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_greedy_output_equals_model_generate(name):
+    from lit_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(name)
+    prompts = _ids(tokenizer, PROMPTS)
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=3, strategy="continuous",
+                           max_new_tokens=12, temperature=0.0)
+    result = engine.generate(prompts)
+    for p, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert result.completion_ids[p] == [expected, expected]
+
+
+def test_sampling_logprobs_match_a_teacher_forced_forward(tiny):
+    model, tokenizer = tiny
+    prompts = _ids(tokenizer, PROMPTS)
+    temperature, top_k = 0.7, 30
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=9, temperature=temperature, top_k=top_k, seed=3)
+    result = engine.generate(prompts)
+    for p, prompt in enumerate(prompts):
+        for completion, logprobs in zip(result.completion_ids[p], result.logprobs[p]):
+            ids = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1:-1]
+            expected = torch.log_softmax(filter_logits(logits.float() / temperature, top_k=top_k), -1)
+            expected = expected.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+            assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5)
+
+
+def test_top_k_one_is_greedy(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    greedy = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=8, temperature=0.0).generate(prompt_ids)
+    top1 = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=8, temperature=1.0, top_k=1).generate(prompt_ids)
+    assert top1.completion_ids == greedy.completion_ids
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_p=0.8))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
+
+
+# ------------------------------------------------------------------------------ forced lengths: step arithmetic
+LENGTHS = [[5, 1, 3], [2, 2, 7]]
+
+
+def _forced(model, tokenizer, strategy, g, lengths=LENGTHS, max_new_tokens=10):
+    engine = RolloutEngine(model, tokenizer, group_size=len(lengths[0]), micro_group_size=g, strategy=strategy,
+                           max_new_tokens=max_new_tokens, temperature=1.0)
+    prompts = _ids(tokenizer, PROMPTS[: len(lengths)])
+    return engine.generate(prompts, lengths=lengths)
+
+
+def test_forced_lengths_are_replayed_exactly(tiny_llama):
+    result = _forced(*tiny_llama, "continuous", 2)
+    assert [[len(c) for c in group] for group in result.completion_ids] == LENGTHS
+    assert not any(sum(result.truncated, []))
+    eos = tiny_llama[1].eos_token_id
+    assert all(c[-1] == eos and eos not in c[:-1] for c in sum(result.completion_ids, []))
+
+
+def test_continuous_refills_a_freed_slot_at_once_across_groups(tiny_llama):
+    stats = _forced(*tiny_llama, "continuous", 2).stats
+    # FIFO on 2 slots, jobs 5,1,3 | 2,2,7: slot 0 runs 5 then 2 (steps 0-4, 5-6); slot 1 runs 1, 3, 2, 7
+    # (steps 0, 1-3, 4-5, 6-12): 13 steps.
+    assert stats.decode_steps == 13
+    assert stats.lower_bound_steps == max(math.ceil(20 / 2), 7) == 10
+    assert stats.generated_tokens == 20
+    assert stats.slot_utilization == pytest.approx(20 / (13 * 2))
+    flat = lambda p, k: p * 3 + k
+    assert [row[1] for row in stats.timeline] == [flat(0, 1)] + [flat(0, 2)] * 3 + [flat(1, 0)] * 2 + [flat(1, 2)] * 7
+    assert [row[0] for row in stats.timeline] == [flat(0, 0)] * 5 + [flat(1, 1)] * 2 + [IDLE] * 6
+
+
+def test_micro_rounds_wait_for_their_longest_member(tiny_llama):
+    stats = _forced(*tiny_llama, "micro", 2).stats
+    # rounds (5, 1), (3), (2, 2), (7): 5 + 3 + 2 + 7 steps; no round mixes prompts.
+    assert stats.decode_steps == 17
+    assert stats.slot_utilization == pytest.approx(20 / 34)
+    assert all(cell == IDLE for cell in stats.timeline[1][1:])  # the finished row is not run
+
+
+def test_full_runs_every_sample_at_once(tiny_llama):
+    stats = _forced(*tiny_llama, "full", 1).stats
+    assert stats.num_slots == 6 and stats.decode_steps == 7
+    assert sum(cell != IDLE for row in stats.timeline for cell in row) == 20
+
+
+def test_length_cap_marks_truncation(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    result = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=3, temperature=1.0,
+                           eos_token_ids=[0]).generate(prompt_ids)  # id 0 is never sampled by this tiny model
+    for group, flags in zip(result.completion_ids, result.truncated):
+        for completion, truncated in zip(group, flags):
+            assert len(completion) == 3 and truncated == (completion[-1] != 0)
+
+
+# ------------------------------------------------------------------------------------------------- KV memory
+def test_kv_bytes_are_bounded_by_the_slots_not_the_group(tiny_llama):
+    model, tokenizer = tiny_llama
+    prompts = _ids(tokenizer, PROMPTS)
+    config = model.config
+    bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    max_new, g = 12, 3
+    prefixes = sum(len(p) - 1 for p in prompts) * bytes_per_position
+    slot_bound = g * (max(map(len, prompts)) + max_new) * bytes_per_position
+    peaks = {}
+    for G_ in (3, 12, 24):
+        for strategy in ("micro", "continuous"):
+            engine = RolloutEngine(model, tokenizer, group_size=G_, micro_group_size=g, strategy=strategy,
+                                   max_new_tokens=max_new)
+            peaks[(strategy, G_)] = engine.generate(prompts).stats.peak_kv_bytes
+            assert peaks[(strategy, G_)] <= slot_bound + prefixes
+    full = RolloutEngine(model, tokenizer, group_size=24, strategy="full", max_new_tokens=max_new)
+    assert full.generate(prompts).stats.peak_kv_bytes > 4 * peaks[("continuous", 24)]
+    assert peaks[("continuous", 24)] == peaks[("continuous", 12)]  # G does not move the peak
+
+
+def test_bfloat16_and_qwen2_run(tiny_llama):
+    from lit_grpo.models import load_model_and_tokenizer
+
+    for name in ("tiny-llama", "tiny-qwen2"):
+        model, tokenizer = load_model_and_tokenizer(name, dtype="bfloat16")
+        result = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, max_new_tokens=6).generate(
+            _ids(tokenizer, PROMPTS))
+        assert result.stats.generated_tokens == sum(len(c) for g in result.completion_ids for c in g) > 0
+        assert result.stats.peak_kv_bytes % 2 == 0
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(group_size=0), "group_size=0"),
+    (dict(micro_group_size=0), "micro_group_size=0"),
+    (dict(strategy="beam"), "strategy='beam'"),
+    (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=-1), "top_k=-1"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+])
+def test_bad_engine_arguments_are_named(tiny_llama, kwargs, match):
+    model, tokenizer = tiny_llama
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model, tokenizer, **({"group_size": 2} | kwargs))
+
+
+def test_bad_prompts_are_named(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="non-empty list"):
+        engine.generate([])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[5, 6], []])
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[5, 10**6]])
+    long_engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=2000)
+    with pytest.raises(ValueError, match="max_position_embeddings=2048"):
+        long_engine.generate([[5] * 100])
+    with pytest.raises(ValueError, match=r"lengths must be \[B=1\]\[G=2\]"):
+        engine.generate([[5, 6]], lengths=[[1, 2, 3]])
+
+
+def test_strategies_are_the_documented_ones():
+    assert STRATEGIES == ("full", "micro", "continuous", "infinite")

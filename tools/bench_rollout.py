@@ -1,0 +1,256 @@
+"""Rollout benchmark: lit_grpo's strategies against transformers' generate paths, in one process, interleaved.
+
+    python tools/bench_rollout.py --model smollm2 --prompts 4 --group-size 16 --micro-group-size 4 \
+        --max-new-tokens 128 --strategies full,micro,continuous,hf_generate,hf_generate_chunked,hf_generate_batch \
+        --repeats 3 --json runs/rollout.json
+
+Every repeat runs every strategy once, in turn, so a slow patch of a noisy machine hits all of them alike; the
+JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures (design.md):
+decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
+padding included), peak_rss_bytes (the process's resident high-water mark during the run), wall_s, tokens_per_s,
+identical_fraction (share of completions equal to the "full" run's in the same repeat), and for lit_grpo's
+engine forward_fraction (time inside the model's forward / wall time).
+
+Baselines: hf_generate = one ``model.generate`` over all B x G rows, left-padded (TRL without vLLM);
+hf_generate_chunked = the same over chunks of g rows; hf_generate_batch = transformers' continuous batching
+(``generate_batch``), whose paged cache hides decode steps and KV bytes (reported as null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from lit_grpo.memory import PeakRSS
+from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer
+from lit_grpo.sampling import RolloutEngine, lower_bound_steps
+
+OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
+HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
+MODELS = {"tiny": "tiny-llama", "smollm2": DEFAULT_MODEL}
+PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
+FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
+          "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "forward_fraction", "identical_fraction")
+
+
+def task_prompts(tokenizer, task: str, count: int, seed: int) -> list[list[int]]:
+    """``count`` reasoning-gym questions as chat-formatted token ids."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(task, size=count, seed=seed)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": entry["question"]}],
+                                          add_generation_prompt=True, tokenize=True)["input_ids"]
+            for entry in dataset]
+
+
+# ----------------------------------------------------------------------------------------------- runners
+def run_engine(engine: RolloutEngine, prompts, lengths) -> tuple[dict, list[list[int]]]:
+    result = engine.generate(prompts, lengths=lengths)
+    record = result.stats.scalars()
+    record["forward_fraction"] = result.stats.forward_s / result.stats.wall_s
+    return record, [c for group in result.completion_ids for c in group]
+
+
+def _strip_after_eos(row: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in eos:
+            return row[: i + 1]
+    return row
+
+
+def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tuple[dict, list[list[int]]]:
+    """``model.generate`` over left-padded chunks of ``chunk_rows`` rows (all B x G rows when chunk_rows is None)."""
+    rows = [p for p in prompts for _ in range(G)]
+    chunk_rows = chunk_rows or len(rows)
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bytes_per_position = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    completions, steps, prefill, peak_kv = [], 0, 0, 0
+    start = time.perf_counter()
+    for i in range(0, len(rows), chunk_rows):
+        chunk = rows[i:i + chunk_rows]
+        batch = tokenizer.pad({"input_ids": chunk}, padding=True, return_tensors="pt").to(model.device)
+        with torch.inference_mode():
+            out = model.generate(**batch, generation_config=_generation_config(args, eos, tokenizer))
+        new = out[:, batch["input_ids"].shape[1]:]
+        completions += [_strip_after_eos(row, eos) for row in new.tolist()]
+        steps += new.shape[1]
+        prefill += batch["input_ids"].numel()
+        # generate's DynamicCache holds every row, padding included, for prompt + all but the last new token.
+        peak_kv = max(peak_kv, len(chunk) * (batch["input_ids"].shape[1] + new.shape[1] - 1) * bytes_per_position)
+    wall = time.perf_counter() - start
+    generated = sum(map(len, completions))
+    record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated,
+                  lower_bound_steps=lower_bound_steps(list(map(len, completions)), min(chunk_rows, len(rows))),
+                  slot_utilization=generated / (steps * min(chunk_rows, len(rows))), peak_kv_bytes=peak_kv,
+                  wall_s=wall, tokens_per_s=generated / wall)
+    return record, completions
+
+
+def run_hf_generate_batch(model, tokenizer, prompts, G, args, eos) -> tuple[dict, list[list[int]]]:
+    rows = [p for p in prompts for _ in range(G)]
+    start = time.perf_counter()
+    with torch.no_grad():  # generate_batch updates its static tensors in place: inference_mode forbids that
+        outputs = model.generate_batch(inputs=rows, generation_config=_generation_config(args, eos, tokenizer),
+                                       progress_bar=False)
+    wall = time.perf_counter() - start
+    by_index = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+    failed = [o.request_id for o in by_index if o.error]
+    if failed or len(by_index) != len(rows):
+        raise RuntimeError(f"generate_batch failed requests {failed[:5]} ({len(by_index)} of {len(rows)} returned)")
+    completions = [_strip_after_eos(list(o.generated_tokens), eos) for o in by_index]
+    generated = sum(map(len, completions))
+    record = dict(decode_steps=None, prefill_tokens=sum(map(len, rows)), generated_tokens=generated,
+                  lower_bound_steps=None, slot_utilization=None, peak_kv_bytes=None, wall_s=wall,
+                  tokens_per_s=generated / wall)
+    return record, completions
+
+
+def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
+    sampling = args.temperature > 0
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=sampling,
+                            temperature=args.temperature if sampling else None,
+                            top_p=args.top_p if sampling else None, top_k=args.top_k if sampling else None,
+                            eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id)
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model path or hub id")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="paper: B 1, G 32, g 8, 1024 tokens, gsm_symbolic")
+    parser.add_argument("--prompts", type=int, default=4, help="B, prompts per rollout")
+    parser.add_argument("--group-size", type=int, default=16, help="G")
+    parser.add_argument("--micro-group-size", type=int, default=4, help="g, concurrent slots")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--strategies", default="full,micro,continuous,infinite",
+                        help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
+    parser.add_argument("--predictors", default="online", help="infinite's predictors: oracle,online,history")
+    parser.add_argument("--refills", default="", help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
+    parser.add_argument("--warmup-rollouts", type=int, default=0,
+                        help="rollouts each infinite engine runs before the measured repeats (predictor warm-up)")
+    parser.add_argument("--lengths", type=Path, help='JSON {"lengths": [[L, ...] per prompt]}: replay, sets B and G')
+    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            setattr(args, key, value)
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {list(OUR_STRATEGIES + HF_STRATEGIES)}")
+    return args
+
+
+def build_runners(args, model, tokenizer, prompts, lengths):
+    """(label, extra record fields, callable) for every measured run of a repeat."""
+    G, g, eos = args.group_size, args.micro_group_size, None
+    common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    runners = []
+    for strategy in args.strategies:
+        if strategy == "infinite":
+            for predictor in args.predictors.split(","):
+                for refill in args.refills.split(",") if args.refills else [None]:
+                    options = {"predictor": predictor} | ({"refill": refill} if refill else {})
+                    engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
+                    for _ in range(args.warmup_rollouts):
+                        engine.generate(prompts, lengths=lengths)
+                    fields = {"predictor": predictor, "refill": refill or getattr(engine.scheduler, "refill_name", None)}
+                    runners.append((f"infinite[{predictor},{fields['refill']}]", fields,
+                                    lambda e=engine: run_engine(e, prompts, lengths)))
+        elif strategy in OUR_STRATEGIES:
+            engine = RolloutEngine(model, tokenizer, strategy=strategy, **common)
+            eos = set(engine.eos_token_ids)
+            runners.append((strategy, {}, lambda e=engine: run_engine(e, prompts, lengths)))
+    eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
+    if lengths is not None and any(s in HF_STRATEGIES for s in args.strategies):
+        raise SystemExit("--lengths replays forced lengths inside lit_grpo's engine; drop the hf_* strategies")
+    for strategy in args.strategies:
+        if strategy == "hf_generate":
+            runners.append((strategy, {}, lambda: run_hf_generate(model, tokenizer, prompts, G, None, args, eos)))
+        elif strategy == "hf_generate_chunked":
+            runners.append((strategy, {}, lambda: run_hf_generate(model, tokenizer, prompts, G, g, args, eos)))
+        elif strategy == "hf_generate_batch":
+            runners.append((strategy, {}, lambda: run_hf_generate_batch(model, tokenizer, prompts, G, args, eos)))
+    return runners
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype)
+    model.eval()
+    lengths = None
+    if args.lengths:
+        lengths = json.loads(args.lengths.read_text())["lengths"]
+        args.prompts, args.group_size = len(lengths), len(lengths[0])
+    prompts = task_prompts(tokenizer, args.task, args.prompts, args.seed)
+    runners = build_runners(args, model, tokenizer, prompts, lengths)
+    # One short untimed rollout first, so one-time kernel and allocator set-up is charged to no strategy.
+    RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=args.seed).generate(prompts[:1])
+
+    repeats: dict[str, list[dict]] = {label: [] for label, _, _ in runners}
+    for repeat in range(args.repeats):
+        reference = None
+        for label, fields, run in runners:
+            peak = PeakRSS()
+            peak.start()
+            record, completions = run()
+            record["peak_rss_bytes"] = peak.stop()
+            if label == "full":
+                reference = completions
+            record["identical_fraction"] = (None if reference is None else
+                                            sum(a == b for a, b in zip(completions, reference)) / len(reference))
+            repeats[label].append({"strategy": label.split("[")[0], **fields, **record})
+            print(f"repeat {repeat} {label:28s} steps={record['decode_steps']} tok/s={record['tokens_per_s']:.1f} "
+                  f"kv={record['peak_kv_bytes']} util={record['slot_utilization']}", file=sys.stderr, flush=True)
+
+    runs = [_median_record(records) for records in repeats.values()]
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["model"] = MODELS.get(args.model, args.model)
+    report = {"config": config, "runs": runs}
+    _print_table(runs)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _median_record(records: list[dict]) -> dict:
+    out = {k: v for k, v in records[0].items() if k not in FIELDS}
+    for key in FIELDS:
+        values = [r.get(key) for r in records if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    out["repeats"] = [{k: r.get(k) for k in FIELDS} for r in records]
+    return out
+
+
+def _print_table(runs: list[dict]) -> None:
+    columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "tokens_per_s",
+               "forward_fraction", "identical_fraction")
+    label = lambda r: r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
+    print(f"{'strategy':30s}" + "".join(f"{c:>20s}" for c in columns))
+    for run in runs:
+        cells = ["-" if run[c] is None else f"{run[c]:.3f}" if isinstance(run[c], float) else str(run[c])
+                 for c in columns]
+        print(f"{label(run):30s}" + "".join(f"{c:>20s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
