@@ -127,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model path or hub id")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="paper: B 1, G 32, g 8, 1024 tokens, gsm_symbolic")
-    parser.add_argument("--prompts", type=int, default=4, help="B, prompts per rollout")
-    parser.add_argument("--group-size", type=int, default=16, help="G")
+    parser.add_argument("--prompts", type=int, help="B, prompts per rollout (default 4, or the --lengths file's)")
+    parser.add_argument("--group-size", type=int, help="G (default 16, or the --lengths file's)")
     parser.add_argument("--micro-group-size", type=int, default=4, help="g, concurrent slots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
@@ -137,7 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--refills", default="", help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
                         help="rollouts each infinite engine runs before the measured repeats (predictor warm-up)")
-    parser.add_argument("--lengths", type=Path, help='JSON {"lengths": [[L, ...] per prompt]}: replay, sets B and G')
+    parser.add_argument("--lengths", type=Path,
+                        help='JSON {"lengths": [[L, ...] per prompt]}: replay; sets B and G, or a given (or preset) '
+                             'B and G take the first B prompts and their first G samples')
     parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -198,8 +200,14 @@ def main(argv=None) -> dict:
     model.eval()
     lengths = None
     if args.lengths:
-        lengths = json.loads(args.lengths.read_text())["lengths"]
-        args.prompts, args.group_size = len(lengths), len(lengths[0])
+        recorded = json.loads(args.lengths.read_text())["lengths"]
+        args.prompts = args.prompts or len(recorded)
+        args.group_size = args.group_size or len(recorded[0])
+        if args.prompts > len(recorded) or args.group_size > len(recorded[0]):
+            raise SystemExit(f"--lengths file holds {len(recorded)} prompts x {len(recorded[0])} samples; "
+                             f"asked for B={args.prompts}, G={args.group_size}")
+        lengths = [row[: args.group_size] for row in recorded[: args.prompts]]
+    args.prompts, args.group_size = args.prompts or 4, args.group_size or 16
     prompts = task_prompts(tokenizer, args.task, args.prompts, args.seed)
     runners = build_runners(args, model, tokenizer, prompts, lengths)
     # One short untimed rollout first, so one-time kernel and allocator set-up is charged to no strategy.

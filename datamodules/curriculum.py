@@ -1,0 +1,539 @@
+"""GAIN-RL angle-concentration curriculum ("Angles Don't Lie", arXiv 2506.02281) as prompt samplers.
+
+A prompt sampler decides, step by step, which training prompts go into the next GRPO batch. Three are here:
+
+- ``PromptSampler``: a fresh uniform draw without replacement at every step (independent across steps).
+- ``UniformPromptSampler`` (``curriculum: none``): epoch-style shuffling; one permutation per epoch, consumed in
+  order, so every prompt is seen exactly once per epoch.
+- ``AngleCurriculumSampler`` (``curriculum: angle``): GAIN-RL. Prompts are sorted by their angle concentration
+  (descending) and each step's batch is drawn from a Gaussian over the sorted rank centred at ``mu``; ``mu`` moves
+  after every step from the step's accuracy and angle signal.
+
+``build_prompt_sampler(curriculum, num_prompts, seed, **options)`` maps the YAML name to a sampler.
+
+The score (``angle_concentration``)
+-----------------------------------
+For a prompt of n tokens with hidden states h_1..h_n, the score is the mean pairwise cosine similarity over the
+n (n - 1) ordered pairs i != j (the diagonal, always 1, is excluded):
+
+    score = sum_{i != j} cos(h_i, h_j) / (n (n - 1)) = (||sum_i u_i||^2 - sum_i ||u_i||^2) / (n (n - 1)),
+
+with u_i = h_i / ||h_i||, so no n x n matrix is built. Exactly which vectors:
+
+- Tokens: every token of the prompt as given (the caller's token ids, chat template and special tokens included);
+  the left padding added for micro-batching is excluded through the attention mask, so a padded prompt scores the
+  same as the prompt alone. A one-token prompt scores 1.0 (a vector is perfectly concentrated with itself); an
+  empty prompt is an error.
+- Layer: ``model(..., output_hidden_states=True).hidden_states[-1]``. In transformers 5 that entry is tied to
+  ``last_hidden_state``, i.e. the output of the final norm (``model.model.norm`` for Llama/Qwen2), the vector the
+  LM head reads; it is *not* the raw residual stream of the last decoder layer (tests pin this).
+- One prefill per prompt under ``torch.no_grad`` with the model in eval mode (its previous mode is restored);
+  prompts are micro-batched by length (longest first, to waste little padding) with left padding, the attention
+  mask, and position ids counted from each prompt's first real token, so padding changes neither positions nor
+  attention. Only the last position's logits are computed when the model accepts ``logits_to_keep``.
+
+The authors' code differs: it hooks the *input* of the last layer's ``mlp.up_proj`` (the last decoder layer's
+post-attention norm), keeps the diagonal, and for the offline ranking combines prompt segments (system prompt vs
+question) with hand-set weights and offsets. We keep the paper's plain definition (mean pairwise cosine of the last
+layer's token states) because it is model-agnostic and exactly testable.
+
+The draw
+--------
+P(rank i) ~ exp(-((i - mu) / sigma)^2 / 2) over the ranks 0..N-1 of the prompts sorted by score, descending (rank
+0 = most concentrated; ties keep the lower prompt index first). A batch is drawn without replacement: k successive
+draws, each from the Gaussian renormalized over the ranks not yet taken (what the authors' ``numpy.random.choice(
+replace=False, p=...)`` does). It is implemented as Gumbel-top-k on the log-weights, which has exactly that
+distribution and never underflows when sigma is small compared with the batch.
+
+The update
+----------
+After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
+
+    mu <- clamp(mu + clamp(n tanh(alpha (acc / 2 - beta)) + n tanh(alpha angle), adj_min, adj_max), 0, N - 1).
+
+- ``acc``: the paper's acc is on a 0..2 scale (the authors' reward gives 2.0 per correct answer, and acc is its mean
+  over the rollouts), so ``acc / 2`` is the fraction of correct rollouts and beta = 0.5 is the target accuracy (the
+  authors' README calls beta "TARGET ACC"). Here ``accuracy`` is that fraction directly: the step's mean accuracy
+  (or mean reward, when rewards lie in [0, 1]) over all rollouts of the batch, in [0, 1]; the rule is applied as
+  ``n tanh(alpha (accuracy - beta))``, identical to the paper's with acc = 2 * accuracy.
+- ``angle``: the authors' code feeds the *raw* mean cosine (computed in the training forward pass on prompt plus
+  completion, averaged over the rollouts since the last update); it is not normalized. Raw cosine levels depend on
+  the model, the layer and the prompt format (the final norm alone rescales them), which makes the angle term a
+  model-dependent offset rather than a signal. So by default (``angle_normalization="minmax"``) the fed value is
+  min-max normalized against the scores of the last scoring pass: angle = (mean_angle - min score) / (max score -
+  min score), which is 1 for the most concentrated prompts and 0 for the least (0 when all scores are equal). With
+  the default adj_min = 0 the curriculum therefore moves fast through high-concentration prompts and, on
+  low-concentration ones, only when accuracy exceeds beta. ``mean_angle`` is the batch's mean raw angle
+  concentration: pass a value measured on the current policy if the trainer has one; by default (None) it is the
+  mean stored score of the prompts drawn since the last update. ``angle_normalization="none"`` feeds the raw value, as the
+  authors do.
+- mu starts at 0 (the most concentrated prompts) and is a rank position; a rescoring re-sorts the prompts and keeps
+  mu. The step's update moves the centre of the *next* draw (the authors' trl loop lags one epoch behind; we do not).
+
+Default sizes
+-------------
+The paper's sizes are in prompts for sets of about 7.5k (MATH train: 7.5k, GSM8K: 7.47k): n = 500, sigma = 1000,
+adj_max = 1000, adj_min = 0. Unless given, they scale with the data-set size N:
+n = N / 15 (``N_FRACTION``), sigma = 2 N / 15 (``SIGMA_FRACTION``), adj_max = 2 N / 15 (``ADJ_MAX_FRACTION``),
+adj_min = 0; e.g. N = 20 gives n = 1.33, sigma = adj_max = 2.67; N = 100k gives n = 6667, sigma = adj_max = 13333.
+The update runs once per training step (the paper: once per epoch of its subset), so n is a step size in ranks.
+
+State
+-----
+``state_dict()`` holds tensors and plain Python values only (loadable with ``torch.load(weights_only=True)``):
+the random generator's state, and for the uniform sampler the epoch, its permutation and the position in it; for
+the curriculum the scores, the sorted order, mu, the epoch of the last scoring and the prompts drawn since the
+last update. A sampler built
+with the same arguments and given that state continues with identical draws.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from typing import Any
+
+import torch
+
+CURRICULA = ("none", "angle")
+ANGLE_NORMALIZATIONS = ("minmax", "none")
+
+PAPER_NUM_PROMPTS = 7500  # the size of the sets the paper's defaults were set for (MATH train, GSM8K train)
+N_FRACTION = 500 / PAPER_NUM_PROMPTS  # paper n = 500
+SIGMA_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper sigma = 1000
+ADJ_MAX_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper adj_max = 1000
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
+        f" and <= {maximum}" if maximum is not None else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+    return value
+
+
+def _check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
+                low_open: bool = False) -> float:
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        bounds.append(f"<= {high:g}")
+    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    message = f"{name}={value!r} is not allowed; {name} must be {allowed}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(message)
+    number = float(value)
+    if low is not None and (number <= low if low_open else number < low):
+        raise ValueError(message)
+    if high is not None and number > high:
+        raise ValueError(message)
+    return number
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not known; use one of {list(choices)}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------- score
+def mean_pairwise_cosine(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cosine similarity over the ordered pairs i != j of each row's real tokens.
+
+    Args:
+        hidden: ``[B, T, H]`` token hidden states.
+        mask: ``[B, T]`` bool or 0/1, true for real tokens (padding excluded). Every row needs a real token.
+    Returns:
+        ``[B]`` float64: (||sum u_i||^2 - sum ||u_i||^2) / (n (n - 1)) with u_i = h_i / ||h_i||; 1.0 where n = 1.
+    """
+    mask = mask.bool()
+    unit = torch.nn.functional.normalize(hidden.float(), dim=-1).double()
+    # where(), not a product: the hidden states of padding positions are never read, even if they are not finite.
+    unit = torch.where(mask[..., None], unit, torch.zeros((), dtype=unit.dtype, device=unit.device))
+    total = unit.sum(dim=1)  # [B, H]
+    self_dots = unit.pow(2).sum(dim=(1, 2))  # [B]; n, except for zero vectors, whose cosines count as 0
+    n = mask.sum(dim=1).double()
+    pairs = n * (n - 1)
+    mean = (total.pow(2).sum(dim=-1) - self_dots) / pairs.clamp(min=1)
+    return torch.where(n > 1, mean, torch.ones_like(mean))
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists into ``input_ids [B, T]`` (long) and ``mask [B, T]`` (bool, true for real tokens)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids):] = True
+    return input_ids, mask
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def last_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One prefill; returns ``hidden_states[-1]`` ``[B, T, H]`` (after the final norm in transformers 5).
+
+    Position ids count from each row's first real token, so left padding shifts nothing (models with absolute
+    position embeddings included).
+    """
+    position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids,
+                                  output_hidden_states=True, use_cache=False, return_dict=True)
+    if _accepts(model, "logits_to_keep"):  # the scores need no logits; skip the [B, T, vocab] LM-head output
+        kwargs["logits_to_keep"] = 1
+    return model(**kwargs).hidden_states[-1]
+
+
+def angle_concentration(model: torch.nn.Module, tokenizer: Any, prompts: list[list[int]],
+                        batch_size: int = 8) -> torch.Tensor:
+    """GAIN-RL's angle concentration of each prompt: see the module docstring for the exact tokens and layer.
+
+    Args:
+        model: a causal LM (transformers); left in the train/eval mode it had.
+        tokenizer: its tokenizer; only ``pad_token_id`` (else ``eos_token_id``, else 0) is read. The pad id never
+            reaches a score: padding is masked out.
+        prompts: ``N`` lists of token ids (at least one token each).
+        batch_size: prompts per prefill micro-batch.
+    Returns:
+        ``[N]`` float32 on the CPU, in the order of ``prompts``.
+    """
+    batch_size = _check_int("batch_size", batch_size, minimum=1)
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+    for i, ids in enumerate(prompts):
+        if len(ids) == 0:
+            raise ValueError(f"prompts[{i}] is empty; angle concentration needs at least one token per prompt")
+    pad_id = next((t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+                   if isinstance(t, int)), 0)
+    device = _device(model)
+    # Longest first: neighbours in a micro-batch have similar lengths, so little compute goes to padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    scores = torch.empty(len(prompts), dtype=torch.float32)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                input_ids, mask = left_pad([list(prompts[i]) for i in rows], pad_id)
+                input_ids, mask = input_ids.to(device), mask.to(device)
+                hidden = last_hidden_states(model, input_ids, mask)
+                scores[rows] = mean_pairwise_cosine(hidden, mask).float().cpu()
+    finally:
+        model.train(was_training)
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------- draw
+def gaussian_rank_log_weights(num_prompts: int, mu: float, sigma: float) -> torch.Tensor:
+    """``[N]`` float64 unnormalized log-probabilities -((i - mu) / sigma)^2 / 2 of the ranks i = 0..N-1."""
+    ranks = torch.arange(num_prompts, dtype=torch.float64)
+    return -0.5 * ((ranks - mu) / sigma) ** 2
+
+
+def gaussian_rank_probs(num_prompts: int, mu: float, sigma: float) -> torch.Tensor:
+    """``[N]`` float64: P(rank i) of a single draw, the normalized Gaussian over the ranks."""
+    return torch.softmax(gaussian_rank_log_weights(num_prompts, mu, sigma), dim=0)
+
+
+def sample_without_replacement(log_weights: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """k indices drawn without replacement, in draw order: ``[..., N]`` log-weights -> ``[..., k]`` long.
+
+    Leading dimensions are independent draws (one call draws many batches).
+
+    Gumbel-top-k: the k largest of log_weights + Gumbel noise have the distribution of k successive draws, each
+    proportional to the weights of the indices not yet drawn. Working in log space, far-tail weights that would
+    underflow to 0 as probabilities still order correctly.
+    """
+    uniform = torch.rand(log_weights.shape, generator=generator, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform))  # uniform == 0 gives -inf: that index is drawn last
+    return torch.topk(log_weights.double() + gumbel, k, dim=-1).indices
+
+
+def defer_duplicates(permutation: list[int], avoid: set[int], needed: int) -> list[int]:
+    """Reorder a new epoch's permutation so its first ``needed`` entries avoid ``avoid``.
+
+    Used when a batch spans two epochs: the tail of the old epoch (``avoid``) is already in the batch, so the first
+    ``needed`` prompts of the new epoch not in it move to the front (relative order kept); the rest follow in order.
+    The result is still a permutation, so every prompt is seen once per epoch and never twice in one batch.
+    """
+    front = [p for p in permutation if p not in avoid][:needed]
+    taken = set(front)
+    return front + [p for p in permutation if p not in taken]
+
+
+# -------------------------------------------------------------------------------------------------- update
+def normalize_angle(mean_angle: float, scores: torch.Tensor, how: str = "minmax") -> float:
+    """The angle signal fed to the update: min-max against ``scores`` ``[N]`` ("minmax") or the raw value ("none").
+
+    "minmax" gives (mean_angle - min) / (max - min): 1 at the most concentrated prompt, 0 at the least; 0 when all
+    scores are equal.
+    """
+    _check_choice("angle_normalization", how, ANGLE_NORMALIZATIONS)
+    if how == "none":
+        return float(mean_angle)
+    low, high = float(scores.min()), float(scores.max())
+    span = high - low
+    return 0.0 if span <= 0 else (float(mean_angle) - low) / span
+
+
+def next_mu(mu: float, accuracy: float, angle: float, *, n: float, alpha: float, beta: float, adj_min: float,
+            adj_max: float, num_prompts: int) -> float:
+    """GAIN-RL's rule: mu + clamp(n tanh(alpha (accuracy - beta)) + n tanh(alpha angle), adj_min, adj_max),
+    clamped to the ranks [0, N - 1]. ``accuracy`` in [0, 1] is the paper's acc / 2 (see the module docstring).
+    """
+    adjustment = n * math.tanh(alpha * (accuracy - beta)) + n * math.tanh(alpha * angle)
+    adjustment = min(max(adjustment, adj_min), adj_max)
+    return min(max(mu + adjustment, 0.0), float(num_prompts - 1))
+
+
+# ------------------------------------------------------------------------------------------------ samplers
+class PromptSampler:
+    """Uniform draw without replacement within a step, independent across steps; a seeded ``torch.Generator``.
+
+    The interface every sampler shares: ``draw`` a step's prompt indices, ``update`` with the step's outcome,
+    ``needs_scores`` (False here), ``state_dict``/``load_state_dict`` and ``metrics`` (``{}`` here).
+    """
+
+    def __init__(self, num_prompts: int, seed: int = 0):
+        self.num_prompts = _check_int("num_prompts", num_prompts, minimum=1)
+        self.seed = _check_int("seed", seed, minimum=0)
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def check_batch_size(self, batch_size: int) -> int:
+        """``batch_size`` as an int in [1, num_prompts] (no prompt twice in a batch), else ValueError."""
+        return _check_int("batch_size", batch_size, minimum=1, maximum=self.num_prompts)
+
+    def draw(self, batch_size: int) -> list[int]:
+        """Prompt indices for one training step: ``batch_size`` distinct indices in [0, num_prompts)."""
+        batch_size = self.check_batch_size(batch_size)
+        return torch.randperm(self.num_prompts, generator=self.generator)[:batch_size].tolist()
+
+    def update(self, accuracy: float, mean_angle: float | None = None) -> None:
+        """Feedback after a step; uniform sampling ignores it."""
+
+    def needs_scores(self, epoch: int) -> bool:
+        """Whether the caller must score the prompts (``angle_concentration``) before this epoch; never here."""
+        return False
+
+    def state_dict(self) -> dict:
+        return {"kind": type(self).__name__, "num_prompts": self.num_prompts,
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != type(self).__name__:
+            raise ValueError(f"state kind={state.get('kind')!r} cannot be loaded into {type(self).__name__}; "
+                             f"it needs kind={type(self).__name__!r}")
+        if state.get("num_prompts") != self.num_prompts:
+            raise ValueError(f"state num_prompts={state.get('num_prompts')!r} does not match this sampler's "
+                             f"num_prompts={self.num_prompts}")
+        self.generator.set_state(state["generator"])
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class UniformPromptSampler(PromptSampler):
+    """Epoch-style shuffling (``curriculum: none``): a permutation per epoch, consumed in order.
+
+    A batch that crosses an epoch boundary takes the old epoch's tail and then the new epoch's first prompts that are
+    not already in the batch (``defer_duplicates``), so every prompt is seen exactly once per epoch and never twice
+    in a batch. ``epoch`` is the 0-based epoch of the most recently drawn prompts.
+    """
+
+    def __init__(self, num_prompts: int, seed: int = 0):
+        super().__init__(num_prompts, seed)
+        self.epoch = 0
+        self._permutation = self._new_permutation()
+        self._position = 0
+
+    def _new_permutation(self) -> list[int]:
+        return torch.randperm(self.num_prompts, generator=self.generator).tolist()
+
+    def draw(self, batch_size: int) -> list[int]:
+        batch_size = self.check_batch_size(batch_size)
+        batch = self._permutation[self._position:self._position + batch_size]
+        self._position += len(batch)
+        needed = batch_size - len(batch)
+        if needed:
+            self.epoch += 1
+            self._permutation = defer_duplicates(self._new_permutation(), set(batch), needed)
+            batch = batch + self._permutation[:needed]
+            self._position = needed
+        return batch
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(epoch=self.epoch, permutation=torch.tensor(self._permutation, dtype=torch.long),
+                     position=self._position)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.epoch = int(state["epoch"])
+        self._permutation = torch.as_tensor(state["permutation"]).tolist()
+        self._position = int(state["position"])
+
+
+class AngleCurriculumSampler(PromptSampler):
+    """GAIN-RL (``curriculum: angle``): a Gaussian over the score rank centred at ``mu``, moved by ``update``.
+
+    Args:
+        num_prompts: N, the training set's size.
+        seed: seeds the draws.
+        n: step size of the update in ranks; default ``N_FRACTION * N`` (paper: 500 for 7.5k prompts).
+        alpha: tanh sensitivity (paper: 2).
+        beta: target accuracy in [0, 1] (paper: 0.5).
+        sigma: width of the Gaussian in ranks, > 0; default ``SIGMA_FRACTION * N`` (paper: 1000).
+        adj_min, adj_max: bounds of one update's move; defaults 0 and ``ADJ_MAX_FRACTION * N`` (paper: 0, 1000).
+        rescore_every_n_epochs: rescore every this many epochs; None scores once (the paper).
+        angle_normalization: "minmax" (default) or "none" (raw, as the authors' code); see the module docstring.
+
+    Flow per run: ``if s.needs_scores(epoch): s.set_scores(angle_concentration(model, tok, prompts), epoch)``, then
+    per step ``idx = s.draw(B)`` ... ``s.update(accuracy, mean_angle)`` and log ``s.metrics()``.
+    """
+
+    def __init__(self, num_prompts: int, seed: int = 0, n: float | None = None, alpha: float = 2.0,
+                 beta: float = 0.5, sigma: float | None = None, adj_min: float = 0.0, adj_max: float | None = None,
+                 rescore_every_n_epochs: int | None = None, angle_normalization: str = "minmax"):
+        super().__init__(num_prompts, seed)
+        size = self.num_prompts
+        self.n = N_FRACTION * size if n is None else _check_real("n", n, low=0.0)
+        self.alpha = _check_real("alpha", alpha, low=0.0)
+        self.beta = _check_real("beta", beta, low=0.0, high=1.0)
+        self.sigma = SIGMA_FRACTION * size if sigma is None else _check_real("sigma", sigma, low=0.0, low_open=True)
+        self.adj_min = _check_real("adj_min", adj_min)
+        self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else _check_real("adj_max", adj_max)
+        if self.adj_min > self.adj_max:
+            raise ValueError(f"adj_min={self.adj_min:g} is not allowed with adj_max={self.adj_max:g}; "
+                             "adj_min must be <= adj_max")
+        self.rescore_every_n_epochs = (None if rescore_every_n_epochs is None else
+                                       _check_int("rescore_every_n_epochs", rescore_every_n_epochs, minimum=1))
+        self.angle_normalization = _check_choice("angle_normalization", angle_normalization, ANGLE_NORMALIZATIONS)
+        self.mu = 0.0
+        self.scores: torch.Tensor | None = None  # [N] float32, by prompt index
+        self.order: torch.Tensor | None = None  # [N] long: order[rank] = prompt index, scores descending
+        self.scored_epoch: int | None = None
+        self.drawn: list[int] = []  # prompts drawn since the last update (all draws of the current step)
+        self.last_angle = math.nan  # raw mean angle of the last update's input, or of the prompts drawn since
+        self._asked_epoch = 0
+
+    # -- scoring
+    def needs_scores(self, epoch: int) -> bool:
+        """True before the first scoring, and when ``rescore_every_n_epochs`` epochs passed since the last one."""
+        self._asked_epoch = _check_int("epoch", epoch, minimum=0)
+        if self.scores is None:
+            return True
+        if self.rescore_every_n_epochs is None:
+            return False
+        return epoch - self.scored_epoch >= self.rescore_every_n_epochs
+
+    def set_scores(self, scores: torch.Tensor, epoch: int | None = None) -> None:
+        """Store ``[N]`` scores and sort the prompts by them, descending (stable). mu keeps its rank position.
+
+        ``epoch`` (default: the epoch of the latest ``needs_scores`` call) starts the rescoring period.
+        """
+        scores = torch.as_tensor(scores).detach().float().cpu()
+        if scores.shape != (self.num_prompts,):
+            raise ValueError(f"scores of shape {tuple(scores.shape)} are not allowed; need shape "
+                             f"({self.num_prompts},), one score per prompt")
+        if not torch.isfinite(scores).all():
+            raise ValueError(f"scores contain non-finite values at prompts "
+                             f"{torch.nonzero(~torch.isfinite(scores)).flatten().tolist()[:10]}; all must be finite")
+        self.scores = scores.clone()
+        self.order = torch.sort(scores, descending=True, stable=True).indices
+        self.scored_epoch = self._asked_epoch if epoch is None else _check_int("epoch", epoch, minimum=0)
+
+    def _require_scores(self, what: str) -> None:
+        if self.scores is None:
+            raise RuntimeError(f"AngleCurriculumSampler.{what} needs scores: call "
+                               "set_scores(angle_concentration(model, tokenizer, prompts)) first")
+
+    # -- steps
+    def rank_probs(self) -> torch.Tensor:
+        """``[N]`` float64: the probability of each rank for a single draw at the current mu."""
+        return gaussian_rank_probs(self.num_prompts, self.mu, self.sigma)
+
+    def draw(self, batch_size: int) -> list[int]:
+        """``batch_size`` distinct prompt indices, drawn by rank from the Gaussian at mu, in draw order."""
+        batch_size = self.check_batch_size(batch_size)
+        self._require_scores("draw")
+        log_weights = gaussian_rank_log_weights(self.num_prompts, self.mu, self.sigma)
+        ranks = sample_without_replacement(log_weights, batch_size, self.generator)
+        batch = self.order[ranks].tolist()
+        self.drawn.extend(batch)
+        self.last_angle = float(self.scores[self.drawn].mean())
+        return batch
+
+    def update(self, accuracy: float, mean_angle: float | None = None) -> None:
+        """Move mu with the step's mean ``accuracy`` in [0, 1] and the batch's raw ``mean_angle``.
+
+        ``mean_angle`` None uses the mean stored score of the prompts drawn since the last update (every draw of
+        the step, e.g. the extra rounds of dynamic sampling).
+        """
+        accuracy = _check_real("accuracy", accuracy, low=0.0, high=1.0)
+        self._require_scores("update")
+        if mean_angle is None:
+            if not self.drawn:
+                raise RuntimeError("AngleCurriculumSampler.update(mean_angle=None) needs a draw() since the last "
+                                   "update, or an explicit mean_angle")
+            mean_angle = float(self.scores[self.drawn].mean())
+        else:
+            mean_angle = _check_real("mean_angle", mean_angle)
+        angle = normalize_angle(mean_angle, self.scores, self.angle_normalization)
+        self.mu = next_mu(self.mu, accuracy, angle, n=self.n, alpha=self.alpha, beta=self.beta,
+                          adj_min=self.adj_min, adj_max=self.adj_max, num_prompts=self.num_prompts)
+        self.last_angle = mean_angle
+        self.drawn = []
+
+    def metrics(self) -> dict[str, float]:
+        return {"curriculum/mu": float(self.mu), "curriculum/mean_angle": float(self.last_angle)}
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(mu=float(self.mu), scores=self.scores, order=self.order, scored_epoch=self.scored_epoch,
+                     drawn=list(self.drawn), last_angle=float(self.last_angle),
+                     asked_epoch=self._asked_epoch)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.mu = float(state["mu"])
+        self.scores = None if state["scores"] is None else torch.as_tensor(state["scores"]).float().clone()
+        self.order = None if state["order"] is None else torch.as_tensor(state["order"]).long().clone()
+        self.scored_epoch = state["scored_epoch"]
+        self.drawn = list(state["drawn"])
+        self.last_angle = float(state["last_angle"])
+        self._asked_epoch = int(state["asked_epoch"])
+
+
+def build_prompt_sampler(curriculum: str, num_prompts: int, seed: int = 0, **options: Any) -> PromptSampler:
+    """The sampler for a YAML ``curriculum`` name: "none" -> ``UniformPromptSampler``, "angle" ->
+    ``AngleCurriculumSampler(num_prompts, seed, **options)``. Options are only accepted for "angle"."""
+    _check_choice("curriculum", curriculum, CURRICULA)
+    if curriculum == "angle":
+        return AngleCurriculumSampler(num_prompts, seed, **options)
+    if options:
+        raise ValueError(f"curriculum='none' takes no options, got {sorted(options)}; they apply to "
+                         "curriculum='angle' only")
+    return UniformPromptSampler(num_prompts, seed)

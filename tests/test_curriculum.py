@@ -1,0 +1,407 @@
+"""GAIN-RL curriculum: the angle score, the Gaussian draw, the mu rule, checkpoints, uniform sampling, bad inputs."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from lit_grpo.datamodules.curriculum import (
+    ADJ_MAX_FRACTION,
+    N_FRACTION,
+    SIGMA_FRACTION,
+    AngleCurriculumSampler,
+    PromptSampler,
+    UniformPromptSampler,
+    angle_concentration,
+    build_prompt_sampler,
+    defer_duplicates,
+    gaussian_rank_log_weights,
+    gaussian_rank_probs,
+    mean_pairwise_cosine,
+    next_mu,
+    sample_without_replacement,
+)
+
+TEXTS = [
+    "What is 12 + 30?",
+    "The quick brown fox jumps over the lazy dog. Think step by step, then give the final answer.",
+    "Compute the sum of 7, 8 and 9.",
+    "<answer>17</answer>",
+    "0 1 2 3 4 5 6 7 8 9",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from lit_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    assert len({len(p) for p in prompts}) > 2  # several lengths, so micro-batches carry padding
+    return model, tokenizer, prompts
+
+
+def explicit_score(model, ids: list[int]) -> float:
+    """The definition, literally: a plain unpadded forward, the n x n cosine matrix, mean off the diagonal."""
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].double()
+    unit = torch.nn.functional.normalize(hidden, dim=-1)
+    cos = unit @ unit.T
+    n = len(ids)
+    off_diagonal = ~torch.eye(n, dtype=torch.bool)
+    return float(cos[off_diagonal].mean())
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic with bins of expected count < 5 pooled into one; returns (statistic, degrees of freedom)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def chi_square_critical(df: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.29 is p = 0.0005."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+# ------------------------------------------------------------------------------------------------------ score
+def test_hidden_states_last_is_after_final_norm(tiny):
+    """Pins the documented layer: in transformers 5, hidden_states[-1] is the final norm's output."""
+    model, _, prompts = tiny
+    captured = {}
+    handle = model.model.layers[-1].register_forward_hook(lambda mod, inp, out: captured.update(out=out))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([prompts[1]]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    last_layer = captured["out"][0] if isinstance(captured["out"], tuple) else captured["out"]
+    with torch.no_grad():
+        torch.testing.assert_close(out.hidden_states[-1], model.model.norm(last_layer))
+    assert not torch.allclose(out.hidden_states[-1], last_layer)
+
+
+def test_score_equals_explicit_pairwise_cosine_padded_or_not(tiny):
+    model, tokenizer, prompts = tiny
+    expected = torch.tensor([explicit_score(model, ids) for ids in prompts], dtype=torch.float32)
+    for batch_size in (1, 2, len(prompts)):  # 2 and 5 put prompts of different lengths in one padded micro-batch
+        scores = angle_concentration(model, tokenizer, prompts, batch_size=batch_size)
+        assert scores.shape == (len(prompts),) and scores.dtype == torch.float32
+        torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    assert len(set(expected.tolist())) == len(prompts)  # distinct scores: the order of the output is checked too
+
+
+def test_score_restores_mode_and_builds_no_graph(tiny):
+    model, tokenizer, prompts = tiny
+    model.train()
+    try:
+        scores = angle_concentration(model, tokenizer, prompts[:2])
+        assert model.training and not scores.requires_grad
+    finally:
+        model.eval()
+    angle_concentration(model, tokenizer, prompts[:2])
+    assert not model.training
+
+
+def test_score_edge_prompts(tiny):
+    model, tokenizer, prompts = tiny
+    assert angle_concentration(model, tokenizer, [prompts[0][:1]]).tolist() == [1.0]  # one token: defined as 1
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        angle_concentration(model, tokenizer, [prompts[0], []])
+    with pytest.raises(ValueError, match="batch_size=0.*>= 1"):
+        angle_concentration(model, tokenizer, prompts, batch_size=0)
+
+
+def test_mean_pairwise_cosine_formula_matches_matrix():
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 6, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    hidden[1, :2] = float("nan")  # padding positions are never read
+    got = mean_pairwise_cosine(hidden, mask)
+    for row in range(2):
+        unit = torch.nn.functional.normalize(hidden[row][mask[row]].double(), dim=-1)
+        cos = unit @ unit.T
+        n = unit.shape[0]
+        assert got[row].item() == pytest.approx(float((cos.sum() - cos.diag().sum()) / (n * (n - 1))), abs=1e-6)
+    assert got[2].item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------- draw
+def scored_sampler(num_prompts=20, seed=0, **kwargs) -> AngleCurriculumSampler:
+    sampler = AngleCurriculumSampler(num_prompts, seed=seed, **kwargs)
+    scores = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(123)).float() / num_prompts
+    sampler.set_scores(scores)
+    return sampler
+
+
+def test_set_scores_sorts_descending():
+    sampler = AngleCurriculumSampler(4)
+    sampler.set_scores(torch.tensor([0.2, 0.9, 0.2, 0.5]))
+    assert sampler.order.tolist() == [1, 3, 0, 2]  # ties keep the lower index first
+
+
+def test_draw_follows_gaussian_over_rank():
+    sampler = scored_sampler(20)
+    sampler.mu = 6.3
+    probs = gaussian_rank_probs(20, 6.3, sampler.sigma)
+    torch.testing.assert_close(sampler.rank_probs(), probs)
+    log_weights = gaussian_rank_log_weights(20, 6.3, sampler.sigma)
+
+    # draw() is sample_without_replacement over the ranks, mapped to prompts through the sorted order.
+    for batch_size in (1, 4):
+        replay = torch.Generator()
+        replay.set_state(sampler.generator.get_state())
+        ranks = sample_without_replacement(log_weights, batch_size, replay)
+        assert sampler.draw(batch_size) == sampler.order[ranks].tolist()
+
+    # Single draws follow the Gaussian exactly (many independent draws in one vectorized call).
+    generator = torch.Generator().manual_seed(5)
+    singles = sample_without_replacement(log_weights.expand(40000, 20), 1, generator)[:, 0]
+    counts = torch.bincount(singles, minlength=20)
+    stat, df = chi_square(counts, probs)
+    assert stat < chi_square_critical(df), (stat, df)
+    assert (counts.double() / counts.sum() - probs).abs().max() < 0.01
+
+    # Batches are successive draws without replacement: the 1st follows p, the 2nd sum_i p_i p_j / (1 - p_i).
+    batches = sample_without_replacement(log_weights.expand(20000, 20), 4, generator)
+    assert (batches.sort(dim=1).values.diff(dim=1) > 0).all()  # no rank twice in a batch
+    stat, df = chi_square(torch.bincount(batches[:, 0], minlength=20), probs)
+    assert stat < chi_square_critical(df), (stat, df)
+    second_probs = (probs[:, None] * probs[None, :] / (1 - probs[:, None])).fill_diagonal_(0).sum(dim=0)
+    stat, df = chi_square(torch.bincount(batches[:, 1], minlength=20), second_probs)
+    assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_draw_never_repeats_within_a_batch_even_when_sigma_is_tiny():
+    sampler = scored_sampler(20, sigma=0.05)  # weights far from mu underflow as probabilities
+    for batch_size in (5, 20):
+        for _ in range(50):
+            batch = sampler.draw(batch_size)
+            assert len(batch) == batch_size and len(set(batch)) == batch_size
+    sampler.mu = 10.0
+    assert sampler.order[10].item() in sampler.draw(1)  # tiny sigma: the rank at mu is drawn
+
+
+# ----------------------------------------------------------------------------------------------------- update
+def test_next_mu_matches_hand_computed_values():
+    common = dict(n=2.0, alpha=2.0, beta=0.5, adj_min=0.0, adj_max=3.0, num_prompts=20)
+    # 2 tanh(2 (0.75 - 0.5)) + 2 tanh(2 * 0.5) = 2 * 0.4621171573 + 2 * 0.7615941560 = 2.4474226266
+    assert next_mu(1.0, 0.75, 0.5, **common) == pytest.approx(3.4474226266, abs=1e-8)
+    # 2 tanh(-1) + 2 tanh(0) = -1.5232 -> clamped to adj_min 0
+    assert next_mu(1.0, 0.0, 0.0, **common) == 1.0
+    # 2 tanh(1) + 2 tanh(2) = 1.52318831 + 1.92805516 = 3.45124347 -> clamped to adj_max 3
+    assert next_mu(1.0, 1.0, 1.0, **common) == 4.0
+    # a negative adj_min lets mu go back, but never below rank 0; never past rank N - 1 either
+    assert next_mu(3.0, 0.0, 0.0, **{**common, "adj_min": -5.0}) == pytest.approx(3.0 - 1.52318831, abs=1e-8)
+    assert next_mu(1.0, 0.0, 0.0, **{**common, "adj_min": -5.0}) == 0.0
+    assert next_mu(18.5, 1.0, 1.0, **common) == 19.0
+
+
+def test_update_moves_mu_with_normalized_angle():
+    sampler = AngleCurriculumSampler(20, n=2.0, alpha=2.0, beta=0.5, adj_min=0.0, adj_max=3.0)
+    sampler.set_scores(torch.linspace(0.1, 0.9, 20))  # min 0.1, max 0.9
+    sampler.update(accuracy=0.75, mean_angle=0.5)  # angle (0.5 - 0.1) / 0.8 = 0.5
+    assert sampler.mu == pytest.approx(2.4474226266, abs=1e-7)
+    assert sampler.metrics() == {"curriculum/mu": pytest.approx(2.4474226266, abs=1e-7), "curriculum/mean_angle": 0.5}
+    sampler.update(accuracy=0.0, mean_angle=0.1)  # angle 0: 2 tanh(-1) < 0 -> clamped to 0
+    assert sampler.mu == pytest.approx(2.4474226266, abs=1e-7)
+    sampler.update(accuracy=1.0, mean_angle=0.9)  # angle 1: 3.4512 -> clamped to 3
+    assert sampler.mu == pytest.approx(5.4474226266, abs=1e-7)
+    for _ in range(10):
+        sampler.update(accuracy=1.0, mean_angle=0.9)
+    assert sampler.mu == 19.0
+
+
+def test_update_default_angle_is_last_batch_mean_score_and_raw_mode():
+    sampler = scored_sampler(20, n=2.0, adj_max=100.0)
+    batch = sampler.draw(4)
+    mean_score = float(sampler.scores[batch].mean())
+    assert sampler.metrics()["curriculum/mean_angle"] == pytest.approx(mean_score)
+    sampler.update(accuracy=0.5)
+    lo, hi = float(sampler.scores.min()), float(sampler.scores.max())
+    assert sampler.mu == pytest.approx(2.0 * math.tanh(2.0 * (mean_score - lo) / (hi - lo)), abs=1e-6)
+
+    # Every draw since the last update counts (e.g. dynamic sampling's extra rounds); an update starts afresh.
+    first, second = sampler.draw(3), sampler.draw(2)
+    assert sampler.metrics()["curriculum/mean_angle"] == pytest.approx(float(sampler.scores[first + second].mean()))
+    sampler.update(accuracy=0.5)
+    with pytest.raises(RuntimeError, match="needs a draw"):
+        sampler.update(accuracy=0.5)
+
+    raw = scored_sampler(20, n=2.0, adj_max=100.0, angle_normalization="none")
+    raw.update(accuracy=0.5, mean_angle=0.3)
+    assert raw.mu == pytest.approx(2.0 * math.tanh(0.6), abs=1e-12)
+
+
+def test_default_sizes_scale_with_the_data_set():
+    paper = AngleCurriculumSampler(7500)
+    assert (paper.n, paper.sigma, paper.adj_max, paper.adj_min) == pytest.approx((500, 1000, 1000, 0))
+    for size in (20, 100_000):
+        sampler = AngleCurriculumSampler(size)
+        assert sampler.n == pytest.approx(N_FRACTION * size)
+        assert sampler.sigma == pytest.approx(SIGMA_FRACTION * size)
+        assert sampler.adj_max == pytest.approx(ADJ_MAX_FRACTION * size)
+
+
+def test_needs_scores_schedule():
+    once = AngleCurriculumSampler(10)
+    assert once.needs_scores(0)
+    once.set_scores(torch.rand(10))
+    assert not any(once.needs_scores(e) for e in range(1, 50))
+
+    every2 = AngleCurriculumSampler(10, rescore_every_n_epochs=2)
+    assert every2.needs_scores(0)
+    every2.set_scores(torch.rand(10))  # epoch 0, from the needs_scores call
+    assert [every2.needs_scores(e) for e in (1, 2)] == [False, True]
+    every2.set_scores(torch.rand(10))  # epoch 2
+    assert [every2.needs_scores(e) for e in (3, 4)] == [False, True]
+    assert not PromptSampler(5).needs_scores(0) and not UniformPromptSampler(5).needs_scores(3)
+
+
+def test_draw_or_update_before_scores_fails_clearly():
+    sampler = AngleCurriculumSampler(10)
+    with pytest.raises(RuntimeError, match="set_scores"):
+        sampler.draw(2)
+    with pytest.raises(RuntimeError, match="set_scores"):
+        sampler.update(0.5, 0.3)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def roundtrip(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)  # plain tensors and Python values only
+
+
+def test_curriculum_state_round_trip_continues_identically():
+    sampler = scored_sampler(30, seed=7, rescore_every_n_epochs=3)
+    for step in range(5):
+        sampler.draw(4)
+        sampler.update(accuracy=step / 5)
+    state = roundtrip(sampler.state_dict())
+    expected = []
+    for step in range(6):
+        expected.append(sampler.draw(4))
+        sampler.update(accuracy=0.8)
+    expected_metrics = sampler.metrics()
+
+    resumed = AngleCurriculumSampler(30, seed=999, rescore_every_n_epochs=3)  # the seed is overwritten by the state
+    resumed.load_state_dict(state)
+    got = []
+    for step in range(6):
+        got.append(resumed.draw(4))
+        resumed.update(accuracy=0.8)
+    assert got == expected and resumed.metrics() == expected_metrics
+    assert resumed.needs_scores(3) == sampler.needs_scores(3)
+
+
+def test_uniform_state_round_trip_mid_epoch():
+    sampler = UniformPromptSampler(11, seed=3)
+    for _ in range(3):
+        sampler.draw(4)  # 12 prompts: one epoch boundary crossed
+    state = roundtrip(sampler.state_dict())
+    expected = [sampler.draw(4) for _ in range(10)]
+    resumed = UniformPromptSampler(11, seed=0)
+    resumed.load_state_dict(state)
+    assert [resumed.draw(4) for _ in range(10)] == expected and resumed.epoch == sampler.epoch
+
+
+def test_state_of_another_kind_or_size_is_refused():
+    with pytest.raises(ValueError, match="kind='UniformPromptSampler'.*kind='AngleCurriculumSampler'"):
+        AngleCurriculumSampler(10).load_state_dict(UniformPromptSampler(10).state_dict())
+    with pytest.raises(ValueError, match="num_prompts=10 does not match.*num_prompts=12"):
+        UniformPromptSampler(12).load_state_dict(UniformPromptSampler(10).state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------- uniform
+@pytest.mark.parametrize("num_prompts,batch_size", [(10, 3), (12, 4), (7, 7), (5, 1)])
+def test_uniform_sees_every_prompt_once_per_epoch(num_prompts, batch_size):
+    sampler = UniformPromptSampler(num_prompts, seed=1)
+    epochs = 6
+    steps = epochs * num_prompts // batch_size
+    batches = [sampler.draw(batch_size) for _ in range(steps)]
+    assert all(len(set(b)) == batch_size for b in batches)
+    stream = [p for b in batches for p in b]
+    for e in range(len(stream) // num_prompts):
+        assert sorted(stream[e * num_prompts:(e + 1) * num_prompts]) == list(range(num_prompts))
+    assert sampler.epoch == (len(stream) - 1) // num_prompts
+    assert sampler.metrics() == {}
+    sampler.update(0.3, 0.1)  # a no-op
+
+
+def test_uniform_is_reproducible_by_seed_and_shuffles_each_epoch():
+    def stream(seed):
+        sampler = UniformPromptSampler(10, seed=seed)
+        return [sampler.draw(5) for _ in range(8)]
+
+    assert stream(4) == stream(4)
+    assert stream(4) != stream(5)
+    batches = stream(4)
+    epochs = [batches[2 * e] + batches[2 * e + 1] for e in range(4)]
+    assert len({tuple(e) for e in epochs}) > 1  # a new permutation per epoch
+
+
+def test_defer_duplicates_keeps_a_permutation():
+    assert defer_duplicates([3, 0, 4, 1, 2], avoid={3, 4}, needed=2) == [0, 1, 3, 4, 2]
+
+
+def test_base_sampler_draws_distinct_reproducible_batches():
+    a, b = PromptSampler(9, seed=2), PromptSampler(9, seed=2)
+    draws = [a.draw(4) for _ in range(20)]
+    assert draws == [b.draw(4) for _ in range(20)]
+    assert all(len(set(d)) == 4 and all(0 <= i < 9 for i in d) for d in draws)
+    assert a.metrics() == {}
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(sigma=0), r"sigma=0 is not allowed.*> 0"),
+    (dict(sigma=-1.5), r"sigma=-1.5 is not allowed.*> 0"),
+    (dict(sigma=float("nan")), r"sigma=nan is not allowed.*finite"),
+    (dict(n=-1), r"n=-1 is not allowed.*>= 0"),
+    (dict(beta=1.5), r"beta=1.5 is not allowed.*<= 1"),
+    (dict(adj_min=5.0, adj_max=1.0), r"adj_min=5 is not allowed with adj_max=1"),
+    (dict(rescore_every_n_epochs=0), r"rescore_every_n_epochs=0 is not allowed.*>= 1"),
+    (dict(angle_normalization="zscore"), r"angle_normalization='zscore' is not known.*\['minmax', 'none'\]"),
+])
+def test_bad_curriculum_options_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AngleCurriculumSampler(20, **kwargs)
+
+
+@pytest.mark.parametrize("sampler", [PromptSampler(6), UniformPromptSampler(6), scored_sampler(6)],
+                         ids=["base", "uniform", "angle"])
+def test_bad_batch_sizes_raise(sampler):
+    with pytest.raises(ValueError, match=r"batch_size=7 is not allowed.*>= 1 and <= 6"):
+        sampler.draw(7)
+    with pytest.raises(ValueError, match=r"batch_size=0 is not allowed.*>= 1 and <= 6"):
+        sampler.draw(0)
+    with pytest.raises(ValueError, match=r"batch_size=2.0 is not allowed.*integer"):
+        sampler.draw(2.0)
+
+
+def test_bad_names_and_values_raise():
+    with pytest.raises(ValueError, match=r"curriculum='gain' is not known.*\['none', 'angle'\]"):
+        build_prompt_sampler("gain", 10)
+    with pytest.raises(ValueError, match=r"curriculum='none' takes no options.*\['sigma'\]"):
+        build_prompt_sampler("none", 10, sigma=2.0)
+    with pytest.raises(ValueError, match=r"num_prompts=0 is not allowed.*>= 1"):
+        UniformPromptSampler(0)
+    sampler = scored_sampler(10)
+    with pytest.raises(ValueError, match=r"accuracy=1.5 is not allowed.*>= 0 and <= 1"):
+        sampler.update(1.5)
+    with pytest.raises(ValueError, match=r"scores of shape \(9,\) are not allowed.*\(10,\)"):
+        sampler.set_scores(torch.rand(9))
+    with pytest.raises(ValueError, match=r"non-finite values at prompts \[3\]"):
+        sampler.set_scores(torch.rand(10).index_fill_(0, torch.tensor([3]), float("nan")))
+    assert isinstance(build_prompt_sampler("none", 10), UniformPromptSampler)
+    angle = build_prompt_sampler("angle", 10, seed=1, sigma=3.0)
+    assert isinstance(angle, AngleCurriculumSampler) and angle.sigma == 3.0
