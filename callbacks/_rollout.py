@@ -1,0 +1,76 @@
+"""What the callbacks share: spotting a lit_grpo rollout batch, and logging at the step Lightning logs at.
+
+Every callback in this package must run next to any LightningModule, so a lit_grpo batch is recognised by duck
+typing alone: an object whose ``stats`` attribute is a :class:`~lit_grpo.sampling.stats.RolloutStats`. Such a batch
+also carries ``prompts`` ([B]), ``completions`` ([B][G]), ``rewards`` ([B, G]), ``completion_lengths`` ([B, G])
+and ``truncated`` ([B, G], bool).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_grpo.sampling.stats import RolloutStats
+
+
+class RolloutLike(Protocol):
+    """What the callbacks read of a lit_grpo training batch (one whole rollout; lit_grpo.batch.RolloutBatch)."""
+
+    stats: RolloutStats
+    prompts: list[str]
+    completions: list[list[str]]
+    rewards: torch.Tensor
+    completion_lengths: torch.Tensor
+    truncated: torch.Tensor
+
+
+def rollout_stats(batch: Any) -> RolloutStats | None:
+    """The batch's RolloutStats when it is a lit_grpo rollout, else None (any other module's batch)."""
+    stats = getattr(batch, "stats", None)
+    return stats if isinstance(stats, RolloutStats) else None
+
+
+def logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs this batch's scalars at.
+
+    Lightning writes ``self.log`` values at ``_batches_that_stepped`` (not ``global_step``, which is already
+    incremented in ``on_train_batch_end``); images, histograms and text written straight to the experiment use
+    the same step so they line up with the scalars in TensorBoard. Lightning's own DeviceStatsMonitor reads it too.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def tensorboard_experiments(trainer: pl.Trainer) -> list[Any]:
+    """The SummaryWriters of the trainer's TensorBoard loggers (images and text go there directly)."""
+    return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], every_log_step: bool = True) -> None:
+    """Write scalars straight to every logger at this batch's step, as Lightning's own monitor callbacks do.
+
+    Not ``pl_module.log``: Lightning re-logs a key's last value at every later step of the epoch, even steps that
+    did not log it, so a figure skipped for one rollout (no length predictor) or logged only at some steps (a
+    forecast) would show stale copies. ``every_log_step`` honours ``Trainer(log_every_n_steps=...)``; callbacks
+    with their own cadence pass False.
+    """
+    if not metrics or (every_log_step and not trainer._logger_connector.should_update_logs):
+        return
+    step = logger_step(trainer)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def show_in_progress_bar(pl_module: pl.LightningModule, values: dict[str, float]) -> None:
+    """Put values in the progress bar only (``logger=False``): the Lightning way for a callback to reach it."""
+    pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+
+def measured_kv_bytes(stats: RolloutStats) -> int | None:
+    """``stats.peak_kv_bytes``, or None when the engine did not account it (0 bytes although tokens were decoded)."""
+    if stats.peak_kv_bytes == 0 and stats.decode_steps > 0:
+        return None
+    return stats.peak_kv_bytes

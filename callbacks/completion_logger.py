@@ -1,0 +1,128 @@
+"""Completion lengths of every rollout, and now and then a table of what the policy actually wrote."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments
+
+# Characters that Markdown would turn into formatting or table structure inside a cell.
+_MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-!|~"
+
+
+class CompletionLogger(Callback):
+    r"""Logs completion-length statistics of each rollout and a sample table of prompts, completions and rewards.
+
+    **Logged keys**
+
+    - ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``: completion tokens
+      over the B x G samples of the rollout (scalars, every batch, honouring ``log_every_n_steps``).
+    - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
+    - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths.
+    - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
+      Markdown table of the first ``num_prompts`` prompts with ``num_completions`` completions each, their reward,
+      length and whether they were clipped; texts cut to ``max_chars`` characters.
+
+    Histogram and table need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise).
+    Needs lit_grpo batches; with any other LightningModule it warns once and logs nothing.
+
+    Args:
+        histogram_every_n_steps: batches between two length histograms.
+        table_every_n_steps: batches between two sample tables.
+        num_prompts: prompts shown in the table.
+        num_completions: completions shown per prompt.
+        max_chars: longer prompts and completions are cut (with "…") to keep the table readable.
+    """
+
+    def __init__(
+        self,
+        histogram_every_n_steps: int = 1,
+        table_every_n_steps: int = 50,
+        num_prompts: int = 2,
+        num_completions: int = 4,
+        max_chars: int = 400,
+    ) -> None:
+        for name, value in (("histogram_every_n_steps", histogram_every_n_steps),
+                            ("table_every_n_steps", table_every_n_steps), ("num_prompts", num_prompts),
+                            ("num_completions", num_completions), ("max_chars", max_chars)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.table_every_n_steps = table_every_n_steps
+        self.num_prompts = num_prompts
+        self.num_completions = num_completions
+        self.max_chars = max_chars
+        self._batches_seen = 0
+        self._warned: set[str] = set()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if rollout_stats(batch) is None:
+            self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
+            return
+        index = self._batches_seen
+        self._batches_seen += 1
+        lengths = batch.completion_lengths.detach().flatten().cpu()
+        if lengths.numel() == 0:
+            return
+        log_metrics(trainer, length_summary(lengths, batch.truncated.detach().flatten().cpu()))
+
+        want_histogram = index % self.histogram_every_n_steps == 0
+        want_table = index % self.table_every_n_steps == 0
+        if not (want_histogram or want_table) or not trainer.is_global_zero:
+            return
+        experiments = tensorboard_experiments(trainer)
+        if not experiments:
+            self._warn_once("no_tensorboard", "the trainer has no TensorBoardLogger; the length histogram and "
+                                              "sample table are not logged.")
+            return
+        step = logger_step(trainer)
+        table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars) if want_table else None
+        for experiment in experiments:
+            if want_histogram:
+                experiment.add_histogram("completions/length", lengths.double(), step)
+            if table is not None:
+                experiment.add_text("completions/samples", table, step)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            rank_zero_warn(f"CompletionLogger: {message}")
+
+
+def length_summary(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """``completions/*`` scalars of one rollout from flat lengths [N] and truncation flags [N]."""
+    lengths = lengths.double()
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.double().mean().item(),
+    }
+
+
+def sample_table(batch: RolloutLike, num_prompts: int, num_completions: int, max_chars: int) -> str:
+    """A Markdown table: one row per shown completion, the prompt written on its group's first row."""
+    rows = ["| prompt | k | reward | length | completion |", "|---|---|---|---|---|"]
+    for p, prompt in enumerate(batch.prompts[:num_prompts]):
+        for k, completion in enumerate(batch.completions[p][:num_completions]):
+            length = int(batch.completion_lengths[p, k])
+            clipped = " (clipped)" if bool(batch.truncated[p, k]) else ""
+            shown_prompt = markdown_cell(prompt, max_chars) if k == 0 else ""
+            rows.append(f"| {shown_prompt} | {k} | {float(batch.rewards[p, k]):.3f} | {length}{clipped} | "
+                        f"{markdown_cell(completion, max_chars)} |")
+    return "\n".join(rows)
+
+
+def markdown_cell(text: str, max_chars: int) -> str:
+    """``text`` made safe for one Markdown table cell: cut, special characters escaped, newlines as <br>."""
+    if len(text) > max_chars:
+        text = text[:max_chars] + "…"
+    escaped = "".join(f"\\{c}" if c in _MARKDOWN_SPECIAL else c for c in text)
+    return escaped.replace("\r\n", "\n").replace("\n", "<br>")

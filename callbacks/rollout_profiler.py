@@ -1,0 +1,77 @@
+"""Decode steps, tokens, time and predictor quality of every rollout, and the last round in the progress bar."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ._rollout import log_metrics, measured_kv_bytes, rollout_stats, show_in_progress_bar
+
+#: RolloutStats fields logged as ``rollout/<field>`` (design.md's logged keys).
+ROLLOUT_FIELDS = (
+    "decode_steps",
+    "lower_bound_steps",
+    "slot_utilization",
+    "prefill_tokens",
+    "generated_tokens",
+    "tokens_per_s",
+    "wall_s",
+    "peak_kv_bytes",
+    "length_pred_kendall_tau",
+    "length_pred_smape",
+)
+
+#: Progress-bar names: short, since the bar is one line shared with the loss.
+PROGRESS_BAR_NAMES = {"decode_steps": "steps", "lower_bound_steps": "bound", "slot_utilization": "util"}
+
+
+class RolloutProfiler(Callback):
+    r"""Logs what each rollout cost, from the RolloutStats a lit_grpo batch carries.
+
+    **Logged keys** (once per rollout, i.e. per training batch, honouring ``log_every_n_steps``)
+
+    - ``rollout/decode_steps``: forward passes of the decode loop.
+    - ``rollout/lower_bound_steps``: ``max(ceil(sum L / slots), max L)``, the fewest steps any schedule needs.
+    - ``rollout/slot_utilization``: ``generated_tokens / (decode_steps * slots)``.
+    - ``rollout/prefill_tokens``, ``rollout/generated_tokens``: tokens run through prefill / produced.
+    - ``rollout/tokens_per_s``, ``rollout/wall_s``: generation throughput and time.
+    - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
+    - ``rollout/length_pred_kendall_tau``, ``rollout/length_pred_smape``: the length predictor's quality
+      (``strategy="infinite"`` only; skipped when the rollout has none).
+
+    **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the last round's decode
+    steps, lower bound and slot utilization; ``steps`` close to ``bound`` means the schedule left little on the
+    table.
+
+    With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
+
+    Args:
+        progress_bar: show the last round's decode steps, lower bound and utilization in the progress bar.
+    """
+
+    def __init__(self, progress_bar: bool = True) -> None:
+        self.progress_bar = progress_bar
+        self._warned_no_rollout = False
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = rollout_stats(batch)
+        if stats is None:
+            self._warn_no_rollout()
+            return
+        values = {name: getattr(stats, name) for name in ROLLOUT_FIELDS}
+        values["peak_kv_bytes"] = measured_kv_bytes(stats)
+        log_metrics(trainer, {f"rollout/{name}": v for name, v in values.items() if v is not None})
+        if self.progress_bar:
+            bar = {short: float(values[name]) for name, short in PROGRESS_BAR_NAMES.items()}
+            show_in_progress_bar(pl_module, bar)
+
+    def _warn_no_rollout(self) -> None:
+        if not self._warned_no_rollout:
+            self._warned_no_rollout = True
+            rank_zero_warn("RolloutProfiler: the training batches carry no RolloutStats (batch.stats), so there is "
+                           "no rollout to profile; nothing is logged.")

@@ -1,0 +1,160 @@
+"""RewardForecast: plateau recovery on noisy planted curves, early stop where the curve flattens, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_grpo.callbacks import RewardForecast, forecast_plateau
+from lit_grpo.callbacks.reward_forecast import CurveFit, bin_means, exp_saturation, logistic
+
+STEPS = np.arange(800, dtype=float)
+NOISE = 0.03
+
+
+def saturating(t: np.ndarray) -> np.ndarray:
+    """Planted exponential saturation: 0.2 -> 0.8, lambda = 1/100. Its gain left drops below 0.01 at t = 409."""
+    return exp_saturation(t, 0.2, 0.8, 1 / 100)
+
+
+def sigmoid_shaped(t: np.ndarray) -> np.ndarray:
+    """Planted logistic: 0.1 -> 0.7, slow start, steepest at t = 250. Gain left drops below 0.01 at t = 386."""
+    return logistic(t, 0.1, 0.7, 0.03, 250)
+
+
+def noisy(curve, seed: int) -> np.ndarray:
+    return curve(STEPS) + np.random.default_rng(seed).normal(0.0, NOISE, STEPS.size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure fitting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "curve, plateau, seen_until, step_95",
+    [(saturating, 0.8, 300, 100 * math.log(20)), (sigmoid_shaped, 0.7, 360, 250 + math.log(19) / 0.03)],
+    ids=["exp_saturation", "logistic"],
+)
+def test_forecast_recovers_the_planted_plateau(seed, curve, plateau, seen_until, step_95):
+    # The curve is seen up to ~95% of its rise; the plateau itself is extrapolated.
+    rewards = noisy(curve, seed)[:seen_until]
+    forecast = forecast_plateau(STEPS[:seen_until], rewards)
+    assert forecast.plateau_reward == pytest.approx(plateau, rel=0.05)
+    assert forecast.step_to_plateau == pytest.approx(step_95, rel=0.10)
+    assert forecast.remaining_gain == pytest.approx(plateau - curve(seen_until - 1), abs=0.03)
+    assert forecast.noise_std == pytest.approx(NOISE, rel=0.2)
+    assert forecast.rise_seen
+
+
+def test_criterion_picks_the_logistic_for_a_slow_start_and_penalizes_its_extra_parameter():
+    forecast = forecast_plateau(STEPS[:400], noisy(sigmoid_shaped, 0)[:400])
+    assert forecast.fit.model == "logistic"
+    # Equal residuals: the 4-parameter logistic must lose to the 3-parameter exponential under both criteria.
+    exp = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=100)
+    log = CurveFit("logistic", (0.0, 1.0, 0.1, 5.0), rss=1.0, num_points=100)
+    for criterion in ("aic", "bic"):
+        assert exp.information_criterion(criterion) < log.information_criterion(criterion)
+
+
+def test_forecast_handles_degenerate_input():
+    assert forecast_plateau([0, 1, 2], [0.1, 0.2, 0.3]) is None  # too few points
+    flat = forecast_plateau(STEPS[:200], np.full(200, 0.4))
+    assert flat.plateau_reward == pytest.approx(0.4, abs=1e-6) and not flat.rise_seen
+    # A still-straight line has no plateau in sight: a large remaining gain, not a stop.
+    straight = forecast_plateau(STEPS[:200], 0.1 + 0.002 * STEPS[:200])
+    assert straight.remaining_gain > 0.2
+    # Known reward range bounds the extrapolation.
+    bounded = forecast_plateau(STEPS[:200], 0.1 + 0.002 * STEPS[:200], reward_range=(0.0, 1.0))
+    assert bounded.plateau_reward <= 1.0
+
+
+def test_bin_means_keeps_long_histories_short():
+    t, y = bin_means(np.arange(10_000.0), np.arange(10_000.0) % 2, max_points=100)
+    assert len(t) == 100 and np.allclose(y, 0.5) and t[0] == pytest.approx(49.5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The callback in a Trainer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class TrajectoryModule(pl.LightningModule):
+    """Logs a planted reward curve, one value per step, as a GRPO module logs reward/mean."""
+
+    def __init__(self, rewards: np.ndarray) -> None:
+        super().__init__()
+        self.rewards = rewards
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        self.log("reward/mean", float(self.rewards[self.global_step]))
+        return self.weight**2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(len(self.rewards), 1)), batch_size=1)
+
+
+def run(module: TrajectoryModule, forecast: RewardForecast, max_steps: int, root, logger=False, ckpt_path=None):
+    trainer = pl.Trainer(
+        default_root_dir=root, max_steps=max_steps, max_epochs=-1, callbacks=[forecast], accelerator="cpu",
+        logger=logger, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        log_every_n_steps=50,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "curve, first_flat_step", [(saturating, 409), (sigmoid_shaped, 386)], ids=["exp_saturation", "logistic"]
+)
+def test_early_stop_where_the_planted_curve_flattens(tmp_path, curve, first_flat_step):
+    forecast = RewardForecast(min_delta=0.01, patience=3, stop=True, check_every_n_steps=10)
+    trainer = run(TrajectoryModule(noisy(curve, seed=0)), forecast, len(STEPS), tmp_path)
+    # Three plateaued checks 10 steps apart after the true gain left falls under min_delta; the logistic's flat
+    # slow start (steps 0-150) must not have stopped it.
+    assert forecast.stopped_step is not None
+    assert first_flat_step - 20 <= forecast.stopped_step <= first_flat_step + 60
+    assert trainer.global_step == forecast.stopped_step + 1
+
+
+def test_forecast_is_logged_at_every_check_and_never_stops_when_told_not_to(tmp_path):
+    forecast = RewardForecast(min_delta=0.01, patience=1, stop=False, min_points=30, check_every_n_steps=20)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = run(TrajectoryModule(noisy(saturating, seed=1)), forecast, 600, tmp_path, logger=logger)
+    assert trainer.global_step == 600 and forecast.stopped_step is None
+
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    plateau = events.Scalars("forecast/plateau_reward")
+    # Checks at steps 40, 60, ..., 580, logged even though log_every_n_steps=50 would skip most of them.
+    assert [e.step for e in plateau] == list(range(40, 600, 20))
+    assert plateau[-1].value == pytest.approx(0.8, rel=0.05)
+    assert events.Scalars("forecast/step_to_plateau")[-1].value == pytest.approx(100 * math.log(20), rel=0.1)
+    assert events.Scalars("forecast/remaining_gain")[-1].value < 0.01
+
+
+def test_history_survives_a_checkpoint(tmp_path):
+    rewards = noisy(saturating, seed=2)
+    first = RewardForecast(check_every_n_steps=10)
+    trainer = run(TrajectoryModule(rewards), first, 60, tmp_path)
+    checkpoint = tmp_path / "forecast.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    assert first.steps == list(range(60)) and first.rewards == pytest.approx(rewards[:60].tolist())
+
+    resumed = RewardForecast(check_every_n_steps=10)
+    run(TrajectoryModule(rewards), resumed, 80, tmp_path, ckpt_path=checkpoint)
+    assert resumed.steps == list(range(80))
+    assert resumed.rewards == pytest.approx(rewards[:80].tolist())
+    assert resumed.last_forecast is not None
