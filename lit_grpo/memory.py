@@ -1,90 +1,196 @@
-"""Process memory high-water marks: CUDA allocator peaks and the CPU resident-set peak.
+"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) high-water mark on CPU.
 
-CPU: Linux keeps a per-process resident high-water mark (VmHWM in /proc/self/status) that writing "5" to
-/proc/self/clear_refs resets, so a peak reached anywhere inside a region (another thread included) is caught,
-not only the value at its end. Where the reset is not allowed (not Linux, or a restricted /proc), ``PeakRSS``
-falls back to a thread that samples the resident size every few milliseconds.
+A tracker answers "what was the most memory held since my last ``reset()``", which is what a per-phase peak
+needs (lit_grpo.callbacks.PeakMemoryMonitor, tools/bench_*.py). On Linux the kernel keeps the process's RSS
+high-water mark (``VmHWM``) and lets the process reset it by writing ``5`` to ``/proc/self/clear_refs``, so a peak
+anywhere inside a phase (another thread's included) is caught exactly, not just the value at its end. Where that
+reset is refused or ineffective, a thread samples RSS every few milliseconds instead.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
 import threading
-from pathlib import Path
+from collections.abc import Callable
+from typing import Literal, Protocol
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_STATM = Path("/proc/self/statm")
+import torch
+
+CpuMethod = Literal["auto", "hwm", "sampling"]
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+_STATM = "/proc/self/statm"
+# "5" resets the kernel's resident-set high-water mark (VmHWM) of the process to its current RSS (Linux >= 4.0).
+_RESET_HWM = "5"
+_PROBE_BYTES = 32 << 20
 
 
-def current_rss_bytes() -> int | None:
-    """The process's resident set size now, or None where /proc is unavailable."""
+class PeakTracker(Protocol):
+    """A resettable peak: ``read()`` gives ``{key suffix: peak bytes since the last reset()}``."""
+
+    name: str
+
+    def reset(self) -> None: ...
+
+    def read(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class CudaPeak:
+    """The CUDA caching allocator's peak allocated and reserved bytes on one device."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> dict[str, int]:
+        return {
+            "peak_bytes": torch.cuda.max_memory_allocated(self.device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class KernelHighWaterMark:
+    """The kernel's RSS high-water mark of this process (Linux VmHWM), reset through /proc/self/clear_refs."""
+
+    name = "hwm"
+
+    def reset(self) -> None:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write(_RESET_HWM)
+
+    def read(self) -> dict[str, int]:
+        return {"peak_bytes": read_status_bytes("VmHWM")}
+
+    def close(self) -> None:
+        pass
+
+
+class SampledRss:
+    """A daemon thread polling RSS every ``interval_s`` and keeping the maximum since the last reset."""
+
+    name = "sampling"
+
+    def __init__(self, read_rss: Callable[[], int], interval_s: float) -> None:
+        self._read_rss = read_rss
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._peak = read_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="PeakMemoryMonitor-rss", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._observe(self._read_rss())
+
+    def _observe(self, rss: int) -> None:
+        with self._lock:
+            self._peak = max(self._peak, rss)
+
+    def reset(self) -> None:
+        rss = self._read_rss()
+        with self._lock:
+            self._peak = rss
+
+    def read(self) -> dict[str, int]:
+        # Include the value right now: a phase shorter than one interval still gets a reading.
+        self._observe(self._read_rss())
+        with self._lock:
+            return {"peak_bytes": self._peak}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def read_status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (e.g. VmHWM, VmRSS) in bytes."""
+    with open(_STATUS) as f:
+        match = re.search(rf"^{field}:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+    if match is None:
+        raise OSError(f"{field} not found in {_STATUS}")
+    return int(match.group(1)) * 1024
+
+
+def read_statm_rss() -> int:
+    """Current RSS from /proc/self/statm (resident pages x page size): cheap enough to poll every few ms."""
+    with open(_STATM) as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def hwm_reset_problem() -> str | None:
+    """Why the kernel's high-water mark cannot serve as a per-phase peak here, or None when it can.
+
+    Writing clear_refs can succeed and still not reset VmHWM (old kernels, gVisor-like sandboxes), so this
+    proves the reset: raise the mark with a touched anonymous mapping (``mmap`` so the pages surely go back to
+    the kernel on close, unlike a malloc heap), drop it, reset, and check the mark fell back.
+    """
     try:
-        resident_pages = int(_STATM.read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
+        KernelHighWaterMark().reset()
+        with mmap.mmap(-1, _PROBE_BYTES) as block:
+            for offset in range(0, _PROBE_BYTES, mmap.PAGESIZE):
+                block[offset] = 1
+        raised = read_status_bytes("VmHWM")
+        KernelHighWaterMark().reset()
+        after = read_status_bytes("VmHWM")
+    except OSError as error:
+        return f"cannot reset the kernel's RSS high-water mark ({error})"
+    if raised - after < _PROBE_BYTES // 2:
+        return f"writing {_RESET_HWM!r} to {_CLEAR_REFS} does not reset VmHWM on this kernel"
     return None
 
 
-def _reset_vm_hwm() -> bool:
+def rss_reader() -> Callable[[], int] | None:
+    """A function returning the current RSS: /proc/self/statm, else psutil, else None."""
     try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    # The reset only counts if the mark really dropped to (about) the current resident size.
-    hwm, rss = _vm_hwm_bytes(), current_rss_bytes()
-    return hwm is not None and rss is not None and hwm <= rss + (1 << 20)
-
-
-class PeakRSS:
-    """Measures the resident-set peak of a region: ``start()``, run the region, ``stop() -> bytes or None``.
-
-    ``method`` says how: "vmhwm" (kernel high-water mark, exact), "sampling" (a 2 ms polling thread; can miss
-    a spike shorter than that) or None when the platform offers neither (``unavailable_reason`` says why).
-    """
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.method: str | None = None
-        self.unavailable_reason = ""
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._peak = 0
-
-    def start(self) -> None:
-        if _reset_vm_hwm():
-            self.method = "vmhwm"
-            return
-        if current_rss_bytes() is None:
-            self.method = None
-            self.unavailable_reason = "/proc/self/statm is not readable on this platform"
-            return
-        self.method = "sampling"
-        self._peak = current_rss_bytes() or 0
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, name="PeakRSS", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> int | None:
-        if self.method == "vmhwm":
-            return _vm_hwm_bytes()
-        if self.method == "sampling" and self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-            return max(self._peak, current_rss_bytes() or 0)
+        read_statm_rss()
+        return read_statm_rss
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
         return None
+    process = psutil.Process()
+    return lambda: process.memory_info().rss
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._peak = max(self._peak, current_rss_bytes() or 0)
+
+def make_peak_tracker(
+    device: torch.device, cpu_method: CpuMethod, sample_interval_s: float
+) -> tuple[PeakTracker | None, str | None]:
+    """The tracker for this device and platform, and a message for the user when it is less than exact."""
+    if device.type == "cuda":
+        return CudaPeak(device), None
+    note = None
+    if device.type != "cpu":
+        note = (f"'{device.type}' has no resettable peak-memory counter, so device memory is not measured; "
+                "memory/* are the host process's resident (RSS) peaks.")
+    problem = hwm_reset_problem() if cpu_method in ("auto", "hwm") else None
+    if cpu_method in ("auto", "hwm") and problem is None:
+        return KernelHighWaterMark(), note
+    if cpu_method == "hwm":
+        return None, _join(note, f"{problem}; memory/* are not logged (use cpu_method='auto' to sample RSS).")
+    read_rss = rss_reader()
+    if read_rss is None:
+        return None, _join(note, "cannot read the process RSS (no /proc/self/statm and psutil is not installed); "
+                                 "memory/* are not logged.")
+    if problem is not None:
+        note = _join(note, f"{problem}; sampling RSS every {sample_interval_s * 1000:g} ms instead, so peaks "
+                           "shorter than that can be missed.")
+    return SampledRss(read_rss, sample_interval_s), note
+
+
+def _join(first: str | None, second: str) -> str:
+    return f"{first} {second}" if first else second

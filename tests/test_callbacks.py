@@ -26,7 +26,7 @@ from lit_grpo.callbacks import (
     render_slot_timeline,
     save_slot_timeline,
 )
-from lit_grpo.callbacks import peak_memory
+from lit_grpo import memory
 from lit_grpo.callbacks.completion_logger import markdown_cell
 from lit_grpo.callbacks.slot_timeline import IDLE_RGB, MARKER_RGB
 from lit_grpo.sampling.stats import IDLE, RolloutStats
@@ -234,8 +234,8 @@ def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
 
 
 def test_peak_memory_hwm_probe_and_reset():
-    assert peak_memory.hwm_reset_problem() is None  # Linux lets a process reset its own VmHWM
-    tracker = peak_memory.KernelHighWaterMark()
+    assert memory.hwm_reset_problem() is None  # Linux lets a process reset its own VmHWM
+    tracker = memory.KernelHighWaterMark()
     tracker.reset()
     before = tracker.read()["peak_bytes"]
     touch_memory(64 * MiB, 0.0)
@@ -246,8 +246,8 @@ def test_peak_memory_hwm_probe_and_reset():
 
 
 def test_peak_memory_warns_and_logs_nothing_when_unmeasurable(tmp_path, monkeypatch):
-    monkeypatch.setattr(peak_memory, "hwm_reset_problem", lambda: "cannot reset the mark (test)")
-    monkeypatch.setattr(peak_memory, "rss_reader", lambda: None)
+    monkeypatch.setattr(memory, "hwm_reset_problem", lambda: "cannot reset the mark (test)")
+    monkeypatch.setattr(memory, "rss_reader", lambda: None)
     monitor = PeakMemoryMonitor()
     with pytest.warns(UserWarning, match="cannot read the process RSS") as caught:
         trainer = fit(tmp_path, RolloutModule([make_rollout(0), make_rollout(1)]), [monitor], max_steps=2)
@@ -259,17 +259,17 @@ def test_peak_memory_warns_and_logs_nothing_when_unmeasurable(tmp_path, monkeypa
 
 
 def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):
-    monkeypatch.setattr(peak_memory, "hwm_reset_problem", lambda: "clear_refs is read-only here (test)")
-    tracker, message = peak_memory._make_tracker(torch.device("cpu"), "auto", 0.002)
+    monkeypatch.setattr(memory, "hwm_reset_problem", lambda: "clear_refs is read-only here (test)")
+    tracker, message = memory.make_peak_tracker(torch.device("cpu"), "auto", 0.002)
     try:
         assert tracker.name == "sampling"
         assert "clear_refs is read-only here (test)" in message and "sampling RSS every 2 ms" in message
         tracker.reset()
         touch_memory(64 * MiB, 0.05)
-        assert tracker.read()["peak_bytes"] - peak_memory.read_statm_rss() > 48 * MiB
+        assert tracker.read()["peak_bytes"] - memory.read_statm_rss() > 48 * MiB
     finally:
         tracker.close()
-    tracker, message = peak_memory._make_tracker(torch.device("cpu"), "hwm", 0.002)
+    tracker, message = memory.make_peak_tracker(torch.device("cpu"), "hwm", 0.002)
     assert tracker is None and "not logged" in message
 
 

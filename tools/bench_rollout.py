@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from lit_grpo.memory import PeakRSS
+from lit_grpo.memory import make_peak_tracker
 from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 
@@ -214,13 +214,16 @@ def main(argv=None) -> dict:
     RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=args.seed).generate(prompts[:1])
 
     repeats: dict[str, list[dict]] = {label: [] for label, _, _ in runners}
+    # Host RSS peak (the KV figures are reported separately by each run); on CUDA the allocator's peak.
+    tracker, problem = make_peak_tracker(model.device, "auto", 0.002)
+    if tracker is None:
+        raise SystemExit(f"cannot measure peak memory here: {problem}")
     for repeat in range(args.repeats):
         reference = None
         for label, fields, run in runners:
-            peak = PeakRSS()
-            peak.start()
+            tracker.reset()
             record, completions = run()
-            record["peak_rss_bytes"] = peak.stop()
+            record["peak_rss_bytes"] = tracker.read()["peak_bytes"]
             if label == "full":
                 reference = completions
             record["identical_fraction"] = (None if reference is None else
