@@ -23,7 +23,7 @@ def test_every_strategy_and_micro_group_size_returns_the_same_completions(tiny, 
     model, tokenizer = tiny
     prompts = _ids(tokenizer, PROMPTS)
     runs = {}
-    for strategy in ("full", "micro", "continuous"):
+    for strategy in ("full", "micro", "continuous", "infinite"):
         for g in (1, 3, G):
             engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=g, strategy=strategy,
                                    max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
@@ -134,6 +134,32 @@ def test_micro_rounds_wait_for_their_longest_member(tiny_llama):
     assert stats.decode_steps == 17
     assert stats.slot_utilization == pytest.approx(20 / 34)
     assert all(cell == IDLE for cell in stats.timeline[1][1:])  # the finished row is not run
+
+
+def test_infinite_parks_and_resumes_samples_without_changing_them(tiny_llama):
+    model, tokenizer = tiny_llama
+    prompts = _ids(tokenizer, PROMPTS)
+    engine = RolloutEngine(model, tokenizer, group_size=6, micro_group_size=2, strategy="infinite",
+                           max_new_tokens=20, seed=4, predictor="online", probe_tokens=4)
+    result = engine.generate(prompts)
+    assert engine.scheduler.last_info["parks"] > 0  # the probe really parked samples
+    full = RolloutEngine(model, tokenizer, group_size=6, strategy="full", max_new_tokens=20, seed=4).generate(prompts)
+    assert result.completion_ids == full.completion_ids
+    assert result.stats.length_pred_kendall_tau is not None and result.stats.length_pred_smape is not None
+
+
+def test_infinite_with_the_oracle_reaches_the_lower_bound(tiny_llama):
+    lengths = [[30, 3, 17, 9, 25, 4, 11, 28], [6, 21, 2, 14, 30, 8, 19, 5]]
+    continuous = _forced(*tiny_llama, "continuous", 4, lengths=lengths, max_new_tokens=30).stats
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="infinite",
+                           max_new_tokens=30, predictor="oracle")
+    result = engine.generate(_ids(tokenizer, PROMPTS[:2]), lengths=lengths)
+    stats = result.stats
+    assert [[len(c) for c in group] for group in result.completion_ids] == lengths
+    assert stats.lower_bound_steps == max(math.ceil(sum(map(sum, lengths)) / 4), 30) == 58
+    assert stats.decode_steps <= 1.02 * stats.lower_bound_steps < continuous.decode_steps
+    assert stats.length_pred_kendall_tau == pytest.approx(1.0)
 
 
 def test_full_runs_every_sample_at_once(tiny_llama):

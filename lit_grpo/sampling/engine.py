@@ -265,7 +265,7 @@ class _Rollout:
                 rows.append(self.prefixes[p])
             sample.slot = self.free_slots.pop()
             self.running.append(sample)
-            self._release_prefix_if_unused(p)
+        self._release_unused_prefixes()
         if rows:
             self.cache.insert(rows)
             self._record_memory()
@@ -318,6 +318,7 @@ class _Rollout:
         if len(keep) < len(self.running):
             self.running = [self.running[row] for row in keep]
             self.cache.keep(keep)
+        self._release_unused_prefixes()
 
     def _force_lengths(self, logits, prompt_index, sample_index, token_index) -> torch.Tensor:
         """Replay: EOS is impossible before the recorded length and certain at it."""
@@ -367,9 +368,14 @@ class _Rollout:
         self._record_memory()
         return features
 
-    def _release_prefix_if_unused(self, p: int) -> None:
-        if self.unstarted[p] == 0 and self.parked_count[p] == 0:
-            self.prefixes.pop(p, None)
+    def _release_unused_prefixes(self) -> None:
+        """Free the cached prefix of every prompt no sample can need again: all started, none parked, and none
+        still running short of its checkpoint (it may be parked, and resuming needs the prefix)."""
+        checkpoint = self.scheduler.checkpoint_tokens
+        may_park = set() if checkpoint is None else {s.key[0] for s in self.running if len(s.tokens) < checkpoint}
+        for p in [p for p in self.prefixes if not self.unstarted[p] and not self.parked_count[p]]:
+            if p not in may_park:
+                del self.prefixes[p]
 
     def _record_memory(self) -> None:
         held = self.cache.nbytes() + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
