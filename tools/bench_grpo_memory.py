@@ -1,0 +1,123 @@
+"""Peak memory of one whole GRPO step (rollout + update) against the group size G.
+
+    python tools/bench_grpo_memory.py --model smollm2 --group-sizes 8,16,32,64 --micro-group-size 8 \
+        --train-micro-batch-size 8 --strategies infinite,full --json runs/grpo_memory.json
+
+Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached memory cannot hide the next run's
+peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.memory: the kernel's RSS
+high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Lightning Trainer runs exactly one
+training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
+micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
+"baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
+own KV peak) and "step_s".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {"tiny": "tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def measure_one_step(args) -> dict:
+    """Run one GRPO step in this process and return its memory record."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.memory import make_peak_tracker, read_statm_rss
+    from lit_grpo.module import GRPOModule
+
+    pl.seed_everything(args.seed, verbose=False)
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
+                        lr=1e-6, loss_type="dapo")
+    data = RolloutDataModule(task=args.task, size=64, val_size=1, prompts_per_step=args.prompts,
+                             group_size=args.group_size, micro_group_size=args.micro_group_size,
+                             strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                             reward_funcs=["accuracy"])
+    module.configure_model()  # load weights before the measured region
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    captured = {}
+
+    class CaptureStats(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            captured["peak_kv_bytes"] = batch.stats.peak_kv_bytes
+            captured["generated_tokens"] = batch.stats.generated_tokens
+
+    trainer.callbacks.append(CaptureStats())
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    if device.type == "cuda":
+        module.policy.to(device)
+        torch.cuda.synchronize()
+    tracker, problem = make_peak_tracker(device, "auto", 0.002)
+    if tracker is None:
+        raise SystemExit(f"cannot measure peak memory here: {problem}")
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else read_statm_rss()
+    tracker.reset()
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    step_s = time.perf_counter() - start
+    peak = tracker.read()["peak_bytes"]
+    tracker.close()
+    return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": peak,
+            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name, **captured}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a path or hub id")
+    parser.add_argument("--group-sizes", default="8,16,32,64")
+    parser.add_argument("--strategies", default="infinite,full")
+    parser.add_argument("--micro-group-size", type=int, default=8)
+    parser.add_argument("--train-micro-batch-size", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=1, help="B, prompts per step")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--task", default="basic_arithmetic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode: one measurement, printed as JSON
+    parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.strategy:
+        print("RESULT " + json.dumps(measure_one_step(args)), flush=True)
+        return {}
+
+    runs = []
+    for group_size in [int(g) for g in args.group_sizes.split(",")]:
+        for strategy in args.strategies.split(","):
+            command = [sys.executable, __file__, "--strategy", strategy, "--group-size", str(group_size),
+                       "--model", args.model, "--micro-group-size", str(args.micro_group_size),
+                       "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
+                       "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
+            out = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                raise SystemExit(f"{strategy} G={group_size} failed:\n{out.stderr[-3000:]}")
+            record = json.loads(lines[-1][len("RESULT "):])
+            runs.append(record)
+            print(f"{strategy:10s} G={group_size:3d} peak={record['peak_bytes'] / 2**20:8.1f} MiB "
+                  f"baseline={record['baseline_bytes'] / 2**20:8.1f} MiB kv={record['peak_kv_bytes'] / 2**20:7.1f} MiB "
+                  f"step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
+    ratios = {}
+    for strategy in args.strategies.split(","):
+        peaks = {r["group_size"]: r["peak_bytes"] for r in runs if r["strategy"] == strategy}
+        ratios[strategy] = peaks[max(peaks)] / peaks[min(peaks)]
+        print(f"{strategy}: peak(G={max(peaks)}) / peak(G={min(peaks)}) = {ratios[strategy]:.3f}")
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "runs": runs, "peak_ratio_largest_to_smallest_G": ratios}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
