@@ -1,0 +1,154 @@
+"""Prompt sources: a reasoning-gym task, a JSONL file, or an inline list; the chat template; the train/val split.
+
+Every source yields ``PromptExample`` objects: the prompt text the model is asked, its gold answer (or None) and
+the whole source row (``entry``), which reward functions receive (reasoning-gym scoring needs the entry).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Field names accepted for the prompt text of a JSONL row or inline dict, in order.
+PROMPT_KEYS = ("prompt", "question")
+
+
+@dataclass
+class PromptExample:
+    """One prompt.
+
+    Attributes:
+        prompt: the user message (before the chat template).
+        answer: the gold answer, or None.
+        entry: the full source row (reasoning-gym: ``question``, ``answer``, ``metadata``; JSONL: the row).
+    """
+
+    prompt: str
+    answer: str | None = None
+    entry: dict[str, Any] = field(default_factory=dict)
+
+
+def _example_from_row(row: Any, where: str) -> PromptExample:
+    if isinstance(row, str):
+        if not row.strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        return PromptExample(prompt=row, answer=None, entry={"prompt": row})
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected a string or an object with a 'prompt' field, got {type(row).__name__}")
+    key = next((k for k in PROMPT_KEYS if k in row), None)
+    if key is None:
+        raise ValueError(f"{where}: no prompt field; the row has keys {sorted(row)} but needs one of "
+                         f"{list(PROMPT_KEYS)}")
+    prompt = row[key]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r:.80}")
+    answer = row.get("answer")
+    return PromptExample(prompt=prompt, answer=None if answer is None else str(answer), entry=dict(row))
+
+
+def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
+                          config: Mapping[str, Any] | None = None) -> list[PromptExample]:
+    """``size`` entries of a reasoning-gym task, e.g. ``task="basic_arithmetic"``; ``config`` goes to its config."""
+    import reasoning_gym
+
+    if size < 1:
+        raise ValueError(f"size={size!r} must be >= 1 (prompts to generate from task {task!r})")
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config or {}))
+    except ValueError as err:
+        raise ValueError(f"reasoning-gym task={task!r} with config {dict(config or {})!r} failed: {err}") from err
+    except TypeError as err:
+        raise ValueError(f"reasoning-gym task={task!r} does not accept config {dict(config or {})!r}: {err}") from err
+    return [PromptExample(prompt=e["question"], answer=str(e["answer"]) if e.get("answer") is not None else None,
+                          entry=dict(e)) for e in dataset]
+
+
+def jsonl_prompts(path: str | Path) -> list[PromptExample]:
+    """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"prompt file {str(path)!r} does not exist (jsonl_path)")
+    examples = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            examples.append(_example_from_row(row, f"{path}:{number}"))
+    if not examples:
+        raise ValueError(f"prompt file {str(path)!r} holds no prompts")
+    return examples
+
+
+def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
+    """Strings or dicts ``{"prompt": ..., "answer": ...}``."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
+        raise ValueError(f"prompts must be a non-empty list of strings or dicts, got {items!r:.80}")
+    return [_example_from_row(row, f"prompts[{i}]") for i, row in enumerate(items)]
+
+
+def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
+                 task_config: Mapping[str, Any] | None = None, jsonl_path: str | None = None,
+                 prompts: Sequence[Any] | None = None) -> list[PromptExample]:
+    """Exactly one source: a reasoning-gym ``task``, a ``jsonl_path`` or inline ``prompts``."""
+    given = [name for name, value in (("task", task), ("jsonl_path", jsonl_path), ("prompts", prompts))
+             if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one prompt source (task, jsonl_path or prompts); got {given or 'none'}")
+    if task is not None:
+        return reasoning_gym_prompts(task, size, seed, task_config)
+    if jsonl_path is not None:
+        return jsonl_prompts(jsonl_path)
+    return inline_prompts(prompts)
+
+
+def split_examples(examples: Sequence[PromptExample], val_size: int | float,
+                   seed: int = 0) -> tuple[list[int], list[int]]:
+    """Shuffle indices with ``seed`` and cut off the validation share.
+
+    Args:
+        val_size: a count (int >= 0) or a fraction in [0, 1).
+    Returns:
+        ``(train_indices, val_indices)`` into ``examples``; the train part is never empty.
+    """
+    n = len(examples)
+    if isinstance(val_size, float) and not isinstance(val_size, bool):
+        if not 0.0 <= val_size < 1.0:
+            raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
+        count = int(round(val_size * n))
+    elif isinstance(val_size, int) and val_size >= 0:
+        count = val_size
+    else:
+        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
+    if count >= n:
+        raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n}; lower it or add prompts")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[count:]), sorted(order[:count])
+
+
+def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
+                  template: str = "{prompt}") -> list[int]:
+    """Token ids of one prompt: ``template.format(prompt=...)`` as the user message, through the chat template.
+
+    Tokenizers without a chat template get the plain text (system prompt, a blank line, the message).
+    """
+    text = template.format(prompt=prompt)
+    if getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
+    else:
+        ids = tokenizer((system_prompt + "\n\n" if system_prompt else "") + text)["input_ids"]
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(f"prompt {prompt!r:.80} renders to no tokens")
+    return ids

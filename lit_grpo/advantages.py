@@ -1,0 +1,64 @@
+"""Group-relative advantages (GRPO): each completion's reward compared with its group's.
+
+Shapes: ``B`` prompts (groups), ``G`` completions per prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Added to the standard deviation before dividing, as in TRL / the GRPO papers.
+STD_EPS = 1e-4
+
+SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tensor:
+    """Advantages ``A = (R - mean_group(R)) / (std + 1e-4)``.
+
+    Args:
+        rewards: ``[B, G]`` total reward of completion ``k`` of prompt ``p``.
+        scale: what divides the centered rewards:
+            ``"group"``: the group's standard deviation (unbiased, as ``torch.std``);
+            ``"batch"``: the standard deviation of all ``B x G`` rewards (unbiased);
+            ``"none"``: nothing (Dr. GRPO), ``A = R - mean_group(R)``.
+
+    Returns:
+        ``[B, G]`` float advantages. A group whose rewards are all equal gets 0 everywhere (never NaN), and so does
+        every group when ``G == 1`` (a lone completion has nothing to be compared with).
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D, is empty, holds NaN/inf, or ``scale`` is unknown.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not supported; use one of {list(SCALES)}")
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, G] (2-D), got shape {tuple(rewards.shape)}")
+    if rewards.numel() == 0:
+        raise ValueError(f"rewards is empty (shape {tuple(rewards.shape)}); need at least one prompt and one sample")
+    rewards = rewards.float()
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"rewards hold non-finite values: {rewards[~torch.isfinite(rewards)].tolist()[:8]}")
+    group_size = rewards.shape[1]
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    if scale == "none":
+        return centered
+    if scale == "group":
+        std = rewards.std(dim=1, keepdim=True)  # unbiased; defined since G >= 2
+    else:
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    # centered is exactly 0 in a zero-variance group, so 0 / (0 + eps) = 0: no NaN.
+    return centered / (std + STD_EPS)
+
+
+def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: groups whose ``G`` rewards are all equal (they carry no learning signal).
+
+    Args:
+        rewards: ``[B, G]``.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, G] (2-D), got shape {tuple(rewards.shape)}")
+    return (rewards == rewards[:, :1]).all(dim=1)

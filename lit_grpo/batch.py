@@ -1,0 +1,209 @@
+"""``RolloutBatch``: one whole rollout, what one ``GRPOModule.training_step`` consumes.
+
+Shapes: ``B`` prompts, ``G`` completions per prompt, ``P`` padded prompt length, ``T`` padded completion length.
+Completion ``k`` of prompt ``p`` is row ``p * G + k`` once flattened (the same flat index as the engine's slot
+timeline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lit_grpo.sampling.stats import IDLE, RolloutStats
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout of ``B`` prompts x ``G`` completions, scored, with advantages.
+
+    Attributes:
+        stats: the engine's ``RolloutStats`` (merged over rounds when dynamic sampling drew more prompts).
+        prompts: ``[B]`` the prompt texts as the reward functions saw them (the question, before the chat template).
+        completions: ``[B][G]`` decoded completion texts (special tokens dropped).
+        rewards: ``[B, G]`` float, the weighted total reward.
+        completion_lengths: ``[B, G]`` long, completion tokens (EOS included when produced).
+        truncated: ``[B, G]`` bool, hit ``max_new_tokens`` without EOS.
+        advantages: ``[B, G]`` float, from ``group_advantages``.
+        prompt_ids: ``[B, P]`` long, chat-templated prompt tokens, LEFT-padded with ``pad_token_id``.
+        prompt_mask: ``[B, P]`` long, 1 on real prompt tokens.
+        completion_ids: ``[B, G, T]`` long, RIGHT-padded with ``pad_token_id``.
+        completion_mask: ``[B, G, T]`` long, 1 on real completion tokens.
+        sampling_logprobs: ``[B, G, T]`` float, log-probs of the sampled tokens under the sampling policy (0 on pad).
+        reward_components: ``{name: [B, G]}`` each reward function's raw values (NaN where it said None).
+        columns: ``{name: [B] list}`` per-prompt extra data (``answer``, ``entry``, JSONL fields...).
+        indices: ``[B]`` each prompt's index in the train (or val) prompt list.
+        metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/dynamic_rounds`` ...).
+        max_new_tokens: the rollout's length cap (dr_grpo's normalizer, the overlong penalty's cap).
+        temperature: the sampling temperature (the update divides logits by it, as the sampler did; 0 = greedy).
+        pad_token_id: the padding id used in the id tensors.
+        num_groups_generated: groups sampled for this step (more than ``B`` with dynamic sampling).
+        num_groups_zero_std: of those, groups whose rewards were all equal.
+        split: ``"train"`` or ``"val"``.
+    """
+
+    stats: RolloutStats
+    prompts: list[str]
+    completions: list[list[str]]
+    rewards: torch.Tensor
+    completion_lengths: torch.Tensor
+    truncated: torch.Tensor
+    advantages: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    max_new_tokens: int = 0
+    temperature: float = 1.0
+    pad_token_id: int = 0
+    num_groups_generated: int = 0
+    num_groups_zero_std: int = 0
+    split: str = "train"
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @property
+    def num_prompts(self) -> int:
+        """``B``."""
+        return self.rewards.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        """``G``."""
+        return self.rewards.shape[1]
+
+    @property
+    def num_completions(self) -> int:
+        """``N = B x G``."""
+        return self.rewards.numel()
+
+    def __len__(self) -> int:
+        return self.num_completions
+
+    # ------------------------------------------------------------------------------------------ device
+    def to(self, device: torch.device | str, **kwargs: Any) -> RolloutBatch:
+        """A copy with every tensor on ``device`` (Lightning's batch transfer calls this)."""
+        def move(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.to(device, **kwargs)
+            if isinstance(value, dict):
+                return {k: move(v) for k, v in value.items()}
+            return value
+
+        return dataclasses.replace(self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if f.name not in ("stats", "prompts", "completions", "columns",
+                                                              "indices", "metrics")})
+
+    # ------------------------------------------------------------------------------------------ flat views
+    def flat_completion_ids(self) -> torch.Tensor:
+        """``[N, T]``."""
+        return self.completion_ids.flatten(0, 1)
+
+    def flat_completion_mask(self) -> torch.Tensor:
+        """``[N, T]``."""
+        return self.completion_mask.flatten(0, 1)
+
+    def flat_advantages(self) -> torch.Tensor:
+        """``[N]``."""
+        return self.advantages.flatten()
+
+    def flat_completions(self) -> list[str]:
+        """``[N]`` texts, row ``p * G + k``."""
+        return [c for group in self.completions for c in group]
+
+    def micro_batch(self, rows: torch.Tensor | list[int]) -> dict[str, torch.Tensor]:
+        """Model inputs for some flat completion rows, trimmed to the longest prompt / completion among them.
+
+        Returns a dict with ``input_ids``, ``attention_mask``, ``position_ids``: ``[m, P' + T']``, the prompt
+        left-padded and the completion right-padded, positions counting real tokens only (so padding never shifts
+        them); ``completion_ids``, ``completion_mask``, ``sampling_logprobs``: ``[m, T']``; ``advantages``:
+        ``[m]``; ``truncated``: ``[m]``; ``prompt_length``: ``P'``.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.rewards.device)
+        prompt_rows = rows // self.group_size
+        prompt_ids = self.prompt_ids[prompt_rows]
+        prompt_mask = self.prompt_mask[prompt_rows]
+        keep_p = int(prompt_mask.sum(dim=1).max().item())
+        prompt_ids, prompt_mask = prompt_ids[:, prompt_ids.shape[1] - keep_p:], prompt_mask[:, prompt_mask.shape[1] - keep_p:]
+        completion_mask = self.flat_completion_mask()[rows]
+        keep_t = max(int(completion_mask.sum(dim=1).max().item()), 1)
+        completion_mask = completion_mask[:, :keep_t]
+        completion_ids = self.flat_completion_ids()[rows][:, :keep_t]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return {
+            "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "sampling_logprobs": self.sampling_logprobs.flatten(0, 1)[rows][:, :keep_t],
+            "advantages": self.flat_advantages()[rows],
+            "truncated": self.truncated.flatten()[rows],
+            "prompt_length": keep_p,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def pad_left(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, max_len]`` ids and mask, sequences aligned to the right."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def pad_right(sequences: list[list[Any]], pad: Any, width: int | None = None,
+              dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, width]`` values and mask, sequences aligned to the left (``width`` >= 1 so empty rollouts work)."""
+    width = max(width or 0, max((len(s) for s in sequences), default=0), 1)
+    values = torch.full((len(sequences), width), pad, dtype=dtype)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            values[i, : len(seq)] = torch.tensor(seq, dtype=dtype)
+            mask[i, : len(seq)] = 1
+    return values, mask
+
+
+def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
+    """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
+
+    Counts and times add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
+    time, with flat sample indices shifted by the samples of the earlier rounds; length-prediction quality is the
+    first round's.
+    """
+    if not parts:
+        return RolloutStats()
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    merged = RolloutStats(num_slots=first.num_slots, group_size=first.group_size,
+                          length_pred_kendall_tau=first.length_pred_kendall_tau,
+                          length_pred_smape=first.length_pred_smape)
+    offset = 0
+    for part in parts:
+        merged.decode_steps += part.decode_steps
+        merged.prefill_tokens += part.prefill_tokens
+        merged.generated_tokens += part.generated_tokens
+        merged.lower_bound_steps += part.lower_bound_steps
+        merged.peak_kv_bytes = max(merged.peak_kv_bytes, part.peak_kv_bytes)
+        merged.wall_s += part.wall_s
+        merged.forward_s += part.forward_s
+        merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
+        offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
+    slots = merged.decode_steps * merged.num_slots
+    merged.slot_utilization = merged.generated_tokens / slots if slots else 0.0
+    merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
+    return merged

@@ -1,0 +1,422 @@
+"""``GRPOModule``: the policy and the GRPO update, as a LightningModule. Lightning runs the loops.
+
+One ``training_step`` consumes one ``RolloutBatch`` (B prompts x G completions, built by ``RolloutDataModule``
+with the current policy right before the step) and makes ``num_iterations`` optimizer steps on it:
+
+1. ``N = B x G`` completion rows are cut into micro-batches of ``train_micro_batch_size`` rows.
+2. Normalizers that span the step are computed first: dapo's active-token count (summed over ranks).
+3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
+   rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
+   once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
+4. Per iteration: for each micro-batch, forward log-probs, ``policy_loss`` x ``micro_batch_weight`` (the weighted
+   micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a finiteness check,
+   ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``,
+   the warmup scheduler step.
+
+A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
+weights are never corrupted.
+
+Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
+this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
+``accumulate_grad_batches`` must stay 1: the micro-batching above IS the accumulation. ``trainer.global_step``
+counts optimizer steps, i.e. rollouts x ``num_iterations`` (``max_steps`` counts the same).
+
+Logged (``self.log``, on step): train/{loss, kl (beta > 0 only: there is no reference otherwise), clip_ratio_low,
+clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr};
+reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
+groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
+completions/{mean_length, min_length, max_length, clipped_ratio}; whatever the data side put in
+``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation: val/{accuracy, reward}
+(torchmetrics ``MeanMetric``, per prompt, greedy).
+
+The model is loaded in ``configure_model`` (idempotent; Lightning calls it before the optimizers are built, and
+under FSDP inside the sharding context); the tokenizer in ``__init__``, because the DataModule's ``setup`` (which
+renders prompts) runs before ``configure_model``. Outside a Trainer call ``module.configure_model()`` yourself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric
+from transformers import AutoTokenizer
+
+from lit_grpo.advantages import SCALES
+from lit_grpo.batch import RolloutBatch
+from lit_grpo.loss import LOSS_TYPES, check_loss_inputs, micro_batch_weight, policy_loss, policy_loss_metrics
+from lit_grpo.models import DEFAULT_MODEL, TINY_MODELS, load_model_and_tokenizer, prepare_tokenizer, smollm2_path
+
+TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
+    from pathlib import Path
+
+    from lit_grpo.models import tiny_tokenizer
+
+    if name_or_path in TINY_MODELS:
+        tokenizer = tiny_tokenizer()
+    elif Path(name_or_path).expanduser().is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(Path(name_or_path).expanduser())
+    elif name_or_path == DEFAULT_MODEL:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    elif name_or_path.startswith((".", "/", "~")):
+        raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
+                         f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return prepare_tokenizer(tokenizer)
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+    """``[m, T', V]`` logits predicting each completion token of a micro-batch (``RolloutBatch.micro_batch``).
+
+    Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
+    are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did.
+    """
+    num_tokens = micro["completion_ids"].shape[1]
+    kwargs = dict(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                  position_ids=micro["position_ids"], use_cache=False)
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = num_tokens + 1
+    logits = model(**kwargs).logits[:, -(num_tokens + 1):-1, :]
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``[m, T]`` log-probs of ``token_ids`` ``[m, T]`` under ``logits`` ``[m, T, V]``.
+
+    float32/64 logits: ``gather - logsumexp`` on the whole tensor (no ``[m, T, V]`` copy). Half-precision logits:
+    one row at a time through ``log_softmax`` in their own dtype (as TRL's selective_log_softmax), so no float32
+    copy of the logits is kept for the backward pass (for a 150k vocabulary that copy would be GBs).
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [torch.gather(torch.log_softmax(row, dim=-1), -1, ids.unsqueeze(-1)).squeeze(-1)
+            for row, ids in zip(logits, token_ids)]
+    return torch.stack(rows).float()
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[m, T]`` entropy of each position's distribution (float32, no grad; one row at a time to bound memory)."""
+    out = []
+    for row in logits.detach():
+        logp = torch.log_softmax(row.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.stack(out)
+
+
+class GRPOModule(LightningModule):
+    """GRPO policy optimization (module docstring).
+
+    Args:
+        model: hub id or path ("HuggingFaceTB/SmolLM2-135M-Instruct" works offline; "tiny-llama", "tiny-qwen2").
+        dtype: weights dtype ("float32", "bfloat16", ...); None keeps the checkpoint's. For mixed precision keep
+            float32 weights and set ``trainer.precision: bf16-mixed``.
+        peft_config: LoRA settings for ``peft.LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules:
+            [q_proj, v_proj]}``); None trains all weights. With LoRA and beta > 0 the reference is the policy with
+            the adapter disabled (no second model).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% more time).
+        loss_type: grpo | bnpo | dr_grpo | dapo (lit_grpo.loss).
+        epsilon_low, epsilon_high: the ratio's clip range.
+        beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
+        scale_rewards: group | batch | none (lit_grpo.advantages; the DataModule reads it from here).
+        num_iterations: optimizer steps per rollout (mu in the GRPO paper).
+        mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
+            their group's advantages).
+        train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
+        lr, weight_decay, betas: AdamW. warmup_steps: linear warmup over that many optimizer steps, then constant.
+        max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | None = None,
+        peft_config: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
+        loss_type: str = "dapo",
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.28,
+        beta: float = 0.0,
+        scale_rewards: str = "group",
+        num_iterations: int = 1,
+        mask_truncated_completions: bool = False,
+        train_micro_batch_size: int = 8,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+    ):
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {list(LOSS_TYPES)}")
+        if scale_rewards not in SCALES:
+            raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; use one of {list(SCALES)}")
+        for name, value in (("num_iterations", num_iterations), ("train_micro_batch_size", train_micro_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be > 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        if max_grad_norm is not None and not max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be >= 0 or None")
+        # the shared checks of the pure loss (epsilons, beta), on a dummy input
+        check_loss_inputs(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), loss_type,
+                          epsilon_low, epsilon_high, torch.zeros(1, 1), beta, 1, None)
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.scale_rewards = scale_rewards
+        self.tokenizer = load_tokenizer(model)
+        self.policy: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.val_accuracy = MeanMetric()
+        self.val_reward = MeanMetric()
+
+    # ------------------------------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        """Load the policy (+ LoRA) and, when ``beta > 0`` without LoRA, the frozen reference. Idempotent."""
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
+        if hp.gradient_checkpointing:
+            enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+            enable()
+        if hp.peft_config:
+            try:
+                from peft import LoraConfig, get_peft_model
+            except ImportError as err:
+                raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
+            policy = get_peft_model(policy, LoraConfig(**dict(hp.peft_config)))
+        self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
+        if hp.beta > 0 and not hp.peft_config:
+            ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
+            ref.requires_grad_(False)
+            self.ref_model = ref.eval()
+
+    def _require_policy(self) -> torch.nn.Module:
+        if self.policy is None:
+            raise RuntimeError("GRPOModule.policy is not loaded; Lightning calls configure_model() in fit/validate, "
+                               "call it yourself outside a Trainer")
+        return self.policy
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference model: the frozen copy, or the policy with its LoRA adapter disabled."""
+        if self.ref_model is not None:
+            self.ref_model.eval()
+            yield self.ref_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The reference is the initial weights, reloaded by configure_model: do not store it twice.
+        state = checkpoint.get("state_dict", {})
+        for key in [k for k in state if k.startswith("ref_model.")]:
+            del state[key]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.ref_model is not None:
+            state = checkpoint.setdefault("state_dict", {})
+            for key, value in self.ref_model.state_dict().items():
+                state.setdefault(f"ref_model.{key}", value)
+
+    # ------------------------------------------------------------------------------------------ optimizer
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self._require_policy().parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the policy has no trainable parameters")
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        warmup = hp.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------------ log-probs
+    def _micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        rows = torch.arange(batch.num_completions, device=batch.rewards.device)
+        return list(rows.split(self.hparams.train_micro_batch_size))
+
+    def _loss_mask(self, micro: dict[str, Any]) -> torch.Tensor:
+        mask = micro["completion_mask"]
+        if self.hparams.mask_truncated_completions:
+            mask = mask * (~micro["truncated"]).unsqueeze(1).to(mask.dtype)
+        return mask
+
+    @torch.no_grad()
+    def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[torch.Tensor]) -> list:
+        return [token_logps(completion_logits(model, micro := batch.micro_batch(rows), batch.temperature),
+                            micro["completion_ids"]) for rows in chunks]
+
+    def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
+        total = sum(self._loss_mask(batch.micro_batch(rows)).sum() for rows in chunks)
+        total = torch.as_tensor(total, dtype=torch.float32, device=batch.rewards.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        return total
+
+    # ------------------------------------------------------------------------------------------ training
+    def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
+        metrics = self.grpo_step(batch, self.optimizers(), self.lr_schedulers())
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_prompts)
+        return torch.tensor(metrics["train/loss"])
+
+    def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
+                  scheduler: Any | None = None) -> dict[str, float]:
+        """The whole update on one rollout (``num_iterations`` optimizer steps); returns the scalars to log.
+
+        Works with or without a Trainer (without one: plain ``backward`` and ``clip_grad_norm_``).
+        """
+        hp = self.hparams
+        policy = self._require_policy()
+        chunks = self._micro_batches(batch)
+        total_active = self._total_active_tokens(batch, chunks) if hp.loss_type == "dapo" else None
+        old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
+        ref_logps = None
+        if hp.beta > 0:
+            with self._reference() as reference:
+                ref_logps = self._frozen_logps(reference, batch, chunks)
+
+        sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm")}
+        for iteration in range(hp.num_iterations):
+            step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration)
+            for key, value in step_metrics.items():
+                sums[key] += value / hp.num_iterations
+            if scheduler is not None:
+                scheduler.step()
+        logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or hp.beta > 0}
+        logged["train/lr"] = optimizer.param_groups[0]["lr"]
+        logged.update(self._rollout_metrics(batch))
+        return logged
+
+    def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
+                total_active, iteration: int) -> dict[str, float]:
+        """One optimizer step over all micro-batches of the rollout; returns the step's metrics."""
+        hp = self.hparams
+        optimizer.zero_grad(set_to_none=True)
+        total_rows = batch.num_completions
+        loss_sum = 0.0
+        sums = {"clip_ratio_low": 0.0, "clip_ratio_high": 0.0, "kl": 0.0, "entropy": 0.0}
+        loss_tokens, content_tokens = 0.0, 0.0
+        for index, rows in enumerate(chunks):
+            micro = batch.micro_batch(rows)
+            logits = completion_logits(self.policy, micro, batch.temperature)
+            logps = token_logps(logits, micro["completion_ids"])
+            mask = self._loss_mask(micro)
+            old = old_logps[index] if old_logps is not None else logps.detach()
+            ref = ref_logps[index] if ref_logps is not None else None
+            loss = policy_loss(logps, old, micro["advantages"], mask, hp.loss_type, hp.epsilon_low,
+                               hp.epsilon_high, ref, hp.beta, batch.max_new_tokens, total_active)
+            loss = loss * micro_batch_weight(hp.loss_type, len(rows), total_rows, len(chunks))
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(
+                    f"non-finite GRPO loss ({loss.item()}) at global step {self.global_step}, iteration {iteration}, "
+                    f"micro-batch {index} (rows {rows[0].item()}..{rows[-1].item()}); no optimizer step was taken, "
+                    "the weights are unchanged. Check the rewards/advantages, lower lr, or use float32/bf16-mixed.")
+            if self._trainer is not None:
+                self.manual_backward(loss)
+            else:
+                loss.backward()
+            loss_sum += loss.item()
+            # metrics: clip ratios and KL are means over loss tokens, entropy over all completion tokens
+            metrics = policy_loss_metrics(logps.detach(), old, micro["advantages"], mask, hp.epsilon_low,
+                                          hp.epsilon_high, ref)
+            active = float(metrics["active_tokens"])
+            for key in ("clip_ratio_low", "clip_ratio_high", "kl"):
+                if key in metrics:
+                    sums[key] += float(metrics[key]) * active
+            loss_tokens += active
+            content = micro["completion_mask"].float()
+            sums["entropy"] += float((token_entropy(logits) * content).sum())
+            content_tokens += float(content.sum())
+            del logits, logps, loss
+        grad_norm = self._grad_norm()
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
+                                     f"iteration {iteration}; no optimizer step was taken, the weights are unchanged.")
+        if hp.max_grad_norm and self._trainer is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+        elif hp.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None],
+                                           hp.max_grad_norm)
+        optimizer.step()
+        out = {"loss": loss_sum, "grad_norm": grad_norm, "entropy": sums["entropy"] / max(content_tokens, 1.0)}
+        for key in ("clip_ratio_low", "clip_ratio_high", "kl"):
+            out[key] = sums[key] / max(loss_tokens, 1.0)
+        return out
+
+    def _grad_norm(self) -> float:
+        """The total L2 norm of the gradients before clipping (this rank's; with FSDP, this shard's)."""
+        grads = [p.grad.detach().float() for p in self.policy.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    @staticmethod
+    def _rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+        """reward/ and completions/ scalars of a rollout, plus what the data side put in ``batch.metrics``."""
+        rewards = batch.rewards.float()
+        lengths = batch.completion_lengths.float()
+        out = {
+            "reward/mean": float(rewards.mean()),
+            # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
+            "reward/std": float(rewards.std(dim=1).mean()) if batch.group_size > 1 else 0.0,
+            "reward/frac_zero_std": batch.num_groups_zero_std / max(batch.num_groups_generated, 1),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(batch.truncated.float().mean()),
+        }
+        for name, values in batch.reward_components.items():
+            present = values[~torch.isnan(values)]
+            if present.numel():
+                out[f"reward/{name}/mean"] = float(present.float().mean())
+        out.update({k: float(v) for k, v in batch.metrics.items()})
+        return out
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
+        """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward."""
+        self.val_reward.update(batch.rewards.float().mean(dim=1))
+        accuracy = batch.reward_components.get(self._accuracy_name())
+        if accuracy is not None:
+            values = accuracy.float().mean(dim=1)
+            values = values[~torch.isnan(values)]
+            if values.numel():
+                self.val_accuracy.update(values)
+        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+        if accuracy is not None:
+            self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+
+    def _accuracy_name(self) -> str:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        return getattr(datamodule, "accuracy_reward", "accuracy")

@@ -1,0 +1,400 @@
+"""Reward functions and how several are combined.
+
+Protocol (as in TRL)::
+
+    reward_fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
+completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
+of the same length: ``answer`` (the gold answer or None), ``entry`` (the prompt's source row: for reasoning-gym the
+dataset entry with ``question``, ``answer``, ``metadata``), ``completion_ids``, ``completion_length`` (tokens),
+``truncated`` (hit the length cap), ``max_new_tokens``, plus every extra field of a JSONL row. Take ``**kwargs``
+and ignore what you do not need.
+
+A function returns one value per completion: a number, or ``None`` for "no opinion" (e.g. a math checker asked
+about a code task). Several functions are combined with weights::
+
+    total_i = sum over functions f with value v_f,i not None of  weight_f * v_f,i
+
+When every function returns ``None`` for a completion its total is ``0.0`` (a neutral reward: inside a group it
+pulls the advantage toward the group mean) and a warning is emitted once per call.
+
+Errors stop training, never silently zero a reward:
+
+- a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
+  by calling it again one group at a time);
+- a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
+  value, its index and the prompt.
+
+Built-in functions (names usable in configs): ``accuracy`` (``accuracy_reward``: the answer extracted from the
+completion scored by the reasoning-gym dataset's own ``score_answer``, or by normalized exact match for other
+sources), ``format`` (``format_reward``: 1 when the completion has exactly one ``<answer>...</answer>``),
+``overlong`` (``OverlongPenalty``: DAPO's soft length penalty), ``char_fraction`` (share of characters from a set;
+a toy signal for smoke tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import numbers
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., Sequence[Any]]
+
+#: What ``score_rewards`` does when a reward function raises. Only "raise" exists today; a "skip_group" policy
+#: (score the other groups, drop the failing ones) plugs into ``_handle_reward_error``.
+ON_ERROR = ("raise",)
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised; the message names the function and the prompt."""
+
+    def __init__(self, message: str, name: str, prompt: str | None, group: int | None):
+        super().__init__(message)
+        self.name = name
+        self.prompt = prompt
+        self.group = group
+
+
+# --------------------------------------------------------------------------------------------- answer extraction
+_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text.strip().replace(" ", "")) is not None
+
+
+def extract_answer(completion: str, numeric: bool = False) -> str | None:
+    """The final answer a completion states.
+
+    Order: the last ``<answer>...</answer>``; else, when ``numeric``, the last number (commas dropped, a trailing
+    ``.`` dropped); else the last non-empty line. ``None`` when nothing is found.
+    """
+    tags = _ANSWER_TAG.findall(completion)
+    if tags:
+        return tags[-1].strip()
+    if numeric:
+        numbers_found = _NUMBER.findall(completion)
+        return numbers_found[-1].replace(",", "").rstrip(".") if numbers_found else None
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _normalize(text: str) -> str:
+    text = text.strip().rstrip(".").strip()
+    if _is_number(text):
+        value = float(text.replace(",", ""))
+        return str(int(value)) if value.is_integer() else repr(value)
+    return " ".join(text.lower().split())
+
+
+@functools.lru_cache(maxsize=None)
+def _reasoning_gym_scorer(dataset_name: str) -> Callable[[str | None, dict], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(dataset_name)
+
+
+def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] | None = None) -> float | None:
+    """Score one extracted answer: 1 correct, 0 wrong (reasoning-gym tasks may give partial credit).
+
+    A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
+    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` (numbers compared as
+    numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
+    """
+    source = None
+    if isinstance(entry, Mapping) and isinstance(entry.get("metadata"), Mapping):
+        source = entry["metadata"].get("source_dataset")
+    if source:
+        return float(_reasoning_gym_scorer(source)(answer, dict(entry)))
+    if gold is None:
+        return None
+    if answer is None:
+        return 0.0
+    return 1.0 if _normalize(answer) == _normalize(str(gold)) else 0.0
+
+
+# --------------------------------------------------------------------------------------------- built-in rewards
+def accuracy_reward(
+    prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
+    entry: list[Mapping[str, Any] | None] | None = None, **columns: Any
+) -> list[float | None]:
+    """Correctness of the final answer in ``[0, 1]``; ``None`` for rows with neither gold answer nor dataset entry."""
+    answers = answer if answer is not None else [None] * len(completions)
+    entries = entry if entry is not None else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, gold, row in zip(completions, answers, entries):
+        gold = gold if gold is not None else (row.get("answer") if isinstance(row, Mapping) else None)
+        if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
+            out.append(None)
+            continue
+        numeric = gold is not None and _is_number(str(gold))
+        out.append(score_answer(extract_answer(completion, numeric=numeric), gold, row))
+    return out
+
+
+def format_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """1.0 when the completion holds exactly one non-empty ``<answer>...</answer>``, else 0.0."""
+    return [1.0 if len(tags := _ANSWER_TAG.findall(c)) == 1 and tags[0].strip() else 0.0 for c in completions]
+
+
+class OverlongPenalty:
+    """DAPO's soft overlong punishment, with ``L`` the completion length in tokens::
+
+        0                                   if L <= max_length - buffer
+        ((max_length - buffer) - L) / buffer  if max_length - buffer < L <= max_length   (0 down to -1)
+        -1                                  if L > max_length
+
+    Args:
+        max_length: the length cap; ``None`` uses the rollout's ``max_new_tokens`` column (so a truncated
+            completion gets -1).
+        buffer: the soft zone's width in tokens (DAPO: 4096 of 20480); must be >= 1.
+    """
+
+    def __init__(self, max_length: int | None = None, buffer: int = 64):
+        if buffer < 1:
+            raise ValueError(f"OverlongPenalty buffer={buffer!r} must be >= 1 (tokens)")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"OverlongPenalty max_length={max_length!r} must be >= 1 (tokens) or None")
+        self.max_length = max_length
+        self.buffer = buffer
+        self.__name__ = "overlong"
+
+    def __call__(self, prompts: list[str], completions: list[str], completion_length: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None, **columns: Any) -> list[float]:
+        if completion_length is None:
+            raise ValueError("OverlongPenalty needs the completion_length column (token counts)")
+        out = []
+        for i, length in enumerate(completion_length):
+            cap = self.max_length if self.max_length is not None else (max_new_tokens[i] if max_new_tokens else None)
+            if cap is None:
+                raise ValueError("OverlongPenalty(max_length=None) needs the max_new_tokens column")
+            buffer = min(self.buffer, cap)
+            if length <= cap - buffer:
+                out.append(0.0)
+            elif length <= cap:
+                out.append(((cap - buffer) - length) / buffer)
+            else:
+                out.append(-1.0)
+        return out
+
+
+def char_fraction_reward(prompts: list[str], completions: list[str], chars: str = "0123456789",
+                         **columns: Any) -> list[float]:
+    """Share of the completion's characters that are in ``chars`` (0.0 for an empty completion).
+
+    A toy shaping signal for smoke tests: even a random model's completions get different values, so advantages
+    and gradients are non-zero (configs/tiny.yaml uses it).
+    """
+    return [sum(ch in chars for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "overlong": OverlongPenalty,  # a class: built with the spec's kwargs
+    "char_fraction": char_fraction_reward,
+}
+
+
+# --------------------------------------------------------------------------------------------- specs
+@dataclass
+class WeightedReward:
+    """A reward function, its weight in the total, and the name it is logged under (``reward/<name>/mean``)."""
+
+    fn: RewardFn
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ValueError(f"reward function {self.fn!r} is not callable")
+        if not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+            raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number")
+        if not self.name:
+            self.name = reward_name(self.fn)
+
+
+def reward_name(fn: Any) -> str:
+    """``fn.__name__`` without a ``_reward`` suffix; a callable object's class name otherwise."""
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return name[: -len("_reward")] if name.endswith("_reward") and len(name) > len("_reward") else name
+
+
+def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
+    if name in BUILTIN_REWARDS:
+        target = BUILTIN_REWARDS[name]
+    elif ":" in name or "." in name:
+        module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
+        try:
+            target = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
+                             f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+    else:
+        raise ValueError(f"reward function {name!r} is unknown; use a built-in {sorted(BUILTIN_REWARDS)} or "
+                         "'package.module:function'")
+    if isinstance(target, type):
+        return target(**kwargs)
+    if kwargs:
+        return functools.wraps(target)(functools.partial(target, **kwargs))
+    return target
+
+
+def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
+    """Turn config entries into ``WeightedReward`` objects.
+
+    Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in or ``"pkg.module:fn"``), or a
+    dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``. ``None`` or ``[]`` -> ``[accuracy]``.
+    """
+    if not specs:
+        specs = ["accuracy"]
+    out: list[WeightedReward] = []
+    for spec in specs:
+        if isinstance(spec, WeightedReward):
+            out.append(spec)
+        elif isinstance(spec, str):
+            out.append(WeightedReward(_resolve(spec, {}), 1.0, spec if spec in BUILTIN_REWARDS else ""))
+        elif isinstance(spec, Mapping):
+            unknown = set(spec) - {"name", "weight", "kwargs", "log_name"}
+            if "name" not in spec or unknown:
+                raise ValueError(f"reward spec {dict(spec)!r} needs a 'name' and only the keys name, weight, "
+                                 f"kwargs, log_name (unknown: {sorted(unknown)})")
+            name = spec["name"]
+            fn = _resolve(name, spec.get("kwargs") or {})
+            log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
+            out.append(WeightedReward(fn, float(spec.get("weight", 1.0)), log_name))
+        elif callable(spec):
+            out.append(WeightedReward(spec))
+        else:
+            raise ValueError(f"reward spec {spec!r} is not a name, a dict or a callable")
+    names = [r.name for r in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward functions need distinct names (they are logged as reward/<name>/mean): {names}; "
+                         "set log_name")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- scoring
+@dataclass
+class RewardScores:
+    """The outcome of ``score_rewards``.
+
+    Attributes:
+        total: ``[N]`` weighted sum per completion (0.0 where every function said None).
+        components: ``{name: [N]}`` each function's raw values, NaN where it returned None.
+    """
+
+    total: torch.Tensor
+    components: dict[str, torch.Tensor]
+
+
+def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"reward function {name!r} returned {type(values).__name__} {values!r:.100}; it must return "
+                         f"a list of {n} floats or None")
+    if len(values) != n:
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions; it must "
+                         "return one float (or None) per completion")
+    out: list[float | None] = []
+    for i, value in enumerate(values):
+        if value is None:
+            out.append(None)
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
+                             f"for prompt {prompts[i]!r:.300}; values must be floats or None")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
+                             f"{prompts[i]!r:.300}; values must be finite (or None for no opinion)")
+        out.append(float(value))
+    return out
+
+
+def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
+                         completions: Sequence[str], columns: Mapping[str, Sequence[Any]], group_size: int,
+                         on_error: str) -> None:
+    """Locate the first group whose scoring raises (one call per group) and raise ``RewardFunctionError``.
+
+    This is where an ``on_error="skip_group"`` policy would return the failing groups instead of raising.
+    """
+    failing: int | None = None
+    for start in range(0, len(prompts), group_size):
+        end = start + group_size
+        try:
+            reward.fn(list(prompts[start:end]), list(completions[start:end]),
+                      **{k: list(v[start:end]) for k, v in columns.items()})
+        except Exception:  # noqa: BLE001 - any failure is the one we look for
+            failing = start // group_size
+            break
+    prompt = prompts[failing * group_size] if failing is not None else (prompts[0] if prompts else None)
+    where = (f"on prompt {failing} {prompt!r:.300}" if failing is not None
+             else f"on the whole batch (each group alone scores fine; first prompt {prompt!r:.300})")
+    raise RewardFunctionError(f"reward function {reward.name!r} raised {type(err).__name__}: {err} {where}",
+                              reward.name, prompt, failing) from err
+
+
+def score_rewards(
+    reward_funcs: Sequence[WeightedReward],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    group_size: int = 1,
+    on_error: str = "raise",
+) -> RewardScores:
+    """Run every reward function on ``N`` completions and combine them (module docstring).
+
+    Args:
+        reward_funcs: from ``build_reward_funcs``.
+        prompts, completions: ``N`` strings each (prompt repeated for each of its ``G`` completions).
+        columns: per-completion lists of length ``N``, passed as keyword arguments.
+        group_size: ``G``; used to name the failing prompt when a function raises.
+        on_error: ``"raise"`` (the only policy so far).
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r} is not supported; use one of {list(ON_ERROR)}")
+    if not reward_funcs:
+        raise ValueError("no reward functions given; pass at least one (e.g. ['accuracy'])")
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"{len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
+    columns = dict(columns or {})
+    for key, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} completions")
+
+    total = torch.zeros(n, dtype=torch.float32)
+    seen = torch.zeros(n, dtype=torch.bool)
+    components: dict[str, torch.Tensor] = {}
+    for reward in reward_funcs:
+        try:
+            raw = reward.fn(list(prompts), list(completions), **columns)
+        except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named
+            _handle_reward_error(err, reward, prompts, completions, columns, group_size, on_error)
+            raise  # unreachable: _handle_reward_error raises
+        values = _check_values(raw, reward.name, prompts, n)
+        component = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+        components[reward.name] = component
+        present = ~torch.isnan(component)
+        total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
+        seen |= present
+    if n and not bool(seen.all()):
+        missing = int((~seen).sum())
+        warnings.warn(f"every reward function returned None for {missing} of {n} completions; their reward is 0.0",
+                      stacklevel=2)
+    return RewardScores(total=total, components=components)

@@ -1,0 +1,126 @@
+"""Each loss_type (and beta > 0) against a direct computation with explicit loops over sequences and tokens."""
+
+import math
+
+import pytest
+import torch
+
+from lit_grpo.loss import k3_kl, micro_batch_weight, policy_loss, policy_loss_metrics
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _inputs(seed=0, n=4, t=5):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(n, t, generator=g) * 2
+    old = logps + (torch.rand(n, t, generator=g) - 0.5) * 0.8  # ratios on both sides of the clip range
+    ref = logps + (torch.rand(n, t, generator=g) - 0.5) * 0.5
+    adv = torch.tensor([1.0, -0.5, 0.0, 2.0])[:n]
+    lengths = [5, 3, 1, 4][:n]
+    mask = torch.zeros(n, t)
+    for i, length in enumerate(lengths):
+        mask[i, :length] = 1
+    return logps.double(), old.double(), ref.double(), adv.double(), mask.double()
+
+
+def _token_loss(lp, olp, rlp, a, beta):
+    ratio = math.exp(lp - olp)
+    clipped = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
+    loss = -min(ratio * a, clipped * a)
+    if beta:
+        loss += beta * (math.exp(rlp - lp) - (rlp - lp) - 1)
+    return loss
+
+
+def _hand(logps, old, ref, adv, mask, loss_type, beta=0.0, max_len=None, total=None):
+    n, t = logps.shape
+    per_seq_sums, per_seq_counts = [], []
+    for i in range(n):
+        s, c = 0.0, 0
+        for j in range(t):
+            if mask[i, j]:
+                s += _token_loss(logps[i, j].item(), old[i, j].item(), ref[i, j].item(), adv[i].item(), beta)
+                c += 1
+        per_seq_sums.append(s)
+        per_seq_counts.append(c)
+    total_sum, active = sum(per_seq_sums), sum(per_seq_counts)
+    if loss_type == "grpo":
+        return sum(s / max(c, 1) for s, c in zip(per_seq_sums, per_seq_counts)) / n
+    if loss_type == "bnpo":
+        return total_sum / active
+    if loss_type == "dr_grpo":
+        return total_sum / (n * max_len)
+    return total_sum / (total if total is not None else active)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_types_match_hand_computation(loss_type, beta):
+    logps, old, ref, adv, mask = _inputs()
+    kwargs = dict(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=beta,
+                  ref_logps=ref if beta else None, max_completion_length=8)
+    got = policy_loss(logps, old, adv, mask, **kwargs)
+    expected = _hand(logps, old, ref, adv, mask, loss_type, beta, max_len=8)
+    assert got.shape == ()
+    assert got.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+def test_dapo_uses_the_whole_step_token_count():
+    logps, old, ref, adv, mask = _inputs()
+    got = policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=40)
+    assert got.item() == pytest.approx(_hand(logps, old, ref, adv, mask, "dapo", total=40), rel=1e-10)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batch_weights_sum_to_the_full_loss(loss_type):
+    logps, old, ref, adv, mask = _inputs()
+    total = mask.sum()
+    full = policy_loss(logps, old, adv, mask, loss_type=loss_type, max_completion_length=8, total_active_tokens=total)
+    parts = 0.0
+    for rows in (slice(0, 3), slice(3, 4)):
+        n_rows = rows.stop - rows.start
+        part = policy_loss(logps[rows], old[rows], adv[rows], mask[rows], loss_type=loss_type,
+                           max_completion_length=8, total_active_tokens=total)
+        parts = parts + part * micro_batch_weight(loss_type, n_rows, 4, 2)
+    assert parts.item() == pytest.approx(full.item(), rel=1e-10)
+    assert micro_batch_weight("bnpo", 2, 4, 2) == 0.5
+
+
+def test_gradient_of_unclipped_ratio_is_minus_advantage():
+    logps = torch.zeros(1, 2, requires_grad=True)
+    loss = policy_loss(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 2), loss_type="bnpo")
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, -1.0]]))  # -A / active tokens
+
+
+def test_metrics_clip_ratios_and_kl():
+    logps = torch.log(torch.tensor([[0.5, 1.5, 1.0]]))  # ratio vs old=0: 0.5 (low), 1.5 (high), 1.0
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    neg = policy_loss_metrics(logps, old, torch.tensor([-1.0]), mask)
+    pos = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask)
+    assert neg["clip_ratio_low"].item() == pytest.approx(1 / 3) and neg["clip_ratio_high"].item() == 0
+    assert pos["clip_ratio_high"].item() == pytest.approx(1 / 3) and pos["clip_ratio_low"].item() == 0
+    assert "kl" not in pos
+    ref = torch.zeros(1, 3)
+    kl = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref)["kl"]
+    assert kl.item() == pytest.approx(k3_kl(logps, ref).mean().item())
+    assert (k3_kl(logps, ref) >= 0).all()
+
+
+def test_bad_inputs_name_the_value():
+    logps, old, ref, adv, mask = _inputs()
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        policy_loss(logps, old, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="beta=0.1 > 0 needs ref_logps"):
+        policy_loss(logps, old, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        policy_loss(logps, old, adv, mask, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="epsilon_low=-0.1"):
+        policy_loss(logps, old, adv, mask, epsilon_low=-0.1)
+    with pytest.raises(ValueError, match="advantages must be"):
+        policy_loss(logps, old, adv[:2], mask)
+    with pytest.raises(ValueError, match="mask has shape"):
+        policy_loss(logps, old, adv, mask[:, :2])
+    with pytest.raises(ValueError, match="beta=-1"):
+        policy_loss(logps, old, adv, mask, beta=-1, ref_logps=ref)

@@ -1,0 +1,224 @@
+"""GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
+
+import pytest
+import torch
+
+from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.module import GRPOModule, completion_logits, token_logps
+
+PROMPTS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+
+
+def make_module(**kwargs) -> GRPOModule:
+    kwargs = {"model": "tiny-llama", "max_grad_norm": None, **kwargs}
+    module = GRPOModule(**kwargs)
+    module.configure_model()
+    return module
+
+
+def make_datamodule(module, **kwargs) -> RolloutDataModule:
+    kwargs = {"prompts": PROMPTS, "val_size": 2, "prompts_per_step": 2, "group_size": 4, "micro_group_size": 4,
+              "strategy": "continuous", "max_new_tokens": 8, "reward_funcs": ["char_fraction"], **kwargs}
+    dm = RolloutDataModule(**kwargs)
+    dm.attach(module.policy, module.tokenizer)
+    dm.setup("fit")
+    return dm
+
+
+@pytest.fixture(scope="module")
+def batch():
+    module = make_module()
+    batch = make_datamodule(module, reward_funcs=["char_fraction", "accuracy"]).build_train_batch()
+    assert batch.advantages.abs().sum() > 0, "the test needs a rollout with a learning signal"
+    return batch
+
+
+def grads_after_step(module, batch):
+    optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    metrics = module.grpo_step(batch, optimizer)
+    return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, metrics
+
+
+def test_rollout_batch_contract(batch):
+    B, G = 2, 4
+    assert len(batch.prompts) == B and len(batch.completions) == B and len(batch.completions[0]) == G
+    assert batch.rewards.shape == (B, G) and batch.rewards.dtype == torch.float32
+    assert batch.completion_lengths.shape == (B, G) and batch.completion_lengths.dtype == torch.long
+    assert batch.truncated.shape == (B, G) and batch.truncated.dtype == torch.bool
+    assert batch.completion_ids.shape[:2] == (B, G) and batch.sampling_logprobs.shape == batch.completion_ids.shape
+    assert set(batch.reward_components) == {"char_fraction", "accuracy"}
+    assert batch.stats.generated_tokens == int(batch.completion_lengths.sum())
+    assert batch.columns["answer"] == [PROMPTS[i]["answer"] for i in batch.indices]
+    moved = batch.to("cpu")
+    assert moved is not batch and torch.equal(moved.rewards, batch.rewards)
+
+
+def test_update_log_probs_match_the_sampler(batch):
+    """The update's forward (left-padded prompts, right-padded completions, position ids) reproduces the
+    engine's sampling log-probs: the tensors line up token for token."""
+    module = make_module()
+    micro = batch.micro_batch(torch.arange(batch.num_completions))
+    with torch.no_grad():
+        logps = token_logps(completion_logits(module.policy, micro, batch.temperature), micro["completion_ids"])
+    mask = micro["completion_mask"].bool()
+    torch.testing.assert_close(logps[mask], micro["sampling_logprobs"][mask], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
+    small, _ = grads_after_step(make_module(loss_type=loss_type, train_micro_batch_size=3), batch)
+    big, metrics = grads_after_step(make_module(loss_type=loss_type, train_micro_batch_size=8), batch)
+    assert small.keys() == big.keys() and len(big) > 0
+    for name in big:
+        torch.testing.assert_close(small[name], big[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert metrics["train/grad_norm"] > 0
+    for key in ("train/loss", "train/clip_ratio_low", "train/clip_ratio_high", "train/entropy", "reward/mean",
+                "reward/std", "reward/frac_zero_std", "reward/char_fraction/mean", "completions/mean_length",
+                "completions/min_length", "completions/max_length", "completions/clipped_ratio"):
+        assert key in metrics, key
+    assert "train/kl" not in metrics  # beta = 0: no reference model, no KL
+
+
+def test_non_finite_loss_stops_before_any_optimizer_step(batch):
+    module = make_module(train_micro_batch_size=4)
+    bad = batch.to("cpu")
+    bad.advantages = bad.advantages.clone()
+    bad.advantages[1, 2] = float("inf")
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    with pytest.raises(FloatingPointError, match="non-finite GRPO loss.*micro-batch 1.*weights are unchanged"):
+        module.grpo_step(bad, optimizer)
+    for name, param in module.policy.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert not optimizer.state  # AdamW never stepped
+
+
+def test_beta_loads_a_reference_and_logs_kl(batch):
+    module = make_module(beta=0.1, num_iterations=2, lr=1e-2)
+    assert module.ref_model is not None and not any(p.requires_grad for p in module.ref_model.parameters())
+    optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
+    metrics = module.grpo_step(batch, optimizer)
+    assert metrics["train/kl"] > 0  # averaged over 2 iterations: the second one has moved away from the reference
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
+    module.on_load_checkpoint(checkpoint)  # put back for strict loading
+    module.load_state_dict(checkpoint["state_dict"])
+    assert make_module().ref_model is None
+
+
+def test_lora_uses_the_disabled_adapter_as_reference(batch):
+    module = make_module(beta=0.1, peft_config={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    assert module.ref_model is None
+    trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-3)
+    metrics = module.grpo_step(batch, optimizer)
+    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
+
+
+def test_dynamic_sampling_drops_groups_without_signal():
+    def half_flat(prompts, completions, **kwargs):  # constant reward for even prompts: zero-std groups
+        return [1.0 if int(p.split()[2]) % 2 == 0 else float(sum(map(ord, c)) % 5) for p, c in zip(prompts, completions)]
+
+    module = make_module()
+    dm = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=True, max_sampling_rounds=8)
+    batch = dm.build_train_batch()
+    assert batch.rewards.std(dim=1).gt(0).all()
+    assert all(PROMPTS[i]["answer"] and int(PROMPTS[i]["answer"]) % 4 == 2 for i in batch.indices)  # odd i
+    assert batch.num_groups_generated > 2 and batch.num_groups_zero_std >= 1
+    assert batch.metrics["rollout/sampling_rounds"] >= 2
+
+    plain = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=False).build_train_batch()
+    assert plain.num_groups_generated == 2 and plain.metrics["rollout/sampling_rounds"] == 1
+
+
+def test_prompt_stream_resumes_where_it_stopped():
+    module = make_module()
+    first = make_datamodule(module)
+    first.build_train_batch()
+    state = first.state_dict()
+    expected = first.build_train_batch()
+
+    resumed = RolloutDataModule(prompts=PROMPTS, val_size=2, prompts_per_step=2, group_size=4, micro_group_size=4,
+                                strategy="continuous", max_new_tokens=8, reward_funcs=["char_fraction"])
+    resumed.load_state_dict(state)  # before setup, as Lightning may do
+    resumed.attach(module.policy, module.tokenizer)
+    resumed.setup("fit")
+    got = resumed.build_train_batch()
+    assert got.indices == expected.indices
+    assert got.completions == expected.completions
+    assert resumed.steps_built == 2
+
+
+def test_validation_batch_is_greedy_and_scored():
+    module = make_module()
+    dm = make_datamodule(module, reward_funcs=["accuracy"])
+    val = dm.build_val_batch([0, 1])
+    assert val.rewards.shape == (2, 1) and val.split == "val"
+    assert val.completions == dm.build_val_batch([0, 1]).completions  # greedy: deterministic
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        GRPOModule(model="tiny-llama", loss_type="ppo")
+    with pytest.raises(ValueError, match="scale_rewards='std'"):
+        GRPOModule(model="tiny-llama", scale_rewards="std")
+    with pytest.raises(ValueError, match="train_micro_batch_size=0"):
+        GRPOModule(model="tiny-llama", train_micro_batch_size=0)
+    with pytest.raises(ValueError, match="epsilon_high=-1"):
+        GRPOModule(model="tiny-llama", epsilon_high=-1)
+    with pytest.raises(ValueError, match="model path './nope' does not exist"):
+        GRPOModule(model="./nope")
+    with pytest.raises(ValueError, match="give exactly one prompt source"):
+        RolloutDataModule(task="basic_arithmetic", prompts=PROMPTS).setup("fit")
+    with pytest.raises(ValueError, match="curriculum='hard'"):
+        RolloutDataModule(prompts=PROMPTS, curriculum="hard")
+    with pytest.raises(ValueError, match="prompts_per_step=0"):
+        RolloutDataModule(prompts=PROMPTS, prompts_per_step=0)
+
+
+def test_angle_curriculum_is_wired_in():
+    module = make_module()
+    dm = make_datamodule(module, curriculum="angle", curriculum_kwargs={"sigma": 2.0})
+    batch = dm.build_train_batch()
+    assert dm.sampler.scores is not None and dm.sampler.scores.shape == (len(dm.train_indices),)
+    assert {"curriculum/mu", "curriculum/mean_angle"} <= set(batch.metrics)
+    assert GRPOModule._rollout_metrics(batch)["curriculum/mu"] == batch.metrics["curriculum/mu"]
+    assert "sampler" in dm.state_dict() and dm.state_dict()["sampler"]["kind"] == "AngleCurriculumSampler"
+
+
+def test_jsonl_source_and_its_errors(tmp_path):
+    from lit_grpo.datamodules.prompts import jsonl_prompts, split_examples
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "What is 2 + 2?", "answer": 4, "level": 1}\n\n{"question": "Capital of France?"}\n')
+    examples = jsonl_prompts(path)
+    assert [(e.prompt, e.answer) for e in examples] == [("What is 2 + 2?", "4"), ("Capital of France?", None)]
+    assert examples[0].entry["level"] == 1
+    train, val = split_examples(examples, 1, seed=0)
+    assert sorted(train + val) == [0, 1] and len(val) == 1
+    with pytest.raises(ValueError, match="does not exist"):
+        jsonl_prompts(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        jsonl_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"text": "hi"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no prompt field; the row has keys \['text'\]"):
+        jsonl_prompts(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="val_size=2 leaves no training prompt"):
+        split_examples(examples, 2)
+
+
+def test_token_logps_and_entropy_helpers():
+    from lit_grpo.module import token_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(2, 3, 11, generator=g), torch.randint(0, 11, (2, 3), generator=g)
+    full = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(token_logps(logits, ids), full)
+    half = token_logps(logits.bfloat16(), ids)  # the row-by-row path for half-precision logits
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, full, atol=6e-2, rtol=0)
+    expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(token_entropy(logits), expected)

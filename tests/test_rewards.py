@@ -1,0 +1,132 @@
+import math
+
+import pytest
+import reasoning_gym
+import torch
+
+from lit_grpo.rewards import (
+    OverlongPenalty,
+    RewardFunctionError,
+    WeightedReward,
+    accuracy_reward,
+    build_reward_funcs,
+    extract_answer,
+    format_reward,
+    score_rewards,
+)
+
+
+def test_weighted_sum_skips_none():
+    def a(prompts, completions, **kw):
+        return [1.0, None, 0.5, None]
+
+    def b(prompts, completions, **kw):
+        return [0.0, 2.0, None, None]
+
+    funcs = [WeightedReward(a, 2.0), WeightedReward(b, 0.5)]
+    with pytest.warns(UserWarning, match="every reward function returned None for 1 of 4"):
+        out = score_rewards(funcs, ["p"] * 4, ["c"] * 4, group_size=2)
+    assert out.total.tolist() == [2.0, 1.0, 1.0, 0.0]  # all-None -> 0.0
+    assert math.isnan(out.components["a"][1]) and out.components["b"][1] == 2.0
+    assert list(out.components) == ["a", "b"]
+
+
+def test_columns_reach_the_functions():
+    seen = {}
+
+    def f(prompts, completions, answer, **kw):
+        seen.update(kw, answer=answer)
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    out = score_rewards([WeightedReward(f)], ["p1", "p2"], ["4", "5"], {"answer": ["4", "6"], "extra": [1, 2]})
+    assert out.total.tolist() == [1.0, 0.0]
+    assert seen["extra"] == [1, 2]
+
+
+def test_raising_function_names_function_and_prompt():
+    def picky(prompts, completions, **kw):
+        if any("bad" in p for p in prompts):
+            raise KeyError("boom")
+        return [0.0] * len(prompts)
+
+    prompts = ["good one"] * 2 + ["a bad prompt"] * 2
+    with pytest.raises(RewardFunctionError, match=r"'picky' raised KeyError.*prompt 1 'a bad prompt'") as info:
+        score_rewards([WeightedReward(picky)], prompts, ["x"] * 4, group_size=2)
+    assert info.value.name == "picky" and info.value.group == 1 and info.value.prompt == "a bad prompt"
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("values, match", [
+    ([1.0], r"'bad' returned 1 values for 2 completions"),
+    ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1 for prompt 'q2'"),
+    ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
+    ([1.0, float("inf")], r"returned inf at index 1"),
+    ("11", r"returned str"),
+])
+def test_bad_return_values(values, match):
+    def bad(prompts, completions, **kw):
+        return values
+
+    with pytest.raises(ValueError, match=match):
+        score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
+
+
+def test_extract_answer():
+    assert extract_answer("so <answer> 12 </answer> and <answer>-4</answer>") == "-4"
+    assert extract_answer("1 + 2 = 3. So the answer is 1,234.", numeric=True) == "1234"
+    assert extract_answer("It is 7.", numeric=True) == "7"
+    assert extract_answer("no number", numeric=True) is None
+    assert extract_answer("thinking\n\nParis\n") == "Paris"
+
+
+def test_reasoning_gym_scoring_uses_the_dataset_score_answer():
+    dataset = reasoning_gym.create_dataset("basic_arithmetic", size=4, seed=1)
+    entry = dataset[0]  # 'Calculate 5 - 3 - 6.' -> '-4'
+    gold = entry["answer"]
+    completions = [f"<answer>{gold}</answer>", f"5 - 3 - 6 = {gold}", "The answer is 12", "no idea"]
+    got = accuracy_reward(["q"] * 4, completions, answer=[gold] * 4, entry=[entry] * 4)
+    expected = [dataset.score_answer(a, entry) for a in (gold, gold, "12", None)]
+    assert got == expected == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_accuracy_without_reasoning_gym_entry():
+    got = accuracy_reward(["q"] * 4, ["The answer is 42.", "42.0", "41", "x"], answer=["42", "42", "42", None])
+    assert got == [1.0, 1.0, 0.0, None]
+    assert accuracy_reward(["q"], ["Let me think.\nParis."], answer=["Paris"]) == [1.0]
+
+
+def test_format_and_overlong():
+    assert format_reward([], ["<answer>3</answer>", "3", "<answer>1</answer><answer>2</answer>", "<answer> </answer>"]) \
+        == [1.0, 0.0, 0.0, 0.0]
+    penalty = OverlongPenalty(buffer=4)
+    got = penalty([""] * 4, [""] * 4, completion_length=[4, 6, 8, 9], max_new_tokens=[8] * 4)
+    assert got == [0.0, -0.5, -1.0, -1.0]
+    assert OverlongPenalty(max_length=10, buffer=5)([""], [""], completion_length=[7]) == [pytest.approx(-0.4)]
+    with pytest.raises(ValueError, match="buffer=0"):
+        OverlongPenalty(buffer=0)
+
+
+def test_build_reward_funcs_from_config_specs():
+    funcs = build_reward_funcs([
+        "accuracy",
+        {"name": "format", "weight": 0.25},
+        {"name": "overlong", "kwargs": {"buffer": 16}},
+        {"name": "lit_grpo.rewards:format_reward", "log_name": "fmt2"},
+    ])
+    assert [(f.name, f.weight) for f in funcs] == [("accuracy", 1.0), ("format", 0.25), ("overlong", 1.0),
+                                                    ("fmt2", 1.0)]
+    assert funcs[2].fn.buffer == 16
+    assert [f.name for f in build_reward_funcs(None)] == ["accuracy"]
+    with pytest.raises(ValueError, match="reward function 'nope' is unknown"):
+        build_reward_funcs(["nope"])
+    with pytest.raises(ValueError, match="distinct names"):
+        build_reward_funcs(["format", "format"])
+    with pytest.raises(ValueError, match="unknown: \\['wieght'\\]"):
+        build_reward_funcs([{"name": "format", "wieght": 2}])
+    with pytest.raises(ValueError, match="weight"):
+        WeightedReward(format_reward, float("nan"))
+
+
+def test_scores_are_float_tensors():
+    out = score_rewards(build_reward_funcs(["format"]), ["p", "p"], ["<answer>1</answer>", ""], group_size=2)
+    assert out.total.dtype == torch.float32 and out.total.tolist() == [1.0, 0.0]
