@@ -21,7 +21,8 @@ class CompletionLogger(Callback):
     **Logged keys**
 
     - ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``: completion tokens
-      over the B x G samples of the rollout (scalars, every batch, honouring ``log_every_n_steps``).
+      over the B x G samples of the rollout (scalars, every batch, honouring ``log_every_n_steps``), unless the
+      LightningModule logs these keys itself (GRPOModule does), in which case its values stand alone.
     - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
     - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths.
     - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
@@ -71,7 +72,9 @@ class CompletionLogger(Callback):
         lengths = batch.completion_lengths.detach().flatten().cpu()
         if lengths.numel() == 0:
             return
-        log_metrics(trainer, length_summary(lengths, batch.truncated.detach().flatten().cpu()))
+        # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
+        summary = length_summary(lengths, batch.truncated.detach().flatten().cpu())
+        log_metrics(trainer, {k: v for k, v in summary.items() if k not in trainer.callback_metrics})
 
         want_histogram = index % self.histogram_every_n_steps == 0
         want_table = index % self.table_every_n_steps == 0

@@ -359,6 +359,22 @@ def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class LengthLoggingModule(RolloutModule):
+    """Logs completions/mean_length itself, as GRPOModule does (with a marker value to tell the writers apart)."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("completions/mean_length", -1.0)
+        return super().training_step(batch, batch_idx)
+
+
+def test_completion_logger_leaves_keys_the_module_logs_itself(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(3)]
+    trainer = fit(tmp_path, LengthLoggingModule(rollouts), [CompletionLogger()], max_steps=3)
+    accumulator = events(trainer)
+    assert scalars(accumulator, "completions/mean_length") == [-1.0, -1.0, -1.0]  # one writer, one value per step
+    assert scalars(accumulator, "completions/max_length") == [r.completion_lengths.max().item() for r in rollouts]
+
+
 def test_completion_logger_scalars_histogram_and_table(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(4)]
     trainer = fit(tmp_path, RolloutModule(rollouts), [CompletionLogger(table_every_n_steps=3, num_prompts=1,

@@ -40,8 +40,17 @@ def test_fit_one_step_end_to_end(tmp_path):
                 "reward/mean", "reward/std", "reward/frac_zero_std", "reward/accuracy/mean", "reward/format/mean",
                 "reward/overlong/mean", "reward/char_fraction/mean", "completions/mean_length",
                 "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-                "val/accuracy", "val/reward"}
+                "val/accuracy", "val/reward",
+                # the callbacks of configs/tiny.yaml, on a real GRPO run
+                "rollout/decode_steps", "rollout/lower_bound_steps", "rollout/slot_utilization",
+                "rollout/prefill_tokens", "rollout/generated_tokens", "rollout/tokens_per_s", "rollout/wall_s",
+                "rollout/peak_kv_bytes", "rollout/length_pred_smape", "memory/step_peak_bytes",
+                "memory/rollout_peak_bytes", "memory/update_peak_bytes"}
     assert expected <= tags, expected - tags
+    assert accumulator.Scalars("rollout/decode_steps")[0].value >= accumulator.Scalars("rollout/lower_bound_steps")[0].value
+    assert accumulator.Scalars("memory/rollout_peak_bytes")[0].value > 0
+    assert "rollout/slot_timeline" in accumulator.Tags()["images"]
+    assert accumulator.Tags()["histograms"] == ["completions/length"]
     assert [e.step for e in accumulator.Scalars("train/loss")] == [0]
     assert accumulator.Scalars("train/grad_norm")[0].value > 0  # a real update happened
     assert list((root / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
