@@ -147,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.preset:
@@ -195,6 +196,9 @@ def build_runners(args, model, tokenizer, prompts, lengths):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     torch.manual_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype)
     model.eval()

@@ -1,0 +1,60 @@
+"""The benchmark scripts run and write the JSON that design.md fixes (tiny model; no timing is asserted)."""
+
+import json
+
+import pytest
+
+from tools import bench_rollout
+
+RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
+              "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction"}
+
+
+def test_bench_rollout_writes_every_design_field(tmp_path):
+    out = tmp_path / "rollout.json"
+    bench_rollout.main(["--model", "tiny", "--prompts", "2", "--group-size", "4", "--micro-group-size", "2",
+                        "--max-new-tokens", "6", "--temperature", "0", "--repeats", "1", "--threads", "1",
+                        "--strategies", "full,micro,continuous,infinite,hf_generate,hf_generate_chunked",
+                        "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = {run["strategy"]: run for run in report["runs"]}
+    assert set(runs) == {"full", "micro", "continuous", "infinite", "hf_generate", "hf_generate_chunked"}
+    for run in runs.values():
+        assert RUN_FIELDS <= set(run)
+        assert run["identical_fraction"] == 1.0  # greedy: every path returns the same completions
+    assert runs["continuous"]["peak_kv_bytes"] < runs["full"]["peak_kv_bytes"]
+    assert runs["hf_generate"]["prefill_tokens"] > runs["full"]["prefill_tokens"]  # generate prefills every row
+
+
+def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"lengths": [[9, 2, 5, 7], [3, 8, 1, 4], [6, 6, 2, 9]]}))
+    out = tmp_path / "replay.json"
+    report = bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "2",
+                                 "--micro-group-size", "2", "--max-new-tokens", "9", "--repeats", "1",
+                                 "--strategies", "continuous,infinite", "--predictors", "oracle,history",
+                                 "--refills", "sjf,lpt", "--json", str(out)])
+    assert report["config"]["prompts"] == 2 and report["config"]["group_size"] == 4  # B sliced, G from the file
+    infinite = [run for run in report["runs"] if run["strategy"] == "infinite"]
+    assert {(run["predictor"], run["refill"]) for run in infinite} == {
+        ("oracle", "sjf"), ("oracle", "lpt"), ("history", "sjf"), ("history", "lpt")}
+    for run in report["runs"]:
+        assert run["generated_tokens"] == 9 + 2 + 5 + 7 + 3 + 8 + 1 + 4
+        assert run["lower_bound_steps"] == 20
+    with pytest.raises(SystemExit, match="holds 3 prompts"):
+        bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "5", "--repeats", "1"])
+
+
+def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
+    from tools import bench_grpo_memory
+
+    out = tmp_path / "memory.json"
+    report = bench_grpo_memory.main(["--model", "tiny", "--group-sizes", "2,4", "--strategies", "continuous",
+                                     "--micro-group-size", "2", "--train-micro-batch-size", "2",
+                                     "--max-new-tokens", "4", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [(run["strategy"], run["group_size"]) for run in report["runs"]] == [("continuous", 2), ("continuous", 4)]
+    for run in report["runs"]:
+        assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
+        assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
+    assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
