@@ -45,7 +45,7 @@ from lit_grpo.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, merge_stats, pad_left, pad_right
 from lit_grpo.datamodules.curriculum import CURRICULA, angle_concentration, build_prompt_sampler
 from lit_grpo.datamodules.prompts import PromptExample, load_prompts, render_prompt, split_examples
-from lit_grpo.rewards import WeightedReward, build_reward_funcs, score_rewards
+from lit_grpo.rewards import ON_ERROR, WeightedReward, build_reward_funcs, score_rewards
 
 DEFAULT_SYSTEM_PROMPT = None
 
@@ -83,6 +83,50 @@ class _RequestStream(IterableDataset):
         return len(self.chunks) if self.chunks is not None else self.num_steps
 
 
+class _RequestLoader(DataLoader):
+    """A DataLoader of ``RolloutRequest`` tokens that Lightning treats as resumable (``state_dict`` /
+    ``load_state_dict``), so a mid-epoch resume is exact without the "dataloader is not resumable" warning.
+
+    The requests carry no data: the prompt stream's position (sampler, engine counters, random streams) lives in
+    ``RolloutDataModule.state_dict``, and Lightning's restored batch progress ends the resumed epoch where the
+    original one ended.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        return None
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global python / numpy / torch (CPU) random states, as plain lists and a tensor (so checkpoints load with
+    ``torch.load(weights_only=True)``)."""
+    import random
+
+    import numpy as np
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "torch": torch.get_rng_state()}
+
+
+def _set_rng_states(states: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in states:
+        name, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "torch" in states:
+        torch.set_rng_state(torch.as_tensor(states["torch"], dtype=torch.uint8))
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
@@ -105,12 +149,21 @@ class RolloutDataModule(LightningDataModule):
         reward_funcs: list of specs, see ``lit_grpo.rewards.build_reward_funcs`` (default ``["accuracy"]``).
         accuracy_reward: the reward function whose value is correctness (val/accuracy, curriculum feedback).
     Rollouts (the engine, see ``lit_grpo.sampling.RolloutEngine``):
-        prompts_per_step: B, groups per training step (per rank). group_size: G. micro_group_size: g.
+        prompts_per_step: B, groups per training step (per rank). group_size: G (>= 2 for training: a lone
+            completion has nothing to be compared with).
+        micro_group_size: g, concurrent sequences; ``"auto"`` picks the largest g whose worst-case KV cache fits
+            ``kv_budget_bytes`` (``lit_grpo.sampling.memory_budget``; logged as ``rollout/micro_group_size``).
+        kv_budget_bytes: the KV-cache byte budget for ``micro_group_size="auto"``.
         strategy, max_new_tokens, temperature, top_p, top_k, seed, scheduler_options: engine settings.
         dynamic_sampling: drop groups whose G rewards are all equal and draw more prompts, at most
             ``max_sampling_rounds`` engine calls per step; if still short, dropped groups fill the batch (their
             advantages are 0, so they add no gradient) so every step has B groups.
         steps_per_epoch: training steps per epoch; default ``ceil(train prompts / (B x world_size))``.
+    Reward errors:
+        on_reward_error: ``"raise"`` (a reward function that raises stops training with an error naming the
+            function and the prompt) or ``"skip_group"`` (the failing groups are scored 0, get zero advantages and
+            no loss tokens, so they are never trained on; a warning names each, and ``reward/skipped_groups``
+            counts them per step). Validation prompts that fail are left out of val/reward and val/accuracy.
     Validation:
         val_batch_size: prompts per greedy validation rollout; val_max_new_tokens: default ``max_new_tokens``.
     Curriculum:
@@ -133,7 +186,8 @@ class RolloutDataModule(LightningDataModule):
         accuracy_reward: str = "accuracy",
         prompts_per_step: int = 4,
         group_size: int = 8,
-        micro_group_size: int | None = None,
+        micro_group_size: int | str | None = None,
+        kv_budget_bytes: int | None = None,
         strategy: str = "infinite",
         max_new_tokens: int = 256,
         temperature: float = 1.0,
@@ -149,13 +203,22 @@ class RolloutDataModule(LightningDataModule):
         curriculum: str = "none",
         curriculum_kwargs: dict[str, Any] | None = None,
         score_batch_size: int = 8,
+        on_reward_error: str = "raise",
     ):
         super().__init__()
         _check_int("size", size, 1)
         _check_int("prompts_per_step", prompts_per_step, 1)
-        _check_int("group_size", group_size, 1)
-        if micro_group_size is not None:
+        _check_int("group_size", group_size, 2)
+        if micro_group_size == "auto":
+            if kv_budget_bytes is None:
+                raise ValueError("micro_group_size='auto' needs kv_budget_bytes (the KV-cache byte budget)")
+            _check_int("kv_budget_bytes", kv_budget_bytes, 1)
+        elif micro_group_size is not None:
+            if isinstance(micro_group_size, str):
+                raise ValueError(f"micro_group_size={micro_group_size!r} must be an integer >= 1, 'auto' or None")
             _check_int("micro_group_size", micro_group_size, 1)
+        if on_reward_error not in ON_ERROR:
+            raise ValueError(f"on_reward_error={on_reward_error!r} is not supported; use one of {list(ON_ERROR)}")
         _check_int("max_new_tokens", max_new_tokens, 1)
         _check_int("max_sampling_rounds", max_sampling_rounds, 1)
         _check_int("val_batch_size", val_batch_size, 1)
@@ -176,6 +239,8 @@ class RolloutDataModule(LightningDataModule):
         self.reward_funcs: list[WeightedReward] = build_reward_funcs(reward_funcs)
         self.accuracy_reward = accuracy_reward
         self.prompts_per_step, self.group_size, self.micro_group_size = prompts_per_step, group_size, micro_group_size
+        self.kv_budget_bytes, self.on_reward_error = kv_budget_bytes, on_reward_error
+        self.resolved_micro_group_size: int | None = None  # the g the engine uses ("auto" resolved)
         self.strategy, self.max_new_tokens = strategy, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.scheduler_options = dict(scheduler_options or {})
@@ -265,8 +330,8 @@ class RolloutDataModule(LightningDataModule):
         return self.steps_per_epoch or max(1, math.ceil(len(self.train_indices) / (self.prompts_per_step * world)))
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_RequestStream("train", self.num_train_steps_per_epoch()), batch_size=None,
-                          num_workers=0)
+        return _RequestLoader(_RequestStream("train", self.num_train_steps_per_epoch()), batch_size=None,
+                              num_workers=0)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_indices:
@@ -281,13 +346,38 @@ class RolloutDataModule(LightningDataModule):
         from lit_grpo.sampling import RolloutEngine
 
         if greedy:
-            return RolloutEngine(self.policy, self.tokenizer, group_size=1,
-                                 micro_group_size=self.val_batch_size, strategy="continuous",
-                                 max_new_tokens=self.val_max_new_tokens, temperature=0.0, seed=self.seed)
-        return RolloutEngine(self.policy, self.tokenizer, group_size=group_size,
-                             micro_group_size=self.micro_group_size, strategy=self.strategy,
-                             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                             top_k=self.top_k, seed=self.seed, **self.scheduler_options)
+            engine = RolloutEngine(self.policy, self.tokenizer, group_size=1,
+                                   micro_group_size=self.val_batch_size, strategy="continuous",
+                                   max_new_tokens=self.val_max_new_tokens, temperature=0.0, seed=self.seed)
+            engine.inference_mode = not self._sharded()
+            return engine
+        self.resolved_micro_group_size = self._resolve_micro_group_size()
+        engine = RolloutEngine(self.policy, self.tokenizer, group_size=group_size,
+                               micro_group_size=self.resolved_micro_group_size, strategy=self.strategy,
+                               max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                               top_k=self.top_k, seed=self.seed, **self.scheduler_options)
+        engine.inference_mode = not self._sharded()
+        return engine
+
+    def _sharded(self) -> bool:
+        """Whether the policy is FSDP2-sharded (its forward hooks gather weights: no inference_mode)."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - old torch
+            return False
+        return isinstance(self.policy, FSDPModule)
+
+    def _resolve_micro_group_size(self) -> int | None:
+        """``micro_group_size``, with ``"auto"`` turned into the largest g that fits ``kv_budget_bytes``."""
+        if self.micro_group_size != "auto":
+            return self.micro_group_size
+        from lit_grpo.sampling.memory_budget import auto_micro_group_size
+
+        policy = self.policy
+        dtype = next(policy.parameters()).dtype
+        max_prompt_len = max((len(ids) for ids in self.train_prompt_ids), default=0)
+        return auto_micro_group_size(policy.config, dtype, self.kv_budget_bytes, max_prompt_len, self.max_new_tokens,
+                                     self.group_size, self.prompts_per_step)
 
     @property
     def engine(self):
@@ -360,7 +450,10 @@ class RolloutDataModule(LightningDataModule):
         for key in extra_keys:
             columns[key] = flat([e.entry.get(key) for e in examples])
         scores = score_rewards(self.reward_funcs, flat([e.prompt for e in examples]),
-                               [t for group in texts for t in group], columns, group_size=group_size)
+                               [t for group in texts for t in group], columns, group_size=group_size,
+                               on_error=self.on_reward_error)
+        skipped = torch.zeros(len(examples), dtype=torch.bool)
+        skipped[scores.skipped_groups] = True
         return {
             "positions": positions,
             "examples": examples,
@@ -371,6 +464,7 @@ class RolloutDataModule(LightningDataModule):
             "texts": texts,
             "rewards": scores.total.view(len(examples), group_size),
             "components": {k: v.view(len(examples), group_size) for k, v in scores.components.items()},
+            "skipped": skipped,
             "stats": result.stats,
         }
 
@@ -394,6 +488,9 @@ class RolloutDataModule(LightningDataModule):
             chosen = chosen + dropped[: self.prompts_per_step - len(chosen)]
         batch = self._assemble(rounds, chosen, engine, split="train")
         batch.metrics["rollout/sampling_rounds"] = float(len(rounds))
+        batch.metrics["reward/skipped_groups"] = float(sum(int(part["skipped"].sum()) for part in rounds))
+        if engine.micro_group_size is not None:
+            batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)
         self._curriculum_update(batch)
         self.steps_built += 1
         return batch
@@ -411,7 +508,7 @@ class RolloutDataModule(LightningDataModule):
         if not self.dynamic_sampling:
             return self._all_groups(rounds)
         return [(r, p) for r, part in enumerate(rounds) for p in range(len(part["positions"]))
-                if not bool(zero_std_groups(part["rewards"])[p])]
+                if not bool(zero_std_groups(part["rewards"])[p]) and not bool(part["skipped"][p])]
 
     def _assemble(self, rounds: list[dict], chosen: list[tuple[int, int]], engine, split: str) -> RolloutBatch:
         tokenizer = self.tokenizer
@@ -432,8 +529,8 @@ class RolloutDataModule(LightningDataModule):
         lengths = mask.sum(dim=1).view(len(chosen), group_size)
         examples = pick("examples")
         all_rewards = torch.cat([part["rewards"] for part in rounds])
-        advantages = (group_advantages(rewards, self.scale_rewards) if split == "train"
-                      else torch.zeros_like(rewards))
+        skipped = torch.stack([rounds[r]["skipped"][p] for r, p in chosen])
+        advantages = (self._advantages(rewards, skipped) if split == "train" else torch.zeros_like(rewards))
         return RolloutBatch(
             stats=merge_stats([part["stats"] for part in rounds]),
             prompts=[e.prompt for e in examples],
@@ -456,7 +553,29 @@ class RolloutDataModule(LightningDataModule):
             num_groups_generated=all_rewards.shape[0],
             num_groups_zero_std=int(zero_std_groups(all_rewards).sum()) if group_size > 1 else all_rewards.shape[0],
             split=split,
+            skipped=skipped,
         )
+
+    def _advantages(self, rewards: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
+        """``[B, G]`` advantages; skipped groups get 0 and are left out of the batch statistics.
+
+        ``scale_rewards="batch"`` under ddp: the standard deviation spans every rank's (kept) rewards, gathered
+        with ``all_gather`` (all ranks have the same ``[B, G]`` shape), so all ranks scale by the same number.
+        """
+        scale = self.scale_rewards
+        advantages = torch.zeros_like(rewards, dtype=torch.float32)
+        world, _ = self._world()
+        batch_rewards = None
+        if scale == "batch" and world > 1:
+            strategy = self.trainer.strategy
+            device = strategy.root_device
+            gathered = strategy.all_gather(rewards.float().to(device))        # [W, B, G]
+            kept = strategy.all_gather(skipped.to(device).logical_not())      # [W, B]
+            batch_rewards = gathered.reshape(-1, rewards.shape[1])[kept.reshape(-1)].cpu()
+        keep = ~skipped
+        if bool(keep.any()):
+            advantages[keep] = group_advantages(rewards[keep], scale, batch_rewards=batch_rewards)
+        return advantages
 
     def _source(self, split: str) -> list[int]:
         return self.train_indices if split == "train" else self.val_indices
@@ -478,8 +597,10 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The prompt stream's position: sampler state, steps built, and the engine's rollout counter."""
-        state: dict[str, Any] = {"steps_built": self.steps_built}
+        """Everything exact resume needs from the data side: steps built, the prompt sampler / curriculum state,
+        the engine's state (rollout counter, which keys every per-sample random stream, and the length
+        predictor's state), and the global python / numpy / torch random states (saved from rank 0)."""
+        state: dict[str, Any] = {"steps_built": self.steps_built, "rng": _rng_states()}
         if self.sampler is not None:
             state["sampler"] = self.sampler.state_dict()
         elif "sampler" in self._pending_state:
@@ -493,6 +614,8 @@ class RolloutDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup``)."""
         self.steps_built = int(state_dict.get("steps_built", 0))
+        if "rng" in state_dict:
+            _set_rng_states(state_dict["rng"])
         if "sampler" in state_dict:
             if self.sampler is not None:
                 self.sampler.load_state_dict(state_dict["sampler"])

@@ -13,7 +13,8 @@ STD_EPS = 1e-4
 SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, scale: str = "group",
+                     batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages ``A = (R - mean_group(R)) / (std + 1e-4)``.
 
     Args:
@@ -22,6 +23,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tenso
             ``"group"``: the group's standard deviation (unbiased, as ``torch.std``);
             ``"batch"``: the standard deviation of all ``B x G`` rewards (unbiased);
             ``"none"``: nothing (Dr. GRPO), ``A = R - mean_group(R)``.
+        batch_rewards: ``[B', G]`` for ``scale="batch"``: the rewards whose standard deviation divides (e.g. every
+            rank's rewards, gathered); default ``rewards``.
 
     Returns:
         ``[B, G]`` float advantages. A group whose rewards are all equal gets 0 everywhere (never NaN), and so does
@@ -48,7 +51,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tenso
     if scale == "group":
         std = rewards.std(dim=1, keepdim=True)  # unbiased; defined since G >= 2
     else:
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        pool = rewards if batch_rewards is None else batch_rewards.float().to(rewards.device)
+        std = pool.std() if pool.numel() > 1 else rewards.new_zeros(())
     # centered is exactly 0 in a zero-variance group, so 0 / (0 + eps) = 0: no NaN.
     return centered / (std + STD_EPS)
 

@@ -43,6 +43,8 @@ class RolloutBatch:
         num_groups_generated: groups sampled for this step (more than ``B`` with dynamic sampling).
         num_groups_zero_std: of those, groups whose rewards were all equal.
         split: ``"train"`` or ``"val"``.
+        skipped: ``[B]`` bool, groups skipped because a reward function raised (``on_reward_error="skip_group"``):
+            zero advantages and no loss tokens. None means none skipped.
     """
 
     stats: RolloutStats
@@ -67,6 +69,7 @@ class RolloutBatch:
     num_groups_generated: int = 0
     num_groups_zero_std: int = 0
     split: str = "train"
+    skipped: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ sizes
     @property
@@ -124,7 +127,8 @@ class RolloutBatch:
         Returns a dict with ``input_ids``, ``attention_mask``, ``position_ids``: ``[m, P' + T']``, the prompt
         left-padded and the completion right-padded, positions counting real tokens only (so padding never shifts
         them); ``completion_ids``, ``completion_mask``, ``sampling_logprobs``: ``[m, T']``; ``advantages``:
-        ``[m]``; ``truncated``: ``[m]``; ``prompt_length``: ``P'``.
+        ``[m]``; ``truncated``: ``[m]``; ``skipped``: ``[m]`` bool (the row's group was skipped);
+        ``prompt_length``: ``P'``.
         """
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.rewards.device)
         prompt_rows = rows // self.group_size
@@ -147,6 +151,8 @@ class RolloutBatch:
             "sampling_logprobs": self.sampling_logprobs.flatten(0, 1)[rows][:, :keep_t],
             "advantages": self.flat_advantages()[rows],
             "truncated": self.truncated.flatten()[rows],
+            "skipped": (self.skipped[prompt_rows] if self.skipped is not None
+                        else torch.zeros(len(rows), dtype=torch.bool, device=rows.device)),
             "prompt_length": keep_p,
         }
 

@@ -7,6 +7,18 @@
 Notes for configs: GRPOModule uses manual optimization, so ``trainer.gradient_clip_val`` and
 ``trainer.accumulate_grad_batches`` must stay unset (use ``model.max_grad_norm`` and
 ``model.train_micro_batch_size``); ``trainer.max_steps`` counts optimizer steps (rollouts x num_iterations).
+
+Multi-process and resume:
+
+    lit-grpo fit --config configs/tiny.yaml --trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu
+    lit-grpo fit --config configs/fsdp_gpu.yaml            # FSDP2 (ModelParallelStrategy + model.fsdp: true)
+    lit-grpo fit --config configs/tiny.yaml --ckpt_path PATH/step=K.ckpt   # exact resume after step K
+
+``data.prompts_per_step`` is per rank. A checkpoint holds, besides weights, optimizer and loops, the DataModule's
+state (steps built, the prompt sampler / curriculum, the engine's rollout counter and length predictor, the global
+random states), so steps K+1.. repeat an uninterrupted run's prompts, completions, rewards and losses. Under ddp
+the DataModule state is rank 0's; the other ranks' completions are still exact (the per-sample random streams are
+keyed by seed, rollout counter, prompt and sample), only their length predictor restarts from rank 0's state.
 """
 
 from __future__ import annotations

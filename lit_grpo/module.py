@@ -29,6 +29,15 @@ completions/{mean_length, min_length, max_length, clipped_ratio}; whatever the d
 ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation: val/{accuracy, reward}
 (torchmetrics ``MeanMetric``, per prompt, greedy).
 
+Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
+B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
+of every micro-batch of every rank (``strategy.reduce``), and the loss is multiplied by the world size because ddp
+averages the ranks' gradients: the update equals one process holding all ranks' rows (tests/test_ddp.py). The
+logged ``train/loss`` is then this rank's share times the world size (its mean over ranks is the step's loss).
+``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
+averaged the same way. A non-finite loss raises on the rank that sees it; under ddp the other ranks then stop at
+their next collective (the job fails as a whole, the weights stay as they were).
+
 The model is loaded in ``configure_model`` (idempotent; Lightning calls it before the optimizers are built, and
 under FSDP inside the sharding context); the tokenizer in ``__init__``, because the DataModule's ``setup`` (which
 renders prompts) runs before ``configure_model``. Outside a Trainer call ``module.configure_model()`` yourself.
@@ -146,6 +155,11 @@ class GRPOModule(LightningModule):
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
         lr, weight_decay, betas: AdamW. warmup_steps: linear warmup over that many optimizer steps, then constant.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
+        fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
+            decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs
+            ``trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy`` (GPU; configs/fsdp_gpu.yaml).
+            The rollout engine calls the sharded policy directly; FSDP2's forward hooks gather each layer's
+            weights, so generation works unchanged (at the cost of an all-gather per layer per decode step).
     """
 
     def __init__(
@@ -167,6 +181,7 @@ class GRPOModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
+        fsdp: bool = False,
     ):
         super().__init__()
         if loss_type not in LOSS_TYPES:
@@ -212,11 +227,32 @@ class GRPOModule(LightningModule):
             except ImportError as err:
                 raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
             policy = get_peft_model(policy, LoraConfig(**dict(hp.peft_config)))
+        if hp.fsdp:
+            self._fully_shard(policy)
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
         if hp.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)
+            if hp.fsdp:
+                self._fully_shard(ref)
             self.ref_model = ref.eval()
+
+    def _fully_shard(self, model: torch.nn.Module) -> None:
+        """FSDP2: every decoder layer, then the whole model, sharded over the data-parallel mesh."""
+        mesh = self.device_mesh
+        if mesh is None:
+            raise RuntimeError("fsdp=True needs a device mesh: use trainer.strategy "
+                               "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
+        from torch.distributed.fsdp import fully_shard
+
+        if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
+            mesh = mesh["data_parallel"]
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        if not layers:
+            raise ValueError(f"fsdp=True found no *DecoderLayer modules in {type(model).__name__} to shard")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
     def _require_policy(self) -> torch.nn.Module:
         if self.policy is None:
@@ -267,6 +303,9 @@ class GRPOModule(LightningModule):
         mask = micro["completion_mask"]
         if self.hparams.mask_truncated_completions:
             mask = mask * (~micro["truncated"]).unsqueeze(1).to(mask.dtype)
+        skipped = micro.get("skipped")
+        if skipped is not None and bool(skipped.any()):  # reward errors (on_reward_error="skip_group"): no loss
+            mask = mask * (~skipped).unsqueeze(1).to(mask.dtype)
         return mask
 
     @torch.no_grad()
@@ -295,6 +334,9 @@ class GRPOModule(LightningModule):
         Works with or without a Trainer (without one: plain ``backward`` and ``clip_grad_norm_``).
         """
         hp = self.hparams
+        if batch.group_size < 2:
+            raise ValueError(f"group_size={batch.group_size}: GRPO training needs >= 2 completions per prompt (a lone "
+                             "completion has no group to be compared with, so its advantage is always 0)")
         policy = self._require_policy()
         chunks = self._micro_batches(batch)
         total_active = self._total_active_tokens(batch, chunks) if hp.loss_type == "dapo" else None
@@ -325,6 +367,7 @@ class GRPOModule(LightningModule):
         loss_sum = 0.0
         sums = {"clip_ratio_low": 0.0, "clip_ratio_high": 0.0, "kl": 0.0, "entropy": 0.0}
         loss_tokens, content_tokens = 0.0, 0.0
+        world = self.trainer.world_size if self._trainer is not None else 1
         for index, rows in enumerate(chunks):
             micro = batch.micro_batch(rows)
             logits = completion_logits(self.policy, micro, batch.temperature)
@@ -335,6 +378,10 @@ class GRPOModule(LightningModule):
             loss = policy_loss(logps, old, micro["advantages"], mask, hp.loss_type, hp.epsilon_low,
                                hp.epsilon_high, ref, hp.beta, batch.max_new_tokens, total_active)
             loss = loss * micro_batch_weight(hp.loss_type, len(rows), total_rows, len(chunks))
+            if hp.loss_type == "dapo" and world > 1:
+                # dapo divides by the step's active tokens over ALL ranks; ddp then AVERAGES the ranks' gradients,
+                # so scale by the world size to get the gradient of sum(all ranks' tokens) / total tokens.
+                loss = loss * world
             if not torch.isfinite(loss):
                 optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(
@@ -375,11 +422,17 @@ class GRPOModule(LightningModule):
         return out
 
     def _grad_norm(self) -> float:
-        """The total L2 norm of the gradients before clipping (this rank's; with FSDP, this shard's)."""
-        grads = [p.grad.detach().float() for p in self.policy.parameters() if p.grad is not None]
+        """The total L2 norm of the gradients before clipping (with fsdp=True, over all shards)."""
+        grads = [p.grad.detach() for p in self.policy.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if self.hparams.fsdp:  # sharded DTensor gradients: the global norm
+            from torch.distributed.tensor import DTensor
+
+            norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+            norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+            return float(torch.linalg.vector_norm(torch.stack(norms)))
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
     @staticmethod
     def _rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
@@ -406,7 +459,9 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
         """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward."""
-        self.val_reward.update(batch.rewards.float().mean(dim=1))
+        kept = ~batch.skipped if batch.skipped is not None else torch.ones_like(batch.rewards[:, 0], dtype=torch.bool)
+        if bool(kept.any()):  # prompts skipped for a reward error (on_reward_error="skip_group") do not count
+            self.val_reward.update(batch.rewards.float().mean(dim=1)[kept])
         accuracy = batch.reward_components.get(self._accuracy_name())
         if accuracy is not None:
             values = accuracy.float().mean(dim=1)

@@ -22,7 +22,9 @@ pulls the advantage toward the group mean) and a warning is emitted once per cal
 Errors stop training, never silently zero a reward:
 
 - a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
-  by calling it again one group at a time);
+  by calling it again one group at a time); with ``on_error="skip_group"`` the groups it fails on are skipped
+  instead (``RewardScores.skipped_groups``; a warning names the function, the prompt and the error) and the
+  other groups are scored normally;
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
   value, its index and the prompt.
 
@@ -42,16 +44,17 @@ import numbers
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 RewardFn = Callable[..., Sequence[Any]]
 
-#: What ``score_rewards`` does when a reward function raises. Only "raise" exists today; a "skip_group" policy
-#: (score the other groups, drop the failing ones) plugs into ``_handle_reward_error``.
-ON_ERROR = ("raise",)
+#: What ``score_rewards`` does when a reward function raises: "raise" a ``RewardFunctionError`` naming the
+#: function and the prompt, or "skip_group": score the other groups, report the failing ones in
+#: ``RewardScores.skipped_groups`` (the trainer gives their rows no loss).
+ON_ERROR = ("raise", "skip_group")
 
 
 class RewardFunctionError(RuntimeError):
@@ -292,10 +295,15 @@ class RewardScores:
     Attributes:
         total: ``[N]`` weighted sum per completion (0.0 where every function said None).
         components: ``{name: [N]}`` each function's raw values, NaN where it returned None.
+        skipped_groups: sorted group indices (``i // group_size``) some function raised on, with
+            ``on_error="skip_group"``; their ``total`` is 0.0 and their component values NaN.
+        errors: one message per skipped (function, group).
     """
 
     total: torch.Tensor
     components: dict[str, torch.Tensor]
+    skipped_groups: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
 
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
@@ -326,25 +334,39 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
 
 def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
                          completions: Sequence[str], columns: Mapping[str, Sequence[Any]], group_size: int,
-                         on_error: str) -> None:
-    """Locate the first group whose scoring raises (one call per group) and raise ``RewardFunctionError``.
+                         on_error: str) -> tuple[list[float | None], list[int], list[str]]:
+    """A reward function raised on the whole batch: call it again one group at a time.
 
-    This is where an ``on_error="skip_group"`` policy would return the failing groups instead of raising.
+    ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
+    ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
+    fine (None in the failing groups' rows) and the failing group indices; raise only when no group fails alone
+    (the batch fails as a whole, so there is nothing to skip).
     """
-    failing: int | None = None
+    values: list[float | None] = []
+    skipped: list[int] = []
+    errors: list[str] = []
     for start in range(0, len(prompts), group_size):
         end = start + group_size
+        group = start // group_size
         try:
-            reward.fn(list(prompts[start:end]), list(completions[start:end]),
-                      **{k: list(v[start:end]) for k, v in columns.items()})
-        except Exception:  # noqa: BLE001 - any failure is the one we look for
-            failing = start // group_size
-            break
-    prompt = prompts[failing * group_size] if failing is not None else (prompts[0] if prompts else None)
-    where = (f"on prompt {failing} {prompt!r:.300}" if failing is not None
-             else f"on the whole batch (each group alone scores fine; first prompt {prompt!r:.300})")
-    raise RewardFunctionError(f"reward function {reward.name!r} raised {type(err).__name__}: {err} {where}",
-                              reward.name, prompt, failing) from err
+            raw = reward.fn(list(prompts[start:end]), list(completions[start:end]),
+                            **{k: list(v[start:end]) for k, v in columns.items()})
+        except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
+            message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
+                       f"{group} {prompts[start]!r:.300}")
+            if on_error == "raise":
+                raise RewardFunctionError(message, reward.name, prompts[start], group) from group_err
+            skipped.append(group)
+            errors.append(message)
+            values.extend([None] * (end - start))
+            continue
+        values.extend(_check_values(raw, reward.name, prompts[start:end], end - start))
+    if not skipped:
+        prompt = prompts[0] if prompts else None
+        raise RewardFunctionError(f"reward function {reward.name!r} raised {type(err).__name__}: {err} on the whole "
+                                  f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
+                                  reward.name, prompt, None) from err
+    return values, skipped, errors
 
 
 def score_rewards(
@@ -361,8 +383,8 @@ def score_rewards(
         reward_funcs: from ``build_reward_funcs``.
         prompts, completions: ``N`` strings each (prompt repeated for each of its ``G`` completions).
         columns: per-completion lists of length ``N``, passed as keyword arguments.
-        group_size: ``G``; used to name the failing prompt when a function raises.
-        on_error: ``"raise"`` (the only policy so far).
+        group_size: ``G``; used to name the failing prompt when a function raises (and the unit skipped).
+        on_error: ``"raise"`` (a ``RewardFunctionError``) or ``"skip_group"`` (``RewardScores.skipped_groups``).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r} is not supported; use one of {list(ON_ERROR)}")
@@ -381,20 +403,34 @@ def score_rewards(
     total = torch.zeros(n, dtype=torch.float32)
     seen = torch.zeros(n, dtype=torch.bool)
     components: dict[str, torch.Tensor] = {}
+    skipped: set[int] = set()
+    errors: list[str] = []
     for reward in reward_funcs:
         try:
             raw = reward.fn(list(prompts), list(completions), **columns)
-        except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named
-            _handle_reward_error(err, reward, prompts, completions, columns, group_size, on_error)
-            raise  # unreachable: _handle_reward_error raises
-        values = _check_values(raw, reward.name, prompts, n)
+        except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
+            values, failed, messages = _handle_reward_error(err, reward, prompts, completions, columns, group_size,
+                                                            on_error)
+            skipped.update(failed)
+            errors.extend(messages)
+            for message in messages:
+                warnings.warn(f"{message}; on_error='skip_group': the group is skipped (no loss)", stacklevel=2)
+        else:
+            values = _check_values(raw, reward.name, prompts, n)
         component = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
         components[reward.name] = component
         present = ~torch.isnan(component)
         total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
         seen |= present
+    if skipped:
+        rows = torch.zeros(n, dtype=torch.bool)
+        for group in skipped:
+            rows[group * group_size:(group + 1) * group_size] = True
+        total = torch.where(rows, torch.zeros_like(total), total)
+        components = {k: torch.where(rows, torch.full_like(v, math.nan), v) for k, v in components.items()}
+        seen |= rows  # skipped rows are reported as skipped, not as "no opinion"
     if n and not bool(seen.all()):
         missing = int((~seen).sum())
         warnings.warn(f"every reward function returned None for {missing} of {n} completions; their reward is 0.0",
                       stacklevel=2)
-    return RewardScores(total=total, components=components)
+    return RewardScores(total=total, components=components, skipped_groups=sorted(skipped), errors=errors)

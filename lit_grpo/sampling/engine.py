@@ -124,6 +124,8 @@ class RolloutEngine:
         self.scheduler = scheduler if scheduler is not None else _default_scheduler(strategy, scheduler_options)
         #: Rollouts generated so far; part of every random-stream key so successive rollouts differ.
         self.rollout_index = 0
+        #: Generate under torch.inference_mode (False: torch.no_grad, needed for FSDP2-sharded models).
+        self.inference_mode = True
 
     # ------------------------------------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -138,7 +140,8 @@ class RolloutEngine:
         prompt_ids = self._prompt_ids(prompts)
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
-        with torch.inference_mode():
+        # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
+        with torch.inference_mode() if self.inference_mode else torch.no_grad():
             result = _Rollout(self, prompt_ids, lengths).run()
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started

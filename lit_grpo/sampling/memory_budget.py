@@ -1,0 +1,89 @@
+"""KV-cache memory budgets: how many concurrent sequences (slots, ``micro_group_size`` g) fit in a byte budget.
+
+Pure functions of the model config; no model is loaded. One cached position costs, across all layers::
+
+    kv_bytes_per_token = 2 (keys and values) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
+
+and one slot holds at most ``longest prompt + max_new_tokens`` positions, so::
+
+    slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens)
+    g          = min(floor(kv_budget_bytes / slot_bytes), group_size x num_prompts)
+
+(the engine never runs more slots than the rollout has samples). This is the slot cache's worst case; the
+engine's ``peak_kv_bytes`` can be lower (a slot's row is only as wide as its sequence) and it additionally holds
+each running prompt's prefix once, so leave some headroom in ``kv_budget_bytes`` for that.
+
+Used by ``RolloutDataModule(micro_group_size="auto", kv_budget_bytes=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["kv_bytes_per_token", "kv_slot_bytes", "auto_micro_group_size"]
+
+
+def _dtype_bytes(dtype: torch.dtype | str) -> int:
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        resolved = getattr(torch, name, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+        dtype = resolved
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
+    """Bytes one cached position costs across all layers: ``2 x layers x kv_heads x head_dim x dtype bytes``.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (``num_hidden_layers``, ``num_attention_heads``, optional
+            ``num_key_value_heads`` (GQA; default: the attention heads) and ``head_dim`` (default:
+            ``hidden_size // num_attention_heads``)). A multimodal config's ``text_config`` is used when present.
+        dtype: the KV cache's dtype (the model's), a ``torch.dtype`` or its name.
+    """
+    config = getattr(config, "text_config", None) or config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        raise ValueError(f"model config {type(config).__name__} has no num_hidden_layers / num_attention_heads; "
+                         "cannot size the KV cache")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * int(layers) * int(kv_heads) * int(head_dim) * _dtype_bytes(dtype)
+
+
+def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:
+    """Worst-case KV bytes of one slot: ``kv_bytes_per_token x (max_prompt_len + max_new_tokens)``."""
+    _positive_int("max_prompt_len", max_prompt_len, 0)
+    _positive_int("max_new_tokens", max_new_tokens)
+    return kv_bytes_per_token(config, dtype) * (max_prompt_len + max_new_tokens)
+
+
+def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
+                          max_new_tokens: int, group_size: int, num_prompts: int = 1) -> int:
+    """The largest ``g`` whose worst-case slot KV bytes fit ``kv_budget_bytes`` (module docstring), capped at the
+    rollout's ``group_size x num_prompts`` samples.
+
+    Raises:
+        ValueError: a bad argument, or a budget smaller than one slot (the message names both numbers).
+    """
+    _positive_int("kv_budget_bytes", kv_budget_bytes)
+    _positive_int("group_size", group_size)
+    _positive_int("num_prompts", num_prompts)
+    per_token = kv_bytes_per_token(config, dtype)
+    slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
+    fits = kv_budget_bytes // slot
+    if fits < 1:
+        raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache: {slot} bytes "
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens)); "
+                         f"raise kv_budget_bytes to at least {slot}, or lower max_new_tokens")
+    return int(min(fits, group_size * num_prompts))

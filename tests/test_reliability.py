@@ -1,0 +1,344 @@
+"""Reliability (issue 7): bad inputs name the value, reward errors (raise | skip_group), no NaN losses on degenerate
+rollouts, the KV memory budget (micro_group_size="auto"), and exact resume from a checkpoint (CPU, tiny model)."""
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.module import GRPOModule
+from lit_grpo.rewards import RewardFunctionError, WeightedReward, score_rewards
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+PROMPTS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def module():
+    module = GRPOModule(model="tiny-llama", max_grad_norm=None)
+    module.configure_model()
+    return module
+
+
+def make_datamodule(module, setup=True, **kwargs) -> RolloutDataModule:
+    kwargs = {"prompts": PROMPTS, "val_size": 2, "prompts_per_step": 3, "group_size": 4, "micro_group_size": 4,
+              "strategy": "continuous", "max_new_tokens": 6, "reward_funcs": ["char_fraction"], **kwargs}
+    dm = RolloutDataModule(**kwargs)
+    dm.attach(module.policy, module.tokenizer)
+    if setup:
+        dm.setup("fit")
+    return dm
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+@pytest.mark.parametrize("kwargs, match", [
+    ({"group_size": 1}, r"group_size=1 must be an integer >= 2"),
+    ({"group_size": 0}, r"group_size=0 must be an integer >= 2"),
+    ({"micro_group_size": 0}, r"micro_group_size=0 must be an integer >= 1"),
+    ({"micro_group_size": "big"}, r"micro_group_size='big' must be an integer >= 1, 'auto' or None"),
+    ({"micro_group_size": "auto"}, r"micro_group_size='auto' needs kv_budget_bytes"),
+    ({"micro_group_size": "auto", "kv_budget_bytes": 0}, r"kv_budget_bytes=0 must be an integer >= 1"),
+    ({"val_batch_size": 0}, r"val_batch_size=0 must be an integer >= 1"),
+    ({"score_batch_size": 0}, r"score_batch_size=0 must be an integer >= 1"),
+    ({"on_reward_error": "ignore"}, r"on_reward_error='ignore' is not supported.*raise.*skip_group"),
+])
+def test_bad_datamodule_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutDataModule(prompts=PROMPTS, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"train_micro_batch_size": 0}, r"train_micro_batch_size=0 must be an integer >= 1"),
+    ({"num_iterations": 0}, r"num_iterations=0 must be an integer >= 1"),
+    ({"model": "./no/such/model"}, r"model path './no/such/model' does not exist"),
+])
+def test_bad_module_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOModule(**{"model": "tiny-llama", **kwargs})
+
+
+def test_module_refuses_a_batch_with_one_completion_per_prompt(module, degenerate_batch):
+    import dataclasses
+
+    single = dataclasses.replace(degenerate_batch, rewards=degenerate_batch.rewards[:, :1])
+    with pytest.raises(ValueError, match=r"group_size=1: GRPO training needs >= 2 completions per prompt"):
+        module.grpo_step(single, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+
+
+def test_missing_model_path_in_the_loader_is_named(tmp_path):
+    from lit_grpo.models import load_model_and_tokenizer
+
+    with pytest.raises(ValueError, match="gone-model.*does not exist"):
+        load_model_and_tokenizer(str(tmp_path / "gone-model"))
+
+
+def test_tokenizer_without_eos_is_refused():
+    from lit_grpo.models import prepare_tokenizer, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        prepare_tokenizer(tokenizer)
+
+
+@pytest.mark.parametrize("values, match", [
+    ([1.0], r"'bad' returned 1 values for 2 completions"),
+    ([1.0, 2.0, 3.0], r"'bad' returned 3 values for 2 completions"),
+    ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1 for prompt 'q2'"),
+    ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
+    ([1.0, float("-inf")], r"'bad' returned -inf at index 1 for prompt 'q2'"),
+    (None, r"'bad' returned NoneType"),
+])
+def test_bad_reward_values_are_named(values, match):
+    def bad(prompts, completions, **kw):
+        return values
+
+    with pytest.raises(ValueError, match=match):
+        score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
+
+
+def test_empty_or_missing_prompt_file_is_named(module, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ValueError, match=r"missing.jsonl.*does not exist"):
+        make_datamodule(module, prompts=None, jsonl_path=str(missing))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl.*holds no prompts"):
+        make_datamodule(module, prompts=None, jsonl_path=str(empty))
+
+
+def test_unknown_config_key_gets_lightningcli_message(capsys, tmp_path):
+    import yaml
+
+    from lit_grpo.cli import build_cli
+
+    with pytest.raises(SystemExit) as info:
+        build_cli(["--config", TINY, "--data.no_such_key", "3"], run=False)
+    assert info.value.code != 0
+    assert "unrecognized arguments: --data.no_such_key 3" in capsys.readouterr().err
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["model"]["lerning_rate"] = 0.1  # a typo in a YAML config
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as info:
+        build_cli(["--config", str(bad)], run=False)
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert "lerning_rate" in err, err[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ reward errors
+def _flaky_reward(prompts, completions, **columns):
+    """Raises on the prompt about 3 + 3; rewards vary with the completion elsewhere."""
+    if any("3 + 3" in p for p in prompts):
+        raise KeyError("no checker for 3 + 3")
+    return [len(c) / 10.0 + 0.01 * i for i, c in enumerate(completions)]
+
+
+def test_reward_error_raise_names_function_and_prompt(module):
+    dm = make_datamodule(module, prompts=PROMPTS[3:4] * 4, val_size=1, reward_funcs=[_flaky_reward])
+    with pytest.raises(RewardFunctionError, match=r"'_flaky' raised KeyError.*no checker.*'What is 3 \+ 3\?'"):
+        dm.build_train_batch()
+
+
+def test_skip_group_trains_on_the_other_groups_only(module, recwarn):
+    dm = make_datamodule(module, prompts=PROMPTS[2:7] + PROMPTS[3:4], val_size=1, prompts_per_step=5,
+                         reward_funcs=[_flaky_reward],
+                         on_reward_error="skip_group")
+    batch = dm.build_train_batch()
+    bad = [i for i, p in enumerate(batch.prompts) if "3 + 3" in p]
+    assert bad, batch.prompts
+    assert batch.skipped.tolist() == [i in bad for i in range(5)]
+    assert batch.metrics["reward/skipped_groups"] == float(len(bad))
+    assert module._rollout_metrics(batch)["reward/skipped_groups"] == float(len(bad))  # logged by training_step
+    assert any("_flaky" in str(w.message) and "3 + 3" in str(w.message) for w in recwarn.list)
+    assert torch.all(batch.advantages[bad] == 0) and torch.all(batch.rewards[bad] == 0)
+    assert batch.advantages[[i for i in range(5) if i not in bad]].abs().sum() > 0
+    assert torch.isnan(batch.reward_components["_flaky"][bad]).all()
+
+    def grads(b):
+        optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+        metrics = module.grpo_step(b, optimizer)
+        return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, metrics
+
+    reference, metrics = grads(batch)
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    # whatever the skipped group's rows hold, they carry no loss: perturb them and the gradient is unchanged
+    poisoned = batch.to("cpu")
+    poisoned.advantages = batch.advantages.clone()
+    poisoned.advantages[bad] = 7.0
+    poisoned.sampling_logprobs = batch.sampling_logprobs.clone()
+    poisoned.sampling_logprobs[bad] = -3.0
+    again, _ = grads(poisoned)
+    for name, grad in reference.items():
+        torch.testing.assert_close(again[name], grad, msg=name)
+    mask = module._loss_mask(batch.micro_batch(torch.arange(batch.num_completions)))
+    rows = batch.skipped.repeat_interleave(batch.group_size)
+    assert mask[rows].sum() == 0 and mask[~rows].sum() > 0
+
+
+def test_skip_group_in_validation_leaves_the_prompt_out(module):
+    dm = make_datamodule(module, prompts=PROMPTS[:6], val_size=5, prompts_per_step=1, reward_funcs=[_flaky_reward],
+                         on_reward_error="skip_group")
+    with pytest.warns(UserWarning, match=r"3 \+ 3"):
+        batch = dm.build_val_batch(range(len(dm.val_indices)))
+    bad = [i for i, p in enumerate(batch.prompts) if "3 + 3" in p]
+    assert len(bad) == 1 and batch.skipped.tolist() == [i in bad for i in range(len(batch.prompts))]
+    expected = sum(float(batch.rewards[i].mean()) for i in range(5) if i not in bad) / 4
+    module.val_reward.reset()
+    module.log = lambda *args, **kwargs: None  # no trainer here
+    try:
+        module.validation_step(batch)
+    finally:
+        del module.log
+    assert float(module.val_reward.compute()) == pytest.approx(expected)
+    module.val_reward.reset()
+
+
+def test_skip_group_on_the_whole_batch_still_raises():
+    def always(prompts, completions, **columns):
+        raise RuntimeError("service down")
+
+    scores = score_rewards([WeightedReward(always)], ["a", "a", "b", "b"], ["1", "2", "3", "4"], group_size=2,
+                           on_error="skip_group")
+    assert scores.skipped_groups == [0, 1] and scores.total.tolist() == [0.0] * 4
+
+    def batch_only(prompts, completions, **columns):
+        if len(prompts) > 2:
+            raise RuntimeError("batch too big")
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFunctionError, match="on the whole batch"):
+        score_rewards([WeightedReward(batch_only)], ["a", "a", "b", "b"], ["1", "2", "3", "4"], group_size=2,
+                      on_error="skip_group")
+
+
+# ------------------------------------------------------------------------------------------------ no NaN losses
+@pytest.fixture(scope="module")
+def degenerate_batch(module):
+    """Every completion truncated at the cap and every group's rewards identical."""
+    def constant(prompts, completions, **columns):
+        return [1.0] * len(prompts)
+
+    dm = make_datamodule(module, max_new_tokens=3, reward_funcs=[constant])
+    batch = dm.build_train_batch()
+    batch.truncated = torch.ones_like(batch.truncated)
+    assert torch.all(batch.advantages == 0)
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_degenerate_rollouts_never_give_nan(module, degenerate_batch, loss_type, mask_truncated):
+    module.hparams.loss_type = loss_type
+    module.hparams.mask_truncated_completions = mask_truncated
+    try:
+        before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+        metrics = module.grpo_step(degenerate_batch, torch.optim.SGD(module.policy.parameters(), lr=1e-2))
+    finally:
+        module.hparams.loss_type, module.hparams.mask_truncated_completions = "dapo", False
+    for key, value in metrics.items():
+        assert math.isfinite(value), (key, value)
+    assert metrics["train/loss"] == 0.0
+    for name, param in module.policy.named_parameters():  # zero advantages, zero gradient: SGD moves nothing
+        assert torch.equal(param, before[name]), name
+
+
+def test_nan_loss_stops_training_and_keeps_the_weights(module, degenerate_batch):
+    bad = degenerate_batch.to("cpu")
+    bad.advantages = torch.full_like(bad.advantages, float("nan"))
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    with pytest.raises(FloatingPointError, match="non-finite GRPO loss.*no optimizer step.*weights are unchanged"):
+        module.grpo_step(bad, optimizer)
+    for name, param in module.policy.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert not optimizer.state
+
+
+# ------------------------------------------------------------------------------------------------ memory budget
+def test_kv_bytes_per_token_from_the_config(module):
+    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, kv_slot_bytes
+
+    config = module.policy.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    expected = 2 * config.num_hidden_layers * kv_heads * head_dim * 4
+    assert kv_bytes_per_token(config, torch.float32) == expected
+    assert kv_bytes_per_token(config, "bfloat16") == expected // 2
+    slot = kv_slot_bytes(config, torch.float32, 10, 6)
+    assert slot == expected * 16
+    assert auto_micro_group_size(config, torch.float32, 5 * slot + slot // 2, 10, 6, group_size=4,
+                                 num_prompts=2) == 5
+    assert auto_micro_group_size(config, torch.float32, slot, 10, 6, 4, 2) == 1
+    assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
+    with pytest.raises(ValueError, match=rf"kv_budget_bytes={slot - 1} is smaller than one slot's KV cache: "
+                                         rf"{slot} bytes"):
+        auto_micro_group_size(config, torch.float32, slot - 1, 10, 6, 4, 2)
+
+
+def test_auto_micro_group_size_in_the_datamodule(module):
+    from lit_grpo.sampling.memory_budget import kv_slot_bytes
+
+    probe = make_datamodule(module)
+    longest = max(len(ids) for ids in probe.train_prompt_ids)
+    slot = kv_slot_bytes(module.policy.config, torch.float32, longest, 6)
+    dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=3 * slot + 1)
+    batch = dm.build_train_batch()
+    assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
+    assert batch.metrics["rollout/micro_group_size"] == 3.0
+    assert module._rollout_metrics(batch)["rollout/micro_group_size"] == 3.0  # logged by training_step
+    assert batch.stats.peak_kv_bytes <= 3 * slot + longest * slot // (longest + 6) * 3  # slots + prompt prefixes
+    small = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=slot // 2)
+    with pytest.raises(ValueError, match=rf"kv_budget_bytes={slot // 2} is smaller.*{slot} bytes"):
+        small.build_train_batch()
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+def _lit_grpo() -> list[str]:
+    exe = shutil.which("lit-grpo")
+    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+
+
+def _fit(tmp_path, name, *extra):
+    root = tmp_path / name
+    cmd = _lit_grpo() + ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "4",
+                         "--trainer.callbacks+=reliability_recorder.StepRecorder",
+                         f"--trainer.callbacks.path={root / 'rec'}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return str(root / "rec"), proc
+
+
+def test_exact_resume_mid_epoch(tmp_path):
+    """Stop after step 1 (mid-epoch: tiny.yaml has 2 steps per epoch, infinite strategy with its length predictor),
+    resume with --ckpt_path: steps 2..4 have the same prompts, completions, rewards, losses and weights."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from reliability_recorder import read_records
+
+    full, _ = _fit(tmp_path, "full", "--trainer.callbacks+=ModelCheckpoint",
+                   f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
+                   "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}")
+    ckpt = tmp_path / "ckpt" / "step=1.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    data_state = state["RolloutDataModule"]
+    assert {"steps_built", "sampler", "engine", "rng"} <= set(data_state) and data_state["steps_built"] == 1
+    assert data_state["engine"]["rollout_index"] == 1 and "scheduler" in data_state["engine"]
+    resumed, proc = _fit(tmp_path, "resumed", "--ckpt_path", str(ckpt))
+    assert "not resumable" not in proc.stderr
+    a, b = read_records(full), read_records(resumed)
+    assert [r["global_step"] for r in a] == [1, 2, 3, 4] and [r["global_step"] for r in b] == [2, 3, 4]
+    for x, y in zip(a[1:], b):
+        for key in ("indices", "completion_ids", "rewards", "advantages", "loss", "param_sum", "param_abs"):
+            assert x[key] == y[key], (x["global_step"], key)
