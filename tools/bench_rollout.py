@@ -174,7 +174,7 @@ def build_runners(args, model, tokenizer, prompts, lengths):
                     engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
                     for _ in range(args.warmup_rollouts):
                         engine.generate(prompts, lengths=lengths)
-                    fields = {"predictor": predictor, "refill": refill or getattr(engine.scheduler, "refill_name", None)}
+                    fields = {"predictor": predictor, "refill": engine.scheduler.refill.name}
                     runners.append((f"infinite[{predictor},{fields['refill']}]", fields,
                                     lambda e=engine: run_engine(e, prompts, lengths)))
         elif strategy in OUR_STRATEGIES:
