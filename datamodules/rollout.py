@@ -46,6 +46,7 @@ from lit_grpo.batch import RolloutBatch, merge_stats, pad_left, pad_right
 from lit_grpo.datamodules.curriculum import CURRICULA, angle_concentration, build_prompt_sampler
 from lit_grpo.datamodules.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.rewards import ON_ERROR, WeightedReward, build_reward_funcs, score_rewards
+from lit_grpo.validation import check_int
 
 DEFAULT_SYSTEM_PROMPT = None
 
@@ -127,12 +128,6 @@ def _set_rng_states(states: Mapping[str, Any]) -> None:
         torch.set_rng_state(torch.as_tensor(states["torch"], dtype=torch.uint8))
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
-
-
 class RolloutDataModule(LightningDataModule):
     """Streams GRPO rollouts built by the rollout engine with the current policy.
 
@@ -206,27 +201,27 @@ class RolloutDataModule(LightningDataModule):
         on_reward_error: str = "raise",
     ):
         super().__init__()
-        _check_int("size", size, 1)
-        _check_int("prompts_per_step", prompts_per_step, 1)
-        _check_int("group_size", group_size, 2)
+        check_int("size", size, 1)
+        check_int("prompts_per_step", prompts_per_step, 1)
+        check_int("group_size", group_size, 2)
         if micro_group_size == "auto":
             if kv_budget_bytes is None:
                 raise ValueError("micro_group_size='auto' needs kv_budget_bytes (the KV-cache byte budget)")
-            _check_int("kv_budget_bytes", kv_budget_bytes, 1)
+            check_int("kv_budget_bytes", kv_budget_bytes, 1)
         elif micro_group_size is not None:
             if isinstance(micro_group_size, str):
                 raise ValueError(f"micro_group_size={micro_group_size!r} must be an integer >= 1, 'auto' or None")
-            _check_int("micro_group_size", micro_group_size, 1)
+            check_int("micro_group_size", micro_group_size, 1)
         if on_reward_error not in ON_ERROR:
             raise ValueError(f"on_reward_error={on_reward_error!r} is not supported; use one of {list(ON_ERROR)}")
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        _check_int("max_sampling_rounds", max_sampling_rounds, 1)
-        _check_int("val_batch_size", val_batch_size, 1)
-        _check_int("score_batch_size", score_batch_size, 1)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("max_sampling_rounds", max_sampling_rounds, 1)
+        check_int("val_batch_size", val_batch_size, 1)
+        check_int("score_batch_size", score_batch_size, 1)
         if steps_per_epoch is not None:
-            _check_int("steps_per_epoch", steps_per_epoch, 1)
+            check_int("steps_per_epoch", steps_per_epoch, 1)
         if val_max_new_tokens is not None:
-            _check_int("val_max_new_tokens", val_max_new_tokens, 1)
+            check_int("val_max_new_tokens", val_max_new_tokens, 1)
         if curriculum not in CURRICULA:
             raise ValueError(f"curriculum={curriculum!r} is not known; use one of {list(CURRICULA)}")
         if "{prompt}" not in prompt_template:
@@ -272,11 +267,15 @@ class RolloutDataModule(LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return trainer.lightning_module if trainer is not None else None
 
+    def _from_module(self, name: str, attached: Any) -> Any:
+        """The trainer's module's ``name`` (tokenizer, policy) when it has one, else what ``attach`` gave."""
+        module = self._module()
+        value = getattr(module, name, None) if module is not None else None
+        return value if value is not None else attached
+
     @property
     def tokenizer(self) -> Any:
-        module = self._module()
-        tokenizer = getattr(module, "tokenizer", None) if module is not None else None
-        tokenizer = tokenizer if tokenizer is not None else self._tokenizer
+        tokenizer = self._from_module("tokenizer", self._tokenizer)
         if tokenizer is None:
             raise RuntimeError("RolloutDataModule has no tokenizer: run it under a Trainer with a module that has "
                                "`tokenizer` (GRPOModule), or call attach(model, tokenizer)")
@@ -284,9 +283,7 @@ class RolloutDataModule(LightningDataModule):
 
     @property
     def policy(self) -> torch.nn.Module:
-        module = self._module()
-        model = getattr(module, "policy", None) if module is not None else None
-        model = model if model is not None else self._model
+        model = self._from_module("policy", self._model)
         if model is None:
             raise RuntimeError("RolloutDataModule has no policy model: run it under a Trainer with a module that has "
                                "`policy` (GRPOModule, after configure_model), or call attach(model, tokenizer)")

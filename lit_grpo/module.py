@@ -58,6 +58,7 @@ from lit_grpo.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.loss import LOSS_TYPES, check_loss_inputs, micro_batch_weight, policy_loss, policy_loss_metrics
 from lit_grpo.models import DEFAULT_MODEL, TINY_MODELS, load_model_and_tokenizer, prepare_tokenizer, smollm2_path
+from lit_grpo.validation import check_int
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
 
@@ -188,11 +189,9 @@ class GRPOModule(LightningModule):
             raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {list(LOSS_TYPES)}")
         if scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; use one of {list(SCALES)}")
-        for name, value in (("num_iterations", num_iterations), ("train_micro_batch_size", train_micro_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
+        check_int("num_iterations", num_iterations, 1)
+        check_int("train_micro_batch_size", train_micro_batch_size, 1)
+        check_int("warmup_steps", warmup_steps, 0)
         if not lr > 0:
             raise ValueError(f"lr={lr!r} must be > 0")
         if not weight_decay >= 0:

@@ -38,6 +38,7 @@ from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.stats import IDLE, RolloutStats
 from lit_grpo.sampling.token_sampler import sample_tokens
 from lit_grpo.scheduling.base import FIFOScheduler, RolloutWork, RoundScheduler, SampleKey, Scheduler
+from lit_grpo.validation import check_int
 
 STRATEGIES = ("full", "micro", "continuous", "infinite")
 
@@ -100,10 +101,10 @@ class RolloutEngine:
         **scheduler_options,
     ):
         micro_group_size = group_size if micro_group_size is None else micro_group_size
-        _check_int("group_size", group_size, 1)
-        _check_int("micro_group_size", micro_group_size, 1)
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        _check_int("top_k", top_k, 0)
+        check_int("group_size", group_size, 1)
+        check_int("micro_group_size", micro_group_size, 1)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("top_k", top_k, 0)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
         if not temperature >= 0:
@@ -411,8 +412,3 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lit_grpo.validation import check_int
+
 __all__ = ["kv_bytes_per_token", "kv_slot_bytes", "auto_micro_group_size"]
 
 
@@ -33,12 +35,6 @@ def _dtype_bytes(dtype: torch.dtype | str) -> int:
             raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
         dtype = resolved
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
@@ -63,8 +59,8 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:
     """Worst-case KV bytes of one slot: ``kv_bytes_per_token x (max_prompt_len + max_new_tokens)``."""
-    _positive_int("max_prompt_len", max_prompt_len, 0)
-    _positive_int("max_new_tokens", max_new_tokens)
+    check_int("max_prompt_len", max_prompt_len, 0)
+    check_int("max_new_tokens", max_new_tokens, 1)
     return kv_bytes_per_token(config, dtype) * (max_prompt_len + max_new_tokens)
 
 
@@ -76,9 +72,9 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot (the message names both numbers).
     """
-    _positive_int("kv_budget_bytes", kv_budget_bytes)
-    _positive_int("group_size", group_size)
-    _positive_int("num_prompts", num_prompts)
+    check_int("kv_budget_bytes", kv_budget_bytes, 1)
+    check_int("group_size", group_size, 1)
+    check_int("num_prompts", num_prompts, 1)
     per_token = kv_bytes_per_token(config, dtype)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
     fits = kv_budget_bytes // slot
