@@ -89,12 +89,13 @@ with the same arguments and given that state continues with identical draws.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from typing import Any
 
 import torch
+
+from lit_grpo.logprobs import accepts
 
 CURRICULA = ("none", "angle")
 ANGLE_NORMALIZATIONS = ("minmax", "none")
@@ -175,13 +176,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, mask
 
 
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _device(model: torch.nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -198,7 +192,7 @@ def last_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, mask: to
     position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
     kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids,
                                   output_hidden_states=True, use_cache=False, return_dict=True)
-    if _accepts(model, "logits_to_keep"):  # the scores need no logits; skip the [B, T, vocab] LM-head output
+    if accepts(model, "logits_to_keep"):  # the scores need no logits; skip the [B, T, vocab] LM-head output
         kwargs["logits_to_keep"] = 1
     return model(**kwargs).hidden_states[-1]
 

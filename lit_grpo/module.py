@@ -56,6 +56,7 @@ from transformers import AutoTokenizer
 
 from lit_grpo.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
+from lit_grpo.logprobs import completion_logps
 from lit_grpo.loss import LOSS_TYPES, check_loss_inputs, micro_batch_weight, policy_loss, policy_loss_metrics
 from lit_grpo.models import DEFAULT_MODEL, TINY_MODELS, load_model_and_tokenizer, prepare_tokenizer, smollm2_path
 from lit_grpo.validation import check_int
@@ -81,58 +82,6 @@ def load_tokenizer(name_or_path: str) -> Any:
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     return prepare_tokenizer(tokenizer)
-
-
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    import inspect
-
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-
-
-def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
-    """``[m, T', V]`` logits predicting each completion token of a micro-batch (``RolloutBatch.micro_batch``).
-
-    Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
-    are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did.
-    """
-    num_tokens = micro["completion_ids"].shape[1]
-    kwargs = dict(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                  position_ids=micro["position_ids"], use_cache=False)
-    if _accepts(model, "logits_to_keep"):
-        kwargs["logits_to_keep"] = num_tokens + 1
-    logits = model(**kwargs).logits[:, -(num_tokens + 1):-1, :]
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    return logits
-
-
-def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """``[m, T]`` log-probs of ``token_ids`` ``[m, T]`` under ``logits`` ``[m, T, V]``.
-
-    float32/64 logits: ``gather - logsumexp`` on the whole tensor (no ``[m, T, V]`` copy). Half-precision logits:
-    one row at a time through ``log_softmax`` in their own dtype (as TRL's selective_log_softmax), so no float32
-    copy of the logits is kept for the backward pass (for a 150k vocabulary that copy would be GBs).
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = [torch.gather(torch.log_softmax(row, dim=-1), -1, ids.unsqueeze(-1)).squeeze(-1)
-            for row, ids in zip(logits, token_ids)]
-    return torch.stack(rows).float()
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``[m, T]`` entropy of each position's distribution (float32, no grad; one row at a time to bound memory)."""
-    out = []
-    for row in logits.detach():
-        logp = torch.log_softmax(row.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(dim=-1))
-    return torch.stack(out)
 
 
 class GRPOModule(LightningModule):
@@ -309,8 +258,12 @@ class GRPOModule(LightningModule):
 
     @torch.no_grad()
     def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[torch.Tensor]) -> list:
-        return [token_logps(completion_logits(model, micro := batch.micro_batch(rows), batch.temperature),
-                            micro["completion_ids"]) for rows in chunks]
+        return [self._logps(model, batch.micro_batch(rows), batch.temperature)[0] for rows in chunks]
+
+    def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
+        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.logprobs),
+        except under fsdp, where the output head cannot be called outside the sharded model's forward."""
+        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp)
 
     def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
@@ -369,8 +322,7 @@ class GRPOModule(LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         for index, rows in enumerate(chunks):
             micro = batch.micro_batch(rows)
-            logits = completion_logits(self.policy, micro, batch.temperature)
-            logps = token_logps(logits, micro["completion_ids"])
+            logps, entropy = self._logps(self.policy, micro, batch.temperature)
             mask = self._loss_mask(micro)
             old = old_logps[index] if old_logps is not None else logps.detach()
             ref = ref_logps[index] if ref_logps is not None else None
@@ -401,9 +353,9 @@ class GRPOModule(LightningModule):
                     sums[key] += float(metrics[key]) * active
             loss_tokens += active
             content = micro["completion_mask"].float()
-            sums["entropy"] += float((token_entropy(logits) * content).sum())
+            sums["entropy"] += float((entropy * content).sum())
             content_tokens += float(content.sum())
-            del logits, logps, loss
+            del logps, entropy, loss
         grad_norm = self._grad_norm()
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.module import GRPOModule, completion_logits, token_logps
+from lit_grpo.logprobs import completion_logits, token_logps
+from lit_grpo.module import GRPOModule
 
 PROMPTS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
 
@@ -211,7 +212,7 @@ def test_jsonl_source_and_its_errors(tmp_path):
 
 
 def test_token_logps_and_entropy_helpers():
-    from lit_grpo.module import token_entropy
+    from lit_grpo.logprobs import token_entropy
 
     g = torch.Generator().manual_seed(0)
     logits, ids = torch.randn(2, 3, 11, generator=g), torch.randint(0, 11, (2, 3), generator=g)

@@ -50,6 +50,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
 
     out = tmp_path / "memory.json"
     report = bench_grpo_memory.main(["--model", "tiny", "--group-sizes", "2,4", "--strategies", "continuous",
+                                     "--gradient-checkpointing", "--malloc-mmap-threshold", "262144",
                                      "--micro-group-size", "2", "--train-micro-batch-size", "2",
                                      "--max-new-tokens", "4", "--json", str(out)])
     assert json.loads(out.read_text()) == report
@@ -57,4 +58,22 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     for run in report["runs"]:
         assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
+        assert run["gradient_checkpointing"] is True and run["malloc_mmap_threshold"] == "262144"  # reached the worker
     assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
+
+
+def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(tmp_path):
+    from tools import bench_curriculum
+
+    out = tmp_path / "curriculum.json"
+    report = bench_curriculum.main(["--config", "configs/tiny.yaml", "--seeds", "3", "--root", str(tmp_path / "runs"),
+                                    "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    runs = {run["curriculum"]: run for run in report["runs"]}
+    assert set(runs) == {"none", "angle"} and all(run["seed"] == 3 for run in runs.values())
+    for run in runs.values():
+        assert 0.0 <= run["val_accuracy"] <= 1.0 and run["val_accuracy_curve"][-1][1] == run["val_accuracy"]
+    assert "curriculum_mu" in runs["angle"] and "curriculum_mu" not in runs["none"]  # the curriculum was on
+    assert report["summary"]["angle"]["runs"] == 1
+    with pytest.raises(SystemExit, match=r"--curricula 'none,gain': \['gain'\] not known"):
+        bench_curriculum.main(["--config", "configs/tiny.yaml", "--curricula", "none,gain"])

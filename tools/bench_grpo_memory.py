@@ -10,12 +10,20 @@ training step: the rollout of B prompts x G samples with the given strategy, rew
 micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak) and "step_s".
+
+On Linux CPU the peak is the process's resident memory, so it includes what glibc's malloc keeps after tensors are
+freed. By default glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in
+its heap and the next micro-batch's allocations do not always fit the holes, so the peak drifts up with each
+micro-batch. ``--malloc-mmap-threshold 262144`` pins the threshold (glibc's ``MALLOC_MMAP_THRESHOLD_``), so every
+block over 256 KiB is returned to the system when freed; the cost is page faults on reallocation (measured in the
+README). GPU runs measure the CUDA allocator's peak and are unaffected.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,12 +44,15 @@ def measure_one_step(args) -> dict:
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
-                        lr=1e-6, loss_type="dapo")
+                        lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing)
     data = RolloutDataModule(task=args.task, size=64, val_size=1, prompts_per_step=args.prompts,
                              group_size=args.group_size, micro_group_size=args.micro_group_size,
                              strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed,
                              reward_funcs=["accuracy"])
     module.configure_model()  # load weights before the measured region
+    with torch.no_grad():  # read every weight once: lazily mapped checkpoint pages count in the baseline, not the step
+        for parameter in module.policy.parameters():
+            parameter.sum()
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0)
@@ -68,7 +79,9 @@ def measure_one_step(args) -> dict:
     peak = tracker.read()["peak_bytes"]
     tracker.close()
     return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": peak,
-            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name, **captured}
+            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name,
+            "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **captured}
 
 
 def main(argv=None) -> dict:
@@ -82,6 +95,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--task", default="basic_arithmetic")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="GRPOModule(gradient_checkpointing=True)")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="run the steps with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (Linux CPU; see the README)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode: one measurement, printed as JSON
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
@@ -97,7 +113,11 @@ def main(argv=None) -> dict:
                        "--model", args.model, "--micro-group-size", str(args.micro_group_size),
                        "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
                        "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
-            out = subprocess.run(command, capture_output=True, text=True)
+            command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+            env = dict(os.environ)
+            if args.malloc_mmap_threshold is not None:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+            out = subprocess.run(command, capture_output=True, text=True, env=env)
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 raise SystemExit(f"{strategy} G={group_size} failed:\n{out.stderr[-3000:]}")

@@ -1,0 +1,168 @@
+"""Log-probs (and entropies) of completion tokens under a causal LM, with the vocabulary-sized logits bounded.
+
+The update's largest single tensors are the logits: ``[m, T, V]`` float32 for a micro-batch of m completions of T
+tokens (SmolLM2: V = 49,152, so 8 x 64 tokens are 100 MB; Qwen3: V = 151,936). Through ``logsumexp`` and
+``gather`` autograd keeps them for the backward pass and adds three more tensors of that size in it, all while the
+decoder's activations are alive. ``completion_logps`` never builds them: the decoder's final hidden states of the
+real (unpadded) completion tokens are cut into chunks of about ``LOGITS_CHUNK_BYTES`` of logits, and each chunk goes
+through the model's own output head inside ``torch.utils.checkpoint``, so only one chunk's logits exist at a time,
+in the forward pass and again (recomputed) in the backward pass. The recomputation costs one more LM-head matmul
+(~6% of a forward pass for SmolLM2).
+
+The chunked path needs the output head applied to the last hidden state to BE the model's logits. That holds for
+Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits (Gemma's soft-capping,
+logit scales): ``head_reproduces_logits`` checks it once per model on four tokens, and ``completion_logps`` falls
+back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the model cannot return hidden
+states with ``logits_to_keep``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
+
+_HEAD_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword argument ``name`` (explicitly or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
+    return dict(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                position_ids=micro["position_ids"], use_cache=False)
+
+
+def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+    """``[m, T', V]`` logits predicting each completion token of a micro-batch (``RolloutBatch.micro_batch``).
+
+    Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
+    are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did.
+    """
+    num_tokens = micro["completion_ids"].shape[1]
+    kwargs = _model_inputs(micro)
+    if accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = num_tokens + 1
+    logits = model(**kwargs).logits[:, -(num_tokens + 1):-1, :]
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``[m, T]`` log-probs of ``token_ids`` ``[m, T]`` under ``logits`` ``[m, T, V]``.
+
+    float32/64 logits: ``gather - logsumexp`` on the whole tensor (no ``[m, T, V]`` copy). Half-precision logits:
+    one row at a time through ``log_softmax`` in their own dtype (as TRL's selective_log_softmax), so no float32
+    copy of the logits is kept for the backward pass (for a 150k vocabulary that copy would be GBs).
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [torch.gather(torch.log_softmax(row, dim=-1), -1, ids.unsqueeze(-1)).squeeze(-1)
+            for row, ids in zip(logits, token_ids)]
+    return torch.stack(rows).float()
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[m, T]`` entropy of each position's distribution (float32, no grad; one row at a time to bound memory)."""
+    out = []
+    for row in logits.detach():
+        logp = torch.log_softmax(row.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.stack(out)
+
+
+def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n]`` log-probs (differentiable) and ``[n]`` entropies (not) of ``token_ids`` given ``[n, H]`` states."""
+    logits = head(hidden)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    with torch.no_grad():
+        log_probs = logits - log_normalizer.unsqueeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return logps, entropy
+
+
+@torch.no_grad()
+def head_reproduces_logits(model: torch.nn.Module) -> bool:
+    """Whether ``output head(hidden_states[-1])`` equals the model's logits (checked once per model, 4 tokens)."""
+    if model in _HEAD_CHECKS:
+        return _HEAD_CHECKS[model]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    ok = False
+    if isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
+        device = next(model.parameters()).device
+        vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+        ids = (torch.arange(4, device=device) * 7919 % vocab).unsqueeze(0)
+        was_training = model.training
+        model.eval()  # dropout would make the two sides differ
+        try:
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            hidden_states = getattr(out, "hidden_states", None)
+            if hidden_states is not None:
+                ok = torch.allclose(head(hidden_states[-1]).float(), out.logits.float(), rtol=1e-3, atol=1e-3)
+        except (TypeError, ValueError, RuntimeError, AttributeError):
+            ok = False
+        finally:
+            model.train(was_training)
+    _HEAD_CHECKS[model] = ok
+    return ok
+
+
+def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
+                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies (no grad) of a micro-batch's completion
+    tokens; both are 0 on padding.
+
+    With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
+    docstring); otherwise the full logits are computed once. Either way the values are the same up to float
+    rounding (tests/test_logprobs.py).
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
+    token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
+    num_tokens = token_ids.shape[1]
+    if not (chunked and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
+        logits = completion_logits(model, micro, temperature)
+        logps = token_logps(logits, token_ids) * mask
+        return logps, token_entropy(logits) * mask
+    # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest
+    out = model(**_model_inputs(micro), output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1][mask]  # [n, H]: the real completion tokens only
+    del out
+    head = model.get_output_embeddings()
+    vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    rows = max(1, chunk_bytes // (4 * vocab))
+    logp_parts, entropy_parts = [], []
+    for states, ids in zip(hidden.split(rows), token_ids[mask].split(rows)):
+        if torch.is_grad_enabled():
+            logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
+        else:
+            logps, entropy = _chunk_logps(head, states, ids, temperature)
+        logp_parts.append(logps)
+        entropy_parts.append(entropy)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    shape_like = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    logps = shape_like.masked_scatter(mask, torch.cat(logp_parts).to(dtype)) if logp_parts else shape_like
+    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
+    if entropy_parts:
+        entropy = entropy.masked_scatter(mask, torch.cat(entropy_parts).float())
+    return logps, entropy.detach()

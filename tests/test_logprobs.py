@@ -1,0 +1,86 @@
+"""completion_logps: the chunked path (no [m, T, V] logits) equals the full-logits path in values and gradients."""
+
+import pytest
+import torch
+
+from lit_grpo.logprobs import completion_logits, completion_logps, head_reproduces_logits, token_entropy, token_logps
+from lit_grpo.models import load_model_and_tokenizer
+
+
+def micro_batch(vocab: int, generator: torch.Generator) -> dict:
+    """Two prompts (one left-padded) and right-padded completions of 5 and 3 tokens."""
+    prompt = torch.randint(3, vocab, (2, 4), generator=generator)
+    completion = torch.randint(3, vocab, (2, 5), generator=generator)
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    return {"input_ids": torch.cat([prompt, completion], dim=1), "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "completion_ids": completion,
+            "completion_mask": completion_mask}
+
+
+def full_path(model, micro, temperature):
+    logits = completion_logits(model, micro, temperature)
+    mask = micro["completion_mask"]
+    return token_logps(logits, micro["completion_ids"]) * mask, token_entropy(logits) * mask
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_and_gradients_equal_the_full_logits(name, temperature):
+    model, _ = load_model_and_tokenizer(name)
+    model = model.double().train()
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    assert head_reproduces_logits(model)
+    weights = torch.randn(2, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(chunked: bool):
+        model.zero_grad(set_to_none=True)
+        if chunked:  # 3 tokens' logits per chunk: the 8 real tokens take 3 chunks
+            logps, entropy = completion_logps(model, micro, temperature, chunk_bytes=3 * 4 * model.config.vocab_size)
+        else:
+            logps, entropy = full_path(model, micro, temperature)
+        (logps * weights).sum().backward()
+        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    chunked, full = run(True), run(False)
+    mask = micro["completion_mask"].bool()
+    torch.testing.assert_close(chunked[0], full[0])
+    assert (chunked[0][~mask] == 0).all() and (chunked[0][mask] < 0).all()
+    torch.testing.assert_close(chunked[1], full[1])
+    assert not chunked[1].requires_grad
+    assert chunked[2].keys() == full[2].keys() and len(full[2]) > 0
+    for key in full[2]:
+        torch.testing.assert_close(chunked[2][key], full[2][key], msg=key)
+
+
+class ScaledLogits(torch.nn.Module):
+    """A model whose logits are its output head's times 2 (as a logit scale or soft-capping would change them)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_models_that_post_process_logits_fall_back_to_the_full_logits():
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    scaled = ScaledLogits(model.double())
+    assert head_reproduces_logits(model) and not head_reproduces_logits(scaled)
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logps, entropy = completion_logps(scaled, micro, chunk_bytes=4)
+        expected_logps, expected_entropy = full_path(scaled, micro, 1.0)
+        unscaled, _ = full_path(model, micro, 1.0)
+    torch.testing.assert_close(logps, expected_logps)
+    torch.testing.assert_close(entropy, expected_entropy)
+    assert not torch.allclose(logps, unscaled)  # the chunked path would have given these
+    with pytest.raises(ValueError, match="chunk_bytes=0 must be >= 1"):
+        completion_logps(model, micro, chunk_bytes=0)
