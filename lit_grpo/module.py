@@ -94,7 +94,10 @@ class GRPOModule(LightningModule):
         peft_config: LoRA settings for ``peft.LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules:
             [q_proj, v_proj]}``); None trains all weights. With LoRA and beta > 0 the reference is the policy with
             the adapter disabled (no second model).
-        gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% more time).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass (default, as in
+            TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
+            peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
+            of update time). Turn it off when memory is plentiful (configs/demo.yaml).
         loss_type: grpo | bnpo | dr_grpo | dapo (lit_grpo.loss).
         epsilon_low, epsilon_high: the ratio's clip range.
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
@@ -117,7 +120,7 @@ class GRPOModule(LightningModule):
         model: str = DEFAULT_MODEL,
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool = True,
         loss_type: str = "dapo",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.28,

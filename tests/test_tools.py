@@ -50,7 +50,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
 
     out = tmp_path / "memory.json"
     report = bench_grpo_memory.main(["--model", "tiny", "--group-sizes", "2,4", "--strategies", "continuous",
-                                     "--gradient-checkpointing", "--malloc-mmap-threshold", "262144",
+                                     "--no-gradient-checkpointing", "--malloc-mmap-threshold", "262144",
                                      "--micro-group-size", "2", "--train-micro-batch-size", "2",
                                      "--max-new-tokens", "4", "--json", str(out)])
     assert json.loads(out.read_text()) == report
@@ -58,7 +58,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     for run in report["runs"]:
         assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
-        assert run["gradient_checkpointing"] is True and run["malloc_mmap_threshold"] == "262144"  # reached the worker
+        assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"  # reached the worker
     assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
 
 

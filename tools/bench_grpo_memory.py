@@ -9,7 +9,9 @@ high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Ligh
 training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
 micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
-own KV peak) and "step_s".
+own KV peak), "step_s", and the settings the worker really ran with ("gradient_checkpointing",
+"malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default (on); ``--no-gradient-checkpointing``
+measures the update holding every activation of a micro-batch.
 
 On Linux CPU the peak is the process's resident memory, so it includes what glibc's malloc keeps after tensors are
 freed. By default glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in
@@ -95,7 +97,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--task", default="basic_arithmetic")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="GRPOModule(gradient_checkpointing=True)")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="GRPOModule(gradient_checkpointing=...); on by default, as in the module")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="run the steps with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (Linux CPU; see the README)")
     parser.add_argument("--json", type=Path)
@@ -113,7 +116,7 @@ def main(argv=None) -> dict:
                        "--model", args.model, "--micro-group-size", str(args.micro_group_size),
                        "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
                        "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
-            command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+            command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
             env = dict(os.environ)
             if args.malloc_mmap_threshold is not None:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
