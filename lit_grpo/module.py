@@ -8,7 +8,8 @@ with the current policy right before the step) and makes ``num_iterations`` opti
 3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
    rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
    once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
-4. Per iteration: for each micro-batch, forward log-probs, ``policy_loss`` x ``micro_batch_weight`` (the weighted
+4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.logprobs.completion_logps``, which never
+   holds the whole ``[m, T, vocab]`` logits), ``policy_loss`` x ``micro_batch_weight`` (the weighted
    micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a finiteness check,
    ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``,
    the warmup scheduler step.
