@@ -140,7 +140,8 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
     token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
     num_tokens = token_ids.shape[1]
-    if not (chunked and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
+    # (with no real token at all the chunks would be empty and the result detached from the model: full path)
+    if not (chunked and bool(mask.any()) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
         logits = completion_logits(model, micro, temperature)
         logps = token_logps(logits, token_ids) * mask
         return logps, token_entropy(logits) * mask
@@ -161,8 +162,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         entropy_parts.append(entropy)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     shape_like = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    logps = shape_like.masked_scatter(mask, torch.cat(logp_parts).to(dtype)) if logp_parts else shape_like
+    logps = shape_like.masked_scatter(mask, torch.cat(logp_parts).to(dtype))
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
-    if entropy_parts:
-        entropy = entropy.masked_scatter(mask, torch.cat(entropy_parts).float())
+    entropy = entropy.masked_scatter(mask, torch.cat(entropy_parts).float())
     return logps, entropy.detach()

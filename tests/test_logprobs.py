@@ -84,3 +84,13 @@ def test_models_that_post_process_logits_fall_back_to_the_full_logits():
     assert not torch.allclose(logps, unscaled)  # the chunked path would have given these
     with pytest.raises(ValueError, match="chunk_bytes=0 must be >= 1"):
         completion_logps(model, micro, chunk_bytes=0)
+
+
+def test_a_micro_batch_without_real_tokens_still_has_a_gradient_path():
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(3))
+    micro["completion_mask"] = torch.zeros_like(micro["completion_mask"])
+    logps, entropy = completion_logps(model, micro)
+    assert logps.requires_grad and (logps == 0).all() and (entropy == 0).all()
+    logps.sum().backward()  # a zero loss, but backward works as for any other micro-batch
+
