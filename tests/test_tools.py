@@ -26,6 +26,14 @@ def test_bench_rollout_writes_every_design_field(tmp_path):
     assert runs["hf_generate"]["prefill_tokens"] > runs["full"]["prefill_tokens"]  # generate prefills every row
 
 
+def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):
+    report = bench_rollout.main(["--model", "tiny", "--prompts", "2", "--group-size", "4", "--micro-group-size", "2",
+                                 "--max-new-tokens", "6", "--temperature", "1.0", "--repeats", "1", "--threads", "1",
+                                 "--strategies", "full,infinite", "--warmup-rollouts", "2"])
+    runs = {run["strategy"]: run for run in report["runs"]}
+    assert runs["infinite"]["identical_fraction"] == 1.0  # same (seed, rollout, prompt, sample, token) streams
+
+
 def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps({"lengths": [[9, 2, 5, 7], [3, 8, 1, 4], [6, 6, 2, 9]]}))

@@ -174,6 +174,9 @@ def build_runners(args, model, tokenizer, prompts, lengths):
                     engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
                     for _ in range(args.warmup_rollouts):
                         engine.generate(prompts, lengths=lengths)
+                    # the predictor keeps what it learned, but the measured rollouts draw the same random streams
+                    # as the other strategies' (keyed by rollout index), so identical_fraction compares like with like
+                    engine.rollout_index = 0
                     fields = {"predictor": predictor, "refill": engine.scheduler.refill.name}
                     runners.append((f"infinite[{predictor},{fields['refill']}]", fields,
                                     lambda e=engine: run_engine(e, prompts, lengths)))
