@@ -100,6 +100,10 @@ def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.T
     return logps, entropy
 
 
+def _vocab_size(model: torch.nn.Module, head: torch.nn.Module) -> int:
+    return int(getattr(head, "out_features", 0) or model.config.vocab_size)
+
+
 @torch.no_grad()
 def head_reproduces_logits(model: torch.nn.Module) -> bool:
     """Whether ``output head(hidden_states[-1])`` equals the model's logits (checked once per model, 4 tokens)."""
@@ -109,8 +113,7 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
     ok = False
     if isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
         device = next(model.parameters()).device
-        vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
-        ids = (torch.arange(4, device=device) * 7919 % vocab).unsqueeze(0)
+        ids = (torch.arange(4, device=device) * 7919 % _vocab_size(model, head)).unsqueeze(0)
         was_training = model.training
         model.eval()  # dropout would make the two sides differ
         try:
@@ -150,11 +153,10 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1][mask]  # [n, H]: the real completion tokens only
     del out
     head = model.get_output_embeddings()
-    vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
-    rows = max(1, chunk_bytes // (4 * vocab))
+    rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
     logp_parts, entropy_parts = [], []
     for states, ids in zip(hidden.split(rows), token_ids[mask].split(rows)):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
             logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
         else:
             logps, entropy = _chunk_logps(head, states, ids, temperature)
