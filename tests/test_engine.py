@@ -244,3 +244,90 @@ def test_bad_prompts_are_named(tiny_llama):
 
 def test_strategies_are_the_documented_ones():
     assert STRATEGIES == ("full", "micro", "continuous", "infinite")
+
+
+# ------------------------------------------------------------------------------- static slot cache, decode step
+def test_schedules_are_bit_identical_on_smollm2_in_float32():
+    """Every decode step has the same shapes, so a row's arithmetic does not depend on what runs beside it: the
+    g-slot strategies return bit-identical completions and log-probs on a real model in float32."""
+    from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
+    questions = ["What is 12 + 7?", "Name three colours.", "Compute 3 * 4 - 2."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"] for q in questions]
+    results, engines = {}, {}
+    for strategy in ("micro", "continuous", "infinite"):
+        options = {"probe_tokens": 3} if strategy == "infinite" else {}
+        engines[strategy] = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=3, strategy=strategy,
+                                          max_new_tokens=10, temperature=1.0, seed=5, **options)
+        results[strategy] = engines[strategy].generate(prompts)
+    assert engines["infinite"].scheduler.last_info["parks"] > 0  # parked and resumed samples are identical too
+    assert results["micro"].stats.timeline != results["continuous"].stats.timeline  # really different schedules
+    for strategy in ("continuous", "infinite"):
+        assert results[strategy].completion_ids == results["micro"].completion_ids, strategy
+        assert results[strategy].logprobs == results["micro"].logprobs, strategy
+    assert len({tuple(c) for c in results["micro"].completion_ids[0]}) > 1  # temperature 1: samples differ
+
+
+def test_the_slot_cache_is_allocated_once_and_reused_while_it_fits(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=6, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=8, seed=1)
+    engine.generate(prompt_ids)
+    cache = engine._cache
+    pointers = [layer.keys.data_ptr() for layer in cache.layers]
+    # A rollout runs many refills and removals; none of them reallocates the rows.
+    result = engine.generate(prompt_ids[:2])
+    assert engine._cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
+    assert result.stats.decode_steps > 8  # refills happened
+    assert result.stats.peak_kv_bytes >= cache.nbytes()
+    longer = [prompt_ids[0] * 3]  # wider than the cache: a new one
+    engine.generate(longer)
+    assert engine._cache is not cache and engine._cache.width == len(longer[0]) - 1 + 8
+    engine.release()
+    assert engine._cache is None and engine._step is None
+
+
+def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=12, strategy="infinite",
+                           max_new_tokens=12, seed=2, probe_tokens=3)
+    result = engine.generate(prompt_ids)
+    assert engine.scheduler.last_info["parks"] == 0
+    full = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2).generate(prompt_ids)
+    assert result.stats.decode_steps == full.stats.decode_steps
+
+
+def test_sampling_config_errors_name_the_option(tiny_llama):
+    from lit_grpo.sampling import SamplingConfig
+
+    model, tokenizer = tiny_llama
+    with pytest.raises(ValueError, match=r"only apply to strategy='infinite', not 'continuous'"):
+        RolloutEngine(model, tokenizer, strategy="continuous", predictor="oracle")
+    with pytest.raises(TypeError, match=r"unknown sampling options \['beam_width'\]"):
+        RolloutEngine(model, tokenizer, beam_width=4)
+    with pytest.raises(ValueError, match=r"scheduler.probe_tokens=-2 must be an integer >= 0 or None"):
+        SamplingConfig(scheduler={"probe_tokens": -2})
+    with pytest.raises(ValueError, match=r"unknown scheduler options \['refil'\]"):
+        SamplingConfig(scheduler={"refil": "sjf"})
+    with pytest.raises(ValueError, match=r"micro_group_size='auto' must be resolved"):
+        RolloutEngine(model, tokenizer, micro_group_size="auto", kv_budget_bytes=10**6)
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs a CUDA model"):
+        RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=2, cuda_graph=True).generate([[5, 6]])
+    config = SamplingConfig(group_size=3, strategy="infinite", scheduler={"predictor": "history"})
+    engine = RolloutEngine(model, tokenizer, config)
+    assert engine.config is config and engine.scheduler.predictor.__class__.__name__ == "HistoryLengthPredictor"
+
+
+def test_forced_lengths_keep_every_shape():
+    from lit_grpo.sampling.token_sampler import force_lengths
+
+    logits = torch.zeros(3, 5)
+    is_eos = torch.tensor([False, False, True, False, False])
+    out = force_lengths(logits, token_index=torch.tensor([0, 3, 1]), forced_length=torch.tensor([4, 4, 0]),
+                        is_eos=is_eos)
+    assert out.shape == (3, 5)
+    assert out[0, 2] == float("-inf") and torch.isfinite(out[0, [0, 1, 3, 4]]).all()  # before: no EOS
+    assert out[1, 2] == 0 and torch.isinf(out[1, [0, 1, 3, 4]]).all()  # at the length: only EOS
+    assert torch.equal(out[2], logits[2])  # forced_length 0: untouched

@@ -60,3 +60,22 @@ def test_real_default_model_loads_offline_and_generates():
                               max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert result.completion_ids[0][0] == expected
     assert "7" in tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("name,layers,params_b", [("qwen3-0.6b", 28, 0.596), ("qwen3-1.7b", 28, 1.721),
+                                                  ("qwen3-4b", 36, 4.022), ("llama3.2-1b", 16, 1.236)])
+def test_random_models_have_the_real_architectures(name, layers, params_b):
+    """``random:NAME`` builds the real architecture (here on the meta device: no memory) with a tokenizer whose
+    vocabulary covers the model's, so any sampled id decodes."""
+    model, tokenizer = models.random_model(name, device="meta")
+    config = model.config
+    assert config.num_hidden_layers == layers and model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(params_b, abs=0.001)
+    assert len(tokenizer) == config.vocab_size and config.eos_token_id == tokenizer.eos_token_id
+    assert tokenizer.decode([config.vocab_size - 1]) == f"<|filler_{config.vocab_size - 1}|>"
+    assert tokenizer.decode(tokenizer("What is 12 + 30?")["input_ids"]) == "What is 12 + 30?"
+
+
+def test_random_model_names_are_listed_when_wrong():
+    with pytest.raises(ValueError, match=r"unknown random model random:gpt5.*random:qwen3-1.7b"):
+        load_model_and_tokenizer("random:gpt5")

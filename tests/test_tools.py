@@ -4,10 +4,12 @@ import json
 
 import pytest
 
+from lit_grpo.models import load_model_and_tokenizer
 from tools import bench_rollout
 
 RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
-              "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction"}
+              "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction",
+              "peak_memory_bytes", "ms_per_step"}
 
 
 def test_bench_rollout_writes_every_design_field(tmp_path):
@@ -24,6 +26,11 @@ def test_bench_rollout_writes_every_design_field(tmp_path):
         assert run["identical_fraction"] == 1.0  # greedy: every path returns the same completions
     assert runs["continuous"]["peak_kv_bytes"] < runs["full"]["peak_kv_bytes"]
     assert runs["hf_generate"]["prefill_tokens"] > runs["full"]["prefill_tokens"]  # generate prefills every row
+    for run in runs.values():
+        assert run["peak_memory_bytes"] > 0 and run["ms_per_step"] > 0
+    config = report["config"]
+    assert config["weights_bytes"] == sum(p.numel() * 4 for p in load_model_and_tokenizer("tiny-llama")[0].parameters())
+    assert config["device"].startswith("cpu") and config["task"] == "basic_arithmetic"
 
 
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):
@@ -40,6 +47,7 @@ def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
     out = tmp_path / "replay.json"
     report = bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "2",
                                  "--micro-group-size", "2", "--max-new-tokens", "9", "--repeats", "1",
+                                 "--task", "synthetic",
                                  "--strategies", "continuous,infinite", "--predictors", "oracle,history",
                                  "--refills", "sjf,lpt", "--json", str(out)])
     assert report["config"]["prompts"] == 2 and report["config"]["group_size"] == 4  # B sliced, G from the file

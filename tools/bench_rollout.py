@@ -4,12 +4,22 @@
         --max-new-tokens 128 --strategies full,micro,continuous,hf_generate,hf_generate_chunked,hf_generate_batch \
         --repeats 3 --json runs/rollout.json
 
+    python tools/bench_rollout.py --model random:qwen3-1.7b --dtype bfloat16 --preset paper \
+        --lengths tools/data/smollm2_gsm_symbolic_lengths.json --strategies full,continuous,infinite,micro \
+        --predictors oracle --json runs/paper_gpu.json          # any GPU, offline: random weights, replayed lengths
+
 Every repeat runs every strategy once, in turn, so a slow patch of a noisy machine hits all of them alike; the
 JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures (design.md):
 decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
-padding included), peak_rss_bytes (the process's resident high-water mark during the run), wall_s, tokens_per_s,
-identical_fraction (share of completions equal to the "full" run's in the same repeat), and for lit_grpo's
-engine forward_fraction (time inside the model's forward / wall time).
+padding included), peak_memory_bytes (the CUDA allocator's peak during the run, or the resident high-water mark
+on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step
+(``(wall_s - capture_s) / decode_steps``: the steady decode step, the one-off graph capture left out; it stays in
+wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
+repeat), and for lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
+weights_bytes and the device's name.
+
+Each engine frees its slot cache (and CUDA graph) after every run, so a run's peak memory holds the weights and
+that run's own allocations only, as in training, where the cache is freed before the update.
 
 Baselines: hf_generate = one ``model.generate`` over all B x G rows, left-padded (TRL without vLLM);
 hf_generate_chunked = the same over chunks of g rows; hf_generate_batch = transformers' continuous batching
@@ -29,32 +39,44 @@ import torch
 from transformers import GenerationConfig
 
 from lit_grpo.memory import make_peak_tracker
-from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer
+from lit_grpo.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
+from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
 MODELS = {"tiny": "tiny-llama", "smollm2": DEFAULT_MODEL}
 PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
-          "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "forward_fraction", "identical_fraction")
+          "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
+          "capture_s", "forward_fraction", "identical_fraction")
 
 
 def task_prompts(tokenizer, task: str, count: int, seed: int) -> list[list[int]]:
-    """``count`` reasoning-gym questions as chat-formatted token ids."""
-    import reasoning_gym
+    """``count`` questions as chat-formatted token ids: reasoning-gym's ``task``, or "synthetic" (sums written
+    out locally: no reasoning-gym needed, for random-weight models whose lengths are replayed anyway)."""
+    if task == "synthetic":
+        import random
 
-    dataset = reasoning_gym.create_dataset(task, size=count, seed=seed)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": entry["question"]}],
-                                          add_generation_prompt=True, tokenize=True)["input_ids"]
-            for entry in dataset]
+        rng = random.Random(seed)
+        questions = [f"What is {rng.randint(10, 999)} + {rng.randint(10, 999)}? Think step by step, then give the "
+                     "final answer." for _ in range(count)]
+    else:
+        import reasoning_gym
+
+        questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=count, seed=seed)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"] for q in questions]
 
 
 # ----------------------------------------------------------------------------------------------- runners
 def run_engine(engine: RolloutEngine, prompts, lengths) -> tuple[dict, list[list[int]]]:
     result = engine.generate(prompts, lengths=lengths)
-    record = result.stats.scalars()
-    record["forward_fraction"] = result.stats.forward_s / result.stats.wall_s
+    engine.release()  # the next run's peak memory must not hold this engine's cache
+    stats = result.stats
+    record = stats.scalars()
+    record["forward_fraction"] = stats.forward_s / stats.wall_s
+    record["ms_per_step"] = 1000 * (stats.wall_s - stats.capture_s) / max(stats.decode_steps, 1)
     return record, [c for group in result.completion_ids for c in group]
 
 
@@ -69,10 +91,7 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
     """``model.generate`` over left-padded chunks of ``chunk_rows`` rows (all B x G rows when chunk_rows is None)."""
     rows = [p for p in prompts for _ in range(G)]
     chunk_rows = chunk_rows or len(rows)
-    config = model.config.get_text_config(decoder=True)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bytes_per_position = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    bytes_per_position = kv_bytes_per_token(model.config, model.dtype)
     completions, steps, prefill, peak_kv = [], 0, 0, 0
     start = time.perf_counter()
     for i in range(0, len(rows), chunk_rows):
@@ -91,7 +110,7 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
     record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated,
                   lower_bound_steps=lower_bound_steps(list(map(len, completions)), min(chunk_rows, len(rows))),
                   slot_utilization=generated / (steps * min(chunk_rows, len(rows))), peak_kv_bytes=peak_kv,
-                  wall_s=wall, tokens_per_s=generated / wall)
+                  wall_s=wall, tokens_per_s=generated / wall, ms_per_step=1000 * wall / max(steps, 1))
     return record, completions
 
 
@@ -125,7 +144,11 @@ def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model path or hub id")
+    parser.add_argument("--model", default="tiny",
+                        help="tiny | smollm2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b: that "
+                             "architecture with random weights, offline) | a model path or hub id")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs (default: cuda when available)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="paper: B 1, G 32, g 8, 1024 tokens, gsm_symbolic")
     parser.add_argument("--prompts", type=int, help="B, prompts per rollout (default 4, or the --lengths file's)")
     parser.add_argument("--group-size", type=int, help="G (default 16, or the --lengths file's)")
@@ -140,7 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=Path,
                         help='JSON {"lengths": [[L, ...] per prompt]}: replay; sets B and G, or a given (or preset) '
                              'B and G take the first B prompts and their first G samples')
-    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task for the prompts")
+    parser.add_argument("--task", help="reasoning-gym task for the prompts, or 'synthetic' (default: "
+                                       "basic_arithmetic; synthetic for random:NAME models)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -152,7 +176,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
-            setattr(args, key, value)
+            if key != "task" or args.task is None:
+                setattr(args, key, value)
+    if args.task is None:
+        args.task = "synthetic" if args.model.startswith(RANDOM_PREFIX) else "basic_arithmetic"
     args.strategies = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
     if unknown:
@@ -174,6 +201,7 @@ def build_runners(args, model, tokenizer, prompts, lengths):
                     engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
                     for _ in range(args.warmup_rollouts):
                         engine.generate(prompts, lengths=lengths)
+                    engine.release()
                     # the predictor keeps what it learned, but the measured rollouts draw the same random streams
                     # as the other strategies' (keyed by rollout index), so identical_fraction compares like with like
                     engine.rollout_index = 0
@@ -203,7 +231,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype)
+    model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype,
+                                                device=args.device)
     model.eval()
     lengths = None
     if args.lengths:
@@ -219,18 +248,23 @@ def main(argv=None) -> dict:
     runners = build_runners(args, model, tokenizer, prompts, lengths)
     # One short untimed rollout first, so one-time kernel and allocator set-up is charged to no strategy.
     RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=args.seed).generate(prompts[:1])
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
 
     repeats: dict[str, list[dict]] = {label: [] for label, _, _ in runners}
-    # Host RSS peak (the KV figures are reported separately by each run); on CUDA the allocator's peak.
-    tracker, problem = make_peak_tracker(model.device, "auto", 0.002)
-    if tracker is None:
-        raise SystemExit(f"cannot measure peak memory here: {problem}")
+    # The device's peak (CUDA allocator, or resident memory on CPU) and the host's resident peak.
+    trackers = {}
+    for name, device in (("peak_memory_bytes", model.device), ("peak_rss_bytes", torch.device("cpu"))):
+        trackers[name], problem = make_peak_tracker(device, "auto", 0.002)
+        if trackers[name] is None:
+            raise SystemExit(f"cannot measure {name} here: {problem}")
     for repeat in range(args.repeats):
         reference = None
         for label, fields, run in runners:
-            tracker.reset()
+            for tracker in trackers.values():
+                tracker.reset()
             record, completions = run()
-            record["peak_rss_bytes"] = tracker.read()["peak_bytes"]
+            record.update({name: tracker.read()["peak_bytes"] for name, tracker in trackers.items()})
             if label == "full":
                 reference = completions
             record["identical_fraction"] = (None if reference is None else
@@ -242,6 +276,10 @@ def main(argv=None) -> dict:
     runs = [_median_record(records) for records in repeats.values()]
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["model"] = MODELS.get(args.model, args.model)
+    config["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    config["device"] = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
+                        else f"cpu ({torch.get_num_threads()} threads)")
+    config["dtype"] = str(model.dtype).removeprefix("torch.")
     report = {"config": config, "runs": runs}
     _print_table(runs)
     if args.json:
@@ -260,8 +298,8 @@ def _median_record(records: list[dict]) -> dict:
 
 
 def _print_table(runs: list[dict]) -> None:
-    columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "tokens_per_s",
-               "forward_fraction", "identical_fraction")
+    columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "peak_memory_bytes",
+               "tokens_per_s", "ms_per_step", "forward_fraction", "identical_fraction")
     label = lambda r: r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
     print(f"{'strategy':30s}" + "".join(f"{c:>20s}" for c in columns))
     for run in runs:

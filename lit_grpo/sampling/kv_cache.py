@@ -1,21 +1,27 @@
-"""KV memory of the rollout: the slot batch's cache rows, cached prompt prefixes, and byte accounting.
+"""KV memory of the rollout: a static slot cache that the model writes into, prompt prefixes, byte accounting.
 
-Layout invariant (what keeps row operations cheap): every row of the slot cache is *right-aligned*. Row i holds
-``lengths[i]`` real positions in the last columns of a ``[rows, kv_heads, width, head_dim]`` tensor per layer, and
-left padding before them. Each decode step appends one column to every row, so the invariant survives decoding;
-inserting a row left-pads it (or the others) to a common width; removing rows may leave leading columns that no
-live row uses, and ``trim`` drops them. The attention mask and position ids follow from ``lengths`` alone.
+``SlotKVCache`` is a transformers ``Cache``: the model's attention layers call its ``update`` unmodified. Per layer
+it holds keys and values of shape ``[slots, kv_heads, width, head_dim]``, allocated once and never reallocated by a
+decode step, a refill or a removal. Row ``s`` belongs to whichever sample runs in slot ``s``; its positions sit in
+columns ``[0, lengths[s])``. Keys are cached after the rotary embedding, so a column only needs to be admitted by
+the attention mask, not to sit at its position's index; still, column = position id here, which keeps the mask a
+plain comparison (``column <= lengths[s]``).
 
-This is transformers' ``DynamicCache``, manipulated layer by layer: the model's forward keeps doing its own
-``update`` (concatenating the new column), and this class only does what the forward cannot: insert, remove,
-trim and count.
+A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``scatter_`` per
+layer, no host round trip) and attends over the whole width; the mask hides what another sample left behind in
+the row's later columns (stale but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's
+cached prefix (and, for a resumed sample, its parked tail) into the row in place; removing a sample just stops
+using the row. So every step has the same shapes, which is what CUDA graphs need, and a row's arithmetic never
+depends on its neighbours, which is what makes every schedule return the same completions.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+from lit_grpo.sampling.memory_budget import kv_geometry
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [rows, kv_heads, T, head_dim]
 
@@ -35,97 +41,101 @@ def slice_columns(kv: KV, start: int, stop: int | None = None) -> KV:
     return [(k[:, :, start:stop].clone(), v[:, :, start:stop].clone()) for k, v in kv]
 
 
-def concat_columns(left: KV | None, right: KV | None) -> KV | None:
-    """Join two single-row KVs along the sequence axis (a prompt prefix and a parked sample's tail)."""
-    if left is None or right is None:
-        return right if left is None else left
-    return [(torch.cat([lk, rk], dim=2), torch.cat([lv, rv], dim=2)) for (lk, lv), (rk, rv) in zip(left, right)]
+def check_full_attention(model_config) -> None:
+    """Refuse models whose cache layers are not plain full attention (sliding-window, hybrid, linear)."""
+    for layer in DynamicCache(config=model_config).layers:
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"the rollout engine needs full-attention cache layers; this model uses "
+                             f"{type(layer).__name__} (sliding-window or hybrid caches are not supported)")
 
 
-class SlotKVCache:
-    """The decode batch's KV cache: one right-aligned row per running sample.
+class SlotCacheLayer(CacheLayerMixin):
+    """One decoder layer's keys and values for every slot, written in place at each row's own column.
 
-    Attributes:
-        cache: the ``DynamicCache`` handed to the model's forward.
-        lengths: ``[rows]`` int64 real positions per row (prompt prefix + fed tokens).
+    Args:
+        keys, values: ``[slots, kv_heads, width, head_dim]`` storage.
+        lengths: ``[slots]`` int64, shared with the owning cache: the column each row's next update writes.
     """
 
-    def __init__(self, model_config, device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int):
-        self.cache = DynamicCache(config=model_config)
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise ValueError(f"the rollout engine needs full-attention cache layers; this model uses "
-                                 f"{type(layer).__name__} (sliding-window or hybrid caches are not supported)")
-        self.device, self.dtype = device, dtype
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.lengths = torch.zeros(0, dtype=torch.long, device=device)
-        self._empty_rows(0, 0)
+    is_compileable = True
+    is_sliding = False
 
-    # ------------------------------------------------------------------------------------------------ queries
-    @property
-    def rows(self) -> int:
-        return self.lengths.shape[0]
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        slots, kv_heads, _, _ = keys.shape
+        # Views of `lengths` (no copy): they follow its in-place updates, so a captured graph reads the current
+        # columns on every replay.
+        self._key_index = lengths.view(slots, 1, 1, 1).expand(slots, kv_heads, 1, keys.shape[-1])
+        self._value_index = lengths.view(slots, 1, 1, 1).expand(slots, kv_heads, 1, values.shape[-1])
 
-    @property
-    def width(self) -> int:
-        return self.cache.layers[0].keys.shape[2]
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # allocated up front
 
-    @property
-    def bytes_per_position(self) -> int:
-        """Bytes one position of one row costs across all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * len(self.cache.layers) * self.kv_heads * self.head_dim * self.cache.layers[0].keys.element_size()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write one new column per row (``key_states``: ``[slots, kv_heads, 1, head_dim]``) at ``lengths``."""
+        if key_states.shape[2] != 1 or key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"SlotKVCache takes one token for each of its {self.keys.shape[0]} slots per step, got "
+                             f"key states of shape {tuple(key_states.shape)}")
+        self.keys.scatter_(2, self._key_index, key_states)
+        self.values.scatter_(2, self._value_index, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[2]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotKVCache(Cache):
+    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer, allocated once.
+
+    Attributes:
+        lengths: ``[slots]`` int64 on the device: cached positions of each row (= the column and the position id
+            of the token its next decode step feeds). Idle rows keep 0.
+    """
+
+    def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
+        check_full_attention(model_config)
+        num_layers, kv_heads, head_dim = kv_geometry(model_config)
+        self.num_slots, self.width = num_slots, width
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        shape = (num_slots, kv_heads, width, head_dim)
+        layers = [SlotCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                 torch.zeros(shape, dtype=dtype, device=device), self.lengths)
+                  for _ in range(num_layers)]
+        super().__init__(layers=layers)
 
     def nbytes(self) -> int:
-        """Bytes held by the slot cache, padding included."""
-        return self.rows * self.width * self.bytes_per_position
+        """Bytes held by the slot cache (every row at full width)."""
+        return kv_bytes(cache_layers_kv(self))
 
-    def attention_mask(self) -> torch.Tensor:
-        """``[rows, width + 1]`` mask for a decode step (the +1 is the column the step appends)."""
-        columns = torch.arange(self.width + 1, device=self.device)
-        return (columns >= (self.width - self.lengths).unsqueeze(1)).long()
+    def fits(self, num_slots: int, width: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a rollout of ``num_slots`` rows up to ``width`` positions can reuse this cache."""
+        layer = self.layers[0]
+        return (num_slots == self.num_slots and width <= self.width and layer.dtype == dtype
+                and layer.device == device)
 
-    def row_kv(self, row: int, last: int) -> KV:
-        """The last ``last`` positions of one row, as a single-row KV (copied)."""
-        return [(k[row:row + 1, :, k.shape[2] - last:].clone(), v[row:row + 1, :, v.shape[2] - last:].clone())
-                for k, v in cache_layers_kv(self.cache)]
+    def write_row(self, slot: int, start: int, kv: KV | None) -> int:
+        """Copy a single-row KV (``[1, kv_heads, n, head_dim]`` per layer) into row ``slot`` at columns
+        ``[start, start + n)``; returns ``n``."""
+        if kv is None:
+            return 0
+        n = kv[0][0].shape[2]
+        if start + n > self.width:
+            raise ValueError(f"{start + n} positions do not fit the slot cache's width {self.width}")
+        for layer, (keys, values) in zip(self.layers, kv):
+            layer.keys[slot, :, start:start + n].copy_(keys[0])
+            layer.values[slot, :, start:start + n].copy_(values[0])
+        return n
 
-    # --------------------------------------------------------------------------------------------- mutations
-    def _empty_rows(self, rows: int, width: int) -> None:
-        for layer in self.cache.layers:
-            shape = (rows, self.kv_heads, width, self.head_dim)
-            layer.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.dtype, layer.device, layer.is_initialized = self.dtype, self.device, True
-
-    def advance(self) -> None:
-        """Record that a decode step appended one column to every row."""
-        self.lengths += 1
-
-    def insert(self, new_rows: list[KV | None]) -> None:
-        """Append rows at the end of the batch, each given as a single-row KV (None: no cached positions).
-
-        Left-pads the new rows, or the existing ones when a new row is wider, to one common width.
-        """
-        new_lengths = [0 if kv is None else kv[0][0].shape[2] for kv in new_rows]
-        old_rows, old_width = self.rows, self.width
-        width = max([old_width, *new_lengths])
-        old = cache_layers_kv(self.cache)
-        self._empty_rows(old_rows + len(new_rows), width)
-        for layer_idx, layer in enumerate(self.cache.layers):
-            layer.keys[:old_rows, :, width - old_width:] = old[layer_idx][0]
-            layer.values[:old_rows, :, width - old_width:] = old[layer_idx][1]
-            for j, kv in enumerate(new_rows):
-                if kv is not None and new_lengths[j] > 0:
-                    layer.keys[old_rows + j, :, width - new_lengths[j]:] = kv[layer_idx][0][0]
-                    layer.values[old_rows + j, :, width - new_lengths[j]:] = kv[layer_idx][1][0]
-        self.lengths = torch.cat([self.lengths, torch.tensor(new_lengths, dtype=torch.long, device=self.device)])
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order), then drop leading columns that no remaining row uses."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.lengths = self.lengths[index]
-        start = self.width - int(self.lengths.max()) if rows else self.width
-        for layer in self.cache.layers:
-            # index_select on the column view copies exactly the kept block, so trimmed memory is freed now.
-            layer.keys = layer.keys[:, :, start:].index_select(0, index)
-            layer.values = layer.values[:, :, start:].index_select(0, index)
+    def read_row(self, slot: int, start: int, stop: int) -> KV:
+        """Columns ``[start, stop)`` of row ``slot`` as a single-row KV (a copy)."""
+        return [(layer.keys[slot:slot + 1, :, start:stop].clone(), layer.values[slot:slot + 1, :, start:stop].clone())
+                for layer in self.layers]

@@ -24,7 +24,7 @@ import torch
 
 from lit_grpo.validation import check_int
 
-__all__ = ["kv_bytes_per_token", "kv_slot_bytes", "auto_micro_group_size"]
+__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_slot_bytes"]
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -37,16 +37,16 @@ def _dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
-    """Bytes one cached position costs across all layers: ``2 x layers x kv_heads x head_dim x dtype bytes``.
+def kv_geometry(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a model config: what one cached position is made of.
 
     Args:
         config: a transformers ``PretrainedConfig`` (``num_hidden_layers``, ``num_attention_heads``, optional
             ``num_key_value_heads`` (GQA; default: the attention heads) and ``head_dim`` (default:
-            ``hidden_size // num_attention_heads``)). A multimodal config's ``text_config`` is used when present.
-        dtype: the KV cache's dtype (the model's), a ``torch.dtype`` or its name.
+            ``hidden_size // num_attention_heads``)). A multimodal config's text config is used.
     """
-    config = getattr(config, "text_config", None) or config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     if not layers or not heads:
@@ -54,7 +54,14 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
                          "cannot size the KV cache")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * int(layers) * int(kv_heads) * int(head_dim) * _dtype_bytes(dtype)
+    return int(layers), int(kv_heads), int(head_dim)
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
+    """Bytes one cached position costs across all layers: ``2 x layers x kv_heads x head_dim x dtype bytes``
+    (``config`` as in :func:`kv_geometry`; ``dtype``: the KV cache's, a ``torch.dtype`` or its name)."""
+    layers, kv_heads, head_dim = kv_geometry(config)
+    return 2 * layers * kv_heads * head_dim * _dtype_bytes(dtype)
 
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:

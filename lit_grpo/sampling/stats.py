@@ -22,7 +22,10 @@ class RolloutStats:
         peak_kv_bytes: the most bytes held at once by KV tensors (slot cache with padding + cached prompts).
         wall_s: seconds spent in ``generate``.
         tokens_per_s: ``generated_tokens / wall_s``.
-        forward_s: seconds spent inside the model's forward passes (prefill and decode).
+        forward_s: seconds spent in prefill forwards and decode steps (forward, sampling and the step's one
+            device-to-host copy); the rest of ``wall_s`` is the engine's and the scheduler's bookkeeping.
+        capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
+            the previous rollout's, or runs eagerly).
         num_slots: concurrent sequences the rollout ran with.
         length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step
@@ -39,6 +42,7 @@ class RolloutStats:
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     forward_s: float = 0.0
+    capture_s: float = 0.0
     num_slots: int = 0
     group_size: int = 0
     length_pred_kendall_tau: float | None = None

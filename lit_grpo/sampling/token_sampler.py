@@ -1,4 +1,8 @@
-"""Turning next-token logits into tokens: temperature, top-k, top-p, and the sampling log-probs."""
+"""Turning next-token logits into tokens: temperature, top-k, top-p, forced lengths, and the sampling log-probs.
+
+Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
+runs inside the decode step's CUDA graph.
+"""
 
 from __future__ import annotations
 
@@ -54,3 +58,25 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
     tokens = torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def force_lengths(logits: torch.Tensor, token_index: torch.Tensor, forced_length: torch.Tensor,
+                  is_eos: torch.Tensor) -> torch.Tensor:
+    """Replay recorded lengths: EOS is impossible before a row's forced length and certain at it.
+
+    Args:
+        logits: ``[n, V]`` raw next-token logits.
+        token_index: ``[n]`` int64, the index of the token each row draws now (tokens generated so far).
+        forced_length: ``[n]`` int64 completion length of each row's sample; 0 leaves the row alone.
+        is_eos: ``[V]`` bool, the stop tokens.
+    Returns:
+        ``[n, V]`` float logits: at the last token only EOS ids stay (at logit 0, so they are equally likely),
+        before it EOS ids are at -inf.
+    """
+    logits = logits.float()
+    forced = forced_length > 0
+    last = (forced & (token_index + 1 == forced_length)).unsqueeze(1)
+    before = (forced & (token_index + 1 < forced_length)).unsqueeze(1)
+    eos = is_eos.unsqueeze(0)
+    logits = torch.where(last & eos, 0.0, logits)
+    return logits.masked_fill((last & ~eos) | (before & eos), float("-inf"))

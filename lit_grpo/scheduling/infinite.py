@@ -194,6 +194,11 @@ class InfiniteScheduler(Scheduler):
                 return True
             self.planner.note_start(lane, self.clock, remaining)  # budget full or critical: it keeps its slot
             return False
+        if not len(self.planner):
+            # Nothing waits for a slot (e.g. g >= all samples): there is no choice to plan, and parking would only
+            # copy the sample's KV out and straight back in.
+            self.planner.note_start(lane, self.clock, remaining)
+            return False
         if any(other not in self.conditioned for other in self.running if other != key):
             # Other slots are still probing (the probe phase's last round): plan once they have reported.
             self._park(key, remaining)

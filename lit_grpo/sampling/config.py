@@ -1,0 +1,121 @@
+"""``SamplingConfig``: what the rollout engine needs to know to sample, typed and checked once.
+
+One frozen dataclass serves the engine (``RolloutEngine(model, tokenizer, config)``), the rollout builder and the
+YAML (``data.sampling``), so a wrong value fails when the config is built (``Literal`` fields already when the YAML
+is parsed), with a message that names the key and what is allowed::
+
+    data:
+      sampling:
+        group_size: 8            # G, completions per prompt
+        micro_group_size: 16     # g, concurrent slots (or "auto" with kv_budget_bytes)
+        strategy: infinite
+        max_new_tokens: 256
+        scheduler: {predictor: online}   # the "infinite" strategy's options (InfiniteSchedulerConfig)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.validation import check_int
+
+Strategy = Literal["full", "micro", "continuous", "infinite"]
+STRATEGIES: tuple[str, ...] = ("full", "micro", "continuous", "infinite")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How a rollout samples B prompts x G completions on g slots.
+
+    Attributes:
+        group_size: G, completions per prompt (>= 1; training needs >= 2).
+        micro_group_size: g, concurrent sequences of "micro", "continuous" and "infinite" (None: G). ``"auto"``:
+            the largest g whose worst-case KV cache fits ``kv_budget_bytes``, resolved by the rollout builder from
+            the model and the longest prompt (``lit_grpo.sampling.memory_budget``); the engine itself needs an int.
+        kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``.
+        strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
+        max_new_tokens: the completion length cap.
+        temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it.
+        seed: base of every per-sample random stream.
+        scheduler: options of the "infinite" strategy (ignored by the others, which have no options).
+        cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
+            FSDP-sharded). On CPU the same static-shape step runs eagerly.
+        keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
+            re-allocation, no re-capture), but during training the KV memory then stays held through the update;
+            off by default for training, where the update needs that memory.
+    """
+
+    group_size: int = 8
+    micro_group_size: int | Literal["auto"] | None = None
+    kv_budget_bytes: int | None = None
+    strategy: Strategy = "infinite"
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
+    cuda_graph: bool | None = None
+    keep_kv_cache: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("sampling.group_size", self.group_size, 1)
+        if self.micro_group_size == "auto":
+            if self.kv_budget_bytes is None:
+                raise ValueError("sampling.micro_group_size='auto' needs sampling.kv_budget_bytes "
+                                 "(the KV-cache byte budget)")
+        elif isinstance(self.micro_group_size, str):
+            raise ValueError(f"sampling.micro_group_size={self.micro_group_size!r} must be an integer >= 1, "
+                             "'auto' or None")
+        elif self.micro_group_size is not None:
+            check_int("sampling.micro_group_size", self.micro_group_size, 1)
+        if self.kv_budget_bytes is not None:
+            check_int("sampling.kv_budget_bytes", self.kv_budget_bytes, 1)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"sampling.strategy={self.strategy!r} is not one of {list(STRATEGIES)}")
+        check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not self.temperature >= 0:
+            raise ValueError(f"sampling.temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
+        check_int("sampling.top_k", self.top_k, 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"sampling.seed={self.seed!r} must be an integer")
+        if isinstance(self.scheduler, dict):  # a plain mapping from Python or an old config: typed here
+            object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))
+        if not isinstance(self.scheduler, InfiniteSchedulerConfig):
+            raise ValueError(f"sampling.scheduler={self.scheduler!r} must be an InfiniteSchedulerConfig or a dict of "
+                             "its fields")
+
+    def replace(self, **changes: Any) -> SamplingConfig:
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, base: SamplingConfig | None = None, **kwargs: Any) -> SamplingConfig:
+        """``base`` (or the defaults) with sampling fields and "infinite" scheduler options given flat, as
+        ``RolloutEngine(model, tokenizer, group_size=32, predictor="oracle")`` does.
+
+        Raises:
+            ValueError: scheduler options for a strategy other than "infinite", or an unknown keyword.
+        """
+        if base is not None and not kwargs:
+            return base
+        own = {f.name for f in fields(cls)}
+        scheduler_fields = {f.name for f in fields(InfiniteSchedulerConfig)}
+        unknown = sorted(set(kwargs) - own - scheduler_fields)
+        if unknown:
+            raise TypeError(f"unknown sampling options {unknown}; allowed: {sorted(own)} and the scheduler's "
+                            f"{sorted(scheduler_fields)}")
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in scheduler_fields and k not in own}
+        config = dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+        if options:
+            if config.strategy != "infinite":
+                raise ValueError(f"options {sorted(options)} only apply to strategy='infinite', "
+                                 f"not {config.strategy!r}")
+            config = config.replace(scheduler=dataclasses.replace(config.scheduler, **options))
+        return config

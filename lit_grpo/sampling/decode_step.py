@@ -1,0 +1,206 @@
+"""The decode step (compute): one forward over every slot plus sampling, with the same shapes every step.
+
+``DecodeStep`` is this engine's model runner (vLLM's name): it owns the static input buffers of a decode step and
+the step itself, and on CUDA captures it once as a CUDA graph and replays it. It knows nothing about which sample
+runs where (the engine tells it through ``start_row`` / ``stop_row``) nor about scheduling.
+
+One step, all on the device, no host round trip until the end:
+
+1. attention mask ``[slots, 1, 1, width]`` from the rows' lengths (a row attends to its columns ``<= lengths``);
+2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
+   key/value at its own column;
+3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
+   inverse-CDF sampling;
+4. the advance: the sampled token becomes the row's next input, running rows' lengths and token counts grow by 1.
+
+Then ``step`` copies the tokens, their log-probs and, when asked, some rows' last hidden states to the host with
+one synchronisation: the engine must learn which rows ended before it refills them. Idle rows run too (the
+shapes never change); they sit at length 0, write into their own column 0 and are ignored.
+
+The CUDA graph is captured when the step is built, while every row is idle, so the warm-up forwards that
+precede the capture only touch idle rows' column 0, which a sample always overwrites before it reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lit_grpo.sampling.kv_cache import SlotKVCache
+from lit_grpo.sampling.random_streams import stream_uniforms
+from lit_grpo.sampling.token_sampler import force_lengths, sample_tokens
+
+#: Eager forwards before a capture, so lazy initialisations (cuBLAS handles and workspaces, autocast state) happen
+#: outside the graph: two before the first capture on a device, one before later ones (those are process-wide).
+WARMUP_STEPS = 2
+_warmed_up_devices: set[torch.device] = set()
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a built decode step bakes in (a captured graph cannot change them).
+
+    Attributes:
+        temperature, top_k, top_p: sampling (temperature 0: greedy).
+        force_lengths: replay recorded lengths (``RolloutEngine.generate(lengths=...)``).
+        hidden_states: also keep each row's last hidden state (for a length predictor's checkpoint).
+        cuda_graph: capture and replay a CUDA graph (CUDA only).
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    force_lengths: bool
+    hidden_states: bool
+    cuda_graph: bool
+
+
+@dataclass
+class StepOutput:
+    """What one decode step returns to the host: ``tokens[s]`` and ``logprobs[s]`` for every slot ``s`` (idle ones
+    included, to be ignored) and ``hidden[i]``, the float32 last hidden state of the i-th requested slot."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    hidden: torch.Tensor | None
+
+
+class DecodeStep:
+    """A decode step over all slots of a ``SlotKVCache``, built once per (cache, settings).
+
+    Args:
+        model: the causal LM (called unmodified, with ``past_key_values=cache``).
+        cache: the slot cache the step reads and writes.
+        settings: see ``StepSettings``.
+        eos_token_ids: stop tokens (for forced lengths).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, settings: StepSettings,
+                 eos_token_ids: list[int]):
+        device = cache.lengths.device
+        slots, width = cache.num_slots, cache.width
+        self.model, self.cache, self.settings = model, cache, settings
+        self.device = device
+        long = dict(dtype=torch.long, device=device)
+        # Static inputs: a graph replay reads these very tensors, so they are only ever updated in place.
+        self.input_ids = torch.zeros(slots, 1, **long)
+        self.active = torch.zeros(slots, **long)          # 1 where a sample runs
+        self.prompt_index = torch.zeros(slots, **long)    # random-stream key of each row's sample ...
+        self.sample_index = torch.zeros(slots, **long)
+        self.token_index = torch.zeros(slots, **long)     # ... and of its next token
+        self.forced_length = torch.zeros(slots, **long)   # replay: the sample's recorded length (0: free)
+        self.stream_key = torch.zeros(2, **long)          # seed, rollout index
+        self.columns = torch.arange(width, **long)
+        self.is_eos = torch.zeros(_vocab_size(model), dtype=torch.bool, device=device)
+        self.is_eos[torch.tensor(eos_token_ids, device=device)] = True
+        self.mask_value = torch.finfo(cache.layers[0].dtype).min
+        # Static outputs (written by the step).
+        self.tokens = torch.zeros(slots, **long)
+        self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.hidden: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture_s = 0.0
+        if settings.cuda_graph:
+            self._capture()
+
+    # ------------------------------------------------------------------------------------------ host side
+    def start_rollout(self, seed: int, rollout_index: int) -> None:
+        """Key the random streams of the next rollout."""
+        self.stream_key[0], self.stream_key[1] = seed, rollout_index
+
+    def start_row(self, slot: int, *, prompt: int, sample: int, generated: int, length: int, next_input: int,
+                  forced_length: int = 0) -> None:
+        """Run a sample in ``slot``: its KV is already in the row's first ``length`` columns; it has generated
+        ``generated`` tokens and feeds ``next_input`` next."""
+        self.prompt_index[slot], self.sample_index[slot], self.token_index[slot] = prompt, sample, generated
+        self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
+        self.cache.lengths[slot] = length
+        self.active[slot] = 1
+
+    def stop_row(self, slot: int) -> None:
+        """Leave ``slot`` idle: length 0, so its writes land in column 0 and nothing of it is read."""
+        self.active[slot] = 0
+        self.cache.lengths[slot] = 0
+
+    def stop_all(self) -> None:
+        self.active.zero_()
+        self.cache.lengths.zero_()
+
+    def step(self, hidden_slots: list[int]) -> StepOutput:
+        """Run one decode step and bring its results to the host (one synchronisation)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync
+        tokens = self.tokens.to("cpu", non_blocking=non_blocking)
+        logprobs = self.logprobs.to("cpu", non_blocking=non_blocking)
+        hidden = None
+        if hidden_slots:  # all rows come over (a few KB): indexing on the device would need the index there first
+            if self.hidden is None:
+                raise RuntimeError("this decode step was built without hidden_states=True")
+            hidden = self.hidden.to("cpu", non_blocking=non_blocking)
+        if non_blocking:
+            torch.cuda.current_stream(self.device).synchronize()
+        return StepOutput(tokens.tolist(), logprobs.tolist(), None if hidden is None else hidden[hidden_slots])
+
+    # ------------------------------------------------------------------------------------------ device side
+    def _run(self) -> None:
+        """The step itself: forward, sampling, advance. Captured as is into the CUDA graph."""
+        settings, lengths = self.settings, self.cache.lengths
+        admitted = self.columns.unsqueeze(0) <= lengths.unsqueeze(1)                 # [slots, width]
+        mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
+        mask = mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
+        out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=lengths.unsqueeze(1),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=settings.hidden_states)
+        logits = out.logits[:, -1]
+        if settings.force_lengths:
+            logits = force_lengths(logits, self.token_index, self.forced_length, self.is_eos)
+        uniforms = stream_uniforms(self.stream_key[0], self.stream_key[1], self.prompt_index, self.sample_index,
+                                   self.token_index)
+        tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
+        self.tokens.copy_(tokens)
+        self.logprobs.copy_(logprobs)
+        if settings.hidden_states:
+            last_hidden = out.hidden_states[-1][:, -1].float()
+            if self.hidden is None:
+                self.hidden = torch.zeros_like(last_hidden)
+            self.hidden.copy_(last_hidden)
+        self.input_ids.copy_(tokens.unsqueeze(1))
+        lengths.add_(self.active)
+        self.token_index.add_(self.active)
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, then capture ``_run`` into a CUDA graph (every row idle, see module doc)."""
+        started = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(1 if self.device in _warmed_up_devices else WARMUP_STEPS):
+                self._run()
+        _warmed_up_devices.add(self.device)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.stop_all()  # the warm-up advanced nothing (every row idle), but make it explicit
+        graph = torch.cuda.CUDAGraph()
+        with _graph_safe_autocast(), torch.cuda.graph(graph):
+            self._run()
+        self.graph = graph
+        self.capture_s = time.perf_counter() - started
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    """Width of the logits: the output head's rows (the config's vocab_size when the head is not reachable)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.get_text_config(decoder=True).vocab_size
+
+
+def _graph_safe_autocast():
+    """Autocast's weight-cast cache must be off inside a captured graph (its cached casts would be freed after the
+    capture while the graph still reads them); the casts are then recorded in the graph and rerun each replay."""
+    if torch.is_autocast_enabled("cuda"):
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    return contextlib.nullcontext()

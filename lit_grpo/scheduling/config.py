@@ -1,0 +1,92 @@
+"""``InfiniteSchedulerConfig``: the "infinite" strategy's options, typed and checked once.
+
+A frozen dataclass, so LightningCLI shows it under ``--print_config`` and rejects a wrong name when the YAML is
+parsed (``Literal`` types); numbers are checked when the object is built, with errors that name the key::
+
+    data:
+      sampling:
+        strategy: infinite
+        scheduler: {predictor: online, refill: lpt, probe_tokens: 8}
+
+Python callers may pass objects instead of names (a ``LengthPredictor``, a ``RefillPolicy``, a grouping function);
+``InfiniteScheduler`` accepts the same fields as keyword arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GROUPINGS
+from lit_grpo.scheduling.predictors import PREDICTORS
+from lit_grpo.scheduling.refill import DEFAULT_REFILL, REFILLS
+
+PredictorName = Literal["online", "history", "oracle"]
+RefillName = Literal["lpt", "sjf", "fifo"]
+GroupingName = Literal["fptas", "lpt", "kk"]
+
+
+@dataclass(frozen=True)
+class InfiniteSchedulerConfig:
+    """Options of :class:`~lit_grpo.scheduling.infinite.InfiniteScheduler` (see its docstring for each one).
+
+    Attributes:
+        predictor: length predictor: "online" (token-conditioned, learned from finished rollouts), "history"
+            (per prompt), "oracle" (true lengths; replay only).
+        refill: which job a freed slot runs: "lpt" (longest first; the measured default), "sjf", "fifo".
+        grouping: the global plan: "fptas", "lpt", "kk" (Karmarkar-Karp).
+        epsilon: the FPTAS's precision, > 0.
+        probe_tokens: tokens a sample runs before its length is re-predicted (None or 0: no probe).
+        park_budget: bound on parked samples as a fraction of the slots' generation KV, > 0 (None: unbounded).
+        replan_tolerance: re-plan when a slot frees more than this fraction off the plan, >= 0.
+        slack_scale: >= 0; see InfiniteScheduler.
+        critical_fraction: > 0, or None to never keep a probing sample running for being critical.
+    """
+
+    predictor: PredictorName = "online"
+    refill: RefillName = DEFAULT_REFILL
+    grouping: GroupingName = "fptas"
+    epsilon: float = DEFAULT_EPSILON
+    probe_tokens: int | None = 8
+    park_budget: float | None = 0.5
+    replan_tolerance: float = 0.1
+    slack_scale: float = 0.0
+    critical_fraction: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("predictor", PREDICTORS), ("refill", REFILLS), ("grouping", GROUPINGS)):
+            value = getattr(self, name)
+            if isinstance(value, str) and value not in allowed:
+                raise ValueError(f"scheduler.{name}={value!r} is not known; allowed: {', '.join(allowed)}")
+        if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
+            raise ValueError(f"scheduler.epsilon={self.epsilon!r} must be a number > 0")
+        if self.probe_tokens is not None and (isinstance(self.probe_tokens, bool) or not isinstance(
+                self.probe_tokens, int) or self.probe_tokens < 0):
+            raise ValueError(f"scheduler.probe_tokens={self.probe_tokens!r} must be an integer >= 0 or None")
+        for name, minimum, strict in (("park_budget", 0, True), ("replan_tolerance", 0, False),
+                                      ("slack_scale", 0, False), ("critical_fraction", 0, True)):
+            value = getattr(self, name)
+            if value is None and name in ("park_budget", "critical_fraction"):
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+                    value <= minimum if strict else value < minimum):
+                relation = ">" if strict else ">="
+                optional = " or None" if name in ("park_budget", "critical_fraction") else ""
+                raise ValueError(f"scheduler.{name}={value!r} must be a number {relation} {minimum}{optional}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | InfiniteSchedulerConfig | None) -> InfiniteSchedulerConfig:
+        """A config from a dict of options (the old ``scheduler_options``), naming any unknown key."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown scheduler options {unknown}; allowed: {known}")
+        return cls(**options)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments of ``InfiniteScheduler``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
