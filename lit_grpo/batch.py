@@ -34,6 +34,8 @@ class RolloutBatch:
         completion_mask: ``[B, G, T]`` long, 1 on real completion tokens.
         sampling_logprobs: ``[B, G, T]`` float, log-probs of the sampled tokens under the sampling policy (0 on pad).
         reward_components: ``{name: [B, G]}`` each reward function's raw values (NaN where it said None).
+        accuracy: ``[B, G]`` correctness of each completion (the values of the reward named ``accuracy_reward``,
+            NaN where it had no opinion), or None when no reward function measures correctness.
         columns: ``{name: [B] list}`` per-prompt extra data (``answer``, ``entry``, JSONL fields...).
         indices: ``[B]`` each prompt's index in the train (or val) prompt list.
         metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/dynamic_rounds`` ...).
@@ -70,6 +72,7 @@ class RolloutBatch:
     num_groups_zero_std: int = 0
     split: str = "train"
     skipped: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ sizes
     @property
@@ -89,6 +92,13 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.num_completions
+
+    def mean_accuracy(self) -> float | None:
+        """Mean correctness over the completions that have one, or None (no correctness reward, or no opinion)."""
+        if self.accuracy is None:
+            return None
+        present = self.accuracy[~torch.isnan(self.accuracy)]
+        return float(present.float().mean()) if present.numel() else None
 
     # ------------------------------------------------------------------------------------------ device
     def to(self, device: torch.device | str, **kwargs: Any) -> RolloutBatch:

@@ -102,7 +102,7 @@ class GRPOModule(LightningModule):
         loss_type: grpo | bnpo | dr_grpo | dapo (lit_grpo.loss).
         epsilon_low, epsilon_high: the ratio's clip range.
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
-        scale_rewards: group | batch | none (lit_grpo.advantages; the DataModule reads it from here).
+        scale_rewards: group | batch | none (lit_grpo.advantages; handed to the data side in ``_hand_over_to_data``).
         num_iterations: optimizer steps per rollout (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
@@ -233,6 +233,25 @@ class GRPOModule(LightningModule):
             state = checkpoint.setdefault("state_dict", {})
             for key, value in self.ref_model.state_dict().items():
                 state.setdefault(f"ref_model.{key}", value)
+
+    # ------------------------------------------------------------------------------------------ data hand-over
+    def on_fit_start(self) -> None:
+        self._hand_over_to_data()
+
+    def on_validation_start(self) -> None:
+        self._hand_over_to_data()
+
+    def _hand_over_to_data(self) -> None:
+        """The one place the data side receives what this module owns: the policy, its tokenizer, the advantage
+        scaling (part of the objective) and the world (ranks, a gather across them, the precision context)."""
+        attach = getattr(self.trainer.datamodule, "attach", None)
+        if attach is None:  # plain dataloaders: nothing to hand over
+            return
+        strategy = self.trainer.strategy
+        attach(self._require_policy(), self.tokenizer, scale_rewards=self.hparams.scale_rewards,
+               world_size=self.trainer.world_size,
+               all_gather=lambda tensor: strategy.all_gather(tensor.to(strategy.root_device)),
+               precision_context=self.trainer.precision_plugin.forward_context)
 
     # ------------------------------------------------------------------------------------------ optimizer
     def configure_optimizers(self):
@@ -417,7 +436,7 @@ class GRPOModule(LightningModule):
         kept = ~batch.skipped if batch.skipped is not None else torch.ones_like(batch.rewards[:, 0], dtype=torch.bool)
         if bool(kept.any()):  # prompts skipped for a reward error (on_reward_error="skip_group") do not count
             self.val_reward.update(batch.rewards.float().mean(dim=1)[kept])
-        accuracy = batch.reward_components.get(self._accuracy_name())
+        accuracy = batch.accuracy
         if accuracy is not None:
             values = accuracy.float().mean(dim=1)
             values = values[~torch.isnan(values)]
@@ -426,7 +445,3 @@ class GRPOModule(LightningModule):
         self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
         if accuracy is not None:
             self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
-
-    def _accuracy_name(self) -> str:
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        return getattr(datamodule, "accuracy_reward", "accuracy")

@@ -65,7 +65,7 @@ class SamplingConfig:
         check_int("sampling.group_size", self.group_size, 1)
         if self.micro_group_size == "auto":
             if self.kv_budget_bytes is None:
-                raise ValueError("sampling.micro_group_size='auto' needs sampling.kv_budget_bytes "
+                raise ValueError("sampling.micro_group_size='auto' needs kv_budget_bytes "
                                  "(the KV-cache byte budget)")
         elif isinstance(self.micro_group_size, str):
             raise ValueError(f"sampling.micro_group_size={self.micro_group_size!r} must be an integer >= 1, "

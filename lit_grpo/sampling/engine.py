@@ -84,8 +84,8 @@ class RolloutEngine:
         self.scheduler = scheduler if scheduler is not None else _default_scheduler(self.config)
         #: Rollouts generated so far; part of every random-stream key so successive rollouts differ.
         self.rollout_index = 0
-        #: Generate under torch.inference_mode (False: torch.no_grad, needed for FSDP2-sharded models).
-        self.inference_mode = True
+        #: Generate under torch.inference_mode; torch.no_grad for FSDP2-sharded models (their hooks write parameters).
+        self.inference_mode = not _is_fsdp_sharded(model)
         self._cache: SlotKVCache | None = None
         self._step: DecodeStep | None = None
 

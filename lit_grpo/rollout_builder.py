@@ -1,0 +1,290 @@
+"""``RolloutBuilder``: prompts in, one scored ``RolloutBatch`` out (rollout, rewards, dynamic sampling, advantages).
+
+The data flow of a training step, prompt -> builder -> batch -> module::
+
+    RolloutDataModule   draws prompts (sampler / curriculum), owns the loaders and the stream position
+      -> RolloutBuilder.build_train(draw)
+           engine.generate(prompt ids)          the current policy, eval mode, no grad (lit_grpo.sampling)
+           score_rewards(...)                   weighted reward functions (lit_grpo.rewards)
+           [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_sampling_rounds]
+           group_advantages(rewards, scale)     (lit_grpo.advantages; "batch" spans every rank)
+      -> RolloutBatch                           (lit_grpo.batch)
+      -> GRPOModule.training_step               the update
+
+Everything the builder needs comes in as an argument, once: the policy and tokenizer (from the module that owns
+them), the sampling config, the reward functions, the advantage scaling and the world (size, and how to gather
+across ranks). It knows nothing about Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lit_grpo.advantages import group_advantages, zero_std_groups
+from lit_grpo.batch import RolloutBatch, merge_stats, pad_left, pad_right
+from lit_grpo.datamodules.prompts import PromptExample
+from lit_grpo.rewards import WeightedReward, score_rewards
+from lit_grpo.sampling import RolloutEngine, SamplingConfig
+from lit_grpo.sampling.memory_budget import auto_micro_group_size
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the builder sees it: its index in its split, the source example and its token ids."""
+
+    index: int
+    example: PromptExample
+    ids: list[int]
+
+
+@dataclass
+class _Round:
+    """One engine call's groups, scored: ``[b]`` prompts x G completions."""
+
+    prompts: list[Prompt]
+    completion_ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+    truncated: list[list[bool]]
+    texts: list[list[str]]
+    rewards: torch.Tensor                 # [b, G]
+    components: dict[str, torch.Tensor]   # name -> [b, G]
+    skipped: torch.Tensor                 # [b] bool
+    stats: Any
+
+
+class RolloutBuilder:
+    """Turns prompts into ``RolloutBatch`` es with the current policy.
+
+    Args:
+        policy, tokenizer: the model being trained and its tokenizer.
+        sampling: the training rollouts' settings; ``micro_group_size="auto"`` is resolved against
+            ``max_prompt_length`` on first use.
+        reward_funcs: weighted reward functions (``lit_grpo.rewards.build_reward_funcs``).
+        scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
+        accuracy_reward: the reward function whose values are correctness (``RolloutBatch.accuracy``).
+        on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
+        dynamic_sampling, max_sampling_rounds: drop all-equal groups and sample more, at most this many engine
+            calls per step; dropped groups fill the batch if still short (zero advantages).
+        val_batch_size, val_max_new_tokens: greedy validation rollouts (one completion per prompt).
+        world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
+            ``scale_rewards="batch"``.
+        precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
+        prompts_per_step: B, groups per training batch.
+        max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
+    """
+
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
+                 reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
+                 accuracy_reward: str = "accuracy", on_reward_error: str = "raise", dynamic_sampling: bool = False,
+                 max_sampling_rounds: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
+                 world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
+                 max_prompt_length: int = 0):
+        if world_size > 1 and scale_rewards == "batch" and all_gather is None:
+            raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
+        self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
+        self.reward_funcs = list(reward_funcs)
+        self.scale_rewards, self.accuracy_reward, self.on_reward_error = scale_rewards, accuracy_reward, on_reward_error
+        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.val_batch_size = val_batch_size
+        self.val_max_new_tokens = val_max_new_tokens or sampling.max_new_tokens
+        self.world_size, self.all_gather = world_size, all_gather
+        self.precision_context = precision_context or contextlib.nullcontext
+        self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
+        self._engine: RolloutEngine | None = None
+        self._val_engine: RolloutEngine | None = None
+        self._pending_engine_state: dict | None = None
+
+    # ------------------------------------------------------------------------------------------ engines
+    @property
+    def micro_group_size(self) -> int | None:
+        """g of the training engine (``"auto"`` resolved from the KV budget)."""
+        g = self.sampling.micro_group_size
+        if g != "auto":
+            return g
+        dtype = next(self.policy.parameters()).dtype
+        return auto_micro_group_size(self.policy.config, dtype, self.sampling.kv_budget_bytes,
+                                     self.max_prompt_length, self.sampling.max_new_tokens, self.sampling.group_size,
+                                     self.prompts_per_step)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The training rollout engine (built on first use)."""
+        if self._engine is None:
+            self._engine = self._new_engine(self.sampling.replace(micro_group_size=self.micro_group_size))
+            if self._pending_engine_state is not None:
+                self._engine.load_state_dict(self._pending_engine_state)
+                self._pending_engine_state = None
+        return self._engine
+
+    @property
+    def val_engine(self) -> RolloutEngine:
+        """Greedy, one completion per prompt, ``val_batch_size`` prompts at a time."""
+        if self._val_engine is None:
+            config = SamplingConfig(group_size=1, micro_group_size=self.val_batch_size, strategy="continuous",
+                                    max_new_tokens=self.val_max_new_tokens, temperature=0.0,
+                                    seed=self.sampling.seed, cuda_graph=self.sampling.cuda_graph)
+            self._val_engine = self._new_engine(config)
+        return self._val_engine
+
+    def _new_engine(self, config: SamplingConfig) -> RolloutEngine:
+        return RolloutEngine(self.policy, self.tokenizer, config)
+
+    def state_dict(self) -> dict:
+        """The training engine's state (rollout counter, length predictor), for exact resume."""
+        if self._engine is not None:
+            return self._engine.state_dict()
+        return dict(self._pending_engine_state or {})
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._engine is not None:
+            self._engine.load_state_dict(state)
+        else:
+            self._pending_engine_state = dict(state)
+
+    @contextlib.contextmanager
+    def generation_mode(self) -> Iterator[torch.nn.Module]:
+        """No grad, the policy in eval mode (restored afterwards), inside the precision context."""
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad(), self.precision_context():
+                yield self.policy
+        finally:
+            self.policy.train(was_training)
+
+    # ------------------------------------------------------------------------------------------ batches
+    def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
+        """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
+        engine, num_prompts = self.engine, self.prompts_per_step
+        rounds = [self._rollout(engine, draw(num_prompts))]
+        keep = self._kept_groups(rounds)
+        while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_sampling_rounds:
+            rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
+            keep = self._kept_groups(rounds)
+        if not self.sampling.keep_kv_cache:
+            engine.release()  # the update needs that memory more
+        chosen = keep[:num_prompts]
+        if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
+            dropped = [key for key in _all_groups(rounds) if key not in set(chosen)]
+            chosen = chosen + dropped[: num_prompts - len(chosen)]
+        batch = self._assemble(rounds, chosen, engine, train=True)
+        batch.metrics["rollout/sampling_rounds"] = float(len(rounds))
+        batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
+        if engine.micro_group_size is not None:
+            batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)
+        return batch
+
+    def build_val(self, prompts: list[Prompt]) -> RolloutBatch:
+        """Greedy completions (one per prompt) of held-out prompts, scored."""
+        engine = self.val_engine
+        part = self._rollout(engine, prompts)
+        if not self.sampling.keep_kv_cache:
+            engine.release()
+        return self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _rollout(self, engine: RolloutEngine, prompts: list[Prompt]) -> _Round:
+        """Generate G completions per prompt and score them."""
+        with self.generation_mode():
+            result = engine.generate([p.ids for p in prompts])
+        G = engine.group_size
+        examples = [p.example for p in prompts]
+        texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
+                 for group in result.completion_ids]
+        repeat = lambda per_prompt: [v for v in per_prompt for _ in range(G)]  # noqa: E731
+        columns = {
+            "answer": repeat([e.answer for e in examples]),
+            "entry": repeat([e.entry for e in examples]),
+            "completion_ids": [ids for group in result.completion_ids for ids in group],
+            "completion_length": [len(ids) for group in result.completion_ids for ids in group],
+            "truncated": [t for group in result.truncated for t in group],
+            "max_new_tokens": [engine.max_new_tokens] * (len(examples) * G),
+        }
+        for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt", "question"}):
+            columns[key] = repeat([e.entry.get(key) for e in examples])
+        scores = score_rewards(self.reward_funcs, repeat([e.prompt for e in examples]),
+                               [t for group in texts for t in group], columns, group_size=G,
+                               on_error=self.on_reward_error)
+        skipped = torch.zeros(len(examples), dtype=torch.bool)
+        skipped[scores.skipped_groups] = True
+        return _Round(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
+                      truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
+                      components={k: v.view(len(examples), G) for k, v in scores.components.items()},
+                      skipped=skipped, stats=result.stats)
+
+    def _kept_groups(self, rounds: list[_Round]) -> list[tuple[int, int]]:
+        if not self.dynamic_sampling:
+            return _all_groups(rounds)
+        return [(r, p) for r, part in enumerate(rounds) for p in range(len(part.prompts))
+                if not bool(zero_std_groups(part.rewards)[p]) and not bool(part.skipped[p])]
+
+    def _assemble(self, rounds: list[_Round], chosen: list[tuple[int, int]], engine: RolloutEngine,
+                  train: bool) -> RolloutBatch:
+        tokenizer = self.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pick = lambda name: [getattr(rounds[r], name)[p] for r, p in chosen]  # noqa: E731
+        B, G = len(chosen), engine.group_size
+        rewards = torch.stack(pick("rewards"))
+        components = {name: torch.stack([rounds[r].components[name][p] for r, p in chosen])
+                      for name in rounds[0].components}
+        flat_ids = [ids for group in pick("completion_ids") for ids in group]
+        ids_tensor, mask = pad_right(flat_ids, pad, max((len(ids) for ids in flat_ids), default=1))
+        logprobs, _ = pad_right([lp for group in pick("logprobs") for lp in group], 0.0, ids_tensor.shape[1],
+                                dtype=torch.float32)
+        prompts = pick("prompts")
+        prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
+        all_rewards = torch.cat([part.rewards for part in rounds])
+        skipped = torch.stack(pick("skipped"))
+        return RolloutBatch(
+            stats=merge_stats([part.stats for part in rounds]),
+            prompts=[p.example.prompt for p in prompts],
+            completions=pick("texts"),
+            rewards=rewards,
+            completion_lengths=mask.sum(dim=1).view(B, G),
+            truncated=torch.tensor(pick("truncated"), dtype=torch.bool).view(B, G),
+            advantages=self._advantages(rewards, skipped) if train else torch.zeros_like(rewards),
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=ids_tensor.view(B, G, -1),
+            completion_mask=mask.view(B, G, -1),
+            sampling_logprobs=logprobs.view(B, G, -1),
+            reward_components=components,
+            accuracy=components.get(self.accuracy_reward),
+            columns={"answer": [p.example.answer for p in prompts], "entry": [p.example.entry for p in prompts]},
+            indices=[p.index for p in prompts],
+            max_new_tokens=engine.max_new_tokens,
+            temperature=engine.temperature,
+            pad_token_id=pad,
+            num_groups_generated=all_rewards.shape[0],
+            num_groups_zero_std=int(zero_std_groups(all_rewards).sum()) if G > 1 else all_rewards.shape[0],
+            split="train" if train else "val",
+            skipped=skipped,
+        )
+
+    def _advantages(self, rewards: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
+        """``[B, G]`` advantages; skipped groups get 0 and are left out of the batch statistics.
+
+        ``scale_rewards="batch"`` over several ranks: the standard deviation spans every rank's kept rewards,
+        gathered with ``all_gather`` (every rank has the same ``[B, G]`` shape), so all ranks scale alike.
+        """
+        advantages = torch.zeros_like(rewards, dtype=torch.float32)
+        batch_rewards = None
+        if self.scale_rewards == "batch" and self.world_size > 1:
+            gathered = self.all_gather(rewards.float())                    # [W, B, G]
+            kept = self.all_gather(skipped.logical_not())                  # [W, B]
+            batch_rewards = gathered.reshape(-1, rewards.shape[1])[kept.reshape(-1).bool()].cpu()
+        keep = ~skipped
+        if bool(keep.any()):
+            advantages[keep] = group_advantages(rewards[keep], self.scale_rewards, batch_rewards=batch_rewards)
+        return advantages
+
+
+def _all_groups(rounds: list[_Round]) -> list[tuple[int, int]]:
+    return [(r, p) for r, part in enumerate(rounds) for p in range(len(part.prompts))]
+
