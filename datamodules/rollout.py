@@ -90,7 +90,7 @@ class RolloutDataModule(LightningDataModule):
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
-        scheduler: InfiniteSchedulerConfig | None = None,
+        scheduler: InfiniteSchedulerConfig = InfiniteSchedulerConfig(),
         cuda_graph: bool | None = None,
         keep_kv_cache: bool = False,
         dynamic_sampling: bool = False,
@@ -109,7 +109,7 @@ class RolloutDataModule(LightningDataModule):
         self.sampling = SamplingConfig(
             group_size=group_size, micro_group_size=micro_group_size, kv_budget_bytes=kv_budget_bytes,
             strategy=strategy, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, scheduler=scheduler or InfiniteSchedulerConfig(), cuda_graph=cuda_graph,
+            seed=seed, scheduler=scheduler, cuda_graph=cuda_graph,
             keep_kv_cache=keep_kv_cache)
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_sampling_rounds", max_sampling_rounds), ("val_batch_size", val_batch_size),

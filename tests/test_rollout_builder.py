@@ -1,0 +1,88 @@
+"""RolloutBuilder on its own (no Lightning), and the typed sampling / scheduler options in configs."""
+
+import pytest
+import torch
+
+from lit_grpo.cli import build_cli
+from lit_grpo.datamodules.prompts import PromptExample
+from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.rewards import build_reward_funcs
+from lit_grpo.rollout_builder import Prompt, RolloutBuilder
+from lit_grpo.sampling import SamplingConfig
+
+TINY = "configs/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_model_and_tokenizer("tiny-llama")
+
+
+def _prompts(tokenizer, count, start=0):
+    return [Prompt(index=start + i, example=PromptExample(f"What is {i} + {i}?", str(2 * i)),
+                   ids=tokenizer(f"What is {i} + {i}?")["input_ids"]) for i in range(count)]
+
+
+def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
+    model, tokenizer = policy
+    pool = _prompts(tokenizer, 10)
+    drawn = []
+
+    def draw(count):
+        drawn.append(count)
+        return [pool.pop(0) for _ in range(count)]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6, seed=1)
+    model.train()
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction", "accuracy"]),
+                             scale_rewards="group", prompts_per_step=2)
+    batch = builder.build_train(draw)
+    assert drawn == [2] and batch.rewards.shape == (2, 4) and batch.indices == [0, 1]
+    assert torch.equal(batch.accuracy, batch.reward_components["accuracy"])
+    centred = batch.advantages.sum(dim=1)
+    assert torch.allclose(centred, torch.zeros_like(centred), atol=1e-5)  # group-normalised advantages
+    assert builder.engine._cache is None  # keep_kv_cache=False: the update gets the KV memory back
+    assert model.training  # generation mode restored the policy's mode
+    val = builder.build_val(_prompts(tokenizer, 3, start=20))
+    assert val.group_size == 1 and val.split == "val" and not val.advantages.any()
+
+
+def test_builder_resumes_the_engine_state_it_is_given(policy):
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)
+    make = lambda: RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),  # noqa: E731
+                                  prompts_per_step=1)
+    first = make()
+    first.build_train(lambda n: _prompts(tokenizer, n))
+    second = make()
+    second.load_state_dict(first.state_dict())  # before its engine exists
+    assert second.engine.rollout_index == 1
+    again = second.build_train(lambda n: _prompts(tokenizer, n))
+    assert again.completions == first.build_train(lambda n: _prompts(tokenizer, n)).completions
+
+
+def test_batch_scaling_across_ranks_needs_a_gather(policy):
+    model, tokenizer = policy
+    with pytest.raises(ValueError, match=r"scale_rewards='batch' over world_size=2 ranks needs all_gather"):
+        RolloutBuilder(model, tokenizer, SamplingConfig(), [], scale_rewards="batch", world_size=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.strategy", "beam"], "Expected a typing.Literal['full', 'micro', 'continuous', 'infinite']"),
+    (["--data.scheduler.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']"),
+    (["--data.curriculum", "hard"], "Expected a typing.Literal['none', 'angle']"),
+])
+def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message):
+    with pytest.raises(SystemExit):
+        build_cli(["--config", TINY, *args], run=False)
+    err = capsys.readouterr().err
+    assert message in err and args[0].removeprefix("--") in err
+
+
+def test_scheduler_options_are_typed_in_the_config():
+    cli = build_cli(["--config", TINY, "--data.scheduler.predictor", "history", "--data.scheduler.probe_tokens", "4",
+                     "--trainer.logger", "false"], run=False)
+    scheduler = cli.datamodule.sampling.scheduler
+    assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill) == ("history", 4, "lpt")
+    with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):
+        build_cli(["--config", TINY, "--data.scheduler.park_budget", "-1.0", "--trainer.logger", "false"], run=False)
