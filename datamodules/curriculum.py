@@ -11,31 +11,8 @@ A prompt sampler decides, step by step, which training prompts go into the next 
 
 ``build_prompt_sampler(curriculum, num_prompts, seed, **options)`` maps the YAML name to a sampler.
 
-The score (``angle_concentration``)
------------------------------------
-For a prompt of n tokens with hidden states h_1..h_n, the score is the mean pairwise cosine similarity over the
-n (n - 1) ordered pairs i != j (the diagonal, always 1, is excluded):
-
-    score = sum_{i != j} cos(h_i, h_j) / (n (n - 1)) = (||sum_i u_i||^2 - sum_i ||u_i||^2) / (n (n - 1)),
-
-with u_i = h_i / ||h_i||, so no n x n matrix is built. Exactly which vectors:
-
-- Tokens: every token of the prompt as given (the caller's token ids, chat template and special tokens included);
-  the left padding added for micro-batching is excluded through the attention mask, so a padded prompt scores the
-  same as the prompt alone. A one-token prompt scores 1.0 (a vector is perfectly concentrated with itself); an
-  empty prompt is an error.
-- Layer: ``model(..., output_hidden_states=True).hidden_states[-1]``. In transformers 5 that entry is tied to
-  ``last_hidden_state``, i.e. the output of the final norm (``model.model.norm`` for Llama/Qwen2), the vector the
-  LM head reads; it is *not* the raw residual stream of the last decoder layer (tests pin this).
-- One prefill per prompt under ``torch.no_grad`` with the model in eval mode (its previous mode is restored);
-  prompts are micro-batched by length (longest first, to waste little padding) with left padding, the attention
-  mask, and position ids counted from each prompt's first real token, so padding changes neither positions nor
-  attention. Only the last position's logits are computed when the model accepts ``logits_to_keep``.
-
-The authors' code differs: it hooks the *input* of the last layer's ``mlp.up_proj`` (the last decoder layer's
-post-attention norm), keeps the diagonal, and for the offline ranking combines prompt segments (system prompt vs
-question) with hand-set weights and offsets. We keep the paper's plain definition (mean pairwise cosine of the last
-layer's token states) because it is model-agnostic and exactly testable.
+The score (``angle_concentration``, the mean pairwise cosine of a prompt's last-layer token states) lives in
+``lit_grpo.datamodules.angle_score``.
 
 The draw
 --------
@@ -90,12 +67,15 @@ with the same arguments and given that state continues with identical draws.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
 
-from lit_grpo.logprobs import accepts
+from lit_grpo.datamodules.angle_score import angle_concentration, mean_pairwise_cosine
+from lit_grpo.validation import check_choice, check_int_in_range, check_real
+
+__all__ = ["CURRICULA", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler", "angle_concentration",
+           "build_prompt_sampler", "mean_pairwise_cosine"]
 
 CURRICULA = ("none", "angle")
 ANGLE_NORMALIZATIONS = ("minmax", "none")
@@ -104,137 +84,6 @@ PAPER_NUM_PROMPTS = 7500  # the size of the sets the paper's defaults were set f
 N_FRACTION = 500 / PAPER_NUM_PROMPTS  # paper n = 500
 SIGMA_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper sigma = 1000
 ADJ_MAX_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper adj_max = 1000
-
-
-# ------------------------------------------------------------------------------------------------ validation
-def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
-        f" and <= {maximum}" if maximum is not None else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-    return value
-
-
-def _check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
-                low_open: bool = False) -> float:
-    bounds = []
-    if low is not None:
-        bounds.append(f"{'>' if low_open else '>='} {low:g}")
-    if high is not None:
-        bounds.append(f"<= {high:g}")
-    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
-    message = f"{name}={value!r} is not allowed; {name} must be {allowed}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(message)
-    number = float(value)
-    if low is not None and (number <= low if low_open else number < low):
-        raise ValueError(message)
-    if high is not None and number > high:
-        raise ValueError(message)
-    return number
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not known; use one of {list(choices)}")
-    return value
-
-
-# --------------------------------------------------------------------------------------------------- score
-def mean_pairwise_cosine(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cosine similarity over the ordered pairs i != j of each row's real tokens.
-
-    Args:
-        hidden: ``[B, T, H]`` token hidden states.
-        mask: ``[B, T]`` bool or 0/1, true for real tokens (padding excluded). Every row needs a real token.
-    Returns:
-        ``[B]`` float64: (||sum u_i||^2 - sum ||u_i||^2) / (n (n - 1)) with u_i = h_i / ||h_i||; 1.0 where n = 1.
-    """
-    mask = mask.bool()
-    unit = torch.nn.functional.normalize(hidden.float(), dim=-1).double()
-    # where(), not a product: the hidden states of padding positions are never read, even if they are not finite.
-    unit = torch.where(mask[..., None], unit, torch.zeros((), dtype=unit.dtype, device=unit.device))
-    total = unit.sum(dim=1)  # [B, H]
-    self_dots = unit.pow(2).sum(dim=(1, 2))  # [B]; n, except for zero vectors, whose cosines count as 0
-    n = mask.sum(dim=1).double()
-    pairs = n * (n - 1)
-    mean = (total.pow(2).sum(dim=-1) - self_dots) / pairs.clamp(min=1)
-    return torch.where(n > 1, mean, torch.ones_like(mean))
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into ``input_ids [B, T]`` (long) and ``mask [B, T]`` (bool, true for real tokens)."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        mask[row, width - len(ids):] = True
-    return input_ids, mask
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def last_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One prefill; returns ``hidden_states[-1]`` ``[B, T, H]`` (after the final norm in transformers 5).
-
-    Position ids count from each row's first real token, so left padding shifts nothing (models with absolute
-    position embeddings included).
-    """
-    position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-    kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids,
-                                  output_hidden_states=True, use_cache=False, return_dict=True)
-    if accepts(model, "logits_to_keep"):  # the scores need no logits; skip the [B, T, vocab] LM-head output
-        kwargs["logits_to_keep"] = 1
-    return model(**kwargs).hidden_states[-1]
-
-
-def angle_concentration(model: torch.nn.Module, tokenizer: Any, prompts: list[list[int]],
-                        batch_size: int = 8) -> torch.Tensor:
-    """GAIN-RL's angle concentration of each prompt: see the module docstring for the exact tokens and layer.
-
-    Args:
-        model: a causal LM (transformers); left in the train/eval mode it had.
-        tokenizer: its tokenizer; only ``pad_token_id`` (else ``eos_token_id``, else 0) is read. The pad id never
-            reaches a score: padding is masked out.
-        prompts: ``N`` lists of token ids (at least one token each).
-        batch_size: prompts per prefill micro-batch.
-    Returns:
-        ``[N]`` float32 on the CPU, in the order of ``prompts``.
-    """
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
-    for i, ids in enumerate(prompts):
-        if len(ids) == 0:
-            raise ValueError(f"prompts[{i}] is empty; angle concentration needs at least one token per prompt")
-    pad_id = next((t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
-                   if isinstance(t, int)), 0)
-    device = _device(model)
-    # Longest first: neighbours in a micro-batch have similar lengths, so little compute goes to padding.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
-    scores = torch.empty(len(prompts), dtype=torch.float32)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(order), batch_size):
-                rows = order[start:start + batch_size]
-                input_ids, mask = left_pad([list(prompts[i]) for i in rows], pad_id)
-                input_ids, mask = input_ids.to(device), mask.to(device)
-                hidden = last_hidden_states(model, input_ids, mask)
-                scores[rows] = mean_pairwise_cosine(hidden, mask).float().cpu()
-    finally:
-        model.train(was_training)
-    return scores
 
 
 # ---------------------------------------------------------------------------------------------------- draw
@@ -282,7 +131,7 @@ def normalize_angle(mean_angle: float, scores: torch.Tensor, how: str = "minmax"
     "minmax" gives (mean_angle - min) / (max - min): 1 at the most concentrated prompt, 0 at the least; 0 when all
     scores are equal.
     """
-    _check_choice("angle_normalization", how, ANGLE_NORMALIZATIONS)
+    check_choice("angle_normalization", how, ANGLE_NORMALIZATIONS)
     if how == "none":
         return float(mean_angle)
     low, high = float(scores.min()), float(scores.max())
@@ -309,13 +158,13 @@ class PromptSampler:
     """
 
     def __init__(self, num_prompts: int, seed: int = 0):
-        self.num_prompts = _check_int("num_prompts", num_prompts, minimum=1)
-        self.seed = _check_int("seed", seed, minimum=0)
+        self.num_prompts = check_int_in_range("num_prompts", num_prompts, minimum=1)
+        self.seed = check_int_in_range("seed", seed, minimum=0)
         self.generator = torch.Generator().manual_seed(self.seed)
 
     def check_batch_size(self, batch_size: int) -> int:
         """``batch_size`` as an int in [1, num_prompts] (no prompt twice in a batch), else ValueError."""
-        return _check_int("batch_size", batch_size, minimum=1, maximum=self.num_prompts)
+        return check_int_in_range("batch_size", batch_size, minimum=1, maximum=self.num_prompts)
 
     def draw(self, batch_size: int) -> list[int]:
         """Prompt indices for one training step: ``batch_size`` distinct indices in [0, num_prompts)."""
@@ -411,18 +260,18 @@ class AngleCurriculumSampler(PromptSampler):
                  rescore_every_n_epochs: int | None = None, angle_normalization: str = "minmax"):
         super().__init__(num_prompts, seed)
         size = self.num_prompts
-        self.n = N_FRACTION * size if n is None else _check_real("n", n, low=0.0)
-        self.alpha = _check_real("alpha", alpha, low=0.0)
-        self.beta = _check_real("beta", beta, low=0.0, high=1.0)
-        self.sigma = SIGMA_FRACTION * size if sigma is None else _check_real("sigma", sigma, low=0.0, low_open=True)
-        self.adj_min = _check_real("adj_min", adj_min)
-        self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else _check_real("adj_max", adj_max)
+        self.n = N_FRACTION * size if n is None else check_real("n", n, low=0.0)
+        self.alpha = check_real("alpha", alpha, low=0.0)
+        self.beta = check_real("beta", beta, low=0.0, high=1.0)
+        self.sigma = SIGMA_FRACTION * size if sigma is None else check_real("sigma", sigma, low=0.0, low_open=True)
+        self.adj_min = check_real("adj_min", adj_min)
+        self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else check_real("adj_max", adj_max)
         if self.adj_min > self.adj_max:
             raise ValueError(f"adj_min={self.adj_min:g} is not allowed with adj_max={self.adj_max:g}; "
                              "adj_min must be <= adj_max")
         self.rescore_every_n_epochs = (None if rescore_every_n_epochs is None else
-                                       _check_int("rescore_every_n_epochs", rescore_every_n_epochs, minimum=1))
-        self.angle_normalization = _check_choice("angle_normalization", angle_normalization, ANGLE_NORMALIZATIONS)
+                                       check_int_in_range("rescore_every_n_epochs", rescore_every_n_epochs, minimum=1))
+        self.angle_normalization = check_choice("angle_normalization", angle_normalization, ANGLE_NORMALIZATIONS)
         self.mu = 0.0
         self.scores: torch.Tensor | None = None  # [N] float32, by prompt index
         self.order: torch.Tensor | None = None  # [N] long: order[rank] = prompt index, scores descending
@@ -434,7 +283,7 @@ class AngleCurriculumSampler(PromptSampler):
     # -- scoring
     def needs_scores(self, epoch: int) -> bool:
         """True before the first scoring, and when ``rescore_every_n_epochs`` epochs passed since the last one."""
-        self._asked_epoch = _check_int("epoch", epoch, minimum=0)
+        self._asked_epoch = check_int_in_range("epoch", epoch, minimum=0)
         if self.scores is None:
             return True
         if self.rescore_every_n_epochs is None:
@@ -455,7 +304,7 @@ class AngleCurriculumSampler(PromptSampler):
                              f"{torch.nonzero(~torch.isfinite(scores)).flatten().tolist()[:10]}; all must be finite")
         self.scores = scores.clone()
         self.order = torch.sort(scores, descending=True, stable=True).indices
-        self.scored_epoch = self._asked_epoch if epoch is None else _check_int("epoch", epoch, minimum=0)
+        self.scored_epoch = self._asked_epoch if epoch is None else check_int_in_range("epoch", epoch, minimum=0)
 
     def _require_scores(self, what: str) -> None:
         if self.scores is None:
@@ -484,7 +333,7 @@ class AngleCurriculumSampler(PromptSampler):
         ``mean_angle`` None uses the mean stored score of the prompts drawn since the last update (every draw of
         the step, e.g. the extra rounds of dynamic sampling).
         """
-        accuracy = _check_real("accuracy", accuracy, low=0.0, high=1.0)
+        accuracy = check_real("accuracy", accuracy, low=0.0, high=1.0)
         self._require_scores("update")
         if mean_angle is None:
             if not self.drawn:
@@ -492,7 +341,7 @@ class AngleCurriculumSampler(PromptSampler):
                                    "update, or an explicit mean_angle")
             mean_angle = float(self.scores[self.drawn].mean())
         else:
-            mean_angle = _check_real("mean_angle", mean_angle)
+            mean_angle = check_real("mean_angle", mean_angle)
         angle = normalize_angle(mean_angle, self.scores, self.angle_normalization)
         self.mu = next_mu(self.mu, accuracy, angle, n=self.n, alpha=self.alpha, beta=self.beta,
                           adj_min=self.adj_min, adj_max=self.adj_max, num_prompts=self.num_prompts)
@@ -524,7 +373,7 @@ class AngleCurriculumSampler(PromptSampler):
 def build_prompt_sampler(curriculum: str, num_prompts: int, seed: int = 0, **options: Any) -> PromptSampler:
     """The sampler for a YAML ``curriculum`` name: "none" -> ``UniformPromptSampler``, "angle" ->
     ``AngleCurriculumSampler(num_prompts, seed, **options)``. Options are only accepted for "angle"."""
-    _check_choice("curriculum", curriculum, CURRICULA)
+    check_choice("curriculum", curriculum, CURRICULA)
     if curriculum == "angle":
         return AngleCurriculumSampler(num_prompts, seed, **options)
     if options:

@@ -19,6 +19,7 @@ step, keeping its own slice, so ranks get different prompts and groups never spl
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -56,7 +57,8 @@ class RolloutDataModule(LightningDataModule):
             them): G (>= 2 for training), g (or "auto" with ``kv_budget_bytes``), strategy, the length cap,
             temperature / top_p / top_k, the seed of the random streams, ``scheduler`` (the "infinite" strategy's
             :class:`~lit_grpo.scheduling.config.InfiniteSchedulerConfig`), CUDA graphs, and whether the KV cache
-            stays allocated between steps.
+            stays allocated between steps. ``scheduler_options`` (a dict) is the old spelling of ``scheduler``:
+            still read, with a deprecation warning.
         dynamic_sampling, max_sampling_rounds: drop groups whose rewards are all equal and draw more prompts, at
             most this many engine calls per step; dropped groups fill the batch if still short (zero advantages).
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
@@ -91,6 +93,7 @@ class RolloutDataModule(LightningDataModule):
         top_k: int = 0,
         seed: int = 0,
         scheduler: InfiniteSchedulerConfig = InfiniteSchedulerConfig(),
+        scheduler_options: dict[str, Any] | None = None,
         cuda_graph: bool | None = None,
         keep_kv_cache: bool = False,
         dynamic_sampling: bool = False,
@@ -105,6 +108,8 @@ class RolloutDataModule(LightningDataModule):
     ):
         super().__init__()
         check_int("group_size", group_size, 2)  # training: a lone completion has nothing to be compared with
+        if scheduler_options is not None:
+            scheduler = _legacy_scheduler_options(scheduler_options, scheduler)
         #: The engine's settings, checked once, here (the fields above with the same names).
         self.sampling = SamplingConfig(
             group_size=group_size, micro_group_size=micro_group_size, kv_budget_bytes=kv_budget_bytes,
@@ -316,3 +321,13 @@ class RolloutDataModule(LightningDataModule):
             else:
                 self._pending_state["engine"] = state_dict["engine"]
 
+
+def _legacy_scheduler_options(options: dict[str, Any], scheduler: InfiniteSchedulerConfig) -> InfiniteSchedulerConfig:
+    """``scheduler_options`` (an untyped dict, before the typed ``scheduler``) as an InfiniteSchedulerConfig."""
+    if scheduler != InfiniteSchedulerConfig():
+        raise ValueError(f"both scheduler_options={options!r} and scheduler={scheduler!r} are set; keep only "
+                         "data.scheduler (scheduler_options is its old spelling)")
+    warnings.warn("data.scheduler_options is deprecated: write the same keys under data.scheduler (typed and "
+                  "checked when the config is parsed, see `lit-grpo fit --print_config`)", DeprecationWarning,
+                  stacklevel=3)
+    return InfiniteSchedulerConfig.from_options(options)

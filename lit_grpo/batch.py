@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.sampling.stats import IDLE, RolloutStats
+from lit_grpo.sampling.stats import RolloutStats, merge_stats  # noqa: F401  (merge_stats: importable from here)
 
 
 @dataclass
@@ -127,10 +127,6 @@ class RolloutBatch:
         """``[N]``."""
         return self.advantages.flatten()
 
-    def flat_completions(self) -> list[str]:
-        """``[N]`` texts, row ``p * G + k``."""
-        return [c for group in self.completions for c in group]
-
     def micro_batch(self, rows: torch.Tensor | list[int]) -> dict[str, torch.Tensor]:
         """Model inputs for some flat completion rows, trimmed to the longest prompt / completion among them.
 
@@ -191,35 +187,3 @@ def pad_right(sequences: list[list[Any]], pad: Any, width: int | None = None,
             values[i, : len(seq)] = torch.tensor(seq, dtype=dtype)
             mask[i, : len(seq)] = 1
     return values, mask
-
-
-def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
-    """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
-
-    Counts and times add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
-    time, with flat sample indices shifted by the samples of the earlier rounds; length-prediction quality is the
-    first round's.
-    """
-    if not parts:
-        return RolloutStats()
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    merged = RolloutStats(num_slots=first.num_slots, group_size=first.group_size,
-                          length_pred_kendall_tau=first.length_pred_kendall_tau,
-                          length_pred_smape=first.length_pred_smape)
-    offset = 0
-    for part in parts:
-        merged.decode_steps += part.decode_steps
-        merged.prefill_tokens += part.prefill_tokens
-        merged.generated_tokens += part.generated_tokens
-        merged.lower_bound_steps += part.lower_bound_steps
-        merged.peak_kv_bytes = max(merged.peak_kv_bytes, part.peak_kv_bytes)
-        merged.wall_s += part.wall_s
-        merged.forward_s += part.forward_s
-        merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
-        offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
-    slots = merged.decode_steps * merged.num_slots
-    merged.slot_utilization = merged.generated_tokens / slots if slots else 0.0
-    merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
-    return merged

@@ -18,25 +18,17 @@ states with ``logits_to_keep``.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lit_grpo.models import accepts
+
 LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
 
 _HEAD_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def accepts(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``model.forward`` takes the keyword argument ``name`` (explicitly or through ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:

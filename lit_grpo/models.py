@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -100,6 +101,33 @@ def load_model_and_tokenizer(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword argument ``name`` (explicitly or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
+    if name_or_path.startswith(RANDOM_PREFIX):
+        tokenizer = random_model_tokenizer(name_or_path.removeprefix(RANDOM_PREFIX))
+    elif name_or_path in TINY_MODELS:
+        tokenizer = tiny_tokenizer()
+    elif Path(name_or_path).expanduser().is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(Path(name_or_path).expanduser())
+    elif name_or_path == DEFAULT_MODEL:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    elif _looks_like_path(name_or_path):
+        raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
+                         f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return prepare_tokenizer(tokenizer)
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -240,10 +268,7 @@ def random_model(name: str, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``random:NAME``: the architecture of ``lit_grpo/model_configs/NAME.json`` with seeded random weights, built on
     ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary."""
-    if name not in RANDOM_MODELS:
-        raise ValueError(f"unknown random model {RANDOM_PREFIX}{name}; allowed: "
-                         f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
-    fields = json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
+    fields = _random_model_fields(name)
     dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
     fields.pop("torch_dtype", None)
     tokenizer = tiny_tokenizer(vocab_size=fields["vocab_size"])
@@ -257,3 +282,15 @@ def random_model(name: str, dtype: torch.dtype | None = None,
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     return model.eval(), tokenizer
+
+
+def random_model_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``random:NAME`` (see :func:`random_model`), without building the model."""
+    return prepare_tokenizer(tiny_tokenizer(vocab_size=_random_model_fields(name)["vocab_size"]))
+
+
+def _random_model_fields(name: str) -> dict:
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"unknown random model {RANDOM_PREFIX}{name}; allowed: "
+                         f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
+    return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())

@@ -9,8 +9,9 @@ with the current policy right before the step) and makes ``num_iterations`` opti
    rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
    once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
 4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.logprobs.completion_logps``, which never
-   holds the whole ``[m, T, vocab]`` logits), ``policy_loss`` x ``micro_batch_weight`` (the weighted
-   micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a finiteness check,
+   holds the whole ``[m, T, vocab]`` logits), the loss variant ``self.loss_fn`` (lit_grpo.loss, chosen once by
+   ``loss_type``) x its ``micro_batch_weight`` (the weighted micro-batch losses add up to the whole step's loss,
+   so the gradients equal one big batch's), a finiteness check,
    ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``,
    the warmup scheduler step.
 
@@ -48,41 +49,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
-from transformers import AutoTokenizer
 
 from lit_grpo.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
+from lit_grpo.distributed import gradient_norm, shard_decoder_layers
 from lit_grpo.logprobs import completion_logps
-from lit_grpo.loss import LOSS_TYPES, check_loss_inputs, micro_batch_weight, policy_loss, policy_loss_metrics
-from lit_grpo.models import DEFAULT_MODEL, TINY_MODELS, load_model_and_tokenizer, prepare_tokenizer, smollm2_path
+from lit_grpo.loss import LossType, PolicyLoss, make_loss, policy_loss_metrics
+from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
+from lit_grpo.rollout_metrics import rollout_metrics
 from lit_grpo.validation import check_int
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
-
-
-def load_tokenizer(name_or_path: str) -> Any:
-    """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
-    from pathlib import Path
-
-    from lit_grpo.models import tiny_tokenizer
-
-    if name_or_path in TINY_MODELS:
-        tokenizer = tiny_tokenizer()
-    elif Path(name_or_path).expanduser().is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(Path(name_or_path).expanduser())
-    elif name_or_path == DEFAULT_MODEL:
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    elif name_or_path.startswith((".", "/", "~")):
-        raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
-                         f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    return prepare_tokenizer(tokenizer)
 
 
 class GRPOModule(LightningModule):
@@ -122,11 +104,11 @@ class GRPOModule(LightningModule):
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
-        loss_type: str = "dapo",
+        loss_type: LossType = "dapo",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.28,
         beta: float = 0.0,
-        scale_rewards: str = "group",
+        scale_rewards: Literal["group", "batch", "none"] = "group",
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         train_micro_batch_size: int = 8,
@@ -138,8 +120,6 @@ class GRPOModule(LightningModule):
         fsdp: bool = False,
     ):
         super().__init__()
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {list(LOSS_TYPES)}")
         if scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; use one of {list(SCALES)}")
         check_int("num_iterations", num_iterations, 1)
@@ -151,9 +131,7 @@ class GRPOModule(LightningModule):
             raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be >= 0 or None")
-        # the shared checks of the pure loss (epsilons, beta), on a dummy input
-        check_loss_inputs(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), loss_type,
-                          epsilon_low, epsilon_high, torch.zeros(1, 1), beta, 1, None)
+        make_loss(loss_type, epsilon_low, epsilon_high, beta)  # checks the name, the clip range and beta
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.scale_rewards = scale_rewards
@@ -190,27 +168,22 @@ class GRPOModule(LightningModule):
             self.ref_model = ref.eval()
 
     def _fully_shard(self, model: torch.nn.Module) -> None:
-        """FSDP2: every decoder layer, then the whole model, sharded over the data-parallel mesh."""
-        mesh = self.device_mesh
-        if mesh is None:
+        if self.device_mesh is None:
             raise RuntimeError("fsdp=True needs a device mesh: use trainer.strategy "
                                "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
-        from torch.distributed.fsdp import fully_shard
-
-        if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
-            mesh = mesh["data_parallel"]
-        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-        if not layers:
-            raise ValueError(f"fsdp=True found no *DecoderLayer modules in {type(model).__name__} to shard")
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_decoder_layers(model, self.device_mesh)
 
     def _require_policy(self) -> torch.nn.Module:
         if self.policy is None:
             raise RuntimeError("GRPOModule.policy is not loaded; Lightning calls configure_model() in fit/validate, "
                                "call it yourself outside a Trainer")
         return self.policy
+
+    @property
+    def loss_fn(self) -> PolicyLoss:
+        """The loss variant of ``hparams`` (lit_grpo.loss; built and validated once per setting, then shared)."""
+        hp = self.hparams
+        return make_loss(hp.loss_type, hp.epsilon_low, hp.epsilon_high, hp.beta)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -314,22 +287,24 @@ class GRPOModule(LightningModule):
                              "completion has no group to be compared with, so its advantage is always 0)")
         policy = self._require_policy()
         chunks = self._micro_batches(batch)
-        total_active = self._total_active_tokens(batch, chunks) if hp.loss_type == "dapo" else None
+        loss_fn = self.loss_fn
+        total_active = self._total_active_tokens(batch, chunks) if loss_fn.needs_step_tokens else None
         old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
         ref_logps = None
         if hp.beta > 0:
             with self._reference() as reference:
                 ref_logps = self._frozen_logps(reference, batch, chunks)
 
-        sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm")}
+        sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
         for iteration in range(hp.num_iterations):
             step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration)
+            # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
+            step_metrics["lr"] = optimizer.param_groups[0]["lr"]
             for key, value in step_metrics.items():
                 sums[key] += value / hp.num_iterations
             if scheduler is not None:
                 scheduler.step()
         logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or hp.beta > 0}
-        logged["train/lr"] = optimizer.param_groups[0]["lr"]
         logged.update(self._rollout_metrics(batch))
         return logged
 
@@ -337,6 +312,7 @@ class GRPOModule(LightningModule):
                 total_active, iteration: int) -> dict[str, float]:
         """One optimizer step over all micro-batches of the rollout; returns the step's metrics."""
         hp = self.hparams
+        loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         loss_sum = 0.0
@@ -349,13 +325,8 @@ class GRPOModule(LightningModule):
             mask = self._loss_mask(micro)
             old = old_logps[index] if old_logps is not None else logps.detach()
             ref = ref_logps[index] if ref_logps is not None else None
-            loss = policy_loss(logps, old, micro["advantages"], mask, hp.loss_type, hp.epsilon_low,
-                               hp.epsilon_high, ref, hp.beta, batch.max_new_tokens, total_active)
-            loss = loss * micro_batch_weight(hp.loss_type, len(rows), total_rows, len(chunks))
-            if hp.loss_type == "dapo" and world > 1:
-                # dapo divides by the step's active tokens over ALL ranks; ddp then AVERAGES the ranks' gradients,
-                # so scale by the world size to get the gradient of sum(all ranks' tokens) / total tokens.
-                loss = loss * world
+            loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active)
+            loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
             if not torch.isfinite(loss):
                 optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(
@@ -379,7 +350,7 @@ class GRPOModule(LightningModule):
             sums["entropy"] += float((entropy * content).sum())
             content_tokens += float(content.sum())
             del logps, entropy, loss
-        grad_norm = self._grad_norm()
+        grad_norm = gradient_norm(self.policy.parameters())
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
@@ -395,40 +366,8 @@ class GRPOModule(LightningModule):
             out[key] = sums[key] / max(loss_tokens, 1.0)
         return out
 
-    def _grad_norm(self) -> float:
-        """The total L2 norm of the gradients before clipping (with fsdp=True, over all shards)."""
-        grads = [p.grad.detach() for p in self.policy.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        if self.hparams.fsdp:  # sharded DTensor gradients: the global norm
-            from torch.distributed.tensor import DTensor
-
-            norms = [torch.linalg.vector_norm(g.float()) for g in grads]
-            norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-            return float(torch.linalg.vector_norm(torch.stack(norms)))
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-
-    @staticmethod
-    def _rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
-        """reward/ and completions/ scalars of a rollout, plus what the data side put in ``batch.metrics``."""
-        rewards = batch.rewards.float()
-        lengths = batch.completion_lengths.float()
-        out = {
-            "reward/mean": float(rewards.mean()),
-            # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
-            "reward/std": float(rewards.std(dim=1).mean()) if batch.group_size > 1 else 0.0,
-            "reward/frac_zero_std": batch.num_groups_zero_std / max(batch.num_groups_generated, 1),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(batch.truncated.float().mean()),
-        }
-        for name, values in batch.reward_components.items():
-            present = values[~torch.isnan(values)]
-            if present.numel():
-                out[f"reward/{name}/mean"] = float(present.float().mean())
-        out.update({k: float(v) for k, v in batch.metrics.items()})
-        return out
+    # the scalars logged per rollout (lit_grpo.rollout_metrics; a static method for the tests' sake)
+    _rollout_metrics = staticmethod(rollout_metrics)
 
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from lit_grpo.advantages import group_advantages, zero_std_groups
-from lit_grpo.batch import RolloutBatch, merge_stats, pad_left, pad_right
+from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.datamodules.prompts import PromptExample
 from lit_grpo.rewards import WeightedReward, score_rewards
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
+from lit_grpo.sampling.stats import merge_stats
 
 
 @dataclass(frozen=True)

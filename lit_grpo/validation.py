@@ -1,7 +1,9 @@
-"""Argument checks shared by the engine, the DataModule and the module: errors name the value and what is allowed."""
+"""Argument checks shared across lit_grpo: each error names the bad value and what is allowed."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 
@@ -9,4 +11,44 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int if it is an integral number (not a bool) within the bounds, else a ValueError naming it."""
+    allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
+        f" and <= {maximum}" if maximum is not None else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+    return value
+
+
+def check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
+               low_open: bool = False) -> float:
+    """``value`` as a float if it is a finite real (not a bool) within the bounds (``low`` excluded when
+    ``low_open``), else a ValueError naming it."""
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        bounds.append(f"<= {high:g}")
+    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    message = f"{name}={value!r} is not allowed; {name} must be {allowed}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(message)
+    number = float(value)
+    if low is not None and (number <= low if low_open else number < low):
+        raise ValueError(message)
+    if high is not None and number > high:
+        raise ValueError(message)
+    return number
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError listing them."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not known; use one of {list(choices)}")
     return value

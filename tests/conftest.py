@@ -1,9 +1,15 @@
 """Shared fixtures: tiny random models (Llama and Qwen2) with the offline byte-level tokenizer."""
 
-import pytest
-import torch
+import os
 
-from lit_grpo.models import load_model_and_tokenizer
+# This project's CPU machines (dev and CI VMs) report AMX in cpuid without letting processes use it, and oneDNN's
+# bfloat16 matmuls then die with SIGILL (the bf16-mixed tests); cap oneDNN at AVX-512 BF16. Set before torch loads.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
 
 # Tiny models run fastest on one thread, and one thread cannot be starved by a busy machine.
 torch.set_num_threads(1)

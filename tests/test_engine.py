@@ -320,6 +320,26 @@ def test_sampling_config_errors_name_the_option(tiny_llama):
     assert engine.config is config and engine.scheduler.predictor.__class__.__name__ == "HistoryLengthPredictor"
 
 
+def test_under_autocast_the_cache_holds_the_autocast_dtype(tiny_llama, prompt_ids):
+    """bf16-mixed training keeps float32 weights; attention then runs in bfloat16, and the cache stores that."""
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = engine.generate(prompt_ids)
+    assert model.dtype == torch.float32 and engine._cache.layers[0].keys.dtype == torch.bfloat16
+    assert result.stats.generated_tokens == sum(len(c) for group in result.completion_ids for c in group) > 0
+
+
+def test_attention_without_a_4d_mask_is_refused():
+    from lit_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"attention implementation is 'flex_attention'.*\['sdpa', 'eager'\]"):
+        RolloutEngine(model, tokenizer, group_size=2)
+
+
 def test_forced_lengths_keep_every_shape():
     from lit_grpo.sampling.token_sampler import force_lengths
 

@@ -124,3 +124,50 @@ def test_bad_inputs_name_the_value():
         policy_loss(logps, old, adv, mask[:, :2])
     with pytest.raises(ValueError, match="beta=-1"):
         policy_loss(logps, old, adv, mask, beta=-1, ref_logps=ref)
+
+
+# ------------------------------------------------------------------------------------------------ loss objects
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_loss_object_is_the_functional_loss(loss_type):
+    from lit_grpo.loss import LOSSES, make_loss
+
+    logps, old, ref, adv, mask = _inputs()
+    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.04)
+    assert type(loss_fn) is LOSSES[loss_type] and loss_fn.name == loss_type
+    got = loss_fn(logps, old, adv, mask, ref, max_completion_length=8, total_active_tokens=17)
+    want = policy_loss(logps, old, adv, mask, loss_type, EPS_LOW, EPS_HIGH, ref, 0.04, 8, 17)
+    assert torch.equal(got, want)
+    assert loss_fn.needs_step_tokens == (loss_type == "dapo")
+    assert make_loss(loss_type, EPS_LOW, EPS_HIGH, 0.04) is make_loss(loss_type, EPS_LOW, EPS_HIGH, 0.04)
+
+
+def test_loss_objects_are_checked_once_when_built():
+    import dataclasses
+
+    from lit_grpo.loss import LOSS_TYPES, LOSSES, make_loss
+
+    assert tuple(LOSSES) == LOSS_TYPES
+    with pytest.raises(ValueError, match=r"loss_type='ppo' is not supported; use one of \['grpo', 'bnpo', "):
+        make_loss("ppo")
+    with pytest.raises(ValueError, match="epsilon_low=1.0 must be < 1"):
+        make_loss("grpo", epsilon_low=1.0)
+    with pytest.raises(ValueError, match="epsilon_high=-0.5 must be >= 0"):
+        make_loss("dapo", epsilon_high=-0.5)
+    with pytest.raises(ValueError, match=r"beta=nan must be >= 0"):
+        make_loss("bnpo", beta=float("nan"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_loss("dapo").beta = 1.0
+
+
+def test_micro_batch_weights_of_the_objects_span_the_ranks():
+    from lit_grpo.loss import make_loss
+
+    # dapo's normalizer spans every rank while ddp averages gradients: its weight is the world size
+    assert make_loss("dapo").micro_batch_weight(2, 8, 4, world_size=3) == 3.0
+    assert make_loss("grpo").micro_batch_weight(2, 8, 4, world_size=3) == 0.25
+    assert make_loss("dr_grpo").micro_batch_weight(2, 8, 4) == 0.25
+    assert make_loss("bnpo").micro_batch_weight(2, 8, 4, world_size=3) == 0.25
+    with pytest.raises(ValueError, match="world_size=0"):
+        make_loss("grpo").micro_batch_weight(2, 8, 4, world_size=0)
+    with pytest.raises(ValueError, match="num_sequences=9, total_sequences=8"):
+        micro_batch_weight("dapo", 9, 8, 1)

@@ -76,6 +76,13 @@ def test_random_models_have_the_real_architectures(name, layers, params_b):
     assert tokenizer.decode(tokenizer("What is 12 + 30?")["input_ids"]) == "What is 12 + 30?"
 
 
+def test_random_model_tokenizer_loads_without_the_model():
+    from lit_grpo.module import GRPOModule
+
+    module = GRPOModule(model="random:llama3.2-1b")  # the tokenizer only: the weights come in configure_model
+    assert module.policy is None and len(module.tokenizer) == 128256
+
+
 def test_random_model_names_are_listed_when_wrong():
     with pytest.raises(ValueError, match=r"unknown random model random:gpt5.*random:qwen3-1.7b"):
         load_model_and_tokenizer("random:gpt5")

@@ -223,3 +223,20 @@ def test_token_logps_and_entropy_helpers():
     torch.testing.assert_close(half, full, atol=6e-2, rtol=0)
     expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
     torch.testing.assert_close(token_entropy(logits), expected)
+
+
+def test_the_logged_lr_is_the_one_the_step_used(batch):
+    """train/lr is read before the scheduler steps: the first step of a 4-step warm-up logs lr / 4."""
+    module = make_module(lr=1e-3, warmup_steps=4)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    logged = [module.grpo_step(batch, optimizer, scheduler)["train/lr"] for _ in range(2)]
+    assert logged == pytest.approx([2.5e-4, 5e-4])
+
+
+def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
+    with pytest.raises(ValueError, match="loss_type='ppo' is not supported"):
+        GRPOModule(model="tiny-llama", loss_type="ppo")
+    with pytest.raises(ValueError, match="epsilon_low=1.5 must be < 1"):
+        GRPOModule(model="tiny-llama", epsilon_low=1.5)
+    assert GRPOModule(model="tiny-llama", loss_type="grpo").loss_fn.name == "grpo"

@@ -5,10 +5,12 @@ import torch
 
 from lit_grpo.cli import build_cli
 from lit_grpo.datamodules.prompts import PromptExample
+from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.models import load_model_and_tokenizer
 from lit_grpo.rewards import build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 TINY = "configs/tiny.yaml"
 
@@ -86,3 +88,36 @@ def test_scheduler_options_are_typed_in_the_config():
     assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill) == ("history", 4, "lpt")
     with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):
         build_cli(["--config", TINY, "--data.scheduler.park_budget", "-1.0", "--trainer.logger", "false"], run=False)
+
+
+def test_a_training_step_under_bf16_mixed_precision(tmp_path):
+    """The rollout runs inside the trainer's autocast (float32 weights, bfloat16 compute): the slot cache takes the
+    autocast dtype, and the update follows."""
+    cli = build_cli(["--config", TINY, "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "1",
+                     "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+                     "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+                     "--data.keep_kv_cache", "true"], run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 1
+    assert cli.model.policy.dtype == torch.float32
+    assert cli.datamodule.engine._cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_the_old_scheduler_options_key_still_works_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match="data.scheduler_options is deprecated.*data.scheduler"):
+        cli = build_cli(["--config", TINY, "--data.scheduler_options", "{predictor: history, probe_tokens: 4}",
+                         "--trainer.logger", "false"], run=False)
+    scheduler = cli.datamodule.sampling.scheduler
+    assert (scheduler.predictor, scheduler.probe_tokens) == ("history", 4)
+    with pytest.raises(ValueError, match=r"unknown scheduler options \['probe'\]"):
+        RolloutDataModule(prompts=["a"], scheduler_options={"probe": 4})
+    with pytest.raises(ValueError, match="keep only data.scheduler"):
+        RolloutDataModule(prompts=["a"], scheduler_options={"probe_tokens": 4},
+                          scheduler=InfiniteSchedulerConfig(probe_tokens=2))
+
+
+def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["--config", TINY, "--model.loss_type", "ppo"], run=False)
+    err = capsys.readouterr().err
+    assert "model.loss_type" in err and "'grpo', 'bnpo', 'dr_grpo', 'dapo'" in err

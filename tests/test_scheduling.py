@@ -30,7 +30,7 @@ from lit_grpo.scheduling import (
     planted_rollout,
     smape,
 )
-from lit_grpo.scheduling import grouping as grouping_module
+from lit_grpo.scheduling import fptas as grouping_module  # the FPTAS and its local search live in fptas.py
 from lit_grpo.scheduling.predictors import expected_length
 
 

@@ -18,7 +18,9 @@ freed. By default glibc raises its mmap threshold as large blocks are freed, aft
 its heap and the next micro-batch's allocations do not always fit the holes, so the peak drifts up with each
 micro-batch. ``--malloc-mmap-threshold 262144`` pins the threshold (glibc's ``MALLOC_MMAP_THRESHOLD_``), so every
 block over 256 KiB is returned to the system when freed; the cost is page faults on reallocation (measured in the
-README). GPU runs measure the CUDA allocator's peak and are unaffected.
+README). GPU runs measure the CUDA allocator's peak and are unaffected. On a GPU without hub access, ``--model
+random:qwen3-1.7b --dtype bfloat16`` (optionally ``--lora``) builds that architecture with random weights and
+``--task synthetic`` (the default for random models) writes the prompts locally, so no download is needed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ import time
 from pathlib import Path
 
 MODELS = {"tiny": "tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+#: LoRA settings of ``--lora`` (the attention and MLP projections of Llama / Qwen blocks).
+LORA = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]}
+
+
+def synthetic_prompts(count: int, seed: int) -> list[dict]:
+    """Sums with their answers, written locally (no reasoning-gym): for random-weight models."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(count)]
+    return [{"prompt": f"What is {a} + {b}? Give the final answer.", "answer": str(a + b)} for a, b in pairs]
 
 
 def measure_one_step(args) -> dict:
@@ -46,8 +60,11 @@ def measure_one_step(args) -> dict:
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
-                        lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing)
-    data = RolloutDataModule(task=args.task, size=64, val_size=1, prompts_per_step=args.prompts,
+                        lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing,
+                        dtype=args.dtype, peft_config=LORA if args.lora else None)
+    source = (dict(prompts=synthetic_prompts(64, args.seed)) if args.task == "synthetic" else
+              dict(task=args.task, size=64))
+    data = RolloutDataModule(**source, val_size=1, prompts_per_step=args.prompts,
                              group_size=args.group_size, micro_group_size=args.micro_group_size,
                              strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed,
                              reward_funcs=["accuracy"])
@@ -81,21 +98,28 @@ def measure_one_step(args) -> dict:
     peak = tracker.read()["peak_bytes"]
     tracker.close()
     return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": peak,
-            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name,
+            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name, "dtype": args.dtype,
+            "lora": args.lora,
+            "weights_bytes": sum(p.numel() * p.element_size() for p in module.policy.parameters()),
             "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **captured}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a path or hub id")
+    parser.add_argument("--model", default="smollm2",
+                        help="tiny | smollm2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b) | a path "
+                             "or hub id")
+    parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters ({LORA}) instead of all weights")
     parser.add_argument("--group-sizes", default="8,16,32,64")
     parser.add_argument("--strategies", default="infinite,full")
     parser.add_argument("--micro-group-size", type=int, default=8)
     parser.add_argument("--train-micro-batch-size", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=1, help="B, prompts per step")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--task", default="basic_arithmetic")
+    parser.add_argument("--task", help="reasoning-gym task or 'synthetic' (default: basic_arithmetic; synthetic "
+                                       "for random:NAME models)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="GRPOModule(gradient_checkpointing=...); on by default, as in the module")
@@ -105,6 +129,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode: one measurement, printed as JSON
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.task is None:
+        args.task = "synthetic" if args.model.startswith("random:") else "basic_arithmetic"
     if args.strategy:
         print("RESULT " + json.dumps(measure_one_step(args)), flush=True)
         return {}
@@ -116,6 +142,7 @@ def main(argv=None) -> dict:
                        "--model", args.model, "--micro-group-size", str(args.micro_group_size),
                        "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
                        "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
+            command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
             command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
             env = dict(os.environ)
             if args.malloc_mmap_threshold is not None:

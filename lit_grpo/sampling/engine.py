@@ -45,6 +45,9 @@ from lit_grpo.scheduling.base import RoundScheduler, Scheduler
 
 __all__ = ["STRATEGIES", "RolloutEngine", "RolloutResult"]
 
+#: Attention implementations that take the slot cache's 4-D mask (flash-attention kernels take none).
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
 #: On CUDA the slot cache's width is rounded up to this many positions, so rollouts whose prompts differ by a few
 #: tokens reuse one cache and its captured graph (and attention rows stay aligned).
 CUDA_WIDTH_ALIGNMENT = 64
@@ -76,6 +79,11 @@ class RolloutEngine:
         if self.config.micro_group_size == "auto":
             raise ValueError("micro_group_size='auto' must be resolved to an integer before the engine is built "
                              "(lit_grpo.sampling.memory_budget.auto_micro_group_size; RolloutBuilder does it)")
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in SUPPORTED_ATTENTION:
+            raise ValueError(f"the model's attention implementation is {attention!r}; the slot cache passes a 4-D "
+                             f"attention mask, which {list(SUPPORTED_ATTENTION)} take: load the model with "
+                             "attn_implementation='sdpa'")
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = _eos_ids(model, tokenizer) if eos_token_ids is None else sorted(set(eos_token_ids))
         if not self.eos_token_ids:
@@ -150,7 +158,8 @@ class RolloutEngine:
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
         """The slot cache and decode step for a rollout, reused when they fit; True when newly built."""
         device = next(self.model.parameters()).device
-        dtype = self.model.dtype
+        # Under autocast (bf16-mixed with float32 weights) keys and values come out in the autocast dtype.
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.model.dtype
         if device.type == "cuda":
             width = -(-width // CUDA_WIDTH_ALIGNMENT) * CUDA_WIDTH_ALIGNMENT
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)

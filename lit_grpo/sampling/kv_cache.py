@@ -79,8 +79,11 @@ class SlotCacheLayer(CacheLayerMixin):
         if key_states.shape[2] != 1 or key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"SlotKVCache takes one token for each of its {self.keys.shape[0]} slots per step, got "
                              f"key states of shape {tuple(key_states.shape)}")
-        self.keys.scatter_(2, self._key_index, key_states)
-        self.values.scatter_(2, self._value_index, value_states)
+        # Under autocast the keys arrive in float32 (the rotary embedding multiplies the bfloat16 projection by
+        # float32 cos/sin) and the values in bfloat16; both are stored in the cache's dtype, the one attention
+        # computes in under autocast anyway, so the cast changes no result and halves the keys' memory.
+        self.keys.scatter_(2, self._key_index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, self._value_index, value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

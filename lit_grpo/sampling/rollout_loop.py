@@ -132,8 +132,9 @@ class RolloutLoop:
 
     def _decode_step(self) -> None:
         engine, checkpoint = self.engine, self.scheduler.checkpoint_tokens
-        probing = [] if checkpoint is None else [
-            slot for slot, sample in enumerate(self.slots) if sample is not None and len(sample.tokens) == checkpoint - 1]
+        probing = [] if checkpoint is None else [  # slots whose token of this step is their checkpoint's
+            slot for slot, sample in enumerate(self.slots)
+            if sample is not None and len(sample.tokens) == checkpoint - 1]
         start = time.perf_counter()
         out = self.step.step(probing)
         self.stats.forward_s += time.perf_counter() - start

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
+
+from lit_grpo.scheduling.base import lower_bound_steps  # noqa: F401  (part of this module's API)
 
 #: Value of a timeline cell whose slot held no sample at that step.
 IDLE = -1
@@ -64,8 +65,33 @@ class RolloutStats:
         return {k: v for k, v in out.items() if v is not None}
 
 
-def lower_bound_steps(lengths: list[int], num_slots: int) -> int:
-    """``max(ceil(sum L / g), max L)``: no schedule on ``num_slots`` slots finishes in fewer decode steps."""
-    if not lengths:
-        return 0
-    return max(math.ceil(sum(lengths) / num_slots), max(lengths))
+def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
+    """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
+
+    Counts and times add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
+    time, with flat sample indices shifted by the samples of the earlier rounds; length-prediction quality is the
+    first round's.
+    """
+    if not parts:
+        return RolloutStats()
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    merged = RolloutStats(num_slots=first.num_slots, group_size=first.group_size,
+                          length_pred_kendall_tau=first.length_pred_kendall_tau,
+                          length_pred_smape=first.length_pred_smape)
+    offset = 0
+    for part in parts:
+        merged.decode_steps += part.decode_steps
+        merged.prefill_tokens += part.prefill_tokens
+        merged.generated_tokens += part.generated_tokens
+        merged.lower_bound_steps += part.lower_bound_steps
+        merged.peak_kv_bytes = max(merged.peak_kv_bytes, part.peak_kv_bytes)
+        merged.wall_s += part.wall_s
+        merged.forward_s += part.forward_s
+        merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
+        offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
+    slots = merged.decode_steps * merged.num_slots
+    merged.slot_utilization = merged.generated_tokens / slots if slots else 0.0
+    merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
+    return merged

@@ -19,12 +19,20 @@ Per rollout the engine calls, in this order:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 SampleKey = tuple[int, int]  # (prompt index, sample index within its group)
 
+
+def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
+    """``max(ceil(sum L / g), max L)``: no schedule on ``num_slots`` slots finishes in fewer decode steps."""
+    if not lengths:
+        return 0
+    return max(math.ceil(sum(lengths) / num_slots), max(lengths))
 
 @dataclass
 class RolloutWork:
@@ -87,11 +95,11 @@ class Scheduler:
         return {}
 
 
-class FIFOScheduler(Scheduler):
-    """Samples in prompt-major order; the default of "full", "micro" and "continuous"."""
+#: The base scheduler admits samples in prompt-major order: the default of "full", "micro" and "continuous".
+FIFOScheduler = Scheduler
 
 
-class RoundScheduler(FIFOScheduler):
+class RoundScheduler(Scheduler):
     """Naive micro sampling groups: rounds of up to g samples of one prompt; a round starts only when every
     sample of the previous one has finished (the paper's "micro" baseline, before continuous sampling)."""
 

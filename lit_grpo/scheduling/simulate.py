@@ -14,20 +14,14 @@ known share of the log-length signal.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from lit_grpo.scheduling.base import RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.base import RolloutWork, SampleKey, Scheduler, lower_bound_steps
 
 #: ``token_feature(key, generated) -> [H]``: the hidden state of a sample's latest token.
 TokenFeatureFn = Callable[[SampleKey, int], torch.Tensor]
-
-
-def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
-    """``max(ceil(sum L / g), max L)``, as lit_grpo.sampling.stats (not imported: the engine imports us)."""
-    return max(math.ceil(sum(lengths) / num_slots), max(lengths)) if lengths else 0
 
 
 @dataclass

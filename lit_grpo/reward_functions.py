@@ -1,0 +1,157 @@
+"""The built-in reward functions (names usable in configs), each following the protocol of ``lit_grpo.rewards``.
+
+- ``accuracy`` (``accuracy_reward``): the answer extracted from the completion, scored by the reasoning-gym
+  dataset's own ``score_answer``, or by normalized exact match for other sources;
+- ``format`` (``format_reward``): 1 when the completion has exactly one ``<answer>...</answer>``;
+- ``overlong`` (``OverlongPenalty``): DAPO's soft length penalty;
+- ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+# --------------------------------------------------------------------------------------------- answer extraction
+_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text.strip().replace(" ", "")) is not None
+
+
+def extract_answer(completion: str, numeric: bool = False) -> str | None:
+    """The final answer a completion states.
+
+    Order: the last ``<answer>...</answer>``; else, when ``numeric``, the last number (commas dropped, a trailing
+    ``.`` dropped); else the last non-empty line. ``None`` when nothing is found.
+    """
+    tags = _ANSWER_TAG.findall(completion)
+    if tags:
+        return tags[-1].strip()
+    if numeric:
+        numbers_found = _NUMBER.findall(completion)
+        return numbers_found[-1].replace(",", "").rstrip(".") if numbers_found else None
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _normalize(text: str) -> str:
+    text = text.strip().rstrip(".").strip()
+    if _is_number(text):
+        value = float(text.replace(",", ""))
+        return str(int(value)) if value.is_integer() else repr(value)
+    return " ".join(text.lower().split())
+
+
+@functools.lru_cache(maxsize=None)
+def _reasoning_gym_scorer(dataset_name: str) -> Callable[[str | None, dict], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(dataset_name)
+
+
+def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] | None = None) -> float | None:
+    """Score one extracted answer: 1 correct, 0 wrong (reasoning-gym tasks may give partial credit).
+
+    A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
+    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` (numbers compared as
+    numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
+    """
+    source = None
+    if isinstance(entry, Mapping) and isinstance(entry.get("metadata"), Mapping):
+        source = entry["metadata"].get("source_dataset")
+    if source:
+        return float(_reasoning_gym_scorer(source)(answer, dict(entry)))
+    if gold is None:
+        return None
+    if answer is None:
+        return 0.0
+    return 1.0 if _normalize(answer) == _normalize(str(gold)) else 0.0
+
+
+# --------------------------------------------------------------------------------------------- built-in rewards
+def accuracy_reward(
+    prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
+    entry: list[Mapping[str, Any] | None] | None = None, **columns: Any
+) -> list[float | None]:
+    """Correctness of the final answer in ``[0, 1]``; ``None`` for rows with neither gold answer nor dataset entry."""
+    answers = answer if answer is not None else [None] * len(completions)
+    entries = entry if entry is not None else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, gold, row in zip(completions, answers, entries):
+        gold = gold if gold is not None else (row.get("answer") if isinstance(row, Mapping) else None)
+        if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
+            out.append(None)
+            continue
+        numeric = gold is not None and _is_number(str(gold))
+        out.append(score_answer(extract_answer(completion, numeric=numeric), gold, row))
+    return out
+
+
+def format_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """1.0 when the completion holds exactly one non-empty ``<answer>...</answer>``, else 0.0."""
+    return [1.0 if len(tags := _ANSWER_TAG.findall(c)) == 1 and tags[0].strip() else 0.0 for c in completions]
+
+
+class OverlongPenalty:
+    """DAPO's soft overlong punishment, with ``L`` the completion length in tokens::
+
+        0                                   if L <= max_length - buffer
+        ((max_length - buffer) - L) / buffer  if max_length - buffer < L <= max_length   (0 down to -1)
+        -1                                  if L > max_length
+
+    Args:
+        max_length: the length cap; ``None`` uses the rollout's ``max_new_tokens`` column (so a truncated
+            completion gets -1).
+        buffer: the soft zone's width in tokens (DAPO: 4096 of 20480); must be >= 1.
+    """
+
+    def __init__(self, max_length: int | None = None, buffer: int = 64):
+        if buffer < 1:
+            raise ValueError(f"OverlongPenalty buffer={buffer!r} must be >= 1 (tokens)")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"OverlongPenalty max_length={max_length!r} must be >= 1 (tokens) or None")
+        self.max_length = max_length
+        self.buffer = buffer
+        self.__name__ = "overlong"
+
+    def __call__(self, prompts: list[str], completions: list[str], completion_length: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None, **columns: Any) -> list[float]:
+        if completion_length is None:
+            raise ValueError("OverlongPenalty needs the completion_length column (token counts)")
+        out = []
+        for i, length in enumerate(completion_length):
+            cap = self.max_length if self.max_length is not None else (max_new_tokens[i] if max_new_tokens else None)
+            if cap is None:
+                raise ValueError("OverlongPenalty(max_length=None) needs the max_new_tokens column")
+            buffer = min(self.buffer, cap)
+            if length <= cap - buffer:
+                out.append(0.0)
+            elif length <= cap:
+                out.append(((cap - buffer) - length) / buffer)
+            else:
+                out.append(-1.0)
+        return out
+
+
+def char_fraction_reward(prompts: list[str], completions: list[str], chars: str = "0123456789",
+                         **columns: Any) -> list[float]:
+    """Share of the completion's characters that are in ``chars`` (0.0 for an empty completion).
+
+    A toy shaping signal for smoke tests: even a random model's completions get different values, so advantages
+    and gradients are non-zero (configs/tiny.yaml uses it).
+    """
+    return [sum(ch in chars for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "overlong": OverlongPenalty,  # a class: built with the spec's kwargs
+    "char_fraction": char_fraction_reward,
+}

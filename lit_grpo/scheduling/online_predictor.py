@@ -1,0 +1,137 @@
+"""The token-conditioned length predictor: ridge regression of log length on the policy's own hidden states."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lit_grpo.scheduling.base import RolloutWork, SampleKey
+from lit_grpo.scheduling.lognormal import PrequentialError, prior_log_length
+from lit_grpo.scheduling.ridge import RidgeRegressor, rms_normalize, single_thread
+
+
+class OnlineLengthPredictor:
+    """Token-conditioned ridge regression of log length on the policy's own hidden states, learned online.
+
+    Two regressors share the feature map: a prompt model on ``phi(prompt feature)`` (all G samples of a prompt
+    get its prediction) and a token model on ``[phi(prompt feature), phi(token feature)]``, where the token
+    feature is the last-layer hidden state of a sample's latest token after its first k tokens.
+    ``phi`` = RMS normalization, then a fixed Gaussian projection to ``max_dim`` dims when H is larger (keeps the
+    closed-form solve at ``O(d^3)`` with ``d <= 2 max_dim``). The token model learns only from samples that
+    survived the probe (it predicts for exactly those), the prompt model from all.
+
+    Args:
+        max_dim: projected size of each feature part.
+        decay: forgetting factor per observation (0.998: half-life ~350 samples), so the model follows the policy.
+        min_token_observations: below this many probed samples the prompt model answers instead.
+        seed: of the projection matrices.
+    """
+
+    needs_prompt_features = True
+    token_conditioned = True
+
+    def __init__(self, max_dim: int = 256, decay: float = 0.998, min_token_observations: int = 16,
+                 seed: int = 0) -> None:
+        self.max_dim = max_dim
+        self.seed = seed
+        self.min_token_observations = min_token_observations
+        self.prompt_model = RidgeRegressor(decay=decay)
+        self.token_model = RidgeRegressor(decay=decay)
+        self.prompt_error = PrequentialError()
+        self.token_error = PrequentialError()
+        self._projections: dict[int, torch.Tensor] = {}
+        self._fallback = None  # log length used while the prompt model is empty
+
+    def predict(
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        with single_thread():
+            return self._predict_log(work, keys, token_features).exp().to(torch.float32)
+
+    def log_std(self, token_conditioned: bool) -> float:
+        if token_conditioned and self.token_model.effective_count >= self.min_token_observations:
+            return self.token_error.rms
+        return self.prompt_error.rms
+
+    def observe(
+        self,
+        work: RolloutWork,
+        keys: Sequence[SampleKey],
+        lengths: Sequence[int],
+        token_features: torch.Tensor | None = None,
+    ) -> None:
+        if not keys:
+            return
+        with single_thread():
+            self._observe(work, keys, lengths, token_features)
+
+    def _observe(
+        self, work: RolloutWork, keys: Sequence[SampleKey], lengths: Sequence[int], token_features: torch.Tensor | None
+    ) -> None:
+        target = torch.tensor([math.log(max(1, int(n))) for n in lengths], dtype=torch.float64)
+        prompt_x = self._prompt_x(work, keys)
+        for error in (self._predict_log(work, keys, None) - target).tolist():
+            self.prompt_error.add(error)
+        self.prompt_model.update(prompt_x, target)
+        if token_features is not None:
+            token_x = torch.cat([prompt_x, self._phi(token_features)], dim=1)
+            if self.token_model.effective_count >= self.min_token_observations:
+                for error in (self._predict_log(work, keys, token_features) - target).tolist():
+                    self.token_error.add(error)
+            self.token_model.update(token_x, target)
+
+    def _predict_log(
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None
+    ) -> torch.Tensor:
+        # A linear model extrapolates; lengths live in [1, max_new_tokens].
+        return self._predict_log_raw(work, keys, token_features).clamp(0.0, math.log(max(1, work.max_new_tokens)))
+
+    def _predict_log_raw(
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None
+    ) -> torch.Tensor:
+        prompt_x = self._prompt_x(work, keys)
+        if token_features is not None and self.token_model.effective_count >= self.min_token_observations:
+            token_x = torch.cat([prompt_x, self._phi(token_features)], dim=1)
+            if token_x.shape[1] == self.token_model.dim:
+                return self.token_model.predict(token_x)
+        if self.prompt_model.sw > 0 and prompt_x.shape[1] == (self.prompt_model.dim or 0):
+            return self.prompt_model.predict(prompt_x)
+        return torch.full((len(keys),), prior_log_length(work.max_new_tokens), dtype=torch.float64)
+
+    def _prompt_x(self, work: RolloutWork, keys: Sequence[SampleKey]) -> torch.Tensor:
+        """``[N, d]`` prompt part; ``[N, 1]`` of zeros (an intercept-only model) when the engine gave none."""
+        if work.prompt_features is None:
+            return torch.zeros(len(keys), 1, dtype=torch.float64)
+        # A list index works on any device; only the selected rows travel to the CPU.
+        return self._phi(work.prompt_features[[p for p, _ in keys]])
+
+    def _phi(self, features: torch.Tensor) -> torch.Tensor:
+        """``[N, H] -> [N, min(H, max_dim)]``: RMS-normalize, then project if H is large."""
+        x = rms_normalize(features.detach().to("cpu"))
+        hidden = x.shape[1]
+        if hidden <= self.max_dim:
+            return x
+        if hidden not in self._projections:
+            generator = torch.Generator().manual_seed(self.seed + hidden)
+            matrix = torch.randn(hidden, self.max_dim, generator=generator, dtype=torch.float64)
+            self._projections[hidden] = matrix / math.sqrt(self.max_dim)
+        return x @ self._projections[hidden]
+
+    def state_dict(self) -> dict:
+        return {
+            "max_dim": self.max_dim, "seed": self.seed, "min_token_observations": self.min_token_observations,
+            "prompt_model": self.prompt_model.state_dict(), "token_model": self.token_model.state_dict(),
+            "prompt_error": self.prompt_error.state_dict(), "token_error": self.token_error.state_dict(),
+            "projections": {h: m.clone() for h, m in self._projections.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.max_dim, self.seed = state["max_dim"], state["seed"]
+        self.min_token_observations = state["min_token_observations"]
+        self.prompt_model.load_state_dict(state["prompt_model"])
+        self.token_model.load_state_dict(state["token_model"])
+        self.prompt_error.load_state_dict(state["prompt_error"])
+        self.token_error.load_state_dict(state["token_error"])
+        self._projections = {int(h): m.clone() for h, m in state["projections"].items()}
