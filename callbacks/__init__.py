@@ -4,19 +4,24 @@ One callback per module; each class docstring lists every key it logs.
 """
 
 from .completion_logger import CompletionLogger
+from .fit_summary import FitSummary
 from .peak_memory import PeakMemoryMonitor
+from .progress_bar import GRPOProgressBar
 from .reward_forecast import Forecast, RewardForecast, forecast_plateau
 from .rollout_profiler import RolloutProfiler
-from .slot_timeline import SlotTimelineLogger, render_slot_timeline, save_slot_timeline
+from .slot_timeline import SlotTimelineLogger, render_slot_timeline, render_slot_timeline_figure, save_slot_timeline
 
 __all__ = [
     "CompletionLogger",
+    "FitSummary",
     "Forecast",
+    "GRPOProgressBar",
     "PeakMemoryMonitor",
     "RewardForecast",
     "RolloutProfiler",
     "SlotTimelineLogger",
     "forecast_plateau",
     "render_slot_timeline",
+    "render_slot_timeline_figure",
     "save_slot_timeline",
 ]

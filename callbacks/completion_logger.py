@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_grpo.rollout_metrics import completion_length_metrics
 
 from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments
 
@@ -73,7 +74,7 @@ class CompletionLogger(Callback):
         if lengths.numel() == 0:
             return
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
-        summary = length_summary(lengths, batch.truncated.detach().flatten().cpu())
+        summary = completion_length_metrics(lengths, batch.truncated.detach().flatten().cpu())
         log_metrics(trainer, {k: v for k, v in summary.items() if k not in trainer.callback_metrics})
 
         want_histogram = index % self.histogram_every_n_steps == 0
@@ -97,17 +98,6 @@ class CompletionLogger(Callback):
         if what not in self._warned:
             self._warned.add(what)
             rank_zero_warn(f"CompletionLogger: {message}")
-
-
-def length_summary(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """``completions/*`` scalars of one rollout from flat lengths [N] and truncation flags [N]."""
-    lengths = lengths.double()
-    return {
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.double().mean().item(),
-    }
 
 
 def sample_table(batch: RolloutLike, num_prompts: int, num_completions: int, max_chars: int) -> str:

@@ -10,8 +10,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.memory import CpuMethod, PeakTracker, make_peak_tracker
 
-from ._rollout import log_metrics, measured_kv_bytes, rollout_stats
+from ._rollout import log_metrics, rollout_stats
 
+#: The phases of a training step, as they appear in the logged keys.
+PHASES = ("rollout", "update", "step")
 
 
 class PeakMemoryMonitor(Callback):
@@ -25,7 +27,11 @@ class PeakMemoryMonitor(Callback):
       (previous ``on_train_batch_end`` -> ``on_train_batch_start``). lit_grpo batches only.
     - ``memory/update_peak_bytes``: peak during the update (``on_train_batch_start`` -> ``on_train_batch_end``).
       lit_grpo batches only.
-    - ``rollout/peak_kv_bytes``: the engine's own KV-cache peak, from the batch's RolloutStats. lit_grpo only.
+    - ``memory/{rollout,update,step}_peak_delta_bytes``: the same peaks minus what was held when the phase
+      started: what the phase itself added. On CPU the absolute peaks are resident-set sizes, which carry over
+      what the previous phase left in the allocator (a rollout whose KV is 40 MB can read 4 GB after an update
+      of a 135M model); the delta is the figure to compare across phases and settings. It can be 0 when a phase
+      only reused memory the process already held.
     - on CUDA also ``memory/{step,rollout,update}_peak_reserved_bytes``: the same peaks of the allocator's
       reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
 
@@ -60,7 +66,9 @@ class PeakMemoryMonitor(Callback):
         self._tracker: PeakTracker | None = None
         self._method: str | None = None
         self._rollout_peaks: dict[str, int] = {}
-        self._warned_kv = False
+        self._started: dict[str, int] = {}  # bytes held when each phase started
+        #: The largest value of every logged key over the fit so far (what a summary reports).
+        self.max_logged: dict[str, int] = {}
         self._warned_prefetch = False
 
     @property
@@ -90,11 +98,11 @@ class PeakMemoryMonitor(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The first batch of the epoch is fetched after this hook: its rollout window starts here.
-        self._reset()
+        self._start("rollout", "step")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation runs between one step's end and the next fetch; keep it out of the next rollout peak.
-        self._reset()
+        self._start("rollout", "step")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -102,37 +110,39 @@ class PeakMemoryMonitor(Callback):
         if self._tracker is None:
             return
         self._rollout_peaks = self._tracker.read()
-        self._tracker.reset()
+        self._start("update")
         if rollout_stats(batch) is not None:
             self._check_fetch_order(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = rollout_stats(batch)
-        metrics: dict[str, float] = {}
-        if self._tracker is not None:
-            update_peaks = self._tracker.read()
-            self._tracker.reset()
-            for suffix, update_bytes in update_peaks.items():
-                rollout_bytes = self._rollout_peaks.get(suffix, 0)
-                metrics[f"memory/step_{suffix}"] = max(rollout_bytes, update_bytes)
-                if stats is not None:
-                    metrics[f"memory/rollout_{suffix}"] = rollout_bytes
-                    metrics[f"memory/update_{suffix}"] = update_bytes
-        if stats is not None:
-            kv_bytes = measured_kv_bytes(stats)
-            if kv_bytes is not None:
-                metrics["rollout/peak_kv_bytes"] = kv_bytes
-            elif not self._warned_kv:
-                self._warned_kv = True
-                rank_zero_warn("PeakMemoryMonitor: the rollout engine reported no KV bytes; rollout/peak_kv_bytes "
-                               "is not logged.")
+        if self._tracker is None:
+            return
+        peaks = {"update": self._tracker.read()}
+        peaks["rollout"] = self._rollout_peaks
+        peaks["step"] = {suffix: max(self._rollout_peaks.get(suffix, 0), value)
+                         for suffix, value in peaks["update"].items()}
+        phases = PHASES if rollout_stats(batch) is not None else ("step",)
+        metrics: dict[str, int] = {}
+        for phase in phases:
+            for suffix, value in peaks[phase].items():
+                metrics[f"memory/{phase}_{suffix}"] = value
+            if phase in self._started and "peak_bytes" in peaks[phase]:
+                metrics[f"memory/{phase}_peak_delta_bytes"] = max(0, peaks[phase]["peak_bytes"] - self._started[phase])
+        self._start("rollout", "step")  # the next batch is fetched after this hook
+        for key, value in metrics.items():
+            self.max_logged[key] = max(self.max_logged.get(key, value), value)
         log_metrics(trainer, metrics)
 
-    def _reset(self) -> None:
-        if self._tracker is not None:
-            self._tracker.reset()
+    def _start(self, *phases: str) -> None:
+        """Mark the start of ``phases``: reset the peak and remember what is held now."""
+        if self._tracker is None:
+            return
+        self._tracker.reset()
+        held = self._tracker.current()
+        for phase in phases:
+            self._started[phase] = held
 
     def _check_fetch_order(self, trainer: pl.Trainer) -> None:
         """Warn when Lightning fetches the next batch ahead of time, which moves rollouts across phases.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import colorsys
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from lit_grpo.sampling.stats import IDLE
 
@@ -25,6 +26,10 @@ MARKER_RGB = (20, 20, 20)
 BACKGROUND_RGB = (255, 255, 255)
 
 _GOLDEN = 0.618033988749895
+#: Axis labels and legend text.
+TEXT_RGB = (40, 40, 40)
+#: Prompt groups named in the figure's legend; more are summarised as "...".
+LEGEND_GROUPS = 12
 
 
 def group_colors(num_groups: int) -> np.ndarray:
@@ -103,6 +108,89 @@ def save_slot_timeline(
     return path
 
 
+def render_slot_timeline_figure(
+    timeline: Sequence[Sequence[int]] | np.ndarray,
+    group_size: int,
+    *,
+    width: int = 1000,
+    row_height: int | None = None,
+    title: str | None = None,
+) -> np.ndarray:
+    """The slot timeline as a figure to read: the grid of :func:`render_slot_timeline` stretched to ``width``
+    pixels, slots labelled on the left, decode steps on an axis below, and a legend of the prompt groups' colours,
+    idle slots and sample ends.
+
+    Args:
+        timeline, group_size: as in :func:`render_slot_timeline`.
+        width: of the whole figure, at least 800 pixels (the grid gets what the margins leave).
+        row_height: pixels per slot (default: 24 for a few slots, down to 6 for many).
+        title: the line above the grid (default: slots, steps, groups and samples).
+
+    Returns:
+        [H, width, 3] uint8.
+    """
+    if width < 800:
+        raise ValueError(f"width={width} is too narrow to label; use at least 800 pixels")
+    grid = np.asarray(timeline, dtype=np.int64)
+    if grid.ndim != 2 or grid.size == 0:
+        raise ValueError(f"timeline must be a non-empty [steps, slots] grid, got shape {grid.shape}")
+    num_steps, num_slots = grid.shape
+    busy = grid[grid != IDLE]
+    num_groups = int(busy.max()) // group_size + 1 if busy.size else 0
+    row_height = row_height or max(6, min(24, 480 // num_slots))
+    font = ImageFont.load_default(size=14)
+    left, right, top = 64, 16, 34
+    plot_width = width - left - right
+    cell_width = max(1, plot_width // num_steps)
+    grid_image = render_slot_timeline(grid, group_size, cell_width=cell_width, row_height=row_height,
+                                      max_width=plot_width, max_height=num_slots * row_height)
+    plot = Image.fromarray(grid_image).resize((plot_width, num_slots * row_height), Image.NEAREST)
+    legend_rows = _legend_entries(num_groups, group_size)
+    height = top + plot.height + 48 + 22 * math.ceil(len(legend_rows) / 4)
+    figure = Image.new("RGB", (width, height), BACKGROUND_RGB)
+    figure.paste(plot, (left, top))
+    draw = ImageDraw.Draw(figure)
+    draw.text((left, 8), title or (f"slot timeline: {num_slots} slots, {num_steps} decode steps, "
+                                   f"{num_groups} prompt groups x G = {group_size}"), fill=TEXT_RGB, font=font)
+    label_every = max(1, math.ceil(16 / row_height))  # slot labels at least 16 pixels apart
+    for slot in range(0, num_slots, label_every):
+        y = top + slot * row_height + row_height // 2
+        draw.text((left - 6, y), f"slot {slot}", fill=TEXT_RGB, font=font, anchor="rm")
+    axis_y = top + plot.height + 2
+    draw.line([(left, axis_y), (left + plot_width - 1, axis_y)], fill=TEXT_RGB)
+    for step in _ticks(num_steps):
+        x = left + round(step * plot_width / num_steps)
+        draw.line([(x, axis_y), (x, axis_y + 4)], fill=TEXT_RGB)
+        draw.text((x, axis_y + 6), str(step), fill=TEXT_RGB, font=font, anchor="mt")
+    draw.text((left + plot_width, axis_y + 22), "decode step", fill=TEXT_RGB, font=font, anchor="rt")
+    legend_y = axis_y + 44
+    for index, (label, color) in enumerate(legend_rows):
+        x, y = left + (index % 4) * (plot_width // 4), legend_y + 22 * (index // 4)
+        draw.rectangle([x, y + 2, x + 14, y + 14], fill=color, outline=TEXT_RGB if color == MARKER_RGB else None)
+        draw.text((x + 20, y), label, fill=TEXT_RGB, font=font)
+    return np.asarray(figure)
+
+
+def _legend_entries(num_groups: int, group_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(label, colour) of the legend: the first groups, then idle and the sample-end marker."""
+    palette = group_colors(max(num_groups, 1))
+    shown = min(num_groups, LEGEND_GROUPS)
+    entries = [(f"prompt {p} (samples {p * group_size}-{(p + 1) * group_size - 1})", tuple(palette[p, 0]))
+               for p in range(shown)]
+    if num_groups > shown:
+        entries.append((f"... {num_groups - shown} more groups", tuple(palette[shown, 0])))
+    entries += [("idle slot", IDLE_RGB), ("a sample ended here", MARKER_RGB)]
+    return entries
+
+
+def _ticks(num_steps: int) -> list[int]:
+    """Round step numbers for the axis: 1, 2 or 5 x 10^k apart, about 8 of them."""
+    raw = max(1.0, num_steps / 8)
+    base = 10 ** math.floor(math.log10(raw))
+    spacing = next(base * m for m in (1, 2, 5, 10) if base * m >= raw)
+    return list(range(0, num_steps + 1, int(spacing)))
+
+
 def _sampled_steps(num_steps: int, num_columns: int) -> np.ndarray:
     """``num_columns`` evenly spaced decode steps (first and last included) that stand for all of them."""
     return np.linspace(0, num_steps - 1, max(num_columns, 1)).round().astype(np.int64)
@@ -136,10 +224,11 @@ class SlotTimelineLogger(Callback):
 
     **Logged keys** (TensorBoard images, at the step of the batch's scalars)
 
-    - ``rollout/slot_timeline``: rows = slots, columns = decode steps; colour = prompt group ``p = index // G``
-      (two shades alternating with the sample k inside the group), grey = idle slot, a dark line = a sample
-      finished and its slot changed hands. Long idle tails or a single slot running long after the others are
-      what make a round slow. See :func:`render_slot_timeline`.
+    - ``rollout/slot_timeline``: a figure ``width`` pixels wide (:func:`render_slot_timeline_figure`): rows = slots
+      (labelled), columns = decode steps (an axis below); colour = prompt group ``p = index // G`` (two shades
+      alternating with the sample k inside the group, named in a legend), grey = idle slot, a dark line = a
+      sample finished and its slot changed hands. Long idle tails or a single slot running long after the others
+      are what make a round slow.
 
     The first rollout is logged, then every ``every_n_rollouts``-th. Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
@@ -147,22 +236,19 @@ class SlotTimelineLogger(Callback):
 
     Args:
         every_n_rollouts: log one rollout in this many.
-        cell_width, row_height, max_width, max_height: passed to :func:`render_slot_timeline`.
+        width: of the figure in pixels (>= 800).
+        row_height: pixels per slot (None: chosen from the number of slots).
     """
 
-    def __init__(
-        self,
-        every_n_rollouts: int = 10,
-        cell_width: int = 1,
-        row_height: int = 12,
-        max_width: int = 4096,
-        max_height: int = 2048,
-    ) -> None:
+    def __init__(self, every_n_rollouts: int = 10, width: int = 1000, row_height: int | None = None) -> None:
         if every_n_rollouts < 1:
             raise ValueError(f"every_n_rollouts must be >= 1, got {every_n_rollouts}")
+        if width < 800:
+            raise ValueError(f"width must be >= 800 pixels (a readable figure), got {width}")
+        if row_height is not None and row_height < 2:
+            raise ValueError(f"row_height must be >= 2 pixels or None, got {row_height}")
         self.every_n_rollouts = every_n_rollouts
-        self.render_kwargs = dict(cell_width=cell_width, row_height=row_height, max_width=max_width,
-                                  max_height=max_height)
+        self.render_kwargs = dict(width=width, row_height=row_height)
         self._rollouts_seen = 0
         self._warned: set[str] = set()
 
@@ -184,7 +270,7 @@ class SlotTimelineLogger(Callback):
         if not experiments:
             self._warn_once("no_tensorboard", "the trainer has no TensorBoardLogger; timeline images are not logged.")
             return
-        image = render_slot_timeline(stats.timeline, max(stats.group_size, 1), **self.render_kwargs)
+        image = render_slot_timeline_figure(stats.timeline, max(stats.group_size, 1), **self.render_kwargs)
         for experiment in experiments:
             experiment.add_image("rollout/slot_timeline", image, logger_step(trainer), dataformats="HWC")
 

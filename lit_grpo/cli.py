@@ -23,16 +23,34 @@ keyed by seed, rollout counter, prompt and sample), only their length predictor 
 
 from __future__ import annotations
 
+import argparse
+import logging
+import warnings
 from typing import Any, Optional
 
 import torch
-
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lit_grpo.callbacks import FitSummary, GRPOProgressBar
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.module import GRPOModule
 
 SUBCOMMANDS = ("fit", "validate")
+
+DESCRIPTION = """\
+lit-grpo: GRPO training of language models with PyTorch Lightning and Infinite Sampling (the G completions of a
+prompt decoded on g slots, so memory follows g, not G).
+
+  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~15 min)
+  lit-grpo validate --config configs/demo.yaml      greedy accuracy of the untrained policy
+  lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
+  lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
+
+Then: tensorboard --logdir lightning_logs"""
 
 
 class GRPOCLI(LightningCLI):
@@ -47,6 +65,23 @@ class GRPOCLI(LightningCLI):
     def subcommands() -> dict[str, set[str]]:
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
+        """The configured callbacks plus lit_grpo's defaults for what the config leaves out: FitSummary, the GRPO
+        progress bar (when the bar is on) and a checkpoint that keeps ``last.ckpt`` only (when checkpointing is
+        on). Identical stateful callbacks are refused here, with their settings named."""
+        configured = [*(config.get("callbacks") or []), *callbacks]
+        if not any(isinstance(cb, FitSummary) for cb in configured):
+            callbacks = [*callbacks, FitSummary()]
+        if config.get("enable_progress_bar", True) is not False and not any(
+                isinstance(cb, ProgressBar) for cb in configured):
+            callbacks = [*callbacks, GRPOProgressBar()]
+        if config.get("enable_checkpointing", True) is not False and not any(
+                isinstance(cb, ModelCheckpoint) for cb in configured):
+            # Lightning's default keeps the latest epoch/step file; a run needs one file to resume from, named so.
+            callbacks = [*callbacks, ModelCheckpoint(save_last=True, save_top_k=0)]
+        check_distinct_stateful_callbacks([*configured, *callbacks])
+        return super()._instantiate_trainer(config, callbacks)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
                             help="torch.set_num_threads(N) before building anything (None: torch's default)")
@@ -60,10 +95,50 @@ class GRPOCLI(LightningCLI):
             torch.set_num_threads(threads)
 
 
+def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:
+    """Raise when two callbacks with a checkpointed state share a ``state_key`` (the same type and settings): their
+    states would overwrite each other in a checkpoint."""
+    seen: dict[str, Callback] = {}
+    for callback in callbacks:
+        if not is_overridden("state_dict", instance=callback, parent=Callback):
+            continue
+        if callback.state_key in seen:
+            name = type(callback).__name__
+            raise ValueError(f"two {name} callbacks with the same settings ({callback.state_key}): their checkpointed "
+                             f"states would collide. Give the second one different settings (e.g. another monitor "
+                             f"or check_every_n_steps) or remove it from trainer.callbacks.")
+        seen[callback.state_key] = callback
+
+
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help, with the description's line breaks kept."""
+
+
+class _DropAdvertisingTips(logging.Filter):
+    """Lightning's "💡 Tip: try installing litlogger / litmodels" lines (printed on every run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_known_noise() -> None:
+    """Silence what every lit-grpo run printed without saying anything about the run. Real warnings stay."""
+    # Lightning's own pytree helper with torch >= 2.9; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # RolloutDataModule's request stream is an IterableDataset with a __len__ on purpose (so Lightning does not
+    # pre-fetch a rollout); it runs without worker processes, where the length is exact.
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdvertisingTips) for f in logger.filters):
+            logger.addFilter(_DropAdvertisingTips())
+
+
 def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     """The CLI object; with ``run=False`` it only parses ``args`` (no subcommand) and instantiates the
     trainer, the module and the datamodule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
-    kwargs: dict[str, Any] = dict(args=args, run=run)
+    quiet_known_noise()
+    kwargs: dict[str, Any] = dict(args=args, run=run, parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}
     return GRPOCLI(GRPOModule, RolloutDataModule, **kwargs)

@@ -316,20 +316,9 @@ def policy_loss(
 ) -> torch.Tensor:
     """The GRPO loss of ``N`` completions: ``make_loss(loss_type, epsilon_low, epsilon_high, beta)(...)``.
 
-    Args:
-        logps: ``[N, T]`` per-token log-probs under the current policy (with gradient).
-        old_logps: ``[N, T]`` under the policy that sampled (``logps.detach()`` when each rollout is used once).
-        advantages: ``[N]``.
-        mask: ``[N, T]`` 1/True for tokens that count.
-        loss_type: ``grpo | bnpo | dr_grpo | dapo``.
-        epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio.
-        ref_logps: ``[N, T]`` under the frozen reference model; needed when ``beta > 0``.
-        beta: weight of the k3 KL penalty.
-        max_completion_length: dr_grpo's normalizer.
-        total_active_tokens: dapo's normalizer spanning the optimizer step.
-
-    Returns:
-        A scalar tensor.
+    The tensors and normalizers are those of :meth:`PolicyLoss.__call__` (``logps``, ``old_logps``, ``mask``,
+    ``ref_logps``: ``[N, T]``; ``advantages``: ``[N]``); ``loss_type`` is ``grpo | bnpo | dr_grpo | dapo``.
+    Returns a scalar tensor.
     """
     loss_fn = make_loss(loss_type, epsilon_low, epsilon_high, beta)
     return loss_fn(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)

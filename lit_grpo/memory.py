@@ -29,13 +29,16 @@ _PROBE_BYTES = 32 << 20
 
 
 class PeakTracker(Protocol):
-    """A resettable peak: ``read()`` gives ``{key suffix: peak bytes since the last reset()}``."""
+    """A resettable peak: ``read()`` gives ``{key suffix: peak bytes since the last reset()}``, ``current()`` the
+    bytes held right now (``"peak_bytes"``'s measure: allocated on CUDA, resident on CPU)."""
 
     name: str
 
     def reset(self) -> None: ...
 
     def read(self) -> dict[str, int]: ...
+
+    def current(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -57,6 +60,9 @@ class CudaPeak:
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
         }
 
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
     def close(self) -> None:
         pass
 
@@ -72,6 +78,9 @@ class KernelHighWaterMark:
 
     def read(self) -> dict[str, int]:
         return {"peak_bytes": read_status_bytes("VmHWM")}
+
+    def current(self) -> int:
+        return read_status_bytes("VmRSS")
 
     def close(self) -> None:
         pass
@@ -109,6 +118,9 @@ class SampledRss:
         self._observe(self._read_rss())
         with self._lock:
             return {"peak_bytes": self._peak}
+
+    def current(self) -> int:
+        return self._read_rss()
 
     def close(self) -> None:
         self._stop.set()

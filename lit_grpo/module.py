@@ -1,7 +1,8 @@
 """``GRPOModule``: the policy and the GRPO update, as a LightningModule. Lightning runs the loops.
 
-One ``training_step`` consumes one ``RolloutBatch`` (B prompts x G completions, built by ``RolloutDataModule``
-with the current policy right before the step) and makes ``num_iterations`` optimizer steps on it:
+Prompt -> builder -> batch -> module: one ``training_step`` consumes one ``RolloutBatch`` (B prompts x G
+completions, built by ``RolloutDataModule``'s ``RolloutBuilder`` with the current policy right before the step) and
+makes ``num_iterations`` optimizer steps on it:
 
 1. ``N = B x G`` completion rows are cut into micro-batches of ``train_micro_batch_size`` rows.
 2. Normalizers that span the step are computed first: dapo's active-token count (summed over ranks).

@@ -2,182 +2,21 @@
 
 from __future__ import annotations
 
-import io
-import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 
-import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, make_rollout, scalars, touch_memory
 
+from lit_grpo import memory
 from lit_grpo.callbacks import (
     CompletionLogger,
     PeakMemoryMonitor,
     RewardForecast,
     RolloutProfiler,
     SlotTimelineLogger,
-    render_slot_timeline,
-    save_slot_timeline,
 )
-from lit_grpo import memory
 from lit_grpo.callbacks.completion_logger import markdown_cell
-from lit_grpo.callbacks.slot_timeline import IDLE_RGB, MARKER_RGB
-from lit_grpo.sampling.stats import IDLE, RolloutStats
-
-MiB = 1 << 20
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Fixtures: a plain regression, and a module trained on fake rollouts
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class TinyRegression(pl.LightningModule):
-    """Any LightningModule: tensors in, no rollout stats."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.layer(x), y)
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 4, generator=generator)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-
-
-@dataclass
-class FakeRollout:
-    """The lit_grpo batch contract: one whole rollout."""
-
-    stats: RolloutStats
-    prompts: list[str]
-    completions: list[list[str]]
-    rewards: torch.Tensor
-    completion_lengths: torch.Tensor
-    truncated: torch.Tensor
-
-
-def continuous_timeline(lengths: list[int], num_slots: int) -> list[list[int]]:
-    """timeline[t][s] of a continuous-batching schedule: a freed slot takes the next pending sample at once."""
-    pending, occupant, left, timeline = list(range(len(lengths))), [IDLE] * num_slots, [0] * num_slots, []
-    while pending or any(o != IDLE for o in occupant):
-        for s in range(num_slots):
-            if occupant[s] == IDLE and pending:
-                occupant[s] = pending.pop(0)
-                left[s] = lengths[occupant[s]]
-        timeline.append(list(occupant))
-        for s in range(num_slots):
-            if occupant[s] != IDLE:
-                left[s] -= 1
-                if left[s] == 0:
-                    occupant[s] = IDLE
-    return timeline
-
-
-def make_rollout(seed: int, prompts: int = 2, group_size: int = 4, num_slots: int = 3, max_new_tokens: int = 9,
-                 with_predictor: bool = True) -> FakeRollout:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_new_tokens + 1, (prompts, group_size), generator=generator)
-    flat = lengths.flatten().tolist()
-    timeline = continuous_timeline(flat, num_slots)
-    stats = RolloutStats(decode_steps=len(timeline), prefill_tokens=7 * prompts, peak_kv_bytes=1000 + seed,
-                         wall_s=0.5, num_slots=num_slots, group_size=group_size, timeline=timeline,
-                         length_pred_kendall_tau=0.5 if with_predictor else None,
-                         length_pred_smape=0.25 if with_predictor else None)
-    stats.finalize(flat)
-    completions = [[f"answer {p}.{k} | *x* \n second line" for k in range(group_size)] for p in range(prompts)]
-    return FakeRollout(
-        stats=stats,
-        prompts=[f"prompt number {p}" for p in range(prompts)],
-        completions=completions,
-        rewards=torch.rand(prompts, group_size, generator=generator),
-        completion_lengths=lengths,
-        truncated=lengths == max_new_tokens,
-    )
-
-
-class RolloutDataset(Dataset):
-    """One rollout per item. ``rollout_bytes`` are touched while the item is built: the rollout phase's peak."""
-
-    def __init__(self, rollouts: list[FakeRollout], rollout_bytes: int = 0, hold_s: float = 0.0) -> None:
-        self.rollouts, self.rollout_bytes, self.hold_s = rollouts, rollout_bytes, hold_s
-
-    def __len__(self) -> int:  # sized, so Lightning does not pre-fetch: fetch i happens right before step i
-        return len(self.rollouts)
-
-    def __getitem__(self, index: int) -> FakeRollout:
-        touch_memory(self.rollout_bytes, self.hold_s)
-        return self.rollouts[index]
-
-
-def touch_memory(num_bytes: int, hold_s: float) -> None:
-    """Make RSS rise by ``num_bytes`` for ``hold_s`` seconds, then give the memory back."""
-    if num_bytes:
-        block = torch.ones(num_bytes // 4)  # large enough for malloc to mmap it, so freeing lowers RSS
-        time.sleep(hold_s)
-        del block
-
-
-class RolloutModule(pl.LightningModule):
-    """Trains on FakeRollout batches, like GRPOModule will; ``update_bytes`` are touched inside training_step."""
-
-    def __init__(self, rollouts: list[FakeRollout], update_bytes: int = 0, hold_s: float = 0.0) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(()))
-        self.rollouts, self.update_bytes, self.hold_s = rollouts, update_bytes, hold_s
-        self.rollout_bytes = 0
-
-    def training_step(self, batch: FakeRollout, batch_idx: int):
-        touch_memory(self.update_bytes, self.hold_s)
-        reward = batch.rewards.float().mean()
-        self.log("reward/mean", reward)
-        return (self.weight * reward - 1.0) ** 2
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        dataset = RolloutDataset(self.rollouts, self.rollout_bytes, self.hold_s)
-        return DataLoader(dataset, batch_size=None, collate_fn=lambda rollout: rollout)
-
-
-def fit(
-    tmp_path: Path, module: pl.LightningModule, callbacks: list, max_steps: int, logger: object = None
-) -> pl.Trainer:
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, max_steps=max_steps, max_epochs=100, callbacks=callbacks, accelerator="cpu",
-        logger=logger if logger is not None else TensorBoardLogger(tmp_path, name="tb"), log_every_n_steps=1,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-    )
-    trainer.fit(module)
-    return trainer
-
-
-def events(trainer: pl.Trainer) -> EventAccumulator:
-    accumulator = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "images": 0,
-                                                                         "histograms": 0, "tensors": 0})
-    accumulator.Reload()
-    return accumulator
-
-
-def scalars(accumulator: EventAccumulator, tag: str) -> list[float]:
-    return [event.value for event in accumulator.Scalars(tag)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,7 +69,15 @@ def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
         # The 112 MiB rollout and the 48 MiB update each show up in their own phase only.
         assert 40 * MiB < r - u < 88 * MiB
         assert s == max(r, u)
-    assert scalars(accumulator, "rollout/peak_kv_bytes") == [1000.0, 1001.0, 1002.0]
+    # What each phase added to what the process already held: about the memory it touched.
+    rollout_added = scalars(accumulator, "memory/rollout_peak_delta_bytes")
+    update_added = scalars(accumulator, "memory/update_peak_delta_bytes")
+    assert len(rollout_added) == len(update_added) == len(scalars(accumulator, "memory/step_peak_delta_bytes")) == 3
+    for r, u in zip(rollout_added, update_added):
+        assert 96 * MiB < r < 128 * MiB and 32 * MiB < u < 64 * MiB
+    assert monitor.max_logged["memory/rollout_peak_bytes"] == max(rollout)
+    # The engine's KV figure is RolloutProfiler's alone: one writer per key.
+    assert "rollout/peak_kv_bytes" not in accumulator.Tags()["scalars"]
 
 
 def test_peak_memory_hwm_probe_and_reset():
@@ -255,7 +102,6 @@ def test_peak_memory_warns_and_logs_nothing_when_unmeasurable(tmp_path, monkeypa
     tags = events(trainer).Tags()["scalars"]
     assert monitor.method is None
     assert not any(tag.startswith("memory/") for tag in tags)
-    assert "rollout/peak_kv_bytes" in tags  # the engine's own figure needs no process measurement
 
 
 def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):
@@ -296,62 +142,6 @@ def test_rollout_profiler_logs_every_rollout_and_the_progress_bar(tmp_path):
     assert bar["steps"] == last.decode_steps and bar["bound"] == last.lower_bound_steps
     assert bar["util"] == pytest.approx(last.slot_utilization)
     assert not {"steps", "bound", "util"} & set(accumulator.Tags()["scalars"])  # progress bar only
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# SlotTimelineLogger and render_slot_timeline
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def test_render_slot_timeline_layout_colours_and_markers():
-    # Two slots, G = 2: slot 0 runs sample 0 then sample 1 (same group), slot 1 runs sample 2 then idles.
-    timeline = [[0, 2], [0, 2], [1, IDLE], [1, IDLE]]
-    image = render_slot_timeline(timeline, group_size=2, cell_width=5, row_height=10)
-    assert image.shape == (2 * 10, 4 * 5, 3) and image.dtype == np.uint8
-
-    def pixel(slot: int, step: int, x: int = 2) -> tuple[int, ...]:
-        return tuple(image[slot * 10 + 4, step * 5 + x])
-
-    assert pixel(0, 0) != pixel(1, 0)  # groups 0 and 1 differ in colour
-    assert pixel(0, 0) != pixel(0, 2)  # samples 0 and 1 of one group differ in shade
-    assert pixel(1, 2) == IDLE_RGB and pixel(1, 3) == IDLE_RGB
-    # One-pixel markers where slot 0 changes samples and where slot 1 goes idle, nowhere else.
-    assert pixel(0, 2, x=0) == MARKER_RGB and pixel(1, 2, x=0) == MARKER_RGB
-    assert pixel(0, 2, x=1) != MARKER_RGB and pixel(0, 1, x=0) != MARKER_RGB
-    assert tuple(image[9, 0]) == (255, 255, 255)  # the gap between slot rows
-
-
-def test_render_slot_timeline_shrinks_long_rollouts_and_saves_png(tmp_path):
-    timeline = continuous_timeline([300, 5000, 2500, 40, 800, 1200], num_slots=3)
-    image = render_slot_timeline(timeline, group_size=3, max_width=1000, row_height=900, max_height=300)
-    assert image.shape == (300, 1000, 3)
-    path = save_slot_timeline(timeline, 3, tmp_path / "pictures" / "timeline.png", max_width=1000)
-    assert Image.open(path).size == (1000, 3 * 12)
-    with pytest.raises(ValueError):
-        render_slot_timeline([], group_size=2)
-
-
-def test_slot_timeline_logger_writes_decodable_images(tmp_path):
-    rollouts = [make_rollout(seed) for seed in range(5)]
-    logger = SlotTimelineLogger(every_n_rollouts=2, cell_width=3, row_height=8)
-    trainer = fit(tmp_path, RolloutModule(rollouts), [logger], max_steps=5)
-    images = events(trainer).Images("rollout/slot_timeline")
-
-    assert [image.step for image in images] == [0, 2, 4]
-    for image, rollout in zip(images, rollouts[::2]):
-        decoded = Image.open(io.BytesIO(image.encoded_image_string))
-        steps, slots = rollout.stats.decode_steps, rollout.stats.num_slots
-        assert decoded.size == (steps * 3, slots * 8) == (image.width, image.height)
-        expected = render_slot_timeline(rollout.stats.timeline, rollout.stats.group_size, cell_width=3,
-                                        row_height=8)
-        assert np.array_equal(np.asarray(decoded.convert("RGB")), expected)
-
-
-def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):
-    with pytest.warns(UserWarning, match="no TensorBoardLogger") as caught:
-        fit(tmp_path, RolloutModule([make_rollout(s) for s in range(3)]), [SlotTimelineLogger(every_n_rollouts=1)],
-            max_steps=3, logger=CSVLogger(tmp_path))
-    assert sum("SlotTimelineLogger" in str(w.message) for w in caught) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------

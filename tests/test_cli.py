@@ -55,6 +55,25 @@ def test_fit_one_step_end_to_end(tmp_path):
     assert accumulator.Scalars("train/grad_norm")[0].value > 0  # a real update happened
     assert list((root / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
 
+    # one writer per key: a key never has two events at one step (Lightning's own "epoch" aside; the validation
+    # after this run's single step lands on step 0 too)
+    for tag in tags - {"epoch", "val/accuracy", "val/reward"}:
+        steps = [e.step for e in accumulator.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
+    assert {"memory/rollout_peak_delta_bytes", "memory/update_peak_delta_bytes"} <= tags
+    # validated before the first step and after the last: before and after on one curve
+    assert [e.step for e in accumulator.Scalars("val/accuracy")] == [0, 0]
+    assert [e.step for e in accumulator.Scalars("val/reward")] == [0, 0]
+    # the run says what it did, and nothing else
+    checkpoints = list((root / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert [c.name for c in checkpoints] == ["last.ckpt"]
+    out = proc.stdout
+    assert "lit_grpo: 1 steps in" in out and "s per step" in out
+    assert "val/accuracy" in out and "reward/mean" in out and "rollout peak   KV cache" in out
+    assert "tensorboard --logdir" in out and "last.ckpt (" in out
+    for noise in ("LeafSpec", "Tip:", "IterableDataset"):
+        assert noise not in proc.stdout + proc.stderr, noise
+
 
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -64,6 +83,24 @@ def test_print_config(capsys):
     assert config["model"]["model"] == "tiny-llama"
     assert config["data"]["group_size"] == 4 and config["data"]["curriculum"] == "none"
     assert config["model"]["loss_type"] == "dapo"
+
+
+def test_help_says_what_the_tool_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "GRPO training of language models" in out and "Infinite Sampling" in out
+    assert "lit-grpo fit --config configs/demo.yaml" in out and "Lightning Trainer command line tool" not in out
+
+
+def test_two_differently_configured_forecasts_work_and_identical_ones_are_named(tmp_path):
+    base = ["--config", TINY, "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks+=lit_grpo.callbacks.RewardForecast"]
+    cli = build_cli([*base, "--trainer.callbacks.monitor=val/reward"], run=False)
+    forecasts = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RewardForecast"]
+    assert len(forecasts) == 2 and forecasts[0].state_key != forecasts[1].state_key
+    with pytest.raises(ValueError, match=r"two RewardForecast callbacks with the same settings \(RewardForecast\{"):
+        build_cli(base, run=False)
 
 
 def test_unknown_key_is_rejected(capsys):

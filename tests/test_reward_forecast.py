@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_grpo.callbacks import RewardForecast, forecast_plateau
-from lit_grpo.callbacks.reward_forecast import CurveFit, bin_means, exp_saturation, logistic
+from lit_grpo.callbacks.reward_curve import CurveFit, bin_means, exp_saturation, logistic
 
 STEPS = np.arange(800, dtype=float)
 NOISE = 0.03

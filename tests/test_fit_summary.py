@@ -1,0 +1,86 @@
+"""FitSummary (a validation before the first step, a summary at the end) and the GRPO progress bar."""
+
+from __future__ import annotations
+
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from callback_helpers import RolloutModule, events, make_rollout, scalars
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor
+
+
+class ValidatedModule(RolloutModule):
+    """A rollout module whose "accuracy" is its weight, so training visibly moves it."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/accuracy", self.weight.detach(), batch_size=1)
+
+    def val_dataloader(self):
+        return DataLoader([torch.zeros(1)] * 2, batch_size=1)
+
+
+def _trainer(tmp_path, callbacks, max_steps=4, **kwargs) -> pl.Trainer:
+    defaults = dict(default_root_dir=tmp_path, max_steps=max_steps, max_epochs=100, accelerator="cpu",
+                    logger=TensorBoardLogger(tmp_path, name="tb"), log_every_n_steps=1, enable_model_summary=False,
+                    enable_progress_bar=False, limit_val_batches=2, check_val_every_n_epoch=1,
+                    num_sanity_val_steps=0)
+    return pl.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
+
+
+def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    summary = FitSummary(window=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    trainer = _trainer(tmp_path, [summary, PeakMemoryMonitor(), checkpoint])
+    trainer.fit(ValidatedModule(rollouts))
+
+    accuracy = events(trainer).Scalars("val/accuracy")
+    assert accuracy[0].step == 0 and accuracy[0].value == 1.0  # the untouched weight, before any step
+    assert len(accuracy) == 2 and accuracy[-1].value != 1.0
+    assert summary.accuracy[0] == (0, 1.0) and summary.accuracy[-1][0] == 4
+
+    out = capsys.readouterr().out
+    lines = summary.summary_lines(trainer)
+    assert out.strip().splitlines()[-len(lines):] == lines
+    assert lines[0].startswith("lit_grpo: 4 steps in") and "s per step" in lines[0]
+    assert f"1.000 -> {accuracy[-1].value:.3f}   (step 0 -> step 4)" in lines[1]
+    rewards = scalars(events(trainer), "reward/mean")
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert f"reward/mean    {first:.3f} -> {last:.3f}   (mean of the first 2 steps -> the last 2)" in lines[2]
+    kv = max(r.stats.peak_kv_bytes for r in rollouts)
+    assert lines[3].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[3]
+    assert "tensorboard --logdir" in lines[4]
+    assert "last.ckpt (" in lines[5] and "--ckpt_path" in lines[5]
+
+
+def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    _trainer(tmp_path, [FitSummary(), checkpoint], max_steps=2).fit(ValidatedModule(rollouts))
+    resumed = FitSummary()
+    trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False)
+    trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert [step for step, _ in resumed.accuracy] == [4]
+    assert resumed.summary_lines(trainer)[0].startswith("lit_grpo: 2 steps in")
+
+
+def test_the_progress_bar_counts_steps_to_max_steps_and_shows_the_reward(tmp_path, capsys):
+    bar = GRPOProgressBar()
+    trainer = _trainer(tmp_path, [bar], max_steps=3, enable_progress_bar=True, enable_checkpointing=False,
+                       limit_val_batches=0)
+    module = ValidatedModule([make_rollout(seed) for seed in range(5)])  # epochs of 5 batches: the bar counts 3
+    trainer.fit(module)
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
+    shown = bar.get_metrics(trainer, module)
+    assert "v_num" not in shown and shown["reward"] == f"{float(trainer.callback_metrics['reward/mean']):.3f}"
+    out = capsys.readouterr().out
+    assert "GRPO steps" in out and "3/3" in out and "Epoch" not in out
+    assert re.search(r"\d ?(step/s|s/step)", out)  # a rate in steps, not batches
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        FitSummary(window=0)

@@ -1,0 +1,93 @@
+"""The slot-timeline picture: the raw grid renderer, the labelled figure, and the callback that logs it."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from callback_helpers import RolloutModule, continuous_timeline, events, fit, make_rollout
+from lightning.pytorch.loggers import CSVLogger
+from PIL import Image
+
+from lit_grpo.callbacks import SlotTimelineLogger, render_slot_timeline, render_slot_timeline_figure, save_slot_timeline
+from lit_grpo.callbacks.slot_timeline import IDLE_RGB, MARKER_RGB, group_colors
+from lit_grpo.sampling.stats import IDLE
+
+
+
+
+def test_render_slot_timeline_layout_colours_and_markers():
+    # Two slots, G = 2: slot 0 runs sample 0 then sample 1 (same group), slot 1 runs sample 2 then idles.
+    timeline = [[0, 2], [0, 2], [1, IDLE], [1, IDLE]]
+    image = render_slot_timeline(timeline, group_size=2, cell_width=5, row_height=10)
+    assert image.shape == (2 * 10, 4 * 5, 3) and image.dtype == np.uint8
+
+    def pixel(slot: int, step: int, x: int = 2) -> tuple[int, ...]:
+        return tuple(image[slot * 10 + 4, step * 5 + x])
+
+    assert pixel(0, 0) != pixel(1, 0)  # groups 0 and 1 differ in colour
+    assert pixel(0, 0) != pixel(0, 2)  # samples 0 and 1 of one group differ in shade
+    assert pixel(1, 2) == IDLE_RGB and pixel(1, 3) == IDLE_RGB
+    # One-pixel markers where slot 0 changes samples and where slot 1 goes idle, nowhere else.
+    assert pixel(0, 2, x=0) == MARKER_RGB and pixel(1, 2, x=0) == MARKER_RGB
+    assert pixel(0, 2, x=1) != MARKER_RGB and pixel(0, 1, x=0) != MARKER_RGB
+    assert tuple(image[9, 0]) == (255, 255, 255)  # the gap between slot rows
+
+
+def test_render_slot_timeline_shrinks_long_rollouts_and_saves_png(tmp_path):
+    timeline = continuous_timeline([300, 5000, 2500, 40, 800, 1200], num_slots=3)
+    image = render_slot_timeline(timeline, group_size=3, max_width=1000, row_height=900, max_height=300)
+    assert image.shape == (300, 1000, 3)
+    path = save_slot_timeline(timeline, 3, tmp_path / "pictures" / "timeline.png", max_width=1000)
+    assert Image.open(path).size == (1000, 3 * 12)
+    with pytest.raises(ValueError):
+        render_slot_timeline([], group_size=2)
+
+
+def test_slot_timeline_logger_writes_readable_figures(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(5)]
+    logger = SlotTimelineLogger(every_n_rollouts=2, width=900)
+    trainer = fit(tmp_path, RolloutModule(rollouts), [logger], max_steps=5)
+    images = events(trainer).Images("rollout/slot_timeline")
+
+    assert [image.step for image in images] == [0, 2, 4]
+    for image, rollout in zip(images, rollouts[::2]):
+        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+        assert decoded.shape[1] == image.width == 900
+        expected = render_slot_timeline_figure(rollout.stats.timeline, rollout.stats.group_size, width=900)
+        assert np.array_equal(decoded, expected)
+    with pytest.raises(ValueError, match="width must be >= 800 pixels"):
+        SlotTimelineLogger(width=400)
+
+
+def test_the_figure_labels_slots_and_steps_and_has_a_legend():
+    """At least 800 pixels wide whatever the rollout's length; every group's colour, idle and the end marker
+    appear both in the grid and in the legend below it."""
+    timeline = continuous_timeline([30, 50, 25, 4, 80, 12, 44, 60, 70, 10, 20, 33], num_slots=4)  # 3 groups of 4
+    figure = render_slot_timeline_figure(timeline, group_size=4)
+    grid_only = render_slot_timeline(timeline, group_size=4)
+    assert figure.shape[1] == 1000 and figure.shape[1] >= 800 > grid_only.shape[1]
+    assert figure.shape[0] > grid_only.shape[0]  # title, axis and legend around the grid
+    colors = {tuple(c) for c in figure.reshape(-1, 3)}
+    palette = group_colors(3)
+    for group in range(3):
+        assert tuple(palette[group, 0]) in colors and tuple(palette[group, 1]) in colors
+    assert IDLE_RGB in colors and MARKER_RGB in colors
+    text = (figure == 40).all(axis=-1)  # TEXT_RGB: labels, ticks and legend text
+    plot_left = 64
+    assert text[:, :plot_left].any()  # slot labels left of the grid
+    assert text[-60:].any()  # axis numbers and legend under it
+    short = render_slot_timeline_figure([[0, IDLE]], group_size=2, width=800)
+    assert short.shape[1] == 800
+    with pytest.raises(ValueError, match="width=500 is too narrow"):
+        render_slot_timeline_figure(timeline, 4, width=500)
+
+
+def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as caught:
+        fit(tmp_path, RolloutModule([make_rollout(s) for s in range(3)]), [SlotTimelineLogger(every_n_rollouts=1)],
+            max_steps=3, logger=CSVLogger(tmp_path))
+    assert sum("SlotTimelineLogger" in str(w.message) for w in caught) == 1
+
+
