@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from ._rollout import rollout_stats
+from .peak_memory import PeakMemoryMonitor
 
 
 class FitSummary(Callback):
@@ -24,14 +25,16 @@ class FitSummary(Callback):
 
     **At the end of fit** (rank 0), for example::
 
-        lit_grpo: 30 steps in 12 min 41 s (25.4 s per step)
-          val/accuracy   0.250 -> 0.656   (step 0 -> step 30)
+        lit_grpo: 30 steps in 12 min 41 s (24.1 s per step, plus 40 s of validation)
+          val/accuracy   0.250 -> 0.656   (before training -> after step 30)
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB; resume with --ckpt_path ...)
 
-    A line whose figure was never logged is left out. Logs no keys of its own.
+    A line whose figure was never logged is left out. The time per step counts the training steps only (the
+    validations in between are named apart). TensorBoard draws a validation where Lightning logs it: before
+    training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs no keys of its own.
 
     Args:
         validate_before_training: run the validation pass before the first step.
@@ -48,7 +51,9 @@ class FitSummary(Callback):
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
         self.peak_kv_bytes = 0
-        self._started_s: float | None = None
+        self._started_s: float | None = None  # when the training steps started (after the first validation)
+        self._validation_s = 0.0  # seconds of validation since then
+        self._validation_started_s: float | None = None
         self._first_step = 0
 
     # ------------------------------------------------------------------------------------------ collect
@@ -58,9 +63,16 @@ class FitSummary(Callback):
             _validate_now(trainer)
         self._started_s = time.perf_counter()  # time per step: the training steps only
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_started_s = time.perf_counter()
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        if self._started_s is not None and self._validation_started_s is not None:
+            self._validation_s += time.perf_counter() - self._validation_started_s
         value = trainer.callback_metrics.get(self.accuracy_key)
-        if value is not None and not trainer.sanity_checking:
+        if value is not None:
             self.accuracy.append((trainer.global_step, float(value)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -81,17 +93,20 @@ class FitSummary(Callback):
         """The summary, one string per line (what ``on_fit_end`` prints)."""
         steps = trainer.global_step - self._first_step
         elapsed = time.perf_counter() - self._started_s if self._started_s is not None else 0.0
-        per_step = f" ({elapsed / steps:.1f} s per step)" if steps else ""
-        lines = [f"lit_grpo: {steps} steps in {_duration(elapsed)}{per_step}"]
+        training_s = max(elapsed - self._validation_s, 0.0)
+        per_step = f"{training_s / steps:.1f} s per step" if steps else ""
+        if self._validation_s >= 0.5:
+            per_step += f", plus {_duration(self._validation_s)} of validation"
+        lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
         if self.accuracy:
             (first_step, first), (last_step, last) = self.accuracy[0], self.accuracy[-1]
-            lines.append(f"  {self.accuracy_key:<14} {first:.3f} -> {last:.3f}   (step {first_step} -> step "
-                         f"{last_step})")
+            lines.append(f"  {self.accuracy_key:<14} {first:.3f} -> {last:.3f}   ({_when(first_step)} -> "
+                         f"{_when(last_step)})")
         if self.rewards:
             n = min(self.window, max(1, len(self.rewards) // 2))  # the two ends never overlap
             first, last = sum(self.rewards[:n]) / n, sum(self.rewards[-n:]) / n
-            lines.append(f"  {self.reward_key:<14} {first:.3f} -> {last:.3f}   (mean of the first {n} steps -> "
-                         f"the last {n})")
+            ends = "first step -> last step" if n == 1 else f"mean of the first {n} steps -> the last {n}"
+            lines.append(f"  {self.reward_key:<14} {first:.3f} -> {last:.3f}   ({ends})")
         peak = self._peak_line(trainer)
         if peak:
             lines.append(f"  {'rollout peak':<14} {peak}")
@@ -103,7 +118,7 @@ class FitSummary(Callback):
         if self.peak_kv_bytes:
             parts.append(f"KV cache {_size(self.peak_kv_bytes)}")
         for callback in trainer.callbacks:
-            logged = getattr(callback, "max_logged", {})  # PeakMemoryMonitor's largest values
+            logged = callback.max_logged if isinstance(callback, PeakMemoryMonitor) else {}
             if "memory/rollout_peak_bytes" in logged:
                 added = logged.get("memory/rollout_peak_delta_bytes")
                 parts.append(f"process {_size(logged['memory/rollout_peak_bytes'])}"
@@ -121,7 +136,7 @@ class FitSummary(Callback):
         if isinstance(checkpoint, ModelCheckpoint):
             path = checkpoint.last_model_path or checkpoint.best_model_path
             if path and os.path.exists(path):
-                lines.append(f"  {'checkpoint':<14} {_shown(path)} ({_size(os.path.getsize(path))}; resume with "
+                lines.append(f"  {'checkpoint':<14} {_shown(path)} ({_size(_disk_bytes(path))}; resume with "
                              f"--ckpt_path {_shown(path)})")
         return lines
 
@@ -141,6 +156,15 @@ def _validate_now(trainer: pl.Trainer) -> None:
     trainer._logger_connector._first_loop_iter = first_loop_iter
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _when(step: int) -> str:
+    """A validation's place in the run, from the optimizer steps done when it ran."""
+    return "before training" if step == 0 else f"after step {step}"
+
+
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
@@ -151,6 +175,14 @@ def _size(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def _disk_bytes(path: str | os.PathLike) -> int:
+    """Size of a checkpoint file, or of a directory's files (a sharded checkpoint, e.g. FSDP's)."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
 
 
 def _shown(path: str | os.PathLike) -> str:

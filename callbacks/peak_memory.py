@@ -47,6 +47,9 @@ class PeakMemoryMonitor(Callback):
       Memory of DataLoader worker processes is not included.
     - Other accelerators (MPS, XLA, ...) have no resettable peak counter; the host RSS peak is logged instead.
 
+    The KV cache's own peak, ``rollout/peak_kv_bytes``, is the engine's count and RolloutProfiler's key alone
+    (one writer per key); this callback measures the process (or the CUDA allocator) around it.
+
     When a figure cannot be measured it is not logged (never as 0) and a warning says which and why.
     Validation runs are excluded: the rollout window restarts when validation ends.
 

@@ -7,47 +7,60 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-#: Logged keys shown in the bar, under short names (None: kept under its own name).
+from .rollout_profiler import PROGRESS_BAR_NAMES
+
+#: Logged keys shown in the bar, under short names.
 SHOWN = {"reward/mean": "reward", "val/accuracy": "val_acc", "train/loss": "loss"}
+
+#: Progress-bar values that count something (RolloutProfiler's decode steps and lower bound): shown as integers.
+COUNTS = (PROGRESS_BAR_NAMES["decode_steps"], PROGRESS_BAR_NAMES["lower_bound_steps"])
 
 
 class GRPOProgressBar(TQDMProgressBar):
     r"""Lightning's TQDM bar, counting what a GRPO run counts.
 
-    - the training bar runs over optimizer steps, ``global_step / max_steps`` (one rollout is one or
-      ``num_iterations`` steps), with a real rate and ETA (seconds per step when a step takes longer than a
-      second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``);
+    - the training bar, "GRPO steps", runs over optimizer steps, ``global_step / max_steps`` (one rollout is one
+      or ``num_iterations`` steps), with a real rate and ETA (seconds per step when a step takes longer than a
+      second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``); a resumed run
+      starts at its step and its rate counts only the steps it ran;
     - next to it: ``reward`` (``reward/mean`` of the last step), ``val_acc`` (the last ``val/accuracy``),
-      ``loss``, and whatever is logged with ``prog_bar=True`` (RolloutProfiler's ``steps``, ``bound``, ``util``);
-      the logger's version number (``v_num``) is left out.
+      ``loss`` (``train/loss``), and whatever is logged with ``prog_bar=True`` (RolloutProfiler's ``steps``,
+      ``bound`` and ``util``); the logger's version number (``v_num``) is left out.
 
-    Logs no keys. Without ``max_steps`` it falls back to the epoch's batches.
+    Logs no keys. Without ``max_steps`` (``max_steps=-1``) it is Lightning's bar over the epoch's batches.
     """
 
-    BAR_FORMAT = ("{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]{postfix}")
+    #: Lightning's format with ``rate_fmt`` (s/step when slower than one step a second) for ``rate_noinv_fmt``.
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
+
+    @property
+    def train_description(self) -> str:
+        return "GRPO steps" if self._counts_steps else super().train_description
+
+    @property
+    def _counts_steps(self) -> bool:
+        return self._trainer is not None and self.trainer.max_steps > 0
 
     def init_train_tqdm(self):
         bar = super().init_train_tqdm()
-        bar.unit = "step"
+        if self._counts_steps:  # the total from the start: no "0/?" line before the first step
+            bar.unit = "step"
+            bar.reset(total=self.trainer.max_steps)
+            bar.initial = bar.n = self.trainer.global_step  # a resumed run starts where it stopped
         return bar
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.max_steps <= 0:
+        if not self._counts_steps:
             super().on_train_epoch_start(trainer, *args)
-            return
-        bar = self.train_progress_bar
-        if bar.total != trainer.max_steps:  # once per fit: the bar spans every epoch
-            bar.reset(total=trainer.max_steps)
-            bar.initial = bar.n = trainer.global_step  # a resumed run starts where it stopped
-            bar.set_description("GRPO steps", refresh=False)
+        # Counting steps, the one bar spans every epoch: nothing to reset.
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.max_steps <= 0:
+        if not self._counts_steps:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
         bar = self.train_progress_bar
-        if bar is not None and not bar.disable:
+        if not bar.disable and self._should_update(trainer.global_step, bar.total):
             bar.n = trainer.global_step
             bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()
@@ -55,9 +68,9 @@ class GRPOProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
-        shown = {}
-        for key, name in SHOWN.items():
-            value = trainer.callback_metrics.get(key)
-            if value is not None:
-                shown[name] = f"{float(value):.3f}"
+        for name in COUNTS:
+            if isinstance(items.get(name), float) and items[name].is_integer():
+                items[name] = int(items[name])
+        shown = {name: f"{float(trainer.callback_metrics[key]):.3f}"
+                 for key, name in SHOWN.items() if key in trainer.callback_metrics}
         return {**shown, **items}

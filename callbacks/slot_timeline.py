@@ -179,7 +179,7 @@ def _legend_entries(num_groups: int, group_size: int) -> list[tuple[str, tuple[i
                for p in range(shown)]
     if num_groups > shown:
         entries.append((f"... {num_groups - shown} more groups", tuple(palette[shown, 0])))
-    entries += [("idle slot", IDLE_RGB), ("a sample ended here", MARKER_RGB)]
+    entries += [("idle slot", IDLE_RGB), ("slot changes hands (a sample ended or was parked)", MARKER_RGB)]
     return entries
 
 

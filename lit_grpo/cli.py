@@ -45,11 +45,13 @@ DESCRIPTION = """\
 lit-grpo: GRPO training of language models with PyTorch Lightning and Infinite Sampling (the G completions of a
 prompt decoded on g slots, so memory follows g, not G).
 
-  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~15 min)
+  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~11 min)
   lit-grpo validate --config configs/demo.yaml      greedy accuracy of the untrained policy
   lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
   lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
 
+A fit validates before its first step, keeps one checkpoint to resume from (last.ckpt) and ends with a summary:
+accuracy before -> after, reward, time per step, memory, and where the logs and the checkpoint are.
 Then: tensorboard --logdir lightning_logs"""
 
 
@@ -105,8 +107,8 @@ def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:
         if callback.state_key in seen:
             name = type(callback).__name__
             raise ValueError(f"two {name} callbacks with the same settings ({callback.state_key}): their checkpointed "
-                             f"states would collide. Give the second one different settings (e.g. another monitor "
-                             f"or check_every_n_steps) or remove it from trainer.callbacks.")
+                             f"states would collide. Give the second one different settings (any of those named) "
+                             f"or remove it from trainer.callbacks.")
         seen[callback.state_key] = callback
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -12,7 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor
+from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor, RolloutProfiler
+from lit_grpo.callbacks.fit_summary import _disk_bytes
 
 
 class ValidatedModule(RolloutModule):
@@ -49,7 +51,7 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     lines = summary.summary_lines(trainer)
     assert out.strip().splitlines()[-len(lines):] == lines
     assert lines[0].startswith("lit_grpo: 4 steps in") and "s per step" in lines[0]
-    assert f"1.000 -> {accuracy[-1].value:.3f}   (step 0 -> step 4)" in lines[1]
+    assert f"1.000 -> {accuracy[-1].value:.3f}   (before training -> after step 4)" in lines[1]
     rewards = scalars(events(trainer), "reward/mean")
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert f"reward/mean    {first:.3f} -> {last:.3f}   (mean of the first 2 steps -> the last 2)" in lines[2]
@@ -72,15 +74,54 @@ def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
 
 def test_the_progress_bar_counts_steps_to_max_steps_and_shows_the_reward(tmp_path, capsys):
     bar = GRPOProgressBar()
-    trainer = _trainer(tmp_path, [bar], max_steps=3, enable_progress_bar=True, enable_checkpointing=False,
-                       limit_val_batches=0)
-    module = ValidatedModule([make_rollout(seed) for seed in range(5)])  # epochs of 5 batches: the bar counts 3
+    trainer = _trainer(tmp_path, [bar, RolloutProfiler()], max_steps=3, enable_progress_bar=True,
+                       enable_checkpointing=False, limit_val_batches=0)
+    rollouts = [make_rollout(seed) for seed in range(5)]  # epochs of 5 batches: the bar counts 3 steps
+    module = ValidatedModule(rollouts)
     trainer.fit(module)
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
     shown = bar.get_metrics(trainer, module)
     assert "v_num" not in shown and shown["reward"] == f"{float(trainer.callback_metrics['reward/mean']):.3f}"
+    assert shown["steps"] == rollouts[2].stats.decode_steps and isinstance(shown["steps"], int)  # not "48.00"
     out = capsys.readouterr().out
-    assert "GRPO steps" in out and "3/3" in out and "Epoch" not in out
+    assert "GRPO steps" in out and "3/3" in out and "Epoch" not in out and "Training" not in out
+    assert f"steps={rollouts[2].stats.decode_steps}," in out
     assert re.search(r"\d ?(step/s|s/step)", out)  # a rate in steps, not batches
+
+
+def test_a_resumed_runs_bar_starts_at_its_step(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    _trainer(tmp_path, [checkpoint], max_steps=2, limit_val_batches=0).fit(ValidatedModule(rollouts))
+    bar = GRPOProgressBar()
+    trainer = _trainer(tmp_path / "resumed", [bar], max_steps=5, enable_progress_bar=True,
+                       enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    progress = bar.train_progress_bar
+    assert (progress.initial, progress.n, progress.total) == (2, 5, 5)  # the rate counts the 3 steps it ran
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         FitSummary(window=0)
+
+
+def test_a_sharded_checkpoint_directory_is_sized_by_its_files(tmp_path):
+    shards = tmp_path / "last.ckpt"
+    (shards / "sub").mkdir(parents=True)
+    (shards / "a.distcp").write_bytes(b"x" * 3000)
+    (shards / "sub" / "b.distcp").write_bytes(b"x" * 1000)
+    assert _disk_bytes(shards) == 4000 and _disk_bytes(shards / "a.distcp") == 3000
+
+
+class SlowValidationModule(ValidatedModule):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.4)
+        super().validation_step(batch, batch_idx)
+
+
+def test_time_per_step_leaves_the_validations_out(tmp_path):
+    summary = FitSummary()
+    trainer = _trainer(tmp_path, [summary], max_steps=2, enable_checkpointing=False)
+    trainer.fit(SlowValidationModule([make_rollout(seed) for seed in range(2)]))
+    first = summary.summary_lines(trainer)[0]
+    # The validation after the last step (2 x 0.4 s) is named apart; the one before training is not timed.
+    match = re.fullmatch(r"lit_grpo: 2 steps in (\d+) s \(([\d.]+) s per step, plus 1 s of validation\)", first)
+    assert match and float(match[2]) < 0.4, first

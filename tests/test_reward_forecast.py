@@ -158,3 +158,33 @@ def test_history_survives_a_checkpoint(tmp_path):
     assert resumed.steps == list(range(80))
     assert resumed.rewards == pytest.approx(rewards[:80].tolist())
     assert resumed.last_forecast is not None
+
+
+class TwoCurvesModule(TrajectoryModule):
+    """Logs the planted curve and its mirror image, for two forecasts with different monitors."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("reward/mirrored", 1.0 - float(self.rewards[self.global_step]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_two_differently_configured_forecasts_keep_their_own_state_in_one_checkpoint(tmp_path):
+    rewards = noisy(saturating, seed=3)
+
+    def pair() -> list[RewardForecast]:
+        return [RewardForecast(check_every_n_steps=10), RewardForecast(monitor="reward/mirrored")]
+
+    first = pair()
+    assert first[0].state_key != first[1].state_key and "reward/mirrored" in first[1].state_key
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=30, callbacks=first, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(TwoCurvesModule(rewards))
+    checkpoint = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    resumed = pair()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=40, callbacks=resumed, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(TwoCurvesModule(rewards), ckpt_path=checkpoint)
+    assert resumed[0].rewards == pytest.approx(rewards[:40].tolist())
+    assert resumed[1].rewards == pytest.approx((1.0 - rewards[:40]).tolist())

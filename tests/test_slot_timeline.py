@@ -71,6 +71,7 @@ def test_the_figure_labels_slots_and_steps_and_has_a_legend():
     assert figure.shape[0] > grid_only.shape[0]  # title, axis and legend around the grid
     colors = {tuple(c) for c in figure.reshape(-1, 3)}
     palette = group_colors(3)
+    assert len({tuple(palette[group, shade]) for group in range(3) for shade in range(2)}) == 6  # all distinct
     for group in range(3):
         assert tuple(palette[group, 0]) in colors and tuple(palette[group, 1]) in colors
     assert IDLE_RGB in colors and MARKER_RGB in colors
