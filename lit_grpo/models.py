@@ -79,20 +79,10 @@ def load_model_and_tokenizer(
         model, tokenizer = random_model(name_or_path.removeprefix(RANDOM_PREFIX), torch_dtype, device)
     elif name_or_path in TINY_MODELS:
         model, tokenizer = _tiny_model(name_or_path), tiny_tokenizer()
-    elif Path(name_or_path).expanduser().is_dir():
-        path = Path(name_or_path).expanduser()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    elif name_or_path == DEFAULT_MODEL:
-        path = smollm2_path()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    elif _looks_like_path(name_or_path):
-        raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
-                         f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        source = _pretrained_source(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
     if device is not None:
@@ -118,16 +108,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         tokenizer = random_model_tokenizer(name_or_path.removeprefix(RANDOM_PREFIX))
     elif name_or_path in TINY_MODELS:
         tokenizer = tiny_tokenizer()
-    elif Path(name_or_path).expanduser().is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(Path(name_or_path).expanduser())
-    elif name_or_path == DEFAULT_MODEL:
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    elif _looks_like_path(name_or_path):
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(_pretrained_source(name_or_path))
+    return prepare_tokenizer(tokenizer)
+
+
+def _pretrained_source(name_or_path: str) -> str | Path:
+    """What ``from_pretrained`` loads for a name that is neither tiny nor random (module docstring, 2-4): an
+    existing directory, the offline SmolLM2 copy, or a hub id; a path that does not exist is refused."""
+    if Path(name_or_path).expanduser().is_dir():
+        return Path(name_or_path).expanduser()
+    if name_or_path == DEFAULT_MODEL:
+        return smollm2_path()
+    if _looks_like_path(name_or_path):
         raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
                          f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    return prepare_tokenizer(tokenizer)
+    return name_or_path
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
