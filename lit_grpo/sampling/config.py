@@ -42,7 +42,8 @@ class SamplingConfig:
         seed: base of every per-sample random stream.
         scheduler: options of the "infinite" strategy (ignored by the others, which have no options).
         cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
-            FSDP-sharded). On CPU the same static-shape step runs eagerly.
+            FSDP-sharded; a capture that fails then warns and the step runs eagerly, whereas True raises). On CPU
+            the same static-shape step runs eagerly.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.

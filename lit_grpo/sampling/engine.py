@@ -31,7 +31,9 @@ same g return bit-identical completions (and "full", whose batch is wider, equal
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -96,6 +98,8 @@ class RolloutEngine:
         self.inference_mode = not _is_fsdp_sharded(model)
         self._cache: SlotKVCache | None = None
         self._step: DecodeStep | None = None
+        #: Why the decode step runs eagerly on CUDA although ``cuda_graph`` was left automatic (None: it does not).
+        self.graph_failure: str | None = None
 
     # ------------------------------------------------------------------------------------------ settings
     group_size = property(lambda self: self.config.group_size, doc="G, samples per prompt.")
@@ -167,15 +171,36 @@ class RolloutEngine:
             return self._cache, self._step, False
         self.release()  # free the old cache before allocating the new one
         self._cache = SlotKVCache(self.model.config, num_slots, width, dtype, device)
-        self._step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
+        self._step = self._build_step(settings)
         return self._cache, self._step, True
+
+    def _build_step(self, settings: StepSettings) -> DecodeStep:
+        """The decode step, captured when ``settings.cuda_graph``. A capture that fails (a model whose forward
+        reads a device value on the host, or an op CUDA graphs do not support) raises when ``cuda_graph=True`` was
+        asked for; when it was left automatic, the engine warns once and runs the same step eagerly from then on."""
+        try:
+            return DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
+        except Exception as error:
+            if not settings.cuda_graph:
+                raise
+            reason = f"{type(error).__name__}: {error}"
+            if self.config.cuda_graph:
+                raise RuntimeError(f"cuda_graph=True, but capturing the decode step of {type(self.model).__name__} "
+                                   f"as a CUDA graph failed ({reason}); leave cuda_graph unset to fall back to the "
+                                   "eager step, or set it to False") from error
+            self.graph_failure = reason
+            warnings.warn(f"capturing the decode step of {type(self.model).__name__} as a CUDA graph failed "
+                          f"({reason}); this engine runs it eagerly from now on (same results, more time per "
+                          "step). Set cuda_graph=False to skip the attempt.", RuntimeWarning, stacklevel=4)
+            return DecodeStep(self.model, self._cache, dataclasses.replace(settings, cuda_graph=False),
+                              self.eos_token_ids)
 
     def _step_settings(self, forced: bool) -> StepSettings:
         device = next(self.model.parameters()).device
         graph = self.config.cuda_graph
         if graph is None:
-            graph = device.type == "cuda" and not _is_fsdp_sharded(self.model)
-        elif graph and device.type != "cuda":
+            graph = _graphs_available(device) and not _is_fsdp_sharded(self.model) and self.graph_failure is None
+        elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced, hidden_states=self.scheduler.checkpoint_tokens is not None,
@@ -221,6 +246,11 @@ def _default_scheduler(config: SamplingConfig) -> Scheduler:
 
         return InfiniteScheduler(**config.scheduler.as_kwargs())
     return RoundScheduler() if config.strategy == "micro" else Scheduler()
+
+
+def _graphs_available(device: torch.device) -> bool:
+    """CUDA graphs capture CUDA kernels only."""
+    return device.type == "cuda"
 
 
 def _is_fsdp_sharded(model: torch.nn.Module) -> bool:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything the rollout engine promises on a GPU, checked by one command on a CUDA machine (an H100 or H200 for
+# the stated limits), offline: random-weight models of real architectures stand in for hub weights.
+#
+#   bash tools/gpu_check.sh [OUT_DIR]          (default: $OUT when set, else runs/gpu_check)
+#
+# 1. installs lit_grpo over the machine's own torch, transformers and lightning (no dependencies, no index);
+# 2. the CUDA tests (graph replay equals the eager step, one synchronisation per decode step, bf16 schedule
+#    invariance, greedy parity with generate) and the capturability tests;
+# 3. tools/gpu_targets.py: its four measurements and one verdict per target line;
+# 4. tools/bench_grpo_memory.py: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
+#    memory and its rollout's wall time (figures, no verdict).
+# Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
+# grpo_memory.json). The exit status is not 0 when a test failed, a target was missed or a step broke.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR="${1:-${OUT:-runs/gpu_check}}"
+mkdir -p "$DIR"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
+    | tee "$DIR/device.txt" || exit 1
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decode_step.py 2>&1 | tee "$DIR/tests.txt"
+tests=${PIPESTATUS[0]}
+PYTHONUNBUFFERED=1 python3 tools/gpu_targets.py --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
+targets=${PIPESTATUS[0]}
+PYTHONUNBUFFERED=1 python3 tools/bench_grpo_memory.py --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
+    --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"
+memory=$?
+exit $(( tests || targets || memory ))
