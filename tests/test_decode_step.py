@@ -110,3 +110,51 @@ def test_a_failed_capture_asked_for_explicitly_raises(tiny_llama, prompt_ids, mo
     engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, cuda_graph=True)
     with pytest.raises(RuntimeError, match="cuda_graph=True, but capturing the decode step of LlamaForCausalLM"):
         engine.generate(prompt_ids)
+
+
+class _StorageSpy(TorchDispatchMode):
+    """The storages a step reads without having made them: what a captured graph would read on every replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.read = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.made:
+                self.read.add(t.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("strategy", ["full", "continuous", "infinite"])
+def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_llama, prompt_ids, monkeypatch,
+                                                                           strategy):
+    """A CUDA graph replays the kernels of its capture on the same addresses, so whatever the host does between
+    steps (refills, removals, parking, a new rollout on the kept cache) must update the step's inputs in place. On
+    CPU the eager step shows which storages it reads; every step of two rollouts must read the very same ones (the
+    first step of an engine may allocate the hidden-state buffer, as the warm-up before a capture does)."""
+    model, tokenizer = tiny_llama
+    reads = []
+    run = DecodeStep._run
+
+    def spied_run(self):
+        with _StorageSpy() as spy:
+            run(self)
+        reads.append(frozenset(spy.read))
+
+    monkeypatch.setattr(DecodeStep, "_run", spied_run)
+    from lit_grpo.sampling import RolloutEngine
+
+    engine = RolloutEngine(model, tokenizer, group_size=5, micro_group_size=2, strategy=strategy, max_new_tokens=12,
+                           seed=1, **({"probe_tokens": 3, "park_budget": None} if strategy == "infinite" else {}))
+    lengths = [[12, 3, 7, 1, 9]] * len(prompt_ids)  # forced: the step's replay branch, rows ending at set steps
+    first = engine.generate(prompt_ids, lengths=lengths)
+    second = engine.generate(prompt_ids, lengths=lengths)  # the same cache and step, reused
+    assert engine._step is not None and len(reads) == first.stats.decode_steps + second.stats.decode_steps
+    assert reads[0] <= reads[1] and len(set(reads[1:])) == 1
+    if strategy == "infinite":
+        assert engine.scheduler.parks > 0  # parked samples' KV went aside and came back into rows
