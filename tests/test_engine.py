@@ -351,3 +351,37 @@ def test_forced_lengths_keep_every_shape():
     assert out[0, 2] == float("-inf") and torch.isfinite(out[0, [0, 1, 3, 4]]).all()  # before: no EOS
     assert out[1, 2] == 0 and torch.isinf(out[1, [0, 1, 3, 4]]).all()  # at the length: only EOS
     assert torch.equal(out[2], logits[2])  # forced_length 0: untouched
+
+
+class _CountingScheduler:
+    """Wraps a scheduler and counts ``admit`` calls; everything else passes through."""
+
+    def __init__(self, inner):
+        self.inner, self.admits = inner, 0
+
+    def admit(self, num_free, num_running):
+        self.admits += 1
+        return self.inner.admit(num_free, num_running)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("strategy", ["continuous", "infinite"])
+def test_the_scheduler_is_asked_only_while_a_sample_waits(tiny_llama, prompt_ids, strategy):
+    """With a slot for every sample, the only admission is the first one: the tail of a rollout (rows ending one by
+    one, nothing left to start) costs the scheduler nothing between decode steps."""
+    from lit_grpo.sampling.engine import _default_scheduler
+    from lit_grpo.sampling.config import SamplingConfig
+
+    model, tokenizer = tiny_llama
+    config = SamplingConfig(group_size=4, micro_group_size=4 * len(prompt_ids), strategy=strategy,
+                            max_new_tokens=10, seed=2)
+    scheduler = _CountingScheduler(_default_scheduler(config))
+    engine = RolloutEngine(model, tokenizer, config, scheduler=scheduler)
+    lengths = [[10, 2, 6, 4]] * len(prompt_ids)  # rows end at different steps and free their slots
+    result = engine.generate(prompt_ids, lengths=lengths)
+    assert scheduler.admits == 1 and result.stats.decode_steps == 10
+    # with fewer slots than samples the scheduler is asked again, and the completions do not change
+    narrow = RolloutEngine(model, tokenizer, config.replace(micro_group_size=3))
+    assert narrow.generate(prompt_ids, lengths=lengths).completion_ids == result.completion_ids

@@ -179,3 +179,32 @@ def test_work_given_to_the_scheduler():
     assert seen["work"].prompt_features is None  # not asked for
     assert seen["work"].true_lengths == rollout.lengths
     assert math.isclose(sum(map(sum, rollout.lengths)), sum(map(sum, seen["work"].true_lengths)))
+
+
+class _ProbingOracle(OracleLengthPredictor):
+    """The oracle, token-conditioned so that samples are probed and parked."""
+
+    token_conditioned = True
+
+
+@pytest.mark.parametrize("slots", [4, 12])
+def test_the_predictor_learns_every_finished_sample_once_in_batches(slots):
+    """Learning happens when the plan is refreshed and at the end of the rollout, never one sample at a time
+    between decode steps, and no finished sample is left out or taught twice."""
+    from lit_grpo.scheduling import OnlineLengthPredictor
+
+    lengths = [[5, 40, 3, 22, 9, 31], [17, 2, 26, 8, 12, 35]]
+    for predictor in (_ProbingOracle(), OnlineLengthPredictor()):
+        calls = []
+        original = predictor.observe
+        predictor.observe = lambda work, keys, *rest, _orig=original: (calls.append(list(keys)), _orig(work, keys,
+                                                                                                        *rest))[1]
+        scheduler = InfiniteScheduler(predictor, probe_tokens=4)
+        for _ in range(2):
+            calls.clear()
+            simulate_rollout(scheduler, lengths, slots, 40)
+            observed = [key for call in calls for key in call]
+            assert sorted(observed) == [(p, k) for p in range(2) for k in range(6)]
+            assert len(calls) < len(observed)  # batched: fewer calls than samples
+            if slots >= 12:  # a slot for every sample: nothing is refreshed, everything is learned at the end
+                assert len(calls) <= 2  # one call for the probed samples, one for those that ended before

@@ -83,7 +83,7 @@ class RolloutLoop:
         try:
             while len(self.done) < total:
                 free = self._free_slots()
-                if free:
+                if free and self._waiting():  # once nothing waits, the tail runs without asking the scheduler
                     self._admit(self.scheduler.admit(len(free), self.num_slots - len(free)))
                 if all(sample is None for sample in self.slots):
                     raise RuntimeError(f"{type(self.scheduler).__name__} admitted nothing while no sample runs and "
@@ -98,6 +98,10 @@ class RolloutLoop:
 
     def _free_slots(self) -> list[int]:
         return [slot for slot, sample in enumerate(self.slots) if sample is None]
+
+    def _waiting(self) -> bool:
+        """Whether a sample waits for a slot: one not started yet, or a parked one."""
+        return bool(self.parked) or any(self.unstarted)
 
     def _admit(self, keys: list[SampleKey]) -> None:
         free = self._free_slots()

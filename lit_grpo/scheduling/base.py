@@ -8,8 +8,9 @@ Per rollout the engine calls, in this order:
 
 1. ``begin(work)`` once, with the rollout's shape (prompts, G, slots) and, when ``needs_prompt_features`` is set,
    one feature vector per prompt (the policy's own last-layer hidden state, mean-pooled over the prompt).
-2. ``admit(num_free, num_running)`` whenever slots are free; it returns the keys ``(prompt, sample)`` to start
-   or resume, at most ``num_free`` of them. Returning fewer (even none) is allowed while samples are running.
+2. ``admit(num_free, num_running)`` whenever slots are free and a sample waits for one (not started yet, or
+   parked); it returns the keys ``(prompt, sample)`` to start or resume, at most ``num_free`` of them. Returning
+   fewer (even none) is allowed while samples are running.
 3. ``checkpoint(key, generated, feature)`` when a running sample has generated ``checkpoint_tokens`` tokens
    (only if that attribute is not None); returning True parks the sample: the engine frees its slot, keeps its
    generated tokens' KV aside, and resumes it when ``admit`` returns its key again.

@@ -145,6 +145,10 @@ class InfiniteScheduler(Scheduler):
         self.parks = 0
         self.peak_parked = 0
         self.finishes_since_refresh = 0
+        # Finished samples the predictor has not learned from yet: (key, length, token feature or None). Taught in
+        # one batch when predictions are refreshed, and at the end of the rollout, rather than one by one between
+        # decode steps, where the host's time is the accelerator's idle time.
+        self.unlearned: list[tuple[SampleKey, int, torch.Tensor | None]] = []
         self.rank = {key: i for i, key in enumerate(work.keys())}
         self.planner = LanePlanner(self.refill, self.grouping, work.num_slots, self.replan_tolerance,
                                    epsilon=self.epsilon)
@@ -220,11 +224,11 @@ class InfiniteScheduler(Scheduler):
                 self.slots[run.lane] = None
         self.finished[key] = int(length)
         self.finished_prediction[key] = self.prediction.get(key, float("nan"))
-        features = self.token_features.pop(key, None)
-        self.predictor.observe(self.work, [key], [int(length)], None if features is None else features[None])
+        self.unlearned.append((key, int(length), self.token_features.pop(key, None)))
         self.finishes_since_refresh += 1
 
     def end(self) -> dict[str, float]:
+        self._learn()
         keys = [k for k in self.finished if self.finished_prediction[k] == self.finished_prediction[k]]
         predicted = [self.finished_prediction[k] for k in keys]
         true = [self.finished[k] for k in keys]
@@ -316,6 +320,7 @@ class InfiniteScheduler(Scheduler):
         if self.finishes_since_refresh < max(len(self.slots), len(self.planner) // 4) or not len(self.planner):
             return
         self.finishes_since_refresh = 0
+        self._learn()
         keys = list(self.planner.pool)
         with_tokens = [k for k in keys if k in self.token_features]
         without = [k for k in keys if k not in self.token_features]
@@ -327,6 +332,16 @@ class InfiniteScheduler(Scheduler):
             self.prediction.update(zip(without, map(float, self.predictor.predict(self.work, without).tolist())))
         for key in keys:
             self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
+
+    def _learn(self) -> None:
+        """Teach the predictor the samples finished since it last learned (probed and unprobed ones apart: a
+        predictor takes one feature tensor for all the keys of a call, or none)."""
+        for probed in (False, True):
+            batch = [(key, length, feature) for key, length, feature in self.unlearned if (feature is not None) == probed]
+            if batch:
+                keys, lengths, features = zip(*batch)
+                self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
+        self.unlearned = []
 
     def _advance_clock(self, run: _Run, generated: int) -> None:
         # Every running sample gains one token per decode step, so its token count dates the event.
