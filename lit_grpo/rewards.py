@@ -30,9 +30,9 @@ Errors stop training, never silently zero a reward:
 
 Built-in functions (names usable in configs; defined in ``lit_grpo/reward_functions.py``): ``accuracy``
 (``accuracy_reward``: the answer extracted from the completion scored by the reasoning-gym dataset's own
-``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the completion has exactly one ``<answer>...</answer>``),
-``overlong`` (``OverlongPenalty``: DAPO's soft length penalty), ``char_fraction`` (share of characters from a set;
-a toy signal for smoke tests).
+``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the
+completion has exactly one ``<answer>...</answer>``), ``overlong`` (``OverlongPenalty``: DAPO's soft length
+penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests).
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def test_gpu_targets_judges_every_target_line_from_the_measurements():
         "full": dict(tokens_per_s=3000.0), "continuous": dict(tokens_per_s=2000.0, ms_per_step=4.0),
         "hf_generate": dict(tokens_per_s=1000.0), "hf_generate_chunked": dict(tokens_per_s=1100.0),
         "hf_generate_batch": dict(tokens_per_s=2500.0)})
-    same_rows = _report("NVIDIA H100", 3 * gib, {"full": dict(tokens_per_s=500.0), "infinite": dict(tokens_per_s=490.0)})
+    same_rows = _report("NVIDIA H100", 3 * gib, {"full": dict(tokens_per_s=500.0),
+                                                 "infinite": dict(tokens_per_s=490.0)})
     verdicts = {v["target"]: v for v in gpu_targets.judge({"paper": paper, "cap512": cap512, "step": step,
                                                             "g_equals_G": same_rows})}
     assert len(verdicts) == len(gpu_targets.TARGETS)

@@ -337,7 +337,7 @@ class InfiniteScheduler(Scheduler):
         """Teach the predictor the samples finished since it last learned (probed and unprobed ones apart: a
         predictor takes one feature tensor for all the keys of a call, or none)."""
         for probed in (False, True):
-            batch = [(key, length, feature) for key, length, feature in self.unlearned if (feature is not None) == probed]
+            batch = [entry for entry in self.unlearned if (entry[2] is not None) == probed]
             if batch:
                 keys, lengths, features = zip(*batch)
                 self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
