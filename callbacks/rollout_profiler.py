@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ._rollout import log_metrics, measured_kv_bytes, rollout_stats, show_in_progress_bar
 
-#: RolloutStats fields logged as ``rollout/<field>`` (design.md's logged keys).
+#: RolloutStats fields logged as ``rollout/<field>`` (design.md's logged keys, plus ms_per_step and capture_s).
 ROLLOUT_FIELDS = (
     "decode_steps",
     "lower_bound_steps",
@@ -19,6 +19,8 @@ ROLLOUT_FIELDS = (
     "generated_tokens",
     "tokens_per_s",
     "wall_s",
+    "ms_per_step",
+    "capture_s",
     "peak_kv_bytes",
     "length_pred_kendall_tau",
     "length_pred_smape",
@@ -38,6 +40,10 @@ class RolloutProfiler(Callback):
     - ``rollout/slot_utilization``: ``generated_tokens / (decode_steps * slots)``.
     - ``rollout/prefill_tokens``, ``rollout/generated_tokens``: tokens run through prefill / produced.
     - ``rollout/tokens_per_s``, ``rollout/wall_s``: generation throughput and time.
+    - ``rollout/ms_per_step``: milliseconds per decode step, the graph capture left out (on a GPU, a step well
+      above the time to read the weights once means launch-bound steps).
+    - ``rollout/capture_s``: seconds spent capturing the decode step's CUDA graph (0 when the engine reused the
+      last one, or runs eagerly): the price of freeing the slot cache between rollouts (``keep_kv_cache``).
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
     - ``rollout/length_pred_kendall_tau``, ``rollout/length_pred_smape``: the length predictor's quality
       (``strategy="infinite"`` only; skipped when the rollout has none).

@@ -385,3 +385,16 @@ def test_the_scheduler_is_asked_only_while_a_sample_waits(tiny_llama, prompt_ids
     # with fewer slots than samples the scheduler is asked again, and the completions do not change
     narrow = RolloutEngine(model, tokenizer, config.replace(micro_group_size=3))
     assert narrow.generate(prompt_ids, lengths=lengths).completion_ids == result.completion_ids
+
+
+def test_merged_rounds_add_their_capture_time_and_step_time_leaves_it_out():
+    from lit_grpo.sampling.stats import RolloutStats, merge_stats
+
+    rounds = [RolloutStats(decode_steps=10, wall_s=1.0, capture_s=0.4, num_slots=2, group_size=2,
+                           timeline=[[0, 1]] * 10),
+              RolloutStats(decode_steps=30, wall_s=0.6, capture_s=0.0, num_slots=2, group_size=2,
+                           timeline=[[0, -1]] * 30)]
+    assert rounds[0].ms_per_step == pytest.approx(60.0) and RolloutStats().ms_per_step == 0.0
+    merged = merge_stats(rounds)
+    assert merged.capture_s == pytest.approx(0.4) and merged.wall_s == pytest.approx(1.6)
+    assert merged.ms_per_step == pytest.approx(1000 * 1.2 / 40)

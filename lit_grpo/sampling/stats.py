@@ -58,6 +58,11 @@ class RolloutStats:
         self.slot_utilization = self.generated_tokens / denominator if denominator else 0.0
         self.tokens_per_s = self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def ms_per_step(self) -> float:
+        """Milliseconds per decode step, the one-off graph capture left out (prefill and refills stay in)."""
+        return 1000 * (self.wall_s - self.capture_s) / self.decode_steps if self.decode_steps else 0.0
+
     def scalars(self) -> dict[str, float]:
         """The numeric fields (no timeline), None dropped: what loggers and benchmarks record."""
         out = asdict(self)
@@ -68,7 +73,7 @@ class RolloutStats:
 def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
     """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
 
-    Counts and times add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
+    Counts and times (capture included) add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
     time, with flat sample indices shifted by the samples of the earlier rounds; length-prediction quality is the
     first round's.
     """
@@ -89,6 +94,7 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.peak_kv_bytes = max(merged.peak_kv_bytes, part.peak_kv_bytes)
         merged.wall_s += part.wall_s
         merged.forward_s += part.forward_s
+        merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
     slots = merged.decode_steps * merged.num_slots
