@@ -398,3 +398,21 @@ def test_merged_rounds_add_their_capture_time_and_step_time_leaves_it_out():
     merged = merge_stats(rounds)
     assert merged.capture_s == pytest.approx(0.4) and merged.wall_s == pytest.approx(1.6)
     assert merged.ms_per_step == pytest.approx(1000 * 1.2 / 40)
+
+
+@pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),
+                                              ("full", "use 'continuous' or 'infinite'")])
+def test_a_slot_cache_that_does_not_fit_says_how_large_it_is_and_what_to_change(tiny_llama, prompt_ids, monkeypatch,
+                                                                                strategy, advice):
+    from lit_grpo.sampling import kv_cache
+
+    model, tokenizer = tiny_llama
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(kv_cache.SlotKVCache, "__init__", out_of_memory)
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy=strategy, max_new_tokens=7)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=f"slot cache: \\d+ rows x \\d+ positions .*GiB in float32.*"
+                                                          f"{advice}.*max_new_tokens \\(now 7\\)"):
+        engine.generate(prompt_ids)

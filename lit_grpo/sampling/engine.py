@@ -42,6 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
+from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.sampling.rollout_loop import RolloutLoop, RolloutResult
 from lit_grpo.scheduling.base import RoundScheduler, Scheduler
 
@@ -170,9 +171,24 @@ class RolloutEngine:
                 and self._step.settings == settings and self._step.model is self.model):
             return self._cache, self._step, False
         self.release()  # free the old cache before allocating the new one
-        self._cache = SlotKVCache(self.model.config, num_slots, width, dtype, device)
+        try:
+            self._cache = SlotKVCache(self.model.config, num_slots, width, dtype, device)
+        except torch.cuda.OutOfMemoryError as error:
+            raise torch.cuda.OutOfMemoryError(self._cache_too_large(num_slots, width, dtype)) from error
         self._step = self._build_step(settings)
         return self._cache, self._step, True
+
+    def _cache_too_large(self, num_slots: int, width: int, dtype: torch.dtype) -> str:
+        gib = kv_bytes_per_token(self.model.config, dtype) * num_slots * width / 2**30
+        if self.strategy == "full":
+            fix = (f"strategy 'full' keeps all B x G = {num_slots} sequences alive: use 'continuous' or 'infinite' "
+                   "with a micro_group_size")
+        else:
+            fix = f"lower micro_group_size (now {num_slots} slots)"
+        return (f"out of memory allocating the rollout's slot cache: {num_slots} rows x {width} positions of KV "
+                f"({gib:.2f} GiB in {str(dtype).removeprefix('torch.')}); {fix}, lower max_new_tokens "
+                f"(now {self.max_new_tokens}) or the prompt length, or let micro_group_size: auto pick g under "
+                "kv_budget_bytes")
 
     def _build_step(self, settings: StepSettings) -> DecodeStep:
         """The decode step, captured when ``settings.cuda_graph``. A capture that fails (a model whose forward
