@@ -63,8 +63,9 @@ def test_greedy_replayed_graph_equals_model_generate():
     model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="float32", device="cuda")
     prompt = tokenizer("Compute 7 + 8 + 9.")["input_ids"]
     engine = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=12,
-                           temperature=0.0)
+                           temperature=0.0, cuda_graph=True)
     completion = engine.generate([prompt]).completion_ids[0][0]
+    assert engine._step.graph is not None
     with torch.inference_mode():
         expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=12, do_sample=False,
                                   eos_token_id=engine.eos_token_ids, pad_token_id=tokenizer.pad_token_id)
@@ -72,3 +73,23 @@ def test_greedy_replayed_graph_equals_model_generate():
     if any(t in engine.eos_token_ids for t in expected):  # generate pads after EOS; the engine stops there
         expected = expected[: next(i for i, t in enumerate(expected) if t in engine.eos_token_ids) + 1]
     assert completion == expected
+
+
+def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
+    """A forward that reads a device value on the host (here a hook calling .item()) breaks a real capture: the
+    engine says why, runs the same step eagerly, and returns what the eager step returns."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="float32", device="cuda")
+    prompts = [tokenizer("What is 2+3?")["input_ids"]]
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=8, seed=1)
+    eager = RolloutEngine(model, tokenizer, cuda_graph=False, **settings).generate(prompts)
+    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: kwargs["input_ids"].sum().item(),
+                                                   with_kwargs=True)
+    try:
+        engine = RolloutEngine(model, tokenizer, **settings)
+        with pytest.warns(RuntimeWarning, match="CUDA graph failed"):
+            result = engine.generate(prompts)
+        assert engine._step.graph is None and engine.graph_failure
+        assert result.completion_ids == eager.completion_ids and result.logprobs == eager.logprobs
+        assert engine.generate(prompts).stats.decode_steps > 0  # later rollouts run eagerly, without a warning
+    finally:
+        handle.remove()

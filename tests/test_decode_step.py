@@ -93,9 +93,10 @@ def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(ti
     engine = RolloutEngine(model, tokenizer, **settings)
     with pytest.warns(RuntimeWarning, match="CUDA graph failed .*operation not permitted.*runs it eagerly"):
         first = engine.generate(prompt_ids)
-    assert len(attempts) == 1 and engine._step.graph is None
+    assert len(attempts) == 1 and engine._step.graph is None and not engine._step.settings.cuda_graph
     assert "operation not permitted" in engine.graph_failure
     assert first.completion_ids == reference.completion_ids and first.logprobs == reference.logprobs
+    assert first.stats.capture_s > 0  # the failed attempt's time is the capture's, not the decode steps'
     engine.release()
     engine.generate(prompt_ids)  # a new cache and step, but no second attempt (and so no second warning)
     assert len(attempts) == 1
@@ -158,3 +159,22 @@ def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_
     assert reads[0] <= reads[1] and len(set(reads[1:])) == 1
     if strategy == "infinite":
         assert engine.scheduler.parks > 0  # parked samples' KV went aside and came back into rows
+
+
+def test_running_out_of_memory_while_capturing_is_raised_not_taken_for_an_uncapturable_model(tiny_llama, prompt_ids,
+                                                                                            monkeypatch):
+    from lit_grpo.sampling import RolloutEngine, engine as engine_module
+
+    model, tokenizer = tiny_llama
+
+    def out_of_memory(self):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(DecodeStep, "_capture", out_of_memory)
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
+        engine.generate(prompt_ids)
+    assert engine.graph_failure is None and engine._cache is None  # nothing half-built is kept
+    monkeypatch.setattr(engine_module, "_graphs_available", lambda device: False)
+    assert engine.generate(prompt_ids).stats.decode_steps > 0  # and the engine still works

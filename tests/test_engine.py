@@ -383,8 +383,11 @@ def test_the_scheduler_is_asked_only_while_a_sample_waits(tiny_llama, prompt_ids
     result = engine.generate(prompt_ids, lengths=lengths)
     assert scheduler.admits == 1 and result.stats.decode_steps == 10
     # with fewer slots than samples the scheduler is asked again, and the completions do not change
-    narrow = RolloutEngine(model, tokenizer, config.replace(micro_group_size=3))
+    narrow_config = config.replace(micro_group_size=3)
+    narrow_scheduler = _CountingScheduler(_default_scheduler(narrow_config))
+    narrow = RolloutEngine(model, tokenizer, narrow_config, scheduler=narrow_scheduler)
     assert narrow.generate(prompt_ids, lengths=lengths).completion_ids == result.completion_ids
+    assert narrow_scheduler.admits > 1
 
 
 def test_merged_rounds_add_their_capture_time_and_step_time_leaves_it_out():

@@ -230,6 +230,26 @@ def test_online_predictor_learns_planted_signal():
     assert torch.allclose(clone.predict(work, keys, features), predicted)
 
 
+def test_online_predictor_learning_in_batches_scores_every_sample_one_at_a_time_learning_would():
+    """The scheduler teaches the predictor in batches; the error spread it plans with (log_std) must come from as
+    many scored samples as when each sample came alone, including those of the batch that crosses the token model's
+    min_token_observations, and must match it closely."""
+    generator = torch.Generator().manual_seed(1)
+    directions = torch.nn.functional.normalize(torch.randn(2, 32, generator=generator), dim=1)
+    rollouts = [planted_rollout(4, 8, generator=generator, directions=directions) for _ in range(3)]
+    one_by_one, batched = OnlineLengthPredictor(), OnlineLengthPredictor()
+    for rollout in rollouts:
+        work, keys, features, lengths = feed(one_by_one, rollout)
+        for i, key in enumerate(keys):
+            one_by_one.observe(work, [key], [lengths[i]], features[i:i + 1])
+        work, keys, features, lengths = feed(batched, rollout)
+        batched.observe(work, keys, lengths, features)  # the first batch crosses min_token_observations (16 < 32)
+        for model in ("token_error", "prompt_error"):
+            assert getattr(batched, model).weight == pytest.approx(getattr(one_by_one, model).weight), model
+        assert batched.log_std(True) == pytest.approx(one_by_one.log_std(True), rel=0.05)
+    assert batched.log_std(True) < 0.9  # scored errors, not the untrained prior (1.0)
+
+
 def test_history_predictor_per_prompt_with_global_fallback():
     predictor = HistoryLengthPredictor()
     work = RolloutWork([3, 3], 2, 2, 1024, prompt_ids=[[1, 2, 3], [4, 5, 6]])

@@ -157,7 +157,7 @@ def test_gpu_targets_judges_every_target_line_from_the_measurements():
         "hf_generate": dict(tokens_per_s=1000.0), "hf_generate_chunked": dict(tokens_per_s=1100.0),
         "hf_generate_batch": dict(tokens_per_s=2500.0)})
     same_rows = _report("NVIDIA H100", 3 * gib, {"full": dict(tokens_per_s=500.0),
-                                                 "infinite": dict(tokens_per_s=490.0)})
+                                                 "infinite": dict(tokens_per_s=485.0)})
     verdicts = {v["target"]: v for v in gpu_targets.judge({"paper": paper, "cap512": cap512, "step": step,
                                                             "g_equals_G": same_rows})}
     assert len(verdicts) == len(gpu_targets.TARGETS)
@@ -172,7 +172,7 @@ def test_gpu_targets_judges_every_target_line_from_the_measurements():
         "step: continuous tokens/s / hf_generate_chunked": (2000 / 1100, False),
         "step: continuous tokens/s / hf_generate_batch": (0.8, False),
         "step: full tokens/s / hf_generate": (3.0, True),
-        "g_equals_G: infinite tokens/s / full": (0.98, False),
+        "g_equals_G: infinite tokens/s / full": (0.97, False),
     }
     for name, (value, passed) in expect.items():
         assert verdicts[name]["value"] == pytest.approx(value), name

@@ -18,7 +18,9 @@ g_equals_G B 1, G 8, g 8, 128 tokens: full, infinite (with a slot for every samp
 =========  ==================================================================================================
 
 then judges every target line and prints one row per line: the measured value, the limit, pass or FAIL. Memory
-is ``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the weights). The decode-step target is
+is ``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the weights). Tokens per second include
+the graph capture each engine run pays, as training pays it once per rollout by default (``keep_kv_cache``
+off); ``ms_per_step`` leaves it out. The decode-step target is
 judged against the instance's certified lower bound (``makespan_lower_bound``), which the optimum is at least.
 The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its verdicts mean nothing:
 the limits are stated for a GPU.
@@ -119,7 +121,8 @@ TARGETS = (
     speed_ratio("step", "continuous", "hf_generate_chunked", 2.0),
     speed_ratio("step", "continuous", "hf_generate_batch", 1.0),
     speed_ratio("step", "full", "hf_generate", 1.5),
-    speed_ratio("g_equals_G", "infinite", "full", 1.0),
+    # "No more than full": two runs of the same work, so the limit leaves the 2% two equal medians may differ by.
+    speed_ratio("g_equals_G", "infinite", "full", 0.98),
 )
 
 

@@ -24,6 +24,7 @@ precede the capture only touch idle rows' column 0, which a sample always overwr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -103,8 +104,6 @@ class DecodeStep:
         self.hidden: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_s = 0.0
-        if settings.cuda_graph:
-            self._capture()
 
     # ------------------------------------------------------------------------------------------ host side
     def start_rollout(self, seed: int, rollout_index: int) -> None:
@@ -174,9 +173,23 @@ class DecodeStep:
         lengths.add_(self.active)
         self.token_index.add_(self.active)
 
-    def _capture(self) -> None:
-        """Warm up on a side stream, then capture ``_run`` into a CUDA graph (every row idle, see module doc)."""
+    def capture(self) -> None:
+        """Warm up on a side stream, then capture ``_run`` into a CUDA graph (every row idle, see module doc);
+        ``step`` replays it from then on. ``capture_s`` counts the time, also when the capture fails."""
+        if not self.settings.cuda_graph:
+            raise RuntimeError("this decode step was built with cuda_graph=False; it runs eagerly")
         started = time.perf_counter()
+        try:
+            self._capture()
+        finally:
+            self.capture_s = time.perf_counter() - started
+
+    def run_eagerly(self) -> None:
+        """Give up the graph (a capture failed): the same step, eager from now on."""
+        self.graph = None
+        self.settings = dataclasses.replace(self.settings, cuda_graph=False)
+
+    def _capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -189,7 +202,6 @@ class DecodeStep:
         with _graph_safe_autocast(), torch.cuda.graph(graph):
             self._run()
         self.graph = graph
-        self.capture_s = time.perf_counter() - started
 
 
 def _vocab_size(model: torch.nn.Module) -> int:

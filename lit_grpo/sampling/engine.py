@@ -31,7 +31,6 @@ same g return bit-identical completions (and "full", whose batch is wider, equal
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from typing import Any, Sequence
@@ -175,30 +174,38 @@ class RolloutEngine:
             self._cache = SlotKVCache(self.model.config, num_slots, width, dtype, device)
         except torch.cuda.OutOfMemoryError as error:
             raise torch.cuda.OutOfMemoryError(self._cache_too_large(num_slots, width, dtype)) from error
-        self._step = self._build_step(settings)
+        try:
+            self._step = self._build_step(settings)
+        except BaseException:
+            self.release()  # no cache without its step: the next rollout starts from scratch
+            raise
         return self._cache, self._step, True
 
     def _cache_too_large(self, num_slots: int, width: int, dtype: torch.dtype) -> str:
         gib = kv_bytes_per_token(self.model.config, dtype) * num_slots * width / 2**30
         if self.strategy == "full":
             fix = (f"strategy 'full' keeps all B x G = {num_slots} sequences alive: use 'continuous' or 'infinite' "
-                   "with a micro_group_size")
+                   "with a micro_group_size (or micro_group_size: auto under kv_budget_bytes)")
         else:
-            fix = f"lower micro_group_size (now {num_slots} slots)"
+            fix = (f"lower micro_group_size (now {num_slots} slots), or let micro_group_size: auto pick g under "
+                   "kv_budget_bytes")
         return (f"out of memory allocating the rollout's slot cache: {num_slots} rows x {width} positions of KV "
-                f"({gib:.2f} GiB in {str(dtype).removeprefix('torch.')}); {fix}, lower max_new_tokens "
-                f"(now {self.max_new_tokens}) or the prompt length, or let micro_group_size: auto pick g under "
-                "kv_budget_bytes")
+                f"({gib:.2f} GiB in {str(dtype).removeprefix('torch.')}); {fix}; or lower max_new_tokens "
+                f"(now {self.max_new_tokens}) or the prompt length")
 
     def _build_step(self, settings: StepSettings) -> DecodeStep:
         """The decode step, captured when ``settings.cuda_graph``. A capture that fails (a model whose forward
         reads a device value on the host, or an op CUDA graphs do not support) raises when ``cuda_graph=True`` was
-        asked for; when it was left automatic, the engine warns once and runs the same step eagerly from then on."""
+        asked for; when it was left automatic, the engine warns once and runs the same step eagerly from then on.
+        Running out of memory is no reason to give graphs up: it is raised as it is."""
+        step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
+        if not settings.cuda_graph:
+            return step
         try:
-            return DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
+            step.capture()
+        except torch.cuda.OutOfMemoryError:
+            raise
         except Exception as error:
-            if not settings.cuda_graph:
-                raise
             reason = f"{type(error).__name__}: {error}"
             if self.config.cuda_graph:
                 raise RuntimeError(f"cuda_graph=True, but capturing the decode step of {type(self.model).__name__} "
@@ -208,8 +215,8 @@ class RolloutEngine:
             warnings.warn(f"capturing the decode step of {type(self.model).__name__} as a CUDA graph failed "
                           f"({reason}); this engine runs it eagerly from now on (same results, more time per "
                           "step). Set cuda_graph=False to skip the attempt.", RuntimeWarning, stacklevel=4)
-            return DecodeStep(self.model, self._cache, dataclasses.replace(settings, cuda_graph=False),
-                              self.eos_token_ids)
+            step.run_eagerly()
+        return step
 
     def _step_settings(self, forced: bool) -> StepSettings:
         device = next(self.model.parameters()).device

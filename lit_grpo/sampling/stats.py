@@ -26,7 +26,7 @@ class RolloutStats:
         forward_s: seconds spent in prefill forwards and decode steps (forward, sampling and the step's one
             device-to-host copy); the rest of ``wall_s`` is the engine's and the scheduler's bookkeeping.
         capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
-            the previous rollout's, or runs eagerly).
+            the previous rollout's, or runs eagerly; a failed attempt's time when a capture failed).
         num_slots: concurrent sequences the rollout ran with.
         length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step
@@ -73,9 +73,9 @@ class RolloutStats:
 def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
     """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
 
-    Counts and times (capture included) add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines are concatenated in
-    time, with flat sample indices shifted by the samples of the earlier rounds; length-prediction quality is the
-    first round's.
+    Counts and times (capture included) add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines
+    are concatenated in time, with flat sample indices shifted by the samples of the earlier rounds;
+    length-prediction quality is the first round's.
     """
     if not parts:
         return RolloutStats()

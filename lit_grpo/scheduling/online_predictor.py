@@ -65,7 +65,21 @@ class OnlineLengthPredictor:
         if not keys:
             return
         with single_thread():
-            self._observe(work, keys, lengths, token_features)
+            # Learned in chunks that are scored (prequential errors) against the same fits as if their samples had
+            # come one at a time: a chunk ends where a model would refit, and where the token model becomes old
+            # enough to be scored at all.
+            start = 0
+            while start < len(keys):
+                rows = slice(start, start + self._rows_scored_alike(token_features is not None))
+                self._observe(work, keys[rows], lengths[rows], None if token_features is None else token_features[rows])
+                start = rows.stop
+
+    def _rows_scored_alike(self, probed: bool) -> int:
+        rows = self.prompt_model.rows_before_refit()
+        if probed:
+            young = self.token_model.effective_count < self.min_token_observations
+            rows = min(rows, 1 if young else self.token_model.rows_before_refit())
+        return rows
 
     def _observe(
         self, work: RolloutWork, keys: Sequence[SampleKey], lengths: Sequence[int], token_features: torch.Tensor | None

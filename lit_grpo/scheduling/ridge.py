@@ -4,6 +4,7 @@ predictor (``lit_grpo.scheduling.online_predictor``)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,16 @@ class RidgeRegressor:
             return torch.full((len(self.alphas), x.shape[0]), mean_y, dtype=torch.float64)
         weights, mean_x, mean_y = self._fit
         return mean_y + weights @ (x - mean_x).T
+
+    def rows_before_refit(self) -> int:
+        """How many new observations, learned one at a time, would all be predicted with the current fit: a
+        batch that long is scored (prequential errors) exactly as one sample at a time would be, up to the
+        penalty choice, which follows the errors. 1 while the model is too small to fit (its prediction, the mean
+        target, moves with every observation)."""
+        self._maybe_fit()
+        if self._fit is None:
+            return 1
+        return max(1, math.ceil(max(self.min_refit, 0.1 * self.effective_count) - self.new_since_fit))
 
     def _maybe_fit(self) -> None:
         due = self.new_since_fit >= max(self.min_refit, 0.1 * self.effective_count)

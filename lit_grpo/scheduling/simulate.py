@@ -98,7 +98,7 @@ def simulate_rollout(
 
     def admit() -> None:
         free = [s for s in range(num_slots) if slots[s] is None]
-        if not free or len(started) - len(parked) == len(target):  # no free slot, or nothing waits for one
+        if not free or (len(started) == len(target) and not parked):  # no free slot, or nothing waits for one
             return
         running = num_slots - len(free)
         keys = scheduler.admit(len(free), running)
