@@ -74,9 +74,12 @@ def test_the_decode_step_never_reads_a_device_value_on_the_host(name, dtype, set
 
 
 def _failing_capture(attempts):
-    def capture(self):
+    def capture(self):  # as a real one fails: the offending op, then the capture that cannot end
         attempts.append(self)
-        raise RuntimeError("operation not permitted when stream is capturing")
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
     return capture
 
 
