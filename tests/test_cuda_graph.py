@@ -82,8 +82,11 @@ def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
     prompts = [tokenizer("What is 2+3?")["input_ids"]]
     settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=8, seed=1)
     eager = RolloutEngine(model, tokenizer, cuda_graph=False, **settings).generate(prompts)
-    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: kwargs["input_ids"].sum().item(),
-                                                   with_kwargs=True)
+
+    def read_on_the_host(module, args, kwargs):
+        kwargs["input_ids"].sum().item()  # a sync: fine eagerly, refused inside a capture
+
+    handle = model.model.register_forward_pre_hook(read_on_the_host, with_kwargs=True)
     try:
         engine = RolloutEngine(model, tokenizer, **settings)
         with pytest.warns(RuntimeWarning, match="CUDA graph failed"):
