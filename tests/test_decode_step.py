@@ -74,12 +74,9 @@ def test_the_decode_step_never_reads_a_device_value_on_the_host(name, dtype, set
 
 
 def _failing_capture(attempts):
-    def capture(self):  # as a real one fails: the offending op, then the capture that cannot end
+    def capture(self):  # the op a real capture refuses (DecodeStep._capture raises that one, not its aftermath)
         attempts.append(self)
-        try:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        finally:
-            raise RuntimeError("operation failed due to a previous error during capture")
+        raise RuntimeError("operation not permitted when stream is capturing")
     return capture
 
 

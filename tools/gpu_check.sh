@@ -13,8 +13,10 @@
 # Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
 # grpo_memory.json). The exit status is not 0 when a test failed, a target was missed or a step broke.
 set -uo pipefail
-DIR="$(realpath -m "${1:-${OUT:-runs/gpu_check}}")"  # relative to where the command was typed
+DIR="${1:-${OUT:-}}"
+[ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"  # a given folder is relative to where the command was typed
 cd "$(dirname "$0")/.."
+DIR="${DIR:-$PWD/runs/gpu_check}"               # the default, inside the repository
 mkdir -p "$DIR"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \

@@ -14,7 +14,7 @@ cap512     B 1, G 32, g 8, 512 tokens, nothing replayed: full, continuous, infin
            hf_generate; random weights almost never sample EOS, so every row runs to the cap (judged too)
 step       B 1, G 32, g 8, 128 tokens: full, continuous, hf_generate, hf_generate_chunked, hf_generate_batch
 g_equals_G B 1, G 8, g 8, 128 tokens: full, infinite (with a slot for every sample, the scheduler must cost
-           nothing: no slower than full over the same steps)
+           nothing: within 2% of full's tokens/s over the same steps)
 =========  ==================================================================================================
 
 then judges every target line and prints one row per line: the measured value, the limit, pass or FAIL. Memory

@@ -199,8 +199,19 @@ class DecodeStep:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.stop_all()  # the warm-up advanced nothing (every row idle), but make it explicit
         graph = torch.cuda.CUDAGraph()
-        with _graph_safe_autocast(), torch.cuda.graph(graph):
-            self._run()
+        broke: list[Exception] = []
+        try:
+            with _graph_safe_autocast(), torch.cuda.graph(graph):
+                try:
+                    self._run()
+                except Exception as error:
+                    broke.append(error)
+                    raise
+        except Exception as error:
+            # An op that breaks the capture makes ending it fail too; that second error would hide the first.
+            if broke and error is not broke[0]:
+                raise broke[0] from None
+            raise
         self.graph = graph
 
 

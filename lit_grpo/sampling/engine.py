@@ -206,8 +206,7 @@ class RolloutEngine:
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as error:
-            root = _first_raised(error)  # a broken capture also fails to end: name the error that broke it
-            reason = f"{type(root).__name__}: {root}"
+            reason = f"{type(error).__name__}: {error}"
             if self.config.cuda_graph:
                 raise RuntimeError(f"cuda_graph=True, but capturing the decode step of {type(self.model).__name__} "
                                    f"as a CUDA graph failed ({reason}); leave cuda_graph unset to fall back to the "
@@ -270,13 +269,6 @@ def _default_scheduler(config: SamplingConfig) -> Scheduler:
 
         return InfiniteScheduler(**config.scheduler.as_kwargs())
     return RoundScheduler() if config.strategy == "micro" else Scheduler()
-
-
-def _first_raised(error: BaseException) -> BaseException:
-    """The exception at the start of ``error``'s chain (what was being handled when each later one was raised)."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    return error
 
 
 def _graphs_available(device: torch.device) -> bool:

@@ -47,6 +47,7 @@ ended within the probe) against its true length. Diagnostics of the last rollout
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -334,13 +335,11 @@ class InfiniteScheduler(Scheduler):
             self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
 
     def _learn(self) -> None:
-        """Teach the predictor the samples finished since it last learned (probed and unprobed ones apart: a
-        predictor takes one feature tensor for all the keys of a call, or none)."""
-        for probed in (False, True):
-            batch = [entry for entry in self.unlearned if (entry[2] is not None) == probed]
-            if batch:
-                keys, lengths, features = zip(*batch)
-                self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
+        """Teach the predictor the samples finished since it last learned, in finish order: one call per run of
+        probed or unprobed samples (a predictor takes one feature tensor for all the keys of a call, or none)."""
+        for probed, run in itertools.groupby(self.unlearned, key=lambda entry: entry[2] is not None):
+            keys, lengths, features = zip(*run)
+            self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
         self.unlearned = []
 
     def _advance_clock(self, run: _Run, generated: int) -> None:

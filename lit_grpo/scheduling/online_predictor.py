@@ -86,32 +86,40 @@ class OnlineLengthPredictor:
     ) -> None:
         target = torch.tensor([math.log(max(1, int(n))) for n in lengths], dtype=torch.float64)
         prompt_x = self._prompt_x(work, keys)
-        for error in (self._predict_log(work, keys, None) - target).tolist():
+        for error in (self._predict_log(work, keys, None, scored=target) - target).tolist():
             self.prompt_error.add(error)
         self.prompt_model.update(prompt_x, target)
         if token_features is not None:
             token_x = torch.cat([prompt_x, self._phi(token_features)], dim=1)
             if self.token_model.effective_count >= self.min_token_observations:
-                for error in (self._predict_log(work, keys, token_features) - target).tolist():
+                for error in (self._predict_log(work, keys, token_features, scored=target) - target).tolist():
                     self.token_error.add(error)
             self.token_model.update(token_x, target)
 
     def _predict_log(
-        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Log lengths; with ``scored`` (the targets of samples about to be learned), each one as predicted when
+        its turn comes (``RidgeRegressor.predict_each``)."""
         # A linear model extrapolates; lengths live in [1, max_new_tokens].
-        return self._predict_log_raw(work, keys, token_features).clamp(0.0, math.log(max(1, work.max_new_tokens)))
+        raw = self._predict_log_raw(work, keys, token_features, scored)
+        return raw.clamp(0.0, math.log(max(1, work.max_new_tokens)))
 
     def _predict_log_raw(
-        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None,
+        scored: torch.Tensor | None,
     ) -> torch.Tensor:
+        def predict(model: RidgeRegressor, x: torch.Tensor) -> torch.Tensor:
+            return model.predict(x) if scored is None else model.predict_each(x, scored)
+
         prompt_x = self._prompt_x(work, keys)
         if token_features is not None and self.token_model.effective_count >= self.min_token_observations:
             token_x = torch.cat([prompt_x, self._phi(token_features)], dim=1)
             if token_x.shape[1] == self.token_model.dim:
-                return self.token_model.predict(token_x)
+                return predict(self.token_model, token_x)
         if self.prompt_model.sw > 0 and prompt_x.shape[1] == (self.prompt_model.dim or 0):
-            return self.prompt_model.predict(prompt_x)
+            return predict(self.prompt_model, prompt_x)
         return torch.full((len(keys),), prior_log_length(work.max_new_tokens), dtype=torch.float64)
 
     def _prompt_x(self, work: RolloutWork, keys: Sequence[SampleKey]) -> torch.Tensor:

@@ -57,13 +57,13 @@ class RidgeRegressor:
         y = y.to(torch.float64)
         if self.dim != x.shape[1]:
             self._reset_stats(x.shape[1])  # a different feature size means a different model
-        if self.sw > 0:
-            # Prequential error of every penalty, before the model sees these targets.
-            errors = (self._predict_all(x) - y[None, :]) ** 2  # [A, N]
-            self.alpha_sq_err = self.alpha_sq_err * self.decay ** len(y) + errors.sum(dim=1)
         n = len(y)
         # Row i of the batch is followed by n - 1 - i newer observations.
         w = self.decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
+        if self.sw > 0:
+            # Prequential error of every penalty, before the model sees these targets (decayed like the rows).
+            errors = (self._predict_all(x) - y[None, :]) ** 2  # [A, N]
+            self.alpha_sq_err = self.alpha_sq_err * self.decay**n + (errors * w[None, :]).sum(dim=1)
         scale = self.decay**n
         self.sw = self.sw * scale + float(w.sum())
         self.sw2 = self.sw2 * scale * scale + float((w * w).sum())
@@ -77,10 +77,27 @@ class RidgeRegressor:
         """Predictions ``[N]`` for ``x [N, d]`` with the best penalty; the mean target when nothing is fitted."""
         return self._predict_all(x.to(torch.float64))[self.best_alpha_index()]
 
+    def predict_each(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Predictions ``[N]`` for observations ``x [N, d]`` about to be learned in this order with targets
+        ``y [N]``, each with the penalty that would be the best when its turn came one at a time (every earlier
+        row's error moves the penalties' totals). The fit is the current one: within ``rows_before_refit`` rows,
+        this is exactly what one-at-a-time learning would have predicted."""
+        x, y = x.to(torch.float64), y.to(torch.float64)
+        every = self._predict_all(x)  # [A, N]
+        totals = self.alpha_sq_err.clone()
+        picked = []
+        for i in range(len(y)):
+            picked.append(every[self._best_alpha(totals), i])
+            totals = totals * self.decay + (every[:, i] - y[i]) ** 2
+        return torch.stack(picked) if picked else torch.zeros(0, dtype=torch.float64)
+
     def best_alpha_index(self) -> int:
-        if self.alpha_sq_err.sum() == 0:
+        return self._best_alpha(self.alpha_sq_err)
+
+    def _best_alpha(self, totals: torch.Tensor) -> int:
+        if totals.sum() == 0:
             return self.alphas.index(10.0) if 10.0 in self.alphas else len(self.alphas) // 2
-        return int(torch.argmin(self.alpha_sq_err))
+        return int(torch.argmin(totals))
 
     def _predict_all(self, x: torch.Tensor) -> torch.Tensor:
         """``[A, N]``: one row per penalty."""
