@@ -10,8 +10,8 @@ training step: the rollout of B prompts x G samples with the given strategy, rew
 micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really
-ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default (on); ``--no-gradient-checkpointing``
-measures the update holding every activation of a micro-batch.
+ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default
+(on); ``--no-gradient-checkpointing`` measures the update holding every activation of a micro-batch.
 
 On Linux CPU the peak is the process's resident memory, so it includes what glibc's malloc keeps after tensors are
 freed. By default glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in

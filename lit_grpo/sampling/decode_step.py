@@ -17,8 +17,9 @@ Then ``step`` copies the tokens, their log-probs and, when asked, some rows' las
 one synchronisation: the engine must learn which rows ended before it refills them. Idle rows run too (the
 shapes never change); they sit at length 0, write into their own column 0 and are ignored.
 
-The CUDA graph is captured (``capture``) right after the step is built, while every row is idle, so the warm-up forwards that
-precede the capture only touch idle rows' column 0, which a sample always overwrites before it reads it.
+The CUDA graph is captured (``capture``) right after the step is built, while every row is idle, so the warm-up
+forwards that precede the capture only touch idle rows' column 0, which a sample always overwrites before it reads
+it.
 """
 
 from __future__ import annotations
