@@ -145,7 +145,6 @@ class InfiniteScheduler(Scheduler):
         self.finished_prediction: dict[SampleKey, float] = {}
         self.parks = 0
         self.peak_parked = 0
-        self.finishes_since_refresh = 0
         # Finished samples the predictor has not learned from yet: (key, length, token feature or None). Taught in
         # one batch when predictions are refreshed, and at the end of the rollout, rather than one by one between
         # decode steps, where the host's time is the accelerator's idle time.
@@ -226,7 +225,6 @@ class InfiniteScheduler(Scheduler):
         self.finished[key] = int(length)
         self.finished_prediction[key] = self.prediction.get(key, float("nan"))
         self.unlearned.append((key, int(length), self.token_features.pop(key, None)))
-        self.finishes_since_refresh += 1
 
     def end(self) -> dict[str, float]:
         self._learn()
@@ -318,9 +316,8 @@ class InfiniteScheduler(Scheduler):
         group's first finished samples; the plan then follows the better numbers.
         """
         # At most every slot's worth of finishes, and every quarter pool's worth, so large pools cost O(1) each.
-        if self.finishes_since_refresh < max(len(self.slots), len(self.planner) // 4) or not len(self.planner):
+        if len(self.unlearned) < max(len(self.slots), len(self.planner) // 4) or not len(self.planner):
             return
-        self.finishes_since_refresh = 0
         self._learn()
         keys = list(self.planner.pool)
         with_tokens = [k for k in keys if k in self.token_features]

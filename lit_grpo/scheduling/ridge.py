@@ -116,10 +116,10 @@ class RidgeRegressor:
         self._maybe_fit()
         if self._fit is None:
             return 1
-        return max(1, math.ceil(max(self.min_refit, 0.1 * self.effective_count) - self.new_since_fit))
+        return max(1, math.ceil(self._refit_threshold() - self.new_since_fit))
 
     def _maybe_fit(self) -> None:
-        due = self.new_since_fit >= max(self.min_refit, 0.1 * self.effective_count)
+        due = self.new_since_fit >= self._refit_threshold()
         if self._fit is not None and not due:
             return
         if self.effective_count < 3 or self.dim is None:
@@ -127,6 +127,10 @@ class RidgeRegressor:
             return
         self._fit = self._solve()
         self.new_since_fit = 0
+
+    def _refit_threshold(self) -> float:
+        """New observations after which the fit is stale: ``min_refit``, and 10% of the effective count."""
+        return max(self.min_refit, 0.1 * self.effective_count)
 
     def _solve(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         n = self.sw
