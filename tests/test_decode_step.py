@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from lit_grpo.models import load_model_and_tokenizer
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
+from scheduler_helpers import trust_predictions
 
 META = torch.device("meta")
 SETTINGS = [
@@ -152,6 +153,8 @@ def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_
 
     engine = RolloutEngine(model, tokenizer, group_size=5, micro_group_size=2, strategy=strategy, max_new_tokens=12,
                            seed=1, **({"probe_tokens": 3, "park_budget": None} if strategy == "infinite" else {}))
+    if strategy == "infinite":
+        trust_predictions(engine.scheduler)
     lengths = [[12, 3, 7, 1, 9]] * len(prompt_ids)  # forced: the step's replay branch, rows ending at set steps
     first = engine.generate(prompt_ids, lengths=lengths)
     second = engine.generate(prompt_ids, lengths=lengths)  # the same cache and step, reused

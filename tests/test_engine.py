@@ -7,6 +7,7 @@ import torch
 
 from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
 from lit_grpo.sampling.token_sampler import filter_logits
+from scheduler_helpers import trust_predictions
 
 G = 5
 
@@ -141,6 +142,7 @@ def test_infinite_parks_and_resumes_samples_without_changing_them(tiny_llama):
     prompts = _ids(tokenizer, PROMPTS)
     engine = RolloutEngine(model, tokenizer, group_size=6, micro_group_size=2, strategy="infinite",
                            max_new_tokens=20, seed=4, predictor="online", probe_tokens=4)
+    trust_predictions(engine.scheduler)
     result = engine.generate(prompts)
     assert engine.scheduler.last_info["parks"] > 0  # the probe really parked samples
     full = RolloutEngine(model, tokenizer, group_size=6, strategy="full", max_new_tokens=20, seed=4).generate(prompts)
@@ -261,6 +263,8 @@ def test_schedules_are_bit_identical_on_smollm2_in_float32():
         options = {"probe_tokens": 3} if strategy == "infinite" else {}
         engines[strategy] = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=3, strategy=strategy,
                                           max_new_tokens=10, temperature=1.0, seed=5, **options)
+        if strategy == "infinite":
+            trust_predictions(engines[strategy].scheduler)
         results[strategy] = engines[strategy].generate(prompts)
     assert engines["infinite"].scheduler.last_info["parks"] > 0  # parked and resumed samples are identical too
     assert results["micro"].stats.timeline != results["continuous"].stats.timeline  # really different schedules
@@ -293,6 +297,7 @@ def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_
     model, tokenizer = tiny_llama
     engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=12, strategy="infinite",
                            max_new_tokens=12, seed=2, probe_tokens=3)
+    trust_predictions(engine.scheduler)  # trusted probes, and still nothing to gain from parking
     result = engine.generate(prompt_ids)
     assert engine.scheduler.last_info["parks"] == 0
     full = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2).generate(prompt_ids)
@@ -359,9 +364,9 @@ class _CountingScheduler:
     def __init__(self, inner):
         self.inner, self.admits = inner, 0
 
-    def admit(self, num_free, num_running):
+    def admit(self):
         self.admits += 1
-        return self.inner.admit(num_free, num_running)
+        return self.inner.admit()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

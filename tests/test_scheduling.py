@@ -13,7 +13,7 @@ from lit_grpo.scheduling import (
     FIFOScheduler,
     HistoryLengthPredictor,
     InfiniteScheduler,
-    LanePlanner,
+    SlotPlanner,
     OnlineLengthPredictor,
     OracleLengthPredictor,
     RolloutWork,
@@ -34,31 +34,31 @@ from lit_grpo.scheduling import fptas as grouping_module  # the FPTAS and its lo
 from lit_grpo.scheduling.predictors import expected_length
 
 
-def brute_force_makespan(lengths, num_lanes, ready=None):
-    ready = list(ready) if ready is not None else [0] * num_lanes
+def brute_force_makespan(lengths, num_slots, ready=None):
+    ready = list(ready) if ready is not None else [0] * num_slots
     best = math.inf
-    for assignment in itertools.product(range(num_lanes), repeat=len(lengths)):
+    for assignment in itertools.product(range(num_slots), repeat=len(lengths)):
         loads = list(ready)
-        for job, lane in enumerate(assignment):
-            loads[lane] += lengths[job]
+        for job, slot in enumerate(assignment):
+            loads[slot] += lengths[job]
         best = min(best, max(loads))
     return best
 
 
-def check_partition(part, lengths, num_lanes, ready=None):
-    ready = ready or [0] * num_lanes
-    assert sorted(j for lane in part.lanes for j in lane) == list(range(len(lengths)))
-    loads = [ready[i] + sum(lengths[j] for j in part.lanes[i]) for i in range(num_lanes)]
+def check_partition(part, lengths, num_slots, ready=None):
+    ready = ready or [0] * num_slots
+    assert sorted(j for slot in part.slots for j in slot) == list(range(len(lengths)))
+    loads = [ready[i] + sum(lengths[j] for j in part.slots[i]) for i in range(num_slots)]
     assert loads == pytest.approx(part.loads)
 
 
 def small_instances(count, seed=0):
     rng = random.Random(seed)
     for index in range(count):
-        num_lanes = rng.randint(2, 3)
+        num_slots = rng.randint(2, 3)
         lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 8))]
-        ready = [rng.randint(0, 40) for _ in range(num_lanes)] if index % 2 else None
-        yield lengths, num_lanes, ready
+        ready = [rng.randint(0, 40) for _ in range(num_slots)] if index % 2 else None
+        yield lengths, num_slots, ready
 
 
 # ---- grouping --------------------------------------------------------------------------------------------------
@@ -66,10 +66,10 @@ def small_instances(count, seed=0):
 
 @pytest.mark.parametrize("epsilon", [0.01, 0.1])
 def test_fptas_within_epsilon_of_brute_force(epsilon):
-    for lengths, num_lanes, ready in small_instances(120):
-        optimum = brute_force_makespan(lengths, num_lanes, ready)
-        part = fptas_partition(lengths, num_lanes, ready, epsilon=epsilon)
-        check_partition(part, lengths, num_lanes, ready)
+    for lengths, num_slots, ready in small_instances(120):
+        optimum = brute_force_makespan(lengths, num_slots, ready)
+        part = fptas_partition(lengths, num_slots, ready, epsilon=epsilon)
+        check_partition(part, lengths, num_slots, ready)
         assert part.lower_bound <= optimum + 1e-9
         assert part.makespan <= (1 + epsilon) * optimum + 1e-9
         assert part.ratio_bound == pytest.approx(1 + epsilon)  # small instances: certified or DP completed
@@ -80,42 +80,42 @@ def test_fptas_dp_fixes_lpt_worst_cases(monkeypatch):
     cases = [([3, 3, 2, 2, 2], 2, 6), ([5, 5, 4, 4, 3, 3, 3], 3, 9)]
     # Without the local search the DP stage has to find the optimum itself.
     monkeypatch.setattr(grouping_module, "local_search", lambda part, lengths, ready: part)
-    for lengths, num_lanes, optimum in cases:
-        assert lpt_partition(lengths, num_lanes).makespan == pytest.approx(optimum * (4 / 3 - 1 / (3 * num_lanes)))
-        part = fptas_partition(lengths, num_lanes, epsilon=0.01)
+    for lengths, num_slots, optimum in cases:
+        assert lpt_partition(lengths, num_slots).makespan == pytest.approx(optimum * (4 / 3 - 1 / (3 * num_slots)))
+        part = fptas_partition(lengths, num_slots, epsilon=0.01)
         assert part.makespan == optimum
         assert part.method == "dp"
 
 
 def test_lpt_within_graham_bound():
-    for lengths, num_lanes, _ in small_instances(150, seed=1):
-        optimum = brute_force_makespan(lengths, num_lanes)
-        part = lpt_partition(lengths, num_lanes)
-        check_partition(part, lengths, num_lanes)
-        assert part.makespan <= (4 / 3 - 1 / (3 * num_lanes)) * optimum + 1e-9
+    for lengths, num_slots, _ in small_instances(150, seed=1):
+        optimum = brute_force_makespan(lengths, num_slots)
+        part = lpt_partition(lengths, num_slots)
+        check_partition(part, lengths, num_slots)
+        assert part.makespan <= (4 / 3 - 1 / (3 * num_slots)) * optimum + 1e-9
         assert part.ratio_bound <= 4 / 3
 
 
 def test_karmarkar_karp_sane():
-    for lengths, num_lanes, ready in small_instances(150, seed=2):
-        optimum = brute_force_makespan(lengths, num_lanes, ready)
-        part = karmarkar_karp_partition(lengths, num_lanes, ready)
-        check_partition(part, lengths, num_lanes, ready)
+    for lengths, num_slots, ready in small_instances(150, seed=2):
+        optimum = brute_force_makespan(lengths, num_slots, ready)
+        part = karmarkar_karp_partition(lengths, num_slots, ready)
+        check_partition(part, lengths, num_slots, ready)
         if ready is None:  # Michiels et al.: multiway differencing <= 4/3 - 1/(3(m-1)) OPT
             assert part.makespan <= 4 / 3 * optimum + 1e-9
     # Two-way differencing on the textbook instance: 8-7, 6-5, 4-1-1, 3-1 -> difference 2.
     assert sorted(karmarkar_karp_partition([8, 7, 6, 5, 4], 2).loads) == [14, 16]
 
 
-def test_ready_times_keep_lane_identity():
+def test_ready_times_keep_slot_identity():
     part = fptas_partition([10, 10, 10], 3, ready=[100, 0, 5])
     check_partition(part, [10, 10, 10], 3, [100, 0, 5])
-    assert part.lanes[0] == []  # the busy lane gets nothing
+    assert part.slots[0] == []  # the busy slot gets nothing
     assert part.makespan == 100
 
 
 def test_lower_bound_parts():
-    assert makespan_lower_bound([5, 5, 5], 2) == 10  # pigeonhole: two of three share a lane
+    assert makespan_lower_bound([5, 5, 5], 2) == 10  # pigeonhole: two of three share a slot
     assert makespan_lower_bound([9, 1, 1], 3) == 9
     assert makespan_lower_bound([3, 3], 2, ready=[0, 10]) == 10  # latest ready time
     assert makespan_lower_bound([7, 1], 2, ready=[0, 4]) == 7
@@ -151,16 +151,16 @@ def test_refill_policy_orders():
 
 
 def test_planner_follows_plan_and_replans_on_deviation():
-    planner = LanePlanner(make_refill("sjf"), make_grouping("fptas"), num_lanes=2)
+    planner = SlotPlanner(make_refill("sjf"), make_grouping("fptas"), num_slots=2)
     for rank, length in enumerate([6, 3, 3, 2, 2, 2]):
         planner.add(("job", rank), length, rank)
-    first = [planner.choose(lane, 0, [0.0, 0.0]) for lane in range(2)]
+    first = [planner.choose(slot, 0, [0.0, 0.0]) for slot in range(2)]
     assert planner.stats.replans == 1
-    # Plan: {6, 3, 0..} | {3, 2, 2, 2}? Either way lanes balance at 9 and SJF starts each lane's shortest job.
+    # Plan: {6, 3, 0..} | {3, 2, 2, 2}? Either way slots balance at 9 and SJF starts each slot's shortest job.
     assert planner.plan_makespan == 9
     shortest = {("job", 3), ("job", 4), ("job", 5), ("job", 1), ("job", 2)}
     assert set(first) <= shortest
-    # Lane 0 comes back on time: no re-plan. Far off the plan: re-plan.
+    # Slot 0 comes back on time: no re-plan. Far off the plan: re-plan.
     on_time = planner.expected_end[0]
     planner.choose(0, on_time, [0.0, 1.0])
     assert planner.stats.replans == 1
@@ -169,17 +169,17 @@ def test_planner_follows_plan_and_replans_on_deviation():
 
 
 def test_planner_slack_starts_the_longest_job():
-    def exact_grouping(lengths, num_lanes, ready=None, epsilon=None):
-        return fptas_partition(lengths, num_lanes, ready, epsilon=0.01)  # ignores the slack-derived epsilon
+    def exact_grouping(lengths, num_slots, ready=None, epsilon=None):
+        return fptas_partition(lengths, num_slots, ready, epsilon=0.01)  # ignores the slack-derived epsilon
 
     def planner_with_jobs():
-        planner = LanePlanner(make_refill("sjf"), exact_grouping, num_lanes=2)
+        planner = SlotPlanner(make_refill("sjf"), exact_grouping, num_slots=2)
         for rank, length in enumerate([10, 6, 6]):
             planner.add(rank, length, rank)
         return planner
 
-    # Lane 1 is busy for 2 more steps. The optimal plan (makespan 12) runs 6 + 6 here and defers the long job to
-    # lane 1; starting it here instead costs 14 / 12 - 1 = 17% of the plan.
+    # Slot 1 is busy for 2 more steps. The optimal plan (makespan 12) runs 6 + 6 here and defers the long job to
+    # slot 1; starting it here instead costs 14 / 12 - 1 = 17% of the plan.
     exact = planner_with_jobs()
     assert exact.choose(0, 0, [0.0, 2.0], slack=0.0) == 1
     assert exact.plan_makespan == 12
@@ -191,7 +191,7 @@ def test_planner_slack_starts_the_longest_job():
     assert loose.stats.forced == 1
     assert loose.plan_makespan == 14
     # With the default grouping the slack also coarsens the plan (epsilon = slack): LPT, which starts it anyway.
-    coarse = LanePlanner(make_refill("sjf"), make_grouping("fptas"), num_lanes=2)
+    coarse = SlotPlanner(make_refill("sjf"), make_grouping("fptas"), num_slots=2)
     for rank, length in enumerate([10, 6, 6]):
         coarse.add(rank, length, rank)
     assert coarse.choose(0, 0, [0.0, 2.0], slack=0.5) == 0
@@ -315,13 +315,13 @@ def test_expected_length_given_survival():
 def test_infinite_scheduler_engine_switches():
     online = InfiniteScheduler()
     assert isinstance(online, Scheduler)
-    assert online.needs_prompt_features and online.checkpoint_tokens == 8
+    assert online.needs_prompt_features and online.probe_tokens == 8
     oracle = InfiniteScheduler(predictor="oracle", refill="sjf", grouping="kk")
-    assert not oracle.needs_prompt_features and oracle.checkpoint_tokens is None
-    assert InfiniteScheduler(probe_tokens=None).checkpoint_tokens is None
+    assert not oracle.needs_prompt_features and oracle.probe_tokens is None
+    assert InfiniteScheduler(probe_tokens=None).probe_tokens is None
     assert InfiniteScheduler(predictor=HistoryLengthPredictor(), refill=make_refill("fifo")).refill.name == "fifo"
     # The base schedulers keep their contract.
-    assert FIFOScheduler.checkpoint_tokens is None and RoundScheduler.needs_prompt_features is False
+    assert FIFOScheduler.probe_tokens is None and RoundScheduler.needs_prompt_features is False
 
 
 @pytest.mark.parametrize(

@@ -226,7 +226,7 @@ class RolloutEngine:
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
-                            force_lengths=forced, hidden_states=self.scheduler.checkpoint_tokens is not None,
+                            force_lengths=forced, hidden_states=self.scheduler.probe_tokens is not None,
                             cuda_graph=bool(graph))
 
     # ------------------------------------------------------------------------------------------ validation

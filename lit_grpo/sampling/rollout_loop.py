@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache, cache_layers_kv, kv_bytes, slice_columns
 from lit_grpo.sampling.stats import IDLE, RolloutStats
-from lit_grpo.scheduling.base import RolloutWork, SampleKey
+from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey
 
 if TYPE_CHECKING:
     from lit_grpo.sampling.engine import RolloutEngine
@@ -36,12 +36,12 @@ class RolloutResult:
 
 @dataclass
 class _Sample:
-    """A started sample: in a slot (``slot >= 0``) or parked with its generated positions' KV aside."""
+    """A started sample's tokens; while parked, its generated positions' KV aside. Where it runs is the
+    scheduler's record (``Scheduler.slots``)."""
 
     key: SampleKey
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    slot: int = -1
     parked_tail: KV | None = None
 
 
@@ -65,7 +65,7 @@ class RolloutLoop:
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
         self.unstarted = [self.G] * B  # samples of each prompt not yet started
         self.parked_count = [0] * B
-        self.slots: list[_Sample | None] = [None] * self.num_slots
+        self.running: dict[SampleKey, _Sample] = {}
         self.parked: dict[SampleKey, _Sample] = {}
         self.done: dict[SampleKey, _Sample] = {}
 
@@ -82,10 +82,10 @@ class RolloutLoop:
         self._record_memory()
         try:
             while len(self.done) < total:
-                free = self._free_slots()
-                if free and self._waiting():  # once nothing waits, the tail runs without asking the scheduler
-                    self._admit(self.scheduler.admit(len(free), self.num_slots - len(free)))
-                if all(sample is None for sample in self.slots):
+                if len(self.running) < self.num_slots and self._waiting():
+                    # Once nothing waits, the tail runs without asking the scheduler.
+                    self._admit(self.scheduler.admit())
+                if not self.running:
                     raise RuntimeError(f"{type(self.scheduler).__name__} admitted nothing while no sample runs and "
                                        f"{total - len(self.done)} samples remain")
                 self._decode_step()
@@ -96,23 +96,17 @@ class RolloutLoop:
         self.stats.length_pred_smape = metrics.get("length_pred_smape")
         return self._result()
 
-    def _free_slots(self) -> list[int]:
-        return [slot for slot, sample in enumerate(self.slots) if sample is None]
-
     def _waiting(self) -> bool:
         """Whether a sample waits for a slot: one not started yet, or a parked one."""
         return bool(self.parked) or any(self.unstarted)
 
-    def _admit(self, keys: list[SampleKey]) -> None:
-        free = self._free_slots()
-        if len(keys) > len(free):
-            raise RuntimeError(f"scheduler admitted {len(keys)} samples for {len(free)} free slots")
-        for key, slot in zip(keys, free):  # lowest free slots first
+    def _admit(self, assignments: list[Assignment]) -> None:
+        for slot, key in assignments:
             p, k = key
             if key in self.parked:
                 sample = self.parked.pop(key)
                 self.parked_count[p] -= 1
-            elif key in self.done or self._running(key) or not self.unstarted[p]:
+            elif key in self.done or key in self.running or not self.unstarted[p]:
                 raise RuntimeError(f"scheduler admitted sample {key} twice")
             else:
                 if p not in self.prefixes:
@@ -126,19 +120,16 @@ class RolloutLoop:
             forced = self.forced[p][k] if self.forced is not None else 0
             self.step.start_row(slot, prompt=p, sample=k, generated=len(sample.tokens), length=length,
                                 next_input=next_input, forced_length=forced)
-            sample.slot = slot
-            self.slots[slot] = sample
+            self.running[key] = sample
         self._release_unused_prefixes()
         self._record_memory()
 
-    def _running(self, key: SampleKey) -> bool:
-        return any(sample is not None and sample.key == key for sample in self.slots)
-
     def _decode_step(self) -> None:
-        engine, checkpoint = self.engine, self.scheduler.checkpoint_tokens
-        probing = [] if checkpoint is None else [  # slots whose token of this step is their checkpoint's
-            slot for slot, sample in enumerate(self.slots)
-            if sample is not None and len(sample.tokens) == checkpoint - 1]
+        engine, probe = self.engine, self.scheduler.probe_tokens
+        # The slots' samples as this step runs them: finishing and parking below change the scheduler's record.
+        rows = [(slot, self.running[key]) for slot, key in enumerate(self.scheduler.slots) if key is not None]
+        probing = [] if probe is None else [  # slots whose token of this step is their probe's
+            slot for slot, sample in rows if len(sample.tokens) == probe - 1]
         start = time.perf_counter()
         out = self.step.step(probing)
         self.stats.forward_s += time.perf_counter() - start
@@ -146,40 +137,39 @@ class RolloutLoop:
 
         timeline = [IDLE] * self.num_slots
         hidden_row = {slot: i for i, slot in enumerate(probing)}
-        for slot, sample in enumerate(self.slots):
-            if sample is None:
-                continue
+        for slot, sample in rows:
             timeline[slot] = sample.key[0] * self.G + sample.key[1]
             token = out.tokens[slot]
             sample.tokens.append(token)
             sample.logprobs.append(out.logprobs[slot])
             if token in self.eos or len(sample.tokens) >= engine.max_new_tokens:
-                self._finish(sample)
-            elif len(sample.tokens) == checkpoint and self.scheduler.checkpoint(
+                self._finish(slot, sample)
+            elif len(sample.tokens) == probe and self.scheduler.probe(
                     sample.key, len(sample.tokens), out.hidden[hidden_row[slot]]):
-                self._park(sample)
+                self._park(slot, sample)
         self.stats.timeline.append(timeline)
         self._release_unused_prefixes()
 
     # --------------------------------------------------------------------------------------- sample states
-    def _finish(self, sample: _Sample) -> None:
-        self._vacate(sample)
+    def _finish(self, slot: int, sample: _Sample) -> None:
+        self._vacate(slot, sample)
         self.done[sample.key] = sample
         self.scheduler.finish(sample.key, len(sample.tokens))
 
-    def _park(self, sample: _Sample) -> None:
+    def _park(self, slot: int, sample: _Sample) -> None:
+        """The scheduler parked the sample (and freed its slot): keep its row's generated positions aside."""
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
         prefix = len(self.prompt_ids[sample.key[0]]) - 1
-        sample.parked_tail = self.cache.read_row(sample.slot, prefix, prefix + len(sample.tokens))
-        self._vacate(sample)
+        sample.parked_tail = self.cache.read_row(slot, prefix, prefix + len(sample.tokens))
+        self._vacate(slot, sample)
         self.parked[sample.key] = sample
         self.parked_count[sample.key[0]] += 1
+        self.stats.parked_samples += 1
         self._record_memory()
 
-    def _vacate(self, sample: _Sample) -> None:
-        self.step.stop_row(sample.slot)
-        self.slots[sample.slot] = None
-        sample.slot = -1
+    def _vacate(self, slot: int, sample: _Sample) -> None:
+        self.step.stop_row(slot)
+        del self.running[sample.key]
 
     def _prefill(self, p: int, with_features: bool = False) -> torch.Tensor | None:
         """Run prompt p's first P - 1 tokens once and cache their KV; optionally return its features [H] (the
@@ -204,18 +194,19 @@ class RolloutLoop:
 
     def _release_unused_prefixes(self) -> None:
         """Free the cached prefix of every prompt no sample can need again: all started, none parked, and none
-        still running short of its checkpoint (it may be parked, and resuming needs the prefix)."""
-        checkpoint = self.scheduler.checkpoint_tokens
-        may_park = set() if checkpoint is None else {
-            s.key[0] for s in self.slots if s is not None and len(s.tokens) < checkpoint}
+        still running short of its probe (it may be parked, and resuming needs the prefix)."""
+        probe = self.scheduler.probe_tokens
+        may_park = set() if probe is None else {
+            s.key[0] for s in self.running.values() if len(s.tokens) < probe}
         for p in [p for p in self.prefixes if not self.unstarted[p] and not self.parked_count[p]]:
             if p not in may_park:
                 del self.prefixes[p]
 
     def _record_memory(self) -> None:
-        held = self.cache.nbytes() + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
-        held += sum(kv_bytes(s.parked_tail) for s in self.parked.values())
+        parked = sum(kv_bytes(s.parked_tail) for s in self.parked.values())
+        held = self.cache.nbytes() + parked + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
+        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, parked)
 
     def _result(self) -> RolloutResult:
         B, eos = len(self.prompt_ids), self.eos

@@ -28,6 +28,8 @@ class RolloutStats:
         capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
             the previous rollout's, or runs eagerly; a failed attempt's time when a capture failed).
         num_slots: concurrent sequences the rollout ran with.
+        parked_samples: times the scheduler parked a running sample after its length probe ("infinite" only).
+        parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).
         length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step
             ``t``, or ``IDLE``. Kept for pictures (see lit_grpo.callbacks.SlotTimelineLogger).
@@ -46,6 +48,8 @@ class RolloutStats:
     capture_s: float = 0.0
     num_slots: int = 0
     group_size: int = 0
+    parked_samples: int = 0
+    parked_kv_bytes: int = 0
     length_pred_kendall_tau: float | None = None
     length_pred_smape: float | None = None
     timeline: list[list[int]] = field(default_factory=list, repr=False)
@@ -73,7 +77,7 @@ class RolloutStats:
 def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
     """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
 
-    Counts and times (capture included) add; ``peak_kv_bytes`` is the max; ratios are recomputed; the timelines
+    Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are recomputed; the timelines
     are concatenated in time, with flat sample indices shifted by the samples of the earlier rounds;
     length-prediction quality is the first round's.
     """
@@ -92,6 +96,8 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.generated_tokens += part.generated_tokens
         merged.lower_bound_steps += part.lower_bound_steps
         merged.peak_kv_bytes = max(merged.peak_kv_bytes, part.peak_kv_bytes)
+        merged.parked_samples += part.parked_samples
+        merged.parked_kv_bytes = max(merged.parked_kv_bytes, part.parked_kv_bytes)
         merged.wall_s += part.wall_s
         merged.forward_s += part.forward_s
         merged.capture_s += part.capture_s

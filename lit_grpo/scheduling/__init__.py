@@ -27,7 +27,7 @@ from lit_grpo.scheduling.predictors import (
 from lit_grpo.scheduling.refill import (
     DEFAULT_REFILL,
     FIFORefill,
-    LanePlanner,
+    SlotPlanner,
     LPTRefill,
     RefillPolicy,
     SJFRefill,
@@ -42,7 +42,7 @@ __all__ = [
     "HistoryLengthPredictor",
     "InfiniteScheduler",
     "LPTRefill",
-    "LanePlanner",
+    "SlotPlanner",
     "LengthPredictor",
     "OnlineLengthPredictor",
     "OracleLengthPredictor",

@@ -1,20 +1,21 @@
 """The contract between the rollout engine (mechanism) and a scheduler (policy).
 
-The engine owns slots, KV memory and the decode loop; a scheduler only decides *which* sample runs next and
-whether a running sample should be parked. As in vLLM's v1 core, the scheduler never touches tensors of the KV
-cache, and the engine never decides order.
+The scheduler owns which sample runs in which slot, as vLLM's scheduler owns its running requests: the engine asks
+it to fill free slots and executes the ``(slot, sample)`` assignments it returns; the engine owns the samples'
+tokens, the KV memory and the decode loop. The scheduler never touches KV tensors, and the engine never decides
+order or placement.
 
 Per rollout the engine calls, in this order:
 
 1. ``begin(work)`` once, with the rollout's shape (prompts, G, slots) and, when ``needs_prompt_features`` is set,
    one feature vector per prompt (the policy's own last-layer hidden state, mean-pooled over the prompt).
-2. ``admit(num_free, num_running)`` whenever slots are free and a sample waits for one (not started yet, or
-   parked); it returns the keys ``(prompt, sample)`` to start or resume, at most ``num_free`` of them. Returning
-   fewer (even none) is allowed while samples are running.
-3. ``checkpoint(key, generated, feature)`` when a running sample has generated ``checkpoint_tokens`` tokens
-   (only if that attribute is not None); returning True parks the sample: the engine frees its slot, keeps its
-   generated tokens' KV aside, and resumes it when ``admit`` returns its key again.
-4. ``finish(key, length)`` when a sample ends (EOS or the length cap).
+2. ``admit()`` whenever a slot is free (``free_slots()``) and a sample waits for one (not started yet, or parked);
+   it returns ``(slot, key)`` assignments, ``key = (prompt, sample)``, each to a free slot, and records them in
+   ``slots``. Returning none is allowed while samples are running.
+3. ``probe(key, generated, feature)`` when a running sample has generated ``probe_tokens`` tokens (only if that
+   attribute is not None); returning True parks the sample: the scheduler frees its slot, the engine keeps its
+   generated tokens' KV aside and resumes it when ``admit`` assigns it again.
+4. ``finish(key, length)`` when a sample ends (EOS or the length cap); its slot is free from then on.
 5. ``end()`` once; returns metrics for RolloutStats (e.g. ``length_pred_kendall_tau``).
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 SampleKey = tuple[int, int]  # (prompt index, sample index within its group)
+Assignment = tuple[int, SampleKey]  # (slot, sample)
 
 
 def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
@@ -34,6 +36,7 @@ def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
     if not lengths:
         return 0
     return max(math.ceil(sum(lengths) / num_slots), max(lengths))
+
 
 @dataclass
 class RolloutWork:
@@ -68,32 +71,60 @@ class RolloutWork:
 
 
 class Scheduler:
-    """Base scheduler: first-in first-out, prompt-major. Subclasses override what they need."""
+    """Base scheduler: first come, first served, prompt-major. Subclasses choose what runs (``_pick``) and may
+    place it (``admit``); the record of which sample is in which slot stays here."""
 
     #: Ask the engine for the policy's prompt features in ``begin``.
     needs_prompt_features: bool = False
-    #: Call ``checkpoint`` when a running sample has generated this many tokens (None: never).
-    checkpoint_tokens: int | None = None
+    #: Call ``probe`` when a running sample has generated this many tokens (None: never).
+    probe_tokens: int | None = None
 
     def begin(self, work: RolloutWork) -> None:
         self.work = work
+        self.slots: list[SampleKey | None] = [None] * work.num_slots  # slot -> the sample running there
+        self.slot_of: dict[SampleKey, int] = {}  # the same record, by sample
         self._pending = work.keys()
         self._pending.reverse()  # pop() from the end is O(1)
 
-    def admit(self, num_free: int, num_running: int) -> list[SampleKey]:
+    def free_slots(self) -> list[int]:
+        return [slot for slot, key in enumerate(self.slots) if key is None]
+
+    def admit(self) -> list[Assignment]:
+        """Fill free slots, lowest first, with the samples ``_pick`` chooses."""
+        free = self.free_slots()
+        return [self._place(slot, key) for slot, key in zip(free, self._pick(len(free), len(self.slot_of)))]
+
+    def _pick(self, num_free: int, num_running: int) -> list[SampleKey]:
         taken = []
         while self._pending and len(taken) < num_free:
             taken.append(self._pending.pop())
         return taken
 
-    def checkpoint(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
+    def probe(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
         return False
 
     def finish(self, key: SampleKey, length: int) -> None:
-        pass
+        self._vacate(key)
 
     def end(self) -> dict[str, float]:
         return {}
+
+    def _place(self, slot: int, key: SampleKey) -> Assignment:
+        if self.slots[slot] is not None:
+            raise RuntimeError(f"{type(self).__name__} placed sample {key} in slot {slot}, which runs "
+                               f"{self.slots[slot]}")
+        if key in self.slot_of:
+            raise RuntimeError(f"{type(self).__name__} placed sample {key} twice (it runs in slot "
+                               f"{self.slot_of[key]})")
+        self.slots[slot] = key
+        self.slot_of[key] = slot
+        return slot, key
+
+    def _vacate(self, key: SampleKey) -> int | None:
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self.slots[slot] = None
+        return slot
 
 
 #: The base scheduler admits samples in prompt-major order: the default of "full", "micro" and "continuous".
@@ -104,7 +135,7 @@ class RoundScheduler(Scheduler):
     """Naive micro sampling groups: rounds of up to g samples of one prompt; a round starts only when every
     sample of the previous one has finished (the paper's "micro" baseline, before continuous sampling)."""
 
-    def admit(self, num_free: int, num_running: int) -> list[SampleKey]:
+    def _pick(self, num_free: int, num_running: int) -> list[SampleKey]:
         if num_running or not self._pending:
             return []
         prompt = self._pending[-1][0]

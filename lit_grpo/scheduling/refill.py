@@ -7,10 +7,10 @@ A *refill policy* orders candidates by predicted remaining length:
   discovered early, while short jobs remain to fill the tail.
 - "fifo": the plan's arrival order (prompt-major), as plain continuous batching.
 
-A :class:`LanePlanner` keeps a global plan (a :class:`~lit_grpo.scheduling.grouping.Partition` of the pending
-samples over the lanes = slots, computed with the lanes' ready times) and, when a lane frees, gives it the job of
+A :class:`SlotPlanner` keeps a global plan (a :class:`~lit_grpo.scheduling.grouping.Partition` of the pending
+samples over the slots, computed with the slots' ready times) and, when a slot frees, gives it the job of
 *its* planned share that the policy prefers. Mispredictions are corrected at refill time from the remaining
-pool: when a lane frees more than ``replan_tolerance`` of its job's predicted duration earlier or later than
+pool: when a slot frees more than ``replan_tolerance`` of its job's predicted duration earlier or later than
 planned, or its share is used up, or new predictions arrived, the whole remaining pool is re-planned from the
 current state (running samples' expected remaining work as ready times).
 """
@@ -73,6 +73,7 @@ class FIFORefill(RefillPolicy):
 
 
 REFILLS = {"sjf": SJFRefill, "lpt": LPTRefill, "fifo": FIFORefill}
+_ARRIVAL_ORDER = FIFORefill()
 
 #: The default refill policy of "infinite": the makespan winner in the simulations with predicted lengths (see
 #: lit_grpo.scheduling.infinite and tests/test_scheduling_sim.py::test_lpt_refill_beats_sjf_under_mispredictions).
@@ -95,20 +96,20 @@ class PlannerStats:
     replans: int = 0
     forced: int = 0  # refills that ran the pool's longest job instead of the planned pick (see choose)
     plan_seconds: float = 0.0
-    steals: int = 0  # a freed lane whose planned share was empty took a job from the busiest lane
+    steals: int = 0  # a freed slot whose planned share was empty took a job from the busiest slot
 
 
-class LanePlanner:
-    """Global plan over ``num_lanes`` lanes plus runtime refill with misprediction correction.
+class SlotPlanner:
+    """Global plan over ``num_slots`` slots plus runtime refill with misprediction correction.
 
     Jobs are hashable keys with a predicted remaining length and an arrival rank. The planner is pure: it
-    never sees tokens or tensors; the caller tells it the clock (decode steps so far) and the lanes' ready times.
+    never sees tokens or tensors; the caller tells it the clock (decode steps so far) and the slots' ready times.
 
     Args:
-        policy: orders a lane's planned share.
-        grouping: ``(lengths, num_lanes, ready=..., epsilon=...) -> Partition`` (see ``make_grouping``).
-        num_lanes: slots.
-        replan_tolerance: re-plan when a lane frees more than this fraction of its job's predicted duration
+        policy: orders a slot's planned share.
+        grouping: ``(lengths, num_slots, ready=..., epsilon=...) -> Partition`` (see ``make_grouping``).
+        num_slots: the rollout's slots.
+        replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration
             (at least 1 step) away from the plan.
         replan_window: deviations trigger re-plans only once the pool has at most this many jobs (early
             deviations are absorbed by later re-plans, and re-planning thousands of jobs per refill is waste).
@@ -119,7 +120,7 @@ class LanePlanner:
         self,
         policy: RefillPolicy,
         grouping: Callable[..., Partition],
-        num_lanes: int,
+        num_slots: int,
         replan_tolerance: float = 0.1,
         replan_window: int | None = None,
         epsilon: float = DEFAULT_EPSILON,
@@ -127,16 +128,16 @@ class LanePlanner:
         self.policy = policy
         self.epsilon = epsilon
         self.grouping = grouping
-        self.num_lanes = num_lanes
+        self.num_slots = num_slots
         self.replan_tolerance = replan_tolerance
-        self.replan_window = replan_window if replan_window is not None else 32 * num_lanes
+        self.replan_window = replan_window if replan_window is not None else 32 * num_slots
         self.pool: dict[Hashable, tuple[float, int]] = {}  # key -> (predicted remaining, arrival rank)
         self.total_work = 0.0  # sum of the pool's predicted remaining lengths
-        self.shares: list[list[Hashable]] | None = None  # the plan: each lane's pending jobs
+        self.shares: list[list[Hashable]] | None = None  # the plan: each slot's pending jobs
         self.plan_makespan = 0.0
         self.stale = True
-        self.expected_end: list[float | None] = [None] * num_lanes  # clock at which the lane's job should end
-        self.planned_duration: list[float] = [0.0] * num_lanes
+        self.expected_end: list[float | None] = [None] * num_slots  # clock at which the slot's job should end
+        self.planned_duration: list[float] = [0.0] * num_slots
         self.last_replan_clock: float | None = None
         self.stats = PlannerStats()
 
@@ -167,21 +168,21 @@ class LanePlanner:
         if abs(remaining - old) > tolerance * max(old, 1.0):
             self.add(key, remaining, rank)
 
-    def note_start(self, lane: int, clock: float, duration: float) -> None:
-        """A lane started something the planner did not choose (a probe, a kept sample): expect it back then."""
-        self.expected_end[lane] = clock + duration
-        self.planned_duration[lane] = duration
+    def note_start(self, slot: int, clock: float, duration: float) -> None:
+        """A slot started something the planner did not choose (a probe, a kept sample): expect it back then."""
+        self.expected_end[slot] = clock + duration
+        self.planned_duration[slot] = duration
 
     def choose(
-        self, lane: int, clock: float, ready: Sequence[float], slack: float = 0.0, noise: float = 0.0
+        self, slot: int, clock: float, ready: Sequence[float], slack: float = 0.0, noise: float = 0.0
     ) -> Hashable | None:
-        """The job lane ``lane`` should run now, at decode step ``clock``; None when the pool is empty.
+        """The job slot ``slot`` should run now, at decode step ``clock``; None when the pool is empty.
 
         Args:
-            ready: ``[num_lanes]`` expected remaining work of the lanes' running jobs (0 for free lanes).
+            ready: ``[num_slots]`` expected remaining work of the slots' running jobs (0 for free slots).
             slack: relative prediction error (e.g. the predictor's log-length std). The longest job of the
-                *whole* pool runs now instead of the lane's planned pick if that costs the plan at most ``slack``
-                of its makespan: a plan balanced on uncertain lengths may defer a long job to a lane that frees
+                *whole* pool runs now instead of the slot's planned pick if that costs the plan at most ``slack``
+                of its makespan: a plan balanced on uncertain lengths may defer a long job to a slot that frees
                 later, where its error lands at the very end (robust scheduling starts long, uncertain jobs
                 first, whatever the refill policy). With exact lengths (slack 0) the plan is followed.
             noise: the relative error of the predicted lengths; plans are computed to precision
@@ -191,55 +192,60 @@ class LanePlanner:
         if not self.pool:
             return None
         precision = max(self.epsilon, noise)
-        if self._needs_replan(lane, clock):
+        if self._needs_replan(slot, clock):
             self.replan(clock, ready, precision)
-        share = self.shares[lane]
+        share = self.shares[slot]
         if not share:
-            # The plan leaves this lane idle now; idling a free slot never helps, so take from the busiest lane.
+            # The plan leaves this slot idle now; idling a free slot never helps, so take from the busiest slot.
             self.stats.steals += 1
             share = max(self.shares, key=lambda s: sum(self.pool[k][0] for k in s))
         key = share[self.policy.pick([self.pool[k] for k in share])]
         if slack > 0:
             longest = max(self.pool, key=lambda k: (self.pool[k][0], -self.pool[k][1]))
-            if longest != key and self._adopt_forced(lane, longest, ready, slack, precision):
+            if longest != key and self._adopt_forced(slot, longest, ready, slack, precision):
                 key = longest
-        for lane_share in self.shares:
-            if key in lane_share:
-                lane_share.remove(key)
-        self.note_start(lane, clock, self._take(key))
+        for slot_share in self.shares:
+            if key in slot_share:
+                slot_share.remove(key)
+        self.note_start(slot, clock, self._take(key))
         return key
 
     def _adopt_forced(
-        self, lane: int, favourite: Hashable, ready: Sequence[float], slack: float, precision: float
+        self, slot: int, favourite: Hashable, ready: Sequence[float], slack: float, precision: float
     ) -> bool:
-        """Plan the pool with ``favourite`` started on ``lane`` now; keep that plan if it is within ``slack``."""
+        """Plan the pool with ``favourite`` started on ``slot`` now; keep that plan if it is within ``slack``."""
         forced_ready = list(ready)
-        forced_ready[lane] = forced_ready[lane] + self.pool[favourite][0]
+        forced_ready[slot] = forced_ready[slot] + self.pool[favourite][0]
         keys = sorted((k for k in self.pool if k != favourite), key=lambda k: self.pool[k][1])
         part = self._partition(keys, forced_ready, precision)
         if part.makespan > self.plan_makespan * (1 + slack):
             return False
-        self.shares = [[keys[j] for j in lane_jobs] for lane_jobs in part.lanes]
+        self.shares = [[keys[j] for j in slot_jobs] for slot_jobs in part.slots]
         self.plan_makespan = part.makespan
         self.stats.forced += 1
         return True
 
-    def choose_greedy(self, lane: int, clock: float) -> Hashable | None:
-        """The policy's favourite of the whole pool, no plan (used while unseen jobs may still arrive)."""
+    def choose_greedy(self, slot: int, clock: float, policy: RefillPolicy | None = None) -> Hashable | None:
+        """The favourite of the whole pool by ``policy`` (default: the planner's), no plan; used while unseen
+        jobs may still arrive, and in arrival order while predictions tell nothing."""
         if not self.pool:
             return None
         keys = list(self.pool)
-        key = keys[self.policy.pick([self.pool[k] for k in keys])]
+        key = keys[(policy or self.policy).pick([self.pool[k] for k in keys])]
         self.stale = True
-        self.note_start(lane, clock, self._take(key))
+        self.note_start(slot, clock, self._take(key))
         return key
 
+    def choose_first(self, slot: int, clock: float) -> Hashable | None:
+        """The pool's first arrival: plain continuous order."""
+        return self.choose_greedy(slot, clock, _ARRIVAL_ORDER)
+
     def replan(self, clock: float, ready: Sequence[float], precision: float | None = None) -> None:
-        """Partition the whole pool over the lanes, starting from their ready times, to ``precision``
+        """Partition the whole pool over the slots, starting from their ready times, to ``precision``
         (default: epsilon)."""
         keys = sorted(self.pool, key=lambda k: self.pool[k][1])
         part = self._partition(keys, ready, precision if precision is not None else self.epsilon)
-        self.shares = [[keys[j] for j in lane] for lane in part.lanes]
+        self.shares = [[keys[j] for j in slot] for slot in part.slots]
         self.plan_makespan = part.makespan
         self.stale = False
         self.last_replan_clock = clock
@@ -247,20 +253,20 @@ class LanePlanner:
 
     def _partition(self, keys: list[Hashable], ready: Sequence[float], precision: float) -> Partition:
         start = time.perf_counter()
-        part = self.grouping([self.pool[k][0] for k in keys], self.num_lanes, ready=list(ready), epsilon=precision)
+        part = self.grouping([self.pool[k][0] for k in keys], self.num_slots, ready=list(ready), epsilon=precision)
         self.stats.plan_seconds += time.perf_counter() - start
         return part
 
-    def _needs_replan(self, lane: int, clock: float) -> bool:
+    def _needs_replan(self, slot: int, clock: float) -> bool:
         if self.stale or self.shares is None:
             return True
         if self.last_replan_clock == clock:
             return False  # at most one re-plan per step for deviations and used-up shares
-        if not self.shares[lane]:
+        if not self.shares[slot]:
             return True
         if len(self.pool) > self.replan_window:
             return False
-        expected = self.expected_end[lane]
+        expected = self.expected_end[slot]
         if expected is None:
             return False
-        return abs(clock - expected) > max(1.0, self.replan_tolerance * self.planned_duration[lane])
+        return abs(clock - expected) > max(1.0, self.replan_tolerance * self.planned_duration[slot])

@@ -1,10 +1,10 @@
 """A model-free rollout simulator: drives any Scheduler with known lengths exactly as the engine does.
 
 Per decode step every occupied slot generates one token. After the step, in slot order, a sample that reached
-its length finishes (``finish``), otherwise one that reached ``checkpoint_tokens`` is offered to ``checkpoint``
-(parked on True: its slot frees, its tokens are kept, it resumes where it stopped). Then, if slots are free,
-``admit(num_free, num_running)``. A sample whose length equals ``checkpoint_tokens`` finishes without a
-checkpoint. Decode steps, utilization and the lower bound are those of RolloutStats, so scheduling figures can be
+its length finishes (``finish``), otherwise one that reached ``probe_tokens`` is offered to ``probe`` (parked on
+True: its slot frees, its tokens are kept, it resumes where it stopped). Then, if a slot is free and a sample
+waits, ``admit()``, whose ``(slot, sample)`` assignments run from the next step. A sample whose length equals
+``probe_tokens`` finishes without a probe. Decode steps, utilization and the lower bound are those of RolloutStats, so scheduling figures can be
 checked and benchmarked without a model (the engine's forced-length replay gives the same counts).
 
 Synthetic features for length predictors: :func:`planted_features` builds prompt and token features that carry a
@@ -62,7 +62,7 @@ def simulate_rollout(
         num_slots: g.
         max_new_tokens: the cap (default: the longest length).
         prompt_features: ``[B, H]``, given to the scheduler when it asks for them.
-        token_feature: features at checkpoints (default: zeros of size H, or 1).
+        token_feature: features at probes (default: zeros of size H, or 1).
         prompt_ids: per-prompt token ids (default: ``[[p]]``, distinct per prompt index).
         reveal_lengths: fill ``work.true_lengths`` as the engine's forced-length replay does (oracle).
         keep_timeline: record ``timeline[t][s]`` = flat sample index ``p * G + k`` or -1.
@@ -90,51 +90,44 @@ def simulate_rollout(
     scheduler.begin(work)
     target = {(p, k): int(lengths[p][k]) for p in range(num_prompts) for k in range(group_size)}
     generated = {key: 0 for key in target}
-    started, finished, parked, checkpointed = set(), set(), set(), set()
-    slots: list[SampleKey | None] = [None] * num_slots
+    started, finished, parked, probed = set(), set(), set(), set()
     steps = parks = peak_parked = 0
     timeline: list[list[int]] = []
-    checkpoint_tokens = scheduler.checkpoint_tokens
+    probe_tokens = scheduler.probe_tokens
 
     def admit() -> None:
-        free = [s for s in range(num_slots) if slots[s] is None]
-        if not free or (len(started) == len(target) and not parked):  # no free slot, or nothing waits for one
+        running = sum(key is not None for key in scheduler.slots)
+        if running == num_slots or (len(started) == len(target) and not parked):  # no slot, or nothing waits
             return
-        running = num_slots - len(free)
-        keys = scheduler.admit(len(free), running)
-        if len(keys) > len(free):
-            raise RuntimeError(f"admit returned {len(keys)} keys for {len(free)} free slots")
-        for slot, key in zip(free, keys):
+        assignments = scheduler.admit()
+        for slot, key in assignments:
             if key not in target or key in finished or (key in started and key not in parked):
                 raise RuntimeError(f"admit returned {key!r}, which is not pending")
+            if scheduler.slots[slot] != key:
+                raise RuntimeError(f"admit returned ({slot}, {key}) but its record holds {scheduler.slots[slot]}")
             started.add(key)
             parked.discard(key)
-            slots[slot] = key
-        if not keys and running == 0 and len(finished) < len(target):
+        if not assignments and running == 0 and len(finished) < len(target):
             raise RuntimeError("deadlock: nothing running, samples pending, and admit returned nothing")
 
     admit()
     while len(finished) < len(target):
         steps += 1
+        rows = [(slot, key) for slot, key in enumerate(scheduler.slots) if key is not None]
         if keep_timeline:
-            timeline.append([-1 if key is None else key[0] * group_size + key[1] for key in slots])
-        for slot, key in enumerate(slots):
-            if key is not None:
-                generated[key] += 1
-        for slot, key in enumerate(slots):
-            if key is None:
-                continue
+            timeline.append([-1 if key is None else key[0] * group_size + key[1] for key in scheduler.slots])
+        for _, key in rows:
+            generated[key] += 1
+        for slot, key in rows:
             if generated[key] == target[key]:
                 scheduler.finish(key, generated[key])
                 finished.add(key)
-                slots[slot] = None
-            elif checkpoint_tokens is not None and generated[key] == checkpoint_tokens and key not in checkpointed:
-                checkpointed.add(key)
-                if scheduler.checkpoint(key, generated[key], token_feature(key, generated[key])):
+            elif probe_tokens is not None and generated[key] == probe_tokens and key not in probed:
+                probed.add(key)
+                if scheduler.probe(key, generated[key], token_feature(key, generated[key])):
                     parked.add(key)
                     parks += 1
                     peak_parked = max(peak_parked, len(parked))
-                    slots[slot] = None
         admit()
     metrics = scheduler.end()
     total = sum(flat)

@@ -1,0 +1,138 @@
+"""How far the scheduler trusts a length predictor, measured on the samples that finished.
+
+The schedulers reason in the lognormal length model (``lognormal.py``): a sample's log length is normal around
+its log prediction. Whether a prediction deserves that is measured, not assumed. Each finished sample gives a
+pair (m, t): the log of the prediction made before it finished (the predictor had not learned from it yet) and
+the log of its true length. Treating (m, t) as jointly normal, :class:`PredictionTrust` keeps their decayed means,
+spreads and correlation ``rho`` (so it follows the policy as it drifts) and trusts only what is established:
+
+- ``rho_low``: the lower end of a one-sided confidence interval on ``rho`` (Fisher's z, ``CONFIDENCE_Z``
+  standard errors at the pairs' effective count), so a correlation seen on a handful of samples, or noise that
+  happens to line up, earns nothing;
+- ``calibrate(m)``: the regression of t on m with that slope, i.e. the trusted median
+  ``exp(mean_t + rho_low * sd_t / sd_m * (m - mean_m))`` and the trusted error spread
+  ``sd_t * sqrt(1 - rho_low^2)``.
+
+With ``rho_low = 0`` every sample gets the same median and the population's spread: the predictions carry no
+information, and the scheduler runs plain continuous order (first come, first served). As ``rho_low`` grows the
+predictions spread out from the mean and their error spread narrows, down to the residual error of an exact
+predictor. A predictor that is right but miscalibrated (a constant factor off, or too confident) is corrected by
+the same regression.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: One-sided confidence of ``rho_low`` in standard errors (2: about 98%).
+CONFIDENCE_Z = 2.0
+#: Weight decay per observed pair, as the predictors' own error tracking (``lognormal.PrequentialError``).
+DECAY = 0.99
+#: Correlations are clamped this far inside (-1, 1), so an exact predictor keeps a finite Fisher z.
+_RHO_LIMIT = 1.0 - 1e-15
+
+
+class PredictionTrust:
+    """Joint statistics of (log prediction, log true length) pairs and the trust they earn.
+
+    Correlation and slope are measured *within* rollouts (each rollout's pairs centred on its own means), since a
+    scheduler ranks the samples of one rollout: a predictor that only follows the policy's average length from
+    one rollout to the next ranks nothing. Past rollouts are folded in with decay; the current one counts as its
+    samples finish.
+    """
+
+    def __init__(self, decay: float = DECAY, confidence_z: float = CONFIDENCE_Z) -> None:
+        self.decay = decay
+        self.confidence_z = confidence_z
+        # Past rollouts, decayed: weight, squared weight, sums of m and t, centred sums of m^2, t^2, m*t.
+        self.past = [0.0] * 7
+        # The current rollout, plain sums: count, m, t, m^2, t^2, m*t.
+        self.current = [0.0] * 6
+
+    def observe(self, predicted: float, length: int) -> None:
+        """One finished sample: its prediction (tokens, > 0) and its true length (tokens, >= 1)."""
+        m, t = math.log(max(predicted, 1e-9)), math.log(max(int(length), 1))
+        n, sm, st, smm, stt, smt = self.current
+        self.current = [n + 1, sm + m, st + t, smm + m * m, stt + t * t, smt + m * t]
+
+    def end_rollout(self) -> None:
+        """Fold the current rollout's pairs into the past ones."""
+        n, sm, st, smm, stt, smt = self.current
+        if n == 0:
+            return
+        d = self.decay ** n
+        w, w2, pm, pt, cmm, ctt, cmt = self.past
+        # n pairs, each decaying the older ones by `decay`: the weights the rollout's own pairs end up with.
+        own = (1 - d) / (1 - self.decay) if self.decay < 1 else n
+        own2 = (1 - d * d) / (1 - self.decay ** 2) if self.decay < 1 else n
+        scale = own / n
+        self.past = [w * d + own, w2 * d * d + own2, pm * d + sm * scale, pt * d + st * scale,
+                     cmm * d + (smm - sm * sm / n) * scale, ctt * d + (stt - st * st / n) * scale,
+                     cmt * d + (smt - sm * st / n) * scale]
+        self.current = [0.0] * 6
+
+    def _within(self) -> tuple[float, float, float, float]:
+        """(weight, var_m, var_t, cov_mt) of the centred pairs, past and current."""
+        w, _, _, _, cmm, ctt, cmt = self.past
+        n, sm, st, smm, stt, smt = self.current
+        if n:
+            cmm, ctt, cmt = cmm + smm - sm * sm / n, ctt + stt - st * st / n, cmt + smt - sm * st / n
+        weight = w + n
+        if weight <= 0:
+            return 0.0, 0.0, 0.0, 0.0
+        return weight, max(cmm / weight, 0.0), max(ctt / weight, 0.0), cmt / weight
+
+    def _levels(self) -> tuple[float, float]:
+        """Mean log prediction and mean log length over all pairs (the calibration's intercept)."""
+        w, _, pm, pt = self.past[:4]
+        n, sm, st = self.current[:3]
+        weight = w + n
+        return ((pm + sm) / weight, (pt + st) / weight) if weight > 0 else (0.0, 0.0)
+
+    @property
+    def effective_count(self) -> float:
+        """Kish's effective sample size of the pairs."""
+        w, w2, n = self.past[0], self.past[1], self.current[0]
+        return (w + n) ** 2 / (w2 + n) if w2 + n > 0 else 0.0
+
+    @property
+    def rho(self) -> float:
+        """The measured within-rollout correlation of log prediction and log length; 0 when either is constant."""
+        weight, var_m, var_t, cov = self._within()
+        if weight <= 0 or var_m < 1e-12 or var_t < 1e-12:
+            return 0.0
+        return max(-_RHO_LIMIT, min(_RHO_LIMIT, cov / math.sqrt(var_m * var_t)))
+
+    @property
+    def rho_low(self) -> float:
+        """The correlation established at ``confidence_z`` standard errors, floored at 0."""
+        n = self.effective_count
+        if n <= 3:
+            return 0.0
+        return max(0.0, math.tanh(math.atanh(self.rho) - self.confidence_z / math.sqrt(n - 3)))
+
+    @property
+    def informative(self) -> bool:
+        return self.rho_low > 0
+
+    def calibrate(self, predicted: float) -> tuple[float, float]:
+        """The trusted ``(median length, log-length spread)`` for a raw prediction (tokens).
+
+        Before any pair was seen the prediction is returned with an infinite spread: nothing is known yet.
+        """
+        weight, var_m, var_t, _ = self._within()
+        if weight <= 0:
+            return predicted, math.inf
+        mean_m, mean_t = self._levels()
+        rho = self.rho_low
+        slope = rho * math.sqrt(var_t / var_m) if var_m > 1e-12 else 0.0
+        log_median = mean_t + slope * (math.log(max(predicted, 1e-9)) - mean_m)
+        return math.exp(log_median), math.sqrt(var_t * max(0.0, 1.0 - rho * rho))
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "confidence_z": self.confidence_z, "past": list(self.past),
+                "current": list(self.current)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.confidence_z = state["decay"], state["confidence_z"]
+        self.past, self.current = list(state["past"]), list(state["current"])

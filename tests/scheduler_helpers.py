@@ -1,0 +1,15 @@
+"""Test helpers for the "infinite" scheduler."""
+
+from __future__ import annotations
+
+from lit_grpo.scheduling import InfiniteScheduler
+
+
+def trust_predictions(scheduler: InfiniteScheduler, kind: str = "probe") -> None:
+    """Give ``scheduler`` a history of exact ``kind`` predictions ("probe" or "prompt"), so it trusts them from its
+    next rollout on: engine tests of parking and planning need the mechanism without rollouts spent earning it."""
+    trust = scheduler.trust[kind]
+    for length in range(1, 65):
+        trust.observe(float(length), length)
+    trust.end_rollout()
+    assert trust.informative

@@ -1,0 +1,123 @@
+"""The scheduler uses a length prediction only as far as it has earned trust (lit_grpo/scheduling/trust.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from lit_grpo.scheduling import FIFOScheduler, InfiniteScheduler, OracleLengthPredictor, planted_rollout, simulate_rollout
+from lit_grpo.scheduling.trust import PredictionTrust
+
+
+def _lognormal_pairs(rng: random.Random, n: int, noise: float) -> list[tuple[float, int]]:
+    """(prediction, length) with log length ~ N(5, 1) and log prediction = log length + N(0, noise^2)."""
+    pairs = []
+    for _ in range(n):
+        log_length = rng.gauss(5.0, 1.0)
+        pairs.append((math.exp(log_length + rng.gauss(0.0, noise)), max(1, round(math.exp(log_length)))))
+    return pairs
+
+
+def _trust_from(pairs, rollout_size: int = 32) -> PredictionTrust:
+    trust = PredictionTrust()
+    for i, (predicted, length) in enumerate(pairs, 1):
+        trust.observe(predicted, length)
+        if i % rollout_size == 0:
+            trust.end_rollout()
+    return trust
+
+
+def test_noise_earns_no_trust_and_calibrates_to_the_population():
+    rng = random.Random(0)
+    lengths = [max(1, round(math.exp(rng.gauss(5.0, 1.0)))) for _ in range(256)]
+    trust = _trust_from([(math.exp(rng.gauss(5.0, 1.0)), n) for n in lengths])  # predictions unrelated to lengths
+    assert abs(trust.rho) < 0.2 and trust.rho_low == 0.0 and not trust.informative
+    median_a, spread_a = trust.calibrate(10.0)
+    median_b, spread_b = trust.calibrate(900.0)
+    assert median_a == pytest.approx(median_b) and spread_a == pytest.approx(spread_b)  # every sample alike
+    assert spread_a == pytest.approx(1.0, abs=0.15)  # the population's own spread of log length
+
+
+def test_trust_grows_with_the_evidence_and_the_signal():
+    rng = random.Random(1)
+    few = _trust_from(_lognormal_pairs(rng, 6, noise=0.5), rollout_size=6)
+    many = _trust_from(_lognormal_pairs(rng, 256, noise=0.5))
+    assert few.rho_low < many.rho_low  # the same signal seen on more samples is trusted more
+    assert many.rho == pytest.approx(1 / math.sqrt(1 + 0.25), abs=0.08)  # corr of t and t + noise
+    noisier = _trust_from(_lognormal_pairs(rng, 256, noise=1.5))
+    assert 0 < noisier.rho_low < many.rho_low
+    # Calibration: a noisy predictor's predictions are pulled toward the mean, and its spread is the residual.
+    median, spread = noisier.calibrate(math.exp(7.0))
+    assert math.exp(5.0) < median < math.exp(7.0)
+    assert spread < 1.0
+
+
+def test_an_exact_predictor_is_followed_exactly():
+    trust = _trust_from([(float(n), n) for n in range(1, 65)])
+    assert trust.rho_low == pytest.approx(1.0)
+    median, spread = trust.calibrate(37.0)
+    assert median == pytest.approx(37.0, rel=1e-6) and spread < 1e-6
+
+
+def test_a_predictor_that_only_follows_the_average_ranks_nothing():
+    """Predictions that move with each rollout's mean length, but are the same for all its samples, correlate with
+    lengths across rollouts and carry nothing a scheduler can rank by: trust is measured within rollouts."""
+    rng = random.Random(2)
+    trust = PredictionTrust()
+    for rollout in range(16):
+        level = 3.0 + 0.3 * rollout  # the policy's completions grow longer, and the predictor follows
+        for _ in range(32):
+            trust.observe(math.exp(level), max(1, round(math.exp(level + rng.gauss(0.0, 0.5)))))
+        trust.end_rollout()
+    assert trust.rho_low == 0.0
+
+
+def test_trust_survives_a_checkpoint():
+    trust = _trust_from(_lognormal_pairs(random.Random(3), 100, noise=0.3))
+    resumed = PredictionTrust()
+    resumed.load_state_dict(trust.state_dict())
+    assert resumed.rho_low == trust.rho_low and resumed.calibrate(50.0) == trust.calibrate(50.0)
+
+
+@pytest.mark.parametrize("predictor", ["online", "history"])
+def test_predictions_without_information_cost_nothing_against_continuous(predictor):
+    """Random features (online) or one prompt (history): the scheduler runs exactly plain continuous order, every
+    rollout, and never parks."""
+    generator = torch.Generator().manual_seed(0)
+    scheduler = InfiniteScheduler(predictor)
+    for _ in range(4):
+        lengths = planted_rollout(1, 32, generator=generator).lengths
+        features = torch.randn(1, 32, generator=generator)
+        noise = {}
+        result = simulate_rollout(scheduler, lengths, 8, 1024, prompt_features=features, reveal_lengths=False,
+                                  token_feature=lambda key, _: noise.setdefault(key, torch.randn(32, generator=generator)))
+        continuous = simulate_rollout(FIFOScheduler(), lengths, 8, 1024)
+        assert result.decode_steps == continuous.decode_steps
+        assert result.parks == 0
+    assert not scheduler.trust["prompt"].informative
+
+
+class _NoisyOracle(OracleLengthPredictor):
+    def __init__(self, spread: float) -> None:
+        self.spread, self.rng = spread, random.Random(0)
+
+    def predict(self, work, keys, token_features=None):
+        true = super().predict(work, keys)
+        return true * torch.tensor([math.exp(self.rng.gauss(0.0, self.spread)) for _ in keys])
+
+
+def test_trusted_predictions_beat_continuous_once_earned():
+    """An informative predictor earns trust within its first rollout and then plans; the trust is in the state."""
+    generator = torch.Generator().manual_seed(5)
+    scheduler = InfiniteScheduler(_NoisyOracle(0.25))
+    ours = continuous = 0
+    for _ in range(4):
+        lengths = planted_rollout(4, 16, generator=generator).lengths
+        ours += simulate_rollout(scheduler, lengths, 8, 1024).decode_steps
+        continuous += simulate_rollout(FIFOScheduler(), lengths, 8, 1024).decode_steps
+    assert scheduler.trust["prompt"].rho_low > 0.8
+    assert ours < continuous
+    assert "trust" in scheduler.state_dict()
