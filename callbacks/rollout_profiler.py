@@ -24,6 +24,8 @@ ROLLOUT_FIELDS = (
     "peak_kv_bytes",
     "length_pred_kendall_tau",
     "length_pred_smape",
+    "parked_samples",
+    "parked_kv_bytes",
 )
 
 #: Progress-bar names: short, since the bar is one line shared with the loss.
@@ -47,6 +49,8 @@ class RolloutProfiler(Callback):
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
     - ``rollout/length_pred_kendall_tau``, ``rollout/length_pred_smape``: the length predictor's quality
       (``strategy="infinite"`` only; skipped when the rollout has none).
+    - ``rollout/parked_samples``, ``rollout/parked_kv_bytes``: samples the scheduler parked after their length probe,
+      and the most bytes their KV held at once (0 while probes have not earned the scheduler's trust).
 
     **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the last round's decode
     steps, lower bound and slot utilization; ``steps`` close to ``bound`` means the schedule left little on the

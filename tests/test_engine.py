@@ -424,3 +424,38 @@ def test_a_slot_cache_that_does_not_fit_says_how_large_it_is_and_what_to_change(
     with pytest.raises(torch.cuda.OutOfMemoryError, match=f"slot cache: \\d+ rows x \\d+ positions .*GiB in float32.*"
                                                           f"{advice}.*max_new_tokens \\(now 7\\)"):
         engine.generate(prompt_ids)
+
+
+
+class _RecordingScheduler(_CountingScheduler):
+    """Also records every (slot, sample) assignment, in order."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.assignments = []
+
+    def admit(self):
+        made = super().admit()
+        self.assignments.extend(made)
+        return made
+
+
+def test_samples_run_in_the_slots_the_scheduler_assigned(tiny_llama, prompt_ids):
+    """One record of which sample is in which slot: after parking and planned refills, each slot runs exactly the
+    samples the scheduler placed in it, in that order."""
+    from lit_grpo.sampling.config import SamplingConfig
+    from lit_grpo.sampling.engine import _default_scheduler
+
+    model, tokenizer = tiny_llama
+    G = 6
+    config = SamplingConfig(group_size=G, micro_group_size=3, strategy="infinite", max_new_tokens=16, seed=3,
+                            scheduler={"predictor": "online", "probe_tokens": 3, "park_budget": None})
+    scheduler = _RecordingScheduler(_default_scheduler(config))
+    trust_predictions(scheduler.inner)
+    engine = RolloutEngine(model, tokenizer, config, scheduler=scheduler)
+    result = engine.generate(prompt_ids, lengths=[[16, 2, 9, 5, 12, 7]] * len(prompt_ids))
+    assert scheduler.inner.last_info["parks"] > 0  # samples left their slots at probes and came back elsewhere
+    for slot in range(3):
+        ran = [row[slot] for row in result.stats.timeline if row[slot] != IDLE]
+        runs = [flat for i, flat in enumerate(ran) if i == 0 or ran[i - 1] != flat]
+        assert runs == [p * G + k for s, (p, k) in scheduler.assignments if s == slot]
