@@ -90,11 +90,12 @@ class DecodeStep:
         # Static inputs: a graph replay reads these very tensors, so they are only ever updated in place.
         self.input_ids = torch.zeros(slots, 1, **long)
         self.active = torch.zeros(slots, **long)          # 1 where a sample runs
-        self.prompt_index = torch.zeros(slots, **long)    # random-stream key of each row's sample ...
+        self.stream_rollout = torch.zeros(slots, **long)  # random-stream key of each row's sample ...
+        self.prompt_index = torch.zeros(slots, **long)
         self.sample_index = torch.zeros(slots, **long)
         self.token_index = torch.zeros(slots, **long)     # ... and of its next token
         self.forced_length = torch.zeros(slots, **long)   # replay: the sample's recorded length (0: free)
-        self.stream_key = torch.zeros(2, **long)          # seed, rollout index
+        self.seed = torch.zeros((), **long)
         self.columns = torch.arange(width, **long)
         self.is_eos = torch.zeros(_vocab_size(model), dtype=torch.bool, device=device)
         self.is_eos[torch.tensor(eos_token_ids, device=device)] = True
@@ -107,15 +108,17 @@ class DecodeStep:
         self.capture_s = 0.0
 
     # ------------------------------------------------------------------------------------------ host side
-    def start_rollout(self, seed: int, rollout_index: int) -> None:
+    def start_rollout(self, seed: int) -> None:
         """Key the random streams of the next rollout."""
-        self.stream_key[0], self.stream_key[1] = seed, rollout_index
+        self.seed.fill_(seed)
 
-    def start_row(self, slot: int, *, prompt: int, sample: int, generated: int, length: int, next_input: int,
-                  forced_length: int = 0) -> None:
+    def start_row(self, slot: int, *, stream: tuple[int, int], sample: int, generated: int, length: int,
+                  next_input: int, forced_length: int = 0) -> None:
         """Run a sample in ``slot``: its KV is already in the row's first ``length`` columns; it has generated
-        ``generated`` tokens and feeds ``next_input`` next."""
-        self.prompt_index[slot], self.sample_index[slot], self.token_index[slot] = prompt, sample, generated
+        ``generated`` tokens and feeds ``next_input`` next. ``stream`` = (rollout, prompt) keys its random stream
+        with ``sample``."""
+        self.stream_rollout[slot], self.prompt_index[slot] = stream
+        self.sample_index[slot], self.token_index[slot] = sample, generated
         self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
         self.cache.lengths[slot] = length
         self.active[slot] = 1
@@ -160,7 +163,7 @@ class DecodeStep:
         logits = out.logits[:, -1]
         if settings.force_lengths:
             logits = force_lengths(logits, self.token_index, self.forced_length, self.is_eos)
-        uniforms = stream_uniforms(self.stream_key[0], self.stream_key[1], self.prompt_index, self.sample_index,
+        uniforms = stream_uniforms(self.seed, self.stream_rollout, self.prompt_index, self.sample_index,
                                    self.token_index)
         tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
         self.tokens.copy_(tokens)

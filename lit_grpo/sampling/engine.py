@@ -42,10 +42,12 @@ from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
-from lit_grpo.sampling.rollout_loop import RolloutLoop, RolloutResult
+from lit_grpo.sampling.carry import GroupProgress, SampleProgress
+from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
+from lit_grpo.sampling.stats import RolloutResult
 from lit_grpo.scheduling.base import RoundScheduler, Scheduler
 
-__all__ = ["STRATEGIES", "RolloutEngine", "RolloutResult"]
+__all__ = ["STRATEGIES", "GroupProgress", "RolloutEngine", "RolloutResult", "SampleProgress"]
 
 #: Attention implementations that take the slot cache's 4-D mask (flash-attention kernels take none).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -125,21 +127,56 @@ class RolloutEngine:
             prompts: ``[B]`` strings (tokenized with the tokenizer's defaults) or token-id lists.
             lengths: ``[B][G]`` forced completion lengths (replay): EOS is suppressed before and forced at step L.
         """
-        started = time.perf_counter()
+        return self.generate_groups(self.new_groups(prompts, lengths))
+
+    def new_groups(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                   lengths: Sequence[Sequence[int]] | None = None, tags: Sequence | None = None
+                   ) -> list[GroupProgress]:
+        """Fresh groups for ``prompts`` (and forced ``lengths``), keyed to this engine's next rollout."""
         prompt_ids = self._prompt_ids(prompts)
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
+        return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)], (self.rollout_index, p),
+                              None if lengths is None else lengths[p], None if tags is None else tags[p])
+                for p, ids in enumerate(prompt_ids)]
+
+    def generate_groups(self, groups: Sequence[GroupProgress], complete: int | None = None,
+                        finish: Sequence[int] = ()) -> RolloutResult:
+        """Run groups, fresh (``new_groups``) or carried from an earlier call, until ``complete`` of them are
+        complete (default: all). The result holds the completed groups in input order; the others are in
+        ``result.carried``, to pass to a later call.
+
+        Args:
+            groups: the groups, carried ones first (they are admitted first).
+            complete: groups that end the rollout; None for all.
+            finish: indices of groups that must complete in this call whatever ``complete`` says (a carried
+                group that may not be carried again); they are returned first.
+        """
+        started = time.perf_counter()
+        groups = list(groups)
+        if not groups:
+            raise ValueError("generate_groups needs at least one group")
+        if complete is not None and not 1 <= complete <= len(groups):
+            raise ValueError(f"complete={complete} must be between 1 and the number of groups ({len(groups)})")
+        if any(len(g.samples) != self.group_size for g in groups):
+            raise ValueError(f"every group needs group_size={self.group_size} samples, got "
+                             f"{[len(g.samples) for g in groups]}")
         # A row holds at most the prompt's P - 1 cached positions plus the L tokens fed (the last one never is).
-        width = max(len(p) for p in prompt_ids) - 1 + self.max_new_tokens
+        width = max(len(g.prompt_ids) for g in groups) - 1 + self.max_new_tokens
+        settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
+                                self.rollout_index)
+        forced = any(g.forced_lengths is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            cache, step, built = self._slots(self.num_slots(len(prompt_ids)), width,
-                                             self._step_settings(forced=lengths is not None))
-            result = RolloutLoop(self, prompt_ids, lengths, cache, step).run()
+            cache, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced=forced))
+            loop = RolloutLoop(self.model, self.scheduler, cache, step, settings, groups, complete,
+                               frozenset(finish))
+            result = loop.run()
         result.stats.capture_s = step.capture_s if built else 0.0
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started
-        result.stats.finalize([len(c) for group in result.completion_ids for c in group])
+        drawn = [sum(v == settings.rollout_index for v in s.versions) for g in loop.groups for s in g.samples]
+        result.stats.finalize([n for n in drawn if n])
         return result
 
     def release(self) -> None:

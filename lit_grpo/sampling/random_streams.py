@@ -21,12 +21,13 @@ def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
     return ((word >> 22) ^ word) & _MASK32
 
 
-def stream_uniforms(seed: int, rollout: int, prompt: torch.Tensor, sample: torch.Tensor,
+def stream_uniforms(seed: int | torch.Tensor, rollout: int | torch.Tensor, prompt: torch.Tensor, sample: torch.Tensor,
                     token: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), one per row, determined only by the key.
 
     Args:
-        seed, rollout: ints shared by the whole call.
+        seed: an int or a 0-d int64 tensor.
+        rollout: the rollout the sample's group was drawn in: an int, or ``[n]`` int64 per row.
         prompt, sample, token: ``[n]`` int64 tensors (prompt index, sample index in its group, token position).
     Returns:
         ``[n]`` float64 tensor.

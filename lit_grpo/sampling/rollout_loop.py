@@ -1,93 +1,103 @@
 """One rollout's decode loop: slots filled by the scheduler, prefixes prefilled once, samples finished or parked.
 
-``RolloutLoop`` is what ``RolloutEngine.generate`` runs: it asks the scheduler (policy) which samples start, writes
-their KV into slot rows of the ``SlotKVCache`` (memory), runs ``DecodeStep`` (compute) once per decode step and
-hands each row's token back to its sample. See lit_grpo.sampling.engine for the design.
+``RolloutLoop`` is what ``RolloutEngine.generate_groups`` runs: it asks the scheduler (policy) which samples start
+in which slots, writes their KV into those rows of the ``SlotKVCache`` (memory), runs ``DecodeStep`` (compute)
+once per decode step and hands each row's token back to its sample. It owns the samples' tokens; the scheduler
+owns which sample runs where. See lit_grpo.sampling.engine for the design.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache, cache_layers_kv, kv_bytes, slice_columns
-from lit_grpo.sampling.stats import IDLE, RolloutStats
-from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey
-
-if TYPE_CHECKING:
-    from lit_grpo.sampling.engine import RolloutEngine
+from lit_grpo.sampling.stats import IDLE, RolloutResult, RolloutStats
+from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 
 
-@dataclass
-class RolloutResult:
-    """Completions of one rollout, indexed ``[prompt][sample]``."""
+@dataclass(frozen=True)
+class LoopSettings:
+    """What one rollout's loop needs of its engine."""
 
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[list[int]]]
-    logprobs: list[list[list[float]]]
-    truncated: list[list[bool]]
-    stats: RolloutStats
+    group_size: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    seed: int
+    rollout_index: int
 
 
 @dataclass
 class _Sample:
-    """A started sample's tokens; while parked, its generated positions' KV aside. Where it runs is the
-    scheduler's record (``Scheduler.slots``)."""
+    """A sample's progress in this rollout; while parked, its generated positions' KV aside."""
 
     key: SampleKey
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    progress: SampleProgress
     parked_tail: KV | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.progress.tokens
 
 
 class RolloutLoop:
-    """The state of one ``generate`` call: a decode loop over slots driven by the engine's scheduler."""
+    """The state of one rollout: a decode loop over slots driven by a scheduler.
 
-    def __init__(self, engine: RolloutEngine, prompt_ids: list[list[int]], lengths: list[list[int]] | None,
-                 cache: SlotKVCache, step: DecodeStep):
-        self.engine, self.model = engine, engine.model
-        self.prompt_ids, self.forced = prompt_ids, lengths
-        self.G = engine.group_size
-        self.cache, self.step = cache, step
+    Args:
+        groups: the groups to run, fresh or carried (their progress is copied, not changed).
+        complete: stop once this many groups are complete (None: all of them); every unfinished group is then
+            returned in ``RolloutResult.carried``.
+        finish: indices of groups that must complete before the rollout stops, whatever ``complete`` says.
+    """
+
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, cache: SlotKVCache, step: DecodeStep,
+                 settings: LoopSettings, groups: list[GroupProgress], complete: int | None = None,
+                 finish: frozenset[int] = frozenset()):
+        self.model, self.scheduler, self.cache, self.step, self.settings = model, scheduler, cache, step, settings
+        self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag)
+                       for g in groups]
+        self.complete = len(groups) if complete is None else complete
+        self.finish = finish
+        self.G = settings.group_size
         self.num_slots = cache.num_slots
         self.device = cache.lengths.device
-        self.scheduler = engine.scheduler
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
-        self.step.start_rollout(engine.seed, engine.rollout_index)
-        self.eos = set(engine.eos_token_ids)
+        self.step.start_rollout(settings.seed)
 
-        B = len(prompt_ids)
+        self.samples = {(p, k): _Sample((p, k), s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
-        self.unstarted = [self.G] * B  # samples of each prompt not yet started
-        self.parked_count = [0] * B
+        self.unstarted = [sum(not s.done for s in g.samples) for g in self.groups]  # not yet run in this rollout
+        self.unfinished = list(self.unstarted)
+        self.parked_count = [0] * len(self.groups)
         self.running: dict[SampleKey, _Sample] = {}
         self.parked: dict[SampleKey, _Sample] = {}
-        self.done: dict[SampleKey, _Sample] = {}
+        self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> RolloutResult:
-        work = RolloutWork(prompt_lengths=[len(p) for p in self.prompt_ids], group_size=self.G,
-                           num_slots=self.num_slots, max_new_tokens=self.engine.max_new_tokens,
-                           prompt_ids=self.prompt_ids, true_lengths=self.forced)
+        groups = self.groups
+        work = RolloutWork(prompt_lengths=[len(g.prompt_ids) for g in groups], group_size=self.G,
+                           num_slots=self.num_slots, max_new_tokens=self.settings.max_new_tokens,
+                           prompt_ids=[g.prompt_ids for g in groups], true_lengths=self._forced_lengths(),
+                           generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
+                           done={key for key, s in self.samples.items() if s.progress.done})
         if self.scheduler.needs_prompt_features:
-            work.prompt_features = torch.stack([self._prefill(p, with_features=True)
-                                                for p in range(len(self.prompt_ids))])
+            work.prompt_features = torch.stack([self._prefill(p, with_features=True) for p in range(len(groups))])
         self.scheduler.begin(work)
-        total = len(self.prompt_ids) * self.G
         self._record_memory()
         try:
-            while len(self.done) < total:
+            while not self._over():
                 if len(self.running) < self.num_slots and self._waiting():
                     # Once nothing waits, the tail runs without asking the scheduler.
                     self._admit(self.scheduler.admit())
                 if not self.running:
                     raise RuntimeError(f"{type(self.scheduler).__name__} admitted nothing while no sample runs and "
-                                       f"{total - len(self.done)} samples remain")
+                                       f"{sum(self.unfinished)} samples remain")
                 self._decode_step()
         finally:
             self.step.stop_all()  # leave every row idle for the next rollout
@@ -96,36 +106,44 @@ class RolloutLoop:
         self.stats.length_pred_smape = metrics.get("length_pred_smape")
         return self._result()
 
+    def _over(self) -> bool:
+        if len(self.completed) == len(self.groups):
+            return True
+        return len(self.completed) >= self.complete and all(not self.unfinished[p] for p in self.finish)
+
     def _waiting(self) -> bool:
-        """Whether a sample waits for a slot: one not started yet, or a parked one."""
+        """Whether a sample waits for a slot: one not started in this rollout yet, or a parked one."""
         return bool(self.parked) or any(self.unstarted)
 
     def _admit(self, assignments: list[Assignment]) -> None:
         for slot, key in assignments:
             p, k = key
+            sample = self.samples.get(key)
             if key in self.parked:
-                sample = self.parked.pop(key)
+                del self.parked[key]
                 self.parked_count[p] -= 1
-            elif key in self.done or key in self.running or not self.unstarted[p]:
-                raise RuntimeError(f"scheduler admitted sample {key} twice")
+            elif sample is None or sample.progress.done or key in self.running or not self.unstarted[p]:
+                raise RuntimeError(f"scheduler admitted sample {key} twice, or one that does not wait")
             else:
+                self.unstarted[p] -= 1
                 if p not in self.prefixes:
                     self._prefill(p)
-                self.unstarted[p] -= 1
-                sample = _Sample(key)
+                if sample.tokens:  # carried from an earlier rollout: its positions are computed anew
+                    sample.parked_tail = self._prefill_tail(p, sample.tokens)
             length = self.cache.write_row(slot, 0, self.prefixes[p])
             length += self.cache.write_row(slot, length, sample.parked_tail)
             sample.parked_tail = None
-            next_input = sample.tokens[-1] if sample.tokens else self.prompt_ids[p][-1]
-            forced = self.forced[p][k] if self.forced is not None else 0
-            self.step.start_row(slot, prompt=p, sample=k, generated=len(sample.tokens), length=length,
+            group = self.groups[p]
+            next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
+            forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
+            self.step.start_row(slot, stream=group.stream, sample=k, generated=len(sample.tokens), length=length,
                                 next_input=next_input, forced_length=forced)
             self.running[key] = sample
         self._release_unused_prefixes()
         self._record_memory()
 
     def _decode_step(self) -> None:
-        engine, probe = self.engine, self.scheduler.probe_tokens
+        probe = self.scheduler.probe_tokens
         # The slots' samples as this step runs them: finishing and parking below change the scheduler's record.
         rows = [(slot, self.running[key]) for slot, key in enumerate(self.scheduler.slots) if key is not None]
         probing = [] if probe is None else [  # slots whose token of this step is their probe's
@@ -139,13 +157,14 @@ class RolloutLoop:
         hidden_row = {slot: i for i, slot in enumerate(probing)}
         for slot, sample in rows:
             timeline[slot] = sample.key[0] * self.G + sample.key[1]
-            token = out.tokens[slot]
-            sample.tokens.append(token)
-            sample.logprobs.append(out.logprobs[slot])
-            if token in self.eos or len(sample.tokens) >= engine.max_new_tokens:
+            token, progress = out.tokens[slot], sample.progress
+            progress.tokens.append(token)
+            progress.logprobs.append(out.logprobs[slot])
+            progress.versions.append(self.settings.rollout_index)
+            if token in self.settings.eos_token_ids or len(progress.tokens) >= self.settings.max_new_tokens:
                 self._finish(slot, sample)
-            elif len(sample.tokens) == probe and self.scheduler.probe(
-                    sample.key, len(sample.tokens), out.hidden[hidden_row[slot]]):
+            elif len(progress.tokens) == probe and self.scheduler.probe(
+                    sample.key, len(progress.tokens), out.hidden[hidden_row[slot]]):
                 self._park(slot, sample)
         self.stats.timeline.append(timeline)
         self._release_unused_prefixes()
@@ -153,13 +172,17 @@ class RolloutLoop:
     # --------------------------------------------------------------------------------------- sample states
     def _finish(self, slot: int, sample: _Sample) -> None:
         self._vacate(slot, sample)
-        self.done[sample.key] = sample
+        sample.progress.done = True
+        p = sample.key[0]
+        self.unfinished[p] -= 1
+        if not self.unfinished[p]:
+            self.completed.append(p)
         self.scheduler.finish(sample.key, len(sample.tokens))
 
     def _park(self, slot: int, sample: _Sample) -> None:
         """The scheduler parked the sample (and freed its slot): keep its row's generated positions aside."""
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
-        prefix = len(self.prompt_ids[sample.key[0]]) - 1
+        prefix = len(self.groups[sample.key[0]].prompt_ids) - 1
         sample.parked_tail = self.cache.read_row(slot, prefix, prefix + len(sample.tokens))
         self._vacate(slot, sample)
         self.parked[sample.key] = sample
@@ -171,19 +194,23 @@ class RolloutLoop:
         self.step.stop_row(slot)
         del self.running[sample.key]
 
+    def _forward(self, input_ids: list[int], cache: DynamicCache, **kwargs):
+        start = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([input_ids], device=self.device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=1, **kwargs)
+        self.stats.forward_s += time.perf_counter() - start
+        self.stats.prefill_tokens += len(input_ids)
+        return out
+
     def _prefill(self, p: int, with_features: bool = False) -> torch.Tensor | None:
         """Run prompt p's first P - 1 tokens once and cache their KV; optionally return its features [H] (the
         mean of their last hidden states; zeros for a one-token prompt)."""
-        prefix = self.prompt_ids[p][:-1]
+        prefix = self.groups[p].prompt_ids[:-1]
         features = None
         self.prefixes[p] = None
         if prefix:
             cache = DynamicCache(config=self.model.config)
-            start = time.perf_counter()
-            out = self.model(input_ids=torch.tensor([prefix], device=self.device), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1, output_hidden_states=with_features)
-            self.stats.forward_s += time.perf_counter() - start
-            self.stats.prefill_tokens += len(prefix)
+            out = self._forward(prefix, cache, output_hidden_states=with_features)
             self.prefixes[p] = slice_columns(cache_layers_kv(cache), 0, len(prefix))
             if with_features:
                 features = out.hidden_states[-1][0].float().mean(0)
@@ -191,6 +218,17 @@ class RolloutLoop:
             features = torch.zeros(self.model.config.get_text_config(decoder=True).hidden_size, device=self.device)
         self._record_memory()
         return features
+
+    def _prefill_tail(self, p: int, tokens: list[int]) -> KV:
+        """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
+        the current weights after prompt p's cached prefix."""
+        cache = DynamicCache(config=self.model.config)
+        prefix = self.prefixes[p]
+        for layer, (keys, values) in enumerate(prefix or []):
+            cache.update(keys, values, layer)
+        start = 0 if prefix is None else prefix[0][0].shape[-2]
+        self._forward([self.groups[p].prompt_ids[-1], *tokens[:-1]], cache)
+        return slice_columns(cache_layers_kv(cache), start)
 
     def _release_unused_prefixes(self) -> None:
         """Free the cached prefix of every prompt no sample can need again: all started, none parked, and none
@@ -208,13 +246,30 @@ class RolloutLoop:
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
         self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, parked)
 
+    def _forced_lengths(self) -> list[list[int]] | None:
+        if all(g.forced_lengths is None for g in self.groups):
+            return None
+        if any(g.forced_lengths is None for g in self.groups):
+            raise ValueError("forced lengths must be given for every group of a rollout or for none")
+        return [list(g.forced_lengths) for g in self.groups]
+
     def _result(self) -> RolloutResult:
-        B, eos = len(self.prompt_ids), self.eos
-        samples = [[self.done[(p, k)] for k in range(self.G)] for p in range(B)]
+        # Groups that had to finish go first, then the others in completion order; returned in input order.
+        must = [p for p in self.completed if p in self.finish]
+        chosen = set((must + [p for p in self.completed if p not in self.finish])[:max(self.complete, len(must))])
+        groups = [g for p, g in enumerate(self.groups) if p in chosen]
+        eos = self.settings.eos_token_ids
         return RolloutResult(
-            prompt_ids=self.prompt_ids,
-            completion_ids=[[s.tokens for s in group] for group in samples],
-            logprobs=[[s.logprobs for s in group] for group in samples],
-            truncated=[[s.tokens[-1] not in eos for s in group] for group in samples],
+            prompt_ids=[g.prompt_ids for g in groups],
+            completion_ids=[[s.tokens for s in g.samples] for g in groups],
+            logprobs=[[s.logprobs for s in g.samples] for g in groups],
+            truncated=[[s.tokens[-1] not in eos for s in g.samples] for g in groups],
             stats=self.stats,
+            versions=[[s.versions for s in g.samples] for g in groups],
+            tags=[g.tag for g in groups],
+            carried=[g for p, g in enumerate(self.groups) if p not in chosen],
         )
+
+
+def _copy(sample: SampleProgress) -> SampleProgress:
+    return SampleProgress(list(sample.tokens), list(sample.logprobs), list(sample.versions), sample.done)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from lit_grpo.sampling.carry import GroupProgress
+
 from lit_grpo.scheduling.base import lower_bound_steps  # noqa: F401  (part of this module's API)
 
 #: Value of a timeline cell whose slot held no sample at that step.
@@ -72,6 +74,31 @@ class RolloutStats:
         out = asdict(self)
         out.pop("timeline")
         return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass
+class RolloutResult:
+    """Completions of one rollout, indexed ``[group][sample]``: every prompt's for ``generate``; the groups that
+    completed for ``generate_groups``, whose unfinished groups are in ``carried``.
+
+    Attributes:
+        prompt_ids: ``[B]`` the groups' prompts.
+        completion_ids, logprobs: ``[B][G]`` token ids (EOS included if drawn) and their sampling log-probs.
+        truncated: ``[B][G]`` the sample hit ``max_new_tokens`` without EOS.
+        stats: what the rollout cost.
+        versions: ``[B][G]`` the rollout index each token was drawn in (all the current one without carrying).
+        tags: ``[B]`` each returned group's ``GroupProgress.tag`` (None for ``generate``).
+        carried: the groups that did not complete, to continue in a later call.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+    truncated: list[list[bool]]
+    stats: RolloutStats
+    versions: list[list[list[int]]] = field(default_factory=list, repr=False)
+    tags: list = field(default_factory=list, repr=False)
+    carried: list[GroupProgress] = field(default_factory=list, repr=False)
 
 
 def merge_stats(parts: list[RolloutStats]) -> RolloutStats:

@@ -124,7 +124,7 @@ class InfiniteScheduler(Scheduler):
         super().begin(work)
         self.clock = 0
         self.runs: dict[SampleKey, _Run] = {}
-        self.generated: dict[SampleKey, int] = {}
+        self.generated: dict[SampleKey, int] = dict(work.generated)
         self.reserved: dict[int, SampleKey] = {}  # slot -> sample chosen at a probe, admitted next
         self.parked: set[SampleKey] = set()
         self.token_features: dict[SampleKey, torch.Tensor] = {}
@@ -142,7 +142,7 @@ class InfiniteScheduler(Scheduler):
         self.rank = {key: i for i, key in enumerate(work.keys())}
         self.planner = SlotPlanner(self.refill, self.grouping, work.num_slots, self.replan_tolerance,
                                    epsilon=self.epsilon)
-        keys = work.keys()
+        keys = work.pending_keys()
         if keys:
             values = [float(v) for v in self.predictor.predict(work, keys).tolist()]
             self.prediction.update(zip(keys, values))
@@ -151,15 +151,18 @@ class InfiniteScheduler(Scheduler):
         # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
         self.parking = (self.probe_tokens is not None and self.trust["probe"].informative
                         and len(keys) > work.num_slots)
-        if self.parking:
-            candidates = [(self._expected_remaining(key, 0), self.rank[key]) for key in keys]
-            self.unprobed = deque(keys[i] for i in self.refill.order(candidates))
+        self.unprobed = deque()
+        self.unprobed_work = 0.0
+        if self.parking:  # samples carried past their probe are planned at once, like probed ones
+            unprobed = [key for key in keys if self.generated.get(key, 0) < self.probe_tokens]
+            candidates = [(self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
+                          for key in unprobed]
+            self.unprobed.extend(unprobed[i] for i in self.refill.order(candidates))
             self.unprobed_work = sum(length for length, _ in candidates)
-        else:
-            self.unprobed = deque()
-            self.unprobed_work = 0.0
-            for key in keys:
-                self.planner.add(key, self._expected_remaining(key, 0), self.rank[key])
+        probing = set(self.unprobed)
+        for key in keys:
+            if key not in probing:
+                self.planner.add(key, self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
         self.max_parked = self._max_parked(work)
 
     def admit(self) -> list[Assignment]:
@@ -196,7 +199,7 @@ class InfiniteScheduler(Scheduler):
                 return True
             self.planner.note_start(slot, self.clock, remaining)  # budget full or critical: it keeps its slot
             return False
-        if any(other not in self.probe_prediction for other in self.runs if other != key):
+        if any(self._awaits_probe(other) for other in self.runs if other != key):
             # Other slots are still probing (the probe phase's last round): plan once they have reported.
             self._park(key, remaining)
             return True
@@ -257,7 +260,7 @@ class InfiniteScheduler(Scheduler):
             return self.reserved.pop(slot)
         if self.unprobed and len(self.parked) < self.max_parked:
             key = self.unprobed.popleft()
-            self.unprobed_work -= self._expected_remaining(key, 0)
+            self.unprobed_work -= self._expected_remaining(key, self.generated.get(key, 0))
             return key
         if self.unprobed:
             return self.planner.choose_greedy(slot, self.clock)  # budget full: run the best parked sample
@@ -285,8 +288,11 @@ class InfiniteScheduler(Scheduler):
         self.parked.discard(key)
         generated = self.generated.get(key, 0)
         self.runs[key] = _Run(self.clock, generated)
-        if self.parking and key not in self.probe_prediction:
+        if self.parking and self._awaits_probe(key):
             self.planner.note_start(slot, self.clock, min(self.probe_tokens, self._expected_remaining(key, 0)))
+
+    def _awaits_probe(self, key: SampleKey) -> bool:
+        return key not in self.probe_prediction and self.work.generated.get(key, 0) < self.probe_tokens
 
     def _park(self, key: SampleKey, remaining: float, pooled: bool = False) -> None:
         del self.runs[key]

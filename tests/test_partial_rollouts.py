@@ -1,0 +1,88 @@
+"""Partial rollouts in the engine: a rollout stops once enough groups are complete; the rest continue later."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.sampling import RolloutEngine
+
+PROMPTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi", "Name a colour."]
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    return model.double().eval(), tokenizer
+
+
+def _engine(model, tokenizer, strategy="continuous", **options):
+    return RolloutEngine(model, tokenizer, group_size=4, micro_group_size=3, strategy=strategy,
+                         max_new_tokens=12, temperature=1.0, seed=7, **options)
+
+
+@pytest.mark.parametrize("strategy", ["full", "micro", "continuous", "infinite"])
+def test_carried_samples_continue_their_own_streams(tiny64, strategy):
+    """Stopping after one group and continuing the rest in later calls (their rows prefilled again) gives the
+    completions and log-probs of one uninterrupted rollout: a sample's draws depend on the sample only."""
+    model, tokenizer = tiny64
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    whole = _engine(model, tokenizer, strategy).generate(prompts)
+
+    engine = _engine(model, tokenizer, strategy)
+    groups = engine.new_groups(prompts, tags=list(range(len(prompts))))
+    completions, logprobs, calls = {}, {}, 0
+    while groups:
+        result = engine.generate_groups(groups, complete=1)
+        calls += 1
+        for tag, ids, lps, versions in zip(result.tags, result.completion_ids, result.logprobs, result.versions):
+            completions[tag], logprobs[tag] = ids, lps
+            assert all(len(v) == len(c) for v, c in zip(versions, ids))
+        groups = result.carried
+    assert calls > 1
+    assert [completions[p] for p in range(len(prompts))] == whole.completion_ids
+    for p in range(len(prompts)):
+        assert torch.allclose(torch.tensor([x for row in logprobs[p] for x in row], dtype=torch.float64),
+                              torch.tensor([x for row in whole.logprobs[p] for x in row], dtype=torch.float64))
+
+
+def test_a_partial_rollout_returns_the_first_complete_groups_and_carries_the_rest(tiny64):
+    model, tokenizer = tiny64
+    engine = _engine(model, tokenizer, "full")  # every sample runs at once: a group completes with its longest
+    lengths = [[12, 12, 12, 12], [2, 3, 2, 3], [12, 1, 1, 1], [4, 4, 4, 4]]
+    groups = engine.new_groups([tokenizer(t)["input_ids"] for t in PROMPTS], lengths, tags=["a", "b", "c", "d"])
+    result = engine.generate_groups(groups, complete=2)
+    assert result.tags == ["b", "d"]  # the two that finished first, in input order
+    assert [g.tag for g in result.carried] == ["a", "c"]
+    carried = {g.tag: g for g in result.carried}
+    assert not carried["a"].complete and carried["a"].started > 0  # running when the rollout stopped
+    assert sum(s.done for s in carried["c"].samples) >= 1  # its finished samples travel with it
+    # Nothing is dropped: the next call finishes what was carried, drawing its tokens in rollout 1.
+    rest = engine.generate_groups(result.carried)
+    assert rest.tags == ["a", "c"] and rest.carried == []
+    assert [[len(c) for c in group] for group in rest.completion_ids] == [lengths[0], lengths[2]]
+    versions = rest.versions[0][0]
+    assert versions[0] == 0 and versions[-1] == 1  # started in rollout 0, finished in rollout 1
+    assert rest.stats.prefill_tokens > 0 and rest.stats.generated_tokens == sum(v == 1 for g in rest.versions
+                                                                                for s in g for v in s)
+
+
+def test_groups_that_must_finish_are_run_to_the_end_and_returned_first(tiny64):
+    model, tokenizer = tiny64
+    engine = _engine(model, tokenizer)
+    lengths = [[12, 12, 12, 12], [2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]]
+    groups = engine.new_groups([tokenizer(t)["input_ids"] for t in PROMPTS], lengths, tags=[0, 1, 2, 3])
+    result = engine.generate_groups(groups, complete=1, finish=[0])
+    assert result.tags == [0]  # the long group had to finish, and it fills the one place
+    assert {g.tag for g in result.carried} == {1, 2, 3} and all(g.complete for g in result.carried if g.tag == 1)
+
+
+def test_bad_partial_arguments_are_named(tiny64):
+    model, tokenizer = tiny64
+    engine = _engine(model, tokenizer)
+    groups = engine.new_groups([tokenizer("hi")["input_ids"]])
+    with pytest.raises(ValueError, match="complete=2 must be between 1 and the number of groups"):
+        engine.generate_groups(groups, complete=2)
+    with pytest.raises(ValueError, match="at least one group"):
+        engine.generate_groups([])
