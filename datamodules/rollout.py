@@ -33,7 +33,7 @@ from lit_grpo.datamodules.prompts import PromptExample, load_prompts, render_pro
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rewards import ON_ERROR, build_reward_funcs
-from lit_grpo.rollout_builder import Prompt, RolloutBuilder
+from lit_grpo.rollout_builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.sampling.config import Strategy
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
@@ -61,6 +61,9 @@ class RolloutDataModule(LightningDataModule):
             still read, with a deprecation warning.
         dynamic_sampling, max_sampling_rounds: drop groups whose rewards are all equal and draw more prompts, at
             most this many engine calls per step; dropped groups fill the batch if still short (zero advantages).
+        over_provision, max_staleness: partial rollouts (``over_provision`` 1.0: off): a step's rollout runs up to
+            ``ceil(over_provision x B)`` groups, stops once B are complete and carries the unfinished ones into the
+            next step (at most ``max_staleness`` steps); see :class:`~lit_grpo.rollout_builder.RolloutBuilder`.
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
         val_batch_size, val_max_new_tokens: greedy validation rollouts (default: ``sampling.max_new_tokens``).
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
@@ -98,6 +101,8 @@ class RolloutDataModule(LightningDataModule):
         keep_kv_cache: bool = False,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
+        over_provision: float = 1.0,
+        max_staleness: int = 2,
         steps_per_epoch: int | None = None,
         val_batch_size: int = 32,
         val_max_new_tokens: int | None = None,
@@ -122,6 +127,7 @@ class RolloutDataModule(LightningDataModule):
                             ("val_max_new_tokens", val_max_new_tokens)):
             if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
                 check_int(name, value, 1)
+        check_partial_rollouts(over_provision, max_staleness)
         if on_reward_error not in ON_ERROR:
             raise ValueError(f"on_reward_error={on_reward_error!r} is not supported; use one of {list(ON_ERROR)}")
         if curriculum not in CURRICULA:
@@ -137,6 +143,7 @@ class RolloutDataModule(LightningDataModule):
         self.accuracy_reward, self.on_reward_error = accuracy_reward, on_reward_error
         self.prompts_per_step, self.steps_per_epoch = prompts_per_step, steps_per_epoch
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.over_provision, self.max_staleness = over_provision, max_staleness
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens
         self.curriculum, self.curriculum_kwargs = curriculum, dict(curriculum_kwargs or {})
         self.score_batch_size = score_batch_size
@@ -192,7 +199,8 @@ class RolloutDataModule(LightningDataModule):
                 max_sampling_rounds=self.max_sampling_rounds, val_batch_size=self.val_batch_size,
                 val_max_new_tokens=self.val_max_new_tokens, world_size=given["world_size"],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
-                prompts_per_step=self.prompts_per_step,
+                prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
+                max_staleness=self.max_staleness,
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             if "engine" in self._pending_state:
                 self.builder.load_state_dict(self._pending_state.pop("engine"))

@@ -4,7 +4,9 @@ The data flow of a training step, prompt -> builder -> batch -> module::
 
     RolloutDataModule   draws prompts (sampler / curriculum), owns the loaders and the stream position
       -> RolloutBuilder.build_train(draw)
-           engine.generate(prompt ids)          the current policy, eval mode, no grad (lit_grpo.sampling)
+           engine.generate_groups(groups)       the current policy, eval mode, no grad (lit_grpo.sampling);
+                                                with over_provision > 1 it stops once B groups are complete and
+                                                carries the others to the next step (partial rollouts)
            score_rewards(...)                   weighted reward functions (lit_grpo.rewards)
            [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_sampling_rounds]
            group_advantages(rewards, scale)     (lit_grpo.advantages; "batch" spans every rank)
@@ -19,8 +21,9 @@ across ranks). It knows nothing about Lightning.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from lit_grpo.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.datamodules.prompts import PromptExample
 from lit_grpo.rewards import WeightedReward, score_rewards
-from lit_grpo.sampling import RolloutEngine, SamplingConfig
+from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
 from lit_grpo.sampling.stats import merge_stats
 
@@ -41,6 +44,14 @@ class Prompt:
     index: int
     example: PromptExample
     ids: list[int]
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """What the builder attaches to a group it may carry: its prompt, and the steps it has been carried so far."""
+
+    prompt: Prompt
+    steps: int = 0
 
 
 @dataclass
@@ -56,6 +67,7 @@ class _Round:
     components: dict[str, torch.Tensor]   # name -> [b, G]
     skipped: torch.Tensor                 # [b] bool
     stats: Any
+    offpolicy_tokens: int = 0             # completion tokens drawn in an earlier rollout (carried samples)
 
 
 class RolloutBuilder:
@@ -77,6 +89,11 @@ class RolloutBuilder:
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
+        over_provision: partial rollouts (1.0: off): each step's rollout runs up to ``ceil(over_provision x B)``
+            groups, carried ones first, stops once B are complete and carries every unfinished group (its samples'
+            tokens so far, continued next step under the new weights). Nothing is dropped.
+        max_staleness: steps a group may be carried; one carried that long must complete in the next rollout
+            (the stalest B at most, as only B groups fit a batch).
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
@@ -85,9 +102,10 @@ class RolloutBuilder:
                  max_sampling_rounds: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
                  world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
-                 max_prompt_length: int = 0):
+                 max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2):
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
+        check_partial_rollouts(over_provision, max_staleness)
         self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
         self.reward_funcs = list(reward_funcs)
         self.scale_rewards, self.accuracy_reward, self.on_reward_error = scale_rewards, accuracy_reward, on_reward_error
@@ -97,6 +115,8 @@ class RolloutBuilder:
         self.world_size, self.all_gather = world_size, all_gather
         self.precision_context = precision_context or contextlib.nullcontext
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
+        self.over_provision, self.max_staleness = over_provision, max_staleness
+        self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
         self._pending_engine_state: dict | None = None
@@ -137,16 +157,19 @@ class RolloutBuilder:
         return RolloutEngine(self.policy, self.tokenizer, config)
 
     def state_dict(self) -> dict:
-        """The training engine's state (rollout counter, length predictor), for exact resume."""
-        if self._engine is not None:
-            return self._engine.state_dict()
-        return dict(self._pending_engine_state or {})
+        """The training engine's state (rollout counter, length predictor) and the carried groups, for exact
+        resume (plain Python values: a checkpoint loads them without unpickling classes)."""
+        state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
+        state["carried"] = [_carried_state(group) for group in self.carried]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
         if self._engine is not None:
             self._engine.load_state_dict(state)
         else:
-            self._pending_engine_state = dict(state)
+            self._pending_engine_state = state
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[torch.nn.Module]:
@@ -163,7 +186,8 @@ class RolloutBuilder:
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
-        rounds = [self._rollout(engine, draw(num_prompts))]
+        rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
+                  else self._rollout(engine, draw(num_prompts))]
         keep = self._kept_groups(rounds)
         while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_sampling_rounds:
             rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
@@ -176,6 +200,10 @@ class RolloutBuilder:
             chosen = chosen + dropped[: num_prompts - len(chosen)]
         batch = self._assemble(rounds, chosen, engine, train=True)
         batch.metrics["rollout/sampling_rounds"] = float(len(rounds))
+        if self.over_provision > 1 or self.carried:
+            batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
+            tokens = int(batch.completion_mask.sum())
+            batch.metrics["rollout/offpolicy_tokens_frac"] = sum(r.offpolicy_tokens for r in rounds) / max(tokens, 1)
         batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
         if engine.micro_group_size is not None:
             batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)
@@ -190,10 +218,27 @@ class RolloutBuilder:
         return self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
 
     # ------------------------------------------------------------------------------------------ steps
+    def _partial_rollout(self, engine: RolloutEngine, draw: Callable[[int], list[Prompt]]) -> _Round:
+        """The carried groups first, then fresh ones up to ``ceil(over_provision x B)``; stops once B groups are
+        complete and carries the others, one step staler."""
+        B, carried = self.prompts_per_step, self.carried
+        wanted = math.ceil(self.over_provision * B) - len(carried)
+        fresh = draw(wanted) if wanted > 0 else []
+        stalest = sorted(range(len(carried)), key=lambda i: -carried[i].tag.steps)[:B]
+        finish = [i for i in stalest if carried[i].tag.steps >= self.max_staleness]
+        with self.generation_mode():
+            groups = carried + engine.new_groups([p.ids for p in fresh], tags=[_Carry(p) for p in fresh])
+            result = engine.generate_groups(groups, complete=B, finish=finish)
+        self.carried = [replace(g, tag=replace(g.tag, steps=g.tag.steps + 1)) for g in result.carried]
+        return self._score(engine, [tag.prompt for tag in result.tags], result)
+
     def _rollout(self, engine: RolloutEngine, prompts: list[Prompt]) -> _Round:
         """Generate G completions per prompt and score them."""
         with self.generation_mode():
             result = engine.generate([p.ids for p in prompts])
+        return self._score(engine, prompts, result)
+
+    def _score(self, engine: RolloutEngine, prompts: list[Prompt], result) -> _Round:
         G = engine.group_size
         examples = [p.example for p in prompts]
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
@@ -214,10 +259,12 @@ class RolloutBuilder:
                                on_error=self.on_reward_error)
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True
+        current = engine.rollout_index - 1  # the rollout just run
+        offpolicy = sum(v < current for group in result.versions for sample in group for v in sample)
         return _Round(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
                       truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                       components={k: v.view(len(examples), G) for k, v in scores.components.items()},
-                      skipped=skipped, stats=result.stats)
+                      skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy)
 
     def _kept_groups(self, rounds: list[_Round]) -> list[tuple[int, int]]:
         if not self.dynamic_sampling:
@@ -284,6 +331,32 @@ class RolloutBuilder:
         if bool(keep.any()):
             advantages[keep] = group_advantages(rewards[keep], self.scale_rewards, batch_rewards=batch_rewards)
         return advantages
+
+
+def check_partial_rollouts(over_provision: float, max_staleness: int) -> None:
+    """Raise naming the value unless ``over_provision >= 1`` (a number) and ``max_staleness >= 1`` (an int)."""
+    if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or not over_provision >= 1:
+        raise ValueError(f"over_provision={over_provision!r} must be a number >= 1.0 (1.0: no partial rollouts)")
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
+        raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 1 (steps a group may be carried)")
+
+
+def _carried_state(group: GroupProgress) -> dict:
+    prompt = group.tag.prompt
+    return {"prompt": {"index": prompt.index, "ids": list(prompt.ids), "prompt": prompt.example.prompt,
+                       "answer": prompt.example.answer, "entry": prompt.example.entry},
+            "steps": group.tag.steps, "stream": list(group.stream), "forced_lengths": group.forced_lengths,
+            "samples": [{"tokens": s.tokens, "logprobs": s.logprobs, "versions": s.versions, "done": s.done}
+                        for s in group.samples]}
+
+
+def _carried_group(state: dict) -> GroupProgress:
+    p = state["prompt"]
+    prompt = Prompt(p["index"], PromptExample(p["prompt"], p["answer"], p["entry"]), list(p["ids"]))
+    samples = [SampleProgress(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]), bool(s["done"]))
+               for s in state["samples"]]
+    return GroupProgress(prompt.ids, samples, tuple(state["stream"]), state["forced_lengths"],
+                         _Carry(prompt, int(state["steps"])))
 
 
 def _all_groups(rounds: list[_Round]) -> list[tuple[int, int]]:

@@ -86,3 +86,43 @@ def test_bad_partial_arguments_are_named(tiny64):
         engine.generate_groups(groups, complete=2)
     with pytest.raises(ValueError, match="at least one group"):
         engine.generate_groups([])
+
+
+def test_the_builder_carries_groups_and_drops_none(tiny64):
+    from lit_grpo.datamodules.prompts import PromptExample
+    from lit_grpo.rewards import build_reward_funcs
+    from lit_grpo.rollout_builder import Prompt, RolloutBuilder
+    from lit_grpo.sampling import SamplingConfig
+
+    model, tokenizer = tiny64
+    pool = [Prompt(i, PromptExample(f"What is {i} + {i}?", str(2 * i)), tokenizer(f"What is {i} + {i}?")["input_ids"])
+            for i in range(40)]
+    drawn, drawn_at, step = [], {}, 0
+
+    def draw(count):
+        drawn.extend(pool[len(drawn):len(drawn) + count])
+        drawn_at.update((p.index, step) for p in drawn[-count:])
+        return drawn[-count:]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=12, seed=1)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+                             over_provision=2.0, max_staleness=1)
+    returned, carried_some = [], False
+    for step in range(6):
+        batch = builder.build_train(draw)
+        assert batch.rewards.shape == (2, 4)
+        assert len(drawn) <= 4 + 2 * step  # fresh prompts only to fill up to ceil(2.0 x B) groups
+        assert {"rollout/carried_samples", "rollout/offpolicy_tokens_frac"} <= set(batch.metrics)
+        assert all(step - drawn_at[index] <= 1 for index in batch.indices)  # max_staleness=1
+        carried_some |= any(step > drawn_at[index] for index in batch.indices)
+        returned.extend(batch.indices)
+    assert carried_some
+    in_flight = [group.tag.prompt.index for group in builder.carried]
+    assert sorted(returned + in_flight) == [p.index for p in drawn]  # every drawn group returned or still carried
+    assert len(set(returned)) == len(returned)
+    state = builder.state_dict()
+    assert len(state["carried"]) == len(builder.carried)
+    with pytest.raises(ValueError, match=r"over_provision=0.5 must be a number >= 1.0"):
+        RolloutBuilder(model, tokenizer, sampling, [], over_provision=0.5)
+    with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1"):
+        RolloutBuilder(model, tokenizer, sampling, [], max_staleness=0)

@@ -342,3 +342,27 @@ def test_exact_resume_mid_epoch(tmp_path):
     for x, y in zip(a[1:], b):
         for key in ("indices", "completion_ids", "rewards", "advantages", "loss", "param_sum", "param_abs"):
             assert x[key] == y[key], (x["global_step"], key)
+
+
+def test_exact_resume_with_carried_samples(tmp_path):
+    """Partial rollouts: the groups carried past step 1 are in the checkpoint, and a resumed run continues them
+    exactly as the uninterrupted one did."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from reliability_recorder import read_records
+
+    # Longer completions, so that some end early (EOS) and the rollout stops with samples part-way through.
+    partial = ("--data.over_provision", "2.0", "--data.max_staleness", "1", "--data.micro_group_size", "6",
+               "--data.max_new_tokens", "48")
+    full, _ = _fit(tmp_path, "full", *partial, "--trainer.callbacks+=ModelCheckpoint",
+                   f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
+                   "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}")
+    ckpt = tmp_path / "ckpt" / "step=1.ckpt"
+    carried = torch.load(ckpt, map_location="cpu", weights_only=True)["RolloutDataModule"]["engine"]["carried"]
+    assert carried and any(not s["done"] and s["tokens"] for group in carried for s in group["samples"])
+    resumed, _ = _fit(tmp_path, "resumed", *partial, "--ckpt_path", str(ckpt))
+    a, b = read_records(full), read_records(resumed)
+    assert [r["global_step"] for r in b] == [2, 3, 4]
+    for x, y in zip(a[1:], b):
+        for key in ("indices", "completion_ids", "rewards", "advantages", "loss", "param_sum", "param_abs"):
+            assert x[key] == y[key], (x["global_step"], key)
