@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ._rollout import log_metrics, measured_kv_bytes, rollout_stats, show_in_progress_bar
 
-#: RolloutStats fields logged as ``rollout/<field>`` (design.md's logged keys, plus ms_per_step and capture_s).
+#: RolloutStats fields logged as ``rollout/<field>``.
 ROLLOUT_FIELDS = (
     "decode_steps",
     "lower_bound_steps",

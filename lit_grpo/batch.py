@@ -38,7 +38,7 @@ class RolloutBatch:
             NaN where it had no opinion), or None when no reward function measures correctness.
         columns: ``{name: [B] list}`` per-prompt extra data (``answer``, ``entry``, JSONL fields...).
         indices: ``[B]`` each prompt's index in the train (or val) prompt list.
-        metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/dynamic_rounds`` ...).
+        metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/sampling_rounds`` ...).
         max_new_tokens: the rollout's length cap (dr_grpo's normalizer, the overlong penalty's cap).
         temperature: the sampling temperature (the update divides logits by it, as the sampler did; 0 = greedy).
         pad_token_id: the padding id used in the id tensors.

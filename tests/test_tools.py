@@ -1,4 +1,4 @@
-"""The benchmark scripts run and write the JSON that design.md fixes (tiny model; no timing is asserted)."""
+"""The benchmark scripts run and write the JSON their docstrings describe (tiny model; no timing is asserted)."""
 
 import json
 import os

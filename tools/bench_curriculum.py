@@ -11,7 +11,7 @@ including the number of steps, is the config's. The figures are read back from t
 Records: "curriculum", "seed", "val_accuracy" (the last validation), "val_accuracy_curve" ([[step, value], ...]
 of every validation), "train_reward_mean" (mean of reward/mean over the run), "curriculum_mu" (the last
 curriculum/mu, angle runs only), "wall_s"; the summary has mean and std of the final val/accuracy per curriculum.
-There is no target: the issue asks for the figures, reported as they come.
+There is no target: the figures are reported as they come.
 
 Extra arguments after ``--`` go to every ``lit-grpo fit`` (e.g. ``-- --trainer.max_steps 10``).
 """

@@ -7,7 +7,7 @@ Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached mem
 peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.memory: the kernel's RSS
 high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Lightning Trainer runs exactly one
 training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
-micro-batched update with its AdamW step. Records (design.md): "strategy", "group_size", "peak_bytes", plus
+micro-batched update with its AdamW step. Records: "strategy", "group_size", "peak_bytes", plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really
 ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default

@@ -9,7 +9,7 @@
         --predictors oracle --json runs/paper_gpu.json          # any GPU, offline: random weights, replayed lengths
 
 Every repeat runs every strategy once, in turn, so a slow patch of a noisy machine hits all of them alike; the
-JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures (design.md):
+JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures:
 decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
 padding included), peak_memory_bytes (the CUDA allocator's peak during the run, or the resident high-water mark
 on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step

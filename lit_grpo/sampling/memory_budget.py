@@ -9,9 +9,10 @@ and one slot holds at most ``longest prompt + max_new_tokens`` positions, so::
     slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens)
     g          = min(floor(kv_budget_bytes / slot_bytes), group_size x num_prompts)
 
-(the engine never runs more slots than the rollout has samples). This is the slot cache's worst case; the
-engine's ``peak_kv_bytes`` can be lower (a slot's row is only as wide as its sequence) and it additionally holds
-each running prompt's prefix once, so leave some headroom in ``kv_budget_bytes`` for that.
+(the engine never runs more slots than the rollout has samples). The slot cache allocates exactly that: every row
+is ``longest prompt - 1 + max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64).
+Besides it the engine holds each running prompt's prefix once, and the KV of parked samples' first tokens, so
+leave some headroom in ``kv_budget_bytes`` for those.
 
 Used by ``RolloutDataModule(micro_group_size="auto", kv_budget_bytes=...)``.
 """
