@@ -1,8 +1,10 @@
 """The decode step (compute): one forward over every slot plus sampling, with the same shapes every step.
 
 ``DecodeStep`` is this engine's model runner (vLLM's name): it owns the static input buffers of a decode step and
-the step itself, and on CUDA captures it once as a CUDA graph and replays it. It knows nothing about which sample
-runs where (the engine tells it through ``start_row`` / ``stop_row``) nor about scheduling.
+the step itself, and on CUDA captures it once as a CUDA graph and replays it. It owns every per-row state of
+the slots (a row's cached positions, its length, next input and random-stream key; the ``SlotKVCache`` is the
+memory they live in), set through ``start_row`` / ``stop_row``; which sample runs in which row is the scheduler's
+business, and the loop's to tell it.
 
 One step, all on the device, no host round trip until the end:
 
@@ -27,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lit_grpo.sampling.kv_cache import SlotKVCache
+from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, sample_tokens
 
@@ -112,16 +115,23 @@ class DecodeStep:
         """Key the random streams of the next rollout."""
         self.seed.fill_(seed)
 
-    def start_row(self, slot: int, *, stream: tuple[int, int], sample: int, generated: int, length: int,
-                  next_input: int, forced_length: int = 0) -> None:
-        """Run a sample in ``slot``: its KV is already in the row's first ``length`` columns; it has generated
-        ``generated`` tokens and feeds ``next_input`` next. ``stream`` = (rollout, prompt) keys its random stream
-        with ``sample``."""
+    def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
+                  generated: int, next_input: int, forced_length: int = 0) -> None:
+        """Run a sample in ``slot``: its cached positions are the ``kv`` parts in order (the prompt's prefix, then
+        a resumed sample's tail); it has generated ``generated`` tokens and feeds ``next_input`` next. ``stream`` =
+        (rollout, prompt) keys its random stream with ``sample``."""
+        length = 0
+        for part in kv:
+            length += self.cache.write_row(slot, length, part)
         self.stream_rollout[slot], self.prompt_index[slot] = stream
         self.sample_index[slot], self.token_index[slot] = sample, generated
         self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
         self.cache.lengths[slot] = length
         self.active[slot] = 1
+
+    def read_row(self, slot: int, start: int, stop: int) -> KV:
+        """A copy of the row's positions ``[start, stop)`` (a parked sample's tail)."""
+        return self.cache.read_row(slot, start, stop)
 
     def stop_row(self, slot: int) -> None:
         """Leave ``slot`` idle: length 0, so its writes land in column 0 and nothing of it is read."""

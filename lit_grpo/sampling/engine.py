@@ -168,9 +168,8 @@ class RolloutEngine:
         forced = any(g.forced_lengths is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            cache, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced=forced))
-            loop = RolloutLoop(self.model, self.scheduler, cache, step, settings, groups, complete,
-                               frozenset(finish))
+            _, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced=forced))
+            loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
         result.stats.capture_s = step.capture_s if built else 0.0
         self.rollout_index += 1

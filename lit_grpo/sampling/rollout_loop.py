@@ -1,8 +1,8 @@
 """One rollout's decode loop: slots filled by the scheduler, prefixes prefilled once, samples finished or parked.
 
 ``RolloutLoop`` is what ``RolloutEngine.generate_groups`` runs: it asks the scheduler (policy) which samples start
-in which slots, writes their KV into those rows of the ``SlotKVCache`` (memory), runs ``DecodeStep`` (compute)
-once per decode step and hands each row's token back to its sample. It owns the samples' tokens; the scheduler
+in which slots, starts them in those rows of the ``DecodeStep`` (compute, owner of the rows' state in the
+``SlotKVCache``), runs one step per decode step and hands each row's token back to its sample. It owns the samples' tokens; the scheduler
 owns which sample runs where. See lit_grpo.sampling.engine for the design.
 """
 
@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
-from lit_grpo.sampling.kv_cache import KV, SlotKVCache, cache_layers_kv, kv_bytes, slice_columns
+from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, slice_columns
 from lit_grpo.sampling.stats import IDLE, RolloutResult, RolloutStats
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 
@@ -55,17 +55,16 @@ class RolloutLoop:
         finish: indices of groups that must complete before the rollout stops, whatever ``complete`` says.
     """
 
-    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, cache: SlotKVCache, step: DecodeStep,
-                 settings: LoopSettings, groups: list[GroupProgress], complete: int | None = None,
-                 finish: frozenset[int] = frozenset()):
-        self.model, self.scheduler, self.cache, self.step, self.settings = model, scheduler, cache, step, settings
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, step: DecodeStep, settings: LoopSettings,
+                 groups: list[GroupProgress], complete: int | None = None, finish: frozenset[int] = frozenset()):
+        self.model, self.scheduler, self.step, self.settings = model, scheduler, step, settings
         self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag)
                        for g in groups]
         self.complete = len(groups) if complete is None else complete
         self.finish = finish
         self.G = settings.group_size
-        self.num_slots = cache.num_slots
-        self.device = cache.lengths.device
+        self.num_slots = step.cache.num_slots
+        self.device = step.device
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
         self.step.start_rollout(settings.seed)
 
@@ -130,14 +129,12 @@ class RolloutLoop:
                     self._prefill(p)
                 if sample.tokens:  # carried from an earlier rollout: its positions are computed anew
                     sample.parked_tail = self._prefill_tail(p, sample.tokens)
-            length = self.cache.write_row(slot, 0, self.prefixes[p])
-            length += self.cache.write_row(slot, length, sample.parked_tail)
-            sample.parked_tail = None
             group = self.groups[p]
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
             forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
-            self.step.start_row(slot, stream=group.stream, sample=k, generated=len(sample.tokens), length=length,
-                                next_input=next_input, forced_length=forced)
+            self.step.start_row(slot, (self.prefixes[p], sample.parked_tail), stream=group.stream, sample=k,
+                                generated=len(sample.tokens), next_input=next_input, forced_length=forced)
+            sample.parked_tail = None
             self.running[key] = sample
         self._release_unused_prefixes()
         self._record_memory()
@@ -183,7 +180,7 @@ class RolloutLoop:
         """The scheduler parked the sample (and freed its slot): keep its row's generated positions aside."""
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
         prefix = len(self.groups[sample.key[0]].prompt_ids) - 1
-        sample.parked_tail = self.cache.read_row(slot, prefix, prefix + len(sample.tokens))
+        sample.parked_tail = self.step.read_row(slot, prefix, prefix + len(sample.tokens))
         self._vacate(slot, sample)
         self.parked[sample.key] = sample
         self.parked_count[sample.key[0]] += 1
@@ -242,7 +239,7 @@ class RolloutLoop:
 
     def _record_memory(self) -> None:
         parked = sum(kv_bytes(s.parked_tail) for s in self.parked.values())
-        held = self.cache.nbytes() + parked + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
+        held = self.step.cache.nbytes() + parked + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
         self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, parked)
 
