@@ -21,7 +21,6 @@ across ranks). It knows nothing about Lightning.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +32,7 @@ from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.datamodules.prompts import PromptExample
 from lit_grpo.rewards import WeightedReward, score_rewards
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
+from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
 from lit_grpo.sampling.stats import merge_stats
 
@@ -222,10 +222,9 @@ class RolloutBuilder:
         """The carried groups first, then fresh ones up to ``ceil(over_provision x B)``; stops once B groups are
         complete and carries the others, one step staler."""
         B, carried = self.prompts_per_step, self.carried
-        wanted = math.ceil(self.over_provision * B) - len(carried)
-        fresh = draw(wanted) if wanted > 0 else []
-        stalest = sorted(range(len(carried)), key=lambda i: -carried[i].tag.steps)[:B]
-        finish = [i for i in stalest if carried[i].tag.steps >= self.max_staleness]
+        wanted, finish = plan_partial_rollout([g.tag.steps for g in carried], B, self.over_provision,
+                                              self.max_staleness)
+        fresh = draw(wanted) if wanted else []
         with self.generation_mode():
             groups = carried + engine.new_groups([p.ids for p in fresh], tags=[_Carry(p) for p in fresh])
             result = engine.generate_groups(groups, complete=B, finish=finish)

@@ -10,6 +10,8 @@ Each token records the rollout it was drawn in (``versions``), for the update's 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,3 +60,16 @@ class GroupProgress:
     def started(self) -> int:
         """Samples with at least one token."""
         return sum(bool(sample.tokens) for sample in self.samples)
+
+
+def plan_partial_rollout(staleness: Sequence[int], num_groups: int, over_provision: float,
+                         max_staleness: int) -> tuple[int, list[int]]:
+    """The next partial rollout, given the carried groups' ``staleness`` (steps each has been carried):
+
+    returns how many fresh groups to add (up to ``ceil(over_provision x num_groups)`` groups in all) and the indices
+    of carried groups that must complete in it (carried ``max_staleness`` steps or more; the stalest
+    ``num_groups`` at most, since only that many groups are returned).
+    """
+    fresh = max(math.ceil(over_provision * num_groups) - len(staleness), 0)
+    stalest = sorted(range(len(staleness)), key=lambda i: -staleness[i])[:num_groups]
+    return fresh, sorted(i for i in stalest if staleness[i] >= max_staleness)
