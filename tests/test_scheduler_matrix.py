@@ -52,7 +52,8 @@ def test_matrix_runs_a_sub_matrix_end_to_end(tmp_path, capsys):
     assert set(cells) == {"oracle", "online", "noisy:0.5"}
     for cell in cells.values():
         assert CELL_FIELDS <= set(cell)
-        assert cell["decode_steps"] >= cell["makespan_lower_bound"] >= cell["lower_bound_steps"] > 0
+        assert cell["decode_steps"] >= cell["lower_bound_steps"] > 0  # parking may beat the whole-sample bound
+        assert cell["best_plan_steps"] >= cell["makespan_lower_bound"] >= cell["lower_bound_steps"]
         assert cell["ratio_to_continuous"] == cell["decode_steps"] / cell["continuous_steps"]
     text = table.read_text()
     assert "| bimodal | 1 | 16 | 4 |" in text and "S = 0.5" in text and text in capsys.readouterr().out
