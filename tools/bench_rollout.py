@@ -42,6 +42,7 @@ from lit_grpo.memory import make_peak_tracker
 from lit_grpo.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
@@ -141,6 +142,11 @@ def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
                             eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id)
 
 
+def _predictor(name: str, seed: int):
+    """A predictor name, or for "noisy:S" the predictor itself, its noise seeded by the benchmark's seed."""
+    return make_predictor(name, seed=seed) if parse_predictor_name(name)[0] == "noisy" else name
+
+
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,7 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
                         help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
-    parser.add_argument("--predictors", default="online", help="infinite's predictors: oracle,online,history")
+    parser.add_argument("--predictors", default="online",
+                        help="infinite's predictors: oracle,online,history,noisy:S (the oracle with log-normal "
+                             "error of spread S in log-length, seeded by --seed; replay only)")
     parser.add_argument("--refills", default="", help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
                         help="rollouts each infinite engine runs before the measured repeats (predictor warm-up)")
@@ -184,6 +192,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {list(OUR_STRATEGIES + HF_STRATEGIES)}")
+    for name in args.predictors.split(","):
+        try:
+            parse_predictor_name(name)
+        except ValueError as error:
+            parser.error(f"--predictors: {error}")
     return args
 
 
@@ -197,7 +210,7 @@ def build_runners(args, model, tokenizer, prompts, lengths):
         if strategy == "infinite":
             for predictor in args.predictors.split(","):
                 for refill in args.refills.split(",") if args.refills else [None]:
-                    options = {"predictor": predictor} | ({"refill": refill} if refill else {})
+                    options = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
                     engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
                     for _ in range(args.warmup_rollouts):
                         engine.generate(prompts, lengths=lengths)

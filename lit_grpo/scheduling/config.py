@@ -15,13 +15,14 @@ Python callers may pass objects instead of names (a ``LengthPredictor``, a ``Ref
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GROUPINGS
-from lit_grpo.scheduling.predictors import PREDICTORS
+from lit_grpo.scheduling.predictors import parse_predictor_name
 from lit_grpo.scheduling.refill import DEFAULT_REFILL, REFILLS
 
-PredictorName = Literal["online", "history", "oracle"]
+#: A registered name, or "noisy:S" (the oracle with log-length error of spread S), checked when the config is built.
+PredictorName = Union[Literal["online", "history", "oracle"], str]
 RefillName = Literal["lpt", "sjf", "fifo"]
 GroupingName = Literal["fptas", "lpt", "kk"]
 
@@ -32,7 +33,8 @@ class InfiniteSchedulerConfig:
 
     Attributes:
         predictor: length predictor: "online" (token-conditioned, learned from finished rollouts), "history"
-            (per prompt), "oracle" (true lengths; replay only).
+            (per prompt), "oracle" (true lengths; replay only), "noisy:S" (the oracle with log-normal error of
+            spread S; replay only).
         refill: which job a freed slot runs: "lpt" (longest first; the measured default), "sjf", "fifo".
         grouping: the global plan: "fptas", "lpt", "kk" (Karmarkar-Karp).
         epsilon: the FPTAS's precision, > 0.
@@ -54,7 +56,12 @@ class InfiniteSchedulerConfig:
     critical_fraction: float | None = 1.0
 
     def __post_init__(self) -> None:
-        for name, allowed in (("predictor", PREDICTORS), ("refill", REFILLS), ("grouping", GROUPINGS)):
+        if isinstance(self.predictor, str):
+            try:
+                parse_predictor_name(self.predictor)
+            except ValueError as error:
+                raise ValueError(f"scheduler.predictor: {error}") from None
+        for name, allowed in (("refill", REFILLS), ("grouping", GROUPINGS)):
             value = getattr(self, name)
             if isinstance(value, str) and value not in allowed:
                 raise ValueError(f"scheduler.{name}={value!r} is not known; allowed: {', '.join(allowed)}")

@@ -8,6 +8,8 @@ given each sample's hidden state after its first k tokens, and learns from the l
   sample with exponential forgetting, so it follows the policy as it drifts. No second model.
 - :class:`HistoryLengthPredictor`: per-prompt mean log length (prompts recur across epochs), global fallback.
 - :class:`OracleLengthPredictor`: the true lengths of a forced-length replay, for benchmarks.
+- :class:`NoisyOraclePredictor` (``"noisy:S"``): the oracle with log-normal error of spread S, for the curve of
+  decode steps against prediction error.
 
 Before any token is sampled the G samples of a prompt are exchangeable, so a prompt-level predictor gives all of
 them the same length; only the token-conditioned prediction separates them (see ``token_conditioned``).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -39,12 +42,14 @@ __all__ = [
     "PRIOR_LOG_STD",
     "HistoryLengthPredictor",
     "LengthPredictor",
+    "NoisyOraclePredictor",
     "OnlineLengthPredictor",
     "OracleLengthPredictor",
     "PREDICTORS",
     "expected_length",
     "kendall_tau",
     "make_predictor",
+    "parse_predictor_name",
     "prior_log_length",
     "smape",
 ]
@@ -191,15 +196,117 @@ class OracleLengthPredictor:
         pass
 
 
+class NoisyOraclePredictor:
+    """The oracle's true length times ``exp(N(0, S^2))`` per sample, clamped to ``[1, max_new_tokens]``.
+
+    A predictor whose error is known, to measure how decode steps grow with prediction error. The noise of sample
+    ``(p, k)`` is a pure function of ``(seed, p, k, rollout)``, so runs are reproducible and every scheduler driven
+    through the same rollouts sees the same errors; rollouts are counted here (a new ``RolloutWork`` is a new
+    rollout). S is not revealed: ``log_std`` is the error measured on finished samples (prequential, from the
+    prior the other predictors start from), as a real predictor's would be.
+
+    Args:
+        log_std: S, the spread of the log-length error (>= 0; 0 is the oracle).
+        seed: base of the noise.
+    """
+
+    needs_prompt_features = False
+    token_conditioned = False
+
+    def __init__(self, log_std: float, seed: int = 0) -> None:
+        self.spread = check_spread(log_std)
+        self.seed = int(seed)
+        self.rollout = -1
+        self.current_work: RolloutWork | None = None
+        self.error = PrequentialError()
+
+    def predict(
+        self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return torch.tensor([self._prediction(work, key) for key in keys], dtype=torch.float32)
+
+    def log_std(self, token_conditioned: bool) -> float:
+        return self.error.rms
+
+    def observe(
+        self,
+        work: RolloutWork,
+        keys: Sequence[SampleKey],
+        lengths: Sequence[int],
+        token_features: torch.Tensor | None = None,
+    ) -> None:
+        for key, length in zip(keys, lengths):
+            self.error.add(math.log(self._prediction(work, key)) - math.log(max(1, int(length))))
+
+    def _prediction(self, work: RolloutWork, key: SampleKey) -> float:
+        if work.true_lengths is None:
+            raise ValueError("the noisy oracle predictor needs work.true_lengths (a forced-length replay)")
+        if work is not self.current_work:
+            self.current_work = work
+            self.rollout += 1
+        p, k = key
+        noisy = work.true_lengths[p][k] * math.exp(self.spread * _standard_normal(self.seed, p, k, self.rollout))
+        return float(min(max(noisy, 1.0), work.max_new_tokens))
+
+    def state_dict(self) -> dict:
+        return {"spread": self.spread, "seed": self.seed, "rollout": self.rollout, "error": self.error.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spread, self.seed, self.rollout = state["spread"], state["seed"], state["rollout"]
+        self.current_work = None
+        self.error.load_state_dict(state["error"])
+
+
+def _standard_normal(*key: int) -> float:
+    """A standard normal draw that depends on ``key`` only (blake2b, not Python's per-process ``hash``)."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return NormalDist().inv_cdf((int.from_bytes(digest, "big") + 0.5) / 2 ** 64)
+
+
+def check_spread(value: object, name: str = "noisy predictor log_std") -> float:
+    """``value`` as a finite float >= 0, or a ValueError naming it."""
+    try:
+        spread = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        spread = math.nan
+    if isinstance(value, bool) or not math.isfinite(spread) or spread < 0:
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0 (the spread of the log-length error, "
+                         "e.g. 0.25)")
+    return spread
+
+
 PREDICTORS = {
     "online": OnlineLengthPredictor,
     "history": HistoryLengthPredictor,
     "oracle": OracleLengthPredictor,
+    "noisy": NoisyOraclePredictor,
 }
+#: How each name is written where a string is expected (configs, --predictors).
+PREDICTOR_NAMES = ("online", "history", "oracle", "noisy:S (S >= 0, e.g. noisy:0.25)")
+
+
+def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, dict]:
+    """``(registry name, constructor kwargs)`` of a predictor name: "online" | "history" | "oracle" | "noisy:S"
+    (bare "noisy" only when ``spread_given``: the spread comes as a keyword); a ValueError naming the bad name and
+    what is allowed otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"length predictor {name!r} must be a name; allowed: {', '.join(PREDICTOR_NAMES)}")
+    base, colon, argument = name.partition(":")
+    if base == "noisy" and colon:
+        return base, {"log_std": check_spread(argument, f"length predictor {name!r}: S")}
+    if base == "noisy" and not spread_given:
+        raise ValueError(f"length predictor {name!r} needs its spread: 'noisy:S' with S >= 0, e.g. 'noisy:0.25'")
+    if colon or base not in PREDICTORS:
+        raise ValueError(f"unknown length predictor {name!r}; allowed: {', '.join(PREDICTOR_NAMES)}")
+    return base, {}
 
 
 def make_predictor(name: str, **kwargs) -> LengthPredictor:
-    """A predictor from its name: "online" | "history" | "oracle"; kwargs go to its constructor."""
-    if name not in PREDICTORS:
-        raise ValueError(f"unknown length predictor {name!r}; allowed: {', '.join(PREDICTORS)}")
-    return PREDICTORS[name](**kwargs)
+    """A predictor from its name (:func:`parse_predictor_name`); kwargs go to its constructor.
+
+    ``make_predictor("noisy:0.25")`` equals ``make_predictor("noisy", log_std=0.25)``.
+    """
+    base, parsed = parse_predictor_name(name, spread_given="log_std" in kwargs)
+    if parsed and "log_std" in kwargs:
+        raise ValueError(f"length predictor {name!r} already sets its spread; drop log_std={kwargs['log_std']!r}")
+    return PREDICTORS[base](**parsed, **kwargs)
