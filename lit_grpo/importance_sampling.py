@@ -125,7 +125,7 @@ class SamplingStats:
                weights: torch.Tensor | None) -> None:
         """Add one micro-batch (``[m, T]`` tensors; ``weights`` from ``importance_sampling_weights``)."""
         active = mask.bool()
-        delta = (trainer_logps.float() - sampling_logps.float()).abs()
+        delta = (trainer_logps.double() - sampling_logps.double()).abs()
         delta = delta[active & ~torch.isnan(delta)]
         if delta.numel():
             self.diff_sum += float(delta.sum())
