@@ -100,7 +100,8 @@ def sapo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, temperature_po
             ``temperature_neg``).
     """
     adv = _column(advantages, ratio)
-    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    # built in ratio's dtype: python scalars in torch.where would round the temperatures to float32
+    tau = torch.where(adv > 0, torch.full_like(adv, temperature_pos), torch.full_like(adv, temperature_neg))
     return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
 
 
