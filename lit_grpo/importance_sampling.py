@@ -15,6 +15,14 @@ the sampler renormalized over, or tokens sampled by older weights), the policy l
     *_mask      w <- 0 where w < clip_min or w > clip_max, else w unchanged
 
 A token whose sampling log-prob is NaN (the sampler could not score it) counts as a difference of 0.
+
+The default is ``none``: the engine samples with the very weights the update starts from, in the same process and
+the same model code, so the ratio is 1 up to the rounding of the decode kernels, and a correction would only
+multiply the loss by that rounding noise.
+``sequence_mask`` with ``clip_max=3`` (TRL's default) is the setting to turn on when tokens come from other
+weights (samples carried across optimizer steps) or from another distribution (a top-k / top-p filter: the
+sampler renormalizes over the kept tokens, so each token's ratio is at most 1 and a completion's product shrinks
+with its length). ``sampling/sampling_logp_difference/*`` is logged in every mode, so a mismatch shows either way.
 """
 
 from __future__ import annotations
@@ -79,7 +87,7 @@ class SamplerCorrection:
             ``clip_min < clip_max``, and a truncate mode needs at least one).
     """
 
-    mode: str = "sequence_mask"
+    mode: str = "none"
     clip_min: float | None = None
     clip_max: float | None = 3.0
 

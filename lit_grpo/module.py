@@ -91,8 +91,8 @@ class GRPOModule(LightningModule):
         importance_sampling_level (token | sequence: GSPO), kl_bias_correction, sapo_temperature_pos,
             sapo_temperature_neg: the loss options of lit_grpo.loss (TRL's GRPOConfig meanings).
         importance_sampling_mode (none | token_truncate | token_mask | sequence_truncate | sequence_mask),
-            importance_sampling_clip_min, importance_sampling_clip_max: the sampler correction
-            (lit_grpo.importance_sampling): the update's old log-probs against the engine's sampling log-probs.
+            importance_sampling_clip_min, importance_sampling_clip_max: the sampler correction; off by default,
+            the engine samples with these very weights (when to turn it on: lit_grpo.importance_sampling).
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
         scale_rewards: group | batch | none (lit_grpo.advantages; handed to the data side in ``_hand_over_to_data``).
         num_iterations: optimizer steps per rollout (mu in the GRPO paper).
@@ -132,7 +132,7 @@ class GRPOModule(LightningModule):
         kl_bias_correction: bool = False,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
-        importance_sampling_mode: ImportanceSamplingMode = "sequence_mask",
+        importance_sampling_mode: ImportanceSamplingMode = "none",
         importance_sampling_clip_min: float | None = None,
         importance_sampling_clip_max: float | None = 3.0,
     ):
@@ -334,7 +334,7 @@ class GRPOModule(LightningModule):
         return logged
 
     def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
-                total_active, iteration: int, sampling: SamplingStats) -> dict[str, float]:
+                total_active, iteration: int, sampling: SamplingStats | None = None) -> dict[str, float]:
         """One optimizer step over all micro-batches of the rollout; returns the step's metrics (the sampler
         correction's go to ``sampling``, in the first iteration)."""
         hp, loss_fn, correction = self.hparams, self.loss_fn, self.sampler_correction
@@ -350,7 +350,7 @@ class GRPOModule(LightningModule):
             old = old_logps[index] if old_logps is not None else logps.detach()
             ref = ref_logps[index] if ref_logps is not None else None
             weights = correction.weights(old, micro["sampling_logprobs"], mask)
-            if iteration == 0:
+            if sampling is not None and iteration == 0:
                 sampling.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)

@@ -161,7 +161,7 @@ def test_kl_bias_correction_weighs_the_kl_by_the_ratio(loss_type, level):
 
 
 def test_kl_bias_correction_changes_the_gradient_on_policy():
-    """With old = logps the ratio is 1 but still differentiable: the KL gradient becomes ref-agnostic here."""
+    """With old = logps the ratio is 1 but still differentiable, so the KL's gradient changes all the same."""
     logps = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     loss = policy_loss(logps, logps.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), "bnpo",

@@ -4,12 +4,13 @@
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
 (grpo, bnpo, dr_grpo, dapo, cispo, sapo) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta
-> 0 without / with kl_bias_correction) x sampler correction (none and TRL's four modes) and several micro-batch
-shapes, both sides get the same random ``logps`` (a leaf), old, reference and sampling log-probs, advantages and
-masks (one completion without any active token). TRL's ``_compute_loss`` runs on a stand-in trainer whose
-per-token log-prob forward returns that leaf, so only the loss arithmetic is TRL's; its sampler weights come from
-running the importance-sampling block of TRL's own ``_generate_and_score_completions`` source on those tensors,
-and the ``sampling/*`` scalars from the block that logs them.
+> 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each with two pairs of
+bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference and
+sampling log-probs, advantages and masks (one completion without any active token). TRL's ``_compute_loss``
+runs on a stand-in trainer whose per-token log-prob forward returns that leaf, so only the loss arithmetic is
+TRL's; its sampler weights come from running the importance-sampling block of TRL's own
+``_generate_and_score_completions`` source on those tensors, and the ``sampling/*`` scalars from the block that
+logs them.
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -44,7 +45,7 @@ KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_corr
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SHAPES = ((4, 7), (6, 12), (8, 3))  # (N completions, T tokens)
 EPS_LOW, EPS_HIGH, CISPO_EPS_HIGH, MAX_LEN = 0.2, 0.28, 5.0, 16
-CLIP_MIN, CLIP_MAX = 0.5, 2.0
+BOUNDS = ((0.5, 2.0), (None, 3.0))  # (clip_min, clip_max): both bounds, and TRL's defaults
 
 
 def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -94,7 +95,8 @@ class _Accelerator:
     reduce = staticmethod(lambda x, reduction="sum": x)
 
 
-def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high):
+def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
+                bounds=BOUNDS[0]):
     """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
     args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, sapo_temperature_pos=1.0,
                            sapo_temperature_neg=1.05, steps_per_generation=accumulation)
@@ -102,17 +104,18 @@ def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulatio
         args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=EPS_LOW,
         epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         use_vllm=is_mode != "none", vllm_importance_sampling_correction=is_mode != "none",
-        vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_min=CLIP_MIN,
-        vllm_importance_sampling_clip_max=CLIP_MAX, max_completion_length=MAX_LEN, model=SimpleNamespace(training=True),
+        vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_min=bounds[0],
+        vllm_importance_sampling_clip_max=bounds[1], max_completion_length=MAX_LEN,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation, accelerator=_Accelerator(), aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, torch.zeros_like(logps_leaf), None),
     )
 
 
-def trl_weights_and_metrics(trl, inputs, is_mode):
+def trl_weights_and_metrics(trl, inputs, is_mode, bounds):
     _, weights_src, metrics_src, utils = trl
-    fake = trl_trainer("grpo", "token", 0.0, False, is_mode, 1, None, EPS_HIGH)
+    fake = trl_trainer("grpo", "token", 0.0, False, is_mode, 1, None, EPS_HIGH, bounds)
     scope = {"self": fake, "torch": torch, "math": math, "completion_mask": inputs["mask"], "tool_mask": None,
              "old_per_token_logps": inputs["old"], "sampling_per_token_logps": inputs["sampling"], "mode": "train",
              "device": inputs["old"].device, "nanmin": utils.nanmin, "nanmax": utils.nanmax}
@@ -162,8 +165,8 @@ def our_loss(case, inputs, rows_list, weights):
     return total, leaf.grad
 
 
-def our_weights_and_metrics(inputs, is_mode):
-    correction = SamplerCorrection(is_mode, CLIP_MIN, CLIP_MAX)
+def our_weights_and_metrics(inputs, is_mode, bounds):
+    correction = SamplerCorrection(is_mode, *bounds)
     weights = correction.weights(inputs["old"], inputs["sampling"], inputs["mask"])
     stats = SamplingStats()
     stats.update(inputs["old"], inputs["sampling"], inputs["mask"], weights)
@@ -178,10 +181,10 @@ def compare(dtype: torch.dtype) -> list[dict]:
         loss_type, level, (beta, kl_bc), is_mode = case
         case = (loss_type, level, beta, kl_bc, is_mode)
         worst = {"loss": 0.0, "grad": 0.0, "weights": 0.0, "metrics": 0.0}
-        for seed, (n, t) in enumerate(SHAPES):
+        for (seed, (n, t)), bounds in itertools.product(enumerate(SHAPES), BOUNDS if is_mode != "none" else [None]):
             inputs = make_inputs(n, t, seed, dtype)
-            ours_w, ours_m = our_weights_and_metrics(inputs, is_mode) if is_mode != "none" else (None, {})
-            trl_w, trl_m = trl_weights_and_metrics(trl, inputs, is_mode) if is_mode != "none" else (None, {})
+            ours_w, ours_m = our_weights_and_metrics(inputs, is_mode, bounds) if bounds else (None, {})
+            trl_w, trl_m = trl_weights_and_metrics(trl, inputs, is_mode, bounds) if bounds else (None, {})
             if is_mode != "none":
                 worst["weights"] = max(worst["weights"], float((ours_w - trl_w).abs().max()))
                 if set(ours_m) != set(trl_m):
@@ -209,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     records = compare(getattr(torch, args.dtype))
     header = f"{'loss_type':8} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} {'grad':>9} " \
              f"{'weights':>9} {'sampling/*':>10}"
-    print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES} "
-          "and 1 or 2 micro-batches")
+    print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
+          f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
     print(header)
     bad = 0
     for r in records:
