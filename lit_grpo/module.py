@@ -10,11 +10,11 @@ makes ``num_iterations`` optimizer steps on it:
    rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
    once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
 4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.logprobs.completion_logps``, which never
-   holds the whole ``[m, T, vocab]`` logits), the loss variant ``self.loss_fn`` (lit_grpo.loss, chosen once by
-   ``loss_type``) x its ``micro_batch_weight`` (the weighted micro-batch losses add up to the whole step's loss,
-   so the gradients equal one big batch's), a finiteness check,
-   ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``,
-   the warmup scheduler step.
+   holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs),
+   the loss variant ``self.loss_fn`` (lit_grpo.loss, chosen once by ``loss_type``) x its ``micro_batch_weight``
+   (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
+   finiteness check, ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``,
+   ``optimizer.step``, the warmup scheduler step.
 
 A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
 weights are never corrupted.
@@ -28,9 +28,10 @@ Logged (``self.log``, on step): train/{loss, kl (beta > 0 only: there is no refe
 clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
-completions/{mean_length, min_length, max_length, clipped_ratio}; whatever the data side put in
-``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation: val/{accuracy, reward}
-(torchmetrics ``MeanMetric``, per prompt, greedy).
+completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
+max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.importance_sampling); what
+the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation:
+val/{accuracy, reward} (torchmetrics ``MeanMetric``, per prompt, greedy).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
 B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
@@ -60,9 +61,11 @@ from lit_grpo.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.distributed import gradient_norm, shard_decoder_layers
 from lit_grpo.logprobs import completion_logps
-from lit_grpo.loss import LossType, PolicyLoss, make_loss, policy_loss_metrics
+from lit_grpo.importance_sampling import ImportanceSamplingMode, SamplerCorrection, SamplingStats
+from lit_grpo.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
 from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from lit_grpo.rollout_metrics import rollout_metrics
+from lit_grpo.update_metrics import StepMetrics
 from lit_grpo.validation import check_int
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
@@ -82,8 +85,14 @@ class GRPOModule(LightningModule):
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
-        loss_type: grpo | bnpo | dr_grpo | dapo (lit_grpo.loss).
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.loss; cispo caps the ratio at
+            epsilon_high itself: set epsilon_high >= 1, typically 5.0).
         epsilon_low, epsilon_high: the ratio's clip range.
+        importance_sampling_level (token | sequence: GSPO), kl_bias_correction, sapo_temperature_pos,
+            sapo_temperature_neg: the loss options of lit_grpo.loss (TRL's GRPOConfig meanings).
+        importance_sampling_mode (none | token_truncate | token_mask | sequence_truncate | sequence_mask),
+            importance_sampling_clip_min, importance_sampling_clip_max: the sampler correction; off by default,
+            the engine samples with these very weights (when to turn it on: lit_grpo.importance_sampling).
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
         scale_rewards: group | batch | none (lit_grpo.advantages; handed to the data side in ``_hand_over_to_data``).
         num_iterations: optimizer steps per rollout (mu in the GRPO paper).
@@ -119,6 +128,13 @@ class GRPOModule(LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
+        importance_sampling_level: ImportanceSamplingLevel = "token",
+        kl_bias_correction: bool = False,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        importance_sampling_mode: ImportanceSamplingMode = "none",
+        importance_sampling_clip_min: float | None = None,
+        importance_sampling_clip_max: float | None = 3.0,
     ):
         super().__init__()
         if scale_rewards not in SCALES:
@@ -132,7 +148,11 @@ class GRPOModule(LightningModule):
             raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be >= 0 or None")
-        make_loss(loss_type, epsilon_low, epsilon_high, beta)  # checks the name, the clip range and beta
+        # built once here: they check the names, the clip range, beta and the bounds
+        make_loss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_level, kl_bias_correction,
+                  sapo_temperature_pos, sapo_temperature_neg)
+        self.sampler_correction = SamplerCorrection(importance_sampling_mode, importance_sampling_clip_min,
+                                                    importance_sampling_clip_max)  # lit_grpo.importance_sampling
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.scale_rewards = scale_rewards
@@ -184,7 +204,8 @@ class GRPOModule(LightningModule):
     def loss_fn(self) -> PolicyLoss:
         """The loss variant of ``hparams`` (lit_grpo.loss; built and validated once per setting, then shared)."""
         hp = self.hparams
-        return make_loss(hp.loss_type, hp.epsilon_low, hp.epsilon_high, hp.beta)
+        return make_loss(hp.loss_type, hp.epsilon_low, hp.epsilon_high, hp.beta, hp.importance_sampling_level,
+                         hp.kl_bias_correction, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -297,8 +318,10 @@ class GRPOModule(LightningModule):
                 ref_logps = self._frozen_logps(reference, batch, chunks)
 
         sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
+        sampling = SamplingStats()
         for iteration in range(hp.num_iterations):
-            step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration)
+            step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
+                                        sampling)
             # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
             step_metrics["lr"] = optimizer.param_groups[0]["lr"]
             for key, value in step_metrics.items():
@@ -306,27 +329,30 @@ class GRPOModule(LightningModule):
             if scheduler is not None:
                 scheduler.step()
         logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or hp.beta > 0}
+        logged.update(sampling.as_metrics())
         logged.update(self._rollout_metrics(batch))
         return logged
 
     def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
-                total_active, iteration: int) -> dict[str, float]:
-        """One optimizer step over all micro-batches of the rollout; returns the step's metrics."""
-        hp = self.hparams
-        loss_fn = self.loss_fn
+                total_active, iteration: int, sampling: SamplingStats | None = None) -> dict[str, float]:
+        """One optimizer step over all micro-batches of the rollout; returns the step's metrics (the sampler
+        correction's go to ``sampling``, in the first iteration)."""
+        hp, loss_fn, correction = self.hparams, self.loss_fn, self.sampler_correction
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
-        loss_sum = 0.0
-        sums = {"clip_ratio_low": 0.0, "clip_ratio_high": 0.0, "kl": 0.0, "entropy": 0.0}
-        loss_tokens, content_tokens = 0.0, 0.0
+        step = StepMetrics()
         world = self.trainer.world_size if self._trainer is not None else 1
         for index, rows in enumerate(chunks):
             micro = batch.micro_batch(rows)
             logps, entropy = self._logps(self.policy, micro, batch.temperature)
             mask = self._loss_mask(micro)
+            # with one iteration the weights have not moved since the rollout: this forward's log-probs are the old
             old = old_logps[index] if old_logps is not None else logps.detach()
             ref = ref_logps[index] if ref_logps is not None else None
-            loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active)
+            weights = correction.weights(old, micro["sampling_logprobs"], mask)
+            if sampling is not None and iteration == 0:
+                sampling.update(old, micro["sampling_logprobs"], mask, weights)
+            loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
             if not torch.isfinite(loss):
                 optimizer.zero_grad(set_to_none=True)
@@ -338,18 +364,8 @@ class GRPOModule(LightningModule):
                 self.manual_backward(loss)
             else:
                 loss.backward()
-            loss_sum += loss.item()
-            # metrics: clip ratios and KL are means over loss tokens, entropy over all completion tokens
-            metrics = policy_loss_metrics(logps.detach(), old, micro["advantages"], mask, hp.epsilon_low,
-                                          hp.epsilon_high, ref)
-            active = float(metrics["active_tokens"])
-            for key in ("clip_ratio_low", "clip_ratio_high", "kl"):
-                if key in metrics:
-                    sums[key] += float(metrics[key]) * active
-            loss_tokens += active
-            content = micro["completion_mask"].float()
-            sums["entropy"] += float((entropy * content).sum())
-            content_tokens += float(content.sum())
+            step.add(loss.item(), loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
+                     micro["completion_mask"])
             del logps, entropy, loss
         grad_norm = gradient_norm(self.policy.parameters())
         if not math.isfinite(grad_norm):
@@ -362,10 +378,7 @@ class GRPOModule(LightningModule):
             torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None],
                                            hp.max_grad_norm)
         optimizer.step()
-        out = {"loss": loss_sum, "grad_norm": grad_norm, "entropy": sums["entropy"] / max(content_tokens, 1.0)}
-        for key in ("clip_ratio_low", "clip_ratio_high", "kl"):
-            out[key] = sums[key] / max(loss_tokens, 1.0)
-        return out
+        return step.result(grad_norm)
 
     # the scalars logged per rollout (lit_grpo.rollout_metrics; a static method for the tests' sake)
     _rollout_metrics = staticmethod(rollout_metrics)

@@ -45,7 +45,9 @@ def test_fit_two_steps_end_to_end(tmp_path):
                 "rollout/decode_steps", "rollout/lower_bound_steps", "rollout/slot_utilization",
                 "rollout/prefill_tokens", "rollout/generated_tokens", "rollout/tokens_per_s", "rollout/wall_s",
                 "rollout/peak_kv_bytes", "rollout/length_pred_smape", "memory/step_peak_bytes",
-                "memory/rollout_peak_bytes", "memory/update_peak_bytes"}
+                "memory/rollout_peak_bytes", "memory/update_peak_bytes",
+                # the sampler against the update (logged with the correction off, its default)
+                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
     assert expected <= tags, expected - tags
     assert accumulator.Scalars("rollout/decode_steps")[0].value >= accumulator.Scalars("rollout/lower_bound_steps")[0].value
     assert accumulator.Scalars("memory/rollout_peak_bytes")[0].value > 0
@@ -106,6 +108,30 @@ def test_unknown_key_is_rejected(capsys):
         main(["fit", "--config", TINY, "--model.no_such_key", "1"])
     assert exit_info.value.code != 0
     assert "no_such_key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("loss_type", "vespo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
+    ("importance_sampling_level", "seq", "'token', 'sequence'"),
+    ("importance_sampling_mode", "tis", "'none', 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'"),
+])
+def test_loss_options_fail_at_parse_time_naming_the_value_and_the_choices(capsys, key, value, allowed):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, f"--model.{key}", value])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert f'"model.{key}"' in err and f"Got value: {value}" in err and allowed in err
+
+
+def test_loss_options_reach_the_module_from_the_command_line():
+    cli = build_cli(["--config", TINY, "--model.loss_type", "cispo", "--model.epsilon_high", "5.0",
+                     "--model.importance_sampling_level", "sequence", "--model.kl_bias_correction", "true",
+                     "--model.importance_sampling_mode", "token_truncate", "--model.importance_sampling_clip_min",
+                     "0.5", "--model.importance_sampling_clip_max", "2.0", "--trainer.logger", "false"], run=False)
+    loss_fn, correction = cli.model.loss_fn, cli.model.sampler_correction
+    assert (loss_fn.name, loss_fn.epsilon_high, loss_fn.importance_sampling_level, loss_fn.kl_bias_correction) == (
+        "cispo", 5.0, "sequence", True)
+    assert (correction.mode, correction.clip_min, correction.clip_max) == ("token_truncate", 0.5, 2.0)
 
 
 def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():

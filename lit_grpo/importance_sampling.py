@@ -1,0 +1,161 @@
+"""The sampler correction: importance weights of the trainer's probabilities to the sampler's, per token or per
+completion, truncated or masked (pure functions and one small frozen object).
+
+Shapes: ``N`` completions, ``T`` completion tokens (``mask`` marks the ones that count).
+
+The rollout engine returns the log-prob of every token it sampled (``RolloutBatch.sampling_logprobs``); the update
+recomputes them with the weights it starts from (``trainer_logps``: the old log-probs before the step's first
+optimizer step). Where the two differ (different kernels or precision in the decode loop, a top-k / top-p filter
+the sampler renormalized over, or tokens sampled by older weights), the policy loss of each token is multiplied by
+
+    token_*     w_t = exp(trainer_logp_t - sampling_logp_t)                                 ``[N, T]``
+    sequence_*  w   = exp(sum over the completion's active tokens of the same difference)  ``[N, 1]``
+
+    *_truncate  w <- clamp(w, clip_min, clip_max)               (a None bound is no bound)
+    *_mask      w <- 0 where w < clip_min or w > clip_max, else w unchanged
+
+A token whose sampling log-prob is NaN (the sampler could not score it) counts as a difference of 0.
+
+The default is ``none``: the engine samples with the very weights the update starts from, in the same process and
+the same model code, so the ratio is 1 up to the rounding of the decode kernels, and a correction would only
+multiply the loss by that rounding noise.
+``sequence_mask`` with ``clip_max=3`` (TRL's default) is the setting to turn on when tokens come from other
+weights (samples carried across optimizer steps) or from another distribution (a top-k / top-p filter: the
+sampler renormalizes over the kept tokens, so each token's ratio is at most 1 and a completion's product shrinks
+with its length). ``sampling/sampling_logp_difference/*`` is logged in every mode, so a mismatch shows either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ImportanceSamplingMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("none", "token_truncate", "token_mask", "sequence_truncate",
+                                              "sequence_mask")
+
+
+def sampling_logp_difference(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
+                             mask: torch.Tensor) -> torch.Tensor:
+    """``[N, T]`` ``trainer_logp - sampling_logp`` on active tokens, 0 elsewhere and where either is NaN."""
+    diff = (trainer_logps.detach() - sampling_logps.to(trainer_logps.dtype)) * mask.to(trainer_logps.dtype)
+    return torch.nan_to_num(diff, nan=0.0)
+
+
+def importance_sampling_weights(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                                mode: str, clip_min: float | None = None,
+                                clip_max: float | None = None) -> torch.Tensor | None:
+    """The correction's weights (module docstring): ``[N, T]`` for token modes, ``[N, 1]`` for sequence modes,
+    None for ``mode="none"``. No gradient.
+
+    Args:
+        trainer_logps: ``[N, T]`` the trainer's log-probs of the sampled tokens (old log-probs).
+        sampling_logps: ``[N, T]`` the sampler's.
+        mask: ``[N, T]`` 1 on active tokens.
+    """
+    check_mode(mode)
+    if mode == "none":
+        return None
+    log_weights = sampling_logp_difference(trainer_logps, sampling_logps, mask)
+    if mode.startswith("sequence"):
+        log_weights = log_weights.sum(dim=1, keepdim=True)
+    weights = torch.exp(log_weights)
+    if mode.endswith("truncate"):
+        return torch.clamp(weights, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def check_mode(mode: str) -> None:
+    """Raise ``ValueError`` naming an unknown mode."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"importance_sampling_mode={mode!r} is not supported; use one of "
+                         f"{list(IMPORTANCE_SAMPLING_MODES)}")
+
+
+@dataclass(frozen=True)
+class SamplerCorrection:
+    """The correction's settings, validated when built; ``weights(...)`` is ``importance_sampling_weights``.
+
+    Args:
+        mode: none | token_truncate | token_mask | sequence_truncate | sequence_mask.
+        clip_min, clip_max: the bounds ``[clip_min, clip_max]`` (None: unbounded on that side; > 0,
+            ``clip_min < clip_max``, and a truncate mode needs at least one).
+    """
+
+    mode: str = "none"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        for name in ("clip_min", "clip_max"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"importance_sampling_{name}={value!r} must be > 0 or None")
+        if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
+            raise ValueError(f"importance_sampling_clip_min={self.clip_min!r} must be < importance_sampling_clip_max="
+                             f"{self.clip_max!r}")
+        if self.mode.endswith("truncate") and self.clip_min is None and self.clip_max is None:
+            raise ValueError(f"importance_sampling_mode={self.mode!r} needs importance_sampling_clip_min or "
+                             "importance_sampling_clip_max (both are None)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def weights(self, trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor | None:
+        """``[N, T]`` / ``[N, 1]`` weights, or None when the mode is ``none``."""
+        return importance_sampling_weights(trainer_logps, sampling_logps, mask, self.mode, self.clip_min,
+                                           self.clip_max)
+
+
+class SamplingStats:
+    """``sampling/*`` scalars of one update, accumulated over micro-batches.
+
+    ``sampling_logp_difference/{mean, max}``: ``|trainer_logp - sampling_logp|`` over active tokens (NaN sampling
+    log-probs left out); ``importance_sampling_ratio/{min, mean, max}``: the weights the loss used, over active
+    tokens (token modes) or completions (sequence modes), only when a correction is on.
+    """
+
+    def __init__(self) -> None:
+        self.corrected = False
+        self.diff_sum, self.diff_count, self.diff_max = 0.0, 0, 0.0
+        self.ratio_sum, self.ratio_count, self.ratio_min, self.ratio_max = 0.0, 0, math.inf, -math.inf
+
+    @torch.no_grad()
+    def update(self, trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+               weights: torch.Tensor | None) -> None:
+        """Add one micro-batch (``[m, T]`` tensors; ``weights`` from ``importance_sampling_weights``)."""
+        active = mask.bool()
+        delta = (trainer_logps.double() - sampling_logps.double()).abs()
+        delta = delta[active & ~torch.isnan(delta)]
+        if delta.numel():
+            self.diff_sum += float(delta.sum())
+            self.diff_count += delta.numel()
+            self.diff_max = max(self.diff_max, float(delta.max()))
+        if weights is None:
+            return
+        self.corrected = True
+        values = weights.flatten() if weights.shape[1] == 1 else weights[active]
+        if values.numel():
+            self.ratio_sum += float(values.double().sum())
+            self.ratio_count += values.numel()
+            self.ratio_min = min(self.ratio_min, float(values.min()))
+            self.ratio_max = max(self.ratio_max, float(values.max()))
+
+    def as_metrics(self) -> dict[str, float]:
+        """The logged keys (an empty micro-batch set gives zeros, as TRL)."""
+        out = {"sampling/sampling_logp_difference/mean": self.diff_sum / max(self.diff_count, 1),
+               "sampling/sampling_logp_difference/max": self.diff_max}
+        if self.corrected:
+            empty = not self.ratio_count
+            out.update({"sampling/importance_sampling_ratio/min": 0.0 if empty else self.ratio_min,
+                        "sampling/importance_sampling_ratio/mean": self.ratio_sum / max(self.ratio_count, 1),
+                        "sampling/importance_sampling_ratio/max": 0.0 if empty else self.ratio_max})
+        return out

@@ -1,0 +1,359 @@
+"""The GRPO loss variants as small frozen objects (torchtune rlhf/loss style); ``lit_grpo.loss`` re-exports them.
+
+Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padded; ``mask`` marks real ones).
+
+Per token (the terms are in lit_grpo.surrogates)::
+
+    r     = exp(logp - old_logp)                     token level, or per sequence (below)
+    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.importance_sampling)
+    KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
+
+``importance_sampling_level="sequence"`` (GSPO) replaces each token's ratio by its completion's
+``exp(mean over active tokens of (logp - old_logp))``. ``kl_bias_correction`` weighs the k3 KL by ``r``, which
+makes its gradient the unbiased gradient of KL(policy || reference) when the tokens came from ``old_logp``.
+
+The variants differ in their surrogate (clip, cispo, sapo: lit_grpo.surrogates), in how they reduce the
+``[N, T]`` token losses to a scalar and in how the micro-batches of one optimizer step (and the ranks) add up:
+
+=========  ==========  ==================================================================  ======================
+variant    surrogate   aggregation                                                         micro-batch weight
+=========  ==========  ==================================================================  ======================
+grpo       clip        mean over each sequence's tokens, then mean over sequences          rows / step rows
+bnpo       clip        sum over all tokens / active tokens of this micro-batch             1 / micro-batches
+dr_grpo    clip        sum / (num sequences x max_completion_length)                       rows / step rows
+dapo       clip        sum / active tokens of the whole optimizer step                     world size
+                       (``total_active_tokens``: all micro-batches, all ranks; without
+                       it, this micro-batch's active tokens, then it equals bnpo)
+cispo      cispo       as dapo                                                             world size
+sapo       sapo        as grpo                                                             rows / step rows
+=========  ==========  ==================================================================  ======================
+
+``micro_batch_weight`` is what each micro-batch's loss is multiplied by so that the weighted losses add up to the
+loss of the whole optimizer step (exactly for grpo, dr_grpo, dapo, cispo and sapo; bnpo is by definition a mean
+of per-micro-batch ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its
+normalizer already spans every rank while ddp averages the ranks' gradients.
+
+Objects (chosen once by name, validated when built)::
+
+    loss_fn = make_loss("dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0)
+    loss = loss_fn(logps, old_logps, advantages, mask, total_active_tokens=step_tokens)
+    loss = loss * loss_fn.micro_batch_weight(rows, step_rows, micro_batches, world_size)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from lit_grpo.surrogates import (
+    check_level,
+    cispo_surrogate,
+    clip_surrogate,
+    importance_ratio,
+    k3_kl,
+    sapo_surrogate,
+)
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+Number = int | float | torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ the variants
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The surrogate + k3-KL loss; a subclass says which surrogate and how tokens and micro-batches are reduced.
+
+    Args:
+        epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (cispo: the
+            ratio's cap is ``epsilon_high`` itself).
+        beta: weight of the k3 KL penalty (``> 0`` needs ``ref_logps`` at call time).
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO, module docstring).
+        kl_bias_correction: weigh the k3 KL by the importance ratio.
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    kl_bias_correction: bool = False
+
+    name: ClassVar[str]
+    #: True when the aggregation divides by the whole step's active tokens (the caller must count them first).
+    needs_step_tokens: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name}={value!r} must be >= 0")
+        if self.epsilon_low >= 1:
+            raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
+                             "1 - epsilon_low must be > 0)")
+        if not self.beta >= 0:
+            raise ValueError(f"beta={self.beta!r} must be >= 0")
+        check_level(self.importance_sampling_level)
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} must be True or False")
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        old_logps: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logps: torch.Tensor | None = None,
+        max_completion_length: int | None = None,
+        total_active_tokens: Number | None = None,
+        sampling_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scalar loss of ``N`` completions.
+
+        Args:
+            logps: ``[N, T]`` per-token log-probs under the current policy (with gradient).
+            old_logps: ``[N, T]`` under the policy that sampled (``logps.detach()`` when each rollout is used once).
+            advantages: ``[N]``.
+            mask: ``[N, T]`` 1/True for tokens that count.
+            ref_logps: ``[N, T]`` under the frozen reference model; needed when ``beta > 0``.
+            max_completion_length: dr_grpo's normalizer (the rollout's ``max_new_tokens``).
+            total_active_tokens: dapo's (and cispo's) normalizer spanning the optimizer step.
+            sampling_weights: ``[N, T]`` or ``[N, 1]`` the sampler correction's weights (no gradient), which
+                multiply the policy term, not the KL; None: no correction.
+        """
+        self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
+        if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
+            raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
+                             f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
+        per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights)
+        return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
+
+    def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
+        """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
+        ratio = importance_ratio(logps, old_logps, mask, self.importance_sampling_level)
+        per_token = self.surrogate(ratio, logps, advantages).expand_as(logps)
+        if sampling_weights is not None:
+            per_token = per_token * sampling_weights.detach().to(per_token.dtype)
+        if self.beta > 0:
+            kl = k3_kl(logps, ref_logps)
+            per_token = per_token + self.beta * (kl * ratio if self.kl_bias_correction else kl)
+        return per_token
+
+    def surrogate(self, ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """The policy term per token: ``ratio`` ``[N, T]`` or ``[N, 1]``, ``logps`` ``[N, T]``, ``advantages``
+        ``[N]``; returns ``[N, T]`` or ``[N, 1]``."""
+        return clip_surrogate(ratio, advantages, self.epsilon_low, self.epsilon_high)
+
+    def clipped(self, ratio: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bool masks (``ratio``'s shape) of the tokens whose ratio is clipped from below / above with an
+        advantage that makes the clip bind; ``advantages``: ``[N]``."""
+        adv = advantages.unsqueeze(1)
+        return (ratio < 1.0 - self.epsilon_low) & (adv < 0), (ratio > 1.0 + self.epsilon_high) & (adv > 0)
+
+    @staticmethod
+    def aggregate(per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
+                  total_active_tokens: Number | None) -> torch.Tensor:
+        """Reduce ``[N, T]`` token losses (``mask`` as ``per_token``'s dtype) to a scalar."""
+        raise NotImplementedError
+
+    @classmethod
+    def micro_batch_weight(cls, num_sequences: int, total_sequences: int, num_micro_batches: int,
+                           world_size: int = 1) -> float:
+        """Factor for one micro-batch's loss so that the factors' weighted sum is the whole step's loss.
+
+        Args:
+            num_sequences: rows in this micro-batch.
+            total_sequences: rows in the whole optimizer step (all micro-batches of this rank).
+            num_micro_batches: micro-batches in the step.
+            world_size: data-parallel ranks whose gradients are averaged.
+        """
+        if num_sequences < 1 or total_sequences < num_sequences or num_micro_batches < 1 or world_size < 1:
+            raise ValueError(f"bad micro-batch sizes: num_sequences={num_sequences}, total_sequences="
+                             f"{total_sequences}, num_micro_batches={num_micro_batches}, world_size={world_size} "
+                             "(need 1 <= num_sequences <= total_sequences, num_micro_batches >= 1, world_size >= 1)")
+        return cls._weight(num_sequences, total_sequences, num_micro_batches, world_size)
+
+    @staticmethod
+    def _weight(num_sequences: int, total_sequences: int, num_micro_batches: int, world_size: int) -> float:
+        return num_sequences / total_sequences
+
+    def check_inputs(self, logps, old_logps, advantages, mask, ref_logps=None, max_completion_length=None,
+                     total_active_tokens=None) -> None:
+        """Raise ``ValueError`` naming the first bad tensor or normalizer of a call."""
+        if logps.dim() != 2:
+            raise ValueError(f"logps must be [N, T] (2-D), got shape {tuple(logps.shape)}")
+        for name, tensor in (("old_logps", old_logps), ("mask", mask), ("ref_logps", ref_logps)):
+            if tensor is not None and tensor.shape != logps.shape:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected logps' shape "
+                                 f"{tuple(logps.shape)}")
+        if advantages.shape != logps.shape[:1]:
+            raise ValueError(f"advantages must be [N] = [{logps.shape[0]}], got shape {tuple(advantages.shape)}")
+        if self.beta > 0 and ref_logps is None:
+            raise ValueError(f"beta={self.beta} > 0 needs ref_logps (log-probs under the reference model), got None")
+        if total_active_tokens is not None and float(total_active_tokens) < 0:
+            raise ValueError(f"total_active_tokens={total_active_tokens!r} must be >= 0")
+
+    @torch.no_grad()
+    def metrics(self, logps, old_logps, advantages, mask, ref_logps=None) -> dict[str, torch.Tensor]:
+        """Token means over the active tokens of ``N`` completions, for logging (arguments as in ``__call__``).
+
+        Returns a dict of scalar tensors:
+            ``clip_ratio_low`` / ``clip_ratio_high``: share of tokens whose ratio (at this loss's level) is
+            clipped where it binds (``clipped``; cispo: its cap, sapo: never);
+            ``kl``: mean k3 KL to the reference, as the loss weighs it (only when ``ref_logps`` is given);
+            ``active_tokens``: the number of active tokens (the weight for averaging these over micro-batches).
+        """
+        mask = mask.to(logps.dtype)
+        active = mask.sum()
+        denominator = active.clamp(min=1.0)
+        ratio = importance_ratio(logps, old_logps, mask, self.importance_sampling_level)
+        low, high = (flags.to(logps.dtype).expand_as(mask) for flags in self.clipped(ratio, advantages))
+        out = {"clip_ratio_low": (low * mask).sum() / denominator, "clip_ratio_high": (high * mask).sum() / denominator,
+               "active_tokens": active}
+        if ref_logps is not None:
+            kl = k3_kl(logps, ref_logps)
+            out["kl"] = ((kl * ratio if self.kl_bias_correction else kl) * mask).sum() / denominator
+        return out
+
+
+@dataclass(frozen=True)
+class GRPOLoss(PolicyLoss):
+    """grpo: each sequence's token mean, then the mean over sequences (long answers weigh no more than short)."""
+
+    name: ClassVar[str] = "grpo"
+
+    @staticmethod
+    def aggregate(per_token, mask, max_completion_length, total_active_tokens):
+        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+
+
+@dataclass(frozen=True)
+class BNPOLoss(PolicyLoss):
+    """bnpo: the token mean over the micro-batch; micro-batches are averaged."""
+
+    name: ClassVar[str] = "bnpo"
+
+    @staticmethod
+    def aggregate(per_token, mask, max_completion_length, total_active_tokens):
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+    @staticmethod
+    def _weight(num_sequences, total_sequences, num_micro_batches, world_size):
+        return 1.0 / num_micro_batches
+
+
+@dataclass(frozen=True)
+class DrGRPOLoss(PolicyLoss):
+    """dr_grpo: the token sum over a constant, ``N x max_completion_length`` (no length bias)."""
+
+    name: ClassVar[str] = "dr_grpo"
+
+    @staticmethod
+    def aggregate(per_token, mask, max_completion_length, total_active_tokens):
+        return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+
+    def check_inputs(self, logps, old_logps, advantages, mask, ref_logps=None, max_completion_length=None,
+                     total_active_tokens=None) -> None:
+        super().check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length,
+                             total_active_tokens)
+        if max_completion_length is None or max_completion_length < 1:
+            raise ValueError(f"loss_type='dr_grpo' needs max_completion_length >= 1 (the rollout's "
+                             f"max_new_tokens), got {max_completion_length!r}")
+
+
+@dataclass(frozen=True)
+class DAPOLoss(PolicyLoss):
+    """dapo: the token sum over the whole optimizer step's active tokens (every micro-batch, every rank)."""
+
+    name: ClassVar[str] = "dapo"
+    needs_step_tokens: ClassVar[bool] = True
+
+    @staticmethod
+    def aggregate(per_token, mask, max_completion_length, total_active_tokens):
+        denominator = mask.sum() if total_active_tokens is None else torch.as_tensor(total_active_tokens)
+        return (per_token * mask).sum() / denominator.to(per_token.dtype).clamp(min=1.0)
+
+    @staticmethod
+    def _weight(num_sequences, total_sequences, num_micro_batches, world_size):
+        # the normalizer already spans the step and the ranks; ddp then AVERAGES the ranks' gradients, so scale by
+        # the world size to get the gradient of sum(all ranks' tokens) / total tokens.
+        return float(world_size)
+
+
+@dataclass(frozen=True)
+class CISPOLoss(DAPOLoss):
+    """cispo: ``-sg(min(r, epsilon_high)) A logp`` aggregated as dapo; ``epsilon_high`` is the ratio's cap."""
+
+    name: ClassVar[str] = "cispo"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
+        if not self.epsilon_high >= 1:
+            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
+                             f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
+
+    def surrogate(self, ratio, logps, advantages):
+        return cispo_surrogate(ratio, logps, advantages, self.epsilon_high)
+
+    def clipped(self, ratio, advantages):
+        adv = advantages.unsqueeze(1)
+        return torch.zeros_like(ratio, dtype=torch.bool), (ratio > self.epsilon_high) & (adv > 0)
+
+
+@dataclass(frozen=True)
+class SAPOLoss(GRPOLoss):
+    """sapo: the soft gate ``-(4 / tau) sigmoid(tau (r - 1)) A`` aggregated as grpo; no hard clip.
+
+    Args:
+        sapo_temperature_pos, sapo_temperature_neg: the gate's ``tau`` for ``A > 0`` / ``A <= 0`` (> 0; larger
+            is a sharper gate).
+    """
+
+    name: ClassVar[str] = "sapo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+
+    def surrogate(self, ratio, logps, advantages):
+        return sapo_surrogate(ratio, advantages, self.sapo_temperature_pos, self.sapo_temperature_neg)
+
+    def clipped(self, ratio, advantages):
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return none, none
+
+
+LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, BNPOLoss, DrGRPOLoss, DAPOLoss,
+                                                                 CISPOLoss, SAPOLoss)}
+
+
+def loss_class(loss_type: str) -> type[PolicyLoss]:
+    """The variant registered under ``loss_type``; a clear error for any other name."""
+    try:
+        return LOSSES[loss_type]
+    except (KeyError, TypeError):
+        raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {list(LOSS_TYPES)}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def make_loss(loss_type: str, epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
+              importance_sampling_level: str = "token", kl_bias_correction: bool = False,
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> PolicyLoss:
+    """The loss object of a variant and its settings (validated once; equal settings share one frozen object).
+
+    The sapo temperatures are used (and checked) by ``loss_type="sapo"`` only.
+    """
+    cls = loss_class(loss_type)
+    extra = {}
+    if cls is SAPOLoss:
+        extra = {"sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
+    return cls(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+               importance_sampling_level=importance_sampling_level, kl_bias_correction=kl_bias_correction, **extra)

@@ -1,0 +1,160 @@
+"""The sampler correction: its weights per mode against the formulas written out, on-policy ratios of a real
+rollout (tiny model, CPU float32), and its effect on the update."""
+
+import math
+
+import pytest
+import torch
+
+from lit_grpo.importance_sampling import (
+    IMPORTANCE_SAMPLING_MODES,
+    SamplerCorrection,
+    SamplingStats,
+    importance_sampling_weights,
+)
+from lit_grpo.logprobs import completion_logps
+from test_module import make_datamodule, make_module
+
+SHIFTS = [[0.1, -0.3, 0.9, 2.0], [-1.2, 0.4, 0.0, 0.0], [0.5, 0.5, 0.6, 0.0]]  # trainer - sampler, per token
+LENGTHS = [4, 2, 3]
+
+
+def _perturbed(clip_min, clip_max):
+    trainer = -torch.rand(3, 4, generator=torch.Generator().manual_seed(0))
+    shifts = torch.tensor(SHIFTS)
+    mask = torch.tensor([[1 if j < n else 0 for j in range(4)] for n in LENGTHS])
+    return trainer, trainer - shifts, mask
+
+
+def _expected(mode, clip_min, clip_max):
+    """Per row: one weight per token (token modes) or one per completion (sequence modes), from the shifts."""
+    low, high = (clip_min if clip_min is not None else -math.inf), (clip_max if clip_max is not None else math.inf)
+    bound = (lambda w: min(max(w, low), high)) if mode.endswith("truncate") else (
+        lambda w: w if low <= w <= high else 0.0)
+    rows = []
+    for shifts, length in zip(SHIFTS, LENGTHS):
+        if mode.startswith("token"):
+            rows.append([bound(math.exp(s)) if j < length else 1.0 for j, s in enumerate(shifts)])
+        else:
+            rows.append([bound(math.prod(math.exp(s) for s in shifts[:length]))])
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip_min, clip_max", [(None, 3.0), (0.5, 2.0), (0.5, None)])
+def test_each_mode_corrects_a_shifted_sampler_as_its_formula_says(mode, clip_min, clip_max):
+    trainer, sampling, mask = _perturbed(clip_min, clip_max)
+    got = SamplerCorrection(mode, clip_min, clip_max).weights(trainer, sampling, mask)
+    want = _expected(mode, clip_min, clip_max)
+    assert got.shape == ((3, 4) if mode.startswith("token") else (3, 1))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if mode == "sequence_mask" and clip_max == 3.0:  # exp(2.7), exp(1.6) > 3: masked
+        assert got[0, 0] == got[2, 0] == 0 and got[1, 0] == pytest.approx(math.exp(-0.8))
+    if mode == "token_truncate" and clip_max == 2.0:  # exp(0.9), exp(2.0) > 2 are cut to 2; exp(-1.2) to 0.5
+        assert got[0, 2] == got[0, 3] == 2.0 and got[1, 0] == 0.5
+
+
+def test_none_mode_and_nan_sampling_log_probs():
+    trainer, sampling, mask = _perturbed(None, 3.0)
+    assert importance_sampling_weights(trainer, sampling, mask, "none") is None
+    sampling = sampling.clone()
+    sampling[1, 0] = float("nan")  # a token the sampler could not score: no correction for it
+    weights = importance_sampling_weights(trainer, sampling, mask, "token_truncate", None, 3.0)
+    assert weights[1, 0] == 1.0 and weights[1, 1] == pytest.approx(math.exp(0.4))
+    stats = SamplingStats()
+    stats.update(trainer, sampling, mask, weights)
+    metrics = stats.as_metrics()
+    active = [abs(s) for row, n in zip(SHIFTS, LENGTHS) for s in row[:n]]
+    active.remove(1.2)  # the NaN token is left out of the difference
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(active) / len(active))
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(2.0)
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)  # exp(2.0) truncated
+
+
+def test_bad_settings_name_the_value_and_what_is_allowed():
+    with pytest.raises(ValueError, match=r"importance_sampling_mode='tis' is not supported; use one of \['none', "):
+        SamplerCorrection("tis")
+    with pytest.raises(ValueError, match=r"importance_sampling_clip_min=2.0 must be < importance_sampling_clip_max=1"):
+        SamplerCorrection("token_mask", 2.0, 1.0)
+    with pytest.raises(ValueError, match=r"importance_sampling_clip_max=-1.0 must be > 0 or None"):
+        SamplerCorrection("token_mask", None, -1.0)
+    with pytest.raises(ValueError, match=r"mode='token_truncate' needs importance_sampling_clip_min or"):
+        SamplerCorrection("token_truncate", None, None)
+    SamplerCorrection("sequence_mask", None, None)  # masking nothing is allowed, as in TRL
+    from lit_grpo.module import GRPOModule
+
+    with pytest.raises(ValueError, match="importance_sampling_mode='sequence'"):
+        GRPOModule(model="tiny-llama", importance_sampling_mode="sequence")
+    with pytest.raises(ValueError, match="importance_sampling_clip_min=5.0 must be <"):
+        GRPOModule(model="tiny-llama", importance_sampling_clip_min=5.0)
+
+
+# ------------------------------------------------------------------------------------------------ real rollouts
+@pytest.fixture(scope="module")
+def rollout():
+    module = make_module()
+    batch = make_datamodule(module, reward_funcs=["char_fraction", "accuracy"]).build_train_batch()
+    assert batch.advantages.abs().sum() > 0, "the test needs a rollout with a learning signal"
+    return module, batch
+
+
+@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES[1:])
+def test_on_policy_ratios_are_one(rollout, mode):
+    """No carried tokens, float32 on CPU: the update's log-probs reproduce the sampler's, every ratio is 1."""
+    module, batch = rollout
+    micro = batch.micro_batch(torch.arange(batch.num_completions))
+    with torch.no_grad():
+        trainer, _ = completion_logps(module.policy, micro, batch.temperature)
+    mask = micro["completion_mask"]
+    weights = SamplerCorrection(mode, None, 3.0).weights(trainer, micro["sampling_logprobs"], mask)
+    torch.testing.assert_close(weights, torch.ones_like(weights), atol=1e-4, rtol=0)
+
+    metrics = make_module(importance_sampling_mode=mode).grpo_step(batch, torch.optim.SGD(module.policy.parameters(),
+                                                                                          lr=0.0))
+    for key in ("min", "mean", "max"):
+        assert metrics[f"sampling/importance_sampling_ratio/{key}"] == pytest.approx(1.0, abs=1e-4)
+    assert 0 <= metrics["sampling/sampling_logp_difference/mean"] <= metrics["sampling/sampling_logp_difference/max"]
+    assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+def _grads(batch, **kwargs):
+    module = make_module(**kwargs)
+    metrics = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, metrics
+
+
+def _assert_same_grads(a, b):
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_update_masks_and_truncates_a_perturbed_sequence(rollout):
+    """Shift one completion's sampling log-probs so that its sequence ratio is 5: sequence_mask drops it (as if its
+    advantage were 0) and sequence_truncate weighs it 3 (as if its advantage were 3 A); the others keep ratio ~1."""
+    _, batch = rollout
+    row = int(batch.advantages.flatten().abs().argmax())
+    p, k = divmod(row, batch.group_size)
+    length = int(batch.completion_lengths[p, k])
+    shifted = batch.to("cpu")
+    shifted.sampling_logprobs = batch.sampling_logprobs.clone()
+    shifted.sampling_logprobs[p, k, :length] -= math.log(5.0) / length  # trainer / sampler = 5 over the sequence
+
+    def with_advantage(scale):
+        changed = batch.to("cpu")
+        changed.advantages = batch.advantages.clone()
+        changed.advantages[p, k] *= scale
+        return changed
+
+    masked, metrics = _grads(shifted, importance_sampling_mode="sequence_mask", importance_sampling_clip_max=3.0)
+    _assert_same_grads(masked, _grads(with_advantage(0.0), importance_sampling_mode="none")[0])
+    assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(5.0) / length, rel=1e-3)
+
+    truncated, metrics = _grads(shifted, importance_sampling_mode="sequence_truncate")
+    _assert_same_grads(truncated, _grads(with_advantage(3.0), importance_sampling_mode="none")[0])
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)
+
+    untouched, metrics = _grads(shifted, importance_sampling_mode="none")
+    _assert_same_grads(untouched, _grads(batch, importance_sampling_mode="none")[0])
+    assert "sampling/importance_sampling_ratio/max" not in metrics  # no correction: no weights to report

@@ -1,0 +1,236 @@
+"""cispo, sapo, importance_sampling_level="sequence" (GSPO) and kl_bias_correction against direct computations
+written out per sequence and per token, their gradients, and their bad values."""
+
+import math
+
+import pytest
+import torch
+
+from lit_grpo.loss import make_loss, policy_loss, policy_loss_metrics
+
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
+LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, t = len(LENGTHS), 5
+    logps = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
+    old = logps + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 0.8
+    ref = logps + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 0.5
+    adv = torch.tensor([1.0, -0.5, 0.7, 2.0], dtype=torch.float64)
+    mask = torch.tensor([[1.0 if j < length else 0.0 for j in range(t)] for length in LENGTHS], dtype=torch.float64)
+    return logps, old, ref, adv, mask
+
+
+# ------------------------------------------------------------------------------------------------ references
+def _ratios(lp, olp, m, level):
+    """Each row's per-token ratios as a list of scalar tensors (autograd flows through them)."""
+    rows = []
+    for i in range(lp.shape[0]):
+        if level == "token":
+            rows.append([torch.exp(lp[i, j] - olp[i, j]) for j in range(lp.shape[1])])
+        else:
+            active = [j for j in range(lp.shape[1]) if m[i, j]]
+            mean = sum((lp[i, j] - olp[i, j] for j in active), torch.zeros((), dtype=lp.dtype)) / max(len(active), 1)
+            rows.append([torch.exp(mean)] * lp.shape[1])
+    return rows
+
+
+def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=False, eps_high=EPS_HIGH,
+               tau_pos=1.0, tau_neg=1.05, weights=None):
+    """The loss written out token by token; aggregation as grpo (sapo) or over all active tokens (the rest)."""
+    sums, counts = [], []
+    for i, row in enumerate(_ratios(lp, olp, m, level)):
+        s, c = torch.zeros((), dtype=lp.dtype), 0
+        a = float(adv[i])
+        for j, r in enumerate(row):
+            if not m[i, j]:
+                continue
+            if loss_type == "cispo":
+                term = -min(r.item(), eps_high) * a * lp[i, j]  # the weight carries no gradient
+            elif loss_type == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                term = -(4.0 / tau) * torch.sigmoid(tau * (r - 1.0)) * a
+            else:
+                clipped = torch.clamp(r, 1 - EPS_LOW, 1 + eps_high)
+                term = -torch.min(r * a, clipped * a)
+            if weights is not None:
+                term = term * float(weights[i, j if weights.shape[1] > 1 else 0])
+            if beta:
+                delta = rlp[i, j] - lp[i, j]
+                kl = torch.exp(delta) - delta - 1
+                term = term + beta * (kl * r if kl_bc else kl)
+            s, c = s + term, c + 1
+        sums.append(s)
+        counts.append(c)
+    if loss_type in ("grpo", "sapo"):
+        return sum(s / max(c, 1) for s, c in zip(sums, counts)) / len(sums)
+    return sum(sums) / sum(counts)
+
+
+def _loss_and_grad(fn):
+    logps, old, ref, adv, mask = _inputs()
+    leaf = logps.clone().requires_grad_(True)
+    loss = fn(leaf, old, ref, adv, mask)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def _compare(loss_type, **options):
+    eps_high = options.pop("eps_high", EPS_HIGH)
+    weights = options.pop("weights", None)
+    ours = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(
+        lp, olp, a, m, loss_type, EPS_LOW, eps_high, rlp if options.get("beta") else None, options.get("beta", 0.0),
+        importance_sampling_level=options.get("level", "token"), kl_bias_correction=options.get("kl_bc", False),
+        sapo_temperature_pos=options.get("tau_pos", 1.0), sapo_temperature_neg=options.get("tau_neg", 1.05),
+        sampling_weights=weights))
+    want = _loss_and_grad(lambda lp, olp, rlp, a, m: _reference(lp, olp, rlp, a, m, loss_type, eps_high=eps_high,
+                                                                 weights=weights, **options))
+    torch.testing.assert_close(ours[0], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[1], want[1], rtol=1e-9, atol=1e-12)
+    return ours
+
+
+# ------------------------------------------------------------------------------------------------ each option
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
+@pytest.mark.parametrize("beta", [0.0, BETA])
+def test_sequence_level_uses_each_completions_mean_log_ratio(loss_type, beta):
+    loss, grad = _compare(loss_type, level="sequence", beta=beta)
+    token_loss, _ = _compare(loss_type, level="token", beta=beta)
+    assert abs(float(loss - token_loss)) > 1e-4  # the level changes the loss on these inputs
+    assert torch.all(grad[2] == 0)  # the completion without active tokens gets no gradient
+
+
+def test_sequence_level_gradient_spreads_evenly_over_a_completions_tokens():
+    """Unclipped, grpo's loss of one completion is -r A with r = exp(mean log-ratio): d/dlogp_t = -r A / L for
+    each of its L active tokens."""
+    logps = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.05, -0.05, 0.02, 9.0]], dtype=torch.float64)  # the last token is padding
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    loss = policy_loss(logps, old, torch.tensor([2.0], dtype=torch.float64), mask, "grpo",
+                       importance_sampling_level="sequence")
+    loss.backward()
+    r = math.exp(-(0.05 - 0.05 + 0.02) / 3)
+    torch.testing.assert_close(logps.grad, torch.tensor([[-r * 2 / 3] * 3 + [0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, BETA])
+def test_cispo_weights_log_probs_by_the_capped_ratio(level, beta):
+    _compare("cispo", level=level, beta=beta, eps_high=1.1)  # a low cap so that some ratios are capped
+    _compare("cispo", level=level, beta=beta, eps_high=5.0)
+
+
+def test_cispo_gradient_is_the_capped_ratio_times_the_advantage():
+    logps = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))  # ratios 2 and 1
+    loss = policy_loss(logps, old, torch.tensor([3.0], dtype=torch.float64), torch.ones(1, 2), "cispo",
+                       epsilon_high=1.5)
+    loss.backward()
+    # the weight carries no gradient: d/dlogp = -min(r, 1.5) A / active tokens
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.5 * 3 / 2, -1.0 * 3 / 2]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, BETA])
+def test_sapo_soft_gate_per_advantage_sign(level, beta):
+    _compare("sapo", level=level, beta=beta)
+    _compare("sapo", level=level, beta=beta, tau_pos=2.0, tau_neg=0.5)
+
+
+def test_sapo_on_policy_is_the_plain_policy_gradient():
+    """At r = 1 the gate's slope is 1: the gradient is -A per token (then grpo's means), for either temperature."""
+    logps = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    loss = policy_loss(logps, logps.detach(), adv, torch.ones(2, 3), "sapo", sapo_temperature_pos=3.0,
+                       sapo_temperature_neg=0.7)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, (-adv / 3 / 2).unsqueeze(1).expand(2, 3))
+    # the value there is -(4 / tau) sigmoid(0) A = -2 A / tau
+    assert loss.item() == pytest.approx((-2 * 1.5 / 3.0 + 2 * 2.0 / 0.7) / 2)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_kl_bias_correction_weighs_the_kl_by_the_ratio(loss_type, level):
+    eps_high = 5.0 if loss_type == "cispo" else EPS_HIGH
+    corrected, corrected_grad = _compare(loss_type, level=level, beta=BETA, kl_bc=True, eps_high=eps_high)
+    plain, plain_grad = _compare(loss_type, level=level, beta=BETA, kl_bc=False, eps_high=eps_high)
+    assert not torch.allclose(corrected_grad, plain_grad)
+
+
+def test_kl_bias_correction_changes_the_gradient_on_policy():
+    """With old = logps the ratio is 1 but still differentiable, so the KL's gradient changes all the same."""
+    logps = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    loss = policy_loss(logps, logps.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), "bnpo",
+                       ref_logps=ref, beta=1.0, kl_bias_correction=True)
+    loss.backward()
+    # d/dlogp [r * k3] at r = 1: k3 + dk3/dlogp = (e^d - d - 1) + (1 - e^d) = -d, with d = ref - logp
+    d = ref - logps.detach()
+    torch.testing.assert_close(logps.grad, -d / 2)
+
+
+def test_sampling_weights_scale_the_policy_term_only():
+    logps, old, ref, adv, mask = _inputs()
+    token_w = torch.rand(4, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    _compare("dapo", beta=BETA, weights=token_w)
+    _compare("sapo", level="sequence", beta=BETA, weights=token_w[:, :1])
+
+
+def test_metrics_follow_the_level_and_the_variant():
+    logps = torch.log(torch.tensor([[0.5, 2.0]]))
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    token = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask)
+    assert token["clip_ratio_high"].item() == pytest.approx(0.5)  # ratio 2 > 1.28; ratio 0.5 is not clipped for A > 0
+    seq = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, importance_sampling_level="sequence")
+    assert seq["clip_ratio_high"].item() == 0 and seq["clip_ratio_low"].item() == 0  # geometric mean is 1
+    cispo = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, epsilon_high=1.5, loss_type="cispo")
+    assert cispo["clip_ratio_high"].item() == pytest.approx(0.5) and cispo["clip_ratio_low"].item() == 0
+    sapo = policy_loss_metrics(logps, old, torch.tensor([-1.0]), mask, loss_type="sapo")
+    assert sapo["clip_ratio_low"].item() == 0 and sapo["clip_ratio_high"].item() == 0  # no hard clip
+    ref = torch.full((1, 2), -0.5)
+    plain = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref)["kl"]
+    weighted = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref, kl_bias_correction=True)
+    delta = ref - logps
+    k3 = torch.exp(delta) - delta - 1
+    assert plain.item() == pytest.approx(k3.mean().item())
+    assert weighted["kl"].item() == pytest.approx((k3 * torch.tensor([[0.5, 2.0]])).mean().item())
+
+
+# ------------------------------------------------------------------------------------------------ bad values
+def test_bad_option_values_name_the_value_and_what_is_allowed():
+    logps, old, ref, adv, mask = _inputs()
+    with pytest.raises(ValueError, match=r"importance_sampling_level='seq' is not supported; use one of "
+                                         r"\['token', 'sequence'\]"):
+        policy_loss(logps, old, adv, mask, importance_sampling_level="seq")
+    with pytest.raises(ValueError, match=r"loss_type='cispo' caps the ratio at epsilon_high itself; "
+                                         r"epsilon_high=0.28 must be >= 1"):
+        policy_loss(logps, old, adv, mask, "cispo")
+    with pytest.raises(ValueError, match=r"sapo_temperature_neg=0.0 must be > 0"):
+        make_loss("sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(ValueError, match=r"sapo_temperature_pos=-1.0 must be > 0"):
+        policy_loss(logps, old, adv, mask, "sapo", sapo_temperature_pos=-1.0)
+    with pytest.raises(ValueError, match=r"kl_bias_correction='yes' must be True or False"):
+        make_loss("dapo", kl_bias_correction="yes")
+    with pytest.raises(ValueError, match=r"sampling_weights has shape \(4, 2\), expected \(4, 5\) or \(4, 1\)"):
+        policy_loss(logps, old, adv, mask, sampling_weights=torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"loss_type='vespo' is not supported; use one of \[.*'cispo', 'sapo'\]"):
+        make_loss("vespo")
+
+
+def test_module_checks_the_options_when_built():
+    from lit_grpo.module import GRPOModule
+
+    with pytest.raises(ValueError, match="importance_sampling_level='tokens'"):
+        GRPOModule(model="tiny-llama", importance_sampling_level="tokens")
+    with pytest.raises(ValueError, match="epsilon_high=0.28 must be >= 1"):
+        GRPOModule(model="tiny-llama", loss_type="cispo")
+    with pytest.raises(ValueError, match="sapo_temperature_pos=0"):
+        GRPOModule(model="tiny-llama", loss_type="sapo", sapo_temperature_pos=0)
+    module = GRPOModule(model="tiny-llama", loss_type="sapo", importance_sampling_level="sequence",
+                        kl_bias_correction=True, beta=0.1, sapo_temperature_neg=2.0)
+    loss_fn = module.loss_fn
+    assert (loss_fn.name, loss_fn.importance_sampling_level, loss_fn.kl_bias_correction,
+            loss_fn.sapo_temperature_neg) == ("sapo", "sequence", True, 2.0)

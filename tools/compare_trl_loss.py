@@ -1,0 +1,236 @@
+"""lit_grpo's loss against TRL's own ``GRPOTrainer._compute_loss`` on the same per-token log-probs.
+
+    python tools/compare_trl_loss.py [--dtype float64] [--tolerance 1e-5] [--json OUT]
+
+Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
+(grpo, bnpo, dr_grpo, dapo, cispo, sapo) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta
+> 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each with two pairs of
+bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference and
+sampling log-probs, advantages and masks (one completion without any active token). TRL's ``_compute_loss``
+runs on a stand-in trainer whose per-token log-prob forward returns that leaf, so only the loss arithmetic is
+TRL's; its sampler weights come from running the importance-sampling block of TRL's own
+``_generate_and_score_completions`` source on those tensors, and the ``sampling/*`` scalars from the block that
+logs them.
+
+Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
+(TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
+losses and accumulating the gradients. A row reports the largest absolute difference over shapes and splits of
+the loss, of its gradient w.r.t. ``logps``, and of the sampler weights and sampling/* scalars (where a correction
+is on). Exits 1 if any exceeds ``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lit_grpo.importance_sampling import SamplerCorrection, SamplingStats  # noqa: E402
+from lit_grpo.loss import make_loss  # noqa: E402
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LEVELS = ("token", "sequence")
+KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_correction)
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SHAPES = ((4, 7), (6, 12), (8, 3))  # (N completions, T tokens)
+EPS_LOW, EPS_HIGH, CISPO_EPS_HIGH, MAX_LEN = 0.2, 0.28, 5.0, 16
+BOUNDS = ((0.5, 2.0), (None, 3.0))  # (clip_min, clip_max): both bounds, and TRL's defaults
+
+
+def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    logps = -rand(n, t) * 3
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    lengths[1] = 0  # a completion without any active token
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    return {
+        "logps": logps.to(dtype),
+        "old": (logps + (rand(n, t) - 0.5) * 0.8).to(dtype),        # ratios on both sides of the clip range
+        "ref": (logps + (rand(n, t) - 0.5) * 0.6).to(dtype),
+        "sampling": (logps + (rand(n, t) - 0.5) * 1.6).to(dtype),  # sampler ratios on both sides of the bounds
+        "advantages": ((rand(n) - 0.5) * 3).to(dtype),
+        "mask": mask,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ TRL's side
+def trl_block(source: str, start: str, end: str) -> str:
+    """The dedented lines of ``source`` from the one containing ``start`` up to the one containing ``end``."""
+    lines = source.splitlines()
+    first = next(i for i, line in enumerate(lines) if start in line)
+    last = next(i for i in range(first + 1, len(lines)) if end in lines[i])
+    return textwrap.dedent("\n".join(lines[first:last]))
+
+
+def trl_sources():
+    from trl import GRPOTrainer
+    from trl.trainer import utils as trl_utils
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    # the block right after this comment computes the ratio (an earlier `if` with the same test guards old_logps)
+    first = source.index("Compute the importance sampling ratio when using vLLM")
+    weights = trl_block(source[first:], "if self.use_vllm and self.vllm_importance_sampling_correction:",
+                        "Compute the per-token log probabilities for the reference model")
+    logged = source.index("delta = torch.abs(old_per_token_logps - sampling_per_token_logps)")
+    start = source.rindex("\n", 0, source.rindex("if self.use_vllm", 0, logged)) + 1
+    metrics = trl_block(source[start:], "if self.use_vllm", "output = {")
+    return GRPOTrainer, weights, metrics, trl_utils
+
+
+class _Accelerator:
+    num_processes = 1
+    gather = staticmethod(lambda x: x.reshape(-1) if x.dim() == 0 else x)
+    reduce = staticmethod(lambda x, reduction="sum": x)
+
+
+def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
+                bounds=BOUNDS[0]):
+    """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
+    args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, sapo_temperature_pos=1.0,
+                           sapo_temperature_neg=1.05, steps_per_generation=accumulation)
+    return SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=EPS_LOW,
+        epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        use_vllm=is_mode != "none", vllm_importance_sampling_correction=is_mode != "none",
+        vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_min=bounds[0],
+        vllm_importance_sampling_clip_max=bounds[1], max_completion_length=MAX_LEN,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=accumulation, accelerator=_Accelerator(), aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, torch.zeros_like(logps_leaf), None),
+    )
+
+
+def trl_weights_and_metrics(trl, inputs, is_mode, bounds):
+    _, weights_src, metrics_src, utils = trl
+    fake = trl_trainer("grpo", "token", 0.0, False, is_mode, 1, None, EPS_HIGH, bounds)
+    scope = {"self": fake, "torch": torch, "math": math, "completion_mask": inputs["mask"], "tool_mask": None,
+             "old_per_token_logps": inputs["old"], "sampling_per_token_logps": inputs["sampling"], "mode": "train",
+             "device": inputs["old"].device, "nanmin": utils.nanmin, "nanmax": utils.nanmax}
+    exec(compile(weights_src, "trl:importance_sampling", "exec"), scope)
+    exec(compile(metrics_src, "trl:sampling_metrics", "exec"), scope)
+    metrics = {k: v[0] for k, v in fake._metrics["train"].items()}
+    return scope["vllm_importance_sampling_ratio"], metrics
+
+
+def trl_loss(trl, case, inputs, rows_list, weights):
+    loss_type, level, beta, kl_bc, is_mode = case
+    leaf = inputs["logps"].clone().requires_grad_(True)
+    total = 0.0
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    for rows in rows_list:
+        part = leaf[rows]
+        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high)
+        n, t = part.shape
+        micro = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+                 "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": inputs["mask"][rows],
+                 "advantages": inputs["advantages"][rows], "old_per_token_logps": inputs["old"][rows],
+                 "num_items_in_batch": inputs["mask"].sum()}
+        if beta:
+            micro["ref_per_token_logps"] = inputs["ref"][rows]
+        if weights is not None:
+            micro["importance_sampling_ratio"] = weights[rows]
+        loss = trl[0]._compute_loss(fake, None, micro)
+        loss.backward()
+        total = total + loss.detach()
+    return total, leaf.grad
+
+
+# ------------------------------------------------------------------------------------------------ ours
+def our_loss(case, inputs, rows_list, weights):
+    loss_type, level, beta, kl_bc, _ = case
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    loss_fn = make_loss(loss_type, EPS_LOW, eps_high, beta, level, kl_bc)
+    leaf = inputs["logps"].clone().requires_grad_(True)
+    total, n = 0.0, leaf.shape[0]
+    for rows in rows_list:
+        loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], inputs["mask"][rows],
+                       inputs["ref"][rows] if beta else None, MAX_LEN, inputs["mask"].sum(),
+                       None if weights is None else weights[rows])
+        loss = loss * loss_fn.micro_batch_weight(len(rows), n, len(rows_list))
+        loss.backward()
+        total = total + loss.detach()
+    return total, leaf.grad
+
+
+def our_weights_and_metrics(inputs, is_mode, bounds):
+    correction = SamplerCorrection(is_mode, *bounds)
+    weights = correction.weights(inputs["old"], inputs["sampling"], inputs["mask"])
+    stats = SamplingStats()
+    stats.update(inputs["old"], inputs["sampling"], inputs["mask"], weights)
+    return weights, stats.as_metrics()
+
+
+# ------------------------------------------------------------------------------------------------ main
+def compare(dtype: torch.dtype) -> list[dict]:
+    trl = trl_sources()
+    records = []
+    for case in itertools.product(LOSS_TYPES, LEVELS, KL_SETTINGS, IS_MODES):
+        loss_type, level, (beta, kl_bc), is_mode = case
+        case = (loss_type, level, beta, kl_bc, is_mode)
+        worst = {"loss": 0.0, "grad": 0.0, "weights": 0.0, "metrics": 0.0}
+        for (seed, (n, t)), bounds in itertools.product(enumerate(SHAPES), BOUNDS if is_mode != "none" else [None]):
+            inputs = make_inputs(n, t, seed, dtype)
+            ours_w, ours_m = our_weights_and_metrics(inputs, is_mode, bounds) if bounds else (None, {})
+            trl_w, trl_m = trl_weights_and_metrics(trl, inputs, is_mode, bounds) if bounds else (None, {})
+            if is_mode != "none":
+                worst["weights"] = max(worst["weights"], float((ours_w - trl_w).abs().max()))
+                if set(ours_m) != set(trl_m):
+                    raise SystemExit(f"sampling/* keys differ: ours {sorted(ours_m)}, TRL {sorted(trl_m)}")
+                worst["metrics"] = max(worst["metrics"], max(abs(ours_m[k] - trl_m[k]) for k in trl_m))
+            for rows_list in ([torch.arange(n)], list(torch.arange(n).chunk(2))):
+                want, want_grad = trl_loss(trl, case, inputs, rows_list, trl_w)
+                got, got_grad = our_loss(case, inputs, rows_list, ours_w)
+                worst["loss"] = max(worst["loss"], float((got - want).abs()))
+                worst["grad"] = max(worst["grad"], float((got_grad - want_grad).abs().max()))
+        records.append({"loss_type": loss_type, "importance_sampling_level": level, "beta": beta,
+                        "kl_bias_correction": kl_bc, "importance_sampling_mode": is_mode,
+                        **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--json", default=None, help="write the records here")
+    args = parser.parse_args(argv)
+    import trl
+
+    records = compare(getattr(torch, args.dtype))
+    header = f"{'loss_type':8} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} {'grad':>9} " \
+             f"{'weights':>9} {'sampling/*':>10}"
+    print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
+          f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
+    print(header)
+    bad = 0
+    for r in records:
+        diffs = [r[f"max_abs_diff_{k}"] for k in ("loss", "grad", "weights", "metrics")]
+        flag = any(d > args.tolerance for d in diffs)
+        bad += flag
+        print(f"{r['loss_type']:8} {r['importance_sampling_level']:8} {r['beta']:5} {str(r['kl_bias_correction']):5} "
+              f"{r['importance_sampling_mode']:17} " + " ".join(f"{d:9.1e}" for d in diffs[:3])
+              + f" {diffs[3]:10.1e}" + ("  MISMATCH" if flag else ""))
+    overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in ("loss", "grad", "weights", "metrics")}
+    print(f"{len(records)} combinations, {bad} over {args.tolerance:g}; largest: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trl": trl.__version__, "dtype": args.dtype, "records": records},
+                                              indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
