@@ -303,7 +303,7 @@ def _default_scheduler(config: SamplingConfig) -> Scheduler:
     if config.strategy == "infinite":
         from lit_grpo.scheduling import InfiniteScheduler
 
-        return InfiniteScheduler(**config.scheduler.as_kwargs())
+        return InfiniteScheduler.from_config(config.scheduler)
     return RoundScheduler() if config.strategy == "micro" else Scheduler()
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingFn, make_grouping
 from lit_grpo.scheduling.predictors import (
     LengthPredictor,
@@ -117,6 +118,11 @@ class InfiniteScheduler(Scheduler):
         self.probe_tokens = (probe_tokens or None) if self.predictor.token_conditioned else None
         self.trust = {"prompt": PredictionTrust(), "probe": PredictionTrust()}
         self.last_info: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, config: InfiniteSchedulerConfig) -> InfiniteScheduler:
+        """The scheduler a typed config (``SamplingConfig.scheduler``) describes."""
+        return cls(**config.as_kwargs())
 
     # ---- engine contract -------------------------------------------------------------------------------------
 
