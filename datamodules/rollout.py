@@ -305,12 +305,18 @@ class RolloutDataModule(LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """What exact resume needs from the data side: steps built, the prompt sampler / curriculum, the engine's
         state (rollout counter, which keys the random streams, and the length predictor) and the global random
-        states (saved from rank 0)."""
+        states (saved from rank 0). Each rank carries its own partial-rollout groups: they are gathered, one list
+        per rank, and each rank takes its own back."""
         state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
         if self.sampler is not None:
             state["sampler"] = self.sampler.state_dict()
         if self.builder is not None:
             state["engine"] = self.builder.state_dict()
+            world, _ = self._world()
+            if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+                by_rank: list[Any] = [None] * world
+                torch.distributed.all_gather_object(by_rank, state["engine"].pop("carried"))
+                state["engine"]["carried_by_rank"] = by_rank
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -324,10 +330,18 @@ class RolloutDataModule(LightningDataModule):
             else:
                 self._pending_state["sampler"] = state_dict["sampler"]
         if "engine" in state_dict:
+            engine = dict(state_dict["engine"])
+            if "carried_by_rank" in engine:  # saved by several ranks: this rank's own groups
+                by_rank = engine.pop("carried_by_rank")
+                world, rank = self._world()
+                if len(by_rank) != world:
+                    raise ValueError(f"the checkpoint carries partial rollouts of {len(by_rank)} ranks; resume it "
+                                     f"with as many ranks (this run has {world})")
+                engine["carried"] = by_rank[rank]
             if self.builder is not None:
-                self.builder.load_state_dict(state_dict["engine"])
+                self.builder.load_state_dict(engine)
             else:
-                self._pending_state["engine"] = state_dict["engine"]
+                self._pending_state["engine"] = engine
 
 
 def _legacy_scheduler_options(options: dict[str, Any], scheduler: InfiniteSchedulerConfig) -> InfiniteSchedulerConfig:

@@ -134,3 +134,27 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp(ddp_run, tmp_path):
         shards = [read_records(fsdp_run, rank)[step] for rank in (0, 1)]
         assert sum(s["param_sum"] for s in shards) == pytest.approx(ddp["param_sum"], rel=1e-6)
         assert sum(s["param_abs"] for s in shards) == pytest.approx(ddp["param_abs"], rel=1e-6)
+
+
+def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    _run_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.over_provision", "2.0",
+                       "--data.micro_group_size", "6", "--data.max_new_tokens", "48",
+                       "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
+                       "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
+                       "--trainer.callbacks.filename={step}")
+    engine = torch.load(ckpt_dir / "step=1.ckpt", map_location="cpu", weights_only=True)["RolloutDataModule"]["engine"]
+    by_rank = engine["carried_by_rank"]
+    assert "carried" not in engine and len(by_rank) == 2 and all(by_rank)
+    prompts = [{group["prompt"]["index"] for group in carried} for carried in by_rank]
+    assert not prompts[0] & prompts[1]  # each rank's own groups
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+
+    data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0)
+    data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
+    data.load_state_dict({"engine": engine})
+    assert data._pending_state["engine"]["carried"] == by_rank[1]
+    data.trainer = type("Trainer", (), {"world_size": 3, "global_rank": 0})()
+    with pytest.raises(ValueError, match="partial rollouts of 2 ranks; resume it with as many ranks"):
+        data.load_state_dict({"engine": engine})
