@@ -2,10 +2,11 @@
 
 ``base`` fixes the engine contract (Scheduler, RolloutWork, SampleKey) and the plain schedulers of "full", "micro"
 and "continuous"; the rest builds the "infinite" strategy: length predictors, global grouping (FPTAS, LPT,
-Karmarkar-Karp), runtime refill policies (SJF, LPT, FIFO) and InfiniteScheduler, plus a model-free simulator.
+Karmarkar-Karp), runtime refill policies (SJF, LPT, FIFO), the trust a predictor has earned (``trust``) and
+InfiniteScheduler, plus a model-free simulator.
 """
 
-from lit_grpo.scheduling.base import FIFOScheduler, RolloutWork, RoundScheduler, SampleKey, Scheduler
+from lit_grpo.scheduling.base import Assignment, FIFOScheduler, RolloutWork, RoundScheduler, SampleKey, Scheduler
 from lit_grpo.scheduling.grouping import (
     Partition,
     fptas_partition,
@@ -34,8 +35,10 @@ from lit_grpo.scheduling.refill import (
     make_refill,
 )
 from lit_grpo.scheduling.simulate import SimulationResult, planted_rollout, simulate_rollout
+from lit_grpo.scheduling.trust import PredictionTrust
 
 __all__ = [
+    "Assignment",
     "DEFAULT_REFILL",
     "FIFORefill",
     "FIFOScheduler",
@@ -47,6 +50,7 @@ __all__ = [
     "OnlineLengthPredictor",
     "OracleLengthPredictor",
     "Partition",
+    "PredictionTrust",
     "RefillPolicy",
     "RolloutWork",
     "RoundScheduler",
