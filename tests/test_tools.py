@@ -199,3 +199,22 @@ def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
     assert json.loads(out.read_text())["verdicts"] == verdicts
     again = gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path / "targets")])
     assert [v["value"] for v in again] == [v["value"] for v in verdicts]
+
+
+def test_bench_partial_rollouts_writes_its_fields(tmp_path):
+    from tools import bench_partial_rollouts
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"lengths": [[2, 3, 2, 12, 2, 4, 3, 2]]}))
+    report = bench_partial_rollouts.main(["--lengths", str(lengths), "--prompts", "2", "--group-size", "4",
+                                          "--micro-group-size", "8", "--steps", "4", "--over-provision", "1.0,2.0",
+                                          "--json", str(tmp_path / "out.json")])
+    runs = {run["over_provision"]: run for run in json.loads((tmp_path / "out.json").read_text())["runs"]}
+    assert runs.keys() == {1.0, 2.0} and report["runs"][0]["micro_group_size"] == 8
+    for run in runs.values():
+        assert {"over_provision", "micro_group_size", "decode_steps_per_step", "carried_samples", "max_staleness",
+                "observed_max_staleness", "offpolicy_tokens_frac"} <= set(run)
+    assert runs[1.0]["carried_samples"] == 0 and runs[1.0]["offpolicy_tokens_frac"] == 0
+    assert runs[2.0]["observed_max_staleness"] <= runs[2.0]["max_staleness"]
+    with pytest.raises(SystemExit):
+        bench_partial_rollouts.main(["--lengths", str(lengths), "--over-provision", "0.5"])
