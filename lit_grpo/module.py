@@ -63,6 +63,7 @@ from lit_grpo.logprobs import completion_logps
 from lit_grpo.loss import LossType, PolicyLoss, make_loss, policy_loss_metrics
 from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from lit_grpo.rollout_metrics import rollout_metrics
+from lit_grpo.shared_prefix import shared_prefix_usable
 from lit_grpo.validation import check_int
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
@@ -82,6 +83,9 @@ class GRPOModule(LightningModule):
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
+        shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
+            attending to its keys and values (lit_grpo.shared_prefix; the same values up to float rounding). Where
+            the model cannot, ``configure_model`` warns why and the update runs one forward per completion.
         loss_type: grpo | bnpo | dr_grpo | dapo (lit_grpo.loss).
         epsilon_low, epsilon_high: the ratio's clip range.
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
@@ -105,6 +109,7 @@ class GRPOModule(LightningModule):
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
+        shared_prefix: bool = True,
         loss_type: LossType = "dapo",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.28,
@@ -139,6 +144,7 @@ class GRPOModule(LightningModule):
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        self.shared_prefix = shared_prefix  # configure_model turns it off where the policy cannot share prompts
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
 
@@ -161,6 +167,7 @@ class GRPOModule(LightningModule):
         if hp.fsdp:
             self._fully_shard(policy)
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
+        self.shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
         if hp.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)
@@ -260,7 +267,8 @@ class GRPOModule(LightningModule):
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
         """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.logprobs),
         except under fsdp, where the output head cannot be called outside the sharded model's forward."""
-        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp)
+        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp,
+                                shared_prefix=self.shared_prefix)
 
     def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
