@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import warnings
 from typing import Any, Optional
 
@@ -58,9 +59,10 @@ Then: tensorboard --logdir lightning_logs"""
 class GRPOCLI(LightningCLI):
     """LightningCLI restricted to fit and validate, plus ``torch_num_threads``.
 
-    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built. On a
-    small shared CPU, 1 avoids OpenMP threads spin-waiting for cores other processes hold (measured on the 2-core
-    dev machine under load: a SmolLM2 rollout 13x faster with 1 thread than with the default 2).
+    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built; left
+    unset it is ``available_cores()``, the cores this process may run on, so an idle machine is used whole. On a
+    CPU other processes keep busy, fewer threads can be faster: OpenMP threads spin-waiting for a core another
+    process holds slow every parallel op down (configs/demo.yaml says what it picks and why).
     """
 
     @staticmethod
@@ -86,15 +88,25 @@ class GRPOCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
-                            help="torch.set_num_threads(N) before building anything (None: torch's default)")
+                            help="torch.set_num_threads(N) before building anything (None: the cores this process "
+                                 "may run on)")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         threads = config.get("torch_num_threads")
-        if threads is not None:
-            if threads < 1:
-                raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for torch's default)")
-            torch.set_num_threads(threads)
+        if threads is None:
+            threads = available_cores()
+        elif threads < 1:
+            raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for the cores this process may "
+                             f"run on, {available_cores()} here)")
+        torch.set_num_threads(threads)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:

@@ -14,6 +14,10 @@ Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process 
 logit scales): ``head_reproduces_logits`` checks it once per model on four tokens, and ``completion_logps`` falls
 back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the model cannot return hidden
 states with ``logits_to_keep``.
+
+With ``shared_prefix`` the states (or logits) come from ``lit_grpo.shared_prefix``: each distinct prompt of the
+micro-batch goes forward once and its completions attend to its keys and values; the head, the chunks and the
+values are the same.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.models import accepts
+from lit_grpo.shared_prefix import prompt_groups, shared_prefix_outputs
 
 LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
 
@@ -36,17 +41,31 @@ def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
                 position_ids=micro["position_ids"], use_cache=False)
 
 
-def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+def _shared_groups(micro: dict[str, Any], shared_prefix: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``prompt_groups(micro)`` when the shared forward is asked for and saves work (some prompt repeats)."""
+    if not shared_prefix:
+        return None
+    groups = prompt_groups(micro)
+    return groups if len(groups[0]) < len(groups[1]) else None
+
+
+def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0,
+                      shared_prefix: bool = False) -> torch.Tensor:
     """``[m, T', V]`` logits predicting each completion token of a micro-batch (``RolloutBatch.micro_batch``).
 
     Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
-    are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did.
+    are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did. ``shared_prefix``: each
+    distinct prompt goes forward once (lit_grpo.shared_prefix).
     """
     num_tokens = micro["completion_ids"].shape[1]
-    kwargs = _model_inputs(micro)
-    if accepts(model, "logits_to_keep"):
-        kwargs["logits_to_keep"] = num_tokens + 1
-    logits = model(**kwargs).logits[:, -(num_tokens + 1):-1, :]
+    groups = _shared_groups(micro, shared_prefix)
+    if groups is not None:
+        logits = shared_prefix_outputs(model, micro, hidden=False, groups=groups)
+    else:
+        kwargs = _model_inputs(micro)
+        if accepts(model, "logits_to_keep"):
+            kwargs["logits_to_keep"] = num_tokens + 1
+        logits = model(**kwargs).logits[:, -(num_tokens + 1):-1, :]
     if temperature and temperature != 1.0:
         logits = logits / temperature
     return logits
@@ -122,14 +141,15 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
 
 
 def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
-                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True,
+                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True, shared_prefix: bool = False,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies (no grad) of a micro-batch's completion
     tokens; both are 0 on padding.
 
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
-    docstring); otherwise the full logits are computed once. Either way the values are the same up to float
-    rounding (tests/test_logprobs.py).
+    docstring); otherwise the full logits are computed once. With ``shared_prefix`` each distinct prompt goes
+    forward once (lit_grpo.shared_prefix). Every way the values are the same up to float rounding
+    (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
@@ -137,13 +157,16 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     num_tokens = token_ids.shape[1]
     # (with no real token at all the chunks would be empty and the result detached from the model: full path)
     if not (chunked and bool(mask.any()) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
-        logits = completion_logits(model, micro, temperature)
+        logits = completion_logits(model, micro, temperature, shared_prefix)
         logps = token_logps(logits, token_ids) * mask
         return logps, token_entropy(logits) * mask
-    # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest
-    out = model(**_model_inputs(micro), output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1][mask]  # [n, H]: the real completion tokens only
-    del out
+    groups = _shared_groups(micro, shared_prefix)
+    if groups is not None:
+        hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)[mask]
+    else:  # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest
+        out = model(**_model_inputs(micro), output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1][mask]  # [n, H]: the real completion tokens only
+        del out
     head = model.get_output_embeddings()
     rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
     logp_parts, entropy_parts = [], []

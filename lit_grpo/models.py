@@ -290,3 +290,12 @@ def _random_model_fields(name: str) -> dict:
         raise ValueError(f"unknown random model {RANDOM_PREFIX}{name}; allowed: "
                          f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
+
+
+def with_lora(model: PreTrainedModel, peft_config: dict) -> PreTrainedModel:
+    """``model`` wrapped with the LoRA adapter ``peft_config`` describes (peft's ``LoraConfig`` fields)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
+    return get_peft_model(model, LoraConfig(**dict(peft_config)))

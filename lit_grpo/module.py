@@ -63,10 +63,11 @@ from lit_grpo.distributed import gradient_norm, shard_decoder_layers
 from lit_grpo.logprobs import completion_logps
 from lit_grpo.importance_sampling import ImportanceSamplingMode, SamplerCorrection, SamplingStats
 from lit_grpo.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
-from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
+from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
 from lit_grpo.rollout_metrics import rollout_metrics
+from lit_grpo.shared_prefix import shared_prefix_usable
 from lit_grpo.update_metrics import StepMetrics
-from lit_grpo.validation import check_int
+from lit_grpo.validation import check_choice, check_int, check_real
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
 
@@ -85,6 +86,9 @@ class GRPOModule(LightningModule):
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
+        shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
+            attending to its keys and values (lit_grpo.shared_prefix; the same values up to float rounding). Where
+            the model cannot, ``configure_model`` warns why and the update runs one forward per completion.
         loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.loss; cispo caps the ratio at
             epsilon_high itself: set epsilon_high >= 1, typically 5.0).
         epsilon_low, epsilon_high: the ratio's clip range.
@@ -114,6 +118,7 @@ class GRPOModule(LightningModule):
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
+        shared_prefix: bool = True,
         loss_type: LossType = "dapo",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.28,
@@ -137,17 +142,14 @@ class GRPOModule(LightningModule):
         importance_sampling_clip_max: float | None = 3.0,
     ):
         super().__init__()
-        if scale_rewards not in SCALES:
-            raise ValueError(f"scale_rewards={scale_rewards!r} is not supported; use one of {list(SCALES)}")
+        check_choice("scale_rewards", scale_rewards, SCALES)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
-        if not lr > 0:
-            raise ValueError(f"lr={lr!r} must be > 0")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
-        if max_grad_norm is not None and not max_grad_norm >= 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be >= 0 or None")
+        check_real("lr", lr, low=0, low_open=True)
+        check_real("weight_decay", weight_decay, low=0)
+        if max_grad_norm is not None:  # None: no clipping
+            check_real("max_grad_norm", max_grad_norm, low=0)
         # built once here: they check the names, the clip range, beta and the bounds
         make_loss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_level, kl_bias_correction,
                   sapo_temperature_pos, sapo_temperature_neg)
@@ -159,6 +161,7 @@ class GRPOModule(LightningModule):
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        self.shared_prefix = shared_prefix  # configure_model turns it off where the policy cannot share prompts
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
 
@@ -173,14 +176,11 @@ class GRPOModule(LightningModule):
             enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
             enable()
         if hp.peft_config:
-            try:
-                from peft import LoraConfig, get_peft_model
-            except ImportError as err:
-                raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
-            policy = get_peft_model(policy, LoraConfig(**dict(hp.peft_config)))
+            policy = with_lora(policy, hp.peft_config)
         if hp.fsdp:
             self._fully_shard(policy)
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
+        self.shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
         if hp.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)
@@ -233,8 +233,7 @@ class GRPOModule(LightningModule):
     def on_fit_start(self) -> None:
         self._hand_over_to_data()
 
-    def on_validation_start(self) -> None:
-        self._hand_over_to_data()
+    on_validation_start = on_fit_start
 
     def _hand_over_to_data(self) -> None:
         """The one place the data side receives what this module owns: the policy, its tokenizer, the advantage
@@ -281,7 +280,8 @@ class GRPOModule(LightningModule):
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
         """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.logprobs),
         except under fsdp, where the output head cannot be called outside the sharded model's forward."""
-        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp)
+        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp,
+                                shared_prefix=self.shared_prefix)
 
     def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""

@@ -14,6 +14,13 @@ from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
 # Tiny models run fastest on one thread, and one thread cannot be starved by a busy machine.
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def one_thread_again():
+    """Building a CLI sets the thread count (lit_grpo.cli): the next test starts from one thread again."""
+    yield
+    torch.set_num_threads(1)
+
 PROMPT_TEXTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
 
 

@@ -151,3 +151,18 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     dm.attach(cli.model.policy, cli.model.tokenizer)
     dm.setup("fit")
     assert len(dm.train_prompt_ids) == 56
+
+
+def test_thread_count_uses_the_available_cores_unless_the_config_says(monkeypatch):
+    import torch
+
+    from lit_grpo import cli as cli_module
+
+    monkeypatch.setattr(cli_module.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
+    assert torch.get_num_threads() == 3
+    build_cli(["--config", TINY, "--trainer.logger", "false", "--torch_num_threads", "1"], run=False)
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match=r"torch_num_threads=0 must be >= 1 \(or null for the cores this process "
+                                         r"may run on, 3 here\)"):
+        build_cli(["--config", TINY, "--torch_num_threads", "0"], run=False)

@@ -74,6 +74,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     out = tmp_path / "memory.json"
     report = bench_grpo_memory.main(["--model", "tiny", "--group-sizes", "2,4", "--strategies", "continuous",
                                      "--no-gradient-checkpointing", "--malloc-mmap-threshold", "262144",
+                                     "--no-shared-prefix",
                                      "--micro-group-size", "2", "--train-micro-batch-size", "2",
                                      "--max-new-tokens", "4", "--json", str(out)])
     assert json.loads(out.read_text()) == report
@@ -83,6 +84,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
         assert 0 < run["decode_steps"] <= run["generated_tokens"] and 0 < run["rollout_wall_s"] < run["step_s"]
         assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"  # reached the worker
+        assert run["shared_prefix"] is False
     assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
 
 
@@ -218,3 +220,21 @@ def test_bench_partial_rollouts_writes_its_fields(tmp_path):
     assert runs[2.0]["observed_max_staleness"] <= runs[2.0]["max_staleness"]
     with pytest.raises(SystemExit):
         bench_partial_rollouts.main(["--lengths", str(lengths), "--over-provision", "0.5"])
+
+
+def test_bench_update_times_both_modes_interleaved(tmp_path):
+    from tools import bench_update
+
+    out = tmp_path / "update.json"
+    report = bench_update.main(["--case", "long", "--model", "tiny-llama", "--prompts", "2", "--prompt-tokens", "12",
+                                "--group-size", "4", "--completion-tokens", "5", "--train-micro-batch-size", "3",
+                                "--repeats", "2", "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["seconds"]) == {"update/shared/threads=1", "update/unshared/threads=1"}
+    assert all(len(times) == 2 and min(times) > 0 for times in report["seconds"].values())
+    assert report["ratios"]["shared/unshared/threads=1"] > 0
+    measured = report["batch"]
+    assert (measured["group_size"], measured["distinct_prompt_tokens"], measured["completion_tokens"]) == (4, 24, 40)
+    assert report["config"]["cpu"] and report["config"]["available_cores"] >= 1
+    with pytest.raises(SystemExit):
+        bench_update.main(["--modes", "both"])

@@ -11,7 +11,9 @@ micro-batched update with its AdamW step. Records: "strategy", "group_size", "pe
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really
 ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default
-(on); ``--no-gradient-checkpointing`` measures the update holding every activation of a micro-batch.
+(on); ``--no-gradient-checkpointing`` measures the update holding every activation of a micro-batch. The update
+shares each prompt's forward among its completions as the module does by default (``--no-shared-prefix``: one
+forward per completion); records carry "shared_prefix".
 
 On Linux CPU the peak is the process's resident memory, so it includes what glibc's malloc keeps after tensors are
 freed. By default glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in
@@ -61,7 +63,8 @@ def measure_one_step(args) -> dict:
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
                         lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing,
-                        dtype=args.dtype, peft_config=LORA if args.lora else None)
+                        dtype=args.dtype, peft_config=LORA if args.lora else None,
+                        shared_prefix=args.shared_prefix)
     source = (dict(prompts=synthetic_prompts(64, args.seed)) if args.task == "synthetic" else
               dict(task=args.task, size=64))
     data = RolloutDataModule(**source, val_size=1, prompts_per_step=args.prompts,
@@ -104,6 +107,7 @@ def measure_one_step(args) -> dict:
             "lora": args.lora,
             "weights_bytes": sum(p.numel() * p.element_size() for p in module.policy.parameters()),
             "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
+            "shared_prefix": module.shared_prefix,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **captured}
 
 
@@ -125,6 +129,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="GRPOModule(gradient_checkpointing=...); on by default, as in the module")
+    parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                        help="GRPOModule(shared_prefix=...); on by default, as in the module")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="run the steps with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (Linux CPU; see the README)")
     parser.add_argument("--json", type=Path)
@@ -146,6 +152,7 @@ def main(argv=None) -> dict:
                        "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
             command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
             command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
+            command.append("--shared-prefix" if args.shared_prefix else "--no-shared-prefix")
             env = dict(os.environ)
             if args.malloc_mmap_threshold is not None:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)

@@ -1,0 +1,181 @@
+"""The shared-prefix update: each prompt of a micro-batch goes forward (and backward) once, not once per completion.
+
+A micro-batch's ``m`` rows hold ``u <= m`` distinct prompts (a GRPO group repeats its prompt ``G`` times). The
+unshared forward runs ``m x (P + T)`` tokens; this one runs ``u x P + m x (T - 1)`` in two passes of the model:
+
+1. the ``u`` distinct prompts (left-padded, as in ``RolloutBatch``) go forward into a ``prefix_writer`` cache,
+   which keeps each layer's keys and values ``[u, kv_heads, P, head_dim]`` with their autograd graph; the last
+   prompt position's state predicts each row's first completion token;
+2. the completion tokens but the last go forward behind a ``prefix_reader`` cache, whose layer ``update`` returns
+   ``cat(prefix[group], new)``: every row attends to its own prompt's keys (``index_select`` of the shared tensor,
+   so the backward sums the group's gradients into the one prompt forward). Masks and positions are the unshared
+   forward's own columns, so every real token sees exactly what it saw there.
+
+Memory stays linear: a row's keys are ``P + T`` long, as unshared; nothing is ``[G x T, G x T]``. Rows are grouped
+by prompt content, so groups split over micro-batches or several groups in one both work (a split group's prompt
+goes forward once per micro-batch holding some of it).
+
+Gradient checkpointing: transformers' checkpointed decoder layers drop ``past_key_values`` unless the layer sets
+``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
+Neither cache here appends: the writer overwrites (the replay stores equal tensors) and the reader stores nothing,
+so ``caches_through_checkpoints`` sets that flag on the layers for the two calls. ``unsupported_reason`` names
+what keeps a model off this path (sliding-window or hybrid caches, no ``past_key_values``, a transformers without
+that flag under checkpointing); ``GRPOModule`` then warns and runs the unshared forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator
+
+import torch
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from lit_grpo.models import accepts
+
+
+class PrefixWriteLayer(DynamicLayer):
+    """Pass 1: keeps the keys/values ``[u, kv_heads, P, head_dim]`` of the last write (a replay rewrites them)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class PrefixReadLayer(DynamicLayer):
+    """Pass 2: each row's prompt keys/values in front of its new ones, stored nowhere.
+
+    Args:
+        keys, values: ``[u, kv_heads, P, head_dim]`` the distinct prompts' (from a ``PrefixWriteLayer``).
+        group: ``[m]`` long, the prompt of each row.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, group: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.group = keys, values, group
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.reads = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """``[m, kv_heads, P + q, head_dim]`` keys and values for ``q`` new tokens per row."""
+        self.reads += 1
+        keys = torch.cat([self.keys.index_select(0, self.group).to(key_states.dtype), key_states], dim=-2)
+        values = torch.cat([self.values.index_select(0, self.group).to(value_states.dtype), value_states], dim=-2)
+        return keys, values
+
+
+def prefix_writer() -> Cache:
+    """An empty cache for pass 1 (one ``PrefixWriteLayer`` per attention layer, added as the model writes)."""
+    return Cache(layer_class_to_replicate=PrefixWriteLayer)
+
+
+def prefix_reader(writer: Cache, group: torch.Tensor) -> Cache:
+    """The pass-2 cache over a filled ``writer``; ``group``: ``[m]`` long, each row's index into its prompts."""
+    return Cache(layers=[PrefixReadLayer(layer.keys, layer.values, group) for layer in writer.layers])
+
+
+def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+            and hasattr(m, "_gradient_checkpointing_func")]
+
+
+@contextlib.contextmanager
+def caches_through_checkpoints(model: torch.nn.Module) -> Iterator[None]:
+    """Let checkpointed decoder layers keep ``past_key_values`` (safe for these caches: module docstring)."""
+    layers = [m for m in _checkpointed_layers(model) if "_can_checkpoint_with_cache" not in vars(m)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the shared-prefix forward exactly, or None when it can."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return f"{type(model).__name__} has no transformers config"
+    if not accepts(model, "past_key_values"):
+        return f"{type(model).__name__}.forward takes no past_key_values"
+    kinds = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers
+                    if type(layer) is not DynamicLayer})
+    if kinds:
+        return (f"its cache layers include {', '.join(kinds)} (sliding-window, hybrid or linear attention), "
+                "which a completion cannot read as a plain prefix")
+    if _checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        return ("this transformers version drops past_key_values in gradient-checkpointed layers "
+                "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
+    return None
+
+
+def prompt_groups(micro: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[u]`` the row of each distinct prompt and ``[m]`` each row's index into those ``u`` (prompt content,
+    padding included, decides: rows with equal prompt tokens and mask share one)."""
+    prompt_length = micro["input_ids"].shape[1] - micro["completion_ids"].shape[1]
+    key = torch.cat([micro["input_ids"][:, :prompt_length], micro["attention_mask"][:, :prompt_length]], dim=1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), len(group), dtype=torch.long, device=group.device)
+    first = first.scatter_reduce(0, group, torch.arange(len(group), device=group.device), "amin")
+    return first, group
+
+
+def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidden: bool,
+                          groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``[m, T', H]`` final hidden states (``hidden``) or ``[m, T', V]`` logits predicting each completion token
+    of a micro-batch (``RolloutBatch.micro_batch``), with each distinct prompt forwarded once.
+
+    Equal to the unshared forward's ``[:, -(T' + 1):-1]`` up to float rounding (tests/test_shared_prefix.py).
+    ``groups``: ``prompt_groups(micro)`` when the caller has it already.
+    """
+    num_tokens = micro["completion_ids"].shape[1]
+    prompt_length = micro["input_ids"].shape[1] - num_tokens
+    prompt_mask = micro["attention_mask"][:, :prompt_length]
+    if prompt_length < 1 or not bool(prompt_mask[:, -1].all()):
+        raise ValueError(f"a shared prefix needs left-padded prompts of >= 1 token; got prompt_length={prompt_length} "
+                         f"and last prompt column mask {prompt_mask[:, -1].tolist()}")
+    first, group = groups if groups is not None else prompt_groups(micro)
+    # for hidden states the model's own head runs on one position only (the caller applies it in chunks)
+    outputs = dict(output_hidden_states=True, logits_to_keep=1) if hidden else {}
+    last_only = dict(logits_to_keep=1) if accepts(model, "logits_to_keep") else {}
+    # use_cache=False: the caches are passed explicitly (so the model makes none of its own), and transformers
+    # would turn use_cache off under checkpointing anyway, with a warning
+    writer = prefix_writer()
+    with caches_through_checkpoints(model):
+        out = model(input_ids=micro["input_ids"][first, :prompt_length], attention_mask=prompt_mask[first],
+                    position_ids=micro["position_ids"][first, :prompt_length], past_key_values=writer,
+                    use_cache=False, **{**outputs, **last_only})
+        last = (out.hidden_states[-1] if hidden else out.logits)[:, -1:]  # [u, 1, H or V]: the last prompt token
+        parts = [last.index_select(0, group)]
+        del out, last
+        if not writer.layers:
+            raise RuntimeError(f"{type(model).__name__} wrote no keys into the shared prefix cache; "
+                               "run the update with shared_prefix=False")
+        if num_tokens > 1:  # the last completion token predicts nothing: it does not go forward
+            reader = prefix_reader(writer, group)
+            columns = slice(prompt_length, prompt_length + num_tokens - 1)
+            out = model(input_ids=micro["input_ids"][:, columns],
+                        attention_mask=micro["attention_mask"][:, :prompt_length + num_tokens - 1],
+                        position_ids=micro["position_ids"][:, columns], past_key_values=reader, use_cache=False,
+                        **outputs)
+            if not all(layer.reads for layer in reader.layers):
+                raise RuntimeError(f"{type(model).__name__} did not read the shared prefix cache in every layer; "
+                                   "run the update with shared_prefix=False")
+            parts.append(out.hidden_states[-1] if hidden else out.logits)
+    return torch.cat(parts, dim=1)
+
+
+def shared_prefix_usable(model: torch.nn.Module) -> bool:
+    """``unsupported_reason(model) is None``; otherwise warns, naming the reason and the fallback."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        warnings.warn(f"shared_prefix=True is not exact for {type(model).__name__}: {reason}; the update runs one "
+                      "forward per completion instead", stacklevel=2)
+    return reason is None

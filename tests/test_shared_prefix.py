@@ -1,0 +1,207 @@
+"""The shared-prefix update (lit_grpo.shared_prefix): each prompt forwarded once per micro-batch gives the same
+log-probs, entropies and gradients as one forward per completion, with chunked or full logits, micro-batches that
+split or merge groups, gradient checkpointing and LoRA; models that cannot share fall back with a warning.
+
+The tiny models run in float64, but their RMSNorm computes in float32, so gradients agree to float32 rounding.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from lit_grpo.batch import pad_left, pad_right
+from lit_grpo.datamodules.prompts import render_prompt
+from lit_grpo.logprobs import completion_logps, head_reproduces_logits
+from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.module import GRPOModule
+from lit_grpo.shared_prefix import prompt_groups, shared_prefix_outputs, unsupported_reason
+
+from test_module import make_datamodule
+
+GRAD_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def grouped_micro_batch(vocab: int, generator: torch.Generator) -> dict:
+    """Two prompts (the second left-padded) x 3 completions of 1 to 5 tokens, rows of the two groups interleaved."""
+    prompts = torch.randint(3, vocab, (2, 6), generator=generator)
+    prompt_mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    group = torch.tensor([0, 1, 0, 1, 1, 0])
+    completions = torch.randint(3, vocab, (6, 5), generator=generator)
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0],
+                                    [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    attention_mask = torch.cat([prompt_mask[group], completion_mask], dim=1)
+    return {"input_ids": torch.cat([prompts[group], completions], dim=1), "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "completion_ids": completions,
+            "completion_mask": completion_mask}
+
+
+class TokenCounter:
+    """Counts the tokens that go through the model's input embedding."""
+
+    def __init__(self, model):
+        self.tokens = 0
+        model.get_input_embeddings().register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        self.tokens += inputs[0].numel()
+
+
+def run(model, micro, shared: bool, **kwargs):
+    model.zero_grad(set_to_none=True)
+    logps, entropy = completion_logps(model, micro, shared_prefix=shared, **kwargs)
+    weights = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=logps.dtype)
+    (logps * weights).sum().backward()
+    return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(shared, unshared, **tolerance):
+    torch.testing.assert_close(shared[0], unshared[0], **tolerance)
+    torch.testing.assert_close(shared[1], unshared[1], **tolerance)
+    assert shared[2].keys() == unshared[2].keys() and len(unshared[2]) > 0
+    for name in unshared[2]:
+        torch.testing.assert_close(shared[2][name], unshared[2][name], msg=name, **GRAD_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefix_equals_one_forward_per_completion(name, chunked, checkpointing):
+    model, _ = load_model_and_tokenizer(name)
+    model = model.double().train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    first, group = prompt_groups(micro)
+    assert len(first) == 2 and group.tolist() in ([0, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1])
+    head_reproduces_logits(model)  # its 4-token check, once per model, before counting
+    counter = TokenCounter(model)
+    shared = run(model, micro, True, chunked=chunked, temperature=0.7)
+    shared_tokens, counter.tokens = counter.tokens, 0
+    unshared = run(model, micro, False, chunked=chunked, temperature=0.7)
+    assert_same(shared, unshared)
+    mask = micro["completion_mask"].bool()
+    assert (shared[0][~mask] == 0).all() and (shared[0][mask] < 0).all()
+    # the prompts' 12 tokens went forward once, not 18 times; each completion's last token not at all
+    assert shared_tokens == 2 * 6 + 6 * 4 and counter.tokens == 6 * (6 + 5)
+
+
+def test_shared_prefix_logits_match_on_smollm2():
+    """The real model in float32 and its chat template: two questions, three sampled-like completions each."""
+    model, tokenizer = load_model_and_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    model.train()
+    questions = ["What is 3 + 4?", "Compute 9 - 5 and answer with the number only."]
+    prompts = [render_prompt(tokenizer, q, "Answer with only the final number.") for q in questions]
+    completions = [tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+                   for text in ("7", "The answer is 7.", "3 + 4 = 7", "4", "9 - 5 = 4", "It is 4")]
+    prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
+    completion_ids, completion_mask = pad_right(completions, tokenizer.pad_token_id)
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    attention_mask = torch.cat([prompt_mask[group], completion_mask], dim=1)
+    micro = {"input_ids": torch.cat([prompt_ids[group], completion_ids], dim=1), "attention_mask": attention_mask,
+             "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "completion_ids": completion_ids,
+             "completion_mask": completion_mask}
+    shared, unshared = run(model, micro, True), run(model, micro, False)
+    torch.testing.assert_close(shared[0], unshared[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared[1], unshared[1], rtol=1e-5, atol=1e-5)
+    # gradients: each parameter's relative error (float32 through 30 layers; the unshared update itself moves
+    # by ~3e-4 when its rows go one at a time instead)
+    assert unshared[2].keys() == shared[2].keys()
+    for name, expected in unshared[2].items():
+        error = float((shared[2][name] - expected).norm() / expected.norm())
+        assert error < 5e-5, (name, error)
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    module = GRPOModule(model="tiny-llama", max_grad_norm=None)
+    module.configure_model()
+    batch = make_datamodule(module, reward_funcs=["char_fraction", "accuracy"]).build_train_batch()
+    assert batch.group_size == 4 and batch.advantages.abs().sum() > 0
+    return batch
+
+
+def step_grads(rollout, **kwargs):
+    torch.manual_seed(0)  # the same LoRA initialization on both sides
+    module = GRPOModule(model="tiny-llama", dtype="float64", max_grad_norm=None, **kwargs)
+    module.configure_model()
+    optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    metrics = module.grpo_step(rollout, optimizer)
+    grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+    return grads, metrics, module
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+@pytest.mark.parametrize("micro_rows", [3, 8])  # 3 splits the groups of 4 over micro-batches; 8 holds two groups
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_update_with_a_shared_prefix_equals_the_unshared_one(rollout, micro_rows, checkpointing, lora):
+    settings = dict(train_micro_batch_size=micro_rows, gradient_checkpointing=checkpointing,
+                    peft_config=LORA if lora else None, beta=0.1 if lora else 0.0, num_iterations=1)
+    shared, shared_metrics, module = step_grads(rollout, shared_prefix=True, **settings)
+    assert module.shared_prefix is True
+    unshared, metrics, _ = step_grads(rollout, shared_prefix=False, **settings)
+    assert shared.keys() == unshared.keys() and len(unshared) > 0
+    if lora:
+        assert all("lora_" in name for name in shared)
+    for name in unshared:
+        torch.testing.assert_close(shared[name], unshared[name], msg=name, **GRAD_TOLERANCE)
+    for key in ("train/loss", "train/entropy", "train/grad_norm", "train/clip_ratio_high"):
+        assert shared_metrics[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-9), key
+    assert metrics["train/grad_norm"] > 0
+
+
+class IgnoresThePast(torch.nn.Module):
+    """A causal LM wrapper that drops ``past_key_values``: sharing would silently lose the prompt."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, past_key_values=None, **kwargs):
+        return self.model(**kwargs)
+
+
+def test_a_model_that_ignores_the_cache_is_refused_not_silently_wrong():
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match="IgnoresThePast wrote no keys into the shared prefix cache"):
+        shared_prefix_outputs(IgnoresThePast(model), micro, hidden=False)
+
+
+def test_prompts_must_be_left_padded():
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(3))
+    micro["attention_mask"][:, 5] = 0  # the last prompt column is padding: right-padded prompts
+    with pytest.raises(ValueError, match=r"left-padded prompts.*prompt_length=6 and last prompt column mask \[0, "):
+        shared_prefix_outputs(model, micro, hidden=True)
+
+
+def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0)
+    sliding = AutoModelForCausalLM.from_config(config)
+    assert "DynamicSlidingWindowLayer" in unsupported_reason(sliding)
+    tiny, _ = load_model_and_tokenizer("tiny-llama")
+    assert unsupported_reason(tiny) is None
+    assert "takes no past_key_values" in unsupported_reason(
+        type("NoPast", (torch.nn.Module,), {"config": tiny.config, "forward": lambda self, input_ids: None})())
+
+    import lit_grpo.shared_prefix as shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "unsupported_reason", lambda model: "sliding-window layers (for the test)")
+    module = GRPOModule(model="tiny-llama")
+    with pytest.warns(UserWarning, match=r"shared_prefix=True is not exact for LlamaForCausalLM: sliding-window "
+                                         r"layers \(for the test\); the update runs one forward per completion"):
+        module.configure_model()
+    assert module.shared_prefix is False
+    quiet = GRPOModule(model="tiny-llama", shared_prefix=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.configure_model()  # asked for no sharing: nothing to warn about
+    assert quiet.shared_prefix is False

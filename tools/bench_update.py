@@ -1,0 +1,175 @@
+"""Update time per step with and without the shared prefix, and the thread count's effect on update and rollout.
+
+    python tools/bench_update.py --case demo --repeats 5 --json runs/update_demo.json
+    python tools/bench_update.py --case long --repeats 3 --json runs/update_long.json
+    python tools/bench_update.py --case demo --modes shared --threads 1,2 --rollout --json runs/threads.json
+
+``demo``: configs/demo.yaml's module and data as the demo builds them (SmolLM2-135M-Instruct, 4 chat prompts x
+G 8, up to 24 new tokens); one rollout by the demo's own engine makes the batch that every update is timed on.
+``long``: SmolLM2 (``--model``) with ``--prompt-tokens`` (512) token prompts, G ``--group-size`` (16) and ``--completion-tokens``
+(64) token completions, token ids and rewards drawn at random (the update's cost does not depend on them); the
+module's defaults (gradient checkpointing, 8 rows per micro-batch) unless ``--train-micro-batch-size`` /
+``--no-gradient-checkpointing`` say otherwise.
+
+An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, gradient clipping and the AdamW
+step. After one untimed warm-up per setting, each repeat times every (threads, mode) once, interleaved in one
+process, so a busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per
+thread count. ``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def demo_setup():
+    """(module, datamodule) of configs/demo.yaml, the policy loaded and handed to the data side."""
+    from lit_grpo.cli import build_cli
+
+    cli = build_cli(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.logger", "false"], run=False)
+    module, data = cli.model, cli.datamodule
+    module.configure_model()
+    data.attach(module.policy, module.tokenizer, scale_rewards=module.hparams.scale_rewards)
+    data.setup("fit")
+    return module, data
+
+
+def long_prompt_batch(args, vocab_size: int, pad_id: int):
+    """One prompt of ``args.prompt_tokens`` random ids x G completions of ``args.completion_tokens``, random rewards."""
+    from lit_grpo.advantages import group_advantages
+    from lit_grpo.batch import RolloutBatch
+    from lit_grpo.sampling.stats import RolloutStats
+
+    g = torch.Generator().manual_seed(args.seed)
+    B, G, P, T = args.prompts, args.group_size, args.prompt_tokens, args.completion_tokens
+    rewards = torch.rand(B, G, generator=g)
+    return RolloutBatch(
+        stats=RolloutStats(), prompts=[""] * B, completions=[[""] * G for _ in range(B)], rewards=rewards,
+        completion_lengths=torch.full((B, G), T), truncated=torch.zeros(B, G, dtype=torch.bool),
+        advantages=group_advantages(rewards, "group"),
+        prompt_ids=torch.randint(3, vocab_size, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+        completion_ids=torch.randint(3, vocab_size, (B, G, T), generator=g),
+        completion_mask=torch.ones(B, G, T, dtype=torch.long),
+        sampling_logprobs=-torch.rand(B, G, T, generator=g), max_new_tokens=T, pad_token_id=pad_id)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=("demo", "long"), default="demo")
+    parser.add_argument("--modes", default="shared,unshared", help="comma-separated: shared, unshared")
+    parser.add_argument("--threads", default="1", help="comma-separated torch thread counts, e.g. 1,2")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
+    parser.add_argument("--model", default=SMOLLM2, help="long: the policy (a hub id, a path, tiny-llama)")
+    parser.add_argument("--prompts", type=int, default=1, help="long: B")
+    parser.add_argument("--group-size", type=int, default=16, help="long: G")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="long: prompt length")
+    parser.add_argument("--completion-tokens", type=int, default=64, help="long: completion length")
+    parser.add_argument("--train-micro-batch-size", type=int, default=8, help="long: rows per micro-batch")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="long: GRPOModule(gradient_checkpointing=...)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= {"shared", "unshared"} or not modes:
+        parser.error(f"--modes={args.modes!r}: use shared, unshared or both, comma-separated")
+    threads = [int(t) for t in args.threads.split(",")]
+    if min(threads) < 1 or args.repeats < 1:
+        parser.error(f"--threads={args.threads!r} and --repeats={args.repeats} must be >= 1")
+    if args.rollout and args.case != "demo":
+        parser.error("--rollout times the demo's rollout: use it with --case demo")
+
+    from lit_grpo.module import GRPOModule
+
+    torch.set_num_threads(threads[0])
+    data = None
+    if args.case == "demo":
+        module, data = demo_setup()
+        batch = data.build_train_batch()
+    else:
+        module = GRPOModule(model=args.model, dtype="float32", train_micro_batch_size=args.train_micro_batch_size,
+                            gradient_checkpointing=args.gradient_checkpointing)
+        module.configure_model()
+        batch = long_prompt_batch(args, module.policy.config.vocab_size, module.tokenizer.pad_token_id)
+    if "shared" in modes and not module.shared_prefix:
+        raise SystemExit("the policy cannot use a shared prefix here (see the warning above)")
+    optimizer = module.configure_optimizers()["optimizer"]
+    distinct_prompt_tokens = int(batch.prompt_mask.sum())
+    completion_tokens = int(batch.completion_mask.sum())
+
+    def update(mode: str) -> float:
+        module.shared_prefix = mode == "shared"
+        start = time.perf_counter()
+        module.grpo_step(batch, optimizer)
+        return time.perf_counter() - start
+
+    timings: dict[str, list[float]] = {}
+    for n in threads:  # warm-up: AdamW's state, allocator pools, the engine's cache
+        torch.set_num_threads(n)
+        for mode in modes:
+            update(mode)
+    for repeat in range(args.repeats):
+        for n in threads:
+            torch.set_num_threads(n)
+            for mode in modes:
+                timings.setdefault(f"update/{mode}/threads={n}", []).append(update(mode))
+            if args.rollout:
+                start = time.perf_counter()
+                data.build_train_batch()
+                timings.setdefault(f"rollout/threads={n}", []).append(time.perf_counter() - start)
+        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in timings.items()),
+              file=sys.stderr, flush=True)
+    medians = {key: median(values) for key, values in timings.items()}
+    ratios = {f"shared/unshared/threads={n}": medians[f"update/shared/threads={n}"] /
+              medians[f"update/unshared/threads={n}"] for n in threads if len(modes) == 2}
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    if args.case == "demo":  # the demo's data and module decide these, not the long case's options
+        for key in ("model", "prompts", "group_size", "prompt_tokens", "completion_tokens", "train_micro_batch_size",
+                    "gradient_checkpointing"):
+            settings.pop(key)
+    report = {"config": {**settings, "cpu": cpu_name(), "available_cores": len(os.sched_getaffinity(0))
+                         if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                         "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+              "batch": {"num_prompts": batch.num_prompts, "group_size": batch.group_size,
+                        "distinct_prompt_tokens": distinct_prompt_tokens, "completion_tokens": completion_tokens,
+                        "train_micro_batch_size": module.hparams.train_micro_batch_size,
+                        "gradient_checkpointing": module.hparams.gradient_checkpointing},
+              "seconds": timings, "medians_s": medians, "ratios": ratios}
+    for key, value in {**medians, **ratios}.items():
+        print(f"{key:32s} {value:8.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
