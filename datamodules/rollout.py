@@ -19,8 +19,8 @@ step, keeping its own slice, so ranks get different prompts and groups never spl
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Literal
 
 import torch
@@ -35,8 +35,6 @@ from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader,
 from lit_grpo.rewards import ON_ERROR, build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.sampling.config import Strategy
-from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.validation import check_int
 
 
@@ -52,13 +50,12 @@ class RolloutDataModule(LightningDataModule):
         reward_funcs: reward specs (``lit_grpo.rewards.build_reward_funcs``, default ``["accuracy"]``);
             ``accuracy_reward`` names the one whose value is correctness (val/accuracy, curriculum feedback).
         prompts_per_step: B, groups per training step (per rank).
-        group_size ... keep_kv_cache: the rollout engine's settings, the fields of
-            :class:`~lit_grpo.sampling.SamplingConfig` (documented and checked there; ``self.sampling`` holds
-            them): G (>= 2 for training), g (or "auto" with ``kv_budget_bytes``), strategy, the length cap,
-            temperature / top_p / top_k, the seed of the random streams, ``scheduler`` (the "infinite" strategy's
-            :class:`~lit_grpo.scheduling.config.InfiniteSchedulerConfig`), CUDA graphs, and whether the KV cache
-            stays allocated between steps. ``scheduler_options`` (a dict) is the old spelling of ``scheduler``:
-            still read, with a deprecation warning.
+        sampling: the rollout engine's settings, a :class:`~lit_grpo.sampling.SamplingConfig` (or a dict of its
+            fields; YAML ``data.sampling:``), documented and checked there: G (>= 2 for training), g (or "auto"
+            with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k, the seed of the
+            random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
+            cache stays allocated between steps. Those fields given flat (``group_size=8``, the spelling before
+            ``sampling``) raise an error that names their new place.
         dynamic_sampling, max_sampling_rounds: drop groups whose rewards are all equal and draw more prompts, at
             most this many engine calls per step; dropped groups fill the batch if still short (zero advantages).
         over_provision, max_staleness: partial rollouts (``over_provision`` 1.0: off): a step's rollout runs up to
@@ -86,19 +83,7 @@ class RolloutDataModule(LightningDataModule):
         reward_funcs: list[Any] | None = None,
         accuracy_reward: str = "accuracy",
         prompts_per_step: int = 4,
-        group_size: int = 8,
-        micro_group_size: int | Literal["auto"] | None = None,
-        kv_budget_bytes: int | None = None,
-        strategy: Strategy = "infinite",
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        scheduler: InfiniteSchedulerConfig = InfiniteSchedulerConfig(),
-        scheduler_options: dict[str, Any] | None = None,
-        cuda_graph: bool | None = None,
-        keep_kv_cache: bool = False,
+        sampling: SamplingConfig = SamplingConfig(),
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
         over_provision: float = 1.0,
@@ -110,17 +95,19 @@ class RolloutDataModule(LightningDataModule):
         curriculum_kwargs: dict[str, Any] | None = None,
         score_batch_size: int = 8,
         on_reward_error: Literal["raise", "skip_group"] = "raise",
+        **moved: Any,
     ):
         super().__init__()
-        check_int("group_size", group_size, 2)  # training: a lone completion has nothing to be compared with
-        if scheduler_options is not None:
-            scheduler = _legacy_scheduler_options(scheduler_options, scheduler)
-        #: The engine's settings, checked once, here (the fields above with the same names).
-        self.sampling = SamplingConfig(
-            group_size=group_size, micro_group_size=micro_group_size, kv_budget_bytes=kv_budget_bytes,
-            strategy=strategy, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, scheduler=scheduler, cuda_graph=cuda_graph,
-            keep_kv_cache=keep_kv_cache)
+        if moved:
+            raise TypeError(moved_sampling_keys_message(moved, "RolloutDataModule"))
+        if isinstance(sampling, Mapping):
+            sampling = SamplingConfig(**sampling)
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
+        # training: a lone completion has nothing to be compared with
+        check_int("sampling.group_size", sampling.group_size, 2)
+        #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
+        self.sampling = sampling
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_sampling_rounds", max_sampling_rounds), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
@@ -344,12 +331,22 @@ class RolloutDataModule(LightningDataModule):
                 self._pending_state["engine"] = engine
 
 
-def _legacy_scheduler_options(options: dict[str, Any], scheduler: InfiniteSchedulerConfig) -> InfiniteSchedulerConfig:
-    """``scheduler_options`` (an untyped dict, before the typed ``scheduler``) as an InfiniteSchedulerConfig."""
-    if scheduler != InfiniteSchedulerConfig():
-        raise ValueError(f"both scheduler_options={options!r} and scheduler={scheduler!r} are set; keep only "
-                         "data.scheduler (scheduler_options is its old spelling)")
-    warnings.warn("data.scheduler_options is deprecated: write the same keys under data.scheduler (typed and "
-                  "checked when the config is parsed, see `lit-grpo fit --print_config`)", DeprecationWarning,
-                  stacklevel=3)
-    return InfiniteSchedulerConfig.from_options(options)
+#: Keys that moved under ``data.sampling`` (SamplingConfig's fields, once declared flat on the DataModule), and
+#: ``scheduler_options``, the spelling of ``sampling.scheduler`` before it was typed.
+MOVED_TO_SAMPLING = {**{f.name: f.name for f in fields(SamplingConfig)}, "scheduler_options": "scheduler"}
+
+
+def moved_sampling_places(keys: Collection[str]) -> str:
+    """``"data.KEY -> data.sampling.NEW, ..."`` for the keys that moved (``MOVED_TO_SAMPLING``); others left out."""
+    return ", ".join(f"data.{key} -> data.sampling.{MOVED_TO_SAMPLING[key]}" for key in keys if key in MOVED_TO_SAMPLING)
+
+
+def moved_sampling_keys_message(keys: Collection[str], where: str) -> str:
+    """The error for sampling settings given flat (``data.group_size``): each key's new place, or the keys that
+    ``where`` does not know."""
+    unknown = [key for key in keys if key not in MOVED_TO_SAMPLING]
+    if unknown:
+        return f"{where} got unknown arguments {unknown}"
+    return (f"{where}: the sampling settings live under data.sampling (a SamplingConfig) now; move "
+            f"{moved_sampling_places(keys)} (in Python: RolloutDataModule(sampling=SamplingConfig(...)) or "
+            "sampling={...})")

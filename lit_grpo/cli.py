@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import warnings
 from typing import Any, Optional
 
@@ -33,11 +34,11 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_grpo.callbacks import FitSummary, GRPOProgressBar
-from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
 from lit_grpo.module import GRPOModule
 
 SUBCOMMANDS = ("fit", "validate")
@@ -56,6 +57,21 @@ accuracy before -> after, reward, time per step, memory, and where the logs and 
 Then: tensorboard --logdir lightning_logs"""
 
 
+class GRPOArgumentParser(LightningArgumentParser):
+    """Lightning's parser; an error about a sampling key given flat (``data.group_size``) names its new place."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        return super().error(with_moved_key_hint(message), ex)
+
+
+def with_moved_key_hint(message: str) -> str:
+    """``message`` plus ``data.KEY -> data.sampling.KEY`` for each moved key it complains about."""
+    moved = [key for key in MOVED_TO_SAMPLING if re.search(rf"(data\.|option '){key}\b", message)]
+    if not moved:
+        return message
+    return f"{message}\n  the sampling settings live under data.sampling now: {moved_sampling_places(moved)}"
+
+
 class GRPOCLI(LightningCLI):
     """LightningCLI restricted to fit and validate, plus ``torch_num_threads``.
 
@@ -64,6 +80,9 @@ class GRPOCLI(LightningCLI):
     CPU other processes keep busy, fewer threads can be faster: OpenMP threads spin-waiting for a core another
     process holds slow every parallel op down (configs/demo.yaml says what it picks and why).
     """
+
+    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = GRPOArgumentParser, **kwargs: Any):
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -152,7 +171,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     """The CLI object; with ``run=False`` it only parses ``args`` (no subcommand) and instantiates the
     trainer, the module and the datamodule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
     quiet_known_noise()
-    kwargs: dict[str, Any] = dict(args=args, run=run, parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
+    kwargs: dict[str, Any] = dict(args=args, run=run,
+                                  parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}
     return GRPOCLI(GRPOModule, RolloutDataModule, **kwargs)

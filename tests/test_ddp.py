@@ -139,7 +139,7 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp(ddp_run, tmp_path):
 def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     _run_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.over_provision", "2.0",
-                       "--data.micro_group_size", "6", "--data.max_new_tokens", "48",
+                       "--data.sampling.micro_group_size", "6", "--data.sampling.max_new_tokens", "48",
                        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
                        "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
                        "--trainer.callbacks.filename={step}")

@@ -7,7 +7,7 @@ from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.logprobs import completion_logits, token_logps
 from lit_grpo.module import GRPOModule
 
-PROMPTS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+from datamodule_helpers import PROMPTS, datamodule_arguments
 
 
 def make_module(**kwargs) -> GRPOModule:
@@ -18,9 +18,8 @@ def make_module(**kwargs) -> GRPOModule:
 
 
 def make_datamodule(module, **kwargs) -> RolloutDataModule:
-    kwargs = {"prompts": PROMPTS, "val_size": 2, "prompts_per_step": 2, "group_size": 4, "micro_group_size": 4,
-              "strategy": "continuous", "max_new_tokens": 8, "reward_funcs": ["char_fraction"], **kwargs}
-    dm = RolloutDataModule(**kwargs)
+    """A DataModule over PROMPTS; SamplingConfig's fields among ``kwargs`` go to ``sampling``."""
+    dm = RolloutDataModule(**datamodule_arguments(kwargs))
     dm.attach(module.policy, module.tokenizer)
     dm.setup("fit")
     return dm
@@ -141,8 +140,7 @@ def test_prompt_stream_resumes_where_it_stopped():
     state = first.state_dict()
     expected = first.build_train_batch()
 
-    resumed = RolloutDataModule(prompts=PROMPTS, val_size=2, prompts_per_step=2, group_size=4, micro_group_size=4,
-                                strategy="continuous", max_new_tokens=8, reward_funcs=["char_fraction"])
+    resumed = RolloutDataModule(**datamodule_arguments({}))
     resumed.load_state_dict(state)  # before setup, as Lightning may do
     resumed.attach(module.policy, module.tokenizer)
     resumed.setup("fit")

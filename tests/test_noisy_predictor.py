@@ -110,9 +110,9 @@ def test_the_cli_takes_a_noisy_predictor_and_names_a_bad_one():
     from lit_grpo.cli import build_cli
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    cli = build_cli(["--config", config, "--data.scheduler.predictor", "noisy:0.25", "--trainer.logger", "false"],
+    cli = build_cli(["--config", config, "--data.sampling.scheduler.predictor", "noisy:0.25", "--trainer.logger", "false"],
                     run=False)
     assert cli.datamodule.sampling.scheduler.predictor == "noisy:0.25"
     with pytest.raises(ValueError, match=r"scheduler.predictor: length predictor 'noisy:-1'"):
-        build_cli(["--config", config, "--data.scheduler.predictor", "noisy:-1", "--trainer.logger", "false"],
+        build_cli(["--config", config, "--data.sampling.scheduler.predictor", "noisy:-1", "--trainer.logger", "false"],
                   run=False)

@@ -15,9 +15,10 @@ from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.module import GRPOModule
 from lit_grpo.rewards import RewardFunctionError, WeightedReward, score_rewards
 
+from datamodule_helpers import PROMPTS, datamodule_arguments
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-PROMPTS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,8 @@ def module():
 
 
 def make_datamodule(module, setup=True, **kwargs) -> RolloutDataModule:
-    kwargs = {"prompts": PROMPTS, "val_size": 2, "prompts_per_step": 3, "group_size": 4, "micro_group_size": 4,
-              "strategy": "continuous", "max_new_tokens": 6, "reward_funcs": ["char_fraction"], **kwargs}
-    dm = RolloutDataModule(**kwargs)
+    """A DataModule over PROMPTS; SamplingConfig's fields among ``kwargs`` go to ``sampling``."""
+    dm = RolloutDataModule(**datamodule_arguments({"prompts_per_step": 3, "max_new_tokens": 6, **kwargs}))
     dm.attach(module.policy, module.tokenizer)
     if setup:
         dm.setup("fit")
@@ -51,7 +51,7 @@ def make_datamodule(module, setup=True, **kwargs) -> RolloutDataModule:
 ])
 def test_bad_datamodule_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        RolloutDataModule(prompts=PROMPTS, **kwargs)
+        RolloutDataModule(**datamodule_arguments(kwargs))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -352,8 +352,8 @@ def test_exact_resume_with_carried_samples(tmp_path):
     from reliability_recorder import read_records
 
     # Longer completions, so that some end early (EOS) and the rollout stops with samples part-way through.
-    partial = ("--data.over_provision", "2.0", "--data.max_staleness", "1", "--data.micro_group_size", "6",
-               "--data.max_new_tokens", "48")
+    partial = ("--data.over_provision", "2.0", "--data.max_staleness", "1", "--data.sampling.micro_group_size", "6",
+               "--data.sampling.max_new_tokens", "48")
     full, _ = _fit(tmp_path, "full", *partial, "--trainer.callbacks+=ModelCheckpoint",
                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
                    "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}")

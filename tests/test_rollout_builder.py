@@ -10,7 +10,6 @@ from lit_grpo.models import load_model_and_tokenizer
 from lit_grpo.rewards import build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 TINY = "configs/tiny.yaml"
 
@@ -70,8 +69,9 @@ def test_batch_scaling_across_ranks_needs_a_gather(policy):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--data.strategy", "beam"], "Expected a typing.Literal['full', 'micro', 'continuous', 'infinite']"),
-    (["--data.scheduler.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']"),
+    (["--data.sampling.strategy", "beam"],
+     "Expected a typing.Literal['full', 'micro', 'continuous', 'infinite']"),
+    (["--data.sampling.scheduler.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']"),
     (["--data.curriculum", "hard"], "Expected a typing.Literal['none', 'angle']"),
 ])
 def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message):
@@ -82,12 +82,13 @@ def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message):
 
 
 def test_scheduler_options_are_typed_in_the_config():
-    cli = build_cli(["--config", TINY, "--data.scheduler.predictor", "history", "--data.scheduler.probe_tokens", "4",
-                     "--trainer.logger", "false"], run=False)
+    cli = build_cli(["--config", TINY, "--data.sampling.scheduler.predictor", "history",
+                     "--data.sampling.scheduler.probe_tokens", "4", "--trainer.logger", "false"], run=False)
     scheduler = cli.datamodule.sampling.scheduler
     assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill) == ("history", 4, "lpt")
     with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):
-        build_cli(["--config", TINY, "--data.scheduler.park_budget", "-1.0", "--trainer.logger", "false"], run=False)
+        build_cli(["--config", TINY, "--data.sampling.scheduler.park_budget", "-1.0", "--trainer.logger", "false"],
+                  run=False)
 
 
 def test_a_training_step_under_bf16_mixed_precision(tmp_path):
@@ -96,24 +97,36 @@ def test_a_training_step_under_bf16_mixed_precision(tmp_path):
     cli = build_cli(["--config", TINY, "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "1",
                      "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
                      "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
-                     "--data.keep_kv_cache", "true"], run=False)
+                     "--data.sampling.keep_kv_cache", "true"], run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 1
     assert cli.model.policy.dtype == torch.float32
     assert cli.datamodule.engine._cache.layers[0].keys.dtype == torch.bfloat16
 
 
-def test_the_old_scheduler_options_key_still_works_and_names_the_new_one():
-    with pytest.warns(DeprecationWarning, match="data.scheduler_options is deprecated.*data.scheduler"):
-        cli = build_cli(["--config", TINY, "--data.scheduler_options", "{predictor: history, probe_tokens: 4}",
-                         "--trainer.logger", "false"], run=False)
-    scheduler = cli.datamodule.sampling.scheduler
-    assert (scheduler.predictor, scheduler.probe_tokens) == ("history", 4)
-    with pytest.raises(ValueError, match=r"unknown scheduler options \['probe'\]"):
-        RolloutDataModule(prompts=["a"], scheduler_options={"probe": 4})
-    with pytest.raises(ValueError, match="keep only data.scheduler"):
-        RolloutDataModule(prompts=["a"], scheduler_options={"probe_tokens": 4},
-                          scheduler=InfiniteSchedulerConfig(probe_tokens=2))
+@pytest.mark.parametrize("args, moved", [
+    (["--data.group_size", "4"], "data.group_size -> data.sampling.group_size"),
+    (["--data.scheduler.refill", "sjf"], "data.scheduler -> data.sampling.scheduler"),
+    (["--data", "{max_new_tokens: 8, temperature: 0.5}"],
+     "data.max_new_tokens -> data.sampling.max_new_tokens, data.temperature -> data.sampling.temperature"),
+    (["--data.scheduler_options", "{predictor: history}"], "data.scheduler_options -> data.sampling.scheduler"),
+])
+def test_a_sampling_key_given_flat_fails_naming_its_new_place(capsys, args, moved):
+    with pytest.raises(SystemExit):
+        build_cli(["--config", TINY, *args, "--trainer.logger", "false"], run=False)
+    assert moved in capsys.readouterr().err
+
+
+def test_a_flat_sampling_keyword_in_python_names_its_new_place():
+    with pytest.raises(TypeError, match=r"move data.group_size -> data.sampling.group_size, data.scheduler_options "
+                                        r"-> data.sampling.scheduler"):
+        RolloutDataModule(prompts=["a"], group_size=4, scheduler_options={"probe_tokens": 4})
+    with pytest.raises(TypeError, match=r"RolloutDataModule got unknown arguments \['groupsize'\]"):
+        RolloutDataModule(prompts=["a"], groupsize=4)
+    data = RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "scheduler": {"probe_tokens": 4}})
+    assert (data.sampling.group_size, data.sampling.scheduler.probe_tokens) == (4, 4)
+    with pytest.raises(ValueError, match=r"sampling.group_size=1 must be an integer >= 2"):
+        RolloutDataModule(prompts=["a"], sampling=SamplingConfig(group_size=1))
 
 
 def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):

@@ -1,4 +1,4 @@
-"""InfiniteScheduler driven by the model-free simulator: the issue's scheduling targets on replayed lengths."""
+"""InfiniteScheduler driven by the model-free simulator: its scheduling targets on replayed lengths."""
 
 from __future__ import annotations
 

@@ -105,6 +105,27 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
         bench_curriculum.main(["--config", "configs/tiny.yaml", "--curricula", "none,gain"])
 
 
+def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path):
+    from tools import bench_fit
+
+    out = tmp_path / "fit.json"
+    report = bench_fit.main(["--config", "configs/tiny.yaml", "--seeds", "1", "--variant", "default=",
+                             "--variant", "partial=--data.over_provision 2.0", "--scalars", "rollout/carried_samples",
+                             "--root", str(tmp_path / "runs"), "--json", str(out), "--", "--trainer.max_steps", "3"])
+    assert json.loads(out.read_text()) == report
+    runs = {run["variant"]: run for run in report["runs"]}
+    assert runs["partial"]["args"] == "--data.over_provision 2.0" and runs["default"]["args"] == ""
+    for run in runs.values():
+        assert run["steps"] == 3 and 0 < run["rollout_s"] < run["step_s"] < run["wall_s"]
+        assert run["update_s"] == pytest.approx(run["step_s"] - run["rollout_s"])
+        assert 0.0 <= run["val_accuracy"] <= 1.0 and run["val_accuracy_curve"][-1][1] == run["val_accuracy"]
+    assert runs["default"]["rollout/carried_samples"] is None  # logged only with partial rollouts on
+    assert runs["partial"]["rollout/carried_samples"] >= 0
+    assert report["summary"]["partial"]["runs"] == 1 and "step_s_mean" in report["summary"]["partial"]
+    with pytest.raises(SystemExit, match=r"--variant 'partial' must be NAME=ARGS"):
+        bench_fit.main(["--config", "configs/tiny.yaml", "--variant", "partial"])
+
+
 @pytest.mark.parametrize("gpu", [False, True])
 def test_setup_takes_the_cpu_build_without_a_gpu_and_the_default_build_with_one(tmp_path, gpu):
     """tools/setup.sh's choice of torch build, with pip replaced by echo and nvidia-smi by a stub."""
@@ -228,8 +249,9 @@ def test_bench_update_times_both_modes_interleaved(tmp_path):
     out = tmp_path / "update.json"
     report = bench_update.main(["--case", "long", "--model", "tiny-llama", "--prompts", "2", "--prompt-tokens", "12",
                                 "--group-size", "4", "--completion-tokens", "5", "--train-micro-batch-size", "3",
-                                "--repeats", "2", "--threads", "1", "--json", str(out)])
+                                "--repeats", "2", "--threads", "1", "--competing-processes", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["config"]["competing_processes"] == 1
     assert set(report["seconds"]) == {"update/shared/threads=1", "update/unshared/threads=1"}
     assert all(len(times) == 2 and min(times) > 0 for times in report["seconds"].values())
     assert report["ratios"]["shared/unshared/threads=1"] > 0

@@ -3,7 +3,7 @@
     python tools/bench_curriculum.py --config configs/demo.yaml --seeds 0,1,2 --curricula none,angle \
         --json runs/curriculum.json
 
-Each (curriculum, seed) is one ``lit-grpo fit`` in its own process with ``--seed_everything S --data.seed S
+Each (curriculum, seed) is one ``lit-grpo fit`` in its own process with ``--seed_everything S --data.sampling.seed S
 --data.curriculum C`` (so the rollouts' random streams and the prompt draws both change with the seed; the data
 split, ``data.data_seed``, stays fixed, so every run is validated on the same held-out prompts). Everything else,
 including the number of steps, is the config's. The figures are read back from the run's TensorBoard events.
@@ -20,57 +20,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_fit import run_fit  # noqa: E402
 
 CURRICULA = ("none", "angle")
 
 
-def lit_grpo_command() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run's TensorBoard events: ``{tag: [(step, value), ...]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
-
-
 def run_one(config: Path, curriculum: str, seed: int, root: Path, extra: list[str]) -> dict:
     """One ``lit-grpo fit`` of ``config`` with this curriculum and seed; returns its record."""
-    run_dir = root / f"{curriculum}_seed{seed}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    command = lit_grpo_command() + ["fit", "--config", str(config), "--seed_everything", str(seed),
-                                    "--data.seed", str(seed), "--data.curriculum", curriculum,
-                                    "--trainer.default_root_dir", str(run_dir), *extra]
-    start = time.perf_counter()
-    process = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall_s = time.perf_counter() - start
-    if process.returncode != 0:
-        raise SystemExit(f"curriculum={curriculum} seed={seed} failed ({' '.join(command)}):\n"
-                         f"{process.stderr[-4000:]}")
-    log_dirs = sorted((run_dir / "lightning_logs").glob("version_*"))
-    if not log_dirs:
-        raise SystemExit(f"curriculum={curriculum} seed={seed}: no TensorBoard logs under {run_dir}")
-    scalars = read_scalars(log_dirs[-1])
+    name = f"curriculum={curriculum} seed={seed}"
+    scalars, wall_s = run_fit(["--config", str(config), "--seed_everything", str(seed), "--data.sampling.seed",
+                               str(seed), "--data.curriculum", curriculum, *extra],
+                              root / f"{curriculum}_seed{seed}", name)
     curve = scalars.get("val/accuracy")
     if not curve:
-        raise SystemExit(f"curriculum={curriculum} seed={seed}: the run logged no val/accuracy; the config must "
-                         "validate at least once (trainer.val_check_interval / check_val_every_n_epoch)")
-    rewards = [value for _, value in scalars.get("reward/mean", [])]
+        raise SystemExit(f"{name}: the run logged no val/accuracy; the config must validate at least once "
+                         "(trainer.val_check_interval / check_val_every_n_epoch)")
+    rewards = [value for _, value, _ in scalars.get("reward/mean", [])]
     record = {"curriculum": curriculum, "seed": seed, "val_accuracy": curve[-1][1],
-              "val_accuracy_curve": [[step, value] for step, value in curve],
+              "val_accuracy_curve": [[step, value] for step, value, _ in curve],
               "train_reward_mean": statistics.fmean(rewards) if rewards else None, "wall_s": wall_s}
     if scalars.get("curriculum/mu"):
         record["curriculum_mu"] = scalars["curriculum/mu"][-1][1]

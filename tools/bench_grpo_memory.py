@@ -67,9 +67,9 @@ def measure_one_step(args) -> dict:
                         shared_prefix=args.shared_prefix)
     source = (dict(prompts=synthetic_prompts(64, args.seed)) if args.task == "synthetic" else
               dict(task=args.task, size=64))
-    data = RolloutDataModule(**source, val_size=1, prompts_per_step=args.prompts,
-                             group_size=args.group_size, micro_group_size=args.micro_group_size,
-                             strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed,
+    sampling = SamplingConfig(group_size=args.group_size, micro_group_size=args.micro_group_size,
+                              strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    data = RolloutDataModule(**source, val_size=1, prompts_per_step=args.prompts, sampling=sampling,
                              reward_funcs=["accuracy"])
     module.configure_model()  # load weights before the measured region
     with torch.no_grad():  # read every weight once: lazily mapped checkpoint pages count in the baseline, not the step

@@ -6,15 +6,16 @@
 
 ``demo``: configs/demo.yaml's module and data as the demo builds them (SmolLM2-135M-Instruct, 4 chat prompts x
 G 8, up to 24 new tokens); one rollout by the demo's own engine makes the batch that every update is timed on.
-``long``: SmolLM2 (``--model``) with ``--prompt-tokens`` (512) token prompts, G ``--group-size`` (16) and ``--completion-tokens``
-(64) token completions, token ids and rewards drawn at random (the update's cost does not depend on them); the
-module's defaults (gradient checkpointing, 8 rows per micro-batch) unless ``--train-micro-batch-size`` /
+``long``: SmolLM2 (``--model``) with ``--prompt-tokens`` (512) token prompts, G ``--group-size`` (16) and
+``--completion-tokens`` (64) token completions, token ids and rewards drawn at random (the update's cost does not
+depend on them); the module's defaults (gradient checkpointing, 8 rows per micro-batch) unless ``--train-micro-batch-size`` /
 ``--no-gradient-checkpointing`` say otherwise.
 
 An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, gradient clipping and the AdamW
 step. After one untimed warm-up per setting, each repeat times every (threads, mode) once, interleaved in one
 process, so a busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per
 thread count. ``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
+``--competing-processes N`` runs N busy-looping processes (one core each) throughout, as another job would.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,6 +89,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", default="1", help="comma-separated torch thread counts, e.g. 1,2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
+    parser.add_argument("--competing-processes", type=int, default=0,
+                        help="busy processes (one core each) running beside the timed ones, as on a shared machine")
     parser.add_argument("--model", default=SMOLLM2, help="long: the policy (a hub id, a path, tiny-llama)")
     parser.add_argument("--prompts", type=int, default=1, help="long: B")
     parser.add_argument("--group-size", type=int, default=16, help="long: G")
@@ -106,6 +110,21 @@ def main(argv=None) -> dict:
         parser.error(f"--threads={args.threads!r} and --repeats={args.repeats} must be >= 1")
     if args.rollout and args.case != "demo":
         parser.error("--rollout times the demo's rollout: use it with --case demo")
+    if args.competing_processes < 0:
+        parser.error(f"--competing-processes={args.competing_processes} must be >= 0")
+    # Each competitor spins until this process is gone (a killed benchmark leaves none behind).
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    competitors = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.competing_processes)]
+    try:
+        return run(args, modes, threads)
+    finally:
+        for competitor in competitors:
+            competitor.kill()
+            competitor.wait()
+
+
+def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
+    """Build the batch, time every (threads, mode) ``args.repeats`` times interleaved, report (see the docstring)."""
 
     from lit_grpo.module import GRPOModule
 

@@ -14,7 +14,7 @@ is ``longest prompt - 1 + max_new_tokens`` positions wide from the start (on CUD
 Besides it the engine holds each running prompt's prefix once, and the KV of parked samples' first tokens, so
 leave some headroom in ``kv_budget_bytes`` for those.
 
-Used by ``RolloutDataModule(micro_group_size="auto", kv_budget_bytes=...)``.
+Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``.
 """
 
 from __future__ import annotations

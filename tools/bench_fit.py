@@ -1,0 +1,153 @@
+"""Whole ``lit-grpo fit`` runs of one config in variants and seeds: time per step, rollout time, val/accuracy.
+
+    python tools/bench_fit.py --config configs/demo.yaml --seeds 0,1,2 \
+        --variant "default=" --variant "partial=--data.over_provision 2.0" --json runs/demo_partial.json
+
+A variant is ``NAME=ARGS``: extra ``lit-grpo fit`` arguments (split like a shell line; empty for the config as it
+is). Each (seed, variant) is one run in its own process with ``--seed_everything S --data.sampling.seed S``, seed
+by seed so that back-to-back runs of one seed compare on the same machine state; the data split
+(``data.data_seed``) stays fixed, so every run is validated on the same held-out prompts. Figures are read back
+from the run's TensorBoard events.
+
+Records: "variant", "seed", "args", "wall_s" (the whole process), "step_s" (median time between consecutive
+training steps, from the wall time of their ``train/loss`` events, so validations and start-up are left out),
+"rollout_s" (median ``rollout/wall_s``, the engine's time), "update_s" (``step_s - rollout_s``: rewards, the
+update and the optimizer step), "val_accuracy" (the last validation; None where the run does not validate),
+"val_accuracy_curve", "reward_mean" (mean of ``reward/mean`` over the run), "steps", and the median of every
+``--scalars`` key. The summary has, per variant, the mean and sample std of each over the seeds. There is no
+target: the figures are reported as they come.
+
+Extra arguments after ``--`` go to every run (e.g. ``-- --trainer.max_steps 10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def lit_grpo_command() -> list[str]:
+    exe = shutil.which("lit-grpo")
+    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Every scalar of the run's TensorBoard events: ``{tag: [(step, value, wall_time), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value, event.wall_time) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def run_fit(args: list[str], run_dir: Path, name: str) -> tuple[dict[str, list[tuple[int, float, float]]], float]:
+    """``lit-grpo fit ARGS`` logging under ``run_dir`` (emptied first); returns its scalars and wall seconds."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    command = lit_grpo_command() + ["fit", *args, "--trainer.default_root_dir", str(run_dir)]
+    start = time.perf_counter()
+    process = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall_s = time.perf_counter() - start
+    if process.returncode != 0:
+        raise SystemExit(f"{name} failed ({shlex.join(command)}):\n{process.stderr[-4000:]}")
+    log_dirs = sorted((run_dir / "lightning_logs").glob("version_*"))
+    if not log_dirs:
+        raise SystemExit(f"{name}: no TensorBoard logs under {run_dir}")
+    return read_scalars(log_dirs[-1]), wall_s
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_record(scalars: dict[str, list[tuple[int, float, float]]], wall_s: float, extra_keys: list[str]) -> dict:
+    """A run's figures (see the module docstring) from its scalars."""
+    losses = sorted(scalars.get("train/loss", []))
+    gaps = [b[2] - a[2] for a, b in zip(losses, losses[1:]) if b[0] == a[0] + 1]
+    step_s = median_or_none(gaps)
+    rollout_s = median_or_none([value for _, value, _ in scalars.get("rollout/wall_s", [])])
+    curve = [[step, value] for step, value, _ in scalars.get("val/accuracy", [])]
+    rewards = [value for _, value, _ in scalars.get("reward/mean", [])]
+    record = {"wall_s": wall_s, "steps": len(losses), "step_s": step_s, "rollout_s": rollout_s,
+              "update_s": step_s - rollout_s if step_s is not None and rollout_s is not None else None,
+              "val_accuracy": curve[-1][1] if curve else None, "val_accuracy_curve": curve,
+              "reward_mean": statistics.fmean(rewards) if rewards else None}
+    for key in extra_keys:
+        record[key] = median_or_none([value for _, value, _ in scalars.get(key, [])])
+    return record
+
+
+def summarize(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per variant: mean and sample std over the seeds of every numeric figure."""
+    summary: dict[str, dict[str, float]] = {}
+    for variant in dict.fromkeys(run["variant"] for run in runs):
+        mine = [run for run in runs if run["variant"] == variant]
+        stats: dict[str, float] = {"runs": len(mine)}
+        for key, value in mine[0].items():
+            values = [run[key] for run in mine if isinstance(run.get(key), (int, float))]
+            if key in ("seed", "steps") or not values or isinstance(value, bool):
+                continue
+            stats[f"{key}_mean"] = statistics.fmean(values)
+            stats[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        summary[variant] = stats
+    return summary
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, args = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--variant {text!r} must be NAME=ARGS (ARGS may be empty: 'default=')")
+    return name, shlex.split(args)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--variant", action="append", default=[], help="NAME=ARGS; repeat for each variant")
+    parser.add_argument("--scalars", default="", help="comma list of further logged keys to report medians of")
+    parser.add_argument("--root", type=Path, default=Path("runs/fit"), help="where the runs' logs go")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not args.config.is_file():
+        raise SystemExit(f"--config {args.config} does not exist")
+    variants = dict(parse_variant(text) for text in (args.variant or ["default="]))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    keys = [key for key in args.scalars.split(",") if key]
+
+    runs: list[dict] = []
+    report: dict = {}
+    for seed in seeds:
+        for name, variant_args in variants.items():
+            run_args = ["--config", str(args.config), "--seed_everything", str(seed), "--data.sampling.seed",
+                        str(seed), *variant_args, *extra]
+            scalars, wall_s = run_fit(run_args, args.root / f"{name}_seed{seed}", f"{name} seed={seed}")
+            runs.append({"variant": name, "seed": seed, "args": shlex.join(variant_args),
+                         **run_record(scalars, wall_s, keys)})
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            report = {"config": {"config": str(args.config), "seeds": seeds, "variants": {
+                k: shlex.join(v) for k, v in variants.items()}, "extra": extra}, "runs": runs,
+                "summary": summarize(runs)}
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(report, indent=2))
+    for name, stats in report["summary"].items():
+        print(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f} +- {stats[key[:-5] + '_std']:.3f}"
+                                      for key, value in stats.items() if key.endswith("_mean")))
+    return report
+
+
+if __name__ == "__main__":
+    main()
