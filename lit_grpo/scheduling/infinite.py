@@ -43,6 +43,7 @@ import torch
 
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling.gate import follow_predictions, guided_gain, preposterior_gain
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingFn, make_grouping
 from lit_grpo.scheduling.predictors import (
     LengthPredictor,
@@ -156,7 +157,7 @@ class InfiniteScheduler(Scheduler):
         # Park at probes only where the plan can use what a probe tells: trusted probes and more samples than
         # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
         self.parking = (self.probe_tokens is not None and self.trust["probe"].informative
-                        and len(keys) > work.num_slots)
+                        and len(keys) > work.num_slots and self._probes_pay(len(keys)))
         self.unprobed = deque()
         self.unprobed_work = 0.0
         if self.parking:  # samples carried past their probe are planned at once, like probed ones
@@ -170,6 +171,9 @@ class InfiniteScheduler(Scheduler):
             if key not in probing:
                 self.planner.add(key, self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
         self.max_parked = self._max_parked(work)
+        self.gain, self.guided = (0.0, 0.0), False
+        self._judge()
+        self.first_gain = self.gain + (self.guided,)
 
     def admit(self) -> list[Assignment]:
         free = self.free_slots()
@@ -209,6 +213,9 @@ class InfiniteScheduler(Scheduler):
             # Other slots are still probing (the probe phase's last round): plan once they have reported.
             self._park(key, remaining)
             return True
+        if not self.guided:  # the gate chose arrival order: the running sample keeps its slot
+            self.planner.note_start(slot, self.clock, remaining)
+            return False
         # Plan phase: the sample competes with the pool for its own slot.
         self.planner.add(key, remaining, self.rank[key])
         chosen = self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
@@ -245,6 +252,7 @@ class InfiniteScheduler(Scheduler):
             "replans": stats.replans, "forced": stats.forced, "plan_seconds": stats.plan_seconds,
             "steals": stats.steals, "parking": float(self.parking),
             "prompt_trust": self.trust["prompt"].rho_low, "probe_trust": self.trust["probe"].rho_low,
+            "gain_mean": self.first_gain[0], "gain_std": self.first_gain[1], "guided": float(self.first_gain[2]),
         }
         return metrics
 
@@ -270,7 +278,7 @@ class InfiniteScheduler(Scheduler):
             return key
         if self.unprobed:
             return self.planner.choose_greedy(slot, self.clock)  # budget full: run the best parked sample
-        if not self._pool_trust().informative:
+        if not self._pool_trust().informative or not self.guided:
             return self.planner.choose_first(slot, self.clock)  # predictions tell nothing: first come, first served
         return self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
 
@@ -355,6 +363,36 @@ class InfiniteScheduler(Scheduler):
             self.prompt_prediction.update(zip(without, values))
         for key in keys:
             self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
+        self._judge()
+
+    def _probes_pay(self, num_samples: int) -> bool:
+        """Is waiting for the probes worth it: would an order by probe predictions of the trust they earned beat
+        arrival order (``gate.preposterior_gain``)?"""
+        trust = self.trust["probe"]
+        mean_log, sd_log = trust.population()
+        gain = preposterior_gain(num_samples, len(self.slots), self.work.max_new_tokens, mean_log, sd_log,
+                                 trust.rho_low)
+        return follow_predictions(*gain)
+
+    def _judge(self) -> None:
+        """Decide whether the pool follows its predictions or arrival order (``gate.py``), at planning points."""
+        if not self._pool_trust().informative or self.unprobed:
+            self.guided = self._pool_trust().informative
+            return
+        keys = sorted(self.planner.pool, key=lambda k: self.planner.pool[k][1])
+        waiting = [self._model(key, self.generated.get(key, 0)) for key in keys]
+        running = []
+        for key, run in self.runs.items():
+            running.append(self._model(key, run.start_generated + (self.clock - run.start_clock)))
+        expected = [self.planner.pool[k][0] for k in keys]
+        self.gain = guided_gain(waiting, running, len(self.slots), self.work.max_new_tokens, expected)
+        self.guided = follow_predictions(*self.gain, current=self.guided)
+
+    def _model(self, key: SampleKey, generated: int) -> tuple[float, float, int]:
+        """``(calibrated median, calibrated spread, tokens generated)`` of a sample."""
+        trust = self.trust["probe" if key in self.probe_prediction else "prompt"]
+        median, spread = trust.calibrate(self.prediction[key])
+        return median, min(spread, MAX_LOG_STD), generated
 
     def _learn(self) -> None:
         """Teach the predictor the samples finished since it last learned, in finish order: one call per run of
