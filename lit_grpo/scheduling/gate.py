@@ -106,6 +106,13 @@ def preposterior_gain(
     return float(gain.mean()), float(gain.std())
 
 
+def probes_pay(trust, num_samples: int, num_slots: int, cap: int, z: float = GAIN_Z) -> bool:
+    """Would an order by probe predictions of the trust they earned (a ``PredictionTrust``) establish a gain over
+    arrival order? If not, parking samples at their probes to wait for those predictions cannot pay."""
+    mean_log, sd_log = trust.population()
+    return follow_predictions(*preposterior_gain(num_samples, num_slots, cap, mean_log, sd_log, trust.rho_low), z=z)
+
+
 def follow_predictions(mean_gain: float, std_gain: float, current: bool = False, z: float = GAIN_Z) -> bool:
     """Follow the predictions from here on? The course changes only where the other one is established better
     (its gain beyond ``z`` standard deviations of the per-draw gain); a tie keeps the ``current`` course."""

@@ -1,12 +1,14 @@
 """The "infinite" scheduler: continuous slots + length prediction + global grouping + runtime refill.
 
 Predictions are used only as far as they have earned trust (``trust.py``): every finished sample scores the
-predictions made for it, and the scheduler works from the *calibrated* prediction, the regression of true on
-predicted log length with its correlation taken at the lower end of its confidence interval. Where that
-correlation is not established, every sample looks alike and a freed slot takes the first waiting sample (plain
-continuous order); as it grows, predictions spread out from the mean and the plan follows them more closely.
-Prompt-level predictions (made before a sample starts) and probe predictions (after its first k tokens) earn
-their trust apart.
+predictions made for it, and the scheduler works from the *calibrated* prediction (regression of true on predicted
+log length, correlation at the lower end of its confidence interval; prompt and probe predictions earn trust
+apart). Trust is not enough: with weak predictions the guided order is just another draw of the tail, which can
+lose to arrival order. So at planning points a gate (``gate.py``) draws the pool's lengths from the calibrated
+lognormal model and compares guided and arrival order on the same draws; the predictions are followed only
+where their per-rollout gain is established, the course changes only where the other one is, and probes park
+samples only where a plan on probe predictions of the trust they earned would win. Otherwise a freed slot takes
+the first waiting sample: plain continuous order.
 
 Before a token is sampled the G samples of a prompt are exchangeable, so only a token-conditioned predictor can
 tell them apart, once a sample has started. With such a predictor the scheduler probes:
@@ -26,8 +28,7 @@ tell them apart, once a sample has started. With such a predictor the scheduler 
    are computed to that precision: planning finer than the lengths are known buys nothing.
 
 Default refill: "lpt" (a slot runs its longest, most uncertain job first, so an error shows while short jobs
-remain to absorb it; SJF leaves long jobs and their errors for the tail). ``slack_scale > 0`` lets a freed slot
-start the pool's longest job whenever that costs the plan at most ``slack_scale x spread``.
+remain to absorb it; SJF leaves long jobs and their errors for the tail).
 
 Metrics from ``end``: ``length_pred_kendall_tau`` and ``length_pred_smape`` of the last prediction made for each
 sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info``.
@@ -43,15 +44,9 @@ import torch
 
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.scheduling.gate import follow_predictions, guided_gain, preposterior_gain
+from lit_grpo.scheduling.gate import GAIN_Z, follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingFn, make_grouping
-from lit_grpo.scheduling.predictors import (
-    LengthPredictor,
-    expected_length,
-    kendall_tau,
-    make_predictor,
-    smape,
-)
+from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
 from lit_grpo.scheduling.refill import DEFAULT_REFILL, RefillPolicy, SlotPlanner, make_refill
 from lit_grpo.scheduling.trust import PredictionTrust
 
@@ -70,8 +65,7 @@ class _Run:
 
 
 class InfiniteScheduler(Scheduler):
-    """Length-aware scheduler of the "infinite" strategy; one object serves many rollouts (predictors learn, and
-    so does the trust in them).
+    """Length-aware scheduler of "infinite"; one object serves many rollouts (predictors and trust learn).
 
     Args:
         predictor: "online" | "history" | "oracle" or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
@@ -83,12 +77,12 @@ class InfiniteScheduler(Scheduler):
         park_budget: bound on parked samples, as a fraction of the slots' generation KV (None: unbounded).
         replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
             the plan.
-        slack_scale: a freed slot runs the longest job of the whole pool instead of its planned pick when that
-            costs the plan at most ``slack_scale x spread`` of its makespan (``spread``: the calibrated error
-            spread; 0 for exact predictions, so their plan is followed exactly). 0: the refill policy alone
-            orders each slot's share.
+        slack_scale: a freed slot runs the pool's longest job instead of its planned pick when that costs the
+            plan at most ``slack_scale x`` the calibrated spread of its makespan (0: the refill policy alone).
         critical_fraction: during the probe phase a sample keeps running instead of parking when its expected
             remaining length is at least this fraction of the average slot's remaining work. None disables.
+        gain_z: follow predictions (and park at probes) only where their gain over arrival order exceeds this
+            many standard deviations of its draws (``gate.py``); None: whenever trusted (no gate).
     """
 
     def __init__(
@@ -102,6 +96,7 @@ class InfiniteScheduler(Scheduler):
         replan_tolerance: float = 0.1,
         slack_scale: float = 0.0,
         critical_fraction: float | None = 1.0,
+        gain_z: float | None = GAIN_Z,
     ) -> None:
         self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
         self.refill = make_refill(refill)
@@ -113,6 +108,7 @@ class InfiniteScheduler(Scheduler):
         self.epsilon = epsilon
         self.slack_scale = slack_scale
         self.critical_fraction = critical_fraction
+        self.gain_z = gain_z
         # Engine-facing switches (instance attributes shadow the base class's defaults): a token-conditioned
         # predictor is probed every rollout, parked or not, so that its probes keep being scored.
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
@@ -157,7 +153,8 @@ class InfiniteScheduler(Scheduler):
         # Park at probes only where the plan can use what a probe tells: trusted probes and more samples than
         # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
         self.parking = (self.probe_tokens is not None and self.trust["probe"].informative
-                        and len(keys) > work.num_slots and self._probes_pay(len(keys)))
+                        and len(keys) > work.num_slots and (self.gain_z is None or probes_pay(
+                            self.trust["probe"], len(keys), work.num_slots, work.max_new_tokens, self.gain_z)))
         self.unprobed = deque()
         self.unprobed_work = 0.0
         if self.parking:  # samples carried past their probe are planned at once, like probed ones
@@ -173,7 +170,7 @@ class InfiniteScheduler(Scheduler):
         self.max_parked = self._max_parked(work)
         self.gain, self.guided = (0.0, 0.0), False
         self._judge()
-        self.first_gain = self.gain + (self.guided,)
+        self.first_gain = self.gain + (self.guided,)  # the rollout's opening decision, for last_info
 
     def admit(self) -> list[Assignment]:
         free = self.free_slots()
@@ -334,9 +331,8 @@ class InfiniteScheduler(Scheduler):
 
     def _expected_remaining(self, key: SampleKey, generated: int) -> float:
         """Expected remaining tokens of a sample, from its calibrated prediction (see ``trust.py``)."""
-        trust = self.trust["probe" if key in self.probe_prediction else "prompt"]
-        median, spread = trust.calibrate(self.prediction[key])
-        total = expected_length(median, min(spread, MAX_LOG_STD), generated, self.work.max_new_tokens)
+        median, spread, _ = self._model(key, generated)
+        total = expected_length(median, spread, generated, self.work.max_new_tokens)
         return max(total - generated, 1.0)
 
     def _refresh_predictions(self) -> None:
@@ -365,28 +361,17 @@ class InfiniteScheduler(Scheduler):
             self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
         self._judge()
 
-    def _probes_pay(self, num_samples: int) -> bool:
-        """Is waiting for the probes worth it: would an order by probe predictions of the trust they earned beat
-        arrival order (``gate.preposterior_gain``)?"""
-        trust = self.trust["probe"]
-        mean_log, sd_log = trust.population()
-        gain = preposterior_gain(num_samples, len(self.slots), self.work.max_new_tokens, mean_log, sd_log,
-                                 trust.rho_low)
-        return follow_predictions(*gain)
-
     def _judge(self) -> None:
         """Decide whether the pool follows its predictions or arrival order (``gate.py``), at planning points."""
-        if not self._pool_trust().informative or self.unprobed:
+        if not self._pool_trust().informative or self.unprobed or self.gain_z is None:
             self.guided = self._pool_trust().informative
             return
         keys = sorted(self.planner.pool, key=lambda k: self.planner.pool[k][1])
         waiting = [self._model(key, self.generated.get(key, 0)) for key in keys]
-        running = []
-        for key, run in self.runs.items():
-            running.append(self._model(key, run.start_generated + (self.clock - run.start_clock)))
+        running = [self._model(key, run.start_generated + self.clock - run.start_clock) for key, run in self.runs.items()]
         expected = [self.planner.pool[k][0] for k in keys]
         self.gain = guided_gain(waiting, running, len(self.slots), self.work.max_new_tokens, expected)
-        self.guided = follow_predictions(*self.gain, current=self.guided)
+        self.guided = follow_predictions(*self.gain, current=self.guided, z=self.gain_z)
 
     def _model(self, key: SampleKey, generated: int) -> tuple[float, float, int]:
         """``(calibrated median, calibrated spread, tokens generated)`` of a sample."""
