@@ -8,6 +8,7 @@ from lit_grpo.scheduling import InfiniteScheduler
 def trust_predictions(scheduler: InfiniteScheduler, kind: str = "probe") -> None:
     """Give ``scheduler`` a history of exact ``kind`` predictions ("probe" or "prompt"), so it trusts them from its
     next rollout on: engine tests of parking and planning need the mechanism without rollouts spent earning it."""
+    scheduler.gain_z = None  # trusted means followed: no gain gate (gate.py) between the trust and the plan
     trust = scheduler.trust[kind]
     for length in range(1, 65):
         trust.observe(float(length), length)

@@ -1,12 +1,14 @@
 """The "infinite" scheduler: continuous slots + length prediction + global grouping + runtime refill.
 
 Predictions are used only as far as they have earned trust (``trust.py``): every finished sample scores the
-predictions made for it, and the scheduler works from the *calibrated* prediction, the regression of true on
-predicted log length with its correlation taken at the lower end of its confidence interval. Where that
-correlation is not established, every sample looks alike and a freed slot takes the first waiting sample (plain
-continuous order); as it grows, predictions spread out from the mean and the plan follows them more closely.
-Prompt-level predictions (made before a sample starts) and probe predictions (after its first k tokens) earn
-their trust apart.
+predictions made for it, and the scheduler works from the *calibrated* prediction (regression of true on predicted
+log length, correlation at the lower end of its confidence interval; prompt and probe predictions earn trust
+apart). Trust is not enough: with weak predictions the guided order is just another draw of the tail, which can
+lose to arrival order. So at planning points a gate (``gate.py``) draws the pool's lengths from the calibrated
+lognormal model and compares guided and arrival order on the same draws; the predictions are followed only
+where their per-rollout gain is established, the course changes only where the other one is, and probes park
+samples only where a plan on probe predictions of the trust they earned would win. Otherwise a freed slot takes
+the first waiting sample: plain continuous order.
 
 Before a token is sampled the G samples of a prompt are exchangeable, so only a token-conditioned predictor can
 tell them apart, once a sample has started. With such a predictor the scheduler probes:
@@ -26,8 +28,7 @@ tell them apart, once a sample has started. With such a predictor the scheduler 
    are computed to that precision: planning finer than the lengths are known buys nothing.
 
 Default refill: "lpt" (a slot runs its longest, most uncertain job first, so an error shows while short jobs
-remain to absorb it; SJF leaves long jobs and their errors for the tail). ``slack_scale > 0`` lets a freed slot
-start the pool's longest job whenever that costs the plan at most ``slack_scale x spread``.
+remain to absorb it; SJF leaves long jobs and their errors for the tail).
 
 Metrics from ``end``: ``length_pred_kendall_tau`` and ``length_pred_smape`` of the last prediction made for each
 sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info``.
@@ -43,14 +44,9 @@ import torch
 
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling.gate import GAIN_Z, follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingFn, make_grouping
-from lit_grpo.scheduling.predictors import (
-    LengthPredictor,
-    expected_length,
-    kendall_tau,
-    make_predictor,
-    smape,
-)
+from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
 from lit_grpo.scheduling.refill import DEFAULT_REFILL, RefillPolicy, SlotPlanner, make_refill
 from lit_grpo.scheduling.trust import PredictionTrust
 
@@ -69,8 +65,7 @@ class _Run:
 
 
 class InfiniteScheduler(Scheduler):
-    """Length-aware scheduler of the "infinite" strategy; one object serves many rollouts (predictors learn, and
-    so does the trust in them).
+    """Length-aware scheduler of "infinite"; one object serves many rollouts (predictors and trust learn).
 
     Args:
         predictor: "online" | "history" | "oracle" or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
@@ -82,12 +77,12 @@ class InfiniteScheduler(Scheduler):
         park_budget: bound on parked samples, as a fraction of the slots' generation KV (None: unbounded).
         replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
             the plan.
-        slack_scale: a freed slot runs the longest job of the whole pool instead of its planned pick when that
-            costs the plan at most ``slack_scale x spread`` of its makespan (``spread``: the calibrated error
-            spread; 0 for exact predictions, so their plan is followed exactly). 0: the refill policy alone
-            orders each slot's share.
+        slack_scale: a freed slot runs the pool's longest job instead of its planned pick when that costs the
+            plan at most ``slack_scale x`` the calibrated spread of its makespan (0: the refill policy alone).
         critical_fraction: during the probe phase a sample keeps running instead of parking when its expected
             remaining length is at least this fraction of the average slot's remaining work. None disables.
+        gain_z: follow predictions (and park at probes) only where their gain over arrival order exceeds this
+            many standard deviations of its draws (``gate.py``); None: whenever trusted (no gate).
     """
 
     def __init__(
@@ -101,6 +96,7 @@ class InfiniteScheduler(Scheduler):
         replan_tolerance: float = 0.1,
         slack_scale: float = 0.0,
         critical_fraction: float | None = 1.0,
+        gain_z: float | None = GAIN_Z,
     ) -> None:
         self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
         self.refill = make_refill(refill)
@@ -112,6 +108,7 @@ class InfiniteScheduler(Scheduler):
         self.epsilon = epsilon
         self.slack_scale = slack_scale
         self.critical_fraction = critical_fraction
+        self.gain_z = gain_z
         # Engine-facing switches (instance attributes shadow the base class's defaults): a token-conditioned
         # predictor is probed every rollout, parked or not, so that its probes keep being scored.
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
@@ -156,7 +153,8 @@ class InfiniteScheduler(Scheduler):
         # Park at probes only where the plan can use what a probe tells: trusted probes and more samples than
         # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
         self.parking = (self.probe_tokens is not None and self.trust["probe"].informative
-                        and len(keys) > work.num_slots)
+                        and len(keys) > work.num_slots and (self.gain_z is None or probes_pay(
+                            self.trust["probe"], len(keys), work.num_slots, work.max_new_tokens, self.gain_z)))
         self.unprobed = deque()
         self.unprobed_work = 0.0
         if self.parking:  # samples carried past their probe are planned at once, like probed ones
@@ -170,6 +168,9 @@ class InfiniteScheduler(Scheduler):
             if key not in probing:
                 self.planner.add(key, self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
         self.max_parked = self._max_parked(work)
+        self.gain, self.guided = (0.0, 0.0), False
+        self._judge()
+        self.first_gain = self.gain + (self.guided,)  # the rollout's opening decision, for last_info
 
     def admit(self) -> list[Assignment]:
         free = self.free_slots()
@@ -209,6 +210,9 @@ class InfiniteScheduler(Scheduler):
             # Other slots are still probing (the probe phase's last round): plan once they have reported.
             self._park(key, remaining)
             return True
+        if not self.guided:  # the gate chose arrival order: the running sample keeps its slot
+            self.planner.note_start(slot, self.clock, remaining)
+            return False
         # Plan phase: the sample competes with the pool for its own slot.
         self.planner.add(key, remaining, self.rank[key])
         chosen = self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
@@ -245,6 +249,7 @@ class InfiniteScheduler(Scheduler):
             "replans": stats.replans, "forced": stats.forced, "plan_seconds": stats.plan_seconds,
             "steals": stats.steals, "parking": float(self.parking),
             "prompt_trust": self.trust["prompt"].rho_low, "probe_trust": self.trust["probe"].rho_low,
+            "gain_mean": self.first_gain[0], "gain_std": self.first_gain[1], "guided": float(self.first_gain[2]),
         }
         return metrics
 
@@ -270,7 +275,7 @@ class InfiniteScheduler(Scheduler):
             return key
         if self.unprobed:
             return self.planner.choose_greedy(slot, self.clock)  # budget full: run the best parked sample
-        if not self._pool_trust().informative:
+        if not self._pool_trust().informative or not self.guided:
             return self.planner.choose_first(slot, self.clock)  # predictions tell nothing: first come, first served
         return self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
 
@@ -326,9 +331,8 @@ class InfiniteScheduler(Scheduler):
 
     def _expected_remaining(self, key: SampleKey, generated: int) -> float:
         """Expected remaining tokens of a sample, from its calibrated prediction (see ``trust.py``)."""
-        trust = self.trust["probe" if key in self.probe_prediction else "prompt"]
-        median, spread = trust.calibrate(self.prediction[key])
-        total = expected_length(median, min(spread, MAX_LOG_STD), generated, self.work.max_new_tokens)
+        median, spread, _ = self._model(key, generated)
+        total = expected_length(median, spread, generated, self.work.max_new_tokens)
         return max(total - generated, 1.0)
 
     def _refresh_predictions(self) -> None:
@@ -355,6 +359,25 @@ class InfiniteScheduler(Scheduler):
             self.prompt_prediction.update(zip(without, values))
         for key in keys:
             self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
+        self._judge()
+
+    def _judge(self) -> None:
+        """Decide whether the pool follows its predictions or arrival order (``gate.py``), at planning points."""
+        if not self._pool_trust().informative or self.unprobed or self.gain_z is None:
+            self.guided = self._pool_trust().informative
+            return
+        keys = sorted(self.planner.pool, key=lambda k: self.planner.pool[k][1])
+        waiting = [self._model(key, self.generated.get(key, 0)) for key in keys]
+        running = [self._model(key, run.start_generated + self.clock - run.start_clock) for key, run in self.runs.items()]
+        expected = [self.planner.pool[k][0] for k in keys]
+        self.gain = guided_gain(waiting, running, len(self.slots), self.work.max_new_tokens, expected)
+        self.guided = follow_predictions(*self.gain, current=self.guided, z=self.gain_z)
+
+    def _model(self, key: SampleKey, generated: int) -> tuple[float, float, int]:
+        """``(calibrated median, calibrated spread, tokens generated)`` of a sample."""
+        trust = self.trust["probe" if key in self.probe_prediction else "prompt"]
+        median, spread = trust.calibrate(self.prediction[key])
+        return median, min(spread, MAX_LOG_STD), generated
 
     def _learn(self) -> None:
         """Teach the predictor the samples finished since it last learned, in finish order: one call per run of

@@ -115,6 +115,11 @@ class PredictionTrust:
     def informative(self) -> bool:
         return self.rho_low > 0
 
+    def population(self) -> tuple[float, float]:
+        """(mean, std) of the true log lengths within rollouts: the model's prior for a sample not yet predicted."""
+        weight, _, var_t, _ = self._within()
+        return self._levels()[1], math.sqrt(var_t) if weight > 0 else 0.0
+
     def calibrate(self, predicted: float) -> tuple[float, float]:
         """The trusted ``(median length, log-length spread)`` for a raw prediction (tokens).
 
