@@ -10,6 +10,8 @@ from lit_grpo.models import load_model_and_tokenizer
 from lit_grpo.rewards import build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.scheduling import InfiniteScheduler
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 TINY = "configs/tiny.yaml"
 
@@ -83,9 +85,14 @@ def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message):
 
 def test_scheduler_options_are_typed_in_the_config():
     cli = build_cli(["--config", TINY, "--data.sampling.scheduler.predictor", "history",
-                     "--data.sampling.scheduler.probe_tokens", "4", "--trainer.logger", "false"], run=False)
+                     "--data.sampling.scheduler.probe_tokens", "4", "--data.sampling.scheduler.gain_z", "null",
+                     "--trainer.logger", "false"], run=False)
     scheduler = cli.datamodule.sampling.scheduler
-    assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill) == ("history", 4, "lpt")
+    assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill, scheduler.gain_z) == ("history", 4, "lpt",
+                                                                                                  None)
+    assert InfiniteScheduler.from_config(scheduler).gain_z is None  # reaches the scheduler
+    with pytest.raises(ValueError, match=r"scheduler.gain_z=0 must be a number > 0 or None"):
+        InfiniteSchedulerConfig(gain_z=0)
     with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):
         build_cli(["--config", TINY, "--data.sampling.scheduler.park_budget", "-1.0", "--trainer.logger", "false"],
                   run=False)

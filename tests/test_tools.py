@@ -122,6 +122,7 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
     assert runs["default"]["rollout/carried_samples"] is None  # logged only with partial rollouts on
     assert runs["partial"]["rollout/carried_samples"] >= 0
     assert report["summary"]["partial"]["runs"] == 1 and "step_s_mean" in report["summary"]["partial"]
+    assert "lit_grpo: 3 steps in" in (tmp_path / "runs" / "partial_seed1" / "fit.log").read_text()  # its summary
     with pytest.raises(SystemExit, match=r"--variant 'partial' must be NAME=ARGS"):
         bench_fit.main(["--config", "configs/tiny.yaml", "--variant", "partial"])
 

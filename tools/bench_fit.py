@@ -50,13 +50,16 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
 
 
 def run_fit(args: list[str], run_dir: Path, name: str) -> tuple[dict[str, list[tuple[int, float, float]]], float]:
-    """``lit-grpo fit ARGS`` logging under ``run_dir`` (emptied first); returns its scalars and wall seconds."""
+    """``lit-grpo fit ARGS`` logging under ``run_dir`` (emptied first; the run's output goes to ``fit.log``
+    there); returns its scalars and wall seconds."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     command = lit_grpo_command() + ["fit", *args, "--trainer.default_root_dir", str(run_dir)]
     start = time.perf_counter()
     process = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall_s = time.perf_counter() - start
+    (run_dir / "fit.log").write_text(process.stdout + process.stderr)  # the run's own summary is in there
     if process.returncode != 0:
         raise SystemExit(f"{name} failed ({shlex.join(command)}):\n{process.stderr[-4000:]}")
     log_dirs = sorted((run_dir / "lightning_logs").glob("version_*"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union
 
+from lit_grpo.scheduling.gate import GAIN_Z
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GROUPINGS
 from lit_grpo.scheduling.predictors import parse_predictor_name
 from lit_grpo.scheduling.refill import DEFAULT_REFILL, REFILLS
@@ -43,6 +44,8 @@ class InfiniteSchedulerConfig:
         replan_tolerance: re-plan when a slot frees more than this fraction off the plan, >= 0.
         slack_scale: >= 0; see InfiniteScheduler.
         critical_fraction: > 0, or None to never keep a probing sample running for being critical.
+        gain_z: > 0, the confidence (standard deviations) a prediction-guided order's gain over arrival order
+            needs before the scheduler follows it (``gate.py``); None: follow trusted predictions ungated.
     """
 
     predictor: PredictorName = "online"
@@ -54,6 +57,7 @@ class InfiniteSchedulerConfig:
     replan_tolerance: float = 0.1
     slack_scale: float = 0.0
     critical_fraction: float | None = 1.0
+    gain_z: float | None = GAIN_Z
 
     def __post_init__(self) -> None:
         if isinstance(self.predictor, str):
@@ -70,16 +74,17 @@ class InfiniteSchedulerConfig:
         if self.probe_tokens is not None and (isinstance(self.probe_tokens, bool) or not isinstance(
                 self.probe_tokens, int) or self.probe_tokens < 0):
             raise ValueError(f"scheduler.probe_tokens={self.probe_tokens!r} must be an integer >= 0 or None")
+        optional = ("park_budget", "critical_fraction", "gain_z")
         for name, minimum, strict in (("park_budget", 0, True), ("replan_tolerance", 0, False),
-                                      ("slack_scale", 0, False), ("critical_fraction", 0, True)):
+                                      ("slack_scale", 0, False), ("critical_fraction", 0, True), ("gain_z", 0, True)):
             value = getattr(self, name)
-            if value is None and name in ("park_budget", "critical_fraction"):
+            if value is None and name in optional:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or (
                     value <= minimum if strict else value < minimum):
                 relation = ">" if strict else ">="
-                optional = " or None" if name in ("park_budget", "critical_fraction") else ""
-                raise ValueError(f"scheduler.{name}={value!r} must be a number {relation} {minimum}{optional}")
+                none = " or None" if name in optional else ""
+                raise ValueError(f"scheduler.{name}={value!r} must be a number {relation} {minimum}{none}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | InfiniteSchedulerConfig | None) -> InfiniteSchedulerConfig:

@@ -368,7 +368,8 @@ class InfiniteScheduler(Scheduler):
             return
         keys = sorted(self.planner.pool, key=lambda k: self.planner.pool[k][1])
         waiting = [self._model(key, self.generated.get(key, 0)) for key in keys]
-        running = [self._model(key, run.start_generated + self.clock - run.start_clock) for key, run in self.runs.items()]
+        running = [self._model(key, run.start_generated + self.clock - run.start_clock)
+                   for key, run in self.runs.items()]
         expected = [self.planner.pool[k][0] for k in keys]
         self.gain = guided_gain(waiting, running, len(self.slots), self.work.max_new_tokens, expected)
         self.guided = follow_predictions(*self.gain, current=self.guided, z=self.gain_z)
