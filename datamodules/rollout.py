@@ -100,11 +100,11 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         if moved:
             raise TypeError(moved_sampling_keys_message(moved, "RolloutDataModule"))
-        if isinstance(sampling, Mapping):
+        if isinstance(sampling, Mapping):  # training's own bound first: a lone completion has nothing to compare to
+            check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
             sampling = SamplingConfig(**sampling)
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
-        # training: a lone completion has nothing to be compared with
         check_int("sampling.group_size", sampling.group_size, 2)
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling

@@ -80,7 +80,7 @@ def test_print_config(capsys):
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["model"]["model"] == "tiny-llama"
-    assert config["data"]["group_size"] == 4 and config["data"]["curriculum"] == "none"
+    assert config["data"]["sampling"]["group_size"] == 4 and config["data"]["curriculum"] == "none"
     assert config["model"]["loss_type"] == "dapo"
 
 

@@ -114,8 +114,7 @@ def test_a_training_step_under_bf16_mixed_precision(tmp_path):
 @pytest.mark.parametrize("args, moved", [
     (["--data.group_size", "4"], "data.group_size -> data.sampling.group_size"),
     (["--data.scheduler.refill", "sjf"], "data.scheduler -> data.sampling.scheduler"),
-    (["--data", "{max_new_tokens: 8, temperature: 0.5}"],
-     "data.max_new_tokens -> data.sampling.max_new_tokens, data.temperature -> data.sampling.temperature"),
+    (["--data", "{max_new_tokens: 8, temperature: 0.5}"], "data.max_new_tokens -> data.sampling.max_new_tokens"),
     (["--data.scheduler_options", "{predictor: history}"], "data.scheduler_options -> data.sampling.scheduler"),
 ])
 def test_a_sampling_key_given_flat_fails_naming_its_new_place(capsys, args, moved):

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
     sys.path.insert(0, str(ROOT))
 
-from tools.bench_fit import run_fit  # noqa: E402
+from tools.bench_fit import run_fit, split_extra  # noqa: E402
 
 CURRICULA = ("none", "angle")
 
@@ -64,9 +64,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_extra(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     parser.add_argument("--seeds", default="0,1,2")

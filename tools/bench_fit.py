@@ -112,10 +112,16 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(args)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def split_extra(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the tool's own arguments, those after ``--`` that go to every ``lit-grpo fit``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    if "--" not in argv:
+        return argv, []
+    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv, extra = split_extra(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     parser.add_argument("--seeds", default="0")

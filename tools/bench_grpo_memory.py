@@ -58,6 +58,7 @@ def measure_one_step(args) -> dict:
     from lit_grpo.datamodules.rollout import RolloutDataModule
     from lit_grpo.memory import make_peak_tracker, read_statm_rss
     from lit_grpo.module import GRPOModule
+    from lit_grpo.sampling import SamplingConfig
 
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
