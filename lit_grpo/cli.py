@@ -47,7 +47,7 @@ DESCRIPTION = """\
 lit-grpo: GRPO training of language models with PyTorch Lightning and Infinite Sampling (the G completions of a
 prompt decoded on g slots, so memory follows g, not G).
 
-  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~9 min)
+  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~8 min)
   lit-grpo validate --config configs/demo.yaml      greedy accuracy of the untrained policy
   lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
   lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
