@@ -100,12 +100,14 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         if moved:
             raise TypeError(moved_sampling_keys_message(moved, "RolloutDataModule"))
-        if isinstance(sampling, Mapping):  # training's own bound first: a lone completion has nothing to compare to
+        # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
+        if isinstance(sampling, Mapping):
             check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
             sampling = SamplingConfig(**sampling)
-        if not isinstance(sampling, SamplingConfig):
+        elif isinstance(sampling, SamplingConfig):
+            check_int("sampling.group_size", sampling.group_size, 2)
+        else:
             raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
-        check_int("sampling.group_size", sampling.group_size, 2)
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
@@ -338,7 +340,8 @@ MOVED_TO_SAMPLING = {**{f.name: f.name for f in fields(SamplingConfig)}, "schedu
 
 def moved_sampling_places(keys: Collection[str]) -> str:
     """``"data.KEY -> data.sampling.NEW, ..."`` for the keys that moved (``MOVED_TO_SAMPLING``); others left out."""
-    return ", ".join(f"data.{key} -> data.sampling.{MOVED_TO_SAMPLING[key]}" for key in keys if key in MOVED_TO_SAMPLING)
+    return ", ".join(f"data.{key} -> data.sampling.{MOVED_TO_SAMPLING[key]}"
+                     for key in keys if key in MOVED_TO_SAMPLING)
 
 
 def moved_sampling_keys_message(keys: Collection[str], where: str) -> str:

@@ -8,8 +8,8 @@
 G 8, up to 24 new tokens); one rollout by the demo's own engine makes the batch that every update is timed on.
 ``long``: SmolLM2 (``--model``) with ``--prompt-tokens`` (512) token prompts, G ``--group-size`` (16) and
 ``--completion-tokens`` (64) token completions, token ids and rewards drawn at random (the update's cost does not
-depend on them); the module's defaults (gradient checkpointing, 8 rows per micro-batch) unless ``--train-micro-batch-size`` /
-``--no-gradient-checkpointing`` say otherwise.
+depend on them); the module's defaults (gradient checkpointing, 8 rows per micro-batch) unless
+``--train-micro-batch-size`` / ``--no-gradient-checkpointing`` say otherwise.
 
 An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, gradient clipping and the AdamW
 step. After one untimed warm-up per setting, each repeat times every (threads, mode) once, interleaved in one

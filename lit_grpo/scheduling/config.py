@@ -88,7 +88,8 @@ class InfiniteSchedulerConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | InfiniteSchedulerConfig | None) -> InfiniteSchedulerConfig:
-        """A config from a dict of options (the old ``scheduler_options``), naming any unknown key."""
+        """A config from a dict of options (``sampling.scheduler`` given as a plain mapping), naming any unknown
+        key."""
         if options is None:
             return cls()
         if isinstance(options, cls):
