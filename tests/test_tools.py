@@ -76,16 +76,23 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
                                      "--no-gradient-checkpointing", "--malloc-mmap-threshold", "262144",
                                      "--no-shared-prefix",
                                      "--micro-group-size", "2", "--train-micro-batch-size", "2",
-                                     "--max-new-tokens", "4", "--json", str(out)])
+                                     "--max-new-tokens", "4", "--repeats", "2", "--json", str(out)])
     assert json.loads(out.read_text()) == report
-    assert [(run["strategy"], run["group_size"]) for run in report["runs"]] == [("continuous", 2), ("continuous", 4)]
+    assert [(run["strategy"], run["group_size"], run["repeat"]) for run in report["runs"]] == [
+        ("continuous", 2, 0), ("continuous", 4, 0), ("continuous", 2, 1), ("continuous", 4, 1)]
     for run in report["runs"]:
         assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
+        phases = [run[f"{phase}_peak_bytes"] for phase in ("rollout", "update", "optimizer")]
+        assert run["peak_bytes"] == max(phases) and min(phases) > 0  # the step's peak is its largest phase's
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
         assert 0 < run["decode_steps"] <= run["generated_tokens"] and 0 < run["rollout_wall_s"] < run["step_s"]
         assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"  # reached the worker
         assert run["shared_prefix"] is False
-    assert report["peak_ratio_largest_to_smallest_G"]["continuous"] > 0
+    medians = report["median_bytes"]["continuous"]["peak_bytes"]
+    for size in (2, 4):
+        pair = sorted(run["peak_bytes"] for run in report["runs"] if run["group_size"] == size)
+        assert medians[str(size)] == sum(pair) / 2  # the median of two repeats
+    assert report["peak_ratio_largest_to_smallest_G"]["continuous"] == medians["4"] / medians["2"]
 
 
 def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(tmp_path):
@@ -240,8 +247,15 @@ def test_bench_partial_rollouts_writes_its_fields(tmp_path):
                 "observed_max_staleness", "offpolicy_tokens_frac"} <= set(run)
     assert runs[1.0]["carried_samples"] == 0 and runs[1.0]["offpolicy_tokens_frac"] == 0
     assert runs[2.0]["observed_max_staleness"] <= runs[2.0]["max_staleness"]
-    with pytest.raises(SystemExit):
-        bench_partial_rollouts.main(["--lengths", str(lengths), "--over-provision", "0.5"])
+    # a slot for every sample and no carry: a step lasts as long as its longest sample, here the cap
+    capped = bench_partial_rollouts.main(["--lengths", str(lengths), "--prompts", "2", "--group-size", "4",
+                                          "--micro-group-size", "8", "--steps", "2", "--over-provision", "1.0",
+                                          "--max-new-tokens", "3"])
+    assert capped["config"]["max_new_tokens"] == 3 and capped["runs"][0]["decode_steps_per_step"] <= 3
+    assert runs[1.0]["decode_steps_per_step"] > 3  # uncapped, a 4- or 12-token sample sets the pace
+    for bad in (["--over-provision", "0.5"], ["--max-new-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            bench_partial_rollouts.main(["--lengths", str(lengths), *bad])
 
 
 def test_bench_update_times_both_modes_interleaved(tmp_path):

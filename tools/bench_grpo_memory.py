@@ -7,13 +7,16 @@ Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached mem
 peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.memory: the kernel's RSS
 high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Lightning Trainer runs exactly one
 training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
-micro-batched update with its AdamW step. Records: "strategy", "group_size", "peak_bytes", plus
+micro-batched update with its AdamW step. Records: "strategy", "group_size", "peak_bytes" (the whole step's),
+its phases' "rollout_peak_bytes", "update_peak_bytes" (every micro-batch's forward and backward, and clipping)
+and "optimizer_peak_bytes" (AdamW), "repeat" (``--repeats N`` runs each cell N times, interleaved), plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really
 ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default
 (on); ``--no-gradient-checkpointing`` measures the update holding every activation of a micro-batch. The update
 shares each prompt's forward among its completions as the module does by default (``--no-shared-prefix``: one
-forward per completion); records carry "shared_prefix".
+forward per completion); records carry "shared_prefix". The report's "median_bytes" holds, per strategy, key and
+G, the median over the repeats, and "peak_ratio_largest_to_smallest_G" is taken from those medians.
 
 On Linux CPU the peak is the process's resident memory, so it includes what glibc's malloc keeps after tensors are
 freed. By default glibc raises its mmap threshold as large blocks are freed, after which freed activations stay in
@@ -50,6 +53,19 @@ def synthetic_prompts(count: int, seed: int) -> list[dict]:
     return [{"prompt": f"What is {a} + {b}? Give the final answer.", "answer": str(a + b)} for a, b in pairs]
 
 
+#: The peaks a record carries: the whole step's and its phases'.
+PHASE_KEYS = ("peak_bytes", "rollout_peak_bytes", "update_peak_bytes", "optimizer_peak_bytes")
+
+
+def median_by_group_size(runs: list[dict], strategy: str, key: str) -> dict[int, float]:
+    """``{G: median of key}`` over a strategy's repeats."""
+    import statistics
+
+    sizes = sorted({r["group_size"] for r in runs if r["strategy"] == strategy})
+    return {g: statistics.median(r[key] for r in runs if r["strategy"] == strategy and r["group_size"] == g)
+            for g in sizes}
+
+
 def measure_one_step(args) -> dict:
     """Run one GRPO step in this process and return its memory record."""
     import lightning.pytorch as pl
@@ -81,29 +97,47 @@ def measure_one_step(args) -> dict:
                          num_sanity_val_steps=0)
     captured = {}
 
-    class CaptureStats(pl.Callback):
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    tracker, problem = make_peak_tracker(device, "auto", 0.002)
+    if tracker is None:
+        raise SystemExit(f"cannot measure peak memory here: {problem}")
+    phase_peaks: dict[str, int] = {}
+
+    def end_phase(name: str) -> None:
+        key = f"{name}_peak_bytes"
+        phase_peaks[key] = max(phase_peaks.get(key, 0), tracker.read()["peak_bytes"])
+        tracker.reset()
+
+    class CapturePhases(pl.Callback):
+        """Splits the step's peak at the phase boundaries: the rollout (data fetch), the update (every
+        micro-batch's forward and backward, and gradient clipping) and the optimizer step (AdamW)."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            end_phase("rollout")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            end_phase("update")
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            end_phase("optimizer")
             captured["peak_kv_bytes"] = batch.stats.peak_kv_bytes
             captured["generated_tokens"] = batch.stats.generated_tokens
             captured["decode_steps"] = batch.stats.decode_steps
             captured["rollout_wall_s"] = batch.stats.wall_s
 
-    trainer.callbacks.append(CaptureStats())
-    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    trainer.callbacks.append(CapturePhases())
     if device.type == "cuda":
         module.policy.to(device)
         torch.cuda.synchronize()
-    tracker, problem = make_peak_tracker(device, "auto", 0.002)
-    if tracker is None:
-        raise SystemExit(f"cannot measure peak memory here: {problem}")
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else read_statm_rss()
     tracker.reset()
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     step_s = time.perf_counter() - start
-    peak = tracker.read()["peak_bytes"]
     tracker.close()
-    return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": peak,
+    # Each phase's peak is measured from the previous boundary, so the step's peak is the largest of them.
+    return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": max(phase_peaks.values()),
+            **phase_peaks,
             "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name, "dtype": args.dtype,
             "lora": args.lora,
             "weights_bytes": sum(p.numel() * p.element_size() for p in module.policy.parameters()),
@@ -134,45 +168,53 @@ def main(argv=None) -> dict:
                         help="GRPOModule(shared_prefix=...); on by default, as in the module")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="run the steps with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (Linux CPU; see the README)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per (strategy, G); the summary takes the median peak")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode: one measurement, printed as JSON
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.task is None:
         args.task = "synthetic" if args.model.startswith("random:") else "basic_arithmetic"
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.strategy:
         print("RESULT " + json.dumps(measure_one_step(args)), flush=True)
         return {}
 
     runs = []
-    for group_size in [int(g) for g in args.group_sizes.split(",")]:
-        for strategy in args.strategies.split(","):
-            command = [sys.executable, __file__, "--strategy", strategy, "--group-size", str(group_size),
-                       "--model", args.model, "--micro-group-size", str(args.micro_group_size),
-                       "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
-                       "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
-            command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
-            command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
-            command.append("--shared-prefix" if args.shared_prefix else "--no-shared-prefix")
-            env = dict(os.environ)
-            if args.malloc_mmap_threshold is not None:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-            out = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                raise SystemExit(f"{strategy} G={group_size} failed:\n{out.stderr[-3000:]}")
-            record = json.loads(lines[-1][len("RESULT "):])
-            runs.append(record)
-            print(f"{strategy:10s} G={group_size:3d} peak={record['peak_bytes'] / 2**20:8.1f} MiB "
-                  f"baseline={record['baseline_bytes'] / 2**20:8.1f} MiB kv={record['peak_kv_bytes'] / 2**20:7.1f} MiB "
-                  f"rollout={record['rollout_wall_s']:.1f}s step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
-    ratios = {}
+    cells = [(g, s, r) for r in range(args.repeats) for g in [int(g) for g in args.group_sizes.split(",")]
+             for s in args.strategies.split(",")]  # repeats interleaved: a drifting machine affects all cells
+    for group_size, strategy, repeat in cells:
+        command = [sys.executable, __file__, "--strategy", strategy, "--group-size", str(group_size),
+                   "--model", args.model, "--micro-group-size", str(args.micro_group_size),
+                   "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
+                   "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
+        command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
+        command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
+        command.append("--shared-prefix" if args.shared_prefix else "--no-shared-prefix")
+        env = dict(os.environ)
+        if args.malloc_mmap_threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            raise SystemExit(f"{strategy} G={group_size} failed:\n{out.stderr[-3000:]}")
+        record = {**json.loads(lines[-1][len("RESULT "):]), "repeat": repeat}
+        runs.append(record)
+        print(f"{strategy:10s} G={group_size:3d} peak={record['peak_bytes'] / 2**20:8.1f} MiB "
+              f"baseline={record['baseline_bytes'] / 2**20:8.1f} MiB kv={record['peak_kv_bytes'] / 2**20:7.1f} MiB "
+              f"update={record['update_peak_bytes'] / 2**20:8.1f} MiB "
+              f"rollout={record['rollout_wall_s']:.1f}s step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
+    ratios, medians = {}, {}
     for strategy in args.strategies.split(","):
-        peaks = {r["group_size"]: r["peak_bytes"] for r in runs if r["strategy"] == strategy}
+        by_size = {key: median_by_group_size(runs, strategy, key) for key in PHASE_KEYS}
+        medians[strategy] = {key: {str(g): v for g, v in values.items()} for key, values in by_size.items()}
+        peaks = by_size["peak_bytes"]
         ratios[strategy] = peaks[max(peaks)] / peaks[min(peaks)]
         print(f"{strategy}: peak(G={max(peaks)}) / peak(G={min(peaks)}) = {ratios[strategy]:.3f}")
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "runs": runs, "peak_ratio_largest_to_smallest_G": ratios}
+              "runs": runs, "median_bytes": medians, "peak_ratio_largest_to_smallest_G": ratios}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

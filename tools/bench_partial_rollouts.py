@@ -5,8 +5,9 @@
 
 Each training step needs ``--prompts`` (B) complete groups of ``--group-size`` (G). Every fresh sample's completion
 length is drawn from the file's recorded lengths (all of them pooled, with ``--seed``) and replayed in the engine
-(EOS forced at that step), so the figures depend only on the lengths, the slots and the carry policy, not on the
-machine. With ``over_provision`` r a step runs up to ``ceil(r x B)`` groups, the carried ones first, stops once B
+(EOS forced at that step; ``--max-new-tokens`` caps them as training would), so the decode-step figures depend
+only on the lengths, the slots and the carry policy, not on the machine or the model; ``--model smollm2`` gives
+real wall times for the same work with and without. With ``over_provision`` r a step runs up to ``ceil(r x B)`` groups, the carried ones first, stops once B
 are complete and carries the rest, exactly as training does (``lit_grpo.sampling.carry.plan_partial_rollout``);
 r = 1.0 is the plain rollout. Every setting replays the same sequence of fresh groups.
 
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="training steps replayed")
     parser.add_argument("--over-provision", default="1.0,2.0", help="comma list of r >= 1.0")
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="the length cap (default: the longest recorded length); longer lengths end at it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -57,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"{name}={values} needs values >= 1")
     if args.steps < 1 or args.prompts < 1 or args.group_size < 1:
         parser.error("--steps, --prompts and --group-size must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return args
 
 
@@ -98,7 +103,8 @@ def main(argv=None) -> dict:
     pool = [int(n) for row in json.loads(args.lengths.read_text())["lengths"] for n in row]
     model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model))
     model.eval()
-    max_new_tokens = max(pool)
+    max_new_tokens = max(pool) if args.max_new_tokens is None else args.max_new_tokens
+    pool = [min(n, max_new_tokens) for n in pool]  # a sample reaching the cap ends there, as in training
     # Enough fresh groups for any setting: every step draws at most ceil(r x B) of them.
     lengths = fresh_lengths(pool, args.steps * math.ceil(max(args.over_provision) * args.prompts), args.group_size,
                             args.seed)
