@@ -147,9 +147,12 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
     last_only = dict(logits_to_keep=1) if accepts(model, "logits_to_keep") else {}
     # use_cache=False: the caches are passed explicitly (so the model makes none of its own), and transformers
     # would turn use_cache off under checkpointing anyway, with a warning
+    # One embedding lookup serves both passes: a lookup per pass would give the embedding matrix a dense gradient
+    # per pass ([V, H], as large as the weight) in the backward, where the unshared forward has one.
+    tokens = _token_inputs(model, micro["input_ids"])
     writer = prefix_writer()
     with caches_through_checkpoints(model):
-        out = model(input_ids=micro["input_ids"][first, :prompt_length], attention_mask=prompt_mask[first],
+        out = model(**tokens(first, slice(0, prompt_length)), attention_mask=prompt_mask[first],
                     position_ids=micro["position_ids"][first, :prompt_length], past_key_values=writer,
                     use_cache=False, **{**outputs, **last_only})
         last = (out.hidden_states[-1] if hidden else out.logits)[:, -1:]  # [u, 1, H or V]: the last prompt token
@@ -161,7 +164,7 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
         if num_tokens > 1:  # the last completion token predicts nothing: it does not go forward
             reader = prefix_reader(writer, group)
             columns = slice(prompt_length, prompt_length + num_tokens - 1)
-            out = model(input_ids=micro["input_ids"][:, columns],
+            out = model(**tokens(slice(None), columns),
                         attention_mask=micro["attention_mask"][:, :prompt_length + num_tokens - 1],
                         position_ids=micro["position_ids"][:, columns], past_key_values=reader, use_cache=False,
                         **outputs)
@@ -170,6 +173,19 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
                                    "run the update with shared_prefix=False")
             parts.append(out.hidden_states[-1] if hidden else out.logits)
     return torch.cat(parts, dim=1)
+
+
+def _token_inputs(model: torch.nn.Module, input_ids: torch.Tensor):
+    """``(rows, columns) -> model inputs`` for part of ``input_ids`` ``[m, P + T]``: slices of one embedding lookup
+    (``inputs_embeds``) where the model takes them, else the token ids themselves. An FSDP2-sharded model gets the
+    ids: its weights are gathered by its own forward, so a lookup outside it would read a shard."""
+    sharded = any(type(module).__name__.startswith("FSDP") for module in model.modules())
+    lookup = getattr(model, "get_input_embeddings", None)
+    embedding = lookup() if callable(lookup) and accepts(model, "inputs_embeds") and not sharded else None
+    if not isinstance(embedding, torch.nn.Module):
+        return lambda rows, columns: {"input_ids": input_ids[rows, columns]}
+    embeds = embedding(input_ids)
+    return lambda rows, columns: {"inputs_embeds": embeds[rows, columns]}
 
 
 def shared_prefix_usable(model: torch.nn.Module) -> bool:

@@ -37,14 +37,15 @@ def grouped_micro_batch(vocab: int, generator: torch.Generator) -> dict:
 
 
 class TokenCounter:
-    """Counts the tokens that go through the model's input embedding."""
+    """Counts the calls of ``module`` and the token positions (``[batch, tokens, ...]`` inputs) that go through it."""
 
-    def __init__(self, model):
-        self.tokens = 0
-        model.get_input_embeddings().register_forward_hook(self)
+    def __init__(self, module):
+        self.tokens = self.calls = 0
+        module.register_forward_hook(self)
 
     def __call__(self, module, inputs, output):
-        self.tokens += inputs[0].numel()
+        self.tokens += inputs[0].shape[0] * inputs[0].shape[1]
+        self.calls += 1
 
 
 def run(model, micro, shared: bool, **kwargs):
@@ -75,9 +76,11 @@ def test_shared_prefix_equals_one_forward_per_completion(name, chunked, checkpoi
     first, group = prompt_groups(micro)
     assert len(first) == 2 and group.tolist() in ([0, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1])
     head_reproduces_logits(model)  # its 4-token check, once per model, before counting
-    counter = TokenCounter(model)
+    # the final norm sees each forward's positions once (checkpointed layers run again in the backward)
+    counter, lookups = TokenCounter(model.model.norm), TokenCounter(model.get_input_embeddings())
     shared = run(model, micro, True, chunked=chunked, temperature=0.7)
     shared_tokens, counter.tokens = counter.tokens, 0
+    assert lookups.calls == 1  # one embedding lookup for both passes: one dense embedding gradient, as unshared
     unshared = run(model, micro, False, chunked=chunked, temperature=0.7)
     assert_same(shared, unshared)
     mask = micro["completion_mask"].bool()
