@@ -35,3 +35,13 @@ def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     # a sharded gradient's norm is a partial DTensor: full_tensor() reduces it over the mesh
     norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
     return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+def is_fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the model: its forward hooks gather the weights (collectives), so such a model is not
+    captured into a CUDA graph, and nothing reads its weights outside its own forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return isinstance(model, FSDPModule)

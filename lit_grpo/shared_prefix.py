@@ -34,6 +34,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lit_grpo.distributed import is_fsdp_sharded
 from lit_grpo.models import accepts
 
 
@@ -179,9 +180,9 @@ def _token_inputs(model: torch.nn.Module, input_ids: torch.Tensor):
     """``(rows, columns) -> model inputs`` for part of ``input_ids`` ``[m, P + T]``: slices of one embedding lookup
     (``inputs_embeds``) where the model takes them, else the token ids themselves. An FSDP2-sharded model gets the
     ids: its weights are gathered by its own forward, so a lookup outside it would read a shard."""
-    sharded = any(type(module).__name__.startswith("FSDP") for module in model.modules())
     lookup = getattr(model, "get_input_embeddings", None)
-    embedding = lookup() if callable(lookup) and accepts(model, "inputs_embeds") and not sharded else None
+    usable = callable(lookup) and accepts(model, "inputs_embeds") and not is_fsdp_sharded(model)
+    embedding = lookup() if usable else None
     if not isinstance(embedding, torch.nn.Module):
         return lambda rows, columns: {"input_ids": input_ids[rows, columns]}
     embeds = embedding(input_ids)

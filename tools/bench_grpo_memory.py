@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -59,8 +60,6 @@ PHASE_KEYS = ("peak_bytes", "rollout_peak_bytes", "update_peak_bytes", "optimize
 
 def median_by_group_size(runs: list[dict], strategy: str, key: str) -> dict[int, float]:
     """``{G: median of key}`` over a strategy's repeats."""
-    import statistics
-
     sizes = sorted({r["group_size"] for r in runs if r["strategy"] == strategy})
     return {g: statistics.median(r[key] for r in runs if r["strategy"] == strategy and r["group_size"] == g)
             for g in sizes}

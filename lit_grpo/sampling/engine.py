@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_grpo.distributed import is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
@@ -97,7 +98,7 @@ class RolloutEngine:
         #: Rollouts generated so far; part of every random-stream key so successive rollouts differ.
         self.rollout_index = 0
         #: Generate under torch.inference_mode; torch.no_grad for FSDP2-sharded models (their hooks write parameters).
-        self.inference_mode = not _is_fsdp_sharded(model)
+        self.inference_mode = not is_fsdp_sharded(model)
         self._cache: SlotKVCache | None = None
         self._step: DecodeStep | None = None
         #: Why the decode step runs eagerly on CUDA although ``cuda_graph`` was left automatic (None: it does not).
@@ -258,7 +259,7 @@ class RolloutEngine:
         device = next(self.model.parameters()).device
         graph = self.config.cuda_graph
         if graph is None:
-            graph = _graphs_available(device) and not _is_fsdp_sharded(self.model) and self.graph_failure is None
+            graph = _graphs_available(device) and not is_fsdp_sharded(self.model) and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
@@ -310,15 +311,6 @@ def _default_scheduler(config: SamplingConfig) -> Scheduler:
 def _graphs_available(device: torch.device) -> bool:
     """CUDA graphs capture CUDA kernels only."""
     return device.type == "cuda"
-
-
-def _is_fsdp_sharded(model: torch.nn.Module) -> bool:
-    """FSDP2 gathers weights in forward hooks (collectives): such a model is not captured into a graph."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - old torch
-        return False
-    return isinstance(model, FSDPModule)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
