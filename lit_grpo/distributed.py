@@ -37,6 +37,12 @@ def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
+def is_multi_process() -> bool:
+    """Whether this process trains with others (an initialized process group of more than one rank)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
 def is_fsdp_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 shards the model: its forward hooks gather the weights (collectives), so such a model is not
     captured into a CUDA graph, and nothing reads its weights outside its own forward."""

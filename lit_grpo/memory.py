@@ -1,4 +1,5 @@
-"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) high-water mark on CPU.
+"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) high-water mark on CPU;
+and ``release_freed_host_memory``, the CPU's counterpart of ``torch.cuda.empty_cache``.
 
 A tracker answers "what was the most memory held since my last ``reset()``", which is what a per-phase peak
 needs (lit_grpo.callbacks.PeakMemoryMonitor, tools/bench_*.py). On Linux the kernel keeps the process's RSS
@@ -9,6 +10,8 @@ reset is refused or ineffective, a thread samples RSS every few milliseconds ins
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import re
@@ -140,6 +143,30 @@ def read_statm_rss() -> int:
     """Current RSS from /proc/self/statm (resident pages x page size): cheap enough to poll every few ms."""
     with open(_STATM) as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def release_freed_host_memory() -> bool:
+    """Give the pages of freed heap memory back to the kernel (glibc ``malloc_trim(0)``); True where it could.
+
+    glibc keeps freed blocks for reuse, and a freed block below a live one (a gradient allocated mid-backward)
+    stays resident: after an update on CPU, the freed activations of its micro-batches still count in the
+    process's memory while the optimizer allocates its state on top. Live tensors are not touched; a freed page
+    that is needed again costs one page fault.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def hwm_reset_problem() -> str | None:

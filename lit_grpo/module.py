@@ -61,6 +61,7 @@ from lit_grpo.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.distributed import gradient_norm, shard_decoder_layers
 from lit_grpo.logprobs import completion_logps
+from lit_grpo.memory import release_freed_host_memory
 from lit_grpo.importance_sampling import ImportanceSamplingMode, SamplerCorrection, SamplingStats
 from lit_grpo.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
 from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
@@ -377,6 +378,8 @@ class GRPOModule(LightningModule):
         elif hp.max_grad_norm:
             torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None],
                                            hp.max_grad_norm)
+        if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
+            release_freed_host_memory()
         optimizer.step()
         return step.result(grad_norm)
 

@@ -15,6 +15,15 @@ Memory stays linear: a row's keys are ``P + T`` long, as unshared; nothing is ``
 by prompt content, so groups split over micro-batches or several groups in one both work (a split group's prompt
 goes forward once per micro-batch holding some of it).
 
+The backward runs in two stages where one process trains alone. Every weight is used by both passes, so in one
+backward the autograd engine would hold each weight's pass-2 gradient until pass 1's arrives: all the layers'
+gradients at once (as much memory as the model's), on top of ``.grad``. So pass 1's outputs (the prompts' keys
+and values, their last states) and pass 2's input embeddings enter pass 2 as detached leaves; when all their
+gradients are known, a hook runs pass 1's (and the one embedding lookup's) backward from them. Each stage uses a
+weight once, so its gradient goes into ``.grad`` as the layer is done, as in the unshared backward. Under DDP or
+FSDP a parameter's gradient must arrive once per backward (DDP marks it ready once; FSDP2 reduce-scatters a
+module once), so there both passes share one backward.
+
 Gradient checkpointing: transformers' checkpointed decoder layers drop ``past_key_values`` unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
 Neither cache here appends: the writer overwrites (the replay stores equal tensors) and the reader stores nothing,
@@ -34,7 +43,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lit_grpo.distributed import is_fsdp_sharded
+from lit_grpo.distributed import is_fsdp_sharded, is_multi_process
 from lit_grpo.models import accepts
 
 
@@ -157,15 +166,19 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
                     position_ids=micro["position_ids"][first, :prompt_length], past_key_values=writer,
                     use_cache=False, **{**outputs, **last_only})
         last = (out.hidden_states[-1] if hidden else out.logits)[:, -1:]  # [u, 1, H or V]: the last prompt token
-        parts = [last.index_select(0, group)]
-        del out, last
+        del out
         if not writer.layers:
             raise RuntimeError(f"{type(model).__name__} wrote no keys into the shared prefix cache; "
                                "run the update with shared_prefix=False")
+        columns = slice(prompt_length, prompt_length + num_tokens - 1)
+        inputs = tokens(slice(None), columns) if num_tokens > 1 else {}
+        if torch.is_grad_enabled() and not is_multi_process() and not is_fsdp_sharded(model):
+            last, inputs = _backward_in_two_stages(writer, last, inputs)
+        parts = [last.index_select(0, group)]
+        del last
         if num_tokens > 1:  # the last completion token predicts nothing: it does not go forward
             reader = prefix_reader(writer, group)
-            columns = slice(prompt_length, prompt_length + num_tokens - 1)
-            out = model(**tokens(slice(None), columns),
+            out = model(**inputs,
                         attention_mask=micro["attention_mask"][:, :prompt_length + num_tokens - 1],
                         position_ids=micro["position_ids"][:, columns], past_key_values=reader, use_cache=False,
                         **outputs)
@@ -174,6 +187,33 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
                                    "run the update with shared_prefix=False")
             parts.append(out.hidden_states[-1] if hidden else out.logits)
     return torch.cat(parts, dim=1)
+
+
+def _backward_in_two_stages(writer: Cache, last: torch.Tensor, inputs: dict[str, torch.Tensor]):
+    """Detach pass 1's outputs (``writer``'s keys and values, ``last``) and pass 2's ``inputs`` into leaves, and
+    hook the backward from those tensors onto the leaves' gradients (module docstring). Returns the leaf ``last``
+    and ``inputs``; ``writer``'s layers hold the leaf keys and values."""
+    cut: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pass-1 or lookup output, the leaf pass 2 reads)
+
+    def leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        cut.append((tensor, tensor.detach().requires_grad_()))
+        return cut[-1][1]
+
+    for layer in writer.layers:
+        layer.keys, layer.values = leaf(layer.keys), leaf(layer.values)
+    last = leaf(last)
+    inputs = {name: leaf(value) for name, value in inputs.items()}
+
+    def first_stage_done(grads: tuple[torch.Tensor | None, ...]) -> None:
+        pairs = [(tensor, grad) for (tensor, _), grad in zip(cut, grads) if grad is not None]
+        if pairs:
+            torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+
+    if cut:
+        torch.autograd.graph.register_multi_grad_hook([leaf for _, leaf in cut], first_stage_done, mode="all")
+    return last, inputs
 
 
 def _token_inputs(model: torch.nn.Module, input_ids: torch.Tensor):

@@ -232,6 +232,23 @@ def test_the_logged_lr_is_the_one_the_step_used(batch):
     assert logged == pytest.approx([2.5e-4, 5e-4])
 
 
+def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):
+    """On CPU the update's freed activations are released after the backward passes, before AdamW allocates."""
+    module = make_module(num_iterations=2, train_micro_batch_size=3, lr=1e-3)
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-3)
+    calls = []
+
+    def release():
+        calls.append((len(optimizer.state), all(p.grad is not None for p in module.policy.parameters())))
+        return True
+
+    monkeypatch.setattr("lit_grpo.module.release_freed_host_memory", release)
+    module.grpo_step(batch, optimizer)
+    # once per optimizer step, each after every micro-batch's backward (the gradients exist) and before that step
+    # (no optimizer state yet at the first)
+    assert calls[0] == (0, True) and len(calls) == 2 and calls[1][1]
+
+
 def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
     with pytest.raises(ValueError, match="loss_type='ppo' is not supported"):
         GRPOModule(model="tiny-llama", loss_type="ppo")

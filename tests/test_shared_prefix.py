@@ -156,6 +156,30 @@ def test_the_update_with_a_shared_prefix_equals_the_unshared_one(rollout, micro_
     assert metrics["train/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypatch, checkpointing):
+    """Alone, a decoder weight's pass-2 gradient goes into ``.grad`` before pass 1's backward starts (two
+    accumulations per backward, the top layer's first), so no layer's gradient waits for pass 1; in a process group
+    (DDP, FSDP) each parameter's gradient arrives once. Both give the unshared gradients."""
+    model, _ = load_model_and_tokenizer("tiny-llama", dtype="float64")
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    layers = model.model.layers
+    order = []
+    for index in (0, len(layers) - 1):
+        layers[index].mlp.down_proj.weight.register_post_accumulate_grad_hook(lambda _, i=index: order.append(i))
+    unshared = run(model, micro, False)
+    assert order == [len(layers) - 1, 0]
+    order.clear()
+    assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
+    assert order == [len(layers) - 1, 0, len(layers) - 1, 0]  # pass 2 (top layer down), then pass 1
+    order.clear()
+    monkeypatch.setattr("lit_grpo.shared_prefix.is_multi_process", lambda: True)
+    assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
+    assert order == [len(layers) - 1, 0]
+
+
 class IgnoresThePast(torch.nn.Module):
     """A causal LM wrapper that drops ``past_key_values``: sharing would silently lose the prompt."""
 
