@@ -18,8 +18,8 @@ goes forward once per micro-batch holding some of it).
 The backward runs in two stages where one process trains alone. Every weight is used by both passes, so in one
 backward the autograd engine would hold each weight's pass-2 gradient until pass 1's arrives: all the layers'
 gradients at once (as much memory as the model's), on top of ``.grad``. So pass 1's outputs (the prompts' keys
-and values, their last states) and pass 2's input embeddings enter pass 2 as detached leaves; when all their
-gradients are known, a hook runs pass 1's (and the one embedding lookup's) backward from them. Each stage uses a
+and values, their last states) and pass 2's input embeddings enter pass 2 detached, through one autograd node
+whose backward, once all their gradients are known, runs pass 1's (and the one embedding lookup's) backward. Each stage uses a
 weight once, so its gradient goes into ``.grad`` as the layer is done, as in the unshared backward. Under DDP or
 FSDP a parameter's gradient must arrive once per backward (DDP marks it ready once; FSDP2 reduce-scatters a
 module once), so there both passes share one backward.
@@ -189,31 +189,42 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
     return torch.cat(parts, dim=1)
 
 
-def _backward_in_two_stages(writer: Cache, last: torch.Tensor, inputs: dict[str, torch.Tensor]):
-    """Detach pass 1's outputs (``writer``'s keys and values, ``last``) and pass 2's ``inputs`` into leaves, and
-    hook the backward from those tensors onto the leaves' gradients (module docstring). Returns the leaf ``last``
-    and ``inputs``; ``writer``'s layers hold the leaf keys and values."""
-    cut: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pass-1 or lookup output, the leaf pass 2 reads)
+class _PassOneBackward(torch.autograd.Function):
+    """Pass 1's outputs, detached, for pass 2; its backward (run once all their gradients are in) is pass 1's.
 
-    def leaf(tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.requires_grad:
-            return tensor
-        cut.append((tensor, tensor.detach().requires_grad_()))
-        return cut[-1][1]
+    The outputs come in a list, not as tensor arguments, so autograd does not link this node to pass 1's graph;
+    ``anchor`` (an empty leaf) makes the node part of the loss's graph."""
 
-    for layer in writer.layers:
-        layer.keys, layer.values = leaf(layer.keys), leaf(layer.values)
-    last = leaf(last)
-    inputs = {name: leaf(value) for name, value in inputs.items()}
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, outputs: list[torch.Tensor]):
+        ctx.set_materialize_grads(False)
+        ctx.outputs = outputs
+        return tuple(tensor.detach() for tensor in outputs)
 
-    def first_stage_done(grads: tuple[torch.Tensor | None, ...]) -> None:
-        pairs = [(tensor, grad) for (tensor, _), grad in zip(cut, grads) if grad is not None]
+    @staticmethod
+    def backward(ctx, *grads):
+        pairs = [(tensor, grad) for tensor, grad in zip(ctx.outputs, grads) if grad is not None]
+        ctx.outputs = None
         if pairs:
             torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+        return None, None
 
-    if cut:
-        torch.autograd.graph.register_multi_grad_hook([leaf for _, leaf in cut], first_stage_done, mode="all")
-    return last, inputs
+
+def _backward_in_two_stages(writer: Cache, last: torch.Tensor, inputs: dict[str, torch.Tensor]):
+    """Route pass 1's outputs (``writer``'s keys and values, ``last``) and pass 2's ``inputs`` through
+    ``_PassOneBackward`` (module docstring). Returns the new ``last`` and ``inputs``; ``writer``'s layers hold the
+    new keys and values."""
+    slots = [(layer, name) for layer in writer.layers for name in ("keys", "values")]
+    tensors = [getattr(layer, name) for layer, name in slots] + [last] + list(inputs.values())
+    routed = [index for index, tensor in enumerate(tensors) if tensor.requires_grad]
+    if not routed:
+        return last, inputs
+    anchor = torch.empty(0, device=last.device, requires_grad=True)
+    for index, tensor in zip(routed, _PassOneBackward.apply(anchor, [tensors[index] for index in routed])):
+        tensors[index] = tensor
+    for (layer, name), tensor in zip(slots, tensors):
+        setattr(layer, name, tensor)
+    return tensors[len(slots)], dict(zip(inputs, tensors[len(slots) + 1:]))
 
 
 def _token_inputs(model: torch.nn.Module, input_ids: torch.Tensor):

@@ -5,6 +5,7 @@ split or merge groups, gradient checkpointing and LoRA; models that cannot share
 The tiny models run in float64, but their RMSNorm computes in float32, so gradients agree to float32 rounding.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -156,6 +157,11 @@ def test_the_update_with_a_shared_prefix_equals_the_unshared_one(rollout, micro_
     assert metrics["train/grad_norm"] > 0
 
 
+def live_tensors() -> int:
+    gc.collect()
+    return sum(isinstance(obj, torch.Tensor) for obj in gc.get_objects())
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypatch, checkpointing):
     """Alone, a decoder weight's pass-2 gradient goes into ``.grad`` before pass 1's backward starts (two
@@ -172,8 +178,10 @@ def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypat
     unshared = run(model, micro, False)
     assert order == [len(layers) - 1, 0]
     order.clear()
+    live = live_tensors()
     assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
     assert order == [len(layers) - 1, 0, len(layers) - 1, 0]  # pass 2 (top layer down), then pass 1
+    assert live_tensors() == live  # nothing of the two stages outlives the backward (the .grad existed already)
     order.clear()
     monkeypatch.setattr("lit_grpo.shared_prefix.is_multi_process", lambda: True)
     assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
