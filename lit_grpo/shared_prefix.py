@@ -19,10 +19,10 @@ The backward runs in two stages where one process trains alone. Every weight is 
 backward the autograd engine would hold each weight's pass-2 gradient until pass 1's arrives: all the layers'
 gradients at once (as much memory as the model's), on top of ``.grad``. So pass 1's outputs (the prompts' keys
 and values, their last states) and pass 2's input embeddings enter pass 2 detached, through one autograd node
-whose backward, once all their gradients are known, runs pass 1's (and the one embedding lookup's) backward. Each stage uses a
-weight once, so its gradient goes into ``.grad`` as the layer is done, as in the unshared backward. Under DDP or
-FSDP a parameter's gradient must arrive once per backward (DDP marks it ready once; FSDP2 reduce-scatters a
-module once), so there both passes share one backward.
+(``_PassOneBackward``) whose backward, once all their gradients are in, runs pass 1's backward and the embedding
+lookup's. Each stage uses a weight once, so its gradient goes into ``.grad`` as the layer is done, as in the
+unshared backward. Under DDP or FSDP a parameter's gradient must arrive once per backward (DDP marks it ready
+once; FSDP2 reduce-scatters a module once), so there both passes share one backward.
 
 Gradient checkpointing: transformers' checkpointed decoder layers drop ``past_key_values`` unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
