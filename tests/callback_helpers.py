@@ -3,6 +3,7 @@ them, a short fit, and reading its TensorBoard events back."""
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,9 +111,12 @@ class RolloutDataset(Dataset):
 def touch_memory(num_bytes: int, hold_s: float) -> None:
     """Make RSS rise by ``num_bytes`` for ``hold_s`` seconds, then give the memory back."""
     if num_bytes:
-        block = torch.ones(num_bytes // 4)  # large enough for malloc to mmap it, so freeing lowers RSS
-        time.sleep(hold_s)
-        del block
+        # a mapping of its own, not malloc's: a free chunk left in the heap by earlier tests would serve a malloc
+        # and stay resident after the free
+        with mmap.mmap(-1, num_bytes) as block:
+            for offset in range(0, num_bytes, mmap.PAGESIZE):
+                block[offset] = 1
+            time.sleep(hold_s)
 
 
 class RolloutModule(pl.LightningModule):
