@@ -9,6 +9,7 @@ from .peak_memory import PeakMemoryMonitor
 from .progress_bar import GRPOProgressBar
 from .reward_forecast import Forecast, RewardForecast, forecast_plateau
 from .rollout_profiler import RolloutProfiler
+from .run_checkpoint import RunCheckpoint
 from .slot_timeline import SlotTimelineLogger, render_slot_timeline, render_slot_timeline_figure, save_slot_timeline
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "PeakMemoryMonitor",
     "RewardForecast",
     "RolloutProfiler",
+    "RunCheckpoint",
     "SlotTimelineLogger",
     "forecast_plateau",
     "render_slot_timeline",

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from ._rollout import rollout_stats
 from .peak_memory import PeakMemoryMonitor
+from .run_checkpoint import RunCheckpoint
 
 
 class FitSummary(Callback):
@@ -30,7 +31,7 @@ class FitSummary(Callback):
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
-          checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB; resume with --ckpt_path ...)
+          checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
 
     A line whose figure was never logged is left out. The time per step counts the training steps only (the
     validations in between are named apart). TensorBoard draws a validation where Lightning logs it: before
@@ -136,8 +137,14 @@ class FitSummary(Callback):
         if isinstance(checkpoint, ModelCheckpoint):
             path = checkpoint.last_model_path or checkpoint.best_model_path
             if path and os.path.exists(path):
-                lines.append(f"  {'checkpoint':<14} {_shown(path)} ({_size(_disk_bytes(path))}; resume with "
-                             f"--ckpt_path {_shown(path)})")
+                saves = ""
+                if isinstance(checkpoint, RunCheckpoint) and checkpoint.saves:
+                    saves = f", {_count(checkpoint.saves, 'save')} in {checkpoint.save_seconds:.1f} s"
+                    resume = "--ckpt_path last"
+                else:
+                    resume = f"--ckpt_path {_shown(path)}"
+                lines.append(f"  {'checkpoint':<14} {_shown(path)} ({_size(_disk_bytes(path))}{saves}; resume with "
+                             f"{resume})")
         return lines
 
 

@@ -18,6 +18,7 @@ step, keeping its own slice, so ranks get different prompts and groups never spl
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import fields
@@ -35,6 +36,7 @@ from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader,
 from lit_grpo.rewards import ON_ERROR, build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.stop_signal import STOP_SIGNAL
 from lit_grpo.validation import check_int
 
 
@@ -259,8 +261,21 @@ class RolloutDataModule(LightningDataModule):
         return batch
 
     def build_train_batch(self) -> RolloutBatch:
-        """One training step's rollout: draw prompts, generate with the current policy, score, advantages."""
+        """One training step's rollout: draw prompts, generate with the current policy, score, advantages.
+
+        All or nothing: when the build fails or is interrupted (a stop signal abandons the rollout of a single
+        process, ``lit_grpo.stop_signal``), the stream is rolled back to where the step started, so a checkpoint
+        saved then holds the last completed step and a resume redoes this one exactly."""
         builder = self._require_builder()
+        start = copy.deepcopy(self._local_state())
+        try:
+            with STOP_SIGNAL.abandonable(enabled=self._world()[0] == 1):
+                return self._build_train_batch(builder)
+        except BaseException:
+            self.load_state_dict(start)
+            raise
+
+    def _build_train_batch(self, builder: RolloutBuilder) -> RolloutBatch:
         epoch = self.trainer.current_epoch if getattr(self, "trainer", None) is not None else 0
         if self.sampler.needs_scores(epoch):
             with builder.generation_mode() as model:
@@ -296,16 +311,22 @@ class RolloutDataModule(LightningDataModule):
         state (rollout counter, which keys the random streams, and the length predictor) and the global random
         states (saved from rank 0). Each rank carries its own partial-rollout groups: they are gathered, one list
         per rank, and each rank takes its own back."""
-        state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
-        if self.sampler is not None:
-            state["sampler"] = self.sampler.state_dict()
-        if self.builder is not None:
-            state["engine"] = self.builder.state_dict()
+        state = self._local_state()
+        if "engine" in state:
             world, _ = self._world()
             if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
                 by_rank: list[Any] = [None] * world
                 torch.distributed.all_gather_object(by_rank, state["engine"].pop("carried"))
                 state["engine"]["carried_by_rank"] = by_rank
+        return state
+
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's state, as ``state_dict`` without the gather of the ranks' carried groups."""
+        state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
+        if self.builder is not None:
+            state["engine"] = self.builder.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

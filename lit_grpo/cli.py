@@ -27,7 +27,11 @@ import argparse
 import logging
 import os
 import re
+import shlex
+import sys
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -35,9 +39,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_grpo.callbacks import FitSummary, GRPOProgressBar
+from lit_grpo.callbacks import FitSummary, GRPOProgressBar, RunCheckpoint
+from lit_grpo.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
 from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
 from lit_grpo.module import GRPOModule
 
@@ -82,6 +89,8 @@ class GRPOCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = GRPOArgumentParser, **kwargs: Any):
+        command_args = kwargs.get("args")
+        self.command_args = list(command_args) if command_args is not None else sys.argv[1:]
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
     @staticmethod
@@ -90,8 +99,9 @@ class GRPOCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
         """The configured callbacks plus lit_grpo's defaults for what the config leaves out: FitSummary, the GRPO
-        progress bar (when the bar is on) and a checkpoint that keeps ``last.ckpt`` only (when checkpointing is
-        on). Identical stateful callbacks are refused here, with their settings named."""
+        progress bar (when the bar is on) and ``RunCheckpoint`` (when checkpointing is on): ``last.ckpt`` kept
+        current, atomic saves, a saved stop on SIGTERM / Ctrl-C. Identical stateful callbacks are refused here,
+        with their settings named."""
         configured = [*(config.get("callbacks") or []), *callbacks]
         if not any(isinstance(cb, FitSummary) for cb in configured):
             callbacks = [*callbacks, FitSummary()]
@@ -100,10 +110,50 @@ class GRPOCLI(LightningCLI):
             callbacks = [*callbacks, GRPOProgressBar()]
         if config.get("enable_checkpointing", True) is not False and not any(
                 isinstance(cb, ModelCheckpoint) for cb in configured):
-            # Lightning's default keeps the latest epoch/step file; a run needs one file to resume from, named so.
-            callbacks = [*callbacks, ModelCheckpoint(save_last=True, save_top_k=0)]
+            callbacks = [*callbacks, RunCheckpoint()]
         check_distinct_stateful_callbacks([*configured, *callbacks])
         return super()._instantiate_trainer(config, callbacks)
+
+    def _parse_ckpt_path(self) -> None:
+        """A ``--ckpt_path`` file is checked before anything loads it: a missing, cut-short or foreign file, or one
+        trained with other settings, fails naming the file and what is wrong. (Lightning's own version of this
+        hook loads the whole file and replaces the config's model settings with the checkpoint's; here the
+        config stays what the user gave, and the settings that must agree are compared.)"""
+        if not self.config.get("subcommand"):
+            return
+        config = self.config[self.config.subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
+            check_resumable(ckpt_path, config.get("model") or {}, config.get("data"))
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
+        the new run's folder only), checked like any other, and continued in its folder."""
+        config = self.config_init[self.subcommand]
+        ckpt_path = config.get("ckpt_path")
+        checkpoint = self.trainer.checkpoint_callback
+        if isinstance(checkpoint, RunCheckpoint):
+            checkpoint.resume_command = resume_command(self.command_args)
+        if ckpt_path == "last":
+            root, folders = self._checkpoint_folders()
+            found = find_last_checkpoint(folders)
+            if found is None:
+                rank_zero_info(f"lit_grpo: --ckpt_path last: no last.ckpt under {root} yet; starting a new run")
+                config["ckpt_path"] = None
+                return
+            check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None))
+            rank_zero_info(f"lit_grpo: --ckpt_path last: resuming from {found}")
+            _continue_in_folder_of(self.trainer, found)
+            config["ckpt_path"] = str(found)
+
+    def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
+        """Where this run's checkpoints go (the root) and the folders ``--ckpt_path last`` looks in."""
+        checkpoint = self.trainer.checkpoint_callback
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is not None:
+            return Path(checkpoint.dirpath), [Path(checkpoint.dirpath)]
+        logger = self.trainer.logger
+        root = Path(logger.root_dir if isinstance(logger, TensorBoardLogger) else self.trainer.default_root_dir)
+        return root, run_checkpoint_folders(root)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
@@ -126,6 +176,29 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def resume_command(args: Sequence[str]) -> str:
+    """The command that resumes this run: its own arguments with ``--ckpt_path last``."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join(["lit-grpo", *kept, "--ckpt_path", "last"])
+
+
+def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
+    """Log to the TensorBoard version whose ``checkpoints/`` holds ``checkpoint``, so a resumed run keeps one
+    folder: one curve in TensorBoard and one ``last.ckpt`` for the next ``--ckpt_path last``."""
+    logger = trainer.logger
+    version = checkpoint.parent.parent
+    if (isinstance(logger, TensorBoardLogger) and checkpoint.parent.name == "checkpoints"
+            and version.parent.resolve() == Path(logger.root_dir).resolve()):
+        logger._version = version.name  # no public setter; read lazily, when the first thing is logged
 
 
 def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:

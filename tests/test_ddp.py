@@ -20,8 +20,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _lit_grpo() -> list[str]:
@@ -34,10 +32,10 @@ def _run_two_processes(tmp: Path, *strategy_args: str) -> str:
     cmd = _lit_grpo() + ["fit", "--config", TINY, *strategy_args, "--trainer.default_root_dir", str(tmp / "run"),
                          "--trainer.devices", "2", "--trainer.accelerator", "cpu",
                          "--trainer.max_steps", "2", "--model.scale_rewards", "batch", "--model.lr", "1e-2",
-                         "--trainer.callbacks+=reliability_recorder.StepRecorder",
+                         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                          f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
@@ -50,7 +48,7 @@ def ddp_run(tmp_path_factory):
 
 
 def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
-    from reliability_recorder import read_records
+    from tools.step_recorder import read_records
 
     ranks = [read_records(ddp_run, rank) for rank in (0, 1)]
     assert [r["global_step"] for r in ranks[0]] == [r["global_step"] for r in ranks[1]] == [1, 2]
@@ -65,7 +63,7 @@ def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
 
 
 def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run):
-    from reliability_recorder import read_records
+    from tools.step_recorder import read_records
 
     from lit_grpo.advantages import STD_EPS
     from lit_grpo.module import GRPOModule
@@ -116,7 +114,7 @@ def test_fsdp2_on_two_cpu_processes_matches_ddp(ddp_run, tmp_path):
     """The FSDP recipe's mechanism (ModelParallelStrategy + model.fsdp: true, FSDP2) on 2 CPU processes with gloo:
     the same prompts, completions, rewards, losses and gradient norms as the ddp run, and the two ranks' parameter
     shards add up to ddp's full parameters after every step."""
-    from reliability_recorder import read_records
+    from tools.step_recorder import read_records
 
     strategy = tmp_path / "strategy.yaml"
     strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {

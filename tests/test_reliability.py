@@ -311,10 +311,10 @@ def _lit_grpo() -> list[str]:
 def _fit(tmp_path, name, *extra):
     root = tmp_path / name
     cmd = _lit_grpo() + ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "4",
-                         "--trainer.callbacks+=reliability_recorder.StepRecorder",
+                         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                          f"--trainer.callbacks.path={root / 'rec'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return str(root / "rec"), proc
@@ -323,9 +323,7 @@ def _fit(tmp_path, name, *extra):
 def test_exact_resume_mid_epoch(tmp_path):
     """Stop after step 1 (mid-epoch: tiny.yaml has 2 steps per epoch, infinite strategy with its length predictor),
     resume with --ckpt_path: steps 2..4 have the same prompts, completions, rewards, losses and weights."""
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    from reliability_recorder import read_records
+    from tools.step_recorder import read_records
 
     full, _ = _fit(tmp_path, "full", "--trainer.callbacks+=ModelCheckpoint",
                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
@@ -347,9 +345,7 @@ def test_exact_resume_mid_epoch(tmp_path):
 def test_exact_resume_with_carried_samples(tmp_path):
     """Partial rollouts: the groups carried past step 1 are in the checkpoint, and a resumed run continues them
     exactly as the uninterrupted one did."""
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    from reliability_recorder import read_records
+    from tools.step_recorder import read_records
 
     # Longer completions, so that some end early (EOS) and the rollout stops with samples part-way through.
     partial = ("--data.over_provision", "2.0", "--data.max_staleness", "1", "--data.sampling.micro_group_size", "6",

@@ -1,8 +1,9 @@
-"""A test callback (not a test module): records what each training step saw and did, one JSON line per step.
+"""A callback that records what each training step saw and did, one JSON line per step, to compare runs.
 
-Used by tests/test_reliability.py and tests/test_ddp.py through the CLI, e.g.
-``--trainer.callbacks+=reliability_recorder.StepRecorder --trainer.callbacks.path=OUT`` with ``tests/`` on
-PYTHONPATH. Each line: global_step, rank, world_size, indices (the batch's prompt indices), completion_ids
+Used by tools/bench_faults.py and by the resume and DDP tests through the CLI, e.g.
+``--trainer.callbacks+=tools.step_recorder.StepRecorder --trainer.callbacks.path=OUT`` with the repository root
+on PYTHONPATH. A step done twice (a resumed run redoing steps after a kill) is appended again: ``read_records``
+keeps the last record of each step. Each line: global_step, rank, world_size, indices (the batch's prompt indices), completion_ids
 (``[B][G][T]`` real tokens only), rewards, advantages, skipped, loss, grad_norm, param_sum (float64 sum of every
 policy parameter after the step; under FSDP2 of this rank's shard, with sharded true) and param_abs (the same over
 absolute values). ``save_batches``: global steps
@@ -54,5 +55,7 @@ class StepRecorder(Callback):
 
 
 def read_records(path: str, rank: int = 0) -> list[dict]:
+    """The records of ``rank``, one per step in step order (the last one where a step was recorded twice)."""
     with open(f"{path}.rank{rank}.jsonl") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        by_step = {record["global_step"]: record for record in map(json.loads, filter(str.strip, handle))}
+    return [by_step[step] for step in sorted(by_step)]

@@ -1,0 +1,197 @@
+"""``RunCheckpoint``: the run's one resume point, ``last.ckpt``, kept current, written atomically, and a clean stop
+on SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lit_grpo.checkpoints import AtomicCheckpointIO, check_writable, remove_stale_partials
+from lit_grpo.stop_signal import STOP_SIGNAL, StopRequested
+from lit_grpo.validation import check_int
+
+DEFAULT_INTERVAL = timedelta(minutes=30)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    r"""Keeps ``last.ckpt`` (in the logger's ``version_N/checkpoints``, or ``dirpath``) current during the run, and
+    stops the run cleanly, saved, when SIGTERM or Ctrl-C comes.
+
+    **When it saves**, each time over the same file, always at a step boundary (the whole state of the last
+    completed step: weights, optimizer, loops, the DataModule's stream position, carried samples, scheduler and
+    predictor state, callback states, random states):
+
+    - after every validation (``save_on_validation``);
+    - every ``every_n_train_steps`` optimizer steps, and after the first step that ends ``train_time_interval``
+      (a ``timedelta``; in YAML ``"0:30:00"``) after the last save; the interval bounds what a kill (SIGKILL, a
+      lost machine) can cost, the README states what a save costs;
+    - at the end of fit, and when a stop signal comes.
+
+    Lightning's own ``ModelCheckpoint(save_last=True, save_top_k=0)`` writes ``last.ckpt`` only when fit ends, and
+    under manual optimization (``GRPOModule``) it ignores ``train_time_interval``: this subclass decides when, and
+    Lightning's machinery writes (``Trainer.save_checkpoint``, the callback's own state, ``--ckpt_path last``).
+
+    **How it writes**: atomically (:class:`~lit_grpo.checkpoints.AtomicCheckpointIO`, set on the strategy where it
+    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. At setup
+    it deletes partial files of killed saves and checks that the folder can be written and has room for one more
+    checkpoint, so a bad folder fails before the first step rather than hours later.
+
+    **Stop signals** (installed for the training loop): the first SIGTERM or Ctrl-C stops the run at the next step
+    boundary: it saves ``last.ckpt`` of the last completed step, prints where it is and the command that resumes
+    it, and exits with 128 + the signal's number (143, 130). A signal during a training step's rollout does not
+    wait for the step: the rollout is abandoned (the DataModule rolls its stream back to the step's start, and the
+    weights have not moved yet), so the saved step is the one before, redone exactly on resume. A signal during the
+    update lets the update finish (an optimizer step cut in half cannot be redone). Under several processes the
+    ranks agree at each step boundary (one all-reduce of a flag) and stop after the same step; a rollout is not
+    abandoned there, since another rank may already be in the update. A second signal stops at once, unsaved.
+
+    Args:
+        dirpath: the checkpoint folder (default: Lightning's, ``<logger dir>/checkpoints``).
+        every_n_train_steps: save every N optimizer steps (None: by time only).
+        train_time_interval: save once this much training time has passed since the last save (None: never).
+        save_on_validation: save after every validation.
+
+    Logs no keys. ``saves`` and ``save_seconds`` count the saves of this run and their time (the fit summary
+    prints them); ``resume_command``, when set (the CLI does), is printed as the way back after a stop.
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
+                 train_time_interval: timedelta | None = DEFAULT_INTERVAL, save_on_validation: bool = True,
+                 verbose: bool = False) -> None:
+        if every_n_train_steps is not None:
+            check_int("every_n_train_steps", every_n_train_steps, 1)
+        if train_time_interval is not None and train_time_interval.total_seconds() < 0:
+            raise ValueError(f"train_time_interval={train_time_interval} must not be negative (or None: never)")
+        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, verbose=verbose,
+                         save_on_train_epoch_end=False, enable_version_counter=False)
+        # Lightning's triggers, set after its __init__, which takes steps and time as mutually exclusive; they
+        # name this callback's state_key and are read by the hooks below.
+        self._every_n_train_steps = every_n_train_steps or 0
+        self._train_time_interval = train_time_interval
+        self._every_n_epochs = 0
+        self.save_on_validation = save_on_validation
+        self.resume_command: str | None = None
+        self.saves = 0
+        self.save_seconds = 0.0
+        self._stopped = False
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if trainer.is_global_zero and self.dirpath is not None and "://" not in str(self.dirpath):
+            for path in remove_stale_partials(self.dirpath):
+                rank_zero_info(f"lit_grpo: removed {path}, the partial file of a save that was killed")
+            check_writable(self.dirpath)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.is_global_zero and self.dirpath is not None and "://" not in str(self.dirpath):
+            check_writable(self.dirpath, needed_bytes=checkpoint_bytes(pl_module))
+        # Installed here, after Lightning's own SIGTERM handler (which would exit 0 between validation batches).
+        STOP_SIGNAL.install()
+        self._stopped = False
+
+    # ------------------------------------------------------------------------------------------ when
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stop = self._stop_agreed(trainer)
+        if stop or self._interval_due(trainer):
+            self._save_last(trainer)
+        if stop:
+            self._stop(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        stop = self._stop_agreed(trainer)
+        if stop or self.save_on_validation:
+            self._save_last(trainer)
+        if stop:
+            self._stop(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing: saves follow steps, time and validations, not epochs (one GRPO epoch is arbitrary)."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        STOP_SIGNAL.restore()
+        self._save_last(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        STOP_SIGNAL.restore()
+        if isinstance(exception, StopRequested) and not self._stopped:
+            # A rollout was abandoned and rolled back: the state is the last completed step's. Anything else
+            # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was.
+            self._save_last(trainer)
+            self._announce(trainer, exception.signum)
+
+    # ------------------------------------------------------------------------------------------ how
+    def _interval_due(self, trainer: pl.Trainer) -> bool:
+        if self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0:
+            return True
+        if self._train_time_interval is None or self._last_time_checked is None:
+            return False
+        due = time.monotonic() - self._last_time_checked >= self._train_time_interval.total_seconds()
+        return bool(trainer.strategy.broadcast(due))  # rank 0's clock decides, so every rank saves together
+
+    @staticmethod
+    def _stop_agreed(trainer: pl.Trainer) -> bool:
+        """Whether any rank has a stop request (a collective under several processes, so all stop together)."""
+        if trainer.world_size > 1:
+            return bool(trainer.strategy.reduce_boolean_decision(STOP_SIGNAL.requested, all=False))
+        return STOP_SIGNAL.requested
+
+    def _save_last(self, trainer: pl.Trainer) -> None:
+        if trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
+            return  # nothing trained yet, or this step is saved already
+        started = time.perf_counter()
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self.save_seconds += time.perf_counter() - started
+        self.saves += 1
+        self._last_time_checked = time.monotonic()
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        signum = STOP_SIGNAL.signum or 15  # a rank that got no signal itself stops as SIGTERM
+        self._stopped = True
+        self._announce(trainer, signum)
+        raise StopRequested(signum)
+
+    def _announce(self, trainer: pl.Trainer, signum: int) -> None:
+        if not trainer.is_global_zero:
+            return
+        name = StopRequested(signum).signal_name
+        if not self.last_model_path or trainer.global_step == 0:
+            print(f"lit_grpo: stopped by {name} before the first step; nothing to save", flush=True)
+            return
+        path = _shown(self.last_model_path)
+        print(f"lit_grpo: stopped by {name} after step {trainer.global_step}; saved to {path}", flush=True)
+        print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
+
+
+def checkpoint_bytes(pl_module: pl.LightningModule) -> int:
+    """About what one checkpoint of ``pl_module`` takes on disk: its weights (a frozen reference model is not
+    saved by GRPOModule) and two AdamW moments per trainable parameter."""
+    weights = sum(value.numel() * value.element_size() for key, value in pl_module.state_dict().items()
+                  if not key.startswith("ref_model.") and hasattr(value, "element_size"))
+    moments = 2 * sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+    return weights + moments
+
+
+def _shown(path: str | os.PathLike) -> str:
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,211 @@
+"""Checkpoint files on disk: written atomically, found again (``--ckpt_path last``), and checked before a resume.
+
+Why not Lightning's own write: ``TorchCheckpointIO`` saves through an fsspec transaction whose temporary file is
+made by ``tempfile.mkstemp()`` in the system temp folder, then moved into place. Where that folder is another
+file system (a tmpfs, a container's overlay), the move is a copy, and a kill during the copy leaves a truncated
+checkpoint under the real name; a killed write also leaves its temporary file in /tmp. ``atomic_torch_save``
+writes next to the target (``.NAME.PID.partial``), flushes it to disk and renames it over the target, so a reader
+sees the old file or the new one, whole, and never a mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
+
+#: The settings a checkpoint must share with the run that resumes it: the model and its weights' layout, and the
+#: objective (G and the loss). Anything else may change between a stop and a resume.
+RESUME_SETTINGS = {
+    "hyper_parameters": ("model", "dtype", "peft_config", "loss_type", "epsilon_low", "epsilon_high", "beta",
+                         "scale_rewards", "importance_sampling_level", "kl_bias_correction", "sapo_temperature_pos",
+                         "sapo_temperature_neg", "importance_sampling_mode", "importance_sampling_clip_min",
+                         "importance_sampling_clip_max", "mask_truncated_completions"),
+    "datamodule_hyper_parameters": ("sampling.group_size",),
+}
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where ``atomic_torch_save`` writes ``path`` before renaming it: a hidden file beside it, named by this
+    process, so that no ``*.ckpt`` pattern matches it and two writers never share one."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` such that ``path`` is, at every moment, either its old content or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(path)
+    try:
+        with open(partial, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+    with contextlib.suppress(OSError):  # the rename itself survives a power loss once the folder is synced
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def remove_stale_partials(folder: str | os.PathLike) -> list[Path]:
+    """Delete the ``.partial`` files in ``folder`` left by writers that are no longer running (killed mid-write);
+    returns what it removed."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        match = PARTIAL.match(entry.name)
+        if match and not _running(int(match["pid"])):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` whose local saves go through :func:`atomic_torch_save`; remote URLs
+    (``s3://``, ...) keep Lightning's own write, which their stores make atomic."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_torch_save(checkpoint, path)
+
+
+def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
+    """The newest ``last.ckpt`` (or ``last-vN.ckpt``) in ``folders``, by modification time; partial writes are
+    never candidates."""
+    candidates = [path for folder in folders if Path(folder).is_dir() for path in Path(folder).iterdir()
+                  if re.fullmatch(r"last(-v\d+)?\.ckpt", path.name) and (path.is_file() or path.is_dir())]
+    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
+
+
+def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
+    """The checkpoint folders of every run under a logger's root (``ROOT/version_*/checkpoints``) and the
+    trainer's own (``ROOT/checkpoints``, used when there is no logger)."""
+    root = Path(root)
+    return [*sorted(root.glob("version_*/checkpoints")), root / "checkpoints"]
+
+
+def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at ``path`` with its tensors memory-mapped (nothing large is read), or a ``ValueError`` that
+    names the file and says what is wrong with it: missing, cut short, or not a torch checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.is_dir():  # a sharded checkpoint (FSDP): its own loader checks it
+        return {}
+    if path.stat().st_size == 0:
+        raise ValueError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        raise ValueError(f"checkpoint {path} is cut short or is not a torch checkpoint (no zip directory at its end, "
+                         f"{path.stat().st_size} bytes): its write was interrupted, or it is another kind of file. "
+                         "Resume from an earlier checkpoint, or with --ckpt_path last") from None
+    if not any(name.endswith("/data.pkl") for name in names):
+        raise ValueError(f"checkpoint {path} is a zip archive but not a torch checkpoint (it has no data.pkl)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:  # noqa: BLE001 - any reading failure is a bad file, named
+        raise ValueError(f"checkpoint {path} cannot be read: {type(error).__name__}: {error}") from None
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
+    return dict(checkpoint)
+
+
+def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
+                    datamodule_hparams: Mapping[str, Any] | None) -> None:
+    """Raise, naming ``path`` and what is wrong, unless it is a lit_grpo training checkpoint that a run with these
+    hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``."""
+    checkpoint = read_checkpoint_header(path)
+    if not checkpoint:
+        return
+    missing = [key for key in ("state_dict", "loops", "optimizer_states", "hyper_parameters") if key not in checkpoint]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
+                         "(a weights-only file, or another program's)")
+    current = {"hyper_parameters": module_hparams, "datamodule_hyper_parameters": datamodule_hparams or {}}
+    differing = []
+    for section, names in RESUME_SETTINGS.items():
+        saved = checkpoint.get(section) or {}
+        if section == "datamodule_hyper_parameters" and not saved:
+            continue  # saved without a datamodule: nothing to compare
+        for name in names:
+            old, new = _lookup(saved, name), _lookup(current[section], name)
+            if _normalized(old) != _normalized(new):
+                prefix = "model." if section == "hyper_parameters" else "data."
+                differing.append(f"{prefix}{name}: {old!r} in the checkpoint, {new!r} now")
+    if differing:
+        raise ValueError(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
+                         "continue the same run:\n  " + "\n  ".join(differing)
+                         + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
+
+
+def _lookup(mapping: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = mapping
+    for part in dotted.split("."):
+        if isinstance(value, Mapping):
+            value = value.get(part)
+        else:
+            value = getattr(value, part, None)
+    return value
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return {key: _normalized(item) for key, item in value.items()}
+    return value
+
+
+def check_writable(folder: str | os.PathLike, needed_bytes: int = 0) -> None:
+    """Raise unless a checkpoint of ``needed_bytes`` can be written in ``folder`` (created if missing): a probe
+    file is written and removed, and the free space is compared with what one more file needs."""
+    folder = Path(folder)
+    probe = folder / f".write-probe.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as error:
+        raise PermissionError(f"checkpoint folder {folder} cannot be written ({error.strerror or error}): set "
+                              "trainer.default_root_dir, or the checkpoint callback's dirpath, to a writable "
+                              "folder") from None
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize if hasattr(os, "statvfs") else None
+    if free is not None and needed_bytes > free:
+        raise OSError(f"checkpoint folder {folder} has {free / 2**30:.2f} GiB free, and one checkpoint of this run "
+                      f"needs about {needed_bytes / 2**30:.2f} GiB (weights and optimizer state): free some space or "
+                      "point trainer.default_root_dir elsewhere")

@@ -1,0 +1,51 @@
+"""Test callbacks (not a test module) for the stop and checkpoint tests, loaded by the CLI from ``tests/``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from lightning.pytorch import Callback
+
+
+class SignalAt(Callback):
+    """Sends ``signal_name`` (TERM or INT) to this process ``times`` times when step ``step`` is in ``phase``:
+    "rollout" (while its prompts are drawn, inside the rollout) or "update" (at the start of its update)."""
+
+    def __init__(self, signal_name: str, step: int, phase: str, times: int = 1):
+        self.signum, self.step, self.phase, self.times = getattr(signal, f"SIG{signal_name}"), step, phase, times
+
+    def _send(self) -> None:
+        for _ in range(self.times):
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.phase == "rollout":
+            datamodule = trainer.datamodule
+            draw = datamodule._draw
+
+            def draw_and_signal(count):
+                if trainer.global_step + 1 == self.step:
+                    self._send()
+                return draw(count)
+
+            datamodule._draw = draw_and_signal
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.phase == "update" and trainer.global_step + 1 == self.step:
+            self._send()
+
+
+class LastCheckpointProbe(Callback):
+    """Records, at the start of every update, the step held by ``last.ckpt`` (None while there is none)."""
+
+    def __init__(self):
+        self.seen: dict[int, int | None] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        path = trainer.checkpoint_callback.last_model_path
+        step = None
+        if path and os.path.exists(path):
+            step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+        self.seen[trainer.global_step + 1] = step

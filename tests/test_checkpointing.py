@@ -1,0 +1,269 @@
+"""A stopped run loses at most one step: ``last.ckpt`` kept current by ``RunCheckpoint``, written atomically, a saved
+stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear errors for bad checkpoints."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_grpo.callbacks import RunCheckpoint
+from lit_grpo.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
+                                  find_last_checkpoint, partial_path, read_checkpoint_header, remove_stale_partials)
+from lit_grpo.cli import build_cli, resume_command
+from tools.step_recorder import read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+STEPS = 5
+KEYS = ("indices", "completion_ids", "rewards", "advantages", "loss", "param_sum", "param_abs")
+
+
+def _fit_args(root: Path, *extra: str, steps: int = STEPS) -> list[str]:
+    return ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps),
+            "--torch_num_threads", "1", *extra]
+
+
+def _run(tmp_path: Path, name: str, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
+    """``lit-grpo fit`` of tiny.yaml in a subprocess, recording every step to ``tmp_path/name/rec``."""
+    root = tmp_path / name
+    exe = shutil.which("lit-grpo")
+    cmd = ([exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]) + _fit_args(
+        root, "--trainer.callbacks+=tools.step_recorder.StepRecorder", f"--trainer.callbacks.path={root / 'rec'}",
+        *extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _last_step(root: Path) -> int:
+    path = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of STEPS steps: its folder (records, last.ckpt)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = _run(tmp, "run")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return tmp / "run"
+
+
+def _assert_same_steps(reference: Path, resumed: Path) -> None:
+    a, b = read_records(str(reference / "rec")), read_records(str(resumed / "rec"))
+    assert [r["global_step"] for r in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        for key in KEYS:
+            assert x[key] == y[key], (x["global_step"], key)
+
+
+# ------------------------------------------------------------------------------------------------ stop signals
+@pytest.mark.parametrize("signal_name, phase, saved, code", [
+    ("TERM", "update", 3, 143),   # the update finishes: step 3 is saved
+    ("INT", "rollout", 2, 130),   # the rollout is abandoned and rolled back: step 2 is saved, step 3 redone
+])
+def test_a_stop_signal_saves_the_last_completed_step_and_the_resume_is_exact(
+        tmp_path, reference, signal_name, phase, saved, code):
+    stopped = _run(tmp_path, "run", "--trainer.callbacks+=stop_helpers.SignalAt",
+                   f"--trainer.callbacks.signal_name={signal_name}", "--trainer.callbacks.step=3",
+                   f"--trainer.callbacks.phase={phase}")
+    assert stopped.returncode == code, stopped.stdout[-2000:] + stopped.stderr[-4000:]
+    assert f"stopped by SIG{signal_name} after step {saved}; saved to" in stopped.stdout
+    assert "resume: lit-grpo fit --config" in stopped.stdout and stopped.stdout.rstrip().endswith("--ckpt_path last")
+    assert "Traceback" not in stopped.stderr
+    root = tmp_path / "run"
+    assert _last_step(root) == saved
+    assert [r["global_step"] for r in read_records(str(root / "rec"))] == list(range(1, saved + 1))
+
+    resumed = _run(tmp_path, "run", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    assert "--ckpt_path last: resuming from" in resumed.stdout + resumed.stderr
+    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["version_0"]  # continued in place
+    _assert_same_steps(reference, root)
+    assert _last_step(root) == STEPS
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
+    stopped = _run(tmp_path, "run", "--trainer.callbacks+=stop_helpers.SignalAt",
+                   "--trainer.callbacks.signal_name=INT", "--trainer.callbacks.step=3",
+                   "--trainer.callbacks.phase=update", "--trainer.callbacks.times=2")
+    assert stopped.returncode not in (0, 130), stopped.stdout[-2000:]
+    assert "stopped by" not in stopped.stdout
+    # tiny.yaml validates every 2 steps, so step 2 was saved; the interrupted step 3 was not
+    assert _last_step(tmp_path / "run") == 2
+    assert [r["global_step"] for r in read_records(str(tmp_path / "run" / "rec"))] == [1, 2]
+
+
+def test_resume_command_replaces_the_checkpoint_argument():
+    assert resume_command(["fit", "--config", "c.yaml", "--ckpt_path", "x.ckpt", "--trainer.max_steps", "9"]) == (
+        "lit-grpo fit --config c.yaml --trainer.max_steps 9 --ckpt_path last")
+    assert resume_command(["fit", "--ckpt_path=x.ckpt", "--config", "my run.yaml"]) == (
+        "lit-grpo fit --config 'my run.yaml' --ckpt_path last")
+
+
+# ------------------------------------------------------------------------------------------------ when it saves
+def test_last_checkpoint_is_current_after_each_validation(tmp_path):
+    """tiny.yaml validates every 2 steps: from step 3 on, last.ckpt holds step 2 (not only once fit ends)."""
+    cli = build_cli(_fit_args(tmp_path, "--trainer.callbacks+=stop_helpers.LastCheckpointProbe"))
+    probe = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "LastCheckpointProbe")
+    checkpoint = cli.trainer.checkpoint_callback
+    assert isinstance(checkpoint, RunCheckpoint)  # the CLI's default
+    assert probe.seen == {1: None, 2: None, 3: 2, 4: 2, 5: 4}
+    assert _last_step(tmp_path) == STEPS and checkpoint.saves == 3  # after steps 2 and 4, and at the end
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+@pytest.mark.parametrize("settings, saves", [
+    ({"every_n_train_steps": 2, "train_time_interval": "null", "save_on_validation": False}, 3),  # 2, 4, end
+    ({"train_time_interval": "0:00:00", "save_on_validation": False}, 5),  # every step
+    ({"train_time_interval": "1:00:00", "save_on_validation": False}, 1),  # the end only
+])
+def test_save_intervals_in_steps_and_time(tmp_path, settings, saves):
+    args = ["--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint"] + [
+        f"--trainer.callbacks.{key}={value}" for key, value in settings.items()]
+    cli = build_cli(_fit_args(tmp_path, *args))
+    checkpoint = cli.trainer.checkpoint_callback
+    assert checkpoint.saves == saves
+    assert _last_step(tmp_path) == STEPS
+
+
+def test_bad_run_checkpoint_settings_are_named():
+    with pytest.raises(ValueError, match=r"every_n_train_steps=0 must be an integer >= 1"):
+        RunCheckpoint(every_n_train_steps=0)
+    with pytest.raises(ValueError, match=r"train_time_interval=.* must not be negative"):
+        RunCheckpoint(train_time_interval=timedelta(minutes=-1))
+
+
+# ------------------------------------------------------------------------------------------------ atomic writes
+KILLED_WRITER = textwrap.dedent("""
+    import sys, torch
+    from lit_grpo.checkpoints import atomic_torch_save
+    atomic_torch_save({"version": 1, "weights": torch.ones(1000)}, sys.argv[1])
+    print("first", flush=True)
+    atomic_torch_save({"version": 2, "weights": torch.ones(200_000_000)}, sys.argv[1])  # 800 MB
+    print("second", flush=True)
+""")
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    folder = tmp_path / "checkpoints"
+    last = folder / "last.ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(last)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "first"
+    partial = partial_path(last).with_name(partial_path(last).name.replace(str(os.getpid()), str(proc.pid)))
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and partial.stat().st_size > 1 << 20):
+        assert time.monotonic() < deadline and proc.poll() is None, "the second write never started"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial.exists()  # the kill struck inside the second write
+    assert torch.load(last, weights_only=True)["version"] == 1  # the previous checkpoint, whole
+    assert find_last_checkpoint([folder]) == last  # the partial file is never a candidate
+    assert remove_stale_partials(folder) == [partial] and not partial.exists()
+
+
+def test_lightning_checkpoints_go_through_the_atomic_write(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_find_last_checkpoint_takes_the_newest_of_any_run(tmp_path):
+    older, newer = tmp_path / "version_0" / "checkpoints", tmp_path / "version_1" / "checkpoints"
+    atomic_torch_save({"v": 0}, older / "last.ckpt")
+    atomic_torch_save({"v": 1}, newer / "last.ckpt")
+    os.utime(older / "last.ckpt", (time.time() + 5, time.time() + 5))
+    (newer / ".last.ckpt.999999.partial").write_bytes(b"cut")
+    assert find_last_checkpoint([older, newer, tmp_path / "missing"]) == older / "last.ckpt"
+    assert find_last_checkpoint([tmp_path / "missing"]) is None
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    build_cli(_fit_args(root, steps=1))
+    return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def _hparams(path: Path) -> tuple[dict, dict]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return dict(checkpoint["hyper_parameters"]), dict(checkpoint["datamodule_hyper_parameters"])
+
+
+def test_bad_checkpoint_files_are_named(tmp_path, tiny_checkpoint):
+    module, data = _hparams(tiny_checkpoint)
+    check_resumable(tiny_checkpoint, module, data)  # the good one passes
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nowhere.ckpt does not exist"):
+        check_resumable(tmp_path / "nowhere.ckpt", module, data)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.ckpt is empty \(0 bytes\)"):
+        check_resumable(empty, module, data)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(tiny_checkpoint.read_bytes()[: tiny_checkpoint.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut.ckpt is cut short or is not a torch checkpoint .*interrupted"):
+        check_resumable(cut, module, data)
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"notes.ckpt is cut short or is not a torch checkpoint"):
+        check_resumable(text, module, data)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"model": torch.ones(2)}, foreign)
+    with pytest.raises(ValueError, match=r"foreign.ckpt is not a lit_grpo training checkpoint: it has no "
+                                         r"state_dict, loops, optimizer_states, hyper_parameters"):
+        check_resumable(foreign, module, data)
+    assert read_checkpoint_header(tiny_checkpoint)["global_step"] == 1
+
+
+def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
+    module, data = _hparams(tiny_checkpoint)
+    module.update(loss_type="grpo", model="tiny-qwen2")
+    data["sampling"] = {**data["sampling"], "group_size": 8}
+    with pytest.raises(ValueError) as error:
+        check_resumable(tiny_checkpoint, module, data)
+    message = str(error.value)
+    assert "model.model: 'tiny-llama' in the checkpoint, 'tiny-qwen2' now" in message
+    assert "model.loss_type: 'dapo' in the checkpoint, 'grpo' now" in message
+    assert "data.sampling.group_size: 4 in the checkpoint, 8 now" in message
+    assert "epsilon" not in message  # only what differs
+
+
+def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_checkpoint):
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(tiny_checkpoint.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"cut.ckpt is cut short"):
+        build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(cut)))
+    with pytest.raises(ValueError, match=r"data.sampling.group_size: 4 in the checkpoint, 6 now"):
+        build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(tiny_checkpoint), "--data.sampling.group_size", "6"))
+
+
+def test_last_with_no_checkpoint_starts_a_new_run_and_then_resumes_it(tmp_path, caplog):
+    cli = build_cli(_fit_args(tmp_path, "--ckpt_path", "last", steps=1))
+    assert cli.trainer.global_step == 1 and _last_step(tmp_path) == 1
+    assert f"--ckpt_path last: no last.ckpt under {tmp_path / 'lightning_logs'} yet; starting a new run" in caplog.text
+    cli = build_cli(_fit_args(tmp_path, "--ckpt_path", "last", steps=2))
+    assert "--ckpt_path last: resuming from" in caplog.text and _last_step(tmp_path) == 2
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+
+
+def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = _fit_args(tmp_path / "run", "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint",
+                     f"--trainer.callbacks.dirpath={blocker / 'checkpoints'}",
+                     "--trainer.callbacks+=stop_helpers.LastCheckpointProbe")
+    with pytest.raises(PermissionError, match=r"checkpoint folder .*a_file/checkpoints cannot be written"):
+        build_cli(args)
+    with pytest.raises(OSError, match=r"GiB free, and one checkpoint of this run needs about"):
+        check_writable(tmp_path, needed_bytes=1 << 60)
