@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from ._paths import shown_path
 from ._rollout import rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .run_checkpoint import RunCheckpoint
@@ -131,8 +132,8 @@ class FitSummary(Callback):
         lines = []
         logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if logger is not None:
-            lines.append(f"  {'logs':<14} {_shown(logger.log_dir)}  ->  tensorboard --logdir "
-                         f"{_shown(logger.root_dir)}")
+            lines.append(f"  {'logs':<14} {shown_path(logger.log_dir)}  ->  tensorboard --logdir "
+                         f"{shown_path(logger.root_dir)}")
         checkpoint = trainer.checkpoint_callback
         if isinstance(checkpoint, ModelCheckpoint):
             path = checkpoint.last_model_path or checkpoint.best_model_path
@@ -142,8 +143,8 @@ class FitSummary(Callback):
                     saves = f", {_count(checkpoint.saves, 'save')} in {checkpoint.save_seconds:.1f} s"
                     resume = "--ckpt_path last"
                 else:
-                    resume = f"--ckpt_path {_shown(path)}"
-                lines.append(f"  {'checkpoint':<14} {_shown(path)} ({_size(_disk_bytes(path))}{saves}; resume with "
+                    resume = f"--ckpt_path {shown_path(path)}"
+                lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({_size(_disk_bytes(path))}{saves}; resume with "
                              f"{resume})")
         return lines
 
@@ -190,12 +191,3 @@ def _disk_bytes(path: str | os.PathLike) -> int:
     if path.is_dir():
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return path.stat().st_size
-
-
-def _shown(path: str | os.PathLike) -> str:
-    """``path`` relative to the working directory when it lies below it (shorter to read and to copy)."""
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

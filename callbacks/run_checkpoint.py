@@ -3,10 +3,8 @@ on SIGTERM or Ctrl-C."""
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +16,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.checkpoints import AtomicCheckpointIO, check_writable, remove_stale_partials
 from lit_grpo.stop_signal import STOP_SIGNAL, StopRequested
 from lit_grpo.validation import check_int
+
+from ._paths import shown_path
 
 DEFAULT_INTERVAL = timedelta(minutes=30)
 
@@ -175,7 +175,7 @@ class RunCheckpoint(ModelCheckpoint):
         if not self.last_model_path or trainer.global_step == 0:
             print(f"lit_grpo: stopped by {name} before the first step; nothing to save", flush=True)
             return
-        path = _shown(self.last_model_path)
+        path = shown_path(self.last_model_path)
         print(f"lit_grpo: stopped by {name} after step {trainer.global_step}; saved to {path}", flush=True)
         print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
 
@@ -187,11 +187,3 @@ def checkpoint_bytes(pl_module: pl.LightningModule) -> int:
                   if not key.startswith("ref_model.") and hasattr(value, "element_size"))
     moments = 2 * sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
     return weights + moments
-
-
-def _shown(path: str | os.PathLike) -> str:
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

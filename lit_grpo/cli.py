@@ -12,7 +12,11 @@ Multi-process and resume:
 
     lit-grpo fit --config configs/tiny.yaml --trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu
     lit-grpo fit --config configs/fsdp_gpu.yaml            # FSDP2 (ModelParallelStrategy + model.fsdp: true)
-    lit-grpo fit --config configs/tiny.yaml --ckpt_path PATH/step=K.ckpt   # exact resume after step K
+    lit-grpo fit --config configs/tiny.yaml --ckpt_path last   # exact resume from the newest last.ckpt
+
+A fit keeps ``last.ckpt`` current (``RunCheckpoint``: after each validation, every 30 minutes, at the end) and
+stops cleanly on SIGTERM or Ctrl-C: it saves the last completed step, prints the command that resumes it and
+exits 143 / 130.
 
 ``data.prompts_per_step`` is per rank. A checkpoint holds, besides weights, optimizer and loops, the DataModule's
 state (steps built, the prompt sampler / curriculum, the engine's rollout counter and length predictor, the global
@@ -59,8 +63,9 @@ prompt decoded on g slots, so memory follows g, not G).
   lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
   lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
 
-A fit validates before its first step, keeps one checkpoint to resume from (last.ckpt) and ends with a summary:
-accuracy before -> after, reward, time per step, memory, and where the logs and the checkpoint are.
+A fit validates before its first step, keeps one checkpoint to resume from current (last.ckpt; --ckpt_path last
+resumes it, and Ctrl-C or SIGTERM save the last step before stopping) and ends with a summary: accuracy before ->
+after, reward, time per step, memory, and where the logs and the checkpoint are.
 Then: tensorboard --logdir lightning_logs"""
 
 
@@ -234,6 +239,9 @@ def quiet_known_noise() -> None:
     # RolloutDataModule's request stream is an IterableDataset with a __len__ on purpose (so Lightning does not
     # pre-fetch a rollout); it runs without worker processes, where the length is exact.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    # ModelCheckpoint's advice for manual optimization to snapshot the weights before the optimizer step: GRPOModule
+    # checkpoints after the step on purpose (a resume continues from the completed step).
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropAdvertisingTips) for f in logger.filters):

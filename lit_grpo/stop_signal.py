@@ -55,10 +55,11 @@ class StopSignal:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def restore(self) -> None:
-        """Put back the handlers that ``install`` replaced."""
+        """Put back the handlers that ``install`` replaced, and forget the request (it was this run's)."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self.signum = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:

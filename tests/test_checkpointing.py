@@ -267,3 +267,35 @@ def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
         build_cli(args)
     with pytest.raises(OSError, match=r"GiB free, and one checkpoint of this run needs about"):
         check_writable(tmp_path, needed_bytes=1 << 60)
+
+
+# ------------------------------------------------------------------------------------------------ the stop request
+def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interrupts_anything():
+    from lit_grpo.stop_signal import STOP_SIGNAL, StopRequested
+
+    STOP_SIGNAL.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside abandonable code: only recorded
+        assert STOP_SIGNAL.signum == signal.SIGTERM
+        with pytest.raises(StopRequested) as stop:  # a pending stop interrupts abandonable code on entry
+            with STOP_SIGNAL.abandonable():
+                pytest.fail("entered")
+        assert stop.value.code == 143 and stop.value.signal_name == "SIGTERM"
+        with STOP_SIGNAL.abandonable(enabled=False):  # several processes: never abandoned
+            pass
+        with pytest.raises(KeyboardInterrupt):  # the second signal: at once, anywhere
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        STOP_SIGNAL.restore()
+    assert STOP_SIGNAL.signum is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    STOP_SIGNAL.install()
+    try:
+        with pytest.raises(StopRequested) as stop:  # inside abandonable code: interrupted where it is
+            with STOP_SIGNAL.abandonable():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+                pytest.fail("not interrupted")
+        assert stop.value.code == 130
+    finally:
+        STOP_SIGNAL.restore()

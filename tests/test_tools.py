@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_grpo.models import load_model_and_tokenizer
 from tools import bench_rollout
@@ -275,3 +276,27 @@ def test_bench_update_times_both_modes_interleaved(tmp_path):
     assert report["config"]["cpu"] and report["config"]["available_cores"] >= 1
     with pytest.raises(SystemExit):
         bench_update.main(["--modes", "both"])
+
+
+def test_bench_faults_kills_runs_and_finds_the_resumes_exact(tmp_path):
+    from tools import bench_faults
+
+    out = tmp_path / "faults.json"
+    result = bench_faults.main(["--kills", "2", "--steps", "4", "--save-every", "2", "--out", str(tmp_path / "runs"),
+                                "--json", str(out)])
+    assert json.loads(out.read_text())["summary"] == result["summary"]
+    kills = result["kills"]
+    assert [k["target"] for k in kills] == ["rollout", "update"]
+    for kill in kills:
+        assert kill["exit_code"] == -9 and kill["checkpoint_readable"] and kill["exact"], kill
+        assert 0 <= kill["steps_redone"] <= 2 and kill["resumed_from"] <= kill["step"]
+    assert result["summary"]["exact"] == 2 and result["summary"]["unreadable_checkpoints"] == 0
+
+
+def test_bench_faults_comparison_names_every_differing_tensor():
+    from tools.bench_faults import _tensor_differences
+
+    a = {"w": torch.ones(3), "opt": [{"m": torch.zeros(2)}], "step": 3}
+    b = {"w": torch.ones(3), "opt": [{"m": torch.tensor([0.0, 1e-30])}], "step": 4}
+    assert _tensor_differences(a, b) == [".opt[0].m", ".step"]
+    assert _tensor_differences(a, a) == []
