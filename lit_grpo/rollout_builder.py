@@ -166,7 +166,9 @@ class RolloutBuilder:
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
-        if self._engine is not None:
+        if not state:  # a state from before the engine was built: the next rollout builds it afresh
+            self._engine, self._pending_engine_state = None, None
+        elif self._engine is not None:
             self._engine.load_state_dict(state)
         else:
             self._pending_engine_state = state

@@ -148,6 +148,36 @@ def test_reward_error_raise_names_function_and_prompt(module):
         dm.build_train_batch()
 
 
+def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build(module):
+    """A step whose build fails (here a reward function, once) leaves the stream where it was: the retry draws
+    the same prompts and completions as a DataModule that never failed."""
+    calls = []
+
+    def fails_once(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("not yet")
+        return [float(len(c)) for c in completions]
+
+    fails_once.__name__ = "fails_once"
+    failing = make_datamodule(module, reward_funcs=[fails_once])
+    failing._require_builder()  # the builder exists; its engine is built by the first rollout
+    before = failing.state_dict()
+    with pytest.raises(RewardFunctionError):
+        failing.build_train_batch()
+    after = failing.state_dict()
+    assert after["steps_built"] == before["steps_built"] == 0
+    from tools.bench_faults import _tensor_differences
+
+    assert _tensor_differences(before, after) == []
+    retried = failing.build_train_batch()
+    fresh = make_datamodule(module, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in
+                                                                                       completions]])
+    first = fresh.build_train_batch()
+    assert retried.indices == first.indices
+    assert torch.equal(retried.completion_ids, first.completion_ids) and torch.equal(retried.rewards, first.rewards)
+
+
 def test_skip_group_trains_on_the_other_groups_only(module, recwarn):
     dm = make_datamodule(module, prompts=PROMPTS[2:7] + PROMPTS[3:4], val_size=1, prompts_per_step=5,
                          reward_funcs=[_flaky_reward],

@@ -15,8 +15,9 @@ until it finishes. Every run saves ``last.ckpt`` every ``--save-every`` steps an
 Per kill the record says: "target" (the phase aimed at), "struck" (where it landed: "checkpoint write" when a
 partial checkpoint file was on disk at that moment, else the phase the trace was in), "step" (steps completed
 when it struck), "resumed_from" (the step of the checkpoint the next start loaded), "steps_redone", "checkpoint
-readable" (the file the resume found passed ``lit_grpo.checkpoints.check_resumable``), "exit_code" of the
-stopped process (143 / 130 for signals, -9 for SIGKILL), and "exact": every step's prompts, completions,
+readable" (the newest last.ckpt reads back: ``lit_grpo.checkpoints.read_checkpoint_header``), "exit_code" of the
+stopped process (143 / 130 for signals, -9 for SIGKILL; 0, and "struck" says "missed", when the run was faster than
+the reference and ended before the stop came), and "exact": every step's prompts, completions,
 rewards, advantages, loss and parameter sums and the final checkpoint's every weight and optimizer tensor equal
 the uninterrupted run's bit for bit ("differences" names what differed). The summary counts exact resumes,
 unreadable checkpoints and the most steps redone.
@@ -271,8 +272,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record = {"kill": kill, "target": target, "aimed_step": step, "delay_s": round(delay, 6),
                   **strike(proc, root, target, step, delay, signum, args.timeout)}
         record["checkpoint_readable"] = checkpoint_readable(root)
-        finish(start(command(config, args.steps, root, 1, extra), root, 1), root, 1, args.timeout)
-        record["resumed_from"] = resumed_from(root, 1)
+        if record["exit_code"] == 0:  # the run was faster than the reference and ended before the stop came
+            record.update(struck="missed (the run had ended)", step=args.steps, resumed_from=args.steps)
+        else:
+            finish(start(command(config, args.steps, root, 1, extra), root, 1), root, 1, args.timeout)
+            record["resumed_from"] = resumed_from(root, 1)
         # A signal during an update lets the step finish, so its checkpoint can be one step past "step".
         record["steps_redone"] = max(0, record["step"] - record["resumed_from"])
         record["differences"] = compare(reference, root, world)
