@@ -206,7 +206,8 @@ class RolloutDataModule(LightningDataModule):
                 scale_rewards=given["scale_rewards"], accuracy_reward=self.accuracy_reward,
                 on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
                 max_sampling_rounds=self.max_sampling_rounds, val_batch_size=self.val_batch_size,
-                val_max_new_tokens=self.val_max_new_tokens, world_size=given["world_size"],
+                val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,
+                val_temperature=self.val_temperature, world_size=given["world_size"],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
                 max_staleness=self.max_staleness,
@@ -310,7 +311,8 @@ class RolloutDataModule(LightningDataModule):
         return batch
 
     def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch:
-        """Greedy completions (one per prompt) of some held-out prompts, scored."""
+        """Greedy completions (one per prompt) of some held-out prompts, scored (and k sampled ones with
+        ``val_num_samples`` k > 1)."""
         return self._require_builder().build_val([self._prompt("val", i) for i in positions])
 
     def _draw(self, count: int) -> list[Prompt]:
