@@ -101,11 +101,12 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",
-                  adapter_only: bool = False, overwrite: bool = False) -> ExportResult:
+                  adapter_only: bool = False, overwrite: bool = False, in_place: bool = False) -> ExportResult:
     """Write ``policy`` and ``tokenizer`` to ``out`` as a transformers model directory (module docstring).
 
-    ``policy`` is left as it was: a LoRA policy is merged on a copy. ``dtype``: one of ``EXPORT_DTYPES``; "auto"
-    keeps the policy's own. ``adapter_only``: only for a LoRA (peft) policy, the adapter alone.
+    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps the policy's own. ``adapter_only``: only for a LoRA (peft)
+    policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that is needed) unless
+    ``in_place``, which saves the copy's memory when the policy is not used afterwards.
     """
     started = time.perf_counter()
     dtype = check_dtype(dtype)
@@ -113,27 +114,35 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     if adapter_only and not _is_peft(policy):
         raise ValueError("adapter_only=True needs a LoRA run (model.peft_config); this policy has no adapter")
     _prepare_out(out, overwrite)
-    model = copy.deepcopy(policy)
-    if _is_peft(model) and not adapter_only:
+    torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
+    merge = _is_peft(policy) and not adapter_only
+    changes = merge or any(p.dtype != torch_dtype for p in policy.parameters() if p.is_floating_point())
+    model = copy.deepcopy(policy) if changes and not in_place else policy
+    if merge:
         # Merge in the trained precision, then cast: rounding the adapter before adding it would lose its update.
         model = model.merge_and_unload()
-    torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
-    model = model.to(torch_dtype).eval()
+    model = model.to(torch_dtype)
     base = model.get_base_model() if adapter_only else model
-    base.config.use_cache = True  # gradient checkpointing turns the KV cache off for training only
-    generation = base.generation_config
-    generation.eos_token_id = stop_token_ids(base, tokenizer)
-    generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if generation.bos_token_id is None and tokenizer.bos_token_id is not None:
-        generation.bos_token_id = tokenizer.bos_token_id
-    if not adapter_only:
-        model.config.eos_token_id = generation.eos_token_id[0] if len(generation.eos_token_id) == 1 else \
-            generation.eos_token_id
-        model.config.pad_token_id = generation.pad_token_id
-        model.config.dtype = torch_dtype
-    model.save_pretrained(out, safe_serialization=True)
-    if adapter_only:  # peft writes the adapter only; keep the generation settings beside it
-        generation.save_pretrained(out)
+    live = (base.config, base.generation_config)
+    # The settings below are the exported directory's: set on copies, so that a live policy keeps its own.
+    base.config, base.generation_config = copy.deepcopy(base.config), copy.deepcopy(base.generation_config)
+    try:
+        base.config.use_cache = True  # gradient checkpointing turns the KV cache off for training only
+        generation = base.generation_config
+        generation.eos_token_id = stop_token_ids(base, tokenizer)
+        generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            tokenizer.eos_token_id
+        if generation.bos_token_id is None and tokenizer.bos_token_id is not None:
+            generation.bos_token_id = tokenizer.bos_token_id
+        if not adapter_only:
+            eos = generation.eos_token_id
+            base.config.eos_token_id = eos[0] if len(eos) == 1 else eos
+            base.config.pad_token_id = generation.pad_token_id
+        model.save_pretrained(out, safe_serialization=True)
+        if adapter_only:  # peft writes the adapter only; keep the generation settings beside it
+            generation.save_pretrained(out)
+    finally:
+        base.config, base.generation_config = live
     tokenizer.save_pretrained(out)
     return ExportResult(out=out, bytes=directory_bytes(out), dtype=torch_dtype, adapter_only=adapter_only,
                         seconds=time.perf_counter() - started)
@@ -189,7 +198,8 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None 
     if adapter_only and not hp.get("peft_config"):
         raise ValueError(f"--adapter_only needs a LoRA run; {str(ckpt_path)!r} was trained without "
                          "model.peft_config (export the whole model instead)")
-    return export_policy(policy, tokenizer, out, dtype=dtype, adapter_only=adapter_only, overwrite=overwrite)
+    return export_policy(policy, tokenizer, out, dtype=dtype, adapter_only=adapter_only, overwrite=overwrite,
+                         in_place=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

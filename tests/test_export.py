@@ -101,6 +101,19 @@ def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     assert half.bytes < full.bytes
 
 
+def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
+    """ExportModel exports the policy being trained: casting, merging and the exported settings go to copies."""
+    module = trained_module("tiny-llama", LORA)
+    policy = module.policy
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    use_cache, eos = policy.config.use_cache, policy.generation_config.eos_token_id
+    export_policy(policy, module.tokenizer, tmp_path / "bf16", dtype="bfloat16")
+    assert module.policy is policy and hasattr(policy, "peft_config")  # still the LoRA model, unmerged
+    after = policy.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert (policy.config.use_cache, policy.generation_config.eos_token_id) == (use_cache, eos)
+
+
 def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys):
     _, ckpt = tiny_checkpoint
 
