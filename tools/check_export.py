@@ -3,9 +3,14 @@ equal lit_grpo's greedy completions of the same policy, token for token.
 
     python tools/check_export.py --model HuggingFaceTB/SmolLM2-135M-Instruct --out /tmp/smollm2-export
     python tools/check_export.py --model tiny-llama --lora --out /tmp/tiny-lora-export
+    python tools/check_export.py --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out /tmp/trained \
+        --dataset tools/data/math_example.parquet --prompt-column problem \
+        --system-prompt "Give only the final answer."           # a trained run, on its own held-out prompts
 
 The policy is the model with a seeded perturbation of its weights (so a directory that silently held the base
-weights would fail), exported with :func:`lit_grpo.export.export_policy` in float32. lit_grpo's side is the
+weights would fail), exported with :func:`lit_grpo.export.export_policy` in float32; or, with ``--ckpt_path``, a
+training checkpoint exported as ``lit-grpo export`` does, compared on ``--dataset``'s held-out prompts (the
+split ``RolloutDataModule`` makes with ``--val-size`` and ``--data-seed``; the example's: 32 and 0). lit_grpo's side is the
 rollout engine at temperature 0, one prompt at a time; the other side is ``generate(do_sample=False)`` in a fresh
 Python process that imports transformers only (checked: lit_grpo is not in its ``sys.modules``).
 Prints one JSON line: {"model", "lora", "prompts", "identical", "export_s", "dir_bytes", "weights_bytes"}.
@@ -93,16 +98,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ckpt_path", default=None, help="a training checkpoint instead of --model")
+    parser.add_argument("--dataset", default=None, help="prompts from this local dataset (data.dataset)")
+    parser.add_argument("--prompt-column", default=None)
+    parser.add_argument("--val-size", type=int, default=32)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--system-prompt", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from lit_grpo.export import export_policy
+    from lit_grpo.export import export_policy, policy_from_checkpoint
     from lit_grpo.models import load_model_and_tokenizer, with_lora
 
-    model, tokenizer = load_model_and_tokenizer(args.model, "float32")
-    if args.lora:
-        model = with_lora(model, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
-    perturb(model, scale=0.02 if not args.lora else 0.05)
-    ids = prompt_ids_for(tokenizer)
+    if args.ckpt_path:
+        model, tokenizer, hp = policy_from_checkpoint(args.ckpt_path)
+        args.model, args.lora = hp["model"], bool(hp.get("peft_config"))
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+        if args.lora:
+            model = with_lora(model, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+        perturb(model, scale=0.02 if not args.lora else 0.05)
+    prompts = HELD_OUT
+    if args.dataset:
+        from lit_grpo.datamodules.hf_dataset import dataset_prompts
+        from lit_grpo.datamodules.prompts import split_examples
+
+        examples = dataset_prompts(args.dataset, args.prompt_column)
+        _, held_out = split_examples(examples, args.val_size, args.data_seed)
+        prompts = [examples[i].prompt for i in held_out]
+    from lit_grpo.datamodules.prompts import render_prompt
+
+    ids = [render_prompt(tokenizer, p, args.system_prompt) for p in prompts]
     started = time.perf_counter()
     result = export_policy(model, tokenizer, args.out, dtype="float32", overwrite=True)
     export_s = time.perf_counter() - started
@@ -112,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     record = {"model": args.model, "lora": args.lora, "prompts": len(ids),
               "identical": ours == theirs["completions"] and not theirs["lit_grpo_imported"],
               "export_s": round(export_s, 2), "dir_bytes": result.bytes, "weights_bytes": weights,
-              "tokens": [len(c) for c in ours]}
+              "tokens": [len(c) for c in ours],
+              "ended_with_eos": sum(bool(c) and c[-1] in theirs["eos"] for c in ours)}
     print(json.dumps(record))
     return record
 
