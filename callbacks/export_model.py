@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lit_grpo.export import EXPORT_DTYPES, ExportResult, check_dtype, export_policy
+from lit_grpo.export import ExportResult, check_dtype, export_policy
 
 
 class ExportModel(Callback):
@@ -71,6 +71,3 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return os.fspath(path)
-
-
-__all__ = ["ExportModel", "EXPORT_DTYPES", "export_lines"]

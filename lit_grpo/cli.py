@@ -204,12 +204,15 @@ def resume_command(args: Sequence[str]) -> str:
 
 
 def export_command(ckpt_path: str | os.PathLike) -> str:
-    """``lit-grpo export --ckpt_path CKPT --out DIR`` for a checkpoint, writing ``model/`` beside its run's logs."""
-    path = Path(ckpt_path)
+    """``lit-grpo export --ckpt_path CKPT --out DIR`` for a checkpoint, writing ``model/`` beside its run's logs;
+    paths relative to the working directory where they lie under it."""
+    path = Path(ckpt_path).resolve()
     run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    shown = lambda p: str(p.resolve().relative_to(Path.cwd())) if p.resolve().is_relative_to(Path.cwd()) \
-        else str(p.resolve())  # noqa: E731
-    return shlex.join(["lit-grpo", "export", "--ckpt_path", shown(path), "--out", shown(run / "model")])
+    return shlex.join(["lit-grpo", "export", "--ckpt_path", _relative(path), "--out", _relative(run / "model")])
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
