@@ -150,3 +150,9 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
         load_prompts(jsonl_path=str(bad_rows), dataset=path)
     with pytest.raises(ValueError, match=r"must be a local path or a datasets.Dataset, got list"):
         dataset_prompts([{"prompt": "x"}])
+
+
+def test_without_the_data_extra_the_error_names_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'lit-grpo\[data\]'"):
+        load_prompts(dataset=str(tmp_path))
