@@ -155,8 +155,8 @@ def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
     """Token ids of one prompt: ``template.format(prompt=...)`` as the user message, through the chat template.
 
     ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
-    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get the plain
-    text (system prompt, a blank line, the turns' contents, the message).
+    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
+    the plain text (system prompt, a blank line, the turns' contents, the message).
     """
     text = template.format(prompt=prompt)
     history = [dict(turn) for turn in history]

@@ -47,8 +47,9 @@ class RolloutDataModule(LightningDataModule):
     ``jsonl_path`` (``prompt`` or ``question``, optional ``answer`` and any other fields), ``prompts`` (strings or
     ``{prompt, answer}`` dicts) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
     them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
-    ``answer_column`` and ``split`` (``lit_grpo.datamodules.hf_dataset``; needs ``pip install 'lit-grpo[data]'``). ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``) shape the user
-    message before the chat template. ``val_size``: held-out prompts (count or fraction).
+    ``answer_column`` and ``split`` (``lit_grpo.datamodules.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
+    ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``) shape the user message before the chat
+    template. ``val_size``: held-out prompts (count or fraction).
 
     Args:
         reward_funcs: reward specs (``lit_grpo.rewards.build_reward_funcs``, default ``["accuracy"]``);

@@ -10,9 +10,10 @@ equal lit_grpo's greedy completions of the same policy, token for token.
 The policy is the model with a seeded perturbation of its weights (so a directory that silently held the base
 weights would fail), exported with :func:`lit_grpo.export.export_policy` in float32; or, with ``--ckpt_path``, a
 training checkpoint exported as ``lit-grpo export`` does, compared on ``--dataset``'s held-out prompts (the
-split ``RolloutDataModule`` makes with ``--val-size`` and ``--data-seed``; the example's: 32 and 0). lit_grpo's side is the
-rollout engine at temperature 0, one prompt at a time; the other side is ``generate(do_sample=False)`` in a fresh
-Python process that imports transformers only (checked: lit_grpo is not in its ``sys.modules``).
+split ``RolloutDataModule`` makes with ``--val-size`` and ``--data-seed``; the example's: 32 and 0).
+lit_grpo's side is the rollout engine at temperature 0, one prompt at a time; the other side is
+``generate(do_sample=False)`` in a fresh Python process that imports transformers only (checked: lit_grpo is not in
+its ``sys.modules``).
 Prints one JSON line: {"model", "lora", "prompts", "identical", "export_s", "dir_bytes", "weights_bytes"}.
 """
 
