@@ -4,6 +4,7 @@ One callback per module; each class docstring lists every key it logs.
 """
 
 from .completion_logger import CompletionLogger
+from .export_model import ExportModel
 from .fit_summary import FitSummary
 from .peak_memory import PeakMemoryMonitor
 from .progress_bar import GRPOProgressBar
@@ -14,6 +15,7 @@ from .slot_timeline import SlotTimelineLogger, render_slot_timeline, render_slot
 
 __all__ = [
     "CompletionLogger",
+    "ExportModel",
     "FitSummary",
     "Forecast",
     "GRPOProgressBar",

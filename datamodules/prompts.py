@@ -1,4 +1,5 @@
-"""Prompt sources: a reasoning-gym task, a JSONL file, or an inline list; the chat template; the train/val split.
+"""Prompt sources: a reasoning-gym task, a JSONL file, an inline list, or a Hugging Face dataset
+(``lit_grpo.datamodules.hf_dataset``); the chat template; the train/val split.
 
 Every source yields ``PromptExample`` objects: the prompt text the model is asked, its gold answer (or None) and
 the whole source row (``entry``), which reward functions receive (reasoning-gym scoring needs the entry).
@@ -26,11 +27,14 @@ class PromptExample:
         prompt: the user message (before the chat template).
         answer: the gold answer, or None.
         entry: the full source row (reasoning-gym: ``question``, ``answer``, ``metadata``; JSONL: the row).
+        messages: a chat prompt (``[{"role", "content"}, ...]`` ending with the user turn ``prompt``), rendered
+            whole through the chat template; None for a single user message.
     """
 
     prompt: str
     answer: str | None = None
     entry: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 def _example_from_row(row: Any, where: str) -> PromptExample:
@@ -97,16 +101,28 @@ def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
 
 def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
                  task_config: Mapping[str, Any] | None = None, jsonl_path: str | None = None,
-                 prompts: Sequence[Any] | None = None) -> list[PromptExample]:
-    """Exactly one source: a reasoning-gym ``task``, a ``jsonl_path`` or inline ``prompts``."""
-    given = [name for name, value in (("task", task), ("jsonl_path", jsonl_path), ("prompts", prompts))
-             if value is not None]
+                 prompts: Sequence[Any] | None = None, dataset: Any = None, prompt_column: str | None = None,
+                 answer_column: str | None = None, split: str = "train") -> list[PromptExample]:
+    """Exactly one source: a reasoning-gym ``task``, a ``jsonl_path``, inline ``prompts`` or a ``dataset`` (a local
+    path or a ``datasets.Dataset``, with ``prompt_column``, ``answer_column`` and ``split``)."""
+    given = [name for name, value in (("task", task), ("jsonl_path", jsonl_path), ("prompts", prompts),
+                                      ("dataset", dataset)) if value is not None]
     if len(given) != 1:
-        raise ValueError(f"give exactly one prompt source (task, jsonl_path or prompts); got {given or 'none'}")
+        raise ValueError(f"give exactly one prompt source (task, jsonl_path, prompts or dataset); got "
+                         f"{given or 'none'}")
+    if dataset is None:
+        unused = [name for name, value in (("prompt_column", prompt_column), ("answer_column", answer_column))
+                  if value is not None] + (["split"] if split != "train" else [])
+        if unused:
+            raise ValueError(f"{', '.join(unused)} apply to data.dataset only; the prompt source here is {given[0]}")
     if task is not None:
         return reasoning_gym_prompts(task, size, seed, task_config)
     if jsonl_path is not None:
         return jsonl_prompts(jsonl_path)
+    if dataset is not None:
+        from lit_grpo.datamodules.hf_dataset import dataset_prompts
+
+        return dataset_prompts(dataset, prompt_column, answer_column, split)
     return inline_prompts(prompts)
 
 
@@ -135,19 +151,26 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
 
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
-                  template: str = "{prompt}") -> list[int]:
+                  template: str = "{prompt}", history: Sequence[Mapping[str, str]] = ()) -> list[int]:
     """Token ids of one prompt: ``template.format(prompt=...)`` as the user message, through the chat template.
 
-    Tokenizers without a chat template get the plain text (system prompt, a blank line, the message).
+    ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
+    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
+    the plain text (system prompt, a blank line, the turns' contents, the message).
     """
     text = template.format(prompt=prompt)
+    history = [dict(turn) for turn in history]
+    if history and history[0]["role"] == "system" and system_prompt:
+        raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
+                         f"turn ({history[0]['content']!r:.60}); drop one of the two")
     if getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
             {"role": "user", "content": text}]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     else:
-        ids = tokenizer((system_prompt + "\n\n" if system_prompt else "") + text)["input_ids"]
+        before = "".join(turn["content"] + "\n\n" for turn in history)
+        ids = tokenizer((system_prompt + "\n\n" if system_prompt else "") + before + text)["input_ids"]
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError(f"prompt {prompt!r:.80} renders to no tokens")

@@ -37,16 +37,19 @@ from lit_grpo.rewards import ON_ERROR, build_reward_funcs
 from lit_grpo.rollout_builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.stop_signal import STOP_SIGNAL
-from lit_grpo.validation import check_int
+from lit_grpo.validation import check_int, check_real
 
 
 class RolloutDataModule(LightningDataModule):
     """Streams GRPO rollouts built with the current policy.
 
     Prompt source (exactly one): ``task`` (a reasoning-gym task, ``size`` entries, ``data_seed``, ``task_config``),
-    ``jsonl_path`` (``prompt`` or ``question``, optional ``answer`` and any other fields) or ``prompts`` (strings or
-    ``{prompt, answer}`` dicts). ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``) shape the user
-    message before the chat template. ``val_size``: held-out prompts (count or fraction).
+    ``jsonl_path`` (``prompt`` or ``question``, optional ``answer`` and any other fields), ``prompts`` (strings or
+    ``{prompt, answer}`` dicts) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
+    them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
+    ``answer_column`` and ``split`` (``lit_grpo.datamodules.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
+    ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``) shape the user message before the chat
+    template. ``val_size``: held-out prompts (count or fraction).
 
     Args:
         reward_funcs: reward specs (``lit_grpo.rewards.build_reward_funcs``, default ``["accuracy"]``);
@@ -65,6 +68,9 @@ class RolloutDataModule(LightningDataModule):
             next step (at most ``max_staleness`` steps); see :class:`~lit_grpo.rollout_builder.RolloutBuilder`.
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
         val_batch_size, val_max_new_tokens: greedy validation rollouts (default: ``sampling.max_new_tokens``).
+        val_num_samples, val_temperature: ``k > 1`` also draws k samples per held-out prompt at this temperature
+            (on the rollout engine, seeded apart from training's streams) for ``val/mean_at_k`` and
+            ``val/pass_at_k``; 1 (default) validates greedily only.
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
         on_reward_error: "raise" (stop, naming the function and the prompt) or "skip_group" (the group is scored 0
@@ -78,6 +84,10 @@ class RolloutDataModule(LightningDataModule):
         size: int = 1000,
         jsonl_path: str | None = None,
         prompts: list[Any] | None = None,
+        dataset: str | None = None,
+        prompt_column: str | None = None,
+        answer_column: str | None = None,
+        split: str = "train",
         data_seed: int = 0,
         val_size: int | float = 64,
         system_prompt: str | None = None,
@@ -93,6 +103,8 @@ class RolloutDataModule(LightningDataModule):
         steps_per_epoch: int | None = None,
         val_batch_size: int = 32,
         val_max_new_tokens: int | None = None,
+        val_num_samples: int = 1,
+        val_temperature: float = 1.0,
         curriculum: Literal["none", "angle"] = "none",
         curriculum_kwargs: dict[str, Any] | None = None,
         score_batch_size: int = 8,
@@ -115,7 +127,7 @@ class RolloutDataModule(LightningDataModule):
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_sampling_rounds", max_sampling_rounds), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
-                            ("val_max_new_tokens", val_max_new_tokens)):
+                            ("val_max_new_tokens", val_max_new_tokens), ("val_num_samples", val_num_samples)):
             if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
                 check_int(name, value, 1)
         check_partial_rollouts(over_provision, max_staleness)
@@ -125,9 +137,16 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"curriculum={curriculum!r} is not known; use one of {list(CURRICULA)}")
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must contain '{{prompt}}'")
-        self.save_hyperparameters(ignore=["prompts"])
+        check_real("val_temperature", val_temperature, low=0, low_open=True)
+        self.save_hyperparameters(ignore=["prompts", "dataset"])
+        if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints
+            from lit_grpo.datamodules.hf_dataset import describe_source
+
+            self.hparams["dataset"] = describe_source(dataset)
         self.task, self.task_config, self.size, self.jsonl_path = task, task_config, size, jsonl_path
         self.inline_prompts = prompts
+        self.dataset, self.prompt_column, self.answer_column, self.split = dataset, prompt_column, answer_column, split
+        self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
         self.reward_funcs = build_reward_funcs(reward_funcs)
@@ -188,7 +207,8 @@ class RolloutDataModule(LightningDataModule):
                 scale_rewards=given["scale_rewards"], accuracy_reward=self.accuracy_reward,
                 on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
                 max_sampling_rounds=self.max_sampling_rounds, val_batch_size=self.val_batch_size,
-                val_max_new_tokens=self.val_max_new_tokens, world_size=given["world_size"],
+                val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,
+                val_temperature=self.val_temperature, world_size=given["world_size"],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
                 max_staleness=self.max_staleness,
@@ -213,7 +233,7 @@ class RolloutDataModule(LightningDataModule):
         if self.examples is not None:
             return
         examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
-                                self.inline_prompts)
+                                self.inline_prompts, self.dataset, self.prompt_column, self.answer_column, self.split)
         self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         world, _ = self._world()
@@ -230,7 +250,8 @@ class RolloutDataModule(LightningDataModule):
         if self.examples is None or self._handover is None:
             return
         render = lambda i: render_prompt(self._handover["tokenizer"], self.examples[i].prompt,  # noqa: E731
-                                         self.system_prompt, self.prompt_template)
+                                         self.system_prompt, self.prompt_template,
+                                         (self.examples[i].messages or [])[:-1])
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
 
@@ -291,7 +312,8 @@ class RolloutDataModule(LightningDataModule):
         return batch
 
     def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch:
-        """Greedy completions (one per prompt) of some held-out prompts, scored."""
+        """Greedy completions (one per prompt) of some held-out prompts, scored (and k sampled ones with
+        ``val_num_samples`` k > 1)."""
         return self._require_builder().build_val([self._prompt("val", i) for i in positions])
 
     def _draw(self, count: int) -> list[Prompt]:

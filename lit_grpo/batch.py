@@ -47,6 +47,8 @@ class RolloutBatch:
         split: ``"train"`` or ``"val"``.
         skipped: ``[B]`` bool, groups skipped because a reward function raised (``on_reward_error="skip_group"``):
             zero advantages and no loss tokens. None means none skipped.
+        sampled_accuracy: ``[B, k]`` validation only (``val_num_samples`` k > 1): correctness of k sampled
+            completions per held-out prompt (NaN where the reward had no opinion), beside the greedy ``accuracy``.
     """
 
     stats: RolloutStats
@@ -73,6 +75,7 @@ class RolloutBatch:
     split: str = "train"
     skipped: torch.Tensor | None = None
     accuracy: torch.Tensor | None = None
+    sampled_accuracy: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ sizes
     @property

@@ -47,7 +47,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_grpo.callbacks import FitSummary, GRPOProgressBar, RunCheckpoint
+from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
 from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
 from lit_grpo.module import GRPOModule
@@ -62,6 +62,7 @@ prompt decoded on g slots, so memory follows g, not G).
   lit-grpo validate --config configs/demo.yaml      greedy accuracy of the untrained policy
   lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
   lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
+  lit-grpo export --ckpt_path CKPT --out DIR        a transformers model directory (lit-grpo export --help)
 
 A fit validates before its first step, keeps one checkpoint to resume from current (last.ckpt; --ckpt_path last
 resumes it, and Ctrl-C or SIGTERM save the last step before stopping) and ends with a summary: accuracy before ->
@@ -160,6 +161,17 @@ class GRPOCLI(LightningCLI):
         root = Path(logger.root_dir if isinstance(logger, TensorBoardLogger) else self.trainer.default_root_dir)
         return root, run_checkpoint_folders(root)
 
+    def after_fit(self) -> None:
+        """Under the fit summary: the command that turns the run's checkpoint into a transformers model directory,
+        unless an ``ExportModel`` callback wrote one already (it prints its own line)."""
+        trainer = self.trainer
+        if not trainer.is_global_zero or any(isinstance(cb, ExportModel) for cb in trainer.callbacks):
+            return
+        checkpoint = trainer.checkpoint_callback
+        path = getattr(checkpoint, "last_model_path", None) if isinstance(checkpoint, ModelCheckpoint) else None
+        if path and Path(path).is_file():
+            print(f"  {'export':<14} {export_command(path)}", flush=True)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
                             help="torch.set_num_threads(N) before building anything (None: the cores this process "
@@ -194,6 +206,18 @@ def resume_command(args: Sequence[str]) -> str:
         elif not arg.startswith("--ckpt_path="):
             kept.append(arg)
     return shlex.join(["lit-grpo", *kept, "--ckpt_path", "last"])
+
+
+def export_command(ckpt_path: str | os.PathLike) -> str:
+    """``lit-grpo export --ckpt_path CKPT --out DIR`` for a checkpoint, writing ``model/`` beside its run's logs;
+    paths relative to the working directory where they lie under it."""
+    path = Path(ckpt_path).resolve()
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return shlex.join(["lit-grpo", "export", "--ckpt_path", _relative(path), "--out", _relative(run / "model")])
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
@@ -260,7 +284,14 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``lit-grpo``; ``args`` defaults to ``sys.argv[1:]``."""
+    """Entry point of ``lit-grpo``; ``args`` defaults to ``sys.argv[1:]``. ``export`` is not a Trainer method, so
+    it has its own parser (lit_grpo.export); the rest is the LightningCLI."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["export"]:
+        from lit_grpo.export import main as export_main
+
+        export_main(argv[1:])
+        return
     build_cli(args)
 
 

@@ -31,7 +31,8 @@ groups whose rewards were all equal, dropped ones included), <fn_name>/mean (Non
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.importance_sampling); what
 the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation:
-val/{accuracy, reward} (torchmetrics ``MeanMetric``, per prompt, greedy).
+val/{accuracy, reward} (torchmetrics ``MeanMetric``, per prompt, greedy), and with ``data.val_num_samples`` k > 1
+val/{mean_at_k, pass_at_k} (k samples per held-out prompt at ``data.val_temperature``; ``sampled_accuracy_at_k``).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
 B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
@@ -165,6 +166,8 @@ class GRPOModule(LightningModule):
         self.shared_prefix = shared_prefix  # configure_model turns it off where the policy cannot share prompts
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
+        self.val_mean_at_k = MeanMetric()
+        self.val_pass_at_k = MeanMetric()
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -388,7 +391,8 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
-        """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward."""
+        """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward; with
+        sampled validation also val/mean_at_k and val/pass_at_k."""
         kept = ~batch.skipped if batch.skipped is not None else torch.ones_like(batch.rewards[:, 0], dtype=torch.bool)
         if bool(kept.any()):  # prompts skipped for a reward error (on_reward_error="skip_group") do not count
             self.val_reward.update(batch.rewards.float().mean(dim=1)[kept])
@@ -401,3 +405,26 @@ class GRPOModule(LightningModule):
         self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
         if accuracy is not None:
             self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+        if batch.sampled_accuracy is not None:
+            mean_at_k, pass_at_k = sampled_accuracy_at_k(batch.sampled_accuracy)
+            if mean_at_k.numel():
+                self.val_mean_at_k.update(mean_at_k)
+                self.val_pass_at_k.update(pass_at_k)
+            self.log("val/mean_at_k", self.val_mean_at_k, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+            self.log("val/pass_at_k", self.val_pass_at_k, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+
+
+def sampled_accuracy_at_k(accuracy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-prompt mean@k and pass@k of ``accuracy`` ``[B, k]`` (NaN: no opinion), for the prompts with a value.
+
+    mean@k: the mean correctness over the k samples. pass@k: the best of the k (1 when any is correct, for 0/1
+    rewards); with n = k samples drawn, the unbiased estimator of pass@k (Chen et al., 2021) is exactly that.
+    Returns two ``[B']`` tensors, B' the prompts with at least one value.
+    """
+    values = accuracy.float()
+    present = ~torch.isnan(values)
+    rows = present.any(dim=1)
+    filled = torch.where(present, values, torch.zeros_like(values))
+    mean_at_k = filled.sum(dim=1) / present.sum(dim=1).clamp(min=1)
+    pass_at_k = torch.where(present, values, torch.full_like(values, -torch.inf)).amax(dim=1)
+    return mean_at_k[rows], pass_at_k[rows]

@@ -4,7 +4,9 @@
   dataset's own ``score_answer``, or by normalized exact match for other sources;
 - ``format`` (``format_reward``): 1 when the completion has exactly one ``<answer>...</answer>``;
 - ``overlong`` (``OverlongPenalty``): DAPO's soft length penalty;
-- ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests.
+- ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests;
+- ``math`` (``math_reward``, in ``lit_grpo/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}`` or
+  the last number) verified against the gold answer with math-verify, under a deadline per completion.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from lit_grpo.math_reward import math_reward
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
@@ -154,4 +158,5 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "format": format_reward,
     "overlong": OverlongPenalty,  # a class: built with the spec's kwargs
     "char_fraction": char_fraction_reward,
+    "math": math_reward,  # kwargs: timeout_s
 }

@@ -32,7 +32,8 @@ Built-in functions (names usable in configs; defined in ``lit_grpo/reward_functi
 (``accuracy_reward``: the answer extracted from the completion scored by the reasoning-gym dataset's own
 ``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the
 completion has exactly one ``<answer>...</answer>``), ``overlong`` (``OverlongPenalty``: DAPO's soft length
-penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests).
+penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests), ``math``
+(``math_reward``: the final answer verified against the gold answer with math-verify, ``lit_grpo/math_reward.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from lit_grpo.reward_functions import (  # noqa: F401  (the built-ins stay impor
     char_fraction_reward,
     extract_answer,
     format_reward,
+    math_reward,
     score_answer,
 )
 

@@ -37,6 +37,10 @@ from lit_grpo.sampling.memory_budget import auto_micro_group_size
 from lit_grpo.sampling.stats import merge_stats
 
 
+#: Added to ``sampling.seed`` for sampled validation, so that its draws never repeat a training rollout's.
+VAL_SEED_OFFSET = 1_000_003
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt as the builder sees it: its index in its split, the source example and its token ids."""
@@ -84,6 +88,11 @@ class RolloutBuilder:
         dynamic_sampling, max_sampling_rounds: drop all-equal groups and sample more, at most this many engine
             calls per step; dropped groups fill the batch if still short (zero advantages).
         val_batch_size, val_max_new_tokens: greedy validation rollouts (one completion per prompt).
+        val_num_samples, val_temperature: k > 1 also draws k completions per held-out prompt at this temperature
+            (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
+            (``sampling.seed + VAL_SEED_OFFSET``) and restart at every validation, so a prompt's k draws depend on
+            the seed and its place in the validation set only: the same policy gets the same draws in any run, a
+            resumed one included, and the training engine's state is never touched.
         world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
             ``scale_rewards="batch"``.
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
@@ -100,6 +109,7 @@ class RolloutBuilder:
                  reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
                  accuracy_reward: str = "accuracy", on_reward_error: str = "raise", dynamic_sampling: bool = False,
                  max_sampling_rounds: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
+                 val_num_samples: int = 1, val_temperature: float = 1.0,
                  world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
                  max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2):
@@ -112,6 +122,7 @@ class RolloutBuilder:
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.val_batch_size = val_batch_size
         self.val_max_new_tokens = val_max_new_tokens or sampling.max_new_tokens
+        self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.world_size, self.all_gather = world_size, all_gather
         self.precision_context = precision_context or contextlib.nullcontext
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
@@ -119,6 +130,7 @@ class RolloutBuilder:
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
+        self._val_sampled_engine: RolloutEngine | None = None
         self._pending_engine_state: dict | None = None
 
     # ------------------------------------------------------------------------------------------ engines
@@ -152,6 +164,19 @@ class RolloutBuilder:
                                     seed=self.sampling.seed, cuda_graph=self.sampling.cuda_graph)
             self._val_engine = self._new_engine(config)
         return self._val_engine
+
+    @property
+    def val_sampled_engine(self) -> RolloutEngine:
+        """``val_num_samples`` completions per held-out prompt at ``val_temperature`` (the training top_p /
+        top_k), on ``val_batch_size`` continuous slots, with the validation seed."""
+        if self._val_sampled_engine is None:
+            config = SamplingConfig(group_size=self.val_num_samples, micro_group_size=self.val_batch_size,
+                                    strategy="continuous", max_new_tokens=self.val_max_new_tokens,
+                                    temperature=self.val_temperature, top_p=self.sampling.top_p,
+                                    top_k=self.sampling.top_k, seed=self.sampling.seed + VAL_SEED_OFFSET,
+                                    cuda_graph=self.sampling.cuda_graph)
+            self._val_sampled_engine = self._new_engine(config)
+        return self._val_sampled_engine
 
     def _new_engine(self, config: SamplingConfig) -> RolloutEngine:
         return RolloutEngine(self.policy, self.tokenizer, config)
@@ -212,12 +237,21 @@ class RolloutBuilder:
         return batch
 
     def build_val(self, prompts: list[Prompt]) -> RolloutBatch:
-        """Greedy completions (one per prompt) of held-out prompts, scored."""
+        """Greedy completions (one per prompt) of held-out prompts, scored; with ``val_num_samples`` k > 1 also
+        the correctness of k sampled completions each (``sampled_accuracy``, ``[b, k]``)."""
         engine = self.val_engine
         part = self._rollout(engine, prompts)
         if not self.sampling.keep_kv_cache:
             engine.release()
-        return self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
+        batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
+        if self.val_num_samples > 1:
+            sampled_engine = self.val_sampled_engine
+            sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
+            sampled = self._rollout(sampled_engine, prompts)
+            if not self.sampling.keep_kv_cache:
+                sampled_engine.release()
+            batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
+        return batch
 
     # ------------------------------------------------------------------------------------------ steps
     def _partial_rollout(self, engine: RolloutEngine, draw: Callable[[int], list[Prompt]]) -> _Round:

@@ -70,6 +70,9 @@ def test_fit_two_steps_end_to_end(tmp_path):
     assert "val/accuracy" in out and "(before training -> after step 2)" in out
     assert "reward/mean" in out and "(first step -> last step)" in out and "rollout peak   KV cache" in out
     assert "tensorboard --logdir" in out and "last.ckpt (" in out
+    # no ExportModel callback: the summary ends with the command that exports the checkpoint
+    assert ("export         lit-grpo export --ckpt_path run/lightning_logs/version_0/checkpoints/last.ckpt --out "
+            "run/lightning_logs/version_0/model") in out  # relative to the working directory
     for noise in ("LeafSpec", "Tip:", "IterableDataset"):
         assert noise not in proc.stdout + proc.stderr, noise
 
@@ -91,6 +94,7 @@ def test_help_says_what_the_tool_is(capsys):
     assert "GRPO training of language models" in out and "Infinite Sampling" in out
     assert "lit-grpo fit --config configs/demo.yaml" in out and "Lightning Trainer command line tool" not in out
     assert "last.ckpt" in out and "ends with a summary" in out
+    assert "lit-grpo export --ckpt_path CKPT --out DIR" in out
 
 
 def test_two_differently_configured_forecasts_work_and_identical_ones_are_named(tmp_path):

@@ -1,0 +1,73 @@
+"""``ExportModel``: the trained policy as a transformers model directory when ``fit`` ends."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lit_grpo.export import ExportResult, check_dtype, export_policy
+
+
+class ExportModel(Callback):
+    r"""Writes the policy (``pl_module.policy``) and its tokenizer with :func:`lit_grpo.export.export_policy` when
+    training ends, and prints where, after the fit summary::
+
+          model          lightning_logs/version_0/model (transformers model, float32, 513.2 MiB, 2.1 s)
+                         -> AutoModelForCausalLM.from_pretrained("lightning_logs/version_0/model")
+
+    The same directory ``lit-grpo export --ckpt_path last.ckpt --out DIR`` writes. Only rank 0 writes. Logs no keys.
+
+    Args:
+        dirpath: the directory to write; default ``model/`` in the run's log folder (``version_N/model``), so each
+            run keeps its own. Existing model files in it are replaced (a resumed run exports again).
+        dtype: one of ``lit_grpo.export.EXPORT_DTYPES`` ("auto": the training dtype).
+        adapter_only: a LoRA run: the adapter alone instead of the merged model.
+    """
+
+    def __init__(self, dirpath: str | None = None, dtype: str = "auto", adapter_only: bool = False) -> None:
+        self.dirpath = dirpath
+        self.dtype = check_dtype(dtype)
+        self.adapter_only = adapter_only
+        self.result: ExportResult | None = None
+
+    def _out(self, trainer: pl.Trainer) -> Path:
+        if self.dirpath is not None:
+            return Path(self.dirpath)
+        return Path(trainer.log_dir or trainer.default_root_dir) / "model"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and getattr(getattr(pl_module, "hparams", None), "fsdp", False):
+            raise ValueError("ExportModel cannot gather an FSDP-sharded policy; remove the callback and export the "
+                             "run's checkpoint with lit-grpo export --ckpt_path CKPT --out DIR")
+        if stage == "fit" and self.adapter_only and not getattr(pl_module.hparams, "peft_config", None):
+            raise ValueError("ExportModel(adapter_only=True) needs a LoRA run (model.peft_config); this run has none")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the last step (and the last validation), while the policy is still on the module.
+        if trainer.is_global_zero:
+            self.result = export_policy(pl_module.policy, pl_module.tokenizer, self._out(trainer), dtype=self.dtype,
+                                        adapter_only=self.adapter_only, overwrite=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # teardown runs after every on_fit_end, so the line lands under FitSummary's summary.
+        if stage == "fit" and self.result is not None and trainer.is_global_zero:
+            print(export_lines(self.result), flush=True)
+
+
+def export_lines(result: ExportResult) -> str:
+    """The summary's lines for an export."""
+    shown = _shown(result.out)
+    how = ("PeftModel.from_pretrained(base_model, " if result.adapter_only
+           else "AutoModelForCausalLM.from_pretrained(") + f"{shown!r})"
+    return f"  {'model':<14} {result.describe().replace(str(result.out), shown, 1)}\n  {'':<14} -> {how}"
+
+
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return os.fspath(path)

@@ -1,0 +1,171 @@
+"""Hugging Face ``datasets`` as a prompt source: local parquet / JSON / JSONL / CSV / Arrow files, a folder of them,
+a folder written by ``Dataset.save_to_disk``, or a ``datasets.Dataset`` (``DatasetDict``) object.
+
+Local only: a path that does not exist is an error naming it; nothing is looked up on the Hub (a string is never
+passed to ``load_dataset`` unless it is an existing file or folder). Needs the ``data`` extra
+(``pip install 'lit-grpo[data]'``): datasets with pyarrow and pandas is a large install that reasoning-gym tasks,
+JSONL files and prompt lists do without.
+
+Each row becomes a :class:`~lit_grpo.datamodules.prompts.PromptExample` whose ``entry`` is the whole row, so every
+column reaches the reward functions (as a JSONL row's fields do). The prompt is ``prompt_column`` (default: the
+first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a string (the user message) or a chat
+``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn). The gold answer is
+``answer_column`` (default ``answer`` when present; else the rows have none).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lit_grpo.datamodules.prompts import PromptExample
+
+#: Prompt columns looked for, in order, when ``prompt_column`` is not given.
+PROMPT_COLUMNS = ("prompt", "question", "problem", "messages")
+#: File suffixes and the ``datasets`` builder that reads them.
+FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("data.dataset needs Hugging Face datasets: pip install 'lit-grpo[data]' "
+                          "(or pip install datasets)") from err
+    return datasets
+
+
+def is_dataset_object(value: Any) -> bool:
+    """Whether ``value`` is a ``datasets.Dataset`` or ``DatasetDict`` (checked without importing datasets)."""
+    return type(value).__module__.startswith("datasets.") and type(value).__name__ in ("Dataset", "DatasetDict")
+
+
+def describe_source(dataset: Any) -> str:
+    """What a checkpoint's hyperparameters record for ``dataset``: the path, or a short description of an object
+    (the rows themselves are never pickled into checkpoints)."""
+    if isinstance(dataset, (str, os.PathLike)):
+        return os.fspath(dataset)
+    if type(dataset).__name__ == "DatasetDict":
+        return f"<datasets.DatasetDict {dict((k, v.num_rows) for k, v in dataset.items())}>"
+    return f"<datasets.Dataset: {dataset.num_rows} rows, columns {list(dataset.column_names)}>"
+
+
+def load_local_dataset(path: str | os.PathLike, split: str = "train"):
+    """The ``split`` of a local dataset as a ``datasets.Dataset`` (module docstring); errors name the path."""
+    datasets = _datasets()
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ValueError(f"data.dataset {os.fspath(path)!r} does not exist (a local parquet / JSON / JSONL / CSV / "
+                         "Arrow file, a folder of them, or a folder written by save_to_disk; the Hub is not used)")
+    try:
+        if source.is_dir() and any((source / name).is_file() for name in ("dataset_info.json", "state.json",
+                                                                           "dataset_dict.json")):
+            loaded = datasets.load_from_disk(str(source))
+        elif source.is_dir():
+            loaded = datasets.load_dataset(str(source))
+        else:
+            builder = FILE_BUILDERS.get(source.suffix.lower())
+            if builder is None:
+                raise ValueError(f"data.dataset {str(source)!r}: files ending in {source.suffix!r} are not read; use "
+                                 f"one of {sorted(FILE_BUILDERS)}")
+            loaded = datasets.load_dataset(builder, data_files={"train": str(source)})
+    except ValueError as err:
+        if str(source) in str(err):
+            raise
+        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {err}") from err
+    except Exception as err:  # noqa: BLE001 - pyarrow / json / datasets errors all mean an unreadable file
+        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {type(err).__name__}: {err}") from err
+    return select_split(loaded, split, str(source))
+
+
+def select_split(loaded: Any, split: str, where: str):
+    """``loaded[split]`` for a ``DatasetDict``; a ``Dataset`` is one split already (``split`` must then be "train",
+    the name a single file's rows get)."""
+    if type(loaded).__name__ == "DatasetDict" or isinstance(loaded, Mapping):
+        if split not in loaded:
+            raise ValueError(f"data.dataset {where!r} has no split {split!r}; its splits are {sorted(loaded)} "
+                             "(data.split)")
+        return loaded[split]
+    if split != "train":
+        raise ValueError(f"data.split={split!r}: data.dataset {where!r} is a single split (its rows are 'train'); "
+                         "use split 'train' or a dataset with that split")
+    return loaded
+
+
+def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_column: str | None,
+                    where: str) -> tuple[str, str | None]:
+    """``(prompt column, answer column or None)``; a named column that is missing is an error listing the
+    columns the data has."""
+    columns = list(columns)
+    if prompt_column is None:
+        prompt_column = next((c for c in PROMPT_COLUMNS if c in columns), None)
+        if prompt_column is None:
+            raise ValueError(f"data.dataset {where!r}: no prompt column; it has columns {columns}; set "
+                             f"data.prompt_column (looked for {list(PROMPT_COLUMNS)})")
+    elif prompt_column not in columns:
+        raise ValueError(f"data.dataset {where!r}: data.prompt_column={prompt_column!r} is not a column; it has "
+                         f"{columns}")
+    if answer_column is None:
+        answer_column = "answer" if "answer" in columns else None
+    elif answer_column not in columns:
+        raise ValueError(f"data.dataset {where!r}: data.answer_column={answer_column!r} is not a column; it has "
+                         f"{columns}")
+    return prompt_column, answer_column
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """A chat prompt: a non-empty list of ``{"role", "content"}`` turns ending with a user turn."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got {messages!r:.80}")
+    turns = []
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) or \
+                not isinstance(turn.get("content"), str):
+            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {turn!r:.80}")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    if turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
+        raise ValueError(f"{where}: the messages must end with a non-empty user turn (the prompt the policy answers);"
+                         f" the last is {turns[-1]['role']!r} with content {turns[-1]['content']!r:.60}")
+    return turns
+
+
+def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_column: str | None = None,
+                    split: str = "train") -> list[PromptExample]:
+    """One example per row of a local dataset path or a ``datasets.Dataset`` / ``DatasetDict`` (module docstring).
+
+    Errors name the dataset, the row (its index in the split) and the column.
+    """
+    if isinstance(dataset, (str, os.PathLike)):
+        where = os.fspath(dataset)
+        data = load_local_dataset(dataset, split)
+    elif is_dataset_object(dataset):
+        where = describe_source(dataset)
+        data = select_split(dataset, split, where)
+    else:
+        raise ValueError(f"data.dataset must be a local path or a datasets.Dataset, got {type(dataset).__name__} "
+                         f"{dataset!r:.80}")
+    prompt_column, answer_column = resolve_columns(data.column_names, prompt_column, answer_column, where)
+    examples = []
+    for index, row in enumerate(data):
+        at = f"data.dataset {where!r}, row {index}, column {prompt_column!r}"
+        value = row[prompt_column]
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError(f"{at}: the prompt is empty")
+            prompt, messages = value, None
+        elif value is None:
+            raise ValueError(f"{at}: the prompt is missing (null)")
+        else:
+            messages = check_messages(value, at)
+            prompt = messages[-1]["content"]
+        answer = row[answer_column] if answer_column is not None else None
+        if answer_column is not None and (answer is None or not str(answer).strip()):
+            raise ValueError(f"data.dataset {where!r}, row {index}, column {answer_column!r}: the answer is missing "
+                             f"({answer!r}); fill it, or drop the row")
+        examples.append(PromptExample(prompt=prompt, answer=None if answer is None else str(answer),
+                                      entry=dict(row), messages=messages))
+    if not examples:
+        raise ValueError(f"data.dataset {where!r} (split {split!r}) has no rows")
+    return examples

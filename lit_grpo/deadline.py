@@ -1,0 +1,50 @@
+"""``call_with_deadline``: run a pure-Python computation for at most a given time (a SIGALRM timer).
+
+Why a signal and not a thread or a process: a thread cannot be stopped, and forking a process that holds torch's
+thread pools per call is slow and can deadlock. A signal interrupts the computation between two bytecodes, which is
+where symbolic math (sympy under math-verify) spends its time, even inside one huge integer power. The price:
+signals reach the main thread only, so off the main thread this raises instead of running without a limit.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class DeadlineExceeded(BaseException):
+    """The computation ran past its deadline. A ``BaseException``, so that code under the deadline which catches
+    ``Exception`` broadly (math-verify, sympy) cannot swallow it."""
+
+
+def call_with_deadline(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()``, or ``DeadlineExceeded`` once ``seconds`` (> 0) have passed.
+
+    A timer already running (an outer deadline, a test runner's timeout) is restored afterwards with the time it
+    had left, and the previous SIGALRM handler is put back.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds={seconds!r} must be > 0")
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("call_with_deadline needs the main thread (the deadline is a SIGALRM timer, which only "
+                           "the main thread receives); call it from the main thread or run without a deadline")
+
+    def expire(signum, frame):
+        raise DeadlineExceeded(f"still running after {seconds} s")
+
+    previous_handler = signal.signal(signal.SIGALRM, expire)
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if outer_delay > 0:  # the outer timer keeps its own deadline (fires at once if it passed meanwhile)
+            left = max(outer_delay - (time.monotonic() - started), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)

@@ -1,0 +1,244 @@
+"""``lit-grpo export``: a training checkpoint (or a live policy) to a transformers model directory.
+
+    lit-grpo export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out my-model
+    lit-grpo export --ckpt_path CKPT --out DIR --dtype bfloat16        # cast the weights on the way out
+    lit-grpo export --ckpt_path CKPT --out DIR --adapter_only          # a LoRA run: the adapter alone
+
+The directory is what ``transformers`` (and vLLM, SGLang, llama.cpp's converter, the Hub) load with no lit_grpo
+installed: ``model.safetensors`` (or shards), ``config.json``, the tokenizer with its chat template, and a
+``generation_config.json`` whose EOS ids are the ones the rollout engine stops on, so ``generate`` ends where
+training's completions ended. A LoRA run is merged into the base weights by default (peft's
+``merge_and_unload``); ``adapter_only`` writes peft's adapter directory instead, which needs the base model to load.
+
+A checkpoint holds the module's init arguments (``hyper_parameters``: the base model's name, its dtype, the LoRA
+config) and the policy's weights under ``state_dict`` with the prefix ``policy.``; the base is rebuilt from its
+name with :func:`lit_grpo.models.load_model_and_tokenizer` and the trained weights are loaded over it strictly, so a
+checkpoint of another architecture fails naming the keys that differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_grpo.models import load_model_and_tokenizer, resolve_dtype, with_lora
+
+#: ``--dtype`` values: "auto" keeps the dtype the policy was trained in.
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICY_PREFIX = "policy."
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_policy` wrote: the directory, its size on disk, the weights' dtype, whether it holds a
+    LoRA adapter alone, and the seconds it took."""
+
+    out: Path
+    bytes: int
+    dtype: torch.dtype
+    adapter_only: bool
+    seconds: float
+
+    def describe(self) -> str:
+        """One line for a terminal: where, how big, what."""
+        kind = "LoRA adapter" if self.adapter_only else "transformers model"
+        return (f"{self.out} ({kind}, {str(self.dtype).removeprefix('torch.')}, {format_bytes(self.bytes)}, "
+                f"{self.seconds:.1f} s)")
+
+
+def format_bytes(count: int) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """The ids the rollout engine stops on: the generation config's EOS ids and the tokenizer's EOS."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
+def check_dtype(dtype: str | None) -> str:
+    """``dtype`` if it is one of ``EXPORT_DTYPES`` (None means "auto"); else a ValueError naming it."""
+    dtype = "auto" if dtype is None else dtype
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported for export; use one of {list(EXPORT_DTYPES)}")
+    return dtype
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace its model files "
+                         "or choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",
+                  adapter_only: bool = False, overwrite: bool = False, in_place: bool = False) -> ExportResult:
+    """Write ``policy`` and ``tokenizer`` to ``out`` as a transformers model directory (module docstring).
+
+    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps the policy's own. ``adapter_only``: only for a LoRA (peft)
+    policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that is needed) unless
+    ``in_place``, which saves the copy's memory when the policy is not used afterwards.
+    """
+    started = time.perf_counter()
+    dtype = check_dtype(dtype)
+    out = Path(out).expanduser()
+    if adapter_only and not _is_peft(policy):
+        raise ValueError("adapter_only=True needs a LoRA run (model.peft_config); this policy has no adapter")
+    _prepare_out(out, overwrite)
+    torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
+    merge = _is_peft(policy) and not adapter_only
+    changes = merge or any(p.dtype != torch_dtype for p in policy.parameters() if p.is_floating_point())
+    model = copy.deepcopy(policy) if changes and not in_place else policy
+    if merge:
+        # Merge in the trained precision, then cast: rounding the adapter before adding it would lose its update.
+        model = model.merge_and_unload()
+    model = model.to(torch_dtype)
+    base = model.get_base_model() if adapter_only else model
+    live = (base.config, base.generation_config)
+    # The settings below are the exported directory's: set on copies, so that a live policy keeps its own.
+    base.config, base.generation_config = copy.deepcopy(base.config), copy.deepcopy(base.generation_config)
+    try:
+        base.config.use_cache = True  # gradient checkpointing turns the KV cache off for training only
+        generation = base.generation_config
+        generation.eos_token_id = stop_token_ids(base, tokenizer)
+        generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            tokenizer.eos_token_id
+        if generation.bos_token_id is None and tokenizer.bos_token_id is not None:
+            generation.bos_token_id = tokenizer.bos_token_id
+        if not adapter_only:
+            eos = generation.eos_token_id
+            base.config.eos_token_id = eos[0] if len(eos) == 1 else eos
+            base.config.pad_token_id = generation.pad_token_id
+        model.save_pretrained(out, safe_serialization=True)
+        if adapter_only:  # peft writes the adapter only; keep the generation settings beside it
+            generation.save_pretrained(out)
+    finally:
+        base.config, base.generation_config = live
+    tokenizer.save_pretrained(out)
+    return ExportResult(out=out, bytes=directory_bytes(out), dtype=torch_dtype, adapter_only=adapter_only,
+                        seconds=time.perf_counter() - started)
+
+
+def load_checkpoint(ckpt_path: str | Path) -> Mapping[str, Any]:
+    """The checkpoint's contents (memory-mapped: the weights are read only when used); errors name the file."""
+    path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--ckpt_path {str(path)!r} is a directory (a sharded FSDP checkpoint?); export takes one "
+                         ".ckpt file such as lightning_logs/version_0/checkpoints/last.ckpt")
+    if not path.is_file():
+        raise ValueError(f"--ckpt_path {str(path)!r} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same message
+        raise ValueError(f"--ckpt_path {str(path)!r} is not a readable PyTorch checkpoint: {err}") from err
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
+        keys = sorted(checkpoint) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        raise ValueError(f"--ckpt_path {str(path)!r} is not a lit_grpo training checkpoint (it needs 'state_dict' and "
+                         f"'hyper_parameters'; it has {keys})")
+    return checkpoint
+
+
+def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """``(policy, tokenizer, hyper_parameters)``: the base model rebuilt from the checkpoint's settings (LoRA
+    adapter included) with the trained weights loaded strictly."""
+    checkpoint = load_checkpoint(ckpt_path)
+    hp = dict(checkpoint["hyper_parameters"])
+    if "model" not in hp:
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: hyper_parameters hold no 'model' (keys {sorted(hp)}); "
+                         "it was not saved by GRPOModule")
+    state = {k[len(POLICY_PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(POLICY_PREFIX)}
+    if not state:
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r} holds no policy weights (no state_dict key starts with "
+                         f"{POLICY_PREFIX!r})")
+    policy, tokenizer = load_model_and_tokenizer(hp["model"], hp.get("dtype"))
+    if hp.get("peft_config"):
+        policy = with_lora(policy, hp["peft_config"])
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r} "
+                         f"(peft_config={hp.get('peft_config')!r}): missing {sorted(missing)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}")
+    return policy.eval(), tokenizer, hp
+
+
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None = "auto",
+                      adapter_only: bool = False, overwrite: bool = False) -> ExportResult:
+    """:func:`policy_from_checkpoint` then :func:`export_policy`."""
+    check_dtype(dtype)
+    policy, tokenizer, hp = policy_from_checkpoint(ckpt_path)
+    if adapter_only and not hp.get("peft_config"):
+        raise ValueError(f"--adapter_only needs a LoRA run; {str(ckpt_path)!r} was trained without "
+                         "model.peft_config (export the whole model instead)")
+    return export_policy(policy, tokenizer, out, dtype=dtype, adapter_only=adapter_only, overwrite=overwrite,
+                         in_place=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit-grpo export", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write a transformers model directory (safetensors weights, config, tokenizer with its chat "
+                    "template, generation config) from a lit_grpo training checkpoint.",
+        epilog="Load it anywhere, with no lit_grpo installed:\n"
+               "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+               "  model = AutoModelForCausalLM.from_pretrained(DIR); tokenizer = AutoTokenizer.from_pretrained(DIR)")
+    parser.add_argument("--ckpt_path", required=True, help="a training checkpoint (.ckpt), e.g. "
+                        "lightning_logs/version_0/checkpoints/last.ckpt")
+    parser.add_argument("--out", required=True, help="the directory to write (created; must be empty unless "
+                        "--overwrite)")
+    parser.add_argument("--dtype", default="auto", help=f"weights' dtype, one of {', '.join(EXPORT_DTYPES)} "
+                        "(auto: the dtype the policy was trained in)")
+    parser.add_argument("--adapter_only", action="store_true", help="a LoRA run: write the peft adapter alone "
+                        "instead of the merged model (loading it needs the base model)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--torch_num_threads", type=int, default=None, help="torch.set_num_threads(N)")
+    return parser
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """``lit-grpo export ...``; errors are one line naming the bad value (exit status 2)."""
+    parser = build_parser()
+    options = parser.parse_args(list(sys.argv[1:] if args is None else args))
+    if options.dtype not in EXPORT_DTYPES:
+        parser.error(f"--dtype {options.dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    if options.torch_num_threads is not None:
+        if options.torch_num_threads < 1:
+            parser.error(f"--torch_num_threads {options.torch_num_threads} must be >= 1")
+        torch.set_num_threads(options.torch_num_threads)
+    try:
+        result = export_checkpoint(options.ckpt_path, options.out, options.dtype, options.adapter_only,
+                                   options.overwrite)
+    except (ValueError, ImportError) as err:
+        parser.error(str(err))
+    print(f"lit_grpo: exported {result.describe()}", file=sys.stdout)
+    if not result.adapter_only:
+        print(f"  load it: AutoModelForCausalLM.from_pretrained({os.fspath(result.out)!r})")
+    return 0

@@ -1,0 +1,143 @@
+"""The ``math`` reward: the completion's final answer verified against the gold answer with math-verify.
+
+``math_reward`` follows the reward protocol of ``lit_grpo.rewards`` (name ``math`` in configs). For each
+completion:
+
+1. :func:`extract_final_answer` finds the answer the completion commits to: the last ``<answer>...</answer>``
+   (the format lit_grpo's prompts ask for; a ``\\boxed{}`` inside it is unwrapped), else the last ``\\boxed{...}``
+   (braces balanced, so ``\\boxed{\\frac{1}{2}}`` is whole), else the last number in the text (a sign, thousands
+   separators, decimals, a ``/`` fraction and a ``%`` kept). The tag wins over a box because a model reasoning
+   in LaTeX boxes intermediate results, while the tag is its declared final answer.
+2. Gold and answer are parsed by Hugging Face's math-verify as LaTeX (``$...$``) and as plain expressions, and
+   compared by ``math_verify.verify``: equivalent fractions and decimals, LaTeX forms, thousands separators,
+   percentages (``50\\%`` equals 0.5 and 50), signs, sets (order-free) and intervals (open and closed ends
+   distinct). A gold answer math-verify cannot parse (a word) is compared as normalized text.
+3. Parsing and verifying one completion run under a deadline (``timeout_s``, :func:`lit_grpo.deadline.
+   call_with_deadline`); a completion that runs past it (``\\boxed{9^{9^{9^{9}}}}`` would take hours) scores 0
+   and a warning names it. math-verify's own timeouts are whole-second ``signal.alarm`` calls that would replace
+   this deadline's timer, so they are turned off and this one deadline covers both steps.
+
+Values: 1.0 correct, 0.0 wrong or no answer found, ``None`` (no opinion) for rows without a gold answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from lit_grpo.deadline import DeadlineExceeded, call_with_deadline
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+#: A number as written in an answer: sign, thousands separators or plain digits, decimals, a fraction, a percent.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|-?\.\d+")
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def last_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, braces balanced; None if none is
+    closed."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+    return None
+
+
+def extract_final_answer(completion: str) -> str | None:
+    """The final answer of a completion (module docstring, step 1); None when it states none."""
+    tags = _ANSWER_TAG.findall(completion)
+    if tags:
+        content = tags[-1].strip()
+        boxed = last_boxed(content)
+        return boxed if boxed is not None else (content or None)
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return boxed or None
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1].strip() if numbers else None
+
+
+class _DropTimeoutDisabledNotice(logging.Filter):
+    """math-verify warns once that its own timeouts are off; here the deadline covers them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in str(record.msg)
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify():
+    """The math-verify module and its extraction configs (imported once, on first use)."""
+    try:
+        import math_verify
+    except ImportError as err:  # a core dependency; only a broken install gets here
+        raise ImportError("the 'math' reward needs math-verify: pip install 'math-verify>=0.9'") from err
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutDisabledNotice())
+    return math_verify, [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()]
+
+
+def parse_math(text: str) -> list:
+    """math-verify's parse of ``text`` as LaTeX math, then as written; ``[]`` when neither finds an expression.
+    No deadline of its own: call it under :func:`call_with_deadline`."""
+    math_verify, configs = _math_verify()
+    parsed = math_verify.parse(f"${text}$", configs, parsing_timeout=None)
+    return parsed or math_verify.parse(text, configs, parsing_timeout=None)
+
+
+def _normalized_text(text: str) -> str:
+    return " ".join(text.strip().rstrip(".").lower().split())
+
+
+def answers_match(answer: str, gold: str) -> bool:
+    """Whether ``answer`` is mathematically the ``gold`` answer (module docstring, step 2). No deadline."""
+    math_verify, _ = _math_verify()
+    gold_parsed = parse_math(gold)
+    if not gold_parsed:
+        return _normalized_text(answer) == _normalized_text(gold)
+    answer_parsed = parse_math(answer)
+    return bool(answer_parsed) and math_verify.verify(gold_parsed, answer_parsed, timeout_seconds=None)
+
+
+def score_math(completion: str, gold: str | None, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float | None:
+    """1.0 / 0.0 for one completion against ``gold``; None without a gold answer; 0.0 past ``timeout_s``
+    (None: no deadline, for callers off the main thread)."""
+    if gold is None or not str(gold).strip():
+        return None
+    answer = extract_final_answer(completion)
+    if answer is None:
+        return 0.0
+    check = lambda: answers_match(answer, str(gold))  # noqa: E731
+    try:
+        return 1.0 if (call_with_deadline(check, timeout_s) if timeout_s is not None else check()) else 0.0
+    except DeadlineExceeded:
+        warnings.warn(f"math reward: verifying answer {answer!r:.120} against {str(gold)!r:.60} ran past "
+                      f"timeout_s={timeout_s}; scored 0", stacklevel=2)
+        return 0.0
+
+
+def math_reward(prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
+                entry: list[Mapping[str, Any] | None] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                **columns: Any) -> list[float | None]:
+    """Math-verified correctness of each completion's final answer (module docstring).
+
+    The gold answer is the ``answer`` column, else the row's ``answer`` field; ``timeout_s``: the deadline per
+    completion in seconds (> 0), or None for none.
+    """
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
+    answers = answer if answer is not None else [None] * len(completions)
+    entries = entry if entry is not None else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, gold, row in zip(completions, answers, entries):
+        if gold is None and isinstance(row, Mapping):
+            gold = row.get("answer")
+        out.append(score_math(completion, None if gold is None else str(gold), timeout_s))
+    return out

@@ -1,0 +1,177 @@
+"""``lit-grpo export`` and ``ExportModel``: checkpoints to transformers model directories that load and generate
+token for token like lit_grpo's engine, in a process without lit_grpo (tiny models, CPU, float32)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_grpo.cli import export_command, main as cli_main
+from lit_grpo.export import export_checkpoint, export_policy
+from lit_grpo.module import GRPOModule
+from tools.check_export import engine_greedy, perturb, prompt_ids_for, transformers_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def trained_module(model: str, peft_config=None) -> GRPOModule:
+    """A GRPOModule whose policy differs from its base (seeded noise stands in for training)."""
+    module = GRPOModule(model=model, peft_config=peft_config, max_grad_norm=None)
+    module.configure_model()
+    perturb(module.policy, scale=0.05)
+    return module
+
+
+def save_checkpoint(module: GRPOModule, path: Path) -> Path:
+    """What Lightning's checkpoint holds for export: the module's state_dict and its init arguments."""
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    module = trained_module("tiny-llama")
+    return module, save_checkpoint(module, tmp_path_factory.mktemp("ckpt") / "last.ckpt")
+
+
+def test_export_round_trip_tiny(tiny_checkpoint, tmp_path, capsys):
+    """The exported directory, loaded by transformers alone, generates greedily what lit_grpo's engine generates
+    from the same weights; it holds exactly the trained weights, the chat template and the engine's stop ids."""
+    module, ckpt = tiny_checkpoint
+    out = tmp_path / "model"
+    cli_main(["export", "--ckpt_path", str(ckpt), "--out", str(out)])
+    assert f"exported {out}" in capsys.readouterr().out
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    saved = load_file(out / "model.safetensors")
+    for name, value in module.policy.state_dict().items():
+        assert torch.equal(saved[name], value), name
+
+    ids = prompt_ids_for(module.tokenizer)
+    theirs = transformers_greedy(out, ids, max_new_tokens=12)
+    assert not theirs["lit_grpo_imported"]
+    assert theirs["completions"] == engine_greedy(module.policy, module.tokenizer, ids, 12)
+    expected = module.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                                    tokenize=False)
+    assert theirs["templated"] == expected
+    assert module.tokenizer.eos_token_id in theirs["eos"]
+
+
+def test_export_lora_merged_and_adapter_only(tmp_path):
+    """A LoRA run exports merged by default (round trip token for token) or as peft's adapter alone, which peft
+    loads onto the base model with the same logits."""
+    from peft import PeftModel
+
+    from lit_grpo.models import load_model_and_tokenizer
+
+    module = trained_module("tiny-qwen2", LORA)
+    ckpt = save_checkpoint(module, tmp_path / "lora.ckpt")
+    merged = export_checkpoint(ckpt, tmp_path / "merged")
+    assert not merged.adapter_only and not (tmp_path / "merged" / "adapter_config.json").exists()
+    saved = load_file(tmp_path / "merged" / "model.safetensors")
+    assert not any("lora" in name for name in saved)
+    ids = prompt_ids_for(module.tokenizer)
+    theirs = transformers_greedy(tmp_path / "merged", ids, max_new_tokens=12)
+    assert theirs["completions"] == engine_greedy(module.policy, module.tokenizer, ids, 12)
+
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
+    assert adapter.adapter_only
+    names = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    assert "model.safetensors" not in names and adapter.bytes < merged.bytes
+    base, _ = load_model_and_tokenizer("tiny-qwen2")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    x = torch.tensor([ids[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, module.policy.eval()(x).logits)
+
+
+def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
+    _, ckpt = tiny_checkpoint
+    full = export_checkpoint(ckpt, tmp_path / "fp32")
+    half = export_checkpoint(ckpt, tmp_path / "bf16", dtype="bfloat16")
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    weights = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert weights(tmp_path / "bf16") == pytest.approx(weights(tmp_path / "fp32") / 2, rel=0.02)
+    assert half.bytes < full.bytes
+
+
+def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
+    """ExportModel exports the policy being trained: casting, merging and the exported settings go to copies."""
+    module = trained_module("tiny-llama", LORA)
+    policy = module.policy
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    use_cache, eos = policy.config.use_cache, policy.generation_config.eos_token_id
+    export_policy(policy, module.tokenizer, tmp_path / "bf16", dtype="bfloat16")
+    assert module.policy is policy and hasattr(policy, "peft_config")  # still the LoRA model, unmerged
+    after = policy.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert (policy.config.use_cache, policy.generation_config.eos_token_id) == (use_cache, eos)
+
+
+def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys):
+    _, ckpt = tiny_checkpoint
+
+    def error(*args) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["export", *args])
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err
+
+    assert "'missing.ckpt' does not exist" in error("--ckpt_path", "missing.ckpt", "--out", str(tmp_path / "a"))
+    assert "is a directory" in error("--ckpt_path", str(tmp_path), "--out", str(tmp_path / "a"))
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    assert "not a lit_grpo training checkpoint" in error("--ckpt_path", str(foreign), "--out", str(tmp_path / "a"))
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint")
+    assert "not a readable PyTorch checkpoint" in error("--ckpt_path", str(garbage), "--out", str(tmp_path / "a"))
+    assert "--dtype 'int8' is not supported" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
+                                                      "--dtype", "int8")
+    assert "--adapter_only needs a LoRA run" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
+                                                      "--adapter_only")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    assert "is not empty; pass --overwrite" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "full"))
+    assert "--ckpt_path" in error("--out", str(tmp_path / "a"))  # argparse names the missing option
+    with pytest.raises(ValueError, match="dtype='int4'"):
+        export_policy(torch.nn.Linear(1, 1), None, tmp_path / "b", dtype="int4")
+
+
+def test_export_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--ckpt_path", "--out", "--dtype", "--adapter_only", "--overwrite", "bfloat16"):
+        assert option in text
+
+
+def test_fit_with_export_model_callback(tmp_path):
+    """A real fit with ExportModel writes version_0/model, prints it under the summary, and it equals what
+    lit-grpo export writes from the run's last.ckpt."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lit_grpo.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--trainer.max_steps", "1", "--torch_num_threads", "1", "--trainer.limit_val_batches", "0",
+           "--trainer.callbacks+=lit_grpo.callbacks.ExportModel"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert "model          lightning_logs/version_0/model (transformers model, float32" in proc.stdout
+    assert "AutoModelForCausalLM.from_pretrained('lightning_logs/version_0/model')" in proc.stdout
+    assert "  export " not in proc.stdout  # the command is named only when nothing was exported
+    exported = export_checkpoint(run / "checkpoints" / "last.ckpt", tmp_path / "again")
+    ours, theirs = load_file(run / "model" / "model.safetensors"), load_file(exported.out / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_export_command_names_the_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
+    assert export_command(ckpt) == ("lit-grpo export --ckpt_path lightning_logs/version_3/checkpoints/last.ckpt "
+                                    "--out lightning_logs/version_3/model")

@@ -1,0 +1,158 @@
+"""Hugging Face datasets as a prompt source: every local format, Dataset objects, chat messages, columns reaching
+the reward functions, and an error naming the file, the row and the column for every bad input."""
+
+import json
+
+import pytest
+
+import datasets  # the data extra, which tools/setup.sh installs
+
+from lit_grpo.datamodules.hf_dataset import dataset_prompts  # noqa: E402
+from lit_grpo.datamodules.prompts import load_prompts, render_prompt  # noqa: E402
+from lit_grpo.datamodules.rollout import RolloutDataModule  # noqa: E402
+from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
+
+ROWS = [{"problem": f"What is {i} / {i + 1}?", "solution": f"\\frac{{{i}}}{{{i + 1}}}", "level": i % 3}
+        for i in range(1, 9)]
+
+
+@pytest.fixture(scope="module")
+def table():
+    return datasets.Dataset.from_list(ROWS)
+
+
+def _write(table, tmp_path, kind: str):
+    """``table`` written as ``kind``; returns the path data.dataset takes."""
+    if kind == "parquet":
+        table.to_parquet(tmp_path / "set.parquet")
+        return tmp_path / "set.parquet"
+    if kind == "jsonl":
+        (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+        return tmp_path / "set.jsonl"
+    if kind == "json":
+        (tmp_path / "set.json").write_text(json.dumps(ROWS))
+        return tmp_path / "set.json"
+    if kind == "csv":
+        table.to_csv(tmp_path / "set.csv")
+        return tmp_path / "set.csv"
+    if kind == "save_to_disk":
+        table.save_to_disk(tmp_path / "saved")
+        return tmp_path / "saved"
+    if kind == "arrow":
+        table.save_to_disk(tmp_path / "saved")
+        return next((tmp_path / "saved").glob("*.arrow"))
+    if kind == "folder":
+        (tmp_path / "folder").mkdir()
+        table.to_parquet(tmp_path / "folder" / "train-00000.parquet")
+        return tmp_path / "folder"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "json", "csv", "save_to_disk", "arrow", "folder"])
+def test_every_local_format_gives_the_same_examples(table, tmp_path, kind):
+    examples = load_prompts(dataset=str(_write(table, tmp_path, kind)), prompt_column="problem",
+                            answer_column="solution")
+    assert [e.prompt for e in examples] == [r["problem"] for r in ROWS]
+    assert [e.answer for e in examples] == [r["solution"] for r in ROWS]
+    assert [e.entry["level"] for e in examples] == [r["level"] for r in ROWS]  # every field kept
+
+
+def test_default_columns_and_a_dataset_dict_split(tmp_path):
+    splits = datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"question": "1+1?", "answer": 2}, {"question": "2+2?", "answer": 4}]),
+        "test": datasets.Dataset.from_list([{"question": "3+3?", "answer": 6}])})
+    splits.save_to_disk(tmp_path / "dict")
+    test = dataset_prompts(str(tmp_path / "dict"), split="test")
+    assert [(e.prompt, e.answer) for e in test] == [("3+3?", "6")]
+    assert [e.prompt for e in dataset_prompts(splits)] == ["1+1?", "2+2?"]  # an object, default split "train"
+    with pytest.raises(ValueError, match=r"has no split 'validation'; its splits are \['test', 'train'\]"):
+        dataset_prompts(str(tmp_path / "dict"), split="validation")
+
+
+def test_chat_messages_render_through_the_template():
+    _, tokenizer = load_model_and_tokenizer("tiny-llama")
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]
+    (example,) = dataset_prompts(datasets.Dataset.from_list([{"messages": messages, "answer": "4"}]))
+    assert example.prompt == "What is 2+2?" and example.messages == messages
+    ids = render_prompt(tokenizer, example.prompt, None, "{prompt}", example.messages[:-1])
+    assert ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    with pytest.raises(ValueError, match="and a prompt whose messages start with their own system turn"):
+        render_prompt(tokenizer, example.prompt, "Be nice.", "{prompt}", example.messages[:-1])
+
+
+def test_datamodule_streams_a_dataset_object_and_rewards_see_every_column(table):
+    """A Dataset object trains like any source; its rows' fields reach the reward functions, and the
+    hyperparameters that checkpoints store describe it instead of holding it."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    seen = {}
+
+    def spy(prompts, completions, **columns):
+        seen.update(columns)
+        return [0.0] * len(completions)
+
+    dm = RolloutDataModule(dataset=table, prompt_column="problem", answer_column="solution", val_size=2,
+                           prompts_per_step=2, reward_funcs=[spy, "math"],
+                           sampling={"group_size": 2, "micro_group_size": 2, "strategy": "continuous",
+                                     "max_new_tokens": 4})
+    assert dm.hparams["dataset"] == "<datasets.Dataset: 8 rows, columns ['problem', 'solution', 'level']>"
+    dm.attach(model, tokenizer)
+    dm.setup("fit")
+    batch = dm.build_train_batch()
+    assert set(seen["level"]) <= {0, 1, 2} and len(seen["level"]) == 4
+    assert seen["answer"] == [dm.examples[i].answer for i in batch.indices for _ in range(2)]
+    assert seen["solution"] == seen["answer"]
+    assert batch.reward_components["math"].shape == (2, 2)  # the math reward scored every completion
+
+
+def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
+    path = str(_write(table, tmp_path, "parquet"))
+    with pytest.raises(ValueError, match=r"'/nowhere/set.parquet' does not exist .*the Hub is not used"):
+        load_prompts(dataset="/nowhere/set.parquet")
+    with pytest.raises(ValueError, match=r"'org/some-set' does not exist"):  # a hub id is never looked up
+        load_prompts(dataset="org/some-set")
+    with pytest.raises(ValueError, match=rf"{path}.*prompt_column='query' is not a column; it has "
+                                         r"\['problem', 'solution', 'level'\]"):
+        load_prompts(dataset=path, prompt_column="query")
+    with pytest.raises(ValueError, match=rf"{path}.*answer_column='gold' is not a column"):
+        load_prompts(dataset=path, prompt_column="problem", answer_column="gold")
+    other = tmp_path / "other.parquet"
+    datasets.Dataset.from_list([{"text": "x", "label": 1}]).to_parquet(other)
+    with pytest.raises(ValueError, match=rf"{other}.*no prompt column; it has columns \['text', 'label'\]; set "
+                                         r"data.prompt_column"):
+        load_prompts(dataset=str(other))
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"prompt": "fine", "answer": "1"}\n{"prompt": "  ", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=rf"{bad_rows}', row 1, column 'prompt': the prompt is empty"):
+        load_prompts(dataset=str(bad_rows))
+    bad_rows.write_text('{"prompt": "fine", "answer": "1"}\n{"prompt": "also fine", "answer": null}\n')
+    with pytest.raises(ValueError, match=rf"{bad_rows}', row 1, column 'answer': the answer is missing"):
+        load_prompts(dataset=str(bad_rows))
+    chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "4"}]}])
+    with pytest.raises(ValueError, match=r"row 0, column 'messages': the messages must end with a non-empty user "
+                                         r"turn.*the last is 'assistant'"):
+        dataset_prompts(chat)
+    garbage = tmp_path / "broken.parquet"
+    garbage.write_bytes(b"this is not parquet")
+    with pytest.raises(ValueError, match=rf"{garbage}' cannot be read"):
+        load_prompts(dataset=str(garbage))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"files ending in '.txt' are not read; use one of"):
+        load_prompts(dataset=str(tmp_path / "notes.txt"))
+    with pytest.raises(ValueError, match=r"has no split 'test'; its splits are \['train'\] \(data.split\)"):
+        load_prompts(dataset=path, prompt_column="problem", split="test")
+    with pytest.raises(ValueError, match=r"data.split='test'.*is a single split"):
+        dataset_prompts(table, split="test")
+    with pytest.raises(ValueError, match=r"prompt_column apply to data.dataset only; the prompt source here is "
+                                         r"jsonl_path"):
+        load_prompts(jsonl_path=str(bad_rows), prompt_column="prompt")
+    with pytest.raises(ValueError, match=r"exactly one prompt source .*got \['jsonl_path', 'dataset'\]"):
+        load_prompts(jsonl_path=str(bad_rows), dataset=path)
+    with pytest.raises(ValueError, match=r"must be a local path or a datasets.Dataset, got list"):
+        dataset_prompts([{"prompt": "x"}])
+
+
+def test_without_the_data_extra_the_error_names_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'lit-grpo\[data\]'"):
+        load_prompts(dataset=str(tmp_path))

@@ -1,0 +1,162 @@
+"""The ``math`` reward: answer extraction, math-verify's equivalences (a table of tricky cases), the deadline."""
+
+import signal
+import threading
+import time
+
+import pytest
+
+from lit_grpo.deadline import DeadlineExceeded, call_with_deadline
+from lit_grpo.math_reward import extract_final_answer, last_boxed, math_reward, score_math
+from lit_grpo.rewards import build_reward_funcs, score_rewards
+
+# (completion, gold answer, expected verdict): 1.0 correct, 0.0 wrong.
+CASES = [
+    # fractions, decimals and their LaTeX forms
+    (r"So the answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{0.50}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{2/4}", "1/2", 1.0),
+    (r"\boxed{\tfrac{6}{8}}", r"\frac{3}{4}", 1.0),
+    (r"\boxed{\frac{1}{3}}", "0.5", 0.0),
+    (r"\boxed{0.3333333}", r"\frac{1}{3}", 1.0),
+    (r"\boxed{0.33}", r"\frac{1}{3}", 0.0),
+    (r"\boxed{\frac{22}{7}}", r"\pi", 0.0),
+    (r"\boxed{1.5}", r"\frac{3}{2}", 1.0),
+    (r"\boxed{1\frac{1}{2}}", "1.5", 1.0),  # a mixed number
+    (r"\boxed{2\frac{1}{2}}", "2", 0.0),
+    # thousands separators
+    (r"\boxed{1,000}", "1000", 1.0),
+    ("The total is 12,345,678 dollars.", "12345678", 1.0),
+    (r"<answer>1000</answer>", "1,000", 1.0),
+    ("We get 1,234.5 in the end", "1234.5", 1.0),
+    # percentages
+    (r"\boxed{50\%}", "0.5", 1.0),
+    (r"\boxed{50\%}", "50", 1.0),
+    ("The discount is 25%", "0.25", 1.0),
+    (r"\boxed{40\%}", "0.5", 0.0),
+    # signs
+    (r"\boxed{-3}", "-3", 1.0),
+    (r"\boxed{-3}", "3", 0.0),
+    ("the temperature falls to -7", "-7", 1.0),
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+    (r"\boxed{\frac{-1}{2}}", r"-\frac{1}{2}", 1.0),
+    # sets and intervals
+    (r"\boxed{\{1, 2, 3\}}", r"\{3, 2, 1\}", 1.0),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2, 3\}", 0.0),
+    (r"\boxed{[1, 2)}", "[1, 2)", 1.0),
+    (r"\boxed{(1, 2]}", "[1, 2)", 0.0),
+    (r"\boxed{(-\infty, 0)}", r"(-\infty, 0)", 1.0),
+    (r"\boxed{[0, \infty)}", r"(0, \infty)", 0.0),
+    # radicals, powers, symbolic forms
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", 1.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{x = 5}", "5", 1.0),
+    (r"\boxed{3.14}", r"\pi", 0.0),
+    (r"\boxed{2x + 2}", "2(x+1)", 1.0),
+    # where the final answer is taken from
+    (r"First \boxed{3}, then correcting myself: \boxed{4}", "4", 1.0),
+    (r"First \boxed{3}, then correcting myself: \boxed{4}", "3", 0.0),
+    (r"I boxed \boxed{7} while thinking. <answer>8</answer>", "8", 1.0),
+    (r"<answer>\boxed{\frac{5}{10}}</answer>", "0.5", 1.0),
+    ("<answer>12</answer> and later I mention 99", "12", 1.0),
+    ("2 + 3 = 5, then 5 * 4 = 20", "20", 1.0),
+    ("2 + 3 = 5, then 5 * 4 = 20", "5", 0.0),
+    ("I do not know.", "4", 0.0),
+    ("", "4", 0.0),
+    (r"\boxed{}", "4", 0.0),
+    (r"\boxed{\frac{1}{2}", "0.5", 0.0),  # an unclosed box is not an answer; the last number is 2
+    # text answers that math-verify cannot parse: normalized text
+    ("<answer>Paris</answer>", "paris", 1.0),
+    ("<answer>London</answer>", "Paris", 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), CASES)
+def test_math_reward_table(completion, gold, expected):
+    assert math_reward([""], [completion], answer=[gold]) == [expected]
+
+
+def test_the_table_is_big_and_balanced():
+    assert len(CASES) >= 40
+    assert 10 <= sum(verdict == 0.0 for _, _, verdict in CASES) <= len(CASES) - 10
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (r"a \boxed{\frac{1}{2}} b", r"\frac{1}{2}"),
+    (r"\boxed{1} \fbox{2}", "2"),
+    (r"\boxed {\{1, \{2\}\}}", r"\{1, \{2\}\}"),
+    (r"\boxed{1} \boxed{2", "1"),  # the last closed box
+    ("no box", None),
+])
+def test_last_boxed_balances_braces(text, expected):
+    assert last_boxed(text) == expected
+
+
+def test_extract_final_answer_order():
+    assert extract_final_answer(r"\boxed{1} <answer> 2 </answer>") == "2"
+    assert extract_final_answer(r"<answer></answer>") is None
+    assert extract_final_answer("costs 1,250.75 in total.") == "1,250.75"
+    assert extract_final_answer("x is 3/4") == "3/4"
+    assert extract_final_answer("nothing here") is None
+
+
+def test_math_reward_gold_from_the_row_and_no_opinion_without_gold():
+    values = math_reward(["p"] * 3, [r"\boxed{2}", r"\boxed{2}", r"\boxed{2}"], answer=[None, None, "3"],
+                         entry=[{"answer": "2"}, {"question": "q"}, {"answer": "2"}])
+    assert values == [1.0, None, 0.0]  # the answer column wins over the row's field
+
+
+def test_math_is_a_builtin_usable_by_name():
+    rewards = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 2}}])
+    assert rewards[0].name == "math"
+    scores = score_rewards(rewards, ["p", "p"], [r"\boxed{\frac{1}{2}}", "1"], {"answer": ["0.5", "0.5"]},
+                           group_size=2)
+    assert scores.total.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        math_reward(["p"], ["1"], answer=["1"], timeout_s=0)
+
+
+def test_a_pathological_answer_scores_zero_within_the_deadline():
+    """9^(9^(9^9)) is a single enormous integer power for sympy: without the deadline this never returns."""
+    started = time.monotonic()
+    with pytest.warns(UserWarning, match="ran past timeout_s=0.5"):
+        value = score_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=0.5)
+    assert value == 0.0
+    assert time.monotonic() - started < 3.0
+    assert score_math(r"\boxed{1}", "1", timeout_s=0.5) == 1.0  # the next call is unaffected
+
+
+def test_deadline_restores_an_outer_timer_and_handler():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    signal.setitimer(signal.ITIMER_REAL, 30.0)
+    try:
+        assert call_with_deadline(lambda: 42, 1.0) == 42
+        with pytest.raises(DeadlineExceeded):
+            call_with_deadline(lambda: time.sleep(5), 0.2)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < left <= 30.0
+        assert not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_deadline_off_the_main_thread_is_an_error():
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(_error_of(lambda: call_with_deadline(lambda: 1, 1.0))))
+    worker.start()
+    worker.join()
+    assert "needs the main thread" in errors[0]
+    with pytest.raises(ValueError, match="seconds=0"):
+        call_with_deadline(lambda: 1, 0)
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        return str(err)
+    return ""
