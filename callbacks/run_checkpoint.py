@@ -183,7 +183,8 @@ class RunCheckpoint(ModelCheckpoint):
 def checkpoint_bytes(pl_module: pl.LightningModule) -> int:
     """About what one checkpoint of ``pl_module`` takes on disk: its weights (a frozen reference model is not
     saved by GRPOModule) and two AdamW moments per trainable parameter."""
-    weights = sum(value.numel() * value.element_size() for key, value in pl_module.state_dict().items()
-                  if not key.startswith("ref_model.") and hasattr(value, "element_size"))
+    # From the parameters and buffers, not state_dict(): under FSDP2 that runs hooks, and this runs on rank 0 only.
+    tensors = [*pl_module.named_parameters(), *pl_module.named_buffers()]
+    weights = sum(t.numel() * t.element_size() for name, t in tensors if not name.startswith("ref_model."))
     moments = 2 * sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
     return weights + moments
