@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.checkpoints import read_checkpoint_header
 from lit_grpo.models import load_model_and_tokenizer, resolve_dtype, with_lora
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in.
@@ -149,21 +150,21 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
 
 
 def load_checkpoint(ckpt_path: str | Path) -> Mapping[str, Any]:
-    """The checkpoint's contents (memory-mapped: the weights are read only when used); errors name the file."""
+    """The checkpoint's contents (memory-mapped: the weights are read only when used); errors name the file and
+    what is wrong (:func:`lit_grpo.checkpoints.read_checkpoint_header`)."""
     path = Path(ckpt_path).expanduser()
     if path.is_dir():
         raise ValueError(f"--ckpt_path {str(path)!r} is a directory (a sharded FSDP checkpoint?); export takes one "
                          ".ckpt file such as lightning_logs/version_0/checkpoints/last.ckpt")
-    if not path.is_file():
-        raise ValueError(f"--ckpt_path {str(path)!r} does not exist")
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ValueError(f"--ckpt_path {str(path)!r} is not a readable PyTorch checkpoint: {err}") from err
-    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
-        keys = sorted(checkpoint) if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        checkpoint = read_checkpoint_header(path)
+    except FileNotFoundError:
+        raise ValueError(f"--ckpt_path {str(path)!r} does not exist") from None
+    except ValueError as err:
+        raise ValueError(f"--ckpt_path {str(path)!r} is not a readable PyTorch checkpoint: {err}") from None
+    if "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
         raise ValueError(f"--ckpt_path {str(path)!r} is not a lit_grpo training checkpoint (it needs 'state_dict' and "
-                         f"'hyper_parameters'; it has {keys})")
+                         f"'hyper_parameters'; it has {sorted(checkpoint)})")
     return checkpoint
 
 
