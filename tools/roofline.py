@@ -258,9 +258,9 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
         raise ValueError(f"device={str(device)!r}: the roofline is measured on 'cpu' or 'cuda' only")
     if not isinstance(seconds_budget, (int, float)) or not seconds_budget > 0:
         raise ValueError(f"seconds_budget={seconds_budget!r} must be a number > 0")
+    dtype_bytes(dtype)  # a bad name is refused here, naming it
     dtype_name = str(dtype).removeprefix("torch.")
-    dtype = getattr(torch, dtype_name) if isinstance(dtype, str) else dtype
-    dtype_bytes(dtype_name)  # a bad name is refused here, naming it
+    dtype = getattr(torch, dtype_name)
     threads = torch.get_num_threads()
     key = (str(device), dtype_name, threads)
     if key in _MEASURED:
