@@ -66,7 +66,7 @@ MODELS = {"tiny": "tiny-llama", "smollm2": DEFAULT_MODEL}
 PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
           "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
-          "capture_s", "forward_fraction", "identical_fraction", "mean_context", "floor_ms_per_step",
+          "capture_s", "prefill_s", "forward_fraction", "identical_fraction", "mean_context", "floor_ms_per_step",
           "roofline_ratio", "prefill_ms_per_token", "prefill_floor_ms_per_token", "prefill_roofline_ratio")
 
 
