@@ -81,7 +81,8 @@ def test_bad_cost_arguments_are_named(call, match):
 
 
 def test_a_config_without_a_gated_mlp_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"GPT2Config has no \['intermediate_size'\]; the roofline needs a decoder with a gated MLP"):
+    with pytest.raises(ValueError, match=r"GPT2Config has no \['intermediate_size'\]; the roofline needs a decoder "
+                                         "with a gated MLP"):
         roofline.model_shape(GPT2Config(n_layer=2, n_head=2, n_embd=8))
 
 

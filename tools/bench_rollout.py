@@ -126,7 +126,8 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
         peak_kv = max(peak_kv, len(chunk) * (batch["input_ids"].shape[1] + new.shape[1] - 1) * bytes_per_position)
     wall = time.perf_counter() - start
     generated = sum(map(len, completions))
-    record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated, num_slots=min(chunk_rows, len(rows)),
+    record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated,
+                  num_slots=min(chunk_rows, len(rows)),
                   lower_bound_steps=lower_bound_steps(list(map(len, completions)), min(chunk_rows, len(rows))),
                   slot_utilization=generated / (steps * min(chunk_rows, len(rows))), peak_kv_bytes=peak_kv,
                   wall_s=wall, tokens_per_s=generated / wall, ms_per_step=1000 * wall / max(steps, 1))

@@ -25,8 +25,8 @@ judged against the instance's certified lower bound (``makespan_lower_bound``), 
 A verdict that judges ms per decode step also shows
 that run's roofline (``floor_ms_per_step`` and ``roofline_ratio``, see tools/roofline.py): how far the step is
 from this machine's floor; measurements saved before the roofline existed show n/a there. The roofline is shown,
-not judged. The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its verdicts mean nothing:
-the limits are stated for a GPU.
+not judged. The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its
+verdicts mean nothing: the limits are stated for a GPU.
 """
 
 from __future__ import annotations

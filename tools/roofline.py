@@ -165,6 +165,12 @@ def floor_s(cost: Cost, machine: dict) -> tuple[float, str]:
     return (compute, "compute") if compute >= memory else (memory, "memory")
 
 
+def floor_ms(cost: Cost, machine: dict) -> tuple[float, str]:
+    """``floor_s`` in milliseconds: ``(ms, bound)``."""
+    seconds, bound = floor_s(cost, machine)
+    return 1000 * seconds, bound
+
+
 def mean_decode_context(prompt_lengths: list[int], completion_lengths: list[int]) -> float:
     """Mean positions a decode step's row attends, over every (sample, step) of a rollout.
 
@@ -238,14 +244,38 @@ def _median_seconds(run, device: torch.device, budget_s: float, min_runs: int = 
     return statistics.median(times)
 
 
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, inner: int, budget_s: float) -> float:
+    """Median seconds of one ``torch.mm`` of two ``n x n`` matrices in ``dtype`` (``inner`` per timed call)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def run():
+        for _ in range(inner):
+            torch.mm(a, b)
+
+    return _median_seconds(run, device, budget_s) / inner
+
+
+def _read_seconds(device: torch.device, buffer_bytes: int, inner: int, budget_s: float) -> float:
+    """Median seconds of one ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (``inner`` per timed call)."""
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
+
+    def run():
+        for _ in range(inner):
+            buffer.sum()
+
+    return _median_seconds(run, device, budget_s) / inner
+
+
 def measure_machine(device: torch.device | str, dtype: torch.dtype | str, seconds_budget: float = 1.0) -> dict:
     """This machine's matmul rate (FLOP/s, in ``dtype``) and memory read bandwidth (bytes/s), with torch's kernels.
 
     Matmul: ``torch.mm`` of two square matrices in ``dtype`` (2048 on a CPU, 8192 on a GPU: large enough to be
     compute-bound), ``2·n³`` FLOPs per call. Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the
-    last-level cache (256 MiB on a CPU at least, 1 GiB on a GPU), its bytes per call. Each: one warm-up, then the
-    median of timed calls within half the budget (at least 3; on a GPU a call is 10 back-to-back kernels). The
-    result is kept per (device, dtype, threads), so a process measures once.
+    last-level cache (the CPU's largest cache from sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a
+    GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
+    on a GPU a call is 10 back-to-back kernels). The result is kept per (device, dtype, threads), so a process
+    measures once.
 
     Returns:
         ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "read_bytes_per_s", "method",
@@ -269,26 +299,12 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
     gpu = device.type == "cuda"
     inner = 10 if gpu else 1
     n = 8192 if gpu else 2048
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-
-    def matmul():
-        for _ in range(inner):
-            torch.mm(a, b)
-
-    with torch.inference_mode():
-        matmul_s = _median_seconds(matmul, device, seconds_budget / 2) / inner
-        del a, b
-        llc = 50 * 2**20 if gpu else _last_level_cache_bytes()
-        buffer_bytes = max(2**30 if gpu else 2**28, 4 * llc)
-        buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
-
-        def read():
-            for _ in range(inner):
-                buffer.sum()
-
-        read_s = _median_seconds(read, device, seconds_budget / 2) / inner
-        del buffer
+    llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if gpu
+           else _last_level_cache_bytes())
+    buffer_bytes = max(2**30 if gpu else 2**28, 4 * llc)
+    with torch.inference_mode():  # each helper's tensors are freed when it returns
+        matmul_s = _matmul_seconds(device, dtype, n, inner, seconds_budget / 2)
+        read_s = _read_seconds(device, buffer_bytes, inner, seconds_budget / 2)
     record = {
         "device": str(device), "device_name": device_name(device), "dtype": dtype_name, "threads": threads,
         "matmul_flops_per_s": 2 * n**3 / matmul_s, "read_bytes_per_s": buffer_bytes / read_s,
@@ -301,12 +317,6 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
         record["cpu_flags"] = _cpu_flags()
     _MEASURED[key] = record
     return dict(record)
-
-
-def floor_ms(cost: Cost, machine: dict) -> tuple[float, str]:
-    """``floor_s`` in milliseconds: ``(ms, bound)``."""
-    seconds, bound = floor_s(cost, machine)
-    return 1000 * seconds, bound
 
 
 def ratio(measured: float | None, floor: float | None) -> float | None:
