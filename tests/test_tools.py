@@ -69,6 +69,14 @@ def _check_roofline(report, runs):
     assert runs["full"]["floor_ms_per_step"] > runs["continuous"]["floor_ms_per_step"]  # 8 rows against 2
 
 
+def test_bench_rollout_runs_as_a_script_from_anywhere(tmp_path):
+    """The README's form, ``python tools/bench_rollout.py``: its own imports of tools/ must resolve."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--micro-group-size" in proc.stdout
+
+
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):
     report = bench_rollout.main(["--model", "tiny", "--prompts", "2", "--group-size", "4", "--micro-group-size", "2",
                                  "--max-new-tokens", "6", "--temperature", "1.0", "--repeats", "1", "--threads", "1",
