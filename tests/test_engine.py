@@ -408,6 +408,34 @@ def test_merged_rounds_add_their_capture_time_and_step_time_leaves_it_out():
     assert merged.ms_per_step == pytest.approx(1000 * 1.2 / 40)
 
 
+@pytest.mark.parametrize("strategy", ["micro", "continuous", "infinite"])
+def test_prefill_time_is_counted_once_per_prefill_forward(tiny_llama, prompt_ids, strategy, monkeypatch):
+    """A clock that ticks 1 s per reading: each timed interval (a prefill forward or a decode step) lasts 1 s."""
+    import itertools
+    from types import SimpleNamespace
+
+    from lit_grpo.sampling import rollout_loop
+
+    model, tokenizer = tiny_llama
+    prompts = [ids + [5] for ids in prompt_ids]  # every prompt has a prefix to prefill
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy=strategy,
+                           max_new_tokens=6, temperature=1.0)
+    real = engine.generate(prompts).stats
+    assert 0 < real.prefill_s < real.forward_s <= real.wall_s
+    monkeypatch.setattr(rollout_loop, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
+    stats = engine.generate(prompts).stats
+    assert stats.prefill_s == len(prompts)  # each prompt prefilled once, whatever the strategy's rounds
+    assert stats.forward_s == len(prompts) + stats.decode_steps  # decode steps are not prefill
+    assert stats.prefill_tokens == sum(len(p) - 1 for p in prompts)
+
+
+def test_merged_rounds_add_their_prefill_time():
+    from lit_grpo.sampling.stats import RolloutStats, merge_stats
+
+    merged = merge_stats([RolloutStats(prefill_s=0.25, forward_s=1.0), RolloutStats(prefill_s=0.5, forward_s=2.0)])
+    assert merged.prefill_s == pytest.approx(0.75) and merged.scalars()["prefill_s"] == pytest.approx(0.75)
+
+
 @pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),
                                               ("full", "use 'continuous' or 'infinite'")])
 def test_a_slot_cache_that_does_not_fit_says_how_large_it_is_and_what_to_change(tiny_llama, prompt_ids, monkeypatch,

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
               "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction",
-              "peak_memory_bytes", "ms_per_step"}
+              "peak_memory_bytes", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
+              "prefill_floor_ms_per_token", "prefill_roofline_ratio"}
 
 
 def test_bench_rollout_writes_every_design_field(tmp_path):
@@ -39,6 +40,41 @@ def test_bench_rollout_writes_every_design_field(tmp_path):
     config = report["config"]
     assert config["weights_bytes"] == sum(p.numel() * 4 for p in load_model_and_tokenizer("tiny-llama")[0].parameters())
     assert config["device"].startswith("cpu") and config["task"] == "basic_arithmetic"
+    _check_roofline(report, runs)
+
+
+def _check_roofline(report, runs):
+    """The roofline fields: the machine recorded once, each floor recomputed from its record, each ratio the
+    quotient; the hf_generate* paths time no prefill."""
+    from tools import roofline
+
+    machine = report["config"]["roofline"]
+    assert machine["device_name"] == roofline.device_name(torch.device("cpu"))
+    assert machine["matmul_flops_per_s"] > 0 and machine["read_bytes_per_s"] > 0 and machine["threads"] == 1
+    model_config = load_model_and_tokenizer("tiny-llama")[0].config
+    for name, run in runs.items():
+        cost = roofline.decode_step_cost(model_config, run["num_slots"], run["mean_context"], "float32")
+        assert (run["floor_ms_per_step"], run["floor_bound"]) == roofline.floor_ms(cost, machine), name
+        assert run["floor_ms_per_step"] > 0 and run["roofline_ratio"] > 0, name
+        assert run["roofline_ratio"] == pytest.approx(run["ms_per_step"] / run["floor_ms_per_step"]), name
+        if name.startswith("hf_generate"):
+            assert run["prefill_ms_per_token"] is run["prefill_floor_ms_per_token"] is None, name
+            assert run["prefill_roofline_ratio"] is None, name
+            continue
+        assert run["prefill_ms_per_token"] > 0 and run["prefill_floor_ms_per_token"] > 0, name
+        assert run["prefill_roofline_ratio"] == pytest.approx(
+            run["prefill_ms_per_token"] / run["prefill_floor_ms_per_token"]), name
+        assert run["prefill_floor_bound"] in ("compute", "memory"), name
+    assert runs["full"]["num_slots"] == 8 and runs["continuous"]["num_slots"] == 2
+    assert runs["full"]["floor_ms_per_step"] > runs["continuous"]["floor_ms_per_step"]  # 8 rows against 2
+
+
+def test_bench_rollout_runs_as_a_script_from_anywhere(tmp_path):
+    """The README's form, ``python tools/bench_rollout.py``: its own imports of tools/ must resolve."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--micro-group-size" in proc.stdout
 
 
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):
@@ -211,10 +247,36 @@ def test_gpu_targets_judges_every_target_line_from_the_measurements():
         assert verdicts[name]["passed"] is passed, name
     assert "infinite" in verdicts["cap512: infinite memory / hf_generate"]["note"]
     assert all(v["device"] == "NVIDIA H100" for v in verdicts.values())
+    # measurements saved before the roofline: judged as before, the step target's floor and ratio unknown
+    step_verdict = verdicts["step: continuous ms per decode step (g 8)"]
+    assert step_verdict["floor_ms_per_step"] is None and step_verdict["roofline_ratio"] is None
+    assert [name for name, v in verdicts.items() if "roofline_ratio" in v] == [step_verdict["target"]]
     # a report without a strategy a target needs is an error that names it
     del step["runs"][-1]
     with pytest.raises(ValueError, match="0 runs of 'hf_generate_batch'"):
         gpu_targets.judge({"step": step})
+
+
+def test_gpu_targets_shows_the_roofline_of_the_ms_per_step_target_and_judges_old_json(tmp_path, capsys):
+    from tools import gpu_targets
+
+    runs = {"full": dict(tokens_per_s=3000.0), "continuous": dict(tokens_per_s=2000.0, ms_per_step=4.0),
+            "hf_generate": dict(tokens_per_s=1000.0), "hf_generate_chunked": dict(tokens_per_s=1100.0),
+            "hf_generate_batch": dict(tokens_per_s=2500.0)}
+    new = _report("NVIDIA H100", 1, {**runs, "continuous": dict(runs["continuous"], floor_ms_per_step=1.6,
+                                                                      roofline_ratio=2.5)})
+    (tmp_path / "step.json").write_text(json.dumps(_report("NVIDIA H100", 1, runs)))  # saved without the fields
+    for report, floor, ratio, text in [(new, 1.6, 2.5, "(floor 1.600 ms, ratio 2.50)"),
+                                       (None, None, None, "(floor n/a ms, ratio n/a)")]:
+        verdicts = (gpu_targets.judge({"step": report}) if report else
+                    gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path)]))
+        if report:
+            gpu_targets.print_verdicts(verdicts)
+        step = next(v for v in verdicts if v["target"] == "step: continuous ms per decode step (g 8)")
+        assert (step["value"], step["passed"]) == (4.0, True)  # judged as before
+        assert (step["floor_ms_per_step"], step["roofline_ratio"]) == (floor, ratio)
+        lines = [line for line in capsys.readouterr().out.splitlines() if "ms per decode step" in line]
+        assert len(lines) == 1 and text in lines[0]
 
 
 def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
@@ -231,6 +293,8 @@ def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
     assert json.loads(out.read_text())["verdicts"] == verdicts
     again = gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path / "targets")])
     assert [v["value"] for v in again] == [v["value"] for v in verdicts]
+    step = next(v for v in again if "roofline_ratio" in v)
+    assert step["roofline_ratio"] == pytest.approx(step["value"] / step["floor_ms_per_step"])
 
 
 def test_bench_partial_rollouts_writes_its_fields(tmp_path):

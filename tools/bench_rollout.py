@@ -18,6 +18,21 @@ wall_s and tokens_per_s), capture_s, identical_fraction (share of completions eq
 repeat), and for lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
 weights_bytes and the device's name.
 
+The roofline (tools/roofline.py): once per process, after the runs (so its buffers touch no run's peak memory),
+the machine's matmul rate and memory read bandwidth are measured with torch's kernels and recorded as
+``config["roofline"]`` (with the device's name: ``lscpu``'s model name or the GPU's). Every record then carries
+mean_context (positions a decode step's row attends, averaged over every sample's steps, padding not counted),
+floor_ms_per_step (the fewest ms a decode step of the run's rows, all its slots, at that mean context could take:
+the longer of its FLOPs at the matmul rate and its bytes at the bandwidth), floor_bound ("compute" or "memory",
+which one sets the floor), roofline_ratio = ms_per_step / floor_ms_per_step; and for prefill
+prefill_ms_per_token (``1000 * prefill_s / prefill_tokens``, the engine's synchronised prefill time),
+prefill_floor_ms_per_token (each prompt's one prefill forward of its first P - 1 tokens, floors summed, per token),
+prefill_floor_bound and prefill_roofline_ratio. ms_per_step holds the rollout's prefill and the engine's
+bookkeeping too, so roofline_ratio is the whole rollout's distance from the decode floor. The hf_generate*
+strategies time no prefill of their own (it is inside ``generate``): their prefill fields are null; generate_batch
+counts no decode steps: its decode fields are null too. The ratios of the median record are ratios of the
+medians.
+
 Each engine frees its slot cache (and CUDA graph) after every run, so a run's peak memory holds the weights and
 that run's own allocations only, as in training, where the cache is freed before the update.
 
@@ -38,11 +53,16 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from lit_grpo.memory import make_peak_tracker
-from lit_grpo.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer
-from lit_grpo.sampling import RolloutEngine, lower_bound_steps
-from lit_grpo.sampling.memory_budget import kv_bytes_per_token
-from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
+    sys.path.insert(0, str(ROOT))
+
+from lit_grpo.memory import make_peak_tracker  # noqa: E402
+from lit_grpo.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer  # noqa: E402
+from lit_grpo.sampling import RolloutEngine, lower_bound_steps  # noqa: E402
+from lit_grpo.sampling.memory_budget import kv_bytes_per_token  # noqa: E402
+from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name  # noqa: E402
+from tools import roofline  # noqa: E402
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
@@ -50,7 +70,8 @@ MODELS = {"tiny": "tiny-llama", "smollm2": DEFAULT_MODEL}
 PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
           "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
-          "capture_s", "forward_fraction", "identical_fraction")
+          "capture_s", "prefill_s", "forward_fraction", "identical_fraction", "mean_context", "floor_ms_per_step",
+          "roofline_ratio", "prefill_ms_per_token", "prefill_floor_ms_per_token", "prefill_roofline_ratio")
 
 
 def task_prompts(tokenizer, task: str, count: int, seed: int) -> list[list[int]]:
@@ -78,6 +99,7 @@ def run_engine(engine: RolloutEngine, prompts, lengths) -> tuple[dict, list[list
     record = stats.scalars()
     record["forward_fraction"] = stats.forward_s / stats.wall_s
     record["ms_per_step"] = stats.ms_per_step
+    record["prefill_ms_per_token"] = 1000 * stats.prefill_s / stats.prefill_tokens if stats.prefill_tokens else None
     return record, [c for group in result.completion_ids for c in group]
 
 
@@ -109,6 +131,7 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
     wall = time.perf_counter() - start
     generated = sum(map(len, completions))
     record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated,
+                  num_slots=min(chunk_rows, len(rows)),
                   lower_bound_steps=lower_bound_steps(list(map(len, completions)), min(chunk_rows, len(rows))),
                   slot_utilization=generated / (steps * min(chunk_rows, len(rows))), peak_kv_bytes=peak_kv,
                   wall_s=wall, tokens_per_s=generated / wall, ms_per_step=1000 * wall / max(steps, 1))
@@ -282,23 +305,59 @@ def main(argv=None) -> dict:
                 reference = completions
             record["identical_fraction"] = (None if reference is None else
                                             sum(a == b for a, b in zip(completions, reference)) / len(reference))
+            record["mean_context"] = roofline.mean_decode_context(
+                [len(p) for p in prompts for _ in range(args.group_size)], list(map(len, completions)))
             repeats[label].append({"strategy": label.split("[")[0], **fields, **record})
             print(f"repeat {repeat} {label:28s} steps={record['decode_steps']} tok/s={record['tokens_per_s']:.1f} "
                   f"kv={record['peak_kv_bytes']} util={record['slot_utilization']}", file=sys.stderr, flush=True)
 
-    runs = [_median_record(records) for records in repeats.values()]
+    machine = roofline.measure_machine(model.device, model.dtype)
+    prefill_floor = _prefill_floor(model.config, model.dtype, prompts, machine)
+    for records in repeats.values():
+        for record in records:
+            _add_roofline(record, model.config, model.dtype, machine, prefill_floor)
+    runs = []
+    for records in repeats.values():
+        run = _median_record(records)
+        _add_roofline(run, model.config, model.dtype, machine, prefill_floor)  # the floor of the median context
+        runs.append(run)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["model"] = MODELS.get(args.model, args.model)
     config["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     config["device"] = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
                         else f"cpu ({torch.get_num_threads()} threads)")
     config["dtype"] = str(model.dtype).removeprefix("torch.")
+    config["roofline"] = machine
     report = {"config": config, "runs": runs}
     _print_table(runs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _prefill_floor(model_config, dtype, prompts: list[list[int]], machine: dict) -> tuple[float, str] | None:
+    """``(ms per prefill token, bound)`` at the floor: each prompt's one prefill forward of its first P - 1 tokens
+    (the engine's), floors summed over the prompts, divided by their tokens; None when no prompt has a prefix."""
+    forwards = [len(p) - 1 for p in prompts if len(p) > 1]
+    if not forwards:
+        return None
+    floors = [roofline.floor_ms(roofline.prefill_cost(model_config, tokens, dtype), machine) for tokens in forwards]
+    bounds = [bound for _, bound in floors]
+    return sum(ms for ms, _ in floors) / sum(forwards), max(set(bounds), key=bounds.count)
+
+
+def _add_roofline(record: dict, model_config, dtype, machine: dict, prefill_floor: tuple[float, str] | None) -> None:
+    """Fill a record's floor and ratio fields (module docstring) from its rows, mean context and timings."""
+    record["floor_ms_per_step"] = record["floor_bound"] = None
+    if record.get("decode_steps") and record.get("mean_context") and record.get("num_slots"):
+        cost = roofline.decode_step_cost(model_config, int(record["num_slots"]), record["mean_context"], dtype)
+        record["floor_ms_per_step"], record["floor_bound"] = roofline.floor_ms(cost, machine)
+    record["roofline_ratio"] = roofline.ratio(record.get("ms_per_step"), record["floor_ms_per_step"])
+    timed = record.get("prefill_ms_per_token") is not None and prefill_floor is not None
+    record["prefill_floor_ms_per_token"], record["prefill_floor_bound"] = prefill_floor if timed else (None, None)
+    record["prefill_roofline_ratio"] = roofline.ratio(record.get("prefill_ms_per_token"),
+                                                      record["prefill_floor_ms_per_token"])
 
 
 def _median_record(records: list[dict]) -> dict:
@@ -312,13 +371,15 @@ def _median_record(records: list[dict]) -> dict:
 
 def _print_table(runs: list[dict]) -> None:
     columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "peak_memory_bytes",
-               "tokens_per_s", "ms_per_step", "forward_fraction", "identical_fraction")
+               "tokens_per_s", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
+               "prefill_floor_ms_per_token", "prefill_roofline_ratio", "forward_fraction", "identical_fraction")
     label = lambda r: r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
-    print(f"{'strategy':30s}" + "".join(f"{c:>20s}" for c in columns))
+    widths = [max(20, len(c) + 2) for c in columns]
+    print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
     for run in runs:
-        cells = ["-" if run[c] is None else f"{run[c]:.3f}" if isinstance(run[c], float) else str(run[c])
+        cells = ["-" if run.get(c) is None else f"{run[c]:.3f}" if isinstance(run[c], float) else str(run[c])
                  for c in columns]
-        print(f"{label(run):30s}" + "".join(f"{c:>20s}" for c in cells))
+        print(f"{label(run):30s}" + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ is ``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the wei
 the graph capture each engine run pays, as training pays it once per rollout by default (``keep_kv_cache``
 off); ``ms_per_step`` leaves it out. The decode-step target is
 judged against the instance's certified lower bound (``makespan_lower_bound``), which the optimum is at least.
-The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its verdicts mean nothing:
-the limits are stated for a GPU.
+A verdict that judges ms per decode step also shows
+that run's roofline (``floor_ms_per_step`` and ``roofline_ratio``, see tools/roofline.py): how far the step is
+from this machine's floor; measurements saved before the roofline existed show n/a there. The roofline is shown,
+not judged. The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its
+verdicts mean nothing: the limits are stated for a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def measurements(model: str, dtype: str, repeats: int) -> dict[str, list[str]]:
 @dataclass(frozen=True)
 class Target:
     """One target line: ``value(report)`` compared with ``limit`` by ``kind`` ("<=" or ">="); ``strategies`` are
-    the runs it reads."""
+    the runs it reads; ``roofline``, the run whose decode-step floor and ratio its verdict shows (targets on ms per
+    step)."""
 
     name: str
     measurement: str
@@ -71,6 +75,7 @@ class Target:
     value: Callable[[dict], float]
     kind: str
     limit: float
+    roofline: str | None = None
 
 
 def _run(report: dict, strategy: str) -> dict:
@@ -117,7 +122,7 @@ TARGETS = (
     memory_ratio("cap512", "continuous", "hf_generate", 0.35),
     memory_ratio("cap512", "infinite", "hf_generate", 0.35),
     Target("step: continuous ms per decode step (g 8)", "step", ("continuous",),
-           lambda r: _run(r, "continuous")["ms_per_step"], "<=", 6.0),
+           lambda r: _run(r, "continuous")["ms_per_step"], "<=", 6.0, roofline="continuous"),
     speed_ratio("step", "continuous", "hf_generate_chunked", 2.0),
     speed_ratio("step", "continuous", "hf_generate_batch", 1.0),
     speed_ratio("step", "full", "hf_generate", 1.5),
@@ -128,8 +133,9 @@ TARGETS = (
 
 def judge(reports: dict[str, dict]) -> list[dict]:
     """One verdict per target whose measurement is in ``reports``: ``{"target", "value", "kind", "limit",
-    "passed", "device"}``, and a note (and a failed verdict) where a run broke its target's premise: cap512's
-    rows must all run to the cap."""
+    "passed", "device"}``, for a target on ms per step also ``"floor_ms_per_step"`` and ``"roofline_ratio"`` (None
+    when the measurement predates them), and a note (and a failed verdict) where a run broke its target's premise:
+    cap512's rows must all run to the cap."""
     verdicts = []
     for target in TARGETS:
         if target.measurement not in reports:
@@ -139,6 +145,10 @@ def judge(reports: dict[str, dict]) -> list[dict]:
         passed = value <= target.limit if target.kind == "<=" else value >= target.limit
         verdict = dict(target=target.name, value=value, kind=target.kind, limit=target.limit, passed=passed,
                        device=report["config"]["device"])
+        if target.roofline is not None:
+            run = _run(report, target.roofline)
+            verdict["floor_ms_per_step"] = run.get("floor_ms_per_step")
+            verdict["roofline_ratio"] = run.get("roofline_ratio")
         if target.measurement == "cap512":
             config = report["config"]
             expected = config["prompts"] * config["group_size"] * config["max_new_tokens"]
@@ -156,7 +166,17 @@ def print_verdicts(verdicts: list[dict]) -> None:
     for v in verdicts:
         word = "pass" if v["passed"] else "FAIL"
         print(f"{v['target']:52s}{v['value']:10.3f}   {v['kind']} {v['limit']:<5g}  {word:8s}  {v['device']}"
-              + (f"  ({v['note']})" if "note" in v else ""))
+              + _roofline_text(v) + (f"  ({v['note']})" if "note" in v else ""))
+
+
+def _roofline_text(verdict: dict) -> str:
+    """A verdict's roofline as printed: "floor F ms, ratio R", n/a for what is unknown; empty for targets that do
+    not judge ms per step."""
+    if "floor_ms_per_step" not in verdict:
+        return ""
+    floor, ratio = verdict["floor_ms_per_step"], verdict["roofline_ratio"]
+    return (f"  (floor {'n/a' if floor is None else f'{floor:.3f}'} ms, "
+            f"ratio {'n/a' if ratio is None else f'{ratio:.2f}'})")
 
 
 def main(argv=None) -> list[dict]:

@@ -195,7 +195,11 @@ class RolloutLoop:
         start = time.perf_counter()
         out = self.model(input_ids=torch.tensor([input_ids], device=self.device), past_key_values=cache,
                          use_cache=True, logits_to_keep=1, **kwargs)
-        self.stats.forward_s += time.perf_counter() - start
+        if self.device.type == "cuda":  # kernels run asynchronously: wait, or prefill_s times only their launch
+            torch.cuda.current_stream(self.device).synchronize()
+        elapsed = time.perf_counter() - start
+        self.stats.forward_s += elapsed
+        self.stats.prefill_s += elapsed
         self.stats.prefill_tokens += len(input_ids)
         return out
 

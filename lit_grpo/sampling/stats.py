@@ -27,6 +27,9 @@ class RolloutStats:
         tokens_per_s: ``generated_tokens / wall_s``.
         forward_s: seconds spent in prefill forwards and decode steps (forward, sampling and the step's one
             device-to-host copy); the rest of ``wall_s`` is the engine's and the scheduler's bookkeeping.
+        prefill_s: the part of ``forward_s`` spent in prefill forwards (prompt prefixes, and carried samples'
+            tails), each waited for on CUDA so the time is the device's; ``1000 * prefill_s / prefill_tokens`` is
+            milliseconds per prefill token.
         capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
             the previous rollout's, or runs eagerly; a failed attempt's time when a capture failed).
         num_slots: concurrent sequences the rollout ran with.
@@ -47,6 +50,7 @@ class RolloutStats:
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     forward_s: float = 0.0
+    prefill_s: float = 0.0
     capture_s: float = 0.0
     num_slots: int = 0
     group_size: int = 0
@@ -127,6 +131,7 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.parked_kv_bytes = max(merged.parked_kv_bytes, part.parked_kv_bytes)
         merged.wall_s += part.wall_s
         merged.forward_s += part.forward_s
+        merged.prefill_s += part.prefill_s
         merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)

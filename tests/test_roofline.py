@@ -1,0 +1,115 @@
+"""The roofline (tools/roofline.py): costs from a config against hand counts, the bound chosen, the machine measured."""
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig
+
+from lit_grpo.models import load_model_and_tokenizer
+from tools import roofline
+
+# L 2, H 8, n_h 2, n_kv 1, d 4, I 16, V 10:
+# W_layer = 8·2·4 (q) + 2·8·1·4 (k, v) + 2·4·8 (o) + 3·8·16 (gate, up, down) = 64 + 64 + 64 + 384 = 576
+# W = 2·576 + 10·8 = 1232
+HAND = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=10)
+
+
+def test_decode_step_cost_matches_a_hand_count():
+    cost = roofline.decode_step_cost(LlamaConfig(**HAND), rows=3, context_len=5, dtype="float32")
+    # 2·3·1232 + 4·3·(L n_h d c = 2·2·4·5 = 80)
+    assert cost.flops == 7392 + 960
+    # 4 bytes · (1232 weights + 3·8 embedding rows + 3 rows · 2·(L n_kv d c = 2·1·4·5 = 40) K and V)
+    assert cost.bytes == 4 * (1232 + 24 + 240)
+    assert roofline.decode_step_cost(LlamaConfig(**HAND), 3, 5, torch.bfloat16).bytes == 2 * (1232 + 24 + 240)
+
+
+def test_prefill_cost_matches_a_hand_count():
+    config = LlamaConfig(**HAND)
+    cost = roofline.prefill_cost(config, tokens=4, dtype="float32")
+    # 2·4·L·W_layer + 2·V·H (the last token's logits) + 4·L·n_h·d·(1 + 2 + 3 + 4)
+    assert cost.flops == 2 * 4 * 2 * 576 + 2 * 10 * 8 + 4 * 2 * 2 * 4 * 10
+    # 4 bytes · (W + 4 embedding rows + each layer's K and V of the 4 positions: 2·L·n_kv·d·4)
+    assert cost.bytes == 4 * (1232 + 32 + 64)
+    after = roofline.prefill_cost(config, tokens=2, dtype="float32", cached=3)  # token i attends 3 + i
+    assert after.flops == 2 * 2 * 2 * 576 + 160 + 4 * 2 * 2 * 4 * (4 + 5)
+    assert after.bytes == 4 * (1232 + 16 + 2 * 2 * 1 * 4 * 5)
+    per_token = roofline.prefill_token_cost(config, 4, "float32")
+    assert per_token.flops == pytest.approx(cost.flops / 4) and per_token.bytes == pytest.approx(cost.bytes / 4)
+
+
+def test_weights_are_every_linear_layer_and_the_head_read_once_tied_or_not(tiny_llama):
+    model, _ = tiny_llama
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert roofline.model_shape(model.config).weights == linear  # q, k, v, o, gate, up, down and lm_head
+    tied = LlamaConfig(**HAND, tie_word_embeddings=True)
+    assert roofline.model_shape(tied).weights == roofline.model_shape(LlamaConfig(**HAND)).weights == 1232
+
+
+def test_floor_takes_the_longer_bound():
+    machine = {"matmul_flops_per_s": 100.0, "read_bytes_per_s": 10.0}
+    assert roofline.floor_s(roofline.Cost(flops=300, bytes=20), machine) == (3.0, "compute")
+    assert roofline.floor_s(roofline.Cost(flops=100, bytes=50), machine) == (5.0, "memory")
+    assert roofline.floor_ms(roofline.Cost(flops=100, bytes=50), machine) == (5000.0, "memory")
+    # a machine doing 10 FLOPs per byte; at context 1 the step does 2528·rows FLOPs on 4·(1232 + 24·rows) bytes:
+    # memory-bound up to 31 rows, compute-bound from 32
+    config = LlamaConfig(**HAND)
+    assert roofline.floor_s(roofline.decode_step_cost(config, 31, 1, "float32"), machine)[1] == "memory"
+    assert roofline.floor_s(roofline.decode_step_cost(config, 32, 1, "float32"), machine)[1] == "compute"
+    assert roofline.ratio(6.0, 2.0) == 3.0 and roofline.ratio(None, 2.0) is None and roofline.ratio(1.0, None) is None
+
+
+def test_mean_decode_context_averages_every_step_of_every_sample():
+    # prompt 3, 2 tokens: attends 3 then 4; prompt 5, 4 tokens: 5, 6, 7, 8; (7 + 26) / 6
+    assert roofline.mean_decode_context([3, 5], [2, 4]) == pytest.approx(33 / 6)
+    assert roofline.mean_decode_context([3, 5], [0, 1]) == 5
+    with pytest.raises(ValueError, match="2 prompt lengths for 1 completions"):
+        roofline.mean_decode_context([3, 5], [2])
+    with pytest.raises(ValueError, match="every length is 0"):
+        roofline.mean_decode_context([3], [0])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: roofline.decode_step_cost(c, 0, 5, "float32"), "rows=0 must be an integer >= 1"),
+    (lambda c: roofline.decode_step_cost(c, 2, 0.5, "float32"), "context_len=0.5 must be a number >= 1"),
+    (lambda c: roofline.decode_step_cost(c, 2, 5, "float33"), "dtype='float33' is not a torch dtype"),
+    (lambda c: roofline.prefill_cost(c, 0, "float32"), "tokens=0 must be an integer >= 1"),
+    (lambda c: roofline.prefill_cost(c, 3, "float32", cached=-1), "cached=-1 must be an integer >= 0"),
+])
+def test_bad_cost_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(LlamaConfig(**HAND))
+
+
+def test_a_config_without_a_gated_mlp_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"GPT2Config has no \['intermediate_size'\]; the roofline needs a decoder "
+                                         "with a gated MLP"):
+        roofline.model_shape(GPT2Config(n_layer=2, n_head=2, n_embd=8))
+
+
+def test_measure_machine_records_rates_device_and_method_once_per_process():
+    machine = roofline.measure_machine("cpu", "float32", seconds_budget=0.2)
+    assert machine["matmul_flops_per_s"] > 1e8 and machine["read_bytes_per_s"] > 1e8
+    assert machine["device"] == "cpu" and machine["dtype"] == "float32"
+    assert machine["threads"] == torch.get_num_threads()
+    assert machine["device_name"] == roofline.device_name(torch.device("cpu")) != ""
+    assert "torch.mm" in machine["method"]["matmul"] and "torch.sum" in machine["method"]["read"]
+    again = roofline.measure_machine(torch.device("cpu"), torch.float32, seconds_budget=0.2)
+    assert again == machine  # kept, not measured twice
+    for kwargs, match in [(dict(device="meta"), "device='meta'"), (dict(dtype="float33"), "float33"),
+                          (dict(seconds_budget=0), "seconds_budget=0 must be a number > 0")]:
+        with pytest.raises(ValueError, match=match):
+            roofline.measure_machine(**{"device": "cpu", "dtype": "float32", **kwargs})
+
+
+def test_the_smollm2_decode_step_reads_its_weights_once():
+    """The issue's figures: SmolLM2-135M reads about 540 MB of float32 weights per step and does 2 x ~135M FLOPs
+    per row (its own parameters, embedding tied to the head, counted by the model)."""
+    model, _ = load_model_and_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    params = sum(p.numel() for p in model.parameters())
+    cost = roofline.decode_step_cost(model.config, 16, 64, "float32")
+    weights = roofline.model_shape(model.config).weights
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    assert weights == params - norms  # every parameter but the norms: the tied head once
+    assert 530e6 < 4 * weights < 545e6
+    # the linear layers, and attention over 64 positions: 4·16 rows·30 layers·9 heads·64 dims·64 positions
+    assert cost.flops == 2 * 16 * weights + 4 * 16 * 30 * 9 * 64 * 64

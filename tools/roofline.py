@@ -1,0 +1,326 @@
+"""The roofline of a decode step and of prefill: the fewest milliseconds this machine could spend on them.
+
+A forward's floor is the longer of two times: its FLOPs at the machine's matmul rate, and the bytes it must read
+at the machine's memory read bandwidth::
+
+    floor_s = max(flops / matmul_flops_per_s, bytes / read_bytes_per_s)      bound = "compute" | "memory"
+
+Both rates are measured in this process, with torch's own kernels (``measure_machine``), so a ratio
+``measured / floor`` says how far the engine is from what torch's kernels can do on this machine, not from a data
+sheet. The costs come from the model's config (``decode_step_cost``, ``prefill_cost``), for the decoders this
+project runs (Llama, Qwen2, Qwen3: attention with q, k, v, o projections and a gated MLP).
+
+Notation: L layers, H hidden size, n_h attention heads, n_kv key/value heads, d head dim, I MLP width, V vocabulary,
+b bytes per element of the model's dtype. The linear weights of one layer (elements)::
+
+    W_layer = H·n_h·d (q) + 2·H·n_kv·d (k, v) + n_h·d·H (o) + 3·H·I (gate, up, down)
+
+and of the whole model ``W = L·W_layer + V·H``: the output head is read once per forward whether it is tied to the
+input embedding or not (tied, the embedding's rows looked up are among the head's; untied, only the looked-up
+rows of the embedding are read, ``H`` elements per token, counted below).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_grpo.sampling.memory_budget import kv_geometry
+
+#: What ``measure_machine`` keeps of its measurements, per (device, dtype, threads), so a process measures once.
+_MEASURED: dict[tuple[str, str, int], dict] = {}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The work of one forward: ``flops`` (multiply and add counted as 2) and ``bytes`` read from memory."""
+
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder that its costs depend on (see the module docstring for the letters)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def layer_weights(self) -> int:
+        """``W_layer``: elements of one layer's linear weights (q, k, v, o, gate, up, down)."""
+        h, d = self.hidden, self.head_dim
+        return h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h + 3 * h * self.intermediate
+
+    @property
+    def weights(self) -> int:
+        """``W = L·W_layer + V·H``: elements of every linear weight a forward reads, the output head included."""
+        return self.layers * self.layer_weights + self.vocab * self.hidden
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The ``ModelShape`` of a transformers config (a multimodal config's text config is used)."""
+    layers, kv_heads, head_dim = kv_geometry(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    missing = [name for name in ("hidden_size", "intermediate_size", "vocab_size") if not getattr(text, name, None)]
+    if missing:
+        raise ValueError(f"model config {type(text).__name__} has no {missing}; the roofline needs a decoder with a "
+                         "gated MLP (Llama, Qwen2, Qwen3)")
+    return ModelShape(layers=layers, hidden=int(text.hidden_size), heads=int(text.num_attention_heads),
+                      kv_heads=kv_heads, head_dim=head_dim, intermediate=int(text.intermediate_size),
+                      vocab=int(text.vocab_size))
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a ``torch.dtype`` or its name ("float32", "torch.bfloat16")."""
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+        dtype = resolved
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dtype | str) -> Cost:
+    """The work of one decode step: ``rows`` rows each feed one token and attend ``context_len`` positions (its own
+    included; the mean over the rows), keeping the logits of that one token::
+
+        flops = 2·rows·W + 4·rows·L·n_h·d·context_len          (the linear layers; q·K and p·V)
+        bytes = b·(W + rows·H + 2·rows·L·n_kv·d·context_len)   (the weights; embedding rows; each row's K and V)
+
+    Left out, as small beside these at decode sizes: norms, rotary embeddings, the softmax, activations, the
+    sampling over ``rows·V`` logits, biases, and writing the new keys and values (``2·rows·L·n_kv·d`` elements).
+    A static cache that attends its whole width (masked) does more; the floor counts only the positions needed.
+
+    Args:
+        config: the model's transformers config.
+        rows: sequences in the step (>= 1), e.g. the engine's slot count.
+        context_len: mean positions each row attends (>= 1).
+        dtype: the weights' and the KV cache's dtype.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r} must be an integer >= 1")
+    if not isinstance(context_len, (int, float)) or not context_len >= 1:
+        raise ValueError(f"context_len={context_len!r} must be a number >= 1 (positions attended, its own included)")
+    s, b = model_shape(config), dtype_bytes(dtype)
+    attention = s.layers * s.heads * s.head_dim * context_len
+    kv = 2 * s.layers * s.kv_heads * s.head_dim * context_len
+    return Cost(flops=2 * rows * s.weights + 4 * rows * attention,
+                bytes=b * (s.weights + rows * s.hidden + rows * kv))
+
+
+def prefill_cost(config: Any, tokens: int, dtype: torch.dtype | str, cached: int = 0) -> Cost:
+    """The work of one prefill forward of ``tokens`` tokens of one sequence after ``cached`` cached positions,
+    keeping the last token's logits only (as the engine does)::
+
+        flops = 2·tokens·L·W_layer + 2·V·H + 4·L·n_h·d·(tokens·cached + tokens·(tokens + 1)/2)
+        bytes = b·(W + tokens·H + 2·L·n_kv·d·(cached + tokens))
+
+    Causal attention: token i attends ``cached + i`` positions; an ideal kernel reads each layer's keys and values
+    once per forward. Left out as in ``decode_step_cost`` (norms, rotary, softmax, activations, biases, KV writes).
+
+    Args:
+        config: the model's transformers config.
+        tokens: tokens run in this forward (>= 1).
+        dtype: the weights' and the KV cache's dtype.
+        cached: positions already in the cache (a carried sample's tail runs after its prompt's prefix).
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens={tokens!r} must be an integer >= 1")
+    if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+        raise ValueError(f"cached={cached!r} must be an integer >= 0")
+    s, b = model_shape(config), dtype_bytes(dtype)
+    attended = tokens * cached + tokens * (tokens + 1) / 2
+    return Cost(flops=2 * tokens * s.layers * s.layer_weights + 2 * s.vocab * s.hidden
+                + 4 * s.layers * s.heads * s.head_dim * attended,
+                bytes=b * (s.weights + tokens * s.hidden + 2 * s.layers * s.kv_heads * s.head_dim * (cached + tokens)))
+
+
+def prefill_token_cost(config: Any, tokens: int, dtype: torch.dtype | str, cached: int = 0) -> Cost:
+    """``prefill_cost`` per token of that forward: what one prompt token costs when ``tokens`` run together."""
+    cost = prefill_cost(config, tokens, dtype, cached)
+    return Cost(flops=cost.flops / tokens, bytes=cost.bytes / tokens)
+
+
+def floor_s(cost: Cost, machine: dict) -> tuple[float, str]:
+    """``(seconds, bound)``: the longer of ``cost.flops / matmul_flops_per_s`` ("compute") and ``cost.bytes /
+    read_bytes_per_s`` ("memory"), the rates of ``machine`` (a ``measure_machine`` record)."""
+    compute = cost.flops / machine["matmul_flops_per_s"]
+    memory = cost.bytes / machine["read_bytes_per_s"]
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+def floor_ms(cost: Cost, machine: dict) -> tuple[float, str]:
+    """``floor_s`` in milliseconds: ``(ms, bound)``."""
+    seconds, bound = floor_s(cost, machine)
+    return 1000 * seconds, bound
+
+
+def mean_decode_context(prompt_lengths: list[int], completion_lengths: list[int]) -> float:
+    """Mean positions a decode step's row attends, over every (sample, step) of a rollout.
+
+    A sample with a P-token prompt feeds, at its j-th step (j = 0 .. L-1), the token at position P - 1 + j and
+    attends P + j positions, so its steps average ``P + (L - 1) / 2``; samples weigh by their L. Lists ``[N]``, one
+    entry per sample; samples with L = 0 take no step.
+    """
+    if len(prompt_lengths) != len(completion_lengths):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(completion_lengths)} completions")
+    steps = sum(completion_lengths)
+    if steps < 1:
+        raise ValueError("no completion took a decode step (every length is 0)")
+    return sum(n * (p + (n - 1) / 2) for p, n in zip(prompt_lengths, completion_lengths)) / steps
+
+
+# --------------------------------------------------------------------------------------------- the machine
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name as ``lscpu`` gives it (``/proc/cpuinfo`` when lscpu is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if shutil.which("lscpu"):
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                                 env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}).stdout
+            match = re.search(r"^Model name:\s*(.+)$", out, re.MULTILINE)
+            if match:
+                return match.group(1).strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _cpu_flags() -> list[str]:
+    """The vector extensions torch's CPU kernels may use, as /proc/cpuinfo lists them."""
+    try:
+        flags = set(re.search(r"^flags\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+                    .group(1).split())
+    except (OSError, AttributeError):
+        return []
+    return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+
+
+def _last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), 0 when unknown: the bandwidth buffer must be much larger."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        match = re.fullmatch(r"(\d+)([KMG]?)", path.read_text().strip())
+        if match:
+            sizes.append(int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)])
+    return max(sizes, default=0)
+
+
+def _median_seconds(run, device: torch.device, budget_s: float, min_runs: int = 3, max_runs: int = 30) -> float:
+    """Median wall time of ``run()`` after one untimed warm-up call: at least ``min_runs`` timed calls, more while
+    ``budget_s`` lasts. On CUDA each call is waited for (kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    run()
+    sync(device)
+    times, started = [], time.perf_counter()
+    while len(times) < min_runs or (len(times) < max_runs and time.perf_counter() - started < budget_s):
+        start = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, inner: int, budget_s: float) -> float:
+    """Median seconds of one ``torch.mm`` of two ``n x n`` matrices in ``dtype`` (``inner`` per timed call)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def run():
+        for _ in range(inner):
+            torch.mm(a, b)
+
+    return _median_seconds(run, device, budget_s) / inner
+
+
+def _read_seconds(device: torch.device, buffer_bytes: int, inner: int, budget_s: float) -> float:
+    """Median seconds of one ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (``inner`` per timed call)."""
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
+
+    def run():
+        for _ in range(inner):
+            buffer.sum()
+
+    return _median_seconds(run, device, budget_s) / inner
+
+
+def measure_machine(device: torch.device | str, dtype: torch.dtype | str, seconds_budget: float = 1.0) -> dict:
+    """This machine's matmul rate (FLOP/s, in ``dtype``) and memory read bandwidth (bytes/s), with torch's kernels.
+
+    Matmul: ``torch.mm`` of two square matrices in ``dtype`` (2048 on a CPU, 8192 on a GPU: large enough to be
+    compute-bound), ``2·n³`` FLOPs per call. Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the
+    last-level cache (the CPU's largest cache from sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a
+    GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
+    on a GPU a call is 10 back-to-back kernels). The result is kept per (device, dtype, threads), so a process
+    measures once.
+
+    Returns:
+        ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "read_bytes_per_s", "method",
+        "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the GPU's.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: the roofline is measured on 'cpu' or 'cuda' only")
+    if not isinstance(seconds_budget, (int, float)) or not seconds_budget > 0:
+        raise ValueError(f"seconds_budget={seconds_budget!r} must be a number > 0")
+    dtype_bytes(dtype)  # a bad name is refused here, naming it
+    dtype_name = str(dtype).removeprefix("torch.")
+    dtype = getattr(torch, dtype_name)
+    threads = torch.get_num_threads()
+    key = (str(device), dtype_name, threads)
+    if key in _MEASURED:
+        return dict(_MEASURED[key])
+    started = time.perf_counter()
+    gpu = device.type == "cuda"
+    inner = 10 if gpu else 1
+    n = 8192 if gpu else 2048
+    llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if gpu
+           else _last_level_cache_bytes())
+    buffer_bytes = max(2**30 if gpu else 2**28, 4 * llc)
+    with torch.inference_mode():  # each helper's tensors are freed when it returns
+        matmul_s = _matmul_seconds(device, dtype, n, inner, seconds_budget / 2)
+        read_s = _read_seconds(device, buffer_bytes, inner, seconds_budget / 2)
+    record = {
+        "device": str(device), "device_name": device_name(device), "dtype": dtype_name, "threads": threads,
+        "matmul_flops_per_s": 2 * n**3 / matmul_s, "read_bytes_per_s": buffer_bytes / read_s,
+        "method": {"matmul": f"torch.mm of two {n} x {n} {dtype_name} matrices, 2·n³ FLOPs, median after a warm-up",
+                   "read": f"torch.sum over a {buffer_bytes / 2**20:.0f} MiB float32 buffer (last-level cache "
+                           f"{llc / 2**20:.0f} MiB), median after a warm-up"},
+        "measured_s": time.perf_counter() - started,
+    }
+    if not gpu:
+        record["cpu_flags"] = _cpu_flags()
+    _MEASURED[key] = record
+    return dict(record)
+
+
+def ratio(measured: float | None, floor: float | None) -> float | None:
+    """``measured / floor``, or None when either is unknown (or the floor is 0)."""
+    if measured is None or not floor or math.isnan(floor):
+        return None
+    return measured / floor
