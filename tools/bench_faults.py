@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed to each process")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.kills < 0 or args.save_every < 1:
-        parser.error(f"--steps {args.steps} must be >= 2, --kills {args.kills} >= 0, --save-every "
+    if args.steps < 3 or args.kills < 0 or args.save_every < 1:
+        parser.error(f"--steps {args.steps} must be >= 3, --kills {args.kills} >= 0, --save-every "
                      f"{args.save_every} >= 1")
     out = Path(args.out).resolve()
     if out.exists():
@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for kill in range(args.kills):
         rng = random.Random(args.seed * 100_003 + kill)
         target = TARGETS[kill % len(TARGETS)]
-        steps = saved_steps[:-1] if target == "checkpoint" else list(range(2, args.steps + 1))
+        # Never the last step: a stop aimed there can come after the run ended (the delay is scaled by the
+        # reference run's phases, and a run may go faster than its reference did).
+        steps = saved_steps[:-1] if target == "checkpoint" else list(range(2, args.steps))
         step = rng.choice(steps or [1])
         delay = rng.uniform(0.0, 0.9 * durations[target])
         root = out / f"kill{kill:02d}"

@@ -66,6 +66,7 @@ class RolloutLoop:
         self.num_slots = step.cache.num_slots
         self.device = step.device
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
+        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA prefills, timed at the end
         self.step.start_rollout(settings.seed)
 
         self.samples = {(p, k): _Sample((p, k), s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
@@ -100,6 +101,7 @@ class RolloutLoop:
                 self._decode_step()
         finally:
             self.step.stop_all()  # leave every row idle for the next rollout
+        self._count_prefill_events()
         metrics = self.scheduler.end()
         self.stats.length_pred_kendall_tau = metrics.get("length_pred_kendall_tau")
         self.stats.length_pred_smape = metrics.get("length_pred_smape")
@@ -193,15 +195,29 @@ class RolloutLoop:
 
     def _forward(self, input_ids: list[int], cache: DynamicCache, **kwargs):
         start = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":  # kernels run asynchronously: the device's time comes from events
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         out = self.model(input_ids=torch.tensor([input_ids], device=self.device), past_key_values=cache,
                          use_cache=True, logits_to_keep=1, **kwargs)
-        if self.device.type == "cuda":  # kernels run asynchronously: wait, or prefill_s times only their launch
-            torch.cuda.current_stream(self.device).synchronize()
         elapsed = time.perf_counter() - start
         self.stats.forward_s += elapsed
-        self.stats.prefill_s += elapsed
+        if events is None:
+            self.stats.prefill_s += elapsed
+        else:  # read once the rollout's last decode step has synchronised: no host sync of its own
+            events[1].record()
+            self._prefill_events.append(events)
         self.stats.prefill_tokens += len(input_ids)
         return out
+
+    def _count_prefill_events(self) -> None:
+        """Add the CUDA prefills' device time to ``prefill_s`` (their events completed before the last step's
+        synchronisation)."""
+        if self._prefill_events:
+            self._prefill_events[-1][1].synchronize()  # already complete after a decode step; a no-op wait then
+            self.stats.prefill_s += sum(start.elapsed_time(end) for start, end in self._prefill_events) / 1000
+            self._prefill_events.clear()
 
     def _prefill(self, p: int, with_features: bool = False) -> torch.Tensor | None:
         """Run prompt p's first P - 1 tokens once and cache their KV; optionally return its features [H] (the

@@ -27,9 +27,9 @@ class RolloutStats:
         tokens_per_s: ``generated_tokens / wall_s``.
         forward_s: seconds spent in prefill forwards and decode steps (forward, sampling and the step's one
             device-to-host copy); the rest of ``wall_s`` is the engine's and the scheduler's bookkeeping.
-        prefill_s: the part of ``forward_s`` spent in prefill forwards (prompt prefixes, and carried samples'
-            tails), each waited for on CUDA so the time is the device's; ``1000 * prefill_s / prefill_tokens`` is
-            milliseconds per prefill token.
+        prefill_s: seconds spent in prefill forwards (prompt prefixes, and carried samples' tails): on CPU the
+            prefills' part of ``forward_s``; on CUDA the device's time, from events read after the rollout's last
+            synchronisation (no host sync of their own). ``1000 * prefill_s / prefill_tokens``: ms per token.
         capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
             the previous rollout's, or runs eagerly; a failed attempt's time when a capture failed).
         num_slots: concurrent sequences the rollout ran with.
