@@ -150,7 +150,8 @@ def phase_durations(trace: list[tuple[str, int, float]]) -> dict[str, float]:
 
 def strike(proc: subprocess.Popen, root: Path, target: str, step: int, delay: float, signum: int,
            timeout: float) -> dict[str, Any]:
-    """Wait for ``target`` of ``step`` in the trace, wait ``delay`` more, send ``signum`` to the process group."""
+    """Wait for ``target`` of ``step`` in the trace, then ``delay`` more or until the trace moves on, whichever is
+    first, and send ``signum`` (SIGKILL to the process group)."""
     trace_path, mark = root / "trace.0", {"rollout": "rollout", "update": "update", "checkpoint": "write"}[target]
     deadline = time.monotonic() + timeout
     while not any(p == mark and s >= step for p, s, _ in read_trace(trace_path)):
@@ -159,7 +160,11 @@ def strike(proc: subprocess.Popen, root: Path, target: str, step: int, delay: fl
         if time.monotonic() > deadline:
             raise TimeoutError(f"{root}: no {target} {step} within {timeout} s")
         time.sleep(0.0005)
-    time.sleep(delay)
+    # The delay is scaled by the reference's phases; a run going faster than its reference must still be struck
+    # in (or right after) the aimed phase, not after it ended: the next line of the trace cuts the wait short.
+    size, until = trace_path.stat().st_size, time.monotonic() + delay
+    while time.monotonic() < until and trace_path.stat().st_size == size:
+        time.sleep(0.0002)
     writing = bool(partial_files(root))
     os.killpg(proc.pid, signum) if signum == signal.SIGKILL else os.kill(proc.pid, signum)
     trace = read_trace(trace_path)
