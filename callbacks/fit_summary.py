@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_grpo.sizes import disk_bytes, format_bytes
 
 from ._paths import shown_path
 from ._rollout import rollout_stats
@@ -118,13 +119,13 @@ class FitSummary(Callback):
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []
         if self.peak_kv_bytes:
-            parts.append(f"KV cache {_size(self.peak_kv_bytes)}")
+            parts.append(f"KV cache {format_bytes(self.peak_kv_bytes)}")
         for callback in trainer.callbacks:
             logged = callback.max_logged if isinstance(callback, PeakMemoryMonitor) else {}
             if "memory/rollout_peak_bytes" in logged:
                 added = logged.get("memory/rollout_peak_delta_bytes")
-                parts.append(f"process {_size(logged['memory/rollout_peak_bytes'])}"
-                             + (f" (+{_size(added)} during the rollout)" if added is not None else ""))
+                parts.append(f"process {format_bytes(logged['memory/rollout_peak_bytes'])}"
+                             + (f" (+{format_bytes(added)} during the rollout)" if added is not None else ""))
         return "; ".join(parts)
 
     @staticmethod
@@ -144,7 +145,7 @@ class FitSummary(Callback):
                     resume = "--ckpt_path last"
                 else:
                     resume = f"--ckpt_path {shown_path(path)}"
-                lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({_size(_disk_bytes(path))}{saves}; resume with "
+                lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({format_bytes(disk_bytes(path))}{saves}; resume with "
                              f"{resume})")
         return lines
 
@@ -176,18 +177,3 @@ def _when(step: int) -> str:
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{int(num_bytes)} B"
-
-
-def _disk_bytes(path: str | os.PathLike) -> int:
-    """Size of a checkpoint file, or of a directory's files (a sharded checkpoint, e.g. FSDP's)."""
-    path = Path(path)
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return path.stat().st_size

@@ -32,6 +32,8 @@ import torch
 
 from lit_grpo.checkpoints import read_checkpoint_header
 from lit_grpo.models import load_model_and_tokenizer, resolve_dtype, with_lora
+from lit_grpo.sizes import disk_bytes, format_bytes
+from lit_grpo.validation import check_choice
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in.
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,21 +58,6 @@ class ExportResult:
                 f"{self.seconds:.1f} s)")
 
 
-def format_bytes(count: int) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def directory_bytes(path: Path) -> int:
-    """Bytes of every file under ``path``."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
 def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     """The ids the rollout engine stops on: the generation config's EOS ids and the tokenizer's EOS."""
     ids = model.generation_config.eos_token_id
@@ -82,10 +69,7 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
 
 def check_dtype(dtype: str | None) -> str:
     """``dtype`` if it is one of ``EXPORT_DTYPES`` (None means "auto"); else a ValueError naming it."""
-    dtype = "auto" if dtype is None else dtype
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported for export; use one of {list(EXPORT_DTYPES)}")
-    return dtype
+    return check_choice("dtype", "auto" if dtype is None else dtype, EXPORT_DTYPES)
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -145,7 +129,7 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     finally:
         base.config, base.generation_config = live
     tokenizer.save_pretrained(out)
-    return ExportResult(out=out, bytes=directory_bytes(out), dtype=torch_dtype, adapter_only=adapter_only,
+    return ExportResult(out=out, bytes=disk_bytes(out), dtype=torch_dtype, adapter_only=adapter_only,
                         seconds=time.perf_counter() - started)
 
 

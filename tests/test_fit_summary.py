@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor, RolloutProfiler
-from lit_grpo.callbacks.fit_summary import _disk_bytes
+from lit_grpo.sizes import disk_bytes
 
 
 class ValidatedModule(RolloutModule):
@@ -108,7 +108,7 @@ def test_a_sharded_checkpoint_directory_is_sized_by_its_files(tmp_path):
     (shards / "sub").mkdir(parents=True)
     (shards / "a.distcp").write_bytes(b"x" * 3000)
     (shards / "sub" / "b.distcp").write_bytes(b"x" * 1000)
-    assert _disk_bytes(shards) == 4000 and _disk_bytes(shards / "a.distcp") == 3000
+    assert disk_bytes(shards) == 4000 and disk_bytes(shards / "a.distcp") == 3000
 
 
 class SlowValidationModule(ValidatedModule):

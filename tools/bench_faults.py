@@ -41,6 +41,8 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
+from tools.roofline import device_name
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("rollout", "update", "checkpoint")
 VARIANTS = {
@@ -304,21 +306,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"unreadable checkpoints, at most {summary['max_steps_redone']} steps redone (save interval "
           f"{args.save_every}); struck: {summary['struck']}", flush=True)
     result = {"config": {**vars(args), "world_size": world, "phase_seconds": durations,
-                         "device": "cpu", "cpu": _cpu_name()}, "kills": records, "summary": summary}
+                         "device": "cpu", "cpu": device_name(torch.device("cpu"))}, "kills": records, "summary": summary}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
-
-
-def _cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
