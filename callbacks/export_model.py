@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.export import ExportResult, check_dtype, export_policy
+
+from ._paths import shown_path
 
 
 class ExportModel(Callback):
@@ -59,15 +60,7 @@ class ExportModel(Callback):
 
 def export_lines(result: ExportResult) -> str:
     """The summary's lines for an export."""
-    shown = _shown(result.out)
+    shown = shown_path(result.out)
     how = ("PeftModel.from_pretrained(base_model, " if result.adapter_only
            else "AutoModelForCausalLM.from_pretrained(") + f"{shown!r})"
     return f"  {'model':<14} {result.describe().replace(str(result.out), shown, 1)}\n  {'':<14} -> {how}"
-
-
-def _shown(path: Path) -> str:
-    path = path.resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return os.fspath(path)

@@ -34,11 +34,12 @@ RESUME_SETTINGS = {
 }
 
 
-def partial_path(path: str | os.PathLike) -> Path:
-    """Where ``atomic_torch_save`` writes ``path`` before renaming it: a hidden file beside it, named by this
-    process, so that no ``*.ckpt`` pattern matches it and two writers never share one."""
+def partial_path(path: str | os.PathLike, pid: int | None = None) -> Path:
+    """Where ``atomic_torch_save`` in process ``pid`` (default: this one) writes ``path`` before renaming it: a
+    hidden file beside it, named by the process, so that no ``*.ckpt`` pattern matches it and two writers never
+    share one."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+    return path.with_name(f".{path.name}.{os.getpid() if pid is None else pid}.partial")
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
+from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
 from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
 from lit_grpo.module import GRPOModule
@@ -213,11 +214,7 @@ def export_command(ckpt_path: str | os.PathLike) -> str:
     paths relative to the working directory where they lie under it."""
     path = Path(ckpt_path).resolve()
     run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return shlex.join(["lit-grpo", "export", "--ckpt_path", _relative(path), "--out", _relative(run / "model")])
-
-
-def _relative(path: Path) -> str:
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+    return shlex.join(["lit-grpo", "export", "--ckpt_path", shown_path(path), "--out", shown_path(run / "model")])
 
 
 def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:

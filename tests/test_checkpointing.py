@@ -158,7 +158,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
     last = folder / "last.ckpt"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(last)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "first"
-    partial = partial_path(last).with_name(partial_path(last).name.replace(str(os.getpid()), str(proc.pid)))
+    partial = partial_path(last, pid=proc.pid)
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size > 1 << 20):
         assert time.monotonic() < deadline and proc.poll() is None, "the second write never started"

@@ -41,6 +41,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
+from lit_grpo.checkpoints import PARTIAL
 from tools.roofline import device_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +138,8 @@ def finish(proc: subprocess.Popen, root: Path, attempt: int, timeout: float) -> 
 
 
 def partial_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob(".*.partial")]
+    """The partial checkpoint files of unfinished saves under ``root`` (``lit_grpo.checkpoints.partial_path``)."""
+    return [p for p in root.rglob("*.partial") if PARTIAL.match(p.name)]
 
 
 def phase_durations(trace: list[tuple[str, int, float]]) -> dict[str, float]:
