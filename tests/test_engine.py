@@ -487,3 +487,63 @@ def test_samples_run_in_the_slots_the_scheduler_assigned(tiny_llama, prompt_ids)
         ran = [row[slot] for row in result.stats.timeline if row[slot] != IDLE]
         runs = [flat for i, flat in enumerate(ran) if i == 0 or ran[i - 1] != flat]
         assert runs == [p * G + k for s, (p, k) in scheduler.assignments if s == slot]
+
+
+# ------------------------------------------------------------------------------ the two-level inverse-CDF draw
+def test_inverse_cdf_draws_the_token_a_whole_vocabulary_scan_draws():
+    from lit_grpo.sampling.token_sampler import inverse_cdf
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 1000, generator=generator) ** 4  # V not a multiple of the block: a padded last block
+    probs[:, torch.randperm(1000, generator=generator)[:300]] = 0.0  # filtered tokens
+    uniforms = torch.rand(64, generator=generator, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    for block in (1, 7, 128, 4096):
+        tokens = inverse_cdf(probs, uniforms, block=block)
+        assert torch.equal(tokens, expected), block
+        assert (probs.gather(-1, tokens[:, None]) > 0).all()
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token_at_the_edges():
+    from lit_grpo.sampling.token_sampler import inverse_cdf
+
+    probs = torch.zeros(3, 300)
+    probs[:, 5] = 1e-30   # a tiny first token, then nothing until the last live one
+    probs[:, 260] = 1.0
+    uniforms = torch.tensor([1e-40, 0.5, 1 - 1e-16], dtype=torch.float64)
+    assert inverse_cdf(probs, uniforms).tolist() == [5, 260, 260]
+
+
+# ------------------------------------------------------------------------------ the compiled decode step
+def test_a_compiled_step_is_schedule_invariant_greedy_exact_and_compiled_once(tiny_llama):
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = tiny_llama
+    prompts = _ids(tokenizer, PROMPTS)
+    graphs_before = counters["stats"]["unique_graphs"]
+    runs = {}
+    for strategy in ("micro", "continuous", "infinite"):
+        # "history" reads no hidden states: the same step settings, so the same compiled code
+        options = {"predictor": "history"} if strategy == "infinite" else {}
+        engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=3, strategy=strategy,
+                               max_new_tokens=10, seed=7, compile=True, **options)
+        result = engine.generate(prompts)
+        runs[strategy] = result.completion_ids
+        assert result.stats.capture_s > 0 or strategy != "micro"  # the first build pays the compilation
+    assert runs["continuous"] == runs["micro"] and runs["infinite"] == runs["micro"]
+    after_first = counters["stats"]["unique_graphs"]
+    assert after_first - graphs_before == 1  # one shape, one settings: one compilation for all three engines
+    # Training-like: new prompts of other lengths (same width bucket), the cache freed after every rollout.
+    engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=3, strategy="continuous",
+                           max_new_tokens=10, seed=7, compile=True)
+    for texts in (PROMPTS[:2], PROMPTS[1:], ["Another prompt of another length?"]):
+        engine.generate(_ids(tokenizer, texts))
+        engine.release()
+    assert counters["stats"]["unique_graphs"] == after_first
+
+    greedy = RolloutEngine(model, tokenizer, group_size=1, max_new_tokens=8, temperature=0.0, compile=True)
+    ids = _ids(tokenizer, PROMPTS[:1])
+    completion = greedy.generate(ids).completion_ids[0][0]
+    expected = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False)[0, len(ids[0]):].tolist()
+    assert completion == expected[: len(completion)]

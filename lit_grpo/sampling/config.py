@@ -44,6 +44,8 @@ class SamplingConfig:
         cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
             FSDP-sharded; a capture that fails then warns and the step runs eagerly, whereas True raises). On CPU
             the same static-shape step runs eagerly.
+        compile: compile the decode step with ``torch.compile`` (static shapes, one compilation per step shape and
+            process); on CUDA the compiled step is what the graph captures.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.
@@ -60,6 +62,7 @@ class SamplingConfig:
     seed: int = 0
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
+    compile: bool = False
     keep_kv_cache: bool = False
 
     def __post_init__(self) -> None:

@@ -61,6 +61,7 @@ class StepSettings:
     force_lengths: bool
     hidden_states: bool
     cuda_graph: bool
+    compile: bool = False
 
 
 @dataclass
@@ -107,8 +108,14 @@ class DecodeStep:
         self.tokens = torch.zeros(slots, **long)
         self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
         self.hidden: torch.Tensor | None = None
+        if settings.hidden_states:
+            hidden_size = model.config.get_text_config(decoder=True).hidden_size
+            self.hidden = torch.zeros(slots, hidden_size, dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_s = 0.0
+        # The class's function, not the bound method: storing a bound method on self would make a reference cycle
+        # that keeps the cache and the graph's memory alive after the engine lets go of the step.
+        self._compiled_run = torch.compile(DecodeStep._run, dynamic=False) if settings.compile else None
 
     # ------------------------------------------------------------------------------------------ host side
     def start_rollout(self, seed: int) -> None:
@@ -147,13 +154,13 @@ class DecodeStep:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._run()
+            self._forward()
         non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync
         tokens = self.tokens.to("cpu", non_blocking=non_blocking)
         logprobs = self.logprobs.to("cpu", non_blocking=non_blocking)
         hidden = None
         if hidden_slots:  # all rows come over (a few KB): indexing on the device would need the index there first
-            if self.hidden is None:
+            if not self.settings.hidden_states:
                 raise RuntimeError("this decode step was built without hidden_states=True")
             hidden = self.hidden.to("cpu", non_blocking=non_blocking)
         if non_blocking:
@@ -161,6 +168,12 @@ class DecodeStep:
         return StepOutput(tokens.tolist(), logprobs.tolist(), None if hidden is None else hidden[hidden_slots])
 
     # ------------------------------------------------------------------------------------------ device side
+    def _forward(self) -> None:
+        if self._compiled_run is not None:
+            self._compiled_run(self)
+        else:
+            self._run()
+
     def _run(self) -> None:
         """The step itself: forward, sampling, advance. Captured as is into the CUDA graph."""
         settings, lengths = self.settings, self.cache.lengths
@@ -179,10 +192,7 @@ class DecodeStep:
         self.tokens.copy_(tokens)
         self.logprobs.copy_(logprobs)
         if settings.hidden_states:
-            last_hidden = out.hidden_states[-1][:, -1].float()
-            if self.hidden is None:
-                self.hidden = torch.zeros_like(last_hidden)
-            self.hidden.copy_(last_hidden)
+            self.hidden.copy_(out.hidden_states[-1][:, -1])
         self.input_ids.copy_(tokens.unsqueeze(1))
         lengths.add_(self.active)
         self.token_index.add_(self.active)
@@ -198,6 +208,16 @@ class DecodeStep:
         finally:
             self.capture_s = time.perf_counter() - started
 
+    def compile_eagerly(self) -> None:
+        """Without a graph: run the compiled step once while every row is idle, so its compilation (paid once per
+        step shape and process) is counted in ``capture_s`` rather than in the first decode step."""
+        started = time.perf_counter()
+        try:
+            self._forward()
+            self.stop_all()
+        finally:
+            self.capture_s = time.perf_counter() - started
+
     def run_eagerly(self) -> None:
         """Give up the graph (a capture failed): the same step, eager from now on."""
         self.graph = None
@@ -208,7 +228,7 @@ class DecodeStep:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(1 if self.device in _warmed_up_devices else WARMUP_STEPS):
-                self._run()
+                self._forward()
         _warmed_up_devices.add(self.device)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.stop_all()  # the warm-up advanced nothing (every row idle), but make it explicit
@@ -217,7 +237,7 @@ class DecodeStep:
         try:
             with _graph_safe_autocast(), torch.cuda.graph(graph):
                 try:
-                    self._run()
+                    self._forward()
                 except Exception as error:
                     broke.append(error)
                     raise

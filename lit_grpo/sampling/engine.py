@@ -53,9 +53,10 @@ __all__ = ["STRATEGIES", "GroupProgress", "RolloutEngine", "RolloutResult", "Sam
 #: Attention implementations that take the slot cache's 4-D mask (flash-attention kernels take none).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
-#: On CUDA the slot cache's width is rounded up to this many positions, so rollouts whose prompts differ by a few
-#: tokens reuse one cache and its captured graph (and attention rows stay aligned).
-CUDA_WIDTH_ALIGNMENT = 64
+#: On CUDA, and wherever the step is compiled, the slot cache's width is rounded up to this many positions, so
+#: rollouts whose prompts differ by a few tokens reuse one cache, its captured graph and its compiled code (and
+#: attention rows stay aligned).
+WIDTH_ALIGNMENT = 64
 
 
 class RolloutEngine:
@@ -201,8 +202,8 @@ class RolloutEngine:
         device = next(self.model.parameters()).device
         # Under autocast (bf16-mixed with float32 weights) keys and values come out in the autocast dtype.
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.model.dtype
-        if device.type == "cuda":
-            width = -(-width // CUDA_WIDTH_ALIGNMENT) * CUDA_WIDTH_ALIGNMENT
+        if device.type == "cuda" or settings.compile:
+            width = -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)
                 and self._step.settings == settings and self._step.model is self.model):
             return self._cache, self._step, False
@@ -237,6 +238,8 @@ class RolloutEngine:
         Running out of memory is no reason to give graphs up: it is raised as it is."""
         step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
         if not settings.cuda_graph:
+            if settings.compile:
+                step.compile_eagerly()
             return step
         try:
             step.capture()
@@ -264,7 +267,7 @@ class RolloutEngine:
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced, hidden_states=self.scheduler.probe_tokens is not None,
-                            cuda_graph=bool(graph))
+                            cuda_graph=bool(graph), compile=self.config.compile)
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:

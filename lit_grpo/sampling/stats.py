@@ -30,8 +30,9 @@ class RolloutStats:
         prefill_s: seconds spent in prefill forwards (prompt prefixes, and carried samples' tails): on CPU the
             prefills' part of ``forward_s``; on CUDA the device's time, from events read after the rollout's last
             synchronisation (no host sync of their own). ``1000 * prefill_s / prefill_tokens``: ms per token.
-        capture_s: seconds spent capturing the decode step's CUDA graph in this rollout (0 when the engine reused
-            the previous rollout's, or runs eagerly; a failed attempt's time when a capture failed).
+        capture_s: seconds spent preparing the decode step in this rollout: capturing its CUDA graph, and compiling
+            it (``compile``); 0 when the engine reused the previous rollout's step, or the step runs eagerly
+            uncompiled; a failed attempt's time when a capture failed.
         num_slots: concurrent sequences the rollout ran with.
         parked_samples: times the scheduler parked a running sample after its length probe ("infinite" only).
         parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).

@@ -54,10 +54,39 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
     logits = filter_logits(logits / temperature, top_k, top_p)
     logprobs = torch.log_softmax(logits, -1)
-    cdf = logprobs.exp().double().cumsum(-1)
-    targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
-    tokens = torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    tokens = inverse_cdf(logprobs.exp(), uniforms.to(logits.device))
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+#: Tokens per block of ``inverse_cdf``'s first level.
+CDF_BLOCK = 128
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """The first token whose cumulative probability reaches ``uniform * total``, found in two levels.
+
+    A scan over the whole vocabulary with few rows keeps a GPU almost idle (one row is one sequential scan), so the
+    draw first picks a block of ``block`` tokens from the cumulative block sums, then the token inside that block.
+    Sums are in float64. The token drawn always has a probability above zero.
+
+    Args:
+        probs: ``[n, V]`` non-negative, each row with a positive sum.
+        uniforms: ``[n]`` in (0, 1).
+    Returns:
+        ``[n]`` int64 token ids.
+    """
+    n, vocab = probs.shape
+    probs = torch.nn.functional.pad(probs.double(), (0, -vocab % block)).view(n, -1, block)     # [n, blocks, block]
+    block_cdf = probs.sum(-1).cumsum(-1)                                                     # [n, blocks]
+    targets = (uniforms.double() * block_cdf[:, -1]).unsqueeze(-1)                           # [n, 1]
+    chosen = torch.searchsorted(block_cdf, targets).clamp_(max=block_cdf.shape[1] - 1)        # [n, 1]
+    before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp(min=0)), 0.0)   # [n, 1]
+    inside = probs.gather(1, chosen[:, :, None].expand(n, 1, block)).squeeze(1).cumsum(-1) + before  # [n, block]
+    # The block's own sum and its running sum round differently: keep the target inside the block's last
+    # positive entry, so a zero-probability token is never drawn.
+    targets = torch.minimum(targets, inside[:, -1:])
+    offset = torch.searchsorted(inside, targets)                                             # [n, 1]
+    return (chosen * block + offset).squeeze(-1)
 
 
 def force_lengths(logits: torch.Tensor, token_index: torch.Tensor, forced_length: torch.Tensor,
