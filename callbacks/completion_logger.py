@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_grpo.rollout_metrics import completion_length_metrics
+from lit_grpo.rollout.metrics import completion_length_metrics
 
 from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments
 

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lit_grpo.sizes import disk_bytes, format_bytes
+from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 
 from ._paths import shown_path
 from ._rollout import rollout_stats

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_grpo.memory import CpuMethod, PeakTracker, make_peak_tracker
+from lit_grpo.runtime.memory import CpuMethod, PeakTracker, make_peak_tracker
 
 from ._rollout import log_metrics, rollout_stats
 

@@ -13,9 +13,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_grpo.checkpoints import AtomicCheckpointIO, check_writable, remove_stale_partials
-from lit_grpo.stop_signal import STOP_SIGNAL, StopRequested
-from lit_grpo.validation import check_int
+from lit_grpo.runtime.checkpoints import AtomicCheckpointIO, check_writable, remove_stale_partials
+from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
+from lit_grpo.runtime.validation import check_int
 
 from ._paths import shown_path
 
@@ -40,7 +40,7 @@ class RunCheckpoint(ModelCheckpoint):
     under manual optimization (``GRPOModule``) it ignores ``train_time_interval``: this subclass decides when, and
     Lightning's machinery writes (``Trainer.save_checkpoint``, the callback's own state, ``--ckpt_path last``).
 
-    **How it writes**: atomically (:class:`~lit_grpo.checkpoints.AtomicCheckpointIO`, set on the strategy where it
+    **How it writes**: atomically (:class:`~lit_grpo.runtime.checkpoints.AtomicCheckpointIO`, set on the strategy where it
     uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. At setup
     it deletes partial files of killed saves and checks that the folder can be written and has room for one more
     checkpoint, so a bad folder fails before the first step rather than hours later.

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from lit_grpo.models import accepts
-from lit_grpo.validation import check_int
+from lit_grpo.runtime.models import accepts
+from lit_grpo.runtime.validation import check_int
 
 
 def mean_pairwise_cosine(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from lit_grpo.datamodules.angle_score import angle_concentration, mean_pairwise_cosine
-from lit_grpo.validation import check_choice, check_int_in_range, check_real
+from lit_grpo.runtime.validation import check_choice, check_int_in_range, check_real
 
 __all__ = ["CURRICULA", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler", "angle_concentration",
            "build_prompt_sampler", "mean_pairwise_cosine"]

@@ -1,7 +1,7 @@
 """``RolloutDataModule``: prompts, samplers, loaders and the stream position; one ``RolloutBatch`` per step.
 
 Prompt -> builder -> batch -> module: this module draws prompts (uniformly or with the GAIN-RL curriculum) and
-hands them to a :class:`~lit_grpo.rollout_builder.RolloutBuilder`, which generates, scores and assembles the batch
+hands them to a :class:`~lit_grpo.rollout.builder.RolloutBuilder`, which generates, scores and assembles the batch
 that ``GRPOModule.training_step`` consumes. The policy, its tokenizer and the advantage scaling belong to the
 module, which hands them over once through :meth:`RolloutDataModule.attach` (``GRPOModule`` does it when fit or
 validate starts; without a trainer call ``attach`` yourself).
@@ -30,14 +30,14 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.curriculum import CURRICULA, angle_concentration, build_prompt_sampler
-from lit_grpo.datamodules.prompts import PromptExample, load_prompts, render_prompt, split_examples
+from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rewards import ON_ERROR, build_reward_funcs
-from lit_grpo.rollout_builder import Prompt, RolloutBuilder, check_partial_rollouts
+from lit_grpo.rollout.rewards import ON_ERROR, build_reward_funcs
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.stop_signal import STOP_SIGNAL
-from lit_grpo.validation import check_int, check_real
+from lit_grpo.runtime.stop_signal import STOP_SIGNAL
+from lit_grpo.runtime.validation import check_int, check_real
 
 
 class RolloutDataModule(LightningDataModule):
@@ -47,12 +47,12 @@ class RolloutDataModule(LightningDataModule):
     ``jsonl_path`` (``prompt`` or ``question``, optional ``answer`` and any other fields), ``prompts`` (strings or
     ``{prompt, answer}`` dicts) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
     them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
-    ``answer_column`` and ``split`` (``lit_grpo.datamodules.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
+    ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``) shape the user message before the chat
     template. ``val_size``: held-out prompts (count or fraction).
 
     Args:
-        reward_funcs: reward specs (``lit_grpo.rewards.build_reward_funcs``, default ``["accuracy"]``);
+        reward_funcs: reward specs (``lit_grpo.rollout.rewards.build_reward_funcs``, default ``["accuracy"]``);
             ``accuracy_reward`` names the one whose value is correctness (val/accuracy, curriculum feedback).
         prompts_per_step: B, groups per training step (per rank).
         sampling: the rollout engine's settings, a :class:`~lit_grpo.sampling.SamplingConfig` (or a dict of its
@@ -65,7 +65,7 @@ class RolloutDataModule(LightningDataModule):
             most this many engine calls per step; dropped groups fill the batch if still short (zero advantages).
         over_provision, max_staleness: partial rollouts (``over_provision`` 1.0: off): a step's rollout runs up to
             ``ceil(over_provision x B)`` groups, stops once B are complete and carries the unfinished ones into the
-            next step (at most ``max_staleness`` steps); see :class:`~lit_grpo.rollout_builder.RolloutBuilder`.
+            next step (at most ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
         val_batch_size, val_max_new_tokens: greedy validation rollouts (default: ``sampling.max_new_tokens``).
         val_num_samples, val_temperature: ``k > 1`` also draws k samples per held-out prompt at this temperature
@@ -140,7 +140,7 @@ class RolloutDataModule(LightningDataModule):
         check_real("val_temperature", val_temperature, low=0, low_open=True)
         self.save_hyperparameters(ignore=["prompts", "dataset"])
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints
-            from lit_grpo.datamodules.hf_dataset import describe_source
+            from lit_grpo.rollout.hf_dataset import describe_source
 
             self.hparams["dataset"] = describe_source(dataset)
         self.task, self.task_config, self.size, self.jsonl_path = task, task_config, size, jsonl_path
@@ -285,7 +285,7 @@ class RolloutDataModule(LightningDataModule):
         """One training step's rollout: draw prompts, generate with the current policy, score, advantages.
 
         All or nothing: when the build fails or is interrupted (a stop signal abandons the rollout of a single
-        process, ``lit_grpo.stop_signal``), the stream is rolled back to where the step started, so a checkpoint
+        process, ``lit_grpo.runtime.stop_signal``), the stream is rolled back to where the step started, so a checkpoint
         saved then holds the last completed step and a resume redoes this one exactly."""
         builder = self._require_builder()
         start = copy.deepcopy(self._local_state())

@@ -49,9 +49,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
-from lit_grpo.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
+from lit_grpo.runtime.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
 from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
-from lit_grpo.module import GRPOModule
+from lit_grpo.update.module import GRPOModule
 
 SUBCOMMANDS = ("fit", "validate")
 

@@ -12,7 +12,7 @@ training's completions ended. A LoRA run is merged into the base weights by defa
 
 A checkpoint holds the module's init arguments (``hyper_parameters``: the base model's name, its dtype, the LoRA
 config) and the policy's weights under ``state_dict`` with the prefix ``policy.``; the base is rebuilt from its
-name with :func:`lit_grpo.models.load_model_and_tokenizer` and the trained weights are loaded over it strictly, so a
+name with :func:`lit_grpo.runtime.models.load_model_and_tokenizer` and the trained weights are loaded over it strictly, so a
 checkpoint of another architecture fails naming the keys that differ.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from lit_grpo.checkpoints import read_checkpoint_header
-from lit_grpo.models import load_model_and_tokenizer, resolve_dtype, with_lora
-from lit_grpo.sizes import disk_bytes, format_bytes
-from lit_grpo.validation import check_choice
+from lit_grpo.runtime.checkpoints import read_checkpoint_header
+from lit_grpo.runtime.models import load_model_and_tokenizer, resolve_dtype, with_lora
+from lit_grpo.runtime.sizes import disk_bytes, format_bytes
+from lit_grpo.runtime.validation import check_choice
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in.
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -135,7 +135,7 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
 
 def load_checkpoint(ckpt_path: str | Path) -> Mapping[str, Any]:
     """The checkpoint's contents (memory-mapped: the weights are read only when used); errors name the file and
-    what is wrong (:func:`lit_grpo.checkpoints.read_checkpoint_header`)."""
+    what is wrong (:func:`lit_grpo.runtime.checkpoints.read_checkpoint_header`)."""
     path = Path(ckpt_path).expanduser()
     if path.is_dir():
         raise ValueError(f"--ckpt_path {str(path)!r} is a directory (a sharded FSDP checkpoint?); export takes one "

@@ -9,7 +9,7 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
+from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
 
 # Tiny models run fastest on one thread, and one thread cannot be starved by a busy machine.
 torch.set_num_threads(1)

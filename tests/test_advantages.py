@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lit_grpo.advantages import STD_EPS, group_advantages, zero_std_groups
+from lit_grpo.rollout.advantages import STD_EPS, group_advantages, zero_std_groups
 
 
 def _manual(rewards, scale):

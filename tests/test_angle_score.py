@@ -18,7 +18,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tiny():
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-llama")
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, make_rollout, scalars, touch_memory
 
-from lit_grpo import memory
+from lit_grpo.runtime import memory
 from lit_grpo.callbacks import (
     CompletionLogger,
     PeakMemoryMonitor,
@@ -96,7 +96,7 @@ def test_peak_memory_hwm_probe_and_reset():
 
 FRAGMENTED_HEAP = """
 import torch
-from lit_grpo import memory
+from lit_grpo.runtime import memory
 kept, freed = [], []
 for index in range(4000):  # 64 KiB each, every 20th kept: 250 MiB allocated, 237.5 MiB of it freed below kept
     (kept if index % 20 == 19 else freed).append(torch.ones(16 * 1024))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lit_grpo.callbacks import RunCheckpoint
-from lit_grpo.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
+from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
                                   find_last_checkpoint, partial_path, read_checkpoint_header, remove_stale_partials)
 from lit_grpo.cli import build_cli, resume_command
 from tools.step_recorder import read_records
@@ -145,7 +145,7 @@ def test_bad_run_checkpoint_settings_are_named():
 # ------------------------------------------------------------------------------------------------ atomic writes
 KILLED_WRITER = textwrap.dedent("""
     import sys, torch
-    from lit_grpo.checkpoints import atomic_torch_save
+    from lit_grpo.runtime.checkpoints import atomic_torch_save
     atomic_torch_save({"version": 1, "weights": torch.ones(1000)}, sys.argv[1])
     print("first", flush=True)
     atomic_torch_save({"version": 2, "weights": torch.ones(200_000_000)}, sys.argv[1])  # 800 MB
@@ -271,7 +271,7 @@ def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the stop request
 def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interrupts_anything():
-    from lit_grpo.stop_signal import STOP_SIGNAL, StopRequested
+    from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
 
     STOP_SIGNAL.install()
     try:

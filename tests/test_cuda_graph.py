@@ -7,7 +7,7 @@ cannot: that capture and replay are correct and that the step needs one host syn
 import pytest
 import torch
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

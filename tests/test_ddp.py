@@ -65,8 +65,8 @@ def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
 def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run):
     from tools.step_recorder import read_records
 
-    from lit_grpo.advantages import STD_EPS
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.rollout.advantages import STD_EPS
+    from lit_grpo.update.module import GRPOModule
 
     batches = [torch.load(f"{ddp_run}.rank{rank}.step1.pt", weights_only=False) for rank in (0, 1)]
     every_reward = torch.cat([b.rewards for b in batches])

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from scheduler_helpers import trust_predictions

@@ -53,7 +53,7 @@ def test_successive_rollouts_draw_fresh_samples_and_seeds_differ(tiny_llama, pro
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_greedy_output_equals_model_generate(name):
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name)
     prompts = _ids(tokenizer, PROMPTS)
@@ -201,7 +201,7 @@ def test_kv_bytes_are_bounded_by_the_slots_not_the_group(tiny_llama):
 
 
 def test_bfloat16_and_qwen2_run(tiny_llama):
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     for name in ("tiny-llama", "tiny-qwen2"):
         model, tokenizer = load_model_and_tokenizer(name, dtype="bfloat16")
@@ -252,7 +252,7 @@ def test_strategies_are_the_documented_ones():
 def test_schedules_are_bit_identical_on_smollm2_in_float32():
     """Every decode step has the same shapes, so a row's arithmetic does not depend on what runs beside it: the
     g-slot strategies return bit-identical completions and log-probs on a real model in float32."""
-    from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer
+    from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
     questions = ["What is 12 + 7?", "Name three colours.", "Compute 3 * 4 - 2."]
@@ -337,7 +337,7 @@ def test_under_autocast_the_cache_holds_the_autocast_dtype(tiny_llama, prompt_id
 
 
 def test_attention_without_a_4d_mask_is_refused():
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2")
     model.config._attn_implementation = "flex_attention"

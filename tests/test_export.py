@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from lit_grpo.cli import export_command, main as cli_main
 from lit_grpo.export import export_checkpoint, export_policy
-from lit_grpo.module import GRPOModule
+from lit_grpo.update.module import GRPOModule
 from tools.check_export import engine_greedy, perturb, prompt_ids_for, transformers_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_export_lora_merged_and_adapter_only(tmp_path):
     loads onto the base model with the same logits."""
     from peft import PeftModel
 
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     module = trained_module("tiny-qwen2", LORA)
     ckpt = save_checkpoint(module, tmp_path / "lora.ckpt")

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor, RolloutProfiler
-from lit_grpo.sizes import disk_bytes
+from lit_grpo.runtime.sizes import disk_bytes
 
 
 class ValidatedModule(RolloutModule):

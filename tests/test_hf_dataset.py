@@ -7,10 +7,10 @@ import pytest
 
 import datasets  # the data extra, which tools/setup.sh installs
 
-from lit_grpo.datamodules.hf_dataset import dataset_prompts  # noqa: E402
-from lit_grpo.datamodules.prompts import load_prompts, render_prompt  # noqa: E402
+from lit_grpo.rollout.hf_dataset import dataset_prompts  # noqa: E402
+from lit_grpo.rollout.prompts import load_prompts, render_prompt  # noqa: E402
 from lit_grpo.datamodules.rollout import RolloutDataModule  # noqa: E402
-from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
+from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
 
 ROWS = [{"problem": f"What is {i} / {i + 1}?", "solution": f"\\frac{{{i}}}{{{i + 1}}}", "level": i % 3}
         for i in range(1, 9)]

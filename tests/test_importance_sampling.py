@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from lit_grpo.importance_sampling import (
+from lit_grpo.update.sampler_correction import (
     IMPORTANCE_SAMPLING_MODES,
     SamplerCorrection,
     SamplingStats,
     importance_sampling_weights,
 )
-from lit_grpo.logprobs import completion_logps
+from lit_grpo.update.logprobs import completion_logps
 from test_module import make_datamodule, make_module
 
 SHIFTS = [[0.1, -0.3, 0.9, 2.0], [-1.2, 0.4, 0.0, 0.0], [0.5, 0.5, 0.6, 0.0]]  # trainer - sampler, per token
@@ -81,7 +81,7 @@ def test_bad_settings_name_the_value_and_what_is_allowed():
     with pytest.raises(ValueError, match=r"mode='token_truncate' needs importance_sampling_clip_min or"):
         SamplerCorrection("token_truncate", None, None)
     SamplerCorrection("sequence_mask", None, None)  # masking nothing is allowed, as in TRL
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.update.module import GRPOModule
 
     with pytest.raises(ValueError, match="importance_sampling_mode='sequence'"):
         GRPOModule(model="tiny-llama", importance_sampling_mode="sequence")

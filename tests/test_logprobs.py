@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lit_grpo.logprobs import completion_logits, completion_logps, head_reproduces_logits, token_entropy, token_logps
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.update.logprobs import completion_logits, completion_logps, head_reproduces_logits, token_entropy, token_logps
+from lit_grpo.runtime.models import load_model_and_tokenizer
 
 
 def micro_batch(vocab: int, generator: torch.Generator) -> dict:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_grpo.loss import k3_kl, micro_batch_weight, policy_loss, policy_loss_metrics
+from lit_grpo.update.loss import k3_kl, micro_batch_weight, policy_loss, policy_loss_metrics
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -129,7 +129,7 @@ def test_bad_inputs_name_the_value():
 # ------------------------------------------------------------------------------------------------ loss objects
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_a_loss_object_is_the_functional_loss(loss_type):
-    from lit_grpo.loss import LOSSES, make_loss
+    from lit_grpo.update.loss import LOSSES, make_loss
 
     logps, old, ref, adv, mask = _inputs()
     loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.04)
@@ -144,7 +144,7 @@ def test_a_loss_object_is_the_functional_loss(loss_type):
 def test_loss_objects_are_checked_once_when_built():
     import dataclasses
 
-    from lit_grpo.loss import LOSS_TYPES, LOSSES, make_loss
+    from lit_grpo.update.loss import LOSS_TYPES, LOSSES, make_loss
 
     assert tuple(LOSSES) == LOSS_TYPES
     with pytest.raises(ValueError, match=r"loss_type='ppo' is not supported; use one of \['grpo', 'bnpo', "):
@@ -160,7 +160,7 @@ def test_loss_objects_are_checked_once_when_built():
 
 
 def test_micro_batch_weights_of_the_objects_span_the_ranks():
-    from lit_grpo.loss import make_loss
+    from lit_grpo.update.loss import make_loss
 
     # dapo's normalizer spans every rank while ddp averages gradients: its weight is the world size
     assert make_loss("dapo").micro_batch_weight(2, 8, 4, world_size=3) == 3.0

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lit_grpo.loss import make_loss, policy_loss, policy_loss_metrics
+from lit_grpo.update.loss import make_loss, policy_loss, policy_loss_metrics
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
@@ -221,7 +221,7 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
 
 
 def test_module_checks_the_options_when_built():
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.update.module import GRPOModule
 
     with pytest.raises(ValueError, match="importance_sampling_level='tokens'"):
         GRPOModule(model="tiny-llama", importance_sampling_level="tokens")

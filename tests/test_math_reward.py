@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from lit_grpo.deadline import DeadlineExceeded, call_with_deadline
-from lit_grpo.math_reward import extract_final_answer, last_boxed, math_reward, score_math
-from lit_grpo.rewards import build_reward_funcs, score_rewards
+from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
+from lit_grpo.rollout.math_reward import extract_final_answer, last_boxed, math_reward, score_math
+from lit_grpo.rollout.rewards import build_reward_funcs, score_rewards
 
 # (completion, gold answer, expected verdict): 1.0 correct, 0.0 wrong.
 CASES = [

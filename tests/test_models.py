@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lit_grpo import models
-from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, prepare_tokenizer
+from lit_grpo.runtime import models
+from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, prepare_tokenizer
 from lit_grpo.sampling import RolloutEngine
 
 
@@ -77,7 +77,7 @@ def test_random_models_have_the_real_architectures(name, layers, params_b):
 
 
 def test_random_model_tokenizer_loads_without_the_model():
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.update.module import GRPOModule
 
     module = GRPOModule(model="random:llama3.2-1b")  # the tokenizer only: the weights come in configure_model
     assert module.policy is None and len(module.tokenizer) == 128256

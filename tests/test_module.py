@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.logprobs import completion_logits, token_logps
-from lit_grpo.module import GRPOModule
+from lit_grpo.update.logprobs import completion_logits, token_logps
+from lit_grpo.update.module import GRPOModule
 
 from datamodule_helpers import PROMPTS, datamodule_arguments
 
@@ -188,7 +188,7 @@ def test_angle_curriculum_is_wired_in():
 
 
 def test_jsonl_source_and_its_errors(tmp_path):
-    from lit_grpo.datamodules.prompts import jsonl_prompts, split_examples
+    from lit_grpo.rollout.prompts import jsonl_prompts, split_examples
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "What is 2 + 2?", "answer": 4, "level": 1}\n\n{"question": "Capital of France?"}\n')
@@ -210,7 +210,7 @@ def test_jsonl_source_and_its_errors(tmp_path):
 
 
 def test_token_logps_and_entropy_helpers():
-    from lit_grpo.logprobs import token_entropy
+    from lit_grpo.update.logprobs import token_entropy
 
     g = torch.Generator().manual_seed(0)
     logits, ids = torch.randn(2, 3, 11, generator=g), torch.randint(0, 11, (2, 3), generator=g)
@@ -242,7 +242,7 @@ def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batc
         calls.append((len(optimizer.state), all(p.grad is not None for p in module.policy.parameters())))
         return True
 
-    monkeypatch.setattr("lit_grpo.module.release_freed_host_memory", release)
+    monkeypatch.setattr("lit_grpo.update.module.release_freed_host_memory", release)
     module.grpo_step(batch, optimizer)
     # once per optimizer step, each after every micro-batch's backward (the gradients exist) and before that step
     # (no optimizer state yet at the first)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine
 
 PROMPTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi", "Name a colour."]
@@ -89,9 +89,9 @@ def test_bad_partial_arguments_are_named(tiny64):
 
 
 def test_the_builder_carries_groups_and_drops_none(tiny64):
-    from lit_grpo.datamodules.prompts import PromptExample
-    from lit_grpo.rewards import build_reward_funcs
-    from lit_grpo.rollout_builder import Prompt, RolloutBuilder
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import build_reward_funcs
+    from lit_grpo.rollout.builder import Prompt, RolloutBuilder
     from lit_grpo.sampling import SamplingConfig
 
     model, tokenizer = tiny64

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.module import GRPOModule
-from lit_grpo.rewards import RewardFunctionError, WeightedReward, score_rewards
+from lit_grpo.update.module import GRPOModule
+from lit_grpo.rollout.rewards import RewardFunctionError, WeightedReward, score_rewards
 
 from datamodule_helpers import PROMPTS, datamodule_arguments
 
@@ -73,14 +73,14 @@ def test_module_refuses_a_batch_with_one_completion_per_prompt(module, degenerat
 
 
 def test_missing_model_path_in_the_loader_is_named(tmp_path):
-    from lit_grpo.models import load_model_and_tokenizer
+    from lit_grpo.runtime.models import load_model_and_tokenizer
 
     with pytest.raises(ValueError, match="gone-model.*does not exist"):
         load_model_and_tokenizer(str(tmp_path / "gone-model"))
 
 
 def test_tokenizer_without_eos_is_refused():
-    from lit_grpo.models import prepare_tokenizer, tiny_tokenizer
+    from lit_grpo.runtime.models import prepare_tokenizer, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.eos_token = None

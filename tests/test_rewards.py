@@ -4,7 +4,7 @@ import pytest
 import reasoning_gym
 import torch
 
-from lit_grpo.rewards import (
+from lit_grpo.rollout.rewards import (
     OverlongPenalty,
     RewardFunctionError,
     WeightedReward,
@@ -111,7 +111,7 @@ def test_build_reward_funcs_from_config_specs():
         "accuracy",
         {"name": "format", "weight": 0.25},
         {"name": "overlong", "kwargs": {"buffer": 16}},
-        {"name": "lit_grpo.rewards:format_reward", "log_name": "fmt2"},
+        {"name": "lit_grpo.rollout.rewards:format_reward", "log_name": "fmt2"},
     ])
     assert [(f.name, f.weight) for f in funcs] == [("accuracy", 1.0), ("format", 0.25), ("overlong", 1.0),
                                                     ("fmt2", 1.0)]

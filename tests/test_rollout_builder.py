@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lit_grpo.cli import build_cli
-from lit_grpo.datamodules.prompts import PromptExample
+from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.models import load_model_and_tokenizer
-from lit_grpo.rewards import build_reward_funcs
-from lit_grpo.rollout_builder import Prompt, RolloutBuilder
+from lit_grpo.runtime.models import load_model_and_tokenizer
+from lit_grpo.rollout.rewards import build_reward_funcs
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling import InfiniteScheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig

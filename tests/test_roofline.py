@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from tools import roofline
 
 # L 2, H 8, n_h 2, n_kv 1, d 4, I 16, V 10:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.module import GRPOModule, sampled_accuracy_at_k
+from lit_grpo.update.module import GRPOModule, sampled_accuracy_at_k
 
 from datamodule_helpers import datamodule_arguments
 

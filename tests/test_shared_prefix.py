@@ -1,4 +1,4 @@
-"""The shared-prefix update (lit_grpo.shared_prefix): each prompt forwarded once per micro-batch gives the same
+"""The shared-prefix update (lit_grpo.update.shared_prefix): each prompt forwarded once per micro-batch gives the same
 log-probs, entropies and gradients as one forward per completion, with chunked or full logits, micro-batches that
 split or merge groups, gradient checkpointing and LoRA; models that cannot share fall back with a warning.
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lit_grpo.batch import pad_left, pad_right
-from lit_grpo.datamodules.prompts import render_prompt
-from lit_grpo.logprobs import completion_logps, head_reproduces_logits
-from lit_grpo.models import load_model_and_tokenizer
-from lit_grpo.module import GRPOModule
-from lit_grpo.shared_prefix import prompt_groups, shared_prefix_outputs, unsupported_reason
+from lit_grpo.rollout.prompts import render_prompt
+from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits
+from lit_grpo.runtime.models import load_model_and_tokenizer
+from lit_grpo.update.module import GRPOModule
+from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs, unsupported_reason
 
 from test_module import make_datamodule
 
@@ -183,7 +183,7 @@ def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypat
     assert order == [len(layers) - 1, 0, len(layers) - 1, 0]  # pass 2 (top layer down), then pass 1
     assert live_tensors() == live  # nothing of the two stages outlives the backward (the .grad existed already)
     order.clear()
-    monkeypatch.setattr("lit_grpo.shared_prefix.is_multi_process", lambda: True)
+    monkeypatch.setattr("lit_grpo.update.shared_prefix.is_multi_process", lambda: True)
     assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
     assert order == [len(layers) - 1, 0]
 
@@ -227,7 +227,7 @@ def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
     assert "takes no past_key_values" in unsupported_reason(
         type("NoPast", (torch.nn.Module,), {"config": tiny.config, "forward": lambda self, input_ids: None})())
 
-    import lit_grpo.shared_prefix as shared_prefix
+    import lit_grpo.update.shared_prefix as shared_prefix
 
     monkeypatch.setattr(shared_prefix, "unsupported_reason", lambda model: "sliding-window layers (for the test)")
     module = GRPOModule(model="tiny-llama")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from tools import bench_rollout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ until it finishes. Every run saves ``last.ckpt`` every ``--save-every`` steps an
 Per kill the record says: "target" (the phase aimed at), "struck" (where it landed: "checkpoint write" when a
 partial checkpoint file was on disk at that moment, else the phase the trace was in), "step" (steps completed
 when it struck), "resumed_from" (the step of the checkpoint the next start loaded), "steps_redone", "checkpoint
-readable" (the newest last.ckpt reads back: ``lit_grpo.checkpoints.read_checkpoint_header``), "exit_code" of the
+readable" (the newest last.ckpt reads back: ``lit_grpo.runtime.checkpoints.read_checkpoint_header``), "exit_code" of the
 stopped process (143 / 130 for signals, -9 for SIGKILL; 0, and "struck" says "missed", when the run was faster than
 the reference and ended before the stop came), and "exact": every step's prompts, completions,
 rewards, advantages, loss and parameter sums and the final checkpoint's every weight and optimizer tensor equal
@@ -41,7 +41,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
-from lit_grpo.checkpoints import PARTIAL
+from lit_grpo.runtime.checkpoints import PARTIAL
 from tools.roofline import device_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def finish(proc: subprocess.Popen, root: Path, attempt: int, timeout: float) -> 
 
 
 def partial_files(root: Path) -> list[Path]:
-    """The partial checkpoint files of unfinished saves under ``root`` (``lit_grpo.checkpoints.partial_path``)."""
+    """The partial checkpoint files of unfinished saves under ``root`` (``lit_grpo.runtime.checkpoints.partial_path``)."""
     return [p for p in root.rglob("*.partial") if PARTIAL.match(p.name)]
 
 
@@ -221,7 +221,7 @@ def resumed_from(root: Path, attempt: int) -> int:
 
 
 def checkpoint_readable(root: Path) -> bool:
-    from lit_grpo.checkpoints import find_last_checkpoint, read_checkpoint_header
+    from lit_grpo.runtime.checkpoints import find_last_checkpoint, read_checkpoint_header
 
     found = find_last_checkpoint(root.rglob("checkpoints"))
     if found is None:

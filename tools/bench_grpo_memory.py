@@ -4,7 +4,7 @@
         --train-micro-batch-size 8 --strategies infinite,full --json runs/grpo_memory.json
 
 Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached memory cannot hide the next run's
-peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.memory: the kernel's RSS
+peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.runtime.memory: the kernel's RSS
 high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Lightning Trainer runs exactly one
 training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
 micro-batched update with its AdamW step. Records: "strategy", "group_size", "peak_bytes" (the whole step's),
@@ -71,8 +71,8 @@ def measure_one_step(args) -> dict:
     import torch
 
     from lit_grpo.datamodules.rollout import RolloutDataModule
-    from lit_grpo.memory import make_peak_tracker, read_statm_rss
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.runtime.memory import make_peak_tracker, read_statm_rss
+    from lit_grpo.update.module import GRPOModule
     from lit_grpo.sampling import SamplingConfig
 
     pl.seed_everything(args.seed, verbose=False)

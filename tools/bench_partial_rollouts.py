@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import GroupProgress, RolloutEngine
 from lit_grpo.sampling.carry import plan_partial_rollout
 

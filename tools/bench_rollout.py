@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
     sys.path.insert(0, str(ROOT))
 
-from lit_grpo.memory import make_peak_tracker  # noqa: E402
-from lit_grpo.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer  # noqa: E402
+from lit_grpo.runtime.memory import make_peak_tracker  # noqa: E402
+from lit_grpo.runtime.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer  # noqa: E402
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps  # noqa: E402
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token  # noqa: E402
 from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name  # noqa: E402

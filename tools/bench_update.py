@@ -61,7 +61,7 @@ def demo_setup():
 
 def long_prompt_batch(args, vocab_size: int, pad_id: int):
     """One prompt of ``args.prompt_tokens`` random ids x G completions of ``args.completion_tokens``, random rewards."""
-    from lit_grpo.advantages import group_advantages
+    from lit_grpo.rollout.advantages import group_advantages
     from lit_grpo.batch import RolloutBatch
     from lit_grpo.sampling.stats import RolloutStats
 
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
 def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
     """Build the batch, time every (threads, mode) ``args.repeats`` times interleaved, report (see the docstring)."""
 
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.update.module import GRPOModule
 
     torch.set_num_threads(threads[0])
     data = None

@@ -87,7 +87,7 @@ def transformers_greedy(out: str | Path, prompt_ids: Sequence[Sequence[int]], ma
 
 
 def prompt_ids_for(tokenizer, prompts: Sequence[str] = HELD_OUT) -> list[list[int]]:
-    from lit_grpo.datamodules.prompts import render_prompt
+    from lit_grpo.rollout.prompts import render_prompt
 
     return [render_prompt(tokenizer, p) for p in prompts]
 
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from lit_grpo.export import export_policy, policy_from_checkpoint
-    from lit_grpo.models import load_model_and_tokenizer, with_lora
+    from lit_grpo.runtime.models import load_model_and_tokenizer, with_lora
 
     if args.ckpt_path:
         model, tokenizer, hp = policy_from_checkpoint(args.ckpt_path)
@@ -120,13 +120,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         perturb(model, scale=0.02 if not args.lora else 0.05)
     prompts = HELD_OUT
     if args.dataset:
-        from lit_grpo.datamodules.hf_dataset import dataset_prompts
-        from lit_grpo.datamodules.prompts import split_examples
+        from lit_grpo.rollout.hf_dataset import dataset_prompts
+        from lit_grpo.rollout.prompts import split_examples
 
         examples = dataset_prompts(args.dataset, args.prompt_column)
         _, held_out = split_examples(examples, args.val_size, args.data_seed)
         prompts = [examples[i].prompt for i in held_out]
-    from lit_grpo.datamodules.prompts import render_prompt
+    from lit_grpo.rollout.prompts import render_prompt
 
     ids = [render_prompt(tokenizer, p, args.system_prompt) for p in prompts]
     started = time.perf_counter()

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lit_grpo.importance_sampling import SamplerCorrection, SamplingStats  # noqa: E402
-from lit_grpo.loss import make_loss  # noqa: E402
+from lit_grpo.update.sampler_correction import SamplerCorrection, SamplingStats  # noqa: E402
+from lit_grpo.update.loss import make_loss  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 LEVELS = ("token", "sequence")

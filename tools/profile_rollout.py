@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
     sys.path.insert(0, str(ROOT))
 
-from lit_grpo.models import load_model_and_tokenizer  # noqa: E402
+from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
 from lit_grpo.sampling import RolloutEngine  # noqa: E402
 from tools.bench_rollout import MODELS, task_prompts  # noqa: E402
 

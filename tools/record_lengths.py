@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from lit_grpo.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine
 from tools.bench_rollout import MODELS, task_prompts
 

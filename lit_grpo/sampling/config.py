@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.validation import check_int
+from lit_grpo.runtime.validation import check_int
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
 STRATEGIES: tuple[str, ...] = ("full", "micro", "continuous", "infinite")

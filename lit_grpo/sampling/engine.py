@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_grpo.distributed import is_fsdp_sharded
+from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache

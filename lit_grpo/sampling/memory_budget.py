@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.validation import check_int
+from lit_grpo.runtime.validation import check_int
 
 __all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_slot_bytes"]
 

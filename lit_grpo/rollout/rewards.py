@@ -28,12 +28,12 @@ Errors stop training, never silently zero a reward:
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
   value, its index and the prompt.
 
-Built-in functions (names usable in configs; defined in ``lit_grpo/reward_functions.py``): ``accuracy``
+Built-in functions (names usable in configs; defined in ``lit_grpo/rollout/reward_functions.py``): ``accuracy``
 (``accuracy_reward``: the answer extracted from the completion scored by the reasoning-gym dataset's own
 ``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the
 completion has exactly one ``<answer>...</answer>``), ``overlong`` (``OverlongPenalty``: DAPO's soft length
 penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests), ``math``
-(``math_reward``: the final answer verified against the gold answer with math-verify, ``lit_grpo/math_reward.py``).
+(``math_reward``: the final answer verified against the gold answer with math-verify, ``lit_grpo/rollout/math_reward.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.reward_functions import (  # noqa: F401  (the built-ins stay importable from here)
+from lit_grpo.rollout.reward_functions import (  # noqa: F401  (the built-ins stay importable from here)
     BUILTIN_REWARDS,
     OverlongPenalty,
     accuracy_reward,

@@ -1,11 +1,11 @@
-"""The GRPO policy loss: the variants (lit_grpo.policy_losses) and a functional API over them.
+"""The GRPO policy loss: the variants (lit_grpo.update.policy_losses) and a functional API over them.
 
 Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padded; ``mask`` marks real ones).
 
-Per token (terms in lit_grpo.surrogates, variants and their aggregation in lit_grpo.policy_losses)::
+Per token (terms in lit_grpo.update.surrogates, variants and their aggregation in lit_grpo.update.policy_losses)::
 
     r     = exp(logp - old_logp)                     per token, or per sequence (GSPO)
-    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.importance_sampling)
+    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
 
 Objects (chosen once by name, validated when built)::
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_grpo.policy_losses import (  # noqa: F401  (the public names of the loss live here too)
+from lit_grpo.update.policy_losses import (  # noqa: F401  (the public names of the loss live here too)
     LOSS_TYPES,
     LOSSES,
     BNPOLoss,
@@ -37,7 +37,7 @@ from lit_grpo.policy_losses import (  # noqa: F401  (the public names of the los
     loss_class,
     make_loss,
 )
-from lit_grpo.surrogates import (  # noqa: F401
+from lit_grpo.update.surrogates import (  # noqa: F401
     IMPORTANCE_SAMPLING_LEVELS,
     ImportanceSamplingLevel,
     clipped_surrogate,
@@ -54,7 +54,7 @@ def aggregate(
     max_completion_length: int | None = None,
     total_active_tokens: Number | None = None,
 ) -> torch.Tensor:
-    """Reduce a ``[N, T]`` per-token loss to a scalar according to ``loss_type`` (lit_grpo.policy_losses' table).
+    """Reduce a ``[N, T]`` per-token loss to a scalar according to ``loss_type`` (lit_grpo.update.policy_losses' table).
 
     Args:
         per_token: ``[N, T]``.

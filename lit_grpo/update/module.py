@@ -9,9 +9,9 @@ makes ``num_iterations`` optimizer steps on it:
 3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
    rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
    once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
-4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.logprobs.completion_logps``, which never
+4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never
    holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs),
-   the loss variant ``self.loss_fn`` (lit_grpo.loss, chosen once by ``loss_type``) x its ``micro_batch_weight``
+   the loss variant ``self.loss_fn`` (lit_grpo.update.loss, chosen once by ``loss_type``) x its ``micro_batch_weight``
    (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
    finiteness check, ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``,
    ``optimizer.step``, the warmup scheduler step.
@@ -29,7 +29,7 @@ clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), 
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
-max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.importance_sampling); what
+max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
 the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation:
 val/{accuracy, reward} (torchmetrics ``MeanMetric``, per prompt, greedy), and with ``data.val_num_samples`` k > 1
 val/{mean_at_k, pass_at_k} (k samples per held-out prompt at ``data.val_temperature``; ``sampled_accuracy_at_k``).
@@ -58,18 +58,18 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lit_grpo.advantages import SCALES
+from lit_grpo.rollout.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.distributed import gradient_norm, shard_decoder_layers
-from lit_grpo.logprobs import completion_logps
-from lit_grpo.memory import release_freed_host_memory
-from lit_grpo.importance_sampling import ImportanceSamplingMode, SamplerCorrection, SamplingStats
-from lit_grpo.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
-from lit_grpo.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
-from lit_grpo.rollout_metrics import rollout_metrics
-from lit_grpo.shared_prefix import shared_prefix_usable
-from lit_grpo.update_metrics import StepMetrics
-from lit_grpo.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.distributed import gradient_norm, shard_decoder_layers
+from lit_grpo.update.logprobs import completion_logps
+from lit_grpo.runtime.memory import release_freed_host_memory
+from lit_grpo.update.sampler_correction import ImportanceSamplingMode, SamplerCorrection, SamplingStats
+from lit_grpo.update.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
+from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
+from lit_grpo.rollout.metrics import rollout_metrics
+from lit_grpo.update.shared_prefix import shared_prefix_usable
+from lit_grpo.update.metrics import StepMetrics
+from lit_grpo.runtime.validation import check_choice, check_int, check_real
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
 
@@ -89,18 +89,18 @@ class GRPOModule(LightningModule):
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
-            attending to its keys and values (lit_grpo.shared_prefix; the same values up to float rounding). Where
+            attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding). Where
             the model cannot, ``configure_model`` warns why and the update runs one forward per completion.
-        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.loss; cispo caps the ratio at
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.update.loss; cispo caps the ratio at
             epsilon_high itself: set epsilon_high >= 1, typically 5.0).
         epsilon_low, epsilon_high: the ratio's clip range.
         importance_sampling_level (token | sequence: GSPO), kl_bias_correction, sapo_temperature_pos,
-            sapo_temperature_neg: the loss options of lit_grpo.loss (TRL's GRPOConfig meanings).
+            sapo_temperature_neg: the loss options of lit_grpo.update.loss (TRL's GRPOConfig meanings).
         importance_sampling_mode (none | token_truncate | token_mask | sequence_truncate | sequence_mask),
             importance_sampling_clip_min, importance_sampling_clip_max: the sampler correction; off by default,
-            the engine samples with these very weights (when to turn it on: lit_grpo.importance_sampling).
+            the engine samples with these very weights (when to turn it on: lit_grpo.update.sampler_correction).
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
-        scale_rewards: group | batch | none (lit_grpo.advantages; handed to the data side in ``_hand_over_to_data``).
+        scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in ``_hand_over_to_data``).
         num_iterations: optimizer steps per rollout (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
@@ -156,7 +156,7 @@ class GRPOModule(LightningModule):
         make_loss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_level, kl_bias_correction,
                   sapo_temperature_pos, sapo_temperature_neg)
         self.sampler_correction = SamplerCorrection(importance_sampling_mode, importance_sampling_clip_min,
-                                                    importance_sampling_clip_max)  # lit_grpo.importance_sampling
+                                                    importance_sampling_clip_max)  # lit_grpo.update.sampler_correction
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.scale_rewards = scale_rewards
@@ -206,7 +206,7 @@ class GRPOModule(LightningModule):
 
     @property
     def loss_fn(self) -> PolicyLoss:
-        """The loss variant of ``hparams`` (lit_grpo.loss; built and validated once per setting, then shared)."""
+        """The loss variant of ``hparams`` (lit_grpo.update.loss; built and validated once per setting, then shared)."""
         hp = self.hparams
         return make_loss(hp.loss_type, hp.epsilon_low, hp.epsilon_high, hp.beta, hp.importance_sampling_level,
                          hp.kl_bias_correction, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
@@ -282,7 +282,7 @@ class GRPOModule(LightningModule):
         return [self._logps(model, batch.micro_batch(rows), batch.temperature)[0] for rows in chunks]
 
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
-        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.logprobs),
+        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs),
         except under fsdp, where the output head cannot be called outside the sharded model's forward."""
         return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp,
                                 shared_prefix=self.shared_prefix)
@@ -386,7 +386,7 @@ class GRPOModule(LightningModule):
         optimizer.step()
         return step.result(grad_norm)
 
-    # the scalars logged per rollout (lit_grpo.rollout_metrics; a static method for the tests' sake)
+    # the scalars logged per rollout (lit_grpo.rollout.metrics; a static method for the tests' sake)
     _rollout_metrics = staticmethod(rollout_metrics)
 
     # ------------------------------------------------------------------------------------------ validation

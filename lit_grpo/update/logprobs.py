@@ -15,7 +15,7 @@ logit scales): ``head_reproduces_logits`` checks it once per model on four token
 back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the model cannot return hidden
 states with ``logits_to_keep``.
 
-With ``shared_prefix`` the states (or logits) come from ``lit_grpo.shared_prefix``: each distinct prompt of the
+With ``shared_prefix`` the states (or logits) come from ``lit_grpo.update.shared_prefix``: each distinct prompt of the
 micro-batch goes forward once and its completions attend to its keys and values; the head, the chunks and the
 values are the same.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lit_grpo.models import accepts
-from lit_grpo.shared_prefix import prompt_groups, shared_prefix_outputs
+from lit_grpo.runtime.models import accepts
+from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs
 
 LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
 
@@ -55,7 +55,7 @@ def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature
 
     Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
     are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did. ``shared_prefix``: each
-    distinct prompt goes forward once (lit_grpo.shared_prefix).
+    distinct prompt goes forward once (lit_grpo.update.shared_prefix).
     """
     num_tokens = micro["completion_ids"].shape[1]
     groups = _shared_groups(micro, shared_prefix)
@@ -148,7 +148,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
 
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
     docstring); otherwise the full logits are computed once. With ``shared_prefix`` each distinct prompt goes
-    forward once (lit_grpo.shared_prefix). Every way the values are the same up to float rounding
+    forward once (lit_grpo.update.shared_prefix). Every way the values are the same up to float rounding
     (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
     if chunk_bytes < 1:

@@ -1,5 +1,5 @@
 """Prompt sources: a reasoning-gym task, a JSONL file, an inline list, or a Hugging Face dataset
-(``lit_grpo.datamodules.hf_dataset``); the chat template; the train/val split.
+(``lit_grpo.rollout.hf_dataset``); the chat template; the train/val split.
 
 Every source yields ``PromptExample`` objects: the prompt text the model is asked, its gold answer (or None) and
 the whole source row (``entry``), which reward functions receive (reasoning-gym scoring needs the entry).
@@ -120,7 +120,7 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
     if jsonl_path is not None:
         return jsonl_prompts(jsonl_path)
     if dataset is not None:
-        from lit_grpo.datamodules.hf_dataset import dataset_prompts
+        from lit_grpo.rollout.hf_dataset import dataset_prompts
 
         return dataset_prompts(dataset, prompt_column, answer_column, split)
     return inline_prompts(prompts)

@@ -7,9 +7,9 @@ The data flow of a training step, prompt -> builder -> batch -> module::
            engine.generate_groups(groups)       the current policy, eval mode, no grad (lit_grpo.sampling);
                                                 with over_provision > 1 it stops once B groups are complete and
                                                 carries the others to the next step (partial rollouts)
-           score_rewards(...)                   weighted reward functions (lit_grpo.rewards)
+           score_rewards(...)                   weighted reward functions (lit_grpo.rollout.rewards)
            [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_sampling_rounds]
-           group_advantages(rewards, scale)     (lit_grpo.advantages; "batch" spans every rank)
+           group_advantages(rewards, scale)     (lit_grpo.rollout.advantages; "batch" spans every rank)
       -> RolloutBatch                           (lit_grpo.batch)
       -> GRPOModule.training_step               the update
 
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from lit_grpo.advantages import group_advantages, zero_std_groups
+from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, pad_left, pad_right
-from lit_grpo.datamodules.prompts import PromptExample
-from lit_grpo.rewards import WeightedReward, score_rewards
+from lit_grpo.rollout.prompts import PromptExample
+from lit_grpo.rollout.rewards import WeightedReward, score_rewards
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
@@ -81,7 +81,7 @@ class RolloutBuilder:
         policy, tokenizer: the model being trained and its tokenizer.
         sampling: the training rollouts' settings; ``micro_group_size="auto"`` is resolved against
             ``max_prompt_length`` on first use.
-        reward_funcs: weighted reward functions (``lit_grpo.rewards.build_reward_funcs``).
+        reward_funcs: weighted reward functions (``lit_grpo.rollout.rewards.build_reward_funcs``).
         scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
         accuracy_reward: the reward function whose values are correctness (``RolloutBatch.accuracy``).
         on_reward_error: "raise" | "skip_group" (see RolloutDataModule).

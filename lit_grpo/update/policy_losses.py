@@ -1,18 +1,18 @@
-"""The GRPO loss variants as small frozen objects (torchtune rlhf/loss style); ``lit_grpo.loss`` re-exports them.
+"""The GRPO loss variants as small frozen objects (torchtune rlhf/loss style); ``lit_grpo.update.loss`` re-exports them.
 
 Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padded; ``mask`` marks real ones).
 
-Per token (the terms are in lit_grpo.surrogates)::
+Per token (the terms are in lit_grpo.update.surrogates)::
 
     r     = exp(logp - old_logp)                     token level, or per sequence (below)
-    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.importance_sampling)
+    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
 
 ``importance_sampling_level="sequence"`` (GSPO) replaces each token's ratio by its completion's
 ``exp(mean over active tokens of (logp - old_logp))``. ``kl_bias_correction`` weighs the k3 KL by ``r``, which
 makes its gradient the unbiased gradient of KL(policy || reference) when the tokens came from ``old_logp``.
 
-The variants differ in their surrogate (clip, cispo, sapo: lit_grpo.surrogates), in how they reduce the
+The variants differ in their surrogate (clip, cispo, sapo: lit_grpo.update.surrogates), in how they reduce the
 ``[N, T]`` token losses to a scalar and in how the micro-batches of one optimizer step (and the ranks) add up:
 
 =========  ==========  ==================================================================  ======================
@@ -48,7 +48,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from lit_grpo.surrogates import (
+from lit_grpo.update.surrogates import (
     check_level,
     cispo_surrogate,
     clip_surrogate,

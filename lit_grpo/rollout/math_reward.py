@@ -1,6 +1,6 @@
 """The ``math`` reward: the completion's final answer verified against the gold answer with math-verify.
 
-``math_reward`` follows the reward protocol of ``lit_grpo.rewards`` (name ``math`` in configs). For each
+``math_reward`` follows the reward protocol of ``lit_grpo.rollout.rewards`` (name ``math`` in configs). For each
 completion:
 
 1. :func:`extract_final_answer` finds the answer the completion commits to: the last ``<answer>...</answer>``
@@ -12,7 +12,7 @@ completion:
    compared by ``math_verify.verify``: equivalent fractions and decimals, LaTeX forms, thousands separators,
    percentages (``50\\%`` equals 0.5 and 50), signs, sets (order-free) and intervals (open and closed ends
    distinct). A gold answer math-verify cannot parse (a word) is compared as normalized text.
-3. Parsing and verifying one completion run under a deadline (``timeout_s``, :func:`lit_grpo.deadline.
+3. Parsing and verifying one completion run under a deadline (``timeout_s``, :func:`lit_grpo.rollout.deadline.
    call_with_deadline`); a completion that runs past it (``\\boxed{9^{9^{9^{9}}}}`` would take hours) scores 0
    and a warning names it. math-verify's own timeouts are whole-second ``signal.alarm`` calls that would replace
    this deadline's timer, so they are turned off and this one deadline covers both steps.
@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lit_grpo.deadline import DeadlineExceeded, call_with_deadline
+from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -1,0 +1,7 @@
+"""Building a training step's batch: prompts in, a ``RolloutBatch`` out (no Lightning here).
+
+``prompts`` and ``hf_dataset`` read prompt sources; ``builder`` asks the engine (``lit_grpo.sampling``, scheduled by
+``lit_grpo.scheduling``) for G completions per prompt, scores them (``rewards``, ``reward_functions``,
+``math_reward``), turns rewards into advantages (``advantages``) and packs the ``RolloutBatch``
+(``lit_grpo.batch``); ``metrics`` are the rollout's logged figures.
+"""
