@@ -13,7 +13,7 @@ from lit_grpo.runtime.memory import CpuMethod, PeakTracker, make_peak_tracker
 from ._rollout import log_metrics, rollout_stats
 
 #: The phases of a training step, as they appear in the logged keys.
-PHASES = ("rollout", "update", "step")
+PHASES = ("rollout", "update", "optimizer", "step")
 
 
 class PeakMemoryMonitor(Callback):
@@ -27,12 +27,15 @@ class PeakMemoryMonitor(Callback):
       (previous ``on_train_batch_end`` -> ``on_train_batch_start``). lit_grpo batches only.
     - ``memory/update_peak_bytes``: peak during the update (``on_train_batch_start`` -> ``on_train_batch_end``).
       lit_grpo batches only.
-    - ``memory/{rollout,update,step}_peak_delta_bytes``: the same peaks minus what was held when the phase
+    - ``memory/optimizer_peak_bytes``: peak during the optimizer step, the last part of the update
+      (``on_before_optimizer_step`` -> ``on_train_batch_end``), so the forward and backward passes and the optimizer
+      state each show their own peak. lit_grpo batches whose update stepped the optimizer only.
+    - ``memory/{rollout,update,optimizer,step}_peak_delta_bytes``: the same peaks minus what was held when the phase
       started: what the phase itself added. On CPU the absolute peaks are resident-set sizes, which carry over
       what the previous phase left in the allocator (a rollout whose KV is 40 MB can read 4 GB after an update
       of a 135M model); the delta is the figure to compare across phases and settings. It can be 0 when a phase
       only reused memory the process already held.
-    - on CUDA also ``memory/{step,rollout,update}_peak_reserved_bytes``: the same peaks of the allocator's
+    - on CUDA also ``memory/{step,rollout,update,optimizer}_peak_reserved_bytes``: the same peaks of the allocator's
       reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
 
     **What is measured**
@@ -69,6 +72,7 @@ class PeakMemoryMonitor(Callback):
         self._tracker: PeakTracker | None = None
         self._method: str | None = None
         self._rollout_peaks: dict[str, int] = {}
+        self._before_optimizer: dict[str, int] | None = None  # the update's peaks up to its optimizer step
         self._started: dict[str, int] = {}  # bytes held when each phase started
         #: The largest value of every logged key over the fit so far (what a summary reports).
         self.max_logged: dict[str, int] = {}
@@ -113,20 +117,29 @@ class PeakMemoryMonitor(Callback):
         if self._tracker is None:
             return
         self._rollout_peaks = self._tracker.read()
+        self._before_optimizer = None
         self._start("update")
         if rollout_stats(batch) is not None:
             self._check_fetch_order(trainer)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._tracker is None:
+            return
+        # The optimizer phase restarts the tracker; the update's peak so far is kept for the whole update's.
+        self._before_optimizer = _larger(self._before_optimizer or {}, self._tracker.read())
+        self._start("optimizer")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._tracker is None:
             return
-        peaks = {"update": self._tracker.read()}
-        peaks["rollout"] = self._rollout_peaks
-        peaks["step"] = {suffix: max(self._rollout_peaks.get(suffix, 0), value)
-                         for suffix, value in peaks["update"].items()}
-        phases = PHASES if rollout_stats(batch) is not None else ("step",)
+        last = self._tracker.read()
+        peaks = {"rollout": self._rollout_peaks, "update": _larger(self._before_optimizer or {}, last)}
+        if self._before_optimizer is not None:
+            peaks["optimizer"] = last
+        peaks["step"] = _larger(self._rollout_peaks, peaks["update"])
+        phases = [phase for phase in PHASES if phase in peaks] if rollout_stats(batch) is not None else ["step"]
         metrics: dict[str, int] = {}
         for phase in phases:
             for suffix, value in peaks[phase].items():
@@ -163,3 +176,8 @@ class PeakMemoryMonitor(Callback):
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "
                 "rollout measured before step i is the rollout of step i+1. Give the dataloader a __len__."
             )
+
+
+def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
+    """Per key, the larger of two peak readings (``second``'s keys)."""
+    return {suffix: max(first.get(suffix, 0), value) for suffix, value in second.items()}

@@ -1,15 +1,16 @@
 """Peak memory of one whole GRPO step (rollout + update) against the group size G.
 
-    python tools/bench_grpo_memory.py --model smollm2 --group-sizes 8,16,32,64 --micro-group-size 8 \
+    python -m tools.bench_grpo_memory --model smollm2 --group-sizes 8,16,32,64 --micro-group-size 8 \
         --train-micro-batch-size 8 --strategies infinite,full --json runs/grpo_memory.json
 
 Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached memory cannot hide the next run's
-peak. In it the policy is loaded first; then the process's peak tracker (lit_grpo.runtime.memory: the kernel's RSS
-high-water mark on Linux CPU, the allocator's peak on CUDA) is reset, and a Lightning Trainer runs exactly one
-training step: the rollout of B prompts x G samples with the given strategy, rewards, advantages, and the
-micro-batched update with its AdamW step. Records: "strategy", "group_size", "peak_bytes" (the whole step's),
-its phases' "rollout_peak_bytes", "update_peak_bytes" (every micro-batch's forward and backward, and clipping)
-and "optimizer_peak_bytes" (AdamW), "repeat" (``--repeats N`` runs each cell N times, interleaved), plus
+peak. In it the policy is loaded first; then a Lightning Trainer runs exactly one training step: the rollout of
+B prompts x G samples with the given strategy, rewards, advantages, and the micro-batched update with its AdamW
+step, measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` (the kernel's RSS high-water mark on Linux CPU, the
+allocator's peak on CUDA, reset at each phase). Records: "strategy", "group_size", "peak_bytes" (the whole
+step's: ``memory/step_peak_bytes``), its phases' "rollout_peak_bytes", "update_peak_bytes" (every micro-batch's
+forward and backward, clipping and the optimizer step) and "optimizer_peak_bytes" (the AdamW step alone), as the
+monitor logs them, "method" (its tracker), "repeat" (``--repeats N`` runs each cell N times, interleaved), plus
 "baseline_bytes" (memory held just before the step: weights, tokenizer, libraries), "peak_kv_bytes" (the engine's
 own KV peak), "decode_steps" and "rollout_wall_s" (the rollout's own), "step_s", and the settings the worker really
 ran with ("gradient_checkpointing", "malloc_mmap_threshold"). Gradient checkpointing follows GRPOModule's default
@@ -33,56 +34,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-MODELS = {"tiny": "tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+import lightning.pytorch as pl
+
+from tools import harness
+
 #: LoRA settings of ``--lora`` (the attention and MLP projections of Llama / Qwen blocks).
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                       "up_proj", "down_proj"]}
 
 
-def synthetic_prompts(count: int, seed: int) -> list[dict]:
-    """Sums with their answers, written locally (no reasoning-gym): for random-weight models."""
-    import random
-
-    rng = random.Random(seed)
-    pairs = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(count)]
-    return [{"prompt": f"What is {a} + {b}? Give the final answer.", "answer": str(a + b)} for a, b in pairs]
-
-
 #: The peaks a record carries: the whole step's and its phases'.
 PHASE_KEYS = ("peak_bytes", "rollout_peak_bytes", "update_peak_bytes", "optimizer_peak_bytes")
+#: The PeakMemoryMonitor key (under ``memory/``) of each.
+MONITOR_KEYS = {"peak_bytes": "step_peak_bytes", "rollout_peak_bytes": "rollout_peak_bytes",
+                "update_peak_bytes": "update_peak_bytes", "optimizer_peak_bytes": "optimizer_peak_bytes"}
 
 
 def median_by_group_size(runs: list[dict], strategy: str, key: str) -> dict[int, float]:
     """``{G: median of key}`` over a strategy's repeats."""
     sizes = sorted({r["group_size"] for r in runs if r["strategy"] == strategy})
-    return {g: statistics.median(r[key] for r in runs if r["strategy"] == strategy and r["group_size"] == g)
+    return {g: harness.median(r[key] for r in runs if r["strategy"] == strategy and r["group_size"] == g)
             for g in sizes}
 
 
 def measure_one_step(args) -> dict:
     """Run one GRPO step in this process and return its memory record."""
-    import lightning.pytorch as pl
     import torch
 
+    from lit_grpo.callbacks import PeakMemoryMonitor
     from lit_grpo.datamodules.rollout import RolloutDataModule
-    from lit_grpo.runtime.memory import make_peak_tracker, read_statm_rss
-    from lit_grpo.update.module import GRPOModule
+    from lit_grpo.runtime.memory import read_statm_rss
     from lit_grpo.sampling import SamplingConfig
+    from lit_grpo.update.module import GRPOModule
 
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
+    module = GRPOModule(model=harness.resolve_model(args.model), train_micro_batch_size=args.train_micro_batch_size,
                         lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing,
                         dtype=args.dtype, peft_config=LORA if args.lora else None,
                         shared_prefix=args.shared_prefix)
-    source = (dict(prompts=synthetic_prompts(64, args.seed)) if args.task == "synthetic" else
-              dict(task=args.task, size=64))
+    source = (dict(prompts=[{"prompt": e.prompt, "answer": e.answer}
+                            for e in harness.task_examples(args.task, 64, args.seed)])
+              if args.task == harness.SYNTHETIC else dict(task=args.task, size=64))
     sampling = SamplingConfig(group_size=args.group_size, micro_group_size=args.micro_group_size,
                               strategy=args.strategy, max_new_tokens=args.max_new_tokens, seed=args.seed)
     data = RolloutDataModule(**source, val_size=1, prompts_per_step=args.prompts, sampling=sampling,
@@ -91,65 +89,45 @@ def measure_one_step(args) -> dict:
     with torch.no_grad():  # read every weight once: lazily mapped checkpoint pages count in the baseline, not the step
         for parameter in module.policy.parameters():
             parameter.sum()
+    monitor = PeakMemoryMonitor(sample_interval_s=0.002)
+    rollout = RolloutFigures()
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0)
-    captured = {}
-
+                         num_sanity_val_steps=0, callbacks=[monitor, rollout])
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
-    tracker, problem = make_peak_tracker(device, "auto", 0.002)
-    if tracker is None:
-        raise SystemExit(f"cannot measure peak memory here: {problem}")
-    phase_peaks: dict[str, int] = {}
-
-    def end_phase(name: str) -> None:
-        key = f"{name}_peak_bytes"
-        phase_peaks[key] = max(phase_peaks.get(key, 0), tracker.read()["peak_bytes"])
-        tracker.reset()
-
-    class CapturePhases(pl.Callback):
-        """Splits the step's peak at the phase boundaries: the rollout (data fetch), the update (every
-        micro-batch's forward and backward, and gradient clipping) and the optimizer step (AdamW)."""
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            end_phase("rollout")
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            end_phase("update")
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            end_phase("optimizer")
-            captured["peak_kv_bytes"] = batch.stats.peak_kv_bytes
-            captured["generated_tokens"] = batch.stats.generated_tokens
-            captured["decode_steps"] = batch.stats.decode_steps
-            captured["rollout_wall_s"] = batch.stats.wall_s
-
-    trainer.callbacks.append(CapturePhases())
     if device.type == "cuda":
         module.policy.to(device)
         torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else read_statm_rss()
-    tracker.reset()
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     step_s = time.perf_counter() - start
-    tracker.close()
-    # Each phase's peak is measured from the previous boundary, so the step's peak is the largest of them.
-    return {"strategy": args.strategy, "group_size": args.group_size, "peak_bytes": max(phase_peaks.values()),
-            **phase_peaks,
-            "baseline_bytes": baseline, "step_s": step_s, "method": tracker.name, "dtype": args.dtype,
-            "lora": args.lora,
-            "weights_bytes": sum(p.numel() * p.element_size() for p in module.policy.parameters()),
+    if monitor.method is None:
+        raise SystemExit("cannot measure peak memory here: PeakMemoryMonitor found no tracker (see its warning)")
+    peaks = {key: monitor.max_logged[f"memory/{MONITOR_KEYS[key]}"] for key in PHASE_KEYS}
+    return {"strategy": args.strategy, "group_size": args.group_size, **peaks,
+            "baseline_bytes": baseline, "step_s": step_s, "method": monitor.method, "dtype": args.dtype,
+            "lora": args.lora, "weights_bytes": harness.weights_bytes(module.policy),
             "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
             "shared_prefix": module.shared_prefix,
-            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **captured}
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **rollout.figures}
+
+
+class RolloutFigures(pl.Callback):
+    """The step's rollout figures, from its batch's ``RolloutStats``."""
+
+    def __init__(self) -> None:
+        self.figures: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = batch.stats
+        self.figures = {"peak_kv_bytes": stats.peak_kv_bytes, "generated_tokens": stats.generated_tokens,
+                        "decode_steps": stats.decode_steps, "rollout_wall_s": stats.wall_s}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2",
-                        help="tiny | smollm2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b) | a path "
-                             "or hub id")
+    harness.add_model_argument(parser, default="smollm2")
     parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters ({LORA}) instead of all weights")
     parser.add_argument("--group-sizes", default="8,16,32,64")
@@ -173,8 +151,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode: one measurement, printed as JSON
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.task is None:
-        args.task = "synthetic" if args.model.startswith("random:") else "basic_arithmetic"
+    args.task = harness.default_task(args.model, args.task)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.strategy:
@@ -185,16 +162,15 @@ def main(argv=None) -> dict:
     cells = [(g, s, r) for r in range(args.repeats) for g in [int(g) for g in args.group_sizes.split(",")]
              for s in args.strategies.split(",")]  # repeats interleaved: a drifting machine affects all cells
     for group_size, strategy, repeat in cells:
-        command = [sys.executable, __file__, "--strategy", strategy, "--group-size", str(group_size),
-                   "--model", args.model, "--micro-group-size", str(args.micro_group_size),
+        command = harness.tool_command("bench_grpo_memory", "--strategy", strategy, "--group-size", str(group_size),
+                                       "--model", args.model, "--micro-group-size", str(args.micro_group_size),
                    "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
                    "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
         command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
         command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
         command.append("--shared-prefix" if args.shared_prefix else "--no-shared-prefix")
-        env = dict(os.environ)
-        if args.malloc_mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        env = harness.repo_env(**({} if args.malloc_mmap_threshold is None else
+                                  {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}))
         out = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
@@ -212,11 +188,9 @@ def main(argv=None) -> dict:
         peaks = by_size["peak_bytes"]
         ratios[strategy] = peaks[max(peaks)] / peaks[min(peaks)]
         print(f"{strategy}: peak(G={max(peaks)}) / peak(G={min(peaks)}) = {ratios[strategy]:.3f}")
-    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "runs": runs, "median_bytes": medians, "peak_ratio_largest_to_smallest_G": ratios}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    report = {"config": harness.config_record(args), "runs": runs, "median_bytes": medians,
+              "peak_ratio_largest_to_smallest_G": ratios}
+    harness.write_json(args.json, report)
     return report
 
 

@@ -1,10 +1,10 @@
 """Rollout benchmark: lit_grpo's strategies against transformers' generate paths, in one process, interleaved.
 
-    python tools/bench_rollout.py --model smollm2 --prompts 4 --group-size 16 --micro-group-size 4 \
+    python -m tools.bench_rollout --model smollm2 --prompts 4 --group-size 16 --micro-group-size 4 \
         --max-new-tokens 128 --strategies full,micro,continuous,hf_generate,hf_generate_chunked,hf_generate_batch \
         --repeats 3 --json runs/rollout.json
 
-    python tools/bench_rollout.py --model random:qwen3-1.7b --dtype bfloat16 --preset paper \
+    python -m tools.bench_rollout --model random:qwen3-1.7b --dtype bfloat16 --preset paper \
         --lengths tools/data/smollm2_gsm_symbolic_lengths.json --strategies full,continuous,infinite,micro \
         --predictors oracle --json runs/paper_gpu.json          # any GPU, offline: random weights, replayed lengths
 
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,42 +52,18 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
-    sys.path.insert(0, str(ROOT))
-
-from lit_grpo.runtime.memory import make_peak_tracker  # noqa: E402
-from lit_grpo.runtime.models import DEFAULT_MODEL, RANDOM_PREFIX, load_model_and_tokenizer  # noqa: E402
-from lit_grpo.sampling import RolloutEngine, lower_bound_steps  # noqa: E402
-from lit_grpo.sampling.memory_budget import kv_bytes_per_token  # noqa: E402
-from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name  # noqa: E402
-from tools import roofline  # noqa: E402
+from lit_grpo.sampling import RolloutEngine, lower_bound_steps
+from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
+from tools import harness, roofline
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
-MODELS = {"tiny": "tiny-llama", "smollm2": DEFAULT_MODEL}
 PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
           "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
           "capture_s", "prefill_s", "forward_fraction", "identical_fraction", "mean_context", "floor_ms_per_step",
           "roofline_ratio", "prefill_ms_per_token", "prefill_floor_ms_per_token", "prefill_roofline_ratio")
-
-
-def task_prompts(tokenizer, task: str, count: int, seed: int) -> list[list[int]]:
-    """``count`` questions as chat-formatted token ids: reasoning-gym's ``task``, or "synthetic" (sums written
-    out locally: no reasoning-gym needed, for random-weight models whose lengths are replayed anyway)."""
-    if task == "synthetic":
-        import random
-
-        rng = random.Random(seed)
-        questions = [f"What is {rng.randint(10, 999)} + {rng.randint(10, 999)}? Think step by step, then give the "
-                     "final answer." for _ in range(count)]
-    else:
-        import reasoning_gym
-
-        questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=count, seed=seed)]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"] for q in questions]
 
 
 # ----------------------------------------------------------------------------------------------- runners
@@ -173,9 +148,7 @@ def _predictor(name: str, seed: int):
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny",
-                        help="tiny | smollm2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b: that "
-                             "architecture with random weights, offline) | a model path or hub id")
+    harness.add_model_argument(parser, default="tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the model runs (default: cuda when available)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="paper: B 1, G 32, g 8, 1024 tokens, gsm_symbolic")
@@ -209,8 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for key, value in PRESETS[args.preset].items():
             if key != "task" or args.task is None:
                 setattr(args, key, value)
-    if args.task is None:
-        args.task = "synthetic" if args.model.startswith(RANDOM_PREFIX) else "basic_arithmetic"
+    args.task = harness.default_task(args.model, args.task)
     args.strategies = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
     if unknown:
@@ -267,9 +239,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype,
-                                                device=args.device)
-    model.eval()
+    model, tokenizer = harness.load_policy(args.model, args.dtype, args.device)
     lengths = None
     if args.lengths:
         recorded = json.loads(args.lengths.read_text())["lengths"]
@@ -280,7 +250,7 @@ def main(argv=None) -> dict:
                              f"asked for B={args.prompts}, G={args.group_size}")
         lengths = [row[: args.group_size] for row in recorded[: args.prompts]]
     args.prompts, args.group_size = args.prompts or 4, args.group_size or 16
-    prompts = task_prompts(tokenizer, args.task, args.prompts, args.seed)
+    prompts = harness.task_prompts(tokenizer, args.task, args.prompts, args.seed)
     runners = build_runners(args, model, tokenizer, prompts, lengths)
     # One short untimed rollout first, so one-time kernel and allocator set-up is charged to no strategy.
     RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=args.seed).generate(prompts[:1])
@@ -289,11 +259,8 @@ def main(argv=None) -> dict:
 
     repeats: dict[str, list[dict]] = {label: [] for label, _, _ in runners}
     # The device's peak (CUDA allocator, or resident memory on CPU) and the host's resident peak.
-    trackers = {}
-    for name, device in (("peak_memory_bytes", model.device), ("peak_rss_bytes", torch.device("cpu"))):
-        trackers[name], problem = make_peak_tracker(device, "auto", 0.002)
-        if trackers[name] is None:
-            raise SystemExit(f"cannot measure {name} here: {problem}")
+    trackers = {name: harness.peak_tracker(device, name)
+                for name, device in (("peak_memory_bytes", model.device), ("peak_rss_bytes", torch.device("cpu")))}
     for repeat in range(args.repeats):
         reference = None
         for label, fields, run in runners:
@@ -318,21 +285,17 @@ def main(argv=None) -> dict:
             _add_roofline(record, model.config, model.dtype, machine, prefill_floor)
     runs = []
     for records in repeats.values():
-        run = _median_record(records)
+        run = harness.median_record(records, FIELDS)
         _add_roofline(run, model.config, model.dtype, machine, prefill_floor)  # the floor of the median context
         runs.append(run)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config["model"] = MODELS.get(args.model, args.model)
-    config["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    config["device"] = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
-                        else f"cpu ({torch.get_num_threads()} threads)")
-    config["dtype"] = str(model.dtype).removeprefix("torch.")
-    config["roofline"] = machine
+    device = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
+              else f"cpu ({torch.get_num_threads()} threads)")
+    config = harness.config_record(args, model=harness.resolve_model(args.model),
+                                   weights_bytes=harness.weights_bytes(model), device=device,
+                                   dtype=str(model.dtype).removeprefix("torch."), roofline=machine)
     report = {"config": config, "runs": runs}
     _print_table(runs)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json, report)
     return report
 
 
@@ -358,15 +321,6 @@ def _add_roofline(record: dict, model_config, dtype, machine: dict, prefill_floo
     record["prefill_floor_ms_per_token"], record["prefill_floor_bound"] = prefill_floor if timed else (None, None)
     record["prefill_roofline_ratio"] = roofline.ratio(record.get("prefill_ms_per_token"),
                                                       record["prefill_floor_ms_per_token"])
-
-
-def _median_record(records: list[dict]) -> dict:
-    out = {k: v for k, v in records[0].items() if k not in FIELDS}
-    for key in FIELDS:
-        values = [r.get(key) for r in records if r.get(key) is not None]
-        out[key] = statistics.median(values) if values else None
-    out["repeats"] = [{k: r.get(k) for k in FIELDS} for r in records]
-    return out
 
 
 def _print_table(runs: list[dict]) -> None:

@@ -1,0 +1,180 @@
+"""What every tool shares: model names, benchmark prompts, records and their medians, peak memory, output files.
+
+Every tool runs from the repository root as ``python -m tools.NAME``; a tool that starts another tool or a training
+process in a child gives it :func:`repo_env`, so ``tools`` imports there too.
+
+- Models: ``--model`` takes an alias (:data:`MODEL_ALIASES`: ``tiny``, ``smollm2``), a tiny test model
+  (``tiny-llama``, ``tiny-qwen2``), ``random:NAME`` (a real architecture with random weights, offline), a local path
+  or a hub id ``owner/name``; :func:`resolve_model` turns it into what ``load_model_and_tokenizer`` loads.
+- Prompts: :func:`task_examples` / :func:`task_prompts`, a reasoning-gym task or ``"synthetic"`` (sums written
+  locally, for random-weight models), rendered through the chat template as training renders them.
+- Records: :func:`config_record` (a run's arguments as JSON values), :func:`median` and :func:`median_record`
+  (medians over repeats), :func:`write_json`.
+- Peak memory: :func:`peak_tracker`, the library's resettable tracker (``lit_grpo.runtime.memory``); a whole training
+  step's phases are measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` itself (tools/bench_grpo_memory.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: Short names the tools accept for ``--model``.
+MODEL_ALIASES = {"tiny": "tiny-llama", "smollm2": SMOLLM2}
+MODEL_HELP = ("tiny | smollm2 | tiny-llama | tiny-qwen2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
+              "llama3.2-1b: that architecture with random weights, offline) | a local path | a hub id owner/name")
+SYNTHETIC = "synthetic"
+
+
+# ------------------------------------------------------------------------------------------------ models
+def resolve_model(name: str) -> str:
+    """What ``load_model_and_tokenizer`` loads for ``--model name``; a ValueError naming the allowed forms for a
+    name that is none of them (a misspelt alias would otherwise be sent to the hub)."""
+    from lit_grpo.runtime.models import RANDOM_MODELS, RANDOM_PREFIX, TINY_MODELS
+
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name]
+    if name.startswith(RANDOM_PREFIX):
+        if name.removeprefix(RANDOM_PREFIX) not in RANDOM_MODELS:
+            raise ValueError(f"model {name!r}: {RANDOM_PREFIX}NAME takes one of {list(RANDOM_MODELS)}")
+        return name
+    if name in TINY_MODELS or "/" in name or Path(name).expanduser().exists():
+        return name
+    raise ValueError(f"model {name!r} is not an alias ({', '.join(MODEL_ALIASES)}), a tiny model "
+                     f"({', '.join(TINY_MODELS)}), {RANDOM_PREFIX}NAME, a local path or a hub id owner/name")
+
+
+def add_model_argument(parser: argparse.ArgumentParser, default: str, help_extra: str = "") -> None:
+    """``--model``, checked by :func:`resolve_model` when parsed; ``args.model`` keeps the name as given."""
+    def checked(name: str) -> str:
+        try:
+            resolve_model(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return name
+
+    parser.add_argument("--model", default=default, type=checked, help=MODEL_HELP + help_extra)
+
+
+def is_random_model(name: str) -> bool:
+    from lit_grpo.runtime.models import RANDOM_PREFIX
+
+    return name.startswith(RANDOM_PREFIX)
+
+
+def default_task(model: str, task: str | None, real_task: str = "basic_arithmetic") -> str:
+    """``task`` when given; else ``"synthetic"`` for a random-weight model (its lengths mean nothing, and no
+    reasoning-gym is needed), ``real_task`` for any other."""
+    if task is not None:
+        return task
+    return SYNTHETIC if is_random_model(model) else real_task
+
+
+def load_policy(model: str, dtype: str | None = None, device: str | None = None):
+    """``(model in eval mode, tokenizer)`` for ``--model model``."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    policy, tokenizer = load_model_and_tokenizer(resolve_model(model), dtype=dtype, device=device)
+    return policy.eval(), tokenizer
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+def task_examples(task: str, count: int, seed: int):
+    """``count`` PromptExamples: reasoning-gym's ``task``, or ``"synthetic"``: sums of two random three-digit
+    numbers with their answers, drawn from ``random.Random(seed)``."""
+    from lit_grpo.rollout.prompts import PromptExample, reasoning_gym_prompts
+
+    if task != SYNTHETIC:
+        return reasoning_gym_prompts(task, count, seed)
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(count)]
+    return [PromptExample(f"What is {a} + {b}? Think step by step, then give the final answer.", str(a + b))
+            for a, b in pairs]
+
+
+def task_prompts(tokenizer: Any, task: str, count: int, seed: int) -> list[list[int]]:
+    """The token ids of :func:`task_examples`, each prompt rendered through the chat template as training does."""
+    from lit_grpo.rollout.prompts import render_prompt
+
+    return [render_prompt(tokenizer, example.prompt) for example in task_examples(task, count, seed)]
+
+
+# ------------------------------------------------------------------------------------------------ records
+def config_record(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """A run's arguments as JSON values (paths as strings), updated with ``extra``."""
+    return {**{key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}, **extra}
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def median_record(records: Sequence[dict], fields: Sequence[str]) -> dict:
+    """One record for repeats of a run: each of ``fields`` the :func:`median` over ``records``, every other key
+    the first record's, and ``"repeats"`` the ``fields`` of each record."""
+    if not records:
+        raise ValueError("median_record needs at least one record")
+    out = {key: value for key, value in records[0].items() if key not in fields}
+    out.update({key: median(record.get(key) for record in records) for key in fields})
+    out["repeats"] = [{key: record.get(key) for key in fields} for record in records]
+    return out
+
+
+def write_text(path: Path | str | None, text: str) -> None:
+    """Write ``text`` to ``path`` (its folders made); nothing when ``path`` is None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def write_json(path: Path | str | None, report: Any, indent: int = 2) -> None:
+    """Write ``report`` as JSON to ``path`` (its folders made); nothing when ``path`` is None."""
+    write_text(path, json.dumps(report, indent=indent))
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def peak_tracker(device, what: str = "peak memory"):
+    """The library's resettable peak tracker for ``device`` (``lit_grpo.runtime.memory``: the CUDA allocator's
+    peak, or the process's resident high-water mark on CPU); SystemExit naming why where there is none."""
+    from lit_grpo.runtime.memory import make_peak_tracker
+
+    tracker, problem = make_peak_tracker(device, "auto", 0.002)
+    if tracker is None:
+        raise SystemExit(f"cannot measure {what} here: {problem}")
+    return tracker
+
+
+def weights_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ processes
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository root on PYTHONPATH (a child imports ``tools``)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def tool_command(name: str, *args: str) -> list[str]:
+    """The command line that runs ``tools.NAME`` in a child Python (give it :func:`repo_env`)."""
+    return [sys.executable, "-m", f"tools.{name}", *args]
+
+
+def lit_grpo_command() -> list[str]:
+    """The ``lit-grpo`` command: the installed script, else the CLI module under this Python."""
+    exe = shutil.which("lit-grpo")
+    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
