@@ -82,6 +82,35 @@ def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
     assert "rollout/peak_kv_bytes" not in accumulator.Tags()["scalars"]
 
 
+class _SteppingWithMemory(torch.optim.SGD):
+    """SGD whose step touches ``step_bytes`` (stands in for optimizer state allocated in the step)."""
+
+    step_bytes = 0
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        touch_memory(self.step_bytes, 0.03)
+        return loss
+
+
+def test_peak_memory_splits_the_optimizer_step_off_the_update(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(2)]
+    module = RolloutModule(rollouts, update_bytes=96 * MiB, hold_s=0.03)
+    _SteppingWithMemory.step_bytes = 32 * MiB
+    module.configure_optimizers = lambda: _SteppingWithMemory(module.parameters(), lr=0.1)
+    trainer = fit(tmp_path, module, [PeakMemoryMonitor()], max_steps=2)
+    accumulator = events(trainer)
+    update = scalars(accumulator, "memory/update_peak_bytes")
+    optimizer = scalars(accumulator, "memory/optimizer_peak_bytes")
+    step = scalars(accumulator, "memory/step_peak_bytes")
+    added = scalars(accumulator, "memory/optimizer_peak_delta_bytes")
+    assert len(update) == len(optimizer) == len(step) == len(added) == 2
+    for u, o, s, a in zip(update, optimizer, step, added):
+        # the 96 MiB forward/backward stays in the whole update's peak, not in the optimizer step's
+        assert 40 * MiB < u - o < 88 * MiB and s >= u
+        assert 16 * MiB < a < 48 * MiB  # what the step itself touched
+
+
 def test_peak_memory_hwm_probe_and_reset():
     assert memory.hwm_reset_problem() is None  # Linux lets a process reset its own VmHWM
     tracker = memory.KernelHighWaterMark()

@@ -69,12 +69,25 @@ def _check_roofline(report, runs):
     assert runs["full"]["floor_ms_per_step"] > runs["continuous"]["floor_ms_per_step"]  # 8 rows against 2
 
 
-def test_bench_rollout_runs_as_a_script_from_anywhere(tmp_path):
-    """The README's form, ``python tools/bench_rollout.py``: its own imports of tools/ must resolve."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--help"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+def test_bench_rollout_runs_as_a_module_from_the_repository_root():
+    """The one way to run a tool, ``python -m tools.NAME`` from the repository root: its imports must resolve."""
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_rollout", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--micro-group-size" in proc.stdout
+
+
+def test_every_tool_is_run_as_a_module_and_edits_no_import_path():
+    """Usage lines say ``python -m tools.NAME`` (never ``python tools/NAME.py``) and no tool edits ``sys.path``."""
+    scripts = [path for path in (ROOT / "tools").glob("*.py") if "__main__" in path.read_text()]
+    assert len(scripts) >= 15
+    for path in scripts:
+        text = path.read_text()
+        assert "sys.path" not in text, path.name
+        assert f"python tools/{path.name}" not in text and f"python -m tools.{path.stem}" in text, path.name
+    check = (ROOT / "tools" / "gpu_check.sh").read_text()
+    assert "python3 -m tools.gpu_targets" in check and "python3 -m tools.bench_grpo_memory" in check
+    assert "tools/gpu_targets.py --" not in check and "tools/bench_grpo_memory.py --" not in check
 
 
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):

@@ -1,17 +1,16 @@
-"""val/accuracy of the demo run with and without the GAIN-RL angle curriculum, over several seeds.
+"""val/accuracy of a config with and without the GAIN-RL angle curriculum, over several seeds: bench_fit's preset.
 
-    python tools/bench_curriculum.py --config configs/demo.yaml --seeds 0,1,2 --curricula none,angle \
+    python -m tools.bench_curriculum --config configs/demo.yaml --seeds 0,1,2 --curricula none,angle \
         --json runs/curriculum.json
 
-Each (curriculum, seed) is one ``lit-grpo fit`` in its own process with ``--seed_everything S --data.sampling.seed S
---data.curriculum C`` (so the rollouts' random streams and the prompt draws both change with the seed; the data
-split, ``data.data_seed``, stays fixed, so every run is validated on the same held-out prompts). Everything else,
-including the number of steps, is the config's. The figures are read back from the run's TensorBoard events.
+Each (curriculum, seed) is one ``tools.bench_fit`` run with the variant ``--data.curriculum C``: its own process,
+``--seed_everything S --data.sampling.seed S`` (the data split, ``data.data_seed``, stays fixed, so every run is
+validated on the same held-out prompts); everything else, the number of steps included, is the config's.
 
 Records: "curriculum", "seed", "val_accuracy" (the last validation), "val_accuracy_curve" ([[step, value], ...]
 of every validation), "train_reward_mean" (mean of reward/mean over the run), "curriculum_mu" (the last
-curriculum/mu, angle runs only), "wall_s"; the summary has mean and std of the final val/accuracy per curriculum.
-There is no target: the figures are reported as they come.
+curriculum/mu, angle runs only), "wall_s"; the summary has, per curriculum, the mean and std of each over the seeds
+("val_accuracy_mean", "val_accuracy_std", "runs", ...). There is no target: the figures are reported as they come.
 
 Extra arguments after ``--`` go to every ``lit-grpo fit`` (e.g. ``-- --trainer.max_steps 10``).
 """
@@ -19,30 +18,21 @@ Extra arguments after ``--`` go to every ``lit-grpo fit`` (e.g. ``-- --trainer.m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
-    sys.path.insert(0, str(ROOT))
-
-from tools.bench_fit import run_fit, split_extra  # noqa: E402
+from tools import harness
+from tools.bench_fit import Scalars, print_summary, run_variants, split_extra, summarize
 
 CURRICULA = ("none", "angle")
 
 
-def run_one(config: Path, curriculum: str, seed: int, root: Path, extra: list[str]) -> dict:
-    """One ``lit-grpo fit`` of ``config`` with this curriculum and seed; returns its record."""
-    name = f"curriculum={curriculum} seed={seed}"
-    scalars, wall_s = run_fit(["--config", str(config), "--seed_everything", str(seed), "--data.sampling.seed",
-                               str(seed), "--data.curriculum", curriculum, *extra],
-                              root / f"{curriculum}_seed{seed}", name)
+def curriculum_record(curriculum: str, seed: int, args: list[str], scalars: Scalars, wall_s: float) -> dict:
+    """One run's record (module docstring); SystemExit when the run never validated."""
     curve = scalars.get("val/accuracy")
     if not curve:
-        raise SystemExit(f"{name}: the run logged no val/accuracy; the config must validate at least once "
-                         "(trainer.val_check_interval / check_val_every_n_epoch)")
+        raise SystemExit(f"curriculum={curriculum} seed={seed}: the run logged no val/accuracy; the config must "
+                         "validate at least once (trainer.val_check_interval / check_val_every_n_epoch)")
     rewards = [value for _, value, _ in scalars.get("reward/mean", [])]
     record = {"curriculum": curriculum, "seed": seed, "val_accuracy": curve[-1][1],
               "val_accuracy_curve": [[step, value] for step, value, _ in curve],
@@ -50,17 +40,6 @@ def run_one(config: Path, curriculum: str, seed: int, root: Path, extra: list[st
     if scalars.get("curriculum/mu"):
         record["curriculum_mu"] = scalars["curriculum/mu"][-1][1]
     return record
-
-
-def summarize(runs: list[dict]) -> dict[str, dict[str, float]]:
-    """Mean and (sample) std of the final val/accuracy per curriculum."""
-    summary = {}
-    for curriculum in dict.fromkeys(run["curriculum"] for run in runs):
-        values = [run["val_accuracy"] for run in runs if run["curriculum"] == curriculum]
-        summary[curriculum] = {"val_accuracy_mean": statistics.fmean(values),
-                               "val_accuracy_std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                               "runs": len(values)}
-    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -79,22 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"--curricula {args.curricula!r}: {unknown} not known; use a comma list of {list(CURRICULA)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-
-    runs = []
-    for seed in seeds:  # seed-major, so a partial JSON already pairs the curricula
-        for curriculum in curricula:
-            record = run_one(args.config, curriculum, seed, args.root, extra)
-            runs.append(record)
-            print(f"curriculum={curriculum:5s} seed={seed} val/accuracy={record['val_accuracy']:.3f} "
-                  f"curve={record['val_accuracy_curve']} wall={record['wall_s']:.0f}s", file=sys.stderr, flush=True)
-            report = {"config": {"config": str(args.config), "seeds": seeds, "curricula": curricula, "extra": extra},
-                      "runs": runs, "summary": summarize(runs)}
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(report, indent=2))
-    for curriculum, stats in report["summary"].items():
-        print(f"{curriculum}: val/accuracy {stats['val_accuracy_mean']:.3f} +- {stats['val_accuracy_std']:.3f} "
-              f"over {stats['runs']} seeds")
+    variants = {c: ["--data.curriculum", c] for c in curricula}
+    config = {"config": str(args.config), "seeds": seeds, "curricula": curricula, "extra": extra}
+    runs: list[dict] = []
+    for run in run_variants(args.config, seeds, variants, args.root, extra, curriculum_record):
+        runs.append(run)
+        report = {"config": config, "runs": runs, "summary": summarize(runs, by="curriculum")}
+        harness.write_json(args.json, report)
+    print_summary(report["summary"])
     return report
 
 

@@ -26,7 +26,6 @@ unreadable checkpoints and the most steps redone.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -42,9 +41,10 @@ import yaml
 from lightning.pytorch import Callback
 
 from lit_grpo.runtime.checkpoints import PARTIAL
+from tools import harness
 from tools.roofline import device_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 TARGETS = ("rollout", "update", "checkpoint")
 VARIANTS = {
     "default": [],
@@ -124,8 +124,7 @@ def command(config: Path, steps: int, root: Path, attempt: int, extra: list[str]
 
 
 def start(cmd: list[str], root: Path, attempt: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = harness.repo_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     log = open(root / f"log.{attempt}", "w")
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -307,11 +306,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"summary: {summary['exact']} of {summary['kills']} resumes exact, {summary['unreadable_checkpoints']} "
           f"unreadable checkpoints, at most {summary['max_steps_redone']} steps redone (save interval "
           f"{args.save_every}); struck: {summary['struck']}", flush=True)
-    result = {"config": {**vars(args), "world_size": world, "phase_seconds": durations,
-                         "device": "cpu", "cpu": device_name(torch.device("cpu"))}, "kills": records, "summary": summary}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    result = {"config": harness.config_record(args, world_size=world, phase_seconds=durations, device="cpu",
+                                              cpu=device_name(torch.device("cpu"))), "kills": records, "summary": summary}
+    harness.write_json(args.json, result, indent=1)
     return result
 
 

@@ -1,6 +1,6 @@
 """Whole ``lit-grpo fit`` runs of one config in variants and seeds: time per step, rollout time, val/accuracy.
 
-    python tools/bench_fit.py --config configs/demo.yaml --seeds 0,1,2 \
+    python -m tools.bench_fit --config configs/demo.yaml --seeds 0,1,2 \
         --variant "default=" --variant "partial=--data.over_provision 2.0" --json runs/demo_partial.json
 
 A variant is ``NAME=ARGS``: extra ``lit-grpo fit`` arguments (split like a shell line; empty for the config as it
@@ -17,29 +17,30 @@ update and the optimizer step), "val_accuracy" (the last validation; None where 
 ``--scalars`` key. The summary has, per variant, the mean and sample std of each over the seeds. There is no
 target: the figures are reported as they come.
 
-Extra arguments after ``--`` go to every run (e.g. ``-- --trainer.max_steps 10``).
+Extra arguments after ``--`` go to every run (e.g. ``-- --trainer.max_steps 10``). Presets of variants with their
+own records are tools built on :func:`run_variants` (``python -m tools.bench_curriculum``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tools import harness
 
-def lit_grpo_command() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+#: A run's scalars as read back: ``{tag: [(step, value, wall_time), ...]}``.
+Scalars = dict[str, list[tuple[int, float, float]]]
 
 
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
+def read_scalars(log_dir: Path) -> Scalars:
     """Every scalar of the run's TensorBoard events: ``{tag: [(step, value, wall_time), ...]}``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -49,15 +50,15 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
             for tag in accumulator.Tags()["scalars"]}
 
 
-def run_fit(args: list[str], run_dir: Path, name: str) -> tuple[dict[str, list[tuple[int, float, float]]], float]:
+def run_fit(args: list[str], run_dir: Path, name: str) -> tuple[Scalars, float]:
     """``lit-grpo fit ARGS`` logging under ``run_dir`` (emptied first; the run's output goes to ``fit.log``
     there); returns its scalars and wall seconds."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    command = lit_grpo_command() + ["fit", *args, "--trainer.default_root_dir", str(run_dir)]
+    command = harness.lit_grpo_command() + ["fit", *args, "--trainer.default_root_dir", str(run_dir)]
     start = time.perf_counter()
-    process = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.run(command, capture_output=True, text=True, env=harness.repo_env(PYTHONUNBUFFERED="1"))
     wall_s = time.perf_counter() - start
     (run_dir / "fit.log").write_text(process.stdout + process.stderr)  # the run's own summary is in there
     if process.returncode != 0:
@@ -68,16 +69,12 @@ def run_fit(args: list[str], run_dir: Path, name: str) -> tuple[dict[str, list[t
     return read_scalars(log_dirs[-1]), wall_s
 
 
-def median_or_none(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def run_record(scalars: dict[str, list[tuple[int, float, float]]], wall_s: float, extra_keys: list[str]) -> dict:
+def run_record(scalars: Scalars, wall_s: float, extra_keys: list[str]) -> dict:
     """A run's figures (see the module docstring) from its scalars."""
     losses = sorted(scalars.get("train/loss", []))
     gaps = [b[2] - a[2] for a, b in zip(losses, losses[1:]) if b[0] == a[0] + 1]
-    step_s = median_or_none(gaps)
-    rollout_s = median_or_none([value for _, value, _ in scalars.get("rollout/wall_s", [])])
+    step_s = harness.median(gaps)
+    rollout_s = harness.median([value for _, value, _ in scalars.get("rollout/wall_s", [])])
     curve = [[step, value] for step, value, _ in scalars.get("val/accuracy", [])]
     rewards = [value for _, value, _ in scalars.get("reward/mean", [])]
     record = {"wall_s": wall_s, "steps": len(losses), "step_s": step_s, "rollout_s": rollout_s,
@@ -85,15 +82,15 @@ def run_record(scalars: dict[str, list[tuple[int, float, float]]], wall_s: float
               "val_accuracy": curve[-1][1] if curve else None, "val_accuracy_curve": curve,
               "reward_mean": statistics.fmean(rewards) if rewards else None}
     for key in extra_keys:
-        record[key] = median_or_none([value for _, value, _ in scalars.get(key, [])])
+        record[key] = harness.median([value for _, value, _ in scalars.get(key, [])])
     return record
 
 
-def summarize(runs: list[dict]) -> dict[str, dict[str, float]]:
-    """Per variant: mean and sample std over the seeds of every numeric figure."""
+def summarize(runs: list[dict], by: str = "variant") -> dict[str, dict[str, float]]:
+    """Per value of ``by`` (the variant): mean and sample std over the seeds of every numeric figure."""
     summary: dict[str, dict[str, float]] = {}
-    for variant in dict.fromkeys(run["variant"] for run in runs):
-        mine = [run for run in runs if run["variant"] == variant]
+    for variant in dict.fromkeys(run[by] for run in runs):
+        mine = [run for run in runs if run[by] == variant]
         stats: dict[str, float] = {"runs": len(mine)}
         for key, value in mine[0].items():
             values = [run[key] for run in mine if isinstance(run.get(key), (int, float))]
@@ -120,6 +117,26 @@ def split_extra(argv: list[str] | None) -> tuple[list[str], list[str]]:
     return argv[:argv.index("--")], argv[argv.index("--") + 1:]
 
 
+def run_variants(config: Path, seeds: list[int], variants: dict[str, list[str]], root: Path, extra: list[str],
+                 record: Callable[[str, int, list[str], Scalars, float], dict]) -> Iterator[dict]:
+    """Every (seed, variant) as one ``lit-grpo fit`` (module docstring), seed by seed; yields each run's record,
+    ``record(variant, seed, variant args, scalars, wall_s)``, as it comes (and prints it to stderr)."""
+    for seed in seeds:  # seed-major, so a partial report already pairs the variants
+        for name, variant_args in variants.items():
+            run_args = ["--config", str(config), "--seed_everything", str(seed), "--data.sampling.seed", str(seed),
+                        *variant_args, *extra]
+            scalars, wall_s = run_fit(run_args, root / f"{name}_seed{seed}", f"{name} seed={seed}")
+            run = record(name, seed, variant_args, scalars, wall_s)
+            print(json.dumps(run), file=sys.stderr, flush=True)
+            yield run
+
+
+def print_summary(summary: dict[str, dict[str, float]]) -> None:
+    for name, stats in summary.items():
+        print(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f} +- {stats[key[:-5] + '_std']:.3f}"
+                                      for key, value in stats.items() if key.endswith("_mean")))
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv, extra = split_extra(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,25 +153,17 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     keys = [key for key in args.scalars.split(",") if key]
 
+    def record(name: str, seed: int, variant_args: list[str], scalars: Scalars, wall_s: float) -> dict:
+        return {"variant": name, "seed": seed, "args": shlex.join(variant_args), **run_record(scalars, wall_s, keys)}
+
+    config = {"config": str(args.config), "seeds": seeds, "variants": {k: shlex.join(v) for k, v in variants.items()},
+              "extra": extra}
     runs: list[dict] = []
-    report: dict = {}
-    for seed in seeds:
-        for name, variant_args in variants.items():
-            run_args = ["--config", str(args.config), "--seed_everything", str(seed), "--data.sampling.seed",
-                        str(seed), *variant_args, *extra]
-            scalars, wall_s = run_fit(run_args, args.root / f"{name}_seed{seed}", f"{name} seed={seed}")
-            runs.append({"variant": name, "seed": seed, "args": shlex.join(variant_args),
-                         **run_record(scalars, wall_s, keys)})
-            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-            report = {"config": {"config": str(args.config), "seeds": seeds, "variants": {
-                k: shlex.join(v) for k, v in variants.items()}, "extra": extra}, "runs": runs,
-                "summary": summarize(runs)}
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(report, indent=2))
-    for name, stats in report["summary"].items():
-        print(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f} +- {stats[key[:-5] + '_std']:.3f}"
-                                      for key, value in stats.items() if key.endswith("_mean")))
+    for run in run_variants(args.config, seeds, variants, args.root, extra, record):
+        runs.append(run)
+        report = {"config": config, "runs": runs, "summary": summarize(runs)}
+        harness.write_json(args.json, report)  # after every run: a stopped benchmark keeps what it measured
+    print_summary(report["summary"])
     return report
 
 

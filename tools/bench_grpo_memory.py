@@ -162,10 +162,11 @@ def main(argv=None) -> dict:
     cells = [(g, s, r) for r in range(args.repeats) for g in [int(g) for g in args.group_sizes.split(",")]
              for s in args.strategies.split(",")]  # repeats interleaved: a drifting machine affects all cells
     for group_size, strategy, repeat in cells:
-        command = harness.tool_command("bench_grpo_memory", "--strategy", strategy, "--group-size", str(group_size),
-                                       "--model", args.model, "--micro-group-size", str(args.micro_group_size),
-                   "--train-micro-batch-size", str(args.train_micro_batch_size), "--prompts", str(args.prompts),
-                   "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed)]
+        command = harness.tool_command(
+            "bench_grpo_memory", "--strategy", strategy, "--group-size", str(group_size), "--model", args.model,
+            "--micro-group-size", str(args.micro_group_size), "--train-micro-batch-size",
+            str(args.train_micro_batch_size), "--prompts", str(args.prompts), "--max-new-tokens",
+            str(args.max_new_tokens), "--task", args.task, "--seed", str(args.seed))
         command += (["--dtype", args.dtype] if args.dtype else []) + (["--lora"] if args.lora else [])
         command.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
         command.append("--shared-prefix" if args.shared_prefix else "--no-shared-prefix")

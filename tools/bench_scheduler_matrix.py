@@ -3,10 +3,10 @@
     python -m tools.bench_scheduler_matrix --json runs/matrix.json --markdown runs/matrix.md   # the whole matrix
     python -m tools.bench_scheduler_matrix --from-json runs/matrix.json --check                # judge it again
 
-Every cell is one ``tools/bench_rollout.py`` run (its ``main``, in this process) on the tiny model with replayed
+Every cell is one ``tools.bench_rollout`` run (its ``main``, in this process) on the tiny model with replayed
 lengths (``--lengths``): "continuous" and "infinite" with each predictor, after ``--warmup-rollouts`` rollouts of
 the same replay (so online and history have learned; every infinite engine gets them). Decode steps depend only on
-the lengths and the scheduler, so the figures hold on any machine. Sets (files from ``tools/make_length_sets.py``):
+the lengths and the scheduler, so the figures hold on any machine. Sets (files from ``python -m tools.make_length_sets``):
 "paper" is the recorded SmolLM2 gsm_symbolic set at its own shape (B 1, G 32, 1024 tokens) and resampled with
 replacement (seeded) into the other shapes; "lognormal", "bimodal", "uniform" are synthetic, 256-token cap.
 
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from lit_grpo.scheduling import fptas_partition, makespan_lower_bound
-from tools import bench_rollout
+from tools import bench_rollout, harness
 from tools.make_length_sets import OUT_DIR, PAPER_FILE
 
 SETS = ("paper", "lognormal", "bimodal", "uniform")
@@ -165,12 +165,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {','.join(SETS)}")
     parser.add_argument("--shapes", default=",".join(f"{b}x{g}x{s}" for b, g, s in SHAPES),
-                        help="comma list of BxGxg (B, G must have a length set; see tools/make_length_sets.py)")
+                        help="comma list of BxGxg (B, G must have a length set; see python -m tools.make_length_sets)")
     parser.add_argument("--predictors", default=",".join(PREDICTORS), help="infinite's predictors (bench_rollout's)")
     parser.add_argument("--refills", default="", help="infinite's refill policies, passed to bench_rollout "
                                                       "(default: the scheduler's own)")
     parser.add_argument("--lengths-dir", type=Path, default=OUT_DIR,
-                        help="where the generated sets are (tools/make_length_sets.py --out; default: its own)")
+                        help="where the generated sets are (python -m tools.make_length_sets --out; default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one warm-up rollout; the paper set at B1 G32 g8 only")
     parser.add_argument("--seed", type=int, default=0)
@@ -212,15 +212,13 @@ def main(argv=None) -> dict:
                 cells += run_cell(set_name, shape, args)
                 print(f"cell {set_name} B{shape[0]} G{shape[1]} g{shape[2]} done in "
                       f"{time.perf_counter() - cell_start:.0f} s", file=sys.stderr, flush=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        config = harness.config_record(args)
         report = {"config": config, "cells": cells, "wall_s": time.perf_counter() - start}
     report["misses"] = misses(report["cells"])
     text = markdown(report["cells"], report["config"])
     print(text)
-    for path, content in ((args.json, json.dumps(report, indent=1)), (args.markdown, text)):
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+    harness.write_json(args.json, report, indent=1)
+    harness.write_text(args.markdown, text)
     if args.check and report["misses"]:
         raise SystemExit(1)
     return report

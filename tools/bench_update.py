@@ -1,8 +1,8 @@
 """Update time per step with and without the shared prefix, and the thread count's effect on update and rollout.
 
-    python tools/bench_update.py --case demo --repeats 5 --json runs/update_demo.json
-    python tools/bench_update.py --case long --repeats 3 --json runs/update_long.json
-    python tools/bench_update.py --case demo --modes shared --threads 1,2 --rollout --json runs/threads.json
+    python -m tools.bench_update --case demo --repeats 5 --json runs/update_demo.json
+    python -m tools.bench_update --case long --repeats 3 --json runs/update_long.json
+    python -m tools.bench_update --case demo --modes shared --threads 1,2 --rollout --json runs/threads.json
 
 ``demo``: configs/demo.yaml's module and data as the demo builds them (SmolLM2-135M-Instruct, 4 chat prompts x
 G 8, up to 24 new tokens); one rollout by the demo's own engine makes the batch that every update is timed on.
@@ -21,10 +21,7 @@ thread count. ``--rollout`` also times one rollout (the demo's ``build_train_bat
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -32,26 +29,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from tools import harness
+from tools.roofline import device_name
 
 
 def demo_setup():
     """(module, datamodule) of configs/demo.yaml, the policy loaded and handed to the data side."""
     from lit_grpo.cli import build_cli
 
-    cli = build_cli(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.logger", "false"], run=False)
+    cli = build_cli(["--config", str(harness.ROOT / "configs" / "demo.yaml"), "--trainer.logger", "false"], run=False)
     module, data = cli.model, cli.datamodule
     module.configure_model()
     data.attach(module.policy, module.tokenizer, scale_rewards=module.hparams.scale_rewards)
@@ -78,10 +64,6 @@ def long_prompt_batch(args, vocab_size: int, pad_id: int):
         sampling_logprobs=-torch.rand(B, G, T, generator=g), max_new_tokens=T, pad_token_id=pad_id)
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=("demo", "long"), default="demo")
@@ -91,7 +73,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
     parser.add_argument("--competing-processes", type=int, default=0,
                         help="busy processes (one core each) running beside the timed ones, as on a shared machine")
-    parser.add_argument("--model", default=SMOLLM2, help="long: the policy (a hub id, a path, tiny-llama)")
+    harness.add_model_argument(parser, default="smollm2", help_extra=" (long: the policy)")
     parser.add_argument("--prompts", type=int, default=1, help="long: B")
     parser.add_argument("--group-size", type=int, default=16, help="long: G")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="long: prompt length")
@@ -134,7 +116,7 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
         module, data = demo_setup()
         batch = data.build_train_batch()
     else:
-        module = GRPOModule(model=args.model, dtype="float32", train_micro_batch_size=args.train_micro_batch_size,
+        module = GRPOModule(model=harness.resolve_model(args.model), dtype="float32", train_micro_batch_size=args.train_micro_batch_size,
                             gradient_checkpointing=args.gradient_checkpointing)
         module.configure_model()
         batch = long_prompt_batch(args, module.policy.config.vocab_size, module.tokenizer.pad_token_id)
@@ -166,15 +148,15 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
                 timings.setdefault(f"rollout/threads={n}", []).append(time.perf_counter() - start)
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in timings.items()),
               file=sys.stderr, flush=True)
-    medians = {key: median(values) for key, values in timings.items()}
+    medians = {key: harness.median(values) for key, values in timings.items()}
     ratios = {f"shared/unshared/threads={n}": medians[f"update/shared/threads={n}"] /
               medians[f"update/unshared/threads={n}"] for n in threads if len(modes) == 2}
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = harness.config_record(args, model=harness.resolve_model(args.model))
     if args.case == "demo":  # the demo's data and module decide these, not the long case's options
         for key in ("model", "prompts", "group_size", "prompt_tokens", "completion_tokens", "train_micro_batch_size",
                     "gradient_checkpointing"):
             settings.pop(key)
-    report = {"config": {**settings, "cpu": cpu_name(), "available_cores": len(os.sched_getaffinity(0))
+    report = {"config": {**settings, "cpu": device_name(torch.device("cpu")), "available_cores": len(os.sched_getaffinity(0))
                          if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                          "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
               "batch": {"num_prompts": batch.num_prompts, "group_size": batch.group_size,
@@ -184,9 +166,7 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
               "seconds": timings, "medians_s": medians, "ratios": ratios}
     for key, value in {**medians, **ratios}.items():
         print(f"{key:32s} {value:8.3f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json, report)
     return report
 
 

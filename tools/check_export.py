@@ -1,9 +1,9 @@
 """Round trip of ``lit-grpo export``: greedy completions of the exported directory under plain ``transformers``
 equal lit_grpo's greedy completions of the same policy, token for token.
 
-    python tools/check_export.py --model HuggingFaceTB/SmolLM2-135M-Instruct --out /tmp/smollm2-export
-    python tools/check_export.py --model tiny-llama --lora --out /tmp/tiny-lora-export
-    python tools/check_export.py --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out /tmp/trained \
+    python -m tools.check_export --model HuggingFaceTB/SmolLM2-135M-Instruct --out /tmp/smollm2-export
+    python -m tools.check_export --model tiny-llama --lora --out /tmp/tiny-lora-export
+    python -m tools.check_export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out /tmp/trained \
         --dataset tools/data/math_example.parquet --prompt-column problem \
         --system-prompt "Give only the final answer."           # a trained run, on its own held-out prompts
 
@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from tools import harness
 
 #: Prompts none of the training sets hold (held out by construction).
 HELD_OUT = ["What is 17 + 25? Give the final answer in <answer></answer> tags.",
@@ -94,7 +96,7 @@ def prompt_ids_for(tokenizer, prompts: Sequence[str] = HELD_OUT) -> list[list[in
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-llama")
+    harness.add_model_argument(parser, default="tiny-llama")
     parser.add_argument("--lora", action="store_true", help="wrap the model with a LoRA adapter (merged on export)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         model, tokenizer, hp = policy_from_checkpoint(args.ckpt_path)
         args.model, args.lora = hp["model"], bool(hp.get("peft_config"))
     else:
-        model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+        model, tokenizer = load_model_and_tokenizer(harness.resolve_model(args.model), "float32")
         if args.lora:
             model = with_lora(model, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
         perturb(model, scale=0.02 if not args.lora else 0.05)

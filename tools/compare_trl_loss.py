@@ -1,6 +1,6 @@
 """lit_grpo's loss against TRL's own ``GRPOTrainer._compute_loss`` on the same per-token log-probs.
 
-    python tools/compare_trl_loss.py [--dtype float64] [--tolerance 1e-5] [--json OUT]
+    python -m tools.compare_trl_loss [--dtype float64] [--tolerance 1e-5] [--json OUT]
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
 (grpo, bnpo, dr_grpo, dapo, cispo, sapo) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta
@@ -24,20 +24,17 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
-import json
 import math
 import sys
 import textwrap
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lit_grpo.update.sampler_correction import SamplerCorrection, SamplingStats  # noqa: E402
-from lit_grpo.update.loss import make_loss  # noqa: E402
+from lit_grpo.update.loss import make_loss
+from lit_grpo.update.sampler_correction import SamplerCorrection, SamplingStats
+from tools import harness
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 LEVELS = ("token", "sequence")
@@ -226,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in ("loss", "grad", "weights", "metrics")}
     print(f"{len(records)} combinations, {bad} over {args.tolerance:g}; largest: "
           + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"trl": trl.__version__, "dtype": args.dtype, "records": records},
-                                              indent=1))
+    harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records}, indent=1)
     return 1 if bad else 0
 
 

@@ -7,8 +7,8 @@
 # 1. installs lit_grpo over the machine's own torch, transformers and lightning (no dependencies, no index);
 # 2. the CUDA tests (graph replay equals the eager step, one synchronisation per decode step, bf16 schedule
 #    invariance, greedy parity with generate) and the capturability tests;
-# 3. tools/gpu_targets.py: its four measurements and one verdict per target line;
-# 4. tools/bench_grpo_memory.py: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
+# 3. python -m tools.gpu_targets: its four measurements and one verdict per target line;
+# 4. python -m tools.bench_grpo_memory: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
 #    memory and its rollout's wall time (figures, no verdict).
 # Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
 # grpo_memory.json). The exit status is not 0 when a test failed, a target was missed or a step broke.
@@ -23,9 +23,9 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
     | tee "$DIR/device.txt" || exit 1
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decode_step.py 2>&1 | tee "$DIR/tests.txt"
 tests=${PIPESTATUS[0]}
-PYTHONUNBUFFERED=1 python3 tools/gpu_targets.py --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
+PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
 targets=${PIPESTATUS[0]}
-PYTHONUNBUFFERED=1 python3 tools/bench_grpo_memory.py --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
+PYTHONUNBUFFERED=1 python3 -m tools.bench_grpo_memory --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
     --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"
 memory=$?
 exit $(( tests || targets || memory ))

@@ -1,9 +1,9 @@
-"""The rollout engine's GPU targets (the engine issue), measured and judged by one command.
+"""The rollout engine's GPU targets, measured and judged by one command.
 
-    python tools/gpu_targets.py --json runs/gpu_targets.json            # on an H100 or H200, offline
-    python tools/gpu_targets.py --from-dir runs/gpu_targets              # judge saved measurements again
+    python -m tools.gpu_targets --json runs/gpu_targets.json            # on an H100 or H200, offline
+    python -m tools.gpu_targets --from-dir runs/gpu_targets              # judge saved measurements again
 
-Runs the four ``bench_rollout.py`` measurements the targets are stated on, each in this process with every
+Runs the four ``tools.bench_rollout`` measurements the targets are stated on, each in this process with every
 strategy interleaved (so ratios come from one process), with a real architecture and random weights
 (``random:qwen3-1.7b`` in bfloat16 by default: no hub, no reasoning-gym):
 
@@ -38,18 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
-    sys.path.insert(0, str(ROOT))
+from lit_grpo.scheduling.partition import makespan_lower_bound
+from tools import bench_rollout, harness
 
-from lit_grpo.scheduling.partition import makespan_lower_bound  # noqa: E402
-from tools import bench_rollout  # noqa: E402
-
-LENGTHS = ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"
+LENGTHS = harness.ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"
 
 
 def measurements(model: str, dtype: str, repeats: int) -> dict[str, list[str]]:
-    """``bench_rollout.py`` arguments of each measurement the targets need."""
+    """``tools.bench_rollout`` arguments of each measurement the targets need."""
     common = ["--model", model, "--dtype", dtype, "--repeats", str(repeats), "--task", "synthetic"]
     rows = ["--prompts", "1", "--group-size", "32", "--micro-group-size", "8"]
     return {
@@ -200,14 +196,13 @@ def main(argv=None) -> list[dict]:
             reports[name] = json.loads((args.from_dir / f"{name}.json").read_text())
             continue
         out = [] if args.json is None else ["--json", str(args.json.with_suffix("") / f"{name}.json")]
-        print(f"gpu_targets: {name}: bench_rollout.py {' '.join(plan[name] + out)}", file=sys.stderr, flush=True)
+        print(f"gpu_targets: {name}: python -m tools.bench_rollout {' '.join(plan[name] + out)}", file=sys.stderr,
+              flush=True)
         reports[name] = bench_rollout.main(plan[name] + out)
         _free_device_memory()
     verdicts = judge(reports)
     print_verdicts(verdicts)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"verdicts": verdicts}, indent=2))
+    harness.write_json(args.json, {"verdicts": verdicts})
     return verdicts
 
 

@@ -1,8 +1,8 @@
 """Write the worked example's math set: small seeded problems whose gold answers are written as a math grader
 expects them (LaTeX fractions, decimals, integers with thousands separators), for ``configs/math_example.yaml``.
 
-    python tools/make_math_set.py                       # tools/data/math_example.parquet, 300 rows, seed 0
-    python tools/make_math_set.py --rows 200 --seed 1 --out my_set.parquet
+    python -m tools.make_math_set                       # tools/data/math_example.parquet, 300 rows, seed 0
+    python -m tools.make_math_set --rows 200 --seed 1 --out my_set.parquet
 
 Columns: ``problem`` (the question), ``solution`` (the gold answer) and ``kind`` (which generator made it; it
 reaches the reward functions as a column, like any other). Several kinds have answers with more than one right

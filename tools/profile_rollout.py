@@ -14,27 +14,20 @@ step and the device's busy ms per step (the sum of kernel times; the rest of the
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `tools` importable
-    sys.path.insert(0, str(ROOT))
-
-from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
-from lit_grpo.sampling import RolloutEngine  # noqa: E402
-from tools.bench_rollout import MODELS, task_prompts  # noqa: E402
+from lit_grpo.sampling import RolloutEngine
+from tools import harness
+from tools.roofline import device_name
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2")
+    harness.add_model_argument(parser, default="smollm2")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--prompts", type=int, default=4)
@@ -57,10 +50,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(MODELS.get(args.model, args.model), dtype=args.dtype,
-                                                device=args.device)
-    model.eval()
-    prompts = task_prompts(tokenizer, args.task, args.prompts, 0)
+    model, tokenizer = harness.load_policy(args.model, args.dtype, args.device)
+    prompts = harness.task_prompts(tokenizer, args.task, args.prompts, 0)
     engine = RolloutEngine(model, tokenizer, group_size=args.group_size, micro_group_size=args.micro_group_size,
                            strategy=args.strategy, max_new_tokens=args.max_new_tokens, keep_kv_cache=True,
                            compile=args.compile, cuda_graph=False if args.no_graph else None)
@@ -84,29 +75,20 @@ def main(argv=None) -> dict:
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = events.table(sort_by=sort, row_limit=args.rows, max_name_column_width=70)
     print(table)
-    summary = {"model": MODELS.get(args.model, args.model), "device": _device_name(model.device),
+    summary = {"model": harness.resolve_model(args.model), "device": device_name(model.device),
                "dtype": str(model.dtype).removeprefix("torch."), "strategy": args.strategy,
                "slots": engine.num_slots(len(prompts)), "decode_steps": steps, "compile": args.compile,
                "cuda_graph": engine._step.graph is not None, "first_rollout_s": first_s,
-               "ms_per_step": statistics.median(timings)}
+               "ms_per_step": harness.median(timings)}
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         summary["kernels_per_step"] = len(kernels) / steps
         summary["device_busy_ms_per_step"] = sum(e.device_time for e in kernels) / 1000 / steps
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "table": table}, indent=2))
+    harness.write_json(args.json, {"summary": summary, "table": table})
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
     return summary
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from tools.roofline import device_name
-    return device_name(device)
 
 
 if __name__ == "__main__":
