@@ -17,12 +17,9 @@ Extra arguments after ``--`` go to every ``lit-grpo fit`` (e.g. ``-- --trainer.m
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
-from tools import harness
-from tools.bench_fit import Scalars, print_summary, run_variants, split_extra, summarize
+from tools.bench_fit import Scalars, measure, parse_args
 
 CURRICULA = ("none", "angle")
 
@@ -43,30 +40,15 @@ def curriculum_record(curriculum: str, seed: int, args: list[str], scalars: Scal
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv, extra = split_extra(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--curricula", default="none,angle")
-    parser.add_argument("--root", type=Path, default=Path("runs/curriculum"), help="where the runs' logs go")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    if not args.config.is_file():
-        raise SystemExit(f"--config {args.config} does not exist")
+    args, extra, seeds = parse_args(argv, __doc__, "0,1,2", "runs/curriculum", lambda parser: parser.add_argument(
+        "--curricula", default="none,angle", help=f"comma list of {','.join(CURRICULA)}"))
     curricula = args.curricula.split(",")
     unknown = [c for c in curricula if c not in CURRICULA]
     if unknown:
         raise SystemExit(f"--curricula {args.curricula!r}: {unknown} not known; use a comma list of {list(CURRICULA)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
     variants = {c: ["--data.curriculum", c] for c in curricula}
     config = {"config": str(args.config), "seeds": seeds, "curricula": curricula, "extra": extra}
-    runs: list[dict] = []
-    for run in run_variants(args.config, seeds, variants, args.root, extra, curriculum_record):
-        runs.append(run)
-        report = {"config": config, "runs": runs, "summary": summarize(runs, by="curriculum")}
-        harness.write_json(args.json, report)
-    print_summary(report["summary"])
-    return report
+    return measure(args, seeds, variants, extra, curriculum_record, config, by="curriculum")
 
 
 if __name__ == "__main__":

@@ -131,26 +131,47 @@ def run_variants(config: Path, seeds: list[int], variants: dict[str, list[str]],
             yield run
 
 
-def print_summary(summary: dict[str, dict[str, float]]) -> None:
-    for name, stats in summary.items():
+def measure(args: argparse.Namespace, seeds: list[int], variants: dict[str, list[str]], extra: list[str],
+            record: Callable[[str, int, list[str], Scalars, float], dict], config: dict, by: str) -> dict:
+    """:func:`run_variants` of ``args.config`` under ``args.root``; the report ``{"config", "runs", "summary"}``
+    (summarised per ``by``) is written to ``args.json`` after every run, so a stopped benchmark keeps what it
+    measured, and its summary printed at the end."""
+    runs: list[dict] = []
+    for run in run_variants(args.config, seeds, variants, args.root, extra, record):
+        runs.append(run)
+        report = {"config": config, "runs": runs, "summary": summarize(runs, by)}
+        harness.write_json(args.json, report)
+    for name, stats in report["summary"].items():
         print(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f} +- {stats[key[:-5] + '_std']:.3f}"
                                       for key, value in stats.items() if key.endswith("_mean")))
+    return report
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None, description: str, seeds: str, root: str,
+               own_arguments: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str], list[int]]:
+    """(arguments, those after ``--`` for every run, the seeds): ``--config``, ``--seeds``, ``--root``, ``--json``
+    and the tool's ``own_arguments``."""
     argv, extra = split_extra(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
-    parser.add_argument("--seeds", default="0")
-    parser.add_argument("--variant", action="append", default=[], help="NAME=ARGS; repeat for each variant")
-    parser.add_argument("--scalars", default="", help="comma list of further logged keys to report medians of")
-    parser.add_argument("--root", type=Path, default=Path("runs/fit"), help="where the runs' logs go")
+    parser.add_argument("--seeds", default=seeds)
+    own_arguments(parser)
+    parser.add_argument("--root", type=Path, default=Path(root), help="where the runs' logs go")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not args.config.is_file():
         raise SystemExit(f"--config {args.config} does not exist")
+    return args, extra, [int(s) for s in args.seeds.split(",")]
+
+
+def _own_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variant", action="append", default=[], help="NAME=ARGS; repeat for each variant")
+    parser.add_argument("--scalars", default="", help="comma list of further logged keys to report medians of")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, extra, seeds = parse_args(argv, __doc__, "0", "runs/fit", _own_arguments)
     variants = dict(parse_variant(text) for text in (args.variant or ["default="]))
-    seeds = [int(s) for s in args.seeds.split(",")]
     keys = [key for key in args.scalars.split(",") if key]
 
     def record(name: str, seed: int, variant_args: list[str], scalars: Scalars, wall_s: float) -> dict:
@@ -158,13 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = {"config": str(args.config), "seeds": seeds, "variants": {k: shlex.join(v) for k, v in variants.items()},
               "extra": extra}
-    runs: list[dict] = []
-    for run in run_variants(args.config, seeds, variants, args.root, extra, record):
-        runs.append(run)
-        report = {"config": config, "runs": runs, "summary": summarize(runs)}
-        harness.write_json(args.json, report)  # after every run: a stopped benchmark keeps what it measured
-    print_summary(report["summary"])
-    return report
+    return measure(args, seeds, variants, extra, record, config, by="variant")
 
 
 if __name__ == "__main__":

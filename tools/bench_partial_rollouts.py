@@ -40,7 +40,7 @@ from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from tools import harness
 
 #: The one prompt every group answers (the lengths are replayed, so its text does not matter).
-PROMPT = "What is 12 + 30? Think step by step."
+PROMPT, ANSWER = "What is 12 + 30? Think step by step.", "42"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +104,7 @@ class ReplayBuilder(RolloutBuilder):
 def replay(builder: RolloutBuilder, prompt_ids: list[int], steps: int) -> dict:
     """Run ``steps`` training steps' ``build_train``; returns the run's record."""
     counter = itertools.count()
-    draw = lambda count: [Prompt(next(counter), PromptExample(PROMPT), prompt_ids) for _ in range(count)]  # noqa: E731
+    draw = lambda count: [Prompt(next(counter), PromptExample(PROMPT, ANSWER), prompt_ids) for _ in range(count)]  # noqa: E731
     decode_steps, walls, carried_samples, staleness_seen, offpolicy, tokens = [], [], [], 0, 0.0, 0
     for _ in range(steps):
         carried = {group.tag.prompt.index: group.tag.steps for group in builder.carried}
