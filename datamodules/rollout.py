@@ -61,20 +61,16 @@ class RolloutDataModule(LightningDataModule):
             random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
             cache stays allocated between steps. Those fields given flat (``group_size=8``, the spelling before
             ``sampling``) raise an error that names their new place.
-        dynamic_sampling: drop groups whose rewards are all equal and draw more prompts; dropped groups fill the
-            batch if still short (zero advantages).
-        max_sampling_rounds: with ``dynamic_sampling``, at most this many engine calls per step.
+        dynamic_sampling: drop groups whose rewards are all equal and draw more prompts, at most
+            ``max_sampling_rounds`` engine calls per step; dropped groups fill the batch if still short.
         over_provision: partial rollouts (1.0: off): a step's rollout runs up to ``ceil(over_provision x B)``
-            groups, stops once B are complete and carries the unfinished ones into the next step; see
-            :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
-        max_staleness: a group is carried at most this many steps.
+            groups, stops once B are complete and carries the unfinished ones into the next step (at most
+            ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
-        val_batch_size: prompts per greedy validation rollout.
-        val_max_new_tokens: the validation rollouts' length cap (default: ``sampling.max_new_tokens``).
+        val_batch_size: greedy validation rollouts, ``val_max_new_tokens`` long (default: the sampling cap).
         val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on the
             rollout engine, seeded apart from training's streams) for ``val/mean_at_k`` and ``val/pass_at_k``;
             1 (default) validates greedily only.
-        val_temperature: the temperature of those k samples.
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
         on_reward_error: "raise" (stop, naming the function and the prompt) or "skip_group" (the group is scored 0
