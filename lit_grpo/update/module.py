@@ -105,7 +105,7 @@ class GRPOModule(LightningModule):
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
-        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many steps.
+        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many steps, then flat.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
         fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
             decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs
