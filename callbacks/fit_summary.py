@@ -41,7 +41,8 @@ class FitSummary(Callback):
 
     Args:
         validate_before_training: run the validation pass before the first step.
-        accuracy_key, reward_key: the logged keys summarised (before -> after).
+        accuracy_key: the logged accuracy key summarised (before -> after).
+        reward_key: the logged reward key summarised (before -> after).
         window: steps averaged at each end of the reward curve (one step's reward is noisy).
     """
 

@@ -161,7 +161,8 @@ def forecast_plateau(
     """Fit both shapes to ``(steps, rewards)``, keep the one with the lower AIC/BIC, and forecast from it.
 
     Args:
-        steps, rewards: the trajectory so far, [N] each; steps need not be evenly spaced.
+        steps: [N] the steps of the trajectory so far; they need not be evenly spaced.
+        rewards: [N] the reward at each of those steps.
         criterion: ``"bic"`` (penalizes the logistic's extra parameter more as N grows) or ``"aic"``.
         fraction: share of the predicted gain that defines "reaching the plateau".
         reward_range: known (min, max) of the reward, e.g. (0, 1) for accuracy rewards; bounds Rmax.

@@ -64,8 +64,9 @@ def render_slot_timeline(
         group_size: G, which maps a sample index to its prompt group ``p = index // G`` (its colour).
         cell_width: pixels per decode step.
         row_height: pixels per slot, a one-pixel separating gap included when it is 4 or more.
-        max_width / max_height: larger pictures are shrunk: ``max_width`` evenly spaced steps of one pixel
-            each (every finish marker kept), rows made thinner.
+        max_width: a wider picture is shrunk to ``max_width`` evenly spaced steps of one pixel each (every
+            finish marker kept).
+        max_height: a taller picture gets thinner rows.
         markers: draw a dark line where a sample finishes (its slot goes idle or to the next sample).
 
     Returns:
@@ -121,7 +122,8 @@ def render_slot_timeline_figure(
     idle slots and sample ends.
 
     Args:
-        timeline, group_size: as in :func:`render_slot_timeline`.
+        timeline: as in :func:`render_slot_timeline`.
+        group_size: as in :func:`render_slot_timeline`.
         width: of the whole figure, at least 800 pixels (the grid gets what the margins leave).
         row_height: pixels per slot (default: 24 for a few slots, down to 6 for many).
         title: the line above the grid (default: slots, steps, groups and samples).

@@ -61,16 +61,16 @@ class RolloutDataModule(LightningDataModule):
             random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
             cache stays allocated between steps. Those fields given flat (``group_size=8``, the spelling before
             ``sampling``) raise an error that names their new place.
-        dynamic_sampling, max_sampling_rounds: drop groups whose rewards are all equal and draw more prompts, at
-            most this many engine calls per step; dropped groups fill the batch if still short (zero advantages).
-        over_provision, max_staleness: partial rollouts (``over_provision`` 1.0: off): a step's rollout runs up to
-            ``ceil(over_provision x B)`` groups, stops once B are complete and carries the unfinished ones into the
-            next step (at most ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
+        dynamic_sampling: drop groups whose rewards are all equal and draw more prompts, at most
+            ``max_sampling_rounds`` engine calls per step; dropped groups fill the batch if still short.
+        over_provision: partial rollouts (1.0: off): a step's rollout runs up to ``ceil(over_provision x B)``
+            groups, stops once B are complete and carries the unfinished ones into the next step (at most
+            ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
-        val_batch_size, val_max_new_tokens: greedy validation rollouts (default: ``sampling.max_new_tokens``).
-        val_num_samples, val_temperature: ``k > 1`` also draws k samples per held-out prompt at this temperature
-            (on the rollout engine, seeded apart from training's streams) for ``val/mean_at_k`` and
-            ``val/pass_at_k``; 1 (default) validates greedily only.
+        val_batch_size: greedy validation rollouts, ``val_max_new_tokens`` long (default: the sampling cap).
+        val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on the
+            rollout engine, seeded apart from training's streams) for ``val/mean_at_k`` and ``val/pass_at_k``;
+            1 (default) validates greedily only.
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
         on_reward_error: "raise" (stop, naming the function and the prompt) or "skip_group" (the group is scored 0

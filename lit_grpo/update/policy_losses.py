@@ -68,8 +68,8 @@ class PolicyLoss:
     """The surrogate + k3-KL loss; a subclass says which surrogate and how tokens and micro-batches are reduced.
 
     Args:
-        epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (cispo: the
-            ratio's cap is ``epsilon_high`` itself).
+        epsilon_low: the ratio's clip range is ``[1 - epsilon_low, 1 + epsilon_high]``.
+        epsilon_high: the upper side of that range (cispo: the ratio's cap is ``epsilon_high`` itself).
         beta: weight of the k3 KL penalty (``> 0`` needs ``ref_logps`` at call time).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO, module docstring).
         kl_bias_correction: weigh the k3 KL by the importance ratio.
@@ -308,8 +308,8 @@ class SAPOLoss(GRPOLoss):
     """sapo: the soft gate ``-(4 / tau) sigmoid(tau (r - 1)) A`` aggregated as grpo; no hard clip.
 
     Args:
-        sapo_temperature_pos, sapo_temperature_neg: the gate's ``tau`` for ``A > 0`` / ``A <= 0`` (> 0; larger
-            is a sharper gate).
+        sapo_temperature_pos: the gate's ``tau`` for ``A > 0`` (> 0; larger is a sharper gate).
+        sapo_temperature_neg: the gate's ``tau`` for ``A <= 0`` (> 0).
     """
 
     name: ClassVar[str] = "sapo"

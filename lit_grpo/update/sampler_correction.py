@@ -83,8 +83,9 @@ class SamplerCorrection:
 
     Args:
         mode: none | token_truncate | token_mask | sequence_truncate | sequence_mask.
-        clip_min, clip_max: the bounds ``[clip_min, clip_max]`` (None: unbounded on that side; > 0,
-            ``clip_min < clip_max``, and a truncate mode needs at least one).
+        clip_min: the lower bound of ``[clip_min, clip_max]`` (None: unbounded on that side; > 0).
+        clip_max: the upper bound (None: unbounded; ``clip_min < clip_max``, and a truncate mode needs at
+            least one of the two).
     """
 
     mode: str = "none"
