@@ -157,7 +157,7 @@ class PeakMemoryMonitor(Callback):
         if self._warned_prefetch:
             return
         self._warned_prefetch = True
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: no public view of the prefetch
         if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
             rank_zero_warn(
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "
