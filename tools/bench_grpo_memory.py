@@ -78,7 +78,7 @@ def measure_one_step(args) -> dict:
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     module = GRPOModule(model=MODELS.get(args.model, args.model), train_micro_batch_size=args.train_micro_batch_size,
-                        lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing,
+                        lr=1e-6, loss={"loss_type": "dapo"}, gradient_checkpointing=args.gradient_checkpointing,
                         dtype=args.dtype, peft_config=LORA if args.lora else None,
                         shared_prefix=args.shared_prefix)
     source = (dict(prompts=synthetic_prompts(64, args.seed)) if args.task == "synthetic" else
@@ -141,7 +141,7 @@ def measure_one_step(args) -> dict:
             "lora": args.lora,
             "weights_bytes": sum(p.numel() * p.element_size() for p in module.policy.parameters()),
             "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
-            "shared_prefix": module.shared_prefix,
+            "shared_prefix": module.uses_shared_prefix,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **captured}
 
 
