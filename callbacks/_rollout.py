@@ -18,7 +18,7 @@ from lit_grpo.sampling.stats import RolloutStats
 
 
 class RolloutLike(Protocol):
-    """What the callbacks read of a lit_grpo training batch (one whole rollout; lit_grpo.batch.RolloutBatch)."""
+    """What the callbacks read of a lit_grpo training batch (one training step's batch; lit_grpo.batch.RolloutBatch)."""
 
     stats: RolloutStats
     prompts: list[str]
@@ -60,7 +60,7 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], every_log_step: 
     """Write scalars straight to every logger at this batch's step, as Lightning's own monitor callbacks do.
 
     Not ``pl_module.log``: Lightning re-logs a key's last value at every later step of the epoch, even steps that
-    did not log it, so a figure skipped for one rollout (no length predictor) or logged only at some steps (a
+    did not log it, so a figure skipped for one step (no length predictor) or logged only at some steps (a
     forecast) would show stale copies. ``every_log_step`` honours ``Trainer(log_every_n_steps=...)``; callbacks
     with their own cadence pass False. Called from training-batch hooks.
     """

@@ -1,4 +1,4 @@
-"""``RolloutBatch``: one whole rollout, what one ``GRPOModule.training_step`` consumes.
+"""``RolloutBatch``: one training step's scored completions, what one ``GRPOModule.training_step`` consumes.
 
 Shapes: ``B`` prompts, ``G`` completions per prompt, ``P`` padded prompt length, ``T`` padded completion length.
 Completion ``k`` of prompt ``p`` is row ``p * G + k`` once flattened (the same flat index as the engine's slot
@@ -18,10 +18,10 @@ from lit_grpo.sampling.stats import RolloutStats
 
 @dataclass
 class RolloutBatch:
-    """One rollout of ``B`` prompts x ``G`` completions, scored, with advantages.
+    """One training step's ``B`` prompts x ``G`` completions (from one or more rollouts), scored, with advantages.
 
     Attributes:
-        stats: the engine's ``RolloutStats`` (merged over rounds when dynamic sampling drew more prompts).
+        stats: the engine's ``RolloutStats`` (merged over the step's rollouts when dynamic sampling drew more prompts).
         prompts: ``[B]`` the prompt texts as the reward functions saw them (the question, before the chat template).
         completions: ``[B][G]`` decoded completion texts (special tokens dropped).
         rewards: ``[B, G]`` float, the weighted total reward.

@@ -24,7 +24,7 @@ weights are never corrupted.
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
 ``accumulate_grad_batches`` must stay 1: the micro-batching above IS the accumulation. ``trainer.global_step``
-counts optimizer steps, i.e. rollouts x ``num_iterations`` (``max_steps`` counts the same).
+counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
 clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr};
@@ -104,7 +104,7 @@ class GRPOModule(LightningModule):
             sequence_mask), clip_min, clip_max. "auto" (default) corrects a batch that carries samples from older
             weights (``data.over_provision > 1``) and leaves the others alone.
         scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in ``_hand_over_to_data``).
-        num_iterations: optimizer steps per rollout (mu in the GRPO paper).
+        num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
