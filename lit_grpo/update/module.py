@@ -324,11 +324,14 @@ class GRPOModule(LightningModule):
         return logged
 
     def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
-                total_active, iteration: int, correction: SamplerCorrection,
-                correction_stats: CorrectionStats) -> dict[str, float]:
+                total_active, iteration: int, correction: SamplerCorrection | None = None,
+                correction_stats: CorrectionStats | None = None) -> dict[str, float]:
         """One optimizer step over all micro-batches of the batch; returns the step's metrics (the sampler
-        correction's go to ``correction_stats``, in the first iteration)."""
+        correction's go to ``correction_stats``, in the first iteration). ``correction``: the module's, resolved
+        for this batch, by default."""
         hp, loss_fn = self.hparams, self.loss_fn
+        correction = correction or self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
+        correction_stats = correction_stats or CorrectionStats()
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         step = StepMetrics()
