@@ -18,7 +18,7 @@ from lit_grpo.sampling.stats import RolloutStats
 
 
 class RolloutLike(Protocol):
-    """What the callbacks read of a lit_grpo training batch (one whole rollout; lit_grpo.batch.RolloutBatch)."""
+    """What the callbacks read of a lit_grpo training batch (one training step's batch; lit_grpo.batch.RolloutBatch)."""
 
     stats: RolloutStats
     prompts: list[str]
@@ -41,7 +41,14 @@ def logger_step(trainer: pl.Trainer) -> int:
     incremented in ``on_train_batch_end``); images, histograms and text written straight to the experiment use
     the same step so they line up with the scalars in TensorBoard. Lightning's own DeviceStatsMonitor reads it too.
     """
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return trainer.fit_loop.epoch_loop._batches_that_stepped  # private: Lightning has no public name for this step
+
+
+def log_step_due(trainer: pl.Trainer) -> bool:
+    """Whether ``Trainer(log_every_n_steps=...)`` logs at this training batch (Lightning's own rule in the fit loop,
+    read from public settings: ``+ 1`` because the batch's step is counted after its hooks)."""
+    every = trainer.log_every_n_steps
+    return every > 0 and ((logger_step(trainer) + 1) % every == 0 or trainer.should_stop)
 
 
 def tensorboard_experiments(trainer: pl.Trainer) -> list[Any]:
@@ -53,11 +60,11 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], every_log_step: 
     """Write scalars straight to every logger at this batch's step, as Lightning's own monitor callbacks do.
 
     Not ``pl_module.log``: Lightning re-logs a key's last value at every later step of the epoch, even steps that
-    did not log it, so a figure skipped for one rollout (no length predictor) or logged only at some steps (a
+    did not log it, so a figure skipped for one step (no length predictor) or logged only at some steps (a
     forecast) would show stale copies. ``every_log_step`` honours ``Trainer(log_every_n_steps=...)``; callbacks
-    with their own cadence pass False.
+    with their own cadence pass False. Called from training-batch hooks.
     """
-    if not metrics or (every_log_step and not trainer._logger_connector.should_update_logs):
+    if not metrics or (every_log_step and not log_step_due(trainer)):
         return
     step = logger_step(trainer)
     for logger in trainer.loggers:

@@ -159,6 +159,8 @@ def _validate_now(trainer: pl.Trainer) -> None:
     """Run the fit's validation loop once, the way Lightning runs it between training steps (its metrics are
     logged at the current step)."""
     epoch_loop = trainer.fit_loop.epoch_loop
+    # private, no public API: the validation loop resets the logger connector's first-iteration flag, which the
+    # fit loop's next step still needs; kept as Lightning's own loop would leave it
     first_loop_iter = trainer._logger_connector._first_loop_iter
     trainer.validating = True
     epoch_loop.val_loop.run()

@@ -8,7 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_grpo.runtime.memory import CpuMethod, PeakTracker, make_peak_tracker
+from lit_grpo.runtime.memory import CPU_METHODS, CpuMethod, PeakTracker, make_peak_tracker
+from lit_grpo.runtime.validation import check_choice
 
 from ._rollout import log_metrics, rollout_stats
 
@@ -63,8 +64,7 @@ class PeakMemoryMonitor(Callback):
     """
 
     def __init__(self, cpu_method: CpuMethod = "auto", sample_interval_s: float = 0.005) -> None:
-        if cpu_method not in ("auto", "hwm", "sampling"):
-            raise ValueError(f"cpu_method must be 'auto', 'hwm' or 'sampling', got {cpu_method!r}")
+        check_choice("cpu_method", cpu_method, CPU_METHODS)
         if sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
         self.cpu_method = cpu_method
@@ -170,7 +170,7 @@ class PeakMemoryMonitor(Callback):
         if self._warned_prefetch:
             return
         self._warned_prefetch = True
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: no public view of the prefetch
         if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
             rank_zero_warn(
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "

@@ -19,8 +19,8 @@ COUNTS = (PROGRESS_BAR_NAMES["decode_steps"], PROGRESS_BAR_NAMES["lower_bound_st
 class GRPOProgressBar(TQDMProgressBar):
     r"""Lightning's TQDM bar, counting what a GRPO run counts.
 
-    - the training bar, "GRPO steps", runs over optimizer steps, ``global_step / max_steps`` (one rollout is one
-      or ``num_iterations`` steps), with a real rate and ETA (seconds per step when a step takes longer than a
+    - the training bar, "GRPO steps", runs over optimizer steps, ``global_step / max_steps`` (one training batch is
+      ``num_iterations`` of them), with a real rate and ETA (seconds per step when a step takes longer than a
       second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``); a resumed run
       starts at its step and its rate counts only the steps it ran;
     - next to it: ``reward`` (``reward/mean`` of the last step), ``val_acc`` (the last ``val/accuracy``),

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from scipy.optimize import least_squares
 
 Criterion = Literal["aic", "bic"]
+CRITERIA: tuple[str, ...] = get_args(Criterion)
 
 #: A rise counts as seen when it exceeds this many standard deviations of one reward reading.
 RISE_NOISE_FACTOR = 2.0

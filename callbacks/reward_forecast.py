@@ -13,8 +13,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_grpo.runtime.validation import check_choice
+
 from ._rollout import log_metrics, logger_step
-from .reward_curve import Criterion, Forecast, forecast_plateau
+from .reward_curve import CRITERIA, Criterion, Forecast, forecast_plateau
 
 
 class RewardForecast(Callback):
@@ -63,8 +65,7 @@ class RewardForecast(Callback):
         criterion: Criterion = "bic",
         reward_range: tuple[float, float] | None = None,
     ) -> None:
-        if criterion not in ("aic", "bic"):
-            raise ValueError(f"criterion must be 'aic' or 'bic', got {criterion!r}")
+        check_choice("criterion", criterion, CRITERIA)
         if patience < 1 or min_points < 5 or check_every_n_steps < 1:
             raise ValueError("patience and check_every_n_steps must be >= 1 and min_points >= 5")
         self.monitor = monitor

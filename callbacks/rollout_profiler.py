@@ -33,9 +33,9 @@ PROGRESS_BAR_NAMES = {"decode_steps": "steps", "lower_bound_steps": "bound", "sl
 
 
 class RolloutProfiler(Callback):
-    r"""Logs what each rollout cost, from the RolloutStats a lit_grpo batch carries.
+    r"""Logs what each training step's rollouts cost, from the RolloutStats a lit_grpo batch carries.
 
-    **Logged keys** (once per rollout, i.e. per training batch, honouring ``log_every_n_steps``)
+    **Logged keys** (once per training batch, honouring ``log_every_n_steps``)
 
     - ``rollout/decode_steps``: forward passes of the decode loop.
     - ``rollout/lower_bound_steps``: ``max(ceil(sum L / slots), max L)``, the fewest steps any schedule needs.

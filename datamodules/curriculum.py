@@ -26,13 +26,14 @@ The update
 ----------
 After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
 
-    mu <- clamp(mu + clamp(n tanh(alpha (acc / 2 - beta)) + n tanh(alpha angle), adj_min, adj_max), 0, N - 1).
+    mu <- clamp(mu + clamp(n tanh(alpha (acc / 2 - target)) + n tanh(alpha angle), adj_min, adj_max), 0, N - 1).
 
 - ``acc``: the paper's acc is on a 0..2 scale (the authors' reward gives 2.0 per correct answer, and acc is its mean
-  over the rollouts), so ``acc / 2`` is the fraction of correct rollouts and beta = 0.5 is the target accuracy (the
-  authors' README calls beta "TARGET ACC"). Here ``accuracy`` is that fraction directly: the step's mean accuracy
-  (or mean reward, when rewards lie in [0, 1]) over all rollouts of the batch, in [0, 1]; the rule is applied as
-  ``n tanh(alpha (accuracy - beta))``, identical to the paper's with acc = 2 * accuracy.
+  over the rollouts), so ``acc / 2`` is the fraction of correct rollouts and target = 0.5 is the target accuracy
+  (the paper's beta, the authors' README's "TARGET ACC", ``target_accuracy`` here). Here ``accuracy`` is that
+  fraction directly: the step's mean accuracy (or mean reward, when rewards lie in [0, 1]) over all completions of
+  the batch, in [0, 1]; the rule is applied as
+  ``n tanh(alpha (accuracy - target_accuracy))``, identical to the paper's with acc = 2 * accuracy.
 - ``angle``: the authors' code feeds the *raw* mean cosine (computed in the training forward pass on prompt plus
   completion, averaged over the rollouts since the last update); it is not normalized. Raw cosine levels depend on
   the model, the layer and the prompt format (the final norm alone rescales them), which makes the angle term a
@@ -40,10 +41,10 @@ After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
   min-max normalized against the scores of the last scoring pass: angle = (mean_angle - min score) / (max score -
   min score), which is 1 for the most concentrated prompts and 0 for the least (0 when all scores are equal). With
   the default adj_min = 0 the curriculum therefore moves fast through high-concentration prompts and, on
-  low-concentration ones, only when accuracy exceeds beta. ``mean_angle`` is the batch's mean raw angle
+  low-concentration ones, only when accuracy exceeds target_accuracy. ``mean_angle`` is the batch's mean raw angle
   concentration: pass a value measured on the current policy if the trainer has one; by default (None) it is the
-  mean stored score of the prompts drawn since the last update. ``angle_normalization="none"`` feeds the raw value, as the
-  authors do.
+  mean stored score of the prompts drawn since the last update. ``angle_normalization="none"`` feeds the raw value,
+  as the authors do.
 - mu starts at 0 (the most concentrated prompts) and is a rank position; a rescoring re-sorts the prompts and keeps
   mu. The step's update moves the centre of the *next* draw (the authors' trl loop lags one epoch behind; we do not).
 
@@ -67,18 +68,20 @@ with the same arguments and given that state continues with identical draws.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from lit_grpo.datamodules.angle_score import angle_concentration, mean_pairwise_cosine
 from lit_grpo.runtime.validation import check_choice, check_int_in_range, check_real
 
-__all__ = ["CURRICULA", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler", "angle_concentration",
-           "build_prompt_sampler", "mean_pairwise_cosine"]
+__all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
+           "angle_concentration", "build_prompt_sampler", "mean_pairwise_cosine"]
 
-CURRICULA = ("none", "angle")
-ANGLE_NORMALIZATIONS = ("minmax", "none")
+Curriculum = Literal["none", "angle"]
+CURRICULA: tuple[str, ...] = get_args(Curriculum)
+AngleNormalization = Literal["minmax", "none"]
+ANGLE_NORMALIZATIONS: tuple[str, ...] = get_args(AngleNormalization)
 
 PAPER_NUM_PROMPTS = 7500  # the size of the sets the paper's defaults were set for (MATH train, GSM8K train)
 N_FRACTION = 500 / PAPER_NUM_PROMPTS  # paper n = 500
@@ -139,12 +142,12 @@ def normalize_angle(mean_angle: float, scores: torch.Tensor, how: str = "minmax"
     return 0.0 if span <= 0 else (float(mean_angle) - low) / span
 
 
-def next_mu(mu: float, accuracy: float, angle: float, *, n: float, alpha: float, beta: float, adj_min: float,
-            adj_max: float, num_prompts: int) -> float:
-    """GAIN-RL's rule: mu + clamp(n tanh(alpha (accuracy - beta)) + n tanh(alpha angle), adj_min, adj_max),
+def next_mu(mu: float, accuracy: float, angle: float, *, n: float, alpha: float, target_accuracy: float,
+            adj_min: float, adj_max: float, num_prompts: int) -> float:
+    """GAIN-RL's rule: mu + clamp(n tanh(alpha (accuracy - target_accuracy)) + n tanh(alpha angle), adj_min, adj_max),
     clamped to the ranks [0, N - 1]. ``accuracy`` in [0, 1] is the paper's acc / 2 (see the module docstring).
     """
-    adjustment = n * math.tanh(alpha * (accuracy - beta)) + n * math.tanh(alpha * angle)
+    adjustment = n * math.tanh(alpha * (accuracy - target_accuracy)) + n * math.tanh(alpha * angle)
     adjustment = min(max(adjustment, adj_min), adj_max)
     return min(max(mu + adjustment, 0.0), float(num_prompts - 1))
 
@@ -245,7 +248,7 @@ class AngleCurriculumSampler(PromptSampler):
         seed: seeds the draws.
         n: step size of the update in ranks; default ``N_FRACTION * N`` (paper: 500 for 7.5k prompts).
         alpha: tanh sensitivity (paper: 2).
-        beta: target accuracy in [0, 1] (paper: 0.5).
+        target_accuracy: the accuracy in [0, 1] mu moves towards (the paper's beta, 0.5).
         sigma: width of the Gaussian in ranks, > 0; default ``SIGMA_FRACTION * N`` (paper: 1000).
         adj_min, adj_max: bounds of one update's move; defaults 0 and ``ADJ_MAX_FRACTION * N`` (paper: 0, 1000).
         rescore_every_n_epochs: rescore every this many epochs; None scores once (the paper).
@@ -256,13 +259,14 @@ class AngleCurriculumSampler(PromptSampler):
     """
 
     def __init__(self, num_prompts: int, seed: int = 0, n: float | None = None, alpha: float = 2.0,
-                 beta: float = 0.5, sigma: float | None = None, adj_min: float = 0.0, adj_max: float | None = None,
-                 rescore_every_n_epochs: int | None = None, angle_normalization: str = "minmax"):
+                 target_accuracy: float = 0.5, sigma: float | None = None, adj_min: float = 0.0,
+                 adj_max: float | None = None, rescore_every_n_epochs: int | None = None,
+                 angle_normalization: AngleNormalization = "minmax"):
         super().__init__(num_prompts, seed)
         size = self.num_prompts
         self.n = N_FRACTION * size if n is None else check_real("n", n, low=0.0)
         self.alpha = check_real("alpha", alpha, low=0.0)
-        self.beta = check_real("beta", beta, low=0.0, high=1.0)
+        self.target_accuracy = check_real("target_accuracy", target_accuracy, low=0.0, high=1.0)
         self.sigma = SIGMA_FRACTION * size if sigma is None else check_real("sigma", sigma, low=0.0, low_open=True)
         self.adj_min = check_real("adj_min", adj_min)
         self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else check_real("adj_max", adj_max)
@@ -343,7 +347,7 @@ class AngleCurriculumSampler(PromptSampler):
         else:
             mean_angle = check_real("mean_angle", mean_angle)
         angle = normalize_angle(mean_angle, self.scores, self.angle_normalization)
-        self.mu = next_mu(self.mu, accuracy, angle, n=self.n, alpha=self.alpha, beta=self.beta,
+        self.mu = next_mu(self.mu, accuracy, angle, n=self.n, alpha=self.alpha, target_accuracy=self.target_accuracy,
                           adj_min=self.adj_min, adj_max=self.adj_max, num_prompts=self.num_prompts)
         self.last_angle = mean_angle
         self.drawn = []

@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import fields
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.datamodules.curriculum import CURRICULA, angle_concentration, build_prompt_sampler
+from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, angle_concentration, build_prompt_sampler
 from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rollout.rewards import ON_ERROR, build_reward_funcs
+from lit_grpo.rollout.rewards import ON_ERROR, OnRewardError, build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import check_int, check_real
+from lit_grpo.runtime.validation import check_choice, check_int, check_real
 
 
 class RolloutDataModule(LightningDataModule):
@@ -59,13 +58,15 @@ class RolloutDataModule(LightningDataModule):
             fields; YAML ``data.sampling:``), documented and checked there: G (>= 2 for training), g (or "auto"
             with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k, the seed of the
             random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
-            cache stays allocated between steps. Those fields given flat (``group_size=8``, the spelling before
-            ``sampling``) raise an error that names their new place.
+            cache stays allocated between steps.
         dynamic_sampling: drop groups whose rewards are all equal and draw more prompts, at most
-            ``max_sampling_rounds`` engine calls per step; dropped groups fill the batch if still short.
-        over_provision: partial rollouts (1.0: off): a step's rollout runs up to ``ceil(over_provision x B)``
+            ``max_rollouts_per_step`` rollouts (engine calls) per step; dropped groups fill the batch if still short
+            (zero advantages).
+        max_rollouts_per_step: see ``dynamic_sampling``.
+        over_provision: partial rollouts (1.0: off): a step's first rollout runs up to ``ceil(over_provision x B)``
             groups, stops once B are complete and carries the unfinished ones into the next step (at most
-            ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`.
+            ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`. Their tokens from older
+            weights are corrected by ``GRPOModule``'s sampler correction ("auto").
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
         val_batch_size: greedy validation rollouts, ``val_max_new_tokens`` long (default: the sampling cap).
         val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on the
@@ -97,7 +98,7 @@ class RolloutDataModule(LightningDataModule):
         prompts_per_step: int = 4,
         sampling: SamplingConfig = SamplingConfig(),
         dynamic_sampling: bool = False,
-        max_sampling_rounds: int = 4,
+        max_rollouts_per_step: int = 4,
         over_provision: float = 1.0,
         max_staleness: int = 2,
         steps_per_epoch: int | None = None,
@@ -105,15 +106,12 @@ class RolloutDataModule(LightningDataModule):
         val_max_new_tokens: int | None = None,
         val_num_samples: int = 1,
         val_temperature: float = 1.0,
-        curriculum: Literal["none", "angle"] = "none",
+        curriculum: Curriculum = "none",
         curriculum_kwargs: dict[str, Any] | None = None,
         score_batch_size: int = 8,
-        on_reward_error: Literal["raise", "skip_group"] = "raise",
-        **moved: Any,
+        on_reward_error: OnRewardError = "raise",
     ):
         super().__init__()
-        if moved:
-            raise TypeError(moved_sampling_keys_message(moved, "RolloutDataModule"))
         # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
         if isinstance(sampling, Mapping):
             check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
@@ -125,16 +123,14 @@ class RolloutDataModule(LightningDataModule):
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
-                            ("max_sampling_rounds", max_sampling_rounds), ("val_batch_size", val_batch_size),
+                            ("max_rollouts_per_step", max_rollouts_per_step), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
                             ("val_max_new_tokens", val_max_new_tokens), ("val_num_samples", val_num_samples)):
             if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
                 check_int(name, value, 1)
         check_partial_rollouts(over_provision, max_staleness)
-        if on_reward_error not in ON_ERROR:
-            raise ValueError(f"on_reward_error={on_reward_error!r} is not supported; use one of {list(ON_ERROR)}")
-        if curriculum not in CURRICULA:
-            raise ValueError(f"curriculum={curriculum!r} is not known; use one of {list(CURRICULA)}")
+        check_choice("on_reward_error", on_reward_error, ON_ERROR)
+        check_choice("curriculum", curriculum, CURRICULA)
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must contain '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=0, low_open=True)
@@ -152,7 +148,7 @@ class RolloutDataModule(LightningDataModule):
         self.reward_funcs = build_reward_funcs(reward_funcs)
         self.accuracy_reward, self.on_reward_error = accuracy_reward, on_reward_error
         self.prompts_per_step, self.steps_per_epoch = prompts_per_step, steps_per_epoch
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.over_provision, self.max_staleness = over_provision, max_staleness
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens
         self.curriculum, self.curriculum_kwargs = curriculum, dict(curriculum_kwargs or {})
@@ -168,13 +164,6 @@ class RolloutDataModule(LightningDataModule):
         self._handover: dict[str, Any] | None = None  # what attach() was given
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
-
-    # The sampling settings, read back from the one config that holds them.
-    group_size = property(lambda self: self.sampling.group_size)
-    micro_group_size = property(lambda self: self.sampling.micro_group_size)
-    strategy = property(lambda self: self.sampling.strategy)
-    max_new_tokens = property(lambda self: self.sampling.max_new_tokens)
-    seed = property(lambda self: self.sampling.seed)
 
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
@@ -206,7 +195,7 @@ class RolloutDataModule(LightningDataModule):
                 given["policy"], given["tokenizer"], self.sampling, self.reward_funcs,
                 scale_rewards=given["scale_rewards"], accuracy_reward=self.accuracy_reward,
                 on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
-                max_sampling_rounds=self.max_sampling_rounds, val_batch_size=self.val_batch_size,
+                max_rollouts_per_step=self.max_rollouts_per_step, val_batch_size=self.val_batch_size,
                 val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,
                 val_temperature=self.val_temperature, world_size=given["world_size"],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
@@ -224,8 +213,8 @@ class RolloutDataModule(LightningDataModule):
 
     @property
     def resolved_micro_group_size(self) -> int | None:
-        """The g the training engine uses (``"auto"`` resolved)."""
-        return self._require_builder().micro_group_size
+        """The g the training engine uses (``sampling.micro_group_size`` with ``"auto"`` resolved)."""
+        return self._require_builder().resolved_micro_group_size
 
     # ------------------------------------------------------------------------------------------ data
     def setup(self, stage: str | None = None) -> None:
@@ -282,7 +271,7 @@ class RolloutDataModule(LightningDataModule):
         return batch
 
     def build_train_batch(self) -> RolloutBatch:
-        """One training step's rollout: draw prompts, generate with the current policy, score, advantages.
+        """One training step's batch: draw prompts, generate with the current policy, score, advantages.
 
         All or nothing: when the build fails or is interrupted (a stop signal abandons the rollout of a single
         process, ``lit_grpo.runtime.stop_signal``), the stream is rolled back to where the step started, so a checkpoint
@@ -375,24 +364,3 @@ class RolloutDataModule(LightningDataModule):
             else:
                 self._pending_state["engine"] = engine
 
-
-#: Keys that moved under ``data.sampling`` (SamplingConfig's fields, once declared flat on the DataModule), and
-#: ``scheduler_options``, the spelling of ``sampling.scheduler`` before it was typed.
-MOVED_TO_SAMPLING = {**{f.name: f.name for f in fields(SamplingConfig)}, "scheduler_options": "scheduler"}
-
-
-def moved_sampling_places(keys: Collection[str]) -> str:
-    """``"data.KEY -> data.sampling.NEW, ..."`` for the keys that moved (``MOVED_TO_SAMPLING``); others left out."""
-    return ", ".join(f"data.{key} -> data.sampling.{MOVED_TO_SAMPLING[key]}"
-                     for key in keys if key in MOVED_TO_SAMPLING)
-
-
-def moved_sampling_keys_message(keys: Collection[str], where: str) -> str:
-    """The error for sampling settings given flat (``data.group_size``): each key's new place, or the keys that
-    ``where`` does not know."""
-    unknown = [key for key in keys if key not in MOVED_TO_SAMPLING]
-    if unknown:
-        return f"{where} got unknown arguments {unknown}"
-    return (f"{where}: the sampling settings live under data.sampling (a SamplingConfig) now; move "
-            f"{moved_sampling_places(keys)} (in Python: RolloutDataModule(sampling=SamplingConfig(...)) or "
-            "sampling={...})")

@@ -28,6 +28,8 @@ _PUBLIC = {
     "RolloutResult": "lit_grpo.sampling",
     "SamplingConfig": "lit_grpo.sampling",
     "InfiniteSchedulerConfig": "lit_grpo.scheduling.config",
+    "LossConfig": "lit_grpo.update.loss_config",
+    "SamplerCorrection": "lit_grpo.update.sampler_correction",
     "PolicyLoss": "lit_grpo.update.policy_losses",
     "GRPOLoss": "lit_grpo.update.policy_losses",
     "BNPOLoss": "lit_grpo.update.policy_losses",

@@ -1,4 +1,4 @@
-"""``RolloutBatch``: one whole rollout, what one ``GRPOModule.training_step`` consumes.
+"""``RolloutBatch``: one training step's scored completions, what one ``GRPOModule.training_step`` consumes.
 
 Shapes: ``B`` prompts, ``G`` completions per prompt, ``P`` padded prompt length, ``T`` padded completion length.
 Completion ``k`` of prompt ``p`` is row ``p * G + k`` once flattened (the same flat index as the engine's slot
@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from lit_grpo.sampling.stats import RolloutStats, merge_stats  # noqa: F401  (merge_stats: importable from here)
+from lit_grpo.sampling.stats import RolloutStats
 
 
 @dataclass
 class RolloutBatch:
-    """One rollout of ``B`` prompts x ``G`` completions, scored, with advantages.
+    """One training step's ``B`` prompts x ``G`` completions (from one or more rollouts), scored, with advantages.
 
     Attributes:
-        stats: the engine's ``RolloutStats`` (merged over rounds when dynamic sampling drew more prompts).
+        stats: the engine's ``RolloutStats`` (merged over the step's rollouts when dynamic sampling drew more prompts).
         prompts: ``[B]`` the prompt texts as the reward functions saw them (the question, before the chat template).
         completions: ``[B][G]`` decoded completion texts (special tokens dropped).
         rewards: ``[B, G]`` float, the weighted total reward.
@@ -38,12 +38,14 @@ class RolloutBatch:
             NaN where it had no opinion), or None when no reward function measures correctness.
         columns: ``{name: [B] list}`` per-prompt extra data (``answer``, ``entry``, JSONL fields...).
         indices: ``[B]`` each prompt's index in the train (or val) prompt list.
-        metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/sampling_rounds`` ...).
+        metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/rollouts_per_step`` ...).
         max_new_tokens: the rollout's length cap (dr_grpo's normalizer, the overlong penalty's cap).
         temperature: the sampling temperature (the update divides logits by it, as the sampler did; 0 = greedy).
         pad_token_id: the padding id used in the id tensors.
         num_groups_generated: groups sampled for this step (more than ``B`` with dynamic sampling).
         num_groups_zero_std: of those, groups whose rewards were all equal.
+        offpolicy_tokens: completion tokens sampled by weights older than this step's (groups carried from an
+            earlier step by partial rollouts); the sampler correction's "auto" mode corrects a batch with any.
         split: ``"train"`` or ``"val"``.
         skipped: ``[B]`` bool, groups skipped because a reward function raised (``on_reward_error="skip_group"``):
             zero advantages and no loss tokens. None means none skipped.
@@ -72,6 +74,7 @@ class RolloutBatch:
     pad_token_id: int = 0
     num_groups_generated: int = 0
     num_groups_zero_std: int = 0
+    offpolicy_tokens: int = 0
     split: str = "train"
     skipped: torch.Tensor | None = None
     accuracy: torch.Tensor | None = None

@@ -6,7 +6,7 @@
 
 Notes for configs: GRPOModule uses manual optimization, so ``trainer.gradient_clip_val`` and
 ``trainer.accumulate_grad_batches`` must stay unset (use ``model.max_grad_norm`` and
-``model.train_micro_batch_size``); ``trainer.max_steps`` counts optimizer steps (rollouts x num_iterations).
+``model.train_micro_batch_size``); ``trainer.max_steps`` counts optimizer steps (training steps x num_iterations).
 
 Multi-process and resume:
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shlex
 import sys
 import warnings
@@ -42,7 +41,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -50,7 +49,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
-from lit_grpo.datamodules.rollout import MOVED_TO_SAMPLING, RolloutDataModule, moved_sampling_places
+from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
 
 SUBCOMMANDS = ("fit", "validate")
@@ -71,21 +70,6 @@ after, reward, time per step, memory, and where the logs and the checkpoint are.
 Then: tensorboard --logdir lightning_logs"""
 
 
-class GRPOArgumentParser(LightningArgumentParser):
-    """Lightning's parser; an error about a sampling key given flat (``data.group_size``) names its new place."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        return super().error(with_moved_key_hint(message), ex)
-
-
-def with_moved_key_hint(message: str) -> str:
-    """``message`` plus ``data.KEY -> data.sampling.KEY`` for each moved key it complains about."""
-    moved = [key for key in MOVED_TO_SAMPLING if re.search(rf"(data\.|option '){key}\b", message)]
-    if not moved:
-        return message
-    return f"{message}\n  the sampling settings live under data.sampling now: {moved_sampling_places(moved)}"
-
-
 class GRPOCLI(LightningCLI):
     """LightningCLI restricted to fit and validate, plus ``torch_num_threads``.
 
@@ -95,10 +79,10 @@ class GRPOCLI(LightningCLI):
     process holds slow every parallel op down (configs/demo.yaml says what it picks and why).
     """
 
-    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = GRPOArgumentParser, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         command_args = kwargs.get("args")
         self.command_args = list(command_args) if command_args is not None else sys.argv[1:]
-        super().__init__(*args, parser_class=parser_class, **kwargs)
+        super().__init__(*args, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

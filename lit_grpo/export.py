@@ -212,8 +212,10 @@ def main(args: Sequence[str] | None = None) -> int:
     """``lit-grpo export ...``; errors are one line naming the bad value (exit status 2)."""
     parser = build_parser()
     options = parser.parse_args(list(sys.argv[1:] if args is None else args))
-    if options.dtype not in EXPORT_DTYPES:
-        parser.error(f"--dtype {options.dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    try:
+        check_dtype(options.dtype)
+    except ValueError as error:
+        parser.error(f"--{error}")
     if options.torch_num_threads is not None:
         if options.torch_num_threads < 1:
             parser.error(f"--torch_num_threads {options.torch_num_threads} must be >= 1")

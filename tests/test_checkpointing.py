@@ -228,13 +228,13 @@ def test_bad_checkpoint_files_are_named(tmp_path, tiny_checkpoint):
 
 def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
     module, data = _hparams(tiny_checkpoint)
-    module.update(loss_type="grpo", model="tiny-qwen2")
+    module.update(loss={**module["loss"], "loss_type": "grpo"}, model="tiny-qwen2")
     data["sampling"] = {**data["sampling"], "group_size": 8}
     with pytest.raises(ValueError) as error:
         check_resumable(tiny_checkpoint, module, data)
     message = str(error.value)
     assert "model.model: 'tiny-llama' in the checkpoint, 'tiny-qwen2' now" in message
-    assert "model.loss_type: 'dapo' in the checkpoint, 'grpo' now" in message
+    assert "model.loss.loss_type: 'dapo' in the checkpoint, 'grpo' now" in message
     assert "data.sampling.group_size: 4 in the checkpoint, 8 now" in message
     assert "epsilon" not in message  # only what differs
 

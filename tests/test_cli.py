@@ -84,7 +84,7 @@ def test_print_config(capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["model"]["model"] == "tiny-llama"
     assert config["data"]["sampling"]["group_size"] == 4 and config["data"]["curriculum"] == "none"
-    assert config["model"]["loss_type"] == "dapo"
+    assert config["model"]["loss"]["loss_type"] == "dapo" and config["model"]["sampler_correction"]["mode"] == "auto"
 
 
 def test_help_says_what_the_tool_is(capsys):
@@ -115,9 +115,10 @@ def test_unknown_key_is_rejected(capsys):
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("loss_type", "vespo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
-    ("importance_sampling_level", "seq", "'token', 'sequence'"),
-    ("importance_sampling_mode", "tis", "'none', 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'"),
+    ("loss.loss_type", "vespo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
+    ("loss.importance_sampling_level", "seq", "'token', 'sequence'"),
+    ("sampler_correction.mode", "tis",
+     "'auto', 'none', 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'"),
 ])
 def test_loss_options_fail_at_parse_time_naming_the_value_and_the_choices(capsys, key, value, allowed):
     with pytest.raises(SystemExit) as exit_info:
@@ -128,12 +129,13 @@ def test_loss_options_fail_at_parse_time_naming_the_value_and_the_choices(capsys
 
 
 def test_loss_options_reach_the_module_from_the_command_line():
-    cli = build_cli(["--config", TINY, "--model.loss_type", "cispo", "--model.epsilon_high", "5.0",
-                     "--model.importance_sampling_level", "sequence", "--model.kl_bias_correction", "true",
-                     "--model.importance_sampling_mode", "token_truncate", "--model.importance_sampling_clip_min",
-                     "0.5", "--model.importance_sampling_clip_max", "2.0", "--trainer.logger", "false"], run=False)
+    cli = build_cli(["--config", TINY, "--model.loss.loss_type", "cispo", "--model.loss.epsilon_high", "5.0",
+                     "--model.loss.importance_sampling_level", "sequence", "--model.loss.kl_bias_correction", "true",
+                     "--model.sampler_correction.mode", "token_truncate", "--model.sampler_correction.clip_min",
+                     "0.5", "--model.sampler_correction.clip_max", "2.0", "--trainer.logger", "false"], run=False)
     loss_fn, correction = cli.model.loss_fn, cli.model.sampler_correction
-    assert (loss_fn.name, loss_fn.epsilon_high, loss_fn.importance_sampling_level, loss_fn.kl_bias_correction) == (
+    config = loss_fn.config
+    assert (loss_fn.name, config.epsilon_high, config.importance_sampling_level, config.kl_bias_correction) == (
         "cispo", 5.0, "sequence", True)
     assert (correction.mode, correction.clip_min, correction.clip_max) == ("token_truncate", 0.5, 2.0)
 
@@ -142,9 +144,11 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     cli = build_cli(["--config", GPU, "--model.model", "tiny-llama", "--trainer.accelerator", "cpu",
                      "--trainer.precision", "32-true", "--trainer.logger", "false"], run=False)
     hp = cli.model.hparams
-    assert (hp.loss_type, hp.gradient_checkpointing, hp.train_micro_batch_size) == ("dapo", True, 8)
+    assert (cli.model.loss_fn.name, hp.gradient_checkpointing, hp.train_micro_batch_size) == ("dapo", True, 8)
     dm = cli.datamodule
-    assert (dm.group_size, dm.micro_group_size, dm.strategy, dm.max_new_tokens) == (32, 8, "infinite", 1024)
+    sampling = dm.sampling
+    assert (sampling.group_size, sampling.micro_group_size, sampling.strategy, sampling.max_new_tokens) == (
+        32, 8, "infinite", 1024)
     assert [r.name for r in dm.reward_funcs] == ["accuracy", "format", "overlong"]
     with open(GPU) as handle:
         raw = yaml.safe_load(handle)

@@ -98,7 +98,7 @@ def test_draw_never_repeats_within_a_batch_even_when_sigma_is_tiny():
 
 # ----------------------------------------------------------------------------------------------------- update
 def test_next_mu_matches_hand_computed_values():
-    common = dict(n=2.0, alpha=2.0, beta=0.5, adj_min=0.0, adj_max=3.0, num_prompts=20)
+    common = dict(n=2.0, alpha=2.0, target_accuracy=0.5, adj_min=0.0, adj_max=3.0, num_prompts=20)
     # 2 tanh(2 (0.75 - 0.5)) + 2 tanh(2 * 0.5) = 2 * 0.4621171573 + 2 * 0.7615941560 = 2.4474226266
     assert next_mu(1.0, 0.75, 0.5, **common) == pytest.approx(3.4474226266, abs=1e-8)
     # 2 tanh(-1) + 2 tanh(0) = -1.5232 -> clamped to adj_min 0
@@ -112,7 +112,7 @@ def test_next_mu_matches_hand_computed_values():
 
 
 def test_update_moves_mu_with_normalized_angle():
-    sampler = AngleCurriculumSampler(20, n=2.0, alpha=2.0, beta=0.5, adj_min=0.0, adj_max=3.0)
+    sampler = AngleCurriculumSampler(20, n=2.0, alpha=2.0, target_accuracy=0.5, adj_min=0.0, adj_max=3.0)
     sampler.set_scores(torch.linspace(0.1, 0.9, 20))  # min 0.1, max 0.9
     sampler.update(accuracy=0.75, mean_angle=0.5)  # angle (0.5 - 0.1) / 0.8 = 0.5
     assert sampler.mu == pytest.approx(2.4474226266, abs=1e-7)
@@ -274,7 +274,7 @@ def test_base_sampler_draws_distinct_reproducible_batches():
     (dict(sigma=-1.5), r"sigma=-1.5 is not allowed.*> 0"),
     (dict(sigma=float("nan")), r"sigma=nan is not allowed.*finite"),
     (dict(n=-1), r"n=-1 is not allowed.*>= 0"),
-    (dict(beta=1.5), r"beta=1.5 is not allowed.*<= 1"),
+    (dict(target_accuracy=1.5), r"target_accuracy=1.5 is not allowed.*<= 1"),
     (dict(adj_min=5.0, adj_max=1.0), r"adj_min=5 is not allowed with adj_max=1"),
     (dict(rescore_every_n_epochs=0), r"rescore_every_n_epochs=0 is not allowed.*>= 1"),
     (dict(angle_normalization="zscore"), r"angle_normalization='zscore' is not known.*\['minmax', 'none'\]"),

@@ -1,4 +1,4 @@
-"""Multi-process training (issue 7): ``--trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu`` on the
+"""Multi-process training: ``--trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu`` on the
 tiny config with gloo, and the FSDP recipe's configuration.
 
 One 2-process run (scale_rewards=batch, dapo) checks: each rank draws different prompts, groups never split
@@ -107,7 +107,7 @@ def test_fsdp_recipe_config_instantiates():
                      "--trainer.strategy", "auto", "--trainer.devices", "1", "--trainer.precision", "32-true",
                      "--trainer.logger", "false"], run=False)
     assert cli.model.hparams.fsdp is True
-    assert cli.datamodule.group_size >= 2
+    assert cli.datamodule.sampling.group_size >= 2
 
 
 def test_fsdp2_on_two_cpu_processes_matches_ddp(ddp_run, tmp_path):

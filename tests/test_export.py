@@ -131,7 +131,7 @@ def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys):
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
     assert "not a readable PyTorch checkpoint" in error("--ckpt_path", str(garbage), "--out", str(tmp_path / "a"))
-    assert "--dtype 'int8' is not supported" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
+    assert "--dtype='int8' is not known" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
                                                       "--dtype", "int8")
     assert "--adapter_only needs a LoRA run" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
                                                       "--adapter_only")

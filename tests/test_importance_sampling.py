@@ -9,7 +9,7 @@ import torch
 from lit_grpo.update.sampler_correction import (
     IMPORTANCE_SAMPLING_MODES,
     SamplerCorrection,
-    SamplingStats,
+    CorrectionStats,
     importance_sampling_weights,
 )
 from lit_grpo.update.logprobs import completion_logps
@@ -61,7 +61,7 @@ def test_none_mode_and_nan_sampling_log_probs():
     sampling[1, 0] = float("nan")  # a token the sampler could not score: no correction for it
     weights = importance_sampling_weights(trainer, sampling, mask, "token_truncate", None, 3.0)
     assert weights[1, 0] == 1.0 and weights[1, 1] == pytest.approx(math.exp(0.4))
-    stats = SamplingStats()
+    stats = CorrectionStats()
     stats.update(trainer, sampling, mask, weights)
     metrics = stats.as_metrics()
     active = [abs(s) for row, n in zip(SHIFTS, LENGTHS) for s in row[:n]]
@@ -72,21 +72,23 @@ def test_none_mode_and_nan_sampling_log_probs():
 
 
 def test_bad_settings_name_the_value_and_what_is_allowed():
-    with pytest.raises(ValueError, match=r"importance_sampling_mode='tis' is not supported; use one of \['none', "):
+    with pytest.raises(ValueError, match=r"sampler_correction.mode='tis' is not known; use one of \['auto', 'none', "):
         SamplerCorrection("tis")
-    with pytest.raises(ValueError, match=r"importance_sampling_clip_min=2.0 must be < importance_sampling_clip_max=1"):
+    with pytest.raises(ValueError, match=r"sampler_correction.clip_min=2.0 must be < sampler_correction.clip_max=1"):
         SamplerCorrection("token_mask", 2.0, 1.0)
-    with pytest.raises(ValueError, match=r"importance_sampling_clip_max=-1.0 must be > 0 or None"):
+    with pytest.raises(ValueError, match=r"sampler_correction.clip_max=-1.0 must be > 0 or None"):
         SamplerCorrection("token_mask", None, -1.0)
-    with pytest.raises(ValueError, match=r"mode='token_truncate' needs importance_sampling_clip_min or"):
+    with pytest.raises(ValueError, match=r"mode='token_truncate' needs sampler_correction.clip_min or"):
         SamplerCorrection("token_truncate", None, None)
+    with pytest.raises(ValueError, match=r"importance_sampling_mode='auto' is not known"):  # resolve it first
+        importance_sampling_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "auto")
     SamplerCorrection("sequence_mask", None, None)  # masking nothing is allowed, as in TRL
     from lit_grpo.update.module import GRPOModule
 
-    with pytest.raises(ValueError, match="importance_sampling_mode='sequence'"):
-        GRPOModule(model="tiny-llama", importance_sampling_mode="sequence")
-    with pytest.raises(ValueError, match="importance_sampling_clip_min=5.0 must be <"):
-        GRPOModule(model="tiny-llama", importance_sampling_clip_min=5.0)
+    with pytest.raises(ValueError, match="sampler_correction.mode='sequence'"):
+        GRPOModule(model="tiny-llama", sampler_correction={"mode": "sequence"})
+    with pytest.raises(ValueError, match="sampler_correction.clip_min=5.0 must be <"):
+        GRPOModule(model="tiny-llama", sampler_correction={"clip_min": 5.0})
 
 
 # ------------------------------------------------------------------------------------------------ real rollouts
@@ -109,8 +111,8 @@ def test_on_policy_ratios_are_one(rollout, mode):
     weights = SamplerCorrection(mode, None, 3.0).weights(trainer, micro["sampling_logprobs"], mask)
     torch.testing.assert_close(weights, torch.ones_like(weights), atol=1e-4, rtol=0)
 
-    metrics = make_module(importance_sampling_mode=mode).grpo_step(batch, torch.optim.SGD(module.policy.parameters(),
-                                                                                          lr=0.0))
+    optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    metrics = make_module(sampler_correction={"mode": mode}).grpo_step(batch, optimizer)
     for key in ("min", "mean", "max"):
         assert metrics[f"sampling/importance_sampling_ratio/{key}"] == pytest.approx(1.0, abs=1e-4)
     assert 0 <= metrics["sampling/sampling_logp_difference/mean"] <= metrics["sampling/sampling_logp_difference/max"]
@@ -146,15 +148,42 @@ def test_the_update_masks_and_truncates_a_perturbed_sequence(rollout):
         changed.advantages[p, k] *= scale
         return changed
 
-    masked, metrics = _grads(shifted, importance_sampling_mode="sequence_mask", importance_sampling_clip_max=3.0)
-    _assert_same_grads(masked, _grads(with_advantage(0.0), importance_sampling_mode="none")[0])
+    masked, metrics = _grads(shifted, sampler_correction={"mode": "sequence_mask", "clip_max": 3.0})
+    _assert_same_grads(masked, _grads(with_advantage(0.0), sampler_correction={"mode": "none"})[0])
     assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
     assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(5.0) / length, rel=1e-3)
 
-    truncated, metrics = _grads(shifted, importance_sampling_mode="sequence_truncate")
-    _assert_same_grads(truncated, _grads(with_advantage(3.0), importance_sampling_mode="none")[0])
+    truncated, metrics = _grads(shifted, sampler_correction={"mode": "sequence_truncate"})
+    _assert_same_grads(truncated, _grads(with_advantage(3.0), sampler_correction={"mode": "none"})[0])
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)
 
-    untouched, metrics = _grads(shifted, importance_sampling_mode="none")
-    _assert_same_grads(untouched, _grads(batch, importance_sampling_mode="none")[0])
+    untouched, metrics = _grads(shifted, sampler_correction={"mode": "none"})
+    _assert_same_grads(untouched, _grads(batch, sampler_correction={"mode": "none"})[0])
     assert "sampling/importance_sampling_ratio/max" not in metrics  # no correction: no weights to report
+
+
+def test_auto_corrects_exactly_the_batches_that_carry_samples_from_older_weights(rollout):
+    """The default ("auto"): a batch whose tokens all come from this step's weights is left alone even when its
+    sampling log-probs disagree; the same batch marked as carrying older samples gets TRL's sequence_mask (ratio 5
+    > clip_max 3: the perturbed completion is dropped, as if its advantage were 0)."""
+    _, batch = rollout
+    row = int(batch.advantages.flatten().abs().argmax())
+    p, k = divmod(row, batch.group_size)
+    length = int(batch.completion_lengths[p, k])
+    shifted = batch.to("cpu")
+    shifted.sampling_logprobs = batch.sampling_logprobs.clone()
+    shifted.sampling_logprobs[p, k, :length] -= math.log(5.0) / length
+    assert SamplerCorrection().mode == "auto" and batch.offpolicy_tokens == 0
+
+    on_policy, metrics = _grads(shifted)
+    _assert_same_grads(on_policy, _grads(shifted, sampler_correction={"mode": "none"})[0])
+    assert "sampling/importance_sampling_ratio/max" not in metrics
+
+    shifted.offpolicy_tokens = length  # as the builder marks a carried group's tokens
+    dropped = batch.to("cpu")
+    dropped.advantages = batch.advantages.clone()
+    dropped.advantages[p, k] = 0.0
+    corrected, metrics = _grads(shifted)
+    _assert_same_grads(corrected, _grads(dropped, sampler_correction={"mode": "none"})[0])
+    assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
+    assert SamplerCorrection("token_mask").for_batch(True).mode == "token_mask"  # a chosen mode is kept

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_grpo.update.loss import k3_kl, micro_batch_weight, policy_loss, policy_loss_metrics
+from lit_grpo.update.loss import micro_batch_weight, policy_loss, policy_loss_metrics
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -104,8 +104,8 @@ def test_metrics_clip_ratios_and_kl():
     assert "kl" not in pos
     ref = torch.zeros(1, 3)
     kl = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref)["kl"]
-    assert kl.item() == pytest.approx(k3_kl(logps, ref).mean().item())
-    assert (k3_kl(logps, ref) >= 0).all()
+    k3 = [math.exp(-lp) + lp - 1 for lp in (math.log(0.5), math.log(1.5), 0.0)]  # d = ref - logp = -logp
+    assert kl.item() == pytest.approx(sum(k3) / 3, rel=1e-6)
 
 
 def test_bad_inputs_name_the_value():
@@ -128,26 +128,34 @@ def test_bad_inputs_name_the_value():
 
 # ------------------------------------------------------------------------------------------------ loss objects
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_a_loss_object_is_the_functional_loss(loss_type):
-    from lit_grpo.update.loss import LOSSES, make_loss
+def test_a_loss_object_matches_the_hand_computation(loss_type):
+    """The object ``make_loss`` builds from a ``LossConfig`` computes the loops written out above (KL on, dapo with
+    a step-wide token count), and its micro-batch weight is the variant's (rows / step rows; bnpo 1 / micro-batches;
+    dapo the world size)."""
+    from lit_grpo.update.loss_config import LossConfig
+    from lit_grpo.update.policy_losses import make_loss
 
-    logps, old, ref, adv, mask = _inputs()
-    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.04)
-    assert type(loss_fn) is LOSSES[loss_type] and loss_fn.name == loss_type
+    logps, old, ref, adv, mask = _inputs(seed=1)
+    config = LossConfig(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.04)
+    loss_fn = make_loss(config)
+    assert loss_fn.name == loss_type and loss_fn.config == config
     got = loss_fn(logps, old, adv, mask, ref, max_completion_length=8, total_active_tokens=17)
-    want = policy_loss(logps, old, adv, mask, loss_type, EPS_LOW, EPS_HIGH, ref, 0.04, 8, 17)
-    assert torch.equal(got, want)
+    want = _hand(logps, old, ref, adv, mask, loss_type, beta=0.04, max_len=8, total=17)
+    assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    weight = {"grpo": 3 / 12, "bnpo": 1 / 4, "dr_grpo": 3 / 12, "dapo": 2.0}[loss_type]
+    assert loss_fn.micro_batch_weight(3, 12, 4, world_size=2) == pytest.approx(weight)
     assert loss_fn.needs_step_tokens == (loss_type == "dapo")
-    assert make_loss(loss_type, EPS_LOW, EPS_HIGH, 0.04) is make_loss(loss_type, EPS_LOW, EPS_HIGH, 0.04)
+    assert make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.04) is loss_fn  # built once
 
 
 def test_loss_objects_are_checked_once_when_built():
     import dataclasses
 
-    from lit_grpo.update.loss import LOSS_TYPES, LOSSES, make_loss
+    from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
+    from lit_grpo.update.policy_losses import LOSSES, GRPOLoss, make_loss
 
-    assert tuple(LOSSES) == LOSS_TYPES
-    with pytest.raises(ValueError, match=r"loss_type='ppo' is not supported; use one of \['grpo', 'bnpo', "):
+    assert tuple(LOSSES) == LOSS_TYPES  # every name the config accepts has its variant
+    with pytest.raises(ValueError, match=r"loss_type='ppo' is not known; use one of \['grpo', 'bnpo', "):
         make_loss("ppo")
     with pytest.raises(ValueError, match="epsilon_low=1.0 must be < 1"):
         make_loss("grpo", epsilon_low=1.0)
@@ -156,11 +164,15 @@ def test_loss_objects_are_checked_once_when_built():
     with pytest.raises(ValueError, match=r"beta=nan must be >= 0"):
         make_loss("bnpo", beta=float("nan"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        make_loss("dapo").beta = 1.0
+        make_loss("dapo").config = LossConfig(beta=1.0)
+    with pytest.raises(ValueError, match=r"GRPOLoss is loss_type='grpo', its config says loss_type='dapo'"):
+        GRPOLoss(LossConfig(loss_type="dapo"))
+    with pytest.raises(TypeError, match=r"make_loss got a LossConfig and settings \['beta'\]"):
+        make_loss(LossConfig(), beta=0.1)
 
 
 def test_micro_batch_weights_of_the_objects_span_the_ranks():
-    from lit_grpo.update.loss import make_loss
+    from lit_grpo.update.policy_losses import make_loss
 
     # dapo's normalizer spans every rank while ddp averages gradients: its weight is the world size
     assert make_loss("dapo").micro_batch_weight(2, 8, 4, world_size=3) == 3.0

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from lit_grpo.update.loss import make_loss, policy_loss, policy_loss_metrics
+from lit_grpo.update.loss import policy_loss, policy_loss_metrics
+from lit_grpo.update.policy_losses import make_loss
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
@@ -81,7 +82,8 @@ def _compare(loss_type, **options):
     eps_high = options.pop("eps_high", EPS_HIGH)
     weights = options.pop("weights", None)
     ours = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(
-        lp, olp, a, m, loss_type, EPS_LOW, eps_high, rlp if options.get("beta") else None, options.get("beta", 0.0),
+        lp, olp, a, m, loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high,
+        ref_logps=rlp if options.get("beta") else None, beta=options.get("beta", 0.0),
         importance_sampling_level=options.get("level", "token"), kl_bias_correction=options.get("kl_bc", False),
         sapo_temperature_pos=options.get("tau_pos", 1.0), sapo_temperature_neg=options.get("tau_neg", 1.05),
         sampling_weights=weights))
@@ -108,7 +110,7 @@ def test_sequence_level_gradient_spreads_evenly_over_a_completions_tokens():
     logps = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[0.05, -0.05, 0.02, 9.0]], dtype=torch.float64)  # the last token is padding
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    loss = policy_loss(logps, old, torch.tensor([2.0], dtype=torch.float64), mask, "grpo",
+    loss = policy_loss(logps, old, torch.tensor([2.0], dtype=torch.float64), mask, loss_type="grpo",
                        importance_sampling_level="sequence")
     loss.backward()
     r = math.exp(-(0.05 - 0.05 + 0.02) / 3)
@@ -125,7 +127,7 @@ def test_cispo_weights_log_probs_by_the_capped_ratio(level, beta):
 def test_cispo_gradient_is_the_capped_ratio_times_the_advantage():
     logps = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_(True)
     old = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))  # ratios 2 and 1
-    loss = policy_loss(logps, old, torch.tensor([3.0], dtype=torch.float64), torch.ones(1, 2), "cispo",
+    loss = policy_loss(logps, old, torch.tensor([3.0], dtype=torch.float64), torch.ones(1, 2), loss_type="cispo",
                        epsilon_high=1.5)
     loss.backward()
     # the weight carries no gradient: d/dlogp = -min(r, 1.5) A / active tokens
@@ -143,7 +145,7 @@ def test_sapo_on_policy_is_the_plain_policy_gradient():
     """At r = 1 the gate's slope is 1: the gradient is -A per token (then grpo's means), for either temperature."""
     logps = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([1.5, -2.0], dtype=torch.float64)
-    loss = policy_loss(logps, logps.detach(), adv, torch.ones(2, 3), "sapo", sapo_temperature_pos=3.0,
+    loss = policy_loss(logps, logps.detach(), adv, torch.ones(2, 3), loss_type="sapo", sapo_temperature_pos=3.0,
                        sapo_temperature_neg=0.7)
     loss.backward()
     torch.testing.assert_close(logps.grad, (-adv / 3 / 2).unsqueeze(1).expand(2, 3))
@@ -164,7 +166,7 @@ def test_kl_bias_correction_changes_the_gradient_on_policy():
     """With old = logps the ratio is 1 but still differentiable, so the KL's gradient changes all the same."""
     logps = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
-    loss = policy_loss(logps, logps.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), "bnpo",
+    loss = policy_loss(logps, logps.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), loss_type="bnpo",
                        ref_logps=ref, beta=1.0, kl_bias_correction=True)
     loss.backward()
     # d/dlogp [r * k3] at r = 1: k3 + dk3/dlogp = (e^d - d - 1) + (1 - e^d) = -d, with d = ref - logp
@@ -202,21 +204,21 @@ def test_metrics_follow_the_level_and_the_variant():
 # ------------------------------------------------------------------------------------------------ bad values
 def test_bad_option_values_name_the_value_and_what_is_allowed():
     logps, old, ref, adv, mask = _inputs()
-    with pytest.raises(ValueError, match=r"importance_sampling_level='seq' is not supported; use one of "
+    with pytest.raises(ValueError, match=r"importance_sampling_level='seq' is not known; use one of "
                                          r"\['token', 'sequence'\]"):
         policy_loss(logps, old, adv, mask, importance_sampling_level="seq")
     with pytest.raises(ValueError, match=r"loss_type='cispo' caps the ratio at epsilon_high itself; "
                                          r"epsilon_high=0.28 must be >= 1"):
-        policy_loss(logps, old, adv, mask, "cispo")
+        policy_loss(logps, old, adv, mask, loss_type="cispo")
     with pytest.raises(ValueError, match=r"sapo_temperature_neg=0.0 must be > 0"):
         make_loss("sapo", sapo_temperature_neg=0.0)
     with pytest.raises(ValueError, match=r"sapo_temperature_pos=-1.0 must be > 0"):
-        policy_loss(logps, old, adv, mask, "sapo", sapo_temperature_pos=-1.0)
+        policy_loss(logps, old, adv, mask, loss_type="sapo", sapo_temperature_pos=-1.0)
     with pytest.raises(ValueError, match=r"kl_bias_correction='yes' must be True or False"):
         make_loss("dapo", kl_bias_correction="yes")
     with pytest.raises(ValueError, match=r"sampling_weights has shape \(4, 2\), expected \(4, 5\) or \(4, 1\)"):
         policy_loss(logps, old, adv, mask, sampling_weights=torch.ones(4, 2))
-    with pytest.raises(ValueError, match=r"loss_type='vespo' is not supported; use one of \[.*'cispo', 'sapo'\]"):
+    with pytest.raises(ValueError, match=r"loss_type='vespo' is not known; use one of \[.*'cispo', 'sapo'\]"):
         make_loss("vespo")
 
 
@@ -224,13 +226,13 @@ def test_module_checks_the_options_when_built():
     from lit_grpo.update.module import GRPOModule
 
     with pytest.raises(ValueError, match="importance_sampling_level='tokens'"):
-        GRPOModule(model="tiny-llama", importance_sampling_level="tokens")
+        GRPOModule(model="tiny-llama", loss={"importance_sampling_level": "tokens"})
     with pytest.raises(ValueError, match="epsilon_high=0.28 must be >= 1"):
-        GRPOModule(model="tiny-llama", loss_type="cispo")
+        GRPOModule(model="tiny-llama", loss={"loss_type": "cispo"})
     with pytest.raises(ValueError, match="sapo_temperature_pos=0"):
-        GRPOModule(model="tiny-llama", loss_type="sapo", sapo_temperature_pos=0)
-    module = GRPOModule(model="tiny-llama", loss_type="sapo", importance_sampling_level="sequence",
-                        kl_bias_correction=True, beta=0.1, sapo_temperature_neg=2.0)
+        GRPOModule(model="tiny-llama", loss={"loss_type": "sapo", "sapo_temperature_pos": 0})
+    module = GRPOModule(model="tiny-llama", loss={"loss_type": "sapo", "importance_sampling_level": "sequence",
+                                                  "kl_bias_correction": True, "beta": 0.1, "sapo_temperature_neg": 2.0})
     loss_fn = module.loss_fn
-    assert (loss_fn.name, loss_fn.importance_sampling_level, loss_fn.kl_bias_correction,
-            loss_fn.sapo_temperature_neg) == ("sapo", "sequence", True, 2.0)
+    assert (loss_fn.name, loss_fn.config.importance_sampling_level, loss_fn.config.kl_bias_correction,
+            loss_fn.config.sapo_temperature_neg) == ("sapo", "sequence", True, 2.0)

@@ -66,8 +66,8 @@ def test_update_log_probs_match_the_sampler(batch):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
-    small, _ = grads_after_step(make_module(loss_type=loss_type, train_micro_batch_size=3), batch)
-    big, metrics = grads_after_step(make_module(loss_type=loss_type, train_micro_batch_size=8), batch)
+    small, _ = grads_after_step(make_module(loss={"loss_type": loss_type}, train_micro_batch_size=3), batch)
+    big, metrics = grads_after_step(make_module(loss={"loss_type": loss_type}, train_micro_batch_size=8), batch)
     assert small.keys() == big.keys() and len(big) > 0
     for name in big:
         torch.testing.assert_close(small[name], big[name], atol=1e-6, rtol=1e-4, msg=name)
@@ -94,7 +94,7 @@ def test_non_finite_loss_stops_before_any_optimizer_step(batch):
 
 
 def test_beta_loads_a_reference_and_logs_kl(batch):
-    module = make_module(beta=0.1, num_iterations=2, lr=1e-2)
+    module = make_module(loss={"beta": 0.1}, num_iterations=2, lr=1e-2)
     assert module.ref_model is not None and not any(p.requires_grad for p in module.ref_model.parameters())
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
     metrics = module.grpo_step(batch, optimizer)
@@ -108,7 +108,8 @@ def test_beta_loads_a_reference_and_logs_kl(batch):
 
 
 def test_lora_uses_the_disabled_adapter_as_reference(batch):
-    module = make_module(beta=0.1, peft_config={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    module = make_module(loss={"beta": 0.1}, peft_config=lora)
     assert module.ref_model is None
     trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -122,15 +123,15 @@ def test_dynamic_sampling_drops_groups_without_signal():
         return [1.0 if int(p.split()[2]) % 2 == 0 else float(sum(map(ord, c)) % 5) for p, c in zip(prompts, completions)]
 
     module = make_module()
-    dm = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=True, max_sampling_rounds=8)
+    dm = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=True, max_rollouts_per_step=8)
     batch = dm.build_train_batch()
     assert batch.rewards.std(dim=1).gt(0).all()
     assert all(PROMPTS[i]["answer"] and int(PROMPTS[i]["answer"]) % 4 == 2 for i in batch.indices)  # odd i
     assert batch.num_groups_generated > 2 and batch.num_groups_zero_std >= 1
-    assert batch.metrics["rollout/sampling_rounds"] >= 2
+    assert batch.metrics["rollout/rollouts_per_step"] >= 2
 
     plain = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=False).build_train_batch()
-    assert plain.num_groups_generated == 2 and plain.metrics["rollout/sampling_rounds"] == 1
+    assert plain.num_groups_generated == 2 and plain.metrics["rollout/rollouts_per_step"] == 1
 
 
 def test_prompt_stream_resumes_where_it_stopped():
@@ -160,13 +161,13 @@ def test_validation_batch_is_greedy_and_scored():
 
 def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="loss_type='ppo'"):
-        GRPOModule(model="tiny-llama", loss_type="ppo")
+        GRPOModule(model="tiny-llama", loss={"loss_type": "ppo"})
     with pytest.raises(ValueError, match="scale_rewards='std'"):
         GRPOModule(model="tiny-llama", scale_rewards="std")
     with pytest.raises(ValueError, match="train_micro_batch_size=0"):
         GRPOModule(model="tiny-llama", train_micro_batch_size=0)
     with pytest.raises(ValueError, match="epsilon_high=-1"):
-        GRPOModule(model="tiny-llama", epsilon_high=-1)
+        GRPOModule(model="tiny-llama", loss={"epsilon_high": -1})
     with pytest.raises(ValueError, match="model path './nope' does not exist"):
         GRPOModule(model="./nope")
     with pytest.raises(ValueError, match="give exactly one prompt source"):
@@ -182,8 +183,12 @@ def test_angle_curriculum_is_wired_in():
     dm = make_datamodule(module, curriculum="angle", curriculum_kwargs={"sigma": 2.0})
     batch = dm.build_train_batch()
     assert dm.sampler.scores is not None and dm.sampler.scores.shape == (len(dm.train_indices),)
-    assert {"curriculum/mu", "curriculum/mean_angle"} <= set(batch.metrics)
-    assert GRPOModule._rollout_metrics(batch)["curriculum/mu"] == batch.metrics["curriculum/mu"]
+    # the step logs the sampler's own state after its update: mu moved off its start, and the mean angle is the
+    # mean score of the prompts this step drew
+    logged = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    assert logged["curriculum/mu"] == dm.sampler.mu > 0.0
+    drawn = [dm.train_indices.index(i) for i in batch.indices]
+    assert logged["curriculum/mean_angle"] == pytest.approx(float(dm.sampler.scores[drawn].mean()))
     assert "sampler" in dm.state_dict() and dm.state_dict()["sampler"]["kind"] == "AngleCurriculumSampler"
 
 
@@ -250,8 +255,8 @@ def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batc
 
 
 def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
-    with pytest.raises(ValueError, match="loss_type='ppo' is not supported"):
-        GRPOModule(model="tiny-llama", loss_type="ppo")
+    with pytest.raises(ValueError, match="loss_type='ppo' is not known"):
+        GRPOModule(model="tiny-llama", loss={"loss_type": "ppo"})
     with pytest.raises(ValueError, match="epsilon_low=1.5 must be < 1"):
-        GRPOModule(model="tiny-llama", epsilon_low=1.5)
-    assert GRPOModule(model="tiny-llama", loss_type="grpo").loss_fn.name == "grpo"
+        GRPOModule(model="tiny-llama", loss={"epsilon_low": 1.5})
+    assert GRPOModule(model="tiny-llama", loss={"loss_type": "grpo"}).loss_fn.name == "grpo"

@@ -107,16 +107,22 @@ def test_the_builder_carries_groups_and_drops_none(tiny64):
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=12, seed=1)
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              over_provision=2.0, max_staleness=1)
-    returned, carried_some = [], False
+    returned, carried_some, offpolicy_some = [], False, False
     for step in range(6):
         batch = builder.build_train(draw)
         assert batch.rewards.shape == (2, 4)
         assert len(drawn) <= 4 + 2 * step  # fresh prompts only to fill up to ceil(2.0 x B) groups
         assert {"rollout/carried_samples", "rollout/offpolicy_tokens_frac"} <= set(batch.metrics)
         assert all(step - drawn_at[index] <= 1 for index in batch.indices)  # max_staleness=1
-        carried_some |= any(step > drawn_at[index] for index in batch.indices)
+        carried = any(step > drawn_at[index] for index in batch.indices)
+        carried_some |= carried
+        if not carried:  # every token sampled by this step's weights: nothing for the sampler correction
+            assert batch.offpolicy_tokens == 0
+        offpolicy_some |= batch.offpolicy_tokens > 0
+        tokens = int(batch.completion_mask.sum())
+        assert batch.metrics["rollout/offpolicy_tokens_frac"] == batch.offpolicy_tokens / tokens
         returned.extend(batch.indices)
-    assert carried_some
+    assert carried_some and offpolicy_some
     in_flight = [group.tag.prompt.index for group in builder.carried]
     assert sorted(returned + in_flight) == [p.index for p in drawn]  # every drawn group returned or still carried
     assert len(set(returned)) == len(returned)

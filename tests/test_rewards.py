@@ -4,16 +4,8 @@ import pytest
 import reasoning_gym
 import torch
 
-from lit_grpo.rollout.rewards import (
-    OverlongPenalty,
-    RewardFunctionError,
-    WeightedReward,
-    accuracy_reward,
-    build_reward_funcs,
-    extract_answer,
-    format_reward,
-    score_rewards,
-)
+from lit_grpo.rollout.reward_functions import OverlongPenalty, accuracy_reward, extract_answer, format_reward
+from lit_grpo.rollout.rewards import RewardFunctionError, WeightedReward, build_reward_funcs, score_rewards
 
 
 def test_weighted_sum_skips_none():
@@ -111,7 +103,7 @@ def test_build_reward_funcs_from_config_specs():
         "accuracy",
         {"name": "format", "weight": 0.25},
         {"name": "overlong", "kwargs": {"buffer": 16}},
-        {"name": "lit_grpo.rollout.rewards:format_reward", "log_name": "fmt2"},
+        {"name": "lit_grpo.rollout.reward_functions:format_reward", "log_name": "fmt2"},
     ])
     assert [(f.name, f.weight) for f in funcs] == [("accuracy", 1.0), ("format", 0.25), ("overlong", 1.0),
                                                     ("fmt2", 1.0)]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.update.module import GRPOModule, sampled_accuracy_at_k
+from lit_grpo.update.held_out import sampled_accuracy_at_k
+from lit_grpo.update.module import GRPOModule
 
 from datamodule_helpers import datamodule_arguments
 

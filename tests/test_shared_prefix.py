@@ -143,9 +143,9 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_update_with_a_shared_prefix_equals_the_unshared_one(rollout, micro_rows, checkpointing, lora):
     settings = dict(train_micro_batch_size=micro_rows, gradient_checkpointing=checkpointing,
-                    peft_config=LORA if lora else None, beta=0.1 if lora else 0.0, num_iterations=1)
+                    peft_config=LORA if lora else None, loss={"beta": 0.1 if lora else 0.0}, num_iterations=1)
     shared, shared_metrics, module = step_grads(rollout, shared_prefix=True, **settings)
-    assert module.shared_prefix is True
+    assert module.uses_shared_prefix is True
     unshared, metrics, _ = step_grads(rollout, shared_prefix=False, **settings)
     assert shared.keys() == unshared.keys() and len(unshared) > 0
     if lora:
@@ -234,9 +234,9 @@ def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match=r"shared_prefix=True is not exact for LlamaForCausalLM: sliding-window "
                                          r"layers \(for the test\); the update runs one forward per completion"):
         module.configure_model()
-    assert module.shared_prefix is False
+    assert module.uses_shared_prefix is False
     quiet = GRPOModule(model="tiny-llama", shared_prefix=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.configure_model()  # asked for no sharing: nothing to warn about
-    assert quiet.shared_prefix is False
+    assert quiet.uses_shared_prefix is False

@@ -75,7 +75,7 @@ def measure_one_step(args) -> dict:
     pl.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     module = GRPOModule(model=harness.resolve_model(args.model), train_micro_batch_size=args.train_micro_batch_size,
-                        lr=1e-6, loss_type="dapo", gradient_checkpointing=args.gradient_checkpointing,
+                        lr=1e-6, loss={"loss_type": "dapo"}, gradient_checkpointing=args.gradient_checkpointing,
                         dtype=args.dtype, peft_config=LORA if args.lora else None,
                         shared_prefix=args.shared_prefix)
     source = (dict(prompts=[{"prompt": e.prompt, "answer": e.answer}
@@ -109,7 +109,7 @@ def measure_one_step(args) -> dict:
             "baseline_bytes": baseline, "step_s": step_s, "method": monitor.method, "dtype": args.dtype,
             "lora": args.lora, "weights_bytes": harness.weights_bytes(module.policy),
             "gradient_checkpointing": bool(getattr(module.policy, "is_activation_checkpointing", False)),
-            "shared_prefix": module.shared_prefix,
+            "shared_prefix": module.uses_shared_prefix,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **rollout.figures}
 
 

@@ -120,14 +120,14 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
                             gradient_checkpointing=args.gradient_checkpointing)
         module.configure_model()
         batch = long_prompt_batch(args, module.policy.config.vocab_size, module.tokenizer.pad_token_id)
-    if "shared" in modes and not module.shared_prefix:
+    if "shared" in modes and not module.uses_shared_prefix:
         raise SystemExit("the policy cannot use a shared prefix here (see the warning above)")
     optimizer = module.configure_optimizers()["optimizer"]
     distinct_prompt_tokens = int(batch.prompt_mask.sum())
     completion_tokens = int(batch.completion_mask.sum())
 
     def update(mode: str) -> float:
-        module.shared_prefix = mode == "shared"
+        module.uses_shared_prefix = mode == "shared"
         start = time.perf_counter()
         module.grpo_step(batch, optimizer)
         return time.perf_counter() - start

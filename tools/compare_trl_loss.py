@@ -32,8 +32,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lit_grpo.update.loss import make_loss
-from lit_grpo.update.sampler_correction import SamplerCorrection, SamplingStats
+from lit_grpo.update.policy_losses import make_loss
+from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from tools import harness
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
@@ -149,7 +149,8 @@ def trl_loss(trl, case, inputs, rows_list, weights):
 def our_loss(case, inputs, rows_list, weights):
     loss_type, level, beta, kl_bc, _ = case
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
-    loss_fn = make_loss(loss_type, EPS_LOW, eps_high, beta, level, kl_bc)
+    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, beta=beta,
+                        importance_sampling_level=level, kl_bias_correction=kl_bc)
     leaf = inputs["logps"].clone().requires_grad_(True)
     total, n = 0.0, leaf.shape[0]
     for rows in rows_list:
@@ -165,7 +166,7 @@ def our_loss(case, inputs, rows_list, weights):
 def our_weights_and_metrics(inputs, is_mode, bounds):
     correction = SamplerCorrection(is_mode, *bounds)
     weights = correction.weights(inputs["old"], inputs["sampling"], inputs["mask"])
-    stats = SamplingStats()
+    stats = CorrectionStats()
     stats.update(inputs["old"], inputs["sampling"], inputs["mask"], weights)
     return weights, stats.as_metrics()
 

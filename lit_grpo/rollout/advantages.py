@@ -5,12 +5,17 @@ Shapes: ``B`` prompts (groups), ``G`` completions per prompt.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
+
+from lit_grpo.runtime.validation import check_choice
 
 #: Added to the standard deviation before dividing, as in TRL / the GRPO papers.
 STD_EPS = 1e-4
 
-SCALES = ("group", "batch", "none")
+Scale = Literal["group", "batch", "none"]
+SCALES: tuple[str, ...] = get_args(Scale)
 
 
 def group_advantages(rewards: torch.Tensor, scale: str = "group",
@@ -33,8 +38,7 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
     Raises:
         ValueError: ``rewards`` is not 2-D, is empty, holds NaN/inf, or ``scale`` is unknown.
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not supported; use one of {list(SCALES)}")
+    check_choice("scale", scale, SCALES)
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G] (2-D), got shape {tuple(rewards.shape)}")
     if rewards.numel() == 0:

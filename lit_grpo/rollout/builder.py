@@ -8,7 +8,7 @@ The data flow of a training step, prompt -> builder -> batch -> module::
                                                 with over_provision > 1 it stops once B groups are complete and
                                                 carries the others to the next step (partial rollouts)
            score_rewards(...)                   weighted reward functions (lit_grpo.rollout.rewards)
-           [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_sampling_rounds]
+           [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_rollouts_per_step]
            group_advantages(rewards, scale)     (lit_grpo.rollout.advantages; "batch" spans every rank)
       -> RolloutBatch                           (lit_grpo.batch)
       -> GRPOModule.training_step               the update
@@ -60,7 +60,7 @@ class _Carry:
 
 @dataclass
 class _Round:
-    """One engine call's groups, scored: ``[b]`` prompts x G completions."""
+    """One rollout's (engine call's) groups, scored: ``[b]`` prompts x G completions."""
 
     prompts: list[Prompt]
     completion_ids: list[list[list[int]]]
@@ -85,8 +85,8 @@ class RolloutBuilder:
         scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
         accuracy_reward: the reward function whose values are correctness (``RolloutBatch.accuracy``).
         on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
-        dynamic_sampling: drop all-equal groups and sample more, at most ``max_sampling_rounds`` engine
-            calls per step; dropped groups fill the batch if still short (zero advantages).
+        dynamic_sampling: drop all-equal groups and sample more, at most ``max_rollouts_per_step`` rollouts
+            (engine calls) per step; dropped groups fill the batch if still short (zero advantages).
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
@@ -98,7 +98,7 @@ class RolloutBuilder:
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
-        over_provision: partial rollouts (1.0: off): each step's rollout runs up to ``ceil(over_provision x B)``
+        over_provision: partial rollouts (1.0: off): each step's first rollout runs up to ``ceil(over_provision x B)``
             groups, carried ones first, stops once B are complete and carries every unfinished group (its samples'
             tokens so far, continued next step under the new weights). Nothing is dropped.
         max_staleness: steps a group may be carried; one carried that long must complete in the next rollout
@@ -108,7 +108,7 @@ class RolloutBuilder:
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
                  reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
                  accuracy_reward: str = "accuracy", on_reward_error: str = "raise", dynamic_sampling: bool = False,
-                 max_sampling_rounds: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
+                 max_rollouts_per_step: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
                  val_num_samples: int = 1, val_temperature: float = 1.0,
                  world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
@@ -119,7 +119,7 @@ class RolloutBuilder:
         self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
         self.reward_funcs = list(reward_funcs)
         self.scale_rewards, self.accuracy_reward, self.on_reward_error = scale_rewards, accuracy_reward, on_reward_error
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.val_batch_size = val_batch_size
         self.val_max_new_tokens = val_max_new_tokens or sampling.max_new_tokens
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
@@ -135,8 +135,8 @@ class RolloutBuilder:
 
     # ------------------------------------------------------------------------------------------ engines
     @property
-    def micro_group_size(self) -> int | None:
-        """g of the training engine (``"auto"`` resolved from the KV budget)."""
+    def resolved_micro_group_size(self) -> int | None:
+        """g of the training engine (``sampling.micro_group_size`` with ``"auto"`` resolved from the KV budget)."""
         g = self.sampling.micro_group_size
         if g != "auto":
             return g
@@ -149,7 +149,7 @@ class RolloutBuilder:
     def engine(self) -> RolloutEngine:
         """The training rollout engine (built on first use)."""
         if self._engine is None:
-            self._engine = self._new_engine(self.sampling.replace(micro_group_size=self.micro_group_size))
+            self._engine = self._new_engine(self.sampling.replace(micro_group_size=self.resolved_micro_group_size))
             if self._pending_engine_state is not None:
                 self._engine.load_state_dict(self._pending_engine_state)
                 self._pending_engine_state = None
@@ -216,7 +216,7 @@ class RolloutBuilder:
         rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
                   else self._rollout(engine, draw(num_prompts))]
         keep = self._kept_groups(rounds)
-        while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_sampling_rounds:
+        while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
             rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
             keep = self._kept_groups(rounds)
         if not self.sampling.keep_kv_cache:
@@ -226,11 +226,12 @@ class RolloutBuilder:
             dropped = [key for key in _all_groups(rounds) if key not in set(chosen)]
             chosen = chosen + dropped[: num_prompts - len(chosen)]
         batch = self._assemble(rounds, chosen, engine, train=True)
-        batch.metrics["rollout/sampling_rounds"] = float(len(rounds))
+        batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
+        batch.offpolicy_tokens = sum(r.offpolicy_tokens for r in rounds)
         if self.over_provision > 1 or self.carried:
             batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
-            tokens = int(batch.completion_mask.sum())
-            batch.metrics["rollout/offpolicy_tokens_frac"] = sum(r.offpolicy_tokens for r in rounds) / max(tokens, 1)
+            tokens = max(int(batch.completion_mask.sum()), 1)
+            batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
         if engine.micro_group_size is not None:
             batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)

@@ -1,4 +1,4 @@
-"""The scalars that describe one rollout: ``reward/*`` and ``completions/*`` (one definition, used by
+"""The scalars that describe one training step's batch: ``reward/*`` and ``completions/*`` (one definition, used by
 ``GRPOModule`` and by ``lit_grpo.callbacks.CompletionLogger``)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def completion_length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) ->
 
 def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Tensor], num_groups_zero_std: int,
                    num_groups_generated: int) -> dict[str, float]:
-    """``reward/{mean, std, frac_zero_std, <fn_name>/mean}`` of one rollout.
+    """``reward/{mean, std, frac_zero_std, <fn_name>/mean}`` of one batch.
 
     Args:
         rewards: ``[B, G]`` weighted total rewards.
@@ -50,7 +50,7 @@ def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
 
 def rollout_metrics(batch: Any) -> dict[str, float]:
     """reward/ and completions/ scalars of a ``RolloutBatch``, plus what the data side put in ``batch.metrics``
-    (curriculum/*, rollout/sampling_rounds, ...)."""
+    (curriculum/*, rollout/rollouts_per_step, ...)."""
     out = reward_metrics(batch.rewards, batch.reward_components, batch.num_groups_zero_std,
                          batch.num_groups_generated)
     out.update(completion_length_metrics(batch.completion_lengths, batch.truncated))

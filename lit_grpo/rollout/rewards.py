@@ -45,27 +45,20 @@ import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.rollout.reward_functions import (  # noqa: F401  (the built-ins stay importable from here)
-    BUILTIN_REWARDS,
-    OverlongPenalty,
-    accuracy_reward,
-    char_fraction_reward,
-    extract_answer,
-    format_reward,
-    math_reward,
-    score_answer,
-)
+from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS
+from lit_grpo.runtime.validation import check_choice
 
 RewardFn = Callable[..., Sequence[Any]]
 
 #: What ``score_rewards`` does when a reward function raises: "raise" a ``RewardFunctionError`` naming the
 #: function and the prompt, or "skip_group": score the other groups, report the failing ones in
 #: ``RewardScores.skipped_groups`` (the trainer gives their rows no loss).
-ON_ERROR = ("raise", "skip_group")
+OnRewardError = Literal["raise", "skip_group"]
+ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
 
 
 class RewardFunctionError(RuntimeError):
@@ -256,8 +249,7 @@ def score_rewards(
         group_size: ``G``; used to name the failing prompt when a function raises (and the unit skipped).
         on_error: ``"raise"`` (a ``RewardFunctionError``) or ``"skip_group"`` (``RewardScores.skipped_groups``).
     """
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r} is not supported; use one of {list(ON_ERROR)}")
+    check_choice("on_error", on_error, ON_ERROR)
     if not reward_funcs:
         raise ValueError("no reward functions given; pass at least one (e.g. ['accuracy'])")
     n = len(completions)

@@ -11,6 +11,7 @@ sees the old file or the new one, whole, and never a mix.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import zipfile
@@ -24,12 +25,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 
 #: The settings a checkpoint must share with the run that resumes it: the model and its weights' layout, and the
-#: objective (G and the loss). Anything else may change between a stop and a resume.
+#: objective (G and the loss). Anything else may change between a stop and a resume. A nested setting (``loss``, a
+#: dataclass or a mapping) is compared field by field.
 RESUME_SETTINGS = {
-    "hyper_parameters": ("model", "dtype", "peft_config", "loss_type", "epsilon_low", "epsilon_high", "beta",
-                         "scale_rewards", "importance_sampling_level", "kl_bias_correction", "sapo_temperature_pos",
-                         "sapo_temperature_neg", "importance_sampling_mode", "importance_sampling_clip_min",
-                         "importance_sampling_clip_max", "mask_truncated_completions"),
+    "hyper_parameters": ("model", "dtype", "peft_config", "loss", "scale_rewards", "sampler_correction",
+                         "mask_truncated_completions"),
     "datamodule_hyper_parameters": ("sampling.group_size",),
 }
 
@@ -163,11 +163,15 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         saved = checkpoint.get(section) or {}
         if section == "datamodule_hyper_parameters" and not saved:
             continue  # saved without a datamodule: nothing to compare
+        prefix = "model." if section == "hyper_parameters" else "data."
         for name in names:
-            old, new = _lookup(saved, name), _lookup(current[section], name)
-            if _normalized(old) != _normalized(new):
-                prefix = "model." if section == "hyper_parameters" else "data."
-                differing.append(f"{prefix}{name}: {old!r} in the checkpoint, {new!r} now")
+            old, new = _fields(_lookup(saved, name)), _fields(_lookup(current[section], name))
+            if not isinstance(old, dict) or not isinstance(new, dict):
+                old, new = {"": old}, {"": new}
+            for key in sorted(set(old) | set(new), key=str):
+                if _normalized(old.get(key)) != _normalized(new.get(key)):
+                    shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
+                    differing.append(f"{shown}: {old.get(key)!r} in the checkpoint, {new.get(key)!r} now")
     if differing:
         raise ValueError(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
                          "continue the same run:\n  " + "\n  ".join(differing)
@@ -181,6 +185,15 @@ def _lookup(mapping: Mapping[str, Any], dotted: str) -> Any:
             value = value.get(part)
         else:
             value = getattr(value, part, None)
+    return value
+
+
+def _fields(value: Any) -> Any:
+    """A settings dataclass or a namespace (the CLI's config before it builds one) as a dict of its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if hasattr(value, "as_dict"):  # jsonargparse's Namespace
+        return value.as_dict()
     return value
 
 

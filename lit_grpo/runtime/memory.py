@@ -17,11 +17,12 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
 CpuMethod = Literal["auto", "hwm", "sampling"]
+CPU_METHODS: tuple[str, ...] = get_args(CpuMethod)
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"

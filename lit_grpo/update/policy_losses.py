@@ -1,4 +1,4 @@
-"""The GRPO loss variants as small frozen objects (torchtune rlhf/loss style); ``lit_grpo.update.loss`` re-exports them.
+"""The GRPO loss variants as small frozen objects (torchtune rlhf/loss style), built from a ``LossConfig``.
 
 Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padded; ``mask`` marks real ones).
 
@@ -33,9 +33,9 @@ loss of the whole optimizer step (exactly for grpo, dr_grpo, dapo, cispo and sap
 of per-micro-batch ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its
 normalizer already spans every rank while ddp averages the ranks' gradients.
 
-Objects (chosen once by name, validated when built)::
+Objects (built once from a ``LossConfig``, lit_grpo.update.loss_config)::
 
-    loss_fn = make_loss("dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0)
+    loss_fn = make_loss(LossConfig(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28))   # or make_loss("dapo")
     loss = loss_fn(logps, old_logps, advantages, mask, total_active_tokens=step_tokens)
     loss = loss * loss_fn.micro_batch_weight(rows, step_rows, micro_batches, world_size)
 """
@@ -44,21 +44,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
-from lit_grpo.update.surrogates import (
-    check_level,
-    cispo_surrogate,
-    clip_surrogate,
-    importance_ratio,
-    k3_kl,
-    sapo_surrogate,
-)
+from lit_grpo.runtime.validation import check_choice
+from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
+from lit_grpo.update.surrogates import cispo_surrogate, clip_surrogate, importance_ratio, k3_kl, sapo_surrogate
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 Number = int | float | torch.Tensor
 
 
@@ -68,36 +61,19 @@ class PolicyLoss:
     """The surrogate + k3-KL loss; a subclass says which surrogate and how tokens and micro-batches are reduced.
 
     Args:
-        epsilon_low: the ratio's clip range is ``[1 - epsilon_low, 1 + epsilon_high]``.
-        epsilon_high: the upper side of that range (cispo: the ratio's cap is ``epsilon_high`` itself).
-        beta: weight of the k3 KL penalty (``> 0`` needs ``ref_logps`` at call time).
-        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO, module docstring).
-        kl_bias_correction: weigh the k3 KL by the importance ratio.
+        config: the settings (``LossConfig``, checked when it was built); its ``loss_type`` is this variant's name.
     """
 
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    beta: float = 0.0
-    importance_sampling_level: str = "token"
-    kl_bias_correction: bool = False
+    config: LossConfig
 
     name: ClassVar[str]
     #: True when the aggregation divides by the whole step's active tokens (the caller must count them first).
     needs_step_tokens: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        for name in ("epsilon_low", "epsilon_high"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"{name}={value!r} must be >= 0")
-        if self.epsilon_low >= 1:
-            raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
-                             "1 - epsilon_low must be > 0)")
-        if not self.beta >= 0:
-            raise ValueError(f"beta={self.beta!r} must be >= 0")
-        check_level(self.importance_sampling_level)
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} must be True or False")
+        if self.config.loss_type != self.name:
+            raise ValueError(f"{type(self).__name__} is loss_type={self.name!r}, its config says "
+                             f"loss_type={self.config.loss_type!r} (use make_loss(config))")
 
     def __call__(
         self,
@@ -132,25 +108,25 @@ class PolicyLoss:
 
     def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
-        ratio = importance_ratio(logps, old_logps, mask, self.importance_sampling_level)
+        ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         per_token = self.surrogate(ratio, logps, advantages).expand_as(logps)
         if sampling_weights is not None:
             per_token = per_token * sampling_weights.detach().to(per_token.dtype)
-        if self.beta > 0:
+        if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
-            per_token = per_token + self.beta * (kl * ratio if self.kl_bias_correction else kl)
+            per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)
         return per_token
 
     def surrogate(self, ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """The policy term per token: ``ratio`` ``[N, T]`` or ``[N, 1]``, ``logps`` ``[N, T]``, ``advantages``
         ``[N]``; returns ``[N, T]`` or ``[N, 1]``."""
-        return clip_surrogate(ratio, advantages, self.epsilon_low, self.epsilon_high)
+        return clip_surrogate(ratio, advantages, self.config.epsilon_low, self.config.epsilon_high)
 
     def clipped(self, ratio: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bool masks (``ratio``'s shape) of the tokens whose ratio is clipped from below / above with an
         advantage that makes the clip bind; ``advantages``: ``[N]``."""
         adv = advantages.unsqueeze(1)
-        return (ratio < 1.0 - self.epsilon_low) & (adv < 0), (ratio > 1.0 + self.epsilon_high) & (adv > 0)
+        return (ratio < 1.0 - self.config.epsilon_low) & (adv < 0), (ratio > 1.0 + self.config.epsilon_high) & (adv > 0)
 
     @staticmethod
     def aggregate(per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None,
@@ -190,8 +166,9 @@ class PolicyLoss:
                                  f"{tuple(logps.shape)}")
         if advantages.shape != logps.shape[:1]:
             raise ValueError(f"advantages must be [N] = [{logps.shape[0]}], got shape {tuple(advantages.shape)}")
-        if self.beta > 0 and ref_logps is None:
-            raise ValueError(f"beta={self.beta} > 0 needs ref_logps (log-probs under the reference model), got None")
+        if self.config.beta > 0 and ref_logps is None:
+            raise ValueError(f"beta={self.config.beta} > 0 needs ref_logps (log-probs under the reference model), "
+                             "got None")
         if total_active_tokens is not None and float(total_active_tokens) < 0:
             raise ValueError(f"total_active_tokens={total_active_tokens!r} must be >= 0")
 
@@ -208,13 +185,13 @@ class PolicyLoss:
         mask = mask.to(logps.dtype)
         active = mask.sum()
         denominator = active.clamp(min=1.0)
-        ratio = importance_ratio(logps, old_logps, mask, self.importance_sampling_level)
+        ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         low, high = (flags.to(logps.dtype).expand_as(mask) for flags in self.clipped(ratio, advantages))
         out = {"clip_ratio_low": (low * mask).sum() / denominator, "clip_ratio_high": (high * mask).sum() / denominator,
                "active_tokens": active}
         if ref_logps is not None:
             kl = k3_kl(logps, ref_logps)
-            out["kl"] = ((kl * ratio if self.kl_bias_correction else kl) * mask).sum() / denominator
+            out["kl"] = ((kl * ratio if self.config.kl_bias_correction else kl) * mask).sum() / denominator
         return out
 
 
@@ -288,43 +265,23 @@ class CISPOLoss(DAPOLoss):
 
     name: ClassVar[str] = "cispo"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
-        if not self.epsilon_high >= 1:
-            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
-                             f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
-
     def surrogate(self, ratio, logps, advantages):
-        return cispo_surrogate(ratio, logps, advantages, self.epsilon_high)
+        return cispo_surrogate(ratio, logps, advantages, self.config.epsilon_high)
 
     def clipped(self, ratio, advantages):
         adv = advantages.unsqueeze(1)
-        return torch.zeros_like(ratio, dtype=torch.bool), (ratio > self.epsilon_high) & (adv > 0)
+        return torch.zeros_like(ratio, dtype=torch.bool), (ratio > self.config.epsilon_high) & (adv > 0)
 
 
 @dataclass(frozen=True)
 class SAPOLoss(GRPOLoss):
-    """sapo: the soft gate ``-(4 / tau) sigmoid(tau (r - 1)) A`` aggregated as grpo; no hard clip.
-
-    Args:
-        sapo_temperature_pos: the gate's ``tau`` for ``A > 0`` (> 0; larger is a sharper gate).
-        sapo_temperature_neg: the gate's ``tau`` for ``A <= 0`` (> 0).
-    """
+    """sapo: the soft gate ``-(4 / tau) sigmoid(tau (r - 1)) A`` aggregated as grpo; no hard clip (``tau``: the
+    config's ``sapo_temperature_pos`` / ``_neg`` by the advantage's sign; larger is a sharper gate)."""
 
     name: ClassVar[str] = "sapo"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0")
 
     def surrogate(self, ratio, logps, advantages):
-        return sapo_surrogate(ratio, advantages, self.sapo_temperature_pos, self.sapo_temperature_neg)
+        return sapo_surrogate(ratio, advantages, self.config.sapo_temperature_pos, self.config.sapo_temperature_neg)
 
     def clipped(self, ratio, advantages):
         none = torch.zeros_like(ratio, dtype=torch.bool)
@@ -337,23 +294,21 @@ LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, BNPOL
 
 def loss_class(loss_type: str) -> type[PolicyLoss]:
     """The variant registered under ``loss_type``; a clear error for any other name."""
-    try:
-        return LOSSES[loss_type]
-    except (KeyError, TypeError):
-        raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {list(LOSS_TYPES)}") from None
+    return LOSSES[check_choice("loss_type", loss_type, LOSS_TYPES)]
+
+
+def make_loss(config: LossConfig | str | None = None, **settings: Any) -> PolicyLoss:
+    """The loss object of ``config``; given a name or nothing, of ``LossConfig(loss_type=config, **settings)``
+    (``settings`` may then hold ``loss_type``). Checked once; equal settings share one frozen object."""
+    if isinstance(config, str):
+        config = LossConfig(loss_type=config, **settings)
+    elif config is None:
+        config = LossConfig(**settings)
+    elif settings:
+        raise TypeError(f"make_loss got a LossConfig and settings {sorted(settings)}; put them in the config")
+    return _loss_of(config)
 
 
 @functools.lru_cache(maxsize=64)
-def make_loss(loss_type: str, epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
-              importance_sampling_level: str = "token", kl_bias_correction: bool = False,
-              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> PolicyLoss:
-    """The loss object of a variant and its settings (validated once; equal settings share one frozen object).
-
-    The sapo temperatures are used (and checked) by ``loss_type="sapo"`` only.
-    """
-    cls = loss_class(loss_type)
-    extra = {}
-    if cls is SAPOLoss:
-        extra = {"sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
-    return cls(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
-               importance_sampling_level=importance_sampling_level, kl_bias_correction=kl_bias_correction, **extra)
+def _loss_of(config: LossConfig) -> PolicyLoss:
+    return LOSSES[config.loss_type](config)

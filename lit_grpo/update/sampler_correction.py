@@ -16,26 +16,33 @@ the sampler renormalized over, or tokens sampled by older weights), the policy l
 
 A token whose sampling log-prob is NaN (the sampler could not score it) counts as a difference of 0.
 
-The default is ``none``: the engine samples with the very weights the update starts from, in the same process and
-the same model code, so the ratio is 1 up to the rounding of the decode kernels, and a correction would only
-multiply the loss by that rounding noise.
-``sequence_mask`` with ``clip_max=3`` (TRL's default) is the setting to turn on when tokens come from other
-weights (samples carried across optimizer steps) or from another distribution (a top-k / top-p filter: the
-sampler renormalizes over the kept tokens, so each token's ratio is at most 1 and a completion's product shrinks
-with its length). ``sampling/sampling_logp_difference/*`` is logged in every mode, so a mismatch shows either way.
+The default is ``auto``: ``sequence_mask`` with ``clip_max=3`` (TRL's default) for a batch that carries tokens
+sampled by older weights (partial rollouts, ``data.over_provision > 1``), ``none`` otherwise. Without carried
+samples the engine samples with the very weights the update starts from, in the same process and the same model
+code, so the ratio is 1 up to the rounding of the decode kernels, and a correction would only multiply the loss by
+that rounding noise. Set a mode yourself for another distribution (a top-k / top-p filter: the sampler
+renormalizes over the kept tokens, so each token's ratio is at most 1 and a completion's product shrinks with its
+length). ``sampling/sampling_logp_difference/*`` is logged in every mode, so a mismatch shows either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+from lit_grpo.runtime.validation import check_choice
+
 ImportanceSamplingMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("none", "token_truncate", "token_mask", "sequence_truncate",
-                                              "sequence_mask")
+IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = get_args(ImportanceSamplingMode)
+#: What ``SamplerCorrection.mode`` accepts: a weighting mode, or "auto" (module docstring).
+CorrectionMode = Literal["auto", ImportanceSamplingMode]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+#: The mode "auto" turns on for a batch with tokens from older weights (TRL's default).
+AUTO_MODE = "sequence_mask"
 
 
 def sampling_logp_difference(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
@@ -56,7 +63,7 @@ def importance_sampling_weights(trainer_logps: torch.Tensor, sampling_logps: tor
         sampling_logps: ``[N, T]`` the sampler's.
         mask: ``[N, T]`` 1 on active tokens.
     """
-    check_mode(mode)
+    check_choice("importance_sampling_mode", mode, IMPORTANCE_SAMPLING_MODES)
     if mode == "none":
         return None
     log_weights = sampling_logp_difference(trainer_logps, sampling_logps, mask)
@@ -70,53 +77,50 @@ def importance_sampling_weights(trainer_logps: torch.Tensor, sampling_logps: tor
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
-def check_mode(mode: str) -> None:
-    """Raise ``ValueError`` naming an unknown mode."""
-    if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(f"importance_sampling_mode={mode!r} is not supported; use one of "
-                         f"{list(IMPORTANCE_SAMPLING_MODES)}")
-
-
 @dataclass(frozen=True)
 class SamplerCorrection:
-    """The correction's settings, validated when built; ``weights(...)`` is ``importance_sampling_weights``.
+    """The correction's settings (YAML ``model.sampler_correction``), checked when built; ``weights(...)`` is
+    ``importance_sampling_weights``.
 
     Args:
-        mode: none | token_truncate | token_mask | sequence_truncate | sequence_mask.
+        mode: auto | none | token_truncate | token_mask | sequence_truncate | sequence_mask (module docstring).
         clip_min: the lower bound of ``[clip_min, clip_max]`` (None: unbounded on that side; > 0).
         clip_max: the upper bound (None: unbounded; ``clip_min < clip_max``, and a truncate mode needs at
             least one of the two).
     """
 
-    mode: str = "none"
+    mode: CorrectionMode = "auto"
     clip_min: float | None = None
     clip_max: float | None = 3.0
 
     def __post_init__(self) -> None:
-        check_mode(self.mode)
+        check_choice("sampler_correction.mode", self.mode, CORRECTION_MODES)
         for name in ("clip_min", "clip_max"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"importance_sampling_{name}={value!r} must be > 0 or None")
+                raise ValueError(f"sampler_correction.{name}={value!r} must be > 0 or None")
         if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
-            raise ValueError(f"importance_sampling_clip_min={self.clip_min!r} must be < importance_sampling_clip_max="
+            raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be < sampler_correction.clip_max="
                              f"{self.clip_max!r}")
         if self.mode.endswith("truncate") and self.clip_min is None and self.clip_max is None:
-            raise ValueError(f"importance_sampling_mode={self.mode!r} needs importance_sampling_clip_min or "
-                             "importance_sampling_clip_max (both are None)")
+            raise ValueError(f"sampler_correction.mode={self.mode!r} needs sampler_correction.clip_min or "
+                             "sampler_correction.clip_max (both are None)")
 
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "none"
+    def for_batch(self, has_older_samples: bool) -> SamplerCorrection:
+        """The correction for one batch: "auto" becomes ``AUTO_MODE`` when the batch carries tokens sampled by
+        older weights (``RolloutBatch.offpolicy_tokens > 0``) and "none" otherwise; any other mode stays."""
+        if self.mode != "auto":
+            return self
+        return dataclasses.replace(self, mode=AUTO_MODE if has_older_samples else "none")
 
     def weights(self, trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor | None:
-        """``[N, T]`` / ``[N, 1]`` weights, or None when the mode is ``none``."""
+        """``[N, T]`` / ``[N, 1]`` weights, or None when the mode is ``none`` (resolve "auto" with ``for_batch``)."""
         return importance_sampling_weights(trainer_logps, sampling_logps, mask, self.mode, self.clip_min,
                                            self.clip_max)
 
 
-class SamplingStats:
+class CorrectionStats:
     """``sampling/*`` scalars of one update, accumulated over micro-batches.
 
     ``sampling_logp_difference/{mean, max}``: ``|trainer_logp - sampling_logp|`` over active tokens (NaN sampling

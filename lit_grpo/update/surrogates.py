@@ -16,24 +16,14 @@ smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy g
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+from lit_grpo.runtime.validation import check_choice
+
 ImportanceSamplingLevel = Literal["token", "sequence"]
-IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
-
-
-def check_level(importance_sampling_level: str) -> None:
-    """Raise ``ValueError`` naming an unknown ``importance_sampling_level``."""
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not supported; use one of "
-                         f"{list(IMPORTANCE_SAMPLING_LEVELS)}")
-
-
-def token_ratio(logps: torch.Tensor, old_logps: torch.Tensor) -> torch.Tensor:
-    """``[N, T]`` importance ratio ``exp(logp - old_logp)`` of the current policy to the sampling one."""
-    return torch.exp(logps - old_logps)
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
 
 
 def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
@@ -49,7 +39,7 @@ def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.T
         mask: ``[N, T]`` 1 on active tokens (any dtype).
         level: ``"token"`` or ``"sequence"``.
     """
-    check_level(level)
+    check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = logps - old_logps.detach()
     if level == "token":
         return torch.exp(log_ratio)
@@ -72,12 +62,6 @@ def clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: f
     """
     adv = _column(advantages, ratio)
     return -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv)
-
-
-def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
-                      epsilon_high: float) -> torch.Tensor:
-    """``[N, T]`` PPO-clip token loss of the token ratio ``exp(logp - old_logp)`` (``old_logps`` detached)."""
-    return clip_surrogate(token_ratio(logps, old_logps.detach()), advantages, epsilon_low, epsilon_high)
 
 
 def cispo_surrogate(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,

@@ -1,0 +1,70 @@
+"""``LossConfig``: the GRPO loss settings, typed and checked once (TRL's ``GRPOConfig`` names and meanings).
+
+One frozen dataclass serves the loss objects (``make_loss(config)``, lit_grpo.update.policy_losses), the functional
+``policy_loss(..., **settings)`` (lit_grpo.update.loss) and the YAML (``model.loss``), so a wrong value fails when
+the config is built (``Literal`` fields already when the YAML is parsed), with a message that names the key::
+
+    model:
+      loss:
+        loss_type: dapo          # grpo | bnpo | dr_grpo | dapo | cispo | sapo
+        epsilon_low: 0.2
+        epsilon_high: 0.28
+        beta: 0.0                # k3 KL weight; > 0 loads a reference model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from lit_grpo.runtime.validation import check_choice
+from lit_grpo.update.surrogates import IMPORTANCE_SAMPLING_LEVELS, ImportanceSamplingLevel
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which loss variant and its settings.
+
+    Attributes:
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (their aggregation: lit_grpo.update.policy_losses).
+        epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (cispo: the
+            ratio's cap is ``epsilon_high`` itself, so it must be >= 1, typically 5.0).
+        beta: weight of the k3 KL penalty (``> 0`` needs reference log-probs; ``GRPOModule`` then loads a
+            reference model).
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: one ratio per completion).
+        kl_bias_correction: weigh the k3 KL by the importance ratio.
+        sapo_temperature_pos, sapo_temperature_neg: sapo's gate ``tau`` for ``A > 0`` / ``A <= 0`` (> 0).
+    """
+
+    loss_type: LossType = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    kl_bias_correction: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN fails too
+                raise ValueError(f"{name}={value!r} must be >= 0")
+        if self.epsilon_low >= 1:
+            raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
+                             "1 - epsilon_low must be > 0)")
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} must be True or False")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
+        if self.loss_type == "cispo" and not self.epsilon_high >= 1:
+            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
+                             f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
