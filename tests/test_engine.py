@@ -144,7 +144,7 @@ def test_infinite_parks_and_resumes_samples_without_changing_them(tiny_llama):
                            max_new_tokens=20, seed=4, predictor="online", probe_tokens=4)
     trust_predictions(engine.scheduler)
     result = engine.generate(prompts)
-    assert engine.scheduler.last_info["parks"] > 0  # the probe really parked samples
+    assert engine.scheduler.last_info["parked_samples"] > 0  # the probe really parked samples
     full = RolloutEngine(model, tokenizer, group_size=6, strategy="full", max_new_tokens=20, seed=4).generate(prompts)
     assert result.completion_ids == full.completion_ids
     assert result.stats.length_pred_kendall_tau is not None and result.stats.length_pred_smape is not None
@@ -266,7 +266,7 @@ def test_schedules_are_bit_identical_on_smollm2_in_float32():
         if strategy == "infinite":
             trust_predictions(engines[strategy].scheduler)
         results[strategy] = engines[strategy].generate(prompts)
-    assert engines["infinite"].scheduler.last_info["parks"] > 0  # parked and resumed samples are identical too
+    assert engines["infinite"].scheduler.last_info["parked_samples"] > 0  # parked and resumed samples are identical too
     assert results["micro"].stats.timeline != results["continuous"].stats.timeline  # really different schedules
     for strategy in ("continuous", "infinite"):
         assert results[strategy].completion_ids == results["micro"].completion_ids, strategy
@@ -299,7 +299,7 @@ def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_
                            max_new_tokens=12, seed=2, probe_tokens=3)
     trust_predictions(engine.scheduler)  # trusted probes, and still nothing to gain from parking
     result = engine.generate(prompt_ids)
-    assert engine.scheduler.last_info["parks"] == 0
+    assert engine.scheduler.last_info["parked_samples"] == 0
     full = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2).generate(prompt_ids)
     assert result.stats.decode_steps == full.stats.decode_steps
 
@@ -482,7 +482,7 @@ def test_samples_run_in_the_slots_the_scheduler_assigned(tiny_llama, prompt_ids)
     trust_predictions(scheduler.inner)
     engine = RolloutEngine(model, tokenizer, config, scheduler=scheduler)
     result = engine.generate(prompt_ids, lengths=[[16, 2, 9, 5, 12, 7]] * len(prompt_ids))
-    assert scheduler.inner.last_info["parks"] > 0  # samples left their slots at probes and came back elsewhere
+    assert scheduler.inner.last_info["parked_samples"] > 0  # samples left their slots at probes and came back elsewhere
     for slot in range(3):
         ran = [row[slot] for row in result.stats.timeline if row[slot] != IDLE]
         runs = [flat for i, flat in enumerate(ran) if i == 0 or ran[i - 1] != flat]
