@@ -244,8 +244,26 @@ def test_bad_prompts_are_named(tiny_llama):
         engine.generate([[5, 6]], lengths=[[1, 2, 3]])
 
 
-def test_strategies_are_the_documented_ones():
-    assert STRATEGIES == ("full", "micro", "continuous", "infinite")
+def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_named(tiny_llama, prompt_ids):
+    import re
+
+    from lit_grpo.sampling import engine as engine_module
+    from lit_grpo.sampling.config import SamplingConfig
+
+    documented = re.findall(r'^"(\w+)" ', engine_module.__doc__, flags=re.MULTILINE)  # the docstring's table
+    assert tuple(documented) == STRATEGIES
+    model, tokenizer = tiny_llama
+    lengths = [[4, 1]] * len(prompt_ids)
+    for strategy in STRATEGIES:
+        engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=1, strategy=strategy,
+                               max_new_tokens=4)
+        stats = engine.generate(prompt_ids, lengths=lengths).stats
+        wide = strategy == "full"  # every sample at once; the others run one at a time on g = 1
+        assert stats.num_slots == (2 * len(prompt_ids) if wide else 1)
+        assert stats.decode_steps == (4 if wide else 5 * len(prompt_ids))
+    with pytest.raises(ValueError, match=re.escape(f"sampling.strategy='beam' is not known; use one of "
+                                                   f"{list(STRATEGIES)}")):
+        SamplingConfig(strategy="beam")
 
 
 # ------------------------------------------------------------------------------- static slot cache, decode step

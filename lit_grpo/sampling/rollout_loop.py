@@ -232,10 +232,10 @@ class RolloutLoop:
                 del self.prefixes[p]
 
     def _record_memory(self) -> None:
-        parked = self.parked_kv_bytes
-        held = self.decode_step.cache.nbytes() + parked + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
+        prefixes = sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
+        held = self.decode_step.cache.nbytes() + self.parked_kv_bytes + prefixes
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
-        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, parked)
+        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, self.parked_kv_bytes)
 
     def _forced_lengths(self) -> list[list[int]] | None:
         if all(g.forced_lengths is None for g in self.groups):
