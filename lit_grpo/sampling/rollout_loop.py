@@ -38,7 +38,6 @@ class LoopSettings:
 class _Sample:
     """A sample's progress in this rollout; while parked, its generated positions' KV aside."""
 
-    key: SampleKey
     progress: SampleProgress
     parked_tail: KV | None = None
 
@@ -71,7 +70,7 @@ class RolloutLoop:
         self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA prefills, timed at the end
         self.decode_step.start_rollout(settings.seed)
 
-        self.samples = {(p, k): _Sample((p, k), s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
+        self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
         self.unfinished = [sum(not s.done for s in g.samples) for g in self.groups]
         self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order

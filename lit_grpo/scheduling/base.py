@@ -150,9 +150,7 @@ class Scheduler:
         return {}
 
     def _place(self, slot: int, key: SampleKey) -> Assignment:
-        if slot in self.running.values():
-            raise RuntimeError(f"{type(self).__name__} placed sample {key} in slot {slot}, which runs "
-                               f"{self.slots[slot]}")
+        """Record ``key`` running in ``slot``, which must be free (the driver checks it, once per admission)."""
         if key in self.running:
             raise RuntimeError(f"{type(self).__name__} placed sample {key} twice (it runs in slot "
                                f"{self.running[key]})")

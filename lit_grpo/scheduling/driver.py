@@ -71,11 +71,9 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
     while not executor.over():
         if len(scheduler.running) < work.num_slots and scheduler.waiting():
             # Once nothing waits, the tail runs without asking the scheduler.
+            busy = {slot: key for key, slot in scheduler.running.items()}
             assignments = scheduler.admit()
-            for slot, key in assignments:
-                if scheduler.running.get(key) != slot:
-                    raise RuntimeError(f"{type(scheduler).__name__} admitted ({slot}, {key}) but its record holds "
-                                       f"{key} in slot {scheduler.running.get(key)}")
+            _check_admitted(scheduler, busy, assignments)
             executor.start(assignments)
         if not scheduler.running:
             raise RuntimeError(f"deadlock: {type(scheduler).__name__} admitted nothing while no sample runs and "
@@ -97,3 +95,18 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
                 executor.park(slot, key)
         executor.settle()
     return DriveResult(steps, scheduler.end(), timeline)
+
+
+def _check_admitted(scheduler: Scheduler, busy: dict[int, SampleKey], assignments: list[Assignment]) -> None:
+    """Each assignment goes to a slot that was free and is what the scheduler's record holds."""
+    name = type(scheduler).__name__
+    for slot, key in assignments:
+        if slot in busy:
+            raise RuntimeError(f"{name} placed sample {key} in slot {slot}, which runs {busy[slot]}")
+        if not 0 <= slot < scheduler.work.num_slots:
+            raise RuntimeError(f"{name} placed sample {key} in slot {slot}; the slots are "
+                               f"0..{scheduler.work.num_slots - 1}")
+        if scheduler.running.get(key) != slot:
+            raise RuntimeError(f"{name} admitted ({slot}, {key}) but its record holds {key} in slot "
+                               f"{scheduler.running.get(key)}")
+        busy[slot] = key

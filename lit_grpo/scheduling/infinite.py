@@ -40,7 +40,6 @@ the base Scheduler's record.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
