@@ -161,7 +161,7 @@ def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_
     assert engine._step is not None and len(reads) == first.stats.decode_steps + second.stats.decode_steps
     assert reads[0] <= reads[1] and len(set(reads[1:])) == 1
     if strategy == "infinite":
-        assert engine.scheduler.parks > 0  # parked samples' KV went aside and came back into rows
+        assert engine.scheduler.parked_samples > 0  # parked samples' KV went aside and came back into rows
 
 
 def test_running_out_of_memory_while_capturing_is_raised_not_taken_for_an_uncapturable_model(tiny_llama, prompt_ids,

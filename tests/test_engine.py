@@ -144,7 +144,7 @@ def test_infinite_parks_and_resumes_samples_without_changing_them(tiny_llama):
                            max_new_tokens=20, seed=4, predictor="online", probe_tokens=4)
     trust_predictions(engine.scheduler)
     result = engine.generate(prompts)
-    assert engine.scheduler.last_info["parks"] > 0  # the probe really parked samples
+    assert engine.scheduler.last_info["parked_samples"] > 0  # the probe really parked samples
     full = RolloutEngine(model, tokenizer, group_size=6, strategy="full", max_new_tokens=20, seed=4).generate(prompts)
     assert result.completion_ids == full.completion_ids
     assert result.stats.length_pred_kendall_tau is not None and result.stats.length_pred_smape is not None
@@ -244,8 +244,26 @@ def test_bad_prompts_are_named(tiny_llama):
         engine.generate([[5, 6]], lengths=[[1, 2, 3]])
 
 
-def test_strategies_are_the_documented_ones():
-    assert STRATEGIES == ("full", "micro", "continuous", "infinite")
+def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_named(tiny_llama, prompt_ids):
+    import re
+
+    from lit_grpo.sampling import engine as engine_module
+    from lit_grpo.sampling.config import SamplingConfig
+
+    documented = re.findall(r'^"(\w+)" ', engine_module.__doc__, flags=re.MULTILINE)  # the docstring's table
+    assert tuple(documented) == STRATEGIES
+    model, tokenizer = tiny_llama
+    lengths = [[4, 1]] * len(prompt_ids)
+    for strategy in STRATEGIES:
+        engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=1, strategy=strategy,
+                               max_new_tokens=4)
+        stats = engine.generate(prompt_ids, lengths=lengths).stats
+        wide = strategy == "full"  # every sample at once; the others run one at a time on g = 1
+        assert stats.num_slots == (2 * len(prompt_ids) if wide else 1)
+        assert stats.decode_steps == (4 if wide else 5 * len(prompt_ids))
+    with pytest.raises(ValueError, match=re.escape(f"sampling.strategy='beam' is not known; use one of "
+                                                   f"{list(STRATEGIES)}")):
+        SamplingConfig(strategy="beam")
 
 
 # ------------------------------------------------------------------------------- static slot cache, decode step
@@ -266,7 +284,7 @@ def test_schedules_are_bit_identical_on_smollm2_in_float32():
         if strategy == "infinite":
             trust_predictions(engines[strategy].scheduler)
         results[strategy] = engines[strategy].generate(prompts)
-    assert engines["infinite"].scheduler.last_info["parks"] > 0  # parked and resumed samples are identical too
+    assert engines["infinite"].scheduler.last_info["parked_samples"] > 0  # parked and resumed samples are identical too
     assert results["micro"].stats.timeline != results["continuous"].stats.timeline  # really different schedules
     for strategy in ("continuous", "infinite"):
         assert results[strategy].completion_ids == results["micro"].completion_ids, strategy
@@ -299,7 +317,7 @@ def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_
                            max_new_tokens=12, seed=2, probe_tokens=3)
     trust_predictions(engine.scheduler)  # trusted probes, and still nothing to gain from parking
     result = engine.generate(prompt_ids)
-    assert engine.scheduler.last_info["parks"] == 0
+    assert engine.scheduler.last_info["parked_samples"] == 0
     full = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2).generate(prompt_ids)
     assert result.stats.decode_steps == full.stats.decode_steps
 
@@ -482,7 +500,7 @@ def test_samples_run_in_the_slots_the_scheduler_assigned(tiny_llama, prompt_ids)
     trust_predictions(scheduler.inner)
     engine = RolloutEngine(model, tokenizer, config, scheduler=scheduler)
     result = engine.generate(prompt_ids, lengths=[[16, 2, 9, 5, 12, 7]] * len(prompt_ids))
-    assert scheduler.inner.last_info["parks"] > 0  # samples left their slots at probes and came back elsewhere
+    assert scheduler.inner.last_info["parked_samples"] > 0  # samples left their slots at probes and came back elsewhere
     for slot in range(3):
         ran = [row[slot] for row in result.stats.timeline if row[slot] != IDLE]
         runs = [flat for i, flat in enumerate(ran) if i == 0 or ran[i - 1] != flat]

@@ -82,7 +82,7 @@ def test_noisy_zero_schedules_as_the_oracle():
     ("noisy:abc", r"length predictor 'noisy:abc': S='abc'.*finite number >= 0"),
     ("noisy:-0.5", r"S='-0.5'.*>= 0"),
     ("noisy:nan", r"S='nan'"),
-    ("oracle:0.5", r"unknown length predictor 'oracle:0.5'; allowed: online, history, oracle, noisy:S"),
+    ("oracle:0.5", r"length predictor='oracle:0.5' is not known; use one of \['online', 'history', 'oracle', 'noisy:S"),
 ])
 def test_bad_names_are_named_with_what_is_allowed(name, message):
     with pytest.raises(ValueError, match=message):
@@ -95,7 +95,7 @@ def test_bad_keywords_and_config_values_are_named():
     with pytest.raises(ValueError, match=r"'noisy:0.5' already sets its spread; drop log_std=0.25"):
         make_predictor("noisy:0.5", log_std=0.25)
     assert InfiniteSchedulerConfig(predictor="noisy:0.25").predictor == "noisy:0.25"
-    with pytest.raises(ValueError, match=r"scheduler.predictor: unknown length predictor 'bert'"):
+    with pytest.raises(ValueError, match=r"scheduler.predictor: length predictor='bert' is not known"):
         InfiniteSchedulerConfig(predictor="bert")
     with pytest.raises(ValueError, match=r"scheduler.predictor: length predictor 'noisy:x'"):
         InfiniteSchedulerConfig(predictor="noisy:x")

@@ -90,7 +90,7 @@ def test_scheduler_options_are_typed_in_the_config():
     scheduler = cli.datamodule.sampling.scheduler
     assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill, scheduler.gain_z) == ("history", 4, "lpt",
                                                                                                   None)
-    assert InfiniteScheduler.from_config(scheduler).gain_z is None  # reaches the scheduler
+    assert InfiniteScheduler.from_config(scheduler).config.gain_z is None  # reaches the scheduler
     with pytest.raises(ValueError, match=r"scheduler.gain_z=0 must be a number > 0 or None"):
         InfiniteSchedulerConfig(gain_z=0)
     with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):

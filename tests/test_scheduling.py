@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
+from typing import get_args
 
 import pytest
 import torch
@@ -28,10 +30,15 @@ from lit_grpo.scheduling import (
     make_refill,
     makespan_lower_bound,
     planted_rollout,
+    simulate_rollout,
     smape,
 )
 from lit_grpo.scheduling import fptas as grouping_module  # the FPTAS and its local search live in fptas.py
-from lit_grpo.scheduling.predictors import expected_length
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling.grouping import GROUPINGS, GroupingName
+from lit_grpo.scheduling.predictors import LengthPredictor, PredictorName, expected_length
+from lit_grpo.scheduling.refill import REFILLS, RefillName
+from scheduler_helpers import trust_predictions
 
 
 def brute_force_makespan(lengths, num_slots, ready=None):
@@ -146,7 +153,7 @@ def test_refill_policy_orders():
     assert make_refill("lpt").order(candidates) == [2, 0, 3, 1]
     assert make_refill("fifo").order(candidates) == [0, 1, 2, 3]
     assert make_refill("lpt").pick(candidates) == 2
-    with pytest.raises(ValueError, match=r"'shortest'.*sjf.*lpt.*fifo"):
+    with pytest.raises(ValueError, match=r"refill='shortest' is not known.*lpt.*sjf.*fifo"):
         make_refill("shortest")
 
 
@@ -312,16 +319,97 @@ def test_expected_length_given_survival():
 # ---- scheduler construction ------------------------------------------------------------------------------------
 
 
-def test_infinite_scheduler_engine_switches():
+class _ProbeSpy:
+    """Mixin: records every probe a driver makes and what the scheduler answered."""
+
+    def begin(self, work):
+        self.probes = []
+        super().begin(work)
+
+    def probe(self, key, generated, feature):
+        parked = super().probe(key, generated, feature)
+        self.probes.append((key, generated, parked))
+        return parked
+
+
+class _ProbingOracle(OracleLengthPredictor):
+    token_conditioned = True
+
+
+def test_only_a_token_conditioned_predictor_is_probed_and_each_sample_once():
+    lengths = [[3, 20, 9, 14], [17, 2, 11, 6]]
+    for base in (FIFOScheduler, RoundScheduler):
+        spy = type("Spy", (_ProbeSpy, base), {})()
+        simulate_rollout(spy, lengths, 2, 32, token_feature=lambda key, n: pytest.fail("a feature was asked for"))
+        assert spy.probes == [] and not spy.needs_prompt_features
+    oracle = type("Spy", (_ProbeSpy, InfiniteScheduler), {})("oracle")
+    simulate_rollout(oracle, lengths, 2, 32)
+    assert oracle.probes == [] and not oracle.needs_prompt_features
+    probing = type("Spy", (_ProbeSpy, InfiniteScheduler), {})(_ProbingOracle(), probe_tokens=4)
+    trust_predictions(probing)
+    result = simulate_rollout(probing, lengths, 2, 32)
+    # every sample longer than k is probed once, at k tokens; one that ends at or before its probe is not
+    assert sorted(key for key, _, _ in probing.probes) == [(p, k) for p in range(2) for k in range(4)
+                                                            if lengths[p][k] > 4]
+    assert {generated for _, generated, _ in probing.probes} == {4}
+    # one count of parks: the probes that answered True
+    assert result.parked_samples == sum(parked for *_, parked in probing.probes) > 0
+    assert probing.last_info["parked_samples"] == result.parked_samples
     online = InfiniteScheduler()
-    assert isinstance(online, Scheduler)
-    assert online.needs_prompt_features and online.probe_tokens == 8
-    oracle = InfiniteScheduler(predictor="oracle", refill="sjf", grouping="kk")
-    assert not oracle.needs_prompt_features and oracle.probe_tokens is None
-    assert InfiniteScheduler(probe_tokens=None).probe_tokens is None
+    assert online.needs_prompt_features and online.probe_tokens == InfiniteSchedulerConfig().probe_tokens
+
+
+def test_infinite_scheduler_settings_come_from_its_config():
+    assert InfiniteScheduler().config == InfiniteSchedulerConfig()
+    config = InfiniteSchedulerConfig(predictor="history", refill="sjf", grouping="kk", probe_tokens=0)
+    scheduler = InfiniteScheduler.from_config(config)
+    assert scheduler.config is config and scheduler.refill.name == "sjf" and scheduler.probe_tokens is None
+    changed = InfiniteScheduler("oracle", config=config, gain_z=None)
+    assert (changed.config.predictor, changed.config.refill, changed.config.gain_z) == ("oracle", "sjf", None)
     assert InfiniteScheduler(predictor=HistoryLengthPredictor(), refill=make_refill("fifo")).refill.name == "fifo"
-    # The base schedulers keep their contract.
-    assert FIFOScheduler.probe_tokens is None and RoundScheduler.needs_prompt_features is False
+    with pytest.raises(ValueError, match=r"unknown scheduler options \['bogus'\]"):
+        InfiniteScheduler(bogus=1)
+
+
+def test_every_declared_choice_builds_and_nothing_else_does():
+    for name in get_args(RefillName):
+        assert make_refill(name).name == name
+    assert set(REFILLS) == set(get_args(RefillName))
+    assert set(GROUPINGS) == set(get_args(GroupingName))
+    for name in get_args(GroupingName):
+        assert make_grouping(name)([3, 1, 2], 2).makespan == 3
+    for name in get_args(PredictorName):
+        assert InfiniteSchedulerConfig(predictor=name).predictor == name
+        assert isinstance(make_predictor(name), LengthPredictor)
+    for field, allowed in (("refill", get_args(RefillName)), ("grouping", get_args(GroupingName))):
+        with pytest.raises(ValueError, match=re.escape(f"scheduler.{field}='x' is not known; use one of "
+                                                       f"{list(allowed)}")):
+            InfiniteSchedulerConfig(**{field: "x"})
+
+
+def test_the_scheduler_refuses_to_place_a_sample_that_does_not_wait():
+    class Replaying(Scheduler):
+        """Places the first sample again once it has finished."""
+
+        def admit(self):
+            if (0, 0) in self.finished_keys:
+                return [self._place(0, (0, 0))]
+            return super().admit()
+
+        def begin(self, work):
+            self.finished_keys = set()
+            super().begin(work)
+
+        def finish(self, key, length):
+            self.finished_keys.add(key)
+            super().finish(key, length)
+
+    with pytest.raises(RuntimeError, match=r"placed sample \(0, 0\), which does not wait"):
+        simulate_rollout(Replaying(), [[1, 5, 5]], 2)
+    scheduler = Scheduler()
+    scheduler.begin(RolloutWork([1], 3, 2, 8, done={(0, 1)}))
+    assert scheduler.admit() == [(0, (0, 0)), (1, (0, 2))]  # a sample carried finished never runs
+    assert scheduler.slots == [(0, 0), (0, 2)] and not scheduler.waiting()
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ def test_predictions_without_information_cost_nothing_against_continuous(predict
                                   token_feature=lambda key, _: noise.setdefault(key, torch.randn(32, generator=generator)))
         continuous = simulate_rollout(FIFOScheduler(), lengths, 8, 1024)
         assert result.decode_steps == continuous.decode_steps
-        assert result.parks == 0
+        assert result.parked_samples == 0
     assert not scheduler.trust["prompt"].informative
 
 

@@ -5,7 +5,8 @@ are complete; every other group comes back as a ``GroupProgress``: its finished 
 (running, parked or not started) with their tokens so far. The next call continues them: a sample's row is
 prefilled again (prompt and tokens so far) under the weights of that call, and it draws its next tokens from its
 own random stream (``stream``), so what a sample draws depends on the sample, never on the call it runs in.
-Each token records the rollout it was drawn in (``versions``), for the update's off-policy correction.
+Each token records the rollout it was drawn in (``versions``); the rollout builder counts from them the tokens
+drawn under older weights (the ``rollout/offpolicy_tokens_frac`` metric).
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from lit_grpo.runtime.validation import check_choice, check_int
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.runtime.validation import check_int
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
-STRATEGIES: tuple[str, ...] = ("full", "micro", "continuous", "infinite")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,7 @@ class SamplingConfig:
             check_int("sampling.micro_group_size", self.micro_group_size, 1)
         if self.kv_budget_bytes is not None:
             check_int("sampling.kv_budget_bytes", self.kv_budget_bytes, 1)
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"sampling.strategy={self.strategy!r} is not one of {list(STRATEGIES)}")
+        check_choice("sampling.strategy", self.strategy, STRATEGIES)
         check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not self.temperature >= 0:

@@ -14,7 +14,9 @@ strategy       slots                  admission
 
 Three parts, as in vLLM's core: the scheduler decides which sample runs next (lit_grpo.scheduling), the slot cache
 holds KV memory (``kv_cache.SlotKVCache``), and the decode step computes (``decode_step.DecodeStep``, a CUDA
-graph on CUDA); ``rollout_loop.RolloutLoop`` connects them for one rollout, and this module is the public API.
+graph on CUDA); ``rollout_loop.RolloutLoop`` executes one rollout as the scheduling loop
+(``lit_grpo.scheduling.driver.drive_rollout``, the one the simulator runs too) directs it, and this module is the
+public API.
 
 How a sample runs. Its prompt's first ``P - 1`` tokens are prefilled once (batch of one, no padding) and that
 prefix KV is written into a slot's row each time one of the G samples starts there; the prompt's last token is

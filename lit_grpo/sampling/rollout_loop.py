@@ -1,9 +1,10 @@
-"""One rollout's decode loop: slots filled by the scheduler, prefixes prefilled once, samples finished or parked.
+"""One rollout's executor: rows started where the scheduler placed samples, prefixes prefilled once, tokens kept.
 
-``RolloutLoop`` is what ``RolloutEngine.generate_groups`` runs: it asks the scheduler (policy) which samples start
-in which slots, starts them in those rows of the ``DecodeStep`` (compute, owner of the rows' state in the
-``SlotKVCache``), runs one step per decode step and hands each row's token back to its sample. It owns the samples' tokens; the scheduler
-owns which sample runs where. See lit_grpo.sampling.engine for the design.
+``RolloutLoop`` is what ``RolloutEngine.generate_groups`` runs: ``lit_grpo.scheduling.driver.drive_rollout`` asks
+the scheduler (policy, owner of which sample runs in which slot, which are parked and how far each got) what to
+run, and this loop executes it: it starts samples in rows of the ``DecodeStep`` (compute, owner of the rows' state
+in the ``SlotKVCache``), runs one step per decode step and hands each row's token to its sample. It owns the
+samples' tokens, the prompts' prefix KV and parked samples' KV. See lit_grpo.sampling.engine for the design.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from transformers import DynamicCache
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, slice_columns
-from lit_grpo.sampling.stats import IDLE, RolloutResult, RolloutStats
+from lit_grpo.sampling.stats import RolloutResult, RolloutStats
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.driver import Row, drive_rollout
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,6 @@ class LoopSettings:
 class _Sample:
     """A sample's progress in this rollout; while parked, its generated positions' KV aside."""
 
-    key: SampleKey
     progress: SampleProgress
     parked_tail: KV | None = None
 
@@ -46,7 +47,7 @@ class _Sample:
 
 
 class RolloutLoop:
-    """The state of one rollout: a decode loop over slots driven by a scheduler.
+    """The state of one rollout: the samples' tokens and KV, run in the slots a scheduler assigns.
 
     Args:
         groups: the groups to run, fresh or carried (their progress is copied, not changed).
@@ -57,26 +58,25 @@ class RolloutLoop:
 
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, step: DecodeStep, settings: LoopSettings,
                  groups: list[GroupProgress], complete: int | None = None, finish: frozenset[int] = frozenset()):
-        self.model, self.scheduler, self.step, self.settings = model, scheduler, step, settings
+        self.model, self.scheduler, self.decode_step, self.settings = model, scheduler, step, settings
         self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag)
                        for g in groups]
         self.complete = len(groups) if complete is None else complete
-        self.finish = finish
+        self.must_finish = finish
         self.G = settings.group_size
         self.num_slots = step.cache.num_slots
         self.device = step.device
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
         self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA prefills, timed at the end
-        self.step.start_rollout(settings.seed)
+        self.decode_step.start_rollout(settings.seed)
 
-        self.samples = {(p, k): _Sample((p, k), s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
+        self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
-        self.unstarted = [sum(not s.done for s in g.samples) for g in self.groups]  # not yet run in this rollout
-        self.unfinished = list(self.unstarted)
-        self.parked_count = [0] * len(self.groups)
-        self.running: dict[SampleKey, _Sample] = {}
-        self.parked: dict[SampleKey, _Sample] = {}
+        self.unfinished = [sum(not s.done for s in g.samples) for g in self.groups]
         self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order
+        self.parked_kv_bytes = 0  # held by parked samples' KV
+        self._out = None  # the last decode step's output
+        self._hidden_row: dict[int, int] = {}  # probing slot -> its row in the last step's hidden states
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> RolloutResult:
@@ -88,110 +88,81 @@ class RolloutLoop:
                            done={key for key, s in self.samples.items() if s.progress.done})
         if self.scheduler.needs_prompt_features:
             work.prompt_features = torch.stack([self._prefill(p, with_features=True) for p in range(len(groups))])
-        self.scheduler.begin(work)
         self._record_memory()
         try:
-            while not self._over():
-                if len(self.running) < self.num_slots and self._waiting():
-                    # Once nothing waits, the tail runs without asking the scheduler.
-                    self._admit(self.scheduler.admit())
-                if not self.running:
-                    raise RuntimeError(f"{type(self.scheduler).__name__} admitted nothing while no sample runs and "
-                                       f"{sum(self.unfinished)} samples remain")
-                self._decode_step()
+            driven = drive_rollout(self.scheduler, work, self, keep_timeline=True)
         finally:
-            self.step.stop_all()  # leave every row idle for the next rollout
+            self.decode_step.stop_all()  # leave every row idle for the next rollout
         self._count_prefill_events()
-        metrics = self.scheduler.end()
-        self.stats.length_pred_kendall_tau = metrics.get("length_pred_kendall_tau")
-        self.stats.length_pred_smape = metrics.get("length_pred_smape")
+        self.stats.decode_steps, self.stats.timeline = driven.decode_steps, driven.timeline
+        self.stats.parked_samples = self.scheduler.parked_samples
+        self.stats.length_pred_kendall_tau = driven.metrics.get("length_pred_kendall_tau")
+        self.stats.length_pred_smape = driven.metrics.get("length_pred_smape")
         return self._result()
 
-    def _over(self) -> bool:
+    # ------------------------------------------------------------------- the executor (scheduling.driver)
+    def over(self) -> bool:
         if len(self.completed) == len(self.groups):
             return True
-        return len(self.completed) >= self.complete and all(not self.unfinished[p] for p in self.finish)
+        return len(self.completed) >= self.complete and all(not self.unfinished[p] for p in self.must_finish)
 
-    def _waiting(self) -> bool:
-        """Whether a sample waits for a slot: one not started in this rollout yet, or a parked one."""
-        return bool(self.parked) or any(self.unstarted)
-
-    def _admit(self, assignments: list[Assignment]) -> None:
+    def start(self, assignments: list[Assignment]) -> None:
         for slot, key in assignments:
             p, k = key
-            sample = self.samples.get(key)
-            if key in self.parked:
-                del self.parked[key]
-                self.parked_count[p] -= 1
-            elif sample is None or sample.progress.done or key in self.running or not self.unstarted[p]:
-                raise RuntimeError(f"scheduler admitted sample {key} twice, or one that does not wait")
+            sample, group = self.samples[key], self.groups[key[0]]
+            if sample.parked_tail is not None:  # resumed after a park
+                self.parked_kv_bytes -= kv_bytes(sample.parked_tail)
             else:
-                self.unstarted[p] -= 1
                 if p not in self.prefixes:
                     self._prefill(p)
                 if sample.tokens:  # carried from an earlier rollout: its positions are computed anew
                     sample.parked_tail = self._prefill_tail(p, sample.tokens)
-            group = self.groups[p]
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
             forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
-            self.step.start_row(slot, (self.prefixes[p], sample.parked_tail), stream=group.stream, sample=k,
+            self.decode_step.start_row(slot, (self.prefixes[p], sample.parked_tail), stream=group.stream, sample=k,
                                 generated=len(sample.tokens), next_input=next_input, forced_length=forced)
             sample.parked_tail = None
-            self.running[key] = sample
         self._release_unused_prefixes()
         self._record_memory()
 
-    def _decode_step(self) -> None:
-        probe = self.scheduler.probe_tokens
-        # The slots' samples as this step runs them: finishing and parking below change the scheduler's record.
-        rows = [(slot, self.running[key]) for slot, key in enumerate(self.scheduler.slots) if key is not None]
-        probing = [] if probe is None else [  # slots whose token of this step is their probe's
-            slot for slot, sample in rows if len(sample.tokens) == probe - 1]
+    def step(self, rows: list[Row], probing: list[int]) -> list[bool]:
         start = time.perf_counter()
-        out = self.step.step(probing)
+        out = self._out = self.decode_step.step(probing)
         self.stats.forward_s += time.perf_counter() - start
-        self.stats.decode_steps += 1
-
-        timeline = [IDLE] * self.num_slots
-        hidden_row = {slot: i for i, slot in enumerate(probing)}
-        for slot, sample in rows:
-            timeline[slot] = sample.key[0] * self.G + sample.key[1]
-            token, progress = out.tokens[slot], sample.progress
+        self._hidden_row = {slot: i for i, slot in enumerate(probing)}
+        eos, cap, version = self.settings.eos_token_ids, self.settings.max_new_tokens, self.settings.rollout_index
+        ended = []
+        for slot, key in rows:
+            token, progress = out.tokens[slot], self.samples[key].progress
             progress.tokens.append(token)
             progress.logprobs.append(out.logprobs[slot])
-            progress.versions.append(self.settings.rollout_index)
-            if token in self.settings.eos_token_ids or len(progress.tokens) >= self.settings.max_new_tokens:
-                self._finish(slot, sample)
-            elif len(progress.tokens) == probe and self.scheduler.probe(
-                    sample.key, len(progress.tokens), out.hidden[hidden_row[slot]]):
-                self._park(slot, sample)
-        self.stats.timeline.append(timeline)
-        self._release_unused_prefixes()
+            progress.versions.append(version)
+            ended.append(token in eos or len(progress.tokens) >= cap)
+        return ended
 
-    # --------------------------------------------------------------------------------------- sample states
-    def _finish(self, slot: int, sample: _Sample) -> None:
-        self._vacate(slot, sample)
-        sample.progress.done = True
-        p = sample.key[0]
+    def feature(self, slot: int, key: SampleKey) -> torch.Tensor:
+        return self._out.hidden[self._hidden_row[slot]]
+
+    def finish(self, slot: int, key: SampleKey) -> None:
+        self.decode_step.stop_row(slot)
+        self.samples[key].progress.done = True
+        p = key[0]
         self.unfinished[p] -= 1
         if not self.unfinished[p]:
             self.completed.append(p)
-        self.scheduler.finish(sample.key, len(sample.tokens))
 
-    def _park(self, slot: int, sample: _Sample) -> None:
+    def park(self, slot: int, key: SampleKey) -> None:
         """The scheduler parked the sample (and freed its slot): keep its row's generated positions aside."""
+        sample = self.samples[key]
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
-        prefix = len(self.groups[sample.key[0]].prompt_ids) - 1
-        sample.parked_tail = self.step.read_row(slot, prefix, prefix + len(sample.tokens))
-        self._vacate(slot, sample)
-        self.parked[sample.key] = sample
-        self.parked_count[sample.key[0]] += 1
-        self.stats.parked_samples += 1
+        prefix = len(self.groups[key[0]].prompt_ids) - 1
+        sample.parked_tail = self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens))
+        self.parked_kv_bytes += kv_bytes(sample.parked_tail)
+        self.decode_step.stop_row(slot)
         self._record_memory()
 
-    def _vacate(self, slot: int, sample: _Sample) -> None:
-        self.step.stop_row(slot)
-        del self.running[sample.key]
+    def settle(self) -> None:
+        self._release_unused_prefixes()
 
     def _forward(self, input_ids: list[int], cache: DynamicCache, **kwargs):
         start = time.perf_counter()
@@ -248,20 +219,22 @@ class RolloutLoop:
         return slice_columns(cache_layers_kv(cache), start)
 
     def _release_unused_prefixes(self) -> None:
-        """Free the cached prefix of every prompt no sample can need again: all started, none parked, and none
-        still running short of its probe (it may be parked, and resuming needs the prefix)."""
-        probe = self.scheduler.probe_tokens
+        """Free the cached prefix of every prompt no sample can need again: none waits for a slot (not started,
+        or parked), and none runs short of its probe (it may be parked, and resuming needs the prefix)."""
+        if not self.prefixes:
+            return
+        scheduler, probe = self.scheduler, self.scheduler.probe_tokens
         may_park = set() if probe is None else {
-            s.key[0] for s in self.running.values() if len(s.tokens) < probe}
-        for p in [p for p in self.prefixes if not self.unstarted[p] and not self.parked_count[p]]:
-            if p not in may_park:
+            key[0] for key in scheduler.running if len(self.samples[key].tokens) < probe}
+        for p in [p for p in self.prefixes if p not in may_park]:
+            if not any(scheduler.waits((p, k)) for k in range(self.G)):
                 del self.prefixes[p]
 
     def _record_memory(self) -> None:
-        parked = sum(kv_bytes(s.parked_tail) for s in self.parked.values())
-        held = self.step.cache.nbytes() + parked + sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
+        prefixes = sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
+        held = self.decode_step.cache.nbytes() + self.parked_kv_bytes + prefixes
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
-        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, parked)
+        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, self.parked_kv_bytes)
 
     def _forced_lengths(self) -> list[list[int]] | None:
         if all(g.forced_lengths is None for g in self.groups):
@@ -272,8 +245,8 @@ class RolloutLoop:
 
     def _result(self) -> RolloutResult:
         # Groups that had to finish go first, then the others in completion order; returned in input order.
-        must = [p for p in self.completed if p in self.finish]
-        chosen = set((must + [p for p in self.completed if p not in self.finish])[:max(self.complete, len(must))])
+        must = [p for p in self.completed if p in self.must_finish]
+        chosen = set((must + [p for p in self.completed if p not in self.must_finish])[:max(self.complete, len(must))])
         groups = [g for p, g in enumerate(self.groups) if p in chosen]
         eos = self.settings.eos_token_ids
         return RolloutResult(

@@ -1,9 +1,10 @@
 """Scheduling policy of the rollout engine: which sample runs next, and whether a running one is parked.
 
 ``base`` fixes the engine contract (Scheduler, RolloutWork, SampleKey) and the plain schedulers of "full", "micro"
-and "continuous"; the rest builds the "infinite" strategy: length predictors, global grouping (FPTAS, LPT,
-Karmarkar-Karp), runtime refill policies (SJF, LPT, FIFO), the trust a predictor has earned (``trust``) and
-InfiniteScheduler, plus a model-free simulator.
+and "continuous"; ``driver`` is the one loop that runs the contract, for the engine and the simulator; the rest
+builds the "infinite" strategy: length predictors, global grouping (FPTAS, LPT, Karmarkar-Karp), runtime refill
+policies (SJF, LPT, FIFO), the trust a predictor has earned (``trust``) and InfiniteScheduler, plus a model-free
+simulator.
 """
 
 from lit_grpo.scheduling.base import Assignment, FIFOScheduler, RolloutWork, RoundScheduler, SampleKey, Scheduler

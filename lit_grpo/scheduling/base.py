@@ -1,19 +1,20 @@
 """The contract between the rollout engine (mechanism) and a scheduler (policy).
 
-The scheduler owns which sample runs in which slot, as vLLM's scheduler owns its running requests: the engine asks
-it to fill free slots and executes the ``(slot, sample)`` assignments it returns; the engine owns the samples'
-tokens, the KV memory and the decode loop. The scheduler never touches KV tensors, and the engine never decides
-order or placement.
+The scheduler owns which sample runs in which slot, which are parked and how far each has got, as vLLM's scheduler
+owns its requests: the engine asks it to fill free slots and executes the ``(slot, sample)`` assignments it
+returns; the engine owns the samples' tokens and the KV memory. The scheduler never touches KV tensors, and the
+engine never decides order or placement.
 
-Per rollout the engine calls, in this order:
+One loop drives the protocol (``driver.drive_rollout``), for the engine and the model-free simulator alike. Per
+rollout it calls, in this order:
 
 1. ``begin(work)`` once, with the rollout's shape (prompts, G, slots) and, when ``needs_prompt_features`` is set,
    one feature vector per prompt (the policy's own last-layer hidden state, mean-pooled over the prompt).
 2. ``admit()`` whenever a slot is free (``free_slots()``) and a sample waits for one (not started yet, or parked);
    it returns ``(slot, key)`` assignments, ``key = (prompt, sample)``, each to a free slot, and records them in
-   ``slots``. Returning none is allowed while samples are running.
+   ``running`` (``_place``). Returning none is allowed while samples are running.
 3. ``probe(key, generated, feature)`` when a running sample has generated ``probe_tokens`` tokens (only if that
-   attribute is not None); returning True parks the sample: the scheduler frees its slot, the engine keeps its
+   attribute is not None); returning True parks the sample (``_park``): its slot frees, the engine keeps its
    generated tokens' KV aside and resumes it when ``admit`` assigns it again.
 4. ``finish(key, length)`` when a sample ends (EOS or the length cap); its slot is free from then on.
 5. ``end()`` once; returns metrics for RolloutStats (e.g. ``length_pred_kendall_tau``).
@@ -80,7 +81,8 @@ class RolloutWork:
 
 class Scheduler:
     """Base scheduler: first come, first served, prompt-major. Subclasses choose what runs (``_pick``) and may
-    place it (``admit``); the record of which sample is in which slot stays here."""
+    place it (``admit``); the record of which sample runs in which slot, which are parked and which have not
+    started stays here, and the engine and the simulator read it (``slots``, ``waits``)."""
 
     #: Ask the engine for the policy's prompt features in ``begin``.
     needs_prompt_features: bool = False
@@ -89,24 +91,54 @@ class Scheduler:
 
     def begin(self, work: RolloutWork) -> None:
         self.work = work
-        self.slots: list[SampleKey | None] = [None] * work.num_slots  # slot -> the sample running there
-        self.slot_of: dict[SampleKey, int] = {}  # the same record, by sample
-        self._pending = work.pending_keys()
-        self._pending.reverse()  # pop() from the end is O(1)
+        self.running: dict[SampleKey, int] = {}  # the running samples and their slots, in the order they started
+        self.generated = {key: work.generated.get(key, 0) for key in work.keys()}  # tokens each sample has so far
+        self.parked: set[SampleKey] = set()  # samples that left their slot at a probe and wait to resume
+        self._order = work.pending_keys()  # prompt-major: the order "full", "micro" and "continuous" start samples
+        self._unstarted = set(self._order)
+        self._next = 0  # self._order[:self._next] have started
+        self.parked_samples = 0  # probes that parked their sample in this rollout
+        self.peak_parked = 0
+
+    @property
+    def slots(self) -> list[SampleKey | None]:
+        """``[num_slots]``: the sample running in each slot (None: free)."""
+        slots: list[SampleKey | None] = [None] * self.work.num_slots
+        for key, slot in self.running.items():
+            slots[slot] = key
+        return slots
 
     def free_slots(self) -> list[int]:
         return [slot for slot, key in enumerate(self.slots) if key is None]
 
+    def waiting(self) -> bool:
+        """Whether a sample waits for a slot: one not started in this rollout yet, or a parked one."""
+        return bool(self._unstarted or self.parked)
+
+    def waits(self, key: SampleKey) -> bool:
+        return key in self._unstarted or key in self.parked
+
     def admit(self) -> list[Assignment]:
         """Fill free slots, lowest first, with the samples ``_pick`` chooses."""
         free = self.free_slots()
-        return [self._place(slot, key) for slot, key in zip(free, self._pick(len(free), len(self.slot_of)))]
+        return [self._place(slot, key) for slot, key in zip(free, self._pick(len(free), len(self.running)))]
 
     def _pick(self, num_free: int, num_running: int) -> list[SampleKey]:
         taken = []
-        while self._pending and len(taken) < num_free:
-            taken.append(self._pending.pop())
+        while len(taken) < num_free and self._peek_unstarted() is not None:
+            taken.append(self._pop_unstarted())
         return taken
+
+    def _peek_unstarted(self) -> SampleKey | None:
+        """The first sample in prompt-major order that has not started (None: all have)."""
+        while self._next < len(self._order) and self._order[self._next] not in self._unstarted:
+            self._next += 1
+        return self._order[self._next] if self._next < len(self._order) else None
+
+    def _pop_unstarted(self) -> SampleKey:
+        key = self._peek_unstarted()
+        self._next += 1
+        return key
 
     def probe(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
         return False
@@ -118,21 +150,27 @@ class Scheduler:
         return {}
 
     def _place(self, slot: int, key: SampleKey) -> Assignment:
-        if self.slots[slot] is not None:
-            raise RuntimeError(f"{type(self).__name__} placed sample {key} in slot {slot}, which runs "
-                               f"{self.slots[slot]}")
-        if key in self.slot_of:
+        """Record ``key`` running in ``slot``, which must be free (the driver checks it, once per admission)."""
+        if key in self.running:
             raise RuntimeError(f"{type(self).__name__} placed sample {key} twice (it runs in slot "
-                               f"{self.slot_of[key]})")
-        self.slots[slot] = key
-        self.slot_of[key] = slot
+                               f"{self.running[key]})")
+        if not self.waits(key):
+            raise RuntimeError(f"{type(self).__name__} placed sample {key}, which does not wait for a slot "
+                               "(finished, or not part of this rollout)")
+        self._unstarted.discard(key)
+        self.parked.discard(key)
+        self.running[key] = slot
         return slot, key
 
     def _vacate(self, key: SampleKey) -> int | None:
-        slot = self.slot_of.pop(key, None)
-        if slot is not None:
-            self.slots[slot] = None
-        return slot
+        return self.running.pop(key, None)
+
+    def _park(self, key: SampleKey) -> None:
+        """A probe parks its running sample: its slot frees and it waits to resume."""
+        self._vacate(key)
+        self.parked.add(key)
+        self.parked_samples += 1
+        self.peak_parked = max(self.peak_parked, len(self.parked))
 
 
 #: The base scheduler admits samples in prompt-major order: the default of "full", "micro" and "continuous".
@@ -144,10 +182,10 @@ class RoundScheduler(Scheduler):
     sample of the previous one has finished (the paper's "micro" baseline, before continuous sampling)."""
 
     def _pick(self, num_free: int, num_running: int) -> list[SampleKey]:
-        if num_running or not self._pending:
+        first = self._peek_unstarted()
+        if num_running or first is None:
             return []
-        prompt = self._pending[-1][0]
         taken = []
-        while self._pending and self._pending[-1][0] == prompt and len(taken) < num_free:
-            taken.append(self._pending.pop())
+        while len(taken) < num_free and (key := self._peek_unstarted()) is not None and key[0] == first[0]:
+            taken.append(self._pop_unstarted())
         return taken

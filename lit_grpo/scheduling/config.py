@@ -9,46 +9,49 @@ parsed (``Literal`` types); numbers are checked when the object is built, with e
         scheduler: {predictor: online, refill: lpt, probe_tokens: 8}
 
 Python callers may pass objects instead of names (a ``LengthPredictor``, a ``RefillPolicy``, a grouping function);
-``InfiniteScheduler`` accepts the same fields as keyword arguments.
+``InfiniteScheduler`` takes this config, or any of its fields as keyword arguments, and has no defaults of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Union
+from typing import Any, Union, get_args
 
+from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.gate import GAIN_Z
-from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GROUPINGS
-from lit_grpo.scheduling.predictors import parse_predictor_name
-from lit_grpo.scheduling.refill import DEFAULT_REFILL, REFILLS
-
-#: A registered name, or "noisy:S" (the oracle with log-length error of spread S), checked when the config is built.
-PredictorName = Union[Literal["online", "history", "oracle"], str]
-RefillName = Literal["lpt", "sjf", "fifo"]
-GroupingName = Literal["fptas", "lpt", "kk"]
+from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingName
+from lit_grpo.scheduling.predictors import PredictorName, parse_predictor_name
+from lit_grpo.scheduling.refill import DEFAULT_REFILL, RefillName
 
 
 @dataclass(frozen=True)
 class InfiniteSchedulerConfig:
-    """Options of :class:`~lit_grpo.scheduling.infinite.InfiniteScheduler` (see its docstring for each one).
+    """Settings of :class:`~lit_grpo.scheduling.infinite.InfiniteScheduler`, declared here only.
 
     Attributes:
         predictor: length predictor: "online" (token-conditioned, learned from finished rollouts), "history"
             (per prompt), "oracle" (true lengths; replay only), "noisy:S" (the oracle with log-normal error of
-            spread S; replay only).
-        refill: which job a freed slot runs: "lpt" (longest first; the measured default), "sjf", "fifo".
-        grouping: the global plan: "fptas", "lpt", "kk" (Karmarkar-Karp).
-        epsilon: the FPTAS's precision, > 0.
-        probe_tokens: tokens a sample runs before its length is re-predicted (None or 0: no probe).
+            spread S; replay only); or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
+        refill: which job a freed slot runs: "lpt" (longest first; the measured default), "sjf", "fifo"; or a
+            :class:`~lit_grpo.scheduling.refill.RefillPolicy`.
+        grouping: the global plan: "fptas", "lpt", "kk" (Karmarkar-Karp); or a function
+            ``(lengths, num_slots, ready=None) -> Partition``.
+        epsilon: the FPTAS's approximation parameter (plan makespan <= (1 + epsilon) x optimum), > 0.
+        probe_tokens: k, the tokens a sample runs before a token-conditioned predictor re-predicts its length
+            (None or 0: no probe; every sample is planned from prompt-level predictions).
         park_budget: bound on parked samples as a fraction of the slots' generation KV, > 0 (None: unbounded).
-        replan_tolerance: re-plan when a slot frees more than this fraction off the plan, >= 0.
-        slack_scale: >= 0; see InfiniteScheduler.
-        critical_fraction: > 0, or None to never keep a probing sample running for being critical.
+        replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
+            the plan, >= 0.
+        slack_scale: >= 0; a freed slot runs the pool's longest job instead of its planned pick when that costs
+            the plan at most ``slack_scale x`` the calibrated spread of its makespan (0: the refill policy alone).
+        critical_fraction: > 0; during the probe phase a sample keeps running instead of parking when its
+            expected remaining length is at least this fraction of the average slot's remaining work (None: never).
         gain_z: > 0, the confidence (standard deviations) a prediction-guided order's gain over arrival order
-            needs before the scheduler follows it (``gate.py``); None: follow trusted predictions ungated.
+            needs before the scheduler follows it, and parks at probes (``gate.py``); None: follow trusted
+            predictions ungated.
     """
 
-    predictor: PredictorName = "online"
+    predictor: Union[PredictorName, str] = "online"
     refill: RefillName = DEFAULT_REFILL
     grouping: GroupingName = "fptas"
     epsilon: float = DEFAULT_EPSILON
@@ -65,10 +68,9 @@ class InfiniteSchedulerConfig:
                 parse_predictor_name(self.predictor)
             except ValueError as error:
                 raise ValueError(f"scheduler.predictor: {error}") from None
-        for name, allowed in (("refill", REFILLS), ("grouping", GROUPINGS)):
-            value = getattr(self, name)
-            if isinstance(value, str) and value not in allowed:
-                raise ValueError(f"scheduler.{name}={value!r} is not known; allowed: {', '.join(allowed)}")
+        for name, choice in (("refill", RefillName), ("grouping", GroupingName)):
+            if isinstance(getattr(self, name), str):  # else an object (a RefillPolicy, a grouping function)
+                check_choice(f"scheduler.{name}", getattr(self, name), get_args(choice))
         if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
             raise ValueError(f"scheduler.epsilon={self.epsilon!r} must be a number > 0")
         if self.probe_tokens is not None and (isinstance(self.probe_tokens, bool) or not isinstance(

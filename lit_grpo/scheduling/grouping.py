@@ -21,6 +21,9 @@ chooses among them by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal, get_args
+
+from lit_grpo.runtime.validation import check_choice
 
 from lit_grpo.scheduling.fptas import DEFAULT_EPSILON, fptas_partition
 from lit_grpo.scheduling.partition import (
@@ -33,6 +36,7 @@ from lit_grpo.scheduling.partition import (
 __all__ = [
     "DEFAULT_EPSILON",
     "GROUPINGS",
+    "GroupingName",
     "GroupingFn",
     "Partition",
     "fptas_partition",
@@ -43,12 +47,10 @@ __all__ = [
 ]
 
 GroupingFn = Callable[..., Partition]
+GroupingName = Literal["fptas", "lpt", "kk"]
 
-GROUPINGS: dict[str, GroupingFn] = {
-    "fptas": fptas_partition,
-    "lpt": lpt_partition,
-    "kk": karmarkar_karp_partition,
-}
+GROUPINGS: dict[str, GroupingFn] = dict(zip(get_args(GroupingName),
+                                            (fptas_partition, lpt_partition, karmarkar_karp_partition)))
 
 
 def make_grouping(name: str | GroupingFn, epsilon: float = DEFAULT_EPSILON) -> GroupingFn:
@@ -59,9 +61,7 @@ def make_grouping(name: str | GroupingFn, epsilon: float = DEFAULT_EPSILON) -> G
     """
     if callable(name):
         return name
-    if name not in GROUPINGS:
-        raise ValueError(f"unknown grouping {name!r}; allowed: {', '.join(sorted(GROUPINGS))}")
-    algorithm = GROUPINGS[name]
+    algorithm = GROUPINGS[check_choice("grouping", name, get_args(GroupingName))]
     default_epsilon = epsilon
 
     def grouping(lengths: Sequence[float], num_slots: int, ready: Sequence[float] | None = None,

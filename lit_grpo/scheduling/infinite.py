@@ -32,149 +32,136 @@ remain to absorb it; SJF leaves long jobs and their errors for the tail).
 
 Metrics from ``end``: ``length_pred_kendall_tau`` and ``length_pred_smape`` of the last prediction made for each
 sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info``.
+
+State: the settings (``config``), the predictor and the trust live across rollouts; everything a rollout plans with
+lives in one ``_RolloutState`` made by ``begin``; which sample runs where, which are parked and how far each got is
+the base Scheduler's record.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.scheduling.gate import GAIN_Z, follow_predictions, guided_gain, probes_pay
-from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingFn, make_grouping
+from lit_grpo.scheduling.gate import follow_predictions, guided_gain, probes_pay
+from lit_grpo.scheduling.grouping import make_grouping
 from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
-from lit_grpo.scheduling.refill import DEFAULT_REFILL, RefillPolicy, SlotPlanner, make_refill
+from lit_grpo.scheduling.refill import SlotPlanner, make_refill
 from lit_grpo.scheduling.trust import PredictionTrust
 
-#: Tokens a sample runs before its length is re-predicted from its own hidden state.
-DEFAULT_PROBE_TOKENS = 8
 #: The widest log-length spread worth reasoning with (beyond e^4 a spread means "unknown" anyway).
 MAX_LOG_STD = 4.0
 
 
 @dataclass
 class _Run:
-    """A running sample: since when (decode steps) and from how many generated tokens."""
+    """When a running sample started (decode steps) and from how many generated tokens."""
 
     start_clock: int
     start_generated: int
+
+
+@dataclass
+class _RolloutState:
+    """What one rollout plans with; made by ``begin``, dropped by the next one."""
+
+    planner: SlotPlanner
+    rank: dict[SampleKey, int]  # arrival order (prompt-major)
+    clock: int = 0  # decode steps so far, as the samples' token counts date them
+    runs: dict[SampleKey, _Run] = field(default_factory=dict)  # of the samples started (read for running ones)
+    reserved: dict[int, SampleKey] = field(default_factory=dict)  # slot -> sample chosen at a probe, admitted next
+    token_features: dict[SampleKey, torch.Tensor] = field(default_factory=dict)  # probe features, until finished
+    prompt_predictions: dict[SampleKey, float] = field(default_factory=dict)  # raw predictions by kind: a
+    probe_predictions: dict[SampleKey, float] = field(default_factory=dict)  # probed sample's latest is its probe's
+    # (latest prediction, true length) of each finished sample, in finish order
+    scored: list[tuple[float, int]] = field(default_factory=list)
+    # Finished samples the predictor has not learned from yet: (key, length, token feature or None). Taught in one
+    # batch when predictions are refreshed, and at the end of the rollout, rather than one by one between decode
+    # steps, where the host's time is the accelerator's idle time.
+    unlearned: list[tuple[SampleKey, int, torch.Tensor | None]] = field(default_factory=list)
+    parking: bool = False  # park at probes in this rollout
+    unprobed: deque = field(default_factory=deque)  # samples to start for their probe, in refill order
+    unprobed_work: float = 0.0  # their expected remaining work
+    max_parked: int = 0
+    gain: tuple[float, float] = (0.0, 0.0)  # the gate's (mean, std) gain of the guided order
+    guided: bool = False  # follow the predictions (else arrival order)
+    first_gain: tuple[float, float, bool] = (0.0, 0.0, False)  # the rollout's opening decision, for last_info
+
+    def prediction(self, key: SampleKey) -> float:
+        """The latest raw prediction of a sample (NaN: none)."""
+        return self.probe_predictions.get(key, self.prompt_predictions.get(key, float("nan")))
 
 
 class InfiniteScheduler(Scheduler):
     """Length-aware scheduler of "infinite"; one object serves many rollouts (predictors and trust learn).
 
     Args:
-        predictor: "online" | "history" | "oracle" or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
-        refill: "lpt" | "sjf" | "fifo" or a :class:`~lit_grpo.scheduling.refill.RefillPolicy`.
-        grouping: "fptas" | "lpt" | "kk" or a function ``(lengths, num_slots, ready=None) -> Partition``.
-        epsilon: the FPTAS's approximation parameter (plan makespan <= (1 + epsilon) x optimum).
-        probe_tokens: k, the tokens generated before a token-conditioned predictor re-predicts (None or 0: no
-            probe; every sample is planned from prompt-level predictions).
-        park_budget: bound on parked samples, as a fraction of the slots' generation KV (None: unbounded).
-        replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
-            the plan.
-        slack_scale: a freed slot runs the pool's longest job instead of its planned pick when that costs the
-            plan at most ``slack_scale x`` the calibrated spread of its makespan (0: the refill policy alone).
-        critical_fraction: during the probe phase a sample keeps running instead of parking when its expected
-            remaining length is at least this fraction of the average slot's remaining work. None disables.
-        gain_z: follow predictions (and park at probes) only where their gain over arrival order exceeds this
-            many standard deviations of its draws (``gate.py``); None: whenever trusted (no gate).
+        predictor: "online" | "history" | "oracle" | "noisy:S" or a
+            :class:`~lit_grpo.scheduling.predictors.LengthPredictor` (default: the config's).
+        config: the settings (default: ``InfiniteSchedulerConfig()``, whose docstring describes each one).
+        options: fields of the config to change (``refill``, ``probe_tokens``, ...).
     """
 
-    def __init__(
-        self,
-        predictor: str | LengthPredictor = "online",
-        refill: str | RefillPolicy = DEFAULT_REFILL,
-        grouping: str | GroupingFn = "fptas",
-        epsilon: float = DEFAULT_EPSILON,
-        probe_tokens: int | None = DEFAULT_PROBE_TOKENS,
-        park_budget: float | None = 0.5,
-        replan_tolerance: float = 0.1,
-        slack_scale: float = 0.0,
-        critical_fraction: float | None = 1.0,
-        gain_z: float | None = GAIN_Z,
-    ) -> None:
+    def __init__(self, predictor: str | LengthPredictor | None = None, *,
+                 config: InfiniteSchedulerConfig | None = None, **options: Any) -> None:
+        if predictor is not None:
+            options["predictor"] = predictor
+        config = config if config is not None else InfiniteSchedulerConfig()
+        self.config = InfiniteSchedulerConfig.from_options({**config.as_kwargs(), **options}) if options else config
+        predictor = self.config.predictor
         self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
-        self.refill = make_refill(refill)
-        self.grouping = make_grouping(grouping, epsilon)
-        if probe_tokens is not None and probe_tokens < 0:
-            raise ValueError(f"probe_tokens must be >= 0 or None, got {probe_tokens}")
-        self.park_budget = park_budget
-        self.replan_tolerance = replan_tolerance
-        self.epsilon = epsilon
-        self.slack_scale = slack_scale
-        self.critical_fraction = critical_fraction
-        self.gain_z = gain_z
+        self.refill = make_refill(self.config.refill)
+        self.grouping = make_grouping(self.config.grouping, self.config.epsilon)
         # Engine-facing switches (instance attributes shadow the base class's defaults): a token-conditioned
         # predictor is probed every rollout, parked or not, so that its probes keep being scored.
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
-        self.probe_tokens = (probe_tokens or None) if self.predictor.token_conditioned else None
+        self.probe_tokens = (self.config.probe_tokens or None) if self.predictor.token_conditioned else None
         self.trust = {"prompt": PredictionTrust(), "probe": PredictionTrust()}
         self.last_info: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, config: InfiniteSchedulerConfig) -> InfiniteScheduler:
         """The scheduler a typed config (``SamplingConfig.scheduler``) describes."""
-        return cls(**config.as_kwargs())
+        return cls(config=config)
 
     # ---- engine contract -------------------------------------------------------------------------------------
 
     def begin(self, work: RolloutWork) -> None:
         super().begin(work)
-        self.clock = 0
-        self.runs: dict[SampleKey, _Run] = {}
-        self.generated: dict[SampleKey, int] = dict(work.generated)
-        self.reserved: dict[int, SampleKey] = {}  # slot -> sample chosen at a probe, admitted next
-        self.parked: set[SampleKey] = set()
-        self.token_features: dict[SampleKey, torch.Tensor] = {}
-        self.prediction: dict[SampleKey, float] = {}  # the latest raw prediction of each sample
-        self.prompt_prediction: dict[SampleKey, float] = {}
-        self.probe_prediction: dict[SampleKey, float] = {}
-        self.finished: dict[SampleKey, int] = {}
-        self.finished_prediction: dict[SampleKey, float] = {}
-        self.parks = 0
-        self.peak_parked = 0
-        # Finished samples the predictor has not learned from yet: (key, length, token feature or None). Taught in
-        # one batch when predictions are refreshed, and at the end of the rollout, rather than one by one between
-        # decode steps, where the host's time is the accelerator's idle time.
-        self.unlearned: list[tuple[SampleKey, int, torch.Tensor | None]] = []
-        self.rank = {key: i for i, key in enumerate(work.keys())}
-        self.planner = SlotPlanner(self.refill, self.grouping, work.num_slots, self.replan_tolerance,
-                                   epsilon=self.epsilon)
+        planner = SlotPlanner(self.refill, self.grouping, work.num_slots, self.config.replan_tolerance,
+                              epsilon=self.config.epsilon)
+        now = self.now = _RolloutState(planner, {key: i for i, key in enumerate(work.keys())})
         keys = work.pending_keys()
         if keys:
-            values = [float(v) for v in self.predictor.predict(work, keys).tolist()]
-            self.prediction.update(zip(keys, values))
-            self.prompt_prediction.update(zip(keys, values))
+            now.prompt_predictions.update(zip(keys, [float(v) for v in self.predictor.predict(work, keys).tolist()]))
         # Park at probes only where the plan can use what a probe tells: trusted probes and more samples than
         # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
-        self.parking = (self.probe_tokens is not None and self.trust["probe"].informative
-                        and len(keys) > work.num_slots and (self.gain_z is None or probes_pay(
-                            self.trust["probe"], len(keys), work.num_slots, work.max_new_tokens, self.gain_z)))
-        self.unprobed = deque()
-        self.unprobed_work = 0.0
-        if self.parking:  # samples carried past their probe are planned at once, like probed ones
-            unprobed = [key for key in keys if self.generated.get(key, 0) < self.probe_tokens]
-            candidates = [(self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
-                          for key in unprobed]
-            self.unprobed.extend(unprobed[i] for i in self.refill.order(candidates))
-            self.unprobed_work = sum(length for length, _ in candidates)
-        probing = set(self.unprobed)
+        gain_z = self.config.gain_z
+        now.parking = (self.probe_tokens is not None and self.trust["probe"].informative
+                       and len(keys) > work.num_slots and (gain_z is None or probes_pay(
+                           self.trust["probe"], len(keys), work.num_slots, work.max_new_tokens, gain_z)))
+        if now.parking:  # samples carried past their probe are planned at once, like probed ones
+            unprobed = [key for key in keys if self.generated[key] < self.probe_tokens]
+            candidates = [(self._expected_remaining(key, self.generated[key]), now.rank[key]) for key in unprobed]
+            now.unprobed.extend(unprobed[i] for i in self.refill.order(candidates))
+            now.unprobed_work = sum(length for length, _ in candidates)
+        probing = set(now.unprobed)
         for key in keys:
             if key not in probing:
-                self.planner.add(key, self._expected_remaining(key, self.generated.get(key, 0)), self.rank[key])
-        self.max_parked = self._max_parked(work)
-        self.gain, self.guided = (0.0, 0.0), False
+                planner.add(key, self._expected_remaining(key, self.generated[key]), now.rank[key])
+        now.max_parked = self._max_parked(work)
         self._judge()
-        self.first_gain = self.gain + (self.guided,)  # the rollout's opening decision, for last_info
+        now.first_gain = now.gain + (now.guided,)
 
     def admit(self) -> list[Assignment]:
         free = self.free_slots()
-        free.sort(key=lambda slot: slot not in self.reserved)  # reserved slots first: their sample is promised
+        free.sort(key=lambda slot: slot not in self.now.reserved)  # reserved slots first: their sample is promised
         assignments = []
         self._refresh_predictions()
         for slot in free:
@@ -186,70 +173,67 @@ class InfiniteScheduler(Scheduler):
         return assignments
 
     def probe(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
-        run = self.runs.get(key)
-        if run is None or key in self.probe_prediction:
-            return False  # not ours to judge (already re-predicted, or unknown)
-        self._advance_clock(run, generated)
-        self.generated[key] = generated
+        now = self.now
+        if key not in self.running or key in now.probe_predictions:
+            return False  # not ours to judge (already re-predicted, or not running)
+        self._advance_clock(now.runs[key], generated)
         feature = feature.detach().to("cpu", torch.float32).reshape(-1)
-        self.token_features[key] = feature
-        self.prediction[key] = self.probe_prediction[key] = float(
-            self.predictor.predict(self.work, [key], feature[None])[0])
+        now.token_features[key] = feature
+        now.probe_predictions[key] = float(self.predictor.predict(self.work, [key], feature[None])[0])
         remaining = self._expected_remaining(key, generated)
-        slot = self.slot_of[key]
-        if not self.parking or not len(self.planner) and not self.unprobed:
-            self.planner.note_start(slot, self.clock, remaining)  # nothing to gain from parking: it runs on
+        slot, planner = self.running[key], now.planner
+        if not now.parking or not len(planner) and not now.unprobed:
+            planner.note_start(slot, now.clock, remaining)  # nothing to gain from parking: it runs on
             return False
-        if self.unprobed:
-            if len(self.parked) < self.max_parked and not self._critical(remaining):
+        if now.unprobed:
+            if len(self.parked) < now.max_parked and not self._critical(remaining):
                 self._park(key, remaining)
                 return True
-            self.planner.note_start(slot, self.clock, remaining)  # budget full or critical: it keeps its slot
+            planner.note_start(slot, now.clock, remaining)  # budget full or critical: it keeps its slot
             return False
-        if any(self._awaits_probe(other) for other in self.runs if other != key):
+        if any(self._awaits_probe(other) for other in self.running if other != key):
             # Other slots are still probing (the probe phase's last round): plan once they have reported.
             self._park(key, remaining)
             return True
-        if not self.guided:  # the gate chose arrival order: the running sample keeps its slot
-            self.planner.note_start(slot, self.clock, remaining)
+        if not now.guided:  # the gate chose arrival order: the running sample keeps its slot
+            planner.note_start(slot, now.clock, remaining)
             return False
         # Plan phase: the sample competes with the pool for its own slot.
-        self.planner.add(key, remaining, self.rank[key])
-        chosen = self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
+        planner.add(key, remaining, now.rank[key])
+        chosen = planner.choose(slot, now.clock, self._ready(exclude=slot), *self._slack_and_noise())
         if chosen == key:
             return False
         self._park(key, remaining, pooled=True)  # choose() took `chosen`; `key` stays in the pool
-        self.reserved[slot] = chosen
+        now.reserved[slot] = chosen
         return True
 
     def finish(self, key: SampleKey, length: int) -> None:
-        run = self.runs.pop(key, None)
-        if run is not None:
-            self._advance_clock(run, length)
+        now = self.now
+        if key in self.running:
+            self._advance_clock(now.runs[key], length)
         self._vacate(key)
-        self.finished[key] = int(length)
-        self.finished_prediction[key] = self.prediction.get(key, float("nan"))
-        self.unlearned.append((key, int(length), self.token_features.pop(key, None)))
-        if key in self.prompt_prediction:
-            self.trust["prompt"].observe(self.prompt_prediction[key], length)
-        if key in self.probe_prediction:
-            self.trust["probe"].observe(self.probe_prediction[key], length)
+        now.scored.append((now.prediction(key), int(length)))
+        now.unlearned.append((key, int(length), now.token_features.pop(key, None)))
+        if key in now.prompt_predictions:
+            self.trust["prompt"].observe(now.prompt_predictions[key], length)
+        if key in now.probe_predictions:
+            self.trust["probe"].observe(now.probe_predictions[key], length)
 
     def end(self) -> dict[str, float]:
+        now = self.now
         self._learn()
         for trust in self.trust.values():
             trust.end_rollout()
-        keys = [k for k in self.finished if self.finished_prediction[k] == self.finished_prediction[k]]
-        predicted = [self.finished_prediction[k] for k in keys]
-        true = [self.finished[k] for k in keys]
+        scored = [(predicted, true) for predicted, true in now.scored if predicted == predicted]  # NaN: unpredicted
+        predicted, true = [p for p, _ in scored], [t for _, t in scored]
         metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true), "length_pred_smape": smape(predicted, true)}
-        stats = self.planner.stats
+        stats = now.planner.stats
         self.last_info = {
-            **metrics, "parks": self.parks, "peak_parked": self.peak_parked, "max_parked": self.max_parked,
-            "replans": stats.replans, "forced": stats.forced, "plan_seconds": stats.plan_seconds,
-            "steals": stats.steals, "parking": float(self.parking),
+            **metrics, "parked_samples": self.parked_samples, "peak_parked": self.peak_parked,
+            "max_parked": now.max_parked, "replans": stats.replans, "forced": stats.forced,
+            "plan_seconds": stats.plan_seconds, "steals": stats.steals, "parking": float(now.parking),
             "prompt_trust": self.trust["prompt"].rho_low, "probe_trust": self.trust["probe"].rho_low,
-            "gain_mean": self.first_gain[0], "gain_std": self.first_gain[1], "guided": float(self.first_gain[2]),
+            "gain_mean": now.first_gain[0], "gain_std": now.first_gain[1], "guided": float(now.first_gain[2]),
         }
         return metrics
 
@@ -267,66 +251,62 @@ class InfiniteScheduler(Scheduler):
     # ---- policy ----------------------------------------------------------------------------------------------
 
     def _next_for(self, slot: int) -> SampleKey | None:
-        if slot in self.reserved:
-            return self.reserved.pop(slot)
-        if self.unprobed and len(self.parked) < self.max_parked:
-            key = self.unprobed.popleft()
-            self.unprobed_work -= self._expected_remaining(key, self.generated.get(key, 0))
+        now = self.now
+        if slot in now.reserved:
+            return now.reserved.pop(slot)
+        if now.unprobed and len(self.parked) < now.max_parked:
+            key = now.unprobed.popleft()
+            now.unprobed_work -= self._expected_remaining(key, self.generated[key])
             return key
-        if self.unprobed:
-            return self.planner.choose_greedy(slot, self.clock)  # budget full: run the best parked sample
-        if not self._pool_trust().informative or not self.guided:
-            return self.planner.choose_first(slot, self.clock)  # predictions tell nothing: first come, first served
-        return self.planner.choose(slot, self.clock, self._ready(exclude=slot), *self._slack_and_noise())
+        if now.unprobed:
+            return now.planner.choose_greedy(slot, now.clock)  # budget full: run the best parked sample
+        if not self._pool_trust().informative or not now.guided:
+            return now.planner.choose_first(slot, now.clock)  # predictions tell nothing: first come, first served
+        return now.planner.choose(slot, now.clock, self._ready(exclude=slot), *self._slack_and_noise())
 
     def _pool_trust(self) -> PredictionTrust:
         """The trust that applies to the waiting samples' predictions (probed ones when parking)."""
-        return self.trust["probe" if self.parking else "prompt"]
+        return self.trust["probe" if self.now.parking else "prompt"]
 
     def _slack_and_noise(self) -> tuple[float, float]:
         noise = min(self._pool_trust().calibrate(1.0)[1], MAX_LOG_STD)
-        return self.slack_scale * noise, noise
+        return self.config.slack_scale * noise, noise
 
     def _critical(self, remaining: float) -> bool:
         """Would this sample, parked until the probe phase ends, set the makespan on its own?"""
-        if self.critical_fraction is None:
+        if self.config.critical_fraction is None:
             return False
-        work = self.unprobed_work + self.planner.total_work
+        work = self.now.unprobed_work + self.now.planner.total_work
         work += sum(self._ready(exclude=-1))
-        return remaining >= self.critical_fraction * work / len(self.slots)
+        return remaining >= self.config.critical_fraction * work / self.work.num_slots
 
     def _start(self, slot: int, key: SampleKey) -> None:
-        self.parked.discard(key)
-        generated = self.generated.get(key, 0)
-        self.runs[key] = _Run(self.clock, generated)
-        if self.parking and self._awaits_probe(key):
-            self.planner.note_start(slot, self.clock, min(self.probe_tokens, self._expected_remaining(key, 0)))
+        now = self.now
+        now.runs[key] = _Run(now.clock, self.generated[key])
+        if now.parking and self._awaits_probe(key):
+            now.planner.note_start(slot, now.clock, min(self.probe_tokens, self._expected_remaining(key, 0)))
 
     def _awaits_probe(self, key: SampleKey) -> bool:
-        return key not in self.probe_prediction and self.work.generated.get(key, 0) < self.probe_tokens
+        return key not in self.now.probe_predictions and self.generated[key] < self.probe_tokens
 
     def _park(self, key: SampleKey, remaining: float, pooled: bool = False) -> None:
-        del self.runs[key]
-        self._vacate(key)
-        self.parked.add(key)
-        self.parks += 1
-        self.peak_parked = max(self.peak_parked, len(self.parked))
+        super()._park(key)
         if not pooled:
-            self.planner.add(key, remaining, self.rank[key])
+            self.now.planner.add(key, remaining, self.now.rank[key])
 
     def _ready(self, exclude: int) -> list[float]:
         """``[num_slots]`` expected remaining steps of each slot's running sample (0 for free slots)."""
-        ready = [0.0] * len(self.slots)
+        now = self.now
+        ready = [0.0] * self.work.num_slots
         for slot, key in enumerate(self.slots):
             if slot == exclude:
                 continue
-            if key is not None and key in self.runs:
-                run = self.runs[key]
-                done = run.start_generated + (self.clock - run.start_clock)
-                ready[slot] = self._expected_remaining(key, done)
-            elif slot in self.reserved:  # promised at a probe, admitted after this step
-                reserved = self.reserved[slot]
-                ready[slot] = self._expected_remaining(reserved, self.generated.get(reserved, 0))
+            if key is not None:
+                run = now.runs[key]
+                ready[slot] = self._expected_remaining(key, run.start_generated + (now.clock - run.start_clock))
+            elif slot in now.reserved:  # promised at a probe, admitted after this step
+                reserved = now.reserved[slot]
+                ready[slot] = self._expected_remaining(reserved, self.generated[reserved])
         return ready
 
     def _expected_remaining(self, key: SampleKey, generated: int) -> float:
@@ -341,59 +321,60 @@ class InfiniteScheduler(Scheduler):
         Within the first rollouts the online predictor improves quickly, and per-prompt history learns from a
         group's first finished samples; the plan then follows the better numbers.
         """
+        now, planner = self.now, self.now.planner
         # At most every slot's worth of finishes, and every quarter pool's worth, so large pools cost O(1) each.
-        if len(self.unlearned) < max(len(self.slots), len(self.planner) // 4) or not len(self.planner):
+        if len(now.unlearned) < max(self.work.num_slots, len(planner) // 4) or not len(planner):
             return
         self._learn()
-        keys = list(self.planner.pool)
-        with_tokens = [k for k in keys if k in self.token_features]
-        without = [k for k in keys if k not in self.token_features]
+        keys = list(planner.pool)
+        with_tokens = [k for k in keys if k in now.token_features]
+        without = [k for k in keys if k not in now.token_features]
         if with_tokens:
-            features = torch.stack([self.token_features[k] for k in with_tokens])
-            values = [float(v) for v in self.predictor.predict(self.work, with_tokens, features).tolist()]
-            self.prediction.update(zip(with_tokens, values))
-            self.probe_prediction.update(zip(with_tokens, values))
+            features = torch.stack([now.token_features[k] for k in with_tokens])
+            values = self.predictor.predict(self.work, with_tokens, features).tolist()
+            now.probe_predictions.update(zip(with_tokens, map(float, values)))
         if without:
-            values = [float(v) for v in self.predictor.predict(self.work, without).tolist()]
-            self.prediction.update(zip(without, values))
-            self.prompt_prediction.update(zip(without, values))
+            values = self.predictor.predict(self.work, without).tolist()
+            now.prompt_predictions.update(zip(without, map(float, values)))
         for key in keys:
-            self.planner.update(key, self._expected_remaining(key, self.generated.get(key, 0)), self.replan_tolerance)
+            planner.update(key, self._expected_remaining(key, self.generated[key]), self.config.replan_tolerance)
         self._judge()
 
     def _judge(self) -> None:
         """Decide whether the pool follows its predictions or arrival order (``gate.py``), at planning points."""
-        if not self._pool_trust().informative or self.unprobed or self.gain_z is None:
-            self.guided = self._pool_trust().informative
+        now, gain_z = self.now, self.config.gain_z
+        if not self._pool_trust().informative or now.unprobed or gain_z is None:
+            now.guided = self._pool_trust().informative
             return
-        keys = sorted(self.planner.pool, key=lambda k: self.planner.pool[k][1])
-        waiting = [self._model(key, self.generated.get(key, 0)) for key in keys]
-        running = [self._model(key, run.start_generated + self.clock - run.start_clock)
-                   for key, run in self.runs.items()]
-        expected = [self.planner.pool[k][0] for k in keys]
-        self.gain = guided_gain(waiting, running, len(self.slots), self.work.max_new_tokens, expected)
-        self.guided = follow_predictions(*self.gain, current=self.guided, z=self.gain_z)
+        pool = now.planner.pool
+        keys = sorted(pool, key=lambda k: pool[k][1])
+        waiting = [self._model(key, self.generated[key]) for key in keys]
+        running = [self._model(key, now.runs[key].start_generated + now.clock - now.runs[key].start_clock)
+                   for key in self.running]
+        expected = [pool[k][0] for k in keys]
+        now.gain = guided_gain(waiting, running, self.work.num_slots, self.work.max_new_tokens, expected)
+        now.guided = follow_predictions(*now.gain, current=now.guided, z=gain_z)
 
     def _model(self, key: SampleKey, generated: int) -> tuple[float, float, int]:
         """``(calibrated median, calibrated spread, tokens generated)`` of a sample."""
-        trust = self.trust["probe" if key in self.probe_prediction else "prompt"]
-        median, spread = trust.calibrate(self.prediction[key])
+        trust = self.trust["probe" if key in self.now.probe_predictions else "prompt"]
+        median, spread = trust.calibrate(self.now.prediction(key))
         return median, min(spread, MAX_LOG_STD), generated
 
     def _learn(self) -> None:
         """Teach the predictor the samples finished since it last learned, in finish order: one call per run of
         probed or unprobed samples (a predictor takes one feature tensor for all the keys of a call, or none)."""
-        for probed, run in itertools.groupby(self.unlearned, key=lambda entry: entry[2] is not None):
+        for probed, run in itertools.groupby(self.now.unlearned, key=lambda entry: entry[2] is not None):
             keys, lengths, features = zip(*run)
             self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
-        self.unlearned = []
+        self.now.unlearned = []
 
     def _advance_clock(self, run: _Run, generated: int) -> None:
         # Every running sample gains one token per decode step, so its token count dates the event.
-        self.clock = max(self.clock, run.start_clock + generated - run.start_generated)
+        self.now.clock = max(self.now.clock, run.start_clock + generated - run.start_generated)
 
     def _max_parked(self, work: RolloutWork) -> int:
-        if self.park_budget is None or not self.parking:
+        if self.config.park_budget is None or not self.now.parking:
             return len(work.keys())
-        tokens = self.park_budget * work.num_slots * work.max_new_tokens
+        tokens = self.config.park_budget * work.num_slots * work.max_new_tokens
         return max(work.num_slots, int(tokens // self.probe_tokens))

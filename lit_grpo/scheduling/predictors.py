@@ -29,10 +29,11 @@ import hashlib
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 import torch
 
+from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.lognormal import PRIOR_LOG_STD, PrequentialError, expected_length, prior_log_length
 from lit_grpo.scheduling.online_predictor import OnlineLengthPredictor
@@ -46,6 +47,7 @@ __all__ = [
     "OnlineLengthPredictor",
     "OracleLengthPredictor",
     "PREDICTORS",
+    "PredictorName",
     "expected_length",
     "kendall_tau",
     "make_predictor",
@@ -275,14 +277,12 @@ def check_spread(value: object, name: str = "noisy predictor log_std") -> float:
     return spread
 
 
-PREDICTORS = {
-    "online": OnlineLengthPredictor,
-    "history": HistoryLengthPredictor,
-    "oracle": OracleLengthPredictor,
-    "noisy": NoisyOraclePredictor,
-}
+#: The predictors named without an argument; "noisy:S" is the oracle with log-length error of spread S.
+PredictorName = Literal["online", "history", "oracle"]
+PREDICTORS = dict(zip((*get_args(PredictorName), "noisy"),
+                      (OnlineLengthPredictor, HistoryLengthPredictor, OracleLengthPredictor, NoisyOraclePredictor)))
 #: How each name is written where a string is expected (configs, --predictors).
-PREDICTOR_NAMES = ("online", "history", "oracle", "noisy:S (S >= 0, e.g. noisy:0.25)")
+PREDICTOR_NAMES = (*get_args(PredictorName), "noisy:S (S >= 0, e.g. noisy:0.25)")
 
 
 def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, dict]:
@@ -297,7 +297,7 @@ def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, di
     if base == "noisy" and not spread_given:
         raise ValueError(f"length predictor {name!r} needs its spread: 'noisy:S' with S >= 0, e.g. 'noisy:0.25'")
     if colon or base not in PREDICTORS:
-        raise ValueError(f"unknown length predictor {name!r}; allowed: {', '.join(PREDICTOR_NAMES)}")
+        check_choice("length predictor", name, PREDICTOR_NAMES)  # raises: no name of it takes an argument
     return base, {}
 
 

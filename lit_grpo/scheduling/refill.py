@@ -20,8 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, Partition
+
+RefillName = Literal["lpt", "sjf", "fifo"]
 
 
 class RefillPolicy:
@@ -72,21 +76,19 @@ class FIFORefill(RefillPolicy):
         return (rank,)
 
 
-REFILLS = {"sjf": SJFRefill, "lpt": LPTRefill, "fifo": FIFORefill}
+REFILLS: dict[str, type[RefillPolicy]] = dict(zip(get_args(RefillName), (LPTRefill, SJFRefill, FIFORefill)))
 _ARRIVAL_ORDER = FIFORefill()
 
 #: The default refill policy of "infinite": the makespan winner in the simulations with predicted lengths (see
 #: lit_grpo.scheduling.infinite and tests/test_scheduling_sim.py::test_lpt_refill_beats_sjf_under_mispredictions).
-DEFAULT_REFILL = "lpt"
+DEFAULT_REFILL: RefillName = "lpt"
 
 
 def make_refill(name: str | RefillPolicy) -> RefillPolicy:
     """A refill policy from its name: "sjf" | "lpt" | "fifo" (or a policy object, returned as is)."""
     if isinstance(name, RefillPolicy):
         return name
-    if name not in REFILLS:
-        raise ValueError(f"unknown refill policy {name!r}; allowed: {', '.join(REFILLS)}")
-    return REFILLS[name]()
+    return REFILLS[check_choice("refill", name, get_args(RefillName))]()
 
 
 @dataclass

@@ -1,13 +1,11 @@
-"""A model-free rollout simulator: drives any Scheduler with known lengths exactly as the engine does.
+"""A model-free rollout simulator: drives any Scheduler with known lengths through the engine's own loop.
 
-Per decode step every occupied slot generates one token. After the step, in slot order, a sample that reached
-its length finishes (``finish``), otherwise one that reached ``probe_tokens`` is offered to ``probe`` (parked on
-True: its slot frees, its tokens are kept, it resumes where it stopped). Then, if a slot is free and a sample
-waits, ``admit()``, whose ``(slot, sample)`` assignments run from the next step. A sample whose length equals
-``probe_tokens`` finishes without a probe. Decode steps, utilization and the lower bound are those of RolloutStats, so scheduling figures can be
-checked and benchmarked without a model (the engine's forced-length replay gives the same counts).
+``simulate_rollout`` runs ``driver.drive_rollout``, the loop the engine runs, with an executor that counts tokens
+instead of decoding: a sample ends when it reaches its given length. Decode steps, utilization and the lower bound
+are those of RolloutStats, so scheduling figures can be checked and benchmarked without a model (the engine's
+forced-length replay gives the same counts).
 
-Synthetic features for length predictors: :func:`planted_features` builds prompt and token features that carry a
+Synthetic features for length predictors: :func:`planted_rollout` builds prompt and token features that carry a
 known share of the log-length signal.
 """
 
@@ -18,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_grpo.scheduling.base import RolloutWork, SampleKey, Scheduler, lower_bound_steps
+from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler, lower_bound_steps
+from lit_grpo.scheduling.driver import Row, drive_rollout
 
 #: ``token_feature(key, generated) -> [H]``: the hidden state of a sample's latest token.
 TokenFeatureFn = Callable[[SampleKey, int], torch.Tensor]
@@ -33,7 +32,7 @@ class SimulationResult:
     generated_tokens: int
     slot_utilization: float
     num_slots: int
-    parks: int
+    parked_samples: int
     peak_parked: int
     metrics: dict[str, float] = field(default_factory=dict)
     timeline: list[list[int]] = field(default_factory=list, repr=False)
@@ -42,6 +41,36 @@ class SimulationResult:
     def ratio(self) -> float:
         """``decode_steps / lower_bound_steps``: 1.0 is a perfect schedule."""
         return self.decode_steps / self.lower_bound_steps if self.lower_bound_steps else 1.0
+
+
+class _CountingExecutor:
+    """Runs samples of known lengths: each step adds one token to every running sample (the scheduler's
+    ``generated`` record), and a sample ends at its length."""
+
+    def __init__(self, scheduler: Scheduler, lengths: dict[SampleKey, int], token_feature: TokenFeatureFn):
+        self.scheduler, self.lengths, self.token_feature = scheduler, lengths, token_feature
+
+    def over(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting()
+
+    def start(self, assignments: list[Assignment]) -> None:
+        pass
+
+    def step(self, rows: list[Row], probing: list[int]) -> list[bool]:
+        generated = self.scheduler.generated
+        return [generated[key] + 1 == self.lengths[key] for _, key in rows]
+
+    def feature(self, slot: int, key: SampleKey) -> torch.Tensor:
+        return self.token_feature(key, self.scheduler.generated[key])
+
+    def finish(self, slot: int, key: SampleKey) -> None:
+        pass
+
+    def park(self, slot: int, key: SampleKey) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
 
 
 def simulate_rollout(
@@ -87,60 +116,19 @@ def simulate_rollout(
         prompt_ids=prompt_ids if prompt_ids is not None else [[p] for p in range(num_prompts)],
         true_lengths=[list(map(int, row)) for row in lengths] if reveal_lengths else None,
     )
-    scheduler.begin(work)
     target = {(p, k): int(lengths[p][k]) for p in range(num_prompts) for k in range(group_size)}
-    generated = {key: 0 for key in target}
-    started, finished, parked, probed = set(), set(), set(), set()
-    steps = parks = peak_parked = 0
-    timeline: list[list[int]] = []
-    probe_tokens = scheduler.probe_tokens
-
-    def admit() -> None:
-        running = sum(key is not None for key in scheduler.slots)
-        if running == num_slots or (len(started) == len(target) and not parked):  # no slot, or nothing waits
-            return
-        assignments = scheduler.admit()
-        for slot, key in assignments:
-            if key not in target or key in finished or (key in started and key not in parked):
-                raise RuntimeError(f"admit returned {key!r}, which is not pending")
-            if scheduler.slots[slot] != key:
-                raise RuntimeError(f"admit returned ({slot}, {key}) but its record holds {scheduler.slots[slot]}")
-            started.add(key)
-            parked.discard(key)
-        if not assignments and running == 0 and len(finished) < len(target):
-            raise RuntimeError("deadlock: nothing running, samples pending, and admit returned nothing")
-
-    admit()
-    while len(finished) < len(target):
-        steps += 1
-        rows = [(slot, key) for slot, key in enumerate(scheduler.slots) if key is not None]
-        if keep_timeline:
-            timeline.append([-1 if key is None else key[0] * group_size + key[1] for key in scheduler.slots])
-        for _, key in rows:
-            generated[key] += 1
-        for slot, key in rows:
-            if generated[key] == target[key]:
-                scheduler.finish(key, generated[key])
-                finished.add(key)
-            elif probe_tokens is not None and generated[key] == probe_tokens and key not in probed:
-                probed.add(key)
-                if scheduler.probe(key, generated[key], token_feature(key, generated[key])):
-                    parked.add(key)
-                    parks += 1
-                    peak_parked = max(peak_parked, len(parked))
-        admit()
-    metrics = scheduler.end()
-    total = sum(flat)
+    driven = drive_rollout(scheduler, work, _CountingExecutor(scheduler, target, token_feature), keep_timeline)
+    steps, total = driven.decode_steps, sum(flat)
     return SimulationResult(
         decode_steps=steps,
         lower_bound_steps=lower_bound_steps(flat, num_slots),
         generated_tokens=total,
         slot_utilization=total / (steps * num_slots) if steps else 0.0,
         num_slots=num_slots,
-        parks=parks,
-        peak_parked=peak_parked,
-        metrics=metrics,
-        timeline=timeline,
+        parked_samples=scheduler.parked_samples,
+        peak_parked=scheduler.peak_parked,
+        metrics=driven.metrics,
+        timeline=driven.timeline,
     )
 
 
