@@ -81,8 +81,9 @@ class RolloutWork:
 
 class Scheduler:
     """Base scheduler: first come, first served, prompt-major. Subclasses choose what runs (``_pick``) and may
-    place it (``admit``); the record of which sample runs in which slot, which are parked and which have not
-    started stays here, and the engine and the simulator read it (``slots``, ``waits``)."""
+    place it (``admit``). The one record of the rollout's samples stays here: which runs in which slot
+    (``running``; ``slots`` derived), which are parked, which have not started, and how many tokens each has
+    (``generated``, advanced by the driver); the engine and the simulator read it, never copy it."""
 
     #: Ask the engine for the policy's prompt features in ``begin``.
     needs_prompt_features: bool = False
@@ -116,6 +117,7 @@ class Scheduler:
         return bool(self._unstarted or self.parked)
 
     def waits(self, key: SampleKey) -> bool:
+        """Whether ``key`` waits for a slot (not started in this rollout yet, or parked)."""
         return key in self._unstarted or key in self.parked
 
     def admit(self) -> list[Assignment]:

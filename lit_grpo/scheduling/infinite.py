@@ -136,6 +136,7 @@ class InfiniteScheduler(Scheduler):
         super().begin(work)
         planner = SlotPlanner(self.refill, self.grouping, work.num_slots, self.config.replan_tolerance,
                               epsilon=self.config.epsilon)
+        # the rollout under way: everything this rollout plans with, dropped by the next begin()
         now = self.now = _RolloutState(planner, {key: i for i, key in enumerate(work.keys())})
         keys = work.pending_keys()
         if keys:
