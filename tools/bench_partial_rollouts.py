@@ -117,7 +117,7 @@ def replay(builder: RolloutBuilder, prompt_ids: list[int], steps: int) -> dict:
         offpolicy += batch.metrics.get("rollout/offpolicy_tokens_frac", 0.0) * step_tokens
         tokens += step_tokens
         carried_samples.append(batch.metrics.get("rollout/carried_samples", 0.0))
-    return {"over_provision": builder.over_provision, "micro_group_size": builder.micro_group_size,
+    return {"over_provision": builder.over_provision, "micro_group_size": builder.resolved_micro_group_size,
             "max_staleness": builder.max_staleness, "decode_steps_per_step": harness.median(decode_steps),
             "decode_steps_total": sum(decode_steps), "carried_samples": sum(carried_samples) / steps,
             "observed_max_staleness": staleness_seen, "offpolicy_tokens_frac": offpolicy / max(tokens, 1),
