@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw, ImageFont
 
-from lit_grpo.sampling.stats import IDLE
+from lit_grpo.scheduling.driver import IDLE
 
 from ._rollout import logger_step, rollout_stats, tensorboard_experiments
 

@@ -72,11 +72,10 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.datamodules.angle_score import angle_concentration, mean_pairwise_cosine
 from lit_grpo.runtime.validation import check_choice, check_int_in_range, check_real
 
 __all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
-           "angle_concentration", "build_prompt_sampler", "mean_pairwise_cosine"]
+           "build_prompt_sampler"]
 
 Curriculum = Literal["none", "angle"]
 CURRICULA: tuple[str, ...] = get_args(Curriculum)

@@ -28,7 +28,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, angle_concentration, build_prompt_sampler
+from lit_grpo.datamodules.angle_score import angle_concentration
+from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler
 from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_grpo.datamodules.curriculum import angle_concentration, mean_pairwise_cosine
+from lit_grpo.datamodules.angle_score import angle_concentration, mean_pairwise_cosine
 
 TEXTS = [
     "What is 12 + 30?",

@@ -44,7 +44,7 @@ def test_one_synchronisation_per_decode_step(monkeypatch):
 
 
 def test_schedules_return_bit_identical_completions_in_bfloat16():
-    """The engine issue's invariance, on the device it is for: the same g and seed give the same bits whatever
+    """Schedule invariance on the device it is for: the same g and seed give the same bits whatever
     the schedule, with graphs replayed and every row's arithmetic independent of its neighbours."""
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="bfloat16", device="cuda")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.", "hi")]

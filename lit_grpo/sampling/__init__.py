@@ -8,7 +8,8 @@ the step (compute, a CUDA graph on CUDA), ``carry`` a group's progress across ca
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.engine import RolloutEngine, RolloutResult
-from lit_grpo.sampling.stats import IDLE, RolloutStats, lower_bound_steps
+from lit_grpo.sampling.stats import RolloutStats, lower_bound_steps
+from lit_grpo.scheduling.driver import IDLE
 
 __all__ = ["IDLE", "STRATEGIES", "GroupProgress", "RolloutEngine", "RolloutResult", "RolloutStats", "SampleProgress",
            "SamplingConfig", "lower_bound_steps"]

@@ -88,7 +88,7 @@ class SamplingConfig:
         check_int("sampling.top_k", self.top_k, 0)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"sampling.seed={self.seed!r} must be an integer")
-        if isinstance(self.scheduler, dict):  # a plain mapping from Python or an old config: typed here
+        if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))
         if not isinstance(self.scheduler, InfiniteSchedulerConfig):
             raise ValueError(f"sampling.scheduler={self.scheduler!r} must be an InfiniteSchedulerConfig or a dict of "

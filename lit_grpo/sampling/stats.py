@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from lit_grpo.sampling.carry import GroupProgress
 
 from lit_grpo.scheduling.base import lower_bound_steps  # noqa: F401  (part of this module's API)
-from lit_grpo.scheduling.driver import IDLE  # noqa: F401  (a timeline cell whose slot held no sample)
+from lit_grpo.scheduling.driver import IDLE
 
 
 @dataclass
