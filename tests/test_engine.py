@@ -565,3 +565,27 @@ def test_a_compiled_step_is_schedule_invariant_greedy_exact_and_compiled_once(ti
     completion = greedy.generate(ids).completion_ids[0][0]
     expected = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False)[0, len(ids[0]):].tolist()
     assert completion == expected[: len(completion)]
+
+
+def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(tiny_llama, monkeypatch):
+    from lit_grpo.sampling import SamplingConfig, decode_step
+
+    with pytest.raises(ValueError, match=r"sampling.compile='yes' must be true, false or 'auto'"):
+        SamplingConfig(compile="yes")
+    cpu = torch.device("cpu")
+    assert decode_step.resolve_compile("auto", cpu, sharded=False) is False  # auto compiles on CUDA only
+    assert decode_step.resolve_compile(False, cpu, sharded=False) is False
+    monkeypatch.setattr(decode_step.shutil, "which", lambda name: None)  # no C++ compiler on PATH
+    monkeypatch.setattr(decode_step, "_warned_compilers", set())
+    model, tokenizer = tiny_llama
+    prompts = _ids(tokenizer, PROMPTS[:2])
+    eager = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=6, seed=3).generate(prompts)
+    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler .* runs eagerly"):
+        engine = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=6, seed=3, compile=True)
+        result = engine.generate(prompts)
+    assert engine._step.settings.compile is False and result.completion_ids == eager.completion_ids
+    import warnings as warnings_module
+
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")  # the second engine does not warn again
+        RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=6, seed=3, compile=True).generate(prompts)

@@ -44,8 +44,12 @@ class SamplingConfig:
         cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
             FSDP-sharded; a capture that fails then warns and the step runs eagerly, whereas True raises). On CPU
             the same static-shape step runs eagerly.
-        compile: compile the decode step with ``torch.compile`` (static shapes, one compilation per step shape and
-            process); on CUDA the compiled step is what the graph captures.
+        compile: compile the decode step with ``torch.compile`` (static shapes; paid once per step shape and
+            process, counted in ``capture_s``); on CUDA the compiled step is what the graph captures. ``"auto"``:
+            on CUDA with Triton present, unless the policy is FSDP-sharded; off on CPU. True asks for it anywhere
+            (where no compiler is present it warns once and runs the step eagerly). Off by default: a compilation
+            takes tens of seconds per step shape (a new slot count or cache width), which a short run may not win
+            back.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.
@@ -62,7 +66,7 @@ class SamplingConfig:
     seed: int = 0
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
-    compile: bool = False
+    compile: bool | Literal["auto"] = False
     keep_kv_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -80,6 +84,8 @@ class SamplingConfig:
             check_int("sampling.kv_budget_bytes", self.kv_budget_bytes, 1)
         check_choice("sampling.strategy", self.strategy, STRATEGIES)
         check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
+        if self.compile not in (True, False, "auto"):
+            raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not self.temperature >= 0:
             raise ValueError(f"sampling.temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")

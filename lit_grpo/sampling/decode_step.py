@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -261,3 +263,37 @@ def _graph_safe_autocast():
     if torch.is_autocast_enabled("cuda"):
         return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
     return contextlib.nullcontext()
+
+
+_warned_compilers: set[str] = set()
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build this device's kernels here (None: it can): Inductor writes Triton kernels
+    for CUDA and C++ for the CPU."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    if device.type == "cpu":
+        found = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+        return None if found else "no C++ compiler (g++, c++ or clang++) on PATH"
+    return f"the step is not compiled on {device.type}"
+
+
+def resolve_compile(setting: bool | str, device: torch.device, sharded: bool) -> bool:
+    """Whether the decode step is compiled: ``setting`` is ``SamplingConfig.compile``. "auto" compiles on CUDA only
+    (where the fused step pays); True compiles wherever a compiler is present and otherwise warns once and runs
+    eagerly."""
+    if setting is False:
+        return False
+    problem = compiler_problem(device)
+    if setting == "auto":
+        return device.type == "cuda" and problem is None and not sharded
+    if problem is not None:
+        if problem not in _warned_compilers:
+            _warned_compilers.add(problem)
+            warnings.warn(f"sampling.compile=True, but the decode step cannot be compiled here ({problem}); it runs "
+                          "eagerly (same results, more time per step)", RuntimeWarning, stacklevel=3)
+        return False
+    return True

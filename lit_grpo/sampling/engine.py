@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
-from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
+from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
@@ -269,7 +269,8 @@ class RolloutEngine:
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced, hidden_states=self.scheduler.probe_tokens is not None,
-                            cuda_graph=bool(graph), compile=self.config.compile)
+                            cuda_graph=bool(graph),
+                            compile=resolve_compile(self.config.compile, device, is_fsdp_sharded(self.model)))
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:
