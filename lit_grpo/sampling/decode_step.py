@@ -19,6 +19,9 @@ Then ``step`` copies the tokens, their log-probs and, when asked, some rows' las
 one synchronisation: the engine must learn which rows ended before it refills them. Idle rows run too (the
 shapes never change); they sit at length 0, write into their own column 0 and are ignored.
 
+With ``compile`` the step runs as ``torch.compile`` fused it (fewer, larger kernels: what a step of a few rows
+spends most of its time launching), and that is what the graph captures.
+
 The CUDA graph is captured (``capture``) right after the step is built, while every row is idle, so the warm-up
 forwards that precede the capture only touch idle rows' column 0, which a sample always overwrites before it reads
 it.
@@ -55,6 +58,8 @@ class StepSettings:
         force_lengths: replay recorded lengths (``RolloutEngine.generate(lengths=...)``).
         hidden_states: also keep each row's last hidden state (for a length predictor's checkpoint).
         cuda_graph: capture and replay a CUDA graph (CUDA only).
+        compile: run the step compiled by ``torch.compile`` (``resolve_compile``); with ``cuda_graph`` the compiled
+            step is what the graph captures.
     """
 
     temperature: float
