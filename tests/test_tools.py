@@ -377,3 +377,21 @@ def test_bench_faults_comparison_names_every_differing_tensor():
     b = {"w": torch.ones(3), "opt": [{"m": torch.tensor([0.0, 1e-30])}], "step": 4}
     assert _tensor_differences(a, b) == [".opt[0].m", ".step"]
     assert _tensor_differences(a, a) == []
+
+
+def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path):
+    """``--compile false,true`` runs every strategy both ways, interleaved; the compiled runs count their
+    compilation in capture_s and return the eager runs' completions."""
+    from tools import bench_rollout
+
+    out = tmp_path / "compile.json"
+    report = bench_rollout.main(["--model", "tiny", "--task", "synthetic", "--prompts", "1", "--group-size", "3",
+                                 "--micro-group-size", "2", "--max-new-tokens", "6", "--strategies", "full,continuous",
+                                 "--compile", "false,true", "--repeats", "1", "--threads", "1",
+                                 "--json", str(out)])
+    runs = {(r["strategy"], r["compile"]): r for r in report["runs"]}
+    assert set(runs) == {("full", False), ("continuous", False), ("full", True), ("continuous", True)}
+    assert runs[("continuous", True)]["capture_s"] > 0 and runs[("continuous", False)]["capture_s"] == 0
+    assert runs[("continuous", True)]["identical_fraction"] == 1.0  # the same completions as eager "full"
+    with pytest.raises(SystemExit):
+        bench_rollout.parse_args(["--compile", "yes"])

@@ -15,7 +15,8 @@ padding included), peak_memory_bytes (the CUDA allocator's peak during the run, 
 on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step
 (``(wall_s - capture_s) / decode_steps``: the steady decode step, the one-off graph capture left out; it stays in
 wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
-repeat), and for lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
+repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved), and for
+lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
 weights_bytes and the device's name.
 
 The roofline (tools/roofline.py): once per process, after the runs (so its buffers touch no run's peak memory),
@@ -146,6 +147,15 @@ def _predictor(name: str, seed: int):
 
 
 # -------------------------------------------------------------------------------------------------- main
+def _compile_values(text: str) -> list[bool | str]:
+    values = {"false": False, "true": True, "auto": "auto"}
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in values]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--compile {text!r}: use a comma list of {list(values)}")
+    return [values[name] for name in names]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_model_argument(parser, default="tiny")
@@ -176,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--compile", default="false", type=_compile_values,
+                        help="data.sampling.compile of lit_grpo's runs, a comma list of false,true,auto: each value "
+                             "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.preset:
@@ -201,25 +214,30 @@ def build_runners(args, model, tokenizer, prompts, lengths):
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     runners = []
-    for strategy in args.strategies:
-        if strategy == "infinite":
-            for predictor in args.predictors.split(","):
-                for refill in args.refills.split(",") if args.refills else [None]:
-                    options = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
-                    engine = RolloutEngine(model, tokenizer, strategy="infinite", **common, **options)
-                    for _ in range(args.warmup_rollouts):
-                        engine.generate(prompts, lengths=lengths)
-                    engine.release()
-                    # the predictor keeps what it learned, but the measured rollouts draw the same random streams
-                    # as the other strategies' (keyed by rollout index), so identical_fraction compares like with like
-                    engine.rollout_index = 0
-                    fields = {"predictor": predictor, "refill": engine.scheduler.refill.name}
-                    runners.append((f"infinite[{predictor},{fields['refill']}]", fields,
-                                    lambda e=engine: run_engine(e, prompts, lengths)))
-        elif strategy in OUR_STRATEGIES:
-            engine = RolloutEngine(model, tokenizer, strategy=strategy, **common)
-            eos = set(engine.eos_token_ids)
-            runners.append((strategy, {}, lambda e=engine: run_engine(e, prompts, lengths)))
+    for compile_ in args.compile:
+        tag = "" if compile_ is False else f"compile={str(compile_).lower()}"
+        options = dict(common, compile=compile_)
+        for strategy in args.strategies:
+            if strategy == "infinite":
+                for predictor in args.predictors.split(","):
+                    for refill in args.refills.split(",") if args.refills else [None]:
+                        scheduler = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
+                        engine = RolloutEngine(model, tokenizer, strategy="infinite", **options, **scheduler)
+                        for _ in range(args.warmup_rollouts):
+                            engine.generate(prompts, lengths=lengths)
+                        engine.release()
+                        # the predictor keeps what it learned, but the measured rollouts draw the same random streams
+                        # as the other strategies' (keyed by rollout index), so identical_fraction compares like
+                        # with like
+                        engine.rollout_index = 0
+                        fields = {"predictor": predictor, "refill": engine.scheduler.refill.name, "compile": compile_}
+                        label = ",".join(filter(None, (predictor, fields["refill"], tag)))
+                        runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, lengths)))
+            elif strategy in OUR_STRATEGIES:
+                engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
+                eos = set(engine.eos_token_ids)
+                label = f"{strategy}[{tag}]" if tag else strategy
+                runners.append((label, {"compile": compile_}, lambda e=engine: run_engine(e, prompts, lengths)))
     eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
     if lengths is not None and any(s in HF_STRATEGIES for s in args.strategies):
         raise SystemExit("--lengths replays forced lengths inside lit_grpo's engine; drop the hf_* strategies")
@@ -327,7 +345,8 @@ def _print_table(runs: list[dict]) -> None:
     columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "peak_memory_bytes",
                "tokens_per_s", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
                "prefill_floor_ms_per_token", "prefill_roofline_ratio", "forward_fraction", "identical_fraction")
-    label = lambda r: r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
+    label = lambda r: (r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
+                       + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else ""))
     widths = [max(20, len(c) + 2) for c in columns]
     print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
     for run in runs:
