@@ -131,16 +131,23 @@ def _assert_same_grads(a, b):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_the_update_masks_and_truncates_a_perturbed_sequence(rollout):
-    """Shift one completion's sampling log-probs so that its sequence ratio is 5: sequence_mask drops it (as if its
-    advantage were 0) and sequence_truncate weighs it 3 (as if its advantage were 3 A); the others keep ratio ~1."""
-    _, batch = rollout
+def _with_shifted_sampler(batch, ratio: float = 5.0):
+    """A copy of ``batch`` whose largest-advantage completion (p, k) has sampling log-probs shifted so that its
+    sequence ratio trainer / sampler is ``ratio``; returns (copy, p, k, its length)."""
     row = int(batch.advantages.flatten().abs().argmax())
     p, k = divmod(row, batch.group_size)
     length = int(batch.completion_lengths[p, k])
     shifted = batch.to("cpu")
     shifted.sampling_logprobs = batch.sampling_logprobs.clone()
-    shifted.sampling_logprobs[p, k, :length] -= math.log(5.0) / length  # trainer / sampler = 5 over the sequence
+    shifted.sampling_logprobs[p, k, :length] -= math.log(ratio) / length
+    return shifted, p, k, length
+
+
+def test_the_update_masks_and_truncates_a_perturbed_sequence(rollout):
+    """Shift one completion's sampling log-probs so that its sequence ratio is 5: sequence_mask drops it (as if its
+    advantage were 0) and sequence_truncate weighs it 3 (as if its advantage were 3 A); the others keep ratio ~1."""
+    _, batch = rollout
+    shifted, p, k, length = _with_shifted_sampler(batch)  # trainer / sampler = 5 over the sequence
 
     def with_advantage(scale):
         changed = batch.to("cpu")
@@ -167,12 +174,7 @@ def test_auto_corrects_exactly_the_batches_that_carry_samples_from_older_weights
     sampling log-probs disagree; the same batch marked as carrying older samples gets TRL's sequence_mask (ratio 5
     > clip_max 3: the perturbed completion is dropped, as if its advantage were 0)."""
     _, batch = rollout
-    row = int(batch.advantages.flatten().abs().argmax())
-    p, k = divmod(row, batch.group_size)
-    length = int(batch.completion_lengths[p, k])
-    shifted = batch.to("cpu")
-    shifted.sampling_logprobs = batch.sampling_logprobs.clone()
-    shifted.sampling_logprobs[p, k, :length] -= math.log(5.0) / length
+    shifted, p, k, length = _with_shifted_sampler(batch)
     assert SamplerCorrection().mode == "auto" and batch.offpolicy_tokens == 0
 
     on_policy, metrics = _grads(shifted)
