@@ -1,5 +1,6 @@
 """The rollout engine: schedule invariance, greedy parity, KV bounds, step arithmetic, bad inputs."""
 
+import functools
 import math
 
 import pytest
@@ -577,6 +578,8 @@ def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(t
     assert decode_step.resolve_compile(False, cpu, sharded=False) is False
     monkeypatch.setattr(decode_step.shutil, "which", lambda name: None)  # no C++ compiler on PATH
     monkeypatch.setattr(decode_step, "_warned_compilers", set())
+    # a fresh cache for this test (restored afterwards), so the patched PATH lookup is what it asks
+    monkeypatch.setattr(decode_step, "compiler_problem", functools.cache(decode_step.compiler_problem.__wrapped__))
     model, tokenizer = tiny_llama
     prompts = _ids(tokenizer, PROMPTS[:2])
     eager = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=6, seed=3).generate(prompts)

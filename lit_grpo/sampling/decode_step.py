@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 import time
 import warnings
@@ -276,17 +277,18 @@ def _graph_safe_autocast():
 _warned_compilers: set[str] = set()
 
 
-def compiler_problem(device: torch.device) -> str | None:
-    """Why ``torch.compile`` cannot build this device's kernels here (None: it can): Inductor writes Triton kernels
-    for CUDA and C++ for the CPU."""
-    if device.type == "cuda":
+@functools.cache
+def compiler_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device_type`` here (None: it can): Inductor writes Triton
+    kernels for CUDA and C++ for the CPU. Asked once per process and device type (every rollout resolves it)."""
+    if device_type == "cuda":
         from torch.utils._triton import has_triton
 
         return None if has_triton() else "Triton is not installed"
-    if device.type == "cpu":
+    if device_type == "cpu":
         found = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
         return None if found else "no C++ compiler (g++, c++ or clang++) on PATH"
-    return f"the step is not compiled on {device.type}"
+    return f"the step is not compiled on {device_type}"
 
 
 def resolve_compile(setting: bool | str, device: torch.device, sharded: bool) -> bool:
@@ -295,7 +297,7 @@ def resolve_compile(setting: bool | str, device: torch.device, sharded: bool) ->
     eagerly."""
     if setting is False:
         return False
-    problem = compiler_problem(device)
+    problem = compiler_problem(device.type)
     if setting == "auto":
         return device.type == "cuda" and problem is None and not sharded
     if problem is not None:

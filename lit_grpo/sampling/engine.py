@@ -262,15 +262,16 @@ class RolloutEngine:
 
     def _step_settings(self, forced: bool) -> StepSettings:
         device = next(self.model.parameters()).device
+        sharded = is_fsdp_sharded(self.model)
         graph = self.config.cuda_graph
         if graph is None:
-            graph = _graphs_available(device) and not is_fsdp_sharded(self.model) and self.graph_failure is None
+            graph = _graphs_available(device) and not sharded and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced, hidden_states=self.scheduler.probe_tokens is not None,
                             cuda_graph=bool(graph),
-                            compile=resolve_compile(self.config.compile, device, is_fsdp_sharded(self.model)))
+                            compile=resolve_compile(self.config.compile, device, sharded))
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:
