@@ -173,7 +173,8 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
     runs = {run["variant"]: run for run in report["runs"]}
     assert runs["partial"]["args"] == "--data.over_provision 2.0" and runs["default"]["args"] == ""
     for run in runs.values():
-        assert run["steps"] == 3 and 0 < run["rollout_s"] < run["step_s"] < run["wall_s"]
+        # medians of different series (step gaps, rollout times): on a busy machine one may pass the other
+        assert run["steps"] == 3 and run["rollout_s"] > 0 and 0 < run["step_s"] < run["wall_s"]
         assert run["update_s"] == pytest.approx(run["step_s"] - run["rollout_s"])
         assert 0.0 <= run["val_accuracy"] <= 1.0 and run["val_accuracy_curve"][-1][1] == run["val_accuracy"]
     assert runs["default"]["rollout/carried_samples"] is None  # logged only with partial rollouts on

@@ -8,6 +8,13 @@
         --lengths tools/data/smollm2_gsm_symbolic_lengths.json --strategies full,continuous,infinite,micro \
         --predictors oracle --json runs/paper_gpu.json          # any GPU, offline: random weights, replayed lengths
 
+    python -m tools.bench_rollout --model smollm2 --tokens tools/data/tokens/smollm2_demo_task_base.json.gz \
+        --strategies continuous,infinite --predictors oracle,online     # the recorded tokens, prompts and cap
+
+Replays (``config.replay``): ``--lengths FILE`` forces the recorded lengths (any ``tools/recordings.py`` recording);
+``--tokens FILE`` makes every sample emit its recorded tokens after the recording's prompts (so hidden states and
+probes see what they saw live); the recording's ``meta.max_new_tokens`` is ``--max-new-tokens``' default and ceiling.
+
 Every repeat runs every strategy once, in turn, so a slow patch of a noisy machine hits all of them alike; the
 JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures:
 decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
@@ -45,7 +52,6 @@ hf_generate_chunked = the same over chunks of g rows; hf_generate_batch = transf
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -57,6 +63,7 @@ from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
 from tools import harness, roofline
+from tools.recordings import Replay, read_recording
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
@@ -68,8 +75,9 @@ FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_ste
 
 
 # ----------------------------------------------------------------------------------------------- runners
-def run_engine(engine: RolloutEngine, prompts, lengths) -> tuple[dict, list[list[int]]]:
-    result = engine.generate(prompts, lengths=lengths)
+def run_engine(engine: RolloutEngine, prompts, replay: dict) -> tuple[dict, list[list[int]]]:
+    """One rollout; ``replay``: ``generate``'s ``lengths=`` or ``tokens=`` (empty: sampled freely)."""
+    result = engine.generate(prompts, **replay)
     engine.release()  # the next run's peak memory must not hold this engine's cache
     stats = result.stats
     record = stats.scalars()
@@ -162,10 +170,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the model runs (default: cuda when available)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="paper: B 1, G 32, g 8, 1024 tokens, gsm_symbolic")
-    parser.add_argument("--prompts", type=int, help="B, prompts per rollout (default 4, or the --lengths file's)")
-    parser.add_argument("--group-size", type=int, help="G (default 16, or the --lengths file's)")
+    parser.add_argument("--prompts", type=int, help="B, prompts per rollout (default 4, or the replayed file's)")
+    parser.add_argument("--group-size", type=int, help="G (default 16, or the replayed file's)")
     parser.add_argument("--micro-group-size", type=int, default=4, help="g, concurrent slots")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="the length cap (default 128, or the --tokens recording's; never above the latter)")
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
                         help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
     parser.add_argument("--predictors", default="online",
@@ -173,10 +182,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "error of spread S in log-length, seeded by --seed; replay only)")
     parser.add_argument("--refills", default="", help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
-                        help="rollouts each infinite engine runs before the measured repeats (predictor warm-up)")
+                        help="rollouts each infinite engine runs before the measured repeats (predictor warm-up), "
+                             "on other prompts: a replay's next B (a length set of only B repeats them), else "
+                             "fresh ones of the task (seed + 1)")
     parser.add_argument("--lengths", type=Path,
-                        help='JSON {"lengths": [[L, ...] per prompt]}: replay; sets B and G, or a given (or preset) '
-                             'B and G take the first B prompts and their first G samples')
+                        help='a recording (tools/recordings.py) or JSON {"lengths": [[L, ...] per prompt]}: replay '
+                             'its lengths; sets B and G, or a given (or preset) B and G take the first B prompts '
+                             'and their first G samples')
+    parser.add_argument("--tokens", type=Path,
+                        help="a token recording (.json or .json.gz, tools.record_lengths --tokens): replay its "
+                             "prompts and completions; B and G as for --lengths")
     parser.add_argument("--task", help="reasoning-gym task for the prompts, or 'synthetic' (default: "
                                        "basic_arithmetic; synthetic for random:NAME models)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -191,10 +206,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.tokens and args.lengths:
+        parser.error("--tokens and --lengths are two replays: give one (a token replay forces its lengths too)")
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             if key != "task" or args.task is None:
                 setattr(args, key, value)
+    if args.max_new_tokens is None and not args.tokens:
+        args.max_new_tokens = 128  # with --tokens, the recording's cap (read_replay)
     args.task = harness.default_task(args.model, args.task)
     args.strategies = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
@@ -208,8 +227,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_runners(args, model, tokenizer, prompts, lengths):
-    """(label, extra record fields, callable) for every measured run of a repeat."""
+def build_runners(args, model, tokenizer, rollout):
+    """(label, extra record fields, callable) for every measured run of a repeat. ``rollout(i)``: the prompts and
+    replay keywords (see run_engine) of rollout i, 0 the measured one, i > 0 an infinite engine's warm-up."""
+    prompts, replay = rollout(0)
     G, g, eos = args.group_size, args.micro_group_size, None
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -223,8 +244,9 @@ def build_runners(args, model, tokenizer, prompts, lengths):
                     for refill in args.refills.split(",") if args.refills else [None]:
                         scheduler = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
                         engine = RolloutEngine(model, tokenizer, strategy="infinite", **options, **scheduler)
-                        for _ in range(args.warmup_rollouts):
-                            engine.generate(prompts, lengths=lengths)
+                        for i in range(1, args.warmup_rollouts + 1):
+                            warmup_prompts, warmup_replay = rollout(i)
+                            engine.generate(warmup_prompts, **warmup_replay)
                         engine.release()
                         # the predictor keeps what it learned, but the measured rollouts draw the same random streams
                         # as the other strategies' (keyed by rollout index), so identical_fraction compares like
@@ -232,15 +254,16 @@ def build_runners(args, model, tokenizer, prompts, lengths):
                         engine.rollout_index = 0
                         fields = {"predictor": predictor, "refill": engine.scheduler.refill.name, "compile": compile_}
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
-                        runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, lengths)))
+                        runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, replay)))
             elif strategy in OUR_STRATEGIES:
                 engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
                 eos = set(engine.eos_token_ids)
                 label = f"{strategy}[{tag}]" if tag else strategy
-                runners.append((label, {"compile": compile_}, lambda e=engine: run_engine(e, prompts, lengths)))
+                runners.append((label, {"compile": compile_}, lambda e=engine: run_engine(e, prompts, replay)))
     eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
-    if lengths is not None and any(s in HF_STRATEGIES for s in args.strategies):
-        raise SystemExit("--lengths replays forced lengths inside lit_grpo's engine; drop the hf_* strategies")
+    if replay and any(s in HF_STRATEGIES for s in args.strategies):
+        raise SystemExit(f"--{next(iter(replay))} replays inside lit_grpo's engine; drop the hf_* strategies "
+                         f"{[s for s in args.strategies if s in HF_STRATEGIES]}")
     for strategy in args.strategies:
         if strategy == "hf_generate":
             runners.append((strategy, {}, lambda: run_hf_generate(model, tokenizer, prompts, G, None, args, eos)))
@@ -257,19 +280,27 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     torch.manual_seed(args.seed)
+    recording = read_replay(args)
     model, tokenizer = harness.load_policy(args.model, args.dtype, args.device)
-    lengths = None
-    if args.lengths:
-        recorded = json.loads(args.lengths.read_text())["lengths"]
-        args.prompts = args.prompts or len(recorded)
-        args.group_size = args.group_size or len(recorded[0])
-        if args.prompts > len(recorded) or args.group_size > len(recorded[0]):
-            raise SystemExit(f"--lengths file holds {len(recorded)} prompts x {len(recorded[0])} samples; "
-                             f"asked for B={args.prompts}, G={args.group_size}")
-        lengths = [row[: args.group_size] for row in recorded[: args.prompts]]
     args.prompts, args.group_size = args.prompts or 4, args.group_size or 16
-    prompts = harness.task_prompts(tokenizer, args.task, args.prompts, args.seed)
-    runners = build_runners(args, model, tokenizer, prompts, lengths)
+    B = args.prompts
+    task_prompts = harness.task_prompts(tokenizer, args.task, B, args.seed)
+    # Warm-up rollouts run other prompts than the measured one (a replay's next ones; fresh ones of the task,
+    # drawn with the next seed), so no predictor is measured on samples it learned from.
+    warmup_prompts = (harness.task_prompts(tokenizer, args.task, B * args.warmup_rollouts, args.seed + 1)
+                      if args.warmup_rollouts and recording is None else [])
+
+    def rollout(i: int) -> tuple[list[list[int]], dict]:
+        if recording is not None:
+            try:
+                prompts, replay = recording.rollout(i)
+            except ValueError as error:
+                raise SystemExit(f"--{recording.kind}: {error}") from None
+            return prompts or task_prompts, replay
+        return (task_prompts if i == 0 else warmup_prompts[(i - 1) * B: i * B]), {}
+
+    prompts, replay = rollout(0)
+    runners = build_runners(args, model, tokenizer, rollout)
     # One short untimed rollout first, so one-time kernel and allocator set-up is charged to no strategy.
     RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=args.seed).generate(prompts[:1])
     if model.device.type == "cuda":
@@ -297,18 +328,18 @@ def main(argv=None) -> dict:
                   f"kv={record['peak_kv_bytes']} util={record['slot_utilization']}", file=sys.stderr, flush=True)
 
     machine = roofline.measure_machine(model.device, model.dtype)
-    prefill_floor = _prefill_floor(model.config, model.dtype, prompts, machine)
+    prefill_floor = roofline.prefill_floor(model.config, model.dtype, prompts, machine)
     for records in repeats.values():
         for record in records:
-            _add_roofline(record, model.config, model.dtype, machine, prefill_floor)
+            roofline.add_to_record(record, model.config, model.dtype, machine, prefill_floor)
     runs = []
     for records in repeats.values():
         run = harness.median_record(records, FIELDS)
-        _add_roofline(run, model.config, model.dtype, machine, prefill_floor)  # the floor of the median context
+        roofline.add_to_record(run, model.config, model.dtype, machine, prefill_floor)  # the floor of the median context
         runs.append(run)
     device = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
               else f"cpu ({torch.get_num_threads()} threads)")
-    config = harness.config_record(args, model=harness.resolve_model(args.model),
+    config = harness.config_record(args, model=harness.resolve_model(args.model), replay=next(iter(replay), None),
                                    weights_bytes=harness.weights_bytes(model), device=device,
                                    dtype=str(model.dtype).removeprefix("torch."), roofline=machine)
     report = {"config": config, "runs": runs}
@@ -317,28 +348,28 @@ def main(argv=None) -> dict:
     return report
 
 
-def _prefill_floor(model_config, dtype, prompts: list[list[int]], machine: dict) -> tuple[float, str] | None:
-    """``(ms per prefill token, bound)`` at the floor: each prompt's one prefill forward of its first P - 1 tokens
-    (the engine's), floors summed over the prompts, divided by their tokens; None when no prompt has a prefix."""
-    forwards = [len(p) - 1 for p in prompts if len(p) > 1]
-    if not forwards:
+def read_replay(args) -> Replay | None:
+    """The ``--tokens`` or ``--lengths`` recording as a ``Replay`` (None: no replay), setting ``args.prompts``,
+    ``args.group_size`` and (--tokens) ``args.max_new_tokens`` from the file unless given."""
+    if not (args.tokens or args.lengths):
         return None
-    floors = [roofline.floor_ms(roofline.prefill_cost(model_config, tokens, dtype), machine) for tokens in forwards]
-    bounds = [bound for _, bound in floors]
-    return sum(ms for ms, _ in floors) / sum(forwards), max(set(bounds), key=bounds.count)
-
-
-def _add_roofline(record: dict, model_config, dtype, machine: dict, prefill_floor: tuple[float, str] | None) -> None:
-    """Fill a record's floor and ratio fields (module docstring) from its rows, mean context and timings."""
-    record["floor_ms_per_step"] = record["floor_bound"] = None
-    if record.get("decode_steps") and record.get("mean_context") and record.get("num_slots"):
-        cost = roofline.decode_step_cost(model_config, int(record["num_slots"]), record["mean_context"], dtype)
-        record["floor_ms_per_step"], record["floor_bound"] = roofline.floor_ms(cost, machine)
-    record["roofline_ratio"] = roofline.ratio(record.get("ms_per_step"), record["floor_ms_per_step"])
-    timed = record.get("prefill_ms_per_token") is not None and prefill_floor is not None
-    record["prefill_floor_ms_per_token"], record["prefill_floor_bound"] = prefill_floor if timed else (None, None)
-    record["prefill_roofline_ratio"] = roofline.ratio(record.get("prefill_ms_per_token"),
-                                                      record["prefill_floor_ms_per_token"])
+    flag, path = ("--tokens", args.tokens) if args.tokens else ("--lengths", args.lengths)
+    try:
+        record = read_recording(path)
+        lengths = record["lengths"]
+        args.prompts, args.group_size = args.prompts or len(lengths), args.group_size or len(lengths[0])
+        replay = Replay(record, flag[2:], args.prompts, args.group_size)
+    except ValueError as error:
+        raise SystemExit(f"{flag} {path}: {error}") from None
+    if args.tokens:
+        cap = (record.get("meta") or {}).get("max_new_tokens")
+        if not isinstance(cap, int):
+            raise SystemExit(f"--tokens {path}: its meta has no max_new_tokens (the cap it was recorded under)")
+        args.max_new_tokens = cap if args.max_new_tokens is None else args.max_new_tokens
+        if args.max_new_tokens > cap:
+            raise SystemExit(f"--max-new-tokens {args.max_new_tokens} is above the --tokens recording's cap "
+                             f"max_new_tokens={cap}: its truncated samples hold no tokens past {cap}")
+    return replay
 
 
 def _print_table(runs: list[dict]) -> None:

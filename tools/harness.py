@@ -81,32 +81,44 @@ def default_task(model: str, task: str | None, real_task: str = "basic_arithmeti
 
 
 def load_policy(model: str, dtype: str | None = None, device: str | None = None):
-    """``(model in eval mode, tokenizer)`` for ``--model model``."""
+    """``(model in eval mode, tokenizer)`` for ``--model model``; a training checkpoint (``*.ckpt``) gives its
+    trained policy."""
     from lit_grpo.runtime.models import load_model_and_tokenizer
 
+    if model.endswith(".ckpt"):
+        from lit_grpo.export import policy_from_checkpoint
+
+        policy, tokenizer, _ = policy_from_checkpoint(model)
+        import torch
+
+        policy = policy.to(device=device, dtype=getattr(torch, dtype) if dtype else None)
+        return policy.eval(), tokenizer
     policy, tokenizer = load_model_and_tokenizer(resolve_model(model), dtype=dtype, device=device)
     return policy.eval(), tokenizer
 
 
 # ------------------------------------------------------------------------------------------------ prompts
-def task_examples(task: str, count: int, seed: int):
+def task_examples(task: str, count: int, seed: int, task_config: dict | None = None):
     """``count`` PromptExamples: reasoning-gym's ``task``, or ``"synthetic"``: sums of two random three-digit
     numbers with their answers, drawn from ``random.Random(seed)``."""
     from lit_grpo.rollout.prompts import PromptExample, reasoning_gym_prompts
 
     if task != SYNTHETIC:
-        return reasoning_gym_prompts(task, count, seed)
+        return reasoning_gym_prompts(task, count, seed, task_config)
     rng = random.Random(seed)
     pairs = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(count)]
     return [PromptExample(f"What is {a} + {b}? Think step by step, then give the final answer.", str(a + b))
             for a, b in pairs]
 
 
-def task_prompts(tokenizer: Any, task: str, count: int, seed: int) -> list[list[int]]:
-    """The token ids of :func:`task_examples`, each prompt rendered through the chat template as training does."""
+def task_prompts(tokenizer: Any, task: str, count: int, seed: int, task_config: dict | None = None,
+                 system_prompt: str | None = None) -> list[list[int]]:
+    """The token ids of :func:`task_examples` (``task_config``: the reasoning-gym task's settings), each prompt
+    rendered through the chat template as training does."""
     from lit_grpo.rollout.prompts import render_prompt
 
-    return [render_prompt(tokenizer, example.prompt) for example in task_examples(task, count, seed)]
+    return [render_prompt(tokenizer, example.prompt, system_prompt)
+            for example in task_examples(task, count, seed, task_config)]
 
 
 # ------------------------------------------------------------------------------------------------ records

@@ -324,3 +324,27 @@ def ratio(measured: float | None, floor: float | None) -> float | None:
     if measured is None or not floor or math.isnan(floor):
         return None
     return measured / floor
+
+
+def prefill_floor(model_config, dtype, prompts: list[list[int]], machine: dict) -> tuple[float, str] | None:
+    """``(ms per prefill token, bound)`` at the floor: each prompt's one prefill forward of its first P - 1 tokens
+    (the engine's), floors summed over the prompts, divided by their tokens; None when no prompt has a prefix."""
+    forwards = [len(p) - 1 for p in prompts if len(p) > 1]
+    if not forwards:
+        return None
+    floors = [floor_ms(prefill_cost(model_config, tokens, dtype), machine) for tokens in forwards]
+    bounds = [bound for _, bound in floors]
+    return sum(ms for ms, _ in floors) / sum(forwards), max(set(bounds), key=bounds.count)
+
+
+def add_to_record(record: dict, model_config, dtype, machine: dict, prefill: tuple[float, str] | None) -> None:
+    """Fill a ``tools.bench_rollout`` record's floor and ratio fields (its docstring) from its rows, mean context
+    and timings."""
+    record["floor_ms_per_step"] = record["floor_bound"] = None
+    if record.get("decode_steps") and record.get("mean_context") and record.get("num_slots"):
+        cost = decode_step_cost(model_config, int(record["num_slots"]), record["mean_context"], dtype)
+        record["floor_ms_per_step"], record["floor_bound"] = floor_ms(cost, machine)
+    record["roofline_ratio"] = ratio(record.get("ms_per_step"), record["floor_ms_per_step"])
+    timed = record.get("prefill_ms_per_token") is not None and prefill is not None
+    record["prefill_floor_ms_per_token"], record["prefill_floor_bound"] = prefill if timed else (None, None)
+    record["prefill_roofline_ratio"] = ratio(record.get("prefill_ms_per_token"), record["prefill_floor_ms_per_token"])

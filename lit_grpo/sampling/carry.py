@@ -45,6 +45,8 @@ class GroupProgress:
             keyed by it, so a carried sample continues the stream it started.
         forced_lengths: ``[G]`` replayed completion lengths, or None.
         tag: the caller's own data (the prompt's answer, its staleness); the engine only carries it along.
+        forced_tokens: ``[G]`` replayed completions (token replay), each ``forced_lengths[k]`` tokens long, or
+            None. A carried sample emits them on from ``len(tokens)``.
     """
 
     prompt_ids: list[int]
@@ -52,6 +54,7 @@ class GroupProgress:
     stream: tuple[int, int]
     forced_lengths: list[int] | None = None
     tag: Any = None
+    forced_tokens: list[list[int]] | None = None
 
     @property
     def complete(self) -> bool:

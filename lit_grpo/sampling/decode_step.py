@@ -12,7 +12,8 @@ One step, all on the device, no host round trip until the end:
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column;
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
-   inverse-CDF sampling;
+   inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
+   rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
 4. the advance: the sampled token becomes the row's next input, running rows' lengths and token counts grow by 1.
 
 Then ``step`` copies the tokens, their log-probs and, when asked, some rows' last hidden states to the host with
@@ -42,7 +43,7 @@ import torch
 
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
-from lit_grpo.sampling.token_sampler import force_lengths, sample_tokens
+from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample_tokens
 
 #: Eager forwards before a capture, so lazy initialisations (cuBLAS handles and workspaces, autocast state) happen
 #: outside the graph: two before the first capture on a device, one before later ones (those are process-wide).
@@ -57,6 +58,9 @@ class StepSettings:
     Attributes:
         temperature, top_k, top_p: sampling (temperature 0: greedy).
         force_lengths: replay recorded lengths (``RolloutEngine.generate(lengths=...)``).
+        force_tokens: replay recorded tokens (``RolloutEngine.generate(tokens=...)``). Their lengths end the
+            samples (the loop ends a sample at its last recorded token), so the logits stay untouched and each
+            token's log-prob is the free run's; hence not with ``force_lengths``.
         hidden_states: also keep each row's last hidden state (for a length predictor's checkpoint).
         cuda_graph: capture and replay a CUDA graph (CUDA only).
         compile: run the step compiled by ``torch.compile`` (``resolve_compile``); with ``cuda_graph`` the compiled
@@ -70,6 +74,12 @@ class StepSettings:
     hidden_states: bool
     cuda_graph: bool
     compile: bool = False
+    force_tokens: bool = False
+
+    def __post_init__(self):
+        if self.force_lengths and self.force_tokens:
+            raise ValueError("StepSettings: force_lengths and force_tokens are exclusive (a token replay's lengths "
+                             "are its tokens'; forcing EOS would change the log-probs it reports)")
 
 
 @dataclass
@@ -90,6 +100,9 @@ class DecodeStep:
         cache: the slot cache the step reads and writes.
         settings: see ``StepSettings``.
         eos_token_ids: stop tokens (for forced lengths).
+
+    With ``settings.force_tokens`` the rows' recorded tokens live in ``forced_tokens``, ``[slots, width]`` int64:
+    a row holds ``P - 1 + L`` positions of the cache's ``width``, so its L tokens always fit.
     """
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, settings: StepSettings,
@@ -107,9 +120,10 @@ class DecodeStep:
         self.sample_index = torch.zeros(slots, **long)
         self.token_index = torch.zeros(slots, **long)     # ... and of its next token
         self.forced_length = torch.zeros(slots, **long)   # replay: the sample's recorded length (0: free)
+        self.forced_tokens = torch.zeros(slots, width, **long) if settings.force_tokens else None
         self.seed = torch.zeros((), **long)
         self.columns = torch.arange(width, **long)
-        self.is_eos = torch.zeros(_vocab_size(model), dtype=torch.bool, device=device)
+        self.is_eos = torch.zeros(vocab_size(model), dtype=torch.bool, device=device)
         self.is_eos[torch.tensor(eos_token_ids, device=device)] = True
         self.mask_value = torch.finfo(cache.layers[0].dtype).min
         # Static outputs (written by the step).
@@ -133,10 +147,15 @@ class DecodeStep:
         self.seed.fill_(seed)
 
     def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
-                  generated: int, next_input: int, forced_length: int = 0) -> None:
+                  generated: int, next_input: int, forced_length: int = 0,
+                  forced_tokens: Sequence[int] | None = None) -> None:
         """Run a sample in ``slot``: its cached positions are the ``kv`` parts in order (the prompt's prefix, then
         a resumed sample's tail); it has generated ``generated`` tokens and feeds ``next_input`` next. ``stream`` =
-        (rollout, prompt) keys its random stream with ``sample``."""
+        (rollout, prompt) keys its random stream with ``sample``. A replayed sample has its recorded length
+        (``forced_length``) and, in a token replay, all its recorded tokens (``forced_tokens``, from the first: it
+        emits token ``generated`` next)."""
+        if forced_tokens is not None:
+            self._write_forced_tokens(slot, forced_tokens, forced_length)
         length = 0
         for part in kv:
             length += self.cache.write_row(slot, length, part)
@@ -145,6 +164,18 @@ class DecodeStep:
         self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
         self.cache.lengths[slot] = length
         self.active[slot] = 1
+
+    def _write_forced_tokens(self, slot: int, tokens: Sequence[int], forced_length: int) -> None:
+        """Row ``slot``'s recorded tokens, zero-padded to the buffer's width."""
+        if self.forced_tokens is None:
+            raise RuntimeError("this decode step was built without force_tokens=True; it replays no tokens")
+        width = self.forced_tokens.shape[1]
+        if not 0 < forced_length <= min(len(tokens), width):
+            raise ValueError(f"a token replay's row needs 0 < forced_length <= min(recorded tokens, row width): "
+                             f"got forced_length={forced_length} for {len(tokens)} tokens, width {width}")
+        row = torch.zeros(width, dtype=torch.long)
+        row[:forced_length] = torch.as_tensor(list(tokens[:forced_length]), dtype=torch.long)
+        self.forced_tokens[slot].copy_(row)
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
         """A copy of the row's positions ``[start, stop)`` (a parked sample's tail)."""
@@ -198,7 +229,10 @@ class DecodeStep:
             logits = force_lengths(logits, self.token_index, self.forced_length, self.is_eos)
         uniforms = stream_uniforms(self.seed, self.stream_rollout, self.prompt_index, self.sample_index,
                                    self.token_index)
-        tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
+        if settings.force_tokens:
+            tokens, logprobs = self._replay(logits, uniforms)
+        else:
+            tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
         self.tokens.copy_(tokens)
         self.logprobs.copy_(logprobs)
         if settings.hidden_states:
@@ -206,6 +240,15 @@ class DecodeStep:
         self.input_ids.copy_(tokens.unsqueeze(1))
         lengths.add_(self.active)
         self.token_index.add_(self.active)
+
+    def _replay(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[slots]`` and log-probs ``[slots]`` of a token replay: each replayed row's recorded token at its
+        token index. Idle rows' indices may sit one past their last token: clamped, as they are ignored anyway."""
+        settings = self.settings
+        index = self.token_index.clamp(max=self.forced_tokens.shape[1] - 1).unsqueeze(1)     # [slots, 1]
+        forced = self.forced_tokens.gather(1, index).squeeze(1)                              # [slots]
+        return replay_tokens(logits, uniforms, forced, self.forced_length > 0, settings.temperature,
+                             settings.top_k, settings.top_p)
 
     def capture(self) -> None:
         """Warm up on a side stream, then capture ``_run`` into a CUDA graph (every row idle, see module doc);
@@ -260,7 +303,7 @@ class DecodeStep:
         self.graph = graph
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
+def vocab_size(model: torch.nn.Module) -> int:
     """Width of the logits: the output head's rows (the config's vocab_size when the head is not reachable)."""
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.get_text_config(decoder=True).vocab_size

@@ -25,6 +25,10 @@ completion of L tokens occupies its slot for exactly L steps (which makes ``lowe
 ``slot_utilization`` exact). A prompt's prefix is freed once its last sample has started (and no parked sample
 still needs it). A sample leaves its slot the step it emits EOS or reaches ``max_new_tokens``.
 
+Replays. ``lengths=`` forces each sample's length (EOS impossible before it, certain at it); ``tokens=`` makes each
+sample emit its recorded tokens (the model still runs every step, so hidden states, probes and predictors see what
+they saw live) and ends it where they end. Both fill ``RolloutWork.true_lengths``, which the oracle predictor reads.
+
 Schedule invariance. Token t of sample (p, k) is drawn by inverse-CDF sampling with a uniform that depends only on
 (seed, rollout index, p, k, t) (random_streams.py), and every decode step has the same shapes whatever runs in the
 other slots, so a row's arithmetic never depends on its neighbours: "micro", "continuous" and "infinite" with the
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from numbers import Integral
 from typing import Any, Sequence
 
 import torch
@@ -42,7 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
-from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile
+from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
@@ -124,24 +129,38 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                 lengths: Sequence[Sequence[int]] | None = None) -> RolloutResult:
+                 lengths: Sequence[Sequence[int]] | None = None, *,
+                 tokens: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
         """Sample G completions for every prompt.
 
         Args:
             prompts: ``[B]`` strings (tokenized with the tokenizer's defaults) or token-id lists.
             lengths: ``[B][G]`` forced completion lengths (replay): EOS is suppressed before and forced at step L.
+            tokens: ``[B][G]`` recorded completions (token replay): sample k of prompt p emits ``tokens[p][k]``
+                (its first ``max_new_tokens``), each with its log-prob under this engine's sampling settings; the
+                model runs every step as it would live. A recording without a final EOS ends at its last token,
+                truncated. Not with ``lengths`` (a token replay's lengths are its tokens').
         """
-        return self.generate_groups(self.new_groups(prompts, lengths))
+        # tokens= only when given: subclasses that override new_groups(prompts, lengths, tags) keep working
+        replay = {} if tokens is None else {"tokens": tokens}
+        return self.generate_groups(self.new_groups(prompts, lengths, **replay))
 
     def new_groups(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                   lengths: Sequence[Sequence[int]] | None = None, tags: Sequence | None = None
-                   ) -> list[GroupProgress]:
-        """Fresh groups for ``prompts`` (and forced ``lengths``), keyed to this engine's next rollout."""
+                   lengths: Sequence[Sequence[int]] | None = None, tags: Sequence | None = None, *,
+                   tokens: Sequence[Sequence[Sequence[int]]] | None = None) -> list[GroupProgress]:
+        """Fresh groups for ``prompts`` (and forced ``lengths`` or replayed ``tokens``), keyed to this engine's
+        next rollout."""
+        if lengths is not None and tokens is not None:
+            raise ValueError("give lengths= or tokens=, not both: a token replay's lengths are its tokens' lengths")
         prompt_ids = self._prompt_ids(prompts)
+        if tokens is not None:
+            tokens = self._check_tokens(tokens, len(prompt_ids))
+            lengths = [[len(row) for row in group] for group in tokens]
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
         return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)], (self.rollout_index, p),
-                              None if lengths is None else lengths[p], None if tags is None else tags[p])
+                              None if lengths is None else lengths[p], None if tags is None else tags[p],
+                              None if tokens is None else tokens[p])
                 for p, ids in enumerate(prompt_ids)]
 
     def generate_groups(self, groups: Sequence[GroupProgress], complete: int | None = None,
@@ -170,9 +189,10 @@ class RolloutEngine:
         settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
                                 self.rollout_index)
         forced = any(g.forced_lengths is not None for g in groups)
+        replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            _, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced=forced))
+            _, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced, replayed))
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
         result.stats.capture_s = step.capture_s if built else 0.0
@@ -260,7 +280,9 @@ class RolloutEngine:
             step.run_eagerly()
         return step
 
-    def _step_settings(self, forced: bool) -> StepSettings:
+    def _step_settings(self, forced: bool, replayed: bool) -> StepSettings:
+        """``forced``: some group has forced lengths; ``replayed``: recorded tokens (their lengths then need no
+        forced EOS)."""
         device = next(self.model.parameters()).device
         sharded = is_fsdp_sharded(self.model)
         graph = self.config.cuda_graph
@@ -269,8 +291,8 @@ class RolloutEngine:
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
-                            force_lengths=forced, hidden_states=self.scheduler.probe_tokens is not None,
-                            cuda_graph=bool(graph),
+                            force_lengths=forced and not replayed, force_tokens=replayed,
+                            hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
                             compile=resolve_compile(self.config.compile, device, sharded))
 
     # ------------------------------------------------------------------------------------------ validation
@@ -305,6 +327,39 @@ class RolloutEngine:
         if min(flat) < 1:
             raise ValueError(f"forced lengths must be >= 1, got {min(flat)}")
         return [[min(int(n), self.max_new_tokens) for n in row] for row in lengths]
+
+    def _check_tokens(self, tokens, num_prompts: int) -> list[list[list[int]]]:
+        """``tokens`` as ``[B][G]`` int lists, each cut to ``max_new_tokens``; a ValueError names what is wrong."""
+        shape = _shape(tokens)
+        if shape is None or len(shape) != num_prompts or any(n != self.group_size for n in shape):
+            raise ValueError(f"tokens must be [B={num_prompts}][G={self.group_size}] lists of token ids, got "
+                             f"{shape if shape is not None else type(tokens).__name__}")
+        vocab = min(self.model.get_input_embeddings().num_embeddings, vocab_size(self.model))
+        eos = set(self.eos_token_ids)
+        checked = []
+        for p, group in enumerate(tokens):
+            checked.append([])
+            for k, row in enumerate(group):
+                if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not row:
+                    raise ValueError(f"tokens[{p}][{k}] is {row!r:.40}; every replayed sample needs a non-empty "
+                                     "list of token ids")
+                for i, t in enumerate(row):
+                    if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab:
+                        raise ValueError(f"tokens[{p}][{k}][{i}] = {t!r} (prompt {p}, sample {k}); token ids are "
+                                         f"ints in [0, {vocab})")
+                    if t in eos and i < len(row) - 1:
+                        raise ValueError(f"tokens[{p}][{k}][{i}] = {t} is a stop token {sorted(eos)} before the "
+                                         f"end of its {len(row)} tokens; a sample ends at its first stop token")
+                checked[p].append([int(t) for t in row[:self.max_new_tokens]])
+        return checked
+
+
+def _shape(rows) -> list[int] | None:
+    """Lengths of the inner lists of a ``[B][G]`` nest (None when it is not one)."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        return None
+    inner = [len(row) if isinstance(row, Sequence) and not isinstance(row, (str, bytes)) else None for row in rows]
+    return None if None in inner else inner
 
 
 def _default_scheduler(config: SamplingConfig) -> Scheduler:

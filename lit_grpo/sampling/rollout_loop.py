@@ -59,8 +59,9 @@ class RolloutLoop:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, step: DecodeStep, settings: LoopSettings,
                  groups: list[GroupProgress], complete: int | None = None, finish: frozenset[int] = frozenset()):
         self.model, self.scheduler, self.decode_step, self.settings = model, scheduler, step, settings
-        self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag)
-                       for g in groups]
+        self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag,
+                                     g.forced_tokens) for g in groups]
+        _check_replay(self.groups)
         self.complete = len(groups) if complete is None else complete
         self.must_finish = finish
         self.G = settings.group_size
@@ -71,6 +72,9 @@ class RolloutLoop:
         self.decode_step.start_rollout(settings.seed)
 
         self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
+        # A sample ends on EOS or at its limit: the cap, or its replayed length (a truncated token recording ends
+        # there without EOS).
+        self.limits = {(p, k): _limit(self.groups[p], k, settings.max_new_tokens) for p, k in self.samples}
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
         self.unfinished = [sum(not s.done for s in g.samples) for g in self.groups]
         self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order
@@ -119,8 +123,10 @@ class RolloutLoop:
                     sample.parked_tail = self._prefill_tail(p, sample.tokens)
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
             forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
+            recorded = group.forced_tokens[k] if group.forced_tokens is not None else None
             self.decode_step.start_row(slot, (self.prefixes[p], sample.parked_tail), stream=group.stream, sample=k,
-                                generated=len(sample.tokens), next_input=next_input, forced_length=forced)
+                                       generated=len(sample.tokens), next_input=next_input, forced_length=forced,
+                                       forced_tokens=recorded)
             sample.parked_tail = None
         self._release_unused_prefixes()
         self._record_memory()
@@ -130,14 +136,14 @@ class RolloutLoop:
         out = self._out = self.decode_step.step(probing)
         self.stats.forward_s += time.perf_counter() - start
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
-        eos, cap, version = self.settings.eos_token_ids, self.settings.max_new_tokens, self.settings.rollout_index
+        eos, version = self.settings.eos_token_ids, self.settings.rollout_index
         ended = []
         for slot, key in rows:
             token, progress = out.tokens[slot], self.samples[key].progress
             progress.tokens.append(token)
             progress.logprobs.append(out.logprobs[slot])
             progress.versions.append(version)
-            ended.append(token in eos or len(progress.tokens) >= cap)
+            ended.append(token in eos or len(progress.tokens) >= self.limits[key])
         return ended
 
     def feature(self, slot: int, key: SampleKey) -> torch.Tensor:
@@ -259,6 +265,27 @@ class RolloutLoop:
             tags=[g.tag for g in groups],
             carried=[g for p, g in enumerate(self.groups) if p not in chosen],
         )
+
+
+def _check_replay(groups: list[GroupProgress]) -> None:
+    """A rollout replays tokens for every group or for none, and each group's recorded tokens cover its lengths."""
+    replayed = [g.forced_tokens is not None for g in groups]
+    if any(replayed) and not all(replayed):
+        raise ValueError(f"forced tokens must be given for every group of a rollout or for none; groups "
+                         f"{[p for p, r in enumerate(replayed) if not r]} of {len(groups)} have none")
+    for p, g in enumerate(groups):
+        if g.forced_tokens is None:
+            continue
+        sizes = [len(t) for t in g.forced_tokens]
+        if g.forced_lengths is None or len(sizes) != len(g.forced_lengths) or any(
+                not 0 < n <= size for n, size in zip(g.forced_lengths, sizes)):
+            raise ValueError(f"group {p}: forced_lengths {g.forced_lengths} must give each replayed sample a length "
+                             f"in [1, its recorded tokens]; the recorded tokens have {sizes}")
+
+
+def _limit(group: GroupProgress, k: int, cap: int) -> int:
+    """Tokens sample k of ``group`` may generate: its replayed length, if any, within the cap."""
+    return cap if group.forced_lengths is None else min(group.forced_lengths[k], cap)
 
 
 def _copy(sample: SampleProgress) -> SampleProgress:

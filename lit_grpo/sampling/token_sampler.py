@@ -1,4 +1,5 @@
-"""Turning next-token logits into tokens: temperature, top-k, top-p, forced lengths, and the sampling log-probs.
+"""Turning next-token logits into tokens: temperature, top-k, top-p, forced lengths, replayed tokens, and the
+sampling log-probs.
 
 Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
 runs inside the decode step's CUDA graph.
@@ -48,14 +49,40 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
         tokens ``[n]`` int64 and their log-probs ``[n]`` float32 under the distribution they were drawn from
         (after temperature and filtering; for greedy, the untempered softmax).
     """
+    tokens, logprobs = _draw(logits, uniforms, temperature, top_k, top_p)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def replay_tokens(logits: torch.Tensor, uniforms: torch.Tensor, forced: torch.Tensor, replaying: torch.Tensor,
+                  temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Emit recorded tokens: each replaying row's token is ``forced``, with its log-prob under the distribution
+    ``sample_tokens`` draws from. The other rows draw as ``sample_tokens`` does.
+
+    Every row still draws (and ignores the draw when replaying), so a replay runs the sampler's own arithmetic
+    and needs no other shape.
+
+    Args:
+        logits: ``[n, V]`` raw next-token logits.
+        uniforms: ``[n]`` float64 in (0, 1).
+        forced: ``[n]`` int64 recorded token of each row, in ``[0, V)``.
+        replaying: ``[n]`` bool, the rows that emit ``forced``.
+        temperature, top_k, top_p: as for ``sample_tokens``.
+    Returns:
+        tokens ``[n]`` int64 and their log-probs ``[n]`` float32 (-inf for a recorded token the filters exclude).
+    """
+    drawn, logprobs = _draw(logits, uniforms, temperature, top_k, top_p)
+    tokens = torch.where(replaying, forced, drawn)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int,
+          top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[n]`` drawn from ``logits`` ``[n, V]`` and the ``[n, V]`` float32 log-probs they were drawn from."""
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    logits = filter_logits(logits / temperature, top_k, top_p)
-    logprobs = torch.log_softmax(logits, -1)
-    tokens = inverse_cdf(logprobs.exp(), uniforms.to(logits.device))
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return logits.argmax(-1), torch.log_softmax(logits, -1)
+    logprobs = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), -1)
+    return inverse_cdf(logprobs.exp(), uniforms.to(logits.device)), logprobs
 
 
 #: Tokens per block of ``inverse_cdf``'s first level.
