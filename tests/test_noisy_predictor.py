@@ -82,7 +82,8 @@ def test_noisy_zero_schedules_as_the_oracle():
     ("noisy:abc", r"length predictor 'noisy:abc': S='abc'.*finite number >= 0"),
     ("noisy:-0.5", r"S='-0.5'.*>= 0"),
     ("noisy:nan", r"S='nan'"),
-    ("oracle:0.5", r"length predictor='oracle:0.5' is not known; use one of \['online', 'history', 'oracle', 'noisy:S"),
+    ("oracle:0.5", r"length predictor='oracle:0.5' is not known; use one of \['online', 'history', 'group', 'oracle', "
+                   r"'noisy:S"),
 ])
 def test_bad_names_are_named_with_what_is_allowed(name, message):
     with pytest.raises(ValueError, match=message):

@@ -30,8 +30,9 @@ class InfiniteSchedulerConfig:
 
     Attributes:
         predictor: length predictor: "online" (token-conditioned, learned from finished rollouts), "history"
-            (per prompt), "oracle" (true lengths; replay only), "noisy:S" (the oracle with log-normal error of
-            spread S; replay only); or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
+            (per prompt), "group" (the finished siblings in this rollout), "oracle" (true lengths; replay only),
+            "noisy:S" (the oracle with log-normal error of spread S; replay only), names joined by "+" (combined,
+            e.g. "online+group"); or a :class:`~lit_grpo.scheduling.predictors.LengthPredictor`.
         refill: which job a freed slot runs: "lpt" (longest first; the measured default), "sjf", "fifo"; or a
             :class:`~lit_grpo.scheduling.refill.RefillPolicy`.
         grouping: the global plan: "fptas", "lpt", "kk" (Karmarkar-Karp); or a function

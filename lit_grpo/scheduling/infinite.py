@@ -31,7 +31,8 @@ Default refill: "lpt" (a slot runs its longest, most uncertain job first, so an 
 remain to absorb it; SJF leaves long jobs and their errors for the tail).
 
 Metrics from ``end``: ``length_pred_kendall_tau`` and ``length_pred_smape`` of the last prediction made for each
-sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info``.
+sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info`` (with
+``length_pred_log_rmse``, the root-mean-square log error of the same predictions).
 
 State: the settings (``config``), the predictor and the trust live across rollouts; everything a rollout plans with
 lives in one ``_RolloutState`` made by ``begin``; which sample runs where, which are parked and how far each got is
@@ -41,6 +42,7 @@ the base Scheduler's record.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,8 +231,11 @@ class InfiniteScheduler(Scheduler):
         predicted, true = [p for p, _ in scored], [t for _, t in scored]
         metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true), "length_pred_smape": smape(predicted, true)}
         stats = now.planner.stats
+        log_errors = [math.log(max(p, 1e-9) / max(t, 1)) ** 2 for p, t in scored]
+        log_rmse = math.sqrt(sum(log_errors) / len(log_errors)) if log_errors else math.nan
         self.last_info = {
-            **metrics, "parked_samples": self.parked_samples, "peak_parked": self.peak_parked,
+            **metrics, "length_pred_log_rmse": log_rmse, "parked_samples": self.parked_samples,
+            "peak_parked": self.peak_parked,
             "max_parked": now.max_parked, "replans": stats.replans, "forced": stats.forced,
             "plan_seconds": stats.plan_seconds, "steals": stats.steals, "parking": float(now.parking),
             "prompt_trust": self.trust["prompt"].rho_low, "probe_trust": self.trust["probe"].rho_low,

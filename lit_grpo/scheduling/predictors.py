@@ -7,6 +7,10 @@ given each sample's hidden state after its first k tokens, and learns from the l
   states (prompt feature, and the latest token's hidden state after k tokens), trained online from every finished
   sample with exponential forgetting, so it follows the policy as it drifts. No second model.
 - :class:`HistoryLengthPredictor`: per-prompt mean log length (prompts recur across epochs), global fallback.
+- :class:`~lit_grpo.scheduling.group_predictor.GroupLengthPredictor` (``"group"``): the shrunk mean of a sample's
+  siblings that finished in this rollout (group context).
+- :class:`~lit_grpo.scheduling.combined_predictor.CombinedLengthPredictor` (``"online+group"``, any parts joined
+  by ``+``): the parts' log predictions stacked with learned weights.
 - :class:`OracleLengthPredictor`: the true lengths of a forced-length replay, for benchmarks.
 - :class:`NoisyOraclePredictor` (``"noisy:S"``): the oracle with log-normal error of spread S, for the curve of
   decode steps against prediction error.
@@ -26,6 +30,7 @@ token-conditioned one (on ``ridge.py``); ``lognormal.py`` the length model; ``pr
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
@@ -35,12 +40,16 @@ import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
+from lit_grpo.scheduling.combined_predictor import CombinedLengthPredictor
+from lit_grpo.scheduling.group_predictor import GroupLengthPredictor
 from lit_grpo.scheduling.lognormal import PRIOR_LOG_STD, PrequentialError, expected_length, prior_log_length
 from lit_grpo.scheduling.online_predictor import OnlineLengthPredictor
 from lit_grpo.scheduling.prediction_metrics import kendall_tau, smape
 
 __all__ = [
     "PRIOR_LOG_STD",
+    "CombinedLengthPredictor",
+    "GroupLengthPredictor",
     "HistoryLengthPredictor",
     "LengthPredictor",
     "NoisyOraclePredictor",
@@ -277,20 +286,32 @@ def check_spread(value: object, name: str = "noisy predictor log_std") -> float:
     return spread
 
 
-#: The predictors named without an argument; "noisy:S" is the oracle with log-length error of spread S.
-PredictorName = Literal["online", "history", "oracle"]
-PREDICTORS = dict(zip((*get_args(PredictorName), "noisy"),
-                      (OnlineLengthPredictor, HistoryLengthPredictor, OracleLengthPredictor, NoisyOraclePredictor)))
+#: The predictors named without an argument; "noisy:S" is the oracle with log-normal error of spread S, and names
+#: joined by "+" (e.g. "online+group") combine predictors.
+PredictorName = Literal["online", "history", "group", "oracle"]
+PREDICTORS = dict(zip((*get_args(PredictorName), "noisy"), (OnlineLengthPredictor, HistoryLengthPredictor,
+                                                           GroupLengthPredictor, OracleLengthPredictor,
+                                                           NoisyOraclePredictor)))
 #: How each name is written where a string is expected (configs, --predictors).
-PREDICTOR_NAMES = (*get_args(PredictorName), "noisy:S (S >= 0, e.g. noisy:0.25)")
+PREDICTOR_NAMES = (*get_args(PredictorName), "noisy:S (S >= 0, e.g. noisy:0.25)",
+                   "NAME+NAME (combined, e.g. online+group)")
 
 
 def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, dict]:
-    """``(registry name, constructor kwargs)`` of a predictor name: "online" | "history" | "oracle" | "noisy:S"
-    (bare "noisy" only when ``spread_given``: the spread comes as a keyword); a ValueError naming the bad name and
-    what is allowed otherwise."""
+    """``(registry name, constructor kwargs)`` of a predictor name: "online" | "history" | "group" | "oracle" |
+    "noisy:S" (bare "noisy" only when ``spread_given``: the spread comes as a keyword) | parts joined by "+"
+    (``("combined", {"parts": [names]})``); a ValueError naming the bad name and what is allowed otherwise."""
     if not isinstance(name, str):
         raise ValueError(f"length predictor {name!r} must be a name; allowed: {', '.join(PREDICTOR_NAMES)}")
+    if "+" in name:
+        parts = name.split("+")
+        for part in parts:
+            if "+" in part or not part:
+                raise ValueError(f"length predictor {name!r}: empty part; join names with single '+'")
+            parse_predictor_name(part)
+        if len(set(parts)) != len(parts):
+            raise ValueError(f"length predictor {name!r} names a part twice")
+        return "combined", {"parts": parts}
     base, colon, argument = name.partition(":")
     if base == "noisy" and colon:
         return base, {"log_std": check_spread(argument, f"length predictor {name!r}: S")}
@@ -302,11 +323,20 @@ def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, di
 
 
 def make_predictor(name: str, **kwargs) -> LengthPredictor:
-    """A predictor from its name (:func:`parse_predictor_name`); kwargs go to its constructor.
+    """A predictor from its name (:func:`parse_predictor_name`); kwargs go to its constructor (to every part's
+    that takes them, for a combined name: ``seed`` reaches the noisy oracle).
 
     ``make_predictor("noisy:0.25")`` equals ``make_predictor("noisy", log_std=0.25)``.
     """
     base, parsed = parse_predictor_name(name, spread_given="log_std" in kwargs)
+    if base == "combined":
+        return CombinedLengthPredictor([_make_part(part, kwargs) for part in parsed["parts"]])
     if parsed and "log_std" in kwargs:
         raise ValueError(f"length predictor {name!r} already sets its spread; drop log_std={kwargs['log_std']!r}")
     return PREDICTORS[base](**parsed, **kwargs)
+
+
+def _make_part(name: str, kwargs: dict) -> LengthPredictor:
+    base, _ = parse_predictor_name(name)
+    accepted = inspect.signature(PREDICTORS[base]).parameters
+    return make_predictor(name, **{key: value for key, value in kwargs.items() if key in accepted})

@@ -1,0 +1,108 @@
+"""The predictor study's instruments: token recordings, the teacher-forced features (equal to what the engine
+hands a predictor live) and the study itself on a small recording."""
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from lit_grpo.sampling import RolloutEngine
+from lit_grpo.scheduling.predictors import HistoryLengthPredictor
+from tools import record_lengths, study_predictors
+from tools.recording_features import recording_features
+from tools.recordings import read_recording, write_recording
+
+
+class SpyPredictor(HistoryLengthPredictor):
+    """A token-conditioned predictor that keeps every feature the engine hands it."""
+
+    needs_prompt_features = True
+    token_conditioned = True
+
+    def __init__(self):
+        super().__init__()
+        self.prompt_features, self.token_features = None, {}
+
+    def predict(self, work, keys, token_features=None):
+        self.prompt_features = work.prompt_features
+        if token_features is not None:
+            self.token_features.update({key: row.clone() for key, row in zip(keys, token_features)})
+        return super().predict(work, keys, token_features)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_teacher_forced_features_equal_the_engines_live_features(tiny_llama, prompt_ids, k):
+    model, tokenizer = tiny_llama
+    spy = SpyPredictor()
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=3, strategy="infinite",
+                           max_new_tokens=12, seed=5, predictor=spy, probe_tokens=k)
+    result = engine.generate(prompt_ids[:2])
+    features = recording_features(model, prompt_ids[:2], result.completion_ids, [k, 8])
+    assert torch.allclose(features.prompt, spy.prompt_features.cpu(), atol=1e-4)
+    probed = [(p, j) for p in range(2) for j in range(4) if len(result.completion_ids[p][j]) > k]
+    assert probed and sorted(spy.token_features) == probed
+    for p, j in probed:
+        assert torch.allclose(features.token[k][p, j], spy.token_features[(p, j)], atol=1e-4), (p, j)
+    ended = [(p, j) for p in range(2) for j in range(4) if len(result.completion_ids[p][j]) <= 8]
+    assert all(features.token[8][p, j].abs().sum() == 0 for p, j in ended)  # no probe at 8: zeros
+    with pytest.raises(ValueError, match=r"probe_tokens=\[0\] must be a non-empty list of integers >= 1"):
+        recording_features(model, prompt_ids[:1], [[[1]]], [0])
+
+
+def test_a_token_recording_round_trips_and_bad_files_are_named(tmp_path, monkeypatch):
+    out = tmp_path / "rec.json.gz"
+    record_lengths.main(["--model", "tiny", "--task", "synthetic", "--prompts", "2", "--group-size", "3",
+                         "--max-new-tokens", "6", "--tokens", "--out", str(out)])
+    record = read_recording(out)
+    assert json.loads(gzip.decompress(out.read_bytes()))["lengths"] == record["lengths"]
+    assert [[len(c) for c in group] for group in record["completion_ids"]] == record["lengths"]
+    assert len(record["prompt_ids"]) == 2 and record["meta"]["max_new_tokens"] == 6
+    assert record["meta"]["command"].startswith("python -m tools.record_lengths --model tiny")
+    record["lengths"][0][0] += 1
+    write_recording(tmp_path / "bad.json", record)
+    with pytest.raises(ValueError, match="bad.json: 'completion_ids' and 'prompt_ids' do not match 'lengths'"):
+        read_recording(tmp_path / "bad.json")
+    write_recording(tmp_path / "ragged.json", {"lengths": [[1, 2], [3]]})
+    with pytest.raises(ValueError, match=r"ragged.json: every prompt needs the same number of samples, got \[1, 2\]"):
+        read_recording(tmp_path / "ragged.json")
+    (tmp_path / "junk.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="junk.json.gz: cannot read it"):
+        read_recording(tmp_path / "junk.json.gz")
+
+
+def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, tiny_llama):
+    model, tokenizer = tiny_llama
+    prompts = [[5 + p, 40 + p, 7] for p in range(8)]
+    lengths = [[2 + (p * 5 + k * 3) % 9 for k in range(4)] for p in range(8)]
+    completions = [[[(p + k + i) % 200 + 3 for i in range(n)] for k, n in enumerate(row)]
+                   for p, row in enumerate(lengths)]
+    path = tmp_path / "rec.json.gz"
+    write_recording(path, {"meta": {"model": "tiny-llama", "max_new_tokens": 10}, "lengths": lengths,
+                           "truncated": [[False] * 4 for _ in lengths], "prompt_ids": prompts,
+                           "completion_ids": completions})
+    report = study_predictors.main(["--recording", str(path), "--predictors", "online,group,online+group",
+                                    "--probe-tokens", "1,2", "--signal-tokens", "1,2", "--setups", "2,4,3",
+                                    "--noisy", "0.5", "--features-cache", str(tmp_path / "f.pt"),
+                                    "--json", str(tmp_path / "study.json")])
+    rows = {(row["predictor"], row["probe_tokens"]): row for row in report["setups"][0]["rows"]}
+    assert set(rows) == {("continuous", None), ("oracle", None), ("online", 1), ("online", 2), ("group", None),
+                         ("online+group", 1), ("online+group", 2), ("noisy:0.5", None)}
+    continuous = rows[("continuous", None)]["decode_steps"]
+    # every measured rollout of both folds: 8 prompts in rollouts of 2, so 4 rollouts, none run twice
+    assert continuous == sum(study_predictors.simulate_rollout(study_predictors.Scheduler(), lengths[i:i + 2], 3,
+                                                               10).decode_steps for i in range(0, 8, 2))
+    assert rows[("oracle", None)]["decode_steps"] <= continuous and rows[("oracle", None)]["kendall_tau"] == 1.0
+    for row in rows.values():
+        assert row["ratio"] == row["decode_steps"] / continuous
+    assert json.loads((tmp_path / "study.json").read_text())["setups"] == report["setups"]
+    cached = study_predictors.main(["--recording", str(path), "--predictors", "online", "--probe-tokens", "2",
+                                    "--signal-tokens", "1", "--setups", "2,4,3", "--noisy", "",
+                                    "--features-cache", str(tmp_path / "f.pt"), "--model", "no-such/model"])
+    assert cached["setups"][0]["rows"][2] == rows[("online", 2)]  # the cached features: no model is loaded
+    assert [row["t"] for row in report["signals"]["elapsed"]] == [0, 8, 32, 64, 128]
+    assert 0 <= report["signals"]["group_share"] <= 1
+    assert [row["k"] for row in report["signals"]["token"]] == [1, 2]
+    with pytest.raises(SystemExit, match="holds lengths only"):
+        write_recording(tmp_path / "lengths.json", {"lengths": lengths})
+        study_predictors.main(["--recording", str(tmp_path / "lengths.json")])

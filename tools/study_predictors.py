@@ -1,0 +1,317 @@
+"""Which length signal pays on real rollouts? Every predictor, on token recordings, as the scheduler uses it.
+
+    python -m tools.study_predictors --recording tools/data/tokens/smollm2_gsm_symbolic_base.json.gz \
+        --predictors online,history,group,online+group --json runs/study_gsm_base.json
+
+The recording's own model computes the features a predictor would see live (``tools/recording_features.py``),
+so the token-conditioned ``online`` predictor is judged on the hidden states that went with the text. Then, for
+each setup (B prompts per rollout, G, g slots), the recording is walked as training walks its data, in rollouts of
+B prompts, and the simulator drives ``InfiniteScheduler`` through them (the engine's own loop, ``driver.py``;
+decode steps depend only on the lengths and the scheduler, so they equal a ``--tokens`` replay's).
+
+Cross-fitted, so that no predictor is judged on samples it learned from: the prompts are cut in two halves; each
+half is measured after a scheduler has warmed up on the other (its predictor and trust learn there as in
+training), and the measured rollouts of both halves are summed. Figures per predictor and setup:
+
+- ``decode_steps`` and ``ratio`` = decode steps / continuous's (the oracle's ratio is the room there is);
+- ``kept`` = (1 - ratio) / (1 - oracle ratio): the share of the oracle's gain the predictor kept (target >= 1/3);
+- ``kendall_tau`` and ``log_rmse``: of the last prediction the scheduler made for each sample before it finished
+  (``InfiniteScheduler.end``'s metrics: the group predictor's refreshed ones, the online predictor's probe),
+  means over measured rollouts;
+- ``guided``: the share of measured rollouts in which the gate followed the predictions.
+
+Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
+judged on the other: the share of log-length variance between groups (what a perfect group predictor could
+explain); the ``online`` predictor's token model against k (Kendall tau and log RMSE); and the elapsed tokens
+against t (the log RMSE of the conditional lognormal ``E[L | L > t]`` for the samples still running at t, beside
+the population median's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from lit_grpo.scheduling import InfiniteScheduler, RolloutWork, Scheduler, simulate_rollout
+from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau, make_predictor
+from tools import harness
+from tools.recording_features import RecordingFeatures, recording_features
+from tools.recordings import has_tokens, read_recording
+
+#: (B, G, g) of the issue's targets.
+SETUPS = ((4, 16, 8), (8, 16, 32))
+
+
+def parse_setups(text: str) -> list[tuple[int, int, int]]:
+    setups = []
+    for part in filter(None, text.split(";")):
+        try:
+            B, G, g = (int(x) for x in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--setups {text!r}: each setup is B,G,g (e.g. 4,16,8;8,16,32)")
+        setups.append((B, G, g))
+    return setups
+
+
+def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatures:
+    """The recording's features, computed once and cached beside ``--features-cache`` (they cost one forward per
+    sample's first tokens)."""
+    cache = args.features_cache
+    if cache is not None and cache.exists():
+        cached = torch.load(cache)
+        if set(probe_tokens) <= set(cached["token"]):
+            return RecordingFeatures(cached["prompt"], cached["token"])
+    model, tokenizer = harness.load_policy(args.model or record["meta"]["model"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    features = recording_features(model, record["prompt_ids"], record["completion_ids"], probe_tokens, pad)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"prompt": features.prompt, "token": features.token}, cache)
+    return features
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+class RecordingWalk:
+    """The recording as a series of rollouts of B prompts and their first G samples."""
+
+    def __init__(self, record: dict, features: RecordingFeatures, B: int, G: int, g: int):
+        self.lengths = [row[:G] for row in record["lengths"]]
+        self.prompt_ids, self.features = record["prompt_ids"], features
+        self.B, self.G, self.g = B, G, g
+        self.cap = int(record["meta"]["max_new_tokens"])
+
+    def halves(self) -> list[tuple[list[int], list[int]]]:
+        """(warm-up prompts, measured prompts) of each fold, in whole rollouts of B."""
+        usable = len(self.lengths) // (2 * self.B) * 2 * self.B
+        if usable == 0:
+            raise SystemExit(f"the recording's {len(self.lengths)} prompts make no two rollouts of B={self.B}")
+        first, second = list(range(usable // 2)), list(range(usable // 2, usable))
+        return [(second, first), (first, second)]
+
+    def run(self, scheduler: Scheduler, prompts: list[int], probe: int | None) -> list[dict]:
+        """Simulate rollouts of ``prompts`` (B at a time) through ``scheduler``; one record per rollout."""
+        records = []
+        for start in range(0, len(prompts), self.B):
+            chosen = prompts[start:start + self.B]
+            token = self.features.token.get(probe) if probe else None
+            feature = (lambda key, generated, chosen=chosen: token[chosen[key[0]], key[1]]) if token is not None \
+                else None
+            result = simulate_rollout(scheduler, [self.lengths[p] for p in chosen], self.g, self.cap,
+                                      prompt_features=self.features.prompt[chosen], token_feature=feature,
+                                      prompt_ids=[self.prompt_ids[p] for p in chosen])
+            info = getattr(scheduler, "last_info", {})
+            records.append({"decode_steps": result.decode_steps, "tau": info.get("length_pred_kendall_tau"),
+                            "log_rmse": info.get("length_pred_log_rmse"), "guided": info.get("guided")})
+        return records
+
+
+def make_scheduler(name: str, probe: int | None, seed: int) -> Scheduler:
+    """Plain continuous order for "continuous"; else InfiniteScheduler with predictor ``name`` probing at
+    ``probe`` tokens (noisy oracles seeded by ``seed``)."""
+    if name == "continuous":
+        return Scheduler()
+    predictor = make_predictor(name, seed=seed) if "noisy" in name else name
+    return InfiniteScheduler(predictor, **({} if probe is None else {"probe_tokens": probe}))
+
+
+def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None]], seed: int) -> list[dict]:
+    """Continuous, the oracle and every ``(predictor, k)`` of ``runs`` on one setup, cross-fitted (module
+    docstring)."""
+    rows = []
+    for name, probe in [("continuous", None), ("oracle", None)] + runs:
+        measured = []
+        for warm, test in walk.halves():
+            scheduler = make_scheduler(name, probe, seed)
+            walk.run(scheduler, warm, probe)
+            measured += walk.run(scheduler, test, probe)
+        rows.append({"predictor": name, "probe_tokens": probe,
+                     "decode_steps": sum(r["decode_steps"] for r in measured),
+                     "kendall_tau": _mean(r["tau"] for r in measured),
+                     "log_rmse": _mean(r["log_rmse"] for r in measured),
+                     "guided": _mean(r["guided"] for r in measured)})
+        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} steps={rows[-1]['decode_steps']}",
+              file=sys.stderr, flush=True)
+    continuous = rows[0]["decode_steps"]
+    oracle_gain = 1 - rows[1]["decode_steps"] / continuous
+    for row in rows:
+        row["ratio"] = row["decode_steps"] / continuous
+        row["kept"] = (1 - row["ratio"]) / oracle_gain if oracle_gain > 0 else None
+    return rows
+
+
+def _mean(values) -> float | None:
+    present = [v for v in values if v is not None and v == v]
+    return statistics.fmean(present) if present else None
+
+
+# ------------------------------------------------------------------------------------------------ signals
+def group_share(lengths: list[list[int]]) -> float:
+    """Share of the log-length variance between groups (intra-class correlation of log length)."""
+    logs = torch.tensor(lengths, dtype=torch.float64).clamp_min(1).log()
+    total = float(logs.var(unbiased=False))
+    return float(logs.mean(1).var(unbiased=False)) / total if total > 0 else 0.0
+
+
+def token_signal(lengths: list[list[int]], features: RecordingFeatures, k: int) -> dict:
+    """The ``online`` predictor's token model at probe k, cross-fitted by halves of the prompts: Kendall tau and
+    log RMSE of its predictions for the samples that reach k tokens (those it would be asked about), pooled."""
+    B, G = len(lengths), len(lengths[0])
+    cap = max(max(row) for row in lengths)
+    halves = [list(range(B // 2)), list(range(B // 2, B))]
+    predicted, true = [], []
+    for train, test in (halves, halves[::-1]):
+        predictor = OnlineLengthPredictor()
+        for prompts, learn in ((train, True), (test, False)):
+            keys = [(p, j) for p in range(len(prompts)) for j in range(G) if lengths[prompts[p]][j] > k]
+            if not keys:
+                continue
+            work = RolloutWork(prompt_lengths=[1] * len(prompts), group_size=G, num_slots=1, max_new_tokens=cap,
+                               prompt_features=features.prompt[prompts])
+            x = torch.stack([features.token[k][prompts[p], j] for p, j in keys])
+            y = [lengths[prompts[p]][j] for p, j in keys]
+            if learn:
+                predictor.observe(work, keys, y, x)
+            else:
+                predicted += predictor.predict(work, keys, x).tolist()
+                true += y
+    if len(true) < 4:
+        return {"k": k, "samples": len(true), "kendall_tau": None, "log_rmse": None}
+    log_error = torch.tensor(predicted).log() - torch.tensor(true, dtype=torch.float32).log()
+    return {"k": k, "samples": len(true), "kendall_tau": kendall_tau(predicted, true),
+            "log_rmse": float(log_error.pow(2).mean().sqrt())}
+
+
+def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
+    """The conditional lognormal: how well ``E[min(L, cap) | L > t]`` predicts the total length of the samples
+    still running after t tokens, against the population median, cross-fitted by halves of the prompts (the
+    lognormal is fitted on one half, judged on the other)."""
+    cap = max(max(row) for row in lengths)
+    B = len(lengths)
+    halves = [lengths[: B // 2], lengths[B // 2:]]
+    out = []
+    for t in elapsed:
+        conditional, unconditional, running, total = [], [], 0, 0
+        for train, test in (halves, halves[::-1]):
+            logs = [math.log(n) for row in train for n in row]
+            mu, sd = statistics.fmean(logs), statistics.pstdev(logs)
+            guess = expected_length(math.exp(mu), sd, t, cap)
+            for n in (n for row in test for n in row):
+                total += 1
+                if n > t:
+                    running += 1
+                    conditional.append(math.log(guess / n) ** 2)
+                    unconditional.append((mu - math.log(n)) ** 2)
+        out.append({"t": t, "running": running / total if total else 0.0,
+                    "log_rmse": math.sqrt(statistics.fmean(conditional)) if conditional else None,
+                    "median_log_rmse": math.sqrt(statistics.fmean(unconditional)) if unconditional else None})
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recording", type=Path, required=True, help="a token recording (tools.record_lengths "
+                                                                      "--tokens)")
+    parser.add_argument("--model", help="the model that made it (default: the recording's meta.model)")
+    parser.add_argument("--predictors", default="online,history,group,online+group",
+                        help="comma list of predictor names (as in data.sampling.scheduler.predictor)")
+    parser.add_argument("--probe-tokens", default="8", help="comma list of k for token-conditioned predictors")
+    parser.add_argument("--signal-tokens", default="1,2,4,8,16,32", help="k of the token-signal curve")
+    parser.add_argument("--elapsed-tokens", default="0,8,32,64,128", help="t of the elapsed-tokens curve")
+    parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
+    parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--features-cache", type=Path, help="keep the computed features here (a .pt file)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path, help="write the tables here (and print them)")
+    args = parser.parse_args(argv)
+    args.predictors = [name for name in args.predictors.split(",") if name]
+    args.probe_tokens = [int(k) for k in args.probe_tokens.split(",") if k]
+    args.signal_tokens = [int(k) for k in args.signal_tokens.split(",") if k]
+    args.elapsed_tokens = [int(t) for t in args.elapsed_tokens.split(",") if t]
+    args.predictors += [f"noisy:{s}" for s in args.noisy.split(",") if s]
+    for name in args.predictors:
+        try:
+            make_predictor(name)
+        except ValueError as error:
+            parser.error(f"--predictors: {error}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    record = read_recording(args.recording)
+    if not has_tokens(record):
+        raise SystemExit(f"{args.recording} holds lengths only; the study needs a token recording "
+                         "(tools.record_lengths --tokens)")
+    features = load_features(args, record, sorted(set(args.probe_tokens) | set(args.signal_tokens)))
+    lengths = record["lengths"]
+    signals = {"group_share": group_share(lengths),
+               "token": [token_signal(lengths, features, k) for k in args.signal_tokens],
+               "elapsed": elapsed_signal(lengths, args.elapsed_tokens)}
+    setups = []
+    for B, G, g in args.setups:
+        walk = RecordingWalk(record, features, B, G, g)
+        runs = [(name, k) for name in args.predictors
+                for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])]
+        setups.append({"B": B, "G": G, "g": g, "rows": study_setup(walk, runs, args.seed)})
+    report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
+    _print(report)
+    harness.write_json(args.json, report)
+    if args.markdown:
+        harness.write_text(args.markdown, markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    """The report as the docs' tables: per setup, decode steps (x continuous) and the predictions' quality."""
+    lines = []
+    for setup in report["setups"]:
+        lines += [f"B {setup['B']}, G {setup['G']}, g {setup['g']}:", "",
+                  "| predictor | k | decode steps | x continuous | oracle's gain kept | Kendall tau | log RMSE | "
+                  "guided |", "|---|---|---|---|---|---|---|---|"]
+        for row in setup["rows"]:
+            cells = [row["predictor"], row["probe_tokens"] or "-", row["decode_steps"], f"{row['ratio']:.3f}",
+                     _fmt(row["kept"]), _fmt(row["kendall_tau"]), _fmt(row["log_rmse"]), _fmt(row["guided"])]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+        lines.append("")
+    signals = report["signals"]
+    lines += [f"Between-group share of the log-length variance: {signals['group_share']:.3f}.", "",
+              "| online's token model at k | samples | Kendall tau | log RMSE |", "|---|---|---|---|"]
+    lines += [f"| {r['k']} | {r['samples']} | {_fmt(r['kendall_tau'])} | {_fmt(r['log_rmse'])} |"
+              for r in signals["token"]]
+    lines += ["", "| elapsed tokens t | still running | log RMSE of E[L given L > t] | of the median |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['t']} | {r['running']:.2f} | {_fmt(r['log_rmse'])} | {_fmt(r['median_log_rmse'])} |"
+              for r in signals["elapsed"]]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _print(report: dict) -> None:
+    print(f"between-group share of log-length variance: {report['signals']['group_share']:.3f}")
+    for row in report["signals"]["token"]:
+        print(f"online at k={row['k']:>3}: samples {row['samples']}, tau {row['kendall_tau']}, "
+              f"log_rmse {row['log_rmse']}")
+    for row in report["signals"]["elapsed"]:
+        print(f"elapsed t={row['t']:>3}: running {row['running']:.2f}, log_rmse {row['log_rmse']} (population "
+              f"median: {row['median_log_rmse']})")
+    for setup in report["setups"]:
+        print(f"B {setup['B']}, G {setup['G']}, g {setup['g']}")
+        for row in setup["rows"]:
+            cells = [f"{row['predictor']:>16s}", f"k={row['probe_tokens']}", f"steps {row['decode_steps']}",
+                     f"ratio {row['ratio']:.3f}", f"kept {row['kept']}", f"tau {row['kendall_tau']}",
+                     f"log_rmse {row['log_rmse']}", f"guided {row['guided']}"]
+            print("  " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
