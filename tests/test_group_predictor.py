@@ -103,9 +103,9 @@ def test_combined_predictor_state_and_flags():
     clone.load_state_dict(combined.state_dict())
     features = torch.randn(8, 8)
     # the clone has folded the rollout into its spreads; so does the original on its next rollout
-    next_work = RolloutWork([1, 1], 4, 2, 256, prompt_features=work.prompt_features, prompt_ids=[[1], [2]])
+    next_work = RolloutWork([1, 1], 4, 2, 256, prompt_features=work.prompt_features, prompt_ids=[[3], [4]])
     assert combined.predict(next_work, keys, features).tolist() == clone.predict(next_work, keys, features).tolist()
-    with pytest.raises(ValueError, match="2 parts, this one 3"):
+    with pytest.raises(ValueError, match=r"parts \[.online., .group.\], this one \[.online., .group., .history.\]"):
         make_predictor("online+group+history").load_state_dict(combined.state_dict())
 
 
@@ -116,6 +116,10 @@ def test_combined_predictor_state_and_flags():
 ])
 def test_combined_names_are_checked_in_configs(name, pattern):
     assert InfiniteSchedulerConfig(predictor="history+group").predictor == "history+group"
+    with pytest.raises(ValueError, match=r"'online\+group': no part takes \['sedd'\]; its parts take"):
+        make_predictor("online+group", sedd=3)
+    with pytest.raises(ValueError, match=r"group predictor decay=-1 must be a number in \(0, 1\]"):
+        GroupLengthPredictor(decay=-1)
     with pytest.raises(ValueError, match=pattern):
         InfiniteSchedulerConfig(predictor=name)
 
@@ -156,3 +160,17 @@ def test_a_combined_predictor_in_a_config_builds_and_its_engine_state_round_trip
     assert engine.scheduler.predictor.predict(work, keys).tolist() == \
         restored.scheduler.predictor.predict(work, keys).tolist()
     assert restored.scheduler.trust["probe"].state_dict() == engine.scheduler.trust["probe"].state_dict()
+
+
+def test_a_carried_group_keeps_its_finished_samples_across_calls():
+    predictor = GroupLengthPredictor()
+    rng = random.Random(5)
+    for _ in range(3):
+        feed_rollout(predictor, grouped_lengths(rng, 4, 8, between=1.0, within=0.2))
+    first = RolloutWork([1, 1], 8, 4, 1024, prompt_ids=[[7, 7], [8, 8]])
+    predictor.observe(first, [(0, 0), (0, 1), (1, 0)], [300, 320, 20])
+    # the next call carries prompt [8, 8] (now first) and brings a new one; [7, 7] ended and is folded
+    second = RolloutWork([1, 1], 8, 4, 1024, prompt_ids=[[8, 8], [9, 9]])
+    carried, fresh = predictor.predict(second, [(0, 3), (1, 3)]).tolist()
+    assert carried < fresh / 2  # its short sibling from the first call still counts
+    assert list(predictor.finished) == [second.prompt_digest(0)]  # the ended group went into the spreads

@@ -71,7 +71,7 @@ def test_a_token_recording_round_trips_and_bad_files_are_named(tmp_path, monkeyp
         read_recording(tmp_path / "junk.json.gz")
 
 
-def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, tiny_llama):
+def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, tiny_llama, monkeypatch):
     model, tokenizer = tiny_llama
     prompts = [[5 + p, 40 + p, 7] for p in range(8)]
     lengths = [[2 + (p * 5 + k * 3) % 9 for k in range(4)] for p in range(8)]
@@ -81,11 +81,25 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     write_recording(path, {"meta": {"model": "tiny-llama", "max_new_tokens": 10}, "lengths": lengths,
                            "truncated": [[False] * 4 for _ in lengths], "prompt_ids": prompts,
                            "completion_ids": completions})
+    walked = []  # (scheduler, prompts) of every walk: warm-up and measured prompts per scheduler
+    run = study_predictors.RecordingWalk.run
+    monkeypatch.setattr(study_predictors.RecordingWalk, "run",
+                        lambda self, scheduler, prompts, probe: walked.append((scheduler, list(prompts))) or
+                        run(self, scheduler, prompts, probe))
     report = study_predictors.main(["--recording", str(path), "--predictors", "online,group,online+group",
                                     "--probe-tokens", "1,2", "--signal-tokens", "1,2", "--setups", "2,4,3",
                                     "--noisy", "0.5", "--features-cache", str(tmp_path / "f.pt"),
                                     "--json", str(tmp_path / "study.json")])
     rows = {(row["predictor"], row["probe_tokens"]): row for row in report["setups"][0]["rows"]}
+    # cross-fitted: each scheduler warms up on one half and is measured on the other; both halves are measured
+    by_scheduler = {}
+    for scheduler, prompts in walked:
+        by_scheduler.setdefault(id(scheduler), []).append(prompts)
+    measured = []
+    for warm, test in by_scheduler.values():
+        assert not set(warm) & set(test) and sorted(warm + test) == list(range(8))
+        measured.append(tuple(test))
+    assert set(measured) == {(0, 1, 2, 3), (4, 5, 6, 7)} and len(by_scheduler) == 2 * len(rows)
     assert set(rows) == {("continuous", None), ("oracle", None), ("online", 1), ("online", 2), ("group", None),
                          ("online+group", 1), ("online+group", 2), ("noisy:0.5", None)}
     continuous = rows[("continuous", None)]["decode_steps"]
@@ -96,13 +110,24 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     for row in rows.values():
         assert row["ratio"] == row["decode_steps"] / continuous
     assert json.loads((tmp_path / "study.json").read_text())["setups"] == report["setups"]
+    monkeypatch.setattr(study_predictors.harness, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     cached = study_predictors.main(["--recording", str(path), "--predictors", "online", "--probe-tokens", "2",
                                     "--signal-tokens", "1", "--setups", "2,4,3", "--noisy", "",
-                                    "--features-cache", str(tmp_path / "f.pt"), "--model", "no-such/model"])
+                                    "--features-cache", str(tmp_path / "f.pt")])
     assert cached["setups"][0]["rows"][2] == rows[("online", 2)]  # the cached features: no model is loaded
+    other = tmp_path / "other.json"
+    write_recording(other, {**read_recording(path), "lengths": [row[::-1] for row in lengths],
+                            "completion_ids": [group[::-1] for group in completions]})
+    with pytest.raises(SystemExit, match=r"f.pt holds the features of .*rec.json.gz \(model tiny-llama\), not of "):
+        study_predictors.main(["--recording", str(other), "--features-cache", str(tmp_path / "f.pt")])
     assert [row["t"] for row in report["signals"]["elapsed"]] == [0, 8, 32, 64, 128]
     assert 0 <= report["signals"]["group_share"] <= 1
     assert [row["k"] for row in report["signals"]["token"]] == [1, 2]
+    with pytest.raises(SystemExit, match=r"setup B=2, G=5: the recording holds 8 prompts x 4 samples"):
+        study_predictors.main(["--recording", str(path), "--setups", "2,5,3", "--probe-tokens", "2",
+                               "--signal-tokens", "1", "--features-cache", str(tmp_path / "f.pt")])
+    with pytest.raises(SystemExit):
+        study_predictors.parse_args(["--recording", str(path), "--probe-tokens", "abc"])
     with pytest.raises(SystemExit, match="holds lengths only"):
         write_recording(tmp_path / "lengths.json", {"lengths": lengths})
         study_predictors.main(["--recording", str(tmp_path / "lengths.json")])

@@ -18,13 +18,14 @@ training), and the measured rollouts of both halves are summed. Figures per pred
 - ``kendall_tau`` and ``log_rmse``: of the last prediction the scheduler made for each sample before it finished
   (``InfiniteScheduler.end``'s metrics: the group predictor's refreshed ones, the online predictor's probe),
   means over measured rollouts;
-- ``guided``: the share of measured rollouts in which the gate followed the predictions.
+- ``guided``: the share of measured rollouts whose first gate decision (at the rollout's start) was to follow the
+  predictions.
 
 Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
 judged on the other: the share of log-length variance between groups (what a perfect group predictor could
 explain); the ``online`` predictor's token model against k (Kendall tau and log RMSE); and the elapsed tokens
 against t (the log RMSE of the conditional lognormal ``E[L | L > t]`` for the samples still running at t, beside
-the population median's).
+that of the population median raised to t + 1).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from lit_grpo.scheduling import InfiniteScheduler, RolloutWork, Scheduler, simulate_rollout
+from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau, make_predictor
 from tools import harness
 from tools.recording_features import RecordingFeatures, recording_features
@@ -53,25 +55,44 @@ def parse_setups(text: str) -> list[tuple[int, int, int]]:
         try:
             B, G, g = (int(x) for x in part.split(","))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--setups {text!r}: each setup is B,G,g (e.g. 4,16,8;8,16,32)")
+            B = G = g = 0
+        if min(B, G, g) < 1:
+            raise argparse.ArgumentTypeError(f"--setups {text!r}: each setup is B,G,g, integers >= 1 (e.g. "
+                                             "4,16,8;8,16,32)")
         setups.append((B, G, g))
     return setups
+
+
+def parse_counts(text: str, flag: str, minimum: int) -> list[int]:
+    """A comma list of integers >= ``minimum``; an ArgumentTypeError naming ``flag`` otherwise."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = [minimum - 1]
+    if any(v < minimum for v in values):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: a comma list of integers >= {minimum}")
+    return values
 
 
 def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatures:
     """The recording's features, computed once and cached beside ``--features-cache`` (they cost one forward per
     sample's first tokens)."""
-    cache = args.features_cache
+    cache, model_name = args.features_cache, args.model or record["meta"]["model"]
+    source = {"recording": str(args.recording), "model": model_name, "lengths": record["lengths"]}
     if cache is not None and cache.exists():
         cached = torch.load(cache)
+        if cached.get("source") != source:
+            raise SystemExit(f"--features-cache {cache} holds the features of {cached.get('source', {}).get('recording')}"
+                             f" (model {cached.get('source', {}).get('model')}), not of this recording and model; "
+                             "give another path")
         if set(probe_tokens) <= set(cached["token"]):
             return RecordingFeatures(cached["prompt"], cached["token"])
-    model, tokenizer = harness.load_policy(args.model or record["meta"]["model"])
+    model, tokenizer = harness.load_policy(model_name)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     features = recording_features(model, record["prompt_ids"], record["completion_ids"], probe_tokens, pad)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"prompt": features.prompt, "token": features.token}, cache)
+        torch.save({"source": source, "prompt": features.prompt, "token": features.token}, cache)
     return features
 
 
@@ -80,16 +101,23 @@ class RecordingWalk:
     """The recording as a series of rollouts of B prompts and their first G samples."""
 
     def __init__(self, record: dict, features: RecordingFeatures, B: int, G: int, g: int):
+        held = (len(record["lengths"]), len(record["lengths"][0]))
+        if G > held[1] or 2 * B > held[0]:
+            raise SystemExit(f"setup B={B}, G={G}: the recording holds {held[0]} prompts x {held[1]} samples "
+                             f"(the study needs G <= {held[1]} and two rollouts of B, one per half)")
         self.lengths = [row[:G] for row in record["lengths"]]
         self.prompt_ids, self.features = record["prompt_ids"], features
         self.B, self.G, self.g = B, G, g
         self.cap = int(record["meta"]["max_new_tokens"])
 
+    @property
+    def used_prompts(self) -> int:
+        """Prompts in whole rollouts of B per half (the rest of the recording is left out)."""
+        return len(self.lengths) // (2 * self.B) * 2 * self.B
+
     def halves(self) -> list[tuple[list[int], list[int]]]:
         """(warm-up prompts, measured prompts) of each fold, in whole rollouts of B."""
-        usable = len(self.lengths) // (2 * self.B) * 2 * self.B
-        if usable == 0:
-            raise SystemExit(f"the recording's {len(self.lengths)} prompts make no two rollouts of B={self.B}")
+        usable = self.used_prompts
         first, second = list(range(usable // 2)), list(range(usable // 2, usable))
         return [(second, first), (first, second)]
 
@@ -181,17 +209,18 @@ def token_signal(lengths: list[list[int]], features: RecordingFeatures, k: int) 
                 true += y
     if len(true) < 4:
         return {"k": k, "samples": len(true), "kendall_tau": None, "log_rmse": None}
-    log_error = torch.tensor(predicted).log() - torch.tensor(true, dtype=torch.float32).log()
     return {"k": k, "samples": len(true), "kendall_tau": kendall_tau(predicted, true),
-            "log_rmse": float(log_error.pow(2).mean().sqrt())}
+            "log_rmse": log_rmse(predicted, true)}
 
 
 def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
     """The conditional lognormal: how well ``E[min(L, cap) | L > t]`` predicts the total length of the samples
-    still running after t tokens, against the population median, cross-fitted by halves of the prompts (the
-    lognormal is fitted on one half, judged on the other)."""
+    still running after t tokens, against the population median raised to t + 1 (what is known without the
+    model), cross-fitted by halves of the prompts (the lognormal is fitted on one half, judged on the other)."""
     cap = max(max(row) for row in lengths)
     B = len(lengths)
+    if B < 2:
+        return []
     halves = [lengths[: B // 2], lengths[B // 2:]]
     out = []
     for t in elapsed:
@@ -205,7 +234,7 @@ def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
                 if n > t:
                     running += 1
                     conditional.append(math.log(guess / n) ** 2)
-                    unconditional.append((mu - math.log(n)) ** 2)
+                    unconditional.append((max(mu, math.log(t + 1)) - math.log(n)) ** 2)
         out.append({"t": t, "running": running / total if total else 0.0,
                     "log_rmse": math.sqrt(statistics.fmean(conditional)) if conditional else None,
                     "median_log_rmse": math.sqrt(statistics.fmean(unconditional)) if unconditional else None})
@@ -220,9 +249,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", help="the model that made it (default: the recording's meta.model)")
     parser.add_argument("--predictors", default="online,history,group,online+group",
                         help="comma list of predictor names (as in data.sampling.scheduler.predictor)")
-    parser.add_argument("--probe-tokens", default="8", help="comma list of k for token-conditioned predictors")
-    parser.add_argument("--signal-tokens", default="1,2,4,8,16,32", help="k of the token-signal curve")
-    parser.add_argument("--elapsed-tokens", default="0,8,32,64,128", help="t of the elapsed-tokens curve")
+    parser.add_argument("--probe-tokens", default="8", type=lambda t: parse_counts(t, "--probe-tokens", 1),
+                        help="comma list of k for token-conditioned predictors")
+    parser.add_argument("--signal-tokens", default="1,2,4,8,16,32",
+                        type=lambda t: parse_counts(t, "--signal-tokens", 1), help="k of the token-signal curve")
+    parser.add_argument("--elapsed-tokens", default="0,8,32,64,128",
+                        type=lambda t: parse_counts(t, "--elapsed-tokens", 0), help="t of the elapsed-tokens curve")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
     parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,9 +263,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, help="write the tables here (and print them)")
     args = parser.parse_args(argv)
     args.predictors = [name for name in args.predictors.split(",") if name]
-    args.probe_tokens = [int(k) for k in args.probe_tokens.split(",") if k]
-    args.signal_tokens = [int(k) for k in args.signal_tokens.split(",") if k]
-    args.elapsed_tokens = [int(t) for t in args.elapsed_tokens.split(",") if t]
     args.predictors += [f"noisy:{s}" for s in args.noisy.split(",") if s]
     for name in args.predictors:
         try:
@@ -259,7 +288,8 @@ def main(argv=None) -> dict:
         walk = RecordingWalk(record, features, B, G, g)
         runs = [(name, k) for name in args.predictors
                 for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])]
-        setups.append({"B": B, "G": G, "g": g, "rows": study_setup(walk, runs, args.seed)})
+        setups.append({"B": B, "G": G, "g": g, "prompts_used": walk.used_prompts,
+                       "rows": study_setup(walk, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
     _print(report)
     harness.write_json(args.json, report)
@@ -285,7 +315,7 @@ def markdown(report: dict) -> str:
               "| online's token model at k | samples | Kendall tau | log RMSE |", "|---|---|---|---|"]
     lines += [f"| {r['k']} | {r['samples']} | {_fmt(r['kendall_tau'])} | {_fmt(r['log_rmse'])} |"
               for r in signals["token"]]
-    lines += ["", "| elapsed tokens t | still running | log RMSE of E[L given L > t] | of the median |",
+    lines += ["", "| elapsed tokens t | still running | log RMSE of E[L given L > t] | of max(median, t + 1) |",
               "|---|---|---|---|"]
     lines += [f"| {r['t']} | {r['running']:.2f} | {_fmt(r['log_rmse'])} | {_fmt(r['median_log_rmse'])} |"
               for r in signals["elapsed"]]
@@ -302,8 +332,8 @@ def _print(report: dict) -> None:
         print(f"online at k={row['k']:>3}: samples {row['samples']}, tau {row['kendall_tau']}, "
               f"log_rmse {row['log_rmse']}")
     for row in report["signals"]["elapsed"]:
-        print(f"elapsed t={row['t']:>3}: running {row['running']:.2f}, log_rmse {row['log_rmse']} (population "
-              f"median: {row['median_log_rmse']})")
+        print(f"elapsed t={row['t']:>3}: running {row['running']:.2f}, log_rmse {row['log_rmse']} (max(population "
+              f"median, t + 1): {row['median_log_rmse']})")
     for setup in report["setups"]:
         print(f"B {setup['B']}, G {setup['G']}, g {setup['g']}")
         for row in setup["rows"]:

@@ -22,6 +22,7 @@ rollout it calls, in this order:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,14 @@ class RolloutWork:
     def keys(self) -> list[SampleKey]:
         """All samples in prompt-major order."""
         return [(p, k) for p in range(self.num_prompts) for k in range(self.group_size)]
+
+    def prompt_digest(self, prompt: int) -> str | None:
+        """A stable key for prompt ``prompt``'s token ids (Python's hash() changes between processes); None when
+        the ids are not given."""
+        if prompt >= len(self.prompt_ids):
+            return None
+        data = ",".join(str(int(t)) for t in self.prompt_ids[prompt]).encode()
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
 
     def pending_keys(self) -> list[SampleKey]:
         """The samples still to run, in prompt-major order (carried groups come first in a rollout)."""

@@ -8,6 +8,7 @@ of diluting the others. Until the stack has seen ``min_observations`` samples it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,14 +23,21 @@ class CombinedLengthPredictor:
 
     Args:
         parts: the predictors to combine (two or more).
-        decay: the stack's forgetting factor per observation.
-        min_observations: samples before the stack's weights replace the plain average.
+        names: what each part is called (default: its class name); a checkpoint's parts must match them.
+        decay: the stack's forgetting factor per observation, in (0, 1].
+        min_observations: samples before the stack's weights replace the plain average, >= 0.
     """
 
-    def __init__(self, parts: Sequence, decay: float = 0.995, min_observations: int = 32) -> None:
+    def __init__(self, parts: Sequence, names: Sequence[str] | None = None, decay: float = 0.995,
+                 min_observations: int = 32) -> None:
         if len(parts) < 2:
             raise ValueError(f"a combined predictor needs two or more parts, got {len(parts)}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"combined predictor decay={decay!r} must be in (0, 1]")
+        if isinstance(min_observations, bool) or not isinstance(min_observations, int) or min_observations < 0:
+            raise ValueError(f"combined predictor min_observations={min_observations!r} must be an integer >= 0")
         self.parts = list(parts)
+        self.names = list(names) if names is not None else [type(part).__name__ for part in self.parts]
         self.needs_prompt_features = any(part.needs_prompt_features for part in self.parts)
         self.token_conditioned = any(part.token_conditioned for part in self.parts)
         self.min_observations = min_observations
@@ -41,7 +49,9 @@ class CombinedLengthPredictor:
     ) -> torch.Tensor:
         if not keys:
             return torch.zeros(0)
-        return self._combine(self._part_logs(work, keys, token_features)).exp().to(torch.float32)
+        # A linear stack can reach past the possible lengths: keep its predictions within [1, cap].
+        combined = self._combine(self._part_logs(work, keys, token_features))
+        return combined.clamp(0.0, math.log(max(work.max_new_tokens, 1))).exp().to(torch.float32)
 
     def log_std(self, token_conditioned: bool) -> float:
         return self.error.rms
@@ -77,13 +87,13 @@ class CombinedLengthPredictor:
             return self.stack.predict(logs)
 
     def state_dict(self) -> dict:
-        return {"parts": [part.state_dict() for part in self.parts], "stack": self.stack.state_dict(),
-                "error": self.error.state_dict()}
+        return {"names": list(self.names), "parts": [part.state_dict() for part in self.parts],
+                "stack": self.stack.state_dict(), "error": self.error.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["parts"]) != len(self.parts):
-            raise ValueError(f"the checkpoint's combined predictor has {len(state['parts'])} parts, this one "
-                             f"{len(self.parts)}")
+        if state.get("names") != self.names:
+            raise ValueError(f"the checkpoint's combined predictor has parts {state.get('names')}, this one "
+                             f"{self.names}: load it into the same combination")
         for part, part_state in zip(self.parts, state["parts"]):
             part.load_state_dict(part_state)
         self.stack.load_state_dict(state["stack"])

@@ -35,11 +35,15 @@ class GroupLengthPredictor:
     token_conditioned = False
 
     def __init__(self, decay: float = 0.98) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"group predictor decay={decay!r} must be a number in (0, 1]")
         self.decay = decay
-        # Past groups, decayed: weight, sum of group means, sum of squared group means, sum of within variances.
-        self.groups = [0.0, 0.0, 0.0, 0.0]
+        # Past groups, decayed: weight, sum of group means, sum of squared group means, sum of within variances,
+        # sum of within variances over the finished count (the noise a group mean of that many samples holds).
+        self.groups = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.current_work: RolloutWork | None = None
-        self.finished: dict[int, list[float]] = {}  # prompt -> log lengths of its finished samples, this rollout
+        # prompt (its digest, or its index when no ids are given) -> log lengths of its samples finished so far
+        self.finished: dict[str | int, list[float]] = {}
         self.error = PrequentialError()
 
     def predict(
@@ -62,38 +66,46 @@ class GroupLengthPredictor:
         for (p, _), length in zip(keys, lengths):
             target = math.log(max(1, int(length)))
             self.error.add(self._log_prediction(work, p) - target)
-            self.finished.setdefault(p, []).append(target)
+            self.finished.setdefault(_group(work, p), []).append(target)
 
     def _log_prediction(self, work: RolloutWork, prompt: int) -> float:
-        weight, sum_mean, sum_sq, sum_within = self.groups
+        weight, sum_mean, sum_sq, sum_within, sum_noise = self.groups
+        siblings = self.finished.get(_group(work, prompt), ())
         if weight <= 0:
-            siblings = self.finished.get(prompt)
             return sum(siblings) / len(siblings) if siblings else prior_log_length(work.max_new_tokens)
         mean = sum_mean / weight
         within = max(sum_within / weight, 1e-6)
-        # The spread of group means holds within-group noise of mean size G; what is left is the groups' own.
-        between = max(sum_sq / weight - mean * mean - within / max(work.group_size, 1), 1e-6)
-        siblings = self.finished.get(prompt, ())
+        # The spread of the folded group means holds each mean's own noise (within / its count); the rest is the
+        # groups' difference.
+        between = max(sum_sq / weight - mean * mean - sum_noise / weight, 1e-6)
         precision = 1 / between + len(siblings) / within
         return (mean / between + sum(siblings) / within) / precision
 
     def _switch(self, work: RolloutWork) -> None:
-        """A new rollout: fold the last one's groups into the spreads."""
-        if work is not self.current_work:
-            self.groups, self.current_work, self.finished = self._folded(), work, {}
+        """A new rollout: fold the last one's groups into the spreads, except the groups carried into this one
+        (partial rollouts), which go on collecting their samples."""
+        if work is self.current_work:
+            return
+        # Only token ids identify a prompt across calls; an index does not.
+        carried = {digest for p in range(work.num_prompts) if (digest := work.prompt_digest(p)) is not None}
+        self.groups = self._folded(exclude=carried)
+        self.finished = {group: logs for group, logs in self.finished.items() if group in carried}
+        self.current_work = work
 
-    def _folded(self) -> list[float]:
-        """The past groups' statistics with this rollout's groups (two or more finished samples) folded in."""
-        weight, sum_mean, sum_sq, sum_within = self.groups
-        for logs in self.finished.values():
-            if len(logs) < 2:
+    def _folded(self, exclude: set = frozenset()) -> list[float]:
+        """The past groups' statistics with this rollout's groups (two or more finished samples; not those in
+        ``exclude``) folded in."""
+        weight, sum_mean, sum_sq, sum_within, sum_noise = self.groups
+        for group, logs in self.finished.items():
+            if len(logs) < 2 or group in exclude:
                 continue
             group_mean = sum(logs) / len(logs)
             within = sum((x - group_mean) ** 2 for x in logs) / (len(logs) - 1)
             d = self.decay
-            weight, sum_mean, sum_sq, sum_within = (weight * d + 1, sum_mean * d + group_mean,
-                                                    sum_sq * d + group_mean ** 2, sum_within * d + within)
-        return [weight, sum_mean, sum_sq, sum_within]
+            weight, sum_mean, sum_sq, sum_within, sum_noise = (
+                weight * d + 1, sum_mean * d + group_mean, sum_sq * d + group_mean ** 2, sum_within * d + within,
+                sum_noise * d + within / len(logs))
+        return [weight, sum_mean, sum_sq, sum_within, sum_noise]
 
     def state_dict(self) -> dict:
         """The spreads learned across rollouts, the current rollout's groups folded in (its finished siblings
@@ -102,5 +114,14 @@ class GroupLengthPredictor:
 
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.groups = state["decay"], list(state["groups"])
+        if len(self.groups) != 5:
+            raise ValueError(f"group predictor state: 'groups' holds {len(self.groups)} statistics, expected 5")
         self.current_work, self.finished = None, {}
         self.error.load_state_dict(state["error"])
+
+
+def _group(work: RolloutWork, prompt: int) -> str | int:
+    """Which group a prompt's samples belong to across calls: its token ids' digest (a carried group keeps it),
+    or its index when the ids are not given."""
+    digest = work.prompt_digest(prompt)
+    return prompt if digest is None else digest

@@ -42,7 +42,6 @@ the base Scheduler's record.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +52,7 @@ from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Schedul
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.scheduling.gate import follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import make_grouping
+from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
 from lit_grpo.scheduling.refill import SlotPlanner, make_refill
 from lit_grpo.scheduling.trust import PredictionTrust
@@ -231,10 +231,8 @@ class InfiniteScheduler(Scheduler):
         predicted, true = [p for p, _ in scored], [t for _, t in scored]
         metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true), "length_pred_smape": smape(predicted, true)}
         stats = now.planner.stats
-        log_errors = [math.log(max(p, 1e-9) / max(t, 1)) ** 2 for p, t in scored]
-        log_rmse = math.sqrt(sum(log_errors) / len(log_errors)) if log_errors else math.nan
         self.last_info = {
-            **metrics, "length_pred_log_rmse": log_rmse, "parked_samples": self.parked_samples,
+            **metrics, "length_pred_log_rmse": log_rmse(predicted, true), "parked_samples": self.parked_samples,
             "peak_parked": self.peak_parked,
             "max_parked": now.max_parked, "replans": stats.replans, "forced": stats.forced,
             "plan_seconds": stats.plan_seconds, "steals": stats.steals, "parking": float(now.parking),

@@ -1,4 +1,4 @@
-"""How good are length predictions? Rank agreement (Kendall's tau) and relative error (sMAPE)."""
+"""How good are length predictions? Rank agreement (Kendall's tau), relative error (sMAPE) and log error."""
 
 from __future__ import annotations
 
@@ -43,3 +43,10 @@ def smape(predicted: Sequence[float] | torch.Tensor, true: Sequence[float] | tor
     denominator = (p.abs() + t.abs()) / 2
     ratio = torch.where(denominator > 0, (p - t).abs() / denominator.clamp_min(1e-300), torch.zeros_like(p))
     return float(ratio.mean())
+
+
+def log_rmse(predicted: Sequence[float] | torch.Tensor, true: Sequence[float] | torch.Tensor) -> float:
+    """Root-mean-square of ``log(predicted / true)`` (both clamped to >= 1 token); NaN for no pairs."""
+    p = torch.as_tensor(predicted, dtype=torch.float64).flatten().clamp_min(1.0)
+    t = torch.as_tensor(true, dtype=torch.float64).flatten().clamp_min(1.0)
+    return float((p.log() - t.log()).pow(2).mean().sqrt()) if p.numel() else math.nan

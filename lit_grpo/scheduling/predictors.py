@@ -138,7 +138,7 @@ class HistoryLengthPredictor:
         for (p, _), length in zip(keys, lengths):
             target = math.log(max(1, int(length)))
             self.error.add(self._log_prediction(work, p) - target)
-            digest = prompt_digest(work, p)
+            digest = work.prompt_digest(p)
             if digest is not None:
                 stats = self.table.setdefault(digest, [0.0, 0.0])
                 stats[0] = stats[0] * self.decay + 1.0
@@ -147,7 +147,7 @@ class HistoryLengthPredictor:
             self.global_stats[1] = self.global_stats[1] * self.global_decay + target
 
     def _log_prediction(self, work: RolloutWork, prompt: int) -> float:
-        digest = prompt_digest(work, prompt)
+        digest = work.prompt_digest(prompt)
         stats = self.table.get(digest) if digest is not None else None
         if stats and stats[0] > 0:
             return stats[1] / stats[0]
@@ -165,14 +165,6 @@ class HistoryLengthPredictor:
         self.table = {k: list(v) for k, v in state["table"].items()}
         self.global_stats = list(state["global_stats"])
         self.error.load_state_dict(state["error"])
-
-
-def prompt_digest(work: RolloutWork, prompt: int) -> str | None:
-    """A stable key for a prompt's token ids (Python's hash() changes between processes)."""
-    if prompt >= len(work.prompt_ids):
-        return None
-    data = ",".join(str(int(t)) for t in work.prompt_ids[prompt]).encode()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class OracleLengthPredictor:
@@ -306,7 +298,7 @@ def parse_predictor_name(name: str, spread_given: bool = False) -> tuple[str, di
     if "+" in name:
         parts = name.split("+")
         for part in parts:
-            if "+" in part or not part:
+            if not part:
                 raise ValueError(f"length predictor {name!r}: empty part; join names with single '+'")
             parse_predictor_name(part)
         if len(set(parts)) != len(parts):
@@ -330,13 +322,18 @@ def make_predictor(name: str, **kwargs) -> LengthPredictor:
     """
     base, parsed = parse_predictor_name(name, spread_given="log_std" in kwargs)
     if base == "combined":
-        return CombinedLengthPredictor([_make_part(part, kwargs) for part in parsed["parts"]])
+        accepted = set().union(*(_keywords(part) for part in parsed["parts"]))
+        if set(kwargs) - accepted:
+            raise ValueError(f"length predictor {name!r}: no part takes {sorted(set(kwargs) - accepted)}; its parts "
+                             f"take {sorted(accepted)}")
+        parts = [make_predictor(part, **{k: v for k, v in kwargs.items() if k in _keywords(part)})
+                 for part in parsed["parts"]]
+        return CombinedLengthPredictor(parts, names=parsed["parts"])
     if parsed and "log_std" in kwargs:
         raise ValueError(f"length predictor {name!r} already sets its spread; drop log_std={kwargs['log_std']!r}")
     return PREDICTORS[base](**parsed, **kwargs)
 
 
-def _make_part(name: str, kwargs: dict) -> LengthPredictor:
-    base, _ = parse_predictor_name(name)
-    accepted = inspect.signature(PREDICTORS[base]).parameters
-    return make_predictor(name, **{key: value for key, value in kwargs.items() if key in accepted})
+def _keywords(name: str) -> set[str]:
+    """The constructor keywords of the predictor ``name`` names."""
+    return set(inspect.signature(PREDICTORS[parse_predictor_name(name)[0]]).parameters)
