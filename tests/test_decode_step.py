@@ -143,9 +143,9 @@ def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_
     reads = []
     run = DecodeStep._run
 
-    def spied_run(self):
+    def spied_run(self, hidden_states=True):
         with _StorageSpy() as spy:
-            run(self)
+            run(self)  # as the graph does: the hidden states every step, whatever this step asked
         reads.append(frozenset(spy.read))
 
     monkeypatch.setattr(DecodeStep, "_run", spied_run)
@@ -181,3 +181,30 @@ def test_running_out_of_memory_while_capturing_is_raised_not_taken_for_an_uncapt
     assert engine.graph_failure is None and engine._cache is None  # nothing half-built is kept
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: False)
     assert engine.generate(prompt_ids).stats.decode_steps > 0  # and the engine still works
+
+
+def test_the_eager_step_asks_for_hidden_states_only_on_the_steps_that_probe(tiny_llama, prompt_ids, monkeypatch):
+    """Without a graph the model returns hidden states only when some row's token is its probe; a graph (and the
+    compiled step) computes them every step."""
+    from lit_grpo.sampling import RolloutEngine
+
+    model, tokenizer = tiny_llama
+    asked, steps_probing = [], []
+    forward, step = type(model).forward, DecodeStep.step
+
+    def spied_forward(self, *args, **kwargs):
+        if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() == 4:  # a decode step
+            asked.append(bool(kwargs.get("output_hidden_states")))
+        return forward(self, *args, **kwargs)
+
+    def spied_step(self, hidden_slots):
+        steps_probing.append(bool(hidden_slots))
+        return step(self, hidden_slots)
+
+    monkeypatch.setattr(type(model), "forward", spied_forward)
+    monkeypatch.setattr(DecodeStep, "step", spied_step)
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="infinite", max_new_tokens=8,
+                           seed=0, probe_tokens=3)
+    result = engine.generate(prompt_ids)
+    assert len(asked) == result.stats.decode_steps and asked == steps_probing
+    assert 0 < sum(asked) < len(asked)

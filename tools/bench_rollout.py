@@ -22,7 +22,8 @@ padding included), peak_memory_bytes (the CUDA allocator's peak during the run, 
 on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step
 (``(wall_s - capture_s) / decode_steps``: the steady decode step, the one-off graph capture left out; it stays in
 wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
-repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved), and for
+repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved),
+cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear torch,onednn`` measures both, interleaved), and for
 lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
 weights_bytes and the device's name.
 
@@ -52,14 +53,17 @@ hf_generate_chunked = the same over chunks of g rows; hf_generate_batch = transf
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 from transformers import GenerationConfig
 
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
+from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
 from tools import harness, roofline
@@ -164,6 +168,15 @@ def _compile_values(text: str) -> list[bool | str]:
     return [values[name] for name in names]
 
 
+def _cpu_linear_values(text: str) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    allowed = get_args(CpuLinear)
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--cpu-linear {text!r}: use a comma list of {list(allowed)}")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_model_argument(parser, default="tiny")
@@ -204,6 +217,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile", default="false", type=_compile_values,
                         help="data.sampling.compile of lit_grpo's runs, a comma list of false,true,auto: each value "
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
+    parser.add_argument("--cpu-linear", default="auto", type=_cpu_linear_values,
+                        help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of auto,onednn,torch: each "
+                             "value runs every strategy, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.tokens and args.lengths:
@@ -235,9 +251,10 @@ def build_runners(args, model, tokenizer, rollout):
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     runners = []
-    for compile_ in args.compile:
-        tag = "" if compile_ is False else f"compile={str(compile_).lower()}"
-        options = dict(common, compile=compile_)
+    for compile_, cpu_linear in itertools.product(args.compile, args.cpu_linear):
+        tag = ",".join(filter(None, ("" if compile_ is False else f"compile={str(compile_).lower()}",
+                                     "" if len(args.cpu_linear) == 1 else f"cpu_linear={cpu_linear}")))
+        options = dict(common, compile=compile_, cpu_linear=cpu_linear)
         for strategy in args.strategies:
             if strategy == "infinite":
                 for predictor in args.predictors.split(","):
@@ -252,14 +269,16 @@ def build_runners(args, model, tokenizer, rollout):
                         # as the other strategies' (keyed by rollout index), so identical_fraction compares like
                         # with like
                         engine.rollout_index = 0
-                        fields = {"predictor": predictor, "refill": engine.scheduler.refill.name, "compile": compile_}
+                        fields = {"predictor": predictor, "refill": engine.scheduler.refill.name, "compile": compile_,
+                                  "cpu_linear": cpu_linear}
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
                         runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, replay)))
             elif strategy in OUR_STRATEGIES:
                 engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
                 eos = set(engine.eos_token_ids)
                 label = f"{strategy}[{tag}]" if tag else strategy
-                runners.append((label, {"compile": compile_}, lambda e=engine: run_engine(e, prompts, replay)))
+                runners.append((label, {"compile": compile_, "cpu_linear": cpu_linear},
+                                lambda e=engine: run_engine(e, prompts, replay)))
     eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
     if replay and any(s in HF_STRATEGIES for s in args.strategies):
         raise SystemExit(f"--{next(iter(replay))} replays inside lit_grpo's engine; drop the hf_* strategies "
@@ -377,7 +396,8 @@ def _print_table(runs: list[dict]) -> None:
                "tokens_per_s", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
                "prefill_floor_ms_per_token", "prefill_roofline_ratio", "forward_fraction", "identical_fraction")
     label = lambda r: (r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
-                       + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else ""))
+                       + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else "")
+                       + (f" cpu_linear={r['cpu_linear']}" if r.get("cpu_linear") not in (None, "auto") else ""))
     widths = [max(20, len(c) + 2) for c in columns]
     print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
     for run in runs:

@@ -5,7 +5,8 @@ at the machine's memory read bandwidth::
 
     floor_s = max(flops / matmul_flops_per_s, bytes / read_bytes_per_s)      bound = "compute" | "memory"
 
-Both rates are measured in this process, with torch's own kernels (``measure_machine``), so a ratio
+Both rates are measured in this process, with torch's own kernels (``measure_machine``; on a CPU the matmul rate is
+the faster of ``torch.mm`` and oneDNN's inner product, the two the engine can run its linears on), so a ratio
 ``measured / floor`` says how far the engine is from what torch's kernels can do on this machine, not from a data
 sheet. The costs come from the model's config (``decode_step_cost``, ``prefill_cost``), for the decoders this
 project runs (Llama, Qwen2, Qwen3: attention with q, k, v, o projections and a gated MLP).
@@ -244,14 +245,23 @@ def _median_seconds(run, device: torch.device, budget_s: float, min_runs: int = 
     return statistics.median(times)
 
 
-def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, inner: int, budget_s: float) -> float:
-    """Median seconds of one ``torch.mm`` of two ``n x n`` matrices in ``dtype`` (``inner`` per timed call)."""
+#: The matmul kernels measured: name -> ``(a, b) -> a @ b.T`` (the same FLOPs either way).
+MATMUL_KERNELS = {
+    "torch.mm": lambda a, b: torch.mm(a, b),
+    "onednn": lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""),
+}
+
+
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, inner: int, budget_s: float,
+                    kernel: str = "torch.mm") -> float:
+    """Median seconds of one ``kernel`` product of two ``n x n`` matrices in ``dtype`` (``inner`` per timed call)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
+    product = MATMUL_KERNELS[kernel]
 
     def run():
         for _ in range(inner):
-            torch.mm(a, b)
+            product(a, b)
 
     return _median_seconds(run, device, budget_s) / inner
 
@@ -271,15 +281,16 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
     """This machine's matmul rate (FLOP/s, in ``dtype``) and memory read bandwidth (bytes/s), with torch's kernels.
 
     Matmul: ``torch.mm`` of two square matrices in ``dtype`` (2048 on a CPU, 8192 on a GPU: large enough to be
-    compute-bound), ``2·n³`` FLOPs per call. Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the
+    compute-bound), ``2·n³`` FLOPs per call; in float32 on a CPU with oneDNN (``torch.backends.mkldnn``) the same
+    product by oneDNN's inner product too, and the faster of the two is the rate (``matmul_kernel`` names it). Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the
     last-level cache (the CPU's largest cache from sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a
     GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
     on a GPU a call is 10 back-to-back kernels). The result is kept per (device, dtype, threads), so a process
     measures once.
 
     Returns:
-        ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "read_bytes_per_s", "method",
-        "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the GPU's.
+        ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "matmul_kernel", "read_bytes_per_s",
+        "method", "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the GPU's.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -302,13 +313,20 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
     llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if gpu
            else _last_level_cache_bytes())
     buffer_bytes = max(2**30 if gpu else 2**28, 4 * llc)
+    # oneDNN's is the kernel the engine's float32 linears run on on a CPU (sampling.cpu_linear)
+    onednn = not gpu and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    kernels = ["torch.mm"] + (["onednn"] if onednn else [])
     with torch.inference_mode():  # each helper's tensors are freed when it returns
-        matmul_s = _matmul_seconds(device, dtype, n, inner, seconds_budget / 2)
+        matmul = {kernel: _matmul_seconds(device, dtype, n, inner, seconds_budget / 2 / len(kernels), kernel)
+                  for kernel in kernels}
         read_s = _read_seconds(device, buffer_bytes, inner, seconds_budget / 2)
+    kernel = min(matmul, key=matmul.get)
     record = {
         "device": str(device), "device_name": device_name(device), "dtype": dtype_name, "threads": threads,
-        "matmul_flops_per_s": 2 * n**3 / matmul_s, "read_bytes_per_s": buffer_bytes / read_s,
-        "method": {"matmul": f"torch.mm of two {n} x {n} {dtype_name} matrices, 2·n³ FLOPs, median after a warm-up",
+        "matmul_flops_per_s": 2 * n**3 / matmul[kernel], "matmul_kernel": kernel,
+        "read_bytes_per_s": buffer_bytes / read_s,
+        "method": {"matmul": f"the faster of {' and '.join(kernels)} on two {n} x {n} {dtype_name} matrices, 2·n³ "
+                             "FLOPs, median after a warm-up",
                    "read": f"torch.sum over a {buffer_bytes / 2**20:.0f} MiB float32 buffer (last-level cache "
                            f"{llc / 2**20:.0f} MiB), median after a warm-up"},
         "measured_s": time.perf_counter() - started,

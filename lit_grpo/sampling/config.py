@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from lit_grpo.runtime.validation import check_choice, check_int
+from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
@@ -50,6 +51,10 @@ class SamplingConfig:
             (where no compiler is present it warns once and runs the step eagerly). Off by default: a compilation
             takes tens of seconds per step shape (a new slot count or cache width), which a short run may not win
             back.
+        cpu_linear: the kernel of the policy's linear layers during a rollout on a CPU: "onednn" (oneDNN's inner
+            product, several times faster than torch's float32 GEMM for the few rows of a decode step), "torch"
+            (torch's ``F.linear``), "auto": oneDNN for a float32 policy on a CPU whose torch has it, unless the step
+            is compiled. The update always uses torch's kernels.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.
@@ -67,6 +72,7 @@ class SamplingConfig:
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
     compile: bool | Literal["auto"] = False
+    cpu_linear: CpuLinear = "auto"
     keep_kv_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -86,6 +92,7 @@ class SamplingConfig:
         check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
+        check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not self.temperature >= 0:
             raise ValueError(f"sampling.temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")

@@ -194,6 +194,10 @@ class DecodeStep:
         """Run one decode step and bring its results to the host (one synchronisation)."""
         if self.graph is not None:
             self.graph.replay()
+        elif self._compiled_run is None:
+            # Eager, the step can leave the hidden states out where no row asks for them: asking the model for
+            # them costs a few percent of a forward, and a row is probed on one step of its whole run.
+            self._run(hidden_states=bool(hidden_slots))
         else:
             self._forward()
         non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync
@@ -215,15 +219,17 @@ class DecodeStep:
         else:
             self._run()
 
-    def _run(self) -> None:
-        """The step itself: forward, sampling, advance. Captured as is into the CUDA graph."""
+    def _run(self, hidden_states: bool = True) -> None:
+        """The step itself: forward, sampling, advance. Captured as is into the CUDA graph. ``hidden_states=False``
+        leaves ``hidden`` as it was, even when the settings keep it."""
         settings, lengths = self.settings, self.cache.lengths
+        hidden_states = hidden_states and settings.hidden_states
         admitted = self.columns.unsqueeze(0) <= lengths.unsqueeze(1)                 # [slots, width]
         mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
         mask = mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
         out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=lengths.unsqueeze(1),
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=settings.hidden_states)
+                         output_hidden_states=hidden_states)
         logits = out.logits[:, -1]
         if settings.force_lengths:
             logits = force_lengths(logits, self.token_index, self.forced_length, self.is_eos)
@@ -235,7 +241,7 @@ class DecodeStep:
             tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
         self.tokens.copy_(tokens)
         self.logprobs.copy_(logprobs)
-        if settings.hidden_states:
+        if hidden_states:
             self.hidden.copy_(out.hidden_states[-1][:, -1])
         self.input_ids.copy_(tokens.unsqueeze(1))
         lengths.add_(self.active)

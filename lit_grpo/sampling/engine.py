@@ -47,6 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
+from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
@@ -191,8 +192,10 @@ class RolloutEngine:
         forced = any(g.forced_lengths is not None for g in groups)
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
-        with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            _, step, built = self._slots(self.num_slots(len(groups)), width, self._step_settings(forced, replayed))
+        step_settings = self._step_settings(forced, replayed)
+        onednn = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile)
+        with torch.inference_mode() if self.inference_mode else torch.no_grad(), onednn_linears(self.model, onednn):
+            _, step, built = self._slots(self.num_slots(len(groups)), width, step_settings)
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
         result.stats.capture_s = step.capture_s if built else 0.0
