@@ -396,3 +396,21 @@ def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path
     assert runs[("continuous", True)]["identical_fraction"] == 1.0  # the same completions as eager "full"
     with pytest.raises(SystemExit):
         bench_rollout.parse_args(["--compile", "yes"])
+
+
+def test_bench_rollout_reverses_the_order_of_the_strategies_on_odd_repeats(monkeypatch):
+    """A run's place in its repeat favours no strategy; a run before "full" is still compared with it."""
+    order = []
+    run_engine = bench_rollout.run_engine
+
+    def spied(engine, *args, **kwargs):
+        order.append(engine.strategy)
+        return run_engine(engine, *args, **kwargs)
+
+    monkeypatch.setattr(bench_rollout, "run_engine", spied)
+    report = bench_rollout.main(["--model", "tiny", "--prompts", "1", "--group-size", "4", "--micro-group-size", "2",
+                                 "--max-new-tokens", "5", "--temperature", "0", "--repeats", "3", "--threads", "1",
+                                 "--strategies", "continuous,full"])
+    assert order == ["continuous", "full", "full", "continuous", "continuous", "full"]
+    runs = {run["strategy"]: run for run in report["runs"]}
+    assert [r["identical_fraction"] for r in runs["continuous"]["repeats"]] == [1.0, 1.0, 1.0]  # greedy: the same

@@ -15,8 +15,9 @@ Replays (``config.replay``): ``--lengths FILE`` forces the recorded lengths (any
 ``--tokens FILE`` makes every sample emit its recorded tokens after the recording's prompts (so hidden states and
 probes see what they saw live); the recording's ``meta.max_new_tokens`` is ``--max-new-tokens``' default and ceiling.
 
-Every repeat runs every strategy once, in turn, so a slow patch of a noisy machine hits all of them alike; the
-JSON holds the median over repeats of each figure (``repeats`` keeps every run). Figures:
+Every repeat runs every strategy once, in turn (odd repeats in reverse order), so a slow patch of a noisy machine
+and the place of a run in its repeat hit all of them alike; the JSON holds the median over repeats of each figure
+(``repeats`` keeps every run). Figures:
 decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
 padding included), peak_memory_bytes (the CUDA allocator's peak during the run, or the resident high-water mark
 on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step
@@ -330,21 +331,24 @@ def main(argv=None) -> dict:
     trackers = {name: harness.peak_tracker(device, name)
                 for name, device in (("peak_memory_bytes", model.device), ("peak_rss_bytes", torch.device("cpu")))}
     for repeat in range(args.repeats):
-        reference = None
-        for label, fields, run in runners:
+        # Odd repeats run the strategies in reverse order, so the place of a run in its repeat (what the run
+        # before it left in caches and the allocator) favours no strategy over the repeats.
+        completed = {}
+        for label, fields, run in runners if repeat % 2 == 0 else runners[::-1]:
             for tracker in trackers.values():
                 tracker.reset()
             record, completions = run()
             record.update({name: tracker.read()["peak_bytes"] for name, tracker in trackers.items()})
-            if label == "full":
-                reference = completions
-            record["identical_fraction"] = (None if reference is None else
-                                            sum(a == b for a, b in zip(completions, reference)) / len(reference))
+            completed[label] = completions
             record["mean_context"] = roofline.mean_decode_context(
                 [len(p) for p in prompts for _ in range(args.group_size)], list(map(len, completions)))
             repeats[label].append({"strategy": label.split("[")[0], **fields, **record})
             print(f"repeat {repeat} {label:28s} steps={record['decode_steps']} tok/s={record['tokens_per_s']:.1f} "
                   f"kv={record['peak_kv_bytes']} util={record['slot_utilization']}", file=sys.stderr, flush=True)
+        reference = completed.get("full")
+        for label, completions in completed.items():
+            repeats[label][-1]["identical_fraction"] = (
+                None if reference is None else sum(a == b for a, b in zip(completions, reference)) / len(reference))
 
     machine = roofline.measure_machine(model.device, model.dtype)
     prefill_floor = roofline.prefill_floor(model.config, model.dtype, prompts, machine)
