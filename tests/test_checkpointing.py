@@ -273,6 +273,7 @@ def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
 def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interrupts_anything():
     from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
 
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a shell's background job
     STOP_SIGNAL.install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # outside abandonable code: only recorded
@@ -287,7 +288,7 @@ def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interr
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         STOP_SIGNAL.restore()
-    assert STOP_SIGNAL.signum is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert STOP_SIGNAL.signum is None and signal.getsignal(signal.SIGINT) is before  # restored as it was
 
     STOP_SIGNAL.install()
     try:

@@ -57,6 +57,7 @@ import argparse
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -68,7 +69,7 @@ from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
 from tools import harness, roofline
-from tools.recordings import Replay, read_recording
+from tools.recordings import read_replay
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
@@ -160,22 +161,14 @@ def _predictor(name: str, seed: int):
 
 
 # -------------------------------------------------------------------------------------------------- main
-def _compile_values(text: str) -> list[bool | str]:
-    values = {"false": False, "true": True, "auto": "auto"}
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in values]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--compile {text!r}: use a comma list of {list(values)}")
-    return [values[name] for name in names]
-
-
-def _cpu_linear_values(text: str) -> list[str]:
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    allowed = get_args(CpuLinear)
-    unknown = [name for name in names if name not in allowed]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--cpu-linear {text!r}: use a comma list of {list(allowed)}")
-    return names
+def _comma_list(flag: str, values: dict) -> Callable[[str], list]:
+    """An argparse type: a comma list of ``values``' names, each given as its value."""
+    def parse(text: str) -> list:
+        names = [name.strip().lower() for name in text.split(",") if name.strip()]
+        if not names or any(name not in values for name in names):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: use a comma list of {list(values)}")
+        return [values[name] for name in names]
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -215,10 +208,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--compile", default="false", type=_compile_values,
+    parser.add_argument("--compile", default="false",
+                        type=_comma_list("--compile", {"false": False, "true": True, "auto": "auto"}),
                         help="data.sampling.compile of lit_grpo's runs, a comma list of false,true,auto: each value "
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
-    parser.add_argument("--cpu-linear", default="auto", type=_cpu_linear_values,
+    parser.add_argument("--cpu-linear", default="auto",
+                        type=_comma_list("--cpu-linear", {name: name for name in get_args(CpuLinear)}),
                         help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of auto,onednn,torch: each "
                              "value runs every strategy, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -369,30 +364,6 @@ def main(argv=None) -> dict:
     _print_table(runs)
     harness.write_json(args.json, report)
     return report
-
-
-def read_replay(args) -> Replay | None:
-    """The ``--tokens`` or ``--lengths`` recording as a ``Replay`` (None: no replay), setting ``args.prompts``,
-    ``args.group_size`` and (--tokens) ``args.max_new_tokens`` from the file unless given."""
-    if not (args.tokens or args.lengths):
-        return None
-    flag, path = ("--tokens", args.tokens) if args.tokens else ("--lengths", args.lengths)
-    try:
-        record = read_recording(path)
-        lengths = record["lengths"]
-        args.prompts, args.group_size = args.prompts or len(lengths), args.group_size or len(lengths[0])
-        replay = Replay(record, flag[2:], args.prompts, args.group_size)
-    except ValueError as error:
-        raise SystemExit(f"{flag} {path}: {error}") from None
-    if args.tokens:
-        cap = (record.get("meta") or {}).get("max_new_tokens")
-        if not isinstance(cap, int):
-            raise SystemExit(f"--tokens {path}: its meta has no max_new_tokens (the cap it was recorded under)")
-        args.max_new_tokens = cap if args.max_new_tokens is None else args.max_new_tokens
-        if args.max_new_tokens > cap:
-            raise SystemExit(f"--max-new-tokens {args.max_new_tokens} is above the --tokens recording's cap "
-                             f"max_new_tokens={cap}: its truncated samples hold no tokens past {cap}")
-    return replay
 
 
 def _print_table(runs: list[dict]) -> None:

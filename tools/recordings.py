@@ -9,7 +9,8 @@ A recording is one JSON object (gzip-compressed when the file name ends in ``.gz
      "completion_ids": [[[token id, ...] per sample] per prompt]}     # token recordings only
 
 A length recording drives ``--lengths`` replays (forced EOS); a token recording also drives ``--tokens`` replays
-(every sample's own tokens, so the model computes the hidden states it computed live) and the predictor study.
+(every sample's own tokens, so the model computes the hidden states it computed live) and the predictor study;
+``read_replay`` reads a benchmark's ``--tokens`` or ``--lengths`` file.
 """
 
 from __future__ import annotations
@@ -86,3 +87,27 @@ class Replay:
             return None, {"lengths": [row[: self.G] for row in self.record["lengths"][rows]]}
         prompts = [list(p) for p in self.record["prompt_ids"][rows]]
         return prompts, {"tokens": [group[: self.G] for group in self.record["completion_ids"][rows]]}
+
+
+def read_replay(args) -> Replay | None:
+    """The ``--tokens`` or ``--lengths`` recording as a ``Replay`` (None: no replay), setting ``args.prompts``,
+    ``args.group_size`` and (--tokens) ``args.max_new_tokens`` from the file unless given."""
+    if not (args.tokens or args.lengths):
+        return None
+    flag, path = ("--tokens", args.tokens) if args.tokens else ("--lengths", args.lengths)
+    try:
+        record = read_recording(path)
+        lengths = record["lengths"]
+        args.prompts, args.group_size = args.prompts or len(lengths), args.group_size or len(lengths[0])
+        replay = Replay(record, flag[2:], args.prompts, args.group_size)
+    except ValueError as error:
+        raise SystemExit(f"{flag} {path}: {error}") from None
+    if args.tokens:
+        cap = (record.get("meta") or {}).get("max_new_tokens")
+        if not isinstance(cap, int):
+            raise SystemExit(f"--tokens {path}: its meta has no max_new_tokens (the cap it was recorded under)")
+        args.max_new_tokens = cap if args.max_new_tokens is None else args.max_new_tokens
+        if args.max_new_tokens > cap:
+            raise SystemExit(f"--max-new-tokens {args.max_new_tokens} is above the --tokens recording's cap "
+                             f"max_new_tokens={cap}: its truncated samples hold no tokens past {cap}")
+    return replay
