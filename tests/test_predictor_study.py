@@ -71,7 +71,7 @@ def test_a_token_recording_round_trips_and_bad_files_are_named(tmp_path, monkeyp
         read_recording(tmp_path / "junk.json.gz")
 
 
-def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, tiny_llama, monkeypatch):
+def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, tiny_llama, monkeypatch, capsys):
     model, tokenizer = tiny_llama
     prompts = [[5 + p, 40 + p, 7] for p in range(8)]
     lengths = [[2 + (p * 5 + k * 3) % 9 for k in range(4)] for p in range(8)]
@@ -115,6 +115,12 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
                                     "--signal-tokens", "1", "--setups", "2,4,3", "--noisy", "",
                                     "--features-cache", str(tmp_path / "f.pt")])
     assert cached["setups"][0]["rows"][2] == rows[("online", 2)]  # the cached features: no model is loaded
+    gates = study_predictors.main(["--recording", str(path), "--predictors", "online", "--probe-tokens", "2",
+                                   "--gain-z", "1,none", "--signal-tokens", "1", "--setups", "2,4,3", "--noisy", "",
+                                   "--features-cache", str(tmp_path / "f.pt")])
+    by_gate = {row["gain_z"]: row for row in gates["setups"][0]["rows"] if row["predictor"] == "online"}
+    assert set(by_gate) == {1.0, None} and by_gate[1.0] == rows[("online", 2)]
+    assert walked[-1][0].config.gain_z is None  # the last walk is the ungated scheduler's
     other = tmp_path / "other.json"
     write_recording(other, {**read_recording(path), "lengths": [row[::-1] for row in lengths],
                             "completion_ids": [group[::-1] for group in completions]})
@@ -128,6 +134,10 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
                                "--signal-tokens", "1", "--features-cache", str(tmp_path / "f.pt")])
     with pytest.raises(SystemExit):
         study_predictors.parse_args(["--recording", str(path), "--probe-tokens", "abc"])
+    for bad in ("0", "-1", "inf", "abc"):
+        with pytest.raises(SystemExit):
+            study_predictors.parse_args(["--recording", str(path), "--gain-z", f"1,{bad}"])
+        assert f"--gain-z: '{bad}' is neither a number > 0 nor 'none'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="holds lengths only"):
         write_recording(tmp_path / "lengths.json", {"lengths": lengths})
         study_predictors.main(["--recording", str(tmp_path / "lengths.json")])

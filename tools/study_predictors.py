@@ -21,6 +21,9 @@ training), and the measured rollouts of both halves are summed. Figures per pred
 - ``guided``: the share of measured rollouts whose first gate decision (at the rollout's start) was to follow the
   predictions.
 
+``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``; "none":
+ungated), to show what the gate keeps and what it refuses.
+
 Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
 judged on the other: the share of log-length variance between groups (what a perfect group predictor could
 explain); the ``online`` predictor's token model against k (Kendall tau and log RMSE); and the elapsed tokens
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from lit_grpo.scheduling import InfiniteScheduler, RolloutWork, Scheduler, simulate_rollout
+from lit_grpo.scheduling.gate import GAIN_Z
 from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau, make_predictor
 from tools import harness
@@ -61,6 +65,23 @@ def parse_setups(text: str) -> list[tuple[int, int, int]]:
                                              "4,16,8;8,16,32)")
         setups.append((B, G, g))
     return setups
+
+
+def parse_gain_z(text: str) -> list[float | None]:
+    """``--gain-z``: numbers > 0, or "none" for the ungated scheduler."""
+    values = []
+    for item in (part.strip() for part in text.split(",")):
+        if item.lower() == "none":
+            values.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"--gain-z: {item!r} is neither a number > 0 nor 'none'")
+        values.append(value)
+    return values
 
 
 def parse_counts(text: str, flag: str, minimum: int) -> list[int]:
@@ -138,31 +159,31 @@ class RecordingWalk:
         return records
 
 
-def make_scheduler(name: str, probe: int | None, seed: int) -> Scheduler:
+def make_scheduler(name: str, probe: int | None, seed: int, gain_z: float | None = GAIN_Z) -> Scheduler:
     """Plain continuous order for "continuous"; else InfiniteScheduler with predictor ``name`` probing at
-    ``probe`` tokens (noisy oracles seeded by ``seed``)."""
+    ``probe`` tokens behind the gate at ``gain_z`` (None: ungated; noisy oracles seeded by ``seed``)."""
     if name == "continuous":
         return Scheduler()
     predictor = make_predictor(name, seed=seed) if "noisy" in name else name
-    return InfiniteScheduler(predictor, **({} if probe is None else {"probe_tokens": probe}))
+    return InfiniteScheduler(predictor, gain_z=gain_z, **({} if probe is None else {"probe_tokens": probe}))
 
 
-def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None]], seed: int) -> list[dict]:
-    """Continuous, the oracle and every ``(predictor, k)`` of ``runs`` on one setup, cross-fitted (module
+def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None, float | None]], seed: int) -> list[dict]:
+    """Continuous, the oracle and every ``(predictor, k, gain_z)`` of ``runs`` on one setup, cross-fitted (module
     docstring)."""
     rows = []
-    for name, probe in [("continuous", None), ("oracle", None)] + runs:
+    for name, probe, gain_z in [("continuous", None, GAIN_Z), ("oracle", None, GAIN_Z)] + runs:
         measured = []
         for warm, test in walk.halves():
-            scheduler = make_scheduler(name, probe, seed)
+            scheduler = make_scheduler(name, probe, seed, gain_z)
             walk.run(scheduler, warm, probe)
             measured += walk.run(scheduler, test, probe)
-        rows.append({"predictor": name, "probe_tokens": probe,
+        rows.append({"predictor": name, "probe_tokens": probe, "gain_z": gain_z,
                      "decode_steps": sum(r["decode_steps"] for r in measured),
                      "kendall_tau": _mean(r["tau"] for r in measured),
                      "log_rmse": _mean(r["log_rmse"] for r in measured),
                      "guided": _mean(r["guided"] for r in measured)})
-        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} steps={rows[-1]['decode_steps']}",
+        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} z={gain_z} steps={rows[-1]['decode_steps']}",
               file=sys.stderr, flush=True)
     continuous = rows[0]["decode_steps"]
     oracle_gain = 1 - rows[1]["decode_steps"] / continuous
@@ -255,6 +276,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         type=lambda t: parse_counts(t, "--signal-tokens", 1), help="k of the token-signal curve")
     parser.add_argument("--elapsed-tokens", default="0,8,32,64,128",
                         type=lambda t: parse_counts(t, "--elapsed-tokens", 0), help="t of the elapsed-tokens curve")
+    parser.add_argument("--gain-z", default=str(GAIN_Z), type=parse_gain_z,
+                        help="comma list of the gate's thresholds (scheduler.gain_z, > 0), 'none' for ungated")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
     parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
     parser.add_argument("--seed", type=int, default=0)
@@ -286,8 +309,9 @@ def main(argv=None) -> dict:
     setups = []
     for B, G, g in args.setups:
         walk = RecordingWalk(record, features, B, G, g)
-        runs = [(name, k) for name in args.predictors
-                for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])]
+        runs = [(name, k, z) for name in args.predictors
+                for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])
+                for z in args.gain_z]
         setups.append({"B": B, "G": G, "g": g, "prompts_used": walk.used_prompts,
                        "rows": study_setup(walk, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
@@ -303,10 +327,11 @@ def markdown(report: dict) -> str:
     lines = []
     for setup in report["setups"]:
         lines += [f"B {setup['B']}, G {setup['G']}, g {setup['g']}:", "",
-                  "| predictor | k | decode steps | x continuous | oracle's gain kept | Kendall tau | log RMSE | "
-                  "guided |", "|---|---|---|---|---|---|---|---|"]
+                  "| predictor | k | gain_z | decode steps | x continuous | oracle's gain kept | Kendall tau | "
+                  "log RMSE | guided |", "|---|---|---|---|---|---|---|---|---|"]
         for row in setup["rows"]:
-            cells = [row["predictor"], row["probe_tokens"] or "-", row["decode_steps"], f"{row['ratio']:.3f}",
+            cells = [row["predictor"], row["probe_tokens"] or "-", _z(row["gain_z"]), row["decode_steps"],
+                     f"{row['ratio']:.3f}",
                      _fmt(row["kept"]), _fmt(row["kendall_tau"]), _fmt(row["log_rmse"]), _fmt(row["guided"])]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         lines.append("")
@@ -326,6 +351,10 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _z(gain_z: float | None) -> str:
+    return "none" if gain_z is None else f"{gain_z:g}"
+
+
 def _print(report: dict) -> None:
     print(f"between-group share of log-length variance: {report['signals']['group_share']:.3f}")
     for row in report["signals"]["token"]:
@@ -337,7 +366,8 @@ def _print(report: dict) -> None:
     for setup in report["setups"]:
         print(f"B {setup['B']}, G {setup['G']}, g {setup['g']}")
         for row in setup["rows"]:
-            cells = [f"{row['predictor']:>16s}", f"k={row['probe_tokens']}", f"steps {row['decode_steps']}",
+            cells = [f"{row['predictor']:>16s}", f"k={row['probe_tokens']}", f"z={_z(row['gain_z'])}",
+                     f"steps {row['decode_steps']}",
                      f"ratio {row['ratio']:.3f}", f"kept {row['kept']}", f"tau {row['kendall_tau']}",
                      f"log_rmse {row['log_rmse']}", f"guided {row['guided']}"]
             print("  " + "  ".join(cells))

@@ -10,7 +10,7 @@ One step, all on the device, no host round trip until the end:
 
 1. attention mask ``[slots, 1, 1, width]`` from the rows' lengths (a row attends to its columns ``<= lengths``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
-   key/value at its own column;
+   key/value at its own column (eager on a CPU, its attention is ``decode_attention``'s two matmuls);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
    inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
    rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.sampling.decode_attention import cpu_decode_attention
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample_tokens
@@ -197,7 +198,8 @@ class DecodeStep:
         elif self._compiled_run is None:
             # Eager, the step can leave the hidden states out where no row asks for them: asking the model for
             # them costs a few percent of a forward, and a row is probed on one step of its whole run.
-            self._run(hidden_states=bool(hidden_slots))
+            with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
+                self._run(hidden_states=bool(hidden_slots))
         else:
             self._forward()
         non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync

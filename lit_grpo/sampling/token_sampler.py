@@ -94,7 +94,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BL
 
     A scan over the whole vocabulary with few rows keeps a GPU almost idle (one row is one sequential scan), so the
     draw first picks a block of ``block`` tokens from the cumulative block sums, then the token inside that block.
-    Sums are in float64. The token drawn always has a probability above zero.
+    The token drawn always has a probability above zero.
 
     Args:
         probs: ``[n, V]`` non-negative, each row with a positive sum.
@@ -103,12 +103,16 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BL
         ``[n]`` int64 token ids.
     """
     n, vocab = probs.shape
-    probs = torch.nn.functional.pad(probs.double(), (0, -vocab % block)).view(n, -1, block)     # [n, blocks, block]
-    block_cdf = probs.sum(-1).cumsum(-1)                                                     # [n, blocks]
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % block))
+    # A block's sum is float32 (within about 1e-7 of its mass); the running sums across blocks and inside the
+    # chosen block are float64. A float64 copy of the whole [n, V] would cost more than the rest of the draw.
+    probs = probs.reshape(n, -1, block)                                                      # [n, blocks, block]
+    block_cdf = probs.sum(-1).double().cumsum(-1)                                            # [n, blocks]
     targets = (uniforms.double() * block_cdf[:, -1]).unsqueeze(-1)                           # [n, 1]
     chosen = torch.searchsorted(block_cdf, targets).clamp_(max=block_cdf.shape[1] - 1)        # [n, 1]
     before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp(min=0)), 0.0)   # [n, 1]
-    inside = probs.gather(1, chosen[:, :, None].expand(n, 1, block)).squeeze(1).cumsum(-1) + before  # [n, block]
+    inside = probs.gather(1, chosen[:, :, None].expand(n, 1, block)).squeeze(1).double().cumsum(-1) + before
     # The block's own sum and its running sum round differently: keep the target inside the block's last
     # positive entry, so a zero-probability token is never drawn.
     targets = torch.minimum(targets, inside[:, -1:])
