@@ -118,7 +118,8 @@ def test_combined_names_are_checked_in_configs(name, pattern):
     assert InfiniteSchedulerConfig(predictor="history+group").predictor == "history+group"
     with pytest.raises(ValueError, match=r"'online\+group': no part takes \['sedd'\]; its parts take"):
         make_predictor("online+group", sedd=3)
-    with pytest.raises(ValueError, match=r"group predictor decay=-1 must be a number in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"group predictor decay=-1 is not allowed; group predictor decay must be a "
+                                         r"finite number > 0 and <= 1"):
         GroupLengthPredictor(decay=-1)
     with pytest.raises(ValueError, match=pattern):
         InfiniteSchedulerConfig(predictor=name)

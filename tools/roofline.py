@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.sampling.cpu_linear import onednn_linear
 from lit_grpo.sampling.memory_budget import kv_geometry
 
 #: What ``measure_machine`` keeps of its measurements, per (device, dtype, threads), so a process measures once.
@@ -248,7 +249,7 @@ def _median_seconds(run, device: torch.device, budget_s: float, min_runs: int = 
 #: The matmul kernels measured: name -> ``(a, b) -> a @ b.T`` (the same FLOPs either way).
 MATMUL_KERNELS = {
     "torch.mm": lambda a, b: torch.mm(a, b),
-    "onednn": lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""),
+    "onednn": onednn_linear,
 }
 
 
@@ -282,15 +283,16 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
 
     Matmul: ``torch.mm`` of two square matrices in ``dtype`` (2048 on a CPU, 8192 on a GPU: large enough to be
     compute-bound), ``2·n³`` FLOPs per call; in float32 on a CPU with oneDNN (``torch.backends.mkldnn``) the same
-    product by oneDNN's inner product too, and the faster of the two is the rate (``matmul_kernel`` names it). Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the
-    last-level cache (the CPU's largest cache from sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a
-    GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
+    product by oneDNN's inner product too, and the faster of the two is the rate (``matmul_kernel`` names it).
+    Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the last-level cache (the CPU's largest cache from
+    sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
     on a GPU a call is 10 back-to-back kernels). The result is kept per (device, dtype, threads), so a process
     measures once.
 
     Returns:
         ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "matmul_kernel", "read_bytes_per_s",
-        "method", "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the GPU's.
+        "method", "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the
+        GPU's.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

@@ -21,8 +21,8 @@ training), and the measured rollouts of both halves are summed. Figures per pred
 - ``guided``: the share of measured rollouts whose first gate decision (at the rollout's start) was to follow the
   predictions.
 
-``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``; "none":
-ungated), to show what the gate keeps and what it refuses.
+``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``;
+"none": ungated), to show what the gate keeps and what it refuses.
 
 Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
 judged on the other: the share of log-length variance between groups (what a perfect group predictor could
@@ -103,9 +103,9 @@ def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatu
     if cache is not None and cache.exists():
         cached = torch.load(cache)
         if cached.get("source") != source:
-            raise SystemExit(f"--features-cache {cache} holds the features of {cached.get('source', {}).get('recording')}"
-                             f" (model {cached.get('source', {}).get('model')}), not of this recording and model; "
-                             "give another path")
+            held = cached.get("source") or {}
+            raise SystemExit(f"--features-cache {cache} holds the features of {held.get('recording')} (model "
+                             f"{held.get('model')}), not of this recording and model; give another path")
         if set(probe_tokens) <= set(cached["token"]):
             return RecordingFeatures(cached["prompt"], cached["token"])
     model, tokenizer = harness.load_policy(model_name)

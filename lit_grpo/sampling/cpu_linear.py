@@ -73,6 +73,11 @@ def onednn_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[Non
             module.__dict__.pop("forward", None)
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` ``[..., in] -> [..., out]`` by oneDNN's inner product (``weight``:
+    ``[out, in]``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def _onednn_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` ``[..., in] -> [..., out]`` by oneDNN's inner product."""
-    return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
+    return onednn_linear(x, module.weight, module.bias)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_grpo.runtime.validation import check_int, check_real
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.lognormal import PrequentialError
 from lit_grpo.scheduling.ridge import RidgeRegressor, single_thread
@@ -32,10 +33,8 @@ class CombinedLengthPredictor:
                  min_observations: int = 32) -> None:
         if len(parts) < 2:
             raise ValueError(f"a combined predictor needs two or more parts, got {len(parts)}")
-        if not 0 < decay <= 1:
-            raise ValueError(f"combined predictor decay={decay!r} must be in (0, 1]")
-        if isinstance(min_observations, bool) or not isinstance(min_observations, int) or min_observations < 0:
-            raise ValueError(f"combined predictor min_observations={min_observations!r} must be an integer >= 0")
+        check_real("combined predictor decay", decay, 0.0, 1.0, low_open=True)
+        check_int("combined predictor min_observations", min_observations, 0)
         self.parts = list(parts)
         self.names = list(names) if names is not None else [type(part).__name__ for part in self.parts]
         self.needs_prompt_features = any(part.needs_prompt_features for part in self.parts)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_grpo.runtime.validation import check_real
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.lognormal import PrequentialError, prior_log_length
 
@@ -35,9 +36,7 @@ class GroupLengthPredictor:
     token_conditioned = False
 
     def __init__(self, decay: float = 0.98) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-            raise ValueError(f"group predictor decay={decay!r} must be a number in (0, 1]")
-        self.decay = decay
+        self.decay = check_real("group predictor decay", decay, 0.0, 1.0, low_open=True)
         # Past groups, decayed: weight, sum of group means, sum of squared group means, sum of within variances,
         # sum of within variances over the finished count (the noise a group mean of that many samples holds).
         self.groups = [0.0, 0.0, 0.0, 0.0, 0.0]
