@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
+from lit_grpo.sampling.prefill import prefill_chunks
 from lit_grpo.sampling.token_sampler import filter_logits
 from scheduler_helpers import trust_predictions
 
@@ -428,7 +429,9 @@ def test_merged_rounds_add_their_capture_time_and_step_time_leaves_it_out():
 
 
 @pytest.mark.parametrize("strategy", ["micro", "continuous", "infinite"])
-def test_prefill_time_is_counted_once_per_prefill_forward(tiny_llama, prompt_ids, strategy, monkeypatch):
+@pytest.mark.parametrize("chunk_tokens", [1024, 12])
+def test_prefill_time_is_counted_once_per_prefill_forward(tiny_llama, prompt_ids, strategy, chunk_tokens,
+                                                          monkeypatch):
     """A clock that ticks 1 s per reading: each timed interval (a prefill forward or a decode step) lasts 1 s."""
     import itertools
     from types import SimpleNamespace
@@ -437,15 +440,18 @@ def test_prefill_time_is_counted_once_per_prefill_forward(tiny_llama, prompt_ids
 
     model, tokenizer = tiny_llama
     prompts = [ids + [5] for ids in prompt_ids]  # every prompt has a prefix to prefill
+    monkeypatch.setattr(rollout_loop, "PREFILL_CHUNK_TOKENS", chunk_tokens)
+    forwards = len(prefill_chunks([len(p) - 1 for p in prompts], chunk_tokens))
+    assert forwards == (1 if chunk_tokens == 1024 else len(prompts))  # all prompts in one forward, or each alone
     engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy=strategy,
                            max_new_tokens=6, temperature=1.0)
     real = engine.generate(prompts).stats
     assert 0 < real.prefill_s < real.forward_s <= real.wall_s
     monkeypatch.setattr(rollout_loop, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
     stats = engine.generate(prompts).stats
-    assert stats.prefill_s == len(prompts)  # each prompt prefilled once, whatever the strategy's rounds
-    assert stats.forward_s == len(prompts) + stats.decode_steps  # decode steps are not prefill
-    assert stats.prefill_tokens == sum(len(p) - 1 for p in prompts)
+    assert stats.prefill_s == forwards  # each chunk prefilled once, whatever the strategy's rounds
+    assert stats.forward_s == forwards + stats.decode_steps  # decode steps are not prefill
+    assert stats.prefill_tokens == sum(len(p) - 1 for p in prompts)  # real tokens, not the padding
 
 
 def test_merged_rounds_add_their_prefill_time():

@@ -1,5 +1,7 @@
 """The roofline (tools/roofline.py): costs from a config against hand counts, the bound chosen, the machine measured."""
 
+import re
+
 import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
@@ -35,6 +37,24 @@ def test_prefill_cost_matches_a_hand_count():
     assert after.bytes == 4 * (1232 + 16 + 2 * 2 * 1 * 4 * 5)
     per_token = roofline.prefill_token_cost(config, 4, "float32")
     assert per_token.flops == pytest.approx(cost.flops / 4) and per_token.bytes == pytest.approx(cost.bytes / 4)
+
+
+def test_a_batched_prefill_adds_the_work_and_reads_the_weights_once():
+    config = LlamaConfig(**HAND)
+    four, two = roofline.prefill_cost(config, 4, "float32"), roofline.prefill_cost(config, 2, "float32")
+    batch = roofline.prefill_batch_cost(config, [4, 2], "float32")
+    assert batch.flops == four.flops + two.flops
+    assert batch.bytes == four.bytes + two.bytes - 4 * 1232  # W read once
+    assert roofline.prefill_batch_cost(config, [4], "float32") == four
+    with pytest.raises(ValueError, match=re.escape("token_counts=[] must name at least one sequence")):
+        roofline.prefill_batch_cost(config, [], "float32")
+    machine = {"matmul_flops_per_s": 1e6, "read_bytes_per_s": 1e9}  # compute-bound: the weights' reads don't count
+    ms, bound = roofline.prefill_floor(config, "float32", [[1] * 5, [1] * 3, [9]], machine)
+    assert bound == "compute" and ms == pytest.approx(1000 * batch.flops / 1e6 / 6)  # per prefix token
+    slow_memory = {"matmul_flops_per_s": 1e12, "read_bytes_per_s": 1e3}
+    ms, bound = roofline.prefill_floor(config, "float32", [[1] * 5, [1] * 3], slow_memory)
+    assert bound == "memory" and ms == pytest.approx(1000 * batch.bytes / 1e3 / 6)
+    assert roofline.prefill_floor(config, "float32", [[9], [8]], machine) is None
 
 
 def test_weights_are_every_linear_layer_and_the_head_read_once_tied_or_not(tiny_llama):

@@ -36,7 +36,7 @@ floor_ms_per_step (the fewest ms a decode step of the run's rows, all its slots,
 the longer of its FLOPs at the matmul rate and its bytes at the bandwidth), floor_bound ("compute" or "memory",
 which one sets the floor), roofline_ratio = ms_per_step / floor_ms_per_step; and for prefill
 prefill_ms_per_token (``1000 * prefill_s / prefill_tokens``, the engine's synchronised prefill time),
-prefill_floor_ms_per_token (each prompt's one prefill forward of its first P - 1 tokens, floors summed, per token),
+prefill_floor_ms_per_token (every prompt's first P - 1 tokens in one forward, the weights read once, per token),
 prefill_floor_bound and prefill_roofline_ratio. ms_per_step holds the rollout's prefill and the engine's
 bookkeeping too, so roofline_ratio is the whole rollout's distance from the decode floor. The hf_generate*
 strategies time no prefill of their own (it is inside ``generate``): their prefill fields are null; generate_batch

@@ -159,6 +159,17 @@ def prefill_token_cost(config: Any, tokens: int, dtype: torch.dtype | str, cache
     return Cost(flops=cost.flops / tokens, bytes=cost.bytes / tokens)
 
 
+def prefill_batch_cost(config: Any, token_counts: list[int], dtype: torch.dtype | str) -> Cost:
+    """The work of one prefill forward of several sequences (``token_counts``: each one's tokens, no cached
+    positions), each attending only itself and keeping its last token's logits: the ``prefill_cost`` of each,
+    added, but with the weights read once (``W`` bytes counted once, not once per sequence)."""
+    if not token_counts:
+        raise ValueError("token_counts=[] must name at least one sequence")
+    costs = [prefill_cost(config, tokens, dtype) for tokens in token_counts]
+    weights = dtype_bytes(dtype) * model_shape(config).weights
+    return Cost(flops=sum(c.flops for c in costs), bytes=sum(c.bytes for c in costs) - (len(costs) - 1) * weights)
+
+
 def floor_s(cost: Cost, machine: dict) -> tuple[float, str]:
     """``(seconds, bound)``: the longer of ``cost.flops / matmul_flops_per_s`` ("compute") and ``cost.bytes /
     read_bytes_per_s`` ("memory"), the rates of ``machine`` (a ``measure_machine`` record)."""
@@ -347,14 +358,15 @@ def ratio(measured: float | None, floor: float | None) -> float | None:
 
 
 def prefill_floor(model_config, dtype, prompts: list[list[int]], machine: dict) -> tuple[float, str] | None:
-    """``(ms per prefill token, bound)`` at the floor: each prompt's one prefill forward of its first P - 1 tokens
-    (the engine's), floors summed over the prompts, divided by their tokens; None when no prompt has a prefix."""
+    """``(ms per prefill token, bound)`` at the floor: every prompt's first P - 1 tokens in one forward
+    (``prefill_batch_cost``: the weights read once), divided by their tokens; None when no prompt has a prefix.
+    The engine runs them in chunks of consecutive prompts (lit_grpo.sampling.prefill), padded to the chunk's
+    longest: its padding and its chunks' extra weight reads count against it."""
     forwards = [len(p) - 1 for p in prompts if len(p) > 1]
     if not forwards:
         return None
-    floors = [floor_ms(prefill_cost(model_config, tokens, dtype), machine) for tokens in forwards]
-    bounds = [bound for _, bound in floors]
-    return sum(ms for ms, _ in floors) / sum(forwards), max(set(bounds), key=bounds.count)
+    ms, bound = floor_ms(prefill_batch_cost(model_config, forwards, dtype), machine)
+    return ms / sum(forwards), bound
 
 
 def add_to_record(record: dict, model_config, dtype, machine: dict, prefill: tuple[float, str] | None) -> None:

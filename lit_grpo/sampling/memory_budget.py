@@ -11,8 +11,9 @@ and one slot holds at most ``longest prompt + max_new_tokens`` positions, so::
 
 (the engine never runs more slots than the rollout has samples). The slot cache allocates exactly that: every row
 is ``longest prompt - 1 + max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64).
-Besides it the engine holds each running prompt's prefix once, and the KV of parked samples' first tokens, so
-leave some headroom in ``kv_budget_bytes`` for those.
+Besides it the engine holds each running prompt's prefix once, the prefixes of the rest of its prefill chunk
+(``prefill.PREFILL_CHUNK_TOKENS`` positions at most), and the KV of parked samples' first tokens, so leave some
+headroom in ``kv_budget_bytes`` for those.
 
 Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``.
 """

@@ -4,7 +4,8 @@
 the scheduler (policy, owner of which sample runs in which slot, which are parked and how far each got) what to
 run, and this loop executes it: it starts samples in rows of the ``DecodeStep`` (compute, owner of the rows' state
 in the ``SlotKVCache``), runs one step per decode step and hands each row's token to its sample. It owns the
-samples' tokens, the prompts' prefix KV and parked samples' KV. See lit_grpo.sampling.engine for the design.
+samples' tokens, the prompts' prefix KV and parked samples' KV; ``prefill`` says which prompts prefill together.
+See lit_grpo.sampling.engine for the design.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from transformers import DynamicCache
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, slice_columns
+from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
+                                      split_prefixes)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.driver import Row, drive_rollout
@@ -76,6 +79,8 @@ class RolloutLoop:
         # there without EOS).
         self.limits = {(p, k): _limit(self.groups[p], k, settings.max_new_tokens) for p, k in self.samples}
         self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
+        self.chunks = prefill_chunks([len(g.prompt_ids) - 1 for g in self.groups], PREFILL_CHUNK_TOKENS)
+        self._chunk_of = {p: chunk for chunk in self.chunks for p in chunk}
         self.unfinished = [sum(not s.done for s in g.samples) for g in self.groups]
         self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order
         self.parked_kv_bytes = 0  # held by parked samples' KV
@@ -91,7 +96,7 @@ class RolloutLoop:
                            generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
                            done={key for key, s in self.samples.items() if s.progress.done})
         if self.scheduler.needs_prompt_features:
-            work.prompt_features = torch.stack([self._prefill(p, with_features=True) for p in range(len(groups))])
+            work.prompt_features = self._prefill_with_features()
         self._record_memory()
         try:
             driven = drive_rollout(self.scheduler, work, self, keep_timeline=True)
@@ -111,14 +116,16 @@ class RolloutLoop:
         return len(self.completed) >= self.complete and all(not self.unfinished[p] for p in self.must_finish)
 
     def start(self, assignments: list[Assignment]) -> None:
+        unprefilled = {key[0] for _, key in assignments
+                       if self.samples[key].parked_tail is None and key[0] not in self.prefixes}
+        if unprefilled:
+            self._prefill(unprefilled)
         for slot, key in assignments:
             p, k = key
             sample, group = self.samples[key], self.groups[key[0]]
             if sample.parked_tail is not None:  # resumed after a park
                 self.parked_kv_bytes -= kv_bytes(sample.parked_tail)
             else:
-                if p not in self.prefixes:
-                    self._prefill(p)
                 if sample.tokens:  # carried from an earlier rollout: its positions are computed anew
                     sample.parked_tail = self._prefill_tail(p, sample.tokens)
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
@@ -170,14 +177,14 @@ class RolloutLoop:
     def settle(self) -> None:
         self._release_unused_prefixes()
 
-    def _forward(self, input_ids: list[int], cache: DynamicCache, **kwargs):
+    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
+        """A prefill forward of ``input_ids`` ``[1, tokens]``, timed."""
         start = time.perf_counter()
         events = None
         if self.device.type == "cuda":  # kernels run asynchronously: the device's time comes from events
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        out = self.model(input_ids=torch.tensor([input_ids], device=self.device), past_key_values=cache,
-                         use_cache=True, logits_to_keep=1, **kwargs)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
         elapsed = time.perf_counter() - start
         self.stats.forward_s += elapsed
         if events is None:
@@ -185,7 +192,7 @@ class RolloutLoop:
         else:  # read once the rollout's last decode step has synchronised: no host sync of its own
             events[1].record()
             self._prefill_events.append(events)
-        self.stats.prefill_tokens += len(input_ids)
+        self.stats.prefill_tokens += input_ids.shape[-1]
         return out
 
     def _count_prefill_events(self) -> None:
@@ -196,22 +203,49 @@ class RolloutLoop:
             self.stats.prefill_s += sum(start.elapsed_time(end) for start, end in self._prefill_events) / 1000
             self._prefill_events.clear()
 
-    def _prefill(self, p: int, with_features: bool = False) -> torch.Tensor | None:
-        """Run prompt p's first P - 1 tokens once and cache their KV; optionally return its features [H] (the
-        mean of their last hidden states; zeros for a one-token prompt)."""
-        prefix = self.groups[p].prompt_ids[:-1]
-        features = None
-        self.prefixes[p] = None
-        if prefix:
-            cache = DynamicCache(config=self.model.config)
-            out = self._forward(prefix, cache, output_hidden_states=with_features)
-            self.prefixes[p] = slice_columns(cache_layers_kv(cache), 0, len(prefix))
-            if with_features:
-                features = out.hidden_states[-1][0].float().mean(0)
-        elif with_features:
-            features = torch.zeros(self.model.config.get_text_config(decoder=True).hidden_size, device=self.device)
+    def _prefill(self, needed: set[int]) -> None:
+        """Cache the prefix KV (first P - 1 tokens) of each prompt in ``needed``, by one forward of each one's
+        prefill chunk. Of a chunk's other prompts, those whose samples still wait keep theirs too (``prefill``:
+        every strategy runs the same chunks, so a prompt's KV never depends on the schedule)."""
+        for p in [p for p in needed if p not in self._chunk_of]:  # a one-token prompt: no prefix
+            self.prefixes[p] = None
+        for chunk in self.chunks:
+            if not needed.intersection(chunk):
+                continue
+            prefixes, _ = self._run_chunk(chunk, with_features=False)
+            for q, kv in zip(chunk, prefixes):
+                if q in needed or (q not in self.prefixes and any(self.scheduler.waits((q, k)) for k in range(self.G))):
+                    self.prefixes[q] = kv
+        self._record_memory()
+
+    def _prefill_with_features(self) -> torch.Tensor:
+        """Cache every prompt's prefix KV and return the prompts' features ``[B, H]``: the mean of each prefix's
+        last hidden states (zeros for a one-token prompt). Runs before the scheduler begins, for predictors that
+        read prompts."""
+        hidden = self.model.config.get_text_config(decoder=True).hidden_size
+        features = torch.zeros(len(self.groups), hidden, device=self.device)
+        self.prefixes = dict.fromkeys(range(len(self.groups)))
+        for chunk in self.chunks:
+            prefixes, chunk_features = self._run_chunk(chunk, with_features=True)
+            for row, (p, kv) in enumerate(zip(chunk, prefixes)):
+                self.prefixes[p] = kv
+                features[p] = chunk_features[row]
         self._record_memory()
         return features
+
+    def _run_chunk(self, chunk: list[int], with_features: bool) -> tuple[list[KV], torch.Tensor | None]:
+        """One prefill forward of the chunk's prompts, packed: each one's prefix KV, and with ``with_features``
+        their features ``[members, H]``."""
+        packed = pack_chunk([self.groups[p].prompt_ids[:-1] for p in chunk], self.device)
+        cache = DynamicCache(config=self.model.config)
+        with packed_forward(self.model, packed) as inputs:
+            out = self._forward(packed.input_ids, cache, output_hidden_states=with_features, **inputs)
+        features = None
+        if with_features:
+            last = out.hidden_states[-1][0]
+            features = torch.stack([last[start:start + n].float().mean(0)
+                                    for start, n in zip(packed.offsets, packed.lengths)])
+        return split_prefixes(cache_layers_kv(cache), packed), features
 
     def _prefill_tail(self, p: int, tokens: list[int]) -> KV:
         """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
@@ -221,7 +255,8 @@ class RolloutLoop:
         for layer, (keys, values) in enumerate(prefix or []):
             cache.update(keys, values, layer)
         start = 0 if prefix is None else prefix[0][0].shape[-2]
-        self._forward([self.groups[p].prompt_ids[-1], *tokens[:-1]], cache)
+        fed = [self.groups[p].prompt_ids[-1], *tokens[:-1]]
+        self._forward(torch.tensor([fed], device=self.device), cache)
         return slice_columns(cache_layers_kv(cache), start)
 
     def _release_unused_prefixes(self) -> None:

@@ -1,0 +1,164 @@
+"""Prompt prefills: which prompts run in one forward, that forward's inputs, and its split into each prompt's prefix KV.
+
+Owns no state: ``RolloutLoop`` keeps the prefixes and decides when a prompt needs one; this module says which
+other prompts run with it and how.
+
+Why several prompts in one forward: one prompt's prefill is a forward of ``P - 1`` rows, too few for a CPU's
+matmuls to reach their rate; a chunk of prompts reads the weights once and gives the matmuls all their rows.
+The chunk is packed, not padded: its prompts are laid end to end in one sequence, each with its own positions
+(from 0), so no position is computed for nothing. Attention must not cross from one prompt into another: on an SDPA
+model, ``packed_attention`` runs each prompt's causal attention on its own (SDPA per prompt, as if it ran alone,
+instead of one masked ``[T, T]`` product that costs the square of the whole chunk); any other attention
+implementation gets a block-diagonal causal mask.
+
+Why fixed chunks: a prompt's prefix KV may depend (in its rounding) on the shape of the forward it ran in (a
+matmul kernel may pick its blocking by the rows). The chunks are a function of the rollout's prompts alone (their
+order and lengths), never of the schedule, so every strategy computes the same prefix KV and same-g schedules
+stay bit-identical. Chunks are consecutive prompts, so a strategy that starts the groups in order (``micro``,
+``continuous``) holds at most one chunk's prefixes ahead of the group it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from lit_grpo.runtime.validation import check_int
+from lit_grpo.sampling.kv_cache import KV, slice_columns
+
+__all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
+           "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes"]
+
+#: The most tokens one prefill forward packs (a longer prefix runs alone): enough rows for a CPU's matmuls to
+#: reach their rate, and small beside the slot cache in activations and in the prefixes held ahead.
+PREFILL_CHUNK_TOKENS = 1024
+
+
+def prefill_chunks(prefix_lengths: Sequence[int], max_tokens: int = PREFILL_CHUNK_TOKENS) -> list[list[int]]:
+    """The prompts' prefill forwards: the indices of the prompts with a prefix (length > 0), in order, cut into runs
+    of consecutive prompts of at most ``max_tokens`` tokens together (a longer prefix runs alone).
+
+    >>> prefill_chunks([60, 0, 39, 36, 700, 44], max_tokens=200)
+    [[0, 2, 3], [4], [5]]
+    """
+    check_int("max_tokens", max_tokens, 1)
+    chunks: list[list[int]] = []
+    tokens = 0
+    for p, length in enumerate(prefix_lengths):
+        check_int(f"prefix_lengths[{p}]", length, 0)
+        if not length:
+            continue
+        if chunks and tokens + length <= max_tokens:
+            chunks[-1].append(p)
+            tokens += length
+        else:
+            chunks.append([p])
+            tokens = length
+    return chunks
+
+
+#: The name ``packed_attention`` is registered under in transformers' attention (and mask) registries.
+PACKED_ATTENTION = "lit_grpo_packed_prefill"
+
+
+@dataclass(frozen=True)
+class PackedChunk:
+    """One prefill forward's inputs: the chunk's prefixes end to end.
+
+    Attributes:
+        input_ids: ``[1, T]``, T the prefixes' tokens together.
+        position_ids: ``[1, T]``, each prefix's own positions from 0.
+        lengths: each prefix's tokens; prefix i is columns ``[offsets[i], offsets[i] + lengths[i])``.
+        offsets: where each prefix starts.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: list[int]
+    offsets: list[int]
+
+
+def pack_chunk(prefixes: Sequence[Sequence[int]], device: torch.device) -> PackedChunk:
+    """The ``PackedChunk`` of ``prefixes`` (each non-empty)."""
+    lengths = [len(prefix) for prefix in prefixes]
+    if not prefixes or not all(lengths):
+        raise ValueError(f"a prefill chunk needs one or more non-empty prefixes; got lengths {lengths}")
+    input_ids = torch.tensor([[t for prefix in prefixes for t in prefix]], dtype=torch.long, device=device)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    return PackedChunk(input_ids, position_ids, lengths, [0, *itertools.accumulate(lengths)][:-1])
+
+
+def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[1, 1, T, T]`` additive mask (0, or ``dtype``'s lowest): each position attends the earlier positions of its
+    own prefix (``lengths``: the prefixes' tokens, end to end)."""
+    member = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    causal = torch.ones(len(member), len(member), dtype=torch.bool, device=device).tril()
+    allowed = causal & (member[:, None] == member[None, :])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     prefill_lengths: Sequence[int] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: with ``prefill_lengths`` (a packed chunk's, passed through the
+    model's forward), each prefix's causal attention by SDPA on its own; without, SDPA unchanged.
+
+    Args:
+        query: ``[1, heads, T, dim]``; key, value: ``[1, kv_heads, T, dim]`` (T = the sum of ``prefill_lengths``).
+        attention_mask: None (the registered mask function builds none; each prefix's causal mask is SDPA's own).
+    Returns:
+        ``[1, T, heads, dim]`` and no attention weights.
+    """
+    if prefill_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    outputs, start = [], 0
+    for n in prefill_lengths:
+        part = slice(start, start + n)
+        out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], None,
+                                        dropout=dropout, scaling=scaling, **kwargs)
+        outputs.append(out)
+        start += n
+    return torch.cat(outputs, dim=1), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+@contextlib.contextmanager
+def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[str, Any]]:
+    """The keyword arguments that keep ``chunk``'s prefixes apart in a forward of ``model`` within the block (its
+    ``position_ids``, and ``prefill_lengths`` or an ``attention_mask``). An SDPA model's attention is switched to
+    ``packed_attention`` for the block and restored after; any other implementation gets ``block_causal_mask``."""
+    inputs: dict[str, Any] = {"position_ids": chunk.position_ids}
+    config = model.config
+    if len(chunk.lengths) == 1:  # one prefix: the model's own causal attention, as if no chunk
+        yield inputs
+    elif getattr(config, "_attn_implementation", None) == "sdpa":
+        config._attn_implementation = PACKED_ATTENTION
+        try:
+            yield inputs | {"prefill_lengths": chunk.lengths}
+        finally:
+            config._attn_implementation = "sdpa"
+    else:
+        yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, model.dtype, chunk.input_ids.device)}
+
+
+def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
+    """Each prefix's KV from its chunk's cache (every layer's keys and values ``[1, kv_heads, T, head_dim]``):
+    ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed."""
+    return [slice_columns(kv, start, start + n) for start, n in zip(chunk.offsets, chunk.lengths)]
