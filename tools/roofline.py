@@ -296,9 +296,9 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
     compute-bound), ``2·n³`` FLOPs per call; in float32 on a CPU with oneDNN (``torch.backends.mkldnn``) the same
     product by oneDNN's inner product too, and the faster of the two is the rate (``matmul_kernel`` names it).
     Bandwidth: ``torch.sum`` over a float32 buffer at least 4 x the last-level cache (the CPU's largest cache from
-    sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a GPU, its bytes per call. Each: one warm-up, then the median of timed calls within half the budget (at least 3;
-    on a GPU a call is 10 back-to-back kernels). The result is kept per (device, dtype, threads), so a process
-    measures once.
+    sysfs, the GPU's L2) and at least 256 MiB on a CPU, 1 GiB on a GPU, its bytes per call. Each: one warm-up, then
+    the median of timed calls within half the budget (at least 3; on a GPU a call is 10 back-to-back kernels).
+    The result is kept per (device, dtype, threads), so a process measures once.
 
     Returns:
         ``{"device", "device_name", "dtype", "threads", "matmul_flops_per_s", "matmul_kernel", "read_bytes_per_s",
@@ -360,8 +360,8 @@ def ratio(measured: float | None, floor: float | None) -> float | None:
 def prefill_floor(model_config, dtype, prompts: list[list[int]], machine: dict) -> tuple[float, str] | None:
     """``(ms per prefill token, bound)`` at the floor: every prompt's first P - 1 tokens in one forward
     (``prefill_batch_cost``: the weights read once), divided by their tokens; None when no prompt has a prefix.
-    The engine runs them in chunks of consecutive prompts (lit_grpo.sampling.prefill), padded to the chunk's
-    longest: its padding and its chunks' extra weight reads count against it."""
+    The engine runs them in chunks of consecutive prompts (lit_grpo.sampling.prefill), packed end to end: its
+    chunks' extra weight reads count against it."""
     forwards = [len(p) - 1 for p in prompts if len(p) > 1]
     if not forwards:
         return None

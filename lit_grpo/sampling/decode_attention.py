@@ -2,7 +2,7 @@
 
 Owns: nothing past a decode step. ``cpu_decode_attention`` switches the policy's attention implementation to
 ``decode_attention`` for the forward of an eager decode step on a CPU and restores it after; prefills, the update
-and CUDA keep SDPA.
+and CUDA keep SDPA. Its switch, ``instead_of_sdpa``, also serves the packed prefill's attention (``prefill.py``).
 
 Why: for one query per row, transformers packs the query heads that share a key/value head into a
 ``[rows, kv_heads, group, dim]`` query and calls SDPA, whose fused CPU kernel spends more time on its own tiling
@@ -61,15 +61,27 @@ AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # what a 2-D mask 
 
 
 @contextlib.contextmanager
-def cpu_decode_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, ``model``'s attention layers call ``decode_attention``. Nothing happens when ``enabled``
-    is False or the model's attention is not SDPA (another implementation was chosen on purpose)."""
+def instead_of_sdpa(model: torch.nn.Module, implementation: str) -> Iterator[bool]:
+    """Within the block, an SDPA ``model``'s attention layers call the registered ``implementation`` (this module's
+    ``decode_attention``, or ``prefill.packed_attention``); restored after. Yields whether it switched: a model
+    whose attention is not SDPA keeps it (another implementation was chosen on purpose)."""
     config = getattr(model, "config", None)
-    if not enabled or getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield False
         return
-    config._attn_implementation = DECODE_ATTENTION
+    config._attn_implementation = implementation
     try:
-        yield
+        yield True
     finally:
         config._attn_implementation = "sdpa"
+
+
+@contextlib.contextmanager
+def cpu_decode_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, ``model``'s attention layers call ``decode_attention``. Nothing happens when ``enabled``
+    is False or the model's attention is not SDPA (``instead_of_sdpa``)."""
+    if not enabled:
+        yield
+        return
+    with instead_of_sdpa(model, DECODE_ATTENTION):
+        yield

@@ -22,8 +22,9 @@ How a sample runs. Its prompt's first ``P - 1`` tokens are prefilled once (with 
 prefill chunk, ``prefill.py``) and that prefix KV is written into a slot's row each time one of the G samples
 starts there; the prompt's last token is fed by the sample's first decode step, so every decode step of a sample
 produces exactly one of its tokens and a completion of L tokens occupies its slot for exactly L steps (which makes
-``lower_bound_steps`` and ``slot_utilization`` exact). A prompt's prefix is freed once its last sample has started (and no parked sample
-still needs it). A sample leaves its slot the step it emits EOS or reaches ``max_new_tokens``.
+``lower_bound_steps`` and ``slot_utilization`` exact). A prompt's prefix is freed once its last sample has started
+(and no parked sample still needs it). A sample leaves its slot the step it emits EOS or reaches
+``max_new_tokens``.
 
 Replays. ``lengths=`` forces each sample's length (EOS impossible before it, certain at it); ``tokens=`` makes each
 sample emit its recorded tokens (the model still runs every step, so hidden states, probes and predictors see what

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from lit_grpo.runtime.validation import check_int
+from lit_grpo.sampling.decode_attention import instead_of_sdpa
 from lit_grpo.sampling.kv_cache import KV, slice_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
@@ -145,17 +146,14 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
     ``position_ids``, and ``prefill_lengths`` or an ``attention_mask``). An SDPA model's attention is switched to
     ``packed_attention`` for the block and restored after; any other implementation gets ``block_causal_mask``."""
     inputs: dict[str, Any] = {"position_ids": chunk.position_ids}
-    config = model.config
     if len(chunk.lengths) == 1:  # one prefix: the model's own causal attention, as if no chunk
         yield inputs
-    elif getattr(config, "_attn_implementation", None) == "sdpa":
-        config._attn_implementation = PACKED_ATTENTION
-        try:
+        return
+    with instead_of_sdpa(model, PACKED_ATTENTION) as switched:
+        if switched:
             yield inputs | {"prefill_lengths": chunk.lengths}
-        finally:
-            config._attn_implementation = "sdpa"
-    else:
-        yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, model.dtype, chunk.input_ids.device)}
+        else:
+            yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, model.dtype, chunk.input_ids.device)}
 
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
