@@ -1,5 +1,6 @@
-"""The rollout's linears on oneDNN (sampling.cpu_linear): same products up to rounding, restored after, chosen
-where they apply and refused by name where they do not."""
+"""The rollout's linears on oneDNN (sampling.cpu_linear), on the plain weights or on copies packed for the decode
+step's rows: same products up to rounding, restored after, chosen where they apply and refused by name where they
+do not."""
 
 from __future__ import annotations
 
@@ -20,37 +21,76 @@ def _linears(model):
 
 
 @needs_onednn
-def test_a_model_computes_the_same_logits_on_onednn_and_is_restored_after(tiny_llama):
+@pytest.mark.parametrize("kernel", ["onednn", "packed"])
+def test_a_model_computes_the_same_logits_on_onednn_and_is_restored_after(tiny_llama, kernel):
     model, _ = tiny_llama
     ids = torch.randint(0, model.config.vocab_size, (3, 7))
     with torch.inference_mode():
         reference = model(input_ids=ids).logits
-        with onednn_linears(model):
+        with onednn_linears(model, kernel, rows=3):  # 3 rows: the decode step's shape [3, 1]
             assert all("forward" in m.__dict__ for m in _linears(model))
             routed = model(input_ids=ids).logits
+            stepped = model(input_ids=ids[:, :1]).logits
+        step_reference = model(input_ids=ids[:, :1]).logits
     torch.testing.assert_close(routed, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stepped, step_reference, rtol=1e-4, atol=1e-4)
     assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+@needs_onednn
+def test_packed_copies_serve_exactly_the_decode_steps_rows_and_a_shared_weight_is_packed_once(monkeypatch):
+    head = torch.nn.Linear(64, 96, bias=False)
+    tied = torch.nn.Linear(64, 96, bias=False)
+    tied.weight = head.weight
+    model = torch.nn.Sequential(head, tied)
+    reorders, weights_read = [], []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(cpu_linear, "onednn_linear",
+                        lambda x, weight, bias=None: weights_read.append(weight.is_mkldnn) or x.new_zeros(*x.shape[:-1], 96))
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda weight, rows: reorders.append(rows) or reorder(weight, rows), raising=False)
+    with torch.inference_mode(), onednn_linears(model, "packed", rows=8):
+        head(torch.randn(8, 1, 64))   # the decode step: 8 rows of one token
+        head(torch.randn(2, 4, 64))   # 8 rows too
+        head(torch.randn(1, 12, 64))  # a prefill chunk of 12 tokens: the plain weight
+    assert reorders == [8]
+    assert weights_read == [True, True, False]
+
+
+def test_bad_kernels_and_rows_are_refused_by_name():
+    linear = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"kernel='mkl' must be 'packed', 'onednn' or 'torch'"):
+        with onednn_linears(linear, "mkl"):
+            pass
+    with pytest.raises(ValueError, match=r"the kernel 'packed' needs rows, a positive int .* got 0"):
+        with onednn_linears(linear, "packed", rows=0):
+            pass
 
 
 @needs_onednn
 def test_the_modules_are_restored_when_the_block_raises(tiny_llama):
     model, _ = tiny_llama
     with pytest.raises(RuntimeError, match="inside"):
-        with onednn_linears(model):
+        with onednn_linears(model, "packed", rows=2):
             raise RuntimeError("inside")
     assert all("forward" not in m.__dict__ for m in _linears(model))
 
 
 @needs_onednn
-def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():
+@pytest.mark.parametrize("kernel", ["onednn", "packed"])
+def test_each_row_is_computed_alone_so_schedules_stay_bit_identical(kernel):
     """A row's result does not depend on the other rows or its position: what same-g schedule invariance needs."""
     linear = torch.nn.Linear(64, 96)
     x = torch.randn(16, 1, 64)
     permutation = torch.randperm(16)
-    with torch.inference_mode(), onednn_linears(linear):
+    other = x.clone()
+    other[1:] = torch.randn(15, 1, 64)
+    with torch.inference_mode(), onednn_linears(linear, kernel, rows=16):
         full = linear(x)
         assert torch.equal(linear(x[permutation]), full[permutation])
-        assert torch.equal(linear(x[:5]), full[:5])
+        assert torch.equal(linear(other)[0], full[0])
+        if kernel == "onednn":
+            assert torch.equal(linear(x[:5]), full[:5])
 
 
 @needs_onednn
@@ -58,43 +98,54 @@ def test_a_rollout_runs_its_linears_on_onednn_only_when_chosen(tiny_llama, monke
     model, tokenizer = tiny_llama
     calls = []
     original = cpu_linear._onednn_linear
-    monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda module, x: calls.append(x.shape) or original(module, x))
+
+    def recorded(module, packed, rows, x):
+        calls.append(packed is not None)  # whether the module holds a packed copy
+        return original(module, packed, rows, x)
+
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", recorded)
     outputs = {}
-    for setting in ("torch", "onednn", "auto"):
+    for setting in ("torch", "onednn", "packed", "auto"):
         calls.clear()
         engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
                                max_new_tokens=6, temperature=0.0, cpu_linear=setting)
         result = engine.generate([[5, 6, 7, 8]])
         outputs[setting] = result
-        assert bool(calls) == (setting != "torch"), setting
+        assert set(calls) == {"torch": set(), "onednn": {False}}.get(setting, {True}), setting
         assert all("forward" not in m.__dict__ for m in _linears(model))  # the update gets torch's kernels back
-    for setting in ("onednn", "auto"):
+    for setting in ("onednn", "packed", "auto"):
         for ours, theirs in zip(outputs[setting].logprobs, outputs["torch"].logprobs):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=1e-4)
 
 
-def test_auto_takes_onednn_only_for_a_float32_cpu_policy_and_an_uncompiled_step(tiny_llama):
+def test_auto_takes_packed_onednn_only_for_a_float32_cpu_policy_and_an_uncompiled_step(tiny_llama):
     model, _ = tiny_llama
-    assert resolve_cpu_linear("torch", model, compiled=False) is False
-    assert resolve_cpu_linear("auto", model, compiled=False) is torch.backends.mkldnn.is_available()
-    assert resolve_cpu_linear("auto", model, compiled=True) is False
+    onednn = torch.backends.mkldnn.is_available()
+    assert resolve_cpu_linear("torch", model, compiled=False) == "torch"
+    assert resolve_cpu_linear("auto", model, compiled=False) == ("packed" if onednn else "torch")
+    assert resolve_cpu_linear("onednn", model, compiled=False) == ("onednn" if onednn else "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_cpu_linear("auto", model, compiled=True) == "torch"
     half = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_cpu_linear("auto", half, compiled=False) is False  # auto stays quiet
+        assert resolve_cpu_linear("auto", half, compiled=False) == "torch"  # auto stays quiet
 
 
 def test_onednn_asked_for_where_it_cannot_run_warns_once_naming_why(tiny_llama):
     half = torch.nn.Linear(4, 4).to(torch.bfloat16)
     cpu_linear._warned.clear()
     with pytest.warns(RuntimeWarning, match="cpu_linear='onednn', but the policy's weights are bfloat16, not float32"):
-        assert resolve_cpu_linear("onednn", half, compiled=False) is False
+        assert resolve_cpu_linear("onednn", half, compiled=False) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_cpu_linear("onednn", half, compiled=False) is False  # once
+        assert resolve_cpu_linear("onednn", half, compiled=False) == "torch"  # once
+    with pytest.warns(RuntimeWarning, match="cpu_linear='packed', but the decode step is compiled"):
+        assert resolve_cpu_linear("packed", half, compiled=True) == "torch"
 
 
 def test_an_unknown_cpu_linear_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"sampling.cpu_linear='mkl' is not known; use one of \['auto', 'onednn', "
-                                         r"'torch'\]"):
+    with pytest.raises(ValueError, match=r"sampling.cpu_linear='mkl' is not known; use one of \['auto', 'packed', "
+                                         r"'onednn', 'torch'\]"):
         SamplingConfig(cpu_linear="mkl")

@@ -151,8 +151,10 @@ def test_every_decode_step_reads_the_same_memory_as_a_replayed_graph_would(tiny_
     monkeypatch.setattr(DecodeStep, "_run", spied_run)
     from lit_grpo.sampling import RolloutEngine
 
+    # cpu_linear "onednn": packed weights are copies made afresh for each CPU rollout, where no graph replays
     engine = RolloutEngine(model, tokenizer, group_size=5, micro_group_size=2, strategy=strategy, max_new_tokens=12,
-                           seed=1, **({"probe_tokens": 3, "park_budget": None} if strategy == "infinite" else {}))
+                           seed=1, cpu_linear="onednn",
+                           **({"probe_tokens": 3, "park_budget": None} if strategy == "infinite" else {}))
     if strategy == "infinite":
         trust_predictions(engine.scheduler)
     lengths = [[12, 3, 7, 1, 9]] * len(prompt_ids)  # forced: the step's replay branch, rows ending at set steps

@@ -24,7 +24,7 @@ on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens
 (``(wall_s - capture_s) / decode_steps``: the steady decode step, the one-off graph capture left out; it stays in
 wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
 repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved),
-cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear torch,onednn`` measures both, interleaved), and for
+cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear onednn,packed`` measures both, interleaved), and for
 lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
 weights_bytes and the device's name.
 
@@ -214,7 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
     parser.add_argument("--cpu-linear", default="auto",
                         type=_comma_list("--cpu-linear", {name: name for name in get_args(CpuLinear)}),
-                        help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of auto,onednn,torch: each "
+                        help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of auto,packed,onednn,torch: each "
                              "value runs every strategy, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)

@@ -52,9 +52,11 @@ class SamplingConfig:
             takes tens of seconds per step shape (a new slot count or cache width), which a short run may not win
             back.
         cpu_linear: the kernel of the policy's linear layers during a rollout on a CPU: "onednn" (oneDNN's inner
-            product, several times faster than torch's float32 GEMM for the few rows of a decode step), "torch"
-            (torch's ``F.linear``), "auto": oneDNN for a float32 policy on a CPU whose torch has it, unless the step
-            is compiled. The update always uses torch's kernels.
+            product, several times faster than torch's float32 GEMM for the few rows of a decode step), "packed"
+            (the same, with each weight reordered at the rollout's start into oneDNN's blocked layout for the
+            decode step: faster again, for one more copy of the linears' weights held during the rollout), "torch"
+            (torch's ``F.linear``), "auto": "packed" for a float32 policy on a CPU whose torch has oneDNN, unless
+            the step is compiled. The update always uses torch's kernels.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.

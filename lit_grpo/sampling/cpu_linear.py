@@ -2,13 +2,17 @@
 
 Owns: nothing past a rollout. ``onednn_linears`` routes every plain ``nn.Linear`` of the policy to oneDNN for the
 rollout's prefills and decode steps and restores the modules when it ends; the update's forward and backward keep
-torch's kernels.
+torch's kernels. With the kernel "packed" it also holds, for the rollout's length, a copy of each weight reordered
+into oneDNN's blocked layout for the decode step's row count.
 
 Why: torch's float32 ``F.linear`` on an x86 CPU is MKL's sgemm, which for the few rows of a decode step (one per
 slot) runs far below the machine's matmul rate (on AMD CPUs MKL also takes a narrower code path than the CPU has);
 oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same product several times faster
-there. Each row's result does not depend on the other rows, so strategies of the same g stay bit-identical; against
-torch's kernel the results differ by float32 rounding (a few units in the last place), as any other GEMM's would.
+there. On a plain ``[out, in]`` weight oneDNN streams it in a layout its kernel does not read at full speed; the
+blocked copy costs one pass over the weights per rollout (the policy changes between rollouts), which a rollout's
+tens of decode steps win back. Each row's result does not depend on the other rows, so strategies of the same g stay
+bit-identical; against torch's kernel the results differ by float32 rounding (a few units in the last place), as any
+other GEMM's would.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Literal
 
 import torch
 
-CpuLinear = Literal["auto", "onednn", "torch"]
+CpuLinear = Literal["auto", "packed", "onednn", "torch"]
+#: What a rollout's linears run on: ``CpuLinear`` with "auto" resolved.
+LinearKernel = Literal["packed", "onednn", "torch"]
 
 _warned: set[str] = set()
 
@@ -40,32 +46,46 @@ def onednn_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: bool) -> bool:
-    """Whether this rollout's linears run on oneDNN: ``setting`` is ``SamplingConfig.cpu_linear``. "auto" uses it
-    wherever it can (a float32 policy on a CPU with oneDNN, the step not compiled); "onednn" warns once where it
-    cannot and uses torch's kernel."""
+def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: bool) -> LinearKernel:
+    """The kernel of this rollout's linears: ``setting`` is ``SamplingConfig.cpu_linear``. "auto" is "packed" wherever
+    oneDNN can run (a float32 policy on a CPU with oneDNN, the step not compiled) and "torch" elsewhere; "packed" and
+    "onednn" warn once where it cannot run and use torch's kernel."""
     if setting == "torch":
-        return False
-    problem = "the decode step is compiled (torch.compile packs its own linears)" if compiled else onednn_problem(model)
+        return "torch"
+    # Inductor lowers oneDNN's linear only for weights frozen into the graph, which a policy in training is not.
+    problem = "the decode step is compiled (Inductor takes oneDNN's linear only with frozen weights)" if compiled \
+        else onednn_problem(model)
     if problem is None:
-        return True
-    if setting == "onednn" and problem not in _warned:
+        return "packed" if setting == "auto" else setting
+    if setting != "auto" and problem not in _warned:
         _warned.add(problem)
-        warnings.warn(f"sampling.cpu_linear='onednn', but {problem}; the rollout uses torch's F.linear",
+        warnings.warn(f"sampling.cpu_linear={setting!r}, but {problem}; the rollout uses torch's F.linear",
                       RuntimeWarning, stacklevel=3)
-    return False
+    return "torch"
 
 
 @contextlib.contextmanager
-def onednn_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows: int | None = None) -> Iterator[None]:
     """Within the block, every ``nn.Linear`` of ``model`` (the class itself, not subclasses, which may compute
-    otherwise) computes with oneDNN; inference only. Nothing happens when ``enabled`` is False."""
-    if not enabled:
+    otherwise) computes with oneDNN; inference only. ``kernel`` "packed" first reorders each weight for inputs of
+    ``rows`` rows (all leading dimensions together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which
+    then read the copy; inputs of other row counts (prefill chunks) read the plain weight. Nothing happens when
+    ``kernel`` is "torch"."""
+    if kernel not in ("packed", "onednn", "torch"):
+        raise ValueError(f"kernel={kernel!r} must be 'packed', 'onednn' or 'torch'")
+    if kernel == "packed" and (not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"the kernel 'packed' needs rows, a positive int (the decode step's rows), got {rows!r}")
+    if kernel == "torch":
         yield
         return
     patched = [module for module in model.modules() if type(module) is torch.nn.Linear]
-    for module in patched:
-        module.forward = functools.partial(_onednn_linear, module)  # shadows the class's forward on this instance
+    packed: dict[int, torch.Tensor] = {}
+    if kernel == "packed":
+        for module in patched:  # a weight two modules share (tied heads) is reordered once
+            if id(module.weight) not in packed:
+                packed[id(module.weight)] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+    for module in patched:  # shadows the class's forward on this instance
+        module.forward = functools.partial(_onednn_linear, module, packed.get(id(module.weight)), rows)
     try:
         yield
     finally:
@@ -79,5 +99,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _onednn_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return onednn_linear(x, module.weight, module.bias)
+def _onednn_linear(module: torch.nn.Linear, packed_weight: torch.Tensor | None, rows: int | None,
+                   x: torch.Tensor) -> torch.Tensor:
+    use_packed = packed_weight is not None and x.numel() == rows * x.shape[-1]
+    return onednn_linear(x, packed_weight if use_packed else module.weight, module.bias)

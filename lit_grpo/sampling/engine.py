@@ -194,9 +194,11 @@ class RolloutEngine:
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
         step_settings = self._step_settings(forced, replayed)
-        onednn = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile)
-        with torch.inference_mode() if self.inference_mode else torch.no_grad(), onednn_linears(self.model, onednn):
-            _, step, built = self._slots(self.num_slots(len(groups)), width, step_settings)
+        linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile)
+        slots = self.num_slots(len(groups))
+        with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
+              onednn_linears(self.model, linear_kernel, rows=slots)):
+            _, step, built = self._slots(slots, width, step_settings)
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
         result.stats.capture_s = step.capture_s if built else 0.0
