@@ -45,8 +45,12 @@ def test_packed_copies_serve_exactly_the_decode_steps_rows_and_a_shared_weight_i
     model = torch.nn.Sequential(head, tied)
     reorders, weights_read = [], []
     reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(cpu_linear, "onednn_linear",
-                        lambda x, weight, bias=None: weights_read.append(weight.is_mkldnn) or x.new_zeros(*x.shape[:-1], 96))
+
+    def linear(x, weight, bias=None):
+        weights_read.append(weight.is_mkldnn)  # the packed copy is a oneDNN tensor
+        return x.new_zeros(*x.shape[:-1], 96)
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", linear)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
                         lambda weight, rows: reorders.append(rows) or reorder(weight, rows), raising=False)
     with torch.inference_mode(), onednn_linears(model, "packed", rows=8):
@@ -59,12 +63,13 @@ def test_packed_copies_serve_exactly_the_decode_steps_rows_and_a_shared_weight_i
 
 def test_bad_kernels_and_rows_are_refused_by_name():
     linear = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"kernel='mkl' must be 'packed', 'onednn' or 'torch'"):
+    with pytest.raises(ValueError, match=r"kernel='mkl' is not known; use one of \['packed', 'onednn', 'torch'\]"):
         with onednn_linears(linear, "mkl"):
             pass
-    with pytest.raises(ValueError, match=r"the kernel 'packed' needs rows, a positive int .* got 0"):
-        with onednn_linears(linear, "packed", rows=0):
-            pass
+    for rows in (0, None, True):
+        with pytest.raises(ValueError, match=rf"rows={rows!r} must be an integer >= 1"):
+            with onednn_linears(linear, "packed", rows=rows):
+                pass
 
 
 @needs_onednn
@@ -121,28 +126,42 @@ def test_a_rollout_runs_its_linears_on_onednn_only_when_chosen(tiny_llama, monke
 def test_auto_takes_packed_onednn_only_for_a_float32_cpu_policy_and_an_uncompiled_step(tiny_llama):
     model, _ = tiny_llama
     onednn = torch.backends.mkldnn.is_available()
-    assert resolve_cpu_linear("torch", model, compiled=False) == "torch"
-    assert resolve_cpu_linear("auto", model, compiled=False) == ("packed" if onednn else "torch")
-    assert resolve_cpu_linear("onednn", model, compiled=False) == ("onednn" if onednn else "torch")
+    assert resolve_cpu_linear("torch", model, compiled=False, sharded=False) == "torch"
+    assert resolve_cpu_linear("auto", model, compiled=False, sharded=False) == ("packed" if onednn else "torch")
+    assert resolve_cpu_linear("onednn", model, compiled=False, sharded=False) == ("onednn" if onednn else "torch")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_cpu_linear("auto", model, compiled=True) == "torch"
+        assert resolve_cpu_linear("auto", model, compiled=True, sharded=False) == "torch"
+        # a sharded policy's whole weights exist only inside its forward: oneDNN, unpacked
+        assert resolve_cpu_linear("auto", model, compiled=False, sharded=True) == ("onednn" if onednn else "torch")
     half = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_cpu_linear("auto", half, compiled=False) == "torch"  # auto stays quiet
+        assert resolve_cpu_linear("auto", half, compiled=False, sharded=False) == "torch"  # auto stays quiet
 
 
 def test_onednn_asked_for_where_it_cannot_run_warns_once_naming_why(tiny_llama):
     half = torch.nn.Linear(4, 4).to(torch.bfloat16)
     cpu_linear._warned.clear()
     with pytest.warns(RuntimeWarning, match="cpu_linear='onednn', but the policy's weights are bfloat16, not float32"):
-        assert resolve_cpu_linear("onednn", half, compiled=False) == "torch"
+        assert resolve_cpu_linear("onednn", half, compiled=False, sharded=False) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_cpu_linear("onednn", half, compiled=False) == "torch"  # once
+        assert resolve_cpu_linear("onednn", half, compiled=False, sharded=False) == "torch"  # once
     with pytest.warns(RuntimeWarning, match="cpu_linear='packed', but the decode step is compiled"):
-        assert resolve_cpu_linear("packed", half, compiled=True) == "torch"
+        assert resolve_cpu_linear("packed", half, compiled=True, sharded=False) == "torch"
+
+
+@needs_onednn
+def test_packed_asked_for_on_a_sharded_policy_warns_once_and_runs_unpacked(tiny_llama):
+    model, _ = tiny_llama
+    cpu_linear._warned.clear()
+    with pytest.warns(RuntimeWarning, match=r"cpu_linear='packed', but the policy is FSDP-sharded .*; the rollout uses "
+                                            r"oneDNN on the gathered weights, unpacked"):
+        assert resolve_cpu_linear("packed", model, compiled=False, sharded=True) == "onednn"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_cpu_linear("packed", model, compiled=False, sharded=True) == "onednn"  # once
 
 
 def test_an_unknown_cpu_linear_is_refused_naming_the_choices():

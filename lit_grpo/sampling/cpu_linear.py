@@ -21,9 +21,11 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
+
+from lit_grpo.runtime.validation import check_choice, check_int
 
 CpuLinear = Literal["auto", "packed", "onednn", "torch"]
 #: What a rollout's linears run on: ``CpuLinear`` with "auto" resolved.
@@ -46,22 +48,31 @@ def onednn_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: bool) -> LinearKernel:
+def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: bool, sharded: bool) -> LinearKernel:
     """The kernel of this rollout's linears: ``setting`` is ``SamplingConfig.cpu_linear``. "auto" is "packed" wherever
-    oneDNN can run (a float32 policy on a CPU with oneDNN, the step not compiled) and "torch" elsewhere; "packed" and
-    "onednn" warn once where it cannot run and use torch's kernel."""
+    oneDNN can run (a float32 policy on a CPU with oneDNN, the step not compiled), "onednn" for a policy FSDP shards
+    (``sharded``: its whole weights exist only inside its forward, so there is nothing to pack beforehand), and
+    "torch" elsewhere; "packed" and "onednn" warn once where they cannot run and fall back the same way."""
     if setting == "torch":
         return "torch"
     # Inductor lowers oneDNN's linear only for weights frozen into the graph, which a policy in training is not.
     problem = "the decode step is compiled (Inductor takes oneDNN's linear only with frozen weights)" if compiled \
         else onednn_problem(model)
+    if problem is None and sharded and setting == "packed":
+        _warn_once(setting, "the policy is FSDP-sharded (its whole weights exist only inside its forward)",
+                   "oneDNN on the gathered weights, unpacked")
     if problem is None:
-        return "packed" if setting == "auto" else setting
-    if setting != "auto" and problem not in _warned:
-        _warned.add(problem)
-        warnings.warn(f"sampling.cpu_linear={setting!r}, but {problem}; the rollout uses torch's F.linear",
-                      RuntimeWarning, stacklevel=3)
+        return "onednn" if sharded or setting == "onednn" else "packed"
+    if setting != "auto":
+        _warn_once(setting, problem, "torch's F.linear")
     return "torch"
+
+
+def _warn_once(setting: CpuLinear, problem: str, instead: str) -> None:
+    if problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(f"sampling.cpu_linear={setting!r}, but {problem}; the rollout uses {instead}", RuntimeWarning,
+                      stacklevel=4)
 
 
 @contextlib.contextmanager
@@ -71,10 +82,9 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
     ``rows`` rows (all leading dimensions together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which
     then read the copy; inputs of other row counts (prefill chunks) read the plain weight. Nothing happens when
     ``kernel`` is "torch"."""
-    if kernel not in ("packed", "onednn", "torch"):
-        raise ValueError(f"kernel={kernel!r} must be 'packed', 'onednn' or 'torch'")
-    if kernel == "packed" and (not isinstance(rows, int) or rows < 1):
-        raise ValueError(f"the kernel 'packed' needs rows, a positive int (the decode step's rows), got {rows!r}")
+    check_choice("kernel", kernel, get_args(LinearKernel))
+    if kernel == "packed":
+        check_int("rows", rows, 1)
     if kernel == "torch":
         yield
         return

@@ -194,7 +194,8 @@ class RolloutEngine:
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
         step_settings = self._step_settings(forced, replayed)
-        linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile)
+        linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile,
+                                           is_fsdp_sharded(self.model))
         slots = self.num_slots(len(groups))
         with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
               onednn_linears(self.model, linear_kernel, rows=slots)):
