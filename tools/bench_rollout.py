@@ -214,8 +214,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
     parser.add_argument("--cpu-linear", default="auto",
                         type=_comma_list("--cpu-linear", {name: name for name in get_args(CpuLinear)}),
-                        help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of auto,packed,onednn,torch: each "
-                             "value runs every strategy, interleaved")
+                        help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of "
+                             "auto,packed,onednn,torch: each value runs every strategy, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.tokens and args.lengths:

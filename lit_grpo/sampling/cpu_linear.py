@@ -58,14 +58,16 @@ def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: boo
     # Inductor lowers oneDNN's linear only for weights frozen into the graph, which a policy in training is not.
     problem = "the decode step is compiled (Inductor takes oneDNN's linear only with frozen weights)" if compiled \
         else onednn_problem(model)
-    if problem is None and sharded and setting == "packed":
-        _warn_once(setting, "the policy is FSDP-sharded (its whole weights exist only inside its forward)",
-                   "oneDNN on the gathered weights, unpacked")
-    if problem is None:
-        return "onednn" if sharded or setting == "onednn" else "packed"
-    if setting != "auto":
-        _warn_once(setting, problem, "torch's F.linear")
-    return "torch"
+    if problem is not None:
+        if setting != "auto":
+            _warn_once(setting, problem, "torch's F.linear")
+        return "torch"
+    if sharded:
+        if setting == "packed":
+            _warn_once(setting, "the policy is FSDP-sharded (its whole weights exist only inside its forward)",
+                       "oneDNN on the gathered weights, unpacked")
+        return "onednn"
+    return "packed" if setting == "auto" else setting
 
 
 def _warn_once(setting: CpuLinear, problem: str, instead: str) -> None:

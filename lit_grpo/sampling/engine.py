@@ -193,9 +193,9 @@ class RolloutEngine:
         forced = any(g.forced_lengths is not None for g in groups)
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
-        step_settings = self._step_settings(forced, replayed)
-        linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile,
-                                           is_fsdp_sharded(self.model))
+        sharded = is_fsdp_sharded(self.model)
+        step_settings = self._step_settings(forced, replayed, sharded)
+        linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile, sharded)
         slots = self.num_slots(len(groups))
         with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
               onednn_linears(self.model, linear_kernel, rows=slots)):
@@ -287,11 +287,10 @@ class RolloutEngine:
             step.run_eagerly()
         return step
 
-    def _step_settings(self, forced: bool, replayed: bool) -> StepSettings:
+    def _step_settings(self, forced: bool, replayed: bool, sharded: bool) -> StepSettings:
         """``forced``: some group has forced lengths; ``replayed``: recorded tokens (their lengths then need no
-        forced EOS)."""
+        forced EOS); ``sharded``: FSDP2 shards the policy."""
         device = next(self.model.parameters()).device
-        sharded = is_fsdp_sharded(self.model)
         graph = self.config.cuda_graph
         if graph is None:
             graph = _graphs_available(device) and not sharded and self.graph_failure is None
