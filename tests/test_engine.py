@@ -447,18 +447,22 @@ def test_prefill_time_is_counted_once_per_prefill_forward(tiny_llama, prompt_ids
                            max_new_tokens=6, temperature=1.0)
     real = engine.generate(prompts).stats
     assert 0 < real.prefill_s < real.forward_s <= real.wall_s
+    assert real.decode_s > 0 and real.prefill_s + real.decode_s == pytest.approx(real.forward_s)  # a CPU's clock
     monkeypatch.setattr(rollout_loop, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
     stats = engine.generate(prompts).stats
     assert stats.prefill_s == forwards  # each chunk prefilled once, whatever the strategy's rounds
     assert stats.forward_s == forwards + stats.decode_steps  # decode steps are not prefill
+    assert stats.decode_s == stats.decode_steps
     assert stats.prefill_tokens == sum(len(p) - 1 for p in prompts)  # real tokens, not the padding
 
 
-def test_merged_rounds_add_their_prefill_time():
+def test_merged_rounds_add_their_prefill_and_decode_time():
     from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
-    merged = merge_stats([RolloutStats(prefill_s=0.25, forward_s=1.0), RolloutStats(prefill_s=0.5, forward_s=2.0)])
+    merged = merge_stats([RolloutStats(prefill_s=0.25, decode_s=0.5, forward_s=1.0),
+                          RolloutStats(prefill_s=0.5, decode_s=1.25, forward_s=2.0)])
     assert merged.prefill_s == pytest.approx(0.75) and merged.scalars()["prefill_s"] == pytest.approx(0.75)
+    assert merged.decode_s == pytest.approx(1.75) and merged.scalars()["decode_s"] == pytest.approx(1.75)
 
 
 @pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),

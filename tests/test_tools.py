@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
               "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction",
-              "peak_memory_bytes", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
-              "prefill_floor_ms_per_token", "prefill_roofline_ratio"}
+              "peak_memory_bytes", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "decode_ms_per_step",
+              "decode_roofline_ratio", "prefill_ms_per_token", "prefill_floor_ms_per_token", "prefill_roofline_ratio"}
 
 
 def test_bench_rollout_writes_every_design_field(tmp_path):
@@ -59,8 +59,10 @@ def _check_roofline(report, runs):
         assert run["roofline_ratio"] == pytest.approx(run["ms_per_step"] / run["floor_ms_per_step"]), name
         if name.startswith("hf_generate"):
             assert run["prefill_ms_per_token"] is run["prefill_floor_ms_per_token"] is None, name
-            assert run["prefill_roofline_ratio"] is None, name
+            assert run["prefill_roofline_ratio"] is run["decode_ms_per_step"] is run["decode_roofline_ratio"] is None
             continue
+        assert 0 < run["decode_ms_per_step"] < run["ms_per_step"], name  # the prefill is not a decode step's
+        assert run["decode_roofline_ratio"] == pytest.approx(run["decode_ms_per_step"] / run["floor_ms_per_step"])
         assert run["prefill_ms_per_token"] > 0 and run["prefill_floor_ms_per_token"] > 0, name
         assert run["prefill_roofline_ratio"] == pytest.approx(
             run["prefill_ms_per_token"] / run["prefill_floor_ms_per_token"]), name

@@ -34,13 +34,15 @@ the machine's matmul rate and memory read bandwidth are measured with torch's ke
 mean_context (positions a decode step's row attends, averaged over every sample's steps, padding not counted),
 floor_ms_per_step (the fewest ms a decode step of the run's rows, all its slots, at that mean context could take:
 the longer of its FLOPs at the matmul rate and its bytes at the bandwidth), floor_bound ("compute" or "memory",
-which one sets the floor), roofline_ratio = ms_per_step / floor_ms_per_step; and for prefill
-prefill_ms_per_token (``1000 * prefill_s / prefill_tokens``, the engine's synchronised prefill time),
-prefill_floor_ms_per_token (every prompt's first P - 1 tokens in one forward, the weights read once, per token),
-prefill_floor_bound and prefill_roofline_ratio. ms_per_step holds the rollout's prefill and the engine's
-bookkeeping too, so roofline_ratio is the whole rollout's distance from the decode floor. The hf_generate*
-strategies time no prefill of their own (it is inside ``generate``): their prefill fields are null; generate_batch
-counts no decode steps: its decode fields are null too. The ratios of the median record are ratios of the
+which one sets the floor), roofline_ratio = ms_per_step / floor_ms_per_step, decode_ms_per_step
+(``1000 * decode_s / decode_steps``: the decode steps' own time) and decode_roofline_ratio = decode_ms_per_step /
+floor_ms_per_step; and for prefill prefill_ms_per_token (``1000 * prefill_s / prefill_tokens``, the engine's
+synchronised prefill time), prefill_floor_ms_per_token (every prompt's first P - 1 tokens in one forward, the
+weights read once, per token), prefill_floor_bound and prefill_roofline_ratio. ms_per_step holds the rollout's
+prefill and the engine's bookkeeping too, so roofline_ratio is the whole rollout's distance from the decode floor
+and decode_roofline_ratio the decode step's own. The hf_generate* strategies time neither prefill nor decode steps
+of their own (both are inside ``generate``): their prefill fields and decode_* fields are null; generate_batch
+counts no decode steps: its other decode fields are null too. The ratios of the median record are ratios of the
 medians.
 
 Each engine frees its slot cache (and CUDA graph) after every run, so a run's peak memory holds the weights and
@@ -77,7 +79,8 @@ PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_t
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
           "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
           "capture_s", "prefill_s", "forward_fraction", "identical_fraction", "mean_context", "floor_ms_per_step",
-          "roofline_ratio", "prefill_ms_per_token", "prefill_floor_ms_per_token", "prefill_roofline_ratio")
+          "roofline_ratio", "decode_ms_per_step", "decode_roofline_ratio", "prefill_ms_per_token",
+          "prefill_floor_ms_per_token", "prefill_roofline_ratio")
 
 
 # ----------------------------------------------------------------------------------------------- runners
@@ -90,6 +93,7 @@ def run_engine(engine: RolloutEngine, prompts, replay: dict) -> tuple[dict, list
     record["forward_fraction"] = stats.forward_s / stats.wall_s
     record["ms_per_step"] = stats.ms_per_step
     record["prefill_ms_per_token"] = 1000 * stats.prefill_s / stats.prefill_tokens if stats.prefill_tokens else None
+    record["decode_ms_per_step"] = 1000 * stats.decode_s / stats.decode_steps if stats.decode_steps else None
     return record, [c for group in result.completion_ids for c in group]
 
 
@@ -368,7 +372,8 @@ def main(argv=None) -> dict:
 
 def _print_table(runs: list[dict]) -> None:
     columns = ("decode_steps", "lower_bound_steps", "slot_utilization", "peak_kv_bytes", "peak_memory_bytes",
-               "tokens_per_s", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "prefill_ms_per_token",
+               "tokens_per_s", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "decode_ms_per_step",
+               "decode_roofline_ratio", "prefill_ms_per_token",
                "prefill_floor_ms_per_token", "prefill_roofline_ratio", "forward_fraction", "identical_fraction")
     label = lambda r: (r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
                        + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else "")

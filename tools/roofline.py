@@ -377,6 +377,7 @@ def add_to_record(record: dict, model_config, dtype, machine: dict, prefill: tup
         cost = decode_step_cost(model_config, int(record["num_slots"]), record["mean_context"], dtype)
         record["floor_ms_per_step"], record["floor_bound"] = floor_ms(cost, machine)
     record["roofline_ratio"] = ratio(record.get("ms_per_step"), record["floor_ms_per_step"])
+    record["decode_roofline_ratio"] = ratio(record.get("decode_ms_per_step"), record["floor_ms_per_step"])
     timed = record.get("prefill_ms_per_token") is not None and prefill is not None
     record["prefill_floor_ms_per_token"], record["prefill_floor_bound"] = prefill if timed else (None, None)
     record["prefill_roofline_ratio"] = ratio(record.get("prefill_ms_per_token"), record["prefill_floor_ms_per_token"])

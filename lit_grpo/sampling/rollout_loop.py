@@ -71,7 +71,9 @@ class RolloutLoop:
         self.num_slots = step.cache.num_slots
         self.device = step.device
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
-        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA prefills, timed at the end
+        # CUDA prefills and decode steps, (start, end) events each, read once the rollout is over
+        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.decode_step.start_rollout(settings.seed)
 
         self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
@@ -102,7 +104,7 @@ class RolloutLoop:
             driven = drive_rollout(self.scheduler, work, self, keep_timeline=True)
         finally:
             self.decode_step.stop_all()  # leave every row idle for the next rollout
-        self._count_prefill_events()
+        self._count_device_time()
         self.stats.decode_steps, self.stats.timeline = driven.decode_steps, driven.timeline
         self.stats.parked_samples = self.scheduler.parked_samples
         self.stats.length_pred_kendall_tau = driven.metrics.get("length_pred_kendall_tau")
@@ -140,8 +142,15 @@ class RolloutLoop:
 
     def step(self, rows: list[Row], probing: list[int]) -> list[bool]:
         start = time.perf_counter()
+        events = self._start_events()
         out = self._out = self.decode_step.step(probing)
-        self.stats.forward_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.forward_s += elapsed
+        if events is None:
+            self.stats.decode_s += elapsed
+        else:  # the step has synchronised: its end event is stamped as soon as it is recorded
+            events[1].record()
+            self._decode_events.append(events)
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
         ended = []
@@ -180,10 +189,7 @@ class RolloutLoop:
     def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
         """A prefill forward of ``input_ids`` ``[1, tokens]``, timed."""
         start = time.perf_counter()
-        events = None
-        if self.device.type == "cuda":  # kernels run asynchronously: the device's time comes from events
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+        events = self._start_events()
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
         elapsed = time.perf_counter() - start
         self.stats.forward_s += elapsed
@@ -195,13 +201,24 @@ class RolloutLoop:
         self.stats.prefill_tokens += input_ids.shape[-1]
         return out
 
-    def _count_prefill_events(self) -> None:
-        """Add the CUDA prefills' device time to ``prefill_s`` (their events completed before the last step's
-        synchronisation)."""
-        if self._prefill_events:
-            self._prefill_events[-1][1].synchronize()  # already complete after a decode step; a no-op wait then
-            self.stats.prefill_s += sum(start.elapsed_time(end) for start, end in self._prefill_events) / 1000
-            self._prefill_events.clear()
+    def _start_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """On CUDA, a timing event pair whose start is recorded now (kernels run asynchronously: the device's time
+        comes from events); None on a CPU, where the host's clock is the time."""
+        if self.device.type != "cuda":
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        return events
+
+    def _count_device_time(self) -> None:
+        """Add the CUDA prefills' and decode steps' device time to ``prefill_s`` and ``decode_s`` (their events
+        completed by the last step's synchronisation)."""
+        for events, field in ((self._prefill_events, "prefill_s"), (self._decode_events, "decode_s")):
+            if events:
+                events[-1][1].synchronize()  # already complete after a decode step; a no-op wait then
+                seconds = sum(start.elapsed_time(end) for start, end in events) / 1000
+                setattr(self.stats, field, getattr(self.stats, field) + seconds)
+                events.clear()
 
     def _prefill(self, needed: set[int]) -> None:
         """Cache the prefix KV (first P - 1 tokens) of each prompt in ``needed``, by one forward of each one's

@@ -28,6 +28,10 @@ class RolloutStats:
         prefill_s: seconds spent in prefill forwards (prompt prefixes, and carried samples' tails): on CPU the
             prefills' part of ``forward_s``; on CUDA the device's time, from events read after the rollout's last
             synchronisation (no host sync of their own). ``1000 * prefill_s / prefill_tokens``: ms per token.
+        decode_s: seconds spent in decode steps (forward, sampling and the step's one device-to-host copy): on CPU
+            the steps' part of ``forward_s``; on CUDA the device's time from the step's first kernel to its copy's
+            end, from events (a step's synchronisation also waits for the prefills queued before it, which this
+            leaves out). ``1000 * decode_s / decode_steps``: ms per decode step, prefill and bookkeeping excluded.
         capture_s: seconds spent preparing the decode step in this rollout: capturing its CUDA graph, and compiling
             it (``compile``); 0 when the engine reused the previous rollout's step, or the step runs eagerly
             uncompiled; a failed attempt's time when a capture failed.
@@ -50,6 +54,7 @@ class RolloutStats:
     tokens_per_s: float = 0.0
     forward_s: float = 0.0
     prefill_s: float = 0.0
+    decode_s: float = 0.0
     capture_s: float = 0.0
     num_slots: int = 0
     group_size: int = 0
@@ -131,6 +136,7 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.wall_s += part.wall_s
         merged.forward_s += part.forward_s
         merged.prefill_s += part.prefill_s
+        merged.decode_s += part.decode_s
         merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
