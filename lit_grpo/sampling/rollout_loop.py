@@ -213,12 +213,8 @@ class RolloutLoop:
     def _count_device_time(self) -> None:
         """Add the CUDA prefills' and decode steps' device time to ``prefill_s`` and ``decode_s`` (their events
         completed by the last step's synchronisation)."""
-        for events, field in ((self._prefill_events, "prefill_s"), (self._decode_events, "decode_s")):
-            if events:
-                events[-1][1].synchronize()  # already complete after a decode step; a no-op wait then
-                seconds = sum(start.elapsed_time(end) for start, end in events) / 1000
-                setattr(self.stats, field, getattr(self.stats, field) + seconds)
-                events.clear()
+        self.stats.prefill_s += _elapsed_s(self._prefill_events)
+        self.stats.decode_s += _elapsed_s(self._decode_events)
 
     def _prefill(self, needed: set[int]) -> None:
         """Cache the prefix KV (first P - 1 tokens) of each prompt in ``needed``, by one forward of each one's
@@ -342,3 +338,13 @@ def _limit(group: GroupProgress, k: int, cap: int) -> int:
 
 def _copy(sample: SampleProgress) -> SampleProgress:
     return SampleProgress(list(sample.tokens), list(sample.logprobs), list(sample.versions), sample.done)
+
+
+def _elapsed_s(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    """Seconds between each (start, end) pair of recorded CUDA events, summed; empties ``events``."""
+    if not events:
+        return 0.0
+    events[-1][1].synchronize()  # already complete after a decode step; a no-op wait then
+    seconds = sum(start.elapsed_time(end) for start, end in events) / 1000
+    events.clear()
+    return seconds
