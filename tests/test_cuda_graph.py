@@ -97,3 +97,16 @@ def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
         assert engine.generate(prompts).stats.decode_steps > 0  # later rollouts run eagerly, without a warning
     finally:
         handle.remove()
+
+
+def test_prefills_and_decode_steps_are_timed_on_the_device():
+    """On CUDA both times come from events (the host's clock would count the prefills' kernels inside the step that
+    waits for them); each is positive and the two fit in the rollout."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="bfloat16", device="cuda")
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=8, cuda_graph=True)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.")]
+    engine.generate(prompts)  # capture outside the timing
+    stats = engine.generate(prompts).stats
+    assert stats.prefill_s > 0 and stats.decode_s > 0
+    assert stats.prefill_s + stats.decode_s <= stats.wall_s
