@@ -20,6 +20,8 @@ ROLLOUT_FIELDS = (
     "tokens_per_s",
     "wall_s",
     "ms_per_step",
+    "decode_ms_per_step",
+    "prefill_ms_per_token",
     "capture_s",
     "peak_kv_bytes",
     "length_pred_kendall_tau",
@@ -44,6 +46,9 @@ class RolloutProfiler(Callback):
     - ``rollout/tokens_per_s``, ``rollout/wall_s``: generation throughput and time.
     - ``rollout/ms_per_step``: milliseconds per decode step, the graph capture left out (on a GPU, a step well
       above the time to read the weights once means launch-bound steps).
+    - ``rollout/decode_ms_per_step``: a decode step's own milliseconds (forward, draw, the copy to the host); what
+      ``ms_per_step`` holds beyond it is the rollout's prefill and the scheduler's bookkeeping, spread over its steps.
+    - ``rollout/prefill_ms_per_token``: prefill milliseconds per prompt token.
     - ``rollout/capture_s``: seconds spent capturing the decode step's CUDA graph (0 when the engine reused the
       last one, or runs eagerly): the price of freeing the slot cache between rollouts (``keep_kv_cache``).
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).

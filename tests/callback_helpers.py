@@ -79,7 +79,8 @@ def make_rollout(seed: int, prompts: int = 2, group_size: int = 4, num_slots: in
     flat = lengths.flatten().tolist()
     timeline = continuous_timeline(flat, num_slots)
     stats = RolloutStats(decode_steps=len(timeline), prefill_tokens=7 * prompts, peak_kv_bytes=1000 + seed,
-                         wall_s=0.5, capture_s=0.05 * seed, num_slots=num_slots, group_size=group_size, timeline=timeline,
+                         wall_s=0.5, capture_s=0.05 * seed, prefill_s=0.01 * (seed + 1), decode_s=0.3,
+                         num_slots=num_slots, group_size=group_size, timeline=timeline,
                          length_pred_kendall_tau=0.5 if with_predictor else None,
                          length_pred_smape=0.25 if with_predictor else None)
     stats.finalize(flat)

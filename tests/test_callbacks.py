@@ -190,6 +190,10 @@ def test_rollout_profiler_logs_every_rollout_and_the_progress_bar(tmp_path):
         assert scalars(accumulator, f"rollout/{field}") == pytest.approx(expected, rel=1e-6), field
     expected = [1000 * (0.5 - 0.05 * seed) / r.stats.decode_steps for seed, r in enumerate(rollouts)]
     assert scalars(accumulator, "rollout/ms_per_step") == pytest.approx(expected, rel=1e-6)
+    expected = [1000 * 0.3 / r.stats.decode_steps for r in rollouts]
+    assert scalars(accumulator, "rollout/decode_ms_per_step") == pytest.approx(expected, rel=1e-6)
+    expected = [1000 * 0.01 * (seed + 1) / r.stats.prefill_tokens for seed, r in enumerate(rollouts)]
+    assert scalars(accumulator, "rollout/prefill_ms_per_token") == pytest.approx(expected, rel=1e-6)
     # The predictor's figures exist only for rollouts that had a predictor: skipped, not logged as 0.
     assert [e.step for e in accumulator.Scalars("rollout/length_pred_kendall_tau")] == [0, 2]
     assert scalars(accumulator, "rollout/length_pred_smape") == [0.25, 0.25]

@@ -463,6 +463,9 @@ def test_merged_rounds_add_their_prefill_and_decode_time():
                           RolloutStats(prefill_s=0.5, decode_s=1.25, forward_s=2.0)])
     assert merged.prefill_s == pytest.approx(0.75) and merged.scalars()["prefill_s"] == pytest.approx(0.75)
     assert merged.decode_s == pytest.approx(1.75) and merged.scalars()["decode_s"] == pytest.approx(1.75)
+    merged.decode_steps, merged.prefill_tokens = 7, 3
+    assert merged.decode_ms_per_step == pytest.approx(250.0) and merged.prefill_ms_per_token == pytest.approx(250.0)
+    assert RolloutStats().decode_ms_per_step is None and RolloutStats().prefill_ms_per_token is None  # nothing run
 
 
 @pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),

@@ -91,9 +91,8 @@ def run_engine(engine: RolloutEngine, prompts, replay: dict) -> tuple[dict, list
     stats = result.stats
     record = stats.scalars()
     record["forward_fraction"] = stats.forward_s / stats.wall_s
-    record["ms_per_step"] = stats.ms_per_step
-    record["prefill_ms_per_token"] = 1000 * stats.prefill_s / stats.prefill_tokens if stats.prefill_tokens else None
-    record["decode_ms_per_step"] = 1000 * stats.decode_s / stats.decode_steps if stats.decode_steps else None
+    record.update(ms_per_step=stats.ms_per_step, decode_ms_per_step=stats.decode_ms_per_step,
+                  prefill_ms_per_token=stats.prefill_ms_per_token)
     return record, [c for group in result.completion_ids for c in group]
 
 

@@ -77,6 +77,17 @@ class RolloutStats:
         """Milliseconds per decode step, the one-off graph capture left out (prefill and refills stay in)."""
         return 1000 * (self.wall_s - self.capture_s) / self.decode_steps if self.decode_steps else 0.0
 
+    @property
+    def decode_ms_per_step(self) -> float | None:
+        """Milliseconds a decode step itself took (``decode_s``), prefill and bookkeeping left out; None without
+        decode steps."""
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else None
+
+    @property
+    def prefill_ms_per_token(self) -> float | None:
+        """Milliseconds of prefill per prompt token (``prefill_s``); None when nothing was prefilled."""
+        return 1000 * self.prefill_s / self.prefill_tokens if self.prefill_tokens else None
+
     def scalars(self) -> dict[str, float]:
         """The numeric fields (no timeline), None dropped: what loggers and benchmarks record."""
         out = asdict(self)
