@@ -27,11 +27,11 @@ class RolloutStats:
             device-to-host copy); the rest of ``wall_s`` is the engine's and the scheduler's bookkeeping.
         prefill_s: seconds spent in prefill forwards (prompt prefixes, and carried samples' tails): on CPU the
             prefills' part of ``forward_s``; on CUDA the device's time, from events read after the rollout's last
-            synchronisation (no host sync of their own). ``1000 * prefill_s / prefill_tokens``: ms per token.
+            synchronisation (no host sync of their own). Per token: ``prefill_ms_per_token``.
         decode_s: seconds spent in decode steps (forward, sampling and the step's one device-to-host copy): on CPU
-            the steps' part of ``forward_s``; on CUDA the device's time from the step's first kernel to its copy's
-            end, from events (a step's synchronisation also waits for the prefills queued before it, which this
-            leaves out). ``1000 * decode_s / decode_steps``: ms per decode step, prefill and bookkeeping excluded.
+            the steps' part of ``forward_s``; on CUDA the device's time, from events around each step (its
+            synchronisation also waits for the prefills queued before it, which this leaves out). Per step:
+            ``decode_ms_per_step``.
         capture_s: seconds spent preparing the decode step in this rollout: capturing its CUDA graph, and compiling
             it (``compile``); 0 when the engine reused the previous rollout's step, or the step runs eagerly
             uncompiled; a failed attempt's time when a capture failed.
