@@ -265,7 +265,8 @@ def test_gpu_targets_judges_every_target_line_from_the_measurements():
     assert all(v["device"] == "NVIDIA H100" for v in verdicts.values())
     # measurements saved before the roofline: judged as before, the step target's floor and ratio unknown
     step_verdict = verdicts["step: continuous ms per decode step (g 8)"]
-    assert step_verdict["floor_ms_per_step"] is None and step_verdict["roofline_ratio"] is None
+    assert step_verdict["floor_ms_per_step"] is step_verdict["roofline_ratio"] is None
+    assert step_verdict["decode_roofline_ratio"] is None
     assert [name for name, v in verdicts.items() if "roofline_ratio" in v] == [step_verdict["target"]]
     # a report without a strategy a target needs is an error that names it
     del step["runs"][-1]
@@ -280,10 +281,10 @@ def test_gpu_targets_shows_the_roofline_of_the_ms_per_step_target_and_judges_old
             "hf_generate": dict(tokens_per_s=1000.0), "hf_generate_chunked": dict(tokens_per_s=1100.0),
             "hf_generate_batch": dict(tokens_per_s=2500.0)}
     new = _report("NVIDIA H100", 1, {**runs, "continuous": dict(runs["continuous"], floor_ms_per_step=1.6,
-                                                                      roofline_ratio=2.5)})
+                                                                      roofline_ratio=2.5, decode_roofline_ratio=2.0)})
     (tmp_path / "step.json").write_text(json.dumps(_report("NVIDIA H100", 1, runs)))  # saved without the fields
-    for report, floor, ratio, text in [(new, 1.6, 2.5, "(floor 1.600 ms, ratio 2.50)"),
-                                       (None, None, None, "(floor n/a ms, ratio n/a)")]:
+    for report, floor, ratio, text in [(new, 1.6, 2.5, "(floor 1.600 ms, ratio 2.50, step alone 2.00)"),
+                                       (None, None, None, "(floor n/a ms, ratio n/a, step alone n/a)")]:
         verdicts = (gpu_targets.judge({"step": report}) if report else
                     gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path)]))
         if report:

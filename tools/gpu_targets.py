@@ -23,8 +23,9 @@ the graph capture each engine run pays, as training pays it once per rollout by 
 off); ``ms_per_step`` leaves it out. The decode-step target is
 judged against the instance's certified lower bound (``makespan_lower_bound``), which the optimum is at least.
 A verdict that judges ms per decode step also shows
-that run's roofline (``floor_ms_per_step`` and ``roofline_ratio``, see tools/roofline.py): how far the step is
-from this machine's floor; measurements saved before the roofline existed show n/a there. The roofline is shown,
+that run's roofline (``floor_ms_per_step``, ``roofline_ratio`` and ``decode_roofline_ratio``, the step's own time
+against the floor; see tools/roofline.py): how far the step is from this machine's floor; measurements saved
+before a field existed show n/a there. The roofline is shown,
 not judged. The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its
 verdicts mean nothing: the limits are stated for a GPU.
 """
@@ -129,8 +130,8 @@ TARGETS = (
 
 def judge(reports: dict[str, dict]) -> list[dict]:
     """One verdict per target whose measurement is in ``reports``: ``{"target", "value", "kind", "limit",
-    "passed", "device"}``, for a target on ms per step also ``"floor_ms_per_step"`` and ``"roofline_ratio"`` (None
-    when the measurement predates them), and a note (and a failed verdict) where a run broke its target's premise:
+    "passed", "device"}``, for a target on ms per step also ``"floor_ms_per_step"``, ``"roofline_ratio"`` and
+    ``"decode_roofline_ratio"`` (None when the measurement predates them), and a note (and a failed verdict) where a run broke its target's premise:
     cap512's rows must all run to the cap."""
     verdicts = []
     for target in TARGETS:
@@ -145,6 +146,7 @@ def judge(reports: dict[str, dict]) -> list[dict]:
             run = _run(report, target.roofline)
             verdict["floor_ms_per_step"] = run.get("floor_ms_per_step")
             verdict["roofline_ratio"] = run.get("roofline_ratio")
+            verdict["decode_roofline_ratio"] = run.get("decode_roofline_ratio")
         if target.measurement == "cap512":
             config = report["config"]
             expected = config["prompts"] * config["group_size"] * config["max_new_tokens"]
@@ -166,13 +168,15 @@ def print_verdicts(verdicts: list[dict]) -> None:
 
 
 def _roofline_text(verdict: dict) -> str:
-    """A verdict's roofline as printed: "floor F ms, ratio R", n/a for what is unknown; empty for targets that do
-    not judge ms per step."""
+    """A verdict's roofline as printed: "floor F ms, ratio R, step alone S", n/a for what is unknown; empty for
+    targets that do not judge ms per step."""
     if "floor_ms_per_step" not in verdict:
         return ""
-    floor, ratio = verdict["floor_ms_per_step"], verdict["roofline_ratio"]
+    floor, ratio, alone = (verdict["floor_ms_per_step"], verdict["roofline_ratio"],
+                           verdict["decode_roofline_ratio"])
     return (f"  (floor {'n/a' if floor is None else f'{floor:.3f}'} ms, "
-            f"ratio {'n/a' if ratio is None else f'{ratio:.2f}'})")
+            f"ratio {'n/a' if ratio is None else f'{ratio:.2f}'}, "
+            f"step alone {'n/a' if alone is None else f'{alone:.2f}'})")
 
 
 def main(argv=None) -> list[dict]:
