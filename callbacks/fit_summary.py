@@ -31,12 +31,15 @@ class FitSummary(Callback):
         lit_grpo: 30 steps in 12 min 41 s (24.1 s per step, plus 40 s of validation)
           val/accuracy   0.250 -> 0.656   (before training -> after step 30)
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
+          rollout time   1.90 s a step (26%): 34.5 ms a decode step alone, 0.94 ms a prompt token's prefill
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
 
     A line whose figure was never logged is left out. The time per step counts the training steps only (the
-    validations in between are named apart). TensorBoard draws a validation where Lightning logs it: before
+    validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
+    token's milliseconds are the whole run's (``RolloutStats.decode_s`` over its decode steps, ``prefill_s`` over its
+    prompt tokens): the rest of a rollout is the scheduler's bookkeeping. TensorBoard draws a validation where Lightning logs it: before
     training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs no keys of its own.
 
     Args:
@@ -55,6 +58,10 @@ class FitSummary(Callback):
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
         self.peak_kv_bytes = 0
+        # The rollouts' time: wall, decode steps and prefill seconds, with the steps and tokens they ran.
+        self.rollouts = 0
+        self.rollout_s = self.decode_s = self.prefill_s = 0.0
+        self.decode_steps = self.prefill_tokens = 0
         self._started_s: float | None = None  # when the training steps started (after the first validation)
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
@@ -87,6 +94,12 @@ class FitSummary(Callback):
         stats = rollout_stats(batch)
         if stats is not None:
             self.peak_kv_bytes = max(self.peak_kv_bytes, stats.peak_kv_bytes)
+            self.rollouts += 1
+            self.rollout_s += stats.wall_s
+            self.decode_s += stats.decode_s
+            self.decode_steps += stats.decode_steps
+            self.prefill_s += stats.prefill_s
+            self.prefill_tokens += stats.prefill_tokens
 
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -111,11 +124,24 @@ class FitSummary(Callback):
             first, last = sum(self.rewards[:n]) / n, sum(self.rewards[-n:]) / n
             ends = "first step -> last step" if n == 1 else f"mean of the first {n} steps -> the last {n}"
             lines.append(f"  {self.reward_key:<14} {first:.3f} -> {last:.3f}   ({ends})")
+        if self.rollouts:
+            lines.append(f"  {'rollout time':<14} {self._rollout_time(training_s)}")
         peak = self._peak_line(trainer)
         if peak:
             lines.append(f"  {'rollout peak':<14} {peak}")
         lines.extend(self._where_lines(trainer))
         return lines
+
+    def _rollout_time(self, training_s: float) -> str:
+        text = f"{self.rollout_s / self.rollouts:.2f} s a step"
+        if training_s > 0:
+            text += f" ({min(self.rollout_s / training_s, 1.0):.0%})"
+        parts = []
+        if self.decode_steps:
+            parts.append(f"{1000 * self.decode_s / self.decode_steps:.1f} ms a decode step alone")
+        if self.prefill_tokens:
+            parts.append(f"{1000 * self.prefill_s / self.prefill_tokens:.2f} ms a prompt token's prefill")
+        return text + (": " + ", ".join(parts) if parts else "")
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []

@@ -55,10 +55,14 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     rewards = scalars(events(trainer), "reward/mean")
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert f"reward/mean    {first:.3f} -> {last:.3f}   (mean of the first 2 steps -> the last 2)" in lines[2]
+    decode_ms = 1000 * sum(r.stats.decode_s for r in rollouts) / sum(r.stats.decode_steps for r in rollouts)
+    prefill_ms = 1000 * sum(r.stats.prefill_s for r in rollouts) / sum(r.stats.prefill_tokens for r in rollouts)
+    assert re.fullmatch(rf"  rollout time   0\.50 s a step \(\d+%\): {decode_ms:.1f} ms a decode step alone, "
+                        rf"{prefill_ms:.2f} ms a prompt token's prefill", lines[3]), lines[3]
     kv = max(r.stats.peak_kv_bytes for r in rollouts)
-    assert lines[3].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[3]
-    assert "tensorboard --logdir" in lines[4]
-    assert "last.ckpt (" in lines[5] and "--ckpt_path" in lines[5]
+    assert lines[4].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[4]
+    assert "tensorboard --logdir" in lines[5]
+    assert "last.ckpt (" in lines[6] and "--ckpt_path" in lines[6]
 
 
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
