@@ -31,7 +31,7 @@ class FitSummary(Callback):
         lit_grpo: 30 steps in 12 min 41 s (24.1 s per step, plus 40 s of validation)
           val/accuracy   0.250 -> 0.656   (before training -> after step 30)
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
-          rollout time   1.90 s a step (26%): 34.5 ms a decode step alone, 0.94 ms a prompt token's prefill
+          rollout time   1.90 s a step (26% of it): 34.5 ms a decode step alone, 0.94 ms a prompt token's prefill
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
@@ -135,7 +135,7 @@ class FitSummary(Callback):
     def _rollout_time(self, training_s: float) -> str:
         text = f"{self.rollout_s / self.rollouts:.2f} s a step"
         if training_s > 0:
-            text += f" ({min(self.rollout_s / training_s, 1.0):.0%})"
+            text += f" ({min(self.rollout_s / training_s, 1.0):.0%} of it)"
         parts = []
         if self.decode_steps:
             parts.append(f"{1000 * self.decode_s / self.decode_steps:.1f} ms a decode step alone")

@@ -57,7 +57,7 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     assert f"reward/mean    {first:.3f} -> {last:.3f}   (mean of the first 2 steps -> the last 2)" in lines[2]
     decode_ms = 1000 * sum(r.stats.decode_s for r in rollouts) / sum(r.stats.decode_steps for r in rollouts)
     prefill_ms = 1000 * sum(r.stats.prefill_s for r in rollouts) / sum(r.stats.prefill_tokens for r in rollouts)
-    assert re.fullmatch(rf"  rollout time   0\.50 s a step \(\d+%\): {decode_ms:.1f} ms a decode step alone, "
+    assert re.fullmatch(rf"  rollout time   0\.50 s a step \(\d+% of it\): {decode_ms:.1f} ms a decode step alone, "
                         rf"{prefill_ms:.2f} ms a prompt token's prefill", lines[3]), lines[3]
     kv = max(r.stats.peak_kv_bytes for r in rollouts)
     assert lines[4].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[4]
