@@ -1,6 +1,6 @@
-"""The rollout's linears on oneDNN (sampling.cpu_linear), on the plain weights or on copies packed for the decode
-step's rows: same products up to rounding, restored after, chosen where they apply and refused by name where they
-do not."""
+"""The policy's linears on oneDNN (sampling.cpu_linear): a rollout's, on the plain weights or on copies packed for
+the decode step's rows, and an update's, forward and backward. Same products and gradients up to rounding, restored
+after, chosen where they apply and refused by name where they do not."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling import cpu_linear
-from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
+from lit_grpo.sampling.cpu_linear import OneDNNLinear, onednn_linears, resolve_cpu_linear, resolve_update_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -168,3 +168,60 @@ def test_an_unknown_cpu_linear_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"sampling.cpu_linear='mkl' is not known; use one of \['auto', 'packed', "
                                          r"'onednn', 'torch'\]"):
         SamplingConfig(cpu_linear="mkl")
+
+
+# ---------------------------------------------------------------------------------------------------- the update
+@needs_onednn
+@pytest.mark.parametrize("shape, bias, wanted", [((5, 64), True, (True, True, True)), ((2, 3, 64), False, (True, True)),
+                                                 ((4, 1, 64), True, (False, True, True)), ((6, 64), True, (True, False, False))])
+def test_the_update_linear_has_torchs_gradients_to_rounding(shape, bias, wanted):
+    torch.manual_seed(0)
+    x, weight = torch.randn(*shape), torch.randn(48, 64) * 0.1
+    inputs = [x, weight] + ([torch.randn(48)] if bias else [])
+    grads = {}
+    for name, linear in (("onednn", OneDNNLinear.apply), ("torch", torch.nn.functional.linear)):
+        leaves = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        out = linear(*leaves) if bias else linear(*leaves, None)
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        grads[name] = (out.detach(), [leaf.grad for leaf in leaves])
+    torch.testing.assert_close(grads["onednn"][0], grads["torch"][0], rtol=1e-5, atol=1e-5)
+    for ours, theirs, w in zip(grads["onednn"][1], grads["torch"][1], wanted):
+        assert (ours is None) == (not w)  # only what needs a gradient gets one
+        if w:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_models_backward_under_onednn_linears_equals_torchs_and_a_tied_head_gets_both_parts(tiny_llama):
+    import copy
+
+    model = copy.deepcopy(tiny_llama[0]).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    grads = {}
+    for kernel in ("torch", "onednn"):
+        model.zero_grad(set_to_none=True)
+        with onednn_linears(model, kernel):
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads[kernel] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert grads["onednn"].keys() == grads["torch"].keys() and len(grads["torch"]) == len(list(model.parameters()))
+    for name, theirs in grads["torch"].items():
+        torch.testing.assert_close(grads["onednn"][name], theirs, rtol=1e-4, atol=1e-5, msg=name)
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+def test_the_update_takes_onednn_for_a_float32_unsharded_policy_and_torch_elsewhere(tiny_llama):
+    model, _ = tiny_llama
+    onednn = torch.backends.mkldnn.is_available()
+    assert resolve_update_linear("auto", model, sharded=False) == ("onednn" if onednn else "torch")
+    assert resolve_update_linear("torch", model, sharded=False) == "torch"
+    half = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto stays quiet where oneDNN does not apply
+        assert resolve_update_linear("auto", model, sharded=True) == "torch"
+        assert resolve_update_linear("auto", half, sharded=False) == "torch"
+    cpu_linear._warned.clear()
+    with pytest.warns(RuntimeWarning, match=r"model.cpu_linear='onednn', but the policy is FSDP-sharded .*; the "
+                                            r"update uses torch's F.linear"):
+        assert resolve_update_linear("onednn", model, sharded=True) == "torch"
+    with pytest.raises(ValueError, match=r"cpu_linear='packed' is not known; use one of \['auto', 'onednn', 'torch'\]"):
+        resolve_update_linear("packed", model, sharded=False)

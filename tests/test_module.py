@@ -79,6 +79,22 @@ def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
     assert "train/kl" not in metrics  # beta = 0: no reference model, no KL
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_the_update_runs_its_linears_on_onednn_by_default_with_torchs_gradients(batch, monkeypatch):
+    from lit_grpo.sampling.cpu_linear import OneDNNLinear
+
+    calls = []
+    apply = OneDNNLinear.apply
+    monkeypatch.setattr(OneDNNLinear, "apply", lambda *args: calls.append(args[1].shape) or apply(*args))
+    ours, _ = grads_after_step(make_module(), batch)  # cpu_linear "auto": a float32 policy on a CPU
+    assert len(calls) >= 7 * make_module().policy.config.num_hidden_layers  # every projection of every layer
+    calls.clear()
+    theirs, _ = grads_after_step(make_module(cpu_linear="torch"), batch)
+    assert not calls and ours.keys() == theirs.keys()
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_non_finite_loss_stops_before_any_optimizer_step(batch):
     module = make_module(train_micro_batch_size=4)
     bad = batch.to("cpu")
@@ -166,6 +182,8 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", scale_rewards="std")
     with pytest.raises(ValueError, match="train_micro_batch_size=0"):
         GRPOModule(model="tiny-llama", train_micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"cpu_linear='mkl' is not known; use one of \['auto', 'onednn', 'torch'\]"):
+        GRPOModule(model="tiny-llama", cpu_linear="mkl")
     with pytest.raises(ValueError, match="epsilon_high=-1"):
         GRPOModule(model="tiny-llama", loss={"epsilon_high": -1})
     with pytest.raises(ValueError, match="model path './nope' does not exist"):

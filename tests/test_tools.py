@@ -357,6 +357,21 @@ def test_bench_update_times_both_modes_interleaved(tmp_path):
     assert report["config"]["cpu"] and report["config"]["available_cores"] >= 1
     with pytest.raises(SystemExit):
         bench_update.main(["--modes", "both"])
+    with pytest.raises(SystemExit):
+        bench_update.main(["--cpu-linear", "mkl"])
+
+
+def test_bench_update_times_each_linear_kernel_and_their_ratio():
+    from tools import bench_update
+
+    report = bench_update.main(["--case", "long", "--model", "tiny-llama", "--prompts", "1", "--prompt-tokens", "8",
+                                "--group-size", "2", "--completion-tokens", "3", "--repeats", "1", "--modes", "shared",
+                                "--cpu-linear", "torch,onednn"])
+    assert set(report["seconds"]) == {"update/shared/threads=1/cpu_linear=torch",
+                                      "update/shared/threads=1/cpu_linear=onednn"}
+    ratio = report["ratios"]["onednn/torch/shared/threads=1"]
+    assert ratio == pytest.approx(report["medians_s"]["update/shared/threads=1/cpu_linear=onednn"]
+                                  / report["medians_s"]["update/shared/threads=1/cpu_linear=torch"])
 
 
 def test_bench_faults_kills_runs_and_finds_the_resumes_exact(tmp_path):

@@ -1,6 +1,8 @@
-"""Update time per step with and without the shared prefix, and the thread count's effect on update and rollout.
+"""Update time per step with and without the shared prefix, on each linear kernel, and the thread count's effect on
+update and rollout.
 
     python -m tools.bench_update --case demo --repeats 5 --json runs/update_demo.json
+    python -m tools.bench_update --case demo --modes shared --threads 2 --cpu-linear torch,onednn --json runs/k.json
     python -m tools.bench_update --case long --repeats 3 --json runs/update_long.json
     python -m tools.bench_update --case demo --modes shared --threads 1,2 --rollout --json runs/threads.json
 
@@ -12,9 +14,10 @@ depend on them); the module's defaults (gradient checkpointing, 8 rows per micro
 ``--train-micro-batch-size`` / ``--no-gradient-checkpointing`` say otherwise.
 
 An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, gradient clipping and the AdamW
-step. After one untimed warm-up per setting, each repeat times every (threads, mode) once, interleaved in one
-process, so a busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per
-thread count. ``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
+step. ``--cpu-linear`` lists the kernels of its linears (``GRPOModule``'s ``cpu_linear``; default: "auto"); with
+more than one, each timing's key ends in ``/cpu_linear=K`` and the report adds the onednn / torch ratio. After one
+untimed warm-up per setting, each repeat times every (threads, kernel, mode) once, interleaved in one process, so a
+busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per thread count. ``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
 ``--competing-processes N`` runs N busy-looping processes (one core each) throughout, as another job would.
 """
 
@@ -69,6 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--case", choices=("demo", "long"), default="demo")
     parser.add_argument("--modes", default="shared,unshared", help="comma-separated: shared, unshared")
     parser.add_argument("--threads", default="1", help="comma-separated torch thread counts, e.g. 1,2")
+    parser.add_argument("--cpu-linear", default="auto", help="comma-separated update kernels: auto, onednn, torch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
     parser.add_argument("--competing-processes", type=int, default=0,
@@ -88,6 +92,9 @@ def main(argv=None) -> dict:
     if not set(modes) <= {"shared", "unshared"} or not modes:
         parser.error(f"--modes={args.modes!r}: use shared, unshared or both, comma-separated")
     threads = [int(t) for t in args.threads.split(",")]
+    kernels = args.cpu_linear.split(",")
+    if not set(kernels) <= {"auto", "onednn", "torch"} or len(set(kernels)) != len(kernels):
+        parser.error(f"--cpu-linear={args.cpu_linear!r}: use distinct kernels among auto, onednn, torch")
     if min(threads) < 1 or args.repeats < 1:
         parser.error(f"--threads={args.threads!r} and --repeats={args.repeats} must be >= 1")
     if args.rollout and args.case != "demo":
@@ -98,15 +105,16 @@ def main(argv=None) -> dict:
     spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
     competitors = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.competing_processes)]
     try:
-        return run(args, modes, threads)
+        return run(args, modes, threads, kernels)
     finally:
         for competitor in competitors:
             competitor.kill()
             competitor.wait()
 
 
-def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
-    """Build the batch, time every (threads, mode) ``args.repeats`` times interleaved, report (see the docstring)."""
+def run(args: argparse.Namespace, modes: list[str], threads: list[int], kernels: list[str]) -> dict:
+    """Build the batch, time every (threads, kernel, mode) ``args.repeats`` times interleaved, report (see the
+    docstring)."""
 
     from lit_grpo.update.module import GRPOModule
 
@@ -126,22 +134,28 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
     distinct_prompt_tokens = int(batch.prompt_mask.sum())
     completion_tokens = int(batch.completion_mask.sum())
 
-    def update(mode: str) -> float:
+    def update(mode: str, kernel: str) -> float:
         module.uses_shared_prefix = mode == "shared"
+        module.hparams.cpu_linear = kernel
         start = time.perf_counter()
         module.grpo_step(batch, optimizer)
         return time.perf_counter() - start
 
+    def key(mode: str, n: int, kernel: str) -> str:
+        return f"update/{mode}/threads={n}" + (f"/cpu_linear={kernel}" if len(kernels) > 1 else "")
+
     timings: dict[str, list[float]] = {}
     for n in threads:  # warm-up: AdamW's state, allocator pools, the engine's cache
         torch.set_num_threads(n)
-        for mode in modes:
-            update(mode)
+        for kernel in kernels:
+            for mode in modes:
+                update(mode, kernel)
     for repeat in range(args.repeats):
         for n in threads:
             torch.set_num_threads(n)
-            for mode in modes:
-                timings.setdefault(f"update/{mode}/threads={n}", []).append(update(mode))
+            for kernel in (kernels if repeat % 2 == 0 else kernels[::-1]):
+                for mode in modes:
+                    timings.setdefault(key(mode, n, kernel), []).append(update(mode, kernel))
             if args.rollout:
                 start = time.perf_counter()
                 data.build_train_batch()
@@ -149,8 +163,12 @@ def run(args: argparse.Namespace, modes: list[str], threads: list[int]) -> dict:
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in timings.items()),
               file=sys.stderr, flush=True)
     medians = {key: harness.median(values) for key, values in timings.items()}
-    ratios = {f"shared/unshared/threads={n}": medians[f"update/shared/threads={n}"] /
-              medians[f"update/unshared/threads={n}"] for n in threads if len(modes) == 2}
+    ratios = {f"shared/unshared/threads={n}" + (f"/cpu_linear={k}" if len(kernels) > 1 else ""):
+              medians[key("shared", n, k)] / medians[key("unshared", n, k)]
+              for n in threads for k in kernels if len(modes) == 2}
+    if {"onednn", "torch"} <= set(kernels):
+        ratios.update({f"onednn/torch/{mode}/threads={n}": medians[key(mode, n, "onednn")] /
+                       medians[key(mode, n, "torch")] for n in threads for mode in modes})
     settings = harness.config_record(args, model=harness.resolve_model(args.model))
     if args.case == "demo":  # the demo's data and module decide these, not the long case's options
         for key in ("model", "prompts", "group_size", "prompt_tokens", "completion_tokens", "train_micro_batch_size",

@@ -1,18 +1,19 @@
-"""The policy's linear layers during a rollout on a CPU: oneDNN's inner product instead of torch's ``F.linear``.
+"""The policy's linear layers on a CPU: oneDNN's inner product instead of torch's ``F.linear``.
 
-Owns: nothing past a rollout. ``onednn_linears`` routes every plain ``nn.Linear`` of the policy to oneDNN for the
-rollout's prefills and decode steps and restores the modules when it ends; the update's forward and backward keep
-torch's kernels. With the kernel "packed" it also holds, for the rollout's length, a copy of each weight reordered
-into oneDNN's blocked layout for the decode step's row count.
+Owns: nothing past a rollout or an update. ``onednn_linears`` routes every plain ``nn.Linear`` of the policy to
+oneDNN for the block it wraps and restores the modules when it ends: a rollout's prefills and decode steps
+(``SamplingConfig.cpu_linear``), or an update's forward and backward (``GRPOModule``'s ``cpu_linear``, through
+``OneDNNLinear``, whose gradients are oneDNN's inner products too). With the kernel "packed" it also holds, for the
+rollout's length, a copy of each weight reordered into oneDNN's blocked layout for the decode step's row count.
 
-Why: torch's float32 ``F.linear`` on an x86 CPU is MKL's sgemm, which for the few rows of a decode step (one per
-slot) runs far below the machine's matmul rate (on AMD CPUs MKL also takes a narrower code path than the CPU has);
-oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same product several times faster
-there. On a plain ``[out, in]`` weight oneDNN streams it in a layout its kernel does not read at full speed; the
-blocked copy costs one pass over the weights per rollout (the policy changes between rollouts), which a rollout's
-tens of decode steps win back. Each row's result does not depend on the other rows, so strategies of the same g stay
-bit-identical; against torch's kernel the results differ by float32 rounding (a few units in the last place), as any
-other GEMM's would.
+Why: torch's float32 ``F.linear`` and its backward on an x86 CPU are MKL's sgemm, which for the few rows of a decode
+step (one per slot) runs far below the machine's matmul rate, and on AMD CPUs takes a narrower code path than the
+CPU has at any row count; oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same
+products several times faster for a decode step and about twice as fast for an update's. On a plain ``[out, in]``
+weight oneDNN streams it in a layout its kernel does not read at full speed; the blocked copy costs one pass over
+the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
+Each row's result does not depend on the other rows, so strategies of the same g stay bit-identical; against
+torch's kernel the results differ by float32 rounding (a few units in the last place), as any other GEMM's would.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from lit_grpo.runtime.validation import check_choice, check_int
 CpuLinear = Literal["auto", "packed", "onednn", "torch"]
 #: What a rollout's linears run on: ``CpuLinear`` with "auto" resolved.
 LinearKernel = Literal["packed", "onednn", "torch"]
+#: The update's setting (``GRPOModule(cpu_linear=...)``): its weights change at every step, so nothing is packed.
+UpdateLinear = Literal["auto", "onednn", "torch"]
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 def onednn_problem(model: torch.nn.Module) -> str | None:
@@ -60,30 +63,47 @@ def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: boo
         else onednn_problem(model)
     if problem is not None:
         if setting != "auto":
-            _warn_once(setting, problem, "torch's F.linear")
+            _warn_once("sampling.cpu_linear", setting, problem, "the rollout uses torch's F.linear")
         return "torch"
     if sharded:
         if setting == "packed":
-            _warn_once(setting, "the policy is FSDP-sharded (its whole weights exist only inside its forward)",
-                       "oneDNN on the gathered weights, unpacked")
+            _warn_once("sampling.cpu_linear", setting,
+                       "the policy is FSDP-sharded (its whole weights exist only inside its forward)",
+                       "the rollout uses oneDNN on the gathered weights, unpacked")
         return "onednn"
     return "packed" if setting == "auto" else setting
 
 
-def _warn_once(setting: CpuLinear, problem: str, instead: str) -> None:
-    if problem not in _warned:
-        _warned.add(problem)
-        warnings.warn(f"sampling.cpu_linear={setting!r}, but {problem}; the rollout uses {instead}", RuntimeWarning,
-                      stacklevel=4)
+def resolve_update_linear(setting: UpdateLinear, model: torch.nn.Module, sharded: bool) -> LinearKernel:
+    """The kernel of an update's linears: ``setting`` is ``GRPOModule``'s ``cpu_linear``. "auto" is "onednn" wherever
+    oneDNN can run and the policy is not FSDP-sharded (FSDP frees a layer's gathered weights after its forward, and
+    a backward must not keep them), "torch" elsewhere; "onednn" warns once where it cannot run and falls back."""
+    check_choice("cpu_linear", setting, get_args(UpdateLinear))
+    if setting == "torch":
+        return "torch"
+    problem = "the policy is FSDP-sharded (its gathered weights are freed after each forward)" if sharded \
+        else onednn_problem(model)
+    if problem is not None:
+        if setting != "auto":
+            _warn_once("model.cpu_linear", setting, problem, "the update uses torch's F.linear")
+        return "torch"
+    return "onednn"
+
+
+def _warn_once(name: str, setting: str, problem: str, instead: str) -> None:
+    """Warn that the setting ``name`` cannot have its way because of ``problem``, once per (setting, problem)."""
+    if (name, problem) not in _warned:
+        _warned.add((name, problem))
+        warnings.warn(f"{name}={setting!r}, but {problem}; {instead}", RuntimeWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
 def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows: int | None = None) -> Iterator[None]:
     """Within the block, every ``nn.Linear`` of ``model`` (the class itself, not subclasses, which may compute
-    otherwise) computes with oneDNN; inference only. ``kernel`` "packed" first reorders each weight for inputs of
-    ``rows`` rows (all leading dimensions together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which
-    then read the copy; inputs of other row counts (prefill chunks) read the plain weight. Nothing happens when
-    ``kernel`` is "torch"."""
+    otherwise) computes with oneDNN, and where grad mode is on its backward too (``OneDNNLinear``). ``kernel``
+    "packed" (inference only) first reorders each weight for inputs of ``rows`` rows (all leading dimensions
+    together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which then read the copy; inputs of other row
+    counts (prefill chunks) read the plain weight. Nothing happens when ``kernel`` is "torch"."""
     check_choice("kernel", kernel, get_args(LinearKernel))
     if kernel == "packed":
         check_int("rows", rows, 1)
@@ -111,7 +131,33 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+class OneDNNLinear(torch.autograd.Function):
+    """``onednn_linear`` with a backward by oneDNN's inner product too. Both gradients are products over transposed
+    views, which oneDNN reads as strided inputs, so no weight or activation is copied for them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return onednn_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])                                          # [N, out]
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = onednn_linear(grad_rows, weight.t()).view(x.shape)                     # [N, in] -> x's shape
+        if ctx.needs_input_grad[1]:
+            grad_weight = onednn_linear(grad_rows.t(), x.reshape(-1, x.shape[-1]).t())     # [out, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
 def _onednn_linear(module: torch.nn.Linear, packed_weight: torch.Tensor | None, rows: int | None,
                    x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return OneDNNLinear.apply(x, module.weight, module.bias)
     use_packed = packed_weight is not None and x.numel() == rows * x.shape[-1]
     return onednn_linear(x, packed_weight if use_packed else module.weight, module.bias)

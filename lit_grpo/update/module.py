@@ -8,8 +8,7 @@ makes ``num_iterations`` optimizer steps on it:
 2. Normalizers that span the step are computed first: dapo's active-token count (summed over ranks).
 3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
    rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``loss.beta > 0``: reference
-   log-probs,
-   once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
+   log-probs, once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
 4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never
    holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs;
    "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
@@ -55,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -63,7 +62,8 @@ from lightning.pytorch import LightningModule
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import rollout_metrics
-from lit_grpo.runtime.distributed import gradient_norm, shard_decoder_layers
+from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
+from lit_grpo.runtime.distributed import gradient_norm, is_fsdp_sharded, shard_decoder_layers
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
@@ -115,6 +115,8 @@ class GRPOModule(LightningModule):
             ``trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy`` (GPU; configs/fsdp_gpu.yaml).
             The rollout engine calls the sharded policy directly; FSDP2's forward hooks gather each layer's
             weights, so generation works unchanged (at the cost of an all-gather per layer per decode step).
+        cpu_linear: the kernel of the update's linear layers on a CPU, forward and backward (auto | onednn | torch):
+            "auto" is oneDNN for a float32 policy that is not FSDP-sharded (lit_grpo.sampling.cpu_linear).
     """
 
     def __init__(
@@ -136,9 +138,11 @@ class GRPOModule(LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
+        cpu_linear: UpdateLinear = "auto",
     ):
         super().__init__()
         check_choice("scale_rewards", scale_rewards, SCALES)
+        check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
@@ -296,28 +300,30 @@ class GRPOModule(LightningModule):
             raise ValueError(f"group_size={batch.group_size}: GRPO training needs >= 2 completions per prompt (a lone "
                              "completion has no group to be compared with, so its advantage is always 0)")
         policy = self._require_policy()
-        chunks = self._micro_batches(batch)
-        loss_fn = self.loss_fn
-        total_active = self._total_active_tokens(batch, chunks) if loss_fn.needs_step_tokens else None
-        old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
-        ref_logps = None
-        beta = loss_fn.config.beta
-        if beta > 0:
-            with self._reference() as reference:
-                ref_logps = self._frozen_logps(reference, batch, chunks)
+        kernel = resolve_update_linear(hp.cpu_linear, policy, is_fsdp_sharded(policy))
+        with onednn_linears(policy, kernel):
+            chunks = self._micro_batches(batch)
+            loss_fn = self.loss_fn
+            total_active = self._total_active_tokens(batch, chunks) if loss_fn.needs_step_tokens else None
+            old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
+            ref_logps = None
+            beta = loss_fn.config.beta
+            if beta > 0:
+                with self._reference() as reference:
+                    ref_logps = self._frozen_logps(reference, batch, chunks)
 
-        sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
-        correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
-        correction_stats = CorrectionStats()
-        for iteration in range(hp.num_iterations):
-            step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
-                                        correction, correction_stats)
-            # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
-            step_metrics["lr"] = optimizer.param_groups[0]["lr"]
-            for key, value in step_metrics.items():
-                sums[key] += value / hp.num_iterations
-            if scheduler is not None:
-                scheduler.step()
+            sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
+            correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
+            correction_stats = CorrectionStats()
+            for iteration in range(hp.num_iterations):
+                step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
+                                            correction, correction_stats)
+                # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
+                step_metrics["lr"] = optimizer.param_groups[0]["lr"]
+                for key, value in step_metrics.items():
+                    sums[key] += value / hp.num_iterations
+                if scheduler is not None:
+                    scheduler.step()
         logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or beta > 0}
         logged.update(correction_stats.as_metrics())
         logged.update(rollout_metrics(batch))
