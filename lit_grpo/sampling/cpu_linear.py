@@ -61,9 +61,7 @@ def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: boo
     # Inductor lowers oneDNN's linear only for weights frozen into the graph, which a policy in training is not.
     problem = "the decode step is compiled (Inductor takes oneDNN's linear only with frozen weights)" if compiled \
         else onednn_problem(model)
-    if problem is not None:
-        if setting != "auto":
-            _warn_once("sampling.cpu_linear", setting, problem, "the rollout uses torch's F.linear")
+    if _kept_from_onednn("sampling.cpu_linear", setting, problem, "the rollout"):
         return "torch"
     if sharded:
         if setting == "packed":
@@ -83,18 +81,24 @@ def resolve_update_linear(setting: UpdateLinear, model: torch.nn.Module, sharded
         return "torch"
     problem = "the policy is FSDP-sharded (its gathered weights are freed after each forward)" if sharded \
         else onednn_problem(model)
-    if problem is not None:
-        if setting != "auto":
-            _warn_once("model.cpu_linear", setting, problem, "the update uses torch's F.linear")
-        return "torch"
-    return "onednn"
+    return "torch" if _kept_from_onednn("model.cpu_linear", setting, problem, "the update") else "onednn"
+
+
+def _kept_from_onednn(name: str, setting: str, problem: str | None, user: str) -> bool:
+    """Whether ``problem`` keeps ``user`` ("the rollout", "the update") on torch's kernel; a setting ``name`` that
+    asked for oneDNN by name (not "auto") is told why, once."""
+    if problem is None:
+        return False
+    if setting != "auto":
+        _warn_once(name, setting, problem, f"{user} uses torch's F.linear")
+    return True
 
 
 def _warn_once(name: str, setting: str, problem: str, instead: str) -> None:
     """Warn that the setting ``name`` cannot have its way because of ``problem``, once per (setting, problem)."""
     if (name, problem) not in _warned:
         _warned.add((name, problem))
-        warnings.warn(f"{name}={setting!r}, but {problem}; {instead}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{name}={setting!r}, but {problem}; {instead}", RuntimeWarning, stacklevel=5)
 
 
 @contextlib.contextmanager
