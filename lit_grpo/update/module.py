@@ -62,11 +62,11 @@ from lightning.pytorch import LightningModule
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import rollout_metrics
-from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.runtime.distributed import gradient_norm, is_fsdp_sharded, shard_decoder_layers
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps
 from lit_grpo.update.loss_config import LossConfig
