@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
+from lit_grpo.sampling.stats import RolloutStats
 
 from ._paths import shown_path
 from ._rollout import rollout_stats
@@ -38,9 +39,9 @@ class FitSummary(Callback):
 
     A line whose figure was never logged is left out. The time per step counts the training steps only (the
     validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
-    token's milliseconds are the whole run's (``RolloutStats.decode_s`` over its decode steps, ``prefill_s`` over its
-    prompt tokens): the rest of a rollout is the scheduler's bookkeeping. TensorBoard draws a validation where Lightning logs it: before
-    training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs no keys of its own.
+    token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
+    the run's totals): the rest of a rollout is the scheduler's bookkeeping. TensorBoard draws a validation where
+    Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs no keys of its own.
 
     Args:
         validate_before_training: run the validation pass before the first step.
@@ -58,10 +59,9 @@ class FitSummary(Callback):
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
         self.peak_kv_bytes = 0
-        # The rollouts' time: wall, decode steps and prefill seconds, with the steps and tokens they ran.
+        # The rollouts' time, added up: wall, decode and prefill seconds with the steps and tokens they ran.
         self.rollouts = 0
-        self.rollout_s = self.decode_s = self.prefill_s = 0.0
-        self.decode_steps = self.prefill_tokens = 0
+        self.rollout_totals = RolloutStats()
         self._started_s: float | None = None  # when the training steps started (after the first validation)
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
@@ -95,11 +95,12 @@ class FitSummary(Callback):
         if stats is not None:
             self.peak_kv_bytes = max(self.peak_kv_bytes, stats.peak_kv_bytes)
             self.rollouts += 1
-            self.rollout_s += stats.wall_s
-            self.decode_s += stats.decode_s
-            self.decode_steps += stats.decode_steps
-            self.prefill_s += stats.prefill_s
-            self.prefill_tokens += stats.prefill_tokens
+            totals = self.rollout_totals
+            totals.wall_s += stats.wall_s
+            totals.decode_s += stats.decode_s
+            totals.decode_steps += stats.decode_steps
+            totals.prefill_s += stats.prefill_s
+            totals.prefill_tokens += stats.prefill_tokens
 
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -133,14 +134,15 @@ class FitSummary(Callback):
         return lines
 
     def _rollout_time(self, training_s: float) -> str:
-        text = f"{self.rollout_s / self.rollouts:.2f} s a step"
+        totals = self.rollout_totals
+        text = f"{totals.wall_s / self.rollouts:.2f} s a step"
         if training_s > 0:
-            text += f" ({min(self.rollout_s / training_s, 1.0):.0%} of it)"
+            text += f" ({min(totals.wall_s / training_s, 1.0):.0%} of it)"
         parts = []
-        if self.decode_steps:
-            parts.append(f"{1000 * self.decode_s / self.decode_steps:.1f} ms a decode step alone")
-        if self.prefill_tokens:
-            parts.append(f"{1000 * self.prefill_s / self.prefill_tokens:.2f} ms a prompt token's prefill")
+        if totals.decode_ms_per_step is not None:
+            parts.append(f"{totals.decode_ms_per_step:.1f} ms a decode step alone")
+        if totals.prefill_ms_per_token is not None:
+            parts.append(f"{totals.prefill_ms_per_token:.2f} ms a prompt token's prefill")
         return text + (": " + ", ".join(parts) if parts else "")
 
     def _peak_line(self, trainer: pl.Trainer) -> str:

@@ -17,7 +17,8 @@ An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, g
 step. ``--cpu-linear`` lists the kernels of its linears (``GRPOModule``'s ``cpu_linear``; default: "auto"); with
 more than one, each timing's key ends in ``/cpu_linear=K`` and the report adds the onednn / torch ratio. After one
 untimed warm-up per setting, each repeat times every (threads, kernel, mode) once, interleaved in one process, so a
-busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per thread count. ``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
+busy machine slows all of them alike; the report gives medians and the shared / unshared ratio per thread count.
+``--rollout`` also times one rollout (the demo's ``build_train_batch``) per thread count and repeat.
 ``--competing-processes N`` runs N busy-looping processes (one core each) throughout, as another job would.
 """
 
@@ -29,9 +30,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
+from lit_grpo.sampling.cpu_linear import UpdateLinear
 from tools import harness
 from tools.roofline import device_name
 
@@ -72,7 +75,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--case", choices=("demo", "long"), default="demo")
     parser.add_argument("--modes", default="shared,unshared", help="comma-separated: shared, unshared")
     parser.add_argument("--threads", default="1", help="comma-separated torch thread counts, e.g. 1,2")
-    parser.add_argument("--cpu-linear", default="auto", help="comma-separated update kernels: auto, onednn, torch")
+    parser.add_argument("--cpu-linear", default="auto",
+                        help=f"comma-separated update kernels: {', '.join(get_args(UpdateLinear))}")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
     parser.add_argument("--competing-processes", type=int, default=0,
@@ -93,8 +97,9 @@ def main(argv=None) -> dict:
         parser.error(f"--modes={args.modes!r}: use shared, unshared or both, comma-separated")
     threads = [int(t) for t in args.threads.split(",")]
     kernels = args.cpu_linear.split(",")
-    if not set(kernels) <= {"auto", "onednn", "torch"} or len(set(kernels)) != len(kernels):
-        parser.error(f"--cpu-linear={args.cpu_linear!r}: use distinct kernels among auto, onednn, torch")
+    if not set(kernels) <= set(get_args(UpdateLinear)) or len(set(kernels)) != len(kernels):
+        parser.error(f"--cpu-linear={args.cpu_linear!r}: use distinct kernels among "
+                     f"{', '.join(get_args(UpdateLinear))}")
     if min(threads) < 1 or args.repeats < 1:
         parser.error(f"--threads={args.threads!r} and --repeats={args.repeats} must be >= 1")
     if args.rollout and args.case != "demo":

@@ -20,14 +20,12 @@ g_equals_G B 1, G 8, g 8, 128 tokens: full, infinite (with a slot for every samp
 then judges every target line and prints one row per line: the measured value, the limit, pass or FAIL. Memory
 is ``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the weights). Tokens per second include
 the graph capture each engine run pays, as training pays it once per rollout by default (``keep_kv_cache``
-off); ``ms_per_step`` leaves it out. The decode-step target is
-judged against the instance's certified lower bound (``makespan_lower_bound``), which the optimum is at least.
-A verdict that judges ms per decode step also shows
-that run's roofline (``floor_ms_per_step``, ``roofline_ratio`` and ``decode_roofline_ratio``, the step's own time
-against the floor; see tools/roofline.py): how far the step is from this machine's floor; measurements saved
-before a field existed show n/a there. The roofline is shown,
-not judged. The command exits with 1 when a target is missed. On a CPU it runs too (slowly), but its
-verdicts mean nothing: the limits are stated for a GPU.
+off); ``ms_per_step`` leaves it out. The decode-step target is judged against the instance's certified lower
+bound (``makespan_lower_bound``), which the optimum is at least. A verdict that judges ms per decode step also
+shows that run's roofline (``floor_ms_per_step``, ``roofline_ratio`` and ``decode_roofline_ratio``, the step's own
+time against the floor; see tools/roofline.py): how far the step is from this machine's floor; measurements saved
+before a field existed show n/a there. The roofline is shown, not judged. The command exits with 1 when a target
+is missed. On a CPU it runs too (slowly), but its verdicts mean nothing: the limits are stated for a GPU.
 """
 
 from __future__ import annotations
@@ -131,8 +129,8 @@ TARGETS = (
 def judge(reports: dict[str, dict]) -> list[dict]:
     """One verdict per target whose measurement is in ``reports``: ``{"target", "value", "kind", "limit",
     "passed", "device"}``, for a target on ms per step also ``"floor_ms_per_step"``, ``"roofline_ratio"`` and
-    ``"decode_roofline_ratio"`` (None when the measurement predates them), and a note (and a failed verdict) where a run broke its target's premise:
-    cap512's rows must all run to the cap."""
+    ``"decode_roofline_ratio"`` (None when the measurement predates them), and a note (and a failed verdict) where
+    a run broke its target's premise: cap512's rows must all run to the cap."""
     verdicts = []
     for target in TARGETS:
         if target.measurement not in reports:

@@ -56,7 +56,8 @@ class SamplingConfig:
             (the same, with each weight reordered at the rollout's start into oneDNN's blocked layout for the
             decode step: faster again, for one more copy of the linears' weights held during the rollout), "torch"
             (torch's ``F.linear``), "auto": "packed" for a float32 policy on a CPU whose torch has oneDNN ("onednn"
-            where FSDP shards the policy), unless the step is compiled. The update always uses torch's kernels.
+            where FSDP shards the policy), unless the step is compiled. The update's linears have their own
+            setting, ``GRPOModule``'s ``cpu_linear``.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.
