@@ -198,7 +198,10 @@ class DecodeStep:
         elif self._compiled_run is None:
             # Eager, the step can leave the hidden states out where no row asks for them: asking the model for
             # them costs a few percent of a forward, and a row is probed on one step of its whole run.
-            with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
+            on_cpu = self.device.type == "cpu"
+            if on_cpu:  # the host reads the lengths for free here; a device would stall on them
+                self.cache.attend_reached()
+            with cpu_decode_attention(self.model, enabled=on_cpu):
                 self._run(hidden_states=bool(hidden_slots))
         else:
             self._forward()
@@ -226,7 +229,7 @@ class DecodeStep:
         leaves ``hidden`` as it was, even when the settings keep it."""
         settings, lengths = self.settings, self.cache.lengths
         hidden_states = hidden_states and settings.hidden_states
-        admitted = self.columns.unsqueeze(0) <= lengths.unsqueeze(1)                 # [slots, width]
+        admitted = self.columns[:self.cache.attended].unsqueeze(0) <= lengths.unsqueeze(1)  # [slots, attended]
         mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
         mask = mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
         out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=lengths.unsqueeze(1),

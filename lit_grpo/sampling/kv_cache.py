@@ -8,11 +8,20 @@ the attention mask, not to sit at its position's index; still, column = position
 plain comparison (``column <= lengths[s]``).
 
 A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``scatter_`` per
-layer, no host round trip) and attends over the whole width; the mask hides what another sample left behind in
-the row's later columns (stale but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's
-cached prefix (and, for a resumed sample, its parked tail) into the row in place; removing a sample just stops
-using the row. So every step has the same shapes, which is what CUDA graphs need, and a row's arithmetic never
-depends on its neighbours, which is what makes every schedule return the same completions.
+layer, no host round trip) and attends over the cache's ``attended`` columns: in an eager step on a CPU only the
+aligned prefix its rows have reached (``attend_reached``), since attention reads every attended column of every row
+and rows reach the width only at the end of a long completion; elsewhere the whole width (a captured graph or a
+compiled step needs fixed shapes, and a GPU would wait on the host's read of the lengths). The mask hides what another sample left behind in the row's later columns (stale
+but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's cached prefix (and, for a
+resumed sample, its parked tail) into the row in place; removing a sample just stops using the row. So a row's
+arithmetic never depends on its neighbours, which is what makes every schedule return the same completions.
+
+Why widths come in multiples of ``WIDTH_ALIGNMENT`` (``memory_budget.py``): a matmul over the columns computes a
+width's last partial block of columns with another kernel than the full blocks before it, so a row whose admitted
+columns reach into that block rounds differently than in a wider cache. When every attended width is a multiple of
+the blocks, masked columns only add exact zeros, and a row's result is the same at any width: a rollout's
+completions depend neither on how wide an earlier rollout left the cache (what exact resume needs) nor on how far
+the other rows have reached.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from lit_grpo.sampling.memory_budget import kv_geometry
+from lit_grpo.sampling.memory_budget import WIDTH_ALIGNMENT, aligned_width, kv_geometry
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [rows, kv_heads, T, head_dim]
 
@@ -63,6 +72,7 @@ class SlotCacheLayer(CacheLayerMixin):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor):
         super().__init__()
         self.keys, self.values = keys, values
+        self.attended = keys.shape[2]  # the columns update returns (set by SlotKVCache.attend)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         slots, kv_heads, _, _ = keys.shape
@@ -84,10 +94,12 @@ class SlotCacheLayer(CacheLayerMixin):
         # computes in under autocast anyway, so the cast changes no result and halves the keys' memory.
         self.keys.scatter_(2, self._key_index, key_states.to(self.keys.dtype))
         self.values.scatter_(2, self._value_index, value_states.to(self.values.dtype))
-        return self.keys, self.values
+        if self.attended == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, :self.attended], self.values[:, :, :self.attended]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.attended, 0
 
     def get_seq_length(self) -> int:
         return self.keys.shape[2]
@@ -97,7 +109,8 @@ class SlotCacheLayer(CacheLayerMixin):
 
 
 class SlotKVCache(Cache):
-    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer, allocated once.
+    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer (rounded up to a multiple of
+    ``WIDTH_ALIGNMENT``), allocated once.
 
     Attributes:
         lengths: ``[slots]`` int64 on the device: cached positions of each row (= the column and the position id
@@ -107,13 +120,33 @@ class SlotKVCache(Cache):
     def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
         check_full_attention(model_config)
         num_layers, kv_heads, head_dim = kv_geometry(model_config)
-        self.num_slots, self.width = num_slots, width
+        self.num_slots, self.width = num_slots, aligned_width(width)
+        width = self.width
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         shape = (num_slots, kv_heads, width, head_dim)
         layers = [SlotCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
                                  torch.zeros(shape, dtype=dtype, device=device), self.lengths)
                   for _ in range(num_layers)]
         super().__init__(layers=layers)
+
+    @property
+    def attended(self) -> int:
+        """The columns a decode step attends (the width unless ``attend`` narrowed them)."""
+        return self.layers[0].attended
+
+    def attend(self, columns: int) -> None:
+        """From the next decode step on, attend columns ``[0, columns)``: a multiple of ``WIDTH_ALIGNMENT`` (or the
+        width) that holds every running row's next column."""
+        if not (0 < columns <= self.width and (columns % WIDTH_ALIGNMENT == 0 or columns == self.width)):
+            raise ValueError(f"attended columns must be a multiple of {WIDTH_ALIGNMENT} in (0, {self.width}] or the "
+                             f"width {self.width}; got {columns}")
+        for layer in self.layers:
+            layer.attended = columns
+
+    def attend_reached(self) -> None:
+        """Attend only the aligned columns the rows have reached: up to the longest row's next column. Reads the
+        lengths on the host, so it serves a step that runs eagerly on a CPU (a device would wait for the read)."""
+        self.attend(min(self.width, aligned_width(int(self.lengths.max()) + 1)))
 
     def nbytes(self) -> int:
         """Bytes held by the slot cache (every row at full width)."""
