@@ -8,7 +8,8 @@ business, and the loop's to tell it.
 
 One step, all on the device, no host round trip until the end:
 
-1. attention mask ``[slots, 1, 1, width]`` from the rows' lengths (a row attends to its columns ``<= lengths``);
+1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
+   ``attended`` is the cache's width, or on a CPU the aligned columns the rows have reached, see ``kv_cache.py``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column (eager on a CPU, its attention is ``decode_attention``'s two matmuls);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
