@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
-from lit_grpo.sampling.memory_budget import aligned_width
 from lit_grpo.sampling.prefill import prefill_chunks
 from lit_grpo.sampling.token_sampler import filter_logits
 from scheduler_helpers import trust_predictions
@@ -190,7 +189,7 @@ def test_kv_bytes_are_bounded_by_the_slots_not_the_group(tiny_llama):
     bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     max_new, g = 12, 3
     prefixes = sum(len(p) - 1 for p in prompts) * bytes_per_position
-    slot_bound = g * aligned_width(max(map(len, prompts)) - 1 + max_new) * bytes_per_position  # the slot cache
+    slot_bound = g * (max(map(len, prompts)) + max_new) * bytes_per_position
     peaks = {}
     for G_ in (3, 12, 24):
         for strategy in ("micro", "continuous"):
@@ -307,18 +306,18 @@ def test_the_slot_cache_is_allocated_once_and_reused_while_it_fits(tiny_llama, p
     assert engine._cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
     assert result.stats.decode_steps > 8  # refills happened
     assert result.stats.peak_kv_bytes >= cache.nbytes()
-    longer = [prompt_ids[0] * (cache.width // len(prompt_ids[0]) + 1)]  # wider than the cache: a new one
+    longer = [prompt_ids[0] * 3]  # wider than the cache: a new one
     engine.generate(longer)
-    assert engine._cache is not cache and engine._cache.width == aligned_width(len(longer[0]) - 1 + 8)
+    assert engine._cache is not cache and engine._cache.width == len(longer[0]) - 1 + 8
     engine.release()
     assert engine._cache is None and engine._step is None
 
 
 def test_a_rollout_is_the_same_in_a_fresh_slot_cache_and_in_one_an_earlier_rollout_widened():
-    """Widths are aligned and a step attends only the aligned columns its rows reached, so a row rounds the same at
-    any width: a rollout's completions and log-probs do not depend on how wide earlier rollouts left the cache (a
-    resumed run starts with a fresh one). The cap is chosen so that an exact-width cache would end one column into a
-    new block of 16, which the longest prompt's rows reach: a matmul computes that last partial block apart."""
+    """A step attends its rollout's own width, so a rollout's completions and log-probs do not depend on how wide
+    earlier rollouts left the cache (a resumed run starts with a fresh one). The cap puts the rollout's width one
+    column into a new block of 16, which its longest prompt's rows reach: attending the whole cache rounded them
+    differently there."""
     from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
@@ -333,37 +332,35 @@ def test_a_rollout_is_the_same_in_a_fresh_slot_cache_and_in_one_an_earlier_rollo
     widened.generate([prompts[2] * 4])
     fresh.rollout_index = widened.rollout_index
     results = [engine.generate(prompts) for engine in (widened, fresh)]
-    assert widened._cache.width > fresh._cache.width
+    assert widened._cache.width > fresh._cache.width == widened._cache.attended == cached + cap
     longest = max(range(len(prompts)), key=lambda p: len(prompts[p]))
-    assert max(map(len, results[1].completion_ids[longest])) == cap  # its rows reached the exact width's end
+    assert max(map(len, results[1].completion_ids[longest])) == cap  # its rows reached the width's end
     assert results[0].completion_ids == results[1].completion_ids
     assert results[0].logprobs == results[1].logprobs
 
 
-def test_a_cpu_decode_step_attends_only_the_aligned_columns_its_rows_reached(tiny_llama, prompt_ids, monkeypatch):
+def test_an_eager_step_attends_its_rollouts_own_width_in_a_wider_cache(tiny_llama, prompt_ids, monkeypatch):
     from lit_grpo.sampling.kv_cache import SlotCacheLayer
-    from lit_grpo.sampling.memory_budget import WIDTH_ALIGNMENT
 
     model, tokenizer = tiny_llama
     attended, update = [], SlotCacheLayer.update
 
     def spy(self, *args, **kwargs):
         keys, values = update(self, *args, **kwargs)
-        attended.append(keys.shape[2])
+        attended.append((keys.shape[2], values.shape[2]))
         return keys, values
 
     monkeypatch.setattr(SlotCacheLayer, "update", spy)
     engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
-                           max_new_tokens=100, seed=0)
-    result = engine.generate([prompt_ids[2]])
-    width = engine._cache.width
-    assert width == aligned_width(len(prompt_ids[2]) - 1 + 100) > WIDTH_ALIGNMENT
-    assert attended[0] == WIDTH_ALIGNMENT < width  # the first steps attend one block, not the width
-    assert all(a % WIDTH_ALIGNMENT == 0 or a == width for a in attended) and attended == sorted(attended)
-    reached = len(prompt_ids[2]) - 1 + max(map(len, result.completion_ids[0]))
-    assert attended[-1] == min(width, aligned_width(reached))
-    with pytest.raises(ValueError, match="multiple of 64 .* got 65"):
-        engine._cache.attend(65)
+                           max_new_tokens=6, seed=0)
+    engine.generate([prompt_ids[1] * 3])
+    wide = engine._cache.width
+    assert set(attended) == {(wide, wide)}
+    attended.clear()
+    engine.generate([prompt_ids[2]])
+    assert engine._cache.width == wide and set(attended) == {(len(prompt_ids[2]) - 1 + 6,) * 2}
+    with pytest.raises(ValueError, match=rf"attended columns must be in \[1, {wide}\] .* got {wide + 1}"):
+        engine._cache.attend(wide + 1)
 
 
 def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_ids):

@@ -116,7 +116,7 @@ def test_the_replay_step_reads_nothing_on_the_host_and_keeps_its_shapes():
     with torch.inference_mode():
         step._run()
         step._run()
-    assert [t.shape for t in buffers] == [(3, cache.width), (3,), (3,)] and step.forced_tokens is buffers[0]
+    assert [t.shape for t in buffers] == [(3, 16), (3,), (3,)] and step.forced_tokens is buffers[0]
     with pytest.raises(ValueError, match="force_lengths and force_tokens are exclusive"):
         StepSettings(temperature=1.0, top_k=0, top_p=1.0, force_lengths=True, hidden_states=False, cuda_graph=False,
                      force_tokens=True)

@@ -9,7 +9,7 @@ business, and the loop's to tell it.
 One step, all on the device, no host round trip until the end:
 
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
-   ``attended`` is the cache's width, or on a CPU the aligned columns the rows have reached, see ``kv_cache.py``);
+   ``attended``: the rollout's own width, see ``start_rollout``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column (eager on a CPU, its attention is ``decode_attention``'s two matmuls);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
@@ -144,9 +144,13 @@ class DecodeStep:
         self.capture_s = time.perf_counter() - started if settings.compile else 0.0
 
     # ------------------------------------------------------------------------------------------ host side
-    def start_rollout(self, seed: int) -> None:
-        """Key the random streams of the next rollout."""
+    def start_rollout(self, seed: int, width: int) -> None:
+        """Key the random streams of the next rollout and attend its own ``width`` columns (its longest prompt - 1
+        + ``max_new_tokens``), however wide an earlier rollout left the cache (``kv_cache.py`` says why). A captured
+        graph keeps the width it was captured at, and a compiled step the one it was compiled for."""
         self.seed.fill_(seed)
+        fixed = self.graph is not None or self._compiled_run is not None
+        self.cache.attend(self.cache.width if fixed else width)
 
     def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
                   generated: int, next_input: int, forced_length: int = 0,
@@ -199,10 +203,7 @@ class DecodeStep:
         elif self._compiled_run is None:
             # Eager, the step can leave the hidden states out where no row asks for them: asking the model for
             # them costs a few percent of a forward, and a row is probed on one step of its whole run.
-            on_cpu = self.device.type == "cpu"
-            if on_cpu:  # the host reads the lengths for free here; a device would stall on them
-                self.cache.attend_reached()
-            with cpu_decode_attention(self.model, enabled=on_cpu):
+            with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
                 self._run(hidden_states=bool(hidden_slots))
         else:
             self._forward()

@@ -51,7 +51,7 @@ from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache
-from lit_grpo.sampling.memory_budget import kv_bytes_per_token, slot_width
+from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stats import RolloutResult
@@ -61,6 +61,11 @@ __all__ = ["STRATEGIES", "GroupProgress", "RolloutEngine", "RolloutResult", "Sam
 
 #: Attention implementations that take the slot cache's 4-D mask (flash-attention kernels take none).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+#: On CUDA, and wherever the step is compiled, the slot cache's width is rounded up to this many positions, so
+#: rollouts whose prompts differ by a few tokens reuse one cache, its captured graph and its compiled code (and
+#: attention rows stay aligned).
+WIDTH_ALIGNMENT = 64
 
 
 class RolloutEngine:
@@ -181,9 +186,10 @@ class RolloutEngine:
         if any(len(g.samples) != self.group_size for g in groups):
             raise ValueError(f"every group needs group_size={self.group_size} samples, got "
                              f"{[len(g.samples) for g in groups]}")
-        width = slot_width(max(len(g.prompt_ids) for g in groups), self.max_new_tokens)
+        # A row holds at most the prompt's P - 1 cached positions plus the L tokens fed (the last one never is).
+        width = max(len(g.prompt_ids) for g in groups) - 1 + self.max_new_tokens
         settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
-                                self.rollout_index)
+                                self.rollout_index, width)
         forced = any(g.forced_lengths is not None for g in groups)
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad
@@ -225,6 +231,8 @@ class RolloutEngine:
         device = next(self.model.parameters()).device
         # Under autocast (bf16-mixed with float32 weights) keys and values come out in the autocast dtype.
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.model.dtype
+        if device.type == "cuda" or settings.compile:
+            width = -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)
                 and self._step.settings == settings and self._step.model is self.model):
             return self._cache, self._step, False

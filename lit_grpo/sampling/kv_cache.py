@@ -8,20 +8,18 @@ the attention mask, not to sit at its position's index; still, column = position
 plain comparison (``column <= lengths[s]``).
 
 A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``scatter_`` per
-layer, no host round trip) and attends over the cache's ``attended`` columns: in an eager step on a CPU only the
-aligned prefix its rows have reached (``attend_reached``), since attention reads every attended column of every row
-and rows reach the width only at the end of a long completion; elsewhere the whole width (a captured graph or a
-compiled step needs fixed shapes, and a GPU would wait on the host's read of the lengths). The mask hides what another sample left behind in the row's later columns (stale
-but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's cached prefix (and, for a
-resumed sample, its parked tail) into the row in place; removing a sample just stops using the row. So a row's
-arithmetic never depends on its neighbours, which is what makes every schedule return the same completions.
+layer, no host round trip) and attends over the cache's first ``attended`` columns (``attend``: the rollout's own
+width, or the whole width under a captured graph); the mask hides what another sample left behind in the row's
+later columns (stale but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's cached
+prefix (and, for a resumed sample, its parked tail) into the row in place; removing a sample just stops using the
+row. So every step of a rollout has the same shapes, which is what CUDA graphs need, and a row's arithmetic never
+depends on its neighbours, which is what makes every schedule return the same completions.
 
-Why widths come in multiples of ``WIDTH_ALIGNMENT`` (``memory_budget.py``): a matmul over the columns computes a
-width's last partial block of columns with another kernel than the full blocks before it, so a row whose admitted
-columns reach into that block rounds differently than in a wider cache. When every attended width is a multiple of
-the blocks, masked columns only add exact zeros, and a row's result is the same at any width: a rollout's
-completions depend neither on how wide an earlier rollout left the cache (what exact resume needs) nor on how far
-the other rows have reached.
+Why a rollout's own width rather than the whole cache: a cache is reused while it fits, so its width is the widest
+rollout's so far, and attention's kernels round a row differently at different widths (a matmul computes a width's
+last partial block of columns apart, and its reduction over the columns is blocked by their number). Attending the
+rollout's own width makes a rollout's completions and log-probs a function of the rollout alone, the same in the
+fresh cache of a resumed run as in the cache an uninterrupted run's earlier rollouts widened.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from lit_grpo.sampling.memory_budget import WIDTH_ALIGNMENT, aligned_width, kv_geometry
+from lit_grpo.sampling.memory_budget import kv_geometry
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [rows, kv_heads, T, head_dim]
 
@@ -72,7 +70,7 @@ class SlotCacheLayer(CacheLayerMixin):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor):
         super().__init__()
         self.keys, self.values = keys, values
-        self.attended = keys.shape[2]  # the columns update returns (set by SlotKVCache.attend)
+        self.attended = keys.shape[2]  # the columns update returns (SlotKVCache.attend sets it)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         slots, kv_heads, _, _ = keys.shape
@@ -109,8 +107,7 @@ class SlotCacheLayer(CacheLayerMixin):
 
 
 class SlotKVCache(Cache):
-    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer (rounded up to a multiple of
-    ``WIDTH_ALIGNMENT``), allocated once.
+    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer, allocated once.
 
     Attributes:
         lengths: ``[slots]`` int64 on the device: cached positions of each row (= the column and the position id
@@ -120,8 +117,7 @@ class SlotKVCache(Cache):
     def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
         check_full_attention(model_config)
         num_layers, kv_heads, head_dim = kv_geometry(model_config)
-        self.num_slots, self.width = num_slots, aligned_width(width)
-        width = self.width
+        self.num_slots, self.width = num_slots, width
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         shape = (num_slots, kv_heads, width, head_dim)
         layers = [SlotCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
@@ -131,22 +127,16 @@ class SlotKVCache(Cache):
 
     @property
     def attended(self) -> int:
-        """The columns a decode step attends (the width unless ``attend`` narrowed them)."""
+        """The columns a decode step attends (``attend``; the whole width until it is called)."""
         return self.layers[0].attended
 
     def attend(self, columns: int) -> None:
-        """From the next decode step on, attend columns ``[0, columns)``: a multiple of ``WIDTH_ALIGNMENT`` (or the
-        width) that holds every running row's next column."""
-        if not (0 < columns <= self.width and (columns % WIDTH_ALIGNMENT == 0 or columns == self.width)):
-            raise ValueError(f"attended columns must be a multiple of {WIDTH_ALIGNMENT} in (0, {self.width}] or the "
-                             f"width {self.width}; got {columns}")
+        """From the next decode step on, attend columns ``[0, columns)`` of every row; a rollout's rows must fit
+        them (``columns`` at least its longest prompt - 1 + ``max_new_tokens``)."""
+        if not 0 < columns <= self.width:
+            raise ValueError(f"attended columns must be in [1, {self.width}] (the slot cache's width), got {columns}")
         for layer in self.layers:
             layer.attended = columns
-
-    def attend_reached(self) -> None:
-        """Attend only the aligned columns the rows have reached: up to the longest row's next column. Reads the
-        lengths on the host, so it serves a step that runs eagerly on a CPU (a device would wait for the read)."""
-        self.attend(min(self.width, aligned_width(int(self.lengths.max()) + 1)))
 
     def nbytes(self) -> int:
         """Bytes held by the slot cache (every row at full width)."""

@@ -4,14 +4,13 @@ Pure functions of the model config; no model is loaded. One cached position cost
 
     kv_bytes_per_token = 2 (keys and values) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 
-and one slot holds at most ``longest prompt - 1 + max_new_tokens`` positions, in a row of the slot cache whose
-width is that rounded up to a multiple of ``WIDTH_ALIGNMENT`` (``kv_cache.py`` says why), so::
+and one slot holds at most ``longest prompt + max_new_tokens`` positions, so::
 
-    slot_bytes = kv_bytes_per_token x aligned_width(max_prompt_len - 1 + max_new_tokens)
+    slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens)
     g          = min(floor(kv_budget_bytes / slot_bytes), group_size x num_prompts)
 
-(the engine never runs more slots than the rollout has samples). The slot cache allocates exactly that, every row
-at its full width from the start.
+(the engine never runs more slots than the rollout has samples). The slot cache allocates exactly that: every row
+is ``longest prompt - 1 + max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64).
 Besides it the engine holds each running prompt's prefix once, the prefixes of the rest of its prefill chunk
 (``prefill.PREFILL_CHUNK_TOKENS`` positions at most), and the KV of parked samples' first tokens, so leave some
 headroom in ``kv_budget_bytes`` for those.
@@ -27,17 +26,7 @@ import torch
 
 from lit_grpo.runtime.validation import check_int
 
-__all__ = ["WIDTH_ALIGNMENT", "aligned_width", "auto_micro_group_size", "kv_bytes_per_token", "kv_geometry",
-           "kv_slot_bytes", "slot_width"]
-
-#: Slot-cache widths, and the columns a decode step attends, are multiples of this many positions (``kv_cache.py``
-#: says why); on CUDA it also lets rollouts whose prompts differ by a few tokens share one cache and its graph.
-WIDTH_ALIGNMENT = 64
-
-
-def aligned_width(positions: int) -> int:
-    """``positions`` rounded up to a multiple of ``WIDTH_ALIGNMENT``."""
-    return -(-positions // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_slot_bytes"]
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -77,17 +66,11 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     return 2 * layers * kv_heads * head_dim * _dtype_bytes(dtype)
 
 
-def slot_width(max_prompt_len: int, max_new_tokens: int) -> int:
-    """Positions of one slot-cache row: ``aligned_width(max_prompt_len - 1 + max_new_tokens)`` (a prompt's last
-    token is fed by the first decode step, and the last token drawn is never fed)."""
+def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:
+    """Worst-case KV bytes of one slot: ``kv_bytes_per_token x (max_prompt_len + max_new_tokens)``."""
     check_int("max_prompt_len", max_prompt_len, 0)
     check_int("max_new_tokens", max_new_tokens, 1)
-    return aligned_width(max(max_prompt_len - 1, 0) + max_new_tokens)
-
-
-def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:
-    """KV bytes of one slot-cache row: ``kv_bytes_per_token x slot_width(max_prompt_len, max_new_tokens)``."""
-    return kv_bytes_per_token(config, dtype) * slot_width(max_prompt_len, max_new_tokens)
+    return kv_bytes_per_token(config, dtype) * (max_prompt_len + max_new_tokens)
 
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
@@ -106,7 +89,6 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     fits = kv_budget_bytes // slot
     if fits < 1:
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache: {slot} bytes "
-                         f"({per_token} bytes/token x {slot // per_token} positions: {max_prompt_len} prompt - 1 + "
-                         f"{max_new_tokens} new tokens, rounded up to a multiple of {WIDTH_ALIGNMENT}); raise "
-                         f"kv_budget_bytes to at least {slot}, or lower max_new_tokens")
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens)); "
+                         f"raise kv_budget_bytes to at least {slot}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))

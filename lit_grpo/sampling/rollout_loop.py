@@ -35,6 +35,7 @@ class LoopSettings:
     eos_token_ids: frozenset[int]
     seed: int
     rollout_index: int
+    width: int  # the rollout's own slot width: its longest prompt - 1 + max_new_tokens
 
 
 @dataclass
@@ -74,7 +75,7 @@ class RolloutLoop:
         # CUDA prefills and decode steps, (start, end) events each, read once the rollout is over
         self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.decode_step.start_rollout(settings.seed)
+        self.decode_step.start_rollout(settings.seed, settings.width)
 
         self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
         # A sample ends on EOS or at its limit: the cap, or its replayed length (a truncated token recording ends
