@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -12,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
-from lit_grpo.sampling.stats import RolloutStats
+from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
 from ._rollout import rollout_stats
@@ -41,7 +42,8 @@ class FitSummary(Callback):
     validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
     the run's totals): the rest of a rollout is the scheduler's bookkeeping. TensorBoard draws a validation where
-    Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs no keys of its own.
+    Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs
+    no keys of its own.
 
     Args:
         validate_before_training: run the validation pass before the first step.
@@ -58,8 +60,8 @@ class FitSummary(Callback):
         self.accuracy_key, self.reward_key, self.window = accuracy_key, reward_key, window
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
-        self.peak_kv_bytes = 0
-        # The rollouts' time, added up: wall, decode and prefill seconds with the steps and tokens they ran.
+        # The run's rollouts added up (merge_stats: times and counts add, the KV peak is the largest); their
+        # timelines are left out, so the totals do not grow with the run.
         self.rollouts = 0
         self.rollout_totals = RolloutStats()
         self._started_s: float | None = None  # when the training steps started (after the first validation)
@@ -93,14 +95,8 @@ class FitSummary(Callback):
             self.rewards.append(float(value))
         stats = rollout_stats(batch)
         if stats is not None:
-            self.peak_kv_bytes = max(self.peak_kv_bytes, stats.peak_kv_bytes)
             self.rollouts += 1
-            totals = self.rollout_totals
-            totals.wall_s += stats.wall_s
-            totals.decode_s += stats.decode_s
-            totals.decode_steps += stats.decode_steps
-            totals.prefill_s += stats.prefill_s
-            totals.prefill_tokens += stats.prefill_tokens
+            self.rollout_totals = merge_stats([self.rollout_totals, dataclasses.replace(stats, timeline=[])])
 
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,8 +143,8 @@ class FitSummary(Callback):
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []
-        if self.peak_kv_bytes:
-            parts.append(f"KV cache {format_bytes(self.peak_kv_bytes)}")
+        if self.rollout_totals.peak_kv_bytes:
+            parts.append(f"KV cache {format_bytes(self.rollout_totals.peak_kv_bytes)}")
         for callback in trainer.callbacks:
             logged = callback.max_logged if isinstance(callback, PeakMemoryMonitor) else {}
             if "memory/rollout_peak_bytes" in logged:

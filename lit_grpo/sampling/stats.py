@@ -121,11 +121,12 @@ class RolloutResult:
 
 
 def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
-    """Add up the stats of several engine calls made for one step (dynamic sampling rounds).
+    """Add up the stats of several engine calls: the rounds of one step (dynamic sampling), or a run's rollouts
+    (``FitSummary``, with their timelines left out).
 
-    Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are recomputed; the timelines
-    are concatenated in time, with flat sample indices shifted by the samples of the earlier rounds;
-    length-prediction quality is the first round's.
+    Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are
+    recomputed; the timelines are concatenated in time, with flat sample indices shifted by the samples of the
+    earlier rounds; length-prediction quality is the first round's.
     """
     if not parts:
         return RolloutStats()
