@@ -1,13 +1,15 @@
 """The policy's linears on oneDNN (sampling.cpu_linear): a rollout's, on the plain weights or on copies packed for
-the decode step's rows, and an update's, forward and backward. Same products and gradients up to rounding, restored
-after, chosen where they apply and refused by name where they do not."""
+the decode step's rows (sibling projections stacked into one), and an update's, forward and backward. Same products
+and gradients up to rounding, restored after, chosen where they apply and refused by name where they do not."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling import cpu_linear
@@ -101,22 +103,23 @@ def test_each_row_is_computed_alone_so_schedules_stay_bit_identical(kernel):
 @needs_onednn
 def test_a_rollout_runs_its_linears_on_onednn_only_when_chosen(tiny_llama, monkeypatch):
     model, tokenizer = tiny_llama
-    calls = []
-    original = cpu_linear._onednn_linear
+    weights_read = []
+    original = cpu_linear.onednn_linear
 
-    def recorded(module, packed, rows, x):
-        calls.append(packed is not None)  # whether the module holds a packed copy
-        return original(module, packed, rows, x)
+    def recorded(x, weight, bias=None):
+        weights_read.append(weight.is_mkldnn)  # a packed copy is a oneDNN tensor
+        return original(x, weight, bias)
 
-    monkeypatch.setattr(cpu_linear, "_onednn_linear", recorded)
+    monkeypatch.setattr(cpu_linear, "onednn_linear", recorded)
     outputs = {}
     for setting in ("torch", "onednn", "packed", "auto"):
-        calls.clear()
+        weights_read.clear()
         engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
                                max_new_tokens=6, temperature=0.0, cpu_linear=setting)
         result = engine.generate([[5, 6, 7, 8]])
         outputs[setting] = result
-        assert set(calls) == {"torch": set(), "onednn": {False}}.get(setting, {True}), setting
+        # packed: the prompt's prefill reads the plain weights, the decode steps the packed copies
+        assert set(weights_read) == {"torch": set(), "onednn": {False}}.get(setting, {False, True}), setting
         assert all("forward" not in m.__dict__ for m in _linears(model))  # the update gets torch's kernels back
     for setting in ("onednn", "packed", "auto"):
         for ours, theirs in zip(outputs[setting].logprobs, outputs["torch"].logprobs):
@@ -170,6 +173,68 @@ def test_an_unknown_cpu_linear_is_refused_naming_the_choices():
         SamplingConfig(cpu_linear="mkl")
 
 
+@needs_onednn
+def test_sibling_projections_of_a_decoder_layer_are_one_product_over_their_stacked_weights(tiny_llama, monkeypatch):
+    """Queries, keys and values (and gate and up) read one packed copy of their stacked weights in a decode step:
+    4 products per layer and the head's, instead of 8; the logits are those of the plain weights."""
+    model, _ = tiny_llama
+    layers = model.config.num_hidden_layers
+    products = []
+    original = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear",
+                        lambda x, weight, bias=None: products.append(weight.is_mkldnn) or original(x, weight, bias))
+    ids = torch.randint(0, model.config.vocab_size, (3, 1))
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+        with onednn_linears(model, "packed", rows=3):
+            stacked = model(input_ids=ids).logits
+    assert products == [True] * (4 * layers + 1)
+    torch.testing.assert_close(stacked, reference, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_stacked_projections_compute_once_per_shared_input_and_again_for_another(monkeypatch):
+    members = [torch.nn.Linear(64, out) for out in (48, 16, 16)]
+    stack = cpu_linear.StackedProjections(members, rows=4)
+    products = []
+    original = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear",
+                        lambda x, weight, bias=None: products.append(1) or original(x, weight, bias))
+    x, y = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+    with torch.inference_mode():
+        separate = [torch.nn.functional.linear(x, m.weight, m.bias) for m in members]
+        outputs = [stack.output(index, x) for index in range(3)]
+        assert len(products) == 1 and stack._outputs == ()  # one product; nothing held once all took theirs
+        for ours, theirs in zip(outputs, separate):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        stack.output(0, x)
+        stack.output(0, x)  # the same member twice: its second call is another input's
+        expected = torch.nn.functional.linear(y, members[1].weight, members[1].bias)
+        torch.testing.assert_close(stack.output(1, y), expected, rtol=1e-5, atol=1e-5)
+    assert len(products) == 4
+    z = torch.randn(4, 1, 64)
+    stack.output(0, z)
+    z.mul_(2)  # changed in place after member 0 read it: member 1 computes again
+    expected = torch.nn.functional.linear(z, members[1].weight, members[1].bias)
+    torch.testing.assert_close(stack.output(1, z), expected, rtol=1e-5, atol=1e-5)
+    assert len(products) == 6
+
+
+def test_sibling_projections_are_found_by_name_under_one_parent_and_through_peft_adapters(tiny_llama):
+    model, _ = tiny_llama
+    names = {id(m): n for n, m in model.named_modules()}
+    found = [[names[id(m)].rsplit(".", 1)[-1] for m in members] for members in cpu_linear._shared_input_siblings(model)]
+    assert found == [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * model.config.num_hidden_layers
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    names = {id(m): n for n, m in adapted.named_modules()}
+    first = [names[id(m)] for m in cpu_linear._shared_input_siblings(adapted)[0]]
+    assert [n.split("self_attn.")[1] for n in first] == ["q_proj.base_layer", "k_proj", "v_proj.base_layer"]
+    mixed = torch.nn.Module()  # an input size or a bias that differs keeps a set apart
+    mixed.q_proj, mixed.k_proj, mixed.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
+    mixed.gate_proj, mixed.up_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False)
+    assert cpu_linear._shared_input_siblings(mixed) == []
+
+
 # ---------------------------------------------------------------------------------------------------- the update
 @needs_onednn
 @pytest.mark.parametrize("shape, bias, wanted", [((5, 64), True, (True, True, True)), ((2, 3, 64), False, (True, True)),
@@ -193,8 +258,6 @@ def test_the_update_linear_has_torchs_gradients_to_rounding(shape, bias, wanted)
 
 @needs_onednn
 def test_a_models_backward_under_onednn_linears_equals_torchs_and_a_tied_head_gets_both_parts(tiny_llama):
-    import copy
-
     model = copy.deepcopy(tiny_llama[0]).train()
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     grads = {}
@@ -225,3 +288,4 @@ def test_the_update_takes_onednn_for_a_float32_unsharded_policy_and_torch_elsewh
         assert resolve_update_linear("onednn", model, sharded=True) == "torch"
     with pytest.raises(ValueError, match=r"cpu_linear='packed' is not known; use one of \['auto', 'onednn', 'torch'\]"):
         resolve_update_linear("packed", model, sharded=False)
+

@@ -4,7 +4,8 @@ Owns: nothing past a rollout or an update. ``onednn_linears`` routes every plain
 oneDNN for the block it wraps and restores the modules when it ends: a rollout's prefills and decode steps
 (``SamplingConfig.cpu_linear``), or an update's forward and backward (``GRPOModule``'s ``cpu_linear``, through
 ``OneDNNLinear``, whose gradients are oneDNN's inner products too). With the kernel "packed" it also holds, for the
-rollout's length, a copy of each weight reordered into oneDNN's blocked layout for the decode step's row count.
+rollout's length, a copy of each weight reordered into oneDNN's blocked layout for the decode step's row count, the
+weights of sibling projections that read one input (``SHARED_INPUT_PROJECTIONS``) stacked into one copy.
 
 Why: torch's float32 ``F.linear`` and its backward on an x86 CPU are MKL's sgemm, which for the few rows of a decode
 step (one per slot) runs far below the machine's matmul rate, and on AMD CPUs takes a narrower code path than the
@@ -12,6 +13,9 @@ CPU has at any row count; oneDNN's inner product, the kernel torch already uses 
 products several times faster for a decode step and about twice as fast for an update's. On a plain ``[out, in]``
 weight oneDNN streams it in a layout its kernel does not read at full speed; the blocked copy costs one pass over
 the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
+A decode step's small products are bound by reading their weights, and one pass over a stacked weight (queries,
+keys and values; gate and up) reads faster than a pass over each; each output column is still one inner product of
+a row with one weight column, so rows stay independent.
 Each row's result does not depend on the other rows, so strategies of the same g stay bit-identical; against
 torch's kernel the results differ by float32 rounding (a few units in the last place), as any other GEMM's would.
 """
@@ -21,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -33,6 +38,11 @@ CpuLinear = Literal["auto", "packed", "onednn", "torch"]
 LinearKernel = Literal["packed", "onednn", "torch"]
 #: The update's setting (``GRPOModule(cpu_linear=...)``): its weights change at every step, so nothing is packed.
 UpdateLinear = Literal["auto", "onednn", "torch"]
+
+#: Sibling projections (by module name, under one parent) that transformers' decoder layers compute from one input
+#: tensor: attention's queries, keys and values, and the gated MLP's gate and up. A PEFT adapter's ``base_layer`` of
+#: such a projection counts as the projection.
+SHARED_INPUT_PROJECTIONS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}))
 
 _warned: set[tuple[str, str]] = set()
 
@@ -106,8 +116,9 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
     """Within the block, every ``nn.Linear`` of ``model`` (the class itself, not subclasses, which may compute
     otherwise) computes with oneDNN, and where grad mode is on its backward too (``OneDNNLinear``). ``kernel``
     "packed" (inference only) first reorders each weight for inputs of ``rows`` rows (all leading dimensions
-    together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which then read the copy; inputs of other row
-    counts (prefill chunks) read the plain weight. Nothing happens when ``kernel`` is "torch"."""
+    together: the decode step's ``[slots, 1, in]`` is ``slots`` rows), which then read the copy, one copy for each
+    set of sibling projections that read one input (``StackedProjections``); inputs of other row counts (prefill
+    chunks) read the plain weight. Nothing happens when ``kernel`` is "torch"."""
     check_choice("kernel", kernel, get_args(LinearKernel))
     if kernel == "packed":
         check_int("rows", rows, 1)
@@ -115,18 +126,69 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
         yield
         return
     patched = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    stacked: dict[int, tuple[StackedProjections, int]] = {}  # a member's id: its stack, its index in it
     packed: dict[int, torch.Tensor] = {}
     if kernel == "packed":
+        for members in _shared_input_siblings(model):
+            stack = StackedProjections(members, rows)
+            stacked.update({id(module): (stack, index) for index, module in enumerate(members)})
         for module in patched:  # a weight two modules share (tied heads) is reordered once
-            if id(module.weight) not in packed:
+            if id(module) not in stacked and id(module.weight) not in packed:
                 packed[id(module.weight)] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
     for module in patched:  # shadows the class's forward on this instance
-        module.forward = functools.partial(_onednn_linear, module, packed.get(id(module.weight)), rows)
+        if id(module) in stacked:
+            module.forward = functools.partial(_stacked_linear, module, *stacked[id(module)], rows)
+        else:
+            module.forward = functools.partial(_onednn_linear, module, packed.get(id(module.weight)), rows)
     try:
         yield
     finally:
         for module in patched:
             module.__dict__.pop("forward", None)
+
+
+class StackedProjections:
+    """Sibling linears that read one input, computed as one oneDNN product over their weights stacked and packed for
+    ``rows`` rows. The first member called with an input computes every member's output; the others, called with
+    that same tensor (unchanged), take theirs (a view) without computing; a member called with another input, or a
+    second time, computes them all again for it. Holds the input and outputs only until every member has taken its
+    own."""
+
+    def __init__(self, members: Sequence[torch.nn.Linear], rows: int) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]), rows)
+        self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self.sizes = [m.out_features for m in members]
+        self._input: torch.Tensor | None = None
+        self._version: int | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._pending: set[int] = set()
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s output for ``x`` ``[..., in] -> [..., out_index]``."""
+        version = None if x.is_inference() else x._version  # inference tensors cannot change in place
+        if x is not self._input or version != self._version or index not in self._pending:
+            self._input, self._version = x, version
+            self._outputs = onednn_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._pending = set(range(len(self.sizes)))
+        self._pending.discard(index)
+        output = self._outputs[index]
+        if not self._pending:
+            self._input, self._outputs = None, ()
+        return output
+
+
+def _shared_input_siblings(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """The sets of ``SHARED_INPUT_PROJECTIONS`` in ``model``: plain linears under one parent, two or more, with the
+    same input size, dtype and device, and biases on all or none."""
+    found: dict[tuple[str, int], list[torch.nn.Linear]] = defaultdict(list)
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            parent, _, leaf = name.removesuffix(".base_layer").rpartition(".")
+            for index, leaves in enumerate(SHARED_INPUT_PROJECTIONS):
+                if leaf in leaves:
+                    found[parent, index].append(module)
+    return [members for members in found.values() if len(members) > 1 and len(
+        {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}) == 1]
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,3 +227,10 @@ def _onednn_linear(module: torch.nn.Linear, packed_weight: torch.Tensor | None, 
         return OneDNNLinear.apply(x, module.weight, module.bias)
     use_packed = packed_weight is not None and x.numel() == rows * x.shape[-1]
     return onednn_linear(x, packed_weight if use_packed else module.weight, module.bias)
+
+
+def _stacked_linear(module: torch.nn.Linear, stack: StackedProjections, index: int, rows: int,
+                    x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or x.numel() != rows * x.shape[-1]:
+        return _onednn_linear(module, None, rows, x)
+    return stack.output(index, x)
