@@ -54,7 +54,8 @@ class SamplingConfig:
         cpu_linear: the kernel of the policy's linear layers during a rollout on a CPU: "onednn" (oneDNN's inner
             product, several times faster than torch's float32 GEMM for the few rows of a decode step), "packed"
             (the same, with each weight reordered at the rollout's start into oneDNN's blocked layout for the
-            decode step: faster again, for one more copy of the linears' weights held during the rollout), "torch"
+            decode step, a layer's query, key and value weights stacked into one, and its gate and up: faster
+            again, for one more copy of the linears' weights held during the rollout), "torch"
             (torch's ``F.linear``), "auto": "packed" for a float32 policy on a CPU whose torch has oneDNN ("onednn"
             where FSDP shards the policy), unless the step is compiled. The update's linears have their own
             setting, ``GRPOModule``'s ``cpu_linear``.
