@@ -5,11 +5,11 @@ and gradients up to rounding, restored after, chosen where they apply and refuse
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling import cpu_linear
@@ -176,7 +176,7 @@ def test_an_unknown_cpu_linear_is_refused_naming_the_choices():
 @needs_onednn
 def test_sibling_projections_of_a_decoder_layer_are_one_product_over_their_stacked_weights(tiny_llama, monkeypatch):
     """Queries, keys and values (and gate and up) read one packed copy of their stacked weights in a decode step:
-    4 products per layer and the head's, instead of 8; the logits are those of the plain weights."""
+    4 products per layer instead of 7, and the head's; the logits are those of the plain weights."""
     model, _ = tiny_llama
     layers = model.config.num_hidden_layers
     products = []
@@ -190,45 +190,96 @@ def test_sibling_projections_of_a_decoder_layer_are_one_product_over_their_stack
             stacked = model(input_ids=ids).logits
     assert products == [True] * (4 * layers + 1)
     torch.testing.assert_close(stacked, reference, rtol=1e-4, atol=1e-4)
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the stacks' hooks go with the block
+
+
+class _Attention(torch.nn.Module):
+    """Three sibling projections; ``forward`` calls those named, in turn, on one input."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(64, 48)
+        self.k_proj, self.v_proj = torch.nn.Linear(64, 16), torch.nn.Linear(64, 16)
+
+    def forward(self, x, names=("q_proj", "k_proj", "v_proj")):
+        return [getattr(self, name)(x) for name in names]
+
+    def reference(self, x, name):
+        return torch.nn.functional.linear(x, getattr(self, name).weight, getattr(self, name).bias)
 
 
 @needs_onednn
 def test_stacked_projections_compute_once_per_shared_input_and_again_for_another(monkeypatch):
-    members = [torch.nn.Linear(64, out) for out in (48, 16, 16)]
-    stack = cpu_linear.StackedProjections(members, rows=4)
+    attention = _Attention()
     products = []
     original = cpu_linear.onednn_linear
     monkeypatch.setattr(cpu_linear, "onednn_linear",
                         lambda x, weight, bias=None: products.append(1) or original(x, weight, bias))
     x, y = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
-    with torch.inference_mode():
-        separate = [torch.nn.functional.linear(x, m.weight, m.bias) for m in members]
-        outputs = [stack.output(index, x) for index in range(3)]
-        assert len(products) == 1 and stack._outputs == ()  # one product; nothing held once all took theirs
-        for ours, theirs in zip(outputs, separate):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-        stack.output(0, x)
-        stack.output(0, x)  # the same member twice: its second call is another input's
-        expected = torch.nn.functional.linear(y, members[1].weight, members[1].bias)
-        torch.testing.assert_close(stack.output(1, y), expected, rtol=1e-5, atol=1e-5)
-    assert len(products) == 4
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode(), onednn_linears(attention, "packed", rows=4):
+        for ours, name in zip(attention(x), ("q_proj", "k_proj", "v_proj")):
+            close(ours, attention.reference(x, name))
+        assert len(products) == 1  # one product for the three
+        attention.q_proj(x)
+        attention.q_proj(x)  # the same member twice: its second call is another input's
+        close(attention.k_proj(y), attention.reference(y, "k_proj"))  # another input
+        assert len(products) == 4
+        w = torch.randn(4, 1, 64)  # made in inference mode: no version counter
+        attention(w, names=("q_proj",))
+        w.mul_(2)  # in place between the parent's calls
+        close(attention(w, names=("k_proj",))[0], attention.reference(w, "k_proj"))  # the parent's call forgot w
+        assert len(products) == 6
     z = torch.randn(4, 1, 64)
-    stack.output(0, z)
-    z.mul_(2)  # changed in place after member 0 read it: member 1 computes again
-    expected = torch.nn.functional.linear(z, members[1].weight, members[1].bias)
-    torch.testing.assert_close(stack.output(1, z), expected, rtol=1e-5, atol=1e-5)
-    assert len(products) == 6
+    with torch.no_grad(), onednn_linears(attention, "packed", rows=4):
+        attention.q_proj(z)
+        z.mul_(2)  # in place inside the parent's forward: a tensor with a version counter is computed again
+        close(attention.k_proj(z), attention.reference(z, "k_proj"))
+        assert len(products) == 8
 
 
+@needs_onednn
+def test_a_stacked_products_rows_do_not_depend_on_each_other():
+    """What same-g schedule invariance needs of the stacked path: a row's result does not depend on its position or
+    on the other rows."""
+    attention = _Attention()
+    x = torch.randn(16, 1, 64)
+    permutation = torch.randperm(16)
+    other = x.clone()
+    other[1:] = torch.randn(15, 1, 64)
+    with torch.inference_mode(), onednn_linears(attention, "packed", rows=16):
+        full = attention(x)
+        for ours, theirs in zip(attention(x[permutation]), full):
+            assert torch.equal(ours, theirs[permutation])
+        for ours, theirs in zip(attention(other), full):
+            assert torch.equal(ours[0], theirs[0])
+
+
+@needs_onednn
 def test_sibling_projections_are_found_by_name_under_one_parent_and_through_peft_adapters(tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
     model, _ = tiny_llama
     names = {id(m): n for n, m in model.named_modules()}
-    found = [[names[id(m)].rsplit(".", 1)[-1] for m in members] for members in cpu_linear._shared_input_siblings(model)]
-    assert found == [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * model.config.num_hidden_layers
-    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    found = [[names[id(m)] for m in members] for _, members in cpu_linear._shared_input_siblings(model)]
+    assert [[n.rsplit(".", 1)[-1] for n in members] for members in found] == \
+        [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * model.config.num_hidden_layers
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj", "up_proj"]))
+    for name, parameter in adapted.named_parameters():
+        if "lora_B" in name:  # LoRA starts at zero; an adapter that counts changes the logits
+            torch.nn.init.normal_(parameter, std=0.5)
+    parent, members = cpu_linear._shared_input_siblings(adapted)[0]
     names = {id(m): n for n, m in adapted.named_modules()}
-    first = [names[id(m)] for m in cpu_linear._shared_input_siblings(adapted)[0]]
-    assert [n.split("self_attn.")[1] for n in first] == ["q_proj.base_layer", "k_proj", "v_proj.base_layer"]
+    assert names[id(parent)].endswith("layers.0.self_attn")
+    assert [names[id(m)].split("self_attn.")[1] for m in members] == \
+        ["q_proj.base_layer", "k_proj", "v_proj.base_layer"]
+    ids = torch.randint(0, model.config.vocab_size, (3, 1))
+    with torch.inference_mode():
+        reference = adapted(input_ids=ids).logits
+        with onednn_linears(adapted, "packed", rows=3):
+            stacked = adapted(input_ids=ids).logits
+    assert not torch.allclose(reference, model(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(stacked, reference, rtol=1e-4, atol=1e-4)
     mixed = torch.nn.Module()  # an input size or a bias that differs keeps a set apart
     mixed.q_proj, mixed.k_proj, mixed.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
     mixed.gate_proj, mixed.up_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False)

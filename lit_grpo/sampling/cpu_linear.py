@@ -40,9 +40,11 @@ LinearKernel = Literal["packed", "onednn", "torch"]
 UpdateLinear = Literal["auto", "onednn", "torch"]
 
 #: Sibling projections (by module name, under one parent) that transformers' decoder layers compute from one input
-#: tensor: attention's queries, keys and values, and the gated MLP's gate and up. A PEFT adapter's ``base_layer`` of
-#: such a projection counts as the projection.
+#: tensor: self-attention's queries, keys and values, and the gated MLP's gate and up. A PEFT adapter's
+#: ``base_layer`` of such a projection counts as the projection. Siblings called with different inputs (a
+#: cross-attention's keys and values) still compute right, each call then paying for the whole stacked product.
 SHARED_INPUT_PROJECTIONS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}))
+_SET_OF_PROJECTION = {leaf: index for index, leaves in enumerate(SHARED_INPUT_PROJECTIONS) for leaf in leaves}
 
 _warned: set[tuple[str, str]] = set()
 
@@ -128,10 +130,12 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
     patched = [module for module in model.modules() if type(module) is torch.nn.Linear]
     stacked: dict[int, tuple[StackedProjections, int]] = {}  # a member's id: its stack, its index in it
     packed: dict[int, torch.Tensor] = {}
+    hooks = []
     if kernel == "packed":
-        for members in _shared_input_siblings(model):
+        for parent, members in _shared_input_siblings(model):
             stack = StackedProjections(members, rows)
             stacked.update({id(module): (stack, index) for index, module in enumerate(members)})
+            hooks.append(parent.register_forward_pre_hook(stack.forget))
         for module in patched:  # a weight two modules share (tied heads) is reordered once
             if id(module) not in stacked and id(module.weight) not in packed:
                 packed[id(module.weight)] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
@@ -145,19 +149,30 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
     finally:
         for module in patched:
             module.__dict__.pop("forward", None)
+        for hook in hooks:
+            hook.remove()
 
 
 class StackedProjections:
-    """Sibling linears that read one input, computed as one oneDNN product over their weights stacked and packed for
-    ``rows`` rows. The first member called with an input computes every member's output; the others, called with
-    that same tensor (unchanged), take theirs (a view) without computing; a member called with another input, or a
-    second time, computes them all again for it. Holds the input and outputs only until every member has taken its
-    own."""
+    """Sibling linears that read one input (``SHARED_INPUT_PROJECTIONS``), computed as one oneDNN product over their
+    weights stacked and packed for ``rows`` rows.
+
+    Owns: the stacked copy, for the rollout's length; between the siblings' calls, the input they share and its
+    outputs. The first member called with an input computes every member's output; the others, called with that same
+    tensor, take theirs (a view) without computing; a member called with another input, or a second time, computes
+    them all again for it. What is held goes when every member has taken its own, or at ``forget``, which runs
+    before each call of the siblings' parent: inference tensors carry no version counter, so a change in place to
+    the input between two siblings' calls would go unseen, and the parent's forward, which calls them in turn, is
+    the window in which they may share it."""
 
     def __init__(self, members: Sequence[torch.nn.Linear], rows: int) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]), rows)
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
+        self.forget()
+
+    def forget(self, *hook_args) -> None:
+        """Drop the held input and outputs (``hook_args``: a forward pre-hook's, unused)."""
         self._input: torch.Tensor | None = None
         self._version: int | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -165,7 +180,7 @@ class StackedProjections:
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for ``x`` ``[..., in] -> [..., out_index]``."""
-        version = None if x.is_inference() else x._version  # inference tensors cannot change in place
+        version = None if x.is_inference() else x._version
         if x is not self._input or version != self._version or index not in self._pending:
             self._input, self._version = x, version
             self._outputs = onednn_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -173,22 +188,26 @@ class StackedProjections:
         self._pending.discard(index)
         output = self._outputs[index]
         if not self._pending:
-            self._input, self._outputs = None, ()
+            self.forget()
         return output
 
 
-def _shared_input_siblings(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
-    """The sets of ``SHARED_INPUT_PROJECTIONS`` in ``model``: plain linears under one parent, two or more, with the
-    same input size, dtype and device, and biases on all or none."""
+def _shared_input_siblings(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Linear]]]:
+    """Each set of ``SHARED_INPUT_PROJECTIONS`` in ``model`` that can be stacked (``_stackable``), with the parent
+    module whose forward calls them."""
     found: dict[tuple[str, int], list[torch.nn.Linear]] = defaultdict(list)
     for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear:
-            parent, _, leaf = name.removesuffix(".base_layer").rpartition(".")
-            for index, leaves in enumerate(SHARED_INPUT_PROJECTIONS):
-                if leaf in leaves:
-                    found[parent, index].append(module)
-    return [members for members in found.values() if len(members) > 1 and len(
-        {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}) == 1]
+        parent, _, leaf = name.removesuffix(".base_layer").rpartition(".")
+        if type(module) is torch.nn.Linear and leaf in _SET_OF_PROJECTION:
+            found[parent, _SET_OF_PROJECTION[leaf]].append(module)
+    return [(model.get_submodule(parent), members) for (parent, _), members in found.items() if _stackable(members)]
+
+
+def _stackable(members: Sequence[torch.nn.Linear]) -> bool:
+    """Whether ``members`` can share one stacked weight: two or more, with one input size, dtype and device, and a
+    bias on all or on none."""
+    return len(members) > 1 and len(
+        {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}) == 1
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,12 +244,20 @@ def _onednn_linear(module: torch.nn.Linear, packed_weight: torch.Tensor | None, 
                    x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():
         return OneDNNLinear.apply(x, module.weight, module.bias)
-    use_packed = packed_weight is not None and x.numel() == rows * x.shape[-1]
+    use_packed = packed_weight is not None and _decode_rows(x, rows)
     return onednn_linear(x, packed_weight if use_packed else module.weight, module.bias)
 
 
 def _stacked_linear(module: torch.nn.Linear, stack: StackedProjections, index: int, rows: int,
                     x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or x.numel() != rows * x.shape[-1]:
-        return _onednn_linear(module, None, rows, x)
+    """``module``'s forward as member ``index`` of ``stack``: the stacked product for the decode step's rows, its
+    own weight (unpacked) for any other input or under grad mode."""
+    if torch.is_grad_enabled() or not _decode_rows(x, rows):
+        return _onednn_linear(module, None, None, x)
     return stack.output(index, x)
+
+
+def _decode_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether ``x`` ``[..., in]`` has the decode step's ``rows`` rows (all leading dimensions together), the rows the
+    packed copies were reordered for."""
+    return x.numel() == rows * x.shape[-1]
