@@ -14,10 +14,10 @@ products several times faster for a decode step and about twice as fast for an u
 weight oneDNN streams it in a layout its kernel does not read at full speed; the blocked copy costs one pass over
 the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
 A decode step's small products are bound by reading their weights, and one pass over a stacked weight (queries,
-keys and values; gate and up) reads faster than a pass over each; each output column is still one inner product of
-a row with one weight column, so rows stay independent.
-Each row's result does not depend on the other rows, so strategies of the same g stay bit-identical; against
-torch's kernel the results differ by float32 rounding (a few units in the last place), as any other GEMM's would.
+keys and values; gate and up) reads faster than a pass over each. Every output, stacked or not, is one row's inner
+product with one weight column: a row's result does not depend on the other rows, so strategies of the same g stay
+bit-identical; against torch's kernel the results differ by float32 rounding (a few units in the last place), as
+any other GEMM's would.
 """
 
 from __future__ import annotations
