@@ -61,6 +61,51 @@ def test_task_prompts_render_through_the_chat_template():
     assert ids[0] != tokenizer(harness.task_examples("synthetic", 1, 0)[0].prompt)["input_ids"]  # templated
 
 
+def test_comma_names_gives_each_name_or_its_value_in_order():
+    assert harness.comma_names(("shared", "unshared"))("unshared, Shared") == ["unshared", "shared"]
+    assert harness.comma_names({"false": False, "true": True, "auto": "auto"})("true,auto") == [True, "auto"]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("shared,both", "'shared,both': ['both'] not known; use a comma list of ['shared', 'unshared']"),
+    ("shared,unshared,shared", "'shared,unshared,shared': ['shared'] given more than once; give each once"),
+    (" , ", "' , ': give at least one item, comma-separated"),
+])
+def test_comma_names_refuses_unknown_repeated_or_no_names_naming_them(text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as error:
+        harness.comma_names(("shared", "unshared"))(text)
+    assert str(error.value) == message
+
+
+def test_comma_numbers_parses_each_kind_at_or_above_its_minimum():
+    assert harness.comma_numbers(1)("1, 2,4") == [1, 2, 4]
+    assert harness.comma_numbers(0)("0") == [0]
+    assert harness.comma_numbers(1.0, float)("1.0,1.5") == [1.0, 1.5]
+
+
+@pytest.mark.parametrize(("minimum", "kind", "text", "message"), [
+    (1, int, "1,0", "'1,0': use a comma list of ints >= 1"),
+    (1, int, "1,x", "'1,x': use a comma list of ints >= 1"),
+    (1, int, "1.5", "'1.5': use a comma list of ints >= 1"),
+    (1.0, float, "0.5,2", "'0.5,2': use a comma list of floats >= 1.0"),
+    (1, int, "2,1,2", "'2,1,2': [2] given more than once; give each once"),
+    (1, int, "", "'': give at least one item, comma-separated"),
+])
+def test_comma_numbers_refuses_bad_small_or_repeated_numbers_naming_them(minimum, kind, text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as error:
+        harness.comma_numbers(minimum, kind)(text)
+    assert str(error.value) == message
+
+
+def test_a_comma_list_argument_names_its_flag_when_refused(capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", default="1", type=harness.comma_numbers(1))
+    assert parser.parse_args([]).threads == [1]  # argparse parses a string default through the type too
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--threads", "1,1"])
+    assert "argument --threads: '1,1': [1] given more than once; give each once" in capsys.readouterr().err
+
+
 def test_median_leaves_out_missing_values():
     assert harness.median([3.0, None, 1.0, 2.0]) == 2.0
     assert harness.median([4, 1, 2, 3]) == 2.5

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 
+from tools import harness
 from tools.bench_fit import Scalars, measure, parse_args
 
 CURRICULA = ("none", "angle")
@@ -41,11 +42,9 @@ def curriculum_record(curriculum: str, seed: int, args: list[str], scalars: Scal
 
 def main(argv: list[str] | None = None) -> dict:
     args, extra, seeds = parse_args(argv, __doc__, "0,1,2", "runs/curriculum", lambda parser: parser.add_argument(
-        "--curricula", default="none,angle", help=f"comma list of {','.join(CURRICULA)}"))
-    curricula = args.curricula.split(",")
-    unknown = [c for c in curricula if c not in CURRICULA]
-    if unknown:
-        raise SystemExit(f"--curricula {args.curricula!r}: {unknown} not known; use a comma list of {list(CURRICULA)}")
+        "--curricula", default="none,angle", type=harness.comma_names(CURRICULA),
+        help=f"comma list of {','.join(CURRICULA)}"))
+    curricula = args.curricula
     variants = {c: ["--data.curriculum", c] for c in curricula}
     config = {"config": str(args.config), "seeds": seeds, "curricula": curricula, "extra": extra}
     return measure(args, seeds, variants, extra, curriculum_record, config, by="curriculum")

@@ -154,14 +154,14 @@ def parse_args(argv: list[str] | None, description: str, seeds: str, root: str,
     argv, extra = split_extra(argv)
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
-    parser.add_argument("--seeds", default=seeds)
+    parser.add_argument("--seeds", default=seeds, type=harness.comma_numbers(0), help="comma list of seeds")
     own_arguments(parser)
     parser.add_argument("--root", type=Path, default=Path(root), help="where the runs' logs go")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not args.config.is_file():
         raise SystemExit(f"--config {args.config} does not exist")
-    return args, extra, [int(s) for s in args.seeds.split(",")]
+    return args, extra, args.seeds
 
 
 def _own_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from lit_grpo.sampling import STRATEGIES
 from tools import harness
 
 #: LoRA settings of ``--lora`` (the attention and MLP projections of Llama / Qwen blocks).
@@ -130,8 +131,10 @@ def main(argv=None) -> dict:
     harness.add_model_argument(parser, default="smollm2")
     parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--lora", action="store_true", help=f"train LoRA adapters ({LORA}) instead of all weights")
-    parser.add_argument("--group-sizes", default="8,16,32,64")
-    parser.add_argument("--strategies", default="infinite,full")
+    parser.add_argument("--group-sizes", default="8,16,32,64", type=harness.comma_numbers(1),
+                        help="comma list of G")
+    parser.add_argument("--strategies", default="infinite,full", type=harness.comma_names(STRATEGIES),
+                        help=f"comma list of {','.join(STRATEGIES)}")
     parser.add_argument("--micro-group-size", type=int, default=8)
     parser.add_argument("--train-micro-batch-size", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=1, help="B, prompts per step")
@@ -159,8 +162,8 @@ def main(argv=None) -> dict:
         return {}
 
     runs = []
-    cells = [(g, s, r) for r in range(args.repeats) for g in [int(g) for g in args.group_sizes.split(",")]
-             for s in args.strategies.split(",")]  # repeats interleaved: a drifting machine affects all cells
+    cells = [(g, s, r) for r in range(args.repeats) for g in args.group_sizes
+             for s in args.strategies]  # repeats interleaved: a drifting machine affects all cells
     for group_size, strategy, repeat in cells:
         command = harness.tool_command(
             "bench_grpo_memory", "--strategy", strategy, "--group-size", str(group_size), "--model", args.model,
@@ -183,7 +186,7 @@ def main(argv=None) -> dict:
               f"update={record['update_peak_bytes'] / 2**20:8.1f} MiB "
               f"rollout={record['rollout_wall_s']:.1f}s step={record['step_s']:.1f}s", file=sys.stderr, flush=True)
     ratios, medians = {}, {}
-    for strategy in args.strategies.split(","):
+    for strategy in args.strategies:
         by_size = {key: median_by_group_size(runs, strategy, key) for key in PHASE_KEYS}
         medians[strategy] = {key: {str(g): v for g, v in values.items()} for key, values in by_size.items()}
         peaks = by_size["peak_bytes"]

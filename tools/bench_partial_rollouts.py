@@ -49,21 +49,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     harness.add_model_argument(parser, default="tiny")
     parser.add_argument("--prompts", type=int, default=4, help="B, complete groups per training step")
     parser.add_argument("--group-size", type=int, default=16, help="G")
-    parser.add_argument("--micro-group-size", default="64", help="g, slots; comma list to compare several")
+    parser.add_argument("--micro-group-size", default="64", type=harness.comma_numbers(1),
+                        help="g, slots; comma list to compare several")
     parser.add_argument("--strategy", default="continuous", choices=["continuous", "infinite", "full"])
     parser.add_argument("--steps", type=int, default=20, help="training steps replayed")
-    parser.add_argument("--over-provision", default="1.0,2.0", help="comma list of r >= 1.0")
+    parser.add_argument("--over-provision", default="1.0,2.0", type=harness.comma_numbers(1.0, float),
+                        help="comma list of r >= 1.0")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="the length cap (default: the longest recorded length); longer lengths end at it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    args.over_provision = [float(r) for r in args.over_provision.split(",") if r]
-    args.micro_group_size = [int(g) for g in args.micro_group_size.split(",") if g]
-    for name, values in (("--over-provision", args.over_provision), ("--micro-group-size", args.micro_group_size)):
-        if not values or min(values) < (1.0 if name == "--over-provision" else 1):
-            parser.error(f"{name}={values} needs values >= 1")
     if args.steps < 1 or args.prompts < 1 or args.group_size < 1:
         parser.error("--steps, --prompts and --group-size must be >= 1")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

@@ -59,7 +59,6 @@ import argparse
 import itertools
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -164,16 +163,6 @@ def _predictor(name: str, seed: int):
 
 
 # -------------------------------------------------------------------------------------------------- main
-def _comma_list(flag: str, values: dict) -> Callable[[str], list]:
-    """An argparse type: a comma list of ``values``' names, each given as its value."""
-    def parse(text: str) -> list:
-        names = [name.strip().lower() for name in text.split(",") if name.strip()]
-        if not names or any(name not in values for name in names):
-            raise argparse.ArgumentTypeError(f"{flag} {text!r}: use a comma list of {list(values)}")
-        return [values[name] for name in names]
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_model_argument(parser, default="tiny")
@@ -186,6 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int,
                         help="the length cap (default 128, or the --tokens recording's; never above the latter)")
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
+                        type=harness.comma_names(OUR_STRATEGIES + HF_STRATEGIES),
                         help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
     parser.add_argument("--predictors", default="online",
                         help="infinite's predictors: oracle,online,history,noisy:S (the oracle with log-normal "
@@ -212,11 +202,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--compile", default="false",
-                        type=_comma_list("--compile", {"false": False, "true": True, "auto": "auto"}),
+                        type=harness.comma_names({"false": False, "true": True, "auto": "auto"}),
                         help="data.sampling.compile of lit_grpo's runs, a comma list of false,true,auto: each value "
                              "runs every strategy (interleaved, so compiled and eager ratios come from one process)")
     parser.add_argument("--cpu-linear", default="auto",
-                        type=_comma_list("--cpu-linear", {name: name for name in get_args(CpuLinear)}),
+                        type=harness.comma_names(get_args(CpuLinear)),
                         help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of "
                              "auto,packed,onednn,torch: each value runs every strategy, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -230,10 +220,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_new_tokens is None and not args.tokens:
         args.max_new_tokens = 128  # with --tokens, the recording's cap (read_replay)
     args.task = harness.default_task(args.model, args.task)
-    args.strategies = [s for s in args.strategies.split(",") if s]
-    unknown = sorted(set(args.strategies) - set(OUR_STRATEGIES + HF_STRATEGIES))
-    if unknown:
-        parser.error(f"unknown strategies {unknown}; choose from {list(OUR_STRATEGIES + HF_STRATEGIES)}")
     for name in args.predictors.split(","):
         try:
             parse_predictor_name(name)

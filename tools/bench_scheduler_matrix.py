@@ -183,7 +183,8 @@ def markdown(cells: list[dict], config: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {','.join(SETS)}")
+    parser.add_argument("--sets", default=",".join(SETS), type=harness.comma_names(SETS),
+                        help=f"comma list of {','.join(SETS)}")
     parser.add_argument("--shapes", default=",".join(f"{b}x{g}x{s}" for b, g, s in SHAPES),
                         help="comma list of BxGxg (B, G must have a length set; see python -m tools.make_length_sets)")
     parser.add_argument("--predictors", default=",".join(PREDICTORS), help="infinite's predictors (bench_rollout's)")
@@ -200,10 +201,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, help="judge and print a saved matrix instead of running one")
     parser.add_argument("--check", action="store_true", help="exit 1 naming the cells that miss a target")
     args = parser.parse_args(argv)
-    args.sets = [s for s in args.sets.split(",") if s]
-    unknown = [s for s in args.sets if s not in SETS]
-    if unknown:
-        parser.error(f"--sets: {unknown} not known; allowed: {', '.join(SETS)}")
     args.shapes = [_shape(item, parser) for item in args.shapes.split(",") if item]
     args.predictors = [p for p in args.predictors.split(",") if p]
     if args.warmup_rollouts < 0:

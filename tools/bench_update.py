@@ -73,9 +73,11 @@ def long_prompt_batch(args, vocab_size: int, pad_id: int):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=("demo", "long"), default="demo")
-    parser.add_argument("--modes", default="shared,unshared", help="comma-separated: shared, unshared")
-    parser.add_argument("--threads", default="1", help="comma-separated torch thread counts, e.g. 1,2")
-    parser.add_argument("--cpu-linear", default="auto",
+    parser.add_argument("--modes", default="shared,unshared", type=harness.comma_names(("shared", "unshared")),
+                        help="comma-separated: shared, unshared")
+    parser.add_argument("--threads", default="1", type=harness.comma_numbers(1),
+                        help="comma-separated torch thread counts, e.g. 1,2")
+    parser.add_argument("--cpu-linear", default="auto", type=harness.comma_names(get_args(UpdateLinear)),
                         help=f"comma-separated update kernels: {', '.join(get_args(UpdateLinear))}")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollout", action="store_true", help="also time a rollout per thread count (demo only)")
@@ -92,16 +94,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    if not set(modes) <= {"shared", "unshared"} or not modes:
-        parser.error(f"--modes={args.modes!r}: use shared, unshared or both, comma-separated")
-    threads = [int(t) for t in args.threads.split(",")]
-    kernels = args.cpu_linear.split(",")
-    if not set(kernels) <= set(get_args(UpdateLinear)) or len(set(kernels)) != len(kernels):
-        parser.error(f"--cpu-linear={args.cpu_linear!r}: use distinct kernels among "
-                     f"{', '.join(get_args(UpdateLinear))}")
-    if min(threads) < 1 or args.repeats < 1:
-        parser.error(f"--threads={args.threads!r} and --repeats={args.repeats} must be >= 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be >= 1")
     if args.rollout and args.case != "demo":
         parser.error("--rollout times the demo's rollout: use it with --case demo")
     if args.competing_processes < 0:
@@ -110,19 +104,19 @@ def main(argv=None) -> dict:
     spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
     competitors = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.competing_processes)]
     try:
-        return run(args, modes, threads, kernels)
+        return run(args)
     finally:
         for competitor in competitors:
             competitor.kill()
             competitor.wait()
 
 
-def run(args: argparse.Namespace, modes: list[str], threads: list[int], kernels: list[str]) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Build the batch, time every (threads, kernel, mode) ``args.repeats`` times interleaved, report (see the
     docstring)."""
-
     from lit_grpo.update.module import GRPOModule
 
+    modes, threads, kernels = args.modes, args.threads, args.cpu_linear
     torch.set_num_threads(threads[0])
     data = None
     if args.case == "demo":

@@ -3,6 +3,8 @@
 Every tool runs from the repository root as ``python -m tools.NAME``; a tool that starts another tool or a training
 process in a child gives it :func:`repo_env`, so ``tools`` imports there too.
 
+- Arguments: :func:`comma_names` and :func:`comma_numbers`, argparse types for the comma lists the tools take
+  (``--strategies continuous,infinite``, ``--threads 1,2``), each item once, a bad one named with what is allowed.
 - Models: ``--model`` takes an alias (:data:`MODEL_ALIASES`: ``tiny``, ``smollm2``), a tiny test model
   (``tiny-llama``, ``tiny-qwen2``), ``random:NAME`` (a real architecture with random weights, offline), a local path
   or a hub id ``owner/name``; :func:`resolve_model` turns it into what ``load_model_and_tokenizer`` loads.
@@ -23,7 +25,7 @@ import random
 import shutil
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,51 @@ MODEL_ALIASES = {"tiny": "tiny-llama", "smollm2": SMOLLM2}
 MODEL_HELP = ("tiny | smollm2 | tiny-llama | tiny-qwen2 | random:NAME (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
               "llama3.2-1b: that architecture with random weights, offline) | a local path | a hub id owner/name")
 SYNTHETIC = "synthetic"
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+def comma_names(allowed: Mapping[str, Any] | Sequence[str]) -> Callable[[str], list]:
+    """An argparse type: a comma list of distinct names among ``allowed`` (read lower-case), each given as itself
+    or, where ``allowed`` is a mapping, as its value. argparse puts the flag before an error's message."""
+    values = dict(allowed) if isinstance(allowed, Mapping) else {name: name for name in allowed}
+
+    def parse(text: str) -> list:
+        names = [item.lower() for item in _comma_items(text)]
+        unknown = [name for name in names if name not in values]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: {unknown} not known; use a comma list of "
+                                             f"{list(values)}")
+        _refuse_repeats(text, names)
+        return [values[name] for name in names]
+    return parse
+
+
+def comma_numbers(minimum: float, kind: type = int) -> Callable[[str], list]:
+    """An argparse type: a comma list of distinct numbers of ``kind`` (int or float), each ``>= minimum``."""
+    def parse(text: str) -> list:
+        try:
+            numbers = [kind(item) for item in _comma_items(text)]
+        except ValueError:
+            numbers = []
+        if not numbers or min(numbers) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {kind.__name__}s >= {minimum}")
+        _refuse_repeats(text, numbers)
+        return numbers
+    return parse
+
+
+def _comma_items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one item, comma-separated")
+    return items
+
+
+def _refuse_repeats(text: str, items: list) -> None:
+    """The tools key their runs by these items: one given twice would be measured twice under one key."""
+    repeated = sorted({item for item in items if items.count(item) > 1}, key=str)
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r}: {repeated} given more than once; give each once")
 
 
 # ------------------------------------------------------------------------------------------------ models

@@ -23,6 +23,8 @@ import random
 import sys
 from pathlib import Path
 
+from tools import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tools" / "data" / "synthetic"
 PAPER_FILE = ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"
@@ -128,17 +130,15 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {','.join(FAMILIES)}")
+    parser.add_argument("--families", default=",".join(FAMILIES), type=harness.comma_names(list(FAMILIES)),
+                        help=f"comma list of {','.join(FAMILIES)}")
     parser.add_argument("--shapes", default=",".join(f"{b}x{g}" for b, g in SHAPES), help="comma list of BxG")
     parser.add_argument("--cap", type=int, default=DEFAULT_CAP, help="max_new_tokens of the synthetic families")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs or is missing")
     args = parser.parse_args(argv)
-    families = [f for f in args.families.split(",") if f]
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown:
-        parser.error(f"--families: {unknown} not known; allowed: {', '.join(FAMILIES)}")
+    families = args.families
     if args.cap < 1:
         parser.error(f"--cap={args.cap} must be >= 1")
     planned = planned_files(families, parse_shapes(args.shapes), args.cap, args.seed)

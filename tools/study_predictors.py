@@ -84,17 +84,6 @@ def parse_gain_z(text: str) -> list[float | None]:
     return values
 
 
-def parse_counts(text: str, flag: str, minimum: int) -> list[int]:
-    """A comma list of integers >= ``minimum``; an ArgumentTypeError naming ``flag`` otherwise."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = [minimum - 1]
-    if any(v < minimum for v in values):
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: a comma list of integers >= {minimum}")
-    return values
-
-
 def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatures:
     """The recording's features, computed once and cached beside ``--features-cache`` (they cost one forward per
     sample's first tokens)."""
@@ -270,12 +259,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", help="the model that made it (default: the recording's meta.model)")
     parser.add_argument("--predictors", default="online,history,group,online+group",
                         help="comma list of predictor names (as in data.sampling.scheduler.predictor)")
-    parser.add_argument("--probe-tokens", default="8", type=lambda t: parse_counts(t, "--probe-tokens", 1),
+    parser.add_argument("--probe-tokens", default="8", type=harness.comma_numbers(1),
                         help="comma list of k for token-conditioned predictors")
     parser.add_argument("--signal-tokens", default="1,2,4,8,16,32",
-                        type=lambda t: parse_counts(t, "--signal-tokens", 1), help="k of the token-signal curve")
+                        type=harness.comma_numbers(1), help="k of the token-signal curve")
     parser.add_argument("--elapsed-tokens", default="0,8,32,64,128",
-                        type=lambda t: parse_counts(t, "--elapsed-tokens", 0), help="t of the elapsed-tokens curve")
+                        type=harness.comma_numbers(0), help="t of the elapsed-tokens curve")
     parser.add_argument("--gain-z", default=str(GAIN_Z), type=parse_gain_z,
                         help="comma list of the gate's thresholds (scheduler.gain_z, > 0), 'none' for ungated")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
