@@ -419,6 +419,33 @@ def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path
             bench_rollout.parse_args(bad)
 
 
+def test_bench_rollout_control_runs_a_second_identical_engine_beside_the_first(monkeypatch, capsys):
+    """``--control``: the first of full, micro, continuous runs twice a repeat, in two engines; the second's record
+    says so. Sampled at temperature 1, the two draw the same completions (the same random streams)."""
+    engines = []
+    run_engine = bench_rollout.run_engine
+
+    def spied(engine, *args, **kwargs):
+        engines.append(engine)
+        return run_engine(engine, *args, **kwargs)
+
+    monkeypatch.setattr(bench_rollout, "run_engine", spied)
+    report = bench_rollout.main(["--model", "tiny", "--prompts", "1", "--group-size", "4", "--micro-group-size", "2",
+                                 "--max-new-tokens", "6", "--repeats", "2", "--threads", "1",
+                                 "--strategies", "micro,full", "--control"])
+    assert [(e.strategy, id(e)) for e in engines[:3]] == [(e.strategy, id(e)) for e in engines[3:][::-1]]
+    assert [e.strategy for e in engines[:3]] == ["micro", "micro", "full"] and engines[0] is not engines[1]
+    runs = [(run["strategy"], run.get("control", False)) for run in report["runs"]]
+    assert runs == [("micro", False), ("micro", True), ("full", False)]
+    original, control = report["runs"][0], report["runs"][1]
+    assert [r["decode_steps"] for r in control["repeats"]] == [r["decode_steps"] for r in original["repeats"]]
+    assert control["identical_fraction"] == original["identical_fraction"] == 1.0  # both drew "full"'s completions
+    assert "micro control" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_rollout.parse_args(["--strategies", "infinite", "--control"])
+    assert "--control repeats the first of ['full', 'micro', 'continuous'] in --strategies" in capsys.readouterr().err
+
+
 def test_bench_rollout_reverses_the_order_of_the_strategies_on_odd_repeats(monkeypatch):
     """A run's place in its repeat favours no strategy; a run before "full" is still compared with it."""
     order = []

@@ -24,9 +24,9 @@ on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens
 (``(wall_s - capture_s) / decode_steps``: the steady decode step, the one-off graph capture left out; it stays in
 wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
 repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved),
-cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear onednn,packed`` measures both, interleaved), and for
-lit_grpo's engine forward_fraction (time in prefill and decode steps / wall time). "config" carries
-weights_bytes and the device's name.
+cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear onednn,packed`` measures both, interleaved),
+control (true on the run of ``--control``'s second, identical engine), and for lit_grpo's engine forward_fraction
+(time in prefill and decode steps / wall time). "config" carries weights_bytes and the device's name.
 
 The roofline (tools/roofline.py): once per process, after the runs (so its buffers touch no run's peak memory),
 the machine's matmul rate and memory read bandwidth are measured with torch's kernels and recorded as
@@ -74,6 +74,8 @@ from tools.recordings import read_replay
 
 OUR_STRATEGIES = ("full", "micro", "continuous", "infinite")
 HF_STRATEGIES = ("hf_generate", "hf_generate_chunked", "hf_generate_batch")
+#: The strategies ``--control`` can run twice: no learned state, so two engines of one are identical.
+CONTROLLED = ("full", "micro", "continuous")
 PRESETS = {"paper": dict(prompts=1, group_size=32, micro_group_size=8, max_new_tokens=1024, task="gsm_symbolic")}
 FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps", "slot_utilization",
           "peak_kv_bytes", "peak_memory_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "ms_per_step",
@@ -209,6 +211,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         type=harness.comma_names(get_args(CpuLinear)),
                         help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of "
                              "auto,packed,onednn,torch: each value runs every strategy, interleaved")
+    parser.add_argument("--control", action="store_true",
+                        help="also run, in every repeat, a second engine identical to the first of full, micro, "
+                             "continuous in --strategies (labelled S[control]): its ratio to the first is what the "
+                             "measurement alone spreads by on this machine")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.tokens and args.lengths:
@@ -220,12 +226,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_new_tokens is None and not args.tokens:
         args.max_new_tokens = 128  # with --tokens, the recording's cap (read_replay)
     args.task = harness.default_task(args.model, args.task)
+    if args.control and _control_strategy(args) is None:
+        parser.error(f"--control repeats the first of {list(CONTROLLED)} in --strategies; it has none of them: "
+                     f"{args.strategies}")
     for name in args.predictors.split(","):
         try:
             parse_predictor_name(name)
         except ValueError as error:
             parser.error(f"--predictors: {error}")
     return args
+
+
+def _control_strategy(args) -> str | None:
+    """The strategy ``--control`` runs twice: the first of CONTROLLED in ``--strategies`` (None without --control)."""
+    return next((s for s in args.strategies if s in CONTROLLED), None) if args.control else None
 
 
 def build_runners(args, model, tokenizer, rollout):
@@ -259,11 +273,13 @@ def build_runners(args, model, tokenizer, rollout):
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
                         runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, replay)))
             elif strategy in OUR_STRATEGIES:
-                engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
-                eos = set(engine.eos_token_ids)
-                label = f"{strategy}[{tag}]" if tag else strategy
-                runners.append((label, {"compile": compile_, "cpu_linear": cpu_linear},
-                                lambda e=engine: run_engine(e, prompts, replay)))
+                for control in (False, True) if strategy == _control_strategy(args) else (False,):
+                    engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
+                    eos = set(engine.eos_token_ids)
+                    label = ",".join(filter(None, (tag, "control" if control else "")))
+                    fields = {"compile": compile_, "cpu_linear": cpu_linear} | ({"control": True} if control else {})
+                    runners.append((f"{strategy}[{label}]" if label else strategy, fields,
+                                    lambda e=engine: run_engine(e, prompts, replay)))
     eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
     if replay and any(s in HF_STRATEGIES for s in args.strategies):
         raise SystemExit(f"--{next(iter(replay))} replays inside lit_grpo's engine; drop the hf_* strategies "
@@ -362,7 +378,8 @@ def _print_table(runs: list[dict]) -> None:
                "prefill_floor_ms_per_token", "prefill_roofline_ratio", "forward_fraction", "identical_fraction")
     label = lambda r: (r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
                        + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else "")
-                       + (f" cpu_linear={r['cpu_linear']}" if r.get("cpu_linear") not in (None, "auto") else ""))
+                       + (f" cpu_linear={r['cpu_linear']}" if r.get("cpu_linear") not in (None, "auto") else "")
+                       + (" control" if r.get("control") else ""))
     widths = [max(20, len(c) + 2) for c in columns]
     print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
     for run in runs:
