@@ -414,7 +414,8 @@ def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path
     assert set(runs) == {("full", False), ("continuous", False), ("full", True), ("continuous", True)}
     assert runs[("continuous", True)]["capture_s"] > 0 and runs[("continuous", False)]["capture_s"] == 0
     assert runs[("continuous", True)]["identical_fraction"] == 1.0  # the same completions as eager "full"
-    for bad in (["--compile", "yes"], ["--cpu-linear", "packed,packed"], ["--strategies", "full,beam"]):
+    for bad in (["--compile", "yes"], ["--cpu-linear", "packed,packed"], ["--strategies", "full,beam"],
+                ["--predictors", "online,online"], ["--predictors", "noisy"], ["--refills", "sjf,shortest"]):
         with pytest.raises(SystemExit):  # each refused by name (tests/test_harness.py checks the messages)
             bench_rollout.parse_args(bad)
 

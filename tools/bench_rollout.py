@@ -69,6 +69,7 @@ from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
+from lit_grpo.scheduling.refill import RefillName
 from tools import harness, roofline
 from tools.recordings import read_replay
 
@@ -179,10 +180,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
                         type=harness.comma_names(OUR_STRATEGIES + HF_STRATEGIES),
                         help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
-    parser.add_argument("--predictors", default="online",
+    parser.add_argument("--predictors", default="online", type=harness.comma_checked(parse_predictor_name),
                         help="infinite's predictors: oracle,online,history,noisy:S (the oracle with log-normal "
                              "error of spread S in log-length, seeded by --seed; replay only)")
-    parser.add_argument("--refills", default="", help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
+    parser.add_argument("--refills", type=harness.comma_names(get_args(RefillName)),
+                        help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
                         help="rollouts each infinite engine runs before the measured repeats (predictor warm-up), "
                              "on other prompts: a replay's next B (a length set of only B repeats them), else "
@@ -229,11 +231,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.control and _control_strategy(args) is None:
         parser.error(f"--control repeats the first of {list(CONTROLLED)} in --strategies; it has none of them: "
                      f"{args.strategies}")
-    for name in args.predictors.split(","):
-        try:
-            parse_predictor_name(name)
-        except ValueError as error:
-            parser.error(f"--predictors: {error}")
     return args
 
 
@@ -256,8 +253,8 @@ def build_runners(args, model, tokenizer, rollout):
         options = dict(common, compile=compile_, cpu_linear=cpu_linear)
         for strategy in args.strategies:
             if strategy == "infinite":
-                for predictor in args.predictors.split(","):
-                    for refill in args.refills.split(",") if args.refills else [None]:
+                for predictor in args.predictors:
+                    for refill in args.refills or [None]:
                         scheduler = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
                         engine = RolloutEngine(model, tokenizer, strategy="infinite", **options, **scheduler)
                         for i in range(1, args.warmup_rollouts + 1):

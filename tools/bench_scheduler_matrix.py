@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from lit_grpo.scheduling import fptas_partition, makespan_lower_bound
+from lit_grpo.scheduling.predictors import parse_predictor_name
 from tools import bench_rollout, harness
 from tools.make_length_sets import OUT_DIR, PAPER_FILE
 from tools.recordings import read_recording
@@ -187,7 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma list of {','.join(SETS)}")
     parser.add_argument("--shapes", default=",".join(f"{b}x{g}x{s}" for b, g, s in SHAPES),
                         help="comma list of BxGxg (B, G must have a length set; see python -m tools.make_length_sets)")
-    parser.add_argument("--predictors", default=",".join(PREDICTORS), help="infinite's predictors (bench_rollout's)")
+    parser.add_argument("--predictors", default=",".join(PREDICTORS), type=harness.comma_checked(parse_predictor_name),
+                        help="infinite's predictors (bench_rollout's)")
     parser.add_argument("--refills", default="", help="infinite's refill policies, passed to bench_rollout "
                                                       "(default: the scheduler's own)")
     parser.add_argument("--lengths-dir", type=Path, default=OUT_DIR,
@@ -202,7 +204,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="exit 1 naming the cells that miss a target")
     args = parser.parse_args(argv)
     args.shapes = [_shape(item, parser) for item in args.shapes.split(",") if item]
-    args.predictors = [p for p in args.predictors.split(",") if p]
     if args.warmup_rollouts < 0:
         parser.error(f"--warmup-rollouts={args.warmup_rollouts} must be >= 0")
     if args.quick:

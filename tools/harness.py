@@ -3,8 +3,9 @@
 Every tool runs from the repository root as ``python -m tools.NAME``; a tool that starts another tool or a training
 process in a child gives it :func:`repo_env`, so ``tools`` imports there too.
 
-- Arguments: :func:`comma_names` and :func:`comma_numbers`, argparse types for the comma lists the tools take
-  (``--strategies continuous,infinite``, ``--threads 1,2``), each item once, a bad one named with what is allowed.
+- Arguments: :func:`comma_names`, :func:`comma_numbers` and :func:`comma_checked`, argparse types for the comma
+  lists the tools take (``--strategies continuous,infinite``, ``--threads 1,2``, ``--predictors online,noisy:0.5``),
+  each item once, a bad one named with what is allowed.
 - Models: ``--model`` takes an alias (:data:`MODEL_ALIASES`: ``tiny``, ``smollm2``), a tiny test model
   (``tiny-llama``, ``tiny-qwen2``), ``random:NAME`` (a real architecture with random weights, offline), a local path
   or a hub id ``owner/name``; :func:`resolve_model` turns it into what ``load_model_and_tokenizer`` loads.
@@ -66,6 +67,21 @@ def comma_numbers(minimum: float, kind: type = int) -> Callable[[str], list]:
             raise argparse.ArgumentTypeError(f"{text!r}: use a comma list of {kind.__name__}s >= {minimum}")
         _refuse_repeats(text, numbers)
         return numbers
+    return parse
+
+
+def comma_checked(check: Callable[[str], Any]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of distinct items that ``check`` accepts (names with parameters, such as
+    ``noisy:0.5``); the ValueError ``check`` raises for a bad one is the error's message."""
+    def parse(text: str) -> list[str]:
+        items = _comma_items(text)
+        for item in items:
+            try:
+                check(item)
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+        _refuse_repeats(text, items)
+        return items
     return parse
 
 
