@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
+from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.prefill import prefill_chunks
 from lit_grpo.sampling.token_sampler import filter_logits
 from scheduler_helpers import trust_predictions
@@ -629,6 +630,52 @@ def test_a_compiled_step_is_schedule_invariant_greedy_exact_and_compiled_once(ti
     completion = greedy.generate(ids).completion_ids[0][0]
     expected = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False)[0, len(ids[0]):].tolist()
     assert completion == expected[: len(completion)]
+
+
+def test_a_compiled_step_on_a_cpu_attends_by_decode_attention(tiny_llama):
+    from lit_grpo.sampling.decode_attention import DECODE_ATTENTION
+
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=4, seed=3, compile=True)
+    seen = []
+    original = DecodeStep._run
+
+    def run(step, *args, **kwargs):  # what the compiler traces (and eager runs)
+        seen.append(step.model.config._attn_implementation)
+        return original(step, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeStep, "_run", run)
+        torch._dynamo.reset()
+        engine.generate(_ids(tokenizer, PROMPTS[:1]))
+    assert engine._step._compiled_run is not None and seen and set(seen) == {DECODE_ATTENTION}
+    assert model.config._attn_implementation == "sdpa"  # restored after each step
+
+
+def test_a_compiled_slot_cache_write_writes_the_layer_in_place(tiny_llama):
+    """Compiled, each row's new key lands at its own column with no copy of the layer: a write into a graph input
+    that Inductor does not do in place costs a buffer of the layer's size, the write, and a copy back, every step."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+
+    model, _ = tiny_llama
+    cache = SlotKVCache(model.config, num_slots=3, width=64, dtype=torch.float32, device=torch.device("cpu"))
+    layer = cache.layers[0]
+    slots, kv_heads, _, head_dim = layer.keys.shape
+    cache.lengths.copy_(torch.tensor([5, 0, 63]))
+    keys, values = torch.randn(slots, kv_heads, 1, head_dim), torch.randn(slots, kv_heads, 1, head_dim)
+
+    def write(keys, values):
+        layer.update(keys, values)
+
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(write, dynamic=False), keys, values)
+    assert f"empty_strided_cpu({tuple(layer.keys.shape)}" not in "".join(code)
+    rows, columns = torch.arange(slots), cache.lengths
+    assert torch.equal(layer.keys[rows, :, columns], keys[:, :, 0])
+    assert torch.equal(layer.values[rows, :, columns], values[:, :, 0])
+    assert layer.keys.count_nonzero() == keys.count_nonzero()  # nothing written elsewhere
 
 
 def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(tiny_llama, monkeypatch):

@@ -1,8 +1,9 @@
-"""The eager decode step's attention on a CPU: each row's one query against its slot-cache row, as two matmuls.
+"""The decode step's attention on a CPU: each row's one query against its slot-cache row, as two matmuls.
 
 Owns: nothing past a decode step. ``cpu_decode_attention`` switches the policy's attention implementation to
-``decode_attention`` for the forward of an eager decode step on a CPU and restores it after; prefills, the update
-and CUDA keep SDPA. Its switch, ``instead_of_sdpa``, also serves the packed prefill's attention (``prefill.py``).
+``decode_attention`` for the forward of a decode step on a CPU, eager or compiled, and restores it after; prefills,
+the update and CUDA keep SDPA. Its switch, ``instead_of_sdpa``, also serves the packed prefill's attention
+(``prefill.py``).
 
 Why: for one query per row, transformers packs the query heads that share a key/value head into a
 ``[rows, kv_heads, group, dim]`` query and calls SDPA, whose fused CPU kernel spends more time on its own tiling

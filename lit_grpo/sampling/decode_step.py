@@ -11,7 +11,7 @@ One step, all on the device, no host round trip until the end:
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
    ``attended``: the rollout's own width, see ``start_rollout``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
-   key/value at its own column (eager on a CPU, its attention is ``decode_attention``'s two matmuls);
+   key/value at its own column (on a CPU its attention is ``decode_attention``'s two matmuls);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
    inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
    rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
@@ -200,13 +200,8 @@ class DecodeStep:
         """Run one decode step and bring its results to the host (one synchronisation)."""
         if self.graph is not None:
             self.graph.replay()
-        elif self._compiled_run is None:
-            # Eager, the step can leave the hidden states out where no row asks for them: asking the model for
-            # them costs a few percent of a forward, and a row is probed on one step of its whole run.
-            with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
-                self._run(hidden_states=bool(hidden_slots))
         else:
-            self._forward()
+            self._forward(hidden_states=bool(hidden_slots))
         non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync
         tokens = self.tokens.to("cpu", non_blocking=non_blocking)
         logprobs = self.logprobs.to("cpu", non_blocking=non_blocking)
@@ -220,11 +215,16 @@ class DecodeStep:
         return StepOutput(tokens.tolist(), logprobs.tolist(), None if hidden is None else hidden[hidden_slots])
 
     # ------------------------------------------------------------------------------------------ device side
-    def _forward(self) -> None:
-        if self._compiled_run is not None:
-            self._compiled_run(self)
-        else:
-            self._run()
+    def _forward(self, hidden_states: bool = True) -> None:
+        """The step, compiled where it was built so; on a CPU its attention is ``decode_attention``'s, compiled or
+        not. Eager, it leaves the hidden states out unless ``hidden_states``: asking the model for them costs a few
+        percent of a forward, and a row is probed on one step of its whole run. A compiled step, like a captured
+        graph, has one shape and computes them every step."""
+        with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
+            if self._compiled_run is not None:
+                self._compiled_run(self)
+            else:
+                self._run(hidden_states)
 
     def _run(self, hidden_states: bool = True) -> None:
         """The step itself: forward, sampling, advance. Captured as is into the CUDA graph. ``hidden_states=False``

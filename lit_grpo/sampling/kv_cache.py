@@ -7,7 +7,7 @@ columns ``[0, lengths[s])``. Keys are cached after the rotary embedding, so a co
 the attention mask, not to sit at its position's index; still, column = position id here, which keeps the mask a
 plain comparison (``column <= lengths[s]``).
 
-A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``scatter_`` per
+A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``index_put_`` per
 layer, no host round trip) and attends over the cache's first ``attended`` columns (``attend``: the rollout's own
 width, or the whole width under a captured graph); the mask hides what another sample left behind in the row's
 later columns (stale but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's cached
@@ -74,10 +74,14 @@ class SlotCacheLayer(CacheLayerMixin):
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         slots, kv_heads, _, _ = keys.shape
-        # Views of `lengths` (no copy): they follow its in-place updates, so a captured graph reads the current
-        # columns on every replay.
-        self._key_index = lengths.view(slots, 1, 1, 1).expand(slots, kv_heads, 1, keys.shape[-1])
-        self._value_index = lengths.view(slots, 1, 1, 1).expand(slots, kv_heads, 1, values.shape[-1])
+        # Row s, head h is written at column lengths[s]: three indices that broadcast to [slots, kv_heads]. The
+        # column is a view of `lengths` (no copy): it follows its in-place updates, so a captured graph reads the
+        # current columns on every replay. `index_put_` rather than `scatter_`: compiled, Inductor writes an
+        # `index_put_` into the layer in place, where a `scatter_` into a graph input becomes a copy of the whole
+        # layer, the write, and a copy back, on every step.
+        self._write_index = (torch.arange(slots, device=keys.device).view(slots, 1),
+                             torch.arange(kv_heads, device=keys.device).view(1, kv_heads),
+                             lengths.view(slots, 1))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None  # allocated up front
@@ -90,8 +94,8 @@ class SlotCacheLayer(CacheLayerMixin):
         # Under autocast the keys arrive in float32 (the rotary embedding multiplies the bfloat16 projection by
         # float32 cos/sin) and the values in bfloat16; both are stored in the cache's dtype, the one attention
         # computes in under autocast anyway, so the cast changes no result and halves the keys' memory.
-        self.keys.scatter_(2, self._key_index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, self._value_index, value_states.to(self.values.dtype))
+        self.keys.index_put_(self._write_index, key_states[:, :, 0].to(self.keys.dtype))
+        self.values.index_put_(self._write_index, value_states[:, :, 0].to(self.values.dtype))
         if self.attended == self.keys.shape[2]:
             return self.keys, self.values
         return self.keys[:, :, :self.attended], self.values[:, :, :self.attended]
