@@ -9,6 +9,8 @@ host-to-device copy, which a capture refuses: on the meta device it would show a
 none does.
 """
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -194,6 +196,7 @@ def test_the_eager_step_asks_for_hidden_states_only_on_the_steps_that_probe(tiny
     asked, steps_probing = [], []
     forward, step = type(model).forward, DecodeStep.step
 
+    @functools.wraps(forward)  # the engine reads the forward's signature for its cache keyword
     def spied_forward(self, *args, **kwargs):
         if kwargs["input_ids"].shape[-1] == 1 and kwargs.get("attention_mask") is not None:  # a decode step
             asked.append(bool(kwargs.get("output_hidden_states")))

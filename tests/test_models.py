@@ -86,3 +86,47 @@ def test_random_model_tokenizer_loads_without_the_model():
 def test_random_model_names_are_listed_when_wrong():
     with pytest.raises(ValueError, match=r"unknown random model random:gpt5.*random:qwen3-1.7b"):
         load_model_and_tokenizer("random:gpt5")
+
+
+
+class _TakesCache(torch.nn.Module):
+    def forward(self, input_ids, cache=None, **kwargs):
+        return cache
+
+
+class _TakesPastKeyValues(torch.nn.Module):
+    def forward(self, input_ids, past_key_values=None, **kwargs):
+        return past_key_values
+
+
+@pytest.mark.parametrize("model_class,keyword", [(_TakesCache, "cache"), (_TakesPastKeyValues, "past_key_values")])
+def test_the_cache_keyword_is_the_one_the_forward_names_through_wrappers(model_class, keyword):
+    from lit_grpo.runtime.models import cache_keyword
+
+    model = model_class()
+    assert cache_keyword(model) == keyword
+    wrapper = type("Wrapper", (torch.nn.Module,), {"forward": lambda self, *args, **kwargs: None})()
+    wrapper.module = model  # as DDP holds its model
+    assert cache_keyword(wrapper) == keyword
+    assert cache_keyword(torch.compile(model)) == keyword
+    assert cache_keyword(torch.nn.Identity()) == "past_key_values"  # names neither: the name every version takes
+
+
+def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_deprecation_warning():
+    import inspect
+    import warnings
+
+    from transformers import DynamicCache
+
+    from lit_grpo.runtime.models import cache_keyword, with_lora
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    named = set(inspect.signature(model.forward).parameters) & {"cache", "past_key_values"}
+    assert {cache_keyword(model)} == named
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([[5, 6, 7]]), **{cache_keyword(model): cache}, use_cache=True)
+        assert cache.get_seq_length() == 3
+        RolloutEngine(model.eval(), tokenizer, group_size=2, max_new_tokens=3, seed=0).generate(["hi"])
+    assert cache_keyword(with_lora(model, {"r": 2, "target_modules": ["q_proj"]})) == cache_keyword(model)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from lit_grpo.runtime.models import cache_keyword
 from lit_grpo.sampling import RolloutEngine, rollout_loop
 from lit_grpo.sampling.kv_cache import cache_layers_kv
 from lit_grpo.sampling.prefill import (block_causal_mask, pack_chunk, packed_attention, packed_forward,
@@ -69,12 +70,12 @@ def test_a_chunk_computes_each_prompts_prefix_as_it_would_alone(tiny, implementa
             with packed_forward(model, packed) as inputs:
                 assert set(inputs) == {"position_ids", "prefill_lengths" if implementation == "sdpa" else
                                        "attention_mask"}
-                model(input_ids=packed.input_ids, past_key_values=cache, use_cache=True, **inputs)
+                model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
             assert model.config._attn_implementation == implementation
             together = split_prefixes(cache_layers_kv(cache), packed)
             for prefix, kv in zip(prefixes, together):
                 alone = DynamicCache(config=model.config)
-                model(input_ids=torch.tensor([prefix]), past_key_values=alone, use_cache=True)
+                model(input_ids=torch.tensor([prefix]), **{cache_keyword(model): alone}, use_cache=True)
                 for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
                     assert keys.shape == own_keys.shape == (1, own_keys.shape[1], len(prefix), own_keys.shape[3])
                     torch.testing.assert_close(keys, own_keys, rtol=0, atol=1e-12)

@@ -102,6 +102,27 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` where the forward names it (transformers
+    5.24 and later), else ``"past_key_values"`` (earlier versions, and models written for them; 5.24 still takes it,
+    with a FutureWarning). A wrapper whose forward names neither (peft's, ``torch.compile``'s, DDP's) is looked
+    through to the model it holds."""
+    seen: set[int] = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        try:
+            parameters = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError, AttributeError):
+            parameters = {}
+        for keyword in ("cache", "past_key_values"):
+            if keyword in parameters:
+                return keyword
+        get_base_model = getattr(model, "get_base_model", None)
+        model = get_base_model() if callable(get_base_model) else (
+            getattr(model, "_orig_mod", None) or getattr(model, "module", None))
+    return "past_key_values"
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
     if name_or_path.startswith(RANDOM_PREFIX):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.runtime.models import cache_keyword
 from lit_grpo.sampling.decode_attention import cpu_decode_attention
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
@@ -98,7 +99,7 @@ class DecodeStep:
     """A decode step over all slots of a ``SlotKVCache``, built once per (cache, settings).
 
     Args:
-        model: the causal LM (called unmodified, with ``past_key_values=cache``).
+        model: the causal LM (called unmodified, with the cache as its ``cache_keyword``).
         cache: the slot cache the step reads and writes.
         settings: see ``StepSettings``.
         eos_token_ids: stop tokens (for forced lengths).
@@ -112,6 +113,7 @@ class DecodeStep:
         device = cache.lengths.device
         slots, width = cache.num_slots, cache.width
         self.model, self.cache, self.settings = model, cache, settings
+        self.cache_keyword = cache_keyword(model)
         self.device = device
         long = dict(dtype=torch.long, device=device)
         # Static inputs: a graph replay reads these very tensors, so they are only ever updated in place.
@@ -235,7 +237,7 @@ class DecodeStep:
         mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
         mask = mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
         out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=lengths.unsqueeze(1),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=hidden_states)
         logits = out.logits[:, -1]
         if settings.force_lengths:

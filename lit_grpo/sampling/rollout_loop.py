@@ -191,7 +191,8 @@ class RolloutLoop:
         """A prefill forward of ``input_ids`` ``[1, tokens]``, timed."""
         start = time.perf_counter()
         events = self._start_events()
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        out = self.model(input_ids=input_ids, **{self.decode_step.cache_keyword: cache}, use_cache=True,
+                         logits_to_keep=1, **kwargs)
         elapsed = time.perf_counter() - start
         self.stats.forward_s += elapsed
         if events is None:

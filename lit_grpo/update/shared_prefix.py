@@ -24,11 +24,11 @@ lookup's. Each stage uses a weight once, so its gradient goes into ``.grad`` as 
 unshared backward. Under DDP or FSDP a parameter's gradient must arrive once per backward (DDP marks it ready
 once; FSDP2 reduce-scatters a module once), so there both passes share one backward.
 
-Gradient checkpointing: transformers' checkpointed decoder layers drop ``past_key_values`` unless the layer sets
+Gradient checkpointing: transformers' checkpointed decoder layers drop the cache unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
 Neither cache here appends: the writer overwrites (the replay stores equal tensors) and the reader stores nothing,
 so ``caches_through_checkpoints`` sets that flag on the layers for the two calls. ``unsupported_reason`` names
-what keeps a model off this path (sliding-window or hybrid caches, no ``past_key_values``, a transformers without
+what keeps a model off this path (sliding-window or hybrid caches, no cache argument, a transformers without
 that flag under checkpointing); ``GRPOModule`` then warns and runs the unshared forward.
 """
 
@@ -44,7 +44,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded, is_multi_process
-from lit_grpo.runtime.models import accepts
+from lit_grpo.runtime.models import accepts, cache_keyword
 
 
 class PrefixWriteLayer(DynamicLayer):
@@ -97,7 +97,7 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def caches_through_checkpoints(model: torch.nn.Module) -> Iterator[None]:
-    """Let checkpointed decoder layers keep ``past_key_values`` (safe for these caches: module docstring)."""
+    """Let checkpointed decoder layers keep the cache (safe for these caches: module docstring)."""
     layers = [m for m in _checkpointed_layers(model) if "_can_checkpoint_with_cache" not in vars(m)]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
@@ -113,15 +113,15 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None:
         return f"{type(model).__name__} has no transformers config"
-    if not accepts(model, "past_key_values"):
-        return f"{type(model).__name__}.forward takes no past_key_values"
+    if not accepts(model, keyword := cache_keyword(model)):
+        return f"{type(model).__name__}.forward takes no {keyword}"
     kinds = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers
                     if type(layer) is not DynamicLayer})
     if kinds:
         return (f"its cache layers include {', '.join(kinds)} (sliding-window, hybrid or linear attention), "
                 "which a completion cannot read as a plain prefix")
     if _checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        return ("this transformers version drops past_key_values in gradient-checkpointed layers "
+        return ("this transformers version drops the cache in gradient-checkpointed layers "
                 "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
     return None
 
@@ -160,10 +160,11 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
     # One embedding lookup serves both passes: a lookup per pass would give the embedding matrix a dense gradient
     # per pass ([V, H], as large as the weight) in the backward, where the unshared forward has one.
     tokens = _token_inputs(model, micro["input_ids"])
+    keyword = cache_keyword(model)
     writer = prefix_writer()
     with caches_through_checkpoints(model):
         out = model(**tokens(first, slice(0, prompt_length)), attention_mask=prompt_mask[first],
-                    position_ids=micro["position_ids"][first, :prompt_length], past_key_values=writer,
+                    position_ids=micro["position_ids"][first, :prompt_length], **{keyword: writer},
                     use_cache=False, **{**outputs, **last_only})
         last = (out.hidden_states[-1] if hidden else out.logits)[:, -1:]  # [u, 1, H or V]: the last prompt token
         del out
@@ -180,7 +181,7 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
             reader = prefix_reader(writer, group)
             out = model(**inputs,
                         attention_mask=micro["attention_mask"][:, :prompt_length + num_tokens - 1],
-                        position_ids=micro["position_ids"][:, columns], past_key_values=reader, use_cache=False,
+                        position_ids=micro["position_ids"][:, columns], **{keyword: reader}, use_cache=False,
                         **outputs)
             if not all(layer.reads for layer in reader.layers):
                 raise RuntimeError(f"{type(model).__name__} did not read the shared prefix cache in every layer; "
