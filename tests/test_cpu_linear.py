@@ -323,11 +323,17 @@ def test_a_models_backward_under_onednn_linears_equals_torchs_and_a_tied_head_ge
     assert all("forward" not in m.__dict__ for m in _linears(model))
 
 
-def test_the_update_takes_onednn_for_a_float32_unsharded_policy_and_torch_elsewhere(tiny_llama):
+def test_the_update_takes_onednn_for_a_float32_unsharded_policy_off_intel_and_torch_elsewhere(tiny_llama,
+                                                                                              monkeypatch):
     model, _ = tiny_llama
     onednn = torch.backends.mkldnn.is_available()
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_update_linear("auto", model, sharded=False) == ("onednn" if onednn else "torch")
     assert resolve_update_linear("torch", model, sharded=False) == "torch"
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "GenuineIntel")  # MKL, torch's kernel, at full width
+    assert resolve_update_linear("auto", model, sharded=False) == "torch"
+    assert resolve_update_linear("onednn", model, sharded=False) == ("onednn" if onednn else "torch")
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
     half = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto stays quiet where oneDNN does not apply
@@ -340,3 +346,14 @@ def test_the_update_takes_onednn_for_a_float32_unsharded_policy_and_torch_elsewh
     with pytest.raises(ValueError, match=r"cpu_linear='packed' is not known; use one of \['auto', 'onednn', 'torch'\]"):
         resolve_update_linear("packed", model, sharded=False)
 
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo():
+    vendor = cpu_linear.cpu_vendor()
+    assert isinstance(vendor, str)
+    try:
+        listed = open("/proc/cpuinfo").read()
+    except OSError:
+        assert vendor == ""
+    else:
+        assert (f": {vendor}\n" in listed) if "vendor_id" in listed else vendor == ""

@@ -130,3 +130,13 @@ def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_depre
         assert cache.get_seq_length() == 3
         RolloutEngine(model.eval(), tokenizer, group_size=2, max_new_tokens=3, seed=0).generate(["hi"])
     assert cache_keyword(with_lora(model, {"r": 2, "target_modules": ["q_proj"]})) == cache_keyword(model)
+
+
+def test_activation_checkpointing_is_switched_on_and_read_under_either_name_of_the_switch():
+    from lit_grpo.runtime.models import activation_checkpointing, enable_activation_checkpointing
+
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    assert not activation_checkpointing(model)
+    enable_activation_checkpointing(model)
+    assert activation_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)

@@ -80,17 +80,24 @@ def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-def test_the_update_runs_its_linears_on_onednn_by_default_with_torchs_gradients(batch, monkeypatch):
+def test_the_update_runs_its_linears_on_onednn_by_default_off_intel_with_torchs_gradients(batch, monkeypatch):
+    from lit_grpo.sampling import cpu_linear
     from lit_grpo.sampling.cpu_linear import OneDNNLinear
 
     calls = []
     apply = OneDNNLinear.apply
     monkeypatch.setattr(OneDNNLinear, "apply", lambda *args: calls.append(args[1].shape) or apply(*args))
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
     ours, _ = grads_after_step(make_module(), batch)  # cpu_linear "auto": a float32 policy on a CPU
     assert len(calls) >= 7 * make_module().policy.config.num_hidden_layers  # every projection of every layer
     calls.clear()
     theirs, _ = grads_after_step(make_module(cpu_linear="torch"), batch)
     assert not calls and ours.keys() == theirs.keys()
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "GenuineIntel")
+    on_intel, _ = grads_after_step(make_module(), batch)  # auto: torch's kernel (MKL) on an Intel CPU
+    assert not calls
+    for name in theirs:
+        assert torch.equal(on_intel[name], theirs[name]), name
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-4, msg=name)
 

@@ -14,7 +14,7 @@ import torch
 from lit_grpo.batch import pad_left, pad_right
 from lit_grpo.rollout.prompts import render_prompt
 from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits
-from lit_grpo.runtime.models import load_model_and_tokenizer
+from lit_grpo.runtime.models import enable_activation_checkpointing, load_model_and_tokenizer
 from lit_grpo.update.module import GRPOModule
 from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs, unsupported_reason
 
@@ -72,7 +72,7 @@ def test_shared_prefix_equals_one_forward_per_completion(name, chunked, checkpoi
     model, _ = load_model_and_tokenizer(name)
     model = model.double().train()
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
     micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
     first, group = prompt_groups(micro)
     assert len(first) == 2 and group.tolist() in ([0, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1])
@@ -169,7 +169,7 @@ def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypat
     (DDP, FSDP) each parameter's gradient arrives once. Both give the unshared gradients."""
     model, _ = load_model_and_tokenizer("tiny-llama", dtype="float64")
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
     micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
     layers = model.model.layers
     order = []

@@ -123,6 +123,19 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "past_key_values"
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Make each decoder layer recompute its activations in the backward: ``activation_checkpointing_enable``, or
+    ``gradient_checkpointing_enable`` in the transformers versions before that name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` recomputes its activations in the backward (transformers' flag on the
+    layer, under either name of the switch)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
     if name_or_path.startswith(RANDOM_PREFIX):

@@ -10,7 +10,10 @@ weights of sibling projections that read one input (``SHARED_INPUT_PROJECTIONS``
 Why: torch's float32 ``F.linear`` and its backward on an x86 CPU are MKL's sgemm, which for the few rows of a decode
 step (one per slot) runs far below the machine's matmul rate, and on AMD CPUs takes a narrower code path than the
 CPU has at any row count; oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same
-products several times faster for a decode step and about twice as fast for an update's. On a plain ``[out, in]``
+products several times faster for a decode step and, on AMD CPUs, about twice as fast for an update's. On an Intel
+CPU MKL runs at the CPU's full width and an update's products of hundreds of rows were faster on it than on
+oneDNN, so there ``auto`` leaves the update on torch's kernel (a decode step's few rows still go to oneDNN's packed
+weights, which read them faster than MKL's sgemm). On a plain ``[out, in]``
 weight oneDNN streams it in a layout its kernel does not read at full speed; the blocked copy costs one pass over
 the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
 A decode step's small products are bound by reading their weights, and one pass over a stacked weight (queries,
@@ -86,14 +89,28 @@ def resolve_cpu_linear(setting: CpuLinear, model: torch.nn.Module, compiled: boo
 
 def resolve_update_linear(setting: UpdateLinear, model: torch.nn.Module, sharded: bool) -> LinearKernel:
     """The kernel of an update's linears: ``setting`` is ``GRPOModule``'s ``cpu_linear``. "auto" is "onednn" wherever
-    oneDNN can run and the policy is not FSDP-sharded (FSDP frees a layer's gathered weights after its forward, and
-    a backward must not keep them), "torch" elsewhere; "onednn" warns once where it cannot run and falls back."""
+    oneDNN can run, the policy is not FSDP-sharded (FSDP frees a layer's gathered weights after its forward, and
+    a backward must not keep them) and the CPU is not Intel's (module docstring), "torch" elsewhere; "onednn" warns
+    once where it cannot run and falls back."""
     check_choice("cpu_linear", setting, get_args(UpdateLinear))
-    if setting == "torch":
+    if setting == "torch" or (setting == "auto" and cpu_vendor() == "GenuineIntel"):
         return "torch"
     problem = "the policy is FSDP-sharded (its gathered weights are freed after each forward)" if sharded \
         else onednn_problem(model)
     return "torch" if _kept_from_onednn("model.cpu_linear", setting, problem, "the update") else "onednn"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it ("GenuineIntel", "AuthenticAMD", ...); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _kept_from_onednn(name: str, setting: str, problem: str | None, user: str) -> bool:

@@ -64,7 +64,8 @@ from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import rollout_metrics
 from lit_grpo.runtime.distributed import gradient_norm, is_fsdp_sharded, shard_decoder_layers
 from lit_grpo.runtime.memory import release_freed_host_memory
-from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer, with_lora
+from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
+                                     load_tokenizer, with_lora)
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
@@ -116,7 +117,8 @@ class GRPOModule(LightningModule):
             The rollout engine calls the sharded policy directly; FSDP2's forward hooks gather each layer's
             weights, so generation works unchanged (at the cost of an all-gather per layer per decode step).
         cpu_linear: the kernel of the update's linear layers on a CPU, forward and backward (auto | onednn | torch):
-            "auto" is oneDNN for a float32 policy that is not FSDP-sharded (lit_grpo.sampling.cpu_linear).
+            "auto" is oneDNN for a float32 policy that is not FSDP-sharded, on a CPU that is not Intel's (where
+            MKL, torch's kernel, is the faster one; lit_grpo.sampling.cpu_linear).
     """
 
     def __init__(
@@ -172,8 +174,7 @@ class GRPOModule(LightningModule):
         hp = self.hparams
         policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
         if hp.gradient_checkpointing:
-            enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
-            enable()
+            enable_activation_checkpointing(policy)
         if hp.peft_config:
             policy = with_lora(policy, hp.peft_config)
         if hp.fsdp:
