@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from lit_grpo.runtime import models
-from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer, prepare_tokenizer
+from lit_grpo.runtime.models import (DEFAULT_MODEL, activation_checkpointing, cache_keyword,
+                                     enable_activation_checkpointing, load_model_and_tokenizer, prepare_tokenizer,
+                                     with_lora)
 from lit_grpo.sampling import RolloutEngine
 
 
@@ -88,7 +90,6 @@ def test_random_model_names_are_listed_when_wrong():
         load_model_and_tokenizer("random:gpt5")
 
 
-
 class _TakesCache(torch.nn.Module):
     def forward(self, input_ids, cache=None, **kwargs):
         return cache
@@ -101,8 +102,6 @@ class _TakesPastKeyValues(torch.nn.Module):
 
 @pytest.mark.parametrize("model_class,keyword", [(_TakesCache, "cache"), (_TakesPastKeyValues, "past_key_values")])
 def test_the_cache_keyword_is_the_one_the_forward_names_through_wrappers(model_class, keyword):
-    from lit_grpo.runtime.models import cache_keyword
-
     model = model_class()
     assert cache_keyword(model) == keyword
     wrapper = type("Wrapper", (torch.nn.Module,), {"forward": lambda self, *args, **kwargs: None})()
@@ -118,8 +117,6 @@ def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_depre
 
     from transformers import DynamicCache
 
-    from lit_grpo.runtime.models import cache_keyword, with_lora
-
     model, tokenizer = load_model_and_tokenizer("tiny-llama")
     named = set(inspect.signature(model.forward).parameters) & {"cache", "past_key_values"}
     assert {cache_keyword(model)} == named
@@ -133,8 +130,6 @@ def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_depre
 
 
 def test_activation_checkpointing_is_switched_on_and_read_under_either_name_of_the_switch():
-    from lit_grpo.runtime.models import activation_checkpointing, enable_activation_checkpointing
-
     model, _ = load_model_and_tokenizer("tiny-llama")
     assert not activation_checkpointing(model)
     enable_activation_checkpointing(model)
