@@ -118,8 +118,9 @@ def cache_keyword(model: torch.nn.Module) -> str:
             if keyword in parameters:
                 return keyword
         get_base_model = getattr(model, "get_base_model", None)
-        model = get_base_model() if callable(get_base_model) else (
-            getattr(model, "_orig_mod", None) or getattr(model, "module", None))
+        compiled = getattr(model, "_orig_mod", None)
+        model = (get_base_model() if callable(get_base_model) else compiled if compiled is not None
+                 else getattr(model, "module", None))
     return "past_key_values"
 
 
