@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_grpo.runtime import models
-from lit_grpo.runtime.models import (DEFAULT_MODEL, activation_checkpointing, cache_keyword,
+from lit_grpo.runtime.models import (DEFAULT_MODEL, cache_keyword, checkpointed_layers,
                                      enable_activation_checkpointing, load_model_and_tokenizer, prepare_tokenizer,
                                      with_lora)
 from lit_grpo.sampling import RolloutEngine
@@ -131,7 +131,7 @@ def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_depre
 
 def test_activation_checkpointing_is_switched_on_and_read_under_either_name_of_the_switch():
     model, _ = load_model_and_tokenizer("tiny-llama")
-    assert not activation_checkpointing(model)
+    assert not checkpointed_layers(model)
     enable_activation_checkpointing(model)
-    assert activation_checkpointing(model)
+    assert {id(layer) for layer in model.model.layers} <= {id(m) for m in checkpointed_layers(model)}
     assert all(layer.gradient_checkpointing for layer in model.model.layers)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from lit_grpo.runtime.models import activation_checkpointing
+from lit_grpo.runtime.models import checkpointed_layers
 from lit_grpo.sampling import STRATEGIES
 from tools import harness
 
@@ -110,7 +110,7 @@ def measure_one_step(args) -> dict:
     return {"strategy": args.strategy, "group_size": args.group_size, **peaks,
             "baseline_bytes": baseline, "step_s": step_s, "method": monitor.method, "dtype": args.dtype,
             "lora": args.lora, "weights_bytes": harness.weights_bytes(module.policy),
-            "gradient_checkpointing": activation_checkpointing(module.policy),
+            "gradient_checkpointing": bool(checkpointed_layers(module.policy)),
             "shared_prefix": module.uses_shared_prefix,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), **rollout.figures}
 

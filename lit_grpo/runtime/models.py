@@ -131,10 +131,11 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     enable()
 
 
-def activation_checkpointing(model: torch.nn.Module) -> bool:
-    """Whether some layer of ``model`` recomputes its activations in the backward (transformers' flag on the
-    layer, under either name of the switch)."""
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` that recompute their activations in the backward (transformers' flag and
+    checkpointing function on the layer, set by either name of the switch); empty where none does."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+            and hasattr(m, "_gradient_checkpointing_func")]
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

@@ -44,7 +44,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded, is_multi_process
-from lit_grpo.runtime.models import accepts, cache_keyword
+from lit_grpo.runtime.models import accepts, cache_keyword, checkpointed_layers
 
 
 class PrefixWriteLayer(DynamicLayer):
@@ -90,15 +90,10 @@ def prefix_reader(writer: Cache, group: torch.Tensor) -> Cache:
     return Cache(layers=[PrefixReadLayer(layer.keys, layer.values, group) for layer in writer.layers])
 
 
-def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
-            and hasattr(m, "_gradient_checkpointing_func")]
-
-
 @contextlib.contextmanager
 def caches_through_checkpoints(model: torch.nn.Module) -> Iterator[None]:
     """Let checkpointed decoder layers keep the cache (safe for these caches: module docstring)."""
-    layers = [m for m in _checkpointed_layers(model) if "_can_checkpoint_with_cache" not in vars(m)]
+    layers = [m for m in checkpointed_layers(model) if "_can_checkpoint_with_cache" not in vars(m)]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
@@ -120,7 +115,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if kinds:
         return (f"its cache layers include {', '.join(kinds)} (sliding-window, hybrid or linear attention), "
                 "which a completion cannot read as a plain prefix")
-    if _checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+    if checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
         return ("this transformers version drops the cache in gradient-checkpointed layers "
                 "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
     return None
