@@ -66,7 +66,15 @@ CASES = [
     ("I do not know.", "4", 0.0),
     ("", "4", 0.0),
     (r"\boxed{}", "4", 0.0),
-    (r"\boxed{\frac{1}{2}", "0.5", 0.0),  # an unclosed box is not an answer; the last number is 2
+    (r"\boxed{\frac{1}{2}", "0.5", 1.0),  # an unclosed box is no box, but its fraction is the last statement
+    # without a tag or a box: the last math span, unless a number follows it
+    (r"\frac{9}{2}", r"\frac{9}{2}", 1.0),
+    (r"Half of 9 is $\frac{9}{2}$.", "4.5", 1.0),
+    (r"The sum is \(\frac{1}{4}\)", "0.25", 1.0),
+    (r"so $x = 2$ and \[y = \dfrac{9}{2}\]", "4.5", 1.0),
+    (r"We have $x = 3$, so the answer is 7", "7", 1.0),
+    (r"We have $x = 3$, so the answer is 7", "3", 0.0),
+    ("It costs $5 and then $10 more", "10", 1.0),
     # text answers that math-verify cannot parse: normalized text
     ("<answer>Paris</answer>", "paris", 1.0),
     ("<answer>London</answer>", "Paris", 0.0),
@@ -100,6 +108,10 @@ def test_extract_final_answer_order():
     assert extract_final_answer("costs 1,250.75 in total.") == "1,250.75"
     assert extract_final_answer("x is 3/4") == "3/4"
     assert extract_final_answer("nothing here") is None
+    assert extract_final_answer(r"so $x = 2$, i.e. $$\frac{1}{2}$$") == r"\frac{1}{2}"
+    assert extract_final_answer(r"$x = 2$, then 5") == "5"
+    assert extract_final_answer(r"is -\frac{3}{4}.") == r"-\frac{3}{4}"
+    assert extract_final_answer(r"$ $ and 3") == "3"  # an empty span is no statement
 
 
 def test_math_reward_gold_from_the_row_and_no_opinion_without_gold():

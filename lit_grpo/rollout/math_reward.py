@@ -5,9 +5,11 @@ completion:
 
 1. :func:`extract_final_answer` finds the answer the completion commits to: the last ``<answer>...</answer>``
    (the format lit_grpo's prompts ask for; a ``\\boxed{}`` inside it is unwrapped), else the last ``\\boxed{...}``
-   (braces balanced, so ``\\boxed{\\frac{1}{2}}`` is whole), else the last number in the text (a sign, thousands
-   separators, decimals, a ``/`` fraction and a ``%`` kept). The tag wins over a box because a model reasoning
-   in LaTeX boxes intermediate results, while the tag is its declared final answer.
+   (braces balanced, so ``\\boxed{\\frac{1}{2}}`` is whole), else the text's last statement: its last LaTeX math
+   span (``$...$``, ``$$...$$``, ``\\(...\\)``, ``\\[...\\]``) unless a number follows it, else its last number (a
+   sign, thousands separators, decimals, a ``/`` or bare ``\\frac{a}{b}`` fraction and a ``%`` kept). The tag wins
+   over a box because a model reasoning in LaTeX boxes intermediate results, while the tag is its declared final
+   answer.
 2. Gold and answer are parsed by Hugging Face's math-verify as LaTeX (``$...$``) and as plain expressions, and
    compared by ``math_verify.verify``: equivalent fractions and decimals, LaTeX forms, thousands separators,
    percentages (``50\\%`` equals 0.5 and 50), signs, sets (order-free) and intervals (open and closed ends
@@ -34,7 +36,10 @@ from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 #: A number as written in an answer: sign, thousands separators or plain digits, decimals, a fraction, a percent.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|-?\.\d+")
+_NUMBER = re.compile(r"-?\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
+                     r"|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|-?\.\d+")
+#: A LaTeX math span: ``$$...$$``, ``$...$``, ``\(...\)`` or ``\[...\]`` (one group each).
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -61,8 +66,16 @@ def extract_final_answer(completion: str) -> str | None:
     boxed = last_boxed(completion)
     if boxed is not None:
         return boxed or None
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1].strip() if numbers else None
+    return _last_statement(completion)
+
+
+def _last_statement(text: str) -> str | None:
+    """The last math span of ``text`` unless a number follows it, else that number; None when neither exists."""
+    spans = [match for match in _MATH_SPAN.finditer(text) if next(g for g in match.groups() if g is not None).strip()]
+    numbers = list(_NUMBER.finditer(text))
+    if spans and not (numbers and numbers[-1].start() >= spans[-1].end()):
+        return next(group for group in spans[-1].groups() if group is not None).strip()
+    return numbers[-1].group().strip() if numbers else None
 
 
 class _DropTimeoutDisabledNotice(logging.Filter):
