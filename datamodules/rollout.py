@@ -33,7 +33,7 @@ from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_
 from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rollout.rewards import ON_ERROR, OnRewardError, build_reward_funcs
+from lit_grpo.rollout.rewards import ON_ERROR, OnRewardError, build_reward_funcs, correctness_reward
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
@@ -53,7 +53,8 @@ class RolloutDataModule(LightningDataModule):
 
     Args:
         reward_funcs: reward specs (``lit_grpo.rollout.rewards.build_reward_funcs``, default ``["accuracy"]``);
-            ``accuracy_reward`` names the one whose value is correctness (val/accuracy, curriculum feedback).
+            ``accuracy_reward`` names the one whose value is correctness (val/accuracy, curriculum feedback); unset,
+            the first of ``accuracy`` and ``math`` among them, else none (no val/accuracy).
         prompts_per_step: B, groups per training step (per rank).
         sampling: the rollout engine's settings, a :class:`~lit_grpo.sampling.SamplingConfig` (or a dict of its
             fields; YAML ``data.sampling:``), documented and checked there: G (>= 2 for training), g (or "auto"
@@ -95,7 +96,7 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: str | None = None,
         prompt_template: str = "{prompt}",
         reward_funcs: list[Any] | None = None,
-        accuracy_reward: str = "accuracy",
+        accuracy_reward: str | None = None,
         prompts_per_step: int = 4,
         sampling: SamplingConfig = SamplingConfig(),
         dynamic_sampling: bool = False,
@@ -147,7 +148,8 @@ class RolloutDataModule(LightningDataModule):
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
         self.reward_funcs = build_reward_funcs(reward_funcs)
-        self.accuracy_reward, self.on_reward_error = accuracy_reward, on_reward_error
+        self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
+        self.on_reward_error = on_reward_error
         self.prompts_per_step, self.steps_per_epoch = prompts_per_step, steps_per_epoch
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.over_provision, self.max_staleness = over_provision, max_staleness

@@ -201,6 +201,13 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, curriculum="hard")
     with pytest.raises(ValueError, match="prompts_per_step=0"):
         RolloutDataModule(prompts=PROMPTS, prompts_per_step=0)
+    with pytest.raises(ValueError, match=r"accuracy_reward='mathh' is not one of the reward functions' names"):
+        RolloutDataModule(prompts=PROMPTS, reward_funcs=["math"], accuracy_reward="mathh")
+    with pytest.raises(ValueError, match=r"'math' takes no option \['timeout'\]"):
+        RolloutDataModule(prompts=PROMPTS, reward_funcs=[{"name": "math", "kwargs": {"timeout": 5}}])
+    # unset, the correctness reward follows the reward functions
+    assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
+    assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"
 
 
 def test_angle_curriculum_is_wired_in():

@@ -5,7 +5,8 @@ import reasoning_gym
 import torch
 
 from lit_grpo.rollout.reward_functions import OverlongPenalty, accuracy_reward, extract_answer, format_reward
-from lit_grpo.rollout.rewards import RewardFunctionError, WeightedReward, build_reward_funcs, score_rewards
+from lit_grpo.rollout.rewards import (RewardFunctionError, WeightedReward, build_reward_funcs, correctness_reward,
+                                      score_rewards)
 
 
 def test_weighted_sum_skips_none():
@@ -122,3 +123,41 @@ def test_build_reward_funcs_from_config_specs():
 def test_scores_are_float_tensors():
     out = score_rewards(build_reward_funcs(["format"]), ["p", "p"], ["<answer>1</answer>", ""], group_size=2)
     assert out.total.dtype == torch.float32 and out.total.tolist() == [1.0, 0.0]
+
+
+def _takes_a_threshold(prompts, completions, threshold=0.5, **kwargs):
+    return [float(len(c) > threshold) for c in completions]
+
+
+def _strict(prompts, completions, threshold=0.5):
+    return [0.0 for _ in completions]
+
+
+def test_reward_options_are_checked_by_name():
+    funcs = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 2.0}},
+                                {"name": "char_fraction", "kwargs": {"chars": "ab"}}])
+    assert funcs[0].fn.keywords == {"timeout_s": 2.0} and funcs[1].fn.keywords == {"chars": "ab"}
+    # a built-in's **columns receive data only: a misspelled option is refused, naming the options it takes
+    for spec, match in [({"name": "math", "kwargs": {"timeout": 5}}, r"'math' takes no option \['timeout'\]; "
+                                                                     r"its options: \['timeout_s'\]"),
+                        ({"name": "format", "kwargs": {"strict": True}}, r"its options: \[\]"),
+                        ({"name": "overlong", "kwargs": {"bufer": 3}}, r"options: \['max_length', 'buffer'\]"),
+                        ({"name": "accuracy", "kwargs": {"answer": "4"}}, r"\['answer'\]; its options: \[\]"),
+                        ({"name": "math", "kwargs": [5]}, "must be a mapping")]:
+        with pytest.raises(ValueError, match=match):
+            build_reward_funcs([spec])
+    # your own function: a named option, or any option when it takes **kwargs; else refused
+    name = f"{__name__}:_takes_a_threshold"
+    assert build_reward_funcs([{"name": name, "kwargs": {"threshold": 2, "extra": 1}}])[0].fn.keywords == {
+        "threshold": 2, "extra": 1}
+    with pytest.raises(ValueError, match=r"takes no option \['treshold'\]; its options: \['threshold'\]"):
+        build_reward_funcs([{"name": f"{__name__}:_strict", "kwargs": {"treshold": 2}}])
+
+
+def test_the_correctness_reward_follows_the_reward_functions():
+    assert correctness_reward(build_reward_funcs(["format", "math"]), None) == "math"
+    assert correctness_reward(build_reward_funcs(["math", "accuracy"]), None) == "accuracy"
+    assert correctness_reward(build_reward_funcs(["format"]), None) is None
+    assert correctness_reward(build_reward_funcs(["format", "math"]), "format") == "format"
+    with pytest.raises(ValueError, match=r"accuracy_reward='mathh' is not one of .*\['format', 'math'\]"):
+        correctness_reward(build_reward_funcs(["format", "math"]), "mathh")

@@ -30,7 +30,7 @@ import torch
 from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
-from lit_grpo.rollout.rewards import WeightedReward, score_rewards
+from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
@@ -83,7 +83,7 @@ class RolloutBuilder:
             ``max_prompt_length`` on first use.
         reward_funcs: weighted reward functions (``lit_grpo.rollout.rewards.build_reward_funcs``).
         scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
-        accuracy_reward: the reward function whose values are correctness (``RolloutBatch.accuracy``).
+        accuracy_reward: the reward whose values are correctness (``RolloutBatch.accuracy``; ``correctness_reward``).
         on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
         dynamic_sampling: drop all-equal groups and sample more, at most ``max_rollouts_per_step`` rollouts
             (engine calls) per step; dropped groups fill the batch if still short (zero advantages).
@@ -107,7 +107,7 @@ class RolloutBuilder:
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
                  reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
-                 accuracy_reward: str = "accuracy", on_reward_error: str = "raise", dynamic_sampling: bool = False,
+                 accuracy_reward: str | None = None, on_reward_error: str = "raise", dynamic_sampling: bool = False,
                  max_rollouts_per_step: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
                  val_num_samples: int = 1, val_temperature: float = 1.0,
                  world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -118,10 +118,10 @@ class RolloutBuilder:
         check_partial_rollouts(over_provision, max_staleness)
         self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
         self.reward_funcs = list(reward_funcs)
-        self.scale_rewards, self.accuracy_reward, self.on_reward_error = scale_rewards, accuracy_reward, on_reward_error
+        self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
+        self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
-        self.val_batch_size = val_batch_size
-        self.val_max_new_tokens = val_max_new_tokens or sampling.max_new_tokens
+        self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens or sampling.max_new_tokens
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.world_size, self.all_gather = world_size, all_gather
         self.precision_context = precision_context or contextlib.nullcontext

@@ -5,8 +5,9 @@
 - ``format`` (``format_reward``): 1 when the completion has exactly one ``<answer>...</answer>``;
 - ``overlong`` (``OverlongPenalty``): DAPO's soft length penalty;
 - ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests;
-- ``math`` (``math_reward``, in ``lit_grpo/rollout/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}``, else
-  the last math span or number) verified against the gold answer with math-verify, under a deadline per completion.
+- ``math`` (``math_reward``, in ``lit_grpo/rollout/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}``,
+  else the last math span or number) verified against the gold answer with math-verify, under a deadline per
+  completion.
 """
 
 from __future__ import annotations

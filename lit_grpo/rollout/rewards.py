@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 import numbers
 import warnings
@@ -53,6 +54,11 @@ from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS
 from lit_grpo.runtime.validation import check_choice
 
 RewardFn = Callable[..., Sequence[Any]]
+
+#: The per-completion columns ``score_rewards`` passes (besides a JSONL row's extra fields): data, not options.
+COLUMNS = ("answer", "entry", "completion_ids", "completion_length", "truncated", "max_new_tokens")
+#: The rewards whose values are correctness, in the order ``correctness_reward`` looks for them.
+CORRECTNESS_REWARDS = ("accuracy", "math")
 
 #: What ``score_rewards`` does when a reward function raises: "raise" a ``RewardFunctionError`` naming the
 #: function and the prompt, or "skip_group": score the other groups, report the failing ones in
@@ -108,6 +114,9 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     else:
         raise ValueError(f"reward function {name!r} is unknown; use a built-in {sorted(BUILTIN_REWARDS)} or "
                          "'package.module:function'")
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"reward function {name!r}: kwargs={kwargs!r} must be a mapping of option names to values")
+    _check_options(name, target, kwargs)
     if isinstance(target, type):
         return target(**kwargs)
     if kwargs:
@@ -115,11 +124,46 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     return target
 
 
+def reward_options(target: Any) -> tuple[list[str], bool]:
+    """The options a reward function (or class) takes by name, and whether it takes any other keyword too
+    (``**kwargs``). A function's first two positional parameters (prompts, completions) and the ``COLUMNS`` are
+    data, not options."""
+    parameters = list(inspect.signature(target).parameters.values())
+    if not isinstance(target, type):
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        parameters = [p for p in parameters if p not in positional]
+    named = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [n for n in named if n not in COLUMNS], any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _check_options(name: str, target: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse an option the function does not take by name. A built-in's ``**columns`` receives data only, so it
+    takes its named options alone; another function with ``**kwargs`` may read any option from them."""
+    options, takes_any = reward_options(target)
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown and (name in BUILTIN_REWARDS or not takes_any):
+        raise ValueError(f"reward function {name!r} takes no option {unknown}; its options: {options}")
+
+
+def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None) -> str | None:
+    """The reward whose values are correctness (val/accuracy, curriculum feedback): ``name``, which must be one of
+    ``reward_funcs``' names; without a name the first of ``CORRECTNESS_REWARDS`` among them, else None (no
+    correctness is measured)."""
+    names = [reward.name for reward in reward_funcs]
+    if name is None:
+        return next((candidate for candidate in CORRECTNESS_REWARDS if candidate in names), None)
+    if name not in names:
+        raise ValueError(f"accuracy_reward={name!r} is not one of the reward functions' names {names}; name one of "
+                         f"them, or leave it unset for the first of {list(CORRECTNESS_REWARDS)} among them")
+    return name
+
+
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """Turn config entries into ``WeightedReward`` objects.
 
     Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in or ``"pkg.module:fn"``), or a
     dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``. ``None`` or ``[]`` -> ``[accuracy]``.
+    ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error.
     """
     if not specs:
         specs = ["accuracy"]
