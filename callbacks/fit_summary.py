@@ -112,7 +112,10 @@ class FitSummary(Callback):
         if self._validation_s >= 0.5:
             per_step += f", plus {_duration(self._validation_s)} of validation"
         lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
-        if self.accuracy:
+        if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with
+            (step, value), = self.accuracy
+            lines.append(f"  {self.accuracy_key:<14} {value:.3f}   ({_when(step)})")
+        elif self.accuracy:
             (first_step, first), (last_step, last) = self.accuracy[0], self.accuracy[-1]
             lines.append(f"  {self.accuracy_key:<14} {first:.3f} -> {last:.3f}   ({_when(first_step)} -> "
                          f"{_when(last_step)})")

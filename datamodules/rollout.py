@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_
 from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rollout.rewards import ON_ERROR, OnRewardError, build_reward_funcs, correctness_reward
+from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
+                                      correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
@@ -124,6 +126,9 @@ class RolloutDataModule(LightningDataModule):
             raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
+        if ignored := sampling.ignored_scheduler_options():
+            warnings.warn(f"sampling.scheduler options {ignored} apply to strategy 'infinite' only; strategy "
+                          f"{sampling.strategy!r} ignores them", stacklevel=2)
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_rollouts_per_step", max_rollouts_per_step), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
@@ -226,6 +231,7 @@ class RolloutDataModule(LightningDataModule):
             return
         examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
                                 self.inline_prompts, self.dataset, self.prompt_column, self.answer_column, self.split)
+        check_gold_answers(self.reward_funcs, [e.answer for e in examples], self._answer_source(examples))
         self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         world, _ = self._world()
@@ -237,6 +243,15 @@ class RolloutDataModule(LightningDataModule):
         if "sampler" in self._pending_state:
             self.sampler.load_state_dict(self._pending_state.pop("sampler"))
         self._render_prompts()
+
+    def _answer_source(self, examples: Sequence[PromptExample]) -> str:
+        """Where the prompts' gold answers come from, as a user sets it (for ``check_gold_answers``' message)."""
+        if self.jsonl_path is not None:
+            return f"data.jsonl_path={self.jsonl_path!r}: each row's 'answer' field"
+        if self.dataset is not None:
+            columns = sorted(examples[0].entry) if examples else []
+            return f"data.dataset: data.answer_column={self.answer_column!r}; its columns: {columns}"
+        return "data.prompts: {prompt, answer} entries" if self.inline_prompts is not None else f"task={self.task!r}"
 
     def _render_prompts(self) -> None:
         if self.examples is None or self._handover is None:

@@ -28,12 +28,13 @@ keyed by seed, rollout counter, prompt and sample), only their length predictor 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,7 +59,7 @@ DESCRIPTION = """\
 lit-grpo: GRPO training of language models with PyTorch Lightning and Infinite Sampling (the G completions of a
 prompt decoded on g slots, so memory follows g, not G).
 
-  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, ~8 min)
+  lit-grpo fit --config configs/demo.yaml           train SmolLM2-135M-Instruct on arithmetic (CPU, minutes)
   lit-grpo validate --config configs/demo.yaml      greedy accuracy of the untrained policy
   lit-grpo fit --config configs/tiny.yaml           a tiny random model, seconds
   lit-grpo fit --config configs/demo.yaml --print_config    every option, resolved
@@ -164,13 +165,44 @@ class GRPOCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        threads = config.get("torch_num_threads")
-        if threads is None:
-            threads = available_cores()
-        elif threads < 1:
-            raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for the cores this process may "
-                             f"run on, {available_cores()} here)")
+        with self._config_errors():
+            check_manual_optimization_settings(config.get("trainer") or {})
+            threads = config.get("torch_num_threads")
+            if threads is None:
+                threads = available_cores()
+            elif threads < 1:
+                raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for the cores this process may "
+                                 f"run on, {available_cores()} here)")
         torch.set_num_threads(threads)
+
+    def instantiate_classes(self) -> None:
+        with self._config_errors():
+            super().instantiate_classes()
+
+    @contextlib.contextmanager
+    def _config_errors(self) -> Iterator[None]:
+        """A bad value in the config (a ValueError while the classes are built from it) ends a command's run with
+        its message, as a parse error does, not with a traceback; in Python (``build_cli(run=False)``) it is
+        raised."""
+        try:
+            yield
+        except ValueError as err:
+            if self.subcommand is None:
+                raise
+            print(f"error: {err}\ntip: lit-grpo {self.subcommand} --help lists the options", file=sys.stderr)
+            raise SystemExit(2) from err
+
+
+def check_manual_optimization_settings(trainer: Any) -> None:
+    """``GRPOModule`` steps its optimizer itself, so Lightning's clipping and accumulation cannot apply; name the
+    module's own settings instead of Lightning's advice to switch to automatic optimization."""
+    if trainer.get("gradient_clip_val") is not None:
+        raise ValueError(f"trainer.gradient_clip_val={trainer['gradient_clip_val']!r} does not apply to GRPOModule "
+                         "(it steps its optimizer itself): set model.max_grad_norm instead")
+    if trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={trainer['accumulate_grad_batches']!r} does not apply to "
+                         "GRPOModule (a step's rows are already accumulated in micro-batches): set "
+                         "model.train_micro_batch_size, the rows per backward pass, instead")
 
 
 def available_cores() -> int:
@@ -257,7 +289,9 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     """The CLI object; with ``run=False`` it only parses ``args`` (no subcommand) and instantiates the
     trainer, the module and the datamodule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
     quiet_known_noise()
-    kwargs: dict[str, Any] = dict(args=args, run=run,
+    # GRPOModule builds its optimizer and schedule from model.lr, betas, weight_decay and warmup_steps, so Lightning's
+    # --optimizer / --lr_scheduler would be parsed and then ignored: they are not offered.
+    kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False,
                                   parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}

@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from lit_grpo.runtime.checkpoints import read_checkpoint_header
-from lit_grpo.runtime.models import load_model_and_tokenizer, resolve_dtype, with_lora
+from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice
 
-#: ``--dtype`` values: "auto" keeps the dtype the policy was trained in.
-EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``--dtype`` values: "auto" keeps the dtype the policy was trained in; the others (and their short forms, as
+#: ``model.dtype`` takes them) cast the weights.
+EXPORT_DTYPES = ("auto", *(name for name in DTYPES if name != "float64"))
 POLICY_PREFIX = "policy."
 
 

@@ -114,6 +114,35 @@ def test_unknown_key_is_rejected(capsys):
     assert "no_such_key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
+def test_lightnings_optimizer_options_are_not_offered(capsys, args):
+    # GRPOModule builds its own optimizer from model.lr and friends: Lightning's would be parsed, then ignored
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, *args])
+    assert exit_info.value.code != 0
+    assert f"unrecognized arguments: {' '.join(args)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.sampling.group_size", "0"], "error: sampling.group_size=0 must be an integer >= 1"),
+    (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
+    (["--data.accuracy_reward", "mathh"], "error: accuracy_reward='mathh' is not one of the reward functions'"),
+])
+def test_a_bad_value_ends_the_command_with_its_message_not_a_traceback(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--trainer.logger", "false", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err and "lit-grpo fit --help" in err
+
+
+@pytest.mark.parametrize("key, value, instead", [("gradient_clip_val", "1.0", "model.max_grad_norm"),
+                                                 ("accumulate_grad_batches", "4", "model.train_micro_batch_size")])
+def test_lightnings_clipping_and_accumulation_name_the_modules_settings(key, value, instead):
+    with pytest.raises(ValueError, match=rf"trainer.{key}={value} does not apply to GRPOModule .*set {instead}"):
+        build_cli(["--config", TINY, "--trainer.logger", "false", f"--trainer.{key}", value], run=False)
+
+
 @pytest.mark.parametrize("key, value, allowed", [
     ("loss.loss_type", "vespo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
     ("loss.importance_sampling_level", "seq", "'token', 'sequence'"),

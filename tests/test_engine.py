@@ -140,6 +140,14 @@ def test_micro_rounds_wait_for_their_longest_member(tiny_llama):
     assert all(cell == IDLE for cell in stats.timeline[1][1:])  # the finished row is not run
 
 
+def test_micro_runs_at_most_a_groups_samples_at_once(tiny_llama):
+    # micro's rounds hold one prompt's samples, so a g above G would only hold idle rows (and their KV memory)
+    wide, exact = _forced(*tiny_llama, "micro", 8), _forced(*tiny_llama, "micro", 3)
+    assert len(wide.stats.timeline[0]) == len(exact.stats.timeline[0]) == 3
+    assert wide.stats.slot_utilization == exact.stats.slot_utilization and wide.completion_ids == exact.completion_ids
+    assert len(_forced(*tiny_llama, "continuous", 8).stats.timeline[0]) == 6  # across groups: every sample
+
+
 def test_infinite_parks_and_resumes_samples_without_changing_them(tiny_llama):
     model, tokenizer = tiny_llama
     prompts = _ids(tokenizer, PROMPTS)

@@ -94,7 +94,7 @@ def test_export_lora_merged_and_adapter_only(tmp_path):
 def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     _, ckpt = tiny_checkpoint
     full = export_checkpoint(ckpt, tmp_path / "fp32")
-    half = export_checkpoint(ckpt, tmp_path / "bf16", dtype="bfloat16")
+    half = export_checkpoint(ckpt, tmp_path / "bf16", dtype="bf16")  # the short form, as model.dtype takes it
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
     weights = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
     assert weights(tmp_path / "bf16") == pytest.approx(weights(tmp_path / "fp32") / 2, rel=0.02)

@@ -73,7 +73,10 @@ def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
     trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False)
     trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert [step for step, _ in resumed.accuracy] == [4]
-    assert resumed.summary_lines(trainer)[0].startswith("lit_grpo: 2 steps in")
+    lines = resumed.summary_lines(trainer)
+    assert lines[0].startswith("lit_grpo: 2 steps in")
+    # its one validation stands alone, not as "x -> x (after step 4 -> after step 4)"
+    assert lines[1] == f"  val/accuracy   {resumed.accuracy[0][1]:.3f}   (after step 4)"
 
 
 def test_the_progress_bar_counts_steps_to_max_steps_and_shows_the_reward(tmp_path, capsys):

@@ -1,5 +1,7 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -205,6 +207,21 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, reward_funcs=["math"], accuracy_reward="mathh")
     with pytest.raises(ValueError, match=r"'math' takes no option \['timeout'\]"):
         RolloutDataModule(prompts=PROMPTS, reward_funcs=[{"name": "math", "kwargs": {"timeout": 5}}])
+    # prompts without a gold answer, scored only by rewards that need one: refused before any rollout
+    with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer, but none of "
+                                         r"the 3 prompts has one \(data.prompts: \{prompt, answer\} entries\)"):
+        RolloutDataModule(prompts=["a", "b", "c"], reward_funcs=["math"], val_size=0, prompts_per_step=1).setup()
+    for prompts, reward_funcs in ((["a", "b", "c"], ["math", "format"]),  # a reward that needs no answer
+                                  (["a", {"prompt": "b", "answer": "2"}, "c"], ["accuracy"])):  # one answer
+        RolloutDataModule(prompts=prompts, reward_funcs=reward_funcs, val_size=0, prompts_per_step=1).setup()
+    # scheduler options another strategy would ignore are named, not dropped in silence
+    with pytest.warns(UserWarning, match=r"options \['predictor', 'refill'\] apply to strategy 'infinite' only; "
+                                         r"strategy 'micro' ignores them"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "micro", "scheduler": {"predictor": "oracle",
+                                                                                         "refill": "fifo"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "scheduler": {"predictor": "oracle"}})
     # unset, the correctness reward follows the reward functions
     assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"

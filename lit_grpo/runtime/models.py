@@ -51,7 +51,8 @@ RANDOM_MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama3.2-1b")
 RANDOM_PREFIX = "random:"
 _MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+#: The dtype names lit_grpo takes, with their usual short forms.
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
@@ -64,7 +65,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    return _DTYPES[check_choice("dtype", dtype, tuple(sorted(_DTYPES)))]
+    return DTYPES[check_choice("dtype", dtype, tuple(sorted(DTYPES)))]
 
 
 def load_model_and_tokenizer(

@@ -41,7 +41,8 @@ class SamplingConfig:
         max_new_tokens: the completion length cap.
         temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it.
         seed: base of every per-sample random stream.
-        scheduler: options of the "infinite" strategy (ignored by the others, which have no options).
+        scheduler: options of the "infinite" strategy (ignored by the others, which have no options; the
+            ``RolloutDataModule`` warns, naming them, when some are set for another strategy).
         cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
             FSDP-sharded; a capture that fails then warns and the step runs eagerly, whereas True raises). On CPU
             the same static-shape step runs eagerly.
@@ -110,6 +111,15 @@ class SamplingConfig:
         if not isinstance(self.scheduler, InfiniteSchedulerConfig):
             raise ValueError(f"sampling.scheduler={self.scheduler!r} must be an InfiniteSchedulerConfig or a dict of "
                              "its fields")
+
+    def ignored_scheduler_options(self) -> list[str]:
+        """The ``scheduler`` options set away from their defaults that this strategy ignores (all of them, unless
+        it is "infinite")."""
+        if self.strategy == "infinite":
+            return []
+        default = InfiniteSchedulerConfig()
+        return [f.name for f in fields(InfiniteSchedulerConfig)
+                if getattr(self.scheduler, f.name) != getattr(default, f.name)]
 
     def replace(self, **changes: Any) -> SamplingConfig:
         """A copy with some fields changed (checked again)."""

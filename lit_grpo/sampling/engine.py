@@ -125,8 +125,12 @@ class RolloutEngine:
     seed = property(lambda self: self.config.seed)
 
     def num_slots(self, num_prompts: int) -> int:
+        """The rollout's rows: B x G for "full"; else g, at most the samples there are, and for "micro" (whose
+        rounds hold one prompt's samples) at most G."""
         total = num_prompts * self.group_size
         g = self.micro_group_size or self.group_size
+        if self.strategy == "micro":
+            g = min(g, self.group_size)
         return total if self.strategy == "full" else min(g, total)
 
     # ------------------------------------------------------------------------------------------- public API
