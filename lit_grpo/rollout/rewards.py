@@ -159,12 +159,13 @@ def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None)
 
 
 def check_gold_answers(reward_funcs: Sequence[WeightedReward], answers: Sequence[Any], source: str) -> None:
-    """Refuse prompts none of which has a gold answer when every reward function scores against one (the
-    ``CORRECTNESS_REWARDS``): each would say None for every completion, and the run would train on zero rewards.
-    ``source`` names where the prompts come from and how an answer is given, for the message."""
-    names = [reward.name for reward in reward_funcs]
-    if names and all(name in CORRECTNESS_REWARDS for name in names) and not any(
+    """Refuse prompts none of which has a gold answer when every reward function is a built-in that scores against
+    one (``CORRECTNESS_REWARDS``): each would say None for every completion, and the run would train on zero
+    rewards. ``source`` names where the prompts come from and how an answer is given, for the message."""
+    scores_against_gold = {BUILTIN_REWARDS[name] for name in CORRECTNESS_REWARDS}
+    if reward_funcs and all(inspect.unwrap(reward.fn) in scores_against_gold for reward in reward_funcs) and not any(
             answer is not None and str(answer).strip() for answer in answers):
+        names = [reward.name for reward in reward_funcs]
         raise ValueError(f"the reward functions {names} score against a gold answer, but none of the {len(answers)} "
                          f"prompts has one ({source}); give the answers, or a reward function that needs none")
 
