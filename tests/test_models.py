@@ -37,6 +37,17 @@ def test_missing_model_path_is_named(tmp_path):
         load_model_and_tokenizer(missing)
 
 
+@pytest.mark.parametrize("name, meant", [("tiny-lama", "tiny-llama"), ("tiny_qwen2", "tiny-qwen2"),
+                                         ("tinyllama", "tiny-llama")])
+def test_a_misspelled_built_in_model_is_named_without_asking_the_hub(monkeypatch, name, meant):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_hub)
+    with pytest.raises(ValueError, match=rf"model '{name}' is not known: did you mean '{meant}'\?"):
+        load_model_and_tokenizer(name)
+
+
 def test_tokenizer_without_eos_is_refused():
     tokenizer = models.tiny_tokenizer()
     tokenizer.eos_token = None

