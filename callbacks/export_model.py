@@ -13,7 +13,7 @@ from ._paths import shown_path
 
 
 class ExportModel(Callback):
-    r"""Writes the policy (``pl_module.policy``) and its tokenizer with :func:`lit_grpo.export.export_policy` when
+    r"""Writes the policy (``pl_module.policy``, as ``GRPOModule`` and modules like it hold one) and its tokenizer with :func:`lit_grpo.export.export_policy` when
     training ends, and prints where, after the fit summary::
 
           model          lightning_logs/version_0/model (transformers model, float32, 513.2 MiB, 2.1 s)
@@ -40,6 +40,10 @@ class ExportModel(Callback):
         return Path(trainer.log_dir or trainer.default_root_dir) / "model"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        missing = [name for name in ("policy", "tokenizer") if not hasattr(pl_module, name)]
+        if stage == "fit" and missing:  # checked before training, not found missing after it
+            raise ValueError(f"ExportModel exports a module's policy and tokenizer (as GRPOModule holds them); "
+                             f"{type(pl_module).__name__} has no {' or '.join(missing)}")
         if stage == "fit" and getattr(getattr(pl_module, "hparams", None), "fsdp", False):
             raise ValueError("ExportModel cannot gather an FSDP-sharded policy; remove the callback and export the "
                              "run's checkpoint with lit-grpo export --ckpt_path CKPT --out DIR")

@@ -10,6 +10,7 @@ from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.prefill import prefill_chunks
 from lit_grpo.sampling.token_sampler import filter_logits
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from scheduler_helpers import trust_predictions
 
 G = 5
@@ -228,6 +229,7 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
     (dict(micro_group_size=0), "micro_group_size=0"),
     (dict(strategy="beam"), "strategy='beam'"),
     (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
@@ -237,6 +239,13 @@ def test_bad_engine_arguments_are_named(tiny_llama, kwargs, match):
     model, tokenizer = tiny_llama
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model, tokenizer, **({"group_size": 2} | kwargs))
+
+
+@pytest.mark.parametrize("options", [{"predictor": "oracle"}, InfiniteSchedulerConfig(predictor="oracle")])
+def test_scheduler_options_are_not_taken_for_a_scheduler(tiny_llama, options):
+    # SamplingConfig's ``scheduler`` field shares its name with the engine's override: the clash is named
+    with pytest.raises(TypeError, match=r"is the 'infinite' strategy's options: give them flat"):
+        RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2, scheduler=options)
 
 
 def test_bad_prompts_are_named(tiny_llama):

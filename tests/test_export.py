@@ -175,3 +175,29 @@ def test_export_command_names_the_run_folder(tmp_path, monkeypatch):
     ckpt = tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
     assert export_command(ckpt) == ("lit-grpo export --ckpt_path lightning_logs/version_3/checkpoints/last.ckpt "
                                     "--out lightning_logs/version_3/model")
+
+
+def test_export_model_refuses_a_module_without_a_policy_before_training(tmp_path):
+    import lightning.pytorch as pl
+
+    from lit_grpo.callbacks import ExportModel
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("no step may run: the callback refuses at setup")
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.zeros(4, 2))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(max_steps=1, callbacks=[ExportModel(dirpath=str(tmp_path / "m"))], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="ExportModel exports a module's policy and tokenizer .*Plain has no policy "
+                                         "or tokenizer"):
+        trainer.fit(Plain())

@@ -16,6 +16,7 @@ is parsed), with a message that names the key and what is allowed::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
@@ -99,8 +100,9 @@ class SamplingConfig:
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-                not self.temperature >= 0:
-            raise ValueError(f"sampling.temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+                not 0 <= self.temperature < math.inf:
+            raise ValueError(f"sampling.temperature={self.temperature!r} must be a finite number >= 0 (0 means "
+                             "greedy)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
         check_int("sampling.top_k", self.top_k, 0)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 import warnings
 from numbers import Integral
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -56,6 +57,7 @@ from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stats import RolloutResult
 from lit_grpo.scheduling.base import RoundScheduler, Scheduler
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 __all__ = ["STRATEGIES", "GroupProgress", "RolloutEngine", "RolloutResult", "SampleProgress"]
 
@@ -90,6 +92,10 @@ class RolloutEngine:
         if config is not None and not isinstance(config, SamplingConfig):
             raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}; give the sampling "
                             "settings as keywords (group_size=..., strategy=...) or as a SamplingConfig")
+        if isinstance(scheduler, (Mapping, InfiniteSchedulerConfig)):  # SamplingConfig's field, not an override
+            raise TypeError(f"scheduler={scheduler!r} is the 'infinite' strategy's options: give them flat "
+                            "(predictor=..., refill=...) or inside a SamplingConfig(scheduler=...); the scheduler "
+                            "argument takes a lit_grpo.scheduling.Scheduler object that replaces the strategy's own")
         self.config = SamplingConfig.from_kwargs(config, **options)
         if self.config.micro_group_size == "auto":
             raise ValueError("micro_group_size='auto' must be resolved to an integer before the engine is built "
