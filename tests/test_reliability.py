@@ -18,6 +18,7 @@ from lit_grpo.rollout.rewards import RewardFunctionError, WeightedReward, score_
 from lit_grpo.update.policy_losses import make_loss
 
 from datamodule_helpers import PROMPTS, datamodule_arguments
+from scheduler_helpers import trust_predictions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -297,7 +298,8 @@ def test_nan_loss_stops_training_and_keeps_the_weights(module, degenerate_batch)
 
 # ------------------------------------------------------------------------------------------------ memory budget
 def test_kv_bytes_per_token_from_the_config(module):
-    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, kv_slot_bytes
+    from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_held_bytes,
+                                                 kv_slot_bytes)
 
     config = module.policy.config
     heads = config.num_attention_heads
@@ -308,30 +310,62 @@ def test_kv_bytes_per_token_from_the_config(module):
     assert kv_bytes_per_token(config, "bfloat16") == expected // 2
     slot = kv_slot_bytes(config, torch.float32, 10, 6)
     assert slot == expected * 16
-    assert auto_micro_group_size(config, torch.float32, 5 * slot + slot // 2, 10, 6, group_size=4,
+    # besides the slots: 2 prompts' prefixes of 10 positions, and with parking 4 samples each x 3 probe tokens
+    held = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2)
+    parked = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2, probe_tokens=3)
+    assert (held, parked) == (expected * 20, expected * 44)
+    assert auto_micro_group_size(config, torch.float32, held + 5 * slot + slot // 2, 10, 6, group_size=4,
                                  num_prompts=2) == 5
-    assert auto_micro_group_size(config, torch.float32, slot, 10, 6, 4, 2) == 1
+    assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, probe_tokens=3) == 3
+    assert auto_micro_group_size(config, torch.float32, held + slot, 10, 6, 4, 2) == 1
     assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
-    with pytest.raises(ValueError, match=rf"kv_budget_bytes={slot - 1} is smaller than one slot's KV cache: "
-                                         rf"{slot} bytes"):
-        auto_micro_group_size(config, torch.float32, slot - 1, 10, 6, 4, 2)
+    with pytest.raises(ValueError, match=rf"kv_budget_bytes={held + slot - 1} is smaller than one slot's KV cache, "
+                                         rf"{slot} bytes .* plus the {held} bytes held besides the slots "
+                                         rf"\(2 prompts' prefixes\); raise kv_budget_bytes to at least {held + slot}"):
+        auto_micro_group_size(config, torch.float32, held + slot - 1, 10, 6, 4, 2)
 
 
 def test_auto_micro_group_size_in_the_datamodule(module):
-    from lit_grpo.sampling.memory_budget import kv_slot_bytes
+    from lit_grpo.sampling.memory_budget import kv_held_bytes, kv_slot_bytes
 
     probe = make_datamodule(module)
     longest = max(len(ids) for ids in probe.train_prompt_ids)
-    slot = kv_slot_bytes(module.policy.config, torch.float32, longest, 6)
-    dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=3 * slot + 1)
+    config = module.policy.config
+    slot = kv_slot_bytes(config, torch.float32, longest, 6)
+    parked = probe.sampling.scheduler.probe_tokens if probe.sampling.strategy == "infinite" else 0
+    held = kv_held_bytes(config, torch.float32, longest, probe.sampling.group_size, probe.prompts_per_step, parked)
+    dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=held + 3 * slot + 1)
     batch = dm.build_train_batch()
     assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
     assert batch.metrics["rollout/micro_group_size"] == 3.0
     assert rollout_metrics(batch)["rollout/micro_group_size"] == 3.0  # logged by training_step
-    assert batch.stats.peak_kv_bytes <= 3 * slot + longest * slot // (longest + 6) * 3  # slots + prompt prefixes
+    assert batch.stats.peak_kv_bytes <= held + 3 * slot
     small = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=slot // 2)
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={slot // 2} is smaller.*{slot} bytes"):
         small.build_train_batch()
+
+
+@pytest.mark.parametrize("strategy", ["continuous", "infinite"])
+def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget(strategy):
+    # long prompts and short completions: the prompts' prefixes outweigh the slots, which the budget must count
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+    from lit_grpo.sampling import RolloutEngine, SamplingConfig
+    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_held_bytes, kv_slot_bytes
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    prompts = [[5 + i] * 60 for i in range(8)]
+    sampling = SamplingConfig(group_size=4, strategy=strategy, max_new_tokens=16)
+    parked = sampling.scheduler.probe_tokens if strategy == "infinite" else 0
+    budget = 6 * kv_slot_bytes(model.config, torch.float32, 60, 16) + kv_held_bytes(
+        model.config, torch.float32, 60, 4, len(prompts), parked)
+    g = auto_micro_group_size(model.config, torch.float32, budget, 60, 16, 4, len(prompts), parked)
+    assert g == 6
+    engine = RolloutEngine(model, tokenizer, sampling.replace(micro_group_size=g))
+    if strategy == "infinite":
+        trust_predictions(engine.scheduler)  # so that it parks samples after their probe, holding their KV
+    stats = engine.generate(prompts).stats
+    assert stats.parked_samples > 0 if strategy == "infinite" else stats.parked_samples == 0
+    assert 0 < stats.peak_kv_bytes <= budget
 
 
 # ------------------------------------------------------------------------------------------------ exact resume

@@ -21,6 +21,7 @@ across ranks). It knows nothing about Lightning.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -116,8 +117,7 @@ class RolloutBuilder:
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
-        self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
-        self.reward_funcs = list(reward_funcs)
+        self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
@@ -140,10 +140,10 @@ class RolloutBuilder:
         g = self.sampling.micro_group_size
         if g != "auto":
             return g
-        dtype = next(self.policy.parameters()).dtype
-        return auto_micro_group_size(self.policy.config, dtype, self.sampling.kv_budget_bytes,
-                                     self.max_prompt_length, self.sampling.max_new_tokens, self.sampling.group_size,
-                                     self.prompts_per_step)
+        config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
+        parked = (config.scheduler.probe_tokens or 0) if config.strategy == "infinite" else 0
+        return auto_micro_group_size(self.policy.config, next(self.policy.parameters()).dtype, config.kv_budget_bytes,
+                                     self.max_prompt_length, config.max_new_tokens, config.group_size, prompts, parked)
 
     @property
     def engine(self) -> RolloutEngine:

@@ -4,16 +4,19 @@ Pure functions of the model config; no model is loaded. One cached position cost
 
     kv_bytes_per_token = 2 (keys and values) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 
-and one slot holds at most ``longest prompt + max_new_tokens`` positions, so::
+and one slot holds at most ``longest prompt + max_new_tokens`` positions. Besides its slots the engine holds KV
+that does not depend on g: the prompts' prefixes (at most every prompt's at once: a predictor that reads prompt
+features prefills them all before the first step) and, under "infinite", each parked sample's first
+``probe_tokens`` positions (at most every sample's). So::
 
     slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens)
-    g          = min(floor(kv_budget_bytes / slot_bytes), group_size x num_prompts)
+    held_bytes = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x probe_tokens)
+    g          = min(floor((kv_budget_bytes - held_bytes) / slot_bytes), group_size x num_prompts)
 
-(the engine never runs more slots than the rollout has samples). The slot cache allocates exactly that: every row
-is ``longest prompt - 1 + max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64).
-Besides it the engine holds each running prompt's prefix once, the prefixes of the rest of its prefill chunk
-(``prefill.PREFILL_CHUNK_TOKENS`` positions at most), and the KV of parked samples' first tokens, so leave some
-headroom in ``kv_budget_bytes`` for those.
+(the engine never runs more slots than the rollout has samples), and a rollout's ``peak_kv_bytes`` stays within
+``kv_budget_bytes``. The slot cache allocates exactly ``slot_bytes`` a row: every row is ``longest prompt - 1 +
+max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64, which the budget does not
+cover).
 
 Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``.
 """
@@ -26,7 +29,7 @@ import torch
 
 from lit_grpo.runtime.validation import check_int
 
-__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_slot_bytes"]
+__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_slot_bytes"]
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -73,22 +76,34 @@ def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, ma
     return kv_bytes_per_token(config, dtype) * (max_prompt_len + max_new_tokens)
 
 
+def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, group_size: int, num_prompts: int,
+                  probe_tokens: int = 0) -> int:
+    """Worst-case KV bytes the engine holds besides its slot cache (module docstring): ``kv_bytes_per_token x
+    num_prompts x (max_prompt_len + group_size x probe_tokens)``; ``probe_tokens``: 0 where no sample is parked."""
+    check_int("probe_tokens", probe_tokens, 0)
+    return kv_bytes_per_token(config, dtype) * num_prompts * (max_prompt_len + group_size * probe_tokens)
+
+
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
-                          max_new_tokens: int, group_size: int, num_prompts: int = 1) -> int:
-    """The largest ``g`` whose worst-case slot KV bytes fit ``kv_budget_bytes`` (module docstring), capped at the
-    rollout's ``group_size x num_prompts`` samples.
+                          max_new_tokens: int, group_size: int, num_prompts: int = 1, probe_tokens: int = 0) -> int:
+    """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
+    ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
 
     Raises:
-        ValueError: a bad argument, or a budget smaller than one slot (the message names both numbers).
+        ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
+            numbers).
     """
     check_int("kv_budget_bytes", kv_budget_bytes, 1)
     check_int("group_size", group_size, 1)
     check_int("num_prompts", num_prompts, 1)
     per_token = kv_bytes_per_token(config, dtype)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
-    fits = kv_budget_bytes // slot
+    held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, probe_tokens)
+    fits = (kv_budget_bytes - held) // slot
     if fits < 1:
-        raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache: {slot} bytes "
-                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens)); "
-                         f"raise kv_budget_bytes to at least {slot}, or lower max_new_tokens")
+        raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens)), plus "
+                         f"the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
+                         + (f" and parked samples' first {probe_tokens} tokens" if probe_tokens else "")
+                         + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))
