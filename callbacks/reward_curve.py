@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 from scipy.optimize import least_squares
+
+from lit_grpo.runtime.validation import check_choice, check_real
 
 Criterion = Literal["aic", "bic"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -152,6 +154,19 @@ def fit_logistic(
     return _refine("logistic", t, y, start, bounds)
 
 
+def check_reward_range(reward_range: Any) -> tuple[float, float] | None:
+    """``reward_range`` as ``(low, high)``, two finite numbers with low < high, or None; else a ValueError naming it."""
+    if reward_range is None:
+        return None
+    if isinstance(reward_range, (str, bytes)) or not isinstance(reward_range, Sequence) or len(reward_range) != 2:
+        raise ValueError(f"reward_range={reward_range!r} must be (low, high), two finite numbers with low < high, "
+                         "or None")
+    low, high = (check_real("reward_range", value) for value in reward_range)
+    if not low < high:
+        raise ValueError(f"reward_range={tuple(reward_range)!r} must have low < high")
+    return low, high
+
+
 def forecast_plateau(
     steps: Sequence[float] | np.ndarray,
     rewards: Sequence[float] | np.ndarray,
@@ -171,6 +186,9 @@ def forecast_plateau(
     Returns:
         The forecast in the steps' units, or None with fewer than 5 distinct steps or no converged fit.
     """
+    check_choice("criterion", criterion, CRITERIA)
+    check_real("fraction", fraction, low=0, high=1, low_open=True)
+    check_reward_range(reward_range)
     steps_arr, rewards_arr = np.asarray(steps, dtype=float), np.asarray(rewards, dtype=float)
     keep = np.isfinite(steps_arr) & np.isfinite(rewards_arr)
     steps_arr, rewards_arr = steps_arr[keep], rewards_arr[keep]

@@ -11,12 +11,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_int, check_real
 
 from ._rollout import log_metrics, logger_step
-from .reward_curve import CRITERIA, Criterion, Forecast, forecast_plateau
+from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, forecast_plateau
 
 
 class RewardForecast(Callback):
@@ -41,7 +41,9 @@ class RewardForecast(Callback):
     stopped. The history and the patience count survive checkpoints (``state_dict``).
 
     The monitored value must be logged at every training step: ``callback_metrics`` keeps the last value, which
-    would be recorded again at steps that did not log it.
+    would be recorded again at steps that did not log it. A monitor still unlogged at the first check is warned
+    about once, naming the logged keys. Bad settings (a criterion, a reward range that is not ``low < high``, a
+    negative ``min_delta``) are refused when the callback is built.
 
     Args:
         monitor: the reward metric, as logged.
@@ -66,22 +68,24 @@ class RewardForecast(Callback):
         reward_range: tuple[float, float] | None = None,
     ) -> None:
         check_choice("criterion", criterion, CRITERIA)
-        if patience < 1 or min_points < 5 or check_every_n_steps < 1:
-            raise ValueError("patience and check_every_n_steps must be >= 1 and min_points >= 5")
+        check_int("patience", patience, 1)
+        check_int("check_every_n_steps", check_every_n_steps, 1)
+        check_int("min_points", min_points, 5)
         self.monitor = monitor
-        self.min_delta = min_delta
+        self.min_delta = check_real("min_delta", min_delta, low=0)
         self.patience = patience
         self.stop = stop
         self.min_points = min_points
         self.check_every_n_steps = check_every_n_steps
         self.criterion = criterion
-        self.reward_range = reward_range
+        self.reward_range = check_reward_range(reward_range)
         self.steps: list[float] = []
         self.rewards: list[float] = []
         self.wait_count = 0
         self.stopped_step: int | None = None
         self.last_forecast: Forecast | None = None
         self._last_checked_step: int | None = None
+        self._warned_missing = False
 
     @property
     def state_key(self) -> str:
@@ -105,6 +109,10 @@ class RewardForecast(Callback):
         if step % self.check_every_n_steps or step == self._last_checked_step:
             return
         self._last_checked_step = step
+        if not self.rewards and not self._warned_missing:  # a misspelled or foreign monitor: never fits, never stops
+            self._warned_missing = True
+            rank_zero_warn(f"RewardForecast: monitor={self.monitor!r} has not been logged by step {step}, so nothing "
+                           f"is forecast (or stopped); logged keys: {sorted(trainer.callback_metrics)}")
         forecast = self._forecast(trainer)
         plateaued = forecast is not None and forecast.rise_seen and forecast.remaining_gain < self.min_delta
         self.wait_count = self.wait_count + 1 if plateaued else 0

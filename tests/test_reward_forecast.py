@@ -145,6 +145,35 @@ def test_forecast_is_logged_at_every_check_and_never_stops_when_told_not_to(tmp_
     assert events.Scalars("forecast/remaining_gain")[-1].value < 0.01
 
 
+def test_a_monitor_never_logged_is_warned_about_once(tmp_path):
+    forecast = RewardForecast(monitor="reward/meen", stop=True, check_every_n_steps=5)
+    with pytest.warns(UserWarning, match=r"monitor='reward/meen' has not been logged by step 0, so nothing is "
+                                         r"forecast \(or stopped\); logged keys: \['reward/mean'\]") as caught:
+        run(TrajectoryModule(noisy(saturating, seed=0)), forecast, 30, tmp_path)
+    assert sum("has not been logged" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(criterion="x"), "criterion='x'"),
+    (dict(reward_range=1.0), r"reward_range=1.0 must be \(low, high\)"),
+    (dict(reward_range=(1.0, 0.0)), r"reward_range=\(1.0, 0.0\) must have low < high"),
+    (dict(reward_range=(0.0, float("inf"))), "reward_range=inf"),
+    (dict(min_delta=-1), "min_delta=-1"),
+    (dict(patience=1.5), "patience=1.5 must be an integer >= 1"),
+    (dict(min_points=3), "min_points=3 must be an integer >= 5"),
+])
+def test_bad_forecast_settings_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardForecast(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(criterion="x"), "criterion='x'"), (dict(fraction=2), "fraction=2"),
+                                           (dict(reward_range=(1, 0)), "low < high")])
+def test_bad_forecast_plateau_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        forecast_plateau(STEPS[:50], saturating(STEPS[:50]), **kwargs)
+
+
 def test_history_survives_a_checkpoint(tmp_path):
     rewards = noisy(saturating, seed=2)
     first = RewardForecast(check_every_n_steps=10)
