@@ -13,8 +13,8 @@ from ._paths import shown_path
 
 
 class ExportModel(Callback):
-    r"""Writes the policy (``pl_module.policy``, as ``GRPOModule`` and modules like it hold one) and its tokenizer with :func:`lit_grpo.export.export_policy` when
-    training ends, and prints where, after the fit summary::
+    r"""Writes the policy (``pl_module.policy``, as ``GRPOModule`` and modules like it hold one) and its tokenizer
+    with :func:`lit_grpo.export.export_policy` when training ends, and prints where, after the fit summary::
 
           model          lightning_logs/version_0/model (transformers model, float32, 513.2 MiB, 2.1 s)
                          -> AutoModelForCausalLM.from_pretrained("lightning_logs/version_0/model")

@@ -55,7 +55,7 @@ _MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 
 #: The dtype names lit_grpo takes, with their usual short forms.
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
 def cache_dir() -> Path:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from numbers import Integral
 from collections.abc import Mapping
+from numbers import Integral
 from typing import Any, Sequence
 
 import torch
