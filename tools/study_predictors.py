@@ -22,7 +22,9 @@ training), and the measured rollouts of both halves are summed. Figures per pred
   predictions.
 
 ``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``;
-"none": ungated), to show what the gate keeps and what it refuses.
+"none": ungated), to show what the gate keeps and what it refuses. ``--preempt-tokens`` runs each with each
+preemption quantum given (``scheduler.preempt_tokens``; "none": never preempt; ``preemption.py``), and
+``preempting`` is the share of measured rollouts that preempted.
 
 Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
 judged on the other: the share of log-length variance between groups (what a perfect group predictor could
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 
 from lit_grpo.scheduling import InfiniteScheduler, RolloutWork, Scheduler, simulate_rollout
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.scheduling.gate import GAIN_Z
 from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau, make_predictor
@@ -144,36 +147,42 @@ class RecordingWalk:
                                       prompt_ids=[self.prompt_ids[p] for p in chosen])
             info = getattr(scheduler, "last_info", {})
             records.append({"decode_steps": result.decode_steps, "tau": info.get("length_pred_kendall_tau"),
-                            "log_rmse": info.get("length_pred_log_rmse"), "guided": info.get("guided")})
+                            "log_rmse": info.get("length_pred_log_rmse"), "guided": info.get("guided"),
+                            "preempting": info.get("preempting")})
         return records
 
 
-def make_scheduler(name: str, probe: int | None, seed: int, gain_z: float | None = GAIN_Z) -> Scheduler:
+def make_scheduler(name: str, probe: int | None, seed: int, gain_z: float | None = GAIN_Z,
+                   preempt: int | None = None) -> Scheduler:
     """Plain continuous order for "continuous"; else InfiniteScheduler with predictor ``name`` probing at
-    ``probe`` tokens behind the gate at ``gain_z`` (None: ungated; noisy oracles seeded by ``seed``)."""
+    ``probe`` tokens behind the gate at ``gain_z`` (None: ungated; noisy oracles seeded by ``seed``), preempting
+    from ``preempt`` tokens (None: never)."""
     if name == "continuous":
         return Scheduler()
     predictor = make_predictor(name, seed=seed) if "noisy" in name else name
-    return InfiniteScheduler(predictor, gain_z=gain_z, **({} if probe is None else {"probe_tokens": probe}))
+    return InfiniteScheduler(predictor, gain_z=gain_z, preempt_tokens=preempt,
+                             **({} if probe is None else {"probe_tokens": probe}))
 
 
-def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None, float | None]], seed: int) -> list[dict]:
-    """Continuous, the oracle and every ``(predictor, k, gain_z)`` of ``runs`` on one setup, cross-fitted (module
-    docstring)."""
+def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None, float | None, int | None]],
+                seed: int) -> list[dict]:
+    """Continuous, the oracle and every ``(predictor, k, gain_z, preempt_tokens)`` of ``runs`` on one setup,
+    cross-fitted (module docstring)."""
     rows = []
-    for name, probe, gain_z in [("continuous", None, GAIN_Z), ("oracle", None, GAIN_Z)] + runs:
+    for name, probe, gain_z, preempt in [("continuous", None, GAIN_Z, None), ("oracle", None, GAIN_Z, None)] + runs:
         measured = []
         for warm, test in walk.halves():
-            scheduler = make_scheduler(name, probe, seed, gain_z)
+            scheduler = make_scheduler(name, probe, seed, gain_z, preempt)
             walk.run(scheduler, warm, probe)
             measured += walk.run(scheduler, test, probe)
-        rows.append({"predictor": name, "probe_tokens": probe, "gain_z": gain_z,
+        rows.append({"predictor": name, "probe_tokens": probe, "gain_z": gain_z, "preempt_tokens": preempt,
                      "decode_steps": sum(r["decode_steps"] for r in measured),
                      "kendall_tau": _mean(r["tau"] for r in measured),
                      "log_rmse": _mean(r["log_rmse"] for r in measured),
-                     "guided": _mean(r["guided"] for r in measured)})
-        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} z={gain_z} steps={rows[-1]['decode_steps']}",
-              file=sys.stderr, flush=True)
+                     "guided": _mean(r["guided"] for r in measured),
+                     "preempting": _mean(r["preempting"] for r in measured)})
+        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} z={gain_z} q={preempt} "
+              f"steps={rows[-1]['decode_steps']}", file=sys.stderr, flush=True)
     continuous = rows[0]["decode_steps"]
     oracle_gain = 1 - rows[1]["decode_steps"] / continuous
     for row in rows:
@@ -252,6 +261,19 @@ def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------- main
+def parse_preempt_tokens(text: str) -> list[int | None]:
+    """``--preempt-tokens``: integers >= 1, or "none" for a scheduler that never preempts."""
+    values = []
+    for item in (part.strip() for part in text.split(",")):
+        if item.lower() == "none":
+            values.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            values.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"--preempt-tokens: {item!r} is neither an integer >= 1 nor 'none'")
+    return values
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recording", type=Path, required=True, help="a token recording (tools.record_lengths "
@@ -267,6 +289,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         type=harness.comma_numbers(0), help="t of the elapsed-tokens curve")
     parser.add_argument("--gain-z", default=str(GAIN_Z), type=parse_gain_z,
                         help="comma list of the gate's thresholds (scheduler.gain_z, > 0), 'none' for ungated")
+    parser.add_argument("--preempt-tokens", default=str(InfiniteSchedulerConfig().preempt_tokens),
+                        type=parse_preempt_tokens, help="comma list of preemption quanta (scheduler.preempt_tokens, "
+                                                        ">= 1), 'none' for never")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
     parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
     parser.add_argument("--seed", type=int, default=0)
@@ -298,9 +323,9 @@ def main(argv=None) -> dict:
     setups = []
     for B, G, g in args.setups:
         walk = RecordingWalk(record, features, B, G, g)
-        runs = [(name, k, z) for name in args.predictors
+        runs = [(name, k, z, q) for name in args.predictors
                 for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])
-                for z in args.gain_z]
+                for z in args.gain_z for q in args.preempt_tokens]
         setups.append({"B": B, "G": G, "g": g, "prompts_used": walk.used_prompts,
                        "rows": study_setup(walk, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
@@ -316,12 +341,12 @@ def markdown(report: dict) -> str:
     lines = []
     for setup in report["setups"]:
         lines += [f"B {setup['B']}, G {setup['G']}, g {setup['g']}:", "",
-                  "| predictor | k | gain_z | decode steps | x continuous | oracle's gain kept | Kendall tau | "
-                  "log RMSE | guided |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| predictor | k | gain_z | preempt_tokens | decode steps | x continuous | oracle's gain kept | "
+                  "Kendall tau | log RMSE | guided | preempting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in setup["rows"]:
-            cells = [row["predictor"], row["probe_tokens"] or "-", _z(row["gain_z"]), row["decode_steps"],
-                     f"{row['ratio']:.3f}",
-                     _fmt(row["kept"]), _fmt(row["kendall_tau"]), _fmt(row["log_rmse"]), _fmt(row["guided"])]
+            cells = [row["predictor"], row["probe_tokens"] or "-", _z(row["gain_z"]), row["preempt_tokens"] or "-",
+                     row["decode_steps"], f"{row['ratio']:.3f}", _fmt(row["kept"]), _fmt(row["kendall_tau"]),
+                     _fmt(row["log_rmse"]), _fmt(row["guided"]), _fmt(row["preempting"])]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         lines.append("")
     signals = report["signals"]
@@ -356,9 +381,9 @@ def _print(report: dict) -> None:
         print(f"B {setup['B']}, G {setup['G']}, g {setup['g']}")
         for row in setup["rows"]:
             cells = [f"{row['predictor']:>16s}", f"k={row['probe_tokens']}", f"z={_z(row['gain_z'])}",
-                     f"steps {row['decode_steps']}",
+                     f"q={row['preempt_tokens']}", f"steps {row['decode_steps']}",
                      f"ratio {row['ratio']:.3f}", f"kept {row['kept']}", f"tau {row['kendall_tau']}",
-                     f"log_rmse {row['log_rmse']}", f"guided {row['guided']}"]
+                     f"log_rmse {row['log_rmse']}", f"guided {row['guided']}", f"preempting {row['preempting']}"]
             print("  " + "  ".join(cells))
 
 

@@ -141,9 +141,9 @@ class RolloutBuilder:
         if g != "auto":
             return g
         config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
-        parked = (config.scheduler.probe_tokens or 0) if config.strategy == "infinite" else 0
+        parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
         return auto_micro_group_size(self.policy.config, next(self.policy.parameters()).dtype, config.kv_budget_bytes,
-                                     self.max_prompt_length, config.max_new_tokens, config.group_size, prompts, parked)
+                                     self.max_prompt_length, config.max_new_tokens, config.group_size, prompts, *parked)
 
     @property
     def engine(self) -> RolloutEngine:

@@ -7,9 +7,10 @@ Pure functions of the model config; no model is loaded. One cached position cost
 and one slot holds at most ``longest prompt + max_new_tokens`` positions. Besides its slots the engine holds KV
 that does not depend on g: the prompts' prefixes (at most every prompt's at once: a predictor that reads prompt
 features prefills them all before the first step) and, under "infinite", each parked sample's first
-``probe_tokens`` positions (at most every sample's). So::
+``probe_tokens`` positions (at most every sample's). Samples preempted under "infinite" (``preemption.py``) hold
+at most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. So::
 
-    slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens)
+    slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction))
     held_bytes = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x probe_tokens)
     g          = min(floor((kv_budget_bytes - held_bytes) / slot_bytes), group_size x num_prompts)
 
@@ -23,11 +24,12 @@ Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import check_int, check_real
 
 __all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_slot_bytes"]
 
@@ -85,9 +87,11 @@ def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, gr
 
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
-                          max_new_tokens: int, group_size: int, num_prompts: int = 1, probe_tokens: int = 0) -> int:
+                          max_new_tokens: int, group_size: int, num_prompts: int = 1, probe_tokens: int = 0,
+                          park_fraction: float = 0.0) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
+    ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none).
 
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
@@ -97,13 +101,16 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     check_int("group_size", group_size, 1)
     check_int("num_prompts", num_prompts, 1)
     per_token = kv_bytes_per_token(config, dtype)
+    check_real("park_fraction", park_fraction, 0)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
+    slot += math.ceil(per_token * max_new_tokens * park_fraction)
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, probe_tokens)
     fits = (kv_budget_bytes - held) // slot
     if fits < 1:
+        parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
-                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens)), plus "
-                         f"the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens{parked})), "
+                         f"plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
                          + (f" and parked samples' first {probe_tokens} tokens" if probe_tokens else "")
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))

@@ -276,12 +276,13 @@ class RolloutLoop:
 
     def _release_unused_prefixes(self) -> None:
         """Free the cached prefix of every prompt no sample can need again: none waits for a slot (not started,
-        or parked), and none runs short of its probe (it may be parked, and resuming needs the prefix)."""
+        or parked), and none runs short of its probe or its last preemption point (it may be parked, and resuming
+        needs the prefix)."""
         if not self.prefixes:
             return
-        scheduler, probe = self.scheduler, self.scheduler.probe_tokens
-        may_park = set() if probe is None else {
-            key[0] for key in scheduler.running if len(self.samples[key].tokens) < probe}
+        scheduler = self.scheduler
+        last = max(scheduler.probe_tokens or 0, max(scheduler.preempt_points, default=0))
+        may_park = {key[0] for key in scheduler.running if len(self.samples[key].tokens) < last}
         for p in [p for p in self.prefixes if p not in may_park]:
             if not any(scheduler.waits((p, k)) for k in range(self.G)):
                 del self.prefixes[p]

@@ -36,7 +36,8 @@ class RolloutStats:
             it (``compile``); 0 when the engine reused the previous rollout's step, or the step runs eagerly
             uncompiled; a failed attempt's time when a capture failed.
         num_slots: concurrent sequences the rollout ran with.
-        parked_samples: times the scheduler parked a running sample after its length probe ("infinite" only).
+        parked_samples: times the scheduler parked a running sample, after its length probe or at a preemption
+            point ("infinite" only).
         parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).
         length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step

@@ -16,6 +16,8 @@ rollout it calls, in this order:
 3. ``probe(key, generated, feature)`` when a running sample has generated ``probe_tokens`` tokens (only if that
    attribute is not None); returning True parks the sample (``_park``): its slot frees, the engine keeps its
    generated tokens' KV aside and resumes it when ``admit`` assigns it again.
+   ``preempt(key, generated)`` when a running sample (not parked by its probe) has generated one of the token
+   counts in ``preempt_points`` (read once ``begin`` returns); returning True parks it, as a probe does.
 4. ``finish(key, length)`` when a sample ends (EOS or the length cap); its slot is free from then on.
 5. ``end()`` once; returns metrics for RolloutStats (e.g. ``length_pred_kendall_tau``).
 """
@@ -98,6 +100,8 @@ class Scheduler:
     needs_prompt_features: bool = False
     #: Call ``probe`` when a running sample has generated this many tokens (None: never).
     probe_tokens: int | None = None
+    #: Call ``preempt`` when a running sample has generated one of these many tokens (set by ``begin``).
+    preempt_points: frozenset[int] = frozenset()
 
     def begin(self, work: RolloutWork) -> None:
         self.work = work
@@ -107,7 +111,7 @@ class Scheduler:
         self._order = work.pending_keys()  # prompt-major: the order "full", "micro" and "continuous" start samples
         self._unstarted = set(self._order)
         self._next = 0  # self._order[:self._next] have started
-        self.parked_samples = 0  # probes that parked their sample in this rollout
+        self.parked_samples = 0  # parks in this rollout (at probes and preemption points)
         self.peak_parked = 0
 
     @property
@@ -154,6 +158,9 @@ class Scheduler:
     def probe(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
         return False
 
+    def preempt(self, key: SampleKey, generated: int) -> bool:
+        return False
+
     def finish(self, key: SampleKey, length: int) -> None:
         self._vacate(key)
 
@@ -177,7 +184,7 @@ class Scheduler:
         return self.running.pop(key, None)
 
     def _park(self, key: SampleKey) -> None:
-        """A probe parks its running sample: its slot frees and it waits to resume."""
+        """A probe or a preemption parks its running sample: its slot frees and it waits to resume."""
         self._vacate(key)
         self.parked.add(key)
         self.parked_samples += 1

@@ -21,6 +21,7 @@ from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.gate import GAIN_Z
 from lit_grpo.scheduling.grouping import DEFAULT_EPSILON, GroupingName
 from lit_grpo.scheduling.predictors import PredictorName, parse_predictor_name
+from lit_grpo.scheduling.preemption import preemption_points
 from lit_grpo.scheduling.refill import DEFAULT_REFILL, RefillName
 
 
@@ -41,6 +42,9 @@ class InfiniteSchedulerConfig:
         probe_tokens: k, the tokens a sample runs before a token-conditioned predictor re-predicts its length
             (None or 0: no probe; every sample is planned from prompt-level predictions).
         park_budget: bound on parked samples as a fraction of the slots' generation KV, > 0 (None: unbounded).
+        preempt_tokens: q; while predictions are not followed, preempt a running sample at q, 2q, 4q, ... tokens
+            for one that has generated fewer, where that is established to pay (``preemption.py``; None or 0:
+            first-come order).
         replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
             the plan, >= 0.
         slack_scale: >= 0; a freed slot runs the pool's longest job instead of its planned pick when that costs
@@ -58,6 +62,7 @@ class InfiniteSchedulerConfig:
     epsilon: float = DEFAULT_EPSILON
     probe_tokens: int | None = 8
     park_budget: float | None = 0.5
+    preempt_tokens: int | None = 8
     replan_tolerance: float = 0.1
     slack_scale: float = 0.0
     critical_fraction: float | None = 1.0
@@ -74,9 +79,10 @@ class InfiniteSchedulerConfig:
                 check_choice(f"scheduler.{name}", getattr(self, name), get_args(choice))
         if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
             raise ValueError(f"scheduler.epsilon={self.epsilon!r} must be a number > 0")
-        if self.probe_tokens is not None and (isinstance(self.probe_tokens, bool) or not isinstance(
-                self.probe_tokens, int) or self.probe_tokens < 0):
-            raise ValueError(f"scheduler.probe_tokens={self.probe_tokens!r} must be an integer >= 0 or None")
+        for name in ("probe_tokens", "preempt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"scheduler.{name}={value!r} must be an integer >= 0 or None")
         optional = ("park_budget", "critical_fraction", "gain_z")
         for name, minimum, strict in (("park_budget", 0, True), ("replan_tolerance", 0, False),
                                       ("slack_scale", 0, False), ("critical_fraction", 0, True), ("gain_z", 0, True)):
@@ -102,6 +108,19 @@ class InfiniteSchedulerConfig:
         if unknown:
             raise ValueError(f"unknown scheduler options {unknown}; allowed: {known}")
         return cls(**options)
+
+    def parked_kv_bounds(self, max_new_tokens: int) -> tuple[int, float]:
+        """What parked samples may hold, for a KV budget (``memory_budget.auto_micro_group_size``): ``(tokens each
+        sample may hold parked whatever g is, share of the slots' generation KV)``. Probes park a sample's first
+        ``probe_tokens``; preemption parks within ``park_budget`` of the slots' KV, or, unbounded, each sample up to
+        its last preemption point."""
+        probe = self.probe_tokens or 0
+        points = preemption_points(self.preempt_tokens, max_new_tokens)
+        if not points:
+            return probe, 0.0
+        if self.park_budget is None:
+            return max(probe, max(points)), 0.0
+        return probe, float(self.park_budget)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments of ``InfiniteScheduler``."""

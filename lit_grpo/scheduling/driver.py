@@ -4,7 +4,8 @@ An executor carries out what the scheduler decides: the engine's ``RolloutLoop``
 simulator (``simulate.py``) counts the tokens of known lengths. Per decode step every running sample generates one
 token. After the step, in slot order, a sample that ended (EOS or the length cap) finishes (``finish``); otherwise
 one that reached ``probe_tokens`` is offered to ``probe`` (parked on True: its slot frees, its tokens are kept, it
-resumes where it stopped). Then, if a slot is free and a sample waits, ``admit()``, whose ``(slot, sample)``
+resumes where it stopped), and one not parked there that reached one of ``preempt_points`` to ``preempt`` (the
+same). Then, if a slot is free and a sample waits, ``admit()``, whose ``(slot, sample)``
 assignments run from the next step. A sample that ends at its probe finishes without a probe.
 
 The scheduler keeps the one record of the rollout's state (``Scheduler.running``, ``parked``, ``generated``); the
@@ -66,7 +67,7 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
                   keep_timeline: bool = False) -> DriveResult:
     """Run one rollout: ``begin``, admissions and decode steps until ``executor.over()``, then ``end``."""
     scheduler.begin(work)
-    probe, group_size = scheduler.probe_tokens, work.group_size
+    probe, points, group_size = scheduler.probe_tokens, scheduler.preempt_points, work.group_size
     steps, timeline = 0, []
     while not executor.over():
         if len(scheduler.running) < work.num_slots and scheduler.waiting():
@@ -92,6 +93,8 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
                 executor.finish(slot, key)
                 scheduler.finish(key, generated[key])
             elif generated[key] == probe and scheduler.probe(key, generated[key], executor.feature(slot, key)):
+                executor.park(slot, key)
+            elif generated[key] in points and scheduler.preempt(key, generated[key]):
                 executor.park(slot, key)
         executor.settle()
     return DriveResult(steps, scheduler.end(), timeline)

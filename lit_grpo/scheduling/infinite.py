@@ -8,7 +8,9 @@ lose to arrival order. So at planning points a gate (``gate.py``) draws the pool
 lognormal model and compares guided and arrival order on the same draws; the predictions are followed only
 where their per-rollout gain is established, the course changes only where the other one is, and probes park
 samples only where a plan on probe predictions of the trust they earned would win. Otherwise a freed slot takes
-the first waiting sample: plain continuous order.
+the first waiting sample (plain continuous order), or, where the lengths seen so far establish that it pays, the
+waiting sample that has generated least, running samples being preempted at ``preempt_tokens`` x 1, 2, 4, ...
+tokens (``preemption.py``: least attained service, which needs no prediction).
 
 Before a token is sampled the G samples of a prompt are exchangeable, so only a token-conditioned predictor can
 tell them apart, once a sample has started. With such a predictor the scheduler probes:
@@ -35,15 +37,14 @@ sample before it finished against its true length. Diagnostics of the last rollo
 ``length_pred_log_rmse``, the root-mean-square log error of the same predictions).
 
 State: the settings (``config``), the predictor and the trust live across rollouts; everything a rollout plans with
-lives in one ``_RolloutState`` made by ``begin``; which sample runs where, which are parked and how far each got is
+lives in one ``RolloutPlan`` (``rollout_plan.py``) made by ``begin``; which sample runs where, which are parked and how far each got is
 the base Scheduler's record.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from dataclasses import dataclass, field
+import math
 from typing import Any
 
 import torch
@@ -54,50 +55,13 @@ from lit_grpo.scheduling.gate import follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import make_grouping
 from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
+from lit_grpo.scheduling.preemption import AttainedService, preemption_points
 from lit_grpo.scheduling.refill import SlotPlanner, make_refill
+from lit_grpo.scheduling.rollout_plan import RolloutPlan, SampleRun
 from lit_grpo.scheduling.trust import PredictionTrust
 
 #: The widest log-length spread worth reasoning with (beyond e^4 a spread means "unknown" anyway).
 MAX_LOG_STD = 4.0
-
-
-@dataclass
-class _Run:
-    """When a running sample started (decode steps) and from how many generated tokens."""
-
-    start_clock: int
-    start_generated: int
-
-
-@dataclass
-class _RolloutState:
-    """What one rollout plans with; made by ``begin``, dropped by the next one."""
-
-    planner: SlotPlanner
-    rank: dict[SampleKey, int]  # arrival order (prompt-major)
-    clock: int = 0  # decode steps so far, as the samples' token counts date them
-    runs: dict[SampleKey, _Run] = field(default_factory=dict)  # of the samples started (read for running ones)
-    reserved: dict[int, SampleKey] = field(default_factory=dict)  # slot -> sample chosen at a probe, admitted next
-    token_features: dict[SampleKey, torch.Tensor] = field(default_factory=dict)  # probe features, until finished
-    prompt_predictions: dict[SampleKey, float] = field(default_factory=dict)  # raw predictions by kind: a
-    probe_predictions: dict[SampleKey, float] = field(default_factory=dict)  # probed sample's latest is its probe's
-    # (latest prediction, true length) of each finished sample, in finish order
-    scored: list[tuple[float, int]] = field(default_factory=list)
-    # Finished samples the predictor has not learned from yet: (key, length, token feature or None). Taught in one
-    # batch when predictions are refreshed, and at the end of the rollout, rather than one by one between decode
-    # steps, where the host's time is the accelerator's idle time.
-    unlearned: list[tuple[SampleKey, int, torch.Tensor | None]] = field(default_factory=list)
-    parking: bool = False  # park at probes in this rollout
-    unprobed: deque = field(default_factory=deque)  # samples to start for their probe, in refill order
-    unprobed_work: float = 0.0  # their expected remaining work
-    max_parked: int = 0
-    gain: tuple[float, float] = (0.0, 0.0)  # the gate's (mean, std) gain of the guided order
-    guided: bool = False  # follow the predictions (else arrival order)
-    first_gain: tuple[float, float, bool] = (0.0, 0.0, False)  # the rollout's opening decision, for last_info
-
-    def prediction(self, key: SampleKey) -> float:
-        """The latest raw prediction of a sample (NaN: none)."""
-        return self.probe_predictions.get(key, self.prompt_predictions.get(key, float("nan")))
 
 
 class InfiniteScheduler(Scheduler):
@@ -125,6 +89,7 @@ class InfiniteScheduler(Scheduler):
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
         self.probe_tokens = (self.config.probe_tokens or None) if self.predictor.token_conditioned else None
         self.trust = {"prompt": PredictionTrust(), "probe": PredictionTrust()}
+        self.preemption = AttainedService(self.config.preempt_tokens, self.config.gain_z)
         self.last_info: dict[str, float] = {}
 
     @classmethod
@@ -139,7 +104,7 @@ class InfiniteScheduler(Scheduler):
         planner = SlotPlanner(self.refill, self.grouping, work.num_slots, self.config.replan_tolerance,
                               epsilon=self.config.epsilon)
         # the rollout under way: everything this rollout plans with, dropped by the next begin()
-        now = self.now = _RolloutState(planner, {key: i for i, key in enumerate(work.keys())})
+        now = self.now = RolloutPlan(planner, {key: i for i, key in enumerate(work.keys())})
         keys = work.pending_keys()
         if keys:
             now.prompt_predictions.update(zip(keys, [float(v) for v in self.predictor.predict(work, keys).tolist()]))
@@ -161,6 +126,10 @@ class InfiniteScheduler(Scheduler):
         now.max_parked = self._max_parked(work)
         self._judge()
         now.first_gain = now.gain + (now.guided,)
+        now.preempting = not now.parking and not now.guided and self.preemption.pays(
+            work.num_prompts, work.group_size, work.num_slots, work.max_new_tokens, self._park_tokens())
+        points = preemption_points(self.config.preempt_tokens, work.max_new_tokens)
+        self.preempt_points = points if now.preempting else frozenset()
 
     def admit(self) -> list[Assignment]:
         free = self.free_slots()
@@ -210,11 +179,26 @@ class InfiniteScheduler(Scheduler):
         now.reserved[slot] = chosen
         return True
 
+    def preempt(self, key: SampleKey, generated: int) -> bool:
+        """Park a running sample at a preemption point for a waiting one that has generated fewer tokens, while
+        the parked samples' tokens stay within the park budget (``preemption.py``)."""
+        now = self.now
+        if not now.preempting or now.guided or key not in self.running:
+            return False
+        self._advance_clock(now.runs[key], generated)
+        parked_tokens = sum(self.generated[other] for other in self.parked)
+        if parked_tokens + generated > self._park_tokens() or all(
+                self.generated[other] >= generated for other in now.planner.pool):
+            return False
+        self._park(key, self._expected_remaining(key, generated))
+        return True
+
     def finish(self, key: SampleKey, length: int) -> None:
         now = self.now
         if key in self.running:
             self._advance_clock(now.runs[key], length)
         self._vacate(key)
+        now.finished[key] = int(length)
         now.scored.append((now.prediction(key), int(length)))
         now.unlearned.append((key, int(length), now.token_features.pop(key, None)))
         if key in now.prompt_predictions:
@@ -227,6 +211,9 @@ class InfiniteScheduler(Scheduler):
         self._learn()
         for trust in self.trust.values():
             trust.end_rollout()
+        for p in range(self.work.num_prompts):  # the groups that ended here, whole: what preemption draws from
+            if all((p, k) in now.finished for k in range(self.work.group_size)):
+                self.preemption.observe([now.finished[p, k] for k in range(self.work.group_size)])
         scored = [(predicted, true) for predicted, true in now.scored if predicted == predicted]  # NaN: unpredicted
         predicted, true = [p for p, _ in scored], [t for _, t in scored]
         metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true), "length_pred_smape": smape(predicted, true)}
@@ -238,17 +225,20 @@ class InfiniteScheduler(Scheduler):
             "plan_seconds": stats.plan_seconds, "steals": stats.steals, "parking": float(now.parking),
             "prompt_trust": self.trust["prompt"].rho_low, "probe_trust": self.trust["probe"].rho_low,
             "gain_mean": now.first_gain[0], "gain_std": now.first_gain[1], "guided": float(now.first_gain[2]),
+            "preempting": float(now.preempting),
         }
         return metrics
 
     def state_dict(self) -> dict:
         """What must survive a checkpoint resume: the predictor's learned state and the trust it earned (plans
         are per rollout)."""
-        return {"predictor": self.predictor.state_dict(),
+        return {"predictor": self.predictor.state_dict(), "preemption": self.preemption.state_dict(),
                 "trust": {kind: trust.state_dict() for kind, trust in self.trust.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.predictor.load_state_dict(state["predictor"])
+        if "preemption" in state:  # absent from checkpoints written before preemption existed
+            self.preemption.load_state_dict(state["preemption"])
         for kind, trust_state in state.get("trust", {}).items():
             self.trust[kind].load_state_dict(trust_state)
 
@@ -264,6 +254,8 @@ class InfiniteScheduler(Scheduler):
             return key
         if now.unprobed:
             return now.planner.choose_greedy(slot, now.clock)  # budget full: run the best parked sample
+        if now.preempting and not now.guided:
+            return now.planner.choose_least_attained(slot, now.clock, self.generated)
         if not self._pool_trust().informative or not now.guided:
             return now.planner.choose_first(slot, now.clock)  # predictions tell nothing: first come, first served
         return now.planner.choose(slot, now.clock, self._ready(exclude=slot), *self._slack_and_noise())
@@ -286,7 +278,7 @@ class InfiniteScheduler(Scheduler):
 
     def _start(self, slot: int, key: SampleKey) -> None:
         now = self.now
-        now.runs[key] = _Run(now.clock, self.generated[key])
+        now.runs[key] = SampleRun(now.clock, self.generated[key])
         if now.parking and self._awaits_probe(key):
             now.planner.note_start(slot, now.clock, min(self.probe_tokens, self._expected_remaining(key, 0)))
 
@@ -373,9 +365,14 @@ class InfiniteScheduler(Scheduler):
             self.predictor.observe(self.work, list(keys), list(lengths), torch.stack(features) if probed else None)
         self.now.unlearned = []
 
-    def _advance_clock(self, run: _Run, generated: int) -> None:
+    def _advance_clock(self, run: SampleRun, generated: int) -> None:
         # Every running sample gains one token per decode step, so its token count dates the event.
         self.now.clock = max(self.now.clock, run.start_clock + generated - run.start_generated)
+
+    def _park_tokens(self) -> float:
+        """The most tokens preemption may keep parked: ``park_budget`` of the slots' generation KV."""
+        budget = self.config.park_budget
+        return math.inf if budget is None else budget * self.work.num_slots * self.work.max_new_tokens
 
     def _max_parked(self, work: RolloutWork) -> int:
         if self.config.park_budget is None or not self.now.parking:

@@ -18,7 +18,7 @@ current state (running samples' expected remaining work as ready times).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -241,6 +241,16 @@ class SlotPlanner:
     def choose_first(self, slot: int, clock: float) -> Hashable | None:
         """The pool's first arrival: plain continuous order."""
         return self.choose_greedy(slot, clock, _ARRIVAL_ORDER)
+
+    def choose_least_attained(self, slot: int, clock: float, attained: Mapping[Hashable, int]) -> Hashable | None:
+        """The pool's job with the fewest tokens ``attained``, the first arrival among equals (preemption's order,
+        ``preemption.py``)."""
+        if not self.pool:
+            return None
+        key = min(self.pool, key=lambda k: (attained[k], self.pool[k][1]))
+        self.stale = True
+        self.note_start(slot, clock, self._take(key))
+        return key
 
     def replan(self, clock: float, ready: Sequence[float], precision: float | None = None) -> None:
         """Partition the whole pool over the slots, starting from their ready times, to ``precision``

@@ -1,0 +1,127 @@
+"""Preemption by attained service: every sample starts early, so the longest ones end side by side.
+
+Before a token is sampled the G samples of a prompt are exchangeable, and on real rollouts no token-conditioned
+signal measured orders them well enough to plan on (docs/benchmarks.md, "Length prediction on real rollouts").
+What the lengths do carry is their tail: a sample that has run long is expected to run longer. First-come order
+pays for that tail at the end of a rollout, where the last samples to start are as likely to be long as any, and
+one of them runs on alone while the other slots idle. Least attained service first fixes the tail without
+predicting anything: a running sample is preempted (parked, its KV kept aside) when it reaches ``q``, ``2q``,
+``4q``, ... tokens while a waiting sample has generated fewer, and a freed slot runs the waiting sample that has
+generated least. Every sample then starts within the rollout's first quanta, the short ones end early, and the
+rollout ends with the longest samples running together, each since early on.
+
+Where lengths are light-tailed (a sample that has run long is about to end), preemption can lose to first-come
+order. So a gate, as for predictions (``gate.py``): :meth:`AttainedService.gain` draws rollouts from the groups
+finished so far (whole groups with replacement, each group's samples shuffled, since they are exchangeable),
+computes the makespan of both orders on each draw (:func:`rollout_makespan`, an event-driven model of the rule
+above) and preempts only where the per-draw gain is established (``follow_predictions``'s criterion).
+
+Owns: the finished groups' lengths it draws from (kept across rollouts, checkpointed). The scheduler that uses it
+(``infinite.py``) owns which sample is parked and where each runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+
+#: Finished groups kept to draw rollouts from (the most recent ones: lengths follow the policy as it trains).
+KEPT_GROUPS = 64
+#: Rollouts drawn per decision, and their seed (a decision is a pure function of its inputs).
+DRAWS = 64
+SEED = 0
+
+
+def preemption_points(quantum: int | None, max_new_tokens: int) -> frozenset[int]:
+    """The token counts at which a running sample may be preempted: ``q, 2q, 4q, ...`` below the cap (empty for
+    ``quantum`` None or 0)."""
+    points, t = set(), quantum or 0
+    while 0 < t < max_new_tokens:
+        points.add(t)
+        t *= 2
+    return frozenset(points)
+
+
+def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
+                     park_tokens: float = math.inf) -> int:
+    """Decode steps of a rollout of samples ``lengths`` (arrival order) on ``num_slots`` slots.
+
+    With no ``points``, first-come order. Else least attained service: a sample reaching a point is parked when a
+    waiting sample has generated fewer tokens and the parked samples' tokens stay within ``park_tokens``; a freed
+    slot runs the waiting sample that has generated least (the first arrival among equals).
+    """
+    waiting = [(0, i) for i in range(len(lengths))]  # (attained, arrival): a heap
+    order = sorted(points)
+    running: list[tuple[int, int, int, int]] = []  # (event clock, arrival, start clock, attained at start)
+    clock = parked_tokens = 0
+    while waiting or running:
+        while len(running) < num_slots and waiting:
+            attained, i = heapq.heappop(waiting)
+            if attained:
+                parked_tokens -= attained
+            stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
+            heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+        clock = running[0][0]
+        while running and running[0][0] == clock:
+            _, i, start, attained = heapq.heappop(running)
+            attained += clock - start
+            if attained >= lengths[i]:
+                continue
+            if waiting and waiting[0][0] < attained and parked_tokens + attained <= park_tokens:
+                parked_tokens += attained
+                heapq.heappush(waiting, (attained, i))
+                continue
+            stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
+            heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+    return clock
+
+
+class AttainedService:
+    """Whether preempting by attained service beats first-come order on the rollouts seen so far.
+
+    Args:
+        quantum: q, the first preemption point (None or 0: never preempt).
+        gain_z: the confidence the per-draw gain needs (standard deviations; None: preempt whenever groups have
+            been seen).
+    """
+
+    def __init__(self, quantum: int | None, gain_z: float | None) -> None:
+        self.quantum, self.gain_z = quantum, gain_z
+        self.groups: deque[list[int]] = deque(maxlen=KEPT_GROUPS)
+
+    def observe(self, lengths: Sequence[int]) -> None:
+        """A group whose samples all finished: their lengths (tokens)."""
+        self.groups.append([int(x) for x in lengths])
+
+    def gain(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
+             park_tokens: float) -> tuple[float, float]:
+        """(mean, std) over drawn rollouts of ``makespan(first-come) - makespan(preempting)``, in decode steps."""
+        points = preemption_points(self.quantum, max_new_tokens)
+        if not points or not self.groups or num_prompts * group_size <= num_slots:
+            return 0.0, 0.0
+        rng, groups, gains = random.Random(SEED), list(self.groups), []
+        for _ in range(DRAWS):
+            lengths = []
+            for _ in range(num_prompts):
+                group = rng.choice(groups)
+                lengths.extend(rng.sample(group, group_size) if len(group) >= group_size
+                               else rng.choices(group, k=group_size))
+            gains.append(rollout_makespan(lengths, num_slots) - rollout_makespan(lengths, num_slots, points,
+                                                                                   park_tokens))
+        mean = sum(gains) / len(gains)
+        return mean, math.sqrt(sum((g - mean) ** 2 for g in gains) / len(gains))
+
+    def pays(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
+             park_tokens: float) -> bool:
+        """Preempt in this rollout? Only where the drawn gain is established (``gain_z`` standard deviations)."""
+        mean, std = self.gain(num_prompts, group_size, num_slots, max_new_tokens, park_tokens)
+        return mean > (self.gain_z or 0.0) * std and mean > 0
+
+    def state_dict(self) -> dict:
+        return {"groups": [list(group) for group in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = deque(([int(x) for x in group] for group in state["groups"]), maxlen=KEPT_GROUPS)

@@ -1,0 +1,163 @@
+"""Preemption by attained service (scheduling/preemption.py) and the infinite scheduler that uses it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lit_grpo.sampling import RolloutEngine
+from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token
+from lit_grpo.scheduling import FIFOScheduler, InfiniteScheduler, simulate_rollout
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling.preemption import AttainedService, preemption_points, rollout_makespan
+
+
+def _heavy_groups(seed: int, prompts: int = 4, group_size: int = 16, cap: int = 256) -> list[list[int]]:
+    """Lognormal lengths (log spread 1), capped: most samples short, a few near the cap."""
+    rng = random.Random(seed)
+    return [[min(cap, max(1, round(rng.lognormvariate(4.8, 1.0)))) for _ in range(group_size)]
+            for _ in range(prompts)]
+
+
+def test_preemption_points_double_from_the_quantum_below_the_cap():
+    assert preemption_points(8, 100) == {8, 16, 32, 64}
+    assert preemption_points(8, 64) == {8, 16, 32}
+    assert preemption_points(None, 100) == preemption_points(0, 100) == frozenset()
+
+
+def test_the_model_of_first_come_order_is_the_simulated_continuous_rollout():
+    rng = random.Random(0)
+    for _ in range(20):
+        lengths = [[rng.randint(1, 60) for _ in range(rng.randint(1, 8))] for _ in range(3)]
+        lengths = [row[:min(map(len, lengths))] for row in lengths]
+        slots = rng.randint(1, 6)
+        flat = [x for row in lengths for x in row]
+        assert rollout_makespan(flat, slots) == simulate_rollout(FIFOScheduler(), lengths, slots).decode_steps
+
+
+def test_a_long_sample_that_arrives_last_starts_early_when_preempting():
+    lengths = [5, 5, 5, 5, 5, 5, 60]
+    assert rollout_makespan(lengths, 2) == 75  # three rounds of two 5s, then the 60 alone
+    preempting = rollout_makespan(lengths, 2, preemption_points(4, 64))
+    assert preempting < 75 and preempting >= 60  # the 60 started within the first quanta
+    # The park budget bounds it: with room for nothing parked, the order is first-come again.
+    assert rollout_makespan(lengths, 2, preemption_points(4, 64), park_tokens=0) == 75
+
+
+def test_the_gate_preempts_on_heavy_tails_and_not_on_equal_lengths():
+    heavy, equal = AttainedService(8, 1.0), AttainedService(8, 1.0)
+    assert heavy.gain(4, 16, 8, 256, 1024) == (0.0, 0.0)  # nothing seen yet: no gain to establish
+    for seed in range(8):
+        for group in _heavy_groups(seed):
+            heavy.observe(group)
+        equal.observe([50] * 16)
+    assert heavy.pays(4, 16, 8, 256, 0.5 * 8 * 256)
+    mean, _ = equal.gain(4, 16, 8, 256, 0.5 * 8 * 256)
+    assert mean <= 0 and not equal.pays(4, 16, 8, 256, 0.5 * 8 * 256)
+    assert not heavy.pays(4, 2, 8, 256, 1024)  # a slot for every sample: nothing waits
+
+
+def test_the_gate_keeps_the_most_recent_groups_and_its_state():
+    gate = AttainedService(8, 1.0)
+    for n in range(100):
+        gate.observe([n + 1] * 2)
+    assert len(gate.groups) == 64 and gate.groups[0] == [37, 37]
+    restored = AttainedService(8, 1.0)
+    restored.load_state_dict(gate.state_dict())
+    assert list(restored.groups) == list(gate.groups)
+
+
+def _series(scheduler, rollouts: int, slots: int = 8):
+    results = []
+    for seed in range(rollouts):
+        lengths = _heavy_groups(seed)
+        results.append((simulate_rollout(scheduler, lengths, slots, 256),
+                        simulate_rollout(FIFOScheduler(), lengths, slots, 256)))
+    return results
+
+
+class _BudgetWatch(InfiniteScheduler):
+    """Records the parked samples' tokens after every preemption."""
+
+    parked_tokens: list[int] = []
+
+    def preempt(self, key, generated):
+        parked = super().preempt(key, generated)
+        self.parked_tokens.append(sum(self.generated[k] for k in self.parked))
+        return parked
+
+
+def test_the_infinite_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
+    scheduler = _BudgetWatch("history")  # no token-conditioned predictor: nothing to plan on
+    results = _series(scheduler, 6)
+    first, _ = results[0]
+    assert first.parked_samples == 0  # no group seen yet
+    assert scheduler.last_info["preempting"] == 1.0
+    later = results[1:]
+    assert all(run.generated_tokens == fifo.generated_tokens for run, fifo in later)
+    assert sum(run.parked_samples for run, _ in later) > 0
+    assert sum(run.decode_steps for run, _ in later) < 0.97 * sum(fifo.decode_steps for _, fifo in later)
+    assert max(scheduler.parked_tokens) <= 0.5 * 8 * 256  # park_budget 0.5 of the slots' generation KV
+
+
+def test_without_a_quantum_the_scheduler_runs_first_come_order():
+    scheduler = InfiniteScheduler("history", preempt_tokens=None)
+    for run, fifo in _series(scheduler, 3):
+        assert run.decode_steps == fifo.decode_steps and run.parked_samples == 0
+    assert scheduler.preempt_points == frozenset()
+
+
+def test_a_resumed_scheduler_preempts_from_its_first_rollout():
+    trained = InfiniteScheduler("history")
+    _series(trained, 3)
+    resumed = InfiniteScheduler("history")
+    resumed.load_state_dict(trained.state_dict())
+    simulate_rollout(resumed, _heavy_groups(9), 8, 256)
+    assert resumed.last_info["preempting"] == 1.0
+    old = trained.state_dict()
+    del old["preemption"]  # a checkpoint from before preemption: loads, with nothing seen yet
+    InfiniteScheduler("history").load_state_dict(old)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "8"])
+def test_a_bad_quantum_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="scheduler.preempt_tokens"):
+        InfiniteSchedulerConfig(preempt_tokens=value)
+
+
+def test_the_kv_budget_counts_what_preemption_may_park(tiny_llama):
+    config = InfiniteSchedulerConfig()
+    assert config.parked_kv_bounds(256) == (8, 0.5)
+    assert InfiniteSchedulerConfig(park_budget=None).parked_kv_bounds(256) == (128, 0.0)  # up to its last point
+    assert InfiniteSchedulerConfig(preempt_tokens=None).parked_kv_bounds(256) == (8, 0.0)
+    model_config = tiny_llama[0].config
+    per_token = kv_bytes_per_token(model_config, torch.float32)
+    budget = per_token * (20 * (10 + 100) + 10)  # 20 slots and one prompt's prefix
+    assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64) == 20
+    # Each slot may hold half its generation KV parked: 10 + 100 + 50 positions a slot.
+    assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64, park_fraction=0.5) == 13
+    with pytest.raises(ValueError, match="park_fraction"):
+        auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64, park_fraction=-1)
+
+
+def test_the_engine_preempts_and_resumes_samples_without_changing_them(tiny_llama):
+    model, tokenizer = tiny_llama
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "hi")]
+    lengths = [[2, 2, 2, 2, 2, 2, 30, 30]] * 2  # the long samples arrive last in each group
+    engine = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="infinite",
+                           max_new_tokens=30, temperature=1.0, seed=3, predictor="history", preempt_tokens=2)
+    engine.generate(prompts, lengths=lengths)  # the groups' lengths are seen
+    result = engine.generate(prompts, lengths=lengths)
+    assert engine.scheduler.last_info["preempting"] == 1.0 and result.stats.parked_samples > 0
+    continuous = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="continuous",
+                               max_new_tokens=30, temperature=1.0, seed=3)
+    expected = continuous.generate(prompts, lengths=lengths)
+    expected = continuous.generate(prompts, lengths=lengths)  # the same rollout index: the same streams
+    assert result.completion_ids == expected.completion_ids
+    for got, want in zip(sum(result.logprobs, []), sum(expected.logprobs, [])):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert result.stats.decode_steps < expected.stats.decode_steps
+    per_token = kv_bytes_per_token(model.config, torch.float32)
+    assert 0 < result.stats.parked_kv_bytes <= 0.5 * 4 * 30 * per_token
