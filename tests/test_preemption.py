@@ -69,10 +69,10 @@ def test_the_gate_keeps_the_most_recent_groups_and_its_state():
     assert list(restored.groups) == list(gate.groups)
 
 
-def _series(scheduler, rollouts: int, slots: int = 8):
+def _series(scheduler, rollouts: int, slots: int = 32):
     results = []
     for seed in range(rollouts):
-        lengths = _heavy_groups(seed)
+        lengths = _heavy_groups(seed, prompts=8)
         results.append((simulate_rollout(scheduler, lengths, slots, 256),
                         simulate_rollout(FIFOScheduler(), lengths, slots, 256)))
     return results
@@ -91,6 +91,7 @@ class _BudgetWatch(InfiniteScheduler):
 
 def test_the_infinite_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
     scheduler = _BudgetWatch("history")  # no token-conditioned predictor: nothing to plan on
+    scheduler.parked_tokens = []
     results = _series(scheduler, 6)
     first, _ = results[0]
     assert first.parked_samples == 0  # no group seen yet
@@ -99,7 +100,7 @@ def test_the_infinite_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it()
     assert all(run.generated_tokens == fifo.generated_tokens for run, fifo in later)
     assert sum(run.parked_samples for run, _ in later) > 0
     assert sum(run.decode_steps for run, _ in later) < 0.97 * sum(fifo.decode_steps for _, fifo in later)
-    assert max(scheduler.parked_tokens) <= 0.5 * 8 * 256  # park_budget 0.5 of the slots' generation KV
+    assert max(scheduler.parked_tokens) <= 0.5 * 32 * 256  # park_budget 0.5 of the slots' generation KV
 
 
 def test_without_a_quantum_the_scheduler_runs_first_come_order():
@@ -114,7 +115,7 @@ def test_a_resumed_scheduler_preempts_from_its_first_rollout():
     _series(trained, 3)
     resumed = InfiniteScheduler("history")
     resumed.load_state_dict(trained.state_dict())
-    simulate_rollout(resumed, _heavy_groups(9), 8, 256)
+    simulate_rollout(resumed, _heavy_groups(9, prompts=8), 32, 256)
     assert resumed.last_info["preempting"] == 1.0
     old = trained.state_dict()
     del old["preemption"]  # a checkpoint from before preemption: loads, with nothing seen yet
@@ -144,8 +145,8 @@ def test_the_kv_budget_counts_what_preemption_may_park(tiny_llama):
 
 def test_the_engine_preempts_and_resumes_samples_without_changing_them(tiny_llama):
     model, tokenizer = tiny_llama
-    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "hi")]
-    lengths = [[2, 2, 2, 2, 2, 2, 30, 30]] * 2  # the long samples arrive last in each group
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "hi", "Count to five.", "Name a colour.")]
+    lengths = [[2, 2, 2, 2, 2, 2, 2, 30]] * 4  # the long sample arrives last in each group
     engine = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="infinite",
                            max_new_tokens=30, temperature=1.0, seed=3, predictor="history", preempt_tokens=2)
     engine.generate(prompts, lengths=lengths)  # the groups' lengths are seen

@@ -55,7 +55,7 @@ from lit_grpo.scheduling.gate import follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import make_grouping
 from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
-from lit_grpo.scheduling.preemption import AttainedService, preemption_points
+from lit_grpo.scheduling.preemption import CONFIDENCE_Z, AttainedService, preemption_points
 from lit_grpo.scheduling.refill import SlotPlanner, make_refill
 from lit_grpo.scheduling.rollout_plan import RolloutPlan, SampleRun
 from lit_grpo.scheduling.trust import PredictionTrust
@@ -89,7 +89,8 @@ class InfiniteScheduler(Scheduler):
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
         self.probe_tokens = (self.config.probe_tokens or None) if self.predictor.token_conditioned else None
         self.trust = {"prompt": PredictionTrust(), "probe": PredictionTrust()}
-        self.preemption = AttainedService(self.config.preempt_tokens, self.config.gain_z)
+        self.preemption = AttainedService(self.config.preempt_tokens, None if self.config.gain_z is None else
+                                          max(self.config.gain_z, CONFIDENCE_Z))
         self.last_info: dict[str, float] = {}
 
     @classmethod
