@@ -109,8 +109,8 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     if fits < 1:
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
-                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens{parked})), "
-                         f"plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new "
+                         f"tokens{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
                          + (f" and parked samples' first {probe_tokens} tokens" if probe_tokens else "")
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))

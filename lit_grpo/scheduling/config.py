@@ -52,8 +52,9 @@ class InfiniteSchedulerConfig:
         critical_fraction: > 0; during the probe phase a sample keeps running instead of parking when its
             expected remaining length is at least this fraction of the average slot's remaining work (None: never).
         gain_z: > 0, the confidence (standard deviations) a prediction-guided order's gain over arrival order
-            needs before the scheduler follows it, and parks at probes (``gate.py``); None: follow trusted
-            predictions ungated.
+            needs before the scheduler follows it, and parks at probes (``gate.py``); preemption asks for at least
+            ``preemption.CONFIDENCE_Z`` (2); None: follow trusted predictions ungated, and preempt wherever the
+            drawn gain is positive.
     """
 
     predictor: Union[PredictorName, str] = "online"

@@ -36,9 +36,9 @@ Metrics from ``end``: ``length_pred_kendall_tau`` and ``length_pred_smape`` of t
 sample before it finished against its true length. Diagnostics of the last rollout are in ``last_info`` (with
 ``length_pred_log_rmse``, the root-mean-square log error of the same predictions).
 
-State: the settings (``config``), the predictor and the trust live across rollouts; everything a rollout plans with
-lives in one ``RolloutPlan`` (``rollout_plan.py``) made by ``begin``; which sample runs where, which are parked and how far each got is
-the base Scheduler's record.
+State: the settings (``config``), the predictor, the trust and the preemption gate's groups live across rollouts;
+everything a rollout plans with lives in one ``RolloutPlan`` (``rollout_plan.py``) made by ``begin``; which sample
+runs where, which are parked and how far each got is the base Scheduler's record.
 """
 
 from __future__ import annotations
