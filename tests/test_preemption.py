@@ -81,7 +81,9 @@ def _series(scheduler, rollouts: int, slots: int = 32):
 class _BudgetWatch(InfiniteScheduler):
     """Records the parked samples' tokens after every preemption."""
 
-    parked_tokens: list[int] = []
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parked_tokens: list[int] = []
 
     def preempt(self, key, generated):
         parked = super().preempt(key, generated)
@@ -91,7 +93,6 @@ class _BudgetWatch(InfiniteScheduler):
 
 def test_the_infinite_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
     scheduler = _BudgetWatch("history")  # no token-conditioned predictor: nothing to plan on
-    scheduler.parked_tokens = []
     results = _series(scheduler, 6)
     first, _ = results[0]
     assert first.parked_samples == 0  # no group seen yet

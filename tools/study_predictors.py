@@ -39,6 +39,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,21 +71,30 @@ def parse_setups(text: str) -> list[tuple[int, int, int]]:
     return setups
 
 
-def parse_gain_z(text: str) -> list[float | None]:
-    """``--gain-z``: numbers > 0, or "none" for the ungated scheduler."""
-    values = []
-    for item in (part.strip() for part in text.split(",")):
-        if item.lower() == "none":
-            values.append(None)
-            continue
-        try:
-            value = float(item)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"--gain-z: {item!r} is neither a number > 0 nor 'none'")
-        values.append(value)
-    return values
+def numbers_or_none(flag: str, kind: type, accept: Callable[[float], bool], what: str) -> Callable[[str], list]:
+    """An argparse type for ``flag``: a comma list of ``kind`` numbers that ``accept`` takes (``what`` says which),
+    or "none" (None: the setting off)."""
+    def parse(text: str) -> list:
+        values = []
+        for item in (part.strip() for part in text.split(",")):
+            if item.lower() == "none":
+                values.append(None)
+                continue
+            try:
+                value = kind(item)
+            except ValueError:
+                value = None
+            if value is None or not accept(value):
+                raise argparse.ArgumentTypeError(f"{flag}: {item!r} is neither {what} nor 'none'")
+            values.append(value)
+        return values
+    return parse
+
+
+#: ``--gain-z``: numbers > 0, or "none" for the ungated scheduler.
+parse_gain_z = numbers_or_none("--gain-z", float, lambda z: math.isfinite(z) and z > 0, "a number > 0")
+#: ``--preempt-tokens``: integers >= 1, or "none" for a scheduler that never preempts.
+parse_preempt_tokens = numbers_or_none("--preempt-tokens", int, lambda q: q >= 1, "an integer >= 1")
 
 
 def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatures:
@@ -261,19 +271,6 @@ def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------- main
-def parse_preempt_tokens(text: str) -> list[int | None]:
-    """``--preempt-tokens``: integers >= 1, or "none" for a scheduler that never preempts."""
-    values = []
-    for item in (part.strip() for part in text.split(",")):
-        if item.lower() == "none":
-            values.append(None)
-        elif item.isdigit() and int(item) >= 1:
-            values.append(int(item))
-        else:
-            raise argparse.ArgumentTypeError(f"--preempt-tokens: {item!r} is neither an integer >= 1 nor 'none'")
-    return values
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recording", type=Path, required=True, help="a token recording (tools.record_lengths "

@@ -28,6 +28,10 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
+import torch
+
+from lit_grpo.scheduling.gate import list_makespan
+
 #: Finished groups kept to draw rollouts from (the most recent ones: lengths follow the policy as it trains).
 KEPT_GROUPS = 64
 #: Rollouts drawn per decision, and their seed (a decision is a pure function of its inputs).
@@ -61,13 +65,17 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
     order = sorted(points)
     running: list[tuple[int, int, int, int]] = []  # (event clock, arrival, start clock, attained at start)
     clock = parked_tokens = 0
+
+    def run(i: int, attained: int) -> None:
+        """Sample ``i`` runs from ``clock`` until it ends or reaches its next point."""
+        stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
+        heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+
     while waiting or running:
         while len(running) < num_slots and waiting:
             attained, i = heapq.heappop(waiting)
-            if attained:
-                parked_tokens -= attained
-            stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
-            heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+            parked_tokens -= attained  # 0 for a sample not started yet
+            run(i, attained)
         clock = running[0][0]
         while running and running[0][0] == clock:
             _, i, start, attained = heapq.heappop(running)
@@ -78,8 +86,7 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
                 parked_tokens += attained
                 heapq.heappush(waiting, (attained, i))
                 continue
-            stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
-            heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+            run(i, attained)
     return clock
 
 
@@ -106,15 +113,19 @@ class AttainedService:
         points = preemption_points(self.quantum, max_new_tokens)
         if not points or not self.groups or num_prompts * group_size <= num_slots:
             return 0.0, 0.0
-        rng, groups, gains = random.Random(SEED), list(self.groups), []
+        rng, groups, draws = random.Random(SEED), list(self.groups), []
         for _ in range(DRAWS):
             lengths = []
             for _ in range(num_prompts):
                 group = rng.choice(groups)
                 lengths.extend(rng.sample(group, group_size) if len(group) >= group_size
                                else rng.choices(group, k=group_size))
-            gains.append(rollout_makespan(lengths, num_slots) - rollout_makespan(lengths, num_slots, points,
-                                                                                   park_tokens))
+            draws.append(lengths)
+        # First-come order is list scheduling: every draw at once (gate.py); preempting, one draw at a time.
+        first_come = list_makespan(torch.tensor(draws, dtype=torch.float64),
+                                   torch.zeros(DRAWS, num_slots, dtype=torch.float64)).tolist()
+        gains = [first - rollout_makespan(lengths, num_slots, points, park_tokens)
+                 for first, lengths in zip(first_come, draws)]
         mean = sum(gains) / len(gains)
         return mean, math.sqrt(sum((g - mean) ** 2 for g in gains) / len(gains))
 

@@ -233,10 +233,7 @@ class SlotPlanner:
         if not self.pool:
             return None
         keys = list(self.pool)
-        key = keys[(policy or self.policy).pick([self.pool[k] for k in keys])]
-        self.stale = True
-        self.note_start(slot, clock, self._take(key))
-        return key
+        return self._start_off_plan(slot, clock, keys[(policy or self.policy).pick([self.pool[k] for k in keys])])
 
     def choose_first(self, slot: int, clock: float) -> Hashable | None:
         """The pool's first arrival: plain continuous order."""
@@ -247,7 +244,10 @@ class SlotPlanner:
         ``preemption.py``)."""
         if not self.pool:
             return None
-        key = min(self.pool, key=lambda k: (attained[k], self.pool[k][1]))
+        return self._start_off_plan(slot, clock, min(self.pool, key=lambda k: (attained[k], self.pool[k][1])))
+
+    def _start_off_plan(self, slot: int, clock: float, key: Hashable) -> Hashable:
+        """``key`` leaves the pool to run in ``slot`` from ``clock``, chosen without the plan: the plan is stale."""
         self.stale = True
         self.note_start(slot, clock, self._take(key))
         return key
