@@ -110,3 +110,27 @@ def test_prefills_and_decode_steps_are_timed_on_the_device():
     stats = engine.generate(prompts).stats
     assert stats.prefill_s > 0 and stats.decode_s > 0
     assert stats.prefill_s + stats.decode_s <= stats.wall_s
+
+
+def test_the_compiled_step_captured_samples_what_the_eager_step_samples_and_compiles_once():
+    """``compile: true`` on CUDA (what the graph captures is the compiled step): greedy completions equal the
+    uncompiled graph's, log-probs within float32 fusion noise, and a later engine of the same shape reuses the
+    process's compilation instead of compiling again."""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.")]
+    settings = dict(group_size=4, micro_group_size=2, strategy="infinite", max_new_tokens=12, temperature=0.0)
+    results = {}
+    for compiled in (False, True):
+        engine = RolloutEngine(model, tokenizer, compile=compiled, **settings)
+        results[compiled] = [engine.generate(prompts) for _ in range(2)]
+        assert engine._step.graph is not None
+    graphs = counters["stats"]["unique_graphs"]
+    again = RolloutEngine(model, tokenizer, compile=True, **settings).generate(prompts)
+    assert counters["stats"]["unique_graphs"] == graphs > 0
+    expected = results[False][0]
+    for result in results[False][1:] + results[True] + [again]:
+        assert result.completion_ids == expected.completion_ids
+        for expected_row, row in zip(expected.logprobs, result.logprobs):
+            assert torch.allclose(torch.tensor(row), torch.tensor(expected_row), atol=1e-4)

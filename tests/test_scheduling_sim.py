@@ -204,7 +204,7 @@ class _ProbingOracle(OracleLengthPredictor):
     token_conditioned = True
 
 
-@pytest.mark.parametrize("slots", [4, 12])
+@pytest.mark.parametrize("slots", [4, 11])
 def test_the_predictor_learns_every_finished_sample_once_in_batches(slots):
     """Learning happens in batches, when the plan is refreshed and at the end of the rollout, not at every
     finish between decode steps, and no finished sample is left out or taught twice."""
@@ -223,5 +223,30 @@ def test_the_predictor_learns_every_finished_sample_once_in_batches(slots):
             observed = [key for call in calls for key in call]
             assert sorted(observed) == [(p, k) for p in range(2) for k in range(6)]
             assert len(calls) < len(observed)  # batched: fewer calls than samples
-            if slots >= 12:  # a slot for every sample: nothing is refreshed, everything is learned at the end
+            if slots == 11:  # one sample waits: nothing is refreshed, everything is learned at the end
                 assert len(calls) == 2  # one call for the probed samples, one for those that ended before
+
+
+@pytest.mark.parametrize("preempt_tokens", [8, None])
+def test_a_slot_for_every_sample_asks_nothing_of_the_predictor(preempt_tokens):
+    """With a slot for every sample nothing waits and no order is chosen: the rollout neither predicts nor
+    learns (on a GPU the host's work would be the accelerator's idle time), runs as first-come, and reports
+    no prediction quality; one sample more than slots and the predictor is used again."""
+    from lit_grpo.scheduling import OnlineLengthPredictor
+
+    lengths = [[5, 40, 3, 22, 9, 31], [17, 2, 26, 8, 12, 35]]
+    rollout = planted_rollout(2, 6)
+    predictor, calls = OnlineLengthPredictor(), []
+    for name in ("predict", "observe"):
+        original = getattr(predictor, name)
+        setattr(predictor, name, lambda *args, _name=name, _orig=original, **kw: (calls.append(_name),
+                                                                                   _orig(*args, **kw))[1])
+    scheduler = InfiniteScheduler(predictor, probe_tokens=4, preempt_tokens=preempt_tokens)
+    for _ in range(2):
+        result = simulate_rollout(scheduler, lengths, 12, 40, rollout.prompt_features, rollout.token_feature)
+        assert result.decode_steps == simulate_rollout(FIFOScheduler(), lengths, 12, 40).decode_steps == 40
+        assert calls == [] and result.metrics == {} and scheduler.parked_samples == 0
+        assert math.isnan(scheduler.last_info["length_pred_kendall_tau"])
+    simulate_rollout(scheduler, lengths, 11, 40, rollout.prompt_features, rollout.token_feature)
+    assert {"predict", "observe"} <= set(calls)
+    assert math.isfinite(scheduler.last_info["length_pred_kendall_tau"])

@@ -39,7 +39,8 @@ class RolloutStats:
         parked_samples: times the scheduler parked a running sample, after its length probe or at a preemption
             point ("infinite" only).
         parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).
-        length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only).
+        length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only; None
+            where a slot held every sample, since nothing was predicted).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step
             ``t``, or ``IDLE``. Kept for pictures (see lit_grpo.callbacks.SlotTimelineLogger).
         group_size: G, to map flat sample indices back to prompts.

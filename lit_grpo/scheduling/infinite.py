@@ -107,13 +107,13 @@ class InfiniteScheduler(Scheduler):
         # the rollout under way: everything this rollout plans with, dropped by the next begin()
         now = self.now = RolloutPlan(planner, {key: i for i, key in enumerate(work.keys())})
         keys = work.pending_keys()
-        if keys:
+        now.waits = len(keys) > work.num_slots
+        if now.waits:
             now.prompt_predictions.update(zip(keys, [float(v) for v in self.predictor.predict(work, keys).tolist()]))
-        # Park at probes only where the plan can use what a probe tells: trusted probes and more samples than
-        # slots (with a slot for every sample nothing waits, and parking would only move KV out and back in).
+        # Park at probes only where the plan can use what a probe tells: trusted probes and samples that wait.
         gain_z = self.config.gain_z
         now.parking = (self.probe_tokens is not None and self.trust["probe"].informative
-                       and len(keys) > work.num_slots and (gain_z is None or probes_pay(
+                       and now.waits and (gain_z is None or probes_pay(
                            self.trust["probe"], len(keys), work.num_slots, work.max_new_tokens, gain_z)))
         if now.parking:  # samples carried past their probe are planned at once, like probed ones
             unprobed = [key for key in keys if self.generated[key] < self.probe_tokens]
@@ -147,8 +147,8 @@ class InfiniteScheduler(Scheduler):
 
     def probe(self, key: SampleKey, generated: int, feature: torch.Tensor) -> bool:
         now = self.now
-        if key not in self.running or key in now.probe_predictions:
-            return False  # not ours to judge (already re-predicted, or not running)
+        if not now.waits or key not in self.running or key in now.probe_predictions:
+            return False  # nothing to decide, or not ours to judge (already re-predicted, or not running)
         self._advance_clock(now.runs[key], generated)
         feature = feature.detach().to("cpu", torch.float32).reshape(-1)
         now.token_features[key] = feature
@@ -200,6 +200,8 @@ class InfiniteScheduler(Scheduler):
             self._advance_clock(now.runs[key], length)
         self._vacate(key)
         now.finished[key] = int(length)
+        if not now.waits:
+            return
         now.scored.append((now.prediction(key), int(length)))
         now.unlearned.append((key, int(length), now.token_features.pop(key, None)))
         if key in now.prompt_predictions:
@@ -217,10 +219,13 @@ class InfiniteScheduler(Scheduler):
                 self.preemption.observe([now.finished[p, k] for k in range(self.work.group_size)])
         scored = [(predicted, true) for predicted, true in now.scored if predicted == predicted]  # NaN: unpredicted
         predicted, true = [p for p, _ in scored], [t for _, t in scored]
-        metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true), "length_pred_smape": smape(predicted, true)}
+        # Where nothing waited nothing was predicted: the rollout has no figure for the prediction's quality.
+        metrics = {"length_pred_kendall_tau": kendall_tau(predicted, true),
+                   "length_pred_smape": smape(predicted, true)} if now.waits else {}
         stats = now.planner.stats
         self.last_info = {
-            **metrics, "length_pred_log_rmse": log_rmse(predicted, true), "parked_samples": self.parked_samples,
+            "length_pred_kendall_tau": math.nan, "length_pred_smape": math.nan, **metrics,
+            "length_pred_log_rmse": log_rmse(predicted, true), "parked_samples": self.parked_samples,
             "peak_parked": self.peak_parked,
             "max_parked": now.max_parked, "replans": stats.replans, "forced": stats.forced,
             "plan_seconds": stats.plan_seconds, "steals": stats.steals, "parking": float(now.parking),

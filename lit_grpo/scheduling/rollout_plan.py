@@ -42,6 +42,9 @@ class RolloutPlan:
     # batch when predictions are refreshed, and at the end of the rollout, rather than one by one between decode
     # steps, where the host's time is the accelerator's idle time.
     unlearned: list[tuple[SampleKey, int, torch.Tensor | None]] = field(default_factory=list)
+    # More samples than slots: some wait, so an order is chosen. Else no prediction could change anything, and
+    # the rollout asks nothing of the predictor (on a GPU the host's work is the accelerator's idle time).
+    waits: bool = True
     parking: bool = False  # park at probes in this rollout
     unprobed: deque = field(default_factory=deque)  # samples to start for their probe, in refill order
     unprobed_work: float = 0.0  # their expected remaining work
