@@ -237,6 +237,17 @@ def test_online_predictor_learns_planted_signal():
     assert torch.allclose(clone.predict(work, keys, features), predicted)
 
 
+def test_online_predictor_maps_each_rollouts_own_prompt_features():
+    """The prompt part is mapped once per rollout and indexed per call: each rollout's rows, never the last's."""
+    predictor, generator = OnlineLengthPredictor(max_dim=8), torch.Generator().manual_seed(0)
+    for _ in range(2):
+        features = torch.randn(3, 16, generator=generator)  # projected: 16 > max_dim
+        work = RolloutWork([4] * 3, 2, 2, 64, features, [[0], [1], [2]])
+        for keys in ([(2, 0), (0, 1)], [(1, 1)]):
+            assert torch.equal(predictor._prompt_x(work, keys), predictor._phi(features)[[p for p, _ in keys]])
+            assert torch.allclose(predictor._prompt_x(work, keys), predictor._phi(features[[p for p, _ in keys]]))
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_online_predictor_learning_a_batch_equals_learning_its_samples_one_at_a_time(seed):
     """The scheduler teaches the predictor in batches. Split where the fits would change (a refit, the token model

@@ -42,7 +42,7 @@ class OnlineLengthPredictor:
         self.prompt_error = PrequentialError()
         self.token_error = PrequentialError()
         self._projections: dict[int, torch.Tensor] = {}
-        self._fallback = None  # log length used while the prompt model is empty
+        self._prompt_phi: tuple[torch.Tensor, torch.Tensor] | None = None  # (the rollout's features, their phi)
 
     def predict(
         self, work: RolloutWork, keys: Sequence[SampleKey], token_features: torch.Tensor | None = None
@@ -126,8 +126,12 @@ class OnlineLengthPredictor:
         """``[N, d]`` prompt part; ``[N, 1]`` of zeros (an intercept-only model) when the engine gave none."""
         if work.prompt_features is None:
             return torch.zeros(len(keys), 1, dtype=torch.float64)
-        # A list index works on any device; only the selected rows travel to the CPU.
-        return self._phi(work.prompt_features[[p for p, _ in keys]])
+        # Every prompt's row is mapped once per rollout: the scheduler asks for a few rows at a time, many times,
+        # and on a GPU the host's time between decode steps is the accelerator's idle time.
+        features = work.prompt_features
+        if self._prompt_phi is None or self._prompt_phi[0] is not features:
+            self._prompt_phi = (features, self._phi(features))
+        return self._prompt_phi[1][[p for p, _ in keys]]
 
     def _phi(self, features: torch.Tensor) -> torch.Tensor:
         """``[N, H] -> [N, min(H, max_dim)]``: RMS-normalize, then project if H is large."""
@@ -157,3 +161,4 @@ class OnlineLengthPredictor:
         self.prompt_error.load_state_dict(state["prompt_error"])
         self.token_error.load_state_dict(state["token_error"])
         self._projections = {int(h): m.clone() for h, m in state["projections"].items()}
+        self._prompt_phi = None

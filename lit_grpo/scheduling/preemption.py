@@ -22,6 +22,7 @@ Owns: the finished groups' lengths it draws from (kept across rollouts, checkpoi
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -68,7 +69,8 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
 
     def run(i: int, attained: int) -> None:
         """Sample ``i`` runs from ``clock`` until it ends or reaches its next point."""
-        stop = min(lengths[i], next((t for t in order if t > attained), lengths[i]))
+        j = bisect.bisect_right(order, attained)
+        stop = min(lengths[i], order[j]) if j < len(order) else lengths[i]
         heapq.heappush(running, (clock + stop - attained, i, clock, attained))
 
     while waiting or running:
