@@ -127,7 +127,7 @@ class InfiniteScheduler(Scheduler):
         now.max_parked = self._max_parked(work)
         self._judge()
         now.first_gain = now.gain + (now.guided,)
-        now.preempting = not now.parking and not now.guided and self.preemption.pays(
+        now.preempting = now.waits and not now.parking and not now.guided and self.preemption.pays(
             work.num_prompts, work.group_size, work.num_slots, work.max_new_tokens, self._park_tokens())
         points = preemption_points(self.config.preempt_tokens, work.max_new_tokens)
         self.preempt_points = points if now.preempting else frozenset()
