@@ -11,7 +11,8 @@ from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token
 from lit_grpo.scheduling import FIFOScheduler, InfiniteScheduler, simulate_rollout
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.scheduling.preemption import AttainedService, preemption_points, rollout_makespan
+from lit_grpo.scheduling.predictors import make_predictor
+from lit_grpo.scheduling.preemption import LOSS_SHARE, AttainedService, preemption_points, rollout_makespan
 
 
 def _heavy_groups(seed: int, prompts: int = 4, group_size: int = 16, cap: int = 256) -> list[list[int]]:
@@ -21,10 +22,23 @@ def _heavy_groups(seed: int, prompts: int = 4, group_size: int = 16, cap: int = 
             for _ in range(prompts)]
 
 
-def test_preemption_points_double_from_the_quantum_below_the_cap():
-    assert preemption_points(8, 100) == {8, 16, 32, 64}
-    assert preemption_points(8, 64) == {8, 16, 32}
-    assert preemption_points(None, 100) == preemption_points(0, 100) == frozenset()
+def test_preemption_points_double_from_the_quantum_then_come_every_eighth_of_the_cap():
+    assert preemption_points(8, 256) == {8, 16, 32, 64, 96, 128, 160, 192, 224}
+    assert preemption_points(8, 1024) == {8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896}
+    assert preemption_points(8, 100) == set(range(8, 100, 8))  # an eighth of 100 is below 16: the stride is q
+    assert preemption_points(8, 24) == {8, 16}
+    assert preemption_points(8, 8) == preemption_points(None, 100) == preemption_points(0, 100) == frozenset()
+
+
+def test_fine_points_at_the_end_share_the_slots_among_the_longest_samples():
+    # 14 samples at the cap and a few short ones on 8 slots: with doubling alone the last 512 tokens of the long
+    # ones run in two whole waves; every eighth of the cap they share the slots.
+    lengths = [50, 1024, 47, 1024, 70, 34, 1024, 153, 288, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 139, 1024,
+               34, 1024, 83, 316, 315, 197, 73, 761, 166, 207, 75, 621, 70, 47]
+    first_come = rollout_makespan(lengths, 8)
+    doubling = frozenset(8 << j for j in range(7))  # 8 ... 512
+    assert rollout_makespan(lengths, 8, doubling) > first_come
+    assert rollout_makespan(lengths, 8, preemption_points(8, 1024)) < first_come
 
 
 def test_the_model_of_first_come_order_is_the_simulated_continuous_rollout():
@@ -47,24 +61,37 @@ def test_a_long_sample_that_arrives_last_starts_early_when_preempting():
 
 
 def test_the_gate_preempts_on_heavy_tails_and_not_on_equal_lengths():
-    heavy, equal = AttainedService(8, 1.0), AttainedService(8, 1.0)
-    assert heavy.gain(4, 16, 8, 256, 1024) == (0.0, 0.0)  # nothing seen yet: no gain to establish
+    heavy, equal = AttainedService(8), AttainedService(8)
+    assert heavy.gains(4, 16, 8, 256, 1024) == [] and not heavy.pays(4, 16, 8, 256, 1024)  # nothing seen yet
     for seed in range(8):
         for group in _heavy_groups(seed):
             heavy.observe(group)
         equal.observe([50] * 16)
     assert heavy.pays(4, 16, 8, 256, 0.5 * 8 * 256)
-    mean, _ = equal.gain(4, 16, 8, 256, 0.5 * 8 * 256)
-    assert mean <= 0 and not equal.pays(4, 16, 8, 256, 0.5 * 8 * 256)
+    assert sum(equal.gains(4, 16, 8, 256, 0.5 * 8 * 256)) <= 0 and not equal.pays(4, 16, 8, 256, 0.5 * 8 * 256)
     assert not heavy.pays(4, 2, 8, 256, 1024)  # a slot for every sample: nothing waits
 
 
+def test_the_gate_refuses_light_tails_where_some_drawn_rollouts_lose():
+    # Lognormal lengths of log spread 0.3: preempting wins on average but loses on a share of arrangements above
+    # the gate's; ungated (loss_share None) it preempts on the mean alone.
+    rng = random.Random(1)
+    gated, ungated = AttainedService(8), AttainedService(8, loss_share=None)
+    for _ in range(16):
+        group = [min(512, round(rng.lognormvariate(5.3, 0.3))) for _ in range(16)]
+        gated.observe(group)
+        ungated.observe(group)
+    gains = gated.gains(4, 16, 8, 512, 0.5 * 8 * 512)
+    assert sum(gains) > 0 and sum(g < 0 for g in gains) > LOSS_SHARE * len(gains)
+    assert ungated.pays(4, 16, 8, 512, 0.5 * 8 * 512) and not gated.pays(4, 16, 8, 512, 0.5 * 8 * 512)
+
+
 def test_the_gate_keeps_the_most_recent_groups_and_its_state():
-    gate = AttainedService(8, 1.0)
+    gate = AttainedService(8)
     for n in range(100):
         gate.observe([n + 1] * 2)
     assert len(gate.groups) == 64 and gate.groups[0] == [37, 37]
-    restored = AttainedService(8, 1.0)
+    restored = AttainedService(8)
     restored.load_state_dict(gate.state_dict())
     assert list(restored.groups) == list(gate.groups)
 
@@ -104,6 +131,28 @@ def test_the_infinite_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it()
     assert max(scheduler.parked_tokens) <= 0.5 * 32 * 256  # park_budget 0.5 of the slots' generation KV
 
 
+class _CourseWatch(InfiniteScheduler):
+    """Counts the planning points where a preempting rollout followed predictions."""
+
+    guided_while_preempting = 0
+
+    def _judge(self) -> None:
+        super()._judge()
+        self.guided_while_preempting += self.now.preempting and self.now.guided
+
+
+def test_a_preempting_rollout_is_not_turned_over_to_predictions_midway():
+    # A weak predictor (a noisy oracle of spread 1.5) can establish a gain over arrival order midway through a
+    # rollout; preemption, chosen at its start, is not arrival order, and is kept.
+    for seed in (0, 2):
+        scheduler = _CourseWatch(make_predictor("noisy:1.5", seed=seed))
+        preempted = 0.0
+        for rollout in range(5):
+            simulate_rollout(scheduler, _heavy_groups(seed * 10 + rollout, prompts=8), 32, 256)
+            preempted += scheduler.last_info["preempting"]
+        assert preempted >= 3 and scheduler.guided_while_preempting == 0
+
+
 def test_without_a_quantum_the_scheduler_runs_first_come_order():
     scheduler = InfiniteScheduler("history", preempt_tokens=None)
     for run, fifo in _series(scheduler, 3):
@@ -132,7 +181,7 @@ def test_a_bad_quantum_is_refused_by_name(value):
 def test_the_kv_budget_counts_what_preemption_may_park(tiny_llama):
     config = InfiniteSchedulerConfig()
     assert config.parked_kv_bounds(256) == (8, 0.5)
-    assert InfiniteSchedulerConfig(park_budget=None).parked_kv_bounds(256) == (128, 0.0)  # up to its last point
+    assert InfiniteSchedulerConfig(park_budget=None).parked_kv_bounds(256) == (224, 0.0)  # up to its last point
     assert InfiniteSchedulerConfig(preempt_tokens=None).parked_kv_bounds(256) == (8, 0.0)
     model_config = tiny_llama[0].config
     per_token = kv_bytes_per_token(model_config, torch.float32)

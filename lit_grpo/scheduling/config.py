@@ -42,9 +42,9 @@ class InfiniteSchedulerConfig:
         probe_tokens: k, the tokens a sample runs before a token-conditioned predictor re-predicts its length
             (None or 0: no probe; every sample is planned from prompt-level predictions).
         park_budget: bound on parked samples as a fraction of the slots' generation KV, > 0 (None: unbounded).
-        preempt_tokens: q; while predictions are not followed, preempt a running sample at q, 2q, 4q, ... tokens
-            for one that has generated fewer, where that is established to pay (``preemption.py``; None or 0:
-            first-come order).
+        preempt_tokens: q; while predictions are not followed, preempt a running sample at q, 2q, 4q, ... tokens,
+            then every eighth of the cap, for one that has generated fewer, where that is established to pay
+            (``preemption.py``; None or 0: first-come order).
         replan_tolerance: re-plan when a slot frees more than this fraction of its job's predicted duration off
             the plan, >= 0.
         slack_scale: >= 0; a freed slot runs the pool's longest job instead of its planned pick when that costs
@@ -52,9 +52,9 @@ class InfiniteSchedulerConfig:
         critical_fraction: > 0; during the probe phase a sample keeps running instead of parking when its
             expected remaining length is at least this fraction of the average slot's remaining work (None: never).
         gain_z: > 0, the confidence (standard deviations) a prediction-guided order's gain over arrival order
-            needs before the scheduler follows it, and parks at probes (``gate.py``); preemption asks for at least
-            ``preemption.CONFIDENCE_Z`` (2); None: follow trusted predictions ungated, and preempt wherever the
-            drawn gain is positive.
+            needs before the scheduler follows it, and parks at probes (``gate.py``; preemption has its own test,
+            ``preemption.LOSS_SHARE``); None: follow trusted predictions ungated, and preempt wherever the drawn
+            gain is positive.
     """
 
     predictor: Union[PredictorName, str] = "online"

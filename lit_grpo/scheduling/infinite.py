@@ -10,7 +10,7 @@ where their per-rollout gain is established, the course changes only where the o
 samples only where a plan on probe predictions of the trust they earned would win. Otherwise a freed slot takes
 the first waiting sample (plain continuous order), or, where the lengths seen so far establish that it pays, the
 waiting sample that has generated least, running samples being preempted at ``preempt_tokens`` x 1, 2, 4, ...
-tokens (``preemption.py``: least attained service, which needs no prediction).
+tokens, then every eighth of the cap (``preemption.py``: least attained service, which needs no prediction).
 
 Before a token is sampled the G samples of a prompt are exchangeable, so only a token-conditioned predictor can
 tell them apart, once a sample has started. With such a predictor the scheduler probes:
@@ -55,7 +55,7 @@ from lit_grpo.scheduling.gate import follow_predictions, guided_gain, probes_pay
 from lit_grpo.scheduling.grouping import make_grouping
 from lit_grpo.scheduling.prediction_metrics import log_rmse
 from lit_grpo.scheduling.predictors import LengthPredictor, expected_length, kendall_tau, make_predictor, smape
-from lit_grpo.scheduling.preemption import CONFIDENCE_Z, AttainedService, preemption_points
+from lit_grpo.scheduling.preemption import LOSS_SHARE, AttainedService, preemption_points
 from lit_grpo.scheduling.refill import SlotPlanner, make_refill
 from lit_grpo.scheduling.rollout_plan import RolloutPlan, SampleRun
 from lit_grpo.scheduling.trust import PredictionTrust
@@ -89,8 +89,8 @@ class InfiniteScheduler(Scheduler):
         self.needs_prompt_features = bool(self.predictor.needs_prompt_features)
         self.probe_tokens = (self.config.probe_tokens or None) if self.predictor.token_conditioned else None
         self.trust = {"prompt": PredictionTrust(), "probe": PredictionTrust()}
-        self.preemption = AttainedService(self.config.preempt_tokens, None if self.config.gain_z is None else
-                                          max(self.config.gain_z, CONFIDENCE_Z))
+        self.preemption = AttainedService(self.config.preempt_tokens,
+                                          None if self.config.gain_z is None else LOSS_SHARE)
         self.last_info: dict[str, float] = {}
 
     @classmethod
@@ -345,6 +345,10 @@ class InfiniteScheduler(Scheduler):
     def _judge(self) -> None:
         """Decide whether the pool follows its predictions or arrival order (``gate.py``), at planning points."""
         now, gain_z = self.now, self.config.gain_z
+        if now.preempting:
+            # The gate weighs predictions against arrival order; preemption was chosen over arrival order at the
+            # rollout's start, and a prediction that beats arrival order has not been shown to beat preemption.
+            return
         if not self._pool_trust().informative or now.unprobed or gain_z is None:
             now.guided = self._pool_trust().informative
             return

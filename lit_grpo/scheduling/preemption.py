@@ -5,16 +5,19 @@ signal measured orders them well enough to plan on (docs/benchmarks.md, "Length 
 What the lengths do carry is their tail: a sample that has run long is expected to run longer. First-come order
 pays for that tail at the end of a rollout, where the last samples to start are as likely to be long as any, and
 one of them runs on alone while the other slots idle. Least attained service first fixes the tail without
-predicting anything: a running sample is preempted (parked, its KV kept aside) when it reaches ``q``, ``2q``,
-``4q``, ... tokens while a waiting sample has generated fewer, and a freed slot runs the waiting sample that has
-generated least. Every sample then starts within the rollout's first quanta, the short ones end early, and the
-rollout ends with the longest samples running together, each since early on.
+predicting anything: a running sample is preempted (parked, its KV kept aside) when it reaches a preemption
+point (:func:`preemption_points`) while a waiting sample has generated fewer tokens, and a freed slot runs the
+waiting sample that has generated least. Every sample then starts within the rollout's first quanta, the short ones
+end early, and the rollout ends with the longest samples running together, each since early on.
 
 Where lengths are light-tailed (a sample that has run long is about to end), preemption can lose to first-come
 order. So a gate, as for predictions (``gate.py``): :meth:`AttainedService.gain` draws rollouts from the groups
 finished so far (whole groups with replacement, each group's samples shuffled, since they are exchangeable),
 computes the makespan of both orders on each draw (:func:`rollout_makespan`, an event-driven model of the rule
-above) and preempts only where the mean gain exceeds ``CONFIDENCE_Z`` standard deviations of the per-draw gain.
+above) and preempts only where the mean gain is positive and at most ``LOSS_SHARE`` of the draws lose. The share
+of losing draws, not a multiple of their spread: the per-draw gain is skewed (a win saves many decode steps, a loss
+costs few), so a threshold in standard deviations either refuses shapes where nearly every draw wins or admits
+light tails where a draw in six loses.
 
 Owns: the finished groups' lengths it draws from (kept across rollouts, checkpointed). The scheduler that uses it
 (``infinite.py``) owns which sample is parked and where each runs.
@@ -38,20 +41,27 @@ KEPT_GROUPS = 64
 #: Rollouts drawn per decision, and their seed (a decision is a pure function of its inputs).
 DRAWS = 64
 SEED = 0
-#: The per-draw gain's confidence preemption needs (standard deviations). Stricter than the prediction gate's:
-#: preempting changes the order of every rollout it runs, and an order that wins on average still loses on some
-#: arrangements of the same lengths (first-come order is sometimes lucky); at 2 about 98% of drawn rollouts win.
-CONFIDENCE_Z = 2.0
+#: The share of drawn rollouts that may lose to first-come order where preemption is chosen.
+LOSS_SHARE = 0.1
+#: The points' stride is at most this share of the cap (:func:`preemption_points`).
+STRIDE_SHARE = 1 / 8
 
 
 def preemption_points(quantum: int | None, max_new_tokens: int) -> frozenset[int]:
-    """The token counts at which a running sample may be preempted: ``q, 2q, 4q, ...`` below the cap (empty for
-    ``quantum`` None or 0)."""
-    points, t = set(), quantum or 0
-    while 0 < t < max_new_tokens:
-        points.add(t)
-        t *= 2
-    return frozenset(points)
+    """The token counts below the cap at which a running sample may be preempted (empty for ``quantum`` None or 0).
+
+    ``q, 2q, 4q, ...`` up to a stride, the largest of them at most an eighth of the cap (and at least ``q``), then
+    every stride. Doubling parks a short sample rarely. The stride keeps the rollout's end fine-grained: with
+    doubling alone the last quantum is half the cap, so the longest samples, parked at a quarter of it while the
+    others catch up, run their last half in whole waves, with slots idle while the last wave runs.
+    """
+    if not quantum or quantum >= max_new_tokens:
+        return frozenset()
+    stride = quantum
+    while 2 * stride <= STRIDE_SHARE * max_new_tokens:
+        stride *= 2
+    doubling = {quantum << j for j in range(stride.bit_length()) if quantum << j < stride}
+    return frozenset(doubling | set(range(stride, max_new_tokens, stride)))
 
 
 def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
@@ -97,24 +107,25 @@ class AttainedService:
 
     Args:
         quantum: q, the first preemption point (None or 0: never preempt).
-        gain_z: the confidence the per-draw gain needs (standard deviations; None: preempt wherever the mean gain
-            is positive).
+        loss_share: the most drawn rollouts that may lose where preemption is chosen (None: preempt wherever the
+            mean gain is positive).
     """
 
-    def __init__(self, quantum: int | None, gain_z: float | None = CONFIDENCE_Z) -> None:
-        self.quantum, self.gain_z = quantum, gain_z
+    def __init__(self, quantum: int | None, loss_share: float | None = LOSS_SHARE) -> None:
+        self.quantum, self.loss_share = quantum, loss_share
         self.groups: deque[list[int]] = deque(maxlen=KEPT_GROUPS)
 
     def observe(self, lengths: Sequence[int]) -> None:
         """A group whose samples all finished: their lengths (tokens)."""
         self.groups.append([int(x) for x in lengths])
 
-    def gain(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
-             park_tokens: float) -> tuple[float, float]:
-        """(mean, std) over drawn rollouts of ``makespan(first-come) - makespan(preempting)``, in decode steps."""
+    def gains(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
+              park_tokens: float) -> list[float]:
+        """``makespan(first-come) - makespan(preempting)`` of each drawn rollout, in decode steps (none where
+        nothing can be preempted, nothing was seen or nothing waits)."""
         points = preemption_points(self.quantum, max_new_tokens)
         if not points or not self.groups or num_prompts * group_size <= num_slots:
-            return 0.0, 0.0
+            return []
         rng, groups, draws = random.Random(SEED), list(self.groups), []
         for _ in range(DRAWS):
             lengths = []
@@ -126,16 +137,16 @@ class AttainedService:
         # First-come order is list scheduling: every draw at once (gate.py); preempting, one draw at a time.
         first_come = list_makespan(torch.tensor(draws, dtype=torch.float64),
                                    torch.zeros(DRAWS, num_slots, dtype=torch.float64)).tolist()
-        gains = [first - rollout_makespan(lengths, num_slots, points, park_tokens)
-                 for first, lengths in zip(first_come, draws)]
-        mean = sum(gains) / len(gains)
-        return mean, math.sqrt(sum((g - mean) ** 2 for g in gains) / len(gains))
+        return [first - rollout_makespan(lengths, num_slots, points, park_tokens)
+                for first, lengths in zip(first_come, draws)]
 
     def pays(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
              park_tokens: float) -> bool:
-        """Preempt in this rollout? Only where the drawn gain is established (``gain_z`` standard deviations)."""
-        mean, std = self.gain(num_prompts, group_size, num_slots, max_new_tokens, park_tokens)
-        return mean > (self.gain_z or 0.0) * std and mean > 0
+        """Preempt in this rollout? Where the drawn rollouts gain on average and few of them lose."""
+        gains = self.gains(num_prompts, group_size, num_slots, max_new_tokens, park_tokens)
+        if not gains or sum(gains) <= 0:
+            return False
+        return self.loss_share is None or sum(gain < 0 for gain in gains) <= self.loss_share * len(gains)
 
     def state_dict(self) -> dict:
         return {"groups": [list(group) for group in self.groups]}
