@@ -11,7 +11,7 @@ waiting sample that has generated least. Every sample then starts within the rol
 end early, and the rollout ends with the longest samples running together, each since early on.
 
 Where lengths are light-tailed (a sample that has run long is about to end), preemption can lose to first-come
-order. So a gate, as for predictions (``gate.py``): :meth:`AttainedService.gain` draws rollouts from the groups
+order. So a gate, as for predictions (``gate.py``): :meth:`AttainedService.gains` draws rollouts from the groups
 finished so far (whole groups with replacement, each group's samples shuffled, since they are exchangeable),
 computes the makespan of both orders on each draw (:func:`rollout_makespan`, an event-driven model of the rule
 above) and preempts only where the mean gain is positive and at most ``LOSS_SHARE`` of the draws lose. The share
@@ -60,8 +60,11 @@ def preemption_points(quantum: int | None, max_new_tokens: int) -> frozenset[int
     stride = quantum
     while 2 * stride <= STRIDE_SHARE * max_new_tokens:
         stride *= 2
-    doubling = {quantum << j for j in range(stride.bit_length()) if quantum << j < stride}
-    return frozenset(doubling | set(range(stride, max_new_tokens, stride)))
+    points, t = set(range(stride, max_new_tokens, stride)), quantum
+    while t < stride:
+        points.add(t)
+        t *= 2
+    return frozenset(points)
 
 
 def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
