@@ -184,7 +184,7 @@ class InfiniteScheduler(Scheduler):
         """Park a running sample at a preemption point for a waiting one that has generated fewer tokens, while
         the parked samples' tokens stay within the park budget (``preemption.py``)."""
         now = self.now
-        if not now.preempting or now.guided or key not in self.running:
+        if not now.preempting or key not in self.running:
             return False
         self._advance_clock(now.runs[key], generated)
         parked_tokens = sum(self.generated[other] for other in self.parked)
@@ -260,7 +260,7 @@ class InfiniteScheduler(Scheduler):
             return key
         if now.unprobed:
             return now.planner.choose_greedy(slot, now.clock)  # budget full: run the best parked sample
-        if now.preempting and not now.guided:
+        if now.preempting:
             return now.planner.choose_least_attained(slot, now.clock, self.generated)
         if not self._pool_trust().informative or not now.guided:
             return now.planner.choose_first(slot, now.clock)  # predictions tell nothing: first come, first served

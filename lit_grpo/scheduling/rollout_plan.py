@@ -51,7 +51,7 @@ class RolloutPlan:
     max_parked: int = 0
     gain: tuple[float, float] = (0.0, 0.0)  # the gate's (mean, std) gain of the guided order
     guided: bool = False  # follow the predictions (else arrival order, or least attained when preempting)
-    preempting: bool = False  # preempt by attained service while not guided (``preemption.py``)
+    preempting: bool = False  # preempt by attained service (``preemption.py``); never guided while it does
     finished: dict[SampleKey, int] = field(default_factory=dict)  # each finished sample's length
     first_gain: tuple[float, float, bool] = (0.0, 0.0, False)  # the rollout's opening decision, for last_info
 
