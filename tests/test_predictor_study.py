@@ -9,7 +9,7 @@ import torch
 
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.scheduling.predictors import HistoryLengthPredictor
-from tools import record_lengths, study_predictors
+from tools import length_signals, record_lengths, study_predictors
 from tools.recording_features import recording_features
 from tools.recordings import read_recording, write_recording
 
@@ -129,6 +129,18 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     assert [row["t"] for row in report["signals"]["elapsed"]] == [0, 8, 32, 64, 128]
     assert 0 <= report["signals"]["group_share"] <= 1
     assert [row["k"] for row in report["signals"]["token"]] == [1, 2]
+    assert all(row["tail_auc"] is None or 0 <= row["tail_auc"] <= 1 for row in report["signals"]["token"])
+    assert set(report["signals"]["noisy_tail_auc"]) == {"0.5"}
+    walked.clear()
+    orders = study_predictors.main(["--recording", str(path), "--predictors", "online", "--probe-tokens", "2",
+                                    "--orders", "3", "--signal-tokens", "1", "--setups", "2,4,3", "--noisy", "",
+                                    "--features-cache", str(tmp_path / "f.pt")])
+    for row in orders["setups"][0]["rows"]:  # the recording's order first, as a one-order study walks it
+        assert len(row["order_steps"]) == 3 and row["decode_steps"] == sum(row["order_steps"])
+        assert row["order_steps"][0] == rows[(row["predictor"], row["probe_tokens"])]["decode_steps"]
+    measured_sets = {tuple(prompts) for _, prompts in walked}  # the halves of three orders: each walked warm and measured
+    assert len(measured_sets) > 2 and all(len(prompts) == 4 for prompts in measured_sets)
+    assert orders["setups"][0]["rows"][0]["order_ratios"] == [1.0, 1.0, 1.0]
     with pytest.raises(SystemExit, match=r"setup B=2, G=5: the recording holds 8 prompts x 4 samples"):
         study_predictors.main(["--recording", str(path), "--setups", "2,5,3", "--probe-tokens", "2",
                                "--signal-tokens", "1", "--features-cache", str(tmp_path / "f.pt")])
@@ -141,3 +153,17 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     with pytest.raises(SystemExit, match="holds lengths only"):
         write_recording(tmp_path / "lengths.json", {"lengths": lengths})
         study_predictors.main(["--recording", str(tmp_path / "lengths.json")])
+
+
+def test_tail_auc_tells_the_long_samples_from_the_rest():
+    lengths = [[4, 4, 5, 20], [4, 6, 5, 18]]  # median 5: long is > 7 tokens
+    assert length_signals.long_samples(lengths) == 7
+    true = [n for row in lengths for n in row]
+    assert length_signals.tail_auc([float(n) for n in true], true, 7) == 1.0
+    assert length_signals.tail_auc([-float(n) for n in true], true, 7) == 0.0
+    assert length_signals.tail_auc([1.0] * len(true), true, 7) == 0.5  # no ranking: chance
+    assert length_signals.tail_auc([1.0, 2.0], [4, 5], 7) is None  # no long sample: nothing to tell apart
+    assert length_signals.tail_auc([100.0, 200.0, 300.0], [100, 200, 300], 150) == 1.0  # lengths, not logits
+    many = [[4] * 7 + [20]] * 40  # noisy:S tells 20 from 4 with P(log 5 + S (z1 - z2) > 0): 0.65 at S = 3
+    assert length_signals.noisy_tail_auc(many, 0.01) == 1.0
+    assert 0.55 < length_signals.noisy_tail_auc(many, 3.0) < 0.75

@@ -19,18 +19,20 @@ training), and the measured rollouts of both halves are summed. Figures per pred
   (``InfiniteScheduler.end``'s metrics: the group predictor's refreshed ones, the online predictor's probe),
   means over measured rollouts;
 - ``guided``: the share of measured rollouts whose first gate decision (at the rollout's start) was to follow the
-  predictions.
+  predictions;
+- ``order_steps``, ``order_ratios`` and ``order_kept``: the same per order of the prompts. ``--orders N`` walks the
+  prompts in N orders (the recording's, then seeded shuffles: which prompts warm up and which are measured, and
+  which share a rollout), and the totals above sum them, so that a gain can be told from the luck of one split.
 
 ``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``;
 "none": ungated), to show what the gate keeps and what it refuses. ``--preempt-tokens`` runs each with each
 preemption quantum given (``scheduler.preempt_tokens``; "none": never preempt; ``preemption.py``), and
 ``preempting`` is the share of measured rollouts that preempted.
 
-Signals, measured on the whole recording (``signals`` in the JSON), each learned on one half of the prompts and
-judged on the other: the share of log-length variance between groups (what a perfect group predictor could
-explain); the ``online`` predictor's token model against k (Kendall tau and log RMSE); and the elapsed tokens
-against t (the log RMSE of the conditional lognormal ``E[L | L > t]`` for the samples still running at t, beside
-that of the population median raised to t + 1).
+Signals, measured on the whole recording (``signals`` in the JSON; ``tools/length_signals.py``): the share of
+log-length variance between groups, the ``online`` predictor's token model against k (Kendall tau, log RMSE and
+the tail AUC, how well it tells the long samples from the rest, beside the noisy oracles' tail AUC) and the
+elapsed tokens against t.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ from pathlib import Path
 
 import torch
 
-from lit_grpo.scheduling import InfiniteScheduler, RolloutWork, Scheduler, simulate_rollout
+from lit_grpo.scheduling import InfiniteScheduler, Scheduler, simulate_rollout
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.scheduling.gate import GAIN_Z
-from lit_grpo.scheduling.prediction_metrics import log_rmse
-from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau, make_predictor
+from lit_grpo.scheduling.predictors import make_predictor
 from tools import harness
+from tools.length_signals import elapsed_signal, group_share, long_samples, noisy_tail_auc, token_signal
 from tools.recording_features import RecordingFeatures, recording_features
 from tools.recordings import has_tokens, read_recording
 
@@ -123,7 +125,8 @@ def load_features(args, record: dict, probe_tokens: list[int]) -> RecordingFeatu
 class RecordingWalk:
     """The recording as a series of rollouts of B prompts and their first G samples."""
 
-    def __init__(self, record: dict, features: RecordingFeatures, B: int, G: int, g: int):
+    def __init__(self, record: dict, features: RecordingFeatures, B: int, G: int, g: int,
+                 order: list[int] | None = None):
         held = (len(record["lengths"]), len(record["lengths"][0]))
         if G > held[1] or 2 * B > held[0]:
             raise SystemExit(f"setup B={B}, G={G}: the recording holds {held[0]} prompts x {held[1]} samples "
@@ -132,6 +135,7 @@ class RecordingWalk:
         self.prompt_ids, self.features = record["prompt_ids"], features
         self.B, self.G, self.g = B, G, g
         self.cap = int(record["meta"]["max_new_tokens"])
+        self.order = list(range(held[0])) if order is None else list(order)  # the prompts, as training meets them
 
     @property
     def used_prompts(self) -> int:
@@ -141,7 +145,7 @@ class RecordingWalk:
     def halves(self) -> list[tuple[list[int], list[int]]]:
         """(warm-up prompts, measured prompts) of each fold, in whole rollouts of B."""
         usable = self.used_prompts
-        first, second = list(range(usable // 2)), list(range(usable // 2, usable))
+        first, second = self.order[: usable // 2], self.order[usable // 2: usable]
         return [(second, first), (first, second)]
 
     def run(self, scheduler: Scheduler, prompts: list[int], probe: int | None) -> list[dict]:
@@ -174,31 +178,49 @@ def make_scheduler(name: str, probe: int | None, seed: int, gain_z: float | None
                              **({} if probe is None else {"probe_tokens": probe}))
 
 
-def study_setup(walk: RecordingWalk, runs: list[tuple[str, int | None, float | None, int | None]],
+def study_setup(walks: list[RecordingWalk], runs: list[tuple[str, int | None, float | None, int | None]],
                 seed: int) -> list[dict]:
     """Continuous, the oracle and every ``(predictor, k, gain_z, preempt_tokens)`` of ``runs`` on one setup,
-    cross-fitted (module docstring)."""
+    cross-fitted (module docstring), in each order of the prompts that ``walks`` hold (the totals sum them)."""
     rows = []
     for name, probe, gain_z, preempt in [("continuous", None, GAIN_Z, None), ("oracle", None, GAIN_Z, None)] + runs:
-        measured = []
-        for warm, test in walk.halves():
-            scheduler = make_scheduler(name, probe, seed, gain_z, preempt)
-            walk.run(scheduler, warm, probe)
-            measured += walk.run(scheduler, test, probe)
+        by_order = []
+        for walk in walks:
+            measured = []
+            for warm, test in walk.halves():
+                scheduler = make_scheduler(name, probe, seed, gain_z, preempt)
+                walk.run(scheduler, warm, probe)
+                measured += walk.run(scheduler, test, probe)
+            by_order.append(measured)
+        measured = [record for records in by_order for record in records]
         rows.append({"predictor": name, "probe_tokens": probe, "gain_z": gain_z, "preempt_tokens": preempt,
                      "decode_steps": sum(r["decode_steps"] for r in measured),
+                     "order_steps": [sum(r["decode_steps"] for r in records) for records in by_order],
                      "kendall_tau": _mean(r["tau"] for r in measured),
                      "log_rmse": _mean(r["log_rmse"] for r in measured),
                      "guided": _mean(r["guided"] for r in measured),
                      "preempting": _mean(r["preempting"] for r in measured)})
-        print(f"B{walk.B} G{walk.G} g{walk.g} {name:>16s} k={probe} z={gain_z} q={preempt} "
+        print(f"B{walks[0].B} G{walks[0].G} g{walks[0].g} {name:>16s} k={probe} z={gain_z} q={preempt} "
               f"steps={rows[-1]['decode_steps']}", file=sys.stderr, flush=True)
-    continuous = rows[0]["decode_steps"]
-    oracle_gain = 1 - rows[1]["decode_steps"] / continuous
+    continuous, oracle = rows[0], rows[1]
     for row in rows:
-        row["ratio"] = row["decode_steps"] / continuous
-        row["kept"] = (1 - row["ratio"]) / oracle_gain if oracle_gain > 0 else None
+        row["ratio"] = row["decode_steps"] / continuous["decode_steps"]
+        row["kept"] = _kept(row["ratio"], oracle["decode_steps"] / continuous["decode_steps"])
+        row["order_ratios"] = [steps / base for steps, base in zip(row["order_steps"], continuous["order_steps"])]
+        row["order_kept"] = [_kept(ratio, best / base) for ratio, best, base in
+                             zip(row["order_ratios"], oracle["order_steps"], continuous["order_steps"])]
     return rows
+
+
+def _kept(ratio: float, oracle_ratio: float) -> float | None:
+    """The share of the oracle's gain over continuous that a ratio keeps (None where the oracle gains nothing)."""
+    return (1 - ratio) / (1 - oracle_ratio) if oracle_ratio < 1 else None
+
+
+def prompt_orders(num_prompts: int, orders: int) -> list[list[int]]:
+    """The recording's order of the prompts, then ``orders - 1`` shuffles of it (seeded 1, 2, ...)."""
+    return [list(range(num_prompts))] + [
+        torch.randperm(num_prompts, generator=torch.Generator().manual_seed(i)).tolist() for i in range(1, orders)]
 
 
 def _mean(values) -> float | None:
@@ -207,69 +229,6 @@ def _mean(values) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ signals
-def group_share(lengths: list[list[int]]) -> float:
-    """Share of the log-length variance between groups (intra-class correlation of log length)."""
-    logs = torch.tensor(lengths, dtype=torch.float64).clamp_min(1).log()
-    total = float(logs.var(unbiased=False))
-    return float(logs.mean(1).var(unbiased=False)) / total if total > 0 else 0.0
-
-
-def token_signal(lengths: list[list[int]], features: RecordingFeatures, k: int) -> dict:
-    """The ``online`` predictor's token model at probe k, cross-fitted by halves of the prompts: Kendall tau and
-    log RMSE of its predictions for the samples that reach k tokens (those it would be asked about), pooled."""
-    B, G = len(lengths), len(lengths[0])
-    cap = max(max(row) for row in lengths)
-    halves = [list(range(B // 2)), list(range(B // 2, B))]
-    predicted, true = [], []
-    for train, test in (halves, halves[::-1]):
-        predictor = OnlineLengthPredictor()
-        for prompts, learn in ((train, True), (test, False)):
-            keys = [(p, j) for p in range(len(prompts)) for j in range(G) if lengths[prompts[p]][j] > k]
-            if not keys:
-                continue
-            work = RolloutWork(prompt_lengths=[1] * len(prompts), group_size=G, num_slots=1, max_new_tokens=cap,
-                               prompt_features=features.prompt[prompts])
-            x = torch.stack([features.token[k][prompts[p], j] for p, j in keys])
-            y = [lengths[prompts[p]][j] for p, j in keys]
-            if learn:
-                predictor.observe(work, keys, y, x)
-            else:
-                predicted += predictor.predict(work, keys, x).tolist()
-                true += y
-    if len(true) < 4:
-        return {"k": k, "samples": len(true), "kendall_tau": None, "log_rmse": None}
-    return {"k": k, "samples": len(true), "kendall_tau": kendall_tau(predicted, true),
-            "log_rmse": log_rmse(predicted, true)}
-
-
-def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:
-    """The conditional lognormal: how well ``E[min(L, cap) | L > t]`` predicts the total length of the samples
-    still running after t tokens, against the population median raised to t + 1 (what is known without the
-    model), cross-fitted by halves of the prompts (the lognormal is fitted on one half, judged on the other)."""
-    cap = max(max(row) for row in lengths)
-    B = len(lengths)
-    if B < 2:
-        return []
-    halves = [lengths[: B // 2], lengths[B // 2:]]
-    out = []
-    for t in elapsed:
-        conditional, unconditional, running, total = [], [], 0, 0
-        for train, test in (halves, halves[::-1]):
-            logs = [math.log(n) for row in train for n in row]
-            mu, sd = statistics.fmean(logs), statistics.pstdev(logs)
-            guess = expected_length(math.exp(mu), sd, t, cap)
-            for n in (n for row in test for n in row):
-                total += 1
-                if n > t:
-                    running += 1
-                    conditional.append(math.log(guess / n) ** 2)
-                    unconditional.append((max(mu, math.log(t + 1)) - math.log(n)) ** 2)
-        out.append({"t": t, "running": running / total if total else 0.0,
-                    "log_rmse": math.sqrt(statistics.fmean(conditional)) if conditional else None,
-                    "median_log_rmse": math.sqrt(statistics.fmean(unconditional)) if unconditional else None})
-    return out
-
-
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,13 +250,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                         ">= 1), 'none' for never")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
     parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
+    parser.add_argument("--orders", type=int, default=1, choices=range(1, 101), metavar="N",
+                        help="walk the prompts in N orders (1-100): the recording's, then N - 1 seeded shuffles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--features-cache", type=Path, help="keep the computed features here (a .pt file)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path, help="write the tables here (and print them)")
     args = parser.parse_args(argv)
     args.predictors = [name for name in args.predictors.split(",") if name]
-    args.predictors += [f"noisy:{s}" for s in args.noisy.split(",") if s]
+    args.noisy = [spread for spread in args.noisy.split(",") if spread]
+    args.predictors += [f"noisy:{spread}" for spread in args.noisy]
     for name in args.predictors:
         try:
             make_predictor(name)
@@ -314,17 +276,19 @@ def main(argv=None) -> dict:
                          "(tools.record_lengths --tokens)")
     features = load_features(args, record, sorted(set(args.probe_tokens) | set(args.signal_tokens)))
     lengths = record["lengths"]
-    signals = {"group_share": group_share(lengths),
+    signals = {"group_share": group_share(lengths), "long_after": long_samples(lengths),
                "token": [token_signal(lengths, features, k) for k in args.signal_tokens],
+               "noisy_tail_auc": {spread: noisy_tail_auc(lengths, float(spread), args.seed) for spread in args.noisy},
                "elapsed": elapsed_signal(lengths, args.elapsed_tokens)}
     setups = []
     for B, G, g in args.setups:
-        walk = RecordingWalk(record, features, B, G, g)
+        walks = [RecordingWalk(record, features, B, G, g, order) for order in prompt_orders(len(lengths), args.orders)]
+        walk = walks[0]
         runs = [(name, k, z, q) for name in args.predictors
                 for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])
                 for z in args.gain_z for q in args.preempt_tokens]
         setups.append({"B": B, "G": G, "g": g, "prompts_used": walk.used_prompts,
-                       "rows": study_setup(walk, runs, args.seed)})
+                       "rows": study_setup(walks, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
     _print(report)
     harness.write_json(args.json, report)
@@ -339,18 +303,21 @@ def markdown(report: dict) -> str:
     for setup in report["setups"]:
         lines += [f"B {setup['B']}, G {setup['G']}, g {setup['g']}:", "",
                   "| predictor | k | gain_z | preempt_tokens | decode steps | x continuous | oracle's gain kept | "
-                  "Kendall tau | log RMSE | guided | preempting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "x continuous per order | Kendall tau | log RMSE | guided | preempting |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in setup["rows"]:
             cells = [row["predictor"], row["probe_tokens"] or "-", _z(row["gain_z"]), row["preempt_tokens"] or "-",
-                     row["decode_steps"], f"{row['ratio']:.3f}", _fmt(row["kept"]), _fmt(row["kendall_tau"]),
-                     _fmt(row["log_rmse"]), _fmt(row["guided"]), _fmt(row["preempting"])]
+                     row["decode_steps"], f"{row['ratio']:.3f}", _fmt(row["kept"]), _ratios(row["order_ratios"]),
+                     _fmt(row["kendall_tau"]), _fmt(row["log_rmse"]), _fmt(row["guided"]), _fmt(row["preempting"])]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         lines.append("")
     signals = report["signals"]
-    lines += [f"Between-group share of the log-length variance: {signals['group_share']:.3f}.", "",
-              "| online's token model at k | samples | Kendall tau | log RMSE |", "|---|---|---|---|"]
-    lines += [f"| {r['k']} | {r['samples']} | {_fmt(r['kendall_tau'])} | {_fmt(r['log_rmse'])} |"
-              for r in signals["token"]]
+    noisy = ", ".join(f"noisy:{spread} {_fmt(auc)}" for spread, auc in signals["noisy_tail_auc"].items())
+    lines += [f"Between-group share of the log-length variance: {signals['group_share']:.3f}. Long samples: longer "
+              f"than {signals['long_after']} tokens; the noisy oracle's tail AUC: {noisy or '-'}.", "",
+              "| online's token model at k | samples | Kendall tau | log RMSE | tail AUC |", "|---|---|---|---|---|"]
+    lines += [f"| {r['k']} | {r['samples']} | {_fmt(r['kendall_tau'])} | {_fmt(r['log_rmse'])} | "
+              f"{_fmt(r['tail_auc'])} |" for r in signals["token"]]
     lines += ["", "| elapsed tokens t | still running | log RMSE of E[L given L > t] | of max(median, t + 1) |",
               "|---|---|---|---|"]
     lines += [f"| {r['t']} | {r['running']:.2f} | {_fmt(r['log_rmse'])} | {_fmt(r['median_log_rmse'])} |"
@@ -362,6 +329,10 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _ratios(ratios: list[float]) -> str:
+    return " / ".join(f"{ratio:.3f}" for ratio in ratios)
+
+
 def _z(gain_z: float | None) -> str:
     return "none" if gain_z is None else f"{gain_z:g}"
 
@@ -370,7 +341,9 @@ def _print(report: dict) -> None:
     print(f"between-group share of log-length variance: {report['signals']['group_share']:.3f}")
     for row in report["signals"]["token"]:
         print(f"online at k={row['k']:>3}: samples {row['samples']}, tau {row['kendall_tau']}, "
-              f"log_rmse {row['log_rmse']}")
+              f"log_rmse {row['log_rmse']}, tail_auc {row['tail_auc']} (long: > {report['signals']['long_after']})")
+    for spread, auc in report["signals"]["noisy_tail_auc"].items():
+        print(f"noisy:{spread} tail_auc {auc}")
     for row in report["signals"]["elapsed"]:
         print(f"elapsed t={row['t']:>3}: running {row['running']:.2f}, log_rmse {row['log_rmse']} (max(population "
               f"median, t + 1): {row['median_log_rmse']})")
@@ -379,7 +352,8 @@ def _print(report: dict) -> None:
         for row in setup["rows"]:
             cells = [f"{row['predictor']:>16s}", f"k={row['probe_tokens']}", f"z={_z(row['gain_z'])}",
                      f"q={row['preempt_tokens']}", f"steps {row['decode_steps']}",
-                     f"ratio {row['ratio']:.3f}", f"kept {row['kept']}", f"tau {row['kendall_tau']}",
+                     f"ratio {row['ratio']:.3f}", f"kept {row['kept']}", f"per order {_ratios(row['order_ratios'])}",
+                     f"tau {row['kendall_tau']}",
                      f"log_rmse {row['log_rmse']}", f"guided {row['guided']}", f"preempting {row['preempting']}"]
             print("  " + "  ".join(cells))
 
