@@ -138,7 +138,8 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     for row in orders["setups"][0]["rows"]:  # the recording's order first, as a one-order study walks it
         assert len(row["order_steps"]) == 3 and row["decode_steps"] == sum(row["order_steps"])
         assert row["order_steps"][0] == rows[(row["predictor"], row["probe_tokens"])]["decode_steps"]
-    measured_sets = {tuple(prompts) for _, prompts in walked}  # the halves of three orders: each walked warm and measured
+    # the halves of three orders, each walked warm and measured
+    measured_sets = {tuple(prompts) for _, prompts in walked}
     assert len(measured_sets) > 2 and all(len(prompts) == 4 for prompts in measured_sets)
     assert orders["setups"][0]["rows"][0]["order_ratios"] == [1.0, 1.0, 1.0]
     with pytest.raises(SystemExit, match=r"setup B=2, G=5: the recording holds 8 prompts x 4 samples"):
@@ -146,6 +147,9 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
                                "--signal-tokens", "1", "--features-cache", str(tmp_path / "f.pt")])
     with pytest.raises(SystemExit):
         study_predictors.parse_args(["--recording", str(path), "--probe-tokens", "abc"])
+    with pytest.raises(SystemExit):
+        study_predictors.parse_args(["--recording", str(path), "--orders", "0"])
+    assert "--orders 0: use an integer >= 1" in capsys.readouterr().err
     for bad in ("0", "-1", "inf", "abc"):
         with pytest.raises(SystemExit):
             study_predictors.parse_args(["--recording", str(path), "--gain-z", f"1,{bad}"])
@@ -157,7 +161,7 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
 
 def test_tail_auc_tells_the_long_samples_from_the_rest():
     lengths = [[4, 4, 5, 20], [4, 6, 5, 18]]  # median 5: long is > 7 tokens
-    assert length_signals.long_samples(lengths) == 7
+    assert length_signals.long_threshold(lengths) == 7
     true = [n for row in lengths for n in row]
     assert length_signals.tail_auc([float(n) for n in true], true, 7) == 1.0
     assert length_signals.tail_auc([-float(n) for n in true], true, 7) == 0.0

@@ -5,7 +5,7 @@ Each signal is learned on one half of the recording's prompts and judged on the 
 - :func:`group_share`: the share of log-length variance between groups (what a perfect group predictor could
   explain);
 - :func:`token_signal`: the ``online`` predictor's token model at probe k: Kendall tau and log RMSE over the samples
-  that reach k, and ``tail_auc``, how well its predictions tell the long samples (:func:`long_samples`) from the
+  that reach k, and ``tail_auc``, how well its predictions tell the long samples (:func:`long_threshold`) from the
   rest: where lengths cluster, a schedule's gain lies in placing those few, which a tau over the whole cluster
   can hide;
 - :func:`noisy_tail_auc`: the same for the noisy oracle (true length x exp(N(0, S^2))), the reference;
@@ -37,7 +37,7 @@ def group_share(lengths: list[list[int]]) -> float:
     return float(logs.mean(1).var(unbiased=False)) / total if total > 0 else 0.0
 
 
-def long_samples(lengths: list[list[int]]) -> int:
+def long_threshold(lengths: list[list[int]]) -> int:
     """The length a sample must exceed to count as long: ``LONG_FACTOR`` x the recording's median length."""
     return int(LONG_FACTOR * statistics.median(n for row in lengths for n in row))
 
@@ -81,7 +81,7 @@ def token_signal(lengths: list[list[int]], features: RecordingFeatures, k: int) 
     if len(true) < 4:
         return {"k": k, "samples": len(true), "kendall_tau": None, "log_rmse": None, "tail_auc": None}
     return {"k": k, "samples": len(true), "kendall_tau": kendall_tau(predicted, true),
-            "log_rmse": log_rmse(predicted, true), "tail_auc": tail_auc(predicted, true, long_samples(lengths))}
+            "log_rmse": log_rmse(predicted, true), "tail_auc": tail_auc(predicted, true, long_threshold(lengths))}
 
 
 def noisy_tail_auc(lengths: list[list[int]], spread: float, seed: int = 0) -> float | None:
@@ -89,7 +89,7 @@ def noisy_tail_auc(lengths: list[list[int]], spread: float, seed: int = 0) -> fl
     true = [n for row in lengths for n in row]
     noise = torch.randn(len(true), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     predicted = (torch.tensor(true, dtype=torch.float64) * torch.exp(spread * noise)).tolist()
-    return tail_auc(predicted, true, long_samples(lengths))
+    return tail_auc(predicted, true, long_threshold(lengths))
 
 
 def elapsed_signal(lengths: list[list[int]], elapsed: list[int]) -> list[dict]:

@@ -51,7 +51,7 @@ from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 from lit_grpo.scheduling.gate import GAIN_Z
 from lit_grpo.scheduling.predictors import make_predictor
 from tools import harness
-from tools.length_signals import elapsed_signal, group_share, long_samples, noisy_tail_auc, token_signal
+from tools.length_signals import elapsed_signal, group_share, long_threshold, noisy_tail_auc, token_signal
 from tools.recording_features import RecordingFeatures, recording_features
 from tools.recordings import has_tokens, read_recording
 
@@ -228,7 +228,6 @@ def _mean(values) -> float | None:
     return statistics.fmean(present) if present else None
 
 
-# ------------------------------------------------------------------------------------------------ signals
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,14 +249,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                         ">= 1), 'none' for never")
     parser.add_argument("--setups", type=parse_setups, default=list(SETUPS), help="B,G,g;B,G,g")
     parser.add_argument("--noisy", default="0.25,0.5,1.0", help="spreads of the noisy-oracle reference curve")
-    parser.add_argument("--orders", type=int, default=1, choices=range(1, 101), metavar="N",
-                        help="walk the prompts in N orders (1-100): the recording's, then N - 1 seeded shuffles")
+    parser.add_argument("--orders", type=int, default=1, metavar="N",
+                        help="walk the prompts in N orders: the recording's, then N - 1 seeded shuffles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--features-cache", type=Path, help="keep the computed features here (a .pt file)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path, help="write the tables here (and print them)")
     args = parser.parse_args(argv)
     args.predictors = [name for name in args.predictors.split(",") if name]
+    if args.orders < 1:
+        parser.error(f"--orders {args.orders}: use an integer >= 1")
     args.noisy = [spread for spread in args.noisy.split(",") if spread]
     args.predictors += [f"noisy:{spread}" for spread in args.noisy]
     for name in args.predictors:
@@ -276,18 +277,17 @@ def main(argv=None) -> dict:
                          "(tools.record_lengths --tokens)")
     features = load_features(args, record, sorted(set(args.probe_tokens) | set(args.signal_tokens)))
     lengths = record["lengths"]
-    signals = {"group_share": group_share(lengths), "long_after": long_samples(lengths),
+    signals = {"group_share": group_share(lengths), "long_threshold": long_threshold(lengths),
                "token": [token_signal(lengths, features, k) for k in args.signal_tokens],
                "noisy_tail_auc": {spread: noisy_tail_auc(lengths, float(spread), args.seed) for spread in args.noisy},
                "elapsed": elapsed_signal(lengths, args.elapsed_tokens)}
     setups = []
     for B, G, g in args.setups:
         walks = [RecordingWalk(record, features, B, G, g, order) for order in prompt_orders(len(lengths), args.orders)]
-        walk = walks[0]
         runs = [(name, k, z, q) for name in args.predictors
                 for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])
                 for z in args.gain_z for q in args.preempt_tokens]
-        setups.append({"B": B, "G": G, "g": g, "prompts_used": walk.used_prompts,
+        setups.append({"B": B, "G": G, "g": g, "prompts_used": walks[0].used_prompts,
                        "rows": study_setup(walks, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}
     _print(report)
@@ -314,7 +314,7 @@ def markdown(report: dict) -> str:
     signals = report["signals"]
     noisy = ", ".join(f"noisy:{spread} {_fmt(auc)}" for spread, auc in signals["noisy_tail_auc"].items())
     lines += [f"Between-group share of the log-length variance: {signals['group_share']:.3f}. Long samples: longer "
-              f"than {signals['long_after']} tokens; the noisy oracle's tail AUC: {noisy or '-'}.", "",
+              f"than {signals['long_threshold']} tokens; the noisy oracle's tail AUC: {noisy or '-'}.", "",
               "| online's token model at k | samples | Kendall tau | log RMSE | tail AUC |", "|---|---|---|---|---|"]
     lines += [f"| {r['k']} | {r['samples']} | {_fmt(r['kendall_tau'])} | {_fmt(r['log_rmse'])} | "
               f"{_fmt(r['tail_auc'])} |" for r in signals["token"]]
@@ -341,7 +341,7 @@ def _print(report: dict) -> None:
     print(f"between-group share of log-length variance: {report['signals']['group_share']:.3f}")
     for row in report["signals"]["token"]:
         print(f"online at k={row['k']:>3}: samples {row['samples']}, tau {row['kendall_tau']}, "
-              f"log_rmse {row['log_rmse']}, tail_auc {row['tail_auc']} (long: > {report['signals']['long_after']})")
+              f"log_rmse {row['log_rmse']}, tail_auc {row['tail_auc']} (long: > {report['signals']['long_threshold']})")
     for spread, auc in report["signals"]["noisy_tail_auc"].items():
         print(f"noisy:{spread} tail_auc {auc}")
     for row in report["signals"]["elapsed"]:
