@@ -123,9 +123,9 @@ def misses(cells: list[dict]) -> list[str]:
 def gain_kept(cell: dict, cells: list[dict]) -> float | None:
     """Share of the oracle's gain over continuous that ``cell`` keeps; None when the oracle gains nothing."""
     oracle = _sibling(cell, cells, "oracle")
-    if oracle is None or oracle["decode_steps"] >= cell["continuous_steps"]:
+    if oracle is None:
         return None
-    return (cell["continuous_steps"] - cell["decode_steps"]) / (cell["continuous_steps"] - oracle["decode_steps"])
+    return harness.oracle_gain_kept(cell["decode_steps"], oracle["decode_steps"], cell["continuous_steps"])
 
 
 def _sibling(cell: dict, cells: list[dict], predictor: str) -> dict | None:

@@ -190,6 +190,14 @@ def config_record(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return {**{key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}, **extra}
 
 
+def oracle_gain_kept(steps: float, oracle_steps: float, continuous_steps: float) -> float | None:
+    """The share of the oracle's gain in decode steps over continuous that a schedule of ``steps`` keeps (the
+    scheduler targets' measure); None where the oracle gains nothing."""
+    if oracle_steps >= continuous_steps:
+        return None
+    return (continuous_steps - steps) / (continuous_steps - oracle_steps)
+
+
 def median(values: Iterable[float | None]) -> float | None:
     """The median of the values that are not None; None when there are none."""
     present = [value for value in values if value is not None]

@@ -205,16 +205,11 @@ def study_setup(walks: list[RecordingWalk], runs: list[tuple[str, int | None, fl
     continuous, oracle = rows[0], rows[1]
     for row in rows:
         row["ratio"] = row["decode_steps"] / continuous["decode_steps"]
-        row["kept"] = _kept(row["ratio"], oracle["decode_steps"] / continuous["decode_steps"])
-        row["order_ratios"] = [steps / base for steps, base in zip(row["order_steps"], continuous["order_steps"])]
-        row["order_kept"] = [_kept(ratio, best / base) for ratio, best, base in
-                             zip(row["order_ratios"], oracle["order_steps"], continuous["order_steps"])]
+        row["kept"] = harness.oracle_gain_kept(row["decode_steps"], oracle["decode_steps"], continuous["decode_steps"])
+        by_order = list(zip(row["order_steps"], oracle["order_steps"], continuous["order_steps"]))
+        row["order_ratios"] = [steps / base for steps, _, base in by_order]
+        row["order_kept"] = [harness.oracle_gain_kept(*order) for order in by_order]
     return rows
-
-
-def _kept(ratio: float, oracle_ratio: float) -> float | None:
-    """The share of the oracle's gain over continuous that a ratio keeps (None where the oracle gains nothing)."""
-    return (1 - ratio) / (1 - oracle_ratio) if oracle_ratio < 1 else None
 
 
 def prompt_orders(num_prompts: int, orders: int) -> list[list[int]]:
