@@ -1,4 +1,6 @@
-"""What the callbacks share: spotting a lit_grpo rollout batch, and logging at the step Lightning logs at.
+"""What the callbacks share: spotting a lit_grpo rollout batch, logging at the step Lightning logs at, and making
+a step's figures the whole step's under several processes (every rank's values gathered once, each key reduced by
+its rule in lit_grpo.rollout.metrics.RANK_REDUCTIONS, the same on every rank).
 
 Every callback in this package must run next to any LightningModule, so a lit_grpo batch is recognised by duck
 typing alone: an object whose ``stats`` attribute is a :class:`~lit_grpo.sampling.stats.RolloutStats`. Such a batch
@@ -8,13 +10,19 @@ and ``truncated`` ([B, G], bool).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lit_grpo.rollout.metrics import gather_over_ranks, whole_step_metrics
 from lit_grpo.sampling.stats import RolloutStats
+
+#: RolloutStats' scalar fields (all but the timeline), in the order ranks gather them.
+STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats) if f.name != "timeline")
 
 
 class RolloutLike(Protocol):
@@ -74,6 +82,44 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], every_log_step: 
 def show_in_progress_bar(pl_module: pl.LightningModule, values: dict[str, float]) -> None:
     """Put values in the progress bar only (``logger=False``): the Lightning way for a callback to reach it."""
     pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+
+def whole_step(trainer: pl.Trainer, metrics: Mapping[str, float | None], keys: Sequence[str]) -> dict[str, float]:
+    """``metrics`` as the whole step's: under several processes reduced over ranks by one collective
+    (lit_grpo.rollout.metrics.RANK_REDUCTIONS; ``keys``: every key any rank may log, in one order on every rank, so
+    every rank must call this at the same hook, measured or not); one process: ``metrics`` less its None values."""
+    if trainer.world_size <= 1:
+        return {key: value for key, value in metrics.items() if value is not None}
+    return whole_step_metrics(metrics, keys, _all_gather(trainer))
+
+
+def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[RolloutStats]:
+    """Every rank's RolloutStats of this step, rank 0 first (their timelines left out); ``[stats]`` for one process.
+
+    One collective per step however many callbacks ask: the last answer is kept for the same ``stats`` object, so
+    the first callback to ask gathers (on every rank at once, callbacks run in one order) and the others reuse it.
+    """
+    if trainer.world_size <= 1:
+        return [stats]
+    if _last_gather[0] is not stats:
+        per_rank = gather_over_ranks(stats.scalars(), STATS_FIELDS, _all_gather(trainer))
+        _last_gather[:] = [stats, [_stats_from(values) for values in per_rank]]
+    return _last_gather[1]
+
+
+_last_gather: list[Any] = [None, []]  # [the stats object last gathered, every rank's stats]
+
+
+def _stats_from(values: Mapping[str, float]) -> RolloutStats:
+    """A RolloutStats from gathered float values, each field in its own type (counts back to int)."""
+    defaults = RolloutStats()
+    return RolloutStats(**{name: round(value) if isinstance(getattr(defaults, name), int) else value
+                           for name, value in values.items()})
+
+
+def _all_gather(trainer: pl.Trainer):
+    strategy = trainer.strategy
+    return lambda tensor: strategy.all_gather(tensor.to(strategy.root_device))
 
 
 def measured_kv_bytes(stats: RolloutStats) -> int | None:

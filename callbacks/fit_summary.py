@@ -16,7 +16,7 @@ from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
-from ._rollout import rollout_stats
+from ._rollout import rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .run_checkpoint import RunCheckpoint
 
@@ -41,7 +41,10 @@ class FitSummary(Callback):
     A line whose figure was never logged is left out. The time per step counts the training steps only (the
     validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
-    the run's totals): the rest of a rollout is the scheduler's bookkeeping. TensorBoard draws a validation where
+    the run's totals): the rest of a rollout is the scheduler's bookkeeping. Under several processes the figures are
+    the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time its slowest
+    rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's
+    rollouts, the KV and process peaks the largest rank's. TensorBoard draws a validation where
     Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs
     no keys of its own.
 
@@ -60,10 +63,11 @@ class FitSummary(Callback):
         self.accuracy_key, self.reward_key, self.window = accuracy_key, reward_key, window
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
-        # The run's rollouts added up (merge_stats: times and counts add, the KV peak is the largest); their
-        # timelines are left out, so the totals do not grow with the run.
+        # The run's rollouts, every rank's, added up (merge_stats: times and counts add, the KV peak is the
+        # largest); their timelines are left out, so the totals do not grow with the run.
         self.rollouts = 0
         self.rollout_totals = RolloutStats()
+        self.rollout_s = 0.0  # the steps' rollout seconds: each step's slowest rank's, which every rank waited for
         self._started_s: float | None = None  # when the training steps started (after the first validation)
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
@@ -94,9 +98,11 @@ class FitSummary(Callback):
         if value is not None and math.isfinite(float(value)):
             self.rewards.append(float(value))
         stats = rollout_stats(batch)
-        if stats is not None:
+        if stats is not None:  # every rank's (one gather a step under several processes, shared with RolloutProfiler)
+            per_rank = [dataclasses.replace(rank, timeline=[]) for rank in rank_rollout_stats(trainer, stats)]
             self.rollouts += 1
-            self.rollout_totals = merge_stats([self.rollout_totals, dataclasses.replace(stats, timeline=[])])
+            self.rollout_s += max(rank.wall_s for rank in per_rank)
+            self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])
 
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -134,9 +140,9 @@ class FitSummary(Callback):
 
     def _rollout_time(self, training_s: float) -> str:
         totals = self.rollout_totals
-        text = f"{totals.wall_s / self.rollouts:.2f} s a step"
+        text = f"{self.rollout_s / self.rollouts:.2f} s a step"
         if training_s > 0:
-            text += f" ({min(totals.wall_s / training_s, 1.0):.0%} of it)"
+            text += f" ({min(self.rollout_s / training_s, 1.0):.0%} of it)"
         parts = []
         if totals.decode_ms_per_step is not None:
             parts.append(f"{totals.decode_ms_per_step:.1f} ms a decode step alone")

@@ -11,10 +11,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.runtime.memory import CPU_METHODS, CpuMethod, PeakTracker, make_peak_tracker
 from lit_grpo.runtime.validation import check_choice
 
-from ._rollout import log_metrics, rollout_stats
+from ._rollout import log_metrics, rollout_stats, whole_step
 
 #: The phases of a training step, as they appear in the logged keys.
 PHASES = ("rollout", "update", "optimizer", "step")
+#: Every key this callback may log, in the order ranks gather them.
+MEMORY_KEYS = tuple(f"memory/{phase}_{suffix}" for phase in PHASES
+                    for suffix in ("peak_bytes", "peak_reserved_bytes", "peak_delta_bytes"))
 
 
 class PeakMemoryMonitor(Callback):
@@ -53,6 +56,11 @@ class PeakMemoryMonitor(Callback):
 
     The KV cache's own peak, ``rollout/peak_kv_bytes``, is the engine's count and RolloutProfiler's key alone
     (one writer per key); this callback measures the process (or the CUDA allocator) around it.
+
+    **Several processes**: every key is the whole step's, the same on every rank: the largest process's peak (and
+    the largest of what a phase added), gathered once a step (rule ``memory/*`` in
+    ``lit_grpo.rollout.metrics.RANK_REDUCTION_FAMILIES``); ``max_logged`` holds those values. A rank that cannot
+    measure still joins the gather and is left out of it.
 
     When a figure cannot be measured it is not logged (never as 0) and a warning says which and why.
     Validation runs are excluded: the rollout window restarts when validation ends.
@@ -132,8 +140,15 @@ class PeakMemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._tracker is None:
-            return
+        metrics = self._step_peaks(batch) if self._tracker is not None else {}
+        # every step, measured or not: under several processes every rank joins the one gather of the peaks
+        metrics = whole_step(trainer, metrics, MEMORY_KEYS)
+        for key, value in metrics.items():
+            self.max_logged[key] = max(self.max_logged.get(key, value), value)
+        log_metrics(trainer, metrics)
+
+    def _step_peaks(self, batch: Any) -> dict[str, int]:
+        """This process's peaks of the step that just ended, by logged key; restarts the next step's phases."""
         last = self._tracker.read()
         peaks = {"rollout": self._rollout_peaks, "update": _larger(self._before_optimizer or {}, last)}
         if self._before_optimizer is not None:
@@ -147,9 +162,7 @@ class PeakMemoryMonitor(Callback):
             if phase in self._started and "peak_bytes" in peaks[phase]:
                 metrics[f"memory/{phase}_peak_delta_bytes"] = max(0, peaks[phase]["peak_bytes"] - self._started[phase])
         self._start("rollout", "step")  # the next batch is fetched after this hook
-        for key, value in metrics.items():
-            self.max_logged[key] = max(self.max_logged.get(key, value), value)
-        log_metrics(trainer, metrics)
+        return metrics
 
     def _start(self, *phases: str) -> None:
         """Mark the start of ``phases``: reset the peak and remember what is held now."""

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -39,6 +40,10 @@ class RewardForecast(Callback):
     reading: during a flat slow start no fit can see the rise to come) and ``remaining_gain < min_delta``.
     A run whose reward never rises is therefore never stopped by this callback. ``stopped_step`` tells where it
     stopped. The history and the patience count survive checkpoints (``state_dict``).
+
+    Under several processes every rank holds the same state: the recorded value is the monitored one averaged over
+    the ranks (one small all-reduce per batch; unchanged when the module logs it reduced already), and each check's
+    plateau verdict is rank 0's (broadcast), so the patience count and the stop agree on every rank.
 
     The monitored value must be logged at every training step: ``callback_metrics`` keeps the last value, which
     would be recorded again at steps that did not log it. A monitor still unlogged at the first check is warned
@@ -98,7 +103,7 @@ class RewardForecast(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        value = self._monitored_value(trainer)
+        value = self._over_ranks(trainer, pl_module, self._monitored_value(trainer))
         step = logger_step(trainer)
         if value is not None:
             self.steps.append(float(step))
@@ -115,6 +120,8 @@ class RewardForecast(Callback):
                            f"is forecast (or stopped); logged keys: {sorted(trainer.callback_metrics)}")
         forecast = self._forecast(trainer)
         plateaued = forecast is not None and forecast.rise_seen and forecast.remaining_gain < self.min_delta
+        if trainer.world_size > 1:  # rank 0's verdict: the patience count is the same on every rank by construction
+            plateaued = bool(trainer.strategy.broadcast(plateaued, src=0))
         self.wait_count = self.wait_count + 1 if plateaued else 0
         if self.stop:
             self._maybe_stop(trainer, forecast)
@@ -126,6 +133,17 @@ class RewardForecast(Callback):
                 value = float(metrics[key])
                 return value if math.isfinite(value) else None
         return None
+
+    @staticmethod
+    def _over_ranks(trainer: pl.Trainer, pl_module: pl.LightningModule, value: float | None) -> float | None:
+        """The monitored value averaged over the ranks (several processes: one small all-reduce per batch; a value
+        missing or not finite on any rank is None on every rank), so every rank records the same history. A metric
+        the module already reduced over the ranks passes unchanged; one process runs no collective."""
+        if trainer.world_size <= 1:
+            return value
+        local = torch.tensor(math.nan if value is None else value, dtype=torch.float64, device=pl_module.device)
+        mean = float(trainer.strategy.reduce(local, reduce_op="mean"))
+        return mean if math.isfinite(mean) else None
 
     def _forecast(self, trainer: pl.Trainer) -> Forecast | None:
         """Fit the history and log the forecast; None before ``min_points`` points or when no fit converges."""

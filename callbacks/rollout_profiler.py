@@ -8,7 +8,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ._rollout import log_metrics, measured_kv_bytes, rollout_stats, show_in_progress_bar
+from lit_grpo.rollout.metrics import reduce_over_ranks
+from lit_grpo.sampling.stats import RolloutStats
+
+from ._rollout import log_metrics, measured_kv_bytes, rank_rollout_stats, rollout_stats, show_in_progress_bar
 
 #: RolloutStats fields logged as ``rollout/<field>``.
 ROLLOUT_FIELDS = (
@@ -61,6 +64,15 @@ class RolloutProfiler(Callback):
     steps, lower bound and slot utilization; ``steps`` close to ``bound`` means the schedule left little on the
     table.
 
+    **Several processes**: every key is the whole step's, the same on every rank: every rank's RolloutStats are
+    gathered once a step (shared with FitSummary) and each key reduced by its rule in
+    ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
+    ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
+    ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens``, ``parked_samples`` and
+    ``tokens_per_s`` (the ranks generate at once) add up; ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest
+    process's; ``slot_utilization`` and the predictor's figures are means over ranks (a rank without a predictor
+    left out). ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
+
     With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
 
     Args:
@@ -78,11 +90,12 @@ class RolloutProfiler(Callback):
         if stats is None:
             self._warn_no_rollout()
             return
-        values = {name: getattr(stats, name) for name in ROLLOUT_FIELDS}
-        values["peak_kv_bytes"] = measured_kv_bytes(stats)
-        log_metrics(trainer, {f"rollout/{name}": v for name, v in values.items() if v is not None})
+        # every step, logged or not: under several processes every rank joins the one gather of the step's stats
+        per_rank = [profile(rank) for rank in rank_rollout_stats(trainer, stats)]
+        values = reduce_over_ranks(per_rank, [f"rollout/{name}" for name in ROLLOUT_FIELDS])
+        log_metrics(trainer, values)
         if self.progress_bar:
-            bar = {short: float(values[name]) for name, short in PROGRESS_BAR_NAMES.items()}
+            bar = {short: values[f"rollout/{name}"] for name, short in PROGRESS_BAR_NAMES.items()}
             show_in_progress_bar(pl_module, bar)
 
     def _warn_no_rollout(self) -> None:
@@ -90,3 +103,10 @@ class RolloutProfiler(Callback):
             self._warned_no_rollout = True
             rank_zero_warn("RolloutProfiler: the training batches carry no RolloutStats (batch.stats), so there is "
                            "no rollout to profile; nothing is logged.")
+
+
+def profile(stats: RolloutStats) -> dict[str, float]:
+    """One rank's ``rollout/<field>`` values of a rollout (None where not measured: no predictor, KV not counted)."""
+    values = {f"rollout/{name}": getattr(stats, name) for name in ROLLOUT_FIELDS}
+    values["rollout/peak_kv_bytes"] = measured_kv_bytes(stats)
+    return values

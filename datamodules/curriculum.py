@@ -47,6 +47,8 @@ After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
   as the authors do.
 - mu starts at 0 (the most concentrated prompts) and is a rank position; a rescoring re-sorts the prompts and keeps
   mu. The step's update moves the centre of the *next* draw (the authors' trl loop lags one epoch behind; we do not).
+- Several processes: ``RolloutDataModule`` feeds the whole step's accuracy and mean angle (over every rank's batch)
+  and rank 0's scores, so every rank's sampler holds the same mu, order and generator state at every step.
 
 Default sizes
 -------------

@@ -37,9 +37,43 @@ from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader,
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
                                       correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
+from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
+
+
+class _StepDraw:
+    """One training step's prompts under several ranks: global draws of ``prompts_per_step x world_size`` prompts
+    (the same on every rank, as every rank's sampler is in the same state), this rank keeping its own
+    ``prompts_per_step`` slice of each and handing them out in order as the rollout asks for them.
+
+    Ranks may ask for different numbers of prompts in a step (dynamic sampling's extra rounds, partial rollouts'
+    fresh groups), so without a collective in the rollout they may make different numbers of global draws;
+    ``catch_up`` makes (and discards) the draws a rank is short of at the end of the step, so every rank's sampler
+    ends the step in the same state. A rank's prompts left over in its last draw are not used."""
+
+    def __init__(self, sampler: Any, prompts_per_step: int, world: int, rank: int):
+        self.sampler, self.share, self.world, self.rank = sampler, prompts_per_step, world, rank
+        self.draws = 0  # global draws made this step
+        self.ready: list[int] = []  # this rank's positions drawn and not yet handed out
+        self.taken: list[int] = []  # this rank's positions handed out this step
+
+    def take(self, count: int) -> list[int]:
+        while len(self.ready) < count:
+            drawn = self._global_draw()
+            self.ready.extend(drawn[self.rank * self.share:(self.rank + 1) * self.share])
+        out, self.ready = self.ready[:count], self.ready[count:]
+        self.taken.extend(out)
+        return out
+
+    def catch_up(self, draws: int) -> None:
+        while self.draws < draws:
+            self._global_draw()
+
+    def _global_draw(self) -> list[int]:
+        self.draws += 1
+        return self.sampler.draw(self.share * self.world)
 
 
 class RolloutDataModule(LightningDataModule):
@@ -176,18 +210,22 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
                all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               precision_context: Callable[[], Any] | None = None) -> None:
+               precision_context: Callable[[], Any] | None = None,
+               rollout_weights: RolloutWeights | None = None) -> None:
         """Take what the module owns: the policy, its tokenizer, the advantage scaling (part of the objective),
-        and the world (ranks, a gather across them, the trainer's precision context). Called once per fit or
-        validate by ``GRPOModule``; call it yourself without a trainer."""
+        the world (ranks, a gather across them, the trainer's precision context) and what rollouts run on
+        (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
+        lockstep). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
         given = self._handover
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
-                given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size):
+                given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (
+                rollout_weights is None or given["rollout_weights"] is rollout_weights):
             return  # the same hand-over again (every validation run repeats it)
         if self.builder is not None:  # a new policy object: a new builder, continuing the engine's state
             self._pending_state["engine"] = self.builder.state_dict()
         self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards, world_size=world_size,
-                              all_gather=all_gather, precision_context=precision_context)
+                              all_gather=all_gather, precision_context=precision_context,
+                              rollout_weights=rollout_weights)
         self.builder = None
         self._render_prompts()
 
@@ -208,7 +246,7 @@ class RolloutDataModule(LightningDataModule):
                 val_temperature=self.val_temperature, world_size=given["world_size"],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
-                max_staleness=self.max_staleness,
+                max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             if "engine" in self._pending_state:
                 self.builder.load_state_dict(self._pending_state.pop("engine"))
@@ -238,6 +276,9 @@ class RolloutDataModule(LightningDataModule):
         if self.prompts_per_step * world > len(self.train_indices):
             raise ValueError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
                              f"{len(self.train_indices)} training prompts")
+        if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
+            raise ValueError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer than "
+                             f"world_size={world}: use at least one per rank, or 0 for no validation")
         self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
                                             **self.curriculum_kwargs)
         if "sampler" in self._pending_state:
@@ -277,10 +318,17 @@ class RolloutDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_indices:
             return []
+        return DataLoader(RequestStream("val", len(chunks := self._val_chunks()), chunks), batch_size=None,
+                          num_workers=0)
+
+    def _val_chunks(self) -> list[list[int]]:
+        """This rank's held-out positions in ``val_batch_size`` chunks: every prompt on one rank, and as many
+        chunks on every rank (a rank short of prompts gets an empty last one), since each validation batch's
+        rollout is a collective under FSDP2."""
         world, rank = self._world()
         positions = list(range(len(self.val_indices)))[rank::world]
-        chunks = [positions[i:i + self.val_batch_size] for i in range(0, len(positions), self.val_batch_size)]
-        return DataLoader(RequestStream("val", len(chunks), chunks), batch_size=None, num_workers=0)
+        count = math.ceil(math.ceil(len(self.val_indices) / world) / self.val_batch_size)
+        return [positions[i * self.val_batch_size:(i + 1) * self.val_batch_size] for i in range(count)]
 
     # ------------------------------------------------------------------------------------------ rollouts
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -305,29 +353,82 @@ class RolloutDataModule(LightningDataModule):
 
     def _build_train_batch(self, builder: RolloutBuilder) -> RolloutBatch:
         epoch = self.trainer.current_epoch if getattr(self, "trainer", None) is not None else 0
+        world, rank = self._world()
         if self.sampler.needs_scores(epoch):
             with builder.generation_mode() as model:
                 scores = angle_concentration(model, builder.tokenizer, self.train_prompt_ids, self.score_batch_size)
+            if world > 1:  # rank 0's scores on every rank: one order of the prompts by construction
+                scores = self._all_gather(scores.double())[0].float()
             self.sampler.set_scores(scores, epoch)
+        if world > 1:
+            self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
         batch = builder.build_train(self._draw)
-        accuracy = batch.mean_accuracy()
-        if accuracy is None:  # no correctness reward: the mean reward, clamped to [0, 1]
-            accuracy = float(batch.rewards.float().mean().clamp(0.0, 1.0))
-        self.sampler.update(min(max(accuracy, 0.0), 1.0))
+        if world > 1:
+            accuracy, mean_angle = self._step_feedback(batch)
+            self.sampler.update(accuracy, mean_angle)
+        else:
+            accuracy = batch.mean_accuracy()
+            if accuracy is None:  # no correctness reward: the mean reward, clamped to [0, 1]
+                accuracy = float(batch.rewards.float().mean().clamp(0.0, 1.0))
+            self.sampler.update(min(max(accuracy, 0.0), 1.0))
         batch.metrics.update(self.sampler.metrics())
         self.steps_built += 1
         return batch
 
-    def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch:
+    def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch | None:
         """Greedy completions (one per prompt) of some held-out prompts, scored (and k sampled ones with
-        ``val_num_samples`` k > 1)."""
+        ``val_num_samples`` k > 1); None for an empty chunk (a rank short of held-out prompts)."""
         return self._require_builder().build_val([self._prompt("val", i) for i in positions])
 
     def _draw(self, count: int) -> list[Prompt]:
-        """The next ``count`` training prompts of this rank (all ranks draw the same global batch)."""
+        """The next ``count`` training prompts of this rank.
+
+        One process: ``sampler.draw(count)``. Several ranks: the step's prompts come from global draws of
+        ``prompts_per_step x world_size`` prompts (every rank draws the same ones), each rank taking its own
+        ``prompts_per_step`` slice of each, so no prompt is on two ranks in one draw. No collective runs here (ranks
+        may ask for different counts, or not at all: dynamic sampling, partial rollouts); at the end of the step
+        ``_step_feedback`` brings every rank to the same number of global draws (see ``_StepDraw``)."""
         world, rank = self._world()
-        drawn = self.sampler.draw(count * world)
-        return [self._prompt("train", i) for i in drawn[rank * count:(rank + 1) * count]]
+        if world == 1:
+            return [self._prompt("train", i) for i in self.sampler.draw(count)]
+        step = getattr(self, "_step_draw", None)
+        if step is None or step.sampler is not self.sampler:
+            step = self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
+        return [self._prompt("train", i) for i in step.take(count)]
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[world_size, *tensor.shape]`` on the CPU: every rank's ``tensor``, rank by rank (the strategy's
+        all_gather, as handed over by ``attach``; else the trainer's strategy). A collective: every rank calls it."""
+        gather = (self._handover or {}).get("all_gather")
+        if gather is None:
+            strategy = self.trainer.strategy
+            gather = lambda t: strategy.all_gather(t.to(strategy.root_device))  # noqa: E731
+        return gather(tensor).cpu()
+
+    def _step_feedback(self, batch: RolloutBatch) -> tuple[float, float | None]:
+        """The curriculum's feedback for the whole step, the same on every rank (several ranks; one all_gather of
+        a few numbers): the accuracy over every rank's completions (the correctness where any rank has one, else
+        the mean reward, clamped to [0, 1]) and the mean raw angle score of every prompt the ranks drew (None for
+        a sampler without scores). It also brings every rank's sampler to the step's most global draws."""
+        step = self._step_draw
+        empty = torch.zeros(0, dtype=torch.float64)
+        accuracy = batch.accuracy
+        present = empty if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
+        rewards = batch.rewards.double()
+        scores = getattr(self.sampler, "scores", None)
+        angles = scores[step.taken].double() if scores is not None and step.taken else empty
+        local = torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel(),
+                              float(angles.sum()), angles.numel(), step.draws], dtype=torch.float64)
+        total = self._all_gather(local)  # [world, 7]
+        step.catch_up(int(total[:, 6].max()))
+        self._step_draw = None
+        total = total.sum(dim=0)
+        if total[1] > 0:
+            mean_accuracy = float(total[0] / total[1])
+        else:  # no correctness on any rank: the mean reward
+            mean_accuracy = float(total[2] / total[3]) if total[3] > 0 else 0.0
+        mean_angle = float(total[4] / total[5]) if total[5] > 0 else None
+        return min(max(mean_accuracy, 0.0), 1.0), mean_angle
 
     def _prompt(self, split: str, position: int) -> Prompt:
         indices, ids = (self.train_indices, self.train_prompt_ids) if split == "train" else (

@@ -41,3 +41,20 @@ def tiny_llama():
 def prompt_ids(tiny_llama):
     _, tokenizer = tiny_llama
     return [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="session")
+def eos_model(tmp_path_factory) -> str:
+    """A saved tiny-llama whose samples end at different steps (two_process_helpers.save_eos_model)."""
+    from two_process_helpers import save_eos_model
+
+    return save_eos_model(tmp_path_factory.mktemp("eos_model"))
+
+
+@pytest.fixture(scope="session")
+def ddp_run(eos_model, tmp_path_factory) -> str:
+    """One 2-process ddp fit of the tiny config on ``eos_model`` (two_process_helpers.fit_two_processes), shared by
+    the ddp and FSDP2 tests: the StepRecorder path."""
+    from two_process_helpers import fit_two_processes
+
+    return fit_two_processes(tmp_path_factory.mktemp("ddp"), "--model.model", eos_model, "--trainer.strategy", "ddp")

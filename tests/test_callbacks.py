@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, ma
 from lit_grpo.runtime import memory
 from lit_grpo.callbacks import (
     CompletionLogger,
+    FitSummary,
     PeakMemoryMonitor,
     RewardForecast,
     RolloutProfiler,
@@ -256,3 +258,103 @@ def test_markdown_cell_escapes_and_cuts():
     assert markdown_cell("a|b\nc", 100) == "a\\|b<br>c"
     assert markdown_cell("<script>", 100) == "\\<script\\>"
     assert markdown_cell("abcdef", 3) == "abc…"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several processes: the whole step's figures (two ranks stood in for in one process)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _RecordingLogger:
+    def __init__(self) -> None:
+        self.logged: list[dict] = []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.logged.append(dict(metrics))
+
+
+def _stand_in_trainer(all_gather) -> SimpleNamespace:
+    """What the callbacks read of a trainer of world size 2, with ``all_gather`` as the strategy's."""
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
+    return SimpleNamespace(world_size=2, strategy=strategy,
+                           loggers=[_RecordingLogger()], log_every_n_steps=1, should_stop=False, callback_metrics={},
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)))
+
+
+def _as_rank_zero_of_two(hook) -> list[dict]:
+    """Calls ``hook(rank, trainer)`` as rank 1, then as rank 0, whose gathers return rank 0's tensor stacked with
+    what rank 1 gathered at the same point; returns what rank 0 logged."""
+    from_rank_one: list[torch.Tensor] = []
+    hook(1, _stand_in_trainer(lambda tensor: from_rank_one.append(tensor) or torch.stack([tensor, tensor])))
+    zero = _stand_in_trainer(lambda tensor: torch.stack([tensor, from_rank_one.pop(0)]))
+    hook(0, zero)
+    assert not from_rank_one  # both ranks gathered as often
+    return zero.loggers[0].logged
+
+
+def test_rollout_profiler_logs_the_whole_step_over_ranks():
+    rollouts = [make_rollout(0), make_rollout(1, with_predictor=False)]
+    rollouts[1].stats.wall_s = 0.9
+    profilers = [RolloutProfiler(progress_bar=False) for _ in rollouts]
+    (logged,) = _as_rank_zero_of_two(
+        lambda rank, trainer: profilers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0))
+    a, b = (r.stats for r in rollouts)
+    assert logged["rollout/generated_tokens"] == a.generated_tokens + b.generated_tokens  # counts add up
+    assert logged["rollout/prefill_tokens"] == a.prefill_tokens + b.prefill_tokens
+    assert logged["rollout/decode_steps"] == max(a.decode_steps, b.decode_steps)  # the slowest rank's
+    assert logged["rollout/wall_s"] == 0.9 and logged["rollout/capture_s"] == 0.05
+    assert logged["rollout/ms_per_step"] == pytest.approx(max(a.ms_per_step, b.ms_per_step))
+    assert logged["rollout/tokens_per_s"] == pytest.approx(a.tokens_per_s + b.tokens_per_s)
+    assert logged["rollout/peak_kv_bytes"] == 1001  # the largest process's
+    assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
+
+
+class _FixedTracker:
+    """A memory tracker that always reads ``peak`` bytes."""
+
+    name = "fixed"
+
+    def __init__(self, peak: int) -> None:
+        self.peak = peak
+
+    def read(self) -> dict[str, int]:
+        return {"peak_bytes": self.peak}
+
+    def current(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("peer_peak", [300 * MiB, None])
+def test_peak_memory_logs_the_largest_ranks_peaks(peer_peak):
+    """The largest rank's peak; a rank that cannot measure (no tracker) still joins the gather, left out of it."""
+    monitors = [PeakMemoryMonitor(), PeakMemoryMonitor()]
+    monitors[0]._tracker = _FixedTracker(100 * MiB)
+    monitors[1]._tracker = _FixedTracker(peer_peak) if peer_peak is not None else None
+    rollout = make_rollout(0)
+
+    def step(rank, trainer):
+        monitors[rank].on_train_batch_start(trainer, None, rollout, 0)
+        monitors[rank].on_train_batch_end(trainer, None, None, rollout, 0)
+
+    (logged,) = _as_rank_zero_of_two(step)
+    expected = peer_peak or 100 * MiB
+    assert logged["memory/step_peak_bytes"] == logged["memory/rollout_peak_bytes"] == expected
+    assert monitors[0].max_logged["memory/step_peak_bytes"] == expected
+
+
+def test_fit_summary_counts_every_ranks_rollouts():
+    """A step's rollout time is its slowest rank's; the decode and prefill figures are every rank's."""
+    rollouts = [make_rollout(0), make_rollout(1)]
+    rollouts[1].stats.wall_s = 0.9
+    summaries = [FitSummary(), FitSummary()]
+    _as_rank_zero_of_two(lambda rank, trainer: summaries[rank].on_train_batch_end(trainer, None, None,
+                                                                                  rollouts[rank], 0))
+    a, b = (r.stats for r in rollouts)
+    totals = summaries[0].rollout_totals
+    assert totals.generated_tokens == a.generated_tokens + b.generated_tokens
+    assert summaries[0].rollouts == 1 and summaries[0].rollout_s == 0.9
+    decode_steps = a.decode_steps + b.decode_steps
+    assert totals.decode_ms_per_step == pytest.approx(1000 * (a.decode_s + b.decode_s) / decode_steps)

@@ -7,44 +7,14 @@ scale spans both ranks (advantages use the std of all ranks' rewards), and dapo'
 (the logged gradient norm equals that of one process holding both ranks' rows).
 """
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from two_process_helpers import ROOT, fit_two_processes
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
-
-
-def _lit_grpo() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
-
-
-def _run_two_processes(tmp: Path, *strategy_args: str) -> str:
-    record = tmp / "rec"
-    cmd = _lit_grpo() + ["fit", "--config", TINY, *strategy_args, "--trainer.default_root_dir", str(tmp / "run"),
-                         "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-                         "--trainer.max_steps", "2", "--model.scale_rewards", "batch", "--model.lr", "1e-2",
-                         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
-                         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
-    return str(record)
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    return _run_two_processes(tmp_path_factory.mktemp("ddp"), "--trainer.strategy", "ddp")
 
 
 def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
@@ -62,7 +32,7 @@ def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
     assert ranks[0][0]["param_abs"] != ranks[0][1]["param_abs"]  # and they did train
 
 
-def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run):
+def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run, eos_model):
     from tools.step_recorder import read_records
 
     from lit_grpo.rollout.advantages import STD_EPS
@@ -77,7 +47,7 @@ def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run):
 
     # dapo: the step's loss is (sum over both ranks' tokens) / (both ranks' active tokens); recompute it in one
     # process from the initial weights and compare the gradient norm the ddp run logged.
-    module = GRPOModule(model="tiny-llama", train_micro_batch_size=4, max_grad_norm=None)
+    module = GRPOModule(model=eos_model, train_micro_batch_size=4, max_grad_norm=None)
     module.configure_model()
     total = sum(float(module._total_active_tokens(b, module._micro_batches(b))) for b in batches)
     grads = []
@@ -110,33 +80,9 @@ def test_fsdp_recipe_config_instantiates():
     assert cli.datamodule.sampling.group_size >= 2
 
 
-def test_fsdp2_on_two_cpu_processes_matches_ddp(ddp_run, tmp_path):
-    """The FSDP recipe's mechanism (ModelParallelStrategy + model.fsdp: true, FSDP2) on 2 CPU processes with gloo:
-    the same prompts, completions, rewards, losses and gradient norms as the ddp run, and the two ranks' parameter
-    shards add up to ddp's full parameters after every step."""
-    from tools.step_recorder import read_records
-
-    strategy = tmp_path / "strategy.yaml"
-    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}}}))
-    fsdp_run = _run_two_processes(tmp_path, "--config", str(strategy), "--model.fsdp", "true")
-    for rank in (0, 1):
-        for a, b in zip(read_records(ddp_run, rank), read_records(fsdp_run, rank), strict=True):
-            assert b["sharded"] and not a["sharded"]
-            for key in ("indices", "completion_ids", "rewards", "advantages"):
-                assert a[key] == b[key], (rank, a["global_step"], key)
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    for step, ddp in enumerate(read_records(ddp_run, 0)):
-        shards = [read_records(fsdp_run, rank)[step] for rank in (0, 1)]
-        assert sum(s["param_sum"] for s in shards) == pytest.approx(ddp["param_sum"], rel=1e-6)
-        assert sum(s["param_abs"] for s in shards) == pytest.approx(ddp["param_abs"], rel=1e-6)
-
-
 def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    _run_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.over_provision", "2.0",
+    fit_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.over_provision", "2.0",
                        "--data.sampling.micro_group_size", "6", "--data.sampling.max_new_tokens", "48",
                        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
                        "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
@@ -156,3 +102,128 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
     data.trainer = type("Trainer", (), {"world_size": 3, "global_rank": 0})()
     with pytest.raises(ValueError, match="partial rollouts of 2 ranks; resume it with as many ranks"):
         data.load_state_dict({"engine": engine})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One gradient all-reduce per optimizer step; logged metrics are the whole step's
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
+    """4 micro-batches per rank and 2 optimizer steps per training step, the gradients in several 0.1 MB buckets: a
+    DDP comm hook (StepRecorder's count_grad_syncs) sees each bucket once per optimizer step, not once per
+    micro-batch."""
+    from tools.step_recorder import read_records
+
+    syncs, strategy = tmp_path / "syncs", tmp_path / "strategy.yaml"
+    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"bucket_cap_mb": 0.1}}}}))
+    fit_two_processes(tmp_path, "--config", str(strategy), "--model.train_micro_batch_size", "2",
+                       "--model.num_iterations", "2",
+                       "--trainer.callbacks+=tools.step_recorder.StepRecorder", f"--trainer.callbacks.path={syncs}",
+                       "--trainer.callbacks.count_grad_syncs=true")
+    for rank in (0, 1):
+        records = read_records(str(syncs), rank)
+        assert [r["global_step"] for r in records] == [2]  # max_steps=2: one training step of 2 optimizer steps
+        for record in records:
+            assert record["num_prompts"] * record["group_size"] == 8  # 4 micro-batches of 2 rows
+            assert len(record["grad_syncs"]) == 2, record["grad_syncs"]  # num_iterations optimizer steps
+            for buckets in record["grad_syncs"]:  # one round: every bucket reduced exactly once
+                assert buckets and sorted(buckets) == list(range(len(buckets))), record["grad_syncs"]
+        # one bucket in the first backward; DDP then rebuilds them, 0.1 MB each, in the order gradients came
+        assert max(len(buckets) for record in records for buckets in record["grad_syncs"]) > 1
+
+
+def _logged_keys(record: dict) -> dict:
+    return {k: v for k, v in record["logged"].items() if not k.startswith("val/")}
+
+
+def test_logged_step_metrics_are_the_whole_steps_on_every_rank(ddp_run):
+    from tools.step_recorder import read_records
+
+    ranks = [read_records(ddp_run, rank) for rank in (0, 1)]
+    told_apart = False
+    for a, b in zip(*ranks):
+        assert _logged_keys(a) == _logged_keys(b)  # every rank logs the same figures
+        logged = a["logged"]
+        rewards = torch.tensor(a["rewards"] + b["rewards"], dtype=torch.float64)
+        assert logged["reward/mean"] == pytest.approx(float(rewards.mean()), rel=1e-6)
+        told_apart |= logged["reward/mean"] != pytest.approx(float(torch.tensor(a["rewards"]).mean()), rel=1e-6)
+        lengths = [len(ids) for r in (a, b) for group in r["completion_ids"] for ids in group]
+        assert logged["completions/min_length"] == min(lengths)
+        assert logged["completions/max_length"] == max(lengths)
+        assert logged["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)
+        assert logged["train/loss"] == pytest.approx((a["loss"] + b["loss"]) / 2, rel=1e-5, abs=1e-9)
+        walls = [a["rollout"]["wall_s"], b["rollout"]["wall_s"]]
+        assert logged["rollout/rank_skew"] == pytest.approx(max(walls) / (sum(walls) / 2), rel=1e-6)
+        assert logged["rollout/rank_skew"] >= 1.0
+    assert told_apart  # rank 0's own reward differs from the step's in at least one step
+
+
+def test_callback_keys_are_the_whole_steps_in_tensorboard(ddp_run):
+    """RolloutProfiler's rollout/* and PeakMemoryMonitor's memory/* in rank 0's TensorBoard file: sums of counts,
+    the slowest rank's times."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tools.step_recorder import read_records
+
+    (log_dir,) = {path.parent for path in (Path(ddp_run).parent / "run").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+
+    def logged(tag: str) -> list[float]:
+        return [event.value for event in accumulator.Scalars(tag)]
+
+    ranks = [read_records(ddp_run, rank) for rank in (0, 1)]
+    both = list(zip(*ranks))
+    assert logged("rollout/generated_tokens") == [a["rollout"]["generated_tokens"] + b["rollout"]["generated_tokens"]
+                                                  for a, b in both]
+    assert logged("rollout/prefill_tokens") == [a["rollout"]["prefill_tokens"] + b["rollout"]["prefill_tokens"]
+                                                for a, b in both]
+    assert logged("rollout/decode_steps") == [max(a["rollout"]["decode_steps"], b["rollout"]["decode_steps"])
+                                              for a, b in both]
+    assert logged("rollout/wall_s") == pytest.approx([max(a["rollout"]["wall_s"], b["rollout"]["wall_s"])
+                                                      for a, b in both], rel=1e-6)
+    assert logged("rollout/rank_skew") == pytest.approx([a["logged"]["rollout/rank_skew"] for a, _ in both])
+    assert len(logged("memory/step_peak_bytes")) == len(both)
+
+
+def test_val_metrics_count_every_ranks_held_out_prompts_once(ddp_run):
+    """val/reward (a torchmetrics mean, synced when computed) is the mean over both ranks' held-out prompts."""
+    from tools.step_recorder import read_validations
+
+    ranks = [read_validations(ddp_run, rank) for rank in (0, 1)]
+    assert [v["global_step"] for v in ranks[0]] == [v["global_step"] for v in ranks[1]] == [0, 2]
+    for a, b in zip(*ranks):
+        assert a["logged"] == b["logged"]
+        indices = [i for v in (a, b) for batch in v["batches"] for i in batch["indices"]]
+        assert len(indices) == len(set(indices)) == 4  # every held-out prompt (val_size 4), on one rank
+        rewards = [r for v in (a, b) for batch in v["batches"] for r in batch["rewards"]]
+        assert a["logged"]["val/reward"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
+
+
+def test_rank_reductions_cover_every_key_and_reduce_as_documented():
+    from lit_grpo.callbacks.peak_memory import MEMORY_KEYS
+    from lit_grpo.callbacks.rollout_profiler import ROLLOUT_FIELDS
+    from lit_grpo.rollout.metrics import (rank_reduction, reduce_over_ranks, step_metric_keys,
+                                          whole_step_metrics)
+
+    for key in [*step_metric_keys(["accuracy"]), *(f"rollout/{f}" for f in ROLLOUT_FIELDS), *MEMORY_KEYS]:
+        assert rank_reduction(key) in ("mean", "sum", "min", "max", "skew"), key
+    per_rank = [{"reward/mean": 0.25, "completions/min_length": 3.0, "reward/skipped_groups": 1.0,
+                 "rollout/rank_skew": 1.0, "reward/accuracy/mean": 0.5},
+                {"reward/mean": 0.75, "completions/min_length": 5.0, "reward/skipped_groups": 2.0,
+                 "rollout/rank_skew": 3.0}]
+    keys = step_metric_keys(["accuracy"])
+    assert reduce_over_ranks(per_rank, keys) == {
+        "reward/mean": 0.5, "reward/skipped_groups": 3.0, "completions/min_length": 3.0,
+        "rollout/rank_skew": 1.5, "reward/accuracy/mean": 0.5}  # absent on rank 1: rank 0's alone
+    assert list(reduce_over_ranks(per_rank, keys)) == [k for k in keys if k in reduce_over_ranks(per_rank, keys)]
+
+    # one collective: every rank's [2, K] (values, present) stacked; here rank 1 holds twice rank 0's values
+    gathered = whole_step_metrics({"reward/mean": 1.0, "completions/max_length": 4.0, "train/kl": None}, keys,
+                                  lambda local: torch.stack([local, 2 * local]))
+    assert gathered == {"reward/mean": 1.5, "completions/max_length": 8.0}
+    with pytest.raises(ValueError, match="'reward/new_key'"):
+        whole_step_metrics({"reward/new_key": 1.0}, keys, lambda local: torch.stack([local, local]))
+    with pytest.raises(ValueError, match="'custom/thing' has no rule"):
+        rank_reduction("custom/thing")

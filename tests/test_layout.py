@@ -1,5 +1,5 @@
-"""The house's plan, checked: every module imports only its own layer or lower ones, no file is over 400 lines, and
-the names a user imports work from ``lit_grpo`` and ``lit_grpo.callbacks``."""
+"""The house's plan, checked: every module imports only its own layer or lower ones, and the names a user imports
+work from ``lit_grpo`` and ``lit_grpo.callbacks``. (Files are split by idea, not by a line count.)"""
 
 from __future__ import annotations
 
@@ -77,13 +77,6 @@ def test_every_module_has_a_layer_and_imports_no_higher_one():
             if layer is not None and layer > own:
                 problems.append(f"{module} (layer {own}) imports {imported} (layer {layer})")
     assert not problems, "\n".join(problems)
-
-
-def test_no_source_file_is_over_400_lines():
-    folders = [ROOT / "lit_grpo", ROOT / "callbacks", ROOT / "datamodules", ROOT / "tools"]
-    long = {str(p.relative_to(ROOT)): n for folder in folders for p in folder.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, long
 
 
 @pytest.mark.parametrize("name", ["GRPOModule", "RolloutDataModule", "RolloutEngine", "SamplingConfig", "RolloutBatch",

@@ -32,6 +32,7 @@ from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
+from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
@@ -104,6 +105,11 @@ class RolloutBuilder:
             tokens so far, continued next step under the new weights). Nothing is dropped.
         max_staleness: steps a group may be carried; one carried that long must complete in the next rollout
             (the stalest B at most, as only B groups fit a batch).
+        rollout_weights: what the engines run on (default: ``policy`` itself); under FSDP2 the policy's gathered
+            copy or its shards in lockstep (lit_grpo.runtime.distributed). A training step's rollouts (all of
+            them, dynamic sampling's too) run in one ``active()`` scope, a validation batch's in one, and what
+            gathers across ranks (the batch reward scale) runs after it: every rank enters and leaves the scope
+            together whatever its rollouts' lengths.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
@@ -113,7 +119,8 @@ class RolloutBuilder:
                  val_num_samples: int = 1, val_temperature: float = 1.0,
                  world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
-                 max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2):
+                 max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
+                 rollout_weights: RolloutWeights | None = None):
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
@@ -127,6 +134,8 @@ class RolloutBuilder:
         self.precision_context = precision_context or contextlib.nullcontext
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.over_provision, self.max_staleness = over_provision, max_staleness
+        self.weights = rollout_weights or RolloutWeights(policy)
+        self._generating = False  # inside generation_mode(): a nested one reuses its scope
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
@@ -142,7 +151,7 @@ class RolloutBuilder:
             return g
         config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
         parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
-        return auto_micro_group_size(self.policy.config, next(self.policy.parameters()).dtype, config.kv_budget_bytes,
+        return auto_micro_group_size(self.policy.config, next(self.weights.module.parameters()).dtype, config.kv_budget_bytes,
                                      self.max_prompt_length, config.max_new_tokens, config.group_size, prompts, *parked)
 
     @property
@@ -179,7 +188,7 @@ class RolloutBuilder:
         return self._val_sampled_engine
 
     def _new_engine(self, config: SamplingConfig) -> RolloutEngine:
-        return RolloutEngine(self.policy, self.tokenizer, config)
+        return RolloutEngine(self.weights.module, self.tokenizer, config)
 
     def state_dict(self) -> dict:
         """The training engine's state (rollout counter, length predictor) and the carried groups, for exact
@@ -200,25 +209,32 @@ class RolloutBuilder:
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[torch.nn.Module]:
-        """No grad, the policy in eval mode (restored afterwards), inside the precision context."""
+        """The module to generate with, inside the rollout weights' scope (``rollout_weights``), with no grad, in
+        eval mode (restored afterwards) and the precision context; a nested call reuses the outer scope."""
+        if self._generating:
+            yield self.weights.module
+            return
         was_training = self.policy.training
         self.policy.eval()
+        self._generating = True
         try:
-            with torch.no_grad(), self.precision_context():
-                yield self.policy
+            with torch.no_grad(), self.precision_context(), self.weights.active(keep=self.sampling.keep_kv_cache) as model:
+                yield model
         finally:
+            self._generating = False
             self.policy.train(was_training)
 
     # ------------------------------------------------------------------------------------------ batches
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
-        rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
-                  else self._rollout(engine, draw(num_prompts))]
-        keep = self._kept_groups(rounds)
-        while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
-            rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
+        with self.generation_mode():
+            rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
+                      else self._rollout(engine, draw(num_prompts))]
             keep = self._kept_groups(rounds)
+            while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
+                rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
+                keep = self._kept_groups(rounds)
         if not self.sampling.keep_kv_cache:
             engine.release()  # the update needs that memory more
         chosen = keep[:num_prompts]
@@ -237,20 +253,26 @@ class RolloutBuilder:
             batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)
         return batch
 
-    def build_val(self, prompts: list[Prompt]) -> RolloutBatch:
+    def build_val(self, prompts: list[Prompt]) -> RolloutBatch | None:
         """Greedy completions (one per prompt) of held-out prompts, scored; with ``val_num_samples`` k > 1 also
-        the correctness of k sampled completions each (``sampled_accuracy``, ``[b, k]``)."""
+        the correctness of k sampled completions each (``sampled_accuracy``, ``[b, k]``). No prompts: None, after
+        the rollout scope's collectives (a rank short of held-out prompts still answers the others)."""
         engine = self.val_engine
-        part = self._rollout(engine, prompts)
-        if not self.sampling.keep_kv_cache:
-            engine.release()
-        batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
-        if self.val_num_samples > 1:
-            sampled_engine = self.val_sampled_engine
-            sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
-            sampled = self._rollout(sampled_engine, prompts)
+        with self.generation_mode():
+            if not prompts:
+                return None
+            part = self._rollout(engine, prompts)
             if not self.sampling.keep_kv_cache:
-                sampled_engine.release()
+                engine.release()
+            sampled = None
+            if self.val_num_samples > 1:
+                sampled_engine = self.val_sampled_engine
+                sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
+                sampled = self._rollout(sampled_engine, prompts)
+                if not self.sampling.keep_kv_cache:
+                    sampled_engine.release()
+        batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
+        if sampled is not None:
             batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
         return batch
 

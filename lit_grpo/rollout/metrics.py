@@ -1,8 +1,12 @@
 """The scalars that describe one training step's batch: ``reward/*`` and ``completions/*`` (one definition, used by
-``GRPOModule`` and by ``lit_grpo.callbacks.CompletionLogger``)."""
+``GRPOModule`` and by ``lit_grpo.callbacks.CompletionLogger``), and how every logged key becomes the whole step's
+under several processes (``RANK_REDUCTIONS``: one gather of every rank's values, then a sum, mean, min or max per
+key, the same on every rank)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,3 +60,144 @@ def rollout_metrics(batch: Any) -> dict[str, float]:
     out.update(completion_length_metrics(batch.completion_lengths, batch.truncated))
     out.update({key: float(value) for key, value in batch.metrics.items()})
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several processes: every logged key as the whole step's
+# ---------------------------------------------------------------------------------------------------------------
+
+#: GRPOModule's keys (``training_step``), in the order every rank gathers them; ``reward/<fn_name>/mean`` follow.
+#: Rules: "mean" over ranks (every rank holds B x G rows, so the ranks' row means average to the step's; a token
+#: mean such as train/entropy becomes the mean of the ranks' token means), "sum" for counts, "min" / "max" for
+#: extremes, and "skew" for rollout/rank_skew (its value on a rank is that rank's rollout seconds; reduced, the
+#: slowest rank's over the mean).
+STEP_REDUCTIONS: dict[str, str] = {
+    "train/loss": "mean",  # each rank holds its share x the world size: the mean is the step's loss
+    "train/kl": "mean",
+    "train/clip_ratio_low": "mean",
+    "train/clip_ratio_high": "mean",
+    "train/entropy": "mean",
+    "train/grad_norm": "mean",  # the same on every rank: the norm of the reduced gradients
+    "train/lr": "mean",
+    "sampling/sampling_logp_difference/mean": "mean",
+    "sampling/sampling_logp_difference/max": "max",
+    "sampling/importance_sampling_ratio/min": "min",
+    "sampling/importance_sampling_ratio/mean": "mean",
+    "sampling/importance_sampling_ratio/max": "max",
+    "reward/mean": "mean",
+    "reward/std": "mean",  # a mean over groups; every rank holds B groups
+    "reward/frac_zero_std": "mean",  # exact when ranks generate as many groups (no dynamic sampling)
+    "reward/skipped_groups": "sum",
+    "completions/mean_length": "mean",
+    "completions/min_length": "min",
+    "completions/max_length": "max",
+    "completions/clipped_ratio": "mean",
+    "rollout/rollouts_per_step": "max",  # the rank that needed most rounds sets the step's
+    "rollout/carried_samples": "sum",
+    "rollout/offpolicy_tokens_frac": "mean",
+    "rollout/micro_group_size": "max",
+    "curriculum/mu": "mean",  # the same on every rank (one data-steering state)
+    "curriculum/mean_angle": "mean",
+    "rollout/rank_skew": "skew",
+}
+
+#: RolloutProfiler's keys (``rollout/<RolloutStats field>``): the step waits for its slowest rank, so times, decode
+#: steps and per-step or per-token costs are the slowest rank's (max); token and sample counts add up; throughput
+#: adds up too (the ranks generate at once); the KV peaks are per process (max).
+ROLLOUT_REDUCTIONS: dict[str, str] = {
+    "rollout/decode_steps": "max",
+    "rollout/lower_bound_steps": "max",
+    "rollout/slot_utilization": "mean",
+    "rollout/prefill_tokens": "sum",
+    "rollout/generated_tokens": "sum",
+    "rollout/tokens_per_s": "sum",
+    "rollout/wall_s": "max",
+    "rollout/ms_per_step": "max",
+    "rollout/decode_ms_per_step": "max",
+    "rollout/prefill_ms_per_token": "max",
+    "rollout/capture_s": "max",
+    "rollout/peak_kv_bytes": "max",
+    "rollout/length_pred_kendall_tau": "mean",
+    "rollout/length_pred_smape": "mean",
+    "rollout/parked_samples": "sum",
+    "rollout/parked_kv_bytes": "max",
+}
+
+#: How every logged key becomes the whole step's under several processes: the one table (``rank_reduction``).
+RANK_REDUCTIONS: dict[str, str] = {**STEP_REDUCTIONS, **ROLLOUT_REDUCTIONS}
+
+#: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean, and PeakMemoryMonitor's
+#: ``memory/*`` (peaks of one process, and what a phase added to it: the largest rank's).
+RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "/mean", "mean"), ("memory/", "", "max"))
+
+
+def rank_reduction(key: str) -> str:
+    """The rule that makes ``key`` the whole step's over ranks: "mean", "sum", "min", "max" or "skew"."""
+    if key in RANK_REDUCTIONS:
+        return RANK_REDUCTIONS[key]
+    for prefix, suffix, rule in RANK_REDUCTION_FAMILIES:
+        if key.startswith(prefix) and key.endswith(suffix):
+            return rule
+    raise ValueError(f"logged key {key!r} has no rule for reducing it over ranks; add one to "
+                     "lit_grpo.rollout.metrics.RANK_REDUCTIONS")
+
+
+def _skew(values: list[float]) -> float:
+    """The largest of ``values`` over their mean (1.0 when all are 0: nothing to wait for)."""
+    mean = math.fsum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+_RULES: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda values: math.fsum(values) / len(values),
+    "sum": math.fsum,
+    "min": min,
+    "max": max,
+    "skew": _skew,
+}
+
+
+def step_metric_keys(reward_names: Iterable[str]) -> list[str]:
+    """Every key a GRPOModule training step may log, in one order on every rank: ``STEP_REDUCTIONS``' keys, then
+    ``reward/<name>/mean`` for each reward function (the same functions on every rank)."""
+    return [*STEP_REDUCTIONS, *(f"reward/{name}/mean" for name in reward_names)]
+
+
+def gather_over_ranks(values: Mapping[str, float | None], keys: Sequence[str],
+                      all_gather: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, float]]:
+    """Every rank's ``values``, by one collective: a ``[2, K]`` float64 tensor (the values in ``keys``' order, and
+    1.0 where this rank has the key; a None value is absent) through ``all_gather`` (``[2, K]`` ->
+    ``[world, 2, K]``). Every rank must call it at the same point with the same ``keys``, which is why a key of
+    ``values`` outside ``keys`` is an error rather than left out. Returns one dict per rank, its present keys."""
+    unknown = [key for key in values if key not in keys]
+    if unknown:
+        raise ValueError(f"logged keys {unknown} are not among the {len(keys)} keys gathered over ranks, so they "
+                         "cannot be reduced; list them with their rule in lit_grpo.rollout.metrics (STEP_REDUCTIONS "
+                         "for a training step's keys)")
+    local = torch.zeros(2, len(keys), dtype=torch.float64)
+    for index, key in enumerate(keys):
+        value = values.get(key)
+        if value is not None:
+            local[0, index], local[1, index] = float(value), 1.0
+    gathered = all_gather(local).detach().to("cpu", torch.float64).reshape(-1, 2, len(keys))
+    return [{key: float(rank[0, i]) for i, key in enumerate(keys) if rank[1, i] > 0} for rank in gathered]
+
+
+def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]], keys: Sequence[str]) -> dict[str, float]:
+    """The whole step's value of each of ``keys`` from every rank's values (``per_rank[r][key]``), by
+    ``rank_reduction(key)``'s rule over the ranks that have it; a key no rank has is left out. In ``keys``' order,
+    and the same on every rank (it reads the same gathered values)."""
+    if not per_rank:
+        raise ValueError("reduce_over_ranks needs the values of at least one rank, got none")
+    out = {}
+    for key in keys:
+        present = [float(ranks[key]) for ranks in per_rank if ranks.get(key) is not None]
+        if present:
+            out[key] = _RULES[rank_reduction(key)](present)
+    return out
+
+
+def whole_step_metrics(values: Mapping[str, float | None], keys: Sequence[str],
+                       all_gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    """``values`` of this rank as the whole step's (one collective; ``gather_over_ranks``, ``reduce_over_ranks``)."""
+    return reduce_over_ranks(gather_over_ranks(values, keys, all_gather), keys)

@@ -1,28 +1,40 @@
-"""FSDP2 sharding of a transformers model and the gradient norm over shards (used by ``GRPOModule``)."""
+"""Several processes: FSDP2 sharding of a transformers model, the gradient norm over shards, and the weights a
+rollout runs on (used by ``GRPOModule`` and ``RolloutBuilder``)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+import copy
+from typing import Iterable, Iterator
 
 import torch
 
 
-def shard_decoder_layers(model: torch.nn.Module, mesh) -> None:
+def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 (``fully_shard``) on every ``*DecoderLayer`` of ``model``, then on the whole model.
 
     Args:
         mesh: the strategy's ``DeviceMesh``; with named dimensions its ``"data_parallel"`` one is used.
+        param_dtype: gather the weights for forward and backward in this dtype (FSDP2's ``MixedPrecisionPolicy``;
+            gradients are still reduced in float32); None gathers them in their own dtype.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
-        mesh = mesh["data_parallel"]
+    mesh = data_parallel_mesh(mesh)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise ValueError(f"fsdp=True found no *DecoderLayer modules in {type(model).__name__} to shard")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def data_parallel_mesh(mesh):
+    """The mesh's ``"data_parallel"`` dimension where it has named ones, else the mesh itself."""
+    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
+        return mesh["data_parallel"]
+    return mesh
 
 
 def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
@@ -51,3 +63,181 @@ def is_fsdp_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - old torch
         return False
     return isinstance(model, FSDPModule)
+
+
+# ---------------------------------------------------------------------------------------------- rollout weights
+#: How a rollout runs an FSDP2-sharded policy (``GRPOModule(fsdp_rollout=...)``): "gathered" (full weights gathered
+#: once per rollout), "lockstep" (the sharded policy, every rank stepping until all are done), "auto" (gathered
+#: where the full weights fit, see :func:`gathered_weights_fit`).
+FSDP_ROLLOUTS = ("auto", "gathered", "lockstep")
+
+
+class RolloutWeights:
+    """The module a rollout runs (``module``) and the scope it runs in (``active()``); this class: the policy
+    itself, nothing to do. Every rank enters ``active()`` the same number of times (once per training step's
+    rollouts, once per validation batch): the sharded kinds below run collectives at its edges. ``keep``: the
+    engines keep their CUDA graphs after the scope, so the weights they read must stay where they are."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.module = policy
+
+    @contextlib.contextmanager
+    def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
+        yield self.module
+
+
+class GatheredWeights(RolloutWeights):
+    """The full weights of an FSDP2-sharded policy, gathered once per rollout scope into an unsharded replica.
+
+    The replica has the policy's structure (LoRA adapters, tied weights and buffers included) and plain tensors in
+    the rollout's ``dtype``: the decode loop runs on it with no collective inside, so ranks whose rollouts differ
+    in length never wait on each other, and CUDA graphs and the compiled step serve as on one GPU. Entering
+    ``active()`` gathers the weights once (FSDP2's own all-gather, one per unit, in its mixed-precision
+    ``param_dtype`` where one is set: bf16 gathers half the bytes); leaving it frees the replica's storage unless
+    ``keep`` (then the next gather copies into the same memory). The parameter objects stay the same, so a
+    compiled step is not recompiled.
+
+    Args:
+        policy: the sharded policy (``fully_shard`` applied); it may still move to its device afterwards.
+        skeleton: ``meta_replica(policy)`` taken before sharding: the structure, parameters on the meta device.
+        dtype: the rollout's weight dtype (the autocast dtype under mixed precision, else the policy's).
+    """
+
+    def __init__(self, policy: torch.nn.Module, skeleton: torch.nn.Module, dtype: torch.dtype):
+        super().__init__(skeleton.requires_grad_(False).eval())
+        self.sharded, self.dtype = policy, dtype
+        self._allocated = False
+
+    def gather(self) -> torch.nn.Module:
+        """All-gather the policy's current weights into the replica: one collective per FSDP2 unit (a decoder
+        layer, the root's own weights), each unit unsharded, copied and resharded in turn, so at most one
+        unit's full weights exist beside the replica."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            if not self._allocated:  # buffers (rotary frequencies, ...) are the policy's: FSDP2 shards none
+                for (name, _), (_, source) in zip(self.module.named_buffers(), self.sharded.named_buffers(),
+                                                  strict=True):
+                    _set_tensor(self.module, name, source.detach().clone(), parameter=False)
+            pending = dict(self.module.named_parameters())
+            for prefix, unit in self.sharded.named_modules():
+                if not isinstance(unit, FSDPModule):
+                    continue
+                unit.unshard()  # its own weights only (not its sub-units'), in FSDP2's param_dtype
+                for name, source in unit.named_parameters(prefix=prefix):
+                    if name in pending and not isinstance(source, DTensor):
+                        self._copy(name, pending.pop(name), source)
+                unit.reshard()
+            for name, param in pending.items():  # outside any unit: plain tensors
+                source = self.sharded.get_parameter(name)
+                self._copy(name, param, source.full_tensor() if isinstance(source, DTensor) else source)
+        self._allocated = True
+        return self.module
+
+    def _copy(self, name: str, param: torch.nn.Parameter, source: torch.Tensor) -> None:
+        if not self._allocated:
+            _set_tensor(self.module, name, torch.empty(source.shape, dtype=self.dtype, device=source.device))
+            param = self.module.get_parameter(name)
+        elif param.untyped_storage().size() == 0:
+            param.untyped_storage().resize_(param.numel() * param.element_size())
+        param.copy_(source.detach())
+
+    def release(self) -> None:
+        """Free the replica's weights (the parameter objects stay, storage-less, for the next gather)."""
+        if self._allocated:
+            for param in self.module.parameters():
+                param.untyped_storage().resize_(0)
+
+    def weights_bytes(self) -> int:
+        """The replica's full weights in the rollout dtype."""
+        return sum(p.numel() for p in self.module.parameters()) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def fits(self, share: float = 0.5) -> bool:
+        """Whether the gathered weights take at most ``share`` of the device's free memory (the rest is for the
+        KV cache and the update); always on a CPU."""
+        device = next(self.sharded.parameters()).device
+        if device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(device)
+        return self.weights_bytes() <= share * free
+
+    @contextlib.contextmanager
+    def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
+        try:
+            yield self.gather()
+        finally:
+            if not keep:
+                self.release()
+
+
+class LockstepWeights(RolloutWeights):
+    """The sharded policy itself, with every rank forwarding until all ranks' rollouts are done.
+
+    FSDP2's forward all-gathers each layer's shards, so every forward on one rank needs one on every other rank.
+    Inside ``active()`` each forward of the policy first all-reduces a flag, "this rank has work" (a forward
+    pre-hook, ahead of FSDP2's own); leaving ``active()``, a rank whose rollouts are done keeps answering with a
+    one-token forward while any rank still works, then all leave together. The collectives any forward runs
+    depend on the module's structure, not on its inputs, so the sequences match: slower than ``GatheredWeights``
+    (a collective per layer per step), never a hang. For weights too large to gather on one device.
+
+    Args:
+        policy: the sharded policy; group: the process group its shards span (None: the default one).
+    """
+
+    def __init__(self, policy: torch.nn.Module, group=None):
+        super().__init__(policy)
+        self.group = group
+        self._answering = False  # inside an idle rank's one-token forward: its flag went out already
+
+    def _flag(self, working: bool) -> bool:
+        """All-reduce (max) "this rank has work"; True when any rank has."""
+        device = next(self.module.parameters()).device
+        flag = torch.tensor([1.0 if working else 0.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
+
+    def _before_forward(self, module, args, kwargs):
+        if not self._answering:
+            self._flag(True)
+
+    def _answer(self) -> None:
+        """One forward whose output nobody reads, so the other ranks' gathers find this rank's shards."""
+        device = next(self.module.parameters()).device
+        self._answering = True
+        try:
+            with torch.no_grad():
+                self.module(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        finally:
+            self._answering = False
+
+    @contextlib.contextmanager
+    def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
+        hook = self.module.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
+        try:
+            yield self.module
+            while self._flag(False):
+                self._answer()
+        finally:
+            hook.remove()
+
+
+def meta_replica(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (no memory) and whose buffers are copies:
+    the structure a :class:`GatheredWeights` replica fills. Shared parameters stay shared."""
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def _set_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, parameter: bool = True) -> None:
+    """Set parameter (or buffer) ``name`` of ``root`` to ``tensor`` in every module that shares it."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(owner_name)
+    old = owner._parameters[leaf] if parameter else owner._buffers[leaf]
+    new = torch.nn.Parameter(tensor, requires_grad=False) if parameter else tensor
+    for module in root.modules():
+        table = module._parameters if parameter else module._buffers
+        for key, value in table.items():
+            if value is old:
+                table[key] = new

@@ -14,8 +14,8 @@ makes ``num_iterations`` optimizer steps on it:
    "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
    ``loss``, a ``LossConfig``) x its ``micro_batch_weight``
    (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
-   finiteness check, ``manual_backward``; then the gradient norm (logged, checked finite), ``clip_gradients``,
-   ``optimizer.step``, the warmup scheduler step.
+   finiteness check, ``manual_backward`` (under ddp without gradient sync but in the last micro-batch: below); then
+   the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``, the warmup scheduler step.
 
 A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
 weights are never corrupted.
@@ -33,13 +33,26 @@ completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{samp
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
 the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
-samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out.
+samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out. Under several processes
+every key is the whole step's, the same on every rank (below).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
 B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
 of every micro-batch of every rank (``strategy.reduce``), and the loss is multiplied by the world size because ddp
-averages the ranks' gradients: the update equals one process holding all ranks' rows (tests/test_ddp.py). The
-logged ``train/loss`` is then this rank's share times the world size (its mean over ranks is the step's loss).
+averages the ranks' gradients: the update equals one process holding all ranks' rows (tests/test_ddp.py). Every
+micro-batch but the last runs its backward without gradient sync (Lightning's ``strategy.block_backward_sync()``,
+the wrapped model's ``no_sync``), so ddp all-reduces once per optimizer step, with the same gradients up to
+summation order (FSDP2 is left to its own per-backward reduce-scatter).
+Logged keys are the whole step's, the same on every rank: ``training_step`` gathers every rank's values in one
+collective (a ``[2, K]`` float64 tensor over K keys listed in one order on every rank; a key absent on a rank is
+left out of its reduction) and reduces each key by its rule in ``lit_grpo.rollout.metrics.RANK_REDUCTIONS``: means
+(reward/mean, completions/mean_length and clipped_ratio, train/*: every rank holds B x G rows; token means become
+the mean of the ranks' token means), sums (reward/skipped_groups, rollout/carried_samples), min or max
+(completions/min_length and max_length, sampling/*/min and max, rollout/rollouts_per_step), and
+``rollout/rank_skew``, the slowest rank's rollout seconds over their mean (several processes only). ``train/loss``:
+each rank's share is times the world size, so their mean is the step's loss. val/*: torchmetrics means, synced over
+the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce their keys
+(rollout/*, memory/*) by the same table.
 ``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
 averaged the same way. A non-finite loss raises on the rank that sees it; under ddp the other ranks then stop at
 their next collective (the job fails as a whole, the weights stay as they were).
@@ -58,11 +71,14 @@ from typing import Any, get_args
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
-from lit_grpo.rollout.metrics import rollout_metrics
-from lit_grpo.runtime.distributed import gradient_norm, is_fsdp_sharded, shard_decoder_layers
+from lit_grpo.rollout.metrics import rollout_metrics, step_metric_keys, whole_step_metrics
+from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RolloutWeights,
+                                          data_parallel_mesh, gradient_norm, is_fsdp_sharded, meta_replica,
+                                          shard_decoder_layers)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, with_lora)
@@ -114,8 +130,14 @@ class GRPOModule(LightningModule):
         fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
             decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs
             ``trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy`` (GPU; configs/fsdp_gpu.yaml).
-            The rollout engine calls the sharded policy directly; FSDP2's forward hooks gather each layer's
-            weights, so generation works unchanged (at the cost of an all-gather per layer per decode step).
+            Under ``trainer.precision: bf16-mixed`` (or 16-mixed) the weights are gathered in that dtype for
+            forward and backward (FSDP2's ``MixedPrecisionPolicy``), gradients reduced in float32.
+        fsdp_rollout: how rollouts run a sharded policy (lit_grpo.runtime.distributed): "gathered" gathers the
+            full weights once per rollout into an unsharded copy in the rollout's dtype and decodes on it as on one
+            device (CUDA graphs, the compiled step; its memory shows in ``memory/rollout_peak_bytes``);
+            "lockstep" decodes on the shards, every rank stepping until all are done (a collective per layer per
+            step: slower, for weights that do not fit one device whole); "auto" (default) gathers where the
+            full weights take at most half the device's free memory, else lockstep.
         cpu_linear: the kernel of the update's linear layers on a CPU, forward and backward (auto | onednn | torch):
             "auto" is oneDNN for a float32 policy that is not FSDP-sharded, on a CPU that is not Intel's (where
             MKL, torch's kernel, is the faster one; lit_grpo.sampling.cpu_linear).
@@ -140,11 +162,13 @@ class GRPOModule(LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
+        fsdp_rollout: str = "auto",
         cpu_linear: UpdateLinear = "auto",
     ):
         super().__init__()
         check_choice("scale_rewards", scale_rewards, SCALES)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
+        check_choice("fsdp_rollout", fsdp_rollout, FSDP_ROLLOUTS)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
@@ -162,6 +186,9 @@ class GRPOModule(LightningModule):
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        #: What rollouts run on (``rollout_weights()``); a plain object, so its replica is no submodule of this one.
+        self._rollout_weights: RolloutWeights | None = None
+        self._gathered: GatheredWeights | None = None  # under fsdp: the replica, its structure taken before sharding
         #: Whether the update shares prompts: ``shared_prefix`` where the loaded policy can (``configure_model``).
         self.uses_shared_prefix = shared_prefix
         self.held_out = HeldOutMetrics()
@@ -178,7 +205,10 @@ class GRPOModule(LightningModule):
         if hp.peft_config:
             policy = with_lora(policy, hp.peft_config)
         if hp.fsdp:
+            skeleton = meta_replica(policy) if hp.fsdp_rollout != "lockstep" else None
             self._fully_shard(policy)
+            if skeleton is not None:
+                self._gathered = GatheredWeights(policy, skeleton, self._rollout_dtype(policy))
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
         self.uses_shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
@@ -192,7 +222,31 @@ class GRPOModule(LightningModule):
         if self.device_mesh is None:
             raise RuntimeError("fsdp=True needs a device mesh: use trainer.strategy "
                                "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
-        shard_decoder_layers(model, self.device_mesh)
+        shard_decoder_layers(model, self.device_mesh, self._mixed_precision_dtype())
+
+    def _mixed_precision_dtype(self) -> torch.dtype | None:
+        """The trainer's autocast dtype under mixed precision ("bf16-mixed", "16-mixed"), else None."""
+        precision = str(self.trainer.precision) if self._trainer is not None else ""
+        return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+    def _rollout_dtype(self, policy: torch.nn.Module) -> torch.dtype:
+        """The dtype a rollout computes in: the autocast dtype under mixed precision, else the weights' own."""
+        return self._mixed_precision_dtype() or next(policy.parameters()).dtype
+
+    def rollout_weights(self) -> RolloutWeights:
+        """What rollouts run on: the policy, or under fsdp its gathered copy or its shards in lockstep
+        (``fsdp_rollout``); built once, after the strategy has placed the policy."""
+        if self._rollout_weights is not None:
+            return self._rollout_weights
+        policy = self._require_policy()
+        if not is_fsdp_sharded(policy):
+            self._rollout_weights = RolloutWeights(policy)
+        elif self._gathered is not None and (self.hparams.fsdp_rollout == "gathered" or self._gathered.fits()):
+            self._rollout_weights = self._gathered
+        else:
+            group = data_parallel_mesh(self.device_mesh).get_group() if self.device_mesh is not None else None
+            self._rollout_weights = LockstepWeights(policy, group)
+        return self._rollout_weights
 
     def _require_policy(self) -> torch.nn.Module:
         if self.policy is None:
@@ -238,7 +292,8 @@ class GRPOModule(LightningModule):
         attach(self._require_policy(), self.tokenizer, scale_rewards=self.hparams.scale_rewards,
                world_size=self.trainer.world_size,
                all_gather=lambda tensor: strategy.all_gather(tensor.to(strategy.root_device)),
-               precision_context=self.trainer.precision_plugin.forward_context)
+               precision_context=self.trainer.precision_plugin.forward_context,
+               rollout_weights=self.rollout_weights())
 
     # ------------------------------------------------------------------------------------------ optimizer
     def configure_optimizers(self):
@@ -271,10 +326,9 @@ class GRPOModule(LightningModule):
         return [self._logps(model, batch.micro_batch(rows), batch.temperature)[0] for rows in chunks]
 
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
-        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs),
-        except under fsdp, where the output head cannot be called outside the sharded model's forward."""
-        return completion_logps(model, micro, temperature, chunked=not self.hparams.fsdp,
-                                shared_prefix=self.uses_shared_prefix)
+        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs).
+        Under fsdp the output head runs on the root's gathered weights, which FSDP2 keeps until the backward."""
+        return completion_logps(model, micro, temperature, shared_prefix=self.uses_shared_prefix)
 
     def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
@@ -287,8 +341,16 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
         metrics = self.grpo_step(batch, self.optimizers(), self.lr_schedulers())
+        loss = torch.tensor(metrics["train/loss"])  # this rank's share (times the world size)
+        if self.trainer.world_size > 1:
+            # the whole step's figures, the same on every rank: one gather of every rank's values, then each key's
+            # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS); rank_skew goes in as this rank's rollout seconds
+            strategy = self.trainer.strategy
+            metrics = whole_step_metrics({**metrics, "rollout/rank_skew": batch.stats.wall_s},
+                                         step_metric_keys(batch.reward_components),
+                                         lambda tensor: strategy.all_gather(tensor.to(strategy.root_device)))
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_prompts)
-        return torch.tensor(metrics["train/loss"])
+        return loss
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
                   scheduler: Any | None = None) -> dict[str, float]:
@@ -343,6 +405,8 @@ class GRPOModule(LightningModule):
         total_rows = batch.num_completions
         step = StepMetrics()
         world = self.trainer.world_size if self._trainer is not None else 1
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        blocks_sync = isinstance(strategy, ParallelStrategy)
         for index, rows in enumerate(chunks):
             micro = batch.micro_batch(rows)
             logps, entropy = self._logps(self.policy, micro, batch.temperature)
@@ -362,7 +426,12 @@ class GRPOModule(LightningModule):
                     f"micro-batch {index} (rows {rows[0].item()}..{rows[-1].item()}); no optimizer step was taken, "
                     "the weights are unchanged. Check the rewards/advantages, lower lr, or use float32/bf16-mixed.")
             if self._trainer is not None:
-                self.manual_backward(loss)
+                # ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward; the
+                # others accumulate locally (no_sync). A no-op for one process and for FSDP2, whose own hooks
+                # reduce-scatter each backward's gradients (skipping that would hold unsharded gradients)
+                last = index == len(chunks) - 1
+                with contextlib.nullcontext() if last or not blocks_sync else strategy.block_backward_sync():
+                    self.manual_backward(loss)
             else:
                 loss.backward()
             step.add(loss.item(), loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
@@ -386,7 +455,10 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
         """Greedy completions of held-out prompts (built by the DataModule): val/accuracy and val/reward; with
-        sampled validation also val/mean_at_k and val/pass_at_k (lit_grpo.update.held_out)."""
+        sampled validation also val/mean_at_k and val/pass_at_k (lit_grpo.update.held_out). ``None``: a rank
+        short of held-out prompts (an empty chunk; see ``RolloutDataModule.val_dataloader``)."""
+        if batch is None:
+            return
         for key, metric in self.held_out.update(batch).items():
             self.log(key, metric, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
 

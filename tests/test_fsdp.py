@@ -1,0 +1,121 @@
+"""FSDP2 on 2 CPU processes (gloo) where the ranks' rollouts differ in length.
+
+A sharded policy all-gathers each layer's shards in every forward, so a rank whose rollout ends early would leave
+the others waiting in a collective. ``GatheredWeights`` gathers the full weights once per rollout and decodes on an
+unsharded copy (no collective inside the loop); ``LockstepWeights`` keeps a finished rank answering until every
+rank is done. Both must finish with the forced lengths and sample what the unsharded model samples, and a whole
+``lit-grpo fit`` under FSDP2, with a model whose samples end at different steps, must train as ddp does.
+"""
+
+import datetime
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+import yaml
+from two_process_helpers import fit_two_processes
+
+#: Forced completion lengths per rank: rank 0 ends after 2 tokens, rank 1 runs 12.
+LENGTHS = {0: [[2, 2]], 1: [[12, 12]]}
+PROMPTS = {0: [[5, 6, 7]], 1: [[8, 9, 10, 11]]}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
+    """One rank: shard tiny-llama over 2 processes, generate with this rank's forced lengths."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_grpo.runtime.distributed import GatheredWeights, LockstepWeights, meta_replica, shard_decoder_layers
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+    from lit_grpo.sampling import RolloutEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    try:
+        settings = dict(group_size=2, micro_group_size=2, strategy="continuous", max_new_tokens=16, seed=0)
+        plain, tokenizer = load_model_and_tokenizer("tiny-llama")
+        reference = RolloutEngine(plain, tokenizer, **settings)
+        expected = [reference.generate(PROMPTS[rank], lengths=LENGTHS[rank]).completion_ids for _ in range(2)]
+        model, _ = load_model_and_tokenizer("tiny-llama")
+        skeleton = meta_replica(model)
+        shard_decoder_layers(model, init_device_mesh("cpu", (2,)))
+        weights = GatheredWeights(model, skeleton, torch.float32) if mode == "gathered" else LockstepWeights(model)
+        engine = RolloutEngine(weights.module, tokenizer, **settings)
+        completions = []
+        for _ in range(2):  # a second rollout: the gathered copy is freed and gathered again
+            with torch.no_grad(), weights.active():
+                completions.append(engine.generate(PROMPTS[rank], lengths=LENGTHS[rank]).completion_ids)
+        freed = mode != "gathered" or all(p.untyped_storage().size() == 0 for p in weights.module.parameters())
+        results.put((rank, completions, expected, freed))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["gathered", "lockstep"])
+def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_samples(mode):
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), _free_port()
+    workers = [context.Process(target=_unequal_rollout, args=(rank, mode, port, results)) for rank in (0, 1)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=90)
+    hung = [worker for worker in workers if worker.is_alive()]
+    for worker in hung:
+        worker.kill()
+    assert not hung, f"{mode}: a rank did not finish (the ranks' rollouts waited on each other)"
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    by_rank = {rank: rest for rank, *rest in (results.get(timeout=5) for _ in workers)}
+    for rank, (completions, expected, freed) in by_rank.items():
+        assert [len(ids) for ids in completions[0][0]] == LENGTHS[rank][0]
+        assert completions == expected, rank
+        assert freed, "the gathered weights stay allocated after the rollout"
+
+
+# ---------------------------------------------------------------------------------------------- whole runs
+@pytest.mark.parametrize("mode", ["gathered", "lockstep"])
+def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run, tmp_path):
+    """On a model whose samples end at different steps (conftest's ``eos_model``), against the shared 2-process ddp
+    run: the same prompts, completions, rewards and advantages, losses and gradient norms equal up to float
+    rounding (float32, summed in another order), and the two ranks' parameter shards adding up to ddp's parameters
+    after every step; the ranks' rollouts did differ in length."""
+    from tools.step_recorder import read_records
+
+    strategy = tmp_path / "strategy.yaml"
+    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}}}))
+    fsdp_run = fit_two_processes(tmp_path, "--model.model", eos_model, "--config", str(strategy),
+                                 "--model.fsdp", "true", "--model.fsdp_rollout", mode)
+    lengths = {}
+    for rank in (0, 1):
+        for a, b in zip(read_records(ddp_run, rank), read_records(fsdp_run, rank), strict=True):
+            assert b["sharded"] and not a["sharded"]
+            for key in ("indices", "completion_ids", "rewards", "advantages"):
+                assert a[key] == b[key], (rank, a["global_step"], key)
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            lengths.setdefault(rank, []).append([len(ids) for group in b["completion_ids"] for ids in group])
+    cap = 16  # configs/tiny.yaml's max_new_tokens
+    assert any(length < cap for steps in lengths.values() for row in steps for length in row)
+    assert [max(row) for row in lengths[0]] != [max(row) for row in lengths[1]], lengths  # rollouts differ
+    for step, ddp in enumerate(read_records(ddp_run, 0)):
+        shards = [read_records(fsdp_run, rank)[step] for rank in (0, 1)]
+        assert sum(s["param_sum"] for s in shards) == pytest.approx(ddp["param_sum"], rel=1e-6)
+        assert sum(s["param_abs"] for s in shards) == pytest.approx(ddp["param_abs"], rel=1e-6)
+
+
+def test_an_unknown_fsdp_rollout_is_named():
+    from lit_grpo.update.module import GRPOModule
+
+    with pytest.raises(ValueError, match="fsdp_rollout.*'gather'.*gathered"):
+        GRPOModule(model="tiny-llama", fsdp_rollout="gather")

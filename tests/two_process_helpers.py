@@ -1,0 +1,49 @@
+"""Two-process training runs for the multi-process tests: ``lit-grpo fit`` of the tiny config on 2 CPU processes
+(gloo), each rank's steps recorded by ``tools.step_recorder.StepRecorder``."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def lit_grpo_command() -> list[str]:
+    exe = shutil.which("lit-grpo")
+    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+
+
+def fit_two_processes(tmp: Path, *args: str) -> str:
+    """Fit the tiny config for 2 steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
+    the StepRecorder path (its records of every rank, and each rank's batch of step 1)."""
+    record = tmp / "rec"
+    cmd = lit_grpo_command() + [
+        "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+        "--model.scale_rewards", "batch", "--model.lr", "1e-2",
+        "--trainer.callbacks+=tools.step_recorder.StepRecorder",
+        f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
+    return str(record)
+
+
+def save_eos_model(path: Path) -> str:
+    """tiny-llama with its output head's EOS row scaled up, saved to ``path``: its samples end at many different
+    steps (the plain random model runs nearly every sample to the cap), as a real model's do."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 20
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
