@@ -135,7 +135,7 @@ class RolloutBuilder:
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.over_provision, self.max_staleness = over_provision, max_staleness
         self.weights = rollout_weights or RolloutWeights(policy)
-        self._generating = False  # inside generation_mode(): a nested one reuses its scope
+        self._in_scope = False  # inside rollout_scope(): a nested one reuses it
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
@@ -151,8 +151,9 @@ class RolloutBuilder:
             return g
         config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
         parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
-        return auto_micro_group_size(self.policy.config, next(self.weights.module.parameters()).dtype, config.kv_budget_bytes,
-                                     self.max_prompt_length, config.max_new_tokens, config.group_size, prompts, *parked)
+        dtype = next(self.weights.module.parameters()).dtype
+        return auto_micro_group_size(self.policy.config, dtype, config.kv_budget_bytes, self.max_prompt_length,
+                                     config.max_new_tokens, config.group_size, prompts, *parked)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -208,27 +209,37 @@ class RolloutBuilder:
             self._pending_engine_state = state
 
     @contextlib.contextmanager
-    def generation_mode(self) -> Iterator[torch.nn.Module]:
-        """The module to generate with, inside the rollout weights' scope (``rollout_weights``), with no grad, in
-        eval mode (restored afterwards) and the precision context; a nested call reuses the outer scope."""
-        if self._generating:
-            yield self.weights.module
+    def rollout_scope(self) -> Iterator[None]:
+        """The rollout weights' scope (``rollout_weights``: under FSDP2 a gather, or lockstep, at its edges), once
+        per training step's rollouts and per validation batch; a nested call reuses the outer one."""
+        if self._in_scope:
+            yield
             return
-        was_training = self.policy.training
-        self.policy.eval()
-        self._generating = True
+        self._in_scope = True
         try:
-            with torch.no_grad(), self.precision_context(), self.weights.active(keep=self.sampling.keep_kv_cache) as model:
-                yield model
+            with self.weights.active(keep=self.sampling.keep_kv_cache):
+                yield
         finally:
-            self._generating = False
-            self.policy.train(was_training)
+            self._in_scope = False
+
+    @contextlib.contextmanager
+    def generation_mode(self) -> Iterator[torch.nn.Module]:
+        """The module to generate with, inside ``rollout_scope()``, with no grad, in eval mode (restored
+        afterwards) and the precision context. Reward functions run outside it."""
+        with self.rollout_scope():
+            was_training = self.policy.training
+            self.policy.eval()
+            try:
+                with torch.no_grad(), self.precision_context():
+                    yield self.weights.module
+            finally:
+                self.policy.train(was_training)
 
     # ------------------------------------------------------------------------------------------ batches
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
-        with self.generation_mode():
+        with self.rollout_scope():
             rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
                       else self._rollout(engine, draw(num_prompts))]
             keep = self._kept_groups(rounds)
@@ -258,7 +269,7 @@ class RolloutBuilder:
         the correctness of k sampled completions each (``sampled_accuracy``, ``[b, k]``). No prompts: None, after
         the rollout scope's collectives (a rank short of held-out prompts still answers the others)."""
         engine = self.val_engine
-        with self.generation_mode():
+        with self.rollout_scope():
             if not prompts:
                 return None
             part = self._rollout(engine, prompts)

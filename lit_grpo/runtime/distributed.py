@@ -68,7 +68,7 @@ def is_fsdp_sharded(model: torch.nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------- rollout weights
 #: How a rollout runs an FSDP2-sharded policy (``GRPOModule(fsdp_rollout=...)``): "gathered" (full weights gathered
 #: once per rollout), "lockstep" (the sharded policy, every rank stepping until all are done), "auto" (gathered
-#: where the full weights fit, see :func:`gathered_weights_fit`).
+#: where the full weights fit, see :meth:`GatheredWeights.fits`).
 FSDP_ROLLOUTS = ("auto", "gathered", "lockstep")
 
 
@@ -136,8 +136,8 @@ class GatheredWeights(RolloutWeights):
         return self.module
 
     def _copy(self, name: str, param: torch.nn.Parameter, source: torch.Tensor) -> None:
-        if not self._allocated:
-            _set_tensor(self.module, name, torch.empty(source.shape, dtype=self.dtype, device=source.device))
+        if not self._allocated:  # in the dtype the unit gathers in: the trainer's precision has set it by now
+            _set_tensor(self.module, name, torch.empty_like(source.detach()))
             param = self.module.get_parameter(name)
         elif param.untyped_storage().size() == 0:
             param.untyped_storage().resize_(param.numel() * param.element_size())

@@ -241,12 +241,21 @@ class GRPOModule(LightningModule):
         policy = self._require_policy()
         if not is_fsdp_sharded(policy):
             self._rollout_weights = RolloutWeights(policy)
-        elif self._gathered is not None and (self.hparams.fsdp_rollout == "gathered" or self._gathered.fits()):
+        elif self._gathered is not None and (self.hparams.fsdp_rollout == "gathered"
+                                             or self._gathered_fit_everywhere()):
             self._rollout_weights = self._gathered
         else:
             group = data_parallel_mesh(self.device_mesh).get_group() if self.device_mesh is not None else None
             self._rollout_weights = LockstepWeights(policy, group)
         return self._rollout_weights
+
+    def _gathered_fit_everywhere(self) -> bool:
+        """Whether the gathered weights fit on every rank ("auto"): one rank's no makes every rank's lockstep,
+        since the two kinds run different collectives."""
+        fits = self._gathered.fits()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            fits = self.trainer.strategy.reduce_boolean_decision(fits, all=True)
+        return bool(fits)
 
     def _require_policy(self) -> torch.nn.Module:
         if self.policy is None:
