@@ -137,7 +137,7 @@ class GRPOModule(LightningModule):
             device (CUDA graphs, the compiled step; its memory shows in ``memory/rollout_peak_bytes``);
             "lockstep" decodes on the shards, every rank stepping until all are done (a collective per layer per
             step: slower, for weights that do not fit one device whole); "auto" (default) gathers where the
-            full weights take at most half the device's free memory, else lockstep.
+            full weights take at most half the device's free memory on every rank, else lockstep.
         cpu_linear: the kernel of the update's linear layers on a CPU, forward and backward (auto | onednn | torch):
             "auto" is oneDNN for a float32 policy that is not FSDP-sharded, on a CPU that is not Intel's (where
             MKL, torch's kernel, is the faster one; lit_grpo.sampling.cpu_linear).
