@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_grpo.rollout.metrics import gather_over_ranks, whole_step_metrics
+from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.sampling.stats import RolloutStats
 
 #: RolloutStats' scalar fields (all but the timeline), in the order ranks gather them.
@@ -90,7 +91,7 @@ def whole_step(trainer: pl.Trainer, metrics: Mapping[str, float | None], keys: S
     every rank must call this at the same hook, measured or not); one process: ``metrics`` less its None values."""
     if trainer.world_size <= 1:
         return {key: value for key, value in metrics.items() if value is not None}
-    return whole_step_metrics(metrics, keys, _all_gather(trainer))
+    return whole_step_metrics(metrics, keys, strategy_all_gather(trainer.strategy))
 
 
 def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[RolloutStats]:
@@ -102,7 +103,7 @@ def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[Rollout
     if trainer.world_size <= 1:
         return [stats]
     if _last_gather[0] is not stats:
-        per_rank = gather_over_ranks(stats.scalars(), STATS_FIELDS, _all_gather(trainer))
+        per_rank = gather_over_ranks(stats.scalars(), STATS_FIELDS, strategy_all_gather(trainer.strategy))
         _last_gather[:] = [stats, [_stats_from(values) for values in per_rank]]
     return _last_gather[1]
 
@@ -115,11 +116,6 @@ def _stats_from(values: Mapping[str, float]) -> RolloutStats:
     defaults = RolloutStats()
     return RolloutStats(**{name: round(value) if isinstance(getattr(defaults, name), int) else value
                            for name, value in values.items()})
-
-
-def _all_gather(trainer: pl.Trainer):
-    strategy = trainer.strategy
-    return lambda tensor: strategy.all_gather(tensor.to(strategy.root_device))
 
 
 def measured_kv_bytes(stats: RolloutStats) -> int | None:

@@ -37,7 +37,7 @@ from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader,
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
                                       correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
-from lit_grpo.runtime.distributed import RolloutWeights
+from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
@@ -399,10 +399,7 @@ class RolloutDataModule(LightningDataModule):
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[world_size, *tensor.shape]`` on the CPU: every rank's ``tensor``, rank by rank (the strategy's
         all_gather, as handed over by ``attach``; else the trainer's strategy). A collective: every rank calls it."""
-        gather = (self._handover or {}).get("all_gather")
-        if gather is None:
-            strategy = self.trainer.strategy
-            gather = lambda t: strategy.all_gather(t.to(strategy.root_device))  # noqa: E731
+        gather = (self._handover or {}).get("all_gather") or strategy_all_gather(self.trainer.strategy)
         return gather(tensor).cpu()
 
     def _step_feedback(self, batch: RolloutBatch) -> tuple[float, float | None]:

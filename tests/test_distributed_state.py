@@ -8,19 +8,17 @@ step. The same run launched as 2 nodes x 1 process (two ``lit-grpo fit`` process
 """
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from two_process_helpers import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+from tools.harness import ROOT, free_port, lit_grpo_command, repo_env
+
 STEPS = 8
 TIMEOUT_S = 400
 
@@ -29,28 +27,19 @@ RUN_ARGS = ["--data.curriculum", "angle", "--data.sampling.max_new_tokens", "8",
             "--trainer.limit_val_batches", "0", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp"]
 
 
-def _lit_grpo() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+#: A launcher's variables: a child gets only the ones the test gives it.
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {key: value for key, value in repo_env().items() if key not in LAUNCH_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _command(tmp: Path, record: Path, *args: str) -> list[str]:
-    return _lit_grpo() + ["fit", "--config", TINY, *RUN_ARGS, *args, "--trainer.default_root_dir", str(tmp / "run"),
+    return lit_grpo_command() + ["fit", "--config", TINY, *RUN_ARGS, *args, "--trainer.default_root_dir", str(tmp / "run"),
                           "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                           f"--trainer.callbacks.path={record}", "--trainer.callbacks.record_state=true"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
@@ -124,7 +113,7 @@ def test_two_nodes_of_one_process_get_what_one_node_of_two_gets(one_node_run, tm
     """2 nodes x 1 process on localhost (gloo): ``--trainer.num_nodes 2 --trainer.devices 1`` in two processes with
     ``NODE_RANK`` 0 and 1 and one ``MASTER_ADDR`` / ``MASTER_PORT`` (Lightning's ``LightningEnvironment``)."""
     record = tmp_path / "rec"
-    port = str(_free_port())
+    port = str(free_port())
     cmd = _command(tmp_path, record, "--trainer.num_nodes", "2", "--trainer.devices", "1")
     procs = [_start(cmd, tmp_path, _env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for node in (0, 1)]

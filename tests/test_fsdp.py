@@ -10,22 +10,17 @@ rank is done. Both must finish with the forced lengths and sample what the unsha
 import datetime
 import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 import yaml
 from two_process_helpers import fit_two_processes
 
+from tools.harness import free_port
+
 #: Forced completion lengths per rank: rank 0 ends after 2 tokens, rank 1 runs 12.
 LENGTHS = {0: [[2, 2]], 1: [[12, 12]]}
 PROMPTS = {0: [[5, 6, 7]], 1: [[8, 9, 10, 11]]}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
@@ -63,7 +58,7 @@ def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
 @pytest.mark.parametrize("mode", ["gathered", "lockstep"])
 def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_samples(mode):
     context = multiprocessing.get_context("spawn")
-    results, port = context.Queue(), _free_port()
+    results, port = context.Queue(), free_port()
     workers = [context.Process(target=_unequal_rollout, args=(rank, mode, port, results)) for rank in (0, 1)]
     for worker in workers:
         worker.start()

@@ -1,21 +1,14 @@
 """Two-process training runs for the multi-process tests: ``lit-grpo fit`` of the tiny config on 2 CPU processes
 (gloo), each rank's steps recorded by ``tools.step_recorder.StepRecorder``."""
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tools.harness import ROOT, lit_grpo_command, repo_env
+
 TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def lit_grpo_command() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
 
 
 def fit_two_processes(tmp: Path, *args: str) -> str:
@@ -28,8 +21,7 @@ def fit_two_processes(tmp: Path, *args: str) -> str:
         "--model.scale_rewards", "batch", "--model.lr", "1e-2",
         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = repo_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import time
 
 import torch
@@ -71,10 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    results, port = context.Queue(), harness.free_port()
     workers = [context.Process(target=_rank, args=(rank, args, port, results)) for rank in (0, 1)]
     for worker in workers:
         worker.start()

@@ -257,6 +257,15 @@ def tool_command(name: str, *args: str) -> list[str]:
     return [sys.executable, "-m", f"tools.{name}", *args]
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's ``MASTER_PORT``."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def lit_grpo_command() -> list[str]:
     """The ``lit-grpo`` command: the installed script, else the CLI module under this Python."""
     exe = shutil.which("lit-grpo")

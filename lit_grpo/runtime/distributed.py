@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -49,6 +49,12 @@ def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
+def strategy_all_gather(strategy) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tensor -> [world_size, *tensor.shape]`` through a Lightning strategy's ``all_gather``, the tensor moved to
+    the strategy's device first (NCCL gathers CUDA tensors only). A collective: every rank calls it."""
+    return lambda tensor: strategy.all_gather(tensor.to(strategy.root_device))
+
+
 def is_multi_process() -> bool:
     """Whether this process trains with others (an initialized process group of more than one rank)."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -90,7 +96,7 @@ class GatheredWeights(RolloutWeights):
     """The full weights of an FSDP2-sharded policy, gathered once per rollout scope into an unsharded replica.
 
     The replica has the policy's structure (LoRA adapters, tied weights and buffers included) and plain tensors in
-    the rollout's ``dtype``: the decode loop runs on it with no collective inside, so ranks whose rollouts differ
+    the dtype its units gather in: the decode loop runs on it with no collective inside, so ranks whose rollouts differ
     in length never wait on each other, and CUDA graphs and the compiled step serve as on one GPU. Entering
     ``active()`` gathers the weights once (FSDP2's own all-gather, one per unit, in its mixed-precision
     ``param_dtype`` where one is set: bf16 gathers half the bytes); leaving it frees the replica's storage unless
@@ -100,7 +106,8 @@ class GatheredWeights(RolloutWeights):
     Args:
         policy: the sharded policy (``fully_shard`` applied); it may still move to its device afterwards.
         skeleton: ``meta_replica(policy)`` taken before sharding: the structure, parameters on the meta device.
-        dtype: the rollout's weight dtype (the autocast dtype under mixed precision, else the policy's).
+        dtype: the dtype the units gather in (the autocast dtype under mixed precision, else the policy's), for
+            the size of the gathered weights (``weights_bytes``, ``fits``); the replica takes what the gather gives.
     """
 
     def __init__(self, policy: torch.nn.Module, skeleton: torch.nn.Module, dtype: torch.dtype):
@@ -150,7 +157,7 @@ class GatheredWeights(RolloutWeights):
                 param.untyped_storage().resize_(0)
 
     def weights_bytes(self) -> int:
-        """The replica's full weights in the rollout dtype."""
+        """The replica's full weights in ``dtype``."""
         return sum(p.numel() for p in self.module.parameters()) * torch.empty(0, dtype=self.dtype).element_size()
 
     def fits(self, share: float = 0.5) -> bool:

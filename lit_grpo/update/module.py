@@ -78,7 +78,7 @@ from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import rollout_metrics, step_metric_keys, whole_step_metrics
 from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RolloutWeights,
                                           data_parallel_mesh, gradient_norm, is_fsdp_sharded, meta_replica,
-                                          shard_decoder_layers)
+                                          shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, with_lora)
@@ -300,7 +300,7 @@ class GRPOModule(LightningModule):
         strategy = self.trainer.strategy
         attach(self._require_policy(), self.tokenizer, scale_rewards=self.hparams.scale_rewards,
                world_size=self.trainer.world_size,
-               all_gather=lambda tensor: strategy.all_gather(tensor.to(strategy.root_device)),
+               all_gather=strategy_all_gather(strategy),
                precision_context=self.trainer.precision_plugin.forward_context,
                rollout_weights=self.rollout_weights())
 
@@ -356,8 +356,7 @@ class GRPOModule(LightningModule):
             # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS); rank_skew goes in as this rank's rollout seconds
             strategy = self.trainer.strategy
             metrics = whole_step_metrics({**metrics, "rollout/rank_skew": batch.stats.wall_s},
-                                         step_metric_keys(batch.reward_components),
-                                         lambda tensor: strategy.all_gather(tensor.to(strategy.root_device)))
+                                         step_metric_keys(batch.reward_components), strategy_all_gather(strategy))
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_prompts)
         return loss
 
