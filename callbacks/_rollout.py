@@ -21,9 +21,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lit_grpo.rollout.metrics import gather_over_ranks, whole_step_metrics
 from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.sampling.stats import RolloutStats
+from lit_grpo.scheduling.base import DECISION_NAMES, decision_counts
 
-#: RolloutStats' scalar fields (all but the timeline), in the order ranks gather them.
-STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats) if f.name != "timeline")
+#: RolloutStats' scalar fields (all but the timeline and the decisions), in the order ranks gather them; then the
+#: count of each scheduling decision, ``decisions/<action>_<reason>`` (the same names on every rank).
+STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats) if f.name not in ("timeline", "decisions"))
+DECISION_FIELDS = tuple(f"decisions/{name}" for name in DECISION_NAMES)
 
 
 class RolloutLike(Protocol):
@@ -95,20 +98,48 @@ def whole_step(trainer: pl.Trainer, metrics: Mapping[str, float | None], keys: S
 
 
 def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[RolloutStats]:
-    """Every rank's RolloutStats of this step, rank 0 first (their timelines left out); ``[stats]`` for one process.
+    """Every rank's RolloutStats of this step, rank 0 first (their timelines and decisions left out: see
+    ``rank_decision_counts``); ``[stats]`` for one process.
 
     One collective per step however many callbacks ask: the last answer is kept for the same ``stats`` object, so
     the first callback to ask gathers (on every rank at once, callbacks run in one order) and the others reuse it.
     """
     if trainer.world_size <= 1:
         return [stats]
+    return _gathered(trainer, stats)[0]
+
+
+def rank_decision_counts(trainer: pl.Trainer, stats: RolloutStats) -> list[dict[str, int]]:
+    """Every rank's count of each scheduling decision this step (``action_reason`` -> count, the names that
+    occurred), rank 0 first; gathered in the one collective of ``rank_rollout_stats``. A name outside
+    ``DECISION_NAMES`` is an error (ranks gather a fixed set of names)."""
+    if trainer.world_size <= 1:
+        return [_decision_counts(stats)]
+    return _gathered(trainer, stats)[1]
+
+
+def _decision_counts(stats: RolloutStats) -> dict[str, int]:
+    counts = decision_counts(stats.decisions)
+    unknown = sorted(set(counts) - set(DECISION_NAMES))
+    if unknown:
+        raise ValueError(f"scheduling decisions {unknown} are not in lit_grpo.scheduling.base.DECISION_NAMES; add "
+                         "them there so that every rank counts them under one name (rollout/decisions/<name>)")
+    return counts
+
+
+def _gathered(trainer: pl.Trainer, stats: RolloutStats) -> tuple[list[RolloutStats], list[dict[str, int]]]:
+    """Every rank's stats and decision counts under several processes (one collective, kept for ``stats``)."""
     if _last_gather[0] is not stats:
-        per_rank = gather_over_ranks(stats.scalars(), STATS_FIELDS, strategy_all_gather(trainer.strategy))
-        _last_gather[:] = [stats, [_stats_from(values) for values in per_rank]]
+        values = {**stats.scalars(), **{f"decisions/{name}": count for name, count in _decision_counts(stats).items()}}
+        per_rank = gather_over_ranks(values, STATS_FIELDS + DECISION_FIELDS, strategy_all_gather(trainer.strategy))
+        ranks = [_stats_from({k: v for k, v in rank.items() if k in STATS_FIELDS}) for rank in per_rank]
+        counts = [{name: round(rank[f"decisions/{name}"]) for name in DECISION_NAMES if f"decisions/{name}" in rank}
+                  for rank in per_rank]
+        _last_gather[:] = [stats, (ranks, counts)]
     return _last_gather[1]
 
 
-_last_gather: list[Any] = [None, []]  # [the stats object last gathered, every rank's stats]
+_last_gather: list[Any] = [None, ([], [])]  # [the stats object last gathered, (every rank's stats, their counts)]
 
 
 def _stats_from(values: Mapping[str, float]) -> RolloutStats:

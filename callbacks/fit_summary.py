@@ -64,7 +64,7 @@ class FitSummary(Callback):
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
         # The run's rollouts, every rank's, added up (merge_stats: times and counts add, the KV peak is the
-        # largest); their timelines are left out, so the totals do not grow with the run.
+        # largest); their timelines and decisions are left out, so the totals do not grow with the run.
         self.rollouts = 0
         self.rollout_totals = RolloutStats()
         self.rollout_s = 0.0  # the steps' rollout seconds: each step's slowest rank's, which every rank waited for
@@ -99,7 +99,8 @@ class FitSummary(Callback):
             self.rewards.append(float(value))
         stats = rollout_stats(batch)
         if stats is not None:  # every rank's (one gather a step under several processes, shared with RolloutProfiler)
-            per_rank = [dataclasses.replace(rank, timeline=[]) for rank in rank_rollout_stats(trainer, stats)]
+            per_rank = [dataclasses.replace(rank, timeline=[], decisions=[])
+                        for rank in rank_rollout_stats(trainer, stats)]
             self.rollouts += 1
             self.rollout_s += max(rank.wall_s for rank in per_rank)
             self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])

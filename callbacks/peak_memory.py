@@ -46,12 +46,17 @@ class PeakMemoryMonitor(Callback):
 
     - CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of the root device, reset at every phase
       boundary with ``torch.cuda.reset_peak_memory_stats`` (other readers of those peak counters see them reset).
-    - CPU: the process's resident set size (RSS) high-water mark. On Linux the kernel's own mark (``VmHWM`` in
-      ``/proc/self/status``) is reset at each boundary by writing ``5`` to ``/proc/self/clear_refs``, so a peak
-      anywhere inside the phase is caught exactly (the reset is process-wide: other readers of VmHWM or
-      ``getrusage().ru_maxrss`` in this process see it too). Where that write is refused or does not reset the mark, a
-      background thread samples RSS every ``sample_interval_s`` instead (peaks shorter than that can be missed).
-      Memory of DataLoader worker processes is not included.
+    - CPU: the process's resident set size (RSS) peak, without changing what any other reader sees (the default,
+      ``cpu_method="auto"``). On Linux the kernel's RSS high-water mark (``VmHWM`` in ``/proc/self/status``, the
+      figure ``getrusage().ru_maxrss`` and ``/usr/bin/time -v`` report) is read and never reset: a phase that
+      raised it above all the process held before gets it as its peak, exact however short the peak was; a phase
+      that stayed below an earlier peak gets the maximum of a background thread sampling RSS every
+      ``sample_interval_s`` (peaks shorter than that can be missed). ``cpu_method="hwm"`` instead resets the
+      kernel's mark at each boundary (writing ``5`` to ``/proc/self/clear_refs``), exact in every phase, with a
+      process-wide side effect: afterwards VmHWM, ``ru_maxrss`` and ``/usr/bin/time -v`` read only what the
+      process held since the last boundary, less than it held over the run; compare such a run's peak from
+      outside the process with the callback's ``memory/step_peak_bytes``, not with those readers. Memory of
+      DataLoader worker processes is not included.
     - Other accelerators (MPS, XLA, ...) have no resettable peak counter; the host RSS peak is logged instead.
 
     The KV cache's own peak, ``rollout/peak_kv_bytes``, is the engine's count and RolloutProfiler's key alone
@@ -66,8 +71,10 @@ class PeakMemoryMonitor(Callback):
     Validation runs are excluded: the rollout window restarts when validation ends.
 
     Args:
-        cpu_method: ``"auto"`` (kernel high-water mark when it resets, else sampling), ``"hwm"`` (kernel mark
-            only) or ``"sampling"`` (always the sampling thread).
+        cpu_method: ``"auto"`` (the kernel's high-water mark, read without a reset, with the sampling thread for
+            phases below an earlier peak; the sampling thread alone where there is no such mark), ``"sampling"``
+            (always the sampling thread) or ``"hwm"`` (the kernel's mark reset at each boundary: exact, and
+            process-wide, see above).
         sample_interval_s: polling interval of the sampling thread.
     """
 
@@ -88,7 +95,8 @@ class PeakMemoryMonitor(Callback):
 
     @property
     def method(self) -> str | None:
-        """How memory is measured in the (last) fit: ``"cuda"``, ``"hwm"`` or ``"sampling"``; None if it cannot be."""
+        """How memory is measured in the (last) fit: ``"cuda"``, ``"hwm+sampling"`` (``cpu_method="auto"`` on
+        Linux), ``"sampling"`` or ``"hwm"``; None if it cannot be."""
         return self._method
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -10,8 +10,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import reduce_over_ranks
 from lit_grpo.sampling.stats import RolloutStats
+from lit_grpo.scheduling.base import DECISION_NAMES
 
-from ._rollout import log_metrics, measured_kv_bytes, rank_rollout_stats, rollout_stats, show_in_progress_bar
+from ._rollout import (log_metrics, measured_kv_bytes, rank_decision_counts, rank_rollout_stats, rollout_stats,
+                       show_in_progress_bar)
 
 #: RolloutStats fields logged as ``rollout/<field>``.
 ROLLOUT_FIELDS = (
@@ -31,7 +33,12 @@ ROLLOUT_FIELDS = (
     "length_pred_smape",
     "parked_samples",
     "parked_kv_bytes",
+    "preempting",
 )
+
+#: The scheduling decisions' counts, ``rollout/decisions/<action>_<reason>`` (lit_grpo.scheduling.base.DECISION_NAMES):
+#: every name is gathered over ranks, those no rank counted in the step are not logged.
+DECISION_KEYS = tuple(f"rollout/decisions/{name}" for name in DECISION_NAMES)
 
 #: Progress-bar names: short, since the bar is one line shared with the loss.
 PROGRESS_BAR_NAMES = {"decode_steps": "steps", "lower_bound_steps": "bound", "slot_utilization": "util"}
@@ -57,8 +64,15 @@ class RolloutProfiler(Callback):
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
     - ``rollout/length_pred_kendall_tau``, ``rollout/length_pred_smape``: the length predictor's quality
       (``strategy="infinite"`` only; skipped when the rollout has none).
-    - ``rollout/parked_samples``, ``rollout/parked_kv_bytes``: samples the scheduler parked after their length probe,
-      and the most bytes their KV held at once (0 while probes have not earned the scheduler's trust).
+    - ``rollout/parked_samples``, ``rollout/parked_kv_bytes``: samples the scheduler parked (at a preemption point,
+      or after their length probe), and the most bytes their KV held at once.
+    - ``rollout/preempting``: 1 when the default "infinite" scheduler preempted by least attained service in the
+      step's rollout, 0 when it ran first come, first served (over several rounds of dynamic sampling, the share
+      that preempted; skipped for the other strategies).
+    - ``rollout/decisions/<action>_<reason>``: how many samples the scheduler started, resumed or parked for each
+      reason (``lit_grpo.scheduling.base.DECISION_NAMES``), e.g. ``start_arrival``, ``start_least_attained``,
+      ``park_preemption``, ``resume_least_attained``; only the names counted at least once in the step (the slot
+      timeline draws the same decisions).
 
     **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the last round's decode
     steps, lower bound and slot utilization; ``steps`` close to ``bound`` means the schedule left little on the
@@ -69,9 +83,10 @@ class RolloutProfiler(Callback):
     ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
     ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens``, ``parked_samples`` and
-    ``tokens_per_s`` (the ranks generate at once) add up; ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest
-    process's; ``slot_utilization`` and the predictor's figures are means over ranks (a rank without a predictor
-    left out). ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
+    ``tokens_per_s`` (the ranks generate at once) add up, as do the decision counts; ``peak_kv_bytes`` and
+    ``parked_kv_bytes`` are the largest process's; ``slot_utilization``, ``preempting`` and the predictor's figures
+    are means over ranks (a rank without a predictor left out). ``rollout/rank_skew`` is GRPOModule's. The progress
+    bar shows the same whole-step values.
 
     With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
 
@@ -91,8 +106,10 @@ class RolloutProfiler(Callback):
             self._warn_no_rollout()
             return
         # every step, logged or not: under several processes every rank joins the one gather of the step's stats
-        per_rank = [profile(rank) for rank in rank_rollout_stats(trainer, stats)]
-        values = reduce_over_ranks(per_rank, [f"rollout/{name}" for name in ROLLOUT_FIELDS])
+        per_rank = [{**profile(rank), **decision_values(counts)} for rank, counts in
+                    zip(rank_rollout_stats(trainer, stats), rank_decision_counts(trainer, stats))]
+        values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *DECISION_KEYS])
+        values = {key: value for key, value in values.items() if value or key not in DECISION_KEYS}
         log_metrics(trainer, values)
         if self.progress_bar:
             bar = {short: values[f"rollout/{name}"] for name, short in PROGRESS_BAR_NAMES.items()}
@@ -110,3 +127,9 @@ def profile(stats: RolloutStats) -> dict[str, float]:
     values = {f"rollout/{name}": getattr(stats, name) for name in ROLLOUT_FIELDS}
     values["rollout/peak_kv_bytes"] = measured_kv_bytes(stats)
     return values
+
+
+def decision_values(counts: dict[str, int]) -> dict[str, float]:
+    """One rank's ``rollout/decisions/<name>`` values: every known name, 0 where it did not occur (the step logs a
+    name only where some rank counted it)."""
+    return {f"rollout/decisions/{name}": float(counts.get(name, 0)) for name in DECISION_NAMES}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import colorsys
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw, ImageFont
 
+from lit_grpo.scheduling.base import DECISION_NAMES, Decision, decision_counts
 from lit_grpo.scheduling.driver import IDLE
 
 from ._rollout import logger_step, rollout_stats, tensorboard_experiments
@@ -22,6 +23,11 @@ from ._rollout import logger_step, rollout_stats, tensorboard_experiments
 IDLE_RGB = (214, 214, 214)
 #: Thin line where a sample finishes and its slot changes hands.
 MARKER_RGB = (20, 20, 20)
+#: A park: a short tick in the upper half of the slot's row, at the first step its sample no longer runs there
+#: (fully saturated, darker than any group's colour).
+PARK_RGB = (204, 0, 0)
+#: A resumption: a short tick in the lower half of the row, at the first step the parked sample runs again.
+RESUME_RGB = (0, 51, 204)
 #: The one-pixel gap between slot rows.
 BACKGROUND_RGB = (255, 255, 255)
 
@@ -55,6 +61,7 @@ def render_slot_timeline(
     max_width: int = 4096,
     max_height: int = 2048,
     markers: bool = True,
+    decisions: Sequence[Decision] = (),
 ) -> np.ndarray:
     """Render a rollout's slot timeline as an RGB image.
 
@@ -68,6 +75,9 @@ def render_slot_timeline(
             finish marker kept).
         max_height: a taller picture gets thinner rows.
         markers: draw a dark line where a sample finishes (its slot goes idle or to the next sample).
+        decisions: the scheduler's decisions (``RolloutStats.decisions``): a park is drawn as a ``PARK_RGB`` tick
+            in the upper half of its slot's row, a resumption as a ``RESUME_RGB`` tick in the lower half, at the
+            decision's step (kept when the picture is shrunk, as the finish markers are); starts are not drawn.
 
     Returns:
         [H, W, 3] uint8 with H = S * row_height and W = T * cell_width (before shrinking): row band ``s`` is slot
@@ -96,6 +106,12 @@ def render_slot_timeline(
     if markers:
         column, slot = _finish_markers(grid, columns)
         image[slot, : row_height - gap, column * cell_width] = MARKER_RGB
+    half = max(1, (row_height - gap) // 2)
+    for action, rows, color in (("park", slice(0, half), PARK_RGB),
+                                ("resume", slice(row_height - gap - half, row_height - gap), RESUME_RGB)):
+        column, slot = _decision_marks(decisions, action, columns, num_slots)
+        for offset in range(max(2, min(cell_width, 4))):  # 2 to 4 pixels wide, to be seen
+            image[slot, rows, np.minimum(column * cell_width + offset, width - 1)] = color
     return image.reshape(num_slots * row_height, width, 3)
 
 
@@ -116,10 +132,12 @@ def render_slot_timeline_figure(
     width: int = 1000,
     row_height: int | None = None,
     title: str | None = None,
+    decisions: Sequence[Decision] | None = None,
 ) -> np.ndarray:
     """The slot timeline as a figure to read: the grid of :func:`render_slot_timeline` stretched to ``width``
     pixels, slots labelled on the left, decode steps on an axis below, and a legend of the prompt groups' colours,
-    idle slots and sample ends.
+    idle slots and sample ends; with ``decisions``, the parks and resumptions marked in the grid and a line under
+    the legend that counts the decisions by reason ("why did this sample get this slot?").
 
     Args:
         timeline: as in :func:`render_slot_timeline`.
@@ -127,6 +145,7 @@ def render_slot_timeline_figure(
         width: of the whole figure, at least 800 pixels (the grid gets what the margins leave).
         row_height: pixels per slot (default: 24 for a few slots, down to 6 for many).
         title: the line above the grid (default: slots, steps, groups and samples).
+        decisions: the scheduler's decisions (``RolloutStats.decisions``; None: none drawn or counted).
 
     Returns:
         [H, width, 3] uint8.
@@ -144,11 +163,13 @@ def render_slot_timeline_figure(
     left, right, top = 64, 16, 34
     plot_width = width - left - right
     cell_width = max(1, plot_width // num_steps)
+    decisions = decisions or ()
     grid_image = render_slot_timeline(grid, group_size, cell_width=cell_width, row_height=row_height,
-                                      max_width=plot_width, max_height=num_slots * row_height)
+                                      max_width=plot_width, max_height=num_slots * row_height, decisions=decisions)
     plot = Image.fromarray(grid_image).resize((plot_width, num_slots * row_height), Image.NEAREST)
-    legend_rows = _legend_entries(num_groups, group_size)
-    height = top + plot.height + 48 + 22 * math.ceil(len(legend_rows) / 4)
+    legend_rows = _legend_entries(num_groups, group_size, {d.action for d in decisions})
+    count_lines = _wrap(_decision_summary(decisions), font, plot_width) if decisions else []
+    height = top + plot.height + 48 + 22 * math.ceil(len(legend_rows) / 4) + 22 * len(count_lines)
     figure = Image.new("RGB", (width, height), BACKGROUND_RGB)
     figure.paste(plot, (left, top))
     draw = ImageDraw.Draw(figure)
@@ -170,19 +191,51 @@ def render_slot_timeline_figure(
         x, y = left + (index % 4) * (plot_width // 4), legend_y + 22 * (index // 4)
         draw.rectangle([x, y + 2, x + 14, y + 14], fill=color, outline=TEXT_RGB if color == MARKER_RGB else None)
         draw.text((x + 20, y), label, fill=TEXT_RGB, font=font)
+    counts_y = legend_y + 22 * math.ceil(len(legend_rows) / 4)
+    for index, line in enumerate(count_lines):
+        draw.text((left, counts_y + 22 * index), line, fill=TEXT_RGB, font=font)
     return np.asarray(figure)
 
 
-def _legend_entries(num_groups: int, group_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(label, colour) of the legend: the first groups, then idle and the sample-end marker."""
+def _legend_entries(num_groups: int, group_size: int,
+                    actions: Collection[str] = ()) -> list[tuple[str, tuple[int, ...]]]:
+    """(label, colour) of the legend: the first groups, then idle, the sample-end marker, and the park and resume
+    ticks when ``actions`` has them."""
     palette = group_colors(max(num_groups, 1))
     shown = min(num_groups, LEGEND_GROUPS)
     entries = [(f"prompt {p} (samples {p * group_size}-{(p + 1) * group_size - 1})", tuple(palette[p, 0]))
                for p in range(shown)]
     if num_groups > shown:
         entries.append((f"... {num_groups - shown} more groups", tuple(palette[shown, 0])))
-    entries += [("idle slot", IDLE_RGB), ("slot changes hands (a sample ended or was parked)", MARKER_RGB)]
+    entries += [("idle slot", IDLE_RGB), ("slot changes hands", MARKER_RGB)]
+    if "park" in actions:
+        entries.append(("parked (tick above)", PARK_RGB))
+    if "resume" in actions:
+        entries.append(("resumed (tick below)", RESUME_RGB))
     return entries
+
+
+def _decision_summary(decisions: Sequence[Decision]) -> list[str]:
+    """``action (reason) count`` of every decision name that occurred, in ``DECISION_NAMES``' order (others
+    after), each a piece of the legend's last line."""
+    counts = decision_counts(decisions)
+    order = [name for name in DECISION_NAMES if name in counts] + sorted(set(counts) - set(DECISION_NAMES))
+    pieces = []
+    for name in order:
+        action, _, reason = name.partition("_")
+        pieces.append(f"{action} ({reason}) {counts[name]}")
+    return ["decisions:", *pieces]
+
+
+def _wrap(pieces: list[str], font: ImageFont.ImageFont, width: int) -> list[str]:
+    """``pieces`` joined by two spaces into lines of at most ``width`` pixels (a piece is never split)."""
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and font.getlength(lines[-1] + "  " + piece) <= width:
+            lines[-1] += "  " + piece
+        else:
+            lines.append(piece)
+    return lines
 
 
 def _ticks(num_steps: int) -> list[int]:
@@ -221,6 +274,16 @@ def _finish_markers(grid: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, 
     return column[inside], slot[inside]
 
 
+def _decision_marks(decisions: Sequence[Decision], action: str, columns: np.ndarray,
+                    num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(column, slot) of each ``action`` decision: the first sampled column at or after its step (so shrinking a
+    long rollout never hides one); decisions outside the grid are left out."""
+    marks = np.array([(d.step, d.slot) for d in decisions if d.action == action], dtype=np.int64).reshape(-1, 2)
+    step, slot = marks[:, 0], marks[:, 1]
+    inside = (step >= 0) & (step <= columns[-1]) & (slot >= 0) & (slot < num_slots)
+    return np.searchsorted(columns, step[inside]), slot[inside]
+
+
 class SlotTimelineLogger(Callback):
     r"""Logs an image of the rollout's slot timeline to TensorBoard every ``every_n_rollouts`` rollouts.
 
@@ -229,8 +292,10 @@ class SlotTimelineLogger(Callback):
     - ``rollout/slot_timeline``: a figure ``width`` pixels wide (:func:`render_slot_timeline_figure`): rows = slots
       (labelled), columns = decode steps (an axis below); colour = prompt group ``p = index // G`` (two shades
       alternating with the sample k inside the group, named in a legend), grey = idle slot, a dark line = a
-      sample finished and its slot changed hands. Long idle tails or a single slot running long after the others
-      are what make a round slow.
+      sample finished and its slot changed hands; a red tick above = the scheduler parked the slot's sample there
+      (e.g. a preemption), a blue tick below = a parked sample resumed there, and a line under the legend counts
+      every start, park and resumption by reason (``rollout/decisions/*``). Long idle tails or a single slot
+      running long after the others are what make a round slow.
 
     The first rollout is logged, then every ``every_n_rollouts``-th. Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
@@ -272,7 +337,8 @@ class SlotTimelineLogger(Callback):
         if not experiments:
             self._warn_once("no_tensorboard", "the trainer has no TensorBoardLogger; timeline images are not logged.")
             return
-        image = render_slot_timeline_figure(stats.timeline, max(stats.group_size, 1), **self.render_kwargs)
+        image = render_slot_timeline_figure(stats.timeline, max(stats.group_size, 1), decisions=stats.decisions,
+                                            **self.render_kwargs)
         for experiment in experiments:
             experiment.add_image("rollout/slot_timeline", image, logger_step(trainer), dataformats="HWC")
 

@@ -22,15 +22,16 @@ class SignalAt(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.phase == "rollout":
-            datamodule = trainer.datamodule
-            draw = datamodule._draw
+            # the datamodule's public prompt sampler: the rollout draws its prompts from it
+            sampler = trainer.datamodule.sampler
+            draw = sampler.draw
 
             def draw_and_signal(count):
                 if trainer.global_step + 1 == self.step:
                     self._send()
                 return draw(count)
 
-            datamodule._draw = draw_and_signal
+            sampler.draw = draw_and_signal
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.phase == "update" and trainer.global_step + 1 == self.step:

@@ -21,6 +21,7 @@ from lit_grpo.callbacks import (
     SlotTimelineLogger,
 )
 from lit_grpo.callbacks.completion_logger import markdown_cell
+from lit_grpo.scheduling.base import Decision
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -38,7 +39,7 @@ def test_every_callback_runs_on_a_plain_module(tmp_path):
     accumulator = events(trainer)
     tags = set(accumulator.Tags()["scalars"])
 
-    assert monitor.method in ("hwm", "sampling")
+    assert monitor.method in ("hwm+sampling", "sampling")
     peaks = scalars(accumulator, "memory/step_peak_bytes")
     assert len(peaks) == 12 and all(p > 10 * MiB for p in peaks)  # a Python process with torch holds far more
     assert not any(tag.startswith(("rollout/", "completions/")) for tag in tags)
@@ -64,7 +65,7 @@ def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
     trainer = fit(tmp_path, module, [monitor], max_steps=3)
     accumulator = events(trainer)
 
-    assert monitor.method == ("hwm" if cpu_method == "auto" else "sampling")
+    assert monitor.method == ("hwm+sampling" if cpu_method == "auto" else "sampling")
     rollout = scalars(accumulator, "memory/rollout_peak_bytes")
     update = scalars(accumulator, "memory/update_peak_bytes")
     step = scalars(accumulator, "memory/step_peak_bytes")
@@ -161,17 +162,59 @@ def test_peak_memory_warns_and_logs_nothing_when_unmeasurable(tmp_path, monkeypa
     assert not any(tag.startswith("memory/") for tag in tags)
 
 
+def test_peak_memory_auto_leaves_the_kernels_mark_alone():
+    """The default reads VmHWM and never resets it: what /usr/bin/time -v or ru_maxrss report of the process stays
+    what it held (the issue: a reset mark made outside tools read 2.6 GB of a process that held 3.9 GB)."""
+    touch_memory(64 * MiB, 0.0)  # the mark is now >= 64 MiB above what is held
+    raised = memory.read_status_bytes("VmHWM")
+    assert raised - memory.read_statm_rss() > 48 * MiB
+    tracker, message = memory.make_peak_tracker(torch.device("cpu"), "auto", 0.002)
+    try:
+        assert tracker.name == "hwm+sampling" and message is None
+        for _ in range(3):
+            tracker.reset()
+            touch_memory(16 * MiB, 0.02)  # below the earlier peak: the sampling thread sees it
+            assert tracker.read()["peak_bytes"] - tracker.current() > 8 * MiB
+    finally:
+        tracker.close()
+    assert memory.read_status_bytes("VmHWM") >= raised
+
+
+SPIKE_ABOVE_THE_MARK = """
+import mmap
+from lit_grpo.runtime import memory
+tracker, _ = memory.make_peak_tracker(__import__("torch").device("cpu"), "auto", 60.0)  # the thread never polls
+size = memory.read_status_bytes("VmHWM") - memory.read_statm_rss() + (96 << 20)
+tracker.reset()
+held = tracker.current()
+with mmap.mmap(-1, size) as block:  # a spike far shorter than the sampling interval, above every earlier peak
+    for offset in range(0, size, mmap.PAGESIZE):
+        block[offset] = 1
+print(tracker.name, tracker.read()["peak_bytes"] - held >= size - (8 << 20))
+tracker.close()
+"""
+
+
+def test_peak_memory_auto_catches_a_new_peak_shorter_than_its_sampling_interval():
+    out = subprocess.run([sys.executable, "-c", SPIKE_ABOVE_THE_MARK], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["hwm+sampling", "True"]
+
+
 def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):
-    monkeypatch.setattr(memory, "hwm_reset_problem", lambda: "clear_refs is read-only here (test)")
+    def no_status(field):
+        raise OSError(f"{field} not found (test)")
+
+    monkeypatch.setattr(memory, "read_status_bytes", no_status)
     tracker, message = memory.make_peak_tracker(torch.device("cpu"), "auto", 0.002)
     try:
         assert tracker.name == "sampling"
-        assert "clear_refs is read-only here (test)" in message and "sampling RSS every 2 ms" in message
+        assert "VmHWM not found (test)" in message and "sampling RSS every 2 ms" in message
         tracker.reset()
         touch_memory(64 * MiB, 0.05)
         assert tracker.read()["peak_bytes"] - memory.read_statm_rss() > 48 * MiB
     finally:
         tracker.close()
+    monkeypatch.setattr(memory, "hwm_reset_problem", lambda: "clear_refs is read-only here (test)")
     tracker, message = memory.make_peak_tracker(torch.device("cpu"), "hwm", 0.002)
     assert tracker is None and "not logged" in message
 
@@ -307,6 +350,48 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     assert logged["rollout/tokens_per_s"] == pytest.approx(a.tokens_per_s + b.tokens_per_s)
     assert logged["rollout/peak_kv_bytes"] == 1001  # the largest process's
     assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
+
+
+def _decisions(**counts: int) -> list[Decision]:
+    """``count`` decisions of each ``action_reason`` (slot 0, sample (0, 0): only their names are counted)."""
+    return [Decision(step, 0, (0, 0), *name.split("_", 1)) for name, count in counts.items() for step in range(count)]
+
+
+def test_rollout_profiler_counts_the_decisions_and_preemption_over_ranks():
+    """Each decision name's count adds up over ranks, and only the names some rank counted are logged;
+    rollout/preempting is the share of ranks that preempted."""
+    rollouts = [make_rollout(0), make_rollout(1)]
+    preempted, first_come = (r.stats for r in rollouts)
+    preempted.decisions = _decisions(start_least_attained=3, park_preemption=2, resume_least_attained=2,
+                                     start_arrival=1)
+    preempted.preempting = 1.0
+    first_come.decisions, first_come.preempting = _decisions(start_arrival=4), 0.0
+    profilers = [RolloutProfiler(progress_bar=False) for _ in rollouts]
+    (logged,) = _as_rank_zero_of_two(
+        lambda rank, trainer: profilers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0))
+    assert {key: value for key, value in logged.items() if key.startswith("rollout/decisions/")} == {
+        "rollout/decisions/start_arrival": 5, "rollout/decisions/start_least_attained": 3,
+        "rollout/decisions/resume_least_attained": 2, "rollout/decisions/park_preemption": 2}
+    assert logged["rollout/preempting"] == 0.5
+    assert logged["rollout/generated_tokens"] == preempted.generated_tokens + first_come.generated_tokens
+
+    one = _stand_in_trainer(None)
+    one.world_size = 1
+    RolloutProfiler(progress_bar=False).on_train_batch_end(one, None, None, rollouts[1], 0)
+    rollouts[1].stats.preempting = None  # another strategy: no figure
+    rollouts[1].stats.decisions = []
+    RolloutProfiler(progress_bar=False).on_train_batch_end(one, None, None, rollouts[1], 0)
+    first, second = one.loggers[0].logged
+    assert first["rollout/decisions/start_arrival"] == 4 and first["rollout/preempting"] == 0.0
+    assert not {key for key in second if key.startswith("rollout/decisions/")} and "rollout/preempting" not in second
+
+    summary = FitSummary()  # keeps the run's totals, not every decision of the run
+    summary.on_train_batch_end(one, None, None, rollouts[0], 0)
+    assert summary.rollout_totals.decisions == [] and summary.rollout_totals.generated_tokens > 0
+
+    rollouts[1].stats.decisions = _decisions(start_hunch=1)
+    with pytest.raises(ValueError, match="start_hunch.*DECISION_NAMES"):
+        RolloutProfiler().on_train_batch_end(one, None, None, rollouts[1], 0)
 
 
 class _FixedTracker:

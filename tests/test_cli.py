@@ -44,13 +44,19 @@ def test_fit_two_steps_end_to_end(tmp_path):
                 # the callbacks of configs/tiny.yaml, on a real GRPO run
                 "rollout/decode_steps", "rollout/lower_bound_steps", "rollout/slot_utilization",
                 "rollout/prefill_tokens", "rollout/generated_tokens", "rollout/tokens_per_s", "rollout/wall_s",
-                "rollout/peak_kv_bytes", "rollout/length_pred_smape", "memory/step_peak_bytes",
+                "rollout/peak_kv_bytes", "rollout/preempting", "rollout/decisions/start_arrival",
+                "memory/step_peak_bytes",
                 "memory/rollout_peak_bytes", "memory/update_peak_bytes",
                 # the sampler against the update (logged with the correction off, its default)
                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
     assert expected <= tags, expected - tags
     assert accumulator.Scalars("rollout/decode_steps")[0].value >= accumulator.Scalars("rollout/lower_bound_steps")[0].value
     assert accumulator.Scalars("memory/rollout_peak_bytes")[0].value > 0
+    # tiny.yaml's "infinite" runs the default scheduler: no length predictor, so no prediction figures; its first
+    # rollout has seen no finished group, so it runs first come, first served
+    assert not {tag for tag in tags if tag.startswith("rollout/length_pred")}
+    assert accumulator.Scalars("rollout/decisions/start_arrival")[0].value > 0
+    assert accumulator.Scalars("rollout/preempting")[0].value == 0.0
     assert "rollout/slot_timeline" in accumulator.Tags()["images"]
     assert accumulator.Tags()["histograms"] == ["completions/length"]
     assert [e.step for e in accumulator.Scalars("train/loss")] == [0, 1]

@@ -41,6 +41,8 @@ def test_a_decode_call_computes_what_sdpa_computes(kv_heads):
 
 
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():
+    """Bit-identical on any CPU: each row's two products are batch entries of one shape, computed by the same
+    kernel whatever the other rows hold (a determinism claim, not a numerical one)."""
     layer, query, key, value, mask = _decode_inputs(rows=9)
     full, _ = decode_attention(layer, query, key, value, mask)
     order = torch.randperm(9)
@@ -53,6 +55,7 @@ def test_calls_it_does_not_compute_go_to_sdpa_unchanged(monkeypatch):
     layer, query, key, value, mask = _decode_inputs()
     prompt = torch.randn(2, 6, 5, 8)  # a prefill: several queries, no mask (causal)
     keys = torch.randn(2, 2, 5, 8)
+    # exact: these calls are SDPA's own, on the same inputs in the same process
     assert torch.equal(decode_attention(layer, prompt, keys, keys, None)[0],
                        sdpa_attention_forward(layer, prompt, keys, keys, None)[0])
     assert torch.equal(decode_attention(layer, query, key, value, None)[0],

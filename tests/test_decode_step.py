@@ -76,11 +76,14 @@ def test_the_decode_step_never_reads_a_device_value_on_the_host(name, dtype, set
         assert step.hidden.shape == (3, model.config.hidden_size) and step.hidden.device == META
 
 
-def _failing_capture(attempts):
-    def capture(self):  # the op a real capture refuses (DecodeStep._capture raises that one, not its aftermath)
-        attempts.append(self)
-        raise RuntimeError("operation not permitted when stream is capturing")
-    return capture
+def _failing_capture(attempts, error=None):
+    """A stand-in for ``torch.cuda.Stream``, the first CUDA call of ``DecodeStep.capture``: it raises what a real
+    capture raises for an op it refuses (and DecodeStep.capture must raise that one, not its aftermath). Patching
+    torch's public API keeps the test off the step's private methods."""
+    def stream(device=None, *args, **kwargs):
+        attempts.append(device)
+        raise error or RuntimeError("operation not permitted when stream is capturing")
+    return stream
 
 
 def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(tiny_llama, prompt_ids, monkeypatch):
@@ -92,12 +95,13 @@ def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(ti
     reference = RolloutEngine(model, tokenizer, **settings).generate(prompt_ids)
     attempts = []
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
-    monkeypatch.setattr(DecodeStep, "_capture", _failing_capture(attempts))
+    monkeypatch.setattr(torch.cuda, "Stream", _failing_capture(attempts))
     engine = RolloutEngine(model, tokenizer, **settings)
     with pytest.warns(RuntimeWarning, match="CUDA graph failed .*operation not permitted.*runs it eagerly"):
         first = engine.generate(prompt_ids)
     assert len(attempts) == 1 and engine._step.graph is None and not engine._step.settings.cuda_graph
     assert "operation not permitted" in engine.graph_failure
+    # exact: the same eager step on the same shapes and inputs in one process (a determinism claim)
     assert first.completion_ids == reference.completion_ids and first.logprobs == reference.logprobs
     assert first.stats.capture_s > 0  # the failed attempt's time is the capture's, not the decode steps'
     engine.release()
@@ -110,7 +114,7 @@ def test_a_failed_capture_asked_for_explicitly_raises(tiny_llama, prompt_ids, mo
 
     model, tokenizer = tiny_llama
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
-    monkeypatch.setattr(DecodeStep, "_capture", _failing_capture([]))
+    monkeypatch.setattr(torch.cuda, "Stream", _failing_capture([]))
     engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, cuda_graph=True)
     with pytest.raises(RuntimeError, match="cuda_graph=True, but capturing the decode step of LlamaForCausalLM"):
         engine.generate(prompt_ids)
@@ -174,11 +178,9 @@ def test_running_out_of_memory_while_capturing_is_raised_not_taken_for_an_uncapt
 
     model, tokenizer = tiny_llama
 
-    def out_of_memory(self):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-
+    out_of_memory = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
-    monkeypatch.setattr(DecodeStep, "_capture", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "Stream", _failing_capture([], out_of_memory))
     engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4)
     with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
         engine.generate(prompt_ids)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from lit_grpo.cli import export_command, main as cli_main
 from lit_grpo.export import export_checkpoint, export_policy
 from lit_grpo.update.module import GRPOModule
+from precision_helpers import assert_greedy_margin
 from tools.check_export import engine_greedy, perturb, prompt_ids_for, transformers_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +51,13 @@ def test_export_round_trip_tiny(tiny_checkpoint, tmp_path, capsys):
             "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     saved = load_file(out / "model.safetensors")
     for name, value in module.policy.state_dict().items():
-        assert torch.equal(saved[name], value), name
+        assert torch.equal(saved[name], value), name  # saved copies: exact
 
     ids = prompt_ids_for(module.tokenizer)
     theirs = transformers_greedy(out, ids, max_new_tokens=12)
     assert not theirs["lit_grpo_imported"]
+    for prompt, completion in zip(ids, theirs["completions"]):  # float32, other kernels: no step is a near tie
+        assert_greedy_margin(module.policy.eval(), prompt, completion)
     assert theirs["completions"] == engine_greedy(module.policy, module.tokenizer, ids, 12)
     expected = module.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
                                                     tokenize=False)
@@ -77,6 +80,8 @@ def test_export_lora_merged_and_adapter_only(tmp_path):
     assert not any("lora" in name for name in saved)
     ids = prompt_ids_for(module.tokenizer)
     theirs = transformers_greedy(tmp_path / "merged", ids, max_new_tokens=12)
+    for prompt, completion in zip(ids, theirs["completions"]):  # merged and unmerged round apart: no near tie
+        assert_greedy_margin(module.policy.eval(), prompt, completion)
     assert theirs["completions"] == engine_greedy(module.policy, module.tokenizer, ids, 12)
 
     adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
@@ -167,6 +172,7 @@ def test_fit_with_export_model_callback(tmp_path):
     assert "  export " not in proc.stdout  # the command is named only when nothing was exported
     exported = export_checkpoint(run / "checkpoints" / "last.ckpt", tmp_path / "again")
     ours, theirs = load_file(run / "model" / "model.safetensors"), load_file(exported.out / "model.safetensors")
+    # exact: the same weights, copied (no arithmetic on them in either export)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 

@@ -98,16 +98,18 @@ def test_comma_numbers_refuses_bad_small_or_repeated_numbers_naming_them(minimum
 
 
 def test_comma_checked_keeps_the_items_its_check_accepts_and_refuses_the_rest_with_its_message():
-    from lit_grpo.scheduling.predictors import parse_predictor_name
+    from lit_grpo.scheduling.length_aware.predictors import parse_predictor_name
 
     parse = harness.comma_checked(parse_predictor_name)
-    assert parse("online, noisy:0.5,online+group") == ["online", "noisy:0.5", "online+group"]
+    assert parse("online, noisy:0.5,oracle") == ["online", "noisy:0.5", "oracle"]
     with pytest.raises(argparse.ArgumentTypeError, match=r"^'online,noisy': length predictor 'noisy' needs its "
                                                          r"spread"):
         parse("online,noisy")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'online,history': length predictor='history'"):
+        parse("online,history")  # a removed predictor is refused with the check's own message
     with pytest.raises(argparse.ArgumentTypeError) as error:
-        parse("online,history,online")
-    assert str(error.value) == "'online,history,online': ['online'] given more than once; give each once"
+        parse("online,oracle,online")
+    assert str(error.value) == "'online,oracle,online': ['online'] given more than once; give each once"
 
 
 def test_a_comma_list_argument_names_its_flag_when_refused(capsys):

@@ -79,6 +79,19 @@ def test_every_module_has_a_layer_and_imports_no_higher_one():
     assert not problems, "\n".join(problems)
 
 
+def test_the_default_scheduler_imports_nothing_of_the_length_aware_method():
+    """The default of "infinite" (least attained service) and the contract it runs on stand without the opt-in
+    length-aware method (``lit_grpo.scheduling.length_aware``): only the config that names both may import it."""
+    modules = _modules()
+    default = sorted(m for m in modules if m.startswith("lit_grpo.scheduling.")
+                     and not m.startswith("lit_grpo.scheduling.length_aware") and m != "lit_grpo.scheduling.config")
+    assert {"lit_grpo.scheduling.base", "lit_grpo.scheduling.driver", "lit_grpo.scheduling.least_attained",
+            "lit_grpo.scheduling.simulate"} <= set(default)
+    problems = [f"{module} imports {name}" for module in default for name in sorted(_imports(modules[module], module))
+                if name.startswith("lit_grpo.scheduling.length_aware")]
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("name", ["GRPOModule", "RolloutDataModule", "RolloutEngine", "SamplingConfig", "RolloutBatch",
                                   "GRPOLoss", "DAPOLoss", "make_loss", "accuracy_reward", "math_reward"])
 def test_the_public_names_import_from_the_package(name):

@@ -98,7 +98,7 @@ def test_the_update_runs_its_linears_on_onednn_by_default_off_intel_with_torchs_
     monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "GenuineIntel")
     on_intel, _ = grads_after_step(make_module(), batch)  # auto: torch's kernel (MKL) on an Intel CPU
     assert not calls
-    for name in theirs:
+    for name in theirs:  # exact: both ran torch's kernels on the same shapes in one process (determinism)
         assert torch.equal(on_intel[name], theirs[name]), name
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-4, msg=name)
@@ -215,13 +215,14 @@ def test_bad_arguments_name_the_value():
                                   (["a", {"prompt": "b", "answer": "2"}, "c"], ["accuracy"])):  # one answer
         RolloutDataModule(prompts=prompts, reward_funcs=reward_funcs, val_size=0, prompts_per_step=1).setup()
     # scheduler options another strategy would ignore are named, not dropped in silence
-    with pytest.warns(UserWarning, match=r"options \['predictor', 'refill'\] apply to strategy 'infinite' only; "
-                                         r"strategy 'micro' ignores them"):
-        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "micro", "scheduler": {"predictor": "oracle",
-                                                                                         "refill": "fifo"}})
+    with pytest.warns(UserWarning, match=r"options \['preempt_tokens', 'length_aware'\] apply to strategy 'infinite' "
+                                         r"only; strategy 'micro' ignores them"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "micro", "scheduler": {
+            "preempt_tokens": 16, "length_aware": {"predictor": "oracle", "refill": "fifo"}}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "scheduler": {"predictor": "oracle"}})
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "scheduler": {
+            "preempt_tokens": 16, "length_aware": {"predictor": "oracle"}}})
     # unset, the correctness reward follows the reward functions
     assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"

@@ -8,17 +8,15 @@ import pytest
 import torch
 
 from lit_grpo.sampling import RolloutEngine
-from lit_grpo.scheduling.predictors import HistoryLengthPredictor
+from lit_grpo.scheduling import LeastAttainedScheduler
+from lit_grpo.scheduling.length_aware import LengthAwareScheduler, OnlineLengthPredictor
 from tools import length_signals, record_lengths, study_predictors
 from tools.recording_features import recording_features
 from tools.recordings import read_recording, write_recording
 
 
-class SpyPredictor(HistoryLengthPredictor):
-    """A token-conditioned predictor that keeps every feature the engine hands it."""
-
-    needs_prompt_features = True
-    token_conditioned = True
+class SpyPredictor(OnlineLengthPredictor):
+    """The token-conditioned predictor, keeping every feature the engine hands it."""
 
     def __init__(self):
         super().__init__()
@@ -86,7 +84,7 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
     monkeypatch.setattr(study_predictors.RecordingWalk, "run",
                         lambda self, scheduler, prompts, probe: walked.append((scheduler, list(prompts))) or
                         run(self, scheduler, prompts, probe))
-    report = study_predictors.main(["--recording", str(path), "--predictors", "online,group,online+group",
+    report = study_predictors.main(["--recording", str(path), "--predictors", "none,online",
                                     "--probe-tokens", "1,2", "--signal-tokens", "1,2", "--setups", "2,4,3",
                                     "--noisy", "0.5", "--features-cache", str(tmp_path / "f.pt"),
                                     "--json", str(tmp_path / "study.json")])
@@ -100,8 +98,14 @@ def test_the_study_runs_every_predictor_cross_fitted_on_a_recording(tmp_path, ti
         assert not set(warm) & set(test) and sorted(warm + test) == list(range(8))
         measured.append(tuple(test))
     assert set(measured) == {(0, 1, 2, 3), (4, 5, 6, 7)} and len(by_scheduler) == 2 * len(rows)
-    assert set(rows) == {("continuous", None), ("oracle", None), ("online", 1), ("online", 2), ("group", None),
-                         ("online+group", 1), ("online+group", 2), ("noisy:0.5", None)}
+    assert set(rows) == {("continuous", None), ("oracle", None), ("none", None), ("online", 1), ("online", 2),
+                         ("noisy:0.5", None)}
+    # "none" is the default scheduler: no predictor, so no prediction figures and no gate of predictions
+    assert {type(scheduler) for scheduler, _ in walked if scheduler.__class__.__name__ != "Scheduler"} == {
+        LeastAttainedScheduler, LengthAwareScheduler}
+    assert rows[("none", None)]["kendall_tau"] is None and rows[("none", None)]["guided"] is None
+    assert rows[("none", None)]["gain_z"] is None and 0 <= rows[("none", None)]["preempting"] <= 1
+    assert -1 <= rows[("online", 2)]["kendall_tau"] <= 1 and 0 <= rows[("online", 2)]["guided"] <= 1
     continuous = rows[("continuous", None)]["decode_steps"]
     # every measured rollout of both folds: 8 prompts in rollouts of 2, so 4 rollouts, none run twice
     assert continuous == sum(study_predictors.simulate_rollout(study_predictors.Scheduler(), lengths[i:i + 2], 3,

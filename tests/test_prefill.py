@@ -99,7 +99,7 @@ def test_without_a_chunk_the_packed_attention_is_sdpa(tiny_llama):
     key, value = (torch.randn(2, 2, 5, 8, generator=generator) for _ in range(2))
     ours, _ = packed_attention(attention, query, key, value, None)
     sdpa, _ = sdpa_attention_forward(attention, query, key, value, None)
-    assert torch.equal(ours, sdpa)
+    assert torch.equal(ours, sdpa)  # exact: SDPA's own call on the same inputs
 
 
 @pytest.mark.parametrize("chunk_tokens", [18, 1024])
@@ -107,7 +107,8 @@ def test_every_strategy_prefills_the_same_chunks_so_schedules_stay_bit_identical
                                                                                   monkeypatch):
     """float32: a prompt's KV depends in its rounding on its chunk, so a strategy
     that chunked by what it runs first (continuous, lazily) or all at once (infinite, for the prompt features)
-    would differ in the log-probs."""
+    would differ in the log-probs. Bit-identical is a determinism claim: the same chunks, shapes and row-alone
+    kernels in one process, so it holds on any CPU."""
     model, tokenizer = tiny_llama
     monkeypatch.setattr(rollout_loop, "PREFILL_CHUNK_TOKENS", chunk_tokens)
     prompts = [tokenizer(text)["input_ids"] for text in

@@ -178,6 +178,7 @@ def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build
                                                                                        completions]])
     first = fresh.build_train_batch()
     assert retried.indices == first.indices
+    # exact: the same rollout (streams, shapes, kernels) run again in one process, and these rewards are lengths
     assert torch.equal(retried.completion_ids, first.completion_ids) and torch.equal(retried.rewards, first.rewards)
 
 
@@ -279,6 +280,7 @@ def test_degenerate_rollouts_never_give_nan(module, degenerate_batch, loss_type,
         module.loss_fn, module.hparams.mask_truncated_completions = make_loss("dapo"), False
     for key, value in metrics.items():
         assert math.isfinite(value), (key, value)
+    # exact in any summation order: every advantage is 0, so every term of the loss and its gradient is 0
     assert metrics["train/loss"] == 0.0
     for name, param in module.policy.named_parameters():  # zero advantages, zero gradient: SGD moves nothing
         assert torch.equal(param, before[name]), name
@@ -310,13 +312,13 @@ def test_kv_bytes_per_token_from_the_config(module):
     assert kv_bytes_per_token(config, "bfloat16") == expected // 2
     slot = kv_slot_bytes(config, torch.float32, 10, 6)
     assert slot == expected * 16
-    # besides the slots: 2 prompts' prefixes of 10 positions, and with parking 4 samples each x 3 probe tokens
+    # besides the slots: 2 prompts' prefixes of 10 positions, and with unbudgeted parking 4 samples each x 3 tokens
     held = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2)
-    parked = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2, probe_tokens=3)
+    parked = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2, parked_tokens=3)
     assert (held, parked) == (expected * 20, expected * 44)
     assert auto_micro_group_size(config, torch.float32, held + 5 * slot + slot // 2, 10, 6, group_size=4,
                                  num_prompts=2) == 5
-    assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, probe_tokens=3) == 3
+    assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, parked_tokens=3) == 3
     assert auto_micro_group_size(config, torch.float32, held + slot, 10, 6, 4, 2) == 1
     assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={held + slot - 1} is smaller than one slot's KV cache, "
@@ -332,8 +334,11 @@ def test_auto_micro_group_size_in_the_datamodule(module):
     longest = max(len(ids) for ids in probe.train_prompt_ids)
     config = module.policy.config
     slot = kv_slot_bytes(config, torch.float32, longest, 6)
-    parked = probe.sampling.scheduler.probe_tokens if probe.sampling.strategy == "infinite" else 0
-    held = kv_held_bytes(config, torch.float32, longest, probe.sampling.group_size, probe.prompts_per_step, parked)
+    sampling = probe.sampling
+    parked = sampling.scheduler.parked_kv_bounds(sampling.max_new_tokens) if sampling.strategy == "infinite" else (0, 0)
+    # "continuous" (or "infinite" with no preemption point below the 6-token cap): no sample parks, no KV aside
+    assert sampling.max_new_tokens == 6 and parked == (0, 0)
+    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step)
     dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=held + 3 * slot + 1)
     batch = dm.build_train_batch()
     assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
@@ -345,27 +350,37 @@ def test_auto_micro_group_size_in_the_datamodule(module):
         small.build_train_batch()
 
 
-@pytest.mark.parametrize("strategy", ["continuous", "infinite"])
-def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget(strategy):
+@pytest.mark.parametrize("strategy,scheduler,bounds", [
+    ("continuous", {}, (0, 0.0)),
+    ("infinite", {}, (0, 0.5)),  # the default: preemption within half the slots' generation KV
+    ("infinite", {"park_budget": None}, (8, 0.0)),  # unbudgeted: each sample up to its last point
+    ("infinite", {"length_aware": {"predictor": "online"}}, (8, 0.5))])  # and the probes' first tokens
+def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget(strategy, scheduler, bounds):
     # long prompts and short completions: the prompts' prefixes outweigh the slots, which the budget must count
     from lit_grpo.runtime.models import load_model_and_tokenizer
     from lit_grpo.sampling import RolloutEngine, SamplingConfig
-    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_held_bytes, kv_slot_bytes
+    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, kv_held_bytes, kv_slot_bytes
 
     model, tokenizer = load_model_and_tokenizer("tiny-llama")
     prompts = [[5 + i] * 60 for i in range(8)]
-    sampling = SamplingConfig(group_size=4, strategy=strategy, max_new_tokens=16)
-    parked = sampling.scheduler.probe_tokens if strategy == "infinite" else 0
-    budget = 6 * kv_slot_bytes(model.config, torch.float32, 60, 16) + kv_held_bytes(
-        model.config, torch.float32, 60, 4, len(prompts), parked)
-    g = auto_micro_group_size(model.config, torch.float32, budget, 60, 16, 4, len(prompts), parked)
+    sampling = SamplingConfig(group_size=4, strategy=strategy, max_new_tokens=16, scheduler=scheduler)
+    # what parked samples may hold: a share of each slot within the park budget, else up to the last point each
+    parked_tokens, park_share = sampling.scheduler.parked_kv_bounds(16) if strategy == "infinite" else (0, 0.0)
+    assert (parked_tokens, park_share) == bounds
+    slot = kv_slot_bytes(model.config, torch.float32, 60, 16) + math.ceil(
+        kv_bytes_per_token(model.config, torch.float32) * 16 * park_share)
+    budget = 6 * slot + kv_held_bytes(model.config, torch.float32, 60, 4, len(prompts), parked_tokens)
+    g = auto_micro_group_size(model.config, torch.float32, budget, 60, 16, 4, len(prompts), parked_tokens, park_share)
     assert g == 6
     engine = RolloutEngine(model, tokenizer, sampling.replace(micro_group_size=g))
-    if strategy == "infinite":
+    if "length_aware" in scheduler:
         trust_predictions(engine.scheduler)  # so that it parks samples after their probe, holding their KV
-    stats = engine.generate(prompts).stats
-    assert stats.parked_samples > 0 if strategy == "infinite" else stats.parked_samples == 0
-    assert 0 < stats.peak_kv_bytes <= budget
+    # two rollouts: the default preempts (parks samples, holding their KV) once it has seen finished groups
+    stats = [engine.generate(prompts).stats for _ in range(2)]
+    assert stats[-1].parked_samples > 0 if strategy == "infinite" else stats[-1].parked_samples == 0
+    assert stats[-1].parked_kv_bytes > 0 if strategy == "infinite" else stats[-1].parked_kv_bytes == 0
+    for rollout in stats:
+        assert 0 < rollout.peak_kv_bytes <= budget
 
 
 # ------------------------------------------------------------------------------------------------ exact resume
@@ -387,8 +402,9 @@ def _fit(tmp_path, name, *extra):
 
 
 def test_exact_resume_mid_epoch(tmp_path):
-    """Stop after step 1 (mid-epoch: tiny.yaml has 2 steps per epoch, infinite strategy with its length predictor),
-    resume with --ckpt_path: steps 2..4 have the same prompts, completions, rewards, losses and weights."""
+    """Stop after step 1 (mid-epoch: tiny.yaml has 2 steps per epoch, infinite strategy whose gate learns from
+    finished groups), resume with --ckpt_path: steps 2..4 have the same prompts, completions, rewards, losses and
+    weights."""
     from tools.step_recorder import read_records
 
     full, _ = _fit(tmp_path, "full", "--trainer.callbacks+=ModelCheckpoint",
@@ -398,7 +414,8 @@ def test_exact_resume_mid_epoch(tmp_path):
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     data_state = state["RolloutDataModule"]
     assert {"steps_built", "sampler", "engine", "rng"} <= set(data_state) and data_state["steps_built"] == 1
-    assert data_state["engine"]["rollout_index"] == 1 and "scheduler" in data_state["engine"]
+    assert data_state["engine"]["rollout_index"] == 1
+    assert data_state["engine"]["scheduler"]["groups"]  # the default scheduler's gate state: step 1's finished groups
     resumed, proc = _fit(tmp_path, "resumed", "--ckpt_path", str(ckpt))
     assert "not resumable" not in proc.stderr
     a, b = read_records(full), read_records(resumed)

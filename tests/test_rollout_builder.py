@@ -10,8 +10,9 @@ from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.scheduling import InfiniteScheduler
-from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling import LeastAttainedScheduler
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
+from lit_grpo.scheduling.length_aware import LengthAwareScheduler, OnlineLengthPredictor
 
 TINY = "configs/tiny.yaml"
 
@@ -70,30 +71,42 @@ def test_batch_scaling_across_ranks_needs_a_gather(policy):
         RolloutBuilder(model, tokenizer, SamplingConfig(), [], scale_rewards="batch", world_size=2)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message, key", [
     (["--data.sampling.strategy", "beam"],
-     "Expected a typing.Literal['full', 'micro', 'continuous', 'infinite']"),
-    (["--data.sampling.scheduler.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']"),
-    (["--data.curriculum", "hard"], "Expected a typing.Literal['none', 'angle']"),
+     "Expected a typing.Literal['full', 'micro', 'continuous', 'infinite']", "data.sampling.strategy"),
+    # a nested optional config: jsonargparse names the config, then its key
+    (["--data.sampling.scheduler.length_aware.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']",
+     'data.sampling.scheduler.length_aware":'),
+    (["--data.sampling.scheduler.length_aware.refill", "bogus"], "Expected a typing.Literal['lpt', 'sjf', 'fifo']",
+     'Parser key "refill":'),
+    (["--data.curriculum", "hard"], "Expected a typing.Literal['none', 'angle']", "data.curriculum"),
 ])
-def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message):
+def test_a_wrong_option_fails_when_the_config_is_parsed(capsys, args, message, key):
     with pytest.raises(SystemExit):
         build_cli(["--config", TINY, *args], run=False)
     err = capsys.readouterr().err
-    assert message in err and args[0].removeprefix("--") in err
+    assert message in err and key in err
 
 
 def test_scheduler_options_are_typed_in_the_config():
-    cli = build_cli(["--config", TINY, "--data.sampling.scheduler.predictor", "history",
-                     "--data.sampling.scheduler.probe_tokens", "4", "--data.sampling.scheduler.gain_z", "null",
-                     "--trainer.logger", "false"], run=False)
+    default = build_cli(["--config", TINY, "--data.sampling.scheduler.preempt_tokens", "16",
+                         "--trainer.logger", "false"], run=False).datamodule.sampling.scheduler
+    assert isinstance(default, InfiniteSchedulerConfig) and (default.preempt_tokens, default.length_aware) == (16, None)
+    built = default.build()  # the default scheduler: no predictor
+    assert type(built) is LeastAttainedScheduler and built.preempt_tokens == 16
+    cli = build_cli(["--config", TINY, "--data.sampling.scheduler.length_aware.predictor", "online",
+                     "--data.sampling.scheduler.length_aware.probe_tokens", "4",
+                     "--data.sampling.scheduler.length_aware.gain_z", "null", "--trainer.logger", "false"], run=False)
     scheduler = cli.datamodule.sampling.scheduler
-    assert (scheduler.predictor, scheduler.probe_tokens, scheduler.refill, scheduler.gain_z) == ("history", 4, "lpt",
-                                                                                                  None)
-    assert InfiniteScheduler.from_config(scheduler).config.gain_z is None  # reaches the scheduler
-    with pytest.raises(ValueError, match=r"scheduler.gain_z=0 must be a number > 0 or None"):
-        InfiniteSchedulerConfig(gain_z=0)
-    with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0 or None"):
+    length_aware = scheduler.length_aware
+    assert (length_aware.predictor, length_aware.probe_tokens, length_aware.refill, length_aware.gain_z) == (
+        "online", 4, "lpt", None)
+    built = scheduler.build()  # reaches the scheduler
+    assert type(built) is LengthAwareScheduler and built.config.gain_z is None and built.probe_tokens == 4
+    assert isinstance(built.predictor, OnlineLengthPredictor)
+    with pytest.raises(ValueError, match=r"scheduler.length_aware.gain_z=0 must be a number > 0, or None"):
+        LengthAwareConfig(gain_z=0)
+    with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 must be a number > 0, or None"):
         build_cli(["--config", TINY, "--data.sampling.scheduler.park_budget", "-1.0", "--trainer.logger", "false"],
                   run=False)
 
@@ -124,8 +137,9 @@ def test_a_sampling_key_outside_data_sampling_fails_naming_it(capsys, args, key)
 def test_sampling_settings_in_python_go_in_one_config():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'group_size'"):
         RolloutDataModule(prompts=["a"], group_size=4)
-    data = RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "scheduler": {"probe_tokens": 4}})
-    assert (data.sampling.group_size, data.sampling.scheduler.probe_tokens) == (4, 4)
+    data = RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "scheduler": {"preempt_tokens": 4}})
+    assert (data.sampling.group_size, data.sampling.scheduler.preempt_tokens) == (4, 4)
+    assert data.sampling.scheduler.length_aware is None
     with pytest.raises(ValueError, match=r"sampling.group_size=1 must be an integer >= 2"):
         RolloutDataModule(prompts=["a"], sampling=SamplingConfig(group_size=1))
 

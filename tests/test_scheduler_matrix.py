@@ -45,11 +45,11 @@ def test_matrix_runs_a_sub_matrix_end_to_end(tmp_path, capsys):
     assert make_length_sets.main(["--families", "bimodal", "--shapes", "1x16", "--cap", "24", "--out",
                                   str(tmp_path)]) == 0
     report = bench_scheduler_matrix.main(["--sets", "bimodal", "--shapes", "1x16x4", "--lengths-dir", str(tmp_path),
-                                          "--predictors", "oracle,online,noisy:0.5", "--warmup-rollouts", "1",
+                                          "--predictors", "none,oracle,online,noisy:0.5", "--warmup-rollouts", "1",
                                           "--json", str(out), "--markdown", str(table)])
     assert json.loads(out.read_text())["cells"] == report["cells"]
     cells = {cell["predictor"]: cell for cell in report["cells"]}
-    assert set(cells) == {"oracle", "online", "noisy:0.5"}
+    assert set(cells) == {"none", "oracle", "online", "noisy:0.5"}
     for cell in cells.values():
         assert CELL_FIELDS <= set(cell)
         assert cell["decode_steps"] >= cell["lower_bound_steps"] > 0  # parking may beat the whole-sample bound
@@ -57,6 +57,7 @@ def test_matrix_runs_a_sub_matrix_end_to_end(tmp_path, capsys):
         assert cell["ratio_to_continuous"] == cell["decode_steps"] / cell["continuous_steps"]
     text = table.read_text()
     assert "| bimodal | 1 | 16 | 4 |" in text and "S = 0.5" in text and text in capsys.readouterr().out
+    assert "| default | length-aware oracle |" in text  # "none" is the default scheduler's column
     assert bench_scheduler_matrix.main(["--from-json", str(out), "--check"])["cells"] == report["cells"]
 
 
@@ -68,12 +69,15 @@ def _cell(predictor, steps, continuous=100, bound=80):
 
 
 def test_check_names_every_missed_target(tmp_path):
-    assert misses([_cell("oracle", 81), _cell("online", 100), _cell("noisy:0.25", 90)]) == []
-    found = misses([_cell("oracle", 82), _cell("online", 101), _cell("noisy:0.25", 92), _cell("noisy:1.0", 102)])
+    assert misses([_cell("none", 100), _cell("oracle", 81), _cell("online", 100), _cell("noisy:0.25", 90)]) == []
+    found = misses([_cell("none", 103), _cell("oracle", 82), _cell("online", 101), _cell("noisy:0.25", 92),
+                    _cell("noisy:1.0", 102)])
     assert [line.split(": ")[0] for line in found] == [
-        "s B1 G4 g2 oracle,lpt", "s B1 G4 g2 online,lpt", "s B1 G4 g2 noisy:0.25,lpt", "s B1 G4 g2 noisy:1.0,lpt"]
-    assert "1.025 x bound" in found[0] and "keeps 0.44 of the oracle's gain" in found[2]
-    assert "1.020 x continuous" in found[3]
+        "s B1 G4 g2 none,lpt", "s B1 G4 g2 oracle,lpt", "s B1 G4 g2 online,lpt", "s B1 G4 g2 noisy:0.25,lpt",
+        "s B1 G4 g2 noisy:1.0,lpt"]
+    assert "1.030 x continuous (infinite (the default scheduler)" in found[0]
+    assert "1.025 x bound" in found[1] and "keeps 0.44 of the oracle's gain" in found[3]
+    assert "1.010 x continuous (infinite/online" in found[2] and "1.020 x continuous" in found[4]
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"config": {"warmup_rollouts": 3, "seed": 0}, "cells": [_cell("online", 101)]}))
     with pytest.raises(SystemExit) as exit_info:
@@ -93,9 +97,9 @@ def test_bench_rollout_takes_noisy_predictors(tmp_path):
     lengths.write_text(json.dumps({"lengths": [[9, 2, 5, 7, 30, 3], [3, 8, 1, 4, 2, 25]]}))
     report = bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--micro-group-size", "2",
                                  "--max-new-tokens", "30", "--repeats", "1", "--task", "synthetic", "--threads", "1",
-                                 "--strategies", "infinite", "--predictors", "oracle,noisy:0,noisy:0.25"])
+                                 "--strategies", "infinite", "--predictors", "none,oracle,noisy:0,noisy:0.25"])
     runs = {run["predictor"]: run for run in report["runs"]}
-    assert set(runs) == {"oracle", "noisy:0", "noisy:0.25"}
+    assert set(runs) == {"none", "oracle", "noisy:0", "noisy:0.25"}
     assert runs["noisy:0"]["decode_steps"] == runs["oracle"]["decode_steps"]
     with pytest.raises(SystemExit):
         bench_rollout.parse_args(["--predictors", "noisy:-1"])

@@ -6,13 +6,14 @@ import io
 
 import numpy as np
 import pytest
-from callback_helpers import RolloutModule, continuous_timeline, events, fit, make_rollout
+from callback_helpers import FakeRollout, RolloutModule, continuous_timeline, events, fit, make_rollout
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
 from lit_grpo.callbacks import SlotTimelineLogger, render_slot_timeline, render_slot_timeline_figure, save_slot_timeline
-from lit_grpo.callbacks.slot_timeline import IDLE_RGB, MARKER_RGB, group_colors
+from lit_grpo.callbacks.slot_timeline import IDLE_RGB, MARKER_RGB, PARK_RGB, RESUME_RGB, TEXT_RGB, group_colors
 from lit_grpo.sampling.stats import IDLE
+from lit_grpo.scheduling.base import Decision
 
 
 
@@ -45,8 +46,18 @@ def test_render_slot_timeline_shrinks_long_rollouts_and_saves_png(tmp_path):
         render_slot_timeline([], group_size=2)
 
 
+class MovableRollout(FakeRollout):
+    """A rollout that moves itself to a device, as RolloutBatch does (``to``): Lightning then leaves it whole
+    instead of rebuilding its dataclasses field by field, which the frozen Decisions in its stats do not allow."""
+
+    def to(self, device, **kwargs):
+        return self
+
+
 def test_slot_timeline_logger_writes_readable_figures(tmp_path):
-    rollouts = [make_rollout(seed) for seed in range(5)]
+    rollouts = [MovableRollout(**vars(make_rollout(seed))) for seed in range(5)]
+    rollouts[2].stats.decisions = [Decision(0, 0, (0, 0), "start", "arrival"), Decision(2, 1, (0, 1), "park",
+                                                                                         "preemption")]
     logger = SlotTimelineLogger(every_n_rollouts=2, width=900)
     trainer = fit(tmp_path, RolloutModule(rollouts), [logger], max_steps=5)
     images = events(trainer).Images("rollout/slot_timeline")
@@ -55,7 +66,8 @@ def test_slot_timeline_logger_writes_readable_figures(tmp_path):
     for image, rollout in zip(images, rollouts[::2]):
         decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
         assert decoded.shape[1] == image.width == 900
-        expected = render_slot_timeline_figure(rollout.stats.timeline, rollout.stats.group_size, width=900)
+        expected = render_slot_timeline_figure(rollout.stats.timeline, rollout.stats.group_size, width=900,
+                                               decisions=rollout.stats.decisions)
         assert np.array_equal(decoded, expected)
     with pytest.raises(ValueError, match="width must be >= 800 pixels"):
         SlotTimelineLogger(width=400)
@@ -83,6 +95,62 @@ def test_the_figure_labels_slots_and_steps_and_has_a_legend():
     assert short.shape[1] == 800
     with pytest.raises(ValueError, match="width=500 is too narrow"):
         render_slot_timeline_figure(timeline, 4, width=500)
+
+
+# Slot 0 runs sample 0 (steps 0-2), which is preempted at step 3 for sample 2; sample 0 resumes in slot 1 at step 5.
+PREEMPTED = [[0, 1], [0, 1], [0, 1], [2, 1], [2, 1], [2, 0], [2, 0], [IDLE, 0]]
+PREEMPTIONS = [Decision(0, 0, (0, 0), "start", "arrival"), Decision(0, 1, (0, 1), "start", "arrival"),
+               Decision(3, 0, (0, 0), "park", "preemption"), Decision(3, 0, (1, 0), "start", "least_attained"),
+               Decision(5, 1, (0, 0), "resume", "least_attained")]
+
+
+def test_parks_and_resumptions_are_marked_where_they_happen():
+    """A park is a tick in the upper half of its slot's row at its step, a resumption one in the lower half; starts
+    and the finish markers stay as they were, and a shrunk picture keeps every tick."""
+    image = render_slot_timeline(PREEMPTED, group_size=2, cell_width=6, row_height=12, decisions=PREEMPTIONS)
+
+    def pixel(slot: int, y: int, step: int, x: int = 1) -> tuple[int, ...]:
+        return tuple(image[slot * 12 + y, step * 6 + x])
+
+    assert pixel(0, 1, 3) == PARK_RGB and pixel(0, 9, 3) != PARK_RGB  # upper half only
+    assert pixel(1, 9, 5) == RESUME_RGB and pixel(1, 1, 5) != RESUME_RGB  # lower half only
+    assert pixel(1, 1, 3) != PARK_RGB and pixel(0, 9, 5) != RESUME_RGB  # in its own slot only
+    assert pixel(0, 9, 3, x=0) == MARKER_RGB  # the slot still changes hands there
+    assert pixel(0, 4, 0) not in (PARK_RGB, RESUME_RGB)  # starts are not drawn
+    plain = render_slot_timeline(PREEMPTED, group_size=2, cell_width=6, row_height=12)
+    assert np.array_equal(plain, render_slot_timeline(PREEMPTED, 2, cell_width=6, row_height=12, decisions=[]))
+    assert PARK_RGB not in {tuple(c) for c in plain.reshape(-1, 3)}
+
+    long = np.repeat(np.asarray(PREEMPTED), 500, axis=0)  # 4000 steps shrunk to 800 columns
+    decisions = [Decision(d.step * 500, d.slot, d.key, d.action, d.reason) for d in PREEMPTIONS]
+    shrunk = render_slot_timeline(long, 2, max_width=800, decisions=decisions)
+    assert shrunk.shape[1] == 800
+    colors = {tuple(c) for c in shrunk.reshape(-1, 3)}
+    assert PARK_RGB in colors and RESUME_RGB in colors
+
+
+def test_the_figure_marks_decisions_and_counts_them_by_reason():
+    figure = render_slot_timeline_figure(PREEMPTED, group_size=2, decisions=PREEMPTIONS)
+    plain = render_slot_timeline_figure(PREEMPTED, group_size=2)
+    assert np.array_equal(plain, render_slot_timeline_figure(PREEMPTED, group_size=2, decisions=None))
+    left, top, plot_width, row_height = 64, 34, 1000 - 64 - 16, 24
+    column = plot_width // len(PREEMPTED)  # pixels per step
+
+    def pixel(fig: np.ndarray, slot: int, y: int, step: int) -> tuple[int, ...]:
+        return tuple(fig[top + slot * row_height + y, left + step * column + 1])
+
+    assert pixel(figure, 0, 3, 3) == PARK_RGB and pixel(plain, 0, 3, 3) != PARK_RGB
+    assert pixel(figure, 1, row_height - 4, 5) == RESUME_RGB
+    # Two more legend entries (the park and resume ticks, as swatches) and the line of counts under them.
+    colors = {tuple(c) for c in figure[top + 2 * row_height + 10:].reshape(-1, 3)}
+    assert PARK_RGB in colors and RESUME_RGB in colors
+    assert figure.shape[0] == plain.shape[0] + 2 * 22  # a legend row for the two swatches, one line of counts
+    text = (figure == TEXT_RGB).all(axis=-1)
+    assert text[-22:].any()  # the counts are written
+
+    only_starts = render_slot_timeline_figure(PREEMPTED, 2, decisions=PREEMPTIONS[:2])
+    assert PARK_RGB not in {tuple(c) for c in only_starts.reshape(-1, 3)}
+    assert only_starts.shape[0] == plain.shape[0] + 22  # no swatches, the counts line alone
 
 
 def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):

@@ -32,7 +32,9 @@ def test_bench_rollout_writes_every_design_field(tmp_path):
     assert set(runs) == {"full", "micro", "continuous", "infinite", "hf_generate", "hf_generate_chunked"}
     for run in runs.values():
         assert RUN_FIELDS <= set(run)
-        assert run["identical_fraction"] == 1.0  # greedy: every path returns the same completions
+        # greedy: every path returns the same completions (float32 logits that differ across paths by ~1e-7 pick
+        # the same token unless a step is a near tie; tests/precision_helpers.py checks such margins)
+        assert run["identical_fraction"] == 1.0
     assert runs["continuous"]["peak_kv_bytes"] < runs["full"]["peak_kv_bytes"]
     assert runs["hf_generate"]["prefill_tokens"] > runs["full"]["prefill_tokens"]  # generate prefills every row
     for run in runs.values():
@@ -97,7 +99,9 @@ def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_
                                  "--max-new-tokens", "6", "--temperature", "1.0", "--repeats", "1", "--threads", "1",
                                  "--strategies", "full,infinite", "--warmup-rollouts", "2"])
     runs = {run["strategy"]: run for run in report["runs"]}
-    assert runs["infinite"]["identical_fraction"] == 1.0  # same (seed, rollout, prompt, sample, token) streams
+    # same (seed, rollout, prompt, sample, token) streams; the schedules' float32 logits may differ by ~1e-7 (other
+    # row counts), which changes a sampled token only if its uniform is that close to a CDF boundary (~1e-7 odds)
+    assert runs["infinite"]["identical_fraction"] == 1.0
 
 
 def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
@@ -107,12 +111,13 @@ def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
     report = bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "2",
                                  "--micro-group-size", "2", "--max-new-tokens", "9", "--repeats", "1",
                                  "--task", "synthetic",
-                                 "--strategies", "continuous,infinite", "--predictors", "oracle,history",
+                                 "--strategies", "continuous,infinite", "--predictors", "none,oracle,online",
                                  "--refills", "sjf,lpt", "--json", str(out)])
     assert report["config"]["prompts"] == 2 and report["config"]["group_size"] == 4  # B sliced, G from the file
     infinite = [run for run in report["runs"] if run["strategy"] == "infinite"]
-    assert {(run["predictor"], run["refill"]) for run in infinite} == {
-        ("oracle", "sjf"), ("oracle", "lpt"), ("history", "sjf"), ("history", "lpt")}
+    # "none" is the default scheduler (no predictor, no refill policy: run once); the others per refill
+    assert sorted((run["predictor"], str(run["refill"])) for run in infinite) == [
+        ("none", "None"), ("online", "lpt"), ("online", "sjf"), ("oracle", "lpt"), ("oracle", "sjf")]
     for run in report["runs"]:
         assert run["generated_tokens"] == 9 + 2 + 5 + 7 + 3 + 8 + 1 + 4
         assert run["lower_bound_steps"] == 20
@@ -133,7 +138,7 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     assert [(run["strategy"], run["group_size"], run["repeat"]) for run in report["runs"]] == [
         ("continuous", 2, 0), ("continuous", 4, 0), ("continuous", 2, 1), ("continuous", 4, 1)]
     for run in report["runs"]:
-        assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "sampling")
+        assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm+sampling", "sampling")
         phases = [run[f"{phase}_peak_bytes"] for phase in ("rollout", "update", "optimizer")]
         assert run["peak_bytes"] == max(phases) and min(phases) > 0  # the step's peak is its largest phase's
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
@@ -181,7 +186,12 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
         assert run["update_s"] == pytest.approx(run["step_s"] - run["rollout_s"])
         assert 0.0 <= run["val_accuracy"] <= 1.0 and run["val_accuracy_curve"][-1][1] == run["val_accuracy"]
     assert runs["default"]["rollout/carried_samples"] is None  # logged only with partial rollouts on
-    assert runs["partial"]["rollout/carried_samples"] >= 0
+    # B=2 of ceil(2.0 x 2) = 4 groups of 4 run in 2 slots (configs/tiny.yaml): at most 2 samples finish per decode
+    # step, so no step takes the completed count from below 2 to 4, and steps 1 and 2 (no group is 2 steps stale
+    # yet) stop with 2 groups carried, one of them unfinished: 1 to 8 samples. Step 3 may have to finish its stale
+    # groups (0 then), but the median of three counts, two of them in [1, 8], is in [1, 8].
+    carried = runs["partial"]["rollout/carried_samples"]
+    assert 1 <= carried <= 8 and carried == int(carried)
     assert report["summary"]["partial"]["runs"] == 1 and "step_s_mean" in report["summary"]["partial"]
     assert "lit_grpo: 3 steps in" in (tmp_path / "runs" / "partial_seed1" / "fit.log").read_text()  # its summary
     with pytest.raises(SystemExit, match=r"--variant 'partial' must be NAME=ARGS"):
@@ -413,9 +423,12 @@ def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path
     runs = {(r["strategy"], r["compile"]): r for r in report["runs"]}
     assert set(runs) == {("full", False), ("continuous", False), ("full", True), ("continuous", True)}
     assert runs[("continuous", True)]["capture_s"] > 0 and runs[("continuous", False)]["capture_s"] == 0
-    assert runs[("continuous", True)]["identical_fraction"] == 1.0  # the same completions as eager "full"
+    # the same completions as eager "full": compiled float32 kernels round differently (~1e-7), which changes a
+    # sampled token only if its uniform is that close to a CDF boundary
+    assert runs[("continuous", True)]["identical_fraction"] == 1.0
     for bad in (["--compile", "yes"], ["--cpu-linear", "packed,packed"], ["--strategies", "full,beam"],
-                ["--predictors", "online,online"], ["--predictors", "noisy"], ["--refills", "sjf,shortest"]):
+                ["--predictors", "online,online"], ["--predictors", "noisy"], ["--predictors", "history"],
+                ["--refills", "sjf,shortest"]):
         with pytest.raises(SystemExit):  # each refused by name (tests/test_harness.py checks the messages)
             bench_rollout.parse_args(bad)
 

@@ -1,4 +1,5 @@
-"""The scheduler uses a length prediction only as far as it has earned trust (lit_grpo/scheduling/trust.py)."""
+"""The length-aware scheduler uses a length prediction only as far as it has earned trust
+(lit_grpo/scheduling/length_aware/trust.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import random
 import pytest
 import torch
 
-from lit_grpo.scheduling import FIFOScheduler, InfiniteScheduler, OracleLengthPredictor, planted_rollout, simulate_rollout
-from lit_grpo.scheduling.trust import PredictionTrust
+from lit_grpo.scheduling import (FIFOScheduler, LeastAttainedScheduler, LengthAwareConfig,
+                                 simulate_rollout)
+from lit_grpo.scheduling.least_attained import LOSS_SHARE
+from lit_grpo.scheduling.length_aware import LengthAwareScheduler, OracleLengthPredictor, PredictionTrust
+
+from scheduler_helpers import planted_rollout
 
 
 def _lognormal_pairs(rng: random.Random, n: int, noise: float) -> list[tuple[float, int]]:
@@ -82,22 +87,34 @@ def test_trust_survives_a_checkpoint():
     assert resumed.rho_low == trust.rho_low and resumed.calibrate(50.0) == trust.calibrate(50.0)
 
 
-@pytest.mark.parametrize("predictor", ["online", "history"])
-def test_predictions_without_information_cost_nothing_against_continuous(predictor):
-    """Random features (online) or one prompt (history): the scheduler runs exactly plain continuous order, every
-    rollout, and never parks."""
+@pytest.mark.parametrize("loss_share", [LOSS_SHARE, None])
+def test_predictions_without_information_cost_nothing_against_the_default(loss_share):
+    """Random features: the length-aware scheduler makes every decision the default scheduler makes on the same
+    rollouts (first come here with the default's gate; preempting from the second rollout on without it), and
+    never parks at a probe."""
     generator = torch.Generator().manual_seed(0)
-    scheduler = InfiniteScheduler(predictor)
+    scheduler = LengthAwareScheduler(LengthAwareConfig("online"), loss_share=loss_share)
+    default = LeastAttainedScheduler(loss_share=loss_share)
+    preempted = 0
     for _ in range(4):
         lengths = planted_rollout(1, 32, generator=generator).lengths
         features = torch.randn(1, 32, generator=generator)
         noise = {}
+
+        def token_feature(key, _):
+            return noise.setdefault(key, torch.randn(32, generator=generator))
+
         result = simulate_rollout(scheduler, lengths, 8, 1024, prompt_features=features, reveal_lengths=False,
-                                  token_feature=lambda key, _: noise.setdefault(key, torch.randn(32, generator=generator)))
-        continuous = simulate_rollout(FIFOScheduler(), lengths, 8, 1024)
-        assert result.decode_steps == continuous.decode_steps
-        assert result.parked_samples == 0
-    assert not scheduler.trust["prompt"].informative
+                                  token_feature=token_feature)
+        expected = simulate_rollout(default, lengths, 8, 1024)
+        assert result.decode_steps == expected.decode_steps
+        assert scheduler.decisions == default.decisions and scheduler.preempting == default.preempting
+        assert scheduler.last_info["parking"] == 0.0 and "probe" not in {d.reason for d in scheduler.decisions}
+        if loss_share is not None:  # the default's gate chose first come: plain continuous order
+            assert result.decode_steps == simulate_rollout(FIFOScheduler(), lengths, 8, 1024).decode_steps
+        preempted += scheduler.preempting
+    assert preempted == (0 if loss_share is not None else 3)
+    assert not scheduler.trust["prompt"].informative and not scheduler.trust["probe"].informative
 
 
 class _NoisyOracle(OracleLengthPredictor):
@@ -112,7 +129,7 @@ class _NoisyOracle(OracleLengthPredictor):
 def test_trusted_predictions_beat_continuous_once_earned():
     """An informative predictor earns trust within its first rollout and then plans; the trust is in the state."""
     generator = torch.Generator().manual_seed(5)
-    scheduler = InfiniteScheduler(_NoisyOracle(0.25))
+    scheduler = LengthAwareScheduler(LengthAwareConfig(_NoisyOracle(0.25)))
     ours = continuous = 0
     for _ in range(4):
         lengths = planted_rollout(4, 16, generator=generator).lengths
@@ -121,3 +138,29 @@ def test_trusted_predictions_beat_continuous_once_earned():
     assert scheduler.trust["prompt"].rho_low > 0.8
     assert ours < continuous
     assert "trust" in scheduler.state_dict()
+
+
+def test_the_engine_checkpoint_carries_the_predictor_and_its_trust(tiny_llama, prompt_ids):
+    """A length-aware engine's state (RolloutEngine.state_dict) holds what its scheduler learned: the predictor,
+    the trust its predictions earned and the default's finished groups."""
+    from lit_grpo.sampling import RolloutEngine, SamplingConfig
+    from lit_grpo.scheduling import RolloutWork
+
+    model, tokenizer = tiny_llama
+    config = SamplingConfig(group_size=4, micro_group_size=2, strategy="infinite", max_new_tokens=6,
+                            scheduler={"length_aware": {"predictor": "online", "probe_tokens": 2}})
+    engine = RolloutEngine(model, tokenizer, config=config)
+    assert type(engine.scheduler) is LengthAwareScheduler
+    for _ in range(2):
+        engine.generate(prompt_ids[:2])
+    restored = RolloutEngine(model, tokenizer, config=config)
+    restored.load_state_dict(engine.state_dict())
+    work = RolloutWork([3, 3], 4, 2, 6, prompt_features=torch.randn(2, model.config.hidden_size))
+    keys = [(0, 1), (1, 2)]
+    assert engine.scheduler.predictor.prompt_model.sw > 0  # it learned something to carry
+    assert engine.scheduler.predictor.predict(work, keys).tolist() == \
+        restored.scheduler.predictor.predict(work, keys).tolist()
+    for kind in ("prompt", "probe"):
+        assert restored.scheduler.trust[kind].state_dict() == engine.scheduler.trust[kind].state_dict()
+    assert engine.scheduler.trust["probe"].effective_count > 0
+    assert list(restored.scheduler.groups) == list(engine.scheduler.groups) and len(engine.scheduler.groups) == 4

@@ -6,8 +6,9 @@
 Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached memory cannot hide the next run's
 peak. In it the policy is loaded first; then a Lightning Trainer runs exactly one training step: the rollout of
 B prompts x G samples with the given strategy, rewards, advantages, and the micro-batched update with its AdamW
-step, measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` (the kernel's RSS high-water mark on Linux CPU, the
-allocator's peak on CUDA, reset at each phase). Records: "strategy", "group_size", "peak_bytes" (the whole
+step, measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` (on Linux CPU the kernel's RSS high-water mark, read
+and never reset, with a sampling thread for a phase below an earlier peak; on CUDA the allocator's peak, reset at
+each phase). Records: "strategy", "group_size", "peak_bytes" (the whole
 step's: ``memory/step_peak_bytes``), its phases' "rollout_peak_bytes", "update_peak_bytes" (every micro-batch's
 forward and backward, clipping and the optimizer step) and "optimizer_peak_bytes" (the AdamW step alone), as the
 monitor logs them, "method" (its tracker), "repeat" (``--repeats N`` runs each cell N times, interleaved), plus

@@ -9,7 +9,7 @@
         --predictors oracle --json runs/paper_gpu.json          # any GPU, offline: random weights, replayed lengths
 
     python -m tools.bench_rollout --model smollm2 --tokens tools/data/tokens/smollm2_demo_task_base.json.gz \
-        --strategies continuous,infinite --predictors oracle,online     # the recorded tokens, prompts and cap
+        --strategies continuous,infinite --predictors none,oracle       # the recorded tokens, prompts and cap
 
 Replays (``config.replay``): ``--lengths FILE`` forces the recorded lengths (any ``tools/recordings.py`` recording);
 ``--tokens FILE`` makes every sample emit its recorded tokens after the recording's prompts (so hidden states and
@@ -68,8 +68,8 @@ from transformers import GenerationConfig
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
-from lit_grpo.scheduling.predictors import make_predictor, parse_predictor_name
-from lit_grpo.scheduling.refill import RefillName
+from lit_grpo.scheduling.length_aware.predictors import make_predictor, parse_predictor_name
+from lit_grpo.scheduling.length_aware.refill import RefillName
 from tools import harness, roofline
 from tools.recordings import read_replay
 
@@ -160,6 +160,13 @@ def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
                             eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id)
 
 
+def _check_predictor(name: str) -> str:
+    """"none" (the default scheduler) or a length predictor's name."""
+    if name != "none":
+        parse_predictor_name(name)
+    return name
+
+
 def _predictor(name: str, seed: int):
     """A predictor name, or for "noisy:S" the predictor itself, its noise seeded by the benchmark's seed."""
     return make_predictor(name, seed=seed) if parse_predictor_name(name)[0] == "noisy" else name
@@ -180,11 +187,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategies", default="full,micro,continuous,infinite",
                         type=harness.comma_names(OUR_STRATEGIES + HF_STRATEGIES),
                         help=f"comma list of {','.join(OUR_STRATEGIES + HF_STRATEGIES)}")
-    parser.add_argument("--predictors", default="online", type=harness.comma_checked(parse_predictor_name),
-                        help="infinite's predictors: oracle,online,history,noisy:S (the oracle with log-normal "
-                             "error of spread S in log-length, seeded by --seed; replay only)")
+    parser.add_argument("--predictors", default="none", type=harness.comma_checked(_check_predictor),
+                        help="infinite's schedulers: none (the default: least attained service, no predictor), or "
+                             "the paper's length-aware method with predictor online, oracle or noisy:S (the oracle "
+                             "with log-normal error of spread S in log-length, seeded by --seed; replay only)")
     parser.add_argument("--refills", type=harness.comma_names(get_args(RefillName)),
-                        help="infinite's refill policies: sjf,lpt,fifo (default: its own)")
+                        help="the length-aware method's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
                         help="rollouts each infinite engine runs before the measured repeats (predictor warm-up), "
                              "on other prompts: a replay's next B (a length set of only B repeats them), else "
@@ -254,8 +262,9 @@ def build_runners(args, model, tokenizer, rollout):
         for strategy in args.strategies:
             if strategy == "infinite":
                 for predictor in args.predictors:
-                    for refill in args.refills or [None]:
-                        scheduler = {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {})
+                    for refill in [None] if predictor == "none" else args.refills or [None]:
+                        scheduler = {} if predictor == "none" else (
+                            {"predictor": _predictor(predictor, args.seed)} | ({"refill": refill} if refill else {}))
                         engine = RolloutEngine(model, tokenizer, strategy="infinite", **options, **scheduler)
                         for i in range(1, args.warmup_rollouts + 1):
                             warmup_prompts, warmup_replay = rollout(i)
@@ -265,7 +274,8 @@ def build_runners(args, model, tokenizer, rollout):
                         # as the other strategies' (keyed by rollout index), so identical_fraction compares like
                         # with like
                         engine.rollout_index = 0
-                        fields = {"predictor": predictor, "refill": engine.scheduler.refill.name, "compile": compile_,
+                        refill = getattr(engine.scheduler, "refill", None)
+                        fields = {"predictor": predictor, "refill": refill and refill.name, "compile": compile_,
                                   "cpu_linear": cpu_linear}
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
                         runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, replay)))

@@ -10,7 +10,7 @@ strategy interleaved (so ratios come from one process), with a real architecture
 =========  ==================================================================================================
 paper      ``--preset paper`` (B 1, G 32, g 8, 1024 tokens) with the recorded SmolLM2 lengths replayed: full,
            micro, continuous, infinite with the oracle predictor
-cap512     B 1, G 32, g 8, 512 tokens, nothing replayed: full, continuous, infinite (its online predictor),
+cap512     B 1, G 32, g 8, 512 tokens, nothing replayed: full, continuous, infinite (its default scheduler),
            hf_generate; random weights almost never sample EOS, so every row runs to the cap (judged too)
 step       B 1, G 32, g 8, 128 tokens: full, continuous, hf_generate, hf_generate_chunked, hf_generate_batch
 g_equals_G B 1, G 8, g 8, 128 tokens: full, infinite (with a slot for every sample, the scheduler must cost
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lit_grpo.scheduling.partition import makespan_lower_bound
+from lit_grpo.scheduling.length_aware.grouping import makespan_lower_bound
 from tools import bench_rollout, harness
 
 LENGTHS = harness.ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"

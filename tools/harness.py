@@ -232,7 +232,8 @@ def write_json(path: Path | str | None, report: Any, indent: int = 2) -> None:
 # ------------------------------------------------------------------------------------------------ memory
 def peak_tracker(device, what: str = "peak memory"):
     """The library's resettable peak tracker for ``device`` (``lit_grpo.runtime.memory``: the CUDA allocator's
-    peak, or the process's resident high-water mark on CPU); SystemExit naming why where there is none."""
+    peak, or on CPU the process's resident peak, its kernel high-water mark left as it is); SystemExit naming why
+    where there is none."""
     from lit_grpo.runtime.memory import make_peak_tracker
 
     tracker, problem = make_peak_tracker(device, "auto", 0.002)

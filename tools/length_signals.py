@@ -22,8 +22,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from lit_grpo.scheduling import RolloutWork
-from lit_grpo.scheduling.prediction_metrics import log_rmse
-from lit_grpo.scheduling.predictors import OnlineLengthPredictor, expected_length, kendall_tau
+from lit_grpo.scheduling.length_aware.predictors import OnlineLengthPredictor, expected_length, kendall_tau, log_rmse
 from tools.recording_features import RecordingFeatures
 
 #: A sample is long when it runs past this multiple of the recording's median length.

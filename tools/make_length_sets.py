@@ -5,7 +5,7 @@
 
 Each file is ``{"lengths": [[L of sample k of prompt p] per prompt p], "meta": {...}}`` (lengths count the EOS,
 1 <= L <= meta.max_new_tokens). Prompts differ in difficulty: every prompt draws its own scale, so a per-prompt
-predictor (history) has signal, while the G samples of a prompt stay exchangeable. Families:
+predictor (the online predictor's prompt model) has signal, while the G samples of a prompt stay exchangeable. Families:
 
 - lognormal: median x prompt scale x exp(N(0, sigma^2)), capped; about an eighth of the samples hit the cap.
 - bimodal: a short mode and a long mode (part of it at the cap); each prompt has its own share of long samples.

@@ -1,12 +1,13 @@
-"""Which length signal pays on real rollouts? Every predictor, on token recordings, as the scheduler uses it.
+"""Which length signal pays on real rollouts? The default scheduler and the length-aware method's predictors, on
+token recordings, as the scheduler uses them.
 
     python -m tools.study_predictors --recording tools/data/tokens/smollm2_gsm_symbolic_base.json.gz \
-        --predictors online,history,group,online+group --json runs/study_gsm_base.json
+        --predictors none,online --json runs/study_gsm_base.json
 
 The recording's own model computes the features a predictor would see live (``tools/recording_features.py``),
 so the token-conditioned ``online`` predictor is judged on the hidden states that went with the text. Then, for
 each setup (B prompts per rollout, G, g slots), the recording is walked as training walks its data, in rollouts of
-B prompts, and the simulator drives ``InfiniteScheduler`` through them (the engine's own loop, ``driver.py``;
+B prompts, and the simulator drives the scheduler through them (the engine's own loop, ``driver.py``;
 decode steps depend only on the lengths and the scheduler, so they equal a ``--tokens`` replay's).
 
 Cross-fitted, so that no predictor is judged on samples it learned from: the prompts are cut in two halves; each
@@ -16,7 +17,7 @@ training), and the measured rollouts of both halves are summed. Figures per pred
 - ``decode_steps`` and ``ratio`` = decode steps / continuous's (the oracle's ratio is the room there is);
 - ``kept`` = (1 - ratio) / (1 - oracle ratio): the share of the oracle's gain the predictor kept (target >= 1/3);
 - ``kendall_tau`` and ``log_rmse``: of the last prediction the scheduler made for each sample before it finished
-  (``InfiniteScheduler.end``'s metrics: the group predictor's refreshed ones, the online predictor's probe),
+  (``LengthAwareScheduler.end``'s metrics: the online predictor's probe),
   means over measured rollouts;
 - ``guided``: the share of measured rollouts whose first gate decision (at the rollout's start) was to follow the
   predictions;
@@ -24,10 +25,11 @@ training), and the measured rollouts of both halves are summed. Figures per pred
   prompts in N orders (the recording's, then seeded shuffles: which prompts warm up and which are measured, and
   which share a rollout), and the totals above sum them, so that a gain can be told from the luck of one split.
 
-``--gain-z`` runs every predictor but the oracle behind the gate at each threshold given (``scheduler.gain_z``;
-"none": ungated), to show what the gate keeps and what it refuses. ``--preempt-tokens`` runs each with each
-preemption quantum given (``scheduler.preempt_tokens``; "none": never preempt; ``preemption.py``), and
-``preempting`` is the share of measured rollouts that preempted.
+"none" is the default scheduler (least attained service, no predictor); every other name runs the length-aware
+method with that predictor. ``--gain-z`` runs every predictor but the oracle behind the gate at each threshold
+given (``scheduler.length_aware.gain_z``; "none": ungated), to show what the gate keeps and what it refuses.
+``--preempt-tokens`` runs each with each preemption quantum given (``scheduler.preempt_tokens``; "none": never
+preempt; ``least_attained.py``), and ``preempting`` is the share of measured rollouts that preempted.
 
 Signals, measured on the whole recording (``signals`` in the JSON; ``tools/length_signals.py``): the share of
 log-length variance between groups, the ``online`` predictor's token model against k (Kendall tau, log RMSE and
@@ -46,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from lit_grpo.scheduling import InfiniteScheduler, Scheduler, simulate_rollout
-from lit_grpo.scheduling.config import InfiniteSchedulerConfig
-from lit_grpo.scheduling.gate import GAIN_Z
-from lit_grpo.scheduling.predictors import make_predictor
+from lit_grpo.scheduling import (InfiniteSchedulerConfig, LeastAttainedScheduler, LengthAwareConfig, Scheduler,
+                                 simulate_rollout)
+from lit_grpo.scheduling.length_aware import LengthAwareScheduler, make_predictor
+from lit_grpo.scheduling.length_aware.trust import GAIN_Z
 from tools import harness
 from tools.length_signals import elapsed_signal, group_share, long_threshold, noisy_tail_auc, token_signal
 from tools.recording_features import RecordingFeatures, recording_features
@@ -157,8 +159,7 @@ class RecordingWalk:
             feature = (lambda key, generated, chosen=chosen: token[chosen[key[0]], key[1]]) if token is not None \
                 else None
             result = simulate_rollout(scheduler, [self.lengths[p] for p in chosen], self.g, self.cap,
-                                      prompt_features=self.features.prompt[chosen], token_feature=feature,
-                                      prompt_ids=[self.prompt_ids[p] for p in chosen])
+                                      prompt_features=self.features.prompt[chosen], token_feature=feature)
             info = getattr(scheduler, "last_info", {})
             records.append({"decode_steps": result.decode_steps, "tau": info.get("length_pred_kendall_tau"),
                             "log_rmse": info.get("length_pred_log_rmse"), "guided": info.get("guided"),
@@ -168,14 +169,16 @@ class RecordingWalk:
 
 def make_scheduler(name: str, probe: int | None, seed: int, gain_z: float | None = GAIN_Z,
                    preempt: int | None = None) -> Scheduler:
-    """Plain continuous order for "continuous"; else InfiniteScheduler with predictor ``name`` probing at
-    ``probe`` tokens behind the gate at ``gain_z`` (None: ungated; noisy oracles seeded by ``seed``), preempting
-    from ``preempt`` tokens (None: never)."""
+    """Plain continuous order for "continuous"; the default scheduler for "none"; else the length-aware method
+    with predictor ``name`` probing at ``probe`` tokens behind the gate at ``gain_z`` (None: ungated; noisy oracles
+    seeded by ``seed``); all preempting from ``preempt`` tokens (None: never) where predictions are not followed."""
     if name == "continuous":
         return Scheduler()
+    if name == "none":
+        return LeastAttainedScheduler(preempt_tokens=preempt)
     predictor = make_predictor(name, seed=seed) if "noisy" in name else name
-    return InfiniteScheduler(predictor, gain_z=gain_z, preempt_tokens=preempt,
-                             **({} if probe is None else {"probe_tokens": probe}))
+    config = LengthAwareConfig(predictor, gain_z=gain_z, **({} if probe is None else {"probe_tokens": probe}))
+    return LengthAwareScheduler(config, preempt_tokens=preempt)
 
 
 def study_setup(walks: list[RecordingWalk], runs: list[tuple[str, int | None, float | None, int | None]],
@@ -229,8 +232,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recording", type=Path, required=True, help="a token recording (tools.record_lengths "
                                                                       "--tokens)")
     parser.add_argument("--model", help="the model that made it (default: the recording's meta.model)")
-    parser.add_argument("--predictors", default="online,history,group,online+group",
-                        help="comma list of predictor names (as in data.sampling.scheduler.predictor)")
+    parser.add_argument("--predictors", default="none,online",
+                        help="comma list of none (the default scheduler) and predictor names (as in "
+                             "data.sampling.scheduler.length_aware.predictor)")
     parser.add_argument("--probe-tokens", default="8", type=harness.comma_numbers(1),
                         help="comma list of k for token-conditioned predictors")
     parser.add_argument("--signal-tokens", default="1,2,4,8,16,32",
@@ -238,7 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--elapsed-tokens", default="0,8,32,64,128",
                         type=harness.comma_numbers(0), help="t of the elapsed-tokens curve")
     parser.add_argument("--gain-z", default=str(GAIN_Z), type=parse_gain_z,
-                        help="comma list of the gate's thresholds (scheduler.gain_z, > 0), 'none' for ungated")
+                        help="comma list of the gate's thresholds (scheduler.length_aware.gain_z, > 0), 'none' for "
+                             "ungated")
     parser.add_argument("--preempt-tokens", default=str(InfiniteSchedulerConfig().preempt_tokens),
                         type=parse_preempt_tokens, help="comma list of preemption quanta (scheduler.preempt_tokens, "
                                                         ">= 1), 'none' for never")
@@ -258,7 +263,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.predictors += [f"noisy:{spread}" for spread in args.noisy]
     for name in args.predictors:
         try:
-            make_predictor(name)
+            name == "none" or make_predictor(name)
         except ValueError as error:
             parser.error(f"--predictors: {error}")
     return args
@@ -280,8 +285,8 @@ def main(argv=None) -> dict:
     for B, G, g in args.setups:
         walks = [RecordingWalk(record, features, B, G, g, order) for order in prompt_orders(len(lengths), args.orders)]
         runs = [(name, k, z, q) for name in args.predictors
-                for k in (args.probe_tokens if make_predictor(name).token_conditioned else [None])
-                for z in args.gain_z for q in args.preempt_tokens]
+                for k in (args.probe_tokens if name != "none" and make_predictor(name).token_conditioned else [None])
+                for z in ([None] if name == "none" else args.gain_z) for q in args.preempt_tokens]
         setups.append({"B": B, "G": G, "g": g, "prompts_used": walks[0].used_prompts,
                        "rows": study_setup(walks, runs, args.seed)})
     report = {"config": harness.config_record(args, meta=record["meta"]), "signals": signals, "setups": setups}

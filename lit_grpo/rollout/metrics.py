@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lit_grpo.scheduling.base import DECISION_NAMES
+
 
 def completion_length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
     """``completions/{mean,min,max}_length`` and ``completions/clipped_ratio``.
@@ -103,7 +105,8 @@ STEP_REDUCTIONS: dict[str, str] = {
 
 #: RolloutProfiler's keys (``rollout/<RolloutStats field>``): the step waits for its slowest rank, so times, decode
 #: steps and per-step or per-token costs are the slowest rank's (max); token and sample counts add up; throughput
-#: adds up too (the ranks generate at once); the KV peaks are per process (max).
+#: adds up too (the ranks generate at once); the KV peaks are per process (max); ``preempting`` is the share of
+#: ranks (of their rounds) that preempted (mean); the scheduling decisions of each ``action_reason`` add up.
 ROLLOUT_REDUCTIONS: dict[str, str] = {
     "rollout/decode_steps": "max",
     "rollout/lower_bound_steps": "max",
@@ -121,6 +124,8 @@ ROLLOUT_REDUCTIONS: dict[str, str] = {
     "rollout/length_pred_smape": "mean",
     "rollout/parked_samples": "sum",
     "rollout/parked_kv_bytes": "max",
+    "rollout/preempting": "mean",
+    **{f"rollout/decisions/{name}": "sum" for name in DECISION_NAMES},
 }
 
 #: How every logged key becomes the whole step's under several processes: the one table (``rank_reduction``).

@@ -1,11 +1,19 @@
-"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) high-water mark on CPU;
-and ``release_freed_host_memory``, the CPU's counterpart of ``torch.cuda.empty_cache``.
+"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) peak on CPU; and
+``release_freed_host_memory``, the CPU's counterpart of ``torch.cuda.empty_cache``.
 
 A tracker answers "what was the most memory held since my last ``reset()``", which is what a per-phase peak
-needs (lit_grpo.callbacks.PeakMemoryMonitor, tools/bench_*.py). On Linux the kernel keeps the process's RSS
-high-water mark (``VmHWM``) and lets the process reset it by writing ``5`` to ``/proc/self/clear_refs``, so a peak
-anywhere inside a phase (another thread's included) is caught exactly, not just the value at its end. Where that
-reset is refused or ineffective, a thread samples RSS every few milliseconds instead.
+needs (lit_grpo.callbacks.PeakMemoryMonitor, tools/bench_*.py). On CPU there are three ways (``CpuMethod``):
+
+- ``"auto"`` (:class:`SampledHighWaterMark`): leaves the process's counters alone. Linux keeps the process's RSS
+  high-water mark (``VmHWM``, also ``getrusage().ru_maxrss`` and what ``/usr/bin/time -v`` reports); it is read,
+  never reset. A phase that raised it above everything the process held before gets it as its peak, exactly,
+  however short the peak was; a phase that stayed below an earlier peak gets the maximum of a thread sampling RSS
+  every few milliseconds. Where VmHWM cannot be read (not Linux), the sampling thread alone.
+- ``"sampling"`` (:class:`SampledRss`): the sampling thread alone.
+- ``"hwm"`` (:class:`KernelHighWaterMark`, opt-in): resets the kernel's mark at every ``reset()`` by writing ``5``
+  to ``/proc/self/clear_refs``, so every phase's peak is exact. The reset is process-wide: anything else reading
+  VmHWM, ``ru_maxrss`` or ``/usr/bin/time -v`` afterwards sees only what the process held since the last reset,
+  less than it held over its life.
 """
 
 from __future__ import annotations
@@ -72,7 +80,11 @@ class CudaPeak:
 
 
 class KernelHighWaterMark:
-    """The kernel's RSS high-water mark of this process (Linux VmHWM), reset through /proc/self/clear_refs."""
+    """The kernel's RSS high-water mark of this process (Linux VmHWM), reset through /proc/self/clear_refs.
+
+    Exact, and process-wide: after a ``reset()`` every reader of VmHWM, ``getrusage().ru_maxrss`` or
+    ``/usr/bin/time -v`` sees the mark of this process since that reset, not of its life (``cpu_method="hwm"``).
+    """
 
     name = "hwm"
 
@@ -131,6 +143,38 @@ class SampledRss:
         self._thread.join()
 
 
+class SampledHighWaterMark:
+    """RSS peaks without touching the process's counters (``cpu_method="auto"``): the kernel's high-water mark
+    (VmHWM), read and never reset, where the phase raised it; else a :class:`SampledRss` thread's maximum.
+
+    VmHWM is the most the process ever held. When it is higher at ``read()`` than at the last ``reset()``, the
+    process held more during this phase than ever before, and that mark is the phase's peak, exact whatever its
+    duration. When it did not rise, the phase stayed below an earlier peak and only the sampling thread saw it
+    (peaks shorter than ``interval_s`` can be missed, as with ``"sampling"``).
+    """
+
+    name = "hwm+sampling"
+
+    def __init__(self, read_rss: Callable[[], int], interval_s: float) -> None:
+        self._mark = read_status_bytes("VmHWM")
+        self._sampled = SampledRss(read_rss, interval_s)
+
+    def reset(self) -> None:
+        self._mark = read_status_bytes("VmHWM")
+        self._sampled.reset()
+
+    def read(self) -> dict[str, int]:
+        sampled = self._sampled.read()["peak_bytes"]
+        mark = read_status_bytes("VmHWM")
+        return {"peak_bytes": max(mark, sampled) if mark > self._mark else sampled}
+
+    def current(self) -> int:
+        return self._sampled.current()
+
+    def close(self) -> None:
+        self._sampled.close()
+
+
 def read_status_bytes(field: str) -> int:
     """A ``kB`` field of /proc/self/status (e.g. VmHWM, VmRSS) in bytes."""
     with open(_STATUS) as f:
@@ -171,7 +215,8 @@ def release_freed_host_memory() -> bool:
 
 
 def hwm_reset_problem() -> str | None:
-    """Why the kernel's high-water mark cannot serve as a per-phase peak here, or None when it can.
+    """Why the kernel's high-water mark cannot serve as a per-phase peak here, or None when it can. The probe
+    resets the process's mark itself (it is asked only for ``cpu_method="hwm"``, which resets it anyway).
 
     Writing clear_refs can succeed and still not reset VmHWM (old kernels, gVisor-like sandboxes), so this
     proves the reset: raise the mark with a touched anonymous mapping (``mmap`` so the pages surely go back to
@@ -210,25 +255,29 @@ def rss_reader() -> Callable[[], int] | None:
 def make_peak_tracker(
     device: torch.device, cpu_method: CpuMethod, sample_interval_s: float
 ) -> tuple[PeakTracker | None, str | None]:
-    """The tracker for this device and platform, and a message for the user when it is less than exact."""
+    """The tracker for this device and platform (the module docstring), and a message for the user when it is
+    less than exact."""
     if device.type == "cuda":
         return CudaPeak(device), None
     note = None
     if device.type != "cpu":
         note = (f"'{device.type}' has no resettable peak-memory counter, so device memory is not measured; "
                 "memory/* are the host process's resident (RSS) peaks.")
-    problem = hwm_reset_problem() if cpu_method in ("auto", "hwm") else None
-    if cpu_method in ("auto", "hwm") and problem is None:
-        return KernelHighWaterMark(), note
     if cpu_method == "hwm":
+        problem = hwm_reset_problem()
+        if problem is None:
+            return KernelHighWaterMark(), note
         return None, _join(note, f"{problem}; memory/* are not logged (use cpu_method='auto' to sample RSS).")
     read_rss = rss_reader()
     if read_rss is None:
         return None, _join(note, "cannot read the process RSS (no /proc/self/statm and psutil is not installed); "
                                  "memory/* are not logged.")
-    if problem is not None:
-        note = _join(note, f"{problem}; sampling RSS every {sample_interval_s * 1000:g} ms instead, so peaks "
-                           "shorter than that can be missed.")
+    if cpu_method == "auto":
+        try:
+            return SampledHighWaterMark(read_rss, sample_interval_s), note
+        except OSError as error:
+            note = _join(note, f"cannot read the kernel's RSS high-water mark ({error}); sampling RSS every "
+                               f"{sample_interval_s * 1000:g} ms instead, so peaks shorter than that can be missed.")
     return SampledRss(read_rss, sample_interval_s), note
 
 

@@ -10,7 +10,7 @@ is parsed), with a message that names the key and what is allowed::
         micro_group_size: 16     # g, concurrent slots (or "auto" with kv_budget_bytes)
         strategy: infinite
         max_new_tokens: 256
-        scheduler: {predictor: online}   # the "infinite" strategy's options (InfiniteSchedulerConfig)
+        scheduler: {preempt_tokens: 8}   # the "infinite" strategy's options (InfiniteSchedulerConfig)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 
 from lit_grpo.runtime.validation import check_choice, check_int
 from lit_grpo.sampling.cpu_linear import CpuLinear
-from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -130,7 +130,8 @@ class SamplingConfig:
     @classmethod
     def from_kwargs(cls, base: SamplingConfig | None = None, **kwargs: Any) -> SamplingConfig:
         """``base`` (or the defaults) with sampling fields and "infinite" scheduler options given flat, as
-        ``RolloutEngine(model, tokenizer, group_size=32, predictor="oracle")`` does.
+        ``RolloutEngine(model, tokenizer, group_size=32, preempt_tokens=16)`` does; the length-aware method's
+        fields given flat (``predictor="oracle"``, ``refill="sjf"``) turn it on.
 
         Raises:
             ValueError: scheduler options for a strategy other than "infinite", or an unknown keyword.
@@ -139,15 +140,20 @@ class SamplingConfig:
             return base
         own = {f.name for f in fields(cls)}
         scheduler_fields = {f.name for f in fields(InfiniteSchedulerConfig)}
-        unknown = sorted(set(kwargs) - own - scheduler_fields)
+        length_aware_fields = {f.name for f in fields(LengthAwareConfig)}
+        unknown = sorted(set(kwargs) - own - scheduler_fields - length_aware_fields)
         if unknown:
-            raise TypeError(f"unknown sampling options {unknown}; allowed: {sorted(own)} and the scheduler's "
-                            f"{sorted(scheduler_fields)}")
+            raise TypeError(f"unknown sampling options {unknown}; allowed: {sorted(own)}, the scheduler's "
+                            f"{sorted(scheduler_fields)} and the length-aware method's {sorted(length_aware_fields)}")
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in scheduler_fields and k not in own}
+        length_aware = {k: kwargs.pop(k) for k in list(kwargs) if k in length_aware_fields}
         config = dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
-        if options:
+        if options or length_aware:
             if config.strategy != "infinite":
-                raise ValueError(f"options {sorted(options)} only apply to strategy='infinite', "
+                raise ValueError(f"options {sorted({**options, **length_aware})} only apply to strategy='infinite', "
                                  f"not {config.strategy!r}")
-            config = config.replace(scheduler=dataclasses.replace(config.scheduler, **options))
+            if length_aware:
+                current = config.scheduler.length_aware or LengthAwareConfig()
+                options["length_aware"] = dataclasses.replace(current, **length_aware)
+            config = config.replace(scheduler=config.scheduler.replace(**options))
         return config

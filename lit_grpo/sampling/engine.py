@@ -9,7 +9,8 @@ strategy       slots                  admission
 "full"         B x G                  everything at once: the baseline that keeps all G KV caches alive
 "micro"        g                      rounds of g samples of one prompt; a round waits for its longest member
 "continuous"   g                      a freed slot is refilled at once, with the next sample of any group
-"infinite"     g                      continuous + length prediction + global plan + refill policy
+"infinite"     g                      continuous + least-attained-service preemption where it pays (the
+                                      paper's length-aware method: ``scheduler.length_aware``)
 =============  =====================  ==========================================================================
 
 Three parts, as in vLLM's core: the scheduler decides which sample runs next (lit_grpo.scheduling), the slot cache
@@ -78,7 +79,7 @@ class RolloutEngine:
         tokenizer: used for string prompts and for the EOS id.
         config: a :class:`~lit_grpo.sampling.config.SamplingConfig`; or give its fields (and the "infinite"
             scheduler's options) as keywords: ``RolloutEngine(model, tokenizer, group_size=32,
-            micro_group_size=8, strategy="infinite", max_new_tokens=1024, predictor="online")``.
+            micro_group_size=8, strategy="infinite", max_new_tokens=1024, preempt_tokens=16)``.
         scheduler: a ``lit_grpo.scheduling.Scheduler`` overriding the strategy's default policy.
         eos_token_ids: stop tokens (default: the generation config's EOS ids and the tokenizer's).
 
@@ -94,7 +95,7 @@ class RolloutEngine:
                             "settings as keywords (group_size=..., strategy=...) or as a SamplingConfig")
         if isinstance(scheduler, (Mapping, InfiniteSchedulerConfig)):  # SamplingConfig's field, not an override
             raise TypeError(f"scheduler={scheduler!r} is the 'infinite' strategy's options: give them flat "
-                            "(predictor=..., refill=...) or inside a SamplingConfig(scheduler=...); the scheduler "
+                            "(preempt_tokens=..., predictor=...) or inside a SamplingConfig(scheduler=...); the scheduler "
                             "argument takes a lit_grpo.scheduling.Scheduler object that replaces the strategy's own")
         self.config = SamplingConfig.from_kwargs(config, **options)
         if self.config.micro_group_size == "auto":
@@ -380,9 +381,7 @@ def _shape(rows) -> list[int] | None:
 
 def _default_scheduler(config: SamplingConfig) -> Scheduler:
     if config.strategy == "infinite":
-        from lit_grpo.scheduling import InfiniteScheduler
-
-        return InfiniteScheduler.from_config(config.scheduler)
+        return config.scheduler.build()
     return RoundScheduler() if config.strategy == "micro" else Scheduler()
 
 

@@ -6,12 +6,13 @@ Pure functions of the model config; no model is loaded. One cached position cost
 
 and one slot holds at most ``longest prompt + max_new_tokens`` positions. Besides its slots the engine holds KV
 that does not depend on g: the prompts' prefixes (at most every prompt's at once: a predictor that reads prompt
-features prefills them all before the first step) and, under "infinite", each parked sample's first
-``probe_tokens`` positions (at most every sample's). Samples preempted under "infinite" (``preemption.py``) hold
-at most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. So::
+features prefills them all before the first step) and, under "infinite", each parked sample's ``parked_tokens``
+positions whatever g is (at most every sample's: the length-aware method's probes, or preemption without a park
+budget, up to the last preemption point). Samples preempted within a park budget (``least_attained.py``) hold at
+most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. So::
 
     slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction))
-    held_bytes = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x probe_tokens)
+    held_bytes = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x parked_tokens)
     g          = min(floor((kv_budget_bytes - held_bytes) / slot_bytes), group_size x num_prompts)
 
 (the engine never runs more slots than the rollout has samples), and a rollout's ``peak_kv_bytes`` stays within
@@ -79,15 +80,16 @@ def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, ma
 
 
 def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, group_size: int, num_prompts: int,
-                  probe_tokens: int = 0) -> int:
+                  parked_tokens: int = 0) -> int:
     """Worst-case KV bytes the engine holds besides its slot cache (module docstring): ``kv_bytes_per_token x
-    num_prompts x (max_prompt_len + group_size x probe_tokens)``; ``probe_tokens``: 0 where no sample is parked."""
-    check_int("probe_tokens", probe_tokens, 0)
-    return kv_bytes_per_token(config, dtype) * num_prompts * (max_prompt_len + group_size * probe_tokens)
+    num_prompts x (max_prompt_len + group_size x parked_tokens)``; ``parked_tokens``: 0 where no sample is parked
+    outside a park budget."""
+    check_int("parked_tokens", parked_tokens, 0)
+    return kv_bytes_per_token(config, dtype) * num_prompts * (max_prompt_len + group_size * parked_tokens)
 
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
-                          max_new_tokens: int, group_size: int, num_prompts: int = 1, probe_tokens: int = 0,
+                          max_new_tokens: int, group_size: int, num_prompts: int = 1, parked_tokens: int = 0,
                           park_fraction: float = 0.0) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
@@ -104,13 +106,13 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     check_real("park_fraction", park_fraction, 0)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
     slot += math.ceil(per_token * max_new_tokens * park_fraction)
-    held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, probe_tokens)
+    held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     fits = (kv_budget_bytes - held) // slot
     if fits < 1:
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new "
                          f"tokens{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
-                         + (f" and parked samples' first {probe_tokens} tokens" if probe_tokens else "")
+                         + (f" and parked samples' {parked_tokens} tokens" if parked_tokens else "")
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))

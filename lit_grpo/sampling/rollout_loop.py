@@ -95,7 +95,7 @@ class RolloutLoop:
         groups = self.groups
         work = RolloutWork(prompt_lengths=[len(g.prompt_ids) for g in groups], group_size=self.G,
                            num_slots=self.num_slots, max_new_tokens=self.settings.max_new_tokens,
-                           prompt_ids=[g.prompt_ids for g in groups], true_lengths=self._forced_lengths(),
+                           true_lengths=self._forced_lengths(),
                            generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
                            done={key for key, s in self.samples.items() if s.progress.done})
         if self.scheduler.needs_prompt_features:
@@ -107,6 +107,8 @@ class RolloutLoop:
             self.decode_step.stop_all()  # leave every row idle for the next rollout
         self._count_device_time()
         self.stats.decode_steps, self.stats.timeline = driven.decode_steps, driven.timeline
+        self.stats.decisions = driven.decisions
+        self.stats.preempting = driven.metrics.get("preempting")
         self.stats.parked_samples = self.scheduler.parked_samples
         self.stats.length_pred_kendall_tau = driven.metrics.get("length_pred_kendall_tau")
         self.stats.length_pred_smape = driven.metrics.get("length_pred_smape")

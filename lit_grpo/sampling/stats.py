@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from lit_grpo.sampling.carry import GroupProgress
 
 from lit_grpo.scheduling.base import lower_bound_steps  # noqa: F401  (part of this module's API)
+from lit_grpo.scheduling.base import Decision
 from lit_grpo.scheduling.driver import IDLE
 
 
@@ -41,6 +42,9 @@ class RolloutStats:
         parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).
         length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only; None
             where a slot held every sample, since nothing was predicted).
+        preempting: 1.0 where the "infinite" scheduler preempted by least attained service in this rollout, 0.0
+            where it ran first come, first served (None for the other strategies).
+        decisions: every start, resumption and park with its step, slot and reason (``scheduling.Decision``).
         timeline: ``timeline[t][s]`` is the flat sample index ``p * G + k`` that slot ``s`` ran at decode step
             ``t``, or ``IDLE``. Kept for pictures (see lit_grpo.callbacks.SlotTimelineLogger).
         group_size: G, to map flat sample indices back to prompts.
@@ -64,7 +68,9 @@ class RolloutStats:
     parked_kv_bytes: int = 0
     length_pred_kendall_tau: float | None = None
     length_pred_smape: float | None = None
+    preempting: float | None = None
     timeline: list[list[int]] = field(default_factory=list, repr=False)
+    decisions: list[Decision] = field(default_factory=list, repr=False)
 
     def finalize(self, lengths: list[int]) -> None:
         """Fill the derived fields from the completion lengths once the rollout is over."""
@@ -94,6 +100,7 @@ class RolloutStats:
         """The numeric fields (no timeline), None dropped: what loggers and benchmarks record."""
         out = asdict(self)
         out.pop("timeline")
+        out.pop("decisions")
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -127,8 +134,9 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
     (``FitSummary``, with their timelines left out).
 
     Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are
-    recomputed; the timelines are concatenated in time, with flat sample indices shifted by the samples of the
-    earlier rounds; length-prediction quality is the first round's.
+    recomputed; the timelines and decisions are concatenated in time, with steps shifted by the earlier rounds'
+    decode steps and samples by their samples; ``preempting`` is the share of rounds that preempted;
+    length-prediction quality is the first round's.
     """
     if not parts:
         return RolloutStats()
@@ -140,6 +148,9 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
                           length_pred_smape=first.length_pred_smape)
     offset = 0
     for part in parts:
+        merged.decisions.extend(d._replace(step=d.step + merged.decode_steps,
+                                           key=(d.key[0] + offset // max(1, part.group_size), d.key[1]))
+                                for d in part.decisions)
         merged.decode_steps += part.decode_steps
         merged.prefill_tokens += part.prefill_tokens
         merged.generated_tokens += part.generated_tokens
@@ -154,6 +165,8 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
+    preempting = [part.preempting for part in parts if part.preempting is not None]
+    merged.preempting = sum(preempting) / len(preempting) if preempting else None
     slots = merged.decode_steps * merged.num_slots
     merged.slot_utilization = merged.generated_tokens / slots if slots else 0.0
     merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.base import Assignment, Decision, RolloutWork, SampleKey, Scheduler
 
 #: A free slot in a timeline row.
 IDLE = -1
@@ -55,12 +55,14 @@ class Executor(Protocol):
 
 @dataclass
 class DriveResult:
-    """What the driver counted: decode steps, the scheduler's metrics and (when kept) the slot timeline
+    """What the driver counted: decode steps, the scheduler's metrics and decisions (``Decision.step`` = the first
+    step that runs without the parked sample, or with the started one), and (when kept) the slot timeline
     (``timeline[t][s]`` = flat sample index ``p * G + k`` running in slot s at step t, or ``IDLE``)."""
 
     decode_steps: int
     metrics: dict[str, float]
     timeline: list[list[int]] = field(default_factory=list, repr=False)
+    decisions: list[Decision] = field(default_factory=list, repr=False)
 
 
 def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
@@ -85,6 +87,7 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
         probing = [] if probe is None else [slot for slot, key in rows if generated[key] == probe - 1]
         ended = executor.step(rows, probing)
         steps += 1
+        scheduler.step = steps
         if keep_timeline:
             timeline.append([IDLE if key is None else key[0] * group_size + key[1] for key in slots])
         for (slot, key), end in zip(rows, ended):
@@ -97,7 +100,7 @@ def drive_rollout(scheduler: Scheduler, work: RolloutWork, executor: Executor,
             elif generated[key] in points and scheduler.preempt(key, generated[key]):
                 executor.park(slot, key)
         executor.settle()
-    return DriveResult(steps, scheduler.end(), timeline)
+    return DriveResult(steps, scheduler.end(), timeline, scheduler.decisions)
 
 
 def _check_admitted(scheduler: Scheduler, busy: dict[int, SampleKey], assignments: list[Assignment]) -> None:

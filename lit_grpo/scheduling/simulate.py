@@ -4,9 +4,6 @@
 instead of decoding: a sample ends when it reaches its given length. Decode steps, utilization and the lower bound
 are those of RolloutStats, so scheduling figures can be checked and benchmarked without a model (the engine's
 forced-length replay gives the same counts).
-
-Synthetic features for length predictors: :func:`planted_rollout` builds prompt and token features that carry a
-known share of the log-length signal.
 """
 
 from __future__ import annotations
@@ -80,7 +77,6 @@ def simulate_rollout(
     max_new_tokens: int | None = None,
     prompt_features: torch.Tensor | None = None,
     token_feature: TokenFeatureFn | None = None,
-    prompt_ids: list[list[int]] | None = None,
     reveal_lengths: bool = True,
     keep_timeline: bool = False,
 ) -> SimulationResult:
@@ -92,7 +88,6 @@ def simulate_rollout(
         max_new_tokens: the cap (default: the longest length).
         prompt_features: ``[B, H]``, given to the scheduler when it asks for them.
         token_feature: features at probes (default: zeros of size H, or 1).
-        prompt_ids: per-prompt token ids (default: ``[[p]]``, distinct per prompt index).
         reveal_lengths: fill ``work.true_lengths`` as the engine's forced-length replay does (oracle).
         keep_timeline: record ``timeline[t][s]`` = flat sample index ``p * G + k`` or -1.
     """
@@ -113,7 +108,6 @@ def simulate_rollout(
         num_slots=num_slots,
         max_new_tokens=cap,
         prompt_features=prompt_features if getattr(scheduler, "needs_prompt_features", False) else None,
-        prompt_ids=prompt_ids if prompt_ids is not None else [[p] for p in range(num_prompts)],
         true_lengths=[list(map(int, row)) for row in lengths] if reveal_lengths else None,
     )
     target = {(p, k): int(lengths[p][k]) for p in range(num_prompts) for k in range(group_size)}
@@ -130,52 +124,3 @@ def simulate_rollout(
         metrics=driven.metrics,
         timeline=driven.timeline,
     )
-
-
-@dataclass
-class SyntheticRollout:
-    """Lengths with a planted signal: ``log L = mu_p + spread * z_pk`` (clipped to [1, cap]).
-
-    ``prompt_features[p]`` encode ``mu_p`` and ``token_features[p, k]`` encode ``z_pk`` along fixed random
-    directions, plus Gaussian noise of std ``noise`` per dimension.
-    """
-
-    lengths: list[list[int]]
-    prompt_features: torch.Tensor  # [B, H]
-    token_features: torch.Tensor  # [B, G, H]
-
-    def token_feature(self, key: SampleKey, generated: int) -> torch.Tensor:
-        return self.token_features[key[0], key[1]]
-
-
-def planted_rollout(
-    num_prompts: int,
-    group_size: int,
-    hidden: int = 32,
-    max_new_tokens: int = 1024,
-    mean_log_length: float = 5.0,
-    prompt_spread: float = 0.5,
-    sample_spread: float = 0.6,
-    noise: float = 0.3,
-    signal: float = 3.0,
-    generator: torch.Generator | None = None,
-    directions: torch.Tensor | None = None,
-    prompt_offsets: torch.Tensor | None = None,
-) -> SyntheticRollout:
-    """A synthetic rollout for predictor and scheduler tests (see :class:`SyntheticRollout`).
-
-    ``directions`` (``[2, H]``, unit rows) fixes where the signal lives, so a series of rollouts shares it, as a
-    policy's hidden-state geometry does across steps; default: drawn from ``generator``. ``prompt_offsets``
-    (``[B]``, the ``mu_p``) makes prompts recur with the same length profile; default: fresh prompts.
-    """
-    g = generator if generator is not None else torch.Generator().manual_seed(0)
-    if directions is None:
-        directions = torch.nn.functional.normalize(torch.randn(2, hidden, generator=g), dim=1)
-    mu = prompt_offsets if prompt_offsets is not None else prompt_spread * torch.randn(num_prompts, generator=g)
-    z = torch.randn(num_prompts, group_size, generator=g)
-    log_lengths = mean_log_length + mu[:, None] + sample_spread * z
-    lengths = log_lengths.exp().round().clamp(1, max_new_tokens).long().tolist()
-    prompt_features = noise * torch.randn(num_prompts, hidden, generator=g) + signal * mu[:, None] * directions[0]
-    token_features = noise * torch.randn(num_prompts, group_size, hidden, generator=g)
-    token_features = token_features + signal * z[..., None] * directions[1] + prompt_features[:, None, :]
-    return SyntheticRollout(lengths, prompt_features, token_features)

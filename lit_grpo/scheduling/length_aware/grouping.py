@@ -1,21 +1,97 @@
-"""The (1 + epsilon)-approximate global grouping (:func:`fptas_partition`): heuristics, a local search, then a
-trimmed dynamic program, stopping as soon as a plan is certified within ``1 + epsilon`` of the lower bound."""
+"""Global grouping of the length-aware scheduler: predicted remaining lengths partitioned over the slots.
+
+The problem is P||Cmax with machine ready times: slot ``i`` is busy until ``ready[i]`` (the remaining work of the
+sample it runs), then runs its jobs back to back; a partition's makespan ``max_i (ready[i] + sum of its jobs)`` is
+the decode steps until the last slot drains. :func:`fptas_partition` (the paper's global grouping) returns a plan
+within ``1 + epsilon`` of the optimum: LPT (Graham 1969: longest job to the least-loaded slot), a local search,
+then Sahni's trimmed dynamic program, stopping as soon as a plan is certified against
+:func:`makespan_lower_bound`.
+"""
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from lit_grpo.scheduling.partition import (
-    Partition,
-    check_jobs,
-    karmarkar_karp_partition,
-    lpt_partition,
-    lpt_ratio_bound,
-    makespan_lower_bound,
-    water_level,
-)
+
+@dataclass
+class Partition:
+    """Jobs split into slots.
+
+    Attributes:
+        slots: ``slots[i]`` lists the job indices given to slot ``i`` (the slot whose ready time is ``ready[i]``).
+        loads: ``loads[i] = ready[i] + sum of slot i's job lengths``.
+        lower_bound: a lower bound on the optimal makespan (see :func:`makespan_lower_bound`).
+        ratio_bound: a proven upper bound on ``makespan / OPT`` (``1 + epsilon`` when the FPTAS certified it).
+        method: which construction produced the slots ("lpt", "local", "dp").
+    """
+
+    slots: list[list[int]]
+    loads: list[float]
+    lower_bound: float
+    ratio_bound: float
+    method: str
+
+    @property
+    def makespan(self) -> float:
+        return max(self.loads) if self.loads else 0.0
+
+
+def makespan_lower_bound(lengths: Sequence[float], num_slots: int, ready: Sequence[float] | None = None) -> float:
+    """A lower bound on the optimal makespan of ``lengths`` on ``num_slots`` slots with ready times.
+
+    The largest of: the water level (spread all work over the slots, each slot starting at its ready time, as
+    if jobs could be split), the latest ready time, and the pigeonhole bounds on the ``j`` largest jobs (on
+    ``j <= m`` distinct slots one slot starts at the j-th smallest ready time or later; otherwise two of them
+    share the earliest slot; ``m + 1`` jobs always put two on one slot). Rounded up when every input is an
+    integer, because the makespan then is one.
+    """
+    ready_sorted = sorted(ready) if ready is not None else [0.0] * num_slots
+    jobs = sorted(lengths, reverse=True)
+    bound = max(water_level(ready_sorted, sum(jobs)), ready_sorted[-1])
+    for j, length in enumerate(jobs[:num_slots]):
+        bound = max(bound, min(ready_sorted[j] + length, ready_sorted[0] + 2 * length))
+    if len(jobs) > num_slots:
+        bound = max(bound, ready_sorted[0] + jobs[num_slots - 1] + jobs[num_slots])
+    if all(float(x).is_integer() for x in jobs) and all(float(x).is_integer() for x in ready_sorted):
+        bound = math.ceil(bound - 1e-9)
+    return float(bound)
+
+
+def water_level(ready_sorted: Sequence[float], work: float) -> float:
+    """The level ``T`` at which ``sum_i max(0, T - ready_sorted[i]) == work`` (ready times sorted ascending)."""
+    filled = 0.0
+    for i, level in enumerate(ready_sorted):
+        # Slots 0..i-1 are under water; raising them to this slot's ready time costs i * (level - previous).
+        nxt = ready_sorted[i + 1] if i + 1 < len(ready_sorted) else math.inf
+        capacity = (i + 1) * (nxt - level)
+        if filled + capacity >= work:
+            return level + (work - filled) / (i + 1)
+        filled += capacity
+    return ready_sorted[-1]  # unreachable: the last slot has infinite capacity
+
+
+def lpt_partition(lengths: Sequence[float], num_slots: int, ready: Sequence[float] | None = None) -> Partition:
+    """Longest Processing Time first: jobs in descending order, each to the currently least-loaded slot.
+
+    Ties break on the lower slot index, so the result is deterministic. ``O(n log n + n log m)``.
+    """
+    ready = check_jobs(lengths, num_slots, ready)
+    loads = list(ready)
+    slots: list[list[int]] = [[] for _ in range(num_slots)]
+    heap = [(load, slot) for slot, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for job in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        load, slot = heapq.heappop(heap)
+        slots[slot].append(job)
+        loads[slot] = load + lengths[job]
+        heapq.heappush(heap, (loads[slot], slot))
+    lower = makespan_lower_bound(lengths, num_slots, ready)
+    return Partition(slots, loads, lower, lpt_ratio_bound(max(loads), lower, num_slots, ready), "lpt")
+
 
 #: The default epsilon of :func:`fptas_partition`: the plan's makespan is within 1% of the optimum it certifies.
 DEFAULT_EPSILON = 0.01
@@ -43,7 +119,7 @@ def fptas_partition(
 
     1. Cheap candidates, in order, each returned as soon as its makespan is ``<= (1 + epsilon) * LB`` with
        ``LB`` from :func:`makespan_lower_bound` (then it is certified within ``1 + epsilon`` of the optimum):
-       LPT; the better of LPT and Karmarkar-Karp; that one improved by a local search (moves and swaps off the
+       LPT; LPT improved by a local search (moves and swaps off the
        fullest slot; up to LOCAL_SEARCH_MAX_JOBS jobs). Rollout-sized instances with several jobs per slot end
        here, in milliseconds.
     2. Otherwise the DP: place jobs in descending order; a state is the sorted vector of slot loads; states
@@ -73,7 +149,6 @@ def fptas_partition(
     best = lpt_partition(lengths, num_slots, ready)
     if _certified(best.makespan, lower, epsilon):
         return _finish(best, lower, 1 + epsilon)
-    best = min(best, karmarkar_karp_partition(lengths, num_slots, ready), key=lambda part: part.makespan)
     if len(lengths) <= LOCAL_SEARCH_MAX_JOBS and not _certified(best.makespan, lower, epsilon):
         best = local_search(best, lengths, ready)
     if _certified(best.makespan, lower, epsilon):
@@ -234,3 +309,24 @@ def _certified(makespan: float, lower: float, epsilon: float) -> bool:
 
 def _finish(part: Partition, lower: float, ratio_bound: float) -> Partition:
     return Partition(part.slots, part.loads, lower, ratio_bound, part.method)
+
+
+def check_jobs(lengths: Sequence[float], num_slots: int, ready: Sequence[float] | None) -> list[float]:
+    """The ready times of ``num_slots`` slots (zeros when None), after checking the jobs and slots."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if any(x < 0 for x in lengths):
+        raise ValueError("job lengths must be non-negative")
+    if ready is None:
+        return [0.0] * num_slots
+    if len(ready) != num_slots:
+        raise ValueError(f"ready has {len(ready)} entries for {num_slots} slots")
+    return [float(x) for x in ready]
+
+
+def lpt_ratio_bound(makespan: float, lower: float, num_slots: int, ready: Sequence[float]) -> float:
+    """Graham's 4/3 - 1/(3m) holds without ready times; with them only the a-posteriori ratio is proven."""
+    posterior = makespan / lower if lower > 0 else 1.0
+    if any(ready):
+        return posterior
+    return min(posterior, 4 / 3 - 1 / (3 * num_slots))

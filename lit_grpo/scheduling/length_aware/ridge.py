@@ -1,5 +1,5 @@
 """Online ridge regression from decayed sufficient statistics: the solver behind the token-conditioned length
-predictor (``lit_grpo.scheduling.online_predictor``)."""
+predictor (``predictors.OnlineLengthPredictor``)."""
 
 from __future__ import annotations
 
@@ -77,20 +77,6 @@ class RidgeRegressor:
         """Predictions ``[N]`` for ``x [N, d]`` with the best penalty; the mean target when nothing is fitted."""
         return self._predict_all(x.to(torch.float64))[self.best_alpha_index()]
 
-    def predict_each(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Predictions ``[N]`` for observations ``x [N, d]`` about to be learned in this order with targets
-        ``y [N]``, each with the penalty that would be the best when its turn came one at a time (every earlier
-        row's error moves the penalties' totals). The fit is the current one: within ``rows_before_refit`` rows,
-        this is exactly what one-at-a-time learning would have predicted."""
-        x, y = x.to(torch.float64), y.to(torch.float64)
-        every = self._predict_all(x)  # [A, N]
-        totals = self.alpha_sq_err.clone()
-        picked = []
-        for i in range(len(y)):
-            picked.append(every[self._best_alpha(totals), i])
-            totals = totals * self.decay + (every[:, i] - y[i]) ** 2
-        return torch.stack(picked) if picked else torch.zeros(0, dtype=torch.float64)
-
     def best_alpha_index(self) -> int:
         return self._best_alpha(self.alpha_sq_err)
 
@@ -107,16 +93,6 @@ class RidgeRegressor:
             return torch.full((len(self.alphas), x.shape[0]), mean_y, dtype=torch.float64)
         weights, mean_x, mean_y = self._fit
         return mean_y + weights @ (x - mean_x).T
-
-    def rows_before_refit(self) -> int:
-        """How many new observations, learned one at a time, would all be predicted with the current fit: a
-        batch that long is scored (prequential errors) exactly as one sample at a time would be, up to the
-        penalty choice, which follows the errors. 1 while the model is too small to fit (its prediction, the mean
-        target, moves with every observation)."""
-        self._maybe_fit()
-        if self._fit is None:
-            return 1
-        return max(1, math.ceil(self._refit_threshold() - self.new_since_fit))
 
     def _maybe_fit(self) -> None:
         due = self.new_since_fit >= self._refit_threshold()

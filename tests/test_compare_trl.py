@@ -1,0 +1,220 @@
+"""tools.compare_trl without TRL: the specs both sides get, the run order, the summary and table, the memory
+watched from outside a child, and the lit_grpo config read back through the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from tools import compare_trl, process_memory
+from tools.compare_trl_spec import SHAPES, build_spec, cells, demo_settings, lit_config, trl_config
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return demo_settings()
+
+
+def test_the_demo_shape_is_the_demo(demo):
+    spec = build_spec(demo, cells("demo", demo)[0], steps=8)
+    assert (spec["prompts_per_step"], spec["group_size"], spec["max_new_tokens"]) == (4, 8, 24)
+    assert spec["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and spec["dtype"] == "float32"
+    assert spec["loss"] == {"loss_type": "dapo", "epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.0,
+                            "importance_sampling_level": "token"}
+    assert (spec["lr"], spec["lr_warmup_steps"], spec["train_micro_batch_size"], spec["steps"]) == (1e-5, 2, 16, 9)
+    assert spec["data"]["system_prompt"] == demo["data"]["system_prompt"]
+    assert [(c["prompts_per_step"], c["group_size"], c["max_new_tokens"]) for c in cells("gsweep", demo)] == [
+        (1, 8, 32), (1, 32, 32), (1, 64, 32), (1, 128, 32)]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_both_sides_get_the_same_settings(demo, shape):
+    for cell in cells(shape, demo):
+        spec = build_spec(demo, cell, seed=3, steps=2, threads=2)
+        lit, trl = lit_config(spec, "steps.jsonl"), trl_config(spec, "out")
+        model, data, sampling = lit["model"], lit["data"], lit["data"]["sampling"]
+        rows = spec["prompts_per_step"] * spec["group_size"]
+        pairs = [  # (lit_grpo's value, TRL's value)
+            (lit["trainer"]["max_steps"], trl["max_steps"]),
+            (lit["seed_everything"], trl["seed"]), (sampling["seed"], trl["seed"]),
+            (sampling["group_size"], trl["num_generations"]),
+            (sampling["max_new_tokens"], trl["max_completion_length"]),
+            (sampling["temperature"], trl["temperature"]), (sampling["top_p"], trl["top_p"]),
+            (sampling["top_k"], trl["top_k"]),
+            (model["loss"]["loss_type"], trl["loss_type"]), (model["loss"]["epsilon_low"], trl["epsilon"]),
+            (model["loss"]["epsilon_high"], trl["epsilon_high"]), (model["loss"]["beta"], trl["beta"]),
+            (model["loss"]["importance_sampling_level"], trl["importance_sampling_level"]),
+            (model["scale_rewards"], trl["scale_rewards"]), (model["num_iterations"], trl["num_iterations"]),
+            (model["mask_truncated_completions"], trl["mask_truncated_completions"]),
+            (model["lr"], trl["learning_rate"]), (tuple(model["betas"]), (trl["adam_beta1"], trl["adam_beta2"])),
+            (model["weight_decay"], trl["weight_decay"]), (model["max_grad_norm"], trl["max_grad_norm"]),
+            (model["gradient_checkpointing"], trl["gradient_checkpointing"]),
+            (lit["trainer"]["precision"] == "bf16-mixed", trl["bf16"]),
+            (model["train_micro_batch_size"], trl["per_device_train_batch_size"]),
+        ]
+        for ours, theirs in pairs:
+            assert ours == theirs
+        # one optimizer step per GRPO step: TRL's accumulation covers the B x G rows exactly
+        assert trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] == rows
+        assert data["prompts_per_step"] == spec["prompts_per_step"] and not data["dynamic_sampling"]
+        assert trl["shuffle_dataset"] is False and trl["use_cpu"] is True and trl["report_to"] == "none"
+        assert len(trl["reward_weights"]) == len(data["reward_funcs"])
+        assert lit["torch_num_threads"] == 2 and sampling["micro_group_size"] <= rows
+
+
+def test_the_lit_grpo_config_sets_what_the_spec_says(demo, tmp_path):
+    from lit_grpo.cli import build_cli
+
+    spec = build_spec(demo, {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12}, model="tiny-llama",
+                      seed=5, steps=3, threads=1)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(lit_config(spec, tmp_path / "steps.jsonl")))
+    threads = torch.get_num_threads()
+    try:
+        cli = build_cli(["--config", str(path)], run=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    hp = model.hparams
+    assert hp.model == "tiny-llama" and hp.dtype == "float32" and hp.lr == spec["lr"]
+    assert tuple(hp.betas) == tuple(spec["betas"]) and hp.warmup_steps == spec["lr_warmup_steps"]
+    assert (hp.train_micro_batch_size, hp.max_grad_norm, hp.gradient_checkpointing) == (
+        spec["train_micro_batch_size"], spec["max_grad_norm"], spec["gradient_checkpointing"])
+    config = model.loss_fn.config
+    assert (model.loss_fn.name, config.epsilon_low, config.epsilon_high, config.beta) == ("dapo", 0.2, 0.28, 0.0)
+    sampling = data.sampling
+    assert (sampling.group_size, sampling.max_new_tokens, sampling.temperature, sampling.seed) == (4, 12, 1.0, 5)
+    assert data.prompts_per_step == 2 and data.system_prompt == demo["data"]["system_prompt"]
+    assert trainer.max_steps == 4 and trainer.limit_val_batches == 0 and trainer.logger is None
+    recorders = [cb for cb in trainer.callbacks if type(cb).__name__ == "StepRecorder"]
+    assert len(recorders) == 1 and recorders[0].out == str(tmp_path / "steps.jsonl")
+    assert not [cb for cb in trainer.callbacks if type(cb).__name__ == "PeakMemoryMonitor"]
+
+
+def test_trl_gets_lit_grpos_prompts_in_its_order(demo):
+    from tools.compare_trl_runs import lit_prompt_rows
+
+    spec = build_spec(demo, {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": 8}, seed=1, steps=1)
+    rows = lit_prompt_rows(spec)
+    assert len(rows) == 2 * 3 and len({row["index"] for row in rows[:3]}) == 3
+    assert rows == lit_prompt_rows(spec)  # seeded: the same every time
+    assert rows[0]["prompt"][0] == {"role": "system", "content": demo["data"]["system_prompt"]}
+    assert rows[0]["prompt"][-1]["role"] == "user" and rows[0]["answer"] is not None
+
+
+def test_abba_order():
+    runs = compare_trl.plan(compare_trl.parse_order("lit,trl,trl,lit"), [0, 7], 2)
+    assert [(r["cell"], r["seed"], r["system"], r["repeat"]) for r in runs[:8]] == [
+        (0, 0, "lit", 0), (0, 0, "trl", 0), (0, 0, "trl", 1), (0, 0, "lit", 1),
+        (0, 7, "lit", 0), (0, 7, "trl", 0), (0, 7, "trl", 1), (0, 7, "lit", 1)]
+    assert len(runs) == 16 and runs[8]["cell"] == 1
+    with pytest.raises(Exception, match="comma list of lit and trl"):
+        compare_trl.parse_order("lit,vllm")
+
+
+def _steps(step_s, rollout_s, reward, peak, count=3, prompts=(1, 2)):
+    steps = []
+    for i in range(count):
+        steps.append({"event": "step", "step": i + 1, "start": 10.0 * i, "end": 10.0 * i + step_s,
+                      "step_s": step_s + i * 0.1, "rollout_s": rollout_s, "generate_s": rollout_s - 0.1,
+                      "update_s": step_s + i * 0.1 - rollout_s, "reward_mean": reward, "prompts": list(prompts)})
+    samples = [(s["start"] + 0.5, peak if s["step"] > 1 else peak * 2) for s in steps]  # the warm-up is larger
+    return steps, samples
+
+
+def _record(system, seed, steps, samples, status="ok", returncode=0, cell=0):
+    seen = process_memory.Watched(returncode=returncode, timed_out=status == "timeout", samples=samples,
+                                  maxrss_bytes=max(rss for _, rss in samples))
+    output = {"oom": "RuntimeError: DefaultCPUAllocator: can't allocate memory", "timeout": "", "ok": ""}[status]
+    spec = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 24, "untimed_steps": 1}
+    run = {"cell": cell, "seed": seed, "system": system, "repeat": 0}
+    records = [{"event": "start", "torch": "2", "threads": 2}, *steps]
+    return compare_trl.run_record(run, spec, seen, records, output, ["cmd"], "dir")
+
+
+def test_summary_and_table_from_synthetic_runs():
+    runs = []
+    for seed, (lit_reward, trl_reward) in enumerate([(0.5, 0.45), (0.6, 0.5)]):
+        runs.append(_record("lit", seed, *_steps(2.0, 1.0, lit_reward, 100 * MB)))
+        runs.append(_record("trl", seed, *_steps(4.0, 1.5, trl_reward, 200 * MB)))
+    steps, samples = _steps(9.0, 8.0, 0.1, 900 * MB, count=2)
+    runs.append(_record("trl", 0, steps, samples, status="timeout", returncode=-9, cell=1))
+    steps, samples = _steps(3.0, 1.0, 0.2, 300 * MB, count=3)
+    runs.append(_record("lit", 0, steps, samples, cell=1))
+    steps, samples = _steps(9.0, 8.0, 0.1, 900 * MB, count=1)
+    runs.append(_record("trl", 0, steps, samples, status="oom", returncode=1, cell=1))
+
+    assert [r["status"] for r in runs[4:]] == ["timeout", "ok", "oom"]
+    assert runs[0]["rss_peak_bytes"] == 100 * MB  # the warm-up step's larger peak is left out
+    assert runs[0]["step_s"] == pytest.approx(2.15) and runs[0]["timed_steps"] == 2
+    summary = compare_trl.summarize(runs)
+    first, second = summary
+    lit, trl = first["systems"]["lit"], first["systems"]["trl"]
+    assert lit["step_s"] == pytest.approx(2.15) and trl["step_s"] == pytest.approx(4.15)
+    assert first["ratio_lit_over_trl"]["step_s"] == pytest.approx(2.15 / 4.15)
+    assert first["ratio_lit_over_trl"]["rss_peak_bytes"] == pytest.approx(0.5)
+    assert first["same_prompts"] is True
+    reward = first["reward"]
+    assert reward["lit"]["mean"] == pytest.approx(0.55) and reward["lit"]["spread"] == pytest.approx(0.1)
+    assert reward["trl"]["mean"] == pytest.approx(0.475) and reward["within_spread"] is True
+    assert second["systems"]["trl"]["statuses"] == {"timeout": 1, "oom": 1}
+    assert second["systems"]["trl"]["steps_per_run"] == [2, 1] and second["reward"]["within_spread"] is None
+
+    report = {"config": {"steps_total": 3, "steps": 2, "device": "cpu", "model": "m", "precision": "32-true",
+                         "threads": 2, "order": ["lit", "trl"], "seeds": [0, 1], "interval_s": 0.05},
+              "trl_settings": {"version": "1.16.0", "GRPOConfig": {"4x8x24": {"num_generations": 8, "beta": 0.0},
+                                                                    "4x32x64": {"num_generations": 32, "beta": 0.0}},
+                               "other": {"optimizers": "AdamW"}},
+              "runs": runs, "summary": summary}
+    table = compare_trl.markdown(report)
+    assert "| 4x8x24 | lit_grpo | 2.15 | 1.00 | 0.90 | 1.15 | 0.10 |" in table
+    assert "| 4x8x24 | lit_grpo / TRL | 0.52 x |" in table
+    assert "timeout x1, oom x1 (1-2 of 3 steps done)" in table
+    assert "within the spread" in table and "GRPOConfig: num_generations=8, beta=0.0" in table
+    assert "  - 4x32x64: num_generations=32" in table and "TRL optimizers: AdamW" in table
+
+
+def test_different_prompts_are_named():
+    runs = [_record("lit", 0, *_steps(2.0, 1.0, 0.5, MB)), _record("trl", 0, *_steps(2.0, 1.0, 0.5, MB,
+                                                                                      prompts=(3, 4)))]
+    assert compare_trl.summarize(runs)[0]["same_prompts"] is False
+
+
+HOLD_200_MB = "import time; block = b'x' * (200 << 20); time.sleep(0.6); del block; time.sleep(0.3)"
+
+
+def test_the_memory_of_a_child_read_from_outside():
+    start = time.time()
+    process = subprocess.Popen([sys.executable, "-c", HOLD_200_MB])
+    seen = process_memory.watch(process, timeout_s=30, interval_s=0.02)
+    assert seen.returncode == 0 and not seen.timed_out and process.returncode == 0
+    assert seen.peak_rss_bytes >= 200 * MB and seen.maxrss_bytes >= 200 * MB
+    assert seen.samples[-1][1] < 100 * MB  # the block was freed before the end
+    assert process_memory.window_peak(seen.samples, start, time.time()) == seen.peak_rss_bytes
+    assert process_memory.window_peak(seen.samples, 0.0, 1.0) is None
+
+
+def test_a_child_past_its_deadline_is_killed_and_named():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    seen = process_memory.watch(process, timeout_s=0.3, interval_s=0.02)
+    assert seen.timed_out and seen.returncode == -9
+    assert compare_trl.run_status(seen, "") == "timeout"
+    killed = process_memory.Watched(returncode=-9)
+    assert compare_trl.run_status(killed, "") == "oom"  # SIGKILL not sent by us: the kernel's OOM killer
+    assert compare_trl.run_status(process_memory.Watched(returncode=1), "torch.OutOfMemoryError: CUDA") == "oom"
+    assert compare_trl.run_status(process_memory.Watched(returncode=1), "ValueError") == "failed"
+
+
+def test_records_cut_short_by_a_kill_are_read(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text('{"event": "start"}\n{"event": "step", "step": 1}\n{"event": "st')
+    assert compare_trl.read_records(path) == [{"event": "start"}, {"event": "step", "step": 1}]
+    assert compare_trl.read_records(tmp_path / "none.jsonl") == []

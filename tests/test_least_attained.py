@@ -1,0 +1,265 @@
+"""The default scheduler of "infinite" (scheduling/least_attained.py): least attained service, its gate, and the
+reasons it records for every decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lit_grpo.sampling import RolloutEngine
+from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token
+from lit_grpo.scheduling import (FIFOScheduler, InfiniteSchedulerConfig, LeastAttainedScheduler, LengthAwareConfig,
+                                 RolloutWork, decision_counts, simulate_rollout)
+from lit_grpo.scheduling.base import ARRIVAL, LEAST_ATTAINED, PREEMPTION
+from lit_grpo.scheduling.least_attained import LOSS_SHARE, preemption_points, rollout_makespan
+from lit_grpo.scheduling.length_aware import LengthAwareScheduler, make_predictor
+from lit_grpo.scheduling.length_aware.scheduler import PLAN
+
+
+def _heavy_groups(seed: int, prompts: int = 4, group_size: int = 16, cap: int = 256) -> list[list[int]]:
+    """Lognormal lengths (log spread 1), capped: most samples short, a few near the cap."""
+    rng = random.Random(seed)
+    return [[min(cap, max(1, round(rng.lognormvariate(4.8, 1.0)))) for _ in range(group_size)]
+            for _ in range(prompts)]
+
+
+def _work(prompts: int, group_size: int, slots: int, cap: int) -> RolloutWork:
+    return RolloutWork(prompt_lengths=[1] * prompts, group_size=group_size, num_slots=slots, max_new_tokens=cap)
+
+
+def test_preemption_points_double_from_the_quantum_then_come_every_eighth_of_the_cap():
+    assert preemption_points(8, 256) == {8, 16, 32, 64, 96, 128, 160, 192, 224}
+    assert preemption_points(8, 1024) == {8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896}
+    assert preemption_points(8, 100) == set(range(8, 100, 8))  # an eighth of 100 is below 16: the stride is q
+    assert preemption_points(8, 24) == {8, 16}
+    assert preemption_points(8, 8) == preemption_points(None, 100) == preemption_points(0, 100) == frozenset()
+
+
+def test_fine_points_at_the_end_share_the_slots_among_the_longest_samples():
+    # 14 samples at the cap and a few short ones on 8 slots: with doubling alone the last 512 tokens of the long
+    # ones run in two whole waves; every eighth of the cap they share the slots.
+    lengths = [50, 1024, 47, 1024, 70, 34, 1024, 153, 288, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 139, 1024,
+               34, 1024, 83, 316, 315, 197, 73, 761, 166, 207, 75, 621, 70, 47]
+    first_come = rollout_makespan(lengths, 8)
+    doubling = frozenset(8 << j for j in range(7))  # 8 ... 512
+    assert rollout_makespan(lengths, 8, doubling) > first_come
+    assert rollout_makespan(lengths, 8, preemption_points(8, 1024)) < first_come
+
+
+def test_the_gates_model_of_both_orders_is_the_scheduler_driven_through_the_engines_loop():
+    # rollout_makespan is what the gate believes; the scheduler, driven as the engine drives it, must do just that
+    rng = random.Random(0)
+    for _ in range(20):
+        lengths = [[rng.randint(1, 60) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+        lengths = [row[:min(map(len, lengths))] for row in lengths]
+        slots = rng.randint(1, 6)
+        flat = [x for row in lengths for x in row]
+        assert rollout_makespan(flat, slots) == simulate_rollout(FIFOScheduler(), lengths, slots, 64).decode_steps
+        preempting = LeastAttainedScheduler(preempt_tokens=4, loss_share=None, park_budget=None)
+        preempting.observe([60] + [1] * 7)  # a heavy tail seen: the gate preempts wherever anything waits
+        result = simulate_rollout(preempting, lengths, slots, 64)
+        if preempting.preempting:
+            assert result.decode_steps == rollout_makespan(flat, slots, preemption_points(4, 64))
+
+
+def test_a_long_sample_that_arrives_last_starts_early_when_preempting():
+    lengths = [5, 5, 5, 5, 5, 5, 60]
+    assert rollout_makespan(lengths, 2) == 75  # three rounds of two 5s, then the 60 alone
+    preempting = rollout_makespan(lengths, 2, preemption_points(4, 64))
+    assert 60 <= preempting < 75  # the 60 started within the first quanta
+    # The park budget bounds it: with room for nothing parked, the order is first-come again.
+    assert rollout_makespan(lengths, 2, preemption_points(4, 64), park_tokens=0) == 75
+
+
+def test_the_gate_preempts_on_heavy_tails_and_not_on_equal_lengths():
+    heavy, equal = LeastAttainedScheduler(), LeastAttainedScheduler()
+    work = _work(4, 16, 8, 256)
+    assert heavy.judge(work) == (False, "first come: no finished group to draw rollouts from yet")
+    for seed in range(8):
+        for group in _heavy_groups(seed):
+            heavy.observe(group)
+        equal.observe([50] * 16)
+    decision, note = heavy.judge(work)
+    assert decision and note.startswith("preempting: ") and "drawn rollouts lose" in note
+    assert sum(equal.gains(4, 16, 8, 256, 0.5 * 8 * 256)) <= 0 and not equal.judge(work)[0]
+    assert heavy.judge(_work(4, 2, 8, 256)) == (False, "first come: every sample has a slot")
+
+
+def test_the_gate_refuses_light_tails_where_some_drawn_rollouts_lose():
+    # Lognormal lengths of log spread 0.3: preempting wins on average but loses on a share of arrangements above
+    # the gate's; ungated (loss_share None) it preempts on the mean alone.
+    rng = random.Random(1)
+    gated, ungated = LeastAttainedScheduler(), LeastAttainedScheduler(loss_share=None)
+    for _ in range(16):
+        group = [min(512, round(rng.lognormvariate(5.3, 0.3))) for _ in range(16)]
+        gated.observe(group)
+        ungated.observe(group)
+    gains = gated.gains(4, 16, 8, 512, 0.5 * 8 * 512)
+    assert sum(gains) > 0 and sum(g < 0 for g in gains) > LOSS_SHARE * len(gains)
+    work = _work(4, 16, 8, 512)
+    assert ungated.judge(work)[0] and not gated.judge(work)[0]
+
+
+def test_the_gate_keeps_the_most_recent_groups_and_its_state():
+    gate = LeastAttainedScheduler()
+    for n in range(100):
+        gate.observe([n + 1] * 2)
+    assert len(gate.groups) == 64 and gate.groups[0] == [37, 37]
+    restored = LeastAttainedScheduler()
+    restored.load_state_dict(gate.state_dict())
+    assert list(restored.groups) == list(gate.groups)
+    written_by_0_1 = {"predictor": {}, "trust": {}, "preemption": {"groups": [[3, 4]]}}
+    restored.load_state_dict(written_by_0_1)
+    assert list(restored.groups) == [[3, 4]]
+
+
+def _series(scheduler, rollouts: int, slots: int = 32):
+    results = []
+    for seed in range(rollouts):
+        lengths = _heavy_groups(seed, prompts=8)
+        results.append((simulate_rollout(scheduler, lengths, slots, 256),
+                        simulate_rollout(FIFOScheduler(), lengths, slots, 256)))
+    return results
+
+
+class _BudgetWatch(LeastAttainedScheduler):
+    """Records the parked samples' tokens after every preemption."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parked_tokens_seen: list[int] = []
+
+    def preempt(self, key, generated):
+        parked = super().preempt(key, generated)
+        self.parked_tokens_seen.append(sum(self.generated[k] for k in self.parked))
+        return parked
+
+
+def test_the_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
+    scheduler = _BudgetWatch()
+    results = _series(scheduler, 6)
+    first, _ = results[0]
+    assert first.parked_samples == 0  # no group seen yet
+    assert scheduler.last_info["preempting"] == 1.0
+    later = results[1:]
+    assert all(run.generated_tokens == fifo.generated_tokens for run, fifo in later)
+    assert sum(run.parked_samples for run, _ in later) > 0
+    assert sum(run.decode_steps for run, _ in later) < 0.97 * sum(fifo.decode_steps for _, fifo in later)
+    assert max(scheduler.parked_tokens_seen) <= 0.5 * 32 * 256  # park_budget 0.5 of the slots' generation KV
+
+
+def test_every_decision_carries_its_reason():
+    """Why did this sample get this slot? The first rollout runs first come (nothing seen yet); later ones start
+    and resume the least attained sample and park only at preemption points, for one that has generated fewer."""
+    scheduler = LeastAttainedScheduler()
+    first = simulate_rollout(scheduler, _heavy_groups(0, prompts=8), 32, 256)
+    assert {d.name for d in scheduler.decisions} == {"start_arrival"}
+    assert [d.key for d in scheduler.decisions] == [(p, k) for p in range(8) for k in range(16)]  # arrival order
+    assert first.parked_samples == 0
+    lengths = _heavy_groups(1, prompts=8)
+    simulate_rollout(scheduler, lengths, 32, 256)
+    counts = decision_counts(scheduler.decisions)
+    assert set(counts) == {"start_least_attained", "park_preemption", "resume_least_attained"}
+    assert counts["start_least_attained"] == 8 * 16 and counts["park_preemption"] == counts["resume_least_attained"]
+    points = preemption_points(8, 256)
+    attained, started = {}, {}
+    for decision in scheduler.decisions:  # replay the record: every park is at a point, every start/resume in a slot
+        if decision.action == "park":
+            assert decision.reason == PREEMPTION
+            attained[decision.key] = attained.get(decision.key, 0) + decision.step - started[decision.key]
+            assert attained[decision.key] in points
+        else:
+            assert decision.reason == LEAST_ATTAINED and 0 <= decision.slot < 32
+            started[decision.key] = decision.step
+
+
+def test_without_a_quantum_the_scheduler_runs_first_come_order():
+    scheduler = LeastAttainedScheduler(preempt_tokens=None)
+    for run, fifo in _series(scheduler, 3):
+        assert run.decode_steps == fifo.decode_steps and run.parked_samples == 0
+    assert scheduler.preempt_points == frozenset() and scheduler.gate_note.startswith("first come: no preemption")
+    assert {d.reason for d in scheduler.decisions} == {ARRIVAL}
+
+
+def test_a_resumed_scheduler_preempts_from_its_first_rollout():
+    trained = LeastAttainedScheduler()
+    _series(trained, 3)
+    resumed = InfiniteSchedulerConfig().build()
+    resumed.load_state_dict(trained.state_dict())
+    simulate_rollout(resumed, _heavy_groups(9, prompts=8), 32, 256)
+    assert resumed.last_info["preempting"] == 1.0
+
+
+def test_a_preempting_length_aware_rollout_is_not_turned_over_to_predictions_midway():
+    # A weak predictor (a noisy oracle of spread 1.5) can establish a gain over arrival order midway through a
+    # rollout; preemption, chosen at its start, is not arrival order, and is kept: no planned pick in such a rollout.
+    for seed in (0, 2):
+        scheduler = LengthAwareScheduler(LengthAwareConfig(make_predictor("noisy:1.5", seed=seed)))
+        preempted = 0
+        for rollout in range(5):
+            simulate_rollout(scheduler, _heavy_groups(seed * 10 + rollout, prompts=8), 32, 256)
+            if scheduler.preempting:
+                preempted += 1
+                assert all(d.reason != PLAN for d in scheduler.decisions)
+        assert preempted >= 3
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("preempt_tokens", -1, "an integer >= 0 or None"), ("preempt_tokens", 2.5, "an integer >= 0 or None"),
+    ("preempt_tokens", True, "an integer >= 0 or None"), ("preempt_tokens", "8", "an integer >= 0 or None"),
+    ("park_budget", 0, "a number > 0, or None"), ("loss_share", 1.5, "a number >= 0 and <= 1, or None"),
+    ("loss_share", "0.1", "a number >= 0 and <= 1, or None")])
+def test_a_bad_option_is_refused_by_name(name, value, allowed):
+    with pytest.raises(ValueError, match=rf"scheduler.{name}={value!r} must be {allowed}"):
+        InfiniteSchedulerConfig(**{name: value})
+
+
+def test_the_default_has_four_options_and_builds_the_least_attained_scheduler():
+    config = InfiniteSchedulerConfig()
+    assert [f for f in config.__dataclass_fields__] == ["preempt_tokens", "park_budget", "loss_share", "length_aware"]
+    assert type(config.build()) is LeastAttainedScheduler
+    assert type(InfiniteSchedulerConfig(length_aware={"predictor": "oracle"}).build()) is LengthAwareScheduler
+    with pytest.raises(ValueError, match=r"unknown scheduler options \['predictor'\]"):
+        InfiniteSchedulerConfig.from_options({"predictor": "online"})
+
+
+def test_the_kv_budget_counts_what_preemption_may_park(tiny_llama):
+    assert InfiniteSchedulerConfig().parked_kv_bounds(256) == (0, 0.5)
+    assert InfiniteSchedulerConfig(park_budget=None).parked_kv_bounds(256) == (224, 0.0)  # up to its last point
+    assert InfiniteSchedulerConfig(preempt_tokens=None).parked_kv_bounds(256) == (0, 0.0)
+    length_aware = InfiniteSchedulerConfig(length_aware=LengthAwareConfig(probe_tokens=8))
+    assert length_aware.parked_kv_bounds(256) == (8, 0.5)  # and each sample's probe
+    model_config = tiny_llama[0].config
+    per_token = kv_bytes_per_token(model_config, torch.float32)
+    budget = per_token * (20 * (10 + 100) + 10)  # 20 slots and one prompt's prefix
+    assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64) == 20
+    # Each slot may hold half its generation KV parked: 10 + 100 + 50 positions a slot.
+    assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64, park_fraction=0.5) == 13
+    with pytest.raises(ValueError, match="park_fraction"):
+        auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64, park_fraction=-1)
+
+
+def test_the_engine_preempts_and_resumes_samples_without_changing_them(tiny_llama):
+    model, tokenizer = tiny_llama
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "hi", "Count to five.", "Name a colour.")]
+    lengths = [[2, 2, 2, 2, 2, 2, 2, 30]] * 4  # the long sample arrives last in each group
+    engine = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="infinite",
+                           max_new_tokens=30, temperature=1.0, seed=3, preempt_tokens=2)
+    engine.generate(prompts, lengths=lengths)  # the groups' lengths are seen
+    result = engine.generate(prompts, lengths=lengths)
+    assert result.stats.preempting == 1.0 and result.stats.parked_samples > 0
+    counts = decision_counts(result.stats.decisions)
+    assert counts["park_preemption"] == counts["resume_least_attained"] == result.stats.parked_samples
+    continuous = RolloutEngine(model, tokenizer, group_size=8, micro_group_size=4, strategy="continuous",
+                               max_new_tokens=30, temperature=1.0, seed=3)
+    expected = continuous.generate(prompts, lengths=lengths)
+    expected = continuous.generate(prompts, lengths=lengths)  # the same rollout index: the same streams
+    assert result.completion_ids == expected.completion_ids
+    # float32 model: parked rows resume from KV re-read into another slot, so log-probs agree to float32 rounding
+    for got, want in zip(sum(result.logprobs, []), sum(expected.logprobs, [])):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert result.stats.decode_steps < expected.stats.decode_steps
+    per_token = kv_bytes_per_token(model.config, torch.float32)
+    assert 0 < result.stats.parked_kv_bytes <= 0.5 * 4 * 30 * per_token

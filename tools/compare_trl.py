@@ -1,0 +1,480 @@
+"""The same GRPO run in lit_grpo and in TRL's ``GRPOTrainer``, back to back: time per step, rollout, update, peak
+memory and reward.
+
+    python -m tools.compare_trl --make-trl-env ~/trl-venv             # once: a venv with TRL 1.16.0 (see below)
+    python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --shape demo --steps 8 \
+        --json runs/compare_trl_demo.json --markdown runs/compare_trl_demo.md
+    python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --shape 4x32x64
+    python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --shape gsweep --timeout-s 3600
+    python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --shape demo --steps 30 --seeds 0,1,2 \
+        --order lit,trl                                                # learning: reward within the seeds' spread
+    python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --model tiny-llama --steps 1   # a smoke run
+
+**TRL's environment.** TRL runs under its own interpreter, ``--trl-python``. ``--make-trl-env DIR`` makes one:
+``python -m venv DIR --system-site-packages`` (so torch, transformers and lit_grpo are this environment's very own),
+then ``pip install --no-deps trl==1.16.0`` and, of TRL's requirements, only those missing here; it fails when
+the venv's torch or transformers differ from this interpreter's. It makes the environment and exits; runs then
+take ``--trl-python DIR/bin/python``.
+
+**The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens),
+``4x32x64`` (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by
+default: memory first). Everything else is the demo's and set explicitly on both sides
+(``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for another), the reasoning-gym task,
+its prompts, system prompt and chat template, the accuracy reward (lit_grpo's function, called by TRL as its
+reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr 1e-5 with AdamW
+(0.9, 0.99) and 2 warm-up steps, gradient clipping 1.0, micro-batches of 16 rows and one optimizer step per GRPO
+step, temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with its engine (the demo's
+strategy and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``: transformers' paged
+continuous batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a generated config;
+TRL: ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after one warm-up step, in the ``--order`` given
+for each seed (default ``lit,trl,trl,lit``: ABBA, so a drift of the machine falls on both). A run past
+``--timeout-s`` is killed and recorded as "timeout", one killed by the kernel or failing to allocate as "oom";
+the steps it finished are kept.
+
+**What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one
+optimizer step to the end of the next), ``rollout_s`` (lit_grpo: the batch fetch, i.e. prompt draw, generation,
+scoring, advantages; TRL: ``_generate_and_score_completions``, the same work), ``generate_s`` (the generation
+alone), ``update_s`` (the rest), the mean reward, and peak memory. Memory is measured the same way for both: this
+process samples the child's RSS (``/proc/<pid>/status``) every ``--interval-s`` and takes the largest sample in
+each step's window; ``maxrss`` is the kernel's peak over the child's whole life (``wait4``: loading included), the
+figure ``/usr/bin/time -v`` prints. On CUDA each side also reports ``torch.cuda.max_memory_allocated`` per step.
+The table gives medians over the timed steps of all runs of a system, the largest step-window RSS (median over
+runs), and the ratios lit_grpo / TRL. With several seeds, the mean reward per seed, its spread, and whether the
+two systems' means lie within the larger of their spreads.
+
+Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"config", "trl_settings"
+(GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``. Each run's
+folder under ``--work-dir`` keeps its spec, config, step records and output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tools import harness, process_memory
+from tools.compare_trl_spec import (PRECISIONS, SHAPES, TRL_GENERATION, build_spec, cells, demo_settings,
+                                    lit_config, trl_config, trl_other_settings)
+
+TRL_VERSION = "1.16.0"
+SYSTEMS = ("lit", "trl")
+SYSTEM_NAMES = {"lit": "lit_grpo", "trl": "TRL"}
+#: The per-step figures summarized (medians over the timed steps).
+TIMES = ("step_s", "rollout_s", "generate_s", "update_s")
+OOM_SIGNS = ("out of memory", "outofmemoryerror", "can't allocate memory", "memoryerror", "cannot allocate memory")
+GIB = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------------ TRL's venv
+_MISSING_REQUIREMENTS = """
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+missing = []
+for text in md.requires("trl") or []:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        version = md.version(req.name)
+    except md.PackageNotFoundError:
+        missing.append(text)
+        continue
+    if not req.specifier.contains(version, prereleases=True):
+        missing.append(text)
+print(json.dumps(missing))
+"""
+_VERSIONS = "import json, torch, transformers, trl; print(json.dumps([torch.__version__, transformers.__version__, " \
+            "trl.__version__]))"
+
+
+def make_trl_env(path: Path) -> Path:
+    """A venv at ``path`` seeing this environment's packages, with TRL pinned (module docstring); its python."""
+    python = path / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", f"trl=={TRL_VERSION}"], check=True)
+    missing = json.loads(subprocess.run([str(python), "-c", _MISSING_REQUIREMENTS], check=True, capture_output=True,
+                                        text=True).stdout)
+    if missing:
+        subprocess.run([str(python), "-m", "pip", "install", *missing], check=True)
+    check_trl_python(python)
+    return python
+
+
+def check_trl_python(python: Path | str) -> list[str]:
+    """``[torch, transformers, trl]`` versions under ``python``; SystemExit where torch or transformers are not
+    this environment's (the comparison would then compare two stacks, not two trainers)."""
+    out = subprocess.run([str(python), "-c", _VERSIONS], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{python} cannot import trl, torch and transformers:\n{out.stderr[-2000:]}")
+    versions = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = [importlib.metadata.version("torch"), importlib.metadata.version("transformers")]
+    if versions[:2] != ours:
+        raise SystemExit(f"{python} has torch {versions[0]}, transformers {versions[1]}; this environment has "
+                         f"{ours[0]}, {ours[1]}: make the venv with --system-site-packages and do not upgrade them")
+    return versions
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def parse_order(text: str) -> list[str]:
+    """``--order``: a comma list of ``lit`` and ``trl`` (repeats allowed: ``lit,trl,trl,lit``)."""
+    items = [item.strip().lower() for item in text.split(",") if item.strip()]
+    if not items or any(item not in SYSTEMS for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {' and '.join(SYSTEMS)}, "
+                                         "e.g. lit,trl,trl,lit")
+    return items
+
+
+def plan(order: list[str], seeds: list[int], num_cells: int) -> list[dict[str, int | str]]:
+    """The runs, in the order they run: cell by cell, seed by seed, ``order`` within; ``repeat`` counts a
+    system's runs of one cell and seed."""
+    runs = []
+    for cell in range(num_cells):
+        for seed in seeds:
+            for index, system in enumerate(order):
+                runs.append({"cell": cell, "seed": seed, "system": system, "repeat": order[:index].count(system)})
+    return runs
+
+
+def cell_label(spec: dict[str, Any]) -> str:
+    return f"{spec['prompts_per_step']}x{spec['group_size']}x{spec['max_new_tokens']}"
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def child_env(threads: int) -> dict[str, str]:
+    return harness.repo_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                            TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                            TRANSFORMERS_OFFLINE="1")
+
+
+def run_command(system: str, spec: dict[str, Any], run_dir: Path, trl_python: str | None) -> list[str]:
+    """Write the run's spec (and lit_grpo's config) under ``run_dir``; the command that runs it."""
+    records = run_dir / "steps.jsonl"
+    harness.write_json(run_dir / "spec.json", spec)
+    if system == "lit":
+        config = run_dir / "lit_config.yaml"
+        config.write_text(yaml.safe_dump(lit_config(spec, records), sort_keys=False))
+        return harness.lit_grpo_command() + ["fit", "--config", str(config), "--trainer.default_root_dir",
+                                             str(run_dir)]
+    return [str(trl_python), "-m", "tools.compare_trl_runs", "trl", "--spec", str(run_dir / "spec.json"),
+            "--out", str(records)]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill
+            pass
+    return out
+
+
+def run_status(seen: process_memory.Watched, output: str) -> str:
+    """ok | timeout | oom (killed by the kernel, or an allocation failed) | failed."""
+    if seen.timed_out:
+        return "timeout"
+    if seen.returncode == 0:
+        return "ok"
+    if seen.returncode == -9 or any(sign in output.lower() for sign in OOM_SIGNS):
+        return "oom"
+    return "failed"
+
+
+def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python: str | None,
+            timeout_s: float | None, interval_s: float) -> dict[str, Any]:
+    """Run one system on one spec in a fresh process, watched from here; its record."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("steps.jsonl", "output.log"):
+        (run_dir / stale).unlink(missing_ok=True)
+    command = run_command(run["system"], spec, run_dir, trl_python)
+    with (run_dir / "output.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["threads"]),
+                                   cwd=harness.ROOT)
+        seen = process_memory.watch(process, timeout_s, interval_s)
+    output = (run_dir / "output.log").read_text(errors="replace")
+    return run_record(run, spec, seen, read_records(run_dir / "steps.jsonl"), output, command, run_dir)
+
+
+def run_record(run: dict[str, Any], spec: dict[str, Any], seen: process_memory.Watched,
+               records: list[dict[str, Any]], output: str, command: list[str], run_dir: Path) -> dict[str, Any]:
+    """One run's record: its steps (each with its window's RSS peak), their medians and the process's peaks."""
+    steps = [r for r in records if r.get("event") == "step"]
+    for step in steps:
+        step["rss_peak_bytes"] = process_memory.window_peak(seen.samples, step["start"], step["end"])
+    start = next((r for r in records if r.get("event") == "start"), {})
+    end = next((r for r in records if r.get("event") == "end"), {})
+    status = run_status(seen, output)
+    record = {**run, "label": cell_label(spec), "status": status, "returncode": seen.returncode,
+              "wall_s": seen.wall_s, "command": command, "run_dir": str(run_dir), "steps": steps,
+              "info": {k: v for k, v in start.items() if k != "event"},
+              "maxrss_bytes": seen.maxrss_bytes, "sampled_peak_rss_bytes": seen.peak_rss_bytes,
+              "last_vm_hwm_bytes": seen.hwm_bytes, "own_vm_hwm_bytes": end.get("vm_hwm_bytes")}
+    record.update(run_figures(steps, spec["untimed_steps"]))
+    if status != "ok":
+        record["error"] = output[-3000:]
+    return record
+
+
+def run_figures(steps: list[dict[str, Any]], untimed: int) -> dict[str, Any]:
+    """Medians of the timed steps' times, the largest timed step's peaks, and the mean reward of all steps."""
+    timed = [s for s in steps if s["step"] > untimed]
+    out: dict[str, Any] = {"timed_steps": len(timed)}
+    for key in TIMES:
+        out[key] = harness.median(s.get(key) for s in timed)
+    for key in ("rss_peak_bytes", "cuda_peak_bytes"):
+        values = [s[key] for s in timed if s.get(key) is not None]
+        out[key] = max(values) if values else None
+    rewards = [s["reward_mean"] for s in steps if s.get("reward_mean") is not None]
+    out["reward_mean"] = statistics.fmean(rewards) if rewards else None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def summarize(runs: list[dict[str, Any]], untimed: int = 1) -> list[dict[str, Any]]:
+    """Per cell: per system, the medians over every timed step of its runs, the median of its runs' peaks, its
+    runs' statuses, and the mean reward per seed; the ratios lit_grpo / TRL; whether both saw the same prompts;
+    with two seeds or more, whether the reward means lie within the seeds' spread."""
+    out = []
+    for cell in sorted({r["cell"] for r in runs}):
+        in_cell = [r for r in runs if r["cell"] == cell]
+        entry: dict[str, Any] = {"cell": cell, "label": in_cell[0]["label"], "systems": {}}
+        for system in SYSTEMS:
+            mine = [r for r in in_cell if r["system"] == system]
+            if mine:
+                entry["systems"][system] = system_summary(mine, untimed)
+        both = entry["systems"]
+        if len(both) == 2:
+            entry["ratio_lit_over_trl"] = {key: _ratio(both["lit"][key], both["trl"][key])
+                                           for key in (*TIMES, "rss_peak_bytes", "maxrss_bytes", "cuda_peak_bytes")}
+            entry["same_prompts"] = same_prompts(in_cell)
+            entry["reward"] = reward_comparison(both["lit"]["reward_by_seed"], both["trl"]["reward_by_seed"])
+        out.append(entry)
+    return out
+
+
+def system_summary(runs: list[dict[str, Any]], untimed: int) -> dict[str, Any]:
+    timed = [s for r in runs for s in r["steps"] if s["step"] > untimed]
+    statuses: dict[str, int] = {}
+    for r in runs:
+        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+    by_seed: dict[int, list[float]] = {}
+    for r in runs:
+        if r["reward_mean"] is not None:
+            by_seed.setdefault(r["seed"], []).append(r["reward_mean"])
+    return {
+        "runs": len(runs), "statuses": statuses, "timed_steps": len(timed),
+        "steps_per_run": [len(r["steps"]) for r in runs],
+        **{key: harness.median(s.get(key) for s in timed) for key in TIMES},
+        **{key: harness.median(r[key] for r in runs) for key in ("rss_peak_bytes", "maxrss_bytes",
+                                                                 "cuda_peak_bytes")},
+        "reward_by_seed": {str(seed): statistics.fmean(values) for seed, values in sorted(by_seed.items())},
+        "versions": {k: v for k, v in runs[0].get("info", {}).items() if k in ("torch", "transformers", "trl",
+                                                                                "lightning", "threads")},
+        "prompt_ids_match": runs[0].get("info", {}).get("prompt_ids_match"),
+    }
+
+
+def same_prompts(runs: list[dict[str, Any]]) -> bool | None:
+    """Whether every run of a seed drew the same prompts step by step (None when a run recorded none)."""
+    for seed in {r["seed"] for r in runs}:
+        drawn = [[s.get("prompts") for s in r["steps"]] for r in runs if r["seed"] == seed and r["steps"]]
+        if any(p is None for steps in drawn for p in steps):
+            return None
+        shortest = min((len(steps) for steps in drawn), default=0)
+        if any(steps[:shortest] != drawn[0][:shortest] for steps in drawn):
+            return False
+    return True
+
+
+def reward_comparison(lit: dict[str, float], trl: dict[str, float]) -> dict[str, Any]:
+    """Mean and spread (max - min) over seeds of each system's mean reward; ``within_spread`` when both have two
+    seeds or more: the two means differ by at most the larger spread."""
+    out: dict[str, Any] = {}
+    for name, values in (("lit", list(lit.values())), ("trl", list(trl.values()))):
+        out[name] = {"mean": statistics.fmean(values) if values else None,
+                     "spread": max(values) - min(values) if len(values) > 1 else None, "seeds": len(values)}
+    spreads = [out[name]["spread"] for name in ("lit", "trl")]
+    if None in spreads or out["lit"]["mean"] is None or out["trl"]["mean"] is None:
+        out["within_spread"] = None
+    else:
+        out["within_spread"] = abs(out["lit"]["mean"] - out["trl"]["mean"]) <= max(spreads)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} x"
+
+
+def _status(summary: dict[str, Any], steps: int) -> str:
+    text = ", ".join(f"{status} x{count}" for status, count in summary["statuses"].items())
+    done = summary["steps_per_run"]
+    if set(summary["statuses"]) != {"ok"}:
+        text += f" ({min(done)}-{max(done)} of {steps} steps done)"
+    return text
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The comparison as a markdown table, with the settings and definitions under it."""
+    config = report["config"]
+    steps = config["steps_total"]
+    cuda = config["device"] == "cuda"
+    memory = "CUDA peak GiB" if cuda else "peak RSS GiB"
+    lines = [f"GRPO step, lit_grpo against TRL ({config['model']}, {config['precision']}, {config['device']}, "
+             f"{config['threads']} threads; {config['steps']} timed steps after 1 warm-up, order "
+             f"{','.join(config['order'])}, seeds {','.join(map(str, config['seeds']))})", "",
+             f"| B x G x tokens | system | step s | rollout s | generate s | update s | {memory} | maxrss GiB | "
+             "reward | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in report["summary"]:
+        for system, s in entry["systems"].items():
+            peak = s["cuda_peak_bytes"] if cuda else s["rss_peak_bytes"]
+            reward = statistics.fmean(s["reward_by_seed"].values()) if s["reward_by_seed"] else None
+            lines.append(f"| {entry['label']} | {SYSTEM_NAMES[system]} | {_seconds(s['step_s'])} | "
+                         f"{_seconds(s['rollout_s'])} | {_seconds(s['generate_s'])} | {_seconds(s['update_s'])} | "
+                         f"{_gib(peak)} | {_gib(s['maxrss_bytes'])} | "
+                         f"{'-' if reward is None else f'{reward:.3f}'} | {_status(s, steps)} |")
+        ratio = entry.get("ratio_lit_over_trl")
+        if ratio:
+            peak = ratio["cuda_peak_bytes"] if cuda else ratio["rss_peak_bytes"]
+            lines.append(f"| {entry['label']} | lit_grpo / TRL | {_times(ratio['step_s'])} | "
+                         f"{_times(ratio['rollout_s'])} | {_times(ratio['generate_s'])} | "
+                         f"{_times(ratio['update_s'])} | {_times(peak)} | {_times(ratio['maxrss_bytes'])} | | |")
+    lines.append("")
+    for entry in report["summary"]:
+        notes = []
+        if entry.get("same_prompts") is False:
+            notes.append("the two systems drew DIFFERENT prompts")
+        trl = entry["systems"].get("trl", {})
+        if trl.get("prompt_ids_match") is False:
+            notes.append("TRL rendered the prompts to other tokens than lit_grpo")
+        reward = entry.get("reward")
+        if reward and reward["within_spread"] is not None:
+            notes.append(f"reward means {reward['lit']['mean']:.3f} (lit_grpo, spread {reward['lit']['spread']:.3f}) "
+                         f"and {reward['trl']['mean']:.3f} (TRL, spread {reward['trl']['spread']:.3f}) over "
+                         f"{reward['lit']['seeds']} seeds: "
+                         + ("within the spread" if reward["within_spread"] else "NOT within the spread"))
+        if notes:
+            lines.append(f"- {entry['label']}: " + "; ".join(notes))
+    settings = report["trl_settings"]
+    first = next(iter(settings["GRPOConfig"].values()))
+    lines.append(f"- TRL {settings.get('version') or TRL_VERSION}, GRPOConfig: "
+                 + ", ".join(f"{k}={v!r}" for k, v in first.items()))
+    for label, fields in list(settings["GRPOConfig"].items())[1:]:
+        lines.append(f"  - {label}: " + ", ".join(f"{k}={v!r}" for k, v in fields.items() if first.get(k) != v))
+    lines.extend(f"- TRL {key}: {value}" for key, value in settings["other"].items())
+    lines.append("- step: end of one optimizer step to the end of the next; rollout: lit_grpo's batch fetch "
+                 "(prompts, generation, rewards, advantages), TRL's _generate_and_score_completions (the same "
+                 "work); generate: the generation alone; update: step - rollout. Medians over the timed steps.")
+    lines.append(f"- {memory}: " + ("torch.cuda.max_memory_allocated over a step, the largest timed step's; "
+                                    if cuda else "")
+                 + f"RSS of the child sampled from outside every {config['interval_s'] * 1000:g} ms, the "
+                 "largest sample in a timed step's window (median over runs); maxrss: the kernel's peak RSS over "
+                 "the whole process (wait4's ru_maxrss, loading and the warm-up step included).")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Details: the docstring of tools/compare_trl.py",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", help="the interpreter of an environment with TRL (see --make-trl-env)")
+    parser.add_argument("--make-trl-env", type=Path, metavar="DIR",
+                        help=f"make a venv with trl=={TRL_VERSION} at DIR, then exit")
+    parser.add_argument("--shape", choices=list(SHAPES), default="demo")
+    parser.add_argument("--steps", type=int, help="timed GRPO steps per run, after one warm-up step (default: "
+                        + ", ".join(f"{name} {shape['steps']}" for name, shape in SHAPES.items()) + ")")
+    parser.add_argument("--seeds", type=harness.comma_numbers(0), default=[0], help="comma list of seeds")
+    parser.add_argument("--order", type=parse_order, default=["lit", "trl", "trl", "lit"],
+                        help="the runs of each seed, in order (default lit,trl,trl,lit)")
+    harness.add_model_argument(parser, default="smollm2")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the demo's (32-true)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run (and OMP_NUM_THREADS)")
+    parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run; past it the run is killed and "
+                                                                         "recorded as a timeout")
+    parser.add_argument("--interval-s", type=float, default=0.05, help="RSS sampling interval")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/compare_trl"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = SHAPES[args.shape]["steps"]
+    if args.steps < 1 or args.threads < 1:
+        parser.error("--steps and --threads must be >= 1")
+    if args.make_trl_env is None and args.trl_python is None:
+        parser.error("give --trl-python (an interpreter with TRL) or --make-trl-env DIR")
+    return args
+
+
+def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One spec per cell of ``--shape`` (seed 0; a run's seed is put in when it runs)."""
+    demo = demo_settings()
+    return [build_spec(demo, cell, model=None if args.model == "smollm2" else args.model, device=args.device,
+                       precision=args.precision, threads=args.threads, seed=0, steps=args.steps,
+                       trl_generation=args.trl_generation) for cell in cells(args.shape, demo)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.make_trl_env is not None:
+        python = make_trl_env(args.make_trl_env.expanduser())
+        print(f"TRL environment ready: --trl-python {python}")
+        return {}
+    trl_versions = check_trl_python(args.trl_python)
+    cell_specs = specs(args)
+    runs = []
+    for run in plan(args.order, args.seeds, len(cell_specs)):
+        spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
+        run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
+            f"{len(runs):02d}_{run['system']}"
+        record = run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s)
+        runs.append(record)
+        print(f"{SYSTEM_NAMES[run['system']]:8s} {record['label']} seed {run['seed']}: {record['status']}, "
+              f"{len(record['steps'])} steps, step {_seconds(record['step_s'])} s, rollout "
+              f"{_seconds(record['rollout_s'])} s, peak RSS {_gib(record['rss_peak_bytes'])} GiB, maxrss "
+              f"{_gib(record['maxrss_bytes'])} GiB ({run_dir})", file=sys.stderr, flush=True)
+    report = {
+        "config": harness.config_record(args, steps_total=args.steps + 1, model=cell_specs[0]["model"],
+                                        precision=cell_specs[0]["precision"]),
+        "trl_settings": {"version": trl_versions[2],
+                         "GRPOConfig": {cell_label(s): {k: v for k, v in trl_config(s, "RUN_DIR").items()
+                                                        if k != "output_dir"} for s in cell_specs},
+                         "other": trl_other_settings(cell_specs[0])},
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+    table = markdown(report)
+    print(table)
+    harness.write_json(args.json, report)
+    harness.write_text(args.markdown, table)
+    return report
+
+
+if __name__ == "__main__":
+    main()
