@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import gather_over_ranks, whole_step_metrics
 from lit_grpo.runtime.distributed import strategy_all_gather
@@ -111,8 +112,8 @@ def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[Rollout
 
 def rank_decision_counts(trainer: pl.Trainer, stats: RolloutStats) -> list[dict[str, int]]:
     """Every rank's count of each scheduling decision this step (``action_reason`` -> count, the names that
-    occurred), rank 0 first; gathered in the one collective of ``rank_rollout_stats``. A name outside
-    ``DECISION_NAMES`` is an error (ranks gather a fixed set of names)."""
+    occurred), rank 0 first; gathered in the one collective of ``rank_rollout_stats``. Ranks gather a fixed set of
+    names (``DECISION_NAMES``): a custom scheduler's other reasons are counted under ``other`` (warned once)."""
     if trainer.world_size <= 1:
         return [_decision_counts(stats)]
     return _gathered(trainer, stats)[1]
@@ -121,9 +122,10 @@ def rank_decision_counts(trainer: pl.Trainer, stats: RolloutStats) -> list[dict[
 def _decision_counts(stats: RolloutStats) -> dict[str, int]:
     counts = decision_counts(stats.decisions)
     unknown = sorted(set(counts) - set(DECISION_NAMES))
-    if unknown:
-        raise ValueError(f"scheduling decisions {unknown} are not in lit_grpo.scheduling.base.DECISION_NAMES; add "
-                         "them there so that every rank counts them under one name (rollout/decisions/<name>)")
+    if unknown:  # never raise here: a rank that raised would leave the others waiting in the gather
+        rank_zero_warn(f"scheduling decisions {unknown} are not in lit_grpo.scheduling.base.DECISION_NAMES: they are "
+                       "counted as rollout/decisions/other (add them there to count them by name)")
+        counts["other"] = sum(counts.pop(name) for name in unknown)
     return counts
 
 

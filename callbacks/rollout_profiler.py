@@ -63,7 +63,7 @@ class RolloutProfiler(Callback):
       last one, or runs eagerly): the price of freeing the slot cache between rollouts (``keep_kv_cache``).
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
     - ``rollout/length_pred_kendall_tau``, ``rollout/length_pred_smape``: the length predictor's quality
-      (``strategy="infinite"`` only; skipped when the rollout has none).
+      (the length-aware method only, ``sampling.scheduler.length_aware``; skipped when the rollout has none).
     - ``rollout/parked_samples``, ``rollout/parked_kv_bytes``: samples the scheduler parked (at a preemption point,
       or after their length probe), and the most bytes their KV held at once.
     - ``rollout/preempting``: 1 when the default "infinite" scheduler preempted by least attained service in the

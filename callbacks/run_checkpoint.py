@@ -27,8 +27,8 @@ class RunCheckpoint(ModelCheckpoint):
     stops the run cleanly, saved, when SIGTERM or Ctrl-C comes.
 
     **When it saves**, each time over the same file, always at a step boundary (the whole state of the last
-    completed step: weights, optimizer, loops, the DataModule's stream position, carried samples, scheduler and
-    predictor state, callback states, random states):
+    completed step: weights, optimizer, loops, the DataModule's stream position, carried samples, the scheduler's
+    state, callback states, random states):
 
     - after every validation (``save_on_validation``);
     - every ``every_n_train_steps`` optimizer steps, and after the first step that ends ``train_time_interval``

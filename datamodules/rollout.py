@@ -435,7 +435,7 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """What exact resume needs from the data side: steps built, the prompt sampler / curriculum, the engine's
-        state (rollout counter, which keys the random streams, and the length predictor) and the global random
+        state (rollout counter, which keys the random streams, and the scheduler's state) and the global random
         states (saved from rank 0). Each rank carries its own partial-rollout groups: they are gathered, one list
         per rank, and each rank takes its own back."""
         state = self._local_state()

@@ -19,10 +19,11 @@ stops cleanly on SIGTERM or Ctrl-C: it saves the last completed step, prints the
 exits 143 / 130.
 
 ``data.prompts_per_step`` is per rank. A checkpoint holds, besides weights, optimizer and loops, the DataModule's
-state (steps built, the prompt sampler / curriculum, the engine's rollout counter and length predictor, the global
+state (steps built, the prompt sampler / curriculum, the engine's rollout counter and scheduler state, the global
 random states), so steps K+1.. repeat an uninterrupted run's prompts, completions, rewards and losses. Under ddp
 the DataModule state is rank 0's; the other ranks' completions are still exact (the per-sample random streams are
-keyed by seed, rollout counter, prompt and sample), only their length predictor restarts from rank 0's state.
+keyed by seed, rollout counter, prompt and sample), only their scheduler's state (the gate's finished groups, a
+length predictor) restarts from rank 0's.
 """
 
 from __future__ import annotations

@@ -389,9 +389,13 @@ def test_rollout_profiler_counts_the_decisions_and_preemption_over_ranks():
     summary.on_train_batch_end(one, None, None, rollouts[0], 0)
     assert summary.rollout_totals.decisions == [] and summary.rollout_totals.generated_tokens > 0
 
-    rollouts[1].stats.decisions = _decisions(start_hunch=1)
-    with pytest.raises(ValueError, match="start_hunch.*DECISION_NAMES"):
-        RolloutProfiler().on_train_batch_end(one, None, None, rollouts[1], 0)
+    # a custom scheduler's own reason: counted as "other" with a warning, never an error (a rank that raised there
+    # would leave the others waiting in the gather)
+    rollouts[1].stats.decisions = _decisions(start_hunch=2, start_arrival=1)
+    with pytest.warns(UserWarning, match="start_hunch.*rollout/decisions/other"):
+        RolloutProfiler(progress_bar=False).on_train_batch_end(one, None, None, rollouts[1], 0)
+    third = one.loggers[0].logged[-1]
+    assert third["rollout/decisions/other"] == 2 and third["rollout/decisions/start_arrival"] == 1
 
 
 class _FixedTracker:

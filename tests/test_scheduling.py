@@ -268,12 +268,12 @@ def test_online_predictor_answers_each_rollout_from_its_own_prompt_features():
     whatever subset and order of keys is asked."""
     generator = torch.Generator().manual_seed(0)
     predictor = OnlineLengthPredictor(max_dim=8)  # projected: 16 > max_dim
-    train = RolloutWork([4] * 6, 2, 2, 64, torch.randn(6, 16, generator=generator), [[p] for p in range(6)])
+    train = RolloutWork([4] * 6, 2, 2, 64, prompt_features=torch.randn(6, 16, generator=generator))
     predictor.observe(train, train.keys(), [2 + 9 * p + k for p, k in train.keys()])
     fresh = OnlineLengthPredictor(max_dim=8)
     fresh.load_state_dict(predictor.state_dict())  # the same model, no rollout's features mapped yet
     for _ in range(2):
-        work = RolloutWork([4] * 3, 2, 2, 64, torch.randn(3, 16, generator=generator), [[0], [1], [2]])
+        work = RolloutWork([4] * 3, 2, 2, 64, prompt_features=torch.randn(3, 16, generator=generator))
         whole = predictor.predict(work, work.keys())
         assert len(set(whole.tolist())) == 3  # the prompts are told apart
         assert torch.equal(fresh.predict(work, work.keys()), whole)

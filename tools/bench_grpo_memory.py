@@ -6,9 +6,9 @@
 Each (strategy, G) runs in a fresh subprocess, so one run's freed-but-cached memory cannot hide the next run's
 peak. In it the policy is loaded first; then a Lightning Trainer runs exactly one training step: the rollout of
 B prompts x G samples with the given strategy, rewards, advantages, and the micro-batched update with its AdamW
-step, measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` (on Linux CPU the kernel's RSS high-water mark, read
-and never reset, with a sampling thread for a phase below an earlier peak; on CUDA the allocator's peak, reset at
-each phase). Records: "strategy", "group_size", "peak_bytes" (the whole
+step, measured by ``lit_grpo.callbacks.PeakMemoryMonitor`` (on Linux CPU the kernel's RSS high-water mark, reset
+at each phase: the subprocess is its own and only reader, so each phase's peak is exact; on CUDA the allocator's
+peak, reset at each phase). Records: "strategy", "group_size", "peak_bytes" (the whole
 step's: ``memory/step_peak_bytes``), its phases' "rollout_peak_bytes", "update_peak_bytes" (every micro-batch's
 forward and backward, clipping and the optimizer step) and "optimizer_peak_bytes" (the AdamW step alone), as the
 monitor logs them, "method" (its tracker), "repeat" (``--repeats N`` runs each cell N times, interleaved), plus
@@ -58,6 +58,13 @@ MONITOR_KEYS = {"peak_bytes": "step_peak_bytes", "rollout_peak_bytes": "rollout_
                 "update_peak_bytes": "update_peak_bytes", "optimizer_peak_bytes": "optimizer_peak_bytes"}
 
 
+def _cpu_method() -> str:
+    """"hwm" (exact per-phase peaks, reset in this process only) where the kernel allows the reset, else "auto"."""
+    from lit_grpo.runtime.memory import hwm_reset_problem
+
+    return "hwm" if hwm_reset_problem() is None else "auto"
+
+
 def median_by_group_size(runs: list[dict], strategy: str, key: str) -> dict[int, float]:
     """``{G: median of key}`` over a strategy's repeats."""
     sizes = sorted({r["group_size"] for r in runs if r["strategy"] == strategy})
@@ -92,7 +99,7 @@ def measure_one_step(args) -> dict:
     with torch.no_grad():  # read every weight once: lazily mapped checkpoint pages count in the baseline, not the step
         for parameter in module.policy.parameters():
             parameter.sum()
-    monitor = PeakMemoryMonitor(sample_interval_s=0.002)
+    monitor = PeakMemoryMonitor(cpu_method=_cpu_method(), sample_interval_s=0.002)
     rollout = RolloutFigures()
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -163,7 +163,10 @@ def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
 def _check_predictor(name: str) -> str:
     """"none" (the default scheduler) or a length predictor's name."""
     if name != "none":
-        parse_predictor_name(name)
+        try:
+            parse_predictor_name(name)
+        except ValueError as error:
+            raise ValueError(f"{error} (or none: the default scheduler)") from None
     return name
 
 

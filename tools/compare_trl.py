@@ -201,7 +201,12 @@ def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python
     with (run_dir / "output.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["threads"]),
                                    cwd=harness.ROOT)
-        seen = process_memory.watch(process, timeout_s, interval_s)
+        try:
+            seen = process_memory.watch(process, timeout_s, interval_s)
+        finally:  # never leave a training child running unwatched (Ctrl-C, an error while watching)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     output = (run_dir / "output.log").read_text(errors="replace")
     return run_record(run, spec, seen, read_records(run_dir / "steps.jsonl"), output, command, run_dir)
 
@@ -425,8 +430,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
-    if args.steps < 1 or args.threads < 1:
-        parser.error("--steps and --threads must be >= 1")
+    for flag, value, minimum in (("--steps", args.steps, 1), ("--threads", args.threads, 1)):
+        if value < minimum:
+            parser.error(f"{flag} {value}: use an integer >= {minimum}")
+    for flag, value in (("--interval-s", args.interval_s), ("--timeout-s", args.timeout_s)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value}: use a number of seconds > 0")
     if args.make_trl_env is None and args.trl_python is None:
         parser.error("give --trl-python (an interpreter with TRL) or --make-trl-env DIR")
     return args

@@ -231,12 +231,14 @@ def write_json(path: Path | str | None, report: Any, indent: int = 2) -> None:
 
 # ------------------------------------------------------------------------------------------------ memory
 def peak_tracker(device, what: str = "peak memory"):
-    """The library's resettable peak tracker for ``device`` (``lit_grpo.runtime.memory``: the CUDA allocator's
-    peak, or on CPU the process's resident peak, its kernel high-water mark left as it is); SystemExit naming why
-    where there is none."""
+    """The library's resettable peak tracker for ``device`` (``lit_grpo.runtime.memory``): the CUDA allocator's
+    peak, or on CPU the kernel's resident high-water mark, reset at each window (exact per-run peaks; a benchmark
+    process is its own and only reader), else RSS sampled every 2 ms. SystemExit naming why where there is none."""
     from lit_grpo.runtime.memory import make_peak_tracker
 
-    tracker, problem = make_peak_tracker(device, "auto", 0.002)
+    tracker, problem = make_peak_tracker(device, "hwm", 0.002)
+    if tracker is None:
+        tracker, problem = make_peak_tracker(device, "auto", 0.002)
     if tracker is None:
         raise SystemExit(f"cannot measure {what} here: {problem}")
     return tracker

@@ -192,7 +192,7 @@ class RolloutBuilder:
         return RolloutEngine(self.weights.module, self.tokenizer, config)
 
     def state_dict(self) -> dict:
-        """The training engine's state (rollout counter, length predictor) and the carried groups, for exact
+        """The training engine's state (rollout counter, the scheduler's state) and the carried groups, for exact
         resume (plain Python values: a checkpoint loads them without unpickling classes)."""
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]

@@ -225,7 +225,8 @@ class RolloutEngine:
         self._cache = self._step = None
 
     def state_dict(self) -> dict:
-        """The rollout counter and the scheduler's learned state (predictors), for exact resume."""
+        """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its trust
+        under the length-aware method), for exact resume."""
         state = {"rollout_index": self.rollout_index}
         if hasattr(self.scheduler, "state_dict"):
             state["scheduler"] = self.scheduler.state_dict()

@@ -148,8 +148,9 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
                           length_pred_smape=first.length_pred_smape)
     offset = 0
     for part in parts:
+        group = max(1, part.group_size)  # a sample's flat index shifts as the timeline's does
         merged.decisions.extend(d._replace(step=d.step + merged.decode_steps,
-                                           key=(d.key[0] + offset // max(1, part.group_size), d.key[1]))
+                                           key=divmod(d.key[0] * group + d.key[1] + offset, group))
                                 for d in part.decisions)
         merged.decode_steps += part.decode_steps
         merged.prefill_tokens += part.prefill_tokens

@@ -69,11 +69,11 @@ def decision_counts(decisions: Sequence[Decision]) -> dict[str, int]:
 
 #: Every ``action_reason`` a scheduler may record, in the one order ranks gather their counts
 #: (``rollout/decisions/<name>``): the default's (arrival order; least attained service with preemption), then
-#: the length-aware scheduler's (its probes and plans; ``resume_arrival`` where predictions tell nothing). A new
-#: reason must be added here, or RolloutProfiler refuses to count it.
+#: the length-aware scheduler's (its probes and plans; ``resume_arrival`` where predictions tell nothing); ``other``
+#: counts a custom scheduler's reasons not listed here (RolloutProfiler warns).
 DECISION_NAMES: tuple[str, ...] = (
     "start_arrival", "start_least_attained", "resume_least_attained", "park_preemption",
-    "start_probe", "park_probe", "start_plan", "resume_plan", "park_plan", "resume_arrival",
+    "start_probe", "park_probe", "start_plan", "resume_plan", "park_plan", "resume_arrival", "other",
 )
 
 

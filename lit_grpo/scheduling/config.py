@@ -21,8 +21,8 @@ from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
-from lit_grpo.scheduling.length_aware.predictors import PredictorName, parse_predictor_name
-from lit_grpo.scheduling.length_aware.refill import RefillName
+from lit_grpo.scheduling.length_aware.predictors import LengthPredictor, PredictorName, parse_predictor_name
+from lit_grpo.scheduling.length_aware.refill import RefillName, RefillPolicy
 from lit_grpo.scheduling.length_aware.trust import GAIN_Z
 
 
@@ -68,8 +68,14 @@ class LengthAwareConfig:
                 parse_predictor_name(self.predictor)
             except ValueError as error:
                 raise ValueError(f"scheduler.length_aware.predictor: {error}") from None
-        if isinstance(self.refill, str):  # else a RefillPolicy object
+        elif not isinstance(self.predictor, LengthPredictor):
+            raise ValueError(f"scheduler.length_aware.predictor={self.predictor!r} must be a predictor's name or a "
+                             "LengthPredictor")
+        if isinstance(self.refill, str):
             check_choice("scheduler.length_aware.refill", self.refill, get_args(RefillName))
+        elif not isinstance(self.refill, RefillPolicy):
+            raise ValueError(f"scheduler.length_aware.refill={self.refill!r} must be one of {get_args(RefillName)} "
+                             "or a RefillPolicy")
         _check_tokens("length_aware.probe_tokens", self.probe_tokens)
         _check_number("length_aware.gain_z", self.gain_z, 0, strict=True)
 
@@ -142,9 +148,16 @@ class InfiniteSchedulerConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: Options of 0.1's single scheduler: where each went.
+_MOVED = {**{name: "moved under length_aware" for name in ("predictor", "refill", "probe_tokens", "gain_z")},
+          **{name: "removed (it measured nothing)" for name in ("grouping", "epsilon", "replan_tolerance",
+                                                                "slack_scale", "critical_fraction")}}
+
+
 def _from_options(cls: type, options: dict[str, Any], where: str) -> Any:
     known = [f.name for f in fields(cls)]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"unknown {where} options {unknown}; allowed: {known}")
+        notes = "; ".join(f"{name}: {_MOVED[name]}" for name in unknown if name in _MOVED and cls is not LengthAwareConfig)
+        raise ValueError(f"unknown {where} options {unknown}; allowed: {known}" + (f" ({notes})" if notes else ""))
     return cls(**options)

@@ -23,7 +23,9 @@ heavy-tailed (a sample that has run long is expected to run longer), so the fix 
 
 Every decision carries its reason (``base.Decision``): ``start`` / ``arrival`` when the gate chose first-come
 order; ``start`` / ``least_attained`` and ``resume`` / ``least_attained`` when it chose preemption; ``park`` /
-``preemption`` at a preemption point. The rollout's choice and its grounds are in ``gate_note`` and ``last_info``.
+``preemption`` at a preemption point. The rollout's choice is ``preempting`` (``last_info``, ``rollout/preempting``)
+and its grounds, in words, ``gate_note``. A sample carried from an earlier rollout counts the tokens it generated
+there: among waiting samples it runs after those that have generated fewer.
 
 State: the finished groups the gate draws from live across rollouts (checkpointed, ``state_dict``); which sample
 runs where, which are parked and how far each got is the base Scheduler's record; nothing else is kept.
@@ -35,6 +37,7 @@ import bisect
 import heapq
 import math
 import random
+import warnings
 from collections import deque
 from collections.abc import Sequence
 
@@ -64,6 +67,8 @@ def preemption_points(quantum: int | None, max_new_tokens: int) -> frozenset[int
     every stride. Doubling parks a short sample rarely; the stride keeps the rollout's end fine-grained (with
     doubling alone the last quantum is half the cap, and the longest samples run it in whole waves, slots idle).
     """
+    if quantum is not None and (isinstance(quantum, bool) or not isinstance(quantum, int) or quantum < 0):
+        raise ValueError(f"preempt_tokens={quantum!r} must be an integer >= 0 or None")
     if not quantum or quantum >= max_new_tokens:
         return frozenset()
     stride = quantum
@@ -182,8 +187,9 @@ class LeastAttainedScheduler(Scheduler):
         self.finished[key] = int(length)
 
     def end(self) -> dict[str, float]:
-        for p in range(self.work.num_prompts):  # the groups that ended here, whole: what the gate draws from
-            lengths = [self.finished.get((p, k)) for k in range(self.work.group_size)]
+        for p in range(self.work.num_prompts):  # the groups now whole (carried samples included): what the gate draws
+            lengths = [self.finished.get((p, k), self.work.generated.get((p, k)) if (p, k) in self.work.done else None)
+                       for k in range(self.work.group_size)]
             if None not in lengths:
                 self.observe(lengths)
         self.last_info = {"preempting": float(self.preempting), "parked_samples": self.parked_samples,
@@ -242,5 +248,11 @@ class LeastAttainedScheduler(Scheduler):
         return {"groups": [list(group) for group in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        groups = state["groups"] if "groups" in state else state["preemption"]["groups"]  # the latter: written by 0.1
+        # 0.1 wrote the groups under "preemption", beside a length predictor's state that this scheduler has none of
+        groups = state["groups"] if "groups" in state else state.get("preemption", {}).get("groups", [])
+        dropped = sorted({"predictor", "trust"} & set(state))
+        if dropped and type(self) is LeastAttainedScheduler:
+            warnings.warn(f"the checkpoint's scheduler state holds {dropped} (a length predictor's); the default "
+                          "scheduler has none and keeps only the finished groups (sampling.scheduler.length_aware "
+                          "resumes them)", stacklevel=2)
         self.groups = deque(([int(x) for x in group] for group in groups), maxlen=KEPT_GROUPS)

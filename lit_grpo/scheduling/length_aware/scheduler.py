@@ -8,9 +8,10 @@ for that, and for predictors to come.
 Predictions are used only as far as they have earned trust (``trust.py``): every finished sample scores the
 prediction made for it, and the scheduler works from the *calibrated* prediction (prompt and probe predictions
 earn trust apart). At planning points the gate (``trust.py``) compares prediction order with arrival order on
-lengths drawn from the calibrated model and follows the predictions only where their gain is established. Where
-it is not, the rollout runs as the default scheduler would (``least_attained.py``): preempting where that pays,
-else first come, first served.
+lengths drawn from the calibrated model and follows the predictions only where their gain is established. A
+rollout that neither follows predictions nor parks at probes from its start runs as the default scheduler would
+(``least_attained.py``: preempting where that pays); one that stops following them midway runs first come, first
+served from there.
 
 Before a token is sampled the G samples of a prompt are exchangeable, so only a token-conditioned predictor can
 tell them apart, once a sample has started. With one the scheduler probes:
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,8 +258,16 @@ class LengthAwareScheduler(LeastAttainedScheduler):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.predictor.load_state_dict(state["predictor"])
-        for kind, trust_state in state["trust"].items():
+        if "predictor" not in state:  # the default scheduler's state: nothing learned to resume
+            warnings.warn("the checkpoint's scheduler state is the default scheduler's (no length predictor): the "
+                          "length-aware method's predictor and trust start fresh", stacklevel=2)
+            return
+        try:
+            self.predictor.load_state_dict(state["predictor"])
+        except KeyError as error:
+            raise ValueError(f"the checkpoint's length predictor state lacks {error}: it was written by another "
+                             f"predictor than this run's {self.config.predictor!r}") from None
+        for kind, trust_state in state.get("trust", {}).items():
             self.trust[kind].load_state_dict(trust_state)
 
     # ---- policy ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """How far the scheduler trusts a length predictor, measured on the samples that finished.
 
-The schedulers reason in the lognormal length model (``lognormal.py``): a sample's log length is normal around
+The scheduler reasons in a lognormal length model (``predictors.expected_length``): a sample's log length is normal around
 its log prediction. Whether a prediction deserves that is measured, not assumed. Each finished sample gives a
 pair (m, t): the log of the prediction made before it finished (the predictor had not learned from it yet) and
 the log of its true length. Treating (m, t) as jointly normal, :class:`PredictionTrust` keeps their decayed means,
