@@ -152,10 +152,12 @@ class LeastAttainedScheduler(Scheduler):
         self.preempting, self.gate_note = self.judge(work)
         self.preempt_points = preemption_points(self.preempt_tokens, work.max_new_tokens) if self.preempting \
             else frozenset()
-        # The waiting samples by (tokens generated, arrival): the next to run is the least attained.
-        self._least = [(self.generated[key], rank, key) for rank, key in enumerate(self._order)]
+        # Preempting, the waiting samples by (tokens generated, arrival): the next to run is the least attained
+        # (first come, first served needs no order of its own: the base record's).
+        self._least = [(self.generated[key], rank, key) for rank, key in enumerate(self._order)] \
+            if self.preempting else []
         heapq.heapify(self._least)
-        self._rank = {key: rank for rank, key in enumerate(self._order)}
+        self._rank = {key: rank for rank, key in enumerate(self._order)} if self.preempting else {}
 
     def admit(self) -> list[tuple[int, SampleKey]]:
         if not self.preempting:
