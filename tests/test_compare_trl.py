@@ -34,6 +34,17 @@ def test_the_demo_shape_is_the_demo(demo):
         (1, 8, 32), (1, 32, 32), (1, 64, 32), (1, 128, 32)]
 
 
+def test_the_g_sweep_varies_g_alone(demo):
+    # the demo's 16-row micro-batch and 16 slots would shrink to 8 at G 8 only; the sweep holds 8 at every G
+    specs = [build_spec(demo, cell) for cell in cells("gsweep", demo)]
+    assert [(s["group_size"], s["train_micro_batch_size"], s["lit"]["micro_group_size"]) for s in specs] == [
+        (8, 8, 8), (32, 8, 8), (64, 8, 8), (128, 8, 8)]
+    assert all("rows" not in s for s in specs)
+    assert [trl_config(s, "out")["gradient_accumulation_steps"] for s in specs] == [1, 4, 8, 16]
+    with pytest.raises(ValueError, match=r"rows 12: .* positive divisor of B x G = 32"):
+        build_spec(demo, {"prompts_per_step": 1, "group_size": 32, "max_new_tokens": 8, "rows": 12})
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_both_sides_get_the_same_settings(demo, shape):
     for cell in cells(shape, demo):

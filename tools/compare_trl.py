@@ -16,19 +16,19 @@ then ``pip install --no-deps trl==1.16.0`` and, of TRL's requirements, only thos
 the venv's torch or transformers differ from this interpreter's. It makes the environment and exits; runs then
 take ``--trl-python DIR/bin/python``.
 
-**The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens),
-``4x32x64`` (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by
-default: memory first). Everything else is the demo's and set explicitly on both sides
-(``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for another), the reasoning-gym task,
-its prompts, system prompt and chat template, the accuracy reward (lit_grpo's function, called by TRL as its
-reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr 1e-5 with AdamW
-(0.9, 0.99) and 2 warm-up steps, gradient clipping 1.0, micro-batches of 16 rows and one optimizer step per GRPO
-step, temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with its engine (the demo's
-strategy and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``: transformers' paged
-continuous batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a generated config;
-TRL: ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after one warm-up step, in the ``--order`` given
-for each seed (default ``lit,trl,trl,lit``: ABBA, so a drift of the machine falls on both). A run past
-``--timeout-s`` is killed and recorded as "timeout", one killed by the kernel or failing to allocate as "oom";
+**The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens), ``4x32x64``
+(4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
+first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes). Everything else is the demo's
+and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
+another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
+function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr
+1e-5 with AdamW (0.9, 0.99) and 2 warm-up steps, gradient clipping 1.0, micro-batches of 16 rows (the sweep: 8) and
+one optimizer step per GRPO step, temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with
+its engine (the demo's strategy and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``:
+transformers' paged continuous batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a
+generated config; TRL: ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after one warm-up step, in the
+``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a drift of the machine falls on both). A run
+past ``--timeout-s`` is killed and recorded as "timeout", one killed by the kernel or failing to allocate as "oom";
 the steps it finished are kept.
 
 **What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one

@@ -27,11 +27,14 @@ import yaml
 from tools import harness
 
 DEMO_CONFIG = harness.ROOT / "configs" / "demo.yaml"
-#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens) and their default steps.
+#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default steps, and
+#: the row counts a shape holds fixed (``rows``: the update's micro-batch and lit_grpo's slots; default the demo's,
+#: capped at B x G). The G sweep varies G alone: at G 8 one prompt gives 8 rows, so every G gets 8-row micro-batches
+#: and 8 slots, and a change of peak with G is the group's, not a larger micro-batch's.
 SHAPES: dict[str, dict[str, Any]] = {
     "demo": {"cells": [(None, None, None)], "steps": 8},  # None: the demo's own B, G and tokens
     "4x32x64": {"cells": [(4, 32, 64)], "steps": 8},
-    "gsweep": {"cells": [(1, 8, 32), (1, 32, 32), (1, 64, 32), (1, 128, 32)], "steps": 1},
+    "gsweep": {"cells": [(1, 8, 32), (1, 32, 32), (1, 64, 32), (1, 128, 32)], "steps": 1, "rows": 8},
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
@@ -53,9 +56,12 @@ def cells(shape: str, demo: dict[str, Any]) -> list[dict[str, int]]:
     sampling = demo["data"]["sampling"]
     out = []
     for prompts, group, tokens in SHAPES[shape]["cells"]:
-        out.append({"prompts_per_step": prompts or demo["data"]["prompts_per_step"],
-                    "group_size": group or sampling["group_size"],
-                    "max_new_tokens": tokens or sampling["max_new_tokens"]})
+        cell = {"prompts_per_step": prompts or demo["data"]["prompts_per_step"],
+                "group_size": group or sampling["group_size"],
+                "max_new_tokens": tokens or sampling["max_new_tokens"]}
+        if "rows" in SHAPES[shape]:
+            cell["rows"] = SHAPES[shape]["rows"]
+        out.append(cell)
     return out
 
 
@@ -74,7 +80,11 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     m, d = demo["model"], demo["data"]
     sampling = d["sampling"]
+    cell = dict(cell)
+    fixed_rows = cell.pop("rows", None)
     rows = cell["prompts_per_step"] * cell["group_size"]
+    if fixed_rows is not None and (fixed_rows < 1 or rows % fixed_rows):
+        raise ValueError(f"rows {fixed_rows}: the fixed micro-batch must be a positive divisor of B x G = {rows}")
     loss = {"loss_type": "dapo", "epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.0,
             "importance_sampling_level": "token", **m.get("loss", {})}
     return {
@@ -91,7 +101,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "top_p": sampling.get("top_p", 1.0),
         "top_k": sampling.get("top_k", 0),
         # a divisor of B x G, so TRL's accumulation covers the rows exactly
-        "train_micro_batch_size": math.gcd(m.get("train_micro_batch_size", 8), rows),
+        "train_micro_batch_size": fixed_rows or math.gcd(m.get("train_micro_batch_size", 8), rows),
         "loss": loss,
         "scale_rewards": m.get("scale_rewards", "group"),
         "num_iterations": m.get("num_iterations", 1),
@@ -105,7 +115,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
                                                          "system_prompt", "reward_funcs") if key in d},
         "lit": {"strategy": sampling.get("strategy", "infinite"),
-                "micro_group_size": min(sampling.get("micro_group_size", 8), rows)},
+                "micro_group_size": fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
         "trl": {"generation": trl_generation},
     }
 
