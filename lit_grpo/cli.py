@@ -51,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
+from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
 
@@ -73,12 +74,16 @@ Then: tensorboard --logdir lightning_logs"""
 
 
 class GRPOCLI(LightningCLI):
-    """LightningCLI restricted to fit and validate, plus ``torch_num_threads``.
+    """LightningCLI restricted to fit and validate, plus ``torch_num_threads`` and ``malloc_mmap_threshold``.
 
     ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built; left
     unset it is ``available_cores()``, the cores this process may run on, so an idle machine is used whole. On a
     CPU other processes keep busy, fewer threads can be faster: OpenMP threads spin-waiting for a core another
     process holds slow every parallel op down (configs/demo.yaml says what it picks and why).
+
+    ``malloc_mmap_threshold`` (top level, default 4 MiB) fixes glibc's mmap threshold before anything is built
+    (``lit_grpo.runtime.memory.fix_mmap_threshold``): without it a CPU step's resident memory grows with the number
+    of its micro-batches. It is process-wide, so it is set in ``lit-grpo``'s own process, not by the modules.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -163,6 +168,10 @@ class GRPOCLI(LightningCLI):
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
                             help="torch.set_num_threads(N) before building anything (None: the cores this process "
                                  "may run on)")
+        parser.add_argument("--malloc_mmap_threshold", type=Optional[int], default=DEFAULT_MMAP_THRESHOLD,
+                            help="glibc's mmap threshold in bytes, fixed at start: larger freed blocks go back to "
+                                 "the system at once, so a CPU step's memory does not grow with G (null: glibc's "
+                                 "own, self-raising; MALLOC_MMAP_THRESHOLD_ in the environment wins)")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -174,6 +183,9 @@ class GRPOCLI(LightningCLI):
             elif threads < 1:
                 raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for the cores this process may "
                                  f"run on, {available_cores()} here)")
+            threshold = config.get("malloc_mmap_threshold")
+            if threshold is not None:
+                fix_mmap_threshold(threshold)
         torch.set_num_threads(threads)
 
     def instantiate_classes(self) -> None:

@@ -196,6 +196,63 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     assert len(dm.train_prompt_ids) == 56
 
 
+# Whether glibc maps a malloc'd block of its own (mallinfo2's count of mapped blocks rises while it is held): an
+# 8 MiB block twice (glibc's own threshold rises to 8 MiB when the first is freed, so the second comes from the
+# heap), then a 2 MiB block. argv[1]: "fix" to fix the threshold at 4 MiB first, as lit-grpo does.
+_MAPPED_PROBE = """
+import ctypes, json, sys
+from lit_grpo.runtime.memory import fix_mmap_threshold
+fixed = fix_mmap_threshold(4 << 20) if sys.argv[1] == "fix" else None
+libc = ctypes.CDLL(None)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def mapped(nbytes):
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(nbytes)
+    out = libc.mallinfo2().hblks > before
+    libc.free(block)
+    return out
+print(json.dumps({"fixed": fixed, "mapped": [mapped(8 << 20), mapped(8 << 20), mapped(2 << 20)]}))
+"""
+
+
+def _probe_mapped(mode: str, **env: str) -> dict:
+    import ctypes
+    import json
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc >= 2.33 only (mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", _MAPPED_PROBE, mode], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env)
+    return json.loads(out.stdout)
+
+
+def test_a_fixed_mmap_threshold_keeps_large_blocks_mapped_and_small_ones_in_the_heap():
+    assert _probe_mapped("own") == {"fixed": None, "mapped": [True, False, False]}  # glibc's threshold rose
+    assert _probe_mapped("fix") == {"fixed": True, "mapped": [True, True, False]}
+    # the user's MALLOC_MMAP_THRESHOLD_ wins: lit-grpo leaves it as it is
+    assert _probe_mapped("fix", MALLOC_MMAP_THRESHOLD_="131072") == {"fixed": False, "mapped": [True, True, True]}
+
+
+def test_the_mmap_threshold_option_is_checked_and_can_be_turned_off(monkeypatch):
+    from lit_grpo import cli as cli_module
+
+    calls = []
+    monkeypatch.setattr(cli_module, "fix_mmap_threshold", calls.append)
+    build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
+    build_cli(["--config", TINY, "--trainer.logger", "false", "--malloc_mmap_threshold", "null"], run=False)
+    assert calls == [4 << 20]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"malloc_mmap_threshold=0 must be between 1 and 33554432 bytes "
+                                         r"\(glibc's largest\), or null for glibc's own threshold"):
+        build_cli(["--config", TINY, "--malloc_mmap_threshold", "0"], run=False)
+
+
 def test_thread_count_uses_the_available_cores_unless_the_config_says(monkeypatch):
     import torch
 

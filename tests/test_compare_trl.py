@@ -229,3 +229,18 @@ def test_records_cut_short_by_a_kill_are_read(tmp_path):
     path.write_text('{"event": "start"}\n{"event": "step", "step": 1}\n{"event": "st')
     assert compare_trl.read_records(path) == [{"event": "start"}, {"event": "step", "step": 1}]
     assert compare_trl.read_records(tmp_path / "none.jsonl") == []
+
+
+def test_an_environment_with_this_torch_and_transformers_is_accepted_whatever_its_torch_says(tmp_path, monkeypatch):
+    """Both sides' versions are their distributions' (a CUDA torch's module says 2.11.0+cu130, its wheel 2.11.0):
+    this interpreter, given a stand-in ``trl``, passes; one whose torch differs is refused, naming both."""
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("__version__ = '1.16.0'\n")
+    (tmp_path / "trl-1.16.0.dist-info").mkdir()
+    (tmp_path / "trl-1.16.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: trl\nVersion: 1.16.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    versions = compare_trl.check_trl_python(sys.executable)
+    assert versions[2] == "1.16.0" and versions[0] == compare_trl.importlib.metadata.version("torch")
+    monkeypatch.setattr(compare_trl.importlib.metadata, "version", lambda name: "0.0-other")
+    with pytest.raises(SystemExit, match=r"has torch .*; this environment has 0.0-other, 0.0-other"):
+        compare_trl.check_trl_python(sys.executable)

@@ -94,6 +94,14 @@ def test_every_tool_is_run_as_a_module_and_edits_no_import_path():
     assert "tools/gpu_targets.py --" not in check and "tools/bench_grpo_memory.py --" not in check
 
 
+def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels():
+    script = ROOT / "tools" / "gpu_compare_trl.sh"
+    assert "python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep" in script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "usage: bash tools/gpu_compare_trl.sh WHEEL_DIR" in proc.stderr
+
+
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):
     report = bench_rollout.main(["--model", "tiny", "--prompts", "2", "--group-size", "4", "--micro-group-size", "2",
                                  "--max-new-tokens", "6", "--temperature", "1.0", "--repeats", "1", "--threads", "1",

@@ -91,8 +91,9 @@ for text in md.requires("trl") or []:
         missing.append(text)
 print(json.dumps(missing))
 """
-_VERSIONS = "import json, torch, transformers, trl; print(json.dumps([torch.__version__, transformers.__version__, " \
-            "trl.__version__]))"
+# distribution versions, as this side reads its own (torch's module says 2.11.0+cu130 where its wheel says 2.11.0)
+_VERSIONS = "import json, importlib.metadata as m, torch, transformers, trl; " \
+            "print(json.dumps([m.version(n) for n in ('torch', 'transformers', 'trl')]))"
 
 
 def make_trl_env(path: Path) -> Path:

@@ -35,6 +35,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "demo": {"cells": [(None, None, None)], "steps": 8},  # None: the demo's own B, G and tokens
     "4x32x64": {"cells": [(4, 32, 64)], "steps": 8},
     "gsweep": {"cells": [(1, 8, 32), (1, 32, 32), (1, 64, 32), (1, 128, 32)], "steps": 1, "rows": 8},
+    # the G sweep of a GPU (with --device cuda --precision bf16-mixed --model random:qwen3-1.7b): tokens where a
+    # step's KV cache is a real share of its memory
+    "gpu_gsweep": {"cells": [(1, 8, 512), (1, 32, 512), (1, 64, 512)], "steps": 1, "rows": 8},
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")

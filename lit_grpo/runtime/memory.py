@@ -1,5 +1,6 @@
-"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) peak on CPU; and
-``release_freed_host_memory``, the CPU's counterpart of ``torch.cuda.empty_cache``.
+"""Resettable memory peaks: the CUDA allocator's, and the process's resident-set (RSS) peak on CPU;
+``release_freed_host_memory``, the CPU's counterpart of ``torch.cuda.empty_cache``; and ``fix_mmap_threshold``,
+which keeps a CPU step's resident memory from growing with its micro-batches.
 
 A tracker answers "what was the most memory held since my last ``reset()``", which is what a per-phase peak
 needs (lit_grpo.callbacks.PeakMemoryMonitor, tools/bench_*.py). On CPU there are three ways (``CpuMethod``):
@@ -197,6 +198,43 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return getattr(ctypes.CDLL(None), "malloc_trim", None)
     except OSError:
         return None
+
+
+#: ``mallopt``'s parameter number for the mmap threshold (glibc's ``M_MMAP_THRESHOLD``).
+_M_MMAP_THRESHOLD = -3
+#: The largest threshold glibc takes on 64-bit Linux (half its heap size, ``HEAP_MAX_SIZE / 2``).
+MMAP_THRESHOLD_MAX = 32 << 20
+#: What ``lit-grpo`` fixes the threshold at (its ``--malloc_mmap_threshold``; figures in docs/training.md).
+DEFAULT_MMAP_THRESHOLD = 4 << 20
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt``, or None where the C library has none."""
+    try:
+        return getattr(ctypes.CDLL(None), "mallopt", None)
+    except OSError:
+        return None
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` for the rest of the process: a heap request of that size or more
+    gets a mapping of its own, which goes back to the kernel when it is freed. True where it was set; False where
+    the C library is not glibc or the environment's ``MALLOC_MMAP_THRESHOLD_`` already fixed it (that choice wins).
+
+    Why: by default glibc raises the threshold each time a mapped block is freed (up to 32 MiB), after which an
+    update's freed activations stay in the heap, and a later micro-batch does not always fit the holes they leave:
+    a CPU step's resident memory then grows with its number of micro-batches, so with G. A fixed threshold keeps
+    the large blocks mapped and returns them at once; a few MiB keeps the many small blocks in the heap, where
+    reuse costs no page faults.
+    """
+    if not 1 <= nbytes <= MMAP_THRESHOLD_MAX:
+        raise ValueError(f"malloc_mmap_threshold={nbytes} must be between 1 and {MMAP_THRESHOLD_MAX} bytes "
+                         "(glibc's largest), or null for glibc's own threshold")
+    mallopt = _mallopt()
+    if mallopt is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
 
 
 def release_freed_host_memory() -> bool:

