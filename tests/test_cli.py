@@ -196,8 +196,8 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     assert len(dm.train_prompt_ids) == 56
 
 
-# Whether glibc maps a malloc'd block of its own (mallinfo2's count of mapped blocks rises while it is held): an
-# 8 MiB block twice (glibc's own threshold rises to 8 MiB when the first is freed, so the second comes from the
+# Whether glibc maps a malloc'd block of its own (mallinfo2's count of mapped blocks rises while it is held): a
+# 24 MiB block twice (glibc's own threshold rises to 24 MiB when the first is freed, so the second comes from the
 # heap), then a 2 MiB block. argv[1]: "fix" to fix the threshold at 4 MiB first, as lit-grpo does.
 _MAPPED_PROBE = """
 import ctypes, json, sys
@@ -217,7 +217,7 @@ def mapped(nbytes):
     out = libc.mallinfo2().hblks > before
     libc.free(block)
     return out
-print(json.dumps({"fixed": fixed, "mapped": [mapped(8 << 20), mapped(8 << 20), mapped(2 << 20)]}))
+print(json.dumps({"fixed": fixed, "mapped": [mapped(24 << 20), mapped(24 << 20), mapped(2 << 20)]}))
 """
 
 
