@@ -18,7 +18,8 @@ take ``--trl-python DIR/bin/python``.
 
 **The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens), ``4x32x64``
 (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
-first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes). Everything else is the demo's
+first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
+at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
 function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr

@@ -192,10 +192,11 @@ def read_statm_rss() -> int:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name`` (glibc's ``malloc_trim``, ``mallopt``), or None where it has none (musl,
+    macOS, Windows)."""
     try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+        return getattr(ctypes.CDLL(None), name, None)
     except OSError:
         return None
 
@@ -206,15 +207,6 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20
 #: What ``lit-grpo`` fixes the threshold at (its ``--malloc_mmap_threshold``; figures in docs/training.md).
 DEFAULT_MMAP_THRESHOLD = 4 << 20
-
-
-@functools.cache
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's ``mallopt``, or None where the C library has none."""
-    try:
-        return getattr(ctypes.CDLL(None), "mallopt", None)
-    except OSError:
-        return None
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
@@ -231,7 +223,7 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     if not 1 <= nbytes <= MMAP_THRESHOLD_MAX:
         raise ValueError(f"malloc_mmap_threshold={nbytes} must be between 1 and {MMAP_THRESHOLD_MAX} bytes "
                          "(glibc's largest), or null for glibc's own threshold")
-    mallopt = _mallopt()
+    mallopt = _libc_function("mallopt")
     if mallopt is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
@@ -245,7 +237,7 @@ def release_freed_host_memory() -> bool:
     process's memory while the optimizer allocates its state on top. Live tensors are not touched; a freed page
     that is needed again costs one page fault.
     """
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is None:
         return False
     trim(0)
