@@ -3,6 +3,7 @@ watched from outside a child, and the lit_grpo config read back through the CLI.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -191,6 +192,29 @@ def test_summary_and_table_from_synthetic_runs():
     assert "timeout x1, oom x1 (1-2 of 3 steps done)" in table
     assert "within the spread" in table and "GRPOConfig: num_generations=8, beta=0.0" in table
     assert "  - 4x32x64: num_generations=32" in table and "TRL optimizers: AdamW" in table
+
+
+def test_a_comparison_stopped_midway_keeps_the_runs_it_finished(tmp_path, monkeypatch, capsys):
+    finished = _record("lit", 0, *_steps(2.0, 1.0, 0.5, 100 * MB))
+    finished["cuda_peak_bytes"] = 3 << 30
+    outcomes = iter([finished, KeyboardInterrupt()])  # the second run is stopped (a command's time limit)
+
+    def run_one(*args):
+        outcome = next(outcomes)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(compare_trl, "check_trl_python", lambda python: ("2", "5", "1.16.0"))
+    monkeypatch.setattr(compare_trl, "run_one", run_one)
+    out = tmp_path / "report.json"
+    with pytest.raises(KeyboardInterrupt):
+        compare_trl.main(["--trl-python", "python3", "--shape", "demo", "--steps", "2", "--json", str(out),
+                          "--work-dir", str(tmp_path / "runs")])
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["status"]) for r in report["runs"]] == [("lit", "ok")]
+    assert report["summary"][0]["systems"]["lit"]["step_s"] == pytest.approx(2.15)
+    assert "CUDA peak 3.00 GiB, peak RSS 0.10 GiB" in capsys.readouterr().err
 
 
 def test_different_prompts_are_named():

@@ -44,7 +44,8 @@ runs), and the ratios lit_grpo / TRL. With several seeds, the mean reward per se
 two systems' means lie within the larger of their spreads.
 
 Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"config", "trl_settings"
-(GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``. Each run's
+(GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``, written again
+after every run, so a comparison stopped midway (a command's time limit) keeps the runs it finished. Each run's
 folder under ``--work-dir`` keeps its spec, config, step records and output.
 """
 
@@ -451,38 +452,49 @@ def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
                        trl_generation=args.trl_generation) for cell in cells(args.shape, demo)]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.make_trl_env is not None:
-        python = make_trl_env(args.make_trl_env.expanduser())
-        print(f"TRL environment ready: --trl-python {python}")
-        return {}
-    trl_versions = check_trl_python(args.trl_python)
-    cell_specs = specs(args)
-    runs = []
-    for run in plan(args.order, args.seeds, len(cell_specs)):
-        spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
-        run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
-            f"{len(runs):02d}_{run['system']}"
-        record = run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s)
-        runs.append(record)
-        print(f"{SYSTEM_NAMES[run['system']]:8s} {record['label']} seed {run['seed']}: {record['status']}, "
-              f"{len(record['steps'])} steps, step {_seconds(record['step_s'])} s, rollout "
-              f"{_seconds(record['rollout_s'])} s, peak RSS {_gib(record['rss_peak_bytes'])} GiB, maxrss "
-              f"{_gib(record['maxrss_bytes'])} GiB ({run_dir})", file=sys.stderr, flush=True)
-    report = {
+def build_report(args: argparse.Namespace, cell_specs: list[dict[str, Any]], trl_version: str,
+                 runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``--json`` record of the runs done so far (module docstring)."""
+    return {
         "config": harness.config_record(args, steps_total=args.steps + 1, model=cell_specs[0]["model"],
                                         precision=cell_specs[0]["precision"]),
-        "trl_settings": {"version": trl_versions[2],
+        "trl_settings": {"version": trl_version,
                          "GRPOConfig": {cell_label(s): {k: v for k, v in trl_config(s, "RUN_DIR").items()
                                                         if k != "output_dir"} for s in cell_specs},
                          "other": trl_other_settings(cell_specs[0])},
         "runs": runs,
         "summary": summarize(runs),
     }
+
+
+def run_line(record: dict[str, Any]) -> str:
+    """One finished run in a line: status, steps, medians and peaks (the CUDA peak where there is one)."""
+    cuda = "" if record["cuda_peak_bytes"] is None else f"CUDA peak {_gib(record['cuda_peak_bytes'])} GiB, "
+    return (f"{SYSTEM_NAMES[record['system']]:8s} {record['label']} seed {record['seed']}: {record['status']}, "
+            f"{len(record['steps'])} steps, step {_seconds(record['step_s'])} s, rollout "
+            f"{_seconds(record['rollout_s'])} s, {cuda}peak RSS {_gib(record['rss_peak_bytes'])} GiB, maxrss "
+            f"{_gib(record['maxrss_bytes'])} GiB ({record['run_dir']})")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.make_trl_env is not None:
+        python = make_trl_env(args.make_trl_env.expanduser())
+        print(f"TRL environment ready: --trl-python {python}")
+        return {}
+    trl_version = check_trl_python(args.trl_python)[2]
+    cell_specs = specs(args)
+    runs = []
+    for run in plan(args.order, args.seeds, len(cell_specs)):
+        spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
+        run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
+            f"{len(runs):02d}_{run['system']}"
+        runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s))
+        print(run_line(runs[-1]), file=sys.stderr, flush=True)
+        harness.write_json(args.json, build_report(args, cell_specs, trl_version, runs))
+    report = build_report(args, cell_specs, trl_version, runs)
     table = markdown(report)
     print(table)
-    harness.write_json(args.json, report)
     harness.write_text(args.markdown, table)
     return report
 

@@ -18,8 +18,9 @@
 #
 # 1. installs the wheels into a private folder put first on PYTHONPATH, and lit_grpo (editable, no dependencies);
 # 2. python -m tools.compare_trl --shape gpu_gsweep with --trl-python python3 (one environment for both sides).
-# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets gpu_gsweep.json, gpu_gsweep.md and runs.tgz (the
-# runs' configs, records and logs). TRL's three runs took about 100 s each on an H200 (start-up included); where
+# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets gpu_gsweep.json (written again after every run:
+# a command stopped at its time limit keeps the runs it finished), gpu_gsweep.md and runs.tgz (the runs' configs,
+# records and logs). TRL's three runs took about 100 s each on an H200 (start-up included); where
 # one command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER lit, then trl).
 set -uo pipefail
 WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER]}")"
