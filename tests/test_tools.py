@@ -321,16 +321,16 @@ def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
     for name, argv in gpu_targets.measurements("tiny", "float32", 1).items():
         args = bench_rollout.parse_args(argv)
         assert args.micro_group_size == 8 and args.repeats == 1, name
-    # the fastest measurement, end to end on the tiny model (verdicts mean nothing on a CPU)
+    # the fastest measurement, end to end on the tiny model (verdicts mean nothing on a CPU). Not "step": its
+    # generate_batch run sizes transformers' paged cache from the machine's whole RAM on a CPU (15 GiB here), a
+    # test's cost that only measures an allocation; the GPU check runs it (tools/gpu_check.sh)
     out = tmp_path / "targets.json"
-    verdicts = gpu_targets.main(["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--only", "step",
+    verdicts = gpu_targets.main(["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--only", "g_equals_G",
                                  "--json", str(out)])
-    assert {v["target"] for v in verdicts} == {t.name for t in gpu_targets.TARGETS if t.measurement == "step"}
+    assert [v["target"] for v in verdicts] == [t.name for t in gpu_targets.TARGETS if t.measurement == "g_equals_G"]
     assert json.loads(out.read_text())["verdicts"] == verdicts
-    again = gpu_targets.main(["--only", "step", "--from-dir", str(tmp_path / "targets")])
-    assert [v["value"] for v in again] == [v["value"] for v in verdicts]
-    step = next(v for v in again if "roofline_ratio" in v)
-    assert step["roofline_ratio"] == pytest.approx(step["value"] / step["floor_ms_per_step"])
+    again = gpu_targets.main(["--only", "g_equals_G", "--from-dir", str(tmp_path / "targets")])
+    assert [v["value"] for v in again] == [v["value"] for v in verdicts] and verdicts[0]["value"] > 0
 
 
 def test_bench_partial_rollouts_writes_its_fields(tmp_path):
