@@ -321,9 +321,9 @@ def test_gpu_targets_measurements_are_valid_bench_commands_and_run(tmp_path):
     for name, argv in gpu_targets.measurements("tiny", "float32", 1).items():
         args = bench_rollout.parse_args(argv)
         assert args.micro_group_size == 8 and args.repeats == 1, name
-    # the fastest measurement, end to end on the tiny model (verdicts mean nothing on a CPU). Not "step": its
-    # generate_batch run sizes transformers' paged cache from the machine's whole RAM on a CPU (15 GiB here), a
-    # test's cost that only measures an allocation; the GPU check runs it (tools/gpu_check.sh)
+    # the fastest measurement, end to end on the tiny model (verdicts mean nothing on a CPU). Not "step": on a CPU
+    # its generate_batch run sizes transformers' paged cache from the machine's whole RAM, so it would time a
+    # RAM-sized allocation; the GPU check runs it (tools/gpu_check.sh)
     out = tmp_path / "targets.json"
     verdicts = gpu_targets.main(["--model", "tiny", "--dtype", "float32", "--repeats", "1", "--only", "g_equals_G",
                                  "--json", str(out)])
