@@ -491,8 +491,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{len(runs):02d}_{run['system']}"
         runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s))
         print(run_line(runs[-1]), file=sys.stderr, flush=True)
-        harness.write_json(args.json, build_report(args, cell_specs, trl_version, runs))
-    report = build_report(args, cell_specs, trl_version, runs)
+        report = build_report(args, cell_specs, trl_version, runs)
+        harness.write_json(args.json, report)
     table = markdown(report)
     print(table)
     harness.write_text(args.markdown, table)
