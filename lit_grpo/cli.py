@@ -76,10 +76,12 @@ Then: tensorboard --logdir lightning_logs"""
 class GRPOCLI(LightningCLI):
     """LightningCLI restricted to fit and validate, plus ``torch_num_threads`` and ``malloc_mmap_threshold``.
 
-    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built; left
-    unset it is ``available_cores()``, the cores this process may run on, so an idle machine is used whole. On a
-    CPU other processes keep busy, fewer threads can be faster: OpenMP threads spin-waiting for a core another
-    process holds slow every parallel op down (configs/demo.yaml says what it picks and why).
+    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built. Left
+    unset it is ``OMP_NUM_THREADS`` where the environment sets it (a launcher's choice: torchrun sets 1), else this
+    process's share of the cores it may run on (``available_cores()`` divided by the trainer's devices per node,
+    each a process of its own), so an idle machine is used whole and ranks on one node do not each take all of it:
+    OpenMP threads spin-waiting for a core another process holds slow every parallel op down. For the same reason
+    fewer threads can be faster on a CPU that other jobs keep busy (configs/demo.yaml says what it picks and why).
 
     ``malloc_mmap_threshold`` (top level, default 4 MiB) fixes glibc's mmap threshold before anything is built
     (``lit_grpo.runtime.memory.fix_mmap_threshold``): without it a CPU step's resident memory grows with the number
@@ -110,7 +112,24 @@ class GRPOCLI(LightningCLI):
                 isinstance(cb, ModelCheckpoint) for cb in configured):
             callbacks = [*callbacks, RunCheckpoint()]
         check_distinct_stateful_callbacks([*configured, *callbacks])
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        self._settle_threads(trainer.num_devices)
+        return trainer
+
+    def _settle_threads(self, local_processes: int) -> None:
+        """The threads of this process, where ``local_processes`` run on this node, and of the ranks it starts:
+        ``torch_num_threads`` (set already), else ``OMP_NUM_THREADS`` where set (torch took it when it started),
+        else this process's share of the cores. The ranks re-run this command and Lightning's launcher sets a share
+        of its own unless ``OMP_NUM_THREADS`` is set, so the choice is handed to them there."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        threads = config.get("torch_num_threads")
+        if threads is None:
+            if "OMP_NUM_THREADS" in os.environ:
+                return
+            threads = max(1, available_cores() // local_processes)
+            torch.set_num_threads(threads)
+        if local_processes > 1:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
 
     def _parse_ckpt_path(self) -> None:
         """A ``--ckpt_path`` file is checked before anything loads it: a missing, cut-short or foreign file, or one
@@ -166,8 +185,9 @@ class GRPOCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
-                            help="torch.set_num_threads(N) before building anything (None: the cores this process "
-                                 "may run on)")
+                            help="torch.set_num_threads(N) before building anything (None: OMP_NUM_THREADS where "
+                                 "set, else this process's share of the cores: the cores it may run on divided "
+                                 "by the devices per node)")
         parser.add_argument("--malloc_mmap_threshold", type=Optional[int], default=DEFAULT_MMAP_THRESHOLD,
                             help="glibc's mmap threshold in bytes, fixed at start: larger freed blocks go back to "
                                  "the system at once, so a CPU step's memory does not grow with G (null: glibc's "
@@ -178,15 +198,14 @@ class GRPOCLI(LightningCLI):
         with self._config_errors():
             check_manual_optimization_settings(config.get("trainer") or {})
             threads = config.get("torch_num_threads")
-            if threads is None:
-                threads = available_cores()
-            elif threads < 1:
-                raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for the cores this process may "
-                                 f"run on, {available_cores()} here)")
+            if threads is not None and threads < 1:
+                raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for OMP_NUM_THREADS where set, "
+                                 f"else this process's share of the {available_cores()} cores it may run on)")
             threshold = config.get("malloc_mmap_threshold")
             if threshold is not None:
                 fix_mmap_threshold(threshold)
-        torch.set_num_threads(threads)
+        if threads is not None:  # else OMP_NUM_THREADS, which torch took when it started, or _settle_threads
+            torch.set_num_threads(threads)
 
     def instantiate_classes(self) -> None:
         with self._config_errors():

@@ -253,16 +253,30 @@ def test_the_mmap_threshold_option_is_checked_and_can_be_turned_off(monkeypatch)
         build_cli(["--config", TINY, "--malloc_mmap_threshold", "0"], run=False)
 
 
-def test_thread_count_uses_the_available_cores_unless_the_config_says(monkeypatch):
+def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_the_environment_says(monkeypatch):
+    import os
+
     import torch
 
     from lit_grpo import cli as cli_module
 
-    monkeypatch.setattr(cli_module.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
-    assert torch.get_num_threads() == 3
-    build_cli(["--config", TINY, "--trainer.logger", "false", "--torch_num_threads", "1"], run=False)
+    monkeypatch.setattr(cli_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded first, so the teardown takes back what the CLI sets
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    quiet = ["--config", TINY, "--trainer.logger", "false"]
+    build_cli(quiet, run=False)
+    assert torch.get_num_threads() == 5 and "OMP_NUM_THREADS" not in os.environ
+    # two ranks on this node: each its share, which the rank this process starts inherits
+    build_cli([*quiet, "--trainer.strategy", "ddp", "--trainer.devices", "2"], run=False)
+    assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    # so a launcher's OMP_NUM_THREADS (torch took it when it started) is kept, not replaced by all the cores
+    build_cli(quiet, run=False)
+    assert torch.get_num_threads() == 2
+    build_cli([*quiet, "--torch_num_threads", "1"], run=False)
     assert torch.get_num_threads() == 1
-    with pytest.raises(ValueError, match=r"torch_num_threads=0 must be >= 1 \(or null for the cores this process "
-                                         r"may run on, 3 here\)"):
+    # the config's count goes to the ranks too (Lightning's launcher would set its own share where none is set)
+    build_cli([*quiet, "--torch_num_threads", "3", "--trainer.strategy", "ddp", "--trainer.devices", "2"], run=False)
+    assert torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError, match=r"torch_num_threads=0 must be >= 1 \(or null for OMP_NUM_THREADS where "
+                                         r"set, else this process's share of the 5 cores it may run on\)"):
         build_cli(["--config", TINY, "--torch_num_threads", "0"], run=False)

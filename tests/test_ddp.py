@@ -14,6 +14,8 @@ import torch
 import yaml
 from two_process_helpers import ROOT, fit_two_processes
 
+from lit_grpo.cli import available_cores
+
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
 
 
@@ -31,6 +33,9 @@ def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
         # same shapes (a determinism claim; the two processes share this machine's CPU)
         assert a["param_sum"] == b["param_sum"] and a["param_abs"] == b["param_abs"]
         assert a["grad_norm"] == b["grad_norm"]
+        # each rank its share of the cores (the run's first process hands it to the other in OMP_NUM_THREADS), not
+        # all of them each: two ranks spin-waiting for each other's cores run several times slower
+        assert a["threads"] == b["threads"] == max(1, available_cores() // 2)
     assert ranks[0][0]["param_abs"] != ranks[0][1]["param_abs"]  # and they did train
 
 

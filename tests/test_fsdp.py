@@ -95,6 +95,7 @@ def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run,
     for rank in (0, 1):
         for a, b in zip(read_records(ddp_run, rank), read_records(fsdp_run, rank), strict=True):
             assert b["sharded"] and not a["sharded"]
+            assert b["threads"] == a["threads"]  # the ddp run's share of the cores (tests/test_ddp.py)
             # equal tokens although the sharded rollout may run other float32 kernels (and its weights agree to
             # rounding after a step): a sampled token changes only if its uniform lies within that rounding
             # (~1e-7) of a CDF boundary

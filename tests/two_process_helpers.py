@@ -13,7 +13,8 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def fit_two_processes(tmp: Path, *args: str) -> str:
     """Fit the tiny config for 2 steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
-    the StepRecorder path (its records of every rank, and each rank's batch of step 1)."""
+    the StepRecorder path (its records of every rank, and each rank's batch of step 1). ``OMP_NUM_THREADS`` is left
+    out of the environment, so the threads per rank are what a user's run gets by default: its share of the cores."""
     record = tmp / "rec"
     cmd = lit_grpo_command() + [
         "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
@@ -21,7 +22,7 @@ def fit_two_processes(tmp: Path, *args: str) -> str:
         "--model.scale_rewards", "batch", "--model.lr", "1e-2",
         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
-    env = repo_env(OMP_NUM_THREADS="1")
+    env = {key: value for key, value in repo_env().items() if key != "OMP_NUM_THREADS"}
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr

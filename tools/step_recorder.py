@@ -6,7 +6,7 @@ on PYTHONPATH. A step done twice (a resumed run redoing steps after a kill) is a
 keeps the last record of each step. Each line: global_step, rank, world_size, indices (the batch's prompt indices), completion_ids
 (``[B][G][T]`` real tokens only), rewards, advantages, skipped, loss, grad_norm, param_sum (float64 sum of every
 policy parameter after the step; under FSDP2 of this rank's shard, with sharded true) and param_abs (the same over
-absolute values). ``save_batches``: global steps
+absolute values), threads (``torch.get_num_threads()`` during the step). ``save_batches``: global steps
 (counted after the step) whose whole ``RolloutBatch`` is saved next to the records (``torch.save``).
 ``record_state``: each line also holds ``data_state``, the state that decides what data comes next
 (``data_steering_state``: the prompt sampler / curriculum and the reward forecasts), to compare it across ranks.
@@ -97,6 +97,7 @@ class StepRecorder(Callback):
             "micro_group_size": batch.metrics.get("rollout/micro_group_size"),
             "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
             "group_size": batch.group_size, "num_prompts": batch.num_prompts,
+            "threads": torch.get_num_threads(),
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "rollout": batch.stats.scalars(),
         }
