@@ -76,7 +76,7 @@ Then: tensorboard --logdir lightning_logs"""
 class GRPOCLI(LightningCLI):
     """LightningCLI restricted to fit and validate, plus ``torch_num_threads`` and ``malloc_mmap_threshold``.
 
-    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before anything is built. Left
+    ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before the model is loaded. Left
     unset it is ``OMP_NUM_THREADS`` where the environment sets it (a launcher's choice: torchrun sets 1), else this
     process's share of the cores it may run on (``available_cores()`` divided by the trainer's devices per node,
     each a process of its own), so an idle machine is used whole and ranks on one node do not each take all of it:
@@ -101,7 +101,7 @@ class GRPOCLI(LightningCLI):
         """The configured callbacks plus lit_grpo's defaults for what the config leaves out: FitSummary, the GRPO
         progress bar (when the bar is on) and ``RunCheckpoint`` (when checkpointing is on): ``last.ckpt`` kept
         current, atomic saves, a saved stop on SIGTERM / Ctrl-C. Identical stateful callbacks are refused here,
-        with their settings named."""
+        with their settings named. Then the threads, which depend on the trainer's devices per node."""
         configured = [*(config.get("callbacks") or []), *callbacks]
         if not any(isinstance(cb, FitSummary) for cb in configured):
             callbacks = [*callbacks, FitSummary()]
