@@ -121,8 +121,7 @@ class GRPOCLI(LightningCLI):
         ``torch_num_threads`` (set already), else ``OMP_NUM_THREADS`` where set (torch took it when it started),
         else this process's share of the cores. The ranks re-run this command and Lightning's launcher sets a share
         of its own unless ``OMP_NUM_THREADS`` is set, so the choice is handed to them there."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        threads = config.get("torch_num_threads")
+        threads = self._get(self.config, "torch_num_threads")
         if threads is None:
             if "OMP_NUM_THREADS" in os.environ:
                 return
