@@ -466,6 +466,9 @@ def test_sampling_config_errors_name_the_option(tiny_llama):
         SamplingConfig(scheduler={"length_aware": {"predictor": "history"}})
     with pytest.raises(ValueError, match=r"micro_group_size='auto' must be resolved"):
         RolloutEngine(model, tokenizer, micro_group_size="auto", kv_budget_bytes=10**6)
+    for name, value in [("cuda_graph", "no"), ("cuda_graph", 1), ("keep_kv_cache", "yes"), ("compile", 1)]:
+        with pytest.raises(ValueError, match=rf"sampling.{name}={value!r} must be true(,| or) false"):
+            SamplingConfig(**{name: value})  # a truthy string must not turn a flag on
     with pytest.raises(ValueError, match=r"cuda_graph=True needs a CUDA model"):
         RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=2, cuda_graph=True).generate([[5, 6]])
     config = SamplingConfig(group_size=3, strategy="infinite", scheduler={"length_aware": {"predictor": "online"}})

@@ -3,7 +3,9 @@ reasons it records for every decision."""
 
 from __future__ import annotations
 
+import math
 import random
+import re
 
 import pytest
 import torch
@@ -209,10 +211,14 @@ def test_a_preempting_length_aware_rollout_is_not_turned_over_to_predictions_mid
 @pytest.mark.parametrize("name, value, allowed", [
     ("preempt_tokens", -1, "an integer >= 0 or None"), ("preempt_tokens", 2.5, "an integer >= 0 or None"),
     ("preempt_tokens", True, "an integer >= 0 or None"), ("preempt_tokens", "8", "an integer >= 0 or None"),
-    ("park_budget", 0, "a number > 0, or None"), ("loss_share", 1.5, "a number >= 0 and <= 1, or None"),
-    ("loss_share", "0.1", "a number >= 0 and <= 1, or None")])
+    ("park_budget", 0, "a finite number > 0, or None"), ("park_budget", math.nan, "a finite number > 0, or None"),
+    ("park_budget", math.inf, "a finite number > 0, or None"),
+    ("loss_share", 1.5, "a finite number >= 0 and <= 1, or None"),
+    ("loss_share", math.nan, "a finite number >= 0 and <= 1, or None"),
+    ("loss_share", "0.1", "a finite number >= 0 and <= 1, or None")])
 def test_a_bad_option_is_refused_by_name(name, value, allowed):
-    with pytest.raises(ValueError, match=rf"scheduler.{name}={value!r} must be {allowed}"):
+    # NaN passes every comparison's "not too small" test: it must be refused, not act as "off"
+    with pytest.raises(ValueError, match=rf"scheduler.{name}={re.escape(repr(value))} .*must be {allowed}"):
         InfiniteSchedulerConfig(**{name: value})
 
 

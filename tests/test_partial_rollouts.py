@@ -128,7 +128,7 @@ def test_the_builder_carries_groups_and_drops_none(tiny64):
     assert len(set(returned)) == len(returned)
     state = builder.state_dict()
     assert len(state["carried"]) == len(builder.carried)
-    with pytest.raises(ValueError, match=r"over_provision=0.5 must be a number >= 1.0"):
+    with pytest.raises(ValueError, match=r"over_provision=0.5 must be a finite number >= 1.0"):
         RolloutBuilder(model, tokenizer, sampling, [], over_provision=0.5)
     with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1"):
         RolloutBuilder(model, tokenizer, sampling, [], max_staleness=0)

@@ -465,7 +465,8 @@ def test_the_scheduler_refuses_to_place_a_sample_that_does_not_wait():
         ({"refill": "bogus"}, r"scheduler.length_aware.refill='bogus'.*sjf"),
         ({"probe_tokens": -1}, r"scheduler.length_aware.probe_tokens=-1 must be an integer >= 0 or None"),
         ({"probe_tokens": 2.5}, r"scheduler.length_aware.probe_tokens=2.5 must be an integer >= 0 or None"),
-        ({"gain_z": 0}, r"scheduler.length_aware.gain_z=0 must be a number > 0, or None"),
+        ({"gain_z": 0}, r"scheduler.length_aware.gain_z=0 is not allowed; .* must be a finite number > 0, or None"),
+        ({"gain_z": math.nan}, r"scheduler.length_aware.gain_z=nan is not allowed; .* must be a finite number > 0"),
     ],
 )
 def test_length_aware_config_bad_arguments(kwargs, pattern):

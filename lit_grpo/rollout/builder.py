@@ -404,8 +404,10 @@ class RolloutBuilder:
 
 def check_partial_rollouts(over_provision: float, max_staleness: int) -> None:
     """Raise naming the value unless ``over_provision >= 1`` (a number) and ``max_staleness >= 1`` (an int)."""
-    if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or not over_provision >= 1:
-        raise ValueError(f"over_provision={over_provision!r} must be a number >= 1.0 (1.0: no partial rollouts)")
+    if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or \
+            not 1 <= over_provision < math.inf:
+        raise ValueError(f"over_provision={over_provision!r} must be a finite number >= 1.0 (1.0: no partial "
+                         "rollouts)")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
         raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 1 (steps a group may be carried)")
 

@@ -96,7 +96,12 @@ class SamplingConfig:
             check_int("sampling.kv_budget_bytes", self.kv_budget_bytes, 1)
         check_choice("sampling.strategy", self.strategy, STRATEGIES)
         check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
-        if self.compile not in (True, False, "auto"):
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"sampling.cuda_graph={self.cuda_graph!r} must be true, false or null (on CUDA, unless "
+                             "FSDP shards the policy)")
+        if not isinstance(self.keep_kv_cache, bool):
+            raise ValueError(f"sampling.keep_kv_cache={self.keep_kv_cache!r} must be true or false")
+        if self.compile is not True and self.compile is not False and self.compile != "auto":
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \

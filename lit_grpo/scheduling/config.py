@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Union, get_args
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_real
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
@@ -27,13 +27,13 @@ from lit_grpo.scheduling.length_aware.trust import GAIN_Z
 
 
 def _check_number(name: str, value: Any, minimum: float, strict: bool, maximum: float | None = None) -> None:
-    """A number > (or >=) ``minimum`` (and <= ``maximum``), or None; else a ValueError naming the key."""
+    """A finite number > (or >=) ``minimum`` (and <= ``maximum``), or None; else a ValueError naming the key."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            value <= minimum if strict else value < minimum) or (maximum is not None and value > maximum):
-        allowed = f"{'>' if strict else '>='} {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        raise ValueError(f"scheduler.{name}={value!r} must be a number {allowed}, or None")
+    try:
+        check_real(f"scheduler.{name}", value, minimum, maximum, low_open=strict)
+    except ValueError as error:
+        raise ValueError(f"{error}, or None") from None
 
 
 def _check_tokens(name: str, value: Any) -> None:
