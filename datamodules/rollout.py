@@ -243,7 +243,7 @@ class RolloutDataModule(LightningDataModule):
                 on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
                 max_rollouts_per_step=self.max_rollouts_per_step, val_batch_size=self.val_batch_size,
                 val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,
-                val_temperature=self.val_temperature, world_size=given["world_size"],
+                val_temperature=self.val_temperature, world_size=given["world_size"], rank=self._world()[1],
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
                 max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
@@ -434,21 +434,21 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """What exact resume needs from the data side: steps built, the prompt sampler / curriculum, the engine's
-        state (rollout counter, which keys the random streams, and the scheduler's state) and the global random
-        states (saved from rank 0). Each rank carries its own partial-rollout groups: they are gathered, one list
-        per rank, and each rank takes its own back."""
+        """What exact resume needs from the data side: steps built, the prompt sampler / curriculum and the global
+        random states (rank 0's), and each rank's own engine state (its rollout counter,
+        which keys its random streams, its scheduler's state and its carried partial-rollout groups): gathered,
+        one per rank, and each rank takes its own back."""
         state = self._local_state()
         if "engine" in state:
             world, _ = self._world()
             if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
                 by_rank: list[Any] = [None] * world
-                torch.distributed.all_gather_object(by_rank, state["engine"].pop("carried"))
-                state["engine"]["carried_by_rank"] = by_rank
+                torch.distributed.all_gather_object(by_rank, state.pop("engine"))
+                state["engine_by_rank"] = by_rank
         return state
 
     def _local_state(self) -> dict[str, Any]:
-        """This rank's state, as ``state_dict`` without the gather of the ranks' carried groups."""
+        """This rank's state, as ``state_dict`` without the gather of the ranks' engine states."""
         state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
         if self.sampler is not None:
             state["sampler"] = self.sampler.state_dict()
@@ -466,17 +466,27 @@ class RolloutDataModule(LightningDataModule):
                 self.sampler.load_state_dict(state_dict["sampler"])
             else:
                 self._pending_state["sampler"] = state_dict["sampler"]
-        if "engine" in state_dict:
-            engine = dict(state_dict["engine"])
-            if "carried_by_rank" in engine:  # saved by several ranks: this rank's own groups
-                by_rank = engine.pop("carried_by_rank")
-                world, rank = self._world()
-                if len(by_rank) != world:
-                    raise ValueError(f"the checkpoint carries partial rollouts of {len(by_rank)} ranks; resume it "
-                                     f"with as many ranks (this run has {world})")
-                engine["carried"] = by_rank[rank]
+        engine = self._own_engine_state(state_dict)
+        if engine is not None:
             if self.builder is not None:
                 self.builder.load_state_dict(engine)
             else:
                 self._pending_state["engine"] = engine
+
+    def _own_engine_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This rank's engine state in a checkpoint saved by one rank or by several."""
+        if "engine_by_rank" in state_dict:
+            by_rank, key = state_dict["engine_by_rank"], "engine states"
+        elif "carried_by_rank" in state_dict.get("engine", {}):  # an older checkpoint: rank 0's engine state
+            by_rank, key = state_dict["engine"]["carried_by_rank"], "partial rollouts"
+        else:
+            return None if "engine" not in state_dict else dict(state_dict["engine"])
+        world, rank = self._world()
+        if len(by_rank) != world:
+            raise ValueError(f"the checkpoint holds the {key} of {len(by_rank)} ranks; resume it with as many ranks "
+                             f"(this run has {world})")
+        if key == "partial rollouts":
+            return {**{k: v for k, v in state_dict["engine"].items() if k != "carried_by_rank"},
+                    "carried": by_rank[rank]}
+        return dict(by_rank[rank])
 

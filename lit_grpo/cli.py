@@ -19,11 +19,9 @@ stops cleanly on SIGTERM or Ctrl-C: it saves the last completed step, prints the
 exits 143 / 130.
 
 ``data.prompts_per_step`` is per rank. A checkpoint holds, besides weights, optimizer and loops, the DataModule's
-state (steps built, the prompt sampler / curriculum, the engine's rollout counter and scheduler state, the global
-random states), so steps K+1.. repeat an uninterrupted run's prompts, completions, rewards and losses. Under ddp
-the DataModule state is rank 0's; the other ranks' completions are still exact (the per-sample random streams are
-keyed by seed, rollout counter, prompt and sample), only their scheduler's state (the gate's finished groups, a
-length predictor) restarts from rank 0's.
+state (steps built, the prompt sampler / curriculum, the global random states, and every rank's own engine state:
+its rollout counter, scheduler state and carried groups), so steps K+1.. repeat an uninterrupted run's prompts,
+completions, rewards and losses on every rank. Resume a run of several ranks with as many.
 """
 
 from __future__ import annotations

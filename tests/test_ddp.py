@@ -94,21 +94,28 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
                        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
                        "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
                        "--trainer.callbacks.filename={step}")
-    engine = torch.load(ckpt_dir / "step=1.ckpt", map_location="cpu", weights_only=True)["RolloutDataModule"]["engine"]
-    by_rank = engine["carried_by_rank"]
-    assert "carried" not in engine and len(by_rank) == 2 and all(by_rank)
-    prompts = [{group["prompt"]["index"] for group in carried} for carried in by_rank]
+    state = torch.load(ckpt_dir / "step=1.ckpt", map_location="cpu", weights_only=True)["RolloutDataModule"]
+    by_rank = state["engine_by_rank"]  # every rank's engine state: rollout counter, scheduler, carried groups
+    assert "engine" not in state and len(by_rank) == 2 and all(engine["carried"] for engine in by_rank)
+    assert all(engine["rollout_index"] >= 1 and "scheduler" in engine for engine in by_rank)
+    prompts = [{group["prompt"]["index"] for group in engine["carried"]} for engine in by_rank]
     assert not prompts[0] & prompts[1]  # each rank's own groups
 
     from lit_grpo.datamodules.rollout import RolloutDataModule
 
     data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0)
     data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
-    data.load_state_dict({"engine": engine})
-    assert data._pending_state["engine"]["carried"] == by_rank[1]
+    data.load_state_dict(state)
+    assert data._pending_state["engine"] == by_rank[1]
     data.trainer = type("Trainer", (), {"world_size": 3, "global_rank": 0})()
-    with pytest.raises(ValueError, match="partial rollouts of 2 ranks; resume it with as many ranks"):
-        data.load_state_dict({"engine": engine})
+    with pytest.raises(ValueError, match="engine states of 2 ranks; resume it with as many ranks"):
+        data.load_state_dict(state)
+    # a checkpoint written with rank 0's engine state and every rank's carried groups beside it
+    older = {"engine": {**by_rank[0], "carried": None, "carried_by_rank": [e["carried"] for e in by_rank]}}
+    older["engine"].pop("carried")
+    data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
+    data.load_state_dict(older)
+    assert data._pending_state["engine"] == {**by_rank[0], "carried": by_rank[1]["carried"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -60,6 +60,19 @@ def test_successive_rollouts_draw_fresh_samples_and_seeds_differ(tiny_llama, pro
     assert resumed.generate(prompt_ids).completion_ids == engine.generate(prompt_ids).completion_ids
 
 
+def test_streams_key_each_group_whatever_its_place_in_the_call(tiny_llama, prompt_ids):
+    model, tokenizer = tiny_llama
+    make = lambda: RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=8, seed=1)  # noqa: E731
+    both = make().generate(prompt_ids[:2], streams=[7, 4])
+    alone = make().generate(prompt_ids[1:2], streams=[4])
+    assert alone.completion_ids[0] == both.completion_ids[1]
+    assert make().generate(prompt_ids[1:2]).completion_ids[0] != alone.completion_ids[0]  # default: stream 0
+    for streams, message in [([4], r"must be \[B=2\] ints"), ([1, 1], "repeat a value"), ([-1, 2], r"\[0, 2\*\*32\)"),
+                             ([0, 2**32], r"\[0, 2\*\*32\)"), ([True, 2], "ints")]:
+        with pytest.raises(ValueError, match=message):
+            make().generate(prompt_ids[:2], streams=streams)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_greedy_output_equals_model_generate(name):
     from lit_grpo.runtime.models import load_model_and_tokenizer

@@ -65,6 +65,24 @@ def test_builder_resumes_the_engine_state_it_is_given(policy):
     assert again.completions == first.build_train(lambda n: _prompts(tokenizer, n)).completions
 
 
+def test_each_rank_draws_from_its_own_random_streams(policy):
+    """The training streams are keyed by rollout and position, the same on every rank: each rank's seed differs, so
+    group p of two ranks never shares its random numbers (here the same prompt on both: different samples)."""
+    from lit_grpo.sampling.random_streams import rank_seed
+
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=3)
+    make = lambda rank: RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),  # noqa: E731
+                                       prompts_per_step=2, world_size=2, rank=rank)
+    ranks = [make(rank) for rank in (0, 1)]
+    assert ranks[0].engine.seed == 3 and ranks[1].engine.seed == rank_seed(3, 1) != 3  # rank 0: the seed itself
+    assert len({rank_seed(3, rank) for rank in range(64)}) == 64
+    batches = [builder.build_train(lambda n: _prompts(tokenizer, n)) for builder in ranks]
+    assert batches[0].completions != batches[1].completions
+    with pytest.raises(ValueError, match=r"rank=-1 must be an integer >= 0"):
+        make(-1)
+
+
 def test_batch_scaling_across_ranks_needs_a_gather(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match=r"scale_rewards='batch' over world_size=2 ranks needs all_gather"):

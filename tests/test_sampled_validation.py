@@ -60,6 +60,15 @@ def test_sampled_validation_is_reproducible_and_leaves_training_alone(module):
     assert with_validation.indices == without.indices
 
 
+def test_a_prompts_sampled_draws_do_not_depend_on_its_batch(module):
+    """Keyed by the prompt's index in the held-out set, not its place in a batch: a prompt validated alone, or
+    later in another batch (another rank's share), draws what it drew in the first batch."""
+    dm = make(module)
+    together = dm.build_val_batch([0, 1, 2, 3]).sampled_accuracy
+    assert torch.equal(dm.build_val_batch([2, 3]).sampled_accuracy, together[2:])
+    assert torch.equal(dm.build_val_batch([3, 0]).sampled_accuracy, together[[3, 0]])
+
+
 def test_one_sample_validates_greedily_only(module):
     dm = make(module, val_num_samples=1)
     assert dm.build_val_batch([0, 1]).sampled_accuracy is None

@@ -33,9 +33,11 @@ from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.runtime.distributed import RolloutWeights
+from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
+from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 
 
@@ -92,11 +94,15 @@ class RolloutBuilder:
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
-            (``sampling.seed + VAL_SEED_OFFSET``) and restart at every validation, so a prompt's k draws depend on
-            the seed and its place in the validation set only: the same policy gets the same draws in any run, a
-            resumed one included, and the training engine's state is never touched.
+            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the validation set, and restart
+            at every validation, so a prompt's k draws depend on the seed and that index only (not on the batch or
+            the rank it falls in): the same policy gets the same draws in any run, a resumed one included, and the
+            training engine's state is never touched.
         world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
             ``scale_rewards="batch"``.
+        rank: this process's rank among them. The training engine's streams are keyed by the rollout and the
+            group's place in it, the same on every rank, so each rank gets its own seed
+            (``random_streams.rank_seed``): otherwise group p of every rank would draw the same numbers.
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
@@ -117,7 +123,7 @@ class RolloutBuilder:
                  accuracy_reward: str | None = None, on_reward_error: str = "raise", dynamic_sampling: bool = False,
                  max_rollouts_per_step: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
                  val_num_samples: int = 1, val_temperature: float = 1.0,
-                 world_size: int = 1, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 world_size: int = 1, rank: int = 0, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
                  max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
                  rollout_weights: RolloutWeights | None = None):
@@ -130,7 +136,7 @@ class RolloutBuilder:
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens or sampling.max_new_tokens
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
-        self.world_size, self.all_gather = world_size, all_gather
+        self.world_size, self.rank, self.all_gather = world_size, check_int("rank", rank, 0), all_gather
         self.precision_context = precision_context or contextlib.nullcontext
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.over_provision, self.max_staleness = over_provision, max_staleness
@@ -159,7 +165,8 @@ class RolloutBuilder:
     def engine(self) -> RolloutEngine:
         """The training rollout engine (built on first use)."""
         if self._engine is None:
-            self._engine = self._new_engine(self.sampling.replace(micro_group_size=self.resolved_micro_group_size))
+            self._engine = self._new_engine(self.sampling.replace(micro_group_size=self.resolved_micro_group_size,
+                                                                  seed=rank_seed(self.sampling.seed, self.rank)))
             if self._pending_engine_state is not None:
                 self._engine.load_state_dict(self._pending_engine_state)
                 self._pending_engine_state = None
@@ -279,7 +286,7 @@ class RolloutBuilder:
             if self.val_num_samples > 1:
                 sampled_engine = self.val_sampled_engine
                 sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
-                sampled = self._rollout(sampled_engine, prompts)
+                sampled = self._rollout(sampled_engine, prompts, streams=[p.index for p in prompts])
                 if not self.sampling.keep_kv_cache:
                     sampled_engine.release()
         batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
@@ -301,10 +308,11 @@ class RolloutBuilder:
         self.carried = [replace(g, tag=replace(g.tag, steps=g.tag.steps + 1)) for g in result.carried]
         return self._score(engine, [tag.prompt for tag in result.tags], result)
 
-    def _rollout(self, engine: RolloutEngine, prompts: list[Prompt]) -> _Round:
-        """Generate G completions per prompt and score them."""
+    def _rollout(self, engine: RolloutEngine, prompts: list[Prompt], streams: list[int] | None = None) -> _Round:
+        """Generate G completions per prompt (``streams``: their random streams' keys, ``RolloutEngine.generate``)
+        and score them."""
         with self.generation_mode():
-            result = engine.generate([p.ids for p in prompts])
+            result = engine.generate([p.ids for p in prompts], streams=streams)
         return self._score(engine, prompts, result)
 
     def _score(self, engine: RolloutEngine, prompts: list[Prompt], result) -> _Round:

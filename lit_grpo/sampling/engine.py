@@ -143,7 +143,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  lengths: Sequence[Sequence[int]] | None = None, *,
-                 tokens: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
+                 tokens: Sequence[Sequence[Sequence[int]]] | None = None,
+                 streams: Sequence[int] | None = None) -> RolloutResult:
         """Sample G completions for every prompt.
 
         Args:
@@ -153,27 +154,32 @@ class RolloutEngine:
                 (its first ``max_new_tokens``), each with its log-prob under this engine's sampling settings; the
                 model runs every step as it would live. A recording without a final EOS ends at its last token,
                 truncated. Not with ``lengths`` (a token replay's lengths are its tokens').
+            streams: ``[B]`` distinct ints, the prompt part of each group's random-stream key (default: its
+                position in ``prompts``). A caller that splits one set of prompts over several calls (or ranks)
+                passes each prompt's index in the set, so that every prompt draws its own numbers.
         """
-        # tokens= only when given: subclasses that override new_groups(prompts, lengths, tags) keep working
-        replay = {} if tokens is None else {"tokens": tokens}
-        return self.generate_groups(self.new_groups(prompts, lengths, **replay))
+        # keywords only when given: subclasses that override new_groups(prompts, lengths, tags) keep working
+        extra = {k: v for k, v in (("tokens", tokens), ("streams", streams)) if v is not None}
+        return self.generate_groups(self.new_groups(prompts, lengths, **extra))
 
     def new_groups(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                    lengths: Sequence[Sequence[int]] | None = None, tags: Sequence | None = None, *,
-                   tokens: Sequence[Sequence[Sequence[int]]] | None = None) -> list[GroupProgress]:
-        """Fresh groups for ``prompts`` (and forced ``lengths`` or replayed ``tokens``), keyed to this engine's
-        next rollout."""
+                   tokens: Sequence[Sequence[Sequence[int]]] | None = None,
+                   streams: Sequence[int] | None = None) -> list[GroupProgress]:
+        """Fresh groups for ``prompts`` (and forced ``lengths`` or replayed ``tokens``), their random streams keyed
+        to this engine's next rollout and ``streams`` (default: their positions; see ``generate``)."""
         if lengths is not None and tokens is not None:
             raise ValueError("give lengths= or tokens=, not both: a token replay's lengths are its tokens' lengths")
         prompt_ids = self._prompt_ids(prompts)
+        streams = range(len(prompt_ids)) if streams is None else self._check_streams(streams, len(prompt_ids))
         if tokens is not None:
             tokens = self._check_tokens(tokens, len(prompt_ids))
             lengths = [[len(row) for row in group] for group in tokens]
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
-        return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)], (self.rollout_index, p),
-                              None if lengths is None else lengths[p], None if tags is None else tags[p],
-                              None if tokens is None else tokens[p])
+        return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)],
+                              (self.rollout_index, streams[p]), None if lengths is None else lengths[p],
+                              None if tags is None else tags[p], None if tokens is None else tokens[p])
                 for p, ids in enumerate(prompt_ids)]
 
     def generate_groups(self, groups: Sequence[GroupProgress], complete: int | None = None,
@@ -345,6 +351,17 @@ class RolloutEngine:
         if min(flat) < 1:
             raise ValueError(f"forced lengths must be >= 1, got {min(flat)}")
         return [[min(int(n), self.max_new_tokens) for n in row] for row in lengths]
+
+    @staticmethod
+    def _check_streams(streams, num_prompts: int) -> list[int]:
+        """``streams`` as ``[B]`` distinct ints in [0, 2**32) (the key's width); a ValueError names what is wrong."""
+        streams = list(streams)
+        if len(streams) != num_prompts or any(isinstance(s, bool) or not isinstance(s, Integral) or
+                                              not 0 <= s < 2**32 for s in streams):
+            raise ValueError(f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)")
+        if len(set(streams)) != num_prompts:
+            raise ValueError(f"streams={streams!r:.80} repeat a value: two groups would draw the same numbers")
+        return [int(s) for s in streams]
 
     def _check_tokens(self, tokens, num_prompts: int) -> list[list[list[int]]]:
         """``tokens`` as ``[B][G]`` int lists, each cut to ``max_new_tokens``; a ValueError names what is wrong."""

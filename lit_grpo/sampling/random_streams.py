@@ -38,3 +38,10 @@ def stream_uniforms(seed: int | torch.Tensor, rollout: int | torch.Tensor, promp
     h = _pcg_hash(h ^ (rollout & _MASK32))
     h = _pcg_hash(h ^ (seed & _MASK32))
     return (h.double() + 0.5) / 4294967296.0
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The base seed of data-parallel rank ``rank``'s streams: ``seed`` on rank 0, a different 32-bit value on every
+    other rank (``rank`` times an odd constant added, mod 2**32), so that ranks drawing the same rollout and
+    position still draw different numbers."""
+    return seed if rank == 0 else (seed + rank * 0x9E3779B9) & _MASK32
