@@ -49,6 +49,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
+from lit_grpo.runtime.distributed import data_parallel_only
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
@@ -111,6 +112,7 @@ class GRPOCLI(LightningCLI):
             callbacks = [*callbacks, RunCheckpoint()]
         check_distinct_stateful_callbacks([*configured, *callbacks])
         trainer = super()._instantiate_trainer(config, callbacks)
+        data_parallel_only(trainer.strategy)
         self._settle_threads(trainer.num_devices)
         return trainer
 

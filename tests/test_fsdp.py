@@ -85,10 +85,11 @@ def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run,
     after every step; the ranks' rollouts did differ in length."""
     from tools.step_recorder import read_records
 
+    # the sizes left to lit-grpo: configs/fsdp_gpu.yaml's, or Lightning's defaults (tensor parallel inside a node)
+    sizes = {"data_parallel_size": "auto", "tensor_parallel_size": 1} if mode == "gathered" else {}
     strategy = tmp_path / "strategy.yaml"
     strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}}}))
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy", "init_args": sizes}}}))
     fsdp_run = fit_two_processes(tmp_path, "--model.model", eos_model, "--config", str(strategy),
                                  "--model.fsdp", "true", "--model.fsdp_rollout", mode)
     lengths = {}
@@ -118,3 +119,27 @@ def test_an_unknown_fsdp_rollout_is_named():
 
     with pytest.raises(ValueError, match="fsdp_rollout.*'gather'.*gathered"):
         GRPOModule(model="tiny-llama", fsdp_rollout="gather")
+
+
+def test_a_mesh_that_is_not_all_data_parallel_or_an_unsharded_policy_is_refused():
+    """Under ModelParallelStrategy every rank must be data parallel and the policy sharded: a tensor-parallel
+    dimension would hold replicas whose gradients no one averages, and so would an unsharded policy."""
+    import types
+
+    from lit_grpo.update.module import GRPOModule
+
+    class Mesh:
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+
+        def __getitem__(self, name):
+            return types.SimpleNamespace(size=lambda: 1)
+
+    module = GRPOModule(model="tiny-llama", fsdp=True)
+    module._device_mesh, module._trainer = Mesh(), types.SimpleNamespace(world_size=2)
+    with pytest.raises(ValueError, match=r"spans 1 of the 2 ranks: set ModelParallelStrategy's data_parallel_size "
+                                         r"to 2 .* and tensor_parallel_size to 1"):
+        module.configure_model()
+    module = GRPOModule(model="tiny-llama")
+    module._device_mesh = Mesh()
+    with pytest.raises(ValueError, match=r"ModelParallelStrategy but model.fsdp is false"):
+        module.configure_model()

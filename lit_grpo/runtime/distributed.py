@@ -30,6 +30,25 @@ def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype 
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def data_parallel_only(strategy) -> None:
+    """Make a ``ModelParallelStrategy``'s "auto" sizes mean what lit_grpo trains: data parallel over every rank.
+
+    Lightning reads ``data_parallel_size="auto"`` as the node count and ``tensor_parallel_size="auto"`` as the
+    processes per node (tensor parallelism inside a node), which lit_grpo does not do: its FSDP2 shards over the
+    data-parallel dimension, so "auto" becomes every rank there and 1 for tensor parallelism. Call it after the
+    trainer is built, before it sets up its processes (``GRPOCLI`` does). Sizes given as numbers are left alone
+    (``GRPOModule`` refuses a data-parallel size other than the world size)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    # Lightning resolves these private fields in setup_environment(); it has no public setter for them
+    if strategy._tensor_parallel_size == "auto":
+        strategy._tensor_parallel_size = 1
+    if strategy._data_parallel_size == "auto" and strategy._tensor_parallel_size == 1:
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+
+
 def data_parallel_mesh(mesh):
     """The mesh's ``"data_parallel"`` dimension where it has named ones, else the mesh itself."""
     if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:

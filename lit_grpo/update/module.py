@@ -199,6 +199,10 @@ class GRPOModule(LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
+        if self.device_mesh is not None and not hp.fsdp:
+            raise ValueError("trainer.strategy is ModelParallelStrategy but model.fsdp is false: the policy would "
+                             "train unsharded and its gradients would never be averaged over the ranks; set "
+                             "model.fsdp: true (or use the ddp strategy)")
         policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(policy)
@@ -222,6 +226,11 @@ class GRPOModule(LightningModule):
         if self.device_mesh is None:
             raise RuntimeError("fsdp=True needs a device mesh: use trainer.strategy "
                                "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
+        ranks, world = data_parallel_mesh(self.device_mesh).size(), self.trainer.world_size
+        if ranks != world:  # the other dimension would hold unsynchronised replicas: lit_grpo has no tensor parallelism
+            raise ValueError(f"fsdp=True shards over the data-parallel dimension, which spans {ranks} of the "
+                             f"{world} ranks: set ModelParallelStrategy's data_parallel_size to {world} (or 'auto' "
+                             "under lit-grpo) and tensor_parallel_size to 1")
         shard_decoder_layers(model, self.device_mesh, self._mixed_precision_dtype())
 
     def _mixed_precision_dtype(self) -> torch.dtype | None:
