@@ -4,6 +4,7 @@ on SIGTERM or Ctrl-C."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +42,10 @@ class RunCheckpoint(ModelCheckpoint):
     Lightning's machinery writes (``Trainer.save_checkpoint``, the callback's own state, ``--ckpt_path last``).
 
     **How it writes**: atomically (:class:`~lit_grpo.runtime.checkpoints.AtomicCheckpointIO`, set on the strategy where it
-    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. At setup
+    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. Not under
+    ``ModelParallelStrategy`` (FSDP2): it writes a sharded ``last.ckpt/`` folder through
+    ``torch.distributed.checkpoint``, over the previous one, so a kill during that save can leave it mixed; keep a
+    history beside it there (``ModelCheckpoint``'s ``step=N.ckpt``, as ``configs/fsdp_gpu.yaml`` does). At setup
     it deletes partial files of killed saves and checks that the folder can be written and has room for one more
     checkpoint, so a bad folder fails before the first step rather than hours later.
 
@@ -91,15 +95,18 @@ class RunCheckpoint(ModelCheckpoint):
             return
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        if trainer.is_global_zero and self.dirpath is not None and "://" not in str(self.dirpath):
-            for path in remove_stale_partials(self.dirpath):
-                rank_zero_info(f"lit_grpo: removed {path}, the partial file of a save that was killed")
-            check_writable(self.dirpath)
+        if self.dirpath is not None and "://" not in str(self.dirpath):
+            def check() -> None:
+                for path in remove_stale_partials(self.dirpath):
+                    rank_zero_info(f"lit_grpo: removed {path}, the partial file of a save that was killed")
+                check_writable(self.dirpath)
+            _on_rank_zero_for_all(trainer, check)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if trainer.is_global_zero and self.dirpath is not None and "://" not in str(self.dirpath):
-            check_writable(self.dirpath, needed_bytes=checkpoint_bytes(pl_module))
+        if self.dirpath is not None and "://" not in str(self.dirpath):
+            needed = checkpoint_bytes(pl_module)
+            _on_rank_zero_for_all(trainer, lambda: check_writable(self.dirpath, needed_bytes=needed))
         # Installed here, after Lightning's own SIGTERM handler (which would exit 0 between validation batches).
         STOP_SIGNAL.install()
         self._stopped = False
@@ -180,11 +187,26 @@ class RunCheckpoint(ModelCheckpoint):
         print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
 
 
+def _on_rank_zero_for_all(trainer: pl.Trainer, check: Callable[[], None]) -> None:
+    """Run ``check`` on rank 0 and raise its error on every rank: a rank left out would wait at the next collective
+    until it timed out (under torchrun or SLURM no launcher stops it). A collective: every rank calls it."""
+    error = None
+    if trainer.is_global_zero:
+        try:
+            check()
+        except OSError as caught:
+            error = caught
+    error = trainer.strategy.broadcast(error)
+    if error is not None:
+        raise error
+
+
 def checkpoint_bytes(pl_module: pl.LightningModule) -> int:
     """About what one checkpoint of ``pl_module`` takes on disk: its weights (a frozen reference model is not
-    saved by GRPOModule) and two AdamW moments per trainable parameter."""
-    # From the parameters and buffers, not state_dict(): under FSDP2 that runs hooks, and this runs on rank 0 only.
+    saved by GRPOModule, except under FSDP) and two AdamW moments per trainable parameter."""
+    # From the parameters and buffers, not state_dict(): under FSDP2 that runs hooks with collectives.
     tensors = [*pl_module.named_parameters(), *pl_module.named_buffers()]
-    weights = sum(t.numel() * t.element_size() for name, t in tensors if not name.startswith("ref_model."))
+    saved_ref = bool(pl_module.hparams.get("fsdp", False))
+    weights = sum(t.numel() * t.element_size() for name, t in tensors if saved_ref or not name.startswith("ref_model."))
     moments = 2 * sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
     return weights + moments

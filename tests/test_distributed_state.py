@@ -178,3 +178,27 @@ def test_multi_node_recipe_parses_and_instantiates():
                      "--trainer.logger", "false"], run=False)
     assert cli.trainer.num_nodes == 1 and type(cli.trainer.strategy).__name__ == "DDPStrategy"
     assert cli.datamodule.prompts_per_step == 4 and cli.datamodule.sampling.group_size == 32
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_stops_every_rank(tmp_path):
+    """RunCheckpoint checks its folder on rank 0; under a launcher that starts each process itself (here 2 nodes x 1
+    process) the other rank must stop with the same error, not wait at the next collective until it times out."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    port = str(free_port())
+    cmd = _command(tmp_path, tmp_path / "rec", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+                   "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint",
+                   f"--trainer.callbacks.dirpath={blocker / 'checkpoints'}")
+    procs = [_start(cmd, tmp_path, _env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for node in (0, 1)]
+    deadline = time.monotonic() + 120
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    hung = [p.pid for p in procs if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    outputs = [p.stdout.read() for p in procs]
+    assert not hung, f"a rank still waited after 120 s:\n{outputs[1][-3000:]}"
+    for code, output in zip((p.returncode for p in procs), outputs):
+        assert code != 0 and f"checkpoint folder {blocker / 'checkpoints'} cannot be written" in output, output[-3000:]

@@ -11,14 +11,14 @@ from tools.harness import ROOT, lit_grpo_command, repo_env
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
-def fit_two_processes(tmp: Path, *args: str) -> str:
-    """Fit the tiny config for 2 steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
+def fit_two_processes(tmp: Path, *args: str, steps: int = 2) -> str:
+    """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
     the StepRecorder path (its records of every rank, and each rank's batch of step 1). ``OMP_NUM_THREADS`` is left
     out of the environment, so the threads per rank are what a user's run gets by default: its share of the cores."""
     record = tmp / "rec"
     cmd = lit_grpo_command() + [
         "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
-        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps),
         "--model.scale_rewards", "batch", "--model.lr", "1e-2",
         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]

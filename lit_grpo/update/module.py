@@ -283,7 +283,11 @@ class GRPOModule(LightningModule):
                 yield self.policy
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The reference is the initial weights, reloaded by configure_model: do not store it twice.
+        # The reference is the initial weights, reloaded by configure_model: do not store it twice. Except under
+        # FSDP: ModelParallelStrategy loads every key of the module's state into it before on_load_checkpoint could
+        # fill the reference's in, so a checkpoint without them cannot be resumed.
+        if self.hparams.fsdp:
+            return
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith("ref_model.")]:
             del state[key]
