@@ -1,5 +1,6 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
+import math
 import warnings
 
 import pytest
@@ -310,3 +311,37 @@ def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
     with pytest.raises(ValueError, match="epsilon_low=1.5 must be < 1"):
         GRPOModule(model="tiny-llama", loss={"epsilon_low": 1.5})
     assert GRPOModule(model="tiny-llama", loss={"loss_type": "grpo"}).loss_fn.name == "grpo"
+
+
+def _fit_one_step(plugins):
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    module = GRPOModule(model="tiny-llama", max_grad_norm=1.0, lr=1e-3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=plugins)
+    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0})))
+    return module, trainer
+
+
+def test_under_a_loss_scaler_the_gradients_are_checked_and_clipped_unscaled():
+    """16-mixed's GradScaler multiplies the loss by its scale in the backward and unscales the gradients inside
+    ``optimizer.step()``: the norm, the finiteness check and clipping must see them unscaled (there: Lightning's
+    ``on_before_optimizer_step``), and an overflow skips the step as the scaler does, instead of stopping the run.
+    (Lightning turns "16-mixed" into bf16 on a CPU; the plugin given here keeps a float16 scaler.)"""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fp16(scale):
+        return [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=scale))]
+
+    full, _ = _fit_one_step([])
+    scaled, _ = _fit_one_step(fp16(2.0**16))
+    norms = [module.trainer.callback_metrics["train/grad_norm"].item() for module in (full, scaled)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-2)  # the same step in float16 autocast, not 2**16 x larger
+    overflow, trainer = _fit_one_step(fp16(2.0**120))  # every scaled gradient overflows float16
+    assert not math.isfinite(overflow.trainer.callback_metrics["train/grad_norm"].item())
+    assert trainer.precision_plugin.scaler.get_scale() < 2.0**120  # the scaler saw the overflow and backed off
+    initial = GRPOModule(model="tiny-llama")
+    initial.configure_model()
+    for p, q in zip(overflow.policy.parameters(), initial.policy.parameters(), strict=True):
+        assert torch.equal(p, q)  # the step was skipped

@@ -192,6 +192,8 @@ class GRPOModule(LightningModule):
         #: Whether the update shares prompts: ``shared_prefix`` where the loaded policy can (``configure_model``).
         self.uses_shared_prefix = shared_prefix
         self.held_out = HeldOutMetrics()
+        #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
+        self._grad_norm, self._iteration = math.nan, 0
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -458,20 +460,37 @@ class GRPOModule(LightningModule):
             step.add(loss.item(), loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
                      micro["completion_mask"])
             del logps, entropy, loss
-        grad_norm = gradient_norm(self.policy.parameters())
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
-                                     f"iteration {iteration}; no optimizer step was taken, the weights are unchanged.")
-        if hp.max_grad_norm and self._trainer is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-        elif hp.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None],
-                                           hp.max_grad_norm)
         if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
             release_freed_host_memory()
+        self._iteration = iteration
+        if self._trainer is None:
+            self._grad_norm = self._check_and_clip_gradients(optimizer)
+        # under a Trainer, on_before_optimizer_step checks and clips inside step(), where the gradients are unscaled
         optimizer.step()
-        return step.result(grad_norm)
+        return step.result(self._grad_norm)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning calls it inside optimizer.step(), after a 16-mixed GradScaler has unscaled the gradients (before
+        # that they are the loss-scaled ones) and before the update: the norm, the check and clipping see true ones.
+        self._grad_norm = self._check_and_clip_gradients(optimizer)
+
+    def _check_and_clip_gradients(self, optimizer: torch.optim.Optimizer) -> float:
+        """The gradients' total norm, after raising where it is not finite (except under a loss scaler, whose step
+        is skipped and its scale lowered: an fp16 overflow is routine there) and clipping to ``max_grad_norm``."""
+        grad_norm = gradient_norm(self.policy.parameters())
+        if not math.isfinite(grad_norm):
+            if getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None:
+                return grad_norm
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
+                                     f"iteration {self._iteration}; no optimizer step was taken, the weights are "
+                                     "unchanged.")
+        max_norm = self.hparams.max_grad_norm
+        if max_norm and self._trainer is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        elif max_norm:
+            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None], max_norm)
+        return grad_norm
 
     # ------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int = 0) -> None:
