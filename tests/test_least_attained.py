@@ -239,7 +239,8 @@ def test_the_kv_budget_counts_what_preemption_may_park(tiny_llama):
     assert length_aware.parked_kv_bounds(256) == (8, 0.5)  # and each sample's probe
     model_config = tiny_llama[0].config
     per_token = kv_bytes_per_token(model_config, torch.float32)
-    budget = per_token * (20 * (10 + 100) + 10)  # 20 slots and one prompt's prefix
+    # 20 slots, one prompt's prefix, and one layer of it twice for a moment (its prefill's split)
+    budget = per_token * (20 * (10 + 100) + 10) + per_token // model_config.num_hidden_layers * 10
     assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64) == 20
     # Each slot may hold half its generation KV parked: 10 + 100 + 50 positions a slot.
     assert auto_micro_group_size(model_config, torch.float32, budget, 10, 100, 64, park_fraction=0.5) == 13

@@ -301,7 +301,7 @@ def test_nan_loss_stops_training_and_keeps_the_weights(module, degenerate_batch)
 # ------------------------------------------------------------------------------------------------ memory budget
 def test_kv_bytes_per_token_from_the_config(module):
     from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_held_bytes,
-                                                 kv_slot_bytes)
+                                                 kv_prefill_bytes, kv_slot_bytes)
 
     config = module.policy.config
     heads = config.num_attention_heads
@@ -316,6 +316,13 @@ def test_kv_bytes_per_token_from_the_config(module):
     held = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2)
     parked = kv_held_bytes(config, torch.float32, 10, group_size=4, num_prompts=2, parked_tokens=3)
     assert (held, parked) == (expected * 20, expected * 44)
+    # for a moment, a prefill: one layer of the prompts' chunk (2 x 10 positions), or a carried sample's prompt and
+    # tokens again (10 + 6) and one layer of its 6 tokens
+    layer = expected // config.num_hidden_layers
+    assert kv_prefill_bytes(config, torch.float32, 10, 2, 6) == layer * 20
+    assert kv_prefill_bytes(config, torch.float32, 10, 2, 6, carried=True) == expected * 16 + layer * 6
+    assert kv_prefill_bytes(config, torch.float32, 10, 500, 6) == layer * 1024  # one chunk's positions at most
+    held += layer * 20
     assert auto_micro_group_size(config, torch.float32, held + 5 * slot + slot // 2, 10, 6, group_size=4,
                                  num_prompts=2) == 5
     assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, parked_tokens=3) == 3
@@ -323,12 +330,13 @@ def test_kv_bytes_per_token_from_the_config(module):
     assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={held + slot - 1} is smaller than one slot's KV cache, "
                                          rf"{slot} bytes .* plus the {held} bytes held besides the slots "
-                                         rf"\(2 prompts' prefixes\); raise kv_budget_bytes to at least {held + slot}"):
+                                         rf"\(2 prompts' prefixes and a prefill's moment\); raise kv_budget_bytes to at "
+                                         rf"least {held + slot}"):
         auto_micro_group_size(config, torch.float32, held + slot - 1, 10, 6, 4, 2)
 
 
 def test_auto_micro_group_size_in_the_datamodule(module):
-    from lit_grpo.sampling.memory_budget import kv_held_bytes, kv_slot_bytes
+    from lit_grpo.sampling.memory_budget import kv_held_bytes, kv_prefill_bytes, kv_slot_bytes
 
     probe = make_datamodule(module)
     longest = max(len(ids) for ids in probe.train_prompt_ids)
@@ -338,7 +346,8 @@ def test_auto_micro_group_size_in_the_datamodule(module):
     parked = sampling.scheduler.parked_kv_bounds(sampling.max_new_tokens) if sampling.strategy == "infinite" else (0, 0)
     # "continuous" (or "infinite" with no preemption point below the 6-token cap): no sample parks, no KV aside
     assert sampling.max_new_tokens == 6 and parked == (0, 0)
-    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step)
+    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.float32, longest, probe.prompts_per_step, sampling.max_new_tokens)
     dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=held + 3 * slot + 1)
     batch = dm.build_train_batch()
     assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
@@ -359,7 +368,8 @@ def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget
     # long prompts and short completions: the prompts' prefixes outweigh the slots, which the budget must count
     from lit_grpo.runtime.models import load_model_and_tokenizer
     from lit_grpo.sampling import RolloutEngine, SamplingConfig
-    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, kv_held_bytes, kv_slot_bytes
+    from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_held_bytes,
+                                                 kv_prefill_bytes, kv_slot_bytes)
 
     model, tokenizer = load_model_and_tokenizer("tiny-llama")
     prompts = [[5 + i] * 60 for i in range(8)]
@@ -369,7 +379,8 @@ def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget
     assert (parked_tokens, park_share) == bounds
     slot = kv_slot_bytes(model.config, torch.float32, 60, 16) + math.ceil(
         kv_bytes_per_token(model.config, torch.float32) * 16 * park_share)
-    budget = 6 * slot + kv_held_bytes(model.config, torch.float32, 60, 4, len(prompts), parked_tokens)
+    budget = 6 * slot + kv_held_bytes(model.config, torch.float32, 60, 4, len(prompts), parked_tokens) + \
+        kv_prefill_bytes(model.config, torch.float32, 60, len(prompts), 16)  # one layer of the prompts' chunk
     g = auto_micro_group_size(model.config, torch.float32, budget, 60, 16, 4, len(prompts), parked_tokens, park_share)
     assert g == 6
     engine = RolloutEngine(model, tokenizer, sampling.replace(micro_group_size=g))

@@ -159,7 +159,8 @@ class RolloutBuilder:
         parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
         dtype = next(self.weights.module.parameters()).dtype
         return auto_micro_group_size(self.policy.config, dtype, config.kv_budget_bytes, self.max_prompt_length,
-                                     config.max_new_tokens, config.group_size, prompts, *parked)
+                                     config.max_new_tokens, config.group_size, prompts, *parked,
+                                     carried=self.over_provision > 1)
 
     @property
     def engine(self) -> RolloutEngine:

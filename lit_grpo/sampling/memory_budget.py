@@ -9,11 +9,15 @@ that does not depend on g: the prompts' prefixes (at most every prompt's at once
 features prefills them all before the first step) and, under "infinite", each parked sample's ``parked_tokens``
 positions whatever g is (at most every sample's: the length-aware method's probes, or preemption without a park
 budget, up to the last preemption point). Samples preempted within a park budget (``least_attained.py``) hold at
-most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. So::
+most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. For a moment a prefill
+holds more: while a chunk of prompts (up to ``PREFILL_CHUNK_TOKENS`` positions, or one longer prompt) is split into
+their prefixes, one layer of it twice; and under partial rollouts, while a carried sample's KV is computed again,
+its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus one layer of its tokens. So::
 
-    slot_bytes = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction))
-    held_bytes = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x parked_tokens)
-    g          = min(floor((kv_budget_bytes - held_bytes) / slot_bytes), group_size x num_prompts)
+    slot_bytes    = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction))
+    held_bytes    = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x parked_tokens)
+    prefill_bytes = the larger of those two moments (kv_prefill_bytes)
+    g             = min(floor((kv_budget_bytes - held_bytes - prefill_bytes) / slot_bytes), group_size x num_prompts)
 
 (the engine never runs more slots than the rollout has samples), and a rollout's ``peak_kv_bytes`` stays within
 ``kv_budget_bytes``. The slot cache allocates exactly ``slot_bytes`` a row: every row is ``longest prompt - 1 +
@@ -32,7 +36,8 @@ import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
-__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_slot_bytes"]
+__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
+           "kv_slot_bytes"]
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -88,12 +93,27 @@ def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, gr
     return kv_bytes_per_token(config, dtype) * num_prompts * (max_prompt_len + group_size * parked_tokens)
 
 
+def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, num_prompts: int,
+                     max_new_tokens: int, carried: bool = False) -> int:
+    """The most KV bytes a prefill holds for a moment besides the slots, prefixes and parked tails (module
+    docstring): one layer of a prefill chunk, or with ``carried`` samples (partial rollouts) a carried sample's
+    recomputed prompt and tokens plus one layer of its tokens, whichever is larger."""
+    from lit_grpo.sampling.prefill import PREFILL_CHUNK_TOKENS  # prefill imports kv_cache, which imports this
+
+    per_token = kv_bytes_per_token(config, dtype)
+    per_layer = per_token // kv_geometry(config)[0]
+    chunk = min(num_prompts * max_prompt_len, max(PREFILL_CHUNK_TOKENS, max_prompt_len))
+    tail = per_token * (max_prompt_len + max_new_tokens) + per_layer * max_new_tokens if carried else 0
+    return max(per_layer * chunk, tail)
+
+
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
                           max_new_tokens: int, group_size: int, num_prompts: int = 1, parked_tokens: int = 0,
-                          park_fraction: float = 0.0) -> int:
+                          park_fraction: float = 0.0, carried: bool = False) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
-    ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none).
+    ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none);
+    ``carried``: partial rollouts may carry samples into the rollout.
 
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
@@ -107,12 +127,14 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
     slot += math.ceil(per_token * max_new_tokens * park_fraction)
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
+    held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
     if fits < 1:
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new "
                          f"tokens{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
-                         + (f" and parked samples' {parked_tokens} tokens" if parked_tokens else "")
+                         + (f", parked samples' {parked_tokens} tokens" if parked_tokens else "")
+                         + " and a prefill's moment"
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
     return int(min(fits, group_size * num_prompts))

@@ -158,5 +158,13 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
     """Each prefix's KV from its chunk's cache (every layer's keys and values ``[1, kv_heads, T, head_dim]``):
-    ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed."""
-    return [slice_columns(kv, start, start + n) for start, n in zip(chunk.offsets, chunk.lengths)]
+    ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed. ``kv`` is consumed (the
+    list is emptied) a layer at a time: where nothing else holds the cache, each layer's chunk tensors are freed
+    once copied, so the split holds at most one layer of the chunk twice."""
+    prefixes: list[KV] = [[] for _ in chunk.lengths]
+    while kv:
+        layer = kv.pop(0)
+        for prefix, start, n in zip(prefixes, chunk.offsets, chunk.lengths):
+            prefix.extend(slice_columns([layer], start, start + n))
+        del layer
+    return prefixes

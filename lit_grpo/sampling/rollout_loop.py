@@ -262,7 +262,10 @@ class RolloutLoop:
             last = out.hidden_states[-1][0]
             features = torch.stack([last[start:start + n].float().mean(0)
                                     for start, n in zip(packed.offsets, packed.lengths)])
-        return split_prefixes(cache_layers_kv(cache), packed), features
+        kv = cache_layers_kv(cache)
+        del out, cache  # the chunk's KV is held by kv alone, and split_prefixes frees it a layer at a time
+        self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]))  # the split's peak: its first layer copied
+        return split_prefixes(kv, packed), features
 
     def _prefill_tail(self, p: int, tokens: list[int]) -> KV:
         """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
@@ -274,7 +277,14 @@ class RolloutLoop:
         start = 0 if prefix is None else prefix[0][0].shape[-2]
         fed = [self.groups[p].prompt_ids[-1], *tokens[:-1]]
         self._forward(torch.tensor([fed], device=self.device), cache)
-        return slice_columns(cache_layers_kv(cache), start)
+        kv = cache_layers_kv(cache)
+        del cache  # the prefix and tail are held by kv alone: each layer is freed once its tail is copied
+        width = kv[0][0].shape[-2]
+        self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]) // width * (width - start))
+        tail: KV = []
+        while kv:
+            tail.extend(slice_columns([kv.pop(0)], start))
+        return tail
 
     def _release_unused_prefixes(self) -> None:
         """Free the cached prefix of every prompt no sample can need again: none waits for a slot (not started,
@@ -289,9 +299,11 @@ class RolloutLoop:
             if not any(scheduler.waits((p, k)) for k in range(self.G)):
                 del self.prefixes[p]
 
-    def _record_memory(self) -> None:
+    def _record_memory(self, transient: int = 0) -> None:
+        """Count the KV held now: the slot cache, parked tails, cached prefixes, and ``transient`` bytes a prefill
+        holds besides them for a moment."""
         prefixes = sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
-        held = self.decode_step.cache.nbytes() + self.parked_kv_bytes + prefixes
+        held = self.decode_step.cache.nbytes() + self.parked_kv_bytes + prefixes + transient
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
         self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, self.parked_kv_bytes)
 
