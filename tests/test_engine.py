@@ -140,6 +140,19 @@ def test_forced_lengths_are_replayed_exactly(tiny_llama):
     assert all(c[-1] == eos and eos not in c[:-1] for c in sum(result.completion_ids, []))
 
 
+@pytest.mark.parametrize("strategy", ["full", "micro", "continuous", "infinite"])
+def test_a_replayed_length_past_the_cap_is_cut_there_truncated(tiny_llama, strategy):
+    """Recorded at a larger cap: the sample runs to this cap without EOS and is truncated, as a live run's would
+    be; a recorded length at the cap ends with EOS there."""
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy=strategy, max_new_tokens=4)
+    result = engine.generate([[5, 6, 7]], lengths=[[10, 4, 2]])
+    eos = tokenizer.eos_token_id
+    assert [len(c) for c in result.completion_ids[0]] == [4, 4, 2]
+    assert result.truncated == [[True, False, False]]
+    assert eos not in result.completion_ids[0][0] and result.completion_ids[0][1][-1] == eos
+
+
 def test_continuous_refills_a_freed_slot_at_once_across_groups(tiny_llama):
     stats = _forced(*tiny_llama, "continuous", 2).stats
     # FIFO on 2 slots, jobs 5,1,3 | 2,2,7: slot 0 runs 5 then 2 (steps 0-4, 5-6); slot 1 runs 1, 3, 2, 7

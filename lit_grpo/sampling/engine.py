@@ -149,7 +149,8 @@ class RolloutEngine:
 
         Args:
             prompts: ``[B]`` strings (tokenized with the tokenizer's defaults) or token-id lists.
-            lengths: ``[B][G]`` forced completion lengths (replay): EOS is suppressed before and forced at step L.
+            lengths: ``[B][G]`` forced completion lengths (replay): EOS is suppressed before and forced at step L;
+                a length past ``max_new_tokens`` runs to the cap without EOS, truncated.
             tokens: ``[B][G]`` recorded completions (token replay): sample k of prompt p emits ``tokens[p][k]``
                 (its first ``max_new_tokens``), each with its log-prob under this engine's sampling settings; the
                 model runs every step as it would live. A recording without a final EOS ends at its last token,
@@ -350,7 +351,9 @@ class RolloutEngine:
         flat = [int(n) for row in lengths for n in row]
         if min(flat) < 1:
             raise ValueError(f"forced lengths must be >= 1, got {min(flat)}")
-        return [[min(int(n), self.max_new_tokens) for n in row] for row in lengths]
+        # a recorded length past the cap becomes cap + 1: EOS is suppressed up to the cap, which cuts the sample
+        # there, truncated, as a live run would (EOS forced at the cap would end it untruncated)
+        return [[min(int(n), self.max_new_tokens + 1) for n in row] for row in lengths]
 
     @staticmethod
     def _check_streams(streams, num_prompts: int) -> list[int]:

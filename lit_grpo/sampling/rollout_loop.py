@@ -312,7 +312,8 @@ class RolloutLoop:
             return None
         if any(g.forced_lengths is None for g in self.groups):
             raise ValueError("forced lengths must be given for every group of a rollout or for none")
-        return [list(g.forced_lengths) for g in self.groups]
+        cap = self.settings.max_new_tokens  # a replayed length past the cap (cap + 1) runs to the cap
+        return [[min(n, cap) for n in g.forced_lengths] for g in self.groups]
 
     def _result(self) -> RolloutResult:
         # Groups that had to finish go first, then the others in completion order; returned in input order.
