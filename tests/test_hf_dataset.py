@@ -78,6 +78,10 @@ def test_chat_messages_render_through_the_template():
     assert ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     with pytest.raises(ValueError, match="and a prompt whose messages start with their own system turn"):
         render_prompt(tokenizer, example.prompt, "Be nice.", "{prompt}", example.messages[:-1])
+    # the template's other braces stay as written: only {prompt} is replaced
+    boxed = render_prompt(tokenizer, "What is 2+2?", None, "{prompt}\nPut the answer in \\boxed{} {not_a_field}.")
+    user = {"role": "user", "content": "What is 2+2?\nPut the answer in \\boxed{} {not_a_field}."}
+    assert boxed == tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=True)["input_ids"]
 
 
 def test_datamodule_streams_a_dataset_object_and_rewards_see_every_column(table):

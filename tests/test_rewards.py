@@ -86,6 +86,16 @@ def test_accuracy_without_reasoning_gym_entry():
     got = accuracy_reward(["q"] * 4, ["The answer is 42.", "42.0", "41", "x"], answer=["42", "42", "42", None])
     assert got == [1.0, 1.0, 0.0, None]
     assert accuracy_reward(["q"], ["Let me think.\nParis."], answer=["Paris"]) == [1.0]
+    # numbers as people write them: thousands separators (commas or spaces), a spaced or Unicode minus
+    completions = ["<answer>1 000</answer>", "<answer>1,000</answer>", "<answer>- 5</answer>", "It is \u22125.",
+                   "It is \u22125."]
+    assert accuracy_reward(["q"] * 5, completions, answer=["1000", "1000", "-5", "-5", "5"]) == [1.0, 1.0, 1.0, 1.0,
+                                                                                                0.0]
+    # a list is not one number: "1,2,3" is not 123, and "2, 3" is "2,3"
+    got = accuracy_reward(["q"] * 3, ["<answer>123</answer>", "<answer>1, 2, 3</answer>", "<answer>2 3</answer>"],
+                          answer=["1,2,3", "1,2,3", "23"])
+    assert got == [0.0, 1.0, 0.0]
+    assert accuracy_reward(["q"], ["x"], answer=["  "]) == [None]  # a blank gold answer is no gold answer
 
 
 def test_format_and_overlong():
@@ -95,8 +105,9 @@ def test_format_and_overlong():
     got = penalty([""] * 4, [""] * 4, completion_length=[4, 6, 8, 9], max_new_tokens=[8] * 4)
     assert got == [0.0, -0.5, -1.0, -1.0]
     assert OverlongPenalty(max_length=10, buffer=5)([""], [""], completion_length=[7]) == [pytest.approx(-0.4)]
-    with pytest.raises(ValueError, match="buffer=0"):
-        OverlongPenalty(buffer=0)
+    for bad in (0, "64", 2.5, True):
+        with pytest.raises(ValueError, match=rf"buffer={bad!r} must be an integer >= 1"):
+            OverlongPenalty(buffer=bad)
 
 
 def test_build_reward_funcs_from_config_specs():
@@ -118,6 +129,9 @@ def test_build_reward_funcs_from_config_specs():
         build_reward_funcs([{"name": "format", "wieght": 2}])
     with pytest.raises(ValueError, match="weight"):
         WeightedReward(format_reward, float("nan"))
+    for weight in (None, "1", True):  # named, not a bare TypeError from float()
+        with pytest.raises(ValueError, match=rf"reward weight {weight!r} for 'format' must be a finite number"):
+            build_reward_funcs([{"name": "format", "weight": weight}])
 
 
 def test_scores_are_float_tensors():

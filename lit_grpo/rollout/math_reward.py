@@ -144,7 +144,8 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[str | N
     The gold answer is the ``answer`` column, else the row's ``answer`` field; ``timeout_s``: the deadline per
     completion in seconds (> 0), or None for none.
     """
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
         raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)

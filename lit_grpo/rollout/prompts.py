@@ -152,13 +152,14 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
                   template: str = "{prompt}", history: Sequence[Mapping[str, str]] = ()) -> list[int]:
-    """Token ids of one prompt: ``template.format(prompt=...)`` as the user message, through the chat template.
+    """Token ids of one prompt: ``template`` with ``{prompt}`` replaced by the prompt (every other brace kept as
+    written, e.g. ``\\boxed{}``) as the user message, through the chat template.
 
     ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
     first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
     the plain text (system prompt, a blank line, the turns' contents, the message).
     """
-    text = template.format(prompt=prompt)
+    text = template.replace("{prompt}", prompt)
     history = [dict(turn) for turn in history]
     if history and history[0]["role"] == "system" and system_prompt:
         raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "

@@ -22,11 +22,22 @@ from lit_grpo.rollout.math_reward import math_reward
 
 # --------------------------------------------------------------------------------------------- answer extraction
 _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+#: A number: a sign (ASCII or Unicode minus), digits with thousands separators in groups of three or none, decimals.
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-\u2212]?\.\d+")
+
+
+def _number(text: str) -> float | None:
+    """The value of ``text`` written as one number ("1,000", "1 000", "- 5", "\u22125", "2.50"), else None: a list
+    such as "1,2,3" or "2 3" is not one number."""
+    text = re.sub(r"^([-\u2212])\s+", r"\1", text.strip())
+    text = re.sub(r"(?<=\d) (?=\d{3}\b)", ",", text)  # a space as a thousands separator
+    if _NUMBER.fullmatch(text) is None:
+        return None
+    return float(text.replace(",", "").replace("\u2212", "-"))
 
 
 def _is_number(text: str) -> bool:
-    return _NUMBER.fullmatch(text.strip().replace(" ", "")) is not None
+    return _number(text) is not None
 
 
 def extract_answer(completion: str, numeric: bool = False) -> str | None:
@@ -40,17 +51,17 @@ def extract_answer(completion: str, numeric: bool = False) -> str | None:
         return tags[-1].strip()
     if numeric:
         numbers_found = _NUMBER.findall(completion)
-        return numbers_found[-1].replace(",", "").rstrip(".") if numbers_found else None
+        return numbers_found[-1].replace(",", "").replace("\u2212", "-") if numbers_found else None
     lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
     return lines[-1] if lines else None
 
 
 def _normalize(text: str) -> str:
     text = text.strip().rstrip(".").strip()
-    if _is_number(text):
-        value = float(text.replace(",", ""))
+    value = _number(text)
+    if value is not None:
         return str(int(value)) if value.is_integer() else repr(value)
-    return " ".join(text.lower().split())
+    return re.sub(r"\s*,\s*", ",", " ".join(text.lower().split()))  # "2, 3" is "2,3"
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +95,15 @@ def accuracy_reward(
     prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
     entry: list[Mapping[str, Any] | None] | None = None, **columns: Any
 ) -> list[float | None]:
-    """Correctness of the final answer in ``[0, 1]``; ``None`` for rows with neither gold answer nor dataset entry."""
+    """Correctness of the final answer in ``[0, 1]``; ``None`` for rows with neither gold answer (a blank one counts as
+    none, as for ``math``) nor dataset entry."""
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
     for completion, gold, row in zip(completions, answers, entries):
         gold = gold if gold is not None else (row.get("answer") if isinstance(row, Mapping) else None)
+        if gold is not None and not str(gold).strip():
+            gold = None
         if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
             out.append(None)
             continue
@@ -117,10 +131,11 @@ class OverlongPenalty:
     """
 
     def __init__(self, max_length: int | None = None, buffer: int = 64):
-        if buffer < 1:
-            raise ValueError(f"OverlongPenalty buffer={buffer!r} must be >= 1 (tokens)")
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"OverlongPenalty max_length={max_length!r} must be >= 1 (tokens) or None")
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"OverlongPenalty buffer={buffer!r} must be an integer >= 1 (tokens)")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                       or max_length < 1):
+            raise ValueError(f"OverlongPenalty max_length={max_length!r} must be an integer >= 1 (tokens) or None")
         self.max_length = max_length
         self.buffer = buffer
         self.__name__ = "overlong"

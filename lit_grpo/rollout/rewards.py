@@ -89,8 +89,10 @@ class WeightedReward:
     def __post_init__(self) -> None:
         if not callable(self.fn):
             raise ValueError(f"reward function {self.fn!r} is not callable")
-        if not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or \
+                not math.isfinite(self.weight):
             raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number")
+        self.weight = float(self.weight)
         if not self.name:
             self.name = reward_name(self.fn)
 
@@ -193,7 +195,7 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
             name = spec["name"]
             fn = _resolve(name, spec.get("kwargs") or {})
             log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
-            out.append(WeightedReward(fn, float(spec.get("weight", 1.0)), log_name))
+            out.append(WeightedReward(fn, spec.get("weight", 1.0), log_name))
         elif callable(spec):
             out.append(WeightedReward(spec))
         else:
