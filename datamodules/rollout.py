@@ -85,7 +85,8 @@ class RolloutDataModule(LightningDataModule):
     them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
     ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
-    as ``\\boxed{}`` stay as written) shape the user message before the chat template. ``val_size``: held-out prompts (count or fraction).
+    as ``\\boxed{}`` stay as written) shape the user message before the chat template. ``val_size``: held-out
+    prompts (count or fraction).
 
     Args:
         reward_funcs: reward specs (``lit_grpo.rollout.rewards.build_reward_funcs``, default ``["accuracy"]``);
