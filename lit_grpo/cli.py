@@ -140,7 +140,8 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
-            check_resumable(ckpt_path, config.get("model") or {}, config.get("data"))
+            check_resumable(ckpt_path, config.get("model") or {}, config.get("data"),
+                            evaluate=self.config.subcommand != "fit")
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in

@@ -237,6 +237,24 @@ def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
     assert "model.loss.loss_type: 'dapo' in the checkpoint, 'grpo' now" in message
     assert "data.sampling.group_size: 4 in the checkpoint, 8 now" in message
     assert "epsilon" not in message  # only what differs
+    # evaluating it needs only weights that fit: the objective may differ, the model may not
+    module_now, data_now = _hparams(tiny_checkpoint)
+    module_now.update(loss={**module_now["loss"], "loss_type": "grpo"})
+    check_resumable(tiny_checkpoint, module_now, {**data_now, "sampling": data["sampling"]}, evaluate=True)
+    with pytest.raises(ValueError, match=r"holds the weights of another model than this run's:\n  model.model: "
+                                         r"'tiny-llama' in the checkpoint, 'tiny-qwen2' now"):
+        check_resumable(tiny_checkpoint, module, data, evaluate=True)
+
+
+def test_a_dtype_is_the_same_setting_under_either_of_its_names(tmp_path, tiny_checkpoint):
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["dtype"] = "bfloat16"
+    saved = tmp_path / "bf16.ckpt"
+    torch.save(checkpoint, saved)
+    module, data = _hparams(saved)
+    check_resumable(saved, {**module, "dtype": "bf16"}, data)
+    with pytest.raises(ValueError, match=r"model.dtype: 'bfloat16' in the checkpoint, 'float32' now"):
+        check_resumable(saved, {**module, "dtype": "float32"}, data)
 
 
 def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_checkpoint):
@@ -246,6 +264,10 @@ def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_check
         build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(cut)))
     with pytest.raises(ValueError, match=r"data.sampling.group_size: 4 in the checkpoint, 6 now"):
         build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(tiny_checkpoint), "--data.sampling.group_size", "6"))
+    # validate only evaluates the weights: another G is fine there
+    validate = ["validate", *_fit_args(tmp_path / "val", "--ckpt_path", str(tiny_checkpoint),
+                                       "--data.sampling.group_size", "6", "--trainer.limit_val_batches", "1")[1:]]
+    build_cli(validate)
 
 
 def test_last_with_no_checkpoint_starts_a_new_run_and_then_resumes_it(tmp_path, caplog):

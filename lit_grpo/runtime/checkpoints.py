@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit_grpo.runtime.models import resolve_dtype
+
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 
 #: The settings a checkpoint must share with the run that resumes it: the model and its weights' layout, and the
@@ -32,6 +34,8 @@ RESUME_SETTINGS = {
                          "mask_truncated_completions"),
     "datamodule_hyper_parameters": ("sampling.group_size",),
 }
+#: What a checkpoint must share with a run that only evaluates it (``lit-grpo validate``): the weights' layout.
+WEIGHT_SETTINGS = {"hyper_parameters": ("model", "peft_config")}
 
 
 def partial_path(path: str | os.PathLike, pid: int | None = None) -> Path:
@@ -147,19 +151,22 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
-                    datamodule_hparams: Mapping[str, Any] | None) -> None:
+                    datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False) -> None:
     """Raise, naming ``path`` and what is wrong, unless it is a lit_grpo training checkpoint that a run with these
-    hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``."""
+    hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``. With
+    ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit."""
     checkpoint = read_checkpoint_header(path)
     if not checkpoint:
         return
-    missing = [key for key in ("state_dict", "loops", "optimizer_states", "hyper_parameters") if key not in checkpoint]
+    needed = ("state_dict", "hyper_parameters") if evaluate else (
+        "state_dict", "loops", "optimizer_states", "hyper_parameters")
+    missing = [key for key in needed if key not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
                          "(a weights-only file, or another program's)")
     current = {"hyper_parameters": module_hparams, "datamodule_hyper_parameters": datamodule_hparams or {}}
     differing = []
-    for section, names in RESUME_SETTINGS.items():
+    for section, names in (WEIGHT_SETTINGS if evaluate else RESUME_SETTINGS).items():
         saved = checkpoint.get(section) or {}
         if section == "datamodule_hyper_parameters" and not saved:
             continue  # saved without a datamodule: nothing to compare
@@ -169,9 +176,12 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             if not isinstance(old, dict) or not isinstance(new, dict):
                 old, new = {"": old}, {"": new}
             for key in sorted(set(old) | set(new), key=str):
-                if _normalized(old.get(key)) != _normalized(new.get(key)):
+                if _normalized(old.get(key), name) != _normalized(new.get(key), name):
                     shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
                     differing.append(f"{shown}: {old.get(key)!r} in the checkpoint, {new.get(key)!r} now")
+    if differing and evaluate:
+        raise ValueError(f"checkpoint {path} holds the weights of another model than this run's:\n  "
+                         + "\n  ".join(differing) + "\nUse the checkpoint's model settings.")
     if differing:
         raise ValueError(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
                          "continue the same run:\n  " + "\n  ".join(differing)
@@ -197,7 +207,10 @@ def _fields(value: Any) -> Any:
     return value
 
 
-def _normalized(value: Any) -> Any:
+def _normalized(value: Any, name: str = "") -> Any:
+    if name == "dtype" and isinstance(value, str):  # "bf16" and "bfloat16" are one dtype
+        with contextlib.suppress(ValueError, KeyError):
+            return resolve_dtype(value)
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, Mapping):
