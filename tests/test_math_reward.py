@@ -39,6 +39,9 @@ CASES = [
     (r"\boxed{-3}", "-3", 1.0),
     (r"\boxed{-3}", "3", 0.0),
     ("the temperature falls to -7", "-7", 1.0),
+    ("the temperature falls to \u22127.", "-7", 1.0),  # a Unicode minus
+    ("the temperature falls to \u22127.", "7", 0.0),
+    ("it is on pages 10-20", "20", 1.0),  # a range, not -20
     (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
     (r"\boxed{\frac{-1}{2}}", r"-\frac{1}{2}", 1.0),
     # sets and intervals

@@ -35,9 +35,11 @@ from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+#: A sign: a minus (ASCII or Unicode) not right after a word or a number ("10-20" is a range, not -20).
+_SIGN = r"(?:(?<![\w.)])[-\u2212])?"
 #: A number as written in an answer: sign, thousands separators or plain digits, decimals, a fraction, a percent.
-_NUMBER = re.compile(r"-?\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
-                     r"|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|-?\.\d+")
+_NUMBER = re.compile(_SIGN + r"\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
+                     r"|" + _SIGN + r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|" + _SIGN + r"\.\d+")
 #: A LaTeX math span: ``$$...$$``, ``$...$``, ``\(...\)`` or ``\[...\]`` (one group each).
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 
@@ -127,6 +129,7 @@ def score_math(completion: str, gold: str | None, timeout_s: float | None = DEFA
     answer = extract_final_answer(completion)
     if answer is None:
         return 0.0
+    answer = answer.replace("\u2212", "-")  # a Unicode minus, which math-verify does not read
     check = lambda: answers_match(answer, str(gold))  # noqa: E731
     try:
         return 1.0 if (call_with_deadline(check, timeout_s) if timeout_s is not None else check()) else 0.0
