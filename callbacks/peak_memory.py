@@ -23,10 +23,11 @@ MEMORY_KEYS = tuple(f"memory/{phase}_{suffix}" for phase in PHASES
 class PeakMemoryMonitor(Callback):
     r"""Logs the peak memory of every training step, and of its rollout and update phases for lit_grpo.
 
-    **Logged keys** (bytes, once per training batch, honouring ``log_every_n_steps``)
+    **Logged keys** (bytes, once per optimizer step, honouring ``log_every_n_steps``)
 
     - ``memory/step_peak_bytes``: peak of the whole step, from the end of the previous step (or the epoch start)
-      to the end of this one: data fetch, forward, backward and optimizer step. Any LightningModule.
+      to the end of this one: data fetch, forward, backward and optimizer step (under gradient accumulation, of
+      all its micro-batches; logged once, after the last). Any LightningModule.
     - ``memory/rollout_peak_bytes``: peak while the batch was fetched, i.e. while the rollout was generated
       (previous ``on_train_batch_end`` -> ``on_train_batch_start``). lit_grpo batches only.
     - ``memory/update_peak_bytes``: peak during the update (``on_train_batch_start`` -> ``on_train_batch_end``).
@@ -87,6 +88,7 @@ class PeakMemoryMonitor(Callback):
         self._tracker: PeakTracker | None = None
         self._method: str | None = None
         self._rollout_peaks: dict[str, int] = {}
+        self._accumulated: dict[str, int] = {}  # the peaks of a step's earlier micro-batches (gradient accumulation)
         self._before_optimizer: dict[str, int] | None = None  # the update's peaks up to its optimizer step
         self._started: dict[str, int] = {}  # bytes held when each phase started
         #: The largest value of every logged key over the fit so far (what a summary reports).
@@ -148,6 +150,10 @@ class PeakMemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if _accumulating(trainer, batch_idx):  # the step goes on to the micro-batch whose optimizer step ends it
+            if self._tracker is not None:
+                self._accumulated = _larger(self._accumulated, _larger(self._rollout_peaks, self._tracker.read()))
+            return
         metrics = self._step_peaks(batch) if self._tracker is not None else {}
         # every step, measured or not: under several processes every rank joins the one gather of the peaks
         metrics = whole_step(trainer, metrics, MEMORY_KEYS)
@@ -161,7 +167,8 @@ class PeakMemoryMonitor(Callback):
         peaks = {"rollout": self._rollout_peaks, "update": _larger(self._before_optimizer or {}, last)}
         if self._before_optimizer is not None:
             peaks["optimizer"] = last
-        peaks["step"] = _larger(self._rollout_peaks, peaks["update"])
+        peaks["step"] = _larger(_larger(self._accumulated, self._rollout_peaks), peaks["update"])
+        self._accumulated = {}
         phases = [phase for phase in PHASES if phase in peaks] if rollout_stats(batch) is not None else ["step"]
         metrics: dict[str, int] = {}
         for phase in phases:
@@ -197,6 +204,13 @@ class PeakMemoryMonitor(Callback):
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "
                 "rollout measured before step i is the rollout of step i+1. Give the dataloader a __len__."
             )
+
+
+def _accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether this training batch only accumulates gradients (Lightning steps the optimizer on the last of every
+    ``accumulate_grad_batches`` batches, and on the epoch's last batch)."""
+    every = trainer.accumulate_grad_batches
+    return every > 1 and (batch_idx + 1) % every != 0 and not trainer.is_last_batch
 
 
 def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:

@@ -7,6 +7,7 @@ import sys
 import warnings
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, make_rollout, scalars, touch_memory
@@ -321,6 +322,7 @@ def _stand_in_trainer(all_gather) -> SimpleNamespace:
     strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
     return SimpleNamespace(world_size=2, strategy=strategy,
                            loggers=[_RecordingLogger()], log_every_n_steps=1, should_stop=False, callback_metrics={},
+                           accumulate_grad_batches=1, is_last_batch=False,
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)))
 
 
@@ -447,3 +449,39 @@ def test_fit_summary_counts_every_ranks_rollouts():
     assert summaries[0].rollouts == 1 and summaries[0].rollout_s == 0.9
     decode_steps = a.decode_steps + b.decode_steps
     assert totals.decode_ms_per_step == pytest.approx(1000 * (a.decode_s + b.decode_s) / decode_steps)
+
+
+class _AccumulatingWithMemory(TinyRegression):
+    """Touches memory in the first of every 3 micro-batches only: the step's peak is there, not in its last."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 3 == 0:
+            touch_memory(96 * MiB, 0.03)
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)  # 6 batches: 2 steps
+
+
+def test_peak_memory_under_gradient_accumulation_is_the_whole_steps(tmp_path):
+    """Any LightningModule: with accumulate_grad_batches 3 a step is 3 micro-batches, logged once, its peak the
+    largest of the three (here the first's)."""
+    logged = []
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Recording(CSVLogger):
+        def log_metrics(self, metrics, step=None):
+            logged.append((step, metrics))
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=3, accelerator="cpu",
+                         callbacks=[PeakMemoryMonitor(cpu_method="sampling", sample_interval_s=0.002)],
+                         logger=Recording(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(_AccumulatingWithMemory())
+    peaks = [(step, m["memory/step_peak_delta_bytes"]) for step, m in logged if "memory/step_peak_delta_bytes" in m]
+    assert [step for step, _ in peaks] == [0, 1]
+    assert all(delta > 64 * MiB for _, delta in peaks)
