@@ -3,6 +3,7 @@ on SIGTERM or Ctrl-C."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,7 +15,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_grpo.runtime.checkpoints import AtomicCheckpointIO, check_writable, remove_stale_partials
+from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, check_writable, finish_interrupted_swaps,
+                                          remove_stale_partials, remove_staged, staging_path, swap_in_staged)
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
 from lit_grpo.runtime.validation import check_int
 
@@ -42,10 +44,9 @@ class RunCheckpoint(ModelCheckpoint):
     Lightning's machinery writes (``Trainer.save_checkpoint``, the callback's own state, ``--ckpt_path last``).
 
     **How it writes**: atomically (:class:`~lit_grpo.runtime.checkpoints.AtomicCheckpointIO`, set on the strategy where it
-    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. Not under
-    ``ModelParallelStrategy`` (FSDP2): it writes a sharded ``last.ckpt/`` folder through
-    ``torch.distributed.checkpoint``, over the previous one, so a kill during that save can leave it mixed; keep a
-    history beside it there (``ModelCheckpoint``'s ``step=N.ckpt``, as ``configs/fsdp_gpu.yaml`` does). At setup
+    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. Under
+    ``ModelParallelStrategy`` (FSDP2) ``last.ckpt`` is a folder of every rank's shards: it is written beside its
+    place (``.last.ckpt.PID.staging``) and swapped in once every rank has finished. At setup
     it deletes partial files of killed saves and checks that the folder can be written and has room for one more
     checkpoint, so a bad folder fails before the first step rather than hours later.
 
@@ -99,6 +100,8 @@ class RunCheckpoint(ModelCheckpoint):
             def check() -> None:
                 for path in remove_stale_partials(self.dirpath):
                     rank_zero_info(f"lit_grpo: removed {path}, the partial file of a save that was killed")
+                for path in finish_interrupted_swaps(self.dirpath):
+                    rank_zero_info(f"lit_grpo: {path}: finished or removed what a killed sharded save left")
                 check_writable(self.dirpath)
             _on_rank_zero_for_all(trainer, check)
 
@@ -160,6 +163,23 @@ class RunCheckpoint(ModelCheckpoint):
             return bool(trainer.strategy.reduce_boolean_decision(STOP_SIGNAL.requested, all=False))
         return STOP_SIGNAL.requested
 
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Lightning's save, or for a sharded checkpoint (a folder every rank writes, bypassing ``checkpoint_io``)
+        a save into a staging folder that replaces ``filepath`` once every rank is done (``swap_in_staged``)."""
+        if not _writes_a_folder(trainer.strategy):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        pid = trainer.strategy.broadcast(os.getpid())  # rank 0's: one staging folder for every rank
+        if trainer.is_global_zero:
+            remove_staged(filepath, pid)  # what a killed save of this process left
+        trainer.strategy.barrier()
+        super()._save_checkpoint(trainer, str(staging_path(filepath, pid)))
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            swap_in_staged(filepath, pid)
+        trainer.strategy.barrier()
+        self._last_checkpoint_saved = filepath
+
     def _save_last(self, trainer: pl.Trainer) -> None:
         if trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
             return  # nothing trained yet, or this step is saved already
@@ -185,6 +205,14 @@ class RunCheckpoint(ModelCheckpoint):
         path = shown_path(self.last_model_path)
         print(f"lit_grpo: stopped by {name} after step {trainer.global_step}; saved to {path}", flush=True)
         print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
+
+
+def _writes_a_folder(strategy: Any) -> bool:
+    """Whether ``strategy`` saves a checkpoint as a folder of shards (ModelParallelStrategy's default)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # Lightning keeps this choice in a private field; it has no public view of it
+    return isinstance(strategy, ModelParallelStrategy) and bool(getattr(strategy, "_save_distributed_checkpoint", True))
 
 
 def _on_rank_zero_for_all(trainer: pl.Trainer, check: Callable[[], None]) -> None:

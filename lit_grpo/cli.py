@@ -44,11 +44,12 @@ from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
-from lit_grpo.runtime.checkpoints import check_resumable, find_last_checkpoint, run_checkpoint_folders
+from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
+                                          run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
@@ -153,6 +154,9 @@ class GRPOCLI(LightningCLI):
             checkpoint.resume_command = resume_command(self.command_args)
         if ckpt_path == "last":
             root, folders = self._checkpoint_folders()
+            if rank_zero_only.rank == 0:  # a sharded save killed between its renames leaves no last.ckpt until then
+                for folder in folders:
+                    finish_interrupted_swaps(folder)
             found = find_last_checkpoint(folders)
             if found is None:
                 rank_zero_info(f"lit_grpo: --ckpt_path last: no last.ckpt under {root} yet; starting a new run")

@@ -322,3 +322,36 @@ def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interr
         assert stop.value.code == 130
     finally:
         STOP_SIGNAL.restore()
+
+
+def _folder(path: Path, content: str) -> Path:
+    path.mkdir()
+    (path / "shard").write_text(content)
+    return path
+
+
+def test_a_sharded_checkpoint_is_swapped_in_whole_and_a_killed_swap_is_finished(tmp_path):
+    """A sharded checkpoint (FSDP2) is a folder: written beside its place, then swapped in by two renames. Whatever
+    moment a kill hits, the next run finds last.ckpt whole, old or new."""
+    from lit_grpo.runtime.checkpoints import finish_interrupted_swaps, staging_path, swap_in_staged
+
+    last = _folder(tmp_path / "last.ckpt", "old")
+    me = os.getpid()
+    _folder(staging_path(last, me), "new")
+    swap_in_staged(last, me)
+    assert (last / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    gone = subprocess.Popen(["true"])  # a process that has ended: its leftovers are no one's
+    gone.wait()
+    # killed between the renames: no last.ckpt, the old one set aside, the new one complete
+    last.rename(tmp_path / f".last.ckpt.{gone.pid}.replaced")
+    _folder(staging_path(last, gone.pid), "newer")
+    assert finish_interrupted_swaps(tmp_path) and (last / "shard").read_text() == "newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # killed while writing: the staged folder is incomplete and last.ckpt untouched
+    _folder(staging_path(last, gone.pid), "half")
+    finish_interrupted_swaps(tmp_path)
+    assert (last / "shard").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # a save still running (this process) is left alone
+    _folder(staging_path(last, me), "writing")
+    assert finish_interrupted_swaps(tmp_path) == [] and staging_path(last, me).is_dir()

@@ -147,7 +147,8 @@ def test_a_mesh_that_is_not_all_data_parallel_or_an_unsharded_policy_is_refused(
 
 def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path):
     """loss.beta > 0 without LoRA loads a frozen reference, sharded as the policy is: its keys stay in the sharded
-    checkpoint, which ModelParallelStrategy loads whole into the module, so ``--ckpt_path last`` resumes."""
+    checkpoint, which ModelParallelStrategy loads whole into the module, so ``--ckpt_path last`` resumes (from the
+    folder RunCheckpoint staged and swapped in)."""
     from tools.step_recorder import read_records
 
     strategy = tmp_path / "strategy.yaml"
@@ -155,5 +156,8 @@ def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path):
         "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
     args = ("--config", str(strategy), "--model.fsdp", "true", "--model.loss.beta", "0.04")
     first = read_records(fit_two_processes(tmp_path, *args, steps=1), 0)
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    # a folder of both ranks' shards, written beside its place and swapped in: nothing else is left there
+    assert last.is_dir() and [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
     resumed = read_records(fit_two_processes(tmp_path, *args, "--ckpt_path", "last", steps=2), 0)
     assert [r["global_step"] for r in first] == [1] and resumed[-1]["global_step"] == 2

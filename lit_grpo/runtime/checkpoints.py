@@ -5,7 +5,9 @@ made by ``tempfile.mkstemp()`` in the system temp folder, then moved into place.
 file system (a tmpfs, a container's overlay), the move is a copy, and a kill during the copy leaves a truncated
 checkpoint under the real name; a killed write also leaves its temporary file in /tmp. ``atomic_torch_save``
 writes next to the target (``.NAME.PID.partial``), flushes it to disk and renames it over the target, so a reader
-sees the old file or the new one, whole, and never a mix.
+sees the old file or the new one, whole, and never a mix. A sharded checkpoint (FSDP2: a folder every rank writes
+its shards into) is written the same way as a folder beside its target and swapped in once complete
+(``swap_in_staged``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import shutil
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +28,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lit_grpo.runtime.models import resolve_dtype
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
+#: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
+#: new one takes its place (``replaced``).
+SWAP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<kind>staging|replaced)$")
 
 #: The settings a checkpoint must share with the run that resumes it: the model and its weights' layout, and the
 #: objective (G and the loss). Anything else may change between a stop and a resume. A nested setting (``loss``, a
@@ -61,12 +67,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         with contextlib.suppress(OSError):
             partial.unlink()
         raise
-    with contextlib.suppress(OSError):  # the rename itself survives a power loss once the folder is synced
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+    _sync_folder(path.parent)
 
 
 def remove_stale_partials(folder: str | os.PathLike) -> list[Path]:
@@ -83,6 +84,71 @@ def remove_stale_partials(folder: str | os.PathLike) -> list[Path]:
                 entry.unlink()
                 removed.append(entry)
     return removed
+
+
+def staging_path(path: str | os.PathLike, pid: int) -> Path:
+    """Where the ranks of process ``pid``'s run (its rank 0's pid) write the sharded checkpoint ``path`` before
+    ``swap_in_staged`` puts it in place: a hidden folder beside it that no ``*.ckpt`` pattern matches."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{pid}.staging")
+
+
+def remove_staged(path: str | os.PathLike, pid: int) -> None:
+    """Delete the staging folder of ``path`` left by an earlier save of process ``pid`` that did not finish."""
+    _remove(staging_path(path, pid))
+
+
+def swap_in_staged(path: str | os.PathLike, pid: int) -> None:
+    """Put the complete staging folder of ``path`` (``staging_path``) in its place. The old ``path`` is set aside
+    first and deleted last, so a kill leaves ``path`` whole, old or new, or (between the two renames) no ``path``
+    but the old one aside and the new one staged, which ``finish_interrupted_swaps`` completes."""
+    path = Path(path)
+    staging, replaced = staging_path(path, pid), path.with_name(f".{path.name}.{pid}.replaced")
+    _remove(replaced)
+    if path.exists():
+        os.replace(path, replaced)
+    os.replace(staging, path)
+    _remove(replaced)
+    _sync_folder(path.parent)
+
+
+def finish_interrupted_swaps(folder: str | os.PathLike) -> list[Path]:
+    """Complete or clean up what sharded saves of runs no longer running left in ``folder``: a staged checkpoint
+    whose swap a kill cut between its two renames takes its place; other staged folders (saves killed while
+    writing) and old ones set aside are deleted. Returns the paths it moved or deleted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    done = []
+    entries = [(entry, match) for entry in sorted(folder.iterdir()) if (match := SWAP.match(entry.name))
+               and not _running(int(match["pid"]))]
+    for entry, match in entries:  # the "replaced" ones first: each may still need its staged folder
+        target = folder / match["name"]
+        staged = staging_path(target, int(match["pid"]))
+        if match["kind"] == "replaced" and not target.exists() and staged.is_dir():
+            os.replace(staged, target)
+            done.append(target)
+    for entry, _ in entries:
+        if entry.exists():
+            _remove(entry)
+            done.append(entry)
+    return done
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _sync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # the renames survive a power loss once the folder is synced
+        handle = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
 
 
 def _running(pid: int) -> bool:
