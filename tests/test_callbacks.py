@@ -349,7 +349,9 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     assert logged["rollout/decode_steps"] == max(a.decode_steps, b.decode_steps)  # the slowest rank's
     assert logged["rollout/wall_s"] == 0.9 and logged["rollout/capture_s"] == 0.05
     assert logged["rollout/ms_per_step"] == pytest.approx(max(a.ms_per_step, b.ms_per_step))
-    assert logged["rollout/tokens_per_s"] == pytest.approx(a.tokens_per_s + b.tokens_per_s)
+    # the step's throughput: every rank's tokens over the slowest rank's time, not the sum of the ranks' rates
+    assert logged["rollout/tokens_per_s"] == pytest.approx((a.generated_tokens + b.generated_tokens) / 0.9)
+    assert logged["rollout/tokens_per_s"] < a.tokens_per_s + b.tokens_per_s
     assert logged["rollout/peak_kv_bytes"] == 1001  # the largest process's
     assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
 

@@ -105,8 +105,9 @@ STEP_REDUCTIONS: dict[str, str] = {
 
 #: RolloutProfiler's keys (``rollout/<RolloutStats field>``): the step waits for its slowest rank, so times, decode
 #: steps and per-step or per-token costs are the slowest rank's (max); token and sample counts add up; throughput
-#: adds up too (the ranks generate at once); the KV peaks are per process (max); ``preempting`` is the share of
-#: ranks (of their rounds) that preempted (mean); the scheduling decisions of each ``action_reason`` add up.
+#: is every rank's tokens over the slowest rank's time (``DERIVED``; the sum of the ranks' where those keys are not
+#: logged); the KV peaks are per process (max); ``preempting`` is the share of ranks (of their rounds) that
+#: preempted (mean); the scheduling decisions of each ``action_reason`` add up.
 ROLLOUT_REDUCTIONS: dict[str, str] = {
     "rollout/decode_steps": "max",
     "rollout/lower_bound_steps": "max",
@@ -130,6 +131,11 @@ ROLLOUT_REDUCTIONS: dict[str, str] = {
 
 #: How every logged key becomes the whole step's under several processes: the one table (``rank_reduction``).
 RANK_REDUCTIONS: dict[str, str] = {**STEP_REDUCTIONS, **ROLLOUT_REDUCTIONS}
+
+#: Keys whose whole-step value is a ratio of two reduced keys, where both are logged: ``key: (numerator,
+#: denominator)``. The ranks generate at once and the step waits for the slowest, so its throughput is all tokens
+#: over the slowest rank's time (a sum of the ranks' own rates would count a fast rank's rate for the whole step).
+DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generated_tokens", "rollout/wall_s")}
 
 #: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean, and PeakMemoryMonitor's
 #: ``memory/*`` (peaks of one process, and what a phase added to it: the largest rank's).
@@ -199,6 +205,9 @@ def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]], keys: Sequence[st
         present = [float(ranks[key]) for ranks in per_rank if ranks.get(key) is not None]
         if present:
             out[key] = _RULES[rank_reduction(key)](present)
+    for key, (numerator, denominator) in DERIVED.items():
+        if key in out and numerator in out and out.get(denominator, 0.0) > 0:
+            out[key] = out[numerator] / out[denominator]
     return out
 
 
