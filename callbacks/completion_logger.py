@@ -10,7 +10,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import completion_length_metrics
 
-from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments
+from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments, whole_step
+
+#: The scalars this callback logs (where the LightningModule does not), in the order ranks gather them.
+COMPLETION_KEYS = ("completions/mean_length", "completions/min_length", "completions/max_length",
+                   "completions/clipped_ratio")
 
 # Characters that Markdown would turn into formatting or table structure inside a cell.
 _MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-!|~"
@@ -22,8 +26,9 @@ class CompletionLogger(Callback):
     **Logged keys**
 
     - ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``: completion tokens
-      over the B x G samples of the rollout (scalars, every batch, honouring ``log_every_n_steps``), unless the
-      LightningModule logs these keys itself (GRPOModule does), in which case its values stand alone.
+      over the B x G samples of the rollout, the whole step's under several processes (scalars, every batch,
+      honouring ``log_every_n_steps``), unless the LightningModule logs these keys itself (GRPOModule does), in
+      which case its values stand alone.
     - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
     - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths.
     - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
@@ -71,11 +76,15 @@ class CompletionLogger(Callback):
         index = self._batches_seen
         self._batches_seen += 1
         lengths = batch.completion_lengths.detach().flatten().cpu()
+        # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
+        # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.
+        wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]
+        if wanted:
+            summary = completion_length_metrics(lengths, batch.truncated.detach().flatten().cpu()) \
+                if lengths.numel() else {}
+            log_metrics(trainer, whole_step(trainer, {key: summary.get(key) for key in wanted}, wanted))
         if lengths.numel() == 0:
             return
-        # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
-        summary = completion_length_metrics(lengths, batch.truncated.detach().flatten().cpu())
-        log_metrics(trainer, {k: v for k, v in summary.items() if k not in trainer.callback_metrics})
 
         want_histogram = index % self.histogram_every_n_steps == 0
         want_table = index % self.table_every_n_steps == 0

@@ -322,7 +322,7 @@ def _stand_in_trainer(all_gather) -> SimpleNamespace:
     strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
     return SimpleNamespace(world_size=2, strategy=strategy,
                            loggers=[_RecordingLogger()], log_every_n_steps=1, should_stop=False, callback_metrics={},
-                           accumulate_grad_batches=1, is_last_batch=False,
+                           accumulate_grad_batches=1, is_last_batch=False, is_global_zero=False,
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)))
 
 
@@ -354,6 +354,20 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     assert logged["rollout/tokens_per_s"] < a.tokens_per_s + b.tokens_per_s
     assert logged["rollout/peak_kv_bytes"] == 1001  # the largest process's
     assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
+
+
+def test_completion_logger_logs_the_whole_steps_lengths_over_ranks():
+    rollouts = [make_rollout(0), make_rollout(1)]
+    rollouts[1].completion_lengths = rollouts[1].completion_lengths + 20  # rank 1 wrote longer completions
+    rollouts[1].truncated = torch.ones_like(rollouts[1].truncated)
+    loggers = [CompletionLogger() for _ in rollouts]
+    (logged,) = _as_rank_zero_of_two(
+        lambda rank, trainer: loggers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0))
+    both = torch.cat([r.completion_lengths.flatten() for r in rollouts]).double()
+    assert logged["completions/min_length"] == both.min() and logged["completions/max_length"] == both.max()
+    assert logged["completions/mean_length"] == pytest.approx(float(both.mean()))  # equal shares: the mean of means
+    clipped = torch.cat([r.truncated.flatten() for r in rollouts]).double().mean()
+    assert logged["completions/clipped_ratio"] == pytest.approx(float(clipped))
 
 
 def _decisions(**counts: int) -> list[Decision]:
