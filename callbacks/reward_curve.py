@@ -202,12 +202,14 @@ def forecast_plateau(
         return None
     best = min(candidates, key=lambda fit: fit.information_criterion(criterion))
     now = float(best.predict(t.max()))
+    # from every reading, not the bins' means: one reading's noise, however many readings a bin averages
+    residuals = rewards_arr - best.predict(steps_arr - origin)
     return Forecast(
         plateau_reward=best.plateau,
         step_to_plateau=origin + best.time_to_fraction(fraction),
         remaining_gain=best.plateau - now,
         observed_gain=now - float(best.predict(0.0)),
-        noise_std=math.sqrt(best.rss / max(best.num_points - best.num_params, 1)),
+        noise_std=math.sqrt(float(np.sum(residuals**2)) / max(len(residuals) - best.num_params, 1)),
         fit=best,
         candidates=candidates,
     )

@@ -82,6 +82,16 @@ def test_bin_means_keeps_long_histories_short():
     assert len(t) == 100 and np.allclose(y, 0.5) and t[0] == pytest.approx(49.5)
 
 
+def test_the_noise_is_one_readings_however_long_the_history():
+    """Past MAX_FIT_POINTS the fit runs on bin means, whose spread is smaller than a reading's: the noise (which
+    gates "a rise was seen") must still be a reading's."""
+    rng = np.random.default_rng(0)
+    for n in (1_000, 20_000):
+        steps = np.linspace(0, 800, n)
+        forecast = forecast_plateau(steps, saturating(steps) + rng.normal(0, NOISE, n))
+        assert forecast.noise_std == pytest.approx(NOISE, rel=0.1), n
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The callback in a Trainer
 # ----------------------------------------------------------------------------------------------------------------
