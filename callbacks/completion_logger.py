@@ -64,7 +64,6 @@ class CompletionLogger(Callback):
         self.num_prompts = num_prompts
         self.num_completions = num_completions
         self.max_chars = max_chars
-        self._batches_seen = 0
         self._warned: set[str] = set()
 
     def on_train_batch_end(
@@ -73,8 +72,7 @@ class CompletionLogger(Callback):
         if rollout_stats(batch) is None:
             self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
             return
-        index = self._batches_seen
-        self._batches_seen += 1
+        index = logger_step(trainer)  # the loop's own count, which a resumed run restores
         lengths = batch.completion_lengths.detach().flatten().cpu()
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
         # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.

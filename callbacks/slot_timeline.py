@@ -297,7 +297,8 @@ class SlotTimelineLogger(Callback):
       every start, park and resumption by reason (``rollout/decisions/*``). Long idle tails or a single slot
       running long after the others are what make a round slow.
 
-    The first rollout is logged, then every ``every_n_rollouts``-th. Needs a
+    The first rollout is logged, then every ``every_n_rollouts``-th (counted by the training loop's step, so a
+    resumed run logs the ones an uninterrupted run would). Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
     and logs nothing with any other LightningModule).
 
@@ -316,7 +317,6 @@ class SlotTimelineLogger(Callback):
             raise ValueError(f"row_height must be >= 2 pixels or None, got {row_height}")
         self.every_n_rollouts = every_n_rollouts
         self.render_kwargs = dict(width=width, row_height=row_height)
-        self._rollouts_seen = 0
         self._warned: set[str] = set()
 
     def on_train_batch_end(
@@ -326,9 +326,8 @@ class SlotTimelineLogger(Callback):
         if stats is None:
             self._warn_once("no_rollout", "the training batches carry no RolloutStats (batch.stats); no timeline.")
             return
-        index = self._rollouts_seen
-        self._rollouts_seen += 1
-        if index % self.every_n_rollouts or not trainer.is_global_zero:
+        # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
+        if logger_step(trainer) % self.every_n_rollouts or not trainer.is_global_zero:
             return
         if not stats.timeline:
             self._warn_once("empty", "a rollout came with an empty timeline (no decode steps); it is skipped.")
