@@ -90,7 +90,8 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
                   adapter_only: bool = False, overwrite: bool = False, in_place: bool = False) -> ExportResult:
     """Write ``policy`` and ``tokenizer`` to ``out`` as a transformers model directory (module docstring).
 
-    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps the policy's own. ``adapter_only``: only for a LoRA (peft)
+    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps the policy's own (an adapter alone: the adapter's, which peft
+    trains in float32 over a bf16 base). ``adapter_only``: only for a LoRA (peft)
     policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that is needed) unless
     ``in_place``, which saves the copy's memory when the policy is not used afterwards.
     """
@@ -100,14 +101,20 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     if adapter_only and not _is_peft(policy):
         raise ValueError("adapter_only=True needs a LoRA run (model.peft_config); this policy has no adapter")
     _prepare_out(out, overwrite)
-    torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
+    cast = not (adapter_only and dtype == "auto")  # "auto": the adapter as it trained, float32 over a bf16 base
+    if cast:
+        torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
+    else:
+        torch_dtype = next((p.dtype for name, p in policy.named_parameters() if "lora_" in name),
+                           next(policy.parameters()).dtype)
     merge = _is_peft(policy) and not adapter_only
-    changes = merge or any(p.dtype != torch_dtype for p in policy.parameters() if p.is_floating_point())
+    changes = merge or (cast and any(p.dtype != torch_dtype for p in policy.parameters() if p.is_floating_point()))
     model = copy.deepcopy(policy) if changes and not in_place else policy
     if merge:
         # Merge in the trained precision, then cast: rounding the adapter before adding it would lose its update.
         model = model.merge_and_unload()
-    model = model.to(torch_dtype)
+    if cast:
+        model = model.to(torch_dtype)
     base = model.get_base_model() if adapter_only else model
     live = (base.config, base.generation_config)
     # The settings below are the exported directory's: set on copies, so that a live policy keeps its own.

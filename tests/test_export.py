@@ -96,6 +96,24 @@ def test_export_lora_merged_and_adapter_only(tmp_path):
         torch.testing.assert_close(loaded(x).logits, module.policy.eval()(x).logits)
 
 
+def test_an_adapter_is_exported_as_it_trained(tmp_path):
+    """LoRA over a bf16 base: peft trains the adapter in float32, and "auto" writes it so, exactly, without casting
+    the live policy; a dtype asked for is what is written."""
+    module = GRPOModule(model="tiny-qwen2", dtype="bfloat16", peft_config=LORA, max_grad_norm=None)
+    module.configure_model()
+    perturb(module.policy, scale=0.05)
+    trained = {name: p.detach().clone() for name, p in module.policy.named_parameters() if "lora_" in name}
+    assert trained and {p.dtype for p in trained.values()} == {torch.float32}
+    export_policy(module.policy, module.tokenizer, tmp_path / "auto", adapter_only=True)
+    saved = load_file(tmp_path / "auto" / "adapter_model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert sorted(torch.cat([t.flatten() for t in saved.values()]).tolist()) == sorted(
+        torch.cat([t.flatten() for t in trained.values()]).tolist())  # the same numbers, not rounded to bf16
+    assert all(p.dtype == torch.float32 for name, p in module.policy.named_parameters() if "lora_" in name)
+    export_policy(module.policy, module.tokenizer, tmp_path / "bf16", adapter_only=True, dtype="bfloat16")
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "adapter_model.safetensors").values()} == {torch.bfloat16}
+
+
 def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     _, ckpt = tiny_checkpoint
     full = export_checkpoint(ckpt, tmp_path / "fp32")
