@@ -263,6 +263,8 @@ def test_jsonl_source_and_its_errors(tmp_path):
         jsonl_prompts(tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match="val_size=2 leaves no training prompt"):
         split_examples(examples, 2)
+    with pytest.raises(ValueError, match=r"val_size=True must be a count >= 0 or a fraction"):
+        split_examples(examples, True)
 
 
 def test_token_logps_and_entropy_helpers():

@@ -136,11 +136,11 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
         ``(train_indices, val_indices)`` into ``examples``; the train part is never empty.
     """
     n = len(examples)
-    if isinstance(val_size, float) and not isinstance(val_size, bool):
+    if isinstance(val_size, float):
         if not 0.0 <= val_size < 1.0:
             raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
         count = int(round(val_size * n))
-    elif isinstance(val_size, int) and val_size >= 0:
+    elif isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0:
         count = val_size
     else:
         raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
