@@ -157,7 +157,11 @@ def test_reward_options_are_checked_by_name():
                         ({"name": "format", "kwargs": {"strict": True}}, r"its options: \[\]"),
                         ({"name": "overlong", "kwargs": {"bufer": 3}}, r"options: \['max_length', 'buffer'\]"),
                         ({"name": "accuracy", "kwargs": {"answer": "4"}}, r"\['answer'\]; its options: \[\]"),
-                        ({"name": "math", "kwargs": [5]}, "must be a mapping")]:
+                        ({"name": "math", "kwargs": [5]}, "must be a mapping"),
+                        # values too, when the config is read rather than at the first rollout
+                        ({"name": "math", "kwargs": {"timeout_s": True}}, r"timeout_s=True must be a number of "
+                                                                          r"seconds > 0"),
+                        ({"name": "math", "kwargs": {"timeout_s": -1}}, r"timeout_s=-1 must be")]:
         with pytest.raises(ValueError, match=match):
             build_reward_funcs([spec])
     # your own function: a named option, or any option when it takes **kwargs; else refused

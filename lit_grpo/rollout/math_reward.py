@@ -147,9 +147,7 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[str | N
     The gold answer is the ``answer`` column, else the row's ``answer`` field; ``timeout_s``: the deadline per
     completion in seconds (> 0), or None for none.
     """
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                  or not timeout_s > 0):
-        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
+    check_math_options(timeout_s)
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
@@ -158,3 +156,14 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[str | N
             gold = row.get("answer")
         out.append(score_math(completion, None if gold is None else str(gold), timeout_s))
     return out
+
+
+def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+    """Raise, naming the value, unless ``timeout_s`` is a number of seconds > 0 or None."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
+
+
+#: Called by ``build_reward_funcs`` with a config's options: a bad value fails when the config is read.
+math_reward.check_options = check_math_options

@@ -119,6 +119,9 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"reward function {name!r}: kwargs={kwargs!r} must be a mapping of option names to values")
     _check_options(name, target, kwargs)
+    check_values = getattr(target, "check_options", None)  # a function's own check of its options' values
+    if check_values is not None and not isinstance(target, type):
+        check_values(**kwargs)
     if isinstance(target, type):
         return target(**kwargs)
     if kwargs:
@@ -177,7 +180,8 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
 
     Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in or ``"pkg.module:fn"``), or a
     dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``. ``None`` or ``[]`` -> ``[accuracy]``.
-    ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error.
+    ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error, and a
+    function that carries ``check_options(**kwargs)`` (as ``math`` does) has their values checked here too.
     """
     if not specs:
         specs = ["accuracy"]
