@@ -17,7 +17,8 @@ probes see what they saw live); the recording's ``meta.max_new_tokens`` is ``--m
 
 Every repeat runs every strategy once, in turn (odd repeats in reverse order), so a slow patch of a noisy machine
 and the place of a run in its repeat hit all of them alike; the JSON holds the median over repeats of each figure
-(``repeats`` keeps every run). Figures:
+(``repeats`` keeps every run). An infinite engine's scheduler, which learns from every rollout, starts each repeat
+from the state its ``--warmup-rollouts`` left (none: cold), so that repeats are replicas. Figures:
 decode_steps, prefill_tokens, generated_tokens, lower_bound_steps, slot_utilization, peak_kv_bytes (KV tensors,
 padding included), peak_memory_bytes (the CUDA allocator's peak during the run, or the resident high-water mark
 on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens_per_s, ms_per_step
@@ -56,6 +57,7 @@ hf_generate_chunked = the same over chunks of g rows; hf_generate_batch = transf
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 import time
@@ -86,8 +88,12 @@ FIELDS = ("decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_ste
 
 
 # ----------------------------------------------------------------------------------------------- runners
-def run_engine(engine: RolloutEngine, prompts, replay: dict) -> tuple[dict, list[list[int]]]:
-    """One rollout; ``replay``: ``generate``'s ``lengths=`` or ``tokens=`` (empty: sampled freely)."""
+def run_engine(engine: RolloutEngine, prompts, replay: dict,
+               scheduler_state: dict | None = None) -> tuple[dict, list[list[int]]]:
+    """One rollout; ``replay``: ``generate``'s ``lengths=`` or ``tokens=`` (empty: sampled freely);
+    ``scheduler_state``: what the scheduler starts from (a copy is loaded), else what the last rollout left."""
+    if scheduler_state is not None:
+        engine.scheduler.load_state_dict(copy.deepcopy(scheduler_state))
     result = engine.generate(prompts, **replay)
     engine.release()  # the next run's peak memory must not hold this engine's cache
     stats = result.stats
@@ -281,7 +287,11 @@ def build_runners(args, model, tokenizer, rollout):
                         fields = {"predictor": predictor, "refill": refill and refill.name, "compile": compile_,
                                   "cpu_linear": cpu_linear}
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
-                        runners.append((f"infinite[{label}]", fields, lambda e=engine: run_engine(e, prompts, replay)))
+                        # the scheduler learns from every rollout (the gate's groups, a predictor and its trust):
+                        # each repeat starts from the state the warm-ups left, so that repeats are replicas
+                        warmed = copy.deepcopy(engine.scheduler.state_dict())
+                        runners.append((f"infinite[{label}]", fields,
+                                        lambda e=engine, s=warmed: run_engine(e, prompts, replay, s)))
             elif strategy in OUR_STRATEGIES:
                 for control in (False, True) if strategy == _control_strategy(args) else (False,):
                     engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)

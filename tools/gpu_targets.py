@@ -9,7 +9,8 @@ strategy interleaved (so ratios come from one process), with a real architecture
 
 =========  ==================================================================================================
 paper      ``--preset paper`` (B 1, G 32, g 8, 1024 tokens) with the recorded SmolLM2 lengths replayed: full,
-           micro, continuous, infinite with the oracle predictor
+           micro, continuous, infinite with the oracle predictor, warmed by one rollout of the next recorded
+           prompt (its gate follows predictions once it has seen them gain, as in training)
 cap512     B 1, G 32, g 8, 512 tokens, nothing replayed: full, continuous, infinite (its default scheduler),
            hf_generate; random weights almost never sample EOS, so every row runs to the cap (judged too)
 step       B 1, G 32, g 8, 128 tokens: full, continuous, hf_generate, hf_generate_chunked, hf_generate_batch
@@ -49,7 +50,7 @@ def measurements(model: str, dtype: str, repeats: int) -> dict[str, list[str]]:
     rows = ["--prompts", "1", "--group-size", "32", "--micro-group-size", "8"]
     return {
         "paper": common + ["--preset", "paper", "--lengths", str(LENGTHS), "--predictors", "oracle",
-                           "--strategies", "full,micro,continuous,infinite"],
+                           "--warmup-rollouts", "1", "--strategies", "full,micro,continuous,infinite"],
         "cap512": common + rows + ["--max-new-tokens", "512", "--strategies", "full,continuous,infinite,hf_generate"],
         "step": common + rows + ["--max-new-tokens", "128", "--strategies",
                                  "full,continuous,hf_generate,hf_generate_chunked,hf_generate_batch"],
