@@ -72,7 +72,7 @@ class CompletionLogger(Callback):
         if rollout_stats(batch) is None:
             self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
             return
-        index = logger_step(trainer)  # the loop's own count, which a resumed run restores
+        step = logger_step(trainer)  # the step logged at: the loop's own count, which a resumed run restores
         lengths = batch.completion_lengths.detach().flatten().cpu()
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
         # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.
@@ -84,8 +84,8 @@ class CompletionLogger(Callback):
         if lengths.numel() == 0:
             return
 
-        want_histogram = index % self.histogram_every_n_steps == 0
-        want_table = index % self.table_every_n_steps == 0
+        want_histogram = step % self.histogram_every_n_steps == 0
+        want_table = step % self.table_every_n_steps == 0
         if not (want_histogram or want_table) or not trainer.is_global_zero:
             return
         experiments = tensorboard_experiments(trainer)
@@ -93,7 +93,6 @@ class CompletionLogger(Callback):
             self._warn_once("no_tensorboard", "the trainer has no TensorBoardLogger; the length histogram and "
                                               "sample table are not logged.")
             return
-        step = logger_step(trainer)
         table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars) if want_table else None
         for experiment in experiments:
             if want_histogram:

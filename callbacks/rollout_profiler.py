@@ -82,8 +82,9 @@ class RolloutProfiler(Callback):
     gathered once a step (shared with FitSummary) and each key reduced by its rule in
     ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
-    ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens``, ``parked_samples`` and
-    ``tokens_per_s`` (the ranks generate at once) add up, as do the decision counts; ``peak_kv_bytes`` and
+    ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens`` and ``parked_samples`` add up,
+    as do the decision counts; ``tokens_per_s`` is all ranks' tokens over the slowest rank's ``wall_s`` (the ranks
+    generate at once); ``peak_kv_bytes`` and
     ``parked_kv_bytes`` are the largest process's; ``slot_utilization``, ``preempting`` and the predictor's figures
     are means over ranks (a rank without a predictor left out). ``rollout/rank_skew`` is GRPOModule's. The progress
     bar shows the same whole-step values.

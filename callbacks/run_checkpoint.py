@@ -222,7 +222,7 @@ def _on_rank_zero_for_all(trainer: pl.Trainer, check: Callable[[], None]) -> Non
     if trainer.is_global_zero:
         try:
             check()
-        except OSError as caught:
+        except Exception as caught:  # whatever it is, every rank must learn of it
             error = caught
     error = trainer.strategy.broadcast(error)
     if error is not None:

@@ -475,19 +475,27 @@ class RolloutDataModule(LightningDataModule):
                 self._pending_state["engine"] = engine
 
     def _own_engine_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
-        """This rank's engine state in a checkpoint saved by one rank or by several."""
+        """This rank's engine state in a checkpoint saved by one rank or by several. Saved by another number of
+        ranks than this fit has: rank 0's state for every rank, unless some rank carried partial rollouts, which
+        cannot be dealt out again (an error); a validation needs no engine state and skips it."""
+        engine = state_dict.get("engine")
         if "engine_by_rank" in state_dict:
-            by_rank, key = state_dict["engine_by_rank"], "engine states"
-        elif "carried_by_rank" in state_dict.get("engine", {}):  # an older checkpoint: rank 0's engine state
-            by_rank, key = state_dict["engine"]["carried_by_rank"], "partial rollouts"
+            by_rank = [dict(state) for state in state_dict["engine_by_rank"]]
+        elif engine is not None and "carried_by_rank" in engine:  # an older checkpoint: rank 0's engine state
+            shared = {key: value for key, value in engine.items() if key != "carried_by_rank"}
+            by_rank = [{**shared, "carried": carried} for carried in engine["carried_by_rank"]]
+        elif engine is not None:
+            by_rank = [dict(engine)]  # saved by one process
         else:
-            return None if "engine" not in state_dict else dict(state_dict["engine"])
+            return None
         world, rank = self._world()
         if len(by_rank) != world:
-            raise ValueError(f"the checkpoint holds the {key} of {len(by_rank)} ranks; resume it with as many ranks "
-                             f"(this run has {world})")
-        if key == "partial rollouts":
-            return {**{k: v for k, v in state_dict["engine"].items() if k != "carried_by_rank"},
-                    "carried": by_rank[rank]}
-        return dict(by_rank[rank])
+            trainer = getattr(self, "trainer", None)
+            if getattr(getattr(trainer, "state", None), "fn", "fit") != "fit":
+                return None
+            if any(state.get("carried") for state in by_rank):
+                raise ValueError(f"the checkpoint carries partial rollouts of {len(by_rank)} rank(s); resume it "
+                                 f"with as many ranks (this run has {world})")
+            return by_rank[0]
+        return by_rank[rank]
 

@@ -21,7 +21,7 @@ exits 143 / 130.
 ``data.prompts_per_step`` is per rank. A checkpoint holds, besides weights, optimizer and loops, the DataModule's
 state (steps built, the prompt sampler / curriculum, the global random states, and every rank's own engine state:
 its rollout counter, scheduler state and carried groups), so steps K+1.. repeat an uninterrupted run's prompts,
-completions, rewards and losses on every rank. Resume a run of several ranks with as many.
+completions, rewards and losses on every rank. A run that carries partial rollouts resumes with as many ranks.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class GRPOCLI(LightningCLI):
         if ckpt_path == "last":
             root, folders = self._checkpoint_folders()
             if rank_zero_only.rank == 0:  # a sharded save killed between its renames leaves no last.ckpt until then
-                for folder in folders:
-                    finish_interrupted_swaps(folder)
+                for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
+                    finish_interrupted_swaps(folder, clean=False)
             found = find_last_checkpoint(folders)
             if found is None:
                 rank_zero_info(f"lit_grpo: --ckpt_path last: no last.ckpt under {root} yet; starting a new run")

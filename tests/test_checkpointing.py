@@ -352,6 +352,45 @@ def test_a_sharded_checkpoint_is_swapped_in_whole_and_a_killed_swap_is_finished(
     _folder(staging_path(last, gone.pid), "half")
     finish_interrupted_swaps(tmp_path)
     assert (last / "shard").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    # a save still running (this process) is left alone
-    _folder(staging_path(last, me), "writing")
-    assert finish_interrupted_swaps(tmp_path) == [] and staging_path(last, me).is_dir()
+    # the old one aside and the new one staged under a pid that runs again (a restarted container's): finished
+    last.rename(tmp_path / f".last.ckpt.{me}.replaced")
+    _folder(staging_path(last, me), "newest")
+    assert finish_interrupted_swaps(tmp_path, clean=False) == [last]  # the --ckpt_path last lookup: no deleting
+    assert (last / "shard").read_text() == "newest" and (tmp_path / f".last.ckpt.{me}.replaced").is_dir()
+    finish_interrupted_swaps(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # another live process's save in progress is left alone
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        _folder(staging_path(last, live.pid), "writing")
+        assert finish_interrupted_swaps(tmp_path) == [] and staging_path(last, live.pid).is_dir()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_run_checkpoint_writes_a_sharded_checkpoint_beside_its_place_then_swaps_it_in(tmp_path):
+    """Under ModelParallelStrategy the ranks write into the staging folder (here one process stands in), and
+    last.ckpt changes from the old folder to the new one only once they are done."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lit_grpo.callbacks import RunCheckpoint
+    from lit_grpo.runtime.checkpoints import staging_path
+
+    last = _folder(tmp_path / "last.ckpt", "old")
+    written = []
+
+    def save_checkpoint(path, weights_only=False):
+        written.append(path)
+        assert (last / "shard").read_text() == "old"  # untouched while the shards are written
+        _folder(Path(path), "new")
+
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy(), is_global_zero=True, loggers=[], global_step=3,
+                              save_checkpoint=save_checkpoint)
+    callback = RunCheckpoint(dirpath=tmp_path)
+    callback._save_checkpoint(trainer, str(last))
+    assert written == [str(staging_path(last, os.getpid()))]
+    assert (last / "shard").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert callback._last_checkpoint_saved == str(last)

@@ -108,8 +108,18 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
     data.load_state_dict(state)
     assert data._pending_state["engine"] == by_rank[1]
     data.trainer = type("Trainer", (), {"world_size": 3, "global_rank": 0})()
-    with pytest.raises(ValueError, match="engine states of 2 ranks; resume it with as many ranks"):
+    with pytest.raises(ValueError, match=r"carries partial rollouts of 2 rank\(s\); resume it with as many ranks "
+                                         r"\(this run has 3\)"):
         data.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"partial rollouts of 1 rank\(s\); .*this run has 3"):  # one process's
+        data.load_state_dict({"engine": by_rank[0]})
+    nothing_carried = {"engine_by_rank": [{**engine, "carried": []} for engine in by_rank]}
+    data.load_state_dict(nothing_carried)  # another number of ranks: rank 0's counter and scheduler for each
+    assert data._pending_state["engine"] == nothing_carried["engine_by_rank"][0]
+    data.trainer.state = type("State", (), {"fn": "validate"})()  # evaluating needs no engine state
+    data._pending_state.pop("engine", None)
+    data.load_state_dict(state)
+    assert "engine" not in data._pending_state
     # a checkpoint written with rank 0's engine state and every rank's carried groups beside it
     older = {"engine": {**by_rank[0], "carried": None, "carried_by_rank": [e["carried"] for e in by_rank]}}
     older["engine"].pop("carried")

@@ -347,3 +347,15 @@ def test_under_a_loss_scaler_the_gradients_are_checked_and_clipped_unscaled():
     initial.configure_model()
     for p, q in zip(overflow.policy.parameters(), initial.policy.parameters(), strict=True):
         assert torch.equal(p, q)  # the step was skipped
+
+
+def test_a_plain_optimizer_is_checked_and_clipped_with_a_trainer_attached():
+    """grpo_step with a torch optimizer after a fit (a notebook): Lightning's hook does not run for it, so the norm
+    is taken and the gradients clipped before its step, not skipped."""
+    from lit_grpo.runtime.distributed import gradient_norm
+
+    module, trainer = _fit_one_step([])
+    batch = trainer.datamodule.build_train_batch()
+    metrics = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 1.0  # fresh, and above the clip
+    assert gradient_norm(module.policy.parameters()) == pytest.approx(1.0, rel=1e-4)  # clipped to max_grad_norm

@@ -69,6 +69,7 @@ def test_extract_answer():
     assert extract_answer("1 + 2 = 3. So the answer is 1,234.", numeric=True) == "1234"
     assert extract_answer("It is 7.", numeric=True) == "7"
     assert extract_answer("no number", numeric=True) is None
+    assert extract_answer("on pages 10-20", numeric=True) == "20"  # a range, not -20
     assert extract_answer("thinking\n\nParis\n") == "Paris"
 
 

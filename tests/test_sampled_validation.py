@@ -61,7 +61,7 @@ def test_sampled_validation_is_reproducible_and_leaves_training_alone(module):
 
 
 def test_a_prompts_sampled_draws_do_not_depend_on_its_batch(module):
-    """Keyed by the prompt's index in the held-out set, not its place in a batch: a prompt validated alone, or
+    """Keyed by the prompt's index in the dataset, not its place in a batch: a prompt validated alone, or
     later in another batch (another rank's share), draws what it drew in the first batch."""
     dm = make(module)
     together = dm.build_val_batch([0, 1, 2, 3]).sampled_accuracy

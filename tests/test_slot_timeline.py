@@ -73,6 +73,24 @@ def test_slot_timeline_logger_writes_readable_figures(tmp_path):
         SlotTimelineLogger(width=400)
 
 
+def test_a_resumed_run_logs_the_timelines_an_uninterrupted_one_would(tmp_path):
+    """Counted by the training loop's step (restored on resume), not by a counter of the callback's own: a fresh
+    callback that first sees step 3 logs steps 4 and 6 of every 2, as the uninterrupted run did."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0))
+    trainer = SimpleNamespace(is_global_zero=True, fit_loop=loop, loggers=[TensorBoardLogger(tmp_path, name="tb")])
+    logger = SlotTimelineLogger(every_n_rollouts=2)
+    for step in (3, 4, 5, 6):
+        loop.epoch_loop._batches_that_stepped = step
+        logger.on_train_batch_end(trainer, None, None, make_rollout(step), 0)
+    trainer.loggers[0].experiment.flush()
+    accumulator = events(SimpleNamespace(logger=trainer.loggers[0]))
+    assert [image.step for image in accumulator.Images("rollout/slot_timeline")] == [4, 6]
+
+
 def test_the_figure_labels_slots_and_steps_and_has_a_legend():
     """At least 800 pixels wide whatever the rollout's length; every group's colour, idle and the end marker
     appear both in the grid and in the legend below it."""

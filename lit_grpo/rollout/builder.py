@@ -47,7 +47,8 @@ VAL_SEED_OFFSET = 1_000_003
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt as the builder sees it: its index in its split, the source example and its token ids."""
+    """One prompt as the builder sees it: its index among the dataset's examples, the source example and its token
+    ids."""
 
     index: int
     example: PromptExample
@@ -94,7 +95,7 @@ class RolloutBuilder:
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
-            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the validation set, and restart
+            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and restart
             at every validation, so a prompt's k draws depend on the seed and that index only (not on the batch or
             the rank it falls in): the same policy gets the same draws in any run, a resumed one included, and the
             training engine's state is never touched.

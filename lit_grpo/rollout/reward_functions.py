@@ -22,8 +22,10 @@ from lit_grpo.rollout.math_reward import math_reward
 
 # --------------------------------------------------------------------------------------------- answer extraction
 _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-#: A number: a sign (ASCII or Unicode minus), digits with thousands separators in groups of three or none, decimals.
-_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-\u2212]?\.\d+")
+#: A number: a sign (an ASCII or Unicode minus not right after a word or a number: "10-20" is a range), digits with
+#: thousands separators in groups of three or none, decimals.
+_SIGN = r"(?:(?<![\w.)])[-\u2212])?"
+_NUMBER = re.compile(_SIGN + r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|" + _SIGN + r"\.\d+")
 
 
 def _number(text: str) -> float | None:

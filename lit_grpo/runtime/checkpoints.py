@@ -112,24 +112,28 @@ def swap_in_staged(path: str | os.PathLike, pid: int) -> None:
     _sync_folder(path.parent)
 
 
-def finish_interrupted_swaps(folder: str | os.PathLike) -> list[Path]:
-    """Complete or clean up what sharded saves of runs no longer running left in ``folder``: a staged checkpoint
-    whose swap a kill cut between its two renames takes its place; other staged folders (saves killed while
-    writing) and old ones set aside are deleted. Returns the paths it moved or deleted."""
+def finish_interrupted_swaps(folder: str | os.PathLike, clean: bool = True) -> list[Path]:
+    """Put right what killed sharded saves left in ``folder``; call it before this process saves there. A staged
+    checkpoint whose swap a kill cut between its two renames (no ``NAME``, the old one set aside, the new one
+    complete) takes its place, whoever wrote it. With ``clean`` the other leftovers (staged folders a kill cut
+    short, old ones set aside) are deleted, unless another process that wrote them still runs here: one under this
+    process's own pid is a reused pid's, as this process has saved nothing yet. Returns what it moved or deleted."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     done = []
-    entries = [(entry, match) for entry in sorted(folder.iterdir()) if (match := SWAP.match(entry.name))
-               and not _running(int(match["pid"]))]
-    for entry, match in entries:  # the "replaced" ones first: each may still need its staged folder
+    leftovers = [(entry, match) for entry in sorted(folder.iterdir()) if (match := SWAP.match(entry.name))]
+    for entry, match in leftovers:
         target = folder / match["name"]
         staged = staging_path(target, int(match["pid"]))
         if match["kind"] == "replaced" and not target.exists() and staged.is_dir():
             os.replace(staged, target)
             done.append(target)
-    for entry, _ in entries:
-        if entry.exists():
+    if not clean:
+        return done
+    for entry, match in leftovers:
+        pid = int(match["pid"])
+        if entry.exists() and (pid == os.getpid() or not _running(pid)):
             _remove(entry)
             done.append(entry)
     return done

@@ -101,7 +101,7 @@ class SamplingConfig:
                              "FSDP shards the policy)")
         if not isinstance(self.keep_kv_cache, bool):
             raise ValueError(f"sampling.keep_kv_cache={self.keep_kv_cache!r} must be true or false")
-        if self.compile is not True and self.compile is not False and self.compile != "auto":
+        if not isinstance(self.compile, bool) and self.compile != "auto":
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \

@@ -21,7 +21,8 @@ class RolloutStats:
         generated_tokens: completion tokens produced, EOS included.
         lower_bound_steps: ``max(ceil(sum L / slots), max L)``, the fewest decode steps any schedule needs.
         slot_utilization: ``generated_tokens / (decode_steps * slots)``.
-        peak_kv_bytes: the most bytes held at once by KV tensors (slot cache with padding + cached prompts).
+        peak_kv_bytes: the most bytes held at once by KV tensors (slot cache with padding, cached prompts, parked
+            tails, and what a prefill holds for a moment: a chunk while it is split, a carried sample's KV).
         wall_s: seconds spent in ``generate``.
         tokens_per_s: ``generated_tokens / wall_s``.
         forward_s: seconds spent in prefill forwards and decode steps (forward, sampling and the step's one

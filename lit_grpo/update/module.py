@@ -15,10 +15,13 @@ makes ``num_iterations`` optimizer steps on it:
    ``loss``, a ``LossConfig``) x its ``micro_batch_weight``
    (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
    finiteness check, ``manual_backward`` (under ddp without gradient sync but in the last micro-batch: below); then
-   the gradient norm (logged, checked finite), ``clip_gradients``, ``optimizer.step``, the warmup scheduler step.
+   ``optimizer.step``, inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the
+   gradients) the gradient norm is taken (logged, checked finite) and ``clip_gradients`` applied; the warmup
+   scheduler step.
 
 A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
-weights are never corrupted.
+weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's overflow, whose step the scaler
+skips (the logged norm shows it).
 
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
@@ -71,6 +74,7 @@ from typing import Any, get_args
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_grpo.batch import RolloutBatch
@@ -463,9 +467,9 @@ class GRPOModule(LightningModule):
         if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
             release_freed_host_memory()
         self._iteration = iteration
-        if self._trainer is None:
+        if not isinstance(optimizer, LightningOptimizer):  # a plain optimizer: Lightning's hook will not run
             self._grad_norm = self._check_and_clip_gradients(optimizer)
-        # under a Trainer, on_before_optimizer_step checks and clips inside step(), where the gradients are unscaled
+        # a Trainer's optimizer checks and clips in on_before_optimizer_step, inside step(), on unscaled gradients
         optimizer.step()
         return step.result(self._grad_norm)
 
