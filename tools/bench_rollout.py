@@ -204,8 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the length-aware method's refill policies: sjf,lpt,fifo (default: its own)")
     parser.add_argument("--warmup-rollouts", type=int, default=0,
                         help="rollouts each infinite engine runs before the measured repeats (predictor warm-up), "
-                             "on other prompts: a replay's next B (a length set of only B repeats them), else "
-                             "fresh ones of the task (seed + 1)")
+                             "on other samples: a replay's next B (a --lengths replay keeps the task's prompt "
+                             "texts, with the next recorded lengths; a set of only B repeats them), else fresh "
+                             "prompts of the task (seed + 1)")
     parser.add_argument("--lengths", type=Path,
                         help='a recording (tools/recordings.py) or JSON {"lengths": [[L, ...] per prompt]}: replay '
                              'its lengths; sets B and G, or a given (or preset) B and G take the first B prompts '
@@ -325,8 +326,9 @@ def main(argv=None) -> dict:
     args.prompts, args.group_size = args.prompts or 4, args.group_size or 16
     B = args.prompts
     task_prompts = harness.task_prompts(tokenizer, args.task, B, args.seed)
-    # Warm-up rollouts run other prompts than the measured one (a replay's next ones; fresh ones of the task,
-    # drawn with the next seed), so no predictor is measured on samples it learned from.
+    # Warm-up rollouts run other samples than the measured one (a replay's next ones, on the task's prompt texts for
+    # a --lengths replay; fresh prompts of the task, drawn with the next seed), so no predictor is measured on
+    # samples it learned from.
     warmup_prompts = (harness.task_prompts(tokenizer, args.task, B * args.warmup_rollouts, args.seed + 1)
                       if args.warmup_rollouts and recording is None else [])
 
