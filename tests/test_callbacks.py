@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -199,6 +200,34 @@ tracker.close()
 def test_peak_memory_auto_catches_a_new_peak_shorter_than_its_sampling_interval():
     out = subprocess.run([sys.executable, "-c", SPIKE_ABOVE_THE_MARK], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["hwm+sampling", "True"]
+
+
+def test_a_sample_read_before_a_reset_does_not_count_after_it():
+    """The sampling thread reads RSS outside the lock: a reading it took before ``reset()`` (the rollout's KV still
+    held) must not become the next phase's peak."""
+    import threading
+
+    rss = {"now": 100}
+    inside, release = threading.Event(), threading.Event()
+
+    def read():
+        value = rss["now"]
+        if threading.current_thread().name == "PeakMemoryMonitor-rss" and not release.is_set():
+            inside.set()
+            release.wait(5)
+        return value
+
+    tracker = memory.SampledRss(read, interval_s=0.001)
+    try:
+        assert inside.wait(5)  # the sampler has read 100 and waits
+        rss["now"] = 10  # the memory is freed, the next phase starts
+        tracker.reset()
+        release.set()
+        time.sleep(0.05)
+        assert tracker.read()["peak_bytes"] == 10
+    finally:
+        release.set()
+        tracker.close()
 
 
 def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):

@@ -84,6 +84,21 @@ def test_the_modules_are_restored_when_the_block_raises(tiny_llama):
 
 
 @needs_onednn
+def test_a_forward_set_on_a_module_before_the_block_comes_back_after_it():
+    """An instance's own forward (a hook's, an outer block's) is shadowed inside the block and restored on exit."""
+    linear = torch.nn.Linear(4, 3)
+    linear.forward = lambda x: torch.full((1,), 123.0)
+    with onednn_linears(linear, "onednn", rows=1):
+        assert linear(torch.ones(1, 4)).shape == (1, 3)  # oneDNN's forward inside
+    assert linear(torch.ones(1, 4)).item() == 123.0
+    with onednn_linears(linear, "onednn", rows=1):  # nested blocks: the outer patch survives the inner one
+        outer = linear.__dict__["forward"]
+        with onednn_linears(linear, "onednn", rows=1):
+            pass
+        assert linear.__dict__["forward"] is outer
+
+
+@needs_onednn
 @pytest.mark.parametrize("kernel", ["onednn", "packed"])
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical(kernel):
     """A row's result does not depend on the other rows or its position: what same-g schedule invariance needs.

@@ -113,26 +113,30 @@ class SampledRss:
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._peak = read_rss()
+        self._resets = 0  # a sample read before a reset must not count after it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="PeakMemoryMonitor-rss", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
         while not self._stop.wait(self._interval_s):
-            self._observe(self._read_rss())
+            resets = self._resets
+            self._observe(self._read_rss(), resets)
 
-    def _observe(self, rss: int) -> None:
+    def _observe(self, rss: int, resets: int) -> None:
         with self._lock:
-            self._peak = max(self._peak, rss)
+            if resets == self._resets:
+                self._peak = max(self._peak, rss)
 
     def reset(self) -> None:
         rss = self._read_rss()
         with self._lock:
-            self._peak = rss
+            self._peak, self._resets = rss, self._resets + 1
 
     def read(self) -> dict[str, int]:
         # Include the value right now: a phase shorter than one interval still gets a reading.
-        self._observe(self._read_rss())
+        resets = self._resets
+        self._observe(self._read_rss(), resets)
         with self._lock:
             return {"peak_bytes": self._peak}
 

@@ -156,6 +156,8 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
         for module in patched:  # a weight two modules share (tied heads) is reordered once
             if id(module) not in stacked and id(module.weight) not in packed:
                 packed[id(module.weight)] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+    # a forward already set on an instance (a hook's, an outer block's) comes back on exit
+    shadowed = {id(module): module.__dict__["forward"] for module in patched if "forward" in module.__dict__}
     for module in patched:  # shadows the class's forward on this instance
         if id(module) in stacked:
             module.forward = functools.partial(_stacked_linear, module, *stacked[id(module)], rows)
@@ -165,7 +167,10 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
         yield
     finally:
         for module in patched:
-            module.__dict__.pop("forward", None)
+            if id(module) in shadowed:
+                module.forward = shadowed[id(module)]
+            else:
+                module.__dict__.pop("forward", None)
         for hook in hooks:
             hook.remove()
 
