@@ -40,7 +40,7 @@ from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollo
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 
 
 class _StepDraw:
@@ -268,20 +268,23 @@ class RolloutDataModule(LightningDataModule):
         """Load and split the prompts and build the prompt sampler (once); render them once a tokenizer is here."""
         if self.examples is not None:
             return
-        examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
-                                self.inline_prompts, self.dataset, self.prompt_column, self.answer_column, self.split)
-        check_gold_answers(self.reward_funcs, [e.answer for e in examples], self._answer_source(examples))
-        self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
+        with config_errors("data"):
+            examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
+                                    self.inline_prompts, self.dataset, self.prompt_column, self.answer_column,
+                                    self.split)
+            check_gold_answers(self.reward_funcs, [e.answer for e in examples], self._answer_source(examples))
+            self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         world, _ = self._world()
         if self.prompts_per_step * world > len(self.train_indices):
-            raise ValueError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
+            raise ConfigError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
                              f"{len(self.train_indices)} training prompts")
         if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
-            raise ValueError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer than "
+            raise ConfigError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer than "
                              f"world_size={world}: use at least one per rank, or 0 for no validation")
-        self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
-                                            **self.curriculum_kwargs)
+        with config_errors("data.curriculum_kwargs"):
+            self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
+                                                **self.curriculum_kwargs)
         if "sampler" in self._pending_state:
             self.sampler.load_state_dict(self._pending_state.pop("sampler"))
         self._render_prompts()

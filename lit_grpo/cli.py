@@ -51,6 +51,7 @@ from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
                                           run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only
+from lit_grpo.runtime.validation import ConfigError, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
@@ -141,8 +142,12 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
-            check_resumable(ckpt_path, config.get("model") or {}, config.get("data"),
-                            evaluate=self.config.subcommand != "fit")
+            try:
+                with config_errors("--ckpt_path"):
+                    check_resumable(ckpt_path, config.get("model") or {}, config.get("data"),
+                                    evaluate=self.config.subcommand != "fit")
+            except ConfigError as err:
+                _exit_with(err, self.config.subcommand)
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -215,6 +220,14 @@ class GRPOCLI(LightningCLI):
         with self._config_errors():
             super().instantiate_classes()
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        # a setting found bad while the run sets itself up (the prompts, the model, a checkpoint path) is reported
+        # like a parse error; any other error keeps its traceback
+        try:
+            super()._run_subcommand(subcommand)
+        except ConfigError as err:
+            _exit_with(err, subcommand)
+
     @contextlib.contextmanager
     def _config_errors(self) -> Iterator[None]:
         """A bad value in the config (a ValueError while the classes are built from it) ends a command's run with
@@ -225,8 +238,17 @@ class GRPOCLI(LightningCLI):
         except ValueError as err:
             if self.subcommand is None:
                 raise
-            print(f"error: {err}\ntip: lit-grpo {self.subcommand} --help lists the options", file=sys.stderr)
-            raise SystemExit(2) from err
+            _exit_with(err, self.subcommand)
+
+
+def _exit_with(error: Exception, subcommand: str) -> None:
+    """End a command's run on a bad setting as a parse error does: its message, a tip, exit status 2."""
+    print(f"error: {error}\ntip: lit-grpo {subcommand} --help lists the options", file=sys.stderr)
+    raise SystemExit(2) from error
+
+
+#: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
 
 
 def check_manual_optimization_settings(trainer: Any) -> None:
@@ -239,6 +261,11 @@ def check_manual_optimization_settings(trainer: Any) -> None:
         raise ValueError(f"trainer.accumulate_grad_batches={trainer['accumulate_grad_batches']!r} does not apply to "
                          "GRPOModule (a step's rows are already accumulated in micro-batches): set "
                          "model.train_micro_batch_size, the rows per backward pass, instead")
+    precision = trainer.get("precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        # Lightning's "-true" plugins convert every batch, which a rollout batch (frozen dataclasses) cannot take
+        raise ValueError(f"trainer.precision={precision!r} is not supported; use one of {list(PRECISIONS[::2])} "
+                         "(for weights held in bf16: model.dtype: bfloat16 under 32-true or bf16-mixed)")
 
 
 def available_cores() -> int:

@@ -257,13 +257,23 @@ def test_a_dtype_is_the_same_setting_under_either_of_its_names(tmp_path, tiny_ch
         check_resumable(saved, {**module, "dtype": "float32"}, data)
 
 
-def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_checkpoint):
+def _refused(capsys, args: list[str]) -> str:
+    """What the CLI printed when it ended a run on a bad setting: an ``error:`` line and exit 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_checkpoint, capsys):
     cut = tmp_path / "cut.ckpt"
     cut.write_bytes(tiny_checkpoint.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"cut.ckpt is cut short"):
-        build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(cut)))
-    with pytest.raises(ValueError, match=r"data.sampling.group_size: 4 in the checkpoint, 6 now"):
-        build_cli(_fit_args(tmp_path / "run", "--ckpt_path", str(tiny_checkpoint), "--data.sampling.group_size", "6"))
+    err = _refused(capsys, _fit_args(tmp_path / "run", "--ckpt_path", str(cut)))
+    assert "error: --ckpt_path: checkpoint " in err and "cut.ckpt is cut short" in err
+    err = _refused(capsys, _fit_args(tmp_path / "run", "--ckpt_path", str(tiny_checkpoint),
+                                     "--data.sampling.group_size", "6"))
+    assert "data.sampling.group_size: 4 in the checkpoint, 6 now" in err
+    assert "does not exist" in _refused(capsys, _fit_args(tmp_path / "run", "--ckpt_path", str(tmp_path / "no.ckpt")))
     # validate only evaluates the weights: another G is fine there
     validate = ["validate", *_fit_args(tmp_path / "val", "--ckpt_path", str(tiny_checkpoint),
                                        "--data.sampling.group_size", "6", "--trainer.limit_val_batches", "1")[1:]]

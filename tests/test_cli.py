@@ -280,3 +280,25 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
     with pytest.raises(ValueError, match=r"torch_num_threads=0 must be >= 1 \(or null for OMP_NUM_THREADS where "
                                          r"set, else this process's share of the 5 cores it may run on\)"):
         build_cli(["--config", TINY, "--torch_num_threads", "0"], run=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.jsonl_path", "x.jsonl"], "error: data: give exactly one prompt source (task, jsonl_path, prompts or "
+                                       "dataset); got ['task', 'jsonl_path']: unset the others, e.g. --data.task null"),
+    (["--data.task", "null", "--data.task_config", "null", "--data.jsonl_path", "missing.jsonl"],
+     "error: data: prompt file 'missing.jsonl' does not exist"),
+    (["--model.dtype", "float17"], "error: model: dtype='float17' is not known"),
+    (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
+    (["--trainer.precision", "bf16-true"], "error: trainer.precision='bf16-true' is not supported; use one of "
+                                           "['32-true', 'bf16-mixed', '16-mixed']"),
+])
+def test_a_setting_found_bad_while_setting_up_ends_the_run_as_a_parse_error_does(tmp_path, capsys, monkeypatch,
+                                                                                   args, message):
+    """Found when the data or the model are set up, not when the config is parsed: still one error line naming the
+    setting, and exit 2, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps", "1",
+                   "--trainer.logger", "false", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

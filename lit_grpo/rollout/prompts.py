@@ -108,8 +108,9 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
     given = [name for name, value in (("task", task), ("jsonl_path", jsonl_path), ("prompts", prompts),
                                       ("dataset", dataset)) if value is not None]
     if len(given) != 1:
+        others = " ".join(f"--data.{name} null" for name in given[:-1])
         raise ValueError(f"give exactly one prompt source (task, jsonl_path, prompts or dataset); got "
-                         f"{given or 'none'}")
+                         f"{given or 'none'}" + (f": unset the others, e.g. {others}" if len(given) > 1 else ""))
     if dataset is None:
         unused = [name for name, value in (("prompt_column", prompt_column), ("answer_column", answer_column))
                   if value is not None] + (["split"] if split != "train" else [])

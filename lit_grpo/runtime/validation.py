@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad setting found while a run sets itself up (a prompt source, a dtype, a dataset column): ``lit-grpo``
+    reports it as it reports a parse error, one ``error:`` line and exit 2, wherever it is raised."""
+
+
+@contextlib.contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """Re-raise what a setting makes fail in this block (a ValueError, a missing file or key, a wrong type) as a
+    :class:`ConfigError` whose message starts with ``where``."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, FileNotFoundError, KeyError, TypeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise ConfigError(f"{where}: {message}") from error
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

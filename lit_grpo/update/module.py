@@ -86,7 +86,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, Lockst
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, with_lora)
-from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps
@@ -206,10 +206,11 @@ class GRPOModule(LightningModule):
             return
         hp = self.hparams
         if self.device_mesh is not None and not hp.fsdp:
-            raise ValueError("trainer.strategy is ModelParallelStrategy but model.fsdp is false: the policy would "
+            raise ConfigError("trainer.strategy is ModelParallelStrategy but model.fsdp is false: the policy would "
                              "train unsharded and its gradients would never be averaged over the ranks; set "
                              "model.fsdp: true (or use the ddp strategy)")
-        policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
+        with config_errors("model"):
+            policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(policy)
         if hp.peft_config:
@@ -230,11 +231,11 @@ class GRPOModule(LightningModule):
 
     def _fully_shard(self, model: torch.nn.Module) -> None:
         if self.device_mesh is None:
-            raise RuntimeError("fsdp=True needs a device mesh: use trainer.strategy "
+            raise ConfigError("fsdp=True needs a device mesh: use trainer.strategy "
                                "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
         ranks, world = data_parallel_mesh(self.device_mesh).size(), self.trainer.world_size
         if ranks != world:  # the other dimension would hold unsynchronised replicas: lit_grpo has no tensor parallelism
-            raise ValueError(f"fsdp=True shards over the data-parallel dimension, which spans {ranks} of the "
+            raise ConfigError(f"fsdp=True shards over the data-parallel dimension, which spans {ranks} of the "
                              f"{world} ranks: set ModelParallelStrategy's data_parallel_size to {world} (or 'auto' "
                              "under lit-grpo) and tensor_parallel_size to 1")
         shard_decoder_layers(model, self.device_mesh, self._mixed_precision_dtype())
