@@ -291,6 +291,12 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
     (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
     (["--trainer.precision", "bf16-true"], "error: trainer.precision='bf16-true' is not supported; use one of "
                                            "['32-true', 'bf16-mixed', '16-mixed']"),
+    (["--data.task", "basic_arith"], "error: data: task='basic_arith' is not a reasoning-gym task; did you mean "
+                                     "['basic_arithmetic']?"),
+    (["--data.task_config", '{"max_digit": 3}'], "error: data: task_config ['max_digit'] is not an option of "
+                                                 "reasoning-gym task 'basic_arithmetic'; its options: "
+                                                 "['allow_negation', 'allow_parentheses', 'format_style', "
+                                                 "'max_digits'"),
 ])
 def test_a_setting_found_bad_while_setting_up_ends_the_run_as_a_parse_error_does(tmp_path, capsys, monkeypatch,
                                                                                    args, message):

@@ -7,9 +7,10 @@ the whole source row (``entry``), which reward functions receive (reasoning-gym 
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,24 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
     """``size`` entries of a reasoning-gym task, e.g. ``task="basic_arithmetic"``; ``config`` goes to its config."""
     import reasoning_gym
 
+    from reasoning_gym.factory import DATASETS
+
     if size < 1:
         raise ValueError(f"size={size!r} must be >= 1 (prompts to generate from task {task!r})")
+    if task not in DATASETS:
+        close = difflib.get_close_matches(str(task), DATASETS, n=3)
+        raise ValueError(f"task={task!r} is not a reasoning-gym task" + (f"; did you mean {close}?" if close else "")
+                         + f" ({len(DATASETS)} tasks, e.g. {sorted(DATASETS)[:4]}: reasoning_gym.factory.DATASETS)")
+    options = {option.name for option in fields(DATASETS[task][1])} - {"seed", "size"}  # those two are data's own
+    unknown = sorted(set(config or {}) - options)
+    if unknown:
+        raise ValueError(f"task_config {unknown} is not an option of reasoning-gym task {task!r}; its options: "
+                         f"{sorted(options)}")
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config or {}))
-    except ValueError as err:
-        raise ValueError(f"reasoning-gym task={task!r} with config {dict(config or {})!r} failed: {err}") from err
-    except TypeError as err:
-        raise ValueError(f"reasoning-gym task={task!r} does not accept config {dict(config or {})!r}: {err}") from err
+    except (ValueError, TypeError, AssertionError) as err:
+        raise ValueError(f"reasoning-gym task={task!r} with task_config {dict(config or {})!r} failed: "
+                         f"{type(err).__name__}: {err}") from err
     return [PromptExample(prompt=e["question"], answer=str(e["answer"]) if e.get("answer") is not None else None,
                           entry=dict(e)) for e in dataset]
 
