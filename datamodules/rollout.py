@@ -164,6 +164,13 @@ class RolloutDataModule(LightningDataModule):
         if ignored := sampling.ignored_scheduler_options():
             warnings.warn(f"sampling.scheduler options {ignored} apply to strategy 'infinite' only; strategy "
                           f"{sampling.strategy!r} ignores them", stacklevel=2)
+        g = sampling.micro_group_size
+        if sampling.strategy == "full" and g is not None:
+            warnings.warn(f"sampling.micro_group_size={g!r} is ignored by strategy 'full', which decodes every "
+                          "sample at once; use 'continuous' or 'infinite' for g slots", stacklevel=2)
+        elif sampling.strategy == "micro" and isinstance(g, int) and g > sampling.group_size:
+            warnings.warn(f"sampling.micro_group_size={g} is more than group_size={sampling.group_size}: strategy "
+                          "'micro' runs one prompt's samples at a time, so it uses group_size slots", stacklevel=2)
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_rollouts_per_step", max_rollouts_per_step), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),

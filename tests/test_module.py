@@ -224,6 +224,11 @@ def test_bad_arguments_name_the_value():
         warnings.simplefilter("error")
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "scheduler": {
             "preempt_tokens": 16, "length_aware": {"predictor": "oracle"}}})
+    # so is a slot count the strategy does not use
+    with pytest.warns(UserWarning, match=r"micro_group_size=2 is ignored by strategy 'full'"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "full", "micro_group_size": 2})
+    with pytest.warns(UserWarning, match=r"micro_group_size=16 is more than group_size=8: strategy 'micro'"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "micro", "micro_group_size": 16})
     # unset, the correctness reward follows the reward functions
     assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"
