@@ -48,6 +48,18 @@ def slice_columns(kv: KV, start: int, stop: int | None = None) -> KV:
     return [(k[:, :, start:stop].clone(), v[:, :, start:stop].clone()) for k, v in kv]
 
 
+def take_columns(kv: KV, spans: list[tuple[int, int | None]]) -> list[KV]:
+    """``slice_columns(kv, start, stop)`` of each ``(start, stop)`` span, consuming ``kv`` (the list is emptied) a
+    layer at a time: where nothing else holds a layer, its tensors are freed once copied, so at most one layer is
+    held twice, not the whole source."""
+    parts: list[KV] = [[] for _ in spans]
+    while kv:
+        layer = [kv.pop(0)]
+        for part, (start, stop) in zip(parts, spans):
+            part.extend(slice_columns(layer, start, stop))
+    return parts
+
+
 def check_full_attention(model_config) -> None:
     """Refuse models whose cache layers are not plain full attention (sliding-window, hybrid, linear)."""
     for layer in DynamicCache(config=model_config).layers:

@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling.decode_attention import instead_of_sdpa
-from lit_grpo.sampling.kv_cache import KV, slice_columns
+from lit_grpo.sampling.kv_cache import KV, take_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
            "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes"]
@@ -158,13 +158,6 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
     """Each prefix's KV from its chunk's cache (every layer's keys and values ``[1, kv_heads, T, head_dim]``):
-    ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed. ``kv`` is consumed (the
-    list is emptied) a layer at a time: where nothing else holds the cache, each layer's chunk tensors are freed
-    once copied, so the split holds at most one layer of the chunk twice."""
-    prefixes: list[KV] = [[] for _ in chunk.lengths]
-    while kv:
-        layer = kv.pop(0)
-        for prefix, start, n in zip(prefixes, chunk.offsets, chunk.lengths):
-            prefix.extend(slice_columns([layer], start, start + n))
-        del layer
-    return prefixes
+    ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed; ``kv`` is consumed a
+    layer at a time (``take_columns``), so the split holds at most one layer of the chunk twice."""
+    return take_columns(kv, [(start, start + n) for start, n in zip(chunk.offsets, chunk.lengths)])

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
-from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, slice_columns
+from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, take_columns
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
@@ -281,9 +281,7 @@ class RolloutLoop:
         del cache  # the prefix and tail are held by kv alone: each layer is freed once its tail is copied
         width = kv[0][0].shape[-2]
         self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]) // width * (width - start))
-        tail: KV = []
-        while kv:
-            tail.extend(slice_columns([kv.pop(0)], start))
+        (tail,) = take_columns(kv, [(start, None)])
         return tail
 
     def _release_unused_prefixes(self) -> None:
