@@ -36,10 +36,12 @@ from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 #: A sign: a minus (ASCII or Unicode) not right after a word or a number ("10-20" is a range, not -20).
-_SIGN = r"(?:(?<![\w.)])[-\u2212])?"
+SIGN = r"(?:(?<![\w.)])[-\u2212])?"
+#: Digits with thousands separators in groups of three, or none, and decimals (no sign).
+DECIMAL = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 #: A number as written in an answer: sign, thousands separators or plain digits, decimals, a fraction, a percent.
-_NUMBER = re.compile(_SIGN + r"\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
-                     r"|" + _SIGN + r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?\s*\\?%?|" + _SIGN + r"\.\d+")
+_NUMBER = re.compile(SIGN + r"\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
+                     r"|" + SIGN + DECIMAL + r"(?:\s*/\s*\d+)?\s*\\?%?|" + SIGN + r"\.\d+")
 #: A LaTeX math span: ``$$...$$``, ``$...$``, ``\(...\)`` or ``\[...\]`` (one group each).
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 

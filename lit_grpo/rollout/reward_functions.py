@@ -17,15 +17,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lit_grpo.rollout.math_reward import math_reward
+from lit_grpo.rollout.math_reward import DECIMAL, SIGN, math_reward
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
 _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-#: A number: a sign (an ASCII or Unicode minus not right after a word or a number: "10-20" is a range), digits with
-#: thousands separators in groups of three or none, decimals.
-_SIGN = r"(?:(?<![\w.)])[-\u2212])?"
-_NUMBER = re.compile(_SIGN + r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|" + _SIGN + r"\.\d+")
+#: A number: the math reward's sign and digits (no fraction or percent).
+_NUMBER = re.compile(SIGN + DECIMAL + "|" + SIGN + r"\.\d+")
 
 
 def _number(text: str) -> float | None:
