@@ -84,10 +84,9 @@ class RolloutProfiler(Callback):
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
     ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens`` and ``parked_samples`` add up,
     as do the decision counts; ``tokens_per_s`` is all ranks' tokens over the slowest rank's ``wall_s`` (the ranks
-    generate at once); ``peak_kv_bytes`` and
-    ``parked_kv_bytes`` are the largest process's; ``slot_utilization``, ``preempting`` and the predictor's figures
-    are means over ranks (a rank without a predictor left out). ``rollout/rank_skew`` is GRPOModule's. The progress
-    bar shows the same whole-step values.
+    generate at once); ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest process's; ``slot_utilization``,
+    ``preempting`` and the predictor's figures are means over ranks (a rank without a predictor left out).
+    ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
 
     With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
 

@@ -285,10 +285,10 @@ class RolloutDataModule(LightningDataModule):
         world, _ = self._world()
         if self.prompts_per_step * world > len(self.train_indices):
             raise ConfigError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
-                             f"{len(self.train_indices)} training prompts")
+                              f"{len(self.train_indices)} training prompts")
         if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
-            raise ConfigError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer than "
-                             f"world_size={world}: use at least one per rank, or 0 for no validation")
+            raise ConfigError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer "
+                              f"than world_size={world}: use at least one per rank, or 0 for no validation")
         with config_errors("data.curriculum_kwargs"):
             self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
                                                 **self.curriculum_kwargs)
@@ -446,9 +446,9 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """What exact resume needs from the data side: steps built, the prompt sampler / curriculum and the global
-        random states (rank 0's), and each rank's own engine state (its rollout counter,
-        which keys its random streams, its scheduler's state and its carried partial-rollout groups): gathered,
-        one per rank, and each rank takes its own back."""
+        random states (rank 0's), and each rank's own engine state (its rollout counter, which keys its random
+        streams, its scheduler's state and its carried partial-rollout groups): gathered, one per rank, and each
+        rank takes its own back."""
         state = self._local_state()
         if "engine" in state:
             world, _ = self._world()

@@ -95,9 +95,9 @@ class RolloutBuilder:
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
-            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and restart
-            at every validation, so a prompt's k draws depend on the seed and that index only (not on the batch or
-            the rank it falls in): the same policy gets the same draws in any run, a resumed one included, and the
+            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and restart at every
+            validation, so a prompt's k draws depend on the seed and that index only (not on the batch or the rank
+            it falls in): the same policy gets the same draws in any run, a resumed one included, and the
             training engine's state is never touched.
         world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
             ``scale_rewards="batch"``.

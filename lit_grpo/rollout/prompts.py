@@ -60,7 +60,6 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
                           config: Mapping[str, Any] | None = None) -> list[PromptExample]:
     """``size`` entries of a reasoning-gym task, e.g. ``task="basic_arithmetic"``; ``config`` goes to its config."""
     import reasoning_gym
-
     from reasoning_gym.factory import DATASETS
 
     if size < 1:

@@ -207,8 +207,8 @@ class GRPOModule(LightningModule):
         hp = self.hparams
         if self.device_mesh is not None and not hp.fsdp:
             raise ConfigError("trainer.strategy is ModelParallelStrategy but model.fsdp is false: the policy would "
-                             "train unsharded and its gradients would never be averaged over the ranks; set "
-                             "model.fsdp: true (or use the ddp strategy)")
+                              "train unsharded and its gradients would never be averaged over the ranks; set "
+                              "model.fsdp: true (or use the ddp strategy)")
         with config_errors("model"):
             policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
         if hp.gradient_checkpointing:
@@ -232,12 +232,12 @@ class GRPOModule(LightningModule):
     def _fully_shard(self, model: torch.nn.Module) -> None:
         if self.device_mesh is None:
             raise ConfigError("fsdp=True needs a device mesh: use trainer.strategy "
-                               "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
+                              "lightning.pytorch.strategies.ModelParallelStrategy (see configs/fsdp_gpu.yaml)")
         ranks, world = data_parallel_mesh(self.device_mesh).size(), self.trainer.world_size
         if ranks != world:  # the other dimension would hold unsynchronised replicas: lit_grpo has no tensor parallelism
             raise ConfigError(f"fsdp=True shards over the data-parallel dimension, which spans {ranks} of the "
-                             f"{world} ranks: set ModelParallelStrategy's data_parallel_size to {world} (or 'auto' "
-                             "under lit-grpo) and tensor_parallel_size to 1")
+                              f"{world} ranks: set ModelParallelStrategy's data_parallel_size to {world} (or 'auto' "
+                              "under lit-grpo) and tensor_parallel_size to 1")
         shard_decoder_layers(model, self.device_mesh, self._mixed_precision_dtype())
 
     def _mixed_precision_dtype(self) -> torch.dtype | None:
@@ -484,7 +484,8 @@ class GRPOModule(LightningModule):
         is skipped and its scale lowered: an fp16 overflow is routine there) and clipping to ``max_grad_norm``."""
         grad_norm = gradient_norm(self.policy.parameters())
         if not math.isfinite(grad_norm):
-            if getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None:
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+            if scaler is not None:
                 return grad_norm
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
