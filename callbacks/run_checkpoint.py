@@ -108,8 +108,8 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if self.dirpath is not None and "://" not in str(self.dirpath):
-            needed = checkpoint_bytes(pl_module)
-            _on_rank_zero_for_all(trainer, lambda: check_writable(self.dirpath, needed_bytes=needed))
+            _on_rank_zero_for_all(
+                trainer, lambda: check_writable(self.dirpath, needed_bytes=checkpoint_bytes(pl_module)))
         # Installed here, after Lightning's own SIGTERM handler (which would exit 0 between validation batches).
         STOP_SIGNAL.install()
         self._stopped = False
