@@ -5,11 +5,13 @@ split or merge groups, gradient checkpointing and LoRA; models that cannot share
 The tiny models run in float64, but their RMSNorm computes in float32, so gradients agree to float32 rounding.
 """
 
+import collections
 import gc
 import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_grpo.batch import pad_left, pad_right
 from lit_grpo.rollout.prompts import render_prompt
@@ -115,6 +117,50 @@ def test_shared_prefix_logits_match_on_smollm2():
         error = float((shared[2][name] - expected).norm() / expected.norm())
         assert error < 5e-5, (name, error)
 
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts of each of ``model``'s parameters (``aten._to_copy`` of its storage) while active."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {p.data_ptr(): n for n, p in model.named_parameters()}
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.names:
+            self.counts[self.names[args[0].data_ptr()]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_two_passes_share_one_cast_of_each_weight_under_autocast(checkpointing):
+    """Lightning's bf16-mixed autocast keeps no cast cache: each pass would cast every weight again and the
+    backward would hold both casts. The passes share one (where the layers are checkpointed nothing holds the
+    casts, and the cache stays off), the cache is off and empty afterwards, and the values are the unshared ones."""
+    model, _ = load_model_and_tokenizer("tiny-qwen2")
+    model.train()
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    decoder = [name for name, _ in model.model.layers.named_parameters(prefix="model.layers") if "proj" in name]
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with WeightCasts(model) as casts:
+            states = shared_prefix_outputs(model, micro, hidden=True)
+        assert not torch.is_autocast_cache_enabled()
+        passes = 2 if checkpointing else 1
+        assert {casts.counts[name] for name in decoder} == {passes}
+        unshared = model(**{k: micro[k] for k in ("input_ids", "attention_mask", "position_ids")},
+                         output_hidden_states=True).hidden_states[-1][:, -micro["completion_ids"].shape[1] - 1:-1]
+        torch.testing.assert_close(states, unshared, rtol=0.02, atol=0.02)  # bfloat16: two ways to add up
+        with torch.no_grad():  # a step between two forwards of one autocast: the next forward sees it
+            for param in model.parameters():
+                param.mul_(0.5)
+        again = shared_prefix_outputs(model, micro, hidden=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        fresh = shared_prefix_outputs(model, micro, hidden=True)
+    assert not torch.equal(again, states)
+    torch.testing.assert_close(again, fresh, rtol=0, atol=0)
 
 @pytest.fixture(scope="module")
 def rollout():

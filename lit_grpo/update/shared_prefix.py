@@ -24,6 +24,12 @@ lookup's. Each stage uses a weight once, so its gradient goes into ``.grad`` as 
 unshared backward. Under DDP or FSDP a parameter's gradient must arrive once per backward (DDP marks it ready
 once; FSDP2 reduce-scatters a module once), so there both passes share one backward.
 
+Under mixed precision each pass would cast every weight to the autocast dtype again (Lightning's autocast keeps
+no cast cache, so that an optimizer step inside one step's autocast is seen), and autograd would keep both casts
+for the backward: a second low-precision copy of the model. ``casts_shared_by_passes`` lets the two passes share
+one cast per weight (not where layers recompute in the backward, or FSDP2 shards the weights: there nothing
+keeps the casts, and a cache would).
+
 Gradient checkpointing: transformers' checkpointed decoder layers drop the cache unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
 Neither cache here appends: the writer overwrites (the replay stores equal tensors) and the reader stores nothing,
@@ -88,6 +94,24 @@ def prefix_writer() -> Cache:
 def prefix_reader(writer: Cache, group: torch.Tensor) -> Cache:
     """The pass-2 cache over a filled ``writer``; ``group``: ``[m]`` long, each row's index into its prompts."""
     return Cache(layers=[PrefixReadLayer(layer.keys, layer.values, group) for layer in writer.layers])
+
+
+@contextlib.contextmanager
+def casts_shared_by_passes(model: torch.nn.Module) -> Iterator[None]:
+    """Under autocast, cast each weight once for both passes (module docstring): autocast's cast cache is on
+    inside and emptied on the way out, so no cast outlives the forward that made it (the backward's references
+    keep what it needs). A no-op without autocast, with checkpointed layers or an FSDP2-sharded model."""
+    device_type = next(model.parameters()).device.type
+    if (not torch.is_autocast_enabled(device_type) or torch.is_autocast_cache_enabled()
+            or checkpointed_layers(model) or is_fsdp_sharded(model)):
+        yield
+        return
+    torch.set_autocast_cache_enabled(True)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(False)
+        torch.clear_autocast_cache()
 
 
 @contextlib.contextmanager
@@ -157,7 +181,7 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
     tokens = _token_inputs(model, micro["input_ids"])
     keyword = cache_keyword(model)
     writer = prefix_writer()
-    with caches_through_checkpoints(model):
+    with caches_through_checkpoints(model), casts_shared_by_passes(model):
         out = model(**tokens(first, slice(0, prompt_length)), attention_mask=prompt_mask[first],
                     position_ids=micro["position_ids"][first, :prompt_length], **{keyword: writer},
                     use_cache=False, **{**outputs, **last_only})
