@@ -162,6 +162,15 @@ def test_sampling_settings_in_python_go_in_one_config():
         RolloutDataModule(prompts=["a"], sampling=SamplingConfig(group_size=1))
 
 
+@pytest.mark.parametrize("greedy", [{"temperature": 0.0}, {"top_k": 1}])
+def test_greedy_training_rollouts_are_refused(greedy):
+    """G identical completions give every advantage 0: a run that could never learn stops before it starts."""
+    setting = "temperature=0" if "temperature" in greedy else "top_k=1"
+    with pytest.raises(ValueError, match=rf"sampling.{setting} decodes greedily: the group_size=4 completions"):
+        RolloutDataModule(prompts=["a"], sampling={"group_size": 4, **greedy})
+    RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "temperature": 0.7, "top_k": 2})
+
+
 def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
     with pytest.raises(SystemExit):
         build_cli(["--config", TINY, "--model.loss.loss_type", "ppo"], run=False)
