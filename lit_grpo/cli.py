@@ -28,20 +28,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import shlex
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -325,6 +327,33 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """jsonargparse's help, with the description's line breaks kept."""
 
 
+class GRPOArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose error for an option it does not know names the known one it most likely meant,
+    and which leaves out the usage listing before an error (its length hid the one line that matters; ``--help``
+    has it)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        super().error(message + did_you_mean(message, [action.dest for action in parser._actions]), ex)
+
+    def print_usage(self, file: Any = None) -> None:
+        pass
+
+
+#: The unknown option in jsonargparse's messages: a config key, or a command-line flag.
+_UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
+
+
+def did_you_mean(message: str, known: Sequence[str]) -> str:
+    """`` (did you mean 'KEY'?)`` for the unknown option of a parser's ``message`` when one of ``known`` is close
+    to it, else an empty string."""
+    match = _UNKNOWN_OPTION.search(message)
+    if match is None:
+        return ""
+    close = difflib.get_close_matches(match.group(1) or match.group(2), known, n=1, cutoff=0.8)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 class _DropAdvertisingTips(logging.Filter):
     """Lightning's "💡 Tip: try installing litlogger / litmodels" lines (printed on every run)."""
 
@@ -354,7 +383,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     quiet_known_noise()
     # GRPOModule builds its optimizer and schedule from model.lr, betas, weight_decay and warmup_steps, so Lightning's
     # --optimizer / --lr_scheduler would be parsed and then ignored: they are not offered.
-    kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False,
+    kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False, parser_class=GRPOArgumentParser,
                                   parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}

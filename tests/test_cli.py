@@ -117,7 +117,22 @@ def test_unknown_key_is_rejected(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", TINY, "--model.no_such_key", "1"])
     assert exit_info.value.code != 0
-    assert "no_such_key" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no_such_key" in err and "did you mean" not in err
+
+
+def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, "--data.sampling.group_sise", "4"])
+    err = capsys.readouterr().err
+    assert "--data.sampling.group_sise 4 (did you mean 'data.sampling.group_size'?)" in err
+    assert "usage:" not in err and "fit --help" in err
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["trainer"]["max_step"] = config["trainer"].pop("max_steps")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(tmp_path / "typo.yaml")])
+    assert "option 'trainer.max_step' (did you mean 'trainer.max_steps'?)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
