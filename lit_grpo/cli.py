@@ -337,7 +337,7 @@ class GRPOArgumentParser(LightningArgumentParser):
         super().error(message + did_you_mean(message, [action.dest for action in parser._actions]), ex)
 
     def print_usage(self, file: Any = None) -> None:
-        pass
+        """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
 
 
 #: The unknown option in jsonargparse's messages: a config key, or a command-line flag.
@@ -383,7 +383,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     quiet_known_noise()
     # GRPOModule builds its optimizer and schedule from model.lr, betas, weight_decay and warmup_steps, so Lightning's
     # --optimizer / --lr_scheduler would be parsed and then ignored: they are not offered.
-    kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False, parser_class=GRPOArgumentParser,
+    kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False,
+                                  parser_class=GRPOArgumentParser,
                                   parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}

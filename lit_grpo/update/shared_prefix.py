@@ -27,8 +27,8 @@ once; FSDP2 reduce-scatters a module once), so there both passes share one backw
 Under mixed precision each pass would cast every weight to the autocast dtype again (Lightning's autocast keeps
 no cast cache, so that an optimizer step inside one step's autocast is seen), and autograd would keep both casts
 for the backward: a second low-precision copy of the model. ``casts_shared_by_passes`` lets the two passes share
-one cast per weight (not without grad, where layers recompute in the backward, or where FSDP2 shards the weights:
-there nothing keeps the casts, and a cache would).
+one cast per weight; not without grad or where layers recompute in the backward (nothing else keeps the casts
+there, a cache would), nor where FSDP2 shards the weights (a cache would keep every unit's gathered weights).
 
 Gradient checkpointing: transformers' checkpointed decoder layers drop the cache unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
@@ -101,9 +101,8 @@ def casts_shared_by_passes(model: torch.nn.Module) -> Iterator[None]:
     """Under autocast, cast each weight once for both passes (module docstring): autocast's cast cache is on
     inside and emptied on the way out, so no cast outlives the forward that made it (the backward's references
     keep what it needs). Only where the backward holds every cast anyway: a no-op without autocast or grad, with
-    checkpointed layers or an FSDP2-sharded model. Autocast
-    caches only the casts of weights that train: frozen ones (LoRA's base) are cast by each pass, and held twice
-    unless loaded in the autocast dtype."""
+    checkpointed layers or an FSDP2-sharded model. Autocast caches only the casts of weights that train: frozen
+    ones (LoRA's base) are cast by each pass, and held twice unless loaded in the autocast dtype."""
     device_type = next(model.parameters()).device.type
     if (not torch.is_autocast_enabled(device_type) or torch.is_autocast_cache_enabled()
             or not torch.is_grad_enabled() or checkpointed_layers(model) or is_fsdp_sharded(model)):
