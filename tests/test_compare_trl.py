@@ -46,6 +46,17 @@ def test_the_g_sweep_varies_g_alone(demo):
         build_spec(demo, {"prompts_per_step": 1, "group_size": 32, "max_new_tokens": 8, "rows": 12})
 
 
+def test_lit_slots_all_decodes_every_sample_at_once_and_changes_nothing_else(demo):
+    fixed, every = ([build_spec(demo, cell, lit_slots=slots) for cell in cells("gpu_gsweep", demo)]
+                    for slots in ("fixed", "all"))
+    assert [s["lit"]["micro_group_size"] for s in every] == [8, 32, 64]
+    for a, b in zip(fixed, every):
+        assert {**a, "lit": None} == {**b, "lit": None} and trl_config(a, "out") == trl_config(b, "out")
+        assert lit_config(b, "r")["data"]["sampling"]["micro_group_size"] == b["group_size"]
+    with pytest.raises(ValueError, match=r"lit_slots 'some': use one of \('fixed', 'all'\)"):
+        build_spec(demo, cells("demo", demo)[0], lit_slots="some")
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_both_sides_get_the_same_settings(demo, shape):
     for cell in cells(shape, demo):

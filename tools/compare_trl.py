@@ -19,7 +19,8 @@ take ``--trl-python DIR/bin/python``.
 **The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens), ``4x32x64``
 (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
 first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
-at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). Everything else is the demo's
+at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
+per sample instead (every sample decodes at once, as in TRL's ``generate``). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
 function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr
@@ -63,7 +64,7 @@ from typing import Any
 import yaml
 
 from tools import harness, process_memory
-from tools.compare_trl_spec import (PRECISIONS, SHAPES, TRL_GENERATION, build_spec, cells, demo_settings,
+from tools.compare_trl_spec import (LIT_SLOTS, PRECISIONS, SHAPES, TRL_GENERATION, build_spec, cells, demo_settings,
                                     lit_config, trl_config, trl_other_settings)
 
 TRL_VERSION = "1.16.0"
@@ -353,7 +354,8 @@ def markdown(report: dict[str, Any]) -> str:
     memory = "CUDA peak GiB" if cuda else "peak RSS GiB"
     lines = [f"GRPO step, lit_grpo against TRL ({config['model']}, {config['precision']}, {config['device']}, "
              f"{config['threads']} threads; {config['steps']} timed steps after 1 warm-up, order "
-             f"{','.join(config['order'])}, seeds {','.join(map(str, config['seeds']))})", "",
+             f"{','.join(config['order'])}, seeds {','.join(map(str, config['seeds']))}, lit_grpo's slots "
+             f"{config.get('lit_slots', 'fixed')})", "",
              f"| B x G x tokens | system | step s | rollout s | generate s | update s | {memory} | maxrss GiB | "
              "reward | runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -424,6 +426,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the demo's (32-true)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run (and OMP_NUM_THREADS)")
     parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate")
+    parser.add_argument("--lit-slots", choices=LIT_SLOTS, default="fixed",
+                        help="lit_grpo's slots: the shape's (8 in the G sweeps) or one per sample")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run; past it the run is killed and "
                                                                          "recorded as a timeout")
     parser.add_argument("--interval-s", type=float, default=0.05, help="RSS sampling interval")
@@ -449,7 +453,8 @@ def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     demo = demo_settings()
     return [build_spec(demo, cell, model=None if args.model == "smollm2" else args.model, device=args.device,
                        precision=args.precision, threads=args.threads, seed=0, steps=args.steps,
-                       trl_generation=args.trl_generation) for cell in cells(args.shape, demo)]
+                       trl_generation=args.trl_generation, lit_slots=args.lit_slots)
+            for cell in cells(args.shape, demo)]
 
 
 def build_report(args: argparse.Namespace, cell_specs: list[dict[str, Any]], trl_version: str,

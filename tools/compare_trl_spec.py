@@ -41,6 +41,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
+#: lit_grpo's slots: the shape's fixed count (or the demo's g), or one per sample.
+LIT_SLOTS = ("fixed", "all")
 #: TRL's generation paths: ``model.generate`` on the padded batch, or transformers' continuous batching.
 TRL_GENERATION = ("generate", "continuous_batching")
 #: The timing harness' callback in the lit_grpo run (tools/compare_trl_runs.py).
@@ -70,14 +72,17 @@ def cells(shape: str, demo: dict[str, Any]) -> list[dict[str, int]]:
 
 def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None = None, device: str = "cpu",
                precision: str | None = None, threads: int = 2, seed: int = 0, steps: int = 8,
-               untimed_steps: int = 1, trl_generation: str = "generate") -> dict[str, Any]:
+               untimed_steps: int = 1, trl_generation: str = "generate", lit_slots: str = "fixed") -> dict[str, Any]:
     """The settings of one run (either system): the demo's, with ``cell``'s B, G and new tokens, ``steps`` timed
     GRPO steps after ``untimed_steps`` warm-up ones, and the given model (default the demo's), device, precision
-    (default the demo's), threads and seed."""
+    (default the demo's), threads and seed. ``lit_slots``: lit_grpo's slots, "fixed" (the shape's rows, else the
+    demo's g) or "all" (one per sample, B x G: every sample decodes at once, as TRL's ``generate``)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use one of {DEVICES}")
     if trl_generation not in TRL_GENERATION:
         raise ValueError(f"trl_generation {trl_generation!r}: use one of {TRL_GENERATION}")
+    if lit_slots not in LIT_SLOTS:
+        raise ValueError(f"lit_slots {lit_slots!r}: use one of {LIT_SLOTS}")
     precision = precision or demo["trainer"].get("precision", "32-true")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
@@ -118,7 +123,8 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
                                                          "system_prompt", "reward_funcs") if key in d},
         "lit": {"strategy": sampling.get("strategy", "infinite"),
-                "micro_group_size": fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
+                "micro_group_size": rows if lit_slots == "all"
+                else fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
         "trl": {"generation": trl_generation},
     }
 

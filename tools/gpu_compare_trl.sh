@@ -3,7 +3,8 @@
 # G 8 / 32 / 64 with 512 new tokens (--shape gpu_gsweep), random:qwen3-1.7b with float32 master weights under
 # bf16-mixed, 8-row micro-batches and 8 slots at every G.
 #
-#   bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER]     (ORDER: --order's value, default lit,trl)
+#   bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]   (ORDER: --order's value, default lit,trl;
+#   FLAGs go to tools.compare_trl, e.g. --lit-slots all: lit_grpo with one slot per sample)
 #
 # WHEEL_DIR holds what a CUDA image with torch, transformers, lightning, accelerate, pandas and pyarrow lacks, made
 # where pip reaches an index, for the machine's Python (3.12 on this workplace's GPU image):
@@ -23,10 +24,11 @@
 # records and logs). TRL's three runs took about 100 s each on an H200 (start-up included); where
 # one command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER lit, then trl).
 set -uo pipefail
-WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER]}")"
+WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]}")"
 DIR="${2:-${OUT:-}}"
 [ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"
 ORDER="${3:-lit,trl}"
+shift $(( $# < 3 ? $# : 3 ))
 cd "$(dirname "$0")/.."
 DIR="${DIR:-$PWD/runs/gpu_compare_trl}"
 mkdir -p "$DIR"
@@ -44,7 +46,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
     | tee "$DIR/device.txt" || exit 1
 python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep --model random:qwen3-1.7b --device cuda \
     --precision bf16-mixed --threads 4 --order "$ORDER" --timeout-s 600 --work-dir "$SITE/runs" \
-    --json "$DIR/gpu_gsweep.json" --markdown "$DIR/gpu_gsweep.md"
+    --json "$DIR/gpu_gsweep.json" --markdown "$DIR/gpu_gsweep.md" "$@"
 status=$?
 tar czf "$DIR/runs.tgz" -C "$SITE" runs
 exit $status
