@@ -161,9 +161,9 @@ class RolloutDataModule(LightningDataModule):
             raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
         if sampling.temperature == 0 or sampling.top_k == 1:
             setting = "temperature=0" if sampling.temperature == 0 else "top_k=1"
-            raise ValueError(f"sampling.{setting} decodes greedily: the group_size={sampling.group_size} completions "
-                             "of a prompt would be identical, so every advantage is 0 and nothing is learned; "
-                             "sample (temperature > 0, e.g. 1.0, and top_k 0 or > 1)")
+            raise ValueError(f"sampling.{setting} makes training rollouts greedy: the group_size={sampling.group_size} "
+                             "completions of a prompt would be identical, so every advantage is 0 and nothing is "
+                             "learned; sample (temperature > 0, e.g. 1.0, and top_k 0 or > 1)")
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
         if ignored := sampling.ignored_scheduler_options():

@@ -334,24 +334,43 @@ class GRPOArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
-        super().error(message + did_you_mean(message, [action.dest for action in parser._actions]), ex)
+        super().error(message + did_you_mean(message, _option_names(parser)), ex)
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
 
 
-#: The unknown option in jsonargparse's messages: a config key, or a command-line flag.
-_UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
+def _option_names(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option ``parser`` takes, its subcommands' included (argparse keeps those in ``_name_parser_map``)."""
+    names = []
+    for action in parser._actions:
+        names.append(action.dest)
+        for subparser in getattr(action, "_name_parser_map", {}).values():
+            names.extend(_option_names(subparser))
+    return names
+
+
+#: An unknown config key in jsonargparse's messages (a group's keys are named relative to it).
+_UNKNOWN_KEY = re.compile(r"(?:Group '([\w.]+)'|Subcommand '\w+') does not accept option '([\w.]+)'")
 
 
 def did_you_mean(message: str, known: Sequence[str]) -> str:
-    """`` (did you mean 'KEY'?)`` for the unknown option of a parser's ``message`` when one of ``known`` is close
-    to it, else an empty string."""
-    match = _UNKNOWN_OPTION.search(message)
-    if match is None:
+    """`` (did you mean 'KEY'?)`` for the unknown option(s) of a parser's ``message``, each with the one of
+    ``known`` closest to it (where one is close), else an empty string."""
+    if match := _UNKNOWN_KEY.search(message):
+        unknown = [f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)]
+    elif "unrecognized arguments:" in message:
+        unknown = [token[2:] for token in message.split("unrecognized arguments:", 1)[1].split()
+                   if token.startswith("--")]
+    else:
         return ""
-    close = difflib.get_close_matches(match.group(1) or match.group(2), known, n=1, cutoff=0.8)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    pairs = [(name, close[0]) for name in unknown
+             if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.8))]
+    if not pairs:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean '{pairs[0][1]}'?)"
+    return " (did you mean " + ", ".join(f"'{meant}' for '{name}'" for name, meant in pairs) + "?)"
 
 
 class _DropAdvertisingTips(logging.Filter):

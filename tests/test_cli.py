@@ -133,6 +133,13 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(tmp_path / "typo.yaml")])
     assert "option 'trainer.max_step' (did you mean 'trainer.max_steps'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --print_config: the root parser reports it, relative to the group
+        main(["fit", "--config", str(tmp_path / "typo.yaml"), "--print_config"])
+    assert "option 'max_step' (did you mean 'trainer.max_steps'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # several: each named
+        main(["fit", "--config", TINY, "--data.sampling.group_sise", "4", "--model.lrr", "1", "--zzz", "1"])
+    assert ("(did you mean 'data.sampling.group_size' for 'data.sampling.group_sise', 'model.lr' for 'model.lrr'?)"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])

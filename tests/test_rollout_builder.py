@@ -166,7 +166,7 @@ def test_sampling_settings_in_python_go_in_one_config():
 def test_greedy_training_rollouts_are_refused(greedy):
     """G identical completions give every advantage 0: a run that could never learn stops before it starts."""
     setting = "temperature=0" if "temperature" in greedy else "top_k=1"
-    with pytest.raises(ValueError, match=rf"sampling.{setting} decodes greedily: the group_size=4 completions"):
+    with pytest.raises(ValueError, match=rf"sampling.{setting} makes training rollouts greedy: the group_size=4 completions"):
         RolloutDataModule(prompts=["a"], sampling={"group_size": 4, **greedy})
     RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "temperature": 0.7, "top_k": 2})
 

@@ -6,6 +6,7 @@ The tiny models run in float64, but their RMSNorm computes in float32, so gradie
 """
 
 import collections
+import contextlib
 import gc
 import warnings
 
@@ -17,6 +18,7 @@ from lit_grpo.batch import pad_left, pad_right
 from lit_grpo.rollout.prompts import render_prompt
 from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits
 from lit_grpo.runtime.models import enable_activation_checkpointing, load_model_and_tokenizer
+from lit_grpo.update import shared_prefix as shared_prefix_module
 from lit_grpo.update.module import GRPOModule
 from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs, unsupported_reason
 
@@ -164,6 +166,25 @@ def test_the_two_passes_share_one_cast_of_each_weight_under_autocast(checkpointi
     assert not torch.equal(again, states)
     torch.testing.assert_close(again, fresh, rtol=0, atol=0)
     assert {frozen.counts[name] for name in decoder} == {2}
+
+
+def test_one_shared_cast_gives_the_gradients_of_one_cast_per_pass(monkeypatch):
+    """One process backs up in two stages, each upcasting its own gradients: sharing the cast changes no bit."""
+    model, _ = load_model_and_tokenizer("tiny-qwen2")
+    model.train()
+    micro = grouped_micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+
+    def grads():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            return run(model, micro, True)
+
+    shared = grads()
+    monkeypatch.setattr(shared_prefix_module, "casts_shared_by_passes", lambda model: contextlib.nullcontext())
+    separate = grads()
+    for got, expected in zip(shared[:2], separate[:2]):
+        assert torch.equal(got, expected)
+    assert shared[2].keys() == separate[2].keys() and len(shared[2]) > 0
+    assert all(torch.equal(shared[2][name], separate[2][name]) for name in shared[2])
 
 @pytest.fixture(scope="module")
 def rollout():

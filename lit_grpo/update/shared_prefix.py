@@ -28,7 +28,10 @@ Under mixed precision each pass would cast every weight to the autocast dtype ag
 no cast cache, so that an optimizer step inside one step's autocast is seen), and autograd would keep both casts
 for the backward: a second low-precision copy of the model. ``casts_shared_by_passes`` lets the two passes share
 one cast per weight; not without grad or where layers recompute in the backward (nothing else keeps the casts
-there, a cache would), nor where FSDP2 shards the weights (a cache would keep every unit's gathered weights).
+there, a cache would), nor where FSDP2 shards the weights (a cache would keep every unit's gathered weights). One
+process changes no bit by it (each backward stage upcasts its own gradients); under DDP, where both passes share
+one backward, a weight's two low-precision gradients add up before the upcast, as under PyTorch's own autocast for
+any weight used twice.
 
 Gradient checkpointing: transformers' checkpointed decoder layers drop the cache unless the layer sets
 ``_can_checkpoint_with_cache``, because a cache that appends would grow again when the backward replays the layer.
