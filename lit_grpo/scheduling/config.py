@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 from lit_grpo.runtime.validation import check_choice, check_real
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
-from lit_grpo.scheduling.length_aware.predictors import LengthPredictor, PredictorName, parse_predictor_name
-from lit_grpo.scheduling.length_aware.refill import RefillName, RefillPolicy
-from lit_grpo.scheduling.length_aware.trust import GAIN_Z
+
+# The length-aware method's option vocabulary lives here, not in ``length_aware/``, so that the default path
+# (InfiniteSchedulerConfig, the CLI's parser of it) loads nothing of that package; its modules import these names
+# from here, and this module imports them only where a LengthAwareConfig is checked or built.
+
+#: The predictors named without an argument; "noisy:S" is the oracle with log-normal error of spread S.
+PredictorName = Literal["online", "oracle"]
+#: The refill policies (``length_aware.refill.RefillPolicy``): longest first, shortest first, arrival order.
+RefillName = Literal["lpt", "sjf", "fifo"]
+#: The guided order is followed when mean gain > GAIN_Z x std of the per-draw gain (about 84% of draws win at 1).
+GAIN_Z = 1.0
 
 
 def _check_number(name: str, value: Any, minimum: float, strict: bool, maximum: float | None = None) -> None:
@@ -63,6 +71,10 @@ class LengthAwareConfig:
     gain_z: float | None = GAIN_Z
 
     def __post_init__(self) -> None:
+        # Imported here: only a run that asks for the method loads it (the default path never builds this class).
+        from lit_grpo.scheduling.length_aware.predictors import LengthPredictor, parse_predictor_name
+        from lit_grpo.scheduling.length_aware.refill import RefillPolicy
+
         if isinstance(self.predictor, str):
             try:
                 parse_predictor_name(self.predictor)

@@ -24,12 +24,13 @@ import hashlib
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
-from typing import Literal, Protocol, get_args, runtime_checkable
+from typing import Protocol, get_args, runtime_checkable
 
 import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
+from lit_grpo.scheduling.config import PredictorName
 from lit_grpo.scheduling.length_aware.ridge import RidgeRegressor, rms_normalize, single_thread
 
 #: The widest log-length spread worth reasoning with (beyond e^4 a spread means "unknown" anyway).
@@ -236,8 +237,6 @@ def check_spread(value: object, name: str = "noisy predictor log_std") -> float:
     return spread
 
 
-#: The predictors named without an argument; "noisy:S" is the oracle with log-normal error of spread S.
-PredictorName = Literal["online", "oracle"]
 PREDICTORS = {"online": OnlineLengthPredictor, "oracle": OracleLengthPredictor, "noisy": NoisyOraclePredictor}
 #: How each name is written where a string is expected (configs, --predictors).
 PREDICTOR_NAMES = (*get_args(PredictorName), "noisy:S (S >= 0, e.g. noisy:0.25)")

@@ -20,12 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 from lit_grpo.runtime.validation import check_choice
+from lit_grpo.scheduling.config import RefillName
 from lit_grpo.scheduling.length_aware.grouping import DEFAULT_EPSILON, fptas_partition
 
-RefillName = Literal["lpt", "sjf", "fifo"]
 #: Re-plan when a slot frees more than this fraction of its job's predicted duration (at least a step) off the plan.
 REPLAN_TOLERANCE = 0.1
 

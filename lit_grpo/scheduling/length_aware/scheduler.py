@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from lit_grpo.scheduling.base import ARRIVAL, Assignment, RolloutWork, SampleKey
+from lit_grpo.scheduling.config import LengthAwareConfig
 from lit_grpo.scheduling.least_attained import LeastAttainedScheduler
 from lit_grpo.scheduling.length_aware.predictors import (MAX_LOG_STD, LengthPredictor, expected_length, kendall_tau,
                                                          log_rmse, make_predictor, smape)
@@ -113,9 +114,7 @@ class LengthAwareScheduler(LeastAttainedScheduler):
             followed (its ``park_budget`` bounds the samples parked at probes too).
     """
 
-    def __init__(self, config: Any = None, **default: Any) -> None:
-        from lit_grpo.scheduling.config import LengthAwareConfig
-
+    def __init__(self, config: LengthAwareConfig | None = None, **default: Any) -> None:
         super().__init__(**default)
         self.config = config if config is not None else LengthAwareConfig()
         predictor = self.config.predictor

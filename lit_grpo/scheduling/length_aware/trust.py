@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_grpo.scheduling.config import GAIN_Z
 from lit_grpo.scheduling.least_attained import list_makespan
 
 #: One-sided confidence of ``rho_low`` in standard errors (2: about 98%).
@@ -158,8 +159,6 @@ class PredictionTrust:
 
 #: Draws of the lengths per decision (common to both orders).
 DRAWS = 64
-#: The guided order is followed when mean gain > GAIN_Z x std of the per-draw gain (about 84% of draws win at 1).
-GAIN_Z = 1.0
 #: The draws are seeded, so a decision is a pure function of its inputs.
 SEED = 0
 
