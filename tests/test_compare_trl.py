@@ -1,12 +1,19 @@
 """tools.compare_trl without TRL: the specs both sides get, the run order, the summary and table, the memory
-watched from outside a child, and the lit_grpo config read back through the CLI."""
+watched from outside a child, the lit_grpo config read back through the CLI, and TRL's environment made from a
+venv with a stand-in TRL from a local folder."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
+import os
+import site
 import subprocess
 import sys
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +286,124 @@ def test_an_environment_with_this_torch_and_transformers_is_accepted_whatever_it
     monkeypatch.setattr(compare_trl.importlib.metadata, "version", lambda name: "0.0-other")
     with pytest.raises(SystemExit, match=r"has torch .*; this environment has 0.0-other, 0.0-other"):
         compare_trl.check_trl_python(sys.executable)
+
+
+# ------------------------------------------------------------------------------------------------ TRL's environment
+def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    """A pure-Python wheel of ``name`` (its module sets ``__version__``) requiring ``requires``, into ``folder``."""
+    stem = f"{name.replace('-', '_')}-{version}"
+    files = {f"{name.replace('-', '_')}/__init__.py": f"__version__ = {version!r}\n",
+             f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                           + "".join(f"Requires-Dist: {text}\n" for text in requires),
+             f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
+    files[f"{stem}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{stem}.dist-info/RECORD"])
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _users_venv(venv: Path) -> Path:
+    """A venv seeing this environment's packages through a ``.pth`` line, as a user's would, with a package of its
+    own (``only-in-users-venv``) that the base interpreter lacks; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    ours = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    adds = "; ".join(f"site.addsitedir({path!r})" for path in sys.path if path in ours)
+    packages = _site_packages(venv)
+    (packages / "this_environment.pth").write_text(f"import site; {adds}\n")
+    (packages / "only_in_users_venv").mkdir()
+    (packages / "only_in_users_venv" / "__init__.py").write_text("")
+    (packages / "only_in_users_venv-1.0.dist-info").mkdir()
+    (packages / "only_in_users_venv-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: only-in-users-venv\nVersion: 1.0\n")
+    return venv / "bin" / "python"
+
+
+# where each distribution comes from under an interpreter, and lit_grpo's module (importlib.metadata only: fast)
+_WHERE = """
+import importlib.metadata as md, importlib.util, json, sys
+print(json.dumps({"lit_grpo": importlib.util.find_spec("lit_grpo").origin,
+                  **{name: [md.version(name), str(md.distribution(name).locate_file(""))] for name in sys.argv[1:]}}))
+"""
+
+
+def _where(python: Path, *names: str) -> dict:
+    """``_WHERE`` under ``python``, run outside the checkout: lit_grpo is found through the environment alone."""
+    return json.loads(subprocess.run([str(python), "-c", _WHERE, *names], cwd=python.parent, check=True,
+                                     capture_output=True, text=True).stdout)
+
+
+def _assert_this_environments_stack(where: dict) -> None:
+    """torch and transformers in ``where`` are this environment's distributions, lit_grpo is this checkout's."""
+    for name in compare_trl.STACK:
+        dist = importlib.metadata.distribution(name)
+        assert where[name] == [dist.version, str(dist.locate_file(""))]
+    assert where["lit_grpo"] == importlib.util.find_spec("lit_grpo").origin
+
+
+# check_trl_python's check from the distributions' metadata, without importing torch (seconds on 2 cores)
+_METADATA_VERSIONS = "import json, importlib.metadata as m; " \
+                     "print(json.dumps([m.version(n) for n in ('torch', 'transformers', 'trl')]))"
+
+
+def test_trl_environment_made_from_a_venv_reuses_its_torch_and_transformers(tmp_path, monkeypatch):
+    """--make-trl-env run by a venv's python: TRL's venv sees that venv's packages (not the base interpreter's),
+    its torch, transformers and editable lit_grpo are this environment's, only the missing requirement of a
+    stand-in trl is installed (from a local folder), and a requirement needing another torch is refused."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "trl", compare_trl.TRL_VERSION, ("torch>=2", "transformers>=4.56.2", "packaging",
+                                                    "only-in-users-venv", "missing-here>=1", "never ; extra == 'x'",
+                                                    "never ; python_version < '3'"))
+    _wheel(wheels, "missing-here", "1.0")
+    _wheel(wheels, "needs-newer-torch", "1.0", ("torch>=99",))
+    _wheel(wheels, "torch", "99.0")
+    # pip from the local folder alone, without this machine's configuration, and without its scan of every
+    # installed package for conflicts after an install (seconds; pip reads a "no-" option's variable inverted)
+    for name, value in (("PIP_CONFIG_FILE", os.devnull), ("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", str(wheels)),
+                        ("PIP_NO_WARN_CONFLICTS", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(compare_trl, "_VERSIONS", _METADATA_VERSIONS)
+    python = _users_venv(tmp_path / "users-venv")
+    before = sorted(p.name for p in _site_packages(tmp_path / "users-venv").iterdir())
+
+    trl_python = compare_trl.make_trl_env(tmp_path / "trl-venv", python)
+
+    assert trl_python == tmp_path / "trl-venv" / "bin" / "python"
+    where = _where(trl_python, *compare_trl.STACK, "trl", "only-in-users-venv", "missing-here")
+    _assert_this_environments_stack(where)
+    trl_site = _site_packages(tmp_path / "trl-venv")
+    assert where["trl"] == [compare_trl.TRL_VERSION, str(trl_site)] and where["missing-here"] == ["1.0", str(trl_site)]
+    assert where["only-in-users-venv"] == ["1.0", str(_site_packages(tmp_path / "users-venv"))]
+    assert sorted(p.name for p in _site_packages(tmp_path / "users-venv").iterdir()) == before
+
+    # pinned: a requirement that needs another torch is refused, naming it, and the venv's torch stays ours
+    with pytest.raises(SystemExit, match=r"requirements \['needs-newer-torch'\] with torch 2"):
+        compare_trl.install_requirements(trl_python, tmp_path / "trl-venv" / compare_trl.CONSTRAINTS,
+                                         ["needs-newer-torch"],
+                                         {name: importlib.metadata.version(name) for name in compare_trl.STACK})
+    assert not list(trl_site.glob("torch*")) and not list(trl_site.glob("transformers*"))
+
+
+def test_trl_environment_refuses_what_would_change_torch_or_transformers(tmp_path):
+    versions = {"torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    compare_trl.refuse_stack_changes(["accelerate>=1.10.1", "pandas"], versions)
+    with pytest.raises(SystemExit, match=r"requires 'Transformers>=99'; this environment has transformers 5.24.0"):
+        compare_trl.refuse_stack_changes(["pandas", "Transformers>=99"], versions)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("")
+    with pytest.raises(SystemExit, match=r"taken: it exists and is not a TRL environment made by --make-trl-env"):
+        compare_trl.make_trl_env(tmp_path / "taken")
+
+
+def test_trl_environment_over_this_interpreter_sees_its_packages(tmp_path):
+    """The venv over this interpreter's environment, whatever it is (a venv or the base interpreter's), without
+    TRL: torch, transformers and lit_grpo are this environment's."""
+    env = compare_trl.running_environment(sys.executable)
+    python = compare_trl.make_venv(tmp_path / "venv", sys.executable, env)
+    _assert_this_environments_stack(_where(python, *compare_trl.STACK))
+    assert env["versions"] == {name: importlib.metadata.version(name) for name in compare_trl.STACK}

@@ -10,11 +10,16 @@ memory and reward.
         --order lit,trl                                                # learning: reward within the seeds' spread
     python -m tools.compare_trl --trl-python ~/trl-venv/bin/python --model tiny-llama --steps 1   # a smoke run
 
-**TRL's environment.** TRL runs under its own interpreter, ``--trl-python``. ``--make-trl-env DIR`` makes one:
-``python -m venv DIR --system-site-packages`` (so torch, transformers and lit_grpo are this environment's very own),
-then ``pip install --no-deps trl==1.16.0`` and, of TRL's requirements, only those missing here; it fails when
-the venv's torch or transformers differ from this interpreter's. It makes the environment and exits; runs then
-take ``--trl-python DIR/bin/python``.
+**TRL's environment.** TRL runs under its own interpreter, ``--trl-python``. ``--make-trl-env DIR`` makes one: a
+venv whose ``.pth`` line (``DIR/lib/python*/site-packages/lit_grpo_environment.pth``) adds this environment's site
+directories with ``site.addsitedir``, so that their ``.pth`` files run too and torch, transformers and the editable
+lit_grpo are this environment's very own, whether it is a venv or the base interpreter (``--system-site-packages``
+would give the base interpreter's packages instead); then ``pip install --no-deps trl==1.16.0`` into the venv and,
+of TRL's requirements, only those missing here, with torch and transformers pinned to this environment's versions
+(``DIR/lit_grpo_constraints.txt``). It refuses a TRL requirement that needs another torch or transformers, installs
+nothing into this environment, and fails when the venv's torch or transformers differ from this interpreter's.
+pip's own settings apply (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, ...). It makes the environment and exits (again on
+the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 
 **The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens), ``4x32x64``
 (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
@@ -97,33 +102,136 @@ print(json.dumps(missing))
 # distribution versions, as this side reads its own (torch's module says 2.11.0+cu130 where its wheel says 2.11.0)
 _VERSIONS = "import json, importlib.metadata as m, torch, transformers, trl; " \
             "print(json.dumps([m.version(n) for n in ('torch', 'transformers', 'trl')]))"
+# the running environment, as its own interpreter sees it: the site directories ``site`` processes for it that exist
+# (a venv's own, with the base's where it has system site packages, the user site where enabled); torch's and
+# transformers' versions; whether pip is importable
+_ENVIRONMENT = """
+import importlib.metadata as md, importlib.util, json, os, site, sys
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+print(json.dumps({"prefix": sys.prefix, "site_dirs": [d for d in dict.fromkeys(dirs) if os.path.isdir(d)],
+                  "versions": {name: version(name) for name in ("torch", "transformers")},
+                  "pip": importlib.util.find_spec("pip") is not None}))
+"""
+#: What TRL's venv must share with this environment (the comparison compares trainers, not stacks).
+STACK = ("torch", "transformers")
+#: In TRL's venv's site-packages: the line that adds the running environment's site directories.
+ENVIRONMENT_PTH = "lit_grpo_environment.pth"
+#: In TRL's venv: pip's constraints, this environment's torch and transformers.
+CONSTRAINTS = "lit_grpo_constraints.txt"
 
 
-def make_trl_env(path: Path) -> Path:
-    """A venv at ``path`` seeing this environment's packages, with TRL pinned (module docstring); its python."""
-    python = path / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", f"trl=={TRL_VERSION}"], check=True)
-    missing = json.loads(subprocess.run([str(python), "-c", _MISSING_REQUIREMENTS], check=True, capture_output=True,
-                                        text=True).stdout)
-    if missing:
-        subprocess.run([str(python), "-m", "pip", "install", *missing], check=True)
-    check_trl_python(python)
-    return python
+def make_trl_env(path: Path, python: Path | str = sys.executable) -> Path:
+    """A venv at ``path`` seeing the packages of ``python``'s environment (this one by default), with TRL pinned
+    and nothing else changed (module docstring); its python."""
+    path = path.expanduser().absolute()
+    _check_venv_dir(path)
+    env = running_environment(python)
+    venv_python = make_venv(path, python, env)
+    constraints = path / CONSTRAINTS
+    constraints.write_text("".join(f"{name}=={env['versions'][name]}\n" for name in STACK))
+    if not pip_install(venv_python, constraints, ["--no-deps", f"trl=={TRL_VERSION}"]):
+        raise SystemExit(f"pip could not install trl=={TRL_VERSION} into {path} (its output above says why)")
+    install_requirements(venv_python, constraints, missing_requirements(venv_python), env["versions"])
+    versions = check_trl_python(venv_python, [env["versions"][name] for name in STACK])
+    if versions[2] != TRL_VERSION:
+        raise SystemExit(f"{venv_python} imports trl {versions[2]}, not {TRL_VERSION}")
+    return venv_python
 
 
-def check_trl_python(python: Path | str) -> list[str]:
+def _check_venv_dir(path: Path) -> None:
+    """``path`` is new, empty, or a TRL environment made before (updated in place); anything else is refused."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not path.is_dir() or not any(path.glob(f"lib/python*/site-packages/{ENVIRONMENT_PTH}")):
+        raise SystemExit(f"--make-trl-env {path}: it exists and is not a TRL environment made by --make-trl-env "
+                         f"(no {ENVIRONMENT_PTH}): give a new or empty folder, or remove it")
+
+
+def running_environment(python: Path | str) -> dict[str, Any]:
+    """``python``'s environment (``_ENVIRONMENT``); SystemExit where it lacks torch or transformers."""
+    out = subprocess.run([str(python), "-c", _ENVIRONMENT], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{python} cannot describe its environment:\n{out.stderr[-2000:]}")
+    env = json.loads(out.stdout)
+    lacking = [name for name in STACK if env["versions"][name] is None]
+    if lacking:
+        raise SystemExit(f"{python} ({env['prefix']}) has no {' and no '.join(lacking)}: TRL's environment reuses "
+                         "this environment's torch and transformers; install lit_grpo first (bash tools/setup.sh)")
+    if not env["site_dirs"]:
+        raise SystemExit(f"{python} ({env['prefix']}) has no site-packages directory")
+    return env
+
+
+def make_venv(path: Path, python: Path | str, env: dict[str, Any]) -> Path:
+    """A venv at ``path`` made by ``python``, without system site packages (they are the base interpreter's, not
+    ``env``'s), whose ``.pth`` line adds ``env``'s site directories with ``site.addsitedir``, so that their own
+    ``.pth`` files run (the editable finder of lit_grpo among them); its python. pip comes from ``env`` where
+    it has one."""
+    venv_python = path / "bin" / "python"
+    if not venv_python.exists():
+        subprocess.run([str(python), "-m", "venv", *(["--without-pip"] if env["pip"] else []), str(path)], check=True)
+    site_packages = subprocess.run([str(venv_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   check=True, capture_output=True, text=True).stdout.strip()
+    adds = "; ".join(f"site.addsitedir({d!r})" for d in env["site_dirs"])
+    (Path(site_packages) / ENVIRONMENT_PTH).write_text(
+        f"# made by tools/compare_trl.py --make-trl-env: the packages of {env['prefix']}\nimport site; {adds}\n")
+    return venv_python
+
+
+def pip_install(venv_python: Path, constraints: Path, args: list[str]) -> bool:
+    """``pip install`` into the venv, under ``constraints``; whether it succeeded (pip prints why not). pip's own
+    settings apply (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, its configuration files)."""
+    command = [str(venv_python), "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraints), *args]
+    return subprocess.run(command).returncode == 0
+
+
+def missing_requirements(venv_python: Path) -> list[str]:
+    """TRL's requirements that the venv does not meet, as the venv sees them (this environment's packages)."""
+    out = subprocess.run([str(venv_python), "-c", _MISSING_REQUIREMENTS], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def install_requirements(venv_python: Path, constraints: Path, missing: list[str], versions: dict[str, str]) -> None:
+    """Install ``missing`` into the venv with torch and transformers pinned to ``versions``; SystemExit, naming
+    them, where one of them needs another torch or transformers."""
+    refuse_stack_changes(missing, versions)
+    if missing and not pip_install(venv_python, constraints, missing):
+        raise SystemExit(f"pip could not install TRL's missing requirements {missing} with torch "
+                         f"{versions['torch']} and transformers {versions['transformers']} pinned ({constraints}): "
+                         "pip's output above says why (one that needs another torch or transformers, or no "
+                         "network); the comparison needs this environment's torch and transformers on both sides")
+
+
+def refuse_stack_changes(missing: list[str], versions: dict[str, str]) -> None:
+    """SystemExit where a missing requirement of TRL is torch or transformers: it would need another version."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    for text in missing:
+        name = canonicalize_name(Requirement(text).name)
+        if name in STACK:
+            raise SystemExit(f"trl {TRL_VERSION} requires {text!r}; this environment has {name} {versions[name]}: "
+                             f"TRL's environment must use this environment's {name} (the comparison would compare "
+                             f"two stacks, not two trainers); install a {name} that fits, then --make-trl-env again")
+
+
+def check_trl_python(python: Path | str, ours: list[str] | None = None) -> list[str]:
     """``[torch, transformers, trl]`` versions under ``python``; SystemExit where torch or transformers are not
-    this environment's (the comparison would then compare two stacks, not two trainers)."""
+    ``ours`` (default: this environment's; the comparison would then compare two stacks, not two trainers)."""
     out = subprocess.run([str(python), "-c", _VERSIONS], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{python} cannot import trl, torch and transformers:\n{out.stderr[-2000:]}")
     versions = json.loads(out.stdout.strip().splitlines()[-1])
-    ours = [importlib.metadata.version("torch"), importlib.metadata.version("transformers")]
+    if ours is None:
+        ours = [importlib.metadata.version(name) for name in STACK]
     if versions[:2] != ours:
         raise SystemExit(f"{python} has torch {versions[0]}, transformers {versions[1]}; this environment has "
-                         f"{ours[0]}, {ours[1]}: make the venv with --system-site-packages and do not upgrade them")
+                         f"{ours[0]}, {ours[1]}: make TRL's environment with --make-trl-env and do not upgrade them")
     return versions
 
 
