@@ -52,7 +52,8 @@ from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunChec
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
                                           run_checkpoint_folders)
-from lit_grpo.runtime.distributed import data_parallel_only
+from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
+from lit_grpo.runtime.rank_failure import end_failed_rank
 from lit_grpo.runtime.validation import ConfigError, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
@@ -412,14 +413,20 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lit-grpo``; ``args`` defaults to ``sys.argv[1:]``. ``export`` is not a Trainer method, so
-    it has its own parser (lit_grpo.export); the rest is the LightningCLI."""
+    it has its own parser (lit_grpo.export); the rest is the LightningCLI. Under several processes an error ends
+    this rank at once, naming it and the run's first failure (``lit_grpo.runtime.rank_failure``)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
         from lit_grpo.export import main as export_main
 
         export_main(argv[1:])
         return
-    build_cli(args)
+    try:
+        build_cli(args)
+    except Exception as error:
+        if is_multi_process():  # the other ranks would wait for this one: end now, naming the error everywhere
+            end_failed_rank(error)
+        raise
 
 
 if __name__ == "__main__":

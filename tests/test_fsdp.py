@@ -1,7 +1,7 @@
 """FSDP2 on 2 CPU processes (gloo) where the ranks' rollouts differ in length.
 
 A sharded policy all-gathers each layer's shards in every forward, so a rank whose rollout ends early would leave
-the others waiting in a collective. ``GatheredWeights`` gathers the full weights once per rollout and decodes on an
+the others waiting in a collective: the engine refuses one outside the two scopes below. ``GatheredWeights`` gathers the full weights once per rollout and decodes on an
 unsharded copy (no collective inside the loop); ``LockstepWeights`` keeps a finished rank answering until every
 rank is done. Both must finish with the forced lengths and sample what the unsharded model samples, and a whole
 ``lit-grpo fit`` under FSDP2, with a model whose samples end at different steps, must train as ddp does.
@@ -28,7 +28,8 @@ def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_grpo.runtime.distributed import GatheredWeights, LockstepWeights, meta_replica, shard_decoder_layers
+    from lit_grpo.runtime.distributed import (GatheredWeights, LockstepWeights, RankFailed, meta_replica,
+                                              shard_decoder_layers)
     from lit_grpo.runtime.models import load_model_and_tokenizer
     from lit_grpo.sampling import RolloutEngine
 
@@ -44,13 +45,27 @@ def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
         skeleton = meta_replica(model)
         shard_decoder_layers(model, init_device_mesh("cpu", (2,)))
         weights = GatheredWeights(model, skeleton, torch.float32) if mode == "gathered" else LockstepWeights(model)
+        try:  # the bare engine on the shards, outside both scopes: refused before any collective
+            RolloutEngine(model, tokenizer, **settings).generate(PROMPTS[rank], lengths=LENGTHS[rank])
+            refused = ""
+        except ValueError as error:
+            refused = str(error)
         engine = RolloutEngine(weights.module, tokenizer, **settings)
         completions = []
         for _ in range(2):  # a second rollout: the gathered copy is freed and gathered again
             with torch.no_grad(), weights.active():
                 completions.append(engine.generate(PROMPTS[rank], lengths=LENGTHS[rank]).completion_ids)
         freed = mode != "gathered" or all(p.untyped_storage().size() == 0 for p in weights.module.parameters())
-        results.put((rank, completions, expected, freed))
+        aborted = ""
+        if mode == "lockstep":  # rank 0 fails after its short rollout, between forwards; rank 1 is still decoding
+            try:
+                with torch.no_grad(), weights.active():
+                    engine.generate(PROMPTS[rank], lengths=LENGTHS[rank])
+                    if rank == 0:
+                        raise KeyError("planted")
+            except (KeyError, RankFailed) as error:
+                aborted = repr(error)
+        results.put((rank, completions, expected, freed, refused, aborted))
     finally:
         dist.destroy_process_group()
 
@@ -70,10 +85,14 @@ def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_sam
     assert not hung, f"{mode}: a rank did not finish (the ranks' rollouts waited on each other)"
     assert [worker.exitcode for worker in workers] == [0, 0]
     by_rank = {rank: rest for rank, *rest in (results.get(timeout=5) for _ in workers)}
-    for rank, (completions, expected, freed) in by_rank.items():
+    if mode == "lockstep":  # the failed rank's error stops the other at its next forward, not in a collective
+        assert by_rank[0][-1] == "KeyError('planted')"
+        assert by_rank[1][-1].startswith("RankFailed('rank 0 stopped with an error inside the lockstep rollout")
+    for rank, (completions, expected, freed, refused, _) in by_rank.items():
         assert [len(ids) for ids in completions[0][0]] == LENGTHS[rank][0]
         assert completions == expected, rank
         assert freed, "the gathered weights stay allocated after the rollout"
+        assert "sharded by FSDP2" in refused and "GatheredWeights" in refused and "LockstepWeights" in refused
 
 
 # ---------------------------------------------------------------------------------------------- whole runs

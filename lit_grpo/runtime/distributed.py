@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -197,35 +198,71 @@ class GatheredWeights(RolloutWeights):
                 self.release()
 
 
+class RaisedOnEveryRank(Exception):
+    """A mixin for errors that every rank raises at once, by agreement (a check on values reduced over the ranks):
+    each rank's own error tells the whole story, none is another's consequence."""
+
+
+class RankFailed(RuntimeError):
+    """Another rank stopped with an error where this one would have waited for it (``ranks``: theirs, global)."""
+
+    def __init__(self, ranks: list[int], where: str):
+        self.ranks = ranks
+        names = ", ".join(str(rank) for rank in ranks)
+        super().__init__(f"rank {names} stopped with an error {where}; this rank stops with it (the output of rank "
+                         f"{names} names the error)")
+
+
 class LockstepWeights(RolloutWeights):
     """The sharded policy itself, with every rank forwarding until all ranks' rollouts are done.
 
     FSDP2's forward all-gathers each layer's shards, so every forward on one rank needs one on every other rank.
-    Inside ``active()`` each forward of the policy first all-reduces a flag, "this rank has work" (a forward
-    pre-hook, ahead of FSDP2's own); leaving ``active()``, a rank whose rollouts are done keeps answering with a
-    one-token forward while any rank still works, then all leave together. The collectives any forward runs
-    depend on the module's structure, not on its inputs, so the sequences match: slower than ``GatheredWeights``
-    (a collective per layer per step), never a hang. For weights too large to gather on one device.
+    Inside ``active()`` each forward of the policy first exchanges every rank's state, "working", "done" or
+    "failed" (a forward pre-hook, ahead of FSDP2's own); leaving ``active()``, a rank whose rollouts are done keeps
+    answering with a one-token forward while any rank still works, then all leave together. The collectives any
+    forward runs depend on the module's structure, not on its inputs, so the sequences match: slower than
+    ``GatheredWeights`` (a collective per layer per step), never a hang. For weights too large to gather on one
+    device.
+
+    An error inside the scope between two forwards (a reward function's, say) is sent as "failed" in one more
+    exchange before it propagates, so the other ranks raise :class:`RankFailed` at their next exchange instead of
+    waiting for a forward that never comes. An error inside a forward leaves the ranks' collectives out of step:
+    nothing more is sent, and the peers' collectives fail once this process ends.
 
     Args:
         policy: the sharded policy; group: the process group its shards span (None: the default one).
     """
 
+    WORKING, DONE, FAILED = 1.0, 0.0, -1.0
+
     def __init__(self, policy: torch.nn.Module, group=None):
         super().__init__(policy)
         self.group = group
-        self._answering = False  # inside an idle rank's one-token forward: its flag went out already
+        self._answering = False  # inside an idle rank's one-token forward: its state went out already
+        self._between_forwards = True  # where an exchange may run without breaking the collectives' order
 
-    def _flag(self, working: bool) -> bool:
-        """All-reduce (max) "this rank has work"; True when any rank has."""
+    def _exchange(self, state: float) -> bool:
+        """Send this rank's state and receive every rank's (one all-reduce of ``[world]``); True when any rank
+        is working. Raises :class:`RankFailed` when another rank failed."""
+        import torch.distributed as dist
+
         device = next(self.module.parameters()).device
-        flag = torch.tensor([1.0 if working else 0.0], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
+        states = torch.zeros(dist.get_world_size(self.group), device=device)
+        states[dist.get_rank(self.group)] = state
+        dist.all_reduce(states, op=dist.ReduceOp.SUM, group=self.group)
+        failed = [dist.get_global_rank(self.group, r) if self.group is not None else r
+                  for r in torch.nonzero(states < 0).flatten().tolist()]
+        if failed and state != self.FAILED:
+            raise RankFailed(failed, "inside the lockstep rollout")
+        return bool((states > 0).any())
 
     def _before_forward(self, module, args, kwargs):
+        self._between_forwards = False
         if not self._answering:
-            self._flag(True)
+            self._exchange(self.WORKING)
+
+    def _after_forward(self, module, args, kwargs, output):
+        self._between_forwards = True
 
     def _answer(self) -> None:
         """One forward whose output nobody reads, so the other ranks' gathers find this rank's shards."""
@@ -239,13 +276,42 @@ class LockstepWeights(RolloutWeights):
 
     @contextlib.contextmanager
     def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
-        hook = self.module.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
+        hooks = [self.module.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True),
+                 self.module.register_forward_hook(self._after_forward, with_kwargs=True)]
+        _LOCKSTEP_ACTIVE.add(self.module)
+        self._between_forwards = True
         try:
             yield self.module
-            while self._flag(False):
+            while self._exchange(self.DONE):
                 self._answer()
+        except RankFailed:
+            raise  # every rank saw the failure in the same exchange: nothing left to tell
+        except BaseException:
+            if self._between_forwards:
+                # where the others cannot take it (gone already), they learn of the error when this process ends
+                with contextlib.suppress(Exception):
+                    self._exchange(self.FAILED)
+            raise
         finally:
-            hook.remove()
+            _LOCKSTEP_ACTIVE.discard(self.module)
+            for hook in hooks:
+                hook.remove()
+
+
+#: Sharded policies inside a ``LockstepWeights.active()`` scope: the one place a rollout may decode on one.
+_LOCKSTEP_ACTIVE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def check_decodable(model: torch.nn.Module) -> None:
+    """Raise where decoding on ``model`` could wait forever: an FSDP2-sharded model outside a lockstep scope, whose
+    every forward gathers shards from the other ranks, which stop forwarding when their own rollouts end."""
+    if is_fsdp_sharded(model) and model not in _LOCKSTEP_ACTIVE:
+        raise ValueError(
+            f"{type(model).__name__} is sharded by FSDP2: each forward gathers its layers from every rank, so ranks "
+            "whose rollouts end at different steps would wait on each other forever. Decode on "
+            "GatheredWeights(policy, meta_replica(policy) taken before sharding, dtype).active() (the full weights "
+            "gathered once per rollout) or inside LockstepWeights(policy).active() (every rank steps until all are "
+            "done); GRPOModule.rollout_weights() picks one (model.fsdp_rollout).")
 
 
 def meta_replica(model: torch.nn.Module) -> torch.nn.Module:

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_grpo.runtime.distributed import is_fsdp_sharded
+from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
@@ -196,6 +196,7 @@ class RolloutEngine:
                 group that may not be carried again); they are returned first.
         """
         started = time.perf_counter()
+        check_decodable(self.model)
         groups = list(groups)
         if not groups:
             raise ValueError("generate_groups needs at least one group")

@@ -1,0 +1,81 @@
+"""Planted failures for the tests of several processes: ``PlantedFault``, a callback that raises on one rank at one
+place of a ``lit-grpo fit``, and ``rank_split_reward``, a reward that makes two ranks draw unequally.
+
+Places (``PLACES``), each at its first occurrence on the planted rank:
+
+- ``rollout``: inside a training rollout's decode (a forward of the rollout weights' module, no grad, eval mode):
+  under FSDP2 this is the gathered copy, or the sharded policy in lockstep, mid-forward;
+- ``reward``: a reward function, scored inside the rollout scope (between two forwards under lockstep);
+- ``loss``: a non-finite advantage, so this rank's loss is not finite (the check that spans the ranks);
+- ``update``: the backward of the update (a gradient hook), while the other ranks reduce their gradients;
+- ``validation``: the rollout of a validation batch;
+- ``checkpoint``: a save of ``last.ckpt`` (``on_save_checkpoint``, which every rank calls).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+PLACES = ("rollout", "reward", "loss", "update", "validation", "checkpoint")
+
+
+class PlantedError(RuntimeError):
+    """The planted failure."""
+
+
+class PlantedFault(Callback):
+    """Raise ``PlantedError`` on rank ``rank`` at ``place`` (``PLACES``), once."""
+
+    def __init__(self, place: str, rank: int):
+        if place not in PLACES:
+            raise ValueError(f"place={place!r} is not one of {PLACES}")
+        self.place, self.rank = place, rank
+        self.message = f"planted {place} failure on rank {rank}"
+
+    def _fire(self, *_: Any, **__: Any) -> None:
+        raise PlantedError(self.message)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        data = trainer.datamodule
+        if self.place == "reward":
+            reward = data.reward_funcs[0]
+            data.reward_funcs[0] = type(reward)(self._fire, reward.weight, reward.name)
+        elif self.place == "validation":
+            data.build_val_batch = self._fire
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        if self.place == "rollout":  # after the module's hand-over: the weights a rollout decodes with exist
+            def in_rollout(module, args, kwargs):
+                if not torch.is_grad_enabled() and not module.training:
+                    self._fire()
+            pl_module.rollout_weights().module.register_forward_pre_hook(in_rollout, with_kwargs=True)
+        elif self.place == "update":
+            parameter = next(p for p in pl_module.policy.parameters() if p.requires_grad)
+            parameter.register_hook(self._fire)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.place == "loss" and trainer.global_rank == self.rank:
+            batch.advantages = torch.full_like(batch.advantages, float("nan"))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if self.place == "checkpoint" and trainer.global_rank == self.rank:
+            self._fire()
+
+
+def rank_split_reward(prompts: list[str], completions: list[str], path: str = "", **columns: Any) -> list[float]:
+    """A reward for the tests of several processes that draw unequally: 0 for every completion on rank 1 (so with
+    dynamic sampling each of its groups is dropped and it draws again, as often as allowed), the completion's
+    length on rank 0 (its groups kept at once). Appends the prompts it scored, one JSON line per call, to
+    ``{path}.rank{R}``."""
+    rank = torch.distributed.get_rank()
+    with open(f"{path}.rank{rank}", "a") as handle:
+        handle.write(json.dumps(list(dict.fromkeys(prompts))) + "\n")
+    return [0.0 if rank == 1 else float(len(text)) for text in completions]

@@ -1,0 +1,114 @@
+"""One rank's error ends every rank, within 60 s, each rank's output naming the rank that failed and its error.
+
+Each case plants a ``PlantedError`` (tests/fault_helpers.py) on rank 0 or rank 1 of a 2-process ``lit-grpo fit`` of
+the tiny config, launched as 2 nodes x 1 process (no launcher ties the processes together: only lit_grpo's own
+handling ends the other rank), in one place: a training rollout (ddp, and under FSDP2 on the gathered copy and on
+the shards in lockstep), a reward function (ddp, and inside FSDP2's lockstep scope), the loss (a non-finite one,
+checked on every rank), the update's backward, a validation rollout and a checkpoint save. One more case runs
+Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import forked_cli
+import pytest
+import yaml
+from two_process_helpers import TINY
+
+from tools.harness import free_port, lit_grpo_command, repo_env
+
+#: What the issue asks: every process ends within this many seconds of the start of the run.
+DEADLINE_S = 60
+#: The tiny config's run, 1 step, with none of its callbacks and no logger: only what a failure needs.
+RUN_ARGS = ["fit", "--config", TINY, "--trainer.accelerator", "cpu", "--trainer.max_steps", "1",
+            "--data.sampling.max_new_tokens", "8", "--trainer.enable_checkpointing", "false",
+            "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0"]
+FSDP = {"trainer": {"strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                 "init_args": {"data_parallel_size": "auto", "tensor_parallel_size": 1}}}}
+
+#: (place, strategy, the arguments that make the place happen in a 1-step run)
+CASES = [
+    ("rollout", "ddp", []),
+    ("rollout", "gathered", []),
+    ("rollout", "lockstep", []),
+    ("reward", "ddp", []),
+    ("reward", "lockstep", []),
+    ("loss", "ddp", []),
+    ("update", "ddp", []),
+    ("validation", "ddp", ["--trainer.limit_val_batches", "1"]),
+    ("checkpoint", "ddp", ["--trainer.enable_checkpointing", "true"]),
+]
+
+
+def _strategy_args(strategy: str, folder: Path) -> list[str]:
+    if strategy == "ddp":
+        return ["--trainer.strategy", "ddp"]
+    config = folder / "fsdp.yaml"
+    config.write_text(yaml.safe_dump(FSDP))
+    return ["--config", str(config), "--model.fsdp", "true", "--model.fsdp_rollout", strategy]
+
+
+def _check_ended_naming_the_failure(outputs, failed_rank: int, place: str) -> None:
+    """Every rank ended non-zero in time; the failed rank's output names it and the planted error, and the other
+    rank's names its own rank and the first failure (the planted error where the store outlived the failed rank:
+    rank 0 runs it, so a failure of rank 0 can only be named by rank 0)."""
+    planted = f"planted {place} failure on rank {failed_rank}"
+    for rank, (code, output, seconds) in enumerate(outputs):
+        tail = output[-4000:]
+        assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{tail}"
+        assert code != 0, f"rank {rank} exited 0:\n{tail}"
+        if place == "loss":  # found on every rank at once, each naming the rank whose loss was not finite
+            assert f"lit-grpo: rank {rank} of 2 failed: NonFiniteStepError: non-finite GRPO loss on rank " \
+                   f"{failed_rank} " in output, tail
+        elif rank == failed_rank:
+            assert re.search(rf"lit-grpo: rank {rank} of 2 failed: .*{planted}", output), tail
+        elif failed_rank == 0:  # named when its record arrived before its store ended with it
+            assert f"lit-grpo: rank {rank} of 2 stopped on " in output or \
+                f"lit-grpo: rank {rank} of 2 stopped because rank 0 failed: " in output, tail
+        else:
+            assert f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " in output, tail
+            assert planted in output, tail
+
+
+@pytest.mark.parametrize("failed_rank", [0, 1])
+@pytest.mark.parametrize("place, strategy, args", CASES, ids=[f"{p}-{s}" for p, s, _ in CASES])
+def test_an_error_on_one_rank_ends_every_rank_naming_it(tmp_path, place, strategy, args, failed_rank):
+    argv = [*RUN_ARGS, *_strategy_args(strategy, tmp_path), "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"), *args,
+            "--trainer.callbacks+=fault_helpers.PlantedFault", f"--trainer.callbacks.place={place}",
+            f"--trainer.callbacks.rank={failed_rank}"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S)
+    _check_ended_naming_the_failure(outputs, failed_rank, place)
+    if place == "loss":  # the weights never moved: no optimizer step ran on either rank
+        for _, output, _ in outputs:
+            assert "no optimizer step was taken" in output
+
+
+def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
+    """``--trainer.devices 2``: Lightning starts rank 1 as a child of rank 0, re-running the command. A reward error
+    on rank 1 ends both, and rank 0 names it."""
+    cmd = lit_grpo_command() + [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                                "--trainer.default_root_dir", str(tmp_path / "run"),
+                                "--trainer.callbacks+=fault_helpers.PlantedFault",
+                                "--trainer.callbacks.place=reward", "--trainer.callbacks.rank=1"]
+    env = {**repo_env(), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S + 30)  # the interpreters' start included
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the run still went after {time.monotonic() - started:.0f} s:\n{output[-4000:]}")
+    assert proc.returncode != 0, output[-4000:]
+    assert "lit-grpo: rank 1 of 2 failed: " in output and "planted reward failure on rank 1" in output, output[-4000:]
+    session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
+    alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
+    assert not alive, f"processes of the run still alive: {alive}"
