@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_grpo.rollout.metrics import reduce_over_ranks
+from lit_grpo.rollout.metrics import ratio_weight, reduce_over_ranks
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
@@ -84,8 +84,9 @@ class RolloutProfiler(Callback):
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
     ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens`` and ``parked_samples`` add up,
     as do the decision counts; ``tokens_per_s`` is all ranks' tokens over the slowest rank's ``wall_s`` (the ranks
-    generate at once); ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest process's; ``slot_utilization``,
-    ``preempting`` and the predictor's figures are means over ranks (a rank without a predictor left out).
+    generate at once); ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest process's; ``slot_utilization``
+    is every rank's tokens over every rank's slot-steps; ``preempting`` and the predictor's figures are means over
+    ranks (a rank without a predictor left out).
     ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
 
     With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
@@ -123,9 +124,11 @@ class RolloutProfiler(Callback):
 
 
 def profile(stats: RolloutStats) -> dict[str, float]:
-    """One rank's ``rollout/<field>`` values of a rollout (None where not measured: no predictor, KV not counted)."""
+    """One rank's ``rollout/<field>`` values of a rollout (None where not measured: no predictor, KV not counted),
+    and the weight of ``slot_utilization`` over ranks, its slot-steps."""
     values = {f"rollout/{name}": getattr(stats, name) for name in ROLLOUT_FIELDS}
     values["rollout/peak_kv_bytes"] = measured_kv_bytes(stats)
+    values[ratio_weight("rollout/slot_utilization")] = float(stats.decode_steps * stats.num_slots)
     return values
 
 

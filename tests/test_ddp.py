@@ -251,3 +251,102 @@ def test_rank_reductions_cover_every_key_and_reduce_as_documented():
         whole_step_metrics({"reward/new_key": 1.0}, keys, lambda local: torch.stack([local, local]))
     with pytest.raises(ValueError, match="'custom/thing' has no rule"):
         rank_reduction("custom/thing")
+
+
+def _reward_ranks():
+    """reward_metrics of two ranks (2 and 3 groups, of which 1 and 0 had equal rewards; the accuracy reward present
+    on 3 and 2 samples) and of one process holding both ranks' groups."""
+    from lit_grpo.rollout.metrics import reward_metrics
+
+    nan = float("nan")
+    rewards = [torch.tensor([[1.0, 1.0], [0.0, 1.0]]), torch.tensor([[0.0, 1.0], [2.0, 0.0], [1.0, 3.0]])]
+    accuracy = [torch.tensor([[1.0, nan], [0.0, 1.0]]), torch.tensor([[nan, 1.0], [nan, nan], [0.0, nan]])]
+    counts = [(1, 2), (0, 3)]
+    ranks = [reward_metrics(r, {"accuracy": a}, *c) for r, a, c in zip(rewards, accuracy, counts)]
+    one = reward_metrics(torch.cat(rewards), {"accuracy": torch.cat(accuracy)}, 1, 5)
+    return ranks, one
+
+
+def _step_ranks():
+    """StepMetrics of two ranks whose micro-batches hold different numbers of loss and completion tokens, with
+    their completion tokens as rollout_metrics reports them, and of one process holding both ranks' micro-batches."""
+    from lit_grpo.update.metrics import StepMetrics
+
+    def micro(tokens: int, low: float, high: float, kl: float, entropy: float):
+        mask = torch.zeros(1, 6)
+        mask[0, :tokens] = 1
+        return (0.5, {"active_tokens": torch.tensor(float(tokens)), "clip_ratio_low": torch.tensor(low),
+                      "clip_ratio_high": torch.tensor(high), "kl": torch.tensor(kl)}, torch.full((1, 6), entropy), mask)
+
+    micros = [[micro(2, 0.5, 0.0, 0.1, 1.0)], [micro(6, 0.0, 1 / 3, 0.4, 2.0), micro(3, 1 / 3, 0.0, 0.2, 0.5)]]
+    steps = []
+    for batches in (*micros, micros[0] + micros[1]):
+        step = StepMetrics()
+        for args in batches:
+            step.add(*args)
+        tokens = float(sum(args[3].sum() for args in batches))
+        steps.append({**{k if k.startswith("weight/") else f"train/{k}": v for k, v in step.result(1.0).items()},
+                      "weight/completion_tokens": tokens})
+    return steps[:2], steps[2]
+
+
+def _sampling_ranks():
+    """CorrectionStats (token-level correction on) of two ranks with 2 and 5 active tokens, and of one process."""
+    from lit_grpo.update.sampler_correction import CorrectionStats
+
+    data = [(torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[-0.5, -1.0, 0.0]]), torch.tensor([[1, 1, 0]])),
+            (torch.tensor([[0.0, -1.0, -2.0], [-1.0, 0.0, 0.0]]), torch.tensor([[0.0, 0.0, -1.0], [-3.0, 0.0, 0.0]]),
+             torch.tensor([[1, 1, 1], [1, 1, 0]]))]
+    stats = [CorrectionStats() for _ in range(3)]
+    for index, (trainer, sampling, mask) in enumerate(data):
+        for target in (stats[index], stats[2]):
+            target.update(trainer, sampling, mask, (trainer - sampling).exp())
+    return [s.as_metrics() for s in stats[:2]], stats[2].as_metrics()
+
+
+def _rollout_ranks():
+    """rollout_metrics' offpolicy_tokens_frac (a batch of 3 of 4 tokens from older weights and one of 1 of 12) and
+    RolloutProfiler's slot_utilization (10 tokens in 4 steps on 4 slots, 30 in 10 steps on 8), by rank and for one
+    process holding both."""
+    from types import SimpleNamespace
+
+    from lit_grpo.callbacks.rollout_profiler import profile
+    from lit_grpo.rollout.metrics import rollout_metrics
+    from lit_grpo.sampling.stats import RolloutStats
+
+    def batch(offpolicy: int, tokens: int):
+        mask = torch.zeros(2, 6)
+        mask.view(-1)[:tokens] = 1
+        return SimpleNamespace(rewards=torch.zeros(1, 2), reward_components={}, num_groups_zero_std=1,
+                               num_groups_generated=1, completion_lengths=mask.sum(1), truncated=torch.zeros(2),
+                               completion_mask=mask, metrics={"rollout/offpolicy_tokens_frac": offpolicy / tokens})
+
+    def stats(tokens: int, steps: int, slots: int):
+        out = RolloutStats(decode_steps=steps, num_slots=slots, wall_s=1.0)
+        out.generated_tokens, out.slot_utilization = tokens, tokens / (steps * slots)
+        return out
+
+    ranks = [{**rollout_metrics(batch(3, 4)), **profile(stats(10, 4, 4))},
+             {**rollout_metrics(batch(1, 12)), **profile(stats(30, 10, 8))}]
+    return ranks, {"rollout/offpolicy_tokens_frac": 4 / 16, "rollout/slot_utilization": 40 / 96}
+
+
+@pytest.mark.parametrize("key, producer", [
+    ("reward/frac_zero_std", _reward_ranks), ("reward/accuracy/mean", _reward_ranks),
+    ("train/clip_ratio_low", _step_ranks), ("train/clip_ratio_high", _step_ranks), ("train/kl", _step_ranks),
+    ("train/entropy", _step_ranks), ("sampling/sampling_logp_difference/mean", _sampling_ranks),
+    ("sampling/importance_sampling_ratio/mean", _sampling_ranks),
+    ("rollout/offpolicy_tokens_frac", _rollout_ranks), ("rollout/slot_utilization", _rollout_ranks)])
+def test_a_ratio_over_ranks_is_the_ratio_of_the_sums(key, producer):
+    """Each key whose whole-step value is a ratio of sums with denominators that differ between ranks: reduced over
+    two ranks' values as their producers report them (with their weights), it equals what one process holding
+    both ranks' rows computes, not the mean of the two ranks' ratios."""
+    from lit_grpo.rollout.metrics import RATIO_WEIGHTS, loggable, ratio_weight, reduce_over_ranks, with_weights
+
+    ranks, one = producer()
+    assert key in RATIO_WEIGHTS or key.startswith("reward/")
+    assert all(ratio_weight(key) in rank for rank in ranks)
+    reduced = reduce_over_ranks(ranks, with_weights([key]))
+    assert reduced == {key: pytest.approx(one[key], rel=1e-6)}  # the producers round to float32
+    assert one[key] != pytest.approx((ranks[0][key] + ranks[1][key]) / 2)  # the test tells the two apart
+    assert not any(name.startswith("weight/") for name in loggable(ranks[0]))

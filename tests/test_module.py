@@ -364,3 +364,25 @@ def test_a_plain_optimizer_is_checked_and_clipped_with_a_trainer_attached():
     metrics = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
     assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 1.0  # fresh, and above the clip
     assert gradient_norm(module.policy.parameters()) == pytest.approx(1.0, rel=1e-4)  # clipped to max_grad_norm
+
+
+def test_no_gradient_is_held_through_the_next_rollout():
+    """The gradients go right after the optimizer step: when the next step's rollout has been built (Lightning's
+    on_train_batch_start runs after it), no parameter holds one."""
+    import lightning.pytorch as pl
+
+    held = []
+
+    class GradientsAtStepStart(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            held.append(sum(p.grad is not None for p in pl_module.policy.parameters()))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            held.append(-sum(p.grad is not None for p in pl_module.policy.parameters()))  # they exist in the step
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[GradientsAtStepStart()])
+    trainer.fit(GRPOModule(model="tiny-llama"), RolloutDataModule(**datamodule_arguments({"val_size": 0})))
+    assert held[0] == held[2] == 0 and held[1] < 0 and held[3] < 0, held

@@ -32,7 +32,8 @@ def completion_length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) ->
 
 def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Tensor], num_groups_zero_std: int,
                    num_groups_generated: int) -> dict[str, float]:
-    """``reward/{mean, std, frac_zero_std, <fn_name>/mean}`` of one batch.
+    """``reward/{mean, std, frac_zero_std, <fn_name>/mean}`` of one batch, and the weights of its ratio keys
+    (``RATIO_WEIGHTS``).
 
     Args:
         rewards: ``[B, G]`` weighted total rewards.
@@ -46,21 +47,24 @@ def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
         # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
         "reward/std": float(rewards.std(dim=1).mean()) if rewards.shape[1] > 1 else 0.0,
         "reward/frac_zero_std": num_groups_zero_std / max(num_groups_generated, 1),
+        "weight/groups_generated": float(num_groups_generated),
     }
     for name, values in reward_components.items():
         present = values[~torch.isnan(values)]
         if present.numel():
             out[f"reward/{name}/mean"] = float(present.float().mean())
+            out[ratio_weight(f"reward/{name}/mean")] = float(present.numel())
     return out
 
 
 def rollout_metrics(batch: Any) -> dict[str, float]:
     """reward/ and completions/ scalars of a ``RolloutBatch``, plus what the data side put in ``batch.metrics``
-    (curriculum/*, rollout/rollouts_per_step, ...)."""
+    (curriculum/*, rollout/rollouts_per_step, ...), and the weights of their ratio keys (``RATIO_WEIGHTS``)."""
     out = reward_metrics(batch.rewards, batch.reward_components, batch.num_groups_zero_std,
                          batch.num_groups_generated)
     out.update(completion_length_metrics(batch.completion_lengths, batch.truncated))
     out.update({key: float(value) for key, value in batch.metrics.items()})
+    out["weight/completion_tokens"] = float(batch.completion_mask.sum())
     return out
 
 
@@ -88,7 +92,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "sampling/importance_sampling_ratio/max": "max",
     "reward/mean": "mean",
     "reward/std": "mean",  # a mean over groups; every rank holds B groups
-    "reward/frac_zero_std": "mean",  # exact when ranks generate as many groups (no dynamic sampling)
+    "reward/frac_zero_std": "mean",  # weighted by the groups each rank generated (RATIO_WEIGHTS)
     "reward/skipped_groups": "sum",
     "completions/mean_length": "mean",
     "completions/min_length": "min",
@@ -97,6 +101,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "rollout/rollouts_per_step": "max",  # the rank that needed most rounds sets the step's
     "rollout/carried_samples": "sum",
     "rollout/offpolicy_tokens_frac": "mean",
+    "data/prompts_unused": "max",  # counted for the whole step, the same on every rank
     "rollout/micro_group_size": "max",
     "curriculum/mu": "mean",  # the same on every rank (one data-steering state)
     "curriculum/mean_angle": "mean",
@@ -141,11 +146,50 @@ DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generat
 #: ``memory/*`` (peaks of one process, and what a phase added to it: the largest rank's).
 RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "/mean", "mean"), ("memory/", "", "max"))
 
+#: Keys whose whole-step value is a ratio of two sums (a share of groups or tokens, a mean over tokens), whose
+#: denominator differs between ranks: a rank reports that denominator beside the value, under its weight key
+#: (``weight/...``: gathered with the values, never logged), and a "mean" becomes sum(value x weight) /
+#: sum(weight) over the ranks, the ratio of the sums one process holding every rank's rows would log. Each
+#: ``reward/<fn_name>/mean`` is weighted by its present (not None) values, under ``weight/reward/<fn_name>/mean``.
+RATIO_WEIGHTS: dict[str, str] = {
+    "reward/frac_zero_std": "weight/groups_generated",
+    "rollout/offpolicy_tokens_frac": "weight/completion_tokens",
+    "train/clip_ratio_low": "weight/loss_tokens",
+    "train/clip_ratio_high": "weight/loss_tokens",
+    "train/kl": "weight/loss_tokens",
+    "train/entropy": "weight/completion_tokens",
+    "sampling/sampling_logp_difference/mean": "weight/sampling_logp_tokens",
+    "sampling/importance_sampling_ratio/mean": "weight/importance_sampling_ratios",
+    "rollout/slot_utilization": "weight/slot_steps",
+}
+WEIGHT_PREFIX = "weight/"
+
+
+def ratio_weight(key: str) -> str | None:
+    """The weight key of a ratio ``key`` (``RATIO_WEIGHTS``), or None for a key that is not a ratio."""
+    if key.startswith("reward/") and key.endswith("/mean") and key != "reward/mean":
+        return WEIGHT_PREFIX + key
+    return RATIO_WEIGHTS.get(key)
+
+
+def with_weights(keys: Sequence[str]) -> list[str]:
+    """``keys`` and, after them, the weight keys of the ratios among them (each once), in one order."""
+    weights = [ratio_weight(key) for key in keys]
+    return [*keys, *dict.fromkeys(weight for weight in weights if weight is not None)]
+
+
+def loggable(values: Mapping[str, float | None]) -> dict[str, float | None]:
+    """``values`` without the weights of its ratio keys (``RATIO_WEIGHTS``), which are never logged."""
+    return {key: value for key, value in values.items() if not key.startswith(WEIGHT_PREFIX)}
+
 
 def rank_reduction(key: str) -> str:
-    """The rule that makes ``key`` the whole step's over ranks: "mean", "sum", "min", "max" or "skew"."""
+    """The rule that makes ``key`` the whole step's over ranks: "mean", "sum", "min", "max" or "skew" ("sum" for a
+    ratio's weight, a count)."""
     if key in RANK_REDUCTIONS:
         return RANK_REDUCTIONS[key]
+    if key.startswith(WEIGHT_PREFIX):
+        return "sum"
     for prefix, suffix, rule in RANK_REDUCTION_FAMILIES:
         if key.startswith(prefix) and key.endswith(suffix):
             return rule
@@ -170,8 +214,9 @@ _RULES: dict[str, Callable[[list[float]], float]] = {
 
 def step_metric_keys(reward_names: Iterable[str]) -> list[str]:
     """Every key a GRPOModule training step may log, in one order on every rank: ``STEP_REDUCTIONS``' keys, then
-    ``reward/<name>/mean`` for each reward function (the same functions on every rank)."""
-    return [*STEP_REDUCTIONS, *(f"reward/{name}/mean" for name in reward_names)]
+    ``reward/<name>/mean`` for each reward function (the same functions on every rank), then the ratios'
+    weights."""
+    return with_weights([*STEP_REDUCTIONS, *(f"reward/{name}/mean" for name in reward_names)])
 
 
 def gather_over_ranks(values: Mapping[str, float | None], keys: Sequence[str],
@@ -196,15 +241,24 @@ def gather_over_ranks(values: Mapping[str, float | None], keys: Sequence[str],
 
 def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]], keys: Sequence[str]) -> dict[str, float]:
     """The whole step's value of each of ``keys`` from every rank's values (``per_rank[r][key]``), by
-    ``rank_reduction(key)``'s rule over the ranks that have it; a key no rank has is left out. In ``keys``' order,
-    and the same on every rank (it reads the same gathered values)."""
+    ``rank_reduction(key)``'s rule over the ranks that have it, a ratio's "mean" weighted by its weight where every
+    such rank reports one (``RATIO_WEIGHTS``); a key no rank has is left out, and so are the weights. In ``keys``'
+    order, and the same on every rank (it reads the same gathered values)."""
     if not per_rank:
         raise ValueError("reduce_over_ranks needs the values of at least one rank, got none")
     out = {}
     for key in keys:
-        present = [float(ranks[key]) for ranks in per_rank if ranks.get(key) is not None]
-        if present:
-            out[key] = _RULES[rank_reduction(key)](present)
+        if key.startswith(WEIGHT_PREFIX):
+            continue
+        ranks = [values for values in per_rank if values.get(key) is not None]
+        if not ranks:
+            continue
+        weight = ratio_weight(key)
+        weights = [values.get(weight) for values in ranks] if weight is not None else [None]
+        if rank_reduction(key) == "mean" and None not in weights and math.fsum(weights) > 0:
+            out[key] = math.fsum(v[key] * w for v, w in zip(ranks, weights)) / math.fsum(weights)
+        else:
+            out[key] = _RULES[rank_reduction(key)]([float(values[key]) for values in ranks])
     for key, (numerator, denominator) in DERIVED.items():
         if key in out and numerator in out and out.get(denominator, 0.0) > 0:
             out[key] = out[numerator] / out[denominator]

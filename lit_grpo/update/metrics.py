@@ -32,9 +32,11 @@ class StepMetrics:
         self.content_tokens += float(content.sum())
 
     def result(self, grad_norm: float) -> dict[str, float]:
-        """The step's scalars (keys without the ``train/`` prefix)."""
+        """The step's scalars (keys without the ``train/`` prefix), and ``weight/loss_tokens``, the weight of the
+        means over loss tokens under several processes (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``)."""
         out = {"loss": self.loss, "grad_norm": grad_norm,
                "entropy": self.sums["entropy"] / max(self.content_tokens, 1.0)}
         for key in CLIP_KEYS:
             out[key] = self.sums[key] / max(self.loss_tokens, 1.0)
+        out["weight/loss_tokens"] = self.loss_tokens
         return out

@@ -13,11 +13,11 @@ makes ``num_iterations`` optimizer steps on it:
    holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs;
    "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
    ``loss``, a ``LossConfig``) x its ``micro_batch_weight``
-   (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's), a
-   finiteness check, ``manual_backward`` (under ddp without gradient sync but in the last micro-batch: below); then
-   ``optimizer.step``, inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the
+   (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's),
+   ``manual_backward`` (under ddp without gradient sync but in the last micro-batch: below); then the losses'
+   finiteness check, over every rank, and ``optimizer.step``, inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the
    gradients) the gradient norm is taken (logged, checked finite) and ``clip_gradients`` applied; the warmup
-   scheduler step.
+   scheduler step. Under a Trainer the gradients are then freed, so the next rollout does not hold them.
 
 A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
 weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's overflow, whose step the scaler
@@ -34,7 +34,8 @@ reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
-the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step). Validation:
+the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step, and under several
+processes data/prompts_unused: prompts drawn this step that no rank took, given back to the sampler). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
 samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out. Under several processes
 every key is the whole step's, the same on every rank (below).
@@ -49,16 +50,20 @@ summation order (FSDP2 is left to its own per-backward reduce-scatter).
 Logged keys are the whole step's, the same on every rank: ``training_step`` gathers every rank's values in one
 collective (a ``[2, K]`` float64 tensor over K keys listed in one order on every rank; a key absent on a rank is
 left out of its reduction) and reduces each key by its rule in ``lit_grpo.rollout.metrics.RANK_REDUCTIONS``: means
-(reward/mean, completions/mean_length and clipped_ratio, train/*: every rank holds B x G rows; token means become
-the mean of the ranks' token means), sums (reward/skipped_groups, rollout/carried_samples), min or max
+(reward/mean, completions/mean_length and clipped_ratio, train/loss: every rank holds B x G rows), ratios of sums
+for the shares and token means whose denominators differ between ranks (reward/frac_zero_std and
+reward/<fn_name>/mean, train/entropy, kl and clip ratios, sampling/*/mean, rollout/offpolicy_tokens_frac: each
+rank's value weighted by its groups, tokens or present values, ``RATIO_WEIGHTS``, as one process holding every
+rank's rows would log them), sums (reward/skipped_groups, rollout/carried_samples), min or max
 (completions/min_length and max_length, sampling/*/min and max, rollout/rollouts_per_step), and
 ``rollout/rank_skew``, the slowest rank's rollout seconds over their mean (several processes only). ``train/loss``:
 each rank's share is times the world size, so their mean is the step's loss. val/*: torchmetrics means, synced over
 the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce their keys
 (rollout/*, memory/*) by the same table.
 ``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
-averaged the same way. A non-finite loss raises on the rank that sees it; under ddp the other ranks then stop at
-their next collective (the job fails as a whole, the weights stay as they were).
+averaged the same way. A non-finite loss, or gradient norm, raises on every rank at once, naming the ranks whose loss
+was not finite (one gather of a flag per optimizer step; the norm is the same on every rank after the reduction),
+before any optimizer step: the job fails as a whole, the weights stay as they were.
 
 The model is loaded in ``configure_model`` (idempotent; Lightning calls it before the optimizers are built, and
 under FSDP inside the sharding context); the tokenizer in ``__init__``, because the DataModule's ``setup`` (which
@@ -79,10 +84,11 @@ from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
-from lit_grpo.rollout.metrics import rollout_metrics, step_metric_keys, whole_step_metrics
-from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RolloutWeights,
-                                          data_parallel_mesh, gradient_norm, is_fsdp_sharded, meta_replica,
-                                          shard_decoder_layers, strategy_all_gather)
+from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, rollout_metrics, step_metric_keys,
+                                      whole_step_metrics)
+from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RaisedOnEveryRank,
+                                          RolloutWeights, data_parallel_mesh, gradient_norm, is_fsdp_sharded,
+                                          meta_replica, shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, with_lora)
@@ -96,7 +102,8 @@ from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from lit_grpo.update.shared_prefix import shared_prefix_usable
 
-TRAIN_KEYS = ("loss", "clip_ratio_low", "clip_ratio_high", "entropy")
+class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
+    """A non-finite loss or gradient norm, found before the optimizer step, on every rank at once."""
 
 
 class GRPOModule(LightningModule):
@@ -369,20 +376,24 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
-        metrics = self.grpo_step(batch, self.optimizers(), self.lr_schedulers())
+        optimizer = self.optimizers()
+        metrics = self.grpo_step(batch, optimizer, self.lr_schedulers())
+        optimizer.zero_grad(set_to_none=True)  # the next rollout needs their memory; the next update starts anew
         loss = torch.tensor(metrics["train/loss"])  # this rank's share (times the world size)
         if self.trainer.world_size > 1:
             # the whole step's figures, the same on every rank: one gather of every rank's values, then each key's
-            # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS); rank_skew goes in as this rank's rollout seconds
+            # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS, ratios by RATIO_WEIGHTS); rank_skew goes in as this
+            # rank's rollout seconds
             strategy = self.trainer.strategy
             metrics = whole_step_metrics({**metrics, "rollout/rank_skew": batch.stats.wall_s},
                                          step_metric_keys(batch.reward_components), strategy_all_gather(strategy))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_prompts)
+        self.log_dict(loggable(metrics), on_step=True, on_epoch=False, batch_size=batch.num_prompts)
         return loss
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
                   scheduler: Any | None = None) -> dict[str, float]:
-        """The whole update on one step's batch (``num_iterations`` optimizer steps); returns the scalars to log.
+        """The whole update on one step's batch (``num_iterations`` optimizer steps); returns the scalars to log,
+        and under ``weight/`` the weights of its ratios over ranks (``lit_grpo.rollout.metrics.loggable`` drops them).
 
         Works with or without a Trainer (without one: plain ``backward`` and ``clip_grad_norm_``).
         """
@@ -403,7 +414,7 @@ class GRPOModule(LightningModule):
                 with self._reference() as reference:
                     ref_logps = self._frozen_logps(reference, batch, chunks)
 
-            sums = {key: 0.0 for key in (*TRAIN_KEYS, "kl", "grad_norm", "lr")}
+            sums: dict[str, float] = {}
             correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
             correction_stats = CorrectionStats()
             for iteration in range(hp.num_iterations):
@@ -412,10 +423,11 @@ class GRPOModule(LightningModule):
                 # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
                 step_metrics["lr"] = optimizer.param_groups[0]["lr"]
                 for key, value in step_metrics.items():
-                    sums[key] += value / hp.num_iterations
+                    sums[key] = sums.get(key, 0.0) + value / hp.num_iterations
                 if scheduler is not None:
                     scheduler.step()
-        logged = {f"train/{k}": v for k, v in sums.items() if k != "kl" or beta > 0}
+        logged = {k if k.startswith(WEIGHT_PREFIX) else f"train/{k}": v for k, v in sums.items()
+                  if k != "kl" or beta > 0}
         logged.update(correction_stats.as_metrics())
         logged.update(rollout_metrics(batch))
         return logged
@@ -426,12 +438,13 @@ class GRPOModule(LightningModule):
         """One optimizer step over all micro-batches of the batch; returns the step's metrics (the sampler
         correction's go to ``correction_stats``, in the first iteration). ``correction``: the module's, resolved
         for this batch, by default."""
-        hp, loss_fn = self.hparams, self.loss_fn
+        loss_fn = self.loss_fn
         correction = correction or self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
         correction_stats = correction_stats or CorrectionStats()
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         step = StepMetrics()
+        nonfinite: str | None = None  # this rank's first micro-batch with a non-finite loss
         world = self.trainer.world_size if self._trainer is not None else 1
         strategy = self.trainer.strategy if self._trainer is not None else None
         blocks_sync = isinstance(strategy, ParallelStrategy)
@@ -447,12 +460,9 @@ class GRPOModule(LightningModule):
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
-            if not torch.isfinite(loss):
-                optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(
-                    f"non-finite GRPO loss ({loss.item()}) at global step {self.global_step}, iteration {iteration}, "
-                    f"micro-batch {index} (rows {rows[0].item()}..{rows[-1].item()}); no optimizer step was taken, "
-                    "the weights are unchanged. Check the rewards/advantages, lower lr, or use float32/bf16-mixed.")
+            value = loss.item()
+            if not math.isfinite(value) and nonfinite is None:  # still backward: the ranks' collectives stay paired
+                nonfinite = f"micro-batch {index} (rows {rows[0].item()}..{rows[-1].item()}) has loss {value}"
             if self._trainer is not None:
                 # ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward; the
                 # others accumulate locally (no_sync). A no-op for one process and for FSDP2, whose own hooks
@@ -462,9 +472,10 @@ class GRPOModule(LightningModule):
                     self.manual_backward(loss)
             else:
                 loss.backward()
-            step.add(loss.item(), loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
+            step.add(value, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
                      micro["completion_mask"])
             del logps, entropy, loss
+        self._raise_on_nonfinite_loss(nonfinite, optimizer, iteration)
         if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
             release_freed_host_memory()
         self._iteration = iteration
@@ -473,6 +484,26 @@ class GRPOModule(LightningModule):
         # a Trainer's optimizer checks and clips in on_before_optimizer_step, inside step(), on unscaled gradients
         optimizer.step()
         return step.result(self._grad_norm)
+
+    def _raise_on_nonfinite_loss(self, nonfinite: str | None, optimizer: torch.optim.Optimizer,
+                                 iteration: int) -> None:
+        """Raise, before the optimizer step, where any rank's loss was not finite: on every rank (one gather of a
+        flag under several processes), so no rank steps or waits alone. ``nonfinite``: this rank's finding."""
+        if self._trainer is not None and self.trainer.world_size > 1:
+            flags = strategy_all_gather(self.trainer.strategy)(torch.tensor([float(nonfinite is not None)]))
+            ranks = torch.nonzero(flags.flatten().cpu()).flatten().tolist()
+        else:
+            ranks = [0] if nonfinite is not None else []
+        if not ranks:
+            return
+        optimizer.zero_grad(set_to_none=True)
+        where = f"on rank {', '.join(map(str, ranks))} " if self._trainer is not None and self.trainer.world_size > 1 \
+            else ""
+        here = f": {nonfinite}" if nonfinite is not None else " (this rank's losses were finite)"
+        raise NonFiniteStepError(
+            f"non-finite GRPO loss {where}at global step {self.global_step}, iteration {iteration}{here}; no "
+            "optimizer step was taken, the weights are unchanged. Check the rewards/advantages, lower lr, or use "
+            "float32/bf16-mixed.")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning calls it inside optimizer.step(), after a 16-mixed GradScaler has unscaled the gradients (before
@@ -488,7 +519,7 @@ class GRPOModule(LightningModule):
             if scaler is not None:
                 return grad_norm
             optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
+            raise NonFiniteStepError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
                                      f"iteration {self._iteration}; no optimizer step was taken, the weights are "
                                      "unchanged.")
         max_norm = self.hparams.max_grad_norm

@@ -155,12 +155,15 @@ class CorrectionStats:
             self.ratio_max = max(self.ratio_max, float(values.max()))
 
     def as_metrics(self) -> dict[str, float]:
-        """The logged keys (an empty micro-batch set gives zeros, as TRL)."""
+        """The logged keys (an empty micro-batch set gives zeros, as TRL), and the weights of the two means under
+        several processes (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``)."""
         out = {"sampling/sampling_logp_difference/mean": self.diff_sum / max(self.diff_count, 1),
-               "sampling/sampling_logp_difference/max": self.diff_max}
+               "sampling/sampling_logp_difference/max": self.diff_max,
+               "weight/sampling_logp_tokens": float(self.diff_count)}
         if self.corrected:
             empty = not self.ratio_count
             out.update({"sampling/importance_sampling_ratio/min": 0.0 if empty else self.ratio_min,
                         "sampling/importance_sampling_ratio/mean": self.ratio_sum / max(self.ratio_count, 1),
-                        "sampling/importance_sampling_ratio/max": 0.0 if empty else self.ratio_max})
+                        "sampling/importance_sampling_ratio/max": 0.0 if empty else self.ratio_max,
+                        "weight/importance_sampling_ratios": float(self.ratio_count)})
         return out
