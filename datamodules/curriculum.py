@@ -70,6 +70,7 @@ with the same arguments and given that state continues with identical draws.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any, Literal, get_args
 
 import torch
@@ -128,6 +129,13 @@ def defer_duplicates(permutation: list[int], avoid: set[int], needed: int) -> li
     return front + [p for p in permutation if p not in taken]
 
 
+def usable_avoid(avoid: Collection[int], num_prompts: int, batch_size: int) -> set[int]:
+    """``avoid`` as a set where ``batch_size`` prompts are left without it, else empty: a step whose draws span
+    more prompts than there are repeats some rather than stall."""
+    avoid = {int(prompt) for prompt in avoid}
+    return avoid if num_prompts - len(avoid) >= batch_size else set()
+
+
 # -------------------------------------------------------------------------------------------------- update
 def normalize_angle(mean_angle: float, scores: torch.Tensor, how: str = "minmax") -> float:
     """The angle signal fed to the update: min-max against ``scores`` ``[N]`` ("minmax") or the raw value ("none").
@@ -170,13 +178,20 @@ class PromptSampler:
         """``batch_size`` as an int in [1, num_prompts] (no prompt twice in a batch), else ValueError."""
         return check_int_in_range("batch_size", batch_size, minimum=1, maximum=self.num_prompts)
 
-    def draw(self, batch_size: int) -> list[int]:
-        """Prompt indices for one training step: ``batch_size`` distinct indices in [0, num_prompts)."""
+    def draw(self, batch_size: int, avoid: Collection[int] = ()) -> list[int]:
+        """Prompt indices for one training step: ``batch_size`` distinct indices in [0, num_prompts), none of
+        ``avoid`` (the step's earlier draws, under several ranks) where enough others are left."""
         batch_size = self.check_batch_size(batch_size)
-        return torch.randperm(self.num_prompts, generator=self.generator)[:batch_size].tolist()
+        avoid = usable_avoid(avoid, self.num_prompts, batch_size)
+        order = torch.randperm(self.num_prompts, generator=self.generator).tolist()
+        return [prompt for prompt in order if prompt not in avoid][:batch_size]
 
     def update(self, accuracy: float, mean_angle: float | None = None) -> None:
         """Feedback after a step; uniform sampling ignores it."""
+
+    def give_back(self, prompts: list[int]) -> None:
+        """Prompts drawn and not used (several ranks: the part of a global draw no rank took). Here nothing to do:
+        every step's draw is independent, so a prompt not used keeps its chance in the next ones."""
 
     def needs_scores(self, epoch: int) -> bool:
         """Whether the caller must score the prompts (``angle_concentration``) before this epoch; never here."""
@@ -205,6 +220,9 @@ class UniformPromptSampler(PromptSampler):
     A batch that crosses an epoch boundary takes the old epoch's tail and then the new epoch's first prompts that are
     not already in the batch (``defer_duplicates``), so every prompt is seen exactly once per epoch and never twice
     in a batch. ``epoch`` is the 0-based epoch of the most recently drawn prompts.
+
+    Prompts given back (``give_back``: drawn, then used by no rank) are handed out first by the next draws, so
+    every prompt of the stream is used once, only later; one already in the batch waits for the draw after.
     """
 
     def __init__(self, num_prompts: int, seed: int = 0):
@@ -212,26 +230,46 @@ class UniformPromptSampler(PromptSampler):
         self.epoch = 0
         self._permutation = self._new_permutation()
         self._position = 0
+        self._returned: list[int] = []  # given back, handed out before the permutation continues
 
     def _new_permutation(self) -> list[int]:
         return torch.randperm(self.num_prompts, generator=self.generator).tolist()
 
-    def draw(self, batch_size: int) -> list[int]:
+    def draw(self, batch_size: int, avoid: Collection[int] = ()) -> list[int]:
         batch_size = self.check_batch_size(batch_size)
-        batch = self._permutation[self._position:self._position + batch_size]
-        self._position += len(batch)
-        needed = batch_size - len(batch)
-        if needed:
-            self.epoch += 1
-            self._permutation = defer_duplicates(self._new_permutation(), set(batch), needed)
-            batch = batch + self._permutation[:needed]
-            self._position = needed
+        avoid = usable_avoid(avoid, self.num_prompts, batch_size)
+        batch: list[int] = []
+        for prompt in list(self._returned):
+            if len(batch) < batch_size and prompt not in batch and prompt not in avoid:
+                batch.append(prompt)
+                self._returned.remove(prompt)
+        while len(batch) < batch_size:
+            if self._position == len(self._permutation):
+                self.epoch += 1
+                self._permutation = defer_duplicates(self._new_permutation(), set(batch) | avoid,
+                                                     batch_size - len(batch))
+                self._position = 0
+            # the epoch's next prompts neither in the batch nor avoided; the others keep their place in line
+            rest, skipped = self._permutation[self._position:], set(batch) | avoid
+            chosen = [prompt for prompt in rest if prompt not in skipped][:batch_size - len(batch)]
+            if not chosen:  # the epoch's last prompts are all skipped: they go first in the next draw
+                self._returned[:0] = rest
+                self._position = len(self._permutation)
+                continue
+            chosen_set = set(chosen)
+            self._permutation[self._position:] = chosen + [prompt for prompt in rest if prompt not in chosen_set]
+            self._position += len(chosen)
+            batch.extend(chosen)
         return batch
+
+    def give_back(self, prompts: list[int]) -> None:
+        """Hand ``prompts`` out first in the next draws, in this order."""
+        self._returned.extend(int(prompt) for prompt in prompts)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.update(epoch=self.epoch, permutation=torch.tensor(self._permutation, dtype=torch.long),
-                     position=self._position)
+                     position=self._position, returned=torch.tensor(self._returned, dtype=torch.long))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -239,6 +277,7 @@ class UniformPromptSampler(PromptSampler):
         self.epoch = int(state["epoch"])
         self._permutation = torch.as_tensor(state["permutation"]).tolist()
         self._position = int(state["position"])
+        self._returned = torch.as_tensor(state.get("returned", []), dtype=torch.long).tolist()
 
 
 class AngleCurriculumSampler(PromptSampler):
@@ -321,11 +360,17 @@ class AngleCurriculumSampler(PromptSampler):
         """``[N]`` float64: the probability of each rank for a single draw at the current mu."""
         return gaussian_rank_probs(self.num_prompts, self.mu, self.sigma)
 
-    def draw(self, batch_size: int) -> list[int]:
-        """``batch_size`` distinct prompt indices, drawn by rank from the Gaussian at mu, in draw order."""
+    def draw(self, batch_size: int, avoid: Collection[int] = ()) -> list[int]:
+        """``batch_size`` distinct prompt indices, drawn by rank from the Gaussian at mu, in draw order; none of
+        ``avoid`` (the step's earlier draws, under several ranks) where enough others are left."""
         batch_size = self.check_batch_size(batch_size)
         self._require_scores("draw")
         log_weights = gaussian_rank_log_weights(self.num_prompts, self.mu, self.sigma)
+        avoid = usable_avoid(avoid, self.num_prompts, batch_size)
+        if avoid:  # drawn last by Gumbel-top-k, so never while enough others are left
+            rank_of = torch.empty_like(self.order)
+            rank_of[self.order] = torch.arange(self.num_prompts)
+            log_weights[rank_of[sorted(avoid)]] = -math.inf
         ranks = sample_without_replacement(log_weights, batch_size, self.generator)
         batch = self.order[ranks].tolist()
         self.drawn.extend(batch)

@@ -13,7 +13,8 @@ rollout is strictly on-policy and a checkpoint's data state is exactly "the step
 resume needs. The loaders therefore yield ``RolloutRequest`` tokens only; validation requests get greedy rollouts.
 
 Distributed (ddp): every rank builds the same sampler and draws ``prompts_per_step x world_size`` indices per
-step, keeping its own slice, so ranks get different prompts and groups never split across ranks.
+step, keeping its own slice, so ranks get different prompts and groups never split across ranks; what no rank took
+goes back to the sampler at the end of the step (``_StepDraw``), counted in ``data/prompts_unused``.
 """
 
 from __future__ import annotations
@@ -49,15 +50,22 @@ class _StepDraw:
     ``prompts_per_step`` slice of each and handing them out in order as the rollout asks for them.
 
     Ranks may ask for different numbers of prompts in a step (dynamic sampling's extra rounds, partial rollouts'
-    fresh groups), so without a collective in the rollout they may make different numbers of global draws;
-    ``catch_up`` makes (and discards) the draws a rank is short of at the end of the step, so every rank's sampler
-    ends the step in the same state. A rank's prompts left over in its last draw are not used."""
+    fresh groups), so without a collective in the rollout they may make different numbers of global draws. At the
+    end of the step ``finish``, given every rank's draws and prompts taken, makes the draws this rank is short of,
+    so every rank's sampler is in the same state, and gives the prompts no rank took back to the sampler (the same
+    ones on every rank), which hands them out first next: every prompt drawn is trained on, filtered, or drawn
+    again."""
 
     def __init__(self, sampler: Any, prompts_per_step: int, world: int, rank: int):
         self.sampler, self.share, self.world, self.rank = sampler, prompts_per_step, world, rank
-        self.draws = 0  # global draws made this step
+        self.drawn: list[list[int]] = []  # the step's global draws
         self.ready: list[int] = []  # this rank's positions drawn and not yet handed out
         self.taken: list[int] = []  # this rank's positions handed out this step
+
+    @property
+    def draws(self) -> int:
+        """Global draws made this step."""
+        return len(self.drawn)
 
     def take(self, count: int) -> list[int]:
         while len(self.ready) < count:
@@ -67,13 +75,24 @@ class _StepDraw:
         self.taken.extend(out)
         return out
 
-    def catch_up(self, draws: int) -> None:
-        while self.draws < draws:
+    def finish(self, draws: Sequence[int], taken: Sequence[int]) -> list[int]:
+        """End the step: ``draws[r]`` and ``taken[r]`` are rank r's global draws and positions taken. Returns the
+        positions given back to the sampler: of each draw, each rank's slice past what that rank took."""
+        while self.draws < max(draws):
             self._global_draw()
+        unused = []
+        for index, drawn in enumerate(self.drawn):
+            for rank, count in enumerate(taken):
+                used = min(max(count - index * self.share, 0), self.share)
+                unused.extend(drawn[rank * self.share + used:(rank + 1) * self.share])
+        self.sampler.give_back(unused)
+        return unused
 
     def _global_draw(self) -> list[int]:
-        self.draws += 1
-        return self.sampler.draw(self.share * self.world)
+        """The next global draw, avoiding the step's earlier ones: no prompt twice in a step where there are enough."""
+        earlier = {prompt for draw in self.drawn for prompt in draw}
+        self.drawn.append(self.sampler.draw(self.share * self.world, avoid=earlier))
+        return self.drawn[-1]
 
 
 class RolloutDataModule(LightningDataModule):
@@ -371,17 +390,14 @@ class RolloutDataModule(LightningDataModule):
         epoch = self.trainer.current_epoch if getattr(self, "trainer", None) is not None else 0
         world, rank = self._world()
         if self.sampler.needs_scores(epoch):
-            with builder.generation_mode() as model:
-                scores = angle_concentration(model, builder.tokenizer, self.train_prompt_ids, self.score_batch_size)
-            if world > 1:  # rank 0's scores on every rank: one order of the prompts by construction
-                scores = self._all_gather(scores.double())[0].float()
-            self.sampler.set_scores(scores, epoch)
+            self.sampler.set_scores(self._angle_scores(builder), epoch)
         if world > 1:
             self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
         batch = builder.build_train(self._draw)
         if world > 1:
-            accuracy, mean_angle = self._step_feedback(batch)
+            accuracy, mean_angle, unused = self._finish_step(batch)
             self.sampler.update(accuracy, mean_angle)
+            batch.metrics["data/prompts_unused"] = float(unused)
         else:
             accuracy = batch.mean_accuracy()
             if accuracy is None:  # no correctness reward: the mean reward, clamped to [0, 1]
@@ -390,6 +406,21 @@ class RolloutDataModule(LightningDataModule):
         batch.metrics.update(self.sampler.metrics())
         self.steps_built += 1
         return batch
+
+    def _angle_scores(self, builder: RolloutBuilder) -> torch.Tensor:
+        """``[N]`` angle concentration of every training prompt. Several ranks: each scores its contiguous share
+        (``ceil(N / world)`` prompts, one prefill each) and one all_gather gives every rank all of them, in one
+        order (the same tensor on every rank)."""
+        world, rank = self._world()
+        share = math.ceil(len(self.train_prompt_ids) / world)
+        mine = self.train_prompt_ids[rank * share:(rank + 1) * share]
+        with builder.generation_mode() as model:
+            scores = angle_concentration(model, builder.tokenizer, mine, self.score_batch_size)
+        if world == 1:
+            return scores
+        padded = torch.zeros(share, dtype=torch.float64)  # the last ranks' shares may be short
+        padded[:len(mine)] = scores.double()
+        return self._all_gather(padded).flatten()[:len(self.train_prompt_ids)].float()
 
     def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch | None:
         """Greedy completions (one per prompt) of some held-out prompts, scored (and k sampled ones with
@@ -403,7 +434,8 @@ class RolloutDataModule(LightningDataModule):
         ``prompts_per_step x world_size`` prompts (every rank draws the same ones), each rank taking its own
         ``prompts_per_step`` slice of each, so no prompt is on two ranks in one draw. No collective runs here (ranks
         may ask for different counts, or not at all: dynamic sampling, partial rollouts); at the end of the step
-        ``_step_feedback`` brings every rank to the same number of global draws (see ``_StepDraw``)."""
+        ``_finish_step`` brings every rank to the same number of global draws and gives back what no rank took
+        (see ``_StepDraw``)."""
         world, rank = self._world()
         if world == 1:
             return [self._prompt("train", i) for i in self.sampler.draw(count)]
@@ -418,11 +450,13 @@ class RolloutDataModule(LightningDataModule):
         gather = (self._handover or {}).get("all_gather") or strategy_all_gather(self.trainer.strategy)
         return gather(tensor).cpu()
 
-    def _step_feedback(self, batch: RolloutBatch) -> tuple[float, float | None]:
-        """The curriculum's feedback for the whole step, the same on every rank (several ranks; one all_gather of
-        a few numbers): the accuracy over every rank's completions (the correctness where any rank has one, else
-        the mean reward, clamped to [0, 1]) and the mean raw angle score of every prompt the ranks drew (None for
-        a sampler without scores). It also brings every rank's sampler to the step's most global draws."""
+    def _finish_step(self, batch: RolloutBatch) -> tuple[float, float | None, int]:
+        """The end of a step under several ranks (one all_gather of a few numbers): the curriculum's feedback for
+        the whole step, the same on every rank, i.e. the accuracy over every rank's completions (the correctness
+        where any rank has one, else the mean reward, clamped to [0, 1]) and the mean raw angle score of every
+        prompt the ranks drew (None for a sampler without scores); and the step's draws settled (``_StepDraw.
+        finish``): every rank's sampler at the same state, the prompts drawn and not taken given back to it, their
+        count returned third."""
         step = self._step_draw
         empty = torch.zeros(0, dtype=torch.float64)
         accuracy = batch.accuracy
@@ -431,9 +465,10 @@ class RolloutDataModule(LightningDataModule):
         scores = getattr(self.sampler, "scores", None)
         angles = scores[step.taken].double() if scores is not None and step.taken else empty
         local = torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel(),
-                              float(angles.sum()), angles.numel(), step.draws], dtype=torch.float64)
-        total = self._all_gather(local)  # [world, 7]
-        step.catch_up(int(total[:, 6].max()))
+                              float(angles.sum()), angles.numel(), step.draws, len(step.taken)],
+                             dtype=torch.float64)
+        total = self._all_gather(local)  # [world, 8]
+        unused = step.finish(total[:, 6].round().long().tolist(), total[:, 7].round().long().tolist())
         self._step_draw = None
         total = total.sum(dim=0)
         if total[1] > 0:
@@ -441,7 +476,7 @@ class RolloutDataModule(LightningDataModule):
         else:  # no correctness on any rank: the mean reward
             mean_accuracy = float(total[2] / total[3]) if total[3] > 0 else 0.0
         mean_angle = float(total[4] / total[5]) if total[5] > 0 else None
-        return min(max(mean_accuracy, 0.0), 1.0), mean_angle
+        return min(max(mean_accuracy, 0.0), 1.0), mean_angle, len(unused)
 
     def _prompt(self, split: str, position: int) -> Prompt:
         indices, ids = (self.train_indices, self.train_prompt_ids) if split == "train" else (

@@ -97,3 +97,44 @@ def test_mean_pairwise_cosine_formula_matches_matrix():
         n = unit.shape[0]
         assert got[row].item() == pytest.approx(float((cos.sum() - cos.diag().sum()) / (n * (n - 1))), abs=1e-6)
     assert got[2].item() == 1.0
+
+
+def test_ranks_score_their_share_of_the_prompts_and_gather_them_once(tiny_llama, monkeypatch):
+    """Several ranks: each scores a contiguous ceil(N / world) of the training prompts (one prefill each) and one
+    all_gather gives every rank all N scores, those one process computes (equal up to batching's rounding)."""
+    import lit_grpo.datamodules.rollout as rollout
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+
+    model, tokenizer = tiny_llama
+    prompts = [{"prompt": f"{a} + {b} * {a}", "answer": str(a + b * a)} for a in range(4) for b in range(3)][:11]
+    scored, gathers = [], []
+    real = rollout.angle_concentration
+    monkeypatch.setattr(rollout, "angle_concentration",
+                        lambda m, t, ids, size: scored.append(len(ids)) or real(m, t, ids, size))
+
+    def module(world: int, rank: int, gather=None) -> RolloutDataModule:
+        data = RolloutDataModule(prompts=prompts, val_size=0, prompts_per_step=1, curriculum="angle")
+        data.trainer = type("Trainer", (), {"world_size": world, "global_rank": rank, "current_epoch": 0})()
+        data.setup()
+        data.attach(model, tokenizer, world_size=world, all_gather=gather)
+        return data
+
+    one = module(1, 0)
+    expected = one._angle_scores(one._require_builder())
+    assert scored == [11]
+    shares = {}
+
+    def gather_of(rank):
+        def gather(local):
+            gathers.append(rank)
+            shares[rank] = local
+            return torch.stack([shares.get(0, torch.zeros_like(local)), shares.get(1, torch.zeros_like(local))])
+        return gather
+
+    scored.clear()
+    second = module(2, 1, gather_of(1))
+    second._angle_scores(second._require_builder())  # rank 1 first, so rank 0's gather holds both shares
+    first = module(2, 0, gather_of(0))
+    got = first._angle_scores(first._require_builder())
+    assert scored == [5, 6] and gathers == [1, 0]  # N = 11: each rank its share (6 and 5), one gather each
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -257,6 +257,70 @@ def test_uniform_is_reproducible_by_seed_and_shuffles_each_epoch():
     assert len({tuple(e) for e in epochs}) > 1  # a new permutation per epoch
 
 
+def test_uniform_hands_out_what_is_given_back_first_and_never_twice_in_a_batch():
+    sampler = UniformPromptSampler(10, seed=2)
+    first = sampler.draw(4)
+    sampler.give_back(first[1:3])
+    second = sampler.draw(4)
+    assert second[:2] == first[1:3] and not set(second[2:]) & set(first)  # then the permutation goes on
+    # given back across an epoch boundary: a prompt of the old epoch's tail may already wait in the new one
+    sampler = UniformPromptSampler(5, seed=0)
+    batches = [sampler.draw(4), sampler.draw(4)]  # the second crosses into epoch 1
+    sampler.give_back(batches[1])
+    batches += [sampler.draw(5) for _ in range(3)]
+    assert all(len(set(batch)) == len(batch) for batch in batches)
+    used = batches[0] + batches[2] + batches[3] + batches[4]  # the given-back batch was never used
+    counts = [used.count(prompt) for prompt in range(5)]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == 19, counts  # each prompt once per epoch, 4 epochs
+
+
+def test_uniform_state_keeps_what_was_given_back():
+    sampler = UniformPromptSampler(9, seed=1)
+    sampler.give_back(sampler.draw(3)[::2])
+    state = roundtrip(sampler.state_dict())
+    resumed = UniformPromptSampler(9, seed=1)
+    resumed.load_state_dict(state)
+    assert [resumed.draw(4) for _ in range(5)] == [sampler.draw(4) for _ in range(5)]
+    older = {key: value for key, value in state.items() if key != "returned"}  # a checkpoint from before
+    UniformPromptSampler(9).load_state_dict(older)
+
+
+@pytest.mark.parametrize("curriculum", ["none", "angle"])
+def test_unequal_ranks_over_many_steps_lose_no_prompt(curriculum):
+    """Two ranks drawing as dynamic sampling and partial rollouts do (a random number of prompts per step, in
+    several rounds), ending each step with ``_StepDraw.finish``: the samplers stay equal, no prompt is on both ranks
+    in a step, and with the uniform sampler every prompt is used (or still waiting, given back) once per epoch:
+    after every step the counts differ by at most one."""
+    import random
+
+    from lit_grpo.datamodules.curriculum import build_prompt_sampler
+    from lit_grpo.datamodules.rollout import _StepDraw
+
+    samplers = [build_prompt_sampler(curriculum, 23, seed=5) for _ in range(2)]
+    if curriculum == "angle":
+        for sampler in samplers:
+            sampler.set_scores(torch.linspace(0, 1, 23), 0)
+    chance, used = random.Random(0), []
+    for _ in range(40):
+        steps = [_StepDraw(sampler, 3, 2, rank) for rank, sampler in enumerate(samplers)]
+        for step in steps:
+            for _ in range(chance.randint(1, 3)):  # rounds of this step on this rank
+                step.take(chance.randint(1, 3))
+        assert not set(steps[0].taken) & set(steps[1].taken)
+        draws, taken = [step.draws for step in steps], [len(step.taken) for step in steps]
+        assert steps[0].finish(draws, taken) == steps[1].finish(draws, taken)
+        assert samplers[0].state_dict().keys() == samplers[1].state_dict().keys()
+        probe = samplers[0].draw(6)
+        assert probe == samplers[1].draw(6)  # the same state; the probe given back, as if never drawn
+        for sampler in samplers:
+            sampler.give_back(probe)
+        used += steps[0].taken + steps[1].taken
+        if curriculum == "none":
+            waiting = [p for sampler in samplers[:1] for p in sampler.state_dict()["returned"].tolist()]
+            counts = [(used + waiting).count(prompt) for prompt in range(23)]
+            assert max(counts) - min(counts) <= 1, counts
+
+
 def test_defer_duplicates_keeps_a_permutation():
     assert defer_duplicates([3, 0, 4, 1, 2], avoid={3, 4}, needed=2) == [0, 1, 3, 4, 2]
 

@@ -7,17 +7,15 @@ step. The same run launched as 2 nodes x 1 process (two ``lit-grpo fit`` process
 ``MASTER_ADDR=127.0.0.1``: Lightning's ``LightningEnvironment``) gets what 2 processes on one node get.
 """
 
-import os
-import signal
-import subprocess
-import time
+import json
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 from two_process_helpers import TINY
 
-from tools.harness import ROOT, free_port, lit_grpo_command, repo_env
+from tools.harness import ROOT, free_port, repo_env
 
 STEPS = 8
 TIMEOUT_S = 400
@@ -31,40 +29,10 @@ RUN_ARGS = ["--data.curriculum", "angle", "--data.sampling.max_new_tokens", "8",
 LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in repo_env().items() if key not in LAUNCH_VARIABLES}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _command(tmp: Path, record: Path, *args: str) -> list[str]:
-    return lit_grpo_command() + ["fit", "--config", TINY, *RUN_ARGS, *args, "--trainer.default_root_dir", str(tmp / "run"),
-                          "--trainer.callbacks+=tools.step_recorder.StepRecorder",
-                          f"--trainer.callbacks.path={record}", "--trainer.callbacks.record_state=true"]
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    """Wait for every process, at most ``timeout`` seconds in all; on a failure or the timeout, kill them all (each
-    started in its own session, so its children go too) and fail with their output."""
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        outputs = [(p.wait(), p.stdout.read()) for p in procs]
-    failed = [(i, code, out) for i, (code, out) in enumerate(outputs) if code != 0]
-    assert not failed, "\n\n".join(f"process {i} exit {code} (timeout {timeout:.0f} s):\n{out[-5000:]}"
-                                   for i, code, out in failed)
-    return outputs
-
-
-def _start(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def _arguments(tmp: Path, record: Path, *args: str) -> list[str]:
+    return ["fit", "--config", TINY, *RUN_ARGS, *args, "--trainer.default_root_dir", str(tmp / "run"),
+            "--trainer.callbacks+=tools.step_recorder.StepRecorder", f"--trainer.callbacks.path={record}",
+            "--trainer.callbacks.record_state=true"]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +40,11 @@ def one_node_run(tmp_path_factory) -> str:
     """2 processes on one node (``--trainer.devices 2``; Lightning starts the second)."""
     tmp = tmp_path_factory.mktemp("one_node")
     record = tmp / "rec"
-    (output,) = _wait_all([_start(_command(tmp, record, "--trainer.devices", "2"), tmp, _env())], TIMEOUT_S)
-    assert "distributed_backend=gloo" in output[1]
+    env = {key: value for key, value in repo_env().items() if key not in LAUNCH_VARIABLES}
+    proc = forked_cli.run(_arguments(tmp, record, "--trainer.devices", "2"), tmp, {**env, "OMP_NUM_THREADS": "1"},
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     return str(record)
 
 
@@ -113,11 +84,9 @@ def test_two_nodes_of_one_process_get_what_one_node_of_two_gets(one_node_run, tm
     """2 nodes x 1 process on localhost (gloo): ``--trainer.num_nodes 2 --trainer.devices 1`` in two processes with
     ``NODE_RANK`` 0 and 1 and one ``MASTER_ADDR`` / ``MASTER_PORT`` (Lightning's ``LightningEnvironment``)."""
     record = tmp_path / "rec"
-    port = str(free_port())
-    cmd = _command(tmp_path, record, "--trainer.num_nodes", "2", "--trainer.devices", "1")
-    procs = [_start(cmd, tmp_path, _env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for node in (0, 1)]
-    outputs = _wait_all(procs, TIMEOUT_S)
+    argv = _arguments(tmp_path, record, "--trainer.num_nodes", "2", "--trainer.devices", "1")
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), TIMEOUT_S, env=repo_env())
+    assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(out[-5000:] for _, out, _ in outputs)
     assert "distributed_backend=gloo" in outputs[0][1]
     two_nodes, one_node = _records(str(record)), _records(one_node_run)
     for rank in (0, 1):
@@ -135,10 +104,12 @@ def test_two_nodes_of_one_process_get_what_one_node_of_two_gets(one_node_run, tm
         assert (a["param_sum"], a["param_abs"]) == (b["param_sum"], b["param_abs"])
 
 
-def test_ranks_that_draw_unequally_end_the_step_with_equal_samplers():
+def test_ranks_that_draw_unequally_end_the_step_with_equal_samplers_and_nothing_drawn_lost():
     """Dynamic sampling's extra rounds or partial rollouts' fresh groups: ranks ask for different numbers of prompts
-    in a step. Each global draw gives every rank a disjoint slice, and catching up to the most draws any rank made
-    leaves every rank's sampler in the same state (no collective in the rollout itself)."""
+    in a step. Each global draw gives every rank a disjoint slice; the step's end (``_StepDraw.finish``, from every
+    rank's draws and prompts taken) leaves every rank's sampler in the same state and gives back to it, on every
+    rank alike, the prompts no rank took, which the uniform sampler hands out first next (no collective in the
+    rollout itself)."""
     from lit_grpo.datamodules.curriculum import build_prompt_sampler
     from lit_grpo.datamodules.rollout import _StepDraw
 
@@ -154,13 +125,19 @@ def test_ranks_that_draw_unequally_end_the_step_with_equal_samplers():
         assert steps[0].draws == 3 and steps[1].draws == 1
         if curriculum == "none":  # one permutation: no prompt twice (the curriculum's draws are independent)
             assert len(set(first[0] + more[0] + more[1] + first[1])) == 10
-        for step in steps:
-            step.catch_up(3)
-        assert [step.draws for step in steps] == [3, 3]
+        unused = [step.finish([3, 1], [7, 3]) for step in steps]
+        assert [step.draws for step in steps] == [3, 3] and unused[0] == unused[1]
+        drawn = [prompt for draw in steps[0].drawn for prompt in draw]
+        taken = steps[0].taken + steps[1].taken
+        # of the 18 drawn: rank 1's slices of the two draws it caught up with, and rank 0's last draw's leftover
+        assert len(unused[0]) == 3 + 3 + 2 and sorted(unused[0] + taken) == sorted(drawn)
         a, b = (sampler.state_dict() for sampler in samplers)
         assert a.keys() == b.keys() and all(
             torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a), curriculum
         assert samplers[0].draw(6) == samplers[1].draw(6)
+        if curriculum == "none":  # given back, handed out first: the epoch's 20 prompts, each once
+            assert samplers[0].draw(2) == unused[0][6:]
+            assert sorted(taken + unused[0] + samplers[0].draw(2)) == list(range(20))
 
 
 def test_multi_node_recipe_parses_and_instantiates():
@@ -185,20 +162,41 @@ def test_a_checkpoint_folder_that_cannot_be_written_stops_every_rank(tmp_path):
     process) the other rank must stop with the same error, not wait at the next collective until it times out."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    port = str(free_port())
-    cmd = _command(tmp_path, tmp_path / "rec", "--trainer.num_nodes", "2", "--trainer.devices", "1",
-                   "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint",
-                   f"--trainer.callbacks.dirpath={blocker / 'checkpoints'}")
-    procs = [_start(cmd, tmp_path, _env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for node in (0, 1)]
-    deadline = time.monotonic() + 120
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    hung = [p.pid for p in procs if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    outputs = [p.stdout.read() for p in procs]
-    assert not hung, f"a rank still waited after 120 s:\n{outputs[1][-3000:]}"
-    for code, output in zip((p.returncode for p in procs), outputs):
+    argv = _arguments(tmp_path, tmp_path / "rec", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+                      "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint",
+                      f"--trainer.callbacks.dirpath={blocker / 'checkpoints'}")
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 120, env=repo_env())
+    for code, output, _ in outputs:
+        assert code is not None, f"a rank still waited after 120 s:\n{output[-3000:]}"
         assert code != 0 and f"checkpoint folder {blocker / 'checkpoints'} cannot be written" in output, output[-3000:]
+
+
+def test_dynamic_sampling_on_two_ranks_uses_every_drawn_prompt_once_per_epoch(tmp_path):
+    """Dynamic sampling where rank 1 drops every group and draws again (3 rounds a step) while rank 0 keeps its
+    groups at once: each of rank 1's rounds is a global draw, so rank 0's slices of them go unused in the step.
+    They go back to the sampler and are drawn first next: over 4 steps (about two epochs of the 16 prompts) every
+    prompt is scored (trained on or dropped) once per epoch, the ones still waiting in the sampler at the end
+    counted too."""
+    prompts = [f"Say {i:02d}." for i in range(16)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in prompts))
+    scored = tmp_path / "scored"
+    reward = json.dumps([{"name": "fault_helpers:rank_split_reward", "kwargs": {"path": str(scored)}}])
+    argv = ["fit", "--config", TINY, "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
+            "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.max_steps", "4",
+            "--trainer.limit_val_batches", "0", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}",
+            "--data.task", "null", "--data.jsonl_path", str(data), "--data.val_size", "0",
+            "--data.reward_funcs", reward, "--data.dynamic_sampling", "true", "--data.max_rollouts_per_step", "3",
+            "--data.sampling.max_new_tokens", "4"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), TIMEOUT_S)
+    assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(out[-3000:] for _, out, _ in outputs)
+    calls = [[json.loads(line) for line in Path(f"{scored}.rank{rank}").read_text().splitlines()] for rank in (0, 1)]
+    assert (len(calls[0]), len(calls[1])) == (4, 12)  # rank 1 drew three times a step, rank 0 once
+    sampler = torch.load(tmp_path / "last.ckpt", weights_only=True)["RolloutDataModule"]["sampler"]
+    waiting = [prompts[i] for i in sampler["returned"].tolist()]
+    assert waiting  # rank 0's last slices went back, and wait for the next step
+    used = [text for rank in calls for call in rank for text in call] + waiting
+    counts = [used.count(text) for text in prompts]
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1, counts
