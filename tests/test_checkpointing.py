@@ -2,7 +2,6 @@
 stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear errors for bad checkpoints."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 
@@ -32,15 +32,11 @@ def _fit_args(root: Path, *extra: str, steps: int = STEPS) -> list[str]:
 
 
 def _run(tmp_path: Path, name: str, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
-    """``lit-grpo fit`` of tiny.yaml in a subprocess, recording every step to ``tmp_path/name/rec``."""
+    """``lit-grpo fit`` of tiny.yaml in a (forked) process, recording every step to ``tmp_path/name/rec``."""
     root = tmp_path / name
-    exe = shutil.which("lit-grpo")
-    cmd = ([exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]) + _fit_args(
-        root, "--trainer.callbacks+=tools.step_recorder.StepRecorder", f"--trainer.callbacks.path={root / 'rec'}",
-        *extra)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    argv = _fit_args(root, "--trainer.callbacks+=tools.step_recorder.StepRecorder",
+                     f"--trainer.callbacks.path={root / 'rec'}", *extra)
+    return forked_cli.run(argv, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _last_step(root: Path) -> int:

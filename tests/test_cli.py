@@ -1,12 +1,12 @@
-"""The `lit-grpo` CLI: one fit step end to end in a subprocess, --print_config, and the GPU recipe's consistency."""
+"""The `lit-grpo` CLI: one fit step end to end in a (forked) process, --print_config, and the GPU recipe's consistency."""
 
 import glob
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import yaml
 
@@ -17,19 +17,13 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 GPU = str(ROOT / "configs" / "qwen3_1.7b_gpu.yaml")
 
 
-def _lit_grpo() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
-
-
 def test_fit_two_steps_end_to_end(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     root = tmp_path / "run"
-    cmd = _lit_grpo() + ["fit", "--config", TINY, "--trainer.default_root_dir", str(root),
-                         "--trainer.max_steps", "2", "--data.steps_per_epoch", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    argv = ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "2",
+            "--data.steps_per_epoch", "2"]
+    proc = forked_cli.run(argv, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     events = glob.glob(str(root / "lightning_logs" / "version_0" / "events.out.tfevents.*"))
     assert len(events) == 1, list(root.rglob("*"))

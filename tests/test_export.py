@@ -2,10 +2,9 @@
 token for token like lit_grpo's engine, in a process without lit_grpo (tiny models, CPU, float32)."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -178,11 +177,10 @@ def test_export_help_lists_every_option(capsys):
 def test_fit_with_export_model_callback(tmp_path):
     """A real fit with ExportModel writes version_0/model, prints it under the summary, and it equals what
     lit-grpo export writes from the run's last.ckpt."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "lit_grpo.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--trainer.max_steps", "1", "--torch_num_threads", "1", "--trainer.limit_val_batches", "0",
-           "--trainer.callbacks+=lit_grpo.callbacks.ExportModel"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    argv = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps", "1",
+            "--torch_num_threads", "1", "--trainer.limit_val_batches", "0",
+            "--trainer.callbacks+=lit_grpo.callbacks.ExportModel"]
+    proc = forked_cli.run(argv, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "lightning_logs" / "version_0"
     assert "model          lightning_logs/version_0/model (transformers model, float32" in proc.stdout

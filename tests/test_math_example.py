@@ -2,10 +2,9 @@
 end to end (dataset source, math reward, sampled validation, export) with a tiny model in place of SmolLM2."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forked_cli
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -39,14 +38,13 @@ def test_example_config_runs_end_to_end_on_a_tiny_model(tmp_path):
     config = yaml.safe_load(CONFIG.read_text())
     assert config["data"]["dataset"] == "tools/data/math_example.parquet"
     assert config["data"]["reward_funcs"][0]["name"] == "math" and config["data"]["val_num_samples"] > 1
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "lit_grpo.cli", "fit", "--config", str(CONFIG), "--torch_num_threads", "1",
+    argv = ["fit", "--config", str(CONFIG), "--torch_num_threads", "1",
            "--model.model", "tiny-llama", "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
            "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
            "--trainer.enable_model_summary", "false", "--data.val_size", "4", "--data.prompts_per_step", "2",
            "--data.sampling.group_size", "2", "--data.sampling.micro_group_size", "4",
            "--data.sampling.max_new_tokens", "4", "--data.val_num_samples", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = forked_cli.run(argv, ROOT, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -3,11 +3,9 @@ rollouts, the KV memory budget (micro_group_size="auto"), and exact resume from 
 
 import math
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 
@@ -395,19 +393,12 @@ def test_a_rollout_under_an_auto_micro_group_size_keeps_its_kv_within_the_budget
 
 
 # ------------------------------------------------------------------------------------------------ exact resume
-def _lit_grpo() -> list[str]:
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
-
-
 def _fit(tmp_path, name, *extra):
     root = tmp_path / name
-    cmd = _lit_grpo() + ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "4",
-                         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
-                         f"--trainer.callbacks.path={root / 'rec'}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    argv = ["fit", "--config", TINY, "--trainer.default_root_dir", str(root), "--trainer.max_steps", "4",
+            "--trainer.callbacks+=tools.step_recorder.StepRecorder", f"--trainer.callbacks.path={root / 'rec'}",
+            *extra]
+    proc = forked_cli.run(argv, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return str(root / "rec"), proc
 
