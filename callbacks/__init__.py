@@ -8,6 +8,7 @@ from .export_model import ExportModel
 from .fit_summary import FitSummary
 from .peak_memory import PeakMemoryMonitor
 from .progress_bar import GRPOProgressBar
+from .rank_failure_watch import RankFailureWatch
 from .reward_forecast import Forecast, RewardForecast, forecast_plateau
 from .rollout_profiler import RolloutProfiler
 from .run_checkpoint import RunCheckpoint
@@ -20,6 +21,7 @@ __all__ = [
     "Forecast",
     "GRPOProgressBar",
     "PeakMemoryMonitor",
+    "RankFailureWatch",
     "RewardForecast",
     "RolloutProfiler",
     "RunCheckpoint",

@@ -130,10 +130,9 @@ def defer_duplicates(permutation: list[int], avoid: set[int], needed: int) -> li
 
 
 def usable_avoid(avoid: Collection[int], num_prompts: int, batch_size: int) -> set[int]:
-    """``avoid`` as a set where ``batch_size`` prompts are left without it, else empty: a step whose draws span
-    more prompts than there are repeats some rather than stall."""
-    avoid = {int(prompt) for prompt in avoid}
-    return avoid if num_prompts - len(avoid) >= batch_size else set()
+    """As many of ``avoid`` as leave ``batch_size`` prompts to draw (the lowest indices where not all can be, the
+    same on every rank): a step whose draws span more prompts than there are repeats some rather than stall."""
+    return set(sorted({int(prompt) for prompt in avoid})[:max(num_prompts - batch_size, 0)])
 
 
 # -------------------------------------------------------------------------------------------------- update

@@ -48,7 +48,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RunCheckpoint
+from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
                                           run_checkpoint_folders)
@@ -102,13 +102,16 @@ class GRPOCLI(LightningCLI):
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
-        """The configured callbacks plus lit_grpo's defaults for what the config leaves out: FitSummary, the GRPO
-        progress bar (when the bar is on) and ``RunCheckpoint`` (when checkpointing is on): ``last.ckpt`` kept
-        current, atomic saves, a saved stop on SIGTERM / Ctrl-C. Identical stateful callbacks are refused here,
-        with their settings named. Then the threads, which depend on the trainer's devices per node."""
+        """The configured callbacks plus lit_grpo's defaults for what the config leaves out: FitSummary,
+        RankFailureWatch (several processes), the GRPO progress bar (when the bar is on) and ``RunCheckpoint`` (when
+        checkpointing is on): ``last.ckpt`` kept current, atomic saves, a saved stop on SIGTERM / Ctrl-C. Identical
+        stateful callbacks are refused here, with their settings named. Then the threads, which depend on the
+        trainer's devices per node."""
         configured = [*(config.get("callbacks") or []), *callbacks]
         if not any(isinstance(cb, FitSummary) for cb in configured):
             callbacks = [*callbacks, FitSummary()]
+        if not any(isinstance(cb, RankFailureWatch) for cb in configured):
+            callbacks = [*callbacks, RankFailureWatch()]
         if config.get("enable_progress_bar", True) is not False and not any(
                 isinstance(cb, ProgressBar) for cb in configured):
             callbacks = [*callbacks, GRPOProgressBar()]

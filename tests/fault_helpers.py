@@ -1,5 +1,6 @@
 """Planted failures for the tests of several processes: ``PlantedFault``, a callback that raises on one rank at one
-place of a ``lit-grpo fit``, and ``rank_split_reward``, a reward that makes two ranks draw unequally.
+place of a ``lit-grpo fit``, ``Stall``, which keeps one rank away from any collective, and ``rank_split_reward``, a
+reward that makes two ranks draw unequally.
 
 Places (``PLACES``), each at its first occurrence on the planted rank:
 
@@ -15,6 +16,7 @@ Places (``PLACES``), each at its first occurrence on the planted rank:
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -68,6 +70,26 @@ class PlantedFault(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.place == "checkpoint" and trainer.global_rank == self.rank:
             self._fire()
+
+
+class Stall(Callback):
+    """On rank ``rank``, sleep ``seconds`` in the reward function before scoring: a rank away from any collective
+    (computing alone, or in an NCCL collective that does not notice a peer's end) for that long."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        data = trainer.datamodule
+        reward = data.reward_funcs[0]
+
+        def stalled(*args: Any, **kwargs: Any) -> list[float]:
+            time.sleep(self.seconds)
+            return reward.fn(*args, **kwargs)
+
+        data.reward_funcs[0] = type(reward)(stalled, reward.weight, reward.name)
 
 
 def rank_split_reward(prompts: list[str], completions: list[str], path: str = "", **columns: Any) -> list[float]:

@@ -13,13 +13,17 @@ launches of tests/test_ddp.py and tests/test_rank_failures.py run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 _context = None
 
@@ -63,17 +67,23 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
     """``lit-grpo ARGV`` in ``cwd`` with ``env`` (default: this process's), as ``subprocess.run(..., capture_output=
     True, text=True, timeout=timeout)`` would run it; past ``timeout`` the process is killed and
     ``subprocess.TimeoutExpired`` raised."""
-    outputs = (Path(cwd) / f".forked.{time.monotonic_ns()}.out", Path(cwd) / f".forked.{time.monotonic_ns()}.err")
-    process = _start(argv, cwd, env, outputs)
-    process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        raise subprocess.TimeoutExpired(["lit-grpo", *argv], timeout, _read(outputs[0]), _read(outputs[1]))
-    stdout, stderr = (_read(path) for path in outputs)
-    for path in outputs:
-        path.unlink(missing_ok=True)
-    return subprocess.CompletedProcess(["lit-grpo", *argv], process.exitcode, stdout, stderr)
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = (Path(folder) / "stdout", Path(folder) / "stderr")
+        process = _start(argv, cwd, env, outputs)
+        process.join(timeout)
+        if process.is_alive():
+            _kill(process)
+            raise subprocess.TimeoutExpired(["lit-grpo", *argv], timeout, _read(outputs[0]), _read(outputs[1]))
+        return subprocess.CompletedProcess(["lit-grpo", *argv], process.exitcode, *(_read(path) for path in outputs))
+
+
+def _kill(process) -> None:
+    """Kill a forked run and the processes it started (the ranks Lightning's launcher starts as its children)."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+    process.kill()
+    process.join()
 
 
 def run_ranks(argv: list[str], folder: Path, port: int, timeout: float,
@@ -96,7 +106,7 @@ def run_ranks(argv: list[str], folder: Path, port: int, timeout: float,
         time.sleep(0.1)
     for process in ranks:
         if process.is_alive():
-            process.kill()
+            _kill(process)
         process.join()
     return [(ranks[rank].exitcode if rank in ended else None, _read(logs[rank]), ended.get(rank, timeout))
             for rank in (0, 1)]

@@ -1,4 +1,4 @@
-"""Imported once by ``fault_helpers.RankLauncher``'s fork server, never by a test: it does once what each forked
+"""Imported once by tests/forked_cli.py's fork server, never by a test: it does once what each forked
 rank of a ``lit-grpo fit`` would otherwise do first (import the lazily imported packages, build the tiny model and
 its tokenizer, run a forward, a backward and a short rollout), so a forked rank starts warm. One thread: the
 server forks, and a thread pool does not survive a fork."""

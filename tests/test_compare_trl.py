@@ -382,7 +382,10 @@ def test_trl_environment_made_from_a_venv_reuses_its_torch_and_transformers(tmp_
     assert sorted(p.name for p in _site_packages(tmp_path / "users-venv").iterdir()) == before
 
     # pinned: a requirement that needs another torch is refused, naming it, and the venv's torch stays ours
-    with pytest.raises(SystemExit, match=r"requirements \['needs-newer-torch'\] with torch 2"):
+    pinned = (tmp_path / "trl-venv" / compare_trl.CONSTRAINTS).read_text().splitlines()
+    assert f"packaging=={importlib.metadata.version('packaging')}" in pinned  # every package, not torch's alone
+    with pytest.raises(SystemExit, match=r"requirements \['needs-newer-torch'\] with this environment's packages "
+                                         r"pinned \(torch 2"):
         compare_trl.install_requirements(trl_python, tmp_path / "trl-venv" / compare_trl.CONSTRAINTS,
                                          ["needs-newer-torch"],
                                          {name: importlib.metadata.version(name) for name in compare_trl.STACK})

@@ -18,6 +18,7 @@ from lit_grpo.datamodules.curriculum import (
     UniformPromptSampler,
     build_prompt_sampler,
     defer_duplicates,
+    usable_avoid,
     gaussian_rank_log_weights,
     gaussian_rank_probs,
     next_mu,
@@ -319,6 +320,16 @@ def test_unequal_ranks_over_many_steps_lose_no_prompt(curriculum):
             waiting = [p for sampler in samplers[:1] for p in sampler.state_dict()["returned"].tolist()]
             counts = [(used + waiting).count(prompt) for prompt in range(23)]
             assert max(counts) - min(counts) <= 1, counts
+
+
+def test_a_draw_avoids_as_many_earlier_draws_as_leave_a_batch():
+    """All of ``avoid`` where a batch is left without it; where not, its lowest indices, so every rank (same
+    avoid, same order) skips the same ones and the draw repeats as few as it must."""
+    assert usable_avoid([5, 1, 3], num_prompts=8, batch_size=4) == {1, 3, 5}
+    assert usable_avoid([5, 1, 3, 7, 0], num_prompts=8, batch_size=4) == {0, 1, 3, 5}
+    assert usable_avoid([2, 0], num_prompts=4, batch_size=4) == set()
+    sampler = UniformPromptSampler(num_prompts=6, seed=0)
+    assert set(sampler.draw(4, avoid=[0, 1, 2, 3])) == {2, 3, 4, 5}
 
 
 def test_defer_duplicates_keeps_a_permutation():

@@ -4,8 +4,9 @@ Each case plants a ``PlantedError`` (tests/fault_helpers.py) on rank 0 or rank 1
 the tiny config, launched as 2 nodes x 1 process (no launcher ties the processes together: only lit_grpo's own
 handling ends the other rank), in one place: a training rollout (ddp, and under FSDP2 on the gathered copy and on
 the shards in lockstep), a reward function (ddp, and inside FSDP2's lockstep scope), the loss (a non-finite one,
-checked on every rank), the update's backward, a validation rollout and a checkpoint save. One more case runs
-Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes.
+checked on every rank), the update's backward, a validation rollout and a checkpoint save. Two more cases: a rank
+away from any collective while another fails (ended by its failure watch), and Lightning's own launcher
+(``--trainer.devices 2``) as real ``lit-grpo`` processes.
 """
 
 import os
@@ -87,6 +88,19 @@ def test_an_error_on_one_rank_ends_every_rank_naming_it(tmp_path, place, strateg
     if place == "loss":  # the weights never moved: no optimizer step ran on either rank
         for _, output, _ in outputs:
             assert "no optimizer step was taken" in output
+
+
+def test_a_rank_away_from_any_collective_ends_within_seconds_of_anothers_failure(tmp_path):
+    """Rank 0 stays away from every collective for 300 s in its reward function (as one computing alone, or waiting
+    in an NCCL collective that does not notice its peer's end) while rank 1's reward function fails: no collective
+    tells rank 0, its failure watch does (lit_grpo.callbacks.RankFailureWatch), naming rank 1's error."""
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.callbacks+=fault_helpers.PlantedFault", "--trainer.callbacks.place=reward",
+            "--trainer.callbacks.rank=1", "--trainer.callbacks+=fault_helpers.Stall", "--trainer.callbacks.rank=0",
+            "--trainer.callbacks.seconds=300"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S)
+    _check_ended_naming_the_failure(outputs, 1, "reward")
 
 
 def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):

@@ -15,9 +15,10 @@ venv whose ``.pth`` line (``DIR/lib/python*/site-packages/lit_grpo_environment.p
 directories with ``site.addsitedir``, so that their ``.pth`` files run too and torch, transformers and the editable
 lit_grpo are this environment's very own, whether it is a venv or the base interpreter (``--system-site-packages``
 would give the base interpreter's packages instead); then ``pip install --no-deps trl==1.16.0`` into the venv and,
-of TRL's requirements, only those missing here, with torch and transformers pinned to this environment's versions
-(``DIR/lit_grpo_constraints.txt``). It refuses a TRL requirement that needs another torch or transformers, installs
-nothing into this environment, and fails when the venv's torch or transformers differ from this interpreter's.
+of TRL's requirements, only those missing here, with every package of this environment pinned to its version
+(``DIR/lit_grpo_constraints.txt``: nothing that transformers runs with is replaced in the venv). It refuses a TRL
+requirement that needs another torch or transformers, installs nothing into this environment, and fails when the
+venv's torch or transformers differ from this interpreter's.
 pip's own settings apply (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, ...). It makes the environment and exits (again on
 the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 
@@ -104,7 +105,7 @@ _VERSIONS = "import json, importlib.metadata as m, torch, transformers, trl; " \
             "print(json.dumps([m.version(n) for n in ('torch', 'transformers', 'trl')]))"
 # the running environment, as its own interpreter sees it: the site directories ``site`` processes for it that exist
 # (a venv's own, with the base's where it has system site packages, the user site where enabled); torch's and
-# transformers' versions; whether pip is importable
+# transformers' versions; every installed distribution's version; whether pip is importable
 _ENVIRONMENT = """
 import importlib.metadata as md, importlib.util, json, os, site, sys
 def version(name):
@@ -113,15 +114,16 @@ def version(name):
     except md.PackageNotFoundError:
         return None
 dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+installed = {d.metadata["Name"]: d.version for d in md.distributions() if d.metadata["Name"]}
 print(json.dumps({"prefix": sys.prefix, "site_dirs": [d for d in dict.fromkeys(dirs) if os.path.isdir(d)],
                   "versions": {name: version(name) for name in ("torch", "transformers")},
-                  "pip": importlib.util.find_spec("pip") is not None}))
+                  "installed": installed, "pip": importlib.util.find_spec("pip") is not None}))
 """
 #: What TRL's venv must share with this environment (the comparison compares trainers, not stacks).
 STACK = ("torch", "transformers")
 #: In TRL's venv's site-packages: the line that adds the running environment's site directories.
 ENVIRONMENT_PTH = "lit_grpo_environment.pth"
-#: In TRL's venv: pip's constraints, this environment's torch and transformers.
+#: In TRL's venv: pip's constraints, every package of this environment at its version.
 CONSTRAINTS = "lit_grpo_constraints.txt"
 
 
@@ -133,7 +135,7 @@ def make_trl_env(path: Path, python: Path | str = sys.executable) -> Path:
     env = running_environment(python)
     venv_python = make_venv(path, python, env)
     constraints = path / CONSTRAINTS
-    constraints.write_text("".join(f"{name}=={env['versions'][name]}\n" for name in STACK))
+    constraints.write_text("".join(f"{name}=={version}\n" for name, version in sorted(env["installed"].items())))
     if not pip_install(venv_python, constraints, ["--no-deps", f"trl=={TRL_VERSION}"]):
         raise SystemExit(f"pip could not install trl=={TRL_VERSION} into {path} (its output above says why)")
     install_requirements(venv_python, constraints, missing_requirements(venv_python), env["versions"])
@@ -197,14 +199,16 @@ def missing_requirements(venv_python: Path) -> list[str]:
 
 
 def install_requirements(venv_python: Path, constraints: Path, missing: list[str], versions: dict[str, str]) -> None:
-    """Install ``missing`` into the venv with torch and transformers pinned to ``versions``; SystemExit, naming
-    them, where one of them needs another torch or transformers."""
+    """Install ``missing`` into the venv under ``constraints`` (every package of this environment at its version;
+    torch's and transformers' are ``versions``); SystemExit, naming them, where one of them needs another torch or
+    transformers, or pip finds no way."""
     refuse_stack_changes(missing, versions)
     if missing and not pip_install(venv_python, constraints, missing):
-        raise SystemExit(f"pip could not install TRL's missing requirements {missing} with torch "
-                         f"{versions['torch']} and transformers {versions['transformers']} pinned ({constraints}): "
-                         "pip's output above says why (one that needs another torch or transformers, or no "
-                         "network); the comparison needs this environment's torch and transformers on both sides")
+        raise SystemExit(f"pip could not install TRL's missing requirements {missing} with this environment's "
+                         f"packages pinned (torch {versions['torch']}, transformers {versions['transformers']}, the "
+                         f"others in {constraints}): pip's output above says why (one that needs another version of "
+                         "an installed package, or no network); the comparison needs this environment's stack on "
+                         "both sides")
 
 
 def refuse_stack_changes(missing: list[str], versions: dict[str, str]) -> None:

@@ -266,6 +266,7 @@ class LockstepWeights(RolloutWeights):
 
     def _answer(self) -> None:
         """One forward whose output nobody reads, so the other ranks' gathers find this rank's shards."""
+        self._between_forwards = False  # the others are in this forward's gathers from here on
         device = next(self.module.parameters()).device
         self._answering = True
         try:

@@ -12,16 +12,16 @@ makes ``num_iterations`` optimizer steps on it:
 4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never
    holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs;
    "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
-   ``loss``, a ``LossConfig``) x its ``micro_batch_weight``
-   (the weighted micro-batch losses add up to the whole step's loss, so the gradients equal one big batch's),
-   ``manual_backward`` (under ddp without gradient sync but in the last micro-batch: below); then the losses'
-   finiteness check, over every rank, and ``optimizer.step``, inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the
-   gradients) the gradient norm is taken (logged, checked finite) and ``clip_gradients`` applied; the warmup
-   scheduler step. Under a Trainer the gradients are then freed, so the next rollout does not hold them.
+   ``loss``, a ``LossConfig``) x its ``micro_batch_weight`` (the weighted micro-batch losses add up to the whole
+   step's loss, so the gradients equal one big batch's), ``manual_backward`` (under ddp without gradient sync but
+   in the last micro-batch: below); then the losses' finiteness check, over every rank, and ``optimizer.step``,
+   inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the gradients) the
+   gradient norm is taken (logged, checked finite) and ``clip_gradients`` applied; the warmup scheduler step. Under
+   a Trainer the gradients are then freed, so the next rollout does not hold them.
 
-A non-finite loss or gradient norm raises ``FloatingPointError`` before any optimizer step of that iteration, so the
-weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's overflow, whose step the scaler
-skips (the logged norm shows it).
+A non-finite loss or gradient norm raises ``NonFiniteStepError`` (a ``FloatingPointError``) before any optimizer step
+of that iteration, so the weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's
+overflow, whose step the scaler skips (the logged norm shows it).
 
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
@@ -35,7 +35,8 @@ groups whose rewards were all equal, dropped ones included), <fn_name>/mean (Non
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
 the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step, and under several
-processes data/prompts_unused: prompts drawn this step that no rank took, given back to the sampler). Validation:
+processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands them out first
+next, the curriculum's draws are independent anyway). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
 samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out. Under several processes
 every key is the whole step's, the same on every rank (below).
