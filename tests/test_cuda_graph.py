@@ -138,3 +138,25 @@ def test_the_compiled_step_captured_samples_what_the_eager_step_samples_and_comp
         assert result.completion_ids == expected.completion_ids
         for expected_row, row in zip(expected.logprobs, result.logprobs):
             assert torch.allclose(torch.tensor(row), torch.tensor(expected_row), atol=1e-4)
+
+
+def test_a_graph_replayed_on_kept_cast_weights_samples_what_per_step_casts_sample():
+    """bf16 autocast over float32 weights, as a bf16-mixed fit rolls out: a captured graph replayed on the same
+    CastWeights (kept between scopes, an optimizer step in between) samples what the policy's eager per-step casts
+    sample, and follows the new weights."""
+    from lit_grpo.runtime.cast_weights import CastWeights
+
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.", "hi")]
+    weights = CastWeights(model.eval(), torch.bfloat16)
+    settings = dict(group_size=5, micro_group_size=3, strategy="continuous", max_new_tokens=12, seed=3)
+    engine = RolloutEngine(weights.module, tokenizer, cuda_graph=True, **settings)
+    for step in range(2):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            reference = RolloutEngine(model, tokenizer, cuda_graph=False, **settings).generate(prompts)
+            with weights.active(keep=True):
+                replayed = engine.generate(prompts)
+        assert replayed.completion_ids == reference.completion_ids and replayed.logprobs == reference.logprobs
+        with torch.no_grad():
+            model.lm_head.weight.add_(0.05 * torch.randn_like(model.lm_head.weight))  # an optimizer step
+    assert engine._step.graph is not None

@@ -94,3 +94,56 @@ def test_a_micro_batch_without_real_tokens_still_has_a_gradient_path():
     assert logps.requires_grad and (logps == 0).all() and (entropy == 0).all()
     logps.sum().backward()  # a zero loss, but backward works as for any other micro-batch
 
+
+
+class HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copies that convert the tensor in ``weight``'s storage (``aten._to_copy``, what a cast runs)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.storage, self.count = weight.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() == self.storage:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("tied", [False, True])
+def test_under_autocast_the_head_is_cast_once_and_gives_the_per_chunk_casts_values_and_gradients(
+        monkeypatch, name, temperature, tied):
+    """bf16 autocast over float32 weights: the head's weight is cast once for the micro-batch's forward and backward
+    (per chunk before, forward and recomputation), and the log-probs, entropies and every gradient are the per-chunk
+    casts' to the bit (the same bfloat16 products, summed in autograd's order)."""
+    import lit_grpo.update.logprobs as logprobs
+
+    model, _ = load_model_and_tokenizer(name)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.train()
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    weights = torch.randn(2, 5, generator=torch.Generator().manual_seed(1))
+    head = model.get_output_embeddings()
+    assert head_reproduces_logits(model)  # checked once per model, outside the counts
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with HeadCasts(head.weight) as casts:
+            # Lightning's bf16-mixed autocast, without a cast cache; 3 tokens per chunk: the 8 real tokens take 3
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                logps, entropy = completion_logps(model, micro, temperature, chunk_bytes=3 * 4 * model.config.vocab_size)
+            (logps * weights).sum().backward()
+        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}, casts.count
+
+    once = run()
+    monkeypatch.setattr(logprobs, "head_cast_dtype", lambda *args: None)
+    per_chunk = run()
+    # the model's own head runs on one position (logits_to_keep=1); then the 3 chunks, each cast in its forward and
+    # in its recomputation, or all of them once
+    assert (once[3], per_chunk[3]) == (2, 1 + 2 * 3)
+    assert torch.equal(once[0], per_chunk[0]) and torch.equal(once[1], per_chunk[1])
+    assert once[2].keys() == per_chunk[2].keys()
+    for key in per_chunk[2]:
+        assert torch.equal(once[2][key], per_chunk[2][key]), key

@@ -357,6 +357,29 @@ def test_auto_micro_group_size_in_the_datamodule(module):
         small.build_train_batch()
 
 
+def test_auto_micro_group_size_prices_the_cache_in_the_dtype_it_stores(module):
+    """Under bf16 autocast with float32 weights the cache holds bf16 keys and values: ``auto`` fits the slots of a
+    bf16 cache in the budget (pricing them in float32 would pick half as many)."""
+    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_held_bytes, kv_prefill_bytes, kv_slot_bytes
+
+    probe = make_datamodule(module)
+    longest = max(len(ids) for ids in probe.train_prompt_ids)
+    config, sampling = module.policy.config, probe.sampling
+    args = (longest, sampling.max_new_tokens, sampling.group_size, probe.prompts_per_step)
+    budget = kv_held_bytes(config, torch.bfloat16, longest, sampling.group_size, probe.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.bfloat16, longest, probe.prompts_per_step, sampling.max_new_tokens) + \
+        6 * kv_slot_bytes(config, torch.bfloat16, longest, sampling.max_new_tokens)
+    assert auto_micro_group_size(config, torch.bfloat16, budget, *args) == 6
+    assert auto_micro_group_size(config, torch.float32, budget, *args) < 6
+    dm = RolloutDataModule(**datamodule_arguments({"prompts_per_step": 3, "max_new_tokens": 6,
+                                                    "micro_group_size": "auto", "kv_budget_bytes": budget}))
+    dm.attach(module.policy, module.tokenizer, precision_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    dm.setup("fit")
+    batch = dm.build_train_batch()
+    assert dm.resolved_micro_group_size == 6 and batch.metrics["rollout/micro_group_size"] == 6.0
+    assert batch.stats.peak_kv_bytes <= budget
+
+
 @pytest.mark.parametrize("strategy,scheduler,bounds", [
     ("continuous", {}, (0, 0.0)),
     ("infinite", {}, (0, 0.5)),  # the default: preemption within half the slots' generation KV

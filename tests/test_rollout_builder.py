@@ -6,6 +6,7 @@ import torch
 from lit_grpo.cli import build_cli
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.runtime.cast_weights import CastWeights
 from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
@@ -130,8 +131,9 @@ def test_scheduler_options_are_typed_in_the_config():
 
 
 def test_a_training_step_under_bf16_mixed_precision(tmp_path):
-    """The rollout runs inside the trainer's autocast (float32 weights, bfloat16 compute): the slot cache takes the
-    autocast dtype, and the update follows."""
+    """The rollout runs inside the trainer's autocast (float32 weights, bfloat16 compute) on the linear weights cast
+    once per rollout (kept with the slot cache here): the slot cache takes the autocast dtype, and the update
+    follows."""
     cli = build_cli(["--config", TINY, "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "1",
                      "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
                      "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
@@ -140,6 +142,10 @@ def test_a_training_step_under_bf16_mixed_precision(tmp_path):
     assert cli.trainer.global_step == 1
     assert cli.model.policy.dtype == torch.float32
     assert cli.datamodule.engine._cache.layers[0].keys.dtype == torch.bfloat16
+    weights = cli.model.rollout_weights()
+    assert isinstance(weights, CastWeights) and cli.datamodule.engine.model is weights.module
+    head = weights.module.lm_head.weight
+    assert head.dtype == torch.bfloat16 and head.untyped_storage().size() == head.numel() * 2  # kept
 
 
 @pytest.mark.parametrize("args, key", [

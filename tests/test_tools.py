@@ -484,3 +484,18 @@ def test_bench_rollout_reverses_the_order_of_the_strategies_on_odd_repeats(monke
     assert order == ["continuous", "full", "full", "continuous", "continuous", "full"]
     runs = {run["strategy"]: run for run in report["runs"]}
     assert [r["identical_fraction"] for r in runs["continuous"]["repeats"]] == [1.0, 1.0, 1.0]  # greedy: the same
+
+
+def test_bench_cast_weights_times_both_rollouts_and_checks_their_samples_equal(tmp_path):
+    from tools import bench_cast_weights
+
+    report = bench_cast_weights.main(["--model", "tiny", "--group-size", "4", "--max-new-tokens", "6",
+                                      "--repeats", "2", "--json", str(tmp_path / "cast.json")])
+    assert json.loads((tmp_path / "cast.json").read_text())["samples_equal"] is True
+    for kind in bench_cast_weights.RUNS:
+        assert len(report["runs"][kind]) == 2 and report[kind]["decode_ms_per_step"] > 0
+    assert report["decode_ratio"] == report["cast_once"]["decode_ms_per_step"] / \
+        report["per_step_casts"]["decode_ms_per_step"]
+    model = load_model_and_tokenizer("tiny-llama")[0]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert report["config"]["cast_bytes"] == sum(p.numel() * 2 for m in linears for p in m.parameters())

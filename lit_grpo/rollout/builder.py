@@ -36,6 +36,7 @@ from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
+from lit_grpo.sampling.kv_cache import kv_cache_dtype
 from lit_grpo.sampling.memory_budget import auto_micro_group_size
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
@@ -158,7 +159,8 @@ class RolloutBuilder:
             return g
         config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
         parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
-        dtype = next(self.weights.module.parameters()).dtype
+        with self.precision_context():  # priced in the dtype the cache stores, the autocast one under mixed precision
+            dtype = kv_cache_dtype(self.weights.module)
         return auto_micro_group_size(self.policy.config, dtype, config.kv_budget_bytes, self.max_prompt_length,
                                      config.max_new_tokens, config.group_size, prompts, *parked,
                                      carried=self.over_provision > 1)

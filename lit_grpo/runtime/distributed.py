@@ -99,17 +99,29 @@ FSDP_ROLLOUTS = ("auto", "gathered", "lockstep")
 
 
 class RolloutWeights:
-    """The module a rollout runs (``module``) and the scope it runs in (``active()``); this class: the policy
-    itself, nothing to do. Every rank enters ``active()`` the same number of times (once per training step's
-    rollouts, once per validation batch): the sharded kinds below run collectives at its edges. ``keep``: the
-    engines keep their CUDA graphs after the scope, so the weights they read must stay where they are."""
+    """The module a rollout runs (``module``) and the scope it runs in (``active()``: ``materialize()`` on entry,
+    ``release()`` on exit); this class: the policy itself, nothing to do. Every rank enters ``active()`` the same
+    number of times (once per training step's rollouts, once per validation batch): the sharded kinds below run
+    collectives at its edges. ``keep``: the engines keep their CUDA graphs after the scope, so the weights they read
+    must stay where they are."""
 
     def __init__(self, policy: torch.nn.Module):
         self.module = policy
 
     @contextlib.contextmanager
     def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
-        yield self.module
+        try:
+            yield self.materialize()
+        finally:
+            if not keep:
+                self.release()
+
+    def materialize(self) -> torch.nn.Module:
+        """``module`` with the current weights in it (entering ``active()``); here it is the policy already."""
+        return self.module
+
+    def release(self) -> None:
+        """Free what ``materialize`` allocated (leaving ``active()`` without ``keep``); here nothing."""
 
 
 class GatheredWeights(RolloutWeights):
@@ -189,13 +201,8 @@ class GatheredWeights(RolloutWeights):
         free, _ = torch.cuda.mem_get_info(device)
         return self.weights_bytes() <= share * free
 
-    @contextlib.contextmanager
-    def active(self, keep: bool = False) -> Iterator[torch.nn.Module]:
-        try:
-            yield self.gather()
-        finally:
-            if not keep:
-                self.release()
+    def materialize(self) -> torch.nn.Module:
+        return self.gather()
 
 
 class RaisedOnEveryRank(Exception):

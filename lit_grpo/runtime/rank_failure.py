@@ -144,6 +144,8 @@ def watch_failures(rank: int, world: int, interval_s: float = WATCH_INTERVAL_S) 
                 if not store.check([count]):
                     continue
                 first = _first_failure(store)
+            except torch.distributed.DistStoreError:  # a failure counted, its record not there yet: ask again
+                continue
             except Exception:  # the store is gone with its rank: the collectives tell this one
                 return
             if _ending.is_set() or stop.is_set() or first[0] == rank:

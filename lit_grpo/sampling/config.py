@@ -36,7 +36,8 @@ class SamplingConfig:
         group_size: G, completions per prompt (>= 1; training needs >= 2).
         micro_group_size: g, concurrent sequences of "micro", "continuous" and "infinite" (None: G). ``"auto"``:
             the largest g whose worst-case KV cache fits ``kv_budget_bytes``, resolved by the rollout builder from
-            the model and the longest prompt (``lit_grpo.sampling.memory_budget``); the engine itself needs an int.
+            the model and the longest prompt (``lit_grpo.sampling.memory_budget``), in the dtype the cache stores
+            (the autocast dtype under mixed precision); the engine itself needs an int.
         kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``.
         strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
         max_new_tokens: the completion length cap.

@@ -52,7 +52,7 @@ from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
-from lit_grpo.sampling.kv_cache import SlotKVCache
+from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
@@ -248,9 +248,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------- slot cache and step
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
         """The slot cache and decode step for a rollout, reused when they fit; True when newly built."""
-        device = next(self.model.parameters()).device
-        # Under autocast (bf16-mixed with float32 weights) keys and values come out in the autocast dtype.
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.model.dtype
+        device, dtype = next(self.model.parameters()).device, kv_cache_dtype(self.model)
         if device.type == "cuda" or settings.compile:
             width = -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)

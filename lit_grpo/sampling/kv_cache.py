@@ -33,6 +33,16 @@ from lit_grpo.sampling.memory_budget import kv_geometry
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [rows, kv_heads, T, head_dim]
 
 
+def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model``'s keys and values come out in here, so the dtype a slot cache stores them in: the
+    autocast dtype where autocast is on for the model's device (bf16-mixed with float32 weights), else the
+    weights'."""
+    parameter = next(model.parameters())
+    if torch.is_autocast_enabled(parameter.device.type):
+        return torch.get_autocast_dtype(parameter.device.type)
+    return parameter.dtype
+
+
 def cache_layers_kv(cache: DynamicCache) -> KV:
     """The (keys, values) tensors of every layer of a filled cache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
@@ -66,6 +76,29 @@ def check_full_attention(model_config) -> None:
         if type(layer) is not DynamicLayer:
             raise ValueError(f"the rollout engine needs full-attention cache layers; this model uses "
                              f"{type(layer).__name__} (sliding-window or hybrid caches are not supported)")
+
+
+class _StoringLayer(DynamicLayer):
+    """A ``DynamicLayer`` that stores keys and values in ``dtype``."""
+
+    def __init__(self, store_dtype: torch.dtype):
+        super().__init__()
+        self.store_dtype = store_dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return super().update(key_states.to(self.store_dtype), value_states.to(self.store_dtype), *args, **kwargs)
+
+
+class PrefillCache(DynamicCache):
+    """The ``DynamicCache`` of a prefill, storing keys and values in ``dtype``, the slot cache's (``kv_cache_dtype``):
+    under autocast the keys arrive in float32 (the rotary embedding multiplies the bfloat16 projection by float32
+    cos/sin), and attention computes in the autocast dtype anyway, so storing them in it changes no result and
+    halves the keys' memory, for the prefill's moment and for the prefixes split from it. For full-attention
+    models (``check_full_attention``)."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__(config=config)
+        self.layers = [_StoringLayer(dtype) for _ in self.layers]
 
 
 class SlotCacheLayer(CacheLayerMixin):

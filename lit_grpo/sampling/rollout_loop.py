@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
-from lit_grpo.sampling.kv_cache import KV, cache_layers_kv, kv_bytes, take_columns
+from lit_grpo.sampling.kv_cache import KV, PrefillCache, cache_layers_kv, kv_bytes, kv_cache_dtype, take_columns
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
@@ -254,7 +254,7 @@ class RolloutLoop:
         """One prefill forward of the chunk's prompts, packed: each one's prefix KV, and with ``with_features``
         their features ``[members, H]``."""
         packed = pack_chunk([self.groups[p].prompt_ids[:-1] for p in chunk], self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = PrefillCache(self.model.config, kv_cache_dtype(self.model))
         with packed_forward(self.model, packed) as inputs:
             out = self._forward(packed.input_ids, cache, output_hidden_states=with_features, **inputs)
         features = None
@@ -270,7 +270,7 @@ class RolloutLoop:
     def _prefill_tail(self, p: int, tokens: list[int]) -> KV:
         """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
         the current weights after prompt p's cached prefix."""
-        cache = DynamicCache(config=self.model.config)
+        cache = PrefillCache(self.model.config, kv_cache_dtype(self.model))
         prefix = self.prefixes[p]
         for layer, (keys, values) in enumerate(prefix or []):
             cache.update(keys, values, layer)

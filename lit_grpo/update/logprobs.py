@@ -9,6 +9,10 @@ through the model's own output head inside ``torch.utils.checkpoint``, so only o
 in the forward pass and again (recomputed) in the backward pass. The recomputation costs one more LM-head matmul
 per token (SmolLM2's head is a fifth of its forward FLOPs, so about 7% of a forward + backward).
 
+Under mixed precision with float32 master weights, autocast (Lightning's keeps no cast cache) would cast the head's
+weight to bfloat16 in every chunk and again in every recomputation, a ``[V, H]`` copy each time; the chunks then go
+through ``_CastOnceHeadLogps``, which casts it once per micro-batch and gives the same log-probs and gradients.
+
 The chunked path needs the output head applied to the last hidden state to BE the model's logits. That holds for
 Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits (Gemma's soft-capping,
 logit scales): ``head_reproduces_logits`` checks it once per model on four tokens, and ``completion_logps`` falls
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.models import accepts
 from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs
 
@@ -111,6 +116,73 @@ def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.T
     return logps, entropy
 
 
+def _low_precision_logits(states: torch.Tensor, low_weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[n, V]`` float32 logits of ``[n, H]`` states by the head's ``[V, H]`` weight in its autocast dtype: what
+    autocast's ``F.linear`` computes (both operands in that dtype), upcast, tempered."""
+    logits = torch.nn.functional.linear(states.to(low_weight.dtype), low_weight).float()
+    return logits / temperature if temperature and temperature != 1.0 else logits
+
+
+class _CastOnceHeadLogps(torch.autograd.Function):
+    """``_chunk_logps`` over every chunk of a micro-batch under autocast, with the head's weight cast to the autocast
+    dtype once (kept for the backward) instead of in every chunk's forward and recomputation. The backward
+    recomputes each chunk's logits and applies autograd's own formulas in autograd's order (the chunks last to
+    first, each weight gradient upcast and summed in float32), so log-probs and gradients are those of the per-chunk
+    casts."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, temperature: float, rows: int, dtype: torch.dtype):
+        low = weight.detach().to(dtype)
+        logps, entropies, normalizers = [], [], []
+        with torch.autocast(hidden.device.type, enabled=False):
+            for states, ids in zip(hidden.split(rows), token_ids.split(rows)):
+                logits = _low_precision_logits(states, low, temperature)
+                log_normalizer = torch.logsumexp(logits, dim=-1)
+                logps.append(logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_normalizer)
+                log_probs = logits - log_normalizer.unsqueeze(-1)
+                entropies.append(-(log_probs.exp() * log_probs).sum(dim=-1))
+                normalizers.append(log_normalizer)
+        ctx.save_for_backward(hidden, low, token_ids, torch.cat(normalizers))
+        ctx.temperature, ctx.rows, ctx.weight_dtype = temperature, rows, weight.dtype
+        entropy = torch.cat(entropies)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logps), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, low, token_ids, log_normalizer = ctx.saved_tensors
+        temperature, rows = ctx.temperature, ctx.rows
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        for start in reversed(range(0, hidden.shape[0], rows)):
+            part = slice(start, start + rows)
+            states, ids, grad = hidden[part], token_ids[part], grad_logps[part]
+            logits = _low_precision_logits(states, low, temperature)
+            # logsumexp's backward (its output entered with -grad), then gather's, then the temperature's
+            grad_logits = (-grad).unsqueeze(-1) * (logits - log_normalizer[part].unsqueeze(-1)).exp()
+            grad_logits = grad_logits.scatter_add(-1, ids.unsqueeze(-1), grad.unsqueeze(-1))
+            if temperature and temperature != 1.0:
+                grad_logits = grad_logits / temperature
+            grad_low = grad_logits.to(low.dtype)
+            if grad_hidden is not None:
+                grad_hidden[part] = grad_low.mm(low).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                chunk = states.to(low.dtype).t().mm(grad_low).t().to(ctx.weight_dtype)
+                grad_weight = chunk if grad_weight is None else grad_weight.add_(chunk)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def head_cast_dtype(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when the output head's weight is in another one (float32 master weights under
+    bf16-mixed) and ``_CastOnceHeadLogps`` can take its place: a plain bias-free ``nn.Linear`` that FSDP2 does not
+    shard (its forward would gather the weight); else None."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type) or type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if head.weight.dtype != dtype and not is_fsdp_sharded(model) else None
+
+
 def _vocab_size(model: torch.nn.Module, head: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", 0) or model.config.vocab_size)
 
@@ -169,14 +241,19 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         del out
     head = model.get_output_embeddings()
     rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
-    logp_parts, entropy_parts = [], []
-    for states, ids in zip(hidden.split(rows), token_ids[mask].split(rows)):
-        if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
-            logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
-        else:
-            logps, entropy = _chunk_logps(head, states, ids, temperature)
-        logp_parts.append(logps)
-        entropy_parts.append(entropy)
+    cast_dtype = head_cast_dtype(model, head, hidden)
+    if cast_dtype is not None:  # the head's weight cast once for every chunk, not in each chunk and its recomputation
+        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids[mask], temperature, rows, cast_dtype)
+        logp_parts, entropy_parts = [logps], [entropy]
+    else:
+        logp_parts, entropy_parts = [], []
+        for states, ids in zip(hidden.split(rows), token_ids[mask].split(rows)):
+            if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
+                logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
+            else:
+                logps, entropy = _chunk_logps(head, states, ids, temperature)
+            logp_parts.append(logps)
+            entropy_parts.append(entropy)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     shape_like = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     logps = shape_like.masked_scatter(mask, torch.cat(logp_parts).to(dtype))

@@ -87,6 +87,7 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, rollout_metrics, step_metric_keys,
                                       whole_step_metrics)
+from lit_grpo.runtime.cast_weights import CastWeights, cast_names, reads_weights_outside_linear
 from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RaisedOnEveryRank,
                                           RolloutWeights, data_parallel_mesh, gradient_norm, is_fsdp_sharded,
                                           meta_replica, shard_decoder_layers, strategy_all_gather)
@@ -258,13 +259,14 @@ class GRPOModule(LightningModule):
         return self._mixed_precision_dtype() or next(policy.parameters()).dtype
 
     def rollout_weights(self) -> RolloutWeights:
-        """What rollouts run on: the policy, or under fsdp its gathered copy or its shards in lockstep
-        (``fsdp_rollout``); built once, after the strategy has placed the policy."""
+        """What rollouts run on: the policy (under mixed precision with its linear weights cast once per rollout,
+        ``CastWeights``), or under fsdp its gathered copy or its shards in lockstep (``fsdp_rollout``); built once,
+        after the strategy has placed the policy."""
         if self._rollout_weights is not None:
             return self._rollout_weights
         policy = self._require_policy()
         if not is_fsdp_sharded(policy):
-            self._rollout_weights = RolloutWeights(policy)
+            self._rollout_weights = self._cast_weights(policy) or RolloutWeights(policy)
         elif self._gathered is not None and (self.hparams.fsdp_rollout == "gathered"
                                              or self._gathered_fit_everywhere()):
             self._rollout_weights = self._gathered
@@ -272,6 +274,19 @@ class GRPOModule(LightningModule):
             group = data_parallel_mesh(self.device_mesh).get_group() if self.device_mesh is not None else None
             self._rollout_weights = LockstepWeights(policy, group)
         return self._rollout_weights
+
+    def _cast_weights(self, policy: torch.nn.Module) -> CastWeights | None:
+        """Under mixed precision, the policy with its linear weights cast once per rollout, where there is something
+        to cast, the rollout computes with it what the trainer computes (no DoRA) and the copies fit the device's
+        free memory on every rank; else None (autocast casts the weights at every step)."""
+        dtype = self._mixed_precision_dtype()
+        if dtype is None or not cast_names(policy, dtype) or reads_weights_outside_linear(policy):
+            return None
+        weights = CastWeights(policy, dtype)
+        fits = weights.fits()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            fits = self.trainer.strategy.reduce_boolean_decision(fits, all=True)
+        return weights if fits else None
 
     def _gathered_fit_everywhere(self) -> bool:
         """Whether the gathered weights fit on every rank ("auto"): one rank's no makes every rank's lockstep,
