@@ -386,3 +386,22 @@ def test_no_gradient_is_held_through_the_next_rollout():
                          callbacks=[GradientsAtStepStart()])
     trainer.fit(GRPOModule(model="tiny-llama"), RolloutDataModule(**datamodule_arguments({"val_size": 0})))
     assert held[0] == held[2] == 0 and held[1] < 0 and held[3] < 0, held
+
+
+def test_the_gradient_norm_is_taken_once_and_clips_by_itself(monkeypatch):
+    """One pass over the gradients for the norm: the clipping scales them by it instead of taking it again."""
+    import lightning.pytorch as pl
+
+    from lit_grpo.runtime.distributed import gradient_norm
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a second gradient norm")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", refused)
+    monkeypatch.setattr(pl.LightningModule, "clip_gradients", refused)
+    module, trainer = _fit_one_step([])
+    assert trainer.global_step == 1 and math.isfinite(trainer.callback_metrics["train/grad_norm"].item())
+    batch = trainer.datamodule.build_train_batch()
+    metrics = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    assert metrics["train/grad_norm"] > 1.0
+    assert gradient_norm(module.policy.parameters()) == pytest.approx(1.0, rel=1e-4)  # clipped to max_grad_norm

@@ -16,7 +16,7 @@ makes ``num_iterations`` optimizer steps on it:
    step's loss, so the gradients equal one big batch's), ``manual_backward`` (under ddp without gradient sync but
    in the last micro-batch: below); then the losses' finiteness check, over every rank, and ``optimizer.step``,
    inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the gradients) the
-   gradient norm is taken (logged, checked finite) and ``clip_gradients`` applied; the warmup scheduler step. Under
+   gradient norm is taken once (logged, checked finite, and the clipping's); the warmup scheduler step. Under
    a Trainer the gradients are then freed, so the next rollout does not hold them.
 
 A non-finite loss or gradient norm raises ``NonFiniteStepError`` (a ``FloatingPointError``) before any optimizer step
@@ -24,7 +24,8 @@ of that iteration, so the weights are never corrupted; under 16-mixed a non-fini
 overflow, whose step the scaler skips (the logged norm shows it).
 
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
-this module's ``max_grad_norm`` (applied through ``self.clip_gradients``, i.e. the precision plugin). Likewise
+this module's ``max_grad_norm`` (``clip_grads_with_norm_`` by the norm already taken, on the gradients the precision
+plugin has unscaled). Likewise
 ``accumulate_grad_batches`` must stay 1: the micro-batching above IS the accumulation. ``trainer.global_step``
 counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
 
@@ -411,7 +412,7 @@ class GRPOModule(LightningModule):
         """The whole update on one step's batch (``num_iterations`` optimizer steps); returns the scalars to log,
         and under ``weight/`` the weights of its ratios over ranks (``lit_grpo.rollout.metrics.loggable`` drops them).
 
-        Works with or without a Trainer (without one: plain ``backward`` and ``clip_grad_norm_``).
+        Works with or without a Trainer (without one: plain ``backward``, the norm and the clipping before the step).
         """
         hp = self.hparams
         if batch.group_size < 2:
@@ -539,10 +540,9 @@ class GRPOModule(LightningModule):
                                      f"iteration {self._iteration}; no optimizer step was taken, the weights are "
                                      "unchanged.")
         max_norm = self.hparams.max_grad_norm
-        if max_norm and self._trainer is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        elif max_norm:
-            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None], max_norm)
+        if max_norm:  # by the norm just taken: clip_grad_norm_ would read every gradient again for it
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
+                                                 max_norm, torch.tensor(grad_norm))
         return grad_norm
 
     # ------------------------------------------------------------------------------------------ validation
