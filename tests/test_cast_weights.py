@@ -1,11 +1,11 @@
-"""Rollout weights under mixed precision (lit_grpo/runtime/cast_weights.py): the linear weights cast once per
-rollout, so no weight is cast inside a decode step, and the rollout samples what per-step casts would."""
+"""Rollout weights under mixed precision (``CastWeights``, lit_grpo/runtime/distributed.py): the linear weights cast
+once per rollout, so no weight is cast inside a decode step, and the rollout samples what per-step casts would."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_grpo.runtime.cast_weights import CastWeights, cast_names
+from lit_grpo.runtime.distributed import CastWeights, cast_names
 from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine
 
@@ -90,7 +90,7 @@ def test_a_linear_used_twice_has_one_copy():
 def test_dora_and_a_policy_already_in_the_autocast_dtype_keep_the_per_step_casts():
     """What GRPOModule.rollout_weights() checks before taking CastWeights: a weight to cast, none read outside
     F.linear (DoRA's weight norm reads its float32 base weight)."""
-    from lit_grpo.runtime.cast_weights import reads_weights_outside_linear
+    from lit_grpo.runtime.distributed import reads_weights_outside_linear
     from lit_grpo.runtime.models import with_lora
 
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}

@@ -144,7 +144,7 @@ def test_a_graph_replayed_on_kept_cast_weights_samples_what_per_step_casts_sampl
     """bf16 autocast over float32 weights, as a bf16-mixed fit rolls out: a captured graph replayed on the same
     CastWeights (kept between scopes, an optimizer step in between) samples what the policy's eager per-step casts
     sample, and follows the new weights."""
-    from lit_grpo.runtime.cast_weights import CastWeights
+    from lit_grpo.runtime.distributed import CastWeights
 
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.", "hi")]

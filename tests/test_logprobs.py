@@ -127,13 +127,14 @@ def test_under_autocast_the_head_is_cast_once_and_gives_the_per_chunk_casts_valu
     weights = torch.randn(2, 5, generator=torch.Generator().manual_seed(1))
     head = model.get_output_embeddings()
     assert head_reproduces_logits(model)  # checked once per model, outside the counts
+    chunk_bytes = 3 * 4 * model.config.vocab_size
 
     def run():
         model.zero_grad(set_to_none=True)
         with HeadCasts(head.weight) as casts:
             # Lightning's bf16-mixed autocast, without a cast cache; 3 tokens per chunk: the 8 real tokens take 3
             with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                logps, entropy = completion_logps(model, micro, temperature, chunk_bytes=3 * 4 * model.config.vocab_size)
+                logps, entropy = completion_logps(model, micro, temperature, chunk_bytes=chunk_bytes)
             (logps * weights).sum().backward()
         return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}, casts.count
 

@@ -6,7 +6,7 @@ import torch
 from lit_grpo.cli import build_cli
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.runtime.cast_weights import CastWeights
+from lit_grpo.runtime.distributed import CastWeights
 from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder

@@ -39,7 +39,7 @@ def _rollout(model, tokenizer, prompts, args, device_type: str, dtype: torch.dty
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from lit_grpo.runtime.cast_weights import CastWeights, cast_names
+    from lit_grpo.runtime.distributed import CastWeights, cast_names
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_model_argument(parser, "smollm2")

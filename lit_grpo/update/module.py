@@ -88,10 +88,10 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import SCALES, Scale
 from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, rollout_metrics, step_metric_keys,
                                       whole_step_metrics)
-from lit_grpo.runtime.cast_weights import CastWeights, cast_names, reads_weights_outside_linear
-from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, GatheredWeights, LockstepWeights, RaisedOnEveryRank,
-                                          RolloutWeights, data_parallel_mesh, gradient_norm, is_fsdp_sharded,
-                                          meta_replica, shard_decoder_layers, strategy_all_gather)
+from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWeights, LockstepWeights,
+                                          RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
+                                          gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
+                                          shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, with_lora)
