@@ -91,6 +91,8 @@ def test_every_tool_is_run_as_a_module_and_edits_no_import_path():
         assert f"python tools/{path.name}" not in text and f"python -m tools.{path.stem}" in text, path.name
     check = (ROOT / "tools" / "gpu_check.sh").read_text()
     assert "python3 -m tools.gpu_targets" in check and "python3 -m tools.bench_grpo_memory" in check
+    assert "python3 -m tools.bench_cast_weights" in check and subprocess.run(["bash", "-n", str(
+        ROOT / "tools" / "gpu_check.sh")]).returncode == 0
     assert "tools/gpu_targets.py --" not in check and "tools/bench_grpo_memory.py --" not in check
 
 

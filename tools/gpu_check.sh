@@ -9,9 +9,12 @@
 #    invariance, greedy parity with generate) and the capturability tests;
 # 3. python -m tools.gpu_targets: its four measurements and one verdict per target line;
 # 4. python -m tools.bench_grpo_memory: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
-#    memory and its rollout's wall time (figures, no verdict).
+#    memory and its rollout's wall time (figures, no verdict);
+# 5. python -m tools.bench_cast_weights: a bf16-mixed rollout's decode step with autocast's per-step casts against
+#    the weights cast once (float32 master weights, G 32 on 32 slots, 512 tokens; figures and the samples' equality).
 # Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
-# grpo_memory.json). The exit status is not 0 when a test failed, a target was missed or a step broke.
+# grpo_memory.json, cast_weights.json). The exit status is not 0 when a test failed, a target was missed or a step
+# broke.
 set -uo pipefail
 DIR="${1:-${OUT:-}}"
 [ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"  # a given folder is relative to where the command was typed
@@ -28,4 +31,7 @@ targets=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.bench_grpo_memory --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
     --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"
 memory=$?
-exit $(( tests || targets || memory ))
+PYTHONUNBUFFERED=1 python3 -m tools.bench_cast_weights --model random:qwen3-1.7b --device cuda --prompts 1 \
+    --group-size 32 --max-new-tokens 512 --repeats 2 --json "$DIR/cast_weights.json"
+cast=$?
+exit $(( tests || targets || memory || cast ))
