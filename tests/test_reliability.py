@@ -349,8 +349,8 @@ def test_auto_micro_group_size_in_the_datamodule(module):
     dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=held + 3 * slot + 1)
     batch = dm.build_train_batch()
     assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
-    assert batch.metrics["rollout/micro_group_size"] == 3.0
-    assert rollout_metrics(batch)["rollout/micro_group_size"] == 3.0  # logged by training_step
+    assert batch.metrics["rollout/slots"] == 3.0
+    assert rollout_metrics(batch)["rollout/slots"] == 3.0  # logged by training_step
     assert batch.stats.peak_kv_bytes <= held + 3 * slot
     small = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=slot // 2)
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={slot // 2} is smaller.*{slot} bytes"):
@@ -376,7 +376,7 @@ def test_auto_micro_group_size_prices_the_cache_in_the_dtype_it_stores(module):
     dm.attach(module.policy, module.tokenizer, precision_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     dm.setup("fit")
     batch = dm.build_train_batch()
-    assert dm.resolved_micro_group_size == 6 and batch.metrics["rollout/micro_group_size"] == 6.0
+    assert dm.resolved_micro_group_size == 6 and batch.metrics["rollout/slots"] == 6.0
     assert batch.stats.peak_kv_bytes <= budget
 
 

@@ -94,7 +94,7 @@ class StepRecorder(Callback):
             "skipped": batch.skipped.tolist() if batch.skipped is not None else None,
             "loss": float(loss) if loss is not None else None,
             "param_sum": param_sum, "param_abs": param_abs, "sharded": sharded,
-            "micro_group_size": batch.metrics.get("rollout/micro_group_size"),
+            "micro_group_size": batch.metrics.get("rollout/slots"),
             "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
             "group_size": batch.group_size, "num_prompts": batch.num_prompts,
             "threads": torch.get_num_threads(),

@@ -272,7 +272,7 @@ class RolloutBuilder:
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
         if engine.micro_group_size is not None:
-            batch.metrics["rollout/micro_group_size"] = float(engine.micro_group_size)
+            batch.metrics["rollout/slots"] = float(engine.micro_group_size)
         return batch
 
     def build_val(self, prompts: list[Prompt]) -> RolloutBatch | None:

@@ -102,7 +102,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "rollout/carried_samples": "sum",
     "rollout/offpolicy_tokens_frac": "mean",
     "data/prompts_unused": "max",  # counted for the whole step, the same on every rank
-    "rollout/micro_group_size": "max",
+    "rollout/slots": "max",
     "curriculum/mu": "mean",  # the same on every rank (one data-steering state)
     "curriculum/mean_angle": "mean",
     "rollout/rank_skew": "skew",
