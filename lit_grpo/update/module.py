@@ -279,15 +279,13 @@ class GRPOModule(LightningModule):
     def _cast_weights(self, policy: torch.nn.Module) -> CastWeights | None:
         """Under mixed precision, the policy with its linear weights cast once per rollout, where there is something
         to cast, the rollout computes with it what the trainer computes (no DoRA) and the copies fit the device's
-        free memory on every rank; else None (autocast casts the weights at every step)."""
+        free memory; else None (autocast casts the weights at every step). Each rank decides alone: both kinds run
+        no collective and sample the same bits."""
         dtype = self._mixed_precision_dtype()
         if dtype is None or not cast_names(policy, dtype) or reads_weights_outside_linear(policy):
             return None
         weights = CastWeights(policy, dtype)
-        fits = weights.fits()
-        if self._trainer is not None and self.trainer.world_size > 1:
-            fits = self.trainer.strategy.reduce_boolean_decision(fits, all=True)
-        return weights if fits else None
+        return weights if weights.fits() else None
 
     def _gathered_fit_everywhere(self) -> bool:
         """Whether the gathered weights fit on every rank ("auto"): one rank's no makes every rank's lockstep,
