@@ -79,7 +79,7 @@ def check_full_attention(model_config) -> None:
 
 
 class _StoringLayer(DynamicLayer):
-    """A ``DynamicLayer`` that stores keys and values in ``dtype``."""
+    """A ``DynamicLayer`` that stores keys and values in ``store_dtype``."""
 
     def __init__(self, store_dtype: torch.dtype):
         super().__init__()
