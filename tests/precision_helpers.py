@@ -1,4 +1,5 @@
-"""What a test needs to claim greedy tokens equal across float32 implementations (not a test module)."""
+"""What tests of precision need (not a test module): a claim that greedy tokens are equal across float32
+implementations (``assert_greedy_margin``), and a count of the casts of given weights (``WeightCasts``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import copy
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def assert_greedy_margin(model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int],
@@ -31,3 +33,19 @@ def assert_greedy_margin(model: torch.nn.Module, prompt: Sequence[int], completi
     assert gap > factor * rounding, (f"a greedy step's two best logits are {gap:.3g} apart, within {factor} x the "
                                      f"float32 rounding of the logits ({rounding:.3g}): a near tie, which other "
                                      "kernels may break the other way")
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the conversions (``aten.to``, ``aten._to_copy``: what autocast's casts dispatch) whose input lies in
+    the storage of one of ``tensors`` (a parameter, or a copy made of it beforehand)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().size()}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy) and \
+                args[0].untyped_storage().data_ptr() in self.storages:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -3,7 +3,7 @@ once per rollout, so no weight is cast inside a decode step, and the rollout sam
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from precision_helpers import WeightCasts
 
 from lit_grpo.runtime.distributed import CastWeights, cast_names
 from lit_grpo.runtime.models import load_model_and_tokenizer
@@ -11,22 +11,6 @@ from lit_grpo.sampling import RolloutEngine
 
 SETTINGS = dict(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=8, temperature=1.0,
                 seed=3)
-
-
-class ParameterCasts(TorchDispatchMode):
-    """Counts conversions (``aten.to``, ``aten._to_copy``: what autocast's casts dispatch) whose input is in one of
-    the given tensors' storage."""
-
-    def __init__(self, tensors):
-        super().__init__()
-        self.storages = {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().size()}
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy) and \
-                args[0].untyped_storage().data_ptr() in self.storages:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(params=["tiny-llama", "tiny-qwen2"])
@@ -106,10 +90,10 @@ def test_no_weight_is_cast_inside_a_rollout_and_the_samples_are_the_per_step_cas
     (the same bfloat16 weights)."""
     model, tokenizer = tied
     weights = CastWeights(model, torch.bfloat16)
-    with ParameterCasts(model.parameters()) as per_step:
+    with WeightCasts(model.parameters()) as per_step:
         reference = _generate(model, tokenizer, prompt_ids)
     assert per_step.count >= reference.stats.decode_steps * len(cast_names(model, torch.bfloat16))
-    with weights.active() as replica, ParameterCasts([*model.parameters(), *replica.parameters()]) as cast_once:
+    with weights.active() as replica, WeightCasts([*model.parameters(), *replica.parameters()]) as cast_once:
         result = _generate(replica, tokenizer, prompt_ids)
     assert cast_once.count == 0
     assert result.completion_ids == reference.completion_ids and result.logprobs == reference.logprobs

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from precision_helpers import WeightCasts
 
 from lit_grpo.update.logprobs import completion_logits, completion_logps, head_reproduces_logits, token_entropy, token_logps
 from lit_grpo.runtime.models import load_model_and_tokenizer
@@ -96,19 +97,6 @@ def test_a_micro_batch_without_real_tokens_still_has_a_gradient_path():
 
 
 
-class HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the copies that convert the tensor in ``weight``'s storage (``aten._to_copy``, what a cast runs)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.storage, self.count = weight.untyped_storage().data_ptr(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() == self.storage:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("tied", [False, True])
@@ -131,7 +119,7 @@ def test_under_autocast_the_head_is_cast_once_and_gives_the_per_chunk_casts_valu
 
     def run():
         model.zero_grad(set_to_none=True)
-        with HeadCasts(head.weight) as casts:
+        with WeightCasts([head.weight]) as casts:
             # Lightning's bf16-mixed autocast, without a cast cache; 3 tokens per chunk: the 8 real tokens take 3
             with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
                 logps, entropy = completion_logps(model, micro, temperature, chunk_bytes=chunk_bytes)

@@ -99,6 +99,14 @@ def is_fsdp_sharded(model: torch.nn.Module) -> bool:
 FSDP_ROLLOUTS = ("auto", "gathered", "lockstep")
 
 
+def fits_free_memory(nbytes: int, device: torch.device, share: float) -> bool:
+    """Whether ``nbytes`` take at most ``share`` of ``device``'s free memory; always on a CPU."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= share * free
+
+
 class RolloutWeights:
     """The module a rollout runs (``module``) and the scope it runs in (``active()``: ``materialize()`` on entry,
     ``release()`` on exit); this class: the policy itself, nothing to do. Every rank enters ``active()`` the same
@@ -196,11 +204,7 @@ class GatheredWeights(RolloutWeights):
     def fits(self, share: float = 0.5) -> bool:
         """Whether the gathered weights take at most ``share`` of the device's free memory (the rest is for the
         KV cache and the update); always on a CPU."""
-        device = next(self.sharded.parameters()).device
-        if device.type != "cuda":
-            return True
-        free, _ = torch.cuda.mem_get_info(device)
-        return self.weights_bytes() <= share * free
+        return fits_free_memory(self.weights_bytes(), next(self.sharded.parameters()).device, share)
 
     def materialize(self) -> torch.nn.Module:
         return self.gather()
@@ -289,10 +293,7 @@ class CastWeights(RolloutWeights):
         """Whether the cast weights take at most ``share`` of the device's free memory (the rest is for the KV
         cache and the update); always on a CPU."""
         device = next(iter(self._casts.values()))[0].device if self._casts else torch.device("cpu")
-        if device.type != "cuda":
-            return True
-        free, _ = torch.cuda.mem_get_info(device)
-        return self.cast_bytes() <= share * free
+        return fits_free_memory(self.cast_bytes(), device, share)
 
 
 class RaisedOnEveryRank(Exception):
