@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
@@ -35,6 +37,7 @@ class FitSummary(Callback):
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
           rollout time   1.90 s a step (26% of it): 34.5 ms a decode step alone, 0.94 ms a prompt token's prefill
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
+          host peak      3.4 GiB resident (the process's high-water mark)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
 
@@ -44,7 +47,7 @@ class FitSummary(Callback):
     the run's totals): the rest of a rollout is the scheduler's bookkeeping. Under several processes the figures are
     the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time its slowest
     rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's
-    rollouts, the KV and process peaks the largest rank's. TensorBoard draws a validation where
+    rollouts, the KV, process and host peaks the largest rank's (the host peak gathered when training ends). TensorBoard draws a validation where
     Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs
     no keys of its own.
 
@@ -72,6 +75,7 @@ class FitSummary(Callback):
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
         self._first_step = 0
+        self._host_peak: int | None = None  # the ranks' largest resident high-water mark when training ended
 
     # ------------------------------------------------------------------------------------------ collect
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -105,6 +109,12 @@ class FitSummary(Callback):
             self.rollout_s += max(rank.wall_s for rank in per_rank)
             self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        peak = host_peak_bytes()
+        if trainer.world_size > 1:  # every rank is here at once, before the strategy's teardown
+            peak = int(trainer.strategy.all_gather(torch.tensor(peak, device=pl_module.device)).max())
+        self._host_peak = peak
+
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -136,6 +146,10 @@ class FitSummary(Callback):
         peak = self._peak_line(trainer)
         if peak:
             lines.append(f"  {'rollout peak':<14} {peak}")
+        if self._host_peak is not None:  # and what the end of fit added on this rank
+            host = max(self._host_peak, host_peak_bytes())
+            lines.append(f"  {'host peak':<14} {format_bytes(host)} resident (the process's high-water mark"
+                         + (", the largest rank's)" if trainer.world_size > 1 else ")"))
         lines.extend(self._where_lines(trainer))
         return lines
 

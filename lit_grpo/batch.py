@@ -8,6 +8,8 @@ timeline).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,25 +135,43 @@ class RolloutBatch:
         """``[N]``."""
         return self.advantages.flatten()
 
-    def micro_batch(self, rows: torch.Tensor | list[int]) -> dict[str, torch.Tensor]:
+    @functools.cached_property
+    def _host_lengths(self) -> tuple[list[int], list[int]]:
+        """Each prompt's real tokens (``B``) and each completion row's (``N``), on the host: read once per batch
+        (one device-to-host copy), so that cutting the step's micro-batches waits on the device not once each."""
+        lengths = torch.cat([self.prompt_mask.sum(dim=1), self.flat_completion_mask().sum(dim=1)]).tolist()
+        return lengths[:self.num_prompts], lengths[self.num_prompts:]
+
+    def micro_batch(self, rows: Sequence[int] | torch.Tensor) -> dict[str, Any]:
         """Model inputs for some flat completion rows, trimmed to the longest prompt / completion among them.
 
         Returns a dict with ``input_ids``, ``attention_mask``, ``position_ids``: ``[m, P' + T']``, the prompt
         left-padded and the completion right-padded, positions counting real tokens only (so padding never shifts
         them); ``completion_ids``, ``completion_mask``, ``sampling_logprobs``: ``[m, T']``; ``advantages``:
-        ``[m]``; ``truncated``: ``[m]``; ``skipped``: ``[m]`` bool (the row's group was skipped);
-        ``prompt_length``: ``P'``.
+        ``[m]``; ``truncated``: ``[m]``; ``skipped``: ``[m]`` bool (the row's group was skipped); and what the
+        host knows without asking the device: ``prompt_length`` ``P'``, ``shortest_prompt`` (the fewest real
+        prompt tokens of a row), ``num_tokens`` (real completion tokens in all) and ``prompt_groups``
+        (``[u]`` the first row of each of the ``u`` prompts, ``[m]`` each row's prompt among them:
+        ``lit_grpo.update.shared_prefix.prompt_groups``'s answer, by prompt index rather than content).
+        ``rows`` given as a list or range cost no synchronisation; a tensor of rows is read to the host first.
         """
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.rewards.device)
-        prompt_rows = rows // self.group_size
-        prompt_ids = self.prompt_ids[prompt_rows]
-        prompt_mask = self.prompt_mask[prompt_rows]
-        keep_p = int(prompt_mask.sum(dim=1).max().item())
-        prompt_ids, prompt_mask = prompt_ids[:, prompt_ids.shape[1] - keep_p:], prompt_mask[:, prompt_mask.shape[1] - keep_p:]
-        completion_mask = self.flat_completion_mask()[rows]
-        keep_t = max(int(completion_mask.sum(dim=1).max().item()), 1)
-        completion_mask = completion_mask[:, :keep_t]
-        completion_ids = self.flat_completion_ids()[rows][:, :keep_t]
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        prompt_lengths, completion_lengths = self._host_lengths
+        prompts = [row // self.group_size for row in rows]
+        keep_p = max(prompt_lengths[p] for p in prompts)
+        num_tokens = sum(completion_lengths[row] for row in rows)
+        keep_t = max(max(completion_lengths[row] for row in rows), 1)
+        order = list(dict.fromkeys(prompts))  # the distinct prompts, in order of their first row
+        group = [order.index(p) for p in prompts]
+        first = [prompts.index(p) for p in order]
+        # one host-to-device copy for every index, without a wait: a pageable source is staged at once
+        host = torch.tensor([*rows, *prompts, *first, *group], dtype=torch.long)
+        index, prompt_rows, first, group = host.to(self.rewards.device, non_blocking=True).split(
+            [len(rows), len(rows), len(order), len(rows)])
+        prompt_ids = self.prompt_ids[prompt_rows][:, self.prompt_ids.shape[1] - keep_p:]
+        prompt_mask = self.prompt_mask[prompt_rows][:, self.prompt_mask.shape[1] - keep_p:]
+        completion_mask = self.flat_completion_mask()[index][:, :keep_t]
+        completion_ids = self.flat_completion_ids()[index][:, :keep_t]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         return {
@@ -160,12 +180,15 @@ class RolloutBatch:
             "position_ids": position_ids,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "sampling_logprobs": self.sampling_logprobs.flatten(0, 1)[rows][:, :keep_t],
-            "advantages": self.flat_advantages()[rows],
-            "truncated": self.truncated.flatten()[rows],
+            "sampling_logprobs": self.sampling_logprobs.flatten(0, 1)[index][:, :keep_t],
+            "advantages": self.flat_advantages()[index],
+            "truncated": self.truncated.flatten()[index],
             "skipped": (self.skipped[prompt_rows] if self.skipped is not None
-                        else torch.zeros(len(rows), dtype=torch.bool, device=rows.device)),
+                        else torch.zeros(len(rows), dtype=torch.bool, device=index.device)),
             "prompt_length": keep_p,
+            "shortest_prompt": min(prompt_lengths[p] for p in prompts),
+            "num_tokens": num_tokens,
+            "prompt_groups": (first, group),
         }
 
 

@@ -56,11 +56,11 @@ def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run, eos_model):
     # process from the initial weights and compare the gradient norm the ddp run logged.
     module = GRPOModule(model=eos_model, train_micro_batch_size=4, max_grad_norm=None)
     module.configure_model()
-    total = sum(float(module._total_active_tokens(b, module._micro_batches(b))) for b in batches)
+    total = sum(module._total_active_tokens(module._micro_batches(b)) for b in batches)
     grads = []
     for b in batches:
         module._update(b, module._micro_batches(b), torch.optim.SGD(module.policy.parameters(), lr=0.0), None, None,
-                       torch.tensor(total), 0)
+                       total, 0)
         grads.append([p.grad.clone() for p in module.policy.parameters()])
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a + b) for a, b in zip(*grads)]))
     logged = read_records(ddp_run, 0)[0]["grad_norm"]
@@ -275,7 +275,7 @@ def _step_ranks():
     def micro(tokens: int, low: float, high: float, kl: float, entropy: float):
         mask = torch.zeros(1, 6)
         mask[0, :tokens] = 1
-        return (0.5, {"active_tokens": torch.tensor(float(tokens)), "clip_ratio_low": torch.tensor(low),
+        return (torch.tensor(0.5), {"active_tokens": torch.tensor(float(tokens)), "clip_ratio_low": torch.tensor(low),
                       "clip_ratio_high": torch.tensor(high), "kl": torch.tensor(kl)}, torch.full((1, 6), entropy), mask)
 
     micros = [[micro(2, 0.5, 0.0, 0.1, 1.0)], [micro(6, 0.0, 1 / 3, 0.4, 2.0), micro(3, 1 / 3, 0.0, 0.2, 0.5)]]
@@ -284,6 +284,7 @@ def _step_ranks():
         step = StepMetrics()
         for args in batches:
             step.add(*args)
+        step.read()
         tokens = float(sum(args[3].sum() for args in batches))
         steps.append({**{k if k.startswith("weight/") else f"train/{k}": v for k, v in step.result(1.0).items()},
                       "weight/completion_tokens": tokens})

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor, RolloutProfiler
+from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes
 
 
@@ -61,8 +62,11 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
                         rf"{prefill_ms:.2f} ms a prompt token's prefill", lines[3]), lines[3]
     kv = max(r.stats.peak_kv_bytes for r in rollouts)
     assert lines[4].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[4]
-    assert "tensorboard --logdir" in lines[5]
-    assert "last.ckpt (" in lines[6] and "--ckpt_path" in lines[6]
+    host = re.fullmatch(r"  host peak      ([\d.]+) (MiB|GiB) resident \(the process's high-water mark\)", lines[5])
+    assert host, lines[5]
+    assert float(host[1]) * {"MiB": 2**20, "GiB": 2**30}[host[2]] == pytest.approx(host_peak_bytes(), rel=0.05)
+    assert "tensorboard --logdir" in lines[6]
+    assert "last.ckpt (" in lines[7] and "--ckpt_path" in lines[7]
 
 
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):

@@ -320,11 +320,11 @@ def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
     assert GRPOModule(model="tiny-llama", loss={"loss_type": "grpo"}).loss_fn.name == "grpo"
 
 
-def _fit_one_step(plugins):
+def _fit_one_step(plugins, **module_arguments):
     import lightning.pytorch as pl
 
     pl.seed_everything(0)
-    module = GRPOModule(model="tiny-llama", max_grad_norm=1.0, lr=1e-3)
+    module = GRPOModule(**{"model": "tiny-llama", "max_grad_norm": 1.0, "lr": 1e-3, **module_arguments})
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=plugins)
     trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0})))
@@ -405,3 +405,66 @@ def test_the_gradient_norm_is_taken_once_and_clips_by_itself(monkeypatch):
     metrics = module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
     assert metrics["train/grad_norm"] > 1.0
     assert gradient_norm(module.policy.parameters()) == pytest.approx(1.0, rel=1e-4)  # clipped to max_grad_norm
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_the_update_reads_from_the_device_a_few_times_a_step_however_many_micro_batches(batch, shared_prefix):
+    """On a GPU every read of a tensor's value waits for the device: the update's reads are per step (the step's
+    token count, its losses and metrics, the gradient norm), never per micro-batch."""
+    from sync_helpers import HostReads
+
+    reads = {}
+    for size in (1, 4):  # 8 and 2 micro-batches
+        module = make_module(train_micro_batch_size=size, shared_prefix=shared_prefix,
+                             loss={"loss_type": "dapo"}, sampler_correction={"mode": "token_truncate"})
+        fresh = batch.to("cpu")  # a copy: nothing read for the fixture's batch before counts here
+        with HostReads() as counted:
+            module.grpo_step(fresh, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+        reads[size] = counted.sites
+    assert len(reads[1]) == len(reads[4]) <= 6, reads
+
+
+def test_adamw_runs_fused_where_every_parameter_is_on_a_gpu():
+    from types import SimpleNamespace
+
+    from lit_grpo.update.module import fused_adamw
+
+    def on(device_type, floating=True):
+        return SimpleNamespace(device=torch.device(device_type), is_floating_point=lambda: floating)
+
+    assert fused_adamw([on("cuda"), on("cuda")])
+    assert not fused_adamw([on("cuda"), on("cpu")]) and not fused_adamw([on("cpu")]) and not fused_adamw([])
+    assert not fused_adamw([on("cuda", floating=False)])
+    optimizer = make_module().configure_optimizers()["optimizer"]
+    assert not optimizer.defaults["fused"]  # on a CPU: torch's default implementation
+
+
+@pytest.mark.parametrize("move", [False, True])
+def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unless_asked(monkeypatch, move):
+    """Lightning's strategy teardown moves the module and the optimizers' state to the CPU when fit ends (a host
+    copy of weights and moments). On a CPU the move copies nothing, so what is checked is whether it is made."""
+    import lightning.pytorch.strategies.strategy as strategy_module
+
+    moved = {"module": 0, "optimizers": []}  # module moves; optimizers handed to each optimizer move
+    module_apply, optimizers_to_device = torch.nn.Module._apply, strategy_module._optimizers_to_device
+
+    def counted_apply(self, fn, *args, **kwargs):
+        if isinstance(self, GRPOModule):
+            moved["module"] += 1
+        return module_apply(self, fn, *args, **kwargs)
+
+    def counted_optimizers_to_device(optimizers, device):
+        optimizers = list(optimizers)
+        moved["optimizers"].append(len(optimizers))
+        return optimizers_to_device(optimizers, device)
+
+    monkeypatch.setattr(strategy_module, "_optimizers_to_device", counted_optimizers_to_device)
+    monkeypatch.setattr(torch.nn.Module, "_apply", counted_apply)
+    module, trainer = _fit_one_step([], move_to_cpu_after_fit=move)
+    assert trainer.global_step == 1
+    moves_at_setup = 1  # the strategy's moves onto the device before training, then the teardown's to the CPU
+    assert moved == ({"module": moves_at_setup + 1, "optimizers": [1, 1]} if move else
+                     {"module": moves_at_setup, "optimizers": [1, 0]}), moved
+    assert len(trainer.optimizers) == 1 and trainer.optimizers[0].state  # handed back, moments and all
+    module.cpu()  # outside the teardown it moves as ever
+    assert moved["module"] == moves_at_setup + 1 + move

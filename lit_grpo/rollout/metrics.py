@@ -21,13 +21,7 @@ def completion_length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) ->
         lengths: completion tokens of every sample, any shape (e.g. ``[B, G]`` or flat ``[N]``), not empty.
         truncated: same shape, True where a completion was cut by ``max_new_tokens`` (no EOS).
     """
-    lengths = lengths.detach().double()
-    return {
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.detach().double().mean().item(),
-    }
+    return on_host(_completion_length_values(lengths, truncated))
 
 
 def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Tensor], num_groups_zero_std: int,
@@ -41,31 +35,59 @@ def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
         num_groups_zero_std, num_groups_generated: groups whose rewards were all equal / all groups sampled for
             this step (dynamic sampling's dropped groups included).
     """
-    rewards = rewards.float()
-    out = {
-        "reward/mean": float(rewards.mean()),
-        # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
-        "reward/std": float(rewards.std(dim=1).mean()) if rewards.shape[1] > 1 else 0.0,
-        "reward/frac_zero_std": num_groups_zero_std / max(num_groups_generated, 1),
-        "weight/groups_generated": float(num_groups_generated),
-    }
-    for name, values in reward_components.items():
-        present = values[~torch.isnan(values)]
-        if present.numel():
-            out[f"reward/{name}/mean"] = float(present.float().mean())
-            out[ratio_weight(f"reward/{name}/mean")] = float(present.numel())
-    return out
+    return _without_absent(on_host(_reward_values(rewards, reward_components, num_groups_zero_std,
+                                                  num_groups_generated)))
 
 
 def rollout_metrics(batch: Any) -> dict[str, float]:
     """reward/ and completions/ scalars of a ``RolloutBatch``, plus what the data side put in ``batch.metrics``
-    (curriculum/*, rollout/rollouts_per_step, ...), and the weights of their ratio keys (``RATIO_WEIGHTS``)."""
-    out = reward_metrics(batch.rewards, batch.reward_components, batch.num_groups_zero_std,
-                         batch.num_groups_generated)
-    out.update(completion_length_metrics(batch.completion_lengths, batch.truncated))
-    out.update({key: float(value) for key, value in batch.metrics.items()})
-    out["weight/completion_tokens"] = float(batch.completion_mask.sum())
+    (curriculum/*, rollout/rollouts_per_step, ...), and the weights of their ratio keys (``RATIO_WEIGHTS``); the
+    batch's tensors are read to the host once."""
+    values = _reward_values(batch.rewards, batch.reward_components, batch.num_groups_zero_std,
+                            batch.num_groups_generated)
+    values.update(_completion_length_values(batch.completion_lengths, batch.truncated))
+    values.update({key: float(value) for key, value in batch.metrics.items()})
+    values["weight/completion_tokens"] = batch.completion_mask.sum()
+    return _without_absent(on_host(values))
+
+
+def on_host(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """``values`` with every scalar tensor among them read to the host in one copy (one wait on the device)."""
+    keys = [key for key, value in values.items() if isinstance(value, torch.Tensor)]
+    read = torch.stack([values[key].detach().double() for key in keys]).tolist() if keys else []
+    return {**values, **dict(zip(keys, read))}
+
+
+def _completion_length_values(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, torch.Tensor]:
+    lengths = lengths.detach().double()
+    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.detach().double().mean()}
+
+
+def _reward_values(rewards: torch.Tensor, reward_components: dict[str, torch.Tensor], num_groups_zero_std: int,
+                   num_groups_generated: int) -> dict[str, torch.Tensor | float]:
+    """``reward_metrics``' values before the read; a function's mean whose weight is 0 (no value present) is left
+    out after it (``_without_absent``)."""
+    rewards = rewards.float()
+    out: dict[str, torch.Tensor | float] = {
+        "reward/mean": rewards.mean(),
+        # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
+        "reward/std": rewards.std(dim=1).mean() if rewards.shape[1] > 1 else 0.0,
+        "reward/frac_zero_std": num_groups_zero_std / max(num_groups_generated, 1),
+        "weight/groups_generated": float(num_groups_generated),
+    }
+    for name, values in reward_components.items():
+        present = ~torch.isnan(values)
+        out[f"reward/{name}/mean"] = values.double().nan_to_num().sum() / present.sum().clamp(min=1)
+        out[ratio_weight(f"reward/{name}/mean")] = present.sum()
     return out
+
+
+def _without_absent(metrics: dict[str, float]) -> dict[str, float]:
+    """Leaves out each reward function's mean (and its weight) that no value of the batch was present for."""
+    absent = {key for key in metrics if key.startswith("reward/") and metrics.get(ratio_weight(key)) == 0}
+    return {key: value for key, value in metrics.items()
+            if key not in absent and not any(key == ratio_weight(name) for name in absent)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

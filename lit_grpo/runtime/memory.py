@@ -24,6 +24,7 @@ import functools
 import mmap
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Literal, Protocol, get_args
@@ -187,6 +188,18 @@ def read_status_bytes(field: str) -> int:
     if match is None:
         raise OSError(f"{field} not found in {_STATUS}")
     return int(match.group(1)) * 1024
+
+
+def host_peak_bytes() -> int:
+    """This process's resident-set high-water mark over its life (Linux VmHWM, unless a ``cpu_method="hwm"``
+    tracker reset it; ``getrusage``'s ``ru_maxrss`` where /proc is absent)."""
+    try:
+        return read_status_bytes("VmHWM")
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def read_statm_rss() -> int:

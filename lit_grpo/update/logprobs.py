@@ -212,6 +212,15 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
     return ok
 
 
+def _real_tokens(mask: torch.Tensor, count: int | None) -> torch.Tensor:
+    """``[n]`` the flat positions of ``mask``'s true entries in row-major order. ``count`` (their number, where the
+    host knows it: ``RolloutBatch.micro_batch``'s ``num_tokens``) spares the wait on the device for it."""
+    flat = mask.flatten()
+    if count is None:
+        return flat.nonzero().squeeze(1)
+    return torch.nonzero_static(flat, size=count).squeeze(1)
+
+
 def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
                      chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True, shared_prefix: bool = False,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,27 +236,30 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
     token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
     num_tokens = token_ids.shape[1]
+    real = _real_tokens(mask, micro.get("num_tokens"))  # [n] flat positions in [m, T']
     # (with no real token at all the chunks would be empty and the result detached from the model: full path)
-    if not (chunked and bool(mask.any()) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
+    if not (chunked and len(real) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
         logits = completion_logits(model, micro, temperature, shared_prefix)
         logps = token_logps(logits, token_ids) * mask
         return logps, token_entropy(logits) * mask
     groups = _shared_groups(micro, shared_prefix)
     if groups is not None:
-        hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)[mask]
+        hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)
     else:  # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest
         out = model(**_model_inputs(micro), output_hidden_states=True, logits_to_keep=1)
-        hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1][mask]  # [n, H]: the real completion tokens only
+        hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1]
         del out
+    hidden = hidden.flatten(0, 1).index_select(0, real)  # [n, H]: the real completion tokens only
+    token_ids = token_ids.flatten().index_select(0, real)
     head = model.get_output_embeddings()
     rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
     cast_dtype = head_cast_dtype(model, head, hidden)
     if cast_dtype is not None:  # the head's weight cast once for every chunk, not in each chunk and its recomputation
-        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids[mask], temperature, rows, cast_dtype)
+        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids, temperature, rows, cast_dtype)
         logp_parts, entropy_parts = [logps], [entropy]
     else:
         logp_parts, entropy_parts = [], []
-        for states, ids in zip(hidden.split(rows), token_ids[mask].split(rows)):
+        for states, ids in zip(hidden.split(rows), token_ids.split(rows)):
             if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
                 logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
             else:
@@ -255,8 +267,8 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
             logp_parts.append(logps)
             entropy_parts.append(entropy)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    shape_like = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    logps = shape_like.masked_scatter(mask, torch.cat(logp_parts).to(dtype))
-    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
-    entropy = entropy.masked_scatter(mask, torch.cat(entropy_parts).float())
+    logps = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+    logps = logps.index_copy(0, real, torch.cat(logp_parts).to(dtype)).view(mask.shape)
+    entropy = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
+    entropy = entropy.index_copy(0, real, torch.cat(entropy_parts).float()).view(mask.shape)
     return logps, entropy.detach()

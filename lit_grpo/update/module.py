@@ -155,6 +155,9 @@ class GRPOModule(LightningModule):
         cpu_linear: the kernel of the update's linear layers on a CPU, forward and backward (auto | onednn | torch):
             "auto" is oneDNN for a float32 policy that is not FSDP-sharded, on a CPU that is not Intel's (where
             MKL, torch's kernel, is the faster one; lit_grpo.sampling.cpu_linear).
+        move_to_cpu_after_fit: let Lightning move the policy and the optimizer's state to the CPU when ``fit``
+            ends (its strategies' default). Off: both stay on their device (``on_train_end``), where a host copy
+            of weights and moments would take several GiB of host memory for a 1B-parameter model.
     """
 
     def __init__(
@@ -178,6 +181,7 @@ class GRPOModule(LightningModule):
         fsdp: bool = False,
         fsdp_rollout: str = "auto",
         cpu_linear: UpdateLinear = "auto",
+        move_to_cpu_after_fit: bool = False,
     ):
         super().__init__()
         check_choice("scale_rewards", scale_rewards, SCALES)
@@ -208,6 +212,8 @@ class GRPOModule(LightningModule):
         self.held_out = HeldOutMetrics()
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
         self._grad_norm, self._iteration = math.nan, 0
+        #: Between ``on_train_end`` and ``on_fit_end``: the optimizers kept out of the teardown's move to the CPU.
+        self._kept_on_device: list[torch.optim.Optimizer] | None = None
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -327,6 +333,26 @@ class GRPOModule(LightningModule):
             for key, value in self.ref_model.state_dict().items():
                 state.setdefault(f"ref_model.{key}", value)
 
+    # ------------------------------------------------------------------------------------------ end of fit
+    def on_train_end(self) -> None:
+        """Unless ``move_to_cpu_after_fit``: the strategy's teardown, which runs next, moves this module and the
+        optimizers' state to the CPU; both stay on their device instead (``cpu`` answers that one call without
+        moving; the optimizers are out of the teardown's sight until ``on_fit_end``). Strategies that move
+        nothing (FSDP2's) are left as they are."""
+        if self.hparams.move_to_cpu_after_fit:
+            return
+        strategy = self.trainer.strategy
+        self._kept_on_device, strategy.optimizers = strategy.optimizers, []
+
+    def cpu(self) -> GRPOModule:
+        if self._kept_on_device is not None:  # the strategy's teardown at the end of fit (on_train_end)
+            return self
+        return super().cpu()
+
+    def on_fit_end(self) -> None:
+        if self._kept_on_device is not None:
+            self.trainer.strategy.optimizers, self._kept_on_device = self._kept_on_device, None
+
     # ------------------------------------------------------------------------------------------ data hand-over
     def on_fit_start(self) -> None:
         self._hand_over_to_data()
@@ -352,42 +378,46 @@ class GRPOModule(LightningModule):
         params = [p for p in self._require_policy().parameters() if p.requires_grad]
         if not params:
             raise ValueError("the policy has no trainable parameters")
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+                                      fused=fused_adamw(params) or None)
         warmup = hp.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs
-    def _micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        rows = torch.arange(batch.num_completions, device=batch.rewards.device)
-        return list(rows.split(self.hparams.train_micro_batch_size))
+    def _micro_batches(self, batch: RolloutBatch) -> list[tuple[range, dict[str, Any]]]:
+        """The step's micro-batches of ``train_micro_batch_size`` consecutive rows, each with its model inputs
+        (``RolloutBatch.micro_batch``), cut once per step and without waiting on the device."""
+        size, total = self.hparams.train_micro_batch_size, batch.num_completions
+        return [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
+                                                              for start in range(0, total, size))]
 
     def _loss_mask(self, micro: dict[str, Any]) -> torch.Tensor:
         mask = micro["completion_mask"]
         if self.hparams.mask_truncated_completions:
             mask = mask * (~micro["truncated"]).unsqueeze(1).to(mask.dtype)
         skipped = micro.get("skipped")
-        if skipped is not None and bool(skipped.any()):  # reward errors (on_reward_error="skip_group"): no loss
+        if skipped is not None:  # reward errors (on_reward_error="skip_group"): no loss
             mask = mask * (~skipped).unsqueeze(1).to(mask.dtype)
         return mask
 
     @torch.no_grad()
-    def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[torch.Tensor]) -> list:
-        return [self._logps(model, batch.micro_batch(rows), batch.temperature)[0] for rows in chunks]
+    def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list) -> list:
+        return [self._logps(model, micro, batch.temperature)[0] for _, micro in chunks]
 
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
         """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs).
         Under fsdp the output head runs on the root's gathered weights, which FSDP2 keeps until the backward."""
         return completion_logps(model, micro, temperature, shared_prefix=self.uses_shared_prefix)
 
-    def _total_active_tokens(self, batch: RolloutBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
-        """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank."""
-        total = sum(self._loss_mask(batch.micro_batch(rows)).sum() for rows in chunks)
-        total = torch.as_tensor(total, dtype=torch.float32, device=batch.rewards.device)
+    def _total_active_tokens(self, chunks: list) -> float:
+        """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
+        to the host once per step, so that no micro-batch's loss waits on the device for it."""
+        total = torch.stack([self._loss_mask(micro).sum() for _, micro in chunks]).sum().float()
         if self._trainer is not None and self.trainer.world_size > 1:
             total = self.trainer.strategy.reduce(total, reduce_op="sum")
-        return total
+        return float(total)
 
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
@@ -421,7 +451,7 @@ class GRPOModule(LightningModule):
         with onednn_linears(policy, kernel):
             chunks = self._micro_batches(batch)
             loss_fn = self.loss_fn
-            total_active = self._total_active_tokens(batch, chunks) if loss_fn.needs_step_tokens else None
+            total_active = self._total_active_tokens(chunks) if loss_fn.needs_step_tokens else None
             old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
             ref_logps = None
             beta = loss_fn.config.beta
@@ -459,12 +489,10 @@ class GRPOModule(LightningModule):
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         step = StepMetrics()
-        nonfinite: str | None = None  # this rank's first micro-batch with a non-finite loss
         world = self.trainer.world_size if self._trainer is not None else 1
         strategy = self.trainer.strategy if self._trainer is not None else None
         blocks_sync = isinstance(strategy, ParallelStrategy)
-        for index, rows in enumerate(chunks):
-            micro = batch.micro_batch(rows)
+        for index, (rows, micro) in enumerate(chunks):
             logps, entropy = self._logps(self.policy, micro, batch.temperature)
             mask = self._loss_mask(micro)
             # with one iteration the weights have not moved since the rollout: this forward's log-probs are the old
@@ -475,9 +503,7 @@ class GRPOModule(LightningModule):
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
-            value = loss.item()
-            if not math.isfinite(value) and nonfinite is None:  # still backward: the ranks' collectives stay paired
-                nonfinite = f"micro-batch {index} (rows {rows[0].item()}..{rows[-1].item()}) has loss {value}"
+            # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
             if self._trainer is not None:
                 # ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward; the
                 # others accumulate locally (no_sync). A no-op for one process and for FSDP2, whose own hooks
@@ -487,9 +513,13 @@ class GRPOModule(LightningModule):
                     self.manual_backward(loss)
             else:
                 loss.backward()
-            step.add(value, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
+            step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
                      micro["completion_mask"])
             del logps, entropy, loss
+        # the step's one read of its values: the device runs ahead of the host through every micro-batch
+        nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"
+                          for index, ((rows, _), value) in enumerate(zip(chunks, step.read()))
+                          if not math.isfinite(value)), None)
         self._raise_on_nonfinite_loss(nonfinite, optimizer, iteration)
         if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
             release_freed_host_memory()
@@ -552,6 +582,12 @@ class GRPOModule(LightningModule):
             return
         for key, metric in self.held_out.update(batch).items():
             self.log(key, metric, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+
+
+def fused_adamw(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW updates ``params`` fused (one kernel for all of them, its step count on the device): where they
+    all live on a GPU. On a CPU torch's default (foreach) is as fast, so it stays."""
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
 def _typed(name: str, value: Any, cls: type) -> Any:

@@ -121,7 +121,8 @@ class SamplerCorrection:
 
 
 class CorrectionStats:
-    """``sampling/*`` scalars of one update, accumulated over micro-batches.
+    """``sampling/*`` scalars of one update, accumulated over micro-batches on the device and read once
+    (``as_metrics``).
 
     ``sampling_logp_difference/{mean, max}``: ``|trainer_logp - sampling_logp|`` over active tokens (NaN sampling
     log-probs left out); ``importance_sampling_ratio/{min, mean, max}``: the weights the loss used, over active
@@ -130,8 +131,8 @@ class CorrectionStats:
 
     def __init__(self) -> None:
         self.corrected = False
-        self.diff_sum, self.diff_count, self.diff_max = 0.0, 0, 0.0
-        self.ratio_sum, self.ratio_count, self.ratio_min, self.ratio_max = 0.0, 0, math.inf, -math.inf
+        self._diffs: list[torch.Tensor] = []   # each micro-batch's [sum, count, max]
+        self._ratios: list[torch.Tensor] = []  # each micro-batch's [sum, count, min, max]
 
     @torch.no_grad()
     def update(self, trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
@@ -139,31 +140,34 @@ class CorrectionStats:
         """Add one micro-batch (``[m, T]`` tensors; ``weights`` from ``importance_sampling_weights``)."""
         active = mask.bool()
         delta = (trainer_logps.double() - sampling_logps.double()).abs()
-        delta = delta[active & ~torch.isnan(delta)]
-        if delta.numel():
-            self.diff_sum += float(delta.sum())
-            self.diff_count += delta.numel()
-            self.diff_max = max(self.diff_max, float(delta.max()))
+        counted = active & ~torch.isnan(delta)
+        delta = delta.where(counted, 0.0)  # >= 0, so the zeros leave the max as it is
+        self._diffs.append(torch.stack([delta.sum(), counted.sum().double(), delta.max()]))
         if weights is None:
             return
         self.corrected = True
-        values = weights.flatten() if weights.shape[1] == 1 else weights[active]
-        if values.numel():
-            self.ratio_sum += float(values.double().sum())
-            self.ratio_count += values.numel()
-            self.ratio_min = min(self.ratio_min, float(values.min()))
-            self.ratio_max = max(self.ratio_max, float(values.max()))
+        values = weights.double()
+        counted = torch.ones_like(values, dtype=torch.bool) if weights.shape[1] == 1 else active
+        self._ratios.append(torch.stack([values.where(counted, 0.0).sum(), counted.sum().double(),
+                                         values.where(counted, math.inf).min(),
+                                         values.where(counted, -math.inf).max()]))
 
     def as_metrics(self) -> dict[str, float]:
         """The logged keys (an empty micro-batch set gives zeros, as TRL), and the weights of the two means under
         several processes (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``)."""
-        out = {"sampling/sampling_logp_difference/mean": self.diff_sum / max(self.diff_count, 1),
-               "sampling/sampling_logp_difference/max": self.diff_max,
-               "weight/sampling_logp_tokens": float(self.diff_count)}
+        flat = torch.cat(self._diffs + self._ratios).tolist() if self._diffs else []  # one read of them all
+        split = 3 * len(self._diffs)
+        diffs = [flat[i:i + 3] for i in range(0, split, 3)]
+        ratios = [flat[i:i + 4] for i in range(split, len(flat), 4)]
+        diff_count = sum(count for _, count, _ in diffs)
+        out = {"sampling/sampling_logp_difference/mean": sum(total for total, _, _ in diffs) / max(diff_count, 1),
+               "sampling/sampling_logp_difference/max": max((most for _, _, most in diffs), default=0.0),
+               "weight/sampling_logp_tokens": float(diff_count)}
         if self.corrected:
-            empty = not self.ratio_count
-            out.update({"sampling/importance_sampling_ratio/min": 0.0 if empty else self.ratio_min,
-                        "sampling/importance_sampling_ratio/mean": self.ratio_sum / max(self.ratio_count, 1),
-                        "sampling/importance_sampling_ratio/max": 0.0 if empty else self.ratio_max,
-                        "weight/importance_sampling_ratios": float(self.ratio_count)})
+            ratios = [r for r in ratios if r[1]]  # micro-batches with a ratio to count
+            count = sum(r[1] for r in ratios)
+            out.update({"sampling/importance_sampling_ratio/min": min((r[2] for r in ratios), default=0.0),
+                        "sampling/importance_sampling_ratio/mean": sum(r[0] for r in ratios) / max(count, 1),
+                        "sampling/importance_sampling_ratio/max": max((r[3] for r in ratios), default=0.0),
+                        "weight/importance_sampling_ratios": float(count)})
         return out

@@ -151,8 +151,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def prompt_groups(micro: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[u]`` the row of each distinct prompt and ``[m]`` each row's index into those ``u`` (prompt content,
-    padding included, decides: rows with equal prompt tokens and mask share one)."""
+    """``[u]`` the row of each distinct prompt and ``[m]`` each row's index into those ``u``: the micro-batch's own
+    ``prompt_groups`` where it has them (``RolloutBatch.micro_batch``: by prompt index, known on the host), else by
+    prompt content, padding included (rows with equal prompt tokens and mask share one; the device is waited on)."""
+    if "prompt_groups" in micro:
+        return micro["prompt_groups"]
     prompt_length = micro["input_ids"].shape[1] - micro["completion_ids"].shape[1]
     key = torch.cat([micro["input_ids"][:, :prompt_length], micro["attention_mask"][:, :prompt_length]], dim=1)
     _, group = torch.unique(key, dim=0, return_inverse=True)
@@ -172,7 +175,9 @@ def shared_prefix_outputs(model: torch.nn.Module, micro: dict[str, Any], *, hidd
     num_tokens = micro["completion_ids"].shape[1]
     prompt_length = micro["input_ids"].shape[1] - num_tokens
     prompt_mask = micro["attention_mask"][:, :prompt_length]
-    if prompt_length < 1 or not bool(prompt_mask[:, -1].all()):
+    # a micro-batch of RolloutBatch's is left-padded: a row with a prompt token has one in the last prompt column
+    shortest = micro.get("shortest_prompt")
+    if prompt_length < 1 or not (shortest >= 1 if shortest is not None else bool(prompt_mask[:, -1].all())):
         raise ValueError(f"a shared prefix needs left-padded prompts of >= 1 token; got prompt_length={prompt_length} "
                          f"and last prompt column mask {prompt_mask[:, -1].tolist()}")
     first, group = groups if groups is not None else prompt_groups(micro)
