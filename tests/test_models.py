@@ -149,3 +149,15 @@ def test_activation_checkpointing_is_switched_on_and_read_under_either_name_of_t
     enable_activation_checkpointing(model)
     assert {id(layer) for layer in model.model.layers} <= {id(m) for m in checkpointed_layers(model)}
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_the_policy_is_built_where_lightning_makes_tensors_in_its_dtype():
+    """Lightning runs ``configure_model`` under the strategy's device (``torch.device`` context): the policy, a
+    random one too, is built there in its dtype, never as a float32 host copy first (on a GPU a 1.7B model's
+    host copy is 7 GB). The meta device stands in for the GPU: nothing is allocated."""
+    from lit_grpo.update.module import GRPOModule
+
+    module = GRPOModule(model="random:qwen3-0.6b", dtype="bfloat16")
+    with torch.device("meta"):
+        module.configure_model()
+    assert {(p.device.type, p.dtype) for p in module.policy.parameters()} == {("meta", torch.bfloat16)}

@@ -75,7 +75,8 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order.
 
-    ``device``: where the model goes (default: CPU); random models are built there directly.
+    ``device``: where the model goes (default: where tensors are made now: the CPU, or a ``torch.device``
+    context's); every kind (hub, random, tiny) is built there directly.
     """
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -309,7 +310,9 @@ def _tiny_model(name: str) -> PreTrainedModel:
 def random_model(name: str, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``random:NAME``: the architecture of ``lit_grpo/runtime/model_configs/NAME.json`` with seeded random weights, built on
-    ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary."""
+    ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary. Without a
+    ``device``, where tensors are made now (a ``torch.device`` context: Lightning's ``configure_model`` runs under
+    the strategy's device), as ``from_pretrained`` places hub weights: never a host copy first."""
     fields = _random_model_fields(name)
     dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
     fields.pop("torch_dtype", None)
@@ -317,7 +320,7 @@ def random_model(name: str, dtype: torch.dtype | None = None,
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                    bos_token_id=tokenizer.bos_token_id)
     config = AutoConfig.for_model(**fields, **special)
-    device = torch.device(device or "cpu")
+    device = torch.device(device) if device is not None else torch.get_default_device()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
