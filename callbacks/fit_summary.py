@@ -15,11 +15,13 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
+from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
 from ._rollout import rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
+from .rollout_profiler import RolloutProfiler
 from .run_checkpoint import RunCheckpoint
 
 
@@ -36,6 +38,7 @@ class FitSummary(Callback):
           val/accuracy   0.250 -> 0.656   (before training -> after step 30)
           reward/mean    0.297 -> 0.734   (mean of the first 5 steps -> the last 5)
           rollout time   1.90 s a step (26% of it): 34.5 ms a decode step alone, 0.94 ms a prompt token's prefill
+          decode floor   1.20 ms a step (its bytes at 2.0 TB/s): 36.1 ms a step is 30.1 x it; 3420 tokens/s
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           host peak      3.4 GiB resident (the process's high-water mark)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
@@ -44,7 +47,10 @@ class FitSummary(Callback):
     A line whose figure was never logged is left out. The time per step counts the training steps only (the
     validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
-    the run's totals): the rest of a rollout is the scheduler's bookkeeping. Under several processes the figures are
+    the run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode
+    step read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else
+    measured once per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's,
+    as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the figures are
     the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time its slowest
     rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's
     rollouts, the KV, process and host peaks the largest rank's (the host peak gathered when training ends). TensorBoard draws a validation where
@@ -143,6 +149,9 @@ class FitSummary(Callback):
             lines.append(f"  {self.reward_key:<14} {first:.3f} -> {last:.3f}   ({ends})")
         if self.rollouts:
             lines.append(f"  {'rollout time':<14} {self._rollout_time(training_s)}")
+            floor = self._floor_line(trainer)
+            if floor:
+                lines.append(f"  {'decode floor':<14} {floor}")
         peak = self._peak_line(trainer)
         if peak:
             lines.append(f"  {'rollout peak':<14} {peak}")
@@ -164,6 +173,16 @@ class FitSummary(Callback):
         if totals.prefill_ms_per_token is not None:
             parts.append(f"{totals.prefill_ms_per_token:.2f} ms a prompt token's prefill")
         return text + (": " + ", ".join(parts) if parts else "")
+
+    def _floor_line(self, trainer: pl.Trainer) -> str:
+        totals = self.rollout_totals
+        if not totals.decode_read_bytes or not totals.decode_steps:
+            return ""
+        given = [c.read_bytes_per_s for c in trainer.callbacks if isinstance(c, RolloutProfiler) and c.read_bytes_per_s]
+        bandwidth = given[0] if given else read_bandwidth(trainer.strategy.root_device)
+        floor = floor_ms(totals.read_bytes_per_step, bandwidth)
+        return (f"{floor:.2f} ms a step (its bytes at {_rate(bandwidth)}): {totals.ms_per_step:.1f} ms a step is "
+                f"{totals.ms_per_step / floor:.1f} x it; {totals.tokens_per_s:.0f} tokens/s")
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []
@@ -214,6 +233,14 @@ def _validate_now(trainer: pl.Trainer) -> None:
     epoch_loop.val_loop.run()
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
+
+
+def _rate(bytes_per_s: float) -> str:
+    """``2.0e12 -> '2.0 TB/s'`` (decimal units, as bandwidths are quoted)."""
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.1f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
 
 
 def _count(number: int, noun: str) -> str:

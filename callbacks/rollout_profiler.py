@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import ratio_weight, reduce_over_ranks
+from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
@@ -36,6 +37,9 @@ ROLLOUT_FIELDS = (
     "preempting",
 )
 
+#: The decode step against its floor (``lit_grpo.sampling.roofline``).
+ROOFLINE_KEYS = ("rollout/floor_ms_per_step", "rollout/roofline_ratio")
+
 #: The scheduling decisions' counts, ``rollout/decisions/<action>_<reason>`` (lit_grpo.scheduling.base.DECISION_NAMES):
 #: every name is gathered over ranks, those no rank counted in the step are not logged.
 DECISION_KEYS = tuple(f"rollout/decisions/{name}" for name in DECISION_NAMES)
@@ -59,6 +63,11 @@ class RolloutProfiler(Callback):
     - ``rollout/decode_ms_per_step``: a decode step's own milliseconds (forward, draw, the copy to the host); what
       ``ms_per_step`` holds beyond it is the rollout's prefill and the scheduler's bookkeeping, spread over its steps.
     - ``rollout/prefill_ms_per_token``: prefill milliseconds per prompt token.
+    - ``rollout/floor_ms_per_step``: the decode step's floor, the bytes it had to read (the rollout weights once,
+      each running row's attended keys and values; ``RolloutStats.decode_read_bytes``, the mean over the steps)
+      over this device's read bandwidth, measured once per process (``lit_grpo.sampling.roofline``).
+    - ``rollout/roofline_ratio``: ``ms_per_step / floor_ms_per_step``, how far the rollout's steps are from what
+      reading their bytes costs (1.0 would be the floor). Both skipped where the engine counted no bytes.
     - ``rollout/capture_s``: seconds spent capturing the decode step's CUDA graph (0 when the engine reused the
       last one, or runs eagerly): the price of freeing the slot cache between rollouts (``keep_kv_cache``).
     - ``rollout/peak_kv_bytes``: the most bytes the KV cache held at once (skipped if the engine did not count it).
@@ -82,7 +91,8 @@ class RolloutProfiler(Callback):
     gathered once a step (shared with FitSummary) and each key reduced by its rule in
     ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
-    ``capture_s`` are the largest rank's; ``prefill_tokens``, ``generated_tokens`` and ``parked_samples`` add up,
+    ``capture_s`` are the largest rank's, and so is ``floor_ms_per_step``, with ``roofline_ratio`` the step's
+    ``ms_per_step`` over it; ``prefill_tokens``, ``generated_tokens`` and ``parked_samples`` add up,
     as do the decision counts; ``tokens_per_s`` is all ranks' tokens over the slowest rank's ``wall_s`` (the ranks
     generate at once); ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest process's; ``slot_utilization``
     is every rank's tokens over every rank's slot-steps; ``preempting`` and the predictor's figures are means over
@@ -93,10 +103,15 @@ class RolloutProfiler(Callback):
 
     Args:
         progress_bar: show the last round's decode steps, lower bound and utilization in the progress bar.
+        read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, a few
+            tenths of a second at the first rollout).
     """
 
-    def __init__(self, progress_bar: bool = True) -> None:
+    def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:
+        if read_bytes_per_s is not None:
+            floor_ms(0, read_bytes_per_s)  # a bad value is refused here, naming it
         self.progress_bar = progress_bar
+        self.read_bytes_per_s = read_bytes_per_s
         self._warned_no_rollout = False
 
     def on_train_batch_end(
@@ -107,9 +122,11 @@ class RolloutProfiler(Callback):
             self._warn_no_rollout()
             return
         # every step, logged or not: under several processes every rank joins the one gather of the step's stats
-        per_rank = [{**profile(rank), **decision_values(counts)} for rank, counts in
+        bandwidth = self.read_bytes_per_s or read_bandwidth(trainer.strategy.root_device)
+        per_rank = [{**profile(rank, bandwidth), **decision_values(counts)} for rank, counts in
                     zip(rank_rollout_stats(trainer, stats), rank_decision_counts(trainer, stats))]
-        values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *DECISION_KEYS])
+        values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *ROOFLINE_KEYS,
+                                              *DECISION_KEYS])
         values = {key: value for key, value in values.items() if value or key not in DECISION_KEYS}
         log_metrics(trainer, values)
         if self.progress_bar:
@@ -123,10 +140,12 @@ class RolloutProfiler(Callback):
                            "no rollout to profile; nothing is logged.")
 
 
-def profile(stats: RolloutStats) -> dict[str, float]:
+def profile(stats: RolloutStats, read_bytes_per_s: float | None = None) -> dict[str, float]:
     """One rank's ``rollout/<field>`` values of a rollout (None where not measured: no predictor, KV not counted),
-    and the weight of ``slot_utilization`` over ranks, its slot-steps."""
+    its floor and ratio at ``read_bytes_per_s`` (bytes/s; None: not computed), and the weight of
+    ``slot_utilization`` over ranks, its slot-steps."""
     values = {f"rollout/{name}": getattr(stats, name) for name in ROLLOUT_FIELDS}
+    values.update(roofline(stats, read_bytes_per_s))
     values["rollout/peak_kv_bytes"] = measured_kv_bytes(stats)
     values[ratio_weight("rollout/slot_utilization")] = float(stats.decode_steps * stats.num_slots)
     return values
@@ -136,3 +155,12 @@ def decision_values(counts: dict[str, int]) -> dict[str, float]:
     """One rank's ``rollout/decisions/<name>`` values: every known name, 0 where it did not occur (the step logs a
     name only where some rank counted it)."""
     return {f"rollout/decisions/{name}": float(counts.get(name, 0)) for name in DECISION_NAMES}
+
+
+def roofline(stats: RolloutStats, read_bytes_per_s: float | None) -> dict[str, float]:
+    """``rollout/floor_ms_per_step`` and ``rollout/roofline_ratio`` of a rollout at ``read_bytes_per_s``
+    (bytes/s); empty where its steps' bytes were not counted or no bandwidth is given."""
+    if not stats.decode_read_bytes or not stats.decode_steps or read_bytes_per_s is None:
+        return {}
+    floor = floor_ms(stats.read_bytes_per_step, read_bytes_per_s)
+    return {"rollout/floor_ms_per_step": floor, "rollout/roofline_ratio": stats.ms_per_step / floor}

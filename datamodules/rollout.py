@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
@@ -238,6 +239,7 @@ class RolloutDataModule(LightningDataModule):
         self._handover: dict[str, Any] | None = None  # what attach() was given
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
+        self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
 
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
@@ -394,6 +396,9 @@ class RolloutDataModule(LightningDataModule):
         if world > 1:
             self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
         batch = builder.build_train(self._draw)
+        if builder.slot_budget is not None and not self._slot_budget_said:
+            self._slot_budget_said = True
+            rank_zero_info(f"lit_grpo: {builder.slot_budget.describe()}")
         if world > 1:
             accuracy, mean_angle, unused = self._finish_step(batch)
             self.sampler.update(accuracy, mean_angle)

@@ -80,6 +80,7 @@ def make_rollout(seed: int, prompts: int = 2, group_size: int = 4, num_slots: in
     timeline = continuous_timeline(flat, num_slots)
     stats = RolloutStats(decode_steps=len(timeline), prefill_tokens=7 * prompts, peak_kv_bytes=1000 + seed,
                          wall_s=0.5, capture_s=0.05 * seed, prefill_s=0.01 * (seed + 1), decode_s=0.3,
+                         decode_read_bytes=2_000_000 * len(timeline),
                          num_slots=num_slots, group_size=group_size, timeline=timeline,
                          length_pred_kendall_tau=0.5 if with_predictor else None,
                          length_pred_smape=0.25 if with_predictor else None)

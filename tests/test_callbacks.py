@@ -256,7 +256,7 @@ def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):
 
 def test_rollout_profiler_logs_every_rollout_and_the_progress_bar(tmp_path):
     rollouts = [make_rollout(0), make_rollout(1, with_predictor=False), make_rollout(2)]
-    trainer = fit(tmp_path, RolloutModule(rollouts), [RolloutProfiler()], max_steps=3)
+    trainer = fit(tmp_path, RolloutModule(rollouts), [RolloutProfiler(read_bytes_per_s=1e9)], max_steps=3)
     accumulator = events(trainer)
 
     for field in ("decode_steps", "lower_bound_steps", "slot_utilization", "prefill_tokens", "generated_tokens",
@@ -269,6 +269,10 @@ def test_rollout_profiler_logs_every_rollout_and_the_progress_bar(tmp_path):
     assert scalars(accumulator, "rollout/decode_ms_per_step") == pytest.approx(expected, rel=1e-6)
     expected = [1000 * 0.01 * (seed + 1) / r.stats.prefill_tokens for seed, r in enumerate(rollouts)]
     assert scalars(accumulator, "rollout/prefill_ms_per_token") == pytest.approx(expected, rel=1e-6)
+    # every step read 2 MB: at 1 GB/s its floor is 2 ms, and the ratio is ms_per_step over it
+    assert scalars(accumulator, "rollout/floor_ms_per_step") == pytest.approx([2.0] * 3, rel=1e-9)
+    ratios = [r.stats.ms_per_step / 2.0 for r in rollouts]
+    assert scalars(accumulator, "rollout/roofline_ratio") == pytest.approx(ratios, rel=1e-6)
     # The predictor's figures exist only for rollouts that had a predictor: skipped, not logged as 0.
     assert [e.step for e in accumulator.Scalars("rollout/length_pred_kendall_tau")] == [0, 2]
     assert scalars(accumulator, "rollout/length_pred_smape") == [0.25, 0.25]
@@ -369,10 +373,14 @@ def _as_rank_zero_of_two(hook) -> list[dict]:
 def test_rollout_profiler_logs_the_whole_step_over_ranks():
     rollouts = [make_rollout(0), make_rollout(1, with_predictor=False)]
     rollouts[1].stats.wall_s = 0.9
-    profilers = [RolloutProfiler(progress_bar=False) for _ in rollouts]
+    rollouts[0].stats.decode_read_bytes *= 2  # rank 0's steps read 4 MB each
+    profilers = [RolloutProfiler(progress_bar=False, read_bytes_per_s=1e9) for _ in rollouts]
     (logged,) = _as_rank_zero_of_two(
         lambda rank, trainer: profilers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0))
     a, b = (r.stats for r in rollouts)
+    # the largest floor, and the slowest rank's step over it
+    assert logged["rollout/floor_ms_per_step"] == pytest.approx(4.0)
+    assert logged["rollout/roofline_ratio"] == pytest.approx(max(a.ms_per_step, b.ms_per_step) / 4.0)
     assert logged["rollout/generated_tokens"] == a.generated_tokens + b.generated_tokens  # counts add up
     assert logged["rollout/prefill_tokens"] == a.prefill_tokens + b.prefill_tokens
     assert logged["rollout/decode_steps"] == max(a.decode_steps, b.decode_steps)  # the slowest rank's

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +40,19 @@ def test_fit_two_steps_end_to_end(tmp_path):
                 "rollout/decode_steps", "rollout/lower_bound_steps", "rollout/slot_utilization",
                 "rollout/prefill_tokens", "rollout/generated_tokens", "rollout/tokens_per_s", "rollout/wall_s",
                 "rollout/peak_kv_bytes", "rollout/preempting", "rollout/decisions/start_arrival",
-                "memory/step_peak_bytes",
+                "rollout/ms_per_step", "rollout/floor_ms_per_step", "rollout/roofline_ratio", "memory/step_peak_bytes",
                 "memory/rollout_peak_bytes", "memory/update_peak_bytes",
                 # the sampler against the update (logged with the correction off, its default)
                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
     assert expected <= tags, expected - tags
     assert accumulator.Scalars("rollout/decode_steps")[0].value >= accumulator.Scalars("rollout/lower_bound_steps")[0].value
     assert accumulator.Scalars("memory/rollout_peak_bytes")[0].value > 0
+    # the decode step against its floor: the bytes it read over this machine's measured bandwidth
+    for step, floor in enumerate(accumulator.Scalars("rollout/floor_ms_per_step")):
+        ms_per_step = accumulator.Scalars("rollout/ms_per_step")[step].value
+        assert floor.value > 0
+        assert accumulator.Scalars("rollout/roofline_ratio")[step].value == pytest.approx(ms_per_step / floor.value,
+                                                                                          rel=1e-5)
     # tiny.yaml's "infinite" runs the default scheduler: no length predictor, so no prediction figures; its first
     # rollout has seen no finished group, so it runs first come, first served
     assert not {tag for tag in tags if tag.startswith("rollout/length_pred")}
@@ -69,6 +76,8 @@ def test_fit_two_steps_end_to_end(tmp_path):
     assert "lit_grpo: 2 steps in" in out and "s per step" in out
     assert "val/accuracy" in out and "(before training -> after step 2)" in out
     assert "reward/mean" in out and "(first step -> last step)" in out and "rollout peak   KV cache" in out
+    assert re.search(r"  decode floor   \d+\.\d\d ms a step \(its bytes at [\d.]+ [GMT]B/s\): [\d.]+ ms a step is "
+                     r"[\d.]+ x it; \d+ tokens/s", out), out
     assert "tensorboard --logdir" in out and "last.ckpt (" in out
     # no ExportModel callback: the summary ends with the command that exports the checkpoint
     assert ("export         lit-grpo export --ckpt_path run/lightning_logs/version_0/checkpoints/last.ckpt --out "

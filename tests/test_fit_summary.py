@@ -40,7 +40,8 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     rollouts = [make_rollout(seed) for seed in range(4)]
     summary = FitSummary(window=2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
-    trainer = _trainer(tmp_path, [summary, PeakMemoryMonitor(), checkpoint])
+    profiler = RolloutProfiler(progress_bar=False, read_bytes_per_s=1e9)
+    trainer = _trainer(tmp_path, [summary, PeakMemoryMonitor(), checkpoint, profiler])
     trainer.fit(ValidatedModule(rollouts))
 
     accuracy = events(trainer).Scalars("val/accuracy")
@@ -60,13 +61,19 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     prefill_ms = 1000 * sum(r.stats.prefill_s for r in rollouts) / sum(r.stats.prefill_tokens for r in rollouts)
     assert re.fullmatch(rf"  rollout time   0\.50 s a step \(\d+% of it\): {decode_ms:.1f} ms a decode step alone, "
                         rf"{prefill_ms:.2f} ms a prompt token's prefill", lines[3]), lines[3]
+    # each step read 2 MB, at the profiler's 1 GB/s: a 2 ms floor; the run's ms_per_step over it, and its tokens/s
+    steps = sum(r.stats.decode_steps for r in rollouts)
+    ms_per_step = 1000 * sum(r.stats.wall_s - r.stats.capture_s for r in rollouts) / steps
+    tokens_per_s = sum(r.stats.generated_tokens for r in rollouts) / sum(r.stats.wall_s for r in rollouts)
+    assert lines[4] == (f"  decode floor   2.00 ms a step (its bytes at 1.0 GB/s): {ms_per_step:.1f} ms a step is "
+                        f"{ms_per_step / 2:.1f} x it; {tokens_per_s:.0f} tokens/s")
     kv = max(r.stats.peak_kv_bytes for r in rollouts)
-    assert lines[4].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[4]
-    host = re.fullmatch(r"  host peak      ([\d.]+) (MiB|GiB) resident \(the process's high-water mark\)", lines[5])
-    assert host, lines[5]
+    assert lines[5].startswith(f"  rollout peak   KV cache {kv} B; process ") and "during the rollout" in lines[5]
+    host = re.fullmatch(r"  host peak      ([\d.]+) (MiB|GiB) resident \(the process's high-water mark\)", lines[6])
+    assert host, lines[6]
     assert float(host[1]) * {"MiB": 2**20, "GiB": 2**30}[host[2]] == pytest.approx(host_peak_bytes(), rel=0.05)
-    assert "tensorboard --logdir" in lines[6]
-    assert "last.ckpt (" in lines[7] and "--ckpt_path" in lines[7]
+    assert "tensorboard --logdir" in lines[7]
+    assert "last.ckpt (" in lines[8] and "--ckpt_path" in lines[8]
 
 
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):

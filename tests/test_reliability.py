@@ -44,7 +44,6 @@ def make_datamodule(module, setup=True, **kwargs) -> RolloutDataModule:
     ({"group_size": 0}, r"group_size=0 must be an integer >= 2"),
     ({"micro_group_size": 0}, r"micro_group_size=0 must be an integer >= 1"),
     ({"micro_group_size": "big"}, r"micro_group_size='big' must be an integer >= 1, 'auto' or None"),
-    ({"micro_group_size": "auto"}, r"micro_group_size='auto' needs kv_budget_bytes"),
     ({"micro_group_size": "auto", "kv_budget_bytes": 0}, r"kv_budget_bytes=0 must be an integer >= 1"),
     ({"val_batch_size": 0}, r"val_batch_size=0 must be an integer >= 1"),
     ({"score_batch_size": 0}, r"score_batch_size=0 must be an integer >= 1"),
@@ -357,6 +356,28 @@ def test_auto_micro_group_size_in_the_datamodule(module):
         small.build_train_batch()
 
 
+def test_a_kv_budget_from_free_memory_is_what_is_left_after_the_reserve_and_the_margin():
+    from lit_grpo.sampling.memory_budget import kv_budget_from_free_memory
+
+    assert kv_budget_from_free_memory(10_000, 3_000, 1_000) == 6_000
+    assert kv_budget_from_free_memory(10_000, 0, 0) == 10_000
+    with pytest.raises(ValueError, match=r"free_bytes=10000 - reserved_bytes=9000 .* - margin_bytes=1000 = 0, but "
+                                         r"micro_group_size: auto needs a budget >= 1 byte; set "
+                                         r"sampling.kv_budget_bytes"):
+        kv_budget_from_free_memory(10_000, 9_000, 1_000)
+    for name, args in [("free_bytes", (-1, 0, 0)), ("reserved_bytes", (10, -5, 0)), ("margin_bytes", (10, 0, 2.5))]:
+        with pytest.raises(ValueError, match=rf"{name}=(-1|-5|2.5) must be an integer >= 0"):
+            kv_budget_from_free_memory(*args)
+
+
+def test_auto_without_a_budget_on_a_cpu_says_what_to_set(module):
+    dm = make_datamodule(module, micro_group_size="auto")  # accepted: on CUDA the device's free memory is the budget
+    with pytest.raises(ValueError, match=r"micro_group_size='auto' without kv_budget_bytes sizes the KV cache from "
+                                         r"the GPU's free memory, but the policy is on 'cpu': set "
+                                         r"sampling.kv_budget_bytes \(bytes, an integer >= 1\)"):
+        dm.build_train_batch()
+
+
 def test_auto_micro_group_size_prices_the_cache_in_the_dtype_it_stores(module):
     """Under bf16 autocast with float32 weights the cache holds bf16 keys and values: ``auto`` fits the slots of a
     bf16 cache in the budget (pricing them in float32 would pick half as many)."""
@@ -470,3 +491,18 @@ def test_exact_resume_with_carried_samples(tmp_path):
     for x, y in zip(a[1:], b):
         for key in ("indices", "completion_ids", "rewards", "advantages", "loss", "param_sum", "param_abs"):
             assert x[key] == y[key], (x["global_step"], key)
+
+
+def test_the_datamodule_says_the_auto_budget_and_its_source_once(module, monkeypatch):
+    from lit_grpo.datamodules import rollout as datamodule_module
+    from lit_grpo.rollout import builder as builder_module
+
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**10, 10**10))
+    said = []
+    monkeypatch.setattr(datamodule_module, "rank_zero_info", said.append)
+    dm = make_datamodule(module, micro_group_size="auto")
+    dm.build_train_batch()
+    dm.build_train_batch()
+    slots = dm.resolved_micro_group_size
+    assert len(said) == 1 and said[0].startswith(f"lit_grpo: micro_group_size: auto -> {slots} slots under a KV "
+                                                 "budget of ") and "free" in said[0], said

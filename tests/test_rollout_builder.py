@@ -182,3 +182,60 @@ def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
         build_cli(["--config", TINY, "--model.loss.loss_type", "ppo"], run=False)
     err = capsys.readouterr().err
     assert "model.loss.loss_type" in err and "'grpo', 'bnpo', 'dr_grpo', 'dapo'" in err
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast):
+    """Without kv_budget_bytes the builder reads the device's free memory (once), sets aside the rollout weights'
+    copy, the update's gradients and optimizer state and a margin, and sizes g to what is left."""
+    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.runtime.memory import update_state_bytes
+    from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, kv_held_bytes, kv_prefill_bytes,
+                                                 kv_slot_bytes)
+
+    model, tokenizer = policy
+    prompts = _prompts(tokenizer, 2)
+    longest = max(len(p.ids) for p in prompts)
+    sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6)
+    weights = CastWeights(model, torch.bfloat16) if cast else None
+    config = model.config
+    dtype = torch.bfloat16 if cast else torch.float32
+    slot = kv_slot_bytes(config, dtype, longest, 6)
+    held = kv_held_bytes(config, dtype, longest, 4, 2) + kv_prefill_bytes(config, dtype, longest, 2, 6)
+    total = 10**9
+    copy = weights.cast_bytes() if cast else 0
+    reserved = copy + update_state_bytes(model.parameters())
+    assert update_state_bytes(model.parameters()) == 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    free = reserved + int(DEVICE_MARGIN_FRACTION * total) + held + 3 * slot + slot // 2
+    readings = []
+
+    def device_memory(device):
+        readings.append(device)
+        return free, total
+
+    monkeypatch.setattr(builder_module, "device_memory", device_memory)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+                             max_prompt_length=longest, rollout_weights=weights, precision_context=context)
+    batch = builder.build_train(lambda count: prompts[:count])
+    assert builder.engine.micro_group_size == 3 and batch.metrics["rollout/slots"] == 3.0
+    assert builder.resolved_micro_group_size == 3 and len(readings) == 1  # resolved once, not at every reading
+    budget = builder.slot_budget
+    assert budget.kv_budget_bytes == held + 3 * slot + slot // 2
+    assert budget.describe().startswith("micro_group_size: auto -> 3 slots under a KV budget of ")
+    assert "free" in budget.source and "margin" in budget.source and "optimizer state" in budget.source
+    assert batch.stats.peak_kv_bytes <= budget.kv_budget_bytes
+    if cast:
+        assert copy > 0
+
+
+def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
+    from lit_grpo.rollout import builder as builder_module
+
+    model, tokenizer = policy
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**6, 10**9))  # the margin alone is 10**8
+    sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2)
+    with pytest.raises(ValueError, match=r"no device memory left for the KV cache: free_bytes=1000000 - "
+                                         r"reserved_bytes=\d+ .* - margin_bytes=100000000 = -\d+"):
+        builder.resolved_micro_group_size

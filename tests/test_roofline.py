@@ -137,3 +137,58 @@ def test_the_smollm2_decode_step_reads_its_weights_once():
     assert 530e6 < 4 * weights < 545e6
     # the linear layers, and attention over 64 positions: 4·16 rows·30 layers·9 heads·64 dims·64 positions
     assert cost.flops == 2 * 16 * weights + 4 * 16 * 30 * 9 * 64 * 64
+
+
+def test_the_floor_is_the_bytes_read_over_the_bandwidth():
+    from lit_grpo.sampling.roofline import floor_ms
+
+    assert floor_ms(2e9, 1e12) == pytest.approx(2.0)  # 2 GB at 1 TB/s
+    assert floor_ms(0, 5e9) == 0.0
+    with pytest.raises(ValueError, match=r"read_bytes=-1 must be a number >= 0"):
+        floor_ms(-1, 1e9)
+    for bad in (0, -3.0, float("inf"), None):
+        with pytest.raises(ValueError, match=rf"read_bytes_per_s={bad!r} must be a finite number > 0"):
+            floor_ms(1, bad)
+
+
+def test_the_library_decode_reads_are_the_tools_decode_bytes():
+    from lit_grpo.sampling.roofline import decode_reads
+
+    reads = decode_reads(LlamaConfig(**HAND), "float32")
+    assert (reads.weights, reads.per_row, reads.per_position) == (4 * 1232, 4 * 8, 4 * 2 * 2 * 1 * 4)
+    assert reads.step_bytes(3, 15) == roofline.decode_step_cost(LlamaConfig(**HAND), 3, 5, "float32").bytes
+    # the keys and values priced in their own dtype
+    assert decode_reads(LlamaConfig(**HAND), "float32", torch.bfloat16).per_position == 2 * 2 * 2 * 1 * 4
+
+
+def test_the_engine_counts_the_bytes_its_decode_steps_read(tiny_llama):
+    """Every step reads the weights once, an embedding row per running row and the positions each row attends: a
+    sample of a P-token prompt attends P + j positions at its j-th step."""
+    from lit_grpo import RolloutEngine
+    from lit_grpo.sampling.roofline import decode_reads
+
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=7, seed=3)
+    result = engine.generate(["one two", "three four five six"])
+    reads, stats = decode_reads(model.config, torch.float32), result.stats
+    attended = sum(len(prompt) + j for prompt, group in zip(result.prompt_ids, result.completion_ids)
+                   for ids in group for j in range(len(ids)))
+    rows = sum(len(ids) for group in result.completion_ids for ids in group)
+    assert stats.decode_read_bytes == (stats.decode_steps * reads.weights + rows * reads.per_row
+                                       + attended * reads.per_position)
+    assert stats.read_bytes_per_step == stats.decode_read_bytes / stats.decode_steps
+
+
+def test_the_bandwidth_is_measured_once_per_process_or_given(monkeypatch):
+    from lit_grpo.sampling import roofline as library
+
+    measured = []
+    monkeypatch.setattr(library, "_BANDWIDTH", {})
+    monkeypatch.setattr(library, "measure_read_bandwidth", lambda device: measured.append(device) or 5e9)
+    assert library.read_bandwidth("cpu") == library.read_bandwidth(torch.device("cpu")) == 5e9
+    assert measured == ["cpu"]
+    library.set_read_bandwidth("cpu", 2e9)
+    assert library.read_bandwidth("cpu") == 2e9 and measured == ["cpu"]
+    with pytest.raises(ValueError, match=r"read_bytes_per_s=0 must be a finite number > 0"):
+        library.set_read_bandwidth("cpu", 0)

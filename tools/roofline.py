@@ -5,7 +5,9 @@ at the machine's memory read bandwidth::
 
     floor_s = max(flops / matmul_flops_per_s, bytes / read_bytes_per_s)      bound = "compute" | "memory"
 
-Both rates are measured in this process, with torch's own kernels (``measure_machine``; on a CPU the matmul rate is
+The bytes a decode step reads and the read bandwidth are the library's (``lit_grpo.sampling.roofline``, which the
+fit path logs as ``rollout/floor_ms_per_step``); this module adds FLOPs, prefill and the matmul rate. Both rates
+are measured in this process, with torch's own kernels (``measure_machine``; on a CPU the matmul rate is
 the faster of ``torch.mm`` and oneDNN's inner product, the two the engine can run its linears on), so a ratio
 ``measured / floor`` says how far the engine is from what torch's kernels can do on this machine, not from a data
 sheet. The costs come from the model's config (``decode_step_cost``, ``prefill_cost``), for the decoders this
@@ -27,7 +29,6 @@ import math
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from typing import Any
 import torch
 
 from lit_grpo.sampling.cpu_linear import onednn_linear
-from lit_grpo.sampling.memory_budget import kv_geometry
+from lit_grpo.sampling.memory_budget import _dtype_bytes
+from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
+                                        model_shape)
 
 #: What ``measure_machine`` keeps of its measurements, per (device, dtype, threads), so a process measures once.
 _MEASURED: dict[tuple[str, str, int], dict] = {}
@@ -51,51 +54,9 @@ class Cost:
     bytes: float
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder that its costs depend on (see the module docstring for the letters)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @property
-    def layer_weights(self) -> int:
-        """``W_layer``: elements of one layer's linear weights (q, k, v, o, gate, up, down)."""
-        h, d = self.hidden, self.head_dim
-        return h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h + 3 * h * self.intermediate
-
-    @property
-    def weights(self) -> int:
-        """``W = L·W_layer + V·H``: elements of every linear weight a forward reads, the output head included."""
-        return self.layers * self.layer_weights + self.vocab * self.hidden
-
-
-def model_shape(config: Any) -> ModelShape:
-    """The ``ModelShape`` of a transformers config (a multimodal config's text config is used)."""
-    layers, kv_heads, head_dim = kv_geometry(config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    missing = [name for name in ("hidden_size", "intermediate_size", "vocab_size") if not getattr(text, name, None)]
-    if missing:
-        raise ValueError(f"model config {type(text).__name__} has no {missing}; the roofline needs a decoder with a "
-                         "gated MLP (Llama, Qwen2, Qwen3)")
-    return ModelShape(layers=layers, hidden=int(text.hidden_size), heads=int(text.num_attention_heads),
-                      kv_heads=kv_heads, head_dim=head_dim, intermediate=int(text.intermediate_size),
-                      vocab=int(text.vocab_size))
-
-
 def dtype_bytes(dtype: torch.dtype | str) -> int:
     """Bytes per element of a ``torch.dtype`` or its name ("float32", "torch.bfloat16")."""
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
-        dtype = resolved
-    return torch.empty((), dtype=dtype).element_size()
+    return _dtype_bytes(dtype)
 
 
 def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dtype | str) -> Cost:
@@ -119,11 +80,10 @@ def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dt
         raise ValueError(f"rows={rows!r} must be an integer >= 1")
     if not isinstance(context_len, (int, float)) or not context_len >= 1:
         raise ValueError(f"context_len={context_len!r} must be a number >= 1 (positions attended, its own included)")
-    s, b = model_shape(config), dtype_bytes(dtype)
+    s = model_shape(config)
     attention = s.layers * s.heads * s.head_dim * context_len
-    kv = 2 * s.layers * s.kv_heads * s.head_dim * context_len
     return Cost(flops=2 * rows * s.weights + 4 * rows * attention,
-                bytes=b * (s.weights + rows * s.hidden + rows * kv))
+                bytes=decode_reads(config, dtype).step_bytes(rows, rows * context_len))
 
 
 def prefill_cost(config: Any, tokens: int, dtype: torch.dtype | str, cached: int = 0) -> Cost:
@@ -232,31 +192,6 @@ def _cpu_flags() -> list[str]:
     return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
 
 
-def _last_level_cache_bytes() -> int:
-    """The CPU's largest cache (sysfs), 0 when unknown: the bandwidth buffer must be much larger."""
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        match = re.fullmatch(r"(\d+)([KMG]?)", path.read_text().strip())
-        if match:
-            sizes.append(int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)])
-    return max(sizes, default=0)
-
-
-def _median_seconds(run, device: torch.device, budget_s: float, min_runs: int = 3, max_runs: int = 30) -> float:
-    """Median wall time of ``run()`` after one untimed warm-up call: at least ``min_runs`` timed calls, more while
-    ``budget_s`` lasts. On CUDA each call is waited for (kernels run asynchronously)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    run()
-    sync(device)
-    times, started = [], time.perf_counter()
-    while len(times) < min_runs or (len(times) < max_runs and time.perf_counter() - started < budget_s):
-        start = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 #: The matmul kernels measured: name -> ``(a, b) -> a @ b.T`` (the same FLOPs either way).
 MATMUL_KERNELS = {
     "torch.mm": lambda a, b: torch.mm(a, b),
@@ -275,18 +210,7 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, inner: int
         for _ in range(inner):
             product(a, b)
 
-    return _median_seconds(run, device, budget_s) / inner
-
-
-def _read_seconds(device: torch.device, buffer_bytes: int, inner: int, budget_s: float) -> float:
-    """Median seconds of one ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (``inner`` per timed call)."""
-    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
-
-    def run():
-        for _ in range(inner):
-            buffer.sum()
-
-    return _median_seconds(run, device, budget_s) / inner
+    return median_seconds(run, device, budget_s) / inner
 
 
 def measure_machine(device: torch.device | str, dtype: torch.dtype | str, seconds_budget: float = 1.0) -> dict:
@@ -323,25 +247,23 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
     gpu = device.type == "cuda"
     inner = 10 if gpu else 1
     n = 8192 if gpu else 2048
-    llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if gpu
-           else _last_level_cache_bytes())
-    buffer_bytes = max(2**30 if gpu else 2**28, 4 * llc)
+    buffer_bytes = bandwidth_buffer_bytes(device, 2**30 if gpu else 2**28)
     # oneDNN's is the kernel the engine's float32 linears run on on a CPU (sampling.cpu_linear)
     onednn = not gpu and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     kernels = ["torch.mm"] + (["onednn"] if onednn else [])
     with torch.inference_mode():  # each helper's tensors are freed when it returns
         matmul = {kernel: _matmul_seconds(device, dtype, n, inner, seconds_budget / 2 / len(kernels), kernel)
                   for kernel in kernels}
-        read_s = _read_seconds(device, buffer_bytes, inner, seconds_budget / 2)
+        read_bytes_per_s = measure_read_bandwidth(device, buffer_bytes, seconds_budget / 2, inner)
     kernel = min(matmul, key=matmul.get)
     record = {
         "device": str(device), "device_name": device_name(device), "dtype": dtype_name, "threads": threads,
         "matmul_flops_per_s": 2 * n**3 / matmul[kernel], "matmul_kernel": kernel,
-        "read_bytes_per_s": buffer_bytes / read_s,
+        "read_bytes_per_s": read_bytes_per_s,
         "method": {"matmul": f"the faster of {' and '.join(kernels)} on two {n} x {n} {dtype_name} matrices, 2·n³ "
                              "FLOPs, median after a warm-up",
-                   "read": f"torch.sum over a {buffer_bytes / 2**20:.0f} MiB float32 buffer (last-level cache "
-                           f"{llc / 2**20:.0f} MiB), median after a warm-up"},
+                   "read": f"torch.sum over a {buffer_bytes / 2**20:.0f} MiB float32 buffer (at least 4 x the "
+                           "last-level cache), median after a warm-up"},
         "measured_s": time.perf_counter() - started,
     }
     if not gpu:

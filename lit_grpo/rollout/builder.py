@@ -33,11 +33,13 @@ from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.runtime.distributed import RolloutWeights
+from lit_grpo.runtime.memory import device_memory, update_state_bytes
+from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
-from lit_grpo.sampling.memory_budget import auto_micro_group_size
+from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 
@@ -54,6 +56,21 @@ class Prompt:
     index: int
     example: PromptExample
     ids: list[int]
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """How ``micro_group_size: auto`` was resolved: ``slots`` (g) under ``kv_budget_bytes``, and where that budget
+    came from (``source``: the config's value, or the device's free memory and what was set aside)."""
+
+    slots: int
+    kv_budget_bytes: int
+    source: str
+
+    def describe(self) -> str:
+        """One line for the log."""
+        return (f"micro_group_size: auto -> {self.slots} slots under a KV budget of "
+                f"{format_bytes(self.kv_budget_bytes)} ({self.source})")
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ class RolloutBuilder:
         self.over_provision, self.max_staleness = over_provision, max_staleness
         self.weights = rollout_weights or RolloutWeights(policy)
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
+        #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
+        self.slot_budget: SlotBudget | None = None
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
@@ -153,17 +172,48 @@ class RolloutBuilder:
     # ------------------------------------------------------------------------------------------ engines
     @property
     def resolved_micro_group_size(self) -> int | None:
-        """g of the training engine (``sampling.micro_group_size`` with ``"auto"`` resolved from the KV budget)."""
+        """g of the training engine: ``sampling.micro_group_size``, with ``"auto"`` resolved once from the KV budget
+        (``slot_budget`` says how)."""
         g = self.sampling.micro_group_size
         if g != "auto":
             return g
-        config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
-        parked = config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite" else (0, 0)
-        with self.precision_context():  # priced in the dtype the cache stores, the autocast one under mixed precision
-            dtype = kv_cache_dtype(self.weights.module)
-        return auto_micro_group_size(self.policy.config, dtype, config.kv_budget_bytes, self.max_prompt_length,
-                                     config.max_new_tokens, config.group_size, prompts, *parked,
-                                     carried=self.over_provision > 1)
+        if self.slot_budget is None:
+            budget, source = self._kv_budget()
+            config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
+            parked = (config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite"
+                      else (0, 0))
+            with self.precision_context():  # priced in the dtype the cache stores, the autocast one under mixed precision
+                dtype = kv_cache_dtype(self.weights.module)
+            slots = auto_micro_group_size(self.policy.config, dtype, budget, self.max_prompt_length,
+                                          config.max_new_tokens, config.group_size, prompts, *parked,
+                                          carried=self.over_provision > 1)
+            self.slot_budget = SlotBudget(slots, budget, source)
+        return self.slot_budget.slots
+
+    def _kv_budget(self) -> tuple[int, str]:
+        """``(bytes, source)``: ``sampling.kv_budget_bytes`` where set; else on CUDA the device's free memory
+        less what the run will still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its
+        memory (``memory_budget.kv_budget_from_free_memory``).
+
+        g is resolved before the first rollout, so before any update: what the update will add is estimated, not
+        measured (``runtime.memory.update_state_bytes``: gradients and AdamW's two moments), as are the rollout
+        weights' copy (cast or gathered, allocated when a rollout starts) and the margin, which covers the
+        activations of both phases.
+        """
+        if self.sampling.kv_budget_bytes is not None:
+            return self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes"
+        device = next(self.policy.parameters()).device
+        memory = device_memory(device)
+        if memory is None:
+            raise ValueError(f"sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the "
+                             f"GPU's free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes "
+                             "(bytes, an integer >= 1) or an integer micro_group_size")
+        free, total = memory
+        copy, update = self.weights.scope_bytes(), update_state_bytes(self.policy.parameters())
+        margin = int(DEVICE_MARGIN_FRACTION * total)
+        budget = kv_budget_from_free_memory(free, copy + update, margin)
+        return budget, (f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
+                        f"{format_bytes(update)} gradients and optimizer state - {format_bytes(margin)} margin")
 
     @property
     def engine(self) -> RolloutEngine:

@@ -146,6 +146,8 @@ ROLLOUT_REDUCTIONS: dict[str, str] = {
     "rollout/ms_per_step": "max",
     "rollout/decode_ms_per_step": "max",
     "rollout/prefill_ms_per_token": "max",
+    "rollout/floor_ms_per_step": "max",
+    "rollout/roofline_ratio": "max",  # where ms_per_step and the floor are logged, their ratio (DERIVED)
     "rollout/capture_s": "max",
     "rollout/peak_kv_bytes": "max",
     "rollout/length_pred_kendall_tau": "mean",
@@ -161,8 +163,10 @@ RANK_REDUCTIONS: dict[str, str] = {**STEP_REDUCTIONS, **ROLLOUT_REDUCTIONS}
 
 #: Keys whose whole-step value is a ratio of two reduced keys, where both are logged: ``key: (numerator,
 #: denominator)``. The ranks generate at once and the step waits for the slowest, so its throughput is all tokens
-#: over the slowest rank's time (a sum of the ranks' own rates would count a fast rank's rate for the whole step).
-DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generated_tokens", "rollout/wall_s")}
+#: over the slowest rank's time (a sum of the ranks' own rates would count a fast rank's rate for the whole step);
+#: likewise the step's distance from its floor is the slowest rank's step over the largest floor.
+DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generated_tokens", "rollout/wall_s"),
+                                       "rollout/roofline_ratio": ("rollout/ms_per_step", "rollout/floor_ms_per_step")}
 
 #: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean, and PeakMemoryMonitor's
 #: ``memory/*`` (peaks of one process, and what a phase added to it: the largest rank's).

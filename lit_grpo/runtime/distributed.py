@@ -132,6 +132,10 @@ class RolloutWeights:
     def release(self) -> None:
         """Free what ``materialize`` allocated (leaving ``active()`` without ``keep``); here nothing."""
 
+    def scope_bytes(self) -> int:
+        """Bytes ``materialize`` allocates on this device while the scope lasts; here none."""
+        return 0
+
 
 class GatheredWeights(RolloutWeights):
     """The full weights of an FSDP2-sharded policy, gathered once per rollout scope into an unsharded replica.
@@ -200,6 +204,9 @@ class GatheredWeights(RolloutWeights):
     def weights_bytes(self) -> int:
         """The replica's full weights in ``dtype``."""
         return sum(p.numel() for p in self.module.parameters()) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def scope_bytes(self) -> int:
+        return self.weights_bytes()
 
     def fits(self, share: float = 0.5) -> bool:
         """Whether the gathered weights take at most ``share`` of the device's free memory (the rest is for the
@@ -288,6 +295,9 @@ class CastWeights(RolloutWeights):
     def cast_bytes(self) -> int:
         """The bytes of the cast weights while allocated."""
         return sum(cast.numel() * cast.element_size() for _, cast in self._casts.values())
+
+    def scope_bytes(self) -> int:
+        return self.cast_bytes()
 
     def fits(self, share: float = 0.25) -> bool:
         """Whether the cast weights take at most ``share`` of the device's free memory (the rest is for the KV

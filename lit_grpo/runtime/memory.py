@@ -181,6 +181,32 @@ class SampledHighWaterMark:
         self._sampled.close()
 
 
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """``(free_bytes, total_bytes)`` of a CUDA device, or None on any other device (a CPU has no budget to read).
+
+    Free counts the driver's free memory (``torch.cuda.mem_get_info``) and the blocks torch's caching allocator
+    holds unused (reserved but not allocated): a new tensor takes those first.
+    """
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(cached, 0)), int(total)
+
+
+def update_state_bytes(parameters) -> int:
+    """Bytes an update allocates per trainable parameter before its activations, estimated before one has run:
+    its gradient and AdamW's two moments, each in the parameter's dtype (3 x the trainable parameters' bytes, this
+    process's shards of sharded ones). Already-allocated state (a resumed run's) is counted again: an over-estimate
+    is the safe side of a memory budget."""
+    total = 0
+    for param in parameters:
+        if param.requires_grad:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            total += 3 * local.numel() * local.element_size()
+    return total
+
+
 def read_status_bytes(field: str) -> int:
     """A ``kB`` field of /proc/self/status (e.g. VmHWM, VmRSS) in bytes."""
     with open(_STATUS) as f:

@@ -7,7 +7,7 @@ is parsed), with a message that names the key and what is allowed::
     data:
       sampling:
         group_size: 8            # G, completions per prompt
-        micro_group_size: 16     # g, concurrent slots (or "auto" with kv_budget_bytes)
+        micro_group_size: 16     # g, concurrent slots (or "auto": from kv_budget_bytes, or a GPU's free memory)
         strategy: infinite
         max_new_tokens: 256
         scheduler: {preempt_tokens: 8}   # the "infinite" strategy's options (InfiniteSchedulerConfig)
@@ -38,7 +38,9 @@ class SamplingConfig:
             the largest g whose worst-case KV cache fits ``kv_budget_bytes``, resolved by the rollout builder from
             the model and the longest prompt (``lit_grpo.sampling.memory_budget``), in the dtype the cache stores
             (the autocast dtype under mixed precision); the engine itself needs an int.
-        kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``.
+        kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``. None: on CUDA the device's free
+            memory when the first rollout starts, less the rollout weights' copy, the update's gradients and
+            optimizer state and a margin (``RolloutBuilder``); on a CPU "auto" needs it (an error says so).
         strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
         max_new_tokens: the completion length cap.
         temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it.
@@ -84,14 +86,10 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         check_int("sampling.group_size", self.group_size, 1)
-        if self.micro_group_size == "auto":
-            if self.kv_budget_bytes is None:
-                raise ValueError("sampling.micro_group_size='auto' needs kv_budget_bytes "
-                                 "(the KV-cache byte budget)")
-        elif isinstance(self.micro_group_size, str):
+        if isinstance(self.micro_group_size, str) and self.micro_group_size != "auto":
             raise ValueError(f"sampling.micro_group_size={self.micro_group_size!r} must be an integer >= 1, "
                              "'auto' or None")
-        elif self.micro_group_size is not None:
+        elif self.micro_group_size not in (None, "auto"):
             check_int("sampling.micro_group_size", self.micro_group_size, 1)
         if self.kv_budget_bytes is not None:
             check_int("sampling.kv_budget_bytes", self.kv_budget_bytes, 1)

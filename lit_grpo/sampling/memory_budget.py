@@ -24,7 +24,11 @@ its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus
 max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64, which the budget does not
 cover).
 
-Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``.
+Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``. Without ``kv_budget_bytes`` the budget
+comes from the device (``kv_budget_from_free_memory``): its free memory less what the run will still allocate
+beside the KV cache and a safety margin::
+
+    kv_budget_bytes = free_bytes - reserved_bytes - margin_bytes
 """
 
 from __future__ import annotations
@@ -36,8 +40,39 @@ import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
-__all__ = ["auto_micro_group_size", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
+__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
            "kv_slot_bytes"]
+
+
+#: The share of the device's total memory a budget from free memory leaves out: what no count here covers (a
+#: decode step's activations and logits, the update's activations, the allocator's fragmentation).
+DEVICE_MARGIN_FRACTION = 0.1
+
+
+def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_bytes: int) -> int:
+    """The KV-cache byte budget of ``micro_group_size="auto"`` without ``kv_budget_bytes``: ``free_bytes -
+    reserved_bytes - margin_bytes``.
+
+    Args:
+        free_bytes: the device's memory free for new tensors now (bytes).
+        reserved_bytes: what the run will still allocate beside the KV cache (bytes; see
+            ``RolloutBuilder.resolved_micro_group_size``).
+        margin_bytes: kept free besides (bytes; ``DEVICE_MARGIN_FRACTION`` of the device's memory).
+
+    Raises:
+        ValueError: a count that is not an integer >= 0, or nothing left for the KV cache (the message names the
+            three numbers).
+    """
+    check_int("free_bytes", free_bytes, 0)
+    check_int("reserved_bytes", reserved_bytes, 0)
+    check_int("margin_bytes", margin_bytes, 0)
+    budget = free_bytes - reserved_bytes - margin_bytes
+    if budget < 1:
+        raise ValueError(f"no device memory left for the KV cache: free_bytes={free_bytes} - reserved_bytes="
+                         f"{reserved_bytes} (the rollout weights' copy, gradients and optimizer state still to "
+                         f"come) - margin_bytes={margin_bytes} = {budget}, but micro_group_size: auto needs a budget "
+                         ">= 1 byte; set sampling.kv_budget_bytes, or a fixed micro_group_size")
+    return budget
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:

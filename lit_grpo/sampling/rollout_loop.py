@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
+from lit_grpo.sampling.roofline import DecodeReads, decode_reads
 from lit_grpo.sampling.kv_cache import KV, PrefillCache, cache_layers_kv, kv_bytes, kv_cache_dtype, take_columns
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes)
@@ -72,6 +73,13 @@ class RolloutLoop:
         self.num_slots = step.cache.num_slots
         self.device = step.device
         self.stats = RolloutStats(num_slots=self.num_slots, group_size=self.G)
+        # the weights are priced in the cache's dtype: the rollout's (the autocast one, which the rollout weights
+        # are cast or gathered into, under mixed precision); a model whose shape the roofline does not know (no
+        # gated MLP) counts no bytes
+        try:
+            self.reads: DecodeReads | None = decode_reads(model.config, step.cache.layers[0].dtype)
+        except ValueError:
+            self.reads = None
         # CUDA prefills and decode steps, (start, end) events each, read once the rollout is over
         self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -156,6 +164,10 @@ class RolloutLoop:
             self._decode_events.append(events)
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
+        # a row feeding the token at position P - 1 + len(tokens) attends P + len(tokens) positions
+        if self.reads is not None:
+            attended = sum(len(self.groups[key[0]].prompt_ids) + len(self.samples[key].tokens) for _, key in rows)
+            self.stats.decode_read_bytes += self.reads.step_bytes(len(rows), attended)
         ended = []
         for slot, key in rows:
             token, progress = out.tokens[slot], self.samples[key].progress

@@ -34,6 +34,8 @@ class RolloutStats:
             the steps' part of ``forward_s``; on CUDA the device's time, from events around each step (its
             synchronisation also waits for the prefills queued before it, which this leaves out). Per step:
             ``decode_ms_per_step``.
+        decode_read_bytes: bytes the decode steps had to read, added up over the steps (``sampling.roofline``:
+            the weights once a step, and each running row's embedding row and attended keys and values).
         capture_s: seconds spent preparing the decode step in this rollout: capturing its CUDA graph, and compiling
             it (``compile``); 0 when the engine reused the previous rollout's step, or the step runs eagerly
             uncompiled; a failed attempt's time when a capture failed.
@@ -62,6 +64,7 @@ class RolloutStats:
     forward_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_read_bytes: int = 0
     capture_s: float = 0.0
     num_slots: int = 0
     group_size: int = 0
@@ -91,6 +94,11 @@ class RolloutStats:
         """Milliseconds a decode step itself took (``decode_s``), prefill and bookkeeping left out; None without
         decode steps."""
         return 1000 * self.decode_s / self.decode_steps if self.decode_steps else None
+
+    @property
+    def read_bytes_per_step(self) -> float | None:
+        """Bytes a decode step read, the mean over the steps (``decode_read_bytes``); None without decode steps."""
+        return self.decode_read_bytes / self.decode_steps if self.decode_steps else None
 
     @property
     def prefill_ms_per_token(self) -> float | None:
@@ -164,6 +172,7 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.forward_s += part.forward_s
         merged.prefill_s += part.prefill_s
         merged.decode_s += part.decode_s
+        merged.decode_read_bytes += part.decode_read_bytes
         merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)

@@ -1,0 +1,188 @@
+"""A decode step's floor: the bytes it must read over this machine's measured read bandwidth.
+
+A decode step on a GPU (and mostly on a CPU) is memory-bound: it reads every linear weight once and each running
+row's cached keys and values, and does little arithmetic per byte. Its floor, the fewest milliseconds it could
+take, is those bytes over the memory's read bandwidth::
+
+    step_bytes = b·W + rows·b·H + kv_bytes_per_token·attended        floor_ms = 1000 · step_bytes / read_bytes_per_s
+
+with W the linear weights a forward reads (elements, output head included), H the hidden size (one embedding row
+looked up per row), b bytes per element in the rollout's dtype, and ``attended`` the positions the step's rows
+attend, summed over its rows (a row feeding the token at position i attends i + 1). The engine adds up every
+step's bytes (``RolloutStats.decode_read_bytes``); ``rollout/floor_ms_per_step`` is their mean over the
+bandwidth, and ``rollout/roofline_ratio`` the measured ``ms_per_step`` over it. tools/roofline.py adds FLOPs
+(a compute floor) and prefill for the benchmarks, on these pieces.
+
+The bandwidth is measured once per device and process (``read_bandwidth``): ``torch.sum`` over a buffer much
+larger than the last-level cache, the median of a few timed calls after a warm-up.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lit_grpo.sampling.memory_budget import _dtype_bytes, kv_bytes_per_token, kv_geometry
+
+__all__ = ["DecodeReads", "ModelShape", "decode_reads", "floor_ms", "measure_read_bandwidth", "model_shape",
+           "read_bandwidth", "set_read_bandwidth"]
+
+#: The bandwidth of each device (its ``str``) this process measured or was given, bytes/s.
+_BANDWIDTH: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder (Llama, Qwen2, Qwen3: q, k, v, o projections and a gated MLP) that its costs depend
+    on: layers, hidden size, attention heads, key/value heads, head dim, MLP width, vocabulary."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def layer_weights(self) -> int:
+        """Elements of one layer's linear weights: ``H·n_h·d (q) + 2·H·n_kv·d (k, v) + n_h·d·H (o) + 3·H·I``."""
+        h, d = self.hidden, self.head_dim
+        return h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h + 3 * h * self.intermediate
+
+    @property
+    def weights(self) -> int:
+        """``W = L·W_layer + V·H``: elements of every linear weight a forward reads, the output head included (read
+        once per forward, tied to the input embedding or not)."""
+        return self.layers * self.layer_weights + self.vocab * self.hidden
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The ``ModelShape`` of a transformers config (a multimodal config's text config is used)."""
+    layers, kv_heads, head_dim = kv_geometry(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    missing = [name for name in ("hidden_size", "intermediate_size", "vocab_size") if not getattr(text, name, None)]
+    if missing:
+        raise ValueError(f"model config {type(text).__name__} has no {missing}; the roofline needs a decoder with a "
+                         "gated MLP (Llama, Qwen2, Qwen3)")
+    return ModelShape(layers=layers, hidden=int(text.hidden_size), heads=int(text.num_attention_heads),
+                      kv_heads=kv_heads, head_dim=head_dim, intermediate=int(text.intermediate_size),
+                      vocab=int(text.vocab_size))
+
+
+@dataclass(frozen=True)
+class DecodeReads:
+    """What a decode step reads, in bytes: ``weights`` once, ``per_row`` for each row (its embedding row) and
+    ``per_position`` for each position a row attends (its keys and values across all layers)."""
+
+    weights: int
+    per_row: int
+    per_position: int
+
+    def step_bytes(self, rows: int, attended: int) -> int:
+        """Bytes one step of ``rows`` rows reads, ``attended`` positions summed over its rows."""
+        return self.weights + rows * self.per_row + attended * self.per_position
+
+
+def decode_reads(config: Any, dtype: torch.dtype | str, kv_dtype: torch.dtype | str | None = None) -> DecodeReads:
+    """The ``DecodeReads`` of a model: weights and embedding rows in ``dtype`` (the rollout's), keys and values
+    in ``kv_dtype`` (default ``dtype``)."""
+    shape, b = model_shape(config), _dtype_bytes(dtype)
+    return DecodeReads(weights=b * shape.weights, per_row=b * shape.hidden,
+                       per_position=kv_bytes_per_token(config, kv_dtype if kv_dtype is not None else dtype))
+
+
+def floor_ms(read_bytes: float, read_bytes_per_s: float) -> float:
+    """Milliseconds reading ``read_bytes`` takes at ``read_bytes_per_s``: ``1000 · read_bytes / read_bytes_per_s``.
+
+    Raises:
+        ValueError: ``read_bytes`` < 0 or a bandwidth that is not a finite number > 0 (the message names it).
+    """
+    if isinstance(read_bytes, bool) or not isinstance(read_bytes, (int, float)) or not read_bytes >= 0:
+        raise ValueError(f"read_bytes={read_bytes!r} must be a number >= 0")
+    if isinstance(read_bytes_per_s, bool) or not isinstance(read_bytes_per_s, (int, float)) or \
+            not 0 < read_bytes_per_s < float("inf"):
+        raise ValueError(f"read_bytes_per_s={read_bytes_per_s!r} must be a finite number > 0 (bytes per second)")
+    return 1000 * read_bytes / read_bytes_per_s
+
+
+# --------------------------------------------------------------------------------------------- the machine
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), 0 when unknown: a bandwidth buffer must be much larger."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        match = re.fullmatch(r"(\d+)([KMG]?)", path.read_text().strip())
+        if match:
+            sizes.append(int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)])
+    return max(sizes, default=0)
+
+
+def median_seconds(run: Callable[[], Any], device: torch.device, budget_s: float, min_runs: int = 3,
+                   max_runs: int = 30) -> float:
+    """Median wall time of ``run()`` after one untimed warm-up call: at least ``min_runs`` timed calls, more while
+    ``budget_s`` lasts. On CUDA each call is waited for (kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    run()
+    sync(device)
+    times, started = [], time.perf_counter()
+    while len(times) < min_runs or (len(times) < max_runs and time.perf_counter() - started < budget_s):
+        start = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth_buffer_bytes(device: torch.device, minimum: int = 2**28) -> int:
+    """The bandwidth buffer: at least ``minimum`` and 4 x the last-level cache (the CPU's, or the GPU's L2)."""
+    llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda"
+           else last_level_cache_bytes())
+    return max(minimum, 4 * llc)
+
+
+def measure_read_bandwidth(device: torch.device | str, buffer_bytes: int | None = None, budget_s: float = 0.1,
+                           inner: int | None = None) -> float:
+    """Bytes/s ``torch.sum`` reads from a float32 buffer of ``buffer_bytes`` on ``device`` (default
+    ``bandwidth_buffer_bytes``): the median of timed calls within ``budget_s`` (at least 3, after a warm-up; on
+    a GPU a call is ``inner`` = 10 back-to-back sums, 1 on a CPU). Measured afresh at every call."""
+    device = torch.device(device)
+    buffer_bytes = buffer_bytes or bandwidth_buffer_bytes(device)
+    inner = inner or (10 if device.type == "cuda" else 1)
+    with torch.inference_mode():
+        buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
+
+        def run():
+            for _ in range(inner):
+                buffer.sum()
+
+        seconds = median_seconds(run, device, budget_s) / inner
+    return buffer_bytes / seconds
+
+
+def read_bandwidth(device: torch.device | str) -> float:
+    """This process's read bandwidth of ``device`` (bytes/s): measured on first use (``measure_read_bandwidth``,
+    a few tenths of a second) and kept, or what ``set_read_bandwidth`` gave."""
+    key = _device_key(device)
+    if key not in _BANDWIDTH:
+        _BANDWIDTH[key] = measure_read_bandwidth(key)
+    return _BANDWIDTH[key]
+
+
+def set_read_bandwidth(device: torch.device | str, read_bytes_per_s: float) -> None:
+    """Use ``read_bytes_per_s`` as ``device``'s bandwidth for the rest of the process (measured elsewhere; tests)."""
+    floor_ms(0, read_bytes_per_s)  # a bad value is refused here, naming it
+    _BANDWIDTH[_device_key(device)] = float(read_bytes_per_s)
+
+
+def _device_key(device: torch.device | str) -> str:
+    """``device`` as its cache key: "cuda" is the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
