@@ -300,13 +300,14 @@ def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
     import lit_grpo.update.shared_prefix as shared_prefix
 
     monkeypatch.setattr(shared_prefix, "unsupported_reason", lambda model: "sliding-window layers (for the test)")
-    module = GRPOModule(model="tiny-llama")
+    module = GRPOModule(model="tiny-llama", shared_prefix=True)
     with pytest.warns(UserWarning, match=r"shared_prefix=True is not exact for LlamaForCausalLM: sliding-window "
                                          r"layers \(for the test\); the update runs one forward per completion"):
         module.configure_model()
     assert module.uses_shared_prefix is False
-    quiet = GRPOModule(model="tiny-llama", shared_prefix=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        quiet.configure_model()  # asked for no sharing: nothing to warn about
-    assert quiet.uses_shared_prefix is False
+    for setting in (False, "auto"):  # asked for no sharing, or for sharing where it pays: nothing to warn about
+        quiet = GRPOModule(model="tiny-llama", shared_prefix=setting)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quiet.configure_model()
+        assert quiet.uses_shared_prefix is False

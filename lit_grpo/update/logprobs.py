@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.models import accepts
-from lit_grpo.update.shared_prefix import prompt_groups, shared_prefix_outputs
+from lit_grpo.update.shared_prefix import AUTO_MIN_SAVED_SHARE, prompt_groups, saved_share, shared_prefix_outputs
 
 LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
 
@@ -46,21 +46,29 @@ def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
                 position_ids=micro["position_ids"], use_cache=False)
 
 
-def _shared_groups(micro: dict[str, Any], shared_prefix: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``prompt_groups(micro)`` when the shared forward is asked for and saves work (some prompt repeats)."""
+def _shared_groups(micro: dict[str, Any], shared_prefix: bool | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``prompt_groups(micro)`` where the shared forward is asked for and saves work: some prompt repeats, and under
+    "auto" it spares at least ``AUTO_MIN_SAVED_SHARE`` of the unshared forward's positions."""
     if not shared_prefix:
         return None
-    groups = prompt_groups(micro)
-    return groups if len(groups[0]) < len(groups[1]) else None
+    first, group = groups = prompt_groups(micro)
+    if len(first) == len(group):
+        return None
+    if shared_prefix == "auto":
+        completion_length = micro["completion_ids"].shape[1]
+        prompt_length = micro["input_ids"].shape[1] - completion_length
+        if saved_share(len(group), len(first), prompt_length, completion_length) < AUTO_MIN_SAVED_SHARE:
+            return None
+    return groups
 
 
 def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0,
-                      shared_prefix: bool = False) -> torch.Tensor:
+                      shared_prefix: bool | str = False) -> torch.Tensor:
     """``[m, T', V]`` logits predicting each completion token of a micro-batch (``RolloutBatch.micro_batch``).
 
     Only the last ``T' + 1`` positions go through the LM head when the model takes ``logits_to_keep``; logits
     are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did. ``shared_prefix``: each
-    distinct prompt goes forward once (lit_grpo.update.shared_prefix).
+    distinct prompt goes forward once (lit_grpo.update.shared_prefix; "auto": where that pays).
     """
     num_tokens = micro["completion_ids"].shape[1]
     groups = _shared_groups(micro, shared_prefix)
@@ -222,14 +230,14 @@ def _real_tokens(mask: torch.Tensor, count: int | None) -> torch.Tensor:
 
 
 def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
-                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True, shared_prefix: bool = False,
+                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True, shared_prefix: bool | str = False,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies (no grad) of a micro-batch's completion
     tokens; both are 0 on padding.
 
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
     docstring); otherwise the full logits are computed once. With ``shared_prefix`` each distinct prompt goes
-    forward once (lit_grpo.update.shared_prefix). Every way the values are the same up to float rounding
+    forward once (lit_grpo.update.shared_prefix; "auto": where that pays). Every way the values are the same up to float rounding
     (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
     if chunk_bytes < 1:

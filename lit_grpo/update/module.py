@@ -103,7 +103,7 @@ from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
-from lit_grpo.update.shared_prefix import shared_prefix_usable
+from lit_grpo.update.shared_prefix import SHARED_PREFIX_MODES, shared_prefix_usable
 
 class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
     """A non-finite loss or gradient norm, found before the optimizer step, on every rank at once."""
@@ -124,9 +124,11 @@ class GRPOModule(LightningModule):
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
             of update time). Turn it off when memory is plentiful (configs/demo.yaml).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
-            attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding). Where
-            the model cannot, ``configure_model`` warns why and the update runs one forward per completion
-            (``uses_shared_prefix`` says which).
+            attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
+            "auto" (default) in a micro-batch where that spares enough of the unshared forward's positions to pay for
+            the model's second pass (``AUTO_MIN_SAVED_SHARE`` of them: long prompts, several rows each), True in
+            every micro-batch with a repeated prompt, False never. Where the model cannot, the update runs one
+            forward per completion (``configure_model`` warns why under True; ``uses_shared_prefix`` says which).
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
             frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures.
@@ -166,7 +168,7 @@ class GRPOModule(LightningModule):
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
-        shared_prefix: bool = True,
+        shared_prefix: bool | str = "auto",
         loss: LossConfig = LossConfig(),
         sampler_correction: SamplerCorrection = SamplerCorrection(),
         scale_rewards: Scale = "group",
@@ -187,6 +189,7 @@ class GRPOModule(LightningModule):
         check_choice("scale_rewards", scale_rewards, SCALES)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
         check_choice("fsdp_rollout", fsdp_rollout, FSDP_ROLLOUTS)
+        check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
@@ -207,7 +210,8 @@ class GRPOModule(LightningModule):
         #: What rollouts run on (``rollout_weights()``); a plain object, so its replica is no submodule of this one.
         self._rollout_weights: RolloutWeights | None = None
         self._gathered: GatheredWeights | None = None  # under fsdp: the replica, its structure taken before sharding
-        #: Whether the update shares prompts: ``shared_prefix`` where the loaded policy can (``configure_model``).
+        #: Whether the update shares prompts (True, "auto" or False): ``shared_prefix`` where the loaded policy can
+        #: (``configure_model``).
         self.uses_shared_prefix = shared_prefix
         self.held_out = HeldOutMetrics()
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
@@ -237,7 +241,8 @@ class GRPOModule(LightningModule):
             if skeleton is not None:
                 self._gathered = GatheredWeights(policy, skeleton, self._rollout_dtype(policy))
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
-        self.uses_shared_prefix = hp.shared_prefix and shared_prefix_usable(policy)
+        usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
+        self.uses_shared_prefix = hp.shared_prefix if usable else False
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)

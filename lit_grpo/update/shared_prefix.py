@@ -12,8 +12,12 @@ unshared forward runs ``m x (P + T)`` tokens; this one runs ``u x P + m x (T - 1
    forward's own columns, so every real token sees exactly what it saw there.
 
 Memory stays linear: a row's keys are ``P + T`` long, as unshared; nothing is ``[G x T, G x T]``. Rows are grouped
-by prompt content, so groups split over micro-batches or several groups in one both work (a split group's prompt
-goes forward once per micro-batch holding some of it).
+by prompt (``prompt_groups``), so groups split over micro-batches or several groups in one both work (a split
+group's prompt goes forward once per micro-batch holding some of it).
+
+The second pass has a cost of its own, so the prefix pays only where the prompt positions it spares are a large
+enough share of the micro-batch's (``saved_share``): ``shared_prefix="auto"`` takes it there
+(``AUTO_MIN_SAVED_SHARE``), ``True`` always.
 
 The backward runs in two stages where one process trains alone. Every weight is used by both passes, so in one
 backward the autograd engine would hold each weight's pass-2 gradient until pass 1's arrives: all the layers'
@@ -150,6 +154,27 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: ``GRPOModule(shared_prefix=...)``'s settings (what ``completion_logps`` takes).
+SHARED_PREFIX_MODES = (True, False, "auto")
+
+#: ``shared_prefix: auto`` takes the shared path for a micro-batch that it spares at least this share of the unshared
+#: forward's token positions; below it the model's second pass costs more than the prompt positions it saves
+#: (docs/training.md has the measurements).
+AUTO_MIN_SAVED_SHARE = 0.1
+
+
+def saved_share(num_rows: int, num_prompts: int, prompt_length: int, completion_length: int) -> float:
+    """The share of an unshared micro-batch's ``m x (P' + T')`` token positions that the shared prefix does not
+    compute: ``(m - u) x P' / (m x (P' + T'))``, for ``m`` rows of ``u`` distinct prompts padded to ``P'`` tokens
+    and completions padded to ``T'``."""
+    if not 1 <= num_prompts <= num_rows or prompt_length < 0 or completion_length < 0:
+        raise ValueError(f"saved_share needs 1 <= num_prompts <= num_rows and lengths >= 0: got num_rows={num_rows}, "
+                         f"num_prompts={num_prompts}, prompt_length={prompt_length}, "
+                         f"completion_length={completion_length}")
+    positions = num_rows * (prompt_length + completion_length)
+    return (num_rows - num_prompts) * prompt_length / positions if positions else 0.0
+
+
 def prompt_groups(micro: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[u]`` the row of each distinct prompt and ``[m]`` each row's index into those ``u``: the micro-batch's own
     ``prompt_groups`` where it has them (``RolloutBatch.micro_batch``: by prompt index, known on the host), else by
@@ -270,10 +295,10 @@ def _token_inputs(model: torch.nn.Module, input_ids: torch.Tensor):
     return lambda rows, columns: {"inputs_embeds": embeds[rows, columns]}
 
 
-def shared_prefix_usable(model: torch.nn.Module) -> bool:
-    """``unsupported_reason(model) is None``; otherwise warns, naming the reason and the fallback."""
+def shared_prefix_usable(model: torch.nn.Module, warn: bool = True) -> bool:
+    """``unsupported_reason(model) is None``; otherwise warns (``warn``), naming the reason and the fallback."""
     reason = unsupported_reason(model)
-    if reason is not None:
+    if reason is not None and warn:
         warnings.warn(f"shared_prefix=True is not exact for {type(model).__name__}: {reason}; the update runs one "
                       "forward per completion instead", stacklevel=2)
     return reason is None

@@ -1,0 +1,60 @@
+"""The update and the end of fit on a GPU (needs a CUDA device): what a CPU run cannot show.
+
+On a CPU the same code runs in every other update test; here: AdamW runs fused, the update waits on the device a
+few times a step however many micro-batches it has (torch's sync debug mode counts the waits), and the policy and
+its optimizer state are still on the GPU when ``fit`` returns.
+"""
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.update.module import GRPOModule
+
+from datamodule_helpers import datamodule_arguments
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _fit(**module_arguments):
+    pl.seed_everything(0)
+    module = GRPOModule(**{"model": "tiny-llama", "lr": 1e-3, **module_arguments})
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
+    trainer.fit(module, data)
+    return module, trainer, data
+
+
+def test_adamw_runs_fused_and_the_policy_stays_on_the_gpu_after_fit():
+    module, trainer, _ = _fit()
+    optimizer = trainer.optimizers[0]
+    assert optimizer.defaults["fused"]
+    assert {p.device.type for p in module.policy.parameters()} == {"cuda"}
+    moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    assert moments and {t.device.type for t in moments} == {"cuda"}
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_the_update_waits_on_the_gpu_a_few_times_a_step_however_many_micro_batches(shared_prefix):
+    """Waits from lit_grpo's own lines (transformers' mask checks wait too, once per forward: theirs)."""
+    module, trainer, data = _fit(shared_prefix=shared_prefix)
+    batch = data.build_train_batch().to("cuda")
+    waits = {}
+    for size in (1, 4):
+        module.hparams.train_micro_batch_size = size
+        fresh = batch.to("cuda")
+        optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                module.grpo_step(fresh, optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits[size] = [f"{w.filename}:{w.lineno}" for w in caught
+                       if "synchroniz" in str(w.message) and "/lit_grpo/" in w.filename.replace("\\", "/")]
+    assert len(waits[1]) == len(waits[4]) <= 6, waits
