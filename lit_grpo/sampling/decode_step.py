@@ -11,7 +11,7 @@ One step, all on the device, no host round trip until the end:
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
    ``attended``: the rollout's own width, see ``start_rollout``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
-   key/value at its own column (on a CPU its attention is ``decode_attention``'s two matmuls);
+   key/value at its own column; its attention is ``decode_attention``'s (``SamplingConfig.decode_attention``);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
    inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
    rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_grpo.runtime.models import cache_keyword
-from lit_grpo.sampling.decode_attention import cpu_decode_attention
+from lit_grpo.sampling.decode_attention import step_attention
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample_tokens
@@ -68,6 +68,7 @@ class StepSettings:
         cuda_graph: capture and replay a CUDA graph (CUDA only).
         compile: run the step compiled by ``torch.compile`` (``resolve_compile``); with ``cuda_graph`` the compiled
             step is what the graph captures.
+        attention: the decode attention kernel (``SamplingConfig.decode_attention``).
     """
 
     temperature: float
@@ -78,6 +79,7 @@ class StepSettings:
     cuda_graph: bool
     compile: bool = False
     force_tokens: bool = False
+    attention: str = "matmul"
 
     def __post_init__(self):
         if self.force_lengths and self.force_tokens:
@@ -218,11 +220,11 @@ class DecodeStep:
 
     # ------------------------------------------------------------------------------------------ device side
     def _forward(self, hidden_states: bool = True) -> None:
-        """The step, compiled where it was built so; on a CPU its attention is ``decode_attention``'s, compiled or
-        not. Eager, it leaves the hidden states out unless ``hidden_states``: asking the model for them costs a few
+        """The step, compiled where it was built so, its attention the settings' decode kernel on every device.
+        Eager, it leaves the hidden states out unless ``hidden_states``: asking the model for them costs a few
         percent of a forward, and a row is probed on one step of its whole run. A compiled step, like a captured
         graph, has one shape and computes them every step."""
-        with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
+        with step_attention(self.model, self.settings.attention):
             if self._compiled_run is not None:
                 self._compiled_run(self)
             else:

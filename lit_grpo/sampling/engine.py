@@ -317,7 +317,8 @@ class RolloutEngine:
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
-                            compile=resolve_compile(self.config.compile, device, sharded))
+                            compile=resolve_compile(self.config.compile, device, sharded),
+                            attention=self.config.decode_attention)
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:
