@@ -13,6 +13,7 @@ from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.config import SamplingConfig
 from lit_grpo.sampling.decode_attention import (DECODE_ATTENTION, SDPA_GQA_DECODE_ATTENTION, decode_attention,
                                                 sdpa_gqa_decode_attention, step_attention)
+from lit_grpo.sampling.decode_step import width_buckets
 
 
 class _Layer(torch.nn.Module):
@@ -65,7 +66,7 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("kernel", [decode_attention, sdpa_gqa_decode_attention], ids=["matmul", "sdpa_gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("width", [64, 128, 256, 512, 1088])
+@pytest.mark.parametrize("width", width_buckets(1088))
 def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, group, width):
     """Each bucket is a width a step attends: the cache's first ``width`` columns and a mask of that width. Row 0
     is idle (only column 0 admitted), row 1 fills the bucket; masked columns hold large stale values."""

@@ -219,9 +219,10 @@ class RolloutEngine:
         with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
               onednn_linears(self.model, linear_kernel, rows=slots)):
             _, step, built = self._slots(slots, width, step_settings)
+            captured_before = 0.0 if built else step.capture_s  # a kept step captures new buckets' graphs too
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
-        result.stats.capture_s = step.capture_s if built else 0.0
+        result.stats.capture_s = step.capture_s - captured_before
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started
         drawn = [sum(v == settings.rollout_index for v in s.versions) for g in loop.groups for s in g.samples]
@@ -314,11 +315,13 @@ class RolloutEngine:
             graph = _graphs_available(device) and not sharded and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
+        # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
+        # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
                             compile=resolve_compile(self.config.compile, device, sharded),
-                            attention=self.config.decode_attention)
+                            live_width=device.type == "cuda", attention=self.config.decode_attention)
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:
