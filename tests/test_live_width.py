@@ -257,3 +257,29 @@ def test_a_compiled_live_width_step_samples_what_the_eager_one_does_and_compiles
         for e, g in zip(expected, got):
             torch.testing.assert_close(torch.tensor(g), torch.tensor(e), rtol=0, atol=1e-4)
     assert result.stats.capture_s > 0
+
+
+def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama, monkeypatch):
+    """torch._dynamo recompiles one code object at most ``recompile_limit`` times, then runs it uncompiled. Each
+    step shape has its own (``compiled_step``): three shapes of two buckets each compile six whole-step graphs
+    under a limit of two, where one shared code object would stop compiling at its third. Counted by graphs
+    traced (the "eager" backend: tracing is what the limit counts, and it spares Inductor's time)."""
+    from torch._dynamo.utils import counters
+
+    model, _ = tiny_llama
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **kwargs, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = dataclasses.replace(LIVE, compile=True)
+    for width in (136, 140, 144):  # widths no other test compiles (compiled steps are kept per shape)
+        step = _step(model, width=width, settings=compiled, slots=2)
+        assert step.buckets == (64, width)
+        step.start_rollout(seed=0, width=width)
+        with torch.inference_mode():
+            step.start_row(0, [_prefix(model, 10, 0)], stream=(0, 0), sample=0, generated=0, next_input=5)
+            step.step([])
+            step.start_row(1, [_prefix(model, 100, 1)], stream=(0, 1), sample=0, generated=0, next_input=6)
+            step.step([])
+        assert step.compiled_widths == {64, width}
+    assert counters["stats"]["unique_graphs"] - graphs == 6

@@ -46,8 +46,9 @@ import dataclasses
 import functools
 import shutil
 import time
+import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ def width_buckets(width: int, count: int = MAX_BUCKETS, smallest: int = MIN_BUCK
     """The attended widths of a step over a cache ``width`` columns wide, ascending: the largest ``count - 1``
     powers of two from ``smallest`` up to two thirds of ``width`` (a bucket barely narrower than the cache saves
     too little to be worth a graph), then ``width`` itself; ``(width,)`` when no power fits. Powers of two are the
-    same for every cache, so caches of different widths share compiled code for all but their top bucket."""
+    same for every cache, so the ladder is a function of the width alone, a handful of widths however wide."""
     for name, value in (("width", width), ("count", count), ("smallest", smallest)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"width_buckets: {name}={value!r} must be an integer >= 1")
@@ -197,7 +198,8 @@ class DecodeStep:
         # that keeps the cache and the graph's memory alive after the engine lets go of the step. The first
         # torch.compile of a process loads the compiler, which is part of what compiling costs.
         started = time.perf_counter()
-        self._compiled_run = torch.compile(DecodeStep._run, dynamic=False) if settings.compile else None
+        shape = (slots, width, cache.layers[0].dtype, device, settings)
+        self._compiled_run = compiled_step(DecodeStep._run, shape) if settings.compile else None
         self.capture_s = time.perf_counter() - started if settings.compile else 0.0
 
     # ------------------------------------------------------------------------------------------ host side
@@ -419,6 +421,20 @@ class DecodeStep:
                 raise broke[0] from None
             raise
         self.graphs[self.cache.attended] = graph
+
+
+@functools.cache
+def compiled_step(run: Callable, shape: Hashable) -> Callable:
+    """``run`` (``DecodeStep._run``) compiled with static shapes, as a function of its own for each step ``shape``.
+
+    Why a copy of its code per shape: torch._dynamo keeps compiled versions per code object and recompiles one at
+    most ``recompile_limit`` (8) times, then runs it uncompiled. A step compiles once per bucket, and its guards
+    hold the slot cache's whole shape, so a process that builds steps of several shapes (a new cache width or slot
+    count per rollout) would soon spend one code object's budget. Each shape's own code object has at most
+    ``MAX_BUCKETS`` versions; steps of one shape share them."""
+    code = run.__code__.replace()  # an equal but distinct code object
+    own = types.FunctionType(code, run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    return torch.compile(own, dynamic=False)
 
 
 def vocab_size(model: torch.nn.Module) -> int:
