@@ -200,7 +200,17 @@ class DecodeStep:
         started = time.perf_counter()
         shape = (slots, width, cache.layers[0].dtype, device, settings)
         self._compiled_run = compiled_step(DecodeStep._run, shape) if settings.compile else None
+        if settings.compile and settings.hidden_states:
+            self._install_output_hooks()
         self.capture_s = time.perf_counter() - started if settings.compile else 0.0
+
+    def _install_output_hooks(self) -> None:
+        """One eager step asking for hidden states (the rows kept): transformers installs the hooks that collect
+        them on a model's first forward that asks, under a lock torch.compile cannot trace. Met inside the compiled
+        step, that lock breaks its graph, and the model's frames are then compiled one by one (each layer's
+        attention apart, guarded on its layer index, past the recompile limit on a deep model)."""
+        with self.rows_kept(), step_attention(self.model, self.settings.attention):
+            self._run(hidden_states=True)
 
     # ------------------------------------------------------------------------------------------ host side
     @property
