@@ -280,20 +280,23 @@ class DecodeStep:
         self.cache.lengths.zero_()
         self.live_lengths.clear()
 
-    def step(self, hidden_slots: list[int]) -> StepOutput:
-        """Run one decode step and bring its results to the host (one synchronisation). Under ``live_width`` it
-        attends its bucket, capturing (or compiling) the bucket's step the first time (counted in ``capture_s``)."""
+    def prepare(self) -> None:
+        """Attend the next step's width (under ``live_width``, its bucket) and, the first time the step attends it,
+        capture its graph or compile it (the rows kept), counted in ``capture_s``. ``step`` calls it too; a caller
+        that times steps calls it first, so that a step's time is the step's alone."""
         if self.settings.live_width:
             self.cache.attend(self.live_bucket())
         width = self.cache.attended
+        if self.settings.cuda_graph and width not in self.graphs:
+            self.capture()
+        elif not self.settings.cuda_graph and self._compiled_run is not None and width not in self.compiled_widths:
+            self.compile_eagerly()
+
+    def step(self, hidden_slots: list[int]) -> StepOutput:
+        """Run one decode step and bring its results to the host (one synchronisation)."""
+        self.prepare()
         if self.settings.cuda_graph:
-            if width not in self.graphs:
-                self.capture()
-            self.graphs[width].replay()
-        elif self._compiled_run is not None and width not in self.compiled_widths:
-            started = time.perf_counter()
-            self._forward()
-            self.capture_s += time.perf_counter() - started
+            self.graphs[self.cache.attended].replay()
         else:
             self._forward(hidden_states=bool(hidden_slots))
         for slot in self.live_lengths:
@@ -373,9 +376,9 @@ class DecodeStep:
             self.capture_s += time.perf_counter() - started
 
     def compile_eagerly(self) -> None:
-        """Without a graph: run the compiled step once at the width its first step attends (every row idle), so
-        that compilation (paid once per step shape and process) is counted in ``capture_s`` rather than in the
-        first decode step. Later buckets compile when first attended."""
+        """Without a graph: run the compiled step once at the width the next step attends (the rows kept), so that
+        compilation (paid once per step shape, attended width and process) is counted in ``capture_s`` rather than
+        in a decode step's time. Built, the step compiles its first width; ``prepare`` each later bucket's."""
         started = time.perf_counter()
         try:
             if self.settings.live_width:
