@@ -34,7 +34,9 @@ they saw live) and ends it where they end. Both fill ``RolloutWork.true_lengths`
 Schedule invariance. Token t of sample (p, k) is drawn by inverse-CDF sampling with a uniform that depends only on
 (seed, rollout index, p, k, t) (random_streams.py), and every decode step has the same shapes whatever runs in the
 other slots, so a row's arithmetic never depends on its neighbours: "micro", "continuous" and "infinite" with the
-same g return bit-identical completions (and "full", whose batch is wider, equal ones up to rounding).
+same g return bit-identical completions (and "full", whose batch is wider, equal ones up to rounding). On CUDA a
+step attends the bucket of its longest live row (``decode_step``, "Attended width"), which follows the schedule,
+so there the same g gives equal completions up to the rounding of attention at another width.
 """
 
 from __future__ import annotations
