@@ -67,7 +67,9 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("width", width_buckets(1088))
-def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, group, width):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device"))])
+def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, group, width, device):
     """Each bucket is a width a step attends: the cache's first ``width`` columns and a mask of that width. Row 0
     is idle (only column 0 admitted), row 1 fills the bucket; masked columns hold large stale values."""
     rows, kv_heads, dim = 5, 2, 16
@@ -82,10 +84,11 @@ def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, g
     key = torch.where(admitted[:, None, :, None], fresh[0], key)  # stale values only where masked
     value = torch.where(admitted[:, None, :, None], fresh[1], value)
     mask = torch.zeros(rows, width, dtype=dtype).masked_fill(~admitted, torch.finfo(dtype).min)[:, None, None, :]
-    out, weights = kernel(_Layer(heads, kv_heads), query, key, value, mask, scaling=dim ** -0.5)
+    out, weights = kernel(_Layer(heads, kv_heads), *(t.to(device) for t in (query, key, value, mask)),
+                          scaling=dim ** -0.5)
     assert out.shape == (rows, 1, heads, dim) and out.dtype == dtype and weights is None
     expected = _reference(query, key, value, lengths, dim ** -0.5)
-    torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[dtype])
 
 
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():
