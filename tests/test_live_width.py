@@ -41,9 +41,9 @@ def test_buckets_follow_count_and_smallest_and_name_bad_values():
     assert width_buckets(1088, count=3) == (256, 512, 1088)
     assert width_buckets(300, smallest=100) == (128, 300)
     assert width_buckets(64) == (64,)
-    for bad in (dict(width=0), dict(width=64.0), dict(width=64, count=0), dict(width=64, smallest=True)):
-        name, value = next((k, v) for k, v in bad.items() if k != "width" or len(bad) == 1)
-        with pytest.raises(ValueError, match=rf"width_buckets: {name}={value!r} must be an integer >= 1"):
+    for bad, named in ((dict(width=0), "width=0"), (dict(width=64.0), "width=64.0"),
+                       (dict(width=64, count=0), "count=0"), (dict(width=64, smallest=True), "smallest=True")):
+        with pytest.raises(ValueError, match=rf"width_buckets: {named} must be an integer >= 1"):
             width_buckets(**bad)
 
 
