@@ -1,4 +1,5 @@
-"""The decode step captured as a CUDA graph returns exactly what the eager step returns (needs a CUDA device).
+"""The decode step captured as CUDA graphs (one per attended width) returns exactly what the eager step returns
+(needs a CUDA device).
 
 The same static-shape step runs eagerly on CPU in every other engine test; this file checks only what a CPU
 cannot: that capture and replay are correct and that the step needs one host synchronisation.
@@ -29,6 +30,24 @@ def test_graph_replay_equals_the_eager_step(strategy):
     assert results[True][0].stats.capture_s > 0 and results[True][1].stats.capture_s == 0
 
 
+def test_graphs_of_several_buckets_replay_what_the_eager_live_width_step_computes():
+    """Rows crossing bucket edges: one graph per bucket reached, captured mid-rollout in one pool, replaying exactly
+    what the eager step computes (both attend the bucket of the longest live row)."""
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
+    prompts, lengths = [list(range(5, 45)), list(range(50, 60))], [[150, 30, 45, 10], [5, 20, 100, 1]]
+    settings = dict(group_size=4, micro_group_size=2, strategy="continuous", max_new_tokens=150, seed=2)
+    results = {}
+    for graph in (False, True):
+        engine = RolloutEngine(model, tokenizer, cuda_graph=graph, **settings)
+        results[graph] = [engine.generate(prompts, lengths=lengths) for _ in range(2)]
+    step = engine._step
+    assert step.settings.live_width and step.buckets == (64, 128, 192)  # 39 + 150 rounded up to 192
+    assert sorted(step.graphs) == [64, 128, 192]
+    for eager, replayed in zip(results[False], results[True]):
+        assert replayed.completion_ids == eager.completion_ids and replayed.logprobs == eager.logprobs
+    assert results[True][1].stats.capture_s == 0  # every bucket's graph kept and replayed
+
+
 def test_one_synchronisation_per_decode_step(monkeypatch):
     model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="bfloat16", device="cuda")
     engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
@@ -46,7 +65,9 @@ def test_one_synchronisation_per_decode_step(monkeypatch):
 def test_schedules_return_bit_identical_completions_in_bfloat16():
     """Schedule invariance on the device it is for: the same g and seed give the same bits whatever
     the schedule, with graphs replayed and every row's arithmetic independent of its neighbours. Bit-identical in
-    bfloat16 is a determinism claim, not a numerical one: the same captured kernels on the same shapes."""
+    bfloat16 is a determinism claim, not a numerical one: the same captured kernels on the same shapes. Every row
+    here fits the first bucket (64 columns), so every step attends the same width; across buckets a row's
+    attention may round differently from one schedule to another."""
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="bfloat16", device="cuda")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.", "hi")]
     results = {}

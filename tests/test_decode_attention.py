@@ -10,7 +10,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lit_grpo.sampling.decode_attention as decode_attention_module
 from lit_grpo.sampling import RolloutEngine
-from lit_grpo.sampling.decode_attention import DECODE_ATTENTION, cpu_decode_attention, decode_attention
+from lit_grpo.sampling.config import SamplingConfig
+from lit_grpo.sampling.decode_attention import (DECODE_ATTENTION, SDPA_GQA_DECODE_ATTENTION, decode_attention,
+                                                sdpa_gqa_decode_attention, step_attention)
+from lit_grpo.sampling.decode_step import width_buckets
 
 
 class _Layer(torch.nn.Module):
@@ -38,6 +41,54 @@ def test_a_decode_call_computes_what_sdpa_computes(kv_heads):
     theirs, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
     assert ours.shape == theirs.shape == (6, 1, 6, 8)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _reference(query, key, value, lengths, scale):
+    """float64 attention of each row's query heads over its columns ``[0, lengths[row]]``, each query head reading
+    its key/value head (``h // group``) directly: ``[rows, 1, heads, dim]``."""
+    rows, heads, _, dim = query.shape
+    group = heads // key.shape[1]
+    out = torch.zeros(rows, 1, heads, dim, dtype=torch.float64)
+    for row in range(rows):
+        live = int(lengths[row]) + 1
+        for head in range(heads):
+            k, v = key[row, head // group, :live].double(), value[row, head // group, :live].double()
+            probs = torch.softmax(k @ query[row, head, 0].double() * scale, dim=0)
+            out[row, 0, head] = probs @ v
+    return out
+
+
+#: The tolerance of each input dtype against the float64 reference: float32 rounding of the products and the
+#: softmax; in bfloat16 the probabilities are rounded to bfloat16 before the second product, and the result too.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("kernel", [decode_attention, sdpa_gqa_decode_attention], ids=["matmul", "sdpa_gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("width", width_buckets(1088))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device"))])
+def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, group, width, device):
+    """Each bucket is a width a step attends: the cache's first ``width`` columns and a mask of that width. Row 0
+    is idle (only column 0 admitted), row 1 fills the bucket; masked columns hold large stale values."""
+    rows, kv_heads, dim = 5, 2, 16
+    heads = kv_heads * group
+    generator = torch.Generator().manual_seed(width + group)
+    query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+    key, value = (100 * torch.randn(2, rows, kv_heads, width, dim, generator=generator)).to(dtype)
+    lengths = torch.randint(0, width, (rows,), generator=generator)
+    lengths[0], lengths[1] = 0, width - 1
+    fresh = torch.randn(2, rows, kv_heads, width, dim, generator=generator).to(dtype)
+    admitted = torch.arange(width)[None] <= lengths[:, None]                              # [rows, width]
+    key = torch.where(admitted[:, None, :, None], fresh[0], key)  # stale values only where masked
+    value = torch.where(admitted[:, None, :, None], fresh[1], value)
+    mask = torch.zeros(rows, width, dtype=dtype).masked_fill(~admitted, torch.finfo(dtype).min)[:, None, None, :]
+    out, weights = kernel(_Layer(heads, kv_heads), *(t.to(device) for t in (query, key, value, mask)),
+                          scaling=dim ** -0.5)
+    assert out.shape == (rows, 1, heads, dim) and out.dtype == dtype and weights is None
+    expected = _reference(query, key, value, lengths, dim ** -0.5)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[dtype])
 
 
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():
@@ -71,15 +122,18 @@ def test_the_switch_holds_for_the_block_only_and_leaves_other_implementations_al
     model, _ = tiny_llama
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError, match="inside"):
-        with cpu_decode_attention(model):
+        with step_attention(model):
             assert model.config._attn_implementation == DECODE_ATTENTION
             raise RuntimeError("inside")
     assert model.config._attn_implementation == "sdpa"
-    with cpu_decode_attention(model, enabled=False):
-        assert model.config._attn_implementation == "sdpa"
+    with step_attention(model, "sdpa_gqa"):
+        assert model.config._attn_implementation == SDPA_GQA_DECODE_ATTENTION
+    with pytest.raises(ValueError, match=r"kernel 'flash' is not known; use one of \['matmul', 'sdpa_gqa'\]"):
+        with step_attention(model, "flash"):
+            pass
     model.config._attn_implementation = "eager"
     try:
-        with cpu_decode_attention(model):
+        with step_attention(model):
             assert model.config._attn_implementation == "eager"  # chosen on purpose: kept
     finally:
         model.config._attn_implementation = "sdpa"
@@ -99,3 +153,28 @@ def test_a_cpu_rollout_decodes_with_it_and_prefills_with_sdpa(tiny_llama, monkey
     assert queries and set(queries) == {1}  # decode steps only: the prefill ran on SDPA
     assert len(queries) == layers * result.stats.decode_steps
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_engine_decodes_with_the_configured_kernel_and_names_a_bad_one(tiny_llama, prompt_ids, monkeypatch):
+    model, tokenizer = tiny_llama
+    with pytest.raises(ValueError, match=r"sampling.decode_attention='flash' is not known; use one of "
+                                         r"\['matmul', 'sdpa_gqa'\]"):
+        SamplingConfig(decode_attention="flash")
+    calls = {DECODE_ATTENTION: 0, SDPA_GQA_DECODE_ATTENTION: 0}
+    for name in calls:
+        original = ALL_ATTENTION_FUNCTIONS[name]
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name,
+                            lambda *args, _name=name, _original=original, **kwargs:
+                            calls.__setitem__(_name, calls[_name] + 1) or _original(*args, **kwargs))
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=8, temperature=0.0)
+    results = {}
+    for kernel in ("matmul", "sdpa_gqa"):
+        engine = RolloutEngine(model, tokenizer, decode_attention=kernel, **settings)
+        results[kernel] = engine.generate(prompt_ids)
+        assert engine._step.settings.attention == kernel
+    steps = results["matmul"].stats.decode_steps * model.config.num_hidden_layers
+    assert calls == {DECODE_ATTENTION: steps, SDPA_GQA_DECODE_ATTENTION: steps}
+    # float32, other kernels: the same greedy tokens while no step is a near tie (a random tiny model has none)
+    assert results["sdpa_gqa"].completion_ids == results["matmul"].completion_ids
+    for expected, got in zip(results["matmul"].logprobs, results["sdpa_gqa"].logprobs):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-5)

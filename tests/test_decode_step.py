@@ -215,3 +215,26 @@ def test_the_eager_step_asks_for_hidden_states_only_on_the_steps_that_probe(tiny
     result = engine.generate(prompt_ids)
     assert len(asked) == result.stats.decode_steps and asked == steps_probing
     assert 0 < sum(asked) < len(asked)
+
+
+def test_a_compiled_step_that_keeps_hidden_states_is_one_graph_on_a_fresh_model(monkeypatch):
+    """transformers installs its hidden-state hooks on a model's first forward that asks for them, under a lock
+    torch.compile cannot trace; the step installs them eagerly first, so its compiled forward (which asks every
+    step) is one graph with no break, rather than a graph break and the model's frames compiled one by one (each
+    layer's attention apart, past the recompile limit on a deep model). Counted by dynamo's counters with the
+    "eager" backend: tracing is what breaks, and it spares Inductor's time."""
+    from torch._dynamo.utils import counters
+
+    from lit_grpo.sampling import RolloutEngine
+
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2")  # fresh: no hooks installed yet
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **kwargs, backend="eager"))
+    breaks, graphs, frames = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], \
+        counters["frames"]["total"]
+    engine = RolloutEngine(model.eval(), tokenizer, group_size=4, micro_group_size=2, strategy="infinite",
+                           max_new_tokens=6, seed=0, probe_tokens=3, compile=True)
+    engine.generate([[5, 6, 7, 8], [9, 10, 11]])
+    assert engine._step.settings.hidden_states and engine._step._compiled_run is not None
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and counters["frames"]["total"] - frames == 1

@@ -420,6 +420,21 @@ def test_bench_faults_comparison_names_every_differing_tensor():
     assert _tensor_differences(a, a) == []
 
 
+def test_bench_rollout_measures_both_decode_attention_kernels_in_one_process(tmp_path):
+    """``--decode-attention matmul,sdpa_gqa`` runs every strategy with each kernel, interleaved, records which, and
+    compares each run's completions with the default kernel's "full"."""
+    from tools import bench_rollout
+
+    report = bench_rollout.main(["--model", "tiny", "--task", "synthetic", "--prompts", "1", "--group-size", "3",
+                                 "--micro-group-size", "2", "--max-new-tokens", "6", "--strategies", "full,continuous",
+                                 "--decode-attention", "matmul,sdpa_gqa", "--repeats", "1", "--threads", "1",
+                                 "--json", str(tmp_path / "attention.json")])
+    runs = {(r["strategy"], r["decode_attention"]): r for r in report["runs"]}
+    assert set(runs) == {(s, k) for s in ("full", "continuous") for k in ("matmul", "sdpa_gqa")}
+    # float32, another kernel: a sampled token changes only if its uniform sits within rounding of a CDF boundary
+    assert runs[("continuous", "sdpa_gqa")]["identical_fraction"] == 1.0
+
+
 def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path):
     """``--compile false,true`` runs every strategy both ways, interleaved; the compiled runs count their
     compilation in capture_s and return the eager runs' completions."""
@@ -437,6 +452,7 @@ def test_bench_rollout_measures_compiled_and_eager_steps_in_one_process(tmp_path
     # sampled token only if its uniform is that close to a CDF boundary
     assert runs[("continuous", True)]["identical_fraction"] == 1.0
     for bad in (["--compile", "yes"], ["--cpu-linear", "packed,packed"], ["--strategies", "full,beam"],
+                ["--decode-attention", "flash"],
                 ["--predictors", "online,online"], ["--predictors", "noisy"], ["--predictors", "history"],
                 ["--refills", "sjf,shortest"]):
         with pytest.raises(SystemExit):  # each refused by name (tests/test_harness.py checks the messages)

@@ -26,6 +26,7 @@ on CPU), peak_rss_bytes (the process's resident high-water mark), wall_s, tokens
 wall_s and tokens_per_s), capture_s, identical_fraction (share of completions equal to the "full" run's in the same
 repeat), compile (the run's ``data.sampling.compile``: ``--compile false,true`` measures both, interleaved),
 cpu_linear (its ``data.sampling.cpu_linear``: ``--cpu-linear onednn,packed`` measures both, interleaved),
+decode_attention (its ``data.sampling.decode_attention``: ``--decode-attention matmul,sdpa_gqa`` measures both),
 control (true on the run of ``--control``'s second, identical engine), and for lit_grpo's engine forward_fraction
 (time in prefill and decode steps / wall time). "config" carries weights_bytes and the device's name.
 
@@ -69,6 +70,7 @@ from transformers import GenerationConfig
 
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.cpu_linear import CpuLinear
+from lit_grpo.sampling.decode_attention import DECODE_KERNELS
 from lit_grpo.sampling.memory_budget import kv_bytes_per_token
 from lit_grpo.scheduling.length_aware.predictors import make_predictor, parse_predictor_name
 from lit_grpo.scheduling.length_aware.refill import RefillName
@@ -231,6 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         type=harness.comma_names(get_args(CpuLinear)),
                         help="data.sampling.cpu_linear of lit_grpo's runs, a comma list of "
                              "auto,packed,onednn,torch: each value runs every strategy, interleaved")
+    parser.add_argument("--decode-attention", default="matmul", type=harness.comma_names(DECODE_KERNELS),
+                        help="data.sampling.decode_attention of lit_grpo's runs, a comma list of matmul,sdpa_gqa: "
+                             "each value runs every strategy, interleaved")
     parser.add_argument("--control", action="store_true",
                         help="also run, in every repeat, a second engine identical to the first of full, micro, "
                              "continuous in --strategies (labelled S[control]): its ratio to the first is what the "
@@ -265,10 +270,11 @@ def build_runners(args, model, tokenizer, rollout):
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     runners = []
-    for compile_, cpu_linear in itertools.product(args.compile, args.cpu_linear):
+    for compile_, cpu_linear, attention in itertools.product(args.compile, args.cpu_linear, args.decode_attention):
         tag = ",".join(filter(None, ("" if compile_ is False else f"compile={str(compile_).lower()}",
-                                     "" if len(args.cpu_linear) == 1 else f"cpu_linear={cpu_linear}")))
-        options = dict(common, compile=compile_, cpu_linear=cpu_linear)
+                                     "" if len(args.cpu_linear) == 1 else f"cpu_linear={cpu_linear}",
+                                     "" if attention == "matmul" else f"decode_attention={attention}")))
+        options = dict(common, compile=compile_, cpu_linear=cpu_linear, decode_attention=attention)
         for strategy in args.strategies:
             if strategy == "infinite":
                 for predictor in args.predictors:
@@ -286,7 +292,7 @@ def build_runners(args, model, tokenizer, rollout):
                         engine.rollout_index = 0
                         refill = getattr(engine.scheduler, "refill", None)
                         fields = {"predictor": predictor, "refill": refill and refill.name, "compile": compile_,
-                                  "cpu_linear": cpu_linear}
+                                  "cpu_linear": cpu_linear, "decode_attention": attention}
                         label = ",".join(filter(None, (predictor, fields["refill"], tag)))
                         # the scheduler learns from every rollout (the gate's groups, a predictor and its trust):
                         # each repeat starts from the state the warm-ups left, so that repeats are replicas
@@ -298,7 +304,8 @@ def build_runners(args, model, tokenizer, rollout):
                     engine = RolloutEngine(model, tokenizer, strategy=strategy, **options)
                     eos = set(engine.eos_token_ids)
                     label = ",".join(filter(None, (tag, "control" if control else "")))
-                    fields = {"compile": compile_, "cpu_linear": cpu_linear} | ({"control": True} if control else {})
+                    fields = {"compile": compile_, "cpu_linear": cpu_linear, "decode_attention": attention} | (
+                        {"control": True} if control else {})
                     runners.append((f"{strategy}[{label}]" if label else strategy, fields,
                                     lambda e=engine: run_engine(e, prompts, replay)))
     eos = eos or set(RolloutEngine(model, tokenizer, group_size=G).eos_token_ids)
@@ -401,6 +408,7 @@ def _print_table(runs: list[dict]) -> None:
     label = lambda r: (r["strategy"] + (f"[{r['predictor']},{r['refill']}]" if "predictor" in r else "")
                        + (f" compile={str(r['compile']).lower()}" if r.get("compile") not in (None, False) else "")
                        + (f" cpu_linear={r['cpu_linear']}" if r.get("cpu_linear") not in (None, "auto") else "")
+                       + (f" {r['decode_attention']}" if r.get("decode_attention") not in (None, "matmul") else "")
                        + (" control" if r.get("control") else ""))
     widths = [max(20, len(c) + 2) for c in columns]
     print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))

@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 
 from lit_grpo.runtime.validation import check_choice, check_int
 from lit_grpo.sampling.cpu_linear import CpuLinear
+from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
@@ -64,6 +65,9 @@ class SamplingConfig:
             (torch's ``F.linear``), "auto": "packed" for a float32 policy on a CPU whose torch has oneDNN ("onednn"
             where FSDP shards the policy), unless the step is compiled. The update's linears have their own
             setting, ``GRPOModule``'s ``cpu_linear``.
+        decode_attention: the decode step's attention kernel, on every device: "matmul" (two matmuls over the
+            query heads grouped by key/value head, each KV head read once) or "sdpa_gqa" (experimental: torch's
+            SDPA with ``enable_gqa``); ``lit_grpo.sampling.decode_attention``.
         keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
             re-allocation, no re-capture), but during training the KV memory then stays held through the update;
             off by default for training, where the update needs that memory.
@@ -82,6 +86,7 @@ class SamplingConfig:
     cuda_graph: bool | None = None
     compile: bool | Literal["auto"] = False
     cpu_linear: CpuLinear = "auto"
+    decode_attention: DecodeKernel = "matmul"
     keep_kv_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -103,6 +108,7 @@ class SamplingConfig:
         if not isinstance(self.compile, bool) and self.compile != "auto":
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
+        check_choice("sampling.decode_attention", self.decode_attention, DECODE_KERNELS)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not 0 <= self.temperature < math.inf:
             raise ValueError(f"sampling.temperature={self.temperature!r} must be a finite number >= 0 (0 means "

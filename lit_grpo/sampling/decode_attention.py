@@ -1,32 +1,51 @@
-"""The decode step's attention on a CPU: each row's one query against its slot-cache row, as two matmuls.
+"""The decode step's attention: each row's one query against its slot-cache row, reading each KV head once.
 
-Owns: nothing past a decode step. ``cpu_decode_attention`` switches the policy's attention implementation to
-``decode_attention`` for the forward of a decode step on a CPU, eager or compiled, and restores it after; prefills,
-the update and CUDA keep SDPA. Its switch, ``instead_of_sdpa``, also serves the packed prefill's attention
-(``prefill.py``).
+Owns: nothing past a decode step. ``step_attention`` switches the policy's attention implementation, on every
+device, eager, compiled or captured, for the forward of a decode step, and restores it after; prefills and the
+update keep SDPA. Its switch, ``instead_of_sdpa``, also serves the packed prefill's attention (``prefill.py``).
 
-Why: for one query per row, transformers packs the query heads that share a key/value head into a
-``[rows, kv_heads, group, dim]`` query and calls SDPA, whose fused CPU kernel spends more time on its own tiling
-than on the few positions of a decode step. Two batched matmuls and a softmax do the same arithmetic in about half
-the time. Every row is its own batch entry, so a row's result does not depend on the others (strategies of the
-same g stay bit-identical); against SDPA the results differ by float32 rounding.
+Two kernels, chosen by ``SamplingConfig.decode_attention`` (one validated setting rather than a module switch: the
+choice is part of ``StepSettings``, so a step built with one kernel is never replayed for the other):
+
+- "matmul" (the default): ``decode_attention``, two batched matmuls and a softmax over the query heads that share
+  a key/value head packed into a ``[rows, kv_heads, group, dim]`` view. Each KV head is read once, with no copy
+  (transformers' SDPA path copies K and V to every query head, ``repeat_kv``), and every row is its own batch
+  entry, so a row's result does not depend on the others (strategies of the same g stay bit-identical). On a CPU
+  it also spends less time than SDPA's fused kernel, whose tiling costs more than the few positions of a step.
+- "sdpa_gqa" (experimental, for measuring on a GPU): ``sdpa_gqa_decode_attention``, torch's SDPA with
+  ``enable_gqa=True`` on the same operands; whether a fused GQA kernel with a mask beats the matmuls depends on
+  the GPU and the torch build.
+
+Both attend the key/value columns the slot cache returns (its ``attended`` width, ``decode_step`` picks it).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Literal, get_args
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-#: The name the implementation is registered under in transformers' attention (and mask) registries.
+#: The names the implementations are registered under in transformers' attention (and mask) registries.
 DECODE_ATTENTION = "lit_grpo_decode"
+SDPA_GQA_DECODE_ATTENTION = "lit_grpo_decode_sdpa_gqa"
 
-#: Attention options ``decode_attention`` does not compute; a call with any of them set goes to SDPA.
+DecodeKernel = Literal["matmul", "sdpa_gqa"]
+DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
+_REGISTERED = {"matmul": DECODE_ATTENTION, "sdpa_gqa": SDPA_GQA_DECODE_ATTENTION}
+
+#: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA.
 _SDPA_ONLY = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias")
+
+
+def _is_decode_call(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
+    """A decode step's call: one query per row, an additive float mask, no option only SDPA computes."""
+    return (query.shape[2] == 1 and attention_mask is not None and attention_mask.dtype != torch.bool
+            and not dropout and all(kwargs.get(name) is None for name in _SDPA_ONLY))
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -42,8 +61,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     Returns:
         ``[rows, 1, heads, dim]`` and no attention weights.
     """
-    if (query.shape[2] != 1 or attention_mask is None or attention_mask.dtype == torch.bool or dropout
-            or any(kwargs.get(name) is not None for name in _SDPA_ONLY)):
+    if not _is_decode_call(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, _, dim = query.shape
@@ -57,8 +75,23 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.view(rows, 1, heads, dim), None
 
 
-AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # what a 2-D mask becomes, as for SDPA
+def sdpa_gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Experimental: ``decode_attention``'s contract, a decode step's call computed by torch's SDPA with
+    ``enable_gqa=True`` (no ``repeat_kv`` copy; which backend runs it is torch's choice), any other by
+    transformers' SDPA. Shapes as ``decode_attention``."""
+    if not _is_decode_call(query, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask[..., :key.shape[2]], scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None                                               # [rows, 1, heads, dim]
+
+
+for _name, _function in ((DECODE_ATTENTION, decode_attention), (SDPA_GQA_DECODE_ATTENTION, sdpa_gqa_decode_attention)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, sdpa_mask)  # what a 2-D mask becomes, as for SDPA
 
 
 @contextlib.contextmanager
@@ -78,11 +111,11 @@ def instead_of_sdpa(model: torch.nn.Module, implementation: str) -> Iterator[boo
 
 
 @contextlib.contextmanager
-def cpu_decode_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, ``model``'s attention layers call ``decode_attention``. Nothing happens when ``enabled``
-    is False or the model's attention is not SDPA (``instead_of_sdpa``)."""
-    if not enabled:
-        yield
-        return
-    with instead_of_sdpa(model, DECODE_ATTENTION):
+def step_attention(model: torch.nn.Module, kernel: str = "matmul") -> Iterator[None]:
+    """Within the block, ``model``'s attention layers call the decode ``kernel`` ("matmul": ``decode_attention``,
+    "sdpa_gqa": ``sdpa_gqa_decode_attention``). Nothing happens when the model's attention is not SDPA
+    (``instead_of_sdpa``)."""
+    if kernel not in _REGISTERED:
+        raise ValueError(f"decode attention kernel {kernel!r} is not known; use one of {list(DECODE_KERNELS)}")
+    with instead_of_sdpa(model, _REGISTERED[kernel]):
         yield

@@ -9,9 +9,9 @@ business, and the loop's to tell it.
 One step, all on the device, no host round trip until the end:
 
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
-   ``attended``: the rollout's own width, see ``start_rollout``);
+   ``attended``: see "Attended width" below);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
-   key/value at its own column (on a CPU its attention is ``decode_attention``'s two matmuls);
+   key/value at its own column; its attention is ``decode_attention``'s (``SamplingConfig.decode_attention``);
 3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
    inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
    rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
@@ -24,9 +24,19 @@ shapes never change); they sit at length 0, write into their own column 0 and ar
 With ``compile`` the step runs as ``torch.compile`` fused it (fewer, larger kernels: what a step of a few rows
 spends most of its time launching), and that is what the graph captures.
 
-The CUDA graph is captured (``capture``) right after the step is built, while every row is idle, so the warm-up
-forwards that precede the capture only touch idle rows' column 0, which a sample always overwrites before it reads
-it.
+Attended width. With ``live_width`` (on CUDA) a step attends ``[0, bucket)``: the smallest of a few
+``width_buckets`` that holds the longest live row and its new column. The host knows every row's length (set by
+``start_row``, grown by one per step), so picking the bucket needs no device read. Each bucket has its own CUDA
+graph, captured the first time it is needed and kept while the step lives (all in one memory pool), and its own
+compilation: a handful per step, under torch._dynamo's recompile limit. Without it (on a CPU, eager or compiled)
+a step attends the rollout's fixed width: a row's result must not depend on how wide its neighbours make the step,
+or strategies of the same g would stop being bit-identical, and a reduction over more (masked) columns may be
+blocked, and so rounded, differently. On CUDA a row's attention may then round differently from one schedule to
+another (its bucket follows the longest live row); the graphs and compiled code stay those of a few shapes.
+
+A graph is captured while the rows hold whatever runs: the warm-up forwards before it advance the rows, so their
+state (lengths, token indices, next inputs) is put back after; the keys and values they wrote sit at each row's
+next column, which the replayed step writes again before it reads it.
 """
 
 from __future__ import annotations
@@ -36,14 +46,15 @@ import dataclasses
 import functools
 import shutil
 import time
+import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lit_grpo.runtime.models import cache_keyword
-from lit_grpo.sampling.decode_attention import cpu_decode_attention
+from lit_grpo.sampling.decode_attention import step_attention
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample_tokens
@@ -52,6 +63,37 @@ from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample
 #: outside the graph: two before the first capture on a device, one before later ones (those are process-wide).
 WARMUP_STEPS = 2
 _warmed_up_devices: set[torch.device] = set()
+
+#: Most buckets per step: each is a CUDA graph and a compilation, and torch._dynamo recompiles a function at most
+#: 8 times (its recompile limit) before it falls back to eager.
+MAX_BUCKETS = 6
+#: The narrowest bucket: attending fewer columns saves next to nothing (and keeps rows aligned).
+MIN_BUCKET = 64
+
+
+def width_buckets(width: int, count: int = MAX_BUCKETS, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """The attended widths of a step over a cache ``width`` columns wide, ascending: the largest ``count - 1``
+    powers of two from ``smallest`` up to two thirds of ``width`` (a bucket barely narrower than the cache saves
+    too little to be worth a graph), then ``width`` itself; ``(width,)`` when no power fits. Powers of two are the
+    same for every cache, so the ladder is a function of the width alone, a handful of widths however wide."""
+    for name, value in (("width", width), ("count", count), ("smallest", smallest)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"width_buckets: {name}={value!r} must be an integer >= 1")
+    powers = []
+    power = 1 << (smallest - 1).bit_length()  # the smallest power of two >= smallest
+    while 3 * power <= 2 * width:
+        powers.append(power)
+        power *= 2
+    kept = powers[max(len(powers) - (count - 1), 0):] if count > 1 else []
+    return (*kept, width)
+
+
+def bucket_for(buckets: Sequence[int], columns: int) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``columns`` columns."""
+    for bucket in buckets:
+        if bucket >= columns:
+            return bucket
+    raise ValueError(f"{columns} columns do not fit the widest bucket {buckets[-1]} (buckets {list(buckets)})")
 
 
 @dataclass(frozen=True)
@@ -65,9 +107,12 @@ class StepSettings:
             samples (the loop ends a sample at its last recorded token), so the logits stay untouched and each
             token's log-prob is the free run's; hence not with ``force_lengths``.
         hidden_states: also keep each row's last hidden state (for a length predictor's checkpoint).
-        cuda_graph: capture and replay a CUDA graph (CUDA only).
+        cuda_graph: capture and replay a CUDA graph (CUDA only), one per attended width.
         compile: run the step compiled by ``torch.compile`` (``resolve_compile``); with ``cuda_graph`` the compiled
             step is what the graph captures.
+        live_width: attend the bucket of the longest live row (``width_buckets``) rather than the rollout's fixed
+            width (module doc: why on CUDA only, by default).
+        attention: the decode attention kernel (``SamplingConfig.decode_attention``).
     """
 
     temperature: float
@@ -78,6 +123,8 @@ class StepSettings:
     cuda_graph: bool
     compile: bool = False
     force_tokens: bool = False
+    live_width: bool = False
+    attention: str = "matmul"
 
     def __post_init__(self):
         if self.force_lengths and self.force_tokens:
@@ -137,22 +184,54 @@ class DecodeStep:
         if settings.hidden_states:
             hidden_size = model.config.get_text_config(decoder=True).hidden_size
             self.hidden = torch.zeros(slots, hidden_size, dtype=torch.float32, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        #: Attended widths a step may pick (``width_buckets``; only the cache's width without ``live_width``).
+        self.buckets = width_buckets(width) if settings.live_width else (width,)
+        #: The captured graph of each attended width, captured when first needed, sharing one memory pool.
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        #: The attended widths the compiled step has run at: one compilation each.
+        self.compiled_widths: set[int] = set()
+        # The host's copy of each running row's cached positions (cache.lengths), so a step's bucket needs no
+        # device read: set by start_row, grown by one per step, dropped by stop_row.
+        self.live_lengths: dict[int, int] = {}
         # The class's function, not the bound method: storing a bound method on self would make a reference cycle
         # that keeps the cache and the graph's memory alive after the engine lets go of the step. The first
         # torch.compile of a process loads the compiler, which is part of what compiling costs.
         started = time.perf_counter()
-        self._compiled_run = torch.compile(DecodeStep._run, dynamic=False) if settings.compile else None
+        shape = (slots, width, cache.layers[0].dtype, device, settings)
+        self._compiled_run = compiled_step(DecodeStep._run, shape) if settings.compile else None
+        if settings.compile and settings.hidden_states:
+            self._install_output_hooks()
         self.capture_s = time.perf_counter() - started if settings.compile else 0.0
 
+    def _install_output_hooks(self) -> None:
+        """One eager step asking for hidden states (the rows kept): transformers installs the hooks that collect
+        them on a model's first forward that asks, under a lock torch.compile cannot trace. Met inside the compiled
+        step, that lock breaks its graph, and the model's frames are then compiled one by one (each layer's
+        attention apart, guarded on its layer index, past the recompile limit on a deep model)."""
+        with self.rows_kept(), step_attention(self.model, self.settings.attention):
+            self._run(hidden_states=True)
+
     # ------------------------------------------------------------------------------------------ host side
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """A captured graph of this step (None: it runs eagerly or compiled, without graphs)."""
+        return next(iter(self.graphs.values()), None)
+
     def start_rollout(self, seed: int, width: int) -> None:
-        """Key the random streams of the next rollout and attend its own ``width`` columns (its longest prompt - 1
-        + ``max_new_tokens``), however wide an earlier rollout left the cache (``kv_cache.py`` says why). A captured
-        graph keeps the width it was captured at, and a compiled step the one it was compiled for."""
+        """Key the random streams of the next rollout. Without ``live_width``, attend the rollout's own ``width``
+        columns (its longest prompt - 1 + ``max_new_tokens``), however wide an earlier rollout left the cache
+        (``kv_cache.py`` says why), or the cache's whole width when the step is captured or compiled (once, for
+        that width); with ``live_width`` each step picks its bucket."""
         self.seed.fill_(seed)
-        fixed = self.graph is not None or self._compiled_run is not None
-        self.cache.attend(self.cache.width if fixed else width)
+        if not self.settings.live_width:
+            fixed = self.settings.cuda_graph or self._compiled_run is not None
+            self.cache.attend(self.cache.width if fixed else width)
+
+    def live_bucket(self) -> int:
+        """The width the next step attends under ``live_width``: the bucket holding the longest running row and
+        the column it writes (a row of n cached positions attends n + 1 columns)."""
+        return bucket_for(self.buckets, max(self.live_lengths.values(), default=0) + 1)
 
     def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
                   generated: int, next_input: int, forced_length: int = 0,
@@ -172,6 +251,7 @@ class DecodeStep:
         self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
         self.cache.lengths[slot] = length
         self.active[slot] = 1
+        self.live_lengths[slot] = length
 
     def _write_forced_tokens(self, slot: int, tokens: Sequence[int], forced_length: int) -> None:
         """Row ``slot``'s recorded tokens, zero-padded to the buffer's width."""
@@ -193,17 +273,34 @@ class DecodeStep:
         """Leave ``slot`` idle: length 0, so its writes land in column 0 and nothing of it is read."""
         self.active[slot] = 0
         self.cache.lengths[slot] = 0
+        self.live_lengths.pop(slot, None)
 
     def stop_all(self) -> None:
         self.active.zero_()
         self.cache.lengths.zero_()
+        self.live_lengths.clear()
+
+    def prepare(self) -> None:
+        """Attend the next step's width (under ``live_width``, its bucket) and, the first time the step attends it,
+        capture its graph or compile it (the rows kept), counted in ``capture_s``. ``step`` calls it too; a caller
+        that times steps calls it first, so that a step's time is the step's alone."""
+        if self.settings.live_width:
+            self.cache.attend(self.live_bucket())
+        width = self.cache.attended
+        if self.settings.cuda_graph and width not in self.graphs:
+            self.capture()
+        elif not self.settings.cuda_graph and self._compiled_run is not None and width not in self.compiled_widths:
+            self.compile_eagerly()
 
     def step(self, hidden_slots: list[int]) -> StepOutput:
         """Run one decode step and bring its results to the host (one synchronisation)."""
-        if self.graph is not None:
-            self.graph.replay()
+        self.prepare()
+        if self.settings.cuda_graph:
+            self.graphs[self.cache.attended].replay()
         else:
             self._forward(hidden_states=bool(hidden_slots))
+        for slot in self.live_lengths:
+            self.live_lengths[slot] += 1
         non_blocking = self.device.type == "cuda"  # device-to-host copies into pinned memory, then one sync
         tokens = self.tokens.to("cpu", non_blocking=non_blocking)
         logprobs = self.logprobs.to("cpu", non_blocking=non_blocking)
@@ -218,13 +315,14 @@ class DecodeStep:
 
     # ------------------------------------------------------------------------------------------ device side
     def _forward(self, hidden_states: bool = True) -> None:
-        """The step, compiled where it was built so; on a CPU its attention is ``decode_attention``'s, compiled or
-        not. Eager, it leaves the hidden states out unless ``hidden_states``: asking the model for them costs a few
-        percent of a forward, and a row is probed on one step of its whole run. A compiled step, like a captured
-        graph, has one shape and computes them every step."""
-        with cpu_decode_attention(self.model, enabled=self.device.type == "cpu"):
+        """The step, compiled where it was built so, its attention the settings' decode kernel. Eager, it leaves the
+        hidden states out unless ``hidden_states``: asking the model for them costs a few percent of a forward, and
+        a row is probed on one step of its whole run. A compiled step, like a captured graph, has one shape per
+        attended width and computes them every step."""
+        with step_attention(self.model, self.settings.attention):
             if self._compiled_run is not None:
                 self._compiled_run(self)
+                self.compiled_widths.add(self.cache.attended)
             else:
                 self._run(hidden_states)
 
@@ -266,9 +364,9 @@ class DecodeStep:
                              settings.top_k, settings.top_p)
 
     def capture(self) -> None:
-        """Warm up on a side stream, then capture ``_run`` into a CUDA graph (every row idle, see module doc);
-        ``step`` replays it from then on. ``capture_s`` counts the time (with the compilation), also when the capture
-        fails."""
+        """Warm up on a side stream, then capture ``_run`` at the attended width into a CUDA graph (the rows' state
+        is put back after the warm-up, see module doc); ``step`` replays it whenever it attends that width.
+        ``capture_s`` counts the time (with the compilation), also when the capture fails."""
         if not self.settings.cuda_graph:
             raise RuntimeError("this decode step was built with cuda_graph=False; it runs eagerly")
         started = time.perf_counter()
@@ -278,33 +376,53 @@ class DecodeStep:
             self.capture_s += time.perf_counter() - started
 
     def compile_eagerly(self) -> None:
-        """Without a graph: run the compiled step once while every row is idle, so its compilation (paid once per
-        step shape and process) is counted in ``capture_s`` rather than in the first decode step."""
+        """Without a graph: run the compiled step once at the width the next step attends (the rows kept), so that
+        compilation (paid once per step shape, attended width and process) is counted in ``capture_s`` rather than
+        in a decode step's time. Built, the step compiles its first width; ``prepare`` each later bucket's."""
         started = time.perf_counter()
         try:
-            self._forward()
-            self.stop_all()
+            if self.settings.live_width:
+                self.cache.attend(self.live_bucket())
+            with self.rows_kept():
+                self._forward()
         finally:
             self.capture_s += time.perf_counter() - started
 
     def run_eagerly(self) -> None:
-        """Give up the graph (a capture failed): the same step, eager from now on."""
-        self.graph = None
+        """Give up the graphs (a capture failed): the same step, eager from now on."""
+        self.graphs.clear()
         self.settings = dataclasses.replace(self.settings, cuda_graph=False)
 
+    @contextlib.contextmanager
+    def rows_kept(self):
+        """Within the block, steps run (warm-ups, a compilation) without advancing the rows: their lengths, token
+        indices and next inputs are put back after. The keys and values those steps wrote sit at each row's next
+        column, which the next real step writes again before it reads it."""
+        state = (self.cache.lengths, self.token_index, self.input_ids)
+        saved = [tensor.clone() for tensor in state]
+        try:
+            yield
+        finally:
+            for tensor, kept in zip(state, saved):
+                tensor.copy_(kept)
+
     def _capture(self) -> None:
+        if self.settings.live_width:
+            self.cache.attend(self.live_bucket())
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(1 if self.device in _warmed_up_devices else WARMUP_STEPS):
-                self._forward()
-        _warmed_up_devices.add(self.device)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.stop_all()  # the warm-up advanced nothing (every row idle), but make it explicit
+        with self.rows_kept():
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the rows' state is saved
+            with torch.cuda.stream(stream):
+                for _ in range(1 if self.device in _warmed_up_devices else WARMUP_STEPS):
+                    self._forward()
+            _warmed_up_devices.add(self.device)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         broke: list[Exception] = []
         try:
-            with _graph_safe_autocast(), torch.cuda.graph(graph):
+            with _graph_safe_autocast(), torch.cuda.graph(graph, pool=self._graph_pool):
                 try:
                     self._forward()
                 except Exception as error:
@@ -315,7 +433,21 @@ class DecodeStep:
             if broke and error is not broke[0]:
                 raise broke[0] from None
             raise
-        self.graph = graph
+        self.graphs[self.cache.attended] = graph
+
+
+@functools.cache
+def compiled_step(run: Callable, shape: Hashable) -> Callable:
+    """``run`` (``DecodeStep._run``) compiled with static shapes, as a function of its own for each step ``shape``.
+
+    Why a copy of its code per shape: torch._dynamo keeps compiled versions per code object and recompiles one at
+    most ``recompile_limit`` (8) times, then runs it uncompiled. A step compiles once per bucket, and its guards
+    hold the slot cache's whole shape, so a process that builds steps of several shapes (a new cache width or slot
+    count per rollout) would soon spend one code object's budget. Each shape's own code object has at most
+    ``MAX_BUCKETS`` versions; steps of one shape share them."""
+    code = run.__code__.replace()  # an equal but distinct code object
+    own = types.FunctionType(code, run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    return torch.compile(own, dynamic=False)
 
 
 def vocab_size(model: torch.nn.Module) -> int:

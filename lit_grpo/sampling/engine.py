@@ -34,7 +34,9 @@ they saw live) and ends it where they end. Both fill ``RolloutWork.true_lengths`
 Schedule invariance. Token t of sample (p, k) is drawn by inverse-CDF sampling with a uniform that depends only on
 (seed, rollout index, p, k, t) (random_streams.py), and every decode step has the same shapes whatever runs in the
 other slots, so a row's arithmetic never depends on its neighbours: "micro", "continuous" and "infinite" with the
-same g return bit-identical completions (and "full", whose batch is wider, equal ones up to rounding).
+same g return bit-identical completions (and "full", whose batch is wider, equal ones up to rounding). On CUDA a
+step attends the bucket of its longest live row (``decode_step``, "Attended width"), which follows the schedule,
+so there the same g gives equal completions up to the rounding of attention at another width.
 """
 
 from __future__ import annotations
@@ -219,9 +221,10 @@ class RolloutEngine:
         with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
               onednn_linears(self.model, linear_kernel, rows=slots)):
             _, step, built = self._slots(slots, width, step_settings)
+            captured_before = 0.0 if built else step.capture_s  # a kept step captures new buckets' graphs too
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
-        result.stats.capture_s = step.capture_s if built else 0.0
+        result.stats.capture_s = step.capture_s - captured_before
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started
         drawn = [sum(v == settings.rollout_index for v in s.versions) for g in loop.groups for s in g.samples]
@@ -314,10 +317,13 @@ class RolloutEngine:
             graph = _graphs_available(device) and not sharded and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
+        # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
+        # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
-                            compile=resolve_compile(self.config.compile, device, sharded))
+                            compile=resolve_compile(self.config.compile, device, sharded),
+                            live_width=device.type == "cuda", attention=self.config.decode_attention)
 
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:

@@ -9,11 +9,12 @@ plain comparison (``column <= lengths[s]``).
 
 A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``index_put_`` per
 layer, no host round trip) and attends over the cache's first ``attended`` columns (``attend``: the rollout's own
-width, or the whole width under a captured graph); the mask hides what another sample left behind in the row's
-later columns (stale but finite values, multiplied by an exact zero). Refilling a slot writes a prompt's cached
-prefix (and, for a resumed sample, its parked tail) into the row in place; removing a sample just stops using the
-row. So every step of a rollout has the same shapes, which is what CUDA graphs need, and a row's arithmetic never
-depends on its neighbours, which is what makes every schedule return the same completions.
+width, the whole width when the step is compiled on a CPU, or, on CUDA, the bucket of the longest live row, see
+``decode_step``); the mask hides what another sample left behind in the row's later columns (stale but finite
+values, multiplied by an exact zero). Refilling a slot writes a prompt's cached prefix (and, for a resumed sample,
+its parked tail) into the row in place; removing a sample just stops using the row. So every step of a rollout has
+one of a few shapes, which is what CUDA graphs need, and on a CPU a row's arithmetic never depends on its
+neighbours, which is what makes every schedule return the same completions.
 
 Why a rollout's own width rather than the whole cache: a cache is reused while it fits, so its width is the widest
 rollout's so far, and attention's kernels round a row differently at different widths (a matmul computes a width's

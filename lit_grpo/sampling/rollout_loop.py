@@ -152,6 +152,7 @@ class RolloutLoop:
         self._record_memory()
 
     def step(self, rows: list[Row], probing: list[int]) -> list[bool]:
+        self.decode_step.prepare()  # a new bucket's capture or compilation is capture_s, not the step's time
         start = time.perf_counter()
         events = self._start_events()
         out = self._out = self.decode_step.step(probing)
