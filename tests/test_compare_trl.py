@@ -53,14 +53,16 @@ def test_the_g_sweep_varies_g_alone(demo):
         build_spec(demo, {"prompts_per_step": 1, "group_size": 32, "max_new_tokens": 8, "rows": 12})
 
 
-def test_lit_slots_all_decodes_every_sample_at_once_and_changes_nothing_else(demo):
-    fixed, every = ([build_spec(demo, cell, lit_slots=slots) for cell in cells("gpu_gsweep", demo)]
-                    for slots in ("fixed", "all"))
+def test_lit_slots_all_or_auto_change_the_slots_and_nothing_else(demo):
+    fixed, every, auto = ([build_spec(demo, cell, lit_slots=slots) for cell in cells("gpu_gsweep", demo)]
+                          for slots in ("fixed", "all", "auto"))
     assert [s["lit"]["micro_group_size"] for s in every] == [8, 32, 64]
-    for a, b in zip(fixed, every):
-        assert {**a, "lit": None} == {**b, "lit": None} and trl_config(a, "out") == trl_config(b, "out")
+    for a, b, c in zip(fixed, every, auto):
+        assert {**a, "lit": None} == {**b, "lit": None} == {**c, "lit": None}
+        assert trl_config(a, "out") == trl_config(b, "out") == trl_config(c, "out")
         assert lit_config(b, "r")["data"]["sampling"]["micro_group_size"] == b["group_size"]
-    with pytest.raises(ValueError, match=r"lit_slots 'some': use one of \('fixed', 'all'\)"):
+        assert lit_config(c, "r")["data"]["sampling"]["micro_group_size"] == "auto"
+    with pytest.raises(ValueError, match=r"lit_slots 'some': use one of \('fixed', 'all', 'auto'\)"):
         build_spec(demo, cells("demo", demo)[0], lit_slots="some")
 
 

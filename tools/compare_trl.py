@@ -26,7 +26,8 @@ the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
 first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
 at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
-per sample instead (every sample decodes at once, as in TRL's ``generate``). Everything else is the demo's
+per sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the
+GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
 function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr
@@ -539,7 +540,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run (and OMP_NUM_THREADS)")
     parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate")
     parser.add_argument("--lit-slots", choices=LIT_SLOTS, default="fixed",
-                        help="lit_grpo's slots: the shape's (8 in the G sweeps) or one per sample")
+                        help="lit_grpo's slots: the shape's (8 in the G sweeps), one per sample, or auto (from "
+                             "the GPU's free memory)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run; past it the run is killed and "
                                                                          "recorded as a timeout")
     parser.add_argument("--interval-s", type=float, default=0.05, help="RSS sampling interval")

@@ -38,11 +38,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     # the G sweep of a GPU (with --device cuda --precision bf16-mixed --model random:qwen3-1.7b): tokens where a
     # step's KV cache is a real share of its memory
     "gpu_gsweep": {"cells": [(1, 8, 512), (1, 32, 512), (1, 64, 512)], "steps": 1, "rows": 8},
+    # where the KV cache decides a step's memory: 4,096 new tokens, G 256 first (the point of the project; random
+    # weights run every sample to the cap), with --lit-slots auto
+    "gpu_long": {"cells": [(1, 256, 4096), (1, 32, 4096), (1, 64, 4096), (1, 128, 4096)], "steps": 1, "rows": 8},
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
-#: lit_grpo's slots: the shape's fixed count (or the demo's g), or one per sample.
-LIT_SLOTS = ("fixed", "all")
+#: lit_grpo's slots: the shape's fixed count (or the demo's g), one per sample, or ``micro_group_size: auto`` (from
+#: the device's free memory on a GPU).
+LIT_SLOTS = ("fixed", "all", "auto")
 #: TRL's generation paths: ``model.generate`` on the padded batch, or transformers' continuous batching.
 TRL_GENERATION = ("generate", "continuous_batching")
 #: The timing harness' callback in the lit_grpo run (tools/compare_trl_runs.py).
@@ -76,7 +80,8 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
     """The settings of one run (either system): the demo's, with ``cell``'s B, G and new tokens, ``steps`` timed
     GRPO steps after ``untimed_steps`` warm-up ones, and the given model (default the demo's), device, precision
     (default the demo's), threads and seed. ``lit_slots``: lit_grpo's slots, "fixed" (the shape's rows, else the
-    demo's g) or "all" (one per sample, B x G: every sample decodes at once, as TRL's ``generate``)."""
+    demo's g), "all" (one per sample, B x G: every sample decodes at once, as TRL's ``generate``) or "auto"
+    (``micro_group_size: auto``: as many as the GPU's free memory holds)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use one of {DEVICES}")
     if trl_generation not in TRL_GENERATION:
@@ -123,7 +128,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
                                                          "system_prompt", "reward_funcs") if key in d},
         "lit": {"strategy": sampling.get("strategy", "infinite"),
-                "micro_group_size": rows if lit_slots == "all"
+                "micro_group_size": rows if lit_slots == "all" else "auto" if lit_slots == "auto"
                 else fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
         "trl": {"generation": trl_generation},
     }

@@ -7,7 +7,8 @@
 # 1. installs lit_grpo over the machine's own torch, transformers and lightning (no dependencies, no index);
 # 2. the CUDA tests (graph replay equals the eager step, per-bucket graphs, one synchronisation per decode step,
 #    bf16 schedule invariance, greedy parity with generate, the decode attention kernels against a float64
-#    reference) and the capturability tests;
+#    reference; the update: fused AdamW, a few waits on the device a step, the policy on the GPU after fit) and the
+#    capturability tests;
 # 3. python -m tools.gpu_targets: its four measurements and one verdict per target line;
 # 4. python -m tools.bench_grpo_memory: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
 #    memory and its rollout's wall time (figures, no verdict);
@@ -26,7 +27,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
     | tee "$DIR/device.txt" || exit 1
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decode_step.py tests/test_decode_attention.py \
-    2>&1 | tee "$DIR/tests.txt"
+    tests/test_cuda_update.py 2>&1 | tee "$DIR/tests.txt"
 tests=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
 targets=${PIPESTATUS[0]}
