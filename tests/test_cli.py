@@ -208,7 +208,7 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     dm = cli.datamodule
     sampling = dm.sampling
     assert (sampling.group_size, sampling.micro_group_size, sampling.strategy, sampling.max_new_tokens) == (
-        32, 8, "infinite", 1024)
+        32, "auto", "infinite", 1024)
     assert [r.name for r in dm.reward_funcs] == ["accuracy", "format", "overlong"]
     with open(GPU) as handle:
         raw = yaml.safe_load(handle)

@@ -311,3 +311,37 @@ def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
             warnings.simplefilter("error")
             quiet.configure_model()
         assert quiet.uses_shared_prefix is False
+
+
+def test_auto_shares_where_the_spared_work_pays_for_the_second_pass(monkeypatch):
+    """The rule against what tools.bench_update measured on a CPU (AMD EPYC, docs/training.md), shared / unshared
+    time: tiny-llama (36,992 parameters a layer, 8 completion tokens) 1.57 x at 8 rows of one 64-token prompt and
+    0.74 x at 192 tokens, 1.25 x at 4 rows of 128 and 0.92 x at 256; SmolLM2 (3,540,096 a layer), 8 rows of one
+    prompt, 0.94 x at 16 tokens. On a GPU (provisional) the issue's H200 shape (8 rows of a 50-token prompt, Qwen3-1.7B)
+    stays unshared and 2,048-token prompts share."""
+    from lit_grpo.update import logprobs
+    from lit_grpo.update.shared_prefix import layer_parameters, saved_positions, shared_prefix_pays
+
+    tiny, _ = load_model_and_tokenizer("tiny-llama", dtype="float32")
+    assert layer_parameters(tiny) == 36992
+    assert saved_positions(8, 1, 16) == 112 and saved_positions(4, 4, 99) == 0
+    measured = {(8, 1, 64, 36992): False, (8, 1, 192, 36992): True, (4, 1, 128, 36992): False,
+                (4, 1, 256, 36992): True, (8, 1, 16, 3540096): True}  # (m, u, P', per layer): shared was faster
+    for (rows, prompts, length, per_layer), faster in measured.items():
+        assert shared_prefix_pays(saved_positions(rows, prompts, length), per_layer, "cpu") is faster
+    qwen3_layer = 50_000_000
+    assert not shared_prefix_pays(saved_positions(8, 1, 50), qwen3_layer, "cuda")
+    assert shared_prefix_pays(saved_positions(8, 1, 2048), qwen3_layer, "cuda")
+    with pytest.raises(ValueError, match=r"num_rows=2, num_prompts=3"):
+        saved_positions(2, 3, 5)
+
+    micro = grouped_micro_batch(tiny.config.vocab_size, torch.Generator().manual_seed(0))
+    calls = []
+    monkeypatch.setattr(logprobs, "shared_prefix_outputs",
+                        lambda *args, **kwargs: calls.append(1) or shared_prefix_outputs(*args, **kwargs))
+    for pays in (True, False):
+        monkeypatch.setitem(logprobs.__dict__, "shared_prefix_pays", lambda *args, pays=pays: pays)
+        completion_logps(tiny, micro, shared_prefix="auto")
+    assert len(calls) == 1  # "auto" follows the rule
+    completion_logps(tiny, micro, shared_prefix=True)
+    assert len(calls) == 2  # True shares regardless

@@ -11,7 +11,8 @@ G 8, up to 24 new tokens); one rollout by the demo's own engine makes the batch 
 ``long``: SmolLM2 (``--model``) with ``--prompt-tokens`` (512) token prompts, G ``--group-size`` (16) and
 ``--completion-tokens`` (64) token completions, token ids and rewards drawn at random (the update's cost does not
 depend on them); the module's defaults (gradient checkpointing, 8 rows per micro-batch) unless
-``--train-micro-batch-size`` / ``--no-gradient-checkpointing`` say otherwise.
+``--train-micro-batch-size`` / ``--no-gradient-checkpointing`` say otherwise; ``--device cuda --dtype bfloat16``
+runs it on a GPU (where ``shared_prefix: auto``'s break-even is measured: lit_grpo.update.shared_prefix).
 
 An update is ``GRPOModule.grpo_step`` on the batch: log-probs, loss, backward, gradient clipping and the AdamW
 step. ``--cpu-linear`` lists the kernels of its linears (``GRPOModule``'s ``cpu_linear``; default: "auto"); with
@@ -91,6 +92,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--train-micro-batch-size", type=int, default=8, help="long: rows per micro-batch")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="long: GRPOModule(gradient_checkpointing=...)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="long: where the update runs")
+    parser.add_argument("--dtype", default="float32", help="long: the policy's weights (bfloat16 on a GPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -98,6 +101,8 @@ def main(argv=None) -> dict:
         parser.error(f"--repeats={args.repeats} must be >= 1")
     if args.rollout and args.case != "demo":
         parser.error("--rollout times the demo's rollout: use it with --case demo")
+    if args.case == "demo" and (args.device, args.dtype) != ("cpu", "float32"):
+        parser.error("--device and --dtype set the long case's policy: the demo's is its config's")
     if args.competing_processes < 0:
         parser.error(f"--competing-processes={args.competing_processes} must be >= 0")
     # Each competitor spins until this process is gone (a killed benchmark leaves none behind).
@@ -123,10 +128,13 @@ def run(args: argparse.Namespace) -> dict:
         module, data = demo_setup()
         batch = data.build_train_batch()
     else:
-        module = GRPOModule(model=harness.resolve_model(args.model), dtype="float32", train_micro_batch_size=args.train_micro_batch_size,
+        module = GRPOModule(model=harness.resolve_model(args.model), dtype=args.dtype,
+                            train_micro_batch_size=args.train_micro_batch_size,
                             gradient_checkpointing=args.gradient_checkpointing)
-        module.configure_model()
+        with torch.device(args.device):
+            module.configure_model()
         batch = long_prompt_batch(args, module.policy.config.vocab_size, module.tokenizer.pad_token_id)
+        batch = batch.to(args.device)
     if "shared" in modes and not module.uses_shared_prefix:
         raise SystemExit("the policy cannot use a shared prefix here (see the warning above)")
     optimizer = module.configure_optimizers()["optimizer"]
@@ -138,6 +146,8 @@ def run(args: argparse.Namespace) -> dict:
         module.hparams.cpu_linear = kernel
         start = time.perf_counter()
         module.grpo_step(batch, optimizer)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def key(mode: str, n: int, kernel: str) -> str:
@@ -173,7 +183,8 @@ def run(args: argparse.Namespace) -> dict:
         for key in ("model", "prompts", "group_size", "prompt_tokens", "completion_tokens", "train_micro_batch_size",
                     "gradient_checkpointing"):
             settings.pop(key)
-    report = {"config": {**settings, "cpu": device_name(torch.device("cpu")), "available_cores": len(os.sched_getaffinity(0))
+    report = {"config": {**settings, "cpu": device_name(torch.device("cpu")),
+                         "device_name": device_name(torch.device(args.device)), "available_cores": len(os.sched_getaffinity(0))
                          if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                          "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
               "batch": {"num_prompts": batch.num_prompts, "group_size": batch.group_size,

@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.models import accepts
-from lit_grpo.update.shared_prefix import AUTO_MIN_SAVED_SHARE, prompt_groups, saved_share, shared_prefix_outputs
+from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
+                                          shared_prefix_pays)
 
 LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
 
@@ -46,18 +47,18 @@ def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
                 position_ids=micro["position_ids"], use_cache=False)
 
 
-def _shared_groups(micro: dict[str, Any], shared_prefix: bool | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _shared_groups(model: torch.nn.Module, micro: dict[str, Any],
+                   shared_prefix: bool | str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``prompt_groups(micro)`` where the shared forward is asked for and saves work: some prompt repeats, and under
-    "auto" it spares at least ``AUTO_MIN_SAVED_SHARE`` of the unshared forward's positions."""
+    "auto" it spares enough work to pay for its second pass (``shared_prefix_pays``)."""
     if not shared_prefix:
         return None
     first, group = groups = prompt_groups(micro)
     if len(first) == len(group):
         return None
     if shared_prefix == "auto":
-        completion_length = micro["completion_ids"].shape[1]
-        prompt_length = micro["input_ids"].shape[1] - completion_length
-        if saved_share(len(group), len(first), prompt_length, completion_length) < AUTO_MIN_SAVED_SHARE:
+        saved = saved_positions(len(group), len(first), micro["input_ids"].shape[1] - micro["completion_ids"].shape[1])
+        if not shared_prefix_pays(saved, layer_parameters(model), micro["input_ids"].device.type):
             return None
     return groups
 
@@ -71,7 +72,7 @@ def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature
     distinct prompt goes forward once (lit_grpo.update.shared_prefix; "auto": where that pays).
     """
     num_tokens = micro["completion_ids"].shape[1]
-    groups = _shared_groups(micro, shared_prefix)
+    groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
         logits = shared_prefix_outputs(model, micro, hidden=False, groups=groups)
     else:
@@ -250,7 +251,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         logits = completion_logits(model, micro, temperature, shared_prefix)
         logps = token_logps(logits, token_ids) * mask
         return logps, token_entropy(logits) * mask
-    groups = _shared_groups(micro, shared_prefix)
+    groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
         hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)
     else:  # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest

@@ -15,9 +15,8 @@ Memory stays linear: a row's keys are ``P + T`` long, as unshared; nothing is ``
 by prompt (``prompt_groups``), so groups split over micro-batches or several groups in one both work (a split
 group's prompt goes forward once per micro-batch holding some of it).
 
-The second pass has a cost of its own, so the prefix pays only where the prompt positions it spares are a large
-enough share of the micro-batch's (``saved_share``): ``shared_prefix="auto"`` takes it there
-(``AUTO_MIN_SAVED_SHARE``), ``True`` always.
+The second pass has a cost of its own, so the prefix pays only where it spares the unshared forward enough token
+positions to cover it (``shared_prefix_pays``): ``shared_prefix="auto"`` takes it there, ``True`` always.
 
 The backward runs in two stages where one process trains alone. Every weight is used by both passes, so in one
 backward the autograd engine would hold each weight's pass-2 gradient until pass 1's arrives: all the layers'
@@ -157,22 +156,34 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 #: ``GRPOModule(shared_prefix=...)``'s settings (what ``completion_logps`` takes).
 SHARED_PREFIX_MODES = (True, False, "auto")
 
-#: ``shared_prefix: auto`` takes the shared path for a micro-batch that it spares at least this share of the unshared
-#: forward's token positions; below it the model's second pass costs more than the prompt positions it saves
-#: (docs/training.md has the measurements).
-AUTO_MIN_SAVED_SHARE = 0.1
+#: What the model's second pass costs per decoder layer, in token positions x that layer's parameters (the work of
+#: a position, in units that hold across model sizes): ``shared_prefix: auto`` shares a micro-batch's prompts where
+#: the positions it spares times a layer's parameters reach it. Measured on a CPU (docs/training.md). EXPERIMENTAL on
+#: GPUs: a provisional value, a layer's launch overhead times the arithmetic rate, until ``tools.bench_update
+#: --device cuda`` measures it.
+PASS_COST_PER_LAYER = {"cpu": 2.5e7, "cuda": 2e10}
 
 
-def saved_share(num_rows: int, num_prompts: int, prompt_length: int, completion_length: int) -> float:
-    """The share of an unshared micro-batch's ``m x (P' + T')`` token positions that the shared prefix does not
-    compute: ``(m - u) x P' / (m x (P' + T'))``, for ``m`` rows of ``u`` distinct prompts padded to ``P'`` tokens
-    and completions padded to ``T'``."""
-    if not 1 <= num_prompts <= num_rows or prompt_length < 0 or completion_length < 0:
-        raise ValueError(f"saved_share needs 1 <= num_prompts <= num_rows and lengths >= 0: got num_rows={num_rows}, "
-                         f"num_prompts={num_prompts}, prompt_length={prompt_length}, "
-                         f"completion_length={completion_length}")
-    positions = num_rows * (prompt_length + completion_length)
-    return (num_rows - num_prompts) * prompt_length / positions if positions else 0.0
+def saved_positions(num_rows: int, num_prompts: int, prompt_length: int) -> int:
+    """The token positions the shared prefix spares an unshared micro-batch of ``m`` rows over ``u`` distinct
+    prompts padded to ``P'`` tokens: ``(m - u) x P'``."""
+    if not 1 <= num_prompts <= num_rows or prompt_length < 0:
+        raise ValueError(f"saved_positions needs 1 <= num_prompts <= num_rows and prompt_length >= 0: got "
+                         f"num_rows={num_rows}, num_prompts={num_prompts}, prompt_length={prompt_length}")
+    return (num_rows - num_prompts) * prompt_length
+
+
+def layer_parameters(model: torch.nn.Module) -> int:
+    """The parameters of ``model``'s first decoder layer (0 where it has none that transformers knows as one)."""
+    layer = next((m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)), None)
+    return sum(p.numel() for p in layer.parameters()) if layer is not None else 0
+
+
+def shared_prefix_pays(saved: int, parameters_per_layer: int, device_type: str) -> bool:
+    """``shared_prefix: auto``'s rule: whether ``saved`` positions of layers of ``parameters_per_layer`` outweigh
+    the second pass on this device type (``PASS_COST_PER_LAYER``; a GPU other than CUDA takes CUDA's)."""
+    cost = PASS_COST_PER_LAYER.get(device_type, PASS_COST_PER_LAYER["cuda"])
+    return saved * parameters_per_layer >= cost
 
 
 def prompt_groups(micro: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
