@@ -136,3 +136,18 @@ def test_under_autocast_the_head_is_cast_once_and_gives_the_per_chunk_casts_valu
     assert once[2].keys() == per_chunk[2].keys()
     for key in per_chunk[2]:
         assert torch.equal(once[2][key], per_chunk[2][key]), key
+
+
+def test_the_chunks_are_sized_for_the_micro_batchs_device(monkeypatch):
+    """A chunk of the device's ``LOGITS_CHUNK_BYTES``: a GPU's larger (fewer, larger head matmuls), a CPU's as set."""
+    from lit_grpo.update import logprobs
+
+    assert logprobs.LOGITS_CHUNK_BYTES["cuda"] > logprobs.LOGITS_CHUNK_BYTES["cpu"]
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))  # 8 real tokens
+    chunks, chunk_logps = [], logprobs._chunk_logps
+    monkeypatch.setattr(logprobs, "_chunk_logps", lambda *args: chunks.append(len(args[1])) or chunk_logps(*args))
+    monkeypatch.setitem(logprobs.LOGITS_CHUNK_BYTES, "cpu", 3 * 4 * model.config.vocab_size)
+    with torch.no_grad():
+        completion_logps(model, micro)
+    assert chunks == [3, 3, 2]

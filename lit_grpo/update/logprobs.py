@@ -4,7 +4,8 @@ The update's largest single tensors are the logits: ``[m, T, V]`` float32 for a 
 tokens (SmolLM2: V = 49,152, so 8 x 64 tokens are 100 MB; Qwen3: V = 151,936). Through ``logsumexp`` and
 ``gather`` autograd keeps them for the backward pass and adds three more tensors of that size in it, all while the
 decoder's activations are alive. ``completion_logps`` never builds them: the decoder's final hidden states of the
-real (unpadded) completion tokens are cut into chunks of about ``LOGITS_CHUNK_BYTES`` of logits, and each chunk goes
+real (unpadded) completion tokens are cut into chunks of about ``LOGITS_CHUNK_BYTES`` of logits (by device type),
+and each chunk goes
 through the model's own output head inside ``torch.utils.checkpoint``, so only one chunk's logits exist at a time,
 in the forward pass and again (recomputed) in the backward pass. The recomputation costs one more LM-head matmul
 per token (SmolLM2's head is a fifth of its forward FLOPs, so about 7% of a forward + backward).
@@ -37,7 +38,10 @@ from lit_grpo.runtime.models import accepts
 from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
                                           shared_prefix_pays)
 
-LOGITS_CHUNK_BYTES = 32 << 20  # float32 logits per chunk: 170 tokens of a 49k vocabulary, 55 of a 152k one
+#: Float32 logits per chunk, by device type. A CPU's: 170 tokens of a 49k vocabulary, 55 of a 152k one. A GPU's are
+#: larger: a chunk of 55 tokens is a matmul too small to keep it busy, and a micro-batch would launch a hundred; one
+#: chunk's logits stay far below an update's peak there (a GPU other than CUDA takes CUDA's).
+LOGITS_CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 512 << 20}
 
 _HEAD_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -231,16 +235,20 @@ def _real_tokens(mask: torch.Tensor, count: int | None) -> torch.Tensor:
 
 
 def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
-                     chunk_bytes: int = LOGITS_CHUNK_BYTES, chunked: bool = True, shared_prefix: bool | str = False,
+                     chunk_bytes: int | None = None, chunked: bool = True, shared_prefix: bool | str = False,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies (no grad) of a micro-batch's completion
     tokens; both are 0 on padding.
 
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
-    docstring); otherwise the full logits are computed once. With ``shared_prefix`` each distinct prompt goes
-    forward once (lit_grpo.update.shared_prefix; "auto": where that pays). Every way the values are the same up to float rounding
+    docstring); otherwise the full logits are computed once. ``chunk_bytes``: a chunk's float32 logits (default:
+    ``LOGITS_CHUNK_BYTES`` of the micro-batch's device). With ``shared_prefix`` each distinct prompt goes forward once
+    (lit_grpo.update.shared_prefix; "auto": where that pays). Every way the values are the same up to float rounding
     (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
+    if chunk_bytes is None:
+        device_type = micro["input_ids"].device.type
+        chunk_bytes = LOGITS_CHUNK_BYTES.get(device_type, LOGITS_CHUNK_BYTES["cuda"])
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
     token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
