@@ -131,7 +131,9 @@ def test_steps_run_inside_rows_kept_leave_the_rows_where_they_were(tiny_llama):
             with torch.inference_mode(), step.rows_kept():
                 step._forward()
                 step._forward()
-            assert all(torch.equal(t, kept) for t, kept in
+                # no row advances inside: a row one column short of the width is never written past it
+                assert torch.equal(step.cache.lengths, state[0]) and not step.active.any()
+            assert step.active[:2].tolist() == [1, 1] and all(torch.equal(t, kept) for t, kept in
                        zip((step.cache.lengths, step.token_index, step.input_ids), state))
         outputs += [step.step([]).tokens for _ in range(3)]
         runs.append((outputs, step.logprobs.clone()))

@@ -435,6 +435,7 @@ def test_adamw_runs_fused_where_every_parameter_is_on_a_gpu():
     assert fused_adamw([on("cuda"), on("cuda")])
     assert not fused_adamw([on("cuda"), on("cpu")]) and not fused_adamw([on("cpu")]) and not fused_adamw([])
     assert not fused_adamw([on("cuda", floating=False)])
+    assert not fused_adamw([on("cuda")], loss_scaled=True)  # 16-mixed: the norm and clipping need unscaled gradients
     optimizer = make_module().configure_optimizers()["optimizer"]
     assert not optimizer.defaults["fused"]  # on a CPU: torch's default implementation
 

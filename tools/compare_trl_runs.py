@@ -252,7 +252,9 @@ def run_trl(spec: dict[str, Any], out: Path) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             log.end()
 
-    model, tokenizer = load_model_and_tokenizer(spec["model"], dtype=spec["dtype"])
+    # on the run's device, as lit_grpo's configure_model builds its own: a random model's weights are drawn by the
+    # generator of the device it is built on, so both sides start from the same ones
+    model, tokenizer = load_model_and_tokenizer(spec["model"], dtype=spec["dtype"], device=spec["device"])
     rows = lit_prompt_rows(spec)
     eos = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id]
                                      if isinstance(model.generation_config.eos_token_id, int)

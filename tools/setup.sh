@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up lit_grpo on a fresh machine (the README's quick start runs this).
 #  1. torch, pinned (LIT_GRPO_TORCH_VERSION, default 2.13.0), before anything else, so pip never resolves the open
-#     `torch>=2.4` requirement on its own:
+#     `torch>=2.6` requirement on its own:
 #     - no NVIDIA GPU (neither a working `nvidia-smi` nor a GPU under /proc/driver/nvidia/gpus): the CPU build
 #       from PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu, ~200 MB instead of the CUDA wheel
 #       and several GB of CUDA libraries); where that index does not answer within 5 s, or the install from it

@@ -312,7 +312,9 @@ def random_model(name: str, dtype: torch.dtype | None = None,
     """``random:NAME``: the architecture of ``lit_grpo/runtime/model_configs/NAME.json`` with seeded random weights, built on
     ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary. Without a
     ``device``, where tensors are made now (a ``torch.device`` context: Lightning's ``configure_model`` runs under
-    the strategy's device), as ``from_pretrained`` places hub weights: never a host copy first."""
+    the strategy's device), as ``from_pretrained`` places hub weights: never a host copy first. The weights are
+    drawn by that device's generator, so one device type gives the same ones everywhere (a CPU and a GPU differ):
+    build a model to compare with on the same device."""
     fields = _random_model_fields(name)
     dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
     fields.pop("torch_dtype", None)

@@ -150,16 +150,21 @@ class DecodeStep:
         cache: the slot cache the step reads and writes.
         settings: see ``StepSettings``.
         eos_token_ids: stop tokens (for forced lengths).
+        graph_required: a failed capture raises instead of falling back to the eager step.
 
     With ``settings.force_tokens`` the rows' recorded tokens live in ``forced_tokens``, ``[slots, width]`` int64:
     a row holds ``P - 1 + L`` positions of the cache's ``width``, so its L tokens always fit.
     """
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, settings: StepSettings,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], graph_required: bool = False):
         device = cache.lengths.device
         slots, width = cache.num_slots, cache.width
         self.model, self.cache, self.settings = model, cache, settings
+        #: A capture that fails raises (True: ``cuda_graph=True`` was asked for) or gives graphs up, saying why in
+        #: ``graph_failure`` (``capture_or_run_eagerly``).
+        self.graph_required = graph_required
+        self.graph_failure: str | None = None
         self.cache_keyword = cache_keyword(model)
         self.device = device
         long = dict(dtype=torch.long, device=device)
@@ -288,7 +293,7 @@ class DecodeStep:
             self.cache.attend(self.live_bucket())
         width = self.cache.attended
         if self.settings.cuda_graph and width not in self.graphs:
-            self.capture()
+            self.capture_or_run_eagerly()
         elif not self.settings.cuda_graph and self._compiled_run is not None and width not in self.compiled_widths:
             self.compile_eagerly()
 
@@ -375,6 +380,28 @@ class DecodeStep:
         finally:
             self.capture_s += time.perf_counter() - started
 
+    def capture_or_run_eagerly(self) -> None:
+        """``capture``, and where that fails (a model whose forward reads a device value on the host, an op CUDA
+        graphs do not support): raise when the graph was required (``graph_required``), else warn once, give the
+        graphs up and run eagerly from then on (``graph_failure`` says why). Running out of memory is no reason to
+        give graphs up: it is raised as it is."""
+        try:
+            self.capture()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}"
+            name = type(self.model).__name__
+            if self.graph_required:
+                raise RuntimeError(f"cuda_graph=True, but capturing the decode step of {name} as a CUDA graph failed "
+                                   f"({reason}); leave cuda_graph unset to fall back to the eager step, or set it to "
+                                   "False") from error
+            self.graph_failure = reason
+            warnings.warn(f"capturing the decode step of {name} as a CUDA graph failed ({reason}); this engine runs "
+                          "it eagerly from now on (same results, more time per step). Set cuda_graph=False to skip "
+                          "the attempt.", RuntimeWarning, stacklevel=2)
+            self.run_eagerly()
+
     def compile_eagerly(self) -> None:
         """Without a graph: run the compiled step once at the width the next step attends (the rows kept), so that
         compilation (paid once per step shape, attended width and process) is counted in ``capture_s`` rather than
@@ -395,11 +422,13 @@ class DecodeStep:
 
     @contextlib.contextmanager
     def rows_kept(self):
-        """Within the block, steps run (warm-ups, a compilation) without advancing the rows: their lengths, token
-        indices and next inputs are put back after. The keys and values those steps wrote sit at each row's next
-        column, which the next real step writes again before it reads it."""
-        state = (self.cache.lengths, self.token_index, self.input_ids)
+        """Within the block, steps run (warm-ups, a compilation) without advancing the rows: every row counts as
+        idle, so no length grows (a row one column short of the cache's width is never written past it), and the
+        rows' lengths, token indices, next inputs and activity are put back after. The keys and values those steps
+        wrote sit at each row's next column, which the next real step writes again before it reads it."""
+        state = (self.cache.lengths, self.token_index, self.input_ids, self.active)
         saved = [tensor.clone() for tensor in state]
+        self.active.zero_()
         try:
             yield
         finally:

@@ -42,7 +42,6 @@ so there the same g gives equal completions up to the rounding of attention at a
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping
 from numbers import Integral
 from typing import Any, Sequence
@@ -224,6 +223,7 @@ class RolloutEngine:
             captured_before = 0.0 if built else step.capture_s  # a kept step captures new buckets' graphs too
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
+        self.graph_failure = self.graph_failure or step.graph_failure  # a later bucket's capture may have failed
         result.stats.capture_s = step.capture_s - captured_before
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started
@@ -282,30 +282,18 @@ class RolloutEngine:
                 f"(now {self.max_new_tokens}) or the prompt length")
 
     def _build_step(self, settings: StepSettings) -> DecodeStep:
-        """The decode step, captured when ``settings.cuda_graph``. A capture that fails (a model whose forward
-        reads a device value on the host, or an op CUDA graphs do not support) raises when ``cuda_graph=True`` was
-        asked for; when it was left automatic, the engine warns once and runs the same step eagerly from then on.
-        Running out of memory is no reason to give graphs up: it is raised as it is."""
-        step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids)
+        """The decode step, its first graph captured when ``settings.cuda_graph`` (later buckets' when first
+        needed). A capture that fails raises when ``cuda_graph=True`` was asked for; when it was left automatic,
+        the step warns once and runs eagerly from then on, and so do the engine's later steps (``graph_failure``;
+        ``DecodeStep.capture_or_run_eagerly``)."""
+        step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids,
+                          graph_required=bool(self.config.cuda_graph))
         if not settings.cuda_graph:
             if settings.compile:
                 step.compile_eagerly()
             return step
-        try:
-            step.capture()
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as error:
-            reason = f"{type(error).__name__}: {error}"
-            if self.config.cuda_graph:
-                raise RuntimeError(f"cuda_graph=True, but capturing the decode step of {type(self.model).__name__} "
-                                   f"as a CUDA graph failed ({reason}); leave cuda_graph unset to fall back to the "
-                                   "eager step, or set it to False") from error
-            self.graph_failure = reason
-            warnings.warn(f"capturing the decode step of {type(self.model).__name__} as a CUDA graph failed "
-                          f"({reason}); this engine runs it eagerly from now on (same results, more time per "
-                          "step). Set cuda_graph=False to skip the attempt.", RuntimeWarning, stacklevel=4)
-            step.run_eagerly()
+        step.capture_or_run_eagerly()
+        self.graph_failure = self.graph_failure or step.graph_failure
         return step
 
     def _step_settings(self, forced: bool, replayed: bool, sharded: bool) -> StepSettings:

@@ -60,9 +60,10 @@ def _shared_groups(model: torch.nn.Module, micro: dict[str, Any],
     first, group = groups = prompt_groups(micro)
     if len(first) == len(group):
         return None
-    if shared_prefix == "auto":
+    per_layer = layer_parameters(model) if shared_prefix == "auto" else 0
+    if per_layer:  # a model whose layers transformers does not know shares, as under True
         saved = saved_positions(len(group), len(first), micro["input_ids"].shape[1] - micro["completion_ids"].shape[1])
-        if not shared_prefix_pays(saved, layer_parameters(model), micro["input_ids"].device.type):
+        if not shared_prefix_pays(saved, per_layer, micro["input_ids"].device.type):
             return None
     return groups
 

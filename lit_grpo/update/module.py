@@ -218,6 +218,7 @@ class GRPOModule(LightningModule):
         self._grad_norm, self._iteration = math.nan, 0
         #: Between ``on_train_end`` and ``on_fit_end``: the optimizers kept out of the teardown's move to the CPU.
         self._kept_on_device: list[torch.optim.Optimizer] | None = None
+        self._skip_one_cpu_move = False
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -348,13 +349,16 @@ class GRPOModule(LightningModule):
             return
         strategy = self.trainer.strategy
         self._kept_on_device, strategy.optimizers = strategy.optimizers, []
+        self._skip_one_cpu_move = True
 
     def cpu(self) -> GRPOModule:
-        if self._kept_on_device is not None:  # the strategy's teardown at the end of fit (on_train_end)
+        if self._skip_one_cpu_move:  # the strategy's teardown at the end of fit (on_train_end); once
+            self._skip_one_cpu_move = False
             return self
         return super().cpu()
 
     def on_fit_end(self) -> None:
+        self._skip_one_cpu_move = False  # a strategy that moved nothing left it set
         if self._kept_on_device is not None:
             self.trainer.strategy.optimizers, self._kept_on_device = self._kept_on_device, None
 
@@ -383,8 +387,9 @@ class GRPOModule(LightningModule):
         params = [p for p in self._require_policy().parameters() if p.requires_grad]
         if not params:
             raise ValueError("the policy has no trainable parameters")
+        scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-                                      fused=fused_adamw(params) or None)
+                                      fused=fused_adamw(params, loss_scaled=scaled) or None)
         warmup = hp.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
@@ -589,10 +594,13 @@ class GRPOModule(LightningModule):
             self.log(key, metric, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
 
 
-def fused_adamw(params: list[torch.Tensor]) -> bool:
+def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
     """Whether AdamW updates ``params`` fused (one kernel for all of them, its step count on the device): where they
-    all live on a GPU. On a CPU torch's default (foreach) is as fast, so it stays."""
-    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    all live on a GPU, and no loss scaler (16-mixed) scales the gradients: Lightning leaves a fused optimizer to
+    unscale them inside its step, after the gradient norm and clipping here have read them. On a CPU torch's default
+    (foreach) is as fast, so it stays."""
+    return (not loss_scaled and bool(params)
+            and all(p.device.type == "cuda" and p.is_floating_point() for p in params))
 
 
 def _typed(name: str, value: Any, cls: type) -> Any:
