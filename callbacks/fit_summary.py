@@ -15,13 +15,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
-from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
 from ._rollout import rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
-from .rollout_profiler import RolloutProfiler
+from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint
 
 
@@ -50,12 +49,12 @@ class FitSummary(Callback):
     the run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode
     step read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else
     measured once per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's,
-    as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the figures are
-    the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time its slowest
-    rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's
-    rollouts, the KV, process and host peaks the largest rank's (the host peak gathered when training ends). TensorBoard draws a validation where
-    Lightning logs it: before training at step 0, after step k at step k - 1 (the x of step k's own scalars). Logs
-    no keys of its own.
+    as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the
+    figures are the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time
+    its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
+    rank's rollouts, the KV, process and host peaks the largest rank's (the host peak gathered when training ends).
+    TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
+    (the x of step k's own scalars). Logs no keys of its own.
 
     Args:
         validate_before_training: run the validation pass before the first step.
@@ -178,11 +177,12 @@ class FitSummary(Callback):
         totals = self.rollout_totals
         if not totals.decode_read_bytes or not totals.decode_steps:
             return ""
-        given = [c.read_bytes_per_s for c in trainer.callbacks if isinstance(c, RolloutProfiler) and c.read_bytes_per_s]
-        bandwidth = given[0] if given else read_bandwidth(trainer.strategy.root_device)
-        floor = floor_ms(totals.read_bytes_per_step, bandwidth)
-        return (f"{floor:.2f} ms a step (its bytes at {_rate(bandwidth)}): {totals.ms_per_step:.1f} ms a step is "
-                f"{totals.ms_per_step / floor:.1f} x it; {totals.tokens_per_s:.0f} tokens/s")
+        profiler = next((c for c in trainer.callbacks if isinstance(c, RolloutProfiler)), RolloutProfiler())
+        bandwidth = profiler.bandwidth(trainer)
+        floor = roofline(totals, bandwidth)
+        return (f"{floor['rollout/floor_ms_per_step']:.2f} ms a step (its bytes at {_rate(bandwidth)}): "
+                f"{totals.ms_per_step:.1f} ms a step is {floor['rollout/roofline_ratio']:.1f} x it; "
+                f"{totals.tokens_per_s:.0f} tokens/s")
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []

@@ -114,6 +114,11 @@ class RolloutProfiler(Callback):
         self.read_bytes_per_s = read_bytes_per_s
         self._warned_no_rollout = False
 
+    def bandwidth(self, trainer: pl.Trainer) -> float:
+        """The read bandwidth the floor is taken at (bytes/s): ``read_bytes_per_s``, else the device's, measured
+        once per process."""
+        return self.read_bytes_per_s or read_bandwidth(trainer.strategy.root_device)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -122,7 +127,7 @@ class RolloutProfiler(Callback):
             self._warn_no_rollout()
             return
         # every step, logged or not: under several processes every rank joins the one gather of the step's stats
-        bandwidth = self.read_bytes_per_s or read_bandwidth(trainer.strategy.root_device)
+        bandwidth = self.bandwidth(trainer)
         per_rank = [{**profile(rank, bandwidth), **decision_values(counts)} for rank, counts in
                     zip(rank_rollout_stats(trainer, stats), rank_decision_counts(trainer, stats))]
         values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *ROOFLINE_KEYS,

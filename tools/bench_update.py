@@ -184,8 +184,9 @@ def run(args: argparse.Namespace) -> dict:
                     "gradient_checkpointing"):
             settings.pop(key)
     report = {"config": {**settings, "cpu": device_name(torch.device("cpu")),
-                         "device_name": device_name(torch.device(args.device)), "available_cores": len(os.sched_getaffinity(0))
-                         if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                         "device_name": device_name(torch.device(args.device)),
+                         "available_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count(),
                          "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
               "batch": {"num_prompts": batch.num_prompts, "group_size": batch.group_size,
                         "distinct_prompt_tokens": distinct_prompt_tokens, "completion_tokens": completion_tokens,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lit_grpo.sampling.cpu_linear import onednn_linear
-from lit_grpo.sampling.memory_budget import _dtype_bytes
+from lit_grpo.sampling.memory_budget import dtype_bytes
 from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
                                         model_shape)
 
@@ -52,11 +52,6 @@ class Cost:
 
     flops: float
     bytes: float
-
-
-def dtype_bytes(dtype: torch.dtype | str) -> int:
-    """Bytes per element of a ``torch.dtype`` or its name ("float32", "torch.bfloat16")."""
-    return _dtype_bytes(dtype)
 
 
 def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dtype | str) -> Cost:

@@ -182,7 +182,8 @@ class RolloutBuilder:
             config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
             parked = (config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite"
                       else (0, 0))
-            with self.precision_context():  # priced in the dtype the cache stores, the autocast one under mixed precision
+            # priced in the dtype the cache stores: the autocast one under mixed precision
+            with self.precision_context():
                 dtype = kv_cache_dtype(self.weights.module)
             slots = auto_micro_group_size(self.policy.config, dtype, budget, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,

@@ -86,8 +86,8 @@ def _reward_values(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
 def _without_absent(metrics: dict[str, float]) -> dict[str, float]:
     """Leaves out each reward function's mean (and its weight) that no value of the batch was present for."""
     absent = {key for key in metrics if key.startswith("reward/") and metrics.get(ratio_weight(key)) == 0}
-    return {key: value for key, value in metrics.items()
-            if key not in absent and not any(key == ratio_weight(name) for name in absent)}
+    dropped = absent | {ratio_weight(key) for key in absent}
+    return {key: value for key, value in metrics.items() if key not in dropped}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
-__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
-           "kv_slot_bytes"]
+__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "dtype_bytes", "kv_budget_from_free_memory",
+           "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes", "kv_slot_bytes"]
 
 
 #: The share of the device's total memory a budget from free memory leaves out: what no count here covers (a
@@ -75,7 +75,8 @@ def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_byte
     return budget
 
 
-def _dtype_bytes(dtype: torch.dtype | str) -> int:
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a ``torch.dtype`` or its name ("float32", "torch.bfloat16")."""
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
         resolved = getattr(torch, name, None)
@@ -109,7 +110,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     """Bytes one cached position costs across all layers: ``2 x layers x kv_heads x head_dim x dtype bytes``
     (``config`` as in :func:`kv_geometry`; ``dtype``: the KV cache's, a ``torch.dtype`` or its name)."""
     layers, kv_heads, head_dim = kv_geometry(config)
-    return 2 * layers * kv_heads * head_dim * _dtype_bytes(dtype)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:

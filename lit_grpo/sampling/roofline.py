@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from lit_grpo.sampling.memory_budget import _dtype_bytes, kv_bytes_per_token, kv_geometry
+from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry
 
 __all__ = ["DecodeReads", "ModelShape", "decode_reads", "floor_ms", "measure_read_bandwidth", "model_shape",
            "read_bandwidth", "set_read_bandwidth"]
@@ -93,7 +93,7 @@ class DecodeReads:
 def decode_reads(config: Any, dtype: torch.dtype | str, kv_dtype: torch.dtype | str | None = None) -> DecodeReads:
     """The ``DecodeReads`` of a model: weights and embedding rows in ``dtype`` (the rollout's), keys and values
     in ``kv_dtype`` (default ``dtype``)."""
-    shape, b = model_shape(config), _dtype_bytes(dtype)
+    shape, b = model_shape(config), dtype_bytes(dtype)
     return DecodeReads(weights=b * shape.weights, per_row=b * shape.hidden,
                        per_position=kv_bytes_per_token(config, kv_dtype if kv_dtype is not None else dtype))
 

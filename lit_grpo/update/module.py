@@ -127,8 +127,9 @@ class GRPOModule(LightningModule):
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
             "auto" (default) in a micro-batch where that spares the unshared forward enough positions to pay for the
             model's second pass (``shared_prefix_pays``: the spared positions times a layer's parameters, against
-            the pass's cost on the device), True in every micro-batch with a repeated prompt, False never. Where the model cannot, the update runs one
-            forward per completion (``configure_model`` warns why under True; ``uses_shared_prefix`` says which).
+            the pass's cost on the device), True in every micro-batch with a repeated prompt, False never. Where
+            the model cannot, the update runs one forward per completion (``configure_model`` warns why under
+            True; ``uses_shared_prefix`` says which).
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
             frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures.
