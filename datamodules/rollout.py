@@ -240,16 +240,19 @@ class RolloutDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
+        self._cache_keeping_said = False  # and keep_kv_cache: auto's decision
 
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
                all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                precision_context: Callable[[], Any] | None = None,
-               rollout_weights: RolloutWeights | None = None) -> None:
+               rollout_weights: RolloutWeights | None = None,
+               measured_update_peak: Callable[[], int | None] | None = None) -> None:
         """Take what the module owns: the policy, its tokenizer, the advantage scaling (part of the objective),
-        the world (ranks, a gather across them, the trainer's precision context) and what rollouts run on
+        the world (ranks, a gather across them, the trainer's precision context), what rollouts run on
         (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
-        lockstep). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
+        lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
+        auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
         given = self._handover
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
                 given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (
@@ -259,7 +262,7 @@ class RolloutDataModule(LightningDataModule):
             self._pending_state["engine"] = self.builder.state_dict()
         self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards, world_size=world_size,
                               all_gather=all_gather, precision_context=precision_context,
-                              rollout_weights=rollout_weights)
+                              rollout_weights=rollout_weights, measured_update_peak=measured_update_peak)
         self.builder = None
         self._render_prompts()
 
@@ -281,6 +284,7 @@ class RolloutDataModule(LightningDataModule):
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
                 max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
+                measured_update_peak=given["measured_update_peak"],
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             if "engine" in self._pending_state:
                 self.builder.load_state_dict(self._pending_state.pop("engine"))
@@ -399,6 +403,9 @@ class RolloutDataModule(LightningDataModule):
         if builder.slot_budget is not None and not self._slot_budget_said:
             self._slot_budget_said = True
             rank_zero_info(f"lit_grpo: {builder.slot_budget.describe()}")
+        if builder.cache_keeping is not None and not self._cache_keeping_said:
+            self._cache_keeping_said = True
+            rank_zero_info(f"lit_grpo: {builder.cache_keeping.describe()}")
         if world > 1:
             accuracy, mean_angle, unused = self._finish_step(batch)
             self.sampler.update(accuracy, mean_angle)

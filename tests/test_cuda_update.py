@@ -2,7 +2,8 @@
 
 On a CPU the same code runs in every other update test; here: AdamW runs fused, the update waits on the device a
 few times a step however many micro-batches it has (torch's sync debug mode counts the waits), and the policy and
-its optimizer state are still on the GPU when ``fit`` returns.
+its optimizer state are still on the GPU when ``fit`` returns; ``keep_kv_cache: auto`` keeps a small model's cache
+from its second rollout on, decided from the first update's measured peak.
 """
 
 import warnings
@@ -19,10 +20,10 @@ from datamodule_helpers import datamodule_arguments
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fit(**module_arguments):
+def _fit(max_steps=1, **module_arguments):
     pl.seed_everything(0)
     module = GRPOModule(**{"model": "tiny-llama", "lr": 1e-3, **module_arguments})
-    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
     trainer.fit(module, data)
@@ -36,6 +37,15 @@ def test_adamw_runs_fused_and_the_policy_stays_on_the_gpu_after_fit():
     assert {p.device.type for p in module.policy.parameters()} == {"cuda"}
     moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     assert moments and {t.device.type for t in moments} == {"cuda"}
+
+
+def test_auto_keeps_the_slot_cache_once_the_update_has_shown_it_fits():
+    module, _, data = _fit(max_steps=3)
+    peak = module.measured_update_peak()
+    decided = data.builder.cache_keeping
+    assert peak is not None and peak > 0
+    assert decided is not None and decided.kept and decided.kept_bytes > 0, decided
+    assert data.builder.engine.slot_cache_bytes() > 0  # still held after the last rollout
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])

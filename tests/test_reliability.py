@@ -13,6 +13,7 @@ from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
 from lit_grpo.rollout.metrics import rollout_metrics
 from lit_grpo.rollout.rewards import RewardFunctionError, WeightedReward, score_rewards
+from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.update.policy_losses import make_loss
 
 from datamodule_helpers import PROMPTS, datamodule_arguments
@@ -356,6 +357,15 @@ def test_auto_micro_group_size_in_the_datamodule(module):
         small.build_train_batch()
 
 
+def test_a_kept_cache_fits_when_the_update_peak_and_it_leave_the_margin():
+    from lit_grpo.sampling.memory_budget import kv_cache_fits_beside_update
+
+    assert kv_cache_fits_beside_update(6_000, 3_000, 10_000, 1_000)
+    assert not kv_cache_fits_beside_update(6_001, 3_000, 10_000, 1_000)
+    with pytest.raises(ValueError, match=r"kept_bytes=-1 must be an integer >= 0"):
+        kv_cache_fits_beside_update(0, -1, 10, 0)
+
+
 def test_a_kv_budget_from_free_memory_is_what_is_left_after_the_reserve_and_the_margin():
     from lit_grpo.sampling.memory_budget import kv_budget_from_free_memory
 
@@ -493,16 +503,22 @@ def test_exact_resume_with_carried_samples(tmp_path):
             assert x[key] == y[key], (x["global_step"], key)
 
 
-def test_the_datamodule_says_the_auto_budget_and_its_source_once(module, monkeypatch):
+def test_the_datamodule_says_the_auto_budget_and_the_cache_keeping_once(module, monkeypatch):
     from lit_grpo.datamodules import rollout as datamodule_module
     from lit_grpo.rollout import builder as builder_module
 
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**10, 10**10))
     said = []
     monkeypatch.setattr(datamodule_module, "rank_zero_info", said.append)
-    dm = make_datamodule(module, micro_group_size="auto")
-    dm.build_train_batch()
-    dm.build_train_batch()
+    dm = make_datamodule(module, setup=False, micro_group_size="auto")
+    dm.attach(module.policy, module.tokenizer, rollout_weights=RolloutWeights(module.policy),
+              measured_update_peak=lambda: 10**9)  # an update's peak as if measured
+    dm.setup("fit")
+    for _ in range(3):
+        dm.build_train_batch()
     slots = dm.resolved_micro_group_size
-    assert len(said) == 1 and said[0].startswith(f"lit_grpo: micro_group_size: auto -> {slots} slots under a KV "
-                                                 "budget of ") and "free" in said[0], said
+    assert len(said) == 2, said
+    assert said[0].startswith(f"lit_grpo: micro_group_size: auto -> {slots} slots under a KV budget of ")
+    assert "free" in said[0]
+    assert said[1].startswith("lit_grpo: keep_kv_cache: auto -> the slot cache is kept between rollouts: the "
+                              "update's peak 953.7 MiB + ")

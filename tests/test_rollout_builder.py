@@ -229,6 +229,58 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
         assert copy > 0
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_auto_keeps_the_cache_only_where_it_fits_beside_the_measured_update(policy, monkeypatch, cast):
+    """keep_kv_cache: auto releases until an update has been measured, then decides once: keep the slot cache (and
+    the rollout weights' copy its graphs read) where both fit beside the update's peak, else release as before."""
+    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, kv_bytes_per_token
+
+    model, tokenizer = policy
+    prompts = _prompts(tokenizer, 2)
+    longest = max(len(p.ids) for p in prompts)
+    total = 10**9
+    margin = int(DEVICE_MARGIN_FRACTION * total)
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (total, total))
+    sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6)
+    assert sampling.keep_kv_cache == "auto"
+    dtype = torch.bfloat16 if cast else torch.float32
+    slot_cache = 3 * (longest - 1 + 6) * kv_bytes_per_token(model.config, dtype)  # 3 rows at the rollout's width
+    for fits in (True, False):
+        weights = CastWeights(model, torch.bfloat16) if cast else None
+        context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
+        measured = {"peak": None}
+        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+                                 rollout_weights=weights, precision_context=context,
+                                 measured_update_peak=lambda: measured["peak"])
+        kept = slot_cache + (weights.cast_bytes() if cast else 0)
+        builder.build_train(lambda count: prompts[:count])
+        assert builder.cache_keeping is None and builder.engine._cache is None  # no update measured yet
+        measured["peak"] = total - margin - kept + (0 if fits else 1)
+        builder.build_train(lambda count: prompts[:count])
+        decided = builder.cache_keeping
+        assert (decided.kept, decided.kept_bytes, decided.margin_bytes) == (fits, kept, margin)
+        assert decided.describe().startswith(f"keep_kv_cache: auto -> the slot cache is "
+                                             f"{'kept between' if fits else 'released after each'} rollout")
+        cache = builder.engine._cache
+        assert (cache is not None) is fits and builder.keeps_kv_cache is fits
+        if cast:  # the graphs of a kept cache read the cast weights: they stay with it
+            assert all((c.untyped_storage().size() > 0) is fits for _, c in weights._casts.values())
+        measured["peak"] = 0  # decided once: a later reading changes nothing
+        builder.build_train(lambda count: prompts[:count])
+        assert builder.cache_keeping is decided and (cache is not None and builder.engine._cache is cache) is fits
+
+
+def test_auto_keeps_nothing_off_cuda(policy):
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="continuous", max_new_tokens=4)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=1,
+                             measured_update_peak=lambda: 1)
+    for _ in range(2):
+        builder.build_train(lambda count: _prompts(tokenizer, count))
+        assert builder.cache_keeping is None and builder.engine._cache is None
+
+
 def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
     from lit_grpo.rollout import builder as builder_module
 

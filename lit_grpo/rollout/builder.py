@@ -39,7 +39,8 @@ from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
-from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory
+from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory,
+                                             kv_cache_fits_beside_update)
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 
@@ -71,6 +72,28 @@ class SlotBudget:
         """One line for the log."""
         return (f"micro_group_size: auto -> {self.slots} slots under a KV budget of "
                 f"{format_bytes(self.kv_budget_bytes)} ({self.source})")
+
+
+@dataclass(frozen=True)
+class CacheKeeping:
+    """How ``keep_kv_cache: auto`` was decided, once, after the first update: ``kept`` when the slot cache and the
+    rollout weights' copy (``kept_bytes``) fit beside the update's measured peak on ``total_bytes`` less
+    ``margin_bytes`` (``memory_budget.kv_cache_fits_beside_update``)."""
+
+    kept: bool
+    update_peak_bytes: int
+    kept_bytes: int
+    total_bytes: int
+    margin_bytes: int
+
+    def describe(self) -> str:
+        """One line for the log."""
+        verdict = "kept between rollouts" if self.kept else "released after each rollout"
+        relation = "<=" if self.kept else ">"
+        return (f"keep_kv_cache: auto -> the slot cache is {verdict}: the update's peak "
+                f"{format_bytes(self.update_peak_bytes)} + the slot cache and rollout weights' copy "
+                f"{format_bytes(self.kept_bytes)} {relation} {format_bytes(self.total_bytes)} on the device - "
+                f"{format_bytes(self.margin_bytes)} margin")
 
 
 @dataclass(frozen=True)
@@ -145,7 +168,8 @@ class RolloutBuilder:
                  world_size: int = 1, rank: int = 0, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
                  max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
-                 rollout_weights: RolloutWeights | None = None):
+                 rollout_weights: RolloutWeights | None = None,
+                 measured_update_peak: Callable[[], int | None] | None = None):
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
@@ -163,6 +187,11 @@ class RolloutBuilder:
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
         #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
         self.slot_budget: SlotBudget | None = None
+        #: the device's peak in the last update, read from its owner (None before one has run, or off CUDA)
+        self.measured_update_peak = measured_update_peak or (lambda: None)
+        #: ``keep_kv_cache: auto`` decided, once, on CUDA after the first update
+        self.cache_keeping: CacheKeeping | None = None
+        self._slot_cache_bytes = 0  # the training engine's, at the end of its last rollout
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
@@ -215,6 +244,35 @@ class RolloutBuilder:
         budget = kv_budget_from_free_memory(free, copy + update, margin)
         return budget, (f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
                         f"{format_bytes(update)} gradients and optimizer state - {format_bytes(margin)} margin")
+
+    @property
+    def keeps_kv_cache(self) -> bool:
+        """Whether the training engine keeps its slot cache and graphs, and the rollout weights their copy, between
+        rollouts: ``sampling.keep_kv_cache``, with ``"auto"`` as ``cache_keeping`` decided (released until then)."""
+        setting = self.sampling.keep_kv_cache
+        if setting != "auto":
+            return setting
+        return self.cache_keeping is not None and self.cache_keeping.kept
+
+    def _decide_cache_keeping(self) -> None:
+        """Decide ``keep_kv_cache: auto`` once an update has run (on CUDA; elsewhere nothing is kept): keep where
+        the slot cache of the last rollout and the rollout weights' copy fit beside that update's peak.
+
+        The peak is the allocator's since its last reset: under ``PeakMemoryMonitor``, which resets it when the
+        update starts, the update's own; without it the run's so far, the rollout's included, so the decision
+        errs toward releasing."""
+        if self.sampling.keep_kv_cache != "auto" or self.cache_keeping is not None:
+            return
+        peak = self.measured_update_peak()
+        if peak is None or not self._slot_cache_bytes:
+            return
+        memory = device_memory(next(self.policy.parameters()).device)
+        if memory is None:
+            return
+        total = memory[1]
+        kept, margin = self._slot_cache_bytes + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
+        self.cache_keeping = CacheKeeping(kv_cache_fits_beside_update(peak, kept, total, margin), peak, kept, total,
+                                          margin)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -279,7 +337,7 @@ class RolloutBuilder:
             return
         self._in_scope = True
         try:
-            with self.weights.active(keep=self.sampling.keep_kv_cache):
+            with self.weights.active(keep=self.keeps_kv_cache):
                 yield
         finally:
             self._in_scope = False
@@ -301,6 +359,7 @@ class RolloutBuilder:
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
+        self._decide_cache_keeping()
         with self.rollout_scope():
             rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
                       else self._rollout(engine, draw(num_prompts))]
@@ -308,7 +367,8 @@ class RolloutBuilder:
             while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
                 rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
                 keep = self._kept_groups(rounds)
-        if not self.sampling.keep_kv_cache:
+        self._slot_cache_bytes = engine.slot_cache_bytes()
+        if not self.keeps_kv_cache:
             engine.release()  # the update needs that memory more
         chosen = keep[:num_prompts]
         if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
@@ -335,14 +395,14 @@ class RolloutBuilder:
             if not prompts:
                 return None
             part = self._rollout(engine, prompts)
-            if not self.sampling.keep_kv_cache:
+            if self.sampling.keep_kv_cache is not True:  # validation's engines are kept only when asked
                 engine.release()
             sampled = None
             if self.val_num_samples > 1:
                 sampled_engine = self.val_sampled_engine
                 sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
                 sampled = self._rollout(sampled_engine, prompts, streams=[p.index for p in prompts])
-                if not self.sampling.keep_kv_cache:
+                if self.sampling.keep_kv_cache is not True:
                     sampled_engine.release()
         batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
         if sampled is not None:

@@ -68,9 +68,11 @@ class SamplingConfig:
         decode_attention: the decode step's attention kernel, on every device: "matmul" (two matmuls over the
             query heads grouped by key/value head, each KV head read once) or "sdpa_gqa" (experimental: torch's
             SDPA with ``enable_gqa``); ``lit_grpo.sampling.decode_attention``.
-        keep_kv_cache: keep the slot cache (and its captured graph) allocated between rollouts. Faster (no
-            re-allocation, no re-capture), but during training the KV memory then stays held through the update;
-            off by default for training, where the update needs that memory.
+        keep_kv_cache: keep the slot cache (and its captured graphs) allocated between training rollouts: no
+            re-allocation, no re-capture, but the KV memory stays held through the update. ``"auto"``: on CUDA,
+            kept once the first update has shown that it fits beside the update's measured peak
+            (``RolloutBuilder.keeps_kv_cache``); elsewhere released. ``true`` / ``false``: always / never (``true``
+            keeps the validation engines' caches too).
     """
 
     group_size: int = 8
@@ -87,7 +89,7 @@ class SamplingConfig:
     compile: bool | Literal["auto"] = False
     cpu_linear: CpuLinear = "auto"
     decode_attention: DecodeKernel = "matmul"
-    keep_kv_cache: bool = False
+    keep_kv_cache: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_int("sampling.group_size", self.group_size, 1)
@@ -103,8 +105,8 @@ class SamplingConfig:
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise ValueError(f"sampling.cuda_graph={self.cuda_graph!r} must be true, false or null (on CUDA, unless "
                              "FSDP shards the policy)")
-        if not isinstance(self.keep_kv_cache, bool):
-            raise ValueError(f"sampling.keep_kv_cache={self.keep_kv_cache!r} must be true or false")
+        if not isinstance(self.keep_kv_cache, bool) and self.keep_kv_cache != "auto":
+            raise ValueError(f"sampling.keep_kv_cache={self.keep_kv_cache!r} must be true, false or 'auto'")
         if not isinstance(self.compile, bool) and self.compile != "auto":
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))

@@ -235,6 +235,11 @@ class RolloutEngine:
         """Free the slot cache and the decode step (and its CUDA graph); the next rollout allocates them again."""
         self._cache = self._step = None
 
+    def slot_cache_bytes(self) -> int:
+        """Bytes the slot cache holds now (0 once released): what keeping it between rollouts costs, its graphs'
+        memory pool aside."""
+        return self._cache.nbytes() if self._cache is not None else 0
+
     def state_dict(self) -> dict:
         """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its trust
         under the length-aware method), for exact resume."""

@@ -29,6 +29,12 @@ comes from the device (``kv_budget_from_free_memory``): its free memory less wha
 beside the KV cache and a safety margin::
 
     kv_budget_bytes = free_bytes - reserved_bytes - margin_bytes
+
+The slots are priced for the rollout alone: between rollouts the slot cache is released, so the update has that
+memory. ``keep_kv_cache: auto`` keeps it (and the rollout weights' copy, which its CUDA graphs read) only where both
+fit beside the update's measured peak (``kv_cache_fits_beside_update``)::
+
+    update_peak_bytes + kept_bytes <= total_bytes - margin_bytes
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ import torch
 from lit_grpo.runtime.validation import check_int, check_real
 
 __all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "dtype_bytes", "kv_budget_from_free_memory",
-           "kv_bytes_per_token", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes", "kv_slot_bytes"]
+           "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
+           "kv_slot_bytes"]
 
 
 #: The share of the device's total memory a budget from free memory leaves out: what no count here covers (a
@@ -73,6 +80,23 @@ def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_byte
                          f"come) - margin_bytes={margin_bytes} = {budget}, but micro_group_size: auto needs a budget "
                          ">= 1 byte; set sampling.kv_budget_bytes, or a fixed micro_group_size")
     return budget
+
+
+def kv_cache_fits_beside_update(update_peak_bytes: int, kept_bytes: int, total_bytes: int,
+                                margin_bytes: int) -> bool:
+    """Whether what a rollout would leave allocated through the update fits beside it: ``update_peak_bytes +
+    kept_bytes <= total_bytes - margin_bytes``.
+
+    Args:
+        update_peak_bytes: the device's peak while an update ran with nothing kept (bytes, measured).
+        kept_bytes: the slot cache and the rollout weights' copy, which keeping would hold through the update.
+        total_bytes: the device's memory.
+        margin_bytes: kept free besides (``DEVICE_MARGIN_FRACTION`` of ``total_bytes``).
+    """
+    for name, value in [("update_peak_bytes", update_peak_bytes), ("kept_bytes", kept_bytes),
+                        ("total_bytes", total_bytes), ("margin_bytes", margin_bytes)]:
+        check_int(name, value, 0)
+    return update_peak_bytes + kept_bytes <= total_bytes - margin_bytes
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:

@@ -220,6 +220,8 @@ class GRPOModule(LightningModule):
         #: Between ``on_train_end`` and ``on_fit_end``: the optimizers kept out of the teardown's move to the CPU.
         self._kept_on_device: list[torch.optim.Optimizer] | None = None
         self._skip_one_cpu_move = False
+        #: The CUDA allocator's peak at the end of the last update (``measured_update_peak``); None elsewhere.
+        self._update_peak_bytes: int | None = None
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -380,7 +382,7 @@ class GRPOModule(LightningModule):
                world_size=self.trainer.world_size,
                all_gather=strategy_all_gather(strategy),
                precision_context=self.trainer.precision_plugin.forward_context,
-               rollout_weights=self.rollout_weights())
+               rollout_weights=self.rollout_weights(), measured_update_peak=self.measured_update_peak)
 
     # ------------------------------------------------------------------------------------------ optimizer
     def configure_optimizers(self):
@@ -435,6 +437,8 @@ class GRPOModule(LightningModule):
         optimizer = self.optimizers()
         metrics = self.grpo_step(batch, optimizer, self.lr_schedulers())
         optimizer.zero_grad(set_to_none=True)  # the next rollout needs their memory; the next update starts anew
+        if self.device.type == "cuda":
+            self._update_peak_bytes = torch.cuda.max_memory_allocated(self.device)
         loss = torch.tensor(metrics["train/loss"])  # this rank's share (times the world size)
         if self.trainer.world_size > 1:
             # the whole step's figures, the same on every rank: one gather of every rank's values, then each key's
@@ -445,6 +449,12 @@ class GRPOModule(LightningModule):
                                          step_metric_keys(batch.reward_components), strategy_all_gather(strategy))
         self.log_dict(loggable(metrics), on_step=True, on_epoch=False, batch_size=batch.num_prompts)
         return loss
+
+    def measured_update_peak(self) -> int | None:
+        """The CUDA allocator's peak read when the last update ended: at least that update's peak (the allocator's
+        since its last reset: ``PeakMemoryMonitor`` resets it as an update starts). None before one, or off CUDA.
+        The data side reads it for ``keep_kv_cache: auto`` (``RolloutBuilder.keeps_kv_cache``)."""
+        return self._update_peak_bytes
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
                   scheduler: Any | None = None) -> dict[str, float]:
