@@ -152,6 +152,16 @@ def test_abba_order():
         compare_trl.parse_order("lit,vllm")
 
 
+def test_group_sizes_pick_the_shapes_cells_in_its_order(capsys):
+    base = ["--trl-python", sys.executable, "--shape", "gpu_long"]
+    picked = compare_trl.specs(compare_trl.parse_args([*base, "--group-sizes", "64,256"]))
+    assert [(s["group_size"], s["max_new_tokens"]) for s in picked] == [(256, 4096), (64, 4096)]
+    assert len(compare_trl.specs(compare_trl.parse_args(base))) == 4
+    with pytest.raises(SystemExit):
+        compare_trl.parse_args([*base, "--group-sizes", "32,512"])
+    assert "--group-sizes 512: --shape gpu_long has G 256, 32, 64, 128" in capsys.readouterr().err
+
+
 def _steps(step_s, rollout_s, reward, peak, count=3, prompts=(1, 2)):
     steps = []
     for i in range(count):

@@ -27,7 +27,8 @@ the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
 at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
 per sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the
-GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens). Everything else is the demo's
+GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens). ``--group-sizes 32,64`` runs only
+the shape's cells of those G, in the shape's order (where a device's time is short). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
 function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr
@@ -531,6 +532,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=list(SHAPES), default="demo")
     parser.add_argument("--steps", type=int, help="timed GRPO steps per run, after one warm-up step (default: "
                         + ", ".join(f"{name} {shape['steps']}" for name, shape in SHAPES.items()) + ")")
+    parser.add_argument("--group-sizes", type=harness.comma_numbers(1), default=None,
+                        help="only the shape's cells of these G (comma list; default every cell)")
     parser.add_argument("--seeds", type=harness.comma_numbers(0), default=[0], help="comma list of seeds")
     parser.add_argument("--order", type=parse_order, default=["lit", "trl", "trl", "lit"],
                         help="the runs of each seed, in order (default lit,trl,trl,lit)")
@@ -559,16 +562,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag} {value}: use a number of seconds > 0")
     if args.make_trl_env is None and args.trl_python is None:
         parser.error("give --trl-python (an interpreter with TRL) or --make-trl-env DIR")
+    shape_groups = [cell["group_size"] for cell in cells(args.shape, demo_settings())]
+    unknown = sorted(set(args.group_sizes or []) - set(shape_groups))
+    if unknown:
+        parser.error(f"--group-sizes {','.join(map(str, unknown))}: --shape {args.shape} has G "
+                     f"{', '.join(map(str, shape_groups))}")
     return args
 
 
 def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One spec per cell of ``--shape`` (seed 0; a run's seed is put in when it runs)."""
+    """One spec per cell of ``--shape`` (seed 0; a run's seed is put in when it runs), of ``--group-sizes`` alone
+    where given."""
     demo = demo_settings()
     return [build_spec(demo, cell, model=None if args.model == "smollm2" else args.model, device=args.device,
                        precision=args.precision, threads=args.threads, seed=0, steps=args.steps,
                        trl_generation=args.trl_generation, lit_slots=args.lit_slots)
-            for cell in cells(args.shape, demo)]
+            for cell in cells(args.shape, demo)
+            if args.group_sizes is None or cell["group_size"] in args.group_sizes]
 
 
 def build_report(args: argparse.Namespace, cell_specs: list[dict[str, Any]], trl_version: str,
