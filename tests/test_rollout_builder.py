@@ -187,9 +187,9 @@ def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
 @pytest.mark.parametrize("cast", [False, True])
 def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast):
     """Without kv_budget_bytes the builder reads the device's free memory (once), sets aside the rollout weights'
-    copy, the update's gradients and optimizer state and a margin, and sizes g to what is left."""
+    copy, AdamW's moments and a margin, and sizes g to what is left (gradients are freed before every rollout)."""
     from lit_grpo.rollout import builder as builder_module
-    from lit_grpo.runtime.memory import update_state_bytes
+    from lit_grpo.runtime.memory import optimizer_state_bytes
     from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, kv_held_bytes, kv_prefill_bytes,
                                                  kv_slot_bytes)
 
@@ -204,8 +204,8 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     held = kv_held_bytes(config, dtype, longest, 4, 2) + kv_prefill_bytes(config, dtype, longest, 2, 6)
     total = 10**9
     copy = weights.cast_bytes() if cast else 0
-    reserved = copy + update_state_bytes(model.parameters())
-    assert update_state_bytes(model.parameters()) == 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    reserved = copy + optimizer_state_bytes(model.parameters())
+    assert optimizer_state_bytes(model.parameters()) == 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     free = reserved + int(DEVICE_MARGIN_FRACTION * total) + held + 3 * slot + slot // 2
     readings = []
 

@@ -33,7 +33,7 @@ from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.memory import device_memory, update_state_bytes
+from lit_grpo.runtime.memory import device_memory, optimizer_state_bytes
 from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
@@ -225,10 +225,11 @@ class RolloutBuilder:
         less what the run will still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its
         memory (``memory_budget.kv_budget_from_free_memory``).
 
-        g is resolved before the first rollout, so before any update: what the update will add is estimated, not
-        measured (``runtime.memory.update_state_bytes``: gradients and AdamW's two moments), as are the rollout
-        weights' copy (cast or gathered, allocated when a rollout starts) and the margin, which covers the
-        activations of both phases.
+        g is resolved before the first rollout, so before any optimizer step: AdamW's moments are estimated
+        (``runtime.memory.optimizer_state_bytes``), as are the rollout weights' copy (cast or gathered, allocated
+        when a rollout starts) and the margin, which covers a decode step's activations and logits. The update's
+        gradients and activations are not set aside: the slot cache is released before the update (or kept only
+        where it fits beside the update's measured peak, ``keeps_kv_cache``), and the gradients are freed after it.
         """
         if self.sampling.kv_budget_bytes is not None:
             return self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes"
@@ -239,11 +240,11 @@ class RolloutBuilder:
                              f"GPU's free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes "
                              "(bytes, an integer >= 1) or an integer micro_group_size")
         free, total = memory
-        copy, update = self.weights.scope_bytes(), update_state_bytes(self.policy.parameters())
+        copy, moments = self.weights.scope_bytes(), optimizer_state_bytes(self.policy.parameters())
         margin = int(DEVICE_MARGIN_FRACTION * total)
-        budget = kv_budget_from_free_memory(free, copy + update, margin)
+        budget = kv_budget_from_free_memory(free, copy + moments, margin)
         return budget, (f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
-                        f"{format_bytes(update)} gradients and optimizer state - {format_bytes(margin)} margin")
+                        f"{format_bytes(moments)} optimizer state - {format_bytes(margin)} margin")
 
     @property
     def keeps_kv_cache(self) -> bool:

@@ -194,16 +194,16 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return int(free + max(cached, 0)), int(total)
 
 
-def update_state_bytes(parameters) -> int:
-    """Bytes an update allocates per trainable parameter before its activations, estimated before one has run:
-    its gradient and AdamW's two moments, each in the parameter's dtype (3 x the trainable parameters' bytes, this
-    process's shards of sharded ones). Already-allocated state (a resumed run's) is counted again: an over-estimate
-    is the safe side of a memory budget."""
+def optimizer_state_bytes(parameters) -> int:
+    """Bytes AdamW's two moments take, estimated before its first step has allocated them: 2 x the trainable
+    parameters' bytes, in their dtype (this process's shards of sharded ones). Gradients are not counted: the module
+    frees them after every optimizer step (``GRPOModule.training_step``), so a rollout never holds them. Moments a
+    resumed run has loaded are counted again: an over-estimate is the safe side of a memory budget."""
     total = 0
     for param in parameters:
         if param.requires_grad:
             local = param.to_local() if hasattr(param, "to_local") else param
-            total += 3 * local.numel() * local.element_size()
+            total += 2 * local.numel() * local.element_size()
     return total
 
 
