@@ -345,3 +345,38 @@ def test_auto_shares_where_the_spared_work_pays_for_the_second_pass(monkeypatch)
     assert len(calls) == 1  # "auto" follows the rule
     completion_logps(tiny, micro, shared_prefix=True)
     assert len(calls) == 2  # True shares regardless
+
+
+def test_auto_decides_each_micro_batch_once_and_alike_on_every_fsdp_rank(monkeypatch):
+    """Each rank's prompts have their own length, so "auto" would decide apart; under FSDP2 a rank sharing runs its
+    sharded layers twice, gathering their weights each time, and the others would wait on those gathers. The module
+    decides each micro-batch once, and under FSDP2 takes the max over the ranks' decisions (one reduce a step)."""
+    from types import SimpleNamespace
+
+    from lit_grpo.update import logprobs
+    from lit_grpo.update import module as module_module
+
+    module = GRPOModule(model="tiny-llama", shared_prefix="auto", train_micro_batch_size=4)
+    module.configure_model()
+    batch = make_datamodule(module).build_train_batch()
+    calls = []
+    monkeypatch.setattr(logprobs, "shared_prefix_outputs",
+                        lambda *args, **kwargs: calls.append(1) or shared_prefix_outputs(*args, **kwargs))
+    chunks = module._micro_batches(batch)
+    assert len(chunks) > 1 and not any(micro["shared_prefix"] for _, micro in chunks)  # short prompts: no pay
+    module._logps(module.policy, chunks[0][1], batch.temperature)
+    assert calls == []
+
+    reduced = []
+
+    def reduce(votes, reduce_op):  # another rank whose longer prompts pay for sharing
+        reduced.append((votes.tolist(), reduce_op))
+        return torch.maximum(votes, torch.ones_like(votes))
+
+    module._trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(reduce=reduce))
+    monkeypatch.setattr(module_module, "is_fsdp_sharded", lambda model: True)
+    chunks = module._micro_batches(batch)
+    assert reduced == [([0.0] * len(chunks), "max")]  # this rank's votes, once for the step
+    assert all(micro["shared_prefix"] for _, micro in chunks)
+    module._logps(module.policy, chunks[0][1], batch.temperature)
+    assert calls == [1]

@@ -51,21 +51,26 @@ def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
                 position_ids=micro["position_ids"], use_cache=False)
 
 
+def shares_prefix(model: torch.nn.Module, micro: dict[str, Any], shared_prefix: bool | str) -> bool:
+    """Whether the shared forward runs on ``micro``: asked for (``shared_prefix``), some prompt repeats, and under
+    "auto" it spares enough work to pay for its second pass (``shared_prefix_pays``). Read from shapes and the
+    micro-batch's host-side keys: the device is not waited on."""
+    if not shared_prefix:
+        return False
+    first, group = prompt_groups(micro)
+    if len(first) == len(group):
+        return False
+    per_layer = layer_parameters(model) if shared_prefix == "auto" else 0
+    if not per_layer:  # asked for outright, or a model whose layers transformers does not know: shares
+        return True
+    saved = saved_positions(len(group), len(first), micro["input_ids"].shape[1] - micro["completion_ids"].shape[1])
+    return shared_prefix_pays(saved, per_layer, micro["input_ids"].device.type)
+
+
 def _shared_groups(model: torch.nn.Module, micro: dict[str, Any],
                    shared_prefix: bool | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``prompt_groups(micro)`` where the shared forward is asked for and saves work: some prompt repeats, and under
-    "auto" it spares enough work to pay for its second pass (``shared_prefix_pays``)."""
-    if not shared_prefix:
-        return None
-    first, group = groups = prompt_groups(micro)
-    if len(first) == len(group):
-        return None
-    per_layer = layer_parameters(model) if shared_prefix == "auto" else 0
-    if per_layer:  # a model whose layers transformers does not know shares, as under True
-        saved = saved_positions(len(group), len(first), micro["input_ids"].shape[1] - micro["completion_ids"].shape[1])
-        if not shared_prefix_pays(saved, per_layer, micro["input_ids"].device.type):
-            return None
-    return groups
+    """``prompt_groups(micro)`` where ``shares_prefix``, else None."""
+    return prompt_groups(micro) if shares_prefix(model, micro, shared_prefix) else None
 
 
 def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0,
@@ -244,7 +249,8 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
     docstring); otherwise the full logits are computed once. ``chunk_bytes``: a chunk's float32 logits (default:
     ``LOGITS_CHUNK_BYTES`` of the micro-batch's device). With ``shared_prefix`` each distinct prompt goes forward once
-    (lit_grpo.update.shared_prefix; "auto": where that pays). Every way the values are the same up to float rounding
+    (lit_grpo.update.shared_prefix; "auto": where that pays, from this micro-batch alone: under FSDP2 pass every rank
+    the same bool, as ``GRPOModule`` does). Every way the values are the same up to float rounding
     (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
     if chunk_bytes is None:

@@ -98,7 +98,7 @@ from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpoint
 from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
-from lit_grpo.update.logprobs import completion_logps
+from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
@@ -403,8 +403,24 @@ class GRPOModule(LightningModule):
         """The step's micro-batches of ``train_micro_batch_size`` consecutive rows, each with its model inputs
         (``RolloutBatch.micro_batch``), cut once per step and without waiting on the device."""
         size, total = self.hparams.train_micro_batch_size, batch.num_completions
-        return [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
-                                                              for start in range(0, total, size))]
+        chunks = [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
+                                                                for start in range(0, total, size))]
+        if self.uses_shared_prefix == "auto":
+            self._decide_sharing(chunks)
+        return chunks
+
+    def _decide_sharing(self, chunks: list[tuple[range, dict[str, Any]]]) -> None:
+        """``shared_prefix: auto`` decided for each micro-batch (``logprobs.shares_prefix``, from its own prompt
+        length) into its ``"shared_prefix"`` key, the same on every rank under FSDP2: a shared forward runs the
+        sharded layers twice, each run gathering their weights, so ranks deciding apart would wait on each other's
+        gathers. One max over the ranks a step; their micro-batches repeat prompts alike (equal B, G and rows)."""
+        policy = self._require_policy()
+        shares = [shares_prefix(policy, micro, "auto") for _, micro in chunks]
+        if is_fsdp_sharded(policy) and self._trainer is not None and self.trainer.world_size > 1:
+            votes = torch.tensor(shares, dtype=torch.float32, device=self.device)
+            shares = [bool(vote) for vote in self.trainer.strategy.reduce(votes, reduce_op="max").tolist()]
+        for (_, micro), share in zip(chunks, shares):
+            micro["shared_prefix"] = share
 
     def _loss_mask(self, micro: dict[str, Any]) -> torch.Tensor:
         mask = micro["completion_mask"]
@@ -422,7 +438,8 @@ class GRPOModule(LightningModule):
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
         """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs).
         Under fsdp the output head runs on the root's gathered weights, which FSDP2 keeps until the backward."""
-        return completion_logps(model, micro, temperature, shared_prefix=self.uses_shared_prefix)
+        return completion_logps(model, micro, temperature,
+                                shared_prefix=micro.get("shared_prefix", self.uses_shared_prefix))
 
     def _total_active_tokens(self, chunks: list) -> float:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
