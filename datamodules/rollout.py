@@ -240,7 +240,7 @@ class RolloutDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
-        self._cache_keeping_said = False  # and keep_kv_cache: auto's decision
+        self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, each time it changes
 
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
@@ -403,8 +403,8 @@ class RolloutDataModule(LightningDataModule):
         if builder.slot_budget is not None and not self._slot_budget_said:
             self._slot_budget_said = True
             rank_zero_info(f"lit_grpo: {builder.slot_budget.describe()}")
-        if builder.cache_keeping is not None and not self._cache_keeping_said:
-            self._cache_keeping_said = True
+        if builder.cache_keeping is not None and builder.cache_keeping is not self._cache_keeping_said:
+            self._cache_keeping_said = builder.cache_keeping
             rank_zero_info(f"lit_grpo: {builder.cache_keeping.describe()}")
         if world > 1:
             accuracy, mean_angle, unused = self._finish_step(batch)

@@ -231,9 +231,12 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
 
 @pytest.mark.parametrize("cast", [False, True])
 def test_auto_keeps_the_cache_only_where_it_fits_beside_the_measured_update(policy, monkeypatch, cast):
-    """keep_kv_cache: auto releases until an update has been measured, then decides once: keep the slot cache (and
-    the rollout weights' copy its graphs read) where both fit beside the update's peak, else release as before."""
+    """keep_kv_cache: auto releases until an update has been measured, then decides: keep the slot cache at its
+    widest (the longest prompt's width) and the rollout weights' copy its graphs read where both fit beside the
+    update's peak, else release as before; a later update whose peak, kept bytes included, passes the limit
+    withdraws the keeping."""
     from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
     from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, kv_bytes_per_token
 
     model, tokenizer = policy
@@ -245,13 +248,14 @@ def test_auto_keeps_the_cache_only_where_it_fits_beside_the_measured_update(poli
     sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6)
     assert sampling.keep_kv_cache == "auto"
     dtype = torch.bfloat16 if cast else torch.float32
-    slot_cache = 3 * (longest - 1 + 6) * kv_bytes_per_token(model.config, dtype)  # 3 rows at the rollout's width
+    widest = -(-(longest + 40 - 1 + 6) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT  # a prompt 40 tokens longer, aligned
+    slot_cache = 3 * widest * kv_bytes_per_token(model.config, dtype)
     for fits in (True, False):
         weights = CastWeights(model, torch.bfloat16) if cast else None
         context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
         measured = {"peak": None}
         builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
-                                 rollout_weights=weights, precision_context=context,
+                                 rollout_weights=weights, precision_context=context, max_prompt_length=longest + 40,
                                  measured_update_peak=lambda: measured["peak"])
         kept = slot_cache + (weights.cast_bytes() if cast else 0)
         builder.build_train(lambda count: prompts[:count])
@@ -266,9 +270,16 @@ def test_auto_keeps_the_cache_only_where_it_fits_beside_the_measured_update(poli
         assert (cache is not None) is fits and builder.keeps_kv_cache is fits
         if cast:  # the graphs of a kept cache read the cast weights: they stay with it
             assert all((c.untyped_storage().size() > 0) is fits for _, c in weights._casts.values())
-        measured["peak"] = 0  # decided once: a later reading changes nothing
+        measured["peak"] = 0  # a lower reading changes nothing
         builder.build_train(lambda count: prompts[:count])
         assert builder.cache_keeping is decided and (cache is not None and builder.engine._cache is cache) is fits
+        measured["peak"] = total - margin + 1  # kept: the peak holds the kept bytes; past the limit, withdrawn
+        builder.build_train(lambda count: prompts[:count])
+        assert (builder.cache_keeping is not decided) is fits and builder.engine._cache is None
+        if fits:
+            assert builder.cache_keeping.withdrawn and not builder.keeps_kv_cache
+            assert builder.cache_keeping.describe().startswith("keep_kv_cache: auto -> the slot cache is released "
+                                                              "after each rollout from now on: the update's peak")
 
 
 def test_auto_keeps_nothing_off_cuda(policy):

@@ -76,24 +76,28 @@ class SlotBudget:
 
 @dataclass(frozen=True)
 class CacheKeeping:
-    """How ``keep_kv_cache: auto`` was decided, once, after the first update: ``kept`` when the slot cache and the
-    rollout weights' copy (``kept_bytes``) fit beside the update's measured peak on ``total_bytes`` less
-    ``margin_bytes`` (``memory_budget.kv_cache_fits_beside_update``)."""
+    """How ``keep_kv_cache: auto`` was decided after the first update: ``kept`` when the slot cache at its widest and
+    the rollout weights' copy (``kept_bytes``) fit beside the update's measured peak on ``total_bytes`` less
+    ``margin_bytes`` (``memory_budget.kv_cache_fits_beside_update``). ``withdrawn``: kept until an update's peak,
+    the kept bytes in it, passed that limit; released from then on."""
 
     kept: bool
     update_peak_bytes: int
     kept_bytes: int
     total_bytes: int
     margin_bytes: int
+    withdrawn: bool = False
 
     def describe(self) -> str:
         """One line for the log."""
+        limit = f"{format_bytes(self.total_bytes)} on the device - {format_bytes(self.margin_bytes)} margin"
+        if self.withdrawn:
+            return (f"keep_kv_cache: auto -> the slot cache is released after each rollout from now on: the "
+                    f"update's peak with it kept, {format_bytes(self.update_peak_bytes)}, > {limit}")
         verdict = "kept between rollouts" if self.kept else "released after each rollout"
-        relation = "<=" if self.kept else ">"
         return (f"keep_kv_cache: auto -> the slot cache is {verdict}: the update's peak "
                 f"{format_bytes(self.update_peak_bytes)} + the slot cache and rollout weights' copy "
-                f"{format_bytes(self.kept_bytes)} {relation} {format_bytes(self.total_bytes)} on the device - "
-                f"{format_bytes(self.margin_bytes)} margin")
+                f"{format_bytes(self.kept_bytes)} {'<=' if self.kept else '>'} {limit}")
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ class RolloutBuilder:
         self.slot_budget: SlotBudget | None = None
         #: the device's peak in the last update, read from its owner (None before one has run, or off CUDA)
         self.measured_update_peak = measured_update_peak or (lambda: None)
-        #: ``keep_kv_cache: auto`` decided, once, on CUDA after the first update
+        #: ``keep_kv_cache: auto`` decided on CUDA after the first update (withdrawn if a later update nears the limit)
         self.cache_keeping: CacheKeeping | None = None
         self._slot_cache_bytes = 0  # the training engine's, at the end of its last rollout
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
@@ -257,12 +261,14 @@ class RolloutBuilder:
 
     def _decide_cache_keeping(self) -> None:
         """Decide ``keep_kv_cache: auto`` once an update has run (on CUDA; elsewhere nothing is kept): keep where
-        the slot cache of the last rollout and the rollout weights' copy fit beside that update's peak.
+        the slot cache at its widest (the dataset's longest prompt; the last rollout's where that is unknown) and
+        the rollout weights' copy fit beside that update's peak. While kept, every later update's peak (which
+        includes them) is checked against the same limit, and a peak past it withdraws the keeping.
 
         The peak is the allocator's since its last reset: under ``PeakMemoryMonitor``, which resets it when the
         update starts, the update's own; without it the run's so far, the rollout's included, so the decision
         errs toward releasing."""
-        if self.sampling.keep_kv_cache != "auto" or self.cache_keeping is not None:
+        if self.sampling.keep_kv_cache != "auto" or (self.cache_keeping is not None and not self.cache_keeping.kept):
             return
         peak = self.measured_update_peak()
         if peak is None or not self._slot_cache_bytes:
@@ -271,7 +277,17 @@ class RolloutBuilder:
         if memory is None:
             return
         total = memory[1]
-        kept, margin = self._slot_cache_bytes + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
+        margin = int(DEVICE_MARGIN_FRACTION * total)
+        if self.cache_keeping is not None:  # kept: the peak holds the kept bytes already
+            if peak > total - margin:
+                self.cache_keeping = replace(self.cache_keeping, kept=False, update_peak_bytes=peak, withdrawn=True)
+            return
+        cache = self._slot_cache_bytes
+        if self.max_prompt_length:
+            prompts = math.ceil(self.over_provision * self.prompts_per_step)
+            with self.precision_context():  # the cache's dtype: the autocast one under mixed precision
+                cache = max(cache, self.engine.widest_slot_cache_bytes(prompts, self.max_prompt_length))
+        kept = cache + self.weights.scope_bytes()
         self.cache_keeping = CacheKeeping(kv_cache_fits_beside_update(peak, kept, total, margin), peak, kept, total,
                                           margin)
 

@@ -240,6 +240,14 @@ class RolloutEngine:
         memory pool aside."""
         return self._cache.nbytes() if self._cache is not None else 0
 
+    def widest_slot_cache_bytes(self, num_prompts: int, longest_prompt: int) -> int:
+        """Bytes of the slot cache of a rollout of ``num_prompts`` groups whose longest prompt has
+        ``longest_prompt`` tokens (its rows aligned, as on CUDA): the most a kept cache can grow to. Under mixed
+        precision, ask inside the rollout's autocast: the cache's dtype is the autocast one."""
+        width = -(-(longest_prompt - 1 + self.max_new_tokens) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+        per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
+        return self.num_slots(num_prompts) * width * per_token
+
     def state_dict(self) -> dict:
         """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its trust
         under the length-aware method), for exact resume."""
