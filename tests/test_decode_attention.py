@@ -91,6 +91,37 @@ def test_both_kernels_equal_a_float64_reference_at_every_bucket(kernel, dtype, g
     torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device"))])
+def test_peaked_half_precision_scores_stay_float32_where_the_device_can(device, monkeypatch):
+    """Scores near +-30 rounded to bfloat16 move their probabilities by percents; written in float32 (CUDA's
+    ``bmm`` with ``out_dtype``; on a CPU, which has none, emulated by a float32 product of the same bfloat16
+    operands) the result is within bfloat16's rounding of a float64 reference of those operands."""
+    rows, kv_heads, group, width, dim = 4, 2, 2, 40, 64
+    generator = torch.Generator().manual_seed(3)
+    query = (3.5 * torch.randn(rows, kv_heads * group, 1, dim, generator=generator)).bfloat16()
+    key = (3.5 * torch.randn(rows, kv_heads, width, dim, generator=generator)).bfloat16()
+    value = torch.randn(rows, kv_heads, width, dim, generator=generator).bfloat16()
+    lengths = torch.full((rows,), width - 1)
+    mask = torch.zeros(rows, 1, 1, width, dtype=torch.bfloat16)
+    expected = _reference(query, key, value, lengths, dim ** -0.5)
+    assert (query.double().view(rows, kv_heads, group, dim) @ key.double().transpose(-1, -2)).abs().max() * \
+        dim ** -0.5 > 25  # peaked
+
+    def error(float32_scores: bool) -> float:
+        monkeypatch.setitem(decode_attention_module._FLOAT32_SCORES, torch.device(device), float32_scores)
+        out, _ = decode_attention(_Layer(kv_heads * group, kv_heads),
+                                  *(t.to(device) for t in (query, key, value, mask)), scaling=dim ** -0.5)
+        return float((out.cpu().double() - expected).abs().max())
+
+    if device == "cpu":
+        real_bmm = torch.bmm
+        monkeypatch.setattr(torch, "bmm", lambda a, b, out_dtype=None: real_bmm(a.float(), b.float()))
+    else:
+        assert decode_attention_module.float32_scores(torch.device(device))
+    assert error(True) < 0.03 < error(False)
+
+
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():
     """Bit-identical on any CPU: each row's two products are batch entries of one shape, computed by the same
     kernel whatever the other rows hold (a determinism claim, not a numerical one)."""

@@ -12,6 +12,9 @@ choice is part of ``StepSettings``, so a step built with one kernel is never rep
   (transformers' SDPA path copies K and V to every query head, ``repeat_kv``), and every row is its own batch
   entry, so a row's result does not depend on the others (strategies of the same g stay bit-identical). On a CPU
   it also spends less time than SDPA's fused kernel, whose tiling costs more than the few positions of a step.
+  Half-precision scores are written in float32 where the device's matmul can (``float32_scores``, CUDA): rounded
+  to bfloat16 a peaked score (|s| ~ 30) would move its probability by several percent, where SDPA's fused kernels,
+  which the update's forward runs, keep scores in float32. Elsewhere (a CPU) they are rounded.
 - "sdpa_gqa" (experimental, for measuring on a GPU): ``sdpa_gqa_decode_attention``, torch's SDPA with
   ``enable_gqa=True`` on the same operands; whether a fused GQA kernel with a mask beats the matmuls depends on
   the GPU and the torch build.
@@ -37,6 +40,10 @@ SDPA_GQA_DECODE_ATTENTION = "lit_grpo_decode_sdpa_gqa"
 DecodeKernel = Literal["matmul", "sdpa_gqa"]
 DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 _REGISTERED = {"matmul": DECODE_ATTENTION, "sdpa_gqa": SDPA_GQA_DECODE_ATTENTION}
+
+#: Whether a device's half-precision matmul writes float32 (``torch.bmm(..., out_dtype=torch.float32)``), probed once
+#: per device by ``step_attention``, outside any capture or compilation.
+_FLOAT32_SCORES: dict[torch.device, bool] = {}
 
 #: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA.
 _SDPA_ONLY = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias")
@@ -67,9 +74,16 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     rows, heads, _, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     scale = dim ** -0.5 if scaling is None else scaling
-    grouped = query.view(rows, kv_heads, heads // kv_heads, dim)                   # [rows, kv_heads, group, dim]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)              # [rows, kv_heads, group, width]
-    scores.add_(attention_mask[..., :width])
+    group = heads // kv_heads
+    grouped = query.view(rows, kv_heads, group, dim)                               # [rows, kv_heads, group, dim]
+    if query.dtype in (torch.bfloat16, torch.float16) and _FLOAT32_SCORES.get(query.device, False):
+        # rows and heads merge into one batch: the cache's width slice leaves them contiguous, so no copy
+        flat_keys = key.reshape(rows * kv_heads, width, dim).transpose(1, 2)
+        scores = torch.bmm(grouped.reshape(rows * kv_heads, group, dim), flat_keys, out_dtype=torch.float32)
+        scores = scores.view(rows, kv_heads, group, width)
+    else:
+        scores = torch.matmul(grouped, key.transpose(-1, -2))                     # [rows, kv_heads, group, width]
+    scores.mul_(scale).add_(attention_mask[..., :width])
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)                                               # [rows, kv_heads, group, dim]
     return out.view(rows, 1, heads, dim), None
@@ -110,6 +124,22 @@ def instead_of_sdpa(model: torch.nn.Module, implementation: str) -> Iterator[boo
         config._attn_implementation = "sdpa"
 
 
+def float32_scores(device: torch.device) -> bool:
+    """Whether ``decode_attention`` writes half-precision scores in float32 on ``device``: its matmul can
+    (``torch.bmm``'s ``out_dtype``, on CUDA in recent torch builds). Probed once per device on two tiny tensors."""
+    device = torch.device(device)
+    if device not in _FLOAT32_SCORES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # not probed inside a capture; the eager steps before it probe
+        probe = torch.ones(1, 1, 2, dtype=torch.bfloat16, device=device)
+        try:
+            torch.bmm(probe, probe.transpose(1, 2), out_dtype=torch.float32)
+            _FLOAT32_SCORES[device] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FLOAT32_SCORES[device] = False
+    return _FLOAT32_SCORES[device]
+
+
 @contextlib.contextmanager
 def step_attention(model: torch.nn.Module, kernel: str = "matmul") -> Iterator[None]:
     """Within the block, ``model``'s attention layers call the decode ``kernel`` ("matmul": ``decode_attention``,
@@ -117,5 +147,7 @@ def step_attention(model: torch.nn.Module, kernel: str = "matmul") -> Iterator[N
     (``instead_of_sdpa``)."""
     if kernel not in _REGISTERED:
         raise ValueError(f"decode attention kernel {kernel!r} is not known; use one of {list(DECODE_KERNELS)}")
+    if kernel == "matmul":
+        float32_scores(next(model.parameters()).device)  # probed here, before any traced or captured call reads it
     with instead_of_sdpa(model, _REGISTERED[kernel]):
         yield
