@@ -320,13 +320,14 @@ def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
     assert GRPOModule(model="tiny-llama", loss={"loss_type": "grpo"}).loss_fn.name == "grpo"
 
 
-def _fit_one_step(plugins, **module_arguments):
+def _fit_one_step(plugins, callbacks=(), **module_arguments):
     import lightning.pytorch as pl
 
     pl.seed_everything(0)
     module = GRPOModule(**{"model": "tiny-llama", "max_grad_norm": 1.0, "lr": 1e-3, **module_arguments})
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=plugins)
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=plugins,
+                         callbacks=list(callbacks))
     trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0})))
     return module, trainer
 
@@ -444,6 +445,7 @@ def test_adamw_runs_fused_where_every_parameter_is_on_a_gpu():
 def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unless_asked(monkeypatch, move):
     """Lightning's strategy teardown moves the module and the optimizers' state to the CPU when fit ends (a host
     copy of weights and moments). On a CPU the move copies nothing, so what is checked is whether it is made."""
+    import lightning.pytorch as pl
     import lightning.pytorch.strategies.strategy as strategy_module
 
     moved = {"module": 0, "optimizers": []}  # module moves; optimizers handed to each optimizer move
@@ -459,10 +461,16 @@ def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unles
         moved["optimizers"].append(len(optimizers))
         return optimizers_to_device(optimizers, device)
 
+    class SeesOptimizers(pl.Callback):  # a callback checkpointing at the end of fit saves the optimizers' state
+        def on_fit_end(self, trainer, pl_module):
+            self.seen = len(trainer.optimizers)
+
     monkeypatch.setattr(strategy_module, "_optimizers_to_device", counted_optimizers_to_device)
     monkeypatch.setattr(torch.nn.Module, "_apply", counted_apply)
-    module, trainer = _fit_one_step([], move_to_cpu_after_fit=move)
-    assert trainer.global_step == 1
+    sees = SeesOptimizers()
+    module, trainer = _fit_one_step([], [sees], move_to_cpu_after_fit=move)
+    assert trainer.global_step == 1 and sees.seen == 1
+    assert "teardown" not in trainer.strategy.__dict__  # the wrapper served its one call
     moves_at_setup = 1  # the strategy's moves onto the device before training, then the teardown's to the CPU
     assert moved == ({"module": moves_at_setup + 1, "optimizers": [1, 1]} if move else
                      {"module": moves_at_setup, "optimizers": [1, 0]}), moved

@@ -217,8 +217,7 @@ class GRPOModule(LightningModule):
         self.held_out = HeldOutMetrics()
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
         self._grad_norm, self._iteration = math.nan, 0
-        #: Between ``on_train_end`` and ``on_fit_end``: the optimizers kept out of the teardown's move to the CPU.
-        self._kept_on_device: list[torch.optim.Optimizer] | None = None
+        #: During the strategy's teardown at the end of fit (``on_train_end``): ``cpu()`` moves nothing.
         self._skip_one_cpu_move = False
         #: The CUDA allocator's peak at the end of the last update (``measured_update_peak``); None elsewhere.
         self._update_peak_bytes: int | None = None
@@ -345,25 +344,30 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ end of fit
     def on_train_end(self) -> None:
         """Unless ``move_to_cpu_after_fit``: the strategy's teardown, which runs next, moves this module and the
-        optimizers' state to the CPU; both stay on their device instead (``cpu`` answers that one call without
-        moving; the optimizers are out of the teardown's sight until ``on_fit_end``). Strategies that move
-        nothing (FSDP2's) are left as they are."""
+        optimizers' state to the CPU; both stay on their device instead. The teardown is wrapped for its one
+        call: while it runs the optimizers are out of its sight and ``cpu`` moves nothing; after it (callbacks'
+        ``on_fit_end`` included) everything is as before. Strategies that move nothing (FSDP2's) are unaffected."""
         if self.hparams.move_to_cpu_after_fit:
             return
         strategy = self.trainer.strategy
-        self._kept_on_device, strategy.optimizers = strategy.optimizers, []
-        self._skip_one_cpu_move = True
+        strategy.__dict__.pop("teardown", None)  # a wrapper a failed fit left behind
+        teardown = strategy.teardown
+
+        def teardown_keeping_state() -> None:
+            del strategy.teardown  # once: the class's own from now on
+            optimizers, strategy.optimizers = strategy.optimizers, []
+            self._skip_one_cpu_move = True
+            try:
+                teardown()
+            finally:
+                strategy.optimizers, self._skip_one_cpu_move = optimizers, False
+
+        strategy.teardown = teardown_keeping_state
 
     def cpu(self) -> GRPOModule:
-        if self._skip_one_cpu_move:  # the strategy's teardown at the end of fit (on_train_end); once
-            self._skip_one_cpu_move = False
+        if self._skip_one_cpu_move:  # inside the strategy's teardown at the end of fit (on_train_end)
             return self
         return super().cpu()
-
-    def on_fit_end(self) -> None:
-        self._skip_one_cpu_move = False  # a strategy that moved nothing left it set
-        if self._kept_on_device is not None:
-            self.trainer.strategy.optimizers, self._kept_on_device = self._kept_on_device, None
 
     # ------------------------------------------------------------------------------------------ data hand-over
     def on_fit_start(self) -> None:
