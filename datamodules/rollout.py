@@ -38,7 +38,7 @@ from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
                                       correctness_reward)
-from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts, check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
@@ -253,6 +253,7 @@ class RolloutDataModule(LightningDataModule):
         (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
         lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
         auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
+        check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
         given = self._handover
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
                 given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (

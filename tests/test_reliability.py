@@ -380,12 +380,15 @@ def test_a_kv_budget_from_free_memory_is_what_is_left_after_the_reserve_and_the_
             kv_budget_from_free_memory(*args)
 
 
-def test_auto_without_a_budget_on_a_cpu_says_what_to_set(module):
-    dm = make_datamodule(module, micro_group_size="auto")  # accepted: on CUDA the device's free memory is the budget
+def test_auto_without_a_budget_on_a_cpu_says_what_to_set_when_the_policy_arrives(module):
+    """The config is accepted (on CUDA the device's free memory is the budget); the policy's device is known at
+    attach, before any validation or rollout runs. "full" gives every sample its row: nothing to size."""
     with pytest.raises(ValueError, match=r"micro_group_size='auto' without kv_budget_bytes sizes the KV cache from "
                                          r"the GPU's free memory, but the policy is on 'cpu': set "
                                          r"sampling.kv_budget_bytes \(bytes, an integer >= 1\)"):
-        dm.build_train_batch()
+        make_datamodule(module, micro_group_size="auto")
+    dm = make_datamodule(module, micro_group_size="auto", strategy="full")
+    assert dm.build_train_batch().stats.peak_kv_bytes > 0 and dm.resolved_micro_group_size is None
 
 
 def test_auto_micro_group_size_prices_the_cache_in_the_dtype_it_stores(module):

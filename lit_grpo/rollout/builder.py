@@ -74,6 +74,20 @@ class SlotBudget:
                 f"{format_bytes(self.kv_budget_bytes)} ({self.source})")
 
 
+def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
+    """Raise where ``micro_group_size: auto`` has no budget to size the slots from: no ``kv_budget_bytes`` and a
+    policy off CUDA, whose free memory is not read ("full" ignores g: nothing to size)."""
+    if (sampling.micro_group_size == "auto" and sampling.kv_budget_bytes is None and sampling.strategy != "full"
+            and device_memory(device) is None):
+        raise _no_slot_budget(device)
+
+
+def _no_slot_budget(device: torch.device) -> ValueError:
+    return ValueError(f"sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the GPU's "
+                      f"free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes (bytes, an "
+                      "integer >= 1) or an integer micro_group_size")
+
+
 @dataclass(frozen=True)
 class CacheKeeping:
     """How ``keep_kv_cache: auto`` was decided after the first update: ``kept`` when the slot cache at its widest and
@@ -210,6 +224,8 @@ class RolloutBuilder:
         g = self.sampling.micro_group_size
         if g != "auto":
             return g
+        if self.sampling.strategy == "full":  # every sample has its row
+            return None
         if self.slot_budget is None:
             budget, source = self._kv_budget()
             config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
@@ -240,9 +256,7 @@ class RolloutBuilder:
         device = next(self.policy.parameters()).device
         memory = device_memory(device)
         if memory is None:
-            raise ValueError(f"sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the "
-                             f"GPU's free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes "
-                             "(bytes, an integer >= 1) or an integer micro_group_size")
+            raise _no_slot_budget(device)
         free, total = memory
         copy, moments = self.weights.scope_bytes(), optimizer_state_bytes(self.policy.parameters())
         margin = int(DEVICE_MARGIN_FRACTION * total)
