@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
@@ -240,7 +241,7 @@ class RolloutDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
-        self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, each time it changes
+        self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, when it changes
 
     # ------------------------------------------------------------------------------------------ hand-over
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
@@ -253,7 +254,9 @@ class RolloutDataModule(LightningDataModule):
         (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
         lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
         auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
-        check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.state.fn == TrainerFn.FITTING:  # validation alone sizes no training slots
+            check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
         given = self._handover
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
                 given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (
@@ -266,6 +269,12 @@ class RolloutDataModule(LightningDataModule):
                               rollout_weights=rollout_weights, measured_update_peak=measured_update_peak)
         self.builder = None
         self._render_prompts()
+
+    def teardown(self, stage: str) -> None:
+        """The end of fit or validate: every engine's slot cache and graphs and the rollout weights' copy are freed
+        (the policy may move afterwards, and a kept graph would read where its weights were)."""
+        if self.builder is not None:
+            self.builder.release()
 
     def _require_builder(self) -> RolloutBuilder:
         if self._handover is None:
@@ -404,9 +413,10 @@ class RolloutDataModule(LightningDataModule):
         if builder.slot_budget is not None and not self._slot_budget_said:
             self._slot_budget_said = True
             rank_zero_info(f"lit_grpo: {builder.slot_budget.describe()}")
-        if builder.cache_keeping is not None and builder.cache_keeping is not self._cache_keeping_said:
-            self._cache_keeping_said = builder.cache_keeping
-            rank_zero_info(f"lit_grpo: {builder.cache_keeping.describe()}")
+        keeping, said = builder.cache_keeping, self._cache_keeping_said
+        if keeping is not None and (said is None or said.kept != keeping.kept):
+            self._cache_keeping_said = keeping
+            rank_zero_info(f"lit_grpo: {keeping.describe()}")
         if world > 1:
             accuracy, mean_angle, unused = self._finish_step(batch)
             self.sampler.update(accuracy, mean_angle)

@@ -39,13 +39,27 @@ def test_adamw_runs_fused_and_the_policy_stays_on_the_gpu_after_fit():
     assert moments and {t.device.type for t in moments} == {"cuda"}
 
 
-def test_auto_keeps_the_slot_cache_once_the_update_has_shown_it_fits():
-    module, _, data = _fit(max_steps=3)
-    peak = module.measured_update_peak()
+def test_auto_keeps_the_slot_cache_once_an_update_has_shown_it_fits():
+    held = []
+
+    class Held(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            held.append(trainer.datamodule.builder.engine.slot_cache_bytes())
+
+    pl.seed_everything(0)
+    module = GRPOModule(model="tiny-llama", lr=1e-3)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Held()])
+    data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
+    trainer.fit(module, data)
+    assert module.measured_update_peak() > 0
+    assert held[0] == 0  # no update measured before the first: released
     decided = data.builder.cache_keeping
-    assert peak is not None and peak > 0
-    assert decided is not None and decided.kept and decided.kept_bytes > 0, decided
-    assert data.builder.engine.slot_cache_bytes() > 0  # still held after the last rollout
+    assert decided is not None and decided.kept_bytes > 0, decided
+    # kept through an update once one at least as wide has been measured (a wider batch releases and measures)
+    assert any(held[1:]) or "wider" in decided.describe(), (held, decided)
+    assert data.builder.engine.slot_cache_bytes() == 0  # freed when fit ended
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])

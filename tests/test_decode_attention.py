@@ -108,18 +108,26 @@ def test_peaked_half_precision_scores_stay_float32_where_the_device_can(device, 
     assert (query.double().view(rows, kv_heads, group, dim) @ key.double().transpose(-1, -2)).abs().max() * \
         dim ** -0.5 > 25  # peaked
 
-    def error(float32_scores: bool) -> float:
+    def error(float32_scores: bool, query: torch.Tensor) -> float:
         monkeypatch.setitem(decode_attention_module._FLOAT32_SCORES, torch.device(device), float32_scores)
-        out, _ = decode_attention(_Layer(kv_heads * group, kv_heads),
-                                  *(t.to(device) for t in (query, key, value, mask)), scaling=dim ** -0.5)
+        with torch.autocast(device, dtype=torch.bfloat16):  # as under bf16-mixed
+            out, _ = decode_attention(_Layer(kv_heads * group, kv_heads),
+                                      *(t.to(device) for t in (query, key, value, mask)), scaling=dim ** -0.5)
         return float((out.cpu().double() - expected).abs().max())
 
     if device == "cpu":
         real_bmm = torch.bmm
-        monkeypatch.setattr(torch, "bmm", lambda a, b, out_dtype=None: real_bmm(a.float(), b.float()))
+
+        def bmm(a, b, out_dtype=None):  # as CUDA's bmm.dtype, which autocast passes through
+            with torch.autocast("cpu", enabled=False):
+                return real_bmm(a.float(), b.float())
+
+        monkeypatch.setattr(torch, "bmm", bmm)
     else:
         assert decode_attention_module.float32_scores(torch.device(device))
-    assert error(True) < 0.03 < error(False)
+    # a bfloat16 query, and a float32 one (under bf16-mixed the rotary embedding hands the query over in float32)
+    for given in (query, query.float()):
+        assert error(True, given) < 0.03 < error(False, given)
 
 
 def test_each_row_is_computed_alone_so_schedules_stay_bit_identical():

@@ -441,6 +441,28 @@ def test_adamw_runs_fused_where_every_parameter_is_on_a_gpu():
     assert not optimizer.defaults["fused"]  # on a CPU: torch's default implementation
 
 
+def test_the_end_of_fit_frees_a_kept_slot_cache_and_its_graphs():
+    """The policy may move after fit (``move_to_cpu_after_fit``), and a kept graph would read where its weights
+    were: the datamodule's teardown frees every engine's cache."""
+    import lightning.pytorch as pl
+
+    class KeptDuringFit(pl.Callback):
+        held = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.held.append(trainer.datamodule.builder.engine.slot_cache_bytes())
+
+    module = GRPOModule(model="tiny-llama", lr=1e-3)
+    data = RolloutDataModule(**datamodule_arguments({"val_size": 0, "keep_kv_cache": True}))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[KeptDuringFit()])
+    trainer.fit(module, data)
+    assert len(KeptDuringFit.held) == 2 and all(KeptDuringFit.held)  # kept through each update
+    engine = data.builder.engine
+    assert engine.rollout_index == 2 and engine.slot_cache_bytes() == 0 and engine._step is None
+
+
 @pytest.mark.parametrize("move", [False, True])
 def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unless_asked(monkeypatch, move):
     """Lightning's strategy teardown moves the module and the optimizers' state to the CPU when fit ends (a host

@@ -132,20 +132,29 @@ def test_scheduler_options_are_typed_in_the_config():
 
 def test_a_training_step_under_bf16_mixed_precision(tmp_path):
     """The rollout runs inside the trainer's autocast (float32 weights, bfloat16 compute) on the linear weights cast
-    once per rollout (kept with the slot cache here): the slot cache takes the autocast dtype, and the update
-    follows."""
+    once per rollout (kept with the slot cache here, until fit ends): the slot cache takes the autocast dtype, and
+    the update follows."""
+    import lightning.pytorch as pl
+
+    class AfterTheUpdate(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            head = pl_module.rollout_weights().module.lm_head.weight
+            self.seen = (trainer.datamodule.engine._cache.layers[0].keys.dtype, head.dtype,
+                         head.untyped_storage().size() == head.numel() * 2)
+
     cli = build_cli(["--config", TINY, "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "1",
                      "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
                      "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
                      "--data.sampling.keep_kv_cache", "true"], run=False)
+    seen = AfterTheUpdate()
+    cli.trainer.callbacks.append(seen)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 1
     assert cli.model.policy.dtype == torch.float32
-    assert cli.datamodule.engine._cache.layers[0].keys.dtype == torch.bfloat16
+    assert seen.seen == (torch.bfloat16, torch.bfloat16, True)  # the cache and the cast head, kept
     weights = cli.model.rollout_weights()
     assert isinstance(weights, CastWeights) and cli.datamodule.engine.model is weights.module
-    head = weights.module.lm_head.weight
-    assert head.dtype == torch.bfloat16 and head.untyped_storage().size() == head.numel() * 2  # kept
+    assert weights.module.lm_head.weight.untyped_storage().size() == 0  # freed when fit ended
 
 
 @pytest.mark.parametrize("args, key", [
@@ -189,7 +198,7 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     """Without kv_budget_bytes the builder reads the device's free memory (once), sets aside the rollout weights'
     copy, AdamW's moments and a margin, and sizes g to what is left (gradients are freed before every rollout)."""
     from lit_grpo.rollout import builder as builder_module
-    from lit_grpo.runtime.memory import optimizer_state_bytes
+    from lit_grpo.runtime.memory import trainable_bytes
     from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, kv_held_bytes, kv_prefill_bytes,
                                                  kv_slot_bytes)
 
@@ -204,8 +213,8 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     held = kv_held_bytes(config, dtype, longest, 4, 2) + kv_prefill_bytes(config, dtype, longest, 2, 6)
     total = 10**9
     copy = weights.cast_bytes() if cast else 0
-    reserved = copy + optimizer_state_bytes(model.parameters())
-    assert optimizer_state_bytes(model.parameters()) == 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    reserved = copy + 2 * trainable_bytes(model.parameters())
+    assert trainable_bytes(model.parameters()) == sum(p.numel() * p.element_size() for p in model.parameters())
     free = reserved + int(DEVICE_MARGIN_FRACTION * total) + held + 3 * slot + slot // 2
     readings = []
 
@@ -227,59 +236,73 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert batch.stats.peak_kv_bytes <= budget.kv_budget_bytes
     if cast:
         assert copy > 0
+    # keep_kv_cache: true holds the cache through every update: the gradients are set aside too
+    gradients = trainable_bytes(model.parameters())
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free + gradients, total))
+    held_through = RolloutBuilder(model, tokenizer, sampling.replace(keep_kv_cache=True), [], prompts_per_step=2,
+                                  max_prompt_length=longest, rollout_weights=weights, precision_context=context)
+    assert held_through.resolved_micro_group_size == 3
+    assert held_through.slot_budget.kv_budget_bytes == budget.kv_budget_bytes  # their bytes more free, as many slots
+    assert "gradients and optimizer state" in held_through.slot_budget.source
+
+
+def _prompts_of_length(tokenizer, count, words):
+    return [Prompt(index=i, example=PromptExample(f"What is {i} + {i}?", str(2 * i)),
+                   ids=tokenizer(f"{'Think. ' * words}What is {i} + {i}?")["input_ids"]) for i in range(count)]
 
 
 @pytest.mark.parametrize("cast", [False, True])
-def test_auto_keeps_the_cache_only_where_it_fits_beside_the_measured_update(policy, monkeypatch, cast):
-    """keep_kv_cache: auto releases until an update has been measured, then decides: keep the slot cache at its
-    widest (the longest prompt's width) and the rollout weights' copy its graphs read where both fit beside the
-    update's peak, else release as before; a later update whose peak, kept bytes included, passes the limit
-    withdraws the keeping."""
+def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_it_fits(policy, monkeypatch, cast):
+    """keep_kv_cache: auto releases until an update has been measured. Then, at the end of each rollout, it keeps
+    the slot cache (priced at its widest: the longest prompt's width) and the rollout weights' copy its graphs read
+    through the coming update where that batch is no wider than the widest update measured and the kept bytes fit
+    beside that update's peak; a wider batch releases them, and its update is measured."""
     from lit_grpo.rollout import builder as builder_module
     from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
     from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, kv_bytes_per_token
 
     model, tokenizer = policy
-    prompts = _prompts(tokenizer, 2)
-    longest = max(len(p.ids) for p in prompts)
+    # prompts far enough apart in length that a batch's width (prompt + at most 6 new tokens) orders as they do
+    short, medium, long = (_prompts_of_length(tokenizer, 2, words) for words in (0, 4, 8))
+    longest = max(len(p.ids) for p in long)
+    assert max(len(p.ids) for p in short) + 6 < min(len(p.ids) for p in medium)
+    assert max(len(p.ids) for p in medium) + 6 < min(len(p.ids) for p in long)
     total = 10**9
     margin = int(DEVICE_MARGIN_FRACTION * total)
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (total, total))
     sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6)
     assert sampling.keep_kv_cache == "auto"
     dtype = torch.bfloat16 if cast else torch.float32
-    widest = -(-(longest + 40 - 1 + 6) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT  # a prompt 40 tokens longer, aligned
+    widest = -(-(longest - 1 + 6) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
     slot_cache = 3 * widest * kv_bytes_per_token(model.config, dtype)
     for fits in (True, False):
         weights = CastWeights(model, torch.bfloat16) if cast else None
         context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
         measured = {"peak": None}
         builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
-                                 rollout_weights=weights, precision_context=context, max_prompt_length=longest + 40,
+                                 rollout_weights=weights, precision_context=context, max_prompt_length=longest,
                                  measured_update_peak=lambda: measured["peak"])
-        kept = slot_cache + (weights.cast_bytes() if cast else 0)
-        builder.build_train(lambda count: prompts[:count])
+        kept_bytes = slot_cache + (weights.cast_bytes() if cast else 0)
+
+        def copies_held():  # the cast weights' storage (a policy without them: nothing to hold, None)
+            return None if not cast else all(c.untyped_storage().size() > 0 for _, c in weights._casts.values())
+
+        builder.build_train(lambda count: medium[:count])
         assert builder.cache_keeping is None and builder.engine._cache is None  # no update measured yet
-        measured["peak"] = total - margin - kept + (0 if fits else 1)
-        builder.build_train(lambda count: prompts[:count])
+        assert not copies_held()
+        measured["peak"] = total - margin - kept_bytes + (0 if fits else 1)
+        builder.build_train(lambda count: short[:count])  # narrower than the update measured
         decided = builder.cache_keeping
-        assert (decided.kept, decided.kept_bytes, decided.margin_bytes) == (fits, kept, margin)
+        assert (decided.kept, decided.kept_bytes, decided.margin_bytes) == (fits, kept_bytes, margin)
         assert decided.describe().startswith(f"keep_kv_cache: auto -> the slot cache is "
-                                             f"{'kept between' if fits else 'released after each'} rollout")
+                                             f"{'kept through' if fits else 'released before'} the update")
         cache = builder.engine._cache
-        assert (cache is not None) is fits and builder.keeps_kv_cache is fits
-        if cast:  # the graphs of a kept cache read the cast weights: they stay with it
-            assert all((c.untyped_storage().size() > 0) is fits for _, c in weights._casts.values())
-        measured["peak"] = 0  # a lower reading changes nothing
-        builder.build_train(lambda count: prompts[:count])
-        assert builder.cache_keeping is decided and (cache is not None and builder.engine._cache is cache) is fits
-        measured["peak"] = total - margin + 1  # kept: the peak holds the kept bytes; past the limit, withdrawn
-        builder.build_train(lambda count: prompts[:count])
-        assert (builder.cache_keeping is not decided) is fits and builder.engine._cache is None
-        if fits:
-            assert builder.cache_keeping.withdrawn and not builder.keeps_kv_cache
-            assert builder.cache_keeping.describe().startswith("keep_kv_cache: auto -> the slot cache is released "
-                                                              "after each rollout from now on: the update's peak")
+        assert (cache is not None) is fits and copies_held() in (None, fits)
+        builder.build_train(lambda count: short[:count])
+        assert builder.cache_keeping.kept is fits and (cache is not None and builder.engine._cache is cache) is fits
+        builder.build_train(lambda count: long[:count])  # wider than any update measured: released, then measured
+        assert not builder.cache_keeping.kept and builder.engine._cache is None and not copies_held()
+        assert "wider than any update measured" in builder.cache_keeping.describe()
 
 
 def test_auto_keeps_nothing_off_cuda(policy):

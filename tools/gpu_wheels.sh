@@ -8,8 +8,10 @@
 # pycosat is a C extension published as sources: it is kept as its sdist and built on the machine (a stand-in that
 # raises takes its place where it cannot be; reasoning-gym imports it for puzzles the demo's task never uses).
 set -euo pipefail
+DIR="${1:-}"
+[ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"  # a given folder is relative to where the command was typed
 cd "$(dirname "$0")/.."
-DIR="${1:-.whl}"
+DIR="${DIR:-.whl}"
 PY="${PYTHON_VERSION:-3.12}"
 mkdir -p "$DIR"
 PIP="python -m pip --disable-pip-version-check -q"

@@ -33,7 +33,7 @@ from lit_grpo.batch import RolloutBatch, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.memory import device_memory, optimizer_state_bytes
+from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
@@ -90,28 +90,30 @@ def _no_slot_budget(device: torch.device) -> ValueError:
 
 @dataclass(frozen=True)
 class CacheKeeping:
-    """How ``keep_kv_cache: auto`` was decided after the first update: ``kept`` when the slot cache at its widest and
-    the rollout weights' copy (``kept_bytes``) fit beside the update's measured peak on ``total_bytes`` less
-    ``margin_bytes`` (``memory_budget.kv_cache_fits_beside_update``). ``withdrawn``: kept until an update's peak,
-    the kept bytes in it, passed that limit; released from then on."""
+    """``keep_kv_cache: auto``'s decision at the end of a training rollout: ``kept`` through the coming update when
+    this batch (``batch_width`` positions a row) is no wider than the widest update measured (``update_width``) and
+    that update's peak with nothing kept (``update_peak_bytes``) plus the slot cache at its widest and the rollout
+    weights' copy (``kept_bytes``) fit in ``total_bytes`` less ``margin_bytes``
+    (``memory_budget.kv_cache_fits_beside_update``). A wider batch releases it, and its update is measured."""
 
     kept: bool
+    batch_width: int
+    update_width: int
     update_peak_bytes: int
     kept_bytes: int
     total_bytes: int
     margin_bytes: int
-    withdrawn: bool = False
 
     def describe(self) -> str:
         """One line for the log."""
-        limit = f"{format_bytes(self.total_bytes)} on the device - {format_bytes(self.margin_bytes)} margin"
-        if self.withdrawn:
-            return (f"keep_kv_cache: auto -> the slot cache is released after each rollout from now on: the "
-                    f"update's peak with it kept, {format_bytes(self.update_peak_bytes)}, > {limit}")
-        verdict = "kept between rollouts" if self.kept else "released after each rollout"
+        if self.batch_width > self.update_width:
+            return (f"keep_kv_cache: auto -> the slot cache is released: this batch's rows ({self.batch_width} "
+                    f"positions) are wider than any update measured ({self.update_width}); this update is measured")
+        verdict = "kept through the update" if self.kept else "released before the update"
         return (f"keep_kv_cache: auto -> the slot cache is {verdict}: the update's peak "
-                f"{format_bytes(self.update_peak_bytes)} + the slot cache and rollout weights' copy "
-                f"{format_bytes(self.kept_bytes)} {'<=' if self.kept else '>'} {limit}")
+                f"{format_bytes(self.update_peak_bytes)} (rows up to {self.update_width} positions) + the slot cache "
+                f"and rollout weights' copy {format_bytes(self.kept_bytes)} {'<=' if self.kept else '>'} "
+                f"{format_bytes(self.total_bytes)} on the device - {format_bytes(self.margin_bytes)} margin")
 
 
 @dataclass(frozen=True)
@@ -207,9 +209,12 @@ class RolloutBuilder:
         self.slot_budget: SlotBudget | None = None
         #: the device's peak in the last update, read from its owner (None before one has run, or off CUDA)
         self.measured_update_peak = measured_update_peak or (lambda: None)
-        #: ``keep_kv_cache: auto`` decided on CUDA after the first update (withdrawn if a later update nears the limit)
+        #: ``keep_kv_cache: auto``'s last decision (on CUDA, once an update has been measured)
         self.cache_keeping: CacheKeeping | None = None
-        self._slot_cache_bytes = 0  # the training engine's, at the end of its last rollout
+        #: the widest update measured: ``(row width, peak with nothing kept)``, and the last batch's, whose update
+        #: runs next: ``(row width, bytes kept through it)``
+        self._widest_update: tuple[int, int] | None = None
+        self._pending_update: tuple[int, int] | None = None
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
@@ -245,11 +250,12 @@ class RolloutBuilder:
         less what the run will still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its
         memory (``memory_budget.kv_budget_from_free_memory``).
 
-        g is resolved before the first rollout, so before any optimizer step: AdamW's moments are estimated
-        (``runtime.memory.optimizer_state_bytes``), as are the rollout weights' copy (cast or gathered, allocated
+        g is resolved before the first rollout, so before any optimizer step: AdamW's two moments are estimated
+        (2 x ``runtime.memory.trainable_bytes``), as are the rollout weights' copy (cast or gathered, allocated
         when a rollout starts) and the margin, which covers a decode step's activations and logits. The update's
-        gradients and activations are not set aside: the slot cache is released before the update (or kept only
-        where it fits beside the update's measured peak, ``keeps_kv_cache``), and the gradients are freed after it.
+        gradients (freed after every optimizer step) are set aside only under ``keep_kv_cache: true``, which holds
+        the cache through every update; ``"auto"`` keeps it only where it fits beside a measured update
+        (``CacheKeeping``), and the update's activations are the margin's, or the released cache's.
         """
         if self.sampling.kv_budget_bytes is not None:
             return self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes"
@@ -258,52 +264,49 @@ class RolloutBuilder:
         if memory is None:
             raise _no_slot_budget(device)
         free, total = memory
-        copy, moments = self.weights.scope_bytes(), optimizer_state_bytes(self.policy.parameters())
+        copy, trainable = self.weights.scope_bytes(), trainable_bytes(self.policy.parameters())
+        state, named = (3 * trainable, "gradients and optimizer state") if self.sampling.keep_kv_cache is True else (
+            2 * trainable, "optimizer state")
         margin = int(DEVICE_MARGIN_FRACTION * total)
-        budget = kv_budget_from_free_memory(free, copy + moments, margin)
+        budget = kv_budget_from_free_memory(free, copy + state, margin)
         return budget, (f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
-                        f"{format_bytes(moments)} optimizer state - {format_bytes(margin)} margin")
+                        f"{format_bytes(state)} {named} - {format_bytes(margin)} margin")
 
-    @property
-    def keeps_kv_cache(self) -> bool:
-        """Whether the training engine keeps its slot cache and graphs, and the rollout weights their copy, between
-        rollouts: ``sampling.keep_kv_cache``, with ``"auto"`` as ``cache_keeping`` decided (released until then)."""
+    def _measure_last_update(self) -> None:
+        """Fold the update of the last batch into ``_widest_update``: its row width and its peak (the allocator's
+        since its last reset: under ``PeakMemoryMonitor`` this update's own, else the run's so far, the rollout's
+        included, which errs toward releasing) less what was kept through it."""
+        peak, pending = self.measured_update_peak(), self._pending_update
+        self._pending_update = None
+        if peak is None or pending is None:
+            return
+        width, kept = pending
+        widest = self._widest_update or (0, 0)
+        self._widest_update = max(widest[0], width), max(widest[1], peak - kept)
+
+    def _keep_through_update(self, engine: RolloutEngine, batch: RolloutBatch) -> bool:
+        """Whether the training engine keeps its slot cache (and graphs) and the rollout weights their copy through
+        the coming update: ``sampling.keep_kv_cache``, with ``"auto"`` decided here (``CacheKeeping``, on CUDA)."""
         setting = self.sampling.keep_kv_cache
         if setting != "auto":
             return setting
-        return self.cache_keeping is not None and self.cache_keeping.kept
-
-    def _decide_cache_keeping(self) -> None:
-        """Decide ``keep_kv_cache: auto`` once an update has run (on CUDA; elsewhere nothing is kept): keep where
-        the slot cache at its widest (the dataset's longest prompt; the last rollout's where that is unknown) and
-        the rollout weights' copy fit beside that update's peak. While kept, every later update's peak (which
-        includes them) is checked against the same limit, and a peak past it withdraws the keeping.
-
-        The peak is the allocator's since its last reset: under ``PeakMemoryMonitor``, which resets it when the
-        update starts, the update's own; without it the run's so far, the rollout's included, so the decision
-        errs toward releasing."""
-        if self.sampling.keep_kv_cache != "auto" or (self.cache_keeping is not None and not self.cache_keeping.kept):
-            return
-        peak = self.measured_update_peak()
-        if peak is None or not self._slot_cache_bytes:
-            return
+        if self._widest_update is None:  # no update measured yet
+            return False
         memory = device_memory(next(self.policy.parameters()).device)
         if memory is None:
-            return
+            return False
         total = memory[1]
-        margin = int(DEVICE_MARGIN_FRACTION * total)
-        if self.cache_keeping is not None:  # kept: the peak holds the kept bytes already
-            if peak > total - margin:
-                self.cache_keeping = replace(self.cache_keeping, kept=False, update_peak_bytes=peak, withdrawn=True)
-            return
-        cache = self._slot_cache_bytes
+        cache = engine.slot_cache_bytes()
         if self.max_prompt_length:
             prompts = math.ceil(self.over_provision * self.prompts_per_step)
             with self.precision_context():  # the cache's dtype: the autocast one under mixed precision
-                cache = max(cache, self.engine.widest_slot_cache_bytes(prompts, self.max_prompt_length))
-        kept = cache + self.weights.scope_bytes()
-        self.cache_keeping = CacheKeeping(kv_cache_fits_beside_update(peak, kept, total, margin), peak, kept, total,
-                                          margin)
+                cache = max(cache, engine.widest_slot_cache_bytes(prompts, self.max_prompt_length))
+        width, peak = self._widest_update
+        kept_bytes, margin = cache + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
+        batch_width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+        kept = batch_width <= width and kv_cache_fits_beside_update(peak, kept_bytes, total, margin)
+        self.cache_keeping = CacheKeeping(kept, batch_width, width, peak, kept_bytes, total, margin)
+        return kept
 
     @property
     def engine(self) -> RolloutEngine:
@@ -360,18 +363,24 @@ class RolloutBuilder:
             self._pending_engine_state = state
 
     @contextlib.contextmanager
-    def rollout_scope(self) -> Iterator[None]:
+    def rollout_scope(self, keep: bool | None = None) -> Iterator[None]:
         """The rollout weights' scope (``rollout_weights``: under FSDP2 a gather, or lockstep, at its edges), once
-        per training step's rollouts and per validation batch; a nested call reuses the outer one."""
+        per training step's rollouts and per validation batch; a nested call reuses the outer one. ``keep``: the
+        weights stay after it; by default where an engine holds its slot cache, whose graphs read them."""
         if self._in_scope:
             yield
             return
+        if keep is None:
+            keep = self.sampling.keep_kv_cache is True or self._training_cache_held()
         self._in_scope = True
         try:
-            with self.weights.active(keep=self.keeps_kv_cache):
+            with self.weights.active(keep=keep):
                 yield
         finally:
             self._in_scope = False
+
+    def _training_cache_held(self) -> bool:
+        return self._engine is not None and self._engine.slot_cache_bytes() > 0
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[torch.nn.Module]:
@@ -386,26 +395,39 @@ class RolloutBuilder:
             finally:
                 self.policy.train(was_training)
 
+    def release(self) -> None:
+        """Free every engine's slot cache and graphs, and the rollout weights' copy (the end of fit: the policy may
+        move, and a kept graph would read where its weights were)."""
+        for engine in (self._engine, self._val_engine, self._val_sampled_engine):
+            if engine is not None:
+                engine.release()
+        self.weights.release()
+
     # ------------------------------------------------------------------------------------------ batches
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
-        self._decide_cache_keeping()
-        with self.rollout_scope():
+        self._measure_last_update()
+        with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
             rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
                       else self._rollout(engine, draw(num_prompts))]
             keep = self._kept_groups(rounds)
             while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
                 rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
                 keep = self._kept_groups(rounds)
-        self._slot_cache_bytes = engine.slot_cache_bytes()
-        if not self.keeps_kv_cache:
+        if self.sampling.keep_kv_cache is False:
             engine.release()  # the update needs that memory more
         chosen = keep[:num_prompts]
         if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
             dropped = [key for key in _all_groups(rounds) if key not in set(chosen)]
             chosen = chosen + dropped[: num_prompts - len(chosen)]
         batch = self._assemble(rounds, chosen, engine, train=True)
+        kept = self._keep_through_update(engine, batch)
+        if not kept:
+            engine.release()
+            self.weights.release()  # no graph reads them any more
+        width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+        self._pending_update = width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
         batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
         batch.offpolicy_tokens = sum(r.offpolicy_tokens for r in rounds)
         if self.over_provision > 1 or self.carried:
@@ -422,6 +444,8 @@ class RolloutBuilder:
         the correctness of k sampled completions each (``sampled_accuracy``, ``[b, k]``). No prompts: None, after
         the rollout scope's collectives (a rank short of held-out prompts still answers the others)."""
         engine = self.val_engine
+        if self.sampling.keep_kv_cache is not True and self._training_cache_held():
+            self._engine.release()  # its memory was priced against the update, not against validation
         with self.rollout_scope():
             if not prompts:
                 return None

@@ -194,16 +194,14 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return int(free + max(cached, 0)), int(total)
 
 
-def optimizer_state_bytes(parameters) -> int:
-    """Bytes AdamW's two moments take, estimated before its first step has allocated them: 2 x the trainable
-    parameters' bytes, in their dtype (this process's shards of sharded ones). Gradients are not counted: the module
-    frees them after every optimizer step (``GRPOModule.training_step``), so a rollout never holds them. Moments a
-    resumed run has loaded are counted again: an over-estimate is the safe side of a memory budget."""
+def trainable_bytes(parameters) -> int:
+    """Bytes of the trainable parameters, this process's shards of sharded ones: what each of an update's gradients
+    and AdamW's two moments takes (each in the parameter's dtype)."""
     total = 0
     for param in parameters:
         if param.requires_grad:
             local = param.to_local() if hasattr(param, "to_local") else param
-            total += 2 * local.numel() * local.element_size()
+            total += local.numel() * local.element_size()
     return total
 
 

@@ -70,8 +70,8 @@ class SamplingConfig:
             SDPA with ``enable_gqa``); ``lit_grpo.sampling.decode_attention``.
         keep_kv_cache: keep the slot cache (and its captured graphs) allocated between training rollouts: no
             re-allocation, no re-capture, but the KV memory stays held through the update. ``"auto"``: on CUDA,
-            kept once the first update has shown that it fits beside the update's measured peak, until an update
-            nears the device's limit (``RolloutBuilder.keeps_kv_cache``); elsewhere released. ``true`` / ``false``: always / never (``true``
+            kept through an update where it fits beside the measured peak of an update at least as wide
+            (``rollout.builder.CacheKeeping``); elsewhere released. ``true`` / ``false``: always / never (``true``
             keeps the validation engines' caches too).
     """
 

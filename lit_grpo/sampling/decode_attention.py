@@ -76,10 +76,12 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scale = dim ** -0.5 if scaling is None else scaling
     group = heads // kv_heads
     grouped = query.view(rows, kv_heads, group, dim)                               # [rows, kv_heads, group, dim]
-    if query.dtype in (torch.bfloat16, torch.float16) and _FLOAT32_SCORES.get(query.device, False):
-        # rows and heads merge into one batch: the cache's width slice leaves them contiguous, so no copy
+    if key.dtype in (torch.bfloat16, torch.float16) and _FLOAT32_SCORES.get(key.device, False):
+        # the query in the cache's dtype, as autocast would cast it (under bf16-mixed the rotary embedding hands it
+        # over in float32); rows and heads merge into one batch: the cache's width slice keeps them contiguous
         flat_keys = key.reshape(rows * kv_heads, width, dim).transpose(1, 2)
-        scores = torch.bmm(grouped.reshape(rows * kv_heads, group, dim), flat_keys, out_dtype=torch.float32)
+        flat_query = grouped.to(key.dtype).reshape(rows * kv_heads, group, dim)
+        scores = torch.bmm(flat_query, flat_keys, out_dtype=torch.float32)
         scores = scores.view(rows, kv_heads, group, width)
     else:
         scores = torch.matmul(grouped, key.transpose(-1, -2))                     # [rows, kv_heads, group, width]

@@ -76,7 +76,7 @@ def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_byte
     budget = free_bytes - reserved_bytes - margin_bytes
     if budget < 1:
         raise ValueError(f"no device memory left for the KV cache: free_bytes={free_bytes} - reserved_bytes="
-                         f"{reserved_bytes} (the rollout weights' copy and optimizer state still to "
+                         f"{reserved_bytes} (the rollout weights' copy and the update's state still to "
                          f"come) - margin_bytes={margin_bytes} = {budget}, but micro_group_size: auto needs a budget "
                          ">= 1 byte; set sampling.kv_budget_bytes, or a fixed micro_group_size")
     return budget

@@ -219,7 +219,7 @@ class GRPOModule(LightningModule):
         self._grad_norm, self._iteration = math.nan, 0
         #: During the strategy's teardown at the end of fit (``on_train_end``): ``cpu()`` moves nothing.
         self._skip_one_cpu_move = False
-        #: The CUDA allocator's peak at the end of the last update (``measured_update_peak``); None elsewhere.
+        #: The CUDA allocator's peak in the last update (``measured_update_peak``); None elsewhere.
         self._update_peak_bytes: int | None = None
 
     # ------------------------------------------------------------------------------------------ model
@@ -456,10 +456,10 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
         optimizer = self.optimizers()
+        self._update_peak_bytes = None
         metrics = self.grpo_step(batch, optimizer, self.lr_schedulers())
         optimizer.zero_grad(set_to_none=True)  # the next rollout needs their memory; the next update starts anew
-        if self.device.type == "cuda":
-            self._update_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self._read_update_peak()
         loss = torch.tensor(metrics["train/loss"])  # this rank's share (times the world size)
         if self.trainer.world_size > 1:
             # the whole step's figures, the same on every rank: one gather of every rank's values, then each key's
@@ -471,10 +471,17 @@ class GRPOModule(LightningModule):
         self.log_dict(loggable(metrics), on_step=True, on_epoch=False, batch_size=batch.num_prompts)
         return loss
 
+    def _read_update_peak(self) -> None:
+        """Fold the CUDA allocator's peak into this update's, before each optimizer step and at the end: what a
+        reset inside the step (``PeakMemoryMonitor``'s, before the optimizer step) would hide is read first."""
+        if self.device.type == "cuda":
+            self._update_peak_bytes = max(self._update_peak_bytes or 0, torch.cuda.max_memory_allocated(self.device))
+
     def measured_update_peak(self) -> int | None:
-        """The CUDA allocator's peak read when the last update ended: at least that update's peak (the allocator's
-        since its last reset: ``PeakMemoryMonitor`` resets it as an update starts). None before one, or off CUDA.
-        The data side reads it for ``keep_kv_cache: auto`` (``RolloutBuilder.keeps_kv_cache``)."""
+        """The CUDA allocator's peak in the last update: at least that update's own (the allocator's since its last
+        reset, read before each optimizer step and at the end; ``PeakMemoryMonitor`` resets it as the update starts
+        and before the optimizer step). None before one, or off CUDA.
+        The data side reads it for ``keep_kv_cache: auto`` (``rollout.builder.CacheKeeping``)."""
         return self._update_peak_bytes
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
@@ -569,6 +576,7 @@ class GRPOModule(LightningModule):
         if not isinstance(optimizer, LightningOptimizer):  # a plain optimizer: Lightning's hook will not run
             self._grad_norm = self._check_and_clip_gradients(optimizer)
         # a Trainer's optimizer checks and clips in on_before_optimizer_step, inside step(), on unscaled gradients
+        self._read_update_peak()
         optimizer.step()
         return step.result(self._grad_norm)
 
