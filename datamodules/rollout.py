@@ -254,8 +254,8 @@ class RolloutDataModule(LightningDataModule):
         (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
         lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
         auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
-        trainer = getattr(self, "trainer", None)
-        if trainer is None or trainer.state.fn == TrainerFn.FITTING:  # validation alone sizes no training slots
+        stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)
+        if stage in (None, TrainerFn.FITTING):  # validation alone sizes no training slots
             check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
         given = self._handover
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
