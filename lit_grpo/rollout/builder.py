@@ -284,9 +284,10 @@ class RolloutBuilder:
         widest = self._widest_update or (0, 0)
         self._widest_update = max(widest[0], width), max(widest[1], peak - kept)
 
-    def _keep_through_update(self, engine: RolloutEngine, batch: RolloutBatch) -> bool:
+    def _keep_through_update(self, engine: RolloutEngine, batch_width: int) -> bool:
         """Whether the training engine keeps its slot cache (and graphs) and the rollout weights their copy through
-        the coming update: ``sampling.keep_kv_cache``, with ``"auto"`` decided here (``CacheKeeping``, on CUDA)."""
+        the coming update, whose rows are ``batch_width`` positions: ``sampling.keep_kv_cache``, with ``"auto"``
+        decided here (``CacheKeeping``, on CUDA)."""
         setting = self.sampling.keep_kv_cache
         if setting != "auto":
             return setting
@@ -303,7 +304,6 @@ class RolloutBuilder:
                 cache = max(cache, engine.widest_slot_cache_bytes(prompts, self.max_prompt_length))
         width, peak = self._widest_update
         kept_bytes, margin = cache + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
-        batch_width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
         kept = batch_width <= width and kv_cache_fits_beside_update(peak, kept_bytes, total, margin)
         self.cache_keeping = CacheKeeping(kept, batch_width, width, peak, kept_bytes, total, margin)
         return kept
@@ -415,18 +415,16 @@ class RolloutBuilder:
             while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
                 rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
                 keep = self._kept_groups(rounds)
-        if self.sampling.keep_kv_cache is False:
-            engine.release()  # the update needs that memory more
         chosen = keep[:num_prompts]
         if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
             dropped = [key for key in _all_groups(rounds) if key not in set(chosen)]
             chosen = chosen + dropped[: num_prompts - len(chosen)]
         batch = self._assemble(rounds, chosen, engine, train=True)
-        kept = self._keep_through_update(engine, batch)
-        if not kept:
+        width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+        kept = self._keep_through_update(engine, width)
+        if not kept:  # the update needs that memory more
             engine.release()
             self.weights.release()  # no graph reads them any more
-        width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
         self._pending_update = width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
         batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
         batch.offpolicy_tokens = sum(r.offpolicy_tokens for r in rounds)

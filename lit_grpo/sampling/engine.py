@@ -72,6 +72,11 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 WIDTH_ALIGNMENT = 64
 
 
+def _aligned(width: int) -> int:
+    """``width`` rounded up to a multiple of ``WIDTH_ALIGNMENT``."""
+    return -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+
+
 class RolloutEngine:
     """Generates G completions per prompt with a bounded number of concurrent sequences.
 
@@ -244,7 +249,7 @@ class RolloutEngine:
         """Bytes of the slot cache of a rollout of ``num_prompts`` groups whose longest prompt has
         ``longest_prompt`` tokens (its rows aligned, as on CUDA): the most a kept cache can grow to. Under mixed
         precision, ask inside the rollout's autocast: the cache's dtype is the autocast one."""
-        width = -(-(longest_prompt - 1 + self.max_new_tokens) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+        width = _aligned(longest_prompt - 1 + self.max_new_tokens)
         per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
         return self.num_slots(num_prompts) * width * per_token
 
@@ -266,7 +271,7 @@ class RolloutEngine:
         """The slot cache and decode step for a rollout, reused when they fit; True when newly built."""
         device, dtype = next(self.model.parameters()).device, kv_cache_dtype(self.model)
         if device.type == "cuda" or settings.compile:
-            width = -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+            width = _aligned(width)
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)
                 and self._step.settings == settings and self._step.model is self.model):
             return self._cache, self._step, False
@@ -306,7 +311,6 @@ class RolloutEngine:
                 step.compile_eagerly()
             return step
         step.capture_or_run_eagerly()
-        self.graph_failure = self.graph_failure or step.graph_failure
         return step
 
     def _step_settings(self, forced: bool, replayed: bool, sharded: bool) -> StepSettings:

@@ -218,7 +218,7 @@ class GRPOModule(LightningModule):
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
         self._grad_norm, self._iteration = math.nan, 0
         #: During the strategy's teardown at the end of fit (``on_train_end``): ``cpu()`` moves nothing.
-        self._skip_one_cpu_move = False
+        self._in_teardown = False
         #: The CUDA allocator's peak in the last update (``measured_update_peak``); None elsewhere.
         self._update_peak_bytes: int | None = None
 
@@ -356,16 +356,16 @@ class GRPOModule(LightningModule):
         def teardown_keeping_state() -> None:
             del strategy.teardown  # once: the class's own from now on
             optimizers, strategy.optimizers = strategy.optimizers, []
-            self._skip_one_cpu_move = True
+            self._in_teardown = True
             try:
                 teardown()
             finally:
-                strategy.optimizers, self._skip_one_cpu_move = optimizers, False
+                strategy.optimizers, self._in_teardown = optimizers, False
 
         strategy.teardown = teardown_keeping_state
 
     def cpu(self) -> GRPOModule:
-        if self._skip_one_cpu_move:  # inside the strategy's teardown at the end of fit (on_train_end)
+        if self._in_teardown:  # inside the strategy's teardown at the end of fit (on_train_end)
             return self
         return super().cpu()
 
