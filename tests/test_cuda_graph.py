@@ -5,6 +5,8 @@ The same static-shape step runs eagerly on CPU in every other engine test; this 
 cannot: that capture and replay are correct and that the step needs one host synchronisation.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -112,9 +114,10 @@ def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
 
     handle = model.model.register_forward_pre_hook(read_on_the_host, with_kwargs=True)
     try:
-        engine = RolloutEngine(model, tokenizer, **settings)
+        engine, stream = RolloutEngine(model, tokenizer, **settings), torch.cuda.current_stream()
         with pytest.warns(RuntimeWarning, match="CUDA graph failed"):
             result = engine.generate(prompts)
+        assert torch.cuda.current_stream() == stream  # not left on the failed capture's stream
         assert engine._step.graph is None and engine.graph_failure
         assert "previous error" not in engine.graph_failure  # the op that broke the capture, not its aftermath
         # exact: the same eager step on the same shapes and inputs (a determinism claim)
@@ -181,3 +184,18 @@ def test_a_graph_replayed_on_kept_cast_weights_samples_what_per_step_casts_sampl
         with torch.no_grad():
             model.lm_head.weight.add_(0.05 * torch.randn_like(model.lm_head.weight))  # an optimizer step
     assert engine._step.graph is not None
+
+
+def test_a_compiled_step_under_a_caching_autocast_is_compiled_before_its_capture():
+    """Under a plain ``torch.autocast`` (its weight-cast cache on; Lightning's is off) the warm-ups run under the
+    capture's autocast, whose cache flag the compiled step guards on: it compiles there, not again inside the
+    capture, where compiling fails the capture."""
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.")]
+    engine = RolloutEngine(model, tokenizer, compile=True, group_size=4, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=12, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            engine.generate(prompts)
+    assert engine._step.graph is not None and not engine.graph_failure

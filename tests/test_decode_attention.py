@@ -109,7 +109,7 @@ def test_peaked_half_precision_scores_stay_float32_where_the_device_can(device, 
         dim ** -0.5 > 25  # peaked
 
     def error(float32_scores: bool, query: torch.Tensor) -> float:
-        monkeypatch.setitem(decode_attention_module._FLOAT32_SCORES, torch.device(device), float32_scores)
+        monkeypatch.setitem(decode_attention_module._FLOAT32_SCORES, key.to(device).device, float32_scores)
         with torch.autocast(device, dtype=torch.bfloat16):  # as under bf16-mixed
             out, _ = decode_attention(_Layer(kv_heads * group, kv_heads),
                                       *(t.to(device) for t in (query, key, value, mask)), scaling=dim ** -0.5)
@@ -124,7 +124,8 @@ def test_peaked_half_precision_scores_stay_float32_where_the_device_can(device, 
 
         monkeypatch.setattr(torch, "bmm", bmm)
     else:
-        assert decode_attention_module.float32_scores(torch.device(device))
+        assert decode_attention_module.float32_scores(torch.device(device))  # bare "cuda" probes cuda:N
+        assert decode_attention_module._FLOAT32_SCORES[key.to(device).device]
     # a bfloat16 query, and a float32 one (under bf16-mixed the rotary embedding hands the query over in float32)
     for given in (query, query.float()):
         assert error(True, given) < 0.03 < error(False, given)

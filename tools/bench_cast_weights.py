@@ -34,7 +34,8 @@ def _rollout(model, tokenizer, prompts, args, device_type: str, dtype: torch.dty
     engine = RolloutEngine(model, tokenizer, group_size=args.group_size, micro_group_size=args.micro_group_size,
                            strategy="continuous", max_new_tokens=args.max_new_tokens, seed=args.seed,
                            compile=args.compile)
-    with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
+    # autocast as Lightning's bf16-mixed enters it: no weight-cast cache
+    with torch.no_grad(), torch.autocast(device_type, dtype=dtype, cache_enabled=False):
         return engine.generate(prompts)
 
 

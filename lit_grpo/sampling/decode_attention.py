@@ -128,8 +128,9 @@ def instead_of_sdpa(model: torch.nn.Module, implementation: str) -> Iterator[boo
 
 def float32_scores(device: torch.device) -> bool:
     """Whether ``decode_attention`` writes half-precision scores in float32 on ``device``: its matmul can
-    (``torch.bmm``'s ``out_dtype``, on CUDA in recent torch builds). Probed once per device on two tiny tensors."""
-    device = torch.device(device)
+    (``torch.bmm``'s ``out_dtype``, on CUDA in recent torch builds). Probed once per device on two tiny tensors,
+    keyed as a tensor's ``device`` reads (``cuda:0``, never bare ``cuda``), which ``decode_attention`` looks up."""
+    device = torch.empty(0, device=device).device
     if device not in _FLOAT32_SCORES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False  # not probed inside a capture; the eager steps before it probe

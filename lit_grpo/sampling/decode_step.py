@@ -438,14 +438,16 @@ class DecodeStep:
     def _capture(self) -> None:
         if self.settings.live_width:
             self.cache.attend(self.live_bucket())
-        stream = torch.cuda.Stream(self.device)
-        with self.rows_kept():
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the rows' state is saved
+        stream, previous = _side_stream(self.device), torch.cuda.current_stream(self.device)
+        # The warm-ups run under the capture's autocast: a compiled step guards on autocast's cache flag, and
+        # would otherwise compile again inside the capture, where compiling cannot run.
+        with self.rows_kept(), _graph_safe_autocast():
+            stream.wait_stream(previous)  # after the rows' state is saved
             with torch.cuda.stream(stream):
                 for _ in range(1 if self.device in _warmed_up_devices else WARMUP_STEPS):
                     self._forward()
             _warmed_up_devices.add(self.device)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            previous.wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -458,6 +460,7 @@ class DecodeStep:
                     broke.append(error)
                     raise
         except Exception as error:
+            _end_failed_capture(self.device, previous, self._graph_pool)
             # An op that breaks the capture makes ending it fail too; that second error would hide the first.
             if broke and error is not broke[0]:
                 raise broke[0] from None
@@ -483,6 +486,23 @@ def vocab_size(model: torch.nn.Module) -> int:
     """Width of the logits: the output head's rows (the config's vocab_size when the head is not reachable)."""
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.get_text_config(decoder=True).vocab_size
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a device's warm-ups and captures run on: one per device, as each stream holds its own cuBLAS
+    workspace, which is never freed."""
+    return torch.cuda.Stream(device)
+
+
+def _end_failed_capture(device: torch.device, previous: torch.cuda.Stream, pool) -> None:
+    """Undo what ``torch.cuda.graph`` leaves behind when ending a capture fails: its exit raises before it restores
+    the current stream (the process would go on running on the capture stream), and the allocator may still route
+    allocations to the capture's pool (which then keeps ``empty_cache`` from freeing cached blocks)."""
+    torch.cuda.set_stream(previous)
+    with contextlib.suppress(RuntimeError, AttributeError):  # already ended where torch ends it first
+        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                         pool)
 
 
 def _graph_safe_autocast():
