@@ -1,12 +1,12 @@
 """Two-process training runs for the multi-process tests: ``lit-grpo fit`` of the tiny config on 2 CPU processes
 (gloo), each rank's steps recorded by ``tools.step_recorder.StepRecorder``."""
 
-import subprocess
 from pathlib import Path
 
 import torch
 
-from tools.harness import ROOT, lit_grpo_command, repo_env
+import forked_cli
+from tools.harness import ROOT, repo_env
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -14,16 +14,18 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 def fit_two_processes(tmp: Path, *args: str, steps: int = 2) -> str:
     """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
     the StepRecorder path (its records of every rank, and each rank's batch of step 1). ``OMP_NUM_THREADS`` is left
-    out of the environment, so the threads per rank are what a user's run gets by default: its share of the cores."""
+    out of the environment, so the threads per rank are what a user's run gets by default: its share of the cores.
+    Rank 0 is a forked ``lit-grpo`` (tests/forked_cli.py), which Lightning's launcher starts rank 1 from as a real
+    process."""
     record = tmp / "rec"
-    cmd = lit_grpo_command() + [
+    argv = [
         "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
         "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps),
         "--model.scale_rewards", "batch", "--model.lr", "1e-2",
         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
     env = {key: value for key, value in repo_env().items() if key != "OMP_NUM_THREADS"}
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
+    proc = forked_cli.run(argv, tmp, env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     return str(record)
