@@ -15,13 +15,6 @@ from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked ``long`` (tens of seconds: processes started, a real model) run first, so that under
-    pytest-xdist they spread over the workers and the short ones fill the end, rather than one worker ending alone
-    on a long test. The order is otherwise kept."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
-
-
 @pytest.fixture(autouse=True)
 def one_thread_again():
     """Building a CLI sets the thread count (lit_grpo.cli): the next test starts from one thread again."""

@@ -19,7 +19,6 @@ from lit_grpo.cli import available_cores
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
 
 
-@pytest.mark.long
 def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
     from tools.step_recorder import read_records
 
@@ -88,7 +87,6 @@ def test_fsdp_recipe_config_instantiates():
     assert cli.datamodule.sampling.group_size >= 2
 
 
-@pytest.mark.long
 def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     fit_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.over_provision", "2.0",
@@ -135,7 +133,6 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.long
 def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
     """4 micro-batches per rank and 2 optimizer steps per training step, the gradients in several 0.1 MB buckets: a
     DDP comm hook (StepRecorder's count_grad_syncs) sees each bucket once per optimizer step, not once per

@@ -57,7 +57,6 @@ def _records(record: str) -> list[list[dict]]:
     return ranks
 
 
-@pytest.mark.long
 def test_data_steering_state_is_equal_on_every_rank_at_every_step(one_node_run):
     ranks = _records(one_node_run)
     mus = []
@@ -81,7 +80,6 @@ def test_checkpoint_holds_the_state_every_rank_had(one_node_run):
     assert saved["scores"].tolist() == last["scores"]
 
 
-@pytest.mark.long
 def test_two_nodes_of_one_process_get_what_one_node_of_two_gets(one_node_run, tmp_path):
     """2 nodes x 1 process on localhost (gloo): ``--trainer.num_nodes 2 --trainer.devices 1`` in two processes with
     ``NODE_RANK`` 0 and 1 and one ``MASTER_ADDR`` / ``MASTER_PORT`` (Lightning's ``LightningEnvironment``)."""
@@ -173,7 +171,6 @@ def test_a_checkpoint_folder_that_cannot_be_written_stops_every_rank(tmp_path):
         assert code != 0 and f"checkpoint folder {blocker / 'checkpoints'} cannot be written" in output, output[-3000:]
 
 
-@pytest.mark.long
 def test_dynamic_sampling_on_two_ranks_uses_every_drawn_prompt_once_per_epoch(tmp_path):
     """Dynamic sampling where rank 1 drops every group and draws again (3 rounds a step) while rank 0 keeps its
     groups at once: each of rank 1's rounds is a global draw, so rank 0's slices of them go unused in the step.

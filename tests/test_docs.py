@@ -78,7 +78,6 @@ def test_the_readme_links_to_files_that_exist():
     assert missing == []
 
 
-@pytest.mark.long
 def test_the_readme_lightning_example_trains(tmp_path):
     """The README's "own Lightning project" snippet runs as written, on the tiny model for one step."""
     readme = (ROOT / "README.md").read_text()

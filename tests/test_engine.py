@@ -363,7 +363,6 @@ def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_na
 
 
 # ------------------------------------------------------------------------------- static slot cache, decode step
-@pytest.mark.long
 def test_schedules_are_bit_identical_on_smollm2_in_float32():
     """Every decode step has the same shapes, so a row's arithmetic does not depend on what runs beside it: the
     g-slot strategies return bit-identical completions and log-probs on a real model in float32. A determinism
@@ -411,7 +410,6 @@ def test_the_slot_cache_is_allocated_once_and_reused_while_it_fits(tiny_llama, p
     assert engine._cache is None and engine._step is None
 
 
-@pytest.mark.long
 def test_a_rollout_is_the_same_in_a_fresh_slot_cache_and_in_one_an_earlier_rollout_widened():
     """A step attends its rollout's own width, so a rollout's completions and log-probs do not depend on how wide
     earlier rollouts left the cache (a resumed run starts with a fresh one). The cap puts the rollout's width one

@@ -39,7 +39,6 @@ def tiny_checkpoint(tmp_path_factory):
     return module, save_checkpoint(module, tmp_path_factory.mktemp("ckpt") / "last.ckpt")
 
 
-@pytest.mark.long
 def test_export_round_trip_tiny(tiny_checkpoint, tmp_path, capsys):
     """The exported directory, loaded by transformers alone, generates greedily what lit_grpo's engine generates
     from the same weights; it holds exactly the trained weights, the chat template and the engine's stop ids."""
@@ -65,7 +64,6 @@ def test_export_round_trip_tiny(tiny_checkpoint, tmp_path, capsys):
     assert module.tokenizer.eos_token_id in theirs["eos"]
 
 
-@pytest.mark.long
 def test_export_lora_merged_and_adapter_only(tmp_path):
     """A LoRA run exports merged by default (round trip token for token) or as peft's adapter alone, which peft
     loads onto the base model with the same logits."""

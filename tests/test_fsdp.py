@@ -70,7 +70,6 @@ def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("mode", ["gathered", "lockstep"])
 def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_samples(mode):
     context = multiprocessing.get_context("spawn")
@@ -97,7 +96,6 @@ def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_sam
 
 
 # ---------------------------------------------------------------------------------------------- whole runs
-@pytest.mark.long
 @pytest.mark.parametrize("mode", ["gathered", "lockstep"])
 def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run, tmp_path):
     """On a model whose samples end at different steps (conftest's ``eos_model``), against the shared 2-process ddp
@@ -166,7 +164,6 @@ def test_a_mesh_that_is_not_all_data_parallel_or_an_unsharded_policy_is_refused(
         module.configure_model()
 
 
-@pytest.mark.long
 def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path):
     """loss.beta > 0 without LoRA loads a frozen reference, sharded as the policy is: its keys stay in the sharded
     checkpoint, which ModelParallelStrategy loads whole into the module, so ``--ckpt_path last`` resumes (from the

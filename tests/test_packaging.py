@@ -152,7 +152,6 @@ def test_a_bad_package_dir_is_named(tmp_path):
         setup_script.packages(tmp_path)
 
 
-@pytest.mark.long
 def test_the_wheel_installed_apart_from_the_sources_imports_every_module_and_fits(tmp_path):
     venv = _fresh_environment(tmp_path, _build_wheel(tmp_path))
     work, run_dir = tmp_path / "work", tmp_path / "run"

@@ -103,7 +103,6 @@ def test_a_rank_away_from_any_collective_ends_within_seconds_of_anothers_failure
     _check_ended_naming_the_failure(outputs, 1, "reward")
 
 
-@pytest.mark.long
 def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
     """``--trainer.devices 2``: Lightning starts rank 1 as a child of rank 0, re-running the command. A reward error
     on rank 1 ends both, and rank 0 names it."""

@@ -473,7 +473,6 @@ def _fit(tmp_path, name, *extra):
     return str(root / "rec"), proc
 
 
-@pytest.mark.long
 def test_exact_resume_mid_epoch(tmp_path):
     """Stop after step 1 (mid-epoch: tiny.yaml has 2 steps per epoch, infinite strategy whose gate learns from
     finished groups), resume with --ckpt_path: steps 2 and 3 (the second epoch's first) have the same prompts,
@@ -498,7 +497,6 @@ def test_exact_resume_mid_epoch(tmp_path):
             assert x[key] == y[key], (x["global_step"], key)
 
 
-@pytest.mark.long
 def test_exact_resume_with_carried_samples(tmp_path):
     """Partial rollouts: the groups carried past step 1 are in the checkpoint, and a resumed run continues them
     exactly as the uninterrupted one did."""

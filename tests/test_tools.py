@@ -73,7 +73,6 @@ def _check_roofline(report, runs):
     assert runs["full"]["floor_ms_per_step"] > runs["continuous"]["floor_ms_per_step"]  # 8 rows against 2
 
 
-@pytest.mark.long
 def test_bench_rollout_runs_as_a_module_from_the_repository_root():
     """The one way to run a tool, ``python -m tools.NAME`` from the repository root: its imports must resolve."""
     proc = subprocess.run([sys.executable, "-m", "tools.bench_rollout", "--help"], cwd=ROOT, capture_output=True,
@@ -139,7 +138,6 @@ def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
         bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "5", "--repeats", "1"])
 
 
-@pytest.mark.long
 def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     from tools import bench_grpo_memory
 
@@ -186,7 +184,6 @@ def test_bench_grpo_memory_interleaves_its_repeats(monkeypatch):
     assert report["median_bytes"]["continuous"]["peak_bytes"] == {"2": 20, "4": 40}
 
 
-@pytest.mark.long
 def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(tmp_path, capsys):
     from tools import bench_curriculum
 
@@ -205,7 +202,6 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in capsys.readouterr().err
 
 
-@pytest.mark.long
 def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path):
     from tools import bench_fit
 
@@ -422,7 +418,6 @@ def test_bench_update_times_each_linear_kernel_and_their_ratio():
                                   / report["medians_s"]["update/shared/threads=1/cpu_linear=torch"])
 
 
-@pytest.mark.long
 def test_bench_faults_kills_a_run_and_finds_the_resume_exact(tmp_path):
     """One SIGKILL (which no phase can handle, so one shows the tool; tests/test_checkpointing.py stops runs by
     signal in each phase)."""
