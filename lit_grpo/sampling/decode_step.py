@@ -490,7 +490,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's warm-ups and captures run on: one per device, as each stream holds its own cuBLAS
+    """The stream a device's warm-ups before a capture run on: one per device, as each stream holds its own cuBLAS
     workspace, which is never freed."""
     return torch.cuda.Stream(device)
 
