@@ -241,3 +241,21 @@ def test_a_compiled_step_that_keeps_hidden_states_is_one_graph_on_a_fresh_model(
     assert engine._step.settings.hidden_states and engine._step._compiled_run is not None
     assert sum(counters["graph_break"].values()) == breaks
     assert counters["stats"]["unique_graphs"] - graphs == 1 and counters["frames"]["total"] - frames == 1
+
+
+def test_a_failed_capture_puts_the_stream_back_and_ends_its_pools_allocation(monkeypatch):
+    """``torch.cuda.graph``'s exit raises before it restores the current stream when ending a capture fails; the
+    step restores it and ends the pool's allocation, and a torch that ended it already (its error) is fine. The CUDA
+    calls are stand-ins here; tests/test_cuda_graph.py breaks a real capture."""
+    from lit_grpo.sampling import decode_step
+
+    calls = []
+
+    def end_allocation(device_index, pool):
+        calls.append(("end", device_index, pool))
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(("stream", stream)))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocation, raising=False)
+    decode_step._end_failed_capture(torch.device("cuda", 1), "previous stream", (0, 7))
+    assert calls == [("stream", "previous stream"), ("end", 1, (0, 7))]
