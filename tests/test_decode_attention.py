@@ -218,3 +218,12 @@ def test_the_engine_decodes_with_the_configured_kernel_and_names_a_bad_one(tiny_
     assert results["sdpa_gqa"].completion_ids == results["matmul"].completion_ids
     for expected, got in zip(results["matmul"].logprobs, results["sdpa_gqa"].logprobs):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-5)
+
+
+def test_the_float32_scores_probe_is_keyed_as_a_tensors_device_reads(monkeypatch):
+    """``decode_attention`` looks the answer up by ``key.device`` (``cuda:0``), so a bare ``cuda`` asks for the
+    current device's (stand-ins for the CUDA calls: the answer is there already, nothing is probed)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(decode_attention_module._FLOAT32_SCORES, torch.device("cuda", 0), True)
+    assert decode_attention_module.float32_scores(torch.device("cuda")) is True
+    assert torch.device("cuda") not in decode_attention_module._FLOAT32_SCORES
