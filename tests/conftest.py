@@ -58,7 +58,9 @@ def eos_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def ddp_run(eos_model, tmp_path_factory) -> str:
     """One 2-process ddp fit of the tiny config on ``eos_model`` (two_process_helpers.fit_two_processes), shared by
-    the ddp and FSDP2 tests: the StepRecorder path."""
+    the ddp and FSDP2 tests: the StepRecorder path. Lightning's launcher starts its second rank, as a user's
+    ``--trainer.devices 2`` does."""
     from two_process_helpers import fit_two_processes
 
-    return fit_two_processes(tmp_path_factory.mktemp("ddp"), "--model.model", eos_model, "--trainer.strategy", "ddp")
+    return fit_two_processes(tmp_path_factory.mktemp("ddp"), "--model.model", eos_model, "--trainer.strategy", "ddp",
+                             launcher=True)

@@ -3,18 +3,20 @@
 An interpreter here spends seconds importing torch, Lightning and transformers before a tiny run starts, most of the
 run; a fork of a process that did so already spends none. :func:`run` is one ``lit-grpo`` process, as
 ``subprocess.run`` of the command would be (its exit status, its output); :func:`run_ranks` the two ranks of a
-2-node launch. The fork server imports lit_grpo and tests/forkserver_warmup.py once, when the first run starts.
+2-node launch; :func:`run_command` and :class:`Popen` stand in for ``subprocess`` in a tool that starts its own runs.
+The fork server imports lit_grpo and tests/forkserver_warmup.py once, when the first run starts.
 
 A forked run is ``lit_grpo.cli.main`` in a fresh process, with the given working folder, environment and
 ``sys.argv`` (so Lightning's own launcher can start further ranks, as real ``lit-grpo`` processes); what it cannot
 show is the console script itself and an interpreter's start, which tests/test_packaging.py and the real
-launches of tests/test_ddp.py and tests/test_rank_failures.py run.
+launch of tests/test_rank_failures.py run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import subprocess
@@ -22,26 +24,41 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import psutil
+import torch
 
 _context = None
 
 
-def _forkserver():
+def forkserver():
+    """The multiprocessing context whose processes fork from the warmed-up server (started on first use): also for
+    tests that start processes of their own."""
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["lit_grpo.cli", "forkserver_warmup"])
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["lit_grpo.cli", "forkserver_warmup"])
+        # The server imports its preloads from its own sys.path, where Python 3.11's leaves out the tests' folder
+        # (it ignores the sys_path it is given), and skips any it cannot import without a word.
+        path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+        with mock.patch.dict(os.environ, PYTHONPATH=path):
+            multiprocessing.forkserver.ensure_running()
+        _context = context
     return _context
 
 
-def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
-    """One ``lit-grpo`` process (in a fork): ``argv`` run in ``cwd`` with ``env``, its output in two files."""
+def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str, new_session: bool) -> None:
+    """One ``lit-grpo`` process (in a fork): ``argv`` run in ``cwd`` with ``env``, its output in two files, in a
+    session of its own where ``new_session``."""
+    if new_session:
+        os.setsid()
     sys.path[:] = [os.path.abspath(entry) for entry in sys.path]  # "" meant the server's folder, not cwd
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # as torch takes it when an interpreter starts
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out if stderr == stdout else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
@@ -51,9 +68,10 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
     main(argv)
 
 
-def _start(argv: list[str], cwd: Path, env: dict[str, str] | None, outputs: tuple[Path, Path]):
-    process = _forkserver().Process(target=_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
-                                                        str(outputs[0]), str(outputs[1])))
+def _start(argv: list[str], cwd: Path, env: dict[str, str] | None, outputs: tuple[Path, Path],
+           new_session: bool = False):
+    process = forkserver().Process(target=_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
+                                                        str(outputs[0]), str(outputs[1]), new_session))
     process.start()
     return process
 
@@ -75,6 +93,45 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
             _kill(process)
             raise subprocess.TimeoutExpired(["lit-grpo", *argv], timeout, _read(outputs[0]), _read(outputs[1]))
         return subprocess.CompletedProcess(["lit-grpo", *argv], process.exitcode, *(_read(path) for path in outputs))
+
+
+def run_command(command: list[str], env: dict[str, str] | None = None, timeout: float = 300,
+                **_: object) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, env=env)`` of a ``lit-grpo`` command
+    (``tools.harness.lit_grpo_command()`` and its arguments) run as :func:`run` runs it, in the current folder: a
+    stand-in for ``subprocess.run`` in a tool that starts runs of its own."""
+    return run(_lit_grpo_arguments(command), Path.cwd(), env, timeout)
+
+
+class Popen:
+    """What a tool uses of ``subprocess.Popen`` (``pid``, ``poll``, ``wait``) for a forked ``lit-grpo`` command in a
+    session of its own, as ``Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+    start_new_session=True)`` would start it: a stand-in in a tool that starts and signals runs of its own."""
+
+    def __init__(self, command: list[str], cwd: Path, env: dict[str, str], log: Path):
+        self.args = command
+        self._process = _start(_lit_grpo_arguments(command), cwd, env, (log, log), new_session=True)
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+
+def _lit_grpo_arguments(command: list[str]) -> list[str]:
+    """The arguments of a ``lit-grpo`` command: ``tools.harness.lit_grpo_command()`` or ``python -m lit_grpo.cli``,
+    then these."""
+    from tools.harness import lit_grpo_command
+
+    for prefix in (lit_grpo_command(), [sys.executable, "-m", "lit_grpo.cli"]):
+        if command[:len(prefix)] == prefix:
+            return command[len(prefix):]
+    raise ValueError(f"{command[:3]} does not start a lit-grpo command")
 
 
 def _kill(process) -> None:

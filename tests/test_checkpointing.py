@@ -62,6 +62,7 @@ def _assert_same_steps(reference: Path, resumed: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ stop signals
+@pytest.mark.xdist_group("reference")
 @pytest.mark.parametrize("signal_name, phase, saved, code", [
     ("TERM", "update", 3, 143),   # the update finishes: step 3 is saved
     ("INT", "rollout", 2, 130),   # the rollout is abandoned and rolled back: step 2 is saved, step 3 redone

@@ -1,5 +1,5 @@
-"""Multi-process training: ``--trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu`` on the
-tiny config with gloo, and the FSDP recipe's configuration.
+"""Multi-process training: ``--trainer.strategy ddp`` on 2 CPU processes of the tiny config with gloo, and the FSDP
+recipe's configuration.
 
 One 2-process run (scale_rewards=batch, dapo) checks: each rank draws different prompts, groups never split
 across ranks (every rank holds B whole groups of G), parameters stay identical across ranks, the batch reward
@@ -19,6 +19,7 @@ from lit_grpo.cli import available_cores
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
     from tools.step_recorder import read_records
 
@@ -39,6 +40,7 @@ def test_ddp_ranks_draw_whole_disjoint_groups_and_stay_in_sync(ddp_run):
     assert ranks[0][0]["param_abs"] != ranks[0][1]["param_abs"]  # and they did train
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run, eos_model):
     from tools.step_recorder import read_records
 
@@ -162,6 +164,7 @@ def _logged_keys(record: dict) -> dict:
     return {k: v for k, v in record["logged"].items() if not k.startswith("val/")}
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_logged_step_metrics_are_the_whole_steps_on_every_rank(ddp_run):
     from tools.step_recorder import read_records
 
@@ -184,6 +187,7 @@ def test_logged_step_metrics_are_the_whole_steps_on_every_rank(ddp_run):
     assert told_apart  # rank 0's own reward differs from the step's in at least one step
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_callback_keys_are_the_whole_steps_in_tensorboard(ddp_run):
     """RolloutProfiler's rollout/* and PeakMemoryMonitor's memory/* in rank 0's TensorBoard file: sums of counts,
     the slowest rank's times."""
@@ -211,6 +215,7 @@ def test_callback_keys_are_the_whole_steps_in_tensorboard(ddp_run):
     assert len(logged("memory/step_peak_bytes")) == len(both)
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_val_metrics_count_every_ranks_held_out_prompts_once(ddp_run):
     """val/reward (a torchmetrics mean, synced when computed) is the mean over both ranks' held-out prompts."""
     from tools.step_recorder import read_validations

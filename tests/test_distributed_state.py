@@ -57,6 +57,7 @@ def _records(record: str) -> list[list[dict]]:
     return ranks
 
 
+@pytest.mark.xdist_group("one_node_run")
 def test_data_steering_state_is_equal_on_every_rank_at_every_step(one_node_run):
     ranks = _records(one_node_run)
     mus = []
@@ -70,6 +71,7 @@ def test_data_steering_state_is_equal_on_every_rank_at_every_step(one_node_run):
     assert len(set(mus)) > 1, mus  # the curriculum did move: the states compared are not all the start state
 
 
+@pytest.mark.xdist_group("one_node_run")
 def test_checkpoint_holds_the_state_every_rank_had(one_node_run):
     """Saved once (rank 0's checkpoint: the state is the same everywhere) at the end of the run."""
     ckpts = sorted(Path(one_node_run).parent.glob("run/**/last.ckpt"))
@@ -80,6 +82,7 @@ def test_checkpoint_holds_the_state_every_rank_had(one_node_run):
     assert saved["scores"].tolist() == last["scores"]
 
 
+@pytest.mark.xdist_group("one_node_run")
 def test_two_nodes_of_one_process_get_what_one_node_of_two_gets(one_node_run, tmp_path):
     """2 nodes x 1 process on localhost (gloo): ``--trainer.num_nodes 2 --trainer.devices 1`` in two processes with
     ``NODE_RANK`` 0 and 1 and one ``MASTER_ADDR`` / ``MASTER_PORT`` (Lightning's ``LightningEnvironment``)."""

@@ -8,9 +8,9 @@ rank is done. Both must finish with the forced lengths and sample what the unsha
 """
 
 import datetime
-import multiprocessing
 import os
 
+import forked_cli
 import pytest
 import torch
 import yaml
@@ -72,7 +72,7 @@ def _unequal_rollout(rank: int, mode: str, port: int, results) -> None:
 
 @pytest.mark.parametrize("mode", ["gathered", "lockstep"])
 def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_samples(mode):
-    context = multiprocessing.get_context("spawn")
+    context = forked_cli.forkserver()
     results, port = context.Queue(), free_port()
     workers = [context.Process(target=_unequal_rollout, args=(rank, mode, port, results)) for rank in (0, 1)]
     for worker in workers:
@@ -96,6 +96,7 @@ def test_sharded_rollouts_of_unequal_length_finish_with_the_unsharded_models_sam
 
 
 # ---------------------------------------------------------------------------------------------- whole runs
+@pytest.mark.xdist_group("ddp_run")
 @pytest.mark.parametrize("mode", ["gathered", "lockstep"])
 def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run, tmp_path):
     """On a model whose samples end at different steps (conftest's ``eos_model``), against the shared 2-process ddp

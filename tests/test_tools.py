@@ -6,7 +6,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import forked_cli
 import pytest
 import torch
 
@@ -184,8 +186,10 @@ def test_bench_grpo_memory_interleaves_its_repeats(monkeypatch):
     assert report["median_bytes"]["continuous"]["peak_bytes"] == {"2": 20, "4": 40}
 
 
-def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(tmp_path, capsys):
-    from tools import bench_curriculum
+def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(tmp_path, capsys, monkeypatch):
+    from tools import bench_curriculum, bench_fit
+
+    monkeypatch.setattr(bench_fit, "subprocess", SimpleNamespace(run=forked_cli.run_command))  # runs start warm
 
     out = tmp_path / "curriculum.json"
     report = bench_curriculum.main(["--config", "configs/tiny.yaml", "--seeds", "3", "--root", str(tmp_path / "runs"),
@@ -202,8 +206,10 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in capsys.readouterr().err
 
 
-def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path):
+def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path, monkeypatch):
     from tools import bench_fit
+
+    monkeypatch.setattr(bench_fit, "subprocess", SimpleNamespace(run=forked_cli.run_command))  # runs start warm
 
     out = tmp_path / "fit.json"
     report = bench_fit.main(["--config", "configs/tiny.yaml", "--seeds", "1", "--variant", "default=",
@@ -418,10 +424,16 @@ def test_bench_update_times_each_linear_kernel_and_their_ratio():
                                   / report["medians_s"]["update/shared/threads=1/cpu_linear=torch"])
 
 
-def test_bench_faults_kills_a_run_and_finds_the_resume_exact(tmp_path):
+def test_bench_faults_kills_a_run_and_finds_the_resume_exact(tmp_path, monkeypatch):
     """One SIGKILL (which no phase can handle, so one shows the tool; tests/test_checkpointing.py stops runs by
     signal in each phase)."""
     from tools import bench_faults
+
+    def start(command, root, attempt):  # as bench_faults.start, warm
+        return forked_cli.Popen(command, root, bench_faults.harness.repo_env(OMP_NUM_THREADS="1"),
+                                root / f"log.{attempt}")
+
+    monkeypatch.setattr(bench_faults, "start", start)
 
     out = tmp_path / "faults.json"
     result = bench_faults.main(["--kills", "1", "--steps", "4", "--save-every", "2", "--out", str(tmp_path / "runs"),

@@ -6,28 +6,36 @@ from pathlib import Path
 import torch
 
 import forked_cli
-from tools.harness import ROOT, repo_env
+from tools.harness import ROOT, free_port, repo_env
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
-def fit_two_processes(tmp: Path, *args: str, steps: int = 2) -> str:
+def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = False) -> str:
     """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
-    the StepRecorder path (its records of every rank, and each rank's batch of step 1). ``OMP_NUM_THREADS`` is left
-    out of the environment, so the threads per rank are what a user's run gets by default: its share of the cores.
-    Rank 0 is a forked ``lit-grpo`` (tests/forked_cli.py), which Lightning's launcher starts rank 1 from as a real
-    process."""
+    the StepRecorder path (its records of every rank, and each rank's batch of step 1).
+
+    The ranks are forked ``lit-grpo`` processes (tests/forked_cli.py) launched as 2 nodes x 1 process of one thread
+    each. With ``launcher`` rank 0 is forked and Lightning's own launcher (``--trainer.devices 2``) starts rank 1
+    from it as a real process; ``OMP_NUM_THREADS`` is then left out of the environment, so the threads per rank
+    are what a user's run gets by default: its share of the cores."""
     record = tmp / "rec"
     argv = [
         "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
-        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps),
+        "--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps),
         "--model.scale_rewards", "batch", "--model.lr", "1e-2",
         "--trainer.callbacks+=tools.step_recorder.StepRecorder",
         f"--trainer.callbacks.path={record}", "--trainer.callbacks.save_batches=[1]"]
-    env = {key: value for key, value in repo_env().items() if key != "OMP_NUM_THREADS"}
-    proc = forked_cli.run(argv, tmp, env, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
+    if launcher:
+        env = {key: value for key, value in repo_env().items() if key != "OMP_NUM_THREADS"}
+        proc = forked_cli.run([*argv, "--trainer.devices", "2"], tmp, env, timeout=400)
+        outputs = [(proc.returncode, proc.stdout + proc.stderr, None)]
+    else:
+        outputs = forked_cli.run_ranks([*argv, "--trainer.num_nodes", "2", "--trainer.devices", "1"], tmp,
+                                       free_port(), timeout=400, env=repo_env())
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code == 0, f"rank {rank} ended with {code}:\n{output[-6000:]}"
+    assert "distributed_backend=gloo" in outputs[0][1]
     return str(record)
 
 
