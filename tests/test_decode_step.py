@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lit_grpo.runtime.models import load_model_and_tokenizer
+from lit_grpo.sampling import decode_step
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from scheduler_helpers import trust_predictions
@@ -228,8 +229,6 @@ def test_a_compiled_step_that_keeps_hidden_states_is_one_graph_on_a_fresh_model(
     from lit_grpo.sampling import RolloutEngine
 
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2")  # fresh: no hooks installed yet
-    from lit_grpo.sampling import decode_step
-
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **kwargs, backend="eager"))
     monkeypatch.setattr(decode_step, "compiler_problem", lambda device_type: None)  # "eager" needs no C++ compiler
@@ -247,8 +246,6 @@ def test_a_failed_capture_puts_the_stream_back_and_ends_its_pools_allocation(mon
     """``torch.cuda.graph``'s exit raises before it restores the current stream when ending a capture fails; the
     step restores it and ends the pool's allocation, and a torch that ended it already (its error) is fine. The CUDA
     calls are stand-ins here; tests/test_cuda_graph.py breaks a real capture."""
-    from lit_grpo.sampling import decode_step
-
     calls = []
 
     def end_allocation(device_index, pool):

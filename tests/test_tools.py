@@ -430,8 +430,8 @@ def test_bench_faults_kills_a_run_and_finds_the_resume_exact(tmp_path, monkeypat
     from tools import bench_faults
 
     def start(command, root, attempt):  # as bench_faults.start, warm
-        return forked_cli.Popen(command, root, bench_faults.harness.repo_env(OMP_NUM_THREADS="1"),
-                                root / f"log.{attempt}")
+        env = bench_faults.harness.repo_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return forked_cli.Popen(command, root, env, root / f"log.{attempt}")
 
     monkeypatch.setattr(bench_faults, "start", start)
 
