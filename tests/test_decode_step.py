@@ -110,6 +110,39 @@ def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(ti
     assert len(attempts) == 1
 
 
+def test_a_failed_capture_of_a_compiled_step_gives_up_the_compiler_too(tiny_llama, prompt_ids, monkeypatch):
+    """A compiled step is first compiled inside its capture's warm-up, so a failed capture may be the compiler's:
+    the step that runs instead is the eager, uncompiled one, in this rollout and the engine's later ones."""
+    from lit_grpo.sampling import RolloutEngine, decode_step as decode_step_module, engine as engine_module
+
+    model, tokenizer = tiny_llama
+    # torch's linears throughout: a compiled rollout keeps oneDNN's off, and the reference must run the same ones
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=6, seed=4,
+                    cpu_linear="torch")
+    eager = RolloutEngine(model, tokenizer, **settings)
+    reference, reference_second = eager.generate(prompt_ids), eager.generate(prompt_ids)
+    compiled = []
+
+    def failing_compiler(run, shape):
+        def compiled_run(step):
+            compiled.append(shape)
+            raise RuntimeError("InductorError: a lowering failed")  # what a compiler that cannot compile raises
+        return compiled_run
+
+    monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(engine_module, "resolve_compile", lambda setting, device, sharded: bool(setting))
+    monkeypatch.setattr(decode_step_module, "compiled_step", failing_compiler)
+    monkeypatch.setattr(torch.cuda, "Stream", _failing_capture([]))
+    engine = RolloutEngine(model, tokenizer, compile=True, **settings)
+    with pytest.warns(RuntimeWarning, match="CUDA graph failed .*runs it eagerly and uncompiled"):
+        first = engine.generate(prompt_ids)
+    assert not engine._step.settings.compile and not engine._step.settings.cuda_graph and compiled == []
+    assert first.completion_ids == reference.completion_ids and first.logprobs == reference.logprobs
+    engine.release()
+    second = engine.generate(prompt_ids)  # a new step, asked neither to capture nor to compile
+    assert not engine._step.settings.compile and compiled == [] and second.logprobs == reference_second.logprobs
+
+
 def test_a_failed_capture_asked_for_explicitly_raises(tiny_llama, prompt_ids, monkeypatch):
     from lit_grpo.sampling import RolloutEngine, engine as engine_module
 

@@ -157,7 +157,8 @@ class _FakeGraph:
 def _fake_cuda(patch, pools):
     """Patch what ``DecodeStep._capture`` calls of torch.cuda so the capture logic runs on a CPU."""
     @contextlib.contextmanager
-    def graph(fake, pool=None):
+    def graph(fake, pool=None, stream=None):
+        assert isinstance(stream, Stream)  # the step's own: torch's default is made on the device current then
         pools.append(pool)
         step = _capturing[-1]
         fake.step, fake.width = step, step.cache.attended

@@ -398,8 +398,8 @@ class DecodeStep:
                                    "False") from error
             self.graph_failure = reason
             warnings.warn(f"capturing the decode step of {name} as a CUDA graph failed ({reason}); this engine runs "
-                          "it eagerly from now on (same results, more time per step). Set cuda_graph=False to skip "
-                          "the attempt.", RuntimeWarning, stacklevel=2)
+                          "it eagerly and uncompiled from now on (same results, more time per step). Set "
+                          "cuda_graph=False to skip the attempt.", RuntimeWarning, stacklevel=2)
             self.run_eagerly()
 
     def compile_eagerly(self) -> None:
@@ -416,9 +416,12 @@ class DecodeStep:
             self.capture_s += time.perf_counter() - started
 
     def run_eagerly(self) -> None:
-        """Give up the graphs (a capture failed): the same step, eager from now on."""
+        """Give up the graphs (a capture failed), and the compiled step with them: a compiled step is first
+        compiled in the capture's warm-up, so the failure may be the compiler's, which running it without a graph
+        would meet again, uncaught. The same step, eager and uncompiled from now on."""
         self.graphs.clear()
-        self.settings = dataclasses.replace(self.settings, cuda_graph=False)
+        self._compiled_run = None
+        self.settings = dataclasses.replace(self.settings, cuda_graph=False, compile=False)
 
     @contextlib.contextmanager
     def rows_kept(self):
@@ -453,7 +456,9 @@ class DecodeStep:
         graph = torch.cuda.CUDAGraph()
         broke: list[Exception] = []
         try:
-            with _graph_safe_autocast(), torch.cuda.graph(graph, pool=self._graph_pool):
+            # on the step's own stream: torch's default capture stream is made once, on the device current then,
+            # and a model on another device would run its kernels outside the capture
+            with _graph_safe_autocast(), torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
                 try:
                     self._forward()
                 except Exception as error:
@@ -490,7 +495,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's warm-ups before a capture run on: one per device, as each stream holds its own cuBLAS
+    """The stream a device's warm-ups and captures run on: one per device, as each stream holds its own cuBLAS
     workspace, which is never freed."""
     return torch.cuda.Stream(device)
 

@@ -302,8 +302,8 @@ class RolloutEngine:
     def _build_step(self, settings: StepSettings) -> DecodeStep:
         """The decode step, its first graph captured when ``settings.cuda_graph`` (later buckets' when first
         needed). A capture that fails raises when ``cuda_graph=True`` was asked for; when it was left automatic,
-        the step warns once and runs eagerly from then on, and so do the engine's later steps (``graph_failure``;
-        ``DecodeStep.capture_or_run_eagerly``)."""
+        the step warns once and runs eagerly and uncompiled from then on, and so do the engine's later steps
+        (``graph_failure``; ``DecodeStep.capture_or_run_eagerly``)."""
         step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids,
                           graph_required=bool(self.config.cuda_graph))
         if not settings.cuda_graph:
@@ -322,12 +322,14 @@ class RolloutEngine:
             graph = _graphs_available(device) and not sharded and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
+        # A failed capture gave up the compiled step too (DecodeStep.run_eagerly): its compiler may be what failed.
+        compiled = resolve_compile(self.config.compile, device, sharded) and self.graph_failure is None
         # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
         # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
-                            compile=resolve_compile(self.config.compile, device, sharded),
+                            compile=compiled,
                             live_width=device.type == "cuda", attention=self.config.decode_attention)
 
     # ------------------------------------------------------------------------------------------ validation
