@@ -236,6 +236,14 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert batch.stats.peak_kv_bytes <= budget.kv_budget_bytes
     if cast:
         assert copy > 0
+    # a resumed run keeps its g: AdamW's restored moments, on the device by then, are not set aside twice
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free - 2 * trainable_bytes(
+        model.parameters()), total))
+    resumed = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=longest,
+                             rollout_weights=weights, precision_context=context)
+    resumed.load_state_dict(builder.state_dict())
+    assert resumed.resolved_micro_group_size == 3 and resumed.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
+    assert resumed.slot_budget.source.endswith("read before the checkpoint was saved")
     # keep_kv_cache: true holds the cache through every update: the gradients are set aside too
     gradients = trainable_bytes(model.parameters())
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (free + gradients, total))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -350,11 +350,19 @@ class RolloutBuilder:
         resume (plain Python values: a checkpoint loads them without unpickling classes)."""
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]
+        if self.slot_budget is not None and self.sampling.kv_budget_bytes is None:
+            state["slot_budget"] = asdict(self.slot_budget)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
+        budget = state.pop("slot_budget", None)
+        if budget is not None and self.sampling.micro_group_size == "auto" and self.sampling.kv_budget_bytes is None:
+            # g read from the device's free memory is not read again: the restored optimizer state is on the
+            # device now, and would be set aside twice; the same g keeps the resumed rollouts those of the run
+            self.slot_budget = SlotBudget(budget["slots"], budget["kv_budget_bytes"],
+                                          f"{budget['source']}, read before the checkpoint was saved")
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
         elif self._engine is not None:
