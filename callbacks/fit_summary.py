@@ -192,7 +192,8 @@ class FitSummary(Callback):
             logged = callback.max_logged if isinstance(callback, PeakMemoryMonitor) else {}
             if "memory/rollout_peak_bytes" in logged:
                 added = logged.get("memory/rollout_peak_delta_bytes")
-                parts.append(f"process {format_bytes(logged['memory/rollout_peak_bytes'])}"
+                where = "device" if callback.method == "cuda" else "process"  # CUDA: the allocator's peak
+                parts.append(f"{where} {format_bytes(logged['memory/rollout_peak_bytes'])}"
                              + (f" (+{format_bytes(added)} during the rollout)" if added is not None else ""))
         return "; ".join(parts)
 

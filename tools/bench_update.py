@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
                             gradient_checkpointing=args.gradient_checkpointing)
         with torch.device(args.device):
             module.configure_model()
+        module.to(args.device)  # the policy is there already; the module's device follows (as a Trainer's does)
         batch = long_prompt_batch(args, module.policy.config.vocab_size, module.tokenizer.pad_token_id)
         batch = batch.to(args.device)
     if "shared" in modes and not module.uses_shared_prefix:

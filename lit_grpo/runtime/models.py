@@ -299,7 +299,8 @@ def _tiny_model(name: str) -> PreTrainedModel:
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
     config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.get_default_device()  # a torch.device context (Lightning's configure_model) builds it there
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
