@@ -47,7 +47,13 @@ def test_the_g_sweep_varies_g_alone(demo):
     specs = [build_spec(demo, cell) for cell in cells("gsweep", demo)]
     assert [(s["group_size"], s["train_micro_batch_size"], s["lit"]["micro_group_size"]) for s in specs] == [
         (8, 8, 8), (32, 8, 8), (64, 8, 8), (128, 8, 8)]
-    assert all("rows" not in s for s in specs)
+    assert all("rows" not in s and not s["gradient_checkpointing"] for s in specs)
+    # the long cells hold their rows and checkpoint both systems' updates, whatever the demo does
+    long = [build_spec(demo, cell, device="cuda") for cell in cells("gpu_long", demo)]
+    assert [(s["group_size"], s["max_new_tokens"], s["train_micro_batch_size"]) for s in long] == [
+        (256, 4096, 8), (32, 4096, 8), (64, 4096, 8), (128, 4096, 8)]
+    assert all(s["gradient_checkpointing"] and trl_config(s, "out")["gradient_checkpointing"] for s in long)
+    assert all(lit_config(s, "records.jsonl")["model"]["gradient_checkpointing"] for s in long)
     assert [trl_config(s, "out")["gradient_accumulation_steps"] for s in specs] == [1, 4, 8, 16]
     with pytest.raises(ValueError, match=r"rows 12: .* positive divisor of B x G = 32"):
         build_spec(demo, {"prompts_per_step": 1, "group_size": 32, "max_new_tokens": 8, "rows": 12})

@@ -98,10 +98,28 @@ def test_every_tool_is_run_as_a_module_and_edits_no_import_path():
     assert "tools/gpu_targets.py --" not in check and "tools/bench_grpo_memory.py --" not in check
 
 
-def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels():
+def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tmp_path):
     script = ROOT / "tools" / "gpu_compare_trl.sh"
-    assert "python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep" in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # a python3 that only writes down what it is asked: the script's commands, without a GPU
+    bin_dir, log = tmp_path / "bin", tmp_path / "python3.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for flags, run_timeout, shape, timeout in ([[], None, "gpu_gsweep", "480"],
+                                               [["--shape", "gpu_long", "--group-sizes", "256"], "300", "gpu_long",
+                                                "300"]):
+        log.write_text("")
+        env.pop("RUN_TIMEOUT_S", None)
+        env.update({"RUN_TIMEOUT_S": run_timeout} if run_timeout else {})
+        proc = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path / "out"), "lit", *flags],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        command = next(line for line in log.read_text().splitlines() if line.startswith("-m tools.compare_trl"))
+        assert f"--shape {shape} " in command and f"--timeout-s {timeout} " in command and "--order lit " in command
+        assert f"--json {tmp_path / 'out' / shape}.json --markdown {tmp_path / 'out' / shape}.md" in command
+        assert command.endswith(" ".join(flags) if flags else ".md")
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert proc.returncode != 0 and "usage: bash tools/gpu_compare_trl.sh WHEEL_DIR" in proc.stderr
     wheels = ROOT / "tools" / "gpu_wheels.sh"  # what makes WHEEL_DIR: TRL pinned as compare_trl's own environment

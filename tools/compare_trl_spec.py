@@ -28,9 +28,10 @@ from tools import harness
 
 DEMO_CONFIG = harness.ROOT / "configs" / "demo.yaml"
 #: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default steps, and
-#: the row counts a shape holds fixed (``rows``: the update's micro-batch and lit_grpo's slots; default the demo's,
-#: capped at B x G). The G sweep varies G alone: at G 8 one prompt gives 8 rows, so every G gets 8-row micro-batches
-#: and 8 slots, and a change of peak with G is the group's, not a larger micro-batch's.
+#: what a shape holds fixed: ``rows`` (the update's micro-batch and lit_grpo's slots; default the demo's, capped at
+#: B x G) and ``gradient_checkpointing`` (both systems'; default the demo's). The G sweep varies G alone: at G 8 one
+#: prompt gives 8 rows, so every G gets 8-row micro-batches and 8 slots, and a change of peak with G is the
+#: group's, not a larger micro-batch's.
 SHAPES: dict[str, dict[str, Any]] = {
     "demo": {"cells": [(None, None, None)], "steps": 8},  # None: the demo's own B, G and tokens
     "4x32x64": {"cells": [(4, 32, 64)], "steps": 8},
@@ -39,8 +40,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # step's KV cache is a real share of its memory
     "gpu_gsweep": {"cells": [(1, 8, 512), (1, 32, 512), (1, 64, 512)], "steps": 1, "rows": 8},
     # where the KV cache decides a step's memory: 4,096 new tokens, G 256 first (the point of the project; random
-    # weights run every sample to the cap), with --lit-slots auto
-    "gpu_long": {"cells": [(1, 256, 4096), (1, 32, 4096), (1, 64, 4096), (1, 128, 4096)], "steps": 1, "rows": 8},
+    # weights run every sample to the cap), with --lit-slots auto; checkpointed, as the GPU recipe is: an 8-row
+    # micro-batch of 4K-token rows keeps more activations for its backward than an H200 holds
+    "gpu_long": {"cells": [(1, 256, 4096), (1, 32, 4096), (1, 64, 4096), (1, 128, 4096)], "steps": 1, "rows": 8,
+                 "gradient_checkpointing": True},
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
@@ -68,8 +71,7 @@ def cells(shape: str, demo: dict[str, Any]) -> list[dict[str, int]]:
         cell = {"prompts_per_step": prompts or demo["data"]["prompts_per_step"],
                 "group_size": group or sampling["group_size"],
                 "max_new_tokens": tokens or sampling["max_new_tokens"]}
-        if "rows" in SHAPES[shape]:
-            cell["rows"] = SHAPES[shape]["rows"]
+        cell.update({key: SHAPES[shape][key] for key in ("rows", "gradient_checkpointing") if key in SHAPES[shape]})
         out.append(cell)
     return out
 
@@ -95,6 +97,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
     sampling = d["sampling"]
     cell = dict(cell)
     fixed_rows = cell.pop("rows", None)
+    checkpointing = cell.pop("gradient_checkpointing", m.get("gradient_checkpointing", False))
     rows = cell["prompts_per_step"] * cell["group_size"]
     if fixed_rows is not None and (fixed_rows < 1 or rows % fixed_rows):
         raise ValueError(f"rows {fixed_rows}: the fixed micro-batch must be a positive divisor of B x G = {rows}")
@@ -124,7 +127,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "weight_decay": m.get("weight_decay", 0.0),
         "lr_warmup_steps": m.get("warmup_steps", 0),
         "max_grad_norm": m.get("max_grad_norm", 1.0),
-        "gradient_checkpointing": m.get("gradient_checkpointing", False),
+        "gradient_checkpointing": checkpointing,
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
                                                          "system_prompt", "reward_funcs") if key in d},
         "lit": {"strategy": sampling.get("strategy", "infinite"),
