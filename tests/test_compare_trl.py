@@ -4,6 +4,7 @@ venv with a stand-in TRL from a local folder."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -68,8 +69,18 @@ def test_lit_slots_all_or_auto_change_the_slots_and_nothing_else(demo):
         assert trl_config(a, "out") == trl_config(b, "out") == trl_config(c, "out")
         assert lit_config(b, "r")["data"]["sampling"]["micro_group_size"] == b["group_size"]
         assert lit_config(c, "r")["data"]["sampling"]["micro_group_size"] == "auto"
-    with pytest.raises(ValueError, match=r"lit_slots 'some': use one of \('fixed', 'all', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"lit_slots 'some': use one of \('fixed', 'all', 'auto'\) or a count"):
         build_spec(demo, cells("demo", demo)[0], lit_slots="some")
+    # a count: the same slots at every G (capped at the samples), nothing else changed
+    counted = [build_spec(demo, cell, lit_slots=32) for cell in cells("gpu_gsweep", demo)]
+    assert [s["lit"]["micro_group_size"] for s in counted] == [8, 32, 32]
+    assert all({**a, "lit": None} == {**b, "lit": None} for a, b in zip(fixed, counted))
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=f"lit_slots {bad!r}: use one of"):
+            build_spec(demo, cells("demo", demo)[0], lit_slots=bad)
+    assert compare_trl._lit_slots("32") == 32 and compare_trl._lit_slots("auto") == "auto"
+    with pytest.raises(argparse.ArgumentTypeError, match="'0': use one of fixed, all, auto or a count"):
+        compare_trl._lit_slots("0")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -27,7 +27,8 @@ the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
 at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
 per sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the
-GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens). ``--group-sizes 32,64`` runs only
+GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens), ``--lit-slots 32`` 32 slots at
+every G (memory flat in G). ``--group-sizes 32,64`` runs only
 the shape's cells of those G, in the shape's order (where a device's time is short). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
@@ -249,6 +250,16 @@ def parse_order(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {' and '.join(SYSTEMS)}, "
                                          "e.g. lit,trl,trl,lit")
     return items
+
+
+def _lit_slots(text: str) -> str | int:
+    """``--lit-slots``: one of ``LIT_SLOTS`` or a count of slots (an integer >= 1)."""
+    if text in LIT_SLOTS:
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(LIT_SLOTS)} or a count of slots (an "
+                                     "integer >= 1)")
 
 
 def plan(order: list[str], seeds: list[int], num_cells: int) -> list[dict[str, int | str]]:
@@ -542,9 +553,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the demo's (32-true)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run (and OMP_NUM_THREADS)")
     parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate")
-    parser.add_argument("--lit-slots", choices=LIT_SLOTS, default="fixed",
-                        help="lit_grpo's slots: the shape's (8 in the G sweeps), one per sample, or auto (from "
-                             "the GPU's free memory)")
+    parser.add_argument("--lit-slots", type=_lit_slots, default="fixed",
+                        help="lit_grpo's slots: fixed (the shape's: 8 in the G sweeps), all (one per sample), auto "
+                             "(from the GPU's free memory), or a count N (the same N at every G)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run; past it the run is killed and "
                                                                          "recorded as a timeout")
     parser.add_argument("--interval-s", type=float, default=0.05, help="RSS sampling interval")

@@ -48,7 +48,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
 #: lit_grpo's slots: the shape's fixed count (or the demo's g), one per sample, or ``micro_group_size: auto`` (from
-#: the device's free memory on a GPU).
+#: the device's free memory on a GPU); or a positive integer, the same count at every G (capped at B x G).
 LIT_SLOTS = ("fixed", "all", "auto")
 #: TRL's generation paths: ``model.generate`` on the padded batch, or transformers' continuous batching.
 TRL_GENERATION = ("generate", "continuous_batching")
@@ -78,18 +78,21 @@ def cells(shape: str, demo: dict[str, Any]) -> list[dict[str, int]]:
 
 def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None = None, device: str = "cpu",
                precision: str | None = None, threads: int = 2, seed: int = 0, steps: int = 8,
-               untimed_steps: int = 1, trl_generation: str = "generate", lit_slots: str = "fixed") -> dict[str, Any]:
+               untimed_steps: int = 1, trl_generation: str = "generate",
+               lit_slots: str | int = "fixed") -> dict[str, Any]:
     """The settings of one run (either system): the demo's, with ``cell``'s B, G and new tokens, ``steps`` timed
     GRPO steps after ``untimed_steps`` warm-up ones, and the given model (default the demo's), device, precision
     (default the demo's), threads and seed. ``lit_slots``: lit_grpo's slots, "fixed" (the shape's rows, else the
-    demo's g), "all" (one per sample, B x G: every sample decodes at once, as TRL's ``generate``) or "auto"
-    (``micro_group_size: auto``: as many as the GPU's free memory holds)."""
+    demo's g), "all" (one per sample, B x G: every sample decodes at once, as TRL's ``generate``), "auto"
+    (``micro_group_size: auto``: as many as the GPU's free memory holds) or a count (at most B x G): a step's
+    memory then stays what that count holds, whatever G."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use one of {DEVICES}")
     if trl_generation not in TRL_GENERATION:
         raise ValueError(f"trl_generation {trl_generation!r}: use one of {TRL_GENERATION}")
-    if lit_slots not in LIT_SLOTS:
-        raise ValueError(f"lit_slots {lit_slots!r}: use one of {LIT_SLOTS}")
+    counted = isinstance(lit_slots, int) and not isinstance(lit_slots, bool)
+    if not (lit_slots in LIT_SLOTS or counted and lit_slots >= 1):
+        raise ValueError(f"lit_slots {lit_slots!r}: use one of {LIT_SLOTS} or a count of slots (an integer >= 1)")
     precision = precision or demo["trainer"].get("precision", "32-true")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
@@ -131,8 +134,8 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
                                                          "system_prompt", "reward_funcs") if key in d},
         "lit": {"strategy": sampling.get("strategy", "infinite"),
-                "micro_group_size": rows if lit_slots == "all" else "auto" if lit_slots == "auto"
-                else fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
+                "micro_group_size": min(lit_slots, rows) if counted else rows if lit_slots == "all"
+                else "auto" if lit_slots == "auto" else fixed_rows or min(sampling.get("micro_group_size", 8), rows)},
         "trl": {"generation": trl_generation},
     }
 
