@@ -52,6 +52,17 @@ def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
     assert val.group_size == 1 and val.split == "val" and not val.advantages.any()
 
 
+def test_validation_engines_run_their_step_as_the_training_engine_does(policy):
+    model, tokenizer = policy
+    options = dict(cuda_graph=False, compile=True, cpu_linear="torch", decode_attention="sdpa_gqa")
+    sampling = SamplingConfig(group_size=4, micro_group_size=2, max_new_tokens=6, **options)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), prompts_per_step=1,
+                             val_num_samples=3, val_temperature=0.7)
+    for engine in (builder.engine, builder.val_engine, builder.val_sampled_engine):
+        assert {key: getattr(engine.config, key) for key in options} == options
+    assert (builder.val_engine.config.temperature, builder.val_sampled_engine.config.temperature) == (0.0, 0.7)
+
+
 def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)

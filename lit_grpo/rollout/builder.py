@@ -325,7 +325,7 @@ class RolloutBuilder:
         if self._val_engine is None:
             config = SamplingConfig(group_size=1, micro_group_size=self.val_batch_size, strategy="continuous",
                                     max_new_tokens=self.val_max_new_tokens, temperature=0.0,
-                                    seed=self.sampling.seed, cuda_graph=self.sampling.cuda_graph)
+                                    seed=self.sampling.seed, **self._step_options())
             self._val_engine = self._new_engine(config)
         return self._val_engine
 
@@ -338,9 +338,14 @@ class RolloutBuilder:
                                     strategy="continuous", max_new_tokens=self.val_max_new_tokens,
                                     temperature=self.val_temperature, top_p=self.sampling.top_p,
                                     top_k=self.sampling.top_k, seed=self.sampling.seed + VAL_SEED_OFFSET,
-                                    cuda_graph=self.sampling.cuda_graph)
+                                    **self._step_options())
             self._val_sampled_engine = self._new_engine(config)
         return self._val_sampled_engine
+
+    def _step_options(self) -> dict[str, Any]:
+        """How the training engine runs its decode step (graphs, compiler, kernels): validation's engines run theirs
+        the same way, whatever they sample."""
+        return {key: getattr(self.sampling, key) for key in ("cuda_graph", "compile", "cpu_linear", "decode_attention")}
 
     def _new_engine(self, config: SamplingConfig) -> RolloutEngine:
         return RolloutEngine(self.weights.module, self.tokenizer, config)
