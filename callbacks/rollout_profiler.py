@@ -104,7 +104,7 @@ class RolloutProfiler(Callback):
     Args:
         progress_bar: show the last round's decode steps, lower bound and utilization in the progress bar.
         read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, a few
-            tenths of a second at the first rollout).
+            tenths of a second as training starts, before any memory peak is read: its buffer is not the step's).
     """
 
     def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:
@@ -118,6 +118,11 @@ class RolloutProfiler(Callback):
         """The read bandwidth the floor is taken at (bytes/s): ``read_bytes_per_s``, else the device's, measured
         once per process."""
         return self.read_bytes_per_s or read_bandwidth(trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before the first epoch, where PeakMemoryMonitor's first window opens: the probe's buffer (hundreds of
+        # MiB) would otherwise be counted in the first step's peaks
+        self.bandwidth(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

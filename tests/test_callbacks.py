@@ -375,9 +375,18 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     rollouts[1].stats.wall_s = 0.9
     rollouts[0].stats.decode_read_bytes *= 2  # rank 0's steps read 4 MB each
     profilers = [RolloutProfiler(progress_bar=False, read_bytes_per_s=1e9) for _ in rollouts]
-    (logged,) = _as_rank_zero_of_two(
-        lambda rank, trainer: profilers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0))
+    summaries, trainers = [FitSummary() for _ in rollouts], {}
+
+    def hook(rank, trainer):
+        trainers[rank] = trainer
+        profilers[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0)
+        summaries[rank].on_train_batch_end(trainer, None, None, rollouts[rank], 0)
+
+    (logged,) = _as_rank_zero_of_two(hook)
     a, b = (r.stats for r in rollouts)
+    # the fit summary's throughput is the logged one: the ranks generate at once
+    trainers[0].callbacks = [profilers[0]]
+    assert summaries[0]._floor_line(trainers[0]).endswith(f"; {logged['rollout/tokens_per_s']:.0f} tokens/s")
     # the largest floor, and the slowest rank's step over it
     assert logged["rollout/floor_ms_per_step"] == pytest.approx(4.0)
     assert logged["rollout/roofline_ratio"] == pytest.approx(max(a.ms_per_step, b.ms_per_step) / 4.0)
@@ -391,6 +400,20 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     assert logged["rollout/tokens_per_s"] < a.tokens_per_s + b.tokens_per_s
     assert logged["rollout/peak_kv_bytes"] == 1001  # the largest process's
     assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
+
+
+def test_rollout_profiler_measures_the_bandwidth_before_any_memory_peak_is_read(tmp_path, monkeypatch):
+    """The probe's buffer (hundreds of MiB) must not land in the first step's memory peaks."""
+    from lit_grpo.callbacks import rollout_profiler
+
+    order = []
+    monkeypatch.setattr(rollout_profiler, "read_bandwidth", lambda device: order.append("bandwidth") or 1e9)
+    start = PeakMemoryMonitor._start
+    monkeypatch.setattr(PeakMemoryMonitor, "_start", lambda self, *phases: (order.append("window"),
+                                                                          start(self, *phases))[1])
+    fit(tmp_path, RolloutModule([make_rollout(0), make_rollout(1)]), [PeakMemoryMonitor(), RolloutProfiler()],
+        max_steps=2)
+    assert order[0] == "bandwidth" and "window" in order
 
 
 def test_completion_logger_logs_the_whole_steps_lengths_over_ranks():
