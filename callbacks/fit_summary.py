@@ -182,7 +182,7 @@ class FitSummary(Callback):
         floor = roofline(totals, bandwidth)
         return (f"{floor['rollout/floor_ms_per_step']:.2f} ms a step (its bytes at {_rate(bandwidth)}): "
                 f"{totals.ms_per_step:.1f} ms a step is {floor['rollout/roofline_ratio']:.1f} x it; "
-                f"{totals.tokens_per_s:.0f} tokens/s")
+                f"{totals.generated_tokens / self.rollout_s:.0f} tokens/s")  # ranks generate at once
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []
