@@ -9,14 +9,15 @@
 #    bf16 schedule invariance, greedy parity with generate, the decode attention kernels against a float64
 #    reference; the update: fused AdamW, a few waits on the device a step, the policy on the GPU after fit) and the
 #    capturability tests;
-# 3. python -m tools.gpu_targets: its four measurements and one verdict per target line;
+# 3. python -m tools.gpu_targets: its four measurements (one repeat each) and one verdict per target line;
 # 4. python -m tools.bench_grpo_memory: one whole GRPO step (bf16, G 8 and 64, g 8, infinite and full) for its peak
 #    memory and its rollout's wall time (figures, no verdict);
 # 5. python -m tools.bench_cast_weights: a bf16-mixed rollout's decode step with autocast's per-step casts against
 #    the weights cast once (float32 master weights, G 32 on 32 slots, 512 tokens; figures and the samples' equality).
 # Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
 # grpo_memory.json, cast_weights.json). The exit status is not 0 when a test failed, a target was missed or a step
-# broke.
+# broke. The whole script takes longer than 10 minutes: where one command may not, run its parts in separate
+# commands on the same machine (the tests, then gpu_targets --only ..., then the two benchmarks).
 set -uo pipefail
 DIR="${1:-${OUT:-}}"
 [ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"  # a given folder is relative to where the command was typed
@@ -30,7 +31,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_cuda_graph.py tests/test_decode_step.py tests/test_decode_attention.py \
     tests/test_cuda_update.py 2>&1 | tee "$DIR/tests.txt"
 tests=${PIPESTATUS[0]}
-PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
+PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --repeats 1 --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
 targets=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.bench_grpo_memory --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
     --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"

@@ -161,7 +161,7 @@ class RolloutLoop:
         if events is None:
             self.stats.decode_s += elapsed
         else:  # the step has synchronised: its end event is stamped as soon as it is recorded
-            events[1].record()
+            events[1].record(torch.cuda.current_stream(self.device))
             self._decode_events.append(events)
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
@@ -213,7 +213,7 @@ class RolloutLoop:
         if events is None:
             self.stats.prefill_s += elapsed
         else:  # read once the rollout's last decode step has synchronised: no host sync of its own
-            events[1].record()
+            events[1].record(torch.cuda.current_stream(self.device))
             self._prefill_events.append(events)
         self.stats.prefill_tokens += input_ids.shape[-1]
         return out
@@ -224,7 +224,7 @@ class RolloutLoop:
         if self.device.type != "cuda":
             return None
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
+        events[0].record(torch.cuda.current_stream(self.device))
         return events
 
     def _count_device_time(self) -> None:
