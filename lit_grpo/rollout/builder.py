@@ -365,7 +365,8 @@ class RolloutBuilder:
         budget = state.pop("slot_budget", None)
         if budget is not None and self.sampling.micro_group_size == "auto" and self.sampling.kv_budget_bytes is None:
             # g read from the device's free memory is not read again: the restored optimizer state is on the
-            # device now, and would be set aside twice; the same g keeps the resumed rollouts those of the run
+            # device now, and would be set aside twice; and the same g keeps the resumed rollouts as they would
+            # have been
             self.slot_budget = SlotBudget(budget["slots"], budget["kv_budget_bytes"],
                                           f"{budget['source']}, read before the checkpoint was saved")
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
