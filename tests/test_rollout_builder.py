@@ -247,14 +247,29 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert batch.stats.peak_kv_bytes <= budget.kv_budget_bytes
     if cast:
         assert copy > 0
-    # a resumed run keeps its g: AdamW's restored moments, on the device by then, are not set aside twice
+    # A resumed run takes the budget its checkpoint read: AdamW's restored moments, on the device by then, are
+    # not set aside twice. Its g is sized again, for the resumed config; a device of other memory is read again.
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (free - 2 * trainable_bytes(
         model.parameters()), total))
-    resumed = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=longest,
-                             rollout_weights=weights, precision_context=context)
-    resumed.load_state_dict(builder.state_dict())
-    assert resumed.resolved_micro_group_size == 3 and resumed.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
-    assert resumed.slot_budget.source.endswith("read before the checkpoint was saved")
+
+    def resumed(state, **changes):
+        run = RolloutBuilder(model, tokenizer, sampling.replace(**changes), [], prompts_per_step=2,
+                             max_prompt_length=longest, rollout_weights=weights, precision_context=context)
+        run.load_state_dict(state)
+        return run
+
+    again = resumed(builder.state_dict())
+    assert again.resolved_micro_group_size == 3 and again.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
+    assert again.slot_budget.describe() == budget.describe().replace(")", "; read before the checkpoint was saved)")
+    third = resumed(again.state_dict())  # resumed twice: the same budget, said the same way
+    assert third.resolved_micro_group_size == 3 and third.slot_budget.describe() == again.slot_budget.describe()
+    longer = resumed(builder.state_dict(), max_new_tokens=12)  # longer rows: fewer of them in the same bytes
+    same_bytes = resumed({}, max_new_tokens=12, kv_budget_bytes=budget.kv_budget_bytes)
+    assert longer.resolved_micro_group_size == same_bytes.resolved_micro_group_size < 3
+    assert longer.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
+    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free, 2 * total))
+    with pytest.raises(ValueError, match="no device memory left for the KV cache"):  # read again: a larger margin
+        resumed(builder.state_dict()).resolved_micro_group_size
     # keep_kv_cache: true holds the cache through every update: the gradients are set aside too
     gradients = trainable_bytes(model.parameters())
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (free + gradients, total))

@@ -60,18 +60,37 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class SlotBudget:
-    """How ``micro_group_size: auto`` was resolved: ``slots`` (g) under ``kv_budget_bytes``, and where that budget
-    came from (``source``: the config's value, or the device's free memory and what was set aside)."""
+class KVBudget:
+    """The bytes ``micro_group_size: auto`` sizes the slots in, and where they came from (``source``: the config's
+    value, or the device's free memory and what was set aside). ``device_total_bytes``: the memory of the device
+    read (None for the config's value); ``restored``: read before the checkpoint this run resumed from."""
 
-    slots: int
     kv_budget_bytes: int
     source: str
+    device_total_bytes: int | None = None
+    restored: bool = False
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """How ``micro_group_size: auto`` was resolved: ``slots`` (g) under ``budget``."""
+
+    slots: int
+    budget: KVBudget
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.budget.kv_budget_bytes
+
+    @property
+    def source(self) -> str:
+        return self.budget.source
 
     def describe(self) -> str:
         """One line for the log."""
+        restored = "; read before the checkpoint was saved" if self.budget.restored else ""
         return (f"micro_group_size: auto -> {self.slots} slots under a KV budget of "
-                f"{format_bytes(self.kv_budget_bytes)} ({self.source})")
+                f"{format_bytes(self.kv_budget_bytes)} ({self.source}{restored})")
 
 
 def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
@@ -207,6 +226,7 @@ class RolloutBuilder:
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
         #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
         self.slot_budget: SlotBudget | None = None
+        self._checkpoint_kv_budget: KVBudget | None = None  # the budget the checkpoint resumed from read
         #: the device's peak in the last update, read from its owner (None before one has run, or off CUDA)
         self.measured_update_peak = measured_update_peak or (lambda: None)
         #: ``keep_kv_cache: auto``'s last decision (on CUDA, once an update has been measured)
@@ -232,23 +252,25 @@ class RolloutBuilder:
         if self.sampling.strategy == "full":  # every sample has its row
             return None
         if self.slot_budget is None:
-            budget, source = self._kv_budget()
+            budget = self._kv_budget()
             config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
             parked = (config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite"
                       else (0, 0))
             # priced in the dtype the cache stores: the autocast one under mixed precision
             with self.precision_context():
                 dtype = kv_cache_dtype(self.weights.module)
-            slots = auto_micro_group_size(self.policy.config, dtype, budget, self.max_prompt_length,
+            slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,
                                           carried=self.over_provision > 1)
-            self.slot_budget = SlotBudget(slots, budget, source)
+            self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
-    def _kv_budget(self) -> tuple[int, str]:
-        """``(bytes, source)``: ``sampling.kv_budget_bytes`` where set; else on CUDA the device's free memory
-        less what the run will still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its
-        memory (``memory_budget.kv_budget_from_free_memory``).
+    def _kv_budget(self) -> KVBudget:
+        """``sampling.kv_budget_bytes`` where set; else on CUDA the device's free memory less what the run will
+        still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its memory
+        (``memory_budget.kv_budget_from_free_memory``). A resumed run takes the budget its checkpoint read, on a
+        device of the same memory: its free memory now holds the restored optimizer state, which a new reading
+        would set aside a second time. The slots are sized again from it, for the config of the resumed run.
 
         g is resolved before the first rollout, so before any optimizer step: AdamW's two moments are estimated
         (2 x ``runtime.memory.trainable_bytes``), as are the rollout weights' copy (cast or gathered, allocated
@@ -258,19 +280,22 @@ class RolloutBuilder:
         (``CacheKeeping``), and the update's activations are the margin's, or the released cache's.
         """
         if self.sampling.kv_budget_bytes is not None:
-            return self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes"
+            return KVBudget(self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes")
         device = next(self.policy.parameters()).device
         memory = device_memory(device)
         if memory is None:
             raise _no_slot_budget(device)
         free, total = memory
+        saved = self._checkpoint_kv_budget
+        if saved is not None and saved.device_total_bytes == total:
+            return replace(saved, restored=True)
         copy, trainable = self.weights.scope_bytes(), trainable_bytes(self.policy.parameters())
         state, named = (3 * trainable, "gradients and optimizer state") if self.sampling.keep_kv_cache is True else (
             2 * trainable, "optimizer state")
         margin = int(DEVICE_MARGIN_FRACTION * total)
         budget = kv_budget_from_free_memory(free, copy + state, margin)
-        return budget, (f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
-                        f"{format_bytes(state)} {named} - {format_bytes(margin)} margin")
+        return KVBudget(budget, f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
+                                f"{format_bytes(state)} {named} - {format_bytes(margin)} margin", total)
 
     def _measure_last_update(self) -> None:
         """Fold the update of the last batch into ``_widest_update``: its row width and its peak (the allocator's
@@ -355,20 +380,16 @@ class RolloutBuilder:
         resume (plain Python values: a checkpoint loads them without unpickling classes)."""
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]
-        if self.slot_budget is not None and self.sampling.kv_budget_bytes is None:
-            state["slot_budget"] = asdict(self.slot_budget)
+        if self.slot_budget is not None and self.slot_budget.budget.device_total_bytes is not None:
+            state["kv_budget"] = asdict(replace(self.slot_budget.budget, restored=False))
         return state
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
-        budget = state.pop("slot_budget", None)
-        if budget is not None and self.sampling.micro_group_size == "auto" and self.sampling.kv_budget_bytes is None:
-            # g read from the device's free memory is not read again: the restored optimizer state is on the
-            # device now, and would be set aside twice; and the same g keeps the resumed rollouts as they would
-            # have been
-            self.slot_budget = SlotBudget(budget["slots"], budget["kv_budget_bytes"],
-                                          f"{budget['source']}, read before the checkpoint was saved")
+        budget = state.pop("kv_budget", None)
+        if budget is not None:  # used where g is resolved from the device (_kv_budget)
+            self._checkpoint_kv_budget = KVBudget(**budget)
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
         elif self._engine is not None:
