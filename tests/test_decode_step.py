@@ -11,6 +11,8 @@ none does.
 
 import functools
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -98,7 +100,7 @@ def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(ti
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
     monkeypatch.setattr(torch.cuda, "Stream", _failing_capture(attempts))
     engine = RolloutEngine(model, tokenizer, **settings)
-    with pytest.warns(RuntimeWarning, match="CUDA graph failed .*operation not permitted.*runs it eagerly"):
+    with pytest.warns(RuntimeWarning, match="CUDA graph failed .*operation not permitted.*runs it without a graph"):
         first = engine.generate(prompt_ids)
     assert len(attempts) == 1 and engine._step.graph is None and not engine._step.settings.cuda_graph
     assert "operation not permitted" in engine.graph_failure
@@ -110,9 +112,12 @@ def test_a_failed_automatic_capture_warns_once_and_runs_the_same_step_eagerly(ti
     assert len(attempts) == 1
 
 
-def test_a_failed_capture_of_a_compiled_step_gives_up_the_compiler_too(tiny_llama, prompt_ids, monkeypatch):
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_failed_capture_of_a_compiled_step_compiles_it_without_a_graph_or_gives_the_compiler_up(
+        tiny_llama, prompt_ids, monkeypatch, compiles):
     """A compiled step is first compiled inside its capture's warm-up, so a failed capture may be the compiler's:
-    the step that runs instead is the eager, uncompiled one, in this rollout and the engine's later ones."""
+    the step is compiled again without a graph, and runs so where that works; where it fails too, the step runs
+    eagerly and uncompiled, in this rollout and the engine's later ones. The compiler is a stand-in here."""
     from lit_grpo.sampling import RolloutEngine, decode_step as decode_step_module, engine as engine_module
 
     model, tokenizer = tiny_llama
@@ -123,24 +128,35 @@ def test_a_failed_capture_of_a_compiled_step_gives_up_the_compiler_too(tiny_llam
     reference, reference_second = eager.generate(prompt_ids), eager.generate(prompt_ids)
     compiled = []
 
-    def failing_compiler(run, shape):
+    def compiler(run, shape):
         def compiled_run(step):
             compiled.append(shape)
-            raise RuntimeError("InductorError: a lowering failed")  # what a compiler that cannot compile raises
+            if not compiles:
+                raise RuntimeError("InductorError: a lowering failed")  # what a compiler that cannot compile raises
+            run(step)
         return compiled_run
 
     monkeypatch.setattr(engine_module, "_graphs_available", lambda device: True)
     monkeypatch.setattr(engine_module, "resolve_compile", lambda setting, device, sharded: bool(setting))
-    monkeypatch.setattr(decode_step_module, "compiled_step", failing_compiler)
+    monkeypatch.setattr(decode_step_module, "compiled_step", compiler)
     monkeypatch.setattr(torch.cuda, "Stream", _failing_capture([]))
     engine = RolloutEngine(model, tokenizer, compile=True, **settings)
-    with pytest.warns(RuntimeWarning, match="CUDA graph failed .*runs it eagerly and uncompiled"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         first = engine.generate(prompt_ids)
-    assert not engine._step.settings.compile and not engine._step.settings.cuda_graph and compiled == []
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == (1 if compiles else 2) and "CUDA graph failed" in said[0] and "without a graph" in said[0]
+    assert compiles or ("compiling the decode step of LlamaForCausalLM failed (RuntimeError: InductorError"
+                        in said[1] and "runs it uncompiled" in said[1])
+    assert not engine._step.settings.cuda_graph and engine._step.settings.compile == compiles
+    assert (engine.compile_failure is None) == compiles
+    assert len(compiled) == (first.stats.decode_steps + 1 if compiles else 1)  # each step (and the compilation's)
     assert first.completion_ids == reference.completion_ids and first.logprobs == reference.logprobs
     engine.release()
-    second = engine.generate(prompt_ids)  # a new step, asked neither to capture nor to compile
-    assert not engine._step.settings.compile and compiled == [] and second.logprobs == reference_second.logprobs
+    tried = len(compiled)
+    second = engine.generate(prompt_ids)  # a new step: no graph asked for; compiled only where it compiled
+    assert not engine._step.settings.cuda_graph and engine._step.settings.compile == compiles
+    assert (len(compiled) > tried) == compiles and second.logprobs == reference_second.logprobs
 
 
 def test_a_failed_capture_asked_for_explicitly_raises(tiny_llama, prompt_ids, monkeypatch):

@@ -49,12 +49,13 @@ class SamplingConfig:
         scheduler: options of the "infinite" strategy (ignored by the others, which have no options; the
             ``RolloutDataModule`` warns, naming them, when some are set for another strategy).
         cuda_graph: capture the decode step as a CUDA graph and replay it (None: on CUDA, unless the policy is
-            FSDP-sharded; a capture that fails then warns and the step runs eagerly, whereas True raises). On CPU
-            the same static-shape step runs eagerly.
+            FSDP-sharded; a capture that fails then warns and the step runs without a graph, whereas True raises).
+            On CPU the same static-shape step runs eagerly.
         compile: compile the decode step with ``torch.compile`` (static shapes; paid once per step shape and
             process, counted in ``capture_s``); on CUDA the compiled step is what the graph captures. ``"auto"``:
             on CUDA with Triton present, unless the policy is FSDP-sharded; off on CPU. True asks for it anywhere
-            (where no compiler is present it warns once and runs the step eagerly). Off by default: a compilation
+            (where no compiler is present, or the step fails to compile, it warns once and runs the step
+            uncompiled). Off by default: a compilation
             takes tens of seconds per step shape (a new slot count or cache width), which a short run may not win
             back.
         cpu_linear: the kernel of the policy's linear layers during a rollout on a CPU: "onednn" (oneDNN's inner

@@ -165,6 +165,8 @@ class DecodeStep:
         #: ``graph_failure`` (``capture_or_run_eagerly``).
         self.graph_required = graph_required
         self.graph_failure: str | None = None
+        #: Why the compiled step was given up, after a failed capture, where it failed to compile without a graph.
+        self.compile_failure: str | None = None
         self.cache_keyword = cache_keyword(model)
         self.device = device
         long = dict(dtype=torch.long, device=device)
@@ -383,8 +385,10 @@ class DecodeStep:
     def capture_or_run_eagerly(self) -> None:
         """``capture``, and where that fails (a model whose forward reads a device value on the host, an op CUDA
         graphs do not support): raise when the graph was required (``graph_required``), else warn once, give the
-        graphs up and run eagerly from then on (``graph_failure`` says why). Running out of memory is no reason to
-        give graphs up: it is raised as it is."""
+        graphs up and run eagerly from then on (``graph_failure`` says why). A compiled step is first compiled in
+        the capture's warm-up, so the failure may be the compiler's: it is compiled again without a graph, and
+        where that fails too, given up (``compile_failure``). Running out of memory is no reason to give graphs
+        up: it is raised as it is."""
         try:
             self.capture()
         except torch.cuda.OutOfMemoryError:
@@ -398,9 +402,24 @@ class DecodeStep:
                                    "False") from error
             self.graph_failure = reason
             warnings.warn(f"capturing the decode step of {name} as a CUDA graph failed ({reason}); this engine runs "
-                          "it eagerly and uncompiled from now on (same results, more time per step). Set "
-                          "cuda_graph=False to skip the attempt.", RuntimeWarning, stacklevel=2)
+                          "it without a graph from now on (same results, more time per step). Set cuda_graph=False "
+                          "to skip the attempt.", RuntimeWarning, stacklevel=2)
             self.run_eagerly()
+            if self._compiled_run is not None:
+                self._compile_or_run_uncompiled()
+
+    def _compile_or_run_uncompiled(self) -> None:
+        try:
+            self.compile_eagerly()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as error:
+            self.compile_failure = f"{type(error).__name__}: {error}"
+            warnings.warn(f"compiling the decode step of {type(self.model).__name__} failed "
+                          f"({self.compile_failure}); this engine runs it uncompiled from now on (same results, "
+                          "more time per step). Set compile=False to skip the attempt.", RuntimeWarning, stacklevel=3)
+            self._compiled_run = None
+            self.settings = dataclasses.replace(self.settings, compile=False)
 
     def compile_eagerly(self) -> None:
         """Without a graph: run the compiled step once at the width the next step attends (the rows kept), so that
@@ -416,12 +435,9 @@ class DecodeStep:
             self.capture_s += time.perf_counter() - started
 
     def run_eagerly(self) -> None:
-        """Give up the graphs (a capture failed), and the compiled step with them: a compiled step is first
-        compiled in the capture's warm-up, so the failure may be the compiler's, which running it without a graph
-        would meet again, uncaught. The same step, eager and uncompiled from now on."""
+        """Give up the graphs (a capture failed): the same step, without a graph from now on."""
         self.graphs.clear()
-        self._compiled_run = None
-        self.settings = dataclasses.replace(self.settings, cuda_graph=False, compile=False)
+        self.settings = dataclasses.replace(self.settings, cuda_graph=False)
 
     @contextlib.contextmanager
     def rows_kept(self):

@@ -126,6 +126,9 @@ class RolloutEngine:
         self._step: DecodeStep | None = None
         #: Why the decode step runs eagerly on CUDA although ``cuda_graph`` was left automatic (None: it does not).
         self.graph_failure: str | None = None
+        #: Why the decode step runs uncompiled although ``compile`` asked for it (None: it does not): after a failed
+        #: capture, it failed to compile without a graph too.
+        self.compile_failure: str | None = None
 
     # ------------------------------------------------------------------------------------------ settings
     group_size = property(lambda self: self.config.group_size, doc="G, samples per prompt.")
@@ -229,6 +232,7 @@ class RolloutEngine:
             loop = RolloutLoop(self.model, self.scheduler, step, settings, groups, complete, frozenset(finish))
             result = loop.run()
         self.graph_failure = self.graph_failure or step.graph_failure  # a later bucket's capture may have failed
+        self.compile_failure = self.compile_failure or step.compile_failure
         result.stats.capture_s = step.capture_s - captured_before
         self.rollout_index += 1
         result.stats.wall_s = time.perf_counter() - started
@@ -302,8 +306,9 @@ class RolloutEngine:
     def _build_step(self, settings: StepSettings) -> DecodeStep:
         """The decode step, its first graph captured when ``settings.cuda_graph`` (later buckets' when first
         needed). A capture that fails raises when ``cuda_graph=True`` was asked for; when it was left automatic,
-        the step warns once and runs eagerly and uncompiled from then on, and so do the engine's later steps
-        (``graph_failure``; ``DecodeStep.capture_or_run_eagerly``)."""
+        the step warns once and runs without a graph from then on (compiled where it compiles without one), and so
+        do the engine's later steps (``graph_failure``, ``compile_failure``;
+        ``DecodeStep.capture_or_run_eagerly``)."""
         step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids,
                           graph_required=bool(self.config.cuda_graph))
         if not settings.cuda_graph:
@@ -322,8 +327,7 @@ class RolloutEngine:
             graph = _graphs_available(device) and not sharded and self.graph_failure is None
         elif graph and not _graphs_available(device):
             raise ValueError(f"cuda_graph=True needs a CUDA model; this one is on {device}")
-        # A failed capture gave up the compiled step too (DecodeStep.run_eagerly): its compiler may be what failed.
-        compiled = resolve_compile(self.config.compile, device, sharded) and self.graph_failure is None
+        compiled = resolve_compile(self.config.compile, device, sharded) and self.compile_failure is None
         # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
         # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
