@@ -52,7 +52,8 @@ class FitSummary(Callback):
     as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the
     figures are the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time
     its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
-    rank's rollouts, the KV, process and host peaks the largest rank's (the host peak gathered when training ends).
+    rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered
+    when training ends).
     TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
     (the x of step k's own scalars). Logs no keys of its own.
 
@@ -182,7 +183,7 @@ class FitSummary(Callback):
         floor = roofline(totals, bandwidth)
         return (f"{floor['rollout/floor_ms_per_step']:.2f} ms a step (its bytes at {_rate(bandwidth)}): "
                 f"{totals.ms_per_step:.1f} ms a step is {floor['rollout/roofline_ratio']:.1f} x it; "
-                f"{totals.generated_tokens / self.rollout_s:.0f} tokens/s")  # ranks generate at once
+                f"{totals.generated_tokens / self.rollout_s if self.rollout_s > 0 else 0.0:.0f} tokens/s")
 
     def _peak_line(self, trainer: pl.Trainer) -> str:
         parts = []

@@ -112,3 +112,16 @@ def test_a_mixed_precision_fit_reports_its_decode_steps_against_their_floor(tmp_
     lines = summary.summary_lines(trainer)
     assert any("decode floor" in line and "tokens/s" in line for line in lines), lines
     assert any(line.startswith("  rollout peak") and "; device " in line for line in lines), lines
+
+
+def test_building_a_tiny_model_on_the_gpu_leaves_its_generator_as_it_was():
+    """The tiny models draw seeded weights where they are built (Lightning's configure_model: on the GPU); the
+    run's own CUDA stream of random numbers goes on as if nothing had been drawn."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    torch.cuda.manual_seed(7)
+    before = torch.cuda.get_rng_state()
+    with torch.device("cuda"):
+        model, _ = load_model_and_tokenizer("tiny-llama")
+    assert next(model.parameters()).device.type == "cuda"
+    assert torch.equal(torch.cuda.get_rng_state(), before)

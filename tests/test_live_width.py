@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_grpo.sampling import RolloutEngine, engine as engine_module
+from lit_grpo.sampling import RolloutEngine, decode_step as decode_step_module, engine as engine_module
 from lit_grpo.sampling.decode_step import (MAX_BUCKETS, DecodeStep, StepSettings, bucket_for, width_buckets)
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_geometry
@@ -158,7 +159,8 @@ def _fake_cuda(patch, pools):
     """Patch what ``DecodeStep._capture`` calls of torch.cuda so the capture logic runs on a CPU."""
     @contextlib.contextmanager
     def graph(fake, pool=None, stream=None):
-        assert isinstance(stream, Stream)  # the step's own: torch's default is made on the device current then
+        # the step's own stream: torch's default is made on the device current then
+        assert stream is decode_step_module._side_stream(_capturing[-1].device)
         pools.append(pool)
         step = _capturing[-1]
         fake.step, fake.width = step, step.cache.attended
@@ -177,6 +179,8 @@ def _fake_cuda(patch, pools):
             pass
 
     patch.setattr(torch.cuda, "Stream", Stream)
+    # a cache of its own: a stand-in stream must not outlive the test in the step's cache of real ones
+    patch.setattr(decode_step_module, "_side_stream", functools.cache(decode_step_module._side_stream.__wrapped__))
     patch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     patch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     patch.setattr(torch.cuda, "graph_pool_handle", lambda: object())

@@ -109,7 +109,9 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tm
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     for flags, run_timeout, shape, timeout in ([[], None, "gpu_gsweep", "480"],
                                                [["--shape", "gpu_long", "--group-sizes", "256"], "300", "gpu_long",
-                                                "300"]):
+                                                "300"],
+                                               [["--shape=gpu_long", "--lit-slots", "auto"], None,
+                                                "gpu_long_slots-auto", "480"]):
         log.write_text("")
         env.pop("RUN_TIMEOUT_S", None)
         env.update({"RUN_TIMEOUT_S": run_timeout} if run_timeout else {})
@@ -117,7 +119,8 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tm
                               capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
         command = next(line for line in log.read_text().splitlines() if line.startswith("-m tools.compare_trl"))
-        assert f"--shape {shape} " in command and f"--timeout-s {timeout} " in command and "--order lit " in command
+        assert f"--shape {shape.split('_slots')[0]} " in command and f"--timeout-s {timeout} " in command
+        assert "--order lit " in command
         assert f"--json {tmp_path / 'out' / shape}.json --markdown {tmp_path / 'out' / shape}.md" in command
         assert command.endswith(" ".join(flags) if flags else ".md")
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)

@@ -256,7 +256,7 @@ def _lit_slots(text: str) -> str | int:
     """``--lit-slots``: one of ``LIT_SLOTS`` or a count of slots (an integer >= 1)."""
     if text in LIT_SLOTS:
         return text
-    if text.isdigit() and int(text) >= 1:
+    if text.isascii() and text.isdigit() and int(text) >= 1:
         return int(text)
     raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(LIT_SLOTS)} or a count of slots (an "
                                      "integer >= 1)")
