@@ -28,8 +28,8 @@ first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G chan
 at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
 per sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the
 GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens), ``--lit-slots 32`` 32 slots at
-every G (memory flat in G). ``--group-sizes 32,64`` runs only
-the shape's cells of those G, in the shape's order (where a device's time is short). Everything else is the demo's
+every G (memory flat in G). ``--group-sizes 32,64`` runs only the shape's cells of those G, in the shape's order
+(where a device's time is short). Everything else is the demo's
 and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
 another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
 function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr

@@ -18,10 +18,10 @@
 #    480) and recorded as a timeout with the steps it finished.
 # OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json (NAME: the shape, with _slots-N where a
 # --lit-slots N is given; written again after every run: a command stopped at its time limit keeps the runs it
-# finished), NAME.md and runs.tgz (the runs' configs, records
-# and logs; written only when the script ends, so keep RUN_TIMEOUT_S inside the command's own limit). TRL's three
-# runs took about 100 s each on an H200 (start-up included); where one command may not run 10 minutes, run the two
-# sides in two commands on the same machine (ORDER lit, then trl).
+# finished), NAME.md and runs.tgz (the runs' configs, records and logs; written only when the script ends, so keep
+# RUN_TIMEOUT_S inside the command's own limit). TRL's three runs took about 100 s each on an H200 (start-up
+# included); where one command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER
+# lit, then trl).
 set -uo pipefail
 WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]}")"
 DIR="${2:-${OUT:-}}"

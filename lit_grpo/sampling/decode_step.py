@@ -385,7 +385,7 @@ class DecodeStep:
     def capture_or_run_eagerly(self) -> None:
         """``capture``, and where that fails (a model whose forward reads a device value on the host, an op CUDA
         graphs do not support): raise when the graph was required (``graph_required``), else warn once, give the
-        graphs up and run eagerly from then on (``graph_failure`` says why). A compiled step is first compiled in
+        graphs up and run without them from then on (``graph_failure`` says why). A compiled step is first compiled in
         the capture's warm-up, so the failure may be the compiler's: it is compiled again without a graph, and
         where that fails too, given up (``compile_failure``). Running out of memory is no reason to give graphs
         up: it is raised as it is."""
