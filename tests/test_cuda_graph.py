@@ -175,9 +175,10 @@ def test_a_graph_replayed_on_kept_cast_weights_samples_what_per_step_casts_sampl
     weights = CastWeights(model.eval(), torch.bfloat16)
     settings = dict(group_size=5, micro_group_size=3, strategy="continuous", max_new_tokens=12, seed=3)
     engine = RolloutEngine(weights.module, tokenizer, cuda_graph=True, **settings)
+    eager = RolloutEngine(model, tokenizer, cuda_graph=False, **settings)  # its rollouts drawn as the engine's are
     for step in range(2):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            reference = RolloutEngine(model, tokenizer, cuda_graph=False, **settings).generate(prompts)
+            reference = eager.generate(prompts)
             with weights.active(keep=True):
                 replayed = engine.generate(prompts)
         assert replayed.completion_ids == reference.completion_ids and replayed.logprobs == reference.logprobs
