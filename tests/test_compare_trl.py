@@ -179,6 +179,18 @@ def test_group_sizes_pick_the_shapes_cells_in_its_order(capsys):
     assert "--group-sizes 512: --shape gpu_long has G 256, 32, 64, 128" in capsys.readouterr().err
 
 
+def test_out_dir_names_the_files_after_the_shape_and_the_slots(tmp_path):
+    base = ["--trl-python", sys.executable, "--out-dir", str(tmp_path)]
+    for flags, name in (([], "demo"), (["--shape", "gpu_long", "--lit-slots", "auto"], "gpu_long_slots-auto"),
+                        (["--shape=gpu_gsweep", "--shape", "gpu_long", "--lit-slots", "32"], "gpu_long_slots-32"),
+                        (["--lit-slots", "fixed"], "demo")):
+        args = compare_trl.parse_args([*base, *flags])
+        assert (args.json, args.markdown) == (tmp_path / f"{name}.json", tmp_path / f"{name}.md")
+    args = compare_trl.parse_args([*base, "--json", str(tmp_path / "mine.json")])  # a given path wins
+    assert (args.json, args.markdown) == (tmp_path / "mine.json", tmp_path / "demo.md")
+    assert compare_trl.parse_args(base[:2]).json is None
+
+
 def _steps(step_s, rollout_s, reward, peak, count=3, prompts=(1, 2)):
     steps = []
     for i in range(count):

@@ -55,7 +55,8 @@ two systems' means lie within the larger of their spreads.
 
 Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"config", "trl_settings"
 (GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``, written again
-after every run, so a comparison stopped midway (a command's time limit) keeps the runs it finished. Each run's
+after every run, so a comparison stopped midway (a command's time limit) keeps the runs it finished. ``--out-dir
+DIR`` names both after the run: DIR/gpu_long_slots-auto.json for ``--shape gpu_long --lit-slots auto``. Each run's
 folder under ``--work-dir`` keeps its spec, config, step records and output.
 """
 
@@ -562,7 +563,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/compare_trl"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--out-dir", type=Path, help="where --json and --markdown are not given: OUT_DIR/NAME.json "
+                                                     "and OUT_DIR/NAME.md, NAME the shape (with _slots-N for a "
+                                                     "--lit-slots N other than fixed)")
     args = parser.parse_args(argv)
+    if args.out_dir is not None:
+        name = args.shape + ("" if args.lit_slots == "fixed" else f"_slots-{args.lit_slots}")
+        args.json = args.json or args.out_dir / f"{name}.json"
+        args.markdown = args.markdown or args.out_dir / f"{name}.md"
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
     for flag, value, minimum in (("--steps", args.steps, 1), ("--threads", args.threads, 1)):

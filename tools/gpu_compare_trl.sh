@@ -16,12 +16,12 @@
 # 2. python -m tools.compare_trl --shape gpu_gsweep (or the shape a FLAG names, e.g. --shape gpu_long) with
 #    --trl-python python3 (one environment for both sides), each run stopped after RUN_TIMEOUT_S seconds (default
 #    480) and recorded as a timeout with the steps it finished.
-# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json (NAME: the shape, with _slots-N where a
-# --lit-slots N is given; written again after every run: a command stopped at its time limit keeps the runs it
-# finished), NAME.md and runs.tgz (the runs' configs, records and logs; written only when the script ends, so keep
-# RUN_TIMEOUT_S inside the command's own limit). TRL's three runs took about 100 s each on an H200 (start-up
-# included); where one command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER
-# lit, then trl).
+# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json and NAME.md (compare_trl's --out-dir:
+# NAME is the shape, with _slots-N for a --lit-slots N other than fixed; the JSON is written again after every run,
+# so a command stopped at its time limit keeps the runs it finished) and runs.tgz (the runs' configs, records and
+# logs; written only when the script ends, so keep RUN_TIMEOUT_S inside the command's own limit). TRL's three runs
+# took about 100 s each on an H200 (start-up included); where one command may not run 10 minutes, run the two sides
+# in two commands on the same machine (ORDER lit, then trl).
 set -uo pipefail
 WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]}")"
 DIR="${2:-${OUT:-}}"
@@ -43,18 +43,10 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
     | tee "$DIR/device.txt" || exit 1
-SHAPE=gpu_gsweep SLOTS=""  # the last --shape and --lit-slots among the FLAGs, as tools.compare_trl takes them
-previous=""
-for flag in "$@"; do
-    [ "$previous" = "--shape" ] && SHAPE="$flag"
-    [ "$previous" = "--lit-slots" ] && SLOTS="$flag"
-    case "$flag" in --shape=*) SHAPE="${flag#--shape=}" ;; --lit-slots=*) SLOTS="${flag#--lit-slots=}" ;; esac
-    previous="$flag"
-done
-NAME="$SHAPE${SLOTS:+_slots-$SLOTS}"
-python3 -m tools.compare_trl --trl-python python3 --shape "$SHAPE" --model random:qwen3-1.7b --device cuda \
+# the FLAGs come last: a --shape among them replaces gpu_gsweep (argparse keeps the last)
+python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep --model random:qwen3-1.7b --device cuda \
     --precision bf16-mixed --threads 4 --order "$ORDER" --timeout-s "${RUN_TIMEOUT_S:-480}" \
-    --work-dir "$SITE/runs" --json "$DIR/$NAME.json" --markdown "$DIR/$NAME.md" "$@"
+    --work-dir "$SITE/runs" --out-dir "$DIR" "$@"
 status=$?
 tar czf "$DIR/runs.tgz" -C "$SITE" runs
 exit $status
