@@ -16,10 +16,17 @@ import site
 import subprocess
 import sys
 import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement  # transformers' dependency
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the docs extra brings tomli on Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Installed package -> its source folder (the design's package-dir mapping: nothing lands in site-packages under a
@@ -95,9 +102,29 @@ def _run(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
     return proc
 
 
+def _unmet_build_requirements() -> list[str]:
+    """pyproject's build requirements this environment does not meet: the wheel is built offline, without build
+    isolation, so with this environment's backend (a fresh venv's setuptools is too old)."""
+    unmet = []
+    for text in tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            found = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            found = None
+        if found is None or not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{text} (found: {found or 'not installed'})")
+    return unmet
+
+
 def _build_wheel(tmp_path: Path) -> Path:
     """The wheel of a copy of the sources: a build/ folder in the tree could carry modules of an earlier build into
     this wheel, and several runs may build at once."""
+    unmet = _unmet_build_requirements()
+    assert not unmet, (f"this environment lacks pyproject's build requirements {unmet}, which the offline build "
+                       "uses; `pip install -e '.[dev]'` brings them")
     src = tmp_path / "src"
     src.mkdir()
     for name in BUILD_FILES:
