@@ -75,7 +75,7 @@ import yaml
 
 from tools import harness, process_memory
 from tools.compare_trl_spec import (LIT_SLOTS, PRECISIONS, SHAPES, TRL_GENERATION, build_spec, cells, demo_settings,
-                                    lit_config, trl_config, trl_other_settings)
+                                    is_lit_slots, lit_config, trl_config, trl_other_settings)
 
 TRL_VERSION = "1.16.0"
 SYSTEMS = ("lit", "trl")
@@ -255,10 +255,9 @@ def parse_order(text: str) -> list[str]:
 
 def _lit_slots(text: str) -> str | int:
     """``--lit-slots``: one of ``LIT_SLOTS`` or a count of slots (an integer >= 1)."""
-    if text in LIT_SLOTS:
-        return text
-    if text.isascii() and text.isdigit() and int(text) >= 1:
-        return int(text)
+    value = int(text) if text.isascii() and text.isdigit() else text
+    if is_lit_slots(value):
+        return value
     raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(LIT_SLOTS)} or a count of slots (an "
                                      "integer >= 1)")
 

@@ -76,6 +76,11 @@ def cells(shape: str, demo: dict[str, Any]) -> list[dict[str, int]]:
     return out
 
 
+def is_lit_slots(value: Any) -> bool:
+    """Whether ``value`` is a ``lit_slots``: one of ``LIT_SLOTS`` or a count of slots (an integer >= 1)."""
+    return value in LIT_SLOTS or isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None = None, device: str = "cpu",
                precision: str | None = None, threads: int = 2, seed: int = 0, steps: int = 8,
                untimed_steps: int = 1, trl_generation: str = "generate",
@@ -90,9 +95,9 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         raise ValueError(f"device {device!r}: use one of {DEVICES}")
     if trl_generation not in TRL_GENERATION:
         raise ValueError(f"trl_generation {trl_generation!r}: use one of {TRL_GENERATION}")
-    counted = isinstance(lit_slots, int) and not isinstance(lit_slots, bool)
-    if not (lit_slots in LIT_SLOTS or counted and lit_slots >= 1):
+    if not is_lit_slots(lit_slots):
         raise ValueError(f"lit_slots {lit_slots!r}: use one of {LIT_SLOTS} or a count of slots (an integer >= 1)")
+    counted = lit_slots not in LIT_SLOTS
     precision = precision or demo["trainer"].get("precision", "32-true")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
