@@ -5,6 +5,7 @@ The same static-shape step runs eagerly on CPU in every other engine test; this 
 cannot: that capture and replay are correct and that the step needs one host synchronisation.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -123,6 +124,35 @@ def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
         # exact: the same eager step on the same shapes and inputs (a determinism claim)
         assert result.completion_ids == eager.completion_ids and result.logprobs == eager.logprobs
         assert engine.generate(prompts).stats.decode_steps > 0  # later rollouts run eagerly, without a warning
+    finally:
+        handle.remove()
+
+
+def test_a_failed_capture_leaves_nothing_of_its_memory_pool_behind():
+    """The graphs of a step share one pool, held by each capture from its start; a capture that fails never ends,
+    so the step drops its hold: once the engine is gone, ``empty_cache`` returns all of the pool's memory. The first
+    failed engine makes what a process keeps for good (the side stream's cuBLAS workspace)."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="float32", device="cuda")
+    prompts = [tokenizer("What is 2+3?")["input_ids"]]
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=8, seed=1)
+
+    def read_on_the_host(module, args, kwargs):
+        kwargs["input_ids"].sum().item()
+
+    def fail_a_capture_and_let_go() -> int:
+        engine = RolloutEngine(model, tokenizer, **settings)
+        with pytest.warns(RuntimeWarning, match="CUDA graph failed"):
+            engine.generate(prompts)
+        del engine
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    handle = model.model.register_forward_pre_hook(read_on_the_host, with_kwargs=True)
+    try:
+        reserved = fail_a_capture_and_let_go()
+        assert fail_a_capture_and_let_go() <= reserved
     finally:
         handle.remove()
 

@@ -291,17 +291,36 @@ def test_a_compiled_step_that_keeps_hidden_states_is_one_graph_on_a_fresh_model(
     assert counters["stats"]["unique_graphs"] - graphs == 1 and counters["frames"]["total"] - frames == 1
 
 
-def test_a_failed_capture_puts_the_stream_back_and_ends_its_pools_allocation(monkeypatch):
+@pytest.mark.parametrize("began, routing, ended, released", [
+    (True, True, False, True),     # the capture broke: ending it failed before it stopped the routing
+    (True, False, False, True),    # torch stopped the routing, then found the capture invalid
+    (True, False, True, False),    # the capture ended (the error came after): the graph drops its own hold
+    (False, True, False, True),    # the routing began, the capture did not
+    (False, False, False, False),  # nothing began: no hold was taken
+])
+def test_a_failed_capture_puts_the_stream_back_and_drops_its_hold_on_the_pool_once(monkeypatch, began, routing, ended,
+                                                                                   released):
     """``torch.cuda.graph``'s exit raises before it restores the current stream when ending a capture fails; the
-    step restores it and ends the pool's allocation, and a torch that ended it already (its error) is fine. The CUDA
-    calls are stand-ins here; tests/test_cuda_graph.py breaks a real capture."""
+    step restores it, ends the pool's allocation where torch did not, and drops the hold the capture took on the
+    pool (shared by the step's graphs), where the capture began and did not end, which is when no graph will: once,
+    as a second drop would free memory the other graphs replay into. The CUDA calls are stand-ins here;
+    tests/test_cuda_graph.py breaks a real capture."""
     calls = []
 
     def end_allocation(device_index, pool):
         calls.append(("end", device_index, pool))
-        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        if not routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    class Graph:
+        def pool(self):
+            if not ended:
+                raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+            return (0, 7)
 
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(("stream", stream)))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocation, raising=False)
-    decode_step._end_failed_capture(torch.device("cuda", 1), "previous stream", (0, 7))
-    assert calls == [("stream", "previous stream"), ("end", 1, (0, 7))]
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda index, pool: calls.append(("release", index, pool)),
+                        raising=False)
+    decode_step._end_failed_capture(Graph(), torch.device("cuda", 1), "previous stream", (0, 7), began)
+    assert calls == [("stream", "previous stream"), ("end", 1, (0, 7))] + [("release", 1, (0, 7))] * released

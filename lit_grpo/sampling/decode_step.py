@@ -470,18 +470,19 @@ class DecodeStep:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        broke: list[Exception] = []
+        began, broke = False, []
         try:
             # on the step's own stream: torch's default capture stream is made once, on the device current then,
             # and a model on another device would run its kernels outside the capture
             with _graph_safe_autocast(), torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+                began = True
                 try:
                     self._forward()
                 except Exception as error:
                     broke.append(error)
                     raise
         except Exception as error:
-            _end_failed_capture(self.device, previous, self._graph_pool)
+            _end_failed_capture(graph, self.device, previous, self._graph_pool, began)
             # An op that breaks the capture makes ending it fail too; that second error would hide the first.
             if broke and error is not broke[0]:
                 raise broke[0] from None
@@ -516,14 +517,29 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _end_failed_capture(device: torch.device, previous: torch.cuda.Stream, pool) -> None:
-    """Undo what ``torch.cuda.graph`` leaves behind when ending a capture fails: its exit raises before it restores
-    the current stream (the process would go on running on the capture stream), and the allocator may still route
-    allocations to the capture's pool (which then keeps ``empty_cache`` from freeing cached blocks)."""
+def _end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, previous: torch.cuda.Stream, pool,
+                        began: bool) -> None:
+    """Undo what ``torch.cuda.graph`` leaves behind when a capture fails: its exit raises before it restores the
+    current stream (the process would go on running on the capture stream); the allocator may still route
+    allocations to the pool (which keeps ``empty_cache`` from freeing cached blocks); and the capture's hold on
+    the pool, taken when it began, is dropped only by a graph whose capture ended. The pool is shared by the
+    step's graphs of every bucket: a hold left behind would keep all their memory for the life of the process.
+    ``began``: the capture's block was entered (its hold was taken)."""
     torch.cuda.set_stream(previous)
-    with contextlib.suppress(RuntimeError, AttributeError):  # already ended where torch ends it first
-        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
-                                         pool)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+        routed = True
+    except (RuntimeError, AttributeError):  # already ended where torch ends it first, or never begun
+        routed = False
+    try:
+        graph.pool()  # raises unless the capture ended: then the graph drops its hold itself when it is freed
+        return
+    except RuntimeError:
+        pass
+    if began or routed:
+        with contextlib.suppress(RuntimeError, AttributeError):
+            torch._C._cuda_releasePool(index, pool)
 
 
 def _graph_safe_autocast():
