@@ -148,6 +148,33 @@ def test_the_lit_grpo_config_sets_what_the_spec_says(demo, tmp_path):
     assert not [cb for cb in trainer.callbacks if type(cb).__name__ == "PeakMemoryMonitor"]
 
 
+def test_the_lit_grpo_run_records_its_engine_against_its_floor_each_step(demo, tmp_path):
+    """A step record holds the engine's slots and its decode step against the floor (the bytes it read at the
+    bandwidth measured before the first step), so a run stopped at its deadline keeps them."""
+    from lit_grpo.cli import build_cli
+
+    spec = build_spec(demo, {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, model="tiny-llama",
+                      steps=1, threads=1, lit_slots=3)
+    path, records = tmp_path / "spec" / "config.yaml", tmp_path / "steps.jsonl"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(lit_config(spec, records)))
+    threads = torch.get_num_threads()
+    try:
+        cli = build_cli(["--config", str(path), "--trainer.default_root_dir", str(tmp_path)], run=False)
+        cli.trainer.fit(cli.model, cli.datamodule)
+    finally:
+        torch.set_num_threads(threads)
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    start, steps = lines[0], [line for line in lines if line["event"] == "step"]
+    assert start["read_bytes_per_s"] > 0 and len(steps) == 2
+    for step in steps:
+        assert step["slots"] == 3 and step["decode_steps"] > 0 and step["peak_kv_bytes"] > 0
+        assert step["floor_ms_per_step"] > 0
+        assert step["roofline_ratio"] == pytest.approx(step["ms_per_step"] / step["floor_ms_per_step"])
+    figures = compare_trl.run_figures(steps, untimed=1)
+    assert figures["slots"] == 3 and figures["ms_per_step"] == steps[1]["ms_per_step"]
+
+
 def test_trl_gets_lit_grpos_prompts_in_its_order(demo):
     from tools.compare_trl_runs import lit_prompt_rows
 
@@ -177,6 +204,19 @@ def test_group_sizes_pick_the_shapes_cells_in_its_order(capsys):
     with pytest.raises(SystemExit):
         compare_trl.parse_args([*base, "--group-sizes", "32,512"])
     assert "--group-sizes 512: --shape gpu_long has G 256, 32, 64, 128" in capsys.readouterr().err
+
+
+def test_gpu_long_times_its_one_step_without_a_warm_up_and_the_others_after_one(demo):
+    base = ["--trl-python", sys.executable]
+    assert compare_trl.parse_args([*base, "--shape", "gpu_long"]).untimed_steps == 0
+    assert compare_trl.parse_args([*base, "--shape", "gpu_gsweep"]).untimed_steps == 1
+    args = compare_trl.parse_args([*base, "--shape", "gpu_long", "--untimed-steps", "2", "--group-sizes", "32"])
+    (spec,) = compare_trl.specs(args)
+    assert (spec["untimed_steps"], spec["steps"], trl_config(spec, "out")["max_steps"]) == (2, 3, 3)
+    with pytest.raises(SystemExit):
+        compare_trl.parse_args([*base, "--untimed-steps", "-1"])
+    with pytest.raises(ValueError, match="untimed_steps -1: use an integer >= 0"):
+        build_spec(demo, cells("gpu_long", demo)[0], untimed_steps=-1)
 
 
 def test_out_dir_names_the_files_after_the_shape_and_the_slots(tmp_path):
@@ -274,6 +314,40 @@ def test_a_comparison_stopped_midway_keeps_the_runs_it_finished(tmp_path, monkey
     assert [(r["system"], r["status"]) for r in report["runs"]] == [("lit", "ok")]
     assert report["summary"][0]["systems"]["lit"]["step_s"] == pytest.approx(2.15)
     assert "CUDA peak 3.00 GiB, peak RSS 0.10 GiB" in capsys.readouterr().err
+
+
+def test_without_a_warm_up_the_first_step_is_timed_and_the_table_says_so():
+    steps, samples = _steps(2.0, 1.0, 0.5, 100 * MB, count=1)
+    for step in steps:
+        step.update(slots=32, ms_per_step=4.0, floor_ms_per_step=1.6, roofline_ratio=2.5, tokens_per_s=8000.0)
+    run = _record("lit", 0, steps, samples)
+    spec = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 24, "untimed_steps": 0}
+    run = compare_trl.run_record(run, spec, process_memory.Watched(returncode=0, timed_out=False, samples=samples,
+                                                                   maxrss_bytes=200 * MB),
+                                 [{"event": "start"}, *steps], "", ["cmd"], "dir")
+    assert run["timed_steps"] == 1 and run["step_s"] == pytest.approx(2.0) and run["slots"] == 32
+    summary = compare_trl.summarize([run], untimed=0)
+    assert summary[0]["systems"]["lit"]["roofline_ratio"] == pytest.approx(2.5)
+    report = {"config": {"steps_total": 1, "steps": 1, "untimed_steps": 0, "device": "cuda", "model": "m",
+                         "precision": "bf16-mixed", "threads": 4, "order": ["lit"], "seeds": [0], "interval_s": 0.05},
+              "trl_settings": {"version": None, "GRPOConfig": {"4x8x24": {"num_generations": 8}}, "other": {}},
+              "runs": [run], "summary": summary}
+    table = compare_trl.markdown(report)
+    assert "1 timed steps no warm-up" in table
+    assert ("lit_grpo's engine: 32 slots, a decode step 4.00 ms against a floor of 1.60 ms (2.5 x), 8000 tokens/s"
+            in table)
+    assert "lit_grpo's engine: 32 slots" in compare_trl.run_line(run)
+
+
+def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch):
+    def no_trl(python):
+        raise AssertionError("TRL's environment was checked for a run without TRL")
+
+    monkeypatch.setattr(compare_trl, "check_trl_python", no_trl)
+    monkeypatch.setattr(compare_trl, "run_one", lambda *args: _record("lit", 0, *_steps(2.0, 1.0, 0.5, MB)))
+    report = compare_trl.main(["--trl-python", "python3", "--order", "lit", "--steps", "2", "--json",
+                               str(tmp_path / "report.json"), "--work-dir", str(tmp_path / "runs")])
+    assert [r["system"] for r in report["runs"]] == ["lit"] and report["trl_settings"]["version"] is None
 
 
 def test_different_prompts_are_named():

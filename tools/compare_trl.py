@@ -24,34 +24,35 @@ the same DIR: updated in place); runs then take ``--trl-python DIR/bin/python``.
 
 **The runs.** ``--shape`` picks the cells: ``demo`` (configs/demo.yaml: 4 prompts x G 8, 24 new tokens), ``4x32x64``
 (4 x 32 at 64 tokens) or ``gsweep`` (1 prompt at 32 tokens, G = 8, 32, 64, 128; one timed step by default: memory
-first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same
-at G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot
-per sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the
-GPU's free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens), ``--lit-slots 32`` 32 slots at
-every G (memory flat in G). ``--group-sizes 32,64`` runs only the shape's cells of those G, in the shape's order
-(where a device's time is short). Everything else is the demo's
-and set explicitly on both sides (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for
-another), the reasoning-gym task, its prompts, system prompt and chat template, the accuracy reward (lit_grpo's
-function, called by TRL as its reward function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr
-1e-5 with AdamW (0.9, 0.99) and 2 warm-up steps, gradient clipping 1.0, micro-batches of 16 rows (the sweep: 8) and
-one optimizer step per GRPO step, temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with
-its engine (the demo's strategy and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``:
-transformers' paged continuous batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a
-generated config; TRL: ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after one warm-up step, in the
-``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a drift of the machine falls on both). A run
-past ``--timeout-s`` is killed and recorded as "timeout", one killed by the kernel or failing to allocate as "oom";
-the steps it finished are kept.
+first; 8-row micro-batches and 8 slots at every G, what G 8 gets, so only G changes), or ``gpu_gsweep`` (the same at
+G = 8, 32, 64 and 512 tokens, for a GPU: tools/gpu_compare_trl.sh). ``--lit-slots all`` gives lit_grpo one slot per
+sample instead (every sample decodes at once, as in TRL's ``generate``), ``--lit-slots auto`` as many as the GPU's
+free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens), ``--lit-slots 32`` 32 slots at every G
+(memory flat in G). ``--group-sizes 32,64`` runs only the shape's cells of those G, in the shape's order (where a
+device's time is short). Everything else is the demo's and set explicitly on both sides
+(``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for another), the reasoning-gym task, its
+prompts, system prompt and chat template, the accuracy reward (lit_grpo's function, called by TRL as its reward
+function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr 1e-5 with AdamW (0.9, 0.99) and 2
+warm-up steps, gradient clipping 1.0, micro-batches of 16 rows (the sweep: 8) and one optimizer step per GRPO step,
+temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with its engine (the demo's strategy
+and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``: transformers' paged continuous
+batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a generated config; TRL:
+``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after ``--untimed-steps`` warm-up steps (1; ``gpu_long``:
+none, its one step takes minutes), in the ``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a
+drift of the machine falls on both). A run past ``--timeout-s`` is killed and recorded as "timeout", one killed by
+the kernel or failing to allocate as "oom"; the steps it finished are kept.
 
-**What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one
-optimizer step to the end of the next), ``rollout_s`` (lit_grpo: the batch fetch, i.e. prompt draw, generation,
-scoring, advantages; TRL: ``_generate_and_score_completions``, the same work), ``generate_s`` (the generation
-alone), ``update_s`` (the rest), the mean reward, and peak memory. Memory is measured the same way for both: this
-process samples the child's RSS (``/proc/<pid>/status``) every ``--interval-s`` and takes the largest sample in
-each step's window; ``maxrss`` is the kernel's peak over the child's whole life (``wait4``: loading included), the
-figure ``/usr/bin/time -v`` prints. On CUDA each side also reports ``torch.cuda.max_memory_allocated`` per step.
-The table gives medians over the timed steps of all runs of a system, the largest step-window RSS (median over
-runs), and the ratios lit_grpo / TRL. With several seeds, the mean reward per seed, its spread, and whether the
-two systems' means lie within the larger of their spreads.
+**What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one optimizer
+step to the end of the next), ``rollout_s`` (lit_grpo: the batch fetch, i.e. prompt draw, generation, scoring,
+advantages; TRL: ``_generate_and_score_completions``, the same work), ``generate_s`` (the generation alone),
+``update_s`` (the rest), the mean reward, and peak memory; and lit_grpo's engine: its slots, its decode step's
+milliseconds against their floor (the bytes it read at the device's read bandwidth) and its tokens/s. Memory is
+measured the same way for both: this process samples the child's RSS (``/proc/<pid>/status``) every ``--interval-s``
+and takes the largest sample in each step's window; ``maxrss`` is the kernel's peak over the child's whole life
+(``wait4``: loading included), the figure ``/usr/bin/time -v`` prints. On CUDA each side also reports
+``torch.cuda.max_memory_allocated`` per step. The table gives medians over the timed steps of all runs of a system,
+the largest step-window RSS (median over runs), and the ratios lit_grpo / TRL. With several seeds, the mean reward
+per seed, its spread, and whether the two systems' means lie within the larger of their spreads.
 
 Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"config", "trl_settings"
 (GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``, written again
@@ -82,6 +83,9 @@ SYSTEMS = ("lit", "trl")
 SYSTEM_NAMES = {"lit": "lit_grpo", "trl": "TRL"}
 #: The per-step figures summarized (medians over the timed steps).
 TIMES = ("step_s", "rollout_s", "generate_s", "update_s")
+#: lit_grpo's engine per step (``tools.compare_trl_runs``; TRL has none): its slots, its decode step against the
+#: floor, its tokens/s.
+ENGINE = ("slots", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "tokens_per_s")
 OOM_SIGNS = ("out of memory", "outofmemoryerror", "can't allocate memory", "memoryerror", "cannot allocate memory")
 GIB = 1 << 30
 
@@ -361,10 +365,11 @@ def run_record(run: dict[str, Any], spec: dict[str, Any], seen: process_memory.W
 
 
 def run_figures(steps: list[dict[str, Any]], untimed: int) -> dict[str, Any]:
-    """Medians of the timed steps' times, the largest timed step's peaks, and the mean reward of all steps."""
+    """Medians of the timed steps' times and engine figures, the largest timed step's peaks, and the mean reward of
+    all steps."""
     timed = [s for s in steps if s["step"] > untimed]
     out: dict[str, Any] = {"timed_steps": len(timed)}
-    for key in TIMES:
+    for key in (*TIMES, *ENGINE):
         out[key] = harness.median(s.get(key) for s in timed)
     for key in ("rss_peak_bytes", "cuda_peak_bytes"):
         values = [s[key] for s in timed if s.get(key) is not None]
@@ -409,7 +414,7 @@ def system_summary(runs: list[dict[str, Any]], untimed: int) -> dict[str, Any]:
     return {
         "runs": len(runs), "statuses": statuses, "timed_steps": len(timed),
         "steps_per_run": [len(r["steps"]) for r in runs],
-        **{key: harness.median(s.get(key) for s in timed) for key in TIMES},
+        **{key: harness.median(s.get(key) for s in timed) for key in (*TIMES, *ENGINE)},
         **{key: harness.median(r[key] for r in runs) for key in ("rss_peak_bytes", "maxrss_bytes",
                                                                  "cuda_peak_bytes")},
         "reward_by_seed": {str(seed): statistics.fmean(values) for seed, values in sorted(by_seed.items())},
@@ -471,14 +476,25 @@ def _status(summary: dict[str, Any], steps: int) -> str:
     return text
 
 
+def engine_note(summary: dict[str, Any]) -> str:
+    """lit_grpo's engine in a few words: its slots, its decode step against its floor, its tokens/s."""
+    floor = summary.get("floor_ms_per_step")
+    against = "" if floor is None else f" against a floor of {floor:.2f} ms ({summary['roofline_ratio']:.1f} x)"
+    slots = summary.get("slots")
+    return (f"lit_grpo's engine: {'?' if slots is None else f'{slots:g}'} slots, a decode step "
+            f"{summary['ms_per_step']:.2f} ms{against}, {summary.get('tokens_per_s') or 0:.0f} tokens/s")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The comparison as a markdown table, with the settings and definitions under it."""
     config = report["config"]
     steps = config["steps_total"]
     cuda = config["device"] == "cuda"
     memory = "CUDA peak GiB" if cuda else "peak RSS GiB"
+    untimed = config.get("untimed_steps", 1)
+    warm_up = f"after {untimed} warm-up" if untimed else "no warm-up (the first step's captures counted)"
     lines = [f"GRPO step, lit_grpo against TRL ({config['model']}, {config['precision']}, {config['device']}, "
-             f"{config['threads']} threads; {config['steps']} timed steps after 1 warm-up, order "
+             f"{config['threads']} threads; {config['steps']} timed steps {warm_up}, order "
              f"{','.join(config['order'])}, seeds {','.join(map(str, config['seeds']))}, lit_grpo's slots "
              f"{config.get('lit_slots', 'fixed')})", "",
              f"| B x G x tokens | system | step s | rollout s | generate s | update s | {memory} | maxrss GiB | "
@@ -506,6 +522,9 @@ def markdown(report: dict[str, Any]) -> str:
         trl = entry["systems"].get("trl", {})
         if trl.get("prompt_ids_match") is False:
             notes.append("TRL rendered the prompts to other tokens than lit_grpo")
+        lit = entry["systems"].get("lit", {})
+        if lit.get("ms_per_step") is not None:
+            notes.append(engine_note(lit))
         reward = entry.get("reward")
         if reward and reward["within_spread"] is not None:
             notes.append(f"reward means {reward['lit']['mean']:.3f} (lit_grpo, spread {reward['lit']['spread']:.3f}) "
@@ -541,8 +560,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--make-trl-env", type=Path, metavar="DIR",
                         help=f"make a venv with trl=={TRL_VERSION} at DIR, then exit")
     parser.add_argument("--shape", choices=list(SHAPES), default="demo")
-    parser.add_argument("--steps", type=int, help="timed GRPO steps per run, after one warm-up step (default: "
+    parser.add_argument("--steps", type=int, help="timed GRPO steps per run, after the warm-up steps (default: "
                         + ", ".join(f"{name} {shape['steps']}" for name, shape in SHAPES.items()) + ")")
+    parser.add_argument("--untimed-steps", type=int, help="warm-up steps before the timed ones (default: 1; "
+                        + ", ".join(f"{name} {shape['untimed_steps']}" for name, shape in SHAPES.items()
+                                    if "untimed_steps" in shape) + ")")
     parser.add_argument("--group-sizes", type=harness.comma_numbers(1), default=None,
                         help="only the shape's cells of these G (comma list; default every cell)")
     parser.add_argument("--seeds", type=harness.comma_numbers(0), default=[0], help="comma list of seeds")
@@ -572,7 +594,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.markdown = args.markdown or args.out_dir / f"{name}.md"
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
-    for flag, value, minimum in (("--steps", args.steps, 1), ("--threads", args.threads, 1)):
+    if args.untimed_steps is None:
+        args.untimed_steps = SHAPES[args.shape].get("untimed_steps", 1)
+    for flag, value, minimum in (("--steps", args.steps, 1), ("--untimed-steps", args.untimed_steps, 0),
+                                 ("--threads", args.threads, 1)):
         if value < minimum:
             parser.error(f"{flag} {value}: use an integer >= {minimum}")
     for flag, value in (("--interval-s", args.interval_s), ("--timeout-s", args.timeout_s)):
@@ -594,7 +619,7 @@ def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     demo = demo_settings()
     return [build_spec(demo, cell, model=None if args.model == "smollm2" else args.model, device=args.device,
                        precision=args.precision, threads=args.threads, seed=0, steps=args.steps,
-                       trl_generation=args.trl_generation, lit_slots=args.lit_slots)
+                       untimed_steps=args.untimed_steps, trl_generation=args.trl_generation, lit_slots=args.lit_slots)
             for cell in cells(args.shape, demo)
             if args.group_sizes is None or cell["group_size"] in args.group_sizes]
 
@@ -603,24 +628,25 @@ def build_report(args: argparse.Namespace, cell_specs: list[dict[str, Any]], trl
                  runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``--json`` record of the runs done so far (module docstring)."""
     return {
-        "config": harness.config_record(args, steps_total=args.steps + 1, model=cell_specs[0]["model"],
+        "config": harness.config_record(args, steps_total=args.steps + args.untimed_steps, model=cell_specs[0]["model"],
                                         precision=cell_specs[0]["precision"]),
         "trl_settings": {"version": trl_version,
                          "GRPOConfig": {cell_label(s): {k: v for k, v in trl_config(s, "RUN_DIR").items()
                                                         if k != "output_dir"} for s in cell_specs},
                          "other": trl_other_settings(cell_specs[0])},
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": summarize(runs, args.untimed_steps),
     }
 
 
 def run_line(record: dict[str, Any]) -> str:
     """One finished run in a line: status, steps, medians and peaks (the CUDA peak where there is one)."""
     cuda = "" if record["cuda_peak_bytes"] is None else f"CUDA peak {_gib(record['cuda_peak_bytes'])} GiB, "
+    engine = "" if record.get("ms_per_step") is None else f"; {engine_note(record)}"
     return (f"{SYSTEM_NAMES[record['system']]:8s} {record['label']} seed {record['seed']}: {record['status']}, "
             f"{len(record['steps'])} steps, step {_seconds(record['step_s'])} s, rollout "
             f"{_seconds(record['rollout_s'])} s, {cuda}peak RSS {_gib(record['rss_peak_bytes'])} GiB, maxrss "
-            f"{_gib(record['maxrss_bytes'])} GiB ({record['run_dir']})")
+            f"{_gib(record['maxrss_bytes'])} GiB{engine} ({record['run_dir']})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -629,7 +655,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         python = make_trl_env(args.make_trl_env.expanduser())
         print(f"TRL environment ready: --trl-python {python}")
         return {}
-    trl_version = check_trl_python(args.trl_python)[2]
+    # TRL's environment is checked where TRL runs (importing it takes a while)
+    trl_version = check_trl_python(args.trl_python)[2] if "trl" in args.order else None
     cell_specs = specs(args)
     runs = []
     for run in plan(args.order, args.seeds, len(cell_specs)):

@@ -25,7 +25,12 @@ The records file holds JSON lines: ``{"event": "start", ...}`` (versions, thread
   step, and each side's per-step bookkeeping;
 - ``reward_mean``: the mean total reward of the step's B x G completions; ``completion_tokens``: their tokens;
 - ``prompts``: the step's prompts, as their indices in lit_grpo's prompt list (to check both saw the same);
-- ``cuda_peak_bytes`` (CUDA only): ``torch.cuda.max_memory_allocated`` over the step (reset at its start).
+- ``cuda_peak_bytes`` (CUDA only): ``torch.cuda.max_memory_allocated`` over the step (reset at its start);
+- lit_grpo only, its engine's rollout (``RolloutStats``, as ``RolloutProfiler`` logs it under ``rollout/``):
+  ``slots``, ``decode_steps``, ``ms_per_step``, ``decode_ms_per_step``, ``floor_ms_per_step`` and
+  ``roofline_ratio`` (the decode step against the bytes it read at the device's read bandwidth, measured before
+  the first step and given in the start record as ``read_bytes_per_s``), ``tokens_per_s``, ``capture_s``,
+  ``peak_kv_bytes``: a run stopped at its deadline keeps them, where the fit summary's would be lost.
 
 CPU memory is not measured here: the parent samples this process's RSS from outside (``tools.process_memory``).
 """
@@ -128,13 +133,19 @@ class StepRecorder(Callback):
     def __init__(self, out: str) -> None:
         self.out = out
         self.log: StepLog | None = None
+        self.read_bytes_per_s: float | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         import lightning
         import transformers
 
+        from lit_grpo.sampling.roofline import read_bandwidth
+
+        # measured once per process (the fit summary's floor reads the same), before the first step's window
+        self.read_bytes_per_s = read_bandwidth(trainer.strategy.root_device)
         self.log = StepLog(self.out, cuda=trainer.strategy.root_device.type == "cuda")
-        self.log.begin(system="lit_grpo", lightning=lightning.__version__, transformers=transformers.__version__)
+        self.log.begin(system="lit_grpo", lightning=lightning.__version__, transformers=transformers.__version__,
+                       read_bytes_per_s=self.read_bytes_per_s)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.log.rollout_done()
@@ -142,10 +153,20 @@ class StepRecorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.log.end(generate_s=float(batch.stats.wall_s), reward_mean=float(batch.rewards.float().mean()),
                      completion_tokens=int(batch.completion_lengths.sum()),
-                     prompts=[int(i) for i in batch.indices])
+                     prompts=[int(i) for i in batch.indices], **engine_figures(batch.stats, self.read_bytes_per_s))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.log.finish()
+
+
+def engine_figures(stats, read_bytes_per_s: float) -> dict[str, Any]:
+    """A rollout's engine figures of a step record (module docstring), from its ``RolloutStats``."""
+    from lit_grpo.callbacks.rollout_profiler import profile
+
+    names = ("decode_steps", "ms_per_step", "decode_ms_per_step", "floor_ms_per_step", "roofline_ratio",
+             "tokens_per_s", "capture_s", "peak_kv_bytes")
+    values = profile(stats, read_bytes_per_s)
+    return {"slots": stats.num_slots, **{name: values.get(f"rollout/{name}") for name in names}}
 
 
 # ------------------------------------------------------------------------------------------------ TRL

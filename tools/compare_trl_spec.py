@@ -27,9 +27,10 @@ import yaml
 from tools import harness
 
 DEMO_CONFIG = harness.ROOT / "configs" / "demo.yaml"
-#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default steps, and
-#: what a shape holds fixed: ``rows`` (the update's micro-batch and lit_grpo's slots; default the demo's, capped at
-#: B x G) and ``gradient_checkpointing`` (both systems'; default the demo's). The G sweep varies G alone: at G 8 one
+#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default timed steps
+#: and ``untimed_steps`` (the warm-up steps before them; default 1), and what a shape holds fixed: ``rows`` (the
+#: update's micro-batch and lit_grpo's slots; default the demo's, capped at B x G) and ``gradient_checkpointing``
+#: (both systems'; default the demo's). The G sweep varies G alone: at G 8 one
 #: prompt gives 8 rows, so every G gets 8-row micro-batches and 8 slots, and a change of peak with G is the
 #: group's, not a larger micro-batch's.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -41,9 +42,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gpu_gsweep": {"cells": [(1, 8, 512), (1, 32, 512), (1, 64, 512)], "steps": 1, "rows": 8},
     # where the KV cache decides a step's memory: 4,096 new tokens, G 256 first (the point of the project; random
     # weights run every sample to the cap), with --lit-slots auto; checkpointed, as the GPU recipe is: an 8-row
-    # micro-batch of 4K-token rows keeps more activations for its backward than an H200 holds
-    "gpu_long": {"cells": [(1, 256, 4096), (1, 32, 4096), (1, 64, 4096), (1, 128, 4096)], "steps": 1, "rows": 8,
-                 "gradient_checkpointing": True},
+    # micro-batch of 4K-token rows keeps more activations for its backward than an H200 holds. One step, no
+    # warm-up: a step takes minutes, and its peak is the figure (its time counts the graph captures, in capture_s)
+    "gpu_long": {"cells": [(1, 256, 4096), (1, 32, 4096), (1, 64, 4096), (1, 128, 4096)], "steps": 1,
+                 "untimed_steps": 0, "rows": 8, "gradient_checkpointing": True},
 }
 PRECISIONS = ("32-true", "bf16-mixed")
 DEVICES = ("cpu", "cuda")
@@ -97,6 +99,8 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         raise ValueError(f"trl_generation {trl_generation!r}: use one of {TRL_GENERATION}")
     if not is_lit_slots(lit_slots):
         raise ValueError(f"lit_slots {lit_slots!r}: use one of {LIT_SLOTS} or a count of slots (an integer >= 1)")
+    if isinstance(untimed_steps, bool) or not isinstance(untimed_steps, int) or untimed_steps < 0:
+        raise ValueError(f"untimed_steps {untimed_steps!r}: use an integer >= 0")
     counted = lit_slots not in LIT_SLOTS
     precision = precision or demo["trainer"].get("precision", "32-true")
     if precision not in PRECISIONS:
