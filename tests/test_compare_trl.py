@@ -167,6 +167,10 @@ def test_the_lit_grpo_run_records_its_engine_against_its_floor_each_step(demo, t
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     start, steps = lines[0], [line for line in lines if line["event"] == "step"]
     assert start["read_bytes_per_s"] > 0 and len(steps) == 2
+    # each step's rollout written before its update, with what it measured
+    assert [(line["event"], line.get("step")) for line in lines[1:5]] == [("rollout", 1), ("step", 1),
+                                                                           ("rollout", 2), ("step", 2)]
+    assert lines[3]["ms_per_step"] == steps[1]["ms_per_step"] and lines[3]["rollout_s"] == steps[1]["rollout_s"]
     for step in steps:
         assert step["slots"] == 3 and step["decode_steps"] > 0 and step["peak_kv_bytes"] > 0
         assert step["floor_ms_per_step"] > 0
@@ -337,6 +341,26 @@ def test_without_a_warm_up_the_first_step_is_timed_and_the_table_says_so():
     assert ("lit_grpo's engine: 32 slots, a decode step 4.00 ms against a floor of 1.60 ms (2.5 x), 8000 tokens/s"
             in table)
     assert "lit_grpo's engine: 32 slots" in compare_trl.run_line(run)
+
+
+def test_a_run_stopped_in_its_update_keeps_what_its_rollout_measured():
+    rollout = {"event": "rollout", "step": 1, "rollout_s": 150.0, "generate_s": 149.0, "slots": 32,
+               "ms_per_step": 4.5, "floor_ms_per_step": 2.0, "roofline_ratio": 2.25, "tokens_per_s": 7000.0,
+               "cuda_peak_bytes": 40 << 30}
+    seen = process_memory.Watched(returncode=-9, timed_out=True, samples=[(1.0, MB)], maxrss_bytes=MB)
+    spec = {"prompts_per_step": 1, "group_size": 256, "max_new_tokens": 4096, "untimed_steps": 0}
+    run = compare_trl.run_record({"cell": 0, "seed": 0, "system": "lit", "repeat": 0}, spec, seen,
+                                 [{"event": "start"}, rollout], "", ["cmd"], "dir")
+    assert run["status"] == "timeout" and run["steps"] == [] and run["unfinished_rollout"] == rollout
+    note = ("step 1 stopped in its update, after a rollout of 150.00 s (CUDA peak so far 40.00 GiB): lit_grpo's "
+            "engine: 32 slots, a decode step 4.50 ms against a floor of 2.00 ms (2.2 x), 7000 tokens/s")
+    assert note in compare_trl.run_line(run)
+    summary = compare_trl.summarize([run], untimed=0)
+    report = {"config": {"steps_total": 1, "steps": 1, "untimed_steps": 0, "device": "cuda", "model": "m",
+                         "precision": "bf16-mixed", "threads": 4, "order": ["lit"], "seeds": [0], "interval_s": 0.05},
+              "trl_settings": {"version": None, "GRPOConfig": {"1x256x4096": {"num_generations": 256}}, "other": {}},
+              "runs": [run], "summary": summary}
+    assert f"- 1x256x4096: {note}" in compare_trl.markdown(report)
 
 
 def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch):

@@ -346,8 +346,10 @@ def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python
 
 def run_record(run: dict[str, Any], spec: dict[str, Any], seen: process_memory.Watched,
                records: list[dict[str, Any]], output: str, command: list[str], run_dir: Path) -> dict[str, Any]:
-    """One run's record: its steps (each with its window's RSS peak), their medians and the process's peaks."""
+    """One run's record: its steps (each with its window's RSS peak), their medians and the process's peaks; and
+    ``unfinished_rollout``, the rollout record of a step stopped in its update (lit_grpo; else None)."""
     steps = [r for r in records if r.get("event") == "step"]
+    unfinished = [r for r in records if r.get("event") == "rollout" and r["step"] > len(steps)]
     for step in steps:
         step["rss_peak_bytes"] = process_memory.window_peak(seen.samples, step["start"], step["end"])
     start = next((r for r in records if r.get("event") == "start"), {})
@@ -357,7 +359,8 @@ def run_record(run: dict[str, Any], spec: dict[str, Any], seen: process_memory.W
               "wall_s": seen.wall_s, "command": command, "run_dir": str(run_dir), "steps": steps,
               "info": {k: v for k, v in start.items() if k != "event"},
               "maxrss_bytes": seen.maxrss_bytes, "sampled_peak_rss_bytes": seen.peak_rss_bytes,
-              "last_vm_hwm_bytes": seen.hwm_bytes, "own_vm_hwm_bytes": end.get("vm_hwm_bytes")}
+              "last_vm_hwm_bytes": seen.hwm_bytes, "own_vm_hwm_bytes": end.get("vm_hwm_bytes"),
+              "unfinished_rollout": unfinished[0] if unfinished else None}
     record.update(run_figures(steps, spec["untimed_steps"]))
     if status != "ok":
         record["error"] = output[-3000:]
@@ -414,6 +417,7 @@ def system_summary(runs: list[dict[str, Any]], untimed: int) -> dict[str, Any]:
     return {
         "runs": len(runs), "statuses": statuses, "timed_steps": len(timed),
         "steps_per_run": [len(r["steps"]) for r in runs],
+        "unfinished_rollouts": [r["unfinished_rollout"] for r in runs if r.get("unfinished_rollout")],
         **{key: harness.median(s.get(key) for s in timed) for key in (*TIMES, *ENGINE)},
         **{key: harness.median(r[key] for r in runs) for key in ("rss_peak_bytes", "maxrss_bytes",
                                                                  "cuda_peak_bytes")},
@@ -485,6 +489,14 @@ def engine_note(summary: dict[str, Any]) -> str:
             f"{summary['ms_per_step']:.2f} ms{against}, {summary.get('tokens_per_s') or 0:.0f} tokens/s")
 
 
+def unfinished_note(rollout: dict[str, Any]) -> str:
+    """A step stopped in its update: what its rollout measured."""
+    peak = rollout.get("cuda_peak_bytes")
+    return (f"step {rollout['step']} stopped in its update, after a rollout of {_seconds(rollout.get('rollout_s'))} s"
+            + ("" if peak is None else f" (CUDA peak so far {_gib(peak)} GiB)")
+            + (f": {engine_note(rollout)}" if rollout.get("ms_per_step") is not None else ""))
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The comparison as a markdown table, with the settings and definitions under it."""
     config = report["config"]
@@ -525,6 +537,7 @@ def markdown(report: dict[str, Any]) -> str:
         lit = entry["systems"].get("lit", {})
         if lit.get("ms_per_step") is not None:
             notes.append(engine_note(lit))
+        notes.extend(unfinished_note(rollout) for rollout in lit.get("unfinished_rollouts", []))
         reward = entry.get("reward")
         if reward and reward["within_spread"] is not None:
             notes.append(f"reward means {reward['lit']['mean']:.3f} (lit_grpo, spread {reward['lit']['spread']:.3f}) "
@@ -643,6 +656,8 @@ def run_line(record: dict[str, Any]) -> str:
     """One finished run in a line: status, steps, medians and peaks (the CUDA peak where there is one)."""
     cuda = "" if record["cuda_peak_bytes"] is None else f"CUDA peak {_gib(record['cuda_peak_bytes'])} GiB, "
     engine = "" if record.get("ms_per_step") is None else f"; {engine_note(record)}"
+    if record.get("unfinished_rollout"):
+        engine += f"; {unfinished_note(record['unfinished_rollout'])}"
     return (f"{SYSTEM_NAMES[record['system']]:8s} {record['label']} seed {record['seed']}: {record['status']}, "
             f"{len(record['steps'])} steps, step {_seconds(record['step_s'])} s, rollout "
             f"{_seconds(record['rollout_s'])} s, {cuda}peak RSS {_gib(record['rss_peak_bytes'])} GiB, maxrss "

@@ -10,7 +10,9 @@ run by the interpreter of the environment that holds TRL (``--trl-python``): TRL
 reward functions. TRL's code is run, never copied: a subclass times two of its methods around ``super()``.
 
 The records file holds JSON lines: ``{"event": "start", ...}`` (versions, threads, checks), one
-``{"event": "step", ...}`` per GRPO step, ``{"event": "end", ...}``. A step record:
+``{"event": "step", ...}`` per GRPO step, ``{"event": "end", ...}``; lit_grpo's also one ``{"event": "rollout",
+"step", ...}`` per step once its rollout is over (the step's fields known by then, the CUDA peak so far). A step
+record:
 
 - ``step`` (1-based), ``start`` and ``end`` (``time.time()``): the step runs from the end of the previous step
   (the first: the start of training) to the end of its optimizer step, on both sides;
@@ -87,8 +89,16 @@ class StepLog:
                 value += self._fields[key]
             self._fields[key] = value
 
-    def rollout_done(self) -> None:
-        self.add(rollout_s=time.time() - self._start)
+    def rollout_done(self, **fields: Any) -> None:
+        """The step's rollout is over: its figures so far, also written as a ``rollout`` record (the CUDA peak
+        so far included), so a run stopped during the update keeps what its rollout measured."""
+        self.add(rollout_s=time.time() - self._start, **fields)
+        record = {"event": "rollout", "step": self.step + 1, **self._fields}
+        if self.cuda:
+            import torch
+
+            record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        self.write(record)
 
     def end(self, **fields: Any) -> None:
         """The step's optimizer step is done: write its record and open the next step's window."""
@@ -148,12 +158,12 @@ class StepRecorder(Callback):
                        read_bytes_per_s=self.read_bytes_per_s)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.log.rollout_done()
+        self.log.rollout_done(generate_s=float(batch.stats.wall_s), **engine_figures(batch.stats,
+                                                                                       self.read_bytes_per_s))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.log.end(generate_s=float(batch.stats.wall_s), reward_mean=float(batch.rewards.float().mean()),
-                     completion_tokens=int(batch.completion_lengths.sum()),
-                     prompts=[int(i) for i in batch.indices], **engine_figures(batch.stats, self.read_bytes_per_s))
+        self.log.end(reward_mean=float(batch.rewards.float().mean()),
+                     completion_tokens=int(batch.completion_lengths.sum()), prompts=[int(i) for i in batch.indices])
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.log.finish()
