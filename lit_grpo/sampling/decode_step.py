@@ -483,6 +483,8 @@ class DecodeStep:
                     raise
         except Exception as error:
             _end_failed_capture(graph, self.device, previous, self._graph_pool, began)
+            if not self.graphs:  # no graph holds the pool now: torch refuses to share a pool nobody holds
+                self._graph_pool = None
             # An op that breaks the capture makes ending it fail too; that second error would hide the first.
             if broke and error is not broke[0]:
                 raise broke[0] from None
