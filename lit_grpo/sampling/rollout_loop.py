@@ -165,9 +165,8 @@ class RolloutLoop:
             self._decode_events.append(events)
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
-        # a row feeding the token at position P - 1 + len(tokens) attends P + len(tokens) positions
-        if self.reads is not None:
-            attended = sum(len(self.groups[key[0]].prompt_ids) + len(self.samples[key].tokens) for _, key in rows)
+        if self.reads is not None:  # each row attended its cached positions, the one it just wrote included
+            attended = sum(self.decode_step.live_lengths.values())
             self.stats.decode_read_bytes += self.reads.step_bytes(len(rows), attended)
         ended = []
         for slot, key in rows:
