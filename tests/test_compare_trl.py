@@ -363,15 +363,18 @@ def test_a_run_stopped_in_its_update_keeps_what_its_rollout_measured():
     assert f"- 1x256x4096: {note}" in compare_trl.markdown(report)
 
 
-def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch):
+def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch, capsys):
     def no_trl(python):
         raise AssertionError("TRL's environment was checked for a run without TRL")
 
     monkeypatch.setattr(compare_trl, "check_trl_python", no_trl)
     monkeypatch.setattr(compare_trl, "run_one", lambda *args: _record("lit", 0, *_steps(2.0, 1.0, 0.5, MB)))
-    report = compare_trl.main(["--trl-python", "python3", "--order", "lit", "--steps", "2", "--json",
-                               str(tmp_path / "report.json"), "--work-dir", str(tmp_path / "runs")])
+    report = compare_trl.main(["--order", "lit", "--steps", "2", "--json", str(tmp_path / "report.json"),
+                               "--work-dir", str(tmp_path / "runs")])
     assert [r["system"] for r in report["runs"]] == ["lit"] and report["trl_settings"]["version"] is None
+    with pytest.raises(SystemExit):  # where TRL runs, its interpreter is needed
+        compare_trl.parse_args(["--order", "lit,trl"])
+    assert "give --trl-python (an interpreter with TRL) or --make-trl-env DIR" in capsys.readouterr().err
 
 
 def test_different_prompts_are_named():

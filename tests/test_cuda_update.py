@@ -74,8 +74,10 @@ def test_auto_keeps_the_slot_cache_once_an_update_has_shown_it_fits():
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_the_update_waits_on_the_gpu_a_few_times_a_step_however_many_micro_batches(shared_prefix):
     """Waits from lit_grpo's own lines (transformers' mask checks wait too, once per forward: theirs), told apart
-    by the package's folder, not by a name a checkout's own path may hold."""
-    package = os.path.dirname(os.path.realpath(lit_grpo.__file__)) + os.sep
+    by the package's folders (its callbacks and datamodules are installed from folders of their own), not by a name
+    a checkout's own path may hold."""
+    folders = tuple(os.path.realpath(path) + os.sep for package in (lit_grpo, lit_grpo.callbacks, lit_grpo.datamodules)
+                    for path in package.__path__)
     module, trainer, data = _fit(shared_prefix=shared_prefix)
     batch = data.build_train_batch().to("cuda")
     waits = {}
@@ -91,7 +93,7 @@ def test_the_update_waits_on_the_gpu_a_few_times_a_step_however_many_micro_batch
         finally:
             torch.cuda.set_sync_debug_mode("default")
         waits[size] = [f"{w.filename}:{w.lineno}" for w in caught
-                       if "synchroniz" in str(w.message) and os.path.realpath(w.filename).startswith(package)]
+                       if "synchroniz" in str(w.message) and os.path.realpath(w.filename).startswith(folders)]
     assert len(waits[1]) == len(waits[4]) <= 6, waits
 
 

@@ -228,6 +228,46 @@ def test_one_graph_per_bucket_captured_when_first_needed_in_one_pool(tiny_llama,
     assert second.stats.capture_s == 0
 
 
+def test_a_failed_capture_gives_up_its_hold_and_a_pool_no_graph_holds_is_not_shared_again(tiny_llama, monkeypatch):
+    """The capture logic on a CPU (torch.cuda's graph calls faked): a capture that fails inside its block tells
+    ``_end_failed_capture`` it began, with the step's pool; while an earlier bucket's graph holds the pool the step
+    keeps it, and once none does the next capture asks for a new one (torch refuses to share a pool nobody
+    holds). ``_end_failed_capture``'s own bookkeeping: tests/test_decode_step.py."""
+    model, _ = tiny_llama
+    pools, ends = [], []
+    _fake_cuda(monkeypatch, pools)
+    monkeypatch.setattr(decode_step_module, "_end_failed_capture",
+                        lambda graph, device, previous, pool, began: ends.append((pool, began)))
+    forward, failing = DecodeStep._forward, []
+
+    def broken_in_capture(step, hidden_states=True):
+        if failing and len(_FakeGraph.captured) > failing[-1]:  # inside the block of a capture that fails
+            raise RuntimeError("operation not permitted when stream is capturing")
+        forward(step, hidden_states)
+
+    monkeypatch.setattr(DecodeStep, "_forward", broken_in_capture)
+    step = _step(model, width=300, settings=dataclasses.replace(LIVE, cuda_graph=True))
+    _capturing.append(step)
+    _FakeGraph.captured.clear()
+    step.start_rollout(seed=0, width=300)
+    step.start_row(0, [_prefix(model, 20, 0)], stream=(0, 0), sample=0, generated=0, next_input=5)
+    step.capture()  # bucket 64: a graph holds the pool
+    held = step._graph_pool
+    step.start_row(1, [_prefix(model, 100, 1)], stream=(0, 1), sample=1, generated=0, next_input=9)
+    failing.append(len(_FakeGraph.captured))
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        step.capture()  # bucket 128 fails
+    assert ends == [(held, True)] and step._graph_pool is held and sorted(step.graphs) == [64]
+    step.graphs.clear()  # no graph holds the pool any more
+    failing.append(len(_FakeGraph.captured))
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        step.capture()
+    assert ends[-1] == (held, True) and step._graph_pool is None
+    failing.clear()
+    step.capture()
+    assert pools[-1] is not held and step._graph_pool is pools[-1]
+
+
 def test_a_cpu_engine_keeps_the_rollouts_fixed_width(tiny_llama, prompt_ids):
     """On a CPU a row's rounding must not follow its neighbours' lengths (bit-identical schedules)."""
     model, tokenizer = tiny_llama

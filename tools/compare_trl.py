@@ -481,9 +481,10 @@ def _status(summary: dict[str, Any], steps: int) -> str:
 
 
 def engine_note(summary: dict[str, Any]) -> str:
-    """lit_grpo's engine in a few words: its slots, its decode step against its floor, its tokens/s."""
+    """lit_grpo's engine in a few words: its slots, its decode step against its floor (medians: their ratio is the
+    ratio of the medians), its tokens/s."""
     floor = summary.get("floor_ms_per_step")
-    against = "" if floor is None else f" against a floor of {floor:.2f} ms ({summary['roofline_ratio']:.1f} x)"
+    against = "" if not floor else f" against a floor of {floor:.2f} ms ({summary['ms_per_step'] / floor:.1f} x)"
     slots = summary.get("slots")
     return (f"lit_grpo's engine: {'?' if slots is None else f'{slots:g}'} slots, a decode step "
             f"{summary['ms_per_step']:.2f} ms{against}, {summary.get('tokens_per_s') or 0:.0f} tokens/s")
@@ -504,7 +505,8 @@ def markdown(report: dict[str, Any]) -> str:
     cuda = config["device"] == "cuda"
     memory = "CUDA peak GiB" if cuda else "peak RSS GiB"
     untimed = config.get("untimed_steps", 1)
-    warm_up = f"after {untimed} warm-up" if untimed else "no warm-up (the first step's captures counted)"
+    warm_up = (f"after {untimed} warm-up step{'s' * (untimed > 1)}" if untimed
+               else "no warm-up (the first step's captures counted)")
     lines = [f"GRPO step, lit_grpo against TRL ({config['model']}, {config['precision']}, {config['device']}, "
              f"{config['threads']} threads; {config['steps']} timed steps {warm_up}, order "
              f"{','.join(config['order'])}, seeds {','.join(map(str, config['seeds']))}, lit_grpo's slots "
@@ -560,7 +562,8 @@ def markdown(report: dict[str, Any]) -> str:
                                     if cuda else "")
                  + f"RSS of the child sampled from outside every {config['interval_s'] * 1000:g} ms, the "
                  "largest sample in a timed step's window (median over runs); maxrss: the kernel's peak RSS over "
-                 "the whole process (wait4's ru_maxrss, loading and the warm-up step included).")
+                 "the whole process (wait4's ru_maxrss, loading" + (" and the warm-up included)." if untimed
+                                                                       else " included)."))
     return "\n".join(lines) + "\n"
 
 
@@ -616,7 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--interval-s", args.interval_s), ("--timeout-s", args.timeout_s)):
         if value is not None and not value > 0:
             parser.error(f"{flag} {value}: use a number of seconds > 0")
-    if args.make_trl_env is None and args.trl_python is None:
+    if args.make_trl_env is None and args.trl_python is None and "trl" in args.order:
         parser.error("give --trl-python (an interpreter with TRL) or --make-trl-env DIR")
     shape_groups = [cell["group_size"] for cell in cells(args.shape, demo_settings())]
     unknown = sorted(set(args.group_sizes or []) - set(shape_groups))

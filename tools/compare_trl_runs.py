@@ -28,11 +28,12 @@ record:
 - ``reward_mean``: the mean total reward of the step's B x G completions; ``completion_tokens``: their tokens;
 - ``prompts``: the step's prompts, as their indices in lit_grpo's prompt list (to check both saw the same);
 - ``cuda_peak_bytes`` (CUDA only): ``torch.cuda.max_memory_allocated`` over the step (reset at its start);
-- lit_grpo only, its engine's rollout (``RolloutStats``, as ``RolloutProfiler`` logs it under ``rollout/``):
-  ``slots``, ``decode_steps``, ``ms_per_step``, ``decode_ms_per_step``, ``floor_ms_per_step`` and
-  ``roofline_ratio`` (the decode step against the bytes it read at the device's read bandwidth, measured before
-  the first step and given in the start record as ``read_bytes_per_s``), ``tokens_per_s``, ``capture_s``,
-  ``peak_kv_bytes``: a run stopped at its deadline keeps them, where the fit summary's would be lost.
+- lit_grpo only, its engine's rollout (``RolloutStats``): ``slots`` (its ``num_slots``) and, as
+  ``RolloutProfiler`` logs them under ``rollout/``, ``decode_steps``, ``ms_per_step``, ``decode_ms_per_step``,
+  ``floor_ms_per_step`` and ``roofline_ratio`` (the decode step against the bytes it read at the device's read
+  bandwidth, measured before the first step and given in the start record as ``read_bytes_per_s``),
+  ``tokens_per_s``, ``capture_s``, ``peak_kv_bytes``: a run stopped at its deadline keeps them, where the fit
+  summary's would be lost.
 
 CPU memory is not measured here: the parent samples this process's RSS from outside (``tools.process_memory``).
 """
