@@ -27,12 +27,11 @@ import yaml
 from tools import harness
 
 DEMO_CONFIG = harness.ROOT / "configs" / "demo.yaml"
-#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default timed steps
-#: and ``untimed_steps`` (the warm-up steps before them; default 1), and what a shape holds fixed: ``rows`` (the
-#: update's micro-batch and lit_grpo's slots; default the demo's, capped at B x G) and ``gradient_checkpointing``
-#: (both systems'; default the demo's). The G sweep varies G alone: at G 8 one
-#: prompt gives 8 rows, so every G gets 8-row micro-batches and 8 slots, and a change of peak with G is the
-#: group's, not a larger micro-batch's.
+#: The shapes ``--shape`` takes: cells of (prompts per step B, group size G, new tokens), their default timed steps and
+#: ``untimed_steps`` (the warm-up steps before them; default 1), and what a shape holds fixed: ``rows`` (the update's
+#: micro-batch and lit_grpo's slots; default the demo's, capped at B x G) and ``gradient_checkpointing`` (both systems';
+#: default the demo's). The G sweep varies G alone: at G 8 one prompt gives 8 rows, so every G gets 8-row micro-batches
+#: and 8 slots, and a change of peak with G is the group's, not a larger micro-batch's.
 SHAPES: dict[str, dict[str, Any]] = {
     "demo": {"cells": [(None, None, None)], "steps": 8},  # None: the demo's own B, G and tokens
     "4x32x64": {"cells": [(4, 32, 64)], "steps": 8},
