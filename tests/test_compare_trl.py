@@ -320,23 +320,28 @@ def test_a_comparison_stopped_midway_keeps_the_runs_it_finished(tmp_path, monkey
     assert "CUDA peak 3.00 GiB, peak RSS 0.10 GiB" in capsys.readouterr().err
 
 
+def _one_untimed_lit_run(spec, seen, records):
+    """A lit_grpo run of one step and no warm-up on CUDA, its summary and its table."""
+    run = compare_trl.run_record({"cell": 0, "seed": 0, "system": "lit", "repeat": 0}, {**spec, "untimed_steps": 0},
+                                 seen, [{"event": "start"}, *records], "", ["cmd"], "dir")
+    summary = compare_trl.summarize([run], untimed=0)
+    report = {"config": {"steps_total": 1, "steps": 1, "untimed_steps": 0, "device": "cuda", "model": "m",
+                         "precision": "bf16-mixed", "threads": 4, "order": ["lit"], "seeds": [0], "interval_s": 0.05},
+              "trl_settings": {"version": None, "GRPOConfig": {compare_trl.cell_label(spec): {"num_generations": 8}},
+                               "other": {}},
+              "runs": [run], "summary": summary}
+    return run, summary, compare_trl.markdown(report)
+
+
 def test_without_a_warm_up_the_first_step_is_timed_and_the_table_says_so():
     steps, samples = _steps(2.0, 1.0, 0.5, 100 * MB, count=1)
     for step in steps:
         step.update(slots=32, ms_per_step=4.0, floor_ms_per_step=1.6, roofline_ratio=2.5, tokens_per_s=8000.0)
-    run = _record("lit", 0, steps, samples)
-    spec = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 24, "untimed_steps": 0}
-    run = compare_trl.run_record(run, spec, process_memory.Watched(returncode=0, timed_out=False, samples=samples,
-                                                                   maxrss_bytes=200 * MB),
-                                 [{"event": "start"}, *steps], "", ["cmd"], "dir")
+    spec = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 24}
+    seen = process_memory.Watched(returncode=0, timed_out=False, samples=samples, maxrss_bytes=200 * MB)
+    run, summary, table = _one_untimed_lit_run(spec, seen, steps)
     assert run["timed_steps"] == 1 and run["step_s"] == pytest.approx(2.0) and run["slots"] == 32
-    summary = compare_trl.summarize([run], untimed=0)
     assert summary[0]["systems"]["lit"]["roofline_ratio"] == pytest.approx(2.5)
-    report = {"config": {"steps_total": 1, "steps": 1, "untimed_steps": 0, "device": "cuda", "model": "m",
-                         "precision": "bf16-mixed", "threads": 4, "order": ["lit"], "seeds": [0], "interval_s": 0.05},
-              "trl_settings": {"version": None, "GRPOConfig": {"4x8x24": {"num_generations": 8}}, "other": {}},
-              "runs": [run], "summary": summary}
-    table = compare_trl.markdown(report)
     assert "1 timed steps no warm-up" in table
     assert ("lit_grpo's engine: 32 slots, a decode step 4.00 ms against a floor of 1.60 ms (2.5 x), 8000 tokens/s"
             in table)
@@ -348,19 +353,13 @@ def test_a_run_stopped_in_its_update_keeps_what_its_rollout_measured():
                "ms_per_step": 4.5, "floor_ms_per_step": 2.0, "roofline_ratio": 2.25, "tokens_per_s": 7000.0,
                "cuda_peak_bytes": 40 << 30}
     seen = process_memory.Watched(returncode=-9, timed_out=True, samples=[(1.0, MB)], maxrss_bytes=MB)
-    spec = {"prompts_per_step": 1, "group_size": 256, "max_new_tokens": 4096, "untimed_steps": 0}
-    run = compare_trl.run_record({"cell": 0, "seed": 0, "system": "lit", "repeat": 0}, spec, seen,
-                                 [{"event": "start"}, rollout], "", ["cmd"], "dir")
+    spec = {"prompts_per_step": 1, "group_size": 256, "max_new_tokens": 4096}
+    run, _, table = _one_untimed_lit_run(spec, seen, [rollout])
     assert run["status"] == "timeout" and run["steps"] == [] and run["unfinished_rollout"] == rollout
     note = ("step 1 stopped in its update, after a rollout of 150.00 s (CUDA peak so far 40.00 GiB): lit_grpo's "
             "engine: 32 slots, a decode step 4.50 ms against a floor of 2.00 ms (2.2 x), 7000 tokens/s")
     assert note in compare_trl.run_line(run)
-    summary = compare_trl.summarize([run], untimed=0)
-    report = {"config": {"steps_total": 1, "steps": 1, "untimed_steps": 0, "device": "cuda", "model": "m",
-                         "precision": "bf16-mixed", "threads": 4, "order": ["lit"], "seeds": [0], "interval_s": 0.05},
-              "trl_settings": {"version": None, "GRPOConfig": {"1x256x4096": {"num_generations": 256}}, "other": {}},
-              "runs": [run], "summary": summary}
-    assert f"- 1x256x4096: {note}" in compare_trl.markdown(report)
+    assert f"- 1x256x4096: {note}" in table
 
 
 def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch, capsys):
