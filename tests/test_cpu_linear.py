@@ -100,22 +100,24 @@ def test_a_forward_set_on_a_module_before_the_block_comes_back_after_it():
 
 @needs_onednn
 @pytest.mark.parametrize("kernel", ["onednn", "packed"])
-def test_each_row_is_computed_alone_so_schedules_stay_bit_identical(kernel):
-    """A row's result does not depend on the other rows or its position: what same-g schedule invariance needs.
+@pytest.mark.parametrize("rows", [2, 5, 16, 33])
+def test_each_row_is_computed_alone_so_schedules_stay_bit_identical(kernel, rows):
+    """At a given row count, a row's result depends neither on the other rows nor on its position: what same-g
+    schedule invariance needs (a rollout's decode steps all have its slots' row count).
 
     Bit-identical by the kernel's structure, not by numerical luck: oneDNN reduces each output over K in one order
-    whatever the other rows hold; it was checked with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) as well."""
+    whatever the other rows hold; it was checked with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) as well. Across
+    row counts a row may round differently (oneDNN picks its kernel by the count, and builds differ: torch 2.11's at
+    every count below 16 on an AVX2 CPU, 2.13's at one row), so that is not asserted."""
     linear = torch.nn.Linear(64, 96)
-    x = torch.randn(16, 1, 64)
-    permutation = torch.randperm(16)
+    x = torch.randn(rows, 1, 64)
+    permutation = torch.randperm(rows)
     other = x.clone()
-    other[1:] = torch.randn(15, 1, 64)
-    with torch.inference_mode(), onednn_linears(linear, kernel, rows=16):
+    other[1:] = torch.randn(rows - 1, 1, 64)
+    with torch.inference_mode(), onednn_linears(linear, kernel, rows=rows):
         full = linear(x)
         assert torch.equal(linear(x[permutation]), full[permutation])
         assert torch.equal(linear(other)[0], full[0])
-        if kernel == "onednn":
-            assert torch.equal(linear(x[:5]), full[:5])
 
 
 @needs_onednn

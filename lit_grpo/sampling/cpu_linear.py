@@ -18,9 +18,10 @@ weight oneDNN streams it in a layout its kernel does not read at full speed; the
 the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
 A decode step's small products are bound by reading their weights, and one pass over a stacked weight (queries,
 keys and values; gate and up) reads faster than a pass over each. Every output, stacked or not, is one row's inner
-product with one weight column: a row's result does not depend on the other rows, so strategies of the same g stay
-bit-identical; against torch's kernel the results differ by float32 rounding (a few units in the last place), as
-any other GEMM's would.
+product with one weight column: at a given row count a row's result does not depend on the other rows, and every
+decode step of a rollout has its slots' row count, so strategies of the same g stay bit-identical (across row counts
+oneDNN may pick another kernel, which rounds differently); against torch's kernel the results differ by float32
+rounding (a few units in the last place), as any other GEMM's would.
 """
 
 from __future__ import annotations
