@@ -295,6 +295,49 @@ def test_the_logged_lr_is_the_one_the_step_used(batch):
     assert logged == pytest.approx([2.5e-4, 5e-4])
 
 
+def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
+    from lit_grpo.update.lr_schedule import lr_factor, lr_lambda
+
+    steps = range(6)
+    assert [lr_factor(s, 2, None, "constant") for s in steps] == [0.5, 1, 1, 1, 1, 1]
+    assert [lr_factor(s, 0, None, "constant") for s in steps] == [1] * 6
+    # the decay starts at the warm-up's last step (its peak) and would reach 0 at step 6
+    assert [lr_factor(s, 2, 6, "linear") for s in steps] == pytest.approx([0.5, 1, 0.8, 0.6, 0.4, 0.2])
+    assert [lr_factor(s, 0, 4, "linear") for s in range(4)] == pytest.approx([1, 0.75, 0.5, 0.25])
+    assert [lr_factor(s, 2, 6, "cosine") for s in steps] == pytest.approx(
+        [0.5, 1] + [0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(1, 5)])
+    assert lr_factor(9, 2, 6, "linear") == lr_factor(9, 2, 6, "cosine") == 0  # resumed past the end: no rate
+    with pytest.raises(ValueError, match=r"lr_schedule='step' is not known; use one of \['constant', 'linear', "):
+        lr_lambda("step", 0, 10)
+    with pytest.raises(ValueError, match=r"lr_schedule='cosine' decays the rate to 0 at trainer.max_steps, which "
+                                         r"is not set \(-1\)"):
+        lr_lambda("cosine", 0, -1)
+    with pytest.raises(ValueError, match=r"warmup_steps=4 leaves no step of trainer.max_steps=4 for "
+                                         r"lr_schedule='linear'"):
+        lr_lambda("linear", 4, 4)
+    with pytest.raises(ValueError, match=r"lr_schedule='Linear' is not known"):
+        GRPOModule(model="tiny-llama", lr_schedule="Linear")
+
+
+def test_a_decaying_rate_spans_max_steps_optimizer_steps_in_fit():
+    """``max_steps`` counts optimizer steps: 2 training steps x 2 iterations decay over 4 rates."""
+    import lightning.pytorch as pl
+
+    rates = []
+
+    class Rates(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            rates.append(optimizer.param_groups[0]["lr"])
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Rates()])
+    module = GRPOModule(model="tiny-llama", lr=1e-3, lr_schedule="linear", num_iterations=2)
+    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0})))
+    assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):
     """On CPU the update's freed activations are released after the backward passes, before AdamW allocates."""
     module = make_module(num_iterations=2, train_micro_batch_size=3, lr=1e-3)

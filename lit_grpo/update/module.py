@@ -16,7 +16,7 @@ makes ``num_iterations`` optimizer steps on it:
    step's loss, so the gradients equal one big batch's), ``manual_backward`` (under ddp without gradient sync but
    in the last micro-batch: below); then the losses' finiteness check, over every rank, and ``optimizer.step``,
    inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the gradients) the
-   gradient norm is taken once (logged, checked finite, and the clipping's); the warmup scheduler step. Under
+   gradient norm is taken once (logged, checked finite, and the clipping's); the learning rate's step. Under
    a Trainer the gradients are then freed, so the next rollout does not hold them.
 
 A non-finite loss or gradient norm raises ``NonFiniteStepError`` (a ``FloatingPointError``) before any optimizer step
@@ -100,6 +100,7 @@ from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_u
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
+from lit_grpo.update.lr_schedule import LrSchedule, lr_lambda
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
@@ -137,12 +138,15 @@ class GRPOModule(LightningModule):
             ``model.sampler_correction:``): mode (auto | none | token_truncate | token_mask | sequence_truncate |
             sequence_mask), clip_min, clip_max. "auto" (default) corrects a batch that carries samples from older
             weights (``data.over_provision > 1``) and leaves the others alone.
-        scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in ``_hand_over_to_data``).
+        scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in
+            ``_hand_over_to_data``).
         num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
-        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many steps, then flat.
+        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many optimizer steps;
+            then ``lr_schedule`` (lit_grpo.update.lr_schedule): "constant" (default), or "linear" or "cosine", a
+            decay to 0 at ``trainer.max_steps``.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
         fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
             decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs
@@ -180,6 +184,7 @@ class GRPOModule(LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 0,
+        lr_schedule: LrSchedule = "constant",
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
         fsdp_rollout: str = "auto",
@@ -194,6 +199,7 @@ class GRPOModule(LightningModule):
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
+        check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
         check_real("lr", lr, low=0, low_open=True)
         check_real("weight_decay", weight_decay, low=0)
         if max_grad_norm is not None:  # None: no clipping
@@ -397,9 +403,8 @@ class GRPOModule(LightningModule):
         scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
-        warmup = hp.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        max_steps = self.trainer.max_steps if self._trainer is not None else None
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs

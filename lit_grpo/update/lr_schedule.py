@@ -1,0 +1,46 @@
+"""The learning rate over a run's optimizer steps: a linear warm-up, then constant or a decay towards zero.
+
+``GRPOModule``'s ``lr_schedule``: "constant" (the default) holds the rate after the warm-up; "linear" (TRL's and
+transformers' default) and "cosine" (a half cosine) take it down to zero, which the step after the last one would
+reach. The last step is ``trainer.max_steps``'s, which counts optimizer steps, as ``trainer.global_step`` does
+(training steps x ``num_iterations``): the decay needs it set.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Literal, get_args
+
+from lit_grpo.runtime.validation import ConfigError, check_choice, check_int
+
+LrSchedule = Literal["constant", "linear", "cosine"]
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: LrSchedule) -> float:
+    """The base rate's multiplier at optimizer step ``step`` (from 0): ``(step + 1) / warmup_steps`` in the warm-up,
+    1 at its last step; from there 1 ("constant"), or falling from 1 at the rate's peak (the warm-up's last step,
+    or step 0) to 0 at step ``total_steps``, on a line ("linear") or a half cosine ("cosine")."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    peak = max(warmup_steps - 1, 0)
+    progress = min((step - peak) / (total_steps - peak), 1.0)  # a run resumed past its total stays at 0
+    return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None) -> Callable[[int], float]:
+    """``lr_factor`` for ``torch.optim.lr_scheduler.LambdaLR``, the settings checked: a decaying ``schedule`` needs
+    ``max_steps`` (the trainer's; None or -1: not set) longer than the warm-up."""
+    check_choice("lr_schedule", schedule, get_args(LrSchedule))
+    check_int("warmup_steps", warmup_steps, 0)
+    if schedule != "constant":
+        if max_steps is None or max_steps < 0:
+            raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to 0 at trainer.max_steps, which is "
+                              f"not set ({max_steps}): set it (optimizer steps: training steps x "
+                              "model.num_iterations), or use lr_schedule 'constant'")
+        if warmup_steps >= max_steps:
+            raise ConfigError(f"model.warmup_steps={warmup_steps} leaves no step of trainer.max_steps={max_steps} "
+                              f"for lr_schedule={schedule!r} to decay over: warmup_steps must be < max_steps")
+    return functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule)
