@@ -116,7 +116,7 @@ class RolloutDataModule(LightningDataModule):
         prompts_per_step: B, groups per training step (per rank).
         sampling: the rollout engine's settings, a :class:`~lit_grpo.sampling.SamplingConfig` (or a dict of its
             fields; YAML ``data.sampling:``), documented and checked there: G (>= 2 for training), g (or "auto"
-            with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k, the seed of the
+            with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k / min_p, the seed of the
             random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
             cache stays allocated between steps.
         dynamic_sampling: drop groups whose rewards are all equal and draw more prompts, at most

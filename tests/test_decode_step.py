@@ -26,9 +26,12 @@ from scheduler_helpers import trust_predictions
 
 META = torch.device("meta")
 SETTINGS = [
-    StepSettings(temperature=1.0, top_k=0, top_p=1.0, force_lengths=False, hidden_states=False, cuda_graph=False),
-    StepSettings(temperature=0.7, top_k=5, top_p=0.9, force_lengths=True, hidden_states=True, cuda_graph=False),
-    StepSettings(temperature=0.0, top_k=0, top_p=1.0, force_lengths=False, hidden_states=True, cuda_graph=False),
+    StepSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=False,
+                 cuda_graph=False),
+    StepSettings(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, force_lengths=True, hidden_states=True,
+                 cuda_graph=False),
+    StepSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=True,
+                 cuda_graph=False),
 ]
 
 

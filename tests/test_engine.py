@@ -24,15 +24,17 @@ def _ids(tokenizer, texts):
 PROMPTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
-def test_every_strategy_and_micro_group_size_returns_the_same_completions(tiny, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0),
+                                                           (0.8, 20, 0.9, 0.05)])
+def test_every_strategy_and_micro_group_size_returns_the_same_completions(tiny, temperature, top_k, top_p, min_p):
     model, tokenizer = tiny
     prompts = _ids(tokenizer, PROMPTS)
     runs = {}
     for strategy in ("full", "micro", "continuous", "infinite"):
         for g in (1, 3, G):
             engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=g, strategy=strategy,
-                                   max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+                                   max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   min_p=min_p, seed=7)
             runs[(strategy, g)] = engine.generate(prompts)
     reference = runs[("full", 1)]
     # Precision: the strategies run from 1 to 15 rows, and float64 products over different row counts may round
@@ -90,20 +92,22 @@ def test_greedy_output_equals_model_generate(name):
         assert result.completion_ids[p] == [expected, expected]
 
 
-def test_sampling_logprobs_match_a_teacher_forced_forward(tiny):
+@pytest.mark.parametrize("top_k,min_p", [(30, 0.0), (0, 0.5)])  # 0.5 drops about half the tokens here
+def test_sampling_logprobs_match_a_teacher_forced_forward(tiny, top_k, min_p):
     model, tokenizer = tiny
     prompts = _ids(tokenizer, PROMPTS)
-    temperature, top_k = 0.7, 30
+    temperature = 0.7
     engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
-                           max_new_tokens=9, temperature=temperature, top_k=top_k, seed=3)
+                           max_new_tokens=9, temperature=temperature, top_k=top_k, min_p=min_p, seed=3)
     result = engine.generate(prompts)
     for p, prompt in enumerate(prompts):
         for completion, logprobs in zip(result.completion_ids[p], result.logprobs[p]):
             ids = torch.tensor([prompt + completion])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt) - 1:-1]
-            expected = torch.log_softmax(filter_logits(logits.float() / temperature, top_k=top_k), -1)
+            expected = torch.log_softmax(filter_logits(logits.float() / temperature, top_k=top_k, min_p=min_p), -1)
             expected = expected.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+            assert torch.isfinite(expected).all()  # no token the filters drop was drawn
             assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5)
 
 
@@ -119,6 +123,18 @@ def test_top_p_keeps_the_smallest_nucleus():
     kept = torch.isfinite(filter_logits(logits, top_p=0.8))
     assert kept.tolist() == [[True, True, False, False]]
     assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
+
+
+def test_min_p_keeps_the_tokens_near_the_most_likely_one():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])) + 3.0  # any offset
+    assert torch.isfinite(filter_logits(logits, min_p=0.2)).tolist() == [[True, True, True, False],
+                                                                        [False, True, True, True]]
+    assert torch.isfinite(filter_logits(logits, min_p=0.7)).tolist() == [[True, False, False, False],
+                                                                        [False, False, False, True]]
+    # a ratio of probabilities: the same after top-p has dropped the tail and the rest is renormalized
+    assert torch.isfinite(filter_logits(logits, top_p=0.8, min_p=0.5)).tolist() == [[True, True, False, False],
+                                                                                    [False, False, True, True]]
+    assert torch.equal(filter_logits(logits, min_p=0.0), logits)
 
 
 # ------------------------------------------------------------------------------ forced lengths: step arithmetic
@@ -308,6 +324,8 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
+    (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\)"),
+    (dict(min_p=-0.1), "min_p=-0.1"),
     (dict(max_new_tokens=0), "max_new_tokens=0"),
 ])
 def test_bad_engine_arguments_are_named(tiny_llama, kwargs, match):

@@ -19,7 +19,7 @@ from lit_grpo.sampling.decode_step import (MAX_BUCKETS, DecodeStep, StepSettings
 from lit_grpo.sampling.kv_cache import SlotKVCache
 from lit_grpo.sampling.memory_budget import kv_geometry
 
-LIVE = StepSettings(temperature=1.0, top_k=0, top_p=1.0, force_lengths=False, hidden_states=False,
+LIVE = StepSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=False,
                     cuda_graph=False, live_width=True)
 
 

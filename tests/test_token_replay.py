@@ -114,8 +114,8 @@ def test_the_replay_step_reads_nothing_on_the_host_and_keeps_its_shapes():
     meta = torch.device("meta")
     model, tokenizer = load_model_and_tokenizer("tiny-llama", device=meta)
     cache = SlotKVCache(model.config, num_slots=3, width=16, dtype=model.dtype, device=meta)
-    settings = StepSettings(temperature=0.7, top_k=5, top_p=0.9, force_lengths=False, hidden_states=True,
-                            cuda_graph=False, force_tokens=True)
+    settings = StepSettings(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, force_lengths=False,
+                            hidden_states=True, cuda_graph=False, force_tokens=True)
     step = DecodeStep(model.eval(), cache, settings, eos_token_ids=[tokenizer.eos_token_id])
     buffers = [step.forced_tokens, step.tokens, step.logprobs]
     with torch.inference_mode():
@@ -123,8 +123,8 @@ def test_the_replay_step_reads_nothing_on_the_host_and_keeps_its_shapes():
         step._run()
     assert [t.shape for t in buffers] == [(3, 16), (3,), (3,)] and step.forced_tokens is buffers[0]
     with pytest.raises(ValueError, match="force_lengths and force_tokens are exclusive"):
-        StepSettings(temperature=1.0, top_k=0, top_p=1.0, force_lengths=True, hidden_states=False, cuda_graph=False,
-                     force_tokens=True)
+        StepSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=True, hidden_states=False,
+                     cuda_graph=False, force_tokens=True)
 
 
 # ------------------------------------------------------------------------------------------- schedules

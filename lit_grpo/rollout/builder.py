@@ -357,12 +357,13 @@ class RolloutBuilder:
     @property
     def val_sampled_engine(self) -> RolloutEngine:
         """``val_num_samples`` completions per held-out prompt at ``val_temperature`` (the training top_p /
-        top_k), on ``val_batch_size`` continuous slots, with the validation seed."""
+        top_k / min_p), on ``val_batch_size`` continuous slots, with the validation seed."""
         if self._val_sampled_engine is None:
             config = SamplingConfig(group_size=self.val_num_samples, micro_group_size=self.val_batch_size,
                                     strategy="continuous", max_new_tokens=self.val_max_new_tokens,
                                     temperature=self.val_temperature, top_p=self.sampling.top_p,
-                                    top_k=self.sampling.top_k, seed=self.sampling.seed + VAL_SEED_OFFSET,
+                                    top_k=self.sampling.top_k, min_p=self.sampling.min_p,
+                                    seed=self.sampling.seed + VAL_SEED_OFFSET,
                                     **self._step_options())
             self._val_sampled_engine = self._new_engine(config)
         return self._val_sampled_engine

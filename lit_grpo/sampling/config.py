@@ -44,7 +44,8 @@ class SamplingConfig:
             optimizer state and a margin (``RolloutBuilder``); on a CPU "auto" needs it (an error says so).
         strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
         max_new_tokens: the completion length cap.
-        temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it.
+        temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it. min_p in [0, 1): keep the tokens at
+            least min_p times as likely as the most likely one (0 disables it).
         seed: base of every per-sample random stream.
         scheduler: options of the "infinite" strategy (ignored by the others, which have no options; the
             ``RolloutDataModule`` warns, naming them, when some are set for another strategy).
@@ -83,6 +84,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
@@ -118,6 +120,8 @@ class SamplingConfig:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
         check_int("sampling.top_k", self.top_k, 0)
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
+            raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"sampling.seed={self.seed!r} must be an integer")
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here

@@ -101,7 +101,7 @@ class StepSettings:
     """What a built decode step bakes in (a captured graph cannot change them).
 
     Attributes:
-        temperature, top_k, top_p: sampling (temperature 0: greedy).
+        temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
         force_lengths: replay recorded lengths (``RolloutEngine.generate(lengths=...)``).
         force_tokens: replay recorded tokens (``RolloutEngine.generate(tokens=...)``). Their lengths end the
             samples (the loop ends a sample at its last recorded token), so the logits stay untouched and each
@@ -118,6 +118,7 @@ class StepSettings:
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
     force_lengths: bool
     hidden_states: bool
     cuda_graph: bool
@@ -352,7 +353,8 @@ class DecodeStep:
         if settings.force_tokens:
             tokens, logprobs = self._replay(logits, uniforms)
         else:
-            tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p)
+            tokens, logprobs = sample_tokens(logits, uniforms, settings.temperature, settings.top_k, settings.top_p,
+                                             settings.min_p)
         self.tokens.copy_(tokens)
         self.logprobs.copy_(logprobs)
         if hidden_states:
@@ -368,7 +370,7 @@ class DecodeStep:
         index = self.token_index.clamp(max=self.forced_tokens.shape[1] - 1).unsqueeze(1)     # [slots, 1]
         forced = self.forced_tokens.gather(1, index).squeeze(1)                              # [slots]
         return replay_tokens(logits, uniforms, forced, self.forced_length > 0, settings.temperature,
-                             settings.top_k, settings.top_p)
+                             settings.top_k, settings.top_p, settings.min_p)
 
     def capture(self) -> None:
         """Warm up on a side stream, then capture ``_run`` at the attended width into a CUDA graph (the rows' state

@@ -101,8 +101,9 @@ class RolloutEngine:
                             "settings as keywords (group_size=..., strategy=...) or as a SamplingConfig")
         if isinstance(scheduler, (Mapping, InfiniteSchedulerConfig)):  # SamplingConfig's field, not an override
             raise TypeError(f"scheduler={scheduler!r} is the 'infinite' strategy's options: give them flat "
-                            "(preempt_tokens=..., predictor=...) or inside a SamplingConfig(scheduler=...); the scheduler "
-                            "argument takes a lit_grpo.scheduling.Scheduler object that replaces the strategy's own")
+                            "(preempt_tokens=..., predictor=...) or inside a SamplingConfig(scheduler=...); the "
+                            "scheduler argument takes a lit_grpo.scheduling.Scheduler object that replaces the "
+                            "strategy's own")
         self.config = SamplingConfig.from_kwargs(config, **options)
         if self.config.micro_group_size == "auto":
             raise ValueError("micro_group_size='auto' must be resolved to an integer before the engine is built "
@@ -138,6 +139,7 @@ class RolloutEngine:
     temperature = property(lambda self: self.config.temperature)
     top_p = property(lambda self: self.config.top_p)
     top_k = property(lambda self: self.config.top_k)
+    min_p = property(lambda self: self.config.min_p)
     seed = property(lambda self: self.config.seed)
 
     def num_slots(self, num_prompts: int) -> int:
@@ -258,8 +260,8 @@ class RolloutEngine:
         return self.num_slots(num_prompts) * width * per_token
 
     def state_dict(self) -> dict:
-        """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its trust
-        under the length-aware method), for exact resume."""
+        """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its
+        trust under the length-aware method), for exact resume."""
         state = {"rollout_index": self.rollout_index}
         if hasattr(self.scheduler, "state_dict"):
             state["scheduler"] = self.scheduler.state_dict()
@@ -331,6 +333,7 @@ class RolloutEngine:
         # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
         # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
+                            min_p=float(self.min_p),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
                             compile=compiled,

@@ -1,4 +1,4 @@
-"""Turning next-token logits into tokens: temperature, top-k, top-p, forced lengths, replayed tokens, and the
+"""Turning next-token logits into tokens: temperature, top-k, top-p, min-p, forced lengths, replayed tokens, and the
 sampling log-probs.
 
 Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
@@ -7,17 +7,21 @@ runs inside the decode step's CUDA graph.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k and outside the top-p nucleus.
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k, outside the top-p nucleus, and below min-p.
 
     Args:
         logits: ``[n, V]`` float, already divided by the temperature.
         top_k: keep the k most likely tokens (0 keeps all).
         top_p: keep the smallest set whose probability reaches top_p (1.0 keeps all; the most likely token always
             stays).
+        min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all); a ratio of
+            two probabilities, so it does not matter whether top-k and top-p have renormalized them first.
     Returns:
         ``[n, V]`` logits with filtered entries at -inf.
     """
@@ -31,11 +35,14 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        floor = logits.amax(-1, keepdim=True) + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
 def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_p: float = 1.0, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverse-CDF sampling with the row's own uniform.
 
     Inverse-CDF with an externally supplied uniform (rather than ``torch.multinomial``) is what lets every row draw
@@ -45,16 +52,18 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
         logits: ``[n, V]`` raw next-token logits.
         uniforms: ``[n]`` float64 in (0, 1).
         temperature: 0 means greedy (argmax); the uniforms are then unused.
+        top_k, top_p, min_p: the filters (``filter_logits``), after the temperature.
     Returns:
         tokens ``[n]`` int64 and their log-probs ``[n]`` float32 under the distribution they were drawn from
         (after temperature and filtering; for greedy, the untempered softmax).
     """
-    tokens, logprobs = _draw(logits, uniforms, temperature, top_k, top_p)
+    tokens, logprobs = _draw(logits, uniforms, temperature, top_k, top_p, min_p)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def replay_tokens(logits: torch.Tensor, uniforms: torch.Tensor, forced: torch.Tensor, replaying: torch.Tensor,
-                  temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Emit recorded tokens: each replaying row's token is ``forced``, with its log-prob under the distribution
     ``sample_tokens`` draws from. The other rows draw as ``sample_tokens`` does.
 
@@ -66,22 +75,22 @@ def replay_tokens(logits: torch.Tensor, uniforms: torch.Tensor, forced: torch.Te
         uniforms: ``[n]`` float64 in (0, 1).
         forced: ``[n]`` int64 recorded token of each row, in ``[0, V)``.
         replaying: ``[n]`` bool, the rows that emit ``forced``.
-        temperature, top_k, top_p: as for ``sample_tokens``.
+        temperature, top_k, top_p, min_p: as for ``sample_tokens``.
     Returns:
         tokens ``[n]`` int64 and their log-probs ``[n]`` float32 (-inf for a recorded token the filters exclude).
     """
-    drawn, logprobs = _draw(logits, uniforms, temperature, top_k, top_p)
+    drawn, logprobs = _draw(logits, uniforms, temperature, top_k, top_p, min_p)
     tokens = torch.where(replaying, forced, drawn)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int,
-          top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float,
+          min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[n]`` drawn from ``logits`` ``[n, V]`` and the ``[n, V]`` float32 log-probs they were drawn from."""
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1), torch.log_softmax(logits, -1)
-    logprobs = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), -1)
+    logprobs = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p, min_p), -1)
     return inverse_cdf(logprobs.exp(), uniforms.to(logits.device)), logprobs
 
 
