@@ -399,7 +399,10 @@ class RolloutDataModule(LightningDataModule):
             with STOP_SIGNAL.abandonable(enabled=self._world()[0] == 1):
                 return self._build_train_batch(builder)
         except BaseException:
-            self.load_state_dict(start)
+            # this rank's own engine state goes straight back: a checkpoint's rank bookkeeping
+            # (``_own_engine_state``) would read it as one rank's and, under several, refuse its carried groups
+            self.load_state_dict({key: value for key, value in start.items() if key != "engine"})
+            builder.load_state_dict(start["engine"])
             raise
 
     def _build_train_batch(self, builder: RolloutBuilder) -> RolloutBatch:

@@ -180,6 +180,30 @@ def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build
     assert torch.equal(retried.completion_ids, first.completion_ids) and torch.equal(retried.rewards, first.rewards)
 
 
+def test_a_failed_build_on_one_rank_of_two_raises_its_own_error_and_keeps_its_carried_groups(module, monkeypatch):
+    """The roll-back puts this rank's engine state back as its own: read as a one-rank checkpoint under two ranks,
+    its carried partial rollouts were refused, the refusal hid the reward's error and the groups were lost."""
+    calls = []
+
+    def fails_second(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("reward server down")
+        return [float(len(c)) for c in completions]
+
+    fails_second.__name__ = "fails_second"
+    dm = make_datamodule(module, prompts_per_step=2, over_provision=2.0, group_size=4, micro_group_size=4,
+                         strategy="continuous", max_new_tokens=12, reward_funcs=[fails_second])
+    monkeypatch.setattr(dm, "_world", lambda: (2, 0))  # rank 0 of 2; the step's collective stood in for:
+    monkeypatch.setattr(dm, "_finish_step", lambda batch: (0.5, None, 0))
+    dm.build_train_batch()
+    carried = dm.builder.state_dict()["carried"]
+    assert carried, "the test needs groups carried into the next step"
+    with pytest.raises(RewardFunctionError, match="reward server down"):
+        dm.build_train_batch()
+    assert dm.builder.state_dict()["carried"] == carried
+
+
 def test_skip_group_trains_on_the_other_groups_only(module, recwarn):
     dm = make_datamodule(module, prompts=PROMPTS[2:7] + PROMPTS[3:4], val_size=1, prompts_per_step=5,
                          reward_funcs=[_flaky_reward],
