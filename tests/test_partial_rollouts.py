@@ -88,27 +88,44 @@ def test_bad_partial_arguments_are_named(tiny64):
         engine.generate_groups([])
 
 
-def test_the_builder_carries_groups_and_drops_none(tiny64):
-    from lit_grpo.rollout.prompts import PromptExample
-    from lit_grpo.rollout.rewards import build_reward_funcs
-    from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+class _Draws:
+    """A builder's ``draw`` over 40 prompts in order, remembering the step (``step``, set by the test) of each."""
+
+    def __init__(self, tokenizer):
+        from lit_grpo.rollout.builder import Prompt
+        from lit_grpo.rollout.prompts import PromptExample
+
+        self.pool = [Prompt(i, PromptExample(f"What is {i} + {i}?", str(2 * i)),
+                            tokenizer(f"What is {i} + {i}?")["input_ids"]) for i in range(40)]
+        self.drawn, self.drawn_at, self.step = [], {}, 0
+
+    def __call__(self, count):
+        self.drawn.extend(self.pool[len(self.drawn):len(self.drawn) + count])
+        self.drawn_at.update((p.index, self.step) for p in self.drawn[-count:])
+        return self.drawn[-count:]
+
+
+def _partial_builder(model, tokenizer, reward_funcs, **options):
+    from lit_grpo.rollout.builder import RolloutBuilder
     from lit_grpo.sampling import SamplingConfig
 
-    model, tokenizer = tiny64
-    pool = [Prompt(i, PromptExample(f"What is {i} + {i}?", str(2 * i)), tokenizer(f"What is {i} + {i}?")["input_ids"])
-            for i in range(40)]
-    drawn, drawn_at, step = [], {}, 0
-
-    def draw(count):
-        drawn.extend(pool[len(drawn):len(drawn) + count])
-        drawn_at.update((p.index, step) for p in drawn[-count:])
-        return drawn[-count:]
-
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=12, seed=1)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
-                             over_provision=2.0, max_staleness=1)
+    return RolloutBuilder(model, tokenizer, sampling, reward_funcs, prompts_per_step=2, over_provision=2.0,
+                          max_staleness=1, **options)
+
+
+def test_the_builder_carries_groups_and_drops_none(tiny64):
+    from lit_grpo.rollout.builder import RolloutBuilder
+    from lit_grpo.rollout.rewards import build_reward_funcs
+
+    model, tokenizer = tiny64
+    draw = _Draws(tokenizer)
+    drawn, drawn_at = draw.drawn, draw.drawn_at
+    builder = _partial_builder(model, tokenizer, build_reward_funcs(["char_fraction"]))
+    sampling = builder.sampling
     returned, carried_some, offpolicy_some = [], False, False
     for step in range(6):
+        draw.step = step
         batch = builder.build_train(draw)
         assert batch.rewards.shape == (2, 4)
         assert len(drawn) <= 4 + 2 * step  # fresh prompts only to fill up to ceil(2.0 x B) groups
@@ -132,3 +149,28 @@ def test_the_builder_carries_groups_and_drops_none(tiny64):
         RolloutBuilder(model, tokenizer, sampling, [], over_provision=0.5)
     with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1"):
         RolloutBuilder(model, tokenizer, sampling, [], max_staleness=0)
+
+
+def test_off_policy_tokens_are_counted_over_the_groups_trained_on_only(tiny64):
+    """Dynamic sampling drops the carried groups here (their rewards are all equal) and refills with fresh ones:
+    every token trained on is this step's, so nothing turns the sampler correction on."""
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = tiny64
+    draw = _Draws(tokenizer)
+
+    def flat_when_carried(prompts, completions, **columns):  # fresh groups: 0, 1, 2, 3
+        return [0.0 if draw.drawn_at[draw.prompt_of[p]] < draw.step else float(k % 4) for k, p in
+                enumerate(prompts)]
+
+    draw.prompt_of = {p.example.prompt: p.index for p in draw.pool}
+    builder = _partial_builder(model, tokenizer, [WeightedReward(flat_when_carried)], dynamic_sampling=True,
+                               max_rollouts_per_step=4)
+    refilled = 0
+    for step in range(6):
+        draw.step = step
+        batch = builder.build_train(draw)
+        assert all(draw.drawn_at[index] == step for index in batch.indices)
+        refilled += batch.metrics["rollout/rollouts_per_step"] > 1
+        assert batch.offpolicy_tokens == 0 and batch.metrics["rollout/offpolicy_tokens_frac"] == 0
+    assert refilled, "the test needs carried groups dropped"

@@ -156,7 +156,7 @@ class _Round:
     components: dict[str, torch.Tensor]   # name -> [b, G]
     skipped: torch.Tensor                 # [b] bool
     stats: Any
-    offpolicy_tokens: int = 0             # completion tokens drawn in an earlier rollout (carried samples)
+    offpolicy_tokens: list[int]           # [b] each group's completion tokens drawn in an earlier rollout
 
 
 class RolloutBuilder:
@@ -463,7 +463,7 @@ class RolloutBuilder:
             self.weights.release()  # no graph reads them any more
         self._pending_update = width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
         batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
-        batch.offpolicy_tokens = sum(r.offpolicy_tokens for r in rounds)
+        batch.offpolicy_tokens = sum(rounds[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
         if self.over_provision > 1 or self.carried:
             batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
             tokens = max(int(batch.completion_mask.sum()), 1)
@@ -541,7 +541,7 @@ class RolloutBuilder:
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True
         current = engine.rollout_index - 1  # the rollout just run
-        offpolicy = sum(v < current for group in result.versions for sample in group for v in sample)
+        offpolicy = [sum(v < current for sample in group for v in sample) for group in result.versions]
         return _Round(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
                       truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                       components={k: v.view(len(examples), G) for k, v in scores.components.items()},
