@@ -262,6 +262,7 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert again.resolved_micro_group_size == 3 and again.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
     assert again.slot_budget.describe() == budget.describe().replace(")", "; read before the checkpoint was saved)")
     third = resumed(again.state_dict())  # resumed twice: the same budget, said the same way
+    assert resumed(builder.state_dict()).state_dict()["kv_budget"] == builder.state_dict()["kv_budget"]  # unsized
     assert third.resolved_micro_group_size == 3 and third.slot_budget.describe() == again.slot_budget.describe()
     longer = resumed(builder.state_dict(), max_new_tokens=12)  # longer rows: fewer of them in the same bytes
     same_bytes = resumed({}, max_new_tokens=12, kv_budget_bytes=budget.kv_budget_bytes)

@@ -381,8 +381,10 @@ class RolloutBuilder:
         resume (plain Python values: a checkpoint loads them without unpickling classes)."""
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]
-        if self.slot_budget is not None and self.slot_budget.budget.device_total_bytes is not None:
-            state["kv_budget"] = asdict(replace(self.slot_budget.budget, restored=False))
+        # before its first rollout sizes the slots, a resumed run saves again the budget it resumed from
+        budget = self.slot_budget.budget if self.slot_budget is not None else self._checkpoint_kv_budget
+        if budget is not None and budget.device_total_bytes is not None:
+            state["kv_budget"] = asdict(replace(budget, restored=False))
         return state
 
     def load_state_dict(self, state: dict) -> None:
