@@ -258,15 +258,21 @@ class RolloutDataModule(LightningDataModule):
         if stage in (None, TrainerFn.FITTING):  # validation alone sizes no training slots
             check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
         given = self._handover
+        world = dict(all_gather=all_gather, precision_context=precision_context,
+                     measured_update_peak=measured_update_peak)
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
                 given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (
                 rollout_weights is None or given["rollout_weights"] is rollout_weights):
-            return  # the same hand-over again (every validation run repeats it)
+            # the same hand-over again (every validation run repeats it), perhaps from another trainer, whose
+            # precision and gather the builder takes on: its engines and caches stay
+            given.update(world)
+            if self.builder is not None:
+                self.builder.use_world(**world)
+            return
         if self.builder is not None:  # a new policy object: a new builder, continuing the engine's state
             self._pending_state["engine"] = self.builder.state_dict()
         self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards, world_size=world_size,
-                              all_gather=all_gather, precision_context=precision_context,
-                              rollout_weights=rollout_weights, measured_update_peak=measured_update_peak)
+                              rollout_weights=rollout_weights, **world)
         self.builder = None
         self._render_prompts()
 

@@ -543,6 +543,18 @@ def test_exact_resume_with_carried_samples(tmp_path):
             assert x[key] == y[key], (x["global_step"], key)
 
 
+def test_the_same_hand_over_from_another_trainer_lends_its_precision_and_gather(module):
+    """A second attach of the same policy (a bf16-mixed ``validate`` after a 32-bit fit) keeps the builder, with
+    its engines and caches, and gives it the new trainer's precision context and gather."""
+    dm = make_datamodule(module)
+    dm.attach(module.policy, module.tokenizer)
+    builder = dm._require_builder()
+    bf16, gather = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)), (lambda tensor: tensor[None])
+    dm.attach(module.policy, module.tokenizer, precision_context=bf16, all_gather=gather)
+    assert dm._require_builder() is builder
+    assert builder.precision_context is bf16 and builder.all_gather is gather
+
+
 def test_the_datamodule_says_the_auto_budget_and_the_cache_keeping_once(module, monkeypatch):
     from lit_grpo.datamodules import rollout as datamodule_module
     from lit_grpo.rollout import builder as builder_module

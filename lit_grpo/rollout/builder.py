@@ -218,8 +218,8 @@ class RolloutBuilder:
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens or sampling.max_new_tokens
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
-        self.world_size, self.rank, self.all_gather = world_size, check_int("rank", rank, 0), all_gather
-        self.precision_context = precision_context or contextlib.nullcontext
+        self.world_size, self.rank = world_size, check_int("rank", rank, 0)
+        self.use_world(all_gather, precision_context, measured_update_peak)
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.over_provision, self.max_staleness = over_provision, max_staleness
         self.weights = rollout_weights or RolloutWeights(policy)
@@ -227,8 +227,6 @@ class RolloutBuilder:
         #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
         self.slot_budget: SlotBudget | None = None
         self._checkpoint_kv_budget: KVBudget | None = None  # the budget the checkpoint resumed from read
-        #: the device's peak in the last update, read from its owner (None before one has run, or off CUDA)
-        self.measured_update_peak = measured_update_peak or (lambda: None)
         #: ``keep_kv_cache: auto``'s last decision (on CUDA, once an update has been measured)
         self.cache_keeping: CacheKeeping | None = None
         #: the widest update measured: ``(row width, peak with nothing kept)``, and the last batch's, whose update
@@ -240,6 +238,16 @@ class RolloutBuilder:
         self._val_engine: RolloutEngine | None = None
         self._val_sampled_engine: RolloutEngine | None = None
         self._pending_engine_state: dict | None = None
+
+    def use_world(self, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  precision_context: Callable[[], Any] | None = None,
+                  measured_update_peak: Callable[[], int | None] | None = None) -> None:
+        """What the trainer running the rollouts lends them (another trainer of the same world may take over): a
+        gather across ranks, its precision context, and the device's peak in its last update (None before one has
+        run, or off CUDA)."""
+        self.all_gather = all_gather
+        self.precision_context = precision_context or contextlib.nullcontext
+        self.measured_update_peak = measured_update_peak or (lambda: None)
 
     # ------------------------------------------------------------------------------------------ engines
     @property
