@@ -194,7 +194,10 @@ class RolloutDataModule(LightningDataModule):
         if sampling.strategy == "full" and g is not None:
             warnings.warn(f"sampling.micro_group_size={g!r} is ignored by strategy 'full', which decodes every "
                           "sample at once; use 'continuous' or 'infinite' for g slots", stacklevel=2)
-        elif sampling.strategy == "micro" and isinstance(g, int) and g > sampling.group_size:
+        if sampling.kv_budget_bytes is not None and g != "auto":
+            warnings.warn(f"sampling.kv_budget_bytes={sampling.kv_budget_bytes} is the budget of micro_group_size "
+                          f"'auto' only; micro_group_size={g!r} ignores it", stacklevel=2)
+        if sampling.strategy == "micro" and isinstance(g, int) and g > sampling.group_size:
             warnings.warn(f"sampling.micro_group_size={g} is more than group_size={sampling.group_size}: strategy "
                           "'micro' runs one prompt's samples at a time, so it uses group_size slots", stacklevel=2)
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),

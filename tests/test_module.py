@@ -229,6 +229,9 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "full", "micro_group_size": 2})
     with pytest.warns(UserWarning, match=r"micro_group_size=16 is more than group_size=8: strategy 'micro'"):
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "micro", "micro_group_size": 16})
+    with pytest.warns(UserWarning, match=r"kv_budget_bytes=1000000 is the budget of micro_group_size 'auto' only; "
+                                         r"micro_group_size=4 ignores it"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"micro_group_size": 4, "kv_budget_bytes": 10**6})
     # unset, the correctness reward follows the reward functions
     assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"

@@ -356,7 +356,30 @@ def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
     model, tokenizer = policy
     monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**6, 10**9))  # the margin alone is 10**8
     sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+                             max_prompt_length=8)
     with pytest.raises(ValueError, match=r"no device memory left for the KV cache: free_bytes=1000000 - "
                                          r"reserved_bytes=\d+ .* - margin_bytes=100000000 = -\d+"):
         builder.resolved_micro_group_size
+
+
+def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_some_are(policy, monkeypatch):
+    from lit_grpo.rollout import builder as builder_module
+
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6,
+                              kv_budget_bytes=10**7)
+    with pytest.raises(ValueError, match=r"max_prompt_length=0: micro_group_size 'auto' prices the prompts' KV "
+                                         r"from the longest training prompt"):
+        RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
+    priced = []
+    monkeypatch.setattr(builder_module, "auto_micro_group_size",
+                        lambda *args, carried: priced.append(carried) or 2)
+    partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+                             max_prompt_length=8, over_provision=2.0)
+    partial.build_train(lambda count: _prompts(tokenizer, count))
+    assert partial.carried, "the test needs groups carried into the next step"
+    # resumed without partial rollouts, the carried groups still run first: their KV is priced
+    resumed = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=8)
+    resumed.load_state_dict(partial.state_dict())
+    assert resumed.resolved_micro_group_size == 2 and priced == [True, True]

@@ -184,7 +184,7 @@ class RolloutBuilder:
         rank: this process's rank among them. The training engine's streams are keyed by the rollout and the
             group's place in it, the same on every rank, so each rank gets its own seed
             (``random_streams.rank_seed``): otherwise group p of every rank would draw the same numbers.
-        precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
+        all_gather, precision_context, measured_update_peak: what the trainer lends the rollouts (``use_world``).
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
         over_provision: partial rollouts (1.0: off): each step's first rollout runs up to ``ceil(over_provision x B)``
@@ -212,6 +212,10 @@ class RolloutBuilder:
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
+        if sampling.micro_group_size == "auto" and sampling.strategy != "full" and (
+                isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1):
+            raise ValueError(f"max_prompt_length={max_prompt_length!r}: micro_group_size 'auto' prices the prompts' "
+                             "KV from the longest training prompt, so it needs that length (an integer >= 1)")
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
@@ -269,7 +273,7 @@ class RolloutBuilder:
                 dtype = kv_cache_dtype(self.weights.module)
             slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,
-                                          carried=self.over_provision > 1)
+                                          carried=self.over_provision > 1 or bool(self.carried))
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
