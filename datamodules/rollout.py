@@ -46,6 +46,24 @@ from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 
 
+def _accuracy_sums(batch: RolloutBatch) -> torch.Tensor:
+    """``[4]`` float64: the batch's correctness summed and counted over the completions that have one, and its
+    rewards summed and counted (``curriculum_accuracy`` takes one rank's, or every rank's added up)."""
+    accuracy = batch.accuracy
+    present = torch.zeros(0) if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
+    rewards = batch.rewards.double()
+    return torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel()],
+                        dtype=torch.float64)
+
+
+def curriculum_accuracy(sums: torch.Tensor) -> float:
+    """The curriculum's feedback for a step from ``_accuracy_sums``: the share of correct completions where any
+    has a correctness, else the mean reward, clamped to [0, 1]."""
+    correct, judged, reward, rewarded = sums.tolist()
+    accuracy = correct / judged if judged > 0 else reward / rewarded if rewarded > 0 else 0.0
+    return min(max(accuracy, 0.0), 1.0)
+
+
 class _StepDraw:
     """One training step's prompts under several ranks: global draws of ``prompts_per_step x world_size`` prompts
     (the same on every rank, as every rank's sampler is in the same state), this rank keeping its own
@@ -129,8 +147,8 @@ class RolloutDataModule(LightningDataModule):
             weights are corrected by ``GRPOModule``'s sampler correction ("auto").
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
         val_batch_size: greedy validation rollouts, ``val_max_new_tokens`` long (default: the sampling cap).
-        val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on the
-            rollout engine, seeded apart from training's streams) for ``val/mean_at_k`` and ``val/pass_at_k``;
+        val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on an
+            engine of their own, seeded apart from training's streams) for ``val/mean_at_k`` and ``val/pass_at_k``;
             1 (default) validates greedily only.
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
@@ -434,10 +452,7 @@ class RolloutDataModule(LightningDataModule):
             self.sampler.update(accuracy, mean_angle)
             batch.metrics["data/prompts_unused"] = float(unused)
         else:
-            accuracy = batch.mean_accuracy()
-            if accuracy is None:  # no correctness reward: the mean reward, clamped to [0, 1]
-                accuracy = float(batch.rewards.float().mean().clamp(0.0, 1.0))
-            self.sampler.update(min(max(accuracy, 0.0), 1.0))
+            self.sampler.update(curriculum_accuracy(_accuracy_sums(batch)))
         batch.metrics.update(self.sampler.metrics())
         self.steps_built += 1
         return batch
@@ -487,31 +502,21 @@ class RolloutDataModule(LightningDataModule):
 
     def _finish_step(self, batch: RolloutBatch) -> tuple[float, float | None, int]:
         """The end of a step under several ranks (one all_gather of a few numbers): the curriculum's feedback for
-        the whole step, the same on every rank, i.e. the accuracy over every rank's completions (the correctness
-        where any rank has one, else the mean reward, clamped to [0, 1]) and the mean raw angle score of every
-        prompt the ranks drew (None for a sampler without scores); and the step's draws settled (``_StepDraw.
-        finish``): every rank's sampler at the same state, the prompts drawn and not taken given back to it, their
-        count returned third."""
+        the whole step, the same on every rank, i.e. ``curriculum_accuracy`` over every rank's completions and the
+        mean raw angle score of every prompt the ranks took (None for a sampler without scores); and the step's
+        draws settled (``_StepDraw.finish``): every rank's sampler at the same state, the prompts drawn and not
+        taken given back to it, their count returned third."""
         step = self._step_draw
-        empty = torch.zeros(0, dtype=torch.float64)
-        accuracy = batch.accuracy
-        present = empty if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
-        rewards = batch.rewards.double()
         scores = getattr(self.sampler, "scores", None)
-        angles = scores[step.taken].double() if scores is not None and step.taken else empty
-        local = torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel(),
-                              float(angles.sum()), angles.numel(), step.draws, len(step.taken)],
-                             dtype=torch.float64)
+        angles = scores[step.taken].double() if scores is not None and step.taken else torch.zeros(0)
+        local = torch.cat([_accuracy_sums(batch), torch.tensor([float(angles.sum()), angles.numel(), step.draws,
+                                                                len(step.taken)], dtype=torch.float64)])
         total = self._all_gather(local)  # [world, 8]
         unused = step.finish(total[:, 6].round().long().tolist(), total[:, 7].round().long().tolist())
         self._step_draw = None
         total = total.sum(dim=0)
-        if total[1] > 0:
-            mean_accuracy = float(total[0] / total[1])
-        else:  # no correctness on any rank: the mean reward
-            mean_accuracy = float(total[2] / total[3]) if total[3] > 0 else 0.0
         mean_angle = float(total[4] / total[5]) if total[5] > 0 else None
-        return min(max(mean_accuracy, 0.0), 1.0), mean_angle, len(unused)
+        return curriculum_accuracy(total[:4]), mean_angle, len(unused)
 
     def _prompt(self, split: str, position: int) -> Prompt:
         indices, ids = (self.train_indices, self.train_prompt_ids) if split == "train" else (

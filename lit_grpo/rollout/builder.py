@@ -226,6 +226,9 @@ class RolloutBuilder:
         self.use_world(all_gather, precision_context, measured_update_peak)
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.over_provision, self.max_staleness = over_provision, max_staleness
+        #: the most groups a rollout runs at once: a step's first one, with partial rollouts, runs carried and
+        #: fresh groups up to ``ceil(over_provision x B)``
+        self.groups_per_rollout = math.ceil(over_provision * prompts_per_step)
         self.weights = rollout_weights or RolloutWeights(policy)
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
         #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
@@ -265,7 +268,7 @@ class RolloutBuilder:
             return None
         if self.slot_budget is None:
             budget = self._kv_budget()
-            config, prompts = self.sampling, math.ceil(self.over_provision * self.prompts_per_step)
+            config, prompts = self.sampling, self.groups_per_rollout
             parked = (config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite"
                       else (0, 0))
             # priced in the dtype the cache stores: the autocast one under mixed precision
@@ -273,7 +276,7 @@ class RolloutBuilder:
                 dtype = kv_cache_dtype(self.weights.module)
             slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,
-                                          carried=self.over_provision > 1 or bool(self.carried))
+                                          carried=self.over_provision > 1 or bool(self.carried))  # as build_train
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
@@ -336,9 +339,8 @@ class RolloutBuilder:
         total = memory[1]
         cache = engine.slot_cache_bytes()
         if self.max_prompt_length:
-            prompts = math.ceil(self.over_provision * self.prompts_per_step)
             with self.precision_context():  # the cache's dtype: the autocast one under mixed precision
-                cache = max(cache, engine.widest_slot_cache_bytes(prompts, self.max_prompt_length))
+                cache = max(cache, engine.widest_slot_cache_bytes(self.groups_per_rollout, self.max_prompt_length))
         width, peak = self._widest_update
         kept_bytes, margin = cache + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
         kept = batch_width <= width and kv_cache_fits_beside_update(peak, kept_bytes, total, margin)
@@ -458,9 +460,9 @@ class RolloutBuilder:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
         self._measure_last_update()
+        partial = self.over_provision > 1 or bool(self.carried)  # groups carried from a checkpoint run first too
         with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
-            rounds = [self._partial_rollout(engine, draw) if self.over_provision > 1 or self.carried
-                      else self._rollout(engine, draw(num_prompts))]
+            rounds = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
             keep = self._kept_groups(rounds)
             while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
                 rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
@@ -478,7 +480,7 @@ class RolloutBuilder:
         self._pending_update = width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
         batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
         batch.offpolicy_tokens = sum(rounds[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
-        if self.over_provision > 1 or self.carried:
+        if partial:
             batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
             tokens = max(int(batch.completion_mask.sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens

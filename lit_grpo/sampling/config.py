@@ -150,7 +150,8 @@ class SamplingConfig:
         fields given flat (``predictor="oracle"``, ``refill="sjf"``) turn it on.
 
         Raises:
-            ValueError: scheduler options for a strategy other than "infinite", or an unknown keyword.
+            ValueError: scheduler options for a strategy other than "infinite".
+            TypeError: an unknown keyword.
         """
         if base is not None and not kwargs:
             return base
