@@ -20,6 +20,7 @@ goes back to the sampler at the end of the step (``_StepDraw``), counted in ``da
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -230,6 +231,7 @@ class RolloutDataModule(LightningDataModule):
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must contain '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=0, low_open=True)
+        sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset"])
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints
             from lit_grpo.rollout.hf_dataset import describe_source

@@ -322,23 +322,52 @@ def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
         GRPOModule(model="tiny-llama", lr_schedule="Linear")
 
 
-def test_a_decaying_rate_spans_max_steps_optimizer_steps_in_fit():
-    """``max_steps`` counts optimizer steps: 2 training steps x 2 iterations decay over 4 rates."""
+def _fit_rates(max_steps, ckpt_path=None, save=None, **module_options):
+    """The rate of every optimizer step of a tiny fit (Python API, the settings given as their classes), and the
+    betas of its last."""
     import lightning.pytorch as pl
 
-    rates = []
+    from lit_grpo.sampling import SamplingConfig
+    from lit_grpo.update.loss_config import LossConfig
+
+    rates, betas = [], []
 
     class Rates(pl.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             rates.append(optimizer.param_groups[0]["lr"])
+            betas[:] = optimizer.param_groups[0]["betas"]
 
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[Rates()])
-    module = GRPOModule(model="tiny-llama", lr=1e-3, lr_schedule="linear", num_iterations=2)
-    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0})))
+    module = GRPOModule(model="tiny-llama", loss=LossConfig(loss_type="grpo"), **module_options)
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4)
+    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0, "sampling": sampling})),
+                ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(save)
+    return rates, tuple(betas)
+
+
+def test_a_decaying_rate_spans_the_optimizer_steps_the_run_makes():
+    """``max_steps`` counts optimizer steps: 2 training steps x 2 iterations decay over 4 rates; a count that is no
+    multiple of the iterations is rounded up to the whole training steps Lightning runs."""
+    rates, _ = _fit_rates(4, lr=1e-3, lr_schedule="linear", num_iterations=2)
     assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    assert _fit_rates(3, lr=1e-3, lr_schedule="linear", num_iterations=2)[0] == pytest.approx(rates)
+
+
+def test_a_resumed_run_takes_its_own_rate_and_schedule_at_the_step_it_resumes(tmp_path):
+    """The checkpoint (saved through the Python API, its settings as plain values that a weights-only load reads)
+    restores the optimizer's param groups; the resumed run then trains at its own rate, on its own schedule."""
+    checkpoint = str(tmp_path / "two.ckpt")
+    rates, betas = _fit_rates(2, save=checkpoint, lr=1e-3, lr_schedule="linear")
+    assert rates == pytest.approx([1e-3, 5e-4]) and betas == (0.9, 0.99)
+    # to 4 steps at twice the rate: steps 2 and 3 of a 4-step linear decay, with other betas
+    rates, betas = _fit_rates(4, ckpt_path=checkpoint, lr=2e-3, lr_schedule="linear", betas=(0.8, 0.9))
+    assert rates == pytest.approx([1e-3, 5e-4]) and betas == (0.8, 0.9)
+    assert _fit_rates(4, ckpt_path=checkpoint, lr=2e-3)[0] == pytest.approx([2e-3, 2e-3])  # constant from here
 
 
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):

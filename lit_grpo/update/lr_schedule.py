@@ -3,7 +3,12 @@
 ``GRPOModule``'s ``lr_schedule``: "constant" (the default) holds the rate after the warm-up; "linear" (TRL's and
 transformers' default) and "cosine" (a half cosine) take it down to zero, which the step after the last one would
 reach. The last step is ``trainer.max_steps``'s, which counts optimizer steps, as ``trainer.global_step`` does
-(training steps x ``num_iterations``): the decay needs it set.
+(training steps x ``num_iterations``; rounded up to whole training steps, where Lightning stops): the decay needs
+it set. The warm-up's first step already has ``1 / warmup_steps`` of the rate (transformers' has 0), so with a
+warm-up the whole schedule runs one step ahead of transformers'; without one the two are the same.
+
+A resumed run follows this run's settings (``GRPOModule.on_train_start``): its rate, warm-up, schedule and
+``max_steps``, at the step the checkpoint reached.
 """
 
 from __future__ import annotations

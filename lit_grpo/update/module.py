@@ -75,6 +75,7 @@ renders prompts) runs before ``configure_model``. Outside a Trainer call ``modul
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, get_args
@@ -204,13 +205,15 @@ class GRPOModule(LightningModule):
         check_real("weight_decay", weight_decay, low=0)
         if max_grad_norm is not None:  # None: no clipping
             check_real("max_grad_norm", max_grad_norm, low=0)
-        loss = _typed("loss", loss, LossConfig)
-        sampler_correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
-        self.save_hyperparameters()  # as given (plain dicts under the CLI); the update reads the typed objects below
+        loss_config = _typed("loss", loss, LossConfig)
+        correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
+        # saved as plain values, which torch.load(weights_only=True) reads back; the update reads the typed objects
+        loss, sampler_correction = dataclasses.asdict(loss_config), dataclasses.asdict(correction)
+        self.save_hyperparameters()
         self.automatic_optimization = False
         #: The loss object, built once from ``loss`` (lit_grpo.update.policy_losses).
-        self.loss_fn: PolicyLoss = make_loss(loss)
-        self.sampler_correction = sampler_correction
+        self.loss_fn: PolicyLoss = make_loss(loss_config)
+        self.sampler_correction = correction
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
@@ -404,8 +407,20 @@ class GRPOModule(LightningModule):
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
         max_steps = self.trainer.max_steps if self._trainer is not None else None
+        if max_steps is not None and max_steps > 0:  # Lightning stops after whole training steps: the steps run
+            max_steps = math.ceil(max_steps / hp.num_iterations) * hp.num_iterations
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """The optimizer takes this run's settings: a resumed run has the checkpoint's param groups back, whose
+        rate, betas and weight decay are the saved run's, the rate at the saved run's schedule."""
+        hp = self.hparams
+        scheduler, optimizer = self.lr_schedulers(), self.optimizers().optimizer
+        scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group.update(initial_lr=hp.lr, lr=hp.lr * factor(scheduler.last_epoch), betas=tuple(hp.betas),
+                         weight_decay=hp.weight_decay)
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _micro_batches(self, batch: RolloutBatch) -> list[tuple[range, dict[str, Any]]]:
