@@ -60,9 +60,11 @@ def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run, eos_model):
     module.configure_model()
     total = sum(module._total_active_tokens(module._micro_batches(b)) for b in batches)
     grads = []
+    from lit_grpo.update.sampler_correction import CorrectionStats
+
     for b in batches:
         module._update(b, module._micro_batches(b), torch.optim.SGD(module.policy.parameters(), lr=0.0), None, None,
-                       total, 0)
+                       total, 0, module.sampler_correction.for_batch(False), CorrectionStats())
         grads.append([p.grad.clone() for p in module.policy.parameters()])
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a + b) for a, b in zip(*grads)]))
     logged = read_records(ddp_run, 0)[0]["grad_norm"]

@@ -71,6 +71,18 @@ class ScaledLogits(torch.nn.Module):
         return out
 
 
+class FailingForward(ScaledLogits):
+    def forward(self, **kwargs):
+        raise RuntimeError("no hidden states here")
+
+
+def test_a_head_that_cannot_be_checked_falls_back_to_the_full_logits_and_says_why():
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    with pytest.warns(RuntimeWarning, match=r"the output head of FailingForward could not be checked against its "
+                                            r"logits \(RuntimeError: no hidden states here\); the update computes"):
+        assert not head_reproduces_logits(FailingForward(model))
+
+
 def test_models_that_post_process_logits_fall_back_to_the_full_logits():
     model, _ = load_model_and_tokenizer("tiny-llama")
     scaled = ScaledLogits(model.double())

@@ -100,7 +100,7 @@ def _without_absent(metrics: dict[str, float]) -> dict[str, float]:
 #: extremes, and "skew" for rollout/rank_skew (its value on a rank is that rank's rollout seconds; reduced, the
 #: slowest rank's over the mean).
 STEP_REDUCTIONS: dict[str, str] = {
-    "train/loss": "mean",  # each rank holds its share x the world size: the mean is the step's loss
+    "train/loss": "mean",  # each rank's own rows' loss, or its share x the world size (GRPOModule's docstring)
     "train/kl": "mean",
     "train/clip_ratio_low": "mean",
     "train/clip_ratio_high": "mean",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Literal, get_args
+from typing import Callable, Literal
 
-from lit_grpo.runtime.validation import ConfigError, check_choice, check_int
+from lit_grpo.runtime.validation import ConfigError
 
 LrSchedule = Literal["constant", "linear", "cosine"]
 
@@ -36,10 +36,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: L
 
 
 def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None) -> Callable[[int], float]:
-    """``lr_factor`` for ``torch.optim.lr_scheduler.LambdaLR``, the settings checked: a decaying ``schedule`` needs
-    ``max_steps`` (the trainer's; None or -1: not set) longer than the warm-up."""
-    check_choice("lr_schedule", schedule, get_args(LrSchedule))
-    check_int("warmup_steps", warmup_steps, 0)
+    """``lr_factor`` for ``torch.optim.lr_scheduler.LambdaLR`` (``schedule`` and ``warmup_steps`` as
+    ``GRPOModule`` checked them): a decaying ``schedule`` needs ``max_steps`` (the trainer's; None or -1: not set)
+    longer than the warm-up."""
     if schedule != "constant":
         if max_steps is None or max_steps < 0:
             raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to 0 at trainer.max_steps, which is "

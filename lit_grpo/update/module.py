@@ -30,7 +30,8 @@ plugin has unscaled). Likewise
 counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
-clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr};
+clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr;
+each the mean over the step's ``num_iterations`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
@@ -59,7 +60,8 @@ rank's value weighted by its groups, tokens or present values, ``RATIO_WEIGHTS``
 rank's rows would log them), sums (reward/skipped_groups, rollout/carried_samples), min or max
 (completions/min_length and max_length, sampling/*/min and max, rollout/rollouts_per_step), and
 ``rollout/rank_skew``, the slowest rank's rollout seconds over their mean (several processes only). ``train/loss``:
-each rank's share is times the world size, so their mean is the step's loss. val/*: torchmetrics means, synced over
+each rank's value is its own rows' loss (dapo and cispo, normalized by the whole step's tokens: its share times the
+world size); every rank holds as many rows, so their mean is the step's loss. val/*: torchmetrics means, synced over
 the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce their keys
 (rollout/*, memory/*) by the same table.
 ``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
@@ -480,7 +482,7 @@ class GRPOModule(LightningModule):
         metrics = self.grpo_step(batch, optimizer, self.lr_schedulers())
         optimizer.zero_grad(set_to_none=True)  # the next rollout needs their memory; the next update starts anew
         self._read_update_peak()
-        loss = torch.tensor(metrics["train/loss"])  # this rank's share (times the world size)
+        loss = torch.tensor(metrics["train/loss"])  # this rank's value (module docstring: its mean over ranks)
         if self.trainer.world_size > 1:
             # the whole step's figures, the same on every rank: one gather of every rank's values, then each key's
             # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS, ratios by RATIO_WEIGHTS); rank_skew goes in as this
@@ -546,15 +548,12 @@ class GRPOModule(LightningModule):
         logged.update(rollout_metrics(batch))
         return logged
 
-    def _update(self, batch: RolloutBatch, chunks: list[torch.Tensor], optimizer, old_logps, ref_logps,
-                total_active, iteration: int, correction: SamplerCorrection | None = None,
-                correction_stats: CorrectionStats | None = None) -> dict[str, float]:
-        """One optimizer step over all micro-batches of the batch; returns the step's metrics (the sampler
-        correction's go to ``correction_stats``, in the first iteration). ``correction``: the module's, resolved
-        for this batch, by default."""
+    def _update(self, batch: RolloutBatch, chunks: list[tuple[range, dict[str, Any]]], optimizer, old_logps,
+                ref_logps, total_active, iteration: int, correction: SamplerCorrection,
+                correction_stats: CorrectionStats) -> dict[str, float]:
+        """One optimizer step over all micro-batches of the batch (``_micro_batches``); returns the step's metrics
+        (the sampler correction's, resolved for this batch, go to ``correction_stats`` in the first iteration)."""
         loss_fn = self.loss_fn
-        correction = correction or self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
-        correction_stats = correction_stats or CorrectionStats()
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
         step = StepMetrics()
