@@ -81,6 +81,12 @@ CASES = [
     # text answers that math-verify cannot parse: normalized text
     ("<answer>Paris</answer>", "paris", 1.0),
     ("<answer>London</answer>", "Paris", 0.0),
+    # plain words, which math-verify reads as products of letters: text, not anagrams
+    ("<answer>on</answer>", "no", 0.0),
+    ("<answer>pots</answer>", "stop", 0.0),
+    ("<answer>Yes</answer>", "yes.", 1.0),
+    ("<answer>New York</answer>", "new  york", 1.0),
+    (r"<answer>\infty</answer>", "infinity", 1.0),  # a constant math-verify reads as one
 ]
 
 

@@ -13,7 +13,8 @@ completion:
 2. Gold and answer are parsed by Hugging Face's math-verify as LaTeX (``$...$``) and as plain expressions, and
    compared by ``math_verify.verify``: equivalent fractions and decimals, LaTeX forms, thousands separators,
    percentages (``50\\%`` equals 0.5 and 50), signs, sets (order-free) and intervals (open and closed ends
-   distinct). A gold answer math-verify cannot parse (a word) is compared as normalized text.
+   distinct). A gold answer of plain words, which math-verify would read as a product of one-letter symbols
+   (matching any anagram: "on" would equal "no"), or one it cannot parse, is compared as normalized text.
 3. Parsing and verifying one completion run under a deadline (``timeout_s``, :func:`lit_grpo.rollout.deadline.
    call_with_deadline`); a completion that runs past it (``\\boxed{9^{9^{9^{9}}}}`` would take hours) scores 0
    and a warning names it. math-verify's own timeouts are whole-second ``signal.alarm`` calls that would replace
@@ -42,6 +43,10 @@ DECIMAL = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 #: A number as written in an answer: sign, thousands separators or plain digits, decimals, a fraction, a percent.
 _NUMBER = re.compile(SIGN + r"\\d?frac\s*\{-?\d+\}\s*\{\d+\}"
                      r"|" + SIGN + DECIMAL + r"(?:\s*/\s*\d+)?\s*\\?%?|" + SIGN + r"\.\d+")
+#: A gold answer of plain words (two letters or more each) ...
+_WORDS = re.compile(r"[A-Za-z]{2,}(?:[\s'-]+[A-Za-z]+)*\.?")
+#: ... unless it is a constant math-verify reads as one.
+_MATH_WORDS = frozenset({"infinity", "inf", "oo"})
 #: A LaTeX math span: ``$$...$$``, ``$...$``, ``\(...\)`` or ``\[...\]`` (one group each).
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 
@@ -116,7 +121,8 @@ def _normalized_text(text: str) -> str:
 def answers_match(answer: str, gold: str) -> bool:
     """Whether ``answer`` is mathematically the ``gold`` answer (module docstring, step 2). No deadline."""
     math_verify, _ = _math_verify()
-    gold_parsed = parse_math(gold)
+    words = _WORDS.fullmatch(gold.strip()) and _normalized_text(gold) not in _MATH_WORDS
+    gold_parsed = [] if words else parse_math(gold)
     if not gold_parsed:
         return _normalized_text(answer) == _normalized_text(gold)
     answer_parsed = parse_math(answer)
