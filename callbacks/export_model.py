@@ -51,9 +51,11 @@ class ExportModel(Callback):
             raise ValueError("ExportModel(adapter_only=True) needs a LoRA run (model.peft_config); this run has none")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After the last step (and the last validation), while the policy is still on the module.
+        # After the last step (and the last validation), while the policy is still on the module. The folder is
+        # resolved on every rank: trainer.log_dir broadcasts from rank 0, a collective they all join.
+        out = self._out(trainer)
         if trainer.is_global_zero:
-            self.result = export_policy(pl_module.policy, pl_module.tokenizer, self._out(trainer), dtype=self.dtype,
+            self.result = export_policy(pl_module.policy, pl_module.tokenizer, out, dtype=self.dtype,
                                         adapter_only=self.adapter_only, overwrite=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

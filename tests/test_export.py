@@ -223,3 +223,22 @@ def test_export_model_refuses_a_module_without_a_policy_before_training(tmp_path
     with pytest.raises(ValueError, match="ExportModel exports a module's policy and tokenizer .*Plain has no policy "
                                          "or tokenizer"):
         trainer.fit(Plain())
+
+
+def test_export_model_resolves_its_folder_on_every_rank():
+    """``trainer.log_dir`` broadcasts from rank 0, so every rank reads it, and rank 0 alone exports."""
+    from types import SimpleNamespace
+
+    from lit_grpo.callbacks import ExportModel
+
+    read = []
+
+    class Trainer(SimpleNamespace):
+        @property
+        def log_dir(self):
+            read.append(self.is_global_zero)
+            return "/nowhere"
+
+    callback = ExportModel()
+    callback.on_train_end(Trainer(is_global_zero=False, default_root_dir="."), None)  # rank 1 of 2: no export
+    assert read == [False] and callback.result is None
