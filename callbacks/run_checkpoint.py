@@ -34,7 +34,8 @@ class RunCheckpoint(ModelCheckpoint):
     state, callback states, random states):
 
     - after every validation (``save_on_validation``);
-    - every ``every_n_train_steps`` optimizer steps, and after the first step that ends ``train_time_interval``
+    - every ``every_n_train_steps`` optimizer steps (after the training step that passes each multiple of it:
+      a GRPO step makes ``num_iterations`` optimizer steps), and after the first step that ends ``train_time_interval``
       (a ``timedelta``; in YAML ``"0:30:00"``) after the last save; the interval bounds what a kill (SIGKILL, a
       lost machine) can cost, the README states what a save costs;
     - at the end of fit, and when a stop signal comes.
@@ -84,6 +85,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._train_time_interval = train_time_interval
         self._every_n_epochs = 0
         self.save_on_validation = save_on_validation
+        self._step_before = 0  # the optimizer steps made when the last training batch ended
         self.resume_command: str | None = None
         self.saves = 0
         self.save_seconds = 0.0
@@ -113,6 +115,7 @@ class RunCheckpoint(ModelCheckpoint):
         # Installed here, after Lightning's own SIGTERM handler (which would exit 0 between validation batches).
         STOP_SIGNAL.install()
         self._stopped = False
+        self._step_before = trainer.global_step  # where the last training batch ended (a resumed run: its step)
 
     # ------------------------------------------------------------------------------------------ when
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -120,6 +123,7 @@ class RunCheckpoint(ModelCheckpoint):
         stop = self._stop_agreed(trainer)
         if stop or self._interval_due(trainer):
             self._save_last(trainer)
+        self._step_before = trainer.global_step
         if stop:
             self._stop(trainer)
 
@@ -149,7 +153,8 @@ class RunCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------------------------------ how
     def _interval_due(self, trainer: pl.Trainer) -> bool:
-        if self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0:
+        every = self._every_n_train_steps  # a batch may make several optimizer steps (GRPOModule's num_iterations)
+        if every >= 1 and trainer.global_step // every > self._step_before // every:
             return True
         if self._train_time_interval is None or self._last_time_checked is None:
             return False

@@ -132,6 +132,19 @@ def test_save_intervals_in_steps_and_time(tmp_path, settings, saves):
     assert _last_step(tmp_path) == STEPS
 
 
+def test_step_interval_saves_after_each_step_that_passes_a_multiple_of_it():
+    """A GRPO step makes num_iterations optimizer steps (here 4): a save every 10 falls after steps 12, 20, 32, 40."""
+    from types import SimpleNamespace
+
+    callback = RunCheckpoint(every_n_train_steps=10)
+    saved = []
+    callback._save_last = lambda trainer: saved.append(trainer.global_step)
+    callback._stop_agreed = lambda trainer: False
+    for batch in range(1, 11):
+        callback.on_train_batch_end(SimpleNamespace(global_step=4 * batch, world_size=1), None, None, None, batch)
+    assert saved == [12, 20, 32, 40]
+
+
 def test_bad_run_checkpoint_settings_are_named():
     with pytest.raises(ValueError, match=r"every_n_train_steps=0 must be an integer >= 1"):
         RunCheckpoint(every_n_train_steps=0)
