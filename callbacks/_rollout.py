@@ -47,6 +47,14 @@ def rollout_stats(batch: Any) -> RolloutStats | None:
     return stats if isinstance(stats, RolloutStats) else None
 
 
+def accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether this training batch only accumulates gradients (Lightning steps the optimizer on the last of every
+    ``accumulate_grad_batches`` batches, and on the epoch's last batch): a callback that keeps one point per
+    optimizer step waits for the batch that ends it."""
+    every = trainer.accumulate_grad_batches
+    return every > 1 and (batch_idx + 1) % every != 0 and not trainer.is_last_batch
+
+
 def logger_step(trainer: pl.Trainer) -> int:
     """The step Lightning logs this batch's scalars at.
 

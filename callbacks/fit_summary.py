@@ -18,7 +18,7 @@ from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
-from ._rollout import rank_rollout_stats, rollout_stats
+from ._rollout import accumulating, rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint
@@ -43,7 +43,8 @@ class FitSummary(Callback):
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
 
-    A line whose figure was never logged is left out. The time per step counts the training steps only (the
+    A line whose figure was never logged is left out. A step is a training step (a batch that ends an optimizer
+    step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps only (the
     validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
     the run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode
@@ -70,6 +71,11 @@ class FitSummary(Callback):
             raise ValueError(f"window must be >= 1, got {window}")
         self.validate_before_training = validate_before_training
         self.accuracy_key, self.reward_key, self.window = accuracy_key, reward_key, window
+        self._start()
+
+    def _start(self) -> None:
+        """Nothing collected yet: at construction and when a fit starts (one instance may serve several)."""
+        self.steps = 0  # training steps: the batches that end an optimizer step, whatever their optimizer steps
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
         # The run's rollouts, every rank's, added up (merge_stats: times and counts add, the KV peak is the
@@ -80,12 +86,14 @@ class FitSummary(Callback):
         self._started_s: float | None = None  # when the training steps started (after the first validation)
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
-        self._first_step = 0
         self._host_peak: int | None = None  # the ranks' largest resident high-water mark when training ended
 
     # ------------------------------------------------------------------------------------------ collect
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._start()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first_step = trainer.global_step
         if self.validate_before_training and trainer.global_step == 0 and _has_validation(trainer):
             _validate_now(trainer)
         self._started_s = time.perf_counter()  # time per step: the training steps only
@@ -104,6 +112,9 @@ class FitSummary(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
+            return
+        self.steps += 1
         value = trainer.callback_metrics.get(self.reward_key)
         if value is not None and math.isfinite(float(value)):
             self.rewards.append(float(value))
@@ -128,7 +139,9 @@ class FitSummary(Callback):
 
     def summary_lines(self, trainer: pl.Trainer) -> list[str]:
         """The summary, one string per line (what ``on_fit_end`` prints)."""
-        steps = trainer.global_step - self._first_step
+        steps = self.steps
+        host = None if self._host_peak is None else max(self._host_peak, host_peak_bytes())  # and the end of fit's,
+        # read before the decode floor's bandwidth measurement allocates its buffer
         elapsed = time.perf_counter() - self._started_s if self._started_s is not None else 0.0
         training_s = max(elapsed - self._validation_s, 0.0)
         per_step = f"{training_s / steps:.1f} s per step" if steps else ""
@@ -155,8 +168,7 @@ class FitSummary(Callback):
         peak = self._peak_line(trainer)
         if peak:
             lines.append(f"  {'rollout peak':<14} {peak}")
-        if self._host_peak is not None:  # and what the end of fit added on this rank
-            host = max(self._host_peak, host_peak_bytes())
+        if host is not None:
             lines.append(f"  {'host peak':<14} {format_bytes(host)} resident (the process's high-water mark"
                          + (", the largest rank's)" if trainer.world_size > 1 else ")"))
         lines.extend(self._where_lines(trainer))

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.runtime.memory import CPU_METHODS, CpuMethod, PeakTracker, make_peak_tracker
 from lit_grpo.runtime.validation import check_choice
 
-from ._rollout import log_metrics, rollout_stats, whole_step
+from ._rollout import accumulating, log_metrics, rollout_stats, whole_step
 
 #: The phases of a training step, as they appear in the logged keys.
 PHASES = ("rollout", "update", "optimizer", "step")
@@ -150,7 +150,7 @@ class PeakMemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if _accumulating(trainer, batch_idx):  # the step goes on to the micro-batch whose optimizer step ends it
+        if accumulating(trainer, batch_idx):  # the step goes on to the micro-batch whose optimizer step ends it
             if self._tracker is not None:
                 self._accumulated = _larger(self._accumulated, _larger(self._rollout_peaks, self._tracker.read()))
             return
@@ -204,13 +204,6 @@ class PeakMemoryMonitor(Callback):
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "
                 "rollout measured before step i is the rollout of step i+1. Give the dataloader a __len__."
             )
-
-
-def _accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
-    """Whether this training batch only accumulates gradients (Lightning steps the optimizer on the last of every
-    ``accumulate_grad_batches`` batches, and on the epoch's last batch)."""
-    every = trainer.accumulate_grad_batches
-    return every > 1 and (batch_idx + 1) % every != 0 and not trainer.is_last_batch
 
 
 def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:

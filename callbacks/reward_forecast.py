@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_grpo.runtime.validation import check_choice, check_int, check_real
 
-from ._rollout import log_metrics, logger_step
+from ._rollout import accumulating, log_metrics, logger_step
 from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, forecast_plateau
 
 
@@ -84,13 +84,22 @@ class RewardForecast(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.criterion = criterion
         self.reward_range = check_reward_range(reward_range)
+        self._start()
+        self._warned_missing = False
+
+    def _start(self) -> None:
+        """No points and no decision yet: at construction and when a fit starts (a resumed one then loads its
+        checkpoint's state)."""
         self.steps: list[float] = []
         self.rewards: list[float] = []
         self.wait_count = 0
         self.stopped_step: int | None = None
         self.last_forecast: Forecast | None = None
         self._last_checked_step: int | None = None
-        self._warned_missing = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._start()
 
     @property
     def state_key(self) -> str:
@@ -103,6 +112,8 @@ class RewardForecast(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if accumulating(trainer, batch_idx):  # one point per optimizer step: its last batch's
+            return
         value = self._over_ranks(trainer, pl_module, self._monitored_value(trainer))
         step = logger_step(trainer)
         if value is not None:

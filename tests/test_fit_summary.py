@@ -143,3 +143,37 @@ def test_time_per_step_leaves_the_validations_out(tmp_path):
     # The validation after the last step (2 x 0.4 s) is named apart; the one before training is not timed.
     match = re.fullmatch(r"lit_grpo: 2 steps in (\d+) s \(([\d.]+) s per step, plus 1 s of validation\)", first)
     assert match and float(match[2]) < 0.4, first
+
+
+def test_one_summary_serves_two_fits_and_counts_optimizer_steps_under_accumulation(tmp_path):
+    """Each fit starts the summary afresh; with gradient accumulation a step is the batches of one optimizer step,
+    and the reward forecast keeps one point per step too."""
+    from callback_helpers import TinyRegression
+
+    from lit_grpo.callbacks import RewardForecast
+
+    summary = FitSummary(validate_before_training=False, reward_key="train/loss")
+    forecast = RewardForecast(monitor="train/loss", min_points=100)
+    for max_steps in (2, 3):
+        trainer = _trainer(tmp_path, [summary, forecast], max_steps=max_steps, accumulate_grad_batches=2,
+                           enable_checkpointing=False, limit_val_batches=0)
+        trainer.fit(TinyRegression())
+        assert summary.steps == len(summary.rewards) == max_steps
+        assert summary.summary_lines(trainer)[0].startswith(f"lit_grpo: {max_steps} steps in ")
+    assert forecast.steps == [0.0, 1.0, 2.0]  # the last fit's steps, one point each
+
+
+def test_the_host_peak_is_read_before_the_decode_floor_measures_its_bandwidth(tmp_path, monkeypatch):
+    from lit_grpo.callbacks import fit_summary
+
+    readings = iter(range(1, 100))
+    monkeypatch.setattr(fit_summary, "host_peak_bytes", lambda: next(readings) * 2**20)
+    summary = FitSummary()
+    trainer = _trainer(tmp_path, [summary], max_steps=2, enable_checkpointing=False)
+    trainer.fit(RolloutModule([make_rollout(seed) for seed in range(2)]))
+    floor, readings = summary._floor_line, iter([5, 50])
+    monkeypatch.setattr(fit_summary, "host_peak_bytes", lambda: next(readings) * 2**20)
+    monkeypatch.setattr(summary, "_floor_line", lambda trainer: (next(readings), floor(trainer))[1])  # its buffer
+    lines = summary.summary_lines(trainer)
+    assert any(line.startswith("  decode floor") for line in lines), lines
+    assert "  host peak      5.0 MiB resident" in "\n".join(lines)  # the reading before the floor's, not after
