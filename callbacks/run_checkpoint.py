@@ -21,6 +21,7 @@ from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
 from lit_grpo.runtime.validation import check_int
 
 from ._paths import shown_path
+from ._rollout import accumulating
 
 DEFAULT_INTERVAL = timedelta(minutes=30)
 
@@ -120,6 +121,8 @@ class RunCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------------------------------ when
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if accumulating(trainer, batch_idx):  # saves and stops wait for the batch that ends the optimizer step
+            return
         stop = self._stop_agreed(trainer)
         if stop or self._interval_due(trainer):
             self._save_last(trainer)

@@ -141,8 +141,19 @@ def test_step_interval_saves_after_each_step_that_passes_a_multiple_of_it():
     callback._save_last = lambda trainer: saved.append(trainer.global_step)
     callback._stop_agreed = lambda trainer: False
     for batch in range(1, 11):
-        callback.on_train_batch_end(SimpleNamespace(global_step=4 * batch, world_size=1), None, None, None, batch)
+        trainer = SimpleNamespace(global_step=4 * batch, world_size=1, accumulate_grad_batches=1)
+        callback.on_train_batch_end(trainer, None, None, None, batch)
     assert saved == [12, 20, 32, 40]
+    # under gradient accumulation (3 batches a step), a stop waits for the batch that ends the optimizer step
+    callback, saved, stopped = RunCheckpoint(), [], []
+    callback._save_last = lambda trainer: saved.append(trainer.global_step)
+    callback._stop_agreed = lambda trainer: True
+    callback._stop = lambda trainer: stopped.append(trainer.global_step)
+    for batch in range(3):
+        trainer = SimpleNamespace(global_step=(batch + 1) // 3, world_size=1, accumulate_grad_batches=3,
+                                  is_last_batch=False)
+        callback.on_train_batch_end(trainer, None, None, None, batch)
+    assert saved == stopped == [1]
 
 
 def test_bad_run_checkpoint_settings_are_named():
