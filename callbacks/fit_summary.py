@@ -21,7 +21,7 @@ from ._paths import shown_path
 from ._rollout import accumulating, rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
-from .run_checkpoint import RunCheckpoint
+from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
 
 
 class FitSummary(Callback):
@@ -217,7 +217,7 @@ class FitSummary(Callback):
         if logger is not None:
             lines.append(f"  {'logs':<14} {shown_path(logger.log_dir)}  ->  tensorboard --logdir "
                          f"{shown_path(logger.root_dir)}")
-        checkpoint = trainer.checkpoint_callback
+        checkpoint = last_checkpoint_callback(trainer)
         if isinstance(checkpoint, ModelCheckpoint):
             path = checkpoint.last_model_path or checkpoint.best_model_path
             if path and os.path.exists(path):

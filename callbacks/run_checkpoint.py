@@ -215,6 +215,13 @@ class RunCheckpoint(ModelCheckpoint):
         print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
 
 
+def last_checkpoint_callback(trainer: pl.Trainer) -> ModelCheckpoint | None:
+    """The callback that keeps the run's ``last.ckpt``: its ``RunCheckpoint``, else Lightning's first
+    ``ModelCheckpoint`` (``trainer.checkpoint_callback``), which may be one that only keeps a history."""
+    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, RunCheckpoint)),
+                trainer.checkpoint_callback)
+
+
 def _writes_a_folder(strategy: Any) -> bool:
     """Whether ``strategy`` saves a checkpoint as a folder of shards (ModelParallelStrategy's default)."""
     from lightning.pytorch.strategies import ModelParallelStrategy

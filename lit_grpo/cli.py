@@ -44,11 +44,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
+from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
                                           run_checkpoint_folders)
@@ -116,7 +117,12 @@ class GRPOCLI(LightningCLI):
                 isinstance(cb, ProgressBar) for cb in configured):
             callbacks = [*callbacks, GRPOProgressBar()]
         if config.get("enable_checkpointing", True) is not False and not any(
-                isinstance(cb, ModelCheckpoint) for cb in configured):
+                isinstance(cb, RunCheckpoint) for cb in configured):  # beside a ModelCheckpoint keeping a history too
+            writers = [cb for cb in configured if isinstance(cb, ModelCheckpoint) and cb.save_last]
+            if writers:
+                raise ValueError(f"{type(writers[0]).__name__}(save_last={writers[0].save_last!r}) would write "
+                                 "last.ckpt beside lit_grpo's RunCheckpoint, which keeps it current (atomic, saved "
+                                 "on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
             callbacks = [*callbacks, RunCheckpoint()]
         check_distinct_stateful_callbacks([*configured, *callbacks])
         trainer = super()._instantiate_trainer(config, callbacks)
@@ -160,7 +166,7 @@ class GRPOCLI(LightningCLI):
         the new run's folder only), checked like any other, and continued in its folder."""
         config = self.config_init[self.subcommand]
         ckpt_path = config.get("ckpt_path")
-        checkpoint = self.trainer.checkpoint_callback
+        checkpoint = last_checkpoint_callback(self.trainer)
         if isinstance(checkpoint, RunCheckpoint):
             checkpoint.resume_command = resume_command(self.command_args)
         if ckpt_path == "last":
@@ -173,18 +179,19 @@ class GRPOCLI(LightningCLI):
                 rank_zero_info(f"lit_grpo: --ckpt_path last: no last.ckpt under {root} yet; starting a new run")
                 config["ckpt_path"] = None
                 return
-            check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None))
+            with config_errors("--ckpt_path last"):
+                check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None))
             rank_zero_info(f"lit_grpo: --ckpt_path last: resuming from {found}")
             _continue_in_folder_of(self.trainer, found)
             config["ckpt_path"] = str(found)
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
         """Where this run's checkpoints go (the root) and the folders ``--ckpt_path last`` looks in."""
-        checkpoint = self.trainer.checkpoint_callback
+        checkpoint = last_checkpoint_callback(self.trainer)
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is not None:
             return Path(checkpoint.dirpath), [Path(checkpoint.dirpath)]
         logger = self.trainer.logger
-        root = Path(logger.root_dir if isinstance(logger, TensorBoardLogger) else self.trainer.default_root_dir)
+        root = Path(getattr(logger, "root_dir", None) or self.trainer.default_root_dir)  # save_dir/name
         return root, run_checkpoint_folders(root)
 
     def after_fit(self) -> None:
@@ -193,7 +200,7 @@ class GRPOCLI(LightningCLI):
         trainer = self.trainer
         if not trainer.is_global_zero or any(isinstance(cb, ExportModel) for cb in trainer.callbacks):
             return
-        checkpoint = trainer.checkpoint_callback
+        checkpoint = last_checkpoint_callback(trainer)
         path = getattr(checkpoint, "last_model_path", None) if isinstance(checkpoint, ModelCheckpoint) else None
         if path and Path(path).is_file():
             print(f"  {'export':<14} {export_command(path)}", flush=True)
@@ -303,11 +310,11 @@ def export_command(ckpt_path: str | os.PathLike) -> str:
 
 
 def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
-    """Log to the TensorBoard version whose ``checkpoints/`` holds ``checkpoint``, so a resumed run keeps one
-    folder: one curve in TensorBoard and one ``last.ckpt`` for the next ``--ckpt_path last``."""
+    """Log to the version whose ``checkpoints/`` holds ``checkpoint`` (TensorBoard's or CSV's logger), so a resumed
+    run keeps one folder: one curve in TensorBoard and one ``last.ckpt`` for the next ``--ckpt_path last``."""
     logger = trainer.logger
     version = checkpoint.parent.parent
-    if (isinstance(logger, TensorBoardLogger) and checkpoint.parent.name == "checkpoints"
+    if (isinstance(logger, (TensorBoardLogger, CSVLogger)) and checkpoint.parent.name == "checkpoints"
             and version.parent.resolve() == Path(logger.root_dir).resolve()):
         logger._version = version.name  # no public setter; read lazily, when the first thing is logged
 

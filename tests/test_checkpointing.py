@@ -310,6 +310,31 @@ def test_last_with_no_checkpoint_starts_a_new_run_and_then_resumes_it(tmp_path, 
     assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
 
 
+@pytest.mark.parametrize("logger", [["--trainer.logger", "TensorBoardLogger", "--trainer.logger.version", "myrun"],
+                                    ["--trainer.logger", "CSVLogger"]])
+def test_last_finds_a_named_version_and_other_loggers_runs(tmp_path, caplog, logger):
+    save_dir = ["--trainer.logger.save_dir", str(tmp_path)]
+    build_cli(_fit_args(tmp_path, *logger, *save_dir, steps=1))
+    cli = build_cli(_fit_args(tmp_path, *logger, *save_dir, "--ckpt_path", "last", steps=2))
+    assert "--ckpt_path last: resuming from" in caplog.text and cli.trainer.global_step == 2
+    assert len(list((tmp_path / "lightning_logs").iterdir())) == 1  # one run folder, continued
+
+
+def test_a_history_checkpoint_keeps_last_ckpt_with_run_checkpoint_and_a_second_writer_is_refused(tmp_path, capsys):
+    history = ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'history'}",
+               "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1"]
+    cli = build_cli(_fit_args(tmp_path, *history, steps=1))
+    assert sum(isinstance(cb, RunCheckpoint) for cb in cli.trainer.callbacks) == 1 and _last_step(tmp_path) == 1
+    err = _refused(capsys, _fit_args(tmp_path / "two", *history, "--trainer.callbacks.save_last=true", steps=1))
+    assert "ModelCheckpoint(save_last=True) would write last.ckpt beside lit_grpo's RunCheckpoint" in err
+
+
+def test_an_incompatible_last_checkpoint_is_refused_without_a_traceback(tmp_path, capsys):
+    build_cli(_fit_args(tmp_path, steps=1))
+    err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", "--data.sampling.group_size", "6", steps=2))
+    assert "error: --ckpt_path last: " in err and "data.sampling.group_size: 4 in the checkpoint, 6 now" in err
+
+
 def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -186,10 +186,11 @@ def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
 
 
 def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
-    """The checkpoint folders of every run under a logger's root (``ROOT/version_*/checkpoints``) and the
-    trainer's own (``ROOT/checkpoints``, used when there is no logger)."""
+    """The checkpoint folders of every run under a logger's root (``ROOT/VERSION/checkpoints``: ``version_N`` or a
+    version the logger was given by name) and the trainer's own (``ROOT/checkpoints``, used when there is no
+    logger)."""
     root = Path(root)
-    return [*sorted(root.glob("version_*/checkpoints")), root / "checkpoints"]
+    return [*sorted(folder for folder in root.glob("*/checkpoints") if folder.is_dir()), root / "checkpoints"]
 
 
 def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
