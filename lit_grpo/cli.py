@@ -170,20 +170,42 @@ class GRPOCLI(LightningCLI):
         if isinstance(checkpoint, RunCheckpoint):
             checkpoint.resume_command = resume_command(self.command_args)
         if ckpt_path == "last":
-            root, folders = self._checkpoint_folders()
-            if rank_zero_only.rank == 0:  # a sharded save killed between its renames leaves no last.ckpt until then
-                for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
-                    finish_interrupted_swaps(folder, clean=False)
-            found = find_last_checkpoint(folders)
+            root, found = self._last_checkpoint(evaluate=False)
             if found is None:
                 rank_zero_info(f"lit_grpo: --ckpt_path last: no last.ckpt under {root} yet; starting a new run")
                 config["ckpt_path"] = None
                 return
-            with config_errors("--ckpt_path last"):
-                check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None))
             rank_zero_info(f"lit_grpo: --ckpt_path last: resuming from {found}")
             _continue_in_folder_of(self.trainer, found)
             config["ckpt_path"] = str(found)
+
+    def before_validate(self) -> None:
+        """``--ckpt_path last``: the newest ``last.ckpt`` under the root, as ``fit`` finds it, whose weights are
+        validated; with none there the command fails (it would validate the untrained model)."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            root, found = self._last_checkpoint(evaluate=True)
+            if found is None:
+                _exit_with(ConfigError(f"--ckpt_path last: no last.ckpt under {root} to validate; give a checkpoint "
+                                       "path"), self.subcommand)
+            rank_zero_info(f"lit_grpo: --ckpt_path last: validating {found}")
+            config["ckpt_path"] = str(found)
+
+    def _last_checkpoint(self, evaluate: bool) -> tuple[Path, Path | None]:
+        """The root searched and the newest ``last.ckpt`` of any run under it (None: none yet), checked against
+        this run's settings (``evaluate``: a run that only evaluates it)."""
+        root, folders = self._checkpoint_folders()
+        if rank_zero_only.rank == 0:  # a sharded save killed between its renames leaves no last.ckpt until then
+            for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
+                finish_interrupted_swaps(folder, clean=False)
+        found = find_last_checkpoint(folders)
+        if found is not None:
+            try:
+                with config_errors("--ckpt_path last"):
+                    check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None), evaluate)
+            except ConfigError as err:
+                _exit_with(err, self.subcommand)
+        return root, found
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
         """Where this run's checkpoints go (the root) and the folders ``--ckpt_path last`` looks in."""

@@ -335,6 +335,15 @@ def test_an_incompatible_last_checkpoint_is_refused_without_a_traceback(tmp_path
     assert "error: --ckpt_path last: " in err and "data.sampling.group_size: 4 in the checkpoint, 6 now" in err
 
 
+def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is_none(tmp_path, caplog, capsys):
+    validate = ["validate", *_fit_args(tmp_path, "--ckpt_path", "last", "--trainer.limit_val_batches", "1")[1:]]
+    assert "--ckpt_path last: no last.ckpt under " in _refused(capsys, validate)
+    build_cli(_fit_args(tmp_path, steps=1))
+    build_cli(validate)
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
+
+
 def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
