@@ -95,6 +95,9 @@ class FitSummary(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.validate_before_training and trainer.global_step == 0 and _has_validation(trainer):
+            for checkpoint in trainer.checkpoint_callbacks:  # a stop during it stops the run as during training
+                if isinstance(checkpoint, RunCheckpoint):
+                    checkpoint.listen_for_stops()
             _validate_now(trainer)
         self._started_s = time.perf_counter()  # time per step: the training steps only
 

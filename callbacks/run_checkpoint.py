@@ -113,10 +113,15 @@ class RunCheckpoint(ModelCheckpoint):
         if self.dirpath is not None and "://" not in str(self.dirpath):
             _on_rank_zero_for_all(
                 trainer, lambda: check_writable(self.dirpath, needed_bytes=checkpoint_bytes(pl_module)))
-        # Installed here, after Lightning's own SIGTERM handler (which would exit 0 between validation batches).
-        STOP_SIGNAL.install()
+        self.listen_for_stops()
         self._stopped = False
         self._step_before = trainer.global_step  # where the last training batch ended (a resumed run: its step)
+
+    def listen_for_stops(self) -> None:
+        """From here on a SIGTERM or Ctrl-C stops the run saved (``STOP_SIGNAL``). Installed once training starts,
+        after Lightning's own handler (which would exit 0 between validation batches); ``FitSummary`` calls it
+        first, before the validation it runs ahead of the first step."""
+        STOP_SIGNAL.install()
 
     # ------------------------------------------------------------------------------------------ when
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -11,7 +11,8 @@ from lightning.pytorch import Callback
 
 class SignalAt(Callback):
     """Sends ``signal_name`` (TERM or INT) to this process ``times`` times when step ``step`` is in ``phase``:
-    "rollout" (while its prompts are drawn, inside the rollout) or "update" (at the start of its update)."""
+    "rollout" (while its prompts are drawn, inside the rollout), "update" (at the start of its update) or
+    "validation" (in the first batch of the validation after it; step 0: the one before training)."""
 
     def __init__(self, signal_name: str, step: int, phase: str, times: int = 1):
         self.signum, self.step, self.phase, self.times = getattr(signal, f"SIG{signal_name}"), step, phase, times
@@ -32,6 +33,10 @@ class SignalAt(Callback):
                 return draw(count)
 
             sampler.draw = draw_and_signal
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.phase == "validation" and trainer.global_step == self.step and batch_idx == 0:
+            self._send()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.phase == "update" and trainer.global_step + 1 == self.step:

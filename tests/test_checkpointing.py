@@ -88,6 +88,16 @@ def test_a_stop_signal_saves_the_last_completed_step_and_the_resume_is_exact(
     assert _last_step(root) == STEPS
 
 
+def test_a_stop_during_the_validation_before_training_stops_the_run_as_a_stop(tmp_path):
+    """That validation runs before training starts, where Lightning's own handler would end the run with 0."""
+    stopped = _run(tmp_path, "run", "--trainer.callbacks+=stop_helpers.SignalAt",
+                   "--trainer.callbacks.signal_name=TERM", "--trainer.callbacks.step=0",
+                   "--trainer.callbacks.phase=validation")
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-4000:]
+    assert "stopped by SIGTERM before the first step; nothing to save" in stopped.stdout + stopped.stderr
+    assert "Traceback" not in stopped.stderr
+
+
 def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     stopped = _run(tmp_path, "run", "--trainer.callbacks+=stop_helpers.SignalAt",
                    "--trainer.callbacks.signal_name=INT", "--trainer.callbacks.step=3",

@@ -47,10 +47,11 @@ class StopSignal:
         return self.signum is not None
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGINT (main thread only; elsewhere Python allows no handlers) until ``restore``."""
-        self.signum = None
+        """Handle SIGTERM and SIGINT (main thread only; elsewhere Python allows no handlers) until ``restore``;
+        installed already, the handlers stay and so does a stop they have received."""
         if self._previous or not _main_thread():
             return
+        self.signum = None
         for signum in HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
 
