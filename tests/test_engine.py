@@ -645,6 +645,17 @@ def test_merged_rounds_add_their_prefill_and_decode_time():
     assert RolloutStats().decode_ms_per_step is None and RolloutStats().prefill_ms_per_token is None  # nothing run
 
 
+def test_merged_rounds_of_different_slot_counts_keep_their_utilization():
+    """A dynamic-sampling round with fewer prompts has fewer slots: each round's busy share counts at its own width."""
+    from lit_grpo.sampling.stats import RolloutStats, merge_stats
+
+    wide = RolloutStats(num_slots=8, decode_steps=10, generated_tokens=80)
+    narrow = RolloutStats(num_slots=2, decode_steps=10, generated_tokens=20)
+    for rounds in ([wide, narrow], [narrow, wide]):
+        merged = merge_stats(rounds)
+        assert merged.slot_utilization == 1.0 and merged.num_slots == 8
+
+
 @pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),
                                               ("full", "use 'continuous' or 'infinite'")])
 def test_a_slot_cache_that_does_not_fit_says_how_large_it_is_and_what_to_change(tiny_llama, prompt_ids, monkeypatch,

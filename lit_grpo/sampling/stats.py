@@ -178,7 +178,8 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
     preempting = [part.preempting for part in parts if part.preempting is not None]
     merged.preempting = sum(preempting) / len(preempting) if preempting else None
-    slots = merged.decode_steps * merged.num_slots
-    merged.slot_utilization = merged.generated_tokens / slots if slots else 0.0
+    slot_steps = sum(part.decode_steps * part.num_slots for part in parts)  # rounds may have fewer slots
+    merged.num_slots = max(part.num_slots for part in parts)
+    merged.slot_utilization = merged.generated_tokens / slot_steps if slot_steps else 0.0
     merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
     return merged
