@@ -82,10 +82,32 @@ def test_bad_partial_arguments_are_named(tiny64):
     model, tokenizer = tiny64
     engine = _engine(model, tokenizer)
     groups = engine.new_groups([tokenizer("hi")["input_ids"]])
-    with pytest.raises(ValueError, match="complete=2 must be between 1 and the number of groups"):
+    with pytest.raises(ValueError, match="complete=2 must be an integer between 1 and the number of groups"):
         engine.generate_groups(groups, complete=2)
+    with pytest.raises(ValueError, match=r"complete=1.5 must be an integer"):
+        engine.generate_groups(groups, complete=1.5)
+    for finish in ([1], [-1], [True]):
+        with pytest.raises(ValueError, match=r"finish=.* must be indices of the groups, integers in \[0, 1\)"):
+            engine.generate_groups(groups, finish=finish)
     with pytest.raises(ValueError, match="at least one group"):
         engine.generate_groups([])
+    with pytest.raises(ValueError, match="tags has 2 entries for 1 prompts"):
+        engine.new_groups([tokenizer("hi")["input_ids"]], tags=[0, 1])
+    with pytest.raises(ValueError, match=r"forced lengths must be integers, got \[2.9, True\]"):
+        engine.new_groups([tokenizer("hi")["input_ids"]], lengths=[[2.9, True, 3, 3]])
+
+
+def test_a_group_carried_complete_is_observed_by_the_gate_once(tiny64):
+    """Two groups complete in the step where one is wanted: the second is carried, already whole, and returned
+    by the next call; the preemption gate learns each group's lengths once."""
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, tokenizer, group_size=1, micro_group_size=2, strategy="infinite",
+                           max_new_tokens=6, seed=0)
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    result = engine.generate_groups(engine.new_groups(prompts, lengths=[[1], [1], [5], [5]]), complete=1)
+    assert [g.complete for g in result.carried] == [True, False, False]
+    engine.generate_groups(result.carried)
+    assert sorted(engine.scheduler.groups) == [[1], [1], [5], [5]]
 
 
 class _Draws:

@@ -189,6 +189,8 @@ class RolloutEngine:
             lengths = [[len(row) for row in group] for group in tokens]
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
+        if tags is not None and len(tags) != len(prompt_ids):
+            raise ValueError(f"tags has {len(tags)} entries for {len(prompt_ids)} prompts: give one per prompt")
         return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)],
                               (self.rollout_index, streams[p]), None if lengths is None else lengths[p],
                               None if tags is None else tags[p], None if tokens is None else tokens[p])
@@ -204,15 +206,20 @@ class RolloutEngine:
             groups: the groups, carried ones first (they are admitted first).
             complete: groups that end the rollout; None for all.
             finish: indices of groups that must complete in this call whatever ``complete`` says (a carried
-                group that may not be carried again); they are returned first.
+                group that may not be carried again); they are picked first (the result keeps the input order).
         """
         started = time.perf_counter()
         check_decodable(self.model)
         groups = list(groups)
         if not groups:
             raise ValueError("generate_groups needs at least one group")
-        if complete is not None and not 1 <= complete <= len(groups):
-            raise ValueError(f"complete={complete} must be between 1 and the number of groups ({len(groups)})")
+        if complete is not None and (isinstance(complete, bool) or not isinstance(complete, Integral)
+                                     or not 1 <= complete <= len(groups)):
+            raise ValueError(f"complete={complete!r} must be an integer between 1 and the number of groups "
+                             f"({len(groups)})")
+        finish = list(finish)
+        if any(isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < len(groups) for p in finish):
+            raise ValueError(f"finish={finish!r:.80} must be indices of the groups, integers in [0, {len(groups)})")
         if any(len(g.samples) != self.group_size for g in groups):
             raise ValueError(f"every group needs group_size={self.group_size} samples, got "
                              f"{[len(g.samples) for g in groups]}")
@@ -367,7 +374,10 @@ class RolloutEngine:
         if len(lengths) != num_prompts or any(len(row) != self.group_size for row in lengths):
             raise ValueError(f"lengths must be [B={num_prompts}][G={self.group_size}], got "
                              f"{[len(row) for row in lengths]}")
-        flat = [int(n) for row in lengths for n in row]
+        flat = [n for row in lengths for n in row]
+        bad = [n for n in flat if isinstance(n, bool) or not isinstance(n, Integral)]
+        if bad:
+            raise ValueError(f"forced lengths must be integers, got {bad[:5]}")
         if min(flat) < 1:
             raise ValueError(f"forced lengths must be >= 1, got {min(flat)}")
         # a recorded length past the cap becomes cap + 1: EOS is suppressed up to the cap, which cuts the sample

@@ -116,7 +116,7 @@ class RolloutStats:
 @dataclass
 class RolloutResult:
     """Completions of one rollout, indexed ``[group][sample]``: every prompt's for ``generate``; the groups that
-    completed for ``generate_groups``, whose unfinished groups are in ``carried``.
+    completed for ``generate_groups``, whose other groups are in ``carried``.
 
     Attributes:
         prompt_ids: ``[B]`` the groups' prompts.
@@ -125,7 +125,8 @@ class RolloutResult:
         stats: what the rollout cost.
         versions: ``[B][G]`` the rollout index each token was drawn in (all the current one without carrying).
         tags: ``[B]`` each returned group's ``GroupProgress.tag`` (None for ``generate``).
-        carried: the groups that did not complete, to continue in a later call.
+        carried: the groups not returned, to continue in a later call: those that did not complete, and those
+            that completed in the same step as the ``complete``-th but past it (returned by the next call).
     """
 
     prompt_ids: list[list[int]]

@@ -189,10 +189,11 @@ class LeastAttainedScheduler(Scheduler):
         self.finished[key] = int(length)
 
     def end(self) -> dict[str, float]:
-        for p in range(self.work.num_prompts):  # the groups now whole (carried samples included): what the gate draws
+        for p in range(self.work.num_prompts):  # the groups made whole here (carried samples included): the gate's
             lengths = [self.finished.get((p, k), self.work.generated.get((p, k)) if (p, k) in self.work.done else None)
                        for k in range(self.work.group_size)]
-            if None not in lengths:
+            whole_here = any((p, k) in self.finished for k in range(self.work.group_size))  # not whole already
+            if None not in lengths and whole_here:  # (a group carried complete is observed once, when it ended)
                 self.observe(lengths)
         self.last_info = {"preempting": float(self.preempting), "parked_samples": self.parked_samples,
                           "peak_parked": self.peak_parked}
