@@ -47,18 +47,9 @@ from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 
 
-def _accuracy_sums(batch: RolloutBatch) -> torch.Tensor:
-    """``[4]`` float64: the batch's correctness summed and counted over the completions that have one, and its
-    rewards summed and counted (``curriculum_accuracy`` takes one rank's, or every rank's added up)."""
-    accuracy = batch.accuracy
-    present = torch.zeros(0) if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
-    rewards = batch.rewards.double()
-    return torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel()],
-                        dtype=torch.float64)
-
-
 def curriculum_accuracy(sums: torch.Tensor) -> float:
-    """The curriculum's feedback for a step from ``_accuracy_sums``: the share of correct completions where any
+    """The curriculum's feedback for a step from ``RolloutBatch.accuracy_sums`` (one rank's, or every rank's
+    added up): the share of correct completions where any
     has a correctness, else the mean reward, clamped to [0, 1]."""
     correct, judged, reward, rewarded = sums.tolist()
     accuracy = correct / judged if judged > 0 else reward / rewarded if rewarded > 0 else 0.0
@@ -454,7 +445,7 @@ class RolloutDataModule(LightningDataModule):
             self.sampler.update(accuracy, mean_angle)
             batch.metrics["data/prompts_unused"] = float(unused)
         else:
-            self.sampler.update(curriculum_accuracy(_accuracy_sums(batch)))
+            self.sampler.update(curriculum_accuracy(batch.accuracy_sums()))
         batch.metrics.update(self.sampler.metrics())
         self.steps_built += 1
         return batch
@@ -511,7 +502,7 @@ class RolloutDataModule(LightningDataModule):
         step = self._step_draw
         scores = getattr(self.sampler, "scores", None)
         angles = scores[step.taken].double() if scores is not None and step.taken else torch.zeros(0)
-        local = torch.cat([_accuracy_sums(batch), torch.tensor([float(angles.sum()), angles.numel(), step.draws,
+        local = torch.cat([batch.accuracy_sums(), torch.tensor([float(angles.sum()), angles.numel(), step.draws,
                                                                 len(step.taken)], dtype=torch.float64)])
         total = self._all_gather(local)  # [world, 8]
         unused = step.finish(total[:, 6].round().long().tolist(), total[:, 7].round().long().tolist())

@@ -53,6 +53,9 @@ class RolloutBatch:
             zero advantages and no loss tokens. None means none skipped.
         sampled_accuracy: ``[B, k]`` validation only (``val_num_samples`` k > 1): correctness of k sampled
             completions per held-out prompt (NaN where the reward had no opinion), beside the greedy ``accuracy``.
+        generated_accuracy: ``[4]`` ``accuracy_sums`` over every group generated for this step but the skipped
+            ones, dynamic sampling's dropped groups included (the curriculum's feedback, which the kept groups
+            alone would bias towards one half); None: the batch's own groups'.
     """
 
     stats: RolloutStats
@@ -81,6 +84,13 @@ class RolloutBatch:
     skipped: torch.Tensor | None = None
     accuracy: torch.Tensor | None = None
     sampled_accuracy: torch.Tensor | None = None
+    generated_accuracy: torch.Tensor | None = None
+
+    def accuracy_sums(self) -> torch.Tensor:
+        """``generated_accuracy``, else ``accuracy_sums`` of this batch's groups."""
+        if self.generated_accuracy is not None:
+            return self.generated_accuracy
+        return accuracy_sums(self.accuracy, self.rewards)
 
     # ------------------------------------------------------------------------------------------ sizes
     @property
@@ -216,3 +226,12 @@ def pad_right(sequences: list[list[Any]], pad: Any, width: int | None = None,
             values[i, : len(seq)] = torch.tensor(seq, dtype=dtype)
             mask[i, : len(seq)] = 1
     return values, mask
+
+
+def accuracy_sums(accuracy: torch.Tensor | None, rewards: torch.Tensor) -> torch.Tensor:
+    """``[4]`` float64: ``accuracy`` summed and counted over the completions that have one (NaN: no opinion), and
+    ``rewards`` summed and counted; sums of several ranks add up (``RolloutDataModule``'s curriculum feedback)."""
+    present = torch.zeros(0) if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
+    rewards = rewards.double()
+    return torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel()],
+                        dtype=torch.float64)

@@ -383,3 +383,25 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
     resumed = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=8)
     resumed.load_state_dict(partial.state_dict())
     assert resumed.resolved_micro_group_size == 2 and priced == [True, True]
+
+
+def test_the_curriculums_accuracy_counts_every_generated_group_dynamic_sampling_dropped_or_not(policy):
+    """Dynamic sampling drops all-correct and all-wrong groups, so the kept groups' accuracy leans towards one
+    half: the curriculum is fed every generated group's (the skipped ones left out)."""
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+
+    def correct(prompts, completions, **columns):  # prompt 0 always right, prompt 1 always wrong, prompt 2 mixed
+        first = {"What is 0 + 0?": 1.0, "What is 1 + 1?": 0.0}
+        return [first.get(p, float(k % 2)) for k, p in enumerate(prompts)]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
+    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(correct)], prompts_per_step=1,
+                             accuracy_reward="correct", dynamic_sampling=True)
+    pool = iter(_prompts(tokenizer, 3))
+    batch = builder.build_train(lambda count: [next(pool) for _ in range(count)])
+    assert batch.indices == [2] and batch.metrics["rollout/rollouts_per_step"] == 3.0
+    assert batch.accuracy.mean() == 0.5  # the kept group's
+    correct_sum, judged, _, _ = batch.accuracy_sums().tolist()
+    assert (correct_sum, judged) == (4 + 0 + 2, 12)  # all three groups'

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
-from lit_grpo.batch import RolloutBatch, pad_left, pad_right
+from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.runtime.distributed import RolloutWeights
@@ -485,6 +485,9 @@ class RolloutBuilder:
             tokens = max(int(batch.completion_mask.sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
+        scored = [(r.components.get(self.accuracy_reward), r.rewards, ~r.skipped) for r in rounds]  # every group
+        batch.generated_accuracy = sum(accuracy_sums(None if accuracy is None else accuracy[kept], rewards[kept])
+                                       for accuracy, rewards, kept in scored)
         if engine.micro_group_size is not None:
             batch.metrics["rollout/slots"] = float(engine.micro_group_size)
         return batch
