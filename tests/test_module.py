@@ -208,11 +208,14 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, reward_funcs=["math"], accuracy_reward="mathh")
     with pytest.raises(ValueError, match=r"'math' takes no option \['timeout'\]"):
         RolloutDataModule(prompts=PROMPTS, reward_funcs=[{"name": "math", "kwargs": {"timeout": 5}}])
-    # prompts without a gold answer, scored only by rewards that need one: refused before any rollout
-    with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer, but none of "
-                                         r"the 3 prompts has one \(data.prompts: \{prompt, answer\} entries\)"):
-        RolloutDataModule(prompts=["a", "b", "c"], reward_funcs=["math"], val_size=0, prompts_per_step=1).setup()
-    for prompts, reward_funcs in ((["a", "b", "c"], ["math", "format"]),  # a reward that needs no answer
+    # prompts without a gold answer, scored by rewards that need one (beside others or not): refused before any
+    # rollout, which would train on the other rewards alone
+    for reward_funcs in (["math"], ["math", "format"]):
+        with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer, but none "
+                                             r"of the 3 prompts has one \(data.prompts: \{prompt, answer\} entries\)"):
+            RolloutDataModule(prompts=["a", "b", "c"], reward_funcs=reward_funcs, val_size=0,
+                              prompts_per_step=1).setup()
+    for prompts, reward_funcs in ((["a", "b", "c"], ["format"]),  # a reward that needs no answer
                                   (["a", {"prompt": "b", "answer": "2"}, "c"], ["accuracy"])):  # one answer
         RolloutDataModule(prompts=prompts, reward_funcs=reward_funcs, val_size=0, prompts_per_step=1).setup()
     # scheduler options another strategy would ignore are named, not dropped in silence

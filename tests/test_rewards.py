@@ -182,7 +182,7 @@ def test_the_correctness_reward_follows_the_reward_functions():
         correctness_reward(build_reward_funcs(["format", "math"]), "mathh")
 
 
-def test_gold_answers_are_required_only_when_every_reward_scores_against_them():
+def test_gold_answers_are_required_wherever_a_reward_scores_against_them():
     from lit_grpo.rollout.rewards import check_gold_answers
 
     math_with_options = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 1.0}, "log_name": "m"}])
@@ -190,6 +190,8 @@ def test_gold_answers_are_required_only_when_every_reward_scores_against_them():
                                          r"2 prompts has one \(where\)"):
         check_gold_answers(math_with_options, [None, " "], "where")
     check_gold_answers(math_with_options, [None, "4"], "where")  # one answer: the rest may say "no opinion"
-    check_gold_answers(build_reward_funcs(["math", "format"]), [None, None], "where")
+    with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer, but none"):
+        check_gold_answers(build_reward_funcs(["math", "format"]), [None, None], "where")  # format alone would train
+    check_gold_answers(build_reward_funcs(["format"]), [None, None], "where")
     # your own function logged as "accuracy" is not the built-in: it may need no answer
     check_gold_answers([WeightedReward(format_reward, name="accuracy")], [None], "where")

@@ -164,15 +164,15 @@ def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None)
 
 
 def check_gold_answers(reward_funcs: Sequence[WeightedReward], answers: Sequence[Any], source: str) -> None:
-    """Refuse prompts none of which has a gold answer when every reward function is a built-in that scores against
-    one (``CORRECTNESS_REWARDS``): each would say None for every completion, and the run would train on zero
-    rewards. ``source`` names where the prompts come from and how an answer is given, for the message."""
+    """Refuse prompts none of which has a gold answer when a reward function is a built-in that scores against one
+    (``CORRECTNESS_REWARDS``): it would say None for every completion, and the run would train on the other
+    rewards alone (or on none), unnoticed. ``source`` names where the prompts come from and how an answer is given,
+    for the message."""
     scores_against_gold = {BUILTIN_REWARDS[name] for name in CORRECTNESS_REWARDS}
-    if reward_funcs and all(inspect.unwrap(reward.fn) in scores_against_gold for reward in reward_funcs) and not any(
-            answer is not None and str(answer).strip() for answer in answers):
-        names = [reward.name for reward in reward_funcs]
+    names = [reward.name for reward in reward_funcs if inspect.unwrap(reward.fn) in scores_against_gold]
+    if names and not any(answer is not None and str(answer).strip() for answer in answers):
         raise ValueError(f"the reward functions {names} score against a gold answer, but none of the {len(answers)} "
-                         f"prompts has one ({source}); give the answers, or a reward function that needs none")
+                         f"prompts has one ({source}); give the answers, or drop those reward functions")
 
 
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
