@@ -254,6 +254,7 @@ class RolloutDataModule(LightningDataModule):
         self._handover: dict[str, Any] | None = None  # what attach() was given
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
+        self._step_drawn: set[int] = set()  # one process: the prompts this step has drawn so far
         self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
         self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, when it changes
 
@@ -432,6 +433,7 @@ class RolloutDataModule(LightningDataModule):
             self.sampler.set_scores(self._angle_scores(builder), epoch)
         if world > 1:
             self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
+        self._step_drawn = set()
         batch = builder.build_train(self._draw)
         if builder.slot_budget is not None and not self._slot_budget_said:
             self._slot_budget_said = True
@@ -473,7 +475,8 @@ class RolloutDataModule(LightningDataModule):
     def _draw(self, count: int) -> list[Prompt]:
         """The next ``count`` training prompts of this rank.
 
-        One process: ``sampler.draw(count)``. Several ranks: the step's prompts come from global draws of
+        One process: ``sampler.draw(count)``, avoiding the step's earlier draws (dynamic sampling's extra rounds
+        would draw again the prompts it just filtered). Several ranks: the step's prompts come from global draws of
         ``prompts_per_step x world_size`` prompts (every rank draws the same ones), each rank taking its own
         ``prompts_per_step`` slice of each, so no prompt is on two ranks in one draw. No collective runs here (ranks
         may ask for different counts, or not at all: dynamic sampling, partial rollouts); at the end of the step
@@ -481,7 +484,9 @@ class RolloutDataModule(LightningDataModule):
         (see ``_StepDraw``)."""
         world, rank = self._world()
         if world == 1:
-            return [self._prompt("train", i) for i in self.sampler.draw(count)]
+            drawn = self.sampler.draw(count, avoid=self._step_drawn)
+            self._step_drawn.update(drawn)
+            return [self._prompt("train", i) for i in drawn]
         step = getattr(self, "_step_draw", None)
         if step is None or step.sampler is not self.sampler:
             step = self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)

@@ -254,6 +254,21 @@ def test_angle_curriculum_is_wired_in():
     assert "sampler" in dm.state_dict() and dm.state_dict()["sampler"]["kind"] == "AngleCurriculumSampler"
 
 
+def test_a_steps_extra_rounds_draw_prompts_it_has_not_drawn(monkeypatch):
+    """One process, dynamic sampling under the angle curriculum: the refills avoid the prompts just filtered."""
+    module = make_module()
+    dm = make_datamodule(module, curriculum="angle", dynamic_sampling=True, max_rollouts_per_step=4, max_new_tokens=4,
+                         reward_funcs=["char_fraction"], prompts_per_step=4, val_size=2)
+    draws, draw = [], dm.sampler.draw
+    monkeypatch.setattr(dm.sampler, "draw", lambda count, avoid=(): draws.append(draw(count, avoid)) or draws[-1])
+    for _ in range(3):
+        draws.clear()
+        dm.build_train_batch()
+        assert len(draws) > 1, "the test needs extra rounds"
+        drawn = [index for batch in draws for index in batch]
+        assert len(set(drawn)) == len(drawn), draws
+
+
 def test_jsonl_source_and_its_errors(tmp_path):
     from lit_grpo.rollout.prompts import jsonl_prompts, split_examples
 
