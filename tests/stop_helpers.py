@@ -27,10 +27,10 @@ class SignalAt(Callback):
             sampler = trainer.datamodule.sampler
             draw = sampler.draw
 
-            def draw_and_signal(count):
+            def draw_and_signal(count, avoid=()):
                 if trainer.global_step + 1 == self.step:
                     self._send()
-                return draw(count)
+                return draw(count, avoid)
 
             sampler.draw = draw_and_signal
 
