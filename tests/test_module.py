@@ -291,6 +291,8 @@ def test_jsonl_source_and_its_errors(tmp_path):
         split_examples(examples, 2)
     with pytest.raises(ValueError, match=r"val_size=True must be a count >= 0 or a fraction"):
         split_examples(examples, True)
+    with pytest.raises(ValueError, match=r"val_size=0.01 of 2 prompts holds none out \(it rounds to 0\)"):
+        split_examples(examples, 0.01)
 
 
 def test_token_logps_and_entropy_helpers():

@@ -151,6 +151,9 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
         if not 0.0 <= val_size < 1.0:
             raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
         count = int(round(val_size * n))
+        if val_size > 0 and count == 0:  # asked for validation: none would run, silently
+            raise ValueError(f"val_size={val_size!r} of {n} prompts holds none out (it rounds to 0); use a count "
+                             "(an integer >= 1), a larger fraction, or 0 for no validation")
     elif isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0:
         count = val_size
     else:
