@@ -48,7 +48,8 @@ After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
 - mu starts at 0 (the most concentrated prompts) and is a rank position; a rescoring re-sorts the prompts and keeps
   mu. The step's update moves the centre of the *next* draw (the authors' trl loop lags one epoch behind; we do not).
 - Several processes: ``RolloutDataModule`` feeds the whole step's accuracy and mean angle (over every rank's batch)
-  and rank 0's scores, so every rank's sampler holds the same mu, order and generator state at every step.
+  and the same scores (each rank scores its share of the prompts, one all_gather gives every rank all of them),
+  so every rank's sampler holds the same mu, order and generator state at every step.
 
 Default sizes
 -------------

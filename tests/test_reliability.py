@@ -95,6 +95,7 @@ def test_tokenizer_without_eos_is_refused():
     ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1 for prompt 'q2'"),
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("-inf")], r"'bad' returned -inf at index 1 for prompt 'q2'"),
+    ([1e39, 1.0], r"'bad' returned 1e\+39 at index 0 for prompt 'q1'; values must be finite in float32"),
     (None, r"'bad' returned NoneType"),
 ])
 def test_bad_reward_values_are_named(values, match):

@@ -59,6 +59,8 @@ RewardFn = Callable[..., Sequence[Any]]
 COLUMNS = ("answer", "entry", "completion_ids", "completion_length", "truncated", "max_new_tokens")
 #: The rewards whose values are correctness, in the order ``correctness_reward`` looks for them.
 CORRECTNESS_REWARDS = ("accuracy", "math")
+#: The largest reward a float32 tensor holds (the batch's rewards are float32).
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 #: What ``score_rewards`` does when a reward function raises: "raise" a ``RewardFunctionError`` naming the
 #: function and the prompt, or "skip_group": score the other groups, report the failing ones in
@@ -249,9 +251,10 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
         if not isinstance(value, numbers.Real):
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
                              f"for prompt {prompts[i]!r:.300}; values must be floats or None")
-        if not math.isfinite(float(value)):
+        if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:  # rewards are float32 tensors
             raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
-                             f"{prompts[i]!r:.300}; values must be finite (or None for no opinion)")
+                             f"{prompts[i]!r:.300}; values must be finite in float32, |value| <= {FLOAT32_MAX:.4g} "
+                             "(or None for no opinion)")
         out.append(float(value))
     return out
 
