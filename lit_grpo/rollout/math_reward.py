@@ -34,7 +34,8 @@ from typing import Any
 
 from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+#: The answer a completion commits to, in the format lit_grpo's prompts ask for.
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 #: A sign: a minus (ASCII or Unicode) not right after a word or a number ("10-20" is a range, not -20).
 SIGN = r"(?:(?<![\w.)])[-\u2212])?"
@@ -67,7 +68,7 @@ def last_boxed(text: str) -> str | None:
 
 def extract_final_answer(completion: str) -> str | None:
     """The final answer of a completion (module docstring, step 1); None when it states none."""
-    tags = _ANSWER_TAG.findall(completion)
+    tags = ANSWER_TAG.findall(completion)
     if tags:
         content = tags[-1].strip()
         boxed = last_boxed(content)

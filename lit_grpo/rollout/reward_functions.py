@@ -17,11 +17,10 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lit_grpo.rollout.math_reward import DECIMAL, SIGN, math_reward
+from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, math_reward
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
-_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 #: A number: the math reward's sign and digits (no fraction or percent).
 _NUMBER = re.compile(SIGN + DECIMAL + "|" + SIGN + r"\.\d+")
 
@@ -46,7 +45,7 @@ def extract_answer(completion: str, numeric: bool = False) -> str | None:
     Order: the last ``<answer>...</answer>``; else, when ``numeric``, the last number (commas dropped, a trailing
     ``.`` dropped); else the last non-empty line. ``None`` when nothing is found.
     """
-    tags = _ANSWER_TAG.findall(completion)
+    tags = ANSWER_TAG.findall(completion)
     if tags:
         return tags[-1].strip()
     if numeric:
@@ -114,7 +113,7 @@ def accuracy_reward(
 
 def format_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 when the completion holds exactly one non-empty ``<answer>...</answer>``, else 0.0."""
-    return [1.0 if len(tags := _ANSWER_TAG.findall(c)) == 1 and tags[0].strip() else 0.0 for c in completions]
+    return [1.0 if len(tags := ANSWER_TAG.findall(c)) == 1 and tags[0].strip() else 0.0 for c in completions]
 
 
 class OverlongPenalty:
