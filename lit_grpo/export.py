@@ -34,6 +34,7 @@ from lit_grpo.runtime.checkpoints import read_checkpoint_header
 from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice
+from lit_grpo.sampling.engine import stop_token_ids
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in; the others (and their short forms, as
 #: ``model.dtype`` takes them) cast the weights.
@@ -57,15 +58,6 @@ class ExportResult:
         kind = "LoRA adapter" if self.adapter_only else "transformers model"
         return (f"{self.out} ({kind}, {str(self.dtype).removeprefix('torch.')}, {format_bytes(self.bytes)}, "
                 f"{self.seconds:.1f} s)")
-
-
-def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """The ids the rollout engine stops on: the generation config's EOS ids and the tokenizer's EOS."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
 
 
 def check_dtype(dtype: str | None) -> str:
@@ -187,10 +179,10 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None 
                       adapter_only: bool = False, overwrite: bool = False) -> ExportResult:
     """:func:`policy_from_checkpoint` then :func:`export_policy`."""
     check_dtype(dtype)
-    policy, tokenizer, hp = policy_from_checkpoint(ckpt_path)
-    if adapter_only and not hp.get("peft_config"):
+    if adapter_only and not load_checkpoint(ckpt_path)["hyper_parameters"].get("peft_config"):
         raise ValueError(f"--adapter_only needs a LoRA run; {str(ckpt_path)!r} was trained without "
-                         "model.peft_config (export the whole model instead)")
+                         "model.peft_config (export the whole model instead)")  # said before the model loads
+    policy, tokenizer, _ = policy_from_checkpoint(ckpt_path)
     return export_policy(policy, tokenizer, out, dtype=dtype, adapter_only=adapter_only, overwrite=overwrite,
                          in_place=True)
 

@@ -136,8 +136,13 @@ def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
     assert (policy.config.use_cache, policy.generation_config.eos_token_id) == (use_cache, eos)
 
 
-def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys):
+def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     _, ckpt = tiny_checkpoint
+    import lit_grpo.export as export
+
+    loaded = []
+    load = export.load_model_and_tokenizer
+    monkeypatch.setattr(export, "load_model_and_tokenizer", lambda *args: loaded.append(args) or load(*args))
 
     def error(*args) -> str:
         with pytest.raises(SystemExit) as exit_info:
@@ -157,6 +162,7 @@ def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys):
                                                       "--dtype", "int8")
     assert "--adapter_only needs a LoRA run" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "a"),
                                                       "--adapter_only")
+    assert not loaded  # every refusal so far came before a model was built
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     assert "is not empty; pass --overwrite" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "full"))

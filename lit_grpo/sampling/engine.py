@@ -114,7 +114,7 @@ class RolloutEngine:
                              f"attention mask, which {list(SUPPORTED_ATTENTION)} take: load the model with "
                              "attn_implementation='sdpa'")
         self.model, self.tokenizer = model, tokenizer
-        self.eos_token_ids = _eos_ids(model, tokenizer) if eos_token_ids is None else sorted(set(eos_token_ids))
+        self.eos_token_ids = stop_token_ids(model, tokenizer) if eos_token_ids is None else sorted(set(eos_token_ids))
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: the tokenizer and the generation config define none; "
                              "pass eos_token_ids=[...]")
@@ -440,9 +440,11 @@ def _graphs_available(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids the engine stops on by default: the generation config's EOS ids and the tokenizer's EOS (an
+    exported model's generation config is given the same, so it stops where the rollouts did)."""
     ids = model.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
+    return sorted(set(int(i) for i in ids))
