@@ -30,7 +30,8 @@ class CompletionLogger(Callback):
       honouring ``log_every_n_steps``), unless the LightningModule logs these keys itself (GRPOModule does), in
       which case its values stand alone.
     - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
-    - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths.
+    - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths
+      (rank 0's batch under several processes, as is the table).
     - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
       Markdown table of the first ``num_prompts`` prompts with ``num_completions`` completions each, their reward,
       length and whether they were clipped; texts cut to ``max_chars`` characters.

@@ -298,7 +298,7 @@ class SlotTimelineLogger(Callback):
       running long after the others are what make a round slow.
 
     The first rollout is logged, then every ``every_n_rollouts``-th (counted by the training loop's step, so a
-    resumed run logs the ones an uninterrupted run would). Needs a
+    resumed run logs the ones an uninterrupted run would); under several processes, rank 0's. Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
     and logs nothing with any other LightningModule).
 

@@ -32,8 +32,9 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
             rank's rewards, gathered); default ``rewards``.
 
     Returns:
-        ``[B, G]`` float advantages. A group whose rewards are all equal gets 0 everywhere (never NaN), and so does
-        every group when ``G == 1`` (a lone completion has nothing to be compared with).
+        ``[B, G]`` float advantages. A group whose rewards are all equal gets (near) 0 everywhere, never NaN: its
+        float32 mean may differ from the rewards in the last bit, which ``/ (std + eps)`` scales to about 1e-3, as
+        in TRL. Every group gets exactly 0 when ``G == 1`` (a lone completion has nothing to be compared with).
 
     Raises:
         ValueError: ``rewards`` is not 2-D, is empty, holds NaN/inf, or ``scale`` is unknown.
@@ -57,7 +58,7 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
     else:
         pool = rewards if batch_rewards is None else batch_rewards.float().to(rewards.device)
         std = pool.std() if pool.numel() > 1 else rewards.new_zeros(())
-    # centered is exactly 0 in a zero-variance group, so 0 / (0 + eps) = 0: no NaN.
+    # a zero-variance group: centered is 0 up to the mean's rounding, and / (0 + eps) keeps it finite: no NaN
     return centered / (std + STD_EPS)
 
 

@@ -17,7 +17,8 @@ class RolloutStats:
 
     Attributes:
         decode_steps: forward passes of the decode loop (each produces one token per running slot).
-        prefill_tokens: prompt tokens run through prefill forwards (each prompt once).
+        prefill_tokens: tokens run through prefill forwards: each prompt once, and the tails of samples carried
+            from an earlier call (partial rollouts), prefilled again.
         generated_tokens: completion tokens produced, EOS included.
         lower_bound_steps: ``max(ceil(sum L / slots), max L)``, the fewest decode steps any schedule needs.
         slot_utilization: ``generated_tokens / (decode_steps * slots)``.
