@@ -184,7 +184,9 @@ class RolloutBuilder:
         rank: this process's rank among them. The training engine's streams are keyed by the rollout and the
             group's place in it, the same on every rank, so each rank gets its own seed
             (``random_streams.rank_seed``): otherwise group p of every rank would draw the same numbers.
-        all_gather, precision_context, measured_update_peak: what the trainer lends the rollouts (``use_world``).
+        all_gather: a gather across ranks, lent by the trainer (``use_world``; see ``world_size``).
+        precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
+        measured_update_peak: the device's peak in the last update, read from its owner (``use_world``).
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
         over_provision: partial rollouts (1.0: off): each step's first rollout runs up to ``ceil(over_provision x B)``
