@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lit_grpo.scheduling.base import ARRIVAL, LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler
 
 #: The first preemption point, in tokens.
 PREEMPT_TOKENS = 8
