@@ -150,19 +150,23 @@ def test_reward_error_raise_names_function_and_prompt(module):
         dm.build_train_batch()
 
 
-def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build(module):
-    """A step whose build fails (here a reward function, once) leaves the stream where it was: the retry draws
-    the same prompts and completions as a DataModule that never failed."""
+def _length_reward_failing_at(call: int, message: str):
+    """A reward of completion lengths that raises ``KeyError(message)`` on its ``call``-th call only."""
     calls = []
 
     def fails_once(prompts, completions, **kwargs):
         calls.append(1)
-        if len(calls) == 1:
-            raise KeyError("not yet")
+        if len(calls) == call:
+            raise KeyError(message)
         return [float(len(c)) for c in completions]
 
-    fails_once.__name__ = "fails_once"
-    failing = make_datamodule(module, reward_funcs=[fails_once])
+    return fails_once
+
+
+def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build(module):
+    """A step whose build fails (here a reward function, once) leaves the stream where it was: the retry draws
+    the same prompts and completions as a DataModule that never failed."""
+    failing = make_datamodule(module, reward_funcs=[_length_reward_failing_at(1, "not yet")])
     failing._require_builder()  # the builder exists; its engine is built by the first rollout
     before = failing.state_dict()
     with pytest.raises(RewardFunctionError):
@@ -184,17 +188,9 @@ def test_a_failed_build_rolls_the_stream_back_and_the_retry_equals_a_first_build
 def test_a_failed_build_on_one_rank_of_two_raises_its_own_error_and_keeps_its_carried_groups(module, monkeypatch):
     """The roll-back puts this rank's engine state back as its own: read as a one-rank checkpoint under two ranks,
     its carried partial rollouts were refused, the refusal hid the reward's error and the groups were lost."""
-    calls = []
-
-    def fails_second(prompts, completions, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyError("reward server down")
-        return [float(len(c)) for c in completions]
-
-    fails_second.__name__ = "fails_second"
     dm = make_datamodule(module, prompts_per_step=2, over_provision=2.0, group_size=4, micro_group_size=4,
-                         strategy="continuous", max_new_tokens=12, reward_funcs=[fails_second])
+                         strategy="continuous", max_new_tokens=12,
+                         reward_funcs=[_length_reward_failing_at(2, "reward server down")])
     monkeypatch.setattr(dm, "_world", lambda: (2, 0))  # rank 0 of 2; the step's collective stood in for:
     monkeypatch.setattr(dm, "_finish_step", lambda batch: (0.5, None, 0))
     dm.build_train_batch()
