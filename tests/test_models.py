@@ -31,6 +31,39 @@ def test_dtype_names(tiny_llama):
     assert model.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype='int3'"):
         load_model_and_tokenizer("tiny-llama", dtype="int3")
+    with pytest.raises(ValueError, match=r"dtype=torch.complex64 is not one a policy runs in; use one of "):
+        load_model_and_tokenizer("tiny-llama", dtype=torch.complex64)
+
+
+def test_a_saved_model_keeps_the_layers_it_holds_in_float32_under_another_dtype(tmp_path):
+    """DeepSeek-V3 keeps its MoE router in float32 whatever the dtype (transformers' own loading does so)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    models.tiny_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model_and_tokenizer(str(tmp_path), "bfloat16")
+    assert model.get_parameter("model.layers.1.mlp.gate.weight").dtype == torch.float32
+    assert model.get_parameter("model.layers.0.self_attn.o_proj.weight").dtype == torch.bfloat16
+
+
+def test_a_cached_snapshot_without_weights_is_not_taken_for_the_default_model(tmp_path, monkeypatch):
+    """A Hugging Face cache that holds only the tokenizer (someone loaded it alone) leaves the conversion to run."""
+    import huggingface_hub
+
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "config.json").write_text("{}")
+    monkeypatch.setenv("LIT_GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: str(tmp_path / "snapshot"))
+    converted = tmp_path / "converted"
+    monkeypatch.setattr(models, "convert_smollm2_gguf", lambda target: converted)
+    assert models.smollm2_path() == converted
+    (tmp_path / "snapshot" / "model.safetensors").write_bytes(b"")
+    assert models.smollm2_path() == tmp_path / "snapshot"
 
 
 def test_missing_model_path_is_named(tmp_path):

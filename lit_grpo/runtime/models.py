@@ -65,7 +65,12 @@ def cache_dir() -> Path:
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():  # a complex or float8 policy would fail later, inside a forward
+            allowed = sorted({str(value) for value in DTYPES.values()})
+            raise ValueError(f"dtype={dtype} is not one a policy runs in; use one of {allowed}")
         return dtype
     return DTYPES[check_choice("dtype", dtype, tuple(sorted(DTYPES)))]
 
@@ -76,19 +81,19 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order.
 
     ``device``: where the model goes (default: where tensors are made now: the CPU, or a ``torch.device``
-    context's); every kind (hub, random, tiny) is built there directly.
+    context's); a random model is built there directly, a hub or tiny one on the CPU and then moved.
     """
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(RANDOM_PREFIX):
         model, tokenizer = random_model(name_or_path.removeprefix(RANDOM_PREFIX), torch_dtype, device)
     elif name_or_path in TINY_MODELS:
         model, tokenizer = _tiny_model(name_or_path), tiny_tokenizer()
-    else:
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+    else:  # built in the dtype, keeping the layers the model holds in float32 (e.g. MoE router gates)
         source = _pretrained_source(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto")
         tokenizer = AutoTokenizer.from_pretrained(source)
-    if torch_dtype is not None:
-        model = model.to(torch_dtype)
     if device is not None:
         model = model.to(device)
     prepare_tokenizer(tokenizer)
@@ -197,7 +202,9 @@ def smollm2_path() -> Path:
     try:  # a copy in the Hugging Face cache, if the user has one; never contacts the hub
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(DEFAULT_MODEL, local_files_only=True))
+        cached = Path(snapshot_download(DEFAULT_MODEL, local_files_only=True))
+        if any(cached.glob("*.safetensors")) or (cached / "pytorch_model.bin").is_file():  # not just its tokenizer
+            return cached
     except Exception:
         pass
     return convert_smollm2_gguf(target)
