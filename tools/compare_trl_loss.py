@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
+from lit_grpo.rollout.metrics import loggable
 from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from tools import harness
@@ -168,7 +169,7 @@ def our_weights_and_metrics(inputs, is_mode, bounds):
     weights = correction.weights(inputs["old"], inputs["sampling"], inputs["mask"])
     stats = CorrectionStats()
     stats.update(inputs["old"], inputs["sampling"], inputs["mask"], weights)
-    return weights, stats.as_metrics()
+    return weights, loggable(stats.as_metrics())  # the logged scalars, not their weights over ranks
 
 
 # ------------------------------------------------------------------------------------------------ main
