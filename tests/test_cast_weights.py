@@ -117,3 +117,17 @@ def test_a_lora_policy_samples_the_same_on_its_cast_weights(prompt_ids):
     with weights.active() as replica:
         result = _generate(replica, tokenizer, prompt_ids)
     assert result.completion_ids == reference.completion_ids and result.logprobs == reference.logprobs
+
+
+def test_what_fits_in_free_memory_counts_the_allocators_unused_blocks(monkeypatch):
+    """The cast copy's and the gathered weights' fits read free memory as the KV budget does: a tensor takes the
+    caching allocator's unused blocks first."""
+    from lit_grpo.runtime.distributed import fits_free_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 40 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * 2**30)
+    cuda = torch.device("cuda")
+    assert fits_free_memory(15 * 2**30, cuda, share=0.5)  # half of 10 free + 30 cached
+    assert not fits_free_memory(21 * 2**30, cuda, share=0.5)
+    assert fits_free_memory(10**15, torch.device("cpu"), share=0.5)

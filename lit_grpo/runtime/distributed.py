@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from lit_grpo.runtime.memory import device_memory
+
 
 def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 (``fully_shard``) on every ``*DecoderLayer`` of ``model``, then on the whole model.
@@ -100,11 +102,10 @@ FSDP_ROLLOUTS = ("auto", "gathered", "lockstep")
 
 
 def fits_free_memory(nbytes: int, device: torch.device, share: float) -> bool:
-    """Whether ``nbytes`` take at most ``share`` of ``device``'s free memory; always on a CPU."""
-    if device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    return nbytes <= share * free
+    """Whether ``nbytes`` take at most ``share`` of ``device``'s free memory (``device_memory``'s, the allocator's
+    unused blocks included, as the KV budget reads it); always on a CPU."""
+    memory = device_memory(device)
+    return memory is None or nbytes <= share * memory[0]
 
 
 class RolloutWeights:
