@@ -37,7 +37,8 @@ def test_dtype_names(tiny_llama):
 
 def test_a_saved_model_keeps_the_layers_it_holds_in_float32_under_another_dtype(tmp_path):
     """Every weight in the dtype transformers' own loading gives it: DeepSeek-V3 keeps its MoE router in float32
-    whatever the dtype (transformers 5.24; 5.17 casts it too, and so, then, does this loader)."""
+    whatever the dtype (transformers 5.24; 5.17 casts it too, and so, then, does this loader). Its latent attention
+    caches keys and values of other widths than the slot cache's: the engine refuses it by name."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -47,7 +48,9 @@ def test_a_saved_model_keeps_the_layers_it_holds_in_float32_under_another_dtype(
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     models.tiny_tokenizer().save_pretrained(tmp_path)
-    model, _ = load_model_and_tokenizer(str(tmp_path), "bfloat16")
+    model, tokenizer = load_model_and_tokenizer(str(tmp_path), "bfloat16")
+    with pytest.raises(ValueError, match=r"this model \(deepseek_v3\) caches latent attention \(kv_lora_rank=16\)"):
+        RolloutEngine(model, tokenizer, group_size=2).generate([[1, 2, 3]])  # refused before a slot is sized
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in reference.named_parameters()}
     assert model.get_parameter("model.layers.0.self_attn.o_proj.weight").dtype == torch.bfloat16

@@ -378,6 +378,30 @@ def test_auto_micro_group_size_in_the_datamodule(module):
         small.build_train_batch()
 
 
+def test_auto_prices_a_slot_at_its_rows_aligned_width_where_the_engine_aligns_them(module):
+    """On CUDA, or compiled, every row of the slot cache is rounded up to a multiple of WIDTH_ALIGNMENT: a short
+    prompt and completion then take far more than prompt + new tokens, and the budget counts what is allocated."""
+    from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
+    from lit_grpo.sampling.memory_budget import (kv_bytes_per_token, kv_held_bytes, kv_prefill_bytes, kv_slot_bytes,
+                                                 slot_positions)
+
+    assert (slot_positions(40, 40), slot_positions(40, 40, 64), slot_positions(1000, 3000, 64)) == (80, 128, 4032)
+    assert slot_positions(30, 34, 64) == 64  # exactly aligned: the plain count, prompt + new tokens
+    probe = make_datamodule(module)
+    longest = max(len(ids) for ids in probe.train_prompt_ids)
+    config = module.policy.config
+    aligned = kv_slot_bytes(config, torch.float32, longest, 6, WIDTH_ALIGNMENT)
+    assert aligned == kv_bytes_per_token(config, torch.float32) * WIDTH_ALIGNMENT > kv_slot_bytes(
+        config, torch.float32, longest, 6)
+    sampling = probe.sampling
+    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.float32, longest, probe.prompts_per_step, sampling.max_new_tokens)
+    budget = held + 3 * aligned + 1  # three aligned slots and what is held besides them, not four
+    slots = {compiled: make_datamodule(module, micro_group_size="auto", kv_budget_bytes=budget,
+                                       compile=compiled).resolved_micro_group_size for compiled in (False, True)}
+    assert slots[True] == 3 < slots[False]
+
+
 def test_a_kept_cache_fits_when_the_update_peak_and_it_leave_the_margin():
     from lit_grpo.sampling.memory_budget import kv_cache_fits_beside_update
 

@@ -374,7 +374,7 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
         RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
     priced = []
     monkeypatch.setattr(builder_module, "auto_micro_group_size",
-                        lambda *args, carried: priced.append(carried) or 2)
+                        lambda *args, carried, alignment: priced.append(carried) or 2)
     partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=8, over_provision=2.0)
     partial.build_train(lambda count: _prompts(tokenizer, count))

@@ -72,7 +72,12 @@ def take_columns(kv: KV, spans: list[tuple[int, int | None]]) -> list[KV]:
 
 
 def check_full_attention(model_config) -> None:
-    """Refuse models whose cache layers are not plain full attention (sliding-window, hybrid, linear)."""
+    """Refuse models whose cache layers are not plain full attention (sliding-window, hybrid, linear), or whose
+    cached keys and values are not ``num_key_value_heads x head_dim`` wide (multi-head latent attention)."""
+    if getattr(model_config, "kv_lora_rank", None):
+        raise ValueError(f"the rollout engine needs keys and values of num_key_value_heads x head_dim each; this "
+                         f"model ({model_config.model_type}) caches latent attention (kv_lora_rank="
+                         f"{model_config.kv_lora_rank}), whose keys and values have other widths")
     for layer in DynamicCache(config=model_config).layers:
         if type(layer) is not DynamicLayer:
             raise ValueError(f"the rollout engine needs full-attention cache layers; this model uses "

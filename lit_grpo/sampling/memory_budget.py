@@ -20,9 +20,10 @@ its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus
     g             = min(floor((kv_budget_bytes - held_bytes - prefill_bytes) / slot_bytes), group_size x num_prompts)
 
 (the engine never runs more slots than the rollout has samples), and a rollout's ``peak_kv_bytes`` stays within
-``kv_budget_bytes``. The slot cache allocates exactly ``slot_bytes`` a row: every row is ``longest prompt - 1 +
-max_new_tokens`` positions wide from the start (on CUDA rounded up to a multiple of 64, which the budget does not
-cover).
+``kv_budget_bytes``. Every row of the slot cache is ``longest prompt - 1 + max_new_tokens`` positions wide from the
+start, rounded up to a multiple of the engine's ``WIDTH_ALIGNMENT`` on CUDA or when the step is compiled; where
+that rounding is wider than ``max_prompt_len + max_new_tokens`` the slot is priced at its width
+(``slot_positions``).
 
 Used by ``data.sampling: {micro_group_size: auto, kv_budget_bytes: ...}``. Without ``kv_budget_bytes`` the budget
 comes from the device (``kv_budget_from_free_memory``): its free memory less what the run will still allocate
@@ -137,11 +138,19 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
-def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int) -> int:
-    """Worst-case KV bytes of one slot: ``kv_bytes_per_token x (max_prompt_len + max_new_tokens)``."""
+def slot_positions(max_prompt_len: int, max_new_tokens: int, alignment: int = 1) -> int:
+    """Positions one slot holds at most: ``max_prompt_len + max_new_tokens``, or the width of the engine's row
+    (``max_prompt_len - 1 + max_new_tokens``) rounded up to a multiple of ``alignment`` where that is larger."""
+    check_int("alignment", alignment, 1)
+    return max(max_prompt_len + max_new_tokens, -(-(max_prompt_len - 1 + max_new_tokens) // alignment) * alignment)
+
+
+def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int,
+                  alignment: int = 1) -> int:
+    """Worst-case KV bytes of one slot: ``kv_bytes_per_token x slot_positions(...)``."""
     check_int("max_prompt_len", max_prompt_len, 0)
     check_int("max_new_tokens", max_new_tokens, 1)
-    return kv_bytes_per_token(config, dtype) * (max_prompt_len + max_new_tokens)
+    return kv_bytes_per_token(config, dtype) * slot_positions(max_prompt_len, max_new_tokens, alignment)
 
 
 def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, group_size: int, num_prompts: int,
@@ -169,11 +178,12 @@ def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int,
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
                           max_new_tokens: int, group_size: int, num_prompts: int = 1, parked_tokens: int = 0,
-                          park_fraction: float = 0.0, carried: bool = False) -> int:
+                          park_fraction: float = 0.0, carried: bool = False, alignment: int = 1) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
     ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none);
-    ``carried``: partial rollouts may carry samples into the rollout.
+    ``carried``: partial rollouts may carry samples into the rollout; ``alignment``: the engine rounds its rows'
+    width up to a multiple of it (``slot_positions``).
 
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
@@ -184,7 +194,7 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     check_int("num_prompts", num_prompts, 1)
     per_token = kv_bytes_per_token(config, dtype)
     check_real("park_fraction", park_fraction, 0)
-    slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens)
+    slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens, alignment)
     slot += math.ceil(per_token * max_new_tokens * park_fraction)
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
@@ -192,8 +202,9 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     if fits < 1:
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
-                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new "
-                         f"tokens{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
+                         f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens"
+                         + (f", a row rounded up to a multiple of {alignment}" if alignment > 1 else "")
+                         + f"{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
                          + (f", parked samples' {parked_tokens} tokens" if parked_tokens else "")
                          + " and a prefill's moment"
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")
