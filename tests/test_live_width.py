@@ -316,17 +316,19 @@ def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama
     model, _ = tiny_llama
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **kwargs, backend="eager"))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     graphs = counters["stats"]["unique_graphs"]
     compiled = dataclasses.replace(LIVE, compile=True)
-    for width in (136, 140, 144):  # widths no other test compiles (compiled steps are kept per shape)
-        step = _step(model, width=width, settings=compiled, slots=2)
-        assert step.buckets == (64, width)
-        step.start_rollout(seed=0, width=width)
-        with torch.inference_mode():
-            step.start_row(0, [_prefix(model, 10, 0)], stream=(0, 0), sample=0, generated=0, next_input=5)
-            step.step([])
-            step.start_row(1, [_prefix(model, 100, 1)], stream=(0, 1), sample=0, generated=0, next_input=6)
-            step.step([])
-        assert step.compiled_widths == {64, width}
+    # torch's own patch: monkeypatch's undo of a dynamo config entry hides it under torch 2.11, so every later
+    # compilation in the process failed reading it
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for width in (136, 140, 144):  # widths no other test compiles (compiled steps are kept per shape)
+            step = _step(model, width=width, settings=compiled, slots=2)
+            assert step.buckets == (64, width)
+            step.start_rollout(seed=0, width=width)
+            with torch.inference_mode():
+                step.start_row(0, [_prefix(model, 10, 0)], stream=(0, 0), sample=0, generated=0, next_input=5)
+                step.step([])
+                step.start_row(1, [_prefix(model, 100, 1)], stream=(0, 1), sample=0, generated=0, next_input=6)
+                step.step([])
+            assert step.compiled_widths == {64, width}
     assert counters["stats"]["unique_graphs"] - graphs == 6
