@@ -48,9 +48,8 @@ from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, ch
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
-    """The curriculum's feedback for a step from ``RolloutBatch.accuracy_sums`` (one rank's, or every rank's
-    added up): the share of correct completions where any
-    has a correctness, else the mean reward, clamped to [0, 1]."""
+    """The curriculum's feedback for a step from ``RolloutBatch.accuracy_sums`` (one rank's, or every rank's added
+    up): the share of correct completions where any has a correctness, else the mean reward, clamped to [0, 1]."""
     correct, judged, reward, rewarded = sums.tolist()
     accuracy = correct / judged if judged > 0 else reward / rewarded if rewarded > 0 else 0.0
     return min(max(accuracy, 0.0), 1.0)
