@@ -111,13 +111,6 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.num_completions
 
-    def mean_accuracy(self) -> float | None:
-        """Mean correctness over the completions that have one, or None (no correctness reward, or no opinion)."""
-        if self.accuracy is None:
-            return None
-        present = self.accuracy[~torch.isnan(self.accuracy)]
-        return float(present.float().mean()) if present.numel() else None
-
     # ------------------------------------------------------------------------------------------ device
     def to(self, device: torch.device | str, **kwargs: Any) -> RolloutBatch:
         """A copy with every tensor on ``device`` (Lightning's batch transfer calls this)."""
