@@ -38,7 +38,7 @@ from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
-from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
+from lit_grpo.sampling.engine import row_alignment
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
 from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory,
                                              kv_cache_fits_beside_update)
@@ -277,12 +277,12 @@ class RolloutBuilder:
             # priced in the dtype the cache stores: the autocast one under mixed precision
             with self.precision_context():
                 dtype = kv_cache_dtype(self.weights.module)
-            device = next(self.policy.parameters()).device
-            aligned = device.type == "cuda" or config.compile is True  # the engine's rows are then aligned
+            # "auto" compiles on CUDA only, where the rows are aligned anyway
+            alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
             slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,
                                           carried=self.over_provision > 1 or bool(self.carried),  # as build_train
-                                          alignment=WIDTH_ALIGNMENT if aligned else 1)
+                                          alignment=alignment)
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 

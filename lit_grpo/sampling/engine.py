@@ -54,7 +54,7 @@ from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
-from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+from lit_grpo.sampling.memory_budget import aligned_width, kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stats import RolloutResult
@@ -72,9 +72,10 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 WIDTH_ALIGNMENT = 64
 
 
-def _aligned(width: int) -> int:
-    """``width`` rounded up to a multiple of ``WIDTH_ALIGNMENT``."""
-    return -(-width // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+def row_alignment(device: torch.device, compiled: bool) -> int:
+    """The multiple the slot cache's row width is rounded up to: ``WIDTH_ALIGNMENT`` on CUDA or for a compiled
+    step, else 1 (what ``micro_group_size: auto`` prices, ``memory_budget.slot_positions``)."""
+    return WIDTH_ALIGNMENT if device.type == "cuda" or compiled else 1
 
 
 class RolloutEngine:
@@ -262,7 +263,7 @@ class RolloutEngine:
         """Bytes of the slot cache of a rollout of ``num_prompts`` groups whose longest prompt has
         ``longest_prompt`` tokens (its rows aligned, as on CUDA): the most a kept cache can grow to. Under mixed
         precision, ask inside the rollout's autocast: the cache's dtype is the autocast one."""
-        width = _aligned(longest_prompt - 1 + self.max_new_tokens)
+        width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
         per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
         return self.num_slots(num_prompts) * width * per_token
 
@@ -283,8 +284,7 @@ class RolloutEngine:
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
         """The slot cache and decode step for a rollout, reused when they fit; True when newly built."""
         device, dtype = next(self.model.parameters()).device, kv_cache_dtype(self.model)
-        if device.type == "cuda" or settings.compile:
-            width = _aligned(width)
+        width = aligned_width(width, row_alignment(device, settings.compile))
         if (self._cache is not None and self._cache.fits(num_slots, width, dtype, device)
                 and self._step.settings == settings and self._step.model is self.model):
             return self._cache, self._step, False

@@ -138,11 +138,16 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
+def aligned_width(width: int, alignment: int) -> int:
+    """``width`` rounded up to a multiple of ``alignment``."""
+    check_int("alignment", alignment, 1)
+    return -(-width // alignment) * alignment
+
+
 def slot_positions(max_prompt_len: int, max_new_tokens: int, alignment: int = 1) -> int:
     """Positions one slot holds at most: ``max_prompt_len + max_new_tokens``, or the width of the engine's row
     (``max_prompt_len - 1 + max_new_tokens``) rounded up to a multiple of ``alignment`` where that is larger."""
-    check_int("alignment", alignment, 1)
-    return max(max_prompt_len + max_new_tokens, -(-(max_prompt_len - 1 + max_new_tokens) // alignment) * alignment)
+    return max(max_prompt_len + max_new_tokens, aligned_width(max_prompt_len - 1 + max_new_tokens, alignment))
 
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int,
