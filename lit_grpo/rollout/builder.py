@@ -259,6 +259,12 @@ class RolloutBuilder:
         self.precision_context = precision_context or contextlib.nullcontext
         self.measured_update_peak = measured_update_peak or (lambda: None)
 
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether a step's first rollout is a partial one (``_partial_rollout``): ``over_provision > 1``, or groups
+        carried in from a checkpoint wait to run first."""
+        return self.over_provision > 1 or bool(self.carried)
+
     # ------------------------------------------------------------------------------------------ engines
     @property
     def resolved_micro_group_size(self) -> int | None:
@@ -281,8 +287,7 @@ class RolloutBuilder:
             alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
             slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
                                           config.max_new_tokens, config.group_size, prompts, *parked,
-                                          carried=self.over_provision > 1 or bool(self.carried),  # as build_train
-                                          alignment=alignment)
+                                          carried=self.partial_rollouts, alignment=alignment)
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
@@ -466,7 +471,7 @@ class RolloutBuilder:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
         self._measure_last_update()
-        partial = self.over_provision > 1 or bool(self.carried)  # groups carried from a checkpoint run first too
+        partial = self.partial_rollouts
         with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
             rounds = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
             keep = self._kept_groups(rounds)
