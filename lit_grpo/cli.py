@@ -154,12 +154,8 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
-            try:
-                with config_errors("--ckpt_path"):
-                    check_resumable(ckpt_path, config.get("model") or {}, config.get("data"),
-                                    evaluate=self.config.subcommand != "fit")
-            except ConfigError as err:
-                _exit_with(err, self.config.subcommand)
+            _resumable_or_exit("--ckpt_path", self.config.subcommand, ckpt_path, config.get("model") or {},
+                               config.get("data"), evaluate=self.config.subcommand != "fit")
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -200,11 +196,8 @@ class GRPOCLI(LightningCLI):
                 finish_interrupted_swaps(folder, clean=False)
         found = find_last_checkpoint(folders)
         if found is not None:
-            try:
-                with config_errors("--ckpt_path last"):
-                    check_resumable(found, self.model.hparams, getattr(self.datamodule, "hparams", None), evaluate)
-            except ConfigError as err:
-                _exit_with(err, self.subcommand)
+            _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
+                               getattr(self.datamodule, "hparams", None), evaluate=evaluate)
         return root, found
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
@@ -274,6 +267,16 @@ class GRPOCLI(LightningCLI):
             if self.subcommand is None:
                 raise
             _exit_with(err, self.subcommand)
+
+
+def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) -> None:
+    """``check_resumable(*args, **kwargs)``; a checkpoint it refuses ends the command as a parse error does, the
+    message naming ``flag``."""
+    try:
+        with config_errors(flag):
+            check_resumable(*args, **kwargs)
+    except ConfigError as err:
+        _exit_with(err, subcommand)
 
 
 def _exit_with(error: Exception, subcommand: str) -> None:
