@@ -116,7 +116,7 @@ class RolloutDataModule(LightningDataModule):
     ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
     as ``\\boxed{}`` stay as written) shape the user message before the chat template. ``val_size``: held-out
-    prompts (count or fraction).
+    prompts (a count or fraction of the distinct prompts; a repeated prompt is held out whole).
 
     Args:
         reward_funcs: reward specs (``lit_grpo.rollout.rewards.build_reward_funcs``, default ``["accuracy"]``);
@@ -342,6 +342,10 @@ class RolloutDataModule(LightningDataModule):
             check_gold_answers(self.reward_funcs, [e.answer for e in examples], self._answer_source(examples))
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
+        kept_out = len(examples) - len(self.train_indices) - len(self.val_indices)
+        if kept_out:
+            rank_zero_info(f"lit_grpo: {kept_out} of {len(examples)} prompt rows repeat one of the "
+                           f"{len(self.val_indices)} held-out prompts: validated once, never trained on")
         world, _ = self._world()
         if self.prompts_per_step * world > len(self.train_indices):
             raise ConfigError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "

@@ -291,8 +291,32 @@ def test_jsonl_source_and_its_errors(tmp_path):
         split_examples(examples, 2)
     with pytest.raises(ValueError, match=r"val_size=True must be a count >= 0 or a fraction"):
         split_examples(examples, True)
-    with pytest.raises(ValueError, match=r"val_size=0.01 of 2 prompts holds none out \(it rounds to 0\)"):
+    with pytest.raises(ValueError, match=r"val_size=0.01 of 2 distinct prompts holds none out \(it rounds to 0\)"):
         split_examples(examples, 0.01)
+
+
+def test_split_holds_out_distinct_prompts_whole():
+    """A prompt the source repeats is held out with all its rows (validated once) and never trained on; a source
+    without repeats splits as a plain shuffle of its rows."""
+    from lit_grpo.rollout.prompts import PromptExample, split_examples
+
+    texts = [f"{a} + {b}" for a in range(6) for b in range(5)]  # 30 distinct prompts, each 1-4 times in the rows
+    rows = [PromptExample(prompt=texts[(i * 7) % 30]) for i in range(30)] + [
+        PromptExample(prompt=texts[i % 30]) for i in range(0, 60, 3)]
+    for seed in range(5):
+        train, val = split_examples(rows, 6, seed)
+        held_out = [rows[i].prompt for i in val]
+        assert len(held_out) == len(set(held_out)) == 6
+        assert not set(held_out) & {rows[i].prompt for i in train}
+        assert sorted(train + val) == [i for i in range(len(rows)) if rows[i].prompt not in held_out or i in val]
+    assert len(split_examples(rows, 0.2, 0)[1]) == 6  # a fraction of the 30 distinct prompts, not of the 50 rows
+    chat = [PromptExample(prompt="hi", messages=[{"role": "user", "content": "hi"}]), PromptExample(prompt="hi")]
+    assert len(split_examples(chat, 1, 0)[0]) == 1  # the same text after other chat turns is another prompt
+    with pytest.raises(ValueError, match="val_size=30 leaves no training prompt out of 30 distinct prompts"):
+        split_examples(rows, 30)
+    unique = [PromptExample(prompt=str(i)) for i in range(40)]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(3)).tolist()
+    assert split_examples(unique, 4, 3) == (sorted(order[4:]), sorted(order[:4]))
 
 
 def test_token_logps_and_entropy_helpers():

@@ -139,29 +139,43 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
 
 def split_examples(examples: Sequence[PromptExample], val_size: int | float,
                    seed: int = 0) -> tuple[list[int], list[int]]:
-    """Shuffle indices with ``seed`` and cut off the validation share.
+    """Hold out ``val_size`` distinct prompts, chosen by ``seed``, so that no validation prompt is trained on.
+
+    A prompt is its text with its earlier chat turns. Sources repeat prompts (a small reasoning-gym task space draws
+    the same question many times): a held-out prompt is validated once, and none of its rows is trained on; the
+    other prompts' repeats all stay in training, weighted as the source weights them.
 
     Args:
-        val_size: a count (int >= 0) or a fraction in [0, 1).
+        val_size: a count of distinct prompts (int >= 0) or a fraction of them in [0, 1).
     Returns:
-        ``(train_indices, val_indices)`` into ``examples``; the train part is never empty.
+        ``(train_indices, val_indices)`` into ``examples``, each sorted: every row of a prompt that is not held out,
+        and the first row of each held-out prompt. The train part is never empty.
     """
-    n = len(examples)
+    first_rows: dict[str, int] = {}
+    prompt_of_row = []
+    for row, example in enumerate(examples):
+        key = json.dumps([example.prompt, example.messages])
+        prompt_of_row.append(first_rows.setdefault(key, row))
+    n = len(first_rows)
     if isinstance(val_size, float):
         if not 0.0 <= val_size < 1.0:
             raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
         count = int(round(val_size * n))
         if val_size > 0 and count == 0:  # asked for validation: none would run, silently
-            raise ValueError(f"val_size={val_size!r} of {n} prompts holds none out (it rounds to 0); use a count "
-                             "(an integer >= 1), a larger fraction, or 0 for no validation")
+            raise ValueError(f"val_size={val_size!r} of {n} distinct prompts holds none out (it rounds to 0); use a "
+                             "count (an integer >= 1), a larger fraction, or 0 for no validation")
     elif isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0:
         count = val_size
     else:
         raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
     if count >= n:
-        raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n}; lower it or add prompts")
+        raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n} distinct prompts; lower it or "
+                         "add prompts")
+    distinct = list(first_rows.values())
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[count:]), sorted(order[:count])
+    held_out = {distinct[i] for i in order[:count]}
+    train = [row for row, first in enumerate(prompt_of_row) if first not in held_out]
+    return train, sorted(held_out)
 
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
