@@ -134,6 +134,22 @@ def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run,
         assert sum(s["param_abs"] for s in shards) == pytest.approx(ddp["param_abs"], rel=1e-6)
 
 
+def test_gathered_weights_are_sized_in_the_dtype_the_policy_has_when_asked():
+    """Under a "-true" precision the strategy converts the policy after the module builds its GatheredWeights: the
+    size that decides ``fsdp_rollout: auto`` is that of the converted weights; under mixed precision the gather's
+    dtype."""
+    from lit_grpo.runtime.distributed import GatheredWeights, meta_replica
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("tiny-llama", "float32")
+    count = sum(p.numel() for p in model.parameters())
+    own, autocast = GatheredWeights(model, meta_replica(model), None), GatheredWeights(
+        model, meta_replica(model), torch.bfloat16)
+    assert own.weights_bytes() == 4 * count and autocast.weights_bytes() == 2 * count
+    model.to(torch.bfloat16)
+    assert own.weights_bytes() == 2 * count
+
+
 def test_an_unknown_fsdp_rollout_is_named():
     from lit_grpo.update.module import GRPOModule
 

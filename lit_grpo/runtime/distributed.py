@@ -152,11 +152,12 @@ class GatheredWeights(RolloutWeights):
     Args:
         policy: the sharded policy (``fully_shard`` applied); it may still move to its device afterwards.
         skeleton: ``meta_replica(policy)`` taken before sharding: the structure, parameters on the meta device.
-        dtype: the dtype the units gather in (the autocast dtype under mixed precision, else the policy's), for
-            the size of the gathered weights (``weights_bytes``, ``fits``); the replica takes what the gather gives.
+        dtype: the dtype the units gather in under mixed precision (the autocast dtype), for the size of the
+            gathered weights (``weights_bytes``, ``fits``); None: the policy's own dtype when the size is asked
+            (a "-true" precision converts the policy after this is built). The replica takes what the gather gives.
     """
 
-    def __init__(self, policy: torch.nn.Module, skeleton: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, policy: torch.nn.Module, skeleton: torch.nn.Module, dtype: torch.dtype | None):
         super().__init__(skeleton.requires_grad_(False).eval())
         self.sharded, self.dtype = policy, dtype
         self._allocated = False
@@ -203,8 +204,9 @@ class GatheredWeights(RolloutWeights):
                 param.untyped_storage().resize_(0)
 
     def weights_bytes(self) -> int:
-        """The replica's full weights in ``dtype``."""
-        return sum(p.numel() for p in self.module.parameters()) * torch.empty(0, dtype=self.dtype).element_size()
+        """The replica's full weights in the dtype they are gathered in."""
+        dtype = self.dtype or next(self.sharded.parameters()).dtype
+        return sum(p.numel() for p in self.module.parameters()) * torch.empty(0, dtype=dtype).element_size()
 
     def scope_bytes(self) -> int:
         return self.weights_bytes()

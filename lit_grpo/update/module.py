@@ -253,7 +253,7 @@ class GRPOModule(LightningModule):
             skeleton = meta_replica(policy) if hp.fsdp_rollout != "lockstep" else None
             self._fully_shard(policy)
             if skeleton is not None:
-                self._gathered = GatheredWeights(policy, skeleton, self._rollout_dtype(policy))
+                self._gathered = GatheredWeights(policy, skeleton, self._mixed_precision_dtype())
         self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
         usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
         self.uses_shared_prefix = hp.shared_prefix if usable else False
@@ -279,10 +279,6 @@ class GRPOModule(LightningModule):
         """The trainer's autocast dtype under mixed precision ("bf16-mixed", "16-mixed"), else None."""
         precision = str(self.trainer.precision) if self._trainer is not None else ""
         return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-
-    def _rollout_dtype(self, policy: torch.nn.Module) -> torch.dtype:
-        """The dtype a rollout computes in: the autocast dtype under mixed precision, else the weights' own."""
-        return self._mixed_precision_dtype() or next(policy.parameters()).dtype
 
     def rollout_weights(self) -> RolloutWeights:
         """What rollouts run on: the policy (under mixed precision with its linear weights cast once per rollout,
