@@ -277,6 +277,23 @@ def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
         check_resumable(tiny_checkpoint, module, data, evaluate=True)
 
 
+def test_a_sharded_checkpoint_folder_is_checked_by_its_header(tmp_path, tiny_checkpoint):
+    """An FSDP2 run's checkpoint is a folder: the shards and ``meta.pt``, the rest of the checkpoint as Lightning's
+    ModelParallelStrategy writes it. Its settings are compared as a file's are; a folder without it is named."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"checkpoint folder .*last.ckpt has no meta.pt: it is not a sharded"):
+        check_resumable(folder, *_hparams(tiny_checkpoint))
+    del checkpoint["state_dict"], checkpoint["optimizer_states"]
+    torch.save(checkpoint, folder / "meta.pt")
+    module, data = _hparams(tiny_checkpoint)
+    check_resumable(folder, module, data)
+    check_resumable(folder, module, data, evaluate=True)
+    with pytest.raises(ValueError, match=r"model.model: 'tiny-llama' in the checkpoint, 'tiny-qwen2' now"):
+        check_resumable(folder, {**module, "model": "tiny-qwen2"}, data)
+
+
 def test_a_dtype_is_the_same_setting_under_either_of_its_names(tmp_path, tiny_checkpoint):
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     checkpoint["hyper_parameters"]["dtype"] = "bfloat16"

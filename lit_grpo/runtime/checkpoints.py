@@ -40,6 +40,9 @@ RESUME_SETTINGS = {
                          "mask_truncated_completions"),
     "datamodule_hyper_parameters": ("sampling.group_size",),
 }
+#: The file of a sharded checkpoint's folder that holds everything but the weights and optimizer states
+#: (Lightning's ``ModelParallelStrategy`` writes it beside the shards).
+SHARDED_HEADER = "meta.pt"
 #: What a checkpoint must share with a run that only evaluates it (``lit-grpo validate``): the weights' layout.
 WEIGHT_SETTINGS = {"hyper_parameters": ("model", "peft_config")}
 
@@ -195,12 +198,16 @@ def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
 
 def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint at ``path`` with its tensors memory-mapped (nothing large is read), or a ``ValueError`` that
-    names the file and says what is wrong with it: missing, cut short, or not a torch checkpoint."""
+    names the file and says what is wrong with it: missing, cut short, or not a torch checkpoint. A sharded
+    checkpoint's folder gives its header (``SHARDED_HEADER``): everything but the weights and optimizer states."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if path.is_dir():  # a sharded checkpoint (FSDP): its own loader checks it
-        return {}
+    if path.is_dir():  # a sharded checkpoint (FSDP2): its shards are checked by their own loader, its header here
+        if not (path / SHARDED_HEADER).is_file():
+            raise ValueError(f"checkpoint folder {path} has no {SHARDED_HEADER}: it is not a sharded Lightning "
+                             "checkpoint, or its save did not finish; use another checkpoint")
+        return read_checkpoint_header(path / SHARDED_HEADER)
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
     try:
@@ -227,10 +234,10 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
     hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``. With
     ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit."""
     checkpoint = read_checkpoint_header(path)
-    if not checkpoint:
-        return
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
+    if Path(path).is_dir():  # the weights and optimizer states are the shards beside the header
+        needed = tuple(key for key in needed if key not in ("state_dict", "optimizer_states"))
     missing = [key for key in needed if key not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
