@@ -215,8 +215,8 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
             names = archive.namelist()
     except zipfile.BadZipFile:
         raise ValueError(f"checkpoint {path} is cut short or is not a torch checkpoint (no zip directory at its end, "
-                         f"{path.stat().st_size} bytes): its write was interrupted, or it is another kind of file; use an "
-                         "earlier checkpoint (--ckpt_path last finds the newest whole one)") from None
+                         f"{path.stat().st_size} bytes): its write was interrupted, or it is another kind of file; "
+                         "use an earlier checkpoint (--ckpt_path last finds the newest whole one)") from None
     if not any(name.endswith("/data.pkl") for name in names):
         raise ValueError(f"checkpoint {path} is a zip archive but not a torch checkpoint (it has no data.pkl)")
     try:
