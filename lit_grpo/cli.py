@@ -44,7 +44,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
@@ -335,11 +335,12 @@ def export_command(ckpt_path: str | os.PathLike) -> str:
 
 
 def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
-    """Log to the version whose ``checkpoints/`` holds ``checkpoint`` (TensorBoard's or CSV's logger), so a resumed
-    run keeps one folder: one curve in TensorBoard and one ``last.ckpt`` for the next ``--ckpt_path last``."""
+    """Log to the version whose ``checkpoints/`` holds ``checkpoint`` (TensorBoard's logger), so a resumed run keeps
+    one folder: one curve in TensorBoard and one ``last.ckpt`` for the next ``--ckpt_path last``. CSV's logger
+    starts a new version: its writer deletes the ``metrics.csv`` of a folder it continues."""
     logger = trainer.logger
     version = checkpoint.parent.parent
-    if (isinstance(logger, (TensorBoardLogger, CSVLogger)) and checkpoint.parent.name == "checkpoints"
+    if (isinstance(logger, TensorBoardLogger) and checkpoint.parent.name == "checkpoints"
             and version.parent.resolve() == Path(logger.root_dir).resolve()):
         logger._version = version.name  # no public setter; read lazily, when the first thing is logged
 

@@ -1,6 +1,7 @@
 """A stopped run loses at most one step: ``last.ckpt`` kept current by ``RunCheckpoint``, written atomically, a saved
 stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear errors for bad checkpoints."""
 
+import csv
 import os
 import signal
 import subprocess
@@ -340,11 +341,21 @@ def test_last_with_no_checkpoint_starts_a_new_run_and_then_resumes_it(tmp_path, 
 @pytest.mark.parametrize("logger", [["--trainer.logger", "TensorBoardLogger", "--trainer.logger.version", "myrun"],
                                     ["--trainer.logger", "CSVLogger"]])
 def test_last_finds_a_named_version_and_other_loggers_runs(tmp_path, caplog, logger):
+    """TensorBoard's run folder is continued; CSV's logger starts a new one (continued, its writer would delete the
+    metrics of the steps before the stop), and the next resume still finds the newest last.ckpt."""
     save_dir = ["--trainer.logger.save_dir", str(tmp_path)]
     build_cli(_fit_args(tmp_path, *logger, *save_dir, steps=1))
     cli = build_cli(_fit_args(tmp_path, *logger, *save_dir, "--ckpt_path", "last", steps=2))
     assert "--ckpt_path last: resuming from" in caplog.text and cli.trainer.global_step == 2
-    assert len(list((tmp_path / "lightning_logs").iterdir())) == 1  # one run folder, continued
+    runs = sorted((tmp_path / "lightning_logs").iterdir())
+    if "CSVLogger" in logger:
+        assert [run.name for run in runs] == ["version_0", "version_1"]
+        with open(runs[0] / "metrics.csv", newline="") as file:
+            assert {row["step"] for row in csv.DictReader(file) if row.get("train/loss")} == {"0"}
+        cli = build_cli(_fit_args(tmp_path, *logger, *save_dir, "--ckpt_path", "last", steps=3))
+        assert cli.trainer.global_step == 3
+    else:
+        assert len(runs) == 1  # one run folder, continued
 
 
 def test_a_history_checkpoint_keeps_last_ckpt_with_run_checkpoint_and_a_second_writer_is_refused(tmp_path, capsys):
