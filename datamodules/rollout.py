@@ -339,7 +339,7 @@ class RolloutDataModule(LightningDataModule):
             examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
                                     self.inline_prompts, self.dataset, self.prompt_column, self.answer_column,
                                     self.split)
-            check_gold_answers(self.reward_funcs, [e.answer for e in examples], self._answer_source(examples))
+            check_gold_answers(self.reward_funcs, examples, self._answer_source(examples))
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         kept_out = len(examples) - len(self.train_indices) - len(self.val_indices)

@@ -183,15 +183,34 @@ def test_the_correctness_reward_follows_the_reward_functions():
 
 
 def test_gold_answers_are_required_wherever_a_reward_scores_against_them():
+    from lit_grpo.rollout.prompts import PromptExample
     from lit_grpo.rollout.rewards import check_gold_answers
+
+    def prompts(*answers):
+        return [PromptExample(prompt="q", answer=answer) for answer in answers]
 
     math_with_options = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 1.0}, "log_name": "m"}])
     with pytest.raises(ValueError, match=r"the reward functions \['m'\] score against a gold answer, but none of the "
                                          r"2 prompts has one \(where\)"):
-        check_gold_answers(math_with_options, [None, " "], "where")
-    check_gold_answers(math_with_options, [None, "4"], "where")  # one answer: the rest may say "no opinion"
+        check_gold_answers(math_with_options, prompts(None, " "), "where")
+    check_gold_answers(math_with_options, prompts(None, "4"), "where")  # one answer: the rest may say "no opinion"
     with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer, but none"):
-        check_gold_answers(build_reward_funcs(["math", "format"]), [None, None], "where")  # format alone would train
-    check_gold_answers(build_reward_funcs(["format"]), [None, None], "where")
+        check_gold_answers(build_reward_funcs(["math", "format"]), prompts(None, None), "where")  # format would train
+    check_gold_answers(build_reward_funcs(["format"]), prompts(None, None), "where")
     # your own function logged as "accuracy" is not the built-in: it may need no answer
-    check_gold_answers([WeightedReward(format_reward, name="accuracy")], [None], "where")
+    check_gold_answers([WeightedReward(format_reward, name="accuracy")], prompts(None), "where")
+
+
+def test_a_reasoning_gym_task_without_gold_answers_is_scored_by_accuracy_not_math():
+    """graph_color's entries have no answer: its dataset scores a completion, which ``accuracy`` asks and ``math``
+    cannot."""
+    from lit_grpo.rollout.prompts import reasoning_gym_prompts
+    from lit_grpo.rollout.rewards import check_gold_answers
+
+    examples = reasoning_gym_prompts("graph_color", 2, 0, None)
+    assert all(example.answer is None for example in examples)
+    scores = accuracy_reward([e.prompt for e in examples], ["<answer>{}</answer>"] * 2, entry=[e.entry for e in examples])
+    assert all(score is not None for score in scores)
+    check_gold_answers(build_reward_funcs(["accuracy", "format"]), examples, "task")
+    with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer"):
+        check_gold_answers(build_reward_funcs(["accuracy", "math"]), examples, "task")

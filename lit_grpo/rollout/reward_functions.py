@@ -70,6 +70,13 @@ def _reasoning_gym_scorer(dataset_name: str) -> Callable[[str | None, dict], flo
     return reasoning_gym.get_score_answer_fn(dataset_name)
 
 
+def reasoning_gym_source(entry: Mapping[str, Any] | None) -> str | None:
+    """The reasoning-gym dataset that scores ``entry`` (``entry["metadata"]["source_dataset"]``), or None."""
+    if isinstance(entry, Mapping) and isinstance(entry.get("metadata"), Mapping):
+        return entry["metadata"].get("source_dataset") or None
+    return None
+
+
 def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] | None = None) -> float | None:
     """Score one extracted answer: 1 correct, 0 wrong (reasoning-gym tasks may give partial credit).
 
@@ -77,9 +84,7 @@ def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] 
     ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` (numbers compared as
     numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
     """
-    source = None
-    if isinstance(entry, Mapping) and isinstance(entry.get("metadata"), Mapping):
-        source = entry["metadata"].get("source_dataset")
+    source = reasoning_gym_source(entry)
     if source:
         return float(_reasoning_gym_scorer(source)(answer, dict(entry)))
     if gold is None:

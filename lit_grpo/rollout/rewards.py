@@ -50,7 +50,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS
+from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.runtime.validation import check_choice
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -165,15 +165,23 @@ def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None)
     return name
 
 
-def check_gold_answers(reward_funcs: Sequence[WeightedReward], answers: Sequence[Any], source: str) -> None:
-    """Refuse prompts none of which has a gold answer when a reward function is a built-in that scores against one
-    (``CORRECTNESS_REWARDS``): it would say None for every completion, and the run would train on the other
-    rewards alone (or on none), unnoticed. ``source`` names where the prompts come from and how an answer is given,
-    for the message."""
-    scores_against_gold = {BUILTIN_REWARDS[name] for name in CORRECTNESS_REWARDS}
-    names = [reward.name for reward in reward_funcs if inspect.unwrap(reward.fn) in scores_against_gold]
-    if names and not any(answer is not None and str(answer).strip() for answer in answers):
-        raise ValueError(f"the reward functions {names} score against a gold answer, but none of the {len(answers)} "
+def check_gold_answers(reward_funcs: Sequence[WeightedReward], examples: Sequence[Any], source: str) -> None:
+    """Refuse prompts none of which a built-in correctness reward (``CORRECTNESS_REWARDS``) can score: it would say
+    None for every completion, and the run would train on the other rewards alone (or on none), unnoticed. A
+    prompt (a ``PromptExample``: ``answer``, ``entry``) is scored by ``math`` where it has a gold answer, and by
+    ``accuracy`` also where its reasoning-gym dataset scores it (tasks such as graph_color have no gold answer).
+    ``source`` names where the prompts come from and how an answer is given, for the message."""
+    def has_gold(example: Any) -> bool:
+        entry = example.entry if isinstance(example.entry, Mapping) else {}
+        gold = example.answer if example.answer is not None else entry.get("answer")
+        return gold is not None and bool(str(gold).strip())
+
+    scorable = {"math": has_gold, "accuracy": lambda example: has_gold(example) or bool(
+        reasoning_gym_source(example.entry))}
+    names = [reward.name for reward in reward_funcs for name in CORRECTNESS_REWARDS
+             if inspect.unwrap(reward.fn) is BUILTIN_REWARDS[name] and not any(map(scorable[name], examples))]
+    if names:
+        raise ValueError(f"the reward functions {names} score against a gold answer, but none of the {len(examples)} "
                          f"prompts has one ({source}); give the answers, or drop those reward functions")
 
 
