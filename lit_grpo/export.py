@@ -82,10 +82,10 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
                   adapter_only: bool = False, overwrite: bool = False, in_place: bool = False) -> ExportResult:
     """Write ``policy`` and ``tokenizer`` to ``out`` as a transformers model directory (module docstring).
 
-    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps the policy's own (an adapter alone: the adapter's, which peft
-    trains in float32 over a bf16 base). ``adapter_only``: only for a LoRA (peft)
-    policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that is needed) unless
-    ``in_place``, which saves the copy's memory when the policy is not used afterwards.
+    ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps each parameter's own (a bf16 model's float32 router stays
+    float32; an adapter alone: the adapter's, which peft trains in float32 over a bf16 base). ``adapter_only``: only
+    for a LoRA (peft) policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that
+    is needed) unless ``in_place``, which saves the copy's memory when the policy is not used afterwards.
     """
     started = time.perf_counter()
     dtype = check_dtype(dtype)
@@ -93,9 +93,13 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     if adapter_only and not _is_peft(policy):
         raise ValueError("adapter_only=True needs a LoRA run (model.peft_config); this policy has no adapter")
     _prepare_out(out, overwrite)
-    cast = not (adapter_only and dtype == "auto")  # "auto": the adapter as it trained, float32 over a bf16 base
+    # "auto" casts nothing: the adapter as it trained (float32 over a bf16 base), and the layers a model keeps in
+    # float32 beside bf16 weights (a MoE router) stay so.
+    cast = dtype != "auto"
     if cast:
-        torch_dtype = resolve_dtype(dtype) if dtype != "auto" else next(policy.parameters()).dtype
+        torch_dtype = resolve_dtype(dtype)
+    elif not adapter_only:
+        torch_dtype = next(policy.parameters()).dtype
     else:
         torch_dtype = next((p.dtype for name, p in policy.named_parameters() if "lora_" in name),
                            next(policy.parameters()).dtype)

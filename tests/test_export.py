@@ -123,6 +123,34 @@ def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     assert half.bytes < full.bytes
 
 
+def test_export_auto_keeps_the_layers_a_model_holds_in_float32(tmp_path):
+    """DeepSeek-V3 keeps its MoE router in float32 beside bf16 weights (as transformers loads it): "auto" writes
+    every weight in the dtype it has, and so copies nothing; an asked dtype casts them all."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_grpo.runtime import models
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "saved")
+    models.tiny_tokenizer().save_pretrained(tmp_path / "saved")
+    policy, tokenizer = models.load_model_and_tokenizer(str(tmp_path / "saved"), "bfloat16")
+    own = {name: tensor.dtype for name, tensor in policy.state_dict().items()}
+    if set(own.values()) != {torch.bfloat16, torch.float32}:
+        pytest.skip(f"this transformers keeps no deepseek_v3 layer in float32 under bf16: {set(own.values())}")
+    export_policy(policy, tokenizer, tmp_path / "auto")
+    written = load_file(tmp_path / "auto" / "model.safetensors")
+    kept = {name for name, dtype in own.items() if dtype == torch.float32}
+    assert kept <= set(written)  # (the experts are written one by one, under other names than the fused ones)
+    assert {name: written[name].dtype for name in own.keys() & written.keys()} == {
+        name: own[name] for name in own.keys() & written.keys()}
+    export_policy(policy, tokenizer, tmp_path / "bf16", dtype="bfloat16")
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+
+
 def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
     """ExportModel exports the policy being trained: casting, merging and the exported settings go to copies."""
     module = trained_module("tiny-llama", LORA)

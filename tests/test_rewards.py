@@ -209,7 +209,8 @@ def test_a_reasoning_gym_task_without_gold_answers_is_scored_by_accuracy_not_mat
 
     examples = reasoning_gym_prompts("graph_color", 2, 0, None)
     assert all(example.answer is None for example in examples)
-    scores = accuracy_reward([e.prompt for e in examples], ["<answer>{}</answer>"] * 2, entry=[e.entry for e in examples])
+    scores = accuracy_reward([e.prompt for e in examples], ["<answer>{}</answer>"] * 2,
+                             entry=[e.entry for e in examples])
     assert all(score is not None for score in scores)
     check_gold_answers(build_reward_funcs(["accuracy", "format"]), examples, "task")
     with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer"):
