@@ -157,7 +157,7 @@ def profile(stats: RolloutStats, read_bytes_per_s: float | None = None) -> dict[
     values = {f"rollout/{name}": getattr(stats, name) for name in ROLLOUT_FIELDS}
     values.update(roofline(stats, read_bytes_per_s))
     values["rollout/peak_kv_bytes"] = measured_kv_bytes(stats)
-    values[ratio_weight("rollout/slot_utilization")] = float(stats.decode_steps * stats.num_slots)
+    values[ratio_weight("rollout/slot_utilization")] = stats.slot_steps
     return values
 
 

@@ -654,6 +654,12 @@ def test_merged_rounds_of_different_slot_counts_keep_their_utilization():
     for rounds in ([wide, narrow], [narrow, wide]):
         merged = merge_stats(rounds)
         assert merged.slot_utilization == 1.0 and merged.num_slots == 8
+        assert merged.slot_steps == 100  # the weight of its utilization over ranks, and in a later merge
+    from lit_grpo.callbacks.rollout_profiler import profile
+
+    assert profile(merged)["weight/slot_steps"] == 100
+    half = RolloutStats(num_slots=8, decode_steps=10, generated_tokens=40)
+    assert merge_stats([merged, half]).slot_utilization == pytest.approx(140 / 180)  # FitSummary's running total
 
 
 @pytest.mark.parametrize("strategy, advice", [("continuous", "lower micro_group_size \\(now 2 slots\\)"),

@@ -86,6 +86,14 @@ class RolloutStats:
         self.tokens_per_s = self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def slot_steps(self) -> float:
+        """Decode steps times the slots they ran on, summed over rounds (``merge_stats``: a later round may have
+        fewer slots than ``num_slots``, the most of any), read back from ``slot_utilization``."""
+        if self.slot_utilization:
+            return self.generated_tokens / self.slot_utilization
+        return float(self.decode_steps * self.num_slots)
+
+    @property
     def ms_per_step(self) -> float:
         """Milliseconds per decode step, the one-off graph capture left out (prefill and refills stay in)."""
         return 1000 * (self.wall_s - self.capture_s) / self.decode_steps if self.decode_steps else 0.0
@@ -180,7 +188,7 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
     preempting = [part.preempting for part in parts if part.preempting is not None]
     merged.preempting = sum(preempting) / len(preempting) if preempting else None
-    slot_steps = sum(part.decode_steps * part.num_slots for part in parts)  # rounds may have fewer slots
+    slot_steps = sum(part.slot_steps for part in parts)  # rounds may have fewer slots
     merged.num_slots = max(part.num_slots for part in parts)
     merged.slot_utilization = merged.generated_tokens / slot_steps if slot_steps else 0.0
     merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
