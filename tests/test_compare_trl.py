@@ -118,6 +118,30 @@ def test_both_sides_get_the_same_settings(demo, shape):
         assert lit["torch_num_threads"] == 2 and sampling["micro_group_size"] <= rows
 
 
+def test_a_decaying_schedule_and_min_p_reach_both_sides(demo):
+    """A config's lr_schedule and min_p are compared, not dropped: TRL samples with the same min_p and steps its
+    learning rate by lit_grpo's own schedule."""
+    from lit_grpo.update.lr_schedule import lr_factor
+    from tools.compare_trl_runs import lit_optimizer
+
+    settings = {**demo, "model": {**demo["model"], "lr_schedule": "cosine", "warmup_steps": 2},
+                "data": {**demo["data"], "sampling": {**demo["data"]["sampling"], "min_p": 0.1}}}
+    spec = build_spec(settings, {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, seed=0, steps=6,
+                      threads=1)
+    lit, trl = lit_config(spec, "steps.jsonl"), trl_config(spec, "out")
+    assert lit["model"]["lr_schedule"] == "cosine" and lit["data"]["sampling"]["min_p"] == trl["min_p"] == 0.1
+    optimizer, scheduler = lit_optimizer(torch.nn.Linear(2, 2), spec)
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    total = lit["trainer"]["max_steps"]  # where lit_grpo's run decays to 0
+    assert rates == [spec["lr"] * lr_factor(k, 2, total, "cosine") for k in range(6)] and rates[-1] < rates[1]
+    assert trl_config(build_spec(demo, {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, seed=0,
+                                 steps=1, threads=1), "out")["min_p"] is None  # off, as TRL says it
+
+
 def test_the_lit_grpo_config_sets_what_the_spec_says(demo, tmp_path):
     from lit_grpo.cli import build_cli
 

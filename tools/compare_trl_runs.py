@@ -235,12 +235,12 @@ def lit_optimizer(model, spec: dict[str, Any]):
     """lit_grpo's optimizer and learning-rate schedule (``GRPOModule.configure_optimizers``) for TRL's model."""
     import torch
 
+    from lit_grpo.update.lr_schedule import lr_lambda
+
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"],
                                   weight_decay=spec["weight_decay"], betas=tuple(spec["betas"]))
-    warmup = spec["lr_warmup_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
-    return optimizer, scheduler
+    schedule = lr_lambda(spec["lr_schedule"], spec["lr_warmup_steps"], spec["steps"] * spec["num_iterations"])
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def run_trl(spec: dict[str, Any], out: Path) -> None:

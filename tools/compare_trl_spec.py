@@ -127,6 +127,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "temperature": sampling.get("temperature", 1.0),
         "top_p": sampling.get("top_p", 1.0),
         "top_k": sampling.get("top_k", 0),
+        "min_p": sampling.get("min_p", 0.0),
         # a divisor of B x G, so TRL's accumulation covers the rows exactly
         "train_micro_batch_size": fixed_rows or math.gcd(m.get("train_micro_batch_size", 8), rows),
         "loss": loss,
@@ -137,6 +138,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "betas": list(m.get("betas", DEFAULT_BETAS)),
         "weight_decay": m.get("weight_decay", 0.0),
         "lr_warmup_steps": m.get("warmup_steps", 0),
+        "lr_schedule": m.get("lr_schedule", "constant"),
         "max_grad_norm": m.get("max_grad_norm", 1.0),
         "gradient_checkpointing": checkpointing,
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
@@ -181,6 +183,7 @@ def lit_config(spec: dict[str, Any], records_path: Path | str) -> dict[str, Any]
             "betas": list(spec["betas"]),
             "weight_decay": spec["weight_decay"],
             "warmup_steps": spec["lr_warmup_steps"],
+            "lr_schedule": spec["lr_schedule"],
             "max_grad_norm": spec["max_grad_norm"],
         },
         "data": {
@@ -189,7 +192,7 @@ def lit_config(spec: dict[str, Any], records_path: Path | str) -> dict[str, Any]
             "sampling": {"group_size": spec["group_size"], "micro_group_size": spec["lit"]["micro_group_size"],
                          "strategy": spec["lit"]["strategy"], "max_new_tokens": spec["max_new_tokens"],
                          "temperature": spec["temperature"], "top_p": spec["top_p"], "top_k": spec["top_k"],
-                         "seed": spec["seed"]},
+                         "min_p": spec["min_p"], "seed": spec["seed"]},
             "dynamic_sampling": False,
             "steps_per_epoch": max(spec["steps"], 1000),
         },
@@ -212,6 +215,7 @@ def trl_config(spec: dict[str, Any], output_dir: Path | str) -> dict[str, Any]:
         "temperature": spec["temperature"],
         "top_p": spec["top_p"],
         "top_k": spec["top_k"],
+        "min_p": spec["min_p"] or None,  # TRL's "off"
         "loss_type": loss["loss_type"],
         "epsilon": loss["epsilon_low"],
         "epsilon_high": loss["epsilon_high"],
@@ -257,10 +261,8 @@ def trl_other_settings(spec: dict[str, Any]) -> dict[str, str]:
         "reward_funcs": "lit_grpo's own reward functions (build_reward_funcs of the same specs), called with TRL's "
                         "completions' text and the rows' answer and reasoning-gym entry",
         "optimizers": f"torch.optim.AdamW(lr={spec['lr']}, betas={tuple(spec['betas'])}, "
-                      f"weight_decay={spec['weight_decay']}) with LambdaLR min(1, (k + 1) / {warmup}) "
-                      "(constant after it), lit_grpo's optimizer and schedule"
-                      if warmup else f"torch.optim.AdamW(lr={spec['lr']}, betas={tuple(spec['betas'])}, "
-                                     f"weight_decay={spec['weight_decay']}), constant learning rate",
+                      f"weight_decay={spec['weight_decay']}) with LambdaLR of lit_grpo's lr_factor (warm-up "
+                      f"{warmup} steps, then {spec['lr_schedule']}): lit_grpo's optimizer and schedule",
         "trainer": "a GRPOTrainer subclass that times _generate_and_score_completions and _generate around "
                    "super() (TRL's code does all the work), plus a TrainerCallback marking step ends",
         "threads": f"torch.set_num_threads({spec['threads']}), OMP_NUM_THREADS={spec['threads']}",
