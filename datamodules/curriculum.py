@@ -207,7 +207,9 @@ class PromptSampler:
                              f"it needs kind={type(self).__name__!r}")
         if state.get("num_prompts") != self.num_prompts:
             raise ValueError(f"state num_prompts={state.get('num_prompts')!r} does not match this sampler's "
-                             f"num_prompts={self.num_prompts}")
+                             f"num_prompts={self.num_prompts}: the checkpoint drew from another set of training "
+                             "prompts (other data settings, or a split made before validation held out repeated "
+                             "prompts whole); resume with its data settings, or start a new run")
         self.generator.set_state(state["generator"])
 
     def metrics(self) -> dict[str, float]:

@@ -388,3 +388,10 @@ def test_bad_names_and_values_raise():
     assert isinstance(build_prompt_sampler("none", 10), UniformPromptSampler)
     angle = build_prompt_sampler("angle", 10, seed=1, sigma=3.0)
     assert isinstance(angle, AngleCurriculumSampler) and angle.sigma == 3.0
+
+
+def test_a_sampler_state_over_another_number_of_prompts_is_refused_by_name():
+    saved = build_prompt_sampler("none", 10, seed=0).state_dict()
+    with pytest.raises(ValueError, match=r"state num_prompts=10 does not match this sampler's num_prompts=8: the "
+                                         r"checkpoint drew from another set of training prompts"):
+        build_prompt_sampler("none", 8, seed=0).load_state_dict(saved)
