@@ -40,8 +40,9 @@ class SamplingConfig:
             the model and the longest prompt (``lit_grpo.sampling.memory_budget``), in the dtype the cache stores
             (the autocast dtype under mixed precision); the engine itself needs an int.
         kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``. None: on CUDA the device's free
-            memory when the first rollout starts, less the rollout weights' copy, the update's gradients and
-            optimizer state and a margin (``RolloutBuilder``); on a CPU "auto" needs it (an error says so).
+            memory when the first rollout starts, less the rollout weights' copy, the optimizer state (and the
+            gradients, which are freed after each optimizer step, under ``keep_kv_cache: true`` only) and a
+            margin (``RolloutBuilder``); on a CPU "auto" needs it (an error says so).
         strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
         max_new_tokens: the completion length cap.
         temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it. min_p in [0, 1): keep the tokens at
