@@ -145,7 +145,7 @@ def _flaky_reward(prompts, completions, **columns):
 
 
 def test_reward_error_raise_names_function_and_prompt(module):
-    dm = make_datamodule(module, prompts=PROMPTS[3:4] * 4, val_size=1, reward_funcs=[_flaky_reward])
+    dm = make_datamodule(module, prompts=PROMPTS[3:4] * 4, val_size=0, reward_funcs=[_flaky_reward])
     with pytest.raises(RewardFunctionError, match=r"'_flaky' raised KeyError.*no checker.*'What is 3 \+ 3\?'"):
         dm.build_train_batch()
 
