@@ -103,6 +103,10 @@ class StepLog:
 
     def end(self, **fields: Any) -> None:
         """The step's optimizer step is done: write its record and open the next step's window."""
+        if self.cuda:  # the step ends when its queued kernels (the optimizer's) have run
+            import torch
+
+            torch.cuda.synchronize()
         end = time.time()
         self.add(**fields)
         self.step += 1
@@ -111,9 +115,6 @@ class StepLog:
         if "rollout_s" in record:
             record["update_s"] = record["step_s"] - record["rollout_s"]
         if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
             record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
         self.write(record)
         self._open()
