@@ -369,6 +369,10 @@ class GRPOArgumentParser(LightningArgumentParser):
     and which leaves out the usage listing before an error (its length hid the one line that matters; ``--help``
     has it)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # argparse would read --model.beta as --model.betas, the prefix of another setting
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
         super().error(message + did_you_mean(message, _option_names(parser)), ex)
@@ -391,6 +395,25 @@ def _option_names(parser: argparse.ArgumentParser) -> list[str]:
 _UNKNOWN_KEY = re.compile(r"(?:Group '([\w.]+)'|Subcommand '\w+') does not accept option '([\w.]+)'")
 
 
+#: TRL GRPOConfig's names of settings lit_grpo names otherwise (docs/training.md maps them all).
+TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_length": "data.sampling.max_new_tokens",
+             "learning_rate": "model.lr", "per_device_train_batch_size": "model.train_micro_batch_size",
+             "epsilon": "model.loss.epsilon_low", "steps_per_generation": "model.num_iterations"}
+
+
+def _meant_key(name: str, known: Sequence[str]) -> str | None:
+    """The known option ``name`` most likely means: one with the same last part (``model.beta`` ->
+    ``model.loss.beta``, not ``model.betas``), TRL's name's counterpart (``TRL_NAMES``), else the closest spelling."""
+    last = name.rsplit(".", 1)[-1]
+    same_last = [key for key in known if key.rsplit(".", 1)[-1] == last]
+    if same_last:
+        return max(same_last, key=lambda key: difflib.SequenceMatcher(None, name, key).ratio())
+    if last in TRL_NAMES and TRL_NAMES[last] in known:
+        return TRL_NAMES[last]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 def did_you_mean(message: str, known: Sequence[str]) -> str:
     """`` (did you mean 'KEY'?)`` for the unknown option(s) of a parser's ``message``, each with the one of
     ``known`` closest to it (where one is close), else an empty string."""
@@ -401,8 +424,7 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
                    if token.startswith("--")]
     else:
         return ""
-    pairs = [(name, close[0]) for name in unknown
-             if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.8))]
+    pairs = [(name, meant) for name in unknown if (meant := _meant_key(name, known))]
     if not pairs:
         return ""
     if len(unknown) == 1:

@@ -145,6 +145,19 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("args, meant", [
+    (["--model.beta", "0.04"], "model.loss.beta"),  # not taken for model.betas, its prefix
+    (["--data.temperature", "0.7"], "data.sampling.temperature"),  # not data.val_temperature
+    (["--data.max_new_tokens", "64"], "data.sampling.max_new_tokens"),
+    (["--num_generations", "4"], "data.sampling.group_size"),  # TRL's names
+    (["--model.learning_rate", "1e-5"], "model.lr"),
+    (["--model.loss.epsilon", "0.2"], "model.loss.epsilon_low")])
+def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys, args, meant):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, *args])
+    assert f"unrecognized arguments: {' '.join(args)} (did you mean '{meant}'?)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
 def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # GRPOModule builds its own optimizer from model.lr and friends: Lightning's would be parsed, then ignored
