@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.checkpoints import read_checkpoint_header
+from lit_grpo.runtime.checkpoints import find_last_checkpoint, read_checkpoint_header, run_checkpoint_folders
 from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice
@@ -200,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                "  model = AutoModelForCausalLM.from_pretrained(DIR); tokenizer = AutoTokenizer.from_pretrained(DIR)")
     parser.add_argument("--ckpt_path", required=True, help="a training checkpoint (.ckpt), e.g. "
-                        "lightning_logs/version_0/checkpoints/last.ckpt")
+                        "lightning_logs/version_0/checkpoints/last.ckpt, or last: the newest last.ckpt of a run "
+                        "under --root, as lit-grpo fit --ckpt_path last finds it")
+    parser.add_argument("--root", default=".", help="with --ckpt_path last: the runs' trainer.default_root_dir "
+                        "(default: the working directory)")
     parser.add_argument("--out", required=True, help="the directory to write (created; must be empty unless "
                         "--overwrite)")
     parser.add_argument("--dtype", default="auto", help=f"weights' dtype, one of {', '.join(EXPORT_DTYPES)} "
@@ -224,6 +227,15 @@ def main(args: Sequence[str] | None = None) -> int:
         if options.torch_num_threads < 1:
             parser.error(f"--torch_num_threads {options.torch_num_threads} must be >= 1")
         torch.set_num_threads(options.torch_num_threads)
+    if options.ckpt_path == "last":
+        root = Path(options.root)
+        found = find_last_checkpoint([*run_checkpoint_folders(root / "lightning_logs"),
+                                      *run_checkpoint_folders(root)])
+        if found is None:
+            parser.error(f"--ckpt_path last: no last.ckpt under {root / 'lightning_logs'}/*/checkpoints or "
+                         f"{root}/checkpoints; give the checkpoint's path, or --root the run's trainer.default_root_dir")
+        print(f"lit_grpo: --ckpt_path last: exporting {found}", file=sys.stdout)
+        options.ckpt_path = str(found)
     try:
         result = export_checkpoint(options.ckpt_path, options.out, options.dtype, options.adapter_only,
                                    options.overwrite)

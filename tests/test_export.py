@@ -164,6 +164,22 @@ def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
     assert (policy.config.use_cache, policy.generation_config.eos_token_id) == (use_cache, eos)
 
 
+def test_export_last_takes_the_newest_run_checkpoint_under_its_root(tiny_checkpoint, tmp_path, capsys):
+    """``--ckpt_path last`` finds what ``fit --ckpt_path last`` would resume: the newest last.ckpt of a run."""
+    import shutil
+
+    _, ckpt = tiny_checkpoint
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "a")])
+    assert exit_info.value.code == 2 and "--ckpt_path last: no last.ckpt under" in capsys.readouterr().err
+    folder = tmp_path / "lightning_logs" / "version_3" / "checkpoints"
+    folder.mkdir(parents=True)
+    shutil.copy(ckpt, folder / "last.ckpt")
+    cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "model")])
+    assert f"exporting {folder / 'last.ckpt'}" in capsys.readouterr().out
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
 def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     _, ckpt = tiny_checkpoint
     import lit_grpo.export as export
