@@ -549,7 +549,10 @@ class RolloutDataModule(LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``)."""
+        """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that
+        only evaluates it takes none of the training stream: it may hold out other prompts than the fit did."""
+        if not self._fitting():
+            return
         self.steps_built = int(state_dict.get("steps_built", 0))
         if "rng" in state_dict:
             set_rng_states(state_dict["rng"])
@@ -565,10 +568,14 @@ class RolloutDataModule(LightningDataModule):
             else:
                 self._pending_state["engine"] = engine
 
+    def _fitting(self) -> bool:
+        """Whether this datamodule serves a fit (also when no trainer is attached: a Python caller's stream)."""
+        return getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", "fit") == "fit"
+
     def _own_engine_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
         """This rank's engine state in a checkpoint saved by one rank or by several. Saved by another number of
         ranks than this fit has: rank 0's state for every rank, unless some rank carried partial rollouts, which
-        cannot be dealt out again (an error); a validation needs no engine state and skips it."""
+        cannot be dealt out again (an error)."""
         engine = state_dict.get("engine")
         if "engine_by_rank" in state_dict:
             by_rank = [dict(state) for state in state_dict["engine_by_rank"]]
@@ -581,9 +588,6 @@ class RolloutDataModule(LightningDataModule):
             return None
         world, rank = self._world()
         if len(by_rank) != world:
-            trainer = getattr(self, "trainer", None)
-            if getattr(getattr(trainer, "state", None), "fn", "fit") != "fit":
-                return None
             if any(state.get("carried") for state in by_rank):
                 raise ValueError(f"the checkpoint carries partial rollouts of {len(by_rank)} rank(s); resume it "
                                  f"with as many ranks (this run has {world})")

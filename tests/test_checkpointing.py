@@ -327,6 +327,9 @@ def test_the_cli_refuses_a_bad_checkpoint_before_loading_it(tmp_path, tiny_check
     validate = ["validate", *_fit_args(tmp_path / "val", "--ckpt_path", str(tiny_checkpoint),
                                        "--data.sampling.group_size", "6", "--trainer.limit_val_batches", "1")[1:]]
     build_cli(validate)
+    # and on other held-out prompts: it takes none of the fit's prompt stream (whose sampler drew from the rest)
+    cli = build_cli([*validate, "--data.val_size", "8"])
+    assert len(cli.datamodule.val_indices) == 8
 
 
 def test_last_with_no_checkpoint_starts_a_new_run_and_then_resumes_it(tmp_path, caplog):
