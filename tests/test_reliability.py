@@ -237,6 +237,27 @@ def test_skip_group_trains_on_the_other_groups_only(module, recwarn):
     assert mask[rows].sum() == 0 and mask[~rows].sum() > 0
 
 
+def test_skip_group_stops_a_run_whose_reward_has_raised_on_every_group(module, recwarn):
+    """skip_group skips bad rows; a function that has raised on every group so far is broken, and the run would
+    train on nothing: the build stops. Once some group was scored, a step of bad rows only is skipped."""
+    broken = make_datamodule(module, prompts=PROMPTS[3:4], val_size=0, prompts_per_step=1,
+                             reward_funcs=[_flaky_reward], on_reward_error="skip_group")
+    with pytest.raises(RuntimeError, match=r"a reward function raised on every group of this run so far \(1 of 1\)"):
+        broken.build_train_batch()
+    calls = []
+
+    def fails_after_the_first_call(prompts, completions, **columns):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyError("down")
+        return [1.0] * len(completions)
+
+    flaky = make_datamodule(module, prompts=PROMPTS[:2], val_size=0, prompts_per_step=1,
+                            reward_funcs=[fails_after_the_first_call], on_reward_error="skip_group")
+    assert flaky.build_train_batch().skipped.tolist() == [False]
+    assert flaky.build_train_batch().skipped.tolist() == [True]  # skipped, not stopped
+
+
 def test_skip_group_in_validation_leaves_the_prompt_out(module):
     dm = make_datamodule(module, prompts=PROMPTS[:6], val_size=5, prompts_per_step=1, reward_funcs=[_flaky_reward],
                          on_reward_error="skip_group")

@@ -244,6 +244,7 @@ class RolloutBuilder:
         self._widest_update: tuple[int, int] | None = None
         self._pending_update: tuple[int, int] | None = None
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
+        self._groups_scored = 0  # training groups no reward function raised on, in this process's run
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
         self._val_sampled_engine: RolloutEngine | None = None
@@ -496,6 +497,7 @@ class RolloutBuilder:
             tokens = max(int(batch.completion_mask.sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
+        self._check_some_group_scored(rounds)
         scored = [(r.components.get(self.accuracy_reward), r.rewards, ~r.skipped) for r in rounds]  # every group
         batch.generated_accuracy = sum(accuracy_sums(None if accuracy is None else accuracy[kept], rewards[kept])
                                        for accuracy, rewards, kept in scored)
@@ -576,6 +578,17 @@ class RolloutBuilder:
                       truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                       components={k: v.view(len(examples), G) for k, v in scores.components.items()},
                       skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy)
+
+    def _check_some_group_scored(self, rounds: list[_Round]) -> None:
+        """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
+        every group of the run so far, the function is broken, not the rows: stop rather than train on nothing."""
+        self._groups_scored += sum(int((~r.skipped).sum()) for r in rounds)
+        if self._groups_scored == 0:
+            skipped = sum(len(r.skipped) for r in rounds)
+            raise RuntimeError(f"data.on_reward_error=skip_group: a reward function raised on every group of this "
+                               f"run so far ({skipped} of {skipped}), so nothing would be trained (its errors are "
+                               "in the warnings above): fix it, or set data.on_reward_error: raise to stop at its "
+                               "first error with a traceback")
 
     def _kept_groups(self, rounds: list[_Round]) -> list[tuple[int, int]]:
         if not self.dynamic_sampling:
