@@ -215,3 +215,19 @@ def test_a_reasoning_gym_task_without_gold_answers_is_scored_by_accuracy_not_mat
     check_gold_answers(build_reward_funcs(["accuracy", "format"]), examples, "task")
     with pytest.raises(ValueError, match=r"the reward functions \['math'\] score against a gold answer"):
         check_gold_answers(build_reward_funcs(["accuracy", "math"]), examples, "task")
+
+
+@pytest.mark.parametrize("fn", [lambda completions, **kwargs: [0.0] * len(completions),  # TRL's signature
+                                lambda completions, answer, **kwargs: [0.0] * len(completions),
+                                lambda prompts, completions: [0.0] * len(completions),  # no room for the columns
+                                lambda prompts, **kwargs: [0.0] * len(prompts)])
+def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(fn):
+    with pytest.raises(ValueError, match=r"reward function 'mine' has the signature \(.*\), but lit_grpo calls "
+                                         r"fn\(prompts, completions, \*\*columns\).*def f\(prompts, completions, "):
+        WeightedReward(fn, name="mine")
+
+
+def test_reward_functions_of_the_documented_shapes_are_accepted():
+    for fn in (lambda prompts, completions, **kwargs: [0.0], lambda p, c, *rest, **kwargs: [0.0],
+               lambda prompts, completions, answer=None, **columns: [0.0]):
+        WeightedReward(fn, name="mine")

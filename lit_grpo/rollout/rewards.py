@@ -97,6 +97,29 @@ class WeightedReward:
         self.weight = float(self.weight)
         if not self.name:
             self.name = reward_name(self.fn)
+        check_reward_call(self.fn, self.name)
+
+
+def check_reward_call(fn: RewardFn, name: str) -> None:
+    """Refuse a function that ``fn(prompts, completions, **columns)`` cannot call as meant: fewer than two
+    positional parameters, a column (``answer``, ...) or ``completions`` out of its place among them, or no
+    ``**kwargs`` for the columns (every call passes them all). TRL's
+    reward functions take ``completions`` first (``def f(completions, **kwargs)``): said before a model loads."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return
+    first_two = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    names = [p.name for p in parameters]
+    takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters) or set(COLUMNS) <= set(names)
+    if len(first_two) < 2 or set(first_two) & set(COLUMNS) or not takes_columns or (
+            "completions" in names and "completions" not in first_two):
+        raise ValueError(f"reward function {name!r} has the signature {inspect.signature(fn)}, but lit_grpo calls "
+                         "fn(prompts, completions, **columns): prompts and completions first, by position, then "
+                         f"the columns ({', '.join(COLUMNS)} and the row's fields) by name; write it as "
+                         "def f(prompts, completions, **kwargs)")
 
 
 def reward_name(fn: Any) -> str:
