@@ -448,8 +448,11 @@ def test_a_kv_budget_from_free_memory_is_what_is_left_after_the_reserve_and_the_
 
 def test_auto_without_a_budget_on_a_cpu_says_what_to_set_when_the_policy_arrives(module):
     """The config is accepted (on CUDA the device's free memory is the budget); the policy's device is known at
-    attach, before any validation or rollout runs. "full" gives every sample its row: nothing to size."""
-    with pytest.raises(ValueError, match=r"micro_group_size='auto' without kv_budget_bytes sizes the KV cache from "
+    attach, before any validation or rollout runs: a ConfigError, which lit-grpo prints as one line. "full" gives
+    every sample its row: nothing to size."""
+    from lit_grpo.runtime.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"micro_group_size='auto' without kv_budget_bytes sizes the KV cache from "
                                          r"the GPU's free memory, but the policy is on 'cpu': set "
                                          r"sampling.kv_budget_bytes \(bytes, an integer >= 1\)"):
         make_datamodule(module, micro_group_size="auto")

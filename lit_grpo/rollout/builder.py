@@ -35,7 +35,7 @@ from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_r
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import ConfigError, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.engine import row_alignment
@@ -102,8 +102,8 @@ def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
         raise _no_slot_budget(device)
 
 
-def _no_slot_budget(device: torch.device) -> ValueError:
-    return ValueError(f"sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the GPU's "
+def _no_slot_budget(device: torch.device) -> ConfigError:
+    return ConfigError(f"data.sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the GPU's "
                       f"free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes (bytes, an "
                       "integer >= 1) or an integer micro_group_size")
 
