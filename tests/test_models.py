@@ -213,3 +213,17 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
                                  ([("r", 4)], r"peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
         with pytest.raises(ConfigError, match=f"model.peft_config: {message}"):
             module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)
+
+
+def test_a_hub_id_neither_the_hub_nor_its_cache_gives_is_a_named_setting_error(monkeypatch):
+    import transformers
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files\nmore lines")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreachable)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", unreachable)
+    for load in (models.load_tokenizer, models.load_model_and_tokenizer):
+        with pytest.raises(ValueError, match=r"model 'no/such-model' cannot be loaded: We couldn't connect to "
+                                             r"'https://huggingface.co' to load the files \(pass an existing directory"):
+            load("no/such-model")

@@ -20,6 +20,7 @@ Every tokenizer comes back with a pad token (EOS when it has none) and left padd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -29,7 +30,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,9 @@ def load_model_and_tokenizer(
             model = model.to(torch_dtype)
     else:  # built in the dtype, keeping the layers the model holds in float32 (e.g. MoE router gates)
         source = _pretrained_source(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        with _unreachable_named(name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto")
+            tokenizer = AutoTokenizer.from_pretrained(source)
     if device is not None:
         model = model.to(device)
     prepare_tokenizer(tokenizer)
@@ -157,8 +159,23 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     elif name_or_path in TINY_MODELS:
         tokenizer = tiny_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(_pretrained_source(name_or_path))
+        source = _pretrained_source(name_or_path)
+        with _unreachable_named(name_or_path):
+            tokenizer = AutoTokenizer.from_pretrained(source)
     return prepare_tokenizer(tokenizer)
+
+
+@contextlib.contextmanager
+def _unreachable_named(name_or_path: str) -> Iterator[None]:
+    """A hub id that neither the hub nor its cache gives (``from_pretrained``'s OSError) as a ValueError naming
+    it and what else a model can be: a setting's error, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model {name_or_path!r} cannot be loaded: {reason} (pass an existing directory, a hub id "
+                         f"the hub or its cache has, {DEFAULT_MODEL!r} (works offline), one of {list(TINY_MODELS)} "
+                         f"or random:<architecture>)") from error
 
 
 def _pretrained_source(name_or_path: str) -> str | Path:
