@@ -147,7 +147,7 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
         load_prompts(dataset=path, prompt_column="problem", split="test")
     with pytest.raises(ValueError, match=r"data.split='test'.*is a single split"):
         dataset_prompts(table, split="test")
-    with pytest.raises(ValueError, match=r"prompt_column apply to data.dataset only; the prompt source here is "
+    with pytest.raises(ValueError, match=r"prompt_column applies to data.dataset only; the prompt source here is "
                                          r"jsonl_path"):
         load_prompts(jsonl_path=str(bad_rows), prompt_column="prompt")
     with pytest.raises(ValueError, match=r"exactly one prompt source .*got \['jsonl_path', 'dataset'\]"):

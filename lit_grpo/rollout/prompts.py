@@ -125,7 +125,9 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
         unused = [name for name, value in (("prompt_column", prompt_column), ("answer_column", answer_column))
                   if value is not None] + (["split"] if split != "train" else [])
         if unused:
-            raise ValueError(f"{', '.join(unused)} apply to data.dataset only; the prompt source here is {given[0]}")
+            raise ValueError(f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to data.dataset only; "
+                             f"the prompt source here is {given[0]} (data.dataset reads JSONL files too, with "
+                             "prompt_column)")
     if task is not None:
         return reasoning_gym_prompts(task, size, seed, task_config)
     if jsonl_path is not None:
