@@ -124,6 +124,8 @@ def test_build_reward_funcs_from_config_specs():
     assert [f.name for f in build_reward_funcs(None)] == ["accuracy"]
     with pytest.raises(ValueError, match="reward function 'nope' is unknown"):
         build_reward_funcs(["nope"])
+    with pytest.raises(ValueError, match=r"reward function 'acuracy' is unknown; did you mean 'accuracy'\? use a "):
+        build_reward_funcs(["acuracy"])
     with pytest.raises(ValueError, match="distinct names"):
         build_reward_funcs(["format", "format"])
     with pytest.raises(ValueError, match="unknown: \\['wieght'\\]"):

@@ -38,6 +38,7 @@ penalty), ``char_fraction`` (share of characters from a set; a toy signal for sm
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -139,7 +140,9 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
             raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
                              f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
     else:
-        raise ValueError(f"reward function {name!r} is unknown; use a built-in {sorted(BUILTIN_REWARDS)} or "
+        close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"reward function {name!r} is unknown; {hint}use a built-in {sorted(BUILTIN_REWARDS)} or "
                          "'package.module:function'")
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"reward function {name!r}: kwargs={kwargs!r} must be a mapping of option names to values")
