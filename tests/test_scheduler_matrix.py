@@ -22,13 +22,33 @@ def test_length_sets_are_deterministic_valid_and_the_committed_files_current(tmp
     for name, text in planned.items():
         content = json.loads(text)
         meta, lengths = content["meta"], content["lengths"]
-        assert len(lengths) == meta["prompts"] and {len(row) for row in lengths} == {meta["group_size"]}
+        assert len(lengths) == meta["prompts"] + meta["warmup_prompts"] and {len(row) for row in lengths} == {
+            meta["group_size"]}
+        assert meta["warmup_prompts"] == make_length_sets.WARMUP_ROLLOUTS * meta["prompts"]
         assert all(1 <= n <= meta["max_new_tokens"] for row in lengths for n in row), name
         assert name == f"{meta['family']}_b{meta['prompts']}_g{meta['group_size']}.json"
     # prompts differ in difficulty: per-prompt means spread out
     lognormal = json.loads(planned["lognormal_b8_g16.json"])["lengths"]
     means = sorted(sum(row) / len(row) for row in lognormal)
     assert means[-1] > 1.5 * means[0]
+
+
+def test_warm_up_rollouts_replay_other_prompts_than_the_measured_ones():
+    """The measured instance is the same whatever the number of warm-ups (their prompts have their own random
+    stream; the paper set at its own shape is the recorded prompt), and a replay never wraps a warm-up round onto
+    the measured prompts: it refuses."""
+    from tools.recordings import Replay
+
+    recorded = json.loads(make_length_sets.PAPER_FILE.read_text())["lengths"]
+    paper = make_length_sets.length_set("paper", 1, 32, make_length_sets.PAPER_CAP, 0)
+    assert paper["lengths"][0] == recorded[0] and len(paper["lengths"]) == 1 + make_length_sets.WARMUP_ROLLOUTS
+    content = make_length_sets.length_set("bimodal", 4, 16, 256, 0)
+    replay = Replay(content, "lengths", B=4, G=16)
+    rounds = [replay.rollout(i)[1]["lengths"] for i in range(1 + make_length_sets.WARMUP_ROLLOUTS)]
+    assert rounds[0] == content["lengths"][:4] and all(warm != rounds[0] for warm in rounds[1:])
+    with pytest.raises(ValueError, match=r"the recording holds 16 prompts: rollout 4 of B=4 needs 20 \(fewer "
+                                         r"warm-up rollouts"):
+        replay.rollout(1 + make_length_sets.WARMUP_ROLLOUTS)
 
 
 def test_length_sets_name_bad_inputs():

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from lit_grpo.scheduling.length_aware import fptas_partition, makespan_lower_bound
 from tools import bench_rollout, harness
-from tools.make_length_sets import OUT_DIR, PAPER_FILE
+from tools.make_length_sets import OUT_DIR
 from tools.recordings import read_recording
 
 TOKENS_DIR = harness.ROOT / "tools" / "data" / "tokens"
@@ -58,9 +58,8 @@ TARGETS = {
 
 
 def lengths_file(set_name: str, prompts: int, group: int, directory: Path = OUT_DIR) -> Path:
-    """The replay file of a set at (B, G): the recorded paper file at its own shape, else a generated one."""
-    if set_name == "paper" and (prompts, group) == (1, 32):
-        return PAPER_FILE
+    """The replay file of a set at (B, G): a token recording, or a generated set (the measured B prompts and the
+    warm-ups' after them; the paper set at its own shape holds the recorded prompt itself)."""
     if set_name in RECORDED_SETS:
         return RECORDED_SETS[set_name]
     path = directory / f"{set_name}_b{prompts}_g{group}.json"

@@ -41,7 +41,8 @@ from typing import Callable
 from lit_grpo.scheduling.length_aware.grouping import makespan_lower_bound
 from tools import bench_rollout, harness
 
-LENGTHS = harness.ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"
+#: The recorded SmolLM2 lengths (``tools/data/smollm2_gsm_symbolic_lengths.json``) and a warm-up rollout's after them.
+LENGTHS = harness.ROOT / "tools" / "data" / "synthetic" / "paper_b1_g32.json"
 
 
 def measurements(model: str, dtype: str, repeats: int) -> dict[str, list[str]]:

@@ -5,13 +5,17 @@
 
 Each file is ``{"lengths": [[L of sample k of prompt p] per prompt p], "meta": {...}}`` (lengths count the EOS,
 1 <= L <= meta.max_new_tokens). Prompts differ in difficulty: every prompt draws its own scale, so a per-prompt
-predictor (the online predictor's prompt model) has signal, while the G samples of a prompt stay exchangeable. Families:
+predictor (the online predictor's prompt model) has signal, while the G samples of a prompt stay exchangeable. The
+first B prompts are the measured instance; ``WARMUP_ROLLOUTS`` x B more follow, drawn from the same family by a
+random stream of their own (so the instance is the same whatever their number), for the warm-up rollouts: a
+scheduler is never measured on lengths it learned from. Families:
 
 - lognormal: median x prompt scale x exp(N(0, sigma^2)), capped; about an eighth of the samples hit the cap.
 - bimodal: a short mode and a long mode (part of it at the cap); each prompt has its own share of long samples.
 - uniform: uniform on [1, prompt's top], the top drawn per prompt between 30% and 100% of the cap.
 - paper: the recorded SmolLM2 gsm_symbolic lengths (one prompt, G = 32) resampled with replacement into B x G for the
-  other shapes; one recorded prompt, so its resampled prompts share one distribution (no per-prompt signal).
+  other shapes (at B 1, G 32 the recorded prompt itself is the instance); one recorded prompt, so its resampled
+  prompts share one distribution (no per-prompt signal).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ OUT_DIR = ROOT / "tools" / "data" / "synthetic"
 PAPER_FILE = ROOT / "tools" / "data" / "smollm2_gsm_symbolic_lengths.json"
 #: (B, G) of the matrix's shapes; g is the benchmark's choice, not the file's.
 SHAPES = ((1, 32), (4, 16), (8, 16))
+#: Warm-up rollouts a file holds prompts for, after the measured B (the scheduler matrix runs 3).
+WARMUP_ROLLOUTS = 3
 DEFAULT_CAP = 256
 
 
@@ -84,10 +90,15 @@ def length_set(family: str, prompts: int, group: int, cap: int, seed: int) -> di
     for name, value in (("prompts", prompts), ("group_size", group), ("cap", cap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    rng = random.Random(f"{family}:{prompts}:{group}:{cap}:{seed}")
-    lengths = FAMILIES[family](rng, prompts, group, cap)
-    flat = [n for row in lengths for n in row]
-    meta = {"family": family, "prompts": prompts, "group_size": group, "max_new_tokens": cap, "seed": seed,
+    key = f"{family}:{prompts}:{group}:{cap}:{seed}"
+    if family == "paper" and (prompts, group, cap) == (1, 32, PAPER_CAP):
+        lengths = json.loads(PAPER_FILE.read_text())["lengths"][:1]  # the recorded instance itself
+    else:
+        lengths = FAMILIES[family](random.Random(key), prompts, group, cap)
+    flat = [n for row in lengths for n in row]  # the measured instance's
+    lengths += FAMILIES[family](random.Random(f"{key}:warm-up"), WARMUP_ROLLOUTS * prompts, group, cap)
+    meta = {"family": family, "prompts": prompts, "warmup_prompts": WARMUP_ROLLOUTS * prompts, "group_size": group,
+            "max_new_tokens": cap, "seed": seed,
             "capped_share": round(sum(n == cap for n in flat) / len(flat), 4),
             "mean_length": round(sum(flat) / len(flat), 2),
             "source": f"python -m tools.make_length_sets (family {family}, seed {seed})"}
@@ -107,12 +118,10 @@ def file_name(family: str, prompts: int, group: int) -> str:
 
 
 def planned_files(families, shapes, cap: int, seed: int) -> dict[str, str]:
-    """``{file name: text}`` of every set; the paper family skips its recorded shape (1, 32)."""
+    """``{file name: text}`` of every set."""
     planned = {}
     for family in families:
         for prompts, group in shapes:
-            if family == "paper" and (prompts, group) == (1, 32):
-                continue
             family_cap = PAPER_CAP if family == "paper" else cap
             planned[file_name(family, prompts, group)] = render(length_set(family, prompts, group, family_cap, seed))
     return planned

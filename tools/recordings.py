@@ -59,8 +59,8 @@ def write_recording(path: Path | str, record: dict[str, Any]) -> None:
 class Replay:
     """A recording cut into rollouts of ``B`` prompts and their first ``G`` samples, for ``generate``'s ``lengths=``
     or ``tokens=``. Rollout 0 is the measured one; rollout i > 0 a warm-up, on the recording's next prompts, so that
-    no predictor is measured on samples it learned from. A length recording too short for that (a length set of
-    exactly B prompts) repeats its rollouts; a token recording must hold them all.
+    no scheduler or predictor is measured on samples it learned from: the recording must hold them all
+    (``tools.make_length_sets`` writes warm-up prompts after the measured ones).
     """
 
     def __init__(self, record: dict[str, Any], kind: str, B: int, G: int) -> None:
@@ -78,10 +78,8 @@ class Replay:
         total = len(self.record["lengths"])
         first = index * self.B
         if first + self.B > total:
-            if self.kind == "tokens":
-                raise ValueError(f"the token recording holds {total} prompts: rollout {index} of B={self.B} needs "
-                                 f"{first + self.B} (fewer warm-up rollouts, or a longer recording)")
-            first %= total // self.B * self.B
+            raise ValueError(f"the recording holds {total} prompts: rollout {index} of B={self.B} needs "
+                             f"{first + self.B} (fewer warm-up rollouts, or a recording with more prompts)")
         rows = slice(first, first + self.B)
         if self.kind == "lengths":
             return None, {"lengths": [row[: self.G] for row in self.record["lengths"][rows]]}
