@@ -297,7 +297,7 @@ def test_warmup_rollouts_never_run_the_measured_samples(tmp_path, monkeypatch):
     warmup, measured = seen[0], seen[-1]  # warm-ups run as the engines are built; seen[1]: the untimed set-up
     assert measured == ([record["prompt_ids"][0]], [record["completion_ids"][0]])
     assert warmup == ([record["prompt_ids"][1]], [record["completion_ids"][1]])  # the recording's next prompt
-    with pytest.raises(SystemExit, match=r"--tokens: the token recording holds 2 prompts: rollout 2 of B=1 needs 3"):
+    with pytest.raises(SystemExit, match=r"--tokens: the recording holds 2 prompts: rollout 2 of B=1 needs 3"):
         bench_rollout.main([*common, "--tokens", str(tokens), "--warmup-rollouts", "2"])
     seen.clear()
     bench_rollout.main([*common[:-4], "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
