@@ -398,7 +398,7 @@ _UNKNOWN_KEY = re.compile(r"(?:Group '([\w.]+)'|Subcommand '\w+') does not accep
 #: TRL GRPOConfig's names of settings lit_grpo names otherwise (docs/training.md maps them all).
 TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_length": "data.sampling.max_new_tokens",
              "learning_rate": "model.lr", "per_device_train_batch_size": "model.train_micro_batch_size",
-             "epsilon": "model.loss.epsilon_low", "steps_per_generation": "model.num_iterations"}
+             "epsilon": "model.loss.epsilon_low"}
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:
