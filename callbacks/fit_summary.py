@@ -151,6 +151,9 @@ class FitSummary(Callback):
         if self._validation_s >= 0.5:
             per_step += f", plus {_duration(self._validation_s)} of validation"
         lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
+        if not steps and 0 <= trainer.max_steps <= trainer.global_step:  # e.g. a resume of a finished run
+            lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
+                         f"{trainer.global_step}): raise --trainer.max_steps to train on")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with
             (step, value), = self.accuracy
             lines.append(f"  {self.accuracy_key:<14} {value:.3f}   ({_when(step)})")

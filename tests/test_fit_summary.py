@@ -88,6 +88,12 @@ def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
     assert lines[0].startswith("lit_grpo: 2 steps in")
     # its one validation stands alone, not as "x -> x (after step 4 -> after step 4)"
     assert lines[1] == f"  val/accuracy   {resumed.accuracy[0][1]:.3f}   (after step 4)"
+    assert not any("nothing to do" in line for line in lines)
+    finished = FitSummary()  # a resume of a run already at max_steps trains nothing, and says what to raise
+    trainer = _trainer(tmp_path / "finished", [finished], max_steps=2, enable_checkpointing=False)
+    trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert finished.summary_lines(trainer)[1] == ("  nothing to do  the run is at trainer.max_steps=2 (step 2): "
+                                                  "raise --trainer.max_steps to train on")
 
 
 def test_the_progress_bar_counts_steps_to_max_steps_and_shows_the_reward(tmp_path, capsys):
