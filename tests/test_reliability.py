@@ -242,8 +242,14 @@ def test_skip_group_stops_a_run_whose_reward_has_raised_on_every_group(module, r
     train on nothing: the build stops. Once some group was scored, a step of bad rows only is skipped."""
     broken = make_datamodule(module, prompts=PROMPTS[3:4], val_size=0, prompts_per_step=1,
                              reward_funcs=[_flaky_reward], on_reward_error="skip_group")
-    with pytest.raises(RuntimeError, match=r"a reward function raised on every group of this run so far \(1 of 1\)"):
+    with pytest.raises(RuntimeError, match=r"a reward function has raised on every group of this run so far"):
         broken.build_train_batch()
+    # under several ranks the run's count is every rank's: another rank scored a group, so this one skips
+    another_rank_scored = make_datamodule(module, prompts=PROMPTS[3:4], val_size=0, prompts_per_step=1,
+                                          reward_funcs=[_flaky_reward], on_reward_error="skip_group")
+    builder = another_rank_scored._require_builder()
+    builder.world_size, builder.all_gather = 2, lambda count: torch.stack([count, torch.ones_like(count)])
+    assert another_rank_scored.build_train_batch().skipped.tolist() == [True]
     calls = []
 
     def fails_after_the_first_call(prompts, completions, **columns):
@@ -256,6 +262,10 @@ def test_skip_group_stops_a_run_whose_reward_has_raised_on_every_group(module, r
                             reward_funcs=[fails_after_the_first_call], on_reward_error="skip_group")
     assert flaky.build_train_batch().skipped.tolist() == [False]
     assert flaky.build_train_batch().skipped.tolist() == [True]  # skipped, not stopped
+    resumed = make_datamodule(module, prompts=PROMPTS[:2], val_size=0, prompts_per_step=1,
+                              reward_funcs=[fails_after_the_first_call], on_reward_error="skip_group")
+    resumed.load_state_dict(flaky.state_dict())
+    assert resumed.build_train_batch().skipped.tolist() == [True]  # the run had scored a group before its stop
 
 
 def test_skip_group_in_validation_leaves_the_prompt_out(module):

@@ -230,6 +230,15 @@ def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(f
 
 
 def test_reward_functions_of_the_documented_shapes_are_accepted():
+    import functools
+
+    def trl_style(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    @functools.wraps(trl_style)  # an adapter of TRL's function is judged by its own signature
+    def adapted(prompts, completions, **kwargs):
+        return trl_style(completions, **kwargs)
+
     for fn in (lambda prompts, completions, **kwargs: [0.0], lambda p, c, *rest, **kwargs: [0.0],
-               lambda prompts, completions, answer=None, **columns: [0.0]):
+               lambda prompts, completions, answer=None, **columns: [0.0], adapted):
         WeightedReward(fn, name="mine")

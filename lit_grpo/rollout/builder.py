@@ -244,7 +244,8 @@ class RolloutBuilder:
         self._widest_update: tuple[int, int] | None = None
         self._pending_update: tuple[int, int] | None = None
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
-        self._groups_scored = 0  # training groups no reward function raised on, in this process's run
+        #: training groups no reward function raised on, over every rank, until the first (checkpointed)
+        self._groups_scored = 0
         self._engine: RolloutEngine | None = None
         self._val_engine: RolloutEngine | None = None
         self._val_sampled_engine: RolloutEngine | None = None
@@ -407,6 +408,7 @@ class RolloutBuilder:
         resume (plain Python values: a checkpoint loads them without unpickling classes)."""
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]
+        state["groups_scored"] = self._groups_scored
         # before its first rollout sizes the slots, a resumed run saves again the budget it resumed from
         budget = self.slot_budget.budget if self.slot_budget is not None else self._checkpoint_kv_budget
         if budget is not None and budget.device_total_bytes is not None:
@@ -416,6 +418,7 @@ class RolloutBuilder:
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
+        self._groups_scored = int(state.pop("groups_scored", 1))  # a checkpoint without it: a run that trained
         budget = state.pop("kv_budget", None)
         if budget is not None:  # used where g is resolved from the device (_kv_budget)
             self._checkpoint_kv_budget = KVBudget(**budget)
@@ -581,14 +584,20 @@ class RolloutBuilder:
 
     def _check_some_group_scored(self, rounds: list[_Round]) -> None:
         """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
-        every group of the run so far, the function is broken, not the rows: stop rather than train on nothing."""
-        self._groups_scored += sum(int((~r.skipped).sum()) for r in rounds)
-        if self._groups_scored == 0:
-            skipped = sum(len(r.skipped) for r in rounds)
-            raise RuntimeError(f"data.on_reward_error=skip_group: a reward function raised on every group of this "
-                               f"run so far ({skipped} of {skipped}), so nothing would be trained (its errors are "
-                               "in the warnings above): fix it, or set data.on_reward_error: raise to stop at its "
-                               "first error with a traceback")
+        every group of the run so far, on every rank, the function is broken, not the rows: stop rather than train
+        on nothing. Until a group is scored the ranks add up their counts (a collective each step), so all decide
+        alike; the count is checkpointed, so a resumed run goes on skipping."""
+        if self._groups_scored:
+            return
+        scored = torch.tensor(float(sum(int((~r.skipped).sum()) for r in rounds)))
+        if self.world_size > 1 and self.all_gather is not None:
+            scored = self.all_gather(scored).sum()
+        self._groups_scored = int(scored)
+        if not self._groups_scored:
+            raise RuntimeError("data.on_reward_error=skip_group: a reward function has raised on every group of "
+                               "this run so far, so nothing would be trained (its errors are in the warnings "
+                               "above): fix it, or set data.on_reward_error: raise to stop at its first error with "
+                               "a traceback")
 
     def _kept_groups(self, rounds: list[_Round]) -> list[tuple[int, int]]:
         if not self.dynamic_sampling:

@@ -104,17 +104,17 @@ class WeightedReward:
 def check_reward_call(fn: RewardFn, name: str) -> None:
     """Refuse a function that ``fn(prompts, completions, **columns)`` cannot call as meant: fewer than two
     positional parameters, a column (``answer``, ...) or ``completions`` out of its place among them, or no
-    ``**kwargs`` for the columns (every call passes them all). TRL's
+    ``**kwargs`` for the columns (every call passes them all, and the row's own fields). TRL's
     reward functions take ``completions`` first (``def f(completions, **kwargs)``): said before a model loads."""
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        parameters = list(inspect.signature(fn, follow_wrapped=False).parameters.values())  # an adapter's own
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
         return
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return
     first_two = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     names = [p.name for p in parameters]
-    takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters) or set(COLUMNS) <= set(names)
+    takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters)  # the columns and every field of the row
     if len(first_two) < 2 or set(first_two) & set(COLUMNS) or not takes_columns or (
             "completions" in names and "completions" not in first_two):
         raise ValueError(f"reward function {name!r} has the signature {inspect.signature(fn)}, but lit_grpo calls "
