@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.checkpoints import find_last_checkpoint, read_checkpoint_header, run_checkpoint_folders
+from lit_grpo.runtime.checkpoints import find_last_checkpoint, read_checkpoint_header
 from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice
@@ -193,7 +193,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lit-grpo export", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="lit-grpo export", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Write a transformers model directory (safetensors weights, config, tokenizer with its chat "
                     "template, generation config) from a lit_grpo training checkpoint.",
         epilog="Load it anywhere, with no lit_grpo installed:\n"
@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt_path", required=True, help="a training checkpoint (.ckpt), e.g. "
                         "lightning_logs/version_0/checkpoints/last.ckpt, or last: the newest last.ckpt of a run "
                         "under --root, as lit-grpo fit --ckpt_path last finds it")
-    parser.add_argument("--root", default=".", help="with --ckpt_path last: the runs' trainer.default_root_dir "
-                        "(default: the working directory)")
+    parser.add_argument("--root", default=".", help="with --ckpt_path last: where the runs are, searched 3 folders "
+                        "deep for checkpoints/ (default: the working directory, as trainer.default_root_dir)")
     parser.add_argument("--out", required=True, help="the directory to write (created; must be empty unless "
                         "--overwrite)")
     parser.add_argument("--dtype", default="auto", help=f"weights' dtype, one of {', '.join(EXPORT_DTYPES)} "
@@ -229,11 +229,11 @@ def main(args: Sequence[str] | None = None) -> int:
         torch.set_num_threads(options.torch_num_threads)
     if options.ckpt_path == "last":
         root = Path(options.root)
-        found = find_last_checkpoint([*run_checkpoint_folders(root / "lightning_logs"),
-                                      *run_checkpoint_folders(root)])
+        # ROOT/checkpoints, and a logger's ROOT/SAVE_DIR[/NAME]/VERSION/checkpoints
+        found = find_last_checkpoint(folder for depth in range(4) for folder in root.glob("*/" * depth + "checkpoints"))
         if found is None:
-            parser.error(f"--ckpt_path last: no last.ckpt under {root / 'lightning_logs'}/*/checkpoints or "
-                         f"{root}/checkpoints; give the checkpoint's path, or --root the run's trainer.default_root_dir")
+            parser.error(f"--ckpt_path last: no last.ckpt in a checkpoints folder up to 3 levels under {root}; give "
+                         "the checkpoint's path, or --root the run's trainer.default_root_dir")
         print(f"lit_grpo: --ckpt_path last: exporting {found}", file=sys.stdout)
         options.ckpt_path = str(found)
     try:

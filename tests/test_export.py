@@ -171,13 +171,22 @@ def test_export_last_takes_the_newest_run_checkpoint_under_its_root(tiny_checkpo
     _, ckpt = tiny_checkpoint
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "a")])
-    assert exit_info.value.code == 2 and "--ckpt_path last: no last.ckpt under" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--ckpt_path last: no last.ckpt in a checkpoints folder" in err
     folder = tmp_path / "lightning_logs" / "version_3" / "checkpoints"
     folder.mkdir(parents=True)
     shutil.copy(ckpt, folder / "last.ckpt")
     cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "model")])
     assert f"exporting {folder / 'last.ckpt'}" in capsys.readouterr().out
     assert (tmp_path / "model" / "model.safetensors").is_file()
+    named = tmp_path / "lightning_logs" / "qwen3_grpo" / "version_0" / "checkpoints"  # a logger given a name
+    named.mkdir(parents=True)
+    shutil.copy(ckpt, named / "last.ckpt")
+    cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "m2")])
+    assert f"exporting {named / 'last.ckpt'}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no abbreviations: --ckpt is not --ckpt_path
+        cli_main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "m3")])
+    assert "the following arguments are required: --ckpt_path" in capsys.readouterr().err
 
 
 def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, monkeypatch):
