@@ -227,3 +227,12 @@ def test_a_hub_id_neither_the_hub_nor_its_cache_gives_is_a_named_setting_error(m
         with pytest.raises(ValueError, match=r"model 'no/such-model' cannot be loaded: We couldn't connect to "
                                              r"'https://huggingface.co' to load the files \(pass an existing "):
             load("no/such-model")
+
+
+def test_a_local_folder_without_weights_is_named_as_a_folder(tmp_path):
+    model, _ = models.load_model_and_tokenizer("tiny-llama")
+    model.config.save_pretrained(tmp_path)
+    models.tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model folder '.*' cannot be loaded: .*no file named model.safetensors.* "
+                                         r"\(it needs a transformers model's files"):
+        models.load_model_and_tokenizer(str(tmp_path))

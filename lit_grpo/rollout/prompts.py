@@ -156,7 +156,7 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
     first_rows: dict[str, int] = {}
     prompt_of_row = []
     for row, example in enumerate(examples):
-        key = json.dumps([example.prompt, example.messages])
+        key = json.dumps([example.prompt, example.messages], default=str)
         prompt_of_row.append(first_rows.setdefault(key, row))
     n = len(first_rows)
     if isinstance(val_size, float):

@@ -173,6 +173,9 @@ def _unreachable_named(name_or_path: str) -> Iterator[None]:
         yield
     except OSError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if Path(name_or_path).expanduser().is_dir():
+            raise ValueError(f"model folder {name_or_path!r} cannot be loaded: {reason} (it needs a transformers "
+                             "model's files: config.json, the weights and the tokenizer)") from error
         raise ValueError(f"model {name_or_path!r} cannot be loaded: {reason} (pass an existing directory, a hub id "
                          f"the hub or its cache has, {DEFAULT_MODEL!r} (works offline), one of {list(TINY_MODELS)} "
                          f"or random:<architecture>)") from error
