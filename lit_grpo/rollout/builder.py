@@ -103,9 +103,9 @@ def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
 
 
 def _no_slot_budget(device: torch.device) -> ConfigError:
-    return ConfigError(f"data.sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the GPU's "
-                      f"free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes (bytes, an "
-                      "integer >= 1) or an integer micro_group_size")
+    return ConfigError(f"data.sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the "
+                       f"GPU's free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes "
+                       "(bytes, an integer >= 1) or an integer micro_group_size")
 
 
 @dataclass(frozen=True)
