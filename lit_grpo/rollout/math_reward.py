@@ -161,10 +161,16 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[str | N
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
     for completion, gold, row in zip(completions, answers, entries):
-        if gold is None and isinstance(row, Mapping):
-            gold = row.get("answer")
+        gold = gold_answer(gold, row)
         out.append(score_math(completion, None if gold is None else str(gold), timeout_s))
     return out
+
+
+def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
+    """A completion's gold answer: its ``answer`` column, else its row's ``answer`` field; None where neither has
+    one, or it is blank (the correctness rewards and ``rewards.check_gold_answers`` read it alike)."""
+    gold = answer if answer is not None else (row.get("answer") if isinstance(row, Mapping) else None)
+    return None if gold is None or not str(gold).strip() else gold
 
 
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, math_reward
+from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
@@ -105,9 +105,7 @@ def accuracy_reward(
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
     for completion, gold, row in zip(completions, answers, entries):
-        gold = gold if gold is not None else (row.get("answer") if isinstance(row, Mapping) else None)
-        if gold is not None and not str(gold).strip():
-            gold = None
+        gold = gold_answer(gold, row)
         if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
             out.append(None)
             continue

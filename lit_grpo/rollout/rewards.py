@@ -51,6 +51,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.runtime.validation import check_choice
 
@@ -198,9 +199,7 @@ def check_gold_answers(reward_funcs: Sequence[WeightedReward], examples: Sequenc
     ``accuracy`` also where its reasoning-gym dataset scores it (tasks such as graph_color have no gold answer).
     ``source`` names where the prompts come from and how an answer is given, for the message."""
     def has_gold(example: Any) -> bool:
-        entry = example.entry if isinstance(example.entry, Mapping) else {}
-        gold = example.answer if example.answer is not None else entry.get("answer")
-        return gold is not None and bool(str(gold).strip())
+        return gold_answer(example.answer, example.entry) is not None
 
     scorable = {"math": has_gold, "accuracy": lambda example: has_gold(example) or bool(
         reasoning_gym_source(example.entry))}

@@ -167,8 +167,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 @contextlib.contextmanager
 def _unreachable_named(name_or_path: str) -> Iterator[None]:
-    """A hub id that neither the hub nor its cache gives (``from_pretrained``'s OSError) as a ValueError naming
-    it and what else a model can be: a setting's error, not a traceback."""
+    """A model ``from_pretrained`` cannot load (its OSError: a hub id neither the hub nor its cache gives, a local
+    folder without weights) as a ValueError naming it and what it needs: a setting's error, not a traceback."""
     try:
         yield
     except OSError as error:
