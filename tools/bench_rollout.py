@@ -313,25 +313,26 @@ def build_runners(args, model, tokenizer, rollout):
         raise SystemExit(f"--{next(iter(replay))} replays inside lit_grpo's engine; drop the hf_* strategies "
                          f"{[s for s in args.strategies if s in HF_STRATEGIES]}")
     for strategy in args.strategies:
-        if strategy == "hf_generate":
-            runners.append((strategy, {}, lambda: run_hf_generate(model, tokenizer, prompts, G, None, args, eos)))
-        elif strategy == "hf_generate_chunked":
-            runners.append((strategy, {}, lambda: run_hf_generate(model, tokenizer, prompts, G, g, args, eos)))
-        elif strategy == "hf_generate_batch":
-            runners.append((strategy, {}, lambda: run_hf_generate_batch(model, tokenizer, prompts, G, args, eos)))
+        if strategy in HF_STRATEGIES:
+            runners.append((strategy, {}, lambda s=strategy: run_hf(s, model, tokenizer, prompts, args, eos)))
     return runners
+
+
+def run_hf(strategy: str, model, tokenizer, prompts, args, eos) -> tuple[dict, list[list[int]]]:
+    """One run of a transformers generator (``HF_STRATEGIES``) on ``prompts``, ``args.group_size`` rows each."""
+    if strategy == "hf_generate_batch":
+        return run_hf_generate_batch(model, tokenizer, prompts, args.group_size, args, eos)
+    chunk_rows = args.micro_group_size if strategy == "hf_generate_chunked" else None
+    return run_hf_generate(model, tokenizer, prompts, args.group_size, chunk_rows, args, eos)
 
 
 def _warm_up_hf_generators(args, model, tokenizer, prompts) -> None:
     """Run each ``hf_*`` strategy of ``args`` once, untimed, on the measured rows with 4 new tokens."""
     short = argparse.Namespace(**{**vars(args), "max_new_tokens": 4})
     eos = set(RolloutEngine(model, tokenizer, group_size=2).eos_token_ids)
-    G, g = args.group_size, args.micro_group_size
     for strategy in args.strategies:
-        if strategy in ("hf_generate", "hf_generate_chunked"):
-            run_hf_generate(model, tokenizer, prompts, G, g if strategy == "hf_generate_chunked" else None, short, eos)
-        elif strategy == "hf_generate_batch":
-            run_hf_generate_batch(model, tokenizer, prompts, G, short, eos)
+        if strategy in HF_STRATEGIES:
+            run_hf(strategy, model, tokenizer, prompts, short, eos)
 
 
 def main(argv=None) -> dict:
