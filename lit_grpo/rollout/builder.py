@@ -590,7 +590,8 @@ class RolloutBuilder:
         if self._groups_scored:
             return
         scored = torch.tensor(float(sum(int((~r.skipped).sum()) for r in rounds)))
-        if self.world_size > 1 and self.all_gather is not None:
+        # "raise" skips no group, so every rank has scored some: only skip_group needs the ranks' sum
+        if self.on_reward_error == "skip_group" and self.world_size > 1 and self.all_gather is not None:
             scored = self.all_gather(scored).sum()
         self._groups_scored = int(scored)
         if not self._groups_scored:
