@@ -279,13 +279,16 @@ def _step_ranks():
     their completion tokens as rollout_metrics reports them, and of one process holding both ranks' micro-batches."""
     from lit_grpo.update.metrics import StepMetrics
 
-    def micro(tokens: int, low: float, high: float, kl: float, entropy: float):
+    def micro(tokens: int, units: int, low: float, high: float, kl: float, entropy: float):
         mask = torch.zeros(1, 6)
         mask[0, :tokens] = 1
-        return (torch.tensor(0.5), {"active_tokens": torch.tensor(float(tokens)), "clip_ratio_low": torch.tensor(low),
-                      "clip_ratio_high": torch.tensor(high), "kl": torch.tensor(kl)}, torch.full((1, 6), entropy), mask)
+        return (torch.tensor(0.5), {"active_tokens": torch.tensor(float(tokens)), "clip_units": torch.tensor(units),
+                                    "clip_ratio_low": torch.tensor(low), "clip_ratio_high": torch.tensor(high),
+                                    "kl": torch.tensor(kl)}, torch.full((1, 6), entropy), mask)
 
-    micros = [[micro(2, 0.5, 0.0, 0.1, 1.0)], [micro(6, 0.0, 1 / 3, 0.4, 2.0), micro(3, 1 / 3, 0.0, 0.2, 0.5)]]
+    # the clip shares count other units than the tokens (completions, under GSPO): their own weight
+    micros = [[micro(2, 2, 0.5, 0.0, 0.1, 1.0)],
+              [micro(6, 3, 0.0, 1 / 3, 0.4, 2.0), micro(3, 1, 1.0, 0.0, 0.2, 0.5)]]
     steps = []
     for batches in (*micros, micros[0] + micros[1]):
         step = StepMetrics()

@@ -180,8 +180,8 @@ RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "/mean"
 RATIO_WEIGHTS: dict[str, str] = {
     "reward/frac_zero_std": "weight/groups_generated",
     "rollout/offpolicy_tokens_frac": "weight/completion_tokens",
-    "train/clip_ratio_low": "weight/loss_tokens",
-    "train/clip_ratio_high": "weight/loss_tokens",
+    "train/clip_ratio_low": "weight/clip_units",
+    "train/clip_ratio_high": "weight/clip_units",
     "train/kl": "weight/loss_tokens",
     "train/entropy": "weight/completion_tokens",
     "sampling/sampling_logp_difference/mean": "weight/sampling_logp_tokens",

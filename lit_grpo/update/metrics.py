@@ -7,13 +7,15 @@ from collections import defaultdict
 
 import torch
 
-CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high", "kl")
+#: each mean key, and what it is a mean over (``PolicyLoss.metrics``' weight for it)
+MEAN_OVER = {"clip_ratio_low": "clip_units", "clip_ratio_high": "clip_units", "kl": "loss_tokens"}
 
 
 class StepMetrics:
     """Accumulates one optimizer step on the device and reads it to the host once (``read``): ``loss`` (the sum
-    of the weighted micro-batch losses, i.e. the step's loss), ``clip_ratio_low``, ``clip_ratio_high`` and ``kl``
-    (means over loss tokens) and ``entropy`` (mean over all completion tokens)."""
+    of the weighted micro-batch losses, i.e. the step's loss), ``clip_ratio_low`` and ``clip_ratio_high`` (shares
+    of the clip's units: loss tokens, or completions under GSPO), ``kl`` (mean over loss tokens) and ``entropy``
+    (mean over all completion tokens)."""
 
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -23,12 +25,13 @@ class StepMetrics:
             completion_mask: torch.Tensor) -> None:
         """One micro-batch: its weighted loss (a scalar tensor), ``PolicyLoss.metrics``, ``[m, T]`` entropies and
         completion mask. Nothing is read from the device."""
-        active = loss_metrics["active_tokens"]
+        weights = {"loss_tokens": loss_metrics["active_tokens"], "clip_units": loss_metrics["clip_units"]}
         self._parts["loss"].append(loss.detach())
-        for key in CLIP_KEYS:
+        for key, over in MEAN_OVER.items():
             if key in loss_metrics:
-                self._parts[key].append(loss_metrics[key] * active)
-        self._parts["loss_tokens"].append(active)
+                self._parts[key].append(loss_metrics[key] * weights[over])
+        for over, weight in weights.items():
+            self._parts[over].append(weight)
         content = completion_mask.float()
         self._parts["entropy"].append((entropy * content).sum())
         self._parts["content_tokens"].append(content.sum())
@@ -44,15 +47,16 @@ class StepMetrics:
         return self._read["loss"]
 
     def result(self, grad_norm: float) -> dict[str, float]:
-        """The step's scalars (keys without the ``train/`` prefix), and ``weight/loss_tokens``, the weight of the
-        means over loss tokens under several processes (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``)."""
+        """The step's scalars (keys without the ``train/`` prefix), and ``weight/loss_tokens`` and
+        ``weight/clip_units``, the weights of its means under several processes
+        (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``)."""
         if self._read is None:
             raise RuntimeError("StepMetrics.result() before read(): nothing has been brought to the host")
         sums = {key: math.fsum(values) for key, values in self._read.items()}
-        loss_tokens = sums.get("loss_tokens", 0.0)
         out = {"loss": sums.get("loss", 0.0), "grad_norm": grad_norm,
                "entropy": sums.get("entropy", 0.0) / max(sums.get("content_tokens", 0.0), 1.0)}
-        for key in CLIP_KEYS:
-            out[key] = sums.get(key, 0.0) / max(loss_tokens, 1.0)
-        out["weight/loss_tokens"] = loss_tokens
+        for key, over in MEAN_OVER.items():
+            out[key] = sums.get(key, 0.0) / max(sums.get(over, 0.0), 1.0)
+        for over in set(MEAN_OVER.values()):
+            out[f"weight/{over}"] = sums.get(over, 0.0)
         return out

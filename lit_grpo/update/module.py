@@ -30,8 +30,9 @@ plugin has unscaled). Likewise
 counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
-clip_ratio_high (shares of loss tokens), entropy (mean over completion tokens), grad_norm (before clipping), lr;
-each the mean over the step's ``num_iterations`` optimizer steps};
+clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss token, as TRL), entropy (mean over
+all completion tokens: under mask_truncated_completions TRL's leaves the truncated out), grad_norm (before
+clipping), lr; each the mean over the step's ``num_iterations`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,

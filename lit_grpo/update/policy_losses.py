@@ -174,24 +174,30 @@ class PolicyLoss:
 
     @torch.no_grad()
     def metrics(self, logps, old_logps, advantages, mask, ref_logps=None) -> dict[str, torch.Tensor]:
-        """Token means over the active tokens of ``N`` completions, for logging (arguments as in ``__call__``).
+        """Means over the active tokens (or completions) of ``N`` completions, for logging (arguments as in
+        ``__call__``).
 
         Returns a dict of scalar tensors:
-            ``clip_ratio_low`` / ``clip_ratio_high``: share of tokens whose ratio (at this loss's level) is
-            clipped where it binds (``clipped``; cispo: its cap, sapo: never);
+            ``clip_ratio_low`` / ``clip_ratio_high``: share of the ratios (at this loss's level: tokens, or under
+            GSPO completions with an active token) clipped where the clip binds (``clipped``; cispo: its cap,
+            sapo: never);
             ``kl``: mean k3 KL to the reference, as the loss weighs it (only when ``ref_logps`` is given);
-            ``active_tokens``: the number of active tokens (the weight for averaging these over micro-batches).
+            ``active_tokens``: the number of active tokens (the weight for averaging ``kl`` over micro-batches);
+            ``clip_units``: the number of ratios the clip shares count (the weight for averaging them).
         """
         mask = mask.to(logps.dtype)
         active = mask.sum()
-        denominator = active.clamp(min=1.0)
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
-        low, high = (flags.to(logps.dtype).expand_as(mask) for flags in self.clipped(ratio, advantages))
-        out = {"clip_ratio_low": (low * mask).sum() / denominator, "clip_ratio_high": (high * mask).sum() / denominator,
-               "active_tokens": active}
+        # a share of what the clip acts on: tokens, or whole completions under GSPO (as TRL counts them)
+        units = mask if ratio.shape == mask.shape else (mask.sum(dim=1, keepdim=True) > 0).to(mask.dtype)
+        clip_units = units.sum()
+        low, high = (flags.to(logps.dtype) for flags in self.clipped(ratio, advantages))
+        out = {"clip_ratio_low": (low * units).sum() / clip_units.clamp(min=1.0),
+               "clip_ratio_high": (high * units).sum() / clip_units.clamp(min=1.0),
+               "active_tokens": active, "clip_units": clip_units}
         if ref_logps is not None:
             kl = k3_kl(logps, ref_logps)
-            out["kl"] = ((kl * ratio if self.config.kl_bias_correction else kl) * mask).sum() / denominator
+            out["kl"] = ((kl * ratio if self.config.kl_bias_correction else kl) * mask).sum() / active.clamp(min=1.0)
         return out
 
 
