@@ -266,7 +266,24 @@ class GRPOCLI(LightningCLI):
         except ValueError as err:
             if self.subcommand is None:
                 raise
-            _exit_with(err, self.subcommand)
+            _exit_with(qualified_error(err, self.config[self.subcommand].keys()), self.subcommand)
+
+
+_LEADING_SETTING = re.compile(r"^([A-Za-z_][\w.]*)=")
+
+
+def qualified_error(error: ValueError, keys: Sequence[str]) -> ValueError:
+    """``error`` with the setting its message starts with (``sampling.temperature=-1.0 must be ...``: a class
+    names its own field) named by its full config key (``data.sampling.temperature=...``), where exactly one of
+    ``keys`` (the config's dotted keys) ends with it; else ``error`` itself."""
+    match = _LEADING_SETTING.match(str(error))
+    if match is None:
+        return error
+    name = match.group(1)
+    owners = [key for key in keys if key.endswith("." + name)]
+    if len(owners) != 1 or name in keys:
+        return error
+    return ValueError(owners[0] + str(error)[len(name):])
 
 
 def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) -> None:

@@ -168,9 +168,12 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--data.sampling.group_size", "0"], "error: sampling.group_size=0 must be an integer >= 1"),
+    # a class names its own field; the message names it by its full key
+    (["--data.sampling.group_size", "0"], "error: data.sampling.group_size=0 must be an integer >= 1"),
+    (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
+    (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
-    (["--data.accuracy_reward", "mathh"], "error: accuracy_reward='mathh' is not one of the reward functions'"),
+    (["--data.accuracy_reward", "mathh"], "error: data.accuracy_reward='mathh' is not one of the reward functions'"),
 ])
 def test_a_bad_value_ends_the_command_with_its_message_not_a_traceback(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -206,6 +206,10 @@ class GRPOModule(LightningModule):
         check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
         check_real("lr", lr, low=0, low_open=True)
         check_real("weight_decay", weight_decay, low=0)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                      for b in betas):
+            raise ValueError(f"betas={list(betas)!r} must be two numbers in [0, 1) (AdamW's decay rates of its "
+                             "moments, e.g. [0.9, 0.99])")
         if max_grad_norm is not None:  # None: no clipping
             check_real("max_grad_norm", max_grad_norm, low=0)
         if peft_config:  # checked here, before a model loads
