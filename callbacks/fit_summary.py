@@ -41,7 +41,8 @@ class FitSummary(Callback):
           rollout peak   KV cache 30.1 MiB; process 3.2 GiB (+41.0 MiB during the rollout)
           host peak      3.4 GiB resident (the process's high-water mark)
           logs           lightning_logs/version_0  ->  tensorboard --logdir lightning_logs
-          checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with --ckpt_path last)
+          checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with
+                         --ckpt_path last)
 
     A line whose figure was never logged is left out. A step is a training step (a batch that ends an optimizer
     step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps only (the
@@ -233,8 +234,8 @@ class FitSummary(Callback):
                     resume = "--ckpt_path last"
                 else:
                     resume = f"--ckpt_path {shown_path(path)}"
-                lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({format_bytes(disk_bytes(path))}{saves}; resume with "
-                             f"{resume})")
+                size = format_bytes(disk_bytes(path))
+                lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({size}{saves}; resume with {resume})")
         return lines
 
 

@@ -23,7 +23,8 @@ MEMORY_KEYS = tuple(f"memory/{phase}_{suffix}" for phase in PHASES
 class PeakMemoryMonitor(Callback):
     r"""Logs the peak memory of every training step, and of its rollout and update phases for lit_grpo.
 
-    **Logged keys** (bytes, once per optimizer step, honouring ``log_every_n_steps``)
+    **Logged keys** (bytes, once per training step, honouring ``log_every_n_steps``; under gradient accumulation once
+    per optimizer step, after its last micro-batch)
 
     - ``memory/step_peak_bytes``: peak of the whole step, from the end of the previous step (or the epoch start)
       to the end of this one: data fetch, forward, backward and optimizer step (under gradient accumulation, of
@@ -37,8 +38,8 @@ class PeakMemoryMonitor(Callback):
       state each show their own peak. lit_grpo batches whose update stepped the optimizer only.
     - ``memory/{rollout,update,optimizer,step}_peak_delta_bytes``: the same peaks minus what was held when the phase
       started: what the phase itself added. On CPU the absolute peaks are resident-set sizes, which carry over
-      what the previous phase left in the allocator (a rollout whose KV is 40 MB can read 4 GB after an update
-      of a 135M model); the delta is the figure to compare across phases and settings. It can be 0 when a phase
+      what the previous phase left in the allocator (a rollout with a small KV cache reads the whole footprint
+      the update left); the delta is the figure to compare across phases and settings. It can be 0 when a phase
       only reused memory the process already held.
     - on CUDA also ``memory/{step,rollout,update,optimizer}_peak_reserved_bytes``: the same peaks of the allocator's
       reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
@@ -104,7 +105,8 @@ class PeakMemoryMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._tracker is not None:
             return
-        self._tracker, problem = make_peak_tracker(trainer.strategy.root_device, self.cpu_method, self.sample_interval_s)
+        self._tracker, problem = make_peak_tracker(trainer.strategy.root_device, self.cpu_method,
+                                                   self.sample_interval_s)
         self._method = self._tracker.name if self._tracker is not None else None
         if problem:
             rank_zero_warn(f"PeakMemoryMonitor: {problem}")

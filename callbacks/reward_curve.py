@@ -1,4 +1,4 @@
-"""Forecast where the reward curve plateaus, from the curve so far, and optionally stop when little gain is left.
+"""Forecast where the reward curve plateaus, from the curve so far (``RewardForecast`` logs it and may stop).
 
 GRPO reward curves run through a slow start, a rapid rise and a plateau (Predictive Scaling Laws for GRPO,
 arXiv 2507.18014). Two shapes are fitted to the running curve, an exponential saturation

@@ -1,4 +1,4 @@
-"""Decode steps, tokens, time and predictor quality of every rollout, and the last round in the progress bar."""
+"""Decode steps, tokens, time and predictor quality of every rollout, and the step's in the progress bar."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class RolloutProfiler(Callback):
       ``park_preemption``, ``resume_least_attained``; only the names counted at least once in the step (the slot
       timeline draws the same decisions).
 
-    **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the last round's decode
-    steps, lower bound and slot utilization; ``steps`` close to ``bound`` means the schedule left little on the
+    **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the step's decode steps,
+    lower bound and slot utilization (all its rounds); ``steps`` close to ``bound`` means the schedule left little on the
     table.
 
     **Several processes**: every key is the whole step's, the same on every rank: every rank's RolloutStats are
@@ -102,9 +102,9 @@ class RolloutProfiler(Callback):
     With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
 
     Args:
-        progress_bar: show the last round's decode steps, lower bound and utilization in the progress bar.
-        read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, a few
-            tenths of a second as training starts, before any memory peak is read: its buffer is not the step's).
+        progress_bar: show the step's decode steps, lower bound and utilization in the progress bar.
+        read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, briefly,
+            as training starts, before any memory peak is read: its buffer is not the step's).
     """
 
     def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:

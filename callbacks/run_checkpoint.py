@@ -45,12 +45,12 @@ class RunCheckpoint(ModelCheckpoint):
     under manual optimization (``GRPOModule``) it ignores ``train_time_interval``: this subclass decides when, and
     Lightning's machinery writes (``Trainer.save_checkpoint``, the callback's own state, ``--ckpt_path last``).
 
-    **How it writes**: atomically (:class:`~lit_grpo.runtime.checkpoints.AtomicCheckpointIO`, set on the strategy where it
-    uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. Under
-    ``ModelParallelStrategy`` (FSDP2) ``last.ckpt`` is a folder of every rank's shards: it is written beside its
-    place (``.last.ckpt.PID.staging``) and swapped in once every rank has finished. At setup it deletes partial
-    files of killed saves and checks that the folder can be written and has room for one more checkpoint, so a bad
-    folder fails before the first step rather than hours later.
+    **How it writes**: atomically (:class:`~lit_grpo.runtime.checkpoints.AtomicCheckpointIO`, set on the strategy where
+    it uses Lightning's default ``TorchCheckpointIO``): a killed save leaves the previous ``last.ckpt`` whole. Under
+    ``ModelParallelStrategy`` (FSDP2) ``last.ckpt`` is a folder of every rank's shards: it is written beside its place
+    (``.last.ckpt.PID.staging``) and swapped in once every rank has finished. At setup it deletes partial files of
+    killed saves and checks that the folder can be written and has room for one more checkpoint, so a bad folder fails
+    before the first step rather than hours later.
 
     **Stop signals** (installed for the training loop): the first SIGTERM or Ctrl-C stops the run at the next step
     boundary: it saves ``last.ckpt`` of the last completed step, prints where it is and the command that resumes

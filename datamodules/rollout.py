@@ -579,7 +579,7 @@ class RolloutDataModule(LightningDataModule):
         engine = state_dict.get("engine")
         if "engine_by_rank" in state_dict:
             by_rank = [dict(state) for state in state_dict["engine_by_rank"]]
-        elif engine is not None and "carried_by_rank" in engine:  # an older checkpoint: rank 0's engine state
+        elif engine is not None and "carried_by_rank" in engine:  # every rank's carried groups in rank 0's engine state
             shared = {key: value for key, value in engine.items() if key != "carried_by_rank"}
             by_rank = [{**shared, "carried": carried} for carried in engine["carried_by_rank"]]
         elif engine is not None:

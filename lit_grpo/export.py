@@ -12,8 +12,8 @@ training's completions ended. A LoRA run is merged into the base weights by defa
 
 A checkpoint holds the module's init arguments (``hyper_parameters``: the base model's name, its dtype, the LoRA
 config) and the policy's weights under ``state_dict`` with the prefix ``policy.``; the base is rebuilt from its
-name with :func:`lit_grpo.runtime.models.load_model_and_tokenizer` and the trained weights are loaded over it strictly, so a
-checkpoint of another architecture fails naming the keys that differ.
+name with :func:`lit_grpo.runtime.models.load_model_and_tokenizer` and the trained weights are loaded over it
+strictly, so a checkpoint of another architecture fails naming the keys that differ.
 """
 
 from __future__ import annotations

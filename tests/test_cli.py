@@ -1,4 +1,5 @@
-"""The `lit-grpo` CLI: one fit step end to end in a (forked) process, --print_config, and the GPU recipe's consistency."""
+"""The `lit-grpo` CLI: one fit step end to end in a (forked) process, --print_config, and the GPU recipe's
+consistency."""
 
 import glob
 import os
@@ -45,7 +46,8 @@ def test_fit_two_steps_end_to_end(tmp_path):
                 # the sampler against the update (logged with the correction off, its default)
                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
     assert expected <= tags, expected - tags
-    assert accumulator.Scalars("rollout/decode_steps")[0].value >= accumulator.Scalars("rollout/lower_bound_steps")[0].value
+    scalar = lambda key: accumulator.Scalars(key)[0].value  # noqa: E731
+    assert scalar("rollout/decode_steps") >= scalar("rollout/lower_bound_steps")
     assert accumulator.Scalars("memory/rollout_peak_bytes")[0].value > 0
     # the decode step against its floor: the bytes it read over this machine's measured bandwidth
     for step, floor in enumerate(accumulator.Scalars("rollout/floor_ms_per_step")):

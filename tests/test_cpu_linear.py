@@ -309,7 +309,8 @@ def test_sibling_projections_are_found_by_name_under_one_parent_and_through_peft
 # ---------------------------------------------------------------------------------------------------- the update
 @needs_onednn
 @pytest.mark.parametrize("shape, bias, wanted", [((5, 64), True, (True, True, True)), ((2, 3, 64), False, (True, True)),
-                                                 ((4, 1, 64), True, (False, True, True)), ((6, 64), True, (True, False, False))])
+                                                 ((4, 1, 64), True, (False, True, True)),
+                                                 ((6, 64), True, (True, False, False))])
 def test_the_update_linear_has_torchs_gradients_to_rounding(shape, bias, wanted):
     torch.manual_seed(0)
     x, weight = torch.randn(*shape), torch.randn(48, 64) * 0.1

@@ -88,7 +88,8 @@ def test_the_readme_lightning_example_trains(tmp_path):
     code = code.replace("max_new_tokens=64", "max_new_tokens=8")
     assert '"tiny-llama"' in code and "max_steps=1" in code, "the example's model or step count changed"
     script = tmp_path / "example.py"
-    script.write_text("import torch\ntorch.set_num_threads(1)\n" + code + "\nprint('global_step', trainer.global_step)\n")
+    script.write_text("import torch\ntorch.set_num_threads(1)\n" + code
+                      + "\nprint('global_step', trainer.global_step)\n")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "global_step 1" in proc.stdout

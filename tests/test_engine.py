@@ -114,7 +114,8 @@ def test_sampling_logprobs_match_a_teacher_forced_forward(tiny, top_k, min_p):
 def test_top_k_one_is_greedy(tiny_llama, prompt_ids):
     model, tokenizer = tiny_llama
     greedy = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=8, temperature=0.0).generate(prompt_ids)
-    top1 = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=8, temperature=1.0, top_k=1).generate(prompt_ids)
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=8, temperature=1.0, top_k=1)
+    top1 = engine.generate(prompt_ids)
     assert top1.completion_ids == greedy.completion_ids
 
 
@@ -485,7 +486,8 @@ def test_infinite_parks_nothing_when_every_sample_has_a_slot(tiny_llama, prompt_
     trust_predictions(engine.scheduler)  # trusted probes, and still nothing to gain from parking
     result = engine.generate(prompt_ids)
     assert engine.scheduler.last_info["parked_samples"] == 0
-    full = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2).generate(prompt_ids)
+    engine = RolloutEngine(model, tokenizer, group_size=4, strategy="full", max_new_tokens=12, seed=2)
+    full = engine.generate(prompt_ids)
     assert result.stats.decode_steps == full.stats.decode_steps
 
 

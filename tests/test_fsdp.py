@@ -1,10 +1,11 @@
 """FSDP2 on 2 CPU processes (gloo) where the ranks' rollouts differ in length.
 
-A sharded policy all-gathers each layer's shards in every forward, so a rank whose rollout ends early would leave
-the others waiting in a collective: the engine refuses one outside the two scopes below. ``GatheredWeights`` gathers the full weights once per rollout and decodes on an
-unsharded copy (no collective inside the loop); ``LockstepWeights`` keeps a finished rank answering until every
-rank is done. Both must finish with the forced lengths and sample what the unsharded model samples, and a whole
-``lit-grpo fit`` under FSDP2, with a model whose samples end at different steps, must train as ddp does.
+A sharded policy all-gathers each layer's shards in every forward, so a rank whose rollout ends early would leave the
+others waiting in a collective: the engine refuses one outside the two scopes below. ``GatheredWeights`` gathers the
+full weights once per rollout and decodes on an unsharded copy (no collective inside the loop); ``LockstepWeights``
+keeps a finished rank answering until every rank is done. Both must finish with the forced lengths and sample what the
+unsharded model samples, and a whole ``lit-grpo fit`` under FSDP2, with a model whose samples end at different steps,
+must train as ddp does.
 """
 
 import datetime

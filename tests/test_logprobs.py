@@ -4,7 +4,8 @@ import pytest
 import torch
 from precision_helpers import WeightCasts
 
-from lit_grpo.update.logprobs import completion_logits, completion_logps, head_reproduces_logits, token_entropy, token_logps
+from lit_grpo.update.logprobs import (completion_logits, completion_logps, head_reproduces_logits, token_entropy,
+                                      token_logps)
 from lit_grpo.runtime.models import load_model_and_tokenizer
 
 

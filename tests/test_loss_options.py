@@ -196,7 +196,8 @@ def test_metrics_follow_the_level_and_the_variant():
     # GSPO clips whole completions: its shares count completions with an active token (none in the third row)
     logps = torch.log(torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0], [3.0, 1.0, 1.0]]))
     seq_mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    shares = policy_loss_metrics(logps, torch.zeros(3, 3), torch.ones(3), seq_mask, importance_sampling_level="sequence")
+    shares = policy_loss_metrics(logps, torch.zeros(3, 3), torch.ones(3), seq_mask,
+                                 importance_sampling_level="sequence")
     assert shares["clip_ratio_high"].item() == pytest.approx(1 / 2) and shares["clip_units"].item() == 2
     assert shares["active_tokens"].item() == 4
     logps = torch.log(torch.tensor([[0.5, 2.0]]))

@@ -146,7 +146,8 @@ def test_lora_uses_the_disabled_adapter_as_reference(batch):
 
 def test_dynamic_sampling_drops_groups_without_signal():
     def half_flat(prompts, completions, **kwargs):  # constant reward for even prompts: zero-std groups
-        return [1.0 if int(p.split()[2]) % 2 == 0 else float(sum(map(ord, c)) % 5) for p, c in zip(prompts, completions)]
+        return [1.0 if int(p.split()[2]) % 2 == 0 else float(sum(map(ord, c)) % 5)
+                for p, c in zip(prompts, completions)]
 
     module = make_module()
     dm = make_datamodule(module, reward_funcs=[half_flat], dynamic_sampling=True, max_rollouts_per_step=8)

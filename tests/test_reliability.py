@@ -380,8 +380,8 @@ def test_kv_bytes_per_token_from_the_config(module):
     assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={held + slot - 1} is smaller than one slot's KV cache, "
                                          rf"{slot} bytes .* plus the {held} bytes held besides the slots "
-                                         rf"\(2 prompts' prefixes and a prefill's moment\); raise kv_budget_bytes to at "
-                                         rf"least {held + slot}"):
+                                         rf"\(2 prompts' prefixes and a prefill's moment\); raise kv_budget_bytes "
+                                         rf"to at least {held + slot}"):
         auto_micro_group_size(config, torch.float32, held + slot - 1, 10, 6, 4, 2)
 
 

@@ -100,8 +100,8 @@ def test_accuracy_without_reasoning_gym_entry():
 
 
 def test_format_and_overlong():
-    assert format_reward([], ["<answer>3</answer>", "3", "<answer>1</answer><answer>2</answer>", "<answer> </answer>"]) \
-        == [1.0, 0.0, 0.0, 0.0]
+    completions = ["<answer>3</answer>", "3", "<answer>1</answer><answer>2</answer>", "<answer> </answer>"]
+    assert format_reward([], completions) == [1.0, 0.0, 0.0, 0.0]
     penalty = OverlongPenalty(buffer=4)
     got = penalty([""] * 4, [""] * 4, completion_length=[4, 6, 8, 9], max_new_tokens=[8] * 4)
     assert got == [0.0, -0.5, -1.0, -1.0]

@@ -134,9 +134,11 @@ def test_scheduler_options_are_typed_in_the_config():
     built = scheduler.build()  # reaches the scheduler
     assert type(built) is LengthAwareScheduler and built.config.gain_z is None and built.probe_tokens == 4
     assert isinstance(built.predictor, OnlineLengthPredictor)
-    with pytest.raises(ValueError, match=r"scheduler.length_aware.gain_z=0 is not allowed; .* must be a finite number > 0, or None"):
+    with pytest.raises(ValueError, match=r"scheduler.length_aware.gain_z=0 is not allowed; .* must be a finite "
+                                         r"number > 0, or None"):
         LengthAwareConfig(gain_z=0)
-    with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 is not allowed; .* must be a finite number > 0, or None"):
+    with pytest.raises(ValueError, match=r"scheduler.park_budget=-1.0 is not allowed; .* must be a finite number > 0, "
+                                         r"or None"):
         build_cli(["--config", TINY, "--data.sampling.scheduler.park_budget", "-1.0", "--trainer.logger", "false"],
                   run=False)
 
@@ -192,7 +194,8 @@ def test_sampling_settings_in_python_go_in_one_config():
 def test_greedy_training_rollouts_are_refused(greedy):
     """G identical completions give every advantage 0: a run that could never learn stops before it starts."""
     setting = "temperature=0" if "temperature" in greedy else "top_k=1"
-    with pytest.raises(ValueError, match=rf"sampling.{setting} makes training rollouts greedy: the group_size=4 completions"):
+    with pytest.raises(ValueError, match=rf"sampling.{setting} makes training rollouts greedy: the group_size=4 "
+                                         "completions"):
         RolloutDataModule(prompts=["a"], sampling={"group_size": 4, **greedy})
     RolloutDataModule(prompts=["a"], sampling={"group_size": 4, "temperature": 0.7, "top_k": 2})
 

@@ -171,7 +171,8 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
     assert [(run["strategy"], run["group_size"], run["repeat"]) for run in report["runs"]] == [
         ("continuous", 2, 0), ("continuous", 4, 0)]
     for run in report["runs"]:
-        assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "hwm+sampling", "sampling")  # "hwm": reset in its own process
+        # "hwm": reset in its own process
+        assert run["peak_bytes"] >= run["baseline_bytes"] > 0 and run["method"] in ("hwm", "hwm+sampling", "sampling")
         phases = [run[f"{phase}_peak_bytes"] for phase in ("rollout", "update", "optimizer")]
         assert run["peak_bytes"] == max(phases) and min(phases) > 0  # the step's peak is its largest phase's
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
@@ -221,7 +222,8 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert report["summary"]["angle"]["runs"] == 1
     with pytest.raises(SystemExit):
         bench_curriculum.main(["--config", "configs/tiny.yaml", "--curricula", "none,gain"])
-    assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in err
 
 
 def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path, monkeypatch):

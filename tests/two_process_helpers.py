@@ -12,8 +12,8 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = False) -> str:
-    """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added; returns
-    the StepRecorder path (its records of every rank, and each rank's batch of step 1).
+    """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added;
+    returns the StepRecorder path (its records of every rank, and each rank's batch of step 1).
 
     The ranks are forked ``lit-grpo`` processes (tests/forked_cli.py) launched as 2 nodes x 1 process of one thread
     each. With ``launcher`` rank 0 is forked and Lightning's own launcher (``--trainer.devices 2``) starts rank 1

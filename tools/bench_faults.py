@@ -132,12 +132,14 @@ def start(cmd: list[str], root: Path, attempt: int) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, root: Path, attempt: int, timeout: float) -> int:
     code = proc.wait(timeout=timeout)
     if code != 0:
-        raise RuntimeError(f"run {root} attempt {attempt} failed ({code}):\n{(root / f'log.{attempt}').read_text()[-4000:]}")
+        log = (root / f"log.{attempt}").read_text()[-4000:]
+        raise RuntimeError(f"run {root} attempt {attempt} failed ({code}):\n{log}")
     return code
 
 
 def partial_files(root: Path) -> list[Path]:
-    """The partial checkpoint files of unfinished saves under ``root`` (``lit_grpo.runtime.checkpoints.partial_path``)."""
+    """The partial checkpoint files of unfinished saves under ``root``
+    (``lit_grpo.runtime.checkpoints.partial_path``)."""
     return [p for p in root.rglob("*.partial") if PARTIAL.match(p.name)]
 
 
@@ -306,8 +308,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"summary: {summary['exact']} of {summary['kills']} resumes exact, {summary['unreadable_checkpoints']} "
           f"unreadable checkpoints, at most {summary['max_steps_redone']} steps redone (save interval "
           f"{args.save_every}); struck: {summary['struck']}", flush=True)
-    result = {"config": harness.config_record(args, world_size=world, phase_seconds=durations, device="cpu",
-                                              cpu=device_name(torch.device("cpu"))), "kills": records, "summary": summary}
+    config = harness.config_record(args, world_size=world, phase_seconds=durations, device="cpu",
+                                   cpu=device_name(torch.device("cpu")))
+    result = {"config": config, "kills": records, "summary": summary}
     harness.write_json(args.json, result, indent=1)
     return result
 

@@ -148,7 +148,8 @@ def measure(args: argparse.Namespace, seeds: list[int], variants: dict[str, list
 
 
 def parse_args(argv: list[str] | None, description: str, seeds: str, root: str,
-               own_arguments: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str], list[int]]:
+               own_arguments: Callable[[argparse.ArgumentParser], None],
+               ) -> tuple[argparse.Namespace, list[str], list[int]]:
     """(arguments, those after ``--`` for every run, the seeds): ``--config``, ``--seeds``, ``--root``, ``--json``
     and the tool's ``own_arguments``."""
     argv, extra = split_extra(argv)

@@ -101,7 +101,8 @@ class ReplayBuilder(RolloutBuilder):
 def replay(builder: RolloutBuilder, prompt_ids: list[int], steps: int) -> dict:
     """Run ``steps`` training steps' ``build_train``; returns the run's record."""
     counter = itertools.count()
-    draw = lambda count: [Prompt(next(counter), PromptExample(PROMPT, ANSWER), prompt_ids) for _ in range(count)]  # noqa: E731
+    example = PromptExample(PROMPT, ANSWER)
+    draw = lambda count: [Prompt(next(counter), example, prompt_ids) for _ in range(count)]  # noqa: E731
     decode_steps, walls, carried_samples, staleness_seen, offpolicy, tokens = [], [], [], 0, 0.0, 0
     for _ in range(steps):
         carried = {group.tag.prompt.index: group.tag.steps for group in builder.carried}

@@ -402,7 +402,8 @@ def main(argv=None) -> dict:
     runs = []
     for records in repeats.values():
         run = harness.median_record(records, FIELDS)
-        roofline.add_to_record(run, model.config, model.dtype, machine, prefill_floor)  # the floor of the median context
+        # the floor of the median context
+        roofline.add_to_record(run, model.config, model.dtype, machine, prefill_floor)
         runs.append(run)
     device = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
               else f"cpu ({torch.get_num_threads()} threads)")

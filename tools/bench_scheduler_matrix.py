@@ -6,8 +6,9 @@
 Every cell is one ``tools.bench_rollout`` run (its ``main``, in this process) on the tiny model with replayed
 lengths (``--lengths``): "continuous", "infinite" with its default scheduler ("none": least attained service, no
 predictor) and with the paper's length-aware method per predictor, after ``--warmup-rollouts`` rollouts of the same
-replay (so the default's gate and the online predictor have learned; every infinite engine gets them). Decode steps depend only on
-the lengths and the scheduler, so the figures hold on any machine. Sets (files from ``python -m tools.make_length_sets``):
+replay (so the default's gate and the online predictor have learned; every infinite engine gets them). Decode steps
+depend only on the lengths and the scheduler, so the figures hold on any machine. Sets (files from
+``python -m tools.make_length_sets``):
 "paper" is the recorded SmolLM2 gsm_symbolic set at its own shape (B 1, G 32, 1024 tokens) and resampled with
 replacement (seeded) into the other shapes; "lognormal", "bimodal", "uniform" are synthetic, 256-token cap;
 "gsm_base", "gsm_trained", "demo_base", "demo_trained" are the real token recordings (``RECORDED_SETS``), their first
@@ -43,7 +44,8 @@ SETS = ("paper", "lognormal", "bimodal", "uniform", "gsm_base", "gsm_trained", "
 RECORDED_SETS = {name: TOKENS_DIR / f"smollm2_{task}_{model}.json.gz"
                  for name, task, model in (("gsm_base", "gsm_symbolic", "base"),
                                            ("gsm_trained", "gsm_symbolic", "trained"),
-                                           ("demo_base", "demo_task", "base"), ("demo_trained", "demo_task", "trained"))}
+                                           ("demo_base", "demo_task", "base"),
+                                           ("demo_trained", "demo_task", "trained"))}
 SHAPES = ((1, 32, 8), (4, 16, 8), (8, 16, 32))
 #: "none" is the default scheduler; the others run the length-aware method with that predictor.
 PREDICTORS = ("none", "oracle", "online", "noisy:0.25", "noisy:0.5", "noisy:1.0")
@@ -194,7 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma list of {','.join(SETS)}")
     parser.add_argument("--shapes", default=",".join(f"{b}x{g}x{s}" for b, g, s in SHAPES),
                         help="comma list of BxGxg (B, G must have a length set; see python -m tools.make_length_sets)")
-    parser.add_argument("--predictors", default=",".join(PREDICTORS), type=harness.comma_checked(bench_rollout._check_predictor),
+    parser.add_argument("--predictors", default=",".join(PREDICTORS),
+                        type=harness.comma_checked(bench_rollout._check_predictor),
                         help="none (the default scheduler) and the length-aware method's predictors (bench_rollout's)")
     parser.add_argument("--refills", default="", help="infinite's refill policies, passed to bench_rollout "
                                                       "(default: the scheduler's own)")

@@ -18,15 +18,15 @@ g_equals_G B 1, G 8, g 8, 128 tokens: full, infinite (with a slot for every samp
            nothing: within 2% of full's tokens/s over the same steps)
 =========  ==================================================================================================
 
-then judges every target line and prints one row per line: the measured value, the limit, pass or FAIL. Memory
-is ``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the weights). Tokens per second include
-the graph capture each engine run pays, as training pays it once per rollout where the slot cache is released
-(``keep_kv_cache``); ``ms_per_step`` leaves it out. The decode-step target is judged against the instance's certified lower
-bound (``makespan_lower_bound``), which the optimum is at least. A verdict that judges ms per decode step also
-shows that run's roofline (``floor_ms_per_step``, ``roofline_ratio`` and ``decode_roofline_ratio``, the step's own
-time against the floor; see tools/roofline.py): how far the step is from this machine's floor; measurements saved
-before a field existed show n/a there. The roofline is shown, not judged. The command exits with 1 when a target
-is missed. On a CPU it runs too (slowly), but its verdicts mean nothing: the limits are stated for a GPU.
+then judges every target line and prints one row per line: the measured value, the limit, pass or FAIL. Memory is
+``peak_memory_bytes - weights_bytes`` (the CUDA allocator's peak over the weights). Tokens per second include the graph
+capture each engine run pays, as training pays it once per rollout where the slot cache is released (``keep_kv_cache``);
+``ms_per_step`` leaves it out. The decode-step target is judged against the instance's certified lower bound
+(``makespan_lower_bound``), which the optimum is at least. A verdict that judges ms per decode step also shows that
+run's roofline (``floor_ms_per_step``, ``roofline_ratio`` and ``decode_roofline_ratio``, the step's own time against the
+floor; see tools/roofline.py): how far the step is from this machine's floor; measurements saved before a field existed
+show n/a there. The roofline is shown, not judged. The command exits with 1 when a target is missed. On a CPU it runs
+too (slowly), but its verdicts mean nothing: the limits are stated for a GPU.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """A callback that records what each training step saw and did, one JSON line per step, to compare runs.
 
 Used by tools/bench_faults.py and by the resume and DDP tests through the CLI, e.g.
-``--trainer.callbacks+=tools.step_recorder.StepRecorder --trainer.callbacks.path=OUT`` with the repository root
-on PYTHONPATH. A step done twice (a resumed run redoing steps after a kill) is appended again: ``read_records``
-keeps the last record of each step. Each line: global_step, rank, world_size, indices (the batch's prompt indices), completion_ids
-(``[B][G][T]`` real tokens only), rewards, advantages, skipped, loss, grad_norm, param_sum (float64 sum of every
-policy parameter after the step; under FSDP2 of this rank's shard, with sharded true) and param_abs (the same over
-absolute values), threads (``torch.get_num_threads()`` during the step). ``save_batches``: global steps
-(counted after the step) whose whole ``RolloutBatch`` is saved next to the records (``torch.save``).
+``--trainer.callbacks+=tools.step_recorder.StepRecorder --trainer.callbacks.path=OUT`` with the repository root on
+PYTHONPATH. A step done twice (a resumed run redoing steps after a kill) is appended again: ``read_records`` keeps the
+last record of each step. Each line: global_step, rank, world_size, indices (the batch's prompt indices), completion_ids
+(``[B][G][T]`` real tokens only), rewards, advantages, skipped, loss, grad_norm, param_sum (float64 sum of every policy
+parameter after the step; under FSDP2 of this rank's shard, with sharded true) and param_abs (the same over absolute
+values), threads (``torch.get_num_threads()`` during the step). ``save_batches``: global steps (counted after the step)
+whose whole ``RolloutBatch`` is saved next to the records (``torch.save``).
 ``record_state``: each line also holds ``data_state``, the state that decides what data comes next
 (``data_steering_state``: the prompt sampler / curriculum and the reward forecasts), to compare it across ranks.
 Each line also holds ``logged`` (``trainer.callback_metrics`` after the step: what the module logged, reduced over

@@ -33,7 +33,8 @@ Built-in functions (names usable in configs; defined in ``lit_grpo/rollout/rewar
 ``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the
 completion has exactly one ``<answer>...</answer>``), ``overlong`` (``OverlongPenalty``: DAPO's soft length
 penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests), ``math``
-(``math_reward``: the final answer verified against the gold answer with math-verify, ``lit_grpo/rollout/math_reward.py``).
+(``math_reward``: the final answer verified against the gold answer with math-verify,
+``lit_grpo/rollout/math_reward.py``).
 """
 
 from __future__ import annotations

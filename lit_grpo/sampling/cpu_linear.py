@@ -8,19 +8,18 @@ rollout's length, a copy of each weight reordered into oneDNN's blocked layout f
 weights of sibling projections that read one input (``SHARED_INPUT_PROJECTIONS``) stacked into one copy.
 
 Why: torch's float32 ``F.linear`` and its backward on an x86 CPU are MKL's sgemm, which for the few rows of a decode
-step (one per slot) runs far below the machine's matmul rate, and on AMD CPUs takes a narrower code path than the
-CPU has at any row count; oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same
-products several times faster for a decode step and, on AMD CPUs, about twice as fast for an update's. On an Intel
-CPU MKL runs at the CPU's full width and an update's products of hundreds of rows were faster on it than on
-oneDNN, so there ``auto`` leaves the update on torch's kernel (a decode step's few rows still go to oneDNN's packed
-weights, which read them faster than MKL's sgemm). On a plain ``[out, in]``
-weight oneDNN streams it in a layout its kernel does not read at full speed; the blocked copy costs one pass over
-the weights per rollout (the policy changes between rollouts), which a rollout's tens of decode steps win back.
-A decode step's small products are bound by reading their weights, and one pass over a stacked weight (queries,
-keys and values; gate and up) reads faster than a pass over each. Every output, stacked or not, is one row's inner
-product with one weight column: at a given row count a row's result does not depend on the other rows, and every
-decode step of a rollout has its slots' row count, so strategies of the same g stay bit-identical (across row counts
-oneDNN may pick another kernel, which rounds differently); against torch's kernel the results differ by float32
+step (one per slot) runs far below the machine's matmul rate, and on AMD CPUs takes a narrower code path than the CPU
+has at any row count; oneDNN's inner product, the kernel torch already uses for bfloat16, computes the same products
+faster for a decode step and, on AMD CPUs, for an update's (docs/benchmarks.md). On an Intel CPU MKL runs at the CPU's
+full width and an update's products of hundreds of rows are faster on it than on oneDNN, so there ``auto`` leaves the
+update on torch's kernel (a decode step's few rows still go to oneDNN's packed weights, which read them faster than
+MKL's sgemm). On a plain ``[out, in]`` weight oneDNN streams it in a layout its kernel does not read at full speed; the
+blocked copy costs one pass over the weights per rollout (the policy changes between rollouts), which the rollout's
+decode steps win back. A decode step's small products are bound by reading their weights, and one pass over a stacked
+weight (queries, keys and values; gate and up) reads faster than a pass over each. Every output, stacked or not, is one
+row's inner product with one weight column: at a given row count a row's result does not depend on the other rows, and
+every decode step of a rollout has its slots' row count, so strategies of the same g stay bit-identical (across row
+counts oneDNN may pick another kernel, which rounds differently); against torch's kernel the results differ by float32
 rounding (a few units in the last place), as any other GEMM's would.
 """
 

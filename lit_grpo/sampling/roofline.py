@@ -167,7 +167,7 @@ def measure_read_bandwidth(device: torch.device | str, buffer_bytes: int | None 
 
 def read_bandwidth(device: torch.device | str) -> float:
     """This process's read bandwidth of ``device`` (bytes/s): measured on first use (``measure_read_bandwidth``,
-    a few tenths of a second) and kept, or what ``set_read_bandwidth`` gave."""
+    once, briefly) and kept, or what ``set_read_bandwidth`` gave."""
     key = _device_key(device)
     if key not in _BANDWIDTH:
         _BANDWIDTH[key] = measure_read_bandwidth(key)

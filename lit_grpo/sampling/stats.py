@@ -44,8 +44,8 @@ class RolloutStats:
         parked_samples: times the scheduler parked a running sample, after its length probe or at a preemption
             point ("infinite" only).
         parked_kv_bytes: the most bytes held at once by parked samples' KV (part of ``peak_kv_bytes``).
-        length_pred_kendall_tau / length_pred_smape: quality of the length predictions ("infinite" only; None
-            where a slot held every sample, since nothing was predicted).
+        length_pred_kendall_tau / length_pred_smape: quality of the length predictions (the length-aware scheduler
+            only; None where a slot held every sample, since nothing was predicted).
         preempting: 1.0 where the "infinite" scheduler preempted by least attained service in this rollout, 0.0
             where it ran first come, first served (None for the other strategies).
         decisions: every start, resumption and park with its step, slot and reason (``scheduling.Decision``).

@@ -141,7 +141,7 @@ class Scheduler:
         self.decisions: list[Decision] = []
         self.running: dict[SampleKey, int] = {}  # the running samples and their slots, in the order they started
         self.generated = {key: work.generated.get(key, 0) for key in work.keys()}  # tokens each sample has so far
-        self.parked: set[SampleKey] = set()  # samples that left their slot at a probe and wait to resume
+        self.parked: set[SampleKey] = set()  # samples that left their slot (a probe, a preemption) and wait to resume
         self._order = work.pending_keys()  # prompt-major: the order "full", "micro" and "continuous" start samples
         self._unstarted = set(self._order)
         self._next = 0  # self._order[:self._next] have started

@@ -160,7 +160,7 @@ class InfiniteSchedulerConfig:
         return dataclasses.replace(self, **changes)
 
 
-#: Options of 0.1's single scheduler: where each went.
+#: Options an earlier release's single scheduler took, each with where it is set now: the hint an old config gets.
 _MOVED = {**{name: "moved under length_aware" for name in ("predictor", "refill", "probe_tokens", "gain_z")},
           **{name: "removed (it measured nothing)" for name in ("grouping", "epsilon", "replan_tolerance",
                                                                 "slack_scale", "critical_fraction")}}
@@ -170,6 +170,7 @@ def _from_options(cls: type, options: dict[str, Any], where: str) -> Any:
     known = [f.name for f in fields(cls)]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        notes = "; ".join(f"{name}: {_MOVED[name]}" for name in unknown if name in _MOVED and cls is not LengthAwareConfig)
+        notes = "; ".join(f"{name}: {_MOVED[name]}" for name in unknown
+                          if name in _MOVED and cls is not LengthAwareConfig)
         raise ValueError(f"unknown {where} options {unknown}; allowed: {known}" + (f" ({notes})" if notes else ""))
     return cls(**options)

@@ -36,10 +36,11 @@ clipping), lr; each the mean over the step's ``num_iterations`` optimizer steps}
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
-max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction); what
-the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, rollout/rollouts_per_step, and under several
-processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands them out first
-next, the curriculum's draws are independent anyway). Validation:
+max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction);
+what the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, reward/skipped_groups,
+rollout/{rollouts_per_step, slots}, with partial rollouts rollout/{carried_samples, offpolicy_tokens_frac}, and
+under several processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands
+them out first next, the curriculum's draws are independent anyway). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
 samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out. Under several processes
 every key is the whole step's, the same on every rank (below).
@@ -126,8 +127,8 @@ class GRPOModule(LightningModule):
             the adapter disabled (no second model).
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass (default, as in
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
-            peak stays below the optimizer step's and does not grow with G; costs one more forward pass (~20-30%
-            of update time). Turn it off when memory is plentiful (configs/demo.yaml).
+            peak stays below the optimizer step's and does not grow with G; costs one more forward pass per
+            micro-batch. Turn it off when memory is plentiful (configs/demo.yaml).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
             "auto" (default) in a micro-batch where that spares the unshared forward enough positions to pay for the

@@ -24,4 +24,5 @@ __all__ = [
     "lpt_partition",
     "make_predictor",
     "makespan_lower_bound",
+    "smape",
 ]

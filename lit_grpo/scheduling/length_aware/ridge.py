@@ -4,7 +4,6 @@ predictor (``predictors.OnlineLengthPredictor``)."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 
 import torch
@@ -157,8 +156,7 @@ class RidgeRegressor:
 @contextlib.contextmanager
 def single_thread():
     """Run the predictor's small tensor ops and solves on one thread: intra-op threading on a few hundred dims
-    only adds overhead, a lot of it when the CPU is shared (measured: a 128-dim Cholesky 0.1 ms on one thread,
-    20 ms on two busy cores). The caller's thread count is restored."""
+    only adds overhead, a lot of it when the CPU is shared. The caller's thread count is restored."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

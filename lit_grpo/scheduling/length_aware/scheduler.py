@@ -237,7 +237,8 @@ class LengthAwareScheduler(LeastAttainedScheduler):
         predicted, true = [p for p, _ in scored], [t for _, t in scored]
         # Where nothing waited nothing was predicted: the rollout has no figure for the prediction's quality.
         if now.waits:
-            metrics.update(length_pred_kendall_tau=kendall_tau(predicted, true), length_pred_smape=smape(predicted, true))
+            metrics.update(length_pred_kendall_tau=kendall_tau(predicted, true),
+                           length_pred_smape=smape(predicted, true))
         stats = now.planner.stats
         self.last_info = {
             "length_pred_kendall_tau": math.nan, "length_pred_smape": math.nan, **metrics, **default_info,

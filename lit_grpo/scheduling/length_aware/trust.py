@@ -1,7 +1,7 @@
 """How far the scheduler trusts a length predictor, measured on the samples that finished.
 
-The scheduler reasons in a lognormal length model (``predictors.expected_length``): a sample's log length is normal around
-its log prediction. Whether a prediction deserves that is measured, not assumed. Each finished sample gives a
+The scheduler reasons in a lognormal length model (``predictors.expected_length``): a sample's log length is normal
+around its log prediction. Whether a prediction deserves that is measured, not assumed. Each finished sample gives a
 pair (m, t): the log of the prediction made before it finished (the predictor had not learned from it yet) and
 the log of its true length. Treating (m, t) as jointly normal, :class:`PredictionTrust` keeps their decayed means,
 spreads and correlation ``rho`` (so it follows the policy as it drifts) and trusts only what is established:
@@ -38,7 +38,7 @@ from lit_grpo.scheduling.least_attained import list_makespan
 
 #: One-sided confidence of ``rho_low`` in standard errors (2: about 98%).
 CONFIDENCE_Z = 2.0
-#: Weight decay per observed pair, as the predictors' own error tracking (``lognormal.PrequentialError``).
+#: Weight decay per observed pair (the predictors' ridge regression decays its statistics alike).
 DECAY = 0.99
 #: Correlations are clamped this far inside (-1, 1), so an exact predictor keeps a finite Fisher z.
 _RHO_LIMIT = 1.0 - 1e-15
