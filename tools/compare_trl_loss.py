@@ -15,8 +15,13 @@ logs them.
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
 losses and accumulating the gradients. A row reports the largest absolute difference over shapes and splits of
-the loss, of its gradient w.r.t. ``logps``, and of the sampler weights and sampling/* scalars (where a correction
-is on). Exits 1 if any exceeds ``--tolerance``.
+the loss, of its gradient w.r.t. ``logps``, of the sampler weights and sampling/* scalars (where a correction is
+on), and of the loss's logged scalars in one micro-batch (``train/clip_ratio_low`` / ``high`` against TRL's
+``clip_ratio/low_mean`` / ``high_mean``, or cispo's ``cispo_clip_ratio``, and ``train/kl``; over several
+micro-batches TRL averages their shares, lit_grpo takes the share of their sums). At the sequence level TRL's
+shares count every completion, lit_grpo's those with a loss token (a completion the loss leaves out is no peer of
+a clipped one), so TRL's are compared scaled by completions / completions with a loss token. Exits 1 if any
+exceeds ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequen
 SHAPES = ((4, 7), (6, 12), (8, 3))  # (N completions, T tokens)
 EPS_LOW, EPS_HIGH, CISPO_EPS_HIGH, MAX_LEN = 0.2, 0.28, 5.0, 16
 BOUNDS = ((0.5, 2.0), (None, 3.0))  # (clip_min, clip_max): both bounds, and TRL's defaults
+LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "kl")
+#: What a row compares (``max_abs_diff_<kind>``): the loss, its gradient, the sampler weights, sampling/*, train/*.
+KINDS = ("loss", "grad", "weights", "metrics", "loss_metrics")
 
 
 def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -143,7 +151,17 @@ def trl_loss(trl, case, inputs, rows_list, weights):
         loss = trl[0]._compute_loss(fake, None, micro)
         loss.backward()
         total = total + loss.detach()
-    return total, leaf.grad
+    return total, leaf.grad, trl_loss_metrics(fake._metrics["train"], level, inputs["mask"][rows])
+
+
+def trl_loss_metrics(logged: dict, level: str, mask: torch.Tensor) -> dict[str, float]:
+    """TRL's logged loss scalars of its last micro-batch under lit_grpo's names; at the sequence level its shares
+    over every completion made shares over those with a loss token (the module docstring)."""
+    names = {"clip_ratio/low_mean": "clip_ratio_low", "clip_ratio/high_mean": "clip_ratio_high",
+             "cispo_clip_ratio": "clip_ratio_high", "kl": "kl"}
+    scale = mask.shape[0] / max(int((mask.sum(dim=1) > 0).sum()), 1) if level == "sequence" else 1.0
+    return {ours: values[-1] * (scale if ours != "kl" else 1.0) for theirs, ours in names.items()
+            if (values := logged.get(theirs))}
 
 
 # ------------------------------------------------------------------------------------------------ ours
@@ -161,7 +179,10 @@ def our_loss(case, inputs, rows_list, weights):
         loss = loss * loss_fn.micro_batch_weight(len(rows), n, len(rows_list))
         loss.backward()
         total = total + loss.detach()
-    return total, leaf.grad
+    rows = rows_list[-1]
+    logged = loss_fn.metrics(leaf[rows].detach(), inputs["old"][rows], inputs["advantages"][rows],
+                             inputs["mask"][rows], inputs["ref"][rows] if beta else None)
+    return total, leaf.grad, {key: float(value) for key, value in logged.items() if key in LOSS_METRICS}
 
 
 def our_weights_and_metrics(inputs, is_mode, bounds):
@@ -179,7 +200,7 @@ def compare(dtype: torch.dtype) -> list[dict]:
     for case in itertools.product(LOSS_TYPES, LEVELS, KL_SETTINGS, IS_MODES):
         loss_type, level, (beta, kl_bc), is_mode = case
         case = (loss_type, level, beta, kl_bc, is_mode)
-        worst = {"loss": 0.0, "grad": 0.0, "weights": 0.0, "metrics": 0.0}
+        worst = dict.fromkeys(KINDS, 0.0)
         for (seed, (n, t)), bounds in itertools.product(enumerate(SHAPES), BOUNDS if is_mode != "none" else [None]):
             inputs = make_inputs(n, t, seed, dtype)
             ours_w, ours_m = our_weights_and_metrics(inputs, is_mode, bounds) if bounds else (None, {})
@@ -190,10 +211,15 @@ def compare(dtype: torch.dtype) -> list[dict]:
                     raise SystemExit(f"sampling/* keys differ: ours {sorted(ours_m)}, TRL {sorted(trl_m)}")
                 worst["metrics"] = max(worst["metrics"], max(abs(ours_m[k] - trl_m[k]) for k in trl_m))
             for rows_list in ([torch.arange(n)], list(torch.arange(n).chunk(2))):
-                want, want_grad = trl_loss(trl, case, inputs, rows_list, trl_w)
-                got, got_grad = our_loss(case, inputs, rows_list, ours_w)
+                want, want_grad, want_logged = trl_loss(trl, case, inputs, rows_list, trl_w)
+                got, got_grad, got_logged = our_loss(case, inputs, rows_list, ours_w)
                 worst["loss"] = max(worst["loss"], float((got - want).abs()))
                 worst["grad"] = max(worst["grad"], float((got_grad - want_grad).abs().max()))
+                if len(rows_list) == 1:  # one micro-batch: TRL's mean of shares is the share of sums
+                    # a variant TRL logs no clip share of (sapo) clips nothing in lit_grpo: 0
+                    want_logged = {key: want_logged.get(key, 0.0) for key in got_logged}
+                    worst["loss_metrics"] = max(worst["loss_metrics"],
+                                                max(abs(got_logged[k] - want_logged[k]) for k in got_logged))
         records.append({"loss_type": loss_type, "importance_sampling_level": level, "beta": beta,
                         "kl_bias_correction": kl_bc, "importance_sampling_mode": is_mode,
                         **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
@@ -210,19 +236,19 @@ def main(argv: list[str] | None = None) -> int:
 
     records = compare(getattr(torch, args.dtype))
     header = f"{'loss_type':8} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} {'grad':>9} " \
-             f"{'weights':>9} {'sampling/*':>10}"
+             f"{'weights':>9} {'sampling/*':>10} {'train/*':>9}"
     print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
           f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
     print(header)
     bad = 0
     for r in records:
-        diffs = [r[f"max_abs_diff_{k}"] for k in ("loss", "grad", "weights", "metrics")]
+        diffs = [r[f"max_abs_diff_{k}"] for k in KINDS]
         flag = any(d > args.tolerance for d in diffs)
         bad += flag
         print(f"{r['loss_type']:8} {r['importance_sampling_level']:8} {r['beta']:5} {str(r['kl_bias_correction']):5} "
               f"{r['importance_sampling_mode']:17} " + " ".join(f"{d:9.1e}" for d in diffs[:3])
-              + f" {diffs[3]:10.1e}" + ("  MISMATCH" if flag else ""))
-    overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in ("loss", "grad", "weights", "metrics")}
+              + f" {diffs[3]:10.1e} {diffs[4]:9.1e}" + ("  MISMATCH" if flag else ""))
+    overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in KINDS}
     print(f"{len(records)} combinations, {bad} over {args.tolerance:g}; largest: "
           + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
     harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records}, indent=1)
