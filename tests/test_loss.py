@@ -88,6 +88,8 @@ def test_micro_batch_weights_sum_to_the_full_loss(loss_type):
         parts = parts + part * micro_batch_weight(loss_type, n_rows, 4, 2)
     assert parts.item() == pytest.approx(full.item(), rel=1e-10)
     assert micro_batch_weight("bnpo", 2, 4, 2) == 0.5
+    # bnpo averages the micro-batches' token means, whatever their sizes (TRL's accumulation): not rows / total
+    assert micro_batch_weight("bnpo", 1, 4, 2) == micro_batch_weight("bnpo", 3, 4, 2) == 0.5
 
 
 def test_gradient_of_unclipped_ratio_is_minus_advantage():
@@ -110,6 +112,15 @@ def test_metrics_clip_ratios_and_kl():
     kl = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref)["kl"]
     k3 = [math.exp(-lp) + lp - 1 for lp in (math.log(0.5), math.log(1.5), 0.0)]  # d = ref - logp = -logp
     assert kl.item() == pytest.approx(sum(k3) / 3, rel=1e-6)
+    # a padded token (mask 0) with a huge KL counts in no mean
+    padded = policy_loss_metrics(torch.cat([logps, torch.full((1, 1), -30.0)], 1), torch.zeros(1, 4),
+                                 torch.tensor([1.0]), torch.tensor([[1.0, 1.0, 1.0, 0.0]]), ref_logps=torch.zeros(1, 4))
+    assert padded["kl"].item() == pytest.approx(sum(k3) / 3, rel=1e-6)
+    # cispo caps the weight of tokens with a positive advantage only: a high ratio with A < 0 is not clipped
+    cispo = policy_loss_metrics(logps, old, torch.tensor([-1.0]), mask, loss_type="cispo", epsilon_high=1.2)
+    assert cispo["clip_ratio_high"].item() == 0 and cispo["clip_ratio_low"].item() == 0
+    assert policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, loss_type="cispo",
+                               epsilon_high=1.2)["clip_ratio_high"].item() == pytest.approx(1 / 3)
 
 
 def test_bad_inputs_name_the_value():

@@ -1,5 +1,6 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
+import dataclasses
 import math
 import warnings
 
@@ -343,6 +344,25 @@ def test_the_logged_lr_is_the_one_the_step_used(batch):
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     logged = [module.grpo_step(batch, optimizer, scheduler)["train/lr"] for _ in range(2)]
     assert logged == pytest.approx([2.5e-4, 5e-4])
+
+
+def test_a_second_iteration_clips_against_the_rollouts_log_probs_and_logs_the_mean_of_both(batch):
+    """num_iterations 2: the second optimizer step's ratio is to the log-probs from before the first (its trust
+    region: some tokens clip after a large first step), and train/* are the two steps' means (lr: lr / 2 and lr)."""
+    module = make_module(num_iterations=2, lr=0.05, warmup_steps=2)
+    config = module.configure_optimizers()
+    metrics = module.grpo_step(batch, config["optimizer"], config["lr_scheduler"]["scheduler"])
+    assert metrics["train/lr"] == pytest.approx((0.025 + 0.05) / 2)
+    assert metrics["train/clip_ratio_low"] + metrics["train/clip_ratio_high"] > 0
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_masked_truncated_completions_give_no_loss_or_gradient(batch, mask_truncated):
+    every_row_cut = dataclasses.replace(batch, truncated=torch.ones_like(batch.truncated))
+    module = make_module(mask_truncated_completions=mask_truncated)
+    grads, metrics = grads_after_step(module, every_row_cut)
+    moved = any(grad.abs().sum() > 0 for grad in grads.values())
+    assert moved is not mask_truncated and (metrics["train/loss"] == 0) is mask_truncated
 
 
 def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
