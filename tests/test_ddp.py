@@ -241,13 +241,15 @@ def test_rank_reductions_cover_every_key_and_reduce_as_documented():
     for key in [*step_metric_keys(["accuracy"]), *(f"rollout/{f}" for f in ROLLOUT_FIELDS), *MEMORY_KEYS]:
         assert rank_reduction(key) in ("mean", "sum", "min", "max", "skew"), key
     per_rank = [{"reward/mean": 0.25, "completions/min_length": 3.0, "reward/skipped_groups": 1.0,
-                 "rollout/rank_skew": 1.0, "reward/accuracy/mean": 0.5},
+                 "rollout/carried_samples": 1.0, "rollout/rank_skew": 1.0, "reward/accuracy/mean": 0.5},
                 {"reward/mean": 0.75, "completions/min_length": 5.0, "reward/skipped_groups": 2.0,
-                 "rollout/rank_skew": 3.0}]
+                 "rollout/carried_samples": 2.0, "rollout/rank_skew": 3.0}]
     keys = step_metric_keys(["accuracy"])
+    # counts add up over ranks (skipped groups, carried samples); means average; extremes take the extreme
     assert reduce_over_ranks(per_rank, keys) == {
         "reward/mean": 0.5, "reward/skipped_groups": 3.0, "completions/min_length": 3.0,
-        "rollout/rank_skew": 1.5, "reward/accuracy/mean": 0.5}  # absent on rank 1: rank 0's alone
+        "rollout/carried_samples": 3.0, "rollout/rank_skew": 1.5,
+        "reward/accuracy/mean": 0.5}  # absent on rank 1: rank 0's alone
     assert list(reduce_over_ranks(per_rank, keys)) == [k for k in keys if k in reduce_over_ranks(per_rank, keys)]
 
     # one collective: every rank's [2, K] (values, present) stacked; here rank 1 holds twice rank 0's values
@@ -258,6 +260,16 @@ def test_rank_reductions_cover_every_key_and_reduce_as_documented():
         whole_step_metrics({"reward/new_key": 1.0}, keys, lambda local: torch.stack([local, local]))
     with pytest.raises(ValueError, match="'custom/thing' has no rule"):
         rank_reduction("custom/thing")
+
+
+def test_reward_std_is_the_mean_over_groups_of_each_groups_std():
+    # reward/std is TRL's: the within-group std averaged over groups, not the std of all rewards pooled
+    from lit_grpo.rollout.metrics import reward_metrics
+
+    assert reward_metrics(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), {}, 2, 2)["reward/std"] == 0.0
+    # group stds (unbiased) sqrt(2) and 0; the pooled std of [0, 2, 1, 1] would be sqrt(2 / 3)
+    std = reward_metrics(torch.tensor([[0.0, 2.0], [1.0, 1.0]]), {}, 1, 2)["reward/std"]
+    assert std == pytest.approx(2 ** 0.5 / 2)
 
 
 def _reward_ranks():

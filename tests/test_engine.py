@@ -126,6 +126,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
 
 
+
+def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
+    # a nucleus whose mass equals top_p exactly is complete: the next token is dropped (equal logits: exact masses)
+    assert int(torch.isfinite(filter_logits(torch.zeros(1, 2), top_p=0.5)).sum()) == 1
+    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.5)).sum()) == 2
+    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.75)).sum()) == 3
+    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.625)).sum()) == 3  # 0.5 < 0.625 <= 0.75
+
 def test_min_p_keeps_the_tokens_near_the_most_likely_one():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])) + 3.0  # any offset
     assert torch.isfinite(filter_logits(logits, min_p=0.2)).tolist() == [[True, True, True, False],
@@ -832,6 +840,29 @@ def test_a_compiled_slot_cache_write_writes_the_layer_in_place(tiny_llama):
     assert torch.equal(layer.values[rows, :, columns], values[:, :, 0])
     assert layer.keys.count_nonzero() == keys.count_nonzero()  # nothing written elsewhere
 
+
+
+def test_a_slot_cache_row_takes_a_kv_up_to_its_full_width(tiny_llama):
+    # write_row fills columns [start, start + n) up to the width itself, and refuses one column more
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+
+    model, _ = tiny_llama
+    cache = SlotKVCache(model.config, num_slots=2, width=8, dtype=torch.float32, device=torch.device("cpu"))
+    _, kv_heads, _, head_dim = cache.layers[0].keys.shape
+
+    def kv(n):
+        return [(torch.randn(1, kv_heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim)) for _ in cache.layers]
+
+    full = kv(8)
+    assert cache.write_row(1, 0, full) == 8
+    assert all(torch.equal(k, fk) and torch.equal(v, fv) for (k, v), (fk, fv) in zip(cache.read_row(1, 0, 8), full))
+    tail = kv(5)
+    assert cache.write_row(0, 3, tail) == 5  # ends at the last column
+    assert torch.equal(cache.read_row(0, 3, 8)[0][0], tail[0][0])
+    with pytest.raises(ValueError, match="9 positions do not fit the slot cache's width 8"):
+        cache.write_row(0, 4, tail)
+    with pytest.raises(ValueError, match="9 positions do not fit"):
+        cache.write_row(1, 0, kv(9))
 
 def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(tiny_llama, monkeypatch):
     from lit_grpo.sampling import SamplingConfig, decode_step

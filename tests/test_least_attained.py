@@ -152,6 +152,36 @@ def test_the_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
     assert max(scheduler.parked_tokens_seen) <= 0.5 * 32 * 256  # park_budget 0.5 of the slots' generation KV
 
 
+
+class _AlwaysPreempting(LeastAttainedScheduler):
+    """Preempts in every rollout (no gate); records the parked tokens it counts and those parked after each admit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.counted_and_parked: list[tuple[int, int]] = []
+
+    def judge(self, work):
+        return True, "preempting: forced by the test"
+
+    def admit(self):
+        assignments = super().admit()
+        self.counted_and_parked.append((self.parked_tokens, sum(self.generated[k] for k in self.parked)))
+        return assignments
+
+
+def test_a_resumed_sample_gives_its_tokens_back_to_the_park_budget():
+    # a resumed sample's tokens leave the park budget at once, so a later sample may park within it again
+    scheduler = _AlwaysPreempting(preempt_tokens=4, park_budget=0.25, loss_share=None)  # 0.25 x 2 x 64 = 32 tokens
+    simulate_rollout(scheduler, [[20, 20, 20, 20]], 2, 64)
+    assert scheduler.park_tokens == 32
+    assert all(counted == parked for counted, parked in scheduler.counted_and_parked), scheduler.counted_and_parked
+    assert scheduler.parked_tokens == 0  # every parked sample resumed and finished
+    # step 4: samples 0 and 1 park at 4 tokens (8); step 12: 2 and 3 park at 8 (24), 0 and 1 resume (16 left);
+    # step 24: 0 parks at 16, which fits only with the resumed samples' 8 + 8 given back (16 + 16 <= 32)
+    parks = [(d.step, d.key) for d in scheduler.decisions if d.action == "park"]
+    assert parks == [(4, (0, 0)), (4, (0, 1)), (12, (0, 2)), (12, (0, 3)), (24, (0, 0))]
+    assert decision_counts(scheduler.decisions)["resume_least_attained"] == 5
+
 def test_every_decision_carries_its_reason():
     """Why did this sample get this slot? The first rollout runs first come (nothing seen yet); later ones start
     and resume the least attained sample and park only at preemption points, for one that has generated fewer."""

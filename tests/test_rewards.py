@@ -49,6 +49,27 @@ def test_raising_function_names_function_and_prompt():
     assert isinstance(info.value.__cause__, KeyError)
 
 
+
+def test_skip_group_blanks_every_row_of_the_failing_group_in_every_component():
+    # skip_group: all G rows of the failing group get total 0 and NaN components, even from functions that scored it
+    def fine(prompts, completions, **kw):
+        return [1.0] * len(prompts)
+
+    def picky(prompts, completions, **kw):
+        if any("bad" in p for p in prompts):
+            raise KeyError("boom")
+        return [2.0] * len(prompts)
+
+    prompts = ["ok"] * 3 + ["bad"] * 3 + ["fine"] * 3
+    with pytest.warns(UserWarning, match="'picky' raised KeyError"):
+        out = score_rewards([WeightedReward(fine), WeightedReward(picky)], prompts, ["c"] * 9, group_size=3,
+                            on_error="skip_group")
+    assert out.skipped_groups == [1]
+    assert out.total.tolist() == [3.0] * 3 + [0.0] * 3 + [3.0] * 3
+    for name in ("fine", "picky"):
+        assert torch.isnan(out.components[name][3:6]).all(), name
+        assert not torch.isnan(out.components[name][[0, 1, 2, 6, 7, 8]]).any(), name
+
 @pytest.mark.parametrize("values, match", [
     ([1.0], r"'bad' returned 1 values for 2 completions"),
     ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1 for prompt 'q2'"),
