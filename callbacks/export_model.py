@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.export import ExportResult, check_dtype, export_policy
+from lit_grpo.runtime.checkpoints import check_writable
+from lit_grpo.runtime.validation import ConfigError
 
 from ._paths import shown_path
 
@@ -49,6 +51,11 @@ class ExportModel(Callback):
                              "run's checkpoint with lit-grpo export --ckpt_path CKPT --out DIR")
         if stage == "fit" and self.adapter_only and not getattr(pl_module.hparams, "peft_config", None):
             raise ValueError("ExportModel(adapter_only=True) needs a LoRA run (model.peft_config); this run has none")
+        if stage == "fit" and self.dirpath is not None:  # found before training, not after it
+            try:
+                check_writable(self.dirpath)
+            except OSError as error:
+                raise ConfigError(f"ExportModel dirpath: {error}".replace("checkpoint folder", "folder")) from None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the last step (and the last validation), while the policy is still on the module. The folder is

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.runtime.memory import CPU_METHODS, CpuMethod, PeakTracker, make_peak_tracker
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_real
 
 from ._rollout import accumulating, log_metrics, rollout_stats, whole_step
 
@@ -82,8 +82,7 @@ class PeakMemoryMonitor(Callback):
 
     def __init__(self, cpu_method: CpuMethod = "auto", sample_interval_s: float = 0.005) -> None:
         check_choice("cpu_method", cpu_method, CPU_METHODS)
-        if sample_interval_s <= 0:
-            raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
+        check_real("sample_interval_s", sample_interval_s, low=0, high=60, low_open=True)
         self.cpu_method = cpu_method
         self.sample_interval_s = sample_interval_s
         self._tracker: PeakTracker | None = None

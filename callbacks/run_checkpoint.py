@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, check_writable, finish_interrupted_swaps,
                                           remove_stale_partials, remove_staged, staging_path, swap_in_staged)
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import ConfigError, check_int
 
 from ._paths import shown_path
 from ._rollout import accumulating
@@ -242,6 +242,8 @@ def _on_rank_zero_for_all(trainer: pl.Trainer, check: Callable[[], None]) -> Non
     if trainer.is_global_zero:
         try:
             check()
+        except OSError as caught:  # a folder that cannot hold the checkpoints: a setting, said as one
+            error = ConfigError(str(caught))
         except Exception as caught:  # whatever it is, every rank must learn of it
             error = caught
     error = trainer.strategy.broadcast(error)

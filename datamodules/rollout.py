@@ -44,7 +44,8 @@ from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollo
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
+from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_choice, check_int, check_int_in_range, check_real,
+                                         config_errors)
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
@@ -215,6 +216,7 @@ class RolloutDataModule(LightningDataModule):
                             ("val_max_new_tokens", val_max_new_tokens), ("val_num_samples", val_num_samples)):
             if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
                 check_int(name, value, 1)
+        check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
         check_partial_rollouts(over_provision, max_staleness)
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         check_choice("curriculum", curriculum, CURRICULA)
@@ -233,7 +235,8 @@ class RolloutDataModule(LightningDataModule):
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
-        self.reward_funcs = build_reward_funcs(reward_funcs)
+        with config_errors("data.reward_funcs"):
+            self.reward_funcs = build_reward_funcs(reward_funcs)
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
         self.on_reward_error = on_reward_error
         self.prompts_per_step, self.steps_per_epoch = prompts_per_step, steps_per_epoch

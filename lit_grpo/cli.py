@@ -45,6 +45,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
@@ -235,9 +236,11 @@ class GRPOCLI(LightningCLI):
         with self._config_errors():
             check_manual_optimization_settings(config.get("trainer") or {})
             threads = config.get("torch_num_threads")
-            if threads is not None and threads < 1:
-                raise ValueError(f"torch_num_threads={threads} must be >= 1 (or null for OMP_NUM_THREADS where set, "
-                                 f"else this process's share of the {available_cores()} cores it may run on)")
+            cores = available_cores()
+            if threads is not None and not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+                raise ValueError(f"torch_num_threads={threads} must be in [1, {MAX_THREADS_PER_CORE * cores}] "
+                                 f"({MAX_THREADS_PER_CORE} a core of the {cores} this process may run on), or null "
+                                 "for OMP_NUM_THREADS where set, else this process's share of those cores")
             threshold = config.get("malloc_mmap_threshold")
             if threshold is not None:
                 fix_mmap_threshold(threshold)
@@ -258,14 +261,17 @@ class GRPOCLI(LightningCLI):
 
     @contextlib.contextmanager
     def _config_errors(self) -> Iterator[None]:
-        """A bad value in the config (a ValueError while the classes are built from it) ends a command's run with
-        its message, as a parse error does, not with a traceback; in Python (``build_cli(run=False)``) it is
-        raised."""
+        """A bad value in the config (a ValueError, a TypeError or Lightning's MisconfigurationException while the
+        classes are built from it: a YAML list where a mapping belongs, ``trainer.devices: 0``) ends a command's
+        run with its message, as a parse error does, not with a traceback; in Python (``build_cli(run=False)``)
+        it is raised."""
         try:
             yield
-        except ValueError as err:
+        except (ValueError, TypeError, MisconfigurationException) as err:
             if self.subcommand is None:
                 raise
+            if not isinstance(err, ValueError):
+                err = ValueError(f"{type(err).__name__}: {err}")
             _exit_with(qualified_error(err, self.config[self.subcommand].keys()), self.subcommand)
 
 
@@ -301,6 +307,9 @@ def _exit_with(error: Exception, subcommand: str) -> None:
     print(f"error: {error}\ntip: lit-grpo {subcommand} --help lists the options", file=sys.stderr)
     raise SystemExit(2) from error
 
+
+#: ``torch_num_threads``' bound, in threads per core: more only wait on each other (and thousands crash OpenMP).
+MAX_THREADS_PER_CORE = 4
 
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")

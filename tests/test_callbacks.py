@@ -98,6 +98,13 @@ class _SteppingWithMemory(torch.optim.SGD):
         return loss
 
 
+@pytest.mark.parametrize("interval", [0, -1, float("inf"), float("nan")])
+def test_peak_memory_refuses_a_sampling_interval_that_is_not_a_finite_positive_time(interval):
+    # an infinite one crashed the sampling thread and the run still exited 0
+    with pytest.raises(ValueError, match=rf"sample_interval_s={interval!r} is not allowed; .* finite number > 0"):
+        PeakMemoryMonitor(sample_interval_s=interval)
+
+
 def test_peak_memory_splits_the_optimizer_step_off_the_update(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(2)]
     module = RolloutModule(rollouts, update_bytes=96 * MiB, hold_s=0.03)

@@ -3,6 +3,7 @@ stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -385,14 +386,16 @@ def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
 
 
-def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
+def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     args = _fit_args(tmp_path / "run", "--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint",
                      f"--trainer.callbacks.dirpath={blocker / 'checkpoints'}",
                      "--trainer.callbacks+=stop_helpers.LastCheckpointProbe")
-    with pytest.raises(PermissionError, match=r"checkpoint folder .*a_file/checkpoints cannot be written"):
+    with pytest.raises(SystemExit) as exit_info:  # said as a bad setting is: one line, exit 2
         build_cli(args)
+    assert exit_info.value.code == 2
+    assert re.search(r"checkpoint folder .*a_file/checkpoints cannot be written", capsys.readouterr().err)
     with pytest.raises(OSError, match=r"GiB free, and one checkpoint of this run needs about"):
         check_writable(tmp_path, needed_bytes=1 << 60)
 

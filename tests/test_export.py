@@ -284,6 +284,18 @@ def test_export_model_refuses_a_module_without_a_policy_before_training(tmp_path
         trainer.fit(Plain())
 
 
+def test_export_model_refuses_a_folder_it_cannot_write_before_training(tmp_path):
+    from types import SimpleNamespace
+
+    from lit_grpo.callbacks import ExportModel
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    module = SimpleNamespace(policy=None, tokenizer=None, hparams=SimpleNamespace(fsdp=False, peft_config=None))
+    with pytest.raises(ValueError, match=r"ExportModel dirpath: folder .*a_file/model cannot be written"):
+        ExportModel(dirpath=str(blocker / "model")).setup(SimpleNamespace(), module, "fit")
+
+
 def test_export_model_resolves_its_folder_on_every_rank():
     """``trainer.log_dir`` broadcasts from rank 0, so every rank reads it, and rank 0 alone exports."""
     from types import SimpleNamespace

@@ -86,7 +86,8 @@ def jsonl_prompts(path: str | Path) -> list[PromptExample]:
     """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"prompt file {str(path)!r} does not exist (jsonl_path)")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"prompt file {str(path)!r} {what} (jsonl_path): give a JSONL file, one prompt a line")
     examples = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):

@@ -95,8 +95,9 @@ class WeightedReward:
         if not callable(self.fn):
             raise ValueError(f"reward function {self.fn!r} is not callable")
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or \
-                not math.isfinite(self.weight):
-            raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number")
+                not math.isfinite(self.weight) or abs(self.weight) > FLOAT32_MAX:  # totals are float32 tensors
+            raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number, "
+                             f"|weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = float(self.weight)
         if not self.name:
             self.name = reward_name(self.fn)

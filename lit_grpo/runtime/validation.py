@@ -9,6 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 
+#: The largest seed: numpy's and Lightning's (``seed_everything``) bound, so one seed means the same everywhere.
+SEED_MAX = 2**32 - 1
+
+
 class ConfigError(ValueError):
     """A bad setting found while a run sets itself up (a prompt source, a dtype, a dataset column): ``lit-grpo``
     reports it as it reports a parse error, one ``error:`` line and exit 2, wherever it is raised."""

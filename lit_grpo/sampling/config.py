@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from lit_grpo.runtime.validation import check_choice, check_int
+from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int, check_int_in_range
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -123,8 +123,7 @@ class SamplingConfig:
         check_int("sampling.top_k", self.top_k, 0)
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"sampling.seed={self.seed!r} must be an integer")
+        check_int_in_range("sampling.seed", self.seed, 0, SEED_MAX)
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))
         if not isinstance(self.scheduler, InfiniteSchedulerConfig):

@@ -99,7 +99,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
-                                     load_tokenizer, lora_config, with_lora)
+                                     load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
@@ -207,6 +207,7 @@ class GRPOModule(LightningModule):
         check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
         check_real("lr", lr, low=0, low_open=True)
         check_real("weight_decay", weight_decay, low=0)
+        resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                       for b in betas):
             raise ValueError(f"betas={list(betas)!r} must be two numbers in [0, 1) (AdamW's decay rates of its "
