@@ -224,7 +224,8 @@ class UniformPromptSampler(PromptSampler):
     in a batch. ``epoch`` is the 0-based epoch of the most recently drawn prompts.
 
     Prompts given back (``give_back``: drawn, then used by no rank) are handed out first by the next draws, so
-    every prompt of the stream is used once, only later; one already in the batch waits for the draw after.
+    every prompt of the stream is used once, only later; one already in the batch waits for the draw after. A step
+    whose draws (``avoid``: its earlier ones) need more prompts than there are repeats the epoch's next ones.
     """
 
     def __init__(self, num_prompts: int, seed: int = 0):
@@ -239,6 +240,9 @@ class UniformPromptSampler(PromptSampler):
 
     def draw(self, batch_size: int, avoid: Collection[int] = ()) -> list[int]:
         batch_size = self.check_batch_size(batch_size)
+        # a step whose draws span more prompts than there are must repeat some: it repeats the epoch's next ones, so
+        # every prompt still comes round once an epoch (avoid's rule alone would repeat the highest indices)
+        repeats = len(set(avoid)) > self.num_prompts - batch_size
         avoid = usable_avoid(avoid, self.num_prompts, batch_size)
         batch: list[int] = []
         for prompt in list(self._returned):
@@ -254,6 +258,8 @@ class UniformPromptSampler(PromptSampler):
             # the epoch's next prompts neither in the batch nor avoided; the others keep their place in line
             rest, skipped = self._permutation[self._position:], set(batch) | avoid
             chosen = [prompt for prompt in rest if prompt not in skipped][:batch_size - len(batch)]
+            if not chosen and repeats:  # the step's earlier draws, taken again: the epoch stays whole
+                chosen = [prompt for prompt in rest if prompt not in batch][:batch_size - len(batch)]
             if not chosen:  # the epoch's last prompts are all skipped: they go first in the next draw
                 self._returned[:0] = rest
                 self._position = len(self._permutation)

@@ -332,6 +332,25 @@ def test_a_draw_avoids_as_many_earlier_draws_as_leave_a_batch():
     assert set(sampler.draw(4, avoid=[0, 1, 2, 3])) == {2, 3, 4, 5}
 
 
+@pytest.mark.parametrize("num_prompts, batch_size, draws", [(7, 3, 3), (10, 4, 3), (5, 2, 3)])
+def test_steps_that_must_repeat_prompts_still_see_every_prompt_once_per_epoch(num_prompts, batch_size, draws):
+    """A step whose draws (dynamic sampling's rounds, or several ranks') need more prompts than there are repeats
+    the epoch's next ones: every prompt comes round as often as the others, and nothing piles up to hand out later
+    (the lowest-index rule of ``usable_avoid`` alone repeated the highest indices, and the queue grew each step)."""
+    sampler = UniformPromptSampler(num_prompts, seed=0)
+    stream = []
+    for _ in range(60):
+        step: list[int] = []
+        for _ in range(draws):
+            batch = sampler.draw(batch_size, avoid=step)
+            assert len(set(batch)) == batch_size
+            step += batch
+        stream += step
+    for e in range(len(stream) // num_prompts):
+        assert sorted(stream[e * num_prompts:(e + 1) * num_prompts]) == list(range(num_prompts))
+    assert len(sampler.state_dict()["returned"]) <= num_prompts
+
+
 def test_defer_duplicates_keeps_a_permutation():
     assert defer_duplicates([3, 0, 4, 1, 2], avoid={3, 4}, needed=2) == [0, 1, 3, 4, 2]
 
