@@ -195,6 +195,12 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"sampling.{setting} makes training rollouts greedy: the group_size={sampling.group_size} "
                              "completions of a prompt would be identical, so every advantage is 0 and nothing is "
                              "learned; sample (temperature > 0, e.g. 1.0, and top_k 0 or > 1)")
+        length_aware = sampling.scheduler.length_aware if sampling.strategy == "infinite" else None
+        predictor = getattr(length_aware, "predictor", None)
+        if isinstance(predictor, str) and predictor.partition(":")[0] in ("oracle", "noisy"):
+            raise ValueError(f"sampling.scheduler.length_aware.predictor={predictor!r} reads the true lengths, which "
+                             "only a replay of known lengths has (tools.bench_rollout --lengths), never a training "
+                             "rollout: use 'online'")
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
         if ignored := sampling.ignored_scheduler_options():
@@ -261,6 +267,20 @@ class RolloutDataModule(LightningDataModule):
         self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, when it changes
 
     # ------------------------------------------------------------------------------------------ hand-over
+    def _check_fits_the_policy(self, policy: torch.nn.Module, device: torch.device) -> None:
+        """Settings only the policy can judge, judged before its first rollout: a CUDA graph off CUDA, and a
+        length cap beyond the model's positions."""
+        if self.sampling.cuda_graph and device.type != "cuda":
+            raise ConfigError(f"data.sampling.cuda_graph=True needs a CUDA model; this one is on {device}: leave it "
+                              "null (captured where CUDA is) or false")
+        config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
+        limit = getattr(config, "max_position_embeddings", None)
+        for name, cap in (("sampling.max_new_tokens", self.sampling.max_new_tokens),
+                          ("val_max_new_tokens", self.val_max_new_tokens)):
+            if limit is not None and cap is not None and cap >= limit:
+                raise ConfigError(f"data.{name}={cap} leaves no room for a prompt within the model's "
+                                  f"max_position_embeddings={limit}: use at most {limit - 1} less the longest prompt")
+
     def attach(self, policy: torch.nn.Module, tokenizer: Any, scale_rewards: str = "group", world_size: int = 1,
                all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                precision_context: Callable[[], Any] | None = None,
@@ -272,8 +292,10 @@ class RolloutDataModule(LightningDataModule):
         lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
         auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
         stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)
+        device = next(policy.parameters()).device
         if stage in (None, TrainerFn.FITTING):  # validation alone sizes no training slots
-            check_slot_budget(self.sampling, next(policy.parameters()).device)  # now, not at the first rollout
+            check_slot_budget(self.sampling, device)  # now, not at the first rollout
+        self._check_fits_the_policy(policy, device)
         given = self._handover
         world = dict(all_gather=all_gather, precision_context=precision_context,
                      measured_update_peak=measured_update_peak)
@@ -351,8 +373,14 @@ class RolloutDataModule(LightningDataModule):
                            f"{len(self.val_indices)} held-out prompts: validated once, never trained on")
         world, _ = self._world()
         if self.prompts_per_step * world > len(self.train_indices):
-            raise ConfigError(f"prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
+            raise ConfigError(f"data.prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
                               f"{len(self.train_indices)} training prompts")
+        first_rollout = math.ceil(self.over_provision * self.prompts_per_step)  # a partial rollout's groups
+        if first_rollout * world > len(self.train_indices):
+            raise ConfigError(f"data.over_provision={self.over_provision} runs ceil({self.over_provision} x "
+                              f"prompts_per_step={self.prompts_per_step}) = {first_rollout} groups a rollout, x "
+                              f"world_size={world} more than the {len(self.train_indices)} training prompts: lower "
+                              "over_provision")
         if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
             raise ConfigError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer "
                               f"than world_size={world}: use at least one per rank, or 0 for no validation")

@@ -340,6 +340,13 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
     (["--data.task", "null", "--data.task_config", "null", "--data.jsonl_path", "missing.jsonl"],
      "error: data: prompt file 'missing.jsonl' does not exist"),
     (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
+    (["--data.over_provision", "1000"], "error: data.over_provision=1000.0 runs ceil(1000.0 x prompts_per_step=2) = "
+                                        "2000 groups a rollout, x world_size=1 more than the 36 training prompts"),
+    # judged against the policy when it is handed over, before any rollout
+    (["--data.sampling.max_new_tokens", "100000"], "error: data.sampling.max_new_tokens=100000 leaves no room for a "
+                                                   "prompt within the model's max_position_embeddings=2048"),
+    (["--data.sampling.cuda_graph", "true"], "error: data.sampling.cuda_graph=True needs a CUDA model; this one is "
+                                             "on cpu"),
     (["--trainer.precision", "bf16-true"], "error: trainer.precision='bf16-true' is not supported; use one of "
                                            "['32-true', 'bf16-mixed', '16-mixed']"),
     (["--data.task", "basic_arith"], "error: data: task='basic_arith' is not a reasoning-gym task; did you mean "

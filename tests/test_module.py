@@ -230,7 +230,11 @@ def test_bad_arguments_name_the_value():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "scheduler": {
-            "preempt_tokens": 16, "length_aware": {"predictor": "oracle"}}})
+            "preempt_tokens": 16, "length_aware": {"predictor": "online"}}})
+    # the true lengths exist in a replay only: a training rollout refuses the predictors that read them
+    for predictor in ("oracle", "noisy:0.5"):
+        with pytest.raises(ValueError, match=rf"length_aware.predictor='{predictor}' reads the true lengths"):
+            RolloutDataModule(prompts=PROMPTS, sampling={"scheduler": {"length_aware": {"predictor": predictor}}})
     # so is a slot count the strategy does not use
     with pytest.warns(UserWarning, match=r"micro_group_size=2 is ignored by strategy 'full'"):
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "full", "micro_group_size": 2})
