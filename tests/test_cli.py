@@ -342,6 +342,8 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
     (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
     (["--data.over_provision", "1000"], "error: data.over_provision=1000.0 runs ceil(1000.0 x prompts_per_step=2) = "
                                         "2000 groups a rollout, x world_size=1 more than the 36 training prompts"),
+    (["--data.sampling.micro_group_size", "auto", "--data.sampling.kv_budget_bytes", "1"],
+     "error: data.sampling: kv_budget_bytes=1 is smaller than one slot's KV cache"),
     # judged against the policy when it is handed over, before any rollout
     (["--data.sampling.max_new_tokens", "100000"], "error: data.sampling.max_new_tokens=100000 leaves no room for a "
                                                    "prompt within the model's max_position_embeddings=2048"),

@@ -35,7 +35,7 @@ from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_r
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
-from lit_grpo.runtime.validation import ConfigError, check_int
+from lit_grpo.runtime.validation import ConfigError, check_int, config_errors
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.engine import row_alignment
@@ -287,9 +287,10 @@ class RolloutBuilder:
                 dtype = kv_cache_dtype(self.weights.module)
             # "auto" compiles on CUDA only, where the rows are aligned anyway
             alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
-            slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes, self.max_prompt_length,
-                                          config.max_new_tokens, config.group_size, prompts, *parked,
-                                          carried=self.partial_rollouts, alignment=alignment)
+            with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
+                slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,
+                                              self.max_prompt_length, config.max_new_tokens, config.group_size,
+                                              prompts, *parked, carried=self.partial_rollouts, alignment=alignment)
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
