@@ -247,6 +247,13 @@ class GRPOCLI(LightningCLI):
         if threads is not None:  # else OMP_NUM_THREADS, which torch took when it started, or _settle_threads
             torch.set_num_threads(threads)
 
+    def _set_seed(self) -> None:
+        with self._config_errors():
+            try:
+                super()._set_seed()
+            except ValueError as error:  # outside numpy's range: Lightning's message does not name the setting
+                raise ValueError(f"seed_everything={self._get(self.config, 'seed_everything')!r}: {error}") from None
+
     def instantiate_classes(self) -> None:
         with self._config_errors():
             super().instantiate_classes()

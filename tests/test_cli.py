@@ -176,6 +176,7 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
     (["--data.accuracy_reward", "mathh"], "error: data.accuracy_reward='mathh' is not one of the reward functions'"),
+    (["--seed_everything", "-1"], "error: seed_everything=-1: -1 is not in bounds, numpy accepts from 0 to "),
     (["--data.sampling.seed", "-1"], "error: data.sampling.seed=-1 is not allowed; sampling.seed must be an integer >= 0"),
     (["--data.reward_funcs", "[{name: char_fraction, weight: 1e39}]"],
      "error: data.reward_funcs: reward weight 1e+39 for 'char_fraction' must be a finite number, |weight| <= 3.403e+38"),
