@@ -2,11 +2,14 @@
 written out per sequence and per token, their gradients, and their bad values."""
 
 import math
+import re
+import warnings
 
 import pytest
 import torch
 
 from lit_grpo.update.loss import policy_loss, policy_loss_metrics
+from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.policy_losses import make_loss
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
@@ -203,7 +206,8 @@ def test_metrics_follow_the_level_and_the_variant():
     logps = torch.log(torch.tensor([[0.5, 2.0]]))
     ref = torch.full((1, 2), -0.5)
     plain = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref)["kl"]
-    weighted = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref, kl_bias_correction=True)
+    weighted = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, ref_logps=ref, kl_bias_correction=True,
+                                   beta=0.1)
     delta = ref - logps
     k3 = torch.exp(delta) - delta - 1
     assert plain.item() == pytest.approx(k3.mean().item())
@@ -245,3 +249,17 @@ def test_module_checks_the_options_when_built():
     loss_fn = module.loss_fn
     assert (loss_fn.name, loss_fn.config.importance_sampling_level, loss_fn.config.kl_bias_correction,
             loss_fn.config.sapo_temperature_neg) == ("sapo", "sequence", True, 2.0)
+
+
+@pytest.mark.parametrize("settings, ignored", [
+    ({"kl_bias_correction": True}, ["kl_bias_correction"]),  # beta 0: no KL term to weigh
+    ({"loss_type": "grpo", "sapo_temperature_pos": 2.0}, ["sapo_temperature_pos"]),
+    ({"loss_type": "cispo", "epsilon_low": 0.1, "epsilon_high": 5.0}, ["epsilon_low"]),
+    ({"loss_type": "sapo", "epsilon_low": 0.1, "epsilon_high": 0.3}, ["epsilon_low", "epsilon_high"])])
+def test_a_loss_setting_the_loss_never_reads_is_named_not_dropped_in_silence(settings, ignored):
+    with pytest.warns(UserWarning, match=rf"loss settings {re.escape(str(ignored))} have no effect with loss_type="):
+        LossConfig(**settings)
+    with warnings.catch_warnings():  # where the loss reads each of them, nothing is said
+        warnings.simplefilter("error")
+        LossConfig(loss_type="sapo", sapo_temperature_pos=2.0, beta=0.1, kl_bias_correction=True)
+        LossConfig(loss_type="cispo", epsilon_high=5.0)

@@ -14,7 +14,8 @@ the config is built (``Literal`` fields already when the YAML is parsed), with a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from lit_grpo.runtime.validation import check_choice
@@ -68,3 +69,20 @@ class LossConfig:
         if self.loss_type == "cispo" and not self.epsilon_high >= 1:
             raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
                              f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
+        if ignored := self.ignored_settings():
+            warnings.warn(f"loss settings {ignored} have no effect with loss_type={self.loss_type!r} and beta="
+                          f"{self.beta!r}; they are ignored", stacklevel=3)
+
+    def ignored_settings(self) -> list[str]:
+        """The settings given other than their defaults that this loss never reads: the KL's with ``beta`` 0,
+        sapo's temperatures in another loss, the clip bounds sapo has none of (and cispo's lower one)."""
+        unread = set()
+        if self.beta == 0:
+            unread.add("kl_bias_correction")
+        if self.loss_type != "sapo":
+            unread.update(("sapo_temperature_pos", "sapo_temperature_neg"))
+        if self.loss_type in ("cispo", "sapo"):
+            unread.add("epsilon_low")
+        if self.loss_type == "sapo":
+            unread.add("epsilon_high")
+        return [f.name for f in fields(self) if f.name in unread and getattr(self, f.name) != f.default]
