@@ -224,6 +224,13 @@ class RolloutDataModule(LightningDataModule):
                 check_int(name, value, 1)
         check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
         check_partial_rollouts(over_provision, max_staleness)
+        # settings that only act beside another one: named where that one is off, never dropped in silence
+        for name, value, default, needs in (
+                ("max_rollouts_per_step", max_rollouts_per_step, 4, None if dynamic_sampling else "dynamic_sampling"),
+                ("max_staleness", max_staleness, 2, None if over_provision > 1 else "over_provision > 1"),
+                ("val_temperature", val_temperature, 1.0, None if val_num_samples > 1 else "val_num_samples > 1")):
+            if needs is not None and value != default:
+                warnings.warn(f"{name}={value!r} applies with {needs} only; it is ignored", stacklevel=2)
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         check_choice("curriculum", curriculum, CURRICULA)
         if "{prompt}" not in prompt_template:

@@ -235,6 +235,12 @@ def test_bad_arguments_name_the_value():
     for predictor in ("oracle", "noisy:0.5"):
         with pytest.raises(ValueError, match=rf"length_aware.predictor='{predictor}' reads the true lengths"):
             RolloutDataModule(prompts=PROMPTS, sampling={"scheduler": {"length_aware": {"predictor": predictor}}})
+    # and a setting that acts only beside another one that is off
+    for setting, needs in (({"max_rollouts_per_step": 2}, "dynamic_sampling"),
+                           ({"max_staleness": 5}, "over_provision > 1"), ({"val_temperature": 0.5}, "val_num_samples > 1")):
+        name, value = next(iter(setting.items()))
+        with pytest.warns(UserWarning, match=rf"{name}={value} applies with {needs} only; it is ignored"):
+            RolloutDataModule(prompts=PROMPTS, **setting)
     # so is a slot count the strategy does not use
     with pytest.warns(UserWarning, match=r"micro_group_size=2 is ignored by strategy 'full'"):
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "full", "micro_group_size": 2})
