@@ -108,12 +108,13 @@ def test_the_oracle_noise_needs_a_replay():
         make_predictor("noisy:0.5").predict(RolloutWork([4], 2, 2, 64), [(0, 0)])
 
 
-def test_the_cli_takes_a_noisy_predictor_and_names_a_bad_one():
+def test_the_cli_names_a_bad_noisy_predictor_and_refuses_a_good_one_for_training():
     from lit_grpo.cli import build_cli
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     option = "--data.sampling.scheduler.length_aware.predictor"
-    cli = build_cli(["--config", config, option, "noisy:0.25", "--trainer.logger", "false"], run=False)
-    assert cli.datamodule.sampling.scheduler.length_aware.predictor == "noisy:0.25"
+    # the noise is added to the true lengths, which only a replay has (tools.bench_rollout --lengths)
+    with pytest.raises(ValueError, match=r"predictor='noisy:0.25' reads the true lengths, which only a replay"):
+        build_cli(["--config", config, option, "noisy:0.25", "--trainer.logger", "false"], run=False)
     with pytest.raises(ValueError, match=r"scheduler.length_aware.predictor: length predictor 'noisy:-1'"):
         build_cli(["--config", config, option, "noisy:-1", "--trainer.logger", "false"], run=False)
