@@ -200,6 +200,8 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", loss={"epsilon_high": -1})
     with pytest.raises(ValueError, match=r"betas=\[0.9\] must be two numbers in \[0, 1\)"):
         GRPOModule(model="tiny-llama", betas=(0.9,))
+    with pytest.warns(UserWarning, match=r"fsdp_rollout='gathered' applies with fsdp only; it is ignored"):
+        GRPOModule(model="tiny-llama", fsdp_rollout="gathered")
     with pytest.raises(ValueError, match="model path './nope' does not exist"):
         GRPOModule(model="./nope")
     with pytest.raises(ValueError, match="give exactly one prompt source"):

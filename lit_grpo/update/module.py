@@ -81,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, get_args
 
@@ -200,6 +201,8 @@ class GRPOModule(LightningModule):
         check_choice("scale_rewards", scale_rewards, SCALES)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
         check_choice("fsdp_rollout", fsdp_rollout, FSDP_ROLLOUTS)
+        if fsdp_rollout != "auto" and not fsdp:
+            warnings.warn(f"fsdp_rollout={fsdp_rollout!r} applies with fsdp only; it is ignored", stacklevel=2)
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
