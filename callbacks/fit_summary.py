@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
@@ -72,6 +73,8 @@ class FitSummary(Callback):
             raise ValueError(f"window must be >= 1, got {window}")
         self.validate_before_training = validate_before_training
         self.accuracy_key, self.reward_key, self.window = accuracy_key, reward_key, window
+        # keys said missing, once each; never the defaults, which a module other than GRPOModule may well not log
+        self._said_missing = {"val/accuracy", "reward/mean"}
         self._start()
 
     def _start(self) -> None:
@@ -110,7 +113,7 @@ class FitSummary(Callback):
             return
         if self._started_s is not None and self._validation_started_s is not None:
             self._validation_s += time.perf_counter() - self._validation_started_s
-        value = trainer.callback_metrics.get(self.accuracy_key)
+        value = self._logged(trainer, self.accuracy_key, "val/")
         if value is not None:
             self.accuracy.append((trainer.global_step, float(value)))
 
@@ -119,7 +122,7 @@ class FitSummary(Callback):
         if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
             return
         self.steps += 1
-        value = trainer.callback_metrics.get(self.reward_key)
+        value = self._logged(trainer, self.reward_key, "")
         if value is not None and math.isfinite(float(value)):
             self.rewards.append(float(value))
         stats = rollout_stats(batch)
@@ -129,6 +132,18 @@ class FitSummary(Callback):
             self.rollouts += 1
             self.rollout_s += max(rank.wall_s for rank in per_rank)
             self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])
+
+    def _logged(self, trainer: pl.Trainer, key: str, family: str) -> Any:
+        """The value ``key`` was logged with; a key given and not logged where others of its ``family`` (prefix)
+        were is said once (a misspelled ``accuracy_key`` would leave its line out of the summary without a word)."""
+        metrics = trainer.callback_metrics
+        if key not in metrics and key not in self._said_missing:
+            others = sorted(name for name in metrics if name.startswith(family))
+            if others:
+                self._said_missing.add(key)
+                rank_zero_warn(f"FitSummary: {key!r} was not logged, so the summary has no line for it; logged: "
+                               f"{others[:12]}")
+        return metrics.get(key)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         peak = host_peak_bytes()

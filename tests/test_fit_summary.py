@@ -141,6 +141,16 @@ class SlowValidationModule(ValidatedModule):
         super().validation_step(batch, batch_idx)
 
 
+def test_a_summarised_key_never_logged_is_named_once(tmp_path, recwarn):
+    summary = FitSummary(accuracy_key="val/acuracy", reward_key="reward/mean")  # misspelled
+    trainer = _trainer(tmp_path, [summary], max_steps=2, enable_checkpointing=False)
+    trainer.fit(ValidatedModule([make_rollout(seed) for seed in range(2)]))
+    said = [str(w.message) for w in recwarn if "FitSummary" in str(w.message)]
+    assert said == ["FitSummary: 'val/acuracy' was not logged, so the summary has no line for it; logged: "
+                    "['val/accuracy']"]
+    assert not any("acuracy" in line for line in summary.summary_lines(trainer))
+
+
 def test_time_per_step_leaves_the_validations_out(tmp_path):
     summary = FitSummary()
     trainer = _trainer(tmp_path, [summary], max_steps=2, enable_checkpointing=False)
