@@ -395,7 +395,7 @@ class RolloutDataModule(LightningDataModule):
             self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
                                                 **self.curriculum_kwargs)
         if "sampler" in self._pending_state:
-            self.sampler.load_state_dict(self._pending_state.pop("sampler"))
+            self._load_sampler_state(self._pending_state.pop("sampler"))
         self._render_prompts()
 
     def _answer_source(self, examples: Sequence[PromptExample]) -> str:
@@ -586,6 +586,10 @@ class RolloutDataModule(LightningDataModule):
             state["engine"] = self.builder.state_dict()
         return state
 
+    def _load_sampler_state(self, state: dict) -> None:
+        with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
+            self.sampler.load_state_dict(state)
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that
         only evaluates it takes none of the training stream: it may hold out other prompts than the fit did."""
@@ -596,7 +600,7 @@ class RolloutDataModule(LightningDataModule):
             set_rng_states(state_dict["rng"])
         if "sampler" in state_dict:
             if self.sampler is not None:
-                self.sampler.load_state_dict(state_dict["sampler"])
+                self._load_sampler_state(state_dict["sampler"])
             else:
                 self._pending_state["sampler"] = state_dict["sampler"]
         engine = self._own_engine_state(state_dict)

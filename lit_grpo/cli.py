@@ -56,7 +56,7 @@ from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint,
                                           run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import end_failed_rank
-from lit_grpo.runtime.validation import ConfigError, config_errors
+from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
@@ -236,11 +236,12 @@ class GRPOCLI(LightningCLI):
         with self._config_errors():
             check_manual_optimization_settings(config.get("trainer") or {})
             threads = config.get("torch_num_threads")
-            cores = available_cores()
-            if threads is not None and not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
-                raise ValueError(f"torch_num_threads={threads} must be in [1, {MAX_THREADS_PER_CORE * cores}] "
-                                 f"({MAX_THREADS_PER_CORE} a core of the {cores} this process may run on), or null "
-                                 "for OMP_NUM_THREADS where set, else this process's share of those cores")
+            if threads is not None:
+                try:
+                    check_thread_count("torch_num_threads", threads)
+                except ValueError as error:
+                    raise ValueError(f"{error}, or null for OMP_NUM_THREADS where set, else this process's share of "
+                                     "those cores") from None
             threshold = config.get("malloc_mmap_threshold")
             if threshold is not None:
                 fix_mmap_threshold(threshold)
@@ -315,9 +316,6 @@ def _exit_with(error: Exception, subcommand: str) -> None:
     raise SystemExit(2) from error
 
 
-#: ``torch_num_threads``' bound, in threads per core: more only wait on each other (and thousands crash OpenMP).
-MAX_THREADS_PER_CORE = 4
-
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
 
@@ -337,13 +335,6 @@ def check_manual_optimization_settings(trainer: Any) -> None:
         # Lightning's "-true" plugins convert every batch, which a rollout batch (frozen dataclasses) cannot take
         raise ValueError(f"trainer.precision={precision!r} is not supported; use one of {list(PRECISIONS[::2])} "
                          "(for weights held in bf16: model.dtype: bfloat16 under 32-true or bf16-mixed)")
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def resume_command(args: Sequence[str]) -> str:

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.checkpoints import find_last_checkpoint, read_checkpoint_header
+from lit_grpo.runtime.checkpoints import check_writable, find_last_checkpoint, read_checkpoint_header
 from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors
 from lit_grpo.sampling.engine import stop_token_ids
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in; the others (and their short forms, as
@@ -70,12 +70,18 @@ def _is_peft(model: torch.nn.Module) -> bool:
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
+    if not str(out).strip() or out == Path("."):  # an empty --out would write into the working directory
+        raise ValueError(f"--out {str(out)!r} names no new directory; give the folder to write, e.g. --out model")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace its model files "
                          "or choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+    except OSError as error:
+        raise ValueError(f"--out {str(out)!r} cannot be written: {error.strerror or error}") from None
 
 
 def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",
@@ -160,6 +166,9 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     """``(policy, tokenizer, hyper_parameters)``: the base model rebuilt from the checkpoint's settings (LoRA
     adapter included) with the trained weights loaded strictly."""
     checkpoint = load_checkpoint(ckpt_path)
+    if not isinstance(checkpoint["hyper_parameters"], Mapping):
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its hyper_parameters are "
+                         f"{type(checkpoint['hyper_parameters']).__name__}, not the settings GRPOModule saves")
     hp = dict(checkpoint["hyper_parameters"])
     if "model" not in hp:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: hyper_parameters hold no 'model' (keys {sorted(hp)}); "
@@ -168,9 +177,17 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     if not state:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r} holds no policy weights (no state_dict key starts with "
                          f"{POLICY_PREFIX!r})")
+    with config_errors(f"--ckpt_path {str(ckpt_path)!r}: its model.dtype"):
+        resolve_dtype(hp.get("dtype"))
     policy, tokenizer = load_model_and_tokenizer(hp["model"], hp.get("dtype"))
     if hp.get("peft_config"):
         policy = with_lora(policy, hp["peft_config"])
+    own = policy.state_dict()
+    reshaped = [f"{key} {tuple(value.shape)} (the model's {tuple(own[key].shape)})" for key, value in state.items()
+                if key in own and value.shape != own[key].shape]
+    if reshaped:
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r}: "
+                         f"{', '.join(reshaped[:3])}")
     missing, unexpected = policy.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r} "
@@ -224,8 +241,10 @@ def main(args: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(f"--{error}")
     if options.torch_num_threads is not None:
-        if options.torch_num_threads < 1:
-            parser.error(f"--torch_num_threads {options.torch_num_threads} must be >= 1")
+        try:
+            check_thread_count("--torch_num_threads", options.torch_num_threads)
+        except ValueError as error:
+            parser.error(str(error))
         torch.set_num_threads(options.torch_num_threads)
     if options.ckpt_path == "last":
         root = Path(options.root)

@@ -18,7 +18,8 @@ import torch
 
 from lit_grpo.callbacks import RunCheckpoint
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
-                                  find_last_checkpoint, partial_path, read_checkpoint_header, remove_stale_partials)
+                                  find_last_checkpoint, partial_path, read_checkpoint_header, remove_stale_partials,
+                                  run_checkpoint_folders)
 from lit_grpo.cli import build_cli, resume_command
 from tools.step_recorder import read_records
 
@@ -234,6 +235,15 @@ def _hparams(path: Path) -> tuple[dict, dict]:
     return dict(checkpoint["hyper_parameters"]), dict(checkpoint["datamodule_hyper_parameters"])
 
 
+def test_a_checkpoint_of_another_prompt_set_ends_the_resume_as_a_bad_setting_does(tmp_path, tiny_checkpoint, capsys):
+    # another val_size holds out other prompts: the sampler's state counts another training set
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(_fit_args(tmp_path, "--ckpt_path", str(tiny_checkpoint), "--data.val_size", "8", steps=2))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --ckpt_path: state num_prompts=" in err and "Traceback" not in err
+
+
 def test_bad_checkpoint_files_are_named(tmp_path, tiny_checkpoint):
     module, data = _hparams(tiny_checkpoint)
     check_resumable(tiny_checkpoint, module, data)  # the good one passes
@@ -384,6 +394,16 @@ def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is
     build_cli(validate)
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
+
+
+def test_last_finds_a_loggers_checkpoint_from_a_run_resumed_without_that_logger(tmp_path):
+    # started with TensorBoard (ROOT/lightning_logs/version_0/checkpoints), resumed with trainer.logger false: the
+    # trainer's root is searched, and it found nothing, so the run started over
+    logged = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    logged.mkdir(parents=True)
+    (logged / "last.ckpt").write_bytes(b"x")
+    assert logged in run_checkpoint_folders(tmp_path)
+    assert find_last_checkpoint(run_checkpoint_folders(tmp_path)) == logged / "last.ckpt"
 
 
 def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path, capsys):

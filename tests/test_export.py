@@ -220,6 +220,24 @@ def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, mon
     (tmp_path / "full" / "notes.txt").write_text("mine")
     assert "is not empty; pass --overwrite" in error("--ckpt_path", str(ckpt), "--out", str(tmp_path / "full"))
     assert "--ckpt_path" in error("--out", str(tmp_path / "a"))  # argparse names the missing option
+    # an --out that cannot be a folder, or none at all (it wrote into the working directory)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert f"--out '{blocker / 'sub'}' cannot be written" in error("--ckpt_path", str(ckpt), "--out",
+                                                                    str(blocker / "sub"))
+    assert "--out '.' names no new directory" in error("--ckpt_path", str(ckpt), "--out", "", "--overwrite")
+    assert "--torch_num_threads=100000 must be in [1, " in error("--ckpt_path", str(ckpt), "--out",
+                                                                 str(tmp_path / "a"), "--torch_num_threads", "100000")
+    # checkpoints whose settings or weights are not GRPOModule's are named, not a traceback
+    saved = torch.load(ckpt, weights_only=False)
+    odd = tmp_path / "odd.ckpt"
+    torch.save({**saved, "hyper_parameters": None}, odd)
+    assert "its hyper_parameters are NoneType, not the settings GRPOModule saves" in error(
+        "--ckpt_path", str(odd), "--out", str(tmp_path / "a"))
+    key = next(k for k in saved["state_dict"] if k.startswith("policy.") and k.endswith("embed_tokens.weight"))
+    torch.save({**saved, "state_dict": {**saved["state_dict"], key: torch.zeros(1)}}, odd)
+    assert f"its weights do not fit model='tiny-llama': {key[len('policy.'):]} (1,) (the model's" in error(
+        "--ckpt_path", str(odd), "--out", str(tmp_path / "a"))
     with pytest.raises(ValueError, match="dtype='int4'"):
         export_policy(torch.nn.Linear(1, 1), None, tmp_path / "b", dtype="int4")
 

@@ -190,10 +190,12 @@ def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
 
 def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
     """The checkpoint folders of every run under a logger's root (``ROOT/VERSION/checkpoints``: ``version_N`` or a
-    version the logger was given by name) and the trainer's own (``ROOT/checkpoints``, used when there is no
-    logger)."""
+    version the logger was given by name), the trainer's own (``ROOT/checkpoints``, used when there is no logger)
+    and, under a trainer's root, its loggers' (``ROOT/NAME/VERSION/checkpoints``: a run resumed without the logger
+    it was started with)."""
     root = Path(root)
-    return [*sorted(folder for folder in root.glob("*/checkpoints") if folder.is_dir()), root / "checkpoints"]
+    found = [folder for pattern in ("*/checkpoints", "*/*/checkpoints") for folder in root.glob(pattern)]
+    return [*sorted(folder for folder in found if folder.is_dir()), root / "checkpoints"]
 
 
 def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:

@@ -5,12 +5,34 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 from collections.abc import Iterator
 from typing import Any
 
 
 #: The largest seed: numpy's and Lightning's (``seed_everything``) bound, so one seed means the same everywhere.
 SEED_MAX = 2**32 - 1
+
+
+#: ``torch_num_threads``' bound, in threads per core: more only wait on each other (and thousands crash OpenMP).
+MAX_THREADS_PER_CORE = 4
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_thread_count(name: str, threads: int) -> int:
+    """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may run on], else a
+    ValueError naming ``name``, the value and that range."""
+    cores = available_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+        raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
+                         f"a core of the {cores} this process may run on)")
+    return threads
 
 
 class ConfigError(ValueError):
