@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -208,8 +208,15 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None 
                          in_place=True)
 
 
+class _ExportParser(argparse.ArgumentParser):
+    """Errors as ``lit-grpo fit`` says them: one ``error:`` line and a tip (exit 2), not the usage block first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\ntip: lit-grpo export --help lists the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ExportParser(
         prog="lit-grpo export", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Write a transformers model directory (safetensors weights, config, tokenizer with its chat "
                     "template, generation config) from a lit_grpo training checkpoint.",

@@ -201,7 +201,9 @@ def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, mon
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["export", *args])
         assert exit_info.value.code == 2
-        return capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.endswith("tip: lit-grpo export --help lists the options\n")  # as fit
+        return err
 
     assert "'missing.ckpt' does not exist" in error("--ckpt_path", "missing.ckpt", "--out", str(tmp_path / "a"))
     assert "is a directory" in error("--ckpt_path", str(tmp_path), "--out", str(tmp_path / "a"))
