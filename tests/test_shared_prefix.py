@@ -380,3 +380,12 @@ def test_auto_decides_each_micro_batch_once_and_alike_on_every_fsdp_rank(monkeyp
     assert all(micro["shared_prefix"] for _, micro in chunks)
     module._logps(module.policy, chunks[0][1], batch.temperature)
     assert calls == [1]
+
+
+def test_without_the_batchs_groups_rows_share_a_prompt_only_with_equal_tokens_and_mask():
+    # rows 0 and 2 are one prompt; row 1 has row 0's ids, but its first id is a real token, not padding
+    micro = {"input_ids": torch.tensor([[0, 5, 6, 9], [0, 5, 6, 8], [0, 5, 6, 7]]),
+             "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]]),
+             "completion_ids": torch.tensor([[9], [8], [7]])}
+    first, group = prompt_groups(micro)
+    assert group[0] == group[2] != group[1] and sorted(first.tolist()) == [0, 1]
