@@ -189,7 +189,8 @@ class PolicyLoss:
         active = mask.sum()
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         # a share of what the clip acts on: tokens, or whole completions under GSPO (as TRL counts them)
-        units = mask if ratio.shape == mask.shape else (mask.sum(dim=1, keepdim=True) > 0).to(mask.dtype)
+        sequences = self.config.importance_sampling_level == "sequence"
+        units = (mask.sum(dim=1, keepdim=True) > 0).to(mask.dtype) if sequences else mask
         clip_units = units.sum()
         low, high = (flags.to(logps.dtype) for flags in self.clipped(ratio, advantages))
         out = {"clip_ratio_low": (low * units).sum() / clip_units.clamp(min=1.0),
