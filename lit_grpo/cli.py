@@ -235,6 +235,9 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         with self._config_errors():
             check_manual_optimization_settings(config.get("trainer") or {})
+            if self.subcommand == "fit" and (config.get("trainer") or {}).get("limit_train_batches") == 0:
+                raise ValueError("trainer.limit_train_batches=0 trains no step, so fit would only validate: remove "
+                                 "it, or run lit-grpo validate")
             threads = config.get("torch_num_threads")
             if threads is not None:
                 try:
@@ -323,9 +326,10 @@ PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
 def check_manual_optimization_settings(trainer: Any) -> None:
     """``GRPOModule`` steps its optimizer itself, so Lightning's clipping and accumulation cannot apply; name the
     module's own settings instead of Lightning's advice to switch to automatic optimization."""
-    if trainer.get("gradient_clip_val") is not None:
-        raise ValueError(f"trainer.gradient_clip_val={trainer['gradient_clip_val']!r} does not apply to GRPOModule "
-                         "(it steps its optimizer itself): set model.max_grad_norm instead")
+    for name in ("gradient_clip_val", "gradient_clip_algorithm"):
+        if trainer.get(name) is not None:
+            raise ValueError(f"trainer.{name}={trainer[name]!r} does not apply to GRPOModule (it steps its optimizer "
+                             "itself): set model.max_grad_norm instead")
     if trainer.get("accumulate_grad_batches", 1) != 1:
         raise ValueError(f"trainer.accumulate_grad_batches={trainer['accumulate_grad_batches']!r} does not apply to "
                          "GRPOModule (a step's rows are already accumulated in micro-batches): set "

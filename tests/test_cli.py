@@ -175,6 +175,9 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
     (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
+    (["--trainer.gradient_clip_algorithm", "value"], "error: trainer.gradient_clip_algorithm='value' does not apply "
+                                                     "to GRPOModule"),
+    (["--trainer.limit_train_batches", "0"], "error: trainer.limit_train_batches=0 trains no step"),
     (["--data.accuracy_reward", "mathh"], "error: data.accuracy_reward='mathh' is not one of the reward functions'"),
     (["--seed_everything", "-1"], "error: seed_everything=-1: -1 is not in bounds, numpy accepts from 0 to "),
     (["--data.sampling.seed", "-1"], "error: data.sampling.seed=-1 is not allowed; sampling.seed must be an integer >= 0"),
