@@ -53,9 +53,9 @@ class ExportModel(Callback):
             raise ValueError("ExportModel(adapter_only=True) needs a LoRA run (model.peft_config); this run has none")
         if stage == "fit" and self.dirpath is not None:  # found before training, not after it
             try:
-                check_writable(self.dirpath)
+                check_writable(self.dirpath, what="ExportModel dirpath", fix="give it a writable folder")
             except OSError as error:
-                raise ConfigError(f"ExportModel dirpath: {error}".replace("checkpoint folder", "folder")) from None
+                raise ConfigError(str(error)) from None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the last step (and the last validation), while the policy is still on the module. The folder is

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -224,12 +225,14 @@ class RolloutDataModule(LightningDataModule):
                 check_int(name, value, 1)
         check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
         check_partial_rollouts(over_provision, max_staleness)
-        # settings that only act beside another one: named where that one is off, never dropped in silence
-        for name, value, default, needs in (
-                ("max_rollouts_per_step", max_rollouts_per_step, 4, None if dynamic_sampling else "dynamic_sampling"),
-                ("max_staleness", max_staleness, 2, None if over_provision > 1 else "over_provision > 1"),
-                ("val_temperature", val_temperature, 1.0, None if val_num_samples > 1 else "val_num_samples > 1")):
-            if needs is not None and value != default:
+        # settings that only act beside another one: named where that one is off and they differ from their
+        # defaults, never dropped in silence
+        defaults = inspect.signature(RolloutDataModule.__init__).parameters
+        for name, value, needs in (
+                ("max_rollouts_per_step", max_rollouts_per_step, None if dynamic_sampling else "dynamic_sampling"),
+                ("max_staleness", max_staleness, None if over_provision > 1 else "over_provision > 1"),
+                ("val_temperature", val_temperature, None if val_num_samples > 1 else "val_num_samples > 1")):
+            if needs is not None and value != defaults[name].default:
                 warnings.warn(f"{name}={value!r} applies with {needs} only; it is ignored", stacklevel=2)
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         check_choice("curriculum", curriculum, CURRICULA)

@@ -78,10 +78,9 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace its model files "
                          "or choose another directory")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        check_writable(out)
+        check_writable(out, what="--out", fix="give a folder that can be written")
     except OSError as error:
-        raise ValueError(f"--out {str(out)!r} cannot be written: {error.strerror or error}") from None
+        raise ValueError(str(error)) from None
 
 
 def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",

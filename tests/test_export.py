@@ -225,8 +225,8 @@ def test_export_errors_name_the_bad_value(tiny_checkpoint, tmp_path, capsys, mon
     # an --out that cannot be a folder, or none at all (it wrote into the working directory)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert f"--out '{blocker / 'sub'}' cannot be written" in error("--ckpt_path", str(ckpt), "--out",
-                                                                    str(blocker / "sub"))
+    assert f"--out {blocker / 'sub'} cannot be written (" in error("--ckpt_path", str(ckpt), "--out",
+                                                                   str(blocker / "sub"))
     assert "--out '.' names no new directory" in error("--ckpt_path", str(ckpt), "--out", "", "--overwrite")
     assert "--torch_num_threads=100000 must be in [1, " in error("--ckpt_path", str(ckpt), "--out",
                                                                  str(tmp_path / "a"), "--torch_num_threads", "100000")
@@ -312,7 +312,8 @@ def test_export_model_refuses_a_folder_it_cannot_write_before_training(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     module = SimpleNamespace(policy=None, tokenizer=None, hparams=SimpleNamespace(fsdp=False, peft_config=None))
-    with pytest.raises(ValueError, match=r"ExportModel dirpath: folder .*a_file/model cannot be written"):
+    with pytest.raises(ValueError, match=r"ExportModel dirpath .*a_file/model cannot be written \(.*\): give it a "
+                                         r"writable folder"):
         ExportModel(dirpath=str(blocker / "model")).setup(SimpleNamespace(), module, "fit")
 
 

@@ -213,7 +213,7 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
                                  ({"r": 4, "lora_alpha": float("nan")},  # every logit NaN once it runs
                                   r"peft_config.lora_alpha=nan is not allowed; .* must be a finite number > 0"),
                                  ({"r": 4, "lora_dropout": 1.5},
-                                  r"peft_config.lora_dropout=1.5 is not allowed; .* finite number >= 0 and <= 1"),
+                                  r"peft_config.lora_dropout=1.5 is not allowed; .* finite number >= 0 and < 1"),
                                  ([("r", 4)], r"peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
         with pytest.raises(ConfigError, match=f"model.peft_config: {message}"):
             module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)

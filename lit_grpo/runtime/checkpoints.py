@@ -298,9 +298,12 @@ def _normalized(value: Any, name: str = "") -> Any:
     return value
 
 
-def check_writable(folder: str | os.PathLike, needed_bytes: int = 0) -> None:
+def check_writable(folder: str | os.PathLike, needed_bytes: int = 0, what: str = "checkpoint folder",
+                   fix: str = "set trainer.default_root_dir, or the checkpoint callback's dirpath, to a writable "
+                              "folder") -> None:
     """Raise unless a checkpoint of ``needed_bytes`` can be written in ``folder`` (created if missing): a probe
-    file is written and removed, and the free space is compared with what one more file needs."""
+    file is written and removed, and the free space is compared with what one more file needs. ``what`` names the
+    folder in the message and ``fix`` says what to do (defaults: a checkpoint folder's)."""
     folder = Path(folder)
     probe = folder / f".write-probe.{os.getpid()}"
     try:
@@ -308,9 +311,7 @@ def check_writable(folder: str | os.PathLike, needed_bytes: int = 0) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as error:
-        raise PermissionError(f"checkpoint folder {folder} cannot be written ({error.strerror or error}): set "
-                              "trainer.default_root_dir, or the checkpoint callback's dirpath, to a writable "
-                              "folder") from None
+        raise PermissionError(f"{what} {folder} cannot be written ({error.strerror or error}): {fix}") from None
     free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize if hasattr(os, "statvfs") else None
     if free is not None and needed_bytes > free:
         raise OSError(f"checkpoint folder {folder} has {free / 2**30:.2f} GiB free, and one checkpoint of this run "

@@ -396,9 +396,7 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
     if "lora_alpha" in peft_config:
         check_real("peft_config.lora_alpha", peft_config["lora_alpha"], low=0, low_open=True)
     if "lora_dropout" in peft_config:
-        check_real("peft_config.lora_dropout", peft_config["lora_dropout"], low=0, high=1)
-        if peft_config["lora_dropout"] == 1:
-            raise ValueError("peft_config.lora_dropout=1 drops every input of the adapter; use a value in [0, 1)")
+        check_real("peft_config.lora_dropout", peft_config["lora_dropout"], low=0, high=1, high_open=True)
     return LoraConfig(**dict(peft_config))
 
 

@@ -73,14 +73,14 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
 
 
 def check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
-               low_open: bool = False) -> float:
+               low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a float if it is a finite real (not a bool) within the bounds (``low`` excluded when
-    ``low_open``), else a ValueError naming it."""
+    ``low_open``, ``high`` when ``high_open``), else a ValueError naming it."""
     bounds = []
     if low is not None:
         bounds.append(f"{'>' if low_open else '>='} {low:g}")
     if high is not None:
-        bounds.append(f"<= {high:g}")
+        bounds.append(f"{'<' if high_open else '<='} {high:g}")
     allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
     message = f"{name}={value!r} is not allowed; {name} must be {allowed}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -88,7 +88,7 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     number = float(value)
     if low is not None and (number <= low if low_open else number < low):
         raise ValueError(message)
-    if high is not None and number > high:
+    if high is not None and (number >= high if high_open else number > high):
         raise ValueError(message)
     return number
 
