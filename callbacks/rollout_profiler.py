@@ -84,8 +84,8 @@ class RolloutProfiler(Callback):
       timeline draws the same decisions).
 
     **Progress bar** (not sent to the loggers): ``steps``, ``bound`` and ``util``, the step's decode steps,
-    lower bound and slot utilization (all its rounds); ``steps`` close to ``bound`` means the schedule left little on the
-    table.
+    lower bound and slot utilization (all its rollouts); ``steps`` close to ``bound`` means the schedule left little
+    on the table.
 
     **Several processes**: every key is the whole step's, the same on every rank: every rank's RolloutStats are
     gathered once a step (shared with FitSummary) and each key reduced by its rule in

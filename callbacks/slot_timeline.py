@@ -285,7 +285,7 @@ def _decision_marks(decisions: Sequence[Decision], action: str, columns: np.ndar
 
 
 class SlotTimelineLogger(Callback):
-    r"""Logs an image of the rollout's slot timeline to TensorBoard every ``every_n_rollouts`` rollouts.
+    r"""Logs an image of a training step's rollout slot timeline to TensorBoard every ``every_n_steps`` steps.
 
     **Logged keys** (TensorBoard images, at the step of the batch's scalars)
 
@@ -295,27 +295,27 @@ class SlotTimelineLogger(Callback):
       sample finished and its slot changed hands; a red tick above = the scheduler parked the slot's sample there
       (e.g. a preemption), a blue tick below = a parked sample resumed there, and a line under the legend counts
       every start, park and resumption by reason (``rollout/decisions/*``). Long idle tails or a single slot
-      running long after the others are what make a round slow.
+      running long after the others are what make a rollout slow.
 
-    The first rollout is logged, then every ``every_n_rollouts``-th (counted by the training loop's step, so a
-    resumed run logs the ones an uninterrupted run would); under several processes, rank 0's. Needs a
+    The first step's rollout is logged, then every ``every_n_steps``-th (the training loop's step, so a resumed
+    run logs the ones an uninterrupted run would); under several processes, rank 0's. Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
     and logs nothing with any other LightningModule).
 
     Args:
-        every_n_rollouts: log one rollout in this many.
+        every_n_steps: log the rollout of one training step in this many.
         width: of the figure in pixels (>= 800).
         row_height: pixels per slot (None: chosen from the number of slots).
     """
 
-    def __init__(self, every_n_rollouts: int = 10, width: int = 1000, row_height: int | None = None) -> None:
-        if every_n_rollouts < 1:
-            raise ValueError(f"every_n_rollouts must be >= 1, got {every_n_rollouts}")
+    def __init__(self, every_n_steps: int = 10, width: int = 1000, row_height: int | None = None) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if width < 800:
             raise ValueError(f"width must be >= 800 pixels (a readable figure), got {width}")
         if row_height is not None and row_height < 2:
             raise ValueError(f"row_height must be >= 2 pixels or None, got {row_height}")
-        self.every_n_rollouts = every_n_rollouts
+        self.every_n_steps = every_n_steps
         self.render_kwargs = dict(width=width, row_height=row_height)
         self._warned: set[str] = set()
 
@@ -327,7 +327,7 @@ class SlotTimelineLogger(Callback):
             self._warn_once("no_rollout", "the training batches carry no RolloutStats (batch.stats); no timeline.")
             return
         # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
-        if logger_step(trainer) % self.every_n_rollouts or not trainer.is_global_zero:
+        if logger_step(trainer) % self.every_n_steps or not trainer.is_global_zero:
             return
         if not stats.timeline:
             self._warn_once("empty", "a rollout came with an empty timeline (no decode steps); it is skipped.")

@@ -44,6 +44,7 @@ from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_func
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts, check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.scheduling import InfiniteSchedulerConfig
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_choice, check_int, check_int_in_range, check_real,
                                          config_errors)
@@ -234,6 +235,17 @@ class RolloutDataModule(LightningDataModule):
                 ("val_temperature", val_temperature, None if val_num_samples > 1 else "val_num_samples > 1")):
             if needs is not None and value != defaults[name].default:
                 warnings.warn(f"{name}={value!r} applies with {needs} only; it is ignored", stacklevel=2)
+        if task is None:  # a config that switches its source away from a task often keeps the task's settings
+            for name, value in (("task_config", task_config), ("size", size)):
+                if value != defaults[name].default:
+                    warnings.warn(f"data.{name}={value!r} applies to data.task only; this run's prompts come from "
+                                  "another source, so it is ignored", stacklevel=2)
+        preempt = sampling.scheduler.preempt_tokens  # the default's quantum may exceed a short cap unasked
+        if sampling.strategy == "infinite" and preempt and preempt >= sampling.max_new_tokens and \
+                preempt != InfiniteSchedulerConfig().preempt_tokens:
+            warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
+                          f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
+                          "for plain continuous sampling", stacklevel=2)
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         check_choice("curriculum", curriculum, CURRICULA)
         if "{prompt}" not in prompt_template:

@@ -42,7 +42,7 @@ from typing import Any, NoReturn, Optional
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -234,6 +234,9 @@ class GRPOCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         with self._config_errors():
+            parser = self.parser._subcommands_action._name_parser_map[self.subcommand] if self.subcommand \
+                else self.parser
+            check_groups_are_mappings(config, parser.get_defaults())
             check_manual_optimization_settings(config.get("trainer") or {})
             if self.subcommand == "fit" and (config.get("trainer") or {}).get("limit_train_batches") == 0:
                 raise ValueError("trainer.limit_train_batches=0 trains no step, so fit would only validate: remove "
@@ -321,6 +324,20 @@ def _exit_with(error: Exception, subcommand: str) -> None:
 
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
+
+
+def check_groups_are_mappings(config: Namespace, defaults: Namespace) -> None:
+    """Refuse a list given for a group of settings (a settings dataclass such as ``data.sampling``), which the
+    parser would otherwise take positionally, field by field in declaration order."""
+    for key, default in defaults.items(branches=True):
+        if not isinstance(default, Namespace):
+            continue
+        with contextlib.suppress(KeyError, AttributeError):  # under a group given as a list itself
+            value = config.get(key)
+            if isinstance(value, (list, tuple)):
+                names = list(vars(default))
+                raise ValueError(f"{key}={value!r} must be a mapping of its settings by name ({', '.join(names[:4])}"
+                                 f"{', ...' if len(names) > 4 else ''}), not a list")
 
 
 def check_manual_optimization_settings(trainer: Any) -> None:

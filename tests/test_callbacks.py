@@ -33,7 +33,7 @@ from lit_grpo.scheduling.base import Decision
 
 def test_every_callback_runs_on_a_plain_module(tmp_path):
     monitor = PeakMemoryMonitor()
-    callbacks = [monitor, RolloutProfiler(), SlotTimelineLogger(every_n_rollouts=1), CompletionLogger(),
+    callbacks = [monitor, RolloutProfiler(), SlotTimelineLogger(every_n_steps=1), CompletionLogger(),
                  RewardForecast(monitor="train/loss", min_points=5, check_every_n_steps=4)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -180,9 +180,11 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--trainer.limit_train_batches", "0"], "error: trainer.limit_train_batches=0 trains no step"),
     (["--data.accuracy_reward", "mathh"], "error: data.accuracy_reward='mathh' is not one of the reward functions'"),
     (["--seed_everything", "-1"], "error: seed_everything=-1: -1 is not in bounds, numpy accepts from 0 to "),
-    (["--data.sampling.seed", "-1"], "error: data.sampling.seed=-1 is not allowed; sampling.seed must be an integer >= 0"),
+    (["--data.sampling.seed", "-1"],
+     "error: data.sampling.seed=-1 is not allowed; sampling.seed must be an integer >= 0"),
     (["--data.reward_funcs", "[{name: char_fraction, weight: 1e39}]"],
-     "error: data.reward_funcs: reward weight 1e+39 for 'char_fraction' must be a finite number, |weight| <= 3.403e+38"),
+     "error: data.reward_funcs: reward weight 1e+39 for 'char_fraction' must be a finite number, "
+     "|weight| <= 3.403e+38"),
     (["--data.jsonl_path", "/", "--data.task", "null"], "error: data: prompt file '/' is a folder (jsonl_path)"),
     (["--model.dtype", "float13"], "error: model.dtype='float13' is not known; use one of ['bf16', 'bfloat16'"),
     # Lightning's own refusals and a YAML list where a mapping belongs are said alike
@@ -194,6 +196,24 @@ def test_a_bad_value_ends_the_command_with_its_message_not_a_traceback(capsys, a
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and "Traceback" not in err and "lit-grpo fit --help" in err
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("data:\n  sampling: [4, 2]", "error: data.sampling=[4, 2] must be a mapping of its settings by name (group_size, "
+                                  "micro_group_size, kv_budget_bytes, strategy, ...), not a list"),
+    ("data:\n  sampling:\n    scheduler: [4]", "error: data.sampling.scheduler=[4] must be a mapping of its "
+                                               "settings by name (preempt_tokens, park_budget, loss_share, "
+                                               "length_aware), not a list"),
+    ("model:\n  loss: [grpo]", "error: model.loss=['grpo'] must be a mapping of its settings by name"),
+])
+def test_a_list_for_a_group_of_settings_is_refused_not_taken_positionally(capsys, tmp_path, yaml, message):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--config", str(config), "--trainer.logger", "false"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err
 
 
 @pytest.mark.parametrize("key, value, instead", [("gradient_clip_val", "1.0", "model.max_grad_norm"),

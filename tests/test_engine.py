@@ -756,6 +756,32 @@ def test_inverse_cdf_never_draws_a_zero_probability_token_at_the_edges():
     assert inverse_cdf(probs, uniforms).tolist() == [5, 260, 260]
 
 
+def test_inverse_cdf_keeps_a_row_of_nan_probabilities_inside_the_vocabulary():
+    from lit_grpo.sampling.token_sampler import inverse_cdf
+
+    probs = torch.full((2, 300), float("nan"))
+    probs[1] = 0.0
+    probs[1, 42] = 1.0  # a row of numbers beside it draws as ever
+    tokens = inverse_cdf(probs, torch.tensor([0.999, 0.5], dtype=torch.float64))
+    assert 0 <= tokens[0] < 300 and tokens[1] == 42
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_policy_whose_logits_are_nan_stops_the_rollout_naming_why(temperature):
+    """Diverged weights (an absurd learning rate) make every logit NaN: the rollout ends with a named error, not an
+    index error inside the sampler (or a device-side assert on CUDA)."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    engine = RolloutEngine(model.eval(), tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=4, temperature=temperature)
+    with pytest.raises(FloatingPointError, match=r"next-token logits are NaN or inf in 2 decoding rows .*lower "
+                                                 r"model.lr"):
+        engine.generate(["1+1="])
+
+
 # ------------------------------------------------------------------------------ the compiled decode step
 def test_a_compiled_step_is_schedule_invariant_greedy_exact_and_compiled_once(tiny_llama):
     from torch._dynamo.utils import counters

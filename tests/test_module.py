@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 import warnings
 
 import pytest
@@ -239,10 +240,35 @@ def test_bad_arguments_name_the_value():
             RolloutDataModule(prompts=PROMPTS, sampling={"scheduler": {"length_aware": {"predictor": predictor}}})
     # and a setting that acts only beside another one that is off
     for setting, needs in (({"max_rollouts_per_step": 2}, "dynamic_sampling"),
-                           ({"max_staleness": 5}, "over_provision > 1"), ({"val_temperature": 0.5}, "val_num_samples > 1")):
+                           ({"max_staleness": 5}, "over_provision > 1"),
+                           ({"val_temperature": 0.5}, "val_num_samples > 1")):
         name, value = next(iter(setting.items()))
         with pytest.warns(UserWarning, match=rf"{name}={value} applies with {needs} only; it is ignored"):
             RolloutDataModule(prompts=PROMPTS, **setting)
+    # a task's settings where the prompts come from elsewhere (a config that switched its source)
+    for setting in ({"task_config": {"min_terms": 2}}, {"size": 40}):
+        name, value = next(iter(setting.items()))
+        with pytest.warns(UserWarning, match=rf"data.{name}={re.escape(repr(value))} applies to data.task only"):
+            RolloutDataModule(prompts=PROMPTS, **setting)
+    # a first preemption point at or past the cap: the scheduler never preempts
+    with pytest.warns(UserWarning, match=r"preempt_tokens=64 is not below max_new_tokens=64, so no sample is ever "
+                                         r"preempted"):
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "max_new_tokens": 64,
+                                                     "scheduler": {"preempt_tokens": 64}})
+    with warnings.catch_warnings():  # the default quantum past a short cap was not asked for
+        warnings.simplefilter("error")
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "max_new_tokens": 4})
+        RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "infinite", "max_new_tokens": 64,
+                                                     "scheduler": {"preempt_tokens": 63}})
+    # the sampler correction's bounds under mode none, named once when the module is built
+    with pytest.warns(UserWarning, match=r"sampler_correction settings \['clip_max'\] have no effect with "
+                                         r"mode='none'") as said:
+        GRPOModule(model="tiny-llama", sampler_correction={"mode": "none", "clip_max": 2.0})
+    assert len([w for w in said if "sampler_correction" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOModule(model="tiny-llama", sampler_correction={"mode": "auto", "clip_max": 2.0})
+        GRPOModule(model="tiny-llama", sampler_correction={"mode": "none"})
     # so is a slot count the strategy does not use
     with pytest.warns(UserWarning, match=r"micro_group_size=2 is ignored by strategy 'full'"):
         RolloutDataModule(prompts=PROMPTS, sampling={"strategy": "full", "micro_group_size": 2})

@@ -58,7 +58,7 @@ def test_slot_timeline_logger_writes_readable_figures(tmp_path):
     rollouts = [MovableRollout(**vars(make_rollout(seed))) for seed in range(5)]
     rollouts[2].stats.decisions = [Decision(0, 0, (0, 0), "start", "arrival"), Decision(2, 1, (0, 1), "park",
                                                                                          "preemption")]
-    logger = SlotTimelineLogger(every_n_rollouts=2, width=900)
+    logger = SlotTimelineLogger(every_n_steps=2, width=900)
     trainer = fit(tmp_path, RolloutModule(rollouts), [logger], max_steps=5)
     images = events(trainer).Images("rollout/slot_timeline")
 
@@ -82,7 +82,7 @@ def test_a_resumed_run_logs_the_timelines_an_uninterrupted_one_would(tmp_path):
 
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0))
     trainer = SimpleNamespace(is_global_zero=True, fit_loop=loop, loggers=[TensorBoardLogger(tmp_path, name="tb")])
-    logger = SlotTimelineLogger(every_n_rollouts=2)
+    logger = SlotTimelineLogger(every_n_steps=2)
     for step in (3, 4, 5, 6):
         loop.epoch_loop._batches_that_stepped = step
         logger.on_train_batch_end(trainer, None, None, make_rollout(step), 0)
@@ -173,7 +173,7 @@ def test_the_figure_marks_decisions_and_counts_them_by_reason():
 
 def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):
     with pytest.warns(UserWarning, match="no TensorBoardLogger") as caught:
-        fit(tmp_path, RolloutModule([make_rollout(s) for s in range(3)]), [SlotTimelineLogger(every_n_rollouts=1)],
+        fit(tmp_path, RolloutModule([make_rollout(s) for s in range(3)]), [SlotTimelineLogger(every_n_steps=1)],
             max_steps=3, logger=CSVLogger(tmp_path))
     assert sum("SlotTimelineLogger" in str(w.message) for w in caught) == 1
 

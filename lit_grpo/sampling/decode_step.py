@@ -44,11 +44,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import shutil
 import time
 import types
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,17 @@ class StepOutput:
     tokens: list[int]
     logprobs: list[float]
     hidden: torch.Tensor | None
+
+
+def check_finite_logits(logprobs: list[float], live_slots: Iterable[int]) -> None:
+    """Raise, naming the slots, where a live row's log-prob is NaN: its logits were not finite, so the token it
+    drew means nothing (idle rows are not checked: they compute on stale inputs)."""
+    broken = [slot for slot in live_slots if math.isnan(logprobs[slot])]
+    if broken:
+        raise FloatingPointError(
+            f"the policy's next-token logits are NaN or inf in {len(broken)} decoding rows (slots {broken[:8]}): "
+            "its weights have diverged or its forward overflows; lower model.lr, set model.max_grad_norm, or run "
+            "in float32 or bfloat16 rather than float16")
 
 
 class DecodeStep:
@@ -319,7 +331,9 @@ class DecodeStep:
             hidden = self.hidden.to("cpu", non_blocking=non_blocking)
         if non_blocking:
             torch.cuda.current_stream(self.device).synchronize()
-        return StepOutput(tokens.tolist(), logprobs.tolist(), None if hidden is None else hidden[hidden_slots])
+        output = StepOutput(tokens.tolist(), logprobs.tolist(), None if hidden is None else hidden[hidden_slots])
+        check_finite_logits(output.logprobs, self.live_lengths)
+        return output
 
     # ------------------------------------------------------------------------------------------ device side
     def _forward(self, hidden_states: bool = True) -> None:

@@ -126,7 +126,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BL
     # positive entry, so a zero-probability token is never drawn.
     targets = torch.minimum(targets, inside[:, -1:])
     offset = torch.searchsorted(inside, targets)                                             # [n, 1]
-    return (chosen * block + offset).squeeze(-1)
+    # Only a row of NaN probabilities reaches past the vocabulary: kept in range, it draws a token the decode step
+    # then refuses by its NaN log-prob (``check_finite_logits``) instead of failing inside an index.
+    return (chosen * block + offset).squeeze(-1).clamp_(max=vocab - 1)
 
 
 def force_lengths(logits: torch.Tensor, token_index: torch.Tensor, forced_length: torch.Tensor,

@@ -222,6 +222,9 @@ class GRPOModule(LightningModule):
                 lora_config(peft_config)
         loss_config = _typed("loss", loss, LossConfig)
         correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
+        if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
+            warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
+                          "ignored", stacklevel=2)
         # saved as plain values, which torch.load(weights_only=True) reads back; the update reads the typed objects
         loss, sampler_correction = dataclasses.asdict(loss_config), dataclasses.asdict(correction)
         self.save_hyperparameters()

@@ -106,6 +106,14 @@ class SamplerCorrection:
             raise ValueError(f"sampler_correction.mode={self.mode!r} needs sampler_correction.clip_min or "
                              "sampler_correction.clip_max (both are None)")
 
+    def ignored_settings(self) -> list[str]:
+        """The bounds given other than their defaults that ``mode="none"`` never reads ("auto" reads them for a
+        batch with older samples)."""
+        if self.mode != "none":
+            return []
+        return [f.name for f in dataclasses.fields(self)
+                if f.name in ("clip_min", "clip_max") and getattr(self, f.name) != f.default]
+
     def for_batch(self, has_older_samples: bool) -> SamplerCorrection:
         """The correction for one batch: "auto" becomes ``AUTO_MODE`` when the batch carries tokens sampled by
         older weights (``RolloutBatch.offpolicy_tokens > 0``) and "none" otherwise; any other mode stays."""
