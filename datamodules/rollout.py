@@ -41,7 +41,8 @@ from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
                                       correctness_reward)
-from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts, check_slot_budget
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
+from lit_grpo.rollout.slot_memory import check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling import InfiniteSchedulerConfig
@@ -491,10 +492,11 @@ class RolloutDataModule(LightningDataModule):
             self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
         self._step_drawn = set()
         batch = builder.build_train(self._draw)
-        if builder.slot_budget is not None and not self._slot_budget_said:
+        memory = builder.slot_memory
+        if memory.slot_budget is not None and not self._slot_budget_said:
             self._slot_budget_said = True
-            rank_zero_info(f"lit_grpo: {builder.slot_budget.describe()}")
-        keeping, said = builder.cache_keeping, self._cache_keeping_said
+            rank_zero_info(f"lit_grpo: {memory.slot_budget.describe()}")
+        keeping, said = memory.cache_keeping, self._cache_keeping_said
         if keeping is not None and (said is None or said.kept != keeping.kept):
             self._cache_keeping_said = keeping
             rank_zero_info(f"lit_grpo: {keeping.describe()}")

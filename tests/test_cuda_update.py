@@ -64,7 +64,7 @@ def test_auto_keeps_the_slot_cache_once_an_update_has_shown_it_fits():
     trainer.fit(module, data)
     assert module.measured_update_peak() > 0
     assert held[0] == 0  # no update measured before the first: released
-    decided = data.builder.cache_keeping
+    decided = data.builder.slot_memory.cache_keeping
     assert decided is not None and decided.kept_bytes > 0, decided
     # kept through an update once one at least as wide has been measured (a wider batch releases and measures)
     assert any(held[1:]) or "wider" in decided.describe(), (held, decided)

@@ -612,9 +612,9 @@ def test_the_same_hand_over_from_another_trainer_lends_its_precision_and_gather(
 
 def test_the_datamodule_says_the_auto_budget_and_the_cache_keeping_once(module, monkeypatch):
     from lit_grpo.datamodules import rollout as datamodule_module
-    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.rollout import slot_memory as slot_memory_module
 
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**10, 10**10))
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (10**10, 10**10))
     said = []
     monkeypatch.setattr(datamodule_module, "rank_zero_info", said.append)
     dm = make_datamodule(module, setup=False, micro_group_size="auto")

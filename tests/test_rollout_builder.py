@@ -211,7 +211,7 @@ def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
 def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast):
     """Without kv_budget_bytes the builder reads the device's free memory (once), sets aside the rollout weights'
     copy, AdamW's moments and a margin, and sizes g to what is left (gradients are freed before every rollout)."""
-    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.rollout import slot_memory as slot_memory_module
     from lit_grpo.runtime.memory import trainable_bytes
     from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, kv_held_bytes, kv_prefill_bytes,
                                                  kv_slot_bytes)
@@ -236,14 +236,14 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
         readings.append(device)
         return free, total
 
-    monkeypatch.setattr(builder_module, "device_memory", device_memory)
+    monkeypatch.setattr(slot_memory_module, "device_memory", device_memory)
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=longest, rollout_weights=weights, precision_context=context)
     batch = builder.build_train(lambda count: prompts[:count])
     assert builder.engine.micro_group_size == 3 and batch.metrics["rollout/slots"] == 3.0
     assert builder.resolved_micro_group_size == 3 and len(readings) == 1  # resolved once, not at every reading
-    budget = builder.slot_budget
+    budget = builder.slot_memory.slot_budget
     assert budget.kv_budget_bytes == held + 3 * slot + slot // 2
     assert budget.describe().startswith("micro_group_size: auto -> 3 slots under a KV budget of ")
     assert "free" in budget.source and "margin" in budget.source and "optimizer state" in budget.source
@@ -252,7 +252,7 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
         assert copy > 0
     # A resumed run takes the budget its checkpoint read: AdamW's restored moments, on the device by then, are
     # not set aside twice. Its g is sized again, for the resumed config; a device of other memory is read again.
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free - 2 * trainable_bytes(
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (free - 2 * trainable_bytes(
         model.parameters()), total))
 
     def resumed(state, **changes):
@@ -262,26 +262,29 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
         return run
 
     again = resumed(builder.state_dict())
-    assert again.resolved_micro_group_size == 3 and again.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
-    assert again.slot_budget.describe() == budget.describe().replace(")", "; read before the checkpoint was saved)")
+    assert again.resolved_micro_group_size == 3
+    restored = again.slot_memory.slot_budget
+    assert restored.kv_budget_bytes == budget.kv_budget_bytes
+    assert restored.describe() == budget.describe().replace(")", "; read before the checkpoint was saved)")
     third = resumed(again.state_dict())  # resumed twice: the same budget, said the same way
     assert resumed(builder.state_dict()).state_dict()["kv_budget"] == builder.state_dict()["kv_budget"]  # unsized
-    assert third.resolved_micro_group_size == 3 and third.slot_budget.describe() == again.slot_budget.describe()
+    assert third.resolved_micro_group_size == 3 and third.slot_memory.slot_budget.describe() == restored.describe()
     longer = resumed(builder.state_dict(), max_new_tokens=12)  # longer rows: fewer of them in the same bytes
     same_bytes = resumed({}, max_new_tokens=12, kv_budget_bytes=budget.kv_budget_bytes)
     assert longer.resolved_micro_group_size == same_bytes.resolved_micro_group_size < 3
-    assert longer.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free, 2 * total))
+    assert longer.slot_memory.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (free, 2 * total))
     with pytest.raises(ValueError, match="no device memory left for the KV cache"):  # read again: a larger margin
         resumed(builder.state_dict()).resolved_micro_group_size
     # keep_kv_cache: true holds the cache through every update: the gradients are set aside too
     gradients = trainable_bytes(model.parameters())
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (free + gradients, total))
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (free + gradients, total))
     held_through = RolloutBuilder(model, tokenizer, sampling.replace(keep_kv_cache=True), [], prompts_per_step=2,
                                   max_prompt_length=longest, rollout_weights=weights, precision_context=context)
     assert held_through.resolved_micro_group_size == 3
-    assert held_through.slot_budget.kv_budget_bytes == budget.kv_budget_bytes  # their bytes more free, as many slots
-    assert "gradients and optimizer state" in held_through.slot_budget.source
+    held_budget = held_through.slot_memory.slot_budget
+    assert held_budget.kv_budget_bytes == budget.kv_budget_bytes  # their bytes more free, as many slots
+    assert "gradients and optimizer state" in held_budget.source
 
 
 def _prompts_of_length(tokenizer, count, words):
@@ -295,7 +298,7 @@ def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_i
     the slot cache (priced at its widest: the longest prompt's width) and the rollout weights' copy its graphs read
     through the coming update where that batch is no wider than the widest update measured and the kept bytes fit
     beside that update's peak; a wider batch releases them, and its update is measured."""
-    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.rollout import slot_memory as slot_memory_module
     from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
     from lit_grpo.sampling.memory_budget import DEVICE_MARGIN_FRACTION, kv_bytes_per_token
 
@@ -307,7 +310,7 @@ def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_i
     assert max(len(p.ids) for p in medium) + 6 < min(len(p.ids) for p in long)
     total = 10**9
     margin = int(DEVICE_MARGIN_FRACTION * total)
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (total, total))
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (total, total))
     sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6)
     assert sampling.keep_kv_cache == "auto"
     dtype = torch.bfloat16 if cast else torch.float32
@@ -326,21 +329,22 @@ def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_i
             return None if not cast else all(c.untyped_storage().size() > 0 for _, c in weights._casts.values())
 
         builder.build_train(lambda count: medium[:count])
-        assert builder.cache_keeping is None and builder.engine._cache is None  # no update measured yet
+        assert builder.slot_memory.cache_keeping is None and builder.engine._cache is None  # no update measured yet
         assert not copies_held()
         measured["peak"] = total - margin - kept_bytes + (0 if fits else 1)
         builder.build_train(lambda count: short[:count])  # narrower than the update measured
-        decided = builder.cache_keeping
+        decided = builder.slot_memory.cache_keeping
         assert (decided.kept, decided.kept_bytes, decided.margin_bytes) == (fits, kept_bytes, margin)
         assert decided.describe().startswith(f"keep_kv_cache: auto -> the slot cache is "
                                              f"{'kept through' if fits else 'released before'} the update")
         cache = builder.engine._cache
         assert (cache is not None) is fits and copies_held() in (None, fits)
         builder.build_train(lambda count: short[:count])
-        assert builder.cache_keeping.kept is fits and (cache is not None and builder.engine._cache is cache) is fits
+        kept_again = builder.slot_memory.cache_keeping.kept
+        assert kept_again is fits and (cache is not None and builder.engine._cache is cache) is fits
         builder.build_train(lambda count: long[:count])  # wider than any update measured: released, then measured
-        assert not builder.cache_keeping.kept and builder.engine._cache is None and not copies_held()
-        assert "wider than any update measured" in builder.cache_keeping.describe()
+        assert not builder.slot_memory.cache_keeping.kept and builder.engine._cache is None and not copies_held()
+        assert "wider than any update measured" in builder.slot_memory.cache_keeping.describe()
 
 
 def test_auto_keeps_nothing_off_cuda(policy):
@@ -350,14 +354,14 @@ def test_auto_keeps_nothing_off_cuda(policy):
                              measured_update_peak=lambda: 1)
     for _ in range(2):
         builder.build_train(lambda count: _prompts(tokenizer, count))
-        assert builder.cache_keeping is None and builder.engine._cache is None
+        assert builder.slot_memory.cache_keeping is None and builder.engine._cache is None
 
 
 def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
-    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.rollout import slot_memory as slot_memory_module
 
     model, tokenizer = policy
-    monkeypatch.setattr(builder_module, "device_memory", lambda device: (10**6, 10**9))  # the margin alone is 10**8
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (10**6, 10**9))  # the margin alone is 10**8
     sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6)
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=8)
@@ -367,7 +371,7 @@ def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
 
 
 def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_some_are(policy, monkeypatch):
-    from lit_grpo.rollout import builder as builder_module
+    from lit_grpo.rollout import slot_memory as slot_memory_module
 
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6,
@@ -376,7 +380,7 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
                                          r"from the longest training prompt"):
         RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
     priced = []
-    monkeypatch.setattr(builder_module, "auto_micro_group_size",
+    monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
                         lambda *args, carried, alignment: priced.append(carried) or 2)
     partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=8, over_provision=2.0)

@@ -15,7 +15,8 @@ The data flow of a training step, prompt -> builder -> batch -> module::
 
 Everything the builder needs comes in as an argument, once: the policy and tokenizer (from the module that owns
 them), the sampling config, the reward functions, the advantage scaling and the world (size, and how to gather
-across ranks). It knows nothing about Lightning.
+across ranks). It knows nothing about Lightning. The slot cache's memory decisions (``micro_group_size: auto``,
+``keep_kv_cache: auto``) are its ``SlotMemory``'s (lit_grpo.rollout.slot_memory).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,16 +33,11 @@ from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
+from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.memory import device_memory, trainable_bytes
-from lit_grpo.runtime.sizes import format_bytes
-from lit_grpo.runtime.validation import ConfigError, check_int, config_errors
+from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
-from lit_grpo.sampling.engine import row_alignment
-from lit_grpo.sampling.kv_cache import kv_cache_dtype
-from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory,
-                                             kv_cache_fits_beside_update)
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 
@@ -61,82 +57,6 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class KVBudget:
-    """The bytes ``micro_group_size: auto`` sizes the slots in, and where they came from (``source``: the config's
-    value, or the device's free memory and what was set aside). ``device_total_bytes``: the memory of the device
-    read (None for the config's value); ``restored``: read before the checkpoint this run resumed from."""
-
-    kv_budget_bytes: int
-    source: str
-    device_total_bytes: int | None = None
-    restored: bool = False
-
-
-@dataclass(frozen=True)
-class SlotBudget:
-    """How ``micro_group_size: auto`` was resolved: ``slots`` (g) under ``budget``."""
-
-    slots: int
-    budget: KVBudget
-
-    @property
-    def kv_budget_bytes(self) -> int:
-        return self.budget.kv_budget_bytes
-
-    @property
-    def source(self) -> str:
-        return self.budget.source
-
-    def describe(self) -> str:
-        """One line for the log."""
-        restored = "; read before the checkpoint was saved" if self.budget.restored else ""
-        return (f"micro_group_size: auto -> {self.slots} slots under a KV budget of "
-                f"{format_bytes(self.kv_budget_bytes)} ({self.source}{restored})")
-
-
-def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
-    """Raise where ``micro_group_size: auto`` has no budget to size the slots from: no ``kv_budget_bytes`` and a
-    policy off CUDA, whose free memory is not read ("full" ignores g: nothing to size)."""
-    if (sampling.micro_group_size == "auto" and sampling.kv_budget_bytes is None and sampling.strategy != "full"
-            and device_memory(device) is None):
-        raise _no_slot_budget(device)
-
-
-def _no_slot_budget(device: torch.device) -> ConfigError:
-    return ConfigError(f"data.sampling.micro_group_size='auto' without kv_budget_bytes sizes the KV cache from the "
-                       f"GPU's free memory, but the policy is on {device.type!r}: set sampling.kv_budget_bytes "
-                       "(bytes, an integer >= 1) or an integer micro_group_size")
-
-
-@dataclass(frozen=True)
-class CacheKeeping:
-    """``keep_kv_cache: auto``'s decision at the end of a training rollout: ``kept`` through the coming update when
-    this batch (``batch_width`` positions a row) is no wider than the widest update measured (``update_width``) and
-    that update's peak with nothing kept (``update_peak_bytes``) plus the slot cache at its widest and the rollout
-    weights' copy (``kept_bytes``) fit in ``total_bytes`` less ``margin_bytes``
-    (``memory_budget.kv_cache_fits_beside_update``). A wider batch releases it, and its update is measured."""
-
-    kept: bool
-    batch_width: int
-    update_width: int
-    update_peak_bytes: int
-    kept_bytes: int
-    total_bytes: int
-    margin_bytes: int
-
-    def describe(self) -> str:
-        """One line for the log."""
-        if self.batch_width > self.update_width:
-            return (f"keep_kv_cache: auto -> the slot cache is released: this batch's rows ({self.batch_width} "
-                    f"positions) are wider than any update measured ({self.update_width}); this update is measured")
-        verdict = "kept through the update" if self.kept else "released before the update"
-        return (f"keep_kv_cache: auto -> the slot cache is {verdict}: the update's peak "
-                f"{format_bytes(self.update_peak_bytes)} (rows up to {self.update_width} positions) + the slot cache "
-                f"and rollout weights' copy {format_bytes(self.kept_bytes)} {'<=' if self.kept else '>'} "
-                f"{format_bytes(self.total_bytes)} on the device - {format_bytes(self.margin_bytes)} margin")
-
-
-@dataclass(frozen=True)
 class _Carry:
     """What the builder attaches to a group it may carry: its prompt, and the steps it has been carried so far."""
 
@@ -145,7 +65,7 @@ class _Carry:
 
 
 @dataclass
-class _Round:
+class _ScoredRollout:
     """One rollout's (engine call's) groups, scored: ``[b]`` prompts x G completions."""
 
     prompts: list[Prompt]
@@ -187,7 +107,8 @@ class RolloutBuilder:
             (``random_streams.rank_seed``): otherwise group p of every rank would draw the same numbers.
         all_gather: a gather across ranks, lent by the trainer (``use_world``; see ``world_size``).
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
-        measured_update_peak: the device's peak in the last update, read from its owner (``use_world``).
+        measured_update_peak: the device's peak in the last update, read from its owner (``use_world``), for
+            ``keep_kv_cache: auto`` (``slot_memory``).
         prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
         over_provision: partial rollouts (1.0: off): each step's first rollout runs up to ``ceil(over_provision x B)``
@@ -215,10 +136,7 @@ class RolloutBuilder:
         if world_size > 1 and scale_rewards == "batch" and all_gather is None:
             raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
-        if sampling.micro_group_size == "auto" and sampling.strategy != "full" and (
-                isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1):
-            raise ValueError(f"max_prompt_length={max_prompt_length!r}: micro_group_size 'auto' prices the prompts' "
-                             "KV from the longest training prompt, so it needs that length (an integer >= 1)")
+        check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
@@ -227,22 +145,16 @@ class RolloutBuilder:
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.world_size, self.rank = world_size, check_int("rank", rank, 0)
         self.use_world(all_gather, precision_context, measured_update_peak)
-        self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
+        self.prompts_per_step = prompts_per_step
         self.over_provision, self.max_staleness = over_provision, max_staleness
-        #: the most groups a rollout runs at once: a step's first one, with partial rollouts, runs carried and
-        #: fresh groups up to ``ceil(over_provision x B)``
-        self.groups_per_rollout = math.ceil(over_provision * prompts_per_step)
         self.weights = rollout_weights or RolloutWeights(policy)
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
-        #: ``micro_group_size: auto`` resolved, once (a budget from free memory would differ at every reading).
-        self.slot_budget: SlotBudget | None = None
-        self._checkpoint_kv_budget: KVBudget | None = None  # the budget the checkpoint resumed from read
-        #: ``keep_kv_cache: auto``'s last decision (on CUDA, once an update has been measured)
-        self.cache_keeping: CacheKeeping | None = None
-        #: the widest update measured: ``(row width, peak with nothing kept)``, and the last batch's, whose update
-        #: runs next: ``(row width, bytes kept through it)``
-        self._widest_update: tuple[int, int] | None = None
-        self._pending_update: tuple[int, int] | None = None
+        #: the slot cache's memory decisions: ``micro_group_size: auto`` and ``keep_kv_cache: auto``. A rollout
+        #: runs at most ``ceil(over_provision x B)`` groups at once: a step's first, with partial rollouts, runs
+        #: carried and fresh groups up to that
+        self.slot_memory = SlotMemory(policy, sampling, self.weights,
+                                      groups_per_rollout=math.ceil(over_provision * prompts_per_step),
+                                      max_prompt_length=max_prompt_length)
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         #: training groups no reward function raised on, over every rank, until the first (checkpointed)
         self._groups_scored = 0
@@ -270,96 +182,9 @@ class RolloutBuilder:
     # ------------------------------------------------------------------------------------------ engines
     @property
     def resolved_micro_group_size(self) -> int | None:
-        """g of the training engine: ``sampling.micro_group_size``, with ``"auto"`` resolved once from the KV budget
-        (``slot_budget`` says how)."""
-        g = self.sampling.micro_group_size
-        if g != "auto":
-            return g
-        if self.sampling.strategy == "full":  # every sample has its row
-            return None
-        if self.slot_budget is None:
-            budget = self._kv_budget()
-            config, prompts = self.sampling, self.groups_per_rollout
-            parked = (config.scheduler.parked_kv_bounds(config.max_new_tokens) if config.strategy == "infinite"
-                      else (0, 0))
-            # priced in the dtype the cache stores: the autocast one under mixed precision
-            with self.precision_context():
-                dtype = kv_cache_dtype(self.weights.module)
-            # "auto" compiles on CUDA only, where the rows are aligned anyway
-            alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
-            with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
-                slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,
-                                              self.max_prompt_length, config.max_new_tokens, config.group_size,
-                                              prompts, *parked, carried=self.partial_rollouts, alignment=alignment)
-            self.slot_budget = SlotBudget(slots, budget)
-        return self.slot_budget.slots
-
-    def _kv_budget(self) -> KVBudget:
-        """``sampling.kv_budget_bytes`` where set; else on CUDA the device's free memory less what the run will
-        still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its memory
-        (``memory_budget.kv_budget_from_free_memory``). A resumed run takes the budget its checkpoint read, on a
-        device of the same memory: its free memory now holds the restored optimizer state, which a new reading
-        would set aside a second time. The slots are sized again from it, for the config of the resumed run.
-
-        g is resolved before the first rollout, so before any optimizer step: AdamW's two moments are estimated
-        (2 x ``runtime.memory.trainable_bytes``), as are the rollout weights' copy (cast or gathered, allocated
-        when a rollout starts) and the margin, which covers a decode step's activations and logits. The update's
-        gradients (freed after every optimizer step) are set aside only under ``keep_kv_cache: true``, which holds
-        the cache through every update; ``"auto"`` keeps it only where it fits beside a measured update
-        (``CacheKeeping``), and the update's activations are the margin's, or the released cache's.
-        """
-        if self.sampling.kv_budget_bytes is not None:
-            return KVBudget(self.sampling.kv_budget_bytes, "sampling.kv_budget_bytes")
-        device = next(self.policy.parameters()).device
-        memory = device_memory(device)
-        if memory is None:
-            raise _no_slot_budget(device)
-        free, total = memory
-        saved = self._checkpoint_kv_budget
-        if saved is not None and saved.device_total_bytes == total:
-            return replace(saved, restored=True)
-        copy, trainable = self.weights.scope_bytes(), trainable_bytes(self.policy.parameters())
-        state, named = (3 * trainable, "gradients and optimizer state") if self.sampling.keep_kv_cache is True else (
-            2 * trainable, "optimizer state")
-        margin = int(DEVICE_MARGIN_FRACTION * total)
-        budget = kv_budget_from_free_memory(free, copy + state, margin)
-        return KVBudget(budget, f"{device}: {format_bytes(free)} free - {format_bytes(copy)} rollout weights' copy - "
-                                f"{format_bytes(state)} {named} - {format_bytes(margin)} margin", total)
-
-    def _measure_last_update(self) -> None:
-        """Fold the update of the last batch into ``_widest_update``: its row width and its peak (the allocator's
-        since its last reset: under ``PeakMemoryMonitor`` this update's own, else the run's so far, the rollout's
-        included, which errs toward releasing) less what was kept through it."""
-        peak, pending = self.measured_update_peak(), self._pending_update
-        self._pending_update = None
-        if peak is None or pending is None:
-            return
-        width, kept = pending
-        widest = self._widest_update or (0, 0)
-        self._widest_update = max(widest[0], width), max(widest[1], peak - kept)
-
-    def _keep_through_update(self, engine: RolloutEngine, batch_width: int) -> bool:
-        """Whether the training engine keeps its slot cache (and graphs) and the rollout weights their copy through
-        the coming update, whose rows are ``batch_width`` positions: ``sampling.keep_kv_cache``, with ``"auto"``
-        decided here (``CacheKeeping``, on CUDA)."""
-        setting = self.sampling.keep_kv_cache
-        if setting != "auto":
-            return setting
-        if self._widest_update is None:  # no update measured yet
-            return False
-        memory = device_memory(next(self.policy.parameters()).device)
-        if memory is None:
-            return False
-        total = memory[1]
-        cache = engine.slot_cache_bytes()
-        if self.max_prompt_length:
-            with self.precision_context():  # the cache's dtype: the autocast one under mixed precision
-                cache = max(cache, engine.widest_slot_cache_bytes(self.groups_per_rollout, self.max_prompt_length))
-        width, peak = self._widest_update
-        kept_bytes, margin = cache + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
-        kept = batch_width <= width and kv_cache_fits_beside_update(peak, kept_bytes, total, margin)
-        self.cache_keeping = CacheKeeping(kept, batch_width, width, peak, kept_bytes, total, margin)
-        return kept
+        """g of the training engine: ``sampling.micro_group_size``, with ``"auto"`` resolved once by ``slot_memory``
+        (its ``slot_budget`` says how); it prices the carried groups' KV and the rollouts' precision."""
+        return self.slot_memory.micro_group_size(self.partial_rollouts, self.precision_context)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -410,19 +235,14 @@ class RolloutBuilder:
         state = self._engine.state_dict() if self._engine is not None else dict(self._pending_engine_state or {})
         state["carried"] = [_carried_state(group) for group in self.carried]
         state["groups_scored"] = self._groups_scored
-        # before its first rollout sizes the slots, a resumed run saves again the budget it resumed from
-        budget = self.slot_budget.budget if self.slot_budget is not None else self._checkpoint_kv_budget
-        if budget is not None and budget.device_total_bytes is not None:
-            state["kv_budget"] = asdict(replace(budget, restored=False))
+        state.update(self.slot_memory.state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
         self._groups_scored = int(state.pop("groups_scored", 1))  # a checkpoint without it: a run that trained
-        budget = state.pop("kv_budget", None)
-        if budget is not None:  # used where g is resolved from the device (_kv_budget)
-            self._checkpoint_kv_budget = KVBudget(**budget)
+        state = self.slot_memory.load_state_dict(state)  # the rest is the engine's
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
         elif self._engine is not None:
@@ -475,36 +295,37 @@ class RolloutBuilder:
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
         """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
         engine, num_prompts = self.engine, self.prompts_per_step
-        self._measure_last_update()
+        self.slot_memory.measure_last_update(self.measured_update_peak())
         partial = self.partial_rollouts
         with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
-            rounds = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
-            keep = self._kept_groups(rounds)
-            while self.dynamic_sampling and len(keep) < num_prompts and len(rounds) < self.max_rollouts_per_step:
-                rounds.append(self._rollout(engine, draw(num_prompts - len(keep))))
-                keep = self._kept_groups(rounds)
+            rollouts = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
+            keep = self._kept_groups(rollouts)
+            while self.dynamic_sampling and len(keep) < num_prompts and len(rollouts) < self.max_rollouts_per_step:
+                rollouts.append(self._rollout(engine, draw(num_prompts - len(keep))))
+                keep = self._kept_groups(rollouts)
         chosen = keep[:num_prompts]
         if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
-            dropped = [key for key in _all_groups(rounds) if key not in set(chosen)]
+            dropped = [key for key in _all_groups(rollouts) if key not in set(chosen)]
             chosen = chosen + dropped[: num_prompts - len(chosen)]
-        batch = self._assemble(rounds, chosen, engine, train=True)
+        batch = self._assemble(rollouts, chosen, engine, train=True)
         width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
-        kept = self._keep_through_update(engine, width)
+        kept = self.slot_memory.keep_through_update(engine, width, self.precision_context)
         if not kept:  # the update needs that memory more
             engine.release()
             self.weights.release()  # no graph reads them any more
-        self._pending_update = width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
-        batch.metrics["rollout/rollouts_per_step"] = float(len(rounds))
-        batch.offpolicy_tokens = sum(rounds[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
+        self.slot_memory.expect_update(engine, width, kept)
+        batch.metrics["rollout/rollouts_per_step"] = float(len(rollouts))
+        batch.offpolicy_tokens = sum(rollouts[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
         if partial:
             batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
             tokens = max(int(batch.completion_mask.sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
-        batch.metrics["reward/skipped_groups"] = float(sum(int(r.skipped.sum()) for r in rounds))
-        self._check_some_group_scored(rounds)
-        scored = [(r.components.get(self.accuracy_reward), r.rewards, ~r.skipped) for r in rounds]  # every group
+        batch.metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
+        self._check_some_group_scored(rollouts)
+        generated = [(rollout.components.get(self.accuracy_reward), rollout.rewards, ~rollout.skipped)
+                     for rollout in rollouts]  # every group
         batch.generated_accuracy = sum(accuracy_sums(None if accuracy is None else accuracy[kept], rewards[kept])
-                                       for accuracy, rewards, kept in scored)
+                                       for accuracy, rewards, kept in generated)
         if engine.micro_group_size is not None:
             batch.metrics["rollout/slots"] = float(engine.micro_group_size)
         return batch
@@ -519,7 +340,7 @@ class RolloutBuilder:
         with self.rollout_scope():
             if not prompts:
                 return None
-            part = self._rollout(engine, prompts)
+            greedy = self._rollout(engine, prompts)
             if self.sampling.keep_kv_cache is not True:  # validation's engines are kept only when asked
                 engine.release()
             sampled = None
@@ -529,13 +350,13 @@ class RolloutBuilder:
                 sampled = self._rollout(sampled_engine, prompts, streams=[p.index for p in prompts])
                 if self.sampling.keep_kv_cache is not True:
                     sampled_engine.release()
-        batch = self._assemble([part], [(0, p) for p in range(len(prompts))], engine, train=False)
+        batch = self._assemble([greedy], [(0, p) for p in range(len(prompts))], engine, train=False)
         if sampled is not None:
             batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
         return batch
 
     # ------------------------------------------------------------------------------------------ steps
-    def _partial_rollout(self, engine: RolloutEngine, draw: Callable[[int], list[Prompt]]) -> _Round:
+    def _partial_rollout(self, engine: RolloutEngine, draw: Callable[[int], list[Prompt]]) -> _ScoredRollout:
         """The carried groups first, then fresh ones up to ``ceil(over_provision x B)``; stops once B groups are
         complete and carries the others, one step staler."""
         B, carried = self.prompts_per_step, self.carried
@@ -548,14 +369,15 @@ class RolloutBuilder:
         self.carried = [replace(g, tag=replace(g.tag, steps=g.tag.steps + 1)) for g in result.carried]
         return self._score(engine, [tag.prompt for tag in result.tags], result)
 
-    def _rollout(self, engine: RolloutEngine, prompts: list[Prompt], streams: list[int] | None = None) -> _Round:
+    def _rollout(self, engine: RolloutEngine, prompts: list[Prompt],
+                 streams: list[int] | None = None) -> _ScoredRollout:
         """Generate G completions per prompt (``streams``: their random streams' keys, ``RolloutEngine.generate``)
         and score them."""
         with self.generation_mode():
             result = engine.generate([p.ids for p in prompts], streams=streams)
         return self._score(engine, prompts, result)
 
-    def _score(self, engine: RolloutEngine, prompts: list[Prompt], result) -> _Round:
+    def _score(self, engine: RolloutEngine, prompts: list[Prompt], result) -> _ScoredRollout:
         G = engine.group_size
         examples = [p.example for p in prompts]
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
@@ -578,19 +400,19 @@ class RolloutBuilder:
         skipped[scores.skipped_groups] = True
         current = engine.rollout_index - 1  # the rollout just run
         offpolicy = [sum(v < current for sample in group for v in sample) for group in result.versions]
-        return _Round(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
-                      truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
-                      components={k: v.view(len(examples), G) for k, v in scores.components.items()},
-                      skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy)
+        return _ScoredRollout(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
+                              truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
+                              components={k: v.view(len(examples), G) for k, v in scores.components.items()},
+                              skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy)
 
-    def _check_some_group_scored(self, rounds: list[_Round]) -> None:
+    def _check_some_group_scored(self, rollouts: list[_ScoredRollout]) -> None:
         """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
         every group of the run so far, on every rank, the function is broken, not the rows: stop rather than train
         on nothing. Until a group is scored the ranks add up their counts (a collective each step), so all decide
         alike; the count is checkpointed, so a resumed run goes on skipping."""
         if self._groups_scored:
             return
-        scored = torch.tensor(float(sum(int((~r.skipped).sum()) for r in rounds)))
+        scored = torch.tensor(float(sum(int((~rollout.skipped).sum()) for rollout in rollouts)))
         # "raise" skips no group, so every rank has scored some: only skip_group needs the ranks' sum
         if self.on_reward_error == "skip_group" and self.world_size > 1 and self.all_gather is not None:
             scored = self.all_gather(scored).sum()
@@ -601,31 +423,31 @@ class RolloutBuilder:
                                "above): fix it, or set data.on_reward_error: raise to stop at its first error with "
                                "a traceback")
 
-    def _kept_groups(self, rounds: list[_Round]) -> list[tuple[int, int]]:
+    def _kept_groups(self, rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
         if not self.dynamic_sampling:
-            return _all_groups(rounds)
-        return [(r, p) for r, part in enumerate(rounds) for p in range(len(part.prompts))
-                if not bool(zero_std_groups(part.rewards)[p]) and not bool(part.skipped[p])]
+            return _all_groups(rollouts)
+        return [(r, p) for r, rollout in enumerate(rollouts) for p in range(len(rollout.prompts))
+                if not bool(zero_std_groups(rollout.rewards)[p]) and not bool(rollout.skipped[p])]
 
-    def _assemble(self, rounds: list[_Round], chosen: list[tuple[int, int]], engine: RolloutEngine,
+    def _assemble(self, rollouts: list[_ScoredRollout], chosen: list[tuple[int, int]], engine: RolloutEngine,
                   train: bool) -> RolloutBatch:
         tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        pick = lambda name: [getattr(rounds[r], name)[p] for r, p in chosen]  # noqa: E731
+        pick = lambda name: [getattr(rollouts[r], name)[p] for r, p in chosen]  # noqa: E731
         B, G = len(chosen), engine.group_size
         rewards = torch.stack(pick("rewards"))
-        components = {name: torch.stack([rounds[r].components[name][p] for r, p in chosen])
-                      for name in rounds[0].components}
+        components = {name: torch.stack([rollouts[r].components[name][p] for r, p in chosen])
+                      for name in rollouts[0].components}
         flat_ids = [ids for group in pick("completion_ids") for ids in group]
         ids_tensor, mask = pad_right(flat_ids, pad, max((len(ids) for ids in flat_ids), default=1))
         logprobs, _ = pad_right([lp for group in pick("logprobs") for lp in group], 0.0, ids_tensor.shape[1],
                                 dtype=torch.float32)
         prompts = pick("prompts")
         prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
-        all_rewards = torch.cat([part.rewards for part in rounds])
+        all_rewards = torch.cat([rollout.rewards for rollout in rollouts])
         skipped = torch.stack(pick("skipped"))
         return RolloutBatch(
-            stats=merge_stats([part.stats for part in rounds]),
+            stats=merge_stats([rollout.stats for rollout in rollouts]),
             prompts=[p.example.prompt for p in prompts],
             completions=pick("texts"),
             rewards=rewards,
@@ -696,6 +518,6 @@ def _carried_group(state: dict) -> GroupProgress:
                          _Carry(prompt, int(state["steps"])))
 
 
-def _all_groups(rounds: list[_Round]) -> list[tuple[int, int]]:
-    return [(r, p) for r, part in enumerate(rounds) for p in range(len(part.prompts))]
+def _all_groups(rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
+    return [(r, p) for r, rollout in enumerate(rollouts) for p in range(len(rollout.prompts))]
 

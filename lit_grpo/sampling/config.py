@@ -73,7 +73,7 @@ class SamplingConfig:
         keep_kv_cache: keep the slot cache (and its captured graphs) allocated between training rollouts: no
             re-allocation, no re-capture, but the KV memory stays held through the update. ``"auto"``: on CUDA,
             kept through an update where it fits beside the measured peak of an update at least as wide
-            (``rollout.builder.CacheKeeping``); elsewhere released. ``true`` / ``false``: always / never (``true``
+            (``rollout.slot_memory.CacheKeeping``); elsewhere released. ``true`` / ``false``: always / never (``true``
             keeps the validation engines' caches too).
     """
 

@@ -64,7 +64,7 @@ def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_byte
     Args:
         free_bytes: the device's memory free for new tensors now (bytes).
         reserved_bytes: what the run will still allocate beside the KV cache (bytes; see
-            ``RolloutBuilder._kv_budget``).
+            ``SlotMemory._kv_budget``).
         margin_bytes: kept free besides (bytes; ``DEVICE_MARGIN_FRACTION`` of the device's memory).
 
     Raises:

@@ -516,7 +516,7 @@ class GRPOModule(LightningModule):
         """The CUDA allocator's peak in the last update: at least that update's own (the allocator's since its last
         reset, read before each optimizer step and at the end; ``PeakMemoryMonitor`` resets it as the update starts
         and before the optimizer step). None before one, or off CUDA.
-        The data side reads it for ``keep_kv_cache: auto`` (``rollout.builder.CacheKeeping``)."""
+        The data side reads it for ``keep_kv_cache: auto`` (``rollout.slot_memory.CacheKeeping``)."""
         return self._update_peak_bytes
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
