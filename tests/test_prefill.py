@@ -143,7 +143,7 @@ def test_a_lazy_strategy_holds_the_prefixes_of_one_chunk_ahead_at_most(tiny_llam
     def prefill(loop, needed):
         forwards.append(sorted(needed))
         original_prefill(loop, needed)
-        held.append(sorted(loop.prefixes))
+        held.append(sorted(loop.store.prompts()))
 
     monkeypatch.setattr(rollout_loop.RolloutLoop, "_prefill", prefill)
     engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",

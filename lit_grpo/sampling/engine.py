@@ -14,10 +14,10 @@ strategy       slots                  admission
 =============  =====================  ==========================================================================
 
 Three parts, as in vLLM's core: the scheduler decides which sample runs next (lit_grpo.scheduling), the slot cache
-holds KV memory (``kv_cache.SlotKVCache``), and the decode step computes (``decode_step.DecodeStep``, a CUDA
-graph on CUDA); ``rollout_loop.RolloutLoop`` executes one rollout as the scheduling loop
-(``lit_grpo.scheduling.driver.drive_rollout``, the one the simulator runs too) directs it, and this module is the
-public API.
+and the store beside it hold KV memory (``kv_cache.SlotKVCache``, ``kv_cache.PrefixTailStore``: prompts' prefixes
+and parked samples' tails), and the decode step computes (``decode_step.DecodeStep``, a CUDA graph on CUDA);
+``rollout_loop.RolloutLoop`` executes one rollout as the scheduling loop (``lit_grpo.scheduling.driver.drive_rollout``,
+the one the simulator runs too) directs it, and this module is the public API.
 
 How a sample runs. Its prompt's first ``P - 1`` tokens are prefilled once (with the consecutive prompts of its
 prefill chunk, ``prefill.py``) and that prefix KV is written into a slot's row each time one of the G samples

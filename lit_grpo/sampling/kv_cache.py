@@ -1,4 +1,5 @@
-"""KV memory of the rollout: a static slot cache that the model writes into, prompt prefixes, byte accounting.
+"""KV memory of the rollout: a static slot cache that the model writes into, the prefixes and parked tails held
+beside it, byte accounting.
 
 ``SlotKVCache`` is a transformers ``Cache``: the model's attention layers call its ``update`` unmodified. Per layer
 it holds keys and values of shape ``[slots, kv_heads, width, head_dim]``, allocated once and never reallocated by a
@@ -21,6 +22,10 @@ rollout's so far, and attention's kernels round a row differently at different w
 last partial block of columns apart, and its reduction over the columns is blocked by their number). Attending the
 rollout's own width makes a rollout's completions and log-probs a function of the rollout alone, the same in the
 fresh cache of a resumed run as in the cache an uninterrupted run's earlier rollouts widened.
+
+``PrefixTailStore`` holds the rest of a rollout's KV: the prompts' prefixes that rows are refilled from, and the
+tails of parked samples until they resume. It frees what it is told to; which prefixes may go depends on the
+schedule, so ``RolloutLoop`` decides.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from lit_grpo.sampling.memory_budget import kv_geometry
+from lit_grpo.scheduling.base import SampleKey
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [rows, kv_heads, T, head_dim]
 
@@ -220,3 +226,53 @@ class SlotKVCache(Cache):
         """Columns ``[start, stop)`` of row ``slot`` as a single-row KV (a copy)."""
         return [(layer.keys[slot:slot + 1, :, start:stop].clone(), layer.values[slot:slot + 1, :, start:stop].clone())
                 for layer in self.layers]
+
+
+class PrefixTailStore:
+    """The KV a rollout holds outside the slot cache, each piece a single-row KV (per layer keys and values of
+    shape ``[1, kv_heads, positions, head_dim]``):
+
+    - prefixes: prompt index -> the KV of its first ``P - 1`` tokens; None for a one-token prompt, which has no
+      prefix but is held as prefilled all the same;
+    - parked tails: sample key -> the KV of a parked sample's fed positions (its last prompt token and its tokens
+      but the last), read from its row when it left its slot.
+    """
+
+    def __init__(self):
+        self._prefixes: dict[int, KV | None] = {}
+        self._tails: dict[SampleKey, KV] = {}
+        self.parked_bytes = 0  # kept as tails come and go, not summed over every parked sample at each count
+
+    def has_prefix(self, p: int) -> bool:
+        return p in self._prefixes
+
+    def prefix(self, p: int) -> KV | None:
+        return self._prefixes[p]
+
+    def put_prefix(self, p: int, kv: KV | None) -> None:
+        self._prefixes[p] = kv
+
+    def drop_prefix(self, p: int) -> None:
+        del self._prefixes[p]
+
+    def prompts(self) -> list[int]:
+        """The prompts whose prefix is held."""
+        return list(self._prefixes)
+
+    def has_tail(self, key: SampleKey) -> bool:
+        return key in self._tails
+
+    def park(self, key: SampleKey, tail: KV) -> None:
+        self._tails[key] = tail
+        self.parked_bytes += kv_bytes(tail)
+
+    def take_tail(self, key: SampleKey) -> KV | None:
+        """The parked tail of ``key``, no longer held here; None if it is not parked."""
+        tail = self._tails.pop(key, None)
+        if tail is not None:
+            self.parked_bytes -= kv_bytes(tail)
+        return tail
+
+    def nbytes(self) -> int:
+        """Bytes held by the prefixes and parked tails."""
+        return self.parked_bytes + sum(kv_bytes(kv) for kv in self._prefixes.values() if kv is not None)

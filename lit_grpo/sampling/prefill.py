@@ -1,7 +1,7 @@
 """Prompt prefills: which prompts run in one forward, that forward's inputs, and its split into each prompt's prefix KV.
 
-Owns no state: ``RolloutLoop`` keeps the prefixes and decides when a prompt needs one; this module says which
-other prompts run with it and how.
+Owns no state: ``RolloutLoop`` decides when a prompt needs its prefix and ``kv_cache.PrefixTailStore`` keeps it;
+this module says which other prompts run with it and how.
 
 Why several prompts in one forward: one prompt's prefill is a forward of ``P - 1`` rows, too few for a CPU's
 matmuls to reach their rate; a chunk of prompts reads the weights once and gives the matmuls all their rows.

@@ -4,7 +4,8 @@
 the scheduler (policy, owner of which sample runs in which slot, which are parked and how far each got) what to
 run, and this loop executes it: it starts samples in rows of the ``DecodeStep`` (compute, owner of the rows' state
 in the ``SlotKVCache``), runs one step per decode step and hands each row's token to its sample. It owns the
-samples' tokens, the prompts' prefix KV and parked samples' KV; ``prefill`` says which prompts prefill together.
+samples' tokens and decides when a prompt's prefix KV is freed; a ``PrefixTailStore`` holds the prefixes and parked
+samples' KV, and ``prefill`` says which prompts prefill together.
 See lit_grpo.sampling.engine for the design.
 """
 
@@ -19,7 +20,8 @@ from transformers import DynamicCache
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.roofline import DecodeReads, decode_reads
-from lit_grpo.sampling.kv_cache import KV, PrefillCache, cache_layers_kv, kv_bytes, kv_cache_dtype, take_columns
+from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache_layers_kv, kv_bytes, kv_cache_dtype,
+                                       take_columns)
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
@@ -37,18 +39,6 @@ class LoopSettings:
     seed: int
     rollout_index: int
     width: int  # the rollout's own slot width: its longest prompt - 1 + max_new_tokens
-
-
-@dataclass
-class _Sample:
-    """A sample's progress in this rollout; while parked, its generated positions' KV aside."""
-
-    progress: SampleProgress
-    parked_tail: KV | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.progress.tokens
 
 
 class RolloutLoop:
@@ -85,16 +75,15 @@ class RolloutLoop:
         self._decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.decode_step.start_rollout(settings.seed, settings.width)
 
-        self.samples = {(p, k): _Sample(s) for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
+        self.samples = {(p, k): s for p, g in enumerate(self.groups) for k, s in enumerate(g.samples)}
         # A sample ends on EOS or at its limit: the cap, or its replayed length (a truncated token recording ends
         # there without EOS).
         self.limits = {(p, k): _limit(self.groups[p], k, settings.max_new_tokens) for p, k in self.samples}
-        self.prefixes: dict[int, KV | None] = {}  # prompt -> cached prefix KV, while a sample may still need it
+        self.store = PrefixTailStore()  # a prompt's prefix while a sample may still need it, parked samples' tails
         self.chunks = prefill_chunks([len(g.prompt_ids) - 1 for g in self.groups], PREFILL_CHUNK_TOKENS)
         self._chunk_of = {p: chunk for chunk in self.chunks for p in chunk}
         self.unfinished = [sum(not s.done for s in g.samples) for g in self.groups]
         self.completed = [p for p, left in enumerate(self.unfinished) if not left]  # groups in completion order
-        self.parked_kv_bytes = 0  # held by parked samples' KV
         self._out = None  # the last decode step's output
         self._hidden_row: dict[int, int] = {}  # probing slot -> its row in the last step's hidden states
 
@@ -105,7 +94,7 @@ class RolloutLoop:
                            num_slots=self.num_slots, max_new_tokens=self.settings.max_new_tokens,
                            true_lengths=self._forced_lengths(),
                            generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
-                           done={key for key, s in self.samples.items() if s.progress.done})
+                           done={key for key, s in self.samples.items() if s.done})
         if self.scheduler.needs_prompt_features:
             work.prompt_features = self._prefill_with_features()
         self._record_memory()
@@ -129,25 +118,23 @@ class RolloutLoop:
         return len(self.completed) >= self.complete and all(not self.unfinished[p] for p in self.must_finish)
 
     def start(self, assignments: list[Assignment]) -> None:
-        unprefilled = {key[0] for _, key in assignments
-                       if self.samples[key].parked_tail is None and key[0] not in self.prefixes}
+        store = self.store
+        unprefilled = {key[0] for _, key in assignments if not store.has_tail(key) and not store.has_prefix(key[0])}
         if unprefilled:
             self._prefill(unprefilled)
         for slot, key in assignments:
             p, k = key
             sample, group = self.samples[key], self.groups[key[0]]
-            if sample.parked_tail is not None:  # resumed after a park
-                self.parked_kv_bytes -= kv_bytes(sample.parked_tail)
-            else:
-                if sample.tokens:  # carried from an earlier rollout: its positions are computed anew
-                    sample.parked_tail = self._prefill_tail(p, sample.tokens)
+            tail = store.take_tail(key)  # resumed after a park
+            if tail is None and sample.tokens:  # carried from an earlier rollout: its positions are computed anew
+                tail = self._prefill_tail(p, sample.tokens)
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
             forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
             recorded = group.forced_tokens[k] if group.forced_tokens is not None else None
-            self.decode_step.start_row(slot, (self.prefixes[p], sample.parked_tail), stream=group.stream, sample=k,
+            self.decode_step.start_row(slot, (store.prefix(p), tail), stream=group.stream, sample=k,
                                        generated=len(sample.tokens), next_input=next_input, forced_length=forced,
                                        forced_tokens=recorded)
-            sample.parked_tail = None
+            del tail  # the row has its copy: free this one before the next sample starts
         self._release_unused_prefixes()
         self._record_memory()
 
@@ -170,7 +157,7 @@ class RolloutLoop:
             self.stats.decode_read_bytes += self.reads.step_bytes(len(rows), attended)
         ended = []
         for slot, key in rows:
-            token, progress = out.tokens[slot], self.samples[key].progress
+            token, progress = out.tokens[slot], self.samples[key]
             progress.tokens.append(token)
             progress.logprobs.append(out.logprobs[slot])
             progress.versions.append(version)
@@ -182,7 +169,7 @@ class RolloutLoop:
 
     def finish(self, slot: int, key: SampleKey) -> None:
         self.decode_step.stop_row(slot)
-        self.samples[key].progress.done = True
+        self.samples[key].done = True
         p = key[0]
         self.unfinished[p] -= 1
         if not self.unfinished[p]:
@@ -193,8 +180,7 @@ class RolloutLoop:
         sample = self.samples[key]
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
         prefix = len(self.groups[key[0]].prompt_ids) - 1
-        sample.parked_tail = self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens))
-        self.parked_kv_bytes += kv_bytes(sample.parked_tail)
+        self.store.park(key, self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens)))
         self.decode_step.stop_row(slot)
         self._record_memory()
 
@@ -237,14 +223,15 @@ class RolloutLoop:
         prefill chunk. Of a chunk's other prompts, those whose samples still wait keep theirs too (``prefill``:
         every strategy runs the same chunks, so a prompt's KV never depends on the schedule)."""
         for p in [p for p in needed if p not in self._chunk_of]:  # a one-token prompt: no prefix
-            self.prefixes[p] = None
+            self.store.put_prefix(p, None)
         for chunk in self.chunks:
             if not needed.intersection(chunk):
                 continue
             prefixes, _ = self._run_chunk(chunk, with_features=False)
             for q, kv in zip(chunk, prefixes):
-                if q in needed or (q not in self.prefixes and any(self.scheduler.waits((q, k)) for k in range(self.G))):
-                    self.prefixes[q] = kv
+                if q in needed or (not self.store.has_prefix(q)
+                                   and any(self.scheduler.waits((q, k)) for k in range(self.G))):
+                    self.store.put_prefix(q, kv)
         self._record_memory()
 
     def _prefill_with_features(self) -> torch.Tensor:
@@ -253,11 +240,12 @@ class RolloutLoop:
         read prompts."""
         hidden = self.model.config.get_text_config(decoder=True).hidden_size
         features = torch.zeros(len(self.groups), hidden, device=self.device)
-        self.prefixes = dict.fromkeys(range(len(self.groups)))
+        for p in range(len(self.groups)):  # a one-token prompt keeps None: it has no prefix
+            self.store.put_prefix(p, None)
         for chunk in self.chunks:
             prefixes, chunk_features = self._run_chunk(chunk, with_features=True)
             for row, (p, kv) in enumerate(zip(chunk, prefixes)):
-                self.prefixes[p] = kv
+                self.store.put_prefix(p, kv)
                 features[p] = chunk_features[row]
         self._record_memory()
         return features
@@ -283,7 +271,7 @@ class RolloutLoop:
         """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
         the current weights after prompt p's cached prefix."""
         cache = PrefillCache(self.model.config, kv_cache_dtype(self.model))
-        prefix = self.prefixes[p]
+        prefix = self.store.prefix(p)
         for layer, (keys, values) in enumerate(prefix or []):
             cache.update(keys, values, layer)
         start = 0 if prefix is None else prefix[0][0].shape[-2]
@@ -300,22 +288,22 @@ class RolloutLoop:
         """Free the cached prefix of every prompt no sample can need again: none waits for a slot (not started,
         or parked), and none runs short of its probe or its last preemption point (it may be parked, and resuming
         needs the prefix)."""
-        if not self.prefixes:
+        held = self.store.prompts()
+        if not held:
             return
         scheduler = self.scheduler
         last = max(scheduler.probe_tokens or 0, max(scheduler.preempt_points, default=0))
         may_park = {key[0] for key in scheduler.running if len(self.samples[key].tokens) < last}
-        for p in [p for p in self.prefixes if p not in may_park]:
-            if not any(scheduler.waits((p, k)) for k in range(self.G)):
-                del self.prefixes[p]
+        for p in held:
+            if p not in may_park and not any(scheduler.waits((p, k)) for k in range(self.G)):
+                self.store.drop_prefix(p)
 
     def _record_memory(self, transient: int = 0) -> None:
         """Count the KV held now: the slot cache, parked tails, cached prefixes, and ``transient`` bytes a prefill
         holds besides them for a moment."""
-        prefixes = sum(kv_bytes(kv) for kv in self.prefixes.values() if kv is not None)
-        held = self.decode_step.cache.nbytes() + self.parked_kv_bytes + prefixes + transient
+        held = self.decode_step.cache.nbytes() + self.store.nbytes() + transient
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
-        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, self.parked_kv_bytes)
+        self.stats.parked_kv_bytes = max(self.stats.parked_kv_bytes, self.store.parked_bytes)
 
     def _forced_lengths(self) -> list[list[int]] | None:
         if all(g.forced_lengths is None for g in self.groups):
