@@ -42,7 +42,7 @@ class SamplingConfig:
         kv_budget_bytes: the KV-cache byte budget of ``micro_group_size="auto"``. None: on CUDA the device's free
             memory when the first rollout starts, less the rollout weights' copy, the optimizer state (and the
             gradients, which are freed after each optimizer step, under ``keep_kv_cache: true`` only) and a
-            margin (``RolloutBuilder``); on a CPU "auto" needs it (an error says so).
+            margin (``rollout.slot_memory.SlotMemory``); on a CPU "auto" needs it (an error says so).
         strategy: "full" (all B x G rows at once), "micro", "continuous", "infinite" (see RolloutEngine).
         max_new_tokens: the completion length cap.
         temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it. min_p in [0, 1): keep the tokens at
