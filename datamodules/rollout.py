@@ -45,7 +45,7 @@ from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollo
 from lit_grpo.rollout.slot_memory import check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.scheduling import InfiniteSchedulerConfig
+from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_choice, check_int, check_int_in_range, check_real,
                                          config_errors)
@@ -240,10 +240,11 @@ class RolloutDataModule(LightningDataModule):
             for name, value in (("task_config", task_config), ("size", size)):
                 if value != defaults[name].default:
                     warnings.warn(f"data.{name}={value!r} applies to data.task only; this run's prompts come from "
-                                  "another source, so it is ignored", stacklevel=2)
+                                  f"another source, so it is ignored (remove it, or give its default "
+                                  f"{defaults[name].default!r})", stacklevel=2)
         preempt = sampling.scheduler.preempt_tokens  # the default's quantum may exceed a short cap unasked
         if sampling.strategy == "infinite" and preempt and preempt >= sampling.max_new_tokens and \
-                preempt != InfiniteSchedulerConfig().preempt_tokens:
+                preempt != PREEMPT_TOKENS:
             warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
                           f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
                           "for plain continuous sampling", stacklevel=2)

@@ -234,9 +234,7 @@ class GRPOCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         with self._config_errors():
-            parser = self.parser._subcommands_action._name_parser_map[self.subcommand] if self.subcommand \
-                else self.parser
-            check_groups_are_mappings(config, parser.get_defaults())
+            check_groups_are_mappings(config, self._parser(self.subcommand).get_defaults())
             check_manual_optimization_settings(config.get("trainer") or {})
             if self.subcommand == "fit" and (config.get("trainer") or {}).get("limit_train_batches") == 0:
                 raise ValueError("trainer.limit_train_batches=0 trains no step, so fit would only validate: remove "

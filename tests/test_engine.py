@@ -766,6 +766,15 @@ def test_inverse_cdf_keeps_a_row_of_nan_probabilities_inside_the_vocabulary():
     assert 0 <= tokens[0] < 300 and tokens[1] == 42
 
 
+def test_the_finite_logits_check_reads_live_rows_only_and_lets_minus_infinity_pass():
+    """-inf is a legitimate log-prob (a replayed token the filters exclude); an idle row computes on stale input."""
+    from lit_grpo.sampling.decode_step import check_finite_logits
+
+    check_finite_logits([math.nan, -math.inf, -0.5], [1, 2])
+    with pytest.raises(FloatingPointError, match=r"in 1 decoding rows \(slots \[0\]\)"):
+        check_finite_logits([math.nan, -math.inf, -0.5], [0, 1, 2])
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_policy_whose_logits_are_nan_stops_the_rollout_naming_why(temperature):
     """Diverged weights (an absurd learning rate) make every logit NaN: the rollout ends with a named error, not an

@@ -313,7 +313,11 @@ class DecodeStep:
             self.compile_eagerly()
 
     def step(self, hidden_slots: list[int]) -> StepOutput:
-        """Run one decode step and bring its results to the host (one synchronisation)."""
+        """Run one decode step and bring its results to the host (one synchronisation).
+
+        Raises:
+            FloatingPointError: a decoding row's logits were NaN or inf (``check_finite_logits``).
+        """
         self.prepare()
         if self.settings.cuda_graph:
             self.graphs[self.cache.attended].replay()

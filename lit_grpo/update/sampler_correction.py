@@ -111,8 +111,8 @@ class SamplerCorrection:
         batch with older samples)."""
         if self.mode != "none":
             return []
-        return [f.name for f in dataclasses.fields(self)
-                if f.name in ("clip_min", "clip_max") and getattr(self, f.name) != f.default]
+        defaults = SamplerCorrection()
+        return [name for name in ("clip_min", "clip_max") if getattr(self, name) != getattr(defaults, name)]
 
     def for_batch(self, has_older_samples: bool) -> SamplerCorrection:
         """The correction for one batch: "auto" becomes ``AUTO_MODE`` when the batch carries tokens sampled by
