@@ -262,7 +262,7 @@ class PrefixTailStore:
     def has_tail(self, key: SampleKey) -> bool:
         return key in self._tails
 
-    def park(self, key: SampleKey, tail: KV) -> None:
+    def put_tail(self, key: SampleKey, tail: KV) -> None:
         self._tails[key] = tail
         self.parked_bytes += kv_bytes(tail)
 

@@ -180,7 +180,7 @@ class RolloutLoop:
         sample = self.samples[key]
         # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
         prefix = len(self.groups[key[0]].prompt_ids) - 1
-        self.store.park(key, self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens)))
+        self.store.put_tail(key, self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens)))
         self.decode_step.stop_row(slot)
         self._record_memory()
 
