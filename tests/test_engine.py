@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_grpo.sampling import IDLE, STRATEGIES, RolloutEngine
-from lit_grpo.sampling.decode_step import DecodeStep
+from lit_grpo.sampling.decode_step import DecodeStep, vocab_size
 from lit_grpo.sampling.prefill import prefill_chunks
 from lit_grpo.sampling.token_sampler import filter_logits
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -365,6 +365,52 @@ def test_bad_prompts_are_named(tiny_llama):
         long_engine.generate([[5] * 100])
     with pytest.raises(ValueError, match=r"lengths must be \[B=1\]\[G=2\]"):
         engine.generate([[5, 6]], lengths=[[1, 2, 3]])
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[5.7, 6.0]], r"prompt 0 has token ids that are not integers: \[5.7, 6.0\]"),  # was taken as [5, 6]
+    ([["5", "6"]], r"prompt 0 has token ids that are not integers: \['5', '6'\]"),  # was parsed
+    ([[True, 5]], r"prompt 0 has token ids that are not integers: \[True\]"),  # was token 1
+    ([b"ab"], r"prompt 0 is b'ab'; each prompt is a string or a list of token ids"),  # was tokens 97, 98
+    ([5, 6, 7], r"prompt 0 is 5; each prompt is .*for one prompt of token ids pass \[\[5, 6, 7\]\]"),
+    ([[[5, 6]]], r"prompt 0 has token ids that are not integers: \[\[5, 6\]\]"),
+    ([{"prompt": "hi"}], r"prompt 0 is \{'prompt': 'hi'\}; each prompt is a string or a list of token ids"),
+    ([None], r"prompt 0 is None"),
+])
+def test_token_ids_that_are_not_integers_are_refused_not_converted(tiny_llama, prompts, match):
+    engine = RolloutEngine(*tiny_llama, group_size=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts)
+
+
+def test_bad_replay_streams_stop_ids_and_state_are_named(tiny_llama):
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"lengths must be \[B=1\]\[G=2\], got \[1, 2\]"):
+        engine.generate([[5, 6]], lengths=[1, 2])  # one row, not [B][G]
+    with pytest.raises(ValueError, match=r"streams=3 must be \[B=1\] ints"):
+        engine.generate([[5, 6]], streams=3)
+    with pytest.raises(TypeError, match=r"each must be a GroupProgress .*generate\(prompts\) takes the prompts"):
+        engine.generate_groups([[5, 6]])
+    with pytest.raises(ValueError, match=r"finish=0 must be a list of indices"):
+        engine.generate_groups(engine.new_groups([[5, 6]]), finish=0)
+    vocab = vocab_size(model)
+    for ids in ([-1], [vocab], [1.5], ["2"], [True], 2):  # -1 made the last token a stop token
+        with pytest.raises(ValueError, match=rf"eos_token_ids=.* must be a list of token ids, ints in \[0, {vocab}\)"):
+            RolloutEngine(model, tokenizer, group_size=2, eos_token_ids=ids)
+    with pytest.raises(TypeError, match=r"model=None must be a transformers causal LM"):
+        RolloutEngine(None, tokenizer, group_size=2)
+    with pytest.raises(ValueError, match=r"is not an engine's state_dict: it needs 'rollout_index'"):
+        engine.load_state_dict({})
+    # the stream key holds 32 bits of the index: 2**32 would draw rollout 0's numbers again
+    for index in (-1, 2**32, "3"):
+        with pytest.raises(ValueError, match=rf"rollout_index={index!r} is not allowed"):
+            engine.load_state_dict({"rollout_index": index})
+    # integer ids as tensors or arrays are still taken
+    lengths = torch.tensor([[1, 2]])
+    result = engine.generate([torch.tensor([5, 6])], lengths=lengths, streams=torch.tensor([3]))
+    assert [len(c) for c in result.completion_ids[0]] == [1, 2]
+    assert RolloutEngine(model, tokenizer, group_size=2, eos_token_ids=(3, 3, 0)).eos_token_ids == [0, 3]
 
 
 def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_named(tiny_llama, prompt_ids):

@@ -76,6 +76,8 @@ def test_skip_group_blanks_every_row_of_the_failing_group_in_every_component():
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("inf")], r"returned inf at index 1"),
     ("11", r"returned str"),
+    ({0: 1.0, 1: 0.0}, r"returned dict"),  # its keys were taken as the rewards
+    ({1.0, 0.0}, r"returned set"),
 ])
 def test_bad_return_values(values, match):
     def bad(prompts, completions, **kw):
@@ -248,6 +250,23 @@ def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(f
     with pytest.raises(ValueError, match=r"reward function 'mine' has the signature \(.*\), but lit_grpo calls "
                                          r"fn\(prompts, completions, \*\*columns\).*def f\(prompts, completions, "):
         WeightedReward(fn, name="mine")
+
+
+def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused():
+    def mine(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    # a string or a dict was read item by item ("reward function 'a' is unknown"); a function was not iterable
+    for specs in ("accuracy", {"name": "accuracy"}, mine):
+        with pytest.raises(ValueError, match=r"reward_funcs=.* must be a list of reward specs .*; for one, write \["):
+            build_reward_funcs(specs)
+    with pytest.raises(ValueError, match=r"name=3 must be a built-in's name"):
+        build_reward_funcs([{"name": 3}])
+    with pytest.raises(ValueError, match=r"reward function 'os:path' imports .*, which is not callable"):
+        build_reward_funcs(["os:path"])
+    with pytest.raises(ValueError, match=r"reward name 3 for .* must be a string"):
+        build_reward_funcs([{"name": "format", "log_name": 3}])
+    assert [r.name for r in build_reward_funcs(None)] == ["accuracy"]
 
 
 def test_reward_functions_of_the_documented_shapes_are_accepted():

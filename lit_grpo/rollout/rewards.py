@@ -46,7 +46,7 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -99,6 +99,9 @@ class WeightedReward:
             raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number, "
                              f"|weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = float(self.weight)
+        if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
+            raise ValueError(f"reward name {self.name!r} for {self.fn!r} must be a string ('' for the function's "
+                             "name)")
         if not self.name:
             self.name = reward_name(self.fn)
         check_reward_call(self.fn, self.name)
@@ -147,6 +150,9 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"reward function {name!r} is unknown; {hint}use a built-in {sorted(BUILTIN_REWARDS)} or "
                          "'package.module:function'")
+    if not callable(target):
+        raise ValueError(f"reward function {name!r} imports {target!r:.80}, which is not callable; name a function "
+                         "fn(prompts, completions, **columns) as 'package.module:function'")
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"reward function {name!r}: kwargs={kwargs!r} must be a mapping of option names to values")
     _check_options(name, target, kwargs)
@@ -220,6 +226,10 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error, and a
     function that carries ``check_options(**kwargs)`` (as ``math`` does) has their values checked here too.
     """
+    if isinstance(specs, (str, bytes, Mapping, WeightedReward)) or callable(specs) or (
+            specs is not None and not isinstance(specs, Sequence)):  # a str or a dict would be read item by item
+        raise ValueError(f"reward_funcs={specs!r:.80} must be a list of reward specs (names, dicts or callables); "
+                         f"for one, write [{specs!r:.60}]")
     if not specs:
         specs = ["accuracy"]
     out: list[WeightedReward] = []
@@ -234,6 +244,9 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
                 raise ValueError(f"reward spec {dict(spec)!r} needs a 'name' and only the keys name, weight, "
                                  f"kwargs, log_name (unknown: {sorted(unknown)})")
             name = spec["name"]
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
+                                 f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'")
             fn = _resolve(name, spec.get("kwargs") or {})
             log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
             out.append(WeightedReward(fn, spec.get("weight", 1.0), log_name))
@@ -270,7 +283,8 @@ class RewardScores:
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+    # a dict or a set has a length too, but no order of the completions: a dict's keys would be taken as rewards
+    if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__"):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__} {values!r:.100}; it must return "
                          f"a list of {n} floats or None")
     if len(values) != n:

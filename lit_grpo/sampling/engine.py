@@ -42,7 +42,7 @@ so there the same g gives equal completions up to the rounding of attention at a
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from numbers import Integral
 from typing import Any, Sequence
 
@@ -50,6 +50,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
+from lit_grpo.runtime.validation import check_int_in_range
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
@@ -97,6 +98,12 @@ class RolloutEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
                  config: SamplingConfig | None = None, *, scheduler: Scheduler | None = None,
                  eos_token_ids: Sequence[int] | None = None, **options: Any):
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model={model!r:.80} must be a transformers causal LM "
+                            "(lit_grpo.load_model_and_tokenizer gives one)")
+        if tokenizer is not None and not callable(tokenizer):
+            raise TypeError(f"tokenizer={tokenizer!r:.80} must be a transformers tokenizer or None (token-id prompts "
+                            "with eos_token_ids=[...])")
         if config is not None and not isinstance(config, SamplingConfig):
             raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}; give the sampling "
                             "settings as keywords (group_size=..., strategy=...) or as a SamplingConfig")
@@ -115,7 +122,8 @@ class RolloutEngine:
                              f"attention mask, which {list(SUPPORTED_ATTENTION)} take: load the model with "
                              "attn_implementation='sdpa'")
         self.model, self.tokenizer = model, tokenizer
-        self.eos_token_ids = stop_token_ids(model, tokenizer) if eos_token_ids is None else sorted(set(eos_token_ids))
+        self.eos_token_ids = stop_token_ids(model, tokenizer) if eos_token_ids is None else \
+            _check_stop_ids(eos_token_ids, vocab_size(model))
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: the tokenizer and the generation config define none; "
                              "pass eos_token_ids=[...]")
@@ -190,8 +198,9 @@ class RolloutEngine:
             lengths = [[len(row) for row in group] for group in tokens]
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
-        if tags is not None and len(tags) != len(prompt_ids):
-            raise ValueError(f"tags has {len(tags)} entries for {len(prompt_ids)} prompts: give one per prompt")
+        if tags is not None and (not isinstance(tags, Sequence) or len(tags) != len(prompt_ids)):
+            count = f"has {len(tags)} entries" if isinstance(tags, Sequence) else f"is {tags!r:.40}"
+            raise ValueError(f"tags {count} for {len(prompt_ids)} prompts: give a list of one per prompt")
         return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)],
                               (self.rollout_index, streams[p]), None if lengths is None else lengths[p],
                               None if tags is None else tags[p], None if tokens is None else tokens[p])
@@ -211,13 +220,22 @@ class RolloutEngine:
         """
         started = time.perf_counter()
         check_decodable(self.model)
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+            raise TypeError(f"groups={groups!r:.80} must be a list of GroupProgress (from new_groups, or a result's "
+                            "carried groups)")
         groups = list(groups)
         if not groups:
             raise ValueError("generate_groups needs at least one group")
+        if not all(isinstance(g, GroupProgress) for g in groups):
+            raise TypeError(f"groups holds {[type(g).__name__ for g in groups][:5]}; each must be a GroupProgress "
+                            "(engine.new_groups(prompts) makes them; generate(prompts) takes the prompts themselves)")
         if complete is not None and (isinstance(complete, bool) or not isinstance(complete, Integral)
                                      or not 1 <= complete <= len(groups)):
             raise ValueError(f"complete={complete!r} must be an integer between 1 and the number of groups "
                              f"({len(groups)})")
+        if isinstance(finish, (str, bytes)) or not isinstance(finish, Iterable):
+            raise ValueError(f"finish={finish!r:.80} must be a list of indices of the groups, integers in "
+                             f"[0, {len(groups)})")
         finish = list(finish)
         if any(isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < len(groups) for p in finish):
             raise ValueError(f"finish={finish!r:.80} must be indices of the groups, integers in [0, {len(groups)})")
@@ -276,7 +294,10 @@ class RolloutEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.rollout_index = int(state["rollout_index"])
+        if not isinstance(state, Mapping) or "rollout_index" not in state:
+            raise ValueError(f"state={state!r:.80} is not an engine's state_dict: it needs 'rollout_index'")
+        # the stream key holds 32 bits of it: a larger index would draw an earlier rollout's numbers again
+        self.rollout_index = check_int_in_range("rollout_index", state["rollout_index"], 0, 2**32 - 1)
         if "scheduler" in state and hasattr(self.scheduler, "load_state_dict"):
             self.scheduler.load_state_dict(state["scheduler"])
 
@@ -358,6 +379,17 @@ class RolloutEngine:
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer; pass token ids or a tokenizer")
                 prompt = self.tokenizer(prompt)["input_ids"]
+            elif hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or array of ids
+                prompt = prompt.tolist()
+            if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+                head = ", ".join(repr(t) for t in list(prompts)[:5]) + (", ..." if len(prompts) > 5 else "")
+                hint = f"; for one prompt of token ids pass [[{head}]]" if isinstance(prompt, Integral) else ""
+                raise ValueError(f"prompt {i} is {prompt!r:.60}; each prompt is a string or a list of token ids{hint}")
+            # int() would take 1.7 as 1 and "5" as 5: a token id is an integer, nothing converted to one
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids that are not integers: {bad[:5]!r:.80}; a prompt is a "
+                                 "string or a list of ints")
             prompt = [int(t) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -371,9 +403,11 @@ class RolloutEngine:
         return ids
 
     def _check_lengths(self, lengths, num_prompts: int) -> list[list[int]]:
-        if len(lengths) != num_prompts or any(len(row) != self.group_size for row in lengths):
+        lengths = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor or an array
+        shape = _shape(lengths)
+        if shape is None or len(shape) != num_prompts or any(n != self.group_size for n in shape):
             raise ValueError(f"lengths must be [B={num_prompts}][G={self.group_size}], got "
-                             f"{[len(row) for row in lengths]}")
+                             f"{shape if shape is not None else repr(lengths)[:80]}")
         flat = [n for row in lengths for n in row]
         bad = [n for n in flat if isinstance(n, bool) or not isinstance(n, Integral)]
         if bad:
@@ -387,7 +421,9 @@ class RolloutEngine:
     @staticmethod
     def _check_streams(streams, num_prompts: int) -> list[int]:
         """``streams`` as ``[B]`` distinct ints in [0, 2**32) (the key's width); a ValueError names what is wrong."""
-        streams = list(streams)
+        if isinstance(streams, (str, bytes)) or not isinstance(streams, Iterable):
+            raise ValueError(f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)")
+        streams = streams.tolist() if hasattr(streams, "tolist") else list(streams)  # a tensor or an array too
         if len(streams) != num_prompts or any(isinstance(s, bool) or not isinstance(s, Integral) or
                                               not 0 <= s < 2**32 for s in streams):
             raise ValueError(f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)")
@@ -427,6 +463,19 @@ def _shape(rows) -> list[int] | None:
         return None
     inner = [len(row) if isinstance(row, Sequence) and not isinstance(row, (str, bytes)) else None for row in rows]
     return None if None in inner else inner
+
+
+def _check_stop_ids(ids: Any, vocab: int) -> list[int]:
+    """``eos_token_ids`` as sorted distinct ints in [0, ``vocab``): the decode step marks them in a ``[vocab]`` mask,
+    where -1 would mark the last token and a float or a string would fail deep inside torch."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids  # a tensor or an array of ids
+    message = f"eos_token_ids={ids!r:.80} must be a list of token ids, ints in [0, {vocab})"
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise ValueError(message)
+    ids = list(ids)
+    if any(isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab for t in ids):
+        raise ValueError(message)
+    return sorted(set(int(t) for t in ids))
 
 
 def _default_scheduler(config: SamplingConfig) -> Scheduler:

@@ -14,6 +14,7 @@ parsed (``Literal`` types); numbers are checked when the object is built, with e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
@@ -168,6 +169,8 @@ _MOVED = {**{name: "moved under length_aware" for name in ("predictor", "refill"
 
 def _from_options(cls: type, options: dict[str, Any], where: str) -> Any:
     known = [f.name for f in fields(cls)]
+    if not isinstance(options, Mapping):  # a string or a list would be read key by key
+        raise ValueError(f"{where}={options!r:.80} must be a mapping of its options {known}")
     unknown = sorted(set(options) - set(known))
     if unknown:
         notes = "; ".join(f"{name}: {_MOVED[name]}" for name in unknown
