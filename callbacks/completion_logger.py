@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import completion_length_metrics
+from lit_grpo.runtime.validation import check_int
 
 from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments, whole_step
 
@@ -58,8 +59,7 @@ class CompletionLogger(Callback):
         for name, value in (("histogram_every_n_steps", histogram_every_n_steps),
                             ("table_every_n_steps", table_every_n_steps), ("num_prompts", num_prompts),
                             ("num_completions", num_completions), ("max_chars", max_chars)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            check_int(name, value, 1)
         self.histogram_every_n_steps = histogram_every_n_steps
         self.table_every_n_steps = table_every_n_steps
         self.num_prompts = num_prompts

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
+from lit_grpo.runtime.validation import check_bool, check_int, check_text
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
@@ -69,8 +70,10 @@ class FitSummary(Callback):
 
     def __init__(self, validate_before_training: bool = True, accuracy_key: str = "val/accuracy",
                  reward_key: str = "reward/mean", window: int = 5) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int("window", window, 1)
+        check_bool("validate_before_training", validate_before_training)
+        check_text("accuracy_key", accuracy_key)
+        check_text("reward_key", reward_key)
         self.validate_before_training = validate_before_training
         self.accuracy_key, self.reward_key, self.window = accuracy_key, reward_key, window
         # keys said missing, once each; never the defaults, which a module other than GRPOModule may well not log

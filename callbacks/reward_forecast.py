@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.validation import check_bool, check_choice, check_int, check_real, check_text
 
 from ._rollout import accumulating, log_metrics, logger_step
 from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, forecast_plateau
@@ -72,6 +72,8 @@ class RewardForecast(Callback):
         criterion: Criterion = "bic",
         reward_range: tuple[float, float] | None = None,
     ) -> None:
+        check_text("monitor", monitor)
+        check_bool("stop", stop)  # "false" would be truthy: the callback would stop training
         check_choice("criterion", criterion, CRITERIA)
         check_int("patience", patience, 1)
         check_int("check_every_n_steps", check_every_n_steps, 1)

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import ratio_weight, reduce_over_ranks
+from lit_grpo.runtime.validation import check_bool
 from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.base import DECISION_NAMES
@@ -108,6 +109,7 @@ class RolloutProfiler(Callback):
     """
 
     def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:
+        check_bool("progress_bar", progress_bar)
         if read_bytes_per_s is not None:
             floor_ms(0, read_bytes_per_s)  # a bad value is refused here, naming it
         self.progress_bar = progress_bar

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw, ImageFont
 
+from lit_grpo.runtime.validation import check_int
 from lit_grpo.scheduling.base import DECISION_NAMES, Decision, decision_counts
 from lit_grpo.scheduling.driver import IDLE
 
@@ -309,12 +310,10 @@ class SlotTimelineLogger(Callback):
     """
 
     def __init__(self, every_n_steps: int = 10, width: int = 1000, row_height: int | None = None) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        if width < 800:
-            raise ValueError(f"width must be >= 800 pixels (a readable figure), got {width}")
-        if row_height is not None and row_height < 2:
-            raise ValueError(f"row_height must be >= 2 pixels or None, got {row_height}")
+        check_int("every_n_steps", every_n_steps, 1)
+        check_int("width", width, 800)  # pixels: a readable figure
+        if row_height is not None:
+            check_int("row_height", row_height, 2)  # pixels (None: from the slots and the width)
         self.every_n_steps = every_n_steps
         self.render_kwargs = dict(width=width, row_height=row_height)
         self._warned: set[str] = set()

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,8 +48,8 @@ from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_choice, check_int, check_int_in_range, check_real,
-                                         config_errors)
+from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
+                                         check_real, config_errors)
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
@@ -187,6 +188,9 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
         if isinstance(sampling, Mapping):
+            known = [f.name for f in dataclasses.fields(SamplingConfig)]
+            if unknown := sorted(set(sampling) - set(known), key=str):
+                raise ValueError(f"unknown sampling options {unknown}; allowed: {known}")
             check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
             sampling = SamplingConfig(**sampling)
         elif isinstance(sampling, SamplingConfig):
@@ -226,6 +230,18 @@ class RolloutDataModule(LightningDataModule):
             if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
                 check_int(name, value, 1)
         check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
+        check_bool("dynamic_sampling", dynamic_sampling)  # "false" would be truthy: dynamic sampling on
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
+        if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
+            raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
+                             "options or None")
+        if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
+            from lit_grpo.rollout.hf_dataset import is_dataset_object
+
+            if not is_dataset_object(dataset):
+                raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a "
+                                 "datasets.Dataset")
         check_partial_rollouts(over_provision, max_staleness)
         # settings that only act beside another one: named where that one is off and they differ from their
         # defaults, never dropped in silence
@@ -250,8 +266,8 @@ class RolloutDataModule(LightningDataModule):
                           "for plain continuous sampling", stacklevel=2)
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         check_choice("curriculum", curriculum, CURRICULA)
-        if "{prompt}" not in prompt_template:
-            raise ValueError(f"prompt_template={prompt_template!r} must contain '{{prompt}}'")
+        if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
+            raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=0, low_open=True)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset"])

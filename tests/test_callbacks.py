@@ -16,10 +16,12 @@ from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, ma
 from lit_grpo.runtime import memory
 from lit_grpo.callbacks import (
     CompletionLogger,
+    ExportModel,
     FitSummary,
     PeakMemoryMonitor,
     RewardForecast,
     RolloutProfiler,
+    RunCheckpoint,
     SlotTimelineLogger,
 )
 from lit_grpo.callbacks.completion_logger import markdown_cell
@@ -96,6 +98,31 @@ class _SteppingWithMemory(torch.optim.SGD):
         loss = super().step(closure)
         touch_memory(self.step_bytes, 0.03)
         return loss
+
+
+@pytest.mark.parametrize("callback, kwargs, match", [
+    # a string is truthy: each of these switches was on
+    (RolloutProfiler, dict(progress_bar="false"), r"progress_bar='false' must be True or False"),
+    (RewardForecast, dict(stop="false"), r"stop='false' must be True or False"),
+    (FitSummary, dict(validate_before_training="no"), r"validate_before_training='no' must be True or False"),
+    (RunCheckpoint, dict(save_on_validation="no"), r"save_on_validation='no' must be True or False"),
+    (ExportModel, dict(adapter_only="no"), r"adapter_only='no' must be True or False"),
+    # a NaN period never logged (step % nan is nan, truthy); a float was taken; a string failed a comparison
+    (SlotTimelineLogger, dict(every_n_steps=float("nan")), r"every_n_steps=nan must be an integer >= 1"),
+    (SlotTimelineLogger, dict(width="900"), r"width='900' must be an integer >= 800"),
+    (SlotTimelineLogger, dict(row_height=2.5), r"row_height=2.5 must be an integer >= 2"),
+    (CompletionLogger, dict(num_prompts=True), r"num_prompts=True must be an integer >= 1"),
+    (CompletionLogger, dict(table_every_n_steps="5"), r"table_every_n_steps='5' must be an integer >= 1"),
+    (FitSummary, dict(window=2.5), r"window=2.5 must be an integer >= 1"),
+    (FitSummary, dict(accuracy_key=None), r"accuracy_key=None must be a non-empty string"),
+    (RewardForecast, dict(monitor=""), r"monitor='' must be a non-empty string"),
+    (RunCheckpoint, dict(train_time_interval=60), r"train_time_interval=60 must be a datetime.timedelta"),
+    (RunCheckpoint, dict(dirpath=3), r"dirpath=3 must be a folder's path or None"),
+    (ExportModel, dict(dirpath=""), r"dirpath='' must be a folder's path or None"),  # it was the current folder
+])
+def test_bad_callback_settings_are_named(callback, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        callback(**kwargs)
 
 
 @pytest.mark.parametrize("interval", [0, -1, float("inf"), float("nan")])

@@ -123,7 +123,7 @@ def test_a_resumed_runs_bar_starts_at_its_step(tmp_path):
     trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     progress = bar.train_progress_bar
     assert (progress.initial, progress.n, progress.total) == (2, 5, 5)  # the rate counts the 3 steps it ran
-    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="window=0 must be an integer >= 1"):
         FitSummary(window=0)
 
 

@@ -178,6 +178,13 @@ def test_loss_objects_are_checked_once_when_built():
         make_loss("dapo", epsilon_high=-0.5)
     with pytest.raises(ValueError, match=r"beta=nan must be >= 0"):
         make_loss("bnpo", beta=float("nan"))
+    # a string failed a comparison with a TypeError, a bool weighed as 1, an infinite beta made the loss inf or NaN
+    for name, value, match in (("epsilon_low", "0.2", "must be a number"), ("beta", True, "must be a number"),
+                               ("beta", math.inf, "must be finite"),
+                               ("sapo_temperature_pos", math.inf, "must be finite")):
+        with pytest.raises(ValueError, match=rf"{name}={value!r} {match}"):
+            LossConfig(**{name: value})
+    assert LossConfig(epsilon_high=math.inf).epsilon_high == math.inf  # no upper clip
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_loss("dapo").config = LossConfig(beta=1.0)
     with pytest.raises(ValueError, match=r"GRPOLoss is loss_type='grpo', its config says loss_type='dapo'"):

@@ -201,6 +201,33 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", loss={"epsilon_high": -1})
     with pytest.raises(ValueError, match=r"betas=\[0.9\] must be two numbers in \[0, 1\)"):
         GRPOModule(model="tiny-llama", betas=(0.9,))
+    with pytest.raises(ValueError, match=r"betas=0.9 must be two numbers in \[0, 1\)"):
+        GRPOModule(model="tiny-llama", betas=0.9)
+    # a string is truthy: fsdp="false" turned FSDP on, and the other switches alike
+    for name in ("gradient_checkpointing", "mask_truncated_completions", "fsdp", "move_to_cpu_after_fit"):
+        with pytest.raises(ValueError, match=rf"{name}='false' must be True or False"):
+            GRPOModule(model="tiny-llama", **{name: "false"})
+    with pytest.raises(ValueError, match=r"shared_prefix=1 is not known; use one of \[True, False, 'auto'\]"):
+        GRPOModule(model="tiny-llama", shared_prefix=1)
+    for model in (None, 3, ""):
+        with pytest.raises(ValueError, match=rf"model={model!r} must be a non-empty string"):
+            GRPOModule(model=model)
+    with pytest.raises(ValueError, match=r"unknown loss options \['eps'\]; allowed: \['loss_type', 'epsilon_low'"):
+        GRPOModule(model="tiny-llama", loss={"eps": 0.1})
+    with pytest.raises(ValueError, match=r"unknown sampler_correction options \['max'\]; allowed: \['mode', "):
+        GRPOModule(model="tiny-llama", sampler_correction={"max": 2.0})
+    with pytest.raises(ValueError, match=r"unknown sampling options \['G'\]; allowed: \['group_size', "):
+        RolloutDataModule(prompts=PROMPTS, sampling={"G": 4})
+    with pytest.raises(ValueError, match=r"dynamic_sampling='false' must be True or False"):
+        RolloutDataModule(prompts=PROMPTS, dynamic_sampling="false")
+    with pytest.raises(ValueError, match=r"curriculum_kwargs='x' must be a mapping of the curriculum's options"):
+        RolloutDataModule(prompts=PROMPTS, curriculum_kwargs="x")
+    with pytest.raises(ValueError, match=r"system_prompt=3 must be a string or None"):
+        RolloutDataModule(prompts=PROMPTS, system_prompt=3)
+    with pytest.raises(ValueError, match=r"prompt_template=3 must be a string that contains '\{prompt\}'"):
+        RolloutDataModule(prompts=PROMPTS, prompt_template=3)
+    with pytest.raises(ValueError, match=r"dataset=3 must be a path \(a local file or folder\) or a datasets.Dataset"):
+        RolloutDataModule(dataset=3)
     with pytest.warns(UserWarning, match=r"fsdp_rollout='gathered' applies with fsdp only; it is ignored"):
         GRPOModule(model="tiny-llama", fsdp_rollout="gathered")
     with pytest.raises(ValueError, match="model path './nope' does not exist"):

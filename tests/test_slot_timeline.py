@@ -69,7 +69,7 @@ def test_slot_timeline_logger_writes_readable_figures(tmp_path):
         expected = render_slot_timeline_figure(rollout.stats.timeline, rollout.stats.group_size, width=900,
                                                decisions=rollout.stats.decisions)
         assert np.array_equal(decoded, expected)
-    with pytest.raises(ValueError, match="width must be >= 800 pixels"):
+    with pytest.raises(ValueError, match="width=400 must be an integer >= 800"):
         SlotTimelineLogger(width=400)
 
 

@@ -93,6 +93,21 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     return number
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a ValueError naming it: a string such as ``"false"`` is truthy, so taking any
+    value as a switch would turn it on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def check_text(name: str, value: Any, none: bool = False) -> str | None:
+    """``value`` if it is a non-empty string (or None where ``none``), else a ValueError naming it."""
+    if (value is None and none) or (isinstance(value, str) and value):
+        return value
+    raise ValueError(f"{name}={value!r} must be a non-empty string" + (" or None" if none else ""))
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else a ValueError listing them."""
     if value not in choices:

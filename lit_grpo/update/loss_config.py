@@ -14,6 +14,8 @@ the config is built (``Literal`` fields already when the YAML is parsed), with a
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
@@ -52,6 +54,14 @@ class LossConfig:
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        for name in ("epsilon_low", "epsilon_high", "beta", "sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            # a bool would weigh as 0 or 1 and a string fails the comparisons below with a TypeError
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}={value!r} must be a number")
+            # epsilon_high may be inf (no upper clip); beta and sapo's temperatures multiply the loss or its gate
+            if name != "epsilon_high" and math.isinf(value):
+                raise ValueError(f"{name}={value!r} must be finite")
         for name in ("epsilon_low", "epsilon_high", "beta"):
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too

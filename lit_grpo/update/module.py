@@ -82,7 +82,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, get_args
 
 import torch
@@ -101,7 +101,8 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, lora_config, resolve_dtype, with_lora)
-from lit_grpo.runtime.validation import ConfigError, check_choice, check_int, check_real, config_errors
+from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
+                                         config_errors)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
@@ -198,11 +199,18 @@ class GRPOModule(LightningModule):
         move_to_cpu_after_fit: bool = False,
     ):
         super().__init__()
+        check_text("model", model)
+        for name, value in (("gradient_checkpointing", gradient_checkpointing),
+                            ("mask_truncated_completions", mask_truncated_completions), ("fsdp", fsdp),
+                            ("move_to_cpu_after_fit", move_to_cpu_after_fit)):
+            check_bool(name, value)  # a string such as "false" would be truthy: the switch would be on
         check_choice("scale_rewards", scale_rewards, SCALES)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
         check_choice("fsdp_rollout", fsdp_rollout, FSDP_ROLLOUTS)
         if fsdp_rollout != "auto" and not fsdp:
             warnings.warn(f"fsdp_rollout={fsdp_rollout!r} applies with fsdp only; it is ignored", stacklevel=2)
+        if not isinstance(shared_prefix, (bool, str)):  # 1 and 0 equal True and False, which check_choice takes
+            raise ValueError(f"shared_prefix={shared_prefix!r} is not known; use one of {list(SHARED_PREFIX_MODES)}")
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
@@ -211,10 +219,11 @@ class GRPOModule(LightningModule):
         check_real("lr", lr, low=0, low_open=True)
         check_real("weight_decay", weight_decay, low=0)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                                      for b in betas):
-            raise ValueError(f"betas={list(betas)!r} must be two numbers in [0, 1) (AdamW's decay rates of its "
-                             "moments, e.g. [0.9, 0.99])")
+        pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
+        if not pair or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
+                             "rates of its moments, e.g. [0.9, 0.99])")
         if max_grad_norm is not None:  # None: no clipping
             check_real("max_grad_norm", max_grad_norm, low=0)
         if peft_config:  # checked here, before a model loads
@@ -678,6 +687,9 @@ def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
 def _typed(name: str, value: Any, cls: type) -> Any:
     """``value`` as a ``cls`` (a frozen settings dataclass): itself, or built from a dict of its fields."""
     if isinstance(value, Mapping):
+        known = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(value) - set(known), key=str):
+            raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
         return cls(**value)
     if not isinstance(value, cls):
         raise TypeError(f"{name}={value!r} must be a {cls.__name__} or a dict of its fields")

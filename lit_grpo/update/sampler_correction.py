@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -97,6 +98,8 @@ class SamplerCorrection:
         check_choice("sampler_correction.mode", self.mode, CORRECTION_MODES)
         for name in ("clip_min", "clip_max"):
             value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise ValueError(f"sampler_correction.{name}={value!r} must be a number > 0 or None")
             if value is not None and not value > 0:
                 raise ValueError(f"sampler_correction.{name}={value!r} must be > 0 or None")
         if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
