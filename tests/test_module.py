@@ -350,6 +350,8 @@ def test_jsonl_source_and_its_errors(tmp_path):
     assert sorted(train + val) == [0, 1] and len(val) == 1
     with pytest.raises(ValueError, match="does not exist"):
         jsonl_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match=r"jsonl_path=3 must be a JSONL file's path"):
+        jsonl_prompts(3)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="holds no prompts"):
         jsonl_prompts(tmp_path / "empty.jsonl")

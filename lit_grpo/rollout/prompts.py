@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -84,6 +85,8 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
 
 def jsonl_prompts(path: str | Path) -> list[PromptExample]:
     """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"jsonl_path={path!r:.80} must be a JSONL file's path")
     path = Path(path).expanduser()
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
