@@ -24,6 +24,15 @@ def test_weighted_sum_skips_none():
     assert list(out.components) == ["a", "b"]
 
 
+def test_weighted_rewards_that_overflow_float32_name_the_weights():
+    def big(prompts, completions, **kw):
+        return [2.0, 1.0]
+
+    with pytest.raises(ValueError, match=r"the weighted rewards overflow float32 \(\[inf\]\): the reward weights "
+                                         r"\{'big': 3e\+38\}"):
+        score_rewards([WeightedReward(big, 3e38)], ["p"] * 2, ["c"] * 2, group_size=2)
+
+
 def test_columns_reach_the_functions():
     seen = {}
 

@@ -398,6 +398,11 @@ def score_rewards(
         present = ~torch.isnan(component)
         total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
         seen |= present
+    if not bool(torch.isfinite(total).all()):  # each value and weight is finite in float32; their sum need not be
+        weights = {reward.name: reward.weight for reward in reward_funcs}
+        raise ValueError(f"the weighted rewards overflow float32 ({total[~torch.isfinite(total)].tolist()[:4]}): "
+                         f"the reward weights {weights} times their values exceed {FLOAT32_MAX:.4g}; use smaller "
+                         "weights")
     if skipped:
         rows = torch.zeros(n, dtype=torch.bool)
         for group in skipped:
