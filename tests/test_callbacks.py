@@ -89,6 +89,15 @@ def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
     assert "rollout/peak_kv_bytes" not in accumulator.Tags()["scalars"]
 
 
+def test_peak_memory_keeps_the_largest_peak_logged_not_the_last(tmp_path, monkeypatch):
+    monitor = PeakMemoryMonitor(cpu_method="sampling")
+    readings = iter([{"memory/rollout_peak_bytes": 300 * MiB}, {"memory/rollout_peak_bytes": 100 * MiB}])
+    monkeypatch.setattr(monitor, "_step_peaks", lambda batch: next(readings))
+    trainer = fit(tmp_path, RolloutModule([make_rollout(seed) for seed in range(2)]), [monitor], max_steps=2)
+    assert scalars(events(trainer), "memory/rollout_peak_bytes") == [300 * MiB, 100 * MiB]
+    assert monitor.max_logged == {"memory/rollout_peak_bytes": 300 * MiB}
+
+
 class _SteppingWithMemory(torch.optim.SGD):
     """SGD whose step touches ``step_bytes`` (stands in for optimizer state allocated in the step)."""
 

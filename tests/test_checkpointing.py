@@ -205,6 +205,17 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
     assert remove_stale_partials(folder) == [partial] and not partial.exists()
 
 
+def test_only_the_partial_writes_of_ended_processes_are_removed(tmp_path):
+    gone = subprocess.Popen(["true"])  # a process that has ended: its partial write is no one's
+    gone.wait()
+    stale = partial_path(tmp_path / "last.ckpt", pid=gone.pid)
+    stale.write_bytes(b"cut")
+    mine = partial_path(tmp_path / "last.ckpt")  # this process's, being written
+    mine.write_bytes(b"being written")
+    assert remove_stale_partials(tmp_path) == [stale]
+    assert mine.exists() and not stale.exists()
+
+
 def test_lightning_checkpoints_go_through_the_atomic_write(tmp_path):
     io = AtomicCheckpointIO()
     io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
@@ -304,6 +315,31 @@ def test_a_sharded_checkpoint_folder_is_checked_by_its_header(tmp_path, tiny_che
     check_resumable(folder, module, data, evaluate=True)
     with pytest.raises(ValueError, match=r"model.model: 'tiny-llama' in the checkpoint, 'tiny-qwen2' now"):
         check_resumable(folder, {**module, "model": "tiny-qwen2"}, data)
+
+
+def test_a_sharded_checkpoints_header_must_hold_the_loops_to_resume(tmp_path, tiny_checkpoint):
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    del checkpoint["state_dict"], checkpoint["optimizer_states"], checkpoint["loops"]
+    torch.save(checkpoint, folder / "meta.pt")
+    with pytest.raises(ValueError, match=r"last.ckpt is not a lit_grpo training checkpoint: it has no loops \("):
+        check_resumable(folder, *_hparams(tiny_checkpoint))
+    check_resumable(folder, *_hparams(tiny_checkpoint), evaluate=True)  # evaluating it needs no loop state
+
+
+def test_a_setting_saved_as_a_list_is_the_same_as_that_tuple(tmp_path, tiny_checkpoint):
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["peft_config"] = {"r": 8, "target_modules": ["q_proj", "v_proj"],
+                                                     "layers": {"ids": [0, 1]}}
+    saved = tmp_path / "lists.ckpt"
+    torch.save(checkpoint, saved)
+    module, data = _hparams(saved)
+    as_tuples = {"r": 8, "target_modules": ("q_proj", "v_proj"), "layers": {"ids": (0, 1)}}  # nested too
+    check_resumable(saved, {**module, "peft_config": as_tuples}, data)
+    with pytest.raises(ValueError, match=r"model.peft_config.target_modules: \['q_proj', 'v_proj'\] in the "
+                                         r"checkpoint, \('q_proj',\) now"):
+        check_resumable(saved, {**module, "peft_config": {**as_tuples, "target_modules": ("q_proj",)}}, data)
 
 
 def test_a_dtype_is_the_same_setting_under_either_of_its_names(tmp_path, tiny_checkpoint):
@@ -496,6 +532,20 @@ def test_a_sharded_checkpoint_is_swapped_in_whole_and_a_killed_swap_is_finished(
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_staged_folder_beside_a_whole_checkpoint_is_never_swapped_in(tmp_path):
+    """A kill after a swap's second rename leaves last.ckpt whole and the old one aside; a later save of that pid,
+    killed while writing, leaves its staged folder half written: last.ckpt stays, the leftovers go."""
+    from lit_grpo.runtime.checkpoints import finish_interrupted_swaps, staging_path
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    last = _folder(tmp_path / "last.ckpt", "new")
+    _folder(tmp_path / f".last.ckpt.{gone.pid}.replaced", "old")
+    _folder(staging_path(last, gone.pid), "half")
+    finish_interrupted_swaps(tmp_path)
+    assert (last / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 def test_run_checkpoint_writes_a_sharded_checkpoint_beside_its_place_then_swaps_it_in(tmp_path):

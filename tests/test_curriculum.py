@@ -55,6 +55,20 @@ def test_set_scores_sorts_descending():
     assert sampler.order.tolist() == [1, 3, 0, 2]  # ties keep the lower index first
 
 
+def test_ties_keep_the_lower_index_first_however_many_prompts():
+    sampler = AngleCurriculumSampler(1000)
+    scores = torch.zeros(1000)
+    scores[::3] = 1.0
+    sampler.set_scores(scores)
+    assert sampler.order.tolist() == list(range(0, 1000, 3)) + [i for i in range(1000) if i % 3]
+
+
+def test_the_rank_gaussian_is_sigma_wide():
+    probs = gaussian_rank_probs(41, 20.0, 4.0)
+    assert (probs[24] / probs[20]).item() == pytest.approx(math.exp(-0.5))  # one sigma from mu
+    assert (probs[12] / probs[20]).item() == pytest.approx(math.exp(-2.0))  # two sigmas
+
+
 def test_draw_follows_gaussian_over_rank():
     sampler = scored_sampler(20)
     sampler.mu = 6.3
@@ -275,6 +289,24 @@ def test_uniform_hands_out_what_is_given_back_first_and_never_twice_in_a_batch()
     assert max(counts) - min(counts) <= 1 and sum(counts) == 19, counts  # each prompt once per epoch, 4 epochs
 
 
+def test_uniform_hands_back_in_the_order_given_across_calls():
+    sampler = UniformPromptSampler(10, seed=0)
+    first = sampler.draw(4)
+    sampler.give_back(first[:2])
+    sampler.give_back(first[2:])
+    assert sampler.draw(4) == first
+
+
+def test_a_draw_that_avoids_the_epochs_last_prompts_takes_the_next_epochs_first():
+    # the step's earlier draws are exactly the prompts the epoch has left: the batch comes from the next epoch, and
+    # the avoided ones, skipped, are handed out first after it (a repeat only where no other prompt is left)
+    sampler = UniformPromptSampler(4, seed=0)
+    first = sampler.draw(2)
+    rest = [prompt for prompt in range(4) if prompt not in first]
+    assert sorted(sampler.draw(2, avoid=rest)) == sorted(first) and sampler.epoch == 1
+    assert sorted(sampler.draw(2)) == rest
+
+
 def test_uniform_state_keeps_what_was_given_back():
     sampler = UniformPromptSampler(9, seed=1)
     sampler.give_back(sampler.draw(3)[::2])
@@ -320,6 +352,40 @@ def test_unequal_ranks_over_many_steps_lose_no_prompt(curriculum):
             waiting = [p for sampler in samplers[:1] for p in sampler.state_dict()["returned"].tolist()]
             counts = [(used + waiting).count(prompt) for prompt in range(23)]
             assert max(counts) - min(counts) <= 1, counts
+
+
+def test_the_curriculums_feedback_is_the_correct_share_else_the_mean_reward_within_0_and_1():
+    from lit_grpo.datamodules.rollout import curriculum_accuracy
+
+    # [correct, judged, reward sum, rewarded]
+    assert curriculum_accuracy(torch.tensor([3.0, 4.0, 10.0, 8.0])) == 0.75
+    assert curriculum_accuracy(torch.tensor([0.0, 0.0, 3.0, 4.0])) == 0.75  # no correctness: the mean reward
+    assert curriculum_accuracy(torch.tensor([0.0, 0.0, 12.0, 8.0])) == 1.0
+    assert curriculum_accuracy(torch.tensor([0.0, 0.0, -2.0, 8.0])) == 0.0
+    assert curriculum_accuracy(torch.zeros(4)) == 0.0
+
+
+def test_the_curriculums_feedback_over_ranks_is_the_whole_steps():
+    """Several ranks: the step's accuracy and mean angle are over every rank's completions and prompts taken (one
+    gather of the sums), not a rank's own, nor a sum of the ranks'."""
+    from types import SimpleNamespace
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule, _StepDraw
+
+    data = RolloutDataModule(prompts=[f"q{i}" for i in range(12)], val_size=0, prompts_per_step=2,
+                             curriculum="angle", reward_funcs=["char_fraction"])
+    data.setup("fit")
+    data.sampler.set_scores(torch.linspace(0, 1, 12), 0)
+    data._step_draw = step = _StepDraw(data.sampler, 2, 2, 0)  # rank 0 of 2
+    taken = step.take(2)
+    other = step.drawn[0][2:]  # rank 1's share of the draw, which it took
+    rank_1 = torch.tensor([3.0, 4.0, 0.0, 0.0, float(data.sampler.scores[other].double().sum()), 2.0, 1.0, 2.0],
+                          dtype=torch.float64)  # 3 of 4 correct; its angles, their count, draws, prompts taken
+    data._handover = {"all_gather": lambda local: torch.stack([local, rank_1])}
+    batch = SimpleNamespace(accuracy_sums=lambda: torch.tensor([1.0, 4.0, 0.0, 0.0], dtype=torch.float64))
+    accuracy, mean_angle, unused = data._finish_step(batch)
+    assert accuracy == pytest.approx(4 / 8) and unused == 0
+    assert mean_angle == pytest.approx(float(data.sampler.scores[taken + other].double().mean()))
 
 
 def test_a_draw_avoids_as_many_earlier_draws_as_leave_a_batch():

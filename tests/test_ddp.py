@@ -262,6 +262,20 @@ def test_rank_reductions_cover_every_key_and_reduce_as_documented():
         rank_reduction("custom/thing")
 
 
+def test_rank_reductions_of_rounds_parks_an_idle_skew_and_a_ratio_a_rank_left_unweighted():
+    from lit_grpo.rollout.metrics import reduce_over_ranks, with_weights
+
+    # the rank that needed most rounds sets the step's; parked samples add up; where no rank spent any time on its
+    # rollout none waited for another: a skew of 1
+    per_rank = [{"rollout/rollouts_per_step": 1.0, "rollout/parked_samples": 2.0, "rollout/rank_skew": 0.0},
+                {"rollout/rollouts_per_step": 3.0, "rollout/parked_samples": 5.0, "rollout/rank_skew": 0.0}]
+    assert reduce_over_ranks(per_rank, list(per_rank[0])) == {
+        "rollout/rollouts_per_step": 3.0, "rollout/parked_samples": 7.0, "rollout/rank_skew": 1.0}
+    # a ratio whose weight one rank did not report: the plain mean of the ranks' ratios
+    ratio = [{"reward/frac_zero_std": 0.5, "weight/groups_generated": 2.0}, {"reward/frac_zero_std": 0.0}]
+    assert reduce_over_ranks(ratio, with_weights(["reward/frac_zero_std"])) == {"reward/frac_zero_std": 0.25}
+
+
 def test_reward_std_is_the_mean_over_groups_of_each_groups_std():
     # reward/std is TRL's: the within-group std averaged over groups, not the std of all rewards pooled
     from lit_grpo.rollout.metrics import reward_metrics

@@ -945,6 +945,35 @@ def test_a_slot_cache_row_takes_a_kv_up_to_its_full_width(tiny_llama):
     with pytest.raises(ValueError, match="9 positions do not fit"):
         cache.write_row(1, 0, kv(9))
 
+
+def test_a_slot_cache_is_reused_only_for_as_many_slots(tiny_llama):
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+
+    model, _ = tiny_llama
+    cpu = torch.device("cpu")
+    cache = SlotKVCache(model.config, num_slots=3, width=8, dtype=torch.float32, device=cpu)
+    assert cache.fits(3, 8, torch.float32, cpu) and cache.fits(3, 5, torch.float32, cpu)  # narrower rows fit
+    assert not cache.fits(2, 8, torch.float32, cpu) and not cache.fits(4, 8, torch.float32, cpu)
+    assert not cache.fits(3, 9, torch.float32, cpu) and not cache.fits(3, 8, torch.bfloat16, cpu)
+
+
+def test_the_prefix_and_tail_store_counts_the_bytes_it_holds():
+    from lit_grpo.sampling.kv_cache import PrefixTailStore, kv_bytes
+
+    def kv(positions):  # two layers of one row, 2 kv heads of 4 dims
+        return [(torch.zeros(1, 2, positions, 4), torch.zeros(1, 2, positions, 4)) for _ in range(2)]
+
+    store = PrefixTailStore()
+    store.put_prefix(0, kv(5))
+    store.put_prefix(1, None)  # a one-token prompt: no prefix, prefilled all the same
+    store.put_tail((0, 0), kv(3))
+    store.put_tail((0, 1), kv(2))
+    assert store.parked_bytes == kv_bytes(kv(5)) and store.nbytes() == kv_bytes(kv(10))
+    assert store.take_tail((0, 0)) is not None and store.take_tail((0, 0)) is None
+    assert store.parked_bytes == kv_bytes(kv(2)) and store.nbytes() == kv_bytes(kv(7))
+    store.drop_prefix(0)
+    assert store.prompts() == [1] and store.nbytes() == kv_bytes(kv(2))
+
 def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(tiny_llama, monkeypatch):
     from lit_grpo.sampling import SamplingConfig, decode_step
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -74,6 +75,27 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     assert float(host[1]) * {"MiB": 2**20, "GiB": 2**30}[host[2]] == pytest.approx(host_peak_bytes(), rel=0.05)
     assert "tensorboard --logdir" in lines[7]
     assert "last.ckpt (" in lines[8] and "--ckpt_path" in lines[8]
+
+
+def test_a_short_runs_reward_ends_never_overlap_and_leave_out_what_is_not_a_number(tmp_path):
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    rollouts[1] = dataclasses.replace(rollouts[1], rewards=torch.full_like(rollouts[1].rewards, float("nan")))
+    summary = FitSummary(validate_before_training=False)  # a window of 5 steps at each end
+    trainer = _trainer(tmp_path, [summary], max_steps=4, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(RolloutModule(rollouts))
+    rewards = [float(rollouts[i].rewards.float().mean()) for i in (0, 2, 3)]
+    assert summary.rewards == pytest.approx(rewards)
+    # three rewards: one at each end, not three each
+    assert f"  reward/mean    {rewards[0]:.3f} -> {rewards[-1]:.3f}   (first step -> last step)" in \
+        summary.summary_lines(trainer)
+
+
+def test_a_validation_after_the_first_step_is_said_to_follow_it(tmp_path):
+    summary = FitSummary()
+    trainer = _trainer(tmp_path, [summary], max_steps=1, enable_checkpointing=False)
+    trainer.fit(ValidatedModule([make_rollout(0)]))
+    assert [step for step, _ in summary.accuracy] == [0, 1]
+    assert summary.summary_lines(trainer)[1].endswith("   (before training -> after step 1)")
 
 
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):

@@ -75,6 +75,16 @@ def test_a_long_sample_that_arrives_last_starts_early_when_preempting():
     assert rollout_makespan(lengths, 2, preemption_points(4, 64), park_tokens=0) == 75
 
 
+def test_a_sample_parks_where_the_parked_tokens_reach_the_park_budget_exactly():
+    # the budget is "at most park_tokens": parking the 60 at 4 tokens with a budget of 4 fits, one fewer does not;
+    # the gate's model and the scheduler driven through the engine's loop draw the line at the same place
+    lengths, points = [5, 5, 5, 5, 5, 5, 60], preemption_points(4, 64)
+    assert rollout_makespan(lengths, 2, points, park_tokens=4) == 74
+    assert rollout_makespan(lengths, 2, points, park_tokens=3) == 75
+    scheduler = _AlwaysPreempting(preempt_tokens=4, park_budget=4 / (2 * 64), loss_share=None)
+    assert simulate_rollout(scheduler, [lengths], 2, 64).decode_steps == 74 and scheduler.park_tokens == 4
+
+
 def test_the_gate_preempts_on_heavy_tails_and_not_on_equal_lengths():
     heavy, equal = LeastAttainedScheduler(), LeastAttainedScheduler()
     work = _work(4, 16, 8, 256)
@@ -115,6 +125,37 @@ def test_the_gate_keeps_the_most_recent_groups_and_its_state():
     written_by_0_1 = {"predictor": {}, "trust": {}, "preemption": {"groups": [[3, 4]]}}
     restored.load_state_dict(written_by_0_1)
     assert list(restored.groups) == [[3, 4]]
+
+
+def test_a_restored_gate_keeps_only_the_most_recent_groups_too():
+    # a state holding more groups than the gate keeps (a hand-made or foreign one) is cut to the most recent, and
+    # the groups observed after it keep the bound
+    restored = LeastAttainedScheduler()
+    restored.load_state_dict({"groups": [[n + 1] * 2 for n in range(100)]})
+    assert len(restored.groups) == 64 and restored.groups[0] == [37, 37]
+    restored.observe([500, 500])
+    assert len(restored.groups) == 64 and restored.groups[0] == [38, 38] and restored.groups[-1] == [500, 500]
+
+
+def test_the_gate_keeps_first_come_order_where_no_drawn_rollout_gains():
+    # every sample ends before the first preemption point: both orders take the same steps, a gain of 0 is none
+    gate = LeastAttainedScheduler()
+    gate.observe([4] * 16)
+    gains = gate.gains(4, 16, 8, 256, 0.5 * 8 * 256)
+    assert len(gains) == 64 and set(gains) == {0}
+    assert gate.judge(_work(4, 16, 8, 256)) == (False, "first come: 0 of 64 drawn rollouts lose, mean gain +0.0 steps")
+
+
+def test_a_loss_share_of_0_preempts_where_no_drawn_rollout_loses():
+    # loss_share is the most drawn rollouts that may lose: 0 allows none, and none losing is allowed
+    gate = LeastAttainedScheduler(loss_share=0.0)
+    for seed in range(8):
+        for group in _heavy_groups(seed):
+            gate.observe(group)
+    gains = gate.gains(4, 16, 8, 256, 0.5 * 8 * 256)
+    assert min(gains) >= 0 and sum(gains) > 0
+    decision, note = gate.judge(_work(4, 16, 8, 256))
+    assert decision and note.startswith("preempting: 0 of 64 drawn rollouts lose")
 
 
 def _series(scheduler, rollouts: int, slots: int = 32):
@@ -181,6 +222,24 @@ def test_a_resumed_sample_gives_its_tokens_back_to_the_park_budget():
     parks = [(d.step, d.key) for d in scheduler.decisions if d.action == "park"]
     assert parks == [(4, (0, 0)), (4, (0, 1)), (12, (0, 2)), (12, (0, 3)), (24, (0, 0))]
     assert decision_counts(scheduler.decisions)["resume_least_attained"] == 5
+
+
+def test_preempt_is_asked_only_of_running_samples():
+    # a sample that ends at a preemption point finishes: it is not offered to preempt as well
+    class Asked(_AlwaysPreempting):
+        def begin(self, work):
+            super().begin(work)
+            self.asked = []
+
+        def preempt(self, key, generated):
+            self.asked.append((key, generated, key in self.running))
+            return super().preempt(key, generated)
+
+    scheduler = Asked(preempt_tokens=4, park_budget=None, loss_share=None)
+    simulate_rollout(scheduler, [[4, 8, 12, 30]], 2, 64)
+    assert scheduler.asked and all(running for *_, running in scheduler.asked), scheduler.asked
+    assert all(generated in scheduler.preempt_points for _, generated, _ in scheduler.asked)
+
 
 def test_every_decision_carries_its_reason():
     """Why did this sample get this slot? The first rollout runs first come (nothing seen yet); later ones start

@@ -121,12 +121,14 @@ def test_extract_final_answer_order():
     assert extract_final_answer(r"$x = 2$, then 5") == "5"
     assert extract_final_answer(r"is -\frac{3}{4}.") == r"-\frac{3}{4}"
     assert extract_final_answer(r"$ $ and 3") == "3"  # an empty span is no statement
+    assert extract_final_answer(r"<answer>so \boxed{5}</answer>") == "5"  # a box inside the tag is unwrapped
 
 
 def test_math_reward_gold_from_the_row_and_no_opinion_without_gold():
     values = math_reward(["p"] * 3, [r"\boxed{2}", r"\boxed{2}", r"\boxed{2}"], answer=[None, None, "3"],
                          entry=[{"answer": "2"}, {"question": "q"}, {"answer": "2"}])
     assert values == [1.0, None, 0.0]  # the answer column wins over the row's field
+    assert score_math("<answer>5</answer>", "  ") is None  # a blank gold answer is none
 
 
 def test_math_is_a_builtin_usable_by_name():

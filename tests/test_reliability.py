@@ -433,6 +433,35 @@ def test_auto_prices_a_slot_at_its_rows_aligned_width_where_the_engine_aligns_th
     assert slots[True] == 3 < slots[False]
 
 
+def test_a_slot_prices_what_its_row_holds_and_a_long_prompt_its_whole_prefill(module):
+    """A row is prompt - 1 + new tokens wide (the last token is never fed back): one position past an aligned width
+    is priced at prompt + new tokens, not at the next multiple. A prompt longer than a prefill chunk is prefilled
+    whole: its one layer counts all its positions."""
+    from lit_grpo.sampling.memory_budget import kv_bytes_per_token, kv_prefill_bytes, slot_positions
+    from lit_grpo.sampling.prefill import PREFILL_CHUNK_TOKENS
+
+    assert slot_positions(31, 34, 64) == 65  # a row of 64 columns, aligned already
+    config = module.policy.config
+    layer = kv_bytes_per_token(config, torch.float32) // config.num_hidden_layers
+    longest = PREFILL_CHUNK_TOKENS + 976
+    assert kv_prefill_bytes(config, torch.float32, longest, 2, 6) == layer * longest
+
+
+def test_a_slots_parked_share_is_priced_rounded_up(module):
+    import math
+
+    from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_held_bytes,
+                                                 kv_prefill_bytes, kv_slot_bytes)
+
+    config = module.policy.config
+    share = kv_bytes_per_token(config, torch.float32) * 6 * 0.3  # 0.3 of a slot's 6 new tokens, parked
+    assert share != int(share)  # the test needs a fraction of a byte to round
+    slot = kv_slot_bytes(config, torch.float32, 10, 6) + math.ceil(share)
+    held = kv_held_bytes(config, torch.float32, 10, 4, 2) + kv_prefill_bytes(config, torch.float32, 10, 2, 6)
+    assert auto_micro_group_size(config, torch.float32, held + 3 * slot, 10, 6, 4, 2, park_fraction=0.3) == 3
+    assert auto_micro_group_size(config, torch.float32, held + 3 * slot - 1, 10, 6, 4, 2, park_fraction=0.3) == 2
+
+
 def test_a_kept_cache_fits_when_the_update_peak_and_it_leave_the_margin():
     from lit_grpo.sampling.memory_budget import kv_cache_fits_beside_update
 

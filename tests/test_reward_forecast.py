@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_grpo.callbacks import RewardForecast, forecast_plateau
-from lit_grpo.callbacks.reward_curve import CurveFit, bin_means, exp_saturation, logistic
+from lit_grpo.callbacks import reward_forecast as reward_forecast_module
+from lit_grpo.callbacks.reward_curve import CurveFit, Forecast, bin_means, exp_saturation, logistic
 
 STEPS = np.arange(800, dtype=float)
 NOISE = 0.03
@@ -65,6 +66,30 @@ def test_criterion_picks_the_logistic_for_a_slow_start_and_penalizes_its_extra_p
         assert exp.information_criterion(criterion) < log.information_criterion(criterion)
 
 
+def test_the_criteria_are_gaussian_aic_and_bic():
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=100)
+    assert fit.information_criterion("aic") == pytest.approx(100 * math.log(0.01) + 2 * 3)
+    assert fit.information_criterion("bic") == pytest.approx(100 * math.log(0.01) + 3 * math.log(100))
+
+
+def test_the_criterion_not_the_residuals_alone_picks_the_shape():
+    # on a short stretch of a saturating curve the logistic's extra parameter buys a slightly smaller residual
+    forecast = forecast_plateau(STEPS[:100], noisy(saturating, 0)[:100])
+    exp, log = sorted(forecast.candidates, key=lambda fit: fit.model != "exp_saturation")
+    assert log.rss < exp.rss and forecast.fit is exp
+
+
+@pytest.mark.parametrize("fit", [CurveFit("exp_saturation", (0.2, 0.8, 0.05), rss=0.0, num_points=10),
+                                 CurveFit("logistic", (0.1, 0.7, 1.0, 1.0), rss=0.0, num_points=10)],
+                         ids=["exp_saturation", "logistic"])
+def test_time_to_fraction_is_where_the_fit_covers_that_share_of_its_rise(fit):
+    # from the fitted reward at the first step to the plateau, whether the curve starts flat or not
+    start = float(fit.predict(0.0))
+    for fraction in (0.5, 0.95):
+        t = fit.time_to_fraction(fraction)
+        assert float(fit.predict(t)) - start == pytest.approx(fraction * (fit.plateau - start))
+
+
 def test_forecast_handles_degenerate_input():
     assert forecast_plateau([0, 1, 2], [0.1, 0.2, 0.3]) is None  # too few points
     flat = forecast_plateau(STEPS[:200], np.full(200, 0.4))
@@ -75,6 +100,32 @@ def test_forecast_handles_degenerate_input():
     # Known reward range bounds the extrapolation.
     bounded = forecast_plateau(STEPS[:200], 0.1 + 0.002 * STEPS[:200], reward_range=(0.0, 1.0))
     assert bounded.plateau_reward <= 1.0
+
+
+def test_a_forecast_needs_five_distinct_steps_and_counts_them_from_the_first():
+    assert forecast_plateau([0, 0, 1, 1, 2, 2, 3, 3], [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.35, 0.35]) is None
+    rewards = noisy(saturating, 0)[:300]
+    here, later = forecast_plateau(STEPS[:300], rewards), forecast_plateau(STEPS[:300] + 1000, rewards)
+    assert later.step_to_plateau == pytest.approx(here.step_to_plateau + 1000)  # on the steps' own axis
+    assert later.plateau_reward == pytest.approx(here.plateau_reward)
+
+
+def test_a_rise_is_seen_beyond_twice_the_noise_of_a_reading():
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=100)
+
+    def forecast(observed_gain: float) -> Forecast:
+        return Forecast(plateau_reward=1.0, step_to_plateau=30.0, remaining_gain=0.0, observed_gain=observed_gain,
+                        noise_std=0.1, fit=fit, candidates=(fit,))
+
+    assert not forecast(0.15).rise_seen and forecast(0.25).rise_seen
+
+
+def test_the_noise_leaves_out_the_fitted_parameters_degrees_of_freedom():
+    steps = STEPS[:8]
+    rewards = noisy(saturating, 4)[:8]
+    forecast = forecast_plateau(steps, rewards)
+    residuals = rewards - forecast.fit.predict(steps)
+    assert forecast.noise_std == pytest.approx(math.sqrt(np.sum(residuals**2) / (8 - forecast.fit.num_params)))
 
 
 def test_bin_means_keeps_long_histories_short():
@@ -153,6 +204,33 @@ def test_forecast_is_logged_at_every_check_and_never_stops_when_told_not_to(tmp_
     assert plateau[-1].value == pytest.approx(0.8, rel=0.05)
     assert events.Scalars("forecast/step_to_plateau")[-1].value == pytest.approx(100 * math.log(20), rel=0.1)
     assert events.Scalars("forecast/remaining_gain")[-1].value < 0.01
+
+
+def test_the_stop_waits_for_patience_consecutive_plateaued_checks_from_min_points_on(tmp_path, monkeypatch):
+    """The fits are scripted: plateaued, not, then plateaued on. The first fit runs at the check where min_points
+    are in; a check that is not plateaued starts the count again; the stop comes at the patience-th in a row."""
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=10)
+    verdicts, fitted = iter([True, False] + [True] * 10), []
+
+    def scripted(steps, rewards, criterion, reward_range=None):
+        fitted.append(len(steps))
+        return Forecast(plateau_reward=1.0, step_to_plateau=5.0, remaining_gain=0.0 if next(verdicts) else 0.5,
+                        observed_gain=1.0, noise_std=0.01, fit=fit, candidates=(fit,))
+
+    monkeypatch.setattr(reward_forecast_module, "forecast_plateau", scripted)
+    forecast = RewardForecast(min_delta=0.01, patience=2, stop=True, min_points=11, check_every_n_steps=10)
+    run(TrajectoryModule(noisy(saturating, seed=0)), forecast, 200, tmp_path)
+    assert fitted == [11, 21, 31, 41]  # checks at steps 10 (11 points in), 20, 30, 40
+    assert forecast.stopped_step == 40 and forecast.wait_count == 2
+
+
+def test_a_reward_that_is_not_finite_is_not_recorded(tmp_path):
+    rewards = noisy(saturating, seed=0)[:30].copy()
+    rewards[[3, 17]] = np.nan
+    forecast = RewardForecast(check_every_n_steps=10)
+    run(TrajectoryModule(rewards), forecast, 30, tmp_path)
+    assert forecast.steps == [step for step in range(30) if step not in (3, 17)]
+    assert forecast.rewards == pytest.approx(np.delete(rewards, [3, 17]).tolist())
 
 
 def test_a_monitor_never_logged_is_warned_about_once(tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 from lit_grpo.rollout.reward_functions import OverlongPenalty, accuracy_reward, extract_answer, format_reward
 from lit_grpo.rollout.rewards import (RewardFunctionError, WeightedReward, build_reward_funcs, correctness_reward,
-                                      score_rewards)
+                                      reward_name, score_rewards)
 
 
 def test_weighted_sum_skips_none():
@@ -79,11 +79,49 @@ def test_skip_group_blanks_every_row_of_the_failing_group_in_every_component():
         assert torch.isnan(out.components[name][3:6]).all(), name
         assert not torch.isnan(out.components[name][[0, 1, 2, 6, 7, 8]]).any(), name
 
+
+def test_skipped_rows_are_not_said_to_have_no_opinion(recwarn):
+    def picky(prompts, completions, **kw):
+        if any("bad" in p for p in prompts):
+            raise KeyError("boom")
+        return [1.0] * len(prompts)
+
+    out = score_rewards([WeightedReward(picky)], ["ok", "ok", "bad", "bad"], ["c"] * 4, group_size=2,
+                        on_error="skip_group")
+    assert out.skipped_groups == [1]
+    said = [str(w.message) for w in recwarn]
+    assert any("'picky' raised KeyError" in message for message in said)
+    assert not any("returned None" in message for message in said), said  # skipped, not "no opinion"
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip_group"])
+def test_a_function_failing_only_on_the_whole_batch_is_named_whatever_on_error(on_error):
+    # each group alone scores fine: there is no group to skip, and the batch is not scored one group at a time
+    def batch_only(prompts, completions, **kw):
+        if len(prompts) > 2:
+            raise RuntimeError("too many")
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFunctionError, match=r"'batch_only' raised RuntimeError: too many on the whole batch "
+                                                  r"\(each group alone scores fine; first prompt 'p0'\)") as info:
+        score_rewards([WeightedReward(batch_only)], ["p0", "p0", "p1", "p1"], ["c"] * 4, group_size=2,
+                      on_error=on_error)
+    assert info.value.group is None and info.value.prompt == "p0"
+
+
+def test_a_function_named_only_reward_keeps_its_name():
+    def _reward(prompts, completions, **kw):
+        return [0.0] * len(prompts)
+
+    assert reward_name(_reward) == "_reward" and WeightedReward(_reward).name == "_reward"
+    assert reward_name(accuracy_reward) == "accuracy"
+
 @pytest.mark.parametrize("values, match", [
     ([1.0], r"'bad' returned 1 values for 2 completions"),
     ([1.0, "x"], r"'bad' returned 'x' \(str\) at index 1 for prompt 'q2'"),
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("inf")], r"returned inf at index 1"),
+    ([1e39, 1.0], r"'bad' returned 1e\+39 at index 0 for prompt 'q1'; values must be finite in float32"),
     ("11", r"returned str"),
     ({0: 1.0, 1: 0.0}, r"returned dict"),  # its keys were taken as the rewards
     ({1.0, 0.0}, r"returned set"),
@@ -141,6 +179,12 @@ def test_format_and_overlong():
     for bad in (0, "64", 2.5, True):
         with pytest.raises(ValueError, match=rf"buffer={bad!r} must be an integer >= 1"):
             OverlongPenalty(buffer=bad)
+
+
+def test_an_overlong_buffer_wider_than_the_cap_is_the_cap():
+    # a cap of 10 tokens and the default buffer of 64: the penalty runs from 0 at no tokens to -1 at the cap
+    got = OverlongPenalty()([""] * 3, [""] * 3, completion_length=[5, 10, 11], max_new_tokens=[10] * 3)
+    assert got == [-0.5, -1.0, -1.0]
 
 
 def test_build_reward_funcs_from_config_specs():

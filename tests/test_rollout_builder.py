@@ -347,6 +347,45 @@ def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_i
         assert "wider than any update measured" in builder.slot_memory.cache_keeping.describe()
 
 
+def test_auto_keeps_the_cache_beside_an_update_measured_with_it_kept_up_to_its_width(monkeypatch):
+    """An update measured while the cache was kept peaked with the cache in it: its own peak is that less the kept
+    bytes. A batch exactly as wide as the widest update measured keeps the cache where it fits; a wider one not."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from lit_grpo.rollout import slot_memory as slot_memory_module
+    from lit_grpo.rollout.slot_memory import SlotMemory
+
+    monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (1000, 1000))  # a margin of 100
+    policy = torch.nn.Linear(2, 2)
+    sampling = SamplingConfig(group_size=4, micro_group_size=2, strategy="continuous", max_new_tokens=6)
+    memory = SlotMemory(policy, sampling, SimpleNamespace(scope_bytes=lambda: 0, module=policy),
+                        groups_per_rollout=2, max_prompt_length=0)
+    engine = SimpleNamespace(slot_cache_bytes=lambda: 200)
+    memory.expect_update(engine, 10, kept=True)
+    memory.measure_last_update(900)  # the update of rows 10 wide, beside the kept 200 bytes
+    assert memory.keep_through_update(engine, 10, contextlib.nullcontext) is True  # 700 + 200 <= 1000 - 100
+    kept = memory.cache_keeping
+    assert (kept.update_peak_bytes, kept.kept_bytes, kept.update_width, kept.margin_bytes) == (700, 200, 10, 100)
+    assert memory.keep_through_update(engine, 11, contextlib.nullcontext) is False
+
+
+def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkeypatch):
+    from lit_grpo.rollout import slot_memory as slot_memory_module
+
+    model, tokenizer = policy
+    priced = []
+    monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
+                        lambda *args, carried, alignment: priced.append(args[7:]) or 2)
+    for strategy, scheduler in [("infinite", {}), ("infinite", {"park_budget": None}), ("continuous", {})]:
+        sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy=strategy, max_new_tokens=64,
+                                  kv_budget_bytes=10**7, scheduler=scheduler)
+        builder = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=8)
+        assert builder.resolved_micro_group_size == 2
+    # within the park budget: half of each slot's generation KV; without one, each sample up to its last point
+    assert priced == [(0, 0.5), (56, 0.0), (0, 0)]
+
+
 def test_auto_keeps_nothing_off_cuda(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="continuous", max_new_tokens=4)

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import re
+from statistics import NormalDist
 from typing import get_args
 
 import pytest
@@ -22,7 +23,7 @@ from lit_grpo.scheduling import (
     Scheduler,
     simulate_rollout,
 )
-from lit_grpo.scheduling.base import ARRIVAL, DECISION_NAMES
+from lit_grpo.scheduling.base import ARRIVAL, DECISION_NAMES, lower_bound_steps
 from lit_grpo.scheduling.length_aware.scheduler import PLAN, PROBE
 from lit_grpo.scheduling.length_aware import (
     LengthAwareScheduler,
@@ -40,6 +41,7 @@ from lit_grpo.scheduling.length_aware import (
 from lit_grpo.scheduling.length_aware import grouping as grouping_module  # the FPTAS and its local search
 from lit_grpo.scheduling.length_aware.predictors import LengthPredictor, PredictorName, expected_length, log_rmse
 from lit_grpo.scheduling.length_aware.refill import RefillName
+from lit_grpo.scheduling.length_aware.ridge import RidgeRegressor
 from scheduler_helpers import planted_rollout, trust_predictions
 
 
@@ -127,6 +129,34 @@ def test_lower_bound_parts():
     assert makespan_lower_bound([7, 1], 2, ready=[0, 4]) == 7
 
 
+def test_lower_bound_counts_ready_times_in_the_pigeonhole_and_rounds_integers_up():
+    # three jobs of 5 on two slots busy until 10: two of them share a slot, which frees at 10 at the earliest
+    assert makespan_lower_bound([5, 5, 5], 2, ready=[10, 10]) == 20
+    # five unit jobs on two slots: the water level 2.5 rounds up, since an integer makespan is at least 3
+    assert makespan_lower_bound([1] * 5, 2) == 3
+    assert makespan_lower_bound([0.5] * 5, 2) == 1.25  # not integers: not rounded
+
+
+def test_lower_bound_steps_round_the_work_per_slot_up():
+    assert lower_bound_steps([3, 3, 3], 2) == 5  # 9 tokens on 2 slots: 4.5 steps are 5
+    assert lower_bound_steps([9, 1, 1], 3) == 9  # the longest sample
+    assert lower_bound_steps([], 4) == 0
+
+
+def test_lpt_claims_grahams_bound_where_its_lower_bound_is_looser():
+    # LPT's makespan 10 over the lower bound 8 is 1.25, but Graham proves 4/3 - 1/(3m) against the optimum
+    part = lpt_partition([6, 4, 6, 4, 4], 3)
+    assert part.makespan / part.lower_bound == pytest.approx(1.25)
+    assert part.ratio_bound == pytest.approx(4 / 3 - 1 / 9)
+
+
+def test_a_dp_whose_layers_fit_its_beam_is_complete_and_certified():
+    # a budget of 10 keeps one state a layer; where no layer has more, nothing was cut and the guarantee holds
+    part = fptas_partition([30, 19, 8, 8], 2, epsilon=0.01, dp_budget=10)
+    assert part.makespan == brute_force_makespan([30, 19, 8, 8], 2) == 35
+    assert part.ratio_bound == pytest.approx(1.01)
+
+
 def test_large_plan_is_certified():
     # The issue's planning-time figure (4096 samples, 16 slots) is benchmarked, not timed here.
     rng = random.Random(3)
@@ -200,6 +230,14 @@ def test_planner_update_replans_only_beyond_the_tolerance():
     assert planner.stale and planner.pool[0] == (12.0, 0) and planner.total_work == 32
 
 
+def test_planner_update_tolerates_a_tenth_of_a_token_at_least():
+    planner = SlotPlanner(RefillPolicy("lpt"), num_slots=2)
+    planner.add(0, 0.5, 0)
+    planner.replan(0, [0.0, 0.0])
+    planner.update(0, 0.58)  # 16% of the prediction, but under a tenth of a token: the plan stands
+    assert not planner.stale and planner.pool[0] == (0.5, 0)
+
+
 def test_planner_plans_to_the_precision_of_the_predictions():
     """Plans are computed to precision max(epsilon, noise): planning finer than the lengths are known buys
     nothing. Slot 1 is busy for 2 more steps; the optimal plan (makespan 12) runs 6 + 6 here and defers the long
@@ -228,6 +266,48 @@ def test_planner_greedy_and_first_choices_ignore_the_plan():
     planner.replan(0, [0.0, 100.0])
     assert planner.shares[1] == []
     assert planner.choose(1, 0, [0.0, 100.0]) == ("job", 2) and planner.stats.steals == 1
+
+
+def test_planner_tolerates_a_one_step_deviation_of_a_short_job():
+    # a decode step is the plan's resolution: a job of 2 steps back 1 step late is on time; 2 late is not
+    def started():
+        planner = SlotPlanner(RefillPolicy("sjf"), num_slots=2)
+        for rank in range(4):
+            planner.add(rank, 2, rank)
+        planner.choose(0, 0, [0.0, 0.0])
+        assert planner.stats.replans == 1 and planner.expected_end[0] == 2
+        return planner
+
+    one_late, two_late = started(), started()
+    one_late.choose(0, 3, [0.0, 0.0])
+    two_late.choose(0, 4, [0.0, 0.0])
+    assert (one_late.stats.replans, two_late.stats.replans) == (1, 2)
+
+
+def test_planner_replans_at_most_once_a_step():
+    planner = SlotPlanner(RefillPolicy("sjf"), num_slots=2)
+    for rank in range(6):
+        planner.add(rank, 2, rank)
+    planner.choose(0, 0, [0.0, 0.0])
+    planner.choose(1, 0, [0.0, 0.0])
+    assert planner.stats.replans == 1
+    # both slots come back far off the plan at step 10: the first re-plans, the second follows that plan
+    planner.choose(0, 10, [0.0, 0.0])
+    planner.choose(1, 10, [0.0, 0.0])
+    assert planner.stats.replans == 2
+
+
+def test_the_plan_does_not_depend_on_the_order_jobs_joined_the_pool():
+    lengths = [4, 1, 3, 4]
+
+    def shares(order):
+        planner = SlotPlanner(RefillPolicy("lpt"), num_slots=2)
+        for rank in order:
+            planner.add(("job", rank), lengths[rank], rank)
+        planner.replan(0, [0.0, 0.0])
+        return planner.shares
+
+    assert shares([0, 1, 2, 3]) == shares([3, 2, 1, 0]) == shares([2, 0, 3, 1])
 
 
 # ---- predictors ------------------------------------------------------------------------------------------------
@@ -333,6 +413,7 @@ def test_kendall_tau_smape_and_log_rmse():
     assert smape([100, 0], [50, 0]) == pytest.approx((50 / 75) / 2)
     assert log_rmse([10, 40], [20, 20]) == pytest.approx(math.log(2))
     assert math.isnan(log_rmse([], []))
+    assert log_rmse([10, 20], [20, 20]) == pytest.approx(math.log(2) / math.sqrt(2))  # a root of the mean square
     scipy_stats = pytest.importorskip("scipy.stats")
     assert kendall_tau(x, y) == pytest.approx(scipy_stats.kendalltau(x, y).statistic)
 
@@ -346,6 +427,48 @@ def test_expected_length_given_survival():
     assert values == sorted(values)
     assert all(survived < value <= 1024 for survived, value in zip((0, 50, 200, 800, 1023), values))
     assert expected_length(100, 0.05, 5000, 8192) > 5000  # far tail stays finite
+
+
+def test_expected_length_counts_the_draws_that_reach_the_cap():
+    # a prediction at the cap with a wide spread: half the draws end at the cap, and count as the cap
+    normal = NormalDist()
+    draws = [min(100 * math.exp(normal.inv_cdf((i + 0.5) / 20_000)), 100) for i in range(20_000)]
+    assert expected_length(100, 1.0, 0, 100) == pytest.approx(sum(draws) / len(draws), rel=1e-3)
+
+
+def test_the_token_model_answers_from_min_token_observations_probed_samples_on():
+    work = RolloutWork([4], 4, 2, 1024)
+    keys = work.keys()
+    features = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+
+    def predicted(observed: int) -> list[float]:
+        predictor = OnlineLengthPredictor(decay=1.0, min_token_observations=4)  # no decay: 4 samples count 4
+        predictor.observe(work, keys[:observed], [10, 100, 10, 100][:observed], features[:observed])
+        return predictor.predict(work, keys[:2], features[:2]).tolist()
+
+    below, at = predicted(3), predicted(4)
+    assert below[0] == below[1]  # the prompt model: one prediction for the prompt's samples
+    assert at[0] < at[1]  # the token model tells the samples apart by their token features
+
+
+def test_a_ridge_fit_is_reused_until_min_refit_new_observations():
+    regressor = RidgeRegressor(decay=1.0, alphas=(1.0,), min_refit=4)  # one penalty: its fit alone answers
+    x = torch.linspace(-1, 1, 20, dtype=torch.float64)[:, None]
+    regressor.update(x, 2 * x[:, 0])
+    probe = torch.tensor([[1.0]])
+    fitted = regressor.predict(probe).item()
+    regressor.update(torch.ones(3, 1, dtype=torch.float64), torch.full((3,), 10.0, dtype=torch.float64))
+    assert regressor.predict(probe).item() == fitted  # 3 new observations: the fit stands
+    regressor.update(torch.ones(1, 1, dtype=torch.float64), torch.full((1,), 10.0, dtype=torch.float64))
+    assert regressor.predict(probe).item() > fitted  # the 4th: refitted
+
+
+def test_a_ridge_penalty_counts_pseudo_observations():
+    # a penalty of 1 against 1000 exact observations of y = 2x + 1 barely shrinks the slope
+    regressor = RidgeRegressor(decay=1.0, alphas=(1.0,))
+    x = torch.linspace(-1, 1, 1000, dtype=torch.float64)[:, None]
+    regressor.update(x, 2 * x[:, 0] + 1)
+    assert regressor.predict(torch.tensor([[1.0]])).item() == pytest.approx(3.0, abs=0.01)
 
 
 # ---- scheduler construction ------------------------------------------------------------------------------------
@@ -456,6 +579,15 @@ def test_the_scheduler_refuses_to_place_a_sample_that_does_not_wait():
     assert scheduler.slots == [(0, 0), (0, 2)] and not scheduler.waiting()
     assert [(d.slot, d.key, d.action, d.reason) for d in scheduler.decisions] == [
         (0, (0, 0), "start", ARRIVAL), (1, (0, 2), "start", ARRIVAL)]
+
+
+def test_the_driver_refuses_a_slot_past_the_last():
+    class Overflowing(Scheduler):
+        def admit(self):
+            return [self._place(self.work.num_slots, self._pop_unstarted(), ARRIVAL)]
+
+    with pytest.raises(RuntimeError, match=r"Overflowing placed sample \(0, 0\) in slot 2; the slots are 0..1"):
+        simulate_rollout(Overflowing(), [[3, 3]], 2)
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,18 @@ def test_trust_survives_a_checkpoint():
     assert resumed.rho_low == trust.rho_low and resumed.calibrate(50.0) == trust.calibrate(50.0)
 
 
+def test_the_effective_count_of_decayed_pairs_is_kishs():
+    # (sum w)^2 / sum w^2: a rollout's pairs count plainly until it is folded in, then decayed (by 0.5 a pair here)
+    trust = PredictionTrust(decay=0.5)
+    trust.observe(10.0, 12)
+    trust.observe(20.0, 18)
+    assert trust.effective_count == 2
+    trust.end_rollout()  # the two pairs weigh 0.5 and 1
+    assert trust.effective_count == pytest.approx(1.5 ** 2 / 1.25)
+    trust.observe(30.0, 25)  # and a new one 1
+    assert trust.effective_count == pytest.approx(2.5 ** 2 / 2.25)
+
+
 @pytest.mark.parametrize("loss_share", [LOSS_SHARE, None])
 def test_predictions_without_information_cost_nothing_against_the_default(loss_share):
     """Random features: the length-aware scheduler makes every decision the default scheduler makes on the same
