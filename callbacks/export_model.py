@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -10,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.export import ExportResult, check_dtype, export_policy
 from lit_grpo.runtime.checkpoints import check_writable
-from lit_grpo.runtime.validation import ConfigError, check_bool
+from lit_grpo.runtime.validation import ConfigError, check_bool, check_folder
 
 from ._paths import shown_path
 
@@ -32,10 +31,7 @@ class ExportModel(Callback):
     """
 
     def __init__(self, dirpath: str | None = None, dtype: str = "auto", adapter_only: bool = False) -> None:
-        # "" would be the current folder
-        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath)):
-            raise ValueError(f"dirpath={dirpath!r} must be a folder's path or None (model/ in the run's log folder)")
-        self.dirpath = dirpath
+        self.dirpath = check_folder("dirpath", dirpath, "model/ in the run's log folder")
         self.dtype = check_dtype(dtype)
         self.adapter_only = check_bool("adapter_only", adapter_only)
         self.result: ExportResult | None = None

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, check_writable, finish_interrupted_swaps,
                                           remove_stale_partials, remove_staged, staging_path, swap_in_staged)
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
-from lit_grpo.runtime.validation import ConfigError, check_bool, check_int
+from lit_grpo.runtime.validation import ConfigError, check_bool, check_folder, check_int
 
 from ._paths import shown_path
 from ._rollout import accumulating
@@ -74,8 +74,7 @@ class RunCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
                  train_time_interval: timedelta | None = DEFAULT_INTERVAL, save_on_validation: bool = True,
                  verbose: bool = False) -> None:
-        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath)):
-            raise ValueError(f"dirpath={dirpath!r} must be a folder's path or None (Lightning's checkpoint folder)")
+        check_folder("dirpath", dirpath, "Lightning's checkpoint folder")
         if every_n_train_steps is not None:
             check_int("every_n_train_steps", every_n_train_steps, 1)
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):

@@ -49,7 +49,7 @@ from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
-                                         check_real, config_errors)
+                                         check_real, config_errors, settings_from)
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
@@ -188,15 +188,9 @@ class RolloutDataModule(LightningDataModule):
         super().__init__()
         # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
         if isinstance(sampling, Mapping):
-            known = [f.name for f in dataclasses.fields(SamplingConfig)]
-            if unknown := sorted(set(sampling) - set(known), key=str):
-                raise ValueError(f"unknown sampling options {unknown}; allowed: {known}")
             check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
-            sampling = SamplingConfig(**sampling)
-        elif isinstance(sampling, SamplingConfig):
-            check_int("sampling.group_size", sampling.group_size, 2)
-        else:
-            raise TypeError(f"sampling={sampling!r} must be a SamplingConfig or a dict of its fields")
+        sampling = settings_from("sampling", sampling, SamplingConfig)
+        check_int("sampling.group_size", sampling.group_size, 2)
         if sampling.temperature == 0 or sampling.top_k == 1:
             setting = "temperature=0" if sampling.temperature == 0 else "top_k=1"
             raise ValueError(f"sampling.{setting} makes training rollouts greedy: the group_size={sampling.group_size} "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -106,6 +107,27 @@ def check_text(name: str, value: Any, none: bool = False) -> str | None:
     if (value is None and none) or (isinstance(value, str) and value):
         return value
     raise ValueError(f"{name}={value!r} must be a non-empty string" + (" or None" if none else ""))
+
+
+def settings_from(name: str, value: Any, cls: type) -> Any:
+    """``value`` as a ``cls`` (a settings dataclass): itself, or built from a mapping of its fields, an unknown one
+    named with the fields allowed (not the dataclass's TypeError); anything else is a TypeError naming ``name``."""
+    if isinstance(value, Mapping):
+        known = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(value) - set(known), key=str):
+            raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or a dict of its fields")
+    return value
+
+
+def check_folder(name: str, value: Any, unset: str) -> Any:
+    """``value`` if it is None (``unset`` says what that means) or a folder's path, else a ValueError naming it:
+    an empty path would be the current folder."""
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+        raise ValueError(f"{name}={value!r} must be a folder's path or None ({unset})")
+    return value
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -82,7 +82,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, get_args
 
 import torch
@@ -102,7 +102,7 @@ from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
                                      load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
-                                         config_errors)
+                                         config_errors, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
@@ -229,8 +229,8 @@ class GRPOModule(LightningModule):
         if peft_config:  # checked here, before a model loads
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
-        loss_config = _typed("loss", loss, LossConfig)
-        correction = _typed("sampler_correction", sampler_correction, SamplerCorrection)
+        loss_config = settings_from("loss", loss, LossConfig)
+        correction = settings_from("sampler_correction", sampler_correction, SamplerCorrection)
         if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
             warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
                           "ignored", stacklevel=2)
@@ -683,14 +683,3 @@ def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
     return (not loss_scaled and bool(params)
             and all(p.device.type == "cuda" and p.is_floating_point() for p in params))
 
-
-def _typed(name: str, value: Any, cls: type) -> Any:
-    """``value`` as a ``cls`` (a frozen settings dataclass): itself, or built from a dict of its fields."""
-    if isinstance(value, Mapping):
-        known = [f.name for f in dataclasses.fields(cls)]
-        if unknown := sorted(set(value) - set(known), key=str):
-            raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
-        return cls(**value)
-    if not isinstance(value, cls):
-        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or a dict of its fields")
-    return value
