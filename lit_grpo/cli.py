@@ -156,7 +156,8 @@ class GRPOCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
             _resumable_or_exit("--ckpt_path", self.config.subcommand, ckpt_path, config.get("model") or {},
-                               config.get("data"), evaluate=self.config.subcommand != "fit")
+                               config.get("data"), evaluate=self.config.subcommand != "fit",
+                               defaults=self._parser(self.config.subcommand).get_defaults())
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -198,7 +199,8 @@ class GRPOCLI(LightningCLI):
         found = find_last_checkpoint(folders)
         if found is not None:
             _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
-                               getattr(self.datamodule, "hparams", None), evaluate=evaluate)
+                               getattr(self.datamodule, "hparams", None), evaluate=evaluate,
+                               defaults=self._parser(self.subcommand).get_defaults())
         return root, found
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:

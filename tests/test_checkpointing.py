@@ -300,6 +300,34 @@ def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
         check_resumable(tiny_checkpoint, module, data, evaluate=True)
 
 
+def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny_checkpoint, capsys):
+    """A release that adds a setting still resumes the checkpoints of the releases before it: the setting they
+    lack ran as its default, and only a run that sets it otherwise is refused."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    default_epsilon = checkpoint["hyper_parameters"]["loss"].pop("epsilon_low")  # as if saved before both existed
+    del checkpoint["hyper_parameters"]["mask_truncated_completions"]
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    module, data = _hparams(tiny_checkpoint)
+    with pytest.raises(ValueError) as error:  # with no defaults to read them as, they are named
+        check_resumable(older, module, data)
+    assert "model.loss.epsilon_low: None in the checkpoint" in str(error.value)
+    assert "model.mask_truncated_completions: None in the checkpoint, False now" in str(error.value)
+    defaults = {"model": {"loss": {"epsilon_low": default_epsilon}, "mask_truncated_completions": False}}
+    check_resumable(older, module, data, defaults=defaults)
+    with pytest.raises(ValueError, match=r"\n  model.loss.epsilon_low: 0.2 in the checkpoint, 0.3 now\nUse"):
+        check_resumable(older, {**module, "loss": {**module["loss"], "epsilon_low": 0.3}}, data, defaults=defaults)
+
+    # the command line reads its defaults from its own parser
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(_fit_args(tmp_path / "other", "--ckpt_path", str(older), "--model.loss.epsilon_low", "0.3", steps=2))
+    assert exit_info.value.code == 2
+    assert "model.loss.epsilon_low: 0.2 in the checkpoint, 0.3 now" in capsys.readouterr().err
+    build_cli(_fit_args(tmp_path / "same", "--ckpt_path", str(older), steps=2))
+    resumed = tmp_path / "same" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert read_checkpoint_header(resumed)["global_step"] == 2
+
+
 def test_a_sharded_checkpoint_folder_is_checked_by_its_header(tmp_path, tiny_checkpoint):
     """An FSDP2 run's checkpoint is a folder: the shards and ``meta.pt``, the rest of the checkpoint as Lightning's
     ModelParallelStrategy writes it. Its settings are compared as a file's are; a folder without it is named."""

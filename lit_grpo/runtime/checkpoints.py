@@ -231,10 +231,15 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
-                    datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False) -> None:
+                    datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False,
+                    defaults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Raise, naming ``path`` and what is wrong, unless it is a lit_grpo training checkpoint that a run with these
     hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``. With
-    ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit."""
+    ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit.
+
+    ``defaults`` holds this release's default settings, as ``{"model": ..., "data": ...}``: a setting the checkpoint
+    lacks (it was saved by a release that did not have it) reads as its default, so adding a setting to a later
+    release does not refuse every older checkpoint. Without ``defaults`` a missing setting is compared as None."""
     checkpoint = read_checkpoint_header(path)
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
@@ -251,14 +256,19 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         if section == "datamodule_hyper_parameters" and not saved:
             continue  # saved without a datamodule: nothing to compare
         prefix = "model." if section == "hyper_parameters" else "data."
+        section_defaults = (defaults or {}).get(prefix[:-1]) or {}
         for name in names:
-            old, new = _fields(_lookup(saved, name)), _fields(_lookup(current[section], name))
-            if not isinstance(old, dict) or not isinstance(new, dict):
-                old, new = {"": old}, {"": new}
+            old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
+            if old is not _MISSING and isinstance(old, dict) != isinstance(new, dict):
+                old, new = {"": old}, {"": new}  # a group on one side only: compared whole
+            old, new = _as_group(old), _as_group(new)
+            # a setting this checkpoint's release did not have ran as its default
+            default = _as_group(_fields(_lookup(section_defaults, name, _MISSING)))
             for key in sorted(set(old) | set(new), key=str):
-                if _normalized(old.get(key), name) != _normalized(new.get(key), name):
+                was = old.get(key, default.get(key))
+                if _normalized(was, name) != _normalized(new.get(key), name):
                     shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
-                    differing.append(f"{shown}: {old.get(key)!r} in the checkpoint, {new.get(key)!r} now")
+                    differing.append(f"{shown}: {was!r} in the checkpoint, {new.get(key)!r} now")
     if differing and evaluate:
         raise ValueError(f"checkpoint {path} holds the weights of another model than this run's:\n  "
                          + "\n  ".join(differing) + "\nUse the checkpoint's model settings.")
@@ -268,14 +278,27 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
 
 
-def _lookup(mapping: Mapping[str, Any], dotted: str) -> Any:
+#: ``_lookup``'s answer for a setting that is not there, where None is a value.
+_MISSING = object()
+
+
+def _lookup(mapping: Mapping[str, Any], dotted: str, missing: Any = None) -> Any:
     value: Any = mapping
     for part in dotted.split("."):
         if isinstance(value, Mapping):
-            value = value.get(part)
+            value = value.get(part, missing)
         else:
-            value = getattr(value, part, None)
+            value = getattr(value, part, missing)
+        if value is missing:
+            return missing
     return value
+
+
+def _as_group(value: Any) -> dict:
+    """A setting as a dict of its fields: a group's own, ``{"": value}`` for a single value, none if missing."""
+    if value is _MISSING:
+        return {}
+    return value if isinstance(value, dict) else {"": value}
 
 
 def _fields(value: Any) -> Any:
