@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import reasoning_gym
 import torch
@@ -132,6 +133,21 @@ def test_bad_return_values(values, match):
 
     with pytest.raises(ValueError, match=match):
         score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
+
+
+def test_numpy_and_torch_values_score_as_python_ones():
+    """A reward function may return a NumPy array or scalars, bools included (``answer == gold``)."""
+    def matches(prompts, completions, **kw):
+        return np.array([c == "yes" for c in completions])
+
+    def scalars(prompts, completions, **kw):
+        return [np.float32(0.5), torch.tensor(1.0), True, np.int64(2)]
+
+    scores = score_rewards([WeightedReward(matches), WeightedReward(scalars)], ["q"] * 4, ["yes", "no", "yes", "x"])
+    assert scores.components["matches"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert scores.components["scalars"].tolist() == [0.5, 1.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"'bad' returned 'x' \(str\) at index 0"):
+        score_rewards([WeightedReward(lambda p, c, **kw: np.array(["x", "y"]), name="bad")], ["q"] * 2, ["a", "b"])
 
 
 def test_extract_answer():

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
 from lit_grpo.rollout.math_reward import gold_answer
@@ -295,8 +296,8 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
         if value is None:
             out.append(None)
             continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.generic):
+            value = value.item()  # a NumPy bool, like Python's and torch's, is 1.0 or 0.0
         if not isinstance(value, numbers.Real):
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
                              f"for prompt {prompts[i]!r:.300}; values must be floats or None")
