@@ -128,11 +128,39 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
-    # a nucleus whose mass equals top_p exactly is complete: the next token is dropped (equal logits: exact masses)
-    assert int(torch.isfinite(filter_logits(torch.zeros(1, 2), top_p=0.5)).sum()) == 1
-    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.5)).sum()) == 2
-    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.75)).sum()) == 3
-    assert int(torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.625)).sum()) == 3  # 0.5 < 0.625 <= 0.75
+    # a nucleus whose mass equals top_p exactly is complete: the next token is dropped
+    logits = torch.tensor([[1.0, 0.0, -1.0, -2.0]])
+    probs = logits.softmax(-1)
+    reached = probs[0, 0] + probs[0, 1]  # float32, as the filter sums them
+    assert torch.isfinite(filter_logits(logits, top_p=float(reached))).tolist() == [[True, True, False, False]]
+    above = float(torch.nextafter(reached, torch.tensor(1.0)))
+    assert torch.isfinite(filter_logits(logits, top_p=above)).tolist() == [[True, True, True, False]]
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
+    """The nucleus does not depend on the order a sort gives equal logits (it differs between devices)."""
+    assert torch.isfinite(filter_logits(torch.zeros(1, 4), top_p=0.5)).all()
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])  # masses 0.58, 0.21, 0.21, 0.08
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
+        kept = torch.isfinite(filter_logits(logits[:, order], top_p=0.7))
+        assert kept.tolist() == [[order[i] != 3 for i in range(4)]]
+    # after top-k (which keeps its own ties: tokens 0, 1 and 2 here) the nucleus is taken over its k tokens
+    assert torch.isfinite(filter_logits(logits, top_k=2, top_p=0.5)).tolist() == [[True, False, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_k=2, top_p=0.8)).tolist() == [[True, True, True, False]]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 0.9), (50, 0.5), (200, 0.95)])
+def test_top_p_over_the_top_k_equals_a_sort_of_the_whole_vocabulary(top_k, top_p):
+    """With top-k on, the nucleus is found among its k tokens only; it is the one a sort of all V finds."""
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
+    expected = logits.clone()
+    if top_k:
+        expected[expected < torch.topk(expected, top_k).values[:, -1:]] = float("-inf")
+    ordered, order = torch.sort(expected, descending=True)
+    mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+    expected[torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)] = -math.inf
+    assert torch.equal(torch.isfinite(filter_logits(logits, top_k=top_k, top_p=top_p)), torch.isfinite(expected))
+
 
 def test_min_p_keeps_the_tokens_near_the_most_likely_one():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])) + 3.0  # any offset

@@ -15,30 +15,47 @@ import torch
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """Mask (to -inf) the tokens outside the top-k, outside the top-p nucleus, and below min-p.
 
+    Each filter keeps every token whose logit reaches a per-row floor, so tokens tied with the last one kept are
+    all kept, whatever order a sort puts equal logits in (it differs between devices).
+
     Args:
         logits: ``[n, V]`` float, already divided by the temperature.
         top_k: keep the k most likely tokens (0 keeps all).
-        top_p: keep the smallest set whose probability reaches top_p (1.0 keeps all; the most likely token always
-            stays).
+        top_p: keep the smallest set whose probability reaches top_p, renormalized over the top-k (1.0 keeps all;
+            the most likely token always stays). With top-k on, only its k tokens are sorted: a sort of the whole
+            vocabulary costs far more than the rest of the draw.
         min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all); a ratio of
             two probabilities, so it does not matter whether top-k and top-p have renormalized them first.
     Returns:
         ``[n, V]`` logits with filtered entries at -inf.
     """
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_k = top_k if 0 < top_k < logits.shape[-1] else 0
+    if top_k:
+        candidates = torch.topk(logits, top_k, dim=-1).values                               # [n, k] descending
+        logits = logits.masked_fill(logits < candidates[:, -1:], float("-inf"))
+    elif top_p < 1.0:
+        candidates = torch.sort(logits, dim=-1, descending=True).values                      # [n, V]
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass strictly before it already reaches top_p.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p), float("-inf"))
     if min_p > 0.0:
         floor = logits.amax(-1, keepdim=True) + math.log(min_p)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
+
+
+def nucleus_floor(candidates: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The least logit of the top-p nucleus of ``candidates``: ``[n, 1]``.
+
+    Args:
+        candidates: ``[n, c]`` the row's logits that may be sampled (all of them, or the top-k), descending.
+        top_p: in (0, 1).
+    """
+    probs = candidates.softmax(-1)                                                            # [n, c]
+    # A token is in the nucleus while the mass strictly before it is below top_p. The mass before it is the
+    # running sum up to the token before (exact), not the running sum minus its own probability (rounded).
+    before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))                       # [n, c]
+    kept = (before < top_p).sum(-1, keepdim=True)                                             # [n, 1], >= 1
+    return candidates.gather(-1, kept - 1)
 
 
 def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int = 0,
