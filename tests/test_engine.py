@@ -379,6 +379,23 @@ def test_scheduler_options_are_not_taken_for_a_scheduler(tiny_llama, options):
         RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2, scheduler=options)
 
 
+def test_an_object_that_is_no_scheduler_is_named_when_the_engine_is_built(tiny_llama):
+    with pytest.raises(TypeError, match=r"scheduler=object object has no begin, admit, waits, probe, preempt, "
+                                        r"finish, end: give a lit_grpo.scheduling.Scheduler"):
+        RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2, scheduler=object())
+
+    class Wrapper:  # a proxy that forwards every attribute serves as its scheduler does
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    inner = RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2).scheduler
+    engine = RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2, max_new_tokens=4, scheduler=Wrapper(inner))
+    assert len(engine.generate([[1, 2, 3]]).completion_ids[0]) == 4
+
+
 def test_bad_prompts_are_named(tiny_llama):
     model, tokenizer = tiny_llama
     engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4)

@@ -127,6 +127,10 @@ class RolloutEngine:
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: the tokenizer and the generation config define none; "
                              "pass eos_token_ids=[...]")
+        if scheduler is not None and (missing := [name for name in SCHEDULER_METHODS
+                                                  if not callable(getattr(scheduler, name, None))]):
+            raise TypeError(f"scheduler={type(scheduler).__name__} object has no {', '.join(missing)}: give a "
+                            "lit_grpo.scheduling.Scheduler (or a subclass), or None for the strategy's own")
         self.scheduler = scheduler if scheduler is not None else _default_scheduler(self.config)
         #: Rollouts generated so far; part of every random-stream key so successive rollouts differ.
         self.rollout_index = 0
@@ -476,6 +480,11 @@ def _check_stop_ids(ids: Any, vocab: int) -> list[int]:
     if any(isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab for t in ids):
         raise ValueError(message)
     return sorted(set(int(t) for t in ids))
+
+
+#: The methods the rollout loop calls on a scheduler (``lit_grpo.scheduling.Scheduler``'s), checked when an engine
+#: is given one: duck-typed, so a wrapper that forwards them serves too.
+SCHEDULER_METHODS = ("begin", "admit", "waits", "probe", "preempt", "finish", "end")
 
 
 def _default_scheduler(config: SamplingConfig) -> Scheduler:
