@@ -144,7 +144,7 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
         kept = torch.isfinite(filter_logits(logits[:, order], top_p=0.7))
         assert kept.tolist() == [[order[i] != 3 for i in range(4)]]
-    # after top-k (which keeps its own ties: tokens 0, 1 and 2 here) the nucleus is taken over its k tokens
+    # after top-k (which keeps its own ties: tokens 0, 1 and 2 here) the nucleus is taken over the tokens it keeps
     assert torch.isfinite(filter_logits(logits, top_k=2, top_p=0.5)).tolist() == [[True, False, False, False]]
     assert torch.isfinite(filter_logits(logits, top_k=2, top_p=0.8)).tolist() == [[True, True, True, False]]
 
@@ -160,6 +160,20 @@ def test_top_p_over_the_top_k_equals_a_sort_of_the_whole_vocabulary(top_k, top_p
     mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
     expected[torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)] = -math.inf
     assert torch.equal(torch.isfinite(filter_logits(logits, top_k=top_k, top_p=top_p)), torch.isfinite(expected))
+
+
+def test_top_p_after_top_k_counts_the_mass_of_the_tokens_tied_with_its_last():
+    """Top-k keeps the tokens tied with its k-th (common in logits upcast from bfloat16): top-p's masses are shares
+    of all it keeps, not of its k candidates alone, which would stop the nucleus short of top_p."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])  # top-3 keeps all four: masses 0.68, 0.25, 0.034, 0.034
+    assert torch.isfinite(filter_logits(logits, top_k=3, top_p=0.69)).tolist() == [[True, True, False, False]]
+    logits = (torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 4).round() / 4  # many ties
+    for top_k, top_p in [(5, 0.5), (20, 0.9), (50, 0.95)]:
+        expected = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, -1:], -math.inf)
+        ordered = torch.sort(expected, descending=True).values
+        before = torch.nn.functional.pad(ordered.softmax(-1).cumsum(-1)[:, :-1], (1, 0))
+        floor = ordered.gather(-1, (before < top_p).sum(-1, keepdim=True) - 1)
+        assert torch.equal(torch.isfinite(filter_logits(logits, top_k=top_k, top_p=top_p)), expected >= floor)
 
 
 def test_min_p_keeps_the_tokens_near_the_most_likely_one():

@@ -30,27 +30,35 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         ``[n, V]`` logits with filtered entries at -inf.
     """
     top_k = top_k if 0 < top_k < logits.shape[-1] else 0
+    tied = None
     if top_k:
         candidates = torch.topk(logits, top_k, dim=-1).values                               # [n, k] descending
-        logits = logits.masked_fill(logits < candidates[:, -1:], float("-inf"))
+        dropped = logits < candidates[:, -1:]
+        logits = logits.masked_fill(dropped, float("-inf"))
+        # top-k keeps the tokens tied with its last candidate too: their mass is part of what top-p renormalizes
+        tied = (~dropped).sum(-1, keepdim=True) - top_k                                      # [n, 1]
     elif top_p < 1.0:
         candidates = torch.sort(logits, dim=-1, descending=True).values                      # [n, V]
     if top_p < 1.0:
-        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p), float("-inf"))
+        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p, tied), float("-inf"))
     if min_p > 0.0:
         floor = logits.amax(-1, keepdim=True) + math.log(min_p)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
-def nucleus_floor(candidates: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | None = None) -> torch.Tensor:
     """The least logit of the top-p nucleus of ``candidates``: ``[n, 1]``.
 
     Args:
         candidates: ``[n, c]`` the row's logits that may be sampled (all of them, or the top-k), descending.
         top_p: in (0, 1).
+        tied: ``[n, 1]`` how many more tokens may be sampled, each with the last candidate's logit (those top-k
+            keeps beyond its k); they share the mass the nucleus is a fraction of. None: no more.
     """
     probs = candidates.softmax(-1)                                                            # [n, c]
+    if tied is not None:  # the candidates' share of a total that also holds the tied tokens' mass
+        probs = probs / (1 + tied * probs[:, -1:])
     # A token is in the nucleus while the mass strictly before it is below top_p. The mass before it is the
     # running sum up to the token before (exact), not the running sum minus its own probability (rounded).
     before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))                       # [n, c]
