@@ -146,8 +146,12 @@ def test_numpy_and_torch_values_score_as_python_ones():
     scores = score_rewards([WeightedReward(matches), WeightedReward(scalars)], ["q"] * 4, ["yes", "no", "yes", "x"])
     assert scores.components["matches"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert scores.components["scalars"].tolist() == [0.5, 1.0, 1.0, 2.0]
-    with pytest.raises(ValueError, match=r"'bad' returned 'x' \(str\) at index 0"):
+    with pytest.raises(ValueError, match=r"'bad' returned .*'x'.* \(str_\) at index 0"):
         score_rewards([WeightedReward(lambda p, c, **kw: np.array(["x", "y"]), name="bad")], ["q"] * 2, ["a", "b"])
+    # other NumPy scalars are no numbers, though item() gives an int for a nanosecond datetime or timedelta
+    for value in (np.datetime64(5, "ns"), np.timedelta64(5, "ns"), np.datetime64("NaT")):
+        with pytest.raises(ValueError, match=r"'bad' returned .* \((datetime|timedelta)64\) at index 0"):
+            score_rewards([WeightedReward(lambda p, c, **kw: [value], name="bad")], ["q"], ["a"])
 
 
 def test_extract_answer():

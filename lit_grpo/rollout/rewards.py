@@ -296,9 +296,12 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
         if value is None:
             out.append(None)
             continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.generic):
-            value = value.item()  # a NumPy bool, like Python's and torch's, is 1.0 or 0.0
-        if not isinstance(value, numbers.Real):
+        # a NumPy bool, like Python's and torch's, is 1.0 or 0.0. Only bools and numbers are read: item() makes a
+        # nanosecond datetime64 or timedelta64 an int, and a timedelta64 is a NumPy integer (a numbers.Real) too
+        numpy_number = isinstance(value, (np.bool_, np.number)) and not isinstance(value, np.timedelta64)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or numpy_number:
+            value = value.item()
+        if not isinstance(value, numbers.Real) or isinstance(value, np.timedelta64):
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
                              f"for prompt {prompts[i]!r:.300}; values must be floats or None")
         if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:  # rewards are float32 tensors
