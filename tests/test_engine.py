@@ -394,9 +394,18 @@ def test_scheduler_options_are_not_taken_for_a_scheduler(tiny_llama, options):
 
 
 def test_an_object_that_is_no_scheduler_is_named_when_the_engine_is_built(tiny_llama):
-    with pytest.raises(TypeError, match=r"scheduler=object object has no begin, admit, waits, probe, preempt, "
-                                        r"finish, end: give a lit_grpo.scheduling.Scheduler"):
+    with pytest.raises(TypeError, match=r"scheduler=object object has no begin, waiting, admit, waits, probe, "
+                                        r"preempt, finish, end: give a lit_grpo.scheduling.Scheduler"):
         RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2, scheduler=object())
+
+    class WithoutWaiting:  # every other method the driver calls: it would fail in generate, at its first admission
+        def __init__(self, inner):
+            for name in ("begin", "admit", "waits", "probe", "preempt", "finish", "end"):
+                setattr(self, name, getattr(inner, name))
+
+    with pytest.raises(TypeError, match=r"scheduler=WithoutWaiting object has no waiting: give"):
+        RolloutEngine(*tiny_llama, group_size=4, micro_group_size=2,
+                      scheduler=WithoutWaiting(RolloutEngine(*tiny_llama, group_size=4).scheduler))
 
     class Wrapper:  # a proxy that forwards every attribute serves as its scheduler does
         def __init__(self, inner):

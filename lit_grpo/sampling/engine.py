@@ -484,7 +484,7 @@ def _check_stop_ids(ids: Any, vocab: int) -> list[int]:
 
 #: The methods the rollout loop calls on a scheduler (``lit_grpo.scheduling.Scheduler``'s), checked when an engine
 #: is given one: duck-typed, so a wrapper that forwards them serves too.
-SCHEDULER_METHODS = ("begin", "admit", "waits", "probe", "preempt", "finish", "end")
+SCHEDULER_METHODS = ("begin", "waiting", "admit", "waits", "probe", "preempt", "finish", "end")
 
 
 def _default_scheduler(config: SamplingConfig) -> Scheduler:
