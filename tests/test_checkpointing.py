@@ -328,6 +328,24 @@ def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny
     assert read_checkpoint_header(resumed)["global_step"] == 2
 
 
+def test_a_checkpoint_holding_settings_under_other_names_lacks_none_of_them(tmp_path, tiny_checkpoint):
+    """A checkpoint that lacks a setting but holds ones this release does not have (saved before a rename: the loss
+    settings were flat before model.loss) ran as those, not as the defaults: it is refused, naming them."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    hparams.update(hparams.pop("loss"), beta=0.04, importance_sampling_mode="none")
+    del hparams["sampler_correction"]
+    flat = tmp_path / "flat.ckpt"
+    torch.save(checkpoint, flat)
+    module, data = _hparams(tiny_checkpoint)
+    defaults = {"model": {"loss": module["loss"], "sampler_correction": module["sampler_correction"]}}
+    with pytest.raises(ValueError) as error:
+        check_resumable(flat, module, data, defaults=defaults)
+    assert "model.loss.beta: None in the checkpoint, 0.0 now" in str(error.value)
+    assert "holds model.loss_type, model.epsilon_low" in str(error.value)
+    assert "model.beta" in str(error.value) and "model.importance_sampling_mode" in str(error.value)
+
+
 def test_a_sharded_checkpoint_folder_is_checked_by_its_header(tmp_path, tiny_checkpoint):
     """An FSDP2 run's checkpoint is a folder: the shards and ``meta.pt``, the rest of the checkpoint as Lightning's
     ModelParallelStrategy writes it. Its settings are compared as a file's are; a folder without it is named."""

@@ -239,7 +239,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
 
     ``defaults`` holds this release's default settings, as ``{"model": ..., "data": ...}``: a setting the checkpoint
     lacks (it was saved by a release that did not have it) reads as its default, so adding a setting to a later
-    release does not refuse every older checkpoint. Without ``defaults`` a missing setting is compared as None."""
+    release does not refuse every older checkpoint; not where the checkpoint holds a setting this run does not have
+    (renamed or moved, it may be the one missing). Without ``defaults`` a missing setting is compared as None."""
     checkpoint = read_checkpoint_header(path)
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
@@ -257,18 +258,27 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             continue  # saved without a datamodule: nothing to compare
         prefix = "model." if section == "hyper_parameters" else "data."
         section_defaults = (defaults or {}).get(prefix[:-1]) or {}
+        # A setting the checkpoint holds that this release does not have may be one it renamed or moved (flat loss
+        # settings into model.loss): then a setting the checkpoint lacks ran as that one, not as its default.
+        settings = _fields(current[section])
+        unknown = [prefix + key for key in saved if not str(key).startswith("_") and key not in settings]
+        lacked = False
         for name in names:
             old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
             if old is not _MISSING and isinstance(old, dict) != isinstance(new, dict):
                 old, new = {"": old}, {"": new}  # a group on one side only: compared whole
             old, new = _as_group(old), _as_group(new)
             # a setting this checkpoint's release did not have ran as its default
-            default = _as_group(_fields(_lookup(section_defaults, name, _MISSING)))
+            default = {} if unknown else _as_group(_fields(_lookup(section_defaults, name, _MISSING)))
             for key in sorted(set(old) | set(new), key=str):
                 was = old.get(key, default.get(key))
                 if _normalized(was, name) != _normalized(new.get(key), name):
                     shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
                     differing.append(f"{shown}: {was!r} in the checkpoint, {new.get(key)!r} now")
+                    lacked = lacked or key not in old
+        if lacked and unknown:
+            differing.append(f"(the checkpoint also holds {', '.join(unknown)}, which this release does not have: "
+                             "what it lacks may be one of them renamed, so it is not read as its default)")
     if differing and evaluate:
         raise ValueError(f"checkpoint {path} holds the weights of another model than this run's:\n  "
                          + "\n  ".join(differing) + "\nUse the checkpoint's model settings.")
