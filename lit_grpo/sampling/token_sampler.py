@@ -59,8 +59,8 @@ def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | N
     probs = candidates.softmax(-1)                                                            # [n, c]
     if tied is not None:  # the candidates' share of a total that also holds the tied tokens' mass
         probs = probs / (1 + tied * probs[:, -1:])
-    # A token is in the nucleus while the mass strictly before it is below top_p. The mass before it is the
-    # running sum up to the token before (exact), not the running sum minus its own probability (rounded).
+    # A token is in the nucleus while the mass strictly before it is below top_p: the running sum up to the token
+    # before, not the running sum minus the token's own probability, which rounds once more.
     before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))                       # [n, c]
     kept = (before < top_p).sum(-1, keepdim=True)                                             # [n, 1], >= 1
     return candidates.gather(-1, kept - 1)
