@@ -36,7 +36,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         dropped = logits < candidates[:, -1:]
         logits = logits.masked_fill(dropped, float("-inf"))
         # top-k keeps the tokens tied with its last candidate too: their mass is part of what top-p renormalizes
-        tied = (~dropped).sum(-1, keepdim=True) - top_k                                      # [n, 1]
+        tied = logits.shape[-1] - top_k - torch.count_nonzero(dropped, -1).unsqueeze(-1)     # [n, 1]
     elif top_p < 1.0:
         candidates = torch.sort(logits, dim=-1, descending=True).values                      # [n, V]
     if top_p < 1.0:
