@@ -37,6 +37,8 @@ _PUBLIC = {
     "DAPOLoss": "lit_grpo.update.policy_losses",
     "CISPOLoss": "lit_grpo.update.policy_losses",
     "SAPOLoss": "lit_grpo.update.policy_losses",
+    "LUSPOLoss": "lit_grpo.update.policy_losses",
+    "VESPOLoss": "lit_grpo.update.policy_losses",
     "make_loss": "lit_grpo.update.policy_losses",
     "accuracy_reward": "lit_grpo.rollout.reward_functions",
     "format_reward": "lit_grpo.rollout.reward_functions",

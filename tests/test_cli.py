@@ -224,7 +224,7 @@ def test_lightnings_clipping_and_accumulation_name_the_modules_settings(key, val
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("loss.loss_type", "vespo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
+    ("loss.loss_type", "gspo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'"),
     ("loss.importance_sampling_level", "seq", "'token', 'sequence'"),
     ("sampler_correction.mode", "tis",
      "'auto', 'none', 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'"),
@@ -247,6 +247,11 @@ def test_loss_options_reach_the_module_from_the_command_line():
     assert (loss_fn.name, config.epsilon_high, config.importance_sampling_level, config.kl_bias_correction) == (
         "cispo", 5.0, "sequence", True)
     assert (correction.mode, correction.clip_min, correction.clip_max) == ("token_truncate", 0.5, 2.0)
+    cli = build_cli(["--config", TINY, "--model.loss.loss_type", "vespo", "--model.loss.vespo_k_pos", "1.5",
+                     "--model.loss.vespo_lambda_neg", "0.5", "--trainer.logger", "false"], run=False)
+    config = cli.model.loss_fn.config
+    assert (cli.model.loss_fn.name, config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_lambda_neg) == (
+        "vespo", 1.5, 3.0, 0.5)
 
 
 def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():

@@ -1,5 +1,5 @@
-"""cispo, sapo, importance_sampling_level="sequence" (GSPO) and kl_bias_correction against direct computations
-written out per sequence and per token, their gradients, and their bad values."""
+"""cispo, sapo, luspo, vespo, importance_sampling_level="sequence" (GSPO) and kl_bias_correction against direct
+computations written out per sequence and per token, their gradients, and their bad values."""
 
 import math
 import re
@@ -11,6 +11,7 @@ import torch
 from lit_grpo.update.loss import policy_loss, policy_loss_metrics
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.policy_losses import make_loss
+from lit_grpo.update.surrogates import vespo_weight
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
@@ -41,9 +42,23 @@ def _ratios(lp, olp, m, level):
     return rows
 
 
+def _vespo_phi(lp, olp, m, i, a, weights, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):
+    """Row ``i``'s VESPO weight, a float (no gradient): phi(w) = exp(lam + k log w - lam w)."""
+    active = [j for j in range(lp.shape[1]) if m[i, j]]
+    log_w = sum(min(max(float(lp[i, j] - olp[i, j]), -20.0), 20.0) for j in active)
+    if weights is not None:
+        columns = active if weights.shape[1] > 1 else [0]
+        log_w += sum(max(math.log(float(weights[i, j])) if weights[i, j] > 0 else -math.inf, math.log(1e-8))
+                     for j in columns)
+    log_w = min(max(log_w, math.log(1e-8)), 20.0)
+    k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
 def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=False, eps_high=EPS_HIGH,
-               tau_pos=1.0, tau_neg=1.05, weights=None):
-    """The loss written out token by token; aggregation as grpo (sapo) or over all active tokens (the rest)."""
+               tau_pos=1.0, tau_neg=1.05, weights=None, vespo=None):
+    """The loss written out token by token; aggregation as grpo (sapo), per sequence's sum (luspo) or over all
+    active tokens (the rest)."""
     sums, counts = [], []
     for i, row in enumerate(_ratios(lp, olp, m, level)):
         s, c = torch.zeros((), dtype=lp.dtype), 0
@@ -51,7 +66,9 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
         for j, r in enumerate(row):
             if not m[i, j]:
                 continue
-            if loss_type == "cispo":
+            if loss_type == "vespo":  # the sampler's weights enter phi, not the term
+                term = -_vespo_phi(lp, olp, m, i, a, weights, **(vespo or {})) * a * lp[i, j]
+            elif loss_type == "cispo":
                 term = -min(r.item(), eps_high) * a * lp[i, j]  # the weight carries no gradient
             elif loss_type == "sapo":
                 tau = tau_pos if a > 0 else tau_neg
@@ -59,7 +76,7 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
             else:
                 clipped = torch.clamp(r, 1 - EPS_LOW, 1 + eps_high)
                 term = -torch.min(r * a, clipped * a)
-            if weights is not None:
+            if weights is not None and loss_type != "vespo":
                 term = term * float(weights[i, j if weights.shape[1] > 1 else 0])
             if beta:
                 delta = rlp[i, j] - lp[i, j]
@@ -70,6 +87,8 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
         counts.append(c)
     if loss_type in ("grpo", "sapo"):
         return sum(s / max(c, 1) for s, c in zip(sums, counts)) / len(sums)
+    if loss_type == "luspo":
+        return sum(sums) / len(sums)
     return sum(sums) / sum(counts)
 
 
@@ -84,12 +103,13 @@ def _loss_and_grad(fn):
 def _compare(loss_type, **options):
     eps_high = options.pop("eps_high", EPS_HIGH)
     weights = options.pop("weights", None)
+    vespo = {f"vespo_{key}": value for key, value in (options.get("vespo") or {}).items()}
     ours = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(
         lp, olp, a, m, loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high,
         ref_logps=rlp if options.get("beta") else None, beta=options.get("beta", 0.0),
         importance_sampling_level=options.get("level", "token"), kl_bias_correction=options.get("kl_bc", False),
         sapo_temperature_pos=options.get("tau_pos", 1.0), sapo_temperature_neg=options.get("tau_neg", 1.05),
-        sampling_weights=weights))
+        sampling_weights=weights, **vespo))
     want = _loss_and_grad(lambda lp, olp, rlp, a, m: _reference(lp, olp, rlp, a, m, loss_type, eps_high=eps_high,
                                                                  weights=weights, **options))
     # float64 end to end (inputs, loss and reference): they differ by ~1e-15 on any CPU, so 1e-10 and 1e-9
@@ -157,8 +177,60 @@ def test_sapo_on_policy_is_the_plain_policy_gradient():
     assert loss.item() == pytest.approx((-2 * 1.5 / 3.0 + 2 * 2.0 / 0.7) / 2)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "cispo"])
+@pytest.mark.parametrize("level", ["sequence", "token"])
+@pytest.mark.parametrize("beta", [0.0, BETA])
+def test_luspo_sums_each_sequences_tokens_then_means_the_sequences(level, beta):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the token level departs from the paper's setup, and says so
+        _compare("luspo", level=level, beta=beta)
+
+
+def test_luspo_is_gspos_sequence_loss_weighed_by_its_length():
+    logps, old, _, adv, mask = _inputs()
+    settings = {"importance_sampling_level": "sequence", "epsilon_low": EPS_LOW, "epsilon_high": EPS_HIGH}
+    lengths = mask.sum(dim=1)
+    gspo_rows = [policy_loss(logps[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], loss_type="grpo",
+                             **settings) for i in range(len(LENGTHS))]
+    luspo = policy_loss(logps, old, adv, mask, loss_type="luspo", **settings)
+    torch.testing.assert_close(luspo, sum(row * length for row, length in zip(gspo_rows, lengths)) / len(LENGTHS))
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, BETA])
+def test_vespo_weighs_log_probs_by_phi_of_each_sequences_ratio(level, beta):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sequence level changes only the KL's ratio, and says so
+        _compare("vespo", level=level, beta=beta, kl_bc=bool(beta))
+        _compare("vespo", level=level, beta=beta, vespo={"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 0.0,
+                                                         "lambda_neg": 4.0})
+
+
+def test_vespo_takes_the_sampler_correction_into_its_ratio():
+    token_w = torch.rand(4, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    token_w[0, 1] = 0.0  # masked by a mask mode: counts as 1e-8
+    with_weights, _ = _compare("vespo", beta=BETA, weights=token_w)
+    _compare("vespo", weights=token_w[:, :1])  # a sequence mode's weight
+    without, _ = _compare("vespo", beta=BETA)
+    assert abs(float(with_weights - without)) > 1e-4
+
+
+def test_vespo_on_policy_is_the_plain_policy_gradient():
+    """At w = 1, phi = exp(lam + 0 - lam) = 1 for either sign: the gradient is -A per token over the step's
+    active tokens, as dapo's on policy; a ratio away from 1 changes the weight."""
+    logps = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    loss = policy_loss(logps, logps.detach(), adv, torch.ones(2, 3), loss_type="vespo")
+    loss.backward()
+    torch.testing.assert_close(logps.grad, (-adv / 6).unsqueeze(1).expand(2, 3))
+    # log w = 3 x 0.1 = 0.3: phi = exp(lambda + k 0.3 - lambda exp(0.3)), (k, lambda) = (2, 3) for A >= 0, else (3, 2)
+    phi = vespo_weight(logps.detach(), logps.detach() - 0.1, torch.ones(2, 3), adv, 2.0, 3.0, 3.0, 2.0)
+    assert phi.squeeze(1).tolist() == pytest.approx([math.exp(3 + 0.6 - 3 * math.exp(0.3)),
+                                                     math.exp(2 + 0.9 - 2 * math.exp(0.3))])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "cispo", "luspo", "vespo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.filterwarnings("ignore:loss_type='(luspo|vespo)'")  # each off its paper's level
 def test_kl_bias_correction_weighs_the_kl_by_the_ratio(loss_type, level):
     eps_high = 5.0 if loss_type == "cispo" else EPS_HIGH
     corrected, corrected_grad = _compare(loss_type, level=level, beta=BETA, kl_bc=True, eps_high=eps_high)
@@ -185,6 +257,7 @@ def test_sampling_weights_scale_the_policy_term_only():
     _compare("sapo", level="sequence", beta=BETA, weights=token_w[:, :1])
 
 
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")  # at the token level, off its paper's
 def test_metrics_follow_the_level_and_the_variant():
     logps = torch.log(torch.tensor([[0.5, 2.0]]))
     old, mask = torch.zeros(1, 2), torch.ones(1, 2)
@@ -194,8 +267,11 @@ def test_metrics_follow_the_level_and_the_variant():
     assert seq["clip_ratio_high"].item() == 0 and seq["clip_ratio_low"].item() == 0  # geometric mean is 1
     cispo = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, epsilon_high=1.5, loss_type="cispo")
     assert cispo["clip_ratio_high"].item() == pytest.approx(0.5) and cispo["clip_ratio_low"].item() == 0
-    sapo = policy_loss_metrics(logps, old, torch.tensor([-1.0]), mask, loss_type="sapo")
-    assert sapo["clip_ratio_low"].item() == 0 and sapo["clip_ratio_high"].item() == 0  # no hard clip
+    for soft in ("sapo", "vespo"):
+        gated = policy_loss_metrics(logps, old, torch.tensor([-1.0]), mask, loss_type=soft)
+        assert gated["clip_ratio_low"].item() == 0 and gated["clip_ratio_high"].item() == 0  # no hard clip
+    luspo = policy_loss_metrics(logps, old, torch.tensor([1.0]), mask, loss_type="luspo")
+    assert luspo["clip_ratio_high"].item() == pytest.approx(0.5)  # the clip's, as grpo's
     # GSPO clips whole completions: its shares count completions with an active token (none in the third row)
     logps = torch.log(torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0], [3.0, 1.0, 1.0]]))
     seq_mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
@@ -231,8 +307,17 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
         make_loss("dapo", kl_bias_correction="yes")
     with pytest.raises(ValueError, match=r"sampling_weights has shape \(4, 2\), expected \(4, 5\) or \(4, 1\)"):
         policy_loss(logps, old, adv, mask, sampling_weights=torch.ones(4, 2))
-    with pytest.raises(ValueError, match=r"loss_type='vespo' is not known; use one of \[.*'cispo', 'sapo'\]"):
-        make_loss("vespo")
+    with pytest.raises(ValueError, match=r"loss_type='gspo' is not known; use one of \[.*'sapo', 'luspo', "
+                                         r"'vespo'\]"):
+        make_loss("gspo")
+    with pytest.raises(ValueError, match=r"vespo_lambda_neg=0.0 must be > 0"):
+        make_loss("vespo", vespo_lambda_neg=0.0)
+    with pytest.raises(ValueError, match=r"vespo_k_pos=-1.0 must be >= 0"):
+        make_loss("vespo", vespo_k_pos=-1.0)
+    with pytest.raises(ValueError, match=r"vespo_lambda_pos=inf must be finite"):
+        make_loss("vespo", vespo_lambda_pos=math.inf)
+    with pytest.raises(ValueError, match=r"vespo_k_neg=True must be a number"):
+        make_loss("vespo", vespo_k_neg=True)
 
 
 def test_module_checks_the_options_when_built():
@@ -255,7 +340,9 @@ def test_module_checks_the_options_when_built():
     ({"kl_bias_correction": True}, ["kl_bias_correction"]),  # beta 0: no KL term to weigh
     ({"loss_type": "grpo", "sapo_temperature_pos": 2.0}, ["sapo_temperature_pos"]),
     ({"loss_type": "cispo", "epsilon_low": 0.1, "epsilon_high": 5.0}, ["epsilon_low"]),
-    ({"loss_type": "sapo", "epsilon_low": 0.1, "epsilon_high": 0.3}, ["epsilon_low", "epsilon_high"])])
+    ({"loss_type": "sapo", "epsilon_low": 0.1, "epsilon_high": 0.3}, ["epsilon_low", "epsilon_high"]),
+    ({"loss_type": "dapo", "vespo_k_pos": 1.0}, ["vespo_k_pos"]),
+    ({"loss_type": "vespo", "epsilon_high": 0.3}, ["epsilon_high"])])
 def test_a_loss_setting_the_loss_never_reads_is_named_not_dropped_in_silence(settings, ignored):
     with pytest.warns(UserWarning, match=rf"loss settings {re.escape(str(ignored))} have no effect with loss_type="):
         LossConfig(**settings)
@@ -263,3 +350,14 @@ def test_a_loss_setting_the_loss_never_reads_is_named_not_dropped_in_silence(set
         warnings.simplefilter("error")
         LossConfig(loss_type="sapo", sapo_temperature_pos=2.0, beta=0.1, kl_bias_correction=True)
         LossConfig(loss_type="cispo", epsilon_high=5.0)
+        LossConfig(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_neg=0.5)
+        LossConfig(loss_type="luspo", importance_sampling_level="sequence")
+
+
+def test_luspo_and_vespo_off_their_papers_level_say_so():
+    with pytest.warns(UserWarning, match=r"loss_type='luspo' is GSPO's sequence-level loss .* its paper uses "
+                                         r"importance_sampling_level='sequence'"):
+        LossConfig(loss_type="luspo")
+    with pytest.warns(UserWarning, match=r"loss_type='vespo' weighs each completion by its own sequence ratio; "
+                                         r"importance_sampling_level='sequence' changes only kl_bias_correction"):
+        LossConfig(loss_type="vespo", importance_sampling_level="sequence")

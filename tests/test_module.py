@@ -69,7 +69,8 @@ def test_update_log_probs_match_the_sampler(batch):
     torch.testing.assert_close(logps[mask], micro["sampling_logprobs"][mask], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "luspo", "vespo"])
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")  # at the token level, off its paper's
 def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
     small, _ = grads_after_step(make_module(loss={"loss_type": loss_type}, train_micro_batch_size=3), batch)
     big, metrics = grads_after_step(make_module(loss={"loss_type": loss_type}, train_micro_batch_size=8), batch)

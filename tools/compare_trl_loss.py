@@ -3,14 +3,13 @@
     python -m tools.compare_trl_loss [--dtype float64] [--tolerance 1e-5] [--json OUT]
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta
-> 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each with two pairs of
-bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference and
-sampling log-probs, advantages and masks (one completion without any active token). TRL's ``_compute_loss``
-runs on a stand-in trainer whose per-token log-prob forward returns that leaf, so only the loss arithmetic is
-TRL's; its sampler weights come from running the importance-sampling block of TRL's own
-``_generate_and_score_completions`` source on those tensors, and the ``sampling/*`` scalars from the block that
-logs them.
+(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) x importance_sampling_level (token, sequence) x KL setting
+(beta 0; beta > 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each with two
+pairs of bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference
+and sampling log-probs, advantages and masks (one completion without any active token). TRL's ``_compute_loss`` runs
+on a stand-in trainer whose per-token log-prob forward returns that leaf, so only the loss arithmetic is TRL's; its
+sampler weights come from running the importance-sampling block of TRL's own ``_generate_and_score_completions``
+source on those tensors, and the ``sampling/*`` scalars from the block that logs them.
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -42,7 +41,7 @@ from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from tools import harness
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")
 KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_correction)
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -104,8 +103,10 @@ class _Accelerator:
 def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
                 bounds=BOUNDS[0]):
     """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
+    from trl import GRPOTrainer
     args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, sapo_temperature_pos=1.0,
-                           sapo_temperature_neg=1.05, steps_per_generation=accumulation)
+                           sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                           vespo_lambda_neg=2.0, steps_per_generation=accumulation)
     return SimpleNamespace(
         args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=EPS_LOW,
         epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
@@ -116,6 +117,7 @@ def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulatio
         current_gradient_accumulation_steps=accumulation, accelerator=_Accelerator(), aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, torch.zeros_like(logps_leaf), None),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # vespo's weight: a static method
     )
 
 

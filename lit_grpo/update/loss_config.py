@@ -6,7 +6,7 @@ the config is built (``Literal`` fields already when the YAML is parsed), with a
 
     model:
       loss:
-        loss_type: dapo          # grpo | bnpo | dr_grpo | dapo | cispo | sapo
+        loss_type: dapo          # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo
         epsilon_low: 0.2
         epsilon_high: 0.28
         beta: 0.0                # k3 KL weight; > 0 loads a reference model
@@ -23,8 +23,11 @@ from typing import Literal, get_args
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.update.surrogates import IMPORTANCE_SAMPLING_LEVELS, ImportanceSamplingLevel
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+#: The settings that shape sapo's gate and vespo's weight.
+SHAPE_SETTINGS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg")
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class LossConfig:
     """Which loss variant and its settings.
 
     Attributes:
-        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo (their aggregation: lit_grpo.update.policy_losses).
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (their aggregation:
+            lit_grpo.update.policy_losses).
         epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (cispo: the
             ratio's cap is ``epsilon_high`` itself, so it must be >= 1, typically 5.0).
         beta: weight of the k3 KL penalty (``> 0`` needs reference log-probs; ``GRPOModule`` then loads a
@@ -40,6 +44,9 @@ class LossConfig:
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: one ratio per completion).
         kl_bias_correction: weigh the k3 KL by the importance ratio.
         sapo_temperature_pos, sapo_temperature_neg: sapo's gate ``tau`` for ``A > 0`` / ``A <= 0`` (> 0).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's weight
+            ``phi(w) = exp(lambda) w^k exp(-lambda w)`` for ``A >= 0`` / ``A < 0``: ``k`` (>= 0) sets how fast it
+            falls for ``w < 1``, ``lambda`` (> 0) for ``w > 1``.
     """
 
     loss_type: LossType = "dapo"
@@ -50,16 +57,20 @@ class LossConfig:
     kl_bias_correction: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        for name in ("epsilon_low", "epsilon_high", "beta", "sapo_temperature_pos", "sapo_temperature_neg"):
+        for name in ("epsilon_low", "epsilon_high", "beta", *SHAPE_SETTINGS):
             value = getattr(self, name)
             # a bool would weigh as 0 or 1 and a string fails the comparisons below with a TypeError
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name}={value!r} must be a number")
-            # epsilon_high may be inf (no upper clip); beta and sapo's temperatures multiply the loss or its gate
+            # epsilon_high may be inf (no upper clip); beta and the shapes multiply the loss or its weight
             if name != "epsilon_high" and math.isinf(value):
                 raise ValueError(f"{name}={value!r} must be finite")
         for name in ("epsilon_low", "epsilon_high", "beta"):
@@ -71,28 +82,43 @@ class LossConfig:
                              "1 - epsilon_low must be > 0)")
         if not isinstance(self.kl_bias_correction, bool):
             raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} must be True or False")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            if not value >= 0:  # below 0 the weight would grow without bound as the ratio falls to 0
+                raise ValueError(f"{name}={value!r} must be >= 0")
         # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
         if self.loss_type == "cispo" and not self.epsilon_high >= 1:
             raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
                              f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
+        # as TRL warns: each paper's setup, which the other level departs from
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            warnings.warn("loss_type='luspo' is GSPO's sequence-level loss scaled by each completion's length; "
+                          "its paper uses importance_sampling_level='sequence'", stacklevel=3)
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn("loss_type='vespo' weighs each completion by its own sequence ratio; "
+                          "importance_sampling_level='sequence' changes only kl_bias_correction's ratio (keep "
+                          "'token', the default)", stacklevel=3)
         if ignored := self.ignored_settings():
             warnings.warn(f"loss settings {ignored} have no effect with loss_type={self.loss_type!r} and beta="
                           f"{self.beta!r}; they are ignored", stacklevel=3)
 
     def ignored_settings(self) -> list[str]:
         """The settings given other than their defaults that this loss never reads: the KL's with ``beta`` 0,
-        sapo's temperatures in another loss, the clip bounds sapo has none of (and cispo's lower one)."""
+        sapo's and vespo's shapes in another loss, the clip bounds sapo and vespo have none of (and cispo's lower
+        one)."""
         unread = set()
         if self.beta == 0:
             unread.add("kl_bias_correction")
         if self.loss_type != "sapo":
             unread.update(("sapo_temperature_pos", "sapo_temperature_neg"))
-        if self.loss_type in ("cispo", "sapo"):
+        if self.loss_type != "vespo":
+            unread.update(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+        if self.loss_type in ("cispo", "sapo", "vespo"):
             unread.add("epsilon_low")
-        if self.loss_type == "sapo":
+        if self.loss_type in ("sapo", "vespo"):
             unread.add("epsilon_high")
         return [f.name for f in fields(self) if f.name in unread and getattr(self, f.name) != f.default]

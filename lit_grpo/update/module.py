@@ -62,10 +62,10 @@ rank's value weighted by its groups, tokens or present values, ``RATIO_WEIGHTS``
 rank's rows would log them), sums (reward/skipped_groups, rollout/carried_samples), min or max
 (completions/min_length and max_length, sampling/*/min and max, rollout/rollouts_per_step), and
 ``rollout/rank_skew``, the slowest rank's rollout seconds over their mean (several processes only). ``train/loss``:
-each rank's value is its own rows' loss (dapo and cispo, normalized by the whole step's tokens: its share times the
-world size); every rank holds as many rows, so their mean is the step's loss. val/*: torchmetrics means, synced over
-the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce their keys
-(rollout/*, memory/*) by the same table.
+each rank's value is its own rows' loss (dapo, cispo and vespo, normalized by the whole step's tokens: its share
+times the world size); every rank holds as many rows, so their mean is the step's loss. val/*: torchmetrics means,
+synced over the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce
+their keys (rollout/*, memory/*) by the same table.
 ``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
 averaged the same way. A non-finite loss, or gradient norm, raises on every rank at once, naming the ranks whose loss
 was not finite (one gather of a flag per optimizer step; the norm is the same on every rank after the reduction),

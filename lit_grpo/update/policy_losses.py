@@ -26,6 +26,9 @@ dapo       clip        sum / active tokens of the whole optimizer step          
                        it, this micro-batch's active tokens, then it equals bnpo)
 cispo      cispo       as dapo                                                             world size
 sapo       sapo        as grpo                                                             rows / step rows
+luspo      clip        sum over each sequence's tokens, then mean over sequences           rows / step rows
+                       (LUSPO: GSPO's sequence loss times the sequence's length)
+vespo      vespo       as dapo                                                             world size
 =========  ==========  ==================================================================  ======================
 
 ``micro_batch_weight`` is what each micro-batch's loss is multiplied by so that the weighted losses add up to the
@@ -50,7 +53,8 @@ import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
-from lit_grpo.update.surrogates import cispo_surrogate, clip_surrogate, importance_ratio, k3_kl, sapo_surrogate
+from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, importance_ratio, k3_kl, sapo_surrogate,
+                                        vespo_weight)
 
 Number = int | float | torch.Tensor
 
@@ -109,12 +113,18 @@ class PolicyLoss:
     def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
-        per_token = self.surrogate(ratio, logps, advantages).expand_as(logps)
-        if sampling_weights is not None:
-            per_token = per_token * sampling_weights.detach().to(per_token.dtype)
+        per_token = self.policy_term(ratio, logps, old_logps, advantages, mask, sampling_weights)
         if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
             per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)
+        return per_token
+
+    def policy_term(self, ratio, logps, old_logps, advantages, mask, sampling_weights=None) -> torch.Tensor:
+        """``[N, T]`` the surrogate times the sampler correction's weights (arguments as in ``__call__``, ``ratio``
+        from ``importance_ratio``)."""
+        per_token = self.surrogate(ratio, logps, advantages).expand_as(logps)
+        if sampling_weights is not None:
+            per_token = per_token * sampling_weights.detach().to(per_token.dtype)
         return per_token
 
     def surrogate(self, ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -295,8 +305,40 @@ class SAPOLoss(GRPOLoss):
         return none, none
 
 
+@dataclass(frozen=True)
+class LUSPOLoss(PolicyLoss):
+    """luspo: the clip surrogate summed over each sequence's tokens, then the mean over sequences. With GSPO's
+    sequence ratio (``importance_sampling_level="sequence"``, the paper's setup) it is GSPO's per-sequence loss
+    weighed by the sequence's length, which removes GSPO's bias toward short completions."""
+
+    name: ClassVar[str] = "luspo"
+
+    @staticmethod
+    def aggregate(per_token, mask, max_completion_length, total_active_tokens):
+        return (per_token * mask).sum(dim=1).mean()
+
+
+@dataclass(frozen=True)
+class VESPOLoss(DAPOLoss):
+    """vespo: ``-sg(phi(w)) A logp`` aggregated as dapo, ``phi`` a smooth Gamma-shaped weight of each completion's
+    sequence ratio ``w`` in place of a clip (``vespo_weight``; its shape: the config's ``vespo_*``). The sampler
+    correction's weights enter ``w`` rather than multiplying the loss."""
+
+    name: ClassVar[str] = "vespo"
+
+    def policy_term(self, ratio, logps, old_logps, advantages, mask, sampling_weights=None):
+        c = self.config
+        phi = vespo_weight(logps, old_logps.detach(), mask, advantages, c.vespo_k_pos, c.vespo_lambda_pos,
+                           c.vespo_k_neg, c.vespo_lambda_neg, sampling_weights)                # [N, 1]
+        return -phi.to(logps.dtype) * advantages.detach().unsqueeze(1).to(logps.dtype) * logps
+
+    def clipped(self, ratio, advantages):
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return none, none
+
+
 LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, BNPOLoss, DrGRPOLoss, DAPOLoss,
-                                                                 CISPOLoss, SAPOLoss)}
+                                                                 CISPOLoss, SAPOLoss, LUSPOLoss, VESPOLoss)}
 
 
 def loss_class(loss_type: str) -> type[PolicyLoss]:

@@ -5,17 +5,23 @@ at token level and ``[N, 1]`` at sequence level (one value per completion, broad
 
 Per token, with ``r`` the importance ratio of the current policy to the one the update started from::
 
-    clip (grpo, bnpo, dr_grpo, dapo)   -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+    clip (grpo, bnpo, dr_grpo, dapo,   -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+          luspo)
     cispo                              -sg(min(r, eps_high)) A logp        (sg: no gradient through the weight)
     sapo                               -(4 / tau) sigmoid(tau (r - 1)) A,  tau = tau_pos if A > 0 else tau_neg
+    vespo                              -sg(phi(w)) A logp,  phi(w) = exp(lam) w^k exp(-lam w)   (w: below)
     k3 KL to the reference             exp(ref - logp) - (ref - logp) - 1
 
 cispo keeps a gradient on every token (the clipped weight only scales it) and sapo replaces the hard clip by a
-smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient).
+smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient). vespo weighs a whole
+completion by a Gamma-shaped function of its sequence ratio ``w`` (the product of its token ratios, not GSPO's
+geometric mean): 1 at ``w = 1`` (on-policy, the plain policy gradient), largest at ``w = k / lam``, and falling to 0
+as ``w`` goes to 0 (as ``w^k``) or grows (as ``exp(-lam w)``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 import torch
@@ -87,6 +93,38 @@ def sapo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, temperature_po
     # built in ratio's dtype: python scalars in torch.where would round the temperatures to float32
     tau = torch.where(adv > 0, torch.full_like(adv, temperature_pos), torch.full_like(adv, temperature_neg))
     return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+
+
+@torch.no_grad()
+def vespo_weight(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                 k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float,
+                 sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, 1]`` VESPO's weight ``phi(w) = exp(lam + k log w - lam w)`` of each completion (no gradient).
+
+    ``log w`` sums the active tokens' ``logp - old_logp`` (each clamped to [-20, 20]) and, with a sampler
+    correction, the logs of its weights (each clamped to [log 1e-8, 20]; the active tokens', or the completion's
+    one), so that ``w`` is the ratio to the policy that sampled. ``log w`` is clamped to [log 1e-8, 20] and an
+    overflowing ``phi`` counts as 0, as in the VESPO paper's code and TRL's (which also sums the token weights of
+    padding: 1 under any bounds around 1).
+
+    Args:
+        logps, old_logps: ``[N, T]``; mask: ``[N, T]`` 1 on active tokens; advantages: ``[N]`` (``A >= 0`` uses
+            ``k_pos``, ``lambda_pos``, the rest ``k_neg``, ``lambda_neg``).
+        sampling_weights: ``[N, T]`` or ``[N, 1]`` the sampler correction's weights, or None.
+    """
+    floor = math.log(1e-8)
+    mask = mask.to(logps.dtype)
+    log_w = (torch.clamp(logps - old_logps, -20.0, 20.0) * mask).sum(dim=1, keepdim=True)     # [N, 1]
+    if sampling_weights is not None:  # a weight a mask mode set to 0 counts as the floor
+        log_sampling = torch.clamp(torch.log(sampling_weights.to(logps.dtype)), floor, 20.0)
+        if log_sampling.shape == mask.shape:  # token weights: the active tokens'
+            log_sampling = log_sampling * mask
+        log_w = log_w + log_sampling.sum(dim=1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    nonnegative = advantages.unsqueeze(1) >= 0
+    k = torch.where(nonnegative, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(nonnegative, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg))
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
