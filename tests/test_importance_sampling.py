@@ -192,3 +192,19 @@ def test_auto_corrects_exactly_the_batches_that_carry_samples_from_older_weights
     _assert_same_grads(corrected, _grads(dropped, sampler_correction={"mode": "none"})[0])
     assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
     assert SamplerCorrection("token_mask").for_batch(True).mode == "token_mask"  # a chosen mode is kept
+
+
+@pytest.mark.parametrize("k", [0.0, 2.0])
+def test_vespo_under_auto_drops_the_completion_the_mask_drops(rollout, k):
+    """vespo takes the correction into its sequence ratio: a completion the default's sequence_mask drops weighs 0,
+    also at vespo_k 0, where its ratio's floor (1e-8) would weigh it exp(lambda), the most."""
+    _, batch = rollout
+    shifted, p, k_row, length = _with_shifted_sampler(batch)
+    shifted.offpolicy_tokens = length
+    dropped = batch.to("cpu")
+    dropped.advantages = batch.advantages.clone()
+    dropped.advantages[p, k_row] = 0.0
+    loss = {"loss_type": "vespo", "vespo_k_pos": k, "vespo_k_neg": k}
+    corrected, metrics = _grads(shifted, loss=loss)
+    _assert_same_grads(corrected, _grads(dropped, loss=loss, sampler_correction={"mode": "none"})[0])
+    assert metrics["sampling/importance_sampling_ratio/min"] == 0.0

@@ -48,6 +48,8 @@ def _vespo_phi(lp, olp, m, i, a, weights, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, 
     log_w = sum(min(max(float(lp[i, j] - olp[i, j]), -20.0), 20.0) for j in active)
     if weights is not None:
         columns = active if weights.shape[1] > 1 else [0]
+        if any(weights[i, j] == 0 for j in columns):  # masked by a mask mode: dropped
+            return 0.0
         log_w += sum(max(math.log(float(weights[i, j])) if weights[i, j] > 0 else -math.inf, math.log(1e-8))
                      for j in columns)
     log_w = min(max(log_w, math.log(1e-8)), 20.0)
@@ -207,11 +209,29 @@ def test_vespo_weighs_log_probs_by_phi_of_each_sequences_ratio(level, beta):
 
 def test_vespo_takes_the_sampler_correction_into_its_ratio():
     token_w = torch.rand(4, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
-    token_w[0, 1] = 0.0  # masked by a mask mode: counts as 1e-8
+    token_w[0, 1] = 0.0  # masked by a mask mode: drops the completion
     with_weights, _ = _compare("vespo", beta=BETA, weights=token_w)
     _compare("vespo", weights=token_w[:, :1])  # a sequence mode's weight
     without, _ = _compare("vespo", beta=BETA)
     assert abs(float(with_weights - without)) > 1e-4
+
+
+@pytest.mark.parametrize("k", [0.0, 0.1, 2.0])
+def test_vespo_drops_a_completion_a_mask_mode_zeroed_whatever_its_k(k):
+    """A 0 weight (a mask mode's) drops its completion, a token's or the completion's own; counted as 1e-8 it would
+    weigh exp(lam) 1e-8^k: 20 (exp(3)) at k = 0, 3.2 at k = 0.1. A 0 on padding is no token's."""
+    logps = torch.full((3, 3), -1.0, dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    token_w = torch.ones(3, 3, dtype=torch.float64)
+    token_w[0, 1] = 0.0  # an active token's
+    token_w[1, 2] = 0.0  # padding's
+    shapes = {"k_pos": k, "lambda_pos": 3.0, "k_neg": k, "lambda_neg": 2.0}
+    phi = vespo_weight(logps, logps, mask, adv, *shapes.values(), sampling_weights=token_w)
+    assert phi.squeeze(1).tolist() == [0.0, 1.0, 1.0]
+    sequence_w = torch.tensor([[1.0], [0.0], [0.0]], dtype=torch.float64)
+    phi = vespo_weight(logps, logps, mask, adv, *shapes.values(), sampling_weights=sequence_w)
+    assert phi.squeeze(1).tolist() == [1.0, 0.0, 0.0]
 
 
 def test_vespo_on_policy_is_the_plain_policy_gradient():

@@ -105,7 +105,9 @@ def vespo_weight(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tenso
     correction, the logs of its weights (each clamped to [log 1e-8, 20]; the active tokens', or the completion's
     one), so that ``w`` is the ratio to the policy that sampled. ``log w`` is clamped to [log 1e-8, 20] and an
     overflowing ``phi`` counts as 0, as in the VESPO paper's code and TRL's (which also sums the token weights of
-    padding: 1 under any bounds around 1).
+    padding: 1 under any bounds around 1). A completion with a weight a mask mode set to 0 (an active token's, or
+    its own) weighs 0, where TRL counts that weight as 1e-8: its ``phi`` would then be up to ``exp(lam) 1e-8^k``,
+    next to 0 at the default ``k`` but ``exp(lam)``, the largest weight, at ``k = 0``.
 
     Args:
         logps, old_logps: ``[N, T]``; mask: ``[N, T]`` 1 on active tokens; advantages: ``[N]`` (``A >= 0`` uses
@@ -115,16 +117,21 @@ def vespo_weight(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tenso
     floor = math.log(1e-8)
     mask = mask.to(logps.dtype)
     log_w = (torch.clamp(logps - old_logps, -20.0, 20.0) * mask).sum(dim=1, keepdim=True)     # [N, 1]
-    if sampling_weights is not None:  # a weight a mask mode set to 0 counts as the floor
-        log_sampling = torch.clamp(torch.log(sampling_weights.to(logps.dtype)), floor, 20.0)
-        if log_sampling.shape == mask.shape:  # token weights: the active tokens'
-            log_sampling = log_sampling * mask
+    dropped = torch.zeros_like(log_w, dtype=torch.bool)
+    if sampling_weights is not None:
+        weights = sampling_weights.to(logps.dtype)
+        log_sampling = torch.clamp(torch.log(weights), floor, 20.0)
+        masked = weights == 0
+        if weights.shape == mask.shape:  # token weights: the active tokens'
+            log_sampling, masked = log_sampling * mask, masked & mask.bool()
         log_w = log_w + log_sampling.sum(dim=1, keepdim=True)
+        dropped = masked.any(dim=1, keepdim=True)
     log_w = torch.clamp(log_w, floor, 20.0)
     nonnegative = advantages.unsqueeze(1) >= 0
     k = torch.where(nonnegative, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
     lam = torch.where(nonnegative, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg))
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return phi.masked_fill(dropped, 0.0)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
