@@ -140,7 +140,7 @@ class GRPOModule(LightningModule):
             True; ``uses_shared_prefix`` says which).
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
-            frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures.
+            frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes.
         sampler_correction: a :class:`~lit_grpo.update.sampler_correction.SamplerCorrection` (or a dict; YAML
             ``model.sampler_correction:``): mode (auto | none | token_truncate | token_mask | sequence_truncate |
             sequence_mask), clip_min, clip_max. "auto" (default) corrects a batch that carries samples from older

@@ -12,8 +12,8 @@ Per token (the terms are in lit_grpo.update.surrogates)::
 ``exp(mean over active tokens of (logp - old_logp))``. ``kl_bias_correction`` weighs the k3 KL by ``r``, which
 makes its gradient the unbiased gradient of KL(policy || reference) when the tokens came from ``old_logp``.
 
-The variants differ in their surrogate (clip, cispo, sapo: lit_grpo.update.surrogates), in how they reduce the
-``[N, T]`` token losses to a scalar and in how the micro-batches of one optimizer step (and the ranks) add up:
+The variants differ in their surrogate (clip, cispo, sapo, vespo: lit_grpo.update.surrogates), in how they reduce
+the ``[N, T]`` token losses to a scalar and in how the micro-batches of one optimizer step (and the ranks) add up:
 
 =========  ==========  ==================================================================  ======================
 variant    surrogate   aggregation                                                         micro-batch weight
@@ -32,9 +32,9 @@ vespo      vespo       as dapo                                                  
 =========  ==========  ==================================================================  ======================
 
 ``micro_batch_weight`` is what each micro-batch's loss is multiplied by so that the weighted losses add up to the
-loss of the whole optimizer step (exactly for grpo, dr_grpo, dapo, cispo and sapo; bnpo is by definition a mean
-of per-micro-batch ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its
-normalizer already spans every rank while ddp averages the ranks' gradients.
+loss of the whole optimizer step (exactly for all but bnpo, which is by definition a mean of per-micro-batch
+ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its normalizer already spans
+every rank while ddp averages the ranks' gradients.
 
 Objects (built once from a ``LossConfig``, lit_grpo.update.loss_config)::
 
@@ -99,7 +99,7 @@ class PolicyLoss:
             mask: ``[N, T]`` 1/True for tokens that count.
             ref_logps: ``[N, T]`` under the frozen reference model; needed when ``beta > 0``.
             max_completion_length: dr_grpo's normalizer (the rollout's ``max_new_tokens``).
-            total_active_tokens: dapo's (and cispo's) normalizer spanning the optimizer step.
+            total_active_tokens: dapo's (and cispo's and vespo's) normalizer spanning the optimizer step.
             sampling_weights: ``[N, T]`` or ``[N, 1]`` the sampler correction's weights (no gradient), which
                 multiply the policy term, not the KL; None: no correction.
         """
@@ -190,7 +190,7 @@ class PolicyLoss:
         Returns a dict of scalar tensors:
             ``clip_ratio_low`` / ``clip_ratio_high``: share of the ratios (at this loss's level: tokens, or under
             GSPO completions with an active token) clipped where the clip binds (``clipped``; cispo: its cap,
-            sapo: never);
+            sapo and vespo: never);
             ``kl``: mean k3 KL to the reference, as the loss weighs it (only when ``ref_logps`` is given);
             ``active_tokens``: the number of active tokens (the weight for averaging ``kl`` over micro-batches);
             ``clip_units``: the number of ratios the clip shares count (the weight for averaging them).

@@ -16,7 +16,8 @@ cispo keeps a gradient on every token (the clipped weight only scales it) and sa
 smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient). vespo weighs a whole
 completion by a Gamma-shaped function of its sequence ratio ``w`` (the product of its token ratios, not GSPO's
 geometric mean): 1 at ``w = 1`` (on-policy, the plain policy gradient), largest at ``w = k / lam``, and falling to 0
-as ``w`` goes to 0 (as ``w^k``) or grows (as ``exp(-lam w)``).
+as ``w`` grows (as ``exp(-lam w)``) and, for ``k > 0``, as it goes to 0 (as ``w^k``; at ``k = 0`` it rises to
+``exp(lam)``).
 """
 
 from __future__ import annotations
