@@ -58,7 +58,7 @@ def _vespo_phi(lp, olp, m, i, a, weights, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, 
 
 
 def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=False, eps_high=EPS_HIGH,
-               tau_pos=1.0, tau_neg=1.05, weights=None, vespo=None):
+               tau_pos=1.0, tau_neg=1.05, weights=None, vespo=None, delta=None):
     """The loss written out token by token; aggregation as grpo (sapo), per sequence's sum (luspo) or over all
     active tokens (the rest)."""
     sums, counts = [], []
@@ -77,12 +77,12 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
                 term = -(4.0 / tau) * torch.sigmoid(tau * (r - 1.0)) * a
             else:
                 clipped = torch.clamp(r, 1 - EPS_LOW, 1 + eps_high)
-                term = -torch.min(r * a, clipped * a)
+                term = -torch.min((r if delta is None else torch.clamp(r, max=delta)) * a, clipped * a)
             if weights is not None and loss_type != "vespo":
                 term = term * float(weights[i, j if weights.shape[1] > 1 else 0])
             if beta:
-                delta = rlp[i, j] - lp[i, j]
-                kl = torch.exp(delta) - delta - 1
+                to_ref = rlp[i, j] - lp[i, j]
+                kl = torch.exp(to_ref) - to_ref - 1
                 term = term + beta * (kl * r if kl_bc else kl)
             s, c = s + term, c + 1
         sums.append(s)
@@ -94,8 +94,9 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
     return sum(sums) / sum(counts)
 
 
-def _loss_and_grad(fn):
+def _loss_and_grad(fn, advantages=None):
     logps, old, ref, adv, mask = _inputs()
+    adv = adv if advantages is None else advantages
     leaf = logps.clone().requires_grad_(True)
     loss = fn(leaf, old, ref, adv, mask)
     loss.backward()
@@ -105,15 +106,16 @@ def _loss_and_grad(fn):
 def _compare(loss_type, **options):
     eps_high = options.pop("eps_high", EPS_HIGH)
     weights = options.pop("weights", None)
+    advantages = options.pop("advantages", None)
     vespo = {f"vespo_{key}": value for key, value in (options.get("vespo") or {}).items()}
     ours = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(
         lp, olp, a, m, loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high,
         ref_logps=rlp if options.get("beta") else None, beta=options.get("beta", 0.0),
         importance_sampling_level=options.get("level", "token"), kl_bias_correction=options.get("kl_bc", False),
         sapo_temperature_pos=options.get("tau_pos", 1.0), sapo_temperature_neg=options.get("tau_neg", 1.05),
-        sampling_weights=weights, **vespo))
+        sampling_weights=weights, delta=options.get("delta"), **vespo), advantages)
     want = _loss_and_grad(lambda lp, olp, rlp, a, m: _reference(lp, olp, rlp, a, m, loss_type, eps_high=eps_high,
-                                                                 weights=weights, **options))
+                                                                 weights=weights, **options), advantages)
     # float64 end to end (inputs, loss and reference): they differ by ~1e-15 on any CPU, so 1e-10 and 1e-9
     torch.testing.assert_close(ours[0], want[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours[1], want[1], rtol=1e-9, atol=1e-12)
@@ -177,6 +179,26 @@ def test_sapo_on_policy_is_the_plain_policy_gradient():
     torch.testing.assert_close(logps.grad, (-adv / 3 / 2).unsqueeze(1).expand(2, 3))
     # the value there is -(4 / tau) sigmoid(0) A = -2 A / tau
     assert loss.item() == pytest.approx((-2 * 1.5 / 3.0 + 2 * 2.0 / 0.7) / 2)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "luspo"])
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")  # at the token level, off its paper's
+def test_delta_caps_the_unclipped_ratio_of_the_clip_losses(loss_type):
+    negative = torch.tensor([-1.0, -0.5, 0.7, 2.0], dtype=torch.float64)  # the first row has a ratio of 1.37
+    capped, capped_grad = _compare(loss_type, delta=1.3, beta=BETA, advantages=negative)
+    plain, plain_grad = _compare(loss_type, beta=BETA, advantages=negative)
+    assert not torch.allclose(capped_grad, plain_grad)
+
+
+def test_delta_stops_the_gradient_of_a_negative_advantage_beyond_it():
+    """PPO's clip leaves -r A unclipped for A < 0 whatever r; with delta the term is -min(r, delta) A, flat above."""
+    logps = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))  # ratios 2 and 1
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    for delta, far in ((None, 2.0 / 2), (1.5, 0.0)):  # d/dlogp of -r A / 2 tokens = r / 2 at r = 2, or flat
+        logps.grad = None
+        policy_loss(logps, old, adv, torch.ones(1, 2), loss_type="bnpo", delta=delta).backward()
+        torch.testing.assert_close(logps.grad, torch.tensor([[far, 0.5]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("level", ["sequence", "token"])
@@ -338,6 +360,11 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
         make_loss("vespo", vespo_lambda_pos=math.inf)
     with pytest.raises(ValueError, match=r"vespo_k_neg=True must be a number"):
         make_loss("vespo", vespo_k_neg=True)
+    with pytest.raises(ValueError, match=r"delta=1.28 must be > 1 \+ epsilon_high = 1.28 \(it caps the ratio above "
+                                         r"the clip range\), or None"):
+        make_loss("dapo", delta=1.28)
+    with pytest.raises(ValueError, match=r"delta='2' must be a number or None"):
+        make_loss("grpo", delta="2")
 
 
 def test_module_checks_the_options_when_built():
@@ -362,7 +389,9 @@ def test_module_checks_the_options_when_built():
     ({"loss_type": "cispo", "epsilon_low": 0.1, "epsilon_high": 5.0}, ["epsilon_low"]),
     ({"loss_type": "sapo", "epsilon_low": 0.1, "epsilon_high": 0.3}, ["epsilon_low", "epsilon_high"]),
     ({"loss_type": "dapo", "vespo_k_pos": 1.0}, ["vespo_k_pos"]),
-    ({"loss_type": "vespo", "epsilon_high": 0.3}, ["epsilon_high"])])
+    ({"loss_type": "vespo", "epsilon_high": 0.3}, ["epsilon_high"]),
+    ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 2.0}, ["delta"]),
+    ({"loss_type": "sapo", "delta": 2.0}, ["delta"])])
 def test_a_loss_setting_the_loss_never_reads_is_named_not_dropped_in_silence(settings, ignored):
     with pytest.warns(UserWarning, match=rf"loss settings {re.escape(str(ignored))} have no effect with loss_type="):
         LossConfig(**settings)
@@ -371,6 +400,7 @@ def test_a_loss_setting_the_loss_never_reads_is_named_not_dropped_in_silence(set
         LossConfig(loss_type="sapo", sapo_temperature_pos=2.0, beta=0.1, kl_bias_correction=True)
         LossConfig(loss_type="cispo", epsilon_high=5.0)
         LossConfig(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_neg=0.5)
+        LossConfig(loss_type="dr_grpo", delta=2.0)
         LossConfig(loss_type="luspo", importance_sampling_level="sequence")
 
 

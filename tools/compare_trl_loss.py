@@ -3,13 +3,14 @@
     python -m tools.compare_trl_loss [--dtype float64] [--tolerance 1e-5] [--json OUT]
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) x importance_sampling_level (token, sequence) x KL setting
-(beta 0; beta > 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each with two
-pairs of bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference
-and sampling log-probs, advantages and masks (one completion without any active token). TRL's ``_compute_loss`` runs
-on a stand-in trainer whose per-token log-prob forward returns that leaf, so only the loss arithmetic is TRL's; its
-sampler weights come from running the importance-sampling block of TRL's own ``_generate_and_score_completions``
-source on those tensors, and the ``sampling/*`` scalars from the block that logs them.
+(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; the clip losses also with ``delta``) x
+importance_sampling_level (token, sequence) x KL setting (beta 0; beta > 0 without / with kl_bias_correction) x
+sampler correction (none, and TRL's four modes each with two pairs of bounds) and several micro-batch shapes, both
+sides get the same random ``logps`` (a leaf), old, reference and sampling log-probs, advantages and masks (one
+completion without any active token). TRL's ``_compute_loss`` runs on a stand-in trainer whose per-token log-prob
+forward returns that leaf, so only the loss arithmetic is TRL's; its sampler weights come from running the
+importance-sampling block of TRL's own ``_generate_and_score_completions`` source on those tensors, and the
+``sampling/*`` scalars from the block that logs them.
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -37,11 +38,16 @@ from types import SimpleNamespace
 import torch
 
 from lit_grpo.rollout.metrics import loggable
+from lit_grpo.update.loss_config import CLIP_LOSSES
 from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from tools import harness
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+#: Each loss with no ``delta``, and the clip losses with INTELLECT-2's cap too, on wider ratios (``DELTA_SPREAD``)
+#: so that some negative-advantage ratios pass it, at both levels.
+DELTA, DELTA_SPREAD = 1.35, 2.5
+VARIANTS = tuple((loss_type, None) for loss_type in LOSS_TYPES) + tuple((loss_type, DELTA) for loss_type in CLIP_LOSSES)
 LEVELS = ("token", "sequence")
 KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_correction)
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -53,7 +59,8 @@ LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "kl")
 KINDS = ("loss", "grad", "weights", "metrics", "loss_metrics")
 
 
-def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype, spread: float = 1.0) -> dict[str, torch.Tensor]:
+    """Random tensors of ``n`` completions of ``t`` tokens; ``spread`` widens the ratios to the old log-probs."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     logps = -rand(n, t) * 3
@@ -62,7 +69,7 @@ def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict[str, torc
     mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
     return {
         "logps": logps.to(dtype),
-        "old": (logps + (rand(n, t) - 0.5) * 0.8).to(dtype),        # ratios on both sides of the clip range
+        "old": (logps + (rand(n, t) - 0.5) * 0.8 * spread).to(dtype),  # ratios on both sides of the clip range
         "ref": (logps + (rand(n, t) - 0.5) * 0.6).to(dtype),
         "sampling": (logps + (rand(n, t) - 0.5) * 1.6).to(dtype),  # sampler ratios on both sides of the bounds
         "advantages": ((rand(n) - 0.5) * 3).to(dtype),
@@ -101,10 +108,10 @@ class _Accelerator:
 
 
 def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
-                bounds=BOUNDS[0]):
+                bounds=BOUNDS[0], delta=None):
     """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
     from trl import GRPOTrainer
-    args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, sapo_temperature_pos=1.0,
+    args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=delta, sapo_temperature_pos=1.0,
                            sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                            vespo_lambda_neg=2.0, steps_per_generation=accumulation)
     return SimpleNamespace(
@@ -134,13 +141,13 @@ def trl_weights_and_metrics(trl, inputs, is_mode, bounds):
 
 
 def trl_loss(trl, case, inputs, rows_list, weights):
-    loss_type, level, beta, kl_bc, is_mode = case
+    loss_type, delta, level, beta, kl_bc, is_mode = case
     leaf = inputs["logps"].clone().requires_grad_(True)
     total = 0.0
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
     for rows in rows_list:
         part = leaf[rows]
-        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high)
+        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high, delta=delta)
         n, t = part.shape
         micro = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
                  "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": inputs["mask"][rows],
@@ -168,9 +175,9 @@ def trl_loss_metrics(logged: dict, level: str, mask: torch.Tensor) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------------ ours
 def our_loss(case, inputs, rows_list, weights):
-    loss_type, level, beta, kl_bc, _ = case
+    loss_type, delta, level, beta, kl_bc, _ = case
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
-    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, beta=beta,
+    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, delta=delta, beta=beta,
                         importance_sampling_level=level, kl_bias_correction=kl_bc)
     leaf = inputs["logps"].clone().requires_grad_(True)
     total, n = 0.0, leaf.shape[0]
@@ -199,12 +206,12 @@ def our_weights_and_metrics(inputs, is_mode, bounds):
 def compare(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
     records = []
-    for case in itertools.product(LOSS_TYPES, LEVELS, KL_SETTINGS, IS_MODES):
-        loss_type, level, (beta, kl_bc), is_mode = case
-        case = (loss_type, level, beta, kl_bc, is_mode)
+    for case in itertools.product(VARIANTS, LEVELS, KL_SETTINGS, IS_MODES):
+        (loss_type, delta), level, (beta, kl_bc), is_mode = case
+        case = (loss_type, delta, level, beta, kl_bc, is_mode)
         worst = dict.fromkeys(KINDS, 0.0)
         for (seed, (n, t)), bounds in itertools.product(enumerate(SHAPES), BOUNDS if is_mode != "none" else [None]):
-            inputs = make_inputs(n, t, seed, dtype)
+            inputs = make_inputs(n, t, seed, dtype, 1.0 if delta is None else DELTA_SPREAD)
             ours_w, ours_m = our_weights_and_metrics(inputs, is_mode, bounds) if bounds else (None, {})
             trl_w, trl_m = trl_weights_and_metrics(trl, inputs, is_mode, bounds) if bounds else (None, {})
             if is_mode != "none":
@@ -222,7 +229,7 @@ def compare(dtype: torch.dtype) -> list[dict]:
                     want_logged = {key: want_logged.get(key, 0.0) for key in got_logged}
                     worst["loss_metrics"] = max(worst["loss_metrics"],
                                                 max(abs(got_logged[k] - want_logged[k]) for k in got_logged))
-        records.append({"loss_type": loss_type, "importance_sampling_level": level, "beta": beta,
+        records.append({"loss_type": loss_type, "delta": delta, "importance_sampling_level": level, "beta": beta,
                         "kl_bias_correction": kl_bc, "importance_sampling_mode": is_mode,
                         **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
     return records
@@ -237,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     import trl
 
     records = compare(getattr(torch, args.dtype))
-    header = f"{'loss_type':8} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} {'grad':>9} " \
-             f"{'weights':>9} {'sampling/*':>10} {'train/*':>9}"
+    header = f"{'loss_type':8} {'delta':5} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} " \
+             f"{'grad':>9} {'weights':>9} {'sampling/*':>10} {'train/*':>9}"
     print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
           f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
     print(header)
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [r[f"max_abs_diff_{k}"] for k in KINDS]
         flag = any(d > args.tolerance for d in diffs)
         bad += flag
-        print(f"{r['loss_type']:8} {r['importance_sampling_level']:8} {r['beta']:5} {str(r['kl_bias_correction']):5} "
+        print(f"{r['loss_type']:8} {str(r['delta'] or '-'):5} {r['importance_sampling_level']:8} {r['beta']:5} "
+              f"{str(r['kl_bias_correction']):5} "
               f"{r['importance_sampling_mode']:17} " + " ".join(f"{d:9.1e}" for d in diffs[:3])
               + f" {diffs[3]:10.1e} {diffs[4]:9.1e}" + ("  MISMATCH" if flag else ""))
     overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in KINDS}

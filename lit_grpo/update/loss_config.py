@@ -25,6 +25,8 @@ from lit_grpo.update.surrogates import IMPORTANCE_SAMPLING_LEVELS, ImportanceSam
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+#: The losses whose surrogate is PPO's clip (``epsilon_low``, ``epsilon_high`` and ``delta`` bound its ratio).
+CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 #: The settings that shape sapo's gate and vespo's weight.
 SHAPE_SETTINGS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                   "vespo_lambda_neg")
@@ -39,6 +41,8 @@ class LossConfig:
             lit_grpo.update.policy_losses).
         epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (cispo: the
             ratio's cap is ``epsilon_high`` itself, so it must be >= 1, typically 5.0).
+        delta: the clip losses' cap on the unclipped term's ratio (INTELLECT-2's two-sided clip: it bounds a
+            negative advantage's ratio, which PPO's clip leaves unbounded), > 1 + epsilon_high; None: no cap.
         beta: weight of the k3 KL penalty (``> 0`` needs reference log-probs; ``GRPOModule`` then loads a
             reference model).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: one ratio per completion).
@@ -52,6 +56,7 @@ class LossConfig:
     loss_type: LossType = "dapo"
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
+    delta: float | None = None
     beta: float = 0.0
     importance_sampling_level: ImportanceSamplingLevel = "token"
     kl_bias_correction: bool = False
@@ -77,6 +82,14 @@ class LossConfig:
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"{name}={value!r} must be >= 0")
+        if self.delta is not None:
+            if isinstance(self.delta, bool) or not isinstance(self.delta, numbers.Real):
+                raise ValueError(f"delta={self.delta!r} must be a number or None")
+            # at or below the upper clip the cap adds nothing for a negative advantage and tightens the clip for a
+            # positive one (below 1 it would zero on-policy gradients)
+            if self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
+                raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
+                                 "(it caps the ratio above the clip range), or None")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
                              "1 - epsilon_low must be > 0)")
@@ -109,7 +122,7 @@ class LossConfig:
     def ignored_settings(self) -> list[str]:
         """The settings given other than their defaults that this loss never reads: the KL's with ``beta`` 0,
         sapo's and vespo's shapes in another loss, the clip bounds sapo and vespo have none of (and cispo's lower
-        one)."""
+        one and ``delta``)."""
         unread = set()
         if self.beta == 0:
             unread.add("kl_bias_correction")
@@ -117,8 +130,8 @@ class LossConfig:
             unread.update(("sapo_temperature_pos", "sapo_temperature_neg"))
         if self.loss_type != "vespo":
             unread.update(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
-        if self.loss_type in ("cispo", "sapo", "vespo"):
-            unread.add("epsilon_low")
+        if self.loss_type not in CLIP_LOSSES:
+            unread.update(("epsilon_low", "delta"))
         if self.loss_type in ("sapo", "vespo"):
             unread.add("epsilon_high")
         return [f.name for f in fields(self) if f.name in unread and getattr(self, f.name) != f.default]

@@ -130,7 +130,7 @@ class PolicyLoss:
     def surrogate(self, ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """The policy term per token: ``ratio`` ``[N, T]`` or ``[N, 1]``, ``logps`` ``[N, T]``, ``advantages``
         ``[N]``; returns ``[N, T]`` or ``[N, 1]``."""
-        return clip_surrogate(ratio, advantages, self.config.epsilon_low, self.config.epsilon_high)
+        return clip_surrogate(ratio, advantages, self.config.epsilon_low, self.config.epsilon_high, self.config.delta)
 
     def clipped(self, ratio: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bool masks (``ratio``'s shape) of the tokens whose ratio is clipped from below / above with an

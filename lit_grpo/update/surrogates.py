@@ -5,8 +5,8 @@ at token level and ``[N, 1]`` at sequence level (one value per completion, broad
 
 Per token, with ``r`` the importance ratio of the current policy to the one the update started from::
 
-    clip (grpo, bnpo, dr_grpo, dapo,   -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-          luspo)
+    clip (grpo, bnpo, dr_grpo, dapo,   -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)
+          luspo)                       (delta: INTELLECT-2's two-sided clip, none by default)
     cispo                              -sg(min(r, eps_high)) A logp        (sg: no gradient through the weight)
     sapo                               -(4 / tau) sigmoid(tau (r - 1)) A,  tau = tau_pos if A > 0 else tau_neg
     vespo                              -sg(phi(w)) A logp,  phi(w) = exp(lam) w^k exp(-lam w)   (w: below)
@@ -60,15 +60,19 @@ def _column(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.detach().unsqueeze(1).to(like.dtype)
 
 
-def clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
-                   epsilon_high: float) -> torch.Tensor:
+def clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                   delta: float | None = None) -> torch.Tensor:
     """PPO-clip loss ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, ``ratio``'s shape.
 
+    PPO's clip leaves a negative advantage's ratio unbounded above (the min picks the unclipped term there), so one
+    token far off-policy can dominate a step; ``delta`` (> 1 + eps_high) caps that term's ratio too.
+
     Args:
-        ratio: ``[N, T]`` or ``[N, 1]``; advantages: ``[N]``.
+        ratio: ``[N, T]`` or ``[N, 1]``; advantages: ``[N]``; delta: the cap, or None (none).
     """
     adv = _column(advantages, ratio)
-    return -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.min(unclipped * adv, torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv)
 
 
 def cispo_surrogate(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
