@@ -201,6 +201,30 @@ def test_delta_stops_the_gradient_of_a_negative_advantage_beyond_it():
         torch.testing.assert_close(logps.grad, torch.tensor([[far, 0.5]], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "vespo"])
+def test_the_off_policy_mask_drops_the_policy_term_of_negative_advantages_that_drifted(loss_type):
+    """DeepSeek-V3.2's mask: a completion is dropped when A < 0 and its mean sampler - policy log-prob gap exceeds
+    the threshold; its KL stays, and the others are untouched."""
+    logps = torch.log(torch.tensor([[0.5, 0.5, 0.5]] * 4, dtype=torch.float64)).requires_grad_(True)
+    old = logps.detach() + 0.1
+    sampling = logps.detach() + torch.tensor([[0.6], [0.6], [0.1], [0.6]], dtype=torch.float64)  # mean gaps
+    sampling[3, 1] = math.nan  # a token the sampler could not score adds 0: (0.6 + 0 + 0.6) / 3 = 0.4
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    ref, mask = logps.detach() - 0.2, torch.ones(4, 3, dtype=torch.float64)
+    settings = {"loss_type": loss_type, "epsilon_high": 5.0 if loss_type == "cispo" else 0.28, "beta": BETA,
+                "max_completion_length": 3, "ref_logps": ref}
+    kept = [True, False, True, False]  # gaps 0.6 with A > 0, 0.6, 0.1 and 0.4 with A < 0; threshold 0.3
+    masked = policy_loss(logps, old, adv, mask, off_policy_mask_threshold=0.3, sampling_logps=sampling, **settings)
+    # the same as the plain loss with the dropped rows' policy term gone: their advantage at 0 for the clip, cispo
+    # and vespo terms alike, which leaves only their KL
+    zeroed = policy_loss(logps, old, adv * torch.tensor(kept, dtype=torch.float64), mask, **settings)
+    torch.testing.assert_close(masked, zeroed)
+    # without the sampler's log-probs the old ones stand for them: gaps of 0.1, nothing dropped
+    plain = policy_loss(logps, old, adv, mask, **settings)
+    torch.testing.assert_close(policy_loss(logps, old, adv, mask, off_policy_mask_threshold=0.3, **settings), plain)
+    assert not torch.allclose(masked, plain)
+
+
 @pytest.mark.parametrize("level", ["sequence", "token"])
 @pytest.mark.parametrize("beta", [0.0, BETA])
 def test_luspo_sums_each_sequences_tokens_then_means_the_sequences(level, beta):
@@ -365,6 +389,12 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
         make_loss("dapo", delta=1.28)
     with pytest.raises(ValueError, match=r"delta='2' must be a number or None"):
         make_loss("grpo", delta="2")
+    for threshold in (-0.1, math.inf, "0.5", True):
+        with pytest.raises(ValueError, match=rf"off_policy_mask_threshold={re.escape(repr(threshold))} must be a "
+                                             r"finite number >= 0 \(a mean log-prob gap to the sampler"):
+            make_loss("dapo", off_policy_mask_threshold=threshold)
+    with pytest.raises(ValueError, match=r"sampling_logps has shape \(4, 2\), expected logps' shape \(4, 5\)"):
+        policy_loss(logps, old, adv, mask, sampling_logps=torch.zeros(4, 2))
 
 
 def test_module_checks_the_options_when_built():

@@ -85,6 +85,19 @@ def test_micro_batched_update_equals_one_big_batch(batch, loss_type):
     assert "train/kl" not in metrics  # beta = 0: no reference model, no KL
 
 
+def test_the_off_policy_mask_reads_the_samplers_log_probs(batch):
+    """The update hands the batch's sampling log-probs to the loss: drifted by 1 (> the threshold 0.5) they drop
+    every negative-advantage completion's policy term, as zeroing those advantages does."""
+    drifted = dataclasses.replace(batch, sampling_logprobs=batch.sampling_logprobs + 1.0)
+    assert (drifted.advantages < 0).any()
+    masked, _ = grads_after_step(make_module(loss={"off_policy_mask_threshold": 0.5}), drifted)
+    want, _ = grads_after_step(make_module(), dataclasses.replace(drifted, advantages=drifted.advantages.clamp(min=0)))
+    plain, _ = grads_after_step(make_module(), drifted)
+    for name in want:
+        torch.testing.assert_close(masked[name], want[name], atol=1e-7, rtol=1e-5, msg=name)
+    assert any(not torch.allclose(masked[name], plain[name]) for name in plain)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_the_update_runs_its_linears_on_onednn_by_default_off_intel_with_torchs_gradients(batch, monkeypatch):
     from lit_grpo.sampling import cpu_linear

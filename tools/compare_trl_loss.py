@@ -3,14 +3,14 @@
     python -m tools.compare_trl_loss [--dtype float64] [--tolerance 1e-5] [--json OUT]
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; the clip losses also with ``delta``) x
-importance_sampling_level (token, sequence) x KL setting (beta 0; beta > 0 without / with kl_bias_correction) x
-sampler correction (none, and TRL's four modes each with two pairs of bounds) and several micro-batch shapes, both
-sides get the same random ``logps`` (a leaf), old, reference and sampling log-probs, advantages and masks (one
-completion without any active token). TRL's ``_compute_loss`` runs on a stand-in trainer whose per-token log-prob
-forward returns that leaf, so only the loss arithmetic is TRL's; its sampler weights come from running the
-importance-sampling block of TRL's own ``_generate_and_score_completions`` source on those tensors, and the
-``sampling/*`` scalars from the block that logs them.
+(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; each also with ``off_policy_mask_threshold``, the clip losses
+also with ``delta``) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta > 0 without / with
+kl_bias_correction) x sampler correction (none, and TRL's four modes each with two pairs of bounds) and several
+micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference and sampling log-probs,
+advantages and masks (one completion without any active token). TRL's ``_compute_loss`` runs on a stand-in trainer
+whose per-token log-prob forward returns that leaf, so only the loss arithmetic is TRL's; its sampler weights come
+from running the importance-sampling block of TRL's own ``_generate_and_score_completions`` source on those tensors,
+and the ``sampling/*`` scalars from the block that logs them.
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -44,10 +44,12 @@ from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrectio
 from tools import harness
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-#: Each loss with no ``delta``, and the clip losses with INTELLECT-2's cap too, on wider ratios (``DELTA_SPREAD``)
-#: so that some negative-advantage ratios pass it, at both levels.
-DELTA, DELTA_SPREAD = 1.35, 2.5
-VARIANTS = tuple((loss_type, None) for loss_type in LOSS_TYPES) + tuple((loss_type, DELTA) for loss_type in CLIP_LOSSES)
+#: Each loss as it is, the clip losses with INTELLECT-2's ``delta`` too (on wider ratios, ``DELTA_SPREAD``, so that
+#: some negative-advantage ratios pass it at both levels) and every loss with the off-policy sequence mask.
+DELTA, DELTA_SPREAD, OPSM = 1.35, 2.5, 0.05
+VARIANTS = (tuple((loss_type, {}) for loss_type in LOSS_TYPES)
+            + tuple((loss_type, {"delta": DELTA}) for loss_type in CLIP_LOSSES)
+            + tuple((loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES))
 LEVELS = ("token", "sequence")
 KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_correction)
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -108,7 +110,7 @@ class _Accelerator:
 
 
 def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
-                bounds=BOUNDS[0], delta=None):
+                bounds=BOUNDS[0], delta=None, off_policy_mask_threshold=None):
     """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
     from trl import GRPOTrainer
     args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=delta, sapo_temperature_pos=1.0,
@@ -116,7 +118,7 @@ def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulatio
                            vespo_lambda_neg=2.0, steps_per_generation=accumulation)
     return SimpleNamespace(
         args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=EPS_LOW,
-        epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=off_policy_mask_threshold,
         use_vllm=is_mode != "none", vllm_importance_sampling_correction=is_mode != "none",
         vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_min=bounds[0],
         vllm_importance_sampling_clip_max=bounds[1], max_completion_length=MAX_LEN,
@@ -124,7 +126,8 @@ def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulatio
         current_gradient_accumulation_steps=accumulation, accelerator=_Accelerator(), aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, torch.zeros_like(logps_leaf), None),
-        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # vespo's weight: a static method
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # vespo's weight and the off-policy mask: static methods
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
     )
 
 
@@ -141,13 +144,13 @@ def trl_weights_and_metrics(trl, inputs, is_mode, bounds):
 
 
 def trl_loss(trl, case, inputs, rows_list, weights):
-    loss_type, delta, level, beta, kl_bc, is_mode = case
+    loss_type, extra, level, beta, kl_bc, is_mode = case
     leaf = inputs["logps"].clone().requires_grad_(True)
     total = 0.0
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
     for rows in rows_list:
         part = leaf[rows]
-        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high, delta=delta)
+        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high, **extra)
         n, t = part.shape
         micro = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
                  "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": inputs["mask"][rows],
@@ -157,6 +160,8 @@ def trl_loss(trl, case, inputs, rows_list, weights):
             micro["ref_per_token_logps"] = inputs["ref"][rows]
         if weights is not None:
             micro["importance_sampling_ratio"] = weights[rows]
+        if "off_policy_mask_threshold" in extra:
+            micro["sampling_per_token_logps"] = inputs["sampling"][rows]
         loss = trl[0]._compute_loss(fake, None, micro)
         loss.backward()
         total = total + loss.detach()
@@ -175,16 +180,16 @@ def trl_loss_metrics(logged: dict, level: str, mask: torch.Tensor) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------------ ours
 def our_loss(case, inputs, rows_list, weights):
-    loss_type, delta, level, beta, kl_bc, _ = case
+    loss_type, extra, level, beta, kl_bc, _ = case
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
-    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, delta=delta, beta=beta,
-                        importance_sampling_level=level, kl_bias_correction=kl_bc)
+    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, beta=beta,
+                        importance_sampling_level=level, kl_bias_correction=kl_bc, **extra)
     leaf = inputs["logps"].clone().requires_grad_(True)
     total, n = 0.0, leaf.shape[0]
     for rows in rows_list:
         loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], inputs["mask"][rows],
                        inputs["ref"][rows] if beta else None, MAX_LEN, inputs["mask"].sum(),
-                       None if weights is None else weights[rows])
+                       None if weights is None else weights[rows], inputs["sampling"][rows])
         loss = loss * loss_fn.micro_batch_weight(len(rows), n, len(rows_list))
         loss.backward()
         total = total + loss.detach()
@@ -207,11 +212,11 @@ def compare(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
     records = []
     for case in itertools.product(VARIANTS, LEVELS, KL_SETTINGS, IS_MODES):
-        (loss_type, delta), level, (beta, kl_bc), is_mode = case
-        case = (loss_type, delta, level, beta, kl_bc, is_mode)
+        (loss_type, extra), level, (beta, kl_bc), is_mode = case
+        case = (loss_type, extra, level, beta, kl_bc, is_mode)
         worst = dict.fromkeys(KINDS, 0.0)
         for (seed, (n, t)), bounds in itertools.product(enumerate(SHAPES), BOUNDS if is_mode != "none" else [None]):
-            inputs = make_inputs(n, t, seed, dtype, 1.0 if delta is None else DELTA_SPREAD)
+            inputs = make_inputs(n, t, seed, dtype, DELTA_SPREAD if "delta" in extra else 1.0)
             ours_w, ours_m = our_weights_and_metrics(inputs, is_mode, bounds) if bounds else (None, {})
             trl_w, trl_m = trl_weights_and_metrics(trl, inputs, is_mode, bounds) if bounds else (None, {})
             if is_mode != "none":
@@ -229,7 +234,7 @@ def compare(dtype: torch.dtype) -> list[dict]:
                     want_logged = {key: want_logged.get(key, 0.0) for key in got_logged}
                     worst["loss_metrics"] = max(worst["loss_metrics"],
                                                 max(abs(got_logged[k] - want_logged[k]) for k in got_logged))
-        records.append({"loss_type": loss_type, "delta": delta, "importance_sampling_level": level, "beta": beta,
+        records.append({"loss_type": loss_type, **extra, "importance_sampling_level": level, "beta": beta,
                         "kl_bias_correction": kl_bc, "importance_sampling_mode": is_mode,
                         **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
     return records
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     import trl
 
     records = compare(getattr(torch, args.dtype))
-    header = f"{'loss_type':8} {'delta':5} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} " \
+    header = f"{'loss_type':8} {'option':10} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} " \
              f"{'grad':>9} {'weights':>9} {'sampling/*':>10} {'train/*':>9}"
     print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
           f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
@@ -254,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [r[f"max_abs_diff_{k}"] for k in KINDS]
         flag = any(d > args.tolerance for d in diffs)
         bad += flag
-        print(f"{r['loss_type']:8} {str(r['delta'] or '-'):5} {r['importance_sampling_level']:8} {r['beta']:5} "
+        option = f"delta {r['delta']}" if "delta" in r else f"opsm {r['off_policy_mask_threshold']}" \
+            if "off_policy_mask_threshold" in r else "-"
+        print(f"{r['loss_type']:8} {option:10} {r['importance_sampling_level']:8} {r['beta']:5} "
               f"{str(r['kl_bias_correction']):5} "
               f"{r['importance_sampling_mode']:17} " + " ".join(f"{d:9.1e}" for d in diffs[:3])
               + f" {diffs[3]:10.1e} {diffs[4]:9.1e}" + ("  MISMATCH" if flag else ""))

@@ -37,17 +37,18 @@ def policy_loss(
     max_completion_length: int | None = None,
     total_active_tokens: Number | None = None,
     sampling_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     **settings: Any,
 ) -> torch.Tensor:
     """The GRPO loss of ``N`` completions: ``make_loss(**settings)(...)``, a scalar tensor.
 
     The tensors and normalizers are those of :meth:`PolicyLoss.__call__` (``logps``, ``old_logps``, ``mask``,
-    ``ref_logps``: ``[N, T]``; ``advantages``: ``[N]``; ``sampling_weights``: ``[N, T]`` or ``[N, 1]``);
-    ``settings`` are ``LossConfig``'s fields (``loss_type="dapo"``, ``epsilon_low=0.2``, ``beta=0.0``, ...).
+    ``ref_logps``, ``sampling_logps``: ``[N, T]``; ``advantages``: ``[N]``; ``sampling_weights``: ``[N, T]`` or
+    ``[N, 1]``); ``settings`` are ``LossConfig``'s fields (``loss_type="dapo"``, ``epsilon_low=0.2``, ...).
     """
     loss_fn = make_loss(**settings)
     return loss_fn(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens,
-                   sampling_weights)
+                   sampling_weights, sampling_logps)
 
 
 def policy_loss_metrics(

@@ -47,6 +47,8 @@ class LossConfig:
             reference model).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: one ratio per completion).
         kl_bias_correction: weigh the k3 KL by the importance ratio.
+        off_policy_mask_threshold: drop the policy term of a completion with a negative advantage whose mean
+            ``sampling_logp - logp`` exceeds it (DeepSeek-V3.2's off-policy sequence mask, e.g. 0.5); None: off.
         sapo_temperature_pos, sapo_temperature_neg: sapo's gate ``tau`` for ``A > 0`` / ``A <= 0`` (> 0).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's weight
             ``phi(w) = exp(lambda) w^k exp(-lambda w)`` for ``A >= 0`` / ``A < 0``: ``k`` (>= 0) sets how fast it
@@ -60,6 +62,7 @@ class LossConfig:
     beta: float = 0.0
     importance_sampling_level: ImportanceSamplingLevel = "token"
     kl_bias_correction: bool = False
+    off_policy_mask_threshold: float | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -90,6 +93,12 @@ class LossConfig:
             if self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
                 raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
                                  "(it caps the ratio above the clip range), or None")
+        if self.off_policy_mask_threshold is not None and (
+                isinstance(self.off_policy_mask_threshold, bool)
+                or not isinstance(self.off_policy_mask_threshold, numbers.Real)
+                or not 0 <= self.off_policy_mask_threshold < math.inf):
+            raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be a finite number "
+                             ">= 0 (a mean log-prob gap to the sampler, e.g. 0.5), or None")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
                              "1 - epsilon_low must be > 0)")

@@ -591,7 +591,8 @@ class GRPOModule(LightningModule):
             weights = correction.weights(old, micro["sampling_logprobs"], mask)
             if iteration == 0:
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
-            loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights)
+            loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
+                           micro["sampling_logprobs"])
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
             # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
             if self._trainer is not None:

@@ -53,8 +53,8 @@ import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
-from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, importance_ratio, k3_kl, sapo_surrogate,
-                                        vespo_weight)
+from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, importance_ratio, k3_kl,
+                                        off_policy_sequence_mask, sapo_surrogate, vespo_weight)
 
 Number = int | float | torch.Tensor
 
@@ -89,6 +89,7 @@ class PolicyLoss:
         max_completion_length: int | None = None,
         total_active_tokens: Number | None = None,
         sampling_weights: torch.Tensor | None = None,
+        sampling_logps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The scalar loss of ``N`` completions.
 
@@ -102,18 +103,28 @@ class PolicyLoss:
             total_active_tokens: dapo's (and cispo's and vespo's) normalizer spanning the optimizer step.
             sampling_weights: ``[N, T]`` or ``[N, 1]`` the sampler correction's weights (no gradient), which
                 multiply the policy term, not the KL; None: no correction.
+            sampling_logps: ``[N, T]`` the sampler's log-probs, which ``off_policy_mask_threshold`` compares with
+                ``logps`` (None: ``old_logps``, the sampler when the rollout ran on the update's weights).
         """
         self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
+        if sampling_logps is not None and sampling_logps.shape != logps.shape:
+            raise ValueError(f"sampling_logps has shape {tuple(sampling_logps.shape)}, expected logps' shape "
+                             f"{tuple(logps.shape)}")
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
-        per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights)
+        per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
+                                        sampling_logps)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
 
-    def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
+    def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None,
+                       sampling_logps=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         per_token = self.policy_term(ratio, logps, old_logps, advantages, mask, sampling_weights)
+        if (threshold := self.config.off_policy_mask_threshold) is not None:
+            sampled = old_logps if sampling_logps is None else sampling_logps
+            per_token = per_token * off_policy_sequence_mask(logps, sampled, mask, advantages, threshold)
         if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
             per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)

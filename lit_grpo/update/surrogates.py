@@ -12,6 +12,10 @@ Per token, with ``r`` the importance ratio of the current policy to the one the 
     vespo                              -sg(phi(w)) A logp,  phi(w) = exp(lam) w^k exp(-lam w)   (w: below)
     k3 KL to the reference             exp(ref - logp) - (ref - logp) - 1
 
+``off_policy_mask_threshold`` drops the policy term (not the KL) of a completion whose advantage is negative and
+whose tokens drifted too far from the sampler's (``off_policy_sequence_mask``): learning from one's own mistakes
+made by a policy that no longer exists does more harm than good (DeepSeek-V3.2).
+
 cispo keeps a gradient on every token (the clipped weight only scales it) and sapo replaces the hard clip by a
 smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient). vespo weighs a whole
 completion by a Gamma-shaped function of its sequence ratio ``w`` (the product of its token ratios, not GSPO's
@@ -137,6 +141,24 @@ def vespo_weight(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tenso
     lam = torch.where(nonnegative, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return phi.masked_fill(dropped, 0.0)
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                             advantages: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[N, 1]`` 1.0 for the completions the policy term keeps, 0.0 for those it drops (DeepSeek-V3.2's off-policy
+    sequence masking): a completion with a negative advantage whose mean ``sampling_logp - logp`` over its active
+    tokens (an estimate of KL(sampler || policy)) exceeds ``threshold``. A token the sampler could not score (NaN)
+    adds 0 to that mean: one such token is no evidence of drift.
+
+    Args:
+        logps: ``[N, T]`` the current policy's (detached here); sampling_logps: ``[N, T]`` the sampler's.
+        mask: ``[N, T]`` 1 on active tokens; advantages: ``[N]``; threshold: the largest mean kept.
+    """
+    mask = mask.to(logps.dtype)
+    drift = torch.nan_to_num(sampling_logps.to(logps.dtype) - logps.detach(), nan=0.0) * mask
+    mean_drift = drift.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (mean_drift <= threshold)).to(logps.dtype)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
