@@ -207,13 +207,15 @@ def test_the_off_policy_mask_drops_the_policy_term_of_negative_advantages_that_d
     the threshold; its KL stays, and the others are untouched."""
     logps = torch.log(torch.tensor([[0.5, 0.5, 0.5]] * 4, dtype=torch.float64)).requires_grad_(True)
     old = logps.detach() + 0.1
-    sampling = logps.detach() + torch.tensor([[0.6], [0.6], [0.1], [0.6]], dtype=torch.float64)  # mean gaps
-    sampling[3, 1] = math.nan  # a token the sampler could not score adds 0: (0.6 + 0 + 0.6) / 3 = 0.4
+    sampling = logps.detach() + torch.tensor([[0.6], [0.6], [0.1], [0.4]], dtype=torch.float64)  # mean gaps
+    # a token the sampler could not score adds 0 over all 3 tokens: (0.4 + 0 + 0.4) / 3 = 0.27, kept (a NaN left in
+    # the mean, or the token left out of its count, 0.4, would drop the completion)
+    sampling[3, 1] = math.nan
     adv = torch.tensor([1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
     ref, mask = logps.detach() - 0.2, torch.ones(4, 3, dtype=torch.float64)
     settings = {"loss_type": loss_type, "epsilon_high": 5.0 if loss_type == "cispo" else 0.28, "beta": BETA,
                 "max_completion_length": 3, "ref_logps": ref}
-    kept = [True, False, True, False]  # gaps 0.6 with A > 0, 0.6, 0.1 and 0.4 with A < 0; threshold 0.3
+    kept = [True, False, True, True]  # gaps 0.6 with A > 0, 0.6, 0.1 and 0.27 with A < 0; threshold 0.3
     masked = policy_loss(logps, old, adv, mask, off_policy_mask_threshold=0.3, sampling_logps=sampling, **settings)
     # the same as the plain loss with the dropped rows' policy term gone: their advantage at 0 for the clip, cispo
     # and vespo terms alike, which leaves only their KL
