@@ -88,8 +88,9 @@ class LossConfig:
         if self.delta is not None:
             if isinstance(self.delta, bool) or not isinstance(self.delta, numbers.Real):
                 raise ValueError(f"delta={self.delta!r} must be a number or None")
-            # at or below the upper clip the cap adds nothing for a negative advantage and tightens the clip for a
-            # positive one (below 1 it would zero on-policy gradients)
+            # at or below the upper clip a negative advantage's ratio is capped at 1 + epsilon_high whatever delta
+            # is, and a positive one's clip tightens to delta (below 1 that zeroes on-policy gradients); at it, TRL
+            # logs no high clip (its shares read the capped ratio, ours the ratio)
             if self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
                 raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
                                  "(it caps the ratio above the clip range), or None")
