@@ -5,8 +5,10 @@ Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padd
 Per token (terms in lit_grpo.update.surrogates, variants and their aggregation in lit_grpo.update.policy_losses)::
 
     r     = exp(logp - old_logp)                     per token, or per sequence (GSPO)
-    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.update.sampler_correction)
+    loss  = surrogate(r, A) * w * m + beta * KL      w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
+    m     = 0 or 1 per completion                    the off-policy sequence mask (``off_policy_mask_threshold``;
+                                                     1 without it)
 
 The settings (``loss_type``, ``epsilon_low``, ``beta``, ...) are ``LossConfig``'s fields (lit_grpo.update.loss_config),
 given as keywords; each function is ``make_loss(**settings)`` and one method of the loss object it returns.

@@ -5,8 +5,10 @@ Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padd
 Per token (the terms are in lit_grpo.update.surrogates)::
 
     r     = exp(logp - old_logp)                     token level, or per sequence (below)
-    loss  = surrogate(r, A) * w + beta * KL          w: the sampler correction (lit_grpo.update.sampler_correction)
+    loss  = surrogate(r, A) * w * m + beta * KL      w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
+    m     = 0 or 1 per completion                    the off-policy sequence mask (``off_policy_mask_threshold``;
+                                                     1 without it)
 
 ``importance_sampling_level="sequence"`` (GSPO) replaces each token's ratio by its completion's
 ``exp(mean over active tokens of (logp - old_logp))``. ``kl_bias_correction`` weighs the k3 KL by ``r``, which
