@@ -206,7 +206,9 @@ def test_the_off_policy_mask_drops_the_policy_term_of_negative_advantages_that_d
     """DeepSeek-V3.2's mask: a completion is dropped when A < 0 and its mean sampler - policy log-prob gap exceeds
     the threshold; its KL stays, and the others are untouched."""
     logps = torch.log(torch.tensor([[0.5, 0.5, 0.5]] * 4, dtype=torch.float64)).requires_grad_(True)
-    old = logps.detach() + 0.1
+    # the gap is to the current log-probs (off the old ones after num_iterations' first step), not to the old ones:
+    # against these the last row's would be (0.5 + 0 + 0.5) / 3 = 0.33, dropped
+    old = logps.detach() - 0.1
     sampling = logps.detach() + torch.tensor([[0.6], [0.6], [0.1], [0.4]], dtype=torch.float64)  # mean gaps
     # a token the sampler could not score adds 0 over all 3 tokens: (0.4 + 0 + 0.4) / 3 = 0.27, kept (a NaN left in
     # the mean, or the token left out of its count, 0.4, would drop the completion)
@@ -221,7 +223,7 @@ def test_the_off_policy_mask_drops_the_policy_term_of_negative_advantages_that_d
     # and vespo terms alike, which leaves only their KL
     zeroed = policy_loss(logps, old, adv * torch.tensor(kept, dtype=torch.float64), mask, **settings)
     torch.testing.assert_close(masked, zeroed)
-    # without the sampler's log-probs the old ones stand for them: gaps of 0.1, nothing dropped
+    # without the sampler's log-probs the old ones stand for them: gaps of -0.1, nothing dropped
     plain = policy_loss(logps, old, adv, mask, **settings)
     torch.testing.assert_close(policy_loss(logps, old, adv, mask, off_policy_mask_threshold=0.3, **settings), plain)
     assert not torch.allclose(masked, plain)
