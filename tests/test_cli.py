@@ -237,6 +237,17 @@ def test_loss_options_fail_at_parse_time_naming_the_value_and_the_choices(capsys
     assert f'"model.{key}"' in err and f"Got value: {value}" in err and allowed in err
 
 
+def test_a_fit_with_a_reference_model_leaves_no_module_in_eval_mode_for_lightning_to_warn_about(tmp_path, recwarn):
+    """Lightning warns at the start of fit about every module in eval mode ("may lead to unexpected behavior"): the
+    frozen reference (beta > 0) stays in train mode until each use puts it in eval mode."""
+    cli = build_cli(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1",
+                     "--model.loss.beta", "0.04", "--trainer.logger", "false", "--torch_num_threads", "1"])
+    assert cli.model.ref_model is not None and cli.trainer.global_step == 1
+    assert not [w for w in recwarn if "eval mode" in str(w.message)], [str(w.message) for w in recwarn]
+    with cli.model._reference() as ref:
+        assert not any(module.training for module in ref.modules())
+
+
 def test_loss_options_reach_the_module_from_the_command_line():
     cli = build_cli(["--config", TINY, "--model.loss.loss_type", "cispo", "--model.loss.epsilon_high", "5.0",
                      "--model.loss.importance_sampling_level", "sequence", "--model.loss.kl_bias_correction", "true",

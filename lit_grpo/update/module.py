@@ -288,7 +288,9 @@ class GRPOModule(LightningModule):
             ref.requires_grad_(False)
             if hp.fsdp:
                 self._fully_shard(ref)
-            self.ref_model = ref.eval()
+            # left in train mode, as the policy, for Lightning's check at the start of fit, which warns about every
+            # module in eval mode; _reference() puts it in eval mode for each use
+            self.ref_model = ref.train()
 
     def _fully_shard(self, model: torch.nn.Module) -> None:
         if self.device_mesh is None:
