@@ -13,8 +13,8 @@ Per token, with ``r`` the importance ratio of the current policy to the one the 
     k3 KL to the reference             exp(ref - logp) - (ref - logp) - 1
 
 ``off_policy_mask_threshold`` drops the policy term (not the KL) of a completion whose advantage is negative and
-whose tokens drifted too far from the sampler's (``off_policy_sequence_mask``): learning from one's own mistakes
-made by a policy that no longer exists does more harm than good (DeepSeek-V3.2).
+whose mean ``sampling_logp - logp`` exceeds it (``off_policy_sequence_mask``): a mistake sampled by a policy this
+one has moved away from teaches more noise than signal (DeepSeek-V3.2).
 
 cispo keeps a gradient on every token (the clipped weight only scales it) and sapo replaces the hard clip by a
 smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient). vespo weighs a whole
