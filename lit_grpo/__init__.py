@@ -30,6 +30,7 @@ _PUBLIC = {
     "InfiniteSchedulerConfig": "lit_grpo.scheduling.config",
     "LossConfig": "lit_grpo.update.loss_config",
     "SamplerCorrection": "lit_grpo.update.sampler_correction",
+    "ReferenceSync": "lit_grpo.update.reference_sync",
     "PolicyLoss": "lit_grpo.update.policy_losses",
     "GRPOLoss": "lit_grpo.update.policy_losses",
     "BNPOLoss": "lit_grpo.update.policy_losses",
