@@ -258,11 +258,13 @@ def _on_rank_zero_for_all(trainer: pl.Trainer, check: Callable[[], None]) -> Non
 
 
 def checkpoint_bytes(pl_module: pl.LightningModule) -> int:
-    """About what one checkpoint of ``pl_module`` takes on disk: its weights (a frozen reference model is not
-    saved by GRPOModule, except under FSDP) and two AdamW moments per trainable parameter."""
+    """About what one checkpoint of ``pl_module`` takes on disk: its weights (GRPOModule's frozen reference model
+    only where it saves it, ``saves_reference``: under FSDP or with a reference sync) and two AdamW moments per
+    trainable parameter."""
     # From the parameters and buffers, not state_dict(): under FSDP2 that runs hooks with collectives.
     tensors = [*pl_module.named_parameters(), *pl_module.named_buffers()]
-    saved_ref = bool(pl_module.hparams.get("fsdp", False))
+    saves_reference = getattr(pl_module, "saves_reference", None)
+    saved_ref = saves_reference() if saves_reference is not None else bool(pl_module.hparams.get("fsdp", False))
     weights = sum(t.numel() * t.element_size() for name, t in tensors if saved_ref or not name.startswith("ref_model."))
     moments = 2 * sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
     return weights + moments

@@ -16,8 +16,10 @@ makes ``num_iterations`` optimizer steps on it:
    step's loss, so the gradients equal one big batch's), ``manual_backward`` (under ddp without gradient sync but
    in the last micro-batch: below); then the losses' finiteness check, over every rank, and ``optimizer.step``,
    inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the gradients) the
-   gradient norm is taken once (logged, checked finite, and the clipping's); the learning rate's step. Under
-   a Trainer the gradients are then freed, so the next rollout does not hold them.
+   gradient norm is taken once (logged, checked finite, and the clipping's); the learning rate's step. With a
+   ``reference_sync``, after each optimizer step whose count (``trainer.global_step``) is a multiple of its
+   ``every_n_steps``, the frozen reference moves toward the policy (lit_grpo.update.reference_sync). Under a
+   Trainer the gradients are then freed, so the next rollout does not hold them.
 
 A non-finite loss or gradient norm raises ``NonFiniteStepError`` (a ``FloatingPointError``) before any optimizer step
 of that iteration, so the weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's
@@ -110,6 +112,7 @@ from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.lr_schedule import LrSchedule, lr_lambda
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
+from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from lit_grpo.update.shared_prefix import SHARED_PREFIX_MODES, shared_prefix_usable
 
@@ -141,6 +144,11 @@ class GRPOModule(LightningModule):
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
             frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes.
+        reference_sync: a :class:`~lit_grpo.update.reference_sync.ReferenceSync` (or a dict; YAML
+            ``model.reference_sync: {every_n_steps: 64, mixup_alpha: 0.6}``): every ``every_n_steps`` optimizer steps
+            the reference moves toward the policy, ``ref <- (1 - mixup_alpha) ref + mixup_alpha policy`` (TRL's
+            ``sync_ref_model``); needs ``loss.beta > 0`` and no LoRA. None (default): the reference stays the
+            initial weights.
         sampler_correction: a :class:`~lit_grpo.update.sampler_correction.SamplerCorrection` (or a dict; YAML
             ``model.sampler_correction:``): mode (auto | none | token_truncate | token_mask | sequence_truncate |
             sequence_mask), clip_min, clip_max. "auto" (default) corrects a batch that carries samples from older
@@ -182,6 +190,7 @@ class GRPOModule(LightningModule):
         gradient_checkpointing: bool = True,
         shared_prefix: bool | str = "auto",
         loss: LossConfig = LossConfig(),
+        reference_sync: ReferenceSync | None = None,
         sampler_correction: SamplerCorrection = SamplerCorrection(),
         scale_rewards: Scale = "group",
         num_iterations: int = 1,
@@ -230,17 +239,32 @@ class GRPOModule(LightningModule):
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
         loss_config = settings_from("loss", loss, LossConfig)
+        sync = settings_from("reference_sync", reference_sync, ReferenceSync) if reference_sync is not None else None
+        if sync is not None and loss_config.beta == 0:
+            raise ValueError("reference_sync needs loss.beta > 0: with beta 0 there is no reference model to sync "
+                             "(no KL penalty); set loss.beta (e.g. 0.04) or reference_sync: null")
+        if sync is not None and peft_config:
+            raise ValueError("reference_sync does not apply with peft_config (LoRA): the reference is the policy with "
+                             "its adapter disabled, no weights of its own to move; set reference_sync: null or train "
+                             "all weights (peft_config: null)")
         correction = settings_from("sampler_correction", sampler_correction, SamplerCorrection)
         if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
             warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
                           "ignored", stacklevel=2)
         # saved as plain values, which torch.load(weights_only=True) reads back; the update reads the typed objects
         loss, sampler_correction = dataclasses.asdict(loss_config), dataclasses.asdict(correction)
+        reference_sync = dataclasses.asdict(sync) if sync is not None else None
         self.save_hyperparameters()
         self.automatic_optimization = False
         #: The loss object, built once from ``loss`` (lit_grpo.update.policy_losses).
         self.loss_fn: PolicyLoss = make_loss(loss_config)
         self.sampler_correction = correction
+        self.reference_sync = sync
+        #: Whether the reference holds the initial weights, which configure_model reloads: False once mixed, or
+        #: loaded from a checkpoint that held it (a synced one; ``saves_reference``).
+        self._reference_is_initial = True
+        #: The optimizer steps grpo_step took with a plain optimizer, whose steps no Trainer counts (``_steps_taken``).
+        self._plain_optimizer_steps = 0
         self.tokenizer = load_tokenizer(model)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
@@ -360,19 +384,28 @@ class GRPOModule(LightningModule):
             with self.policy.disable_adapter():
                 yield self.policy
 
+    def saves_reference(self) -> bool:
+        """Whether this run's checkpoints hold the reference model's weights. A reference that stays the initial
+        weights is reloaded by configure_model, so it is not stored twice; it is stored under FSDP
+        (ModelParallelStrategy loads every key of the module's state before on_load_checkpoint could fill the
+        reference's in, so a checkpoint without them cannot be resumed), with a ``reference_sync`` (it moves), and
+        once it is not the initial weights (a synced reference resumed without the sync stays where it was)."""
+        return bool(self.hparams.fsdp) or (self.ref_model is not None and (
+            self.reference_sync is not None or not self._reference_is_initial))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The reference is the initial weights, reloaded by configure_model: do not store it twice. Except under
-        # FSDP: ModelParallelStrategy loads every key of the module's state into it before on_load_checkpoint could
-        # fill the reference's in, so a checkpoint without them cannot be resumed.
-        if self.hparams.fsdp:
+        if self.saves_reference():
             return
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith("ref_model.")]:
             del state[key]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint that holds the reference restores it (a synced one); one without it: the initial weights
         if self.ref_model is not None:
             state = checkpoint.setdefault("state_dict", {})
+            if any(key.startswith("ref_model.") for key in state):
+                self._reference_is_initial = False
             for key, value in self.ref_model.state_dict().items():
                 state.setdefault(f"ref_model.{key}", value)
 
@@ -562,6 +595,7 @@ class GRPOModule(LightningModule):
                                             correction, correction_stats)
                 # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
                 step_metrics["lr"] = optimizer.param_groups[0]["lr"]
+                self._sync_reference_when_due(optimizer)
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value / hp.num_iterations
                 if scheduler is not None:
@@ -622,7 +656,28 @@ class GRPOModule(LightningModule):
         # a Trainer's optimizer checks and clips in on_before_optimizer_step, inside step(), on unscaled gradients
         self._read_update_peak()
         optimizer.step()
+        if not isinstance(optimizer, LightningOptimizer):  # a Trainer's steps are counted by Lightning
+            self._plain_optimizer_steps += 1
         return step.result(self._grad_norm)
+
+    def _sync_reference_when_due(self, optimizer: torch.optim.Optimizer) -> None:
+        """After an optimizer step: mix the policy into the reference where the steps taken are a multiple of
+        ``reference_sync.every_n_steps`` (lit_grpo.update.reference_sync). Checked after every optimizer step, so
+        with ``num_iterations > 1`` no multiple is passed over."""
+        if self.reference_sync is None:
+            return
+        if self.reference_sync.due(self._steps_taken(optimizer)):
+            mix_parameters(self.ref_model, self._require_policy(), self.reference_sync.mixup_alpha)
+            self._reference_is_initial = False
+
+    def _steps_taken(self, optimizer: torch.optim.Optimizer) -> int:
+        """The optimizer steps taken so far, the one just taken included: ``trainer.global_step`` for a Trainer's
+        optimizer (Lightning counts each step as it ends; a resumed run goes on from the checkpoint's); for a plain
+        one (``grpo_step`` called without a Trainer's optimizer) the steps grpo_step took with one since this
+        module was built."""
+        if isinstance(optimizer, LightningOptimizer):
+            return self.trainer.global_step
+        return self._plain_optimizer_steps
 
     def _raise_on_nonfinite_loss(self, nonfinite: str | None, optimizer: torch.optim.Optimizer,
                                  iteration: int) -> None:
