@@ -244,3 +244,14 @@ def test_checkpoint_bytes_counts_the_reference_once_it_is_synced():
     reference = sum(p.numel() * p.element_size() for p in load_model_and_tokenizer("tiny-llama")[0].parameters())
     buffers = sum(b.numel() * b.element_size() for b in load_model_and_tokenizer("tiny-llama")[0].buffers())
     assert size(reference_sync={"every_n_steps": 4}) - size() == reference + buffers
+
+
+def test_a_synced_checkpoint_validates_without_a_reference(tmp_path):
+    """lit-grpo validate compares only the weights' settings: a run with beta 0 has no reference to load the
+    checkpoint's into, and Lightning's strict load refused them ('Unexpected key(s) ... ref_model.')."""
+    _cli_fit(tmp_path, 1, "--model.reference_sync.every_n_steps", "1")
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert _saved_reference(tmp_path)[1]
+    cli = build_cli(["validate", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "val"),
+                     "--torch_num_threads", "1", "--ckpt_path", str(checkpoint), "--trainer.limit_val_batches", "1"])
+    assert cli.model.ref_model is None

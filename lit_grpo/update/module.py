@@ -402,12 +402,16 @@ class GRPOModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # a checkpoint that holds the reference restores it (a synced one); one without it: the initial weights
-        if self.ref_model is not None:
-            state = checkpoint.setdefault("state_dict", {})
-            if any(key.startswith("ref_model.") for key in state):
-                self._reference_is_initial = False
-            for key, value in self.ref_model.state_dict().items():
-                state.setdefault(f"ref_model.{key}", value)
+        if self.ref_model is None:  # a run without one (beta 0: lit-grpo validate) drops a synced run's reference
+            state = checkpoint.get("state_dict", {})
+            for key in [k for k in state if k.startswith("ref_model.")]:
+                del state[key]
+            return
+        state = checkpoint.setdefault("state_dict", {})
+        if any(key.startswith("ref_model.") for key in state):
+            self._reference_is_initial = False
+        for key, value in self.ref_model.state_dict().items():
+            state.setdefault(f"ref_model.{key}", value)
 
     # ------------------------------------------------------------------------------------------ end of fit
     def on_train_end(self) -> None:
