@@ -458,6 +458,8 @@ def test_bad_replay_streams_stop_ids_and_state_are_named(tiny_llama):
         engine.generate([[5, 6]], lengths=[1, 2])  # one row, not [B][G]
     with pytest.raises(ValueError, match=r"streams=3 must be \[B=1\] ints"):
         engine.generate([[5, 6]], streams=3)
+    with pytest.raises(ValueError, match=r"streams=tensor\(3\) must be \[B=1\] ints"):  # a 0-d tensor: no list
+        engine.generate([[5, 6]], streams=torch.tensor(3))
     with pytest.raises(TypeError, match=r"each must be a GroupProgress .*generate\(prompts\) takes the prompts"):
         engine.generate_groups([[5, 6]])
     with pytest.raises(ValueError, match=r"finish=0 must be a list of indices"):

@@ -425,15 +425,13 @@ class RolloutEngine:
     @staticmethod
     def _check_streams(streams, num_prompts: int) -> list[int]:
         """``streams`` as ``[B]`` distinct ints in [0, 2**32) (the key's width); a ValueError names what is wrong."""
-        if isinstance(streams, (str, bytes)) or not isinstance(streams, Iterable):
-            raise ValueError(f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)")
-        streams = streams.tolist() if hasattr(streams, "tolist") else list(streams)  # a tensor or an array too
-        if len(streams) != num_prompts or any(isinstance(s, bool) or not isinstance(s, Integral) or
-                                              not 0 <= s < 2**32 for s in streams):
-            raise ValueError(f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)")
+        message = f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)"
+        streams = _int_list(streams, 2**32, message)
+        if len(streams) != num_prompts:
+            raise ValueError(message)
         if len(set(streams)) != num_prompts:
             raise ValueError(f"streams={streams!r:.80} repeat a value: two groups would draw the same numbers")
-        return [int(s) for s in streams]
+        return streams
 
     def _check_tokens(self, tokens, num_prompts: int) -> list[list[list[int]]]:
         """``tokens`` as ``[B][G]`` int lists, each cut to ``max_new_tokens``; a ValueError names what is wrong."""
@@ -472,14 +470,20 @@ def _shape(rows) -> list[int] | None:
 def _check_stop_ids(ids: Any, vocab: int) -> list[int]:
     """``eos_token_ids`` as sorted distinct ints in [0, ``vocab``): the decode step marks them in a ``[vocab]`` mask,
     where -1 would mark the last token and a float or a string would fail deep inside torch."""
-    ids = ids.tolist() if hasattr(ids, "tolist") else ids  # a tensor or an array of ids
     message = f"eos_token_ids={ids!r:.80} must be a list of token ids, ints in [0, {vocab})"
-    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+    return sorted(set(_int_list(ids, vocab, message)))
+
+
+def _int_list(values: Any, end: int, message: str) -> list[int]:
+    """``values`` (a sequence, a tensor or an array) as a list of ints in [0, ``end``), else a ValueError with
+    ``message``: a string, a mapping or a scalar would be read item by item, or fail inside ``len``."""
+    values = values.tolist() if hasattr(values, "tolist") else values  # a 0-d tensor gives a scalar: refused below
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
         raise ValueError(message)
-    ids = list(ids)
-    if any(isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab for t in ids):
+    values = list(values)
+    if any(isinstance(v, bool) or not isinstance(v, Integral) or not 0 <= v < end for v in values):
         raise ValueError(message)
-    return sorted(set(int(t) for t in ids))
+    return [int(v) for v in values]
 
 
 #: The methods the rollout loop calls on a scheduler (``lit_grpo.scheduling.Scheduler``'s), checked when an engine
