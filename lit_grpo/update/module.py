@@ -394,18 +394,13 @@ class GRPOModule(LightningModule):
             self.reference_sync is not None or not self._reference_is_initial))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.saves_reference():
-            return
-        state = checkpoint.get("state_dict", {})
-        for key in [k for k in state if k.startswith("ref_model.")]:
-            del state[key]
+        if not self.saves_reference():
+            _drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # a checkpoint that holds the reference restores it (a synced one); one without it: the initial weights
         if self.ref_model is None:  # a run without one (beta 0: lit-grpo validate) drops a synced run's reference
-            state = checkpoint.get("state_dict", {})
-            for key in [k for k in state if k.startswith("ref_model.")]:
-                del state[key]
+            _drop_reference(checkpoint)
             return
         state = checkpoint.setdefault("state_dict", {})
         if any(key.startswith("ref_model.") for key in state):
@@ -745,3 +740,9 @@ def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
     return (not loss_scaled and bool(params)
             and all(p.device.type == "cuda" and p.is_floating_point() for p in params))
 
+
+def _drop_reference(checkpoint: dict[str, Any]) -> None:
+    """Remove the reference model's weights (``ref_model.*``) from ``checkpoint``'s state, if it has any."""
+    state = checkpoint.get("state_dict", {})
+    for key in [k for k in state if k.startswith("ref_model.")]:
+        del state[key]
