@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,6 +59,7 @@ from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import end_failed_rank
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
+from lit_grpo.rollout.rewards import RewardFunctionError
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
 
@@ -272,6 +274,10 @@ class GRPOCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except ConfigError as err:
             _exit_with(err, subcommand)
+        except RewardFunctionError as err:
+            if is_multi_process():
+                raise  # main ends every rank, naming this one's error
+            _exit_on_reward_error(err)
 
     @contextlib.contextmanager
     def _config_errors(self) -> Iterator[None]:
@@ -320,6 +326,20 @@ def _exit_with(error: Exception, subcommand: str) -> None:
     """End a command's run on a bad setting as a parse error does: its message, a tip, exit status 2."""
     print(f"error: {error}\ntip: lit-grpo {subcommand} --help lists the options", file=sys.stderr)
     raise SystemExit(2) from error
+
+
+def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:
+    """End the run on a reward function's error with that function's own frames, then the message naming it and the
+    prompt; exit status 1. The frames of lit_grpo and Lightning above its call point at nothing its author can
+    fix, and would push its frames out of view."""
+    cause = error.__cause__
+    if cause is not None and cause.__traceback__ is not None:
+        # the traceback's first frame is lit_grpo's call of the function; a function's own frames follow
+        frames = cause.__traceback__.tb_next or cause.__traceback__
+        print("".join(traceback.format_exception(type(cause), cause, frames)), file=sys.stderr)
+    print(f"error: {error}\ntip: data.on_reward_error: skip_group scores the other groups and gives the failing "
+          "ones no loss", file=sys.stderr)
+    raise SystemExit(1) from error
 
 
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.

@@ -1,6 +1,6 @@
 """Planted failures for the tests of several processes: ``PlantedFault``, a callback that raises on one rank at one
-place of a ``lit-grpo fit``, ``Stall``, which keeps one rank away from any collective, and ``rank_split_reward``, a
-reward that makes two ranks draw unequally.
+place of a ``lit-grpo fit``, ``Stall``, which keeps one rank away from any collective, ``rank_split_reward``, a
+reward that makes two ranks draw unequally, and ``lookup_reward``, a reward function with a bug of its own.
 
 Places (``PLACES``), each at its first occurrence on the planted rank:
 
@@ -101,3 +101,9 @@ def rank_split_reward(prompts: list[str], completions: list[str], path: str = ""
     with open(f"{path}.rank{rank}", "a") as handle:
         handle.write(json.dumps(list(dict.fromkeys(prompts))) + "\n")
     return [0.0 if rank == 1 else float(len(text)) for text in completions]
+
+
+def lookup_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """A reward function whose author's bug raises a KeyError, for the report of a reward function's error."""
+    answers: dict[str, float] = {}
+    return [answers[prompt] for prompt in prompts]

@@ -88,6 +88,20 @@ def test_fit_two_steps_end_to_end(tmp_path):
         assert noise not in proc.stdout + proc.stderr, noise
 
 
+def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_function_named(tmp_path):
+    proc = forked_cli.run(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
+                           "--trainer.max_steps", "1", "--data.reward_funcs", "[fault_helpers:lookup_reward]"],
+                          tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = proc.stderr[proc.stderr.index("Traceback (most recent call last):"):]
+    # the function's own frame and its error, then the message naming it and the prompt; none of lit_grpo's or
+    # Lightning's frames, and the retry of a single group is not chained to the whole batch's error
+    assert re.search(r'fault_helpers\.py", line \d+, in lookup_reward\n.*answers\[prompt\]', report), report
+    assert "lightning" not in report and "lit_grpo" not in report and "During handling" not in report, report
+    assert re.search(r"\nerror: reward function 'lookup' raised KeyError: .* on prompt 0 '.+'\ntip: "
+                     r"data\.on_reward_error: skip_group", report), report
+
+
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", TINY, "--print_config"])

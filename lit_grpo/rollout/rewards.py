@@ -386,11 +386,15 @@ def score_rewards(
     skipped: set[int] = set()
     errors: list[str] = []
     for reward in reward_funcs:
+        failure = None
         try:
             raw = reward.fn(list(prompts), list(completions), **columns)
         except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
-            values, failed, messages = _handle_reward_error(err, reward, prompts, completions, columns, group_size,
-                                                            on_error)
+            failure = err
+        # retried outside the except clause: a group's error is then not chained to the whole batch's
+        if failure is not None:
+            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns,
+                                                            group_size, on_error)
             skipped.update(failed)
             errors.extend(messages)
             for message in messages:
