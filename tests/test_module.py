@@ -149,6 +149,36 @@ def test_beta_loads_a_reference_and_logs_kl(batch):
     assert make_module().ref_model is None
 
 
+def test_disable_dropout_zeroes_every_dropout_of_the_policy_and_the_reference(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.runtime.models import DROPOUTS, _tiny_model, tiny_tokenizer
+
+    config = _tiny_model("tiny-llama").config
+    config.attention_dropout = 0.5
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.3}
+    ids = torch.arange(3, 19).unsqueeze(0)
+    for kwargs, rates in (({"loss": {"beta": 0.1}}, {0.5}), ({"peft_config": lora}, {0.5, 0.3})):
+        for disable in (False, True):
+            module = make_module(model=str(tmp_path), disable_dropout=disable, **kwargs)
+            trained = [module.policy] + ([module.ref_model] if module.ref_model is not None else [])
+            assert len(trained) == 1 + ("loss" in kwargs)
+            for model in trained:
+                found = {m.p for m in model.modules() if isinstance(m, DROPOUTS)} | {
+                    m.attention_dropout for m in model.modules() if isinstance(getattr(m, "attention_dropout", None),
+                                                                                float)}
+                assert found == ({0.0} if disable else rates), (kwargs, disable, found)
+            # the policy trains in train mode: two forwards of one input agree only without dropout
+            assert module.policy.training
+            with torch.no_grad():
+                agree = torch.equal(module.policy(ids).logits, module.policy(ids).logits)
+            assert agree == disable
+            # the model's config keeps its value, so an export writes the model that was loaded
+            assert module.policy.config.attention_dropout == 0.5
+
+
 def test_lora_uses_the_disabled_adapter_as_reference(batch):
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     module = make_module(loss={"beta": 0.1}, peft_config=lora)
@@ -218,7 +248,8 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match=r"betas=0.9 must be two numbers in \[0, 1\)"):
         GRPOModule(model="tiny-llama", betas=0.9)
     # a string is truthy: fsdp="false" turned FSDP on, and the other switches alike
-    for name in ("gradient_checkpointing", "mask_truncated_completions", "fsdp", "move_to_cpu_after_fit"):
+    for name in ("gradient_checkpointing", "disable_dropout", "mask_truncated_completions", "fsdp",
+                 "move_to_cpu_after_fit"):
         with pytest.raises(ValueError, match=rf"{name}='false' must be True or False"):
             GRPOModule(model="tiny-llama", **{name: "false"})
     with pytest.raises(ValueError, match=r"shared_prefix=1 is not known; use one of \[True, False, 'auto'\]"):

@@ -145,6 +145,23 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     enable()
 
 
+#: The dropout modules ``disable_dropout`` sets to 0.
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout of ``model`` to 0 and return it: its dropout modules (a LoRA adapter's too) and the float
+    ``attention_dropout`` of transformers' attention modules, which their forward applies in train mode. The
+    model's config keeps its values, so an exported model is the one loaded."""
+    for module in model.modules():
+        if isinstance(module, DROPOUTS):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
 def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers of ``model`` that recompute their activations in the backward (transformers' flag and
     checkpointing function on the layer, set by either name of the switch); empty where none does."""

@@ -101,8 +101,8 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather)
 from lit_grpo.runtime.memory import release_freed_host_memory
-from lit_grpo.runtime.models import (DEFAULT_MODEL, enable_activation_checkpointing, load_model_and_tokenizer,
-                                     load_tokenizer, lora_config, resolve_dtype, with_lora)
+from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
+                                     load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
                                          config_errors, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
@@ -134,6 +134,10 @@ class GRPOModule(LightningModule):
             TRL): the update then holds one micro-batch's layer inputs instead of all its activations, so its
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass per
             micro-batch. Turn it off when memory is plentiful (configs/demo.yaml).
+        disable_dropout: set every dropout of the policy and the reference to 0 (TRL's ``disable_dropout``; with
+            LoRA its adapter's ``lora_dropout`` too): the rollout samples without dropout (eval mode), so with it
+            on the update's log-probs are those of another, randomly thinned model. Off (default): the model
+            trains with the dropout its config sets (0 in most current decoders).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
             "auto" (default) in a micro-batch where that spares the unshared forward enough positions to pay for the
@@ -188,6 +192,7 @@ class GRPOModule(LightningModule):
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
+        disable_dropout: bool = False,
         shared_prefix: bool | str = "auto",
         loss: LossConfig = LossConfig(),
         reference_sync: ReferenceSync | None = None,
@@ -209,7 +214,7 @@ class GRPOModule(LightningModule):
     ):
         super().__init__()
         check_text("model", model)
-        for name, value in (("gradient_checkpointing", gradient_checkpointing),
+        for name, value in (("gradient_checkpointing", gradient_checkpointing), ("disable_dropout", disable_dropout),
                             ("mask_truncated_completions", mask_truncated_completions), ("fsdp", fsdp),
                             ("move_to_cpu_after_fit", move_to_cpu_after_fit)):
             check_bool(name, value)  # a string such as "false" would be truthy: the switch would be on
@@ -299,6 +304,8 @@ class GRPOModule(LightningModule):
         if hp.peft_config:
             with config_errors("model.peft_config"):  # e.g. target_modules the model has none of
                 policy = with_lora(policy, hp.peft_config)
+        if hp.disable_dropout:  # after LoRA, whose adapter brings a dropout of its own
+            disable_dropout(policy)
         if hp.fsdp:
             skeleton = meta_replica(policy) if hp.fsdp_rollout != "lockstep" else None
             self._fully_shard(policy)
@@ -310,6 +317,8 @@ class GRPOModule(LightningModule):
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
             ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
             ref.requires_grad_(False)
+            if hp.disable_dropout:
+                disable_dropout(ref)
             if hp.fsdp:
                 self._fully_shard(ref)
             # left in train mode, as the policy, for Lightning's check at the start of fit, which warns about every
