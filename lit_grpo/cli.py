@@ -292,6 +292,7 @@ class GRPOCLI(LightningCLI):
                 raise
             if not isinstance(err, ValueError):
                 err = ValueError(f"{type(err).__name__}: {err}")
+            err = ValueError(optional_group_reason(str(err)))
             _exit_with(qualified_error(err, self.config[self.subcommand].keys()), self.subcommand)
 
 
@@ -440,10 +441,34 @@ class GRPOArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
+        message = optional_group_reason(message)
         super().error(message + did_you_mean(message, _option_names(parser)), ex)
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
+
+
+#: jsonargparse's message for a value of an optional settings group (``reference_sync: ReferenceSync | None``):
+#: its key where the parser names it, and the list of each Union type's reason.
+_UNION_ERRORS = re.compile(r"(?:Parser key \"([\w.]+)\":.*)?Does not validate against any of the Union subtypes\n"
+                           r"\s*Subtypes: \[.*NoneType.*\]\n\s*Errors:\n(.*?)\n\s*Given value", re.S)
+_NOT_NONE = "Expected a <class 'NoneType'>"
+
+
+def optional_group_reason(message: str) -> str:
+    """The group's own reason for refusing a value, from jsonargparse's message for an optional settings group,
+    which lists a reason for each type of the Union, the value's repr and the Union's spelling, the one line that
+    names the bad setting and what is allowed lost among them; any other ``message`` as it is."""
+    match = _UNION_ERRORS.search(message)
+    if match is None:
+        return message
+    items = re.split(r"(?:^|\n)\s*- ", match.group(2))
+    reasons = [" ".join(line.strip() for line in item.splitlines()) for item in items if item.strip()]
+    own = [re.sub(r"^Problem with given class_path '[\w.]+': ", "", reason) for reason in reasons
+           if reason != _NOT_NONE]
+    if len(own) != 1 or len(reasons) != 2:
+        return message
+    return f"{match.group(1) + ': ' if match.group(1) else ''}{own[0]} (or null)"
 
 
 def _option_names(parser: argparse.ArgumentParser) -> list[str]:

@@ -201,6 +201,9 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
      "|weight| <= 3.403e+38"),
     (["--data.jsonl_path", "/", "--data.task", "null"], "error: data: prompt file '/' is a folder (jsonl_path)"),
     (["--model.dtype", "float13"], "error: model.dtype='float13' is not known; use one of ['bf16', 'bfloat16'"),
+    # an optional group's own reason, not jsonargparse's account of each type of the Union
+    (["--model.loss.beta", "0.1", "--model.reference_sync", "{every_n_steps: 0}"],
+     "error: model.reference_sync.every_n_steps=0 must be an integer >= 1 (or null)\n"),
     # Lightning's own refusals and a YAML list where a mapping belongs are said alike
     (["--trainer.max_steps", "-5"], "error: MisconfigurationException: `max_steps` must be a non-negative integer"),
 ])
@@ -210,6 +213,15 @@ def test_a_bad_value_ends_the_command_with_its_message_not_a_traceback(capsys, a
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and "Traceback" not in err and "lit-grpo fit --help" in err
+
+
+def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--model.loss.beta", "0.1", "--model.reference_sync", "{every: 2}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: model.reference_sync: Option 'every' is not accepted (or null)\n" in err, err
+    assert "Union" not in err and "Given value" not in err
 
 
 @pytest.mark.parametrize("yaml, message", [
