@@ -187,6 +187,8 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # a class names its own field; the message names it by its full key
     (["--data.sampling.group_size", "0"], "error: data.sampling.group_size=0 must be an integer >= 1"),
     (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
+    (["--model.loss.top_entropy_quantile", "1.5"], "error: model.loss.top_entropy_quantile=1.5 must be a number in "
+                                                   "[0, 1]"),
     (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
     (["--trainer.gradient_clip_algorithm", "value"], "error: trainer.gradient_clip_algorithm='value' does not apply "
@@ -289,6 +291,18 @@ def test_loss_options_reach_the_module_from_the_command_line():
     config = cli.model.loss_fn.config
     assert (cli.model.loss_fn.name, config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_lambda_neg) == (
         "vespo", 1.5, 3.0, 0.5)
+
+
+def test_top_entropy_quantile_reaches_the_loss_from_the_command_line_and_the_yaml(tmp_path):
+    cli = build_cli(["--config", TINY, "--model.loss.top_entropy_quantile", "0.2", "--trainer.logger", "false"],
+                    run=False)
+    assert cli.model.loss_fn.config.top_entropy_quantile == 0.2
+    config = tmp_path / "loss.yaml"
+    config.write_text("model:\n  loss:\n    loss_type: grpo\n    top_entropy_quantile: 0.5\n")
+    cli = build_cli(["--config", TINY, "--config", str(config), "--trainer.logger", "false"], run=False)
+    assert (cli.model.loss_fn.name, cli.model.loss_fn.config.top_entropy_quantile) == ("grpo", 0.5)
+    default = build_cli(["--config", TINY, "--trainer.logger", "false"], run=False).model.loss_fn.config
+    assert default.top_entropy_quantile == 1.0
 
 
 def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():

@@ -1,5 +1,5 @@
-"""cispo, sapo, luspo, vespo, importance_sampling_level="sequence" (GSPO) and kl_bias_correction against direct
-computations written out per sequence and per token, their gradients, and their bad values."""
+"""cispo, sapo, luspo, vespo, importance_sampling_level="sequence" (GSPO), kl_bias_correction and the token masks
+against direct computations written out per sequence and per token, their gradients, and their bad values."""
 
 import math
 import re
@@ -11,7 +11,7 @@ import torch
 from lit_grpo.update.loss import policy_loss, policy_loss_metrics
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.policy_losses import make_loss
-from lit_grpo.update.surrogates import vespo_weight
+from lit_grpo.update.surrogates import high_entropy_mask, vespo_weight
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
@@ -29,6 +29,16 @@ def _inputs(seed=0):
 
 
 # ------------------------------------------------------------------------------------------------ references
+def _entropy_threshold(entropy, m, top_quantile):
+    """The ``1 - top_quantile`` quantile of the active tokens' entropies, linearly interpolated between the two
+    sorted values around position ``(1 - top_quantile) (n - 1)`` (torch.quantile's default), written out."""
+    values = sorted(float(entropy[i, j]) for i in range(m.shape[0]) for j in range(m.shape[1]) if m[i, j])
+    position = (1 - top_quantile) * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (position - low) * (values[high] - values[low])
+
+
 def _ratios(lp, olp, m, level):
     """Each row's per-token ratios as a list of scalar tensors (autograd flows through them)."""
     rows = []
@@ -45,7 +55,7 @@ def _ratios(lp, olp, m, level):
 def _vespo_phi(lp, olp, m, i, a, weights, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):
     """Row ``i``'s VESPO weight, a float (no gradient): phi(w) = exp(lam + k log w - lam w)."""
     active = [j for j in range(lp.shape[1]) if m[i, j]]
-    log_w = sum(min(max(float(lp[i, j] - olp[i, j]), -20.0), 20.0) for j in active)
+    log_w = sum(min(max(float(lp[i, j].detach() - olp[i, j]), -20.0), 20.0) for j in active)
     if weights is not None:
         columns = active if weights.shape[1] > 1 else [0]
         if any(weights[i, j] == 0 for j in columns):  # masked by a mask mode: dropped
@@ -58,10 +68,12 @@ def _vespo_phi(lp, olp, m, i, a, weights, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, 
 
 
 def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=False, eps_high=EPS_HIGH,
-               tau_pos=1.0, tau_neg=1.05, weights=None, vespo=None, delta=None):
+               tau_pos=1.0, tau_neg=1.05, weights=None, vespo=None, delta=None, entropy=None, top_entropy_quantile=1.0):
     """The loss written out token by token; aggregation as grpo (sapo), per sequence's sum (luspo) or over all
-    active tokens (the rest)."""
+    active tokens (the rest). Below ``top_entropy_quantile`` a token whose entropy is under the threshold keeps only
+    its KL, and still counts."""
     sums, counts = [], []
+    threshold = _entropy_threshold(entropy, m, top_entropy_quantile) if top_entropy_quantile < 1 else -math.inf
     for i, row in enumerate(_ratios(lp, olp, m, level)):
         s, c = torch.zeros((), dtype=lp.dtype), 0
         a = float(adv[i])
@@ -80,6 +92,8 @@ def _reference(lp, olp, rlp, adv, m, loss_type, level="token", beta=0.0, kl_bc=F
                 term = -torch.min((r if delta is None else torch.clamp(r, max=delta)) * a, clipped * a)
             if weights is not None and loss_type != "vespo":
                 term = term * float(weights[i, j if weights.shape[1] > 1 else 0])
+            if top_entropy_quantile < 1 and float(entropy[i, j]) < threshold:
+                term = 0.0
             if beta:
                 to_ref = rlp[i, j] - lp[i, j]
                 kl = torch.exp(to_ref) - to_ref - 1
@@ -113,7 +127,8 @@ def _compare(loss_type, **options):
         ref_logps=rlp if options.get("beta") else None, beta=options.get("beta", 0.0),
         importance_sampling_level=options.get("level", "token"), kl_bias_correction=options.get("kl_bc", False),
         sapo_temperature_pos=options.get("tau_pos", 1.0), sapo_temperature_neg=options.get("tau_neg", 1.05),
-        sampling_weights=weights, delta=options.get("delta"), **vespo), advantages)
+        sampling_weights=weights, delta=options.get("delta"), entropy=options.get("entropy"),
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0), **vespo), advantages)
     want = _loss_and_grad(lambda lp, olp, rlp, a, m: _reference(lp, olp, rlp, a, m, loss_type, eps_high=eps_high,
                                                                  weights=weights, **options), advantages)
     # float64 end to end (inputs, loss and reference): they differ by ~1e-15 on any CPU, so 1e-10 and 1e-9
@@ -227,6 +242,63 @@ def test_the_off_policy_mask_drops_the_policy_term_of_negative_advantages_that_d
     plain = policy_loss(logps, old, adv, mask, **settings)
     torch.testing.assert_close(policy_loss(logps, old, adv, mask, off_policy_mask_threshold=0.3, **settings), plain)
     assert not torch.allclose(masked, plain)
+
+
+#: Per-token entropies for ``_inputs`` (lengths 5, 3, 0, 4); 9.0 on padding, which is never ranked. The 12 active
+#: ones sorted: 0.25 0.5 0.75 1 1.5 2 2 2 2 2.5 3 4.
+ENTROPY = torch.tensor([[0.5, 2.0, 1.0, 3.0, 2.0],
+                        [2.0, 0.25, 4.0, 9.0, 9.0],
+                        [9.0, 9.0, 9.0, 9.0, 9.0],
+                        [1.5, 2.0, 0.75, 2.5, 9.0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_high_entropy_mask_keeps_the_active_tokens_at_or_above_the_quantile(dtype):
+    """The ``1 - top`` quantile of the active tokens' entropies (padding left out of it, and never kept); a token at
+    it is kept, ties and all."""
+    mask = _inputs()[4]
+    entropy = ENTROPY.to(dtype)
+    kept = lambda top: high_entropy_mask(entropy, mask, top).tolist()  # noqa: E731
+    # top 0.3: position 0.7 x 11 = 7.7 between two 2.0s: every 2.0 stays (with padding in the quantile, 9.0 x 8,
+    # the threshold would be 2.5 and the padding kept)
+    assert kept(0.3) == [[False, True, False, True, True], [True, False, True, False, False], [False] * 5,
+                         [False, True, False, True, False]]
+    # top 0.2: position 8.8, 2.0 + 0.8 x 0.5 = 2.4: the 2.0s go (reading 0.2 as the quantile would keep 1.0 and up)
+    assert kept(0.2) == [[False, False, False, True, False], [False, False, True, False, False], [False] * 5,
+                         [False, False, False, True, False]]
+    assert kept(0.0) == [[False] * 5, [False, False, True, False, False], [False] * 5, [False] * 5]  # the highest
+    assert kept(1.0) == mask.bool().tolist()  # the lowest is the threshold: every active token
+    for top in (0.0, 0.2, 0.3, 0.55, 1.0):
+        threshold = torch.quantile(entropy.float()[mask.bool()], 1 - top)
+        torch.testing.assert_close(high_entropy_mask(entropy, mask, top), (entropy.float() >= threshold) & mask.bool())
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()  # no active token: nothing kept
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("top", [0.3, 0.2])
+@pytest.mark.filterwarnings("ignore:loss_type='vespo'")  # at the sequence level, off its paper's
+def test_top_entropy_quantile_drops_the_policy_term_of_the_low_entropy_tokens(loss_type, level, top):
+    """Written out token by token: a token below the quantile keeps its KL and its place in the normalizers; its
+    policy term goes. top 0.3 keeps the ties at the threshold (2.0), top 0.2 interpolates past them."""
+    masked, masked_grad = _compare(loss_type, level=level, beta=BETA, kl_bc=True, entropy=ENTROPY,
+                                   top_entropy_quantile=top)
+    plain, plain_grad = _compare(loss_type, level=level, beta=BETA, kl_bc=True)
+    assert not torch.allclose(masked_grad, plain_grad)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")  # at the token level, off its paper's
+def test_top_entropy_quantile_1_leaves_the_loss_as_it_was_and_reads_no_entropy(loss_type):
+    """At 1 nothing is ranked: NaN entropies (which no token is at or above) change nothing, and none are needed."""
+    settings = {"loss_type": loss_type, "epsilon_high": 5.0 if loss_type == "cispo" else EPS_HIGH, "beta": BETA,
+                "max_completion_length": 5}
+    plain, plain_grad = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(lp, olp, a, m, ref_logps=rlp,
+                                                                              **settings))
+    nan = torch.full_like(ENTROPY, math.nan)
+    at_one, at_one_grad = _loss_and_grad(lambda lp, olp, rlp, a, m: policy_loss(
+        lp, olp, a, m, ref_logps=rlp, entropy=nan, top_entropy_quantile=1.0, **settings))
+    assert torch.equal(at_one, plain) and torch.equal(at_one_grad, plain_grad)
 
 
 @pytest.mark.parametrize("level", ["sequence", "token"])
@@ -399,6 +471,15 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
             make_loss("dapo", off_policy_mask_threshold=threshold)
     with pytest.raises(ValueError, match=r"sampling_logps has shape \(4, 2\), expected logps' shape \(4, 5\)"):
         policy_loss(logps, old, adv, mask, sampling_logps=torch.zeros(4, 2))
+    for top in (-0.1, 1.5, math.nan, math.inf, "0.2", True, None):
+        with pytest.raises(ValueError, match=rf"top_entropy_quantile={re.escape(repr(top))} must be a number in "
+                                             r"\[0, 1\] \(the share of tokens by entropy whose policy term is kept"):
+            make_loss("dapo", top_entropy_quantile=top)
+    with pytest.raises(ValueError, match=r"top_entropy_quantile=0.2 < 1 needs entropy \(each token's entropy, "
+                                         r"\[N, T\]\), got None"):
+        policy_loss(logps, old, adv, mask, top_entropy_quantile=0.2)
+    with pytest.raises(ValueError, match=r"entropy has shape \(4, 2\), expected logps' shape \(4, 5\)"):
+        policy_loss(logps, old, adv, mask, top_entropy_quantile=0.2, entropy=torch.zeros(4, 2))
 
 
 def test_module_checks_the_options_when_built():

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
-from lit_grpo.update.logprobs import completion_logits, token_logps
+from lit_grpo.update.logprobs import completion_logits, token_entropy, token_logps
 from lit_grpo.update.module import GRPOModule
+from lit_grpo.update.policy_losses import PolicyLoss
+from lit_grpo.update.surrogates import high_entropy_mask
 
 from datamodule_helpers import PROMPTS, datamodule_arguments
 
@@ -96,6 +98,33 @@ def test_the_off_policy_mask_reads_the_samplers_log_probs(batch):
     for name in want:
         torch.testing.assert_close(masked[name], want[name], atol=1e-7, rtol=1e-5, msg=name)
     assert any(not torch.allclose(masked[name], plain[name]) for name in plain)
+
+
+def test_the_high_entropy_mask_ranks_the_policys_entropies_at_the_sampling_temperature(batch, monkeypatch):
+    """The update hands the loss each token's entropy of softmax(logits / temperature), as TRL's, and the mask
+    changes the gradient."""
+    hot = dataclasses.replace(batch, temperature=0.7)
+    handed = []
+    call = PolicyLoss.__call__
+
+    def recording(self, logps, old_logps, advantages, mask, *args):
+        handed.append((mask.clone(), args[-1]))  # entropy: the last argument
+        return call(self, logps, old_logps, advantages, mask, *args)
+
+    monkeypatch.setattr(PolicyLoss, "__call__", recording)
+    masked, _ = grads_after_step(make_module(loss={"top_entropy_quantile": 0.3}), hot)
+    monkeypatch.undo()
+    plain, _ = grads_after_step(make_module(), hot)
+    assert any(not torch.allclose(masked[name], plain[name]) for name in plain)
+    (mask, entropy), = handed  # one micro-batch of 8 rows
+    micro = hot.micro_batch(torch.arange(hot.num_completions))
+    with torch.no_grad():
+        at = {t: token_entropy(completion_logits(make_module().policy, micro, t)) for t in (0.7, 1.0)}
+    active = mask.bool()
+    torch.testing.assert_close(entropy[active], at[0.7][active], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(at[1.0][active], at[0.7][active], atol=1e-3)
+    # about the top 30% of the micro-batch's tokens keep their policy term (the quantile interpolates)
+    assert 0.25 < float(high_entropy_mask(entropy, mask, 0.3).sum() / active.sum()) < 0.35
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

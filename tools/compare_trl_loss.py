@@ -3,14 +3,16 @@
     python -m tools.compare_trl_loss [--dtype float64] [--tolerance 1e-5] [--json OUT]
 
 Needs ``trl`` (checked with 1.16.0) importable; the library and its tests never import it. For every loss_type
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; each also with ``off_policy_mask_threshold``, the clip losses
-also with ``delta``) x importance_sampling_level (token, sequence) x KL setting (beta 0; beta > 0 without / with
-kl_bias_correction) x sampler correction (none, and TRL's four modes each with two pairs of bounds) and several
-micro-batch shapes, both sides get the same random ``logps`` (a leaf), old, reference and sampling log-probs,
-advantages and masks (one completion without any active token). TRL's ``_compute_loss`` runs on a stand-in trainer
-whose per-token log-prob forward returns that leaf, so only the loss arithmetic is TRL's; its sampler weights come
-from running the importance-sampling block of TRL's own ``_generate_and_score_completions`` source on those tensors,
-and the ``sampling/*`` scalars from the block that logs them.
+(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; each also with ``off_policy_mask_threshold`` and with
+``top_entropy_quantile``, the clip losses also with ``delta``) x importance_sampling_level (token, sequence) x KL
+setting (beta 0; beta > 0 without / with kl_bias_correction) x sampler correction (none, and TRL's four modes each
+with two pairs of bounds) and several micro-batch shapes, both sides get the same random ``logps`` (a leaf), old,
+reference and sampling log-probs, token entropies (float32, as the update's, on a grid of eighths so that ties sit
+at the quantile; random on padding too), advantages and masks (one completion without any active token). TRL's
+``_compute_loss`` runs on a stand-in trainer whose per-token forward returns that leaf and those entropies, so only
+the loss arithmetic is TRL's (its high-entropy mask is its own ``get_high_entropy_mask``, over one process); its
+sampler weights come from running the importance-sampling block of TRL's own ``_generate_and_score_completions``
+source on those tensors, and the ``sampling/*`` scalars from the block that logs them.
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -33,7 +35,7 @@ import math
 import sys
 import textwrap
 from collections import defaultdict
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import torch
 
@@ -45,11 +47,13 @@ from tools import harness
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 #: Each loss as it is, the clip losses with INTELLECT-2's ``delta`` too (on wider ratios, ``DELTA_SPREAD``, so that
-#: some negative-advantage ratios pass it at both levels) and every loss with the off-policy sequence mask.
-DELTA, DELTA_SPREAD, OPSM = 1.35, 2.5, 0.05
+#: some negative-advantage ratios pass it at both levels) and every loss with the off-policy sequence mask and with
+#: the high-entropy token mask.
+DELTA, DELTA_SPREAD, OPSM, TOP_ENTROPY = 1.35, 2.5, 0.05, 0.3
 VARIANTS = (tuple((loss_type, {}) for loss_type in LOSS_TYPES)
             + tuple((loss_type, {"delta": DELTA}) for loss_type in CLIP_LOSSES)
-            + tuple((loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES))
+            + tuple((loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES)
+            + tuple((loss_type, {"top_entropy_quantile": TOP_ENTROPY}) for loss_type in LOSS_TYPES))
 LEVELS = ("token", "sequence")
 KL_SETTINGS = ((0.0, False), (0.04, False), (0.04, True))  # (beta, kl_bias_correction)
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -57,6 +61,8 @@ SHAPES = ((4, 7), (6, 12), (8, 3))  # (N completions, T tokens)
 EPS_LOW, EPS_HIGH, CISPO_EPS_HIGH, MAX_LEN = 0.2, 0.28, 5.0, 16
 BOUNDS = ((0.5, 2.0), (None, 3.0))  # (clip_min, clip_max): both bounds, and TRL's defaults
 LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "kl")
+#: The short name of each variant's option in the printed table.
+OPTION_LABELS = {"delta": "delta", "off_policy_mask_threshold": "opsm", "top_entropy_quantile": "entropy"}
 #: What a row compares (``max_abs_diff_<kind>``): the loss, its gradient, the sampler weights, sampling/*, train/*.
 KINDS = ("loss", "grad", "weights", "metrics", "loss_metrics")
 
@@ -76,6 +82,8 @@ def make_inputs(n: int, t: int, seed: int, dtype: torch.dtype, spread: float = 1
         "sampling": (logps + (rand(n, t) - 0.5) * 1.6).to(dtype),  # sampler ratios on both sides of the bounds
         "advantages": ((rand(n) - 0.5) * 3).to(dtype),
         "mask": mask,
+        # float32 whatever ``dtype``, as the update's; eighths up to 3 nats, so ties are common
+        "entropy": torch.randint(1, 25, (n, t), generator=g).float() / 8,
     }
 
 
@@ -106,29 +114,35 @@ def trl_sources():
 class _Accelerator:
     num_processes = 1
     gather = staticmethod(lambda x: x.reshape(-1) if x.dim() == 0 else x)
+    pad_across_processes = staticmethod(lambda x, dim=0, pad_index=0: x)
     reduce = staticmethod(lambda x, reduction="sum": x)
 
 
 def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
-                bounds=BOUNDS[0], delta=None, off_policy_mask_threshold=None):
-    """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads."""
+                bounds=BOUNDS[0], delta=None, off_policy_mask_threshold=None, top_entropy_quantile=1.0, entropy=None):
+    """A stand-in with exactly the attributes ``GRPOTrainer._compute_loss`` reads; its forward returns
+    ``logps_leaf`` and ``entropy``."""
     from trl import GRPOTrainer
     args = SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=delta, sapo_temperature_pos=1.0,
                            sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                            vespo_lambda_neg=2.0, steps_per_generation=accumulation)
-    return SimpleNamespace(
+    fake = SimpleNamespace(
         args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=EPS_LOW,
-        epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=off_policy_mask_threshold,
+        epsilon_high=eps_high, top_entropy_quantile=top_entropy_quantile,
+        off_policy_mask_threshold=off_policy_mask_threshold,
         use_vllm=is_mode != "none", vllm_importance_sampling_correction=is_mode != "none",
         vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_min=bounds[0],
         vllm_importance_sampling_clip_max=bounds[1], max_completion_length=MAX_LEN,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation, accelerator=_Accelerator(), aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, torch.zeros_like(logps_leaf), None),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps_leaf, entropy, None),
         get_gamma_weights=GRPOTrainer.get_gamma_weights,  # vespo's weight and the off-policy mask: static methods
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
     )
+    # the high-entropy mask reads self.accelerator (its gather over processes): a method of the stand-in
+    fake.get_high_entropy_mask = MethodType(GRPOTrainer.get_high_entropy_mask, fake)
+    return fake
 
 
 def trl_weights_and_metrics(trl, inputs, is_mode, bounds):
@@ -150,7 +164,8 @@ def trl_loss(trl, case, inputs, rows_list, weights):
     eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
     for rows in rows_list:
         part = leaf[rows]
-        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high, **extra)
+        fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, len(rows_list), part, eps_high,
+                           entropy=inputs["entropy"][rows], **extra)
         n, t = part.shape
         micro = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
                  "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": inputs["mask"][rows],
@@ -189,7 +204,7 @@ def our_loss(case, inputs, rows_list, weights):
     for rows in rows_list:
         loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], inputs["mask"][rows],
                        inputs["ref"][rows] if beta else None, MAX_LEN, inputs["mask"].sum(),
-                       None if weights is None else weights[rows], inputs["sampling"][rows])
+                       None if weights is None else weights[rows], inputs["sampling"][rows], inputs["entropy"][rows])
         loss = loss * loss_fn.micro_batch_weight(len(rows), n, len(rows_list))
         loss.backward()
         total = total + loss.detach()
@@ -249,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     import trl
 
     records = compare(getattr(torch, args.dtype))
-    header = f"{'loss_type':8} {'option':10} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} " \
+    header = f"{'loss_type':8} {'option':11} {'level':8} {'beta':>5} {'kl_bc':5} {'is_mode':17} {'loss':>9} " \
              f"{'grad':>9} {'weights':>9} {'sampling/*':>10} {'train/*':>9}"
     print(f"TRL {trl.__version__}, torch {torch.__version__}, {args.dtype}; max |ours - TRL| over shapes {SHAPES}, "
           f"1 or 2 micro-batches and (clip_min, clip_max) in {BOUNDS}")
@@ -259,9 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [r[f"max_abs_diff_{k}"] for k in KINDS]
         flag = any(d > args.tolerance for d in diffs)
         bad += flag
-        option = f"delta {r['delta']}" if "delta" in r else f"opsm {r['off_policy_mask_threshold']}" \
-            if "off_policy_mask_threshold" in r else "-"
-        print(f"{r['loss_type']:8} {option:10} {r['importance_sampling_level']:8} {r['beta']:5} "
+        option = next((f"{label} {r[key]}" for key, label in OPTION_LABELS.items() if key in r), "-")
+        print(f"{r['loss_type']:8} {option:11} {r['importance_sampling_level']:8} {r['beta']:5} "
               f"{str(r['kl_bias_correction']):5} "
               f"{r['importance_sampling_mode']:17} " + " ".join(f"{d:9.1e}" for d in diffs[:3])
               + f" {diffs[3]:10.1e} {diffs[4]:9.1e}" + ("  MISMATCH" if flag else ""))

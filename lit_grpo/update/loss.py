@@ -5,10 +5,11 @@ Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padd
 Per token (terms in lit_grpo.update.surrogates, variants and their aggregation in lit_grpo.update.policy_losses)::
 
     r     = exp(logp - old_logp)                     per token, or per sequence (GSPO)
-    loss  = surrogate(r, A) * w * m + beta * KL      w: the sampler correction (lit_grpo.update.sampler_correction)
+    loss  = surrogate(r, A) * w * m * e + beta * KL  w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
     m     = 0 or 1 per completion                    the off-policy sequence mask (``off_policy_mask_threshold``;
                                                      1 without it)
+    e     = 0 or 1 per token                         the high-entropy mask (``top_entropy_quantile``; 1 without it)
 
 The settings (``loss_type``, ``epsilon_low``, ``beta``, ...) are ``LossConfig``'s fields (lit_grpo.update.loss_config),
 given as keywords; each function is ``make_loss(**settings)`` and one method of the loss object it returns.
@@ -40,17 +41,19 @@ def policy_loss(
     total_active_tokens: Number | None = None,
     sampling_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     **settings: Any,
 ) -> torch.Tensor:
     """The GRPO loss of ``N`` completions: ``make_loss(**settings)(...)``, a scalar tensor.
 
     The tensors and normalizers are those of :meth:`PolicyLoss.__call__` (``logps``, ``old_logps``, ``mask``,
-    ``ref_logps``, ``sampling_logps``: ``[N, T]``; ``advantages``: ``[N]``; ``sampling_weights``: ``[N, T]`` or
-    ``[N, 1]``); ``settings`` are ``LossConfig``'s fields (``loss_type="dapo"``, ``epsilon_low=0.2``, ...).
+    ``ref_logps``, ``sampling_logps``, ``entropy``: ``[N, T]``; ``advantages``: ``[N]``; ``sampling_weights``:
+    ``[N, T]`` or ``[N, 1]``); ``settings`` are ``LossConfig``'s fields (``loss_type="dapo"``, ``epsilon_low=0.2``,
+    ...).
     """
     loss_fn = make_loss(**settings)
     return loss_fn(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens,
-                   sampling_weights, sampling_logps)
+                   sampling_weights, sampling_logps, entropy)
 
 
 def policy_loss_metrics(

@@ -49,6 +49,10 @@ class LossConfig:
         kl_bias_correction: weigh the k3 KL by the importance ratio.
         off_policy_mask_threshold: drop the policy term of a completion with a negative advantage whose mean
             ``sampling_logp - logp`` exceeds it (DeepSeek-V3.2's off-policy sequence mask, e.g. 0.5); None: off.
+        top_entropy_quantile: the share of tokens by entropy whose policy term is kept ("Beyond the 80/20 rule",
+            e.g. 0.2), in [0, 1]: a token stays where its entropy is at or above the ``1 - top_entropy_quantile``
+            quantile of the micro-batch's loss tokens (at 0 only the highest); 1 (default): every token. Under
+            several processes the quantile is this rank's micro-batch's, where TRL's spans every process's.
         sapo_temperature_pos, sapo_temperature_neg: sapo's gate ``tau`` for ``A > 0`` / ``A <= 0`` (> 0).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's weight
             ``phi(w) = exp(lambda) w^k exp(-lambda w)`` for ``A >= 0`` / ``A < 0``: ``k`` (>= 0) sets how fast it
@@ -63,6 +67,7 @@ class LossConfig:
     importance_sampling_level: ImportanceSamplingLevel = "token"
     kl_bias_correction: bool = False
     off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -100,6 +105,10 @@ class LossConfig:
                 or not 0 <= self.off_policy_mask_threshold < math.inf):
             raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be a finite number "
                              ">= 0 (a mean log-prob gap to the sampler, e.g. 0.5), or None")
+        if (isinstance(self.top_entropy_quantile, bool) or not isinstance(self.top_entropy_quantile, numbers.Real)
+                or not 0 <= self.top_entropy_quantile <= 1):  # NaN fails too
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be a number in [0, 1] (the "
+                             "share of tokens by entropy whose policy term is kept, e.g. 0.2; 1: every token)")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
                              "1 - epsilon_low must be > 0)")

@@ -147,7 +147,9 @@ class GRPOModule(LightningModule):
             True; ``uses_shared_prefix`` says which).
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
-            frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes.
+            frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes,
+            the masks ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (its quantile: each micro-batch's own,
+            on this rank).
         reference_sync: a :class:`~lit_grpo.update.reference_sync.ReferenceSync` (or a dict; YAML
             ``model.reference_sync: {every_n_steps: 64, mixup_alpha: 0.6}``): every ``every_n_steps`` optimizer steps
             the reference moves toward the policy, ``ref <- (1 - mixup_alpha) ref + mixup_alpha policy`` (TRL's
@@ -636,7 +638,7 @@ class GRPOModule(LightningModule):
             if iteration == 0:
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
-                           micro["sampling_logprobs"])
+                           micro["sampling_logprobs"], entropy)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
             # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
             if self._trainer is not None:

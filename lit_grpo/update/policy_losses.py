@@ -5,10 +5,12 @@ Shapes: ``N`` completions (rows of a micro-batch), ``T`` completion tokens (padd
 Per token (the terms are in lit_grpo.update.surrogates)::
 
     r     = exp(logp - old_logp)                     token level, or per sequence (below)
-    loss  = surrogate(r, A) * w * m + beta * KL      w: the sampler correction (lit_grpo.update.sampler_correction)
+    loss  = surrogate(r, A) * w * m * e + beta * KL  w: the sampler correction (lit_grpo.update.sampler_correction)
     KL    = exp(ref - logp) - (ref - logp) - 1       (k3; times r with ``kl_bias_correction``)
     m     = 0 or 1 per completion                    the off-policy sequence mask (``off_policy_mask_threshold``;
                                                      1 without it)
+    e     = 0 or 1 per token                         the high-entropy mask (``top_entropy_quantile``: 1 on the
+                                                     micro-batch's top share of tokens by entropy; 1 without it)
 
 ``importance_sampling_level="sequence"`` (GSPO) replaces each token's ratio by its completion's
 ``exp(mean over active tokens of (logp - old_logp))``. ``kl_bias_correction`` weighs the k3 KL by ``r``, which
@@ -36,7 +38,8 @@ vespo      vespo       as dapo                                                  
 ``micro_batch_weight`` is what each micro-batch's loss is multiplied by so that the weighted losses add up to the
 loss of the whole optimizer step (exactly for all but bnpo, which is by definition a mean of per-micro-batch
 ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its normalizer already spans
-every rank while ddp averages the ranks' gradients.
+every rank while ddp averages the ranks' gradients. ``top_entropy_quantile`` < 1 ranks each micro-batch's tokens on
+their own (as TRL does per micro-batch), so which tokens count depends on how the rows are cut.
 
 Objects (built once from a ``LossConfig``, lit_grpo.update.loss_config)::
 
@@ -55,7 +58,7 @@ import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
-from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, importance_ratio, k3_kl,
+from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, high_entropy_mask, importance_ratio, k3_kl,
                                         off_policy_sequence_mask, sapo_surrogate, vespo_weight)
 
 Number = int | float | torch.Tensor
@@ -92,6 +95,7 @@ class PolicyLoss:
         total_active_tokens: Number | None = None,
         sampling_weights: torch.Tensor | None = None,
         sampling_logps: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The scalar loss of ``N`` completions.
 
@@ -107,26 +111,34 @@ class PolicyLoss:
                 multiply the policy term, not the KL; None: no correction.
             sampling_logps: ``[N, T]`` the sampler's log-probs, which ``off_policy_mask_threshold`` compares with
                 ``logps`` (None: ``old_logps``, the sampler when the rollout ran on the update's weights).
+            entropy: ``[N, T]`` each token's entropy under the current policy at the sampling temperature (no
+                gradient), which ``top_entropy_quantile`` < 1 ranks these ``N`` completions' tokens by; needed then.
         """
         self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
-        if sampling_logps is not None and sampling_logps.shape != logps.shape:
-            raise ValueError(f"sampling_logps has shape {tuple(sampling_logps.shape)}, expected logps' shape "
-                             f"{tuple(logps.shape)}")
+        for name, tensor in (("sampling_logps", sampling_logps), ("entropy", entropy)):
+            if tensor is not None and tensor.shape != logps.shape:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected logps' shape "
+                                 f"{tuple(logps.shape)}")
+        if self.config.top_entropy_quantile < 1 and entropy is None:
+            raise ValueError(f"top_entropy_quantile={self.config.top_entropy_quantile!r} < 1 needs entropy (each "
+                             "token's entropy, [N, T]), got None")
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
         per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
-                                        sampling_logps)
+                                        sampling_logps, entropy)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
 
     def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None,
-                       sampling_logps=None):
+                       sampling_logps=None, entropy=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         per_token = self.policy_term(ratio, logps, old_logps, advantages, mask, sampling_weights)
         if (threshold := self.config.off_policy_mask_threshold) is not None:
             sampled = old_logps if sampling_logps is None else sampling_logps
             per_token = per_token * off_policy_sequence_mask(logps, sampled, mask, advantages, threshold)
+        if (top_quantile := self.config.top_entropy_quantile) < 1:
+            per_token = per_token * high_entropy_mask(entropy, mask, top_quantile).to(per_token.dtype)
         if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
             per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)

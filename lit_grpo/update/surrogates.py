@@ -14,7 +14,9 @@ Per token, with ``r`` the importance ratio of the current policy to the one the 
 
 ``off_policy_mask_threshold`` drops the policy term (not the KL) of a completion whose advantage is negative and
 whose mean ``sampling_logp - logp`` exceeds it (``off_policy_sequence_mask``): a mistake sampled by a policy this
-one has moved away from teaches more noise than signal (DeepSeek-V3.2).
+one has moved away from teaches more noise than signal (DeepSeek-V3.2). ``top_entropy_quantile`` keeps the policy
+term (not the KL) of only the tokens with the highest entropy (``high_entropy_mask``): the few forking tokens
+where the policy hesitates carry most of the learning signal ("Beyond the 80/20 rule").
 
 cispo keeps a gradient on every token (the clipped weight only scales it) and sapo replaces the hard clip by a
 smooth gate whose slope is 1 at ``r = 1`` (so on-policy it is the plain policy gradient). vespo weighs a whole
@@ -159,6 +161,29 @@ def off_policy_sequence_mask(logps: torch.Tensor, sampling_logps: torch.Tensor, 
     drift = torch.nan_to_num(sampling_logps.to(logps.dtype) - logps.detach(), nan=0.0) * mask
     mean_drift = drift.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
     return ((advantages.unsqueeze(1) >= 0) | (mean_drift <= threshold)).to(logps.dtype)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """``[N, T]`` bool: True on the active tokens whose entropy is at or above the ``1 - top_quantile`` quantile
+    (``torch.quantile``, linear interpolation) of the active tokens' entropies, ties included; False elsewhere and
+    everywhere when no token is active. At ``top_quantile`` 0 only the highest entropy (and its ties) stays.
+
+    The quantile spans these ``N`` completions only: in the update, this rank's micro-batch. TRL gathers every
+    process's micro-batch for it; here ranks may run different numbers of micro-batches, and a collective inside
+    the loss would wait forever on a rank that ran out of them.
+
+    Args:
+        entropy: ``[N, T]`` each token's entropy (no gradient); mask: ``[N, T]`` 1 on active tokens;
+        top_quantile: the share of the active tokens kept, in [0, 1].
+    """
+    active = mask.bool()
+    # torch.quantile takes float32 or float64; the comparison is in the same dtype, so a tie stays a tie
+    entropy = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32))
+    values = entropy[active]
+    if values.numel() == 0:
+        return active
+    return (entropy >= torch.quantile(values, 1.0 - top_quantile)) & active
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
