@@ -180,10 +180,10 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
     active = mask.bool()
     # torch.quantile takes float32 or float64; the comparison is in the same dtype, so a tie stays a tie
     entropy = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32))
-    values = entropy[active]
-    if values.numel() == 0:
-        return active
-    return (entropy >= torch.quantile(values, 1.0 - top_quantile)) & active
+    # the inactive tokens as NaN, which nanquantile leaves out: no boolean index, so no read back to the host (all
+    # NaN, the threshold is NaN and no token is kept)
+    threshold = torch.nanquantile(entropy.masked_fill(~active, math.nan).flatten(), 1.0 - top_quantile)
+    return (entropy >= threshold) & active
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
