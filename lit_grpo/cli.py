@@ -292,8 +292,8 @@ class GRPOCLI(LightningCLI):
                 raise
             if not isinstance(err, ValueError):
                 err = ValueError(f"{type(err).__name__}: {err}")
-            err = ValueError(optional_group_reason(str(err)))
-            _exit_with(qualified_error(err, self.config[self.subcommand].keys()), self.subcommand)
+            keys = self.config[self.subcommand].keys()
+            _exit_with(qualified_error(ValueError(optional_group_reason(str(err), keys)), keys), self.subcommand)
 
 
 _LEADING_SETTING = re.compile(r"^([A-Za-z_][\w.]*)=")
@@ -455,10 +455,11 @@ _UNION_ERRORS = re.compile(r"(?:Parser key \"([\w.]+)\":.*)?Does not validate ag
 _NOT_NONE = "Expected a <class 'NoneType'>"
 
 
-def optional_group_reason(message: str) -> str:
+def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
     """The group's own reason for refusing a value, from jsonargparse's message for an optional settings group,
     which lists a reason for each type of the Union, the value's repr and the Union's spelling, the one line that
-    names the bad setting and what is allowed lost among them; any other ``message`` as it is."""
+    names the bad setting and what is allowed lost among them; any other ``message`` as it is. ``keys``: the
+    config's dotted keys, which name the setting in full (``qualified_error``)."""
     match = _UNION_ERRORS.search(message)
     if match is None:
         return message
@@ -468,7 +469,15 @@ def optional_group_reason(message: str) -> str:
            if reason != _NOT_NONE]
     if len(own) != 1 or len(reasons) != 2:
         return message
-    return f"{match.group(1) + ': ' if match.group(1) else ''}{own[0]} (or null)"
+    group, reason = match.group(1), own[0]
+    key = group
+    if group and (inner := re.match(r'Parser key "([\w.]+)": ', reason)):  # a setting inside the group
+        key, reason = f"{group}.{inner.group(1)}", reason[inner.end():]
+    elif group is None:  # the group's own check names its setting
+        reason = str(qualified_error(ValueError(reason), keys))
+        if (setting := _LEADING_SETTING.match(reason)) and "." in setting.group(1):
+            group = setting.group(1).rsplit(".", 1)[0]
+    return f"{key + ': ' if key else ''}{reason}" + (f" (or {group}: null)" if group else "")
 
 
 def _option_names(parser: argparse.ArgumentParser) -> list[str]:

@@ -205,7 +205,7 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--model.dtype", "float13"], "error: model.dtype='float13' is not known; use one of ['bf16', 'bfloat16'"),
     # an optional group's own reason, not jsonargparse's account of each type of the Union
     (["--model.loss.beta", "0.1", "--model.reference_sync", "{every_n_steps: 0}"],
-     "error: model.reference_sync.every_n_steps=0 must be an integer >= 1 (or null)\n"),
+     "error: model.reference_sync.every_n_steps=0 must be an integer >= 1 (or model.reference_sync: null)\n"),
     # Lightning's own refusals and a YAML list where a mapping belongs are said alike
     (["--trainer.max_steps", "-5"], "error: MisconfigurationException: `max_steps` must be a non-negative integer"),
 ])
@@ -222,7 +222,7 @@ def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
         main(["fit", "--config", TINY, "--model.loss.beta", "0.1", "--model.reference_sync", "{every: 2}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "error: model.reference_sync: Option 'every' is not accepted (or null)\n" in err, err
+    assert "error: model.reference_sync: Option 'every' is not accepted (or model.reference_sync: null)\n" in err, err
     assert "Union" not in err and "Given value" not in err
 
 
