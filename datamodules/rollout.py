@@ -130,9 +130,9 @@ class RolloutDataModule(LightningDataModule):
         prompts_per_step: B, groups per training step (per rank).
         sampling: the rollout engine's settings, a :class:`~lit_grpo.sampling.SamplingConfig` (or a dict of its
             fields; YAML ``data.sampling:``), documented and checked there: G (>= 2 for training), g (or "auto"
-            with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k / min_p, the seed of the
-            random streams, ``scheduler`` (the "infinite" strategy's options), CUDA graphs, and whether the KV
-            cache stays allocated between steps.
+            with ``kv_budget_bytes``), strategy, the length cap, temperature / top_p / top_k / min_p /
+            repetition_penalty, the seed of the random streams, ``scheduler`` (the "infinite" strategy's options),
+            CUDA graphs, and whether the KV cache stays allocated between steps.
         dynamic_sampling: drop groups whose rewards are all equal and draw more prompts, at most
             ``max_rollouts_per_step`` rollouts (engine calls) per step; dropped groups fill the batch if still short
             (zero advantages).
@@ -142,10 +142,11 @@ class RolloutDataModule(LightningDataModule):
             ``max_staleness`` steps); see :class:`~lit_grpo.rollout.builder.RolloutBuilder`. Their tokens from older
             weights are corrected by ``GRPOModule``'s sampler correction ("auto").
         steps_per_epoch: default ``ceil(train prompts / (B x world_size))``.
-        val_batch_size: greedy validation rollouts, ``val_max_new_tokens`` long (default: the sampling cap).
+        val_batch_size: greedy validation rollouts (the policy's argmax, no repetition penalty),
+            ``val_max_new_tokens`` long (default: the sampling cap).
         val_num_samples: ``k > 1`` also draws k samples per held-out prompt at ``val_temperature`` (on an
-            engine of their own, seeded apart from training's streams) for ``val/mean_at_k`` and ``val/pass_at_k``;
-            1 (default) validates greedily only.
+            engine of their own, seeded apart from training's streams, with training's filters and repetition
+            penalty) for ``val/mean_at_k`` and ``val/pass_at_k``; 1 (default) validates greedily only.
         curriculum: "none" (uniform, epoch-style shuffling) or "angle" (GAIN-RL); ``curriculum_kwargs`` go to the
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
         on_reward_error: "raise" (stop, naming the function and the prompt) or "skip_group" (the group is scored 0

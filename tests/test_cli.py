@@ -104,9 +104,10 @@ def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_funct
 
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--print_config"])
+        main(["fit", "--config", TINY, "--print_config", "--data.sampling.repetition_penalty", "1.2"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
+    assert config["data"]["sampling"]["repetition_penalty"] == 1.2
     assert config["model"]["model"] == "tiny-llama"
     assert config["data"]["sampling"]["group_size"] == 4 and config["data"]["curriculum"] == "none"
     assert config["model"]["loss"]["loss_type"] == "dapo" and config["model"]["sampler_correction"]["mode"] == "auto"

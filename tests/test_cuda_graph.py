@@ -17,14 +17,16 @@ from lit_grpo.sampling import RolloutEngine
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])  # 1.3: the rows' seen ids, written between replays, read in them
 @pytest.mark.parametrize("strategy", ["continuous", "infinite"])
-def test_graph_replay_equals_the_eager_step(strategy):
+def test_graph_replay_equals_the_eager_step(strategy, penalty):
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2", dtype="float32", device="cuda")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3?", "Compute 7 + 8 + 9.", "hi")]
     results = {}
     for graph in (False, True):
         engine = RolloutEngine(model, tokenizer, group_size=5, micro_group_size=3, strategy=strategy,
-                               max_new_tokens=12, temperature=1.0, seed=3, cuda_graph=graph)
+                               max_new_tokens=12, temperature=1.0, seed=3, cuda_graph=graph,
+                               repetition_penalty=penalty)
         results[graph] = [engine.generate(prompts) for _ in range(2)]  # the second rollout replays the same graph
         assert (engine._step.graph is not None) == graph
     for eager, replayed in zip(results[False], results[True]):

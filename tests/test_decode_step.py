@@ -32,6 +32,8 @@ SETTINGS = [
                  cuda_graph=False),
     StepSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=True,
                  cuda_graph=False),
+    StepSettings(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=False,
+                 cuda_graph=False, repetition_penalty=1.3),
 ]
 
 
@@ -65,7 +67,8 @@ def test_the_meta_device_refuses_every_host_read():
 
 @pytest.mark.parametrize("name, dtype", [("tiny-llama", "float32"), ("tiny-qwen2", "float32"),
                                          ("random:qwen3-0.6b", "bfloat16"), ("random:llama3.2-1b", "bfloat16")])
-@pytest.mark.parametrize("settings", SETTINGS, ids=["sample", "top-k-p-forced-hidden", "greedy-hidden"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["sample", "top-k-p-forced-hidden", "greedy-hidden",
+                                                    "repetition-penalty"])
 def test_the_decode_step_never_reads_a_device_value_on_the_host(name, dtype, settings):
     model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=META)
     cache = SlotKVCache(model.config, num_slots=3, width=16, dtype=model.dtype, device=META)

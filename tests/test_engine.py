@@ -377,6 +377,9 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
     (dict(top_k=-1), "top_k=-1"),
     (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\)"),
     (dict(min_p=-0.1), "min_p=-0.1"),
+    *[(dict(repetition_penalty=value), rf"sampling.repetition_penalty={value!r} must be a finite number > 0 \(1.0 "
+                                        r"disables it; above 1 penalizes the tokens already in the sequence\)")
+      for value in (0.0, -1.2, float("inf"), float("nan"), True, "1.2", None)],
     (dict(max_new_tokens=0), "max_new_tokens=0"),
 ])
 def test_bad_engine_arguments_are_named(tiny_llama, kwargs, match):

@@ -378,6 +378,11 @@ def test_kv_bytes_per_token_from_the_config(module):
     assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, parked_tokens=3) == 3
     assert auto_micro_group_size(config, torch.float32, held + slot, 10, 6, 4, 2) == 1
     assert auto_micro_group_size(config, torch.float32, 10**12, 10, 6, 4, 2) == 8  # capped at B x G
+    # a row's state besides its KV (a repetition penalty's seen ids) is part of each slot's price
+    assert auto_micro_group_size(config, torch.float32, held + 5 * slot, 10, 6, 4, 2, row_state_bytes=1) == 4
+    with pytest.raises(ValueError, match=rf"smaller than one slot's KV cache, {slot + 7} bytes .* \+ 7 bytes of its "
+                                         rf"row's seen ids\), plus the {held} bytes"):
+        auto_micro_group_size(config, torch.float32, held + slot, 10, 6, 4, 2, row_state_bytes=7)
     with pytest.raises(ValueError, match=rf"kv_budget_bytes={held + slot - 1} is smaller than one slot's KV cache, "
                                          rf"{slot} bytes .* plus the {held} bytes held besides the slots "
                                          rf"\(2 prompts' prefixes and a prefill's moment\); raise kv_budget_bytes "

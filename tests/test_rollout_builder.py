@@ -11,6 +11,7 @@ from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.sampling.decode_step import vocab_size
 from lit_grpo.scheduling import LeastAttainedScheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
 from lit_grpo.scheduling.length_aware import LengthAwareScheduler, OnlineLengthPredictor
@@ -55,12 +56,15 @@ def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
 def test_validation_engines_run_their_step_as_the_training_engine_does(policy):
     model, tokenizer = policy
     options = dict(cuda_graph=False, compile=True, cpu_linear="torch", decode_attention="sdpa_gqa")
-    sampling = SamplingConfig(group_size=4, micro_group_size=2, max_new_tokens=6, **options)
+    sampling = SamplingConfig(group_size=4, micro_group_size=2, max_new_tokens=6, repetition_penalty=1.2, **options)
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), prompts_per_step=1,
                              val_num_samples=3, val_temperature=0.7)
     for engine in (builder.engine, builder.val_engine, builder.val_sampled_engine):
         assert {key: getattr(engine.config, key) for key in options} == options
     assert (builder.val_engine.config.temperature, builder.val_sampled_engine.config.temperature) == (0.0, 0.7)
+    # sampled validation draws as training does; greedy validation is the policy's own argmax
+    assert (builder.val_engine.config.repetition_penalty, builder.val_sampled_engine.config.repetition_penalty) == (
+        1.0, 1.2)
 
 
 def test_builder_resumes_the_engine_state_it_is_given(policy):
@@ -374,7 +378,7 @@ def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkey
     model, tokenizer = policy
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
-                        lambda *args, carried, alignment: priced.append(args[7:]) or 2)
+                        lambda *args, carried, alignment, row_state_bytes: priced.append(args[7:]) or 2)
     for strategy, scheduler in [("infinite", {}), ("infinite", {"park_budget": None}), ("continuous", {})]:
         sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy=strategy, max_new_tokens=64,
                                   kv_budget_bytes=10**7, scheduler=scheduler)
@@ -382,6 +386,21 @@ def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkey
         assert builder.resolved_micro_group_size == 2
     # within the park budget: half of each slot's generation KV; without one, each sample up to its last point
     assert priced == [(0, 0.5), (56, 0.0), (0, 0)]
+
+
+def test_auto_slots_price_the_ids_a_repetition_penalty_keeps_per_row(policy, monkeypatch):
+    from lit_grpo.rollout import slot_memory as slot_memory_module
+
+    model, tokenizer = policy
+    priced = []
+    monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
+                        lambda *args, carried, alignment, row_state_bytes: priced.append(row_state_bytes) or 2)
+    for penalty in (1.0, 1.2):
+        sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=64,
+                                  kv_budget_bytes=10**7, repetition_penalty=penalty)
+        assert RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2,
+                              max_prompt_length=8).resolved_micro_group_size == 2
+    assert priced == [0, vocab_size(model)]  # one bool per vocabulary entry a row
 
 
 def test_auto_keeps_nothing_off_cuda(policy):
@@ -418,7 +437,7 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
         RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
-                        lambda *args, carried, alignment: priced.append(carried) or 2)
+                        lambda *args, carried, alignment, row_state_bytes: priced.append(carried) or 2)
     partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=8, over_provision=2.0)
     partial.build_train(lambda count: _prompts(tokenizer, count))

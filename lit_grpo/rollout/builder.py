@@ -210,12 +210,13 @@ class RolloutBuilder:
     @property
     def val_sampled_engine(self) -> RolloutEngine:
         """``val_num_samples`` completions per held-out prompt at ``val_temperature`` (the training top_p /
-        top_k / min_p), on ``val_batch_size`` continuous slots, with the validation seed."""
+        top_k / min_p / repetition_penalty), on ``val_batch_size`` continuous slots, with the validation seed."""
         if self._val_sampled_engine is None:
             config = SamplingConfig(group_size=self.val_num_samples, micro_group_size=self.val_batch_size,
                                     strategy="continuous", max_new_tokens=self.val_max_new_tokens,
                                     temperature=self.val_temperature, top_p=self.sampling.top_p,
                                     top_k=self.sampling.top_k, min_p=self.sampling.min_p,
+                                    repetition_penalty=self.sampling.repetition_penalty,
                                     seed=self.sampling.seed + VAL_SEED_OFFSET,
                                     **self._step_options())
             self._val_sampled_engine = self._new_engine(config)

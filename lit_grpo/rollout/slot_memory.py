@@ -23,6 +23,7 @@ from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import ConfigError, config_errors
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
+from lit_grpo.sampling.decode_step import row_state_bytes
 from lit_grpo.sampling.engine import row_alignment
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
 from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory,
@@ -163,7 +164,8 @@ class SlotMemory:
             with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
                 slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,
                                               self.max_prompt_length, config.max_new_tokens, config.group_size,
-                                              prompts, *parked, carried=carried, alignment=alignment)
+                                              prompts, *parked, carried=carried, alignment=alignment,
+                                              row_state_bytes=row_state_bytes(self.policy, config.repetition_penalty))
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 

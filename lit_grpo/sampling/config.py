@@ -47,6 +47,11 @@ class SamplingConfig:
         max_new_tokens: the completion length cap.
         temperature: 0 means greedy. top_p in (0, 1]. top_k: 0 disables it. min_p in [0, 1): keep the tokens at
             least min_p times as likely as the most likely one (0 disables it).
+        repetition_penalty: transformers' and vLLM's (TRL's ``repetition_penalty``), > 0, 1.0 off: the raw logit of
+            every token id already in the sequence (the prompt's and the completion's so far) is divided by it where
+            positive and multiplied by it where negative, before the temperature and the filters; above 1 makes
+            repeats less likely. The sampling log-probs are those of the penalized distribution. The decode step
+            keeps a ``[slots, vocab]`` bool of the ids each row has seen (priced by ``micro_group_size: auto``).
         seed: base of every per-sample random stream.
         scheduler: options of the "infinite" strategy (ignored by the others, which have no options; the
             ``RolloutDataModule`` warns, naming them, when some are set for another strategy).
@@ -86,6 +91,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
@@ -123,6 +129,10 @@ class SamplingConfig:
         check_int("sampling.top_k", self.top_k, 0)
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
+                not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"sampling.repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
+                             "(1.0 disables it; above 1 penalizes the tokens already in the sequence)")
         check_int_in_range("sampling.seed", self.seed, 0, SEED_MAX)
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))

@@ -3,8 +3,8 @@
 ``DecodeStep`` is this engine's model runner (vLLM's name): it owns the static input buffers of a decode step and
 the step itself, and on CUDA captures it once as a CUDA graph and replays it. It owns every per-row state of
 the slots (a row's cached positions, its length, next input and random-stream key; the ``SlotKVCache`` is the
-memory they live in), set through ``start_row`` / ``stop_row``; which sample runs in which row is the scheduler's
-business, and the loop's to tell it.
+memory they live in; under a repetition penalty, the ids each row has seen), set through ``start_row`` /
+``stop_row``; which sample runs in which row is the scheduler's business, and the loop's to tell it.
 
 One step, all on the device, no host round trip until the end:
 
@@ -12,10 +12,12 @@ One step, all on the device, no host round trip until the end:
    ``attended``: see "Attended width" below);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column; its attention is ``decode_attention``'s (``SamplingConfig.decode_attention``);
-3. optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
+3. the optional repetition penalty on the ids each row has seen (its prompt and tokens so far, ``[slots, V]``
+   bool), optional forced lengths (replay), the per-sample uniforms (``random_streams``, keyed on device tensors) and
    inverse-CDF sampling; in a token replay, the row's recorded token at its token index replaces the draw (the
    rows' recorded tokens wait in a static ``[slots, width]`` buffer written by ``start_row``);
-4. the advance: the sampled token becomes the row's next input, running rows' lengths and token counts grow by 1.
+4. the advance: the sampled token becomes the row's next input (and one of the ids it has seen), running rows'
+   lengths and token counts grow by 1.
 
 Then ``step`` copies the tokens, their log-probs and, when asked, some rows' last hidden states to the host with
 one synchronisation: the engine must learn which rows ended before it refills them. Idle rows run too (the
@@ -58,7 +60,7 @@ from lit_grpo.runtime.models import cache_keyword
 from lit_grpo.sampling.decode_attention import step_attention
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
-from lit_grpo.sampling.token_sampler import force_lengths, replay_tokens, sample_tokens
+from lit_grpo.sampling.token_sampler import force_lengths, penalize_repetitions, replay_tokens, sample_tokens
 
 #: Eager forwards before a capture, so lazy initialisations (cuBLAS handles and workspaces, autocast state) happen
 #: outside the graph: two before the first capture on a device, one before later ones (those are process-wide).
@@ -103,10 +105,12 @@ class StepSettings:
 
     Attributes:
         temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
+        repetition_penalty: ``SamplingConfig.repetition_penalty``; 1.0 builds a step without it (no seen ids kept,
+            nothing more per step).
         force_lengths: replay recorded lengths (``RolloutEngine.generate(lengths=...)``).
         force_tokens: replay recorded tokens (``RolloutEngine.generate(tokens=...)``). Their lengths end the
-            samples (the loop ends a sample at its last recorded token), so the logits stay untouched and each
-            token's log-prob is the free run's; hence not with ``force_lengths``.
+            samples (the loop ends a sample at its last recorded token), so no EOS is forced and each token's
+            log-prob is the free run's; hence not with ``force_lengths``.
         hidden_states: also keep each row's last hidden state (for a length predictor's checkpoint).
         cuda_graph: capture and replay a CUDA graph (CUDA only), one per attended width.
         compile: run the step compiled by ``torch.compile`` (``resolve_compile``); with ``cuda_graph`` the compiled
@@ -127,6 +131,7 @@ class StepSettings:
     force_tokens: bool = False
     live_width: bool = False
     attention: str = "matmul"
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.force_lengths and self.force_tokens:
@@ -166,7 +171,8 @@ class DecodeStep:
         graph_required: a failed capture raises instead of falling back to the eager step.
 
     With ``settings.force_tokens`` the rows' recorded tokens live in ``forced_tokens``, ``[slots, width]`` int64:
-    a row holds ``P - 1 + L`` positions of the cache's ``width``, so its L tokens always fit.
+    a row holds ``P - 1 + L`` positions of the cache's ``width``, so its L tokens always fit. With a
+    ``settings.repetition_penalty`` the ids each row has seen live in ``seen``, ``[slots, V]`` bool.
     """
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, settings: StepSettings,
@@ -192,6 +198,9 @@ class DecodeStep:
         self.token_index = torch.zeros(slots, **long)     # ... and of its next token
         self.forced_length = torch.zeros(slots, **long)   # replay: the sample's recorded length (0: free)
         self.forced_tokens = torch.zeros(slots, width, **long) if settings.force_tokens else None
+        self.seen = None
+        if row_state_bytes(model, settings.repetition_penalty):
+            self.seen = torch.zeros(slots, vocab_size(model), dtype=torch.bool, device=device)
         self.seed = torch.zeros((), **long)
         self.columns = torch.arange(width, **long)
         self.is_eos = torch.zeros(vocab_size(model), dtype=torch.bool, device=device)
@@ -255,14 +264,17 @@ class DecodeStep:
 
     def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
                   generated: int, next_input: int, forced_length: int = 0,
-                  forced_tokens: Sequence[int] | None = None) -> None:
+                  forced_tokens: Sequence[int] | None = None, seen: Sequence[Sequence[int]] = ()) -> None:
         """Run a sample in ``slot``: its cached positions are the ``kv`` parts in order (the prompt's prefix, then
         a resumed sample's tail); it has generated ``generated`` tokens and feeds ``next_input`` next. ``stream`` =
         (rollout, prompt) keys its random stream with ``sample``. A replayed sample has its recorded length
         (``forced_length``) and, in a token replay, all its recorded tokens (``forced_tokens``, from the first: it
-        emits token ``generated`` next)."""
+        emits token ``generated`` next). ``seen``: the sample's ids so far in parts (its prompt's, then the tokens
+        it generated, a resumed sample's included), which the repetition penalty penalizes; read only under one."""
         if forced_tokens is not None:
             self._write_forced_tokens(slot, forced_tokens, forced_length)
+        if self.seen is not None:
+            self._write_seen(slot, seen)
         length = 0
         for part in kv:
             length += self.cache.write_row(slot, length, part)
@@ -284,6 +296,17 @@ class DecodeStep:
         row = torch.zeros(width, dtype=torch.long)
         row[:forced_length] = torch.as_tensor(list(tokens[:forced_length]), dtype=torch.long)
         self.forced_tokens[slot].copy_(row)
+
+    def _write_seen(self, slot: int, parts: Sequence[Sequence[int]]) -> None:
+        """Row ``slot``'s seen ids: those in ``parts``, less any the output head has no logit for (transformers
+        drops them too)."""
+        vocab = self.seen.shape[1]
+        ids = [t for part in parts for t in part if t < vocab]
+        if not ids:
+            raise ValueError("a row under a repetition penalty needs the ids it has seen (its prompt's at least)")
+        row = self.seen[slot]
+        row.zero_()
+        row[torch.tensor(ids, device=self.device)] = True
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
         """A copy of the row's positions ``[start, stop)`` (a parked sample's tail)."""
@@ -364,6 +387,8 @@ class DecodeStep:
                          **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=hidden_states)
         logits = out.logits[:, -1]
+        if self.seen is not None:
+            logits = penalize_repetitions(logits, self.seen, settings.repetition_penalty)
         if settings.force_lengths:
             logits = force_lengths(logits, self.token_index, self.forced_length, self.is_eos)
         uniforms = stream_uniforms(self.seed, self.stream_rollout, self.prompt_index, self.sample_index,
@@ -375,6 +400,9 @@ class DecodeStep:
                                              settings.min_p)
         self.tokens.copy_(tokens)
         self.logprobs.copy_(logprobs)
+        if self.seen is not None:  # a running row has seen its token; an idle one (every row in a warm-up) has not
+            index = tokens.unsqueeze(1)                                                      # [slots, 1]
+            self.seen.scatter_(1, index, self.seen.gather(1, index) | self.active.bool().unsqueeze(1))
         if hidden_states:
             self.hidden.copy_(out.hidden_states[-1][:, -1])
         self.input_ids.copy_(tokens.unsqueeze(1))
@@ -462,9 +490,10 @@ class DecodeStep:
     @contextlib.contextmanager
     def rows_kept(self):
         """Within the block, steps run (warm-ups, a compilation) without advancing the rows: every row counts as
-        idle, so no length grows (a row one column short of the cache's width is never written past it), and the
-        rows' lengths, token indices, next inputs and activity are put back after. The keys and values those steps
-        wrote sit at each row's next column, which the next real step writes again before it reads it."""
+        idle, so no length grows (a row one column short of the cache's width is never written past it) and no
+        row's seen ids change, and the rows' lengths, token indices, next inputs and activity are put back after.
+        The keys and values those steps wrote sit at each row's next column, which the next real step writes again
+        before it reads it."""
         state = (self.cache.lengths, self.token_index, self.input_ids, self.active)
         saved = [tensor.clone() for tensor in state]
         self.active.zero_()
@@ -524,6 +553,12 @@ def compiled_step(run: Callable, shape: Hashable) -> Callable:
     code = run.__code__.replace()  # an equal but distinct code object
     own = types.FunctionType(code, run.__globals__, run.__name__, run.__defaults__, run.__closure__)
     return torch.compile(own, dynamic=False)
+
+
+def row_state_bytes(model: torch.nn.Module, repetition_penalty: float) -> int:
+    """Bytes a step's row holds besides its KV and a few scalars: under a repetition penalty its seen ids, one
+    bool per vocabulary entry; else 0."""
+    return vocab_size(model) if repetition_penalty != 1.0 else 0
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -153,6 +153,7 @@ class RolloutEngine:
     top_p = property(lambda self: self.config.top_p)
     top_k = property(lambda self: self.config.top_k)
     min_p = property(lambda self: self.config.min_p)
+    repetition_penalty = property(lambda self: self.config.repetition_penalty)
     seed = property(lambda self: self.config.seed)
 
     def num_slots(self, num_prompts: int) -> int:
@@ -365,7 +366,7 @@ class RolloutEngine:
         # Live-width buckets on CUDA only: on a CPU a row's rounding must not follow its neighbours' lengths
         # (decode_step's module doc).
         return StepSettings(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
-                            min_p=float(self.min_p),
+                            min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
                             force_lengths=forced and not replayed, force_tokens=replayed,
                             hidden_states=self.scheduler.probe_tokens is not None, cuda_graph=bool(graph),
                             compile=compiled,

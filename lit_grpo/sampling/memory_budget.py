@@ -12,9 +12,11 @@ budget, up to the last preemption point). Samples preempted within a park budget
 most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. For a moment a prefill
 holds more: while a chunk of prompts (up to ``PREFILL_CHUNK_TOKENS`` positions, or one longer prompt) is split into
 their prefixes, one layer of it twice; and under partial rollouts, while a carried sample's KV is computed again,
-its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus one layer of its tokens. So::
+its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus one layer of its tokens. A slot's
+row of the decode step may hold more than KV: ``row_state_bytes`` (a repetition penalty's seen ids, one byte per
+vocabulary entry; ``decode_step.row_state_bytes``). So::
 
-    slot_bytes    = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction))
+    slot_bytes    = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction)) + row_state_bytes
     held_bytes    = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x parked_tokens)
     prefill_bytes = the larger of those two moments (kv_prefill_bytes)
     g             = min(floor((kv_budget_bytes - held_bytes - prefill_bytes) / slot_bytes), group_size x num_prompts)
@@ -183,12 +185,13 @@ def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int,
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
                           max_new_tokens: int, group_size: int, num_prompts: int = 1, parked_tokens: int = 0,
-                          park_fraction: float = 0.0, carried: bool = False, alignment: int = 1) -> int:
+                          park_fraction: float = 0.0, carried: bool = False, alignment: int = 1,
+                          row_state_bytes: int = 0) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
     ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none);
     ``carried``: partial rollouts may carry samples into the rollout; ``alignment``: the engine rounds its rows'
-    width up to a multiple of it (``slot_positions``).
+    width up to a multiple of it (``slot_positions``); ``row_state_bytes``: what a slot's row holds besides its KV.
 
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
@@ -200,7 +203,8 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     per_token = kv_bytes_per_token(config, dtype)
     check_real("park_fraction", park_fraction, 0)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens, alignment)
-    slot += math.ceil(per_token * max_new_tokens * park_fraction)
+    check_int("row_state_bytes", row_state_bytes, 0)
+    slot += math.ceil(per_token * max_new_tokens * park_fraction) + row_state_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
@@ -209,7 +213,9 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens"
                          + (f", a row rounded up to a multiple of {alignment}" if alignment > 1 else "")
-                         + f"{parked})), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
+                         + f"{parked})"
+                         + (f" + {row_state_bytes} bytes of its row's seen ids" if row_state_bytes else "")
+                         + f"), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
                          + (f", parked samples' {parked_tokens} tokens" if parked_tokens else "")
                          + " and a prefill's moment"
                          + f"); raise kv_budget_bytes to at least {slot + held}, or lower max_new_tokens")

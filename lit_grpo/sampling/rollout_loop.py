@@ -133,7 +133,7 @@ class RolloutLoop:
             recorded = group.forced_tokens[k] if group.forced_tokens is not None else None
             self.decode_step.start_row(slot, (store.prefix(p), tail), stream=group.stream, sample=k,
                                        generated=len(sample.tokens), next_input=next_input, forced_length=forced,
-                                       forced_tokens=recorded)
+                                       forced_tokens=recorded, seen=(group.prompt_ids, sample.tokens))
             del tail  # the row has its copy: free this one before the next sample starts
         self._release_unused_prefixes()
         self._record_memory()

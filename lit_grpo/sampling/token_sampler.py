@@ -1,5 +1,5 @@
-"""Turning next-token logits into tokens: temperature, top-k, top-p, min-p, forced lengths, replayed tokens, and the
-sampling log-probs.
+"""Turning next-token logits into tokens: the repetition penalty, temperature, top-k, top-p, min-p, forced lengths,
+replayed tokens, and the sampling log-probs.
 
 Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
 runs inside the decode step's CUDA graph.
@@ -154,6 +154,25 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BL
     # Only a row of NaN probabilities reaches past the vocabulary: kept in range, it draws a token the decode step
     # then refuses by its NaN log-prob (``check_finite_logits``) instead of failing inside an index.
     return (chosen * block + offset).squeeze(-1).clamp_(max=vocab - 1)
+
+
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` (and vLLM's repetition penalty) on each row's seen ids: a
+    seen token's logit is multiplied by ``penalty`` where negative, else divided by it.
+
+    The same comparison and float32 operations as transformers' (which penalizes the float32 copy ``generate``
+    makes of the logits), so the penalized logits are its own, bit for bit.
+
+    Args:
+        logits: ``[n, V]`` raw next-token logits (any float dtype; penalized in float32).
+        seen: ``[n, V]`` bool, the ids in each row's sequence so far (prompt and completion).
+        penalty: > 0; 1.0 changes nothing (the caller skips the call then).
+    Returns:
+        ``[n, V]`` float32 logits.
+    """
+    logits = logits.float()
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
 
 
 def force_lengths(logits: torch.Tensor, token_index: torch.Tensor, forced_length: torch.Tensor,
