@@ -527,6 +527,19 @@ def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
     assert [lr_factor(s, 2, 6, "cosine") for s in steps] == pytest.approx(
         [0.5, 1] + [0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(1, 5)])
     assert lr_factor(9, 2, 6, "linear") == lr_factor(9, 2, 6, "cosine") == 0  # resumed past the end: no rate
+    # a floor: transformers' cosine_with_min_lr (min_lr_rate 0.1), the same fall scaled into [0.1, 1]
+    assert [lr_factor(s, 2, 6, "cosine", 0.1) for s in steps] == pytest.approx(
+        [0.5, 1] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(1, 5)])
+    assert [lr_factor(s, 0, 4, "linear", 0.2) for s in range(4)] == pytest.approx([1, 0.8, 0.6, 0.4])
+    assert lr_factor(9, 2, 6, "cosine", 0.1) == pytest.approx(0.1)  # past the end: the floor
+    assert lr_lambda("cosine", 2, 6, 0.1)(5) == pytest.approx(lr_factor(5, 2, 6, "cosine", 0.1))
+    for bad in (-0.1, 1.5, math.nan, True, "0.1"):
+        with pytest.raises(ValueError, match=rf"min_lr_ratio={bad!r} is not allowed; min_lr_ratio must be a finite "
+                                             r"number >= 0 and <= 1"):
+            GRPOModule(model="tiny-llama", lr_schedule="cosine", min_lr_ratio=bad)
+    with pytest.warns(UserWarning, match=r"min_lr_ratio=0.1 is the floor of a decaying lr_schedule; with 'constant' "
+                                         "it is ignored"):
+        GRPOModule(model="tiny-llama", min_lr_ratio=0.1)
     with pytest.raises(ValueError, match=r"lr_schedule='cosine' decays the rate to 0 at trainer.max_steps, which "
                                          r"is not set \(-1\)"):
         lr_lambda("cosine", 0, -1)
@@ -571,6 +584,9 @@ def test_a_decaying_rate_spans_the_optimizer_steps_the_run_makes():
     rates, _ = _fit_rates(4, lr=1e-3, lr_schedule="linear", num_iterations=2)
     assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
     assert _fit_rates(3, lr=1e-3, lr_schedule="linear", num_iterations=2)[0] == pytest.approx(rates)
+    # with a floor the same fall is scaled into [min_lr_ratio, 1] of the rate
+    floored, _ = _fit_rates(4, lr=1e-3, lr_schedule="linear", num_iterations=2, min_lr_ratio=0.2)
+    assert floored == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4])
 
 
 def test_a_resumed_run_takes_its_own_rate_and_schedule_at_the_step_it_resumes(tmp_path):

@@ -240,7 +240,8 @@ def lit_optimizer(model, spec: dict[str, Any]):
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"],
                                   weight_decay=spec["weight_decay"], betas=tuple(spec["betas"]))
-    schedule = lr_lambda(spec["lr_schedule"], spec["lr_warmup_steps"], spec["steps"] * spec["num_iterations"])
+    schedule = lr_lambda(spec["lr_schedule"], spec["lr_warmup_steps"], spec["steps"] * spec["num_iterations"],
+                         spec.get("min_lr_ratio", 0.0))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 

@@ -139,6 +139,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "weight_decay": m.get("weight_decay", 0.0),
         "lr_warmup_steps": m.get("warmup_steps", 0),
         "lr_schedule": m.get("lr_schedule", "constant"),
+        "min_lr_ratio": m.get("min_lr_ratio", 0.0),
         "max_grad_norm": m.get("max_grad_norm", 1.0),
         "gradient_checkpointing": checkpointing,
         "data": {key: copy.deepcopy(d[key]) for key in ("task", "task_config", "size", "data_seed", "val_size",
@@ -184,6 +185,7 @@ def lit_config(spec: dict[str, Any], records_path: Path | str) -> dict[str, Any]
             "weight_decay": spec["weight_decay"],
             "warmup_steps": spec["lr_warmup_steps"],
             "lr_schedule": spec["lr_schedule"],
+            "min_lr_ratio": spec["min_lr_ratio"],
             "max_grad_norm": spec["max_grad_norm"],
         },
         "data": {
@@ -262,7 +264,8 @@ def trl_other_settings(spec: dict[str, Any]) -> dict[str, str]:
                         "completions' text and the rows' answer and reasoning-gym entry",
         "optimizers": f"torch.optim.AdamW(lr={spec['lr']}, betas={tuple(spec['betas'])}, "
                       f"weight_decay={spec['weight_decay']}) with LambdaLR of lit_grpo's lr_factor (warm-up "
-                      f"{warmup} steps, then {spec['lr_schedule']}): lit_grpo's optimizer and schedule",
+                      f"{warmup} steps, then {spec['lr_schedule']} to {spec['min_lr_ratio']} of the rate): lit_grpo's "
+                      "optimizer and schedule",
         "trainer": "a GRPOTrainer subclass that times _generate_and_score_completions and _generate around "
                    "super() (TRL's code does all the work), plus a TrainerCallback marking step ends",
         "threads": f"torch.set_num_threads({spec['threads']}), OMP_NUM_THREADS={spec['threads']}",

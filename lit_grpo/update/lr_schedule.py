@@ -1,8 +1,9 @@
 """The learning rate over a run's optimizer steps: a linear warm-up, then constant or a decay towards zero.
 
 ``GRPOModule``'s ``lr_schedule``: "constant" (the default) holds the rate after the warm-up; "linear" (TRL's and
-transformers' default) and "cosine" (a half cosine) take it down to zero, which the step after the last one would
-reach. The last step is ``trainer.max_steps``'s, which counts optimizer steps, as ``trainer.global_step`` does
+transformers' default) and "cosine" (a half cosine) take it down to ``min_lr_ratio`` of it (0 by default;
+transformers' ``cosine_with_min_lr`` with ``min_lr_rate`` is "cosine" with it), which the step after the last one
+would reach. The last step is ``trainer.max_steps``'s, which counts optimizer steps, as ``trainer.global_step`` does
 (training steps x ``num_iterations``; rounded up to whole training steps, where Lightning stops): the decay needs
 it set. The warm-up's first step already has ``1 / warmup_steps`` of the rate (transformers' has 0), so with a
 warm-up the whole schedule runs one step ahead of transformers'; without one the two are the same.
@@ -22,29 +23,34 @@ from lit_grpo.runtime.validation import ConfigError
 LrSchedule = Literal["constant", "linear", "cosine"]
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: LrSchedule) -> float:
+def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: LrSchedule,
+              min_ratio: float = 0.0) -> float:
     """The base rate's multiplier at optimizer step ``step`` (from 0): ``(step + 1) / warmup_steps`` in the warm-up,
     1 at its last step; from there 1 ("constant"), or falling from 1 at the rate's peak (the warm-up's last step,
-    or step 0) to 0 at step ``total_steps``, on a line ("linear") or a half cosine ("cosine")."""
+    or step 0) to ``min_ratio`` at step ``total_steps``, on a line ("linear") or a half cosine ("cosine")."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
     peak = max(warmup_steps - 1, 0)
-    progress = min((step - peak) / (total_steps - peak), 1.0)  # a run resumed past its total stays at 0
-    return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    progress = min((step - peak) / (total_steps - peak), 1.0)  # a run resumed past its total stays at the floor
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
 
 
-def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None) -> Callable[[int], float]:
-    """``lr_factor`` for ``torch.optim.lr_scheduler.LambdaLR`` (``schedule`` and ``warmup_steps`` as
+def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None,
+              min_ratio: float = 0.0) -> Callable[[int], float]:
+    """``lr_factor`` for ``torch.optim.lr_scheduler.LambdaLR`` (``schedule``, ``warmup_steps`` and ``min_ratio`` as
     ``GRPOModule`` checked them): a decaying ``schedule`` needs ``max_steps`` (the trainer's; None or -1: not set)
     longer than the warm-up."""
     if schedule != "constant":
         if max_steps is None or max_steps < 0:
-            raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to 0 at trainer.max_steps, which is "
-                              f"not set ({max_steps}): set it (optimizer steps: training steps x "
+            floor = f"{min_ratio:g} of it" if min_ratio else "0"
+            raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to {floor} at trainer.max_steps, "
+                              f"which is not set ({max_steps}): set it (optimizer steps: training steps x "
                               "model.num_iterations), or use lr_schedule 'constant'")
         if warmup_steps >= max_steps:
             raise ConfigError(f"model.warmup_steps={warmup_steps} leaves no step of trainer.max_steps={max_steps} "
                               f"for lr_schedule={schedule!r} to decay over: warmup_steps must be < max_steps")
-    return functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule)
+    return functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule,
+                             min_ratio=min_ratio)

@@ -167,7 +167,7 @@ class GRPOModule(LightningModule):
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
         lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many optimizer steps;
             then ``lr_schedule`` (lit_grpo.update.lr_schedule): "constant" (default), or "linear" or "cosine", a
-            decay to 0 at ``trainer.max_steps``.
+            decay to ``min_lr_ratio`` x ``lr`` (0 by default) at ``trainer.max_steps``.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
         fsdp: shard the policy (and the reference) with FSDP2 (``torch.distributed.fsdp.fully_shard``, each
             decoder layer and then the whole model) over the strategy's device mesh in ``configure_model``. Needs
@@ -208,6 +208,7 @@ class GRPOModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 0,
         lr_schedule: LrSchedule = "constant",
+        min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
         fsdp: bool = False,
         fsdp_rollout: str = "auto",
@@ -232,6 +233,10 @@ class GRPOModule(LightningModule):
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         check_int("warmup_steps", warmup_steps, 0)
         check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
+        check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
+        if min_lr_ratio and lr_schedule == "constant":
+            warnings.warn(f"min_lr_ratio={min_lr_ratio!r} is the floor of a decaying lr_schedule; with 'constant' "
+                          "it is ignored", stacklevel=2)
         check_real("lr", lr, low=0, low_open=True)
         check_real("weight_decay", weight_decay, low=0)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
@@ -478,7 +483,8 @@ class GRPOModule(LightningModule):
         max_steps = self.trainer.max_steps if self._trainer is not None else None
         if max_steps is not None and max_steps > 0:  # Lightning stops after whole training steps: the steps run
             max_steps = math.ceil(max_steps / hp.num_iterations) * hp.num_iterations
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps))
+        schedule = lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_start(self) -> None:
