@@ -320,9 +320,11 @@ class RolloutDataModule(LightningDataModule):
                all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                precision_context: Callable[[], Any] | None = None,
                rollout_weights: RolloutWeights | None = None,
-               measured_update_peak: Callable[[], int | None] | None = None) -> None:
-        """Take what the module owns: the policy, its tokenizer, the advantage scaling (part of the objective),
-        the world (ranks, a gather across them, the trainer's precision context), what rollouts run on
+               measured_update_peak: Callable[[], int | None] | None = None,
+               multi_objective_aggregation: str = "sum_then_normalize") -> None:
+        """Take what the module owns: the policy, its tokenizer, the advantage scaling and the reward functions'
+        aggregation (``multi_objective_aggregation``; both part of the objective), the world (ranks, a gather
+        across them, the trainer's precision context), what rollouts run on
         (``rollout_weights``, default the policy itself; under FSDP2 its gathered copy or its shards in
         lockstep) and the device's peak during its last update (``measured_update_peak``, for ``keep_kv_cache:
         auto``). Called once per fit or validate by ``GRPOModule``; call it yourself without a trainer."""
@@ -335,7 +337,8 @@ class RolloutDataModule(LightningDataModule):
         world = dict(all_gather=all_gather, precision_context=precision_context,
                      measured_update_peak=measured_update_peak)
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
-                given["scale_rewards"], given["world_size"]) == (scale_rewards, world_size) and (
+                given["scale_rewards"], given["multi_objective_aggregation"], given["world_size"]) == (
+                scale_rewards, multi_objective_aggregation, world_size) and (
                 rollout_weights is None or given["rollout_weights"] is rollout_weights):
             # the same hand-over again (every validation run repeats it), perhaps from another trainer, whose
             # precision and gather the builder takes on: its engines and caches stay
@@ -345,7 +348,8 @@ class RolloutDataModule(LightningDataModule):
             return
         if self.builder is not None:  # a new policy object: a new builder, continuing the engine's state
             self._pending_state["engine"] = self.builder.state_dict()
-        self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards, world_size=world_size,
+        self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards,
+                              multi_objective_aggregation=multi_objective_aggregation, world_size=world_size,
                               rollout_weights=rollout_weights, **world)
         self.builder = None
         self._render_prompts()
@@ -366,7 +370,8 @@ class RolloutDataModule(LightningDataModule):
             given = self._handover
             self.builder = RolloutBuilder(
                 given["policy"], given["tokenizer"], self.sampling, self.reward_funcs,
-                scale_rewards=given["scale_rewards"], accuracy_reward=self.accuracy_reward,
+                scale_rewards=given["scale_rewards"],
+                multi_objective_aggregation=given["multi_objective_aggregation"], accuracy_reward=self.accuracy_reward,
                 on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
                 max_rollouts_per_step=self.max_rollouts_per_step, val_batch_size=self.val_batch_size,
                 val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,

@@ -45,7 +45,8 @@ class RolloutBatch:
         temperature: the sampling temperature (the update divides logits by it, as the sampler did; 0 = greedy).
         pad_token_id: the padding id used in the id tensors.
         num_groups_generated: groups sampled for this step (more than ``B`` with dynamic sampling).
-        num_groups_zero_std: of those, groups whose rewards were all equal.
+        num_groups_zero_std: of those, groups without learning signal: whose rewards were all equal (under
+            ``multi_objective_aggregation="normalize_then_sum"``: whose every reward function's values were).
         offpolicy_tokens: completion tokens sampled by weights older than this step's (groups carried from an
             earlier step by partial rollouts); the sampler correction's "auto" mode corrects a batch with any.
         split: ``"train"`` or ``"val"``.

@@ -306,6 +306,7 @@ def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     default_epsilon = checkpoint["hyper_parameters"]["loss"].pop("epsilon_low")  # as if saved before both existed
     del checkpoint["hyper_parameters"]["mask_truncated_completions"]
+    del checkpoint["hyper_parameters"]["multi_objective_aggregation"]
     older = tmp_path / "older.ckpt"
     torch.save(checkpoint, older)
     module, data = _hparams(tiny_checkpoint)
@@ -313,8 +314,14 @@ def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny
         check_resumable(older, module, data)
     assert "model.loss.epsilon_low: None in the checkpoint" in str(error.value)
     assert "model.mask_truncated_completions: None in the checkpoint, False now" in str(error.value)
-    defaults = {"model": {"loss": {"epsilon_low": default_epsilon}, "mask_truncated_completions": False}}
+    assert "model.multi_objective_aggregation: None in the checkpoint, 'sum_then_normalize' now" in str(error.value)
+    defaults = {"model": {"loss": {"epsilon_low": default_epsilon}, "mask_truncated_completions": False,
+                          "multi_objective_aggregation": "sum_then_normalize"}}
     check_resumable(older, module, data, defaults=defaults)
+    with pytest.raises(ValueError, match=r"\n  model.multi_objective_aggregation: 'sum_then_normalize' in the "
+                                         r"checkpoint, 'normalize_then_sum' now\nUse"):
+        check_resumable(older, {**module, "multi_objective_aggregation": "normalize_then_sum"}, data,
+                        defaults=defaults)
     with pytest.raises(ValueError, match=r"\n  model.loss.epsilon_low: 0.2 in the checkpoint, 0.3 now\nUse"):
         check_resumable(older, {**module, "loss": {**module["loss"], "epsilon_low": 0.3}}, data, defaults=defaults)
 
@@ -323,6 +330,12 @@ def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny
         build_cli(_fit_args(tmp_path / "other", "--ckpt_path", str(older), "--model.loss.epsilon_low", "0.3", steps=2))
     assert exit_info.value.code == 2
     assert "model.loss.epsilon_low: 0.2 in the checkpoint, 0.3 now" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(_fit_args(tmp_path / "gdpo", "--ckpt_path", str(older), "--model.multi_objective_aggregation",
+                            "normalize_then_sum", steps=2))
+    assert exit_info.value.code == 2
+    assert ("model.multi_objective_aggregation: 'sum_then_normalize' in the checkpoint, 'normalize_then_sum' now"
+            in capsys.readouterr().err)
     build_cli(_fit_args(tmp_path / "same", "--ckpt_path", str(older), steps=2))
     resumed = tmp_path / "same" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert read_checkpoint_header(resumed)["global_step"] == 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import forked_cli
 import pytest
+import torch
 import yaml
 
 from lit_grpo.cli import build_cli, main
@@ -449,3 +450,30 @@ def test_a_setting_found_bad_while_setting_up_ends_the_run_as_a_parse_error_does
                    "--trainer.logger", "false", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_multi_objective_aggregation_reaches_the_rollouts_from_the_command_line_and_the_yaml(tmp_path, capsys):
+    from lit_grpo.rollout.advantages import normalize_then_sum_advantages
+
+    cli = build_cli(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1",
+                     "--trainer.limit_val_batches", "0", "--trainer.logger", "false", "--torch_num_threads", "1",
+                     "--model.multi_objective_aggregation", "normalize_then_sum"])
+    builder = cli.datamodule.builder
+    assert cli.trainer.global_step == 1 and builder.multi_objective_aggregation == "normalize_then_sum"
+    batch = cli.datamodule.build_train_batch()
+    funcs = cli.datamodule.reward_funcs
+    values = torch.stack([batch.reward_components[f.name] for f in funcs], dim=-1)
+    torch.testing.assert_close(batch.advantages, normalize_then_sum_advantages(values, torch.tensor(
+        [f.weight for f in funcs])))
+    config = tmp_path / "gdpo.yaml"
+    config.write_text("model:\n  multi_objective_aggregation: normalize_then_sum\n")
+    cli = build_cli(["--config", TINY, "--config", str(config), "--trainer.logger", "false"], run=False)
+    assert cli.model.hparams.multi_objective_aggregation == "normalize_then_sum"
+    default = build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
+    assert default.model.hparams.multi_objective_aggregation == "sum_then_normalize"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--model.multi_objective_aggregation", "gdpo"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert '"model.multi_objective_aggregation"' in err and "Got value: gdpo" in err
+    assert "'sum_then_normalize', 'normalize_then_sum'" in err

@@ -101,6 +101,7 @@ def test_both_sides_get_the_same_settings(demo, shape):
             (model["loss"]["epsilon_high"], trl["epsilon_high"]), (model["loss"]["beta"], trl["beta"]),
             (model["loss"]["importance_sampling_level"], trl["importance_sampling_level"]),
             (model["scale_rewards"], trl["scale_rewards"]), (model["num_iterations"], trl["num_iterations"]),
+            (model["multi_objective_aggregation"], trl["multi_objective_aggregation"]),
             (model["mask_truncated_completions"], trl["mask_truncated_completions"]),
             (model["lr"], trl["learning_rate"]), (tuple(model["betas"]), (trl["adam_beta1"], trl["adam_beta2"])),
             (model["weight_decay"], trl["weight_decay"]), (model["max_grad_norm"], trl["max_grad_norm"]),

@@ -71,6 +71,25 @@ def test_ddp_batch_scale_and_dapo_normalizer_span_ranks(ddp_run, eos_model):
     assert float(norm) == pytest.approx(logged, rel=1e-4)
 
 
+def test_ddp_normalize_then_sum_normalizes_over_both_ranks(tmp_path):
+    """Under multi_objective_aggregation: normalize_then_sum the summed normalized rewards are normalized by the
+    mean and std of both ranks' (each rank's groups normalized on their own rank, where they are whole)."""
+    from lit_grpo.rollout.advantages import normalize_then_sum, normalize_then_sum_advantages
+
+    record = fit_two_processes(tmp_path, "--trainer.strategy", "ddp", "--model.multi_objective_aggregation",
+                               "normalize_then_sum", steps=1)
+    batches = [torch.load(f"{record}.rank{rank}.step1.pt", weights_only=False) for rank in (0, 1)]
+    with open(ROOT / "configs" / "tiny.yaml") as handle:
+        funcs = yaml.safe_load(handle)["data"]["reward_funcs"]
+    weights = torch.tensor([f["weight"] for f in funcs])
+    values = [torch.stack([b.reward_components[f["name"]] for f in funcs], dim=-1) for b in batches]
+    both = torch.cat([normalize_then_sum(v, weights) for v in values])
+    for b, v in zip(batches, values):
+        torch.testing.assert_close(b.advantages, normalize_then_sum_advantages(v, weights, batch_sums=both))
+    # the test can tell the difference: one rank's own statistics differ
+    assert not torch.allclose(batches[0].advantages, normalize_then_sum_advantages(values[0], weights), atol=1e-4)
+
+
 def test_fsdp_recipe_config_instantiates():
     """configs/fsdp_gpu.yaml (FSDP2 through ModelParallelStrategy, GPU only) parses, its strategy instantiates, and
     the module shards itself in configure_model when given a device mesh (checked on one CPU process)."""

@@ -266,6 +266,9 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", loss={"loss_type": "ppo"})
     with pytest.raises(ValueError, match="scale_rewards='std'"):
         GRPOModule(model="tiny-llama", scale_rewards="std")
+    with pytest.raises(ValueError, match=r"multi_objective_aggregation='gdpo' is not known; use one of "
+                                         r"\['sum_then_normalize', 'normalize_then_sum'\]"):
+        GRPOModule(model="tiny-llama", multi_objective_aggregation="gdpo")
     with pytest.raises(ValueError, match="train_micro_batch_size=0"):
         GRPOModule(model="tiny-llama", train_micro_batch_size=0)
     with pytest.raises(ValueError, match=r"cpu_linear='mkl' is not known; use one of \['auto', 'onednn', 'torch'\]"):

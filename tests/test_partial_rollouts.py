@@ -196,3 +196,31 @@ def test_off_policy_tokens_are_counted_over_the_groups_trained_on_only(tiny64):
         refilled += batch.metrics["rollout/rollouts_per_step"] > 1
         assert batch.offpolicy_tokens == 0 and batch.metrics["rollout/offpolicy_tokens_frac"] == 0
     assert refilled, "the test needs carried groups dropped"
+
+
+def test_partial_rollouts_under_normalize_then_sum_score_the_groups_returned(tiny64):
+    """Carried and fresh groups alike: each step's advantages are normalize_then_sum's of the B groups returned,
+    whatever rollout they were drawn in."""
+    from lit_grpo.rollout.advantages import normalize_then_sum_advantages
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = tiny64
+    draw = _Draws(tokenizer)
+
+    def length(prompts, completions, **columns):
+        return [float(len(c)) for c in completions]
+
+    def odd(prompts, completions, **columns):
+        return [float(k % 2) if k % 3 else None for k in range(len(prompts))]
+
+    funcs = [WeightedReward(length, 0.1), WeightedReward(odd, 1.0)]
+    builder = _partial_builder(model, tokenizer, funcs, multi_objective_aggregation="normalize_then_sum")
+    carried_some = False
+    for step in range(3):
+        draw.step = step
+        batch = builder.build_train(draw)
+        carried_some |= any(step > draw.drawn_at[index] for index in batch.indices)
+        values = torch.stack([batch.reward_components[name] for name in ("length", "odd")], dim=-1)
+        expected = normalize_then_sum_advantages(values, torch.tensor([0.1, 1.0])).float()
+        torch.testing.assert_close(batch.advantages, expected)
+    assert carried_some, "the test needs carried groups"

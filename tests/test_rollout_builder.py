@@ -468,3 +468,114 @@ def test_the_curriculums_accuracy_counts_every_generated_group_dynamic_sampling_
     assert batch.accuracy.mean() == 0.5  # the kept group's
     correct_sum, judged, _, _ = batch.accuracy_sums().tolist()
     assert (correct_sum, judged) == (4 + 0 + 2, 12)  # all three groups'
+
+
+def _stacked(batch, names):
+    return torch.stack([batch.reward_components[name] for name in names], dim=-1)
+
+
+def test_normalize_then_sum_advantages_span_the_kept_groups_of_every_rank(policy):
+    """The builder's batch advantages under normalize_then_sum: a skipped group gets 0 and its values (here not
+    NaN, so that leaving them out shows) stay out of the batch's mean and std, on this rank and the other."""
+    from lit_grpo.rollout.advantages import normalize_then_sum, normalize_then_sum_advantages
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+    funcs = [WeightedReward(lambda prompts, completions, **_: [0.0] * len(prompts), w, name)
+             for name, w in (("a", 1.0), ("b", -0.5))]
+    weights = torch.tensor([1.0, -0.5])
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(0, 5, (3, 4, 2), generator=g).float()
+    values[2] = 50.0 * torch.rand(4, 2, generator=g)                   # the skipped group
+    other = torch.randint(0, 5, (3, 4, 2), generator=g).float()
+    components = {"a": values[..., 0], "b": values[..., 1]}
+    skipped, other_skipped = torch.tensor([False, False, True]), torch.tensor([True, False, False])
+    other_sums = normalize_then_sum(other, weights).masked_fill(other_skipped[:, None], float("nan"))
+    sampling = SamplingConfig(group_size=4)
+
+    one = RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum")
+    advantages = one._advantages(values.sum(dim=2), components, skipped)
+    assert torch.equal(advantages[2], torch.zeros(4))
+    torch.testing.assert_close(advantages[:2], normalize_then_sum_advantages(values[:2], weights))
+    assert not torch.allclose(advantages[:2], normalize_then_sum_advantages(values, weights)[:2], atol=1e-3)
+
+    gathered = []
+
+    def all_gather(tensor):  # this rank's [B, G] first, then the other rank's
+        gathered.append(tensor)
+        return torch.stack([tensor, other_sums])
+
+    two = RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum",
+                         world_size=2, all_gather=all_gather, scale_rewards="group")
+    advantages = two._advantages(values.sum(dim=2), components, skipped)
+    assert len(gathered) == 1 and gathered[0][2].isnan().all()   # the skipped group is gathered as NaN
+    kept = torch.cat([normalize_then_sum(values[:2], weights), other_sums[1:]])
+    torch.testing.assert_close(advantages[:2], normalize_then_sum_advantages(values[:2], weights, batch_sums=kept))
+    assert torch.equal(advantages[2], torch.zeros(4))
+    assert not torch.allclose(advantages[:2], normalize_then_sum_advantages(values[:2], weights), atol=1e-3)
+
+    with pytest.raises(ValueError, match=r"multi_objective_aggregation='normalize_then_sum' over world_size=2 "
+                                         r"ranks needs all_gather"):
+        RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum",
+                       world_size=2)
+    with pytest.raises(ValueError, match=r"multi_objective_aggregation='gdpo' is not known; use one of "
+                                         r"\['sum_then_normalize', 'normalize_then_sum'\]"):
+        RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="gdpo")
+
+
+def test_normalize_then_sum_trains_on_the_groups_no_reward_function_raised_on(policy, recwarn):
+    """A whole step under normalize_then_sum with on_reward_error: skip_group: the skipped group gets 0, the
+    others the advantages of the kept groups' rewards alone."""
+    from lit_grpo.rollout.advantages import normalize_then_sum_advantages
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+
+    def picky(prompts, completions, **columns):
+        if any("1 + 1" in p for p in prompts):
+            raise RuntimeError("no sums of ones")
+        return [float(len(c) % 3) for c in completions]
+
+    def spread(prompts, completions, **columns):
+        return [float(k % 4) if k % 3 else None for k in range(len(prompts))]
+
+    names = ["picky", "spread"]
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
+    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(picky, 2.0), WeightedReward(spread, 0.5)],
+                             prompts_per_step=3, on_reward_error="skip_group",
+                             multi_objective_aggregation="normalize_then_sum")
+    batch = builder.build_train(lambda count: _prompts(tokenizer, count))
+    assert batch.skipped.tolist() == [False, True, False]
+    assert torch.equal(batch.advantages[1], torch.zeros(4)) and batch.advantages.abs().sum() > 0
+    values, weights = _stacked(batch, names), torch.tensor([2.0, 0.5])
+    torch.testing.assert_close(batch.advantages[[0, 2]], normalize_then_sum_advantages(values[[0, 2]], weights))
+
+
+def test_dynamic_sampling_under_normalize_then_sum_drops_groups_whose_every_function_is_constant(policy):
+    """Prompt 1's functions are each constant over the completions they score, but score different ones, so its
+    totals vary; prompt 0's totals are all 2 while its functions vary. Under normalize_then_sum the first has no
+    signal and the second has; summed, the other way round."""
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+
+    def first(prompts, completions, **columns):
+        return [(2.0 * (k % 2 == 0)) if "0 + 0" in p else 1.0 if k % 4 < 2 else None
+                for k, p in enumerate(prompts)]
+
+    def second(prompts, completions, **columns):
+        return [float(k % 2 == 1) if "0 + 0" in p else 3.0 if k % 4 >= 2 else None
+                for k, p in enumerate(prompts)]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
+    funcs = [WeightedReward(first, 1.0), WeightedReward(second, 2.0)]
+    batches = {}
+    for aggregation in ("normalize_then_sum", "sum_then_normalize"):
+        builder = RolloutBuilder(model, tokenizer, sampling, funcs, prompts_per_step=1, dynamic_sampling=True,
+                                 multi_objective_aggregation=aggregation)
+        pool = iter([_prompts(tokenizer, 2)[1], _prompts(tokenizer, 2)[0]])
+        batches[aggregation] = builder.build_train(lambda count: [next(pool) for _ in range(count)])
+    gdpo, summed = batches["normalize_then_sum"], batches["sum_then_normalize"]
+    assert (gdpo.indices, gdpo.num_groups_generated, gdpo.num_groups_zero_std) == ([0], 2, 1)
+    assert torch.equal(gdpo.rewards, torch.full((1, 4), 2.0)) and gdpo.advantages.std() > 0.5
+    assert (summed.indices, summed.num_groups_generated, summed.num_groups_zero_std) == ([1], 1, 0)

@@ -14,6 +14,11 @@ the loss arithmetic is TRL's (its high-entropy mask is its own ``get_high_entrop
 sampler weights come from running the importance-sampling block of TRL's own ``_generate_and_score_completions``
 source on those tensors, and the ``sampling/*`` scalars from the block that logs them.
 
+The advantages under ``multi_objective_aggregation: normalize_then_sum`` (GDPO) are compared too: TRL's advantage
+block of ``_generate_and_score_completions``, run from its source on reward tables with None values (NaN), an
+unscorable completion, a constant function and a function with a single value in a group, against
+``normalize_then_sum_advantages`` on the same values and weights.
+
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
 losses and accumulating the gradients. A row reports the largest absolute difference over shapes and splits of
@@ -39,6 +44,7 @@ from types import MethodType, SimpleNamespace
 
 import torch
 
+from lit_grpo.rollout.advantages import normalize_then_sum_advantages
 from lit_grpo.rollout.metrics import loggable
 from lit_grpo.update.loss_config import CLIP_LOSSES
 from lit_grpo.update.policy_losses import make_loss
@@ -109,6 +115,15 @@ def trl_sources():
     start = source.rindex("\n", 0, source.rindex("if self.use_vllm", 0, logged)) + 1
     metrics = trl_block(source[start:], "if self.use_vllm", "output = {")
     return GRPOTrainer, weights, metrics, trl_utils
+
+
+def trl_advantage_source() -> str:
+    """TRL's advantages from ``rewards_per_func`` (``[N, K]``, NaN for None), both aggregations, unscorable rows
+    zeroed."""
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    return trl_block(source, "unscorable_mask = torch.isnan(rewards_per_func)", "Slice to keep only the local part")
 
 
 class _Accelerator:
@@ -222,6 +237,40 @@ def our_weights_and_metrics(inputs, is_mode, bounds):
     return weights, loggable(stats.as_metrics())  # the logged scalars, not their weights over ranks
 
 
+#: (B groups, G completions, K reward functions) of the advantage comparison.
+REWARD_SHAPES = ((4, 4, 3), (6, 8, 2), (3, 6, 4))
+
+
+def make_rewards(b: int, g: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, g, k]`` reward values on a grid of quarters, NaN for None, and ``[k]`` weights of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 5, (b, g, k), generator=gen).double() / 4
+    values[0, :, 0] = 0.5                                          # a function constant in a group
+    values[torch.rand(b, g, k, generator=gen) < 0.3] = math.nan     # None
+    values[1, 0] = math.nan                                        # an unscorable completion
+    values[-1, 1:, -1] = math.nan                                  # a function with a single value in a group
+    weights = torch.rand(k, generator=gen, dtype=torch.float64) * 2 - 0.5
+    return values.to(dtype), weights.to(dtype)
+
+
+def compare_advantages(dtype: torch.dtype) -> float:
+    """The largest ``|ours - TRL|`` of the normalize_then_sum advantages over ``REWARD_SHAPES``."""
+    from trl.trainer import utils as trl_utils
+
+    source = compile(trl_advantage_source(), "trl:advantages", "exec")
+    worst = 0.0
+    for seed, (b, g, k) in enumerate(REWARD_SHAPES):
+        values, weights = make_rewards(b, g, k, seed, dtype)
+        fake = SimpleNamespace(multi_objective_aggregation="normalize_then_sum", reward_weights=weights,
+                               reward_funcs=[None] * k, scale_rewards="group")
+        scope = {"self": fake, "torch": torch, "rewards_per_func": values.reshape(b * g, k), "num_generations": g,
+                 "device": values.device, "nanstd": trl_utils.nanstd}
+        exec(source, scope)
+        ours = normalize_then_sum_advantages(values, weights).reshape(b * g)
+        worst = max(worst, float((ours - scope["advantages"]).abs().max()))
+    return worst
+
+
 # ------------------------------------------------------------------------------------------------ main
 def compare(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
@@ -282,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in KINDS}
     print(f"{len(records)} combinations, {bad} over {args.tolerance:g}; largest: "
           + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
-    harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records}, indent=1)
+    advantages = compare_advantages(getattr(torch, args.dtype))
+    bad += advantages > args.tolerance
+    print(f"advantages, multi_objective_aggregation normalize_then_sum, (B, G, K) in {REWARD_SHAPES}: max |ours - "
+          f"TRL| {advantages:.1e}" + ("  MISMATCH" if advantages > args.tolerance else ""))
+    harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records,
+                                   "max_abs_diff_advantages": advantages}, indent=1)
     return 1 if bad else 0
 
 

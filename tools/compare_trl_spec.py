@@ -1,10 +1,10 @@
 """One GRPO run's settings for ``tools.compare_trl``, and what each system is given from them.
 
 :func:`build_spec` makes the spec: the demo's settings (``configs/demo.yaml``: model, dtype, task and its prompts,
-system prompt, reward, DAPO loss and its epsilons, beta, reward scaling, learning rate, AdamW's betas and weight
-decay, the learning rate's warm-up, gradient clipping, micro-batch, gradient checkpointing, temperature) with a
-shape's prompts per step B, group size G and new tokens put in. From it :func:`lit_config` writes the
-``lit-grpo fit`` config and :func:`trl_config` the keyword arguments of TRL's ``GRPOConfig``;
+system prompt, reward, DAPO loss and its epsilons, beta, reward scaling and aggregation, learning rate, AdamW's
+betas and weight decay, the learning rate's warm-up, gradient clipping, micro-batch, gradient checkpointing,
+temperature) with a shape's prompts per step B, group size G and new tokens put in. From it :func:`lit_config`
+writes the ``lit-grpo fit`` config and :func:`trl_config` the keyword arguments of TRL's ``GRPOConfig``;
 :func:`trl_other_settings` says in words what the TRL side is given besides (the model object, the optimizer,
 the reward, the prompts). Every value either side trains with comes from the spec, set explicitly on both, so a
 default that differs between the two systems cannot slip in.
@@ -132,6 +132,7 @@ def build_spec(demo: dict[str, Any], cell: dict[str, int], *, model: str | None 
         "train_micro_batch_size": fixed_rows or math.gcd(m.get("train_micro_batch_size", 8), rows),
         "loss": loss,
         "scale_rewards": m.get("scale_rewards", "group"),
+        "multi_objective_aggregation": m.get("multi_objective_aggregation", "sum_then_normalize"),
         "num_iterations": m.get("num_iterations", 1),
         "mask_truncated_completions": m.get("mask_truncated_completions", False),
         "lr": m["lr"],
@@ -176,6 +177,7 @@ def lit_config(spec: dict[str, Any], records_path: Path | str) -> dict[str, Any]
             "dtype": spec["dtype"],
             "loss": dict(spec["loss"]),
             "scale_rewards": spec["scale_rewards"],
+            "multi_objective_aggregation": spec["multi_objective_aggregation"],
             "num_iterations": spec["num_iterations"],
             "mask_truncated_completions": spec["mask_truncated_completions"],
             "train_micro_batch_size": spec["train_micro_batch_size"],
@@ -224,6 +226,7 @@ def trl_config(spec: dict[str, Any], output_dir: Path | str) -> dict[str, Any]:
         "beta": loss["beta"],
         "importance_sampling_level": loss["importance_sampling_level"],
         "scale_rewards": spec["scale_rewards"],
+        "multi_objective_aggregation": spec["multi_objective_aggregation"],
         "num_iterations": spec["num_iterations"],
         "mask_truncated_completions": spec["mask_truncated_completions"],
         "reward_weights": [float(reward.get("weight", 1.0)) if isinstance(reward, dict) else 1.0

@@ -8,8 +8,10 @@ The data flow of a training step, prompt -> builder -> batch -> module::
                                                 with over_provision > 1 it stops once B groups are complete and
                                                 carries the others to the next step (partial rollouts)
            score_rewards(...)                   weighted reward functions (lit_grpo.rollout.rewards)
-           [dynamic sampling: drop groups whose rewards are all equal, draw more, up to max_rollouts_per_step]
-           group_advantages(rewards, scale)     (lit_grpo.rollout.advantages; "batch" spans every rank)
+           [dynamic sampling: drop groups without learning signal (zero_std_groups), draw more, up to
+            max_rollouts_per_step]
+           group_advantages(rewards, scale)     (lit_grpo.rollout.advantages; "batch" spans every rank), or under
+                                                normalize_then_sum normalize_then_sum_advantages (spans every rank)
       -> RolloutBatch                           (lit_grpo.batch)
       -> GRPOModule.training_step               the update
 
@@ -29,13 +31,14 @@ from typing import Any
 
 import torch
 
-from lit_grpo.rollout.advantages import group_advantages, zero_std_groups
+from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normalize_then_sum,
+                                         normalize_then_sum_advantages, zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import check_choice, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
@@ -89,10 +92,17 @@ class RolloutBuilder:
             ``max_prompt_length`` on first use.
         reward_funcs: weighted reward functions (``lit_grpo.rollout.rewards.build_reward_funcs``).
         scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
+        multi_objective_aggregation: how the reward functions' values become advantages (part of the module's
+            objective): "sum_then_normalize" scales their weighted sum by ``scale_rewards``; "normalize_then_sum"
+            (GDPO) normalizes each function within its group, sums them with their weights and normalizes that
+            sum over the batch (every rank's). It also says which groups dynamic sampling drops as without
+            signal, and counts in ``num_groups_zero_std``: under "normalize_then_sum" those in which every
+            function's values are equal (``zero_std_groups``), whatever their totals do.
         accuracy_reward: the reward whose values are correctness (``RolloutBatch.accuracy``; ``correctness_reward``).
         on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
-        dynamic_sampling: drop all-equal groups and sample more, at most ``max_rollouts_per_step`` rollouts
-            (engine calls) per step; dropped groups fill the batch if still short (zero advantages).
+        dynamic_sampling: drop groups without learning signal (all-equal rewards; see
+            ``multi_objective_aggregation``) and sample more, at most ``max_rollouts_per_step`` rollouts
+            (engine calls) per step; dropped groups fill the batch if still short (each with equal advantages).
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
@@ -101,7 +111,7 @@ class RolloutBuilder:
             it falls in): the same policy gets the same draws in any run, a resumed one included, and the
             training engine's state is never touched.
         world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
-            ``scale_rewards="batch"``.
+            the advantages' statistics span the batch (``scale_rewards="batch"`` or "normalize_then_sum").
         rank: this process's rank among them. The training engine's streams are keyed by the rollout and the
             group's place in it, the same on every rank, so each rank gets its own seed
             (``random_streams.rank_seed``): otherwise group p of every rank would draw the same numbers.
@@ -125,6 +135,7 @@ class RolloutBuilder:
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
                  reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
+                 multi_objective_aggregation: str = "sum_then_normalize",
                  accuracy_reward: str | None = None, on_reward_error: str = "raise", dynamic_sampling: bool = False,
                  max_rollouts_per_step: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
                  val_num_samples: int = 1, val_temperature: float = 1.0,
@@ -133,12 +144,18 @@ class RolloutBuilder:
                  max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
                  rollout_weights: RolloutWeights | None = None,
                  measured_update_peak: Callable[[], int | None] | None = None):
-        if world_size > 1 and scale_rewards == "batch" and all_gather is None:
-            raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
+        check_choice("multi_objective_aggregation", multi_objective_aggregation, AGGREGATIONS)
+        if world_size > 1 and all_gather is None:
+            if multi_objective_aggregation == "normalize_then_sum":
+                raise ValueError(f"multi_objective_aggregation='normalize_then_sum' over world_size={world_size} "
+                                 "ranks needs all_gather")
+            if scale_rewards == "batch":
+                raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
         check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
+        self.multi_objective_aggregation = multi_objective_aggregation
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
         self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens or sampling.max_new_tokens
@@ -427,8 +444,20 @@ class RolloutBuilder:
     def _kept_groups(self, rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
         if not self.dynamic_sampling:
             return _all_groups(rollouts)
-        return [(r, p) for r, rollout in enumerate(rollouts) for p in range(len(rollout.prompts))
-                if not bool(zero_std_groups(rollout.rewards)[p]) and not bool(rollout.skipped[p])]
+        signal = [~(self._zero_std(rollout.rewards, rollout.components) | rollout.skipped) for rollout in rollouts]
+        return [(r, p) for r, kept in enumerate(signal) for p in range(len(kept)) if bool(kept[p])]
+
+    def _zero_std(self, rewards: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[b]`` bool: the groups without learning signal under ``multi_objective_aggregation`` (``[b, G]``
+        totals, ``{name: [b, G]}`` each function's values)."""
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            return zero_std_groups(self._stacked(components)[0])
+        return zero_std_groups(rewards)
+
+    def _stacked(self, components: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, G, K]`` the reward functions' values in their order, and their ``[K]`` weights."""
+        values = torch.stack([components[reward.name] for reward in self.reward_funcs], dim=-1)
+        return values, torch.tensor([reward.weight for reward in self.reward_funcs], dtype=torch.float32)
 
     def _assemble(self, rollouts: list[_ScoredRollout], chosen: list[tuple[int, int]], engine: RolloutEngine,
                   train: bool) -> RolloutBatch:
@@ -445,7 +474,7 @@ class RolloutBuilder:
                                 dtype=torch.float32)
         prompts = pick("prompts")
         prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
-        all_rewards = torch.cat([rollout.rewards for rollout in rollouts])
+        zero_std = torch.cat([self._zero_std(rollout.rewards, rollout.components) for rollout in rollouts])
         skipped = torch.stack(pick("skipped"))
         return RolloutBatch(
             stats=merge_stats([rollout.stats for rollout in rollouts]),
@@ -454,7 +483,7 @@ class RolloutBuilder:
             rewards=rewards,
             completion_lengths=mask.sum(dim=1).view(B, G),
             truncated=torch.tensor(pick("truncated"), dtype=torch.bool).view(B, G),
-            advantages=self._advantages(rewards, skipped) if train else torch.zeros_like(rewards),
+            advantages=self._advantages(rewards, components, skipped) if train else torch.zeros_like(rewards),
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             completion_ids=ids_tensor.view(B, G, -1),
@@ -467,18 +496,23 @@ class RolloutBuilder:
             max_new_tokens=engine.max_new_tokens,
             temperature=engine.temperature,
             pad_token_id=pad,
-            num_groups_generated=all_rewards.shape[0],
-            num_groups_zero_std=int(zero_std_groups(all_rewards).sum()) if G > 1 else all_rewards.shape[0],
+            num_groups_generated=zero_std.shape[0],
+            num_groups_zero_std=int(zero_std.sum()) if G > 1 else zero_std.shape[0],
             split="train" if train else "val",
             skipped=skipped,
         )
 
-    def _advantages(self, rewards: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
-        """``[B, G]`` advantages; skipped groups get 0 and are left out of the batch statistics.
+    def _advantages(self, rewards: torch.Tensor, components: dict[str, torch.Tensor],
+                    skipped: torch.Tensor) -> torch.Tensor:
+        """``[B, G]`` advantages from the ``[B, G]`` totals or the ``{name: [B, G]}`` functions' values; skipped
+        groups get 0 and are left out of the batch statistics.
 
         ``scale_rewards="batch"`` over several ranks: the standard deviation spans every rank's kept rewards,
-        gathered with ``all_gather`` (every rank has the same ``[B, G]`` shape), so all ranks scale alike.
+        gathered with ``all_gather`` (every rank has the same ``[B, G]`` shape), so all ranks scale alike; under
+        "normalize_then_sum" the mean and standard deviation of the summed normalized rewards span them alike.
         """
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            return self._normalize_then_sum_advantages(components, skipped)
         advantages = torch.zeros_like(rewards, dtype=torch.float32)
         batch_rewards = None
         if self.scale_rewards == "batch" and self.world_size > 1:
@@ -488,6 +522,21 @@ class RolloutBuilder:
         keep = ~skipped
         if bool(keep.any()):
             advantages[keep] = group_advantages(rewards[keep], self.scale_rewards, batch_rewards=batch_rewards)
+        return advantages
+
+    def _normalize_then_sum_advantages(self, components: dict[str, torch.Tensor],
+                                       skipped: torch.Tensor) -> torch.Tensor:
+        """``_advantages`` under "normalize_then_sum": each group's functions normalized on its own rank, their
+        weighted sums normalized over every rank's kept groups."""
+        values, weights = self._stacked(components)                        # [B, G, K], [K]
+        advantages = torch.zeros(values.shape[:2], dtype=torch.float32)
+        keep = ~skipped
+        batch_sums = None
+        if self.world_size > 1:  # every rank gathers, kept groups or not; NaN (a skipped group) is left out
+            sums = normalize_then_sum(values, weights).masked_fill(skipped[:, None], float("nan"))
+            batch_sums = self.all_gather(sums).reshape(-1, values.shape[1]).cpu()
+        if bool(keep.any()):
+            advantages[keep] = normalize_then_sum_advantages(values[keep], weights, batch_sums=batch_sums).float()
         return advantages
 
 

@@ -32,8 +32,8 @@ def reward_metrics(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
     Args:
         rewards: ``[B, G]`` weighted total rewards.
         reward_components: ``{fn_name: [B, G]}`` each function's raw values (NaN where it returned None).
-        num_groups_zero_std, num_groups_generated: groups whose rewards were all equal / all groups sampled for
-            this step (dynamic sampling's dropped groups included).
+        num_groups_zero_std, num_groups_generated: groups without learning signal (``RolloutBatch``'s) / all
+            groups sampled for this step (dynamic sampling's dropped groups included).
     """
     return _without_absent(on_host(_reward_values(rewards, reward_components, num_groups_zero_std,
                                                   num_groups_generated)))

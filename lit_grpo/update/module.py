@@ -36,7 +36,8 @@ clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss to
 all completion tokens: under mask_truncated_completions TRL's leaves the truncated out), grad_norm (before
 clipping), lr; each the mean over the step's ``num_iterations`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
-groups whose rewards were all equal, dropped ones included), <fn_name>/mean (None values excluded)};
+groups without learning signal, whose rewards were all equal (under normalize_then_sum: whose every reward
+function's values were), dropped ones included), <fn_name>/mean (None values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction);
 what the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, reward/skipped_groups,
@@ -93,7 +94,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_grpo.batch import RolloutBatch
-from lit_grpo.rollout.advantages import SCALES, Scale
+from lit_grpo.rollout.advantages import AGGREGATIONS, SCALES, Aggregation, Scale
 from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, rollout_metrics, step_metric_keys,
                                       whole_step_metrics)
 from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWeights, LockstepWeights,
@@ -161,6 +162,14 @@ class GRPOModule(LightningModule):
             weights (``data.over_provision > 1``) and leaves the others alone.
         scale_rewards: group | batch | none (lit_grpo.rollout.advantages; handed to the data side in
             ``_hand_over_to_data``).
+        multi_objective_aggregation: how several reward functions make one advantage (TRL's setting, handed over
+            alike): "sum_then_normalize" (default) scales their weighted sum by ``scale_rewards``;
+            "normalize_then_sum" (GDPO, arXiv 2601.05242) normalizes each function's values within the group
+            (``(r - mean) / (std + 1e-4)``, None values left out), sums them with their weights and normalizes the
+            sum over the whole batch, every rank's, ``scale_rewards`` playing no part; a completion every function
+            returned None for gets 0. With one function the two differ too (the group's std, then the batch's).
+            Under "normalize_then_sum" a group without signal (dynamic sampling drops it; ``reward/frac_zero_std``)
+            is one in which every function's values are equal.
         num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
@@ -200,6 +209,7 @@ class GRPOModule(LightningModule):
         reference_sync: ReferenceSync | None = None,
         sampler_correction: SamplerCorrection = SamplerCorrection(),
         scale_rewards: Scale = "group",
+        multi_objective_aggregation: Aggregation = "sum_then_normalize",
         num_iterations: int = 1,
         mask_truncated_completions: bool = False,
         train_micro_batch_size: int = 8,
@@ -222,6 +232,7 @@ class GRPOModule(LightningModule):
                             ("move_to_cpu_after_fit", move_to_cpu_after_fit)):
             check_bool(name, value)  # a string such as "false" would be truthy: the switch would be on
         check_choice("scale_rewards", scale_rewards, SCALES)
+        check_choice("multi_objective_aggregation", multi_objective_aggregation, AGGREGATIONS)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
         check_choice("fsdp_rollout", fsdp_rollout, FSDP_ROLLOUTS)
         if fsdp_rollout != "auto" and not fsdp:
@@ -460,12 +471,14 @@ class GRPOModule(LightningModule):
 
     def _hand_over_to_data(self) -> None:
         """The one place the data side receives what this module owns: the policy, its tokenizer, the advantage
-        scaling (part of the objective) and the world (ranks, a gather across them, the precision context)."""
+        scaling and the reward functions' aggregation (part of the objective) and the world (ranks, a gather across
+        them, the precision context)."""
         attach = getattr(self.trainer.datamodule, "attach", None)
         if attach is None:  # plain dataloaders: nothing to hand over
             return
         strategy = self.trainer.strategy
         attach(self._require_policy(), self.tokenizer, scale_rewards=self.hparams.scale_rewards,
+               multi_objective_aggregation=self.hparams.multi_objective_aggregation,
                world_size=self.trainer.world_size,
                all_gather=strategy_all_gather(strategy),
                precision_context=self.trainer.precision_plugin.forward_context,
