@@ -441,7 +441,8 @@ class GRPOArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
-        message = optional_group_reason(message)
+        if self.exit_on_error:  # the message shown; a nested type's parser raises it into its group's message
+            message = optional_group_reason(message)
         super().error(message + did_you_mean(message, _option_names(parser)), ex)
 
     def print_usage(self, file: Any = None) -> None:
@@ -449,9 +450,14 @@ class GRPOArgumentParser(LightningArgumentParser):
 
 
 #: jsonargparse's message for a value of an optional settings group (``reference_sync: ReferenceSync | None``):
-#: its key where the parser names it, and the list of each Union type's reason.
-_UNION_ERRORS = re.compile(r"(?:Parser key \"([\w.]+)\":.*)?Does not validate against any of the Union subtypes\n"
-                           r"\s*Subtypes: \[.*NoneType.*\]\n\s*Errors:\n(.*?)\n\s*Given value", re.S)
+#: its key where the parser names it (the nearest before the Union's reasons: a group's message names the group
+#: first, then the setting in it that is bad), the list of each Union type's reason, and the value given.
+_UNION_ERRORS = re.compile(r"(?:Parser key \"([\w.]+)\":(?:(?!Parser key \").)*?)?"
+                           r"Does not validate against any of the Union subtypes\n"
+                           r"\s*Subtypes: \[[^\n]*NoneType[^\n]*\]\n\s*Errors:\n(.*?)\n"
+                           r"\s*Given value type: [^\n]*\n\s*Given value: ([^\n]*)", re.S)
+#: A reason that says what type was expected but not what was given (an optional number's).
+_BARE_TYPE = re.compile(r"Expected a <class '[\w.]+'>")
 _NOT_NONE = "Expected a <class 'NoneType'>"
 
 
@@ -477,6 +483,8 @@ def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
         reason = str(qualified_error(ValueError(reason), keys))
         if (setting := _LEADING_SETTING.match(reason)) and "." in setting.group(1):
             group = setting.group(1).rsplit(".", 1)[0]
+    if _BARE_TYPE.fullmatch(reason):  # as jsonargparse says it where the value is not optional
+        reason += f". Got value: {match.group(3)}"
     return f"{key + ': ' if key else ''}{reason}" + (f" (or {group}: null)" if group else "")
 
 

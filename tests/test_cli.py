@@ -228,6 +228,35 @@ def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
     assert "Union" not in err and "Given value" not in err
 
 
+@pytest.mark.parametrize("args, message", [
+    # an optional number keeps the value it was given
+    (["--model.max_grad_norm", "abc"],
+     "error: model.max_grad_norm: Expected a <class 'float'>. Got value: abc (or model.max_grad_norm: null)\n"),
+    # a group given as a whole (not optional itself) is named with the optional setting in it that is bad
+    (["--model.sampler_correction", "{clip_max: abc}"],
+     "error: model.sampler_correction.clip_max: Expected a <class 'float'>. Got value: abc "
+     "(or model.sampler_correction.clip_max: null)\n"),
+    (["--data.sampling.scheduler", "{length_aware: {refill: bogus}}"],
+     "error: data.sampling.scheduler.length_aware.refill: Expected a typing.Literal['lpt', 'sjf', 'fifo']. Got "
+     "value: bogus (or data.sampling.scheduler.length_aware: null)\n"),
+])
+def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_an_optional_setting_inside_an_optional_group_is_not_reported_twice(capsys):
+    """The group's inner parser leaves its message to the group's: rewritten once, or not at all."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, "--data.sampling.scheduler.length_aware.gain_z", "abc"])
+    err = capsys.readouterr().err
+    assert "(or gain_z: null)" not in err and "Given value: abc" in err, err
+
+
+
 @pytest.mark.parametrize("yaml, message", [
     ("data:\n  sampling: [4, 2]", "error: data.sampling=[4, 2] must be a mapping of its settings by name (group_size, "
                                   "micro_group_size, kv_budget_bytes, strategy, ...), not a list"),
