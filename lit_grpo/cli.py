@@ -338,8 +338,10 @@ def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:
         # the traceback's first frame is lit_grpo's call of the function; a function's own frames follow
         frames = cause.__traceback__.tb_next or cause.__traceback__
         print("".join(traceback.format_exception(type(cause), cause, frames)), file=sys.stderr)
-    print(f"error: {error}\ntip: data.on_reward_error: skip_group scores the other groups and gives the failing "
-          "ones no loss", file=sys.stderr)
+    # skip_group only helps where a group fails alone; a function that fails on the whole batch fails under it too
+    tip = ("\ntip: data.on_reward_error: skip_group scores the other groups and gives the failing ones no loss"
+           if error.group is not None else "")
+    print(f"error: {error}{tip}", file=sys.stderr)
     raise SystemExit(1) from error
 
 

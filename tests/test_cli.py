@@ -103,6 +103,27 @@ def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_funct
                      r"data\.on_reward_error: skip_group", report), report
 
 
+def test_a_reward_function_that_fails_only_on_the_whole_batch_is_not_told_to_skip_groups(capsys):
+    """Each group alone scores fine: skip_group would end the run the same way (it already did, here)."""
+    from lit_grpo.cli import _exit_on_reward_error
+    from lit_grpo.rollout.rewards import RewardFunctionError, build_reward_funcs, score_rewards
+
+    def batch_only(prompts, completions, **columns):
+        if len(prompts) > 2:
+            raise RuntimeError("too many at once")
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFunctionError) as error:
+        score_rewards(build_reward_funcs([batch_only]), ["a", "a", "b", "b"], ["x"] * 4, group_size=2,
+                      on_error="skip_group")
+    with pytest.raises(SystemExit) as exit_info:
+        _exit_on_reward_error(error.value)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: reward function 'batch_only' raised RuntimeError: too many at once on the whole batch" in err
+    assert "skip_group" not in err, err
+
+
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", TINY, "--print_config", "--data.sampling.repetition_penalty", "1.2"])
