@@ -95,6 +95,33 @@ def test_skipped_rows_are_not_said_to_have_no_opinion(recwarn):
     assert not any("returned None" in message for message in said), said  # skipped, not "no opinion"
 
 
+def test_a_skipped_functions_locals_are_freed_when_scoring_returns():
+    """A reward model's tensors in the failing call's frame go with it, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    class Activations:
+        pass
+
+    held = []
+
+    def reward_model(prompts, completions, **kw):
+        activations = Activations()
+        held.append(weakref.ref(activations))
+        if any("bad" in p for p in prompts):
+            raise RuntimeError("boom")
+        return [1.0] * len(prompts)
+
+    gc.disable()
+    try:
+        with pytest.warns(UserWarning, match="'reward_model' raised RuntimeError"):
+            score_rewards([WeightedReward(reward_model)], ["ok", "ok", "bad", "bad"], ["c"] * 4, group_size=2,
+                          on_error="skip_group")
+        assert len(held) == 3 and all(ref() is None for ref in held)  # the batch's call and each group's
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("on_error", ["raise", "skip_group"])
 def test_a_function_failing_only_on_the_whole_batch_is_named_whatever_on_error(on_error):
     # each group alone scores fine: there is no group to skip, and the batch is not scored one group at a time

@@ -395,6 +395,9 @@ def score_rewards(
         if failure is not None:
             values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns,
                                                             group_size, on_error)
+            # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
+            # reward model's tensors) alive until a garbage collection, where an except clause lets them go
+            failure = None
             skipped.update(failed)
             errors.extend(messages)
             for message in messages:
