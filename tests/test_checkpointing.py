@@ -300,6 +300,27 @@ def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
         check_resumable(tiny_checkpoint, module, data, evaluate=True)
 
 
+@pytest.mark.parametrize("group, name, value, shown", [
+    (None, "disable_dropout", True, "model.disable_dropout: False in the checkpoint, True now"),
+    ("loss", "top_entropy_quantile", 0.2, "model.loss.top_entropy_quantile: 1.0 in the checkpoint, 0.2 now"),
+])
+def test_a_resume_refuses_another_dropout_or_entropy_mask_and_reads_an_older_checkpoint_as_off(
+        tmp_path, tiny_checkpoint, group, name, value, shown):
+    module, data = _hparams(tiny_checkpoint)
+    changed = {**module, group: {**module[group], name: value}} if group else {**module, name: value}
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        check_resumable(tiny_checkpoint, changed, data)
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    saved = checkpoint["hyper_parameters"][group] if group else checkpoint["hyper_parameters"]
+    default = saved.pop(name)  # as if saved before the setting existed
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    defaults = {"model": {group: {name: default}} if group else {name: default}}
+    check_resumable(older, module, data, defaults=defaults)
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        check_resumable(older, changed, data, defaults=defaults)
+
+
 def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny_checkpoint, capsys):
     """A release that adds a setting still resumes the checkpoints of the releases before it: the setting they
     lack ran as its default, and only a run that sets it otherwise is refused."""

@@ -145,7 +145,7 @@ def test_carried_and_parked_rows_still_penalize_the_tokens_they_generated_before
 
 
 # ------------------------------------------------------------------------------------------- off, and bad values
-def test_a_penalty_of_one_is_todays_step_bit_for_bit(tiny_llama):
+def test_a_penalty_of_one_keeps_no_seen_ids_and_a_penalty_changes_the_samples(tiny_llama):
     model, tokenizer = tiny_llama
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     default = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, max_new_tokens=10, seed=3)

@@ -1,4 +1,5 @@
-"""The learning rate over a run's optimizer steps: a linear warm-up, then constant or a decay towards zero.
+"""The learning rate over a run's optimizer steps: a linear warm-up, then constant or a decay towards a floor (0 by
+default).
 
 ``GRPOModule``'s ``lr_schedule``: "constant" (the default) holds the rate after the warm-up; "linear" (TRL's and
 transformers' default) and "cosine" (a half cosine) take it down to ``min_lr_ratio`` of it (0 by default;

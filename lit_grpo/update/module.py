@@ -136,8 +136,8 @@ class GRPOModule(LightningModule):
             peak stays below the optimizer step's and does not grow with G; costs one more forward pass per
             micro-batch. Turn it off when memory is plentiful (configs/demo.yaml).
         disable_dropout: set every dropout of the policy and the reference to 0 (TRL's ``disable_dropout``; with
-            LoRA its adapter's ``lora_dropout`` too): the rollout samples without dropout (eval mode), so with it
-            on the update's log-probs are those of another, randomly thinned model. Off (default): the model
+            LoRA its adapter's ``lora_dropout`` too): the rollout samples without dropout (eval mode), so with
+            dropout on the update's log-probs are those of another, randomly thinned model. Off (default): the model
             trains with the dropout its config sets (0 in most current decoders).
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
