@@ -165,7 +165,8 @@ def _generation_config(args, eos: set[int], tokenizer) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=sampling,
                             temperature=args.temperature if sampling else None,
                             top_p=args.top_p if sampling else None, top_k=args.top_k if sampling else None,
-                            eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id)
+                            repetition_penalty=args.repetition_penalty, eos_token_id=sorted(eos),
+                            pad_token_id=tokenizer.pad_token_id)
 
 
 def _check_predictor(name: str) -> str:
@@ -221,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="data.sampling.repetition_penalty, and generate's for the baselines (1.0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
@@ -268,7 +271,8 @@ def build_runners(args, model, tokenizer, rollout):
     prompts, replay = rollout(0)
     G, g, eos = args.group_size, args.micro_group_size, None
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  repetition_penalty=args.repetition_penalty, seed=args.seed)
     runners = []
     for compile_, cpu_linear, attention in itertools.product(args.compile, args.cpu_linear, args.decode_attention):
         tag = ",".join(filter(None, ("" if compile_ is False else f"compile={str(compile_).lower()}",
