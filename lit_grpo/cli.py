@@ -61,6 +61,7 @@ from lit_grpo.runtime.validation import ConfigError, available_cores, check_thre
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
 from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.update.loss_config import LossConfig, unread_settings as loss_unread_settings
 from lit_grpo.update.module import GRPOModule
 
 SUBCOMMANDS = ("fit", "validate")
@@ -159,7 +160,7 @@ class GRPOCLI(LightningCLI):
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
             _resumable_or_exit("--ckpt_path", self.config.subcommand, ckpt_path, config.get("model") or {},
                                config.get("data"), evaluate=self.config.subcommand != "fit",
-                               defaults=self._parser(self.config.subcommand).get_defaults())
+                               defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings)
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -202,7 +203,7 @@ class GRPOCLI(LightningCLI):
         if found is not None:
             _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
                                getattr(self.datamodule, "hparams", None), evaluate=evaluate,
-                               defaults=self._parser(self.subcommand).get_defaults())
+                               defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
         return root, found
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
@@ -311,6 +312,17 @@ def qualified_error(error: ValueError, keys: Sequence[str]) -> ValueError:
     if len(owners) != 1 or name in keys:
         return error
     return ValueError(owners[0] + str(error)[len(name):])
+
+
+def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
+    """The fields of the module's group of settings ``name`` that a run with the values ``group`` never reads (the
+    loss's for another loss type or without the KL, a sampler correction's bounds with mode none): a resume does
+    not compare them (``check_resumable``)."""
+    if name == "loss":
+        return loss_unread_settings(group.get("loss_type", LossConfig.loss_type), group.get("beta", LossConfig.beta))
+    if name == "sampler_correction" and group.get("mode") == "none":
+        return {"clip_min", "clip_max"}
+    return set()
 
 
 def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) -> None:

@@ -321,6 +321,33 @@ def test_a_resume_refuses_another_dropout_or_entropy_mask_and_reads_an_older_che
         check_resumable(older, changed, data, defaults=defaults)
 
 
+def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_checkpoint, capsys):
+    """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
+    correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run
+    reads is still compared."""
+    from lit_grpo.cli import unread_settings
+
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    assert hparams["loss"]["loss_type"] == "dapo" and hparams["loss"]["beta"] == 0
+    hparams["loss"].update(vespo_k_pos=3.0, sapo_temperature_neg=2.0, kl_bias_correction=True)
+    hparams["sampler_correction"].update(mode="none", clip_max=5.0)
+    ignored = tmp_path / "ignored.ckpt"
+    torch.save(checkpoint, ignored)
+    module, data = _hparams(tiny_checkpoint)
+    module["sampler_correction"] = {**module["sampler_correction"], "mode": "none"}
+    check_resumable(ignored, module, data, unread=unread_settings)
+    with pytest.raises(ValueError, match=re.escape("model.loss.vespo_k_pos: 3.0 in the checkpoint, 2.0 now")):
+        check_resumable(ignored, {**module, "loss": {**module["loss"], "loss_type": "vespo"}}, data,
+                        unread=unread_settings)
+    with pytest.raises(ValueError, match=re.escape("model.loss.kl_bias_correction: True in the checkpoint")):
+        check_resumable(ignored, {**module, "loss": {**module["loss"], "beta": 0.1}}, data, unread=unread_settings)
+    # the command line compares so too
+    build_cli(_fit_args(tmp_path / "resumed", "--ckpt_path", str(ignored), "--model.sampler_correction.mode", "none",
+                        steps=2))
+    assert "in the checkpoint" not in capsys.readouterr().err
+
+
 def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny_checkpoint, capsys):
     """A release that adds a setting still resumes the checkpoints of the releases before it: the setting they
     lack ran as its default, and only a run that sets it otherwise is refused."""

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,8 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
 
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                     datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False,
-                    defaults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+                    unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None) -> None:
     """Raise, naming ``path`` and what is wrong, unless it is a lit_grpo training checkpoint that a run with these
     hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``. With
     ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit.
@@ -240,7 +241,11 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
     ``defaults`` holds this release's default settings, as ``{"model": ..., "data": ...}``: a setting the checkpoint
     lacks (it was saved by a release that did not have it) reads as its default, so adding a setting to a later
     release does not refuse every older checkpoint; not where the checkpoint holds a setting this run does not have
-    (renamed or moved, it may be the one missing). Without ``defaults`` a missing setting is compared as None."""
+    (renamed or moved, it may be the one missing). Without ``defaults`` a missing setting is compared as None.
+
+    ``unread(name, group)`` names the fields of the group of settings ``name`` (``loss``) that a run with those
+    values never reads: a field unread by the checkpoint's run and by this one is not compared, so a resume that
+    drops a setting its run was warned was ignored is not refused."""
     checkpoint = read_checkpoint_header(path)
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
@@ -270,7 +275,12 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             old, new = _as_group(old), _as_group(new)
             # a setting this checkpoint's release did not have ran as its default
             default = {} if unknown else _as_group(_fields(_lookup(section_defaults, name, _MISSING)))
+            skipped = set()
+            if unread is not None and "" not in old and "" not in new:  # fields that neither run reads
+                skipped = set(unread(name, {**default, **old})) & set(unread(name, {**default, **new}))
             for key in sorted(set(old) | set(new), key=str):
+                if key in skipped:
+                    continue
                 was = old.get(key, default.get(key))
                 if _normalized(was, name) != _normalized(new.get(key), name):
                     shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"

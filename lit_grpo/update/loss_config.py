@@ -142,15 +142,22 @@ class LossConfig:
         """The settings given other than their defaults that this loss never reads: the KL's with ``beta`` 0,
         sapo's and vespo's shapes in another loss, the clip bounds sapo and vespo have none of (and cispo's lower
         one and ``delta``)."""
-        unread = set()
-        if self.beta == 0:
-            unread.add("kl_bias_correction")
-        if self.loss_type != "sapo":
-            unread.update(("sapo_temperature_pos", "sapo_temperature_neg"))
-        if self.loss_type != "vespo":
-            unread.update(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
-        if self.loss_type not in CLIP_LOSSES:
-            unread.update(("epsilon_low", "delta"))
-        if self.loss_type in ("sapo", "vespo"):
-            unread.add("epsilon_high")
+        unread = unread_settings(self.loss_type, self.beta)
         return [f.name for f in fields(self) if f.name in unread and getattr(self, f.name) != f.default]
+
+
+def unread_settings(loss_type: str, beta: float) -> set[str]:
+    """The ``LossConfig`` fields a loss of ``loss_type`` with ``beta`` never reads, whatever their values
+    (``LossConfig.ignored_settings``; a resume does not compare them)."""
+    unread = set()
+    if beta == 0:
+        unread.add("kl_bias_correction")
+    if loss_type != "sapo":
+        unread.update(("sapo_temperature_pos", "sapo_temperature_neg"))
+    if loss_type != "vespo":
+        unread.update(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+    if loss_type not in CLIP_LOSSES:
+        unread.update(("epsilon_low", "delta"))
+    if loss_type in ("sapo", "vespo"):
+        unread.add("epsilon_high")
+    return unread
