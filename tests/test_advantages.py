@@ -64,10 +64,39 @@ def test_bad_inputs_name_the_value():
         group_advantages(torch.zeros(2, 2), "std")
     with pytest.raises(ValueError, match=r"\[B, G\]"):
         group_advantages(torch.zeros(4), "group")
-    with pytest.raises(ValueError, match="non-finite"):
-        group_advantages(torch.tensor([[0.0, float("nan")]]), "group")
+    with pytest.raises(ValueError, match="infinite values: \\[inf\\]"):
+        group_advantages(torch.tensor([[0.0, float("inf")]]), "group")
     with pytest.raises(ValueError, match="empty"):
         group_advantages(torch.zeros(0, 4), "group")
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscored_completions_are_left_out_of_the_baseline(scale):
+    """NaN (every reward function returned None) counts in no mean or standard deviation and gets advantage 0, as
+    in TRL 1.16; the scored completions get what they would without it."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, nan, 0.0, 0.5], [nan, 2.0, nan, 3.0]])
+    got = group_advantages(rewards, scale)
+    scored = [[1.0, 0.0, 0.5], [2.0, 3.0]]
+    flat = [r for row in scored for r in row]
+    batch_mean = sum(flat) / len(flat)
+    batch_std = math.sqrt(sum((r - batch_mean) ** 2 for r in flat) / (len(flat) - 1))
+    for b, row in enumerate(scored):
+        mean = sum(row) / len(row)
+        std = math.sqrt(sum((r - mean) ** 2 for r in row) / (len(row) - 1))
+        div = {"group": std + STD_EPS, "batch": batch_std + STD_EPS, "none": 1.0}[scale]
+        expected = iter([(r - mean) / div for r in row])
+        for g in range(4):
+            want = 0.0 if math.isnan(rewards[b, g]) else next(expected)
+            assert got[b, g].item() == pytest.approx(want, rel=1e-6, abs=1e-7), (b, g)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_group_with_fewer_than_two_scored_completions_gets_zero(scale):
+    nan = float("nan")
+    got = group_advantages(torch.tensor([[nan, 5.0, nan], [nan, nan, nan], [1.0, 2.0, 4.0]]), scale)
+    assert got[:2].eq(0).all() and not got.isnan().any()
+    assert got[2].abs().gt(0.1).all()  # the scored group is unaffected by the others
 
 
 # ------------------------------------------------------------------------------------------ normalize_then_sum

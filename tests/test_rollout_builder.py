@@ -579,3 +579,54 @@ def test_dynamic_sampling_under_normalize_then_sum_drops_groups_whose_every_func
     assert (gdpo.indices, gdpo.num_groups_generated, gdpo.num_groups_zero_std) == ([0], 2, 1)
     assert torch.equal(gdpo.rewards, torch.full((1, 4), 2.0)) and gdpo.advantages.std() > 0.5
     assert (summed.indices, summed.num_groups_generated, summed.num_groups_zero_std) == ([1], 1, 0)
+
+
+def test_completions_no_function_scored_are_left_out_of_their_groups_advantages(policy):
+    """Under sum_then_normalize a completion every function returned None for is logged as 0.0 but is no 0.0 its
+    group earned: it gets advantage 0, the others are normalized among themselves, and a group whose scored
+    completions are all equal has no signal for dynamic sampling (its totals vary only by the unscored 0.0)."""
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+
+    def sparse(prompts, completions, **columns):  # prompt 0: 1, 1, None, 1; prompt 1: 2, None, 5, 3
+        table = {"0 + 0": [1.0, 1.0, None, 1.0], "1 + 1": [2.0, None, 5.0, 3.0]}
+        return [next(v for key, v in table.items() if key in p)[k % 4] for k, p in enumerate(prompts)]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
+    for dynamic in (False, True):
+        builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(sparse, 1.0)], prompts_per_step=2,
+                                 dynamic_sampling=dynamic, max_rollouts_per_step=1)
+        with pytest.warns(UserWarning, match="None for 2 of 8 completions; they are left out"):
+            batch = builder.build_train(lambda count: _prompts(tokenizer, count))
+        if dynamic:
+            assert batch.num_groups_zero_std == 1 and batch.indices[0] == 1  # the group with signal comes first
+            continue
+        assert batch.rewards[:, [2, 1]].diag().eq(0).all()  # logged as 0.0
+        assert batch.advantages[0].eq(0).all() and batch.advantages[1, 1] == 0
+        scored = torch.tensor([2.0, 5.0, 3.0])
+        torch.testing.assert_close(batch.advantages[1, [0, 2, 3]], (scored - scored.mean()) / (scored.std() + 1e-4))
+
+
+def test_the_batch_scale_over_ranks_leaves_out_every_ranks_unscored_completions(policy):
+    """scale_rewards=batch over two ranks: the std spans both ranks' scored completions; an unscored one (every
+    function None) is gathered as NaN and left out, and gets 0."""
+    import math
+
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+    funcs = [WeightedReward(lambda prompts, completions, **_: [0.0] * len(prompts), 1.0, "a")]
+    values = torch.tensor([[1.0, math.nan, 3.0, 0.0], [2.0, 2.0, 5.0, 1.0]])
+    other = torch.tensor([[4.0, 0.0, 0.0, 1.0], [math.nan, 1.0, 2.0, 3.0]])
+
+    def all_gather(tensor):
+        return torch.stack([tensor, other if tensor.dtype == torch.float32 else torch.ones(2, dtype=torch.bool)])
+
+    builder = RolloutBuilder(model, tokenizer, SamplingConfig(group_size=4), funcs, scale_rewards="batch",
+                             world_size=2, all_gather=all_gather)
+    advantages = builder._advantages(values.nan_to_num(0.0), {"a": values}, torch.zeros(2, dtype=torch.bool))
+    pool = torch.cat([values, other]).flatten()
+    std = pool[~pool.isnan()].std()
+    expected = (values - values.nanmean(dim=1, keepdim=True)) / (std + 1e-4)
+    torch.testing.assert_close(advantages, expected.nan_to_num(0.0))

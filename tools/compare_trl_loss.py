@@ -14,10 +14,11 @@ the loss arithmetic is TRL's (its high-entropy mask is its own ``get_high_entrop
 sampler weights come from running the importance-sampling block of TRL's own ``_generate_and_score_completions``
 source on those tensors, and the ``sampling/*`` scalars from the block that logs them.
 
-The advantages under ``multi_objective_aggregation: normalize_then_sum`` (GDPO) are compared too: TRL's advantage
-block of ``_generate_and_score_completions``, run from its source on reward tables with None values (NaN), an
-unscorable completion, a constant function and a function with a single value in a group, against
-``normalize_then_sum_advantages`` on the same values and weights.
+The advantages are compared too, under ``multi_objective_aggregation: normalize_then_sum`` (GDPO) and under
+``sum_then_normalize`` with each ``scale_rewards``: TRL's advantage block of ``_generate_and_score_completions``,
+run from its source on reward tables with None values (NaN), an unscorable completion, a constant function and a
+function with a single value in a group, against ``normalize_then_sum_advantages`` on the same values and weights,
+or ``group_advantages`` on their weighted sums (NaN where unscorable, as ``RolloutBuilder`` hands them over).
 
 Each case is compared twice: one micro-batch per optimizer step, and the rows split into two micro-batches
 (TRL: ``gradient_accumulation_steps = steps_per_generation = 2``; lit_grpo: ``micro_batch_weight``), summing the
@@ -44,7 +45,7 @@ from types import MethodType, SimpleNamespace
 
 import torch
 
-from lit_grpo.rollout.advantages import normalize_then_sum_advantages
+from lit_grpo.rollout.advantages import group_advantages, normalize_then_sum_advantages
 from lit_grpo.rollout.metrics import loggable
 from lit_grpo.update.loss_config import CLIP_LOSSES
 from lit_grpo.update.policy_losses import make_loss
@@ -253,21 +254,33 @@ def make_rewards(b: int, g: int, k: int, seed: int, dtype: torch.dtype) -> tuple
     return values.to(dtype), weights.to(dtype)
 
 
-def compare_advantages(dtype: torch.dtype) -> float:
-    """The largest ``|ours - TRL|`` of the normalize_then_sum advantages over ``REWARD_SHAPES``."""
+#: (multi_objective_aggregation, scale_rewards) of the advantage comparison; normalize_then_sum ignores the scale.
+AGGREGATIONS = (("normalize_then_sum", "group"), ("sum_then_normalize", "group"), ("sum_then_normalize", "batch"),
+                ("sum_then_normalize", "none"))
+
+
+def compare_advantages(dtype: torch.dtype) -> dict[str, float]:
+    """The largest ``|ours - TRL|`` of the advantages over ``REWARD_SHAPES``, by ``"aggregation/scale"``."""
     from trl.trainer import utils as trl_utils
 
     source = compile(trl_advantage_source(), "trl:advantages", "exec")
-    worst = 0.0
-    for seed, (b, g, k) in enumerate(REWARD_SHAPES):
-        values, weights = make_rewards(b, g, k, seed, dtype)
-        fake = SimpleNamespace(multi_objective_aggregation="normalize_then_sum", reward_weights=weights,
-                               reward_funcs=[None] * k, scale_rewards="group")
-        scope = {"self": fake, "torch": torch, "rewards_per_func": values.reshape(b * g, k), "num_generations": g,
-                 "device": values.device, "nanstd": trl_utils.nanstd}
-        exec(source, scope)
-        ours = normalize_then_sum_advantages(values, weights).reshape(b * g)
-        worst = max(worst, float((ours - scope["advantages"]).abs().max()))
+    worst = {}
+    for aggregation, scale in AGGREGATIONS:
+        key = aggregation if aggregation == "normalize_then_sum" else f"{aggregation}/{scale}"
+        worst[key] = 0.0
+        for seed, (b, g, k) in enumerate(REWARD_SHAPES):
+            values, weights = make_rewards(b, g, k, seed, dtype)
+            fake = SimpleNamespace(multi_objective_aggregation=aggregation, reward_weights=weights,
+                                   reward_funcs=[None] * k, scale_rewards=scale)
+            scope = {"self": fake, "torch": torch, "rewards_per_func": values.reshape(b * g, k),
+                     "num_generations": g, "device": values.device, "nanstd": trl_utils.nanstd}
+            exec(source, scope)
+            if aggregation == "normalize_then_sum":
+                ours = normalize_then_sum_advantages(values, weights)
+            else:
+                totals = (values * weights).nansum(dim=-1).masked_fill(values.isnan().all(dim=-1), math.nan)
+                ours = group_advantages(totals.to(dtype), scale).to(dtype)
+            worst[key] = max(worst[key], float((ours.reshape(b * g) - scope["advantages"]).abs().max()))
     return worst
 
 
@@ -332,9 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(records)} combinations, {bad} over {args.tolerance:g}; largest: "
           + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
     advantages = compare_advantages(getattr(torch, args.dtype))
-    bad += advantages > args.tolerance
-    print(f"advantages, multi_objective_aggregation normalize_then_sum, (B, G, K) in {REWARD_SHAPES}: max |ours - "
-          f"TRL| {advantages:.1e}" + ("  MISMATCH" if advantages > args.tolerance else ""))
+    for key, diff in advantages.items():
+        bad += diff > args.tolerance
+        print(f"advantages, {key}, (B, G, K) in {REWARD_SHAPES}: max |ours - TRL| {diff:.1e}"
+              + ("  MISMATCH" if diff > args.tolerance else ""))
     harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records,
                                    "max_abs_diff_advantages": advantages}, indent=1)
     return 1 if bad else 0

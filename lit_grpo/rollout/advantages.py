@@ -29,24 +29,27 @@ AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 def group_advantages(rewards: torch.Tensor, scale: str = "group",
                      batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
-    """Advantages ``A = (R - mean_group(R)) / (std + 1e-4)``.
+    """Advantages ``A = (R - mean_group(R)) / (std + 1e-4)``, over each group's scored completions.
 
     Args:
-        rewards: ``[B, G]`` total reward of completion ``k`` of prompt ``p``.
+        rewards: ``[B, G]`` total reward of completion ``k`` of prompt ``p``; NaN marks an unscored completion (every
+            reward function returned None), left out of its group's mean and standard deviation, as in TRL.
         scale: what divides the centered rewards:
             ``"group"``: the group's standard deviation (unbiased, as ``torch.std``);
             ``"batch"``: the standard deviation of all ``B x G`` rewards (unbiased);
             ``"none"``: nothing (Dr. GRPO), ``A = R - mean_group(R)``.
         batch_rewards: ``[B', G]`` for ``scale="batch"``: the rewards whose standard deviation divides (e.g. every
-            rank's rewards, gathered); default ``rewards``.
+            rank's rewards, gathered; NaN left out); default ``rewards``.
 
     Returns:
         ``[B, G]`` float advantages. A group whose rewards are all equal gets (near) 0 everywhere, never NaN: its
         float32 mean may differ from the rewards in the last bit, which ``/ (std + eps)`` scales to about 1e-3, as
-        in TRL. Every group gets exactly 0 when ``G == 1`` (a lone completion has nothing to be compared with).
+        in TRL. Exactly 0 for an unscored completion, for every completion of a group with fewer than two scored
+        ones (a lone value has nothing to be compared with, ``G == 1`` included), and under ``"batch"`` when fewer
+        than two rewards are scored in all.
 
     Raises:
-        ValueError: ``rewards`` is not 2-D, is empty, holds NaN/inf, or ``scale`` is unknown.
+        ValueError: ``rewards`` is not 2-D, is empty, holds inf, or ``scale`` is unknown.
     """
     check_choice("scale", scale, SCALES)
     if rewards.dim() != 2:
@@ -54,21 +57,20 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
     if rewards.numel() == 0:
         raise ValueError(f"rewards is empty (shape {tuple(rewards.shape)}); need at least one prompt and one sample")
     rewards = rewards.float()
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"rewards hold non-finite values: {rewards[~torch.isfinite(rewards)].tolist()[:8]}")
-    group_size = rewards.shape[1]
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if group_size == 1:
+    if bool(rewards.isinf().any()):
+        raise ValueError(f"rewards hold infinite values: {rewards[rewards.isinf()].tolist()[:8]}")
+    if rewards.shape[1] == 1:
         return torch.zeros_like(rewards)
+    centered = rewards - rewards.nanmean(dim=1, keepdim=True)  # NaN where unscored; 0 where alone in its group
     if scale == "none":
-        return centered
+        return centered.nan_to_num(nan=0.0)
     if scale == "group":
-        std = rewards.std(dim=1, keepdim=True)  # unbiased; defined since G >= 2
+        std = _nanstd(rewards, dim=1)  # unbiased; NaN where fewer than two are scored
     else:
         pool = rewards if batch_rewards is None else batch_rewards.float().to(rewards.device)
-        std = pool.std() if pool.numel() > 1 else rewards.new_zeros(())
-    # a zero-variance group: centered is 0 up to the mean's rounding, and / (0 + eps) keeps it finite: no NaN
-    return centered / (std + STD_EPS)
+        std = _nanstd(pool.flatten(), dim=0)
+    # a zero-variance group: centered is 0 up to the mean's rounding, and / (0 + eps) keeps it finite
+    return (centered / (std + STD_EPS)).nan_to_num(nan=0.0)
 
 
 def normalize_then_sum(components: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

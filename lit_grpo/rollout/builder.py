@@ -452,7 +452,12 @@ class RolloutBuilder:
         totals, ``{name: [b, G]}`` each function's values)."""
         if self.multi_objective_aggregation == "normalize_then_sum":
             return zero_std_groups(self._stacked(components)[0])
-        return zero_std_groups(rewards)
+        return zero_std_groups(self._scored(rewards, components))
+
+    def _scored(self, rewards: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[b, G]`` the totals with NaN where every reward function returned None: such a completion is left out
+        of its group's statistics (its total of 0.0 is no reward it earned) and gets advantage 0."""
+        return rewards.float().masked_fill(self._stacked(components)[0].isnan().all(dim=-1), float("nan"))
 
     def _stacked(self, components: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, G, K]`` the reward functions' values in their order, and their ``[K]`` weights."""
@@ -514,9 +519,10 @@ class RolloutBuilder:
         if self.multi_objective_aggregation == "normalize_then_sum":
             return self._normalize_then_sum_advantages(components, skipped)
         advantages = torch.zeros_like(rewards, dtype=torch.float32)
+        rewards = self._scored(rewards, components)
         batch_rewards = None
         if self.scale_rewards == "batch" and self.world_size > 1:
-            gathered = self.all_gather(rewards.float())                    # [W, B, G]
+            gathered = self.all_gather(rewards)                            # [W, B, G]
             kept = self.all_gather(skipped.logical_not())                  # [W, B]
             batch_rewards = gathered.reshape(-1, rewards.shape[1])[kept.reshape(-1).bool()].cpu()
         keep = ~skipped

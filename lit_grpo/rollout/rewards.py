@@ -16,8 +16,9 @@ about a code task). Several functions are combined with weights::
 
     total_i = sum over functions f with value v_f,i not None of  weight_f * v_f,i
 
-When every function returns ``None`` for a completion its total is ``0.0`` (a neutral reward: inside a group it
-pulls the advantage toward the group mean) and a warning is emitted once per call.
+When every function returns ``None`` for a completion it is unscored: its logged total is ``0.0``, but it is left
+out of its group's mean and standard deviation and gets advantage 0, as in TRL (``RolloutBuilder``); a warning is
+emitted once per call.
 
 Errors stop training, never silently zero a reward:
 
@@ -268,7 +269,7 @@ class RewardScores:
     """The outcome of ``score_rewards``.
 
     Attributes:
-        total: ``[N]`` weighted sum per completion (0.0 where every function said None).
+        total: ``[N]`` weighted sum per completion (0.0 where every function said None: unscored).
         components: ``{name: [N]}`` each function's raw values, NaN where it returned None.
         skipped_groups: sorted group indices (``i // group_size``) some function raised on, with
             ``on_error="skip_group"``; their ``total`` is 0.0 and their component values NaN.
@@ -423,6 +424,6 @@ def score_rewards(
         seen |= rows  # skipped rows are reported as skipped, not as "no opinion"
     if n and not bool(seen.all()):
         missing = int((~seen).sum())
-        warnings.warn(f"every reward function returned None for {missing} of {n} completions; their reward is 0.0",
-                      stacklevel=2)
+        warnings.warn(f"every reward function returned None for {missing} of {n} completions; they are left out "
+                      "of their group's baseline and get advantage 0", stacklevel=2)
     return RewardScores(total=total, components=components, skipped_groups=sorted(skipped), errors=errors)

@@ -166,8 +166,9 @@ class GRPOModule(LightningModule):
             alike): "sum_then_normalize" (default) scales their weighted sum by ``scale_rewards``;
             "normalize_then_sum" (GDPO, arXiv 2601.05242) normalizes each function's values within the group
             (``(r - mean) / (std + 1e-4)``, None values left out), sums them with their weights and normalizes the
-            sum over the whole batch, every rank's, ``scale_rewards`` playing no part; a completion every function
-            returned None for gets 0. With one function the two differ too (the group's std, then the batch's).
+            sum over the whole batch, every rank's, ``scale_rewards`` playing no part. With one function the two
+            differ too (the group's std, then the batch's). Under either, a completion every function returned None
+            for is left out of the statistics and gets advantage 0, as in TRL.
             Under "normalize_then_sum" a group without signal (dynamic sampling drops it; ``reward/frac_zero_std``)
             is one in which every function's values are equal.
         num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
