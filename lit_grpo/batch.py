@@ -28,7 +28,7 @@ class RolloutBatch:
         completions: ``[B][G]`` decoded completion texts (special tokens dropped).
         rewards: ``[B, G]`` float, the weighted total reward.
         completion_lengths: ``[B, G]`` long, completion tokens (EOS included when produced).
-        truncated: ``[B, G]`` bool, hit ``max_new_tokens`` without EOS.
+        truncated: ``[B, G]`` bool, hit ``max_new_tokens`` without EOS or a stop string.
         advantages: ``[B, G]`` float, from ``group_advantages``.
         prompt_ids: ``[B, P]`` long, chat-templated prompt tokens, LEFT-padded with ``pad_token_id``.
         prompt_mask: ``[B, P]`` long, 1 on real prompt tokens.

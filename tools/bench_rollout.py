@@ -224,6 +224,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="data.sampling.repetition_penalty, and generate's for the baselines (1.0: off)")
+    parser.add_argument("--stop-strings", type=lambda text: [s for s in text.split(",") if s], default=[],
+                        help="data.sampling.stop_strings of lit_grpo's runs, a comma list (not with the hf_* "
+                             "baselines)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
@@ -245,6 +248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "measurement alone spreads by on this machine")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.stop_strings and (baselines := [s for s in args.strategies if s in HF_STRATEGIES]):
+        parser.error(f"--stop-strings is lit_grpo's setting; the baselines {baselines} run without it: leave them out")
     if args.tokens and args.lengths:
         parser.error("--tokens and --lengths are two replays: give one (a token replay forces its lengths too)")
     if args.preset:
@@ -272,7 +277,7 @@ def build_runners(args, model, tokenizer, rollout):
     G, g, eos = args.group_size, args.micro_group_size, None
     common = dict(group_size=G, micro_group_size=g, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+                  repetition_penalty=args.repetition_penalty, stop_strings=args.stop_strings, seed=args.seed)
     runners = []
     for compile_, cpu_linear, attention in itertools.product(args.compile, args.cpu_linear, args.decode_attention):
         tag = ",".join(filter(None, ("" if compile_ is False else f"compile={str(compile_).lower()}",

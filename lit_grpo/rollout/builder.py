@@ -220,7 +220,8 @@ class RolloutBuilder:
         if self._val_engine is None:
             config = SamplingConfig(group_size=1, micro_group_size=self.val_batch_size, strategy="continuous",
                                     max_new_tokens=self.val_max_new_tokens, temperature=0.0,
-                                    seed=self.sampling.seed, **self._step_options())
+                                    stop_strings=self.sampling.stop_strings, seed=self.sampling.seed,
+                                    **self._step_options())
             self._val_engine = self._new_engine(config)
         return self._val_engine
 
@@ -234,7 +235,7 @@ class RolloutBuilder:
                                     temperature=self.val_temperature, top_p=self.sampling.top_p,
                                     top_k=self.sampling.top_k, min_p=self.sampling.min_p,
                                     repetition_penalty=self.sampling.repetition_penalty,
-                                    seed=self.sampling.seed + VAL_SEED_OFFSET,
+                                    stop_strings=self.sampling.stop_strings, seed=self.sampling.seed + VAL_SEED_OFFSET,
                                     **self._step_options())
             self._val_sampled_engine = self._new_engine(config)
         return self._val_sampled_engine

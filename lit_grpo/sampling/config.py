@@ -52,6 +52,9 @@ class SamplingConfig:
             positive and multiplied by it where negative, before the temperature and the filters; above 1 makes
             repeats less likely. The sampling log-probs are those of the penalized distribution. The decode step
             keeps a ``[slots, vocab]`` bool of the ids each row has seen (priced by ``micro_group_size: auto``).
+        stop_strings: a sample ends once its completion's text contains one of these (vLLM's ``stop``, transformers'
+            ``stop_strings``); it keeps the token that completed the string, and is not truncated. Checked on the host
+            after each decode step (``lit_grpo.sampling.stop_strings``); samples with replayed lengths ignore them.
         seed: base of every per-sample random stream.
         scheduler: options of the "infinite" strategy (ignored by the others, which have no options; the
             ``RolloutDataModule`` warns, naming them, when some are set for another strategy).
@@ -92,6 +95,7 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    stop_strings: tuple[str, ...] = ()
     seed: int = 0
     scheduler: InfiniteSchedulerConfig = field(default_factory=InfiniteSchedulerConfig)
     cuda_graph: bool | None = None
@@ -133,6 +137,11 @@ class SamplingConfig:
                 not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"sampling.repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
                              "(1.0 disables it; above 1 penalizes the tokens already in the sequence)")
+        if isinstance(self.stop_strings, (str, bytes)) or not isinstance(self.stop_strings, (list, tuple)) or \
+                not all(isinstance(s, str) and s for s in self.stop_strings):
+            shown = list(self.stop_strings) if isinstance(self.stop_strings, tuple) else self.stop_strings
+            raise ValueError(f"sampling.stop_strings={shown!r:.200} must be a list of non-empty strings")
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))  # a YAML or Python list: hashable
         check_int_in_range("sampling.seed", self.seed, 0, SEED_MAX)
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))

@@ -58,6 +58,7 @@ from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
 from lit_grpo.sampling.memory_budget import aligned_width, kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
+from lit_grpo.sampling.stop_strings import StopStrings
 from lit_grpo.sampling.stats import RolloutResult
 from lit_grpo.scheduling.base import RoundScheduler, Scheduler
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
@@ -127,6 +128,10 @@ class RolloutEngine:
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: the tokenizer and the generation config define none; "
                              "pass eos_token_ids=[...]")
+        if self.config.stop_strings and tokenizer is None:
+            raise ValueError(f"stop_strings={list(self.config.stop_strings)} need a tokenizer to read the completions' "
+                             "text; pass one")
+        self.stop_strings = StopStrings(tokenizer, self.config.stop_strings) if self.config.stop_strings else None
         if scheduler is not None and (missing := [name for name in SCHEDULER_METHODS
                                                   if not callable(getattr(scheduler, name, None))]):
             raise TypeError(f"scheduler={type(scheduler).__name__} object has no {', '.join(missing)}: give a "
@@ -250,7 +255,7 @@ class RolloutEngine:
         # A row holds at most the prompt's P - 1 cached positions plus the L tokens fed (the last one never is).
         width = max(len(g.prompt_ids) for g in groups) - 1 + self.max_new_tokens
         settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
-                                self.rollout_index, width)
+                                self.rollout_index, width, self.stop_strings)
         forced = any(g.forced_lengths is not None for g in groups)
         replayed = any(g.forced_tokens is not None for g in groups)
         # inference_mode, except for models whose forward hooks mutate parameters (FSDP2 gathers shards): no_grad

@@ -25,6 +25,7 @@ from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
+from lit_grpo.sampling.stop_strings import StopStrings
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
 from lit_grpo.scheduling.driver import Row, drive_rollout
 
@@ -39,6 +40,7 @@ class LoopSettings:
     seed: int
     rollout_index: int
     width: int  # the rollout's own slot width: its longest prompt - 1 + max_new_tokens
+    stop_strings: StopStrings | None = None
 
 
 class RolloutLoop:
@@ -162,7 +164,21 @@ class RolloutLoop:
             progress.logprobs.append(out.logprobs[slot])
             progress.versions.append(version)
             ended.append(token in eos or len(progress.tokens) >= self.limits[key])
+        if self.settings.stop_strings is not None:
+            live = [i for i, (_, key) in enumerate(rows) if not ended[i] and self._stops(key)]
+            for i, stop in zip(live, self._stopped([rows[i][1] for i in live])):
+                ended[i] = stop
         return ended
+
+    def _stops(self, key: SampleKey) -> bool:
+        """Stop strings end sample ``key`` (not one with a replayed length, which ends where it was recorded)."""
+        return self.settings.stop_strings is not None and self.groups[key[0]].forced_lengths is None
+
+    def _stopped(self, keys: list[SampleKey]) -> list[bool]:
+        """``[len(keys)]``: each sample's tokens so far end on a stop string."""
+        if not keys:
+            return []
+        return self.settings.stop_strings.ended([self.samples[key].tokens for key in keys])
 
     def feature(self, slot: int, key: SampleKey) -> torch.Tensor:
         return self._out.hidden[self._hidden_row[slot]]
@@ -319,11 +335,16 @@ class RolloutLoop:
         chosen = set((must + [p for p in self.completed if p not in self.must_finish])[:max(self.complete, len(must))])
         groups = [g for p, g in enumerate(self.groups) if p in chosen]
         eos = self.settings.eos_token_ids
+        # a sample that ended on a stop string, here or in an earlier rollout (carried), ends on it still
+        capped = [(p, k) for p in sorted(chosen) for k, s in enumerate(self.groups[p].samples)
+                  if s.tokens[-1] not in eos and self._stops((p, k))]
+        stopped = {key for key, stop in zip(capped, self._stopped(capped)) if stop}
         return RolloutResult(
             prompt_ids=[g.prompt_ids for g in groups],
             completion_ids=[[s.tokens for s in g.samples] for g in groups],
             logprobs=[[s.logprobs for s in g.samples] for g in groups],
-            truncated=[[s.tokens[-1] not in eos for s in g.samples] for g in groups],
+            truncated=[[s.tokens[-1] not in eos and (p, k) not in stopped for k, s in enumerate(g.samples)]
+                       for p, g in enumerate(self.groups) if p in chosen],
             stats=self.stats,
             versions=[[s.versions for s in g.samples] for g in groups],
             tags=[g.tag for g in groups],

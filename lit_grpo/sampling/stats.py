@@ -130,7 +130,7 @@ class RolloutResult:
     Attributes:
         prompt_ids: ``[B]`` the groups' prompts.
         completion_ids, logprobs: ``[B][G]`` token ids (EOS included if drawn) and their sampling log-probs.
-        truncated: ``[B][G]`` the sample hit ``max_new_tokens`` without EOS.
+        truncated: ``[B][G]`` the sample hit ``max_new_tokens`` without EOS or a stop string.
         stats: what the rollout cost.
         versions: ``[B][G]`` the rollout index each token was drawn in (all the current one without carrying).
         tags: ``[B]`` each returned group's ``GroupProgress.tag`` (None for ``generate``).
