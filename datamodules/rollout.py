@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler
-from lit_grpo.rollout.prompts import PromptExample, load_prompts, render_prompt, split_examples
+from lit_grpo.rollout.prompts import (PromptExample, load_prompts, prompt_set_fingerprint, render_prompt,
+                                     split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
@@ -50,6 +51,10 @@ from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
                                          check_real, config_errors, settings_from)
+
+
+#: The sampler state's entry holding ``prompt_set_fingerprint`` of the training prompts it drew from.
+TRAIN_PROMPTS_KEY = "train_prompts"
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
@@ -615,14 +620,25 @@ class RolloutDataModule(LightningDataModule):
         """This rank's state, as ``state_dict`` without the gather of the ranks' engine states."""
         state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
         if self.sampler is not None:
-            state["sampler"] = self.sampler.state_dict()
+            state["sampler"] = {**self.sampler.state_dict(), TRAIN_PROMPTS_KEY: self._train_fingerprint()}
         if self.builder is not None:
             state["engine"] = self.builder.state_dict()
         return state
 
     def _load_sampler_state(self, state: dict) -> None:
+        state = dict(state)
+        saved = state.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
         with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
             self.sampler.load_state_dict(state)
+            if saved is not None and saved != self._train_fingerprint():
+                raise ValueError("the checkpoint drew from another set of training prompts than this run's (as many, "
+                                 "but others or in another order: another data source, task_config, size, "
+                                 "data_seed or val_size): its place in that set means nothing in this one, and this "
+                                 "run's held-out prompts could be trained on; resume with its data settings, or "
+                                 "start a new run from its weights (lit-grpo export, then model.model: the export)")
+
+    def _train_fingerprint(self) -> str:
+        return prompt_set_fingerprint([self.examples[i] for i in self.train_indices])
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that

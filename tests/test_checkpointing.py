@@ -255,6 +255,40 @@ def test_a_checkpoint_of_another_prompt_set_ends_the_resume_as_a_bad_setting_doe
     assert "error: --ckpt_path: state num_prompts=" in err and "Traceback" not in err
 
 
+def test_a_checkpoint_of_as_many_other_training_prompts_is_refused_and_an_unhashed_one_resumes(
+        tmp_path, tiny_checkpoint, capsys):
+    """The sampler's state holds a hash of the training prompts it drew from: a set of the same size but other
+    prompts (another data_seed, task_config or source) is refused, as its positions would point at other prompts,
+    held-out ones among them; a checkpoint saved before the hash resumes as before."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=False)
+    sampler = checkpoint["RolloutDataModule"]["sampler"]
+    assert len(sampler["train_prompts"]) == 16
+    sampler["train_prompts"] = "0" * 16
+    other = tmp_path / "other.ckpt"
+    torch.save(checkpoint, other)
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(_fit_args(tmp_path / "other", "--ckpt_path", str(other), steps=2))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --ckpt_path: the checkpoint drew from another set of training prompts than this run's" in err
+    del sampler["train_prompts"]
+    unhashed = tmp_path / "unhashed.ckpt"
+    torch.save(checkpoint, unhashed)
+    build_cli(_fit_args(tmp_path / "unhashed", "--ckpt_path", str(unhashed), steps=2))
+    assert _last_step(tmp_path / "unhashed") == 2
+
+
+def test_the_prompt_sets_hash_follows_its_prompts_and_their_order():
+    from lit_grpo.rollout.prompts import PromptExample, prompt_set_fingerprint
+
+    examples = [PromptExample("1 + 1", "2"), PromptExample("2 + 2", "4", messages=[{"role": "user", "content": "x"}])]
+    same = [PromptExample("1 + 1", "2", entry={"other": "data"}),
+            PromptExample("2 + 2", "4", messages=[{"role": "user", "content": "x"}])]
+    assert prompt_set_fingerprint(examples) == prompt_set_fingerprint(same)  # the source row plays no part
+    assert prompt_set_fingerprint(examples) != prompt_set_fingerprint(examples[::-1])
+    assert prompt_set_fingerprint(examples) != prompt_set_fingerprint([examples[0], PromptExample("2 + 2", "5")])
+
+
 def test_bad_checkpoint_files_are_named(tmp_path, tiny_checkpoint):
     module, data = _hparams(tiny_checkpoint)
     check_resumable(tiny_checkpoint, module, data)  # the good one passes

@@ -8,6 +8,7 @@ the whole source row (``entry``), which reward functions receive (reasoning-gym 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -141,6 +142,13 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
 
         return dataset_prompts(dataset, prompt_column, answer_column, split)
     return inline_prompts(prompts)
+
+
+def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
+    """A short hash of ``examples`` in their order (prompt, answer and chat messages): two runs draw from the same
+    prompt set, in the same positions, exactly when theirs agree."""
+    rows = [[example.prompt, example.answer, example.messages] for example in examples]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 
 def split_examples(examples: Sequence[PromptExample], val_size: int | float,
