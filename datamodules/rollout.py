@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler
-from lit_grpo.rollout.prompts import (PromptExample, load_prompts, prompt_set_fingerprint, render_prompt,
-                                     split_examples)
+from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, load_prompts,
+                                     prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
@@ -125,7 +125,9 @@ class RolloutDataModule(LightningDataModule):
     them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
     ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
-    as ``\\boxed{}`` stay as written) shape the user message before the chat template. ``val_size``: held-out
+    as ``\\boxed{}`` stay as written) shape the user message before the chat template; ``chat_template_kwargs``
+    are more variables for the chat template (TRL's setting; e.g. ``{enable_thinking: false}`` for Qwen3), each one
+    it must read. ``val_size``: held-out
     prompts (a count or fraction of the distinct prompts; a repeated prompt is held out whole).
 
     Args:
@@ -173,6 +175,7 @@ class RolloutDataModule(LightningDataModule):
         val_size: int | float = 64,
         system_prompt: str | None = None,
         prompt_template: str = "{prompt}",
+        chat_template_kwargs: dict[str, Any] | None = None,
         reward_funcs: list[Any] | None = None,
         accuracy_reward: str | None = None,
         prompts_per_step: int = 4,
@@ -233,6 +236,7 @@ class RolloutDataModule(LightningDataModule):
         check_bool("dynamic_sampling", dynamic_sampling)  # "false" would be truthy: dynamic sampling on
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
+        check_chat_template_kwargs(None, chat_template_kwargs)
         if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
             raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
                              "options or None")
@@ -281,6 +285,7 @@ class RolloutDataModule(LightningDataModule):
         self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs is not None else None
         with config_errors("data.reward_funcs"):
             self.reward_funcs = build_reward_funcs(reward_funcs)
         self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
@@ -448,9 +453,14 @@ class RolloutDataModule(LightningDataModule):
     def _render_prompts(self) -> None:
         if self.examples is None or self._handover is None:
             return
-        render = lambda i: render_prompt(self._handover["tokenizer"], self.examples[i].prompt,  # noqa: E731
-                                         self.system_prompt, self.prompt_template,
-                                         (self.examples[i].messages or [])[:-1])
+        tokenizer = self._handover["tokenizer"]
+        try:
+            check_chat_template_kwargs(tokenizer, self.chat_template_kwargs)
+        except ValueError as error:  # the tokenizer's template is known only now: a setting's error all the same
+            raise ConfigError(f"data.{error}") from None
+        render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
+                                         self.prompt_template, (self.examples[i].messages or [])[:-1],
+                                         self.chat_template_kwargs)
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
 

@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -144,6 +145,36 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
     return inline_prompts(prompts)
 
 
+#: ``apply_chat_template``'s own arguments, which ``render_prompt`` sets: not chat template variables.
+RENDER_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "continue_final_message",
+                    "tools", "documents", "chat_template", "padding", "truncation", "max_length", "return_tensors")
+
+
+def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None) -> None:
+    """Raise naming the key unless each of ``kwargs`` is a variable ``tokenizer``'s chat template reads (a name it
+    does not read would be dropped without a word: a typo, or a setting meant for another model's template), and
+    none is ``apply_chat_template``'s own argument. ``tokenizer`` None checks the keys alone."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise ValueError(f"chat_template_kwargs={kwargs!r:.120} must be a mapping of the chat template's variable "
+                         "names to their values, or None")
+    if reserved := sorted(set(kwargs) & set(RENDER_ARGUMENTS)):
+        raise ValueError(f"chat_template_kwargs sets {reserved}, which lit_grpo sets itself; give only the chat "
+                         "template's own variables (e.g. enable_thinking)")
+    if tokenizer is None or not kwargs:
+        return
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
+        raise ValueError(f"chat_template_kwargs={dict(kwargs)!r:.120} need a chat template; this tokenizer has none "
+                         "(its prompts are plain text)")
+    sources = source.values() if isinstance(source, Mapping) else [source]
+    unread = [key for key in kwargs if not any(re.search(rf"\b{re.escape(key)}\b", text) for text in sources)]
+    if unread:
+        raise ValueError(f"chat_template_kwargs names {unread}, which this tokenizer's chat template never reads; "
+                         "check the spelling against the template (tokenizer.chat_template)")
+
+
 def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     """A short hash of ``examples`` in their order (prompt, answer and chat messages): two runs draw from the same
     prompt set, in the same positions, exactly when theirs agree."""
@@ -193,23 +224,27 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
 
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
-                  template: str = "{prompt}", history: Sequence[Mapping[str, str]] = ()) -> list[int]:
+                  template: str = "{prompt}", history: Sequence[Mapping[str, str]] = (),
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of one prompt: ``template`` with ``{prompt}`` replaced by the prompt (every other brace kept as
     written, e.g. ``\\boxed{}``) as the user message, through the chat template.
 
     ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
     first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
-    the plain text (system prompt, a blank line, the turns' contents, the message).
+    the plain text (system prompt, a blank line, the turns' contents, the message). ``chat_template_kwargs``: more
+    variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``), each one the template reads.
     """
     text = template.replace("{prompt}", prompt)
     history = [dict(turn) for turn in history]
     if history and history[0]["role"] == "system" and system_prompt:
         raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
                          f"turn ({history[0]['content']!r:.60}); drop one of the two")
+    check_chat_template_kwargs(tokenizer, chat_template_kwargs)
     if getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
             {"role": "user", "content": text}]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                **(chat_template_kwargs or {}))
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     else:
         before = "".join(turn["content"] + "\n\n" for turn in history)
