@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
@@ -463,13 +464,9 @@ class GRPOArgumentParser(LightningArgumentParser):
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
 
 
-#: jsonargparse's message for a value of an optional settings group (``reference_sync: ReferenceSync | None``):
-#: its key where the parser names it (the nearest before the Union's reasons: a group's message names the group
-#: first, then the setting in it that is bad), the list of each Union type's reason, and the value given.
-_UNION_ERRORS = re.compile(r"(?:Parser key \"([\w.]+)\":(?:(?!Parser key \").)*?)?"
-                           r"Does not validate against any of the Union subtypes\n"
-                           r"\s*Subtypes: \[[^\n]*NoneType[^\n]*\]\n\s*Errors:\n(.*?)\n"
-                           r"\s*Given value type: [^\n]*\n\s*Given value: ([^\n]*)", re.S)
+#: jsonargparse's account of a value no type of an optional setting's Union takes (``reference_sync:
+#: ReferenceSync | None``): this line, the subtypes, then each type's reason as an indented list, then the value.
+_UNION_FAILURE = "Does not validate against any of the Union subtypes"
 #: A reason that says what type was expected but not what was given (an optional number's).
 _BARE_TYPE = re.compile(r"Expected a <class '[\w.]+'>")
 _NOT_NONE = "Expected a <class 'NoneType'>"
@@ -480,16 +477,31 @@ def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
     which lists a reason for each type of the Union, the value's repr and the Union's spelling, the one line that
     names the bad setting and what is allowed lost among them; any other ``message`` as it is. ``keys``: the
     config's dotted keys, which name the setting in full (``qualified_error``)."""
-    match = _UNION_ERRORS.search(message)
-    if match is None:
+    found = _own_reason(message, keys)
+    if found is None:
         return message
-    items = re.split(r"(?:^|\n)\s*- ", match.group(2))
-    reasons = [" ".join(line.strip() for line in item.splitlines()) for item in items if item.strip()]
-    own = [re.sub(r"^Problem with given class_path '[\w.]+': ", "", reason) for reason in reasons
-           if reason != _NOT_NONE]
+    key, reason, nullable = found
+    return f"{key + ': ' if key else ''}{reason}" + (f" (or {nullable}: null)" if nullable else "")
+
+
+def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str | None] | None:
+    """(the bad setting's key, its reason, the key that may be null instead) from the first optional Union's failure
+    in ``message``; None where there is none, or its reasons are not one type's besides None's. An optional setting
+    inside an optional group fails in the group's type's reason: read there, its key is the group's and its own."""
+    failure = _union_failure(message.splitlines())
+    if failure is None:
+        return None
+    group, reasons, value = failure
+    own = [lines for lines in reasons if lines != [_NOT_NONE]]
     if len(own) != 1 or len(reasons) != 2:
-        return message
-    group, reason = match.group(1), own[0]
+        return None
+    head, rest = own[0][0], own[0][1:]
+    if rest and re.fullmatch(r"Problem with given class_path '[\w.]+':", head):  # the group's own parser's message
+        nested = _own_reason(textwrap.dedent("\n".join(rest)), keys)
+        if nested is not None and nested[0] is not None and group is not None:
+            key, reason, nullable = nested
+            return f"{group}.{key}", reason, nullable and f"{group}.{nullable}"
+    reason = re.sub(r"^Problem with given class_path '[\w.]+': ", "", " ".join(line.strip() for line in own[0]))
     key = group
     if group and (inner := re.match(r'Parser key "([\w.]+)": ', reason)):  # a setting inside the group
         key, reason = f"{group}.{inner.group(1)}", reason[inner.end():]
@@ -498,8 +510,40 @@ def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
         if (setting := _LEADING_SETTING.match(reason)) and "." in setting.group(1):
             group = setting.group(1).rsplit(".", 1)[0]
     if _BARE_TYPE.fullmatch(reason):  # as jsonargparse says it where the value is not optional
-        reason += f". Got value: {match.group(3)}"
-    return f"{key + ': ' if key else ''}{reason}" + (f" (or {group}: null)" if group else "")
+        reason += f". Got value: {value}"
+    return key, reason, group
+
+
+def _union_failure(lines: list[str]) -> tuple[str | None, list[list[str]], str | None] | None:
+    """The first optional Union's failure in a message's ``lines``: the key the parser names before it (None if
+    none), each type's reason (its lines, the first without its ``- ``, the others as indented), the value given."""
+    at = next((i for i, line in enumerate(lines) if line.strip().removeprefix("- ") == _UNION_FAILURE), None)
+    if at is None or at + 2 >= len(lines):
+        return None
+    subtypes, errors = lines[at + 1].strip(), lines[at + 2].strip()
+    if not (subtypes.startswith("Subtypes: [") and "NoneType" in subtypes and errors == "Errors:"):
+        return None
+    # the nearest key named before it: a group's message names the group, then the setting in it that is bad
+    named = next((match for line in reversed(lines[:at]) if (match := re.search(r'Parser key "([\w.]+)":', line))),
+                 None)
+    indent = _indent(lines[at])
+    reasons: list[list[str]] = []
+    end = at + 3
+    while end < len(lines) and _indent(lines[end]) > indent:
+        line = lines[end]
+        if line.lstrip().startswith("- ") and (not reasons or _indent(line) <= item_indent):
+            item_indent = _indent(line)
+            reasons.append([line.lstrip()[2:]])
+        elif reasons:
+            reasons[-1].append(line)
+        end += 1
+    given = [line.strip().removeprefix("Given value: ") for line in lines[end:end + 2]
+             if line.strip().startswith("Given value: ")]
+    return (named.group(1) if named else None), reasons, (given[0] if given else None)
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
 def _option_names(parser: argparse.ArgumentParser) -> list[str]:
