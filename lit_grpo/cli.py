@@ -528,7 +528,7 @@ def _union_failure(lines: list[str]) -> tuple[str | None, list[list[str]], str |
                  None)
     indent = _indent(lines[at])
     reasons: list[list[str]] = []
-    end = at + 3
+    end, item_indent = at + 3, 0
     while end < len(lines) and _indent(lines[end]) > indent:
         line = lines[end]
         if line.lstrip().startswith("- ") and (not reasons or _indent(line) <= item_indent):

@@ -7,9 +7,10 @@ the text of the last ``n + 1`` tokens holds it whenever the newest token complet
 off the window's first token, whose leading space some tokenizers drop); and since the check runs after every
 token, the first time it holds the string is the token that completed it. The text is decoded as the reward
 functions' is (special tokens skipped). Only rows whose newest token could complete a string are decoded: its own
-text holds a string's last character, or part of one (an incomplete UTF-8 sequence), learnt once per token id. The completion keeps that
-token (its text may run a few characters past the string) and the string itself, as transformers' does: the tokens
-trained on are the tokens sampled, and the reward functions see their text.
+text holds a string's last character, or part of one (an incomplete UTF-8 sequence), learnt once per token id.
+
+The completion keeps that token (its text may run a few characters past the string) and the string itself, as
+transformers' does: the tokens trained on are the tokens sampled, and the reward functions see their text.
 """
 
 from __future__ import annotations
