@@ -36,6 +36,7 @@ import shlex
 import sys
 import textwrap
 import traceback
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -342,14 +343,20 @@ def _exit_with(error: Exception, subcommand: str) -> None:
     raise SystemExit(2) from error
 
 
+def _is_lit_grpo_frame(frame: types.TracebackType) -> bool:
+    return Path(frame.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
+
+
 def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:
     """End the run on a reward function's error with that function's own frames, then the message naming it and the
     prompt; exit status 1. The frames of lit_grpo and Lightning above its call point at nothing its author can
     fix, and would push its frames out of view."""
     cause = error.__cause__
     if cause is not None and cause.__traceback__ is not None:
-        # the traceback's first frame is lit_grpo's call of the function; a function's own frames follow
-        frames = cause.__traceback__.tb_next or cause.__traceback__
+        # the traceback's first frames are lit_grpo's calls of the function; a function's own frames follow
+        frames = cause.__traceback__
+        while frames.tb_next is not None and _is_lit_grpo_frame(frames):
+            frames = frames.tb_next
         print("".join(traceback.format_exception(type(cause), cause, frames)), file=sys.stderr)
     # skip_group only helps where a group fails alone; a function that fails on the whole batch fails under it too
     tip = ("\ntip: data.on_reward_error: skip_group scores the other groups and gives the failing ones no loss"

@@ -29,6 +29,9 @@ Errors stop training, never silently zero a reward:
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
   value, its index and the prompt.
 
+A function may be async (``async def``, as TRL's): the async functions of a call run together on one event loop
+(``lit_grpo/rollout/async_loop.py``), after the others, so that a judge model's or a sandbox's requests overlap.
+
 Built-in functions (names usable in configs; defined in ``lit_grpo/rollout/reward_functions.py``): ``accuracy``
 (``accuracy_reward``: the answer extracted from the completion scored by the reasoning-gym dataset's own
 ``score_answer``, or by normalized exact match for other sources), ``format`` (``format_reward``: 1 when the
@@ -54,6 +57,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 
+from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.runtime.validation import check_choice
@@ -313,6 +317,37 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
     return out
 
 
+def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], completions: Sequence[str],
+              columns: Mapping[str, Sequence[Any]]) -> list[Any]:
+    """Each function's values on the whole batch, or the exception it raised: the plain ones called in turn, the
+    async ones (whose call returns an awaitable) then awaited together (``async_loop``)."""
+    outcomes: list[Any] = []
+    for reward in reward_funcs:
+        try:
+            outcomes.append(reward.fn(list(prompts), list(completions), **columns))
+        except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
+            outcomes.append(err)
+    pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
+    if pending:
+        for i, outcome in zip(pending, run_concurrently([outcomes[i] for i in pending])):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # an interrupt or a cancellation is no reward's error
+            outcomes[i] = outcome
+    return outcomes
+
+
+def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[str],
+          columns: Mapping[str, Sequence[Any]]) -> Any:
+    """One function's values on these completions, awaited if it is async."""
+    raw = reward.fn(list(prompts), list(completions), **columns)
+    if not inspect.isawaitable(raw):
+        return raw
+    (outcome,) = run_concurrently([raw])
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
 def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
                          completions: Sequence[str], columns: Mapping[str, Sequence[Any]], group_size: int,
                          on_error: str) -> tuple[list[float | None], list[int], list[str]]:
@@ -330,8 +365,8 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         end = start + group_size
         group = start // group_size
         try:
-            raw = reward.fn(list(prompts[start:end]), list(completions[start:end]),
-                            **{k: list(v[start:end]) for k, v in columns.items()})
+            raw = _call(reward, prompts[start:end], completions[start:end],
+                        {k: list(v[start:end]) for k, v in columns.items()})
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
                        f"{group} {prompts[start]!r:.300}")
@@ -386,19 +421,17 @@ def score_rewards(
     components: dict[str, torch.Tensor] = {}
     skipped: set[int] = set()
     errors: list[str] = []
-    for reward in reward_funcs:
-        failure = None
-        try:
-            raw = reward.fn(list(prompts), list(completions), **columns)
-        except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
-            failure = err
+    outcomes = _call_all(reward_funcs, prompts, completions, columns)
+    for i, reward in enumerate(reward_funcs):
+        raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
+        failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
             values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns,
                                                             group_size, on_error)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
-            failure = None
+            failure = raw = None
             skipped.update(failed)
             errors.extend(messages)
             for message in messages:
