@@ -41,8 +41,8 @@ from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs,
                                      prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, build_reward_funcs, check_gold_answers,
-                                      correctness_reward)
+from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, build_reward_funcs,
+                                      check_gold_answers, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.rollout.slot_memory import check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
@@ -391,9 +391,17 @@ class RolloutDataModule(LightningDataModule):
                 max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
                 measured_update_peak=given["measured_update_peak"],
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
+            self.builder.trainer_state = self._trainer_state
             if "engine" in self._pending_state:
                 self.builder.load_state_dict(self._pending_state.pop("engine"))
         return self.builder
+
+    def _trainer_state(self) -> TrainerState:
+        """The training progress the reward functions see (``trainer_state``): the trainer's optimizer steps and
+        their bound, and the epochs of training prompts drawn."""
+        trainer = getattr(self, "trainer", None)
+        steps = (trainer.global_step, trainer.max_steps) if trainer is not None else (self.steps_built, -1)
+        return TrainerState(*steps, epoch=self.steps_built / self.num_train_steps_per_epoch())
 
     @property
     def engine(self):

@@ -382,3 +382,50 @@ def test_reward_functions_of_the_documented_shapes_are_accepted():
     for fn in (lambda prompts, completions, **kwargs: [0.0], lambda p, c, *rest, **kwargs: [0.0],
                lambda prompts, completions, answer=None, **columns: [0.0], adapted):
         WeightedReward(fn, name="mine")
+
+
+def test_every_call_gets_the_training_progress_as_trl_passes_it():
+    """``trainer_state`` (TRL's keyword and fields), also in the retry of one group at a time; a prompt field of
+    that name is refused, not shadowed."""
+    from lit_grpo.rollout.rewards import TrainerState
+
+    seen = []
+
+    def ramp(prompts, completions, trainer_state, **columns):
+        seen.append(trainer_state)
+        if "b" in prompts:
+            raise RuntimeError("no b")
+        return [trainer_state.global_step / trainer_state.max_steps] * len(prompts)
+
+    state = TrainerState(global_step=3, max_steps=12, epoch=0.5)
+    with pytest.warns(UserWarning, match="no b"):
+        scores = score_rewards([WeightedReward(ramp, 1.0)], ["a", "a", "b", "b"], ["x"] * 4, group_size=2,
+                               on_error="skip_group", trainer_state=state)
+    assert scores.total.tolist() == [0.25, 0.25, 0.0, 0.0] and seen == [state] * 3
+    assert score_rewards([WeightedReward(lambda p, c, trainer_state, **k: [trainer_state.epoch] * len(p), 1.0)],
+                         ["a"], ["x"]).total.tolist() == [0.0]  # without one: step 0
+    with pytest.raises(ValueError, match=r"a column is named 'trainer_state'"):
+        score_rewards([WeightedReward(ramp, 1.0)], ["a"], ["x"], {"trainer_state": [1]})
+
+
+def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp_path):
+    """A whole fit: the reward functions see the optimizer steps taken so far, the run's bound and the epochs of
+    prompts drawn."""
+    from lightning.pytorch import Trainer
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    seen = []
+
+    def progress(prompts, completions, trainer_state, **columns):
+        seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+        return [float(len(c) % 3) for c in completions]
+
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    data = RolloutDataModule(prompts=prompts, val_size=0, prompts_per_step=2, reward_funcs=[progress],
+                             sampling={"group_size": 2, "max_new_tokens": 4})
+    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      limit_val_batches=0, default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=1), datamodule=data)
+    assert seen == [(0, 3, 0.0), (1, 3, 0.25), (2, 3, 0.5)]

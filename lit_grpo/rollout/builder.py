@@ -35,7 +35,7 @@ from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normali
                                          normalize_then_sum_advantages, zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
-from lit_grpo.rollout.rewards import WeightedReward, correctness_reward, score_rewards
+from lit_grpo.rollout.rewards import TrainerState, WeightedReward, correctness_reward, score_rewards
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.validation import check_choice, check_int
@@ -179,6 +179,8 @@ class RolloutBuilder:
         self._val_engine: RolloutEngine | None = None
         self._val_sampled_engine: RolloutEngine | None = None
         self._pending_engine_state: dict | None = None
+        #: The training progress the reward functions get (``trainer_state``); the data module lends its own.
+        self.trainer_state: Callable[[], TrainerState] = TrainerState
 
     def use_world(self, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   precision_context: Callable[[], Any] | None = None,
@@ -414,7 +416,7 @@ class RolloutBuilder:
             columns[key] = repeat([e.entry.get(key) for e in examples])
         scores = score_rewards(self.reward_funcs, repeat([e.prompt for e in examples]),
                                [t for group in texts for t in group], columns, group_size=G,
-                               on_error=self.on_reward_error)
+                               on_error=self.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True
         current = engine.rollout_index - 1  # the rollout just run

@@ -11,6 +11,9 @@ dataset entry with ``question``, ``answer``, ``metadata``), ``completion_ids``, 
 ``truncated`` (hit the length cap), ``max_new_tokens``, plus every extra field of a JSONL row. Take ``**kwargs``
 and ignore what you do not need.
 
+Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``), under
+TRL's name and with its fields' meaning, for rewards shaped by training progress.
+
 A function returns one value per completion: a number, or ``None`` for "no opinion" (e.g. a math checker asked
 about a code task). Several functions are combined with weights::
 
@@ -76,6 +79,22 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: ``RewardScores.skipped_groups`` (the trainer gives their rows no loss).
 OnRewardError = Literal["raise", "skip_group"]
 ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Training progress as a reward function sees it (``trainer_state``; TRL passes transformers' TrainerState,
+    whose fields these are).
+
+    Attributes:
+        global_step: optimizer steps taken so far (training steps x ``num_iterations``).
+        max_steps: the optimizer steps the run will take (-1: not bounded by steps).
+        epoch: epochs of training prompts drawn so far, fractional (``steps / steps_per_epoch``).
+    """
+
+    global_step: int = 0
+    max_steps: int = -1
+    epoch: float = 0.0
 
 
 class RewardFunctionError(RuntimeError):
@@ -318,13 +337,13 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
 
 
 def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], completions: Sequence[str],
-              columns: Mapping[str, Sequence[Any]]) -> list[Any]:
+              columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> list[Any]:
     """Each function's values on the whole batch, or the exception it raised: the plain ones called in turn, the
     async ones (whose call returns an awaitable) then awaited together (``async_loop``)."""
     outcomes: list[Any] = []
     for reward in reward_funcs:
         try:
-            outcomes.append(reward.fn(list(prompts), list(completions), **columns))
+            outcomes.append(reward.fn(list(prompts), list(completions), **columns, **state))
         except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
             outcomes.append(err)
     pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
@@ -337,9 +356,9 @@ def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], co
 
 
 def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[str],
-          columns: Mapping[str, Sequence[Any]]) -> Any:
+          columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> Any:
     """One function's values on these completions, awaited if it is async."""
-    raw = reward.fn(list(prompts), list(completions), **columns)
+    raw = reward.fn(list(prompts), list(completions), **columns, **state)
     if not inspect.isawaitable(raw):
         return raw
     (outcome,) = run_concurrently([raw])
@@ -349,7 +368,8 @@ def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[
 
 
 def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
-                         completions: Sequence[str], columns: Mapping[str, Sequence[Any]], group_size: int,
+                         completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+                         state: Mapping[str, Any], group_size: int,
                          on_error: str) -> tuple[list[float | None], list[int], list[str]]:
     """A reward function raised on the whole batch: call it again one group at a time.
 
@@ -366,7 +386,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         group = start // group_size
         try:
             raw = _call(reward, prompts[start:end], completions[start:end],
-                        {k: list(v[start:end]) for k, v in columns.items()})
+                        {k: list(v[start:end]) for k, v in columns.items()}, state)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
                        f"{group} {prompts[start]!r:.300}")
@@ -392,6 +412,7 @@ def score_rewards(
     columns: Mapping[str, Sequence[Any]] | None = None,
     group_size: int = 1,
     on_error: str = "raise",
+    trainer_state: TrainerState | None = None,
 ) -> RewardScores:
     """Run every reward function on ``N`` completions and combine them (module docstring).
 
@@ -402,6 +423,7 @@ def score_rewards(
         columns: per-completion lists of length ``N``, passed as keyword arguments.
         group_size: ``G``; used to name the failing prompt when a function raises (and the unit skipped).
         on_error: ``"raise"`` (a ``RewardFunctionError``) or ``"skip_group"`` (``RewardScores.skipped_groups``).
+        trainer_state: passed to every call as ``trainer_state`` (default: a ``TrainerState()`` at step 0).
     """
     check_choice("on_error", on_error, ON_ERROR)
     if not reward_funcs:
@@ -413,6 +435,10 @@ def score_rewards(
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    if "trainer_state" in columns:
+        raise ValueError("a column is named 'trainer_state', the keyword reward functions get the training progress "
+                         "under (TRL's name): rename that field of the prompts")
+    state = {"trainer_state": trainer_state if trainer_state is not None else TrainerState()}
     if group_size < 1 or n % group_size:
         raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} completions")
 
@@ -421,13 +447,13 @@ def score_rewards(
     components: dict[str, torch.Tensor] = {}
     skipped: set[int] = set()
     errors: list[str] = []
-    outcomes = _call_all(reward_funcs, prompts, completions, columns)
+    outcomes = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
         failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
-            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns,
+            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
                                                             group_size, on_error)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
