@@ -164,3 +164,97 @@ def test_the_chunks_are_sized_for_the_micro_batchs_device(monkeypatch):
     with torch.no_grad():
         completion_logps(model, micro)
     assert chunks == [3, 3, 2]
+
+
+def written_out_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` each position's entropy as its formula, through autograd: ``-sum(p log p)``."""
+    log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_with_entropy_grad_the_entropies_gradient_is_autograds_of_its_formula(name, temperature, chunked):
+    """The entropy bonus's path: the chunked one (checkpointed chunks, ``_EntropyOfLogits``) and the full logits'
+    give the entropies and every weight's gradient of ``sum(w1 logp + w2 H)`` that autograd of ``-sum(p log p)``
+    over the whole logits gives, at the sampling temperature."""
+    model, _ = load_model_and_tokenizer(name)
+    model = model.double().train()
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    w1, w2 = torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mask = micro["completion_mask"]
+
+    def run(ours: bool):
+        model.zero_grad(set_to_none=True)
+        if ours:
+            logps, entropy = completion_logps(model, micro, temperature, chunked=chunked, entropy_grad=True,
+                                              chunk_bytes=3 * 4 * model.config.vocab_size)
+        else:
+            logits = completion_logits(model, micro, temperature)
+            logps, entropy = token_logps(logits, micro["completion_ids"]) * mask, written_out_entropy(logits) * mask
+        (logps * w1 + entropy * w2).sum().backward()
+        return entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, want = run(True), run(False)
+    torch.testing.assert_close(ours[0], want[0])
+    assert ours[0].dtype == torch.float64 and (ours[0][~mask.bool()] == 0).all()
+    assert ours[1].keys() == want[1].keys() and len(want[1]) > 0
+    for key in want[1]:
+        torch.testing.assert_close(ours[1][key], want[1][key], msg=key)
+    # the entropy term moves the gradient: without it the weights' gradients differ
+    model.zero_grad(set_to_none=True)
+    logps, _ = completion_logps(model, micro, temperature, chunked=chunked)
+    (logps * w1).sum().backward()
+    assert any(not torch.allclose(p.grad, ours[1][n]) for n, p in model.named_parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_without_entropy_grad_the_entropy_carries_no_graph(chunked):
+    """The default (no entropy bonus): the entropies are float32 values without a grad_fn on every path, so the
+    backward neither keeps nor recomputes anything for them."""
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    logps, entropy = completion_logps(model, micro, chunked=chunked, chunk_bytes=3 * 4 * model.config.vocab_size)
+    assert logps.grad_fn is not None and entropy.grad_fn is None and not entropy.requires_grad
+    assert entropy.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # the cast-once head
+        _, entropy = completion_logps(model, micro, chunk_bytes=3 * 4 * model.config.vocab_size)
+    assert entropy.grad_fn is None
+    _, entropy = completion_logps(model, micro, chunked=chunked, entropy_grad=True)
+    assert entropy.grad_fn is not None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_under_autocast_the_cast_once_head_gives_the_entropys_gradient_as_the_per_chunk_casts(
+        monkeypatch, temperature):
+    """bf16 autocast over float32 weights with ``entropy_grad``: the cast-once head's backward adds the entropies'
+    gradient to each chunk's logits' and gives the per-chunk casts' (autograd's) entropies and gradients, up to
+    the float32 sums' order (a bfloat16 rounding at most), and the log-probs to the bit."""
+    import lit_grpo.update.logprobs as logprobs
+
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    model.train()
+    micro = micro_batch(model.config.vocab_size, torch.Generator().manual_seed(0))
+    w1, w2 = torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            logps, entropy = completion_logps(model, micro, temperature, entropy_grad=True,
+                                              chunk_bytes=3 * 4 * model.config.vocab_size)
+        (logps * w1 + entropy * w2).sum().backward()
+        return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    once = run()
+    monkeypatch.setattr(logprobs, "head_cast_dtype", lambda *args: None)
+    per_chunk = run()
+    w2 = torch.zeros_like(w2)
+    without = run()  # no entropy term: the head's gradient moves by far more than the tolerance below
+    assert torch.equal(once[0], per_chunk[0])
+    torch.testing.assert_close(once[1], per_chunk[1], atol=1e-5, rtol=1e-5)
+    for key in per_chunk[2]:
+        scale = float(per_chunk[2][key].abs().max())
+        torch.testing.assert_close(once[2][key], per_chunk[2][key], atol=1e-5 * scale, rtol=1e-3, msg=key)
+    head = "lm_head.weight"
+    assert float((without[2][head] - per_chunk[2][head]).abs().max()) > 1e-3 * float(per_chunk[2][head].abs().max())

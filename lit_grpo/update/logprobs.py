@@ -20,6 +20,11 @@ logit scales): ``head_reproduces_logits`` checks it once per model on four token
 back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the model cannot return hidden
 states with ``logits_to_keep``.
 
+The entropies are a metric (and the high-entropy mask's ranking), without a gradient, unless ``entropy_grad`` asks
+for one (the entropy bonus, lit_grpo.update.entropy_bonus): then every path gives them the gradient of
+``-sum(p log p)`` from the logits they already keep or recompute (``_EntropyOfLogits``, or ``_CastOnceHeadLogps``'s
+backward), one chunk (or row) at a time; without it nothing more is computed or kept than for the log-probs.
+
 With ``shared_prefix`` the states (or logits) come from ``lit_grpo.update.shared_prefix``: each distinct prompt of the
 micro-batch goes forward once and its completions attend to its keys and values; the head, the chunks and the
 values are the same.
@@ -121,15 +126,47 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor,
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n]`` log-probs (differentiable) and ``[n]`` entropies (not) of ``token_ids`` given ``[n, H]`` states."""
+class _EntropyOfLogits(torch.autograd.Function):
+    """``[n]`` entropies of ``[n, V]`` logits (computed in float32 or wider, as ``token_entropy``), differentiable.
+    Autograd of ``-(p * log p).sum()`` would keep two more ``[n, V]`` float32 tensors until the backward; this keeps
+    only the logits (which the log-probs' backward keeps anyway) and recomputes ``log p`` there:
+    ``dH/dz = -p (log p + H)``."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        ctx.save_for_backward(logits, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, entropy = ctx.saved_tensors
+        log_probs = torch.log_softmax(logits.to(entropy.dtype), dim=-1)
+        grad = log_probs.exp().mul_(log_probs.add_(entropy.unsqueeze(-1))).mul_(-grad_entropy.unsqueeze(-1))
+        return grad.to(logits.dtype)
+
+
+def entropy_with_grad(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` entropies of ``[..., T, V]`` logits with their gradient (``_EntropyOfLogits``); a 3-D tensor one
+    row at a time, as ``token_entropy``, so no float32 copy of the whole is made."""
+    if logits.dim() == 2:
+        return _EntropyOfLogits.apply(logits)
+    return torch.stack([_EntropyOfLogits.apply(row) for row in logits])
+
+
+def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n]`` log-probs (differentiable) and ``[n]`` entropies (differentiable with ``entropy_grad``) of
+    ``token_ids`` given ``[n, H]`` states."""
     logits = head(hidden)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if temperature and temperature != 1.0:
         logits = logits / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
     logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    if entropy_grad:
+        return logps, _EntropyOfLogits.apply(logits)
     with torch.no_grad():
         log_probs = logits - log_normalizer.unsqueeze(-1)
         entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
@@ -148,10 +185,12 @@ class _CastOnceHeadLogps(torch.autograd.Function):
     dtype once (kept for the backward) instead of in every chunk's forward and recomputation. The backward
     recomputes each chunk's logits and applies autograd's own formulas in autograd's order (the chunks last to
     first, each weight gradient upcast and summed in float32), so log-probs and gradients are those of the per-chunk
-    casts."""
+    casts. With ``entropy_grad`` the entropies are differentiable too: the backward adds their gradient to each
+    chunk's logits' (``dH/dz = -p (log p + H)``), from the same recomputed logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, token_ids, temperature: float, rows: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, token_ids, temperature: float, rows: int, dtype: torch.dtype,
+                entropy_grad: bool = False):
         low = weight.detach().to(dtype)
         logps, entropies, normalizers = [], [], []
         with torch.autocast(hidden.device.type, enabled=False):
@@ -162,15 +201,16 @@ class _CastOnceHeadLogps(torch.autograd.Function):
                 log_probs = logits - log_normalizer.unsqueeze(-1)
                 entropies.append(-(log_probs.exp() * log_probs).sum(dim=-1))
                 normalizers.append(log_normalizer)
-        ctx.save_for_backward(hidden, low, token_ids, torch.cat(normalizers))
-        ctx.temperature, ctx.rows, ctx.weight_dtype = temperature, rows, weight.dtype
         entropy = torch.cat(entropies)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, low, token_ids, torch.cat(normalizers), entropy if entropy_grad else None)
+        ctx.temperature, ctx.rows, ctx.weight_dtype = temperature, rows, weight.dtype
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return torch.cat(logps), entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, low, token_ids, log_normalizer = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, low, token_ids, log_normalizer, entropy = ctx.saved_tensors
         temperature, rows = ctx.temperature, ctx.rows
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -179,7 +219,12 @@ class _CastOnceHeadLogps(torch.autograd.Function):
             states, ids, grad = hidden[part], token_ids[part], grad_logps[part]
             logits = _low_precision_logits(states, low, temperature)
             # logsumexp's backward (its output entered with -grad), then gather's, then the temperature's
-            grad_logits = (-grad).unsqueeze(-1) * (logits - log_normalizer[part].unsqueeze(-1)).exp()
+            if entropy is None:
+                grad_logits = (-grad).unsqueeze(-1) * (logits - log_normalizer[part].unsqueeze(-1)).exp()
+            else:  # and the entropy's: -p (log p + H) per unit of its gradient
+                log_probs = logits - log_normalizer[part].unsqueeze(-1)
+                scale = log_probs.add_(entropy[part].unsqueeze(-1)).mul_(-grad_entropy[part].unsqueeze(-1))
+                grad_logits = (logits - log_normalizer[part].unsqueeze(-1)).exp_().mul_(scale.sub_(grad.unsqueeze(-1)))
             grad_logits = grad_logits.scatter_add(-1, ids.unsqueeze(-1), grad.unsqueeze(-1))
             if temperature and temperature != 1.0:
                 grad_logits = grad_logits / temperature
@@ -189,7 +234,7 @@ class _CastOnceHeadLogps(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 chunk = states.to(low.dtype).t().mm(grad_low).t().to(ctx.weight_dtype)
                 grad_weight = chunk if grad_weight is None else grad_weight.add_(chunk)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def head_cast_dtype(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor) -> torch.dtype | None:
@@ -246,9 +291,10 @@ def _real_tokens(mask: torch.Tensor, count: int | None) -> torch.Tensor:
 
 def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature: float = 1.0, *,
                      chunk_bytes: int | None = None, chunked: bool = True, shared_prefix: bool | str = False,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies (no grad) of a micro-batch's completion
-    tokens; both are 0 on padding.
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[m, T']`` log-probs (differentiable) and ``[m, T']`` entropies of a micro-batch's completion tokens; both
+    are 0 on padding. The entropies are float32 without a gradient, or with ``entropy_grad`` (the entropy bonus)
+    differentiable, in the log-probs' dtype.
 
     With ``chunked`` (and a model that passes ``head_reproduces_logits``) no ``[m, T', V]`` tensor is built (module
     docstring); otherwise the full logits are computed once. ``chunk_bytes``: a chunk's float32 logits (default:
@@ -269,7 +315,8 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     if not (chunked and len(real) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
         logits = completion_logits(model, micro, temperature, shared_prefix)
         logps = token_logps(logits, token_ids) * mask
-        return logps, token_entropy(logits) * mask
+        entropy = entropy_with_grad(logits).to(logps.dtype) if entropy_grad else token_entropy(logits)
+        return logps, entropy * mask
     groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
         hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)
@@ -283,13 +330,15 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
     cast_dtype = head_cast_dtype(model, head, hidden)
     if cast_dtype is not None:  # the head's weight cast once for every chunk, not in each chunk and its recomputation
-        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids, temperature, rows, cast_dtype)
+        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids, temperature, rows, cast_dtype,
+                                                  entropy_grad)
         logp_parts, entropy_parts = [logps], [entropy]
     else:
         logp_parts, entropy_parts = [], []
         for states, ids in zip(hidden.split(rows), token_ids.split(rows)):
             if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
-                logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, use_reentrant=False)
+                logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, entropy_grad,
+                                            use_reentrant=False)
             else:
                 logps, entropy = _chunk_logps(head, states, ids, temperature)
             logp_parts.append(logps)
@@ -297,6 +346,9 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     logps = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
     logps = logps.index_copy(0, real, torch.cat(logp_parts).to(dtype)).view(mask.shape)
+    if entropy_grad:
+        entropy = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+        return logps, entropy.index_copy(0, real, torch.cat(entropy_parts).to(dtype)).view(mask.shape)
     entropy = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
     entropy = entropy.index_copy(0, real, torch.cat(entropy_parts).float()).view(mask.shape)
     return logps, entropy.detach()
