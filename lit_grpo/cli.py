@@ -321,7 +321,8 @@ def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
     loss's for another loss type or without the KL, a sampler correction's bounds with mode none): a resume does
     not compare them (``check_resumable``)."""
     if name == "loss":
-        return loss_unread_settings(group.get("loss_type", LossConfig.loss_type), group.get("beta", LossConfig.beta))
+        return loss_unread_settings(group.get("loss_type", LossConfig.loss_type), group.get("beta", LossConfig.beta),
+                                    group.get("use_adaptive_entropy", LossConfig.use_adaptive_entropy))
     if name == "sampler_correction" and group.get("mode") == "none":
         return {"clip_min", "clip_max"}
     return set()

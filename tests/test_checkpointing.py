@@ -382,6 +382,37 @@ def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_chec
     assert "in the checkpoint" not in capsys.readouterr().err
 
 
+def test_a_resume_compares_the_entropy_bonus_and_its_control_only_where_a_run_reads_them(tmp_path, tiny_checkpoint):
+    """entropy_coef is always compared (an older checkpoint without it ran as 0); the adaptive control's settings
+    only where either run has the control on: without it neither reads them."""
+    from lit_grpo.cli import unread_settings
+
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    loss = checkpoint["hyper_parameters"]["loss"]
+    assert loss["entropy_coef"] == 0.0 and loss["use_adaptive_entropy"] is False
+    loss.update(entropy_target=3.0, entropy_coef_delta=0.01)  # set, and warned about as ignored, without the control
+    saved = tmp_path / "entropy.ckpt"
+    torch.save(checkpoint, saved)
+    module, data = _hparams(tiny_checkpoint)
+    check_resumable(saved, module, data, unread=unread_settings)
+    with pytest.raises(ValueError, match=re.escape("model.loss.entropy_target: 3.0 in the checkpoint, 0.2 now")):
+        check_resumable(saved, {**module, "loss": {**module["loss"], "use_adaptive_entropy": True}}, data,
+                        unread=unread_settings)
+    with pytest.raises(ValueError, match=re.escape("model.loss.entropy_coef: 0.0 in the checkpoint, 0.1 now")):
+        check_resumable(saved, {**module, "loss": {**module["loss"], "entropy_coef": 0.1}}, data,
+                        unread=unread_settings)
+    for name in ("entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_delta"):
+        loss.pop(name)  # as if saved before the bonus existed: it ran as off
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    defaults = {"model": {"loss": {"entropy_coef": 0.0, "use_adaptive_entropy": False, "entropy_target": 0.2,
+                                   "entropy_coef_delta": 0.005}}}
+    check_resumable(older, module, data, defaults=defaults, unread=unread_settings)
+    with pytest.raises(ValueError, match=re.escape("model.loss.use_adaptive_entropy: False in the checkpoint")):
+        check_resumable(older, {**module, "loss": {**module["loss"], "use_adaptive_entropy": True}}, data,
+                        defaults=defaults, unread=unread_settings)
+
+
 def test_a_setting_an_older_checkpoint_lacks_reads_as_its_default(tmp_path, tiny_checkpoint, capsys):
     """A release that adds a setting still resumes the checkpoints of the releases before it: the setting they
     lack ran as its default, and only a run that sets it otherwise is refused."""

@@ -526,3 +526,45 @@ def test_luspo_and_vespo_off_their_papers_level_say_so():
     with pytest.warns(UserWarning, match=r"loss_type='vespo' weighs each completion by its own sequence ratio; "
                                          r"importance_sampling_level='sequence' changes only kl_bias_correction"):
         LossConfig(loss_type="vespo", importance_sampling_level="sequence")
+
+
+def test_bad_entropy_bonus_values_name_the_value_and_what_is_allowed():
+    for coef in (math.inf, math.nan, "0.1", True, None):
+        with pytest.raises(ValueError, match=rf"entropy_coef={re.escape(repr(coef))} must be a finite number"):
+            LossConfig(entropy_coef=coef)
+    with pytest.raises(ValueError, match=r"use_adaptive_entropy='yes' must be True or False"):
+        LossConfig(use_adaptive_entropy="yes")
+    with pytest.raises(ValueError, match=r"entropy_target=inf must be a finite number"):
+        LossConfig(use_adaptive_entropy=True, entropy_target=math.inf)
+    with pytest.raises(ValueError, match=r"entropy_coef_delta=-0.01 must be >= 0"):
+        LossConfig(use_adaptive_entropy=True, entropy_coef_delta=-0.01)
+    with pytest.raises(ValueError, match=r"entropy_target=-1.0 must be >= 0"):
+        LossConfig(use_adaptive_entropy=True, entropy_target=-1.0)
+    with pytest.raises(ValueError, match=r"entropy_coef_min=0.5 must be <= entropy_coef_max=0.1"):
+        LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
+    with pytest.raises(ValueError, match=r"entropy_coef=2.0 is the initial coefficient under use_adaptive_entropy; "
+                                         r"it must be within \[entropy_coef_min, entropy_coef_max\] = \[0.0, 1.0\]"):
+        LossConfig(use_adaptive_entropy=True, entropy_coef=2.0)
+    from lit_grpo.update.module import GRPOModule
+    with pytest.raises(ValueError, match=r"entropy_coef_min=0.5 must be <= entropy_coef_max=0.1"):
+        GRPOModule(model="tiny-llama", loss={"use_adaptive_entropy": True, "entropy_coef_min": 0.5,
+                                             "entropy_coef_max": 0.1})
+    # TRL's defaults, a negative coefficient (an entropy penalty) and a coefficient outside the adaptive bounds
+    # without the control are taken
+    assert LossConfig(use_adaptive_entropy=True).entropy_bonus_on and not LossConfig().entropy_bonus_on
+    assert LossConfig(entropy_coef=-0.01).entropy_bonus_on
+    LossConfig(entropy_coef=3.0, entropy_coef_min=0.0, entropy_coef_max=1.0)
+
+
+def test_the_adaptive_entropy_settings_are_ignored_without_the_control():
+    with pytest.warns(UserWarning, match=r"loss settings \['entropy_coef_max', 'entropy_target'\] have no effect "
+                                         r"with loss_type='dapo', beta=0.0 and use_adaptive_entropy=False"):
+        LossConfig(entropy_coef=0.1, entropy_coef_max=0.5, entropy_target=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LossConfig(use_adaptive_entropy=True, entropy_coef_max=0.5, entropy_target=2.0)
+        LossConfig(entropy_coef=0.1)
+    from lit_grpo.update.loss_config import ADAPTIVE_ENTROPY_SETTINGS, unread_settings
+    assert set(ADAPTIVE_ENTROPY_SETTINGS) <= unread_settings("dapo", 0.0)
+    assert not set(ADAPTIVE_ENTROPY_SETTINGS) & unread_settings("dapo", 0.0, use_adaptive_entropy=True)
+    assert "entropy_coef" not in unread_settings("dapo", 0.0) | unread_settings("sapo", 0.0, True)

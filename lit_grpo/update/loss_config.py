@@ -10,6 +10,7 @@ the config is built (``Literal`` fields already when the YAML is parsed), with a
         epsilon_low: 0.2
         epsilon_high: 0.28
         beta: 0.0                # k3 KL weight; > 0 loads a reference model
+        entropy_coef: 0.0        # entropy bonus weight (TRL's); use_adaptive_entropy: Skywork-OR1's control
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 #: The settings that shape sapo's gate and vespo's weight.
 SHAPE_SETTINGS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                   "vespo_lambda_neg")
+#: The settings of the adaptive entropy control, read only with ``use_adaptive_entropy``.
+ADAPTIVE_ENTROPY_SETTINGS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,19 @@ class LossConfig:
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's weight
             ``phi(w) = exp(lambda) w^k exp(-lambda w)`` for ``A >= 0`` / ``A < 0``: ``k`` (>= 0) sets how fast it
             falls for ``w < 1``, ``lambda`` (> 0) for ``w > 1``.
+        entropy_coef: weight of the entropy bonus, ``loss - entropy_coef x H`` with ``H`` each micro-batch's mean
+            token entropy (at the sampling temperature) over the tokens the policy term acts on (the loss mask, times
+            the high-entropy mask under ``top_entropy_quantile`` < 1), whatever the loss type's normalizer
+            (lit_grpo.update.entropy_bonus); a finite number, 0 (default): no bonus, and no entropy gradient.
+            With ``use_adaptive_entropy``: the initial coefficient, in ``[entropy_coef_min, entropy_coef_max]``.
+        use_adaptive_entropy: Skywork-OR1's adaptive entropy control (TRL's): after each optimizer step the
+            coefficient moves by ``entropy_coef_delta`` within ``[entropy_coef_min, entropy_coef_max]``, up where
+            that step's entropy (over every micro-batch and rank) is at or below ``entropy_target``, else down; a step
+            applies the bonus only where the previous step's entropy was at or below the target (never in the first).
+        entropy_coef_min, entropy_coef_max: the coefficient's bounds (finite, min <= max).
+        entropy_coef_delta: the coefficient's step (finite, >= 0).
+        entropy_target: the mean token entropy in nats (finite, >= 0) below which the bonus engages; measured over
+            the same tokens as the bonus.
     """
 
     loss_type: LossType = "dapo"
@@ -74,6 +90,12 @@ class LossConfig:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
 
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -122,6 +144,7 @@ class LossConfig:
             value = getattr(self, name)
             if not value >= 0:  # below 0 the weight would grow without bound as the ratio falls to 0
                 raise ValueError(f"{name}={value!r} must be >= 0")
+        self._check_entropy_bonus()
         # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
         if self.loss_type == "cispo" and not self.epsilon_high >= 1:
             raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
@@ -135,21 +158,50 @@ class LossConfig:
                           "importance_sampling_level='sequence' changes only kl_bias_correction's ratio (keep "
                           "'token', the default)", stacklevel=3)
         if ignored := self.ignored_settings():
-            warnings.warn(f"loss settings {ignored} have no effect with loss_type={self.loss_type!r} and beta="
-                          f"{self.beta!r}; they are ignored", stacklevel=3)
+            warnings.warn(f"loss settings {ignored} have no effect with loss_type={self.loss_type!r}, beta="
+                          f"{self.beta!r} and use_adaptive_entropy={self.use_adaptive_entropy!r}; they are ignored",
+                          stacklevel=3)
+
+    def _check_entropy_bonus(self) -> None:
+        """Raise naming the first bad entropy bonus setting."""
+        if not isinstance(self.use_adaptive_entropy, bool):
+            raise ValueError(f"use_adaptive_entropy={self.use_adaptive_entropy!r} must be True or False")
+        for name in ("entropy_coef", *ADAPTIVE_ENTROPY_SETTINGS):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        for name in ("entropy_coef_delta", "entropy_target"):  # a negative step would turn the control around
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not self.use_adaptive_entropy:
+            return
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"entropy_coef_min={self.entropy_coef_min!r} must be <= entropy_coef_max="
+                             f"{self.entropy_coef_max!r}")
+        # outside the bounds the control could apply a coefficient above entropy_coef_max for a few steps
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise ValueError(f"entropy_coef={self.entropy_coef!r} is the initial coefficient under "
+                             f"use_adaptive_entropy; it must be within [entropy_coef_min, entropy_coef_max] = "
+                             f"[{self.entropy_coef_min!r}, {self.entropy_coef_max!r}]")
+
+    @property
+    def entropy_bonus_on(self) -> bool:
+        """Whether the loss has an entropy bonus (and the update an entropy gradient): a coefficient other than 0,
+        or the adaptive control (which may raise it from 0)."""
+        return self.entropy_coef != 0 or self.use_adaptive_entropy
 
     def ignored_settings(self) -> list[str]:
         """The settings given other than their defaults that this loss never reads: the KL's with ``beta`` 0,
         sapo's and vespo's shapes in another loss, the clip bounds sapo and vespo have none of (and cispo's lower
-        one and ``delta``)."""
-        unread = unread_settings(self.loss_type, self.beta)
+        one and ``delta``), the adaptive entropy control's without ``use_adaptive_entropy``."""
+        unread = unread_settings(self.loss_type, self.beta, self.use_adaptive_entropy)
         return [f.name for f in fields(self) if f.name in unread and getattr(self, f.name) != f.default]
 
 
-def unread_settings(loss_type: str, beta: float) -> set[str]:
-    """The ``LossConfig`` fields a loss of ``loss_type`` with ``beta`` never reads, whatever their values
-    (``LossConfig.ignored_settings``; a resume does not compare them)."""
-    unread = set()
+def unread_settings(loss_type: str, beta: float, use_adaptive_entropy: bool = False) -> set[str]:
+    """The ``LossConfig`` fields a loss of ``loss_type`` with ``beta`` and ``use_adaptive_entropy`` never reads,
+    whatever their values (``LossConfig.ignored_settings``; a resume does not compare them)."""
+    unread = set() if use_adaptive_entropy else set(ADAPTIVE_ENTROPY_SETTINGS)
     if beta == 0:
         unread.add("kl_bias_correction")
     if loss_type != "sapo":
