@@ -107,6 +107,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "train/entropy": "mean",
     "train/grad_norm": "mean",  # the same on every rank: the norm of the reduced gradients
     "train/lr": "mean",
+    "train/entropy_coef": "mean",  # the same on every rank (one control, fed the step's entropy over ranks)
     "sampling/sampling_logp_difference/mean": "mean",
     "sampling/sampling_logp_difference/max": "max",
     "sampling/importance_sampling_ratio/min": "min",

@@ -36,6 +36,18 @@ class StepMetrics:
         self._parts["entropy"].append((entropy * content).sum())
         self._parts["content_tokens"].append(content.sum())
 
+    def add_entropy_stats(self, stats: torch.Tensor) -> None:
+        """One micro-batch's ``[2]`` entropy sum and token count over the entropy bonus's tokens
+        (``lit_grpo.update.entropy_bonus.entropy_stats``), for the adaptive control: ``entropy_totals``."""
+        self._parts["bonus_entropy"].append(stats[0])
+        self._parts["bonus_tokens"].append(stats[1])
+
+    def entropy_totals(self) -> list[float]:
+        """``[entropy sum, tokens]`` of ``add_entropy_stats`` over the step's micro-batches (after ``read``)."""
+        if self._read is None:
+            raise RuntimeError("StepMetrics.entropy_totals() before read(): nothing has been brought to the host")
+        return [math.fsum(self._read.get("bonus_entropy", [])), math.fsum(self._read.get("bonus_tokens", []))]
+
     def read(self) -> list[float]:
         """Brings every value added to the host in one copy; returns each micro-batch's weighted loss."""
         keys = list(self._parts)

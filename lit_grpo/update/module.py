@@ -34,7 +34,9 @@ counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
 clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss token, as TRL), entropy (mean over
 all completion tokens: under mask_truncated_completions TRL's leaves the truncated out), grad_norm (before
-clipping), lr; each the mean over the step's ``num_iterations`` optimizer steps};
+clipping), lr, entropy_coef (with the entropy bonus on, ``loss.entropy_coef`` != 0 or ``loss.use_adaptive_entropy``:
+the coefficient after each optimizer step, the next one's, as TRL's ``entropy_coef``); each the mean over the step's
+``num_iterations`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
 groups without learning signal, whose rewards were all equal (under normalize_then_sum: whose every reward
 function's values were), dropped ones included), <fn_name>/mean (None values excluded)};
@@ -107,6 +109,7 @@ from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_acti
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
                                          config_errors, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
+from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
@@ -116,6 +119,10 @@ from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from lit_grpo.update.shared_prefix import SHARED_PREFIX_MODES, shared_prefix_usable
+
+#: The checkpoint's key for the adaptive entropy control's state (``EntropyControl.state_dict``).
+ENTROPY_CONTROL_KEY = "entropy_control"
+
 
 class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
     """A non-finite loss or gradient norm, found before the optimizer step, on every rank at once."""
@@ -150,7 +157,10 @@ class GRPOModule(LightningModule):
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
             frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes,
             the masks ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (its quantile: each micro-batch's own,
-            on this rank).
+            on this rank), the entropy bonus ``entropy_coef`` and its adaptive control (``use_adaptive_entropy``,
+            ``entropy_coef_min`` / ``_max`` / ``_delta``, ``entropy_target``; lit_grpo.update.entropy_bonus: each
+            micro-batch's mean token entropy x ``world size / micro-batches of every rank``, the control fed the
+            step's entropy over every rank in the step's one gather, its state saved in checkpoints).
         reference_sync: a :class:`~lit_grpo.update.reference_sync.ReferenceSync` (or a dict; YAML
             ``model.reference_sync: {every_n_steps: 64, mixup_alpha: 0.6}``): every ``every_n_steps`` optimizer steps
             the reference moves toward the policy, ``ref <- (1 - mixup_alpha) ref + mixup_alpha policy`` (TRL's
@@ -282,6 +292,9 @@ class GRPOModule(LightningModule):
         self.automatic_optimization = False
         #: The loss object, built once from ``loss`` (lit_grpo.update.policy_losses).
         self.loss_fn: PolicyLoss = make_loss(loss_config)
+        #: The entropy bonus's coefficient, moved after each optimizer step under ``loss.use_adaptive_entropy``
+        #: (lit_grpo.update.entropy_bonus); saved in checkpoints.
+        self.entropy_control = EntropyControl(loss_config)
         self.sampler_correction = correction
         self.reference_sync = sync
         #: Whether the reference holds the initial weights, which configure_model reloads: False once mixed, or
@@ -424,8 +437,13 @@ class GRPOModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not self.saves_reference():
             _drop_reference(checkpoint)
+        if self.entropy_control.adaptive:  # its coefficient and last entropy: a resume goes on from them
+            checkpoint[ENTROPY_CONTROL_KEY] = self.entropy_control.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint of a run without the adaptive control (or an older one) leaves it at its start
+        if self.entropy_control.adaptive and ENTROPY_CONTROL_KEY in checkpoint:
+            self.entropy_control.load_state_dict(checkpoint[ENTROPY_CONTROL_KEY])
         # a checkpoint that holds the reference restores it (a synced one); one without it: the initial weights
         if self.ref_model is None:  # a run without one (beta 0: lit-grpo validate) drops a synced run's reference
             _drop_reference(checkpoint)
@@ -548,11 +566,21 @@ class GRPOModule(LightningModule):
     def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list) -> list:
         return [self._logps(model, micro, batch.temperature)[0] for _, micro in chunks]
 
-    def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float):
-        """``[m, T']`` log-probs and entropies; the logits are never materialized whole (lit_grpo.update.logprobs).
-        Under fsdp the output head runs on the root's gathered weights, which FSDP2 keeps until the backward."""
-        return completion_logps(model, micro, temperature,
+    def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float, entropy_grad: bool = False):
+        """``[m, T']`` log-probs and entropies (with ``entropy_grad`` differentiable: the entropy bonus); the logits
+        are never materialized whole (lit_grpo.update.logprobs). Under fsdp the output head runs on the root's
+        gathered weights, which FSDP2 keeps until the backward."""
+        return completion_logps(model, micro, temperature, entropy_grad=entropy_grad,
                                 shared_prefix=micro.get("shared_prefix", self.uses_shared_prefix))
+
+    def _micro_batches_over_ranks(self, chunks: list) -> int:
+        """The step's micro-batches summed over every rank (the entropy bonus's weight): one reduction a step,
+        which every rank runs (the loss settings are every rank's)."""
+        count = len(chunks)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            total = torch.tensor(float(count), device=self.device)
+            count = int(self.trainer.strategy.reduce(total, reduce_op="sum").item())
+        return count
 
     def _total_active_tokens(self, chunks: list) -> float:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
@@ -610,6 +638,7 @@ class GRPOModule(LightningModule):
             chunks = self._micro_batches(batch)
             loss_fn = self.loss_fn
             total_active = self._total_active_tokens(chunks) if loss_fn.needs_step_tokens else None
+            bonus_batches = self._micro_batches_over_ranks(chunks) if self.entropy_control.enabled else len(chunks)
             old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
             ref_logps = None
             beta = loss_fn.config.beta
@@ -622,7 +651,7 @@ class GRPOModule(LightningModule):
             correction_stats = CorrectionStats()
             for iteration in range(hp.num_iterations):
                 step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
-                                            correction, correction_stats)
+                                            correction, correction_stats, bonus_batches)
                 # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
                 step_metrics["lr"] = optimizer.param_groups[0]["lr"]
                 self._sync_reference_when_due(optimizer)
@@ -638,9 +667,10 @@ class GRPOModule(LightningModule):
 
     def _update(self, batch: RolloutBatch, chunks: list[tuple[range, dict[str, Any]]], optimizer, old_logps,
                 ref_logps, total_active, iteration: int, correction: SamplerCorrection,
-                correction_stats: CorrectionStats) -> dict[str, float]:
+                correction_stats: CorrectionStats, bonus_batches: int | None = None) -> dict[str, float]:
         """One optimizer step over all micro-batches of the batch (``_micro_batches``); returns the step's metrics
-        (the sampler correction's, resolved for this batch, go to ``correction_stats`` in the first iteration)."""
+        (the sampler correction's, resolved for this batch, go to ``correction_stats`` in the first iteration).
+        ``bonus_batches``: the step's micro-batches on every rank (the entropy bonus's weight; None: this rank's)."""
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         total_rows = batch.num_completions
@@ -648,8 +678,13 @@ class GRPOModule(LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         strategy = self.trainer.strategy if self._trainer is not None else None
         blocks_sync = isinstance(strategy, ParallelStrategy)
+        control = self.entropy_control
+        # the previous step's coefficient for every micro-batch of this one; where it is 0 (the adaptive control's
+        # gate closed) the entropy needs no gradient, and the forward stays the lean one
+        coef = control.applied() if control.enabled else 0.0
+        weight_of_bonus = bonus_weight(bonus_batches or len(chunks), world) if coef else 0.0
         for index, (rows, micro) in enumerate(chunks):
-            logps, entropy = self._logps(self.policy, micro, batch.temperature)
+            logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
             mask = self._loss_mask(micro)
             # with one iteration the weights have not moved since the rollout: this forward's log-probs are the old
             old = old_logps[index] if old_logps is not None else logps.detach()
@@ -660,6 +695,12 @@ class GRPOModule(LightningModule):
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy)
             loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
+            if control.enabled:
+                tokens = bonus_tokens(entropy.detach(), mask, loss_fn.config.top_entropy_quantile)
+                if coef:
+                    loss = loss - coef * (entropy_bonus(entropy, tokens) * weight_of_bonus)
+                if control.adaptive:
+                    step.add_entropy_stats(entropy_stats(entropy, tokens))
             # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
             if self._trainer is not None:
                 # ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward; the
@@ -670,14 +711,16 @@ class GRPOModule(LightningModule):
                     self.manual_backward(loss)
             else:
                 loss.backward()
-            step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy,
+            step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy.detach(),
                      micro["completion_mask"])
             del logps, entropy, loss
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
         nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"
                           for index, ((rows, _), value) in enumerate(zip(chunks, step.read()))
                           if not math.isfinite(value)), None)
-        self._raise_on_nonfinite_loss(nonfinite, optimizer, iteration)
+        # one gather a step, on every rank: which ranks' losses were not finite, and the adaptive control's entropy
+        ranks, entropy_totals = self._gather_step_end(nonfinite, step.entropy_totals() if control.adaptive else [])
+        self._raise_on_nonfinite_loss(nonfinite, optimizer, iteration, ranks)
         if self.device.type == "cpu":  # the freed activations leave the heap before AdamW's state joins it
             release_freed_host_memory()
         self._iteration = iteration
@@ -688,7 +731,12 @@ class GRPOModule(LightningModule):
         optimizer.step()
         if not isinstance(optimizer, LightningOptimizer):  # a Trainer's steps are counted by Lightning
             self._plain_optimizer_steps += 1
-        return step.result(self._grad_norm)
+        metrics = step.result(self._grad_norm)
+        if control.enabled:
+            if control.adaptive:
+                control.end_step(*entropy_totals)
+            metrics["entropy_coef"] = control.coef  # the next step's, as TRL logs it
+        return metrics
 
     def _sync_reference_when_due(self, optimizer: torch.optim.Optimizer) -> None:
         """After an optimizer step: mix the policy into the reference where the steps taken are a multiple of
@@ -709,15 +757,23 @@ class GRPOModule(LightningModule):
             return self.trainer.global_step
         return self._plain_optimizer_steps
 
+    def _gather_step_end(self, nonfinite: str | None, totals: list[float]) -> tuple[list[int], list[float]]:
+        """The ranks whose loss was not finite, and ``totals`` summed over the ranks: one gather of a flag and the
+        totals under several processes (every rank calls it once per optimizer step, with as many totals), none
+        in one. ``nonfinite``: this rank's finding (``_raise_on_nonfinite_loss``)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return ([0] if nonfinite is not None else []), list(totals)
+        mine = torch.tensor([float(nonfinite is not None), *totals], dtype=torch.float64)
+        gathered = strategy_all_gather(self.trainer.strategy)(mine).reshape(-1, len(totals) + 1).cpu()
+        return torch.nonzero(gathered[:, 0]).flatten().tolist(), gathered[:, 1:].sum(dim=0).tolist()
+
     def _raise_on_nonfinite_loss(self, nonfinite: str | None, optimizer: torch.optim.Optimizer,
-                                 iteration: int) -> None:
-        """Raise, before the optimizer step, where any rank's loss was not finite: on every rank (one gather of a
-        flag under several processes), so no rank steps or waits alone. ``nonfinite``: this rank's finding."""
-        if self._trainer is not None and self.trainer.world_size > 1:
-            flags = strategy_all_gather(self.trainer.strategy)(torch.tensor([float(nonfinite is not None)]))
-            ranks = torch.nonzero(flags.flatten().cpu()).flatten().tolist()
-        else:
-            ranks = [0] if nonfinite is not None else []
+                                 iteration: int, ranks: list[int] | None = None) -> None:
+        """Raise, before the optimizer step, where any rank's loss was not finite: on every rank (the ranks found
+        by ``_gather_step_end``, which gathers them when not given), so no rank steps or waits alone.
+        ``nonfinite``: this rank's finding."""
+        if ranks is None:
+            ranks, _ = self._gather_step_end(nonfinite, [])
         if not ranks:
             return
         optimizer.zero_grad(set_to_none=True)
