@@ -406,3 +406,23 @@ def test_a_ratio_over_ranks_is_the_ratio_of_the_sums(key, producer):
     assert reduced == {key: pytest.approx(one[key], rel=1e-6)}  # the producers round to float32
     assert one[key] != pytest.approx((ranks[0][key] + ranks[1][key]) / 2)  # the test tells the two apart
     assert not any(name.startswith("weight/") for name in loggable(ranks[0]))
+
+
+@pytest.mark.xdist_group("ddp_run")
+def test_ddp_the_adaptive_entropy_control_is_one_over_both_ranks(tmp_path):
+    """The entropy bonus under 2 processes, 3 micro-batches a rank and 2 optimizer steps a training step: the
+    ranks' collectives pair (the run ends), the weights stay identical and every rank logs the same coefficient,
+    moved once per optimizer step."""
+    from tools.step_recorder import read_records
+
+    record = fit_two_processes(tmp_path, "--model.train_micro_batch_size", "3", "--model.num_iterations", "2",
+                               "--model.loss.use_adaptive_entropy", "true", "--model.loss.entropy_coef", "0.1",
+                               "--model.loss.entropy_coef_delta", "0.1", "--model.loss.entropy_target", "100",
+                               steps=4)
+    ranks = [read_records(record, rank) for rank in (0, 1)]
+    assert [r["global_step"] for r in ranks[0]] == [2, 4]
+    for a, b in zip(*ranks):
+        assert a["param_sum"] == b["param_sum"]
+        assert a["logged"]["train/entropy_coef"] == b["logged"]["train/entropy_coef"]
+    # the mean over each training step's two optimizer steps of the coefficient after it: (0.2 + 0.3) / 2, ...
+    assert [r["logged"]["train/entropy_coef"] for r in ranks[0]] == pytest.approx([0.25, 0.45])

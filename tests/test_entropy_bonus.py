@@ -273,3 +273,22 @@ def test_a_run_without_the_adaptive_control_saves_and_reads_no_state():
     adaptive = GRPOModule(model="tiny-llama", loss={"use_adaptive_entropy": True, "entropy_coef": 0.1})
     adaptive.on_load_checkpoint({})  # an older checkpoint, or one of a run without it: the initial state
     assert adaptive.entropy_control.state_dict() == {"entropy_coef": 0.1, "last_world_entropy": math.inf}
+
+
+def test_the_steps_entropy_and_micro_batches_are_summed_over_the_ranks_in_the_steps_collectives():
+    """Under several processes: the entropy sums and token counts go with the non-finite flag in the optimizer
+    step's one gather and add up over the ranks; the micro-batch count is one reduction a training step."""
+    from types import SimpleNamespace
+
+    module = GRPOModule(model="tiny-llama", loss={"use_adaptive_entropy": True})
+    reduced = []
+    strategy = SimpleNamespace(root_device=torch.device("cpu"),
+                               all_gather=lambda t: torch.stack([t, torch.cat([t[:1] * 0, t[1:] * 2])]),
+                               reduce=lambda t, reduce_op: reduced.append(reduce_op) or t * 2)
+    module._trainer = SimpleNamespace(world_size=2, strategy=strategy)
+    try:
+        assert module._gather_step_end("micro-batch 0 has loss nan", [3.0, 2.0]) == ([0], [9.0, 6.0])
+        assert module._gather_step_end(None, []) == ([], [])
+        assert module._micro_batches_over_ranks([None] * 3) == 6 and reduced == ["sum"]
+    finally:
+        module._trainer = None
