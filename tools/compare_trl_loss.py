@@ -30,6 +30,14 @@ micro-batches TRL averages their shares, lit_grpo takes the share of their sums)
 shares count every completion, lit_grpo's those with a loss token (a completion the loss leaves out is no peer of
 a clipped one), so TRL's are compared scaled by completions / completions with a loss token. Exits 1 if any
 exceeds ``--tolerance``.
+
+The entropy bonus (``entropy_coef``) is compared apart, for every loss_type x level x ``top_entropy_quantile`` (1
+and 0.3) and shape, in one and in two micro-batches (beta 0, no sampler correction): the entropies are a leaf with
+a gradient on both sides (in ``--dtype``), and a row reports the loss, its gradient w.r.t. ``logps`` and w.r.t. the
+entropies. Static: ``entropy_coef`` 0.05. Adaptive (``use_adaptive_entropy``, a target above and one below the
+entropies): two optimizer steps on one stand-in TRL trainer and one ``EntropyControl``, the first without the bonus
+(no entropy measured yet), the second gated by the first's; the row also reports the coefficient and the last
+entropy after each step (TRL's ``entropy_coef`` and ``_last_world_entropy``) and the logged ``entropy_coef``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ import torch
 
 from lit_grpo.rollout.advantages import group_advantages, normalize_then_sum_advantages
 from lit_grpo.rollout.metrics import loggable
+from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
+from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.loss_config import CLIP_LOSSES
 from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
@@ -284,6 +294,116 @@ def compare_advantages(dtype: torch.dtype) -> dict[str, float]:
     return worst
 
 
+# ------------------------------------------------------------------------------------------------ entropy bonus
+ENTROPY_COEF, ENTROPY_DELTA = 0.05, 0.02
+#: (name, adaptive target): the static coefficient; the adaptive control with a target above every entropy (the
+#: second step applies the raised coefficient) and one below them (it applies none, the coefficient falls)
+ENTROPY_CONTROLS = (("static", None), ("adaptive_high", 10.0), ("adaptive_low", 0.5))
+ENTROPY_KINDS = ("loss", "grad", "grad_entropy", "coef", "world_entropy")
+
+
+class _SyncAccelerator(_Accelerator):
+    """The stand-in's accelerator with ``sync_gradients``: True in a step's last micro-batch only."""
+    sync_gradients = True
+
+
+def _entropy_settings(target: float | None) -> dict:
+    if target is None:
+        return {"entropy_coef": ENTROPY_COEF}
+    return {"entropy_coef": ENTROPY_COEF, "use_adaptive_entropy": True, "entropy_coef_delta": ENTROPY_DELTA,
+            "entropy_target": target, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0}
+
+
+def trl_entropy_steps(loss_type, level, top, settings, inputs, rows_list, steps):
+    """TRL's ``_compute_loss`` over ``steps`` optimizer steps of ``rows_list`` micro-batches on one stand-in: each
+    step's loss, gradients (logps, entropies), coefficient and last entropy after it, and logged entropy_coef."""
+    from trl import GRPOTrainer
+
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    fake = trl_trainer(loss_type, level, 0.0, False, "none", len(rows_list), None, eps_high,
+                       top_entropy_quantile=top)
+    fake.accelerator = _SyncAccelerator()
+    defaults = LossConfig()
+    for name in ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"):
+        setattr(fake.args, name, settings.get(name, getattr(defaults, name)))
+    fake.entropy_coef, fake.use_adaptive_entropy = settings["entropy_coef"], settings.get("use_adaptive_entropy", False)
+    fake._entropy_bonus_enabled, fake._last_world_entropy, fake._entropy_window_stats = True, math.inf, None
+    out = []
+    for _ in range(steps):
+        leaf = inputs["logps"].clone().requires_grad_(True)
+        entropy = inputs["entropy"].to(leaf.dtype).clone().requires_grad_(True)
+        total = 0.0
+        for index, rows in enumerate(rows_list):
+            fake.accelerator.sync_gradients = index == len(rows_list) - 1
+            fake._get_per_token_logps_and_entropies = lambda *a, _r=rows, **k: (leaf[_r], entropy[_r], None)
+            n, t = len(rows), leaf.shape[1]
+            micro = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long),
+                     "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+                     "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": inputs["mask"][rows],
+                     "advantages": inputs["advantages"][rows], "old_per_token_logps": inputs["old"][rows],
+                     "num_items_in_batch": inputs["mask"].sum()}
+            loss = GRPOTrainer._compute_loss(fake, None, micro)
+            loss.backward()
+            total = total + loss.detach()
+        logged = fake._metrics["train"]["entropy_coef"][-1]
+        out.append((total, leaf.grad, entropy.grad, fake.entropy_coef, fake._last_world_entropy, logged))
+    return out
+
+
+def our_entropy_steps(loss_type, level, top, settings, inputs, rows_list, steps):
+    """lit_grpo's loss and entropy bonus as ``GRPOModule._update`` adds them, over ``steps`` optimizer steps of one
+    ``EntropyControl``: the same records as ``trl_entropy_steps`` (the logged coefficient: the control's after the
+    step)."""
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    config = LossConfig(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high,
+                        importance_sampling_level=level, top_entropy_quantile=top, **settings)
+    loss_fn, control = make_loss(config), EntropyControl(config)
+    out, n = [], inputs["logps"].shape[0]
+    for _ in range(steps):
+        leaf = inputs["logps"].clone().requires_grad_(True)
+        entropy = inputs["entropy"].to(leaf.dtype).clone().requires_grad_(True)
+        coef, totals, total = control.applied(), torch.zeros(2, dtype=torch.float64), 0.0
+        for rows in rows_list:
+            mask = inputs["mask"][rows]
+            loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], mask, None, MAX_LEN,
+                           inputs["mask"].sum(), None, inputs["sampling"][rows], entropy[rows].detach())
+            loss = loss * loss_fn.micro_batch_weight(len(rows), n, len(rows_list))
+            tokens = bonus_tokens(entropy[rows].detach(), mask, top)
+            if coef:
+                loss = loss - coef * (entropy_bonus(entropy[rows], tokens) * bonus_weight(len(rows_list)))
+            totals = totals + entropy_stats(entropy[rows], tokens)
+            loss.backward()
+            total = total + loss.detach()
+        control.end_step(*totals.tolist())
+        grad_entropy = entropy.grad if entropy.grad is not None else torch.zeros_like(entropy)
+        out.append((total, leaf.grad, grad_entropy, control.coef, control.last_world_entropy, control.coef))
+    return out
+
+
+def compare_entropy_bonus(dtype: torch.dtype) -> list[dict]:
+    """The entropy bonus's rows (module docstring): the largest ``|ours - TRL|`` of each of ``ENTROPY_KINDS``."""
+    records = []
+    for loss_type, level, top, (control, target) in itertools.product(LOSS_TYPES, LEVELS, (1.0, TOP_ENTROPY),
+                                                                       ENTROPY_CONTROLS):
+        settings, steps = _entropy_settings(target), 1 if target is None else 2
+        worst = dict.fromkeys(ENTROPY_KINDS, 0.0)
+        for seed, (n, t) in enumerate(SHAPES):
+            inputs = make_inputs(n, t, seed, dtype)
+            for rows_list in ([torch.arange(n)], list(torch.arange(n).chunk(2))):
+                theirs = trl_entropy_steps(loss_type, level, top, settings, inputs, rows_list, steps)
+                ours = our_entropy_steps(loss_type, level, top, settings, inputs, rows_list, steps)
+                for got, want in zip(ours, theirs):
+                    worst["loss"] = max(worst["loss"], float((got[0] - want[0]).abs()))
+                    worst["grad"] = max(worst["grad"], float((got[1] - want[1]).abs().max()))
+                    worst["grad_entropy"] = max(worst["grad_entropy"], float((got[2] - want[2]).abs().max()))
+                    worst["coef"] = max(worst["coef"], abs(got[3] - want[3]), abs(got[5] - want[5]))
+                    if got[4] != want[4]:  # both inf without the adaptive control
+                        worst["world_entropy"] = max(worst["world_entropy"], abs(got[4] - want[4]))
+        records.append({"loss_type": loss_type, "importance_sampling_level": level, "top_entropy_quantile": top,
+                        "entropy_control": control, **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
+    return records
+
+
 # ------------------------------------------------------------------------------------------------ main
 def compare(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
@@ -315,6 +435,24 @@ def compare(dtype: torch.dtype) -> list[dict]:
                         "kl_bias_correction": kl_bc, "importance_sampling_mode": is_mode,
                         **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
     return records
+
+
+def print_entropy_bonus(records: list[dict], tolerance: float) -> int:
+    """Print the entropy bonus's rows; returns how many exceed ``tolerance``."""
+    print(f"entropy bonus (entropy_coef {ENTROPY_COEF}; adaptive: delta {ENTROPY_DELTA}, 2 optimizer steps, target "
+          f"above / below the entropies); max |ours - TRL| over shapes {SHAPES} and 1 or 2 micro-batches")
+    print(f"{'loss_type':8} {'level':8} {'top':>4} {'control':13} " + " ".join(f"{k:>13}" for k in ENTROPY_KINDS))
+    bad = 0
+    for r in records:
+        diffs = [r[f"max_abs_diff_{k}"] for k in ENTROPY_KINDS]
+        flag = any(d > tolerance for d in diffs)
+        bad += flag
+        print(f"{r['loss_type']:8} {r['importance_sampling_level']:8} {r['top_entropy_quantile']:4} "
+              f"{r['entropy_control']:13} " + " ".join(f"{d:13.1e}" for d in diffs) + ("  MISMATCH" if flag else ""))
+    overall = {k: max(r[f"max_abs_diff_{k}"] for r in records) for k in ENTROPY_KINDS}
+    print(f"entropy bonus: {len(records)} combinations, {bad} over {tolerance:g}; largest: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in overall.items()))
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         bad += diff > args.tolerance
         print(f"advantages, {key}, (B, G, K) in {REWARD_SHAPES}: max |ours - TRL| {diff:.1e}"
               + ("  MISMATCH" if diff > args.tolerance else ""))
+    entropy = compare_entropy_bonus(getattr(torch, args.dtype))
+    bad += print_entropy_bonus(entropy, args.tolerance)
     harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records,
-                                   "max_abs_diff_advantages": advantages}, indent=1)
+                                   "max_abs_diff_advantages": advantages, "entropy_bonus": entropy}, indent=1)
     return 1 if bad else 0
 
 
