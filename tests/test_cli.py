@@ -360,6 +360,19 @@ def test_top_entropy_quantile_reaches_the_loss_from_the_command_line_and_the_yam
     assert default.top_entropy_quantile == 1.0
 
 
+def test_the_entropy_bonus_reaches_the_module_from_the_yaml_and_bad_values_fail_naming_them(tmp_path):
+    config = tmp_path / "entropy.yaml"
+    config.write_text("model:\n  loss:\n    entropy_coef: 0.01\n    use_adaptive_entropy: true\n"
+                      "    entropy_target: 1.5\n    entropy_coef_delta: 0.002\n")
+    cli = build_cli(["--config", TINY, "--config", str(config), "--trainer.logger", "false"], run=False)
+    control = cli.model.entropy_control
+    assert (control.coef, control.adaptive, control.config.entropy_target, control.config.entropy_coef_delta) == (
+        0.01, True, 1.5, 0.002)
+    with pytest.raises(ValueError, match=r"entropy_coef_min=0.0 must be <= entropy_coef_max=-1.0"):
+        build_cli(["--config", TINY, "--model.loss.use_adaptive_entropy", "true", "--model.loss.entropy_coef_max",
+                   "-1", "--trainer.logger", "false"], run=False)
+
+
 def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
     cli = build_cli(["--config", GPU, "--model.model", "tiny-llama", "--trainer.accelerator", "cpu",
                      "--trainer.precision", "32-true", "--trainer.logger", "false",
