@@ -71,7 +71,8 @@ def _reward_values(rewards: torch.Tensor, reward_components: dict[str, torch.Ten
     rewards = rewards.float()
     out: dict[str, torch.Tensor | float] = {
         "reward/mean": rewards.mean(),
-        # mean over groups of the group's reward std (TRL's reward_std): the signal GRPO learns from
+        # mean over groups of the group's reward std: the spread GRPO learns from (TRL 1.16's reward_std is the
+        # whole batch's std, which counts the spread between groups too)
         "reward/std": rewards.std(dim=1).mean() if rewards.shape[1] > 1 else 0.0,
         "reward/frac_zero_std": num_groups_zero_std / max(num_groups_generated, 1),
         "weight/groups_generated": float(num_groups_generated),

@@ -37,9 +37,10 @@ all completion tokens: under mask_truncated_completions TRL's leaves the truncat
 clipping), lr, entropy_coef (with the entropy bonus on, ``loss.entropy_coef`` != 0 or ``loss.use_adaptive_entropy``:
 the coefficient after each optimizer step, the next one's, as TRL's ``entropy_coef``); each the mean over the step's
 ``num_iterations`` optimizer steps};
-reward/{mean, std (mean over groups of the within-group std, as TRL), frac_zero_std (share of the step's generated
-groups without learning signal, whose rewards were all equal (under normalize_then_sum: whose every reward
-function's values were), dropped ones included), <fn_name>/mean (None values excluded)};
+reward/{mean, std (mean over groups of the within-group std; TRL 1.16's reward_std is the batch's), frac_zero_std
+(share of the step's generated groups without learning signal, whose rewards were all equal (under
+normalize_then_sum: whose every reward function's values were), dropped ones included), <fn_name>/mean (None
+values excluded)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction);
 what the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, reward/skipped_groups,
