@@ -121,7 +121,7 @@ def test_top_k_one_is_greedy(tiny_llama, prompt_ids):
 
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = torch.isfinite(filter_logits(logits, top_p=0.8))
+    kept = torch.isfinite(filter_logits(logits, top_p=0.79))
     assert kept.tolist() == [[True, True, False, False]]
     assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
 
@@ -130,7 +130,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
     # a nucleus whose mass equals top_p exactly is complete: the next token is dropped
     logits = torch.tensor([[1.0, 0.0, -1.0, -2.0]])
-    probs = logits.softmax(-1)
+    probs = (logits - logits.logsumexp(-1, keepdim=True)).exp()
     reached = probs[0, 0] + probs[0, 1]  # float32, as the filter sums them
     assert torch.isfinite(filter_logits(logits, top_p=float(reached))).tolist() == [[True, True, False, False]]
     above = float(torch.nextafter(reached, torch.tensor(1.0)))
@@ -160,6 +160,30 @@ def test_top_p_over_the_top_k_equals_a_sort_of_the_whole_vocabulary(top_k, top_p
     mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
     expected[torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)] = -math.inf
     assert torch.equal(torch.isfinite(filter_logits(logits, top_k=top_k, top_p=top_p)), torch.isfinite(expected))
+
+
+def test_top_p_finds_its_nucleus_among_the_top_logits_on_a_cpu_as_a_sort_of_the_whole_row_does(monkeypatch):
+    """Rows whose nucleus the top 256 hold, rows that need the top 4096 and rows that need every token (a flat
+    row), alone and together: the same tokens kept, bit for bit, as a sort of all V; and no sort where the top
+    logits held every row's nucleus."""
+    from lit_grpo.sampling import token_sampler
+
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(4, 10000, generator=generator) * 5         # a nucleus of tens of tokens
+    wide = torch.randn(4, 10000, generator=generator) * 2.4         # of one or two thousand
+    flat = torch.randn(4, 10000, generator=generator) * 0.05        # nearly all
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    for rows, top_p, sorted_ in [(peaked, 0.9, False), (wide, 0.9, False), (flat, 0.9, True),
+                                 (torch.cat([peaked, wide]), 0.95, False), (torch.cat([peaked, flat]), 0.5, True)]:
+        sorts.clear()
+        got = filter_logits(rows, top_p=top_p)
+        assert bool(sorts) == sorted_
+        monkeypatch.setattr(token_sampler, "NUCLEUS_SEARCH", ())
+        assert torch.equal(got, filter_logits(rows, top_p=top_p))
+        monkeypatch.undo()
+        monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
 
 
 def test_top_p_after_top_k_counts_the_mass_of_the_tokens_tied_with_its_last():

@@ -2,7 +2,8 @@
 replayed tokens, and the sampling log-probs.
 
 Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
-runs inside the decode step's CUDA graph.
+runs inside the decode step's CUDA graph; but for top-p's search for its nucleus on a CPU (``NUCLEUS_SEARCH``),
+where no graph runs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
+
+#: On a CPU, top-p without top-k looks for each row's nucleus among its top k logits first, for each k here in turn,
+#: and sorts the whole vocabulary only where they hold less than top_p of the mass: a sort of a 50k-token vocabulary
+#: costs as much as a third of a small model's decode step there. The nucleus is the same either way (the top k
+#: are the sort's first k, and their masses and running sums the same numbers).
+NUCLEUS_SEARCH = (256, 4096)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -23,14 +30,15 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         top_k: keep the k most likely tokens (0 keeps all).
         top_p: keep the smallest set whose probability reaches top_p, renormalized over the top-k (1.0 keeps all;
             the most likely token always stays). With top-k on, only its k tokens are sorted: a sort of the whole
-            vocabulary costs far more than the rest of the draw.
+            vocabulary costs far more than the rest of the draw (on a CPU ``nucleus_candidates`` avoids it where it
+            can).
         min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all); a ratio of
             two probabilities, so it does not matter whether top-k and top-p have renormalized them first.
     Returns:
         ``[n, V]`` logits with filtered entries at -inf.
     """
     top_k = top_k if 0 < top_k < logits.shape[-1] else 0
-    tied = None
+    tied = log_total = None
     if top_k:
         candidates = torch.topk(logits, top_k, dim=-1).values                               # [n, k] descending
         dropped = logits < candidates[:, -1:]
@@ -38,16 +46,38 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         # top-k keeps the tokens tied with its last candidate too: their mass is part of what top-p renormalizes
         tied = logits.shape[-1] - top_k - torch.count_nonzero(dropped, -1).unsqueeze(-1)     # [n, 1]
     elif top_p < 1.0:
-        candidates = torch.sort(logits, dim=-1, descending=True).values                      # [n, V]
+        log_total = logits.logsumexp(-1, keepdim=True)                                       # [n, 1]
+        candidates = nucleus_candidates(logits, top_p, log_total)
     if top_p < 1.0:
-        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p, tied), float("-inf"))
+        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p, tied, log_total), float("-inf"))
     if min_p > 0.0:
         floor = logits.amax(-1, keepdim=True) + math.log(min_p)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
-def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | None = None) -> torch.Tensor:
+def nucleus_candidates(logits: torch.Tensor, top_p: float, log_total: torch.Tensor) -> torch.Tensor:
+    """``[n, c]`` each row's largest logits, descending, enough of them to hold its top-p nucleus: on a CPU the top
+    k of the first of ``NUCLEUS_SEARCH`` that holds every row's, else (and on other devices) the whole row sorted.
+
+    Args:
+        logits: ``[n, V]``.
+        top_p: in (0, 1).
+        log_total: ``[n, 1]`` the log of each row's total mass, ``logits.logsumexp(-1)``.
+    """
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():  # a host read: no graph to break here
+        for k in NUCLEUS_SEARCH:
+            if k >= logits.shape[-1]:
+                break
+            top = torch.topk(logits, k, dim=-1).values                                        # [n, k]
+            # as nucleus_floor counts: the mass before the (k+1)-th token reaches top_p, so it is left out
+            if bool(((top - log_total).exp().cumsum(-1)[:, -1] >= top_p).all()):
+                return top
+    return torch.sort(logits, dim=-1, descending=True).values                                 # [n, V]
+
+
+def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | None = None,
+                  log_total: torch.Tensor | None = None) -> torch.Tensor:
     """The least logit of the top-p nucleus of ``candidates``: ``[n, 1]``.
 
     Args:
@@ -55,8 +85,13 @@ def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | N
         top_p: in (0, 1).
         tied: ``[n, 1]`` how many more tokens may be sampled, each with the last candidate's logit (those top-k
             keeps beyond its k); they share the mass the nucleus is a fraction of. None: no more.
+        log_total: ``[n, 1]`` the log of the total mass the nucleus is a fraction of, where the candidates are
+            only the row's largest logits (``nucleus_candidates``); None: the candidates' own.
     """
-    probs = candidates.softmax(-1)                                                            # [n, c]
+    if log_total is not None:
+        probs = (candidates - log_total).exp()                                                # [n, c]
+    else:
+        probs = candidates.softmax(-1)                                                        # [n, c]
     if tied is not None:  # the candidates' share of a total that also holds the tied tokens' mass
         probs = probs / (1 + tied * probs[:, -1:])
     # A token is in the nucleus while the mass strictly before it is below top_p: the running sum up to the token
