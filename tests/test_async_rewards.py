@@ -74,3 +74,32 @@ def test_an_async_function_returning_a_wrong_value_is_named():
 
     with pytest.raises(ValueError, match=r"reward function 'short' returned 1 values? for 4 completions"):
         score_rewards([WeightedReward(short, 1.0)], PROMPTS, COMPLETIONS, group_size=2)
+
+
+def test_a_failing_async_functions_locals_are_freed_without_a_garbage_collection():
+    """As a plain function's: its errors (the whole batch's and a group's) hold its frames, which must not outlive
+    the call in a reference cycle (a reward model's tensors would stay until a collection)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    held = []
+
+    async def picky(prompts, completions, **columns):
+        local = Held()
+        held.append(weakref.ref(local))
+        if "q" in prompts:
+            raise KeyError("no q")
+        return [1.0] * len(completions)
+
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.warns(UserWarning, match="the group is skipped"):
+            score_rewards([WeightedReward(picky, 1.0)], PROMPTS, COMPLETIONS, group_size=2, on_error="skip_group")
+        alive = [ref() is not None for ref in held]
+    finally:
+        gc.enable()
+    assert len(held) == 3 and not any(alive), alive

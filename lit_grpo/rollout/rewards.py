@@ -363,7 +363,10 @@ def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[
         return raw
     (outcome,) = run_concurrently([raw])
     if isinstance(outcome, BaseException):
-        raise outcome
+        try:
+            raise outcome
+        finally:  # its traceback holds this frame, which holds it: a cycle that would keep the function's locals
+            del outcome  # (and, through the caller's frame, the whole batch's error) alive until a collection
     return outcome
 
 
