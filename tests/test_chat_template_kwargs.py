@@ -40,6 +40,7 @@ def test_the_templates_variables_reach_it(thinking):
                                 r"template never reads"),
     ({"add_generation_prompt": False}, r"chat_template_kwargs sets \['add_generation_prompt'\], which lit_grpo sets "
                                        r"itself"),
+    ({"messages": []}, r"chat_template_kwargs sets \['messages'\], which lit_grpo sets itself"),
     ("enable_thinking", r"chat_template_kwargs='enable_thinking' must be a mapping"),
 ])
 def test_a_bad_variable_is_refused_by_name(thinking, kwargs, message):

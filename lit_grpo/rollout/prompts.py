@@ -145,9 +145,12 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
     return inline_prompts(prompts)
 
 
-#: ``apply_chat_template``'s own arguments, which ``render_prompt`` sets: not chat template variables.
-RENDER_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "continue_final_message",
-                    "tools", "documents", "chat_template", "padding", "truncation", "max_length", "return_tensors")
+#: ``apply_chat_template``'s own arguments, which ``render_prompt`` sets or it takes for itself, and ``messages``, the
+#: template's conversation (given twice, the render raises a TypeError): not chat template variables.
+RENDER_ARGUMENTS = ("conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
+                    "continue_final_message", "tools", "documents", "chat_template", "padding", "truncation",
+                    "max_length", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                    "sanitize_control_tokens")
 
 
 def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None) -> None:
