@@ -298,6 +298,8 @@ class RolloutDataModule(LightningDataModule):
         self.score_batch_size = score_batch_size
 
         self.examples: list[PromptExample] | None = None
+        #: ``(examples, train_indices, prompt_set_fingerprint)``: hashed once, not in every step's state snapshot
+        self._train_hash: tuple[Any, Any, str] | None = None
         self.train_indices: list[int] = []
         self.val_indices: list[int] = []
         self.train_prompt_ids: list[list[int]] = []
@@ -656,7 +658,12 @@ class RolloutDataModule(LightningDataModule):
                                  "start a new run from its weights (lit-grpo export, then model.model: the export)")
 
     def _train_fingerprint(self) -> str:
-        return prompt_set_fingerprint([self.examples[i] for i in self.train_indices])
+        cached = self._train_hash
+        if cached is None or cached[0] is not self.examples or cached[1] is not self.train_indices:
+            cached = (self.examples, self.train_indices,
+                      prompt_set_fingerprint([self.examples[i] for i in self.train_indices]))
+            self._train_hash = cached
+        return cached[2]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that

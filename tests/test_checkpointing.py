@@ -289,6 +289,28 @@ def test_the_prompt_sets_hash_follows_its_prompts_and_their_order():
     assert prompt_set_fingerprint(examples) != prompt_set_fingerprint([examples[0], PromptExample("2 + 2", "5")])
 
 
+def test_the_prompt_sets_hash_is_taken_once_not_in_every_steps_state(monkeypatch):
+    """Each training step snapshots the data side's state (a failed build rolls back to it): hashing every training
+    prompt there would cost every step time in proportion to the data set."""
+    import lit_grpo.datamodules.rollout as rollout_module
+    from datamodule_helpers import datamodule_arguments
+    from lit_grpo.datamodules.rollout import TRAIN_PROMPTS_KEY, RolloutDataModule
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    hashed = []
+    real = rollout_module.prompt_set_fingerprint
+    monkeypatch.setattr(rollout_module, "prompt_set_fingerprint", lambda examples: hashed.append(1) or real(examples))
+    data = RolloutDataModule(**datamodule_arguments({"max_new_tokens": 4, "group_size": 2}))
+    data.attach(*load_model_and_tokenizer("tiny-llama"))
+    data.setup("fit")
+    for _ in range(3):
+        data.build_train_batch()
+    state = data.state_dict()
+    assert state["sampler"][TRAIN_PROMPTS_KEY] == real([data.examples[i] for i in data.train_indices])
+    data.load_state_dict(state)
+    assert len(hashed) == 1
+
+
 def test_bad_checkpoint_files_are_named(tmp_path, tiny_checkpoint):
     module, data = _hparams(tiny_checkpoint)
     check_resumable(tiny_checkpoint, module, data)  # the good one passes
