@@ -298,8 +298,8 @@ class RolloutDataModule(LightningDataModule):
         self.score_batch_size = score_batch_size
 
         self.examples: list[PromptExample] | None = None
-        #: ``(examples, train_indices, prompt_set_fingerprint)``: hashed once, not in every step's state snapshot
-        self._train_hash: tuple[Any, Any, str] | None = None
+        #: ``prompt_set_fingerprint`` of the training prompts, taken once when they are split (``setup``)
+        self._train_fingerprint = ""
         self.train_indices: list[int] = []
         self.val_indices: list[int] = []
         self.train_prompt_ids: list[list[int]] = []
@@ -427,6 +427,7 @@ class RolloutDataModule(LightningDataModule):
             check_gold_answers(self.reward_funcs, examples, self._answer_source(examples))
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
+        self._train_fingerprint = prompt_set_fingerprint([examples[i] for i in self.train_indices])
         kept_out = len(examples) - len(self.train_indices) - len(self.val_indices)
         if kept_out:
             rank_zero_info(f"lit_grpo: {kept_out} of {len(examples)} prompt rows repeat one of the "
@@ -640,7 +641,7 @@ class RolloutDataModule(LightningDataModule):
         """This rank's state, as ``state_dict`` without the gather of the ranks' engine states."""
         state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
         if self.sampler is not None:
-            state["sampler"] = {**self.sampler.state_dict(), TRAIN_PROMPTS_KEY: self._train_fingerprint()}
+            state["sampler"] = {**self.sampler.state_dict(), TRAIN_PROMPTS_KEY: self._train_fingerprint}
         if self.builder is not None:
             state["engine"] = self.builder.state_dict()
         return state
@@ -650,20 +651,12 @@ class RolloutDataModule(LightningDataModule):
         saved = state.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
         with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
             self.sampler.load_state_dict(state)
-            if saved is not None and saved != self._train_fingerprint():
+            if saved is not None and saved != self._train_fingerprint:
                 raise ValueError("the checkpoint drew from another set of training prompts than this run's (as many, "
                                  "but others or in another order: another data source, task_config, size, "
                                  "data_seed or val_size): its place in that set means nothing in this one, and this "
                                  "run's held-out prompts could be trained on; resume with its data settings, or "
                                  "start a new run from its weights (lit-grpo export, then model.model: the export)")
-
-    def _train_fingerprint(self) -> str:
-        cached = self._train_hash
-        if cached is None or cached[0] is not self.examples or cached[1] is not self.train_indices:
-            cached = (self.examples, self.train_indices,
-                      prompt_set_fingerprint([self.examples[i] for i in self.train_indices]))
-            self._train_hash = cached
-        return cached[2]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that
