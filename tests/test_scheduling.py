@@ -581,6 +581,19 @@ def test_the_scheduler_refuses_to_place_a_sample_that_does_not_wait():
         (0, (0, 0), "start", ARRIVAL), (1, (0, 2), "start", ARRIVAL)]
 
 
+def test_trusted_ungated_predictions_run_a_rollout_where_every_sample_has_a_slot():
+    """Where every sample has a slot nothing is predicted, so there is no plan to follow, even with trusted
+    predictions and no gain gate (gain_z None): the rollout runs in arrival order."""
+    scheduler = LengthAwareScheduler(LengthAwareConfig(predictor="oracle"))
+    trust_predictions(scheduler, "prompt")
+    result = simulate_rollout(scheduler, [[3, 9]], 4, 16)
+    assert result.decode_steps == 9 and not scheduler.now.guided
+    assert {d.reason for d in scheduler.decisions} == {ARRIVAL}
+    # the next rollout, with samples that wait, still follows the predictions
+    simulate_rollout(scheduler, [[3, 9, 1, 5], [2, 7, 4, 8]], 2, 16)
+    assert scheduler.now.guided
+
+
 def test_the_driver_refuses_a_slot_past_the_last():
     class Overflowing(Scheduler):
         def admit(self):

@@ -352,6 +352,9 @@ class LengthAwareScheduler(LeastAttainedScheduler):
     def _judge(self) -> None:
         """Decide whether the pool follows its predictions or the default's order (the gate), at planning points."""
         now, gain_z = self.now, self.config.gain_z
+        if not now.waits:  # every sample has a slot: nothing was predicted, so there is no order to follow
+            now.guided = False
+            return
         if not self._pool_trust().informative or now.unprobed or gain_z is None:
             now.guided = self._pool_trust().informative
             return
