@@ -20,7 +20,7 @@ from lit_grpo.runtime.validation import check_bool, check_int, check_text
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
-from ._rollout import accumulating, rank_rollout_stats, rollout_stats
+from ._rollout import accumulating, logger_step, rank_rollout_stats, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
@@ -118,7 +118,10 @@ class FitSummary(Callback):
             self._validation_s += time.perf_counter() - self._validation_started_s
         value = self._logged(trainer, self.accuracy_key, "val/")
         if value is not None:
-            self.accuracy.append((trainer.global_step, float(value)))
+            # Training steps, as the summary counts them and TensorBoard draws them (after step k at k - 1), not
+            # trainer.global_step: a GRPO step makes num_iterations optimizer steps.
+            step = logger_step(trainer) + 1 if trainer.global_step else 0
+            self.accuracy.append((step, float(value)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -287,7 +290,7 @@ def _count(number: int, noun: str) -> str:
 
 
 def _when(step: int) -> str:
-    """A validation's place in the run, from the optimizer steps done when it ran."""
+    """A validation's place in the run, from the training steps done when it ran."""
     return "before training" if step == 0 else f"after step {step}"
 
 

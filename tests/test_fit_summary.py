@@ -98,6 +98,32 @@ def test_a_validation_after_the_first_step_is_said_to_follow_it(tmp_path):
     assert summary.summary_lines(trainer)[1].endswith("   (before training -> after step 1)")
 
 
+class TwoOptimizerStepsModule(ValidatedModule):
+    """Two optimizer steps per training batch, as GRPOModule makes with num_iterations=2."""
+
+    def __init__(self, rollouts) -> None:
+        super().__init__(rollouts)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        for _ in range(2):
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+
+
+def test_a_validation_is_placed_by_training_steps_not_optimizer_steps(tmp_path):
+    summary = FitSummary()
+    trainer = _trainer(tmp_path, [summary], max_steps=4, enable_checkpointing=False)
+    trainer.fit(TwoOptimizerStepsModule([make_rollout(seed) for seed in range(2)]))
+    assert trainer.global_step == 4 and summary.steps == 2
+    assert [event.step for event in events(trainer).Scalars("val/accuracy")] == [0, 1]  # after step 2 at x = 1
+    lines = summary.summary_lines(trainer)
+    assert lines[0].startswith("lit_grpo: 2 steps in")
+    assert lines[1].endswith("   (before training -> after step 2)")
+
+
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(4)]
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
