@@ -40,6 +40,12 @@ from lit_grpo.sampling.engine import stop_token_ids
 #: ``model.dtype`` takes them) cast the weights.
 EXPORT_DTYPES = ("auto", *(name for name in DTYPES if name != "float64"))
 POLICY_PREFIX = "policy."
+#: The files of an earlier export that an ``overwrite`` removes before writing: a stale one could be loaded instead
+#: of the new model (transformers takes a single ``model.safetensors`` over shards, and a directory with an
+#: ``adapter_config.json`` as a LoRA adapter), and save_pretrained removes none of them.
+MODEL_FILES = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json", "adapter_config.json",
+               "adapter_model.safetensors", "adapter_model.bin", "config.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         check_writable(out, what="--out", fix="give a folder that can be written")
     except OSError as error:
         raise ValueError(str(error)) from None
+
+
+def _remove_model_files(out: Path) -> None:
+    """Remove what an earlier export wrote to ``out`` (``MODEL_FILES``); other files stay."""
+    for pattern in MODEL_FILES:
+        for path in out.glob(pattern):
+            if path.is_file():
+                path.unlink()
 
 
 def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",
@@ -132,6 +146,7 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
             eos = generation.eos_token_id
             base.config.eos_token_id = eos[0] if len(eos) == 1 else eos
             base.config.pad_token_id = generation.pad_token_id
+        _remove_model_files(out)
         model.save_pretrained(out, safe_serialization=True)
         if adapter_only:  # peft writes the adapter only; keep the generation settings beside it
             generation.save_pretrained(out)
@@ -233,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: the dtype the policy was trained in)")
     parser.add_argument("--adapter_only", action="store_true", help="a LoRA run: write the peft adapter alone "
                         "instead of the merged model (loading it needs the base model)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out, replacing the "
+                        "model files an earlier export left there")
     parser.add_argument("--torch_num_threads", type=int, default=None, help="torch.set_num_threads(N)")
     return parser
 

@@ -164,6 +164,25 @@ def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
     assert (policy.config.use_cache, policy.generation_config.eos_token_id) == (use_cache, eos)
 
 
+def test_an_overwrite_replaces_an_earlier_exports_model_files(tmp_path):
+    """A merged model written over an adapter-only export: transformers would load the directory as the old
+    adapter (its adapter_config.json wins), so the earlier export's model files go; other files stay."""
+    from transformers import AutoModelForCausalLM
+
+    module = trained_module("tiny-qwen2", LORA)
+    out = tmp_path / "model"
+    export_policy(module.policy, module.tokenizer, out, adapter_only=True)
+    (out / "notes.txt").write_text("mine")
+    perturb(module.policy, seed=1, scale=0.5)  # trained on since
+    export_policy(module.policy, module.tokenizer, out, overwrite=True)
+    names = {p.name for p in out.iterdir()}
+    assert not {"adapter_config.json", "adapter_model.safetensors"} & names and "notes.txt" in names
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([prompt_ids_for(module.tokenizer)[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, module.policy.eval()(x).logits)
+
+
 def test_export_last_takes_the_newest_run_checkpoint_under_its_root(tiny_checkpoint, tmp_path, capsys):
     """``--ckpt_path last`` finds what ``fit --ckpt_path last`` would resume: the newest last.ckpt of a run."""
     import shutil
