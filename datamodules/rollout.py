@@ -400,10 +400,17 @@ class RolloutDataModule(LightningDataModule):
 
     def _trainer_state(self) -> TrainerState:
         """The training progress the reward functions see (``trainer_state``): the trainer's optimizer steps and
-        their bound, and the epochs of training prompts drawn."""
+        their bound (from ``max_epochs`` where ``max_steps`` is unset, as TRL's), and the epochs of prompts drawn."""
         trainer = getattr(self, "trainer", None)
-        steps = (trainer.global_step, trainer.max_steps) if trainer is not None else (self.steps_built, -1)
-        return TrainerState(*steps, epoch=self.steps_built / self.num_train_steps_per_epoch())
+        epoch = self.steps_built / self.num_train_steps_per_epoch()
+        if trainer is None:
+            return TrainerState(self.steps_built, -1, epoch)
+        max_steps = trainer.max_steps
+        if max_steps < 0 and trainer.max_epochs is not None and trainer.max_epochs > 0:
+            # each training step takes num_iterations optimizer steps (the module's setting)
+            iterations = getattr(getattr(trainer.lightning_module, "hparams", None), "num_iterations", 1)
+            max_steps = trainer.max_epochs * self.num_train_steps_per_epoch() * iterations
+        return TrainerState(trainer.global_step, max_steps, epoch)
 
     @property
     def engine(self):

@@ -345,7 +345,11 @@ def _exit_with(error: Exception, subcommand: str) -> None:
 
 
 def _is_lit_grpo_frame(frame: types.TracebackType) -> bool:
-    return Path(frame.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
+    """A frame of lit_grpo's calling of a reward function (its scoring and its event loop), not of a built-in
+    function's own code."""
+    from lit_grpo.rollout import async_loop, rewards
+
+    return frame.tb_frame.f_code.co_filename in (rewards.__file__, async_loop.__file__)
 
 
 def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:

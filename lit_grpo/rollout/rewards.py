@@ -88,7 +88,8 @@ class TrainerState:
 
     Attributes:
         global_step: optimizer steps taken so far (training steps x ``num_iterations``).
-        max_steps: the optimizer steps the run will take (-1: not bounded by steps).
+        max_steps: the optimizer steps the run will take (from ``max_epochs`` where ``max_steps`` is unset; -1:
+            neither bounds it).
         epoch: epochs of training prompts drawn so far, fractional (``steps / steps_per_epoch``).
     """
 
