@@ -408,7 +408,13 @@ def test_every_call_gets_the_training_progress_as_trl_passes_it():
         score_rewards([WeightedReward(ramp, 1.0)], ["a"], ["x"], {"trainer_state": [1]})
 
 
-def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp_path):
+@pytest.mark.parametrize("bound, num_prompts, iterations, expected", [
+    ({"max_steps": 3}, 8, 1, [(0, 3, 0.0), (1, 3, 0.25), (2, 3, 0.5)]),
+    # no max_steps: the bound from max_epochs, 2 training steps an epoch of 2 optimizer steps each
+    ({"max_epochs": 1}, 4, 2, [(0, 4, 0.0), (2, 4, 0.5)]),
+])
+def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp_path, bound, num_prompts,
+                                                                             iterations, expected):
     """A whole fit: the reward functions see the optimizer steps taken so far, the run's bound and the epochs of
     prompts drawn."""
     from lightning.pytorch import Trainer
@@ -422,31 +428,10 @@ def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp
         seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
         return [float(len(c) % 3) for c in completions]
 
-    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(num_prompts)]
     data = RolloutDataModule(prompts=prompts, val_size=0, prompts_per_step=2, reward_funcs=[progress],
                              sampling={"group_size": 2, "max_new_tokens": 4})
-    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = Trainer(**bound, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       limit_val_batches=0, default_root_dir=tmp_path, enable_model_summary=False)
-    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=1), datamodule=data)
-    assert seen == [(0, 3, 0.0), (1, 3, 0.25), (2, 3, 0.5)]
-
-
-def test_the_progress_bound_comes_from_max_epochs_where_max_steps_is_unset(tmp_path):
-    from lightning.pytorch import Trainer
-
-    from lit_grpo.datamodules.rollout import RolloutDataModule
-    from lit_grpo.update.module import GRPOModule
-
-    seen = []
-
-    def progress(prompts, completions, trainer_state, **columns):
-        seen.append((trainer_state.global_step, trainer_state.max_steps))
-        return [float(len(c) % 3) for c in completions]
-
-    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
-    data = RolloutDataModule(prompts=prompts, val_size=0, prompts_per_step=2, reward_funcs=[progress],
-                             sampling={"group_size": 2, "max_new_tokens": 4})
-    trainer = Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      limit_val_batches=0, default_root_dir=tmp_path, enable_model_summary=False)
-    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=2), datamodule=data)
-    assert seen == [(0, 4), (2, 4)]  # 2 training steps an epoch, 2 optimizer steps each
+    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=iterations), datamodule=data)
+    assert seen == expected
