@@ -42,6 +42,8 @@ class ExportModel(Callback):
         return Path(trainer.log_dir or trainer.default_root_dir) / "model"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.result = None  # a fit that ends before exporting reports no earlier fit's export
         missing = [name for name in ("policy", "tokenizer") if not hasattr(pl_module, name)]
         if stage == "fit" and missing:  # checked before training, not found missing after it
             raise ValueError(f"ExportModel exports a module's policy and tokenizer (as GRPOModule holds them); "

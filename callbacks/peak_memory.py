@@ -104,6 +104,7 @@ class PeakMemoryMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._tracker is not None:
             return
+        self.max_logged = {}  # this fit's, not an earlier fit's of the same callback object
         self._tracker, problem = make_peak_tracker(trainer.strategy.root_device, self.cpu_method,
                                                    self.sample_interval_s)
         self._method = self._tracker.name if self._tracker is not None else None

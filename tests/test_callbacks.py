@@ -96,6 +96,10 @@ def test_peak_memory_keeps_the_largest_peak_logged_not_the_last(tmp_path, monkey
     trainer = fit(tmp_path, RolloutModule([make_rollout(seed) for seed in range(2)]), [monitor], max_steps=2)
     assert scalars(events(trainer), "memory/rollout_peak_bytes") == [300 * MiB, 100 * MiB]
     assert monitor.max_logged == {"memory/rollout_peak_bytes": 300 * MiB}
+    # a second fit with the same callback object reports its own peaks, not the first fit's
+    readings = iter([{"memory/rollout_peak_bytes": 50 * MiB}])
+    fit(tmp_path / "again", RolloutModule([make_rollout(0)]), [monitor], max_steps=1)
+    assert monitor.max_logged == {"memory/rollout_peak_bytes": 50 * MiB}
 
 
 class _SteppingWithMemory(torch.optim.SGD):

@@ -353,3 +353,16 @@ def test_export_model_resolves_its_folder_on_every_rank():
     callback = ExportModel()
     callback.on_train_end(Trainer(is_global_zero=False, default_root_dir="."), None)  # rank 1 of 2: no export
     assert read == [False] and callback.result is None
+
+
+def test_export_model_forgets_an_earlier_fits_export_when_a_fit_starts():
+    """A callback object reused for a second fit that fails before exporting reports no export, not the first's."""
+    from types import SimpleNamespace
+
+    from lit_grpo.callbacks import ExportModel
+
+    callback = ExportModel()
+    callback.result = "the first fit's export"
+    module = SimpleNamespace(policy=None, tokenizer=None, hparams=SimpleNamespace(fsdp=False, peft_config=None))
+    callback.setup(SimpleNamespace(), module, "fit")
+    assert callback.result is None
