@@ -6,6 +6,7 @@ arXiv 2507.18014) is in ``reward_curve.py``; this file is the callback that feed
 
 from __future__ import annotations
 
+import ast
 import math
 from typing import Any
 
@@ -39,7 +40,9 @@ class RewardForecast(Callback):
     consecutive checks where the curve has visibly risen (its fitted rise exceeds twice the noise of one reward
     reading: during a flat slow start no fit can see the rise to come) and ``remaining_gain < min_delta``.
     A run whose reward never rises is therefore never stopped by this callback. ``stopped_step`` tells where it
-    stopped. The history and the patience count survive checkpoints (``state_dict``).
+    stopped. The history and the patience count survive checkpoints (``state_dict``); a resume with other settings
+(``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one forecast of the same
+``monitor``, its checks starting over (``on_load_checkpoint``).
 
     Under several processes every rank holds the same state: the recorded value is the monitored one averaged over
     the ranks (one small all-reduce per batch; unchanged when the module logs it reduced already), and each check's
@@ -190,8 +193,35 @@ class RewardForecast(Callback):
         return {"steps": list(self.steps), "rewards": list(self.rewards), "wait_count": self.wait_count,
                 "stopped_step": self.stopped_step}
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A resume with other settings (``stop`` turned on, another ``patience``) finds no state under this
+        forecast's key: the one forecast of the same ``monitor`` the checkpoint holds gives its reward history
+        (the checks start over), rather than a forecast that restarts from nothing, unnoticed."""
+        saved = checkpoint.get("callbacks") or {}
+        if self.state_key in saved:
+            return
+        same_monitor = [key for key in saved if _forecast_monitor(key) == self.monitor]
+        if len(same_monitor) == 1:
+            state = saved[same_monitor[0]]
+            self.load_state_dict({**state, "wait_count": 0, "stopped_step": None})
+            rank_zero_info(f"RewardForecast: the checkpoint's {self.monitor} history ({len(self.steps)} points) was "
+                           "saved under other settings; it goes on from it, its checks start over")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps = [float(s) for s in state_dict["steps"]]
         self.rewards = [float(r) for r in state_dict["rewards"]]
         self.wait_count = int(state_dict["wait_count"])
         self.stopped_step = state_dict.get("stopped_step")
+
+
+def _forecast_monitor(state_key: str) -> str | None:
+    """The ``monitor`` of a RewardForecast's checkpoint key (``RewardForecast{'monitor': ..., ...}``); None for
+    another callback's."""
+    prefix = f"{RewardForecast.__qualname__}{{"
+    if not state_key.startswith(prefix):
+        return None
+    try:
+        return ast.literal_eval(state_key[len(RewardForecast.__qualname__):]).get("monitor")
+    except (ValueError, SyntaxError, AttributeError):
+        return None

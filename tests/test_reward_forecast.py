@@ -277,6 +277,24 @@ def test_history_survives_a_checkpoint(tmp_path):
     assert resumed.last_forecast is not None
 
 
+def test_a_resume_with_other_settings_goes_on_from_the_same_monitors_history(tmp_path, caplog):
+    """Turning the stop on (or another patience) changes the forecast's checkpoint key: its reward history still
+    comes back from the one forecast of that monitor the checkpoint holds, and its checks start over."""
+    rewards = noisy(saturating, seed=2)
+    trainer = run(TrajectoryModule(rewards), RewardForecast(check_every_n_steps=10), 60, tmp_path)
+    checkpoint = tmp_path / "forecast.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    resumed = RewardForecast(check_every_n_steps=10, stop=True, patience=5)
+    with caplog.at_level("INFO"):
+        run(TrajectoryModule(rewards), resumed, 80, tmp_path, ckpt_path=checkpoint)
+    assert resumed.steps == list(range(80)) and resumed.rewards == pytest.approx(rewards[:80].tolist())
+    assert "saved under other settings; it goes on from it" in caplog.text
+    other = RewardForecast(monitor="reward/other")  # another monitor's forecast takes nothing
+    run(TrajectoryModule(rewards), other, 70, tmp_path, ckpt_path=checkpoint)
+    assert other.steps == []
+
+
 class TwoCurvesModule(TrajectoryModule):
     """Logs the planted curve and its mirror image, for two forecasts with different monitors."""
 
