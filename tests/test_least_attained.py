@@ -359,3 +359,14 @@ def test_the_engine_preempts_and_resumes_samples_without_changing_them(tiny_llam
     assert result.stats.decode_steps < expected.stats.decode_steps
     per_token = kv_bytes_per_token(model.config, torch.float32)
     assert 0 < result.stats.parked_kv_bytes <= 0.5 * 4 * 30 * per_token
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"park_budget": -1}, r"scheduler.park_budget=-1 is not allowed"),
+    ({"loss_share": 2}, r"scheduler.loss_share=2 is not allowed"),
+    ({"preempt_tokens": -3}, r"scheduler.preempt_tokens=-3 must be an integer >= 0"),
+])
+def test_a_scheduler_built_by_hand_refuses_a_bad_option_naming_it(options, message):
+    for scheduler in (LeastAttainedScheduler, LengthAwareScheduler):
+        with pytest.raises(ValueError, match=message):
+            scheduler(**options)

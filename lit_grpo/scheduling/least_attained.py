@@ -138,6 +138,10 @@ class LeastAttainedScheduler(Scheduler):
 
     def __init__(self, preempt_tokens: int | None = PREEMPT_TOKENS, park_budget: float | None = PARK_BUDGET,
                  loss_share: float | None = LOSS_SHARE) -> None:
+        from lit_grpo.scheduling.config import InfiniteSchedulerConfig  # its checks; it imports this module
+
+        # built by hand (not from a config), a bad option fails here, naming it, not at the first rollout
+        InfiniteSchedulerConfig(preempt_tokens=preempt_tokens, park_budget=park_budget, loss_share=loss_share)
         self.preempt_tokens, self.park_budget, self.loss_share = preempt_tokens, park_budget, loss_share
         self.groups: deque[list[int]] = deque(maxlen=KEPT_GROUPS)  # finished groups' lengths, for the gate
         self.last_info: dict[str, float] = {}
