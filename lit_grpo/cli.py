@@ -317,12 +317,16 @@ def qualified_error(error: ValueError, keys: Sequence[str]) -> ValueError:
 
 
 def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
-    """The fields of the module's group of settings ``name`` that a run with the values ``group`` never reads (the
-    loss's for another loss type or without the KL, a sampler correction's bounds with mode none): a resume does
-    not compare them (``check_resumable``)."""
+    """The fields of the module's group of settings ``name`` that a resumed run with the values ``group`` never
+    reads (the loss's for another loss type or without the KL, the starting ``entropy_coef`` under the adaptive
+    control, a sampler correction's bounds with mode none): a resume does not compare them (``check_resumable``)."""
     if name == "loss":
-        return loss_unread_settings(group.get("loss_type", LossConfig.loss_type), group.get("beta", LossConfig.beta),
-                                    group.get("use_adaptive_entropy", LossConfig.use_adaptive_entropy))
+        adaptive = group.get("use_adaptive_entropy", LossConfig.use_adaptive_entropy)
+        unread = loss_unread_settings(group.get("loss_type", LossConfig.loss_type),
+                                      group.get("beta", LossConfig.beta), adaptive)
+        # the adaptive control's checkpointed state holds the coefficient a resume goes on from: the starting one
+        # is read only at a run's start
+        return unread | {"entropy_coef"} if adaptive else unread
     if name == "sampler_correction" and group.get("mode") == "none":
         return {"clip_min", "clip_max"}
     return set()

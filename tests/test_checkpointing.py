@@ -405,8 +405,9 @@ def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_chec
 
 
 def test_a_resume_compares_the_entropy_bonus_and_its_control_only_where_a_run_reads_them(tmp_path, tiny_checkpoint):
-    """entropy_coef is always compared (an older checkpoint without it ran as 0); the adaptive control's settings
-    only where either run has the control on: without it neither reads them."""
+    """entropy_coef is compared (an older checkpoint without it ran as 0) but where both runs have the adaptive
+    control, whose saved state replaces it; the control's settings only where either run has it on: without it
+    neither reads them."""
     from lit_grpo.cli import unread_settings
 
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
@@ -423,6 +424,13 @@ def test_a_resume_compares_the_entropy_bonus_and_its_control_only_where_a_run_re
     with pytest.raises(ValueError, match=re.escape("model.loss.entropy_coef: 0.0 in the checkpoint, 0.1 now")):
         check_resumable(saved, {**module, "loss": {**module["loss"], "entropy_coef": 0.1}}, data,
                         unread=unread_settings)
+    # under the adaptive control in both runs the checkpoint's state replaces the starting coefficient
+    adaptive = {**loss, "use_adaptive_entropy": True}
+    checkpoint["hyper_parameters"]["loss"] = adaptive
+    torch.save(checkpoint, tmp_path / "adaptive.ckpt")
+    check_resumable(tmp_path / "adaptive.ckpt", {**module, "loss": {**adaptive, "entropy_coef": 0.1}}, data,
+                    unread=unread_settings)
+    checkpoint["hyper_parameters"]["loss"] = loss
     for name in ("entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_delta"):
         loss.pop(name)  # as if saved before the bonus existed: it ran as off
     older = tmp_path / "older.ckpt"
