@@ -223,8 +223,9 @@ class _CastOnceHeadLogps(torch.autograd.Function):
                 grad_logits = (-grad).unsqueeze(-1) * (logits - log_normalizer[part].unsqueeze(-1)).exp()
             else:  # and the entropy's: -p (log p + H) per unit of its gradient
                 log_probs = logits - log_normalizer[part].unsqueeze(-1)
+                probs = log_probs.exp()
                 scale = log_probs.add_(entropy[part].unsqueeze(-1)).mul_(-grad_entropy[part].unsqueeze(-1))
-                grad_logits = (logits - log_normalizer[part].unsqueeze(-1)).exp_().mul_(scale.sub_(grad.unsqueeze(-1)))
+                grad_logits = probs.mul_(scale.sub_(grad.unsqueeze(-1)))
             grad_logits = grad_logits.scatter_add(-1, ids.unsqueeze(-1), grad.unsqueeze(-1))
             if temperature and temperature != 1.0:
                 grad_logits = grad_logits / temperature
