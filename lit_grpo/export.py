@@ -176,6 +176,15 @@ def load_checkpoint(ckpt_path: str | Path) -> Mapping[str, Any]:
     return checkpoint
 
 
+def _hold_as_saved(policy: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Each floating parameter in the dtype the checkpoint holds it in: a run under ``bf16-true`` leaves
+    ``model.dtype`` null and saves bf16 weights, which the model rebuilt in the checkpoint's float32 would widen."""
+    for name, param in policy.named_parameters():
+        saved = state.get(name)
+        if saved is not None and saved.is_floating_point() and saved.dtype != param.dtype:
+            param.data = param.data.to(saved.dtype)
+
+
 def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """``(policy, tokenizer, hyper_parameters)``: the base model rebuilt from the checkpoint's settings (LoRA
     adapter included) with the trained weights loaded strictly."""
@@ -202,6 +211,7 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     if reshaped:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r}: "
                          f"{', '.join(reshaped[:3])}")
+    _hold_as_saved(policy, state)
     missing, unexpected = policy.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r} "

@@ -123,6 +123,20 @@ def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     assert half.bytes < full.bytes
 
 
+def test_export_auto_writes_the_dtype_a_bf16_true_run_saved(tmp_path):
+    """Under ``bf16-true`` Lightning converts the float32-built policy to bf16 and ``model.dtype`` stays null:
+    "auto" writes the bf16 weights the checkpoint holds, not the rebuilt model's float32."""
+    module = trained_module("tiny-llama")
+    module.to(torch.bfloat16)  # what bf16-true's convert_module does
+    assert module.hparams["dtype"] is None
+    ckpt = save_checkpoint(module, tmp_path / "last.ckpt")
+    result = export_checkpoint(ckpt, tmp_path / "model")
+    saved = load_file(tmp_path / "model" / "model.safetensors")
+    assert result.dtype == torch.bfloat16 and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    for name, value in module.policy.state_dict().items():
+        assert torch.equal(saved[name], value), name
+
+
 def test_export_auto_keeps_the_layers_a_model_holds_in_float32(tmp_path):
     """DeepSeek-V3 keeps its MoE router in float32 beside bf16 weights (as transformers loads it): "auto" writes
     every weight in the dtype it has, and so copies nothing; an asked dtype casts them all."""
