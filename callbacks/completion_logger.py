@@ -35,7 +35,8 @@ class CompletionLogger(Callback):
       (rank 0's batch under several processes, as is the table).
     - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
       Markdown table of the first ``num_prompts`` prompts with ``num_completions`` completions each, their reward,
-      length and whether they were clipped; texts cut to ``max_chars`` characters.
+      length, whether they were clipped and the columns reward functions logged (``log_extra``); texts cut to
+      ``max_chars`` characters.
 
     Histogram and table need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise).
     Needs lit_grpo batches; with any other LightningModule it warns once and logs nothing.
@@ -108,16 +109,29 @@ class CompletionLogger(Callback):
 
 
 def sample_table(batch: RolloutLike, num_prompts: int, num_completions: int, max_chars: int) -> str:
-    """A Markdown table: one row per shown completion, the prompt written on its group's first row."""
-    rows = ["| prompt | k | reward | length | completion |", "|---|---|---|---|---|"]
+    """A Markdown table: one row per shown completion, the prompt written on its group's first row, and a column
+    for each of the batch's ``reward_extras`` (what reward functions logged with ``log_extra``) before the
+    completion."""
+    extras = getattr(batch, "reward_extras", None) or {}
+    header = ["prompt", "k", "reward", "length", *(markdown_cell(column, max_chars) for column in extras),
+              "completion"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for p, prompt in enumerate(batch.prompts[:num_prompts]):
         for k, completion in enumerate(batch.completions[p][:num_completions]):
             length = int(batch.completion_lengths[p, k])
             clipped = " (clipped)" if bool(batch.truncated[p, k]) else ""
-            shown_prompt = markdown_cell(prompt, max_chars) if k == 0 else ""
-            rows.append(f"| {shown_prompt} | {k} | {float(batch.rewards[p, k]):.3f} | {length}{clipped} | "
-                        f"{markdown_cell(completion, max_chars)} |")
+            cells = [markdown_cell(prompt, max_chars) if k == 0 else "", str(k), f"{float(batch.rewards[p, k]):.3f}",
+                     f"{length}{clipped}", *(_extra_cell(values[p][k], max_chars) for values in extras.values()),
+                     markdown_cell(completion, max_chars)]
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _extra_cell(value: Any, max_chars: int) -> str:
+    """A logged extra value as a cell: empty where none was logged, a float to 3 decimals, else its text."""
+    if value is None:
+        return ""
+    return f"{value:.3f}" if isinstance(value, float) else markdown_cell(str(value), max_chars)
 
 
 def markdown_cell(text: str, max_chars: int) -> str:

@@ -38,6 +38,8 @@ class RolloutBatch:
         reward_components: ``{name: [B, G]}`` each reward function's raw values (NaN where it said None).
         accuracy: ``[B, G]`` correctness of each completion (the values of the reward named ``accuracy_reward``,
             NaN where it had no opinion), or None when no reward function measures correctness.
+        reward_extras: ``{column: [B][G]}`` what the reward functions logged per completion with ``log_extra``
+            (None where a completion got no value; ``lit_grpo.rollout.reward_log``).
         columns: ``{name: [B] list}`` per-prompt extra data (``answer``, ``entry``, JSONL fields...).
         indices: ``[B]`` each prompt's index in the train (or val) prompt list.
         metrics: extra scalars the data side wants logged (``curriculum/mu``, ``rollout/rollouts_per_step`` ...).
@@ -72,6 +74,7 @@ class RolloutBatch:
     completion_mask: torch.Tensor
     sampling_logprobs: torch.Tensor
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    reward_extras: dict[str, list[list[Any]]] = field(default_factory=dict)
     columns: dict[str, list[Any]] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)

@@ -35,6 +35,7 @@ from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normali
                                          normalize_then_sum_advantages, zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
+from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import TrainerState, WeightedReward, correctness_reward, score_rewards
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
@@ -81,6 +82,7 @@ class _ScoredRollout:
     skipped: torch.Tensor                 # [b] bool
     stats: Any
     offpolicy_tokens: list[int]           # [b] each group's completion tokens drawn in an earlier rollout
+    logs: RewardLogs                      # what the reward calls logged (log_metric, log_extra)
 
 
 class RolloutBuilder:
@@ -342,6 +344,7 @@ class RolloutBuilder:
             tokens = max(int(batch.completion_mask.sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         batch.metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
+        batch.metrics.update(logged_metrics([rollout.logs for rollout in rollouts]))
         self._check_some_group_scored(rollouts)
         generated = [(rollout.components.get(self.accuracy_reward), rollout.rewards, ~rollout.skipped)
                      for rollout in rollouts]  # every group
@@ -424,7 +427,7 @@ class RolloutBuilder:
         return _ScoredRollout(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
                               truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                               components={k: v.view(len(examples), G) for k, v in scores.components.items()},
-                              skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy)
+                              skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy, logs=scores.logs)
 
     def _check_some_group_scored(self, rollouts: list[_ScoredRollout]) -> None:
         """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
@@ -484,6 +487,8 @@ class RolloutBuilder:
         prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
         zero_std = torch.cat([self._zero_std(rollout.rewards, rollout.components) for rollout in rollouts])
         skipped = torch.stack(pick("skipped"))
+        extras = {column: [rollouts[r].logs.group_extra(column, p, G) for r, p in chosen]
+                  for column in dict.fromkeys(c for rollout in rollouts for c in rollout.logs.extras)}
         return RolloutBatch(
             stats=merge_stats([rollout.stats for rollout in rollouts]),
             prompts=[p.example.prompt for p in prompts],
@@ -498,6 +503,7 @@ class RolloutBuilder:
             completion_mask=mask.view(B, G, -1),
             sampling_logprobs=logprobs.view(B, G, -1),
             reward_components=components,
+            reward_extras=extras,
             accuracy=components.get(self.accuracy_reward),
             columns={"answer": [p.example.answer for p in prompts], "entry": [p.example.entry for p in prompts]},
             indices=[p.index for p in prompts],

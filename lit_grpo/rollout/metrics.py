@@ -170,15 +170,17 @@ RANK_REDUCTIONS: dict[str, str] = {**STEP_REDUCTIONS, **ROLLOUT_REDUCTIONS}
 DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generated_tokens", "rollout/wall_s"),
                                        "rollout/roofline_ratio": ("rollout/ms_per_step", "rollout/floor_ms_per_step")}
 
-#: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean, and PeakMemoryMonitor's
-#: ``memory/*`` (peaks of one process, and what a phase added to it: the largest rank's).
-RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "/mean", "mean"), ("memory/", "", "max"))
+#: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean and what reward functions log
+#: (``log_metric``), and PeakMemoryMonitor's ``memory/*`` (peaks of one process, and what a phase added to it: the
+#: largest rank's).
+RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "", "mean"), ("memory/", "", "max"))
 
 #: Keys whose whole-step value is a ratio of two sums (a share of groups or tokens, a mean over tokens), whose
 #: denominator differs between ranks: a rank reports that denominator beside the value, under its weight key
 #: (``weight/...``: gathered with the values, never logged), and a "mean" becomes sum(value x weight) /
 #: sum(weight) over the ranks, the ratio of the sums one process holding every rank's rows would log. Each
-#: ``reward/<fn_name>/mean`` is weighted by its present (not None) values, under ``weight/reward/<fn_name>/mean``.
+#: ``reward/<fn_name>/mean`` is weighted by its present (not None) values, under ``weight/reward/<fn_name>/mean``;
+#: each ``reward/<name>`` a reward function logs, by the values logged, under ``weight/reward/<name>``.
 RATIO_WEIGHTS: dict[str, str] = {
     "reward/frac_zero_std": "weight/groups_generated",
     "rollout/offpolicy_tokens_frac": "weight/completion_tokens",
@@ -195,9 +197,11 @@ WEIGHT_PREFIX = "weight/"
 
 def ratio_weight(key: str) -> str | None:
     """The weight key of a ratio ``key`` (``RATIO_WEIGHTS``), or None for a key that is not a ratio."""
-    if key.startswith("reward/") and key.endswith("/mean") and key != "reward/mean":
+    if key in RATIO_WEIGHTS:
+        return RATIO_WEIGHTS[key]
+    if key.startswith("reward/") and key not in RANK_REDUCTIONS:  # a function's mean, or what one logged
         return WEIGHT_PREFIX + key
-    return RATIO_WEIGHTS.get(key)
+    return None
 
 
 def with_weights(keys: Sequence[str]) -> list[str]:
@@ -240,11 +244,18 @@ _RULES: dict[str, Callable[[list[float]], float]] = {
 }
 
 
-def step_metric_keys(reward_names: Iterable[str]) -> list[str]:
+def step_metric_keys(reward_names: Iterable[str], logged: Iterable[str] = ()) -> list[str]:
     """Every key a GRPOModule training step may log, in one order on every rank: ``STEP_REDUCTIONS``' keys, then
-    ``reward/<name>/mean`` for each reward function (the same functions on every rank), then the ratios'
-    weights."""
-    return with_weights([*STEP_REDUCTIONS, *(f"reward/{name}/mean" for name in reward_names)])
+    ``reward/<name>/mean`` for each reward function (the same functions on every rank), then the ``logged`` keys
+    (what reward functions logged on any rank, ``logged_reward_keys``), then the ratios' weights."""
+    return with_weights([*STEP_REDUCTIONS, *(f"reward/{name}/mean" for name in reward_names), *logged])
+
+
+def logged_reward_keys(metrics: Iterable[str], reward_names: Iterable[str]) -> list[str]:
+    """The keys among ``metrics`` that reward functions logged (``reward/<name>``, ``log_metric``): those that
+    ``step_metric_keys(reward_names)`` does not name, sorted."""
+    fixed = set(step_metric_keys(reward_names))
+    return sorted(key for key in metrics if key not in fixed and key.startswith("reward/"))
 
 
 def gather_over_ranks(values: Mapping[str, float | None], keys: Sequence[str],

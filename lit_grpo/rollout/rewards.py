@@ -12,7 +12,8 @@ dataset entry with ``question``, ``answer``, ``metadata``), ``completion_ids``, 
 and ignore what you do not need.
 
 Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``), under
-TRL's name and with its fields' meaning, for rewards shaped by training progress.
+TRL's name and with its fields' meaning, for rewards shaped by training progress, and TRL's ``log_metric(name,
+value)`` and ``log_extra(column, values)``, for what the function wants logged (``lit_grpo/rollout/reward_log.py``).
 
 A function returns one value per completion: a number, or ``None`` for "no opinion" (e.g. a math checker asked
 about a code task). Several functions are combined with weights::
@@ -57,11 +58,11 @@ from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-import numpy as np
 import torch
 
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
+from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.runtime.validation import check_choice
 
@@ -298,12 +299,14 @@ class RewardScores:
         skipped_groups: sorted group indices (``i // group_size``) some function raised on, with
             ``on_error="skip_group"``; their ``total`` is 0.0 and their component values NaN.
         errors: one message per skipped (function, group).
+        logs: what the calls logged with ``log_metric`` and ``log_extra`` (``lit_grpo.rollout.reward_log``).
     """
 
     total: torch.Tensor
     components: dict[str, torch.Tensor]
     skipped_groups: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    logs: RewardLogs | None = None
 
 
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
@@ -321,30 +324,27 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
         if value is None:
             out.append(None)
             continue
-        # a NumPy bool, like Python's and torch's, is 1.0 or 0.0. Only bools and numbers are read: item() makes a
-        # nanosecond datetime64 or timedelta64 an int, and a timedelta64 is a NumPy integer (a numbers.Real) too
-        numpy_number = isinstance(value, (np.bool_, np.number)) and not isinstance(value, np.timedelta64)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 or numpy_number:
-            value = value.item()
-        if not isinstance(value, numbers.Real) or isinstance(value, np.timedelta64):
+        number = as_number(value)
+        if number is None:
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
                              f"for prompt {prompts[i]!r:.300}; values must be floats or None")
-        if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:  # rewards are float32 tensors
+        if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # rewards are float32 tensors
             raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
                              f"{prompts[i]!r:.300}; values must be finite in float32, |value| <= {FLOAT32_MAX:.4g} "
                              "(or None for no opinion)")
-        out.append(float(value))
+        out.append(number)
     return out
 
 
 def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], completions: Sequence[str],
-              columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> list[Any]:
-    """Each function's values on the whole batch, or the exception it raised: the plain ones called in turn, the
-    async ones (whose call returns an awaitable) then awaited together (``async_loop``)."""
+              columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> tuple[list[Any], list[CallLog]]:
+    """Each function's values on the whole batch, or the exception it raised, and what each call logged: the plain
+    ones called in turn, the async ones (whose call returns an awaitable) then awaited together (``async_loop``)."""
     outcomes: list[Any] = []
-    for reward in reward_funcs:
+    logs = [CallLog(reward.name, len(completions)) for reward in reward_funcs]
+    for reward, log in zip(reward_funcs, logs):
         try:
-            outcomes.append(reward.fn(list(prompts), list(completions), **columns, **state))
+            outcomes.append(reward.fn(list(prompts), list(completions), **columns, **state, **log.keywords()))
         except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
             outcomes.append(err)
     pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
@@ -353,13 +353,13 @@ def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], co
             if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                 raise outcome  # an interrupt or a cancellation is no reward's error
             outcomes[i] = outcome
-    return outcomes
+    return outcomes, logs
 
 
 def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[str],
-          columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> Any:
-    """One function's values on these completions, awaited if it is async."""
-    raw = reward.fn(list(prompts), list(completions), **columns, **state)
+          columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any], log: CallLog) -> Any:
+    """One function's values on these completions, awaited if it is async; what it logs goes to ``log``."""
+    raw = reward.fn(list(prompts), list(completions), **columns, **state, **log.keywords())
     if not inspect.isawaitable(raw):
         return raw
     (outcome,) = run_concurrently([raw])
@@ -373,9 +373,10 @@ def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[
 
 def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
                          completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
-                         state: Mapping[str, Any], group_size: int,
-                         on_error: str) -> tuple[list[float | None], list[int], list[str]]:
-    """A reward function raised on the whole batch: call it again one group at a time.
+                         state: Mapping[str, Any], group_size: int, on_error: str,
+                         logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
+    """A reward function raised on the whole batch: call it again one group at a time (what the groups' calls
+    that return log goes to ``logs``).
 
     ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
     ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
@@ -388,9 +389,10 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
     for start in range(0, len(prompts), group_size):
         end = start + group_size
         group = start // group_size
+        log = CallLog(reward.name, end - start)
         try:
             raw = _call(reward, prompts[start:end], completions[start:end],
-                        {k: list(v[start:end]) for k, v in columns.items()}, state)
+                        {k: list(v[start:end]) for k, v in columns.items()}, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
                        f"{group} {prompts[start]!r:.300}")
@@ -401,6 +403,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
             values.extend([None] * (end - start))
             continue
         values.extend(_check_values(raw, reward.name, prompts[start:end], end - start))
+        logs.add(log, offset=start)
     if not skipped:
         prompt = prompts[0] if prompts else None
         raise RewardFunctionError(f"reward function {reward.name!r} raised {type(err).__name__}: {err} on the whole "
@@ -439,9 +442,11 @@ def score_rewards(
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    if "trainer_state" in columns:
-        raise ValueError("a column is named 'trainer_state', the keyword reward functions get the training progress "
-                         "under (TRL's name): rename that field of the prompts")
+    for keyword in ("trainer_state", *LOG_KEYWORDS):
+        if keyword in columns:
+            raise ValueError(f"a column is named {keyword!r}, a keyword every reward call gets (TRL's name; "
+                             "trainer_state: the training progress, log_metric and log_extra: what the function "
+                             "logs): rename that field of the prompts")
     state = {"trainer_state": trainer_state if trainer_state is not None else TrainerState()}
     if group_size < 1 or n % group_size:
         raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} completions")
@@ -451,14 +456,15 @@ def score_rewards(
     components: dict[str, torch.Tensor] = {}
     skipped: set[int] = set()
     errors: list[str] = []
-    outcomes = _call_all(reward_funcs, prompts, completions, columns, state)
+    logs = RewardLogs(n)
+    outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
         failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
             values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
-                                                            group_size, on_error)
+                                                            group_size, on_error, logs)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
             failure = raw = None
@@ -468,6 +474,7 @@ def score_rewards(
                 warnings.warn(f"{message}; on_error='skip_group': the group is skipped (no loss)", stacklevel=2)
         else:
             values = _check_values(raw, reward.name, prompts, n)
+            logs.add(call_logs[i])
         component = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
         components[reward.name] = component
         present = ~torch.isnan(component)
@@ -489,4 +496,5 @@ def score_rewards(
         missing = int((~seen).sum())
         warnings.warn(f"every reward function returned None for {missing} of {n} completions; they are left out "
                       "of their group's baseline and get advantage 0", stacklevel=2)
-    return RewardScores(total=total, components=components, skipped_groups=sorted(skipped), errors=errors)
+    logs.check_names([reward.name for reward in reward_funcs])
+    return RewardScores(total=total, components=components, skipped_groups=sorted(skipped), errors=errors, logs=logs)

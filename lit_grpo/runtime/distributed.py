@@ -78,6 +78,17 @@ def strategy_all_gather(strategy) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda tensor: strategy.all_gather(tensor.to(strategy.root_device))
 
 
+def union_over_ranks(names: Iterable[str]) -> list[str]:
+    """Every rank's ``names`` together, sorted: one ``all_gather_object``, so every rank calls it at the same point
+    (``names`` itself where this process trains alone)."""
+    names = sorted(set(names))
+    if not is_multi_process():
+        return names
+    gathered: list[list[str] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, names)
+    return sorted({name for rank in gathered for name in rank or ()})
+
+
 def is_multi_process() -> bool:
     """Whether this process trains with others (an initialized process group of more than one rank)."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -40,7 +40,7 @@ the coefficient after each optimizer step, the next one's, as TRL's ``entropy_co
 reward/{mean, std (mean over groups of the within-group std; TRL 1.16's reward_std is the batch's), frac_zero_std
 (share of the step's generated groups without learning signal, whose rewards were all equal (under
 normalize_then_sum: whose every reward function's values were), dropped ones included), <fn_name>/mean (None
-values excluded)};
+values excluded), <name> (what reward functions log with ``log_metric``: the mean of the step's values)};
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction);
 what the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, reward/skipped_groups,
@@ -98,12 +98,12 @@ from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import AGGREGATIONS, SCALES, Aggregation, Scale
-from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, rollout_metrics, step_metric_keys,
-                                      whole_step_metrics)
+from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, logged_reward_keys, rollout_metrics,
+                                      step_metric_keys, whole_step_metrics)
 from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWeights, LockstepWeights,
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
-                                          shard_decoder_layers, strategy_all_gather)
+                                          shard_decoder_layers, strategy_all_gather, union_over_ranks)
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
@@ -604,8 +604,11 @@ class GRPOModule(LightningModule):
             # rule (lit_grpo.rollout.metrics.RANK_REDUCTIONS, ratios by RATIO_WEIGHTS); rank_skew goes in as this
             # rank's rollout seconds
             strategy = self.trainer.strategy
+            # what reward functions logged (log_metric) may differ between ranks: their names are gathered first
+            logged = union_over_ranks(logged_reward_keys(batch.metrics, batch.reward_components))
             metrics = whole_step_metrics({**metrics, "rollout/rank_skew": batch.stats.wall_s},
-                                         step_metric_keys(batch.reward_components), strategy_all_gather(strategy))
+                                         step_metric_keys(batch.reward_components, logged),
+                                         strategy_all_gather(strategy))
         self.log_dict(loggable(metrics), on_step=True, on_epoch=False, batch_size=batch.num_prompts)
         return loss
 
