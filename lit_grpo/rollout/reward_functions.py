@@ -7,7 +7,9 @@
 - ``char_fraction`` (``char_fraction_reward``): share of characters from a set, a toy signal for smoke tests;
 - ``math`` (``math_reward``, in ``lit_grpo/rollout/math_reward.py``): the final answer (``<answer>``, ``\\boxed{}``,
   else the last math span or number) verified against the gold answer with math-verify, under a deadline per
-  completion.
+  completion;
+- ``reward_model`` (``RewardModel``, in ``lit_grpo/rollout/reward_model.py``): a trained sequence-classification
+  reward model's score of the prompt and completion.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
+from lit_grpo.rollout.reward_model import RewardModel
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
@@ -177,4 +180,5 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "overlong": OverlongPenalty,  # a class: built with the spec's kwargs
     "char_fraction": char_fraction_reward,
     "math": math_reward,  # kwargs: timeout_s
+    "reward_model": RewardModel,  # a class: kwargs model, dtype, device, batch_size
 }

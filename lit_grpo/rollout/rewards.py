@@ -42,7 +42,8 @@ Built-in functions (names usable in configs; defined in ``lit_grpo/rollout/rewar
 completion has exactly one ``<answer>...</answer>``), ``overlong`` (``OverlongPenalty``: DAPO's soft length
 penalty), ``char_fraction`` (share of characters from a set; a toy signal for smoke tests), ``math``
 (``math_reward``: the final answer verified against the gold answer with math-verify,
-``lit_grpo/rollout/math_reward.py``).
+``lit_grpo/rollout/math_reward.py``), ``reward_model`` (``RewardModel``: a trained reward model's score,
+``lit_grpo/rollout/reward_model.py``; the short form names the model, ``org/name``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
+from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.runtime.validation import check_choice
 
@@ -165,6 +167,8 @@ def reward_name(fn: Any) -> str:
 def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     if name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
+    elif is_reward_model_name(name):
+        target, kwargs = RewardModel, reward_model_kwargs(name, kwargs)
     elif ":" in name or "." in name:
         module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
         try:
@@ -175,8 +179,8 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     else:
         close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"reward function {name!r} is unknown; {hint}use a built-in {sorted(BUILTIN_REWARDS)} or "
-                         "'package.module:function'")
+        raise ValueError(f"reward function {name!r} is unknown; {hint}use a built-in {sorted(BUILTIN_REWARDS)}, "
+                         "'package.module:function' or a reward model's 'org/name' or folder")
     if not callable(target):
         raise ValueError(f"reward function {name!r} imports {target!r:.80}, which is not callable; name a function "
                          "fn(prompts, completions, **columns) as 'package.module:function'")

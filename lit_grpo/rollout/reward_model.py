@@ -1,0 +1,108 @@
+"""A trained reward model as a reward function (TRL's ``reward_funcs`` entry that names a model)::
+
+    reward_funcs:
+      - {name: reward_model, kwargs: {model: path/or/hub-id, dtype: bfloat16, batch_size: 16}}
+      - org/reward-model-id          # the short form: a name with a '/' and no ':' (logged by its last part)
+
+The model is a sequence classifier with one label (``AutoModelForSequenceClassification``, ``num_labels=1``), as
+TRL loads it; a completion's reward is that label's logit for its prompt and itself together. The text scored is the
+conversation, the row's ``messages`` (or its prompt as the user's turn) and then the completion as the assistant's,
+rendered by the reward model's own chat template; where its tokenizer has none, the prompt's text followed by the
+completion's, as TRL scores plain-text prompts. Its tokens are scored without truncation, ``batch_size`` texts a
+forward, on the policy's device (``device: auto``: the current CUDA device where there is one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_grpo.runtime.validation import check_int
+
+
+class RewardModel:
+    """Scores completions with a sequence-classification reward model (module docstring).
+
+    Args:
+        model: the reward model's hub id or folder (read offline where the hub is unreachable).
+        dtype: the dtype it runs in (``model.dtype``'s names); None: its checkpoint's.
+        device: "auto" (the current CUDA device, else the CPU) or a torch device name.
+        batch_size: texts scored per forward, >= 1.
+    """
+
+    def __init__(self, model: str, dtype: str | None = None, device: str = "auto", batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification
+
+        from lit_grpo.runtime.models import load_tokenizer, resolve_dtype
+
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
+        check_int("reward_model batch_size", batch_size, 1)
+        _resolve_device(device)  # checked now, resolved at each call: a rank's CUDA device is set after the config
+        self.device = device
+        self.batch_size = batch_size
+        self.__name__ = Path(model.rstrip("/")).name  # TRL's name for it: the id's last part
+        try:
+            self.tokenizer = load_tokenizer(model)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                model, num_labels=1, dtype=resolve_dtype(dtype) or "auto")
+        except (OSError, ValueError) as error:
+            raise ValueError(f"reward_model: model={model!r} cannot be loaded as a sequence classifier with one label "
+                             f"({type(error).__name__}: {str(error).splitlines()[0]:.300})") from None
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # the classifier scores each row's last token that is not padding: it must know which id pads
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.eval().requires_grad_(False)
+
+    def texts(self, prompts: Sequence[str], completions: Sequence[str],
+              messages: Sequence[Any] | None = None) -> list[str]:
+        """What the reward model reads for each completion (module docstring)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return [prompt + completion for prompt, completion in zip(prompts, completions)]
+        out = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            history = messages[i] if messages is not None and messages[i] else [{"role": "user", "content": prompt}]
+            conversation = [*map(dict, history), {"role": "assistant", "content": completion}]
+            out.append(self.tokenizer.apply_chat_template(conversation, tokenize=False))
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[str], completions: list[str], messages: Sequence[Any] | None = None,
+                 **columns: Any) -> list[float]:
+        device = _resolve_device(self.device)
+        if self.model.device != device:
+            self.model.to(device)
+        texts = self.texts(prompts, completions, messages)
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            inputs = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False).to(device)
+            scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
+        return scores
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"reward_model: device={device!r} must be 'auto' or a torch device name such as 'cpu' or "
+                         "'cuda:0'") from None
+
+
+def is_reward_model_name(name: str) -> bool:
+    """Whether a reward spec's name is the short form of a reward model (a '/' and no ':'; a module path has none)."""
+    return "/" in name and ":" not in name
+
+
+def reward_model_kwargs(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The short form's options: ``model`` is the name."""
+    if "model" in kwargs:
+        raise ValueError(f"reward function {name!r} names its reward model; its kwargs may not name another "
+                         f"(model={kwargs['model']!r})")
+    return {"model": name, **kwargs}

@@ -1,0 +1,89 @@
+"""A trained reward model as a reward function (``reward_model``, TRL's model entries of ``reward_funcs``): what it
+reads, that batching and padding leave each score as the model's own, how a config names it, and its errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_grpo.rollout.reward_model import RewardModel
+from lit_grpo.rollout.rewards import build_reward_funcs, score_rewards
+
+
+def save_reward_model(path: Path, chat_template: bool = True) -> str:
+    """A random tiny-llama sequence classifier with one label, and the tiny byte tokenizer, saved to ``path``."""
+    from transformers import AutoModelForSequenceClassification
+
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    policy, tokenizer = load_model_and_tokenizer("tiny-llama")
+    torch.manual_seed(0)
+    policy.config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_config(policy.config)
+    if not chat_template:
+        tokenizer.chat_template = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reward_model_path(tmp_path_factory) -> str:
+    return save_reward_model(tmp_path_factory.mktemp("rm") / "tiny-rm")
+
+
+def test_a_batch_scores_each_completion_as_the_model_alone_does(reward_model_path):
+    """Completions of different lengths in one right-padded forward (and over batch_size chunks): each score is the
+    model's logit on that conversation alone, unpadded."""
+    reward = RewardModel(reward_model_path, batch_size=3)
+    prompts = ["What is 2 + 2?"] * 4 + ["Name a colour."]
+    completions = ["4", "It is four, since 2 + 2 = 4.", "", "five", "blue"]
+    scores = reward(prompts, completions)
+    texts = reward.texts(prompts, completions)
+    assert texts[0] == reward.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}], tokenize=False)
+    for text, score in zip(texts, scores):
+        ids = reward.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            alone = float(reward.model(**ids).logits[0, 0])
+        assert score == pytest.approx(alone, rel=1e-5, abs=1e-5)
+    assert len(set(scores)) == len(scores)  # the texts differ: so do their scores
+
+
+def test_the_rows_messages_are_the_conversation_and_a_template_free_tokenizer_concatenates(reward_model_path,
+                                                                                           tmp_path):
+    reward = RewardModel(reward_model_path)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    (text,) = reward.texts(["2 + 2?"], ["4"], messages=[history])
+    assert text == reward.tokenizer.apply_chat_template([*history, {"role": "assistant", "content": "4"}],
+                                                        tokenize=False)
+    plain = RewardModel(save_reward_model(tmp_path / "plain", chat_template=False))
+    assert plain.texts(["Q: 2 + 2? A:"], [" 4"]) == ["Q: 2 + 2? A: 4"]
+
+
+def test_a_config_names_it_by_its_folder_or_as_the_built_in(reward_model_path):
+    short, spelled = build_reward_funcs([reward_model_path, {"name": "reward_model", "log_name": "rm2",
+                                                              "kwargs": {"model": reward_model_path,
+                                                                         "batch_size": 2}}])
+    assert isinstance(short.fn, RewardModel) and short.name == "tiny-rm"  # TRL's: the id's last part
+    assert isinstance(spelled.fn, RewardModel) and spelled.fn.batch_size == 2 and spelled.name == "rm2"
+    scores = score_rewards([short, spelled], ["2 + 2?"] * 2, ["4", "5"], group_size=2)
+    torch.testing.assert_close(scores.components["tiny-rm"], scores.components["rm2"])
+    torch.testing.assert_close(scores.total, 2 * scores.components["rm2"])
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("no/such/reward-model", r"reward_model: model='no/such/reward-model' cannot be loaded as a sequence classifier"),
+    ({"name": "reward_model", "kwargs": {"model": "RM", "batch_size": 0}}, r"batch_size=0"),
+    ({"name": "reward_model", "kwargs": {"model": "RM", "device": "gpu0"}}, r"device='gpu0' must be 'auto' or a "
+                                                                             r"torch device name"),
+    ({"name": "RM", "kwargs": {"model": "other"}}, r"names its reward model; its kwargs may not name another"),
+    ({"name": "reward_model", "kwargs": {"model": ""}}, r"model='' must be a reward model's hub id or folder"),
+])
+def test_bad_reward_model_specs_are_refused_by_name(reward_model_path, spec, match):
+    if isinstance(spec, dict):
+        spec = {**spec, "name": spec["name"].replace("RM", reward_model_path),
+                "kwargs": {k: v.replace("RM", reward_model_path) if isinstance(v, str) and v == "RM" else v
+                           for k, v in spec["kwargs"].items()}}
+    with pytest.raises(ValueError, match=match):
+        build_reward_funcs([spec])
