@@ -46,6 +46,7 @@ _PUBLIC = {
     "char_fraction_reward": "lit_grpo.rollout.reward_functions",
     "OverlongPenalty": "lit_grpo.rollout.reward_functions",
     "math_reward": "lit_grpo.rollout.math_reward",
+    "RewardModel": "lit_grpo.rollout.reward_model",
     "load_model_and_tokenizer": "lit_grpo.runtime.models",
 }
 
