@@ -1,3 +1,4 @@
-"""What both halves run on: model loading (``models``), memory measurement (``memory``), processes
+"""What both halves run on: model loading (``models``), the output head in float32 (``head_precision``), memory
+measurement (``memory``), processes
 (``distributed``), checkpoint files and stopping (``checkpoints``, ``stop_signal``), argument checks
 (``validation``) and byte formatting (``sizes``)."""

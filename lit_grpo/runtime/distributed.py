@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from lit_grpo.runtime.head_precision import computes_in_float32
 from lit_grpo.runtime.memory import device_memory
 
 
@@ -233,9 +234,11 @@ class GatheredWeights(RolloutWeights):
 
 def cast_names(policy: torch.nn.Module, dtype: torch.dtype) -> list[str]:
     """The names of ``policy``'s linear weights and biases that autocast to ``dtype`` would cast (floating, in
-    another dtype); empty where there is nothing to cast (the policy is already in ``dtype``)."""
+    another dtype); empty where there is nothing to cast (the policy is already in ``dtype``). A head cast to
+    float32 (``cast_lm_head_to_fp32``) turns autocast off: its weight is not cast."""
     return [f"{prefix}.{name}" if prefix else name
-            for prefix, module in policy.named_modules(remove_duplicate=False) if isinstance(module, torch.nn.Linear)
+            for prefix, module in policy.named_modules(remove_duplicate=False)
+            if isinstance(module, torch.nn.Linear) and not computes_in_float32(module)
             for name, tensor in module.named_parameters(recurse=False)
             if tensor.is_floating_point() and tensor.dtype != dtype]
 
@@ -258,7 +261,8 @@ class CastWeights(RolloutWeights):
 
     ``module`` is a replica of the policy's modules sharing every parameter and buffer with it but what autocast
     would cast: the weights and biases of ``torch.nn.Linear`` layers (the LM head included, untied from an embedding,
-    which stays float32), its own tensors in ``dtype``, one per master weight wherever it is used. Embeddings, norms
+    which stays float32; not a head cast to float32, which computes from its master), its own tensors in ``dtype``,
+    one per master weight wherever it is used. Embeddings, norms
     and rotary buffers stay the policy's, in the dtype the trainer's forward uses, so the rollout computes what the
     trainer computes: autocast casts an already-bfloat16 weight to nothing, and the copy holds the values its cast
     would give. Leaving ``active()`` frees their storage unless ``keep`` (the engines keep CUDA graphs that read

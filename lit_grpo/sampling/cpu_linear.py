@@ -34,6 +34,7 @@ from typing import Literal, get_args
 
 import torch
 
+from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_choice, check_int
 
 CpuLinear = Literal["auto", "packed", "onednn", "torch"]
@@ -59,8 +60,8 @@ def onednn_problem(model: torch.nn.Module) -> str | None:
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
         return f"the policy is on {None if parameter is None else parameter.device}, not the CPU"
-    if parameter.dtype != torch.float32:
-        return f"the policy's weights are {str(parameter.dtype).removeprefix('torch.')}, not float32"
+    if (dtype := layers_dtype(model)) != torch.float32:  # a float32 head's weight says nothing of the layers'
+        return f"the policy's weights are {str(dtype).removeprefix('torch.')}, not float32"
     if torch.is_autocast_enabled("cpu"):
         return "CPU autocast is on (its casts apply to F.linear, not to oneDNN's op)"
     return None

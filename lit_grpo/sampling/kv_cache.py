@@ -34,6 +34,7 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
+from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.sampling.memory_budget import kv_geometry
 from lit_grpo.scheduling.base import SampleKey
 
@@ -43,11 +44,11 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape
 def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype ``model``'s keys and values come out in here, so the dtype a slot cache stores them in: the
     autocast dtype where autocast is on for the model's device (bf16-mixed with float32 weights), else the
-    weights'."""
-    parameter = next(model.parameters())
-    if torch.is_autocast_enabled(parameter.device.type):
-        return torch.get_autocast_dtype(parameter.device.type)
-    return parameter.dtype
+    layers' weights' (``layers_dtype``: not a float32 head's, nor the embedding tied to it)."""
+    device_type = next(model.parameters()).device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return layers_dtype(model)
 
 
 def cache_layers_kv(cache: DynamicCache) -> KV:

@@ -12,7 +12,9 @@ backward).
 
 Under mixed precision with float32 master weights, autocast (Lightning's keeps no cast cache) would cast the head's
 weight to bfloat16 in every chunk and again in every recomputation, a ``[V, H]`` copy each time; the chunks then go
-through ``_CastOnceHeadLogps``, which casts it once per micro-batch and gives the same log-probs and gradients.
+through ``_CastOnceHeadLogps``, which casts it once per micro-batch and gives the same log-probs and gradients. A
+head cast to float32 (``cast_lm_head_to_fp32``, lit_grpo.runtime.head_precision) computes in its weight's dtype
+whatever the autocast: nothing to cast, its chunks go through the head itself (``head_compute_dtype`` decides).
 
 The chunked path needs the output head applied to the last hidden state to BE the model's logits. That holds for
 Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits (Gemma's soft-capping,
@@ -40,6 +42,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
+from lit_grpo.runtime.head_precision import head_compute_dtype
 from lit_grpo.runtime.models import accepts
 from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
                                           shared_prefix_pays)
@@ -239,13 +242,13 @@ class _CastOnceHeadLogps(torch.autograd.Function):
 
 
 def head_cast_dtype(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype when the output head's weight is in another one (float32 master weights under
-    bf16-mixed) and ``_CastOnceHeadLogps`` can take its place: a plain bias-free ``nn.Linear`` that FSDP2 does not
-    shard (its forward would gather the weight); else None."""
-    device_type = hidden.device.type
-    if not torch.is_autocast_enabled(device_type) or type(head) is not torch.nn.Linear or head.bias is not None:
+    """The dtype the output head computes in (``head_compute_dtype``: the autocast dtype, or float32 for a head
+    cast to float32) when its weight is in another one (float32 master weights under bf16-mixed) and
+    ``_CastOnceHeadLogps`` can take its place: a plain bias-free ``nn.Linear`` that FSDP2 does not shard (its
+    forward would gather the weight); else None. A ``Float32Head``'s weight is in its compute dtype: None."""
+    if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = head_compute_dtype(head, hidden.device.type)
     return dtype if head.weight.dtype != dtype and not is_fsdp_sharded(model) else None
 
 

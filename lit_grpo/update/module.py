@@ -104,6 +104,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
+from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
@@ -147,6 +148,14 @@ class GRPOModule(LightningModule):
             LoRA its adapter's ``lora_dropout`` too): the rollout samples without dropout (eval mode), so with
             dropout on the update's log-probs are those of another, randomly thinned model. Off (default): the model
             trains with the dropout its config sets (0 in most current decoders).
+        cast_lm_head_to_fp32: the output head of the policy and the reference computes its logits in float32 from
+            float32 weights (TRL's ``cast_lm_head_to_fp32``, the ScaleRL recipe; lit_grpo.runtime.head_precision):
+            in the update's log-probs, the reference's, the rollouts and validation, under every precision (float32
+            weights under bf16-mixed, ``dtype: bfloat16``), so the sampler's log-probs and the trainer's are both
+            float32 logits' of the same weights. An input embedding tied to the head shares its float32 weight and
+            hands the layers its output in the model's dtype. Not with a LoRA adapter on the head, nor with fsdp
+            (FSDP2 gathers the head with the root's other weights in one dtype). Off (default): the head computes
+            in the model's dtype, or the autocast one.
         shared_prefix: each distinct prompt of a micro-batch goes forward and backward once, its completions
             attending to its keys and values (lit_grpo.update.shared_prefix; the same values up to float rounding):
             "auto" (default) in a micro-batch where that spares the unshared forward enough positions to pay for the
@@ -216,6 +225,7 @@ class GRPOModule(LightningModule):
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
         disable_dropout: bool = False,
+        cast_lm_head_to_fp32: bool = False,
         shared_prefix: bool | str = "auto",
         loss: LossConfig = LossConfig(),
         reference_sync: ReferenceSync | None = None,
@@ -240,9 +250,14 @@ class GRPOModule(LightningModule):
         super().__init__()
         check_text("model", model)
         for name, value in (("gradient_checkpointing", gradient_checkpointing), ("disable_dropout", disable_dropout),
+                            ("cast_lm_head_to_fp32", cast_lm_head_to_fp32),
                             ("mask_truncated_completions", mask_truncated_completions), ("fsdp", fsdp),
                             ("move_to_cpu_after_fit", move_to_cpu_after_fit)):
             check_bool(name, value)  # a string such as "false" would be truthy: the switch would be on
+        if cast_lm_head_to_fp32 and fsdp:
+            raise ValueError("cast_lm_head_to_fp32=True is not supported with fsdp=True: FSDP2 gathers the output "
+                             "head's weight with the root's other weights, in bfloat16 under bf16-mixed, so the head "
+                             "would not compute from float32 weights; set one of them to false")
         check_choice("scale_rewards", scale_rewards, SCALES)
         check_choice("multi_objective_aggregation", multi_objective_aggregation, AGGREGATIONS)
         check_choice("cpu_linear", cpu_linear, get_args(UpdateLinear))
@@ -331,12 +346,14 @@ class GRPOModule(LightningModule):
                               "train unsharded and its gradients would never be averaged over the ranks; set "
                               "model.fsdp: true (or use the ddp strategy)")
         with config_errors("model"):
-            policy, _ = load_model_and_tokenizer(hp.model, hp.dtype)
+            policy = self._load_model()
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(policy)
         if hp.peft_config:
             with config_errors("model.peft_config"):  # e.g. target_modules the model has none of
                 policy = with_lora(policy, hp.peft_config)
+                if hp.cast_lm_head_to_fp32:
+                    check_float32_head(policy)
         if hp.disable_dropout:  # after LoRA, whose adapter brings a dropout of its own
             disable_dropout(policy)
         if hp.fsdp:
@@ -348,7 +365,7 @@ class GRPOModule(LightningModule):
         usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
         self.uses_shared_prefix = hp.shared_prefix if usable else False
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
-            ref, _ = load_model_and_tokenizer(hp.model, hp.dtype)
+            ref = self._load_model()
             ref.requires_grad_(False)
             if hp.disable_dropout:
                 disable_dropout(ref)
@@ -357,6 +374,12 @@ class GRPOModule(LightningModule):
             # left in train mode, as the policy, for Lightning's check at the start of fit, which warns about every
             # module in eval mode; _reference() puts it in eval mode for each use
             self.ref_model = ref.train()
+
+    def _load_model(self) -> torch.nn.Module:
+        """The policy's (or the reference's) initial weights, with a float32 head under ``cast_lm_head_to_fp32``
+        (cast before LoRA wraps it: peft's copies of the head, ``modules_to_save``, are then float32 heads too)."""
+        model, _ = load_model_and_tokenizer(self.hparams.model, self.hparams.dtype)
+        return cast_lm_head_to_fp32(model) if self.hparams.cast_lm_head_to_fp32 else model
 
     def _fully_shard(self, model: torch.nn.Module) -> None:
         if self.device_mesh is None:
