@@ -358,9 +358,10 @@ def test_a_checkpoint_with_other_settings_names_them(tiny_checkpoint):
 
 @pytest.mark.parametrize("group, name, value, shown", [
     (None, "disable_dropout", True, "model.disable_dropout: False in the checkpoint, True now"),
+    (None, "cast_lm_head_to_fp32", True, "model.cast_lm_head_to_fp32: False in the checkpoint, True now"),
     ("loss", "top_entropy_quantile", 0.2, "model.loss.top_entropy_quantile: 1.0 in the checkpoint, 0.2 now"),
 ])
-def test_a_resume_refuses_another_dropout_or_entropy_mask_and_reads_an_older_checkpoint_as_off(
+def test_a_resume_refuses_another_dropout_head_precision_or_entropy_mask_and_reads_an_older_checkpoint_as_off(
         tmp_path, tiny_checkpoint, group, name, value, shown):
     module, data = _hparams(tiny_checkpoint)
     changed = {**module, group: {**module[group], name: value}} if group else {**module, name: value}

@@ -37,7 +37,8 @@ SWAP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<kind>staging|replaced)$")
 #: dataclass or a mapping) is compared field by field.
 RESUME_SETTINGS = {
     "hyper_parameters": ("model", "dtype", "peft_config", "loss", "scale_rewards", "multi_objective_aggregation",
-                         "sampler_correction", "mask_truncated_completions", "disable_dropout"),
+                         "sampler_correction", "mask_truncated_completions", "disable_dropout",
+                         "cast_lm_head_to_fp32"),
     "datamodule_hyper_parameters": ("sampling.group_size",),
 }
 #: The file of a sharded checkpoint's folder that holds everything but the weights and optimizer states
