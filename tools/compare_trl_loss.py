@@ -38,6 +38,12 @@ entropies. Static: ``entropy_coef`` 0.05. Adaptive (``use_adaptive_entropy``, a 
 entropies): two optimizer steps on one stand-in TRL trainer and one ``EntropyControl``, the first without the bonus
 (no entropy measured yet), the second gated by the first's; the row also reports the coefficient and the last
 entropy after each step (TRL's ``entropy_coef`` and ``_last_world_entropy``) and the logged ``entropy_coef``.
+
+The float32 head (``cast_lm_head_to_fp32``) is compared on a model: tiny-llama, untied and tied, as a bfloat16 model
+and in float32 under bf16 autocast (bf16-mixed). TRL's side casts its head with the ``_cast_lm_head_to_fp32`` block
+of ``GRPOTrainer.__init__``, run from its source, and scores tokens with its fused head (``add_fused_lm_head``); ours
+with ``cast_lm_head_to_fp32`` and ``completion_logps``. A row reports the log-probs and their gradient w.r.t. the
+head's (float32) weight; both compute in float32 whatever ``--dtype``.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ import torch
 
 from lit_grpo.rollout.advantages import group_advantages, normalize_then_sum_advantages
 from lit_grpo.rollout.metrics import loggable
+from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32
+from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
+from lit_grpo.update.logprobs import completion_logps
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.loss_config import CLIP_LOSSES
 from lit_grpo.update.policy_losses import make_loss
@@ -404,6 +413,77 @@ def compare_entropy_bonus(dtype: torch.dtype) -> list[dict]:
     return records
 
 
+# ------------------------------------------------------------------------------------------------ float32 head
+HEAD_PRECISIONS, HEAD_TEMPERATURE = ("bf16-model", "bf16-mixed"), 0.7
+
+
+def trl_cast_lm_head():
+    """TRL's ``_cast_lm_head_to_fp32(model)``: its block of ``GRPOTrainer.__init__``, run from the source."""
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer.__init__)
+    block = textwrap.dedent(trl_block(source, "def _cast_lm_head_to_fp32", "_cast_lm_head_to_fp32(model)"))
+    namespace = dict(vars(grpo_trainer))
+    exec(block, namespace)
+    return namespace["_cast_lm_head_to_fp32"]
+
+
+def head_model(precision: str, tied: bool) -> torch.nn.Module:
+    """tiny-llama in bfloat16 (bf16-model) or float32 (bf16-mixed), its head tied to its embedding when ``tied``."""
+    model, _ = load_model_and_tokenizer("tiny-llama", "bfloat16" if precision == "bf16-model" else None)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.config.tie_word_embeddings = True  # what TRL reads to keep the embedding's output in the model's dtype
+    return model.train()
+
+
+def head_logps(model: torch.nn.Module, inputs: dict, precision: str, trl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, T]`` completion log-probs (TRL's: 0 on the prompt, not on the completions' padding) under bf16 autocast
+    for bf16-mixed, and their weighted sum's gradient w.r.t. the head's weight."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=precision == "bf16-mixed"):
+        if trl:
+            labels = inputs["input_ids"].masked_fill(~inputs["label_mask"], -100)
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                        fused_lm_head=True)
+            logps = out.log_probs[:, -inputs["completion_ids"].shape[1]:]
+        else:
+            logps, _ = completion_logps(model, inputs, HEAD_TEMPERATURE)
+    (logps * inputs["weights"]).sum().backward()
+    return logps.detach().double(), model.lm_head.weight.grad.double()
+
+
+def compare_lm_head() -> list[dict]:
+    """Ours against TRL's with ``cast_lm_head_to_fp32``, per precision and tie (module docstring)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    records = []
+    for precision, tied in itertools.product(HEAD_PRECISIONS, (False, True)):
+        ours, theirs = head_model(precision, tied), head_model(precision, tied)
+        cast_lm_head_to_fp32(ours)
+        trl_cast_lm_head()(theirs)
+        add_fused_lm_head(theirs, temperature=HEAD_TEMPERATURE, cast_lm_head_to_fp32=True)
+        worst = {"logps": 0.0, "head_grad": 0.0}
+        for seed, (n, t) in enumerate(SHAPES):
+            g = torch.Generator().manual_seed(seed)
+            prompt = torch.randint(3, ours.config.vocab_size, (n, 5), generator=g)
+            completion = torch.randint(3, ours.config.vocab_size, (n, t), generator=g)
+            mask = torch.ones(n, t, dtype=torch.long)
+            mask[0, t // 2:] = 0  # one completion ends early (right padding)
+            ids = torch.cat([prompt, completion], 1)
+            attention = torch.cat([torch.ones_like(prompt), mask], 1)
+            inputs = {"input_ids": ids, "attention_mask": attention, "completion_ids": completion,
+                      "completion_mask": mask, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                      "label_mask": torch.cat([torch.zeros_like(prompt), mask], 1).bool(),
+                      "weights": torch.rand(n, t, generator=g) * mask}
+            got, got_grad = head_logps(ours, inputs, precision, trl=False)
+            want, want_grad = head_logps(theirs, inputs, precision, trl=True)
+            worst["logps"] = max(worst["logps"], float((got - want * mask).abs().max()))
+            worst["head_grad"] = max(worst["head_grad"], float((got_grad - want_grad).abs().max()))
+        records.append({"precision": precision, "tied": tied, **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
+    return records
+
+
 # ------------------------------------------------------------------------------------------------ main
 def compare(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
@@ -489,8 +569,16 @@ def main(argv: list[str] | None = None) -> int:
               + ("  MISMATCH" if diff > args.tolerance else ""))
     entropy = compare_entropy_bonus(getattr(torch, args.dtype))
     bad += print_entropy_bonus(entropy, args.tolerance)
+    head = compare_lm_head()
+    for r in head:
+        diffs = (r["max_abs_diff_logps"], r["max_abs_diff_head_grad"])
+        flag = any(d > args.tolerance for d in diffs)
+        bad += flag
+        print(f"cast_lm_head_to_fp32, {r['precision']}, {'tied' if r['tied'] else 'untied'}: max |ours - TRL| "
+              f"log-probs {diffs[0]:.1e}, head gradient {diffs[1]:.1e}" + ("  MISMATCH" if flag else ""))
     harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records,
-                                   "max_abs_diff_advantages": advantages, "entropy_bonus": entropy}, indent=1)
+                                   "max_abs_diff_advantages": advantages, "entropy_bonus": entropy,
+                                   "cast_lm_head_to_fp32": head}, indent=1)
     return 1 if bad else 0
 
 
