@@ -224,3 +224,22 @@ def test_partial_rollouts_under_normalize_then_sum_score_the_groups_returned(tin
         expected = normalize_then_sum_advantages(values, torch.tensor([0.1, 1.0])).float()
         torch.testing.assert_close(batch.advantages, expected)
     assert carried_some, "the test needs carried groups"
+
+
+def test_carried_groups_that_fill_the_rollout_alone_run_without_fresh_ones(tiny64):
+    """A checkpoint of a run with more over-provision (here 2 carried groups, resumed at over_provision 1.0 and B
+    2): the carried groups make up the rollout, no prompt is drawn, and the step trains on them."""
+    from lit_grpo.rollout.builder import RolloutBuilder, _Carry
+    from lit_grpo.rollout.rewards import build_reward_funcs
+    from lit_grpo.sampling import GroupProgress, SampleProgress, SamplingConfig
+
+    model, tokenizer = tiny64
+    draw = _Draws(tokenizer)
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=1)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2)
+    carried = draw(2)
+    builder.carried = [GroupProgress(p.ids, [SampleProgress() for _ in range(4)], (0, i), tag=_Carry(p))
+                       for i, p in enumerate(carried)]
+    batch = builder.build_train(draw)
+    assert batch.indices == [p.index for p in carried]
+    assert len(draw.drawn) == 2 and builder.carried == []

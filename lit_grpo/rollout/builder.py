@@ -388,7 +388,10 @@ class RolloutBuilder:
                                               self.max_staleness)
         fresh = draw(wanted) if wanted else []
         with self.generation_mode():
-            groups = carried + engine.new_groups([p.ids for p in fresh], tags=[_Carry(p) for p in fresh])
+            # carried groups may fill the rollout alone (a checkpoint of a run with more over-provision or more
+            # groups per step): no fresh group then, and new_groups refuses an empty list
+            fresh_groups = engine.new_groups([p.ids for p in fresh], tags=[_Carry(p) for p in fresh]) if fresh else []
+            groups = carried + fresh_groups
             result = engine.generate_groups(groups, complete=B, finish=finish)
         self.carried = [replace(g, tag=replace(g.tag, steps=g.tag.steps + 1)) for g in result.carried]
         return self._score(engine, [tag.prompt for tag in result.tags], result)
