@@ -97,6 +97,35 @@ def test_bad_partial_arguments_are_named(tiny64):
         engine.new_groups([tokenizer("hi")["input_ids"]], lengths=[[2.9, True, 3, 3]])
 
 
+def test_carried_progress_this_rollout_cannot_continue_is_refused_naming_the_sample(tiny64):
+    """A sample carried unfinished at or past this engine's cap (a checkpoint of a run with a higher
+    max_new_tokens) drew one token more, past the cap, or failed to index its slot's row; other malformed progress
+    failed later or returned lists out of step."""
+    from lit_grpo.sampling import GroupProgress, SampleProgress
+
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=3, seed=7)
+    short, long = (tokenizer(t)["input_ids"] for t in PROMPTS[2:0:-1])  # the long prompt widens every row
+
+    def run(sample):
+        carried = GroupProgress(short, [sample, SampleProgress()], (0, 0))
+        return engine.generate_groups([carried, *engine.new_groups([long])])
+
+    for n in (3, 5):
+        with pytest.raises(ValueError, match=rf"group 0, sample 0 is unfinished with {n} tokens, but a sample of "
+                                             r"this rollout ends at 3 \(max_new_tokens=3"):
+            run(SampleProgress([5] * n, [-1.0] * n, [0] * n))
+    eos = engine.eos_token_ids[0]
+    for sample, match in [(SampleProgress([eos, 5], [-1.0] * 2, [0] * 2), rf"hold the stop tokens \[{eos}\]"),
+                          (SampleProgress([5, 6], [-1.0], [0, 0]), "holds 2 tokens, 1 log-probs and 2 versions"),
+                          (SampleProgress(done=True), "is done without a token")]:
+        with pytest.raises(ValueError, match=match):
+            run(sample)
+    result = run(SampleProgress([5, 6], [-1.0] * 2, [0] * 2))  # two of three: one more token, truncated
+    assert len(result.completion_ids[0][0]) == 3 and result.completion_ids[0][0][:2] == [5, 6]
+
+
 def test_a_group_carried_complete_is_observed_by_the_gate_once(tiny64):
     """Two groups complete in the step where one is wanted: the second is carried, already whole, and returned
     by the next call; the preemption gate learns each group's lengths once."""

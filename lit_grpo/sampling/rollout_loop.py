@@ -59,6 +59,7 @@ class RolloutLoop:
         self.groups = [GroupProgress(g.prompt_ids, [_copy(s) for s in g.samples], g.stream, g.forced_lengths, g.tag,
                                      g.forced_tokens) for g in groups]
         _check_replay(self.groups)
+        _check_progress(self.groups, settings.max_new_tokens, settings.eos_token_ids)
         self.complete = len(groups) if complete is None else complete
         self.must_finish = finish
         self.G = settings.group_size
@@ -366,6 +367,31 @@ def _check_replay(groups: list[GroupProgress]) -> None:
                 not 0 < n <= size for n, size in zip(g.forced_lengths, sizes)):
             raise ValueError(f"group {p}: forced_lengths {g.forced_lengths} must give each replayed sample a length "
                              f"in [1, its recorded tokens]; the recorded tokens have {sizes}")
+
+
+def _check_progress(groups: list[GroupProgress], cap: int, eos: frozenset[int]) -> None:
+    """Every sample's progress (carried from an earlier call, or a checkpoint) is one this rollout can continue: a
+    log-prob and a version per token, tokens in a finished sample, and in an unfinished one fewer tokens than it may
+    have and no stop token. A carried sample at or past the cap (a checkpoint of a run with a higher
+    ``max_new_tokens``) would otherwise draw a token more, or write past its slot's row."""
+    for p, group in enumerate(groups):
+        for k, sample in enumerate(group.samples):
+            n, where = len(sample.tokens), f"group {p}, sample {k}"
+            if len(sample.logprobs) != n or len(sample.versions) != n:
+                raise ValueError(f"{where} holds {n} tokens, {len(sample.logprobs)} log-probs and "
+                                 f"{len(sample.versions)} versions; a sample's progress has one of each per token")
+            if sample.done and not n:
+                raise ValueError(f"{where} is done without a token; a finished sample holds its tokens")
+            if sample.done:
+                continue
+            limit = _limit(group, k, cap)
+            if n >= limit:
+                raise ValueError(f"{where} is unfinished with {n} tokens, but a sample of this rollout ends at {limit} "
+                                 f"(max_new_tokens={cap}, or its replayed length): continue it with max_new_tokens "
+                                 f"> {n}")
+            if stops := sorted(eos.intersection(sample.tokens)):
+                raise ValueError(f"{where} is unfinished but its tokens hold the stop tokens {stops}; a sample ends "
+                                 "at its first stop token")
 
 
 def _limit(group: GroupProgress, k: int, cap: int) -> int:
