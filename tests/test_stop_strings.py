@@ -106,6 +106,21 @@ def test_the_window_holds_a_string_the_newest_token_completes():
     assert stop.ended([]) == []
 
 
+
+def test_special_tokens_among_a_strings_tokens_do_not_hide_it():
+    """Special tokens hold no text (the decoding skips them): between a string's tokens they pushed its first ones
+    out of the window of the last few tokens, and the sample ran on past the string."""
+    _, tokenizer = load_model_and_tokenizer("tiny-llama")
+    ids = tokenizer("Answer: 4 2x", add_special_tokens=False)["input_ids"]
+    specials = [t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id]
+    assert specials and tokenizer.decode(specials, skip_special_tokens=True) == ""
+    stop = StopStrings(tokenizer, ["4 2"])
+    ids = ids[:-2] + specials * 3 + ids[-2:]  # " 4", the special tokens, " 2", "x"
+    holds = ["4 2" in tokenizer.decode(ids[:t], skip_special_tokens=True) for t in range(1, len(ids) + 1)]
+    first = holds.index(True) + 1
+    assert first - 1 - ids.index(specials[0]) > stop.window  # the string's tokens are farther apart than the window
+    assert stop.ended([ids[:t] for t in range(1, first + 1)]) == holds[:first]
+
 @pytest.mark.parametrize("value", ["</answer>", [""], ["ok", 3], None])
 def test_bad_stop_strings_name_the_value(value):
     with pytest.raises(ValueError, match=r"sampling.stop_strings=.* must be a list of non-empty strings"):

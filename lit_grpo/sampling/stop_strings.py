@@ -2,12 +2,13 @@
 ``stop_strings``, TRL's ``generation_kwargs``).
 
 The check runs on the host after each decode step, where the step's tokens already are, on the text of each row's
-last few tokens only: a string of ``n`` UTF-8 bytes spans at most ``n`` tokens (every token holds a byte or more), so
-the text of the last ``n + 1`` tokens holds it whenever the newest token completes it (the one token more keeps it
-off the window's first token, whose leading space some tokenizers drop); and since the check runs after every
-token, the first time it holds the string is the token that completed it. The text is decoded as the reward
-functions' is (special tokens skipped). Only rows whose newest token could complete a string are decoded: its own
-text holds a string's last character, or part of one (an incomplete UTF-8 sequence), learnt once per token id.
+last few tokens only: a string of ``n`` UTF-8 bytes spans at most ``n`` tokens that hold text (a special token, which
+the decoding skips, holds none; every other a byte or more), so the text from the last ``n + 1`` such tokens holds it
+whenever the newest token completes it (the one token more keeps it off the window's first token, whose leading
+space some tokenizers drop); and since the check runs after every token, the first time it holds the string is the
+token that completed it. The text is decoded as the reward functions' is (special tokens skipped). Only rows whose
+newest token could complete a string are decoded: its own text holds a string's last character, or part of one (an
+incomplete UTF-8 sequence), learnt once per token id.
 
 The completion keeps that token (its text may run a few characters past the string) and the string itself, as
 transformers' does: the tokens trained on are the tokens sampled, and the reward functions see their text.
@@ -36,9 +37,11 @@ class StopStrings:
         # a token decoded alone may lose its leading space (SentencePiece): a string ending in one checks every row
         self._check_all = any(c.isspace() for c in self._last_chars)
         self._may_complete: dict[int, bool] = {}  # token id -> its text could complete a string
+        self._holds_text: dict[int, bool] = {}  # token id -> it decodes to some text (a special token does not)
 
     def ended(self, completions: Sequence[Sequence[int]]) -> list[bool]:
-        """``[N]``: each completion's text ends its sample (holds a stop string in its last ``window`` tokens).
+        """``[N]``: each completion's text ends its sample (holds a stop string in its last ``window`` tokens
+        that hold text).
 
         Args:
             completions: ``[N][T_i]`` token ids so far, each checked after every token it gained.
@@ -46,11 +49,23 @@ class StopStrings:
         rows = [i for i, ids in enumerate(completions) if ids and self._could_complete(ids[-1])]
         ended = [False] * len(completions)
         if rows:
-            texts = self.tokenizer.batch_decode([list(completions[i][-self.window:]) for i in rows],
-                                                skip_special_tokens=True)
+            texts = self.tokenizer.batch_decode([list(completions[i][self._window_start(completions[i]):])
+                                                 for i in rows], skip_special_tokens=True)
             for i, text in zip(rows, texts):
                 ended[i] = any(s in text for s in self.strings)
         return ended
+
+    def _window_start(self, ids: Sequence[int]) -> int:
+        """Where the window of ``ids`` starts: at its ``window``-th last token that holds text (or its first token),
+        so that the special tokens among the last ones do not push a string's first tokens out of it."""
+        start, held = len(ids), 0
+        while start > 0 and held < self.window:
+            start -= 1
+            token = ids[start]
+            if token not in self._holds_text:
+                self._holds_text[token] = self.tokenizer.decode([token], skip_special_tokens=True) != ""
+            held += self._holds_text[token]
+        return start
 
     def _could_complete(self, token: int) -> bool:
         known = self._may_complete.get(token)
