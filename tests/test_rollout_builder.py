@@ -67,6 +67,19 @@ def test_validation_engines_run_their_step_as_the_training_engine_does(policy):
         1.0, 1.2)
 
 
+def test_sampled_validation_takes_its_own_seed_whatever_the_training_seed(policy):
+    """A training seed near the top of the range (valid for training) made sampled validation's seed, offset from it,
+    fall out of the range: its engine failed to build at the first validation."""
+    from lit_grpo.rollout.builder import VAL_SEED_OFFSET
+    from lit_grpo.runtime.validation import SEED_MAX
+
+    model, tokenizer = policy
+    for seed in (1, SEED_MAX):
+        sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4, seed=seed)
+        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), val_num_samples=2)
+        assert builder.engine.seed == seed
+        assert builder.val_sampled_engine.seed == (seed + VAL_SEED_OFFSET) % (SEED_MAX + 1) != seed
+
 def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)

@@ -39,7 +39,7 @@ from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metri
 from lit_grpo.rollout.rewards import TrainerState, WeightedReward, correctness_reward, score_rewards
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.validation import check_choice, check_int
+from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
@@ -48,6 +48,12 @@ from lit_grpo.sampling.stats import merge_stats
 
 #: Added to ``sampling.seed`` for sampled validation, so that its draws never repeat a training rollout's.
 VAL_SEED_OFFSET = 1_000_003
+
+
+def val_seed(seed: int) -> int:
+    """Sampled validation's seed: ``seed + VAL_SEED_OFFSET``, wrapped into the seeds' range ``[0, SEED_MAX]`` (the
+    random streams read 32 bits of it), so that a training seed near the top of the range is a valid one too."""
+    return (seed + VAL_SEED_OFFSET) % (SEED_MAX + 1)
 
 
 @dataclass(frozen=True)
@@ -108,10 +114,10 @@ class RolloutBuilder:
         val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
         val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
-            (``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and restart at every
-            validation, so a prompt's k draws depend on the seed and that index only (not on the batch or the rank
-            it falls in): the same policy gets the same draws in any run, a resumed one included, and the
-            training engine's state is never touched.
+            (``val_seed``: ``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and
+            restart at every validation, so a prompt's k draws depend on the seed and that index only (not on the
+            batch or the rank it falls in): the same policy gets the same draws in any run, a resumed one included,
+            and the training engine's state is never touched.
         world_size: ranks; ``all_gather(tensor) -> [world_size, *tensor.shape]`` is needed when it is > 1 and
             the advantages' statistics span the batch (``scale_rewards="batch"`` or "normalize_then_sum").
         rank: this process's rank among them. The training engine's streams are keyed by the rollout and the
@@ -239,7 +245,7 @@ class RolloutBuilder:
                                     temperature=self.val_temperature, top_p=self.sampling.top_p,
                                     top_k=self.sampling.top_k, min_p=self.sampling.min_p,
                                     repetition_penalty=self.sampling.repetition_penalty,
-                                    stop_strings=self.sampling.stop_strings, seed=self.sampling.seed + VAL_SEED_OFFSET,
+                                    stop_strings=self.sampling.stop_strings, seed=val_seed(self.sampling.seed),
                                     **self._step_options())
             self._val_sampled_engine = self._new_engine(config)
         return self._val_sampled_engine
