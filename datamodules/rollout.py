@@ -47,6 +47,7 @@ from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollo
 from lit_grpo.rollout.slot_memory import check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
+from lit_grpo.sampling.config import MIN_TEMPERATURE
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
@@ -272,7 +273,7 @@ class RolloutDataModule(LightningDataModule):
         check_choice("curriculum", curriculum, CURRICULA)
         if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
-        check_real("val_temperature", val_temperature, low=0, low_open=True)
+        check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset"])
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints

@@ -395,7 +395,9 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
     (dict(micro_group_size=0), "micro_group_size=0"),
     (dict(strategy="beam"), "strategy='beam'"),
     (dict(temperature=-0.5), "temperature=-0.5"),
-    (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+    (dict(temperature=float("inf")), r"temperature=inf must be 0 \(greedy\) or a finite number >= 1e-05"),
+    (dict(temperature=1e-40), r"temperature=1e-40 must be 0 \(greedy\) or a finite number >= 1e-05 \(below it the "
+                              r"logits divided by it overflow\)"),
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),

@@ -76,6 +76,8 @@ def test_one_sample_validates_greedily_only(module):
         make(module, val_num_samples=0)
     with pytest.raises(ValueError, match="val_temperature"):
         make(module, val_temperature=0.0)
+    with pytest.raises(ValueError, match=r"val_temperature must be a finite number >= 1e-05"):
+        make(module, val_temperature=1e-9)  # below the engine's smallest temperature: refused when built
 
 
 def test_validate_logs_mean_and_pass_at_k(module):

@@ -27,6 +27,8 @@ from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfi
 
 Strategy = Literal["full", "micro", "continuous", "infinite"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+#: The smallest sampling temperature above 0 (vLLM's sampling epsilon): the logits are divided by it.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,9 @@ class SamplingConfig:
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         check_choice("sampling.decode_attention", self.decode_attention, DECODE_KERNELS)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-                not 0 <= self.temperature < math.inf:
-            raise ValueError(f"sampling.temperature={self.temperature!r} must be a finite number >= 0 (0 means "
-                             "greedy)")
+                not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"sampling.temperature={self.temperature!r} must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE:g} (below it the logits divided by it overflow)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
         check_int("sampling.top_k", self.top_k, 0)
