@@ -344,6 +344,9 @@ def test_a_reasoning_gym_task_without_gold_answers_is_scored_by_accuracy_not_mat
 
 @pytest.mark.parametrize("fn", [lambda completions, **kwargs: [0.0] * len(completions),  # TRL's signature
                                 lambda completions, answer, **kwargs: [0.0] * len(completions),
+                                # TRL's accuracy_reward: by position its completions would be the prompts
+                                lambda completions, solution, **kwargs: [0.0] * len(completions),
+                                lambda completions, prompts, **kwargs: [0.0] * len(completions),
                                 lambda prompts, completions: [0.0] * len(completions),  # no room for the columns
                                 lambda prompts, **kwargs: [0.0] * len(prompts)])
 def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(fn):

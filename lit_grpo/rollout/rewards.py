@@ -138,7 +138,7 @@ class WeightedReward:
 
 def check_reward_call(fn: RewardFn, name: str) -> None:
     """Refuse a function that ``fn(prompts, completions, **columns)`` cannot call as meant: fewer than two
-    positional parameters, a column (``answer``, ...) or ``completions`` out of its place among them, or no
+    positional parameters, a column (``answer``, ...) or ``prompts`` / ``completions`` out of its place, or no
     ``**kwargs`` for the columns (every call passes them all, and the row's own fields). TRL's
     reward functions take ``completions`` first (``def f(completions, **kwargs)``): said before a model loads."""
     try:
@@ -150,8 +150,11 @@ def check_reward_call(fn: RewardFn, name: str) -> None:
     first_two = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     names = [p.name for p in parameters]
     takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters)  # the columns and every field of the row
-    if len(first_two) < 2 or set(first_two) & set(COLUMNS) or not takes_columns or (
-            "completions" in names and "completions" not in first_two):
+    # a parameter named prompts or completions elsewhere would get the other list, or a column, by position:
+    # TRL's def f(completions, solution, **kwargs) would score the prompts
+    misplaced = any(name in names and first_two[index:index + 1] != [name]
+                    for index, name in enumerate(("prompts", "completions")))
+    if len(first_two) < 2 or set(first_two) & set(COLUMNS) or not takes_columns or misplaced:
         raise ValueError(f"reward function {name!r} has the signature {inspect.signature(fn)}, but lit_grpo calls "
                          "fn(prompts, completions, **columns): prompts and completions first, by position, then "
                          f"the columns ({', '.join(COLUMNS)} and the row's fields) by name; write it as "
