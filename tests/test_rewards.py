@@ -372,6 +372,24 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
     assert [r.name for r in build_reward_funcs(None)] == ["accuracy"]
 
 
+def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(tmp_path, monkeypatch):
+    """A syntax error or an exception in the module's own code is a setting's error naming the function, the
+    error and where, as a missing module is, not a traceback."""
+    (tmp_path / "typo_rewards.py").write_text("def f(prompts, completions, **kwargs)\n    return [0.0]\n")
+    (tmp_path / "keyless_rewards.py").write_text("import os\n\nraise RuntimeError('set JUDGE_KEY')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward function 'typo_rewards:f' cannot be imported: its module "
+                                         r"'typo_rewards' raised SyntaxError: expected ':' \(.*typo_rewards.py, "
+                                         r"line 1\)"):
+        build_reward_funcs(["typo_rewards:f"])
+    with pytest.raises(ValueError, match=r"reward function 'keyless_rewards:f' cannot be imported: its module "
+                                         r"'keyless_rewards' raised RuntimeError: set JUDGE_KEY "
+                                         r"\(.*keyless_rewards.py, line 3\)"):
+        build_reward_funcs([{"name": "keyless_rewards:f"}])
+    with pytest.raises(ValueError, match=r"'no_such_rewards_module:f' cannot be imported \(No module named"):
+        build_reward_funcs(["no_such_rewards_module:f"])
+
+
 def test_reward_functions_of_the_documented_shapes_are_accepted():
     import functools
 

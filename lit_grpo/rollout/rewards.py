@@ -54,6 +54,7 @@ import importlib
 import inspect
 import math
 import numbers
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
@@ -167,6 +168,16 @@ def reward_name(fn: Any) -> str:
     return name[: -len("_reward")] if name.endswith("_reward") and len(name) > len("_reward") else name
 
 
+def import_failure(err: Exception) -> str:
+    """An error a module raised while it was imported, with where in the user's code: a syntax error's line, else
+    the innermost frame outside the import machinery (the traceback itself is not shown)."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{type(err).__name__}: {err.msg} ({err.filename}, line {err.lineno})"
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
 def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     if name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
@@ -175,8 +186,16 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     elif ":" in name or "." in name:
         module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
         try:
-            target = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
+                             f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+        except Exception as err:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
+            raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
+                             f"{import_failure(err)}") from err
+        try:
+            target = getattr(module, attr)
+        except AttributeError as err:
             raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
                              f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
     else:
