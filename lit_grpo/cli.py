@@ -650,10 +650,20 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     return GRPOCLI(GRPOModule, RolloutDataModule, **kwargs)
 
 
+def import_from_working_folder() -> None:
+    """Make the working folder's modules importable, so that a config can name the user's own reward function
+    (``my_rewards:fn``) or callback next to it, as under ``python -m lit_grpo.cli`` or a ``python train.py``: a
+    console script's ``sys.path`` holds its own folder instead. Appended: an installed package keeps its name."""
+    folder = os.getcwd()
+    if not any(entry in ("", folder) or os.path.abspath(entry) == folder for entry in sys.path):
+        sys.path.append(folder)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lit-grpo``; ``args`` defaults to ``sys.argv[1:]``. ``export`` is not a Trainer method, so
     it has its own parser (lit_grpo.export); the rest is the LightningCLI. Under several processes an error ends
     this rank at once, naming it and the run's first failure (``lit_grpo.runtime.rank_failure``)."""
+    import_from_working_folder()
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
         from lit_grpo.export import main as export_main

@@ -103,6 +103,20 @@ def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_funct
                      r"data\.on_reward_error: skip_group", report), report
 
 
+def test_a_reward_function_in_the_working_folder_is_found_as_by_python_m(tmp_path, monkeypatch, capsys):
+    """``lit-grpo`` is a console script, whose sys.path lacks the working folder: ``my_rewards:fn`` beside the
+    config is imported all the same (the run here then stops at a later setting, which names itself)."""
+    (tmp_path / "folder_rewards.py").write_text("def length(prompts, completions, **kwargs):\n"
+                                                "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.abspath(p) != str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, "--trainer.logger", "false", "--data.reward_funcs", "[folder_rewards:length]",
+              "--data.accuracy_reward", "math"])
+    err = capsys.readouterr().err
+    assert "error: data.accuracy_reward='math' is not one of the reward functions' names ['length']" in err, err
+
+
 def test_a_reward_function_that_fails_only_on_the_whole_batch_is_not_told_to_skip_groups(capsys):
     """Each group alone scores fine: skip_group would end the run the same way (it already did, here)."""
     from lit_grpo.cli import _exit_on_reward_error
