@@ -42,7 +42,7 @@ from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs,
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, build_reward_funcs,
-                                      check_gold_answers, correctness_reward)
+                                      check_gold_answers, check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.rollout.slot_memory import check_slot_budget
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
@@ -433,6 +433,7 @@ class RolloutDataModule(LightningDataModule):
                                     self.inline_prompts, self.dataset, self.prompt_column, self.answer_column,
                                     self.split)
             check_gold_answers(self.reward_funcs, examples, self._answer_source(examples))
+            check_row_fields(examples, self._prompt_source())
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         self._train_fingerprint = prompt_set_fingerprint([examples[i] for i in self.train_indices])
@@ -459,6 +460,14 @@ class RolloutDataModule(LightningDataModule):
         if "sampler" in self._pending_state:
             self._load_sampler_state(self._pending_state.pop("sampler"))
         self._render_prompts()
+
+    def _prompt_source(self) -> str:
+        """The setting the prompts come from, as a user sets it (for ``check_row_fields``' message)."""
+        if self.jsonl_path is not None:
+            return f"data.jsonl_path={self.jsonl_path!r}"
+        if self.dataset is not None:
+            return f"data.dataset={self.hparams['dataset']!r}"
+        return "data.prompts" if self.inline_prompts is not None else f"data.task={self.task!r}"
 
     def _answer_source(self, examples: Sequence[PromptExample]) -> str:
         """Where the prompts' gold answers come from, as a user sets it (for ``check_gold_answers``' message)."""

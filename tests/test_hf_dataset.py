@@ -108,6 +108,36 @@ def test_datamodule_streams_a_dataset_object_and_rewards_see_every_column(table)
     assert batch.reward_components["math"].shape == (2, 2)  # the math reward scored every completion
 
 
+def test_a_column_named_question_reaches_the_rewards_and_one_named_as_lit_grpos_own_is_refused():
+    """As TRL: every column but "prompt" is a keyword of the reward call, "question" included where it is not the
+    prompt. A column named as an argument lit_grpo passes itself would be replaced by it unseen: refused."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    seen = {}
+
+    def spy(prompts, completions, **columns):
+        seen.update(columns)
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "question": f"{i} + 1"} for i in range(6)]
+    sampling = {"group_size": 2, "micro_group_size": 2, "strategy": "continuous", "max_new_tokens": 2}
+    dm = RolloutDataModule(dataset=datasets.Dataset.from_list(rows), val_size=2, prompts_per_step=2,
+                           reward_funcs=[spy], sampling=sampling)
+    dm.attach(model, tokenizer)
+    dm.setup("fit")
+    batch = dm.build_train_batch()
+    assert seen["question"] == [rows[i]["question"] for i in batch.indices for _ in range(2)]
+    assert "prompt" not in seen
+    for field in ("truncated", "completions"):
+        clashing = datasets.Dataset.from_list([{**row, field: 1} for row in rows])
+        dm = RolloutDataModule(dataset=clashing, val_size=2, prompts_per_step=2, reward_funcs=[spy],
+                               sampling=sampling)
+        dm.attach(model, tokenizer)
+        with pytest.raises(ValueError, match=rf"data.dataset=.<datasets.Dataset: 6 rows.*.: row 0 has the fields "
+                                             rf"\['{field}'\], which are names the reward functions get from "
+                                             r"lit_grpo itself .*; rename those fields"):
+            dm.setup("fit")
+
+
 def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
     path = str(_write(table, tmp_path, "parquet"))
     with pytest.raises(ValueError, match=r"'/nowhere/set.parquet' does not exist .*the Hub is not used"):

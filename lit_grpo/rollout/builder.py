@@ -424,7 +424,8 @@ class RolloutBuilder:
             "truncated": [t for group in result.truncated for t in group],
             "max_new_tokens": [engine.max_new_tokens] * (len(examples) * G),
         }
-        for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt", "question"}):
+        # every field of the row but "prompt", whose value the prompts argument holds (TRL drops it alike)
+        for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt"}):
             columns[key] = repeat([e.entry.get(key) for e in examples])
         scores = score_rewards(self.reward_funcs, repeat([e.prompt for e in examples]),
                                [t for group in texts for t in group], columns, group_size=G,

@@ -8,8 +8,9 @@ Protocol (as in TRL)::
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
 of the same length: ``answer`` (the gold answer or None), ``entry`` (the prompt's source row: for reasoning-gym the
 dataset entry with ``question``, ``answer``, ``metadata``), ``completion_ids``, ``completion_length`` (tokens),
-``truncated`` (hit the length cap), ``max_new_tokens``, plus every extra field of a JSONL row. Take ``**kwargs``
-and ignore what you do not need.
+``truncated`` (hit the length cap), ``max_new_tokens``, plus every field of the prompt's row but ``prompt`` (a JSONL
+row's, a dataset's columns; ``check_row_fields`` refuses one named as an argument above). Take ``**kwargs`` and
+ignore what you do not need.
 
 Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``), under
 TRL's name and with its fields' meaning, for rewards shaped by training progress, and TRL's ``log_metric(name,
@@ -269,6 +270,18 @@ def check_gold_answers(reward_funcs: Sequence[WeightedReward], examples: Sequenc
     if names:
         raise ValueError(f"the reward functions {names} score against a gold answer, but none of the {len(examples)} "
                          f"prompts has one ({source}); give the answers, or drop those reward functions")
+
+
+def check_row_fields(examples: Sequence[Any], source: str) -> None:
+    """Refuse prompts (``PromptExample``) with a field named as an argument every reward call passes itself
+    (``prompts``, ``completions``, ``trainer_state`` and the ``COLUMNS`` but ``answer``, which is the gold answer
+    by design): the call's value would replace the row's without a word, or collide with it. ``source`` names
+    where the prompts come from, for the message."""
+    taken = {"prompts", "completions", "trainer_state", *COLUMNS} - {"answer"}
+    for index, example in enumerate(examples):
+        if clash := sorted(taken & set(example.entry)):
+            raise ValueError(f"{source}: row {index} has the fields {clash}, which are names the reward functions "
+                             f"get from lit_grpo itself ({', '.join(sorted(taken))}); rename those fields")
 
 
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
