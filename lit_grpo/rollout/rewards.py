@@ -1,8 +1,10 @@
 """Reward functions and how several are combined.
 
-Protocol (as in TRL)::
+Protocol (TRL's for a plain-text prompt, called by position)::
 
     reward_fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+For a chat prompt too, ``prompts`` are the user message's text and ``completions`` text (TRL passes message lists).
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
