@@ -579,7 +579,13 @@ _UNKNOWN_KEY = re.compile(r"(?:Group '([\w.]+)'|Subcommand '\w+') does not accep
 #: TRL GRPOConfig's names of settings lit_grpo names otherwise (docs/training.md maps them all).
 TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_length": "data.sampling.max_new_tokens",
              "learning_rate": "model.lr", "per_device_train_batch_size": "model.train_micro_batch_size",
-             "epsilon": "model.loss.epsilon_low"}
+             "epsilon": "model.loss.epsilon_low", "use_bias_correction_kl": "model.loss.kl_bias_correction",
+             "reward_weights": "data.reward_funcs", "adam_beta1": "model.betas", "adam_beta2": "model.betas",
+             "lr_scheduler_type": "model.lr_schedule", "logging_steps": "trainer.log_every_n_steps",
+             "num_train_epochs": "trainer.max_epochs", "sync_ref_model": "model.reference_sync",
+             "vllm_importance_sampling_mode": "model.sampler_correction.mode",
+             "vllm_importance_sampling_clip_max": "model.sampler_correction.clip_max",
+             "vllm_importance_sampling_clip_min": "model.sampler_correction.clip_min"}
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:

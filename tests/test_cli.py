@@ -204,7 +204,14 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     (["--data.max_new_tokens", "64"], "data.sampling.max_new_tokens"),
     (["--num_generations", "4"], "data.sampling.group_size"),  # TRL's names
     (["--model.learning_rate", "1e-5"], "model.lr"),
-    (["--model.loss.epsilon", "0.2"], "model.loss.epsilon_low")])
+    (["--model.loss.epsilon", "0.2"], "model.loss.epsilon_low"),
+    (["--model.loss.use_bias_correction_kl", "true"], "model.loss.kl_bias_correction"),
+    (["--model.reward_weights", "[1.0]"], "data.reward_funcs"),
+    (["--model.adam_beta2", "0.999"], "model.betas"),
+    (["--model.lr_scheduler_type", "linear"], "model.lr_schedule"),
+    (["--model.sync_ref_model", "true"], "model.reference_sync"),
+    (["--model.vllm_importance_sampling_mode", "token_mask"], "model.sampler_correction.mode"),
+    (["--model.vllm_importance_sampling_clip_max", "2.0"], "model.sampler_correction.clip_max")])
 def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys, args, meant):
     with pytest.raises(SystemExit):
         main(["fit", "--config", TINY, *args])
