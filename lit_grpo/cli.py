@@ -276,6 +276,11 @@ class GRPOCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except ConfigError as err:
+            if is_multi_process():
+                # a setting may be bad on one rank only (micro_group_size auto from its own GPU's free memory): its
+                # exit must be recorded for the others, which would wait for it in a collective or at their next one
+                _say_config_error(err, subcommand)
+                end_failed_rank(err, exit_status=2, show_traceback=False)
             _exit_with(err, subcommand)
         except RewardFunctionError as err:
             if is_multi_process():
@@ -344,8 +349,12 @@ def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) ->
 
 def _exit_with(error: Exception, subcommand: str) -> None:
     """End a command's run on a bad setting as a parse error does: its message, a tip, exit status 2."""
-    print(f"error: {error}\ntip: lit-grpo {subcommand} --help lists the options", file=sys.stderr)
+    _say_config_error(error, subcommand)
     raise SystemExit(2) from error
+
+
+def _say_config_error(error: Exception, subcommand: str) -> None:
+    print(f"error: {error}\ntip: lit-grpo {subcommand} --help lists the options", file=sys.stderr)
 
 
 def _is_lit_grpo_frame(frame: types.TracebackType) -> bool:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from lit_grpo.runtime.validation import ConfigError
+
 PLACES = ("rollout", "reward", "loss", "update", "validation", "checkpoint")
 
 
@@ -29,17 +31,23 @@ class PlantedError(RuntimeError):
     """The planted failure."""
 
 
-class PlantedFault(Callback):
-    """Raise ``PlantedError`` on rank ``rank`` at ``place`` (``PLACES``), once."""
+class PlantedSettingError(ConfigError):
+    """The planted failure as a bad setting found on one rank (``micro_group_size: auto`` sized from that rank's
+    own GPU memory), which the CLI reports as a setting."""
 
-    def __init__(self, place: str, rank: int):
+
+class PlantedFault(Callback):
+    """Raise ``PlantedError`` (with ``setting``: ``PlantedSettingError``) on rank ``rank`` at ``place``
+    (``PLACES``), once."""
+
+    def __init__(self, place: str, rank: int, setting: bool = False):
         if place not in PLACES:
             raise ValueError(f"place={place!r} is not one of {PLACES}")
-        self.place, self.rank = place, rank
+        self.place, self.rank, self.setting = place, rank, setting
         self.message = f"planted {place} failure on rank {rank}"
 
     def _fire(self, *_: Any, **__: Any) -> None:
-        raise PlantedError(self.message)
+        raise (PlantedSettingError if self.setting else PlantedError)(self.message)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.global_rank != self.rank:

@@ -103,6 +103,23 @@ def test_a_rank_away_from_any_collective_ends_within_seconds_of_anothers_failure
     _check_ended_naming_the_failure(outputs, 1, "reward")
 
 
+def test_a_setting_found_bad_on_one_rank_ends_every_rank_naming_it(tmp_path):
+    """A bad setting found by one rank only while the run goes (``micro_group_size: auto`` sized from that rank's
+    own GPU memory) is said as a setting (exit status 2) and recorded for the others: rank 0, away from any
+    collective for 300 s, ends within seconds naming it (it went on unaware, and over gloo would have named its own
+    broken connection as the run's failure)."""
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.callbacks+=fault_helpers.PlantedFault", "--trainer.callbacks.place=rollout",
+            "--trainer.callbacks.rank=1", "--trainer.callbacks.setting=true",
+            "--trainer.callbacks+=fault_helpers.Stall", "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=300"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S)
+    _check_ended_naming_the_failure(outputs, 1, "rollout")
+    code, output, _ = outputs[1]
+    assert code == 2 and "error: planted rollout failure on rank 1\ntip: lit-grpo fit --help" in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]  # a setting is said, not traced
+
+
 def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
     """``--trainer.devices 2``: Lightning starts rank 1 as a child of rank 0, re-running the command. A reward error
     on rank 1 ends both, and rank 0 names it."""

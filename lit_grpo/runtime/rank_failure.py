@@ -42,15 +42,17 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {message[:500]}" if message else type(error).__name__
 
 
-def end_failed_rank(error: BaseException) -> NoReturn:
-    """Print ``error``'s traceback and a line naming this rank and the run's first failure, end the processes this
-    one started, then this one with exit status 1 (``os._exit``: no exit handler or thread join can wait on the
-    other ranks). For a process of a group of several ranks; the group must be initialized."""
+def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: bool = True) -> NoReturn:
+    """Print ``error``'s traceback (unless not ``show_traceback``: a bad setting, said already) and a line naming
+    this rank and the run's first failure, end the processes this one started, then this one with ``exit_status``
+    (``os._exit``: no exit handler or thread join can wait on the other ranks). For a process of a group of several
+    ranks; the group must be initialized."""
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     _ending.set()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    traceback.print_exception(error)
+    if show_traceback:
+        traceback.print_exception(error)
     first = (rank, describe(error)) if isinstance(error, RaisedOnEveryRank) else _record_failure(rank, error)
     if first is None:
         line = (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
@@ -60,14 +62,14 @@ def end_failed_rank(error: BaseException) -> NoReturn:
     else:
         cause = first[1] or "its output names the error"
         line = f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
-    _end(line)
+    _end(line, exit_status)
 
 
-def _end(line: str) -> NoReturn:
+def _end(line: str, exit_status: int = 1) -> NoReturn:
     print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     _end_child_processes()
-    os._exit(1)
+    os._exit(exit_status)
 
 
 def _end_child_processes() -> None:
