@@ -66,6 +66,14 @@ def curriculum_accuracy(sums: torch.Tensor) -> float:
     return min(max(accuracy, 0.0), 1.0)
 
 
+def _own_generator() -> torch.Generator:
+    """A loader's own generator: each iterator of a loader draws a seed, from the global random state unless the
+    loader has a generator. A resumed run starts its epoch's iterator after the checkpoint's random states are back,
+    where the uninterrupted run had started it before they were saved: a draw from them would shift every later
+    random number (dropout in the update, a reward function's ``random``), so the loaders draw from their own."""
+    return torch.Generator().manual_seed(0)
+
+
 class _StepDraw:
     """One training step's prompts under several ranks: global draws of ``prompts_per_step x world_size`` prompts
     (the same on every rank, as every rank's sampler is in the same state), this rank keeping its own
@@ -502,13 +510,13 @@ class RolloutDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         stream = RequestStream("train", self.num_train_steps_per_epoch())
-        return ResumableRequestLoader(stream, batch_size=None, num_workers=0)
+        return ResumableRequestLoader(stream, batch_size=None, num_workers=0, generator=_own_generator())
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_indices:
             return []
         return DataLoader(RequestStream("val", len(chunks := self._val_chunks()), chunks), batch_size=None,
-                          num_workers=0)
+                          num_workers=0, generator=_own_generator())
 
     def _val_chunks(self) -> list[list[int]]:
         """This rank's held-out positions in ``val_batch_size`` chunks: every prompt on one rank, and as many

@@ -632,6 +632,17 @@ def test_exact_resume_with_carried_samples(tmp_path):
             assert x[key] == y[key], (x["global_step"], key)
 
 
+def test_starting_the_loaders_draws_nothing_from_the_global_random_state(module):
+    """A resumed run starts its epoch's loader after the checkpoint's random states are back, where the uninterrupted
+    run started it before they were saved: a seed drawn from the global state there shifted every later draw (the
+    update's dropout: a resume with LoRA's dropout on went on with other weights)."""
+    dm = make_datamodule(module, val_size=2)
+    before = torch.get_rng_state()
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        assert next(iter(loader)) is not None
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_the_same_hand_over_from_another_trainer_lends_its_precision_and_gather(module):
     """A second attach of the same policy (a bf16-mixed ``validate`` after a 32-bit fit) keeps the builder, with
     its engines and caches, and gives it the new trainer's precision context and gather."""
