@@ -649,17 +649,19 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """What exact resume needs from the data side: steps built, the prompt sampler / curriculum and the global
-        random states (rank 0's), and each rank's own engine state (its rollout counter, which keys its random
-        streams, its scheduler's state and its carried partial-rollout groups): gathered, one per rank, and each
-        rank takes its own back."""
+        """What exact resume needs from the data side: steps built, the prompt sampler / curriculum, and each rank's
+        own global random states (``rng``: this rank's; several ranks: ``rng_by_rank``, since each rank's update
+        draws its own dropout masks) and engine state (its rollout counter, which keys its random streams, its
+        scheduler's state and its carried partial-rollout groups): gathered, one per rank (one collective, which
+        every rank joins), and each rank takes its own back."""
         state = self._local_state()
-        if "engine" in state:
-            world, _ = self._world()
-            if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-                by_rank: list[Any] = [None] * world
-                torch.distributed.all_gather_object(by_rank, state.pop("engine"))
-                state["engine_by_rank"] = by_rank
+        world, _ = self._world()
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            by_rank: list[Any] = [None] * world
+            torch.distributed.all_gather_object(by_rank, {"rng": state["rng"], "engine": state.pop("engine", None)})
+            state["rng_by_rank"] = [entry["rng"] for entry in by_rank]
+            if by_rank[0]["engine"] is not None:  # every rank has built its engine, or none has
+                state["engine_by_rank"] = [entry["engine"] for entry in by_rank]
         return state
 
     def _local_state(self) -> dict[str, Any]:
@@ -689,8 +691,9 @@ class RolloutDataModule(LightningDataModule):
         if not self._fitting():
             return
         self.steps_built = int(state_dict.get("steps_built", 0))
-        if "rng" in state_dict:
-            set_rng_states(state_dict["rng"])
+        rng = self._own_rng_states(state_dict)
+        if rng is not None:
+            set_rng_states(rng)
         if "sampler" in state_dict:
             if self.sampler is not None:
                 self._load_sampler_state(state_dict["sampler"])
@@ -706,6 +709,15 @@ class RolloutDataModule(LightningDataModule):
     def _fitting(self) -> bool:
         """Whether this datamodule serves a fit (also when no trainer is attached: a Python caller's stream)."""
         return getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", "fit") == "fit"
+
+    def _own_rng_states(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This rank's global random states in a checkpoint: its own where every rank's were saved by as many ranks,
+        else the saving rank's (``rng``; saved by another number of ranks, or before every rank's were kept)."""
+        by_rank = state_dict.get("rng_by_rank")
+        world, rank = self._world()
+        if by_rank is not None and len(by_rank) == world:
+            return by_rank[rank]
+        return state_dict.get("rng")
 
     def _own_engine_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
         """This rank's engine state in a checkpoint saved by one rank or by several. Saved by another number of
