@@ -131,3 +131,15 @@ def test_building_a_tiny_model_on_the_gpu_leaves_its_generator_as_it_was():
         model, _ = load_model_and_tokenizer("tiny-llama")
     assert next(model.parameters()).device.type == "cuda"
     assert torch.equal(torch.cuda.get_rng_state(), before)
+
+
+def test_a_resume_sets_the_cuda_generator_back():
+    """The CUDA generator (the update's dropout) is part of the saved random states: set back, it draws again what it
+    drew after they were saved."""
+    from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
+
+    torch.rand(1, device="cuda")  # CUDA in use
+    saved = get_rng_states()
+    first = torch.rand(8, device="cuda")
+    set_rng_states(saved)
+    assert torch.equal(torch.rand(8, device="cuda"), first)

@@ -643,6 +643,23 @@ def test_starting_the_loaders_draws_nothing_from_the_global_random_state(module)
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_saved_random_states_hold_the_cuda_devices_where_cuda_is_in_use(monkeypatch):
+    """A GPU update's dropout draws from the current CUDA device's generator: it is saved beside the CPU's and set back
+    (CUDA faked here: a CPU has none; tests/test_cuda_update.py round-trips the real one)."""
+    from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
+
+    assert "cuda" not in get_rng_states()  # no CUDA in use: nothing of it saved
+    device_state = [torch.arange(16, dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: device_state[0].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: device_state.__setitem__(0, state.clone()))
+    saved = get_rng_states()
+    device_state[0] = torch.zeros(16, dtype=torch.uint8)  # the generator moved on
+    set_rng_states({**saved, "cuda": saved["cuda"].tolist()})  # as a checkpoint may hold it
+    assert torch.equal(device_state[0], torch.arange(16, dtype=torch.uint8))
+
+
 def test_the_same_hand_over_from_another_trainer_lends_its_precision_and_gather(module):
     """A second attach of the same policy (a bf16-mixed ``validate`` after a 32-bit fit) keeps the builder, with
     its engines and caches, and gives it the new trainer's precision context and gather."""
