@@ -342,17 +342,48 @@ def test_a_reasoning_gym_task_without_gold_answers_is_scored_by_accuracy_not_mat
         check_gold_answers(build_reward_funcs(["accuracy", "math"]), examples, "task")
 
 
-@pytest.mark.parametrize("fn", [lambda completions, **kwargs: [0.0] * len(completions),  # TRL's signature
-                                lambda completions, answer, **kwargs: [0.0] * len(completions),
-                                # TRL's accuracy_reward: by position its completions would be the prompts
-                                lambda completions, solution, **kwargs: [0.0] * len(completions),
-                                lambda completions, prompts, **kwargs: [0.0] * len(completions),
-                                lambda prompts, completions: [0.0] * len(completions),  # no room for the columns
-                                lambda prompts, **kwargs: [0.0] * len(prompts)])
+@pytest.mark.parametrize("fn", [lambda prompts, completions: [0.0] * len(completions),  # no room for the columns
+                                lambda completions: [0.0] * len(completions),
+                                lambda prompts, **kwargs: [0.0] * len(prompts),
+                                lambda answer, completions_, **kwargs: [0.0],  # a column first, by position
+                                lambda completions, /, **kwargs: [0.0],  # completions only by position, first
+                                lambda x, prompts, **kwargs: [0.0]])  # prompts out of its place, by position
 def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(fn):
     with pytest.raises(ValueError, match=r"reward function 'mine' has the signature \(.*\), but lit_grpo calls "
-                                         r"fn\(prompts, completions, \*\*columns\).*def f\(prompts, completions, "):
+                                         r"fn\(prompts=\.\.\., completions=\.\.\., \*\*columns\) where it names "
+                                         r"completions \(as TRL\), else fn\(prompts, completions, \*\*columns\) "
+                                         r"by position.*def f\(prompts, completions, \*\*kwargs\) or def "
+                                         r"f\(completions, \*\*kwargs\)"):
         WeightedReward(fn, name="mine")
+
+
+def test_trls_reward_signatures_run_unchanged():
+    """TRL calls a reward function with keywords: one that names ``completions`` gets them so, wherever they stand
+    (TRL's ``accuracy_reward(completions, solution, **kwargs)``), and ``prompts`` by keyword or among the kwargs."""
+    seen = {}
+
+    def accuracy(completions, solution, **kwargs):  # TRL's accuracy_reward's shape
+        seen["accuracy"] = (completions, solution, kwargs["prompts"])
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def reversed_order(completions, prompts, **kwargs):
+        seen["reversed"] = (completions, prompts)
+        return [0.5] * len(completions)
+
+    def keyword_only(*, prompts, completions, **kwargs):
+        seen["keyword_only"] = (completions, prompts)
+        return [0.0] * len(completions)
+
+    def positional(p, c, **kwargs):  # no parameter named completions: by position, as before
+        seen["positional"] = (c, p)
+        return [0.0] * len(c)
+
+    funcs = [WeightedReward(fn) for fn in (accuracy, reversed_order, keyword_only, positional)]
+    assert [f.by_keyword for f in funcs] == [True, True, True, False]
+    scores = score_rewards(funcs, ["p1", "p2"], ["4", "5"], {"solution": ["4", "4"]}, group_size=2)
+    assert scores.components["accuracy"].tolist() == [1.0, 0.0]
+    assert seen == {"accuracy": (["4", "5"], ["4", "4"], ["p1", "p2"]), "reversed": (["4", "5"], ["p1", "p2"]),
+                    "keyword_only": (["4", "5"], ["p1", "p2"]), "positional": (["4", "5"], ["p1", "p2"])}
 
 
 def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused():

@@ -1,10 +1,13 @@
 """Reward functions and how several are combined.
 
-Protocol (TRL's for a plain-text prompt, called by position)::
+Protocol (TRL's for a plain-text prompt)::
 
     reward_fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 
-For a chat prompt too, ``prompts`` are the user message's text and ``completions`` text (TRL passes message lists).
+A function with a parameter named ``completions`` is called as TRL calls it, ``prompts`` and ``completions`` by
+keyword (so TRL's ``def f(completions, solution, **kwargs)`` runs unchanged); any other by position, those two
+first. For a chat prompt too, ``prompts`` are the user message's text and ``completions`` text (TRL passes message
+lists).
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
@@ -123,6 +126,8 @@ class WeightedReward:
     fn: RewardFn
     weight: float = 1.0
     name: str = ""
+    #: whether ``fn`` takes ``prompts`` and ``completions`` by keyword, as TRL passes them (``check_reward_call``)
+    by_keyword: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -137,32 +142,44 @@ class WeightedReward:
                              "name)")
         if not self.name:
             self.name = reward_name(self.fn)
-        check_reward_call(self.fn, self.name)
+        self.by_keyword = check_reward_call(self.fn, self.name)
+
+    def call(self, prompts: Sequence[str], completions: Sequence[str], **keywords: Any) -> Any:
+        """``fn`` on these completions, ``prompts`` and ``completions`` passed as it takes them."""
+        if self.by_keyword:
+            return self.fn(prompts=list(prompts), completions=list(completions), **keywords)
+        return self.fn(list(prompts), list(completions), **keywords)
 
 
-def check_reward_call(fn: RewardFn, name: str) -> None:
-    """Refuse a function that ``fn(prompts, completions, **columns)`` cannot call as meant: fewer than two
-    positional parameters, a column (``answer``, ...) or ``prompts`` / ``completions`` out of its place, or no
-    ``**kwargs`` for the columns (every call passes them all, and the row's own fields). TRL's
-    reward functions take ``completions`` first (``def f(completions, **kwargs)``): said before a model loads."""
+def check_reward_call(fn: RewardFn, name: str) -> bool:
+    """How ``fn`` is called: True for TRL's way, ``prompts`` and ``completions`` by keyword (it has a parameter named
+    ``completions`` that takes a keyword), False for by position, those two first. Refuse a function neither way can
+    call as meant: no ``**kwargs`` for the columns (every call passes them all, and the row's own fields); by position,
+    fewer than two positional parameters, or a column (``answer``, ...) or ``prompts`` / ``completions`` out of its
+    place among them. Said before a model loads."""
     try:
         parameters = list(inspect.signature(fn, follow_wrapped=False).parameters.values())  # an adapter's own
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
-        return
-    first_two = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
-    names = [p.name for p in parameters]
+        return False
+    named = {p.name: p for p in parameters}
     takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters)  # the columns and every field of the row
-    # a parameter named prompts or completions elsewhere would get the other list, or a column, by position:
-    # TRL's def f(completions, solution, **kwargs) would score the prompts
-    misplaced = any(name in names and first_two[index:index + 1] != [name]
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if takes_columns and "completions" in named and all(
+            named[arg].kind in keyword for arg in ("prompts", "completions") if arg in named):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return False
+    first_two = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    # a parameter named prompts or completions elsewhere would get the other list, or a column, by position
+    misplaced = any(name in named and first_two[index:index + 1] != [name]
                     for index, name in enumerate(("prompts", "completions")))
     if len(first_two) < 2 or set(first_two) & set(COLUMNS) or not takes_columns or misplaced:
         raise ValueError(f"reward function {name!r} has the signature {inspect.signature(fn)}, but lit_grpo calls "
-                         "fn(prompts, completions, **columns): prompts and completions first, by position, then "
-                         f"the columns ({', '.join(COLUMNS)} and the row's fields) by name; write it as "
-                         "def f(prompts, completions, **kwargs)")
+                         "fn(prompts=..., completions=..., **columns) where it names completions (as TRL), else "
+                         "fn(prompts, completions, **columns) by position, then the columns "
+                         f"({', '.join(COLUMNS)} and the row's fields) by name; write it as "
+                         "def f(prompts, completions, **kwargs) or def f(completions, **kwargs)")
+    return False
 
 
 def reward_name(fn: Any) -> str:
@@ -385,7 +402,7 @@ def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], co
     logs = [CallLog(reward.name, len(completions)) for reward in reward_funcs]
     for reward, log in zip(reward_funcs, logs):
         try:
-            outcomes.append(reward.fn(list(prompts), list(completions), **columns, **state, **log.keywords()))
+            outcomes.append(reward.call(prompts, completions, **columns, **state, **log.keywords()))
         except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
             outcomes.append(err)
     pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
@@ -400,7 +417,7 @@ def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], co
 def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[str],
           columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any], log: CallLog) -> Any:
     """One function's values on these completions, awaited if it is async; what it logs goes to ``log``."""
-    raw = reward.fn(list(prompts), list(completions), **columns, **state, **log.keywords())
+    raw = reward.call(prompts, completions, **columns, **state, **log.keywords())
     if not inspect.isawaitable(raw):
         return raw
     (outcome,) = run_concurrently([raw])
