@@ -4,6 +4,7 @@ the reward functions, and an error naming the file, the row and the column for e
 import json
 
 import pytest
+import torch
 
 import datasets  # the data extra, which tools/setup.sh installs
 
@@ -136,6 +137,36 @@ def test_a_column_named_question_reaches_the_rewards_and_one_named_as_lit_grpos_
                                              rf"\['{field}'\], which are names the reward functions get from "
                                              r"lit_grpo itself .*; rename those fields"):
             dm.setup("fit")
+
+
+def test_chat_prompts_give_the_reward_functions_trls_conversational_form():
+    """As TRL: for chat prompts the reward functions get each prompt's messages as the dataset holds them and each
+    completion as ``[{"role": "assistant", "content": text}]``, so a TRL reward for chat data runs unchanged; the
+    built-in rewards read the completion's text from it."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    seen = {}
+
+    def trl_chat_reward(completions, **kwargs):  # TRL's documented shape for conversational data
+        seen["prompts"], seen["completions"] = kwargs["prompts"], completions
+        return [float(len(completion[0]["content"])) for completion in completions]
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} + 1?"}],
+             "answer": str(i + 1)} for i in range(6)]
+    sampling = {"group_size": 2, "micro_group_size": 2, "strategy": "continuous", "max_new_tokens": 4}
+    dm = RolloutDataModule(dataset=datasets.Dataset.from_list(rows), val_size=2, prompts_per_step=2,
+                           reward_funcs=[trl_chat_reward, "format", "accuracy", "char_fraction"], sampling=sampling)
+    dm.attach(model, tokenizer)
+    dm.setup("fit")
+    batch = dm.build_train_batch()
+    assert seen["prompts"] == [rows[i]["prompt"] for i in batch.indices for _ in range(2)]
+    assert seen["completions"] == [[{"role": "assistant", "content": text}] for group in batch.completions
+                                   for text in group]
+    lengths = torch.tensor([[float(len(text)) for text in group] for group in batch.completions])
+    assert torch.equal(batch.reward_components["trl_chat"], lengths)
+    expected = [[sum(ch in "0123456789" for ch in text) / len(text) if text else 0.0 for text in group]
+                for group in batch.completions]
+    torch.testing.assert_close(batch.reward_components["char_fraction"], torch.tensor(expected))
+    assert batch.prompts == [rows[i]["prompt"][-1]["content"] for i in batch.indices]  # the logged text
 
 
 def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):

@@ -50,11 +50,11 @@ def test_a_batch_scores_each_completion_as_the_model_alone_does(reward_model_pat
     assert len(set(scores)) == len(scores)  # the texts differ: so do their scores
 
 
-def test_the_rows_messages_are_the_conversation_and_a_template_free_tokenizer_concatenates(reward_model_path,
+def test_a_chat_prompts_messages_are_the_conversation_and_a_template_free_tokenizer_concatenates(reward_model_path,
                                                                                            tmp_path):
     reward = RewardModel(reward_model_path)
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
-    (text,) = reward.texts(["2 + 2?"], ["4"], messages=[history])
+    (text,) = reward.texts([history], [[{"role": "assistant", "content": "4"}]])  # a chat prompt's, as TRL's
     assert text == reward.tokenizer.apply_chat_template([*history, {"role": "assistant", "content": "4"}],
                                                         tokenize=False)
     plain = RewardModel(save_reward_model(tmp_path / "plain", chat_template=False))

@@ -357,6 +357,19 @@ def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(f
         WeightedReward(fn, name="mine")
 
 
+def test_reward_arguments_are_text_or_trls_conversational_form():
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import reward_arguments
+
+    plain = [PromptExample("a?"), PromptExample("b?")]
+    assert reward_arguments(plain, [["1", "2"], ["3", "4"]]) == (["a?", "a?", "b?", "b?"], ["1", "2", "3", "4"])
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
+    mixed = [PromptExample("a?", messages=chat), PromptExample("b?")]
+    prompts, completions = reward_arguments(mixed, [["1"], ["2"]])
+    assert prompts == [chat, [{"role": "user", "content": "b?"}]]  # a plain prompt among chat ones: its user turn
+    assert completions == [[{"role": "assistant", "content": "1"}], [{"role": "assistant", "content": "2"}]]
+
+
 def test_trls_reward_signatures_run_unchanged():
     """TRL calls a reward function with keywords: one that names ``completions`` gets them so, wherever they stand
     (TRL's ``accuracy_reward(completions, solution, **kwargs)``), and ``prompts`` by keyword or among the kwargs."""

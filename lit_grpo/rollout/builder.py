@@ -36,7 +36,8 @@ from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normali
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
-from lit_grpo.rollout.rewards import TrainerState, WeightedReward, correctness_reward, score_rewards
+from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
+                                     score_rewards)
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int
@@ -427,8 +428,8 @@ class RolloutBuilder:
         # every field of the row but "prompt", whose value the prompts argument holds (TRL drops it alike)
         for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt"}):
             columns[key] = repeat([e.entry.get(key) for e in examples])
-        scores = score_rewards(self.reward_funcs, repeat([e.prompt for e in examples]),
-                               [t for group in texts for t in group], columns, group_size=G,
+        reward_prompts, reward_completions = reward_arguments(examples, texts)
+        scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
                                on_error=self.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True

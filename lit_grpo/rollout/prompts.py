@@ -41,6 +41,12 @@ class PromptExample:
     messages: list[dict[str, str]] | None = None
 
 
+def completion_text(completion: Any) -> str:
+    """A completion as a reward function gets it, as text: itself, or a conversational one's (TRL's
+    ``[{"role": "assistant", "content": text}]``, for chat prompts) last message's content."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def _example_from_row(row: Any, where: str) -> PromptExample:
     if isinstance(row, str):
         if not row.strip():

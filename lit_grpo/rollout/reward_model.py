@@ -6,9 +6,9 @@
 
 The model is a sequence classifier with one label (``AutoModelForSequenceClassification``, ``num_labels=1``), as
 TRL loads it; a completion's reward is that label's logit for its prompt and itself together. The text scored is the
-conversation, the row's ``messages`` (or its prompt as the user's turn) and then the completion as the assistant's,
-rendered by the reward model's own chat template; where its tokenizer has none, the prompt's text followed by the
-completion's, as TRL scores plain-text prompts. Its tokens are scored without truncation, ``batch_size`` texts a
+conversation, a chat prompt's messages (or a plain prompt as the user's turn) and then the completion as the
+assistant's, rendered by the reward model's own chat template; where its tokenizer has none, the prompt's text
+followed by the completion's, as TRL scores plain-text prompts. Its tokens are scored without truncation, ``batch_size`` texts a
 forward, on the policy's device (``device: auto``: the current CUDA device where there is one).
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.rollout.prompts import completion_text
 from lit_grpo.runtime.validation import check_int
 
 
@@ -58,31 +59,36 @@ class RewardModel:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval().requires_grad_(False)
 
-    def texts(self, prompts: Sequence[str], completions: Sequence[str],
-              messages: Sequence[Any] | None = None) -> list[str]:
-        """What the reward model reads for each completion (module docstring)."""
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """What the reward model reads for each completion (module docstring); ``prompts`` and ``completions`` text,
+        or chat messages (``reward_arguments``' conversational form)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            return [prompt + completion for prompt, completion in zip(prompts, completions)]
+            return [_prompt_text(prompt) + completion_text(completion)
+                    for prompt, completion in zip(prompts, completions)]
         out = []
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            history = messages[i] if messages is not None and messages[i] else [{"role": "user", "content": prompt}]
-            conversation = [*map(dict, history), {"role": "assistant", "content": completion}]
+        for prompt, completion in zip(prompts, completions):
+            history = prompt if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
+            conversation = [*map(dict, history), {"role": "assistant", "content": completion_text(completion)}]
             out.append(self.tokenizer.apply_chat_template(conversation, tokenize=False))
         return out
 
     @torch.inference_mode()
-    def __call__(self, prompts: list[str], completions: list[str], messages: Sequence[Any] | None = None,
-                 **columns: Any) -> list[float]:
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
         device = _resolve_device(self.device)
         if self.model.device != device:
             self.model.to(device)
-        texts = self.texts(prompts, completions, messages)
+        texts = self.texts(prompts, completions)
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             inputs = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
                                     padding_side="right", add_special_tokens=False).to(device)
             scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return scores
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt as text: itself, or a chat prompt's last message's content."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 def _resolve_device(device: Any) -> torch.device:

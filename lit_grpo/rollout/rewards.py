@@ -6,8 +6,9 @@ Protocol (TRL's for a plain-text prompt)::
 
 A function with a parameter named ``completions`` is called as TRL calls it, ``prompts`` and ``completions`` by
 keyword (so TRL's ``def f(completions, solution, **kwargs)`` runs unchanged); any other by position, those two
-first. For a chat prompt too, ``prompts`` are the user message's text and ``completions`` text (TRL passes message
-lists).
+first. For chat prompts they come in TRL's conversational form (``reward_arguments``): each prompt's messages and
+each completion ``[{"role": "assistant", "content": text}]``; ``lit_grpo.rollout.prompts.completion_text`` reads
+the text of either form.
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
@@ -468,6 +469,20 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                                   f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
                                   reward.name, prompt, None) from err
     return values, skipped, errors
+
+
+def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]]) -> tuple[list[Any], list[Any]]:
+    """``(prompts, completions)`` as reward functions get them, ``N = B x G`` each, from ``B`` prompt examples
+    (``PromptExample``) and their ``[B][G]`` completion texts: text; or, where the prompts are chat messages, TRL's
+    conversational form: each prompt's messages as its row holds them, each completion
+    ``[{"role": "assistant", "content": text}]`` (a plain prompt among them as its one user message)."""
+    if not any(example.messages for example in examples):
+        return ([example.prompt for example, group in zip(examples, texts) for _ in group],
+                [text for group in texts for text in group])
+    prompts = [[dict(m) for m in example.messages] if example.messages else [{"role": "user", "content": example.prompt}]
+               for example in examples]
+    return ([prompt for prompt, group in zip(prompts, texts) for _ in group],
+            [[{"role": "assistant", "content": text}] for group in texts for text in group])
 
 
 def score_rewards(
