@@ -61,6 +61,38 @@ def test_a_chat_prompts_messages_are_the_conversation_and_a_template_free_tokeni
     assert plain.texts(["Q: 2 + 2? A:"], [" 4"]) == ["Q: 2 + 2? A: 4"]
 
 
+def save_bert_reward_model(path: Path, pad_token: str | None = "[PAD]") -> str:
+    """A random tiny BERT sequence classifier with one label and a WordPiece tokenizer, saved to ``path``: an
+    encoder reward model, whose tokenizer has a pad token (``pad_token``) and no EOS token."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    path.mkdir(parents=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789?+=.,"]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), pad_token=pad_token)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=1))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_an_encoder_reward_model_without_an_eos_token_scores(tmp_path):
+    """A reward model's tokenizer only pads, it never ends a generation: one without an EOS token (BERT's) pads
+    with its own pad token, as TRL loads it, and each score is the model's on its text alone."""
+    reward = RewardModel(save_bert_reward_model(tmp_path / "bert-rm"), batch_size=2)
+    assert reward.tokenizer.eos_token is None and reward.model.config.pad_token_id == reward.tokenizer.pad_token_id
+    prompts, completions = ["what is 2+2?"] * 3, ["4", "it is four.", ""]
+    scores = reward(prompts, completions)
+    for text, score in zip(reward.texts(prompts, completions), scores):
+        ids = reward.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            assert score == pytest.approx(float(reward.model(**ids).logits[0, 0]), rel=1e-5, abs=1e-5)
+    with pytest.raises(ValueError, match=r"has a tokenizer with neither a pad token nor an EOS token"):
+        RewardModel(save_bert_reward_model(tmp_path / "no-pad", pad_token=None))
+
+
 def test_a_config_names_it_by_its_folder_or_as_the_built_in(reward_model_path):
     short, spelled = build_reward_funcs([reward_model_path, {"name": "reward_model", "log_name": "rm2",
                                                               "kwargs": {"model": reward_model_path,

@@ -35,9 +35,9 @@ class RewardModel:
     """
 
     def __init__(self, model: str, dtype: str | None = None, device: str = "auto", batch_size: int = 16):
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from lit_grpo.runtime.models import load_tokenizer, resolve_dtype
+        from lit_grpo.runtime.models import resolve_dtype
 
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
@@ -47,13 +47,18 @@ class RewardModel:
         self.batch_size = batch_size
         self.__name__ = Path(model.rstrip("/")).name  # TRL's name for it: the id's last part
         try:
-            self.tokenizer = load_tokenizer(model)
+            # transformers' own tokenizer, not the policy's (load_tokenizer): it only pads here, so one without an
+            # EOS token (an encoder's, BERT's) is as good as any
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 model, num_labels=1, dtype=resolve_dtype(dtype) or "auto")
         except (OSError, ValueError) as error:
             raise ValueError(f"reward_model: model={model!r} cannot be loaded as a sequence classifier with one label "
                              f"({type(error).__name__}: {str(error).splitlines()[0]:.300})") from None
         if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token_id is None:
+                raise ValueError(f"reward_model: model={model!r} has a tokenizer with neither a pad token nor an EOS "
+                                 "token, so a batch of texts cannot be padded; give the tokenizer a pad_token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # the classifier scores each row's last token that is not padding: it must know which id pads
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
