@@ -104,6 +104,17 @@ def test_a_config_names_it_by_its_folder_or_as_the_built_in(reward_model_path):
     torch.testing.assert_close(scores.total, 2 * scores.components["rm2"])
 
 
+def test_a_folder_under_the_home_directory_is_read_from_there(reward_model_path, tmp_path, monkeypatch):
+    """``~/name``, as the policy's model takes it: the tokenizer and the model are read from the same folder."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(reward_model_path, tmp_path / "my-rm")
+    (func,) = build_reward_funcs(["~/my-rm"])
+    assert func.name == "my-rm"
+    assert func.fn(["2 + 2?"], ["4"]) == RewardModel(reward_model_path)(["2 + 2?"], ["4"])
+
+
 @pytest.mark.parametrize("spec, match", [
     ("no/such/reward-model", r"reward_model: model='no/such/reward-model' cannot be loaded as a sequence classifier"),
     ({"name": "reward_model", "kwargs": {"model": "RM", "batch_size": 0}}, r"batch_size=0"),

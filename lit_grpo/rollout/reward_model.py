@@ -49,9 +49,10 @@ class RewardModel:
         try:
             # transformers' own tokenizer, not the policy's (load_tokenizer): it only pads here, so one without an
             # EOS token (an encoder's, BERT's) is as good as any
-            self.tokenizer = AutoTokenizer.from_pretrained(model)
+            source = _folder_or_id(model)
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                model, num_labels=1, dtype=resolve_dtype(dtype) or "auto")
+                source, num_labels=1, dtype=resolve_dtype(dtype) or "auto")
         except (OSError, ValueError) as error:
             raise ValueError(f"reward_model: model={model!r} cannot be loaded as a sequence classifier with one label "
                              f"({type(error).__name__}: {str(error).splitlines()[0]:.300})") from None
@@ -94,6 +95,13 @@ class RewardModel:
 def _prompt_text(prompt: Any) -> str:
     """A prompt as text: itself, or a chat prompt's last message's content."""
     return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def _folder_or_id(model: str) -> str | Path:
+    """The folder ``model`` names, ``~`` expanded (transformers reads ``~/rm`` as a hub id), else ``model`` as a hub
+    id."""
+    folder = Path(model).expanduser()
+    return folder if folder.is_dir() else model
 
 
 def _resolve_device(device: Any) -> torch.device:
