@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import torch
 
 from lit_grpo.runtime.checkpoints import check_writable, find_last_checkpoint, read_checkpoint_header
+from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, layers_dtype
 from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors
@@ -118,7 +119,8 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     if cast:
         torch_dtype = resolve_dtype(dtype)
     elif not adapter_only:
-        torch_dtype = next(policy.parameters()).dtype
+        # not a float32 head's (cast_lm_head_to_fp32), which a tied embedding shares and may come first
+        torch_dtype = layers_dtype(policy)
     else:
         torch_dtype = next((p.dtype for name, p in policy.named_parameters() if "lora_" in name),
                            next(policy.parameters()).dtype)
@@ -148,6 +150,11 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
             base.config.pad_token_id = generation.pad_token_id
         _remove_model_files(out)
         model.save_pretrained(out, safe_serialization=True)
+        written = str(base.config.dtype).removeprefix("torch.")  # save_pretrained's: the first weight's dtype
+        if not adapter_only and written != str(torch_dtype).removeprefix("torch."):
+            # transformers and vLLM load every layer in the config's dtype
+            base.config.dtype = torch_dtype
+            base.config.save_pretrained(out)
         if adapter_only:  # peft writes the adapter only; keep the generation settings beside it
             generation.save_pretrained(out)
     finally:
@@ -203,6 +210,8 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     with config_errors(f"--ckpt_path {str(ckpt_path)!r}: its model.dtype"):
         resolve_dtype(hp.get("dtype"))
     policy, tokenizer = load_model_and_tokenizer(hp["model"], hp.get("dtype"))
+    if hp.get("cast_lm_head_to_fp32"):  # as GRPOModule built it: before LoRA, whose copies of the head then match
+        cast_lm_head_to_fp32(policy)
     if hp.get("peft_config"):
         policy = with_lora(policy, hp["peft_config"])
     own = policy.state_dict()

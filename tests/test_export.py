@@ -165,6 +165,35 @@ def test_export_auto_keeps_the_layers_a_model_holds_in_float32(tmp_path):
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
 
 
+def test_export_auto_of_a_tied_model_with_a_float32_head_is_the_layers_dtype(tmp_path):
+    """``cast_lm_head_to_fp32`` on a bfloat16 model whose head is tied to the embedding makes their one weight
+    float32, the model's first: the exported config (and the dtype said) is still the layers' bfloat16, so that
+    transformers loads the model as it trained, not every layer in float32; the weight itself is written as it
+    trained, in float32, from the checkpoint and from the live policy alike."""
+    import json
+
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    base, tokenizer = load_model_and_tokenizer("tiny-llama")
+    base.config.tie_word_embeddings = True
+    type(base)(base.config).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    module = GRPOModule(model=str(tmp_path / "tied"), dtype="bfloat16", cast_lm_head_to_fp32=True, max_grad_norm=None)
+    module.configure_model()
+    perturb(module.policy, scale=0.05)
+    embedding = module.policy.get_input_embeddings().weight
+    assert embedding is module.policy.get_output_embeddings().weight and embedding.dtype == torch.float32
+    checkpoint = export_checkpoint(save_checkpoint(module, tmp_path / "last.ckpt"), tmp_path / "from-ckpt")
+    live = export_policy(module.policy, module.tokenizer, tmp_path / "live")
+    for result in (checkpoint, live):
+        assert result.dtype == torch.bfloat16
+        assert json.loads((result.out / "config.json").read_text())["dtype"] == "bfloat16"
+        written = load_file(result.out / "model.safetensors")
+        assert written["model.embed_tokens.weight"].dtype == torch.float32
+        assert torch.equal(written["model.embed_tokens.weight"], embedding.detach())
+        assert written["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+
+
 def test_export_of_a_live_policy_leaves_it_as_it_was(tmp_path):
     """ExportModel exports the policy being trained: casting, merging and the exported settings go to copies."""
     module = trained_module("tiny-llama", LORA)
