@@ -53,10 +53,10 @@ class CallLog:
         if not isinstance(name, str) or not name or name.startswith("/") or name.endswith("/"):
             raise ValueError(f"reward function {self.fn_name!r} called log_metric with the name {name!r}; it must be "
                              "a non-empty string, not starting or ending with '/' (it is logged as reward/<name>)")
-        number = as_number(value)
-        if number is None or not math.isfinite(number):
+        number = as_number(value)  # NaN and inf are logged as they are, as TRL does: a diagnostic, not a reward
+        if number is None:
             raise ValueError(f"reward function {self.fn_name!r} called log_metric({name!r}, {value!r:.100}); the "
-                             "value must be one finite number")
+                             "value must be one number")
         self.metrics.setdefault(name, []).append(number)
 
     def extra(self, column: str, values: Sequence[Any]) -> None:
