@@ -45,6 +45,7 @@ from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, bui
                                       check_gold_answers, check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.rollout.slot_memory import check_slot_budget
+from lit_grpo.rollout.tools import ToolBox, check_max_tool_calling_iterations, resolve_tools, tool_schemas
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.sampling.config import MIN_TEMPERATURE
@@ -167,6 +168,12 @@ class RolloutDataModule(LightningDataModule):
             sampler; ``score_batch_size``: prompts per prefill when scoring angle concentration.
         on_reward_error: "raise" (stop, naming the function and the prompt) or "skip_group" (the group is scored 0
             and trained on not at all; counted in ``reward/skipped_groups``).
+        tools: EXPERIMENTAL, TRL's ``tools``: functions (callables or ``"package.module:function"`` names, each
+            with type hints and a docstring for its JSON schema) shown to the model through the chat template's
+            ``tools=``; a turn that ends with a call to one runs it and decodes on after its result, which gets no
+            loss (``lit_grpo.rollout.tools``). Logs ``tools/call_frequency`` and ``tools/failure_frequency``.
+        max_tool_calling_iterations: tool rounds per completion (TRL's setting); None: no count, the rounds end
+            when no turn calls a tool or the completion reaches ``sampling.max_new_tokens``.
     """
 
     def __init__(
@@ -202,6 +209,8 @@ class RolloutDataModule(LightningDataModule):
         curriculum_kwargs: dict[str, Any] | None = None,
         score_batch_size: int = 8,
         on_reward_error: OnRewardError = "raise",
+        tools: list[Any] | None = None,
+        max_tool_calling_iterations: int | None = None,
     ):
         super().__init__()
         # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
@@ -256,6 +265,15 @@ class RolloutDataModule(LightningDataModule):
                 raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a "
                                  "datasets.Dataset")
         check_partial_rollouts(over_provision, max_staleness)
+        with config_errors("data.tools"):
+            self.tools = resolve_tools(tools)
+            tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
+            check_max_tool_calling_iterations(max_tool_calling_iterations)
+            if self.tools and over_provision > 1:
+                raise ValueError(f"tools with over_provision={over_provision}: tool calling does not run with "
+                                 "partial rollouts yet; set over_provision: 1.0")
+        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self._toolbox: ToolBox | None = None
         # settings that only act beside another one: named where that one is off and they differ from their
         # defaults, never dropped in silence
         defaults = inspect.signature(RolloutDataModule.__init__).parameters
@@ -283,7 +301,9 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
-        self.save_hyperparameters(ignore=["prompts", "dataset"])
+        self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
+        # a tool by its name, which a checkpoint stores as plain text
+        self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints
             from lit_grpo.rollout.hf_dataset import describe_source
 
@@ -400,7 +420,7 @@ class RolloutDataModule(LightningDataModule):
                 all_gather=given["all_gather"], precision_context=given["precision_context"],
                 prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
                 max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
-                measured_update_peak=given["measured_update_peak"],
+                measured_update_peak=given["measured_update_peak"], tools=self._toolbox,
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             self.builder.trainer_state = self._trainer_state
             if "engine" in self._pending_state:
@@ -494,9 +514,14 @@ class RolloutDataModule(LightningDataModule):
             check_chat_template_kwargs(tokenizer, self.chat_template_kwargs)
         except ValueError as error:  # the tokenizer's template is known only now: a setting's error all the same
             raise ConfigError(f"data.{error}") from None
+        if self.tools:
+            with config_errors("data.tools"):
+                self._toolbox = ToolBox(self.tools, tokenizer, self.max_tool_calling_iterations,
+                                        self.chat_template_kwargs)
+        schemas = self._toolbox.schemas if self._toolbox is not None else None
         render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
                                          self.prompt_template, (self.examples[i].messages or [])[:-1],
-                                         self.chat_template_kwargs)
+                                         self.chat_template_kwargs, tools=schemas)
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
 

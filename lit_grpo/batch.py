@@ -27,7 +27,8 @@ class RolloutBatch:
         prompts: ``[B]`` the prompt texts as the reward functions saw them (the question, before the chat template).
         completions: ``[B][G]`` decoded completion texts (special tokens dropped).
         rewards: ``[B, G]`` float, the weighted total reward.
-        completion_lengths: ``[B, G]`` long, completion tokens (EOS included when produced).
+        completion_lengths: ``[B, G]`` long, completion tokens the policy drew (EOS included when produced; a tool's
+            appended result not counted, as TRL's).
         truncated: ``[B, G]`` bool, hit ``max_new_tokens`` without EOS or a stop string.
         advantages: ``[B, G]`` float, from ``group_advantages``.
         prompt_ids: ``[B, P]`` long, chat-templated prompt tokens, LEFT-padded with ``pad_token_id``.
@@ -54,6 +55,9 @@ class RolloutBatch:
         split: ``"train"`` or ``"val"``.
         skipped: ``[B]`` bool, groups skipped because a reward function raised (``on_reward_error="skip_group"``):
             zero advantages and no loss tokens. None means none skipped.
+        tool_mask: ``[B, G, T]`` long, 1 on tokens the policy drew, 0 on tool results appended to the completion
+            (EXPERIMENTAL ``data.tools``; TRL's name), which get no loss, KL, entropy or sampler correction; None
+            without tools (every completion token drawn).
         sampled_accuracy: ``[B, k]`` validation only (``val_num_samples`` k > 1): correctness of k sampled
             completions per held-out prompt (NaN where the reward had no opinion), beside the greedy ``accuracy``.
         generated_accuracy: ``[4]`` ``accuracy_sums`` over every group generated for this step but the skipped
@@ -86,6 +90,7 @@ class RolloutBatch:
     offpolicy_tokens: int = 0
     split: str = "train"
     skipped: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
     accuracy: torch.Tensor | None = None
     sampled_accuracy: torch.Tensor | None = None
     generated_accuracy: torch.Tensor | None = None
@@ -138,6 +143,10 @@ class RolloutBatch:
         """``[N, T]``."""
         return self.completion_mask.flatten(0, 1)
 
+    def drawn_mask(self) -> torch.Tensor:
+        """``[B, G, T]`` 1 on the completion tokens the policy drew: ``completion_mask`` without tool results."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
     def flat_advantages(self) -> torch.Tensor:
         """``[N]``."""
         return self.advantages.flatten()
@@ -154,7 +163,8 @@ class RolloutBatch:
 
         Returns a dict with ``input_ids``, ``attention_mask``, ``position_ids``: ``[m, P' + T']``, the prompt
         left-padded and the completion right-padded, positions counting real tokens only (so padding never shifts
-        them); ``completion_ids``, ``completion_mask``, ``sampling_logprobs``: ``[m, T']``; ``advantages``:
+        them); ``completion_ids``, ``completion_mask``, ``sampling_logprobs``, ``drawn_mask`` (``drawn_mask()``'s
+        rows: the tokens a loss may weigh): ``[m, T']``; ``advantages``:
         ``[m]``; ``truncated``: ``[m]``; ``skipped``: ``[m]`` bool (the row's group was skipped); and what the
         host knows without asking the device: ``prompt_length`` ``P'``, ``shortest_prompt`` (the fewest real
         prompt tokens of a row), ``num_tokens`` (real completion tokens in all) and ``prompt_groups``
@@ -187,6 +197,8 @@ class RolloutBatch:
             "position_ids": position_ids,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
+            "drawn_mask": (completion_mask if self.tool_mask is None
+                           else completion_mask * self.tool_mask.flatten(0, 1)[index][:, :keep_t]),
             "sampling_logprobs": self.sampling_logprobs.flatten(0, 1)[index][:, :keep_t],
             "advantages": self.flat_advantages()[index],
             "truncated": self.truncated.flatten()[index],

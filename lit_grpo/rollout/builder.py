@@ -39,6 +39,7 @@ from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metri
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
                                      score_rewards)
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
+from lit_grpo.rollout.tools import ToolBox, ToolRollout
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
@@ -90,6 +91,7 @@ class _ScoredRollout:
     stats: Any
     offpolicy_tokens: list[int]           # [b] each group's completion tokens drawn in an earlier rollout
     logs: RewardLogs                      # what the reward calls logged (log_metric, log_extra)
+    tools: ToolRollout | None = None      # tool rounds (data.tools): tool_mask, calls, failures
 
 
 class RolloutBuilder:
@@ -140,6 +142,8 @@ class RolloutBuilder:
             them, dynamic sampling's too) run in one ``active()`` scope, a validation batch's in one, and what
             gathers across ranks (the batch reward scale) runs after it: every rank enters and leaves the scope
             together whatever its rollouts' lengths.
+        tools: EXPERIMENTAL tool calling (``lit_grpo.rollout.tools``): every rollout, validation's too, runs the
+            tool calls that end a turn and decodes on; not with partial rollouts (over_provision > 1).
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
@@ -152,7 +156,7 @@ class RolloutBuilder:
                  precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
                  max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
                  rollout_weights: RolloutWeights | None = None,
-                 measured_update_peak: Callable[[], int | None] | None = None):
+                 measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None):
         check_choice("multi_objective_aggregation", multi_objective_aggregation, AGGREGATIONS)
         if world_size > 1 and all_gather is None:
             if multi_objective_aggregation == "normalize_then_sum":
@@ -161,6 +165,10 @@ class RolloutBuilder:
             if scale_rewards == "batch":
                 raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
+        if tools is not None and over_provision > 1:
+            raise ValueError(f"data.tools with over_provision={over_provision}: tool calling does not run with partial "
+                             "rollouts yet (a carried group's samples may wait on a tool); set over_provision: 1.0")
+        self.tools = tools
         check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
@@ -348,8 +356,10 @@ class RolloutBuilder:
         batch.offpolicy_tokens = sum(rollouts[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
         if partial:
             batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
-            tokens = max(int(batch.completion_mask.sum()), 1)
+            tokens = max(int(batch.drawn_mask().sum()), 1)
             batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
+        if self.tools is not None:
+            batch.metrics.update(tool_metrics(rollouts, engine.group_size))
         batch.metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
         batch.metrics.update(logged_metrics([rollout.logs for rollout in rollouts]))
         self._check_some_group_scored(rollouts)
@@ -391,6 +401,7 @@ class RolloutBuilder:
         """The carried groups first, then fresh ones up to ``ceil(over_provision x B)``; stops once B groups are
         complete and carries the others, one step staler."""
         B, carried = self.prompts_per_step, self.carried
+        since = engine.rollout_index
         wanted, finish = plan_partial_rollout([g.tag.steps for g in carried], B, self.over_provision,
                                               self.max_staleness)
         fresh = draw(wanted) if wanted else []
@@ -401,17 +412,29 @@ class RolloutBuilder:
             groups = carried + fresh_groups
             result = engine.generate_groups(groups, complete=B, finish=finish)
         self.carried = [replace(g, tag=replace(g.tag, steps=g.tag.steps + 1)) for g in result.carried]
-        return self._score(engine, [tag.prompt for tag in result.tags], result)
+        return self._score(engine, [tag.prompt for tag in result.tags], result, since)
 
     def _rollout(self, engine: RolloutEngine, prompts: list[Prompt],
                  streams: list[int] | None = None) -> _ScoredRollout:
         """Generate G completions per prompt (``streams``: their random streams' keys, ``RolloutEngine.generate``)
         and score them."""
+        since, tooled = engine.rollout_index, None
         with self.generation_mode():
-            result = engine.generate([p.ids for p in prompts], streams=streams)
-        return self._score(engine, prompts, result)
+            if self.tools is None:
+                result = engine.generate([p.ids for p in prompts], streams=streams)
+            else:  # generate's groups, kept: their samples that call a tool decode on in them
+                groups = engine.new_groups([p.ids for p in prompts], streams=streams)
+                result = engine.generate_groups(groups)
+                tooled = self.tools.run_rounds(engine, groups, result)
+                result = replace(result, completion_ids=tooled.completion_ids, logprobs=tooled.logprobs,
+                                 truncated=tooled.truncated, versions=tooled.versions,
+                                 stats=merge_stats(tooled.stats))
+        return self._score(engine, prompts, result, since, tooled)
 
-    def _score(self, engine: RolloutEngine, prompts: list[Prompt], result) -> _ScoredRollout:
+    def _score(self, engine: RolloutEngine, prompts: list[Prompt], result, since: int,
+               tooled: ToolRollout | None = None) -> _ScoredRollout:
+        """Score ``result``, a rollout whose first engine call had index ``since`` (tokens of earlier ones are
+        off-policy; tool rounds run further calls under the same weights)."""
         G = engine.group_size
         examples = [p.example for p in prompts]
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
@@ -428,17 +451,18 @@ class RolloutBuilder:
         # every field of the row but "prompt", whose value the prompts argument holds (TRL drops it alike)
         for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt"}):
             columns[key] = repeat([e.entry.get(key) for e in examples])
-        reward_prompts, reward_completions = reward_arguments(examples, texts)
+        reward_prompts, reward_completions = reward_arguments(examples, texts,
+                                                              None if tooled is None else tooled.messages)
         scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
                                on_error=self.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True
-        current = engine.rollout_index - 1  # the rollout just run
-        offpolicy = [sum(v < current for sample in group for v in sample) for group in result.versions]
+        offpolicy = [sum(v < since for sample in group for v in sample) for group in result.versions]
         return _ScoredRollout(prompts=prompts, completion_ids=result.completion_ids, logprobs=result.logprobs,
                               truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                               components={k: v.view(len(examples), G) for k, v in scores.components.items()},
-                              skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy, logs=scores.logs)
+                              skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy, logs=scores.logs,
+                              tools=tooled)
 
     def _check_some_group_scored(self, rollouts: list[_ScoredRollout]) -> None:
         """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
@@ -494,6 +518,12 @@ class RolloutBuilder:
         ids_tensor, mask = pad_right(flat_ids, pad, max((len(ids) for ids in flat_ids), default=1))
         logprobs, _ = pad_right([lp for group in pick("logprobs") for lp in group], 0.0, ids_tensor.shape[1],
                                 dtype=torch.float32)
+        tool_mask = None
+        if self.tools is not None:  # padded with 1 as TRL's: completion_mask leaves the padding out
+            tool_mask, _ = pad_right([m for r, p in chosen for m in rollouts[r].tools.tool_mask[p]], 1,
+                                     ids_tensor.shape[1])
+            tool_mask = tool_mask.view(B, G, -1)
+        drawn = mask.view(B, G, -1) if tool_mask is None else mask.view(B, G, -1) * tool_mask
         prompts = pick("prompts")
         prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
         zero_std = torch.cat([self._zero_std(rollout.rewards, rollout.components) for rollout in rollouts])
@@ -505,7 +535,7 @@ class RolloutBuilder:
             prompts=[p.example.prompt for p in prompts],
             completions=pick("texts"),
             rewards=rewards,
-            completion_lengths=mask.sum(dim=1).view(B, G),
+            completion_lengths=drawn.sum(dim=2),
             truncated=torch.tensor(pick("truncated"), dtype=torch.bool).view(B, G),
             advantages=self._advantages(rewards, components, skipped) if train else torch.zeros_like(rewards),
             prompt_ids=prompt_ids,
@@ -525,6 +555,7 @@ class RolloutBuilder:
             num_groups_zero_std=int(zero_std.sum()) if G > 1 else zero_std.shape[0],
             split="train" if train else "val",
             skipped=skipped,
+            tool_mask=tool_mask,
         )
 
     def _advantages(self, rewards: torch.Tensor, components: dict[str, torch.Tensor],
@@ -574,6 +605,16 @@ def check_partial_rollouts(over_provision: float, max_staleness: int) -> None:
                          "rollouts)")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
         raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 1 (steps a group may be carried)")
+
+
+def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, float]:
+    """``tools/call_frequency`` (tool calls per completion generated this step) and ``tools/failure_frequency``
+    (failed calls per call, 0.0 without calls), TRL's; with the calls as the latter's weight over ranks."""
+    calls = sum(rollout.tools.calls for rollout in rollouts)
+    failures = sum(rollout.tools.failures for rollout in rollouts)
+    completions = sum(len(rollout.prompts) for rollout in rollouts) * group_size
+    return {"tools/call_frequency": calls / max(completions, 1),
+            "tools/failure_frequency": failures / calls if calls else 0.0, "weight/tool_calls": float(calls)}
 
 
 def _carried_state(group: GroupProgress) -> dict:

@@ -47,7 +47,7 @@ def rollout_metrics(batch: Any) -> dict[str, float]:
                             batch.num_groups_generated)
     values.update(_completion_length_values(batch.completion_lengths, batch.truncated))
     values.update({key: float(value) for key, value in batch.metrics.items()})
-    values["weight/completion_tokens"] = batch.completion_mask.sum()
+    values["weight/completion_tokens"] = batch.drawn_mask().sum()
     return _without_absent(on_host(values))
 
 
@@ -130,6 +130,8 @@ STEP_REDUCTIONS: dict[str, str] = {
     "curriculum/mu": "mean",  # the same on every rank (one data-steering state)
     "curriculum/mean_angle": "mean",
     "rollout/rank_skew": "skew",
+    "tools/call_frequency": "mean",  # calls per completion; every rank holds B x G completions
+    "tools/failure_frequency": "mean",  # of the calls, weighted by each rank's (RATIO_WEIGHTS)
 }
 
 #: RolloutProfiler's keys (``rollout/<RolloutStats field>``): the step waits for its slowest rank, so times, decode
@@ -191,6 +193,7 @@ RATIO_WEIGHTS: dict[str, str] = {
     "sampling/sampling_logp_difference/mean": "weight/sampling_logp_tokens",
     "sampling/importance_sampling_ratio/mean": "weight/importance_sampling_ratios",
     "rollout/slot_utilization": "weight/slot_steps",
+    "tools/failure_frequency": "weight/tool_calls",
 }
 WEIGHT_PREFIX = "weight/"
 

@@ -234,7 +234,7 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
                   template: str = "{prompt}", history: Sequence[Mapping[str, str]] = (),
-                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                  chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of one prompt: ``template`` with ``{prompt}`` replaced by the prompt (every other brace kept as
     written, e.g. ``\\boxed{}``) as the user message, through the chat template.
 
@@ -242,6 +242,7 @@ def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
     first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
     the plain text (system prompt, a blank line, the turns' contents, the message). ``chat_template_kwargs``: more
     variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``), each one the template reads.
+    ``tools``: the tools' JSON schemas, for the chat template's ``tools=`` (``lit_grpo.rollout.tools``).
     """
     text = template.replace("{prompt}", prompt)
     history = [dict(turn) for turn in history]
@@ -252,8 +253,9 @@ def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
     if getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
             {"role": "user", "content": text}]
+        # tools=None, never []: some templates (Llama's) render their tool boilerplate for an empty list
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                **(chat_template_kwargs or {}))
+                                                tools=tools or None, **(chat_template_kwargs or {}))
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     else:
         before = "".join(turn["content"] + "\n\n" for turn in history)

@@ -471,16 +471,21 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
     return values, skipped, errors
 
 
-def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]]) -> tuple[list[Any], list[Any]]:
+def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
+                     conversations: Sequence[Sequence[list[dict]]] | None = None) -> tuple[list[Any], list[Any]]:
     """``(prompts, completions)`` as reward functions get them, ``N = B x G`` each, from ``B`` prompt examples
     (``PromptExample``) and their ``[B][G]`` completion texts: text; or, where the prompts are chat messages, TRL's
     conversational form: each prompt's messages as its row holds them, each completion
-    ``[{"role": "assistant", "content": text}]`` (a plain prompt among them as its one user message)."""
+    ``[{"role": "assistant", "content": text}]`` (a plain prompt among them as its one user message), or with tool
+    calls (``conversations``, ``[B][G]``: ``lit_grpo.rollout.tools``) its turns and tool messages, as TRL's."""
     if not any(example.messages for example in examples):
         return ([example.prompt for example, group in zip(examples, texts) for _ in group],
                 [text for group in texts for text in group])
     prompts = [[dict(m) for m in example.messages] if example.messages else [{"role": "user", "content": example.prompt}]
                for example in examples]
+    if conversations is not None:
+        return ([prompt for prompt, group in zip(prompts, texts) for _ in group],
+                [list(turns) for group in conversations for turns in group])
     return ([prompt for prompt, group in zip(prompts, texts) for _ in group],
             [[{"role": "assistant", "content": text}] for group in texts for text in group])
 

@@ -26,12 +26,15 @@ class SampleProgress:
         logprobs: the sampler's log-probability of each token.
         versions: the engine's rollout index each token was drawn in.
         done: the sample ended (EOS or the length cap).
+        resumed_at: the caller resumed the sample after it ended, having appended tokens of its own up to here (a
+            tool's result after a turn that called it): the stop tokens before it end nothing.
     """
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     done: bool = False
+    resumed_at: int = 0
 
 
 @dataclass

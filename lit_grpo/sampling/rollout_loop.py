@@ -389,9 +389,9 @@ def _check_progress(groups: list[GroupProgress], cap: int, eos: frozenset[int]) 
                 raise ValueError(f"{where} is unfinished with {n} tokens, but a sample of this rollout ends at {limit} "
                                  f"(max_new_tokens={cap}, or its replayed length): continue it with max_new_tokens "
                                  f"> {n}")
-            if stops := sorted(eos.intersection(sample.tokens)):
-                raise ValueError(f"{where} is unfinished but its tokens hold the stop tokens {stops}; a sample ends "
-                                 "at its first stop token")
+            if stops := sorted(eos.intersection(sample.tokens[sample.resumed_at:])):
+                raise ValueError(f"{where} is unfinished but its tokens hold the stop tokens {stops} after "
+                                 f"resumed_at={sample.resumed_at}; a sample ends at its first stop token")
 
 
 def _limit(group: GroupProgress, k: int, cap: int) -> int:
@@ -400,7 +400,8 @@ def _limit(group: GroupProgress, k: int, cap: int) -> int:
 
 
 def _copy(sample: SampleProgress) -> SampleProgress:
-    return SampleProgress(list(sample.tokens), list(sample.logprobs), list(sample.versions), sample.done)
+    return SampleProgress(list(sample.tokens), list(sample.logprobs), list(sample.versions), sample.done,
+                          sample.resumed_at)
 
 
 def _elapsed_s(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:

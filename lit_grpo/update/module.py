@@ -578,7 +578,7 @@ class GRPOModule(LightningModule):
             micro["shared_prefix"] = share
 
     def _loss_mask(self, micro: dict[str, Any]) -> torch.Tensor:
-        mask = micro["completion_mask"]
+        mask = micro["drawn_mask"]  # a tool's result (data.tools) is no token the policy chose: no loss
         if self.hparams.mask_truncated_completions:
             mask = mask * (~micro["truncated"]).unsqueeze(1).to(mask.dtype)
         skipped = micro.get("skipped")
@@ -739,7 +739,7 @@ class GRPOModule(LightningModule):
             else:
                 loss.backward()
             step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy.detach(),
-                     micro["completion_mask"])
+                     micro["drawn_mask"])
             del logps, entropy, loss
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
         nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"

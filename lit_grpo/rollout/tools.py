@@ -1,0 +1,322 @@
+"""Tool calling during rollouts (EXPERIMENTAL, opt-in: ``data.tools``), as TRL 1.16's ``GRPOTrainer(tools=...)``.
+
+The prompts are rendered with the tools' JSON schemas (the chat template's ``tools=``). A sample whose turn ends
+with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such as ``"</tool_call>"``) gets each
+called tool run on the host, the tool messages rendered by the chat template appended to its tokens, and decodes
+on: the builder hands such samples back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress``
+with ``resumed_at``), re-prefilled with their tokens so far and drawing on from their own random streams, so the
+decode loop is the partial rollouts' one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's.
+
+The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
+on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
+completion lengths. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a tool result that
+would leave no room for a drawn token is dropped and the sample ends as it is.
+
+Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in the
+Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_grpo.sampling.carry import GroupProgress, SampleProgress
+
+#: The Hermes / Qwen tool-call format, for tokenizers without a response schema.
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def resolve_tools(specs: Sequence[Any] | None) -> list[Callable]:
+    """The tool functions of ``data.tools``: each a callable or a ``"package.module:function"`` name, imported.
+    Raises naming the entry that does not resolve, or two tools of one name (the model calls them by name)."""
+    if specs is None:
+        return []
+    if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Sequence):
+        raise ValueError(f"tools={specs!r:.80} must be a list of callables or 'package.module:function' names")
+    tools = [_resolve_tool(spec) for spec in specs]
+    names = [tool.__name__ for tool in tools]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"tools has several functions named {repeated}; the model calls a tool by its name, so "
+                         "each needs its own")
+    return tools
+
+
+def _resolve_tool(spec: Any) -> Callable:
+    if callable(spec):
+        if not hasattr(spec, "__name__"):
+            raise ValueError(f"tool {spec!r:.80} has no __name__: give a function (its name, type hints and "
+                             "docstring make its schema)")
+        return spec
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"tool {spec!r:.80} must be a callable or a 'package.module:function' name")
+    module_name, attribute = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"tool {spec!r}: module {module_name!r} does not import ({error})") from error
+    tool = getattr(module, attribute, None)
+    if not callable(tool):
+        raise ValueError(f"tool {spec!r}: module {module_name!r} has no function {attribute!r}")
+    return tool
+
+
+def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
+    """``[len(tools)]`` JSON schemas from the functions' type hints and docstrings (transformers'
+    ``get_json_schema``); raises naming a function it cannot describe."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for tool in tools:
+        try:
+            schemas.append(get_json_schema(tool))
+        except Exception as error:  # its own TypeError / DocstringParsingException, each naming what is missing
+            raise ValueError(f"tool {tool.__name__!r} has no JSON schema: {error}; a tool needs type hints on "
+                             "every argument and a Google-style docstring with an Args section") from error
+    return schemas
+
+
+@dataclass
+class ToolRollout:
+    """One rollout's completions after its tool rounds, ``[b][G]`` each, as ``RolloutResult``'s fields.
+
+    Attributes:
+        tool_mask: ``[b][G][T_i]`` 1 on drawn tokens, 0 on appended tool messages.
+        messages: ``[b][G]`` each completion as a conversation: its assistant turns (``content`` and
+            ``tool_calls``) and tool messages; one assistant turn where it called no tool.
+        calls, failures: tool calls made and those that failed (unknown tool, bad arguments, the tool raised).
+    """
+
+    completion_ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+    versions: list[list[list[int]]]
+    truncated: list[list[bool]]
+    tool_mask: list[list[list[int]]]
+    messages: list[list[list[dict]]]
+    stats: list[Any] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+
+
+class ToolBox:
+    """The tools of a run, their schemas and the tokenizer that renders and parses their turns.
+
+    Args:
+        tools: ``data.tools`` (``resolve_tools``).
+        tokenizer: the policy's; its chat template must render the tools and tool messages (checked here).
+        max_tool_calling_iterations: tool rounds per completion (TRL's setting); None: no count (the rounds still
+            end, as each appends tokens within ``max_new_tokens``).
+        chat_template_kwargs: the chat template's variables (``data.chat_template_kwargs``).
+    """
+
+    def __init__(self, tools: Sequence[Any], tokenizer: Any, max_tool_calling_iterations: int | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None):
+        self.tools = resolve_tools(tools)
+        if not self.tools:
+            raise ValueError("tools is empty: give at least one tool, or leave data.tools unset")
+        check_max_tool_calling_iterations(max_tool_calling_iterations)
+        self.max_iterations = max_tool_calling_iterations
+        self.schemas = tool_schemas(self.tools)
+        self.by_name = {tool.__name__: tool for tool in self.tools}
+        self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
+        check_template_renders_tools(tokenizer, self.schemas, self.chat_template_kwargs)
+        # the schema parse_response reads (TRL's test); else the Hermes format
+        self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
+                                                                                  "response_template"))
+
+    # ------------------------------------------------------------------------------------------ parsing
+    def parse(self, ids: Sequence[int]) -> tuple[str, list[dict]]:
+        """One assistant turn's text and its tool calls (``[{"name", "arguments"}]``, empty: no call)."""
+        if self.parses:
+            message = self.tokenizer.parse_response(list(ids), tools=self.schemas)
+            calls = [call.get("function", call) for call in message.get("tool_calls") or []]
+            return message.get("content") or "", [{"name": c.get("name"), "arguments": c.get("arguments")}
+                                                  for c in calls]
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        calls = [_hermes_call(body) for body in HERMES_CALL.findall(text)]
+        # a call is acted on only where the turn ends with it (text after the last call: the model went on)
+        if calls and text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
+            calls = []
+        return (text[:text.find("<tool_call>")].strip() if calls else text), calls
+
+    # ------------------------------------------------------------------------------------------ running
+    def run(self, call: dict) -> tuple[str, Any, bool]:
+        """``(name, result, failed)`` of one parsed call; an unknown tool, bad arguments or the tool's exception
+        give ``{"error": text}``."""
+        name, arguments = call.get("name"), call.get("arguments")
+        if isinstance(arguments, str):  # some formats carry the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if "error" in call:
+            return str(name or "unknown"), {"error": call["error"]}, True
+        if name not in self.by_name:
+            return str(name or "unknown"), {"error": f"Tool {name} not found."}, True
+        if not isinstance(arguments, Mapping):
+            return name, {"error": f"arguments must be a JSON object, got {arguments!r:.80}"}, True
+        try:
+            return name, self.by_name[name](**arguments), False
+        except Exception as error:  # the model learns from its error text, as TRL's
+            return name, {"error": str(error)}, True
+
+    def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tokens after an assistant turn that called tools, up to the next assistant turn's start: the tool
+        messages as the chat template renders them (a conversation with and without them, the first cut after its
+        last EOS: TRL's ``_get_tool_suffix_ids``)."""
+        return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs)
+
+    def run_rounds(self, engine: Any, groups: Sequence[GroupProgress], result: Any) -> ToolRollout:
+        """Tool rounds after ``engine.generate_groups(groups)`` gave ``result`` (every group completed, in input
+        order): run the calls that end a turn, append their messages, continue those samples with
+        ``generate_groups``, until no turn calls a tool or ``max_tool_calling_iterations`` rounds ran."""
+        out = ToolRollout([[list(ids) for ids in group] for group in result.completion_ids],
+                          [[list(lp) for lp in group] for group in result.logprobs],
+                          [[list(v) for v in group] for group in result.versions],
+                          [list(group) for group in result.truncated],
+                          [[[1] * len(ids) for ids in group] for group in result.completion_ids],
+                          [[[] for _ in group] for group in result.completion_ids], [result.stats])
+        turn_start = [[0] * len(group) for group in out.completion_ids]
+        pending = self._ended_turns(out, turn_start, [(p, k) for p, group in enumerate(out.completion_ids)
+                                                      for k in range(len(group))])
+        eos = set(engine.eos_token_ids)
+        rounds = 0
+        while pending and (self.max_iterations is None or rounds < self.max_iterations):
+            resumed = []
+            for (p, k), calls in pending.items():
+                results = [self.run(call) for call in calls]
+                out.calls += len(results)
+                out.failures += sum(failed for _, _, failed in results)
+                tool_messages = [{"role": "tool", "name": name, "content": _content(value)}
+                                 for name, value, _ in results]
+                ids = out.completion_ids[p][k]
+                # a turn cut by a stop string has no end-of-turn token yet: the template's EOS closes it
+                suffix = ([] if ids[-1] in eos else [self.tokenizer.eos_token_id]) + self.suffix_ids(tool_messages)
+                if len(ids) + len(suffix) >= engine.max_new_tokens:  # no room to answer: it ends as it is (TRL)
+                    continue
+                ids.extend(suffix)
+                out.logprobs[p][k].extend([0.0] * len(suffix))
+                out.versions[p][k].extend([engine.rollout_index - 1] * len(suffix))
+                out.tool_mask[p][k].extend([0] * len(suffix))
+                out.messages[p][k].extend(tool_messages)
+                turn_start[p][k] = len(ids)
+                resumed.append((p, k))
+            if not resumed:
+                break
+            self._continue(engine, groups, out, resumed)
+            pending = self._ended_turns(out, turn_start, resumed)
+            rounds += 1
+        return out  # samples still in ``pending`` hit the round cap: their last turn stays an unanswered call
+
+    def _ended_turns(self, out: ToolRollout, turn_start: list[list[int]],
+                     keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], list[dict]]:
+        """Record each sample's newest assistant turn in ``out.messages``; return those that end with tool calls
+        (a truncated sample's turn never does: it was cut)."""
+        pending = {}
+        for p, k in keys:
+            ids = out.completion_ids[p][k][turn_start[p][k]:]
+            text, calls = self.parse(ids) if ids else ("", [])
+            message = {"role": "assistant", "content": text}
+            if calls and not out.truncated[p][k]:
+                message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+                pending[(p, k)] = calls
+            out.messages[p][k].append(message)
+        return pending
+
+    @staticmethod
+    def _continue(engine: Any, groups: Sequence[GroupProgress], out: ToolRollout,
+                  resumed: list[tuple[int, int]]) -> None:
+        """Decode on the ``resumed`` samples (carried progress: their tokens so far, their own streams)."""
+        by_group: dict[int, set[int]] = {}
+        for p, k in resumed:
+            by_group.setdefault(p, set()).add(k)
+        order = sorted(by_group)
+        carried = [GroupProgress(groups[p].prompt_ids,
+                                 [SampleProgress(out.completion_ids[p][k], out.logprobs[p][k], out.versions[p][k],
+                                                 done=k not in by_group[p],
+                                                 resumed_at=len(out.completion_ids[p][k]))
+                                  for k in range(len(out.completion_ids[p]))],
+                                 groups[p].stream, tag=groups[p].tag) for p in order]
+        result = engine.generate_groups(carried)
+        out.stats.append(result.stats)
+        for i, p in enumerate(order):
+            for k in by_group[p]:
+                new = result.completion_ids[i][k][len(out.completion_ids[p][k]):]
+                out.tool_mask[p][k].extend([1] * len(new))
+                out.completion_ids[p][k] = list(result.completion_ids[i][k])
+                out.logprobs[p][k] = list(result.logprobs[i][k])
+                out.versions[p][k] = list(result.versions[i][k])
+                out.truncated[p][k] = result.truncated[i][k]
+
+
+def check_max_tool_calling_iterations(value: Any) -> None:
+    """Raise naming ``value`` unless it is None or an int >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"max_tool_calling_iterations={value!r} must be an integer >= 0 (tool rounds per "
+                         "completion) or None (no count: max_new_tokens bounds the rounds)")
+
+
+def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any]) -> None:
+    """Raise unless the tokenizer's chat template shows ``tools=`` in a prompt and renders tool messages."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.tools needs a chat template (the tools are passed to it as tools=); this tokenizer "
+                         "has none")
+    messages = [{"role": "user", "content": "x"}]
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    shown = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True,
+                                          **kwargs)
+    if plain == shown:
+        raise ValueError("this tokenizer's chat template ignores tools= (a prompt renders the same with and without "
+                         "them), so the model would never see data.tools: use a model whose template supports tool "
+                         "use")
+    tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], kwargs)
+
+
+def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[str, Any]) -> list[int]:
+    """See ``ToolBox.suffix_ids``; raises where the template does not render them as a continuation."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    try:
+        prefix = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
+        full = _ids(tokenizer.apply_chat_template(before + tool_messages, tokenize=True, add_generation_prompt=True,
+                                                  **kwargs))
+    except Exception as error:
+        raise ValueError(f"the chat template cannot render a tool turn ({error}); data.tools needs a template "
+                         "that renders assistant tool_calls and role 'tool' messages") from error
+    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if ends:  # the turn ends at its EOS; what a template writes after it (a newline) starts the suffix
+        prefix = prefix[:ends[-1] + 1]
+    if full[:len(prefix)] != prefix or len(full) == len(prefix):
+        raise ValueError("the chat template does not render tool messages as a continuation of the assistant's "
+                         "turn (a conversation with them does not start with the one without), so tool results "
+                         "cannot be appended to a completion")
+    return full[len(prefix):]
+
+
+def _ids(encoded: Any) -> list[int]:
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
+    return [int(t) for t in ids]
+
+
+def _hermes_call(body: str) -> dict:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as error:
+        return {"name": None, "arguments": None, "error": f"the tool call is not JSON ({error})"}
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return {"name": None, "arguments": None, "error": 'a tool call is {"name": ..., "arguments": {...}}'}
+    return {"name": call["name"], "arguments": call.get("arguments", {})}
+
+
+def _content(value: Any) -> str:
+    """A tool's result as a tool message's content: text as it is, anything else as JSON (or its str)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)

@@ -1,0 +1,225 @@
+"""EXPERIMENTAL tool calling during rollouts (lit_grpo.rollout.tools, data.tools): the tool runs with the parsed
+arguments, its result sits in the completion with no loss, the round cap holds, a failing tool's error is its
+result, and the tools/ metrics."""
+
+import copy
+
+import pytest
+import torch
+
+from lit_grpo import RolloutEngine, load_model_and_tokenizer
+from lit_grpo.rollout.metrics import reduce_over_ranks
+from lit_grpo.rollout.tools import ToolBox
+from lit_grpo.runtime.validation import ConfigError
+
+from test_module import grads_after_step, make_datamodule, make_module
+
+#: The tiny tokenizer's template with tools (a system turn listing them), assistant tool calls in the Hermes format
+#: and tool turns.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CALLS = []
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    CALLS.append((a, b))
+    return a + b
+
+
+def explode(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError(f"boom {x}")
+
+
+def undocumented(x):
+    return x
+
+
+class Scripted:
+    """A RolloutEngine whose every turn replays ``turn`` (token replay, carried samples included): each decode of a
+    sample emits it, so every turn calls a tool."""
+
+    def __init__(self, engine: RolloutEngine, turn: list[int]):
+        self.engine, self.turn = engine, turn
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def new_groups(self, prompts, lengths=None, tags=None, **kwargs):
+        return self.engine.new_groups(prompts, tags=tags, **kwargs)
+
+    def generate_groups(self, groups, complete=None, finish=()):
+        for g in groups:
+            g.forced_tokens = [s.tokens + self.turn for s in g.samples]
+            g.forced_lengths = [min(len(s.tokens) + len(self.turn), self.engine.max_new_tokens + 1)
+                                for s in g.samples]
+        return self.engine.generate_groups(groups, complete, finish)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return model.eval(), tokenizer
+
+
+def call_turn(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def rollout(llama, tools, turn_text, iterations=None, max_new_tokens=200, group_size=2):
+    model, tokenizer = llama
+    box = ToolBox(tools, tokenizer, iterations)
+    engine = RolloutEngine(model, tokenizer, group_size=group_size, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=max_new_tokens, seed=0)
+    engine = Scripted(engine, call_turn(tokenizer, turn_text))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=box.schemas,
+                                           add_generation_prompt=True, return_dict=False)
+    groups = engine.new_groups([prompt])
+    with torch.no_grad():
+        result = engine.generate_groups(groups)
+        return box, box.run_rounds(engine, groups, result)
+
+
+ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def test_a_tool_call_runs_the_tool_and_its_masked_result_sits_in_the_completion(llama):
+    _, tokenizer = llama
+    CALLS.clear()
+    box, out = rollout(llama, [add], ADD_CALL, iterations=1)
+    assert CALLS == [(2, 3), (2, 3)]  # each of the G=2 samples called it once, with the parsed arguments
+    assert (out.calls, out.failures) == (2, 0)
+    turn = call_turn(tokenizer, ADD_CALL)
+    suffix = box.suffix_ids([{"role": "tool", "name": "add", "content": "5"}])
+    for k in range(2):
+        ids, mask = out.completion_ids[0][k], out.tool_mask[0][k]
+        assert len(mask) == len(ids) == len(out.logprobs[0][k])
+        # the call, the tool's message (mask 0), then the model's next turn (here the replay's call again)
+        assert ids == turn + suffix + turn
+        assert mask == [1] * len(turn) + [0] * len(suffix) + [1] * len(turn)
+        assert out.logprobs[0][k][len(turn):len(turn) + len(suffix)] == [0.0] * len(suffix)
+        roles = [m["role"] for m in out.messages[0][k]]
+        assert roles == ["assistant", "tool", "assistant"]
+        assert out.messages[0][k][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+        assert out.messages[0][k][1]["content"] == "5"
+
+
+def test_the_round_cap_holds_and_none_ends_at_the_length_cap(llama):
+    _, out = rollout(llama, [add], ADD_CALL, iterations=2, max_new_tokens=400)
+    assert out.calls == 4  # 2 rounds x 2 samples; the third turn's call is left unanswered
+    assert [m["role"] for m in out.messages[0][0]] == ["assistant", "tool"] * 2 + ["assistant"]
+    assert "tool_calls" in out.messages[0][0][-1]
+    _, none = rollout(llama, [add], ADD_CALL, iterations=0)
+    assert none.calls == 0 and none.tool_mask[0][0] == [1] * len(none.completion_ids[0][0])
+    _, unbounded = rollout(llama, [add], ADD_CALL, iterations=None, max_new_tokens=400)
+    assert unbounded.calls > 4
+    assert all(len(ids) <= 400 for ids in unbounded.completion_ids[0])
+
+
+def test_a_failing_tool_returns_its_error_text(llama):
+    _, out = rollout(llama, [add, explode], '<tool_call>{"name": "explode", "arguments": {"x": 7}}</tool_call>',
+                     iterations=1)
+    assert (out.calls, out.failures) == (2, 2)
+    assert out.messages[0][0][1] == {"role": "tool", "name": "explode", "content": '{"error": "boom 7"}'}
+    _, unknown = rollout(llama, [add], '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', iterations=1)
+    assert unknown.failures == 2 and "nope not found" in unknown.messages[0][0][1]["content"]
+
+
+def test_bad_tool_settings_name_the_value(llama):
+    _, tokenizer = llama
+    with pytest.raises(ValueError, match="'no_such_module_x:f'.*does not import"):
+        ToolBox(["no_such_module_x:f"], tokenizer)
+    with pytest.raises(ValueError, match="'undocumented' has no JSON schema"):
+        ToolBox([undocumented], tokenizer)
+    with pytest.raises(ValueError, match="max_tool_calling_iterations=-1"):
+        ToolBox([add], tokenizer, -1)
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="ignores tools="):
+        ToolBox([add], plain)
+    with pytest.raises(ConfigError, match="data.tools.*'tests_x.y:z'"):
+        make_datamodule(make_module(), tools=["tests_x.y:z"])
+
+
+def tool_batch(**kwargs):
+    """A training batch whose every sample called ``add`` once (replayed), from the data module."""
+    module = make_module()
+    module.tokenizer.chat_template = TOOLS_TEMPLATE
+    dm = make_datamodule(module, tools=[add], max_tool_calling_iterations=1, max_new_tokens=200, **kwargs)
+    builder = dm._require_builder()
+    builder._engine = Scripted(builder.engine, call_turn(module.tokenizer, ADD_CALL))
+    return module, dm.build_train_batch()
+
+
+def test_the_batch_masks_tool_results_counts_drawn_lengths_and_logs_the_tools_metrics():
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [1.0] * len(completions)
+
+    _, batch = tool_batch(reward_funcs=[reward])
+    turn = len(call_turn(load_model_and_tokenizer("tiny-llama")[1], ADD_CALL))
+    assert batch.tool_mask is not None and batch.tool_mask.shape == batch.completion_mask.shape
+    tool_tokens = (batch.completion_mask * (1 - batch.tool_mask)).sum(dim=2)
+    assert (tool_tokens > 0).all()
+    assert torch.equal(batch.completion_lengths, torch.full_like(batch.completion_lengths, 2 * turn))
+    assert torch.equal(batch.completion_lengths + tool_tokens, batch.completion_mask.sum(dim=2))
+    assert batch.metrics["tools/call_frequency"] == 1.0 and batch.metrics["tools/failure_frequency"] == 0.0
+    assert "5" in batch.completions[0][0]  # the text holds the tool's result
+    assert all(isinstance(c, str) and "<tool_call>" in c for c in seen)  # plain prompts: text, as TRL's
+
+
+def test_tool_results_carry_no_gradient():
+    """Tool tokens at a completion's end, masked, leave the update's gradient as it is without them; unmasked, they
+    change it (so the comparison can fail)."""
+    module, batch = tool_batch(reward_funcs=["char_fraction"])
+    batch.advantages = torch.linspace(-1, 1, batch.advantages.numel()).view_as(batch.advantages)
+    # drop every row's tokens after its tool result: the result then ends each completion
+    first_tool = (batch.tool_mask == 0).int().argmax(dim=2)
+    end = (first_tool + (batch.completion_mask * (1 - batch.tool_mask)).sum(dim=2))
+    keep = torch.arange(batch.completion_ids.shape[2]) < end[..., None]
+    ended = copy.copy(batch)
+    ended.completion_mask = batch.completion_mask * keep
+    ended.completion_lengths = (ended.completion_mask * batch.tool_mask).sum(dim=2)
+    ended.__dict__.pop("_host_lengths", None)
+    without = copy.copy(ended)  # the same completions cut before their tool results
+    without.completion_mask = ended.completion_mask * batch.tool_mask
+    without.tool_mask = None
+    unmasked = copy.copy(ended)
+    unmasked.tool_mask = torch.ones_like(batch.tool_mask)
+    masked_grads, masked_metrics = grads_after_step(module, ended)
+    plain_grads, plain_metrics = grads_after_step(module, without)
+    unmasked_grads, _ = grads_after_step(module, unmasked)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(masked_grads[name], grad, rtol=1e-4, atol=1e-7)
+    assert any(not torch.allclose(unmasked_grads[n], g, rtol=1e-3, atol=1e-6) for n, g in plain_grads.items())
+    assert masked_metrics["train/entropy"] == pytest.approx(plain_metrics["train/entropy"], rel=1e-5)
+
+
+def test_tool_metrics_reduce_over_ranks_as_one_process_would():
+    keys = ["tools/call_frequency", "tools/failure_frequency"]
+    ranks = [{"tools/call_frequency": 1.0, "tools/failure_frequency": 0.5, "weight/tool_calls": 8.0},
+             {"tools/call_frequency": 0.25, "tools/failure_frequency": 0.0, "weight/tool_calls": 2.0}]
+    reduced = reduce_over_ranks(ranks, keys)
+    assert reduced["tools/call_frequency"] == pytest.approx(0.625)
+    assert reduced["tools/failure_frequency"] == pytest.approx(4 / 10)  # failures over all calls
