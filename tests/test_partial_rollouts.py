@@ -272,3 +272,32 @@ def test_carried_groups_that_fill_the_rollout_alone_run_without_fresh_ones(tiny6
     batch = builder.build_train(draw)
     assert batch.indices == [p.index for p in carried]
     assert len(draw.drawn) == 2 and builder.carried == []
+
+
+def test_a_resumed_carried_chat_prompt_reaches_the_rewards_as_its_messages(tiny64):
+    """A carried group saved in a checkpoint keeps its chat prompt's messages: after the resume its reward calls get
+    the messages (TRL's conversational form), as every other step's calls of the run did, not the last turn's
+    text."""
+    from lit_grpo.rollout.builder import Prompt, RolloutBuilder, _Carry
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import WeightedReward
+    from lit_grpo.sampling import GroupProgress, SampleProgress, SamplingConfig
+
+    model, tokenizer = tiny64
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2 + 2?"}]
+    seen = []
+
+    def record(prompts, completions, **columns):
+        seen.extend(zip(prompts, completions))
+        return [0.0] * len(prompts)
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=1)
+    saved = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)], prompts_per_step=1)
+    prompt = Prompt(0, PromptExample("What is 2 + 2?", "4", {"prompt": messages}, messages),
+                    tokenizer("What is 2 + 2?")["input_ids"])
+    saved.carried = [GroupProgress(prompt.ids, [SampleProgress() for _ in range(4)], (0, 0), tag=_Carry(prompt))]
+    resumed = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)], prompts_per_step=1)
+    resumed.load_state_dict(saved.state_dict())
+    resumed.build_train(_Draws(tokenizer))
+    assert [p for p, _ in seen] == [messages] * 4
+    assert all(c[0]["role"] == "assistant" for _, c in seen)

@@ -619,8 +619,10 @@ def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, f
 
 def _carried_state(group: GroupProgress) -> dict:
     prompt = group.tag.prompt
+    # the messages too: a chat prompt's reward calls get them (reward_arguments), after a resume as before
     return {"prompt": {"index": prompt.index, "ids": list(prompt.ids), "prompt": prompt.example.prompt,
-                       "answer": prompt.example.answer, "entry": prompt.example.entry},
+                       "answer": prompt.example.answer, "entry": prompt.example.entry,
+                       "messages": prompt.example.messages},
             "steps": group.tag.steps, "stream": list(group.stream), "forced_lengths": group.forced_lengths,
             "samples": [{"tokens": s.tokens, "logprobs": s.logprobs, "versions": s.versions, "done": s.done}
                         for s in group.samples]}
@@ -628,7 +630,8 @@ def _carried_state(group: GroupProgress) -> dict:
 
 def _carried_group(state: dict) -> GroupProgress:
     p = state["prompt"]
-    prompt = Prompt(p["index"], PromptExample(p["prompt"], p["answer"], p["entry"]), list(p["ids"]))
+    example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # older checkpoints: none
+    prompt = Prompt(p["index"], example, list(p["ids"]))
     samples = [SampleProgress(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]), bool(s["done"]))
                for s in state["samples"]]
     return GroupProgress(prompt.ids, samples, tuple(state["stream"]), state["forced_lengths"],
