@@ -500,3 +500,34 @@ def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp
                       limit_val_batches=0, default_root_dir=tmp_path, enable_model_summary=False)
     trainer.fit(GRPOModule(model="tiny-llama", num_iterations=iterations), datamodule=data)
     assert seen == expected
+
+
+def test_a_decorated_trl_reward_function_is_called_as_the_function_it_wraps():
+    """A decorator's forwarding wrapper (``wrapper(*args, **kwargs)``, ``functools.wraps``) around TRL's
+    ``f(completions, solution, **kwargs)`` runs as TRL runs it, by keyword: by position it got the prompts as its
+    completions and the completions as its solution (a TypeError, 'multiple values for argument')."""
+    import functools
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @timed
+    def accuracy(completions, solution, **kwargs):
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    @timed
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    @timed
+    def positional(p, c, **kwargs):  # no parameter named completions: by position, as before
+        return [float(len(c_i)) for c_i in c]
+
+    funcs = [WeightedReward(fn) for fn in (accuracy, length, positional)]
+    assert [f.by_keyword for f in funcs] == [True, True, False]
+    scores = score_rewards(funcs, ["p1", "p2"], ["4", "55"], {"solution": ["4", "4"]}, group_size=2)
+    assert {k: v.tolist() for k, v in scores.components.items()} == {"accuracy": [1.0, 0.0], "length": [1.0, 2.0],
+                                                                     "positional": [1.0, 2.0]}

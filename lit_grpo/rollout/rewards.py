@@ -154,7 +154,8 @@ class WeightedReward:
 
 def check_reward_call(fn: RewardFn, name: str) -> bool:
     """How ``fn`` is called: True for TRL's way, ``prompts`` and ``completions`` by keyword (it has a parameter named
-    ``completions`` that takes a keyword), False for by position, those two first. Refuse a function neither way can
+    ``completions`` that takes a keyword), False for by position, those two first; a decorator's forwarding
+    ``wrapper(*args, **kwargs)`` as the function it wraps (``__wrapped__``). Refuse a function neither way can
     call as meant: no ``**kwargs`` for the columns (every call passes them all, and the row's own fields); by position,
     fewer than two positional parameters, or a column (``answer``, ...) or ``prompts`` / ``completions`` out of its
     place among them. Said before a model loads."""
@@ -164,6 +165,11 @@ def check_reward_call(fn: RewardFn, name: str) -> bool:
         return False
     named = {p.name: p for p in parameters}
     takes_columns = any(p.kind is p.VAR_KEYWORD for p in parameters)  # the columns and every field of the row
+    forwards = any(p.kind is p.VAR_POSITIONAL for p in parameters) and takes_columns and "completions" not in named
+    if forwards and callable(getattr(fn, "__wrapped__", None)):
+        # a decorator's wrapper(*args, **kwargs) passes its arguments on as they come: the function it wraps (TRL's
+        # f(completions, solution, **kwargs)) says how to call it
+        return check_reward_call(fn.__wrapped__, name)
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     if takes_columns and "completions" in named and all(
             named[arg].kind in keyword for arg in ("prompts", "completions") if arg in named):
