@@ -531,3 +531,18 @@ def test_a_decorated_trl_reward_function_is_called_as_the_function_it_wraps():
     scores = score_rewards(funcs, ["p1", "p2"], ["4", "55"], {"solution": ["4", "4"]}, group_size=2)
     assert {k: v.tolist() for k, v in scores.components.items()} == {"accuracy": [1.0, 0.0], "length": [1.0, 2.0],
                                                                      "positional": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("field", ["log_metric", "log_extra"])
+def test_a_row_field_named_as_a_logging_keyword_is_refused_at_setup(field):
+    """Every reward call gets ``log_metric`` and ``log_extra`` (TRL's names) as it gets ``trainer_state``: a row
+    field of that name is refused with the prompts, not at the first step's scoring, after the model loaded and
+    the first rollout ran."""
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import check_row_fields
+
+    examples = [PromptExample("a?", "1", {"prompt": "a?"}), PromptExample("b?", "2", {"prompt": "b?", field: 0})]
+    with pytest.raises(ValueError, match=rf"data.prompts: row 1 has the fields \['{field}'\], which are names the "
+                                         r"reward functions get from lit_grpo itself \(.*log_extra, log_metric.*\); "
+                                         "rename those fields"):
+        check_row_fields(examples, "data.prompts")

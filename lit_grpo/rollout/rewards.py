@@ -300,10 +300,10 @@ def check_gold_answers(reward_funcs: Sequence[WeightedReward], examples: Sequenc
 
 def check_row_fields(examples: Sequence[Any], source: str) -> None:
     """Refuse prompts (``PromptExample``) with a field named as an argument every reward call passes itself
-    (``prompts``, ``completions``, ``trainer_state`` and the ``COLUMNS`` but ``answer``, which is the gold answer
-    by design): the call's value would replace the row's without a word, or collide with it. ``source`` names
-    where the prompts come from, for the message."""
-    taken = {"prompts", "completions", "trainer_state", *COLUMNS} - {"answer"}
+    (``prompts``, ``completions``, ``trainer_state``, ``log_metric``, ``log_extra`` and the ``COLUMNS`` but
+    ``answer``, which is the gold answer by design): the call's value would replace the row's without a word, or
+    collide with it. ``source`` names where the prompts come from, for the message."""
+    taken = {"prompts", "completions", "trainer_state", *LOG_KEYWORDS, *COLUMNS} - {"answer"}
     for index, example in enumerate(examples):
         if clash := sorted(taken & set(example.entry)):
             raise ValueError(f"{source}: row {index} has the fields {clash}, which are names the reward functions "
