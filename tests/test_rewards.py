@@ -546,3 +546,26 @@ def test_a_row_field_named_as_a_logging_keyword_is_refused_at_setup(field):
                                          r"reward functions get from lit_grpo itself \(.*log_extra, log_metric.*\); "
                                          "rename those fields"):
         check_row_fields(examples, "data.prompts")
+
+
+def test_each_completion_gets_a_chat_prompt_of_its_own():
+    """A reward function that builds each conversation on its prompt's list (``p.extend(c)``) sees every
+    completion's prompt as the row holds it, as with TRL's rows: one list shared by a group's completions grew with
+    each of them."""
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import reward_arguments
+
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
+    example = PromptExample("a?", messages=chat)
+    prompts, completions = reward_arguments([example], [["x", "yy", "zzz"]])
+
+    def turns(prompts, completions, **kwargs):
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            prompt.extend(completion)
+            prompt[0]["content"] += "!"
+            out.append(float(len(prompt)))
+        return out
+
+    assert score_rewards([WeightedReward(turns)], prompts, completions, group_size=3).total.tolist() == [3.0] * 3
+    assert example.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]

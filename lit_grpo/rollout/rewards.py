@@ -487,13 +487,13 @@ def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
     if not any(example.messages for example in examples):
         return ([example.prompt for example, group in zip(examples, texts) for _ in group],
                 [text for group in texts for text in group])
-    prompts = [[dict(m) for m in example.messages] if example.messages else [{"role": "user", "content": example.prompt}]
-               for example in examples]
+    prompts = [example.messages or [{"role": "user", "content": example.prompt}] for example in examples]
+    # a list of its own for each completion, as TRL's rows give: a function building the conversation on it
+    # (prompt.extend(completion)) would otherwise extend the group's next prompts too, and the row's messages
+    prompts = [[dict(m) for m in prompt] for prompt, group in zip(prompts, texts) for _ in group]
     if conversations is not None:
-        return ([prompt for prompt, group in zip(prompts, texts) for _ in group],
-                [list(turns) for group in conversations for turns in group])
-    return ([prompt for prompt, group in zip(prompts, texts) for _ in group],
-            [[{"role": "assistant", "content": text}] for group in texts for text in group])
+        return prompts, [[dict(turn) for turn in turns] for group in conversations for turns in group]
+    return prompts, [[{"role": "assistant", "content": text}] for group in texts for text in group]
 
 
 def score_rewards(
