@@ -569,3 +569,30 @@ def test_each_completion_gets_a_chat_prompt_of_its_own():
 
     assert score_rewards([WeightedReward(turns)], prompts, completions, group_size=3).total.tolist() == [3.0] * 3
     assert example.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
+
+
+def test_an_error_names_a_chat_prompt_by_its_question():
+    """A chat prompt is named in an error by its last message, the question asked: its messages' repr, cut to 300
+    characters, showed a system prompt every row shares and never the row that failed."""
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import RewardFunctionError, reward_arguments
+
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    examples = [PromptExample(q, messages=[system, {"role": "user", "content": q}])
+                for q in ("What is 1+1?", "Name a prime above 100.")]
+    prompts, completions = reward_arguments(examples, [["a", "b"], ["c", "d"]])
+
+    def picky(prompts, completions, **kwargs):
+        if any("prime" in prompt[-1]["content"] for prompt in prompts):
+            raise KeyError("metadata")
+        return [0.0] * len(prompts)
+
+    def not_finite(prompts, completions, **kwargs):
+        return [0.0, 0.0, math.nan, 0.0]
+
+    with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'metadata' on prompt 1 'Name a prime above "
+                                                  r"100\.'$") as raised:
+        score_rewards([WeightedReward(picky)], prompts, completions, group_size=2)
+    assert raised.value.prompt == "Name a prime above 100."
+    with pytest.raises(ValueError, match=r"returned nan at index 2 for prompt 'Name a prime above 100\.'; "):
+        score_rewards([WeightedReward(not_finite)], prompts, completions, group_size=2)

@@ -41,6 +41,12 @@ class PromptExample:
     messages: list[dict[str, str]] | None = None
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as a reward function gets it, as text: itself, or a chat prompt's (its messages) last message's
+    content, the user turn the policy answers."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
 def completion_text(completion: Any) -> str:
     """A completion as a reward function gets it, as text: itself, or a conversational one's (TRL's
     ``[{"role": "assistant", "content": text}]``, for chat prompts) last message's content."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.rollout.prompts import completion_text
+from lit_grpo.rollout.prompts import completion_text, prompt_text
 from lit_grpo.runtime.validation import check_int
 
 
@@ -69,7 +69,7 @@ class RewardModel:
         """What the reward model reads for each completion (module docstring); ``prompts`` and ``completions`` text,
         or chat messages (``reward_arguments``' conversational form)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            return [_prompt_text(prompt) + completion_text(completion)
+            return [prompt_text(prompt) + completion_text(completion)
                     for prompt, completion in zip(prompts, completions)]
         out = []
         for prompt, completion in zip(prompts, completions):
@@ -90,11 +90,6 @@ class RewardModel:
                                     padding_side="right", add_special_tokens=False).to(device)
             scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return scores
-
-
-def _prompt_text(prompt: Any) -> str:
-    """A prompt as text: itself, or a chat prompt's last message's content."""
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 def _folder_or_id(model: str) -> str | Path:

@@ -71,6 +71,7 @@ import torch
 
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
+from lit_grpo.rollout.prompts import prompt_text
 from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
@@ -374,6 +375,13 @@ class RewardScores:
     logs: RewardLogs | None = None
 
 
+def _shown(prompt: Any) -> Any:
+    """A prompt as an error names it: a chat prompt by its last message's text (``prompt_text``), the question
+    asked, where its messages' repr, cut short, showed a system prompt shared by every row."""
+    is_chat = isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping) and "content" in prompt[-1]
+    return prompt_text(prompt) if is_chat else prompt
+
+
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
@@ -392,11 +400,11 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
         number = as_number(value)
         if number is None:
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
-                             f"for prompt {prompts[i]!r:.300}; values must be floats or None")
+                             f"for prompt {_shown(prompts[i])!r:.300}; values must be floats or None")
         if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # rewards are float32 tensors
             raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
-                             f"{prompts[i]!r:.300}; values must be finite in float32, |value| <= {FLOAT32_MAX:.4g} "
-                             "(or None for no opinion)")
+                             f"{_shown(prompts[i])!r:.300}; values must be finite in float32, |value| <= "
+                             f"{FLOAT32_MAX:.4g} (or None for no opinion)")
         out.append(number)
     return out
 
@@ -460,9 +468,9 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                         {k: list(v[start:end]) for k, v in columns.items()}, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
-                       f"{group} {prompts[start]!r:.300}")
+                       f"{group} {_shown(prompts[start])!r:.300}")
             if on_error == "raise":
-                raise RewardFunctionError(message, reward.name, prompts[start], group) from group_err
+                raise RewardFunctionError(message, reward.name, _shown(prompts[start]), group) from group_err
             skipped.append(group)
             errors.append(message)
             values.extend([None] * (end - start))
@@ -470,7 +478,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         values.extend(_check_values(raw, reward.name, prompts[start:end], end - start))
         logs.add(log, offset=start)
     if not skipped:
-        prompt = prompts[0] if prompts else None
+        prompt = _shown(prompts[0]) if prompts else None
         raise RewardFunctionError(f"reward function {reward.name!r} raised {type(err).__name__}: {err} on the whole "
                                   f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
                                   reward.name, prompt, None) from err
