@@ -215,6 +215,28 @@ def test_trl_gets_lit_grpos_prompts_in_its_order(demo):
     assert rows[0]["prompt"][-1]["role"] == "user" and rows[0]["answer"] is not None
 
 
+def test_lit_grpos_rewards_take_trls_call_and_keywords(tmp_path):
+    """The comparison hands TRL lit_grpo's reward functions wrapped into TRL's signature: TRL's own keywords
+    (trainer_state, log_metric) reach them, and a TRL-shaped function among them is called its way."""
+    from tools.compare_trl_runs import StepLog, trl_reward_funcs
+
+    logged = []
+
+    def solution_reward(completions, answer, trainer_state, log_metric, **kwargs):
+        log_metric("seen_step", trainer_state.global_step)
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    spec = {"max_new_tokens": 4, "data": {"reward_funcs": [solution_reward]}}
+    (wrapped,) = trl_reward_funcs(spec, {0}, StepLog(tmp_path / "log.jsonl", cuda=False))
+    state = type("TrainerState", (), {"global_step": 3})()
+    scores = wrapped(prompts=[[{"role": "user", "content": "1 + 1?"}]] * 2,
+                     completions=[[{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "3"}]],
+                     completion_ids=[[5, 0], [6, 0]], answer=["2", "2"], entry_json=["{}", "{}"], index=[0, 0],
+                     trainer_state=state, log_metric=lambda name, value: logged.append((name, value)),
+                     log_extra=lambda column, values: None)
+    assert scores == [1.0, 0.0] and logged == [("seen_step", 3)]
+
+
 def test_abba_order():
     runs = compare_trl.plan(compare_trl.parse_order("lit,trl,trl,lit"), [0, 7], 2)
     assert [(r["cell"], r["seed"], r["system"], r["repeat"]) for r in runs[:8]] == [

@@ -224,7 +224,9 @@ def trl_reward_funcs(spec: dict[str, Any], eos_token_ids: set[int], step_log: St
                                      for n, ids in zip(lengths, completion_ids)],
                        "max_new_tokens": [spec["max_new_tokens"]] * len(texts)}
             step_log.add(prompts=list(dict.fromkeys(index)))  # one per group, in order
-            return list(reward.fn(questions, texts, **columns))
+            # TRL's own keywords (trainer_state, log_metric, log_extra) go on, and the function is called its way
+            passed = {key: kwargs[key] for key in ("trainer_state", "log_metric", "log_extra") if key in kwargs}
+            return list(reward.call(questions, texts, **columns, **passed))
 
         reward_func.__name__ = reward.name
         return reward_func
