@@ -643,3 +643,33 @@ def test_the_batch_scale_over_ranks_leaves_out_every_ranks_unscored_completions(
     std = pool[~pool.isnan()].std()
     expected = (values - values.nanmean(dim=1, keepdim=True)) / (std + 1e-4)
     torch.testing.assert_close(advantages, expected.nan_to_num(0.0))
+
+
+def test_a_reward_function_changing_its_arguments_changes_nothing_of_the_run():
+    """Each completion's columns are copies of its own, as TRL's rows: a reward function that edits its entry, a row
+    field or its completion's token ids leaves the prompt set, the rollout's tokens and the other completions' as
+    they were."""
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    seen = []
+
+    def vandal(prompts, completions, entry, tags, completion_ids, **columns):
+        seen.append(([dict(e) for e in entry], [list(t) for t in tags]))
+        for e, t, ids in zip(entry, tags, completion_ids):
+            e["answer"] = "changed"
+            t.append("changed")
+            ids.append(-1)
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": f"{i} + 1?", "answer": str(i + 1), "tags": ["a"]} for i in range(4)]
+    dm = RolloutDataModule(prompts=rows, val_size=0, prompts_per_step=2, reward_funcs=[vandal],
+                           sampling={"group_size": 2, "micro_group_size": 2, "max_new_tokens": 3})
+    dm.attach(model, tokenizer)
+    dm.setup("fit")
+    batch = dm.build_train_batch()
+    assert all(e["answer"] != "changed" for e, _ in zip(*seen[0]))  # each completion saw the row as it is
+    assert all(t == ["a"] for t in seen[0][1])
+    assert all(example.entry["tags"] == ["a"] and example.entry["answer"] != "changed" for example in dm.examples)
+    assert int(batch.completion_ids.min()) >= 0  # no -1 reached the tokens trained on

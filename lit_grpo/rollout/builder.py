@@ -24,6 +24,7 @@ across ranks). It knows nothing about Lightning. The slot cache's memory decisio
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -439,11 +440,13 @@ class RolloutBuilder:
         examples = [p.example for p in prompts]
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
                  for group in result.completion_ids]
-        repeat = lambda per_prompt: [v for v in per_prompt for _ in range(G)]  # noqa: E731
+        # each completion gets copies of its own, as TRL's rows are: a reward function that changes one changes
+        # neither the prompt set, the rollout's tokens, nor another completion's
+        repeat = lambda per_prompt: [copy.deepcopy(v) for v in per_prompt for _ in range(G)]  # noqa: E731
         columns = {
             "answer": repeat([e.answer for e in examples]),
             "entry": repeat([e.entry for e in examples]),
-            "completion_ids": [ids for group in result.completion_ids for ids in group],
+            "completion_ids": [list(ids) for group in result.completion_ids for ids in group],
             "completion_length": [len(ids) for group in result.completion_ids for ids in group],
             "truncated": [t for group in result.truncated for t in group],
             "max_new_tokens": [engine.max_new_tokens] * (len(examples) * G),
