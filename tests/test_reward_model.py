@@ -59,6 +59,13 @@ def test_a_chat_prompts_messages_are_the_conversation_and_a_template_free_tokeni
                                                         tokenize=False)
     plain = RewardModel(save_reward_model(tmp_path / "plain", chat_template=False))
     assert plain.texts(["Q: 2 + 2? A:"], [" 4"]) == ["Q: 2 + 2? A: 4"]
+    # a chat prompt without a template: every turn's content, the system's too, none dropped
+    assert plain.texts([history], [[{"role": "assistant", "content": "4"}]]) == ["Be brief.\n\n2 + 2?4"]
+    # a completion with tool turns (data.tools): every turn is read, not only the last
+    turns = [{"role": "assistant", "content": "let me add"}, {"role": "tool", "name": "add", "content": "4"},
+             {"role": "assistant", "content": "4"}]
+    (text,) = reward.texts([history], [turns])
+    assert text == reward.tokenizer.apply_chat_template([*history, *turns], tokenize=False)
 
 
 def save_bert_reward_model(path: Path, pad_token: str | None = "[PAD]") -> str:

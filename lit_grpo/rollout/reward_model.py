@@ -6,9 +6,10 @@
 
 The model is a sequence classifier with one label (``AutoModelForSequenceClassification``, ``num_labels=1``), as
 TRL loads it; a completion's reward is that label's logit for its prompt and itself together. The text scored is the
-conversation, a chat prompt's messages (or a plain prompt as the user's turn) and then the completion as the
-assistant's, rendered by the reward model's own chat template; where its tokenizer has none, the prompt's text
-followed by the completion's, as TRL scores plain-text prompts. Its tokens are scored without truncation, ``batch_size`` texts a
+conversation, a chat prompt's messages (or a plain prompt as the user's turn) and then the completion's turns (the
+assistant's, and with tool calls the tools'), rendered by the reward model's own chat template; where its tokenizer
+has none, the prompt's text followed by the completion's, as TRL scores plain-text prompts (a conversation's turns'
+contents a blank line apart, none left out). Its tokens are scored without truncation, ``batch_size`` texts a
 forward, on the policy's device (``device: auto``: the current CUDA device where there is one).
 """
 
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 
-from lit_grpo.rollout.prompts import completion_text, prompt_text
 from lit_grpo.runtime.validation import check_int
 
 
@@ -69,12 +69,12 @@ class RewardModel:
         """What the reward model reads for each completion (module docstring); ``prompts`` and ``completions`` text,
         or chat messages (``reward_arguments``' conversational form)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            return [prompt_text(prompt) + completion_text(completion)
-                    for prompt, completion in zip(prompts, completions)]
+            return [_plain(prompt) + _plain(completion) for prompt, completion in zip(prompts, completions)]
         out = []
         for prompt, completion in zip(prompts, completions):
-            history = prompt if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
-            conversation = [*map(dict, history), {"role": "assistant", "content": completion_text(completion)}]
+            history = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+            conversation = [*map(dict, history), *map(dict, turns)]  # TRL's prompt + completion: every turn
             out.append(self.tokenizer.apply_chat_template(conversation, tokenize=False))
         return out
 
@@ -90,6 +90,12 @@ class RewardModel:
                                     padding_side="right", add_special_tokens=False).to(device)
             scores.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return scores
+
+
+def _plain(part: Any) -> str:
+    """A prompt or completion as plain text: itself, or its messages' contents a blank line apart (as a prompt
+    renders without a chat template): no turn is left out."""
+    return part if isinstance(part, str) else "\n\n".join(str(turn["content"]) for turn in part)
 
 
 def _folder_or_id(model: str) -> str | Path:
