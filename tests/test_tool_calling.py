@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
+from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.metrics import reduce_over_ranks
 from lit_grpo.rollout.tools import ToolBox
 from lit_grpo.runtime.validation import ConfigError
@@ -223,3 +224,25 @@ def test_tool_metrics_reduce_over_ranks_as_one_process_would():
     reduced = reduce_over_ranks(ranks, keys)
     assert reduced["tools/call_frequency"] == pytest.approx(0.625)
     assert reduced["tools/failure_frequency"] == pytest.approx(4 / 10)  # failures over all calls
+
+
+@pytest.mark.parametrize("room", [1, 8])
+def test_a_stop_string_in_the_turn_before_a_resumed_sample_ends_nothing(llama, room):
+    """A sample resumed after a tool call whose turn a stop string cut: the string sits just before its tool result
+    (a short one, as a BPE tokenizer renders it), inside the stop-string window of its next tokens. It must neither
+    end the new turn at its first token nor make a sample cut at the length cap look stopped."""
+    model, tokenizer = llama
+    stop = "</tool_call>\n"  # ends in whitespace: every row is checked after every token
+    ids = tokenizer(ADD_CALL + "\n")["input_ids"] + [tokenizer.eos_token_id] + tokenizer("5")["input_ids"]
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=len(ids) + room, seed=0, stop_strings=[stop])
+    groups = engine.new_groups([tokenizer("hi")["input_ids"]])
+    groups[0].samples = [SampleProgress(list(ids), [0.0] * len(ids), [0] * len(ids), resumed_at=len(ids))
+                         for _ in range(2)]
+    with torch.no_grad():
+        result = engine.generate_groups(groups)
+    for k in range(2):
+        new = result.completion_ids[0][k][len(ids):]
+        ended_on_its_own = new[-1] in engine.eos_token_ids or stop in tokenizer.decode(new)
+        assert ended_on_its_own or len(new) == room  # it ran to the cap, or its own tokens ended it
+        assert result.truncated[0][k] == (not ended_on_its_own)

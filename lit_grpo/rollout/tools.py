@@ -238,7 +238,7 @@ class ToolBox:
         carried = [GroupProgress(groups[p].prompt_ids,
                                  [SampleProgress(out.completion_ids[p][k], out.logprobs[p][k], out.versions[p][k],
                                                  done=k not in by_group[p],
-                                                 resumed_at=len(out.completion_ids[p][k]))
+                                                 resumed_at=len(out.completion_ids[p][k]) if k in by_group[p] else 0)
                                   for k in range(len(out.completion_ids[p]))],
                                  groups[p].stream, tag=groups[p].tag) for p in order]
         result = engine.generate_groups(carried)

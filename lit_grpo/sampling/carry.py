@@ -27,7 +27,7 @@ class SampleProgress:
         versions: the engine's rollout index each token was drawn in.
         done: the sample ended (EOS or the length cap).
         resumed_at: the caller resumed the sample after it ended, having appended tokens of its own up to here (a
-            tool's result after a turn that called it): the stop tokens before it end nothing.
+            tool's result after a turn that called it): the stop tokens and stop strings before it end nothing.
     """
 
     tokens: list[int] = field(default_factory=list)

@@ -176,10 +176,12 @@ class RolloutLoop:
         return self.settings.stop_strings is not None and self.groups[key[0]].forced_lengths is None
 
     def _stopped(self, keys: list[SampleKey]) -> list[bool]:
-        """``[len(keys)]``: each sample's tokens so far end on a stop string."""
+        """``[len(keys)]``: each sample's tokens so far end on a stop string. A resumed sample's tokens before its
+        ``resumed_at`` (the turn that ended, the caller's own) are its prompt now: a string there ends nothing."""
         if not keys:
             return []
-        return self.settings.stop_strings.ended([self.samples[key].tokens for key in keys])
+        return self.settings.stop_strings.ended([self.samples[key].tokens[self.samples[key].resumed_at:]
+                                                 for key in keys])
 
     def feature(self, slot: int, key: SampleKey) -> torch.Tensor:
         return self._out.hidden[self._hidden_row[slot]]
