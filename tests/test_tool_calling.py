@@ -3,6 +3,7 @@ arguments, its result sits in the completion with no loss, the round cap holds, 
 result, and the tools/ metrics."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -246,3 +247,44 @@ def test_a_stop_string_in_the_turn_before_a_resumed_sample_ends_nothing(llama, r
         ended_on_its_own = new[-1] in engine.eos_token_ids or stop in tokenizer.decode(new)
         assert ended_on_its_own or len(new) == room  # it ran to the cap, or its own tokens ended it
         assert result.truncated[0][k] == (not ended_on_its_own)
+
+
+#: A response template for transformers' parser (``parse_response``) in the Hermes format this file's template writes.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+    },
+}
+
+
+@pytest.fixture
+def parsing(llama):
+    """tiny-llama whose tokenizer parses turns with a response template (transformers' newer parser)."""
+    model, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    if "prefix" not in inspect.signature(tokenizer.parse_response).parameters:
+        pytest.skip("this transformers' parse_response reads no response_template")
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return model, tokenizer
+
+
+def test_a_response_template_parses_the_calls(parsing):
+    CALLS.clear()
+    _, out = rollout(parsing, [add], ADD_CALL, iterations=1)
+    assert CALLS == [(2, 3), (2, 3)] and (out.calls, out.failures) == (2, 0)
+    assert out.messages[0][0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+
+
+@pytest.mark.parametrize("turn", ['<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>',  # malformed
+                                  '<tool_call>{"name": "add", "argu'])  # cut
+def test_a_turn_the_parser_cannot_read_is_text_without_a_call(parsing, turn):
+    """The model's malformed or cut call ends the turn as text (TRL's fallback), never the run."""
+    _, tokenizer = parsing
+    _, out = rollout(parsing, [add], turn, iterations=1)
+    assert out.calls == 0
+    assert out.messages[0][0] == [{"role": "assistant",
+                                   "content": tokenizer.decode(call_turn(tokenizer, turn), skip_special_tokens=True)}]

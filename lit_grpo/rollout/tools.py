@@ -12,13 +12,15 @@ on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correct
 completion lengths. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a tool result that
 would leave no room for a drawn token is dropped and the sample ends as it is.
 
-Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in the
-Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL; a turn it
+cannot read, a malformed or cut call, is text with no call), else in the Hermes / Qwen format
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -127,16 +129,29 @@ class ToolBox:
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
                                                                                   "response_template"))
+        # transformers' newer parser reads a response_template and needs the text before the turn (prefix=: the
+        # template may have pre-written part of it, such as "<think>"), and types arguments by the tools' schemas
+        parameters = inspect.signature(tokenizer.parse_response).parameters if self.parses else {}
+        self.parse_keywords = {name for name in ("prefix", "tools") if name in parameters} \
+            if getattr(tokenizer, "response_template", None) is not None else set()
 
     # ------------------------------------------------------------------------------------------ parsing
-    def parse(self, ids: Sequence[int]) -> tuple[str, list[dict]]:
-        """One assistant turn's text and its tool calls (``[{"name", "arguments"}]``, empty: no call)."""
-        if self.parses:
-            message = self.tokenizer.parse_response(list(ids), tools=self.schemas)
-            calls = [call.get("function", call) for call in message.get("tool_calls") or []]
-            return message.get("content") or "", [{"name": c.get("name"), "arguments": c.get("arguments")}
-                                                  for c in calls]
+    def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[str, list[dict]]:
+        """One assistant turn's text and its tool calls (``[{"name", "arguments"}]``, empty: no call).
+        ``prefix``: the token ids before the turn (the prompt, the completion's earlier turns and tool results)."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if self.parses:
+            keywords = {"prefix": list(prefix), "tools": self.schemas}
+            try:
+                message = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
+            except (ValueError, TypeError):  # a malformed or cut call: the turn is text, with no call (TRL's)
+                return text, []
+            if not isinstance(message, Mapping):  # a turn cut so early the parser found nothing
+                return text, []
+            calls = [call.get("function", call) for call in message.get("tool_calls") or []
+                     if isinstance(call, Mapping)]
+            return message.get("content") or "", [{"name": c.get("name"), "arguments": c.get("arguments")}
+                                                  for c in calls if isinstance(c, Mapping)]
         calls = [_hermes_call(body) for body in HERMES_CALL.findall(text)]
         # a call is acted on only where the turn ends with it (text after the last call: the model went on)
         if calls and text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
@@ -181,8 +196,8 @@ class ToolBox:
                           [[[1] * len(ids) for ids in group] for group in result.completion_ids],
                           [[[] for _ in group] for group in result.completion_ids], [result.stats])
         turn_start = [[0] * len(group) for group in out.completion_ids]
-        pending = self._ended_turns(out, turn_start, [(p, k) for p, group in enumerate(out.completion_ids)
-                                                      for k in range(len(group))])
+        pending = self._ended_turns(groups, out, turn_start, [(p, k) for p, group in enumerate(out.completion_ids)
+                                                              for k in range(len(group))])
         eos = set(engine.eos_token_ids)
         rounds = 0
         while pending and (self.max_iterations is None or rounds < self.max_iterations):
@@ -208,18 +223,19 @@ class ToolBox:
             if not resumed:
                 break
             self._continue(engine, groups, out, resumed)
-            pending = self._ended_turns(out, turn_start, resumed)
+            pending = self._ended_turns(groups, out, turn_start, resumed)
             rounds += 1
         return out  # samples still in ``pending`` hit the round cap: their last turn stays an unanswered call
 
-    def _ended_turns(self, out: ToolRollout, turn_start: list[list[int]],
+    def _ended_turns(self, groups: Sequence[GroupProgress], out: ToolRollout, turn_start: list[list[int]],
                      keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], list[dict]]:
         """Record each sample's newest assistant turn in ``out.messages``; return those that end with tool calls
         (a truncated sample's turn never does: it was cut)."""
         pending = {}
         for p, k in keys:
-            ids = out.completion_ids[p][k][turn_start[p][k]:]
-            text, calls = self.parse(ids) if ids else ("", [])
+            done = out.completion_ids[p][k]
+            ids = done[turn_start[p][k]:]
+            text, calls = self.parse(ids, groups[p].prompt_ids + done[:turn_start[p][k]]) if ids else ("", [])
             message = {"role": "assistant", "content": text}
             if calls and not out.truncated[p][k]:
                 message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
