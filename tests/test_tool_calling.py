@@ -288,3 +288,13 @@ def test_a_turn_the_parser_cannot_read_is_text_without_a_call(parsing, turn):
     assert out.calls == 0
     assert out.messages[0][0] == [{"role": "assistant",
                                    "content": tokenizer.decode(call_turn(tokenizer, turn), skip_special_tokens=True)}]
+
+
+def test_the_call_frequency_over_ranks_counts_every_completion_generated():
+    """With dynamic sampling the ranks generate different numbers of groups: calls per completion over the step is
+    all calls over all completions, as one process generating them all would log."""
+    G = 2
+    ranks = [{"tools/call_frequency": 4 / (2 * G), "weight/groups_generated": 2.0},  # 4 calls in 2 groups
+             {"tools/call_frequency": 0.0, "weight/groups_generated": 6.0}]  # no call in 6 groups
+    reduced = reduce_over_ranks(ranks, ["tools/call_frequency"])
+    assert reduced["tools/call_frequency"] == pytest.approx(4 / (8 * G))

@@ -612,7 +612,8 @@ def check_partial_rollouts(over_provision: float, max_staleness: int) -> None:
 
 def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, float]:
     """``tools/call_frequency`` (tool calls per completion generated this step) and ``tools/failure_frequency``
-    (failed calls per call, 0.0 without calls), TRL's; with the calls as the latter's weight over ranks."""
+    (failed calls per call, 0.0 without calls), TRL's; with the calls as the latter's weight over ranks (the
+    former's is the groups generated, ``weight/groups_generated``: the ranks' counts differ with dynamic sampling)."""
     calls = sum(rollout.tools.calls for rollout in rollouts)
     failures = sum(rollout.tools.failures for rollout in rollouts)
     completions = sum(len(rollout.prompts) for rollout in rollouts) * group_size

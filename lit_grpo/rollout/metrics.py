@@ -130,7 +130,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "curriculum/mu": "mean",  # the same on every rank (one data-steering state)
     "curriculum/mean_angle": "mean",
     "rollout/rank_skew": "skew",
-    "tools/call_frequency": "mean",  # calls per completion; every rank holds B x G completions
+    "tools/call_frequency": "mean",  # calls per completion generated, weighted by each rank's (RATIO_WEIGHTS)
     "tools/failure_frequency": "mean",  # of the calls, weighted by each rank's (RATIO_WEIGHTS)
 }
 
@@ -193,6 +193,7 @@ RATIO_WEIGHTS: dict[str, str] = {
     "sampling/sampling_logp_difference/mean": "weight/sampling_logp_tokens",
     "sampling/importance_sampling_ratio/mean": "weight/importance_sampling_ratios",
     "rollout/slot_utilization": "weight/slot_steps",
+    "tools/call_frequency": "weight/groups_generated",  # G completions a group on every rank
     "tools/failure_frequency": "weight/tool_calls",
 }
 WEIGHT_PREFIX = "weight/"
