@@ -298,3 +298,21 @@ def test_the_call_frequency_over_ranks_counts_every_completion_generated():
              {"tools/call_frequency": 0.0, "weight/groups_generated": 6.0}]  # no call in 6 groups
     reduced = reduce_over_ranks(ranks, ["tools/call_frequency"])
     assert reduced["tools/call_frequency"] == pytest.approx(4 / (8 * G))
+
+
+def test_a_checkpoint_that_carries_partial_rollouts_is_refused_naming_why():
+    """Groups carried by a run with partial rollouts (over_provision > 1) would run without tool rounds (and the
+    batch had no tool_mask for them): resuming such a checkpoint with data.tools is refused, clearly."""
+    from lit_grpo.rollout.builder import Prompt, PromptExample, _Carry, _carried_state
+    from lit_grpo.sampling import GroupProgress
+
+    module = make_module()
+    module.tokenizer.chat_template = TOOLS_TEMPLATE
+    dm = make_datamodule(module, tools=[add], max_tool_calling_iterations=1, max_new_tokens=20)
+    builder = dm._require_builder()
+    prompt = Prompt(0, PromptExample("2+3?", None, {"prompt": "2+3?"}), list(dm.train_prompt_ids[0]))
+    carried = GroupProgress(prompt.ids, [SampleProgress() for _ in range(builder.engine.group_size)], (0, 0),
+                            tag=_Carry(prompt))
+    state = {**builder.state_dict(), "carried": [_carried_state(carried)]}
+    with pytest.raises(ValueError, match=r"carries 1 unfinished group.*data\.tools"):
+        builder.load_state_dict(state)

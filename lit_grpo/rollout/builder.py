@@ -279,7 +279,12 @@ class RolloutBuilder:
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
-        self.carried = [_carried_group(entry) for entry in state.pop("carried", [])]
+        carried = state.pop("carried", [])
+        if carried and self.tools is not None:  # they would finish without tool rounds, in a rollout of their own
+            raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
+                             "(over_provision > 1), and tool calling (data.tools) does not run with partial "
+                             "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
+        self.carried = [_carried_group(entry) for entry in carried]
         self._groups_scored = int(state.pop("groups_scored", 1))  # a checkpoint without it: a run that trained
         state = self.slot_memory.load_state_dict(state)  # the rest is the engine's
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
