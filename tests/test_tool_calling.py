@@ -316,3 +316,23 @@ def test_a_checkpoint_that_carries_partial_rollouts_is_refused_naming_why():
     state = {**builder.state_dict(), "carried": [_carried_state(carried)]}
     with pytest.raises(ValueError, match=r"carries 1 unfinished group.*data\.tools"):
         builder.load_state_dict(state)
+
+
+#: TOOLS_TEMPLATE, but a tool turn after an earlier one is rendered otherwise (as DeepSeek-R1's template opens only
+#: the conversation's first tool output with its begin token).
+AGAIN_TEMPLATE = "{% set ns = namespace(seen=false) %}" + TOOLS_TEMPLATE.replace(
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n",
+    "{% elif m.role == 'tool' %}<|im_start|>tool{{ ' again' if ns.seen }}\n{{ m.content }}<|im_end|>\n"
+    "{% set ns.seen = true %}")
+
+
+def test_each_round_appends_its_tool_turn_as_the_template_renders_it_there(llama):
+    model, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = AGAIN_TEMPLATE
+    _, out = rollout((model, tokenizer), [add], ADD_CALL, iterations=2, max_new_tokens=400)
+    text = tokenizer.decode(out.completion_ids[0][0])
+    assert text.count("<|im_start|>tool\n5") == 1 and text.count("<|im_start|>tool again\n5") == 1
+    conversation = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}] + out.messages[0][0],
+                                                 tokenize=False)
+    assert conversation.endswith(text + "\n")  # the completion is the conversation as the template writes it

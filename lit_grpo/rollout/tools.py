@@ -179,10 +179,18 @@ class ToolBox:
         except Exception as error:  # the model learns from its error text, as TRL's
             return name, {"error": str(error)}, True
 
-    def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+    def suffix_ids(self, tool_messages: list[dict], history: Sequence[dict] = ()) -> list[int]:
         """The tokens after an assistant turn that called tools, up to the next assistant turn's start: the tool
         messages as the chat template renders them (a conversation with and without them, the first cut after its
-        last EOS: TRL's ``_get_tool_suffix_ids``)."""
+        last EOS: TRL's ``_get_tool_suffix_ids``). ``history``: the completion's messages so far (``ToolRollout``'s,
+        the calling turn last), so that a template whose tool turns depend on the earlier ones (DeepSeek-R1's opens
+        the first tool output alone) renders them where they are; a history it cannot render back (a malformed
+        call) gets the first round's form."""
+        if history:
+            try:
+                return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, history)
+            except ValueError:
+                pass
         return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs)
 
     def run_rounds(self, engine: Any, groups: Sequence[GroupProgress], result: Any) -> ToolRollout:
@@ -210,7 +218,8 @@ class ToolBox:
                                  for name, value, _ in results]
                 ids = out.completion_ids[p][k]
                 # a turn cut by a stop string has no end-of-turn token yet: the template's EOS closes it
-                suffix = ([] if ids[-1] in eos else [self.tokenizer.eos_token_id]) + self.suffix_ids(tool_messages)
+                suffix = ([] if ids[-1] in eos else [self.tokenizer.eos_token_id]) + self.suffix_ids(
+                    tool_messages, out.messages[p][k])
                 if len(ids) + len(suffix) >= engine.max_new_tokens:  # no room to answer: it ends as it is (TRL)
                     continue
                 ids.extend(suffix)
@@ -292,10 +301,13 @@ def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Ma
     tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], kwargs)
 
 
-def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[str, Any]) -> list[int]:
-    """See ``ToolBox.suffix_ids``; raises where the template does not render them as a continuation."""
+def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[str, Any],
+                    history: Sequence[dict] = ()) -> list[int]:
+    """See ``ToolBox.suffix_ids``; raises where the template does not render them as a continuation. Without a
+    ``history`` the calling turn is a dummy one."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    before = [{"role": "user", "content": "x"},
+              *([dict(m) for m in history] or [{"role": "assistant", "content": "", "tool_calls": calls}])]
     try:
         prefix = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
         full = _ids(tokenizer.apply_chat_template(before + tool_messages, tokenize=True, add_generation_prompt=True,
