@@ -336,3 +336,14 @@ def test_each_round_appends_its_tool_turn_as_the_template_renders_it_there(llama
     conversation = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}] + out.messages[0][0],
                                                  tokenize=False)
     assert conversation.endswith(text + "\n")  # the completion is the conversation as the template writes it
+
+
+def test_the_tool_rounds_timeline_names_the_rollouts_own_samples():
+    """The continuations run the same samples: the step's slot timeline and decisions index them as the first call
+    did (a picture colours a sample by its prompt), with no sample that was never drawn."""
+    _, batch = tool_batch(reward_funcs=["char_fraction"])
+    B, G = batch.rewards.shape
+    stats = batch.stats
+    assert stats.decode_steps == len(stats.timeline) > 0
+    assert {cell for row in stats.timeline for cell in row if cell >= 0} == set(range(B * G))
+    assert {d.key for d in stats.decisions} == {(p, k) for p in range(B) for k in range(G)}

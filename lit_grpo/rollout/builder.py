@@ -434,7 +434,7 @@ class RolloutBuilder:
                 tooled = self.tools.run_rounds(engine, groups, result)
                 result = replace(result, completion_ids=tooled.completion_ids, logprobs=tooled.logprobs,
                                  truncated=tooled.truncated, versions=tooled.versions,
-                                 stats=merge_stats(tooled.stats))
+                                 stats=merge_stats(tooled.stats, same_samples=True))
         return self._score(engine, prompts, result, since, tooled)
 
     def _score(self, engine: RolloutEngine, prompts: list[Prompt], result, since: int,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
+from lit_grpo.sampling.stats import RolloutStats
+from lit_grpo.scheduling.driver import IDLE
 
 #: The Hermes / Qwen tool-call format, for tokenizers without a response schema.
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -267,7 +269,7 @@ class ToolBox:
                                   for k in range(len(out.completion_ids[p]))],
                                  groups[p].stream, tag=groups[p].tag) for p in order]
         result = engine.generate_groups(carried)
-        out.stats.append(result.stats)
+        out.stats.append(_renumbered(result.stats, order))
         for i, p in enumerate(order):
             for k in by_group[p]:
                 new = result.completion_ids[i][k][len(out.completion_ids[p][k]):]
@@ -276,6 +278,16 @@ class ToolBox:
                 out.logprobs[p][k] = list(result.logprobs[i][k])
                 out.versions[p][k] = list(result.versions[i][k])
                 out.truncated[p][k] = result.truncated[i][k]
+
+
+def _renumbered(stats: RolloutStats, order: list[int]) -> RolloutStats:
+    """``stats`` of a call that ran the rollout's groups ``order`` (its group i is the rollout's ``order[i]``), its
+    timeline and decisions keyed by the rollout's samples, as the first call's are (``merge_stats(same_samples)``)."""
+    G = max(1, stats.group_size)
+    stats.timeline = [[IDLE if cell == IDLE else order[cell // G] * G + cell % G for cell in row]
+                      for row in stats.timeline]
+    stats.decisions = [d._replace(key=(order[d.key[0]], d.key[1])) for d in stats.decisions]
+    return stats
 
 
 def check_max_tool_calling_iterations(value: Any) -> None:

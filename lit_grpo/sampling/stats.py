@@ -148,14 +148,15 @@ class RolloutResult:
     carried: list[GroupProgress] = field(default_factory=list, repr=False)
 
 
-def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
+def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> RolloutStats:
     """Add up the stats of several engine calls: the rounds of one step (dynamic sampling), or a run's rollouts
     (``FitSummary``, with their timelines left out).
 
     Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are
     recomputed; the timelines and decisions are concatenated in time, with steps shifted by the earlier rounds'
     decode steps and samples by their samples; ``preempting`` is the share of rounds that preempted;
-    length-prediction quality is the first round's.
+    length-prediction quality is the first round's. ``same_samples``: the parts ran one rollout's samples under the
+    same indices (its tool rounds, each continuing some of them), whose indices are kept.
     """
     if not parts:
         return RolloutStats()
@@ -185,7 +186,8 @@ def merge_stats(parts: list[RolloutStats]) -> RolloutStats:
         merged.decode_read_bytes += part.decode_read_bytes
         merged.capture_s += part.capture_s
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
-        offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
+        if not same_samples:
+            offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
     preempting = [part.preempting for part in parts if part.preempting is not None]
     merged.preempting = sum(preempting) / len(preempting) if preempting else None
     slot_steps = sum(part.slot_steps for part in parts)  # rounds may have fewer slots
