@@ -280,7 +280,8 @@ class RolloutDataModule(LightningDataModule):
         for name, value, needs in (
                 ("max_rollouts_per_step", max_rollouts_per_step, None if dynamic_sampling else "dynamic_sampling"),
                 ("max_staleness", max_staleness, None if over_provision > 1 else "over_provision > 1"),
-                ("val_temperature", val_temperature, None if val_num_samples > 1 else "val_num_samples > 1")):
+                ("val_temperature", val_temperature, None if val_num_samples > 1 else "val_num_samples > 1"),
+                ("max_tool_calling_iterations", max_tool_calling_iterations, None if self.tools else "tools")):
             if needs is not None and value != defaults[name].default:
                 warnings.warn(f"{name}={value!r} applies with {needs} only; it is ignored", stacklevel=2)
         if task is None:  # a config that switches its source away from a task often keeps the task's settings

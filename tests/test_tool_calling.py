@@ -347,3 +347,8 @@ def test_the_tool_rounds_timeline_names_the_rollouts_own_samples():
     assert stats.decode_steps == len(stats.timeline) > 0
     assert {cell for row in stats.timeline for cell in row if cell >= 0} == set(range(B * G))
     assert {d.key for d in stats.decisions} == {(p, k) for p in range(B) for k in range(G)}
+
+
+def test_a_round_cap_without_tools_is_named_not_dropped():
+    with pytest.warns(UserWarning, match=r"max_tool_calling_iterations=3 applies with tools only"):
+        make_datamodule(make_module(), max_tool_calling_iterations=3)
