@@ -2,6 +2,7 @@
 arguments, its result sits in the completion with no loss, the round cap holds, a failing tool's error is its
 result, and the tools/ metrics."""
 
+import asyncio
 import copy
 import inspect
 
@@ -352,3 +353,25 @@ def test_the_tool_rounds_timeline_names_the_rollouts_own_samples():
 def test_a_round_cap_without_tools_is_named_not_dropped():
     with pytest.warns(UserWarning, match=r"max_tool_calling_iterations=3 applies with tools only"):
         make_datamodule(make_module(), max_tool_calling_iterations=3)
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Add two integers, asynchronously.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    await asyncio.sleep(0.01)
+    if a < 0:
+        raise ValueError("negative")
+    return a + b
+
+
+def test_an_async_tool_is_awaited_and_its_error_is_its_result(llama):
+    _, out = rollout(llama, [slow_add], ADD_CALL.replace('"add"', '"slow_add"'), iterations=1)
+    assert (out.calls, out.failures) == (2, 0)
+    assert out.messages[0][0][1] == {"role": "tool", "name": "slow_add", "content": "5"}
+    box, _ = rollout(llama, [slow_add], ADD_CALL, iterations=0)
+    call = {"name": "slow_add", "arguments": {"a": -1, "b": 2}}
+    assert box.run(call) == ("slow_add", {"error": "negative"}, True)

@@ -5,7 +5,8 @@ with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such a
 called tool run on the host, the tool messages rendered by the chat template appended to its tokens, and decodes
 on: the builder hands such samples back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress``
 with ``resumed_at``), re-prefilled with their tokens so far and drawing on from their own random streams, so the
-decode loop is the partial rollouts' one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's.
+decode loop is the partial rollouts' one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an
+``async def`` tool is awaited, a round's async calls together.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
@@ -27,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.driver import IDLE
@@ -164,6 +166,22 @@ class ToolBox:
     def run(self, call: dict) -> tuple[str, Any, bool]:
         """``(name, result, failed)`` of one parsed call; an unknown tool, bad arguments or the tool's exception
         give ``{"error": text}``."""
+        return self.run_all([call])[0]
+
+    def run_all(self, calls: Sequence[dict]) -> list[tuple[str, Any, bool]]:
+        """``run``'s ``(name, result, failed)`` of each call: the plain tools' in turn, then the async ones' (``async
+        def``, as TRL's: their call returns an awaitable) awaited together on the reward functions' loop."""
+        results = [self._call(call) for call in calls]
+        pending = [i for i, (_, value, _) in enumerate(results) if inspect.isawaitable(value)]
+        for i, outcome in zip(pending, run_concurrently([results[i][1] for i in pending]) if pending else []):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # an interrupt or a cancellation is no tool's error
+            failed = isinstance(outcome, Exception)
+            results[i] = (results[i][0], {"error": str(outcome)} if failed else outcome, failed)
+        return results
+
+    def _call(self, call: dict) -> tuple[str, Any, bool]:
+        """``run`` up to an async tool's awaitable, which stands for its result."""
         name, arguments = call.get("name"), call.get("arguments")
         if isinstance(arguments, str):  # some formats carry the arguments as a JSON string
             try:
@@ -212,8 +230,9 @@ class ToolBox:
         rounds = 0
         while pending and (self.max_iterations is None or rounds < self.max_iterations):
             resumed = []
+            ran = iter(self.run_all([call for calls in pending.values() for call in calls]))
             for (p, k), calls in pending.items():
-                results = [self.run(call) for call in calls]
+                results = [next(ran) for _ in calls]
                 out.calls += len(results)
                 out.failures += sum(failed for _, _, failed in results)
                 tool_messages = [{"role": "tool", "name": name, "content": _content(value)}
