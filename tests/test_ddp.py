@@ -414,7 +414,8 @@ def _rollout_ranks():
         mask.view(-1)[:tokens] = 1
         return SimpleNamespace(rewards=torch.zeros(1, 2), reward_components={}, num_groups_zero_std=1,
                                num_groups_generated=1, completion_lengths=mask.sum(1), truncated=torch.zeros(2),
-                               completion_mask=mask, metrics={"rollout/offpolicy_tokens_frac": offpolicy / tokens})
+                               completion_mask=mask, drawn_mask=lambda: mask,
+                               metrics={"rollout/offpolicy_tokens_frac": offpolicy / tokens})
 
     def stats(tokens: int, steps: int, slots: int):
         out = RolloutStats(decode_steps=steps, num_slots=slots, wall_s=1.0)
