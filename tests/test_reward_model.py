@@ -137,3 +137,11 @@ def test_bad_reward_model_specs_are_refused_by_name(reward_model_path, spec, mat
                            for k, v in spec["kwargs"].items()}}
     with pytest.raises(ValueError, match=match):
         build_reward_funcs([spec])
+
+
+def test_a_bad_dtype_is_named_as_the_setting_it_is_not_the_models_load_failure(reward_model_path):
+    """A dtype that names no torch dtype is refused before the model loads, as a dtype: wrapped in the load's error
+    it read as a model that cannot be loaded as a sequence classifier."""
+    with pytest.raises(ValueError, match=r"reward_model: dtype='bf32'") as error:
+        build_reward_funcs([{"name": "reward_model", "kwargs": {"model": reward_model_path, "dtype": "bf32"}}])
+    assert "cannot be loaded" not in str(error.value)

@@ -42,6 +42,10 @@ class RewardModel:
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
         check_int("reward_model batch_size", batch_size, 1)
+        try:  # checked before loading: a bad dtype is a setting's error, not the model's
+            torch_dtype = resolve_dtype(dtype)
+        except ValueError as error:
+            raise ValueError(f"reward_model: {error}") from None
         _resolve_device(device)  # checked now, resolved at each call: a rank's CUDA device is set after the config
         self.device = device
         self.batch_size = batch_size
@@ -52,7 +56,7 @@ class RewardModel:
             source = _folder_or_id(model)
             self.tokenizer = AutoTokenizer.from_pretrained(source)
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=1, dtype=resolve_dtype(dtype) or "auto")
+                source, num_labels=1, dtype=torch_dtype or "auto")
         except (OSError, ValueError) as error:
             raise ValueError(f"reward_model: model={model!r} cannot be loaded as a sequence classifier with one label "
                              f"({type(error).__name__}: {str(error).splitlines()[0]:.300})") from None
