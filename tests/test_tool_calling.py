@@ -375,3 +375,19 @@ def test_an_async_tool_is_awaited_and_its_error_is_its_result(llama):
     box, _ = rollout(llama, [slow_add], ADD_CALL, iterations=0)
     call = {"name": "slow_add", "arguments": {"a": -1, "b": 2}}
     assert box.run(call) == ("slow_add", {"error": "negative"}, True)
+
+
+def test_a_tool_module_that_fails_to_import_is_named_with_its_error_and_line(tmp_path, monkeypatch):
+    """As a reward function's module: a syntax error or an exception in its own code is a setting's error naming the
+    tool, the error and where (it escaped data.tools' setting check as a bare traceback)."""
+    from lit_grpo.rollout.tools import resolve_tools
+
+    (tmp_path / "typo_tools.py").write_text("def add(a: int, b: int) -> int\n    return a + b\n")
+    (tmp_path / "keyless_tools.py").write_text("import os\n\nraise RuntimeError('set SEARCH_KEY')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"tool 'typo_tools:add': module 'typo_tools' raised SyntaxError: "
+                                         r"expected ':' \(.*typo_tools.py, line 1\)"):
+        resolve_tools(["typo_tools:add"])
+    with pytest.raises(ValueError, match=r"tool 'keyless_tools:add': module 'keyless_tools' raised RuntimeError: "
+                                         r"set SEARCH_KEY \(.*keyless_tools.py, line 3\)"):
+        resolve_tools(["keyless_tools:add"])

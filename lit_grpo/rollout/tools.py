@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.rollout.async_loop import run_concurrently
+from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.driver import IDLE
@@ -65,6 +66,8 @@ def _resolve_tool(spec: Any) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(f"tool {spec!r}: module {module_name!r} does not import ({error})") from error
+    except Exception as error:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
+        raise ValueError(f"tool {spec!r}: module {module_name!r} raised {import_failure(error)}") from error
     tool = getattr(module, attribute, None)
     if not callable(tool):
         raise ValueError(f"tool {spec!r}: module {module_name!r} has no function {attribute!r}")
