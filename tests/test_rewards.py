@@ -407,7 +407,8 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
     for specs in ("accuracy", {"name": "accuracy"}, mine):
         with pytest.raises(ValueError, match=r"reward_funcs=.* must be a list of reward specs .*; for one, write \["):
             build_reward_funcs(specs)
-    with pytest.raises(ValueError, match=r"name=3 must be a built-in's name"):
+    with pytest.raises(ValueError, match=r"name=3 must be a built-in's name .*'package.module:function' or a "
+                                         r"reward model's 'org/name' or folder"):
         build_reward_funcs([{"name": 3}])
     with pytest.raises(ValueError, match=r"reward function 'os:path' imports .*, which is not callable"):
         build_reward_funcs(["os:path"])

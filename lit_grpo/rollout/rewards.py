@@ -339,7 +339,8 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
             name = spec["name"]
             if not isinstance(name, str) or not name:
                 raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
-                                 f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'")
+                                 f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's "
+                                 "'org/name' or folder")
             fn = _resolve(name, spec.get("kwargs") or {})
             log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
             out.append(WeightedReward(fn, spec.get("weight", 1.0), log_name))
