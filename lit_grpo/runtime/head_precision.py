@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+
 class Float32Head(torch.nn.Linear):
     """An output head whose logits are computed in float32 (or wider: a float64 head stays float64) from its weight
     in that dtype, with autocast off: ``[..., H]`` hidden states in any dtype -> ``[..., V]`` float32 logits."""
@@ -63,8 +64,8 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> torch.nn.Module:
         what = "no output head (get_output_embeddings())" if head is None else \
             f"an output head of type {type(head).__module__}.{type(head).__qualname__}"
         raise ValueError(f"cast_lm_head_to_fp32 needs a plain torch.nn.Linear output head; "
-                                 f"{type(model).__name__} has {what}, whose forward cannot be made to compute in "
-                                 "float32; set cast_lm_head_to_fp32: false")
+                         f"{type(model).__name__} has {what}, whose forward cannot be made to compute in float32; "
+                         "set cast_lm_head_to_fp32: false")
     model_dtype = head.weight.dtype
     head.to(_widened(model_dtype))  # in place: a tied embedding holds the same Parameter, now float32 too
     head.__class__ = Float32Head  # the same module (hooks, ties, its name): only its forward changes
@@ -94,10 +95,9 @@ def check_float32_head(model: torch.nn.Module) -> None:
     except ImportError:  # no peft: no adapter
         return
     if isinstance(model.get_output_embeddings(), BaseTunerLayer):
-        raise ValueError("cast_lm_head_to_fp32 does not support a LoRA adapter on the output head (the "
-                                 "adapter's product would be computed in the autocast dtype): remove the head "
-                                 "(e.g. 'lm_head') from peft_config.target_modules, or set "
-                                 "cast_lm_head_to_fp32: false")
+        raise ValueError("cast_lm_head_to_fp32 does not support a LoRA adapter on the output head (the adapter's "
+                         "product would be computed in the autocast dtype): remove the head (e.g. 'lm_head') from "
+                         "peft_config.target_modules, or set cast_lm_head_to_fp32: false")
 
 
 def computes_in_float32(module: torch.nn.Module) -> bool:
