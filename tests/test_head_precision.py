@@ -127,6 +127,20 @@ def test_a_tied_embedding_shares_the_float32_weight_and_hands_the_layers_the_mod
     assert result.stats.generated_tokens > 0
 
 
+def test_a_packed_prefill_of_a_tied_float32_head_masks_in_the_layers_dtype():
+    """An attention other than SDPA gets an additive block mask in the layers' dtype, not ``model.dtype`` (the tied
+    float32 embedding, first among the weights, makes it float32)."""
+    from lit_grpo.sampling.prefill import pack_chunk, packed_forward
+
+    model, _ = load("tiny-llama", "bf16-model", tied=True)
+    model.config._attn_implementation = "eager"
+    cast_lm_head_to_fp32(model)
+    assert model.dtype == torch.float32
+    chunk = pack_chunk([[1, 2, 3], [4, 5]], torch.device("cpu"))
+    with packed_forward(model, chunk) as inputs:
+        assert inputs["attention_mask"].dtype == torch.bfloat16
+
+
 def test_a_float32_or_float64_model_keeps_its_head_and_the_cast_is_idempotent():
     model, _ = load_model_and_tokenizer("tiny-llama")
     weight = model.lm_head.weight

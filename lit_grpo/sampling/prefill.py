@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling.decode_attention import instead_of_sdpa
 from lit_grpo.sampling.kv_cache import KV, take_columns
@@ -153,7 +154,9 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
         if switched:
             yield inputs | {"prefill_lengths": chunk.lengths}
         else:
-            yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, model.dtype, chunk.input_ids.device)}
+            # the layers' dtype: a float32 head (cast_lm_head_to_fp32) tied to the embedding makes model.dtype float32
+            yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, layers_dtype(model),
+                                                                chunk.input_ids.device)}
 
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
