@@ -213,6 +213,10 @@ def test_trl_gets_lit_grpos_prompts_in_its_order(demo):
     assert rows == lit_prompt_rows(spec)  # seeded: the same every time
     assert rows[0]["prompt"][0] == {"role": "system", "content": demo["data"]["system_prompt"]}
     assert rows[0]["prompt"][-1]["role"] == "user" and rows[0]["answer"] is not None
+    # a template with braces of its own (\boxed{}) is filled as lit_grpo fills it: only {prompt} is replaced
+    spec["data"]["prompt_template"] = "Put the answer in \\boxed{}: {prompt}"
+    boxed = lit_prompt_rows(spec)
+    assert boxed[0]["prompt"][-1]["content"] == "Put the answer in \\boxed{}: " + rows[0]["prompt"][-1]["content"]
 
 
 def test_lit_grpos_rewards_take_trls_call_and_keywords(tmp_path):

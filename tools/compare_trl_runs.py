@@ -201,7 +201,7 @@ def lit_prompt_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
             example = data.examples[index]
             if example.messages:
                 raise ValueError("chat-history prompts are not supported by the comparison")
-            text = data.prompt_template.format(prompt=example.prompt)
+            text = data.prompt_template.replace("{prompt}", example.prompt)  # as render_prompt: other braces kept
             chat = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rows.append({"prompt": chat, "answer": example.answer, "index": index,
                          "entry_json": json.dumps(example.entry, default=str)})
