@@ -93,3 +93,30 @@ def test_the_readme_lightning_example_trains(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "global_step 1" in proc.stdout
+
+
+def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
+    """docs/training.md's TRL port: its reward module (TRL's signatures, chat completions) and its config, as written,
+    train a step through ``lit-grpo fit`` on the tiny model, the module found in the working folder."""
+    import json
+
+    from tools.harness import lit_grpo_command, repo_env
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text[text.index("### A TRL script, ported"):text.index("## Callbacks and what they log")]
+    (module,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith("# my_rewards.py")]
+    (config,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    (tmp_path / "my_rewards.py").write_text(module)
+    (tmp_path / "trl_port.yaml").write_text(config)
+    with open(tmp_path / "train.jsonl", "w") as rows:
+        for i in range(6):
+            rows.write(json.dumps({"prompt": [{"role": "system", "content": "Answer in <answer></answer>."},
+                                              {"role": "user", "content": f"What is {i} + {i}?"}],
+                                   "solution": str(2 * i)}) + "\n")
+    overrides = ["--model.model", "tiny-llama", "--trainer.max_steps", "1", "--trainer.precision", "32-true",
+                 "--data.sampling.max_new_tokens", "8", "--data.sampling.group_size", "2",
+                 "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"]
+    proc = subprocess.run([*lit_grpo_command(), "fit", "--config", "trl_port.yaml", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=repo_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "lit_grpo: 1 step" in proc.stdout + proc.stderr
