@@ -210,13 +210,13 @@ def lit_prompt_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def trl_reward_funcs(spec: dict[str, Any], eos_token_ids: set[int], step_log: StepLog) -> list:
     """lit_grpo's reward functions of ``spec``, each wrapped into TRL's reward-function signature."""
-    from lit_grpo.rollout.prompts import completion_text, prompt_text
+    from lit_grpo.rollout.prompts import message_text
     from lit_grpo.rollout.rewards import build_reward_funcs
 
     def wrap(reward):
         def reward_func(prompts, completions, completion_ids, answer=None, entry_json=None, index=None,
                         **kwargs):
-            texts, questions = list(map(completion_text, completions)), list(map(prompt_text, prompts))
+            texts, questions = list(map(message_text, completions)), list(map(message_text, prompts))
             lengths = [len(ids) for ids in completion_ids]
             columns = {"answer": answer, "entry": [json.loads(e) for e in entry_json],
                        "completion_ids": completion_ids, "completion_length": lengths,

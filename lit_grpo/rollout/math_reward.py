@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
-from lit_grpo.rollout.prompts import completion_text
+from lit_grpo.rollout.prompts import message_text
 
 #: The answer a completion commits to, in the format lit_grpo's prompts ask for.
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -161,7 +161,7 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[str | N
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
-    for completion, gold, row in zip(map(completion_text, completions), answers, entries):
+    for completion, gold, row in zip(map(message_text, completions), answers, entries):
         gold = gold_answer(gold, row)
         out.append(score_math(completion, None if gold is None else str(gold), timeout_s))
     return out

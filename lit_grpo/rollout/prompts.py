@@ -41,16 +41,11 @@ class PromptExample:
     messages: list[dict[str, str]] | None = None
 
 
-def prompt_text(prompt: Any) -> str:
-    """A prompt as a reward function gets it, as text: itself, or a chat prompt's (its messages) last message's
-    content, the user turn the policy answers."""
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
-
-
-def completion_text(completion: Any) -> str:
-    """A completion as a reward function gets it, as text: itself, or a conversational one's (TRL's
-    ``[{"role": "assistant", "content": text}]``, for chat prompts) last message's content."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+def message_text(value: Any) -> str:
+    """A prompt or a completion as a reward function gets it, as text: itself, or, in TRL's conversational form
+    (chat prompts), its last message's content: a prompt's user turn the policy answers, a completion's final
+    ``{"role": "assistant", "content": text}`` turn."""
+    return value if isinstance(value, str) else value[-1]["content"]
 
 
 def _example_from_row(row: Any, where: str) -> PromptExample:

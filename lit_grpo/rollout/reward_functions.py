@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
-from lit_grpo.rollout.prompts import completion_text
+from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_model import RewardModel
 
 
@@ -108,7 +108,7 @@ def accuracy_reward(
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []
-    for completion, gold, row in zip(map(completion_text, completions), answers, entries):
+    for completion, gold, row in zip(map(message_text, completions), answers, entries):
         gold = gold_answer(gold, row)
         if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
             out.append(None)
@@ -121,7 +121,7 @@ def accuracy_reward(
 def format_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 when the completion holds exactly one non-empty ``<answer>...</answer>``, else 0.0."""
     return [1.0 if len(tags := ANSWER_TAG.findall(c)) == 1 and tags[0].strip() else 0.0
-            for c in map(completion_text, completions)]
+            for c in map(message_text, completions)]
 
 
 class OverlongPenalty:
@@ -173,7 +173,7 @@ def char_fraction_reward(prompts: list[str], completions: list[str], chars: str 
     A toy shaping signal for smoke tests: even a random model's completions get different values, so advantages
     and gradients are non-zero (configs/tiny.yaml uses it).
     """
-    return [sum(ch in chars for ch in c) / len(c) if c else 0.0 for c in map(completion_text, completions)]
+    return [sum(ch in chars for ch in c) / len(c) if c else 0.0 for c in map(message_text, completions)]
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {

@@ -7,7 +7,7 @@ Protocol (TRL's for a plain-text prompt)::
 A function with a parameter named ``completions`` is called as TRL calls it, ``prompts`` and ``completions`` by
 keyword (so TRL's ``def f(completions, solution, **kwargs)`` runs unchanged); any other by position, those two
 first. For chat prompts they come in TRL's conversational form (``reward_arguments``): each prompt's messages and
-each completion ``[{"role": "assistant", "content": text}]``; ``lit_grpo.rollout.prompts.completion_text`` reads
+each completion ``[{"role": "assistant", "content": text}]``; ``lit_grpo.rollout.prompts.message_text`` reads
 the text of either form.
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
@@ -71,7 +71,7 @@ import torch
 
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
-from lit_grpo.rollout.prompts import prompt_text
+from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
@@ -91,6 +91,8 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: ``RewardScores.skipped_groups`` (the trainer gives their rows no loss).
 OnRewardError = Literal["raise", "skip_group"]
 ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
+#: The keywords every reward call gets besides the columns (TRL's names): no column may take them.
+CALL_KEYWORDS = ("trainer_state", *LOG_KEYWORDS)
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,7 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
     (``prompts``, ``completions``, ``trainer_state``, ``log_metric``, ``log_extra`` and the ``COLUMNS`` but
     ``answer``, which is the gold answer by design): the call's value would replace the row's without a word, or
     collide with it. ``source`` names where the prompts come from, for the message."""
-    taken = {"prompts", "completions", "trainer_state", *LOG_KEYWORDS, *COLUMNS} - {"answer"}
+    taken = {"prompts", "completions", *CALL_KEYWORDS, *COLUMNS} - {"answer"}
     for index, example in enumerate(examples):
         if clash := sorted(taken & set(example.entry)):
             raise ValueError(f"{source}: row {index} has the fields {clash}, which are names the reward functions "
@@ -377,10 +379,10 @@ class RewardScores:
 
 
 def _shown(prompt: Any) -> Any:
-    """A prompt as an error names it: a chat prompt by its last message's text (``prompt_text``), the question
+    """A prompt as an error names it: a chat prompt by its last message's text (``message_text``), the question
     asked, where its messages' repr, cut short, showed a system prompt shared by every row."""
     is_chat = isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping) and "content" in prompt[-1]
-    return prompt_text(prompt) if is_chat else prompt
+    return message_text(prompt) if is_chat else prompt
 
 
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
@@ -535,7 +537,7 @@ def score_rewards(
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    for keyword in ("trainer_state", *LOG_KEYWORDS):
+    for keyword in CALL_KEYWORDS:
         if keyword in columns:
             raise ValueError(f"a column is named {keyword!r}, a keyword every reward call gets (TRL's name; "
                              "trainer_state: the training progress, log_metric and log_extra: what the function "
