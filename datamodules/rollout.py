@@ -45,7 +45,8 @@ from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, bui
                                       check_gold_answers, check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
 from lit_grpo.rollout.slot_memory import check_slot_budget
-from lit_grpo.rollout.tools import ToolBox, check_max_tool_calling_iterations, resolve_tools, tool_schemas
+from lit_grpo.rollout.tools import (ToolBox, check_max_tool_calling_iterations, check_without_partial_rollouts,
+                                   resolve_tools, tool_schemas)
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.sampling.config import MIN_TEMPERATURE
@@ -269,9 +270,8 @@ class RolloutDataModule(LightningDataModule):
             self.tools = resolve_tools(tools)
             tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
             check_max_tool_calling_iterations(max_tool_calling_iterations)
-            if self.tools and over_provision > 1:
-                raise ValueError(f"tools with over_provision={over_provision}: tool calling does not run with "
-                                 "partial rollouts yet; set over_provision: 1.0")
+            if self.tools:
+                check_without_partial_rollouts(over_provision)
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self._toolbox: ToolBox | None = None
         # settings that only act beside another one: named where that one is off and they differ from their

@@ -161,6 +161,19 @@ def test_bad_tool_settings_name_the_value(llama):
         ToolBox([add], plain)
     with pytest.raises(ConfigError, match="data.tools.*'tests_x.y:z'"):
         make_datamodule(make_module(), tools=["tests_x.y:z"])
+    # partial rollouts: refused by the data module as a setting, and by a builder made by hand
+    partial = r"over_provision=2.0 turns on partial rollouts, which tool calling does not run with yet"
+    with pytest.raises(ConfigError, match=partial):
+        make_datamodule(make_module(), tools=[add], over_provision=2.0)
+    from lit_grpo.rollout.builder import RolloutBuilder
+    from lit_grpo.rollout.rewards import build_reward_funcs
+    from lit_grpo.sampling import SamplingConfig
+
+    tools_tokenizer = copy.deepcopy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_TEMPLATE
+    with pytest.raises(ValueError, match=partial):
+        RolloutBuilder(llama[0], tools_tokenizer, SamplingConfig(group_size=2), build_reward_funcs(["char_fraction"]),
+                       over_provision=2.0, tools=ToolBox([add], tools_tokenizer))
 
 
 def tool_batch(**kwargs):

@@ -40,7 +40,7 @@ from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metri
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
                                      score_rewards)
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
-from lit_grpo.rollout.tools import ToolBox, ToolRollout
+from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
@@ -166,9 +166,8 @@ class RolloutBuilder:
             if scale_rewards == "batch":
                 raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
         check_partial_rollouts(over_provision, max_staleness)
-        if tools is not None and over_provision > 1:
-            raise ValueError(f"data.tools with over_provision={over_provision}: tool calling does not run with partial "
-                             "rollouts yet (a carried group's samples may wait on a tool); set over_provision: 1.0")
+        if tools is not None:
+            check_without_partial_rollouts(over_provision)
         self.tools = tools
         check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)

@@ -312,6 +312,14 @@ def _renumbered(stats: RolloutStats, order: list[int]) -> RolloutStats:
     return stats
 
 
+def check_without_partial_rollouts(over_provision: float) -> None:
+    """Raise unless ``over_provision`` leaves partial rollouts off: tool calling does not run with them (a carried
+    group's samples may wait on a tool)."""
+    if over_provision > 1:
+        raise ValueError(f"over_provision={over_provision} turns on partial rollouts, which tool calling does not "
+                         "run with yet (a carried group's samples may wait on a tool); set over_provision: 1.0")
+
+
 def check_max_tool_calling_iterations(value: Any) -> None:
     """Raise naming ``value`` unless it is None or an int >= 0."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
