@@ -262,12 +262,12 @@ class CastWeights(RolloutWeights):
     ``module`` is a replica of the policy's modules sharing every parameter and buffer with it but what autocast
     would cast: the weights and biases of ``torch.nn.Linear`` layers (the LM head included, untied from an embedding,
     which stays float32; not a head cast to float32, which computes from its master), its own tensors in ``dtype``,
-    one per master weight wherever it is used. Embeddings, norms
-    and rotary buffers stay the policy's, in the dtype the trainer's forward uses, so the rollout computes what the
-    trainer computes: autocast casts an already-bfloat16 weight to nothing, and the copy holds the values its cast
-    would give. Leaving ``active()`` frees their storage unless ``keep`` (the engines keep CUDA graphs that read
-    them, at the same addresses); the parameter objects stay the same, with their shapes, so a compiled step is not
-    recompiled. The replica runs in eval mode; rollouts run under no grad.
+    one per master weight wherever it is used. Embeddings, norms and rotary buffers stay the policy's, in the dtype
+    the trainer's forward uses, so the rollout computes what the trainer computes: autocast casts an
+    already-bfloat16 weight to nothing, and the copy holds the values its cast would give. Leaving ``active()``
+    frees their storage unless ``keep`` (the engines keep CUDA graphs that read them, at the same addresses); the
+    parameter objects stay the same, with their shapes, so a compiled step is not recompiled. The replica runs in
+    eval mode; rollouts run under no grad.
 
     Args:
         policy: the trained module (not FSDP2-sharded: ``GatheredWeights`` gathers in the autocast dtype already;
