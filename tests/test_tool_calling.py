@@ -293,17 +293,6 @@ def test_a_response_template_parses_the_calls(parsing):
     assert out.messages[0][0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
 
 
-@pytest.mark.parametrize("turn", ['<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>',  # malformed
-                                  '<tool_call>{"name": "add", "argu'])  # cut
-def test_a_turn_the_parser_cannot_read_is_text_without_a_call(parsing, turn):
-    """The model's malformed or cut call ends the turn as text (TRL's fallback), never the run."""
-    _, tokenizer = parsing
-    _, out = rollout(parsing, [add], turn, iterations=1)
-    assert out.calls == 0
-    assert out.messages[0][0] == [{"role": "assistant",
-                                   "content": tokenizer.decode(call_turn(tokenizer, turn), skip_special_tokens=True)}]
-
-
 def test_the_call_frequency_over_ranks_counts_every_completion_generated():
     """With dynamic sampling the ranks generate different numbers of groups: calls per completion over the step is
     all calls over all completions, as one process generating them all would log."""
@@ -404,3 +393,31 @@ def test_a_tool_module_that_fails_to_import_is_named_with_its_error_and_line(tmp
     with pytest.raises(ValueError, match=r"tool 'keyless_tools:add': module 'keyless_tools' raised RuntimeError: "
                                          r"set SEARCH_KEY \(.*keyless_tools.py, line 3\)"):
         resolve_tools(["keyless_tools:add"])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "response_template"])
+@pytest.mark.parametrize("turn", ['<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>',  # not JSON
+                                  '<tool_call>{"name": 5, "arguments": {}}</tool_call>',  # a name not a string
+                                  '<tool_call>["add", {"a": 2}]</tool_call>',  # not an object
+                                  '<tool_call>{"name": "add", "argu'])  # cut
+def test_a_malformed_call_is_text_without_a_call_under_either_parser(llama, parsing, parser, turn):
+    """TRL's parse_response falls back to the turn's text for a call it cannot read: no call, no failure, never the
+    run's end. The Hermes parser does the same, so a tokenizer's response schema changes nothing about what counts as
+    a call."""
+    model, tokenizer = llama if parser == "hermes" else parsing
+    _, out = rollout((model, tokenizer), [add], turn, iterations=1)
+    assert (out.calls, out.failures) == (0, 0)
+    assert out.messages[0][0] == [{"role": "assistant",
+                                   "content": tokenizer.decode(call_turn(tokenizer, turn), skip_special_tokens=True)}]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "response_template"])
+def test_a_readable_call_with_bad_arguments_is_a_failed_call_under_either_parser(llama, parsing, parser):
+    model, tokenizer = llama if parser == "hermes" else parsing
+    _, out = rollout((model, tokenizer), [add], '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>',
+                     iterations=1)
+    assert (out.calls, out.failures) == (2, 2)
+    assert "missing 1 required positional argument: 'b'" in out.messages[0][0][1]["content"]
+    _, bare = rollout((model, tokenizer), [add], '<tool_call>{"name": "add"}</tool_call>', iterations=1)
+    assert (bare.calls, bare.failures) == (2, 2)  # no arguments: called with none (TRL's {}), and add needs two
+    assert "missing 2 required positional arguments" in bare.messages[0][0][1]["content"]

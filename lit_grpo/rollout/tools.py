@@ -13,9 +13,10 @@ on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correct
 completion lengths. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a tool result that
 would leave no room for a drawn token is dropped and the sample ends as it is.
 
-Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL; a turn it
-cannot read, a malformed or cut call, is text with no call), else in the Hermes / Qwen format
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in
+the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Under either, a turn whose
+calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no failure is
+counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed call.
 """
 
 from __future__ import annotations
@@ -145,25 +146,28 @@ class ToolBox:
     # ------------------------------------------------------------------------------------------ parsing
     def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[str, list[dict]]:
         """One assistant turn's text and its tool calls (``[{"name", "arguments"}]``, empty: no call).
-        ``prefix``: the token ids before the turn (the prompt, the completion's earlier turns and tool results)."""
+        ``prefix``: the token ids before the turn (the prompt, the completion's earlier turns and tool results).
+
+        A turn whose calls cannot be read (not JSON, not an object, a name that is not a string, cut short) is its
+        text with no call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model
+        wrote so badly is no call at all, so it is neither run nor counted as a failure. A call that reads but does
+        not run (an unknown tool, arguments that do not fit it) is a failed call (``run``)."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         if self.parses:
             keywords = {"prefix": list(prefix), "tools": self.schemas}
             try:
                 message = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
-            except (ValueError, TypeError):  # a malformed or cut call: the turn is text, with no call (TRL's)
+            except (ValueError, TypeError):  # a malformed or cut call
                 return text, []
             if not isinstance(message, Mapping):  # a turn cut so early the parser found nothing
                 return text, []
-            calls = [call.get("function", call) for call in message.get("tool_calls") or []
-                     if isinstance(call, Mapping)]
-            return message.get("content") or "", [{"name": c.get("name"), "arguments": c.get("arguments")}
-                                                  for c in calls if isinstance(c, Mapping)]
-        calls = [_hermes_call(body) for body in HERMES_CALL.findall(text)]
+            calls = read_calls(message.get("tool_calls") or [])
+            return (text, []) if calls is None else (message.get("content") or "", calls)
+        calls = read_calls([_json(body) for body in HERMES_CALL.findall(text)])
         # a call is acted on only where the turn ends with it (text after the last call: the model went on)
-        if calls and text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
-            calls = []
-        return (text[:text.find("<tool_call>")].strip() if calls else text), calls
+        if not calls or text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
+            return text, []
+        return text[:text.find("<tool_call>")].strip(), calls
 
     # ------------------------------------------------------------------------------------------ running
     def run(self, call: dict) -> tuple[str, Any, bool]:
@@ -191,8 +195,6 @@ class ToolBox:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass
-        if "error" in call:
-            return str(name or "unknown"), {"error": call["error"]}, True
         if name not in self.by_name:
             return str(name or "unknown"), {"error": f"Tool {name} not found."}, True
         if not isinstance(arguments, Mapping):
@@ -372,14 +374,28 @@ def _ids(encoded: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _hermes_call(body: str) -> dict:
+def read_calls(raw: Any) -> list[dict] | None:
+    """``[{"name", "arguments"}]`` of a turn's parsed tool calls (each ``{"name", "arguments"}``, or TRL's
+    ``{"type": "function", "function": {...}}``), or None where one cannot be read: the whole turn is then text, as
+    TRL's ``parse_response`` validates them. Missing or null arguments are ``{}`` (a call of no argument)."""
+    if not isinstance(raw, list):
+        return None
+    calls = []
+    for call in raw:
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            return None
+        arguments = function.get("arguments")
+        calls.append({"name": function["name"], "arguments": {} if arguments is None else arguments})
+    return calls
+
+
+def _json(body: str) -> Any:
+    """``body`` decoded, or None where it is not JSON (``read_calls`` then reads no call)."""
     try:
-        call = json.loads(body)
-    except json.JSONDecodeError as error:
-        return {"name": None, "arguments": None, "error": f"the tool call is not JSON ({error})"}
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return {"name": None, "arguments": None, "error": 'a tool call is {"name": ..., "arguments": {...}}'}
-    return {"name": call["name"], "arguments": call.get("arguments", {})}
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return None
 
 
 def _content(value: Any) -> str:
