@@ -421,3 +421,49 @@ def test_a_readable_call_with_bad_arguments_is_a_failed_call_under_either_parser
     _, bare = rollout((model, tokenizer), [add], '<tool_call>{"name": "add"}</tool_call>', iterations=1)
     assert (bare.calls, bare.failures) == (2, 2)  # no arguments: called with none (TRL's {}), and add needs two
     assert "missing 2 required positional arguments" in bare.messages[0][0][1]["content"]
+
+
+class StopCut(Scripted):
+    """``Scripted`` whose turn a stop string (``"</tool_call>"``) cut: it ends with no EOS and is not truncated, as
+    the engine returns such a turn (a replay itself reads no stop string)."""
+
+    def generate_groups(self, groups, complete=None, finish=()):
+        result = super().generate_groups(groups, complete, finish)
+        for p, group in enumerate(result.completion_ids):
+            for k, ids in enumerate(group):
+                if ids[-len(self.turn):] == self.turn:
+                    result.truncated[p][k] = False
+        return result
+
+
+def test_a_turn_cut_by_a_stop_string_is_closed_by_the_templates_end_of_turn_not_eos(llama):
+    """A Qwen base tokenizer's EOS is ``<|endoftext|>`` while its template ends a turn with ``<|im_end|>``: the
+    closing token comes from the template, so the completion reads as the template writes the conversation."""
+    model, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.eos_token = "<|endoftext|>"
+    assert tokenizer.eos_token_id != tokenizer.convert_tokens_to_ids("<|im_end|>")
+    box = ToolBox([add], tokenizer, 1)
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=200, seed=0)
+    engine = StopCut(engine, tokenizer(ADD_CALL)["input_ids"])
+    user = [{"role": "user", "content": "2+3?"}]
+    prompt = tokenizer.apply_chat_template(user, tools=box.schemas, add_generation_prompt=True, return_dict=False)
+    groups = engine.new_groups([prompt])
+    with torch.no_grad():
+        out = box.run_rounds(engine, groups, engine.generate_groups(groups))
+    for k in range(2):
+        expected = tokenizer.apply_chat_template(user + out.messages[0][k][:2], tools=box.schemas,
+                                                 add_generation_prompt=True, return_dict=False)
+        assert prompt + out.completion_ids[0][k][:len(expected) - len(prompt)] == expected
+        assert out.tool_mask[0][k].count(0) == len(expected) - len(prompt) - len(engine.turn)
+    assert tokenizer.convert_ids_to_tokens(box.turn_end) == ["<|im_end|>"]
+
+
+def test_a_template_without_a_special_end_of_turn_falls_back_to_eos_and_says_so(llama):
+    _, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE.replace("<|im_end|>", "\n\n")
+    with pytest.warns(UserWarning, match="writes no special token after an assistant turn.s tool call.*EOS"):
+        box = ToolBox([add], tokenizer, 1)
+    assert box.turn_end == [tokenizer.eos_token_id]

@@ -1,12 +1,13 @@
 """Tool calling during rollouts (EXPERIMENTAL, opt-in: ``data.tools``), as TRL 1.16's ``GRPOTrainer(tools=...)``.
 
 The prompts are rendered with the tools' JSON schemas (the chat template's ``tools=``). A sample whose turn ends
-with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such as ``"</tool_call>"``) gets each
-called tool run on the host, the tool messages rendered by the chat template appended to its tokens, and decodes
-on: the builder hands such samples back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress``
-with ``resumed_at``), re-prefilled with their tokens so far and drawing on from their own random streams, so the
-decode loop is the partial rollouts' one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an
-``async def`` tool is awaited, a round's async calls together.
+with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such as ``"</tool_call>"``, after which
+the template's own end-of-turn token is appended: ``turn_end_ids``) gets each called tool run on the host, the tool
+messages rendered by the chat template appended to its tokens, and decodes on: the builder hands such samples back
+to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled with
+their tokens so far and drawing on from their own random streams, so the decode loop is the partial rollouts' one.
+A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a round's
+async calls together.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
@@ -25,6 +26,7 @@ import importlib
 import inspect
 import json
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +123,9 @@ class ToolBox:
         max_tool_calling_iterations: tool rounds per completion (TRL's setting); None: no count (the rounds still
             end, as each appends tokens within ``max_new_tokens``).
         chat_template_kwargs: the chat template's variables (``data.chat_template_kwargs``).
+
+    Attributes:
+        turn_end: the tokens that close an assistant turn (``turn_end_ids``), appended to a turn a stop string cut.
     """
 
     def __init__(self, tools: Sequence[Any], tokenizer: Any, max_tool_calling_iterations: int | None = None,
@@ -134,6 +139,13 @@ class ToolBox:
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
         check_template_renders_tools(tokenizer, self.schemas, self.chat_template_kwargs)
+        self.turn_end = turn_end_ids(tokenizer, [{"role": "user", "content": "x"}], self.schemas,
+                                     self.chat_template_kwargs)
+        if self.turn_end is None:
+            self.turn_end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+            warnings.warn(f"the chat template writes no special token after an assistant turn's tool call, so "
+                          f"nothing marks the turn's end: a turn a stop string cuts is closed with the tokenizer's "
+                          f"EOS ({tokenizer.eos_token!r}) before its tool results", stacklevel=2)
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
                                                                                   "response_template"))
@@ -206,17 +218,17 @@ class ToolBox:
 
     def suffix_ids(self, tool_messages: list[dict], history: Sequence[dict] = ()) -> list[int]:
         """The tokens after an assistant turn that called tools, up to the next assistant turn's start: the tool
-        messages as the chat template renders them (a conversation with and without them, the first cut after its
-        last EOS: TRL's ``_get_tool_suffix_ids``). ``history``: the completion's messages so far (``ToolRollout``'s,
-        the calling turn last), so that a template whose tool turns depend on the earlier ones (DeepSeek-R1's opens
-        the first tool output alone) renders them where they are; a history it cannot render back (a malformed
-        call) gets the first round's form."""
+        messages as the chat template renders them (``tool_suffix_ids``). ``history``: the completion's messages so
+        far (``ToolRollout``'s, the calling turn last), so that a template whose tool turns depend on the earlier ones
+        (DeepSeek-R1's opens the first tool output alone) renders them where they are; a history it cannot render
+        back gets the first round's form."""
         if history:
             try:
-                return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, history)
+                return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, history,
+                                       self.turn_end)
             except ValueError:
                 pass
-        return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs)
+        return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, turn_end=self.turn_end)
 
     def run_rounds(self, engine: Any, groups: Sequence[GroupProgress], result: Any) -> ToolRollout:
         """Tool rounds after ``engine.generate_groups(groups)`` gave ``result`` (every group completed, in input
@@ -243,9 +255,7 @@ class ToolBox:
                 tool_messages = [{"role": "tool", "name": name, "content": _content(value)}
                                  for name, value, _ in results]
                 ids = out.completion_ids[p][k]
-                # a turn cut by a stop string has no end-of-turn token yet: the template's EOS closes it
-                suffix = ([] if ids[-1] in eos else [self.tokenizer.eos_token_id]) + self.suffix_ids(
-                    tool_messages, out.messages[p][k])
+                suffix = self.closing(ids, eos) + self.suffix_ids(tool_messages, out.messages[p][k])
                 if len(ids) + len(suffix) >= engine.max_new_tokens:  # no room to answer: it ends as it is (TRL)
                     continue
                 ids.extend(suffix)
@@ -261,6 +271,13 @@ class ToolBox:
             pending = self._ended_turns(groups, out, turn_start, resumed)
             rounds += 1
         return out  # samples still in ``pending`` hit the round cap: their last turn stays an unanswered call
+
+    def closing(self, turn: Sequence[int], eos: set[int]) -> list[int]:
+        """What closes ``turn`` before its tool results: nothing where the model ended it (an EOS of the engine, or
+        the template's ``turn_end``), else the template's ``turn_end`` (a stop string such as ``"</tool_call>"``
+        cut it)."""
+        ended = turn[-1] in eos or bool(self.turn_end and list(turn[-len(self.turn_end):]) == self.turn_end)
+        return [] if ended else list(self.turn_end)
 
     def _ended_turns(self, groups: Sequence[GroupProgress], out: ToolRollout, turn_start: list[list[int]],
                      keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], list[dict]]:
@@ -345,10 +362,44 @@ def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Ma
     tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], kwargs)
 
 
+#: The argument (name and value) of the stand-in call whose turn ``turn_end_ids`` reads.
+TURN_MARKER = "lit_grpo_turn_marker"
+
+
+def turn_end_ids(tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
+                 kwargs: Mapping[str, Any] | None = None) -> list[int] | None:
+    """``[1]`` the token that closes an assistant turn calling a tool, read from the chat template: the last special
+    token it writes after the call's arguments (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``, Llama 3's
+    ``<|eot_id|>``, GPT-OSS's ``<|call|>``), which need not be the tokenizer's EOS (a Qwen base tokenizer's is
+    ``<|endoftext|>``). None where the template writes no special token there, or cannot render the turn.
+    ``prompt``: the messages before the turn; ``tools``: the schemas, the first one's tool called."""
+    call = {"type": "function",
+            "function": {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}}
+    try:
+        text = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             tools=tools, tokenize=False, **(kwargs or {}))
+    except Exception:  # noqa: BLE001 - a template that cannot render the turn shows no end: the caller's fallback
+        return None
+    if TURN_MARKER not in text:
+        return None
+    after = _ids(tokenizer(text[text.rindex(TURN_MARKER) + len(TURN_MARKER):], add_special_tokens=False))
+    special = _special_ids(tokenizer)
+    return [token for token in after if token in special][-1:] or None
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special token ids: its named ones and its added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()} | {
+        int(i) for i, token in added.items() if getattr(token, "special", False)}
+
+
 def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[str, Any],
-                    history: Sequence[dict] = ()) -> list[int]:
-    """See ``ToolBox.suffix_ids``; raises where the template does not render them as a continuation. Without a
-    ``history`` the calling turn is a dummy one."""
+                    history: Sequence[dict] = (), turn_end: Sequence[int] | None = None) -> list[int]:
+    """See ``ToolBox.suffix_ids``: a conversation (without a ``history``, a stand-in calling turn) rendered with and
+    without ``tool_messages``, the first cut after its last ``turn_end`` (TRL's ``_get_tool_suffix_ids`` cuts after
+    the last EOS, which it falls back to): what a template writes after a turn's end (a newline) starts the suffix.
+    Raises where the template does not render the tool messages as a continuation."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     before = [{"role": "user", "content": "x"},
               *([dict(m) for m in history] or [{"role": "assistant", "content": "", "tool_calls": calls}])]
@@ -359,14 +410,20 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[s
     except Exception as error:
         raise ValueError(f"the chat template cannot render a tool turn ({error}); data.tools needs a template "
                          "that renders assistant tool_calls and role 'tool' messages") from error
-    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if ends:  # the turn ends at its EOS; what a template writes after it (a newline) starts the suffix
-        prefix = prefix[:ends[-1] + 1]
+    end = _end_of_last(prefix, list(turn_end or ())) or _end_of_last(prefix, [tokenizer.eos_token_id])
+    prefix = prefix[:end] if end else prefix
     if full[:len(prefix)] != prefix or len(full) == len(prefix):
         raise ValueError("the chat template does not render tool messages as a continuation of the assistant's "
                          "turn (a conversation with them does not start with the one without), so tool results "
                          "cannot be appended to a completion")
     return full[len(prefix):]
+
+
+def _end_of_last(ids: list[int], part: list[int]) -> int | None:
+    """The index just after the last occurrence of ``part`` in ``ids``; None where it does not occur (or is empty)."""
+    if not part or None in part:
+        return None
+    return next((i + len(part) for i in range(len(ids) - len(part), -1, -1) if ids[i:i + len(part)] == part), None)
 
 
 def _ids(encoded: Any) -> list[int]:
