@@ -518,7 +518,7 @@ class RolloutDataModule(LightningDataModule):
         if self.tools:
             with config_errors("data.tools"):
                 self._toolbox = ToolBox(self.tools, tokenizer, self.max_tool_calling_iterations,
-                                        self.chat_template_kwargs)
+                                        self.chat_template_kwargs, self.system_prompt, self.prompt_template)
         schemas = self._toolbox.schemas if self._toolbox is not None else None
         render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
                                          self.prompt_template, (self.examples[i].messages or [])[:-1],

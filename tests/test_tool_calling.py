@@ -12,7 +12,7 @@ import torch
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.metrics import reduce_over_ranks
-from lit_grpo.rollout.tools import ToolBox
+from lit_grpo.rollout.tools import ToolBox, tool_schemas
 from lit_grpo.runtime.validation import ConfigError
 
 from test_module import grads_after_step, make_datamodule, make_module
@@ -176,10 +176,10 @@ def test_bad_tool_settings_name_the_value(llama):
                        over_provision=2.0, tools=ToolBox([add], tools_tokenizer))
 
 
-def tool_batch(**kwargs):
+def tool_batch(template=TOOLS_TEMPLATE, **kwargs):
     """A training batch whose every sample called ``add`` once (replayed), from the data module."""
     module = make_module()
-    module.tokenizer.chat_template = TOOLS_TEMPLATE
+    module.tokenizer.chat_template = template
     dm = make_datamodule(module, tools=[add], max_tool_calling_iterations=1, max_new_tokens=200, **kwargs)
     builder = dm._require_builder()
     builder._engine = Scripted(builder.engine, call_turn(module.tokenizer, ADD_CALL))
@@ -467,3 +467,30 @@ def test_a_template_without_a_special_end_of_turn_falls_back_to_eos_and_says_so(
     with pytest.warns(UserWarning, match="writes no special token after an assistant turn.s tool call.*EOS"):
         box = ToolBox([add], tokenizer, 1)
     assert box.turn_end == [tokenizer.eos_token_id]
+
+
+#: A template whose tool turn depends on the whole conversation: it numbers the turns by their absolute position and
+#: wraps a tool's result only where tools are given (as Qwen's templates branch on tools=).
+NUMBERED_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n",
+    "{% elif m.role == 'tool' %}<|im_start|>tool {{ loop.index0 }}\n"
+    "{% if tools %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content }}{% endif %}<|im_end|>\n")
+
+
+def test_the_tool_turn_is_rendered_in_the_prompts_conversation_with_its_system_prompt_and_tools():
+    """The tool turn is the whole conversation's (system prompt, user turn, the call, the tool) as rendered with the
+    prompt's tools, less the conversation before it: not a stand-in conversation's, whose turn numbers and missing
+    tools render it otherwise."""
+    module, batch = tool_batch(template=NUMBERED_TEMPLATE, system_prompt="Be brief.", reward_funcs=["char_fraction"])
+    tokenizer, schemas = module.tokenizer, tool_schemas([add])
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    render = lambda messages: tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,  # noqa: E731
+                                                            add_generation_prompt=True)
+    for p, prompt in enumerate(batch.prompts):
+        before = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+        expected = render(before + [call, {"role": "tool", "name": "add", "content": "5"}])[len(render(before)):]
+        assert "<|im_start|>tool 3\n<tool_response>5</tool_response>" in expected
+        for k in range(batch.completion_ids.shape[1]):
+            text = tokenizer.decode(batch.completion_ids[p, k][batch.completion_mask[p, k].bool()])
+            assert text.startswith(expected)

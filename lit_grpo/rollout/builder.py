@@ -430,7 +430,7 @@ class RolloutBuilder:
             else:  # generate's groups, kept: their samples that call a tool decode on in them
                 groups = engine.new_groups([p.ids for p in prompts], streams=streams)
                 result = engine.generate_groups(groups)
-                tooled = self.tools.run_rounds(engine, groups, result)
+                tooled = self.tools.run_rounds(engine, groups, result, [p.example for p in prompts])
                 result = replace(result, completion_ids=tooled.completion_ids, logprobs=tooled.logprobs,
                                  truncated=tooled.truncated, versions=tooled.versions,
                                  stats=merge_stats(tooled.stats, same_samples=True))

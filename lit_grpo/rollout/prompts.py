@@ -233,6 +233,19 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
     return train, sorted(held_out)
 
 
+def prompt_messages(prompt: str, system_prompt: str | None = None, template: str = "{prompt}",
+                    history: Sequence[Mapping[str, str]] = ()) -> list[dict]:
+    """The chat messages a prompt is rendered from (``render_prompt``): the system prompt, ``history``, then
+    ``template`` with ``{prompt}`` replaced as the user message. Raises where both the system prompt and the
+    history's first turn are a system turn."""
+    history = [dict(turn) for turn in history]
+    if history and history[0]["role"] == "system" and system_prompt:
+        raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
+                         f"turn ({history[0]['content']!r:.60}); drop one of the two")
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
+        {"role": "user", "content": template.replace("{prompt}", prompt)}]
+
+
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
                   template: str = "{prompt}", history: Sequence[Mapping[str, str]] = (),
                   chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None) -> list[int]:
@@ -245,22 +258,16 @@ def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
     variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``), each one the template reads.
     ``tools``: the tools' JSON schemas, for the chat template's ``tools=`` (``lit_grpo.rollout.tools``).
     """
-    text = template.replace("{prompt}", prompt)
-    history = [dict(turn) for turn in history]
-    if history and history[0]["role"] == "system" and system_prompt:
-        raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
-                         f"turn ({history[0]['content']!r:.60}); drop one of the two")
+    messages = prompt_messages(prompt, system_prompt, template, history)
     check_chat_template_kwargs(tokenizer, chat_template_kwargs)
     if getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
-            {"role": "user", "content": text}]
         # tools=None, never []: some templates (Llama's) render their tool boilerplate for an empty list
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 tools=tools or None, **(chat_template_kwargs or {}))
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     else:
-        before = "".join(turn["content"] + "\n\n" for turn in history)
-        ids = tokenizer((system_prompt + "\n\n" if system_prompt else "") + before + text)["input_ids"]
+        ids = tokenizer("".join(turn["content"] + "\n\n" for turn in messages[:-1]) + messages[-1]["content"])[
+            "input_ids"]
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError(f"prompt {prompt!r:.80} renders to no tokens")

@@ -3,11 +3,12 @@
 The prompts are rendered with the tools' JSON schemas (the chat template's ``tools=``). A sample whose turn ends
 with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such as ``"</tool_call>"``, after which
 the template's own end-of-turn token is appended: ``turn_end_ids``) gets each called tool run on the host, the tool
-messages rendered by the chat template appended to its tokens, and decodes on: the builder hands such samples back
-to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled with
-their tokens so far and drawing on from their own random streams, so the decode loop is the partial rollouts' one.
-A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a round's
-async calls together.
+messages appended to its tokens as the chat template renders them in the sample's conversation (the prompt's
+system prompt, tools and template variables, its earlier turns), and decodes on: the builder hands such samples
+back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled
+with their tokens so far and drawing on from their own random streams, so the decode loop is the partial rollouts'
+one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a
+round's async calls together.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.rollout.async_loop import run_concurrently
+from lit_grpo.rollout.prompts import PromptExample, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.stats import RolloutStats
@@ -123,13 +125,17 @@ class ToolBox:
         max_tool_calling_iterations: tool rounds per completion (TRL's setting); None: no count (the rounds still
             end, as each appends tokens within ``max_new_tokens``).
         chat_template_kwargs: the chat template's variables (``data.chat_template_kwargs``).
+        system_prompt: the prompts' system prompt (``data.system_prompt``), so that a tool turn is rendered in its
+            prompt's own conversation.
+        prompt_template: the prompts' user message template (``data.prompt_template``), likewise.
 
     Attributes:
         turn_end: the tokens that close an assistant turn (``turn_end_ids``), appended to a turn a stop string cut.
     """
 
     def __init__(self, tools: Sequence[Any], tokenizer: Any, max_tool_calling_iterations: int | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None):
+                 chat_template_kwargs: Mapping[str, Any] | None = None, system_prompt: str | None = None,
+                 prompt_template: str = "{prompt}"):
         self.tools = resolve_tools(tools)
         if not self.tools:
             raise ValueError("tools is empty: give at least one tool, or leave data.tools unset")
@@ -138,9 +144,9 @@ class ToolBox:
         self.schemas = tool_schemas(self.tools)
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
-        check_template_renders_tools(tokenizer, self.schemas, self.chat_template_kwargs)
-        self.turn_end = turn_end_ids(tokenizer, [{"role": "user", "content": "x"}], self.schemas,
-                                     self.chat_template_kwargs)
+        self.system_prompt, self.prompt_template = system_prompt, prompt_template
+        check_template_renders_tools(tokenizer, self.schemas, self.chat_template_kwargs, self.prompt_messages())
+        self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.chat_template_kwargs)
         if self.turn_end is None:
             self.turn_end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
             warnings.warn(f"the chat template writes no special token after an assistant turn's tool call, so "
@@ -216,24 +222,42 @@ class ToolBox:
         except Exception as error:  # the model learns from its error text, as TRL's
             return name, {"error": str(error)}, True
 
-    def suffix_ids(self, tool_messages: list[dict], history: Sequence[dict] = ()) -> list[int]:
+    def prompt_messages(self, example: PromptExample | None = None) -> list[dict]:
+        """The messages ``example``'s prompt was rendered from (``render_prompt``'s, with this run's system prompt
+        and template); without one a stand-in user message, as the template checks use."""
+        if example is None:
+            return prompt_messages("x", self.system_prompt, self.prompt_template)
+        return prompt_messages(example.prompt, self.system_prompt, self.prompt_template, (example.messages or [])[:-1])
+
+    def suffix_ids(self, tool_messages: list[dict], history: Sequence[dict] = (),
+                   prompt: Sequence[dict] | None = None) -> list[int]:
         """The tokens after an assistant turn that called tools, up to the next assistant turn's start: the tool
-        messages as the chat template renders them (``tool_suffix_ids``). ``history``: the completion's messages so
-        far (``ToolRollout``'s, the calling turn last), so that a template whose tool turns depend on the earlier ones
-        (DeepSeek-R1's opens the first tool output alone) renders them where they are; a history it cannot render
-        back gets the first round's form."""
+        messages as the chat template renders them, in the sample's own conversation (``tool_suffix_ids``).
+
+        ``prompt``: the prompt's messages (``prompt_messages``; default: a stand-in user message); ``history``: the
+        completion's messages so far (``ToolRollout``'s, the calling turn last). A template may number turns from
+        the start, branch on the tools or the system prompt, or render a tool turn after an earlier one otherwise
+        (DeepSeek-R1's opens only the first tool output), so the conversation is rendered as the prompt was. A
+        history it cannot render back gets the first round's form (a stand-in calling turn)."""
+        prompt = self.prompt_messages() if prompt is None else list(prompt)
+        render = dict(tools=self.schemas, kwargs=self.chat_template_kwargs, turn_end=self.turn_end)
         if history:
             try:
-                return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, history,
-                                       self.turn_end)
+                return tool_suffix_ids(self.tokenizer, tool_messages, prompt, history, **render)
             except ValueError:
                 pass
-        return tool_suffix_ids(self.tokenizer, tool_messages, self.chat_template_kwargs, turn_end=self.turn_end)
+        return tool_suffix_ids(self.tokenizer, tool_messages, prompt, **render)
 
-    def run_rounds(self, engine: Any, groups: Sequence[GroupProgress], result: Any) -> ToolRollout:
+    def run_rounds(self, engine: Any, groups: Sequence[GroupProgress], result: Any,
+                   examples: Sequence[PromptExample] | None = None) -> ToolRollout:
         """Tool rounds after ``engine.generate_groups(groups)`` gave ``result`` (every group completed, in input
         order): run the calls that end a turn, append their messages, continue those samples with
-        ``generate_groups``, until no turn calls a tool or ``max_tool_calling_iterations`` rounds ran."""
+        ``generate_groups``, until no turn calls a tool or ``max_tool_calling_iterations`` rounds ran.
+        ``examples``: ``[b]`` the groups' prompts, whose conversations the tool turns are rendered in (None: a
+        stand-in user message)."""
+        if examples is not None and len(examples) != len(groups):
+            raise ValueError(f"run_rounds got {len(examples)} examples for {len(groups)} groups; give one per group")
+        prompts = [self.prompt_messages(None if examples is None else examples[p]) for p in range(len(groups))]
         out = ToolRollout([[list(ids) for ids in group] for group in result.completion_ids],
                           [[list(lp) for lp in group] for group in result.logprobs],
                           [[list(v) for v in group] for group in result.versions],
@@ -255,7 +279,7 @@ class ToolBox:
                 tool_messages = [{"role": "tool", "name": name, "content": _content(value)}
                                  for name, value, _ in results]
                 ids = out.completion_ids[p][k]
-                suffix = self.closing(ids, eos) + self.suffix_ids(tool_messages, out.messages[p][k])
+                suffix = self.closing(ids, eos) + self.suffix_ids(tool_messages, out.messages[p][k], prompts[p])
                 if len(ids) + len(suffix) >= engine.max_new_tokens:  # no room to answer: it ends as it is (TRL)
                     continue
                 ids.extend(suffix)
@@ -346,20 +370,22 @@ def check_max_tool_calling_iterations(value: Any) -> None:
                          "completion) or None (no count: max_new_tokens bounds the rounds)")
 
 
-def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any]) -> None:
-    """Raise unless the tokenizer's chat template shows ``tools=`` in a prompt and renders tool messages."""
+def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any],
+                                 prompt: Sequence[dict]) -> None:
+    """Raise unless the tokenizer's chat template shows ``tools=`` in a prompt and renders tool messages after
+    ``prompt`` (a prompt's messages)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("data.tools needs a chat template (the tools are passed to it as tools=); this tokenizer "
                          "has none")
-    messages = [{"role": "user", "content": "x"}]
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    shown = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True,
+    plain = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True, **kwargs)
+    shown = tokenizer.apply_chat_template(list(prompt), tools=schemas, tokenize=False, add_generation_prompt=True,
                                           **kwargs)
     if plain == shown:
         raise ValueError("this tokenizer's chat template ignores tools= (a prompt renders the same with and without "
                          "them), so the model would never see data.tools: use a model whose template supports tool "
                          "use")
-    tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], kwargs)
+    tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], prompt,
+                    tools=schemas, kwargs=kwargs)
 
 
 #: The argument (name and value) of the stand-in call whose turn ``turn_end_ids`` reads.
@@ -394,19 +420,21 @@ def _special_ids(tokenizer: Any) -> set[int]:
         int(i) for i, token in added.items() if getattr(token, "special", False)}
 
 
-def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], kwargs: Mapping[str, Any],
-                    history: Sequence[dict] = (), turn_end: Sequence[int] | None = None) -> list[int]:
-    """See ``ToolBox.suffix_ids``: a conversation (without a ``history``, a stand-in calling turn) rendered with and
-    without ``tool_messages``, the first cut after its last ``turn_end`` (TRL's ``_get_tool_suffix_ids`` cuts after
-    the last EOS, which it falls back to): what a template writes after a turn's end (a newline) starts the suffix.
-    Raises where the template does not render the tool messages as a continuation."""
+def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[dict], history: Sequence[dict] = (),
+                    tools: list[dict] | None = None, kwargs: Mapping[str, Any] | None = None,
+                    turn_end: Sequence[int] | None = None) -> list[int]:
+    """See ``ToolBox.suffix_ids``: the conversation ``prompt + history`` (without a ``history``, a stand-in calling
+    turn) rendered with and without ``tool_messages``, with the prompt's ``tools`` and chat template ``kwargs``, the
+    first cut after its last ``turn_end`` (TRL's ``_get_tool_suffix_ids`` cuts after the last EOS, which it falls
+    back to): what a template writes after a turn's end (a newline) starts the suffix. Raises where the template
+    does not render the tool messages as a continuation."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    before = [{"role": "user", "content": "x"},
+    before = [*(dict(m) for m in prompt),
               *([dict(m) for m in history] or [{"role": "assistant", "content": "", "tool_calls": calls}])]
+    render = dict(tokenize=True, tools=tools or None, **(kwargs or {}))
     try:
-        prefix = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
-        full = _ids(tokenizer.apply_chat_template(before + tool_messages, tokenize=True, add_generation_prompt=True,
-                                                  **kwargs))
+        prefix = _ids(tokenizer.apply_chat_template(before, **render))
+        full = _ids(tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **render))
     except Exception as error:
         raise ValueError(f"the chat template cannot render a tool turn ({error}); data.tools needs a template "
                          "that renders assistant tool_calls and role 'tool' messages") from error
