@@ -187,10 +187,11 @@ def tool_batch(template=TOOLS_TEMPLATE, **kwargs):
 
 
 def test_the_batch_masks_tool_results_counts_drawn_lengths_and_logs_the_tools_metrics():
-    seen = []
+    seen, columns = [], []
 
-    def reward(prompts, completions, **kwargs):
+    def reward(prompts, completions, completion_ids, completion_length, **kwargs):
         seen.extend(completions)
+        columns.extend(zip(completion_ids, completion_length))
         return [1.0] * len(completions)
 
     _, batch = tool_batch(reward_funcs=[reward])
@@ -203,6 +204,10 @@ def test_the_batch_masks_tool_results_counts_drawn_lengths_and_logs_the_tools_me
     assert batch.metrics["tools/call_frequency"] == 1.0 and batch.metrics["tools/failure_frequency"] == 0.0
     assert "5" in batch.completions[0][0]  # the text holds the tool's result
     assert all(isinstance(c, str) and "<tool_call>" in c for c in seen)  # plain prompts: text, as TRL's
+    # the reward column counts the tool messages, as TRL's completion_ids hold them; the logged lengths do not
+    whole = batch.completion_mask.sum(dim=2).flatten().tolist()
+    assert [length for _, length in columns] == [len(ids) for ids, _ in columns] == whole
+    assert all(length > drawn for length, drawn in zip(whole, batch.completion_lengths.flatten().tolist()))
 
 
 def test_tool_results_carry_no_gradient():

@@ -125,7 +125,9 @@ def format_reward(prompts: list[str], completions: list[str], **columns: Any) ->
 
 
 class OverlongPenalty:
-    """DAPO's soft overlong punishment, with ``L`` the completion length in tokens::
+    """DAPO's soft overlong punishment, with ``L`` the completion length in tokens (the ``completion_length`` column:
+    with tool calling the appended tool messages count, as TRL's soft overlong punishment counts its
+    ``completion_ids``)::
 
         0                                   if L <= max_length - buffer
         ((max_length - buffer) - L) / buffer  if max_length - buffer < L <= max_length   (0 down to -1)

@@ -12,8 +12,9 @@ round's async calls together.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
-completion lengths. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a tool result that
-would leave no room for a drawn token is dropped and the sample ends as it is.
+logged ``completions/*_length`` (TRL's). They are in the reward functions' ``completion_ids`` (TRL's) and so in
+their ``completion_length`` column. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a
+tool result that would leave no room for a drawn token is dropped and the sample ends as it is.
 
 Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in
 the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Under either, a turn whose
