@@ -26,6 +26,27 @@ def test_tiny_models_are_deterministic_with_a_byte_level_tokenizer(name, model_t
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "random:llama3.2-1b"])
+def test_building_a_model_on_the_cpu_seeds_no_gpu_generator(name, monkeypatch):
+    """A model built on the CPU of a GPU machine draws from the CPU's generator alone: every CUDA device's generator
+    is left as it was (``torch.manual_seed`` would seed them all, and only the building device's is put back), and
+    the CPU's too, while the weights stay the seeded ones. CUDA's seeding calls are watched, not made."""
+    seeded = []
+    for call in ("manual_seed", "manual_seed_all"):
+        monkeypatch.setattr(torch.cuda, call, lambda seed, call=call: seeded.append((call, seed)))
+    config = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512}
+    if name.startswith("random:"):  # a one-layer stand-in of the architecture: the seeding is what is checked
+        fields = models._random_model_fields
+        monkeypatch.setattr(models, "_random_model_fields", lambda short: {**fields(short), **config})
+    before = torch.get_rng_state()
+    model, _ = load_model_and_tokenizer(name, dtype="float32")
+    again, _ = load_model_and_tokenizer(name, dtype="float32")
+    assert seeded == []
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
 def test_dtype_names(tiny_llama):
     model, _ = load_model_and_tokenizer("tiny-llama", dtype="bf16")
     assert model.dtype == torch.bfloat16

@@ -339,6 +339,23 @@ def tiny_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+@contextlib.contextmanager
+def seeded_on(device: torch.device, seed: int) -> Iterator[None]:
+    """Within the block, the generators a model built on ``device`` draws from (the CPU's, and ``device``'s own
+    where it is a GPU) start from ``seed``; after it they are as they were. Only those: ``torch.manual_seed`` would
+    also seed every CUDA device's generator, which ``fork_rng`` puts back only for ``device``, so a model built on
+    the CPU of a GPU machine would restart the run's CUDA draws (an update's dropout) from ``seed``."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        elif device.type != "cpu":  # another accelerator: its generator, by torch's own call
+            torch.manual_seed(seed)
+        yield
+
+
 def _tiny_model(name: str) -> PreTrainedModel:
     tokenizer = tiny_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -347,8 +364,7 @@ def _tiny_model(name: str) -> PreTrainedModel:
                   bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
     config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)
     device = torch.get_default_device()  # a torch.device context (Lightning's configure_model) builds it there
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(1234)
+    with seeded_on(device, 1234):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
@@ -371,8 +387,7 @@ def random_model(name: str, dtype: torch.dtype | None = None,
                    bos_token_id=tokenizer.bos_token_id)
     config = AutoConfig.for_model(**fields, **special)
     device = torch.device(device) if device is not None else torch.get_default_device()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-        torch.manual_seed(1234)
+    with seeded_on(device, 1234), device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
