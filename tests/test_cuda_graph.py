@@ -67,6 +67,38 @@ def test_one_synchronisation_per_decode_step(monkeypatch):
     assert len(syncs) == result.stats.decode_steps
 
 
+def test_starting_rows_under_a_repetition_penalty_and_a_token_replay_waits_on_no_copy():
+    """A row's seen ids and replayed tokens go to the device without a wait (a pageable source is staged at once):
+    a blocking copy at each refill stalled the host once per started row."""
+    import inspect
+
+    from lit_grpo.sampling.decode_step import DecodeStep
+
+    lines = set()
+    for method in (DecodeStep._write_seen, DecodeStep._write_forced_tokens):
+        source, first = inspect.getsourcelines(method)
+        lines |= set(range(first, first + len(source)))
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", dtype="bfloat16", device="cuda")
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=8, cuda_graph=True, repetition_penalty=1.2)
+    prompts = [tokenizer("What is 2+3?")["input_ids"]]
+    recorded = engine.generate(prompts).completion_ids
+    engine.generate(prompts, tokens=recorded)  # both steps captured outside the count
+    waits = {}
+    for name, run in (("penalty", lambda: engine.generate(prompts)),
+                      ("replay", lambda: engine.generate(prompts, tokens=recorded))):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits[name] = [w.lineno for w in caught if "synchroniz" in str(w.message)
+                       and w.filename.endswith("decode_step.py") and w.lineno in lines]
+    assert waits == {"penalty": [], "replay": []}, waits
+
+
 def test_schedules_return_bit_identical_completions_in_bfloat16():
     """Schedule invariance on the device it is for: the same g and seed give the same bits whatever
     the schedule, with graphs replayed and every row's arithmetic independent of its neighbours. Bit-identical in

@@ -145,3 +145,16 @@ def test_a_bad_dtype_is_named_as_the_setting_it_is_not_the_models_load_failure(r
     with pytest.raises(ValueError, match=r"reward_model: dtype='bf32'") as error:
         build_reward_funcs([{"name": "reward_model", "kwargs": {"model": reward_model_path, "dtype": "bf32"}}])
     assert "cannot be loaded" not in str(error.value)
+
+
+def test_a_bare_cuda_device_is_resolved_to_the_current_ones_index(monkeypatch):
+    """``device: cuda`` names the current CUDA device with its index, as the model's own ``.device`` does: compared
+    with ``cuda:0`` the bare name never matched, so every call moved the model again."""
+    from lit_grpo.rollout import reward_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert reward_model._resolve_device("cuda") == torch.device("cuda", 1)
+    assert reward_model._resolve_device("auto") == torch.device("cuda", 1)
+    assert reward_model._resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert reward_model._resolve_device("cpu") == torch.device("cpu")

@@ -113,10 +113,14 @@ def _resolve_device(device: Any) -> torch.device:
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"reward_model: device={device!r} must be 'auto' or a torch device name such as 'cpu' or "
                          "'cuda:0'") from None
+    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
+        # the model's own device names its index: "cuda" compared with "cuda:0" would move it at every call
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def is_reward_model_name(name: str) -> bool:

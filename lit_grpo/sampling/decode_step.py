@@ -295,7 +295,7 @@ class DecodeStep:
                              f"got forced_length={forced_length} for {len(tokens)} tokens, width {width}")
         row = torch.zeros(width, dtype=torch.long)
         row[:forced_length] = torch.as_tensor(list(tokens[:forced_length]), dtype=torch.long)
-        self.forced_tokens[slot].copy_(row)
+        self.forced_tokens[slot].copy_(row, non_blocking=True)  # a pageable source is staged at once: no wait
 
     def _write_seen(self, slot: int, parts: Sequence[Sequence[int]]) -> None:
         """Row ``slot``'s seen ids: those in ``parts``, less any the output head has no logit for (transformers
@@ -306,7 +306,7 @@ class DecodeStep:
             raise ValueError("a row under a repetition penalty needs the ids it has seen (its prompt's at least)")
         row = self.seen[slot]
         row.zero_()
-        row[torch.tensor(ids, device=self.device)] = True
+        row[torch.tensor(ids).to(self.device, non_blocking=True)] = True  # staged at once, without a wait
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
         """A copy of the row's positions ``[start, stop)`` (a parked sample's tail)."""
