@@ -64,7 +64,7 @@ def test_default_columns_and_a_dataset_dict_split(tmp_path):
         "test": datasets.Dataset.from_list([{"question": "3+3?", "answer": 6}])})
     splits.save_to_disk(tmp_path / "dict")
     test = dataset_prompts(str(tmp_path / "dict"), split="test")
-    assert [(e.prompt, e.answer) for e in test] == [("3+3?", "6")]
+    assert [(e.prompt, e.answer) for e in test] == [("3+3?", 6)]  # the column's value as it is, as TRL passes it
     assert [e.prompt for e in dataset_prompts(splits)] == ["1+1?", "2+2?"]  # an object, default split "train"
     with pytest.raises(ValueError, match=r"has no split 'validation'; its splits are \['test', 'train'\]"):
         dataset_prompts(str(tmp_path / "dict"), split="validation")

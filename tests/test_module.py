@@ -421,7 +421,7 @@ def test_jsonl_source_and_its_errors(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "What is 2 + 2?", "answer": 4, "level": 1}\n\n{"question": "Capital of France?"}\n')
     examples = jsonl_prompts(path)
-    assert [(e.prompt, e.answer) for e in examples] == [("What is 2 + 2?", "4"), ("Capital of France?", None)]
+    assert [(e.prompt, e.answer) for e in examples] == [("What is 2 + 2?", 4), ("Capital of France?", None)]
     assert examples[0].entry["level"] == 1
     train, val = split_examples(examples, 1, seed=0)
     assert sorted(train + val) == [0, 1] and len(val) == 1

@@ -597,3 +597,33 @@ def test_an_error_names_a_chat_prompt_by_its_question():
     assert raised.value.prompt == "Name a prime above 100."
     with pytest.raises(ValueError, match=r"returned nan at index 2 for prompt 'Name a prime above 100\.'; "):
         score_rewards([WeightedReward(not_finite)], prompts, completions, group_size=2)
+
+
+def test_a_rows_answer_reaches_the_reward_functions_as_the_row_holds_it(tmp_path):
+    """As TRL passes a dataset's columns: a JSONL row's or a prompt list's int answer is an int, so a TRL reward
+    comparing ints scores; the built-in correctness rewards read it as text."""
+    import json
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.rollout.prompts import jsonl_prompts
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": 2 * i, "half": i} for i in range(4)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [e.answer for e in jsonl_prompts(tmp_path / "rows.jsonl")] == [0, 2, 4, 6]
+
+    def int_match(completions, answer, half, **kwargs):  # a TRL reward that compares ints
+        return [float(a == 2 * h) for a, h in zip(answer, half)]
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    data = RolloutDataModule(prompts=rows, val_size=0, prompts_per_step=2, reward_funcs=[int_match, "math"],
+                             sampling={"group_size": 2, "max_new_tokens": 2})
+    data.attach(model, tokenizer)
+    data.setup("fit")
+    batch = data.build_train_batch()
+    assert batch.reward_components["int_match"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert batch.columns["answer"] == [rows[i]["answer"] for i in batch.indices]
+    scores = score_rewards(build_reward_funcs(["accuracy", "math"]), ["p"] * 3,
+                           ["<answer>4</answer>", "<answer>1.5</answer>", "<answer>5</answer>"],
+                           {"answer": [4, 1.5, 4]}, group_size=1)
+    assert scores.components["accuracy"].tolist() == scores.components["math"].tolist() == [1.0, 1.0, 0.0]

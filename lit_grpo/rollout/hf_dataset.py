@@ -164,8 +164,7 @@ def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_colum
         if answer_column is not None and (answer is None or not str(answer).strip()):
             raise ValueError(f"data.dataset {where!r}, row {index}, column {answer_column!r}: the answer is missing "
                              f"({answer!r}); fill it, or drop the row")
-        examples.append(PromptExample(prompt=prompt, answer=None if answer is None else str(answer),
-                                      entry=dict(row), messages=messages))
+        examples.append(PromptExample(prompt=prompt, answer=answer, entry=dict(row), messages=messages))
     if not examples:
         raise ValueError(f"data.dataset {where!r} (split {split!r}) has no rows")
     return examples

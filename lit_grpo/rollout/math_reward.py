@@ -149,13 +149,13 @@ def score_math(completion: str, gold: str | None, timeout_s: float | None = DEFA
         return 0.0
 
 
-def math_reward(prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
+def math_reward(prompts: list[str], completions: list[str], answer: list[Any] | None = None,
                 entry: list[Mapping[str, Any] | None] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
                 **columns: Any) -> list[float | None]:
     """Math-verified correctness of each completion's final answer (module docstring).
 
-    The gold answer is the ``answer`` column, else the row's ``answer`` field; ``timeout_s``: the deadline per
-    completion in seconds (> 0), or None for none.
+    The gold answer is the ``answer`` column, else the row's ``answer`` field, read as text (a number too);
+    ``timeout_s``: the deadline per completion in seconds (> 0), or None for none.
     """
     check_math_options(timeout_s)
     answers = answer if answer is not None else [None] * len(completions)

@@ -29,14 +29,15 @@ class PromptExample:
 
     Attributes:
         prompt: the user message (before the chat template).
-        answer: the gold answer, or None.
+        answer: the gold answer as the source holds it (a string, a number, ...: reward functions get it unchanged,
+            as TRL passes a dataset's column), or None.
         entry: the full source row (reasoning-gym: ``question``, ``answer``, ``metadata``; JSONL: the row).
         messages: a chat prompt (``[{"role", "content"}, ...]`` ending with the user turn ``prompt``), rendered
             whole through the chat template; None for a single user message.
     """
 
     prompt: str
-    answer: str | None = None
+    answer: Any = None
     entry: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
 
@@ -62,8 +63,7 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
     prompt = row[key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r:.80}")
-    answer = row.get("answer")
-    return PromptExample(prompt=prompt, answer=None if answer is None else str(answer), entry=dict(row))
+    return PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row))
 
 
 def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
@@ -88,8 +88,7 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
     except (ValueError, TypeError, AssertionError) as err:
         raise ValueError(f"reasoning-gym task={task!r} with task_config {dict(config or {})!r} failed: "
                          f"{type(err).__name__}: {err}") from err
-    return [PromptExample(prompt=e["question"], answer=str(e["answer"]) if e.get("answer") is not None else None,
-                          entry=dict(e)) for e in dataset]
+    return [PromptExample(prompt=e["question"], answer=e.get("answer"), entry=dict(e)) for e in dataset]
 
 
 def jsonl_prompts(path: str | Path) -> list[PromptExample]:
@@ -188,7 +187,9 @@ def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None)
 def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     """A short hash of ``examples`` in their order (prompt, answer and chat messages): two runs draw from the same
     prompt set, in the same positions, exactly when theirs agree."""
-    rows = [[example.prompt, example.answer, example.messages] for example in examples]
+    # the answer as text: 3 and "3" are one prompt set (a checkpoint's fingerprint was taken over text answers)
+    rows = [[example.prompt, None if example.answer is None else str(example.answer), example.messages]
+            for example in examples]
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 

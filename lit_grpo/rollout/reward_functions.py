@@ -81,12 +81,12 @@ def reasoning_gym_source(entry: Mapping[str, Any] | None) -> str | None:
     return None
 
 
-def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] | None = None) -> float | None:
+def score_answer(answer: str | None, gold: Any, entry: Mapping[str, Any] | None = None) -> float | None:
     """Score one extracted answer: 1 correct, 0 wrong (reasoning-gym tasks may give partial credit).
 
     A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
-    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` (numbers compared as
-    numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
+    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` as text (``str(gold)``: a
+    dataset's number too; numbers compared as numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
     """
     source = reasoning_gym_source(entry)
     if source:
@@ -100,11 +100,12 @@ def score_answer(answer: str | None, gold: str | None, entry: Mapping[str, Any] 
 
 # --------------------------------------------------------------------------------------------- built-in rewards
 def accuracy_reward(
-    prompts: list[str], completions: list[str], answer: list[str | None] | None = None,
+    prompts: list[str], completions: list[str], answer: list[Any] | None = None,
     entry: list[Mapping[str, Any] | None] | None = None, **columns: Any
 ) -> list[float | None]:
-    """Correctness of the final answer in ``[0, 1]``; ``None`` for rows with neither gold answer (a blank one counts as
-    none, as for ``math``) nor dataset entry."""
+    """Correctness of the final answer in ``[0, 1]``, against the gold answer as text (it comes as the row holds it,
+    e.g. an int); ``None`` for rows with neither gold answer (a blank one counts as none, as for ``math``) nor
+    dataset entry."""
     answers = answer if answer is not None else [None] * len(completions)
     entries = entry if entry is not None else [None] * len(completions)
     out: list[float | None] = []

@@ -12,13 +12,13 @@ the text of either form.
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
-of the same length: ``answer`` (the gold answer or None), ``entry`` (the prompt's source row: for reasoning-gym the
-dataset entry with ``question``, ``answer``, ``metadata``), ``completion_ids``, ``completion_length`` (tokens,
-``len(completion_ids)``: with tool calling the appended tool messages too, as TRL's ``completion_ids`` hold them and
-``max_new_tokens`` bounds them; the logged ``completions/*_length`` count drawn tokens only), ``truncated`` (hit
-the length cap), ``max_new_tokens``, plus every field of the prompt's row but ``prompt`` (a JSONL row's, a
-dataset's columns; ``check_row_fields`` refuses one named as an argument above). Take ``**kwargs`` and
-ignore what you do not need.
+of the same length: ``answer`` (the gold answer as the row holds it, a number as a number, or None), ``entry``
+(the prompt's source row: for reasoning-gym the dataset entry with ``question``, ``answer``, ``metadata``),
+``completion_ids``, ``completion_length`` (tokens, ``len(completion_ids)``: with tool calling the appended tool
+messages too, as TRL's ``completion_ids`` hold them and ``max_new_tokens`` bounds them; the logged
+``completions/*_length`` count drawn tokens only), ``truncated`` (hit the length cap), ``max_new_tokens``, plus
+every field of the prompt's row but ``prompt`` (a JSONL row's, a dataset's columns; ``check_row_fields`` refuses
+one named as an argument above). Take ``**kwargs`` and ignore what you do not need.
 
 Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``), under
 TRL's name and with its fields' meaning, for rewards shaped by training progress, and TRL's ``log_metric(name,
