@@ -139,6 +139,20 @@ def test_a_column_named_question_reaches_the_rewards_and_one_named_as_lit_grpos_
             dm.setup("fit")
 
 
+def test_a_datasets_own_answer_column_is_never_hidden_behind_another_answer_column():
+    """Every column reaches the reward functions under its own name: with an ``answer`` column of its own the
+    data is scored against it (``answer``, and ``solution`` under its own name); naming another column the gold
+    answer, which the rewards get as ``answer``, would hide that column: refused, naming both and the fixes."""
+    rows = [{"problem": "1 + 1?", "answer": 2, "solution": "1 + 1 = 2"}]
+    (example,) = dataset_prompts(datasets.Dataset.from_list(rows))
+    assert example.answer == 2 and example.entry["solution"] == "1 + 1 = 2"
+    with pytest.raises(ValueError, match=r"data.answer_column='solution', but the data has an 'answer' column too: "
+                                         r"the reward functions get the gold answer \('solution'\) as 'answer', which "
+                                         r"would hide that column; leave answer_column unset .* or rename one"):
+        dataset_prompts(datasets.Dataset.from_list(rows), answer_column="solution")
+    assert dataset_prompts(datasets.Dataset.from_list(rows), answer_column="answer")[0].answer == 2
+
+
 def test_chat_prompts_give_the_reward_functions_trls_conversational_form():
     """As TRL: for chat prompts the reward functions get each prompt's messages as the dataset holds them and each
     completion as ``[{"role": "assistant", "content": text}]``, so a TRL reward for chat data runs unchanged; the

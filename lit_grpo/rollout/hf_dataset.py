@@ -10,7 +10,9 @@ Each row becomes a :class:`~lit_grpo.rollout.prompts.PromptExample` whose ``entr
 column reaches the reward functions (as a JSONL row's fields do). The prompt is ``prompt_column`` (default: the
 first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a string (the user message) or a chat
 ``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn). The gold answer is
-``answer_column`` (default ``answer`` when present; else the rows have none).
+``answer_column`` (default ``answer`` when present; else the rows have none), passed to the reward functions as
+``answer`` and under its own name; a dataset with an ``answer`` column of its own takes no other ``answer_column``
+(that column would be hidden from the rewards).
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def select_split(loaded: Any, split: str, where: str):
 def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_column: str | None,
                     where: str) -> tuple[str, str | None]:
     """``(prompt column, answer column or None)``; a named column that is missing is an error listing the
-    columns the data has."""
+    columns the data has, and so is an answer column other than the data's own ``answer`` column (every column
+    reaches the reward functions under its own name, and ``answer`` is the gold answer's)."""
     columns = list(columns)
     if prompt_column is None:
         prompt_column = next((c for c in PROMPT_COLUMNS if c in columns), None)
@@ -112,6 +115,13 @@ def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_co
     elif answer_column not in columns:
         raise ValueError(f"data.dataset {where!r}: data.answer_column={answer_column!r} is not a column; it has "
                          f"{columns}")
+    elif answer_column != "answer" and "answer" in columns:
+        # the reward functions get the gold answer as `answer`: the data's own `answer` column would reach them
+        # under another column's values, unseen (TRL passes every column under its own name)
+        raise ValueError(f"data.dataset {where!r}: data.answer_column={answer_column!r}, but the data has an 'answer' "
+                         f"column too: the reward functions get the gold answer ({answer_column!r}) as 'answer', "
+                         "which would hide that column; leave answer_column unset to score against 'answer', or "
+                         "rename one of the two columns (e.g. Dataset.rename_column)")
     return prompt_column, answer_column
 
 
