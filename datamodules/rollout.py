@@ -131,8 +131,8 @@ class RolloutDataModule(LightningDataModule):
     """Streams GRPO rollouts built with the current policy.
 
     Prompt source (exactly one): ``task`` (a reasoning-gym task, ``size`` entries, ``data_seed``, ``task_config``),
-    ``jsonl_path`` (``prompt`` or ``question``, optional ``answer`` and any other fields), ``prompts`` (strings or
-    ``{prompt, answer}`` dicts) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
+    ``jsonl_path`` (``prompt`` or ``question``: the user message or chat messages, as ``dataset`` takes them;
+    optional ``answer`` and any other fields), ``prompts`` (strings or ``{prompt, answer}`` dicts, alike) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
     them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
     ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such

@@ -443,6 +443,32 @@ def test_jsonl_source_and_its_errors(tmp_path):
         split_examples(examples, 0.01)
 
 
+def test_a_jsonl_rows_chat_messages_are_taken_and_checked_as_data_dataset_takes_them(tmp_path):
+    """TRL's conversational rows (``{"prompt": [{"role", "content"}, ...]}``) from data.jsonl_path: the same
+    example data.dataset makes of the file, and the same checks with the line named."""
+    import json
+
+    from lit_grpo.rollout.hf_dataset import dataset_prompts
+    from lit_grpo.rollout.prompts import jsonl_prompts
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": chat, "answer": 4}) + "\n")
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": chat}) + "\n" + json.dumps({"prompt": "Plain?"}))
+    assert [(e.prompt, e.messages) for e in jsonl_prompts(tmp_path / "mixed.jsonl")] == [("What is 2 + 2?", chat),
+                                                                                        ("Plain?", None)]
+    for bad, match in (([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}],
+                        r"bad.jsonl:1, field 'prompt': the messages must end with a non-empty user turn"),
+                       ([{"role": "user"}], r"bad.jsonl:1, field 'prompt': message 0 must be \{'role': str, "),
+                       ([], r"bad.jsonl:1, field 'prompt': expected a non-empty string or a list of chat messages"),
+                       (3, r"bad.jsonl:1: field 'prompt' must be a non-empty string or a list of chat messages")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": bad}) + "\n")
+        with pytest.raises(ValueError, match=match):
+            jsonl_prompts(tmp_path / "bad.jsonl")
+    pytest.importorskip("datasets")  # the data extra
+    (taken,), (read,) = jsonl_prompts(tmp_path / "chat.jsonl"), dataset_prompts(str(tmp_path / "chat.jsonl"))
+    assert (taken.prompt, taken.messages, taken.answer, taken.entry) == (read.prompt, read.messages, 4, read.entry)
+
+
 def test_split_holds_out_distinct_prompts_whole():
     """A prompt the source repeats is held out with all its rows (validated once) and never trained on; a source
     without repeats splits as a plain shuffle of its rows."""

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_grpo.rollout.prompts import PromptExample
+from lit_grpo.rollout.prompts import PromptExample, check_messages
 
 #: Prompt columns looked for, in order, when ``prompt_column`` is not given.
 PROMPT_COLUMNS = ("prompt", "question", "problem", "messages")
@@ -123,22 +123,6 @@ def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_co
                          "which would hide that column; leave answer_column unset to score against 'answer', or "
                          "rename one of the two columns (e.g. Dataset.rename_column)")
     return prompt_column, answer_column
-
-
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A chat prompt: a non-empty list of ``{"role", "content"}`` turns ending with a user turn."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got {messages!r:.80}")
-    turns = []
-    for i, turn in enumerate(messages):
-        if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) or \
-                not isinstance(turn.get("content"), str):
-            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {turn!r:.80}")
-        turns.append({"role": turn["role"], "content": turn["content"]})
-    if turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
-        raise ValueError(f"{where}: the messages must end with a non-empty user turn (the prompt the policy answers);"
-                         f" the last is {turns[-1]['role']!r} with content {turns[-1]['content']!r:.60}")
-    return turns
 
 
 def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_column: str | None = None,

@@ -49,6 +49,22 @@ def message_text(value: Any) -> str:
     return value if isinstance(value, str) else value[-1]["content"]
 
 
+def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """A chat prompt: a non-empty list of ``{"role", "content"}`` turns ending with a user turn."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got {messages!r:.80}")
+    turns = []
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) or \
+                not isinstance(turn.get("content"), str):
+            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {turn!r:.80}")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    if turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
+        raise ValueError(f"{where}: the messages must end with a non-empty user turn (the prompt the policy answers);"
+                         f" the last is {turns[-1]['role']!r} with content {turns[-1]['content']!r:.60}")
+    return turns
+
+
 def _example_from_row(row: Any, where: str) -> PromptExample:
     if isinstance(row, str):
         if not row.strip():
@@ -60,10 +76,14 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
     if key is None:
         raise ValueError(f"{where}: no prompt field; the row has keys {sorted(row)} but needs one of "
                          f"{list(PROMPT_KEYS)}")
-    prompt = row[key]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r:.80}")
-    return PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row))
+    prompt, messages = row[key], None
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):  # chat messages, as data.dataset takes them
+        messages = check_messages(prompt, f"{where}, field {key!r}")
+        prompt = messages[-1]["content"]
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string or a list of chat messages "
+                         f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got {prompt!r:.80}")
+    return PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
 
 
 def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
@@ -92,7 +112,8 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
 
 
 def jsonl_prompts(path: str | Path) -> list[PromptExample]:
-    """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``."""
+    """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``, the prompt a string
+    or chat messages (``check_messages``, as ``data.dataset`` takes them)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"jsonl_path={path!r:.80} must be a JSONL file's path")
     path = Path(path).expanduser()
