@@ -63,6 +63,30 @@ def test_a_call_that_raises_logs_nothing_and_its_groups_calls_do():
     assert scores.logs.extras == {"seen": ["a", "b", None, None, "d", "e"]}
 
 
+def test_tensor_and_numpy_values_of_a_column_are_kept_and_shown_as_python_values():
+    """A column given as a tensor, or holding tensors and NumPy scalars, keeps their Python values: the table shows
+    ``0.500``, not ``tensor(0.5000)``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def scored(prompts, completions, log_extra, **columns):
+        log_extra("score", torch.tensor([0.5, 0.25]))
+        log_extra("count", [np.int64(3), torch.tensor(2)])
+        log_extra("pair", [torch.tensor([1, 2]), np.array([3.5, 4.0])])
+        return [0.0] * len(completions)
+
+    extras = score_rewards([WeightedReward(scored)], ["p"] * 2, ["a", "b"], group_size=2).logs.extras
+    assert extras == {"score": [0.5, 0.25], "count": [3, 2], "pair": [[1, 2], [3.5, 4.0]]}
+    assert [type(v) for column in extras.values() for v in column] == [float, float, int, int, list, list]
+    batch = SimpleNamespace(prompts=["p"], completions=[["a", "b"]], completion_lengths=torch.tensor([[1, 1]]),
+                            truncated=torch.tensor([[False, False]]), rewards=torch.zeros(1, 2),
+                            reward_extras={column: [values] for column, values in extras.items()})
+    table = sample_table(batch, num_prompts=1, num_completions=2, max_chars=40)
+    assert table.splitlines()[2] == "| p | 0 | 0.000 | 1 | 0.500 | 3 | \\[1, 2\\] | a |"
+    assert "tensor" not in table
+
+
 @pytest.mark.parametrize("body, match", [
     (lambda m, e, n: m("loss", "0.5"), r"log_metric\('loss', '0.5'\); the value must be one number"),
     (lambda m, e, n: m("loss", [0.5]), r"log_metric\('loss', \[0.5\]\); the value must be one number"),

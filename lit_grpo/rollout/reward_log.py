@@ -4,7 +4,8 @@ Every reward call gets two callables (``lit_grpo.rollout.rewards.score_rewards``
 
     log_metric(name, value)     a number; a training step logs the mean of its calls' values as reward/<name>
                                 (several processes: over every rank's values)
-    log_extra(column, values)   one value per completion of the call: a column of CompletionLogger's table
+    log_extra(column, values)   one value per completion of the call: a column of CompletionLogger's table; a
+                                torch tensor's or NumPy array's values are kept as Python values (``plain_value``)
 
 A call that raises logs nothing: on a retry one group at a time, the groups' calls log instead. Validation's
 calls get them too; what they log there is not logged (its ``val/*`` keys are fixed ahead of the run).
@@ -40,6 +41,13 @@ def as_number(value: Any) -> float | None:
     return float(value) if isinstance(value, numbers.Real) else None
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as Python holds it: a torch tensor's or a NumPy array's or scalar's values (``tolist``: a number, or
+    nested lists of them), anything else as it is. A logged column keeps no tensor (nor the device memory behind
+    it), and a table shows ``0.5`` where the tensor's repr read ``tensor(0.5000)``."""
+    return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) else value
+
+
 class CallLog:
     """What one call of reward function ``fn_name`` on ``n`` completions logs: its ``metric`` and ``extra`` are the
     call's ``log_metric`` and ``log_extra``."""
@@ -60,6 +68,7 @@ class CallLog:
         self.metrics.setdefault(name, []).append(number)
 
     def extra(self, column: str, values: Sequence[Any]) -> None:
+        values = plain_value(values)  # a tensor of the call's values: each one a number
         if not isinstance(column, str) or not column or column in TABLE_COLUMNS:
             raise ValueError(f"reward function {self.fn_name!r} called log_extra with the column {column!r}; it must "
                              f"be a non-empty string other than the table's own columns {list(TABLE_COLUMNS)}")
@@ -71,7 +80,7 @@ class CallLog:
         if column in self.extras:
             raise ValueError(f"reward function {self.fn_name!r} called log_extra({column!r}, ...) twice in one call; "
                              "give each column once")
-        self.extras[column] = list(values)
+        self.extras[column] = [plain_value(value) for value in values]
 
     def keywords(self) -> dict[str, Any]:
         """The call's logging keywords, by their names (``LOG_KEYWORDS``)."""
