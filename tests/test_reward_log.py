@@ -164,17 +164,44 @@ def test_a_fit_logs_the_steps_mean_and_the_table_shows_the_column(tmp_path):
     assert table.splitlines()[0] == "| prompt | k | reward | length | first | completion |"
 
 
+def test_a_validation_logs_what_its_reward_calls_log_under_val(tmp_path):
+    """As TRL logs an evaluation's ``log_metric`` values (``eval_<name>``): ``val/reward/<name>`` is the mean of
+    every value validation's reward calls logged, over its batches."""
+    from lightning.pytorch import Trainer
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    calls = []
+
+    def recorded(prompts, completions, log_metric, log_extra, **columns):
+        calls.append(len(completions))
+        log_metric("completions_seen", float(len(completions)))
+        return [0.0] * len(completions)
+
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    data = RolloutDataModule(prompts=prompts, val_size=3, val_batch_size=2, prompts_per_step=2,
+                             reward_funcs=[recorded], sampling={"group_size": 2, "max_new_tokens": 2})
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.validate(GRPOModule(model="tiny-llama"), datamodule=data)
+    assert sorted(calls) == [1, 2]  # two batches: 2 held-out prompts, then 1, one greedy completion each
+    assert trainer.callback_metrics["val/reward/completions_seen"].item() == pytest.approx(1.5)
+    assert not any(key.startswith("reward/") for key in trainer.callback_metrics)
+
+
 @pytest.mark.xdist_group("ddp_run")
 def test_under_two_processes_a_logged_metric_is_the_mean_of_every_ranks_values(tmp_path):
     """Each rank's calls log ``call_tokens``; rank 0 alone logs ``rank0_only``: both ranks log both keys, the
-    first the mean over the ranks' values, the second rank 0's value (no hang on the names one rank lacks)."""
-    from tools.step_recorder import read_records
+    first the mean over the ranks' values, the second rank 0's value (no hang on the names one rank lacks); so
+    does the validation after step 2, under ``val/reward/``."""
+    from tools.step_recorder import read_records, read_validations
 
     funcs = ("[{name: accuracy, weight: 1.0}, {name: char_fraction, weight: 1.0}, "
              "{name: test_reward_log:rank_logging_reward, weight: 0.0}]")
-    record = fit_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.reward_funcs", funcs, steps=1)
+    record = fit_two_processes(tmp_path, "--trainer.strategy", "ddp", "--data.reward_funcs", funcs, steps=2)
     ranks = [read_records(record, rank) for rank in (0, 1)]
-    (a,), (b,) = ranks
+    a, b = (records[0] for records in ranks)
     per_rank = [sum(len(ids) for group in r["completion_ids"] for ids in group)
                 / sum(len(group) for group in r["completion_ids"]) for r in (a, b)]
     for r in (a, b):
@@ -182,3 +209,8 @@ def test_under_two_processes_a_logged_metric_is_the_mean_of_every_ranks_values(t
         assert r["logged"]["reward/rank0_only"] == 3.0
     batches = [torch.load(f"{record}.rank{rank}.step1.pt", weights_only=False) for rank in (0, 1)]
     assert [{v for group in batch.reward_extras["rank"] for v in group} for batch in batches] == [{0}, {1}]
+    validations = [read_validations(record, rank) for rank in (0, 1)]  # before training (FitSummary) and after
+    assert len(validations[0]) == len(validations[1]) == 2
+    for first, second in zip(*validations):
+        assert first["logged"]["val/reward/rank0_only"] == second["logged"]["val/reward/rank0_only"] == 3.0
+        assert first["logged"]["val/reward/call_tokens"] == second["logged"]["val/reward/call_tokens"] > 0

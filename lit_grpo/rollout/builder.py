@@ -399,6 +399,8 @@ class RolloutBuilder:
         batch = self._assemble([greedy], [(0, p) for p in range(len(prompts))], engine, train=False)
         if sampled is not None:
             batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
+        # what every reward call of this batch logged (GRPOModule's val/reward/<name>)
+        batch.metrics.update(logged_metrics([rollout.logs for rollout in (greedy, sampled) if rollout is not None]))
         return batch
 
     # ------------------------------------------------------------------------------------------ steps

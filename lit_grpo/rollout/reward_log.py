@@ -8,7 +8,8 @@ Every reward call gets two callables (``lit_grpo.rollout.rewards.score_rewards``
                                 torch tensor's or NumPy array's values are kept as Python values (``plain_value``)
 
 A call that raises logs nothing: on a retry one group at a time, the groups' calls log instead. Validation's
-calls get them too; what they log there is not logged (its ``val/*`` keys are fixed ahead of the run).
+calls get them too: their metrics are logged as ``val/reward/<name>``, the mean over the validation run (as TRL logs
+an evaluation's as ``eval_<name>``; ``lit_grpo.update.held_out.ValidationLogs``); their columns are not shown.
 """
 
 from __future__ import annotations

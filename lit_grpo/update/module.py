@@ -48,7 +48,8 @@ rollout/{rollouts_per_step, slots}, with partial rollouts rollout/{carried_sampl
 under several processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands
 them out first next, the curriculum's draws are independent anyway). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
-samples per held-out prompt at ``data.val_temperature``): lit_grpo.update.held_out. Under several processes
+samples per held-out prompt at ``data.val_temperature``), and val/reward/<name> (what validation's reward calls log
+with ``log_metric``: the mean of their values): lit_grpo.update.held_out. Under several processes
 every key is the whole step's, the same on every rank (below).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
@@ -112,7 +113,7 @@ from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, 
                                          config_errors, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
-from lit_grpo.update.held_out import HeldOutMetrics
+from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.lr_schedule import LrSchedule, lr_lambda
@@ -328,6 +329,8 @@ class GRPOModule(LightningModule):
         #: (``configure_model``).
         self.uses_shared_prefix = shared_prefix
         self.held_out = HeldOutMetrics()
+        #: what reward functions log (``log_metric``) in a validation's calls: ``val/reward/<name>``
+        self.validation_logs = ValidationLogs()
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
         self._grad_norm, self._iteration = math.nan, 0
         #: During the strategy's teardown at the end of fit (``on_train_end``): ``cpu()`` moves nothing.
@@ -844,6 +847,19 @@ class GRPOModule(LightningModule):
             return
         for key, metric in self.held_out.update(batch).items():
             self.log(key, metric, on_step=False, on_epoch=True, batch_size=batch.num_prompts)
+        self.validation_logs.add(batch.metrics)
+
+    def on_validation_epoch_start(self) -> None:
+        self.validation_logs.reset()  # a validation that stopped midway left its values
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/reward/<name>``: what reward functions logged in this validation's calls (``ValidationLogs``),
+        over every rank's (a gather every rank joins, a rank short of held-out prompts too)."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        gather = strategy_all_gather(self.trainer.strategy) if world > 1 else None
+        for key, value in self.validation_logs.compute(gather).items():
+            # already the same on every rank: Lightning's mean over ranks keeps it (and it warns without one)
+            self.log(key, value, on_step=False, on_epoch=True, sync_dist=True)
 
 
 def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
