@@ -627,3 +627,46 @@ def test_a_rows_answer_reaches_the_reward_functions_as_the_row_holds_it(tmp_path
                            ["<answer>4</answer>", "<answer>1.5</answer>", "<answer>5</answer>"],
                            {"answer": [4, 1.5, 4]}, group_size=1)
     assert scores.components["accuracy"].tolist() == scores.components["math"].tolist() == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip_group"])
+def test_each_retry_after_a_failed_call_gets_the_arguments_as_they_came(on_error):
+    """A function may change its arguments before it raises (TRL-style ``prompt.extend(completion)``, a key set in
+    the row): each group's retry, of each function, gets fresh copies of them as score_rewards got them."""
+    retries = []
+
+    def changing(name):
+        def fn(prompts, completions, entry, **columns):
+            if len(completions) == 2:  # a retry of one group
+                retries.append((name, [len(p) for p in prompts], [sorted(e) for e in entry]))
+            for prompt, completion, row in zip(prompts, completions, entry):
+                prompt.extend(completion)
+                row[name] = True
+            if len(completions) > 2 or completions[0][0]["content"] == "bad":
+                raise ValueError("the whole batch, or the bad group")
+            return [1.0] * len(completions)
+        fn.__name__ = name
+        return fn
+
+    prompts = [[{"role": "user", "content": f"q{i // 2}"}] for i in range(4)]
+    completions = [[{"role": "assistant", "content": text}] for text in ("a", "b", "bad", "c")]
+    columns = {"entry": [{"answer": i // 2} for i in range(4)]}
+    funcs = [WeightedReward(changing("first")), WeightedReward(changing("second"))]
+    if on_error == "raise":
+        with pytest.raises(RewardFunctionError, match=r"'first' raised ValueError.* on prompt 1 'q1'"):
+            score_rewards(funcs, prompts, completions, columns, group_size=2, on_error=on_error)
+        assert retries == [("first", [1, 1], [["answer"], ["answer"]])] * 2
+        return
+    with pytest.warns(UserWarning, match="skipped"):
+        scores = score_rewards(funcs, prompts, completions, columns, group_size=2, on_error=on_error)
+    assert scores.skipped_groups == [1]
+    assert retries == [(name, [1, 1], [["answer"], ["answer"]]) for name in ("first", "first", "second", "second")]
+
+
+def test_a_column_whose_values_cannot_be_copied_is_refused_naming_it():
+    import threading
+
+    with pytest.raises(ValueError, match=r"column 'handle' holds a value that cannot be copied \(TypeError: .*\); "
+                                         r"each retry"):
+        score_rewards([WeightedReward(lambda prompts, completions, **kw: [0.0] * len(completions))], ["p"] * 2,
+                      ["c"] * 2, {"handle": [threading.Lock()] * 2}, group_size=2)

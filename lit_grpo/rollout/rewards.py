@@ -36,9 +36,10 @@ emitted once per call.
 Errors stop training, never silently zero a reward:
 
 - a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
-  by calling it again one group at a time); with ``on_error="skip_group"`` the groups it fails on are skipped
-  instead (``RewardScores.skipped_groups``; a warning names the function, the prompt and the error) and the
-  other groups are scored normally;
+  by calling it again one group at a time, each call on fresh copies of the arguments as they came, whatever the
+  failed call changed in them; so a column must hold values ``copy.deepcopy`` copies); with
+  ``on_error="skip_group"`` the groups it fails on are skipped instead (``RewardScores.skipped_groups``; a warning
+  names the function, the prompt and the error) and the other groups are scored normally;
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
   value, its index and the prompt.
 
@@ -57,6 +58,7 @@ penalty), ``char_fraction`` (share of characters from a set; a toy signal for sm
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import importlib
@@ -454,7 +456,8 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                          state: Mapping[str, Any], group_size: int, on_error: str,
                          logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
     """A reward function raised on the whole batch: call it again one group at a time (what the groups' calls
-    that return log goes to ``logs``).
+    that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they were
+    before any call (``_copied_arguments``); each group's call gets copies of its own.
 
     ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
     ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
@@ -468,9 +471,12 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         end = start + group_size
         group = start // group_size
         log = CallLog(reward.name, end - start)
+        # a call may change its arguments before it raises (prompt.extend(completion), entry.pop(key)): a retry
+        # that got what it left would fail, or pass, on another input than the row's
+        group_prompts, group_completions, group_columns = copy.deepcopy(
+            (prompts[start:end], completions[start:end], {k: list(v[start:end]) for k, v in columns.items()}))
         try:
-            raw = _call(reward, prompts[start:end], completions[start:end],
-                        {k: list(v[start:end]) for k, v in columns.items()}, state, log)
+            raw = _call(reward, group_prompts, group_completions, group_columns, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
                        f"{group} {_shown(prompts[start])!r:.300}")
@@ -488,6 +494,21 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                                   f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
                                   reward.name, prompt, None) from err
     return values, skipped, errors
+
+
+def _copied_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
+                      ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """Deep copies of a scoring's ``N`` prompts, completions and per-completion columns; a column whose values
+    cannot be copied is refused, naming it."""
+    copied = {}
+    for key, values in columns.items():
+        try:
+            copied[key] = copy.deepcopy(list(values))
+        except Exception as err:  # noqa: BLE001 - any value deepcopy refuses (a lock, a generator, ...)
+            raise ValueError(f"column {key!r} holds a value that cannot be copied ({type(err).__name__}: {err}); "
+                             "each retry of a reward function that raised gets copies of the columns: give plain "
+                             "data (numbers, strings, lists, dicts)") from err
+    return copy.deepcopy(list(prompts)), copy.deepcopy(list(completions)), copied
 
 
 def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
@@ -554,14 +575,17 @@ def score_rewards(
     skipped: set[int] = set()
     errors: list[str] = []
     logs = RewardLogs(n)
+    # the arguments as they come, for a retry group by group after a call that raised (_handle_reward_error): the
+    # calls below may change the lists they get
+    originals = _copied_arguments(prompts, completions, columns)
     outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
         failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
-            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
-                                                            group_size, on_error, logs)
+            values, failed, messages = _handle_reward_error(failure, reward, *originals, state, group_size,
+                                                            on_error, logs)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
             failure = raw = None
