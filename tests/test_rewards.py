@@ -663,10 +663,22 @@ def test_each_retry_after_a_failed_call_gets_the_arguments_as_they_came(on_error
     assert retries == [(name, [1, 1], [["answer"], ["answer"]]) for name in ("first", "first", "second", "second")]
 
 
-def test_a_column_whose_values_cannot_be_copied_is_refused_naming_it():
+def test_a_column_whose_values_cannot_be_copied_reaches_every_call_and_retry_as_it_is():
+    """A column ``copy.deepcopy`` refuses (a lock, a client handle) is not copied for the retries: each call gets
+    the objects themselves, as before the retries got copies."""
     import threading
 
-    with pytest.raises(ValueError, match=r"column 'handle' holds a value that cannot be copied \(TypeError: .*\); "
-                                         r"each retry"):
-        score_rewards([WeightedReward(lambda prompts, completions, **kw: [0.0] * len(completions))], ["p"] * 2,
-                      ["c"] * 2, {"handle": [threading.Lock()] * 2}, group_size=2)
+    lock = threading.Lock()
+    seen = []
+
+    def fn(prompts, completions, handle, **kw):
+        seen.append([h is lock for h in handle])
+        if len(completions) > 2 or completions[0] == "bad":
+            raise ValueError("the whole batch, or the bad group")
+        return [0.0] * len(completions)
+
+    with pytest.warns(UserWarning, match="skipped"):
+        scores = score_rewards([WeightedReward(fn)], ["p"] * 4, ["c", "c", "bad", "c"], {"handle": [lock] * 4},
+                               group_size=2, on_error="skip_group")
+    assert scores.skipped_groups == [1]
+    assert seen == [[True] * 4, [True] * 2, [True] * 2]

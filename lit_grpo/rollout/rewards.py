@@ -37,7 +37,7 @@ Errors stop training, never silently zero a reward:
 
 - a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
   by calling it again one group at a time, each call on fresh copies of the arguments as they came, whatever the
-  failed call changed in them; so a column must hold values ``copy.deepcopy`` copies); with
+  failed call changed in them, but for a column ``copy.deepcopy`` refuses); with
   ``on_error="skip_group"`` the groups it fails on are skipped instead (``RewardScores.skipped_groups``; a warning
   names the function, the prompt and the error) and the other groups are scored normally;
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
@@ -473,8 +473,8 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         log = CallLog(reward.name, end - start)
         # a call may change its arguments before it raises (prompt.extend(completion), entry.pop(key)): a retry
         # that got what it left would fail, or pass, on another input than the row's
-        group_prompts, group_completions, group_columns = copy.deepcopy(
-            (prompts[start:end], completions[start:end], {k: list(v[start:end]) for k, v in columns.items()}))
+        group_prompts, group_completions, group_columns = _copied_arguments(
+            prompts[start:end], completions[start:end], {k: v[start:end] for k, v in columns.items()})
         try:
             raw = _call(reward, group_prompts, group_completions, group_columns, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
@@ -499,15 +499,14 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
 def _copied_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
                       ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
     """Deep copies of a scoring's ``N`` prompts, completions and per-completion columns; a column whose values
-    cannot be copied is refused, naming it."""
+    ``copy.deepcopy`` refuses (a lock, a client handle) is kept as it is: a retry then sees what a failed call left
+    in it, as every call before did."""
     copied = {}
     for key, values in columns.items():
         try:
             copied[key] = copy.deepcopy(list(values))
-        except Exception as err:  # noqa: BLE001 - any value deepcopy refuses (a lock, a generator, ...)
-            raise ValueError(f"column {key!r} holds a value that cannot be copied ({type(err).__name__}: {err}); "
-                             "each retry of a reward function that raised gets copies of the columns: give plain "
-                             "data (numbers, strings, lists, dicts)") from err
+        except Exception:  # noqa: BLE001 - any value deepcopy refuses
+            copied[key] = list(values)
     return copy.deepcopy(list(prompts)), copy.deepcopy(list(completions)), copied
 
 
