@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 from scipy.optimize import least_squares
+from scipy.special import fdtrc
 
 from lit_grpo.runtime.validation import check_choice, check_real
 
@@ -25,6 +26,10 @@ CRITERIA: tuple[str, ...] = get_args(Criterion)
 
 #: A rise counts as seen when it exceeds this many standard deviations of one reward reading.
 RISE_NOISE_FACTOR = 2.0
+
+#: ... and the fit rejects a flat line at this level. The shapes' rates and centres are chosen to fit, which the F
+#: test does not know of, so the level is strict: flat noise then passes for a rise in about 1% of runs at most.
+RISE_SIGNIFICANCE = 1e-3
 
 #: Longer histories are averaged into this many bins before fitting: the fit stays fast on long runs.
 MAX_FIT_POINTS = 2000
@@ -103,6 +108,9 @@ class Forecast:
         observed_gain: the fitted rise so far, R(last step) - R(first step).
         noise_std: standard deviation of the residuals, the noise of one reward reading.
         fit: the chosen fit; ``candidates``: every fit that converged.
+        flat_p_value: the F test's p-value of the fit against a flat line (1.0 where nothing varies).
+        readings_rise_z: the mean of the last quarter of readings minus that of the first quarter, in standard
+            errors of that difference (a rise the readings show, not one the fit makes of a few of them).
     """
 
     plateau_reward: float
@@ -112,15 +120,22 @@ class Forecast:
     noise_std: float
     fit: CurveFit
     candidates: tuple[CurveFit, ...]
+    flat_p_value: float = 0.0
+    readings_rise_z: float = math.inf
 
     @property
     def rise_seen(self) -> bool:
-        """Whether the curve has visibly risen: by more than ``RISE_NOISE_FACTOR`` readings' noise.
+        """Whether the curve has visibly risen: the fitted rise exceeds ``RISE_NOISE_FACTOR`` readings' noise, the
+        fit beats a flat line (``flat_p_value < RISE_SIGNIFICANCE``) and the last quarter of readings lies above
+        the first by ``RISE_NOISE_FACTOR`` standard errors.
 
         In the slow start of a sigmoid-shaped curve both shapes fit a flat line and forecast no gain, although
-        the rise is still to come; a plateau is only believed once a rise stands out of the noise.
+        the rise is still to come; a plateau is only believed once a rise stands out of the noise. The fitted rise
+        alone does not show that: a shape fitted to flat noise, or to one outlying first reading (a saturation
+        within a step), rises by a few readings' noise.
         """
-        return self.observed_gain > RISE_NOISE_FACTOR * self.noise_std
+        return (self.observed_gain > RISE_NOISE_FACTOR * self.noise_std
+                and self.flat_p_value < RISE_SIGNIFICANCE and self.readings_rise_z > RISE_NOISE_FACTOR)
 
 
 def fit_exp_saturation(
@@ -204,15 +219,41 @@ def forecast_plateau(
     now = float(best.predict(t.max()))
     # from every reading, not the bins' means: one reading's noise, however many readings a bin averages
     residuals = rewards_arr - best.predict(steps_arr - origin)
+    noise_std = math.sqrt(float(np.sum(residuals**2)) / max(len(residuals) - best.num_params, 1))
     return Forecast(
         plateau_reward=best.plateau,
         step_to_plateau=origin + best.time_to_fraction(fraction),
         remaining_gain=best.plateau - now,
         observed_gain=now - float(best.predict(0.0)),
-        noise_std=math.sqrt(float(np.sum(residuals**2)) / max(len(residuals) - best.num_params, 1)),
+        noise_std=noise_std,
         fit=best,
         candidates=candidates,
+        flat_p_value=flat_p_value(best, y),
+        readings_rise_z=readings_rise_z(rewards_arr[np.argsort(steps_arr, kind="stable")], noise_std),
     )
+
+
+def flat_p_value(fit: CurveFit, y: np.ndarray) -> float:
+    """The F test's p-value of ``fit`` against a flat line through the mean of ``y`` ``[N]`` (the fitted points):
+    how likely flat noise gives its residual drop. 1.0 where nothing varies, 0.0 for an exact fit of a varying y."""
+    flat_rss = float(np.sum((y - y.mean()) ** 2))
+    extra, left = fit.num_params - 1, fit.num_points - fit.num_params
+    if flat_rss <= 0 or left <= 0:
+        return 1.0
+    if fit.rss <= 0:
+        return 0.0
+    return float(fdtrc(extra, left, max(flat_rss - fit.rss, 0.0) / extra / (fit.rss / left)))
+
+
+def readings_rise_z(rewards: np.ndarray, noise_std: float) -> float:
+    """``[N]`` readings in step order: the mean of the last quarter minus that of the first, in standard errors of
+    that difference (``noise_std * sqrt(2 / quarter)``); 0.0 where neither the readings nor the noise vary."""
+    quarter = max(len(rewards) // 4, 1)
+    rise = float(rewards[-quarter:].mean() - rewards[:quarter].mean())
+    error = noise_std * math.sqrt(2 / quarter)
+    if error > 0:
+        return rise / error
+    return math.copysign(math.inf, rise) if rise else 0.0
 
 
 def bin_means(t: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:

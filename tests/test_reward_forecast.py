@@ -7,12 +7,14 @@ import math
 import lightning.pytorch as pl
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_grpo.callbacks import RewardForecast, forecast_plateau
+from lit_grpo.callbacks import reward_curve
 from lit_grpo.callbacks import reward_forecast as reward_forecast_module
 from lit_grpo.callbacks.reward_curve import CurveFit, Forecast, bin_means, exp_saturation, logistic
 
@@ -118,6 +120,54 @@ def test_a_rise_is_seen_beyond_twice_the_noise_of_a_reading():
                         noise_std=0.1, fit=fit, candidates=(fit,))
 
     assert not forecast(0.15).rise_seen and forecast(0.25).rise_seen
+
+
+def test_a_rise_needs_the_fit_to_beat_a_flat_line_and_the_readings_to_show_it():
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=100)
+
+    def forecast(flat_p_value: float, readings_rise_z: float) -> Forecast:
+        return Forecast(plateau_reward=1.0, step_to_plateau=30.0, remaining_gain=0.0, observed_gain=0.25,
+                        noise_std=0.1, fit=fit, candidates=(fit,), flat_p_value=flat_p_value,
+                        readings_rise_z=readings_rise_z)
+
+    assert forecast(1e-4, 2.5).rise_seen
+    assert not forecast(1e-2, 2.5).rise_seen and not forecast(1e-4, 1.5).rise_seen
+
+
+def test_flat_noise_is_not_a_rise():
+    # the fitted rise alone exceeds two readings' noise on about 5 of these 100 flat curves
+    seen = [seed for seed in range(100)
+            if forecast_plateau(STEPS[:40], 0.3 + np.random.default_rng(seed).normal(0.0, 0.05, 40)).rise_seen]
+    assert seen == []
+
+
+def test_one_outlying_first_reading_is_not_a_rise():
+    rewards = 0.3 + np.random.default_rng(0).normal(0.0, 0.02, 40)
+    rewards[0] = 0.2  # five readings' noise low: a saturation within one step fits it, at every later check
+    forecast = forecast_plateau(STEPS[:40], rewards)
+    assert forecast.observed_gain > 2 * forecast.noise_std and forecast.flat_p_value < 1e-3
+    assert not forecast.rise_seen
+
+
+def test_a_short_flat_curve_checked_at_every_step_never_plateaus():
+    # the earliest stops the callback allows (min_points=5, check_every_n_steps=1, patience=1): few readings fit
+    # a shape closely, so their noise looks small next to the shape's rise
+    for seed in range(8):
+        rewards = 0.3 + np.random.default_rng(seed).normal(0.0, 0.05, 40)
+        for n in range(5, 41):
+            forecast = forecast_plateau(STEPS[:n], rewards[:n])
+            assert not (forecast.rise_seen and forecast.remaining_gain < 0.01), (seed, n)
+
+
+def test_the_flat_line_test_is_an_f_test_on_the_fitted_points():
+    rng = np.random.default_rng(0)
+    y = 0.1 * STEPS[:30] + rng.normal(0.0, 1.0, 30)
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=20.0, num_points=30)
+    flat_rss = float(np.sum((y - y.mean()) ** 2))
+    statistic = (flat_rss - 20.0) / 2 / (20.0 / 27)
+    assert reward_curve.flat_p_value(fit, y) == pytest.approx(scipy.stats.f.sf(statistic, 2, 27))
+    assert reward_curve.flat_p_value(fit, np.full(30, 0.5)) == 1.0  # nothing varies: nothing to explain
+    assert reward_curve.flat_p_value(CurveFit("exp_saturation", (0.0, 1.0, 0.1), 0.0, 30), y) == 0.0
 
 
 def test_the_noise_leaves_out_the_fitted_parameters_degrees_of_freedom():
