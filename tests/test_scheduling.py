@@ -86,6 +86,41 @@ def test_fptas_within_epsilon_of_brute_force(epsilon):
         assert part.ratio_bound == pytest.approx(1 + epsilon)  # small instances: certified or DP completed
 
 
+@pytest.mark.parametrize("epsilon", [0.5, 0.1, 0.01])
+def test_the_trimmed_dp_alone_is_within_epsilon_of_the_optimum(monkeypatch, epsilon):
+    # no candidate is certified and none is improved, so every instance's plan is the DP's (or LPT's where the DP
+    # finds nothing better): real-valued lengths and ready times, one to four slots, ties and zeros
+    monkeypatch.setattr(grouping_module, "_certified", lambda makespan, lower, epsilon: False)
+    monkeypatch.setattr(grouping_module, "local_search", lambda part, lengths, ready: part)
+    rng = random.Random(7)
+    for index in range(200):
+        num_slots = rng.choice([1, 2, 2, 3, 3, 4])
+        size = rng.randint(0, 7 if num_slots < 4 else 6)
+        lengths = ([rng.randint(0, 60) for _ in range(size)] if index % 2 else
+                   [rng.choice([0.0, 3.0, rng.uniform(0, 60), rng.uniform(0, 60)]) for _ in range(size)])
+        ready = [rng.choice([0.0, 0.0, rng.uniform(0, 40)]) for _ in range(num_slots)]
+        optimum = brute_force_makespan(lengths, num_slots, ready)
+        part = fptas_partition(lengths, num_slots, ready, epsilon=epsilon)
+        check_partition(part, lengths, num_slots, ready)
+        assert part.lower_bound <= optimum + 1e-9
+        assert part.makespan <= (1 + epsilon) * optimum + 1e-9
+        assert part.ratio_bound == pytest.approx(1 + epsilon)
+
+
+def test_a_cut_dp_claims_only_what_it_proves(monkeypatch):
+    # a budget that cuts the DP's layers to a beam: the plan's ratio_bound still bounds makespan / optimum
+    monkeypatch.setattr(grouping_module, "_certified", lambda makespan, lower, epsilon: False)
+    rng = random.Random(8)
+    for _ in range(100):
+        num_slots = rng.randint(2, 3)
+        lengths = [rng.uniform(1, 60) for _ in range(rng.randint(3, 7))]
+        ready = [rng.choice([0.0, rng.uniform(0, 40)]) for _ in range(num_slots)]
+        optimum = brute_force_makespan(lengths, num_slots, ready)
+        part = fptas_partition(lengths, num_slots, ready, epsilon=0.01, dp_budget=rng.choice([1, 5, 20]))
+        check_partition(part, lengths, num_slots, ready)
+        assert part.makespan <= part.ratio_bound * optimum + 1e-9
+
+
 def test_fptas_dp_fixes_lpt_worst_cases(monkeypatch):
     # Graham's tight LPT examples: 2m + 1 jobs, LPT = (4/3 - 1/(3m)) OPT.
     cases = [([3, 3, 2, 2, 2], 2, 6), ([5, 5, 4, 4, 3, 3, 3], 3, 9)]
