@@ -208,6 +208,12 @@ def test_bad_partition_inputs_are_named():
         fptas_partition([1, 2], 0)
     with pytest.raises(ValueError, match="non-negative"):
         lpt_partition([1, -2], 2)
+    with pytest.raises(ValueError, match=r"job lengths must be finite and non-negative, got \[nan\]"):
+        fptas_partition([math.nan, 3.0], 2)
+    with pytest.raises(ValueError, match=r"job lengths must be finite and non-negative, got \[inf\]"):
+        fptas_partition([math.inf, 3.0], 2)
+    with pytest.raises(ValueError, match=r"ready times must be finite and non-negative, got \[-5\]"):
+        fptas_partition([1, 2], 2, ready=[-5, 0])
     with pytest.raises(ValueError, match="ready has 1 entries for 2 slots"):
         fptas_partition([1, 2], 2, ready=[0.0])
 

@@ -315,12 +315,17 @@ def check_jobs(lengths: Sequence[float], num_slots: int, ready: Sequence[float] 
     """The ready times of ``num_slots`` slots (zeros when None), after checking the jobs and slots."""
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-    if any(x < 0 for x in lengths):
-        raise ValueError("job lengths must be non-negative")
+    # NaN passes a `< 0` test and then fails deep in the DP's grid (or inf makes every plan "optimal").
+    bad = [x for x in lengths if not 0 <= float(x) < math.inf]
+    if bad:
+        raise ValueError(f"job lengths must be finite and non-negative, got {bad[:4]}")
     if ready is None:
         return [0.0] * num_slots
     if len(ready) != num_slots:
         raise ValueError(f"ready has {len(ready)} entries for {num_slots} slots")
+    bad = [x for x in ready if not 0 <= float(x) < math.inf]
+    if bad:
+        raise ValueError(f"ready times must be finite and non-negative, got {bad[:4]}")
     return [float(x) for x in ready]
 
 
