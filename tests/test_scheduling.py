@@ -512,6 +512,26 @@ def test_a_ridge_penalty_counts_pseudo_observations():
     assert regressor.predict(torch.tensor([[1.0]])).item() == pytest.approx(3.0, abs=0.01)
 
 
+def test_a_decayed_ridge_penalty_counts_pseudo_observations_of_a_fresh_ones_weight():
+    # the closed form: weighted, centred ridge with penalty alpha x (the features' common scale)^2 on the total
+    # weighted squared error; decay makes the weights' sum half their effective count here
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 3, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + torch.randn(200, generator=generator,
+                                                                               dtype=torch.float64)
+    regressor = RidgeRegressor(decay=0.98, alphas=(10.0,))
+    regressor.update(x, y)
+    w = 0.98 ** torch.arange(199, -1, -1, dtype=torch.float64)
+    centred, target = x - (w @ x) / w.sum(), y - (w @ y) / w.sum()
+    cov = (w[:, None] * centred).T @ centred
+    scale_sq = (cov.diagonal() / w.sum()).mean()
+    expected = torch.linalg.solve(cov + 10.0 * scale_sq * torch.eye(3, dtype=torch.float64),
+                                  (w[:, None] * centred).T @ target)
+    probe = torch.eye(3, dtype=torch.float64)
+    slopes = regressor.predict(probe) - regressor.predict(torch.zeros(1, 3, dtype=torch.float64))
+    assert slopes.tolist() == pytest.approx(expected.tolist(), rel=1e-9)
+
+
 # ---- scheduler construction ------------------------------------------------------------------------------------
 
 

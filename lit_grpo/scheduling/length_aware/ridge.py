@@ -123,8 +123,9 @@ class RidgeRegressor:
         eye = torch.eye(cov.shape[0], dtype=torch.float64)
         rows = []
         for alpha in self.alphas:
-            # Penalty alpha on the total squared error = alpha / n on the mean squared error.
-            system = cov_std + (alpha / self.effective_count) * eye
+            # Penalty alpha on the total weighted squared error = alpha / sum(w) on the weighted mean one (a fresh
+            # observation weighs 1: alpha pseudo-observations), not alpha / the effective count, which is larger.
+            system = cov_std + (alpha / n) * eye
             chol, info = torch.linalg.cholesky_ex(system)
             if int(info) != 0:  # numerically singular: fall back to a least-squares solve
                 beta = torch.linalg.lstsq(system, cross_std[:, None]).solution[:, 0]
