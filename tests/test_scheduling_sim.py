@@ -186,6 +186,14 @@ def test_short_samples_and_no_probe():
     assert set(result.metrics) == {"length_pred_kendall_tau", "length_pred_smape", "preempting"}
 
 
+def test_the_simulator_refuses_groups_of_different_sizes():
+    # a longer row's extra samples never ran but were counted in generated_tokens and the lower bound
+    with pytest.raises(ValueError, match=r"G = 2 samples per prompt .* rows \[1\] have \[3\]"):
+        simulate_rollout(FIFOScheduler(), [[3, 3], [5, 5, 5]], 2)
+    with pytest.raises(ValueError, match=r"rows \[1\] have \[1\]"):
+        simulate_rollout(FIFOScheduler(), [[3, 3], [5]], 2)
+
+
 def test_simulator_enforces_the_contract():
     class Crowding(Scheduler):
         def _pick(self, num_free, num_running):

@@ -93,6 +93,10 @@ def simulate_rollout(
     """
     num_prompts = len(lengths)
     group_size = len(lengths[0]) if num_prompts else 0
+    ragged = [p for p, row in enumerate(lengths) if len(row) != group_size]
+    if ragged:
+        raise ValueError(f"lengths must have one row of G = {group_size} samples per prompt (the first row's); rows "
+                         f"{ragged[:4]} have {[len(lengths[p]) for p in ragged[:4]]}")
     flat = [int(n) for row in lengths for n in row]
     if any(n < 1 for n in flat):
         raise ValueError("lengths must be >= 1 (EOS counts)")
