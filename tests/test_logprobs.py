@@ -209,6 +209,65 @@ def test_with_entropy_grad_the_entropies_gradient_is_autograds_of_its_formula(na
     assert any(not torch.allclose(p.grad, ours[1][n]) for n, p in model.named_parameters() if p.grad is not None)
 
 
+def per_row_entropy_and_grad(logits: torch.Tensor, grad_entropy: torch.Tensor):
+    """``[m, T]`` entropies and the ``[m, T, V]`` gradient of ``sum(grad_entropy * H)``, a ``[T, V]`` row at a time
+    in float32 and cast back to the logits' dtype: ``_EntropyOfLogits``' arithmetic written out."""
+    entropies, grads = [], []
+    for row, weight in zip(logits, grad_entropy):
+        log_probs = torch.log_softmax(row.float(), dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        entropies.append(entropy)
+        grads.append((log_probs.exp() * (log_probs + entropy[:, None]) * -weight[:, None]).to(logits.dtype))
+    return torch.stack(entropies), torch.stack(grads)
+
+
+def peak_bytes(fn) -> int:
+    """The most bytes of host memory that ``fn()`` held at once beyond what it started with (the profiler's
+    allocation records, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    held = peak = 0
+    for record in records:
+        held += record.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_entropys_backward_holds_one_gradient_of_the_logits_size_and_its_values_are_the_per_row_formulas(
+        dtype):
+    """The full-logits path's entropy (``entropy_with_grad`` of ``[m, T, V]`` logits): entropies and gradient equal,
+    to the bit, the per-row float32 formulas cast to the logits' dtype (also of a slice, as the model's logits
+    are), and the backward holds one tensor of the logits' size (plus a row's float32 work), not every row's
+    gradient until they are stacked into a second one."""
+    from lit_grpo.update.logprobs import entropy_with_grad
+
+    generator = torch.Generator().manual_seed(0)
+    m, t, v = 16, 8, 2048
+    logits = (torch.randn(m, t, v, generator=generator) * 3).to(dtype).requires_grad_(True)
+    weights = torch.randn(m, t, generator=generator)
+    entropy = entropy_with_grad(logits)
+    want_entropy, want_grad = per_row_entropy_and_grad(logits.detach(), weights)
+    assert entropy.dtype == torch.float32 and torch.equal(entropy.detach(), want_entropy)
+    size = logits.numel() * logits.element_size()
+    peak = peak_bytes(lambda: (entropy * weights).sum().backward())
+    assert torch.equal(logits.grad, want_grad)
+    assert peak < 1.6 * size, (peak / size, dtype)
+    full = torch.cat([logits.detach(), logits.detach()[:, :1]], dim=1).requires_grad_(True)
+    entropy = entropy_with_grad(full[:, :-1])  # not contiguous
+    (entropy * weights).sum().backward()
+    assert torch.equal(entropy.detach(), want_entropy) and torch.equal(full.grad[:, :-1], want_grad)
+    # a 2-D [n, V] input (the chunked path's) is one row
+    flat = logits.detach()[0].requires_grad_(True)
+    entropy = entropy_with_grad(flat)
+    (entropy * weights[0]).sum().backward()
+    assert torch.equal(entropy.detach(), want_entropy[0]) and torch.equal(flat.grad, want_grad[0])
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_without_entropy_grad_the_entropy_carries_no_graph(chunked):
     """The default (no entropy bonus): the entropies are float32 values without a grad_fn on every path, so the

@@ -130,32 +130,45 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class _EntropyOfLogits(torch.autograd.Function):
-    """``[n]`` entropies of ``[n, V]`` logits (computed in float32 or wider, as ``token_entropy``), differentiable.
-    Autograd of ``-(p * log p).sum()`` would keep two more ``[n, V]`` float32 tensors until the backward; this keeps
-    only the logits (which the log-probs' backward keeps anyway) and recomputes ``log p`` there:
-    ``dH/dz = -p (log p + H)``."""
+    """``[..., T]`` entropies of ``[..., T, V]`` logits (computed in float32 or wider, as ``token_entropy``, one
+    ``[T, V]`` row at a time), differentiable. Autograd of ``-(p * log p).sum()`` would keep two more float32 tensors
+    of the logits' size until the backward; this keeps only the logits (which the log-probs' backward keeps anyway)
+    and recomputes ``log p`` there: ``dH/dz = -p (log p + H)``. One function for every row, whose backward writes each
+    row's gradient into one tensor of the logits' shape and dtype: a function per row would hold every row's
+    gradient until autograd stacks them, a second tensor of that size."""
 
     @staticmethod
     def forward(ctx, logits):
-        log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        entropy = torch.stack([_row_entropy(row) for row in _rows(logits)]).reshape(logits.shape[:-1])
         ctx.save_for_backward(logits, entropy)
         return entropy
 
     @staticmethod
     def backward(ctx, grad_entropy):
         logits, entropy = ctx.saved_tensors
-        log_probs = torch.log_softmax(logits.to(entropy.dtype), dim=-1)
-        grad = log_probs.exp().mul_(log_probs.add_(entropy.unsqueeze(-1))).mul_(-grad_entropy.unsqueeze(-1))
-        return grad.to(logits.dtype)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for out, row, row_entropy, row_grad in zip(_rows(grad), _rows(logits), _rows(entropy.unsqueeze(-1)),
+                                                   _rows(grad_entropy.unsqueeze(-1))):
+            log_probs = torch.log_softmax(row.to(row_entropy.dtype), dim=-1)
+            out.copy_(log_probs.exp().mul_(log_probs.add_(row_entropy)).mul_(-row_grad))
+        return grad
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``[..., T, V]`` as ``[rows, T, V]`` (a view where the layout allows)."""
+    return tensor.reshape(-1, *tensor.shape[-2:])
+
+
+def _row_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[T]`` entropies of ``[T, V]`` logits, in float32 or wider."""
+    log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
 def entropy_with_grad(logits: torch.Tensor) -> torch.Tensor:
-    """``[..., T]`` entropies of ``[..., T, V]`` logits with their gradient (``_EntropyOfLogits``); a 3-D tensor one
-    row at a time, as ``token_entropy``, so no float32 copy of the whole is made."""
-    if logits.dim() == 2:
-        return _EntropyOfLogits.apply(logits)
-    return torch.stack([_EntropyOfLogits.apply(row) for row in logits])
+    """``[..., T]`` entropies of ``[..., T, V]`` logits with their gradient (``_EntropyOfLogits``), one ``[T, V]`` row
+    at a time, as ``token_entropy``, so no float32 copy of the whole is made."""
+    return _EntropyOfLogits.apply(logits)
 
 
 def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, temperature: float,
