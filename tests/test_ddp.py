@@ -363,16 +363,18 @@ def _step_ranks():
     their completion tokens as rollout_metrics reports them, and of one process holding both ranks' micro-batches."""
     from lit_grpo.update.metrics import StepMetrics
 
-    def micro(tokens: int, units: int, low: float, high: float, kl: float, entropy: float):
+    def micro(tokens: int, units: int, low: float, high: float, kl: float, entropy: float, rows: int, phi: float):
         mask = torch.zeros(1, 6)
         mask[0, :tokens] = 1
         return (torch.tensor(0.5), {"active_tokens": torch.tensor(float(tokens)), "clip_units": torch.tensor(units),
                                     "clip_ratio_low": torch.tensor(low), "clip_ratio_high": torch.tensor(high),
-                                    "kl": torch.tensor(kl)}, torch.full((1, 6), entropy), mask)
+                                    "kl": torch.tensor(kl), "phi_seq_mean": torch.tensor(phi),
+                                    "completions": torch.tensor(float(rows))}, torch.full((1, 6), entropy), mask)
 
-    # the clip shares count other units than the tokens (completions, under GSPO): their own weight
-    micros = [[micro(2, 2, 0.5, 0.0, 0.1, 1.0)],
-              [micro(6, 3, 0.0, 1 / 3, 0.4, 2.0), micro(3, 1, 1.0, 0.0, 0.2, 0.5)]]
+    # the clip shares count other units than the tokens (completions, under GSPO): their own weight; vespo's weight
+    # is a mean over completions
+    micros = [[micro(2, 2, 0.5, 0.0, 0.1, 1.0, 2, 0.5)],
+              [micro(6, 3, 0.0, 1 / 3, 0.4, 2.0, 3, 1.0), micro(3, 1, 1.0, 0.0, 0.2, 0.5, 1, 0.2)]]
     steps = []
     for batches in (*micros, micros[0] + micros[1]):
         step = StepMetrics()
@@ -430,7 +432,8 @@ def _rollout_ranks():
 @pytest.mark.parametrize("key, producer", [
     ("reward/frac_zero_std", _reward_ranks), ("reward/accuracy/mean", _reward_ranks),
     ("train/clip_ratio_low", _step_ranks), ("train/clip_ratio_high", _step_ranks), ("train/kl", _step_ranks),
-    ("train/entropy", _step_ranks), ("sampling/sampling_logp_difference/mean", _sampling_ranks),
+    ("train/entropy", _step_ranks), ("train/phi_seq_mean", _step_ranks),
+    ("sampling/sampling_logp_difference/mean", _sampling_ranks),
     ("sampling/importance_sampling_ratio/mean", _sampling_ranks),
     ("rollout/offpolicy_tokens_frac", _rollout_ranks), ("rollout/slot_utilization", _rollout_ranks)])
 def test_a_ratio_over_ranks_is_the_ratio_of_the_sums(key, producer):

@@ -146,6 +146,22 @@ def _with_shifted_sampler(batch, ratio: float = 5.0):
     return shifted, p, k, length
 
 
+def test_vespo_logs_its_weights_mean_over_the_steps_completions(rollout):
+    """train/phi_seq_mean (TRL's vespo/phi_seq_mean): vespo's weight averaged over the step's completions, each
+    counted once however the micro-batches cut them. On policy every weight is phi(1) = 1; a completion the
+    default correction's sequence_mask drops weighs 0, so over micro-batches of 3, 3 and 2 rows the mean is
+    (N - 1) / N. A loss without the weight logs no such key."""
+    _, batch = rollout
+    n = batch.num_completions
+    assert n == 8
+    vespo = {"loss": {"loss_type": "vespo"}, "train_micro_batch_size": 3}
+    assert _grads(batch, **vespo)[1]["train/phi_seq_mean"] == pytest.approx(1.0, abs=1e-4)
+    shifted, _, _, length = _with_shifted_sampler(batch)
+    shifted.offpolicy_tokens = length
+    assert _grads(shifted, **vespo)[1]["train/phi_seq_mean"] == pytest.approx((n - 1) / n, abs=1e-4)
+    assert "train/phi_seq_mean" not in _grads(batch, loss={"loss_type": "dapo"})[1]
+
+
 def test_the_update_masks_and_truncates_a_perturbed_sequence(rollout):
     """Shift one completion's sampling log-probs so that its sequence ratio is 5: sequence_mask drops it (as if its
     advantage were 0) and sequence_truncate weighs it 3 (as if its advantage were 3 A); the others keep ratio ~1."""

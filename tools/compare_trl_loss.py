@@ -25,8 +25,9 @@ Each case is compared twice: one micro-batch per optimizer step, and the rows sp
 losses and accumulating the gradients. A row reports the largest absolute difference over shapes and splits of
 the loss, of its gradient w.r.t. ``logps``, of the sampler weights and sampling/* scalars (where a correction is
 on), and of the loss's logged scalars in one micro-batch (``train/clip_ratio_low`` / ``high`` against TRL's
-``clip_ratio/low_mean`` / ``high_mean``, or cispo's ``cispo_clip_ratio``, and ``train/kl``; over several
-micro-batches TRL averages their shares, lit_grpo takes the share of their sums). At the sequence level TRL's
+``clip_ratio/low_mean`` / ``high_mean``, or cispo's ``cispo_clip_ratio``, ``train/kl``, and vespo's
+``train/phi_seq_mean`` against ``vespo/phi_seq_mean``; over several micro-batches TRL averages their shares,
+lit_grpo takes the share of their sums). At the sequence level TRL's
 shares count every completion, lit_grpo's those with a loss token (a completion the loss leaves out is no peer of
 a clipped one), so TRL's are compared scaled by completions / completions with a loss token. Exits 1 if any
 exceeds ``--tolerance``.
@@ -86,7 +87,9 @@ IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequen
 SHAPES = ((4, 7), (6, 12), (8, 3))  # (N completions, T tokens)
 EPS_LOW, EPS_HIGH, CISPO_EPS_HIGH, MAX_LEN = 0.2, 0.28, 5.0, 16
 BOUNDS = ((0.5, 2.0), (None, 3.0))  # (clip_min, clip_max): both bounds, and TRL's defaults
-LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "kl")
+LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "kl", "phi_seq_mean")
+#: The loss scalars that are shares of what the clip acts on (the others are means over tokens or completions).
+CLIP_SHARES = ("clip_ratio_low", "clip_ratio_high")
 #: The short name of each variant's option in the printed table.
 OPTION_LABELS = {"delta": "delta", "off_policy_mask_threshold": "opsm", "top_entropy_quantile": "entropy"}
 #: What a row compares (``max_abs_diff_<kind>``): the loss, its gradient, the sampler weights, sampling/*, train/*.
@@ -222,9 +225,9 @@ def trl_loss_metrics(logged: dict, level: str, mask: torch.Tensor) -> dict[str, 
     """TRL's logged loss scalars of its last micro-batch under lit_grpo's names; at the sequence level its shares
     over every completion made shares over those with a loss token (the module docstring)."""
     names = {"clip_ratio/low_mean": "clip_ratio_low", "clip_ratio/high_mean": "clip_ratio_high",
-             "cispo_clip_ratio": "clip_ratio_high", "kl": "kl"}
+             "cispo_clip_ratio": "clip_ratio_high", "kl": "kl", "vespo/phi_seq_mean": "phi_seq_mean"}
     scale = mask.shape[0] / max(int((mask.sum(dim=1) > 0).sum()), 1) if level == "sequence" else 1.0
-    return {ours: values[-1] * (scale if ours != "kl" else 1.0) for theirs, ours in names.items()
+    return {ours: values[-1] * (scale if ours in CLIP_SHARES else 1.0) for theirs, ours in names.items()
             if (values := logged.get(theirs))}
 
 
@@ -245,7 +248,8 @@ def our_loss(case, inputs, rows_list, weights):
         total = total + loss.detach()
     rows = rows_list[-1]
     logged = loss_fn.metrics(leaf[rows].detach(), inputs["old"][rows], inputs["advantages"][rows],
-                             inputs["mask"][rows], inputs["ref"][rows] if beta else None)
+                             inputs["mask"][rows], inputs["ref"][rows] if beta else None,
+                             None if weights is None else weights[rows])
     return total, leaf.grad, {key: float(value) for key, value in logged.items() if key in LOSS_METRICS}
 
 

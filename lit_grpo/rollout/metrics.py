@@ -109,6 +109,7 @@ STEP_REDUCTIONS: dict[str, str] = {
     "train/grad_norm": "mean",  # the same on every rank: the norm of the reduced gradients
     "train/lr": "mean",
     "train/entropy_coef": "mean",  # the same on every rank (one control, fed the step's entropy over ranks)
+    "train/phi_seq_mean": "mean",
     "sampling/sampling_logp_difference/mean": "mean",
     "sampling/sampling_logp_difference/max": "max",
     "sampling/importance_sampling_ratio/min": "min",
@@ -189,6 +190,7 @@ RATIO_WEIGHTS: dict[str, str] = {
     "train/clip_ratio_low": "weight/clip_units",
     "train/clip_ratio_high": "weight/clip_units",
     "train/kl": "weight/loss_tokens",
+    "train/phi_seq_mean": "weight/completions",
     "train/entropy": "weight/completion_tokens",
     "sampling/sampling_logp_difference/mean": "weight/sampling_logp_tokens",
     "sampling/importance_sampling_ratio/mean": "weight/importance_sampling_ratios",

@@ -8,14 +8,16 @@ from collections import defaultdict
 import torch
 
 #: each mean key, and what it is a mean over (``PolicyLoss.metrics``' weight for it)
-MEAN_OVER = {"clip_ratio_low": "clip_units", "clip_ratio_high": "clip_units", "kl": "loss_tokens"}
+MEAN_OVER = {"clip_ratio_low": "clip_units", "clip_ratio_high": "clip_units", "kl": "loss_tokens",
+             "phi_seq_mean": "completions"}
 
 
 class StepMetrics:
     """Accumulates one optimizer step on the device and reads it to the host once (``read``): ``loss`` (the sum
     of the weighted micro-batch losses, i.e. the step's loss), ``clip_ratio_low`` and ``clip_ratio_high`` (shares
-    of the clip's units: loss tokens, or completions under GSPO), ``kl`` (mean over loss tokens) and ``entropy``
-    (mean over all completion tokens)."""
+    of the clip's units: loss tokens, or completions under GSPO), ``kl`` (mean over loss tokens), ``entropy``
+    (mean over all completion tokens) and, under vespo, ``phi_seq_mean`` (its weight's mean over completions).
+    A mean whose loss does not report it (``kl`` without a reference) is left out."""
 
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -26,6 +28,8 @@ class StepMetrics:
         """One micro-batch: its weighted loss (a scalar tensor), ``PolicyLoss.metrics``, ``[m, T]`` entropies and
         completion mask. Nothing is read from the device."""
         weights = {"loss_tokens": loss_metrics["active_tokens"], "clip_units": loss_metrics["clip_units"]}
+        if "completions" in loss_metrics:
+            weights["completions"] = loss_metrics["completions"]
         self._parts["loss"].append(loss.detach())
         for key, over in MEAN_OVER.items():
             if key in loss_metrics:
@@ -68,7 +72,8 @@ class StepMetrics:
         out = {"loss": sums.get("loss", 0.0), "grad_norm": grad_norm,
                "entropy": sums.get("entropy", 0.0) / max(sums.get("content_tokens", 0.0), 1.0)}
         for key, over in MEAN_OVER.items():
-            out[key] = sums.get(key, 0.0) / max(sums.get(over, 0.0), 1.0)
-        for over in set(MEAN_OVER.values()):
-            out[f"weight/{over}"] = sums.get(over, 0.0)
+            if key in sums:
+                out[key] = sums[key] / max(sums.get(over, 0.0), 1.0)
+        for over in set(MEAN_OVER.values()) & set(sums):
+            out[f"weight/{over}"] = sums[over]
         return out

@@ -35,7 +35,8 @@ Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no
 clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss token, as TRL), entropy (mean over
 all completion tokens: under mask_truncated_completions TRL's leaves the truncated out), grad_norm (before
 clipping), lr, entropy_coef (with the entropy bonus on, ``loss.entropy_coef`` != 0 or ``loss.use_adaptive_entropy``:
-the coefficient after each optimizer step, the next one's, as TRL's ``entropy_coef``); each the mean over the step's
+the coefficient after each optimizer step, the next one's, as TRL's ``entropy_coef``), phi_seq_mean (loss_type vespo
+only: the mean over completions of vespo's weight, TRL's ``vespo/phi_seq_mean``); each the mean over the step's
 ``num_iterations`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std; TRL 1.16's reward_std is the batch's), frac_zero_std
 (share of the step's generated groups without learning signal, whose rewards were all equal (under
@@ -741,8 +742,8 @@ class GRPOModule(LightningModule):
                     self.manual_backward(loss)
             else:
                 loss.backward()
-            step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref), entropy.detach(),
-                     micro["drawn_mask"])
+            step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref, weights),
+                     entropy.detach(), micro["drawn_mask"])
             del logps, entropy, loss
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
         nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"

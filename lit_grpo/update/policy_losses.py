@@ -208,7 +208,8 @@ class PolicyLoss:
             raise ValueError(f"total_active_tokens={total_active_tokens!r} must be >= 0")
 
     @torch.no_grad()
-    def metrics(self, logps, old_logps, advantages, mask, ref_logps=None) -> dict[str, torch.Tensor]:
+    def metrics(self, logps, old_logps, advantages, mask, ref_logps=None,
+                sampling_weights=None) -> dict[str, torch.Tensor]:
         """Means over the active tokens (or completions) of ``N`` completions, for logging (arguments as in
         ``__call__``).
 
@@ -218,7 +219,9 @@ class PolicyLoss:
             sapo and vespo: never);
             ``kl``: mean k3 KL to the reference, as the loss weighs it (only when ``ref_logps`` is given);
             ``active_tokens``: the number of active tokens (the weight for averaging ``kl`` over micro-batches);
-            ``clip_units``: the number of ratios the clip shares count (the weight for averaging them).
+            ``clip_units``: the number of ratios the clip shares count (the weight for averaging them);
+            vespo only: ``phi_seq_mean``, the mean of its weight over the ``N`` completions (TRL's
+            ``vespo/phi_seq_mean``), with ``completions``, ``N`` (the weight for averaging it).
         """
         mask = mask.to(logps.dtype)
         active = mask.sum()
@@ -360,6 +363,16 @@ class VESPOLoss(DAPOLoss):
     def clipped(self, ratio, advantages):
         none = torch.zeros_like(ratio, dtype=torch.bool)
         return none, none
+
+    @torch.no_grad()
+    def metrics(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
+        out = super().metrics(logps, old_logps, advantages, mask, ref_logps, sampling_weights)
+        c = self.config
+        phi = vespo_weight(logps, old_logps, mask, advantages, c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg,
+                           c.vespo_lambda_neg, sampling_weights)                                   # [N, 1]
+        out["phi_seq_mean"] = phi.to(logps.dtype).mean()
+        out["completions"] = torch.tensor(float(phi.shape[0]), dtype=logps.dtype, device=logps.device)
+        return out
 
 
 LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, BNPOLoss, DrGRPOLoss, DAPOLoss,
