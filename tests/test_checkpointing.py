@@ -556,6 +556,45 @@ def test_a_dtype_is_the_same_setting_under_either_of_its_names(tmp_path, tiny_ch
         check_resumable(saved, {**module, "dtype": "float32"}, data)
 
 
+def test_a_null_dtype_is_the_dtype_its_model_loads_in(tmp_path, tiny_checkpoint):
+    """``model.dtype: null`` keeps the model's own dtype: tiny-llama's float32, so null against float32 (either
+    way round) is one setting, and against bfloat16 the difference names what null loaded as. A model directory
+    saved in bfloat16 loads in bfloat16: there null is bfloat16, not float32."""
+    module, data = _hparams(tiny_checkpoint)
+    assert module["dtype"] is None and module["model"] == "tiny-llama"
+    check_resumable(tiny_checkpoint, {**module, "dtype": "float32"}, data)
+    with pytest.raises(ValueError, match=re.escape(
+            "model.dtype: None (its model's own dtype, float32) in the checkpoint, 'bfloat16' now")):
+        check_resumable(tiny_checkpoint, {**module, "dtype": "bfloat16"}, data)
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["dtype"] = "fp32"
+    torch.save(checkpoint, tmp_path / "fp32.ckpt")
+    check_resumable(tmp_path / "fp32.ckpt", {**module, "dtype": None}, data)
+
+    from lit_grpo.runtime.models import load_model_and_tokenizer, loaded_dtype
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", "bfloat16")
+    model.save_pretrained(tmp_path / "bf16-model")
+    tokenizer.save_pretrained(tmp_path / "bf16-model")
+    assert loaded_dtype(str(tmp_path / "bf16-model")) == torch.bfloat16
+    assert loaded_dtype("tiny-llama") == torch.float32 and loaded_dtype("owner/not-cached-here") is None
+    checkpoint["hyper_parameters"].update(model=str(tmp_path / "bf16-model"), dtype=None)
+    torch.save(checkpoint, tmp_path / "bf16.ckpt")
+    module["model"] = str(tmp_path / "bf16-model")
+    check_resumable(tmp_path / "bf16.ckpt", {**module, "dtype": "bf16"}, data)
+    checkpoint["hyper_parameters"]["dtype"] = "float32"
+    torch.save(checkpoint, tmp_path / "bf16-model-in-fp32.ckpt")
+    with pytest.raises(ValueError, match=re.escape(
+            "model.dtype: 'float32' in the checkpoint, None (its model's own dtype, bfloat16) now")):
+        check_resumable(tmp_path / "bf16-model-in-fp32.ckpt", {**module, "dtype": None}, data)
+
+
+def test_the_cli_resumes_a_null_dtype_run_with_float32(tmp_path, tiny_checkpoint):
+    """A run saved with ``model.dtype: null`` (tiny.yaml's) resumed with ``--model.dtype float32``: one setting."""
+    build_cli(_fit_args(tmp_path, "--ckpt_path", str(tiny_checkpoint), "--model.dtype", "float32", steps=2))
+    assert _last_step(tmp_path) == 2
+
+
 def _refused(capsys, args: list[str]) -> str:
     """What the CLI printed when it ended a run on a bad setting: an ``error:`` line and exit 2, no traceback."""
     with pytest.raises(SystemExit) as exit_info:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_grpo.runtime.models import resolve_dtype
+from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 #: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
@@ -282,10 +282,15 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             for key in sorted(set(old) | set(new), key=str):
                 if key in skipped:
                     continue
-                was = old.get(key, default.get(key))
-                if _normalized(was, name) != _normalized(new.get(key), name):
+                was, now = old.get(key, default.get(key)), new.get(key)
+                compared = (was, now)
+                if name == "dtype" and section == "hyper_parameters":  # null: the dtype its model loads in
+                    compared = _null_dtype_as_loaded((was, _lookup(saved, "model")),
+                                                     (now, _lookup(current[section], "model")))
+                if _normalized(compared[0], name) != _normalized(compared[1], name):
                     shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
-                    differing.append(f"{shown}: {was!r} in the checkpoint, {new.get(key)!r} now")
+                    differing.append(f"{shown}: {_shown(was, compared[0])} in the checkpoint, "
+                                     f"{_shown(now, compared[1])} now")
                     lacked = lacked or key not in old
         if lacked and unknown:
             differing.append(f"(the checkpoint also holds {', '.join(unknown)}, which this release does not have: "
@@ -329,6 +334,27 @@ def _fields(value: Any) -> Any:
     if hasattr(value, "as_dict"):  # jsonargparse's Namespace
         return value.as_dict()
     return value
+
+
+def _null_dtype_as_loaded(saved: tuple[Any, Any], current: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The checkpoint's and this run's ``dtype``, each given as ``(dtype, model)``: where one is null (the model's
+    own) and the other is not, the null one as the dtype its model loads in (``loaded_dtype``), so that null and
+    ``float32`` are one setting for a float32 model; left null where that cannot be told without loading it."""
+    (was, saved_model), (now, current_model) = saved, current
+    if (was is None) == (now is None):
+        return was, now
+    model = saved_model if was is None else current_model
+    dtype = loaded_dtype(model) if isinstance(model, str) else None
+    if dtype is None:
+        return was, now
+    return (dtype, now) if was is None else (was, dtype)
+
+
+def _shown(value: Any, compared: Any) -> str:
+    """A setting's value as a difference names it; a null dtype with the dtype it was compared as."""
+    if value is None and isinstance(compared, torch.dtype):
+        return f"None (its model's own dtype, {str(compared).removeprefix('torch.')})"
+    return repr(value)
 
 
 def _normalized(value: Any, name: str = "") -> Any:

@@ -79,6 +79,23 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[check_choice("dtype", dtype, tuple(sorted(DTYPES)))]
 
 
+def loaded_dtype(name_or_path: str) -> torch.dtype | None:
+    """The dtype ``load_model_and_tokenizer(name_or_path)`` (no ``dtype``: the checkpoint's own) gives the weights,
+    read without loading them: float32 for the tiny models, the config's for ``random:NAME``, a directory and a hub
+    model in the local cache. None where only loading would tell: a config without a dtype (transformers then
+    reads the weights'), or one that cannot be read here (a hub model not cached, the hub is not contacted)."""
+    if name_or_path in TINY_MODELS:
+        return torch.float32
+    try:
+        if name_or_path.startswith(RANDOM_PREFIX):
+            fields = _random_model_fields(name_or_path.removeprefix(RANDOM_PREFIX))
+            return resolve_dtype(fields.get("torch_dtype")) or torch.float32
+        config = AutoConfig.from_pretrained(_pretrained_source(name_or_path), local_files_only=True)
+        return resolve_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    except (OSError, ValueError, ImportError):  # unreadable, unknown or not cached: only loading would tell
+        return None
+
+
 def load_model_and_tokenizer(
     name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
