@@ -589,6 +589,27 @@ def test_a_null_dtype_is_the_dtype_its_model_loads_in(tmp_path, tiny_checkpoint)
         check_resumable(tmp_path / "bf16-model-in-fp32.ckpt", {**module, "dtype": None}, data)
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_checkpoint_of_other_weight_shapes_is_named_with_the_first_differing_weight(
+        tmp_path, tiny_checkpoint, capsys, subcommand):
+    """A checkpoint whose settings match but whose weights have other shapes (a model folder changed since it was
+    saved, an edited file) ends ``validate`` and a resume on one error line naming the file, the first differing
+    weight and both shapes, not on load_state_dict's traceback."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    names = [name for name in checkpoint["state_dict"] if name.endswith("mlp.up_proj.weight")]
+    for name in names:
+        rows, columns = checkpoint["state_dict"][name].shape
+        checkpoint["state_dict"][name] = torch.zeros(2 * rows, columns)
+    other = tmp_path / "other-shapes.ckpt"
+    torch.save(checkpoint, other)
+    args = _fit_args(tmp_path / "run", "--ckpt_path", str(other), "--trainer.limit_val_batches", "1", steps=2)
+    err = _refused(capsys, [subcommand, *args[1:]])
+    assert (f"error: --ckpt_path: checkpoint {other} holds weights of other shapes than this run's model: "
+            f"{names[0]} is [{2 * rows}, {columns}] there, [{rows}, {columns}] in the model "
+            f"({len(names) - 1} more weights differ too)") in err
+    assert "Traceback" not in err and len(names) > 1
+
+
 def test_the_cli_resumes_a_null_dtype_run_with_float32(tmp_path, tiny_checkpoint):
     """A run saved with ``model.dtype: null`` (tiny.yaml's) resumed with ``--model.dtype float32``: one setting."""
     build_cli(_fit_args(tmp_path, "--ckpt_path", str(tiny_checkpoint), "--model.dtype", "float32", steps=2))

@@ -304,6 +304,23 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
 
 
+def check_weight_shapes(path: str | os.PathLike | None, saved: Mapping[str, Any],
+                        model: Mapping[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the checkpoint at ``path``, its first weight (in ``saved``' order) whose shape
+    differs from the model's of that name and both shapes, where any does: the checkpoint holds another model's
+    weights (a model folder changed since it was saved, an edited file). ``saved``, ``model``: state dicts (names to
+    tensors, or anything with a ``shape``); a name only one of them has is not compared (strict loading names it)."""
+    differing = [(name, tuple(value.shape), tuple(model[name].shape)) for name, value in saved.items()
+                 if name in model and hasattr(value, "shape") and tuple(value.shape) != tuple(model[name].shape)]
+    if differing:
+        name, there, here = differing[0]
+        others = f" ({len(differing) - 1} more weights differ too)" if len(differing) > 1 else ""
+        where = f"checkpoint {path}" if path else "the checkpoint"
+        raise ValueError(f"{where} holds weights of other shapes than this run's model: "
+                         f"{name} is {list(there)} there, {list(here)} in the model{others}. It was saved from "
+                         "another model: use that model's settings, or a checkpoint of this model")
+
+
 #: ``_lookup``'s answer for a setting that is not there, where None is a value.
 _MISSING = object()
 

@@ -106,6 +106,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
+from lit_grpo.runtime.checkpoints import check_weight_shapes
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -469,6 +470,12 @@ class GRPOModule(LightningModule):
             checkpoint[ENTROPY_CONTROL_KEY] = self.entropy_control.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "state_dict" in checkpoint:  # a sharded one's weights are loaded by the strategy, which checks them
+            path = self.trainer.ckpt_path if self._trainer is not None else None
+            # the tensors by name, not state_dict(), whose hooks under FSDP2 run collectives
+            weights = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+            with config_errors("--ckpt_path"):  # before load_state_dict's traceback, naming the file
+                check_weight_shapes(path, checkpoint["state_dict"], weights)
         # a checkpoint of a run without the adaptive control (or an older one) leaves it at its start
         if self.entropy_control.adaptive and ENTROPY_CONTROL_KEY in checkpoint:
             self.entropy_control.load_state_dict(checkpoint[ENTROPY_CONTROL_KEY])
