@@ -57,7 +57,7 @@ from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
                                           run_checkpoint_folders)
-from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
+from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import end_failed_rank
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
@@ -201,7 +201,9 @@ class GRPOCLI(LightningCLI):
         if rank_zero_only.rank == 0:  # a sharded save killed between its renames leaves no last.ckpt until then
             for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
                 finish_interrupted_swaps(folder, clean=False)
-        found = find_last_checkpoint(folders)
+        found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
+        if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared later
+            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found))
         if found is not None:
             _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
                                getattr(self.datamodule, "hparams", None), evaluate=evaluate,
@@ -449,6 +451,42 @@ def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
     if (isinstance(logger, TensorBoardLogger) and checkpoint.parent.name == "checkpoints"
             and version.parent.resolve() == Path(logger.root_dir).resolve()):
         logger._version = version.name  # no public setter; read lazily, when the first thing is logged
+
+
+class SameCheckpointOnEveryRank(Callback):
+    """``--ckpt_path last`` under several processes: each rank finds the newest ``last.ckpt`` itself, before the
+    process group exists (a rank started by torchrun or SLURM runs the CLI on its own), and loads what it found.
+    Once the ranks can talk (``setup``, before Lightning restores anything) every rank's finding is gathered, and
+    where any differs from rank 0's every rank ends on the same error: ranks that resumed different checkpoints (or
+    one a checkpoint, another none) would train on as one run with different weights, steps and data states."""
+
+    def __init__(self, found: Path | None) -> None:
+        self.found = None if found is None else str(found)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not is_multi_process():
+            return
+        found: list[str | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, self.found)
+        check_same_checkpoint(found)
+
+
+class CheckpointsDiffer(ConfigError, RaisedOnEveryRank):
+    """The ranks found different checkpoints for ``--ckpt_path last`` (every rank raises it, by agreement)."""
+
+
+def check_same_checkpoint(found: Sequence[str | None]) -> None:
+    """Raise :class:`CheckpointsDiffer` unless every rank's ``--ckpt_path last`` finding (``found[rank]``: a path,
+    or None for none) is rank 0's, naming rank 0's and each rank's that differs."""
+    differing = [rank for rank, path in enumerate(found) if path != found[0]]
+    if not differing:
+        return
+    shown = lambda path: path if path is not None else "no last.ckpt (a new run)"  # noqa: E731
+    others = "; ".join(f"rank {rank}: {shown(found[rank])}" for rank in differing)
+    raise CheckpointsDiffer(f"--ckpt_path last: the ranks found different checkpoints: rank 0: {shown(found[0])}; "
+                            f"{others}. Each rank loads the checkpoint itself, so every rank must see rank 0's "
+                            "checkpoint folders (one file system shared by every node, or a copy at the same "
+                            "path); or give one checkpoint's path with --ckpt_path PATH")
 
 
 def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:

@@ -143,18 +143,20 @@ def _kill(process) -> None:
     process.join()
 
 
-def run_ranks(argv: list[str], folder: Path, port: int, timeout: float,
-              env: dict[str, str] | None = None) -> list[tuple[int | None, str, float]]:
+def run_ranks(argv: list[str], folder: Path, port: int, timeout: float, env: dict[str, str] | None = None,
+              rank_folders: tuple[Path, Path] | None = None) -> list[tuple[int | None, str, float]]:
     """Rank 0 and rank 1 of ``lit-grpo ARGV`` as 2 nodes x 1 process (Lightning's ``LightningEnvironment``: each
-    process given its ``NODE_RANK`` and one ``MASTER_ADDR`` / ``MASTER_PORT``), in ``folder``; waits for both, at
-    most ``timeout`` seconds from their start. Returns per rank its exit status (None: still running at the
-    timeout, then killed), its output (stdout and stderr together) and the seconds it ran."""
+    process given its ``NODE_RANK`` and one ``MASTER_ADDR`` / ``MASTER_PORT``), in ``folder`` (or each in its own of
+    ``rank_folders``: nodes without a shared file system, for relative paths; the logs stay in ``folder``); waits
+    for both, at most ``timeout`` seconds from their start. Returns per rank its exit status (None: still running
+    at the timeout, then killed), its output (stdout and stderr together) and the seconds it ran."""
     base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1"}
     for name in ("LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE"):  # a launcher's, which would say who starts the ranks
         base.pop(name, None)
     logs = [folder / f"rank{rank}.log" for rank in (0, 1)]
-    ranks = [_start(argv, folder, {**base, "NODE_RANK": str(rank)}, (logs[rank], logs[rank])) for rank in (0, 1)]
+    cwds = rank_folders or (folder, folder)
+    ranks = [_start(argv, cwds[rank], {**base, "NODE_RANK": str(rank)}, (logs[rank], logs[rank])) for rank in (0, 1)]
     started, ended = time.monotonic(), {}
     while len(ended) < 2 and time.monotonic() - started < timeout:
         for rank, process in enumerate(ranks):

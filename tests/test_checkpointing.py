@@ -695,6 +695,67 @@ def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
 
 
+def test_last_finds_a_killed_swaps_checkpoint_before_rank_0_finishes_it(tmp_path):
+    """A sharded save killed between its renames: the checkpoint it completes is the newest one, found as
+    ``last.ckpt`` whether or not rank 0 has finished the swap yet (a rank that looks while it renames finds the
+    same)."""
+    from lit_grpo.runtime.checkpoints import finish_interrupted_swaps, interrupted_swaps, staging_path
+
+    older = tmp_path / "last-v1.ckpt"
+    older.write_bytes(b"x")
+    os.utime(older, (1, 1))
+    last = tmp_path / "last.ckpt"
+    gone = subprocess.Popen(["true"])  # a process that has ended
+    gone.wait()
+    _folder(tmp_path / f".last.ckpt.{gone.pid}.replaced", "old")
+    _folder(staging_path(last, gone.pid), "new")
+    assert interrupted_swaps(tmp_path) == [(last, staging_path(last, gone.pid))]
+    assert find_last_checkpoint([tmp_path]) == last
+    assert finish_interrupted_swaps(tmp_path, clean=False) == [last] and (last / "shard").read_text() == "new"
+    assert find_last_checkpoint([tmp_path]) == last and interrupted_swaps(tmp_path) == []
+
+
+def test_ranks_that_find_different_checkpoints_are_named_on_every_rank():
+    from lit_grpo.cli import CheckpointsDiffer, check_same_checkpoint
+    from lit_grpo.runtime.distributed import RaisedOnEveryRank
+
+    check_same_checkpoint(["/a/last.ckpt"] * 3)
+    check_same_checkpoint([None, None])
+    with pytest.raises(CheckpointsDiffer) as raised:
+        check_same_checkpoint(["/a/last.ckpt", "/a/last.ckpt", "/b/last.ckpt", None])
+    assert str(raised.value).startswith("--ckpt_path last: the ranks found different checkpoints: rank 0: "
+                                        "/a/last.ckpt; rank 2: /b/last.ckpt; rank 3: no last.ckpt (a new run).")
+    assert isinstance(raised.value, RaisedOnEveryRank)
+
+
+def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_different_ones(tmp_path):
+    """``--ckpt_path last`` on 2 nodes x 1 process: each rank looks for the newest last.ckpt itself, before the ranks
+    can talk. Where only rank 0 sees one (nodes without a shared file system: each rank in a folder of its own, the
+    run's root relative), both end on one error naming what each found, before anything is restored; where both
+    see rank 0's, both resume it."""
+    from tools.harness import free_port, repo_env
+
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    build_cli(_fit_args(folders[0] / "run", steps=1))
+    found = folders[0] / "run" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert found.is_file()
+    argv = [*_fit_args(Path("run"), "--ckpt_path", "last", "--trainer.limit_val_batches", "0", steps=2),
+            "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "ddp",
+            "--trainer.accelerator", "cpu"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 180, env=repo_env(), rank_folders=folders)
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [2, 2], shown
+    for _, output, _ in outputs:
+        assert ("--ckpt_path last: the ranks found different checkpoints: rank 0: run/lightning_logs/version_0/"
+                "checkpoints/last.ckpt; rank 1: no last.ckpt (a new run)") in output, shown
+    assert "Restoring states" not in shown and "Traceback" not in shown
+    outputs = forked_cli.run_ranks(argv, folders[0], free_port(), 180, env=repo_env())
+    assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert _last_step(folders[0] / "run") == 2
+
+
 def test_last_finds_a_loggers_checkpoint_from_a_run_resumed_without_that_logger(tmp_path):
     # started with TensorBoard (ROOT/lightning_logs/version_0/checkpoints), resumed with trainer.logger false: the
     # trainer's root is searched, and it found nothing, so the run started over

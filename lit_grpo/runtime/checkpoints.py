@@ -127,12 +127,9 @@ def finish_interrupted_swaps(folder: str | os.PathLike, clean: bool = True) -> l
         return []
     done = []
     leftovers = [(entry, match) for entry in sorted(folder.iterdir()) if (match := SWAP.match(entry.name))]
-    for entry, match in leftovers:
-        target = folder / match["name"]
-        staged = staging_path(target, int(match["pid"]))
-        if match["kind"] == "replaced" and not target.exists() and staged.is_dir():
-            os.replace(staged, target)
-            done.append(target)
+    for target, staged in interrupted_swaps(folder):
+        os.replace(staged, target)
+        done.append(target)
     if not clean:
         return done
     for entry, match in leftovers:
@@ -141,6 +138,21 @@ def finish_interrupted_swaps(folder: str | os.PathLike, clean: bool = True) -> l
             _remove(entry)
             done.append(entry)
     return done
+
+
+def interrupted_swaps(folder: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """``(NAME, its staged folder)`` for each sharded save in ``folder`` that a kill cut between its two renames
+    (no ``NAME``, the old one set aside, the new one complete): what ``finish_interrupted_swaps`` puts in place."""
+    folder = Path(folder)
+    swaps = []
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        match = SWAP.match(entry.name)
+        if match and match["kind"] == "replaced":
+            target = folder / match["name"]
+            staged = staging_path(target, int(match["pid"]))
+            if not target.exists() and staged.is_dir():
+                swaps.append((target, staged))
+    return swaps
 
 
 def _remove(path: Path) -> None:
@@ -183,10 +195,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
     """The newest ``last.ckpt`` (or ``last-vN.ckpt``) in ``folders``, by modification time; partial writes are
-    never candidates."""
-    candidates = [path for folder in folders if Path(folder).is_dir() for path in Path(folder).iterdir()
-                  if re.fullmatch(r"last(-v\d+)?\.ckpt", path.name) and (path.is_file() or path.is_dir())]
-    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
+    never candidates. A sharded save cut between its renames counts as the checkpoint it completes (its staged
+    folder, by that folder's time, which the rename keeps), so that a process finds the same one before and after
+    rank 0 finishes the swap (``finish_interrupted_swaps``), whichever it sees."""
+    times = {}
+    for folder in folders:
+        entries = [(path, path) for path in Path(folder).iterdir()] if Path(folder).is_dir() else []
+        for path, holder in [*entries, *interrupted_swaps(folder)]:
+            if re.fullmatch(r"last(-v\d+)?\.ckpt", path.name):
+                with contextlib.suppress(FileNotFoundError):  # renamed or replaced while listed
+                    if holder.is_file() or holder.is_dir():
+                        times[path] = holder.stat().st_mtime
+    return max(times, key=times.__getitem__, default=None)
 
 
 def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
