@@ -95,34 +95,41 @@ def list_makespan(lengths: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
 def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
                      park_tokens: float = math.inf) -> int:
     """Decode steps of a rollout of samples ``lengths`` (arrival order) on ``num_slots`` slots, as this scheduler
-    runs it: with no ``points`` first-come order, else least attained service within ``park_tokens``."""
+    runs it through ``driver.drive_rollout``: with no ``points`` first-come order, else least attained service
+    within ``park_tokens``.
+
+    Exact, not an estimate: the slots are tracked because the driver offers a step's preemption points in slot
+    order, and under a park budget the first sample parked in a step can leave no room for the next.
+    """
     waiting = [(0, i) for i in range(len(lengths))]  # (attained, arrival): a heap
+    free = list(range(num_slots))  # a heap: admission fills the lowest free slot first
     order = sorted(points)
-    running: list[tuple[int, int, int, int]] = []  # (event clock, arrival, start clock, attained at start)
+    running: list[tuple[int, int, int, int, int]] = []  # (event clock, slot, arrival, start clock, attained at start)
     clock = parked_tokens = 0
 
-    def run(i: int, attained: int) -> None:
-        """Sample ``i`` runs from ``clock`` until it ends or reaches its next point."""
+    def run(slot: int, i: int, attained: int) -> None:
+        """Sample ``i`` runs in ``slot`` from ``clock`` until it ends or reaches its next point."""
         j = bisect.bisect_right(order, attained)
         stop = min(lengths[i], order[j]) if j < len(order) else lengths[i]
-        heapq.heappush(running, (clock + stop - attained, i, clock, attained))
+        heapq.heappush(running, (clock + stop - attained, slot, i, clock, attained))
 
     while waiting or running:
-        while len(running) < num_slots and waiting:
+        while free and waiting:
             attained, i = heapq.heappop(waiting)
             parked_tokens -= attained  # 0 for a sample not started yet
-            run(i, attained)
+            run(heapq.heappop(free), i, attained)
         clock = running[0][0]
-        while running and running[0][0] == clock:
-            _, i, start, attained = heapq.heappop(running)
+        while running and running[0][0] == clock:  # one step's events, in slot order (the heap's second key)
+            _, slot, i, start, attained = heapq.heappop(running)
             attained += clock - start
             if attained >= lengths[i]:
-                continue
-            if waiting and waiting[0][0] < attained and parked_tokens + attained <= park_tokens:
+                heapq.heappush(free, slot)
+            elif waiting and waiting[0][0] < attained and parked_tokens + attained <= park_tokens:
                 parked_tokens += attained
                 heapq.heappush(waiting, (attained, i))
-                continue
-            run(i, attained)
+                heapq.heappush(free, slot)
+            else:
+                run(slot, i, attained)
     return clock
 
 
