@@ -89,14 +89,33 @@ def test_trust_survives_a_checkpoint():
 
 def test_the_effective_count_of_decayed_pairs_is_kishs():
     # (sum w)^2 / sum w^2: a rollout's pairs count plainly until it is folded in, then decayed (by 0.5 a pair here)
+    # and shared equally: the rollout's two pairs weigh what 0.5 and 1 sum to, 0.75 each
     trust = PredictionTrust(decay=0.5)
     trust.observe(10.0, 12)
     trust.observe(20.0, 18)
     assert trust.effective_count == 2
-    trust.end_rollout()  # the two pairs weigh 0.5 and 1
-    assert trust.effective_count == pytest.approx(1.5 ** 2 / 1.25)
+    trust.end_rollout()
+    assert trust.effective_count == pytest.approx(2.0)
     trust.observe(30.0, 25)  # and a new one 1
-    assert trust.effective_count == pytest.approx(2.5 ** 2 / 2.25)
+    assert trust.effective_count == pytest.approx(2.5 ** 2 / (2 * 0.75 ** 2 + 1))
+
+
+def test_the_effective_count_is_that_of_the_weights_the_statistics_use():
+    # Kish's count must describe the weights the means and spreads are computed with (each rollout's pairs alike):
+    # recompute the statistics from explicit per-pair weights and compare both
+    rng, decay = random.Random(4), 0.9
+    trust, pairs, weights = PredictionTrust(decay=decay), [], []
+    for size in (5, 3, 8):
+        rollout = [(math.exp(rng.gauss(3.0, 1.0)), rng.randint(1, 200)) for _ in range(size)]
+        for predicted, length in rollout:
+            trust.observe(predicted, length)
+        trust.end_rollout()
+        shrink = decay ** size
+        weights = [w * shrink for w in weights] + [(1 - shrink) / (1 - decay) / size] * size
+        pairs += rollout
+    assert trust.effective_count == pytest.approx(sum(weights) ** 2 / sum(w * w for w in weights))
+    mean_t = sum(w * math.log(n) for w, (_, n) in zip(weights, pairs)) / sum(weights)
+    assert trust.population()[0] == pytest.approx(mean_t)
 
 
 @pytest.mark.parametrize("loss_share", [LOSS_SHARE, None])

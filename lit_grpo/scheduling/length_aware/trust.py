@@ -74,11 +74,12 @@ class PredictionTrust:
             return
         d = self.decay ** n
         w, w2, pm, pt, cmm, ctt, cmt = self.past
-        # n pairs, each decaying the older ones by `decay`: the weights the rollout's own pairs end up with.
+        # The rollout weighs what n pairs would, each decaying the older ones by `decay`, shared equally among its
+        # pairs: they finish in order of length, so decaying them one by one would weigh the short ones less. The
+        # squared weights are those of that equal share, so that the effective count is that of the weights used.
         own = (1 - d) / (1 - self.decay) if self.decay < 1 else n
-        own2 = (1 - d * d) / (1 - self.decay ** 2) if self.decay < 1 else n
         scale = own / n
-        self.past = [w * d + own, w2 * d * d + own2, pm * d + sm * scale, pt * d + st * scale,
+        self.past = [w * d + own, w2 * d * d + own * scale, pm * d + sm * scale, pt * d + st * scale,
                      cmm * d + (smm - sm * sm / n) * scale, ctt * d + (stt - st * st / n) * scale,
                      cmt * d + (smt - sm * st / n) * scale]
         self.current = [0.0] * 6
