@@ -13,6 +13,7 @@ from lit_grpo.scheduling import (FIFOScheduler, LeastAttainedScheduler, LengthAw
                                  simulate_rollout)
 from lit_grpo.scheduling.least_attained import LOSS_SHARE
 from lit_grpo.scheduling.length_aware import LengthAwareScheduler, OracleLengthPredictor, PredictionTrust
+from lit_grpo.scheduling.length_aware.trust import probes_pay
 
 from scheduler_helpers import planted_rollout
 
@@ -78,6 +79,28 @@ def test_a_predictor_that_only_follows_the_average_ranks_nothing():
             trust.observe(math.exp(level), max(1, round(math.exp(level + rng.gauss(0.0, 0.5)))))
         trust.end_rollout()
     assert trust.rho_low == 0.0
+
+
+def test_the_spread_is_unknown_until_a_rollout_has_shown_two_pairs():
+    # Centred on its rollout's mean a lone pair deviates by nothing: a spread of 0 would claim exact lengths
+    trust = PredictionTrust()
+    trust.observe(40.0, 50)
+    median, spread = trust.calibrate(40.0)
+    assert median == pytest.approx(50.0) and spread == math.inf and trust.population()[1] == math.inf
+    trust.end_rollout()
+    trust.observe(80.0, 90)  # a second rollout of one pair: still nothing within a rollout
+    assert trust.calibrate(40.0)[1] == math.inf and not trust.spread_known
+    assert not probes_pay(trust, num_samples=32, num_slots=4, cap=256)  # an unmeasured spread earns nothing
+    trust.observe(60.0, 30)
+    assert trust.spread_known and 0 < trust.calibrate(40.0)[1] < math.inf
+    resumed = PredictionTrust()
+    resumed.load_state_dict(trust.state_dict())
+    assert resumed.calibrate(40.0) == trust.calibrate(40.0)
+    fresh = PredictionTrust()
+    fresh.observe(40.0, 50)
+    fresh.end_rollout()
+    resumed.load_state_dict(fresh.state_dict())
+    assert resumed.calibrate(40.0)[1] == math.inf
 
 
 def test_trust_survives_a_checkpoint():

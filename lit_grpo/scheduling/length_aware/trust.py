@@ -35,6 +35,7 @@ import torch
 
 from lit_grpo.scheduling.config import GAIN_Z
 from lit_grpo.scheduling.least_attained import list_makespan
+from lit_grpo.scheduling.length_aware.predictors import MAX_LOG_STD
 
 #: One-sided confidence of ``rho_low`` in standard errors (2: about 98%).
 CONFIDENCE_Z = 2.0
@@ -60,6 +61,8 @@ class PredictionTrust:
         self.past = [0.0] * 7
         # The current rollout, plain sums: count, m, t, m^2, t^2, m*t.
         self.current = [0.0] * 6
+        # Past rollouts' pairs beyond each rollout's first: the centred sums' degrees of freedom (undecayed).
+        self.past_dof = 0.0
 
     def observe(self, predicted: float, length: int) -> None:
         """One finished sample: its prediction (tokens, > 0) and its true length (tokens, >= 1)."""
@@ -82,7 +85,14 @@ class PredictionTrust:
         self.past = [w * d + own, w2 * d * d + own * scale, pm * d + sm * scale, pt * d + st * scale,
                      cmm * d + (smm - sm * sm / n) * scale, ctt * d + (stt - st * st / n) * scale,
                      cmt * d + (smt - sm * st / n) * scale]
+        self.past_dof += n - 1
         self.current = [0.0] * 6
+
+    @property
+    def spread_known(self) -> bool:
+        """Whether some rollout has shown two pairs. Centred on its own rollout's mean, a lone pair deviates by
+        nothing: before then the within-rollout spreads are 0 for want of data, not measured."""
+        return self.past_dof + max(self.current[0] - 1, 0.0) >= 1
 
     def _within(self) -> tuple[float, float, float, float]:
         """(weight, var_m, var_t, cov_mt) of the centred pairs, past and current."""
@@ -129,14 +139,17 @@ class PredictionTrust:
         return self.rho_low > 0
 
     def population(self) -> tuple[float, float]:
-        """(mean, std) of the true log lengths within rollouts: the model's prior for a sample not yet predicted."""
-        weight, _, var_t, _ = self._within()
-        return self._levels()[1], math.sqrt(var_t) if weight > 0 else 0.0
+        """(mean, std) of the true log lengths within rollouts: the model's prior for a sample not yet predicted.
+        The std is infinite until it is measured (``spread_known``); the mean is 0 before any pair."""
+        _, _, var_t, _ = self._within()
+        return self._levels()[1], math.sqrt(var_t) if self.spread_known else math.inf
 
     def calibrate(self, predicted: float) -> tuple[float, float]:
         """The trusted ``(median length, log-length spread)`` for a raw prediction (tokens).
 
-        Before any pair was seen the prediction is returned with an infinite spread: nothing is known yet.
+        Before any pair was seen the prediction is returned with an infinite spread: nothing is known yet. Until a
+        rollout has shown two pairs (``spread_known``) the spread stays infinite: the lengths' level is measured,
+        their spread is not (a lone pair in its rollout deviates by nothing from that rollout's mean).
         """
         weight, var_m, var_t, _ = self._within()
         if weight <= 0:
@@ -145,15 +158,18 @@ class PredictionTrust:
         rho = self.rho_low
         slope = rho * math.sqrt(var_t / var_m) if var_m > 1e-12 else 0.0
         log_median = mean_t + slope * (math.log(max(predicted, 1e-9)) - mean_m)
-        return math.exp(log_median), math.sqrt(var_t * max(0.0, 1.0 - rho * rho))
+        spread = math.sqrt(var_t * max(0.0, 1.0 - rho * rho)) if self.spread_known else math.inf
+        return math.exp(log_median), spread
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "confidence_z": self.confidence_z, "past": list(self.past),
-                "current": list(self.current)}
+                "current": list(self.current), "past_dof": self.past_dof}
 
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.confidence_z = state["decay"], state["confidence_z"]
         self.past, self.current = list(state["past"]), list(state["current"])
+        # An earlier checkpoint lacks the count: a past of at least two pairs is taken to have measured the spread.
+        self.past_dof = float(state.get("past_dof", 1.0 if self.past[0] > 1 else 0.0))
 
 
 # ---- the gate: is following the predictions expected to beat arrival order? --------------------------------
@@ -235,6 +251,7 @@ def probes_pay(trust, num_samples: int, num_slots: int, cap: int, z: float = GAI
     """Would an order by probe predictions of the trust they earned (a ``PredictionTrust``) establish a gain over
     arrival order? If not, parking samples at their probes to wait for those predictions cannot pay."""
     mean_log, sd_log = trust.population()
+    sd_log = min(sd_log, MAX_LOG_STD)  # unmeasured (infinite): as wide as the scheduler's models ever get
     return follow_predictions(*preposterior_gain(num_samples, num_slots, cap, mean_log, sd_log, trust.rho_low), z=z)
 
 
