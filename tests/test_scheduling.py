@@ -176,6 +176,10 @@ def test_lower_bound_steps_round_the_work_per_slot_up():
     assert lower_bound_steps([3, 3, 3], 2) == 5  # 9 tokens on 2 slots: 4.5 steps are 5
     assert lower_bound_steps([9, 1, 1], 3) == 9  # the longest sample
     assert lower_bound_steps([], 4) == 0
+    for bad in (0, -2, 1.5, True):
+        message = f"num_slots={bad!r} is not allowed; num_slots must be an integer >= 1"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lower_bound_steps([3, 3], bad)
 
 
 def test_lpt_claims_grahams_bound_where_its_lower_bound_is_looser():

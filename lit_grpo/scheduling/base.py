@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from lit_grpo.runtime.validation import check_int_in_range
+
 SampleKey = tuple[int, int]  # (prompt index, sample index within its group)
 Assignment = tuple[int, SampleKey]  # (slot, sample)
 
@@ -79,6 +81,7 @@ DECISION_NAMES: tuple[str, ...] = (
 
 def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
     """``max(ceil(sum L / g), max L)``: no schedule on ``num_slots`` slots finishes in fewer decode steps."""
+    check_int_in_range("num_slots", num_slots, minimum=1)
     if not lengths:
         return 0
     return max(math.ceil(sum(lengths) / num_slots), max(lengths))
