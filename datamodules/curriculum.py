@@ -31,8 +31,8 @@ After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
 - ``acc``: the paper's acc is on a 0..2 scale (the authors' reward gives 2.0 per correct answer, and acc is its mean
   over the rollouts), so ``acc / 2`` is the fraction of correct rollouts and target = 0.5 is the target accuracy
   (the paper's beta, the authors' README's "TARGET ACC", ``target_accuracy`` here). Here ``accuracy`` is that
-  fraction directly: the step's mean accuracy (or mean reward, when rewards lie in [0, 1]) over all completions of
-  the batch, in [0, 1]; the rule is applied as
+  fraction directly: the step's mean accuracy (or mean reward, when rewards lie in [0, 1]) over the completions of
+  the batch that have one (a completion no reward function scored has neither), in [0, 1]; the rule is applied as
   ``n tanh(alpha (accuracy - target_accuracy))``, identical to the paper's with acc = 2 * accuracy.
 - ``angle``: the authors' code feeds the *raw* mean cosine (computed in the training forward pass on prompt plus
   completion, averaged over the rollouts since the last update); it is not normalized. Raw cosine levels depend on

@@ -62,7 +62,8 @@ TRAIN_PROMPTS_KEY = "train_prompts"
 
 def curriculum_accuracy(sums: torch.Tensor) -> float:
     """The curriculum's feedback for a step from ``RolloutBatch.accuracy_sums`` (one rank's, or every rank's added
-    up): the share of correct completions where any has a correctness, else the mean reward, clamped to [0, 1]."""
+    up): the share of correct completions where any has a correctness, else the mean reward of the completions
+    some reward function scored, clamped to [0, 1]."""
     correct, judged, reward, rewarded = sums.tolist()
     accuracy = correct / judged if judged > 0 else reward / rewarded if rewarded > 0 else 0.0
     return min(max(accuracy, 0.0), 1.0)

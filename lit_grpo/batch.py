@@ -96,10 +96,10 @@ class RolloutBatch:
     generated_accuracy: torch.Tensor | None = None
 
     def accuracy_sums(self) -> torch.Tensor:
-        """``generated_accuracy``, else ``accuracy_sums`` of this batch's groups."""
+        """``generated_accuracy``, else ``accuracy_sums`` of this batch's groups (their scored completions)."""
         if self.generated_accuracy is not None:
             return self.generated_accuracy
-        return accuracy_sums(self.accuracy, self.rewards)
+        return accuracy_sums(self.accuracy, scored_rewards(self.rewards, self.reward_components))
 
     # ------------------------------------------------------------------------------------------ sizes
     @property
@@ -237,10 +237,22 @@ def pad_right(sequences: list[list[Any]], pad: Any, width: int | None = None,
     return values, mask
 
 
+def scored_rewards(rewards: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``rewards`` ``[B, G]`` as float with NaN where every reward function said None (``components``: ``{name:
+    [B, G]}``, NaN there): such a completion's total of 0.0 is no reward it earned. No components: ``rewards``."""
+    rewards = rewards.float()
+    if not components:
+        return rewards
+    unscored = torch.stack([value.isnan() for value in components.values()], dim=-1).all(dim=-1)
+    return rewards.masked_fill(unscored, float("nan"))
+
+
 def accuracy_sums(accuracy: torch.Tensor | None, rewards: torch.Tensor) -> torch.Tensor:
     """``[4]`` float64: ``accuracy`` summed and counted over the completions that have one (NaN: no opinion), and
-    ``rewards`` summed and counted; sums of several ranks add up (``RolloutDataModule``'s curriculum feedback)."""
+    ``rewards`` summed and counted over the scored ones (NaN: unscored, ``scored_rewards``), so that a completion
+    no function judged does not count as a reward of 0; sums of several ranks add up (``RolloutDataModule``'s
+    curriculum feedback)."""
     present = torch.zeros(0) if accuracy is None else accuracy[~torch.isnan(accuracy)].double()
-    rewards = rewards.double()
-    return torch.tensor([float(present.sum()), present.numel(), float(rewards.sum()), rewards.numel()],
+    rewarded = rewards[~torch.isnan(rewards)].double()
+    return torch.tensor([float(present.sum()), present.numel(), float(rewarded.sum()), rewarded.numel()],
                         dtype=torch.float64)

@@ -483,6 +483,31 @@ def test_the_curriculums_accuracy_counts_every_generated_group_dynamic_sampling_
     assert (correct_sum, judged) == (4 + 0 + 2, 12)  # all three groups'
 
 
+def test_the_curriculums_mean_reward_leaves_out_the_completions_no_reward_function_scored(policy):
+    """Without a correctness reward the curriculum is fed the mean reward; a completion every function said None
+    to has a logged total of 0.0 that it never earned, and counting it would pull the feedback down."""
+    from lit_grpo.batch import accuracy_sums, scored_rewards
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    model, tokenizer = policy
+
+    def half(prompts, completions, **columns):  # even completions score 1, odd ones have no opinion
+        return [1.0 if k % 2 == 0 else None for k in range(len(prompts))]
+
+    sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
+    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(half)], prompts_per_step=2)
+    assert builder.accuracy_reward is None
+    with pytest.warns(UserWarning, match="every reward function returned None for 4 of 8 completions"):
+        batch = builder.build_train(lambda count: _prompts(tokenizer, count))
+    assert batch.rewards.tolist() == [[1.0, 0.0, 1.0, 0.0]] * 2  # the logged totals
+    assert batch.accuracy_sums().tolist() == [0.0, 0.0, 4.0, 4.0]
+    batch.generated_accuracy = None  # the batch's own groups: the same from its reward components
+    assert batch.accuracy_sums().tolist() == [0.0, 0.0, 4.0, 4.0]
+    scored = scored_rewards(batch.rewards, batch.reward_components)
+    assert scored.isnan().tolist() == [[False, True, False, True]] * 2
+    assert accuracy_sums(None, torch.tensor([0.5, float("nan")])).tolist() == [0.0, 0.0, 0.5, 1.0]
+
+
 def _stacked(batch, names):
     return torch.stack([batch.reward_components[name] for name in names], dim=-1)
 

@@ -34,7 +34,7 @@ import torch
 
 from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normalize_then_sum,
                                          normalize_then_sum_advantages, zero_std_groups)
-from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right
+from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, scored_rewards
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
@@ -368,8 +368,8 @@ class RolloutBuilder:
         batch.metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
         batch.metrics.update(logged_metrics([rollout.logs for rollout in rollouts]))
         self._check_some_group_scored(rollouts)
-        generated = [(rollout.components.get(self.accuracy_reward), rollout.rewards, ~rollout.skipped)
-                     for rollout in rollouts]  # every group
+        generated = [(rollout.components.get(self.accuracy_reward), self._scored(rollout.rewards, rollout.components),
+                      ~rollout.skipped) for rollout in rollouts]  # every group; unscored completions left out
         batch.generated_accuracy = sum(accuracy_sums(None if accuracy is None else accuracy[kept], rewards[kept])
                                        for accuracy, rewards, kept in generated)
         if engine.micro_group_size is not None:
@@ -507,7 +507,7 @@ class RolloutBuilder:
     def _scored(self, rewards: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[b, G]`` the totals with NaN where every reward function returned None: such a completion is left out
         of its group's statistics (its total of 0.0 is no reward it earned) and gets advantage 0."""
-        return rewards.float().masked_fill(self._stacked(components)[0].isnan().all(dim=-1), float("nan"))
+        return scored_rewards(rewards, {reward.name: components[reward.name] for reward in self.reward_funcs})
 
     def _stacked(self, components: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, G, K]`` the reward functions' values in their order, and their ``[K]`` weights."""
