@@ -517,9 +517,16 @@ class RolloutDataModule(LightningDataModule):
         except ValueError as error:  # the tokenizer's template is known only now: a setting's error all the same
             raise ConfigError(f"data.{error}") from None
         if self.tools:
+            said = self._toolbox is not None and self._toolbox.swapped_template is not None
             with config_errors("data.tools"):
                 self._toolbox = ToolBox(self.tools, tokenizer, self.max_tool_calling_iterations,
                                         self.chat_template_kwargs, self.system_prompt, self.prompt_template)
+            model = self._toolbox.swapped_template
+            if model is not None and not said:  # prompts are rendered again at each hand-over: said once
+                rank_zero_info(f"lit_grpo: data.tools: the tokenizer's chat template is {model}'s stock one, which "
+                               "drops part of an assistant turn once messages follow it, so tool messages cannot be "
+                               "appended to a completion: tool turns are rendered with a prefix-preserving version "
+                               "of it (prompts render the same; the tokenizer and its export keep the stock one)")
         schemas = self._toolbox.schemas if self._toolbox is not None else None
         render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
                                          self.prompt_template, (self.examples[i].messages or [])[:-1],

@@ -5,6 +5,8 @@ result, and the tools/ metrics."""
 import asyncio
 import copy
 import inspect
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.metrics import reduce_over_ranks
-from lit_grpo.rollout.tools import ToolBox, tool_schemas
+from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas
+from lit_grpo.runtime.models import tiny_tokenizer
 from lit_grpo.runtime.validation import ConfigError
 
 from test_module import grads_after_step, make_datamodule, make_module
@@ -499,3 +502,129 @@ def test_the_tool_turn_is_rendered_in_the_prompts_conversation_with_its_system_p
         for k in range(batch.completion_ids.shape[1]):
             text = tokenizer.decode(batch.completion_ids[p, k][batch.completion_mask[p, k].bool()])
             assert text.startswith(expected)
+
+
+#: Qwen3's stock chat template (Qwen/Qwen3-*'s tokenizer_config.json), exact to the byte: a swap matches it by its text.
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+#: The added tokens Qwen3's template writes beyond the tiny tokenizer's <|endoftext|>, <|im_start|> and <|im_end|>
+#: (Qwen3's EOS is <|im_end|>, as the tiny tokenizer's); Qwen3 does not mark them special.
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def qwen3_tokenizer():
+    """The tiny byte tokenizer with Qwen3's tool and reasoning tokens and its stock chat template."""
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in QWEN3_ADDED])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+def qwen3_call(a, b, reasoning=None):
+    """An assistant turn calling ``add`` as Qwen3 writes it (a reasoning block where given)."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+    return {"role": "assistant", "content": "" if reasoning is None else f"<think>\n{reasoning}\n</think>\n\n",
+            "tool_calls": [call]}
+
+
+#: Prompts as lit_grpo renders them (a system prompt, earlier turns, the user message last) and one that ends with a
+#: tool exchange: earlier assistant turns with and without reasoning, before and after the last user query.
+QWEN3_PROMPTS = {
+    "single": [{"role": "user", "content": "2+3?"}],
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}],
+    "multi": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
+              {"role": "assistant", "content": "<think>\nadd\n</think>\n\n2"}, {"role": "user", "content": "2+3?"}],
+    "multi_tools": [{"role": "user", "content": "1+1?"}, qwen3_call(1, 1), {"role": "tool", "content": "2"},
+                    {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+3?"}],
+    "after_tool": [{"role": "user", "content": "2+3?"}, qwen3_call(2, 3), {"role": "tool", "content": "5"},
+                   qwen3_call(5, 1, reasoning="once more"), {"role": "tool", "content": "6"}],
+}
+
+
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": True}, {"enable_thinking": False}])
+@pytest.mark.parametrize("with_tools", [False, True])
+@pytest.mark.parametrize("prompt", sorted(QWEN3_PROMPTS))
+def test_the_qwen3_tool_template_renders_prompts_as_the_stock_one(prompt, with_tools, thinking):
+    """The swap changes nothing a prompt shows the model: every prompt renders token for token as under the stock
+    template (so prompts are rendered with the tokenizer's own)."""
+    tokenizer = qwen3_tokenizer()
+    model, template = tool_chat_template(tokenizer)
+    assert model == "Qwen3" and template != QWEN3_TEMPLATE
+    render = dict(tools=tool_schemas([add]) if with_tools else None, add_generation_prompt=True, **thinking)
+    stock = tokenizer.apply_chat_template(QWEN3_PROMPTS[prompt], tokenize=False, **render)
+    assert "<|im_start|>" in stock and stock.endswith("<|im_start|>assistant\n" + (
+        "<think>\n\n</think>\n\n" if thinking.get("enable_thinking") is False else ""))
+    assert tokenizer.apply_chat_template(QWEN3_PROMPTS[prompt], tokenize=False, chat_template=template,
+                                         **render) == stock
+
+
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
+@pytest.mark.parametrize("reasoning", [None, "", "I add them."])
+def test_the_qwen3_tool_template_renders_a_tool_turn_as_a_continuation(reasoning, thinking):
+    """The stock template renders a calling turn's empty reasoning block only while the turn is last, so a tool
+    message after it changes the turn; the swapped one renders each turn the same with the tool message after it,
+    in the first round and after earlier ones."""
+    tokenizer = qwen3_tokenizer()
+    _, template = tool_chat_template(tokenizer)
+    schemas = tool_schemas([add])
+    for before in ([{"role": "user", "content": "2+3?"}, qwen3_call(2, 3, reasoning)],
+                   [{"role": "user", "content": "2+3?"}, qwen3_call(2, 3), {"role": "tool", "content": "5"},
+                    qwen3_call(5, 1, reasoning)]):
+        after = before + [{"role": "tool", "name": "add", "content": "6"}]
+        prefix, full = (tokenizer.apply_chat_template(m, tools=schemas, tokenize=False, chat_template=template,
+                                                      add_generation_prompt=m is after, **thinking)
+                        for m in (before, after))
+        assert full.startswith(prefix)
+        assert full[len(prefix):] == "<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n" \
+            "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if thinking else "")
+    stock = [tokenizer.apply_chat_template(m, tools=schemas, tokenize=False, add_generation_prompt=m is after)
+             for m in (before, after)]
+    assert stock[1].startswith(stock[0]) == bool(reasoning)  # the stock template breaks on an empty block only
+
+
+def test_data_tools_with_qwen3s_stock_template_swaps_it_for_tool_turns():
+    """A TRL user's Qwen3 with its stock template and data.tools: set up (it was refused: the template does not
+    render a tool turn as a continuation), tool turns rendered with the swapped template, the tokenizer's own
+    template kept."""
+    module, batch = tool_batch(template=QWEN3_TEMPLATE, reward_funcs=["char_fraction"])
+    assert module.tokenizer.chat_template == QWEN3_TEMPLATE
+    tokenizer = module.tokenizer
+    suffix = "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    for p in range(batch.completion_ids.shape[0]):
+        for k in range(batch.completion_ids.shape[1]):
+            ids = batch.completion_ids[p, k][batch.completion_mask[p, k].bool()]
+            tool = batch.tool_mask[p, k][batch.completion_mask[p, k].bool()] == 0
+            assert tokenizer.decode(ids[tool]) == "\n" + suffix
+    assert batch.metrics["tools/call_frequency"] == 1.0 and batch.metrics["tools/failure_frequency"] == 0.0
+
+
+def test_the_template_swap_is_said_once(caplog):
+    """Prompts are rendered again at each hand-over of a new policy object (fit, then validate): the swap is said at
+    the first only."""
+    module = make_module()
+    module.tokenizer.chat_template = QWEN3_TEMPLATE
+    with caplog.at_level(logging.INFO):
+        dm = make_datamodule(module, tools=[add], max_new_tokens=20)
+        dm.attach(copy.deepcopy(module.policy), module.tokenizer)
+    assert dm._toolbox.swapped_template == "Qwen3"
+    assert caplog.text.count("chat template is Qwen3's stock one") == 1
+
+
+def test_a_qwen3_turn_with_reasoning_is_parsed_run_and_continued_as_the_template_writes_it(llama):
+    """Qwen3's own tokens (<think>, <tool_call> as added tokens): its call, written after its reasoning, is read and
+    run, and the completion is the conversation as the swapped template writes it."""
+    model, _ = llama
+    tokenizer = qwen3_tokenizer()
+    model = copy.deepcopy(model)
+    model.resize_token_embeddings(len(tokenizer))
+    CALLS.clear()
+    turn = '<think>\nI add them.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    box, out = rollout((model, tokenizer), [add], turn, iterations=1)
+    assert CALLS == [(2, 3), (2, 3)] and (out.calls, out.failures) == (2, 0)
+    assert box.swapped_template == "Qwen3" and tokenizer.chat_template == QWEN3_TEMPLATE
+    user = [{"role": "user", "content": "2+3?"}]
+    render = dict(tools=box.schemas, tokenize=False, chat_template=box.template_kwargs["chat_template"])
+    conversation = tokenizer.apply_chat_template(user + out.messages[0][0], **render)
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, **render)
+    assert conversation == prompt + tokenizer.decode(out.completion_ids[0][0]) + "\n"

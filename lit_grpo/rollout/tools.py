@@ -8,7 +8,9 @@ system prompt, tools and template variables, its earlier turns), and decodes on:
 back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled
 with their tokens so far and drawing on from their own random streams, so the decode loop is the partial rollouts'
 one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a
-round's async calls together.
+round's async calls together. A known stock chat template that does not render a conversation as a continuation
+of its prefix (Qwen3's) is swapped for a prefix-preserving version of it in the tool turns' renderings
+(``tool_chat_template``), as TRL swaps in a training template.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
@@ -24,6 +26,7 @@ counted. A call that reads but fails to run (an unknown tool, arguments that do 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -132,6 +135,10 @@ class ToolBox:
 
     Attributes:
         turn_end: the tokens that close an assistant turn (``turn_end_ids``), appended to a turn a stop string cut.
+        swapped_template: the name of the model whose stock chat template is swapped in the tool turns' renderings
+            (``tool_chat_template``), or None: the tokenizer's own template renders them.
+        template_kwargs: ``apply_chat_template``'s keywords for the tool turns: the chat template's variables and,
+            where a template was swapped, ``chat_template=`` the prefix-preserving one.
     """
 
     def __init__(self, tools: Sequence[Any], tokenizer: Any, max_tool_calling_iterations: int | None = None,
@@ -146,8 +153,11 @@ class ToolBox:
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
-        check_template_renders_tools(tokenizer, self.schemas, self.chat_template_kwargs, self.prompt_messages())
-        self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.chat_template_kwargs)
+        swap = tool_chat_template(tokenizer)
+        self.swapped_template = swap[0] if swap else None
+        self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
+        check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
+        self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs)
         if self.turn_end is None:
             self.turn_end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
             warnings.warn(f"the chat template writes no special token after an assistant turn's tool call, so "
@@ -241,7 +251,7 @@ class ToolBox:
         (DeepSeek-R1's opens only the first tool output), so the conversation is rendered as the prompt was. A
         history it cannot render back gets the first round's form (a stand-in calling turn)."""
         prompt = self.prompt_messages() if prompt is None else list(prompt)
-        render = dict(tools=self.schemas, kwargs=self.chat_template_kwargs, turn_end=self.turn_end)
+        render = dict(tools=self.schemas, kwargs=self.template_kwargs, turn_end=self.turn_end)
         if history:
             try:
                 return tool_suffix_ids(self.tokenizer, tool_messages, prompt, history, **render)
@@ -387,6 +397,34 @@ def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Ma
                          "use")
     tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], prompt,
                     tools=schemas, kwargs=kwargs)
+
+
+#: Stock chat templates that do not render a conversation as a continuation of its prefix, each by the SHA-256 of its
+#: exact text (TRL matches a stock template by its exact text too): the model's name and the one edit that makes it
+#: preserve prefixes, ``(old, new)``.
+#: Qwen3's renders the empty reasoning block ``<think>\n\n</think>\n\n`` of an assistant turn after the last user
+#: query only while that turn is the conversation's last, so a tool-calling turn loses it once its tool message
+#: follows. The edit renders the block where the turn has reasoning, wherever it stands: a turn renders the same
+#: with or without messages after it, and a prompt (never ending with an assistant turn) renders as under the stock
+#: template, so prompts need no swap.
+PREFIX_PRESERVING_EDITS = {
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": (
+        "Qwen3", "{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if reasoning_content %}"),
+}
+
+
+def tool_chat_template(tokenizer: Any) -> tuple[str, str] | None:
+    """``(model, template)``: the prefix-preserving version of the tokenizer's chat template, which tool turns are
+    rendered with, where that template is a known stock one that drops part of a turn once messages follow it
+    (``PREFIX_PRESERVING_EDITS``); None otherwise (the tokenizer's own template is used, and checked)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    known = PREFIX_PRESERVING_EDITS.get(hashlib.sha256(template.encode()).hexdigest())
+    if known is None:
+        return None
+    model, old, new = known
+    return model, template.replace(old, new)
 
 
 #: The argument (name and value) of the stand-in call whose turn ``turn_end_ids`` reads.
