@@ -628,3 +628,19 @@ def test_a_qwen3_turn_with_reasoning_is_parsed_run_and_continued_as_the_template
     conversation = tokenizer.apply_chat_template(user + out.messages[0][0], **render)
     prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, **render)
     assert conversation == prompt + tokenizer.decode(out.completion_ids[0][0]) + "\n"
+
+
+def test_a_call_written_in_a_reasoning_block_is_a_thought_not_a_call(llama):
+    """As Qwen3's response parser (TRL's), calls are read after the reasoning block's ``</think>``: one the model
+    wrote while reasoning is not run, and a turn whose only call is in its reasoning calls nothing."""
+    model, _ = llama
+    tokenizer = qwen3_tokenizer()
+    model = copy.deepcopy(model)
+    model.resize_token_embeddings(len(tokenizer))
+    thought = '<think>\nmaybe <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>\n</think>\n\n'
+    CALLS.clear()
+    _, out = rollout((model, tokenizer), [add], thought + ADD_CALL, iterations=1)
+    assert CALLS == [(2, 3), (2, 3)] and (out.calls, out.failures) == (2, 0)
+    assert out.messages[0][0][0]["content"] == thought.strip()
+    _, none = rollout((model, tokenizer), [add], thought + "It is 2.", iterations=1)
+    assert none.calls == 0 and [m["role"] for m in none.messages[0][0]] == ["assistant"]

@@ -19,9 +19,10 @@ their ``completion_length`` column. They do count against ``max_new_tokens`` (TR
 tool result that would leave no room for a drawn token is dropped and the sample ends as it is.
 
 Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in
-the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Under either, a turn whose
-calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no failure is
-counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed call.
+the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after a reasoning block's
+``</think>``. Under either, a turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's
+fallback: no tool runs and no failure is counted. A call that reads but fails to run (an unknown tool, arguments
+that do not fit) is a failed call.
 """
 
 from __future__ import annotations
@@ -192,11 +193,13 @@ class ToolBox:
                 return text, []
             calls = read_calls(message.get("tool_calls") or [])
             return (text, []) if calls is None else (message.get("content") or "", calls)
-        calls = read_calls([_json(body) for body in HERMES_CALL.findall(text)])
+        # calls are read after a reasoning block: one written while reasoning is a thought (Qwen3's parser, TRL's)
+        start = text.find("</think>") + len("</think>") if "</think>" in text else 0
+        calls = read_calls([_json(body) for body in HERMES_CALL.findall(text, start)])
         # a call is acted on only where the turn ends with it (text after the last call: the model went on)
         if not calls or text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
             return text, []
-        return text[:text.find("<tool_call>")].strip(), calls
+        return text[:text.find("<tool_call>", start)].strip(), calls
 
     # ------------------------------------------------------------------------------------------ running
     def run(self, call: dict) -> tuple[str, Any, bool]:
