@@ -583,14 +583,16 @@ def test_the_qwen3_tool_template_renders_a_tool_turn_as_a_continuation(reasoning
     assert stock[1].startswith(stock[0]) == bool(reasoning)  # the stock template breaks on an empty block only
 
 
-def test_data_tools_with_qwen3s_stock_template_swaps_it_for_tool_turns():
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
+def test_data_tools_with_qwen3s_stock_template_swaps_it_for_tool_turns(thinking):
     """A TRL user's Qwen3 with its stock template and data.tools: set up (it was refused: the template does not
     render a tool turn as a continuation), tool turns rendered with the swapped template, the tokenizer's own
     template kept."""
-    module, batch = tool_batch(template=QWEN3_TEMPLATE, reward_funcs=["char_fraction"])
+    module, batch = tool_batch(template=QWEN3_TEMPLATE, reward_funcs=["char_fraction"], chat_template_kwargs=thinking)
     assert module.tokenizer.chat_template == QWEN3_TEMPLATE
     tokenizer = module.tokenizer
-    suffix = "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    suffix = "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n" + (
+        "<think>\n\n</think>\n\n" if thinking else "")
     for p in range(batch.completion_ids.shape[0]):
         for k in range(batch.completion_ids.shape[1]):
             ids = batch.completion_ids[p, k][batch.completion_mask[p, k].bool()]
