@@ -715,6 +715,32 @@ def test_last_finds_a_killed_swaps_checkpoint_before_rank_0_finishes_it(tmp_path
     assert find_last_checkpoint([tmp_path]) == last and interrupted_swaps(tmp_path) == []
 
 
+def test_last_finds_a_killed_swaps_checkpoint_that_rank_0_finishes_while_it_looks(tmp_path, monkeypatch):
+    """Rank 0 finishes the swap between this rank's two listings (its interrupted swaps and the folder's names):
+    the checkpoint is in one or the other, never in neither, so the older one is not taken for the newest."""
+    from lit_grpo.runtime import checkpoints
+    from lit_grpo.runtime.checkpoints import staging_path
+
+    older = tmp_path / "last-v1.ckpt"
+    older.write_bytes(b"x")
+    os.utime(older, (1, 1))
+    last = tmp_path / "last.ckpt"
+    gone = subprocess.Popen(["true"])  # a process that has ended
+    gone.wait()
+    _folder(tmp_path / f".last.ckpt.{gone.pid}.replaced", "old")
+    _folder(staging_path(last, gone.pid), "new")
+    listed = checkpoints.interrupted_swaps
+
+    def listed_then_finished(folder):
+        swaps = listed(folder)
+        for target, staged in swaps:  # rank 0 finishes them, just after this rank listed them
+            os.replace(staged, target)
+        return swaps
+
+    monkeypatch.setattr(checkpoints, "interrupted_swaps", listed_then_finished)
+    assert find_last_checkpoint([tmp_path]) == last
+
+
 def test_ranks_that_find_different_checkpoints_are_named_on_every_rank():
     from lit_grpo.cli import CheckpointsDiffer, check_same_checkpoint
     from lit_grpo.runtime.distributed import RaisedOnEveryRank

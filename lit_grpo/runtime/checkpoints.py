@@ -200,8 +200,10 @@ def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
     rank 0 finishes the swap (``finish_interrupted_swaps``), whichever it sees."""
     times = {}
     for folder in folders:
+        # the swaps first: one finished between the two listings is then in the second, as its NAME
+        swaps = interrupted_swaps(folder)
         entries = [(path, path) for path in Path(folder).iterdir()] if Path(folder).is_dir() else []
-        for path, holder in [*entries, *interrupted_swaps(folder)]:
+        for path, holder in [*swaps, *entries]:
             if re.fullmatch(r"last(-v\d+)?\.ckpt", path.name):
                 with contextlib.suppress(FileNotFoundError):  # renamed or replaced while listed
                     if holder.is_file() or holder.is_dir():
