@@ -133,9 +133,10 @@ class RolloutDataModule(LightningDataModule):
 
     Prompt source (exactly one): ``task`` (a reasoning-gym task, ``size`` entries, ``data_seed``, ``task_config``),
     ``jsonl_path`` (``prompt`` or ``question``: the user message or chat messages, as ``dataset`` takes them;
-    optional ``answer`` and any other fields), ``prompts`` (strings or ``{prompt, answer}`` dicts, alike) or ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of
-    them or a ``save_to_disk`` folder; in Python also a ``datasets.Dataset``), read with ``prompt_column``,
-    ``answer_column`` and ``split`` (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
+    optional ``answer`` and any other fields), ``prompts`` (strings or ``{prompt, answer}`` dicts, alike) or
+    ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of them or a ``save_to_disk`` folder;
+    in Python also a ``datasets.Dataset``), read with ``prompt_column``, ``answer_column`` and ``split``
+    (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
     as ``\\boxed{}`` stay as written) shape the user message before the chat template; ``chat_template_kwargs``
     are more variables for the chat template (TRL's setting; e.g. ``{enable_thinking: false}`` for Qwen3), each one

@@ -86,7 +86,8 @@ def score_answer(answer: str | None, gold: Any, entry: Mapping[str, Any] | None 
 
     A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
     ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` as text (``str(gold)``: a
-    dataset's number too; numbers compared as numbers, text case- and space-insensitively). ``None`` when there is no gold answer (no opinion).
+    dataset's number too; numbers compared as numbers, text case- and space-insensitively). ``None`` when there is
+    no gold answer (no opinion).
     """
     source = reasoning_gym_source(entry)
     if source:
