@@ -122,11 +122,7 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """``[m, T]`` entropy of each position's distribution (float32, no grad; one row at a time to bound memory)."""
-    out = []
-    for row in logits.detach():
-        logp = torch.log_softmax(row.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(dim=-1))
-    return torch.stack(out)
+    return torch.stack([_row_entropy(row.float()) for row in logits.detach()])
 
 
 class _EntropyOfLogits(torch.autograd.Function):
