@@ -89,8 +89,7 @@ def loaded_dtype(name_or_path: str) -> torch.dtype | None:
         return torch.float32
     try:
         if name_or_path.startswith(RANDOM_PREFIX):
-            fields = _random_model_fields(name_or_path.removeprefix(RANDOM_PREFIX))
-            return resolve_dtype(fields.get("torch_dtype")) or torch.float32
+            return _random_model_dtype(_random_model_fields(name_or_path.removeprefix(RANDOM_PREFIX)))
         source = _pretrained_source(name_or_path, convert=False)
         if source is None:
             return None
@@ -403,7 +402,7 @@ def random_model(name: str, dtype: torch.dtype | None = None,
     that device's generator, so one device type gives the same ones everywhere (a CPU and a GPU differ): build a model
     to compare with on the same device."""
     fields = _random_model_fields(name)
-    dtype = dtype or resolve_dtype(fields.pop("torch_dtype", None)) or torch.float32
+    dtype = dtype or _random_model_dtype(fields)
     fields.pop("torch_dtype", None)
     tokenizer = tiny_tokenizer(vocab_size=fields["vocab_size"])
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
@@ -420,6 +419,11 @@ def random_model(name: str, dtype: torch.dtype | None = None,
 def random_model_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of ``random:NAME`` (see :func:`random_model`), without building the model."""
     return prepare_tokenizer(tiny_tokenizer(vocab_size=_random_model_fields(name)["vocab_size"]))
+
+
+def _random_model_dtype(fields: dict) -> torch.dtype:
+    """The dtype ``random:NAME`` is built in when none is given: its config's (``fields``), else float32."""
+    return resolve_dtype(fields.get("torch_dtype")) or torch.float32
 
 
 def _random_model_fields(name: str) -> dict:
