@@ -188,11 +188,13 @@ class GRPOCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":
             root, found = self._last_checkpoint(evaluate=True)
-            if found is None:
-                _exit_with(ConfigError(f"--ckpt_path last: no last.ckpt under {root} to validate; give a checkpoint "
-                                       "path"), self.subcommand)
-            rank_zero_info(f"lit_grpo: --ckpt_path last: validating {found}")
-            config["ckpt_path"] = str(found)
+            # under several processes a rank ending now, before the ranks can talk, would leave those that found one
+            # waiting to connect: SameCheckpointOnEveryRank ends every rank at setup instead
+            if found is None and self.trainer.world_size == 1:
+                _exit_with(ConfigError(_nothing_to_evaluate(root)), self.subcommand)
+            if found is not None:
+                rank_zero_info(f"lit_grpo: --ckpt_path last: validating {found}")
+            config["ckpt_path"] = None if found is None else str(found)
 
     def _last_checkpoint(self, evaluate: bool) -> tuple[Path, Path | None]:
         """The root searched and the newest ``last.ckpt`` of any run under it (None: none yet), checked against
@@ -203,7 +205,8 @@ class GRPOCLI(LightningCLI):
                 finish_interrupted_swaps(folder, clean=False)
         found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
         if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared later
-            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found))
+            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found, _nothing_to_evaluate(root) if evaluate
+                                                                    else None))
         if found is not None:
             _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
                                getattr(self.datamodule, "hparams", None), evaluate=evaluate,
@@ -339,6 +342,10 @@ def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
     return set()
 
 
+def _nothing_to_evaluate(root: Path) -> str:
+    return f"--ckpt_path last: no last.ckpt under {root} to validate; give a checkpoint path"
+
+
 def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) -> None:
     """``check_resumable(*args, **kwargs)``; a checkpoint it refuses ends the command as a parse error does, the
     message naming ``flag``."""
@@ -458,10 +465,13 @@ class SameCheckpointOnEveryRank(Callback):
     process group exists (a rank started by torchrun or SLURM runs the CLI on its own), and loads what it found.
     Once the ranks can talk (``setup``, before Lightning restores anything) every rank's finding is gathered, and
     where any differs from rank 0's every rank ends on the same error: ranks that resumed different checkpoints (or
-    one a checkpoint, another none) would train on as one run with different weights, steps and data states."""
+    one a checkpoint, another none) would train on as one run with different weights, steps and data states.
+    ``missing``: where the command needs a checkpoint (``validate``), the error every rank ends on when no rank
+    found one (None: none found is a new run)."""
 
-    def __init__(self, found: Path | None) -> None:
+    def __init__(self, found: Path | None, missing: str | None = None) -> None:
         self.found = None if found is None else str(found)
+        self.missing = missing
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not is_multi_process():
@@ -469,10 +479,16 @@ class SameCheckpointOnEveryRank(Callback):
         found: list[str | None] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(found, self.found)
         check_same_checkpoint(found)
+        if found[0] is None and self.missing is not None:
+            raise NoCheckpointFound(self.missing)
 
 
 class CheckpointsDiffer(ConfigError, RaisedOnEveryRank):
     """The ranks found different checkpoints for ``--ckpt_path last`` (every rank raises it, by agreement)."""
+
+
+class NoCheckpointFound(ConfigError, RaisedOnEveryRank):
+    """No rank found a checkpoint for a command that needs one (every rank raises it, by agreement)."""
 
 
 def check_same_checkpoint(found: Sequence[str | None]) -> None:

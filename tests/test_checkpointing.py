@@ -777,6 +777,12 @@ def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_diff
         assert ("--ckpt_path last: the ranks found different checkpoints: rank 0: run/lightning_logs/version_0/"
                 "checkpoints/last.ckpt; rank 1: no last.ckpt (a new run)") in output, shown
     assert "Restoring states" not in shown and "Traceback" not in shown
+    # validate needs a checkpoint: a rank that found none ended before the ranks could talk, and rank 0 waited
+    validate = ["validate", *argv[1:argv.index("--trainer.max_steps")], *argv[argv.index("--ckpt_path"):]]
+    outputs = forked_cli.run_ranks(validate, tmp_path, free_port(), 180, env=repo_env(), rank_folders=folders)
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [2, 2], shown
+    assert all("the ranks found different checkpoints" in output for _, output, _ in outputs), shown
     outputs = forked_cli.run_ranks(argv, folders[0], free_port(), 180, env=repo_env())
     assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(output[-3000:] for _, output, _ in outputs)
     assert _last_step(folders[0] / "run") == 2
