@@ -192,7 +192,11 @@ class ToolBox:
             if not isinstance(message, Mapping):  # a turn cut so early the parser found nothing
                 return text, []
             calls = read_calls(message.get("tool_calls") or [])
-            return (text, []) if calls is None else (message.get("content") or "", calls)
+            # some transformers versions leave the EOS in a call turn's content (transformers #42249; TRL strips it)
+            content = message.get("content") or ""
+            if isinstance(content, str) and self.tokenizer.eos_token:
+                content = content.removesuffix(self.tokenizer.eos_token)
+            return (text, []) if calls is None else (content, calls)
         # calls are read after a reasoning block: one written while reasoning is a thought (Qwen3's parser, TRL's)
         start = text.find("</think>") + len("</think>") if "</think>" in text else 0
         calls = read_calls([_json(body) for body in HERMES_CALL.findall(text, start)])
