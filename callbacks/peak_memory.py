@@ -24,7 +24,7 @@ class PeakMemoryMonitor(Callback):
     r"""Logs the peak memory of every training step, and of its rollout and update phases for lit_grpo.
 
     **Logged keys** (bytes, once per training step, honouring ``log_every_n_steps``; under gradient accumulation once
-    per optimizer step, after its last micro-batch)
+    per optimizer step, after its last micro-batch, each phase's peak the largest over the step's micro-batches)
 
     - ``memory/step_peak_bytes``: peak of the whole step, from the end of the previous step (or the epoch start)
       to the end of this one: data fetch, forward, backward and optimizer step (under gradient accumulation, of
@@ -154,7 +154,8 @@ class PeakMemoryMonitor(Callback):
     ) -> None:
         if accumulating(trainer, batch_idx):  # the step goes on to the micro-batch whose optimizer step ends it
             if self._tracker is not None:
-                self._accumulated = _larger(self._accumulated, _larger(self._rollout_peaks, self._tracker.read()))
+                self._accumulated = _largest(self._accumulated, self._batch_peaks(batch))
+                self._start("rollout")  # the next micro-batch is fetched after this hook: its rollout window
             return
         metrics = self._step_peaks(batch) if self._tracker is not None else {}
         # every step, measured or not: under several processes every rank joins the one gather of the peaks
@@ -164,13 +165,21 @@ class PeakMemoryMonitor(Callback):
         log_metrics(trainer, metrics)
 
     def _step_peaks(self, batch: Any) -> dict[str, int]:
-        """This process's peaks of the step that just ended, by logged key; restarts the next step's phases."""
+        """This process's peaks of the step that just ended, by logged key (under gradient accumulation each the
+        largest over its micro-batches); restarts the next step's phases."""
+        metrics = _largest(self._accumulated, self._batch_peaks(batch))
+        self._accumulated = {}
+        self._start("rollout", "step")  # the next batch is fetched after this hook
+        return metrics
+
+    def _batch_peaks(self, batch: Any) -> dict[str, int]:
+        """This process's peaks of the training batch that just ended, by logged key: its rollout, update and
+        optimizer phases (lit_grpo batches), and the step's so far (its delta from the step's start)."""
         last = self._tracker.read()
         peaks = {"rollout": self._rollout_peaks, "update": _larger(self._before_optimizer or {}, last)}
         if self._before_optimizer is not None:
             peaks["optimizer"] = last
-        peaks["step"] = _larger(_larger(self._accumulated, self._rollout_peaks), peaks["update"])
-        self._accumulated = {}
+        peaks["step"] = _larger(self._rollout_peaks, peaks["update"])
         phases = [phase for phase in PHASES if phase in peaks] if rollout_stats(batch) is not None else ["step"]
         metrics: dict[str, int] = {}
         for phase in phases:
@@ -178,7 +187,6 @@ class PeakMemoryMonitor(Callback):
                 metrics[f"memory/{phase}_{suffix}"] = value
             if phase in self._started and "peak_bytes" in peaks[phase]:
                 metrics[f"memory/{phase}_peak_delta_bytes"] = max(0, peaks[phase]["peak_bytes"] - self._started[phase])
-        self._start("rollout", "step")  # the next batch is fetched after this hook
         return metrics
 
     def _start(self, *phases: str) -> None:
@@ -211,3 +219,8 @@ class PeakMemoryMonitor(Callback):
 def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
     """Per key, the larger of two peak readings (``second``'s keys)."""
     return {suffix: max(first.get(suffix, 0), value) for suffix, value in second.items()}
+
+
+def _largest(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
+    """Per key, the larger of two sets of peaks (every key of either)."""
+    return {key: max(first.get(key, 0), second.get(key, 0)) for key in first.keys() | second.keys()}

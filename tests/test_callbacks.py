@@ -608,3 +608,37 @@ def test_peak_memory_under_gradient_accumulation_is_the_whole_steps(tmp_path):
     peaks = [(step, m["memory/step_peak_delta_bytes"]) for step, m in logged if "memory/step_peak_delta_bytes" in m]
     assert [step for step, _ in peaks] == [0, 1]
     assert all(delta > 64 * MiB for _, delta in peaks)
+
+
+class _AccumulatingRollouts(RolloutModule):
+    """Rollout batches under accumulate_grad_batches 2: the first micro-batch's update touches 96 MiB, the rollouts
+    nothing."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 2 == 0:
+            touch_memory(96 * MiB, 0.03)
+        return super().training_step(batch, batch_idx)
+
+
+def test_peak_memory_under_gradient_accumulation_keeps_each_phase_apart(tmp_path):
+    """A step of 2 micro-batches: the first update's memory is the update's and the step's peak, never counted in
+    the rollout fetched after it (each micro-batch's rollout window starts at the previous one's end)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = []
+
+    class Recording(CSVLogger):
+        def log_metrics(self, metrics, step=None):
+            logged.append(metrics)
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
+                         callbacks=[PeakMemoryMonitor(cpu_method="sampling", sample_interval_s=0.002)],
+                         logger=Recording(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(_AccumulatingRollouts([make_rollout(seed) for seed in range(4)]))
+    steps = [metrics for metrics in logged if "memory/step_peak_delta_bytes" in metrics]
+    assert len(steps) == 2
+    for metrics in steps:
+        assert metrics["memory/update_peak_delta_bytes"] > 64 * MiB
+        assert metrics["memory/step_peak_delta_bytes"] > 64 * MiB
+        assert metrics["memory/rollout_peak_delta_bytes"] < 32 * MiB
