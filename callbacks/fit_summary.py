@@ -48,7 +48,8 @@ class FitSummary(Callback):
 
     A line whose figure was never logged is left out. A step is a training step (a batch that ends an optimizer
     step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps only (the
-    validations in between are named apart); the rollout's share is of that time, and a decode step's and a prompt
+    validations in between are named apart); a step's rollout time is that of every batch's rollout in it (under
+    gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
     the run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode
     step read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else
@@ -87,9 +88,11 @@ class FitSummary(Callback):
         self.rewards: list[float] = []
         # The run's rollouts, every rank's, added up (merge_stats: times and counts add, the KV peak is the
         # largest); their timelines and decisions are left out, so the totals do not grow with the run.
-        self.rollouts = 0
+        self.rollouts = 0  # training batches that carried a rollout (several a step under gradient accumulation)
+        self.rollout_steps = 0  # training steps with a rollout
+        self._step_rolled_out = False  # whether a batch of the step under way carried a rollout
         self.rollout_totals = RolloutStats()
-        self.rollout_s = 0.0  # the steps' rollout seconds: each step's slowest rank's, which every rank waited for
+        self.rollout_s = 0.0  # the rollouts' seconds: each batch's slowest rank's, which every rank waited for
         self._started_s: float | None = None  # when the training steps started (after the first validation)
         self._validation_s = 0.0  # seconds of validation since then
         self._validation_started_s: float | None = None
@@ -125,19 +128,23 @@ class FitSummary(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
-            return
-        self.steps += 1
-        value = self._logged(trainer, self.reward_key, "")
-        if value is not None and math.isfinite(float(value)):
-            self.rewards.append(float(value))
         stats = rollout_stats(batch)
-        if stats is not None:  # every rank's (one gather a step under several processes, shared with RolloutProfiler)
+        if stats is not None:  # every batch's rollout, also one that only accumulates gradients (every rank's: one
+            # gather a batch under several processes, shared with RolloutProfiler)
             per_rank = [dataclasses.replace(rank, timeline=[], decisions=[])
                         for rank in rank_rollout_stats(trainer, stats)]
             self.rollouts += 1
             self.rollout_s += max(rank.wall_s for rank in per_rank)
             self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])
+            self._step_rolled_out = True
+        if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
+            return
+        self.steps += 1
+        self.rollout_steps += self._step_rolled_out
+        self._step_rolled_out = False
+        value = self._logged(trainer, self.reward_key, "")
+        if value is not None and math.isfinite(float(value)):
+            self.rewards.append(float(value))
 
     def _logged(self, trainer: pl.Trainer, key: str, family: str) -> Any:
         """The value ``key`` was logged with; a key given and not logged where others of its ``family`` (prefix)
@@ -204,7 +211,7 @@ class FitSummary(Callback):
 
     def _rollout_time(self, training_s: float) -> str:
         totals = self.rollout_totals
-        text = f"{self.rollout_s / self.rollouts:.2f} s a step"
+        text = f"{self.rollout_s / max(self.rollout_steps, 1):.2f} s a step"
         if training_s > 0:
             text += f" ({min(self.rollout_s / training_s, 1.0):.0%} of it)"
         parts = []

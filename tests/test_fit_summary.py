@@ -241,3 +241,15 @@ def test_the_host_peak_is_read_before_the_decode_floor_measures_its_bandwidth(tm
     lines = summary.summary_lines(trainer)
     assert any(line.startswith("  decode floor") for line in lines), lines
     assert "  host peak      5.0 MiB resident" in "\n".join(lines)  # the reading before the floor's, not after
+
+
+def test_the_rollout_time_of_a_step_counts_every_micro_batchs_rollout(tmp_path):
+    """Under gradient accumulation a step of 2 micro-batches ran 2 rollouts of 0.5 s: 1.00 s a step, and the tokens
+    of all 4 rollouts count."""
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=2, accumulate_grad_batches=2, limit_val_batches=0)
+    trainer.fit(RolloutModule(rollouts))
+    assert summary.steps == 2 and summary.rollouts == 4
+    assert summary.rollout_totals.generated_tokens == sum(r.stats.generated_tokens for r in rollouts)
+    assert "rollout time   1.00 s a step" in "\n".join(summary.summary_lines(trainer))
