@@ -24,8 +24,9 @@ from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, for
 class RewardForecast(Callback):
     r"""Forecasts the reward plateau from the running reward curve; optionally stops training once reached.
 
-    Every training batch it records ``(step, trainer.callback_metrics[monitor])`` (a value logged in
-    ``training_step``; ``<monitor>_step`` is preferred when the module logs both on_step and on_epoch). Every
+    Every training step it records ``(step, trainer.callback_metrics[monitor])`` (a value logged in
+    ``training_step``; ``<monitor>_step`` is preferred when the module logs both on_step and on_epoch; under
+    gradient accumulation the value of the batch that ends the step). Every
     ``check_every_n_steps`` steps, once ``min_points`` points are in, it fits an exponential saturation and a
     logistic (:func:`forecast_plateau`) and logs the better fit's forecast.
 
@@ -43,8 +44,8 @@ class RewardForecast(Callback):
     ``remaining_gain < min_delta``. A run whose reward never rises is therefore rarely stopped by this callback:
     its noise passes for a rise in about 1% of runs at most (checked every step). ``stopped_step`` tells where it
     stopped. The history and the patience count survive checkpoints (``state_dict``); a resume with other settings
-(``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one forecast of the same
-``monitor``, its checks starting over (``on_load_checkpoint``).
+    (``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one forecast of the same
+    ``monitor``, its checks starting over (``on_load_checkpoint``).
 
     Under several processes every rank holds the same state: the recorded value is the monitored one averaged over
     the ranks (one small all-reduce per batch; unchanged when the module logs it reduced already), and each check's
