@@ -82,6 +82,12 @@ def test_export_lora_merged_and_adapter_only(tmp_path):
     for prompt, completion in zip(ids, theirs["completions"]):  # merged and unmerged round apart: no near tie
         assert_greedy_margin(module.policy.eval(), prompt, completion)
     assert theirs["completions"] == engine_greedy(module.policy, module.tokenizer, ids, 12)
+    from transformers import AutoModelForCausalLM  # the logits too: merged and unmerged round apart, no more
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        x = torch.tensor([ids[0]])
+        torch.testing.assert_close(reloaded(x).logits, module.policy.eval()(x).logits, rtol=1e-4, atol=1e-5)
 
     adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
     assert adapter.adapter_only
