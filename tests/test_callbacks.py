@@ -55,6 +55,48 @@ def test_every_callback_runs_on_a_plain_module(tmp_path):
         assert sum(str(w.message).startswith(name) for w in caught) == 1, name
 
 
+class _ValidatedRegression(TinyRegression):
+    """A plain module with a validation loop."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/accuracy", -torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_the_run_callbacks_work_on_a_plain_module_and_across_a_resume(tmp_path, capsys):
+    """FitSummary, RunCheckpoint, GRPOProgressBar and RankFailureWatch on a plain module: a validation before the
+    first step, last.ckpt kept, a bar over optimizer steps, a summary; a resume goes on from last.ckpt, the bar at
+    its step, RewardForecast with its history."""
+    from lit_grpo.callbacks import GRPOProgressBar, RankFailureWatch
+
+    def run(max_steps: int, ckpt_path=None) -> tuple[pl.Trainer, FitSummary, RewardForecast]:
+        summary, forecast = FitSummary(), RewardForecast(monitor="train/loss", min_points=5, check_every_n_steps=2)
+        trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=max_steps, accelerator="cpu", log_every_n_steps=1,
+                             callbacks=[summary, RunCheckpoint(every_n_train_steps=2), GRPOProgressBar(), forecast,
+                                        RankFailureWatch()],
+                             val_check_interval=2, enable_model_summary=False)
+        trainer.fit(_ValidatedRegression(), ckpt_path=ckpt_path)
+        return trainer, summary, forecast
+
+    trainer, summary, forecast = run(4)
+    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert trainer.global_step == 4 and last.is_file()
+    assert [step for step, _ in summary.accuracy] == [0, 2, 4]  # before training, then every 2 steps
+    assert summary.steps == 4 and forecast.steps == [0.0, 1.0, 2.0, 3.0]
+    assert "lit_grpo: 4 steps in" in capsys.readouterr().out
+
+    trainer, summary, forecast = run(6, ckpt_path=last)
+    assert trainer.global_step == 6 and summary.steps == 2
+    assert forecast.steps == [float(step) for step in range(6)]  # the checkpoint's history, then its own points
+    bar = trainer.progress_bar_callback.train_progress_bar
+    assert (bar.initial, bar.n, bar.total) == (4, 6, 6)
+    out = capsys.readouterr().out
+    assert "lit_grpo: 2 steps in" in out and "GRPO steps" in out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # PeakMemoryMonitor
 # ----------------------------------------------------------------------------------------------------------------
