@@ -1,4 +1,5 @@
-"""Lightning callbacks for lit_grpo, usable with any LightningModule (they do more on lit_grpo rollout batches).
+"""Lightning callbacks for lit_grpo, usable with any LightningModule (they do more on lit_grpo rollout batches;
+``ExportModel`` needs a module holding a ``policy`` and its ``tokenizer``, as ``GRPOModule`` does).
 
 One callback per module; each class docstring lists every key it logs.
 """
