@@ -1097,3 +1097,17 @@ def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(t
     with warnings_module.catch_warnings():
         warnings_module.simplefilter("error")  # the second engine does not warn again
         RolloutEngine(model, tokenizer, group_size=3, max_new_tokens=6, seed=3, compile=True).generate(prompts)
+
+
+def test_merged_rounds_of_different_slot_counts_keep_one_timeline_grid_that_renders():
+    """A dynamic-sampling round with fewer prompts than slots runs narrower: its rows are padded with idle slots, so
+    the step's timeline stays a [steps, slots] grid (SlotTimelineLogger draws it)."""
+    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
+    from lit_grpo.sampling.stats import RolloutStats, merge_stats
+
+    wide = RolloutStats(num_slots=4, group_size=2, decode_steps=2, timeline=[[0, 1, 2, 3], [0, 1, 2, -1]])
+    narrow = RolloutStats(num_slots=2, group_size=2, decode_steps=3, timeline=[[0, 1]] * 3)
+    merged = merge_stats([wide, narrow])
+    assert merged.timeline == [[0, 1, 2, 3], [0, 1, 2, -1], [4, 5, -1, -1], [4, 5, -1, -1], [4, 5, -1, -1]]
+    image = render_slot_timeline_figure(merged.timeline, merged.group_size)
+    assert image.ndim == 3 and image.shape[2] == 3

@@ -154,9 +154,10 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
 
     Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are
     recomputed; the timelines and decisions are concatenated in time, with steps shifted by the earlier rounds'
-    decode steps and samples by their samples; ``preempting`` is the share of rounds that preempted;
-    length-prediction quality is the first round's. ``same_samples``: the parts ran one rollout's samples under the
-    same indices (its tool rounds, each continuing some of them), whose indices are kept.
+    decode steps and samples by their samples, a narrower round's rows padded with ``IDLE`` to the widest;
+    ``preempting`` is the share of rounds that preempted; length-prediction quality is the first round's.
+    ``same_samples``: the parts ran one rollout's samples under the same indices (its tool rounds, each continuing
+    some of them), whose indices are kept.
     """
     if not parts:
         return RolloutStats()
@@ -192,6 +193,9 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
     merged.preempting = sum(preempting) / len(preempting) if preempting else None
     slot_steps = sum(part.slot_steps for part in parts)  # rounds may have fewer slots
     merged.num_slots = max(part.num_slots for part in parts)
+    # a narrower round's slots beyond its own are idle: the timeline stays a [steps, slots] grid for its pictures
+    width = max((len(row) for row in merged.timeline), default=0)
+    merged.timeline = [row + [IDLE] * (width - len(row)) for row in merged.timeline]
     merged.slot_utilization = merged.generated_tokens / slot_steps if slot_steps else 0.0
     merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
     return merged
