@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import importlib
+import inspect
 import logging
 import os
 import re
@@ -548,7 +550,13 @@ class GRPOArgumentParser(LightningArgumentParser):
 _UNION_FAILURE = "Does not validate against any of the Union subtypes"
 #: A reason that says what type was expected but not what was given (an optional number's).
 _BARE_TYPE = re.compile(r"Expected a <class '[\w.]+'>")
+#: Any type's reason that names only the type expected (an int's, a Literal's).
+_EXPECTED = re.compile(r"Expected a (.+)")
 _NOT_NONE = "Expected a <class 'NoneType'>"
+#: A list of classes or one of them (``trainer.callbacks``): a list's reason is its own; the lone class's repeats it
+#: or says what a class spec may look like.
+_LIST_OR_ITEM = re.compile(r"Subtypes: \[list\[([\w.]+)\], <class '\1'>, <class 'NoneType'>\]")
+_CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
 
 
 def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
@@ -570,17 +578,32 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     failure = _union_failure(message.splitlines())
     if failure is None:
         return None
-    group, reasons, value = failure
+    group, subtypes, reasons, value = failure
     own = [lines for lines in reasons if lines != [_NOT_NONE]]
-    if len(own) != 1 or len(reasons) != 2:
+    listed = _LIST_OR_ITEM.fullmatch(subtypes) is not None
+    own_types = [lines for lines in own if len(lines) == 1 and _EXPECTED.fullmatch(lines[0])]
+    if listed:  # the list's reason, naming the class spec at fault
+        own = own[:1]
+    elif len(own) == len(reasons) - 1 and len(own_types) == len(own) > 1:  # each type says only what it expects
+        own = [["Expected a " + " or ".join(_EXPECTED.fullmatch(lines[0]).group(1) for lines in own_types)]]
+    elif len(own) != 1 or len(reasons) != 2:
         return None
     head, rest = own[0][0], own[0][1:]
-    if rest and re.fullmatch(r"Problem with given class_path '[\w.]+':", head):  # the group's own parser's message
+    class_path = _CLASS_PATH_PROBLEM.fullmatch(head)
+    if rest and class_path:  # the group's own parser's message
         nested = _own_reason(textwrap.dedent("\n".join(rest)), keys)
         if nested is not None and nested[0] is not None and group is not None:
             key, reason, nullable = nested
             return f"{group}.{key}", reason, nullable and f"{group}.{nullable}"
     reason = re.sub(r"^Problem with given class_path '[\w.]+': ", "", " ".join(line.strip() for line in own[0]))
+    if class_path:
+        reason += class_path_hint(class_path.group(1), reason)
+    if listed:  # one class of several: named; a list given with a bad class is not meant to be null
+        if class_path:
+            reason = f"{class_path.group(1)}: {reason}"
+        elif spec := re.search(r"Namespace\(class_path='([\w.]+)'", value or ""):  # the first not yet built
+            reason = f"{spec.group(1)}: {reason}"
+        return group, reason, None
     key = group
     if group and (inner := re.match(r'Parser key "([\w.]+)": ', reason)):  # a setting inside the group
         key, reason = f"{group}.{inner.group(1)}", reason[inner.end():]
@@ -588,14 +611,15 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
         reason = str(qualified_error(ValueError(reason), keys))
         if (setting := _LEADING_SETTING.match(reason)) and "." in setting.group(1):
             group = setting.group(1).rsplit(".", 1)[0]
-    if _BARE_TYPE.fullmatch(reason):  # as jsonargparse says it where the value is not optional
+    if _BARE_TYPE.fullmatch(reason) or len(own_types) > 1:  # as jsonargparse says it where the value is not optional
         reason += f". Got value: {value}"
     return key, reason, group
 
 
-def _union_failure(lines: list[str]) -> tuple[str | None, list[list[str]], str | None] | None:
+def _union_failure(lines: list[str]) -> tuple[str | None, str, list[list[str]], str | None] | None:
     """The first optional Union's failure in a message's ``lines``: the key the parser names before it (None if
-    none), each type's reason (its lines, the first without its ``- ``, the others as indented), the value given."""
+    none), its ``Subtypes: [...]`` line, each type's reason (its lines, the first without its ``- ``, the others as
+    indented), the value given."""
     at = next((i for i, line in enumerate(lines) if line.strip().removeprefix("- ") == _UNION_FAILURE), None)
     if at is None or at + 2 >= len(lines):
         return None
@@ -618,7 +642,29 @@ def _union_failure(lines: list[str]) -> tuple[str | None, list[list[str]], str |
         end += 1
     given = [line.strip().removeprefix("Given value: ") for line in lines[end:end + 2]
              if line.strip().startswith("Given value: ")]
-    return (named.group(1) if named else None), reasons, (given[0] if given else None)
+    return (named.group(1) if named else None), subtypes, reasons, (given[0] if given else None)
+
+
+def class_path_hint(class_path: str, reason: str) -> str:
+    """`` (did you mean 'NAME'?)`` for jsonargparse's ``reason`` why ``class_path`` failed, where it names an option
+    the class does not take or a class its module lacks, and a close name exists; else an empty string."""
+    if option := re.fullmatch(r"Option '(\w+)' is not accepted", reason):
+        module_name, _, name = class_path.rpartition(".")
+        try:
+            known = list(inspect.signature(getattr(importlib.import_module(module_name), name)).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return ""
+        close = difflib.get_close_matches(option.group(1), known, n=1, cutoff=0.6)
+        return f" (did you mean '{close[0]}'?)" if close else ""
+    if missing := re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)'", reason):
+        module_name = missing.group(1)
+        try:
+            known = [name for name in dir(importlib.import_module(module_name)) if not name.startswith("_")]
+        except ImportError:
+            return ""
+        close = difflib.get_close_matches(missing.group(2), known, n=1, cutoff=0.6)
+        return f" (did you mean '{module_name}.{close[0]}'?)" if close else ""
+    return ""
 
 
 def _indent(line: str) -> int:

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import forked_cli
@@ -281,6 +282,14 @@ def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
     (["--data.sampling.scheduler", "{length_aware: {refill: bogus}}"],
      "error: data.sampling.scheduler.length_aware.refill: Expected a typing.Literal['lpt', 'sjf', 'fifo']. Got "
      "value: bogus (or data.sampling.scheduler.length_aware: null)\n"),
+    # several types, each saying only what it expects: one line naming them all
+    (["--data.sampling.micro_group_size", "all"],
+     "error: data.sampling.micro_group_size: Expected a <class 'int'> or typing.Literal['auto']. Got value: all "
+     "(or data.sampling.micro_group_size: null)\n"),
+    # an option a group's class does not take, with the one it most likely meant
+    (["--data.sampling.scheduler.length_aware", "{predictr: oracle}"],
+     "error: data.sampling.scheduler.length_aware: Option 'predictr' is not accepted (did you mean 'predictor'?) "
+     "(or data.sampling.scheduler.length_aware: null)\n"),
 ])
 def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -288,6 +297,34 @@ def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, a
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize("callbacks, args, message", [
+    ("- class_path: lit_grpo.callbacks.RewardForecast\n  init_args: {patiense: 3}", [],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast: Option 'patiense' is not accepted (did you mean "
+     "'patience'?)\n"),
+    ("- class_path: lit_grpo.callbacks.RewardForcast", [],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForcast: module 'lit_grpo.callbacks' has no attribute "
+     "'RewardForcast' (did you mean 'lit_grpo.callbacks.RewardForecast'?)\n"),
+    (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patiense=3"],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast: Option 'patiense' is not accepted (did you mean "
+     "'patience'?)\n"),
+    # refused by the callback itself, when the list is built
+    (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patience=-1"],
+     "error: lit_grpo.callbacks.RewardForecast: patience=-1 must be an integer >= 1\n"),
+])
+def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks_union(capsys, tmp_path, callbacks,
+                                                                                        args, message):
+    if callbacks is not None:
+        config = tmp_path / "callbacks.yaml"
+        config.write_text("trainer:\n  callbacks:\n" + textwrap.indent(callbacks, "    ") + "\n")
+        args = ["--config", str(config)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--trainer.logger", "false", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Union" not in err and "Subclass types" not in err and "Given value" not in err, err
 
 
 def test_an_optional_setting_inside_an_optional_group_is_named_by_its_whole_key(capsys):
