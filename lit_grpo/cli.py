@@ -690,16 +690,51 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
              "learning_rate": "model.lr", "per_device_train_batch_size": "model.train_micro_batch_size",
              "epsilon": "model.loss.epsilon_low", "use_bias_correction_kl": "model.loss.kl_bias_correction",
              "reward_weights": "data.reward_funcs", "adam_beta1": "model.betas", "adam_beta2": "model.betas",
-             "lr_scheduler_type": "model.lr_schedule", "logging_steps": "trainer.log_every_n_steps",
-             "num_train_epochs": "trainer.max_epochs", "sync_ref_model": "model.reference_sync",
+             "lr_scheduler_type": "model.lr_schedule", "lr_scheduler_kwargs": "model.min_lr_ratio",
+             "logging_steps": "trainer.log_every_n_steps", "num_train_epochs": "trainer.max_epochs",
+             "sync_ref_model": "model.reference_sync", "ref_model_sync_steps": "model.reference_sync",
+             "ref_model_mixup_alpha": "model.reference_sync",
+             "vllm_importance_sampling_correction": "model.sampler_correction.mode",
              "vllm_importance_sampling_mode": "model.sampler_correction.mode",
              "vllm_importance_sampling_clip_max": "model.sampler_correction.clip_max",
-             "vllm_importance_sampling_clip_min": "model.sampler_correction.clip_min"}
+             "vllm_importance_sampling_cap": "model.sampler_correction.clip_max",
+             "vllm_importance_sampling_clip_min": "model.sampler_correction.clip_min",
+             "shuffle_dataset": "data.curriculum", "num_generations_eval": "data.val_num_samples",
+             "model_init_kwargs": "model.dtype", "torch_dtype": "model.dtype", "bf16": "trainer.precision",
+             "fp16": "trainer.precision", "warmup_ratio": "model.warmup_steps",
+             "output_dir": "trainer.default_root_dir", "eval_steps": "trainer.val_check_interval",
+             "per_device_eval_batch_size": "data.val_batch_size"}
+#: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
+TRL_ELSEWHERE = {
+    "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
+    "generation_batch_size": "has no counterpart: a step is one rollout of data.prompts_per_step prompts x "
+                             "data.sampling.group_size completions",
+    "steps_per_generation": "has no counterpart: a step is one rollout of data.prompts_per_step prompts x "
+                            "data.sampling.group_size completions, model.num_iterations optimizer steps on it",
+    "gradient_accumulation_steps": "has no counterpart: a step's micro-batches, model.train_micro_batch_size "
+                                   "completions each, all accumulate into its one optimizer step",
+    "max_prompt_length": "has no counterpart, nor has TRL 1.16",
+    "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
+    "log_completions": "is the CompletionLogger callback here, in trainer.callbacks",
+}
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:
     """The known option ``name`` most likely means: one with the same last part (``model.beta`` ->
-    ``model.loss.beta``, not ``model.betas``), TRL's name's counterpart (``TRL_NAMES``), else the closest spelling."""
+    ``model.loss.beta``, not ``model.betas``), TRL's name's counterpart (``TRL_NAMES``), else the closest spelling;
+    failing all three, the same for the key of a mapping put in the wrong place
+    (``chat_template_kwargs.enable_thinking`` -> ``data.chat_template_kwargs``)."""
+    meant = _meant_whole_key(name, known)
+    groups = {key.rsplit(".", 1)[0] for key in known} | set(known)
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if meant is not None or ".".join(parts[:end]) in groups:  # a known group's own key is what is wrong
+            break
+        meant = _meant_whole_key(".".join(parts[:end]), known)
+    return meant
+
+
+def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
     last = name.rsplit(".", 1)[-1]
     same_last = [key for key in known if key.rsplit(".", 1)[-1] == last]
     if same_last:
@@ -708,6 +743,14 @@ def _meant_key(name: str, known: Sequence[str]) -> str | None:
         return TRL_NAMES[last]
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
+
+
+def _trl_note(name: str) -> str | None:
+    """What takes the place of TRL's setting ``name`` (its last part), where lit_grpo has no key for it."""
+    last = name.rsplit(".", 1)[-1]
+    if last.startswith("vllm_") and last not in TRL_ELSEWHERE:
+        last = "use_vllm"
+    return f"TRL's {name.rsplit('.', 1)[-1]} {TRL_ELSEWHERE[last]}" if last in TRL_ELSEWHERE else None
 
 
 def did_you_mean(message: str, known: Sequence[str]) -> str:
@@ -720,12 +763,15 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
                    if token.startswith("--")]
     else:
         return ""
+    unknown = [name.split("=", 1)[0] for name in unknown]
     pairs = [(name, meant) for name in unknown if (meant := _meant_key(name, known))]
+    notes = [note for name in unknown if name not in dict(pairs) and (note := _trl_note(name))]
+    hint = "".join(f" ({note})" for note in notes)
     if not pairs:
-        return ""
+        return hint
     if len(unknown) == 1:
         return f" (did you mean '{pairs[0][1]}'?)"
-    return " (did you mean " + ", ".join(f"'{meant}' for '{name}'" for name, meant in pairs) + "?)"
+    return " (did you mean " + ", ".join(f"'{meant}' for '{name}'" for name, meant in pairs) + "?)" + hint
 
 
 class _DropAdvertisingTips(logging.Filter):

@@ -212,11 +212,41 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     (["--model.lr_scheduler_type", "linear"], "model.lr_schedule"),
     (["--model.sync_ref_model", "true"], "model.reference_sync"),
     (["--model.vllm_importance_sampling_mode", "token_mask"], "model.sampler_correction.mode"),
-    (["--model.vllm_importance_sampling_clip_max", "2.0"], "model.sampler_correction.clip_max")])
+    (["--model.vllm_importance_sampling_clip_max", "2.0"], "model.sampler_correction.clip_max"),
+    (["--model.vllm_importance_sampling_correction", "false"], "model.sampler_correction.mode"),
+    (["--model.ref_model_sync_steps", "64"], "model.reference_sync"),
+    (["--bf16", "true"], "trainer.precision"),
+    (["--output_dir", "out"], "trainer.default_root_dir"),
+    (["--model.warmup_ratio", "0.1"], "model.warmup_steps"),
+    (["--shuffle_dataset", "false"], "data.curriculum"),
+    # a mapping put in the wrong section: its own key, not the key inside it
+    (["--chat_template_kwargs.enable_thinking", "false"], "data.chat_template_kwargs")])
 def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys, args, meant):
     with pytest.raises(SystemExit):
         main(["fit", "--config", TINY, *args])
     assert f"unrecognized arguments: {' '.join(args)} (did you mean '{meant}'?)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("use_vllm: true", "option 'use_vllm' (TRL's use_vllm has no counterpart: rollouts run on lit_grpo's own engine"),
+    ("model:\n  vllm_gpu_memory_utilization: 0.3", "option 'model.vllm_gpu_memory_utilization' (TRL's "
+                                                   "vllm_gpu_memory_utilization has no counterpart"),
+    ("model:\n  gradient_accumulation_steps: 4", "(TRL's gradient_accumulation_steps has no counterpart: a step's "
+                                                  "micro-batches, model.train_micro_batch_size completions each, all "
+                                                  "accumulate into its one optimizer step)"),
+    ("save_steps: 100", "(TRL's save_steps is RunCheckpoint's every_n_train_steps here, in trainer.callbacks)"),
+    ("model:\n  model_init_kwargs: {torch_dtype: bfloat16}", "option 'model.model_init_kwargs.torch_dtype' (did you "
+                                                             "mean 'model.dtype'?)"),
+    # a known section's unknown key is not taken for the section itself
+    ("model:\n  no_such_key: 1", "option 'model.no_such_key'\n"),
+])
+def test_trls_settings_without_a_key_here_say_what_takes_their_place(capsys, tmp_path, yaml_text, message):
+    config = tmp_path / "trl.yaml"
+    config.write_text(yaml_text + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
