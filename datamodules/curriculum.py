@@ -70,6 +70,7 @@ with the same arguments and given that state continues with identical draws.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Collection
 from typing import Any, Literal, get_args
@@ -428,13 +429,25 @@ class AngleCurriculumSampler(PromptSampler):
         self._asked_epoch = int(state["asked_epoch"])
 
 
+def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:
+    """Refuse a curriculum name that is not known, or an option name (of ``curriculum_kwargs``) that the curriculum
+    does not take, naming the ones it takes."""
+    check_choice("curriculum", curriculum, CURRICULA)
+    if curriculum == "none":
+        if options:
+            raise ValueError(f"curriculum='none' takes no options, got {sorted(options)}; they apply to "
+                             "curriculum='angle' only")
+        return
+    own = [name for name in inspect.signature(AngleCurriculumSampler).parameters if name not in ("num_prompts", "seed")]
+    unknown = sorted(set(options) - set(own))
+    if unknown:
+        raise ValueError(f"curriculum_kwargs={unknown} are not options of curriculum='angle'; its options: {own}")
+
+
 def build_prompt_sampler(curriculum: str, num_prompts: int, seed: int = 0, **options: Any) -> PromptSampler:
     """The sampler for a YAML ``curriculum`` name: "none" -> ``UniformPromptSampler``, "angle" ->
     ``AngleCurriculumSampler(num_prompts, seed, **options)``. Options are only accepted for "angle"."""
-    check_choice("curriculum", curriculum, CURRICULA)
+    check_curriculum_options(curriculum, options)
     if curriculum == "angle":
         return AngleCurriculumSampler(num_prompts, seed, **options)
-    if options:
-        raise ValueError(f"curriculum='none' takes no options, got {sorted(options)}; they apply to "
-                         "curriculum='angle' only")
     return UniformPromptSampler(num_prompts, seed)

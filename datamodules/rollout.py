@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
-from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler
+from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler, check_curriculum_options
 from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, load_prompts,
                                      prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
@@ -261,6 +261,7 @@ class RolloutDataModule(LightningDataModule):
         if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
             raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
                              "options or None")
+        check_curriculum_options(curriculum, curriculum_kwargs or {})  # before any model is loaded
         if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
             from lit_grpo.rollout.hf_dataset import is_dataset_object
 

@@ -461,6 +461,9 @@ def test_bad_names_and_values_raise():
         build_prompt_sampler("gain", 10)
     with pytest.raises(ValueError, match=r"curriculum='none' takes no options.*\['sigma'\]"):
         build_prompt_sampler("none", 10, sigma=2.0)
+    with pytest.raises(ValueError, match=r"curriculum_kwargs=\['sigmaa'\] are not options of curriculum='angle'; "
+                                         r"its options: \['n', 'alpha', 'target_accuracy', 'sigma', "):
+        build_prompt_sampler("angle", 10, sigmaa=2.0)
     with pytest.raises(ValueError, match=r"num_prompts=0 is not allowed.*>= 1"):
         UniformPromptSampler(0)
     sampler = scored_sampler(10)

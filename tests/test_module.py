@@ -299,6 +299,9 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, dynamic_sampling="false")
     with pytest.raises(ValueError, match=r"curriculum_kwargs='x' must be a mapping of the curriculum's options"):
         RolloutDataModule(prompts=PROMPTS, curriculum_kwargs="x")
+    with pytest.raises(ValueError, match=r"curriculum_kwargs=\['foo'\] are not options of curriculum='angle'; its "
+                                         r"options: \['n', 'alpha', "):  # when built, before any model is loaded
+        RolloutDataModule(prompts=PROMPTS, curriculum="angle", curriculum_kwargs={"foo": 1})
     with pytest.raises(ValueError, match=r"system_prompt=3 must be a string or None"):
         RolloutDataModule(prompts=PROMPTS, system_prompt=3)
     with pytest.raises(ValueError, match=r"prompt_template=3 must be a string that contains '\{prompt\}'"):
