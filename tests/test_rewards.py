@@ -414,6 +414,13 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
         build_reward_funcs(["os:path"])
     with pytest.raises(ValueError, match=r"reward name 3 for .* must be a string"):
         build_reward_funcs([{"name": "format", "log_name": 3}])
+    # a mapping without a name says so, and a misspelled key names the one it meant
+    with pytest.raises(ValueError, match=r"reward spec \{'weight': 1.0\} has no 'name': give a built-in's name "
+                                         r"\['accuracy', .*'package.module:function'"):
+        build_reward_funcs([{"weight": 1.0}])
+    with pytest.raises(ValueError, match=r"reward spec .* takes only the keys \['name', 'weight', 'kwargs', "
+                                         r"'log_name'\]; unknown: \['wieght'\] \(did you mean 'weight'\?\)"):
+        build_reward_funcs([{"name": "accuracy", "wieght": 1.0}])
     assert [r.name for r in build_reward_funcs(None)] == ["accuracy"]
 
 

@@ -317,6 +317,10 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
                              f"get from lit_grpo itself ({', '.join(sorted(taken))}); rename those fields")
 
 
+#: The keys of a reward spec given as a mapping (``build_reward_funcs``).
+REWARD_SPEC_KEYS = ("name", "weight", "kwargs", "log_name")
+
+
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """Turn config entries into ``WeightedReward`` objects.
 
@@ -338,10 +342,15 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
         elif isinstance(spec, str):
             out.append(WeightedReward(_resolve(spec, {}), 1.0, spec if spec in BUILTIN_REWARDS else ""))
         elif isinstance(spec, Mapping):
-            unknown = set(spec) - {"name", "weight", "kwargs", "log_name"}
-            if "name" not in spec or unknown:
-                raise ValueError(f"reward spec {dict(spec)!r} needs a 'name' and only the keys name, weight, "
-                                 f"kwargs, log_name (unknown: {sorted(unknown)})")
+            unknown = sorted(set(spec) - set(REWARD_SPEC_KEYS))
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], REWARD_SPEC_KEYS, n=1)
+                raise ValueError(f"reward spec {dict(spec)!r} takes only the keys {list(REWARD_SPEC_KEYS)}; unknown: "
+                                 f"{unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            if "name" not in spec:
+                raise ValueError(f"reward spec {dict(spec)!r} has no 'name': give a built-in's name "
+                                 f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
+                                 "or folder")
             name = spec["name"]
             if not isinstance(name, str) or not name:
                 raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
