@@ -277,8 +277,13 @@ class RolloutDataModule(LightningDataModule):
                 check_without_partial_rollouts(over_provision)
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self._toolbox: ToolBox | None = None
-        # settings that only act beside another one: named where that one is off and they differ from their
-        # defaults, never dropped in silence
+        check_choice("on_reward_error", on_reward_error, ON_ERROR)
+        check_choice("curriculum", curriculum, CURRICULA)
+        if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
+            raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
+        check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
+        # settings that only act beside another one (refused above where bad, not also called ignored): named where
+        # that one is off and they differ from their defaults, never dropped in silence
         defaults = inspect.signature(RolloutDataModule.__init__).parameters
         for name, value, needs in (
                 ("max_rollouts_per_step", max_rollouts_per_step, None if dynamic_sampling else "dynamic_sampling"),
@@ -299,11 +304,6 @@ class RolloutDataModule(LightningDataModule):
             warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
                           f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
                           "for plain continuous sampling", stacklevel=2)
-        check_choice("on_reward_error", on_reward_error, ON_ERROR)
-        check_choice("curriculum", curriculum, CURRICULA)
-        if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
-            raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
-        check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
         # a tool by its name, which a checkpoint stores as plain text

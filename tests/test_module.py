@@ -352,6 +352,11 @@ def test_bad_arguments_name_the_value():
         name, value = next(iter(setting.items()))
         with pytest.warns(UserWarning, match=rf"{name}={value} applies with {needs} only; it is ignored"):
             RolloutDataModule(prompts=PROMPTS, **setting)
+    # a value refused outright is not also called ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"val_temperature=-1.0 is not allowed"):
+            RolloutDataModule(prompts=PROMPTS, val_temperature=-1.0)
     # a task's settings where the prompts come from elsewhere (a config that switched its source)
     for setting in ({"task_config": {"min_terms": 2}}, {"size": 40}):
         name, value = next(iter(setting.items()))
