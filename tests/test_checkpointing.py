@@ -695,21 +695,30 @@ def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
 
 
+def _killed_swap(folder: Path) -> tuple[Path, Path]:
+    """A folder holding an older ``last-v1.ckpt`` and a sharded save of ``last.ckpt`` killed between its renames
+    (the old one set aside, the new one staged, by a process that has ended): ``(last.ckpt, its staged copy)``."""
+    from lit_grpo.runtime.checkpoints import staging_path
+
+    older = folder / "last-v1.ckpt"
+    older.write_bytes(b"x")
+    os.utime(older, (1, 1))
+    last = folder / "last.ckpt"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _folder(folder / f".last.ckpt.{gone.pid}.replaced", "old")
+    _folder(staging_path(last, gone.pid), "new")
+    return last, staging_path(last, gone.pid)
+
+
 def test_last_finds_a_killed_swaps_checkpoint_before_rank_0_finishes_it(tmp_path):
     """A sharded save killed between its renames: the checkpoint it completes is the newest one, found as
     ``last.ckpt`` whether or not rank 0 has finished the swap yet (a rank that looks while it renames finds the
     same)."""
-    from lit_grpo.runtime.checkpoints import finish_interrupted_swaps, interrupted_swaps, staging_path
+    from lit_grpo.runtime.checkpoints import finish_interrupted_swaps, interrupted_swaps
 
-    older = tmp_path / "last-v1.ckpt"
-    older.write_bytes(b"x")
-    os.utime(older, (1, 1))
-    last = tmp_path / "last.ckpt"
-    gone = subprocess.Popen(["true"])  # a process that has ended
-    gone.wait()
-    _folder(tmp_path / f".last.ckpt.{gone.pid}.replaced", "old")
-    _folder(staging_path(last, gone.pid), "new")
-    assert interrupted_swaps(tmp_path) == [(last, staging_path(last, gone.pid))]
+    last, staged = _killed_swap(tmp_path)
+    assert interrupted_swaps(tmp_path) == [(last, staged)]
     assert find_last_checkpoint([tmp_path]) == last
     assert finish_interrupted_swaps(tmp_path, clean=False) == [last] and (last / "shard").read_text() == "new"
     assert find_last_checkpoint([tmp_path]) == last and interrupted_swaps(tmp_path) == []
@@ -719,16 +728,8 @@ def test_last_finds_a_killed_swaps_checkpoint_that_rank_0_finishes_while_it_look
     """Rank 0 finishes the swap between this rank's two listings (its interrupted swaps and the folder's names):
     the checkpoint is in one or the other, never in neither, so the older one is not taken for the newest."""
     from lit_grpo.runtime import checkpoints
-    from lit_grpo.runtime.checkpoints import staging_path
 
-    older = tmp_path / "last-v1.ckpt"
-    older.write_bytes(b"x")
-    os.utime(older, (1, 1))
-    last = tmp_path / "last.ckpt"
-    gone = subprocess.Popen(["true"])  # a process that has ended
-    gone.wait()
-    _folder(tmp_path / f".last.ckpt.{gone.pid}.replaced", "old")
-    _folder(staging_path(last, gone.pid), "new")
+    last, _ = _killed_swap(tmp_path)
     listed = checkpoints.interrupted_swaps
 
     def listed_then_finished(folder):
