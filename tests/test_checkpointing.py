@@ -755,6 +755,29 @@ def test_ranks_that_find_different_checkpoints_are_named_on_every_rank():
     assert isinstance(raised.value, RaisedOnEveryRank)
 
 
+@pytest.mark.parametrize("findings", [[None, None], ["/a/last.ckpt", "/a/last.ckpt"]])
+def test_validate_with_no_rank_finding_a_checkpoint_ends_every_rank_once_they_can_talk(monkeypatch, findings):
+    """``validate --ckpt_path last`` under several processes: where no rank found a checkpoint every rank ends at
+    setup on the same error (NoCheckpointFound); where every rank found rank 0's, validation goes on; ``fit``
+    (no ``missing``) starts a new run where none was found."""
+    import torch.distributed
+
+    from lit_grpo import cli
+    from lit_grpo.runtime.distributed import RaisedOnEveryRank
+
+    monkeypatch.setattr(cli, "is_multi_process", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, _: out.__setitem__(slice(None), findings))
+    missing = "--ckpt_path last: no last.ckpt under /runs to validate; give a checkpoint path"
+    cli.SameCheckpointOnEveryRank(None, None).setup(None, None, "fit")
+    if findings[0] is not None:
+        cli.SameCheckpointOnEveryRank(Path(findings[0]), missing).setup(None, None, "validate")
+        return
+    with pytest.raises(cli.NoCheckpointFound, match=re.escape(missing)) as raised:
+        cli.SameCheckpointOnEveryRank(None, missing).setup(None, None, "validate")
+    assert isinstance(raised.value, RaisedOnEveryRank)
+
+
 def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_different_ones(tmp_path):
     """``--ckpt_path last`` on 2 nodes x 1 process: each rank looks for the newest last.ckpt itself, before the ranks
     can talk. Where only rank 0 sees one (nodes without a shared file system: each rank in a folder of its own, the
