@@ -116,7 +116,8 @@ class GRPOCLI(LightningCLI):
         checkpointing is on): ``last.ckpt`` kept current, atomic saves, a saved stop on SIGTERM / Ctrl-C. Identical
         stateful callbacks are refused here, with their settings named. Then the threads, which depend on the
         trainer's devices per node."""
-        configured = [*(config.get("callbacks") or []), *callbacks]
+        given = config.get("callbacks")  # the Trainer takes one callback or a list of them
+        configured = [*([] if given is None else given if isinstance(given, list) else [given]), *callbacks]
         if not any(isinstance(cb, FitSummary) for cb in configured):
             callbacks = [*callbacks, FitSummary()]
         if not any(isinstance(cb, RankFailureWatch) for cb in configured):

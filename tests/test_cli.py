@@ -631,3 +631,16 @@ def test_multi_objective_aggregation_reaches_the_rollouts_from_the_command_line_
     err = capsys.readouterr().err
     assert '"model.multi_objective_aggregation"' in err and "Got value: gdpo" in err
     assert "'sum_then_normalize', 'normalize_then_sum'" in err
+
+
+def test_a_single_callback_is_taken_as_the_trainers_list(tmp_path):
+    """trainer.callbacks may be one callback, not a list (the Trainer's type says so): lit_grpo's defaults join it,
+    and the one given stands for its own kind."""
+    config = tmp_path / "one.yaml"
+    config.write_text("trainer:\n  callbacks:\n    class_path: lit_grpo.callbacks.FitSummary\n"
+                      "    init_args: {window: 3}\n")
+    cli = build_cli(["--config", TINY, "--config", str(config), "--trainer.logger", "false",
+                     "--trainer.default_root_dir", str(tmp_path)], run=False)
+    names = [type(cb).__name__ for cb in cli.trainer.callbacks]
+    assert [cb.window for cb in cli.trainer.callbacks if type(cb).__name__ == "FitSummary"] == [3]
+    assert "RankFailureWatch" in names and "RunCheckpoint" in names
