@@ -554,8 +554,10 @@ _BARE_TYPE = re.compile(r"Expected a <class '[\w.]+'>")
 #: Any type's reason that names only the type expected (an int's, a Literal's).
 _EXPECTED = re.compile(r"Expected a (.+)")
 _NOT_NONE = "Expected a <class 'NoneType'>"
-#: A list of classes or one of them (``trainer.callbacks``): a list's reason is its own; the lone class's repeats it
-#: or says what a class spec may look like.
+#: The list's reason where the value given is no list (one class spec, or a string that is not one).
+_NOT_LIST = "Expected a <class 'list'>"
+#: A list of classes or one of them (``trainer.callbacks``): a list given fails for its own reason; anything else
+#: fails as the lone class, whose reason names the class spec and the option at fault.
 _LIST_OR_ITEM = re.compile(r"Subtypes: \[list\[([\w.]+)\], <class '\1'>, <class 'NoneType'>\]")
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
 
@@ -583,8 +585,8 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     own = [lines for lines in reasons if lines != [_NOT_NONE]]
     listed = _LIST_OR_ITEM.fullmatch(subtypes) is not None
     own_types = [lines for lines in own if len(lines) == 1 and _EXPECTED.fullmatch(lines[0])]
-    if listed:  # the list's reason, naming the class spec at fault
-        own = own[:1]
+    if listed:  # the reason of the form given: the list's, or the lone class's where it is no list
+        own = own[1:2] if own[0] == [_NOT_LIST] and len(own) > 1 else own[:1]
     elif len(own) == len(reasons) - 1 and len(own_types) == len(own) > 1:  # each type says only what it expects
         own = [["Expected a " + " or ".join(_EXPECTED.fullmatch(lines[0]).group(1) for lines in own_types)]]
     elif len(own) != 1 or len(reasons) != 2:

@@ -339,6 +339,11 @@ def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, a
     (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patiense=3"],
      "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast: Option 'patiense' is not accepted (did you mean "
      "'patience'?)\n"),
+    # one callback, not a list: its own reason, not the list's "Expected a <class 'list'>"
+    (None, ["--trainer.callbacks", "{class_path: lit_grpo.callbacks.FitSummary, init_args: {windo: 2}}"],
+     "error: trainer.callbacks: lit_grpo.callbacks.FitSummary: Option 'windo' is not accepted (did you mean "
+     "'window'?)\n"),
+    (None, ["--trainer.callbacks", "3"], "error: trainer.callbacks: Expected a dot import path string: 3\n"),
     # refused by the callback itself, when the list is built
     (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patience=-1"],
      "error: lit_grpo.callbacks.RewardForecast: patience=-1 must be an integer >= 1\n"),
