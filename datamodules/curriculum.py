@@ -435,11 +435,11 @@ def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:
     check_choice("curriculum", curriculum, CURRICULA)
     if curriculum == "none":
         if options:
-            raise ValueError(f"curriculum='none' takes no options, got {sorted(options)}; they apply to "
+            raise ValueError(f"curriculum='none' takes no options, got {sorted(map(str, options))}; they apply to "
                              "curriculum='angle' only")
         return
     own = [name for name in inspect.signature(AngleCurriculumSampler).parameters if name not in ("num_prompts", "seed")]
-    unknown = sorted(set(options) - set(own))
+    unknown = sorted(map(str, set(options) - set(own)))
     if unknown:
         raise ValueError(f"curriculum_kwargs={unknown} are not options of curriculum='angle'; its options: {own}")
 

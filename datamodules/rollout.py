@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
-from lit_grpo.datamodules.curriculum import CURRICULA, Curriculum, build_prompt_sampler, check_curriculum_options
+from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_options
 from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, load_prompts,
                                      prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
@@ -278,7 +278,6 @@ class RolloutDataModule(LightningDataModule):
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self._toolbox: ToolBox | None = None
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
-        check_choice("curriculum", curriculum, CURRICULA)
         if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
