@@ -464,6 +464,10 @@ def test_bad_names_and_values_raise():
     with pytest.raises(ValueError, match=r"curriculum_kwargs=\['sigmaa'\] are not options of curriculum='angle'; "
                                          r"its options: \['n', 'alpha', 'target_accuracy', 'sigma', "):
         build_prompt_sampler("angle", 10, sigmaa=2.0)
+    from lit_grpo.datamodules.curriculum import check_curriculum_options
+
+    with pytest.raises(ValueError, match=r"curriculum_kwargs=\['1', 'x'\] are not options"):  # YAML keys 1 and x
+        check_curriculum_options("angle", {1: 2, "x": 3})
     with pytest.raises(ValueError, match=r"num_prompts=0 is not allowed.*>= 1"):
         UniformPromptSampler(0)
     sampler = scored_sampler(10)
