@@ -301,18 +301,20 @@ def test_a_response_template_parses_the_calls(parsing):
     assert out.messages[0][0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
 
 
-def test_a_parsed_turns_content_leaves_out_the_eos_the_parser_kept(llama, monkeypatch):
-    """A parser that keeps the turn's EOS in its content (transformers #42249): the message history and the reward
-    functions get the content without it, as TRL's."""
+def test_a_parsed_turn_is_the_parsers_message_less_the_eos_it_kept(llama, monkeypatch):
+    """The message history (and the reward functions) get the parsed message as TRL keeps it, its reasoning
+    included, less an EOS the parser left in its content (transformers #42249)."""
     _, tokenizer = llama
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.response_template = RESPONSE_TEMPLATE
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     monkeypatch.setattr(type(tokenizer), "parse_response", lambda self, ids, **kw: {
-        "role": "assistant", "content": "Let me add." + self.eos_token, "tool_calls": [call]}, raising=False)
+        "role": "assistant", "content": "Let me add." + self.eos_token, "reasoning_content": "2 and 3",
+        "tool_calls": [call]}, raising=False)
     box = ToolBox([add], tokenizer, 1)
-    assert box.parse(tokenizer("anything")["input_ids"]) == ("Let me add.", [{"name": "add",
-                                                                              "arguments": {"a": 2, "b": 3}}])
+    assert box.parse(tokenizer("anything")["input_ids"]) == (
+        {"role": "assistant", "content": "Let me add.", "reasoning_content": "2 and 3"},
+        [{"name": "add", "arguments": {"a": 2, "b": 3}}])
 
 
 def test_the_call_frequency_over_ranks_counts_every_completion_generated():

@@ -174,36 +174,42 @@ class ToolBox:
             if getattr(tokenizer, "response_template", None) is not None else set()
 
     # ------------------------------------------------------------------------------------------ parsing
-    def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[str, list[dict]]:
-        """One assistant turn's text and its tool calls (``[{"name", "arguments"}]``, empty: no call).
-        ``prefix``: the token ids before the turn (the prompt, the completion's earlier turns and tool results).
+    def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[dict, list[dict]]:
+        """One assistant turn's message without its calls (``{"role": "assistant", "content": ...}``, and what else
+        ``parse_response`` read, such as ``reasoning_content``, as TRL keeps the parsed message) and its tool calls
+        (``[{"name", "arguments"}]``, empty: no call). ``prefix``: the token ids before the turn (the prompt, the
+        completion's earlier turns and tool results).
 
         A turn whose calls cannot be read (not JSON, not an object, a name that is not a string, cut short) is its
         text with no call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model
         wrote so badly is no call at all, so it is neither run nor counted as a failure. A call that reads but does
         not run (an unknown tool, arguments that do not fit it) is a failed call (``run``)."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        plain = {"role": "assistant", "content": text}
         if self.parses:
             keywords = {"prefix": list(prefix), "tools": self.schemas}
             try:
-                message = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
+                parsed = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
             except (ValueError, TypeError):  # a malformed or cut call
-                return text, []
-            if not isinstance(message, Mapping):  # a turn cut so early the parser found nothing
-                return text, []
-            calls = read_calls(message.get("tool_calls") or [])
+                return plain, []
+            if not isinstance(parsed, Mapping):  # a turn cut so early the parser found nothing
+                return plain, []
+            calls = read_calls(parsed.get("tool_calls") or [])
+            if calls is None:
+                return plain, []
             # some transformers versions leave the EOS in a call turn's content (transformers #42249; TRL strips it)
-            content = message.get("content") or ""
+            content = parsed.get("content") or ""
             if isinstance(content, str) and self.tokenizer.eos_token:
                 content = content.removesuffix(self.tokenizer.eos_token)
-            return (text, []) if calls is None else (content, calls)
+            extra = {k: v for k, v in parsed.items() if k not in ("role", "content", "tool_calls")}
+            return {"role": "assistant", "content": content, **extra}, calls
         # calls are read after a reasoning block: one written while reasoning is a thought (Qwen3's parser, TRL's)
         start = text.find("</think>") + len("</think>") if "</think>" in text else 0
         calls = read_calls([_json(body) for body in HERMES_CALL.findall(text, start)])
         # a call is acted on only where the turn ends with it (text after the last call: the model went on)
         if not calls or text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
-            return text, []
-        return text[:text.find("<tool_call>", start)].strip(), calls
+            return plain, []
+        return {"role": "assistant", "content": text[:text.find("<tool_call>", start)].strip()}, calls
 
     # ------------------------------------------------------------------------------------------ running
     def run(self, call: dict) -> tuple[str, Any, bool]:
@@ -329,8 +335,8 @@ class ToolBox:
         for p, k in keys:
             done = out.completion_ids[p][k]
             ids = done[turn_start[p][k]:]
-            text, calls = self.parse(ids, groups[p].prompt_ids + done[:turn_start[p][k]]) if ids else ("", [])
-            message = {"role": "assistant", "content": text}
+            message, calls = (self.parse(ids, groups[p].prompt_ids + done[:turn_start[p][k]]) if ids
+                              else ({"role": "assistant", "content": ""}, []))
             if calls and not out.truncated[p][k]:
                 message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
                 pending[(p, k)] = calls
