@@ -154,7 +154,7 @@ class PeakMemoryMonitor(Callback):
     ) -> None:
         if accumulating(trainer, batch_idx):  # the step goes on to the micro-batch whose optimizer step ends it
             if self._tracker is not None:
-                self._accumulated = _largest(self._accumulated, self._batch_peaks(batch))
+                self._accumulated = _larger(self._accumulated, self._batch_peaks(batch))
                 self._start("rollout")  # the next micro-batch is fetched after this hook: its rollout window
             return
         metrics = self._step_peaks(batch) if self._tracker is not None else {}
@@ -167,7 +167,7 @@ class PeakMemoryMonitor(Callback):
     def _step_peaks(self, batch: Any) -> dict[str, int]:
         """This process's peaks of the step that just ended, by logged key (under gradient accumulation each the
         largest over its micro-batches); restarts the next step's phases."""
-        metrics = _largest(self._accumulated, self._batch_peaks(batch))
+        metrics = _larger(self._accumulated, self._batch_peaks(batch))
         self._accumulated = {}
         self._start("rollout", "step")  # the next batch is fetched after this hook
         return metrics
@@ -217,10 +217,5 @@ class PeakMemoryMonitor(Callback):
 
 
 def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
-    """Per key, the larger of two peak readings (``second``'s keys)."""
-    return {suffix: max(first.get(suffix, 0), value) for suffix, value in second.items()}
-
-
-def _largest(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
-    """Per key, the larger of two sets of peaks (every key of either)."""
+    """Per key, the larger of two sets of peaks (every key of either: a phase read or not yet)."""
     return {key: max(first.get(key, 0), second.get(key, 0)) for key in first.keys() | second.keys()}
