@@ -57,8 +57,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
 from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.callbacks._paths import shown_path
-from lit_grpo.runtime.checkpoints import (check_resumable, find_last_checkpoint, finish_interrupted_swaps,
-                                          run_checkpoint_folders)
+from lit_grpo.runtime.checkpoints import (CheckpointIdentity, check_resumable, checkpoint_identity,
+                                          find_last_checkpoint, finish_interrupted_swaps, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import end_failed_rank
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
@@ -208,8 +208,8 @@ class GRPOCLI(LightningCLI):
                 finish_interrupted_swaps(folder, clean=False)
         found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
         if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared later
-            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found, _nothing_to_evaluate(root) if evaluate
-                                                                    else None))
+            self.trainer.callbacks.append(SameCheckpointOnEveryRank(
+                found, _nothing_to_evaluate(root) if evaluate else None, root))
         if found is not None:
             _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
                                getattr(self.datamodule, "hparams", None), evaluate=evaluate,
@@ -468,18 +468,20 @@ class SameCheckpointOnEveryRank(Callback):
     process group exists (a rank started by torchrun or SLURM runs the CLI on its own), and loads what it found.
     Once the ranks can talk (``setup``, before Lightning restores anything) every rank's finding is gathered, and
     where any differs from rank 0's every rank ends on the same error: ranks that resumed different checkpoints (or
-    one a checkpoint, another none) would train on as one run with different weights, steps and data states.
-    ``missing``: where the command needs a checkpoint (``validate``), the error every rank ends on when no rank
-    found one (None: none found is a new run)."""
+    one a checkpoint, another none) would train on as one run with different weights, steps and data states. A
+    finding is compared by what identifies the checkpoint (``checkpoint_identity``: its path under ``root``, the
+    folder searched, its step and content), not by its path, which differs between nodes that mount one file
+    system at different places. ``missing``: where the command needs a checkpoint (``validate``), the error every
+    rank ends on when no rank found one (None: none found is a new run)."""
 
-    def __init__(self, found: Path | None, missing: str | None = None) -> None:
-        self.found = None if found is None else str(found)
+    def __init__(self, found: Path | None, missing: str | None = None, root: Path | None = None) -> None:
+        self.found = None if found is None else (str(found), checkpoint_identity(found, root))
         self.missing = missing
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not is_multi_process():
             return
-        found: list[str | None] = [None] * torch.distributed.get_world_size()
+        found: list[tuple[str, CheckpointIdentity] | None] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(found, self.found)
         check_same_checkpoint(found)
         if found[0] is None and self.missing is not None:
@@ -494,18 +496,28 @@ class NoCheckpointFound(ConfigError, RaisedOnEveryRank):
     """No rank found a checkpoint for a command that needs one (every rank raises it, by agreement)."""
 
 
-def check_same_checkpoint(found: Sequence[str | None]) -> None:
-    """Raise :class:`CheckpointsDiffer` unless every rank's ``--ckpt_path last`` finding (``found[rank]``: a path,
-    or None for none) is rank 0's, naming rank 0's and each rank's that differs."""
-    differing = [rank for rank, path in enumerate(found) if path != found[0]]
+def check_same_checkpoint(found: Sequence[tuple[str, CheckpointIdentity] | None]) -> None:
+    """Raise :class:`CheckpointsDiffer` unless every rank's ``--ckpt_path last`` finding (``found[rank]``: the path
+    it found and that checkpoint's identity, or None for none) identifies rank 0's checkpoint, naming rank 0's and
+    each rank's that differs."""
+    identity = lambda finding: None if finding is None else finding[1]  # noqa: E731
+    differing = [rank for rank, finding in enumerate(found) if identity(finding) != identity(found[0])]
     if not differing:
         return
-    shown = lambda path: path if path is not None else "no last.ckpt (a new run)"  # noqa: E731
-    others = "; ".join(f"rank {rank}: {shown(found[rank])}" for rank in differing)
-    raise CheckpointsDiffer(f"--ckpt_path last: the ranks found different checkpoints: rank 0: {shown(found[0])}; "
-                            f"{others}. Each rank loads the checkpoint itself, so every rank must see rank 0's "
-                            "checkpoint folders (one file system shared by every node, or a copy at the same "
-                            "path); or give one checkpoint's path with --ckpt_path PATH")
+    others = "; ".join(f"rank {rank}: {_shown_finding(found[rank])}" for rank in differing)
+    raise CheckpointsDiffer(f"--ckpt_path last: the ranks found different checkpoints: rank 0: "
+                            f"{_shown_finding(found[0])}; {others}. Each rank loads the checkpoint itself, so every "
+                            "rank must see rank 0's checkpoint (one file system shared by every node, mounted "
+                            "anywhere, or a copy at the same place under the run's root); or give one checkpoint's "
+                            "path with --ckpt_path PATH")
+
+
+def _shown_finding(finding: tuple[str, CheckpointIdentity] | None) -> str:
+    if finding is None:
+        return "no last.ckpt (a new run)"
+    path, identity = finding
+    step = "no step" if identity.global_step is None else f"step {identity.global_step}"
+    return f"{path} ({identity.name}, {step}, content {identity.fingerprint})"
 
 
 def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:

@@ -2,8 +2,10 @@
 stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear errors for bad checkpoints."""
 
 import csv
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +20,8 @@ import torch
 
 from lit_grpo.callbacks import RunCheckpoint
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
-                                  find_last_checkpoint, partial_path, read_checkpoint_header, remove_stale_partials,
-                                  run_checkpoint_folders)
+                                  checkpoint_identity, find_last_checkpoint, partial_path, read_checkpoint_header,
+                                  remove_stale_partials, run_checkpoint_folders)
 from lit_grpo.cli import build_cli, resume_command
 from tools.step_recorder import read_records
 
@@ -746,13 +748,36 @@ def test_ranks_that_find_different_checkpoints_are_named_on_every_rank():
     from lit_grpo.cli import CheckpointsDiffer, check_same_checkpoint
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
-    check_same_checkpoint(["/a/last.ckpt"] * 3)
+    from lit_grpo.runtime.checkpoints import CheckpointIdentity
+
+    ours = CheckpointIdentity("version_0/checkpoints/last.ckpt", 2, "0123456789abcdef")
+    check_same_checkpoint([("/a/last.ckpt", ours)] * 3)
+    check_same_checkpoint([("/a/last.ckpt", ours), ("/mnt/a/last.ckpt", ours)])  # one file, mounted elsewhere
     check_same_checkpoint([None, None])
+    older = CheckpointIdentity("version_0/checkpoints/last.ckpt", 1, "fedcba9876543210")
     with pytest.raises(CheckpointsDiffer) as raised:
-        check_same_checkpoint(["/a/last.ckpt", "/a/last.ckpt", "/b/last.ckpt", None])
-    assert str(raised.value).startswith("--ckpt_path last: the ranks found different checkpoints: rank 0: "
-                                        "/a/last.ckpt; rank 2: /b/last.ckpt; rank 3: no last.ckpt (a new run).")
+        check_same_checkpoint([("/a/last.ckpt", ours), ("/a/last.ckpt", ours), ("/b/last.ckpt", older), None])
+    assert str(raised.value).startswith(
+        "--ckpt_path last: the ranks found different checkpoints: rank 0: /a/last.ckpt (version_0/checkpoints/"
+        "last.ckpt, step 2, content 0123456789abcdef); rank 2: /b/last.ckpt (version_0/checkpoints/last.ckpt, step 1, "
+        "content fedcba9876543210); rank 3: no last.ckpt (a new run).")
     assert isinstance(raised.value, RaisedOnEveryRank)
+    with pytest.raises(CheckpointsDiffer, match="rank 1: /a/last.ckpt"):  # the same step, other content
+        check_same_checkpoint([("/a/last.ckpt", ours), ("/a/last.ckpt", dataclasses.replace(ours, fingerprint="0"))])
+
+
+def test_a_checkpoints_identity_is_its_place_under_the_root_its_step_and_content_not_its_path(tmp_path):
+    root, mount = tmp_path / "root", tmp_path / "elsewhere"
+    path = root / "version_0" / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save({"global_step": 3, "state_dict": {"w": torch.zeros(2)}}, path)
+    shutil.copytree(root, mount)
+    identity = checkpoint_identity(path, root)
+    assert identity.name == "version_0/checkpoints/last.ckpt" and identity.global_step == 3
+    assert checkpoint_identity(mount / "version_0" / "checkpoints" / "last.ckpt", mount) == identity
+    torch.save({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, path)  # other weights, the same step
+    assert checkpoint_identity(path, root).fingerprint != identity.fingerprint
+    assert checkpoint_identity(path).name == "last.ckpt"
 
 
 @pytest.mark.parametrize("findings", [[None, None], ["/a/last.ckpt", "/a/last.ckpt"]])
@@ -767,7 +792,8 @@ def test_validate_with_no_rank_finding_a_checkpoint_ends_every_rank_once_they_ca
 
     monkeypatch.setattr(cli, "is_multi_process", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, _: out.__setitem__(slice(None), findings))
+    gathered = [None if path is None else (path, checkpoint_identity(path)) for path in findings]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, _: out.__setitem__(slice(None), gathered))
     missing = "--ckpt_path last: no last.ckpt under /runs to validate; give a checkpoint path"
     cli.SameCheckpointOnEveryRank(None, None).setup(None, None, "fit")
     if findings[0] is not None:
@@ -798,8 +824,9 @@ def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_diff
     shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
     assert [code for code, _, _ in outputs] == [2, 2], shown
     for _, output, _ in outputs:
-        assert ("--ckpt_path last: the ranks found different checkpoints: rank 0: run/lightning_logs/version_0/"
-                "checkpoints/last.ckpt; rank 1: no last.ckpt (a new run)") in output, shown
+        assert re.search(r"--ckpt_path last: the ranks found different checkpoints: rank 0: run/lightning_logs/"
+                         r"version_0/checkpoints/last.ckpt \(version_0/checkpoints/last.ckpt, step 1, content \w+\); "
+                         r"rank 1: no last.ckpt \(a new run\)", output), shown
     assert "Restoring states" not in shown and "Traceback" not in shown
     # validate needs a checkpoint: a rank that found none ended before the ranks could talk, and rank 0 waited
     validate = ["validate", *argv[1:argv.index("--trainer.max_steps")], *argv[argv.index("--ckpt_path"):]]
@@ -810,6 +837,29 @@ def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_diff
     outputs = forked_cli.run_ranks(argv, folders[0], free_port(), 180, env=repo_env())
     assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(output[-3000:] for _, output, _ in outputs)
     assert _last_step(folders[0] / "run") == 2
+
+
+def test_two_ranks_resume_one_checkpoint_their_nodes_see_at_different_paths(tmp_path):
+    """Nodes that mount one file system at different places find one last.ckpt at different absolute paths (here a
+    checkpoint folder given relative to each node's working folder, which the checkpoint callback makes absolute,
+    each node's holding the same file): both ranks resume it, as one run."""
+    from tools.harness import free_port, repo_env
+
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    checkpoint = ["--trainer.callbacks+=lit_grpo.callbacks.RunCheckpoint"]
+    build_cli(_fit_args(folders[0] / "run", *checkpoint, f"--trainer.callbacks.dirpath={folders[0] / 'ckpt'}",
+                        steps=1))
+    shutil.copytree(folders[0] / "ckpt", folders[1] / "ckpt")  # the file's time kept, as one file system shows it
+    argv = [*_fit_args(Path("run"), "--ckpt_path", "last", "--trainer.limit_val_batches", "0", *checkpoint,
+                       "--trainer.callbacks.dirpath=ckpt", steps=2),
+            "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "ddp",
+            "--trainer.accelerator", "cpu"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 120, env=repo_env(), rank_folders=folders)
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [0, 0], shown
+    assert "Restoring states" in outputs[0][1], shown
+    assert torch.load(folders[0] / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False,
+                      mmap=True)["global_step"] == 2
 
 
 def test_last_finds_a_loggers_checkpoint_from_a_run_resumed_without_that_logger(tmp_path):

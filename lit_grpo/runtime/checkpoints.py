@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -209,6 +210,52 @@ def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
                     if holder.is_file() or holder.is_dir():
                         times[path] = holder.stat().st_mtime
     return max(times, key=times.__getitem__, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointIdentity:
+    """What tells one checkpoint from another on every node, wherever each mounts the file system it is on:
+    ``name``, its path under the folder ``--ckpt_path last`` searched (``version_0/checkpoints/last.ckpt``);
+    ``global_step``, the trainer's step it holds (None where it has none); ``fingerprint``,
+    :func:`checkpoint_fingerprint` of its content."""
+
+    name: str
+    global_step: int | None
+    fingerprint: str
+
+
+def checkpoint_identity(path: str | os.PathLike, root: str | os.PathLike | None = None) -> CheckpointIdentity:
+    """The :class:`CheckpointIdentity` of the checkpoint at ``path``, named relative to ``root`` (its file name where
+    it is not under ``root``); a file that cannot be read as a checkpoint has global step None."""
+    path = Path(path)
+    try:
+        name = path.relative_to(root).as_posix() if root is not None else path.name
+    except ValueError:
+        name = path.name
+    try:
+        step = read_checkpoint_header(path).get("global_step")
+    except (OSError, ValueError):
+        step = None
+    return CheckpointIdentity(name, step if isinstance(step, int) else None, checkpoint_fingerprint(path))
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """16 hex digits hashing the content of the checkpoint at ``path`` as its own index lists it, so that the file
+    seen through another mount, or a copy of it, gives the same: each record of a torch (zip) file by its name within
+    the archive, size and CRC-32 (``torch.save`` writes them; no data is read), any other file by its size. A sharded
+    checkpoint's folder: each of its files so, by its name within the folder. A missing file hashes as nothing."""
+    path = Path(path)
+    files = sorted(entry for entry in path.rglob("*") if entry.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(path).as_posix() if path.is_dir() else ''}\0".encode())
+        try:
+            with zipfile.ZipFile(file) as archive:  # records are ARCHIVE/NAME, ARCHIVE named after the file
+                records = [(info.filename.split("/", 1)[-1], info.file_size, info.CRC) for info in archive.infolist()]
+        except (zipfile.BadZipFile, OSError):
+            records = [("", file.stat().st_size if file.is_file() else -1, 0)]
+        digest.update(repr(records).encode())
+    return digest.hexdigest()[:16]
 
 
 def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
