@@ -101,6 +101,10 @@ class GRPOCLI(LightningCLI):
     of its micro-batches. It is process-wide, so it is set in ``lit-grpo``'s own process, not by the modules.
     """
 
+    #: On several nodes, this rank's refusal of the ``--ckpt_path`` file ("" for none; None: not on several nodes),
+    #: for every rank to end on once they can talk (``_parse_ckpt_path``).
+    _refused_checkpoint: str | None = None
+
     def __init__(self, *args: Any, **kwargs: Any):
         command_args = kwargs.get("args")
         self.command_args = list(command_args) if command_args is not None else sys.argv[1:]
@@ -133,6 +137,8 @@ class GRPOCLI(LightningCLI):
                                  "last.ckpt beside lit_grpo's RunCheckpoint, which keeps it current (atomic, saved "
                                  "on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
             callbacks = [*callbacks, RunCheckpoint()]
+        if self._refused_checkpoint is not None:  # every rank ends on it once the ranks can talk (_parse_ckpt_path)
+            callbacks = [*callbacks, SameCheckpointOnEveryRank(None, refused=self._refused_checkpoint or None)]
         check_distinct_stateful_callbacks([*configured, *callbacks])
         trainer = super()._instantiate_trainer(config, callbacks)
         data_parallel_only(trainer.strategy)
@@ -157,15 +163,23 @@ class GRPOCLI(LightningCLI):
         """A ``--ckpt_path`` file is checked before anything loads it: a missing, cut-short or foreign file, or one
         trained with other settings, fails naming the file and what is wrong. (Lightning's own version of this
         hook loads the whole file and replaces the config's model settings with the checkpoint's; here the
-        config stays what the user gave, and the settings that must agree are compared.)"""
+        config stays what the user gave, and the settings that must agree are compared.) On several nodes, each of
+        which may see another file there, the refusal waits for the ranks to talk, and ends every rank then."""
+        self._refused_checkpoint = None
         if not self.config.get("subcommand"):
             return
         config = self.config[self.config.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
-            _resumable_or_exit("--ckpt_path", self.config.subcommand, ckpt_path, config.get("model") or {},
-                               config.get("data"), evaluate=self.config.subcommand != "fit",
+            refusal = _refusal("--ckpt_path", ckpt_path, config.get("model") or {}, config.get("data"),
+                               evaluate=self.config.subcommand != "fit",
                                defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings)
+            # the ranks of one node see one file system and refuse a file alike, each at once; a rank of one node
+            # ending alone now would leave the other nodes' waiting to connect
+            if _int_or_none((config.get("trainer") or {}).get("num_nodes")) not in (None, 1):
+                self._refused_checkpoint = "" if refusal is None else str(refusal)
+            elif refusal is not None:
+                _exit_with(refusal, self.config.subcommand)
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -207,13 +221,16 @@ class GRPOCLI(LightningCLI):
             for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
                 finish_interrupted_swaps(folder, clean=False)
         found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
-        if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared later
-            self.trainer.callbacks.append(SameCheckpointOnEveryRank(
-                found, _nothing_to_evaluate(root) if evaluate else None, root))
-        if found is not None:
-            _resumable_or_exit("--ckpt_path last", self.subcommand, found, self.model.hparams,
-                               getattr(self.datamodule, "hparams", None), evaluate=evaluate,
-                               defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
+        refusal = None if found is None else _refusal(
+            "--ckpt_path last", found, self.model.hparams, getattr(self.datamodule, "hparams", None),
+            evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
+        if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared, and a
+            # refusal ended on by every rank, once they can (a rank ending alone now would leave the others waiting)
+            missing = _nothing_to_evaluate(root) if evaluate else None
+            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found, missing, root,
+                                                                    None if refusal is None else str(refusal)))
+        elif refusal is not None:
+            _exit_with(refusal, self.subcommand)
         return root, found
 
     def _checkpoint_folders(self) -> tuple[Path, list[Path]]:
@@ -349,14 +366,22 @@ def _nothing_to_evaluate(root: Path) -> str:
     return f"--ckpt_path last: no last.ckpt under {root} to validate; give a checkpoint path"
 
 
-def _resumable_or_exit(flag: str, subcommand: str, *args: Any, **kwargs: Any) -> None:
-    """``check_resumable(*args, **kwargs)``; a checkpoint it refuses ends the command as a parse error does, the
-    message naming ``flag``."""
+def _refusal(flag: str, *args: Any, **kwargs: Any) -> ConfigError | None:
+    """Why ``check_resumable(*args, **kwargs)`` refuses the checkpoint, as a bad setting named ``flag`` (None: it
+    does not)."""
     try:
         with config_errors(flag):
             check_resumable(*args, **kwargs)
     except ConfigError as err:
-        _exit_with(err, subcommand)
+        return err
+    return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _exit_with(error: Exception, subcommand: str) -> None:
@@ -472,17 +497,24 @@ class SameCheckpointOnEveryRank(Callback):
     finding is compared by what identifies the checkpoint (``checkpoint_identity``: its path under ``root``, the
     folder searched, its step and content), not by its path, which differs between nodes that mount one file
     system at different places. ``missing``: where the command needs a checkpoint (``validate``), the error every
-    rank ends on when no rank found one (None: none found is a new run)."""
+    rank ends on when no rank found one (None: none found is a new run). ``refused``: why this rank's checkpoint
+    (found, or given with ``--ckpt_path`` on several nodes) cannot be resumed; where any rank's is refused, every
+    rank ends on the refusals first."""
 
-    def __init__(self, found: Path | None, missing: str | None = None, root: Path | None = None) -> None:
+    def __init__(self, found: Path | None, missing: str | None = None, root: Path | None = None,
+                 refused: str | None = None) -> None:
         self.found = None if found is None else (str(found), checkpoint_identity(found, root))
-        self.missing = missing
+        self.missing, self.refused = missing, refused
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not is_multi_process():
+            check_no_checkpoint_refused([self.refused])
             return
-        found: list[tuple[str, CheckpointIdentity] | None] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(found, self.found)
+        gathered: list[tuple[tuple[str, CheckpointIdentity] | None, str | None]] = [
+            (None, None)] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (self.found, self.refused))
+        check_no_checkpoint_refused([refused for _, refused in gathered])
+        found = [finding for finding, _ in gathered]
         check_same_checkpoint(found)
         if found[0] is None and self.missing is not None:
             raise NoCheckpointFound(self.missing)
@@ -494,6 +526,22 @@ class CheckpointsDiffer(ConfigError, RaisedOnEveryRank):
 
 class NoCheckpointFound(ConfigError, RaisedOnEveryRank):
     """No rank found a checkpoint for a command that needs one (every rank raises it, by agreement)."""
+
+
+class CheckpointRefused(ConfigError, RaisedOnEveryRank):
+    """A rank's checkpoint cannot be resumed (every rank raises it, by agreement)."""
+
+
+def check_no_checkpoint_refused(refused: Sequence[str | None]) -> None:
+    """Raise :class:`CheckpointRefused` where a rank's checkpoint was refused (``refused[rank]``: why, or None),
+    naming each refusal once with the ranks it came from."""
+    ranks: dict[str, list[int]] = {}
+    for rank, reason in enumerate(refused):
+        if reason is not None:
+            ranks.setdefault(reason, []).append(rank)
+    if ranks:
+        raise CheckpointRefused("; ".join(f"rank {', '.join(map(str, where))}: {reason}"
+                                          for reason, where in ranks.items()))
 
 
 def check_same_checkpoint(found: Sequence[tuple[str, CheckpointIdentity] | None]) -> None:

@@ -792,7 +792,7 @@ def test_validate_with_no_rank_finding_a_checkpoint_ends_every_rank_once_they_ca
 
     monkeypatch.setattr(cli, "is_multi_process", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    gathered = [None if path is None else (path, checkpoint_identity(path)) for path in findings]
+    gathered = [(None if path is None else (path, checkpoint_identity(path)), None) for path in findings]
     monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, _: out.__setitem__(slice(None), gathered))
     missing = "--ckpt_path last: no last.ckpt under /runs to validate; give a checkpoint path"
     cli.SameCheckpointOnEveryRank(None, None).setup(None, None, "fit")
@@ -837,6 +837,44 @@ def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_diff
     outputs = forked_cli.run_ranks(argv, folders[0], free_port(), 180, env=repo_env())
     assert [code for code, _, _ in outputs] == [0, 0], "\n\n".join(output[-3000:] for _, output, _ in outputs)
     assert _last_step(folders[0] / "run") == 2
+
+
+def test_a_checkpoint_refused_on_one_rank_is_named_by_every_rank():
+    from lit_grpo.cli import CheckpointRefused, check_no_checkpoint_refused
+    from lit_grpo.runtime.distributed import RaisedOnEveryRank
+
+    check_no_checkpoint_refused([None, None])
+    with pytest.raises(CheckpointRefused) as raised:
+        check_no_checkpoint_refused(["bad a", None, "bad b", "bad a"])
+    assert str(raised.value) == "rank 0, 3: bad a; rank 2: bad b"
+    assert isinstance(raised.value, RaisedOnEveryRank)
+
+
+def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_path):
+    """On 2 nodes x 1 process, rank 1's node holds a cut-short copy of rank 0's last.ckpt (``--ckpt_path last``), or
+    lacks the file ``--ckpt_path PATH`` names: rank 1 refuses it before the ranks can talk, and both end on its
+    refusal, at setup, instead of rank 1 ending alone and rank 0 waiting for it to connect."""
+    from tools.harness import free_port, repo_env
+
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    build_cli(_fit_args(folders[0] / "run", steps=1))
+    found = Path("run") / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    (folders[1] / found).parent.mkdir(parents=True)
+    (folders[1] / found).write_bytes((folders[0] / found).read_bytes()[:1000])
+    two = ["--trainer.limit_val_batches", "0", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+           "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    for given, refusal in (("last", f"rank 1: --ckpt_path last: checkpoint {found} is cut short"),
+                           (str(found), f"rank 1: --ckpt_path: checkpoint {found} does not exist")):
+        if given != "last":
+            (folders[1] / found).unlink()
+        argv = [*_fit_args(Path("run"), "--ckpt_path", given, *two, steps=2)]
+        outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 60, env=repo_env(), rank_folders=folders)
+        shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+        assert [code for code, _, _ in outputs] == [2, 2], shown
+        for rank, (_, output, _) in enumerate(outputs):
+            assert f"error: {refusal}" in output, shown
+            assert f"lit-grpo: rank {rank} of 2 failed: CheckpointRefused: {refusal}" in output, shown
+        assert "Restoring states" not in shown and "Traceback" not in shown
 
 
 def test_two_ranks_resume_one_checkpoint_their_nodes_see_at_different_paths(tmp_path):
