@@ -877,6 +877,24 @@ def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_pa
         assert "Restoring states" not in shown and "Traceback" not in shown
 
 
+def test_validate_last_with_no_checkpoint_on_any_rank_ends_every_rank_naming_it(tmp_path):
+    """``validate --ckpt_path last`` on 2 nodes x 1 process where no rank finds a last.ckpt: both end on the same
+    error (NoCheckpointFound) once they can talk, exit status 2, in seconds."""
+    from tools.harness import free_port, repo_env
+
+    argv = ["validate", "--config", TINY, "--trainer.default_root_dir", "run", "--ckpt_path", "last",
+            "--torch_num_threads", "1", "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy",
+            "ddp", "--trainer.accelerator", "cpu"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 60, env=repo_env())
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [2, 2], shown
+    missing = "--ckpt_path last: no last.ckpt under run/lightning_logs to validate; give a checkpoint path"
+    for rank, (_, output, _) in enumerate(outputs):
+        assert f"error: {missing}" in output, shown
+        assert f"lit-grpo: rank {rank} of 2 failed: NoCheckpointFound: {missing}; every rank stops" in output, shown
+    assert "Traceback" not in shown
+
+
 def test_two_ranks_resume_one_checkpoint_their_nodes_see_at_different_paths(tmp_path):
     """Nodes that mount one file system at different places find one last.ckpt at different absolute paths (here a
     checkpoint folder given relative to each node's working folder, which the checkpoint callback makes absolute,
