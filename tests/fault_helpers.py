@@ -10,7 +10,11 @@ Places (``PLACES``), each at its first occurrence on the planted rank:
 - ``loss``: a non-finite advantage, so this rank's loss is not finite (the check that spans the ranks);
 - ``update``: the backward of the update (a gradient hook), while the other ranks reduce their gradients;
 - ``validation``: the rollout of a validation batch;
-- ``checkpoint``: a save of ``last.ckpt`` (``on_save_checkpoint``, which every rank calls).
+- ``checkpoint``: a save of ``last.ckpt`` (``on_save_checkpoint``, which every rank calls);
+- ``setup``: the callbacks' ``setup``, once the ranks can talk (the others go on to set up the model);
+- ``load``: the restore of a resumed checkpoint (``on_load_checkpoint``), the others restoring theirs;
+- ``train_end``: the end of training (``on_train_end``), the others going on to the end of fit's gathers;
+- ``export``: ``ExportModel``'s write of the trained model on rank 0, the others at the end of fit.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from lightning.pytorch import Callback
 
 from lit_grpo.runtime.validation import ConfigError
 
-PLACES = ("rollout", "reward", "loss", "update", "validation", "checkpoint")
+PLACES = ("rollout", "reward", "loss", "update", "validation", "checkpoint", "setup", "load", "train_end", "export")
 
 
 class PlantedError(RuntimeError):
@@ -53,7 +57,13 @@ class PlantedFault(Callback):
         if trainer.global_rank != self.rank:
             return
         data = trainer.datamodule
-        if self.place == "reward":
+        if self.place == "setup":
+            self._fire()
+        elif self.place == "export":
+            from lit_grpo.callbacks import export_model
+
+            export_model.export_policy = self._fire
+        elif self.place == "reward":
             reward = data.reward_funcs[0]
             data.reward_funcs[0] = type(reward)(self._fire, reward.weight, reward.name)
         elif self.place == "validation":
@@ -77,6 +87,14 @@ class PlantedFault(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.place == "checkpoint" and trainer.global_rank == self.rank:
+            self._fire()
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if self.place == "load" and trainer.global_rank == self.rank:
+            self._fire()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.place == "train_end" and trainer.global_rank == self.rank:
             self._fire()
 
 

@@ -4,9 +4,10 @@ Each case plants a ``PlantedError`` (tests/fault_helpers.py) on rank 0 or rank 1
 the tiny config, launched as 2 nodes x 1 process (no launcher ties the processes together: only lit_grpo's own
 handling ends the other rank), in one place: a training rollout (ddp, and under FSDP2 on the gathered copy and on
 the shards in lockstep), a reward function (ddp, and inside FSDP2's lockstep scope), the loss (a non-finite one,
-checked on every rank), the update's backward, a validation rollout and a checkpoint save. Two more cases: a rank
-away from any collective while another fails (ended by its failure watch), and Lightning's own launcher
-(``--trainer.devices 2``) as real ``lit-grpo`` processes.
+checked on every rank), the update's backward, a validation rollout, a checkpoint save, the setup once the ranks
+can talk and the end of training; and, each on the rank it happens on, the restore of a resumed checkpoint and the
+export of the trained model. Two more cases: a rank away from any collective while another fails (ended by its
+failure watch), and Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes.
 """
 
 import os
@@ -43,6 +44,8 @@ CASES = [
     ("update", "ddp", []),
     ("validation", "ddp", ["--trainer.limit_val_batches", "1"]),
     ("checkpoint", "ddp", ["--trainer.enable_checkpointing", "true"]),
+    ("setup", "ddp", []),
+    ("train_end", "ddp", []),
 ]
 
 
@@ -88,6 +91,23 @@ def test_an_error_on_one_rank_ends_every_rank_naming_it(tmp_path, place, strateg
     if place == "loss":  # the weights never moved: no optimizer step ran on either rank
         for _, output, _ in outputs:
             assert "no optimizer step was taken" in output
+
+
+def test_an_error_restoring_a_checkpoint_or_exporting_ends_every_rank_naming_it(tmp_path):
+    """The restore of ``--ckpt_path last`` failing on rank 1 (each rank loads the checkpoint itself), and
+    ``ExportModel``'s write failing on rank 0 (the one that writes) while rank 1 goes on to the end of fit."""
+    from lit_grpo.cli import build_cli
+
+    two = ["--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+           "--trainer.default_root_dir", str(tmp_path / "run")]
+    build_cli(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps",
+               "1", "--trainer.limit_val_batches", "0", "--torch_num_threads", "1"])
+    for place, rank, args in (("load", 1, ["--ckpt_path", "last", "--trainer.enable_checkpointing", "true"]),
+                              ("export", 0, ["--trainer.callbacks+=lit_grpo.callbacks.ExportModel"])):
+        argv = [*RUN_ARGS, *two, *args, "--trainer.max_steps", "2", "--trainer.callbacks+=fault_helpers.PlantedFault",
+                f"--trainer.callbacks.place={place}", f"--trainer.callbacks.rank={rank}"]
+        outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S)
+        _check_ended_naming_the_failure(outputs, rank, place)
 
 
 def test_a_rank_away_from_any_collective_ends_within_seconds_of_anothers_failure(tmp_path):
