@@ -38,7 +38,8 @@ class RunCheckpoint(ModelCheckpoint):
     - every ``every_n_train_steps`` optimizer steps (after the training step that passes each multiple of it:
       a GRPO step makes ``num_iterations`` optimizer steps), and after the first step that ends ``train_time_interval``
       (a ``timedelta``; in YAML ``"0:30:00"``) after the last save; the interval bounds what a kill (SIGKILL, a
-      lost machine) can cost, the README states what a save costs;
+      lost machine) can cost, the README states what a save costs; where a validation follows that step, the save
+      waits for it (with ``save_on_validation``), so the checkpoint holds what the validation changed;
     - at the end of fit, and when a stop signal comes.
 
     Lightning's own ``ModelCheckpoint(save_last=True, save_top_k=0)`` writes ``last.ckpt`` only when fit ends, and
@@ -135,7 +136,10 @@ class RunCheckpoint(ModelCheckpoint):
         if accumulating(trainer, batch_idx):  # saves and stops wait for the batch that ends the optimizer step
             return
         stop = self._stop_agreed(trainer)
-        if stop or self._interval_due(trainer):
+        # a step that a validation follows is saved after it (save_on_validation): saved here, the checkpoint
+        # would miss what the validation changed (other callbacks' state, FitSummary's curve) and hold the step
+        # twice, since the save after the validation is of the same step and skipped
+        if stop or (self._interval_due(trainer) and not (self.save_on_validation and _validation_follows(trainer))):
             self._save_last(trainer)
         self._step_before = trainer.global_step
         if stop:
@@ -231,6 +235,16 @@ def last_checkpoint_callback(trainer: pl.Trainer) -> ModelCheckpoint | None:
     ``ModelCheckpoint`` (``trainer.checkpoint_callback``), which may be one that only keeps a history."""
     return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, RunCheckpoint)),
                 trainer.checkpoint_callback)
+
+
+def _validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop runs a validation right after this training batch (its own rule: the epoch, the batch
+    or time interval, a stop; read from its private state, Lightning has no public view of it)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    check = getattr(loop, "_should_check_val_fx", None)
+    if check is None or getattr(loop, "_skip_next_val", False):
+        return False
+    return bool(check(trainer.fit_loop._data_fetcher))
 
 
 def _writes_a_folder(strategy: Any) -> bool:

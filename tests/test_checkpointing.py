@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import forked_cli
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -1059,3 +1060,39 @@ def test_run_checkpoint_writes_a_sharded_checkpoint_beside_its_place_then_swaps_
     assert written == [str(staging_path(last, os.getpid()))]
     assert (last / "shard").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     assert callback._last_checkpoint_saved == str(last)
+
+
+class _CountsValidations(pl.Callback):
+    """State that a validation changes, as EarlyStopping's or a summary's."""
+
+    def __init__(self) -> None:
+        self.validations = 0
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.validations += 1
+
+    def state_dict(self) -> dict:
+        return {"validations": self.validations}
+
+
+def test_a_step_save_that_a_validation_follows_holds_what_the_validation_changed(tmp_path):
+    """Saves every 2 steps and validations every 2 steps: the step's save waits for its validation, once."""
+    from callback_helpers import TinyRegression
+
+    class Validated(TinyRegression):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    checkpoint = RunCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=4, accelerator="cpu", val_check_interval=2,
+                         num_sanity_val_steps=0, callbacks=[_CountsValidations(), checkpoint], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Validated())
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4
+    assert saved["callbacks"]["_CountsValidations"] == {"validations": 2}  # the validation after step 4 included
+    assert checkpoint.saves == 2  # after each validation; step 4's not again before it
