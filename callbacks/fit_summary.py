@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
@@ -59,6 +59,13 @@ class FitSummary(Callback):
     its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
     rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered
     when training ends).
+
+    **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
+    time, rollouts, the accuracy and reward curves) are kept in the checkpoint (``state_dict``) and go on from there,
+    each fit's time counted (not the time between fits); a ``resumed`` line says at which step this fit started and
+    how many steps it ran. The host peak and the checkpoint's save count are this fit's (an earlier process's were
+    not kept); a resume from a checkpoint without this state says that the lines cover this fit's steps alone.
+
     TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
     (the x of step k's own scalars). Logs no keys of its own.
 
@@ -82,7 +89,8 @@ class FitSummary(Callback):
         self._start()
 
     def _start(self) -> None:
-        """Nothing collected yet: at construction and when a fit starts (one instance may serve several)."""
+        """Nothing collected yet: at construction and when a fit starts (one instance may serve several; a resumed
+        fit then loads its checkpoint's totals, ``load_state_dict``)."""
         self.steps = 0  # training steps: the batches that end an optimizer step, whatever their optimizer steps
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
@@ -90,13 +98,20 @@ class FitSummary(Callback):
         # largest); their timelines and decisions are left out, so the totals do not grow with the run.
         self.rollouts = 0  # training batches that carried a rollout (several a step under gradient accumulation)
         self.rollout_steps = 0  # training steps with a rollout
-        self._step_rolled_out = False  # whether a batch of the step under way carried a rollout
         self.rollout_totals = RolloutStats()
         self.rollout_s = 0.0  # the rollouts' seconds: each batch's slowest rank's, which every rank waited for
-        self._started_s: float | None = None  # when the training steps started (after the first validation)
-        self._validation_s = 0.0  # seconds of validation since then
+        # The step under way's rollouts (every rank's stats, the slowest rank's seconds), added to the totals when
+        # the step ends: a checkpoint holds whole steps only, as the rest of the run's state does.
+        self._step_rollouts: list[tuple[list[RolloutStats], float]] = []
+        self._elapsed_before_s = 0.0  # the earlier fits' time since their training started (a resumed run)
+        self._started_s: float | None = None  # when this fit's training steps started (after the first validation)
+        self._validation_s = 0.0  # seconds of validation since the training steps started, earlier fits' included
         self._validation_started_s: float | None = None
         self._host_peak: int | None = None  # the ranks' largest resident high-water mark when training ended
+        self._restored = False  # whether this fit goes on from a checkpoint's totals
+        self.resumed_at: int | None = None  # the training steps done when this fit started; None: a fresh run
+        self._fit_started_steps = 0  # self.steps when this fit's training started
+        self._resuming = False  # a resumed fit without a checkpoint state whose first batch is still to come
 
     # ------------------------------------------------------------------------------------------ collect
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -110,6 +125,15 @@ class FitSummary(Callback):
                     checkpoint.listen_for_stops()
             _validate_now(trainer)
         self._started_s = time.perf_counter()  # time per step: the training steps only
+        self._fit_started_steps = self.steps
+        self._resuming = trainer.global_step > 0 and not self._restored  # its step is read at its first batch
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._resuming:  # a checkpoint without this state: the loop's count of training steps, which it
+            # restores (global_step counts optimizer steps), is set right once the epoch loop has started
+            self._resuming = False
+            self.resumed_at = logger_step(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._validation_started_s = time.perf_counter()
@@ -133,15 +157,17 @@ class FitSummary(Callback):
             # gather a batch under several processes, shared with RolloutProfiler)
             per_rank = [dataclasses.replace(rank, timeline=[], decisions=[])
                         for rank in rank_rollout_stats(trainer, stats)]
-            self.rollouts += 1
-            self.rollout_s += max(rank.wall_s for rank in per_rank)
-            self.rollout_totals = merge_stats([self.rollout_totals, *per_rank])
-            self._step_rolled_out = True
+            self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
         if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
             return
         self.steps += 1
-        self.rollout_steps += self._step_rolled_out
-        self._step_rolled_out = False
+        if self._step_rollouts:
+            self.rollouts += len(self._step_rollouts)
+            self.rollout_steps += 1
+            self.rollout_s += sum(seconds for _, seconds in self._step_rollouts)
+            self.rollout_totals = merge_stats([self.rollout_totals, *(rank for per_rank, _ in self._step_rollouts
+                                                                      for rank in per_rank)])
+            self._step_rollouts = []
         value = self._logged(trainer, self.reward_key, "")
         if value is not None and math.isfinite(float(value)):
             self.rewards.append(float(value))
@@ -164,6 +190,53 @@ class FitSummary(Callback):
             peak = int(trainer.strategy.all_gather(torch.tensor(peak, device=pl_module.device)).max())
         self._host_peak = peak
 
+    # ------------------------------------------------------------------------------------------ resume
+    @property
+    def state_key(self) -> str:
+        """Unique per summarised keys, as ModelCheckpoint's: two summaries of different keys keep their own state."""
+        return self._generate_state_key(accuracy_key=self.accuracy_key, reward_key=self.reward_key)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A resume that summarises other keys finds no state under its own: the checkpoint's one FitSummary
+        state gives the run's totals (its curves of other keys left out, ``load_state_dict``)."""
+        saved = checkpoint.get("callbacks") or {}
+        if self.state_key in saved:
+            return
+        summaries = [key for key in saved if str(key).startswith(f"{FitSummary.__qualname__}{{")]
+        if len(summaries) == 1:
+            self.load_state_dict(saved[summaries[0]])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's totals up to the last completed step (a checkpoint is saved at a step boundary)."""
+        return {"steps": self.steps, "accuracy_key": self.accuracy_key, "accuracy": [list(a) for a in self.accuracy],
+                "reward_key": self.reward_key, "rewards": list(self.rewards), "rollouts": self.rollouts,
+                "rollout_steps": self.rollout_steps, "rollout_s": self.rollout_s,
+                "rollout_totals": self.rollout_totals.scalars(), "elapsed_s": self._elapsed(),
+                "validation_s": self._validation_s}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Go on from a checkpoint's totals; a curve saved under another key is left out (said once)."""
+        self.steps = int(state_dict["steps"])
+        self.rollouts, self.rollout_steps = int(state_dict["rollouts"]), int(state_dict["rollout_steps"])
+        self.rollout_s = float(state_dict["rollout_s"])
+        self.rollout_totals = RolloutStats(**state_dict["rollout_totals"])
+        self._elapsed_before_s, self._validation_s = float(state_dict["elapsed_s"]), float(state_dict["validation_s"])
+        for series, key, saved_key in (("accuracy", self.accuracy_key, state_dict["accuracy_key"]),
+                                       ("rewards", self.reward_key, state_dict["reward_key"])):
+            if saved_key == key:
+                setattr(self, series, [tuple(a) if series == "accuracy" else float(a) for a in state_dict[series]])
+            else:
+                rank_zero_info(f"FitSummary: the checkpoint's {series} are of {saved_key!r}, not {key!r}: the "
+                               "summary's line for it covers this fit alone")
+        self._restored = True
+        self.resumed_at = self._fit_started_steps = self.steps  # also where the fit trains nothing (no train start)
+
+    def _elapsed(self) -> float:
+        """Seconds since the training steps started, validations included, the earlier fits' added."""
+        now = time.perf_counter() - self._started_s if self._started_s is not None else 0.0
+        return self._elapsed_before_s + now
+
     # ------------------------------------------------------------------------------------------ report
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -174,13 +247,19 @@ class FitSummary(Callback):
         steps = self.steps
         host = None if self._host_peak is None else max(self._host_peak, host_peak_bytes())  # and the end of fit's,
         # read before the decode floor's bandwidth measurement allocates its buffer
-        elapsed = time.perf_counter() - self._started_s if self._started_s is not None else 0.0
+        elapsed = self._elapsed()
         training_s = max(elapsed - self._validation_s, 0.0)
         per_step = f"{training_s / steps:.1f} s per step" if steps else ""
         if self._validation_s >= 0.5:
             per_step += f", plus {_duration(self._validation_s)} of validation"
         lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
-        if not steps and 0 <= trainer.max_steps <= trainer.global_step:  # e.g. a resume of a finished run
+        fit_steps = steps - self._fit_started_steps
+        if self.resumed_at is not None:
+            covers = (f"the lines cover all {steps}" if self._restored else
+                      "the checkpoint held no FitSummary state: the lines cover this fit's steps alone")
+            lines.append(f"  {'resumed':<14} at step {self.resumed_at}, {_count(fit_steps, 'step')} in this fit; "
+                         + covers)
+        if not fit_steps and 0 <= trainer.max_steps <= trainer.global_step:  # e.g. a resume of a finished run
             lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
                          f"{trainer.global_step}): raise --trainer.max_steps to train on")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with
@@ -205,8 +284,9 @@ class FitSummary(Callback):
             lines.append(f"  {'rollout peak':<14} {peak}")
         if host is not None:
             lines.append(f"  {'host peak':<14} {format_bytes(host)} resident (the process's high-water mark"
-                         + (", the largest rank's)" if trainer.world_size > 1 else ")"))
-        lines.extend(self._where_lines(trainer))
+                         + (", the largest rank's" if trainer.world_size > 1 else "")
+                         + (", this fit's)" if self.resumed_at is not None else ")"))
+        lines.extend(self._where_lines(trainer, resumed=self.resumed_at is not None))
         return lines
 
     def _rollout_time(self, training_s: float) -> str:
@@ -246,7 +326,7 @@ class FitSummary(Callback):
         return "; ".join(parts)
 
     @staticmethod
-    def _where_lines(trainer: pl.Trainer) -> list[str]:
+    def _where_lines(trainer: pl.Trainer, resumed: bool = False) -> list[str]:
         lines = []
         logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if logger is not None:
@@ -258,7 +338,8 @@ class FitSummary(Callback):
             if path and os.path.exists(path):
                 saves = ""
                 if isinstance(checkpoint, RunCheckpoint) and checkpoint.saves:
-                    saves = f", {_count(checkpoint.saves, 'save')} in {checkpoint.save_seconds:.1f} s"
+                    saves = (f", {_count(checkpoint.saves, 'save')} in {checkpoint.save_seconds:.1f} s"
+                             + (" in this fit" if resumed else ""))
                     resume = "--ckpt_path last"
                 else:
                     resume = f"--ckpt_path {shown_path(path)}"

@@ -89,12 +89,14 @@ def test_the_run_callbacks_work_on_a_plain_module_and_across_a_resume(tmp_path, 
     assert "lit_grpo: 4 steps in" in capsys.readouterr().out
 
     trainer, summary, forecast = run(6, ckpt_path=last)
-    assert trainer.global_step == 6 and summary.steps == 2
+    assert trainer.global_step == 6 and summary.steps == 6 and summary.resumed_at == 4  # the whole run's
+    assert [step for step, _ in summary.accuracy] == [0, 2, 4, 6]
     assert forecast.steps == [float(step) for step in range(6)]  # the checkpoint's history, then its own points
     bar = trainer.progress_bar_callback.train_progress_bar
     assert (bar.initial, bar.n, bar.total) == (4, 6, 6)
     out = capsys.readouterr().out
-    assert "lit_grpo: 2 steps in" in out and "GRPO steps" in out
+    assert "lit_grpo: 6 steps in" in out and "resumed        at step 4, 2 steps in this fit" in out
+    assert "GRPO steps" in out
 
 
 # ----------------------------------------------------------------------------------------------------------------

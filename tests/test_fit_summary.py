@@ -127,15 +127,17 @@ def test_a_validation_is_placed_by_training_steps_not_optimizer_steps(tmp_path):
 def test_a_resumed_run_does_not_validate_again_before_its_first_step(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(4)]
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
-    _trainer(tmp_path, [FitSummary(), checkpoint], max_steps=2).fit(ValidatedModule(rollouts))
+    _trainer(tmp_path, [checkpoint], max_steps=2).fit(ValidatedModule(rollouts))  # no summary state in it
     resumed = FitSummary()
     trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False)
     trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert [step for step, _ in resumed.accuracy] == [4]
     lines = resumed.summary_lines(trainer)
     assert lines[0].startswith("lit_grpo: 2 steps in")
+    assert lines[1] == ("  resumed        at step 2, 2 steps in this fit; the checkpoint held no FitSummary state: "
+                        "the lines cover this fit's steps alone")
     # its one validation stands alone, not as "x -> x (after step 4 -> after step 4)"
-    assert lines[1] == f"  val/accuracy   {resumed.accuracy[0][1]:.3f}   (after step 4)"
+    assert lines[2] == f"  val/accuracy   {resumed.accuracy[0][1]:.3f}   (after step 4)"
     assert not any("nothing to do" in line for line in lines)
     finished = FitSummary()  # a resume of a run already at max_steps trains nothing, and says what to raise
     trainer = _trainer(tmp_path / "finished", [finished], max_steps=2, enable_checkpointing=False)
@@ -253,3 +255,37 @@ def test_the_rollout_time_of_a_step_counts_every_micro_batchs_rollout(tmp_path):
     assert summary.steps == 2 and summary.rollouts == 4
     assert summary.rollout_totals.generated_tokens == sum(r.stats.generated_tokens for r in rollouts)
     assert "rollout time   1.00 s a step" in "\n".join(summary.summary_lines(trainer))
+
+
+def test_a_resumed_summary_describes_the_whole_run(tmp_path):
+    """Stopped after 2 of 4 steps and resumed, the summary's totals are those of 4 uninterrupted steps: its state
+    travels in the checkpoint, as the rest of the run's does."""
+    rollouts = [make_rollout(seed % 2) for seed in range(4)]  # the resumed epoch starts over: the same batches
+    whole = FitSummary()
+    _trainer(tmp_path / "whole", [whole], max_steps=4, enable_checkpointing=False).fit(ValidatedModule(rollouts))
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    _trainer(tmp_path, [FitSummary(), checkpoint], max_steps=2).fit(ValidatedModule(rollouts))
+    resumed = FitSummary()
+    trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False)
+    trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+
+    assert (resumed.steps, resumed.rollouts, resumed.rollout_steps) == (whole.steps, whole.rollouts, 4)
+    assert resumed.rewards == pytest.approx(whole.rewards)
+    assert [step for step, _ in resumed.accuracy] == [step for step, _ in whole.accuracy] == [0, 4]
+    assert [value for _, value in resumed.accuracy] == pytest.approx([value for _, value in whole.accuracy])
+    assert resumed.rollout_totals.generated_tokens == whole.rollout_totals.generated_tokens
+    assert resumed.rollout_s == pytest.approx(whole.rollout_s)
+    lines = resumed.summary_lines(trainer)
+    assert lines[0].startswith("lit_grpo: 4 steps in")
+    assert lines[1] == "  resumed        at step 2, 2 steps in this fit; the lines cover all 4"
+    assert lines[2].endswith("(before training -> after step 4)")
+    assert "rollout time   0.50 s a step" in "\n".join(lines)
+    finished = FitSummary()  # a resume of the finished run trains nothing: the run's summary, and what to raise
+    trainer = _trainer(tmp_path / "finished", [finished], max_steps=2, enable_checkpointing=False)
+    trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    lines = finished.summary_lines(trainer)
+    assert lines[:3] == ["lit_grpo: 2 steps in 0 s (0.0 s per step)"[:len(lines[0])] and lines[0],
+                         "  resumed        at step 2, 0 steps in this fit; the lines cover all 2",
+                         "  nothing to do  the run is at trainer.max_steps=2 (step 2): raise --trainer.max_steps to "
+                         "train on"]
