@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -91,6 +93,7 @@ class PeakMemoryMonitor(Callback):
         self._accumulated: dict[str, int] = {}  # the peaks of a step's earlier micro-batches (gradient accumulation)
         self._before_optimizer: dict[str, int] | None = None  # the update's peaks up to its optimizer step
         self._started: dict[str, int] = {}  # bytes held when each phase started
+        self._held: dict[str, int] = {}  # the open window's peaks before a pause (``paused``), kept past its reset
         #: The largest value of every logged key over the fit so far (what a summary reports).
         self.max_logged: dict[str, int] = {}
         self._warned_prefetch = False
@@ -136,7 +139,7 @@ class PeakMemoryMonitor(Callback):
     ) -> None:
         if self._tracker is None:
             return
-        self._rollout_peaks = self._tracker.read()
+        self._rollout_peaks = self._read()
         self._before_optimizer = None
         self._start("update")
         if rollout_stats(batch) is not None:
@@ -146,7 +149,7 @@ class PeakMemoryMonitor(Callback):
         if self._tracker is None:
             return
         # The optimizer phase restarts the tracker; the update's peak so far is kept for the whole update's.
-        self._before_optimizer = _larger(self._before_optimizer or {}, self._tracker.read())
+        self._before_optimizer = _larger(self._before_optimizer or {}, self._read())
         self._start("optimizer")
 
     def on_train_batch_end(
@@ -175,7 +178,7 @@ class PeakMemoryMonitor(Callback):
     def _batch_peaks(self, batch: Any) -> dict[str, int]:
         """This process's peaks of the training batch that just ended, by logged key: its rollout, update and
         optimizer phases (lit_grpo batches), and the step's so far (its delta from the step's start)."""
-        last = self._tracker.read()
+        last = self._read()
         peaks = {"rollout": self._rollout_peaks, "update": _larger(self._before_optimizer or {}, last)}
         if self._before_optimizer is not None:
             peaks["optimizer"] = last
@@ -189,10 +192,28 @@ class PeakMemoryMonitor(Callback):
                 metrics[f"memory/{phase}_peak_delta_bytes"] = max(0, peaks[phase]["peak_bytes"] - self._started[phase])
         return metrics
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Memory used inside is left out of every phase's peak (a measurement's own buffer, as RolloutProfiler's
+        bandwidth probe): the open window's peaks so far are kept, and its tracker restarts after."""
+        if self._tracker is None:
+            yield
+            return
+        self._held = _larger(self._held, self._tracker.read())
+        try:
+            yield
+        finally:
+            self._tracker.reset()
+
+    def _read(self) -> dict[str, int]:
+        """The open window's peaks, what it held before a pause included."""
+        return _larger(self._held, self._tracker.read())
+
     def _start(self, *phases: str) -> None:
         """Mark the start of ``phases``: reset the peak and remember what is held now."""
         if self._tracker is None:
             return
+        self._held = {}
         self._tracker.reset()
         held = self._tracker.current()
         for phase in phases:
@@ -214,6 +235,16 @@ class PeakMemoryMonitor(Callback):
                 "PeakMemoryMonitor: the train dataloader has no __len__, so Lightning pre-fetches one batch: the "
                 "rollout measured before step i is the rollout of step i+1. Give the dataloader a __len__."
             )
+
+
+@contextmanager
+def memory_peaks_paused(trainer: pl.Trainer) -> Iterator[None]:
+    """Every PeakMemoryMonitor of ``trainer`` leaves out what is used inside (``PeakMemoryMonitor.paused``)."""
+    with ExitStack() as stack:
+        for callback in trainer.callbacks:
+            if isinstance(callback, PeakMemoryMonitor):
+                stack.enter_context(callback.paused())
+        yield
 
 
 def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:

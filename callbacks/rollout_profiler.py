@@ -16,6 +16,7 @@ from lit_grpo.scheduling.base import DECISION_NAMES
 
 from ._rollout import (log_metrics, measured_kv_bytes, rank_decision_counts, rank_rollout_stats, rollout_stats,
                        show_in_progress_bar)
+from .peak_memory import memory_peaks_paused
 
 #: RolloutStats fields logged as ``rollout/<field>``.
 ROLLOUT_FIELDS = (
@@ -100,12 +101,13 @@ class RolloutProfiler(Callback):
     ranks (a rank without a predictor left out).
     ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
 
-    With batches that are not lit_grpo rollouts (any other LightningModule) it logs nothing and warns once.
+    With batches that are not lit_grpo rollouts (any other LightningModule) it does nothing (no bandwidth probe)
+    and says so once, on rank 0.
 
     Args:
         progress_bar: show the step's decode steps, lower bound and utilization in the progress bar.
         read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, briefly,
-            as training starts, before any memory peak is read: its buffer is not the step's).
+            at the first rollout, its buffer left out of PeakMemoryMonitor's peaks; never without rollouts).
     """
 
     def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:
@@ -114,17 +116,20 @@ class RolloutProfiler(Callback):
             floor_ms(0, read_bytes_per_s)  # a bad value is refused here, naming it
         self.progress_bar = progress_bar
         self.read_bytes_per_s = read_bytes_per_s
+        self._measured: dict[str, float] = {}  # the bandwidth measured, by device
         self._warned_no_rollout = False
 
     def bandwidth(self, trainer: pl.Trainer) -> float:
         """The read bandwidth the floor is taken at (bytes/s): ``read_bytes_per_s``, else the device's, measured
-        once per process."""
-        return self.read_bytes_per_s or read_bandwidth(trainer.strategy.root_device)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # before the first epoch, where PeakMemoryMonitor's first window opens: the probe's buffer (hundreds of
-        # MiB) would otherwise be counted in the first step's peaks
-        self.bandwidth(trainer)
+        once per process, where first asked (the first rollout), outside PeakMemoryMonitor's peaks: the probe's
+        buffer (hundreds of MiB) is no step's."""
+        if self.read_bytes_per_s is not None:
+            return self.read_bytes_per_s
+        device = str(trainer.strategy.root_device)
+        if device not in self._measured:
+            with memory_peaks_paused(trainer):
+                self._measured[device] = read_bandwidth(trainer.strategy.root_device)
+        return self._measured[device]
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -444,7 +444,7 @@ class _RecordingLogger:
 def _stand_in_trainer(all_gather) -> SimpleNamespace:
     """What the callbacks read of a trainer of world size 2, with ``all_gather`` as the strategy's."""
     strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
-    return SimpleNamespace(world_size=2, strategy=strategy,
+    return SimpleNamespace(world_size=2, strategy=strategy, callbacks=[],
                            loggers=[_RecordingLogger()], log_every_n_steps=1, should_stop=False, callback_metrics={},
                            accumulate_grad_batches=1, is_last_batch=False, is_global_zero=False,
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)))
@@ -493,18 +493,38 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
     assert logged["rollout/length_pred_kendall_tau"] == 0.5  # rank 1 had no predictor: rank 0's alone
 
 
-def test_rollout_profiler_measures_the_bandwidth_before_any_memory_peak_is_read(tmp_path, monkeypatch):
-    """The probe's buffer (hundreds of MiB) must not land in the first step's memory peaks."""
+def test_rollout_profiler_measures_no_bandwidth_without_rollouts(tmp_path, monkeypatch):
+    """On a plain module the profiler does nothing (no probe of hundreds of MiB) and says so once; the summary
+    has no floor to draw either."""
     from lit_grpo.callbacks import rollout_profiler
 
-    order = []
-    monkeypatch.setattr(rollout_profiler, "read_bandwidth", lambda device: order.append("bandwidth") or 1e9)
-    start = PeakMemoryMonitor._start
-    monkeypatch.setattr(PeakMemoryMonitor, "_start", lambda self, *phases: (order.append("window"),
-                                                                          start(self, *phases))[1])
-    fit(tmp_path, RolloutModule([make_rollout(0), make_rollout(1)]), [PeakMemoryMonitor(), RolloutProfiler()],
-        max_steps=2)
-    assert order[0] == "bandwidth" and "window" in order
+    probes = []
+    monkeypatch.setattr(rollout_profiler, "read_bandwidth", lambda device: probes.append(device) or 1e9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, TinyRegression(), [PeakMemoryMonitor(), RolloutProfiler(), FitSummary()], max_steps=3)
+    assert probes == []
+    assert sum(str(w.message).startswith("RolloutProfiler") for w in caught) == 1
+
+
+@pytest.mark.parametrize("profiler_first", [True, False])
+def test_rollout_profiler_keeps_its_bandwidth_probe_out_of_the_memory_peaks(tmp_path, monkeypatch, profiler_first):
+    """The probe runs at the first rollout, inside a step: its buffer (here 256 MiB) is no phase's peak, whichever
+    callback comes first, and the peaks measured before it in the same window are kept."""
+    from lit_grpo.callbacks import rollout_profiler
+
+    probes = []
+    monkeypatch.setattr(rollout_profiler, "read_bandwidth",
+                        lambda device: probes.append(device) or touch_memory(256 * MiB, 0.05) or 1e9)
+    monitor, profiler = PeakMemoryMonitor(), RolloutProfiler(progress_bar=False)
+    module = RolloutModule([make_rollout(seed) for seed in range(3)], update_bytes=48 * MiB, hold_s=0.03)
+    trainer = fit(tmp_path, module, [profiler, monitor] if profiler_first else [monitor, profiler], max_steps=3)
+    assert len(probes) == 1
+    accumulator = events(trainer)
+    for phase in ("rollout", "update", "step"):
+        added = scalars(accumulator, f"memory/{phase}_peak_delta_bytes")
+        assert len(added) == 3 and max(added) < 128 * MiB, (phase, added)
+    assert min(scalars(accumulator, "memory/update_peak_delta_bytes")) > 40 * MiB  # the update's own, kept
 
 
 def test_completion_logger_logs_the_whole_steps_lengths_over_ranks():
