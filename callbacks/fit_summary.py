@@ -26,6 +26,10 @@ from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
 
 
+#: The PeakMemoryMonitor keys the summary reports (their largest value over the run).
+ROLLOUT_MEMORY_KEYS = ("memory/rollout_peak_bytes", "memory/rollout_peak_delta_bytes")
+
+
 class FitSummary(Callback):
     r"""Validates once before training starts and prints a summary when ``fit`` ends.
 
@@ -61,10 +65,11 @@ class FitSummary(Callback):
     when training ends).
 
     **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
-    time, rollouts, the accuracy and reward curves) are kept in the checkpoint (``state_dict``) and go on from there,
-    each fit's time counted (not the time between fits); a ``resumed`` line says at which step this fit started and
-    how many steps it ran. The host peak and the checkpoint's save count are this fit's (an earlier process's were
-    not kept); a resume from a checkpoint without this state says that the lines cover this fit's steps alone.
+    time, rollouts, the accuracy and reward curves, PeakMemoryMonitor's largest rollout peaks) are kept in the
+    checkpoint (``state_dict``) and go on from there, each fit's time counted (not the time between fits); a
+    ``resumed`` line says at which step this fit started and how many steps it ran. The host peak and the
+    checkpoint's save count are this fit's (an earlier process's were not kept); a resume from a checkpoint without
+    this state says that the lines cover this fit's steps alone.
 
     TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
     (the x of step k's own scalars). Logs no keys of its own.
@@ -112,11 +117,14 @@ class FitSummary(Callback):
         self.resumed_at: int | None = None  # the training steps done when this fit started; None: a fresh run
         self._fit_started_steps = 0  # self.steps when this fit's training started
         self._resuming = False  # a resumed fit without a checkpoint state whose first batch is still to come
+        self._monitors: list[PeakMemoryMonitor] = []  # the fit's, whose largest logged peaks the summary reports
+        self._earlier_memory_peaks: dict[str, dict[str, int]] = {}  # the checkpoint's (_memory_peaks)
 
     # ------------------------------------------------------------------------------------------ collect
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._start()
+            self._monitors = [cb for cb in trainer.callbacks if isinstance(cb, PeakMemoryMonitor)]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.validate_before_training and trainer.global_step == 0 and _has_validation(trainer):
@@ -213,7 +221,7 @@ class FitSummary(Callback):
                 "reward_key": self.reward_key, "rewards": list(self.rewards), "rollouts": self.rollouts,
                 "rollout_steps": self.rollout_steps, "rollout_s": self.rollout_s,
                 "rollout_totals": self.rollout_totals.scalars(), "elapsed_s": self._elapsed(),
-                "validation_s": self._validation_s}
+                "validation_s": self._validation_s, "memory_peaks": self._memory_peaks()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from a checkpoint's totals; a curve saved under another key is left out (said once)."""
@@ -222,6 +230,7 @@ class FitSummary(Callback):
         self.rollout_s = float(state_dict["rollout_s"])
         self.rollout_totals = RolloutStats(**state_dict["rollout_totals"])
         self._elapsed_before_s, self._validation_s = float(state_dict["elapsed_s"]), float(state_dict["validation_s"])
+        self._earlier_memory_peaks = {where: dict(peaks) for where, peaks in state_dict["memory_peaks"].items()}
         for series, key, saved_key in (("accuracy", self.accuracy_key, state_dict["accuracy_key"]),
                                        ("rewards", self.reward_key, state_dict["reward_key"])):
             if saved_key == key:
@@ -316,14 +325,24 @@ class FitSummary(Callback):
         parts = []
         if self.rollout_totals.peak_kv_bytes:
             parts.append(f"KV cache {format_bytes(self.rollout_totals.peak_kv_bytes)}")
-        for callback in trainer.callbacks:
-            logged = callback.max_logged if isinstance(callback, PeakMemoryMonitor) else {}
+        for where, logged in self._memory_peaks().items():
             if "memory/rollout_peak_bytes" in logged:
                 added = logged.get("memory/rollout_peak_delta_bytes")
-                where = "device" if callback.method == "cuda" else "process"  # CUDA: the allocator's peak
                 parts.append(f"{where} {format_bytes(logged['memory/rollout_peak_bytes'])}"
                              + (f" (+{format_bytes(added)} during the rollout)" if added is not None else ""))
         return "; ".join(parts)
+
+    def _memory_peaks(self) -> dict[str, dict[str, int]]:
+        """The largest rollout peaks PeakMemoryMonitor logged (``ROLLOUT_MEMORY_KEYS``) by where they were measured:
+        ``"device"`` (CUDA, the allocator's) or ``"process"``; earlier fits' included (the checkpoint's)."""
+        peaks = {where: dict(logged) for where, logged in self._earlier_memory_peaks.items()}
+        for monitor in self._monitors:
+            where = "device" if monitor.method == "cuda" else "process"
+            mine = peaks.setdefault(where, {})
+            for key in ROLLOUT_MEMORY_KEYS:
+                if key in monitor.max_logged:
+                    mine[key] = max(mine.get(key, 0), monitor.max_logged[key])
+        return {where: logged for where, logged in peaks.items() if logged}
 
     @staticmethod
     def _where_lines(trainer: pl.Trainer, resumed: bool = False) -> list[str]:

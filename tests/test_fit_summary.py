@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.callbacks import FitSummary, GRPOProgressBar, PeakMemoryMonitor, RolloutProfiler
 from lit_grpo.runtime.memory import host_peak_bytes
-from lit_grpo.runtime.sizes import disk_bytes
+from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 
 
 class ValidatedModule(RolloutModule):
@@ -265,9 +265,14 @@ def test_a_resumed_summary_describes_the_whole_run(tmp_path):
     _trainer(tmp_path / "whole", [whole], max_steps=4, enable_checkpointing=False).fit(ValidatedModule(rollouts))
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
-    _trainer(tmp_path, [FitSummary(), checkpoint], max_steps=2).fit(ValidatedModule(rollouts))
+    first = ValidatedModule(rollouts)
+    first.rollout_bytes = 64 * 2**20  # the first fit's rollouts held more memory than the resumed fit's
+    monitor = PeakMemoryMonitor()
+    _trainer(tmp_path, [FitSummary(), monitor, checkpoint], max_steps=2).fit(first)
+    first_added = monitor.max_logged["memory/rollout_peak_delta_bytes"]
+    assert first_added > 48 * 2**20
     resumed = FitSummary()
-    trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False)
+    trainer = _trainer(tmp_path / "resumed", [resumed, PeakMemoryMonitor()], max_steps=4, enable_checkpointing=False)
     trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
 
     assert (resumed.steps, resumed.rollouts, resumed.rollout_steps) == (whole.steps, whole.rollouts, 4)
@@ -281,6 +286,8 @@ def test_a_resumed_summary_describes_the_whole_run(tmp_path):
     assert lines[1] == "  resumed        at step 2, 2 steps in this fit; the lines cover all 4"
     assert lines[2].endswith("(before training -> after step 4)")
     assert "rollout time   0.50 s a step" in "\n".join(lines)
+    peak = next(line for line in lines if line.startswith("  rollout peak"))
+    assert peak.endswith(f"(+{format_bytes(first_added)} during the rollout)"), peak  # the first fit's, kept
     finished = FitSummary()  # a resume of the finished run trains nothing: the run's summary, and what to raise
     trainer = _trainer(tmp_path / "finished", [finished], max_steps=2, enable_checkpointing=False)
     trainer.fit(ValidatedModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
