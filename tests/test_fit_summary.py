@@ -296,3 +296,13 @@ def test_a_resumed_summary_describes_the_whole_run(tmp_path):
                          "  resumed        at step 2, 0 steps in this fit; the lines cover all 2",
                          "  nothing to do  the run is at trainer.max_steps=2 (step 2): raise --trainer.max_steps to "
                          "train on"]
+
+
+def test_a_resume_summarising_another_reward_key_keeps_the_runs_totals_but_not_that_curve():
+    saved = FitSummary(reward_key="train/loss")
+    saved.steps, saved.rewards, saved.accuracy = 3, [0.5, 0.25, 0.125], [(0, 0.5)]
+    checkpoint = {"callbacks": {saved.state_key: saved.state_dict(), "Other": {"x": 1}}}
+    resumed = FitSummary()
+    assert resumed.state_key != saved.state_key  # two summaries of different keys may share a trainer
+    resumed.on_load_checkpoint(None, None, checkpoint)
+    assert (resumed.steps, resumed.rewards, resumed.accuracy, resumed.resumed_at) == (3, [], [(0, 0.5)], 3)
