@@ -59,7 +59,8 @@ class FitSummary(Callback):
     step read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else
     measured once per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's,
     as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the
-    figures are the whole run's: reward/mean and val/accuracy as logged (reduced over ranks), a step's rollout time
+    figures are the whole run's: reward/mean and val/accuracy as logged (GRPOModule reduces them over ranks; a module
+    that logs a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's rollout time
     its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
     rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered
     when training ends).
