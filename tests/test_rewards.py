@@ -689,3 +689,38 @@ def test_a_column_whose_values_cannot_be_copied_reaches_every_call_and_retry_as_
                                group_size=2, on_error="skip_group")
     assert scores.skipped_groups == [1]
     assert seen == [[True] * 4, [True] * 2, [True] * 2]
+
+
+def test_the_arguments_kept_for_a_retry_copy_what_a_call_could_change_and_share_the_rest(monkeypatch):
+    """What a retry gets is copied without ``copy.deepcopy`` for plain data: lists and dicts rebuilt, strings and
+    numbers (every token id of ``completion_ids``) shared, as no call can change them in place; an object met twice
+    (a group's ``entry``) is copied once, as ``copy.deepcopy`` keeps it."""
+    from lit_grpo.rollout import rewards
+
+    def no_deepcopy(value, memo=None):
+        raise AssertionError(f"copy.deepcopy({value!r:.60})")
+
+    monkeypatch.setattr(rewards.copy, "deepcopy", no_deepcopy)
+    prompts = [[{"role": "user", "content": f"q{i // 2}"}] for i in range(4)]
+    completions = [[{"role": "assistant", "content": text}] for text in ("a", "b", "c", "d")]
+    entries = [{"answer": p, "metadata": {"tags": ["x"]}} for p in range(2)]
+    columns = {"entry": [entries[i // 2] for i in range(4)], "completion_ids": [[7, 8, 9]] * 4}
+    retries = []
+
+    def fn(prompts, completions, entry, completion_ids, **kw):
+        if len(completions) == 4:
+            for prompt, row, ids in zip(prompts, entry, completion_ids):
+                prompt.append({"role": "assistant", "content": "changed"})
+                row["metadata"]["tags"].append("changed")
+                ids.append(0)
+            raise ValueError("the whole batch")
+        retries.append((prompts, entry, completion_ids))
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match="on the whole batch"):
+        score_rewards([WeightedReward(fn)], prompts, completions, columns, group_size=2)
+    assert [[len(p) for p in seen] for seen, _, _ in retries] == [[1, 1], [1, 1]]
+    for start, (seen, entry, ids) in zip((0, 2), retries):
+        assert seen[0] is not prompts[start] and seen[0][0]["content"] is prompts[start][0]["content"]
+        assert entry[0] is entry[1] and entry[0]["metadata"]["tags"] == ["x"]
+        assert ids == [[7, 8, 9]] * 2

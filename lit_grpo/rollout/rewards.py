@@ -37,7 +37,7 @@ Errors stop training, never silently zero a reward:
 
 - a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
   by calling it again one group at a time, each call on fresh copies of the arguments as they came, whatever the
-  failed call changed in them, but for a column ``copy.deepcopy`` refuses); with
+  failed call changed in them, but for a value ``copy.deepcopy`` refuses); with
   ``on_error="skip_group"`` the groups it fails on are skipped instead (``RewardScores.skipped_groups``; a warning
   names the function, the prompt and the error) and the other groups are scored normally;
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
@@ -466,7 +466,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                          logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
     """A reward function raised on the whole batch: call it again one group at a time (what the groups' calls
     that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they were
-    before any call (``_copied_arguments``); each group's call gets copies of its own.
+    before any call (``_fresh_arguments``); each group's call gets copies of its own.
 
     ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
     ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
@@ -482,7 +482,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         log = CallLog(reward.name, end - start)
         # a call may change its arguments before it raises (prompt.extend(completion), entry.pop(key)): a retry
         # that got what it left would fail, or pass, on another input than the row's
-        group_prompts, group_completions, group_columns = _copied_arguments(
+        group_prompts, group_completions, group_columns = _fresh_arguments(
             prompts[start:end], completions[start:end], {k: v[start:end] for k, v in columns.items()})
         try:
             raw = _call(reward, group_prompts, group_completions, group_columns, state, log)
@@ -505,18 +505,59 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
     return values, skipped, errors
 
 
-def _copied_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
-                      ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
-    """Deep copies of a scoring's ``N`` prompts, completions and per-completion columns; a column whose values
-    ``copy.deepcopy`` refuses (a lock, a client handle) is kept as it is: a retry then sees what a failed call left
-    in it, as every call before did."""
-    copied = {}
-    for key, values in columns.items():
+#: Types whose values no call can change in place: a copy shares them (``_fresh``).
+_IMMUTABLE = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+def _fresh(value: Any, memo: dict[int, Any]) -> Any:
+    """A copy of ``value`` that a call may change without changing ``value``: lists, dicts and tuples rebuilt
+    (an object met twice copied once, ``memo``, as ``copy.deepcopy`` keeps it), strings and numbers shared (no call
+    can change them in place; copying them, ``completion_ids``' every token, was most of a scoring's copy), any
+    other value ``copy.deepcopy``'d, or kept as it is where ``copy.deepcopy`` refuses it (a lock, a client handle):
+    a retry then sees what a failed call left in it."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    if kind is list:
+        if _IMMUTABLE.issuperset(map(type, value)):  # token ids, texts: one C-level copy
+            memo[id(value)] = copied = value.copy()
+            return copied
+        memo[id(value)] = copied = []  # memoized first: a list holding itself copies once
+        copied.extend(_fresh(item, memo) for item in value)
+        return copied
+    if kind is dict:
+        if _IMMUTABLE.issuperset(map(type, value.values())):  # a chat message
+            memo[id(value)] = copied = value.copy()
+            return copied
+        memo[id(value)] = copied = {}
+        copied.update((key, _fresh(item, memo)) for key, item in value.items())  # keys are hashable, so shared
+        return copied
+    if kind is tuple:
+        items = tuple(_fresh(item, memo) for item in value)
+        copied = value if all(a is b for a, b in zip(items, value)) else items
+    else:
         try:
-            copied[key] = copy.deepcopy(list(values))
+            copied = copy.deepcopy(value)
         except Exception:  # noqa: BLE001 - any value deepcopy refuses
-            copied[key] = list(values)
-    return copy.deepcopy(list(prompts)), copy.deepcopy(list(completions)), copied
+            copied = value
+    memo[id(value)] = copied
+    return copied
+
+
+def _fresh_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
+                    ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """Copies of a scoring's ``N`` prompts, completions and per-completion columns that a reward call may change
+    (``prompt.extend(completion)``, ``entry.pop(key)``) without changing these (``_fresh``)."""
+    memo: dict[int, Any] = {}
+
+    def fresh_list(values: Sequence[Any]) -> list[Any]:
+        # a new list, not _fresh(list(values)): memo would hold that temporary's id, which the next may reuse
+        values = list(values)
+        return values if _IMMUTABLE.issuperset(map(type, values)) else [_fresh(value, memo) for value in values]
+
+    return fresh_list(prompts), fresh_list(completions), {key: fresh_list(values) for key, values in columns.items()}
 
 
 def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
@@ -585,7 +626,7 @@ def score_rewards(
     logs = RewardLogs(n)
     # the arguments as they come, for a retry group by group after a call that raised (_handle_reward_error): the
     # calls below may change the lists they get
-    originals = _copied_arguments(prompts, completions, columns)
+    originals = _fresh_arguments(prompts, completions, columns)
     outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
