@@ -691,6 +691,41 @@ def test_a_column_whose_values_cannot_be_copied_reaches_every_call_and_retry_as_
     assert seen == [[True] * 4, [True] * 2, [True] * 2]
 
 
+def test_no_reward_function_sees_what_another_changed_in_its_arguments():
+    """Each call gets its own copies of the arguments: a function that changes them (TRL-style
+    ``prompt.extend(completion)``, a key popped from the row, a token appended) changes them neither for the
+    functions after it, plain or async, nor for the caller; TRL passes every function the same lists."""
+    import asyncio
+
+    seen = []
+
+    def changing(prompts, completions, entry, completion_ids, **kw):
+        for prompt, completion, row, ids in zip(prompts, completions, entry, completion_ids):
+            prompt.extend(completion)
+            row.pop("answer")
+            ids.append(0)
+        completions.reverse()
+        return [0.0] * len(completions)
+
+    def reading(prompts, completions, entry, completion_ids, **kw):
+        seen.append(([len(p) for p in prompts], [c[0]["content"] for c in completions], entry, completion_ids))
+        return [0.0] * len(completions)
+
+    async def reading_async(prompts, completions, entry, completion_ids, **kw):
+        await asyncio.sleep(0)
+        return reading(prompts, completions, entry, completion_ids)
+
+    prompts = [[{"role": "user", "content": f"q{i // 2}"}] for i in range(4)]
+    completions = [[{"role": "assistant", "content": text}] for text in ("a", "b", "c", "d")]
+    columns = {"entry": [{"answer": i // 2} for i in range(4)], "completion_ids": [[i] for i in range(4)]}
+    funcs = [WeightedReward(changing), WeightedReward(reading), WeightedReward(reading_async, name="later")]
+    score_rewards(funcs, prompts, completions, columns, group_size=2)
+    expected = ([1] * 4, ["a", "b", "c", "d"], [{"answer": i // 2} for i in range(4)], [[i] for i in range(4)])
+    assert seen == [expected, expected]
+    assert ([len(p) for p in prompts], [c[0]["content"] for c in completions], columns["entry"],
+            columns["completion_ids"]) == expected
+
+
 def test_the_arguments_kept_for_a_retry_copy_what_a_call_could_change_and_share_the_rest(monkeypatch):
     """What a retry gets is copied without ``copy.deepcopy`` for plain data: lists and dicts rebuilt, strings and
     numbers (every token id of ``completion_ids``) shared, as no call can change them in place; an object met twice

@@ -24,6 +24,15 @@ Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, `
 TRL's name and with its fields' meaning, for rewards shaped by training progress, and TRL's ``log_metric(name,
 value)`` and ``log_extra(column, values)``, for what the function wants logged (``lit_grpo/rollout/reward_log.py``).
 
+Each call gets its own copies of the arguments (lists and dicts rebuilt, strings and numbers shared; a value
+``copy.deepcopy`` refuses, a lock or a client handle, is passed as it is): what a function changes in them
+(``prompt.extend(completion)``, ``entry.pop(key)``) reaches no other function, no retry and not the caller. TRL
+passes every function the same lists, so there a function sees what those before it changed; here none does,
+because the async functions run concurrently (which change lands first would depend on their timing), a retry has
+to start from the arguments as they came (a function's whole-batch call would otherwise see other inputs than its
+retries), and a function's values should not depend on its place in ``reward_funcs``. To hand one function's
+results to another, share an object of your own, not the arguments.
+
 A function returns one value per completion: a number, or ``None`` for "no opinion" (e.g. a math checker asked
 about a code task). Several functions are combined with weights::
 
@@ -36,8 +45,7 @@ emitted once per call.
 Errors stop training, never silently zero a reward:
 
 - a function that raises -> ``RewardFunctionError`` naming the function and the first prompt it fails on (found
-  by calling it again one group at a time, each call on fresh copies of the arguments as they came, whatever the
-  failed call changed in them, but for a value ``copy.deepcopy`` refuses); with
+  by calling it again one group at a time, each call on copies of its own of the arguments as they came); with
   ``on_error="skip_group"`` the groups it fails on are skipped instead (``RewardScores.skipped_groups``; a warning
   names the function, the prompt and the error) and the other groups are scored normally;
 - a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
@@ -428,12 +436,15 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
 def _call_all(reward_funcs: Sequence[WeightedReward], prompts: Sequence[str], completions: Sequence[str],
               columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any]) -> tuple[list[Any], list[CallLog]]:
     """Each function's values on the whole batch, or the exception it raised, and what each call logged: the plain
-    ones called in turn, the async ones (whose call returns an awaitable) then awaited together (``async_loop``)."""
+    ones called in turn, the async ones (whose call returns an awaitable) then awaited together (``async_loop``).
+    Each call gets copies of its own of the arguments (``_fresh_arguments``): what one function changes in them no
+    other sees, nor a retry, nor the caller."""
     outcomes: list[Any] = []
     logs = [CallLog(reward.name, len(completions)) for reward in reward_funcs]
     for reward, log in zip(reward_funcs, logs):
         try:
-            outcomes.append(reward.call(prompts, completions, **columns, **state, **log.keywords()))
+            own_prompts, own_completions, own_columns = _fresh_arguments(prompts, completions, columns)
+            outcomes.append(reward.call(own_prompts, own_completions, **own_columns, **state, **log.keywords()))
         except Exception as err:  # noqa: BLE001 - re-raised with the function and prompt named, or skipped
             outcomes.append(err)
     pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
@@ -465,8 +476,8 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
                          state: Mapping[str, Any], group_size: int, on_error: str,
                          logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
     """A reward function raised on the whole batch: call it again one group at a time (what the groups' calls
-    that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they were
-    before any call (``_fresh_arguments``); each group's call gets copies of its own.
+    that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they came
+    (no call got them, only copies: ``_call_all``); each group's call gets copies of its own.
 
     ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
     ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
@@ -481,7 +492,7 @@ def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequen
         group = start // group_size
         log = CallLog(reward.name, end - start)
         # a call may change its arguments before it raises (prompt.extend(completion), entry.pop(key)): a retry
-        # that got what it left would fail, or pass, on another input than the row's
+        # that got what a call left would fail, or pass, on another input than the row's
         group_prompts, group_completions, group_columns = _fresh_arguments(
             prompts[start:end], completions[start:end], {k: v[start:end] for k, v in columns.items()})
         try:
@@ -624,17 +635,16 @@ def score_rewards(
     skipped: set[int] = set()
     errors: list[str] = []
     logs = RewardLogs(n)
-    # the arguments as they come, for a retry group by group after a call that raised (_handle_reward_error): the
-    # calls below may change the lists they get
-    originals = _fresh_arguments(prompts, completions, columns)
+    # no call gets these lists themselves, only copies (_call_all): a retry group by group after a call that
+    # raised (_handle_reward_error) starts from them as they came
     outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
         failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
-            values, failed, messages = _handle_reward_error(failure, reward, *originals, state, group_size,
-                                                            on_error, logs)
+            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
+                                                            group_size, on_error, logs)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
             failure = raw = None
