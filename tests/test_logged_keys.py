@@ -182,3 +182,37 @@ def test_the_key_reader_reads_braces_and_leaves_formulas_out():
     assert expand("generated_tokens / (decode_steps * slots)") == set()
     assert matches("rollout/decisions/park_preemption", {"rollout/decisions/<action>_<reason>"})
     assert not matches("rollout/decisions", {"rollout/decisions/<action>_<reason>"})
+
+
+def module_docstring_keys(prefix: str) -> set[str]:
+    """The keys starting with ``prefix`` that lit_grpo.update.module's docstring names (as prose, not backticked:
+    ``val/{accuracy, reward}``)."""
+    from lit_grpo.update import module
+
+    names = re.findall(rf"{re.escape(prefix)}(?:\{{[^{{}}]*\}}|[\w<>/])+", module.__doc__)
+    return {key for name in names for key in expand(name.rstrip("/")) if key.startswith(prefix)}
+
+
+def test_grpomodules_validation_keys_are_those_its_docstring_and_the_docs_table_name(tmp_path):
+    """What a validation logs (greedy and sampled, with a reward function's ``log_metric``) is what
+    GRPOModule's row of docs/training.md's table and lit_grpo.update.module's docstring list under val/."""
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    def judged(prompts, completions, log_metric, **columns):
+        log_metric("judge", 1.0)
+        return [1.0] * len(completions)
+
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
+    data = RolloutDataModule(prompts=prompts, val_size=2, prompts_per_step=2, val_num_samples=2,
+                             reward_funcs=[judged, "accuracy"], sampling={"group_size": 2, "max_new_tokens": 2})
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.validate(GRPOModule(model="tiny-llama"), datamodule=data)
+    logged = {key for key in trainer.callback_metrics if key.startswith("val/")}
+    (row,) = [line for line in (ROOT / "docs" / "training.md").read_text().splitlines()
+              if line.startswith("| `GRPOModule` itself")]
+    table = {key for key in listed_keys(row.split(" | ")[1]) if key.startswith("val/")}
+    assert table == module_docstring_keys("val/")
+    assert {key for key in logged if not matches(key, table)} == set()  # logged, not listed
+    assert {name for name in table if not any(matches(key, {name}) for key in logged)} == set()  # listed, not logged

@@ -190,6 +190,31 @@ def test_a_validation_logs_what_its_reward_calls_log_under_val(tmp_path):
     assert not any(key.startswith("reward/") for key in trainer.callback_metrics)
 
 
+def test_sampled_validations_logged_metrics_are_logged_apart_from_the_greedy_ones(tmp_path):
+    """With ``val_num_samples`` k > 1, what the sampled completions' calls log is ``val/reward_at_k/<name>``, as
+    their correctness is val/mean_at_k; ``val/reward/<name>`` stays the greedy calls', as val/reward is: a mean over
+    both mixed a judge's greedy and sampled scores."""
+    from lightning.pytorch import Trainer
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    def recorded(prompts, completions, log_metric, **columns):
+        log_metric("completions_seen", float(len(completions)))
+        return [0.0] * len(completions)
+
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    data = RolloutDataModule(prompts=prompts, val_size=3, val_batch_size=2, prompts_per_step=2, val_num_samples=3,
+                             reward_funcs=[recorded], sampling={"group_size": 2, "max_new_tokens": 2})
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.validate(GRPOModule(model="tiny-llama"), datamodule=data)
+    logged = {key: value.item() for key, value in trainer.callback_metrics.items() if key.startswith("val/reward")}
+    # two batches of 2 and 1 held-out prompts: greedy calls on 2 and 1 completions, sampled ones on 6 and 3
+    assert logged == {"val/reward": 0.0, "val/reward/completions_seen": pytest.approx(1.5),
+                      "val/reward_at_k/completions_seen": pytest.approx(4.5)}
+
+
 @pytest.mark.xdist_group("ddp_run")
 def test_under_two_processes_a_logged_metric_is_the_mean_of_every_ranks_values(tmp_path):
     """Each rank's calls log ``call_tokens``; rank 0 alone logs ``rank0_only``: both ranks log both keys, the

@@ -399,8 +399,11 @@ class RolloutBuilder:
         batch = self._assemble([greedy], [(0, p) for p in range(len(prompts))], engine, train=False)
         if sampled is not None:
             batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
-        # what every reward call of this batch logged (GRPOModule's val/reward/<name>)
-        batch.metrics.update(logged_metrics([rollout.logs for rollout in (greedy, sampled) if rollout is not None]))
+        # what the reward calls of this batch logged, the greedy's and the sampled's apart (GRPOModule's
+        # val/reward/<name> and val/reward_at_k/<name>, as val/reward and val/mean_at_k are)
+        batch.metrics.update(logged_metrics([greedy.logs]))
+        if sampled is not None:
+            batch.metrics.update(logged_metrics([sampled.logs], prefix="reward_at_k"))
         return batch
 
     # ------------------------------------------------------------------------------------------ steps

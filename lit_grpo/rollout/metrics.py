@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.rollout.reward_log import LOGGED_REWARD_PREFIXES
 from lit_grpo.scheduling.base import DECISION_NAMES
 
 
@@ -174,9 +175,10 @@ DERIVED: dict[str, tuple[str, str]] = {"rollout/tokens_per_s": ("rollout/generat
                                        "rollout/roofline_ratio": ("rollout/ms_per_step", "rollout/floor_ms_per_step")}
 
 #: Keys named at run time, as ``(prefix, suffix, rule)``: each reward function's mean and what reward functions log
-#: (``log_metric``), and PeakMemoryMonitor's ``memory/*`` (peaks of one process, and what a phase added to it: the
-#: largest rank's).
-RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (("reward/", "", "mean"), ("memory/", "", "max"))
+#: (``log_metric``; sampled validation's under ``reward_at_k/``), and PeakMemoryMonitor's ``memory/*`` (peaks of one
+#: process, and what a phase added to it: the largest rank's).
+RANK_REDUCTION_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    *((f"{prefix}/", "", "mean") for prefix in LOGGED_REWARD_PREFIXES), ("memory/", "", "max"))
 
 #: Keys whose whole-step value is a ratio of two sums (a share of groups or tokens, a mean over tokens), whose
 #: denominator differs between ranks: a rank reports that denominator beside the value, under its weight key
@@ -205,8 +207,8 @@ def ratio_weight(key: str) -> str | None:
     """The weight key of a ratio ``key`` (``RATIO_WEIGHTS``), or None for a key that is not a ratio."""
     if key in RATIO_WEIGHTS:
         return RATIO_WEIGHTS[key]
-    if key.startswith("reward/") and key not in RANK_REDUCTIONS:  # a function's mean, or what one logged
-        return WEIGHT_PREFIX + key
+    if key.startswith(tuple(f"{prefix}/" for prefix in LOGGED_REWARD_PREFIXES)) and key not in RANK_REDUCTIONS:
+        return WEIGHT_PREFIX + key  # a function's mean, or what one logged
     return None
 
 

@@ -8,8 +8,10 @@ Every reward call gets two callables (``lit_grpo.rollout.rewards.score_rewards``
                                 torch tensor's or NumPy array's values are kept as Python values (``plain_value``)
 
 A call that raises logs nothing: on a retry one group at a time, the groups' calls log instead. Validation's
-calls get them too: their metrics are logged as ``val/reward/<name>``, the mean over the validation run (as TRL logs
-an evaluation's as ``eval_<name>``; ``lit_grpo.update.held_out.ValidationLogs``); their columns are not shown.
+calls get them too: their metrics are logged as ``val/reward/<name>`` (the greedy completions' calls, as
+``val/reward`` is theirs) and ``val/reward_at_k/<name>`` (sampled validation's, ``data.val_num_samples``, as
+``val/mean_at_k`` is theirs), each the mean over the validation run (as TRL logs an evaluation's as
+``eval_<name>``; ``lit_grpo.update.held_out.ValidationLogs``); their columns are not shown.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import torch
 LOG_KEYWORDS = ("log_metric", "log_extra")
 #: The columns CompletionLogger's table has of its own: an extra column may not take their names.
 TABLE_COLUMNS = ("prompt", "k", "reward", "length", "completion")
+#: What ``log_metric(name, value)`` is logged under, ``<prefix>/<name>``: ``reward`` for a training step's and the
+#: greedy validation's calls, ``reward_at_k`` for sampled validation's (as val/mean_at_k, pass_at_k are its).
+LOGGED_REWARD_PREFIXES = ("reward", "reward_at_k")
 #: The ``reward/<name>`` keys lit_grpo logs itself; a reward function's ``reward/<fn_name>/mean`` too.
 OWN_REWARD_KEYS = ("mean", "std", "frac_zero_std", "skipped_groups")
 
@@ -127,15 +132,18 @@ class RewardLogs:
                              "each reward function's <name>/mean); use other names")
 
 
-def step_metrics(logs: Sequence[RewardLogs]) -> dict[str, float]:
+def step_metrics(logs: Sequence[RewardLogs], prefix: str = "reward") -> dict[str, float]:
     """``reward/<name>``: the mean of every value logged under ``name`` in a step's reward calls (``logs``), and its
-    count under ``weight/reward/<name>`` (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``: ranks weigh by it)."""
+    count under ``weight/reward/<name>`` (``lit_grpo.rollout.metrics.RATIO_WEIGHTS``: ranks weigh by it); under
+    ``prefix`` (``LOGGED_REWARD_PREFIXES``) for another ``reward``: ``reward_at_k``, sampled validation's calls."""
+    if prefix not in LOGGED_REWARD_PREFIXES:
+        raise ValueError(f"prefix {prefix!r} is not one of {LOGGED_REWARD_PREFIXES}")
     values: dict[str, list[float]] = {}
     for log in logs:
         for name, logged in log.metrics.items():
             values.setdefault(name, []).extend(logged)
     out: dict[str, float] = {}
     for name, logged in values.items():
-        out[f"reward/{name}"] = math.fsum(logged) / len(logged)
-        out[f"weight/reward/{name}"] = float(len(logged))
+        out[f"{prefix}/{name}"] = math.fsum(logged) / len(logged)
+        out[f"weight/{prefix}/{name}"] = float(len(logged))
     return out

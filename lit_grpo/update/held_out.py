@@ -1,6 +1,7 @@
 """Validation on held-out prompts: ``val/{reward, accuracy}`` (greedy) and ``val/{mean_at_k, pass_at_k}`` (k
-sampled completions per prompt, ``data.val_num_samples``), accumulated per prompt over a validation run; and
-``val/reward/<name>``, what reward functions logged with ``log_metric`` in validation's calls."""
+sampled completions per prompt, ``data.val_num_samples``), accumulated per prompt over a validation run; and what
+reward functions logged with ``log_metric`` in validation's calls: ``val/reward/<name>`` (the greedy completions')
+and ``val/reward_at_k/<name>`` (the sampled ones')."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from torchmetrics import MeanMetric
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.metrics import loggable, ratio_weight, reduce_over_ranks, whole_step_metrics, with_weights
+from lit_grpo.rollout.reward_log import LOGGED_REWARD_PREFIXES
 from lit_grpo.runtime.distributed import union_over_ranks
+
+#: The keys of a validation batch's ``metrics`` that reward functions logged (``ValidationLogs``).
+LOGGED_KEYS = tuple(f"{prefix}/" for prefix in LOGGED_REWARD_PREFIXES)
 
 
 def sampled_accuracy_at_k(accuracy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,19 +69,21 @@ class HeldOutMetrics(torch.nn.Module):
 
 class ValidationLogs:
     """What reward functions log with ``log_metric`` during one validation run, as TRL logs an evaluation's
-    (``eval_<name>``): ``val/reward/<name>``, the mean of every value logged under ``name`` by validation's reward
-    calls (greedy and sampled), over every rank's. Names are known only as the calls log them, and may differ
-    between ranks, so these are plain sums gathered once at the end, not torchmetrics states fixed ahead."""
+    (``eval_<name>``): ``val/reward/<name>``, the mean of every value logged under ``name`` by the greedy
+    completions' reward calls, and ``val/reward_at_k/<name>``, by sampled validation's (``data.val_num_samples``),
+    each over every rank's: a sampled call's values (a judge's, at temperature) are not a greedy one's. Names are
+    known only as the calls log them, and may differ between ranks, so these are plain sums gathered once at the
+    end, not torchmetrics states fixed ahead."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.counts: dict[str, float] = {}
 
     def add(self, metrics: Mapping[str, float]) -> None:
-        """Add one validation batch's ``metrics``: its ``reward/<name>`` means and their counts under
-        ``weight/reward/<name>`` (``lit_grpo.rollout.reward_log.step_metrics``)."""
+        """Add one validation batch's ``metrics``: its ``reward/<name>`` and ``reward_at_k/<name>`` means and their
+        counts under ``weight/<key>`` (``lit_grpo.rollout.reward_log.step_metrics``)."""
         for key, value in metrics.items():
-            weight = ratio_weight(key) if key.startswith("reward/") else None
+            weight = ratio_weight(key) if key.startswith(LOGGED_KEYS) else None
             if weight is not None and weight in metrics:
                 count = float(metrics[weight])
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * count
@@ -87,9 +94,10 @@ class ValidationLogs:
         self.counts.clear()
 
     def compute(self, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """``{"val/reward/<name>": mean}`` over this run's batches, then ``reset``. ``all_gather`` (several
-        processes; ``[2, K] -> [world, 2, K]``): over every rank's values too, a collective every rank calls, each
-        rank's mean weighted by its count; a name one rank lacks is the others' mean."""
+        """``{"val/reward/<name>": mean, "val/reward_at_k/<name>": mean}`` over this run's batches, then
+        ``reset``. ``all_gather`` (several processes; ``[2, K] -> [world, 2, K]``): over every rank's values too, a
+        collective every rank calls, each rank's mean weighted by its count; a name one rank lacks is the others'
+        mean."""
         keys = with_weights(union_over_ranks(self.sums) if all_gather is not None else sorted(self.sums))
         if not keys:  # no rank's calls logged (the same on every rank): nothing to gather
             return {}

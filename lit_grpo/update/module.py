@@ -49,8 +49,9 @@ rollout/{rollouts_per_step, slots}, with partial rollouts rollout/{carried_sampl
 under several processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands
 them out first next, the curriculum's draws are independent anyway). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
-samples per held-out prompt at ``data.val_temperature``), and val/reward/<name> (what validation's reward calls log
-with ``log_metric``: the mean of their values): lit_grpo.update.held_out. Under several processes
+samples per held-out prompt at ``data.val_temperature``), and what validation's reward calls log with
+``log_metric``, the mean of their values: val/reward/<name> (the greedy completions' calls) and, with sampled
+validation, val/reward_at_k/<name> (the sampled ones'): lit_grpo.update.held_out. Under several processes
 every key is the whole step's, the same on every rank (below).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
@@ -331,7 +332,8 @@ class GRPOModule(LightningModule):
         #: (``configure_model``).
         self.uses_shared_prefix = shared_prefix
         self.held_out = HeldOutMetrics()
-        #: what reward functions log (``log_metric``) in a validation's calls: ``val/reward/<name>``
+        #: what reward functions log (``log_metric``) in a validation's calls (``val/reward/<name>``, the greedy
+        #: completions', and ``val/reward_at_k/<name>``, the sampled ones')
         self.validation_logs = ValidationLogs()
         #: The last optimizer step's gradient norm and update iteration (``_check_and_clip_gradients``).
         self._grad_norm, self._iteration = math.nan, 0
@@ -861,8 +863,9 @@ class GRPOModule(LightningModule):
         self.validation_logs.reset()  # a validation that stopped midway left its values
 
     def on_validation_epoch_end(self) -> None:
-        """``val/reward/<name>``: what reward functions logged in this validation's calls (``ValidationLogs``),
-        over every rank's (a gather every rank joins, a rank short of held-out prompts too)."""
+        """``val/reward/<name>`` and ``val/reward_at_k/<name>``: what reward functions logged in this validation's
+        greedy and sampled calls (``ValidationLogs``), over every rank's (a gather every rank joins, a rank short of
+        held-out prompts too)."""
         world = self.trainer.world_size if self._trainer is not None else 1
         gather = strategy_all_gather(self.trainer.strategy) if world > 1 else None
         for key, value in self.validation_logs.compute(gather).items():
