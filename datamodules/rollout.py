@@ -427,7 +427,7 @@ class RolloutDataModule(LightningDataModule):
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             self.builder.trainer_state = self._trainer_state
             if "engine" in self._pending_state:
-                self.builder.load_state_dict(self._pending_state.pop("engine"))
+                self.builder.load_state_dict(self._pending_state.pop("engine"), self.examples)
         return self.builder
 
     def _trainer_state(self) -> TrainerState:
@@ -583,7 +583,7 @@ class RolloutDataModule(LightningDataModule):
             # this rank's own engine state goes straight back: a checkpoint's rank bookkeeping
             # (``_own_engine_state``) would read it as one rank's and, under several, refuse its carried groups
             self.load_state_dict({key: value for key, value in start.items() if key != "engine"})
-            builder.load_state_dict(start["engine"])
+            builder.load_state_dict(start["engine"], self.examples)
             raise
 
     def _build_train_batch(self, builder: RolloutBuilder) -> RolloutBatch:
@@ -737,7 +737,7 @@ class RolloutDataModule(LightningDataModule):
         engine = self._own_engine_state(state_dict)
         if engine is not None:
             if self.builder is not None:
-                self.builder.load_state_dict(engine)
+                self.builder.load_state_dict(engine, self.examples)
             else:
                 self._pending_state["engine"] = engine
 

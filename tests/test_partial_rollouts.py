@@ -301,3 +301,46 @@ def test_a_resumed_carried_chat_prompt_reaches_the_rewards_as_its_messages(tiny6
     resumed.build_train(_Draws(tokenizer))
     assert [p for p, _ in seen] == [messages] * 4
     assert all(c[0]["role"] == "assistant" for _, c in seen)
+
+
+def test_carried_groups_of_a_checkpoint_with_text_answers_get_the_rows_own_answers(tiny64):
+    """A checkpoint written while answers were kept as text carries ``"14"`` for a row's 14: resumed, the carried
+    groups' reward calls get the row's int, as every fresh group's do (a TRL reward comparing ints scored them 0);
+    a carried prompt that is not the one at its index in this prompt set keeps the answer it was saved with."""
+    import copy
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.rollout.builder import _carried_group
+    from lit_grpo.rollout.prompts import PromptExample
+
+    model, tokenizer = tiny64
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": 2 * i} for i in range(8)]
+    seen = []
+
+    def int_answer(completions, answer, **kwargs):
+        seen.extend(answer)
+        return [float(isinstance(a, int)) for a in answer]
+
+    def datamodule():
+        data = RolloutDataModule(prompts=rows, val_size=0, prompts_per_step=2, over_provision=2.0,
+                                 reward_funcs=[int_answer], sampling={"group_size": 2, "max_new_tokens": 4})
+        data.attach(model, tokenizer)
+        data.setup("fit")
+        return data
+
+    saving = datamodule()
+    saving.build_train_batch()
+    state = copy.deepcopy(saving.state_dict())
+    carried = state["engine"]["carried"]
+    assert carried, "the test needs carried groups"
+    for group in carried:  # as such a checkpoint holds them
+        group["prompt"]["answer"] = str(group["prompt"]["answer"])
+    resumed = datamodule()
+    resumed.load_state_dict(state)
+    seen.clear()
+    resumed.build_train_batch()
+    assert seen and all(isinstance(a, int) for a in seen)
+    assert [g.tag.prompt.example.answer for g in resumed.builder.carried] == \
+        [rows[g.tag.prompt.index]["answer"] for g in resumed.builder.carried]
+    other = [PromptExample(f"not the prompt {i}", 2 * i) for i in range(8)]
+    assert _carried_group(carried[0], other).tag.prompt.example.answer == carried[0]["prompt"]["answer"]

@@ -35,7 +35,7 @@ import torch
 from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normalize_then_sum,
                                          normalize_then_sum_advantages, zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, scored_rewards
-from lit_grpo.rollout.prompts import PromptExample
+from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
                                      score_rewards)
@@ -276,14 +276,17 @@ class RolloutBuilder:
         state.update(self.slot_memory.state_dict())
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, examples: Sequence[PromptExample] | None = None) -> None:
+        """Take back ``state_dict``'s state. ``examples``: the prompt set the carried groups' indices point into
+        (``Prompt.index``); a carried group whose prompt is the one there gets its gold answer from it, as the row
+        holds it (``_source_answer``)."""
         state = dict(state)
         carried = state.pop("carried", [])
         if carried and self.tools is not None:  # they would finish without tool rounds, in a rollout of their own
             raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
                              "(over_provision > 1), and tool calling (data.tools) does not run with partial "
                              "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
-        self.carried = [_carried_group(entry) for entry in carried]
+        self.carried = [_carried_group(entry, examples) for entry in carried]
         self._groups_scored = int(state.pop("groups_scored", 1))  # a checkpoint without it: a run that trained
         state = self.slot_memory.load_state_dict(state)  # the rest is the engine's
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
@@ -641,14 +644,29 @@ def _carried_state(group: GroupProgress) -> dict:
                         for s in group.samples]}
 
 
-def _carried_group(state: dict) -> GroupProgress:
+def _carried_group(state: dict, examples: Sequence[PromptExample] | None = None) -> GroupProgress:
+    """A carried group from ``_carried_state``'s ``state``; ``examples``: the prompt set its index points into."""
     p = state["prompt"]
     example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # older checkpoints: none
+    example = replace(example, answer=_source_answer(example, p["index"], examples))
     prompt = Prompt(p["index"], example, list(p["ids"]))
     samples = [SampleProgress(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]), bool(s["done"]))
                for s in state["samples"]]
     return GroupProgress(prompt.ids, samples, tuple(state["stream"]), state["forced_lengths"],
                          _Carry(prompt, int(state["steps"])))
+
+
+def _source_answer(saved: PromptExample, index: int, examples: Sequence[PromptExample] | None) -> Any:
+    """A carried group's gold answer as its row holds it: a checkpoint written before answers kept the row's own
+    type holds it as text (3 as "3"), which a TRL reward comparing ints would score 0, so the prompt set's example
+    at ``index`` gives it where it is the same prompt (text, messages, answer as text); else ``saved``'s as it is
+    (no prompt set given, or another one, which the sampler's fingerprint refuses)."""
+    if examples is None or not 0 <= index < len(examples):
+        return saved.answer
+    source = examples[index]
+    same = (source.prompt == saved.prompt and source.messages == saved.messages
+            and answer_text(source.answer) == answer_text(saved.answer))
+    return source.answer if same else saved.answer
 
 
 def _all_groups(rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:

@@ -205,12 +205,17 @@ def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None)
                          "check the spelling against the template (tokenizer.chat_template)")
 
 
+def answer_text(answer: Any) -> str | None:
+    """A gold answer as text (None stays None): checkpoints written before answers kept the row's own type hold
+    ``str(answer)`` (3 as "3"), so 3 and "3" are one answer wherever a checkpoint is compared with a prompt set."""
+    return None if answer is None else str(answer)
+
+
 def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     """A short hash of ``examples`` in their order (prompt, answer and chat messages): two runs draw from the same
     prompt set, in the same positions, exactly when theirs agree."""
-    # the answer as text: 3 and "3" are one prompt set (a checkpoint's fingerprint was taken over text answers)
-    rows = [[example.prompt, None if example.answer is None else str(example.answer), example.messages]
-            for example in examples]
+    # the answer as text (answer_text): a checkpoint's fingerprint was taken over text answers
+    rows = [[example.prompt, answer_text(example.answer), example.messages] for example in examples]
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 
