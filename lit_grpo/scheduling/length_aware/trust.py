@@ -11,7 +11,9 @@ spreads and correlation ``rho`` (so it follows the policy as it drifts) and trus
   happens to line up, earns nothing;
 - ``calibrate(m)``: the regression of t on m with that slope, i.e. the trusted median
   ``exp(mean_t + rho_low * sd_t / sd_m * (m - mean_m))`` and the trusted error spread
-  ``sd_t * sqrt(1 - rho_low^2)``.
+  ``sd_t * sqrt(1 - rho_low^2)``, where the within-rollout variances are pooled over the pairs' degrees of freedom:
+  each rollout's pairs deviate from their own estimated mean, which takes one (``N - k`` for ``N`` pairs in ``k``
+  rollouts, their weighted counterpart under decay), so small rollouts do not understate the spread.
 
 With ``rho_low = 0`` every sample gets the same median and the population's spread: the predictions carry no
 information, and the scheduler runs plain continuous order (first come, first served). As ``rho_low`` grows the
@@ -63,6 +65,8 @@ class PredictionTrust:
         self.current = [0.0] * 6
         # Past rollouts' pairs beyond each rollout's first: the centred sums' degrees of freedom (undecayed).
         self.past_dof = 0.0
+        # The same degrees of freedom weighted as the centred sums are (decayed): their variances' divisor.
+        self.past_dof_weight = 0.0
 
     def observe(self, predicted: float, length: int) -> None:
         """One finished sample: its prediction (tokens, > 0) and its true length (tokens, >= 1)."""
@@ -86,6 +90,8 @@ class PredictionTrust:
                      cmm * d + (smm - sm * sm / n) * scale, ctt * d + (stt - st * st / n) * scale,
                      cmt * d + (smt - sm * st / n) * scale]
         self.past_dof += n - 1
+        # a rollout's centred sum has n - 1 degrees of freedom (one went to its own mean), scaled as its sums are
+        self.past_dof_weight = self.past_dof_weight * d + own * (n - 1) / n
         self.current = [0.0] * 6
 
     @property
@@ -95,15 +101,20 @@ class PredictionTrust:
         return self.past_dof + max(self.current[0] - 1, 0.0) >= 1
 
     def _within(self) -> tuple[float, float, float, float]:
-        """(weight, var_m, var_t, cov_mt) of the centred pairs, past and current."""
+        """(weight, var_m, var_t, cov_mt) of the centred pairs, past and current: the centred sums over their
+        degrees of freedom, each rollout's pairs less the one its own mean took (unbiased for any rollout size;
+        over the weight, rollouts of n pairs understated a variance by (n - 1) / n). 0 before two pairs of one
+        rollout (``spread_known``)."""
         w, _, _, _, cmm, ctt, cmt = self.past
         n, sm, st, smm, stt, smt = self.current
         if n:
             cmm, ctt, cmt = cmm + smm - sm * sm / n, ctt + stt - st * st / n, cmt + smt - sm * st / n
-        weight = w + n
+        weight, dof = w + n, self.past_dof_weight + max(n - 1, 0.0)
         if weight <= 0:
             return 0.0, 0.0, 0.0, 0.0
-        return weight, max(cmm / weight, 0.0), max(ctt / weight, 0.0), cmt / weight
+        if dof <= 0:
+            return weight, 0.0, 0.0, 0.0
+        return weight, max(cmm / dof, 0.0), max(ctt / dof, 0.0), cmt / dof
 
     def _levels(self) -> tuple[float, float]:
         """Mean log prediction and mean log length over all pairs (the calibration's intercept)."""
@@ -163,13 +174,15 @@ class PredictionTrust:
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "confidence_z": self.confidence_z, "past": list(self.past),
-                "current": list(self.current), "past_dof": self.past_dof}
+                "current": list(self.current), "past_dof": self.past_dof, "past_dof_weight": self.past_dof_weight}
 
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.confidence_z = state["decay"], state["confidence_z"]
         self.past, self.current = list(state["past"]), list(state["current"])
         # An earlier checkpoint lacks the count: a past of at least two pairs is taken to have measured the spread.
         self.past_dof = float(state.get("past_dof", 1.0 if self.past[0] > 1 else 0.0))
+        # Nor the weighted one: the past's weight, the divisor its variances had then (uncorrected until it decays).
+        self.past_dof_weight = float(state.get("past_dof_weight", self.past[0]))
 
 
 # ---- the gate: is following the predictions expected to beat arrival order? --------------------------------
