@@ -45,6 +45,9 @@ After each step, ``update(accuracy, mean_angle)`` applies the paper's rule
   concentration: pass a value measured on the current policy if the trainer has one; by default (None) it is the
   mean stored score of the prompts drawn since the last update. ``angle_normalization="none"`` feeds the raw value,
   as the authors do.
+- A step in which nothing was scored (every reward function returned None for every completion, or every group
+  was skipped for a reward error) has no accuracy: ``update(None)`` leaves mu where it is and forgets the step's
+  draws, as a step with no information; feeding it 0 would move mu by the gap to the target on no evidence.
 - mu starts at 0 (the most concentrated prompts) and is a rank position; a rescoring re-sorts the prompts and keeps
   mu. The step's update moves the centre of the *next* draw (the authors' trl loop lags one epoch behind; we do not).
 - Several processes: ``RolloutDataModule`` feeds the whole step's accuracy and mean angle (over every rank's batch)
@@ -187,8 +190,8 @@ class PromptSampler:
         order = torch.randperm(self.num_prompts, generator=self.generator).tolist()
         return [prompt for prompt in order if prompt not in avoid][:batch_size]
 
-    def update(self, accuracy: float, mean_angle: float | None = None) -> None:
-        """Feedback after a step; uniform sampling ignores it."""
+    def update(self, accuracy: float | None, mean_angle: float | None = None) -> None:
+        """Feedback after a step (``accuracy`` None: nothing was scored); uniform sampling ignores it."""
 
     def give_back(self, prompts: list[int]) -> None:
         """Prompts drawn and not used (several ranks: the part of a global draw no rank took). Here nothing to do:
@@ -386,12 +389,19 @@ class AngleCurriculumSampler(PromptSampler):
         self.last_angle = float(self.scores[self.drawn].mean())
         return batch
 
-    def update(self, accuracy: float, mean_angle: float | None = None) -> None:
+    def update(self, accuracy: float | None, mean_angle: float | None = None) -> None:
         """Move mu with the step's mean ``accuracy`` in [0, 1] and the batch's raw ``mean_angle``.
 
         ``mean_angle`` None uses the mean stored score of the prompts drawn since the last update (every draw of
-        the step, e.g. the extra rounds of dynamic sampling).
+        the step, e.g. the extra rounds of dynamic sampling). ``accuracy`` None: nothing of the step was scored, a
+        step with no information: mu stays, the step's draws are forgotten (the next update's angle is its own
+        step's), and ``mean_angle``, where given, is still what ``curriculum/mean_angle`` logs.
         """
+        if accuracy is None:
+            if mean_angle is not None:
+                self.last_angle = check_real("mean_angle", mean_angle)
+            self.drawn = []
+            return
         accuracy = check_real("accuracy", accuracy, low=0.0, high=1.0)
         self._require_scores("update")
         if mean_angle is None:

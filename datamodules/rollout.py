@@ -60,12 +60,15 @@ from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, chec
 TRAIN_PROMPTS_KEY = "train_prompts"
 
 
-def curriculum_accuracy(sums: torch.Tensor) -> float:
+def curriculum_accuracy(sums: torch.Tensor) -> float | None:
     """The curriculum's feedback for a step from ``RolloutBatch.accuracy_sums`` (one rank's, or every rank's added
     up): the share of correct completions where any has a correctness, else the mean reward of the completions
-    some reward function scored, clamped to [0, 1]."""
+    some reward function scored, clamped to [0, 1]; None where no completion was scored (every function returned
+    None, or every group was skipped): a step with no information, which the curriculum skips."""
     correct, judged, reward, rewarded = sums.tolist()
-    accuracy = correct / judged if judged > 0 else reward / rewarded if rewarded > 0 else 0.0
+    if judged <= 0 and rewarded <= 0:
+        return None
+    accuracy = correct / judged if judged > 0 else reward / rewarded
     return min(max(accuracy, 0.0), 1.0)
 
 
@@ -659,7 +662,7 @@ class RolloutDataModule(LightningDataModule):
         gather = (self._handover or {}).get("all_gather") or strategy_all_gather(self.trainer.strategy)
         return gather(tensor).cpu()
 
-    def _finish_step(self, batch: RolloutBatch) -> tuple[float, float | None, int]:
+    def _finish_step(self, batch: RolloutBatch) -> tuple[float | None, float | None, int]:
         """The end of a step under several ranks (one all_gather of a few numbers): the curriculum's feedback for
         the whole step, the same on every rank, i.e. ``curriculum_accuracy`` over every rank's completions and the
         mean raw angle score of every prompt the ranks took (None for a sampler without scores); and the step's

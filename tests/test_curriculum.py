@@ -362,7 +362,38 @@ def test_the_curriculums_feedback_is_the_correct_share_else_the_mean_reward_with
     assert curriculum_accuracy(torch.tensor([0.0, 0.0, 3.0, 4.0])) == 0.75  # no correctness: the mean reward
     assert curriculum_accuracy(torch.tensor([0.0, 0.0, 12.0, 8.0])) == 1.0
     assert curriculum_accuracy(torch.tensor([0.0, 0.0, -2.0, 8.0])) == 0.0
-    assert curriculum_accuracy(torch.zeros(4)) == 0.0
+    assert curriculum_accuracy(torch.zeros(4)) is None  # nothing scored: no information, not accuracy 0
+
+
+def test_a_step_with_nothing_scored_leaves_the_curriculum_where_it_is(recwarn):
+    """Every reward function returned None for every completion: the step carries no accuracy, so mu stays (fed
+    0.0 it moved by the gap to the target accuracy on no evidence), the step's draws are forgotten, and the next
+    scored step moves mu by its own accuracy and prompts."""
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    opinions = []
+
+    def judge(prompts, completions, **kwargs):
+        return [opinions[-1]] * len(completions)
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    data = RolloutDataModule(prompts=[f"q{i} " * (i + 1) for i in range(12)], val_size=0, prompts_per_step=2,
+                             curriculum="angle", curriculum_kwargs={"n": 2.0, "adj_min": -5.0},
+                             reward_funcs=[judge], sampling={"group_size": 2, "max_new_tokens": 2})
+    data.attach(model, tokenizer)
+    data.setup("fit")
+    data.sampler.mu = 5.0
+    opinions.append(None)
+    data.build_train_batch()
+    assert data.sampler.mu == 5.0 and data.sampler.drawn == []
+    opinions.append(1.0)
+    data.build_train_batch()
+    assert data.sampler.mu > 5.0  # accuracy 1 against the target 0.5, whatever the angle (adj_min -5)
+    sampler, mu = data.sampler, data.sampler.mu
+    sampler.draw(2)
+    sampler.update(None, mean_angle=0.25)  # several ranks: the whole step's mean angle, still what is logged
+    assert sampler.mu == mu and sampler.drawn == [] and sampler.metrics()["curriculum/mean_angle"] == 0.25
 
 
 def test_the_curriculums_feedback_over_ranks_is_the_whole_steps():
