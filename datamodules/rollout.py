@@ -272,10 +272,11 @@ class RolloutDataModule(LightningDataModule):
                 raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a "
                                  "datasets.Dataset")
         check_partial_rollouts(over_provision, max_staleness)
+        # a round cap of its own key: the user wrote it under data.max_tool_calling_iterations, not data.tools
+        check_max_tool_calling_iterations(max_tool_calling_iterations)
         with config_errors("data.tools"):
             self.tools = resolve_tools(tools)
             tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
-            check_max_tool_calling_iterations(max_tool_calling_iterations)
             if self.tools:
                 check_without_partial_rollouts(over_provision)
         self.max_tool_calling_iterations = max_tool_calling_iterations

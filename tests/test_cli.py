@@ -581,6 +581,9 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
     (["--data.task", "null", "--data.task_config", "null", "--data.jsonl_path", "missing.jsonl"],
      "error: data: prompt file 'missing.jsonl' does not exist"),
     (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
+    # under the key the user set, not under data.tools (whose block it was checked in)
+    (["--data.max_tool_calling_iterations", "-1"], "error: data.max_tool_calling_iterations=-1 must be an integer "
+                                                   ">= 0 (tool rounds per completion) or None (null in YAML"),
     (["--data.over_provision", "1000"], "error: data.over_provision=1000.0 runs ceil(1000.0 x prompts_per_step=2) = "
                                         "2000 groups a rollout, x world_size=1 more than the 36 training prompts"),
     (["--data.sampling.micro_group_size", "auto", "--data.sampling.kv_budget_bytes", "1"],

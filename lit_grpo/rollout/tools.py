@@ -391,7 +391,7 @@ def check_max_tool_calling_iterations(value: Any) -> None:
     """Raise naming ``value`` unless it is None or an int >= 0."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"max_tool_calling_iterations={value!r} must be an integer >= 0 (tool rounds per "
-                         "completion) or None (no count: max_new_tokens bounds the rounds)")
+                         "completion) or None (null in YAML: no count, max_new_tokens bounds the rounds)")
 
 
 def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any],
