@@ -662,6 +662,46 @@ def test_a_call_written_in_a_reasoning_block_is_a_thought_not_a_call(llama):
     CALLS.clear()
     _, out = rollout((model, tokenizer), [add], thought + ADD_CALL, iterations=1)
     assert CALLS == [(2, 3), (2, 3)] and (out.calls, out.failures) == (2, 0)
-    assert out.messages[0][0][0]["content"] == thought.strip()
+    assert out.messages[0][0][0]["content"] == ""
+    assert out.messages[0][0][0]["reasoning_content"] == thought.strip()[len("<think>"):-len("</think>")].strip()
     _, none = rollout((model, tokenizer), [add], thought + "It is 2.", iterations=1)
     assert none.calls == 0 and [m["role"] for m in none.messages[0][0]] == ["assistant"]
+
+
+QWEN3_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+#: Qwen3 turns and the message TRL's Qwen3 response template parses from each (trl.chat_template_utils.parse_response
+#: after add_response_schema, on this file's Qwen3 tokenizer): the reasoning block apart from the content, stripped,
+#: and only where not empty. ``opened``: the prompt pre-wrote ``<think>\n``, as a thinking template's does.
+QWEN3_PARSES = [
+    ("<think>\nI add them.\n</think>\n\n" + QWEN3_ADD, False, {"reasoning_content": "I add them.", "content": ""}),
+    ("<think>\n\n</think>\n\n" + QWEN3_ADD, False, {"content": ""}),
+    ("<think>\n\n  I add.  \n\n</think>\n\n  It is 5.  \n", False,
+     {"reasoning_content": "I add.", "content": "It is 5."}),
+    ("\n<think>\nI add.\n</think>It is 5.", False, {"reasoning_content": "I add.", "content": "It is 5."}),
+    ("<think>\nmaybe " + QWEN3_ADD + "\n</think>\n\nIt is 2.", False,
+     {"reasoning_content": "maybe " + QWEN3_ADD, "content": "It is 2."}),
+    # a block that never closes (TRL's also keeps the <|im_end|> there, which the decoded turn no longer has)
+    ("<think>\nunfinished " + QWEN3_ADD, False, {"reasoning_content": "unfinished " + QWEN3_ADD, "content": ""}),
+    ("Let me add.\n" + QWEN3_ADD, False, {"content": "Let me add."}),
+    ("I add.\n</think>\n\n" + QWEN3_ADD, False, {"content": "I add.\n</think>"}),
+    ("I add.\n</think>\n\n" + QWEN3_ADD, True, {"reasoning_content": "I add.", "content": ""}),
+    ("I add.\n</think>\n\nIt is 5.", True, {"reasoning_content": "I add.", "content": "It is 5."}),
+]
+
+
+@pytest.mark.parametrize("turn, opened, message", QWEN3_PARSES)
+def test_a_qwen3_turn_reaches_the_history_as_trls_qwen3_parser_reads_it(turn, opened, message):
+    """Without a response template, a Qwen3 turn's reasoning block is its reasoning_content, not part of its
+    content (the history the reward functions get), as TRL's parser gives it; its calls as before."""
+    tokenizer = qwen3_tokenizer()
+    box = ToolBox([add], tokenizer, 1)
+    assert not box.parses  # the Hermes reader, not a response template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=box.schemas,
+                                           add_generation_prompt=True, return_dict=False)
+    prefix = prompt + (tokenizer("<think>\n")["input_ids"] if opened else [])
+    parsed, calls = box.parse(call_turn(tokenizer, turn), prefix)
+    assert parsed == {"role": "assistant", **message}
+    called = turn.endswith(QWEN3_ADD) and not turn.startswith(("<think>\nmaybe", "<think>\nunfinished"))
+    assert calls == ([{"name": "add", "arguments": {"a": 2, "b": 3}}] if called else [])

@@ -20,9 +20,10 @@ tool result that would leave no room for a drawn token is dropped and the sample
 
 Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in
 the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after a reasoning block's
-``</think>``. Under either, a turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's
-fallback: no tool runs and no failure is counted. A call that reads but fails to run (an unknown tool, arguments
-that do not fit) is a failed call.
+``</think>`` (the block itself is the turn's ``reasoning_content``, as TRL parses Qwen3's turns). Under either, a
+turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no
+failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed
+call.
 """
 
 from __future__ import annotations
@@ -180,10 +181,15 @@ class ToolBox:
         (``[{"name", "arguments"}]``, empty: no call). ``prefix``: the token ids before the turn (the prompt, the
         completion's earlier turns and tool results).
 
-        A turn whose calls cannot be read (not JSON, not an object, a name that is not a string, cut short) is its
-        text with no call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model
-        wrote so badly is no call at all, so it is neither run nor counted as a failure. A call that reads but does
-        not run (an unknown tool, arguments that do not fit it) is a failed call (``run``)."""
+        Without a response template the turn is read in the Hermes / Qwen format as TRL reads it with Qwen3's: a
+        reasoning block (``split_reasoning``; one ``prefix`` left open too) is its ``reasoning_content`` where not
+        empty, out of its ``content`` (Qwen3's template splits a block in the content back out when it renders it,
+        so the rendering is the same, and the reward functions get the message TRL gives them).
+
+        A turn whose calls cannot be read (not JSON, not an object, a name that is not a string) is its text with no
+        call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model wrote so badly
+        is no call at all, so it is neither run nor counted as a failure. A call that reads but does not run (an
+        unknown tool, arguments that do not fit it) is a failed call (``run``)."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         plain = {"role": "assistant", "content": text}
         if self.parses:
@@ -203,13 +209,18 @@ class ToolBox:
                 content = content.removesuffix(self.tokenizer.eos_token)
             extra = {k: v for k, v in parsed.items() if k not in ("role", "content", "tool_calls")}
             return {"role": "assistant", "content": content, **extra}, calls
+        reasoning, rest = split_reasoning(text, reasoning_open(self.tokenizer, prefix))
+        message = plain if reasoning is None else {"role": "assistant", "content": rest.strip(),
+                                                   **({"reasoning_content": reasoning} if reasoning else {})}
         # calls are read after a reasoning block: one written while reasoning is a thought (Qwen3's parser, TRL's)
-        start = text.find("</think>") + len("</think>") if "</think>" in text else 0
-        calls = read_calls([_json(body) for body in HERMES_CALL.findall(text, start)])
-        # a call is acted on only where the turn ends with it (text after the last call: the model went on)
-        if not calls or text[text.rfind("</tool_call>") + len("</tool_call>"):].strip():
+        start = rest.find("</think>") + len("</think>") if reasoning is None and "</think>" in rest else 0
+        calls = read_calls([_json(body) for body in HERMES_CALL.findall(rest, start)])
+        if calls is None:
             return plain, []
-        return {"role": "assistant", "content": text[:text.find("<tool_call>", start)].strip()}, calls
+        # a call is acted on only where the turn ends with it (text after the last call: the model went on)
+        if not calls or rest[rest.rfind("</tool_call>") + len("</tool_call>"):].strip():
+            return message, []
+        return {**message, "content": rest[:rest.find("<tool_call>", start)].strip()}, calls
 
     # ------------------------------------------------------------------------------------------ running
     def run(self, call: dict) -> tuple[str, Any, bool]:
@@ -509,6 +520,35 @@ def _end_of_last(ids: list[int], part: list[int]) -> int | None:
 def _ids(encoded: Any) -> list[int]:
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
+
+
+#: How many of the tokens before a turn ``reasoning_open`` reads: enough for a ``<think>`` a byte tokenizer splits.
+OPEN_REASONING_TAIL = 32
+
+
+def reasoning_open(tokenizer: Any, prefix: Sequence[int]) -> bool:
+    """Whether the text before a turn (``prefix``: its token ids) leaves a ``<think>`` block open, so the turn
+    starts inside it: a template that pre-writes the opener in the generation prompt (as a thinking model's does)."""
+    tail = tokenizer.decode(list(prefix[-OPEN_REASONING_TAIL:])) if prefix else ""
+    return tail.rfind("<think>") > tail.rfind("</think>")
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """``(reasoning, rest)`` of a turn's text, as TRL's Qwen3 response template reads a reasoning block: a turn that
+    starts with ``<think>`` (after whitespace), or inside one its prompt left open (``opened``), reasons up to its
+    ``</think>`` (to its end where the block never closes); ``reasoning`` is that text stripped (empty for an empty
+    block), ``rest`` what follows the block. ``(None, text)`` where the turn opens no block: a ``</think>`` without
+    its opener is text (TRL's parser keeps it in the content)."""
+    if text.lstrip().startswith("<think>"):
+        body = text.lstrip()[len("<think>"):]
+    elif opened:
+        body = text
+    else:
+        return None, text
+    end = body.find("</think>")
+    if end < 0:
+        return body.strip(), ""
+    return body[:end].strip(), body[end + len("</think>"):]
 
 
 def read_calls(raw: Any) -> list[dict] | None:
