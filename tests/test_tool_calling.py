@@ -6,6 +6,7 @@ import asyncio
 import copy
 import inspect
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -487,13 +488,66 @@ def test_a_turn_cut_by_a_stop_string_is_closed_by_the_templates_end_of_turn_not_
     assert tokenizer.convert_ids_to_tokens(box.turn_end) == ["<|im_end|>"]
 
 
-def test_a_template_without_a_special_end_of_turn_falls_back_to_eos_and_says_so(llama):
+def test_a_template_that_ends_no_turn_with_a_token_is_refused_naming_what_it_writes(llama):
+    """Nothing would mark a turn's end (a turn a stop string cut could not be closed as the template writes it): the
+    setup says so, and what is needed, where it fell back to the EOS with a warning."""
     _, tokenizer = llama
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = TOOLS_TEMPLATE.replace("<|im_end|>", "\n\n")
-    with pytest.warns(UserWarning, match="writes no special token after an assistant turn.s tool call.*EOS"):
+    refusal = r"writes no token of its own after an assistant turn's tool call \(it renders .*\\n\\n.*special or added"
+    with pytest.raises(ValueError, match=refusal):
+        ToolBox([add], tokenizer, 1)
+    module = make_module()
+    module.tokenizer.chat_template = tokenizer.chat_template
+    with pytest.raises(ConfigError, match="^data.tools: the chat template writes no token"):
+        make_datamodule(module, tools=[add], max_new_tokens=20)
+
+
+def unmarked_tokenizer(tokenizer):
+    """``tokenizer`` whose ``<|im_end|>`` (its template's end of turn) is an added token not marked special, and
+    whose EOS is ``<|endoftext|>`` (as a Qwen base tokenizer's), the ids kept."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    source = json.loads(tokenizer.backend_tokenizer.to_str())
+    for token in source["added_tokens"]:
+        token["special"] = token["special"] and token["content"] != "<|im_end|>"
+    unmarked = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(source)),
+                                       bos_token="<|im_start|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    unmarked.chat_template = tokenizer.chat_template
+    return unmarked
+
+
+def test_an_end_of_turn_token_not_marked_special_is_read_from_the_template_as_a_special_one(llama):
+    """transformers tokenizes an added token as one id whether or not it is special: the template's <|im_end|> is
+    the turn's end either way (it fell back to the EOS, with a warning), a turn the model closed with it is read
+    (its decoded text keeps it), and a turn a stop string cut is closed with it, as the template writes the turn."""
+    model, tokenizer = llama
+    tokenizer = unmarked_tokenizer(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in tokenizer.all_special_ids and tokenizer.eos_token_id != im_end
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         box = ToolBox([add], tokenizer, 1)
-    assert box.turn_end == [tokenizer.eos_token_id]
+    assert box.turn_end == [im_end]
+    call = tokenizer(ADD_CALL)["input_ids"]
+    assert box.parse(call + [im_end]) == ({"role": "assistant", "content": ""},
+                                          [{"name": "add", "arguments": {"a": 2, "b": 3}}])
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=200, seed=0)
+    user = [{"role": "user", "content": "2+3?"}]
+    prompt = tokenizer.apply_chat_template(user, tools=box.schemas, add_generation_prompt=True, return_dict=False)
+    for turn in (call, call + [im_end]):  # cut by a stop string after the call; closed by the model
+        scripted = StopCut(engine, turn)
+        groups = scripted.new_groups([prompt])
+        with torch.no_grad():
+            out = box.run_rounds(scripted, groups, scripted.generate_groups(groups))
+        assert (out.calls, out.failures) == (2, 0)
+        expected = tokenizer.apply_chat_template(user + out.messages[0][0][:2], tools=box.schemas,
+                                                 add_generation_prompt=True, return_dict=False)
+        assert prompt + out.completion_ids[0][0][:len(expected) - len(prompt)] == expected
 
 
 #: A template whose tool turn depends on the whole conversation: it numbers the turns by their absolute position and

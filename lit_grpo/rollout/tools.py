@@ -33,7 +33,6 @@ import importlib
 import inspect
 import json
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,11 +159,6 @@ class ToolBox:
         self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
         check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
         self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs)
-        if self.turn_end is None:
-            self.turn_end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-            warnings.warn(f"the chat template writes no special token after an assistant turn's tool call, so "
-                          f"nothing marks the turn's end: a turn a stop string cuts is closed with the tokenizer's "
-                          f"EOS ({tokenizer.eos_token!r}) before its tool results", stacklevel=2)
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
                                                                                   "response_template"))
@@ -190,7 +184,10 @@ class ToolBox:
         call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model wrote so badly
         is no call at all, so it is neither run nor counted as a failure. A call that reads but does not run (an
         unknown tool, arguments that do not fit it) is a failed call (``run``)."""
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        # the turn's own end is no text of it: decoding skips it only where the tokenizer marks it special
+        ended = bool(self.turn_end) and list(ids[-len(self.turn_end):]) == self.turn_end
+        text = self.tokenizer.decode(list(ids[:len(ids) - len(self.turn_end)] if ended else ids),
+                                     skip_special_tokens=True)
         plain = {"role": "assistant", "content": text}
         if self.parses:
             keywords = {"prefix": list(prefix), "tools": self.schemas}
@@ -456,31 +453,44 @@ TURN_MARKER = "lit_grpo_turn_marker"
 
 
 def turn_end_ids(tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
-                 kwargs: Mapping[str, Any] | None = None) -> list[int] | None:
-    """``[1]`` the token that closes an assistant turn calling a tool, read from the chat template: the last special
+                 kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """``[1]`` the token that closes an assistant turn calling a tool, read from the chat template: the last whole
     token it writes after the call's arguments (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``, Llama 3's
     ``<|eot_id|>``, GPT-OSS's ``<|call|>``), which need not be the tokenizer's EOS (a Qwen base tokenizer's is
-    ``<|endoftext|>``). None where the template writes no special token there, or cannot render the turn.
-    ``prompt``: the messages before the turn; ``tools``: the schemas, the first one's tool called."""
+    ``<|endoftext|>``). ``prompt``: the messages before the turn; ``tools``: the schemas, the first one's tool called.
+
+    A whole token is a special one or any added token, special or not: transformers tokenizes an added token as one
+    id either way, so a tokenizer that does not mark its ``<|im_end|>`` special ends its turns with the same token.
+    Raises where the template cannot render the turn or writes no such token after the call: nothing would mark a
+    turn's end, so neither a turn a stop string cuts could be closed nor a tool turn be cut from the conversation as
+    the template writes them."""
     call = {"type": "function",
             "function": {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}}
     try:
         text = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": "", "tool_calls": [call]}],
                                              tools=tools, tokenize=False, **(kwargs or {}))
-    except Exception:  # noqa: BLE001 - a template that cannot render the turn shows no end: the caller's fallback
-        return None
+    except Exception as error:  # noqa: BLE001 - the template's own failure, named in the setting's error
+        raise ValueError(f"the chat template cannot render an assistant turn that calls a tool ({error}); data.tools "
+                         "needs a template that renders assistant tool_calls") from error
     if TURN_MARKER not in text:
-        return None
-    after = _ids(tokenizer(text[text.rindex(TURN_MARKER) + len(TURN_MARKER):], add_special_tokens=False))
-    special = _special_ids(tokenizer)
-    return [token for token in after if token in special][-1:] or None
+        raise ValueError("the chat template does not write a tool call's arguments in the assistant's turn, so its "
+                         "end cannot be read; data.tools needs a template that renders assistant tool_calls")
+    after = text[text.rindex(TURN_MARKER) + len(TURN_MARKER):]
+    whole = _whole_token_ids(tokenizer)
+    ends = [token for token in _ids(tokenizer(after, add_special_tokens=False)) if token in whole][-1:]
+    if not ends:
+        raise ValueError(f"the chat template writes no token of its own after an assistant turn's tool call (it "
+                         f"renders {after!r:.80} after the call's arguments), so nothing marks the turn's end; "
+                         "data.tools needs a template that ends an assistant turn with a special or added token of "
+                         "the tokenizer's (such as <|im_end|>, <|eot_id|> or <end_of_turn>)")
+    return ends
 
 
-def _special_ids(tokenizer: Any) -> set[int]:
-    """The tokenizer's special token ids: its named ones and its added tokens marked special."""
+def _whole_token_ids(tokenizer: Any) -> set[int]:
+    """The ids the tokenizer never splits into others: its named special tokens and its added tokens, special or
+    not."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()} | {
-        int(i) for i, token in added.items() if getattr(token, "special", False)}
+    return {int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()} | {int(i) for i in added}
 
 
 def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[dict], history: Sequence[dict] = (),
