@@ -15,7 +15,7 @@ import torch
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.metrics import reduce_over_ranks
-from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas
+from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas, tool_suffix_ids
 from lit_grpo.runtime.models import tiny_tokenizer
 from lit_grpo.runtime.validation import ConfigError
 
@@ -759,3 +759,69 @@ def test_a_qwen3_turn_reaches_the_history_as_trls_qwen3_parser_reads_it(turn, op
     assert parsed == {"role": "assistant", **message}
     called = turn.endswith(QWEN3_ADD) and not turn.startswith(("<think>\nmaybe", "<think>\nunfinished"))
     assert calls == ([{"name": "add", "arguments": {"a": 2, "b": 3}}] if called else [])
+
+
+def rstrip_end_tokenizer():
+    """The tiny tokenizer whose ``<|im_end|>`` eats the whitespace after it (``rstrip``, as some models' added tokens
+    do): the text after a turn's end then tokenizes otherwise alone than in its conversation."""
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"eos_token": AddedToken("<|im_end|>", rstrip=True, normalized=False, special=True)})
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+def suffix_cases():
+    """``(name, tokenizer, chat_template_kwargs)``: templates and tokenizers whose tool turns the text cut renders."""
+    tiny = tiny_tokenizer()
+    cases = [(name, copy.deepcopy(tiny), {}) for name in ("tools", "again", "numbered")]
+    for (name, tokenizer, _), template in zip(cases, (TOOLS_TEMPLATE, AGAIN_TEMPLATE, NUMBERED_TEMPLATE)):
+        tokenizer.chat_template = template
+    unmarked = copy.deepcopy(tiny)
+    unmarked.chat_template = TOOLS_TEMPLATE
+    cases += [("unmarked", unmarked_tokenizer(unmarked), {}), ("qwen3", qwen3_tokenizer(), {}),
+              ("qwen3_no_thinking", qwen3_tokenizer(), {"enable_thinking": False})]
+    return cases
+
+
+@pytest.mark.parametrize("name, tokenizer, thinking", suffix_cases(), ids=lambda case: case
+                         if isinstance(case, str) else "")
+def test_a_tool_turn_cut_from_the_text_is_the_whole_conversations_tokens(name, tokenizer, thinking):
+    """Each round's tool turn is cut from the two conversations' text and only it is tokenized: the same tokens as
+    the cut of the two tokenized conversations, in the first round and after earlier ones, with and without
+    reasoning and a system prompt, tool results of any text."""
+    box = ToolBox([add], tokenizer, 3, chat_template_kwargs=thinking, system_prompt="Be brief.")
+    assert box.suffix_from_text
+    tokenized = []  # the whole conversations the box tokenizes: none, only the tool turns' text
+    render = tokenizer.apply_chat_template
+    box.tokenizer = copy.copy(tokenizer)
+    box.tokenizer.apply_chat_template = lambda *a, **kw: tokenized.append(kw.get("tokenize", True)) or render(*a, **kw)
+    results = ["5", " 5 ", "\n5\n", '{"error": "boom"}', "<|im_end|>x"]
+    for reasoning in (None, "I add them."):
+        history = []
+        for result in results:
+            history.append(qwen3_call(2, 3, reasoning) if "qwen3" in name else
+                           {"role": "assistant", "content": "", "tool_calls": qwen3_call(2, 3)["tool_calls"]})
+            tool = [{"role": "tool", "name": "add", "content": result}]
+            for prompt in (box.prompt_messages(), [{"role": "user", "content": "2+3?"}]):
+                whole = tool_suffix_ids(tokenizer, tool, prompt, history, tools=box.schemas,
+                                        kwargs=box.template_kwargs, turn_end=box.turn_end)
+                assert box.suffix_ids(tool, history, prompt) == whole
+            history += tool
+    assert tokenized and not any(tokenized)
+
+
+def test_a_tokenizer_whose_turn_end_strips_what_follows_it_is_cut_from_its_tokens():
+    """Tokenized alone, the text after an rstrip end-of-turn token is not the conversation's tokens after it: the
+    setup sees so and cuts the tokenized conversations, whose tokens the tool turns then are."""
+    tokenizer = rstrip_end_tokenizer()
+    box = ToolBox([add], tokenizer, 1)
+    assert not box.suffix_from_text
+    history = [{"role": "assistant", "content": "", "tool_calls": qwen3_call(2, 3)["tool_calls"]}]
+    tool = [{"role": "tool", "name": "add", "content": "5"}]
+    prompt = box.prompt_messages()
+    whole = tool_suffix_ids(tokenizer, tool, prompt, history, tools=box.schemas, turn_end=box.turn_end)
+    assert box.suffix_ids(tool, history) == whole
+    assert tool_suffix_ids(tokenizer, tool, prompt, history, tools=box.schemas, turn_end=box.turn_end,
+                           from_text=True) != whole  # the text cut's tokens would differ here

@@ -140,6 +140,8 @@ class ToolBox:
             (``tool_chat_template``), or None: the tokenizer's own template renders them.
         template_kwargs: ``apply_chat_template``'s keywords for the tool turns: the chat template's variables and,
             where a template was swapped, ``chat_template=`` the prefix-preserving one.
+        suffix_from_text: whether a tool turn's tokens are cut from the conversations' text and only they are
+            tokenized (``suffix_from_text``, checked here), else from the tokenized conversations.
     """
 
     def __init__(self, tools: Sequence[Any], tokenizer: Any, max_tool_calling_iterations: int | None = None,
@@ -159,6 +161,9 @@ class ToolBox:
         self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
         check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
         self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs)
+        stand_in = [{"role": "tool", "name": self.schemas[0]["function"]["name"], "content": "1"}]
+        self.suffix_from_text = suffix_from_text(tokenizer, stand_in, self.prompt_messages(), self.schemas,
+                                                 self.template_kwargs, self.turn_end)
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
                                                                                   "response_template"))
@@ -272,7 +277,8 @@ class ToolBox:
         (DeepSeek-R1's opens only the first tool output), so the conversation is rendered as the prompt was. A
         history it cannot render back gets the first round's form (a stand-in calling turn)."""
         prompt = self.prompt_messages() if prompt is None else list(prompt)
-        render = dict(tools=self.schemas, kwargs=self.template_kwargs, turn_end=self.turn_end)
+        render = dict(tools=self.schemas, kwargs=self.template_kwargs, turn_end=self.turn_end,
+                      from_text=self.suffix_from_text)
         if history:
             try:
                 return tool_suffix_ids(self.tokenizer, tool_messages, prompt, history, **render)
@@ -495,29 +501,64 @@ def _whole_token_ids(tokenizer: Any) -> set[int]:
 
 def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[dict], history: Sequence[dict] = (),
                     tools: list[dict] | None = None, kwargs: Mapping[str, Any] | None = None,
-                    turn_end: Sequence[int] | None = None) -> list[int]:
+                    turn_end: Sequence[int] | None = None, from_text: bool = False) -> list[int]:
     """See ``ToolBox.suffix_ids``: the conversation ``prompt + history`` (without a ``history``, a stand-in calling
     turn) rendered with and without ``tool_messages``, with the prompt's ``tools`` and chat template ``kwargs``, the
     first cut after its last ``turn_end`` (TRL's ``_get_tool_suffix_ids`` cuts after the last EOS, which it falls
     back to): what a template writes after a turn's end (a newline) starts the suffix. Raises where the template
-    does not render the tool messages as a continuation."""
+    does not render the tool messages as a continuation.
+
+    ``from_text``: the two conversations are cut as text, after the last ``turn_end``'s text, and only the suffix
+    is tokenized (``suffix_from_text``): tokenizing both whole conversations is most of a round's rendering, and
+    they grow with every round."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     before = [*(dict(m) for m in prompt),
               *([dict(m) for m in history] or [{"role": "assistant", "content": "", "tool_calls": calls}])]
-    render = dict(tokenize=True, tools=tools or None, **(kwargs or {}))
+    render = dict(tools=tools or None, **(kwargs or {}))
+    if from_text and turn_end:
+        prefix, full = _rendered(tokenizer, before, tool_messages, tokenize=False, **render)
+        marker = tokenizer.decode(list(turn_end))
+        if marker and marker in prefix:  # else the token cut's fallback (the EOS) decides
+            return _ids(tokenizer(_suffix(prefix, full, prefix.rindex(marker) + len(marker)),
+                                  add_special_tokens=False))
+    prefix, full = _rendered(tokenizer, before, tool_messages, tokenize=True, **render)
+    prefix, full = _ids(prefix), _ids(full)
+    end = _end_of_last(prefix, list(turn_end or ())) or _end_of_last(prefix, [tokenizer.eos_token_id])
+    return _suffix(prefix, full, end or len(prefix))
+
+
+def suffix_from_text(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[dict], tools: list[dict] | None,
+                     kwargs: Mapping[str, Any] | None, turn_end: Sequence[int]) -> bool:
+    """Whether ``tool_suffix_ids(from_text=True)`` gives the tokens of the whole conversations' cut for this
+    tokenizer and template (checked on ``prompt`` and a stand-in calling turn): it does where the tokenizer
+    tokenizes the text after an added token apart from the text before it, as transformers' fast tokenizers split
+    a text at its added tokens; not where the end-of-turn token strips the whitespace after it (``rstrip``), or
+    where a tokenizer treats a text's start otherwise (a prefix space), which the cut's start would be. What follows
+    the turn's end is the template's own text in every round, so one conversation shows it."""
+    render = dict(tools=tools, kwargs=kwargs, turn_end=turn_end)
+    return tool_suffix_ids(tokenizer, tool_messages, prompt, from_text=True, **render) == \
+        tool_suffix_ids(tokenizer, tool_messages, prompt, **render)
+
+
+def _rendered(tokenizer: Any, before: list[dict], tool_messages: list[dict], **render: Any) -> tuple[Any, Any]:
+    """``before`` rendered, and ``before + tool_messages`` with the next assistant turn's start; raises naming the
+    template's error."""
     try:
-        prefix = _ids(tokenizer.apply_chat_template(before, **render))
-        full = _ids(tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **render))
+        return (tokenizer.apply_chat_template(before, **render),
+                tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **render))
     except Exception as error:
         raise ValueError(f"the chat template cannot render a tool turn ({error}); data.tools needs a template "
                          "that renders assistant tool_calls and role 'tool' messages") from error
-    end = _end_of_last(prefix, list(turn_end or ())) or _end_of_last(prefix, [tokenizer.eos_token_id])
-    prefix = prefix[:end] if end else prefix
-    if full[:len(prefix)] != prefix or len(full) == len(prefix):
+
+
+def _suffix(prefix: Sequence, full: Sequence, end: int) -> Sequence:
+    """``full`` after ``prefix[:end]`` (token ids or text), where ``full`` continues it with something; raises
+    where the template did not render the tool messages as a continuation."""
+    if full[:end] != prefix[:end] or len(full) == end:
         raise ValueError("the chat template does not render tool messages as a continuation of the assistant's "
                          "turn (a conversation with them does not start with the one without), so tool results "
                          "cannot be appended to a completion")
-    return full[len(prefix):]
+    return full[end:]
 
 
 def _end_of_last(ids: list[int], part: list[int]) -> int | None:
