@@ -825,3 +825,71 @@ def test_a_tokenizer_whose_turn_end_strips_what_follows_it_is_cut_from_its_token
     assert box.suffix_ids(tool, history) == whole
     assert tool_suffix_ids(tokenizer, tool, prompt, history, tools=box.schemas, turn_end=box.turn_end,
                            from_text=True) != whole  # the text cut's tokens would differ here
+
+
+def test_a_tokenizer_with_several_named_templates_has_the_one_tools_select_matched():
+    """A tokenizer's templates by name: tool turns render with the one tools= picks (transformers' ``tool_use``
+    where it has one, else ``default``), which is matched as a lone template is (it was never: a stock Qwen3 one was
+    refused)."""
+    for templates, swapped in (({"default": QWEN3_TEMPLATE}, "Qwen3"),
+                               ({"default": TOOLS_TEMPLATE, "tool_use": QWEN3_TEMPLATE}, "Qwen3"),
+                               ({"default": QWEN3_TEMPLATE, "tool_use": TOOLS_TEMPLATE}, None)):
+        tokenizer = qwen3_tokenizer()
+        tokenizer.chat_template = templates
+        box = ToolBox([add], tokenizer, 1)
+        assert box.swapped_template == swapped
+        history = [qwen3_call(2, 3)]
+        tool = [{"role": "tool", "name": "add", "content": "5"}]
+        text = tokenizer.decode(box.suffix_ids(tool, history))
+        assert text.startswith("\n<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+        assert ("<tool_response>\n5\n</tool_response>" in text) == (swapped is not None)
+
+
+def test_an_unknown_template_that_drops_part_of_a_turn_is_refused_naming_the_known_ones_and_how_to_pass_one():
+    """Another revision of a stock template (here Qwen3's, one character off) is not swapped: the refusal says
+    which templates are, and how to give the model a prefix-preserving one."""
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = QWEN3_TEMPLATE + "\n"
+    assert tool_chat_template(tokenizer) is None
+    with pytest.raises(ValueError, match=r"not render tool messages as a continuation.*known stock template only, "
+                                         r"matched by its exact text \(Qwen3's\).*chat_template\.jinja.*"
+                                         r"tokenizer\.chat_template"):
+        ToolBox([add], tokenizer, 1)
+
+
+#: Other Qwen3 revisions' stock chat templates, exact to the byte (their models' tokenizer_config.json, as TRL 1.16
+#: ships them to recognise the models), by their SHA-256: each renders a turn the same whatever follows it, so none
+#: needs a swap.
+QWEN3_REVISIONS = {
+    "qwen3_instruct_2507": "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326",
+    "qwen3_vl": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
+    "qwen3_5": "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",  # Qwen3.5-4B and larger
+}
+
+
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
+@pytest.mark.parametrize("name", sorted(QWEN3_REVISIONS))
+def test_other_qwen3_revisions_render_tool_turns_as_continuations_without_a_swap(name, thinking):
+    """Qwen3-2507, Qwen3-VL and Qwen3.5 stock templates: set up unswapped, and each tool turn, after a turn with or
+    without reasoning, in the first round or after one, is the conversation's rendering after the calling turn's
+    end."""
+    import hashlib
+
+    template = (Path(__file__).parent / "data" / f"{name}_chat_template.jinja").read_text()
+    assert hashlib.sha256(template.encode()).hexdigest() == QWEN3_REVISIONS[name]
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = template
+    thinking = thinking if name == "qwen3_5" else {}
+    box = ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
+    assert box.swapped_template is None and tokenizer.convert_ids_to_tokens(box.turn_end) == ["<|im_end|>"]
+    tool = [{"role": "tool", "name": "add", "content": "6"}]
+    render = dict(tools=box.schemas, tokenize=False, **thinking)
+    for prompt in (QWEN3_PROMPTS["single"], QWEN3_PROMPTS["multi"]):
+        for reasoning in (None, "", "I add them."):
+            for history in ([qwen3_call(2, 3, reasoning)],
+                            [qwen3_call(2, 3), {"role": "tool", "content": "5"}, qwen3_call(5, 1, reasoning)]):
+                before = tokenizer.apply_chat_template(prompt + history, **render)
+                after = tokenizer.apply_chat_template(prompt + history + tool, add_generation_prompt=True, **render)
+                end = before.rindex("<|im_end|>") + len("<|im_end|>")
+                assert after.startswith(before[:end])
+                assert tokenizer.decode(box.suffix_ids(tool, history, prompt)) == after[end:]

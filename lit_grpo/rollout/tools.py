@@ -156,7 +156,7 @@ class ToolBox:
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
-        swap = tool_chat_template(tokenizer)
+        swap = tool_chat_template(tokenizer, self.schemas)
         self.swapped_template = swap[0] if swap else None
         self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
         check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
@@ -422,8 +422,16 @@ def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Ma
         raise ValueError("this tokenizer's chat template ignores tools= (a prompt renders the same with and without "
                          "them), so the model would never see data.tools: use a model whose template supports tool "
                          "use")
-    tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], prompt,
-                    tools=schemas, kwargs=kwargs)
+    try:
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}], prompt,
+                        tools=schemas, kwargs=kwargs)
+    except ValueError as error:
+        known = sorted({model for model, _, _ in PREFIX_PRESERVING_EDITS.values()})
+        raise ValueError(f"{error}. lit_grpo renders tool turns with a prefix-preserving version of a known stock "
+                         f"template only, matched by its exact text ({', '.join(known)}'s); for this model, give it "
+                         "a template that renders every turn the same whatever follows: in its model directory "
+                         "(model.model: DIR) as chat_template.jinja, or as tokenizer.chat_template before the "
+                         "run") from error
 
 
 #: Stock chat templates that do not render a conversation as a continuation of its prefix, each by the SHA-256 of its
@@ -440,18 +448,30 @@ PREFIX_PRESERVING_EDITS = {
 }
 
 
-def tool_chat_template(tokenizer: Any) -> tuple[str, str] | None:
-    """``(model, template)``: the prefix-preserving version of the tokenizer's chat template, which tool turns are
-    rendered with, where that template is a known stock one that drops part of a turn once messages follow it
-    (``PREFIX_PRESERVING_EDITS``); None otherwise (the tokenizer's own template is used, and checked)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return None
-    known = PREFIX_PRESERVING_EDITS.get(hashlib.sha256(template.encode()).hexdigest())
+def tool_chat_template(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str, str] | None:
+    """``(model, template)``: the prefix-preserving version of the chat template the tool turns render with (``tools``:
+    their schemas; ``tools_template``), where that template is a known stock one that drops part of a turn once
+    messages follow it (``PREFIX_PRESERVING_EDITS``); None otherwise (the tokenizer's own template is used, and
+    checked)."""
+    template = tools_template(tokenizer, tools)
+    known = None if template is None else PREFIX_PRESERVING_EDITS.get(hashlib.sha256(template.encode()).hexdigest())
     if known is None:
         return None
     model, old, new = known
     return model, template.replace(old, new)
+
+
+def tools_template(tokenizer: Any, tools: list[dict] | None) -> str | None:
+    """The text of the chat template ``apply_chat_template`` renders with ``tools=tools``: the tokenizer's own, or of
+    its several named ones (a mapping) the one transformers picks (``tool_use`` with tools where it has one, else
+    ``default``); None where it has none to pick."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):
+        try:
+            template = tokenizer.get_chat_template(tools=tools or None)
+        except ValueError:  # several templates and no default: apply_chat_template refuses it too, naming them
+            return None
+    return template if isinstance(template, str) else None
 
 
 #: The argument (name and value) of the stand-in call whose turn ``turn_end_ids`` reads.
