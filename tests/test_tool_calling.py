@@ -312,10 +312,10 @@ def test_a_parsed_turn_is_the_parsers_message_less_the_eos_it_kept(llama, monkey
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.response_template = RESPONSE_TEMPLATE
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    box = ToolBox([add], tokenizer, 1)  # set up with the real parser, which reads back the template's call
     monkeypatch.setattr(type(tokenizer), "parse_response", lambda self, ids, **kw: {
         "role": "assistant", "content": "Let me add." + self.eos_token, "reasoning_content": "2 and 3",
         "tool_calls": [call]}, raising=False)
-    box = ToolBox([add], tokenizer, 1)
     assert box.parse(tokenizer("anything")["input_ids"]) == (
         {"role": "assistant", "content": "Let me add.", "reasoning_content": "2 and 3"},
         [{"name": "add", "arguments": {"a": 2, "b": 3}}])
@@ -880,10 +880,17 @@ def test_other_qwen3_revisions_render_tool_turns_as_continuations_without_a_swap
     tokenizer = qwen3_tokenizer()
     tokenizer.chat_template = template
     thinking = thinking if name == "qwen3_5" else {}
-    box = ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
-    assert box.swapped_template is None and tokenizer.convert_ids_to_tokens(box.turn_end) == ["<|im_end|>"]
+    schemas, im_end = tool_schemas([add]), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tool_chat_template(tokenizer, schemas) is None
+    if name == "qwen3_5":  # its <function=...> calls need a response template (refused without one: a test below)
+        def suffix_ids(tool, history, prompt):
+            return tool_suffix_ids(tokenizer, tool, prompt, history, tools=schemas, kwargs=thinking, turn_end=[im_end])
+    else:
+        box = ToolBox([add], tokenizer, 1)
+        assert box.swapped_template is None and box.turn_end == [im_end]
+        suffix_ids = box.suffix_ids
     tool = [{"role": "tool", "name": "add", "content": "6"}]
-    render = dict(tools=box.schemas, tokenize=False, **thinking)
+    render = dict(tools=schemas, tokenize=False, **thinking)
     for prompt in (QWEN3_PROMPTS["single"], QWEN3_PROMPTS["multi"]):
         for reasoning in (None, "", "I add them."):
             for history in ([qwen3_call(2, 3, reasoning)],
@@ -892,4 +899,24 @@ def test_other_qwen3_revisions_render_tool_turns_as_continuations_without_a_swap
                 after = tokenizer.apply_chat_template(prompt + history + tool, add_generation_prompt=True, **render)
                 end = before.rindex("<|im_end|>") + len("<|im_end|>")
                 assert after.startswith(before[:end])
-                assert tokenizer.decode(box.suffix_ids(tool, history, prompt)) == after[end:]
+                assert tokenizer.decode(suffix_ids(tool, history, prompt)) == after[end:]
+
+
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
+def test_a_template_whose_calls_the_reader_does_not_read_back_is_refused_naming_the_format(llama, thinking):
+    """Qwen3.5 writes a call as <function=add><parameter=...>, which the Hermes reader does not read: no tool would
+    ever run, without a word (it set up). Refused, showing the format, under either reader; a response template
+    that reads the template's own format sets up."""
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = (Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja").read_text()
+    with pytest.raises(ValueError, match=r"writes a tool call as .*<tool_call>\\n<function=add>\\n<parameter=.*"
+                                         r"lit_grpo's reader without a response template .*does not read back"):
+        ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
+    tokenizer.response_template = RESPONSE_TEMPLATE  # the Hermes format's
+    if "prefix" in inspect.signature(tokenizer.parse_response).parameters:
+        with pytest.raises(ValueError, match=r"<function=add>.*which the tokenizer's response_template"):
+            ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
+    _, hermes = llama
+    hermes = copy.deepcopy(hermes)
+    hermes.response_template = RESPONSE_TEMPLATE
+    assert ToolBox([add], hermes, 1).parses

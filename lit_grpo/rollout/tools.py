@@ -23,7 +23,7 @@ the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_ca
 ``</think>`` (the block itself is the turn's ``reasoning_content``, as TRL parses Qwen3's turns). Under either, a
 turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no
 failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed
-call.
+call. A template whose calls the reader does not read back is refused at setup (``check_calls_read``).
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ class ToolBox:
         parameters = inspect.signature(tokenizer.parse_response).parameters if self.parses else {}
         self.parse_keywords = {name for name in ("prefix", "tools") if name in parameters} \
             if getattr(tokenizer, "response_template", None) is not None else set()
+        check_calls_read(self.parse, tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs,
+                         self.turn_end)
 
     # ------------------------------------------------------------------------------------------ parsing
     def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[dict, list[dict]]:
@@ -434,6 +436,38 @@ def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Ma
                          "run") from error
 
 
+def check_calls_read(parse: Callable, tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
+                     kwargs: Mapping[str, Any], turn_end: Sequence[int]) -> None:
+    """Raise unless ``parse`` (``ToolBox.parse``) reads back the call the chat template writes in an assistant turn
+    after ``prompt`` (a call of the first of ``tools``): a template whose calls the reader does not read would run
+    no tool at all, without a word (Qwen3.5's ``<function=...>`` calls under the Hermes reader)."""
+    call = {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    render = dict(tools=tools, tokenize=False, **kwargs)
+    start = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, **render)
+    whole = tokenizer.apply_chat_template([*prompt, turn], **render)
+    # the turn as the model writes it, as text (its tokens as the model would draw them are unknown): from where the
+    # finished turn leaves the generation prompt, at a tag's or a line's end (the prompt may pre-write a block that
+    # the finished turn closes at once or leaves out), up to its end
+    begin = len(start) if whole.startswith(start) else max(
+        whole.rfind(">", 0, _common_length(start, whole)), whole.rfind("\n", 0, _common_length(start, whole))) + 1
+    marker = tokenizer.decode(list(turn_end))
+    end = whole.rindex(marker) + len(marker) if marker in whole[begin:] else len(whole)
+    written = _ids(tokenizer(whole[begin:end], add_special_tokens=False))
+    _, calls = parse(written, _ids(tokenizer(whole[:begin], add_special_tokens=False)))
+    if [(c["name"], _json(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"])
+            for c in calls] != [(call["name"], call["arguments"])]:
+        reader = ("the tokenizer's response_template (parse_response)"
+                  if getattr(tokenizer, "response_template", None) is not None else
+                  "lit_grpo's reader without a response template (the Hermes format <tool_call>{\"name\": ..., "
+                  "\"arguments\": {...}}</tool_call>)")
+        raise ValueError(f"the chat template writes a tool call as {tokenizer.decode(written)!r:.200}, which {reader} "
+                         f"does not read back as that call (it read {calls!r:.120}), so no tool would ever run: give "
+                         "the tokenizer a response_template for this template's format (transformers' "
+                         "parse_response), in the model directory's tokenizer_config.json or as "
+                         "tokenizer.response_template before the run")
+
+
 #: Stock chat templates that do not render a conversation as a continuation of its prefix, each by the SHA-256 of its
 #: exact text (TRL matches a stock template by its exact text too): the model's name and the one edit that makes it
 #: preserve prefixes, ``(old, new)``.
@@ -579,6 +613,11 @@ def _suffix(prefix: Sequence, full: Sequence, end: int) -> Sequence:
                          "turn (a conversation with them does not start with the one without), so tool results "
                          "cannot be appended to a completion")
     return full[end:]
+
+
+def _common_length(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _end_of_last(ids: list[int], part: list[int]) -> int | None:
