@@ -458,6 +458,61 @@ def test_a_child_past_its_deadline_is_killed_and_named():
     assert compare_trl.run_status(process_memory.Watched(returncode=1), "ValueError") == "failed"
 
 
+# A stand-in for the runs' commands: each records one step and says so; run 00 then ends, run 01 trains on until it
+# is killed (the command's time limit falls inside it).
+_STAND_IN_RUN = """
+import json, os, sys, time
+run_dir = sys.argv[1]
+with open(os.path.join(run_dir, "steps.jsonl"), "w") as f:
+    f.write(json.dumps({"event": "step", "step": 1, "start": 0.0, "end": 1.0, "step_s": 1.0, "rollout_s": 0.5}) + "\\n")
+with open(os.path.join(run_dir, "pid"), "w") as f:
+    f.write(str(os.getpid()))
+print("step 1 done", flush=True)
+if os.path.basename(run_dir).startswith("01"):
+    time.sleep(300)
+"""
+_STAND_IN_COMPARISON = """
+import sys
+from tools import compare_trl
+
+compare_trl.run_command = lambda system, spec, run_dir, trl_python: [sys.executable, sys.argv[1], str(run_dir)]
+compare_trl.main(sys.argv[2:])
+"""
+
+
+def test_a_sigterm_keeps_the_finished_runs_and_what_the_stopped_one_left(tmp_path):
+    """A command's time limit (SIGTERM) in the second run: the first run's records were already in the output
+    folder, and the second run is killed, recorded as stopped with the step it finished, and its log archived."""
+    import signal
+    import tarfile
+
+    run, script, out, work = tmp_path / "run.py", tmp_path / "compare.py", tmp_path / "out", tmp_path / "runs"
+    run.write_text(_STAND_IN_RUN)
+    script.write_text(_STAND_IN_COMPARISON)
+    process = subprocess.Popen([sys.executable, str(script), str(run), "--order", "lit,lit", "--steps", "1",
+                                "--untimed-steps", "0", "--work-dir", str(work), "--out-dir", str(out)],
+                               cwd=compare_trl.harness.ROOT, env=compare_trl.harness.repo_env(), stderr=subprocess.PIPE,
+                               text=True)
+    second = work / "demo_4x8x24" / "seed0" / "01_lit"
+    deadline = time.monotonic() + 120
+    while not ((second / "output.log").exists() and "step 1 done" in (second / "output.log").read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
+        time.sleep(0.05)
+    with tarfile.open(out / "runs.tgz") as tar:  # the first run's records, before the second ended
+        assert "runs/demo_4x8x24/seed0/00_lit/output.log" in tar.getnames()
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    report = json.loads((out / "demo.json").read_text())
+    assert [(r["status"], len(r["steps"])) for r in report["runs"]] == [("ok", 1), ("stopped", 1)]
+    assert "stopped x1 (1-1 of 1 steps done)" in (out / "demo.md").read_text()
+    with tarfile.open(out / "runs.tgz") as tar:
+        log = tar.extractfile("runs/demo_4x8x24/seed0/01_lit/output.log").read().decode()
+    assert "step 1 done" in log and not list(out.glob("*.partial"))
+    with pytest.raises(ProcessLookupError):  # the stopped run's child was killed and reaped
+        os.kill(int((second / "pid").read_text()), 0)
+
+
 def test_records_cut_short_by_a_kill_are_read(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_text('{"event": "start"}\n{"event": "step", "step": 1}\n{"event": "st')

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,6 +126,38 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tm
     wheels = ROOT / "tools" / "gpu_wheels.sh"  # what makes WHEEL_DIR: TRL pinned as compare_trl's own environment
     assert "trl==1.16.0" in wheels.read_text() and "tools/gpu_wheels.sh" in script.read_text()
     assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
+
+
+def test_the_gpu_comparison_script_passes_a_sigterm_on_and_waits_for_the_records(tmp_path):
+    """A command's time limit may reach the script alone: compare_trl gets the SIGTERM at once (it then records the
+    run in flight and writes its files), and the script ends only after it, with its status."""
+    import signal
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "python3.log"
+    bin_dir.mkdir()
+    # a python3 whose compare_trl runs until told to stop, then takes a moment to write its records
+    (bin_dir / "python3").write_text(
+        f'#!/usr/bin/env bash\ncase "$*" in *tools.compare_trl*)\n'
+        f'  trap \'echo stopping >> {log}; sleep 0.5; echo saved >> {log}; exit 143\' TERM\n'
+        f'  echo running >> {log}; while true; do sleep 0.05; done;;\nesac\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(["bash", str(ROOT / "tools" / "gpu_compare_trl.sh"), str(tmp_path), str(tmp_path / "out"),
+                             "lit"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "running" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # to the script alone, not to its process group
+        proc.communicate(timeout=30)
+        assert proc.returncode == 143 and log.read_text().splitlines()[-2:] == ["stopping", "saved"]
+    finally:  # nothing left looping where the test failed
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group has ended: the script and its children are gone
+            pass
 
 
 def test_bench_rollout_warm_up_rollouts_keep_the_sampled_streams_comparable(tmp_path):

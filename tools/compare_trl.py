@@ -40,7 +40,9 @@ batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with
 ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after ``--untimed-steps`` warm-up steps (1; ``gpu_long``:
 none, its one step takes minutes), in the ``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a
 drift of the machine falls on both). A run past ``--timeout-s`` is killed and recorded as "timeout", one killed by
-the kernel or failing to allocate as "oom"; the steps it finished are kept.
+the kernel or failing to allocate as "oom"; the steps it finished are kept. SIGTERM to this process (a command's own
+time limit) kills the run in flight, records it as "stopped" with the steps it finished, writes everything below
+once more and exits with status 143.
 
 **What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one optimizer
 step to the end of the next), ``rollout_s`` (lit_grpo: the batch fetch, i.e. prompt draw, generation, scoring,
@@ -58,7 +60,10 @@ Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"con
 (GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``, written again
 after every run, so a comparison stopped midway (a command's time limit) keeps the runs it finished. ``--out-dir
 DIR`` names both after the run: DIR/gpu_long_slots-auto.json for ``--shape gpu_long --lit-slots auto``. Each run's
-folder under ``--work-dir`` keeps its spec, config, step records and output.
+folder under ``--work-dir`` keeps its spec, config, step records and output; ``--archive FILE`` (with ``--out-dir``:
+DIR/runs.tgz) is that folder as a gzipped tar, written anew after every run and on SIGTERM (a stopped run's output
+included), for a machine whose results come back as a few files only. Every file is replaced whole (written beside,
+then renamed), so a kill while writing leaves the previous one.
 """
 
 from __future__ import annotations
@@ -66,9 +71,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -314,7 +322,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def run_status(seen: process_memory.Watched, output: str) -> str:
-    """ok | timeout | oom (killed by the kernel, or an allocation failed) | failed."""
+    """ok | timeout | stopped (this process was told to stop: SIGTERM) | oom (killed by the kernel, or an
+    allocation failed) | failed."""
+    if seen.stopped:
+        return "stopped"
     if seen.timed_out:
         return "timeout"
     if seen.returncode == 0:
@@ -326,20 +337,24 @@ def run_status(seen: process_memory.Watched, output: str) -> str:
 
 def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python: str | None,
             timeout_s: float | None, interval_s: float) -> dict[str, Any]:
-    """Run one system on one spec in a fresh process, watched from here; its record."""
+    """Run one system on one spec in a fresh process, watched from here; its record (status "stopped" where
+    :class:`Stopped` came while it ran: the caller stops after saving it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("steps.jsonl", "output.log"):
         (run_dir / stale).unlink(missing_ok=True)
     command = run_command(run["system"], spec, run_dir, trl_python)
+    seen = process_memory.Watched()
     with (run_dir / "output.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["threads"]),
                                    cwd=harness.ROOT)
         try:
-            seen = process_memory.watch(process, timeout_s, interval_s)
+            process_memory.watch(process, timeout_s, interval_s, seen)
+        except Stopped:
+            seen.stopped = True
+            process.kill()  # reaped once the records are written (main): a GPU process may take seconds to go
         finally:  # never leave a training child running unwatched (Ctrl-C, an error while watching)
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            if not seen.stopped:
+                process_memory.kill_and_reap(process, seen)
     output = (run_dir / "output.log").read_text(errors="replace")
     return run_record(run, spec, seen, read_records(run_dir / "steps.jsonl"), output, command, run_dir)
 
@@ -600,14 +615,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/compare_trl"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
-    parser.add_argument("--out-dir", type=Path, help="where --json and --markdown are not given: OUT_DIR/NAME.json "
-                                                     "and OUT_DIR/NAME.md, NAME the shape (with _slots-N for a "
-                                                     "--lit-slots N other than fixed)")
+    parser.add_argument("--archive", type=Path, help="the work dir's runs as a gzipped tar, written anew after every "
+                                                     "run and on SIGTERM (with --out-dir: OUT_DIR/runs.tgz)")
+    parser.add_argument("--out-dir", type=Path, help="where --json, --markdown and --archive are not given: "
+                                                     "OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/runs.tgz, NAME "
+                                                     "the shape (with _slots-N for a --lit-slots N other than fixed)")
     args = parser.parse_args(argv)
     if args.out_dir is not None:
         name = args.shape + ("" if args.lit_slots == "fixed" else f"_slots-{args.lit_slots}")
         args.json = args.json or args.out_dir / f"{name}.json"
         args.markdown = args.markdown or args.out_dir / f"{name}.md"
+        args.archive = args.archive or args.out_dir / "runs.tgz"
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
     if args.untimed_steps is None:
@@ -667,6 +685,48 @@ def run_line(record: dict[str, Any]) -> str:
             f"{_gib(record['maxrss_bytes'])} GiB{engine} ({record['run_dir']})")
 
 
+class Stopped(BaseException):
+    """SIGTERM reached this process (a command's time limit): the run in flight is killed and recorded as
+    "stopped", the records are written once more, and the comparison ends (not an Exception, so that no
+    ``except Exception`` on the way swallows it)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the last writes short
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _reap_children() -> None:
+    """Wait for every child of this process to end (a stopped run's, killed but not waited for)."""
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
+
+
+def archive_runs(work_dir: Path, path: Path | None) -> None:
+    """``work_dir`` as a gzipped tar at ``path`` (the folder's own name at the top), replaced whole; nothing when
+    ``path`` is None or no run has made the folder yet."""
+    if path is None or not work_dir.is_dir():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(work_dir, arcname=work_dir.name)
+    os.replace(partial, path)
+
+
+def save(args: argparse.Namespace, cell_specs: list[dict[str, Any]], trl_version: str | None,
+         runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``--json`` (the report of ``runs``), its table to ``--markdown`` and ``--archive``; the report."""
+    report = build_report(args, cell_specs, trl_version, runs)
+    harness.write_json(args.json, report)
+    harness.write_text(args.markdown, markdown(report))
+    archive_runs(args.work_dir, args.archive)
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.make_trl_env is not None:
@@ -676,18 +736,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # TRL's environment is checked where TRL runs (importing it takes a while)
     trl_version = check_trl_python(args.trl_python)[2] if "trl" in args.order else None
     cell_specs = specs(args)
-    runs = []
-    for run in plan(args.order, args.seeds, len(cell_specs)):
-        spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
-        run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
-            f"{len(runs):02d}_{run['system']}"
-        runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s))
-        print(run_line(runs[-1]), file=sys.stderr, flush=True)
-        report = build_report(args, cell_specs, trl_version, runs)
-        harness.write_json(args.json, report)
-    table = markdown(report)
-    print(table)
-    harness.write_text(args.markdown, table)
+    runs: list[dict[str, Any]] = []
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for run in plan(args.order, args.seeds, len(cell_specs)):
+            spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
+            run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
+                f"{len(runs):02d}_{run['system']}"
+            runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s))
+            print(run_line(runs[-1]), file=sys.stderr, flush=True)
+            report = save(args, cell_specs, trl_version, runs)
+            if runs[-1]["status"] == "stopped":
+                raise Stopped("SIGTERM")
+    except Stopped as stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if runs:  # again: the signal may have come while the last records were written
+            save(args, cell_specs, trl_version, runs)
+        else:
+            archive_runs(args.work_dir, args.archive)
+        print(f"compare_trl: stopped by {stop} after {len(runs)} runs; the records are written", file=sys.stderr,
+              flush=True)
+        _reap_children()
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(markdown(report))
     return report
 
 

@@ -16,12 +16,13 @@
 # 2. python -m tools.compare_trl --shape gpu_gsweep (or the shape a FLAG names, e.g. --shape gpu_long) with
 #    --trl-python python3 (one environment for both sides), each run stopped after RUN_TIMEOUT_S seconds (default
 #    480) and recorded as a timeout with the steps it finished.
-# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json and NAME.md (compare_trl's --out-dir:
-# NAME is the shape, with _slots-N for a --lit-slots N other than fixed; the JSON is written again after every run,
-# so a command stopped at its time limit keeps the runs it finished) and runs.tgz (the runs' configs, records and
-# logs; written only when the script ends, so keep RUN_TIMEOUT_S inside the command's own limit). TRL's three runs
-# took about 100 s each on an H200 (start-up included); where one command may not run 10 minutes, run the two sides
-# in two commands on the same machine (ORDER lit, then trl).
+# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json, NAME.md and runs.tgz (compare_trl's
+# --out-dir: NAME is the shape, with _slots-N for a --lit-slots N other than fixed; runs.tgz holds the runs' configs,
+# records and logs). All three are written anew after every run, and once more on SIGTERM (a command's time limit:
+# the run in flight is then recorded as "stopped", with the steps it finished and its log), so a command killed by
+# `timeout` keeps every run it finished and what the last one left. The script passes a SIGTERM it gets on to
+# compare_trl and waits for it. TRL's three runs took about 100 s each on an H200 (start-up included); where one
+# command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER lit, then trl).
 set -uo pipefail
 WHEELS="$(realpath "${1:?usage: bash tools/gpu_compare_trl.sh WHEEL_DIR [OUT_DIR] [ORDER] [FLAG ...]}")"
 DIR="${2:-${OUT:-}}"
@@ -43,10 +44,17 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
     | tee "$DIR/device.txt" || exit 1
-# the FLAGs come last: a --shape among them replaces gpu_gsweep (argparse keeps the last)
+# the FLAGs come last: a --shape among them replaces gpu_gsweep (argparse keeps the last). In the background, so that
+# a SIGTERM to this script is passed on at once (bash runs a trap only once its foreground command has ended).
 python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep --model random:qwen3-1.7b --device cuda \
     --precision bf16-mixed --threads 4 --order "$ORDER" --timeout-s "${RUN_TIMEOUT_S:-480}" \
-    --work-dir "$SITE/runs" --out-dir "$DIR" "$@"
+    --work-dir "$SITE/runs" --out-dir "$DIR" "$@" &
+compare=$!
+trap 'kill -TERM "$compare" 2>/dev/null' TERM INT
+wait "$compare"
 status=$?
-tar czf "$DIR/runs.tgz" -C "$SITE" runs
+while kill -0 "$compare" 2>/dev/null; do  # a trapped signal ended the wait, not compare_trl: it is saving
+    wait "$compare"
+    status=$?
+done
 exit $status

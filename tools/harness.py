@@ -216,12 +216,16 @@ def median_record(records: Sequence[dict], fields: Sequence[str]) -> dict:
 
 
 def write_text(path: Path | str | None, text: str) -> None:
-    """Write ``text`` to ``path`` (its folders made); nothing when ``path`` is None."""
+    """Write ``text`` to ``path`` (its folders made), replaced whole: written beside it, then renamed, so that a
+    process killed while writing leaves the previous file, not half of the new one; nothing when ``path`` is
+    None."""
     if path is None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def write_json(path: Path | str | None, report: Any, indent: int = 2) -> None:

@@ -29,6 +29,7 @@ class Watched:
     Attributes:
         returncode: the exit status as ``Popen.returncode`` gives it (negative: killed by that signal).
         timed_out: the deadline passed and the child was killed (SIGKILL).
+        stopped: the watch itself was interrupted (the watcher was told to stop) and the child killed.
         wall_s: seconds from the start of the watch to the child's end.
         samples: ``(time.time(), VmRSS bytes)``, one every ``interval_s``.
         peak_rss_bytes: the largest sample (0 when none was taken).
@@ -38,6 +39,7 @@ class Watched:
 
     returncode: int | None = None
     timed_out: bool = False
+    stopped: bool = False
     wall_s: float = 0.0
     samples: list[tuple[float, int]] = field(default_factory=list)
     hwm_bytes: int | None = None
@@ -58,29 +60,46 @@ def read_status(pid: int) -> dict[str, int]:
     return {name: int(kb) * 1024 for name, kb in _FIELD.findall(text)}
 
 
-def watch(process: subprocess.Popen, timeout_s: float | None = None, interval_s: float = 0.05) -> Watched:
+def watch(process: subprocess.Popen, timeout_s: float | None = None, interval_s: float = 0.05,
+          seen: Watched | None = None) -> Watched:
     """Sample ``process`` until it ends or ``timeout_s`` passes (then SIGKILL it), reap it, and return what was
-    seen. The caller must not ``wait()`` on it first: the exit status and ``ru_maxrss`` come from one ``wait4``."""
-    seen = Watched()
+    seen: ``seen``, filled in place where given, so that a caller interrupted meanwhile keeps the samples taken so
+    far (and ends the child with :func:`kill_and_reap`). The caller must not ``wait()`` on it first: the exit status
+    and ``ru_maxrss`` come from one ``wait4``."""
+    seen = Watched() if seen is None else seen
     start = time.monotonic()
     while True:
         status = read_status(process.pid)
         if "VmRSS" in status:
             seen.samples.append((time.time(), status["VmRSS"]))
             seen.hwm_bytes = status.get("VmHWM", seen.hwm_bytes)
+        seen.wall_s = time.monotonic() - start
         pid, wait_status, usage = os.wait4(process.pid, os.WNOHANG)
         if pid:
+            _reaped(process, seen, wait_status, usage)
             break
         if timeout_s is not None and time.monotonic() - start > timeout_s:
-            process.kill()
             seen.timed_out = True
-            pid, wait_status, usage = os.wait4(process.pid, 0)
+            kill_and_reap(process, seen)
             break
         time.sleep(interval_s)
     seen.wall_s = time.monotonic() - start
+    return seen
+
+
+def kill_and_reap(process: subprocess.Popen, seen: Watched) -> Watched:
+    """SIGKILL ``process`` where it has not been reaped yet, reap it, and put its exit status and ``ru_maxrss``
+    into ``seen``."""
+    if process.returncode is None:
+        process.kill()
+        _, wait_status, usage = os.wait4(process.pid, 0)
+        _reaped(process, seen, wait_status, usage)
+    return seen
+
+
+def _reaped(process: subprocess.Popen, seen: Watched, wait_status: int, usage) -> None:
     seen.returncode = process.returncode = os.waitstatus_to_exitcode(wait_status)
     seen.maxrss_bytes = usage.ru_maxrss * 1024  # kilobytes on Linux
-    return seen
 
 
 def window_peak(samples: list[tuple[float, int]], start: float, end: float) -> int | None:
