@@ -128,6 +128,33 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tm
     assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
 
 
+def test_the_gpu_check_leaves_few_enough_files_for_a_machine_that_hands_back_eight(tmp_path):
+    """The device machine hands back at most 8 files of OUT_DIR: gpu_targets' four measurements are packed into one
+    archive, so that every part's output comes back."""
+    import tarfile
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    # a python3 that writes what each of the script's commands writes: the file after --json (gpu_targets: also its
+    # four measurements in the folder of that name)
+    (bin_dir / "python3").write_text(
+        '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do\n  if [ "$1" = --json ]; then\n    echo "{}" > "$2"\n'
+        '    case "$*" in *gpu_targets.json*) mkdir -p "${2%.json}"\n'
+        '      for name in paper cap512 step g_equals_G; do echo "{}" > "${2%.json}/$name.json"; done;; esac\n'
+        '  fi\n  shift\ndone\necho "a fake GPU"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
+    assert files == ["cast_weights.json", "device.txt", "gpu_targets.json", "gpu_targets.tgz", "grpo_memory.json",
+                     "targets.txt", "tests.txt"]
+    with tarfile.open(out / "gpu_targets.tgz") as tar:
+        assert sorted(tar.getnames()) == ["gpu_targets", *(f"gpu_targets/{name}.json" for name in
+                                                          ("cap512", "g_equals_G", "paper", "step"))]
+
+
 def test_the_gpu_comparison_script_passes_a_sigterm_on_and_waits_for_the_records(tmp_path):
     """A command's time limit may reach the script alone: compare_trl gets the SIGTERM at once (it then records the
     run in flight and writes its files), and the script ends only after it, with its status."""

@@ -14,10 +14,13 @@
 #    memory and its rollout's wall time (figures, no verdict);
 # 5. python -m tools.bench_cast_weights: a bf16-mixed rollout's decode step with autocast's per-step casts against
 #    the weights cast once (float32 master weights, G 32 on 32 slots, 512 tokens; figures and the samples' equality).
-# Each part's output is written under OUT_DIR (tests.txt, targets.txt, gpu_targets.json, gpu_targets/*.json,
-# grpo_memory.json, cast_weights.json). The exit status is not 0 when a test failed, a target was missed or a step
-# broke. The whole script takes longer than 10 minutes: where one command may not, run its parts in separate
-# commands on the same machine (the tests, then gpu_targets --only ..., then the two benchmarks).
+# Each part's output is written under OUT_DIR (device.txt, tests.txt, targets.txt, gpu_targets.json,
+# gpu_targets.tgz, grpo_memory.json, cast_weights.json): seven files, since a machine may hand back only a few
+# (gpu_targets' four measurements, gpu_targets/NAME.json, are packed into gpu_targets.tgz once it ends, and stay
+# loose where it is stopped midway: `python -m tools.gpu_targets --from-dir` judges them again). The exit status
+# is not 0 when a test failed, a target was missed or a step broke. The whole script takes longer than 10 minutes:
+# where one command may not, run its parts in separate commands on the same machine (the tests, then gpu_targets
+# --only ..., then the two benchmarks).
 set -uo pipefail
 DIR="${1:-${OUT:-}}"
 [ -z "$DIR" ] || DIR="$(realpath -m "$DIR")"  # a given folder is relative to where the command was typed
@@ -33,6 +36,9 @@ python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_cuda_graph.py
 tests=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --repeats 1 --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
 targets=${PIPESTATUS[0]}
+if [ -d "$DIR/gpu_targets" ]; then
+    tar czf "$DIR/gpu_targets.tgz" -C "$DIR" gpu_targets && rm -r "$DIR/gpu_targets"
+fi
 PYTHONUNBUFFERED=1 python3 -m tools.bench_grpo_memory --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
     --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"
 memory=$?
