@@ -60,7 +60,7 @@ from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (CheckpointIdentity, check_resumable, checkpoint_identity,
                                           find_last_checkpoint, finish_interrupted_swaps, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
-from lit_grpo.runtime.rank_failure import end_failed_rank
+from lit_grpo.runtime.rank_failure import end_failed_rank, ended_by_caller
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
@@ -895,7 +895,8 @@ def main(args: list[str] | None = None) -> None:
         export_main(argv[1:])
         return
     try:
-        build_cli(args)
+        with ended_by_caller():  # here, not in RankFailureWatch: each error's output and exit status are the CLI's
+            build_cli(args)
     except Exception as error:
         if is_multi_process():  # the other ranks would wait for this one: end now, naming the error everywhere
             end_failed_rank(error)

@@ -3,7 +3,8 @@
 An interpreter here spends seconds importing torch, Lightning and transformers before a tiny run starts, most of the
 run; a fork of a process that did so already spends none. :func:`run` is one ``lit-grpo`` process, as
 ``subprocess.run`` of the command would be (its exit status, its output); :func:`run_ranks` the two ranks of a
-2-node launch; :func:`run_command` and :class:`Popen` stand in for ``subprocess`` in a tool that starts its own runs.
+2-node launch (or of a Lightning script of its own, not the CLI); :func:`run_command` and :class:`Popen` stand in
+for ``subprocess`` in a tool that starts its own runs.
 The fork server imports lit_grpo and tests/forkserver_warmup.py once, when the first run starts.
 
 A forked run is ``lit_grpo.cli.main`` in a fresh process, with the given working folder, environment and
@@ -18,6 +19,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -48,9 +50,10 @@ def forkserver():
     return _context
 
 
-def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str, new_session: bool) -> None:
+def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str, new_session: bool,
+          script: str | None = None) -> None:
     """One ``lit-grpo`` process (in a fork): ``argv`` run in ``cwd`` with ``env``, its output in two files, in a
-    session of its own where ``new_session``."""
+    session of its own where ``new_session``; with ``script``, ``python SCRIPT ARGV`` instead (not the CLI)."""
     if new_session:
         os.setsid()
     sys.path[:] = [os.path.abspath(entry) for entry in sys.path]  # "" meant the server's folder, not cwd
@@ -62,6 +65,10 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
     out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out if stderr == stdout else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    if script is not None:
+        sys.argv = [script, *argv]
+        runpy.run_path(script, run_name="__main__")
+        return
     sys.argv = [shutil.which("lit-grpo") or "lit-grpo", *argv]
     from lit_grpo.cli import main
 
@@ -69,9 +76,9 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
 
 
 def _start(argv: list[str], cwd: Path, env: dict[str, str] | None, outputs: tuple[Path, Path],
-           new_session: bool = False):
+           new_session: bool = False, script: str | None = None):
     process = forkserver().Process(target=_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
-                                                        str(outputs[0]), str(outputs[1]), new_session))
+                                                        str(outputs[0]), str(outputs[1]), new_session, script))
     process.start()
     return process
 
@@ -144,19 +151,22 @@ def _kill(process) -> None:
 
 
 def run_ranks(argv: list[str], folder: Path, port: int, timeout: float, env: dict[str, str] | None = None,
-              rank_folders: tuple[Path, Path] | None = None) -> list[tuple[int | None, str, float]]:
-    """Rank 0 and rank 1 of ``lit-grpo ARGV`` as 2 nodes x 1 process (Lightning's ``LightningEnvironment``: each
-    process given its ``NODE_RANK`` and one ``MASTER_ADDR`` / ``MASTER_PORT``), in ``folder`` (or each in its own of
-    ``rank_folders``: nodes without a shared file system, for relative paths; the logs stay in ``folder``); waits
-    for both, at most ``timeout`` seconds from their start. Returns per rank its exit status (None: still running
-    at the timeout, then killed), its output (stdout and stderr together) and the seconds it ran."""
+              rank_folders: tuple[Path, Path] | None = None, script: str | None = None
+              ) -> list[tuple[int | None, str, float]]:
+    """Rank 0 and rank 1 of ``lit-grpo ARGV`` (with ``script``: of ``python SCRIPT ARGV``, a Lightning script of
+    its own) as 2 nodes x 1 process (Lightning's ``LightningEnvironment``: each process given its ``NODE_RANK`` and
+    one ``MASTER_ADDR`` / ``MASTER_PORT``), in ``folder`` (or each in its own of ``rank_folders``: nodes without a
+    shared file system, for relative paths; the logs stay in ``folder``); waits for both, at most ``timeout``
+    seconds from their start. Returns per rank its exit status (None: still running at the timeout, then killed),
+    its output (stdout and stderr together) and the seconds it ran."""
     base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1"}
     for name in ("LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE"):  # a launcher's, which would say who starts the ranks
         base.pop(name, None)
     logs = [folder / f"rank{rank}.log" for rank in (0, 1)]
     cwds = rank_folders or (folder, folder)
-    ranks = [_start(argv, cwds[rank], {**base, "NODE_RANK": str(rank)}, (logs[rank], logs[rank])) for rank in (0, 1)]
+    ranks = [_start(argv, cwds[rank], {**base, "NODE_RANK": str(rank)}, (logs[rank], logs[rank]), script=script)
+             for rank in (0, 1)]
     started, ended = time.monotonic(), {}
     while len(ended) < 2 and time.monotonic() - started < timeout:
         for rank, process in enumerate(ranks):

@@ -6,16 +6,19 @@ handling ends the other rank), in one place: a training rollout (ddp, and under 
 the shards in lockstep), a reward function (ddp, and inside FSDP2's lockstep scope), the loss (a non-finite one,
 checked on every rank), the update's backward, a validation rollout, a checkpoint save, the setup once the ranks
 can talk and the end of training; and, each on the rank it happens on, the restore of a resumed checkpoint and the
-export of the trained model. Two more cases: a rank away from any collective while another fails (ended by its
-failure watch), and Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes.
+export of the trained model. More cases: a rank away from any collective while another fails (ended by its
+failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes, and a Lightning
+script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself.
 """
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import forked_cli
 import pytest
@@ -163,3 +166,44 @@ def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
     session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
     alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
     assert not alive, f"processes of the run still alive: {alive}"
+
+
+@pytest.mark.parametrize("rank0", ["stalls", "reduces"])
+def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_naming_it(tmp_path, rank0):
+    """A plain Lightning script with ``RankFailureWatch`` (no ``lit-grpo``: tests/plain_ddp_failure.py), whose rank
+    1 raises in ``training_step`` while rank 0 stays away from any collective for 300 s (only the record in the
+    store can tell it), or reduces the step's gradients: both end, rank 0 naming rank 1's error."""
+    script = str(Path(__file__).parent / "plain_ddp_failure.py")
+    outputs = forked_cli.run_ranks([str(tmp_path / "run"), rank0], tmp_path, free_port(), DEADLINE_S,
+                                   env=repo_env(), script=script)
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
+        assert code == 1, f"rank {rank} exited {code}:\n{output[-4000:]}"
+    planted = "PlantedError: planted failure on rank 1"
+    assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in outputs[1][1], outputs[1][1][-4000:]
+    assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in outputs[0][1], outputs[0][1][-4000:]
+
+
+@pytest.mark.parametrize("kind", ["failure", "under lit-grpo", "KeyboardInterrupt", "StopRequested", "SystemExit",
+                                  "RankFailed", "RaisedOnEveryRank"])
+def test_rank_failure_watch_ends_the_rank_on_its_own_failures_only(monkeypatch, kind):
+    """``on_exception`` under several processes records and ends the rank on its own error, its loggers finalized
+    first; not on a stop, another rank's failure or an error every rank raised, nor under ``lit-grpo``, whose error
+    path does it (recording the error once)."""
+    from lit_grpo.callbacks import rank_failure_watch
+    from lit_grpo.runtime.distributed import RaisedOnEveryRank, RankFailed
+    from lit_grpo.runtime.rank_failure import ended_by_caller
+    from lit_grpo.runtime.stop_signal import StopRequested
+
+    errors = {"failure": ValueError("boom"), "under lit-grpo": ValueError("boom"), "KeyboardInterrupt":
+              KeyboardInterrupt(), "StopRequested": StopRequested(signal.SIGTERM), "SystemExit": SystemExit(1),
+              "RankFailed": RankFailed([0], "in a rollout"),
+              "RaisedOnEveryRank": RaisedOnEveryRank("non-finite loss on rank 1")}
+    ended, finalized = [], []
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    monkeypatch.setattr(rank_failure_watch, "end_failed_rank", ended.append)
+    trainer = SimpleNamespace(loggers=[SimpleNamespace(finalize=finalized.append)])
+    with ended_by_caller() if kind == "under lit-grpo" else contextlib.nullcontext():
+        rank_failure_watch.RankFailureWatch().on_exception(trainer, None, errors[kind])
+    assert ended == ([errors[kind]] if kind == "failure" else [])
+    assert finalized == (["failed"] if kind == "failure" else [])

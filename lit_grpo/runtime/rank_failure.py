@@ -9,6 +9,10 @@ notice a peer's end only at its timeout, so every rank also watches for the othe
 (:func:`watch_failures`, a thread; ``lit_grpo.callbacks.RankFailureWatch`` starts it) and ends itself within a
 second of one.
 
+Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` ends a failing rank the same way from
+Lightning's ``on_exception`` (:func:`is_failure` says which errors); under ``lit-grpo`` it leaves that to the CLI's
+error path (:func:`ended_by_caller`), which picks each error's output and exit status.
+
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
 after it names it as the cause. Where the store ended with the failed rank (Lightning's own launchers run it in
@@ -24,6 +28,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
@@ -34,6 +39,35 @@ STORE_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
 
 _ending = threading.Event()  # this process is ending on its own error: its watch stands down
+_caller_ends = False  # inside ended_by_caller()
+
+
+@contextlib.contextmanager
+def ended_by_caller() -> Iterator[None]:
+    """Inside, the caller records a failed rank's error and ends the rank itself (``lit-grpo``'s main, after
+    Lightning's own handling, with an output and exit status per kind of error): ``RankFailureWatch`` only
+    watches, so no error is recorded twice."""
+    global _caller_ends
+    outer, _caller_ends = _caller_ends, True
+    try:
+        yield
+    finally:
+        _caller_ends = outer
+
+
+def caller_ends_failed_ranks() -> bool:
+    """Whether this process runs inside :func:`ended_by_caller`."""
+    return _caller_ends
+
+
+def is_failure(error: BaseException) -> bool:
+    """Whether ``error`` is this rank's own failure, to record for the others before the rank ends: not a stop
+    (``KeyboardInterrupt``, ``SystemExit`` and its ``StopRequested``: not an ``Exception``, as ``lit-grpo`` treats
+    them), nor an error every rank raises by agreement (``RaisedOnEveryRank``), nor another rank's failure seen
+    here (``RankFailed``, whose rank recorded it)."""
+    from lit_grpo.runtime.distributed import RaisedOnEveryRank, RankFailed
+
+    return isinstance(error, Exception) and not isinstance(error, (RaisedOnEveryRank, RankFailed))
 
 
 def describe(error: BaseException) -> str:
