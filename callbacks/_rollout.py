@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +28,8 @@ from lit_grpo.scheduling.base import DECISION_NAMES, decision_counts
 #: count of each scheduling decision, ``decisions/<action>_<reason>`` (the same names on every rank).
 STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats) if f.name not in ("timeline", "decisions"))
 DECISION_FIELDS = tuple(f"decisions/{name}" for name in DECISION_NAMES)
+
+T = TypeVar("T")
 
 
 class RolloutLike(Protocol):
@@ -53,6 +55,18 @@ def accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
     optimizer step waits for the batch that ends it."""
     every = trainer.accumulate_grad_batches
     return every > 1 and (batch_idx + 1) % every != 0 and not trainer.is_last_batch
+
+
+def step_parts(pending: list[T], part: T, trainer: pl.Trainer, batch_idx: int) -> list[T] | None:
+    """One training step's parts, a part per training batch: ``part`` (this batch's) joins ``pending``; at the batch
+    that ends the optimizer step, the step's parts in their order (``pending`` left empty), else None. Under
+    gradient accumulation a callback logs a step once, its micro-batches merged, not each at the same step."""
+    pending.append(part)
+    if accumulating(trainer, batch_idx):
+        return None
+    parts = pending[:]
+    pending.clear()
+    return parts
 
 
 def logger_step(trainer: pl.Trainer) -> int:

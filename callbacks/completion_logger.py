@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import completion_length_metrics
 from lit_grpo.runtime.validation import check_int
 
-from ._rollout import RolloutLike, log_metrics, logger_step, rollout_stats, tensorboard_experiments, whole_step
+from ._rollout import (RolloutLike, log_metrics, logger_step, rollout_stats, step_parts, tensorboard_experiments,
+                       whole_step)
 
 #: The scalars this callback logs (where the LightningModule does not), in the order ranks gather them.
 COMPLETION_KEYS = ("completions/mean_length", "completions/min_length", "completions/max_length",
@@ -24,26 +26,27 @@ _MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-!|~"
 class CompletionLogger(Callback):
     r"""Logs completion-length statistics of each rollout and a sample table of prompts, completions and rewards.
 
-    **Logged keys**
+    **Logged keys** (once per training step; under gradient accumulation once per optimizer step, after its last
+    micro-batch, over all its micro-batches' samples)
 
     - ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``: completion tokens
-      over the B x G samples of the rollout, the whole step's under several processes (scalars, every batch,
+      over the B x G samples of the rollout, the whole step's under several processes (scalars, every step,
       honouring ``log_every_n_steps``), unless the LightningModule logs these keys itself (GRPOModule does), in
       which case its values stand alone.
     - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
-    - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` batches): the lengths
-      (rank 0's batch under several processes, as is the table).
-    - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` batches, first batch included): a
-      Markdown table of the first ``num_prompts`` prompts with ``num_completions`` completions each, their reward,
-      length, whether they were clipped and the columns reward functions logged (``log_extra``); texts cut to
-      ``max_chars`` characters.
+    - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` steps): the lengths
+      (rank 0's batches under several processes, as is the table).
+    - ``completions/samples`` (TensorBoard text, every ``table_every_n_steps`` steps, the first included): a
+      Markdown table of the first ``num_prompts`` prompts (under gradient accumulation, of the step's first
+      micro-batch) with ``num_completions`` completions each, their reward, length, whether they were clipped and
+      the columns reward functions logged (``log_extra``); texts cut to ``max_chars`` characters.
 
     Histogram and table need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise).
     Needs lit_grpo batches; with any other LightningModule it warns once and logs nothing.
 
     Args:
-        histogram_every_n_steps: batches between two length histograms.
-        table_every_n_steps: batches between two sample tables.
+        histogram_every_n_steps: training steps between two length histograms.
+        table_every_n_steps: training steps between two sample tables.
         num_prompts: prompts shown in the table.
         num_completions: completions shown per prompt.
         max_chars: longer prompts and completions are cut (with "…") to keep the table readable.
@@ -67,6 +70,11 @@ class CompletionLogger(Callback):
         self.num_completions = num_completions
         self.max_chars = max_chars
         self._warned: set[str] = set()
+        self._step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # the step's micro-batches' so far
+        self._step_table: str | None = None  # the step's first micro-batch's table, where the step shows one
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_samples, self._step_table = [], None  # a fit that ended mid-step leaves none to the next
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -75,19 +83,26 @@ class CompletionLogger(Callback):
             self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
             return
         step = logger_step(trainer)  # the step logged at: the loop's own count, which a resumed run restores
+        want_histogram = step % self.histogram_every_n_steps == 0
+        want_table = step % self.table_every_n_steps == 0
         lengths = batch.completion_lengths.detach().flatten().cpu()
+        if want_table and self._step_table is None and lengths.numel() and trainer.is_global_zero:
+            self._step_table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars)
+        parts = step_parts(self._step_samples, (lengths, batch.truncated.detach().flatten().cpu()), trainer,
+                           batch_idx)
+        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
+            return
+        table, self._step_table = self._step_table, None
+        lengths, truncated = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
         # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.
         wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]
         if wanted:
-            summary = completion_length_metrics(lengths, batch.truncated.detach().flatten().cpu()) \
-                if lengths.numel() else {}
+            summary = completion_length_metrics(lengths, truncated) if lengths.numel() else {}
             log_metrics(trainer, whole_step(trainer, {key: summary.get(key) for key in wanted}, wanted))
         if lengths.numel() == 0:
             return
 
-        want_histogram = step % self.histogram_every_n_steps == 0
-        want_table = step % self.table_every_n_steps == 0
         if not (want_histogram or want_table) or not trainer.is_global_zero:
             return
         experiments = tensorboard_experiments(trainer)
@@ -95,7 +110,6 @@ class CompletionLogger(Callback):
             self._warn_once("no_tensorboard", "the trainer has no TensorBoardLogger; the length histogram and "
                                               "sample table are not logged.")
             return
-        table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars) if want_table else None
         for experiment in experiments:
             if want_histogram:
                 experiment.add_histogram("completions/length", lengths.double(), step)

@@ -11,11 +11,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.rollout.metrics import ratio_weight, reduce_over_ranks
 from lit_grpo.runtime.validation import check_bool
 from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
-from lit_grpo.sampling.stats import RolloutStats
+from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
 from ._rollout import (log_metrics, measured_kv_bytes, rank_decision_counts, rank_rollout_stats, rollout_stats,
-                       show_in_progress_bar)
+                       show_in_progress_bar, step_parts)
 from .peak_memory import memory_peaks_paused
 
 #: RolloutStats fields logged as ``rollout/<field>``.
@@ -53,7 +53,10 @@ PROGRESS_BAR_NAMES = {"decode_steps": "steps", "lower_bound_steps": "bound", "sl
 class RolloutProfiler(Callback):
     r"""Logs what each training step's rollouts cost, from the RolloutStats a lit_grpo batch carries.
 
-    **Logged keys** (once per training batch, honouring ``log_every_n_steps``)
+    **Logged keys** (once per training step, honouring ``log_every_n_steps``; under gradient accumulation once per
+    optimizer step, after its last micro-batch, of the step's rollouts merged by
+    ``lit_grpo.sampling.stats.merge_stats``: counts and times add, peaks are the largest, ratios are recomputed,
+    the predictor's figures are the first micro-batch's)
 
     - ``rollout/decode_steps``: forward passes of the decode loop.
     - ``rollout/lower_bound_steps``: ``max(ceil(sum L / slots), max L)``, the fewest steps any schedule needs.
@@ -90,7 +93,7 @@ class RolloutProfiler(Callback):
     on the table.
 
     **Several processes**: every key is the whole step's, the same on every rank: every rank's RolloutStats are
-    gathered once a step (shared with FitSummary) and each key reduced by its rule in
+    gathered once a step (a one-batch step's gather shared with FitSummary) and each key reduced by its rule in
     ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
     ``capture_s`` are the largest rank's, and so is ``floor_ms_per_step``, with ``roofline_ratio`` the step's
@@ -107,7 +110,8 @@ class RolloutProfiler(Callback):
     Args:
         progress_bar: show the step's decode steps, lower bound and utilization in the progress bar.
         read_bytes_per_s: the device's read bandwidth for the floor (None: measured once per process, briefly,
-            at the first rollout, its buffer left out of PeakMemoryMonitor's peaks; never without rollouts).
+            at the first step with a rollout, its buffer left out of PeakMemoryMonitor's peaks; never without
+            rollouts).
     """
 
     def __init__(self, progress_bar: bool = True, read_bytes_per_s: float | None = None) -> None:
@@ -118,11 +122,15 @@ class RolloutProfiler(Callback):
         self.read_bytes_per_s = read_bytes_per_s
         self._measured: dict[str, float] = {}  # the bandwidth measured, by device
         self._warned_no_rollout = False
+        self._step_stats: list[RolloutStats] = []  # the rollouts of the step's micro-batches so far
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_stats = []  # a fit that ended mid-step leaves none to the next
 
     def bandwidth(self, trainer: pl.Trainer) -> float:
         """The read bandwidth the floor is taken at (bytes/s): ``read_bytes_per_s``, else the device's, measured
-        once per process, where first asked (the first rollout), outside PeakMemoryMonitor's peaks: the probe's
-        buffer (hundreds of MiB) is no step's."""
+        once per process, where first asked (the first step with a rollout), outside PeakMemoryMonitor's peaks:
+        the probe's buffer (hundreds of MiB) is no step's."""
         if self.read_bytes_per_s is not None:
             return self.read_bytes_per_s
         device = str(trainer.strategy.root_device)
@@ -138,6 +146,10 @@ class RolloutProfiler(Callback):
         if stats is None:
             self._warn_no_rollout()
             return
+        parts = step_parts(self._step_stats, stats, trainer, batch_idx)
+        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
+            return
+        stats = merge_stats(parts)  # the batch's own stats where it is the step's only one
         # every step, logged or not: under several processes every rank joins the one gather of the step's stats
         bandwidth = self.bandwidth(trainer)
         per_rank = [{**profile(rank, bandwidth), **decision_values(counts)} for rank, counts in

@@ -15,10 +15,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw, ImageFont
 
 from lit_grpo.runtime.validation import check_int
+from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES, Decision, decision_counts
 from lit_grpo.scheduling.driver import IDLE
 
-from ._rollout import logger_step, rollout_stats, tensorboard_experiments
+from ._rollout import logger_step, rollout_stats, step_parts, tensorboard_experiments
 
 #: Idle slot: a neutral grey no group colour comes close to (group colours are all saturated).
 IDLE_RGB = (214, 214, 214)
@@ -299,7 +300,9 @@ class SlotTimelineLogger(Callback):
       running long after the others are what make a rollout slow.
 
     The first step's rollout is logged, then every ``every_n_steps``-th (the training loop's step, so a resumed
-    run logs the ones an uninterrupted run would); under several processes, rank 0's. Needs a
+    run logs the ones an uninterrupted run would); under several processes, rank 0's; under gradient accumulation
+    one image per optimizer step, after its last micro-batch, its micro-batches' rollouts one after another
+    (``lit_grpo.sampling.stats.merge_stats``: steps and samples numbered on from the earlier ones). Needs a
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
     and logs nothing with any other LightningModule).
 
@@ -317,6 +320,10 @@ class SlotTimelineLogger(Callback):
         self.every_n_steps = every_n_steps
         self.render_kwargs = dict(width=width, row_height=row_height)
         self._warned: set[str] = set()
+        self._step_stats: list[RolloutStats] = []  # the rollouts of the step's micro-batches so far
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_stats = []  # a fit that ended mid-step leaves none to the next
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -328,6 +335,10 @@ class SlotTimelineLogger(Callback):
         # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
         if logger_step(trainer) % self.every_n_steps or not trainer.is_global_zero:
             return
+        parts = step_parts(self._step_stats, stats, trainer, batch_idx)
+        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
+            return
+        stats = merge_stats(parts)
         if not stats.timeline:
             self._warn_once("empty", "a rollout came with an empty timeline (no decode steps); it is skipped.")
             return

@@ -706,3 +706,54 @@ def test_peak_memory_under_gradient_accumulation_keeps_each_phase_apart(tmp_path
         assert metrics["memory/update_peak_delta_bytes"] > 64 * MiB
         assert metrics["memory/step_peak_delta_bytes"] > 64 * MiB
         assert metrics["memory/rollout_peak_delta_bytes"] < 32 * MiB
+
+
+def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merged(tmp_path):
+    """Rollout batches under accumulate_grad_batches 2 (a module of its own; GRPOModule refuses accumulation): a
+    step's figures are its two micro-batches' rollouts together (merge_stats), not each micro-batch's: the profile
+    of the merged stats, the lengths of both batches' samples, the slot timeline of both rollouts one after the
+    other, and the table of the step's first micro-batch."""
+    import io
+
+    import numpy as np
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from PIL import Image
+
+    from lit_grpo.callbacks.completion_logger import sample_table
+    from lit_grpo.callbacks.rollout_profiler import profile
+    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
+    from lit_grpo.sampling.stats import merge_stats
+
+    logged: dict[tuple[str, int], float] = {}
+
+    class Recording(TensorBoardLogger):
+        def log_metrics(self, metrics, step=None):
+            logged.update({(key, step): value for key, value in metrics.items()})
+            super().log_metrics(metrics, step)
+
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    rollouts[1].stats.decisions = [Decision(1, 0, (0, 0), "park", "preemption")]
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
+                         callbacks=[RolloutProfiler(read_bytes_per_s=1e9), CompletionLogger(table_every_n_steps=1),
+                                    SlotTimelineLogger(every_n_steps=1)],
+                         logger=Recording(tmp_path, name="tb"), log_every_n_steps=1, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(RolloutModule(rollouts))
+    accumulator = events(trainer)
+    for step, pair in enumerate((rollouts[:2], rollouts[2:])):
+        merged = merge_stats([rollout.stats for rollout in pair])
+        assert merged.decode_steps == sum(rollout.stats.decode_steps for rollout in pair)  # both, one after the other
+        for key in ("rollout/decode_steps", "rollout/generated_tokens", "rollout/slot_utilization",
+                    "rollout/wall_s", "rollout/tokens_per_s"):
+            assert logged[key, step] == pytest.approx(profile(merged, 1e9)[key])
+        lengths = torch.cat([rollout.completion_lengths.flatten() for rollout in pair]).float()
+        assert logged["completions/mean_length", step] == pytest.approx(lengths.mean().item())
+        assert logged["completions/max_length", step] == lengths.max().item()
+        histogram = accumulator.Histograms("completions/length")[step]
+        assert (histogram.step, histogram.histogram_value.num) == (step, lengths.numel())
+        image = accumulator.Images("rollout/slot_timeline")[step]
+        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+        expected = render_slot_timeline_figure(merged.timeline, merged.group_size, decisions=merged.decisions)
+        assert image.step == step and np.array_equal(decoded, expected)
+        text = accumulator.Tensors("completions/samples/text_summary")[step]
+        assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(pair[0], 2, 4, 400)

@@ -9,6 +9,7 @@ keys named in its docstring's **Logged keys** section.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,12 @@ LOGS_NOTHING = re.compile(r"\bLogs (no keys|nothing)\b")
 
 
 class RecordingLogger(Logger):
-    """Every scalar key written to a logger."""
+    """Every scalar key written to a logger, and each write's (key, step)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.keys: set[str] = set()
+        self.writes: list[tuple[str, int | None]] = []
 
     @property
     def name(self) -> str:
@@ -46,6 +48,7 @@ class RecordingLogger(Logger):
 
     def log_metrics(self, metrics, step=None) -> None:
         self.keys.update(metrics)
+        self.writes += [(key, step) for key in metrics]
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
@@ -216,3 +219,33 @@ def test_grpomodules_validation_keys_are_those_its_docstring_and_the_docs_table_
     assert table == module_docstring_keys("val/")
     assert {key for key in logged if not matches(key, table)} == set()  # logged, not listed
     assert {name for name in table if not any(matches(key, {name}) for key in logged)} == set()  # listed, not logged
+
+
+#: The callbacks that log at training steps, each logging every key it can at every step.
+STEP_LOGGERS = CALLBACKS[:5]
+
+
+@pytest.mark.parametrize("make", STEP_LOGGERS)
+def test_under_gradient_accumulation_a_callback_writes_each_key_once_an_optimizer_step(tmp_path, make):
+    """accumulate_grad_batches=2 on rollout batches (a module of its own: GRPOModule refuses accumulation): every
+    scalar, image, histogram and text is written once per optimizer step, never once per micro-batch at the same
+    step; the callback's keys at every step (RewardForecast's from its fifth point on)."""
+    callback = make()
+    recording = RecordingLogger()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=6, accumulate_grad_batches=2, callbacks=[callback],
+                         accelerator="cpu", logger=[TensorBoardLogger(tmp_path, name="tb"), recording],
+                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(RolloutModule([full_rollout(seed) for seed in range(12)]))
+    accumulator = events(trainer)
+    tags = accumulator.Tags()
+    writes = recording.writes + [(tag, event.step) for kind, read in (("images", accumulator.Images),
+                                                                      ("histograms", accumulator.Histograms),
+                                                                      ("tensors", accumulator.Tensors))
+                                 for tag in tags[kind] for event in read(tag)]
+    assert trainer.global_step == 6
+    assert {write: count for write, count in Counter(writes).items() if count > 1} == {}
+    listed = docstring_keys(type(callback))
+    own_steps = {step for key, step in writes if matches(key.removesuffix("/text_summary"), listed)}
+    # RewardForecast forecasts from its fifth point on
+    assert own_steps == set(range(4 if isinstance(callback, callbacks.RewardForecast) else 0, 6))

@@ -81,7 +81,8 @@ def test_a_resumed_run_logs_the_timelines_an_uninterrupted_one_would(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
 
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0))
-    trainer = SimpleNamespace(is_global_zero=True, fit_loop=loop, loggers=[TensorBoardLogger(tmp_path, name="tb")])
+    trainer = SimpleNamespace(is_global_zero=True, fit_loop=loop, loggers=[TensorBoardLogger(tmp_path, name="tb")],
+                              accumulate_grad_batches=1)
     logger = SlotTimelineLogger(every_n_steps=2)
     for step in (3, 4, 5, 6):
         loop.epoch_loop._batches_that_stepped = step
