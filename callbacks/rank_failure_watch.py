@@ -10,14 +10,16 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_grpo.runtime.distributed import is_multi_process
-from lit_grpo.runtime.rank_failure import caller_ends_failed_ranks, end_failed_rank, is_failure, watch_failures
+from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_failed_rank, is_failure, rank_place,
+                                           watch_failures, watching)
 
 
 class RankFailureWatch(Callback):
     """Ends this rank, naming the rank that failed and its error, within a second of another rank's failure
     recorded in the run's store (``lit_grpo.runtime.rank_failure``). Over gloo a failed rank's peers fail at their
     next collective anyway; over NCCL a peer waiting in a collective may notice only at the process group's
-    timeout, and a rank computing alone notices only at its next collective. One process: nothing.
+    timeout, and a rank computing alone notices only at its next collective. One process: nothing; nor where a
+    watch of this process runs already (``lit-grpo`` starts one as the run starts, before the ranks connect).
 
     This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
     ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is recorded there and ends the rank at
@@ -32,8 +34,9 @@ class RankFailureWatch(Callback):
         self._stop: threading.Event | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if trainer.world_size > 1 and torch.distributed.is_initialized() and self._stop is None:
-            self._stop = watch_failures(trainer.global_rank, trainer.world_size)
+        place = rank_place(trainer.strategy)
+        if place is not None and torch.distributed.is_initialized() and self._stop is None and not watching():
+            self._stop = watch_failures(place)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not is_multi_process() or caller_ends_failed_ranks() or not is_failure(exception):

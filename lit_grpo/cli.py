@@ -60,7 +60,8 @@ from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import (CheckpointIdentity, check_resumable, checkpoint_identity,
                                           find_last_checkpoint, finish_interrupted_swaps, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
-from lit_grpo.runtime.rank_failure import end_failed_rank, ended_by_caller
+from lit_grpo.runtime.rank_failure import (RankPlace, end_failed_rank, end_unconnected_rank, ended_by_caller,
+                                           rank_place, watch_failures)
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
@@ -108,7 +109,29 @@ class GRPOCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any):
         command_args = kwargs.get("args")
         self.command_args = list(command_args) if command_args is not None else sys.argv[1:]
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except (Exception, SystemExit) as error:
+            if not (isinstance(error, SystemExit) and error.code in (0, None)):
+                self._end_before_ranks_connect(error)
+            raise
+
+    def _end_before_ranks_connect(self, error: BaseException) -> None:
+        """Before the ranks connect (no process group yet), in a run whose other ranks exist or will, an error on
+        this rank alone (a model path missing on one node) would leave them waiting in the process group's setup
+        until its timeout: its record in the run's store ends them (``end_unconnected_rank``). A run of one
+        process, or a parse error (the run's layout is unknown), ends here at once as before."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return  # main ends every rank
+        config = getattr(self, "config", None)
+        place = None if config is None else planned_place(
+            (config[config.subcommand] if config.get("subcommand") else config).get("trainer"))
+        if place is None or not place.others_wait:
+            return
+        if isinstance(error, SystemExit):  # a bad setting, said already: its cause is what the others name
+            status = error.code if isinstance(error.code, int) else 1
+            end_unconnected_rank(error.__cause__ or error, place, exit_status=status, show_traceback=False)
+        end_unconnected_rank(error, place)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -297,7 +320,10 @@ class GRPOCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         # a setting found bad while the run sets itself up (the prompts, the model, a checkpoint path) is reported
-        # like a parse error; any other error keeps its traceback
+        # like a parse error; any other error keeps its traceback. Under several processes the failure watch starts
+        # before the ranks connect: a rank that failed before then ends this one (RankFailureWatch starts later)
+        place = rank_place(self.trainer.strategy)
+        watch = None if place is None or torch.distributed.is_initialized() else watch_failures(place)
         try:
             super()._run_subcommand(subcommand)
         except ConfigError as err:
@@ -311,6 +337,9 @@ class GRPOCLI(LightningCLI):
             if is_multi_process():
                 raise  # main ends every rank, naming this one's error
             _exit_on_reward_error(err)
+        finally:
+            if watch is not None:
+                watch.set()
 
     @contextlib.contextmanager
     def _config_errors(self) -> Iterator[None]:
@@ -375,6 +404,26 @@ def _refusal(flag: str, *args: Any, **kwargs: Any) -> ConfigError | None:
     except ConfigError as err:
         return err
     return None
+
+
+def planned_place(trainer: Any) -> RankPlace | None:
+    """This process's place in the run the ``trainer`` settings (the config's, not yet built) describe, as the
+    Trainer would set it from them and the launcher's environment (``RANK``, ``NODE_RANK``, ``LOCAL_RANK``, SLURM's
+    ...); None for one process, or where the settings are not what a Trainer takes (every rank finds that)."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    trainer = trainer or {}
+
+    def plain(name: str) -> str:  # a strategy or accelerator given as a class (a mapping here) counts no processes
+        value = trainer.get(name, "auto")
+        return value if isinstance(value, str) else "auto"
+
+    try:
+        connector = _AcceleratorConnector(devices=trainer.get("devices", "auto"), num_nodes=trainer.get("num_nodes", 1),
+                                          accelerator=plain("accelerator"), strategy=plain("strategy"))
+        return rank_place(connector.strategy)
+    except Exception:
+        return None
 
 
 def _int_or_none(value: Any) -> int | None:

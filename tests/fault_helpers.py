@@ -1,9 +1,12 @@
 """Planted failures for the tests of several processes: ``PlantedFault``, a callback that raises on one rank at one
 place of a ``lit-grpo fit``, ``Stall``, which keeps one rank away from any collective, ``rank_split_reward``, a
-reward that makes two ranks draw unequally, and ``lookup_reward``, a reward function with a bug of its own.
+reward that makes two ranks draw unequally, ``lookup_reward``, a reward function with a bug of its own, and
+``end_unconnected``, a rank failing before the ranks connect, in a process of its own.
 
 Places (``PLACES``), each at its first occurrence on the planted rank:
 
+- ``build``: the callback's construction, before the ranks connect (the rank is the environment's ``NODE_RANK``
+  plus ``LOCAL_RANK``: 2 nodes x 1 process, or 1 node x 2 processes);
 - ``rollout``: inside a training rollout's decode (a forward of the rollout weights' module, no grad, eval mode):
   under FSDP2 this is the gathered copy, or the sharded policy in lockstep, mid-forward;
 - ``reward``: a reward function, scored inside the rollout scope (between two forwards under lockstep);
@@ -20,6 +23,7 @@ Places (``PLACES``), each at its first occurrence on the planted rank:
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -28,7 +32,8 @@ from lightning.pytorch import Callback
 
 from lit_grpo.runtime.validation import ConfigError
 
-PLACES = ("rollout", "reward", "loss", "update", "validation", "checkpoint", "setup", "load", "train_end", "export")
+PLACES = ("build", "rollout", "reward", "loss", "update", "validation", "checkpoint", "setup", "load", "train_end",
+          "export")
 
 
 class PlantedError(RuntimeError):
@@ -49,6 +54,8 @@ class PlantedFault(Callback):
             raise ValueError(f"place={place!r} is not one of {PLACES}")
         self.place, self.rank, self.setting = place, rank, setting
         self.message = f"planted {place} failure on rank {rank}"
+        if place == "build" and int(os.environ.get("NODE_RANK", 0)) + int(os.environ.get("LOCAL_RANK", 0)) == rank:
+            self._fire()
 
     def _fire(self, *_: Any, **__: Any) -> None:
         raise (PlantedSettingError if self.setting else PlantedError)(self.message)
@@ -133,3 +140,17 @@ def lookup_reward(prompts: list[str], completions: list[str], **columns: Any) ->
     """A reward function whose author's bug raises a KeyError, for the report of a reward function's error."""
     answers: dict[str, float] = {}
     return [answers[prompt] for prompt in prompts]
+
+
+def end_unconnected(rank: int, port: int, wait_s: float, log: str) -> None:
+    """In a process of its own (it ends it): rank ``rank`` of a 2-node run (1 process per node, Lightning's
+    launcher) fails before the ranks connect, its store at 127.0.0.1:``port``, waiting at most ``wait_s`` seconds
+    for the other rank; its output goes to ``log``."""
+    from lit_grpo.runtime import rank_failure
+
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    rank_failure.SETUP_WAIT_S = wait_s
+    place = rank_failure.RankPlace(rank, 2, rank, 0, 2, "127.0.0.1", port, starts_node=True)
+    rank_failure.end_unconnected_rank(PlantedError(f"planted failure on rank {rank}"), place)

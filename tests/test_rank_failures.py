@@ -8,7 +8,10 @@ checked on every rank), the update's backward, a validation rollout, a checkpoin
 can talk and the end of training; and, each on the rank it happens on, the restore of a resumed checkpoint and the
 export of the trained model. More cases: a rank away from any collective while another fails (ended by its
 failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes, and a Lightning
-script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself.
+script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
+the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
+of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``) and where each rank finds its
+place.
 """
 
 import contextlib
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import fault_helpers
 import forked_cli
 import pytest
 import yaml
@@ -143,13 +147,13 @@ def test_a_setting_found_bad_on_one_rank_ends_every_rank_naming_it(tmp_path):
     assert "Traceback" not in output, output[-4000:]  # a setting is said, not traced
 
 
-def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
-    """``--trainer.devices 2``: Lightning starts rank 1 as a child of rank 0, re-running the command. A reward error
-    on rank 1 ends both, and rank 0 names it."""
+def _launch_two(tmp_path: Path, place: str) -> str:
+    """``--trainer.devices 2`` with an error planted on rank 1 at ``place``: Lightning starts rank 1 as a child of
+    rank 0, re-running the command. Both end (no process of the run is left) non-zero; returns their output."""
     cmd = lit_grpo_command() + [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                                 "--trainer.default_root_dir", str(tmp_path / "run"),
                                 "--trainer.callbacks+=fault_helpers.PlantedFault",
-                                "--trainer.callbacks.place=reward", "--trainer.callbacks.rank=1"]
+                                f"--trainer.callbacks.place={place}", "--trainer.callbacks.rank=1"]
     env = {**repo_env(), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     started = time.monotonic()
@@ -162,10 +166,110 @@ def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
         output, _ = proc.communicate()
         pytest.fail(f"the run still went after {time.monotonic() - started:.0f} s:\n{output[-4000:]}")
     assert proc.returncode != 0, output[-4000:]
-    assert "lit-grpo: rank 1 of 2 failed: " in output and "planted reward failure on rank 1" in output, output[-4000:]
     session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
     alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
     assert not alive, f"processes of the run still alive: {alive}"
+    return output
+
+
+def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
+    """A reward error on rank 1, Lightning's child of rank 0, ends both, and rank 0 names it."""
+    output = _launch_two(tmp_path, "reward")
+    assert "lit-grpo: rank 1 of 2 failed: " in output and "planted reward failure on rank 1" in output, output[-4000:]
+
+
+def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_ends_the_run_naming_it(tmp_path):
+    """An error building rank 1's callbacks (said as a setting) in Lightning's child of rank 0, before the ranks
+    connect: rank 0, waiting in the process group's setup, ends within a second of its record naming it
+    (Lightning's process observer would kill it a few seconds later without a word on why)."""
+    output = _launch_two(tmp_path, "build")
+    planted = "ValueError: fault_helpers.PlantedFault: planted build failure on rank 1"
+    assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
+    assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
+
+
+@pytest.mark.parametrize("failed_rank", [0, 1])
+def test_a_model_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_rank):
+    """``--model.model ./m`` where ``./m`` exists on the other node only: the failing rank ends before the ranks
+    connect (the setting said, exit status 2), and the other, which waited in the process group's setup until its
+    timeout (30 minutes), ends within seconds naming that error: the failing rank records it in the run's store,
+    which rank 0 starts itself when it is the one failing, and keeps until the other has read it."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    model.save_pretrained(folders[1 - failed_rank] / "m")
+    tokenizer.save_pretrained(folders[1 - failed_rank] / "m")
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", "run", "--model.model", "./m"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders)
+    missing = "ValueError: model path './m' does not exist"
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
+    for rank, (code, output, _) in enumerate(outputs):
+        tail = output[-4000:]
+        if rank == failed_rank:
+            assert code == 2 and f"lit-grpo: rank {rank} of 2 failed: {missing}" in output, tail
+            assert "error: model path './m' does not exist" in output and "Traceback" not in output, tail
+        else:
+            assert code == 1 and f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: {missing}" \
+                in output, tail
+
+
+def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
+    """Rank 0, failing before the ranks connect, keeps the store it starts for a rank that never comes, and rank 1
+    waits for a store that never comes: each for ``SETUP_WAIT_S`` (2 s here), then ends saying so."""
+    log = tmp_path / "log"
+    ends = {0: "lit-grpo: rank 0 of 2 failed: PlantedError: planted failure on rank 0; every rank stops (not every "
+               "rank read it within 2 s: those end at their process group's timeout)",
+            1: "lit-grpo: rank 1 of 2 failed before the ranks connected: PlantedError: planted failure on rank 1; "
+               "no store came at 127.0.0.1:"}
+    for rank, end in ends.items():
+        process = forked_cli.forkserver().Process(target=fault_helpers.end_unconnected,
+                                                  args=(rank, free_port(), 2.0, str(log)))
+        started = time.monotonic()
+        process.start()
+        process.join(30)
+        seconds = time.monotonic() - started
+        if process.is_alive():
+            process.kill()
+        assert process.exitcode == 1 and 2 <= seconds < 30, (process.exitcode, seconds, log.read_text())
+        assert end in log.read_text(), log.read_text()
+
+
+_LAUNCH_ENV = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "SLURM_NTASKS",
+               "SLURM_PROCID", "SLURM_JOB_NAME", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("env, trainer, place", [
+    ({"NODE_RANK": "1"}, {"num_nodes": 2, "devices": 1}, (1, 2, True, True)),  # a node's launcher, another node
+    ({}, {"devices": 2, "strategy": "ddp"}, (0, 2, True, False)),  # one node's launcher: its ranks not started yet
+    ({"NODE_RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, {"num_nodes": 2, "devices": 2}, (3, 4, False, True)),
+    ({"RANK": "2", "GROUP_RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"},
+     {"num_nodes": 2, "devices": 2}, (2, 4, False, True)),  # torchrun
+    ({}, {"devices": 1}, None),
+    ({"NODE_RANK": "1"}, {"num_nodes": 2, "devices": 0}, None),  # a Trainer refuses it: every rank fails alike
+], ids=["other-node", "one-node", "launched", "torchrun", "one-process", "refused"])
+def test_a_rank_finds_its_place_before_the_ranks_connect(monkeypatch, env, trainer, place):
+    """``planned_place``: the rank, world size, whether this process starts its node's other ranks and whether
+    other ranks exist or will, as the Trainer would set them from these settings and the launcher's environment."""
+    from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+    from lightning.pytorch.utilities import rank_zero
+
+    from lit_grpo.cli import planned_place
+
+    for name in _LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**env, "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(name, value)
+    for module in (rank_zero, fabric_rank_zero):  # the strategy sets the process's rank for rank-zero logging
+        monkeypatch.setattr(module.rank_zero_only, "rank", getattr(module.rank_zero_only, "rank", 0))
+    found = planned_place({"accelerator": "cpu", **trainer})
+    assert (found if found is None else (found.rank, found.world, found.starts_node, found.others_wait)) == place
+    if found is not None:
+        assert found.port == 29511
 
 
 @pytest.mark.parametrize("rank0", ["stalls", "reduces"])

@@ -17,19 +17,27 @@ Before it ends, a rank records its error in the key-value store every rank joine
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
 after it names it as the cause. Where the store ended with the failed rank (Lightning's own launchers run it in
 rank 0's process), a rank says that its connection to the others broke, and the failed rank's output has the error.
+
+A rank can also fail before the ranks connect (a model path that exists on one node only): the others would wait in
+the process group's setup until its timeout. Each rank watches from before that setup (``GRPOCLI`` starts the watch
+as the run starts), and a rank failing there records its error through :func:`end_unconnected_rank`: rank 0, which
+runs the store, starts it itself and keeps it until every rank still to come has read the record (each says so in
+the store), within ``SETUP_WAIT_S``; any other rank records it in rank 0's store, waiting for it as long.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -37,9 +45,46 @@ import torch
 STORE_TIMEOUT_S = 5.0
 #: How often :func:`watch_failures` asks the store whether a rank has failed.
 WATCH_INTERVAL_S = 1.0
+#: How long a rank that failed before the ranks connected waits for the others to read its record (rank 0, running
+#: the store), or for rank 0's store to exist (any other rank): a rank still loading its model comes late.
+SETUP_WAIT_S = 300.0
 
 _ending = threading.Event()  # this process is ending on its own error: its watch stands down
+_watches: set[threading.Event] = set()  # the stop events of this process's watches
 _caller_ends = False  # inside ended_by_caller()
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlace:
+    """This process's place in a run of several processes, as Lightning's strategy sets it before the ranks
+    connect. ``address`` and ``port``: the store every rank joins (rank 0's process runs it). ``starts_node``:
+    this process is Lightning's launcher, which starts its node's other ranks as its children (they end with it)."""
+
+    rank: int
+    world: int
+    node: int
+    local: int
+    nodes: int
+    address: str
+    port: int
+    starts_node: bool
+
+    @property
+    def others_wait(self) -> bool:
+        """Whether another process of the run exists or will: one this process would start does not, yet."""
+        return self.world > 1 and (self.nodes > 1 or not self.starts_node)
+
+
+def rank_place(strategy: Any) -> RankPlace | None:
+    """This process's place in the run of ``strategy`` (a Lightning strategy whose ranks are set, as a Trainer's
+    are from its construction on); None for a run of one process."""
+    world = getattr(strategy, "world_size", 1)
+    environment = getattr(strategy, "cluster_environment", None)
+    if world <= 1 or environment is None:
+        return None
+    return RankPlace(strategy.global_rank, world, strategy.node_rank, strategy.local_rank,
+                     getattr(strategy, "num_nodes", 1), environment.main_address, environment.main_port,
+                     not environment.creates_processes_externally)
 
 
 @contextlib.contextmanager
@@ -91,12 +136,46 @@ def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: 
     if first is None:
         line = (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
                 "failed first ended with it; that rank's output names its error)")
-    elif first[0] == rank:
-        line = f"rank {rank} of {world} failed: {first[1]}; every rank stops"
     else:
-        cause = first[1] or "its output names the error"
-        line = f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
+        line = _ending_line(rank, world, first)
     _end(line, exit_status)
+
+
+def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: int = 1,
+                         show_traceback: bool = True) -> NoReturn:
+    """:func:`end_failed_rank` for a rank that failed before the ranks connected (no process group yet), in a run
+    whose other ranks exist or will (``place.others_wait``): they would wait for it in the process group's setup.
+    Its error is recorded in the run's store, which rank 0 starts itself (keeping it until each rank still to come
+    has read the record, at most ``SETUP_WAIT_S``) and any other rank waits for as long; then this process ends
+    as :func:`end_failed_rank` ends it."""
+    _ending.set()
+    if show_traceback:
+        traceback.print_exception(error)
+    deadline = time.monotonic() + SETUP_WAIT_S
+    rank, world = place.rank, place.world
+    store, runs_store = _setup_store(place, deadline)
+    if store is None:
+        _end(f"rank {rank} of {world} failed before the ranks connected: {describe(error)}; no store came at "
+             f"{place.address}:{place.port} within {SETUP_WAIT_S:.0f} s, so the ranks waiting there end at their "
+             "process group's timeout", exit_status)
+    try:
+        first = _record_in(store, rank, error)
+        _say_read(store, place)
+    except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
+        _end(f"rank {rank} of {world} stopped on {describe(error)} before the ranks connected (the run's store is "
+             "gone: rank 0 ended on a failure; its output names it)", exit_status)
+    line = _ending_line(rank, world, first)
+    if runs_store and not _await_readers(store, place, deadline):
+        line += f" (not every rank read it within {SETUP_WAIT_S:.0f} s: those end at their process group's timeout)"
+    _end(line, exit_status)
+
+
+def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
+    """The line a rank ends with, ``first`` being the run's first failure (its rank and description)."""
+    if first[0] == rank:
+        return f"rank {rank} of {world} failed: {first[1]}; every rank stops"
+    cause = first[1] or "its output names the error"
+    return f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
 
 
 def _end(line: str, exit_status: int = 1) -> NoReturn:
@@ -123,12 +202,59 @@ def _prefix() -> str:
     return f"lit_grpo/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def _connect_store() -> torch.distributed.TCPStore:
-    """A client of the store every rank joined; raises where it is gone (at once: a plain connection is refused
-    first, where a store client would retry for seconds)."""
-    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+def _connect_store(address: tuple[str, int] | None = None) -> torch.distributed.TCPStore:
+    """A client of the store every rank joined (at ``address``; default: ``MASTER_ADDR``, ``MASTER_PORT``, which
+    Lightning sets as the ranks connect); raises where it is gone (at once: a plain connection is refused first,
+    where a store client would retry for seconds)."""
+    address = address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     socket.create_connection(address, timeout=STORE_TIMEOUT_S).close()
     return torch.distributed.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+
+
+def _setup_store(place: RankPlace, deadline: float) -> tuple[torch.distributed.TCPStore | None, bool]:
+    """The run's store for a rank that failed before the ranks connected, and whether this process runs it: rank
+    0 starts it where none runs yet (a launcher's store, torchrun's, may run already); another rank waits for
+    rank 0's until ``deadline`` (``time.monotonic``). None: none came."""
+    address = place.address, place.port
+    while True:
+        with contextlib.suppress(OSError, RuntimeError):
+            return _connect_store(address), False
+        if place.rank == 0:
+            with contextlib.suppress(RuntimeError):  # the port taken meanwhile: connect on the next turn
+                return torch.distributed.TCPStore(*address, is_master=True, wait_for_workers=False,
+                                                  timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)), True
+        if time.monotonic() >= deadline:
+            return None, False
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def _read_keys(place: RankPlace) -> list[str]:
+    """The keys that say a rank read the run's first failure, one per rank :func:`_await_readers` waits for:
+    under Lightning's launcher per node (its launcher process ends the node's others with it), else per rank."""
+    prefix = _prefix()
+    if place.starts_node:
+        return [f"{prefix}read/node/{node}" for node in range(place.nodes) if node != place.node]
+    return [f"{prefix}read/rank/{rank}" for rank in range(place.world) if rank != place.rank]
+
+
+def _say_read(store: torch.distributed.TCPStore, place: RankPlace) -> None:
+    """Record that this process read the run's first failure (or failed itself), for rank 0 to stop waiting. For
+    its node too: under Lightning's launcher a node's processes end together (the launcher ends its children as it
+    ends, and its process observer ends the launcher once a child has)."""
+    prefix = _prefix()
+    store.set(f"{prefix}read/rank/{place.rank}", "1")
+    store.set(f"{prefix}read/node/{place.node}", "1")
+
+
+def _await_readers(store: torch.distributed.TCPStore, place: RankPlace, deadline: float) -> bool:
+    """Keep the store (run by this process, rank 0) until every other rank (node, under Lightning's launcher) has
+    read the run's first failure, or ``deadline`` (``time.monotonic``) passes; whether all did."""
+    keys = _read_keys(place)
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _first_failure(store: torch.distributed.TCPStore) -> tuple[int, str]:
@@ -142,51 +268,72 @@ def _record_failure(rank: int, error: BaseException) -> tuple[int, str | None] |
     """Record this rank's error in the run's store; return ``(rank, description)`` of the failure that came first
     (this one, another rank's, or the one a ``RankFailed`` names: its description None where its record did not
     come), or None where the store cannot be reached."""
-    from lit_grpo.runtime.distributed import RankFailed
-
     try:
-        store, prefix = _connect_store(), _prefix()
-        if isinstance(error, RankFailed):  # it names the rank that failed, whose record may still be on its way
-            try:
-                return error.ranks[0], store.get(f"{prefix}rank/{error.ranks[0]}").decode()
-            except Exception:
-                return error.ranks[0], None
-        order = store.add(prefix + "count", 1)  # its place among the failures, taken before a rank can read it
-        store.set(f"{prefix}rank/{rank}", describe(error))
-        if order == 1:  # the first: no answer needed (a rank that read this record may end the store with it)
-            with contextlib.suppress(Exception):
-                store.set(f"{prefix}1", str(rank))
-            return rank, describe(error)
-        return _first_failure(store)
+        return _record_in(_connect_store(), rank, error)
     except Exception:  # the store went with a failed rank, or never existed: nothing to name but this error
         return None
 
 
-def watch_failures(rank: int, world: int, interval_s: float = WATCH_INTERVAL_S) -> threading.Event:
+def _record_in(store: torch.distributed.TCPStore, rank: int, error: BaseException) -> tuple[int, str | None]:
+    """:func:`_record_failure` in ``store``; raises where the store is gone."""
+    from lit_grpo.runtime.distributed import RankFailed
+
+    prefix = _prefix()
+    if isinstance(error, RankFailed):  # it names the rank that failed, whose record may still be on its way
+        try:
+            return error.ranks[0], store.get(f"{prefix}rank/{error.ranks[0]}").decode()
+        except Exception:
+            return error.ranks[0], None
+    order = store.add(prefix + "count", 1)  # its place among the failures, taken before a rank can read it
+    store.set(f"{prefix}rank/{rank}", describe(error))
+    if order == 1:  # the first: no answer needed (a rank that read this record may end the store with it)
+        with contextlib.suppress(Exception):
+            store.set(f"{prefix}1", str(rank))
+        return rank, describe(error)
+    return _first_failure(store)
+
+
+def watching() -> bool:
+    """Whether a watch (:func:`watch_failures`) of this process runs (and is not being stopped)."""
+    return any(not stop.is_set() for stop in list(_watches))
+
+
+def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> threading.Event:
     """Start a daemon thread that ends this process, naming the cause, once another rank has recorded a failure in
-    the run's store: a rank waiting in a collective that will never complete (NCCL's, whose peer has ended), or
-    computing alone for long, does not outlive the run. Call it once the process group is up (every rank has joined
-    the store); set the returned event to stop the watch before the run ends on its own."""
+    the run's store: a rank waiting in a collective that will never complete (NCCL's, whose peer has ended), or in
+    the process group's setup for a rank that failed before it, or computing alone for long, does not outlive the
+    run. It may start before the ranks connect (it asks for the store until it exists); set the returned event to
+    stop the watch before the run ends on its own. Before it ends this process it records that this rank read the
+    failure; rank 0 before the ranks connected first keeps its store until every rank did (``SETUP_WAIT_S``)."""
     stop = threading.Event()
+    _watches.add(stop)
 
     def watch() -> None:
-        try:
-            store = _connect_store()
-        except Exception:  # no store to watch: the collectives tell the ranks instead
-            return
-        count = _prefix() + "count"
+        store, count = None, _prefix() + "count"
         while not stop.wait(interval_s):
             try:
+                store = store or _connect_store((place.address, place.port))
                 if not store.check([count]):
                     continue
                 first = _first_failure(store)
             except torch.distributed.DistStoreError:  # a failure counted, its record not there yet: ask again
                 continue
-            except Exception:  # the store is gone with its rank: the collectives tell this one
-                return
-            if _ending.is_set() or stop.is_set() or first[0] == rank:
+            except Exception:  # no store yet (or gone with its rank: then the collectives tell this one)
+                store = None
+                continue
+            if _ending.is_set() or stop.is_set() or first[0] == place.rank:
                 return  # this rank is ending on its own error, or the run on its own
-            _end(f"rank {rank} of {world} stopped because rank {first[0]} failed: {first[1]}")
+            with contextlib.suppress(Exception):
+                _say_read(store, place)
+                if place.rank == 0 and not torch.distributed.is_initialized():  # the others may still need it
+                    _await_readers(store, place, time.monotonic() + SETUP_WAIT_S)
+            _end(_ending_line(place.rank, place.world, first))
 
-    threading.Thread(target=watch, name="lit-grpo-failure-watch", daemon=True).start()
+    def run() -> None:
+        try:
+            watch()
+        finally:
+            _watches.discard(stop)
+
+    threading.Thread(target=run, name="lit-grpo-failure-watch", daemon=True).start()
     return stop
