@@ -239,10 +239,12 @@ def last_checkpoint_callback(trainer: pl.Trainer) -> ModelCheckpoint | None:
 
 def _validation_follows(trainer: pl.Trainer) -> bool:
     """Whether the fit loop runs a validation right after this training batch (its own rule: the epoch, the batch
-    or time interval, a stop; read from its private state, Lightning has no public view of it)."""
+    or time interval, a stop; read from its private state, Lightning has no public view of it). A validation
+    without batches (no held-out prompts: an empty val dataloader) is skipped before any validation hook, so it
+    does not count; nor does one whose dataloaders are not set up yet (its batches unknown)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     check = getattr(loop, "_should_check_val_fx", None)
-    if check is None or getattr(loop, "_skip_next_val", False):
+    if check is None or getattr(loop, "_skip_next_val", False) or getattr(loop.val_loop, "skip", True):
         return False
     return bool(check(trainer.fit_loop._data_fetcher))
 

@@ -1096,3 +1096,31 @@ def test_a_step_save_that_a_validation_follows_holds_what_the_validation_changed
     assert saved["global_step"] == 4
     assert saved["callbacks"]["_CountsValidations"] == {"validations": 2}  # the validation after step 4 included
     assert checkpoint.saves == 2  # after each validation; step 4's not again before it
+
+
+def test_a_step_save_is_kept_where_the_validation_after_it_has_no_batches(tmp_path):
+    """No held-out prompts (an empty val dataloader): Lightning skips that validation before any of its hooks, so
+    the save of the step it would follow (the epoch's last, every 4 steps here) is made at the step's end."""
+    from callback_helpers import TinyRegression
+
+    class NothingToValidate(TinyRegression):
+        def validation_step(self, batch, batch_idx):
+            raise AssertionError("no batch to validate")
+
+        def val_dataloader(self):
+            return []
+
+    saved: list[int] = []
+
+    class SavedSteps(pl.Callback):  # runs before RunCheckpoint's hooks (Lightning puts checkpoints last)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            last = tmp_path / "last.ckpt"
+            saved.append(torch.load(last, weights_only=False)["global_step"] if last.exists() else 0)
+
+    checkpoint = RunCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=8, accelerator="cpu", num_sanity_val_steps=0,
+                         callbacks=[SavedSteps(), checkpoint], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(NothingToValidate())
+    assert saved == [0, 0, 2, 2, 4, 4, 6, 6]  # step 4, the first epoch's last, saved before step 5 starts
+    assert checkpoint.saves == 4
