@@ -710,6 +710,8 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     reason = re.sub(r"^Problem with given class_path '[\w.]+': ", "", " ".join(line.strip() for line in own[0]))
     if class_path:
         reason += class_path_hint(class_path.group(1), reason)
+    elif listed:
+        reason += short_name_hint(_LIST_OR_ITEM.fullmatch(subtypes).group(1), reason)
     if listed:  # one class of several: named; a list given with a bad class is not meant to be null
         if class_path:
             reason = f"{class_path.group(1)}: {reason}"
@@ -777,6 +779,34 @@ def class_path_hint(class_path: str, reason: str) -> str:
         close = difflib.get_close_matches(missing.group(2), known, n=1, cutoff=0.6)
         return f" (did you mean '{module_name}.{close[0]}'?)" if close else ""
     return ""
+
+
+def short_name_hint(base: str, reason: str) -> str:
+    """`` (did you mean 'NAME'?)`` for jsonargparse's ``reason`` why a class named without its module
+    (``RewardForcast``) is not one of the subclasses of ``base`` (a class path) it resolves such names among, where a
+    close name exists; else an empty string."""
+    given = re.fullmatch(r"Expected a dot import path string: (\w+)", reason)
+    module_name, _, name = base.rpartition(".")
+    try:
+        base_class = getattr(importlib.import_module(module_name), name) if given else None
+    except (ImportError, AttributeError):
+        return ""
+    if not isinstance(base_class, type):
+        return ""
+    close = difflib.get_close_matches(given.group(1), sorted(_short_names(base_class)), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _short_names(base: type) -> set[str]:
+    """The names of ``base``'s subclasses (imported ones, at any depth) that a config may give without their module,
+    as jsonargparse finds them: not defined inside a function, nor in a private module."""
+    names, pending = set(), [base]
+    while pending:
+        cls = pending.pop()
+        if "<locals>" not in cls.__qualname__ and "._" not in f"{cls.__module__}.{cls.__qualname__}":
+            names.add(cls.__name__)
+        pending.extend(cls.__subclasses__())
+    return names
 
 
 def _indent(line: str) -> int:

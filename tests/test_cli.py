@@ -344,6 +344,11 @@ def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, a
      "error: trainer.callbacks: lit_grpo.callbacks.FitSummary: Option 'windo' is not accepted (did you mean "
      "'window'?)\n"),
     (None, ["--trainer.callbacks", "3"], "error: trainer.callbacks: Expected a dot import path string: 3\n"),
+    # a short name (without its module) is matched against the callbacks a short name may give
+    (None, ["--trainer.callbacks+=RewardForcast"],
+     "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
+    ("- class_path: RewardForcast", [],
+     "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
     # refused by the callback itself, when the list is built
     (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patience=-1"],
      "error: lit_grpo.callbacks.RewardForecast: patience=-1 must be an integer >= 1\n"),
