@@ -354,8 +354,12 @@ class GRPOCLI(LightningCLI):
                 raise
             if not isinstance(err, ValueError):
                 err = ValueError(f"{type(err).__name__}: {err}")
-            keys = self.config[self.subcommand].keys()
-            _exit_with(qualified_error(ValueError(optional_group_reason(str(err), keys)), keys), self.subcommand)
+            config = self.config[self.subcommand]
+            keys = config.keys()
+            message = optional_group_reason(str(err), keys)
+            if owner := configured_class_key(config, message):  # a class built from a list: named with its key
+                message = f"{owner}: {message}"
+            _exit_with(qualified_error(ValueError(message), keys), self.subcommand)
 
 
 _LEADING_SETTING = re.compile(r"^([A-Za-z_][\w.]*)=")
@@ -706,6 +710,9 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
         nested = _own_reason(textwrap.dedent("\n".join(rest)), keys)
         if nested is not None and nested[0] is not None and group is not None:
             key, reason, nullable = nested
+            if listed:  # a setting of one class of the list: named inside its class
+                named = f"{class_path.group(1)}."
+                return group, f"{named}{key}: {reason}" + (f" (or {named}{nullable}: null)" if nullable else ""), None
             return f"{group}.{key}", reason, nullable and f"{group}.{nullable}"
     reason = re.sub(r"^Problem with given class_path '[\w.]+': ", "", " ".join(line.strip() for line in own[0]))
     if class_path:
@@ -714,12 +721,12 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
         reason += short_name_hint(_LIST_OR_ITEM.fullmatch(subtypes).group(1), reason)
     if listed:  # one class of several: named; a list given with a bad class is not meant to be null
         if class_path:
-            reason = f"{class_path.group(1)}: {reason}"
+            reason = in_class(class_path.group(1), reason)
         elif spec := re.search(r"Namespace\(class_path='([\w.]+)'", value or ""):  # the first not yet built
-            reason = f"{spec.group(1)}: {reason}"
+            reason = in_class(spec.group(1), reason)
         return group, reason, None
     key = group
-    if group and (inner := re.match(r'Parser key "([\w.]+)": ', reason)):  # a setting inside the group
+    if group and (inner := _PARSER_KEY.match(reason)):  # a setting inside the group
         key, reason = f"{group}.{inner.group(1)}", reason[inner.end():]
     elif group is None:  # the group's own check names its setting
         reason = str(qualified_error(ValueError(reason), keys))
@@ -728,6 +735,32 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     if _BARE_TYPE.fullmatch(reason) or len(own_types) > 1:  # as jsonargparse says it where the value is not optional
         reason += f". Got value: {value}"
     return key, reason, group
+
+
+#: jsonargparse's name for the setting of a class or group it refuses, before the reason.
+_PARSER_KEY = re.compile(r'Parser key "([\w.]+)": ')
+
+
+def in_class(class_path: str, reason: str) -> str:
+    """``reason`` for refusing a setting of the class ``class_path`` (jsonargparse's ``Parser key "stop": ...``, or
+    the class's own ``patience=0 must be ...``) naming it inside the class: ``lit_grpo.callbacks.RewardForecast.stop:
+    ...``; a reason that names no setting follows the class's name."""
+    if inner := _PARSER_KEY.match(reason):
+        return f"{class_path}.{inner.group(1)}: {reason[inner.end():]}"
+    if _LEADING_SETTING.match(reason):
+        return f"{class_path}.{reason}"
+    return f"{class_path}: {reason}"
+
+
+def configured_class_key(config: Namespace, message: str) -> str | None:
+    """The key of ``config`` (a subcommand's) that lists the class whose path ``message`` starts with
+    (``trainer.callbacks`` for ``lit_grpo.callbacks.RewardForecast.patience=0 ...``); None where none does."""
+    for key, value in config.items(branches=True):
+        for spec in value if isinstance(value, list) else [value]:
+            path = spec.get("class_path") if isinstance(spec, Namespace) else None
+            if isinstance(path, str) and re.match(rf"{re.escape(path)}[.:]", message):
+                return key
+    return None
 
 
 def _union_failure(lines: list[str]) -> tuple[str | None, str, list[list[str]], str | None] | None:

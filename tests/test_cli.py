@@ -351,7 +351,17 @@ def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, a
      "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
     # refused by the callback itself, when the list is built
     (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patience=-1"],
-     "error: lit_grpo.callbacks.RewardForecast: patience=-1 must be an integer >= 1\n"),
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast.patience=-1 must be an integer >= 1\n"),
+    # a value of the wrong type for a callback's setting: the setting named inside its class, the value, the type
+    (None, ["--trainer.callbacks+=RewardForecast", "--trainer.callbacks.stop=maybe"],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast.stop: Expected a <class 'bool'>. Got value: "
+     "maybe\n"),
+    ("- class_path: FitSummary\n- class_path: RewardForecast\n  init_args: {criterion: aicc}", [],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast.criterion: Expected a typing.Literal['aic', "
+     "'bic']. Got value: aicc\n"),
+    (None, ["--trainer.callbacks+=RewardForecast", "--trainer.callbacks.reward_range=[0, a]"],
+     "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast.reward_range: Expected a <class 'float'>. Got "
+     "value: a (or lit_grpo.callbacks.RewardForecast.reward_range: null)\n"),
 ])
 def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks_union(capsys, tmp_path, callbacks,
                                                                                         args, message):
@@ -365,6 +375,7 @@ def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks
     err = capsys.readouterr().err
     assert message in err, err
     assert "Union" not in err and "Subclass types" not in err and "Given value" not in err, err
+    assert "Parser key" not in err, err
 
 
 def test_an_optional_setting_inside_an_optional_group_is_named_by_its_whole_key(capsys):
