@@ -668,3 +668,26 @@ def test_a_single_callback_is_taken_as_the_trainers_list(tmp_path):
     names = [type(cb).__name__ for cb in cli.trainer.callbacks]
     assert [cb.window for cb in cli.trainer.callbacks if type(cb).__name__ == "FitSummary"] == [3]
     assert "RankFailureWatch" in names and "RunCheckpoint" in names
+
+
+def test_a_constructors_warning_names_its_setting_and_points_where_the_config_sets_it(tmp_path):
+    """A class warns at its constructor's caller (right in Python), which under the CLI is Lightning's code: the
+    warning names the setting by its full key and points at the config file's line that sets it, or at the class
+    that warned where the command line set it."""
+    from lit_grpo.update import module
+
+    config = tmp_path / "warn.yaml"
+    config.write_text("model:\n  lr_schedule: constant\n  min_lr_ratio: 0.5\n")
+    base = ["--config", TINY, "--trainer.logger", "false", "--data.sampling.strategy", "full"]
+    with pytest.warns(UserWarning) as caught:
+        build_cli([*base, "--config", str(config)], run=False)
+    placed = {str(w.message).split("=")[0]: (w.filename, w.lineno) for w in caught}
+    sampling_line = Path(TINY).read_text().splitlines().index(
+        "  sampling: {group_size: 4, micro_group_size: 2, strategy: infinite, max_new_tokens: 16}") + 1
+    assert placed["model.min_lr_ratio"] == (str(config), 3), placed
+    assert placed["data.sampling.micro_group_size"] == (TINY, sampling_line), placed
+    with pytest.warns(UserWarning) as caught:
+        build_cli([*base, "--model.lr_schedule", "constant", "--model.min_lr_ratio", "0.5"], run=False)
+    [warned] = [w for w in caught if str(w.message).startswith("model.min_lr_ratio=0.5 is the floor")]
+    assert warned.filename == module.__file__
+    assert not [w for w in caught if str(w.message).startswith(("model.", "data.")) and "lightning" in w.filename]
