@@ -251,8 +251,9 @@ class GRPOCLI(LightningCLI):
         if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared, and a
             # refusal ended on by every rank, once they can (a rank ending alone now would leave the others waiting)
             missing = _nothing_to_evaluate(root) if evaluate else None
-            self.trainer.callbacks.append(SameCheckpointOnEveryRank(found, missing, root,
-                                                                    None if refusal is None else str(refusal)))
+            agreement = SameCheckpointOnEveryRank(found, missing, root, None if refusal is None else str(refusal))
+            agreement.check_before_setup_of(self.datamodule)
+            self.trainer.callbacks.append(agreement)
         elif refusal is not None:
             _exit_with(refusal, self.subcommand)
         return root, found
@@ -631,22 +632,26 @@ def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
 class SameCheckpointOnEveryRank(Callback):
     """``--ckpt_path last`` under several processes: each rank finds the newest ``last.ckpt`` itself, before the
     process group exists (a rank started by torchrun or SLURM runs the CLI on its own), and loads what it found.
-    Once the ranks can talk (``setup``, before Lightning restores anything) every rank's finding is gathered, and
-    where any differs from rank 0's every rank ends on the same error: ranks that resumed different checkpoints (or
-    one a checkpoint, another none) would train on as one run with different weights, steps and data states. A
-    finding is compared by what identifies the checkpoint (``checkpoint_identity``: its path under ``root``, the
-    folder searched, its step and content), not by its path, which differs between nodes that mount one file
-    system at different places. ``missing``: where the command needs a checkpoint (``validate``), the error every
-    rank ends on when no rank found one (None: none found is a new run). ``refused``: why this rank's checkpoint
-    (found, or given with ``--ckpt_path`` on several nodes) cannot be resumed; where any rank's is refused, every
-    rank ends on the refusals first."""
+    Once the ranks can talk (``setup``, or the data module's before it: ``check_before_setup_of``; before Lightning
+    restores anything) every rank's finding is gathered, and where any differs from rank 0's every rank ends on the
+    same error: ranks that resumed different checkpoints (or one a checkpoint, another none) would train on as one
+    run with different weights, steps and data states. A finding is compared by what identifies the checkpoint
+    (``checkpoint_identity``: its path under ``root``, the folder searched, its step and content), not by its path,
+    which differs between nodes that mount one file system at different places. ``missing``: where the command
+    needs a checkpoint (``validate``), the error every rank ends on when no rank found one (None: none found is a
+    new run). ``refused``: why this rank's checkpoint (found, or given with ``--ckpt_path`` on several nodes) cannot
+    be resumed; where any rank's is refused, every rank ends on the refusals first."""
 
     def __init__(self, found: Path | None, missing: str | None = None, root: Path | None = None,
                  refused: str | None = None) -> None:
         self.found = None if found is None else (str(found), checkpoint_identity(found, root))
         self.missing, self.refused = missing, refused
+        self._checked = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._checked:
+            return
+        self._checked = True
         if not is_multi_process():
             check_no_checkpoint_refused([self.refused])
             return
@@ -658,6 +663,26 @@ class SameCheckpointOnEveryRank(Callback):
         check_same_checkpoint(found)
         if found[0] is None and self.missing is not None:
             raise NoCheckpointFound(self.missing)
+
+    def check_before_setup_of(self, datamodule: Any) -> None:
+        """Compare the findings first thing in ``datamodule``'s ``setup`` (None: no data module), which Lightning
+        calls before any callback's, once the ranks can talk: its prompts (a data set read, a task's generated)
+        would be built on every rank only to end."""
+        if datamodule is not None:
+            datamodule.setup = _CheckedSetup(self, datamodule)
+
+
+class _CheckedSetup:
+    """A data module's own ``setup``, after ``agreement``'s check (an object, not a closure: a launcher that spawns
+    the ranks pickles the data module)."""
+
+    def __init__(self, agreement: SameCheckpointOnEveryRank, datamodule: Any) -> None:
+        self.agreement = agreement
+        self.datamodule = datamodule
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.agreement.setup(None, None, "")
+        return type(self.datamodule).setup(self.datamodule, *args, **kwargs)
 
 
 class CheckpointsDiffer(ConfigError, RaisedOnEveryRank):

@@ -805,6 +805,23 @@ def test_validate_with_no_rank_finding_a_checkpoint_ends_every_rank_once_they_ca
     assert isinstance(raised.value, RaisedOnEveryRank)
 
 
+def test_validate_last_on_two_ranks_with_no_checkpoint_ends_before_any_prompt_is_built(tmp_path):
+    """``validate --ckpt_path last`` on 2 ranks where no rank finds a checkpoint ends every rank on that error before
+    the data module sets up (Lightning sets it up before any callback): its prompt file, missing here, is never
+    read."""
+    from tools.harness import free_port, repo_env
+
+    argv = ["validate", *_fit_args(Path("run"), "--ckpt_path", "last", "--data.task", "null", "--data.jsonl_path",
+                                   "missing.jsonl", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+                                   "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu")[1:]]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 180, env=repo_env())
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [2, 2], shown
+    missing = "--ckpt_path last: no last.ckpt under run/lightning_logs to validate"
+    assert all(missing in output for _, output, _ in outputs), shown
+    assert "prompt file" not in shown, shown
+
+
 def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_different_ones(tmp_path):
     """``--ckpt_path last`` on 2 nodes x 1 process: each rank looks for the newest last.ckpt itself, before the ranks
     can talk. Where only rank 0 sees one (nodes without a shared file system: each rank in a folder of its own, the
