@@ -765,7 +765,7 @@ class GRPOArgumentParser(LightningArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         if self.exit_on_error:  # the message shown; a nested type's parser raises it into its group's message
             message = optional_group_reason(message)
-        super().error(message + did_you_mean(message, _option_names(parser)), ex)
+        super().error(message + did_you_mean(message, _option_names(parser)) + trl_value_hint(message), ex)
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
@@ -1004,6 +1004,30 @@ TRL_ELSEWHERE = {
     "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
     "log_completions": "is the CompletionLogger callback here, in trainer.callbacks",
 }
+
+
+#: TRL GRPOConfig's values of a setting lit_grpo spells otherwise (by the setting's last key part, then TRL's value
+#: lowercased, as the parser shows it): what the value is here.
+TRL_VALUES = {
+    "scale_rewards": {"true": "TRL's scale_rewards: true is 'group' here",
+                      "false": "TRL's scale_rewards: false is 'none' here"},
+    "lr_schedule": {"constant_with_warmup": "TRL's lr_scheduler_type constant_with_warmup is 'constant' here, "
+                                            "after model.warmup_steps",
+                    "cosine_with_min_lr": "TRL's lr_scheduler_type cosine_with_min_lr is 'cosine' here, down to "
+                                          "model.min_lr_ratio"},
+}
+#: jsonargparse's refusal of a value none of a setting's choices is.
+_NOT_A_CHOICE = re.compile(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[.*\]\. Got value: (\S+)\s*')
+
+
+def trl_value_hint(message: str) -> str:
+    """`` (TRL's ...)`` where the parser's ``message`` refuses a value of TRL's for a setting that lit_grpo spells
+    otherwise (``TRL_VALUES``), saying what it is here; else an empty string."""
+    refused = _NOT_A_CHOICE.fullmatch(message)
+    if refused is None:
+        return ""
+    meaning = TRL_VALUES.get(refused.group(1).rsplit(".", 1)[-1], {}).get(refused.group(2).lower())
+    return f" ({meaning})" if meaning else ""
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:

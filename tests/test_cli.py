@@ -249,6 +249,23 @@ def test_trls_settings_without_a_key_here_say_what_takes_their_place(capsys, tmp
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("model:\n  scale_rewards: true", "Got value: True (TRL's scale_rewards: true is 'group' here)\n"),
+    ("model:\n  scale_rewards: false", "Got value: False (TRL's scale_rewards: false is 'none' here)\n"),
+    ("model:\n  lr_schedule: cosine_with_min_lr", "(TRL's lr_scheduler_type cosine_with_min_lr is 'cosine' here, "
+                                                   "down to model.min_lr_ratio)\n"),
+    ("model:\n  scale_rewards: grp", "Got value: grp\n"),  # no TRL value: the choices alone
+])
+def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, yaml_text, message):
+    config = tmp_path / "trl.yaml"
+    config.write_text(yaml_text + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Expected a typing.Literal[" in err, err
+
+
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
 def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # GRPOModule builds its own optimizer from model.lr and friends: Lightning's would be parsed, then ignored
