@@ -328,7 +328,10 @@ class GRPOCLI(LightningCLI):
         place = rank_place(self.trainer.strategy)
         watch = None if place is None or torch.distributed.is_initialized() else watch_failures(place)
         try:
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except OSError as err:
+                raise unwritable_run_folder(err, self._run_folders()) or err
         except ConfigError as err:
             if is_multi_process():
                 # a setting may be bad on one rank only (micro_group_size auto from its own GPU's free memory): its
@@ -343,6 +346,12 @@ class GRPOCLI(LightningCLI):
         finally:
             if watch is not None:
                 watch.set()
+
+    def _run_folders(self) -> list[Path]:
+        """The folders this run writes its logs, config and checkpoints under: the trainer's root and its loggers'."""
+        loggers = self.trainer.loggers
+        folders = [getattr(logger, "root_dir", None) or getattr(logger, "save_dir", None) for logger in loggers]
+        return [Path(folder) for folder in (self.trainer.default_root_dir, *folders) if folder is not None]
 
     @contextlib.contextmanager
     def _config_errors(self) -> Iterator[None]:
@@ -481,6 +490,18 @@ def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
     if name == "sampler_correction" and group.get("mode") == "none":
         return {"clip_min", "clip_max"}
     return set()
+
+
+def unwritable_run_folder(error: OSError, folders: Sequence[Path]) -> ConfigError | None:
+    """``error`` (Lightning or a logger creating the run's folders) as a bad setting where it names one of
+    ``folders`` (the run's), or a folder above one, that could not be made; else None."""
+    if error.filename is None:
+        return None
+    failed = Path(os.path.abspath(error.filename))
+    if not any(failed == folder or failed in folder.parents for folder in map(Path.absolute, folders)):
+        return None
+    return ConfigError(f"the run's folder {error.filename} cannot be created ({error.strerror or error}): set "
+                       "trainer.default_root_dir (or the logger's save_dir) to a folder that can be written")
 
 
 def _nothing_to_evaluate(root: Path) -> str:

@@ -708,3 +708,18 @@ def test_a_constructors_warning_names_its_setting_and_points_where_the_config_se
     [warned] = [w for w in caught if str(w.message).startswith("model.min_lr_ratio=0.5 is the floor")]
     assert warned.filename == module.__file__
     assert not [w for w in caught if str(w.message).startswith(("model.", "data.")) and "lightning" in w.filename]
+
+
+@pytest.mark.parametrize("logger", [[], ["--trainer.logger", "false"]])
+def test_a_run_folder_that_cannot_be_made_ends_the_run_naming_it(tmp_path, capsys, logger):
+    """The logger (TensorBoard's) or the saved config, whichever makes the run's folder first, fails on a path
+    under a file: one error line naming the folder and the setting, not a traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", TINY, "--trainer.max_steps", "1", "--trainer.default_root_dir",
+                   str(blocker / "run"), "--torch_num_threads", "1", *logger])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"error: the run's folder {blocker / 'run'} cannot be created (Not a directory): set "
+            "trainer.default_root_dir (or the logger's save_dir) to a folder that can be written\n") in err, err
