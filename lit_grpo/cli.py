@@ -773,6 +773,9 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """jsonargparse's help, with the description's line breaks kept."""
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 class GRPOArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose error for an option it does not know names the known one it most likely meant,
     and which leaves out the usage listing before an error (its length hid the one line that matters; ``--help``
@@ -781,6 +784,9 @@ class GRPOArgumentParser(LightningArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # argparse would read --model.beta as --model.betas, the prefix of another setting
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+        # a negative number in exponent notation (--model.lr -1e-5) is a value too, not an unknown option that left
+        # its setting without one; argparse knows only -1 and -0.5 (its own attribute: it has no setting for it)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self

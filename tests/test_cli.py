@@ -279,6 +279,8 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # a class names its own field; the message names it by its full key
     (["--data.sampling.group_size", "0"], "error: data.sampling.group_size=0 must be an integer >= 1"),
     (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
+    # a negative number in exponent notation is the value, not an option of its own
+    (["--model.lr", "-1e-5"], "error: model.lr=-1e-05 is not allowed; lr must be a finite number > 0"),
     (["--model.loss.top_entropy_quantile", "1.5"], "error: model.loss.top_entropy_quantile=1.5 must be a number in "
                                                    "[0, 1]"),
     (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
