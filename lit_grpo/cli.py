@@ -811,6 +811,9 @@ _NOT_LIST = "Expected a <class 'list'>"
 #: A list of classes or one of them (``trainer.callbacks``): a list given fails for its own reason; anything else
 #: fails as the lone class, whose reason names the class spec and the option at fault.
 _LIST_OR_ITEM = re.compile(r"Subtypes: \[list\[([\w.]+)\], <class '\1'>, <class 'NoneType'>\]")
+#: One class or several of them, or a switch (``trainer.logger``): the lone class's reason is the one that applies.
+_ITEM_OR_ITERABLE = re.compile(r"Subtypes: \[<class '([\w.]+)'>, collections\.abc\.Iterable\[\1\], <class 'bool'>, "
+                               r"<class 'NoneType'>\]")
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
 
 
@@ -835,7 +838,8 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
         return None
     group, subtypes, reasons, value = failure
     own = [lines for lines in reasons if lines != [_NOT_NONE]]
-    listed = _LIST_OR_ITEM.fullmatch(subtypes) is not None
+    classes = _LIST_OR_ITEM.fullmatch(subtypes) or _ITEM_OR_ITERABLE.fullmatch(subtypes)
+    listed = classes is not None
     own_types = [lines for lines in own if len(lines) == 1 and _EXPECTED.fullmatch(lines[0])]
     if listed:  # the reason of the form given: the list's, or the lone class's where it is no list
         own = own[1:2] if own[0] == [_NOT_LIST] and len(own) > 1 else own[:1]
@@ -857,7 +861,7 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     if class_path:
         reason += class_path_hint(class_path.group(1), reason)
     elif listed:
-        reason += short_name_hint(_LIST_OR_ITEM.fullmatch(subtypes).group(1), reason)
+        reason += short_name_hint(classes.group(1), reason)
     if listed:  # one class of several: named; a list given with a bad class is not meant to be null
         if class_path:
             reason = in_class(class_path.group(1), reason)

@@ -397,6 +397,23 @@ def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks
     assert "Parser key" not in err, err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.logger", "TensorBoardLoger"],
+     "error: trainer.logger: Expected a dot import path string: TensorBoardLoger (did you mean "
+     "'TensorBoardLogger'?)\n"),
+    (["--trainer.logger", "TensorBoardLogger", "--trainer.logger.save_dirr", "runs"],
+     "error: trainer.logger: lightning.pytorch.loggers.TensorBoardLogger: Option 'save_dirr' is not accepted (did you "
+     "mean 'save_dir'?)\n"),
+])
+def test_a_bad_logger_is_named_by_its_class_as_a_callback_is(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Union" not in err and "Given value" not in err, err
+
+
 def test_an_optional_setting_inside_an_optional_group_is_named_by_its_whole_key(capsys):
     """The group's inner parser leaves its message to the group's, which holds the setting's own Union: read
     there, once."""
