@@ -790,9 +790,11 @@ class GRPOArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
+        shown = message
         if self.exit_on_error:  # the message shown; a nested type's parser raises it into its group's message
             message = optional_group_reason(message)
-        super().error(message + did_you_mean(message, _option_names(parser)) + trl_value_hint(message), ex)
+            shown = one_line_reason(message)
+        super().error(shown + did_you_mean(message, _option_names(parser)) + trl_value_hint(message), ex)
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
@@ -815,6 +817,17 @@ _LIST_OR_ITEM = re.compile(r"Subtypes: \[list\[([\w.]+)\], <class '\1'>, <class 
 _ITEM_OR_ITERABLE = re.compile(r"Subtypes: \[<class '([\w.]+)'>, collections\.abc\.Iterable\[\1\], <class 'bool'>, "
                                r"<class 'NoneType'>\]")
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
+
+
+#: jsonargparse's refusal of one setting's value: its key on a line of its own, then the reason.
+_KEY_THEN_REASON = re.compile(r'Parser key "([\w.]+)":\n\s+(Expected [^\n]*)')
+
+
+def one_line_reason(message: str) -> str:
+    """``KEY: REASON`` for jsonargparse's two-line refusal of one setting's value (``Parser key "KEY":`` then the
+    reason), as the other refusals are said; any other ``message`` as it is."""
+    refused = _KEY_THEN_REASON.fullmatch(message)
+    return f"{refused.group(1)}: {refused.group(2)}" if refused else message
 
 
 def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
