@@ -293,6 +293,7 @@ class GRPOCLI(LightningCLI):
         with self._config_errors():
             check_groups_are_mappings(config, self._parser(self.subcommand).get_defaults())
             check_manual_optimization_settings(config.get("trainer") or {})
+            check_accelerator((config.get("trainer") or {}).get("accelerator"))
             if self.subcommand == "fit" and (config.get("trainer") or {}).get("limit_train_batches") == 0:
                 raise ValueError("trainer.limit_train_batches=0 trains no step, so fit would only validate: remove "
                                  "it, or run lit-grpo validate")
@@ -616,6 +617,17 @@ def check_manual_optimization_settings(trainer: Any) -> None:
         # Lightning's "-true" plugins convert every batch, which a rollout batch (frozen dataclasses) cannot take
         raise ValueError(f"trainer.precision={precision!r} is not supported; use one of {list(PRECISIONS[::2])} "
                          "(for weights held in bf16: model.dtype: bfloat16 under 32-true or bf16-mixed)")
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Refuse a GPU ``trainer.accelerator`` on a machine without one torch can use, before a model is loaded for
+    it: Lightning says only "No supported gpu backend found!", once the model is built."""
+    if accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    if accelerator == "gpu" and torch.backends.mps.is_available():  # Lightning's "gpu" is CUDA or Apple's MPS
+        return
+    raise ValueError(f"trainer.accelerator={accelerator!r}, but torch finds no GPU on this machine "
+                     "(torch.cuda.is_available() is False): use 'cpu', or 'auto' for whatever is here")
 
 
 def resume_command(args: Sequence[str]) -> str:

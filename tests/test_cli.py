@@ -743,3 +743,13 @@ def test_a_run_folder_that_cannot_be_made_ends_the_run_naming_it(tmp_path, capsy
     err = capsys.readouterr().err
     assert (f"error: the run's folder {blocker / 'run'} cannot be created (Not a directory): set "
             "trainer.default_root_dir (or the logger's save_dir) to a folder that can be written\n") in err, err
+
+
+def test_a_gpu_accelerator_without_a_gpu_is_refused_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", GPU])  # Qwen3-1.7B: never loaded here
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: trainer.accelerator='gpu', but torch finds no GPU on this "
+                                              "machine (torch.cuda.is_available() is False): use 'cpu', or 'auto'")
