@@ -183,7 +183,7 @@ def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_e
     connect: rank 0, waiting in the process group's setup, ends within a second of its record naming it
     (Lightning's process observer would kill it a few seconds later without a word on why)."""
     output = _launch_two(tmp_path, "build")
-    planted = "ValueError: fault_helpers.PlantedFault: planted build failure on rank 1"
+    planted = "ValueError: trainer.callbacks: fault_helpers.PlantedFault: planted build failure on rank 1"
     assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
     assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
 

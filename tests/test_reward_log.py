@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from callbacks.completion_logger import sample_table
+from lit_grpo.callbacks.completion_logger import sample_table
 from lit_grpo.rollout.rewards import WeightedReward, score_rewards
 from two_process_helpers import fit_two_processes
 
