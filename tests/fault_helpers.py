@@ -142,15 +142,19 @@ def lookup_reward(prompts: list[str], completions: list[str], **columns: Any) ->
     return [answers[prompt] for prompt in prompts]
 
 
-def end_unconnected(rank: int, port: int, wait_s: float, log: str) -> None:
+def end_unconnected(rank: int, port: int, wait_s: float, log: str, agent_store: bool = False) -> None:
     """In a process of its own (it ends it): rank ``rank`` of a 2-node run (1 process per node, Lightning's
     launcher) fails before the ranks connect, its store at 127.0.0.1:``port``, waiting at most ``wait_s`` seconds
-    for the other rank; its output goes to ``log``."""
+    for the other rank; its output goes to ``log``. ``agent_store``: the store is the launcher's, as torchrun's
+    (``TORCHELASTIC_USE_AGENT_STORE``)."""
     from lit_grpo.runtime import rank_failure
 
     output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(output, 1)
     os.dup2(output, 2)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if agent_store:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     rank_failure.SETUP_WAIT_S = wait_s
     place = rank_failure.RankPlace(rank, 2, rank, 0, 2, "127.0.0.1", port, starts_node=True)
     rank_failure.end_unconnected_rank(PlantedError(f"planted failure on rank {rank}"), place)

@@ -10,8 +10,8 @@ export of the trained model. More cases: a rank away from any collective while a
 failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes, and a Lightning
 script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
-of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``) and where each rank finds its
-place.
+of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
+store on its port alone, and where each rank finds its place.
 """
 
 import contextlib
@@ -237,6 +237,38 @@ def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
             process.kill()
         assert process.exitcode == 1 and 2 <= seconds < 30, (process.exitcode, seconds, log.read_text())
         assert end in log.read_text(), log.read_text()
+
+
+@pytest.mark.parametrize("agent_store", [False, True], ids=["another-run", "torchrun"])
+def test_rank_0_failing_before_the_ranks_connect_records_only_in_its_own_runs_store(tmp_path, agent_store):
+    """Rank 0 whose port another process holds, as another run's rank 0 does where two runs were given one
+    ``MASTER_PORT`` on one node, fails before the ranks connect: it ends at once saying so and records nothing
+    there (that run's ranks would end on the record as on their own failure). Under torchrun, whose agent runs the
+    store that every rank joins, it records its error there."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.runtime.rank_failure import _prefix
+
+    port, log = free_port(), tmp_path / "log"
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=5))
+    process = forked_cli.forkserver().Process(target=fault_helpers.end_unconnected,
+                                              args=(0, port, 20.0, str(log), agent_store))
+    started = time.monotonic()
+    process.start()
+    process.join(30)
+    seconds = time.monotonic() - started
+    if process.is_alive():
+        process.kill()
+    assert process.exitcode == 1 and seconds < 15, (process.exitcode, seconds, log.read_text())
+    assert store.check([_prefix() + "count"]) == agent_store, log.read_text()
+    planted = "PlantedError: planted failure on rank 0"
+    end = (f"lit-grpo: rank 0 of 2 failed: {planted}; every rank stops" if agent_store else
+           f"lit-grpo: rank 0 of 2 failed before the ranks connected: {planted}; its port 127.0.0.1:{port} is "
+           "another process's (another run's store?), left alone")
+    assert end in log.read_text(), log.read_text()
 
 
 _LAUNCH_ENV = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "SLURM_NTASKS",

@@ -22,7 +22,9 @@ A rank can also fail before the ranks connect (a model path that exists on one n
 the process group's setup until its timeout. Each rank watches from before that setup (``GRPOCLI`` starts the watch
 as the run starts), and a rank failing there records its error through :func:`end_unconnected_rank`: rank 0, which
 runs the store, starts it itself and keeps it until every rank still to come has read the record (each says so in
-the store), within ``SETUP_WAIT_S``; any other rank records it in rank 0's store, waiting for it as long.
+the store), within ``SETUP_WAIT_S``; any other rank records it in rank 0's store, waiting for it as long (and so
+does rank 0 under torchrun, whose agent runs the store). A store rank 0 finds on its port is another run's: it is
+left alone.
 """
 
 from __future__ import annotations
@@ -153,11 +155,14 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
         traceback.print_exception(error)
     deadline = time.monotonic() + SETUP_WAIT_S
     rank, world = place.rank, place.world
-    store, runs_store = _setup_store(place, deadline)
+    runs_store = place.rank == 0 and not _launcher_runs_store()
+    store = _start_store(place) if runs_store else _await_store(place, deadline)
     if store is None:
-        _end(f"rank {rank} of {world} failed before the ranks connected: {describe(error)}; no store came at "
-             f"{place.address}:{place.port} within {SETUP_WAIT_S:.0f} s, so the ranks waiting there end at their "
-             "process group's timeout", exit_status)
+        where = f"{place.address}:{place.port}"
+        why = (f"its port {where} is another process's (another run's store?), left alone" if runs_store
+               else f"no store came at {where} within {SETUP_WAIT_S:.0f} s")
+        _end(f"rank {rank} of {world} failed before the ranks connected: {describe(error)}; {why}, so the ranks "
+             "waiting there end at their process group's timeout", exit_status)
     try:
         first = _record_in(store, rank, error)
         _say_read(store, place)
@@ -211,20 +216,30 @@ def _connect_store(address: tuple[str, int] | None = None) -> torch.distributed.
     return torch.distributed.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
 
 
-def _setup_store(place: RankPlace, deadline: float) -> tuple[torch.distributed.TCPStore | None, bool]:
-    """The run's store for a rank that failed before the ranks connected, and whether this process runs it: rank
-    0 starts it where none runs yet (a launcher's store, torchrun's, may run already); another rank waits for
-    rank 0's until ``deadline`` (``time.monotonic``). None: none came."""
-    address = place.address, place.port
+def _launcher_runs_store() -> bool:
+    """Whether the launcher runs the run's store and rank 0 joins it as any rank does (torchrun's agent store);
+    else rank 0's process runs it, as torch's ``env://`` setup has it."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _start_store(place: RankPlace) -> torch.distributed.TCPStore | None:
+    """The run's store, started by rank 0 that failed before the ranks connected (shared with this process's own
+    where its process group's setup started one: ``multi_tenant``); None where another process holds the port. A
+    store there is another run's (two runs given one ``MASTER_PORT``), whose ranks would end on this record."""
+    with contextlib.suppress(RuntimeError):
+        return torch.distributed.TCPStore(place.address, place.port, is_master=True, wait_for_workers=False,
+                                          multi_tenant=True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    return None
+
+
+def _await_store(place: RankPlace, deadline: float) -> torch.distributed.TCPStore | None:
+    """A client of the run's store, asked for once a second until ``deadline`` (``time.monotonic``): rank 0's,
+    which may still be loading its model, or the launcher's. None: none came."""
     while True:
         with contextlib.suppress(OSError, RuntimeError):
-            return _connect_store(address), False
-        if place.rank == 0:
-            with contextlib.suppress(RuntimeError):  # the port taken meanwhile: connect on the next turn
-                return torch.distributed.TCPStore(*address, is_master=True, wait_for_workers=False,
-                                                  timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)), True
+            return _connect_store((place.address, place.port))
         if time.monotonic() >= deadline:
-            return None, False
+            return None
         time.sleep(WATCH_INTERVAL_S)
 
 
