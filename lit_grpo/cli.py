@@ -121,8 +121,11 @@ class GRPOCLI(LightningCLI):
         """Before the ranks connect (no process group yet), in a run whose other ranks exist or will, an error on
         this rank alone (a model path missing on one node) would leave them waiting in the process group's setup
         until its timeout: its record in the run's store ends them (``end_unconnected_rank``). A run of one
-        process, or a parse error (the run's layout is unknown), ends here at once as before."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        process, or a parse error (the run's layout is unknown), ends here at once as before; so does an error of the
+        ranks' connecting itself (a rank that never came, an unreachable store), which no store is there to tell."""
+        if not torch.distributed.is_available() or isinstance(error, torch.distributed.DistError):
+            return
+        if torch.distributed.is_initialized():
             return  # main ends every rank
         config = getattr(self, "config", None)
         place = None if config is None else planned_place(

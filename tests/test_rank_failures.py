@@ -11,7 +11,8 @@ failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit
 script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
-store on its port alone, and where each rank finds its place.
+store on its port alone, a process group's setup that times out ending its rank at once, and where each rank finds
+its place.
 """
 
 import contextlib
@@ -269,6 +270,26 @@ def test_rank_0_failing_before_the_ranks_connect_records_only_in_its_own_runs_st
            f"lit-grpo: rank 0 of 2 failed before the ranks connected: {planted}; its port 127.0.0.1:{port} is "
            "another process's (another run's store?), left alone")
     assert end in log.read_text(), log.read_text()
+
+
+def test_a_rank_whose_process_group_setup_times_out_ends_at_once(tmp_path):
+    """Rank 0 of 2 nodes whose rank 1 never comes: the process group's setup times out (5 s here, 30 minutes by
+    default) and rank 0 ends then, naming the timeout. That error is the connecting's own, not this rank's alone:
+    recorded in a store it would keep ``SETUP_WAIT_S`` for the rank that never came."""
+    config = tmp_path / "ddp.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"timeout": "0:00:05"}}}}))
+    argv = [*RUN_ARGS, "--config", str(config), "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run")]
+    env = {**repo_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0",
+           "OMP_NUM_THREADS": "1"}
+    for name in ("LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    ended = forked_cli.run(argv, tmp_path, env, timeout=DEADLINE_S)
+    assert ended.returncode == 1, ended.stderr[-4000:]
+    assert "DistStoreError: Timed out after" in ended.stderr and "1/2 clients joined" in ended.stderr, \
+        ended.stderr[-4000:]
+    assert "lit-grpo: rank 0 of 2" not in ended.stderr, ended.stderr[-4000:]
 
 
 _LAUNCH_ENV = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "SLURM_NTASKS",
