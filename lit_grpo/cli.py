@@ -35,6 +35,8 @@ import logging
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import textwrap
 import traceback
@@ -121,21 +123,39 @@ class GRPOCLI(LightningCLI):
         """Before the ranks connect (no process group yet), in a run whose other ranks exist or will, an error on
         this rank alone (a model path missing on one node) would leave them waiting in the process group's setup
         until its timeout: its record in the run's store ends them (``end_unconnected_rank``). A run of one
-        process, or a parse error (the run's layout is unknown), ends here at once as before; so does an error of the
-        ranks' connecting itself (a rank that never came, an unreachable store), which no store is there to tell."""
-        if not torch.distributed.is_available() or isinstance(error, torch.distributed.DistError):
-            return
-        if torch.distributed.is_initialized():
+        process, or a parse error (the run's layout is unknown), ends here at once as before; so do rank 0 of one
+        node under Lightning's launcher and an error of the ranks' connecting itself (a rank that never came, the
+        store's port taken), which no store is there to tell: with the node's ranks the launcher started, which
+        would wait for this one's store."""
+        if not torch.distributed.is_available() or torch.distributed.is_initialized():
             return  # main ends every rank
         config = getattr(self, "config", None)
         place = None if config is None else planned_place(
             (config[config.subcommand] if config.get("subcommand") else config).get("trainer"))
-        if place is None or not place.others_wait:
+        if place is None:
+            return
+        if not place.others_wait or isinstance(error, torch.distributed.DistError):
+            self._end_launched_ranks()
             return
         if isinstance(error, SystemExit):  # a bad setting, said already: its cause is what the others name
             status = error.code if isinstance(error.code, int) else 1
             end_unconnected_rank(error.__cause__ or error, place, exit_status=status, show_traceback=False)
         end_unconnected_rank(error, place)
+
+    def _end_launched_ranks(self) -> None:
+        """End the node's ranks that Lightning's launcher has started (in ``fit``, before the ranks connect): they
+        would wait for this process's store until their own timeout, their launcher gone."""
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+        launcher = getattr(getattr(getattr(self, "trainer", None), "strategy", None), "launcher", None)
+        if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
+            return
+        launcher.kill(signal.SIGKILL)
+        for process in launcher.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a process in a driver call may go only later
+                process.wait(timeout=5)
+        # its process observer would take their end for a failure and kill this process before its error is said
+        launcher.procs.clear()
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

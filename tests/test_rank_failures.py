@@ -11,8 +11,8 @@ failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit
 script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
-store on its port alone, a process group's setup that times out ending its rank at once, and where each rank finds
-its place.
+store on its port alone, a process group's setup that times out ending its rank at once (under Lightning's launcher
+with the ranks it started), and where each rank finds its place.
 """
 
 import contextlib
@@ -187,6 +187,43 @@ def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_e
     planted = "ValueError: trainer.callbacks: fault_helpers.PlantedFault: planted build failure on rank 1"
     assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
     assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
+
+
+def test_under_lightnings_own_launcher_rank_0_failing_before_the_ranks_connect_ends_the_ranks_it_started(tmp_path):
+    """``--trainer.devices 2`` whose ``MASTER_PORT`` another process holds: rank 0 fails in the process group's
+    setup once it has started rank 1, and ends it as it ends, which would otherwise wait for rank 0's store until
+    its own timeout (30 minutes), the run's launcher gone."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = lit_grpo_command() + [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                                    "--trainer.default_root_dir", str(tmp_path / "run")]
+        env = {**repo_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(taken.getsockname()[1])}
+        for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):
+            env.pop(name, None)
+        log = tmp_path / "log"
+        with open(log, "w") as handle:  # not a pipe: a rank left running would keep it open
+            proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            proc.wait(timeout=DEADLINE_S)
+            output, left = log.read_text(), []
+            for _ in range(20):  # a killed process may take a moment to go
+                session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True,
+                                         text=True)
+                left = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]
+                if not left:
+                    break
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1 and "EADDRINUSE" in output, output[-4000:]
+    assert not left, f"rank 1 still ran after rank 0 ended: {left}\n{output[-4000:]}"
 
 
 @pytest.mark.parametrize("failed_rank", [0, 1])
