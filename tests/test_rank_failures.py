@@ -258,7 +258,8 @@ def test_a_model_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_
 
 def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
     """Rank 0, failing before the ranks connect, keeps the store it starts for a rank that never comes, and rank 1
-    waits for a store that never comes: each for ``SETUP_WAIT_S`` (2 s here), then ends saying so."""
+    waits for a store that never comes: each says what it waits for, waits ``SETUP_WAIT_S`` (2 s here), then ends
+    saying so."""
     log = tmp_path / "log"
     ends = {0: "lit-grpo: rank 0 of 2 failed: PlantedError: planted failure on rank 0; every rank stops (not every "
                "rank read it within 2 s: those end at their process group's timeout)",
@@ -275,6 +276,9 @@ def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
             process.kill()
         assert process.exitcode == 1 and 2 <= seconds < 30, (process.exitcode, seconds, log.read_text())
         assert end in log.read_text(), log.read_text()
+        waits = "the other ranks to read its record" if rank == 0 else "rank 0's store at 127.0.0.1:"
+        assert (f"lit-grpo: rank {rank} of 2 failed before the ranks connected: PlantedError: planted failure on rank "
+                f"{rank}; it waits up to 2 s for {waits}") in log.read_text(), log.read_text()  # said before it waits
 
 
 @pytest.mark.parametrize("agent_store", [False, True], ids=["another-run", "torchrun"])

@@ -156,6 +156,11 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     deadline = time.monotonic() + SETUP_WAIT_S
     rank, world = place.rank, place.world
     runs_store = place.rank == 0 and not _launcher_runs_store()
+    # the wait can be long (a rank still loading its model): say what this rank waits for, not a silent stall
+    print(f"lit-grpo: rank {rank} of {world} failed before the ranks connected: {describe(error)}; it waits up to "
+          f"{SETUP_WAIT_S:.0f} s for " + ("the other ranks to read its record" if runs_store else
+                                          f"rank 0's store at {place.address}:{place.port} to record it"),
+          file=sys.stderr, flush=True)
     store = _start_store(place) if runs_store else _await_store(place, deadline)
     if store is None:
         where = f"{place.address}:{place.port}"
