@@ -171,13 +171,23 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     try:
         first = _record_in(store, rank, error)
         _say_read(store, place)
+        started = time.monotonic()
     except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
         _end(f"rank {rank} of {world} stopped on {describe(error)} before the ranks connected (the run's store is "
              "gone: rank 0 ended on a failure; its output names it)", exit_status)
     line = _ending_line(rank, world, first)
-    if runs_store and not _await_readers(store, place, deadline):
-        line += f" (not every rank read it within {SETUP_WAIT_S:.0f} s: those end at their process group's timeout)"
-    _end(line, exit_status)
+    if runs_store:
+        if not _await_readers(store, place, deadline):
+            line += f" (not every rank read it within {SETUP_WAIT_S:.0f} s: those end at their process group's timeout)"
+        _end(line, exit_status)
+    # Lightning's launcher (rank 0's process) ends its node, without a word, once a child has ended: said first, the
+    # record is then kept a little while for rank 0 to read and name (it ends this process as it ends)
+    print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
+    read_by_rank_0 = [f"{_prefix()}read/rank/0"]
+    with contextlib.suppress(Exception):  # the store may go with rank 0
+        while not store.check(read_by_rank_0) and time.monotonic() < started + STORE_TIMEOUT_S:
+            time.sleep(0.1)
+    _end(None, exit_status)
 
 
 def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
@@ -188,8 +198,9 @@ def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
     return f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
 
 
-def _end(line: str, exit_status: int = 1) -> NoReturn:
-    print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
+def _end(line: str | None, exit_status: int = 1) -> NoReturn:
+    if line is not None:
+        print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     _end_child_processes()
     os._exit(exit_status)
