@@ -256,6 +256,20 @@ def test_a_model_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_
                 in output, tail
 
 
+def _end_unconnected(rank: int, port: int, wait_s: float, log: Path, agent_store: bool = False
+                     ) -> tuple[int | None, float]:
+    """``fault_helpers.end_unconnected`` in a process of its own, killed after 30 s: its exit code and seconds."""
+    process = forked_cli.forkserver().Process(target=fault_helpers.end_unconnected,
+                                              args=(rank, port, wait_s, str(log), agent_store))
+    started = time.monotonic()
+    process.start()
+    process.join(30)
+    seconds = time.monotonic() - started
+    if process.is_alive():
+        process.kill()
+    return process.exitcode, seconds
+
+
 def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
     """Rank 0, failing before the ranks connect, keeps the store it starts for a rank that never comes, and rank 1
     waits for a store that never comes: each says what it waits for, waits ``SETUP_WAIT_S`` (2 s here), then ends
@@ -266,15 +280,8 @@ def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
             1: "lit-grpo: rank 1 of 2 failed before the ranks connected: PlantedError: planted failure on rank 1; "
                "no store came at 127.0.0.1:"}
     for rank, end in ends.items():
-        process = forked_cli.forkserver().Process(target=fault_helpers.end_unconnected,
-                                                  args=(rank, free_port(), 2.0, str(log)))
-        started = time.monotonic()
-        process.start()
-        process.join(30)
-        seconds = time.monotonic() - started
-        if process.is_alive():
-            process.kill()
-        assert process.exitcode == 1 and 2 <= seconds < 30, (process.exitcode, seconds, log.read_text())
+        exitcode, seconds = _end_unconnected(rank, free_port(), 2.0, log)
+        assert exitcode == 1 and 2 <= seconds < 30, (exitcode, seconds, log.read_text())
         assert end in log.read_text(), log.read_text()
         waits = "the other ranks to read its record" if rank == 0 else "rank 0's store at 127.0.0.1:"
         assert (f"lit-grpo: rank {rank} of 2 failed before the ranks connected: PlantedError: planted failure on rank "
@@ -296,15 +303,8 @@ def test_rank_0_failing_before_the_ranks_connect_records_only_in_its_own_runs_st
     port, log = free_port(), tmp_path / "log"
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=5))
-    process = forked_cli.forkserver().Process(target=fault_helpers.end_unconnected,
-                                              args=(0, port, 20.0, str(log), agent_store))
-    started = time.monotonic()
-    process.start()
-    process.join(30)
-    seconds = time.monotonic() - started
-    if process.is_alive():
-        process.kill()
-    assert process.exitcode == 1 and seconds < 15, (process.exitcode, seconds, log.read_text())
+    exitcode, seconds = _end_unconnected(0, port, 20.0, log, agent_store)
+    assert exitcode == 1 and seconds < 15, (exitcode, seconds, log.read_text())
     assert store.check([_prefix() + "count"]) == agent_store, log.read_text()
     planted = "PlantedError: planted failure on rank 0"
     end = (f"lit-grpo: rank 0 of 2 failed: {planted}; every rank stops" if agent_store else
