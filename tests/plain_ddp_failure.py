@@ -8,7 +8,6 @@ import sys
 import time
 
 import lightning.pytorch as pl
-import torch
 from callback_helpers import TinyRegression
 
 from lit_grpo.callbacks import RankFailureWatch
