@@ -392,7 +392,7 @@ class GRPOCLI(LightningCLI):
                 err = ValueError(f"{type(err).__name__}: {err}")
             config = self.config[self.subcommand]
             keys = config.keys()
-            message = optional_group_reason(str(err), keys)
+            message = optional_group_reason(str(err), keys, building=True)
             if owner := configured_class_key(config, message):  # a class built from a list: named with its key
                 message = f"{owner}: {message}"
             _exit_with(qualified_error(ValueError(message), keys), self.subcommand)
@@ -865,19 +865,20 @@ def one_line_reason(message: str) -> str:
     return f"{refused.group(1)}: {refused.group(2)}" if refused else message
 
 
-def optional_group_reason(message: str, keys: Sequence[str] = ()) -> str:
+def optional_group_reason(message: str, keys: Sequence[str] = (), building: bool = False) -> str:
     """The group's own reason for refusing a value, from jsonargparse's message for an optional settings group,
     which lists a reason for each type of the Union, the value's repr and the Union's spelling, the one line that
     names the bad setting and what is allowed lost among them; any other ``message`` as it is. ``keys``: the
-    config's dotted keys, which name the setting in full (``qualified_error``)."""
-    found = _own_reason(message, keys)
+    config's dotted keys, which name the setting in full (``qualified_error``). ``building``: the message is a
+    class's refusal while the classes are built, not the parser's."""
+    found = _own_reason(message, keys, building)
     if found is None:
         return message
     key, reason, nullable = found
     return f"{key + ': ' if key else ''}{reason}" + (f" (or {nullable}: null)" if nullable else "")
 
 
-def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str | None] | None:
+def _own_reason(message: str, keys: Sequence[str], building: bool = False) -> tuple[str | None, str, str | None] | None:
     """(the bad setting's key, its reason, the key that may be null instead) from the first optional Union's failure
     in ``message``; None where there is none, or its reasons are not one type's besides None's. An optional setting
     inside an optional group fails in the group's type's reason: read there, its key is the group's and its own."""
@@ -898,7 +899,7 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     head, rest = own[0][0], own[0][1:]
     class_path = _CLASS_PATH_PROBLEM.fullmatch(head)
     if rest and class_path:  # the group's own parser's message
-        nested = _own_reason(textwrap.dedent("\n".join(rest)), keys)
+        nested = _own_reason(textwrap.dedent("\n".join(rest)), keys, building)
         if nested is not None and nested[0] is not None and group is not None:
             key, reason, nullable = nested
             if listed:  # a setting of one class of the list: named inside its class
@@ -913,7 +914,9 @@ def _own_reason(message: str, keys: Sequence[str]) -> tuple[str | None, str, str
     if listed:  # one class of several: named; a list given with a bad class is not meant to be null
         if class_path:
             reason = in_class(class_path.group(1), reason)
-        elif spec := re.search(r"Namespace\(class_path='([\w.]+)'", value or ""):  # the first not yet built
+        elif building and (spec := re.search(r"Namespace\(class_path='([\w.]+)'", value or "")):
+            # the first not yet built (those built show as objects); while parsing, a Namespace is an entry read
+            # well, and the reason names the entry at fault by its value
             reason = in_class(spec.group(1), reason)
         return group, reason, None
     key = group

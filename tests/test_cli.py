@@ -368,6 +368,12 @@ def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, a
      "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
     ("- class_path: RewardForcast", [],
      "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
+    # an entry after one read well: named by its own value, not by the entry before it
+    ("- class_path: FitSummary\n- class_path: RewardForcast", [],
+     "error: trainer.callbacks: Expected a dot import path string: RewardForcast (did you mean 'RewardForecast'?)\n"),
+    ("- class_path: FitSummary\n- class_path: lightning.pytorch.Trainer", [],
+     "error: trainer.callbacks: Import path lightning.pytorch.Trainer does not correspond to a subclass of "
+     "Callback\n"),
     # refused by the callback itself, when the list is built
     (None, ["--trainer.callbacks+=lit_grpo.callbacks.RewardForecast", "--trainer.callbacks.patience=-1"],
      "error: trainer.callbacks: lit_grpo.callbacks.RewardForecast.patience=-1 must be an integer >= 1\n"),
