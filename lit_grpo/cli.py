@@ -848,7 +848,8 @@ _NOT_LIST = "Expected a <class 'list'>"
 #: A list of classes or one of them (``trainer.callbacks``): a list given fails for its own reason; anything else
 #: fails as the lone class, whose reason names the class spec and the option at fault.
 _LIST_OR_ITEM = re.compile(r"Subtypes: \[list\[([\w.]+)\], <class '\1'>, <class 'NoneType'>\]")
-#: One class or several of them, or a switch (``trainer.logger``): the lone class's reason is the one that applies.
+#: One class or several of them, or a switch (``trainer.logger``): the lone class's reason applies, or the iterable's
+#: where a list is given.
 _ITEM_OR_ITERABLE = re.compile(r"Subtypes: \[<class '([\w.]+)'>, collections\.abc\.Iterable\[\1\], <class 'bool'>, "
                                r"<class 'NoneType'>\]")
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
@@ -891,7 +892,10 @@ def _own_reason(message: str, keys: Sequence[str], building: bool = False) -> tu
     listed = classes is not None
     own_types = [lines for lines in own if len(lines) == 1 and _EXPECTED.fullmatch(lines[0])]
     if listed:  # the reason of the form given: the list's, or the lone class's where it is no list
-        own = own[1:2] if own[0] == [_NOT_LIST] and len(own) > 1 else own[:1]
+        if _ITEM_OR_ITERABLE.fullmatch(subtypes):  # the lone class first, then the iterable
+            own = own[1:2] if (value or "").startswith("[") and len(own) > 1 else own[:1]
+        else:
+            own = own[1:2] if own[0] == [_NOT_LIST] and len(own) > 1 else own[:1]
     elif len(own) == len(reasons) - 1 and len(own_types) == len(own) > 1:  # each type says only what it expects
         own = [["Expected a " + " or ".join(_EXPECTED.fullmatch(lines[0]).group(1) for lines in own_types)]]
     elif len(own) != 1 or len(reasons) != 2:

@@ -410,6 +410,9 @@ def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks
     (["--trainer.logger", "TensorBoardLogger", "--trainer.logger.save_dirr", "runs"],
      "error: trainer.logger: lightning.pytorch.loggers.TensorBoardLogger: Option 'save_dirr' is not accepted (did you "
      "mean 'save_dir'?)\n"),
+    # a list of loggers: the reason of the entry at fault, not the lone class's refusal of a list
+    (["--trainer.logger", "[{class_path: TensorBoardLogger}, {class_path: CSVLoger}]"],
+     "error: trainer.logger: Expected a dot import path string: CSVLoger (did you mean 'CSVLogger'?)\n"),
 ])
 def test_a_bad_logger_is_named_by_its_class_as_a_callback_is(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
