@@ -430,7 +430,8 @@ def warnings_at_settings(keys: Sequence[str], args: Sequence[str]) -> Iterator[N
     them: a class warns at its constructor's caller, here Lightning's and jsonargparse's code, so such a warning
     names its setting by its full key (``qualified_error`` over ``keys``) and points at the line of the config file
     that sets it (``setting_location`` over the command's ``args``), else at the line of the class that warned.
-    Others keep their place. The user's filters apply to the re-issued warnings, as placed."""
+    Others keep their place. The user's filters apply where a warning is raised (an error filter, ``-W error``, raises
+    it there, in the class that warned) and again to the re-issued warnings, as placed."""
     caught: list[tuple[warnings.WarningMessage, dict[str, Any], tuple[str, int, dict[str, Any]] | None]] = []
 
     def record(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
@@ -449,7 +450,6 @@ def warnings_at_settings(keys: Sequence[str], args: Sequence[str]) -> Iterator[N
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("always")  # each filtered once, below, as re-issued
             warnings.showwarning = record
             yield
     finally:

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import forked_cli
@@ -737,6 +738,20 @@ def test_a_constructors_warning_names_its_setting_and_points_where_the_config_se
     [warned] = [w for w in caught if str(w.message).startswith("model.min_lr_ratio=0.5 is the floor")]
     assert warned.filename == module.__file__
     assert not [w for w in caught if str(w.message).startswith(("model.", "data.")) and "lightning" in w.filename]
+
+
+def test_a_constructors_warning_turned_into_an_error_is_raised_by_the_constructor(tmp_path):
+    """Under an error filter (python -W error) the warning is raised where it is warned, as Python does: its
+    traceback ends in the class that warned, and nothing after that class is built."""
+    from lit_grpo.update import module
+
+    config = tmp_path / "warn.yaml"
+    config.write_text("model:\n  lr_schedule: constant\n  min_lr_ratio: 0.5\n")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*min_lr_ratio=0.5", category=UserWarning)
+        with pytest.raises(UserWarning, match="min_lr_ratio=0.5") as raised:
+            build_cli(["--config", TINY, "--trainer.logger", "false", "--config", str(config)], run=False)
+    assert Path(raised.traceback[-1].path) == Path(module.__file__), raised.traceback[-1]
 
 
 @pytest.mark.parametrize("logger", [[], ["--trainer.logger", "false"]])
