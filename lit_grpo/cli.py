@@ -185,7 +185,9 @@ class GRPOCLI(LightningCLI):
                                  "on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
             callbacks = [*callbacks, RunCheckpoint()]
         if self._refused_checkpoint is not None:  # every rank ends on it once the ranks can talk (_parse_ckpt_path)
-            callbacks = [*callbacks, SameCheckpointOnEveryRank(None, refused=self._refused_checkpoint or None)]
+            agreement = SameCheckpointOnEveryRank(None, refused=self._refused_checkpoint or None)
+            agreement.check_before_setup_of(self.datamodule)
+            callbacks = [*callbacks, agreement]
         check_distinct_stateful_callbacks([*configured, *callbacks])
         trainer = super()._instantiate_trainer(config, callbacks)
         data_parallel_only(trainer.strategy)

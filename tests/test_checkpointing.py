@@ -822,6 +822,22 @@ def test_validate_last_on_two_ranks_with_no_checkpoint_ends_before_any_prompt_is
     assert "prompt file" not in shown, shown
 
 
+def test_a_ckpt_path_refused_on_several_nodes_ends_every_rank_before_any_prompt_is_built(tmp_path):
+    """``--ckpt_path PATH`` on 2 nodes x 1 process, a file no node has: every rank ends on the refusals before the
+    data module sets up, as for ``--ckpt_path last``: its prompt file, missing here, is never read."""
+    from tools.harness import free_port, repo_env
+
+    argv = _fit_args(Path("run"), "--ckpt_path", "nowhere.ckpt", "--data.task", "null", "--data.jsonl_path",
+                     "missing.jsonl", "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "ddp",
+                     "--trainer.accelerator", "cpu")
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 180, env=repo_env())
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [2, 2], shown
+    assert all("CheckpointRefused: rank 0, 1: --ckpt_path: checkpoint nowhere.ckpt does not exist" in output
+               for _, output, _ in outputs), shown
+    assert "prompt file" not in shown, shown
+
+
 def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_different_ones(tmp_path):
     """``--ckpt_path last`` on 2 nodes x 1 process: each rank looks for the newest last.ckpt itself, before the ranks
     can talk. Where only rank 0 sees one (nodes without a shared file system: each rank in a folder of its own, the
