@@ -344,7 +344,7 @@ class GRPOCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        with self._config_errors(), warnings_at_settings(list(config.keys()), self.command_args):
+        with self._config_errors(), warnings_at_settings(config, self.command_args):
             super().instantiate_classes()
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -427,10 +427,10 @@ def _is_builder(frame: types.FrameType) -> bool:
 
 
 @contextlib.contextmanager
-def warnings_at_settings(keys: Sequence[str], args: Sequence[str]) -> Iterator[None]:
+def warnings_at_settings(config: Namespace, args: Sequence[str]) -> Iterator[None]:
     """Re-issue the warnings raised in this block (the configured classes being built) where the user can act on
     them: a class warns at its constructor's caller, here Lightning's and jsonargparse's code, so such a warning
-    names its setting by its full key (``qualified_error`` over ``keys``) and points at the line of the config file
+    names its setting by its full key (``warned_setting`` in ``config``) and points at the line of the config file
     that sets it (``setting_location`` over the command's ``args``), else at the line of the class that warned.
     Others keep their place. The user's filters apply where a warning is raised (an error filter, ``-W error``, raises
     it there, in the class that warned) and again to the re-issued warnings, as placed."""
@@ -459,13 +459,25 @@ def warnings_at_settings(keys: Sequence[str], args: Sequence[str]) -> Iterator[N
             message, filename, lineno = caught_warning.message, caught_warning.filename, caught_warning.lineno
             if warned is not None:
                 filename, lineno, module_globals = warned
-                message = str(qualified_error(ValueError(str(message)), keys))
+                message = warned_setting(str(message), config)
                 setting = _LEADING_SETTING.match(message)
                 filename, lineno = (setting and setting_location(setting.group(1), args)) or (filename, lineno)
             warnings.warn_explicit(message, caught_warning.category, filename, lineno,
                                    module=module_globals.get("__name__"),
                                    registry=module_globals.setdefault("__warningregistry__", {}) if module_globals
                                    else None)
+
+
+def warned_setting(message: str, config: Namespace) -> str:
+    """A class's warning ``message`` with the setting it starts with (``min_lr_ratio=0.5 is ...``) named by its full
+    key in ``config`` (``qualified_error``), where the config holds that value there; else ``message`` as it is: a
+    class listed in a setting (a callback) has settings that are no config keys, one maybe named as a key is."""
+    named = str(qualified_error(ValueError(message), list(config.keys())))
+    if named == message:
+        return message
+    key = _LEADING_SETTING.match(named).group(1)
+    value = config.get(key)
+    return named if named[len(key) + 1:].startswith((repr(value), str(value))) else message
 
 
 def setting_location(key: str, args: Sequence[str]) -> tuple[str, int] | None:

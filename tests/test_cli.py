@@ -740,6 +740,25 @@ def test_a_constructors_warning_names_its_setting_and_points_where_the_config_se
     assert not [w for w in caught if str(w.message).startswith(("model.", "data.")) and "lightning" in w.filename]
 
 
+def test_a_callbacks_warning_about_its_own_setting_is_not_named_by_a_config_key_of_that_name(tmp_path, monkeypatch):
+    """A callback's settings are no config keys (the callbacks are a list): its warning about its own ``lr`` is not
+    model.lr's, nor does it point at the line of the config that sets model.lr."""
+    (tmp_path / "user_warning_callback.py").write_text(textwrap.dedent("""\
+        import warnings
+        from lightning.pytorch import Callback
+
+        class LoudCallback(Callback):
+            def __init__(self, lr: float = 0.1):
+                if lr > 1:
+                    warnings.warn(f"lr={lr} is large", stacklevel=2)
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning) as caught:
+        build_cli(["--config", TINY, "--trainer.logger", "false",
+                   "--trainer.callbacks+=user_warning_callback.LoudCallback", "--trainer.callbacks.lr=3"], run=False)
+    [warned] = [w for w in caught if "is large" in str(w.message)]
+    assert (str(warned.message), warned.filename) == ("lr=3.0 is large", str(tmp_path / "user_warning_callback.py"))
+
 def test_a_constructors_warning_turned_into_an_error_is_raised_by_the_constructor(tmp_path):
     """Under an error filter (python -W error) the warning is raised where it is warned, as Python does: its
     traceback ends in the class that warned, and nothing after that class is built."""
