@@ -22,6 +22,14 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 GPU = str(ROOT / "configs" / "qwen3_1.7b_gpu.yaml")
 
 
+def _refused(capsys, argv: list[str]) -> str:
+    """What ``lit-grpo`` printed when it ended ``argv`` on a bad setting (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_fit_two_steps_end_to_end(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -244,10 +252,7 @@ def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys
 def test_trls_settings_without_a_key_here_say_what_takes_their_place(capsys, tmp_path, yaml_text, message):
     config = tmp_path / "trl.yaml"
     config.write_text(yaml_text + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--config", str(config)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
 
 
 @pytest.mark.parametrize("yaml_text, message", [
@@ -260,10 +265,7 @@ def test_trls_settings_without_a_key_here_say_what_takes_their_place(capsys, tmp
 def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, yaml_text, message):
     config = tmp_path / "trl.yaml"
     config.write_text(yaml_text + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--config", str(config)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
     assert message in err and "Expected a typing.Literal[" in err, err
 
 
@@ -305,18 +307,13 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--trainer.max_steps", "-5"], "error: MisconfigurationException: `max_steps` must be a non-negative integer"),
 ])
 def test_a_bad_value_ends_the_command_with_its_message_not_a_traceback(capsys, args, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--trainer.logger", "false", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", *args])
     assert err.startswith(message) and "Traceback" not in err and "lit-grpo fit --help" in err
 
 
 def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--model.loss.beta", "0.1", "--model.reference_sync", "{every: 2}"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, "--model.loss.beta", "0.1", "--model.reference_sync",
+                            "{every: 2}"])
     assert "error: model.reference_sync: Option 'every' is not accepted (or model.reference_sync: null)\n" in err, err
     assert "Union" not in err and "Given value" not in err
 
@@ -342,10 +339,7 @@ def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
      "(or data.sampling.scheduler.length_aware: null)\n"),
 ])
 def test_an_optional_settings_reason_names_its_whole_key_and_the_value(capsys, args, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, *args])
     assert message in err, err
 
 
@@ -395,10 +389,7 @@ def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks
         config = tmp_path / "callbacks.yaml"
         config.write_text("trainer:\n  callbacks:\n" + textwrap.indent(callbacks, "    ") + "\n")
         args = ["--config", str(config)]
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--trainer.logger", "false", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", *args])
     assert message in err, err
     assert "Union" not in err and "Subclass types" not in err and "Given value" not in err, err
     assert "Parser key" not in err, err
@@ -416,10 +407,7 @@ def test_a_bad_callback_is_named_by_its_class_not_by_every_type_of_the_callbacks
      "error: trainer.logger: Expected a dot import path string: CSVLoger (did you mean 'CSVLogger'?)\n"),
 ])
 def test_a_bad_logger_is_named_by_its_class_as_a_callback_is(capsys, args, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, *args])
     assert message in err, err
     assert "Union" not in err and "Given value" not in err, err
 
@@ -447,10 +435,7 @@ def test_an_optional_setting_inside_an_optional_group_is_named_by_its_whole_key(
 def test_a_list_for_a_group_of_settings_is_refused_not_taken_positionally(capsys, tmp_path, yaml, message):
     config = tmp_path / "config.yaml"
     config.write_text(yaml + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", TINY, "--config", str(config), "--trainer.logger", "false"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config), "--trainer.logger", "false"])
     assert err.startswith(message) and "Traceback" not in err
 
 
@@ -791,8 +776,6 @@ def test_a_run_folder_that_cannot_be_made_ends_the_run_naming_it(tmp_path, capsy
 def test_a_gpu_accelerator_without_a_gpu_is_refused_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", GPU])  # Qwen3-1.7B: never loaded here
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("error: trainer.accelerator='gpu', but torch finds no GPU on this "
-                                              "machine (torch.cuda.is_available() is False): use 'cpu', or 'auto'")
+    assert _refused(capsys, ["fit", "--config", GPU]).startswith(  # Qwen3-1.7B: never loaded here
+        "error: trainer.accelerator='gpu', but torch finds no GPU on this machine (torch.cuda.is_available() is "
+        "False): use 'cpu', or 'auto'")
