@@ -6,6 +6,7 @@ import asyncio
 import copy
 import inspect
 import logging
+import types
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from lit_grpo.rollout.metrics import reduce_over_ranks
 from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas, tool_suffix_ids
 from lit_grpo.runtime.models import tiny_tokenizer
 from lit_grpo.runtime.validation import ConfigError
+from lit_grpo.update.logprobs import completion_logits, token_logps
 
 from test_module import grads_after_step, make_datamodule, make_module
 
@@ -920,3 +922,53 @@ def test_a_template_whose_calls_the_reader_does_not_read_back_is_refused_naming_
     hermes = copy.deepcopy(hermes)
     hermes.response_template = RESPONSE_TEMPLATE
     assert ToolBox([add], hermes, 1).parses
+
+
+@pytest.mark.parametrize("strategy", ["full", "micro", "continuous", "infinite"])
+def test_a_turn_ends_at_the_templates_end_of_turn_token_where_it_is_no_eos(strategy):
+    """A Qwen base model's EOS is ``<|endoftext|>`` (its tokenizer's and its generation config's) while its template
+    ends a turn with ``<|im_end|>``: every strategy stops a sample at its first ``<|im_end|>``, kept in the
+    completion and its mask as an EOS is and not truncated, and the update's log-probs are the sampler's there
+    too. Without the stop the model wrote on past its turn's end (the next turns of a conversation it invents)."""
+    module = make_module()
+    tokenizer, policy = module.tokenizer, module.policy
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.eos_token = "<|endoftext|>"
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != tokenizer.eos_token_id
+
+    def likely_end(_, __, logits):  # the random model draws <|im_end|> within a few tokens
+        logits = logits.clone()
+        logits[..., im_end] += 4.0
+        return logits
+
+    policy.lm_head.register_forward_hook(likely_end)
+    dm = make_datamodule(module, tools=[add], max_tool_calling_iterations=1, max_new_tokens=40, strategy=strategy,
+                         micro_group_size=None if strategy == "full" else 2)
+    batch = dm.build_train_batch()
+    ids, mask = batch.completion_ids, batch.completion_mask.bool()
+    assert not batch.truncated.any()
+    ends = []
+    for p in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            completion = ids[p, k][mask[p, k]].tolist()
+            assert im_end not in completion[:-1]  # its first <|im_end|> ended it
+            ends.append(completion[-1])
+    assert set(ends) <= {im_end, tokenizer.eos_token_id} and ends.count(im_end) > len(ends) // 2
+    micro = batch.micro_batch(torch.arange(batch.num_completions))
+    with torch.no_grad():
+        logps = token_logps(completion_logits(policy, micro, batch.temperature), micro["completion_ids"])
+    torch.testing.assert_close(logps[micro["completion_mask"].bool()],
+                               micro["sampling_logprobs"][micro["completion_mask"].bool()], atol=2e-4, rtol=1e-4)
+    builder = dm._require_builder()  # validation's engines, greedy and sampled, stop there too
+    assert all(im_end in engine.eos_token_ids for engine in (builder.val_engine, builder.val_sampled_engine))
+
+
+def test_an_end_of_turn_token_the_model_cannot_draw_is_refused_naming_it(llama):
+    _, tokenizer = llama
+    box = ToolBox([add], tokenizer, 1)
+    narrow = types.SimpleNamespace(get_output_embeddings=lambda: types.SimpleNamespace(weight=torch.empty(2, 1)))
+    with pytest.raises(ValueError, match=r"ends a turn with token id 2 \('<\|im_end\|>'\), outside the model's 2 "
+                                         r"output ids.*resize_token_embeddings"):
+        box.stop_token_ids(narrow)

@@ -265,7 +265,11 @@ class RolloutBuilder:
         return {key: getattr(self.sampling, key) for key in ("cuda_graph", "compile", "cpu_linear", "decode_attention")}
 
     def _new_engine(self, config: SamplingConfig) -> RolloutEngine:
-        return RolloutEngine(self.weights.module, self.tokenizer, config)
+        """An engine on the rollout weights; with tools it also stops a sample at the template's end of turn
+        (``ToolBox.stop_token_ids``), checked with the EOS ids on every strategy's path."""
+        model = self.weights.module
+        stops = None if self.tools is None else self.tools.stop_token_ids(model)
+        return RolloutEngine(model, self.tokenizer, config, eos_token_ids=stops)
 
     def state_dict(self) -> dict:
         """The training engine's state (rollout counter, the scheduler's state) and the carried groups, for exact

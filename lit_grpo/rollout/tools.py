@@ -2,15 +2,16 @@
 
 The prompts are rendered with the tools' JSON schemas (the chat template's ``tools=``). A sample whose turn ends
 with a tool call (EOS, or a stop string of ``data.sampling.stop_strings`` such as ``"</tool_call>"``, after which
-the template's own end-of-turn token is appended: ``turn_end_ids``) gets each called tool run on the host, the tool
-messages appended to its tokens as the chat template renders them in the sample's conversation (the prompt's
-system prompt, tools and template variables, its earlier turns), and decodes on: the builder hands such samples
-back to ``RolloutEngine.generate_groups`` as carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled
-with their tokens so far and drawing on from their own random streams, so the decode loop is the partial rollouts'
-one. A tool's exception becomes its result, ``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a
-round's async calls together. A known stock chat template that does not render a conversation as a continuation
-of its prefix (Qwen3's) is swapped for a prefix-preserving version of it in the tool turns' renderings
-(``tool_chat_template``), as TRL swaps in a training template.
+the template's own end-of-turn token is appended: ``turn_end_ids``; that token ends a sample as an EOS does,
+``ToolBox.stop_token_ids``) gets each called tool run on the host, the tool messages appended to its tokens as the
+chat template renders them in the sample's conversation (the prompt's system prompt, tools and template variables,
+its earlier turns), and decodes on: the builder hands such samples back to ``RolloutEngine.generate_groups`` as
+carried samples (``SampleProgress`` with ``resumed_at``), re-prefilled with their tokens so far and drawing on from
+their own random streams, so the decode loop is the partial rollouts' one. A tool's exception becomes its result,
+``{"error": "..."}``, as TRL's; an ``async def`` tool is awaited, a round's async calls together. A known stock chat
+template that does not render a conversation as a continuation of its prefix (Qwen3's) is swapped for a
+prefix-preserving version of it in the tool turns' renderings (``tool_chat_template``), as TRL swaps in a training
+template.
 
 The appended tokens are part of the completion but were not drawn by the policy: ``tool_mask`` (TRL's name) is 0
 on them, 1 on drawn tokens, and they get no loss, KL, entropy or sampler correction, and do not count in the
@@ -41,6 +42,8 @@ from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.prompts import PromptExample, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
+from lit_grpo.sampling.decode_step import vocab_size
+from lit_grpo.sampling.engine import stop_token_ids
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.driver import IDLE
 
@@ -174,6 +177,20 @@ class ToolBox:
             if getattr(tokenizer, "response_template", None) is not None else set()
         check_calls_read(self.parse, tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs,
                          self.turn_end)
+
+    def stop_token_ids(self, model: Any) -> list[int]:
+        """The ids a rollout with these tools ends a sample on: the model's EOS ids (the engine's default,
+        ``stop_token_ids``) and the template's ``turn_end``, which need not be one of them (a Qwen base model's EOS is
+        ``<|endoftext|>`` while its template ends a turn with ``<|im_end|>``). A turn the model closed is over: a call
+        it ends with is read and run, and the model does not write on into turns of a conversation it invents. The
+        stop token stays in the completion, as an EOS does. Raises where the model cannot draw ``turn_end``."""
+        vocab = vocab_size(model)
+        if outside := [token for token in self.turn_end if not 0 <= token < vocab]:
+            raise ValueError(f"the chat template ends a turn with token id {outside[0]} "
+                             f"({self.tokenizer.convert_ids_to_tokens(outside[0])!r}), outside the model's {vocab} "
+                             "output ids: the model could never end a turn; resize its embeddings to the tokenizer "
+                             "(model.resize_token_embeddings(len(tokenizer)))")
+        return sorted({*stop_token_ids(model, self.tokenizer), *self.turn_end})
 
     # ------------------------------------------------------------------------------------------ parsing
     def parse(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> tuple[dict, list[dict]]:
