@@ -16,7 +16,7 @@ import torch
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.metrics import reduce_over_ranks
-from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas, tool_suffix_ids
+from lit_grpo.rollout.tools import ToolBox, call_body, tool_chat_template, tool_schemas, tool_suffix_ids
 from lit_grpo.runtime.models import tiny_tokenizer
 from lit_grpo.runtime.validation import ConfigError
 from lit_grpo.update.logprobs import completion_logits, token_logps
@@ -94,14 +94,15 @@ def call_turn(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def rollout(llama, tools, turn_text, iterations=None, max_new_tokens=200, group_size=2):
+def rollout(llama, tools, turn_text, iterations=None, max_new_tokens=200, group_size=2, chat_template_kwargs=None):
     model, tokenizer = llama
-    box = ToolBox(tools, tokenizer, iterations)
+    box = ToolBox(tools, tokenizer, iterations, chat_template_kwargs=chat_template_kwargs)
     engine = RolloutEngine(model, tokenizer, group_size=group_size, micro_group_size=2, strategy="continuous",
                            max_new_tokens=max_new_tokens, seed=0)
     engine = Scripted(engine, call_turn(tokenizer, turn_text))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=box.schemas,
-                                           add_generation_prompt=True, return_dict=False)
+                                           add_generation_prompt=True, return_dict=False,
+                                           **(chat_template_kwargs or {}))
     groups = engine.new_groups([prompt])
     with torch.no_grad():
         result = engine.generate_groups(groups)
@@ -581,6 +582,8 @@ def test_the_tool_turn_is_rendered_in_the_prompts_conversation_with_its_system_p
 
 #: Qwen3's stock chat template (Qwen/Qwen3-*'s tokenizer_config.json), exact to the byte: a swap matches it by its text.
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+#: Qwen3.5's (Qwen/Qwen3.5-4B and larger), exact to the byte: it writes calls as <function=...><parameter=...>.
+QWEN3_5_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja").read_text()
 #: The added tokens Qwen3's template writes beyond the tiny tokenizer's <|endoftext|>, <|im_start|> and <|im_end|>
 #: (Qwen3's EOS is <|im_end|>, as the tiny tokenizer's); Qwen3 does not mark them special.
 QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -884,13 +887,8 @@ def test_other_qwen3_revisions_render_tool_turns_as_continuations_without_a_swap
     thinking = thinking if name == "qwen3_5" else {}
     schemas, im_end = tool_schemas([add]), tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tool_chat_template(tokenizer, schemas) is None
-    if name == "qwen3_5":  # its <function=...> calls need a response template (refused without one: a test below)
-        def suffix_ids(tool, history, prompt):
-            return tool_suffix_ids(tokenizer, tool, prompt, history, tools=schemas, kwargs=thinking, turn_end=[im_end])
-    else:
-        box = ToolBox([add], tokenizer, 1)
-        assert box.swapped_template is None and box.turn_end == [im_end]
-        suffix_ids = box.suffix_ids
+    box = ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
+    assert box.swapped_template is None and box.turn_end == [im_end]
     tool = [{"role": "tool", "name": "add", "content": "6"}]
     render = dict(tools=schemas, tokenize=False, **thinking)
     for prompt in (QWEN3_PROMPTS["single"], QWEN3_PROMPTS["multi"]):
@@ -901,23 +899,34 @@ def test_other_qwen3_revisions_render_tool_turns_as_continuations_without_a_swap
                 after = tokenizer.apply_chat_template(prompt + history + tool, add_generation_prompt=True, **render)
                 end = before.rindex("<|im_end|>") + len("<|im_end|>")
                 assert after.startswith(before[:end])
-                assert tokenizer.decode(suffix_ids(tool, history, prompt)) == after[end:]
+                assert tokenizer.decode(box.suffix_ids(tool, history, prompt)) == after[end:]
 
 
-@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
-def test_a_template_whose_calls_the_reader_does_not_read_back_is_refused_naming_the_format(llama, thinking):
-    """Qwen3.5 writes a call as <function=add><parameter=...>, which the Hermes reader does not read: no tool would
-    ever run, without a word (it set up). Refused, showing the format, under either reader; a response template
-    that reads the template's own format sets up."""
-    tokenizer = qwen3_tokenizer()
-    tokenizer.chat_template = (Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja").read_text()
-    with pytest.raises(ValueError, match=r"writes a tool call as .*<tool_call>\\n<function=add>\\n<parameter=.*"
-                                         r"lit_grpo's reader without a response template .*does not read back"):
-        ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
-    tokenizer.response_template = RESPONSE_TEMPLATE  # the Hermes format's
+#: TOOLS_TEMPLATE writing its calls as Mistral's templates do, a format neither reader reads.
+MISTRAL_CALLS_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "<tool_call>{{ c.function | tojson }}</tool_call>", "[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+    "{{ c.function.arguments | tojson }}")
+
+
+def test_a_template_whose_calls_the_reader_does_not_read_back_is_refused_naming_the_format(llama):
+    """A template writing its calls as [TOOL_CALLS]add[ARGS]{...}, which the reader does not read: no tool would
+    ever run, without a word (it set up). Refused, showing the format, under either reader (Qwen3.5's <function=...>
+    calls under a Hermes response template too); a response template that reads the template's own format sets
+    up."""
+    _, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = MISTRAL_CALLS_TEMPLATE
+    with pytest.raises(ValueError, match=r"writes a tool call as .*\[TOOL_CALLS\]add\[ARGS\].*lit_grpo's reader "
+                                         r"without a response template .*does not read back"):
+        ToolBox([add], tokenizer, 1)
     if "prefix" in inspect.signature(tokenizer.parse_response).parameters:
+        tokenizer.response_template = RESPONSE_TEMPLATE  # the Hermes format's
+        with pytest.raises(ValueError, match=r"\[TOOL_CALLS\].*which the tokenizer's response_template"):
+            ToolBox([add], tokenizer, 1)
+        qwen3_5 = qwen3_tokenizer()
+        qwen3_5.chat_template, qwen3_5.response_template = QWEN3_5_TEMPLATE, RESPONSE_TEMPLATE
         with pytest.raises(ValueError, match=r"<function=add>.*which the tokenizer's response_template"):
-            ToolBox([add], tokenizer, 1, chat_template_kwargs=thinking)
+            ToolBox([add], qwen3_5, 1)
     _, hermes = llama
     hermes = copy.deepcopy(hermes)
     hermes.response_template = RESPONSE_TEMPLATE
@@ -972,3 +981,77 @@ def test_an_end_of_turn_token_the_model_cannot_draw_is_refused_naming_it(llama):
     with pytest.raises(ValueError, match=r"ends a turn with token id 2 \('<\|im_end\|>'\), outside the model's 2 "
                                          r"output ids.*resize_token_embeddings"):
         box.stop_token_ids(narrow)
+
+
+
+def qwen3_5_call(name="add", **arguments) -> str:
+    """A call as Qwen3.5's template writes it: each argument's value on its own lines, as text."""
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("thinking", [{}, {"enable_thinking": False}])
+def test_a_qwen3_5_call_is_read_run_and_continued_as_the_template_writes_it(llama, thinking):
+    """Qwen3.5's stock template writes a call as <function=add><parameter=a>2</parameter>...: it sets up (it was
+    refused: no reader read it), the call runs with its arguments typed as the tool's schema types them, and the
+    completion is the conversation as the template writes it (reasoning and all)."""
+    model, _ = llama
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = QWEN3_5_TEMPLATE
+    model = copy.deepcopy(model)
+    model.resize_token_embeddings(len(tokenizer))
+    CALLS.clear()
+    # the thinking prompt pre-writes "<think>\n": the turn reasons, then calls
+    turn = ("" if thinking else "I add them.\n</think>\n\n") + qwen3_5_call(a=2, b=3)
+    box, out = rollout((model, tokenizer), [add], turn, iterations=1, max_new_tokens=400,
+                       chat_template_kwargs=thinking)
+    assert CALLS == [(2, 3), (2, 3)] and (out.calls, out.failures) == (2, 0)
+    assert box.swapped_template is None and not box.parses
+    first = out.messages[0][0][0]
+    assert first["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    assert first.get("reasoning_content") == (None if thinking else "I add them.") and first["content"] == ""
+    user = [{"role": "user", "content": "2+3?"}]
+    render = dict(tools=box.schemas, tokenize=False, **thinking)
+    conversation = tokenizer.apply_chat_template(user + out.messages[0][0], **render)
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, **render)
+    assert conversation == prompt + tokenizer.decode(out.completion_ids[0][0]) + "\n"
+
+
+def zip_code(code: str, country: str = "US") -> str:
+    """Look a zip code up.
+
+    Args:
+        code: the zip code.
+        country: its country.
+    """
+    return code
+
+
+@pytest.mark.parametrize("body, call", [
+    ("<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n-3\n</parameter>\n</function>",
+     {"name": "add", "arguments": {"a": 2, "b": -3}}),
+    ("<function=zip_code>\n<parameter=code>\n75001\n</parameter>\n</function>",  # a string stays text
+     {"name": "zip_code", "arguments": {"code": "75001"}}),
+    ("<function=other>\n<parameter=x>\n75001\n</parameter>\n<parameter=y>\nnot json\n</parameter>\n"
+     "<parameter=z>\n[1, {\"k\": null}]\n</parameter>\n<parameter=t>\nTrue\n</parameter>\n"
+     "<parameter=n>\nNone\n</parameter>\n</function>",  # no schema: JSON where it reads, else text
+     {"name": "other", "arguments": {"x": 75001, "y": "not json", "z": [1, {"k": None}], "t": True, "n": None}}),
+    ("<function=add>\n</function>", {"name": "add", "arguments": {}}),  # no arguments: {} (TRL's)
+    ("<function=add>\n<parameter=a>\n2\n</parameter>\n", None),  # cut before </function>
+    ("<function=add>\nI add.<parameter=a>\n2\n</parameter>\n</function>", None),  # text among the parameters
+    ("<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=a>\n3\n</parameter>\n</function>", None),
+])
+def test_a_qwen3_5_call_body_is_read_with_the_tools_types(body, call):
+    assert call_body(body, tool_schemas([add, zip_code])) == call
+
+
+def test_a_malformed_qwen3_5_call_is_text_without_a_call(llama):
+    """As a malformed Hermes call: the turn is text, no tool runs and no failure is counted."""
+    model, _ = llama
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = QWEN3_5_TEMPLATE
+    model = copy.deepcopy(model)
+    model.resize_token_embeddings(len(tokenizer))
+    turn = qwen3_5_call(a=2, b=3).replace("</function>", "")
+    _, out = rollout((model, tokenizer), [add], turn, iterations=1, chat_template_kwargs={"enable_thinking": False})
+    assert (out.calls, out.failures) == (0, 0) and [m["role"] for m in out.messages[0][0]] == ["assistant"]

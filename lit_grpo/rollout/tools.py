@@ -19,12 +19,13 @@ logged ``completions/*_length`` (TRL's). They are in the reward functions' ``com
 their ``completion_length`` column. They do count against ``max_new_tokens`` (TRL's ``max_completion_length``): a
 tool result that would leave no room for a drawn token is dropped and the sample ends as it is.
 
-Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in
-the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after a reasoning block's
-``</think>`` (the block itself is the turn's ``reasoning_content``, as TRL parses Qwen3's turns). Under either, a
-turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no
-failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed
-call. A template whose calls the reader does not read back is refused at setup (``check_calls_read``).
+Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in the
+Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or Qwen3.5's
+``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`` (``xml_call``), after a
+reasoning block's ``</think>`` (the block itself is the turn's ``reasoning_content``, as TRL parses Qwen3's turns).
+Under either, a turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no
+tool runs and no failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit)
+is a failed call. A template whose calls the reader does not read back is refused at setup (``check_calls_read``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ from lit_grpo.scheduling.driver import IDLE
 
 #: The Hermes / Qwen tool-call format, for tokenizers without a response schema.
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+#: Qwen3.5's body of a ``<tool_call>`` block, ``<function=NAME>`` around its ``<parameter=KEY>`` blocks.
+XML_FUNCTION = re.compile(r"<function=([^\n>]+)>(.*?)</function>", re.DOTALL)
+#: One argument of a Qwen3.5 call: its value is the text between the tags, less the newlines the template puts around
+#: it (TRL's Qwen3.5 response template strips it so too).
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.DOTALL)
 
 
 def resolve_tools(specs: Sequence[Any] | None) -> list[Callable]:
@@ -199,10 +205,11 @@ class ToolBox:
         (``[{"name", "arguments"}]``, empty: no call). ``prefix``: the token ids before the turn (the prompt, the
         completion's earlier turns and tool results).
 
-        Without a response template the turn is read in the Hermes / Qwen format as TRL reads it with Qwen3's: a
-        reasoning block (``split_reasoning``; one ``prefix`` left open too) is its ``reasoning_content`` where not
-        empty, out of its ``content`` (Qwen3's template splits a block in the content back out when it renders it,
-        so the rendering is the same, and the reward functions get the message TRL gives them).
+        Without a response template the turn is read in the Hermes / Qwen format (or Qwen3.5's, ``call_body``)
+        as TRL reads it with Qwen3's: a reasoning block (``split_reasoning``; one ``prefix`` left open too) is
+        its ``reasoning_content`` where not empty, out of its ``content`` (Qwen3's template splits a block in
+        the content back out when it renders it, so the rendering is the same, and the reward functions get the
+        message TRL gives them).
 
         A turn whose calls cannot be read (not JSON, not an object, a name that is not a string) is its text with no
         call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model wrote so badly
@@ -235,7 +242,7 @@ class ToolBox:
                                                    **({"reasoning_content": reasoning} if reasoning else {})}
         # calls are read after a reasoning block: one written while reasoning is a thought (Qwen3's parser, TRL's)
         start = rest.find("</think>") + len("</think>") if reasoning is None and "</think>" in rest else 0
-        calls = read_calls([_json(body) for body in HERMES_CALL.findall(rest, start)])
+        calls = read_calls([call_body(body, self.schemas) for body in HERMES_CALL.findall(rest, start)])
         if calls is None:
             return plain, []
         # a call is acted on only where the turn ends with it (text after the last call: the model went on)
@@ -457,7 +464,7 @@ def check_calls_read(parse: Callable, tokenizer: Any, prompt: Sequence[dict], to
                      kwargs: Mapping[str, Any], turn_end: Sequence[int]) -> None:
     """Raise unless ``parse`` (``ToolBox.parse``) reads back the call the chat template writes in an assistant turn
     after ``prompt`` (a call of the first of ``tools``): a template whose calls the reader does not read would run
-    no tool at all, without a word (Qwen3.5's ``<function=...>`` calls under the Hermes reader)."""
+    no tool at all, without a word (Mistral's ``[TOOL_CALLS]`` calls under this reader)."""
     call = {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}
     turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
     render = dict(tools=tools, tokenize=False, **kwargs)
@@ -477,7 +484,8 @@ def check_calls_read(parse: Callable, tokenizer: Any, prompt: Sequence[dict], to
         reader = ("the tokenizer's response_template (parse_response)"
                   if getattr(tokenizer, "response_template", None) is not None else
                   "lit_grpo's reader without a response template (the Hermes format <tool_call>{\"name\": ..., "
-                  "\"arguments\": {...}}</tool_call>)")
+                  "\"arguments\": {...}}</tool_call>, or Qwen3.5's <tool_call><function=NAME><parameter=KEY>VALUE"
+                  "</parameter></function></tool_call>)")
         raise ValueError(f"the chat template writes a tool call as {tokenizer.decode(written)!r:.200}, which {reader} "
                          f"does not read back as that call (it read {calls!r:.120}), so no tool would ever run: give "
                          "the tokenizer a response_template for this template's format (transformers' "
@@ -692,6 +700,42 @@ def read_calls(raw: Any) -> list[dict] | None:
         arguments = function.get("arguments")
         calls.append({"name": function["name"], "arguments": {} if arguments is None else arguments})
     return calls
+
+
+def call_body(body: str, tools: Sequence[dict] = ()) -> Any:
+    """A ``<tool_call>`` block's body as ``read_calls`` takes it: Hermes JSON (``{"name", "arguments"}``), or
+    Qwen3.5's ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>`` (``xml_call``); None where it is
+    neither (the turn is then text, as TRL's parser falls back)."""
+    return xml_call(body, tools) if body.startswith("<function=") else _json(body)
+
+
+def xml_call(body: str, tools: Sequence[dict] = ()) -> dict | None:
+    """``{"name", "arguments"}`` of a Qwen3.5 call's body (``tools``: the schemas, which type its values); None
+    where it is not one whole ``<function=...>...</function>`` block of parameters and whitespace, or names a
+    parameter twice. The template writes a value as text (a mapping or a list as JSON), so a value is read as
+    JSON, and where that fails or the tool's schema types it a string, kept as the text (TRL's Qwen3.5 parser)."""
+    whole = XML_FUNCTION.fullmatch(body.strip())
+    if whole is None:
+        return None
+    name, inside = whole.group(1), whole.group(2)
+    parameters = XML_PARAMETER.findall(inside)
+    if XML_PARAMETER.sub("", inside).strip() or len({key for key, _ in parameters}) != len(parameters):
+        return None
+    types = next((tool["function"].get("parameters", {}).get("properties", {}) for tool in tools
+                  if tool.get("function", {}).get("name") == name), {})
+    return {"name": name, "arguments": {key: _xml_value(value, types.get(key, {}).get("type"))
+                                        for key, value in parameters}}
+
+
+def _xml_value(text: str, kind: Any) -> Any:
+    """A Qwen3.5 argument's value: the text where the schema types it a string (``"75001"`` stays text), else its
+    JSON value (Python's ``True`` / ``False`` / ``None``, which the template writes for those, as JSON's), else the
+    text."""
+    if kind == "string":
+        return text
+    spelled = {"True": "true", "False": "false", "None": "null"}.get(text, text)
+    value = _json(spelled)
+    return text if value is None and spelled != "null" else value
 
 
 def _json(body: str) -> Any:
