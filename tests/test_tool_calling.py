@@ -1055,3 +1055,33 @@ def test_a_malformed_qwen3_5_call_is_text_without_a_call(llama):
     turn = qwen3_5_call(a=2, b=3).replace("</function>", "")
     _, out = rollout((model, tokenizer), [add], turn, iterations=1, chat_template_kwargs={"enable_thinking": False})
     assert (out.calls, out.failures) == (0, 0) and [m["role"] for m in out.messages[0][0]] == ["assistant"]
+
+
+#: TOOLS_TEMPLATE writing a newline after a calling turn's end only in one kind of round, which an end token that
+#: strips the whitespace after it (``rstrip_end_tokenizer``) eats in the conversation's tokens but not in the text
+#: cut's: after a reasoning block, with several calls in the turn, before an empty result.
+ROUND_KINDS = {
+    "reasoning": "'\\n' if '<think>' in m.content",
+    "several_calls": "'\\n' if m.tool_calls | length > 1",
+    "empty_result": "'\\n' if loop.nextitem is defined and loop.nextitem.content == ''",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROUND_KINDS))
+def test_the_setup_checks_the_text_cut_on_each_kind_of_round(kind):
+    """The text cut is checked at setup against the tokenized conversations' cut: on a round with reasoning, with
+    several calls and with an empty result too, not only on a plain one, as a template may write what follows a
+    turn's end otherwise in each. A tokenizer for which one of them differs cuts the tokenized conversations, whose
+    tokens every round's tool turn then is."""
+    tokenizer = rstrip_end_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE.replace("{% endfor %}<|im_end|>\n",
+                                                     "{% endfor %}<|im_end|>{{ " + ROUND_KINDS[kind] + " }}")
+    box = ToolBox([add], tokenizer, 1)
+    calls = qwen3_call(2, 3)["tool_calls"] * (2 if kind == "several_calls" else 1)
+    turn = {"role": "assistant", "content": "<think>\nI add.\n</think>\n\n" if kind == "reasoning" else "",
+            "tool_calls": calls}
+    tool = [{"role": "tool", "name": "add", "content": "" if kind == "empty_result" else "5"}] * len(calls)
+    whole = tool_suffix_ids(tokenizer, tool, box.prompt_messages(), [turn], tools=box.schemas,
+                            turn_end=box.turn_end)
+    assert box.suffix_ids(tool, [turn]) == whole
+    assert not box.suffix_from_text

@@ -170,8 +170,7 @@ class ToolBox:
         self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
         check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
         self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs)
-        stand_in = [{"role": "tool", "name": self.schemas[0]["function"]["name"], "content": "1"}]
-        self.suffix_from_text = suffix_from_text(tokenizer, stand_in, self.prompt_messages(), self.schemas,
+        self.suffix_from_text = suffix_from_text(tokenizer, self.prompt_messages(), self.schemas,
                                                  self.template_kwargs, self.turn_end)
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
@@ -606,17 +605,37 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[
     return _suffix(prefix, full, end or len(prefix))
 
 
-def suffix_from_text(tokenizer: Any, tool_messages: list[dict], prompt: Sequence[dict], tools: list[dict] | None,
-                     kwargs: Mapping[str, Any] | None, turn_end: Sequence[int]) -> bool:
+def suffix_from_text(tokenizer: Any, prompt: Sequence[dict], tools: list[dict], kwargs: Mapping[str, Any] | None,
+                     turn_end: Sequence[int]) -> bool:
     """Whether ``tool_suffix_ids(from_text=True)`` gives the tokens of the whole conversations' cut for this
-    tokenizer and template (checked on ``prompt`` and a stand-in calling turn): it does where the tokenizer
-    tokenizes the text after an added token apart from the text before it, as transformers' fast tokenizers split
-    a text at its added tokens; not where the end-of-turn token strips the whitespace after it (``rstrip``), or
-    where a tokenizer treats a text's start otherwise (a prefix space), which the cut's start would be. What follows
-    the turn's end is the template's own text in every round, so one conversation shows it."""
+    tokenizer and template, checked on ``prompt`` and each of ``stand_in_rounds`` (calls of the first of ``tools``):
+    it does where the tokenizer tokenizes the text after an added token apart from the text before it, as
+    transformers' fast tokenizers split a text at its added tokens; not where the end-of-turn token strips the
+    whitespace after it (``rstrip``), or where a tokenizer treats a text's start otherwise (a prefix space), which
+    the cut's start would be. What follows a turn's end is the template's own text, which may differ with the kind
+    of round (reasoning, several calls, an empty result), so each kind is tried."""
     render = dict(tools=tools, kwargs=kwargs, turn_end=turn_end)
-    return tool_suffix_ids(tokenizer, tool_messages, prompt, from_text=True, **render) == \
-        tool_suffix_ids(tokenizer, tool_messages, prompt, **render)
+
+    def same(history: list[dict], tool_messages: list[dict]) -> bool:
+        try:
+            whole = tool_suffix_ids(tokenizer, tool_messages, prompt, history, **render)
+        except ValueError:  # a kind of round the template does not continue: no tool turn of it to cut either way
+            return True
+        return tool_suffix_ids(tokenizer, tool_messages, prompt, history, from_text=True, **render) == whole
+
+    return all(same(*kind) for kind in stand_in_rounds(tools[0]["function"]["name"]))
+
+
+def stand_in_rounds(name: str) -> list[tuple[list[dict], list[dict]]]:
+    """``(history, tool_messages)`` of the rounds ``suffix_from_text`` tries (calls of the tool ``name``): a plain
+    turn with one call and its result, and a turn with all a template may write otherwise after a turn's end, each
+    of which the plain one lacks: a reasoning block, two calls, and their results, the first one empty. Two
+    rounds, not one per kind: each one renders the conversations twice over, at every setup."""
+    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    plain = {"role": "assistant", "content": "", "tool_calls": [call]}
+    loaded = {"role": "assistant", "content": "<think>\nx\n</think>\n\n", "tool_calls": [call, call]}
+    return [([plain], [{"role": "tool", "name": name, "content": "1"}]),
+            ([loaded], [{"role": "tool", "name": name, "content": content} for content in ("", "2")])]
 
 
 def _rendered(tokenizer: Any, before: list[dict], tool_messages: list[dict], **render: Any) -> tuple[Any, Any]:
