@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import lightning.pytorch as pl
@@ -10,8 +9,8 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_grpo.runtime.distributed import is_multi_process
-from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_failed_rank, is_failure, rank_place,
-                                           watch_failures, watching)
+from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_at_uncaught_error, is_failure, rank_place,
+                                           record_failure, watch_failures, watching)
 
 
 class RankFailureWatch(Callback):
@@ -22,10 +21,13 @@ class RankFailureWatch(Callback):
     watch of this process runs already (``lit-grpo`` starts one as the run starts, before the ranks connect).
 
     This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
-    ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is recorded there and ends the rank at
-    once, after its traceback and its loggers' last write, with exit status 1 (``rank_failure.end_failed_rank``):
-    the callbacks after this one see no ``on_exception``. Under ``lit-grpo``, which adds it to every fit and
-    validation, the CLI's error path records and ends the rank instead (its output and exit status per error).
+    ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is recorded there at once, for the other
+    ranks; Lightning then ends its handling as without several processes (every callback's ``on_exception``, this
+    one's place in the list whatever it is, and its loggers' last write), and the error goes on to the script.
+    Where it leaves the script, the rank ends after its traceback, with exit status 1, before any exit handler or
+    thread join can wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes
+    on. Under ``lit-grpo``, which adds it to every fit and validation, the CLI's error path records and ends the
+    rank instead (its output and exit status per error).
 
     Logs nothing.
     """
@@ -41,11 +43,9 @@ class RankFailureWatch(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not is_multi_process() or caller_ends_failed_ranks() or not is_failure(exception):
             return
-        # Lightning finalizes the loggers after this hook, which the rank's end cuts short: the logged points stay
-        for logger in trainer.loggers:
-            with contextlib.suppress(Exception):
-                logger.finalize("failed")
-        end_failed_rank(exception)
+        # the other ranks learn now; this one ends once Lightning has called every other callback's on_exception
+        # and finalized the loggers, which an end here would cut short
+        end_at_uncaught_error(record_failure(exception))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._stop is not None:

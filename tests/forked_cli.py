@@ -67,7 +67,11 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
     os.dup2(out if stderr == stdout else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     if script is not None:
         sys.argv = [script, *argv]
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except Exception:  # the interpreter hands a script's uncaught error to sys.excepthook, then exits with 1
+            sys.excepthook(*sys.exc_info())
+            sys.exit(1)
         return
     sys.argv = [shutil.which("lit-grpo") or "lit-grpo", *argv]
     from lit_grpo.cli import main

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -370,7 +371,8 @@ def test_a_rank_finds_its_place_before_the_ranks_connect(monkeypatch, env, train
 def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_naming_it(tmp_path, rank0):
     """A plain Lightning script with ``RankFailureWatch`` (no ``lit-grpo``: tests/plain_ddp_failure.py), whose rank
     1 raises in ``training_step`` while rank 0 stays away from any collective for 300 s (only the record in the
-    store can tell it), or reduces the step's gradients: both end, rank 0 naming rank 1's error."""
+    store can tell it), or reduces the step's gradients: both end, rank 0 naming rank 1's error, rank 1 once the
+    callback after the watch has seen its error."""
     script = str(Path(__file__).parent / "plain_ddp_failure.py")
     outputs = forked_cli.run_ranks([str(tmp_path / "run"), rank0], tmp_path, free_port(), DEADLINE_S,
                                    env=repo_env(), script=script)
@@ -379,15 +381,18 @@ def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_n
         assert code == 1, f"rank {rank} exited {code}:\n{output[-4000:]}"
     planted = "PlantedError: planted failure on rank 1"
     assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in outputs[1][1], outputs[1][1][-4000:]
+    # the callback after the watch saw the error before the rank ended
+    seen = outputs[1][1].find("on_exception after the watch: PlantedError")
+    assert 0 <= seen < outputs[1][1].find("lit-grpo: rank 1 of 2 failed"), outputs[1][1][-4000:]
     assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in outputs[0][1], outputs[0][1][-4000:]
 
 
 @pytest.mark.parametrize("kind", ["failure", "under lit-grpo", "KeyboardInterrupt", "StopRequested", "SystemExit",
                                   "RankFailed", "RaisedOnEveryRank"])
-def test_rank_failure_watch_ends_the_rank_on_its_own_failures_only(monkeypatch, kind):
-    """``on_exception`` under several processes records and ends the rank on its own error, its loggers finalized
-    first; not on a stop, another rank's failure or an error every rank raised, nor under ``lit-grpo``, whose error
-    path does it (recording the error once)."""
+def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kind):
+    """``on_exception`` under several processes records the rank's own error and has the rank end where the error
+    leaves the script; not on a stop, another rank's failure or an error every rank raised, nor under ``lit-grpo``,
+    whose error path does it (recording the error once)."""
     from lit_grpo.callbacks import rank_failure_watch
     from lit_grpo.runtime.distributed import RaisedOnEveryRank, RankFailed
     from lit_grpo.runtime.rank_failure import ended_by_caller
@@ -397,11 +402,53 @@ def test_rank_failure_watch_ends_the_rank_on_its_own_failures_only(monkeypatch, 
               KeyboardInterrupt(), "StopRequested": StopRequested(signal.SIGTERM), "SystemExit": SystemExit(1),
               "RankFailed": RankFailed([0], "in a rollout"),
               "RaisedOnEveryRank": RaisedOnEveryRank("non-finite loss on rank 1")}
-    ended, finalized = [], []
+    recorded, ending = [], []
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
-    monkeypatch.setattr(rank_failure_watch, "end_failed_rank", ended.append)
-    trainer = SimpleNamespace(loggers=[SimpleNamespace(finalize=finalized.append)])
+    monkeypatch.setattr(rank_failure_watch, "record_failure", lambda error: recorded.append(error) or "its line")
+    monkeypatch.setattr(rank_failure_watch, "end_at_uncaught_error", ending.append)
     with ended_by_caller() if kind == "under lit-grpo" else contextlib.nullcontext():
-        rank_failure_watch.RankFailureWatch().on_exception(trainer, None, errors[kind])
-    assert ended == ([errors[kind]] if kind == "failure" else [])
-    assert finalized == (["failed"] if kind == "failure" else [])
+        rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, errors[kind])
+    assert recorded == ([errors[kind]] if kind == "failure" else [])
+    assert ending == (["its line"] if kind == "failure" else [])
+
+
+def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, monkeypatch):
+    """A rank's own error in a plain Lightning fit: recorded at once, then every callback after the watch sees it
+    and the loggers write their last, and the rank ends only where the error leaves the script, after the hook
+    that shows its traceback."""
+    import lightning.pytorch as pl
+    from callback_helpers import TinyRegression
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_grpo.callbacks import RankFailureWatch, rank_failure_watch
+    from lit_grpo.runtime import rank_failure
+
+    events = []
+
+    class Planted(TinyRegression):
+        def training_step(self, batch, batch_idx):
+            raise fault_helpers.PlantedError("planted failure")
+
+    class Closing(pl.Callback):  # a user's callback after the watch: closes a file, logs the error
+        def on_exception(self, trainer, pl_module, exception):
+            events.append("closed")
+
+    class Finalizing(CSVLogger):
+        def finalize(self, status):
+            events.append(f"finalized {status}")
+            super().finalize(status)
+
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    monkeypatch.setattr(rank_failure_watch, "record_failure", lambda error: events.append("recorded") or "its line",
+                        raising=False)
+    monkeypatch.setattr(rank_failure_watch, "end_failed_rank", lambda error: events.append("ended"), raising=False)
+    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: events.append(f"ended: {line}"))
+    monkeypatch.setattr(sys, "excepthook", lambda *error: events.append("traceback"))  # restored after the test
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=Finalizing(tmp_path),
+                         callbacks=[RankFailureWatch(), Closing()], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(fault_helpers.PlantedError) as caught:
+        trainer.fit(Planted())
+    assert events == ["recorded", "closed", "finalized failed"]
+    sys.excepthook(caught.type, caught.value, caught.tb)  # the error leaves the script
+    assert events[3:] == ["traceback", "ended: its line"]

@@ -9,9 +9,11 @@ notice a peer's end only at its timeout, so every rank also watches for the othe
 (:func:`watch_failures`, a thread; ``lit_grpo.callbacks.RankFailureWatch`` starts it) and ends itself within a
 second of one.
 
-Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` ends a failing rank the same way from
-Lightning's ``on_exception`` (:func:`is_failure` says which errors); under ``lit-grpo`` it leaves that to the CLI's
-error path (:func:`ended_by_caller`), which picks each error's output and exit status.
+Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` records a failing rank's error from
+Lightning's ``on_exception`` (:func:`is_failure` says which errors, :func:`record_failure`) and ends the rank the
+same way once the error leaves the script (:func:`end_at_uncaught_error`), after Lightning's own handling; under
+``lit-grpo`` it leaves both to the CLI's error path (:func:`ended_by_caller`), which picks each error's output and
+exit status.
 
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
@@ -128,19 +130,41 @@ def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: 
     this rank and the run's first failure, end the processes this one started, then this one with ``exit_status``
     (``os._exit``: no exit handler or thread join can wait on the other ranks). For a process of a group of several
     ranks; the group must be initialized."""
+    _ending.set()
+    if show_traceback:
+        traceback.print_exception(error)
+    _end(record_failure(error), exit_status)
+
+
+def record_failure(error: BaseException) -> str:
+    """Record this rank's ``error`` in the run's store for the other ranks (their watches end them), and return the
+    line this rank ends with, naming the run's first failure; this process's watches stand down (it is ending). For
+    a process of a group of several ranks; the group must be initialized."""
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     _ending.set()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if show_traceback:
-        traceback.print_exception(error)
     first = (rank, describe(error)) if isinstance(error, RaisedOnEveryRank) else _record_failure(rank, error)
     if first is None:
-        line = (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
+        return (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
                 "failed first ended with it; that rank's output names its error)")
-    else:
-        line = _ending_line(rank, world, first)
-    _end(line, exit_status)
+    return _ending_line(rank, world, first)
+
+
+def end_at_uncaught_error(line: str, exit_status: int = 1) -> None:
+    """From now on an error that leaves the script (``sys.excepthook``, as the interpreter calls it) ends this
+    process as :func:`end_failed_rank` does, after the hook before this one (its traceback), with ``line``: the
+    callers of ``trainer.fit`` get the error first (their ``except`` and ``finally``), as without several processes,
+    and no exit handler or thread join can then wait on the other ranks. An error they catch ends nothing."""
+    shown = sys.excepthook
+
+    def show_and_end(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        try:
+            shown(kind, error, trace)
+        finally:
+            _end(line, exit_status)
+
+    sys.excepthook = show_and_end
 
 
 def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: int = 1,
