@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch import Callback
 
 from lit_grpo.runtime.distributed import is_multi_process
@@ -29,6 +28,10 @@ class RankFailureWatch(Callback):
     on. Under ``lit-grpo``, which adds it to every fit and validation, the CLI's error path records and ends the
     rank instead (its output and exit status per error).
 
+    The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
+    ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or
+    a stop such as ``KeyboardInterrupt``, after which Lightning calls no ``teardown``).
+
     Logs nothing.
     """
 
@@ -37,10 +40,11 @@ class RankFailureWatch(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         place = rank_place(trainer.strategy)
-        if place is not None and torch.distributed.is_initialized() and self._stop is None and not watching():
+        if place is not None and is_multi_process() and self._stop is None and not watching():
             self._stop = watch_failures(place)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_watch()  # Lightning calls no teardown after an error or a stop: the fit is over here
         if not is_multi_process() or caller_ends_failed_ranks() or not is_failure(exception):
             return
         # the other ranks learn now; this one ends once Lightning has called every other callback's on_exception
@@ -48,6 +52,10 @@ class RankFailureWatch(Callback):
         end_at_uncaught_error(record_failure(exception))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_watch()
+
+    def _stop_watch(self) -> None:
+        """Stop the watch this callback started, if any: no thread asks the store once its fit is over."""
         if self._stop is not None:
             self._stop.set()
             self._stop = None

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import fault_helpers
 import forked_cli
+import lightning.pytorch as pl
 import pytest
 import yaml
 from two_process_helpers import TINY
@@ -416,7 +417,6 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
     """A rank's own error in a plain Lightning fit: recorded at once, then every callback after the watch sees it
     and the loggers write their last, and the rank ends only where the error leaves the script, after the hook
     that shows its traceback."""
-    import lightning.pytorch as pl
     from callback_helpers import TinyRegression
     from lightning.pytorch.loggers import CSVLogger
 
@@ -452,3 +452,58 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
     assert events == ["recorded", "closed", "finalized failed"]
     sys.excepthook(caught.type, caught.value, caught.tb)  # the error leaves the script
     assert events[3:] == ["traceback", "ended: its line"]
+
+
+class _StopsAtItsSecondStep(pl.Callback):
+    """Ends the fit at its second step the way ``stop`` says: Lightning's ``should_stop`` (as EarlyStopping),
+    a ``KeyboardInterrupt`` or a ``StopRequested`` (a signal's stop outside the CLI)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.watched = False  # whether a failure watch ran during the fit
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lit_grpo.runtime.rank_failure import watching
+
+        self.watched = self.watched or watching()
+        if batch_idx == 1:
+            if self.stop == "should_stop":
+                trainer.should_stop = True
+            elif self.stop == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            else:
+                from lit_grpo.runtime.stop_signal import StopRequested
+
+                raise StopRequested(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop", ["should_stop", "KeyboardInterrupt", "StopRequested"])
+def test_rank_failure_watch_leaves_no_thread_after_a_stopped_fit(tmp_path, monkeypatch, stop):
+    """A fit of several processes (stood in for: a place, and a store nobody runs) stopped outside the CLI ends
+    its failure watch: no thread asks the store once the fit is over."""
+    import threading
+
+    from callback_helpers import TinyRegression
+
+    from lit_grpo.callbacks import RankFailureWatch, rank_failure_watch
+    from lit_grpo.runtime.rank_failure import RankPlace
+
+    place = RankPlace(rank=0, world=2, node=0, local=0, nodes=2, address="127.0.0.1", port=free_port(),
+                      starts_node=False)
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    monkeypatch.setattr(rank_failure_watch, "rank_place", lambda strategy: place)
+    stops = _StopsAtItsSecondStep(stop)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=4, accelerator="cpu", logger=False,
+                         callbacks=[RankFailureWatch(), stops], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl-C once it handles a KeyboardInterrupt
+    try:
+        with contextlib.nullcontext() if stop == "should_stop" else pytest.raises(SystemExit):
+            trainer.fit(TinyRegression())
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert trainer.global_step == 2 and stops.watched
+    watches = [thread for thread in threading.enumerate() if thread.name == "lit-grpo-failure-watch"]
+    for thread in watches:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in watches)
