@@ -57,11 +57,15 @@ def accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
     return every > 1 and (batch_idx + 1) % every != 0 and not trainer.is_last_batch
 
 
-def step_parts(pending: list[T], part: T, trainer: pl.Trainer, batch_idx: int) -> list[T] | None:
-    """One training step's parts, a part per training batch: ``part`` (this batch's) joins ``pending``; at the batch
-    that ends the optimizer step, the step's parts in their order (``pending`` left empty), else None. Under
-    gradient accumulation a callback logs a step once, its micro-batches merged, not each at the same step."""
-    pending.append(part)
+def step_parts(pending: list[T], part: T | None, trainer: pl.Trainer, batch_idx: int) -> list[T] | None:
+    """One training step's parts, at most one per training batch: ``part`` (this batch's; None: it has none, as a
+    batch without a rollout) joins ``pending``; at the batch that ends the optimizer step, the step's parts in
+    their order (``pending`` left empty; an empty list where no batch of the step had one), else None. Under
+    gradient accumulation a callback logs a step once, its micro-batches merged, not each at the same step; every
+    training batch comes here, with a part or not, so a step ends at its optimizer step even where its last batch
+    has no part, and no part carries over into the next step."""
+    if part is not None:
+        pending.append(part)
     if accumulating(trainer, batch_idx):
         return None
     parts = pending[:]

@@ -79,21 +79,24 @@ class CompletionLogger(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if rollout_stats(batch) is None:
-            self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
-            return
         step = logger_step(trainer)  # the step logged at: the loop's own count, which a resumed run restores
         want_histogram = step % self.histogram_every_n_steps == 0
         want_table = step % self.table_every_n_steps == 0
-        lengths = batch.completion_lengths.detach().flatten().cpu()
-        if want_table and self._step_table is None and lengths.numel() and trainer.is_global_zero:
-            self._step_table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars)
-        parts = step_parts(self._step_samples, (lengths, batch.truncated.detach().flatten().cpu()), trainer,
-                           batch_idx)
+        part = None
+        if rollout_stats(batch) is None:
+            self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
+        else:
+            lengths = batch.completion_lengths.detach().flatten().cpu()
+            if want_table and self._step_table is None and lengths.numel() and trainer.is_global_zero:
+                self._step_table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars)
+            part = (lengths, batch.truncated.detach().flatten().cpu())
+        parts = step_parts(self._step_samples, part, trainer, batch_idx)
         if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
             return
         table, self._step_table = self._step_table, None
-        lengths, truncated = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
+        if not parts:  # no batch of the step was a rollout
+            return
+        lengths, truncated = torch.cat([length for length, _ in parts]), torch.cat([clipped for _, clipped in parts])
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
         # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.
         wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]

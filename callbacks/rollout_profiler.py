@@ -145,9 +145,8 @@ class RolloutProfiler(Callback):
         stats = rollout_stats(batch)
         if stats is None:
             self._warn_no_rollout()
-            return
         parts = step_parts(self._step_stats, stats, trainer, batch_idx)
-        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
+        if not parts:  # the step goes on to the micro-batch whose optimizer step ends it, or had no rollout
             return
         stats = merge_stats(parts)  # the batch's own stats where it is the step's only one
         # every step, logged or not: under several processes every rank joins the one gather of the step's stats

@@ -331,12 +331,11 @@ class SlotTimelineLogger(Callback):
         stats = rollout_stats(batch)
         if stats is None:
             self._warn_once("no_rollout", "the training batches carry no RolloutStats (batch.stats); no timeline.")
-            return
         # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
         if logger_step(trainer) % self.every_n_steps or not trainer.is_global_zero:
             return
         parts = step_parts(self._step_stats, stats, trainer, batch_idx)
-        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
+        if not parts:  # the step goes on to the micro-batch whose optimizer step ends it, or had no rollout
             return
         stats = merge_stats(parts)
         if not stats.timeline:

@@ -757,3 +757,48 @@ def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merg
         assert image.step == step and np.array_equal(decoded, expected)
         text = accumulator.Tensors("completions/samples/text_summary")[step]
         assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(pair[0], 2, 4, 400)
+
+
+def test_under_gradient_accumulation_a_step_ends_at_its_optimizer_step_even_without_a_rollout_last(tmp_path):
+    """A step whose last micro-batch carries no rollout still ends there: its figures are its own rollouts' (the
+    first micro-batch's), and the next step's are the next step's alone, none of the earlier step carried over."""
+    import dataclasses
+    import io
+
+    import numpy as np
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from PIL import Image
+
+    from lit_grpo.callbacks.completion_logger import sample_table
+    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
+    from lit_grpo.sampling.stats import merge_stats
+
+    logged: dict[tuple[str, int], float] = {}
+
+    class Recording(TensorBoardLogger):
+        def log_metrics(self, metrics, step=None):
+            logged.update({(key, step): value for key, value in metrics.items()})
+            super().log_metrics(metrics, step)
+
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    batches = [rollouts[0], dataclasses.replace(rollouts[1], stats=None), rollouts[2], rollouts[3]]
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
+                         callbacks=[RolloutProfiler(read_bytes_per_s=1e9), CompletionLogger(table_every_n_steps=1),
+                                    SlotTimelineLogger(every_n_steps=1)],
+                         logger=Recording(tmp_path, name="tb"), log_every_n_steps=1, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each callback says once that a batch carries no rollout
+        trainer.fit(RolloutModule(batches))
+    accumulator = events(trainer)
+    for step, own in enumerate(([rollouts[0]], rollouts[2:])):
+        merged = merge_stats([rollout.stats for rollout in own])
+        assert logged["rollout/decode_steps", step] == merged.decode_steps
+        lengths = torch.cat([rollout.completion_lengths.flatten() for rollout in own]).float()
+        assert logged["completions/mean_length", step] == pytest.approx(lengths.mean().item())
+        image = accumulator.Images("rollout/slot_timeline")[step]
+        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+        expected = render_slot_timeline_figure(merged.timeline, merged.group_size, decisions=merged.decisions)
+        assert image.step == step and np.array_equal(decoded, expected)
+        text = accumulator.Tensors("completions/samples/text_summary")[step]
+        assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(own[0], 2, 4, 400)
