@@ -56,7 +56,7 @@ class RolloutProfiler(Callback):
     **Logged keys** (once per training step, honouring ``log_every_n_steps``; under gradient accumulation once per
     optimizer step, after its last micro-batch, of the step's rollouts merged by
     ``lit_grpo.sampling.stats.merge_stats``: counts and times add, peaks are the largest, ratios are recomputed,
-    the predictor's figures are the first micro-batch's)
+    ``preempting`` and the predictor's figures are means over the micro-batches that have them, as over ranks)
 
     - ``rollout/decode_steps``: forward passes of the decode loop.
     - ``rollout/lower_bound_steps``: ``max(ceil(sum L / slots), max L)``, the fewest steps any schedule needs.

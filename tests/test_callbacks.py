@@ -802,3 +802,20 @@ def test_under_gradient_accumulation_a_step_ends_at_its_optimizer_step_even_with
         assert image.step == step and np.array_equal(decoded, expected)
         text = accumulator.Tensors("completions/samples/text_summary")[step]
         assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(own[0], 2, 4, 400)
+
+
+def test_under_gradient_accumulation_the_predictors_figures_are_the_steps_micro_batches_mean(tmp_path):
+    """The length predictor's figures of a step of 2 micro-batches are the mean over those that predicted, as over
+    ranks: neither the first micro-batch's alone, nor a micro-batch without a predictor counted as 0."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    rollouts = [make_rollout(0), make_rollout(1), make_rollout(2, with_predictor=False), make_rollout(3)]
+    rollouts[1].stats.length_pred_kendall_tau, rollouts[1].stats.length_pred_smape = 0.9, 0.05
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
+                         callbacks=[RolloutProfiler(progress_bar=False, read_bytes_per_s=1e9)],
+                         logger=TensorBoardLogger(tmp_path, name="tb"), log_every_n_steps=1,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(RolloutModule(rollouts))
+    accumulator = events(trainer)
+    assert scalars(accumulator, "rollout/length_pred_kendall_tau") == pytest.approx([0.7, 0.5])
+    assert scalars(accumulator, "rollout/length_pred_smape") == pytest.approx([0.15, 0.25])

@@ -155,7 +155,8 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
     Counts and times (capture included) add; ``peak_kv_bytes`` and ``parked_kv_bytes`` are maxima; ratios are
     recomputed; the timelines and decisions are concatenated in time, with steps shifted by the earlier rounds'
     decode steps and samples by their samples, a narrower round's rows padded with ``IDLE`` to the widest;
-    ``preempting`` is the share of rounds that preempted; length-prediction quality is the first round's.
+    ``preempting`` is the share of rounds that preempted, and each length-prediction figure the mean over the parts
+    that predicted (as over ranks: ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``; None where none did).
     ``same_samples``: the parts ran one rollout's samples under the same indices (its tool rounds, each continuing
     some of them), whose indices are kept.
     """
@@ -164,9 +165,7 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    merged = RolloutStats(num_slots=first.num_slots, group_size=first.group_size,
-                          length_pred_kendall_tau=first.length_pred_kendall_tau,
-                          length_pred_smape=first.length_pred_smape)
+    merged = RolloutStats(num_slots=first.num_slots, group_size=first.group_size)
     offset = 0
     for part in parts:
         group = max(1, part.group_size)  # a sample's flat index shifts as the timeline's does
@@ -189,8 +188,9 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
         merged.timeline.extend([[cell + offset if cell != IDLE else IDLE for cell in row] for row in part.timeline])
         if not same_samples:
             offset += 1 + max((cell for row in part.timeline for cell in row), default=-1)
-    preempting = [part.preempting for part in parts if part.preempting is not None]
-    merged.preempting = sum(preempting) / len(preempting) if preempting else None
+    merged.preempting = _mean_of_present([part.preempting for part in parts])
+    merged.length_pred_kendall_tau = _mean_of_present([part.length_pred_kendall_tau for part in parts])
+    merged.length_pred_smape = _mean_of_present([part.length_pred_smape for part in parts])
     slot_steps = sum(part.slot_steps for part in parts)  # rounds may have fewer slots
     merged.num_slots = max(part.num_slots for part in parts)
     # a narrower round's slots beyond its own are idle: the timeline stays a [steps, slots] grid for its pictures
@@ -199,3 +199,10 @@ def merge_stats(parts: list[RolloutStats], same_samples: bool = False) -> Rollou
     merged.slot_utilization = merged.generated_tokens / slot_steps if slot_steps else 0.0
     merged.tokens_per_s = merged.generated_tokens / merged.wall_s if merged.wall_s > 0 else 0.0
     return merged
+
+
+def _mean_of_present(values: list[float | None]) -> float | None:
+    """The mean of ``values`` that are not None (a part that did not measure the figure is left out); None where
+    none is."""
+    present = [value for value in values if value is not None]
+    return sum(present) / len(present) if present else None
