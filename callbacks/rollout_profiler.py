@@ -120,7 +120,6 @@ class RolloutProfiler(Callback):
             floor_ms(0, read_bytes_per_s)  # a bad value is refused here, naming it
         self.progress_bar = progress_bar
         self.read_bytes_per_s = read_bytes_per_s
-        self._measured: dict[str, float] = {}  # the bandwidth measured, by device
         self._warned_no_rollout = False
         self._step_stats: list[RolloutStats] = []  # the rollouts of the step's micro-batches so far
 
@@ -133,11 +132,8 @@ class RolloutProfiler(Callback):
         the probe's buffer (hundreds of MiB) is no step's."""
         if self.read_bytes_per_s is not None:
             return self.read_bytes_per_s
-        device = str(trainer.strategy.root_device)
-        if device not in self._measured:
-            with memory_peaks_paused(trainer):
-                self._measured[device] = read_bandwidth(trainer.strategy.root_device)
-        return self._measured[device]
+        # the process's record (lit_grpo.sampling.roofline) says whether a probe runs: only then are peaks paused
+        return read_bandwidth(trainer.strategy.root_device, around_probe=lambda: memory_peaks_paused(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

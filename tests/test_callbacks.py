@@ -496,10 +496,11 @@ def test_rollout_profiler_logs_the_whole_step_over_ranks():
 def test_rollout_profiler_measures_no_bandwidth_without_rollouts(tmp_path, monkeypatch):
     """On a plain module the profiler does nothing (no probe of hundreds of MiB) and says so once; the summary
     has no floor to draw either."""
-    from lit_grpo.callbacks import rollout_profiler
+    from lit_grpo.sampling import roofline
 
     probes = []
-    monkeypatch.setattr(rollout_profiler, "read_bandwidth", lambda device: probes.append(device) or 1e9)
+    monkeypatch.setattr(roofline, "_BANDWIDTH", {})  # nothing measured yet in this process
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda device: probes.append(device) or 1e9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(tmp_path, TinyRegression(), [PeakMemoryMonitor(), RolloutProfiler(), FitSummary()], max_steps=3)
@@ -511,10 +512,11 @@ def test_rollout_profiler_measures_no_bandwidth_without_rollouts(tmp_path, monke
 def test_rollout_profiler_keeps_its_bandwidth_probe_out_of_the_memory_peaks(tmp_path, monkeypatch, profiler_first):
     """The probe runs at the first rollout, inside a step: its buffer (here 256 MiB) is no phase's peak, whichever
     callback comes first, and the peaks measured before it in the same window are kept."""
-    from lit_grpo.callbacks import rollout_profiler
+    from lit_grpo.sampling import roofline
 
     probes = []
-    monkeypatch.setattr(rollout_profiler, "read_bandwidth",
+    monkeypatch.setattr(roofline, "_BANDWIDTH", {})  # nothing measured yet in this process
+    monkeypatch.setattr(roofline, "measure_read_bandwidth",
                         lambda device: probes.append(device) or touch_memory(256 * MiB, 0.05) or 1e9)
     monitor, profiler = PeakMemoryMonitor(), RolloutProfiler(progress_bar=False)
     module = RolloutModule([make_rollout(seed) for seed in range(3)], update_bytes=48 * MiB, hold_s=0.03)
@@ -525,6 +527,26 @@ def test_rollout_profiler_keeps_its_bandwidth_probe_out_of_the_memory_peaks(tmp_
         added = scalars(accumulator, f"memory/{phase}_peak_delta_bytes")
         assert len(added) == 3 and max(added) < 128 * MiB, (phase, added)
     assert min(scalars(accumulator, "memory/update_peak_delta_bytes")) > 40 * MiB  # the update's own, kept
+
+
+def test_rollout_profiler_pauses_the_memory_peaks_only_for_a_probe_that_runs(tmp_path, monkeypatch):
+    """The process measures its bandwidth once (lit_grpo.sampling.roofline keeps it): a later fit's profiler, or
+    one after set_read_bandwidth, reads it there and leaves the memory peaks alone, where no probe runs."""
+    from lit_grpo.sampling import roofline
+
+    probes, pauses = [], []
+    monkeypatch.setattr(roofline, "_BANDWIDTH", {})  # nothing measured yet in this process
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda device: probes.append(device) or 1e9)
+    paused = PeakMemoryMonitor.paused
+    monkeypatch.setattr(PeakMemoryMonitor, "paused", lambda monitor: pauses.append(monitor) or paused(monitor))
+    for run in ("first", "second"):
+        fit(tmp_path / run, RolloutModule([make_rollout(0)]), [PeakMemoryMonitor(), RolloutProfiler()], max_steps=1)
+    assert probes == ["cpu"] and len(pauses) == 1
+    roofline.set_read_bandwidth("cpu", 2e9)
+    trainer = fit(tmp_path / "given", RolloutModule([make_rollout(0)]), [PeakMemoryMonitor(), RolloutProfiler()],
+                  max_steps=1)
+    assert probes == ["cpu"] and len(pauses) == 1
+    assert scalars(events(trainer), "rollout/floor_ms_per_step") == pytest.approx([1.0])  # 2 MB a step at 2 GB/s
 
 
 def test_completion_logger_logs_the_whole_steps_lengths_over_ranks():

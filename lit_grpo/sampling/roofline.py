@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -165,12 +166,15 @@ def measure_read_bandwidth(device: torch.device | str, buffer_bytes: int | None 
     return buffer_bytes / seconds
 
 
-def read_bandwidth(device: torch.device | str) -> float:
+def read_bandwidth(device: torch.device | str,
+                   around_probe: Callable[[], AbstractContextManager[Any]] = nullcontext) -> float:
     """This process's read bandwidth of ``device`` (bytes/s): measured on first use (``measure_read_bandwidth``,
-    once, briefly) and kept, or what ``set_read_bandwidth`` gave."""
+    once, briefly, inside ``around_probe()``: a caller that keeps the probe's buffer out of its memory peaks) and
+    kept, or what ``set_read_bandwidth`` gave. The one record of what was measured: every caller reads it here."""
     key = _device_key(device)
     if key not in _BANDWIDTH:
-        _BANDWIDTH[key] = measure_read_bandwidth(key)
+        with around_probe():
+            _BANDWIDTH[key] = measure_read_bandwidth(key)
     return _BANDWIDTH[key]
 
 
