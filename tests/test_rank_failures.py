@@ -12,7 +12,8 @@ script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
 store on its port alone, a process group's setup that times out ending its rank at once (under Lightning's launcher
-with the ranks it started), and where each rank finds its place.
+with the ranks it started), and where each rank finds its place. A forked rank (``ddp_fork``) starts without its
+parent's watch.
 """
 
 import contextlib
@@ -507,3 +508,37 @@ def test_rank_failure_watch_leaves_no_thread_after_a_stopped_fit(tmp_path, monke
     for thread in watches:
         thread.join(timeout=5)
     assert not any(thread.is_alive() for thread in watches)
+
+
+def _fork_state(connection) -> None:
+    """In a forked child: whether a watch runs, the CLI's error path ends failing ranks and this process is ending."""
+    from lit_grpo.runtime import rank_failure
+
+    connection.send((rank_failure.watching(), rank_failure.caller_ends_failed_ranks(), rank_failure._ending.is_set()))
+
+
+def test_a_forked_rank_starts_with_no_watch_and_none_of_its_parents_flags():
+    """Under ``ddp_fork`` the ranks are forks of the process that started its watch inside the CLI's error path
+    (``ended_by_caller``): a child taking the parent's watch for its own would start none (its thread does not
+    survive the fork), and a child taking the parent's error path would leave a failure unrecorded."""
+    import multiprocessing
+
+    from lit_grpo.runtime import rank_failure
+    from tools.harness import free_port
+
+    context = multiprocessing.get_context("fork")
+    place = rank_failure.RankPlace(0, 2, 0, 0, 1, "127.0.0.1", free_port(), True)
+    stop = rank_failure.watch_failures(place, interval_s=60)
+    ending = rank_failure._ending
+    try:
+        with rank_failure.ended_by_caller():
+            ending.set()
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=_fork_state, args=(sender,))
+            child.start()
+            state = receiver.recv() if receiver.poll(30) else None
+            child.join(30)
+    finally:
+        ending.clear()
+        stop.set()
+    assert state == (False, False, False)

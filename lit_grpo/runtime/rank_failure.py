@@ -58,6 +58,17 @@ _watches: set[threading.Event] = set()  # the stop events of this process's watc
 _caller_ends = False  # inside ended_by_caller()
 
 
+def _start_clean() -> None:
+    """A forked child (a ``ddp_fork`` rank) starts with no watch and none of its parent's flags: the parent's watch
+    thread does not run there (its ``RankFailureWatch`` starts its own), nor the CLI's error path (that callback
+    ends a failing child), and a lock of the parent's may have been held at the fork: new objects, not cleared ones."""
+    global _ending, _watches, _caller_ends
+    _ending, _watches, _caller_ends = threading.Event(), set(), False
+
+
+os.register_at_fork(after_in_child=_start_clean)
+
+
 @dataclasses.dataclass(frozen=True)
 class RankPlace:
     """This process's place in a run of several processes, as Lightning's strategy sets it before the ranks
