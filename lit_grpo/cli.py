@@ -64,7 +64,7 @@ from lit_grpo.runtime.checkpoints import (CheckpointIdentity, check_resumable, c
                                           find_last_checkpoint, finish_interrupted_swaps, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (RankPlace, end_failed_rank, end_unconnected_rank, ended_by_caller,
-                                           rank_place, watch_failures)
+                                           launched_place, rank_place, watch_failures)
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count, config_errors
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
@@ -121,17 +121,22 @@ class GRPOCLI(LightningCLI):
 
     def _end_before_ranks_connect(self, error: BaseException) -> None:
         """Before the ranks connect (no process group yet), in a run whose other ranks exist or will, an error on
-        this rank alone (a model path missing on one node) would leave them waiting in the process group's setup
-        until its timeout: its record in the run's store ends them (``end_unconnected_rank``). A run of one
-        process, or a parse error (the run's layout is unknown), ends here at once as before; so do rank 0 of one
+        this rank alone (a model path missing on one node, a config file missing there) would leave them waiting
+        in the process group's setup until its timeout: its record in the run's store ends them
+        (``end_unconnected_rank``). The run's layout is read from the settings, or for a parse error from the
+        launcher's environment (torchrun's, SLURM's: ``launched_place``). A run of one process, or a parse error
+        whose layout no launcher gives (Lightning's own: said so), ends here at once; so do rank 0 of one
         node under Lightning's launcher and an error of the ranks' connecting itself (a rank that never came, the
         store's port taken), which no store is there to tell: with the node's ranks the launcher started, which
         would wait for this one's store."""
         if not torch.distributed.is_available() or torch.distributed.is_initialized():
             return  # main ends every rank
         config = getattr(self, "config", None)
-        place = None if config is None else planned_place(
-            (config[config.subcommand] if config.get("subcommand") else config).get("trainer"))
+        if config is None:  # the settings could not be read: the layout is known only from a launcher's environment
+            place = launched_place()
+            _say_unread_layout(place)
+        else:
+            place = planned_place((config[config.subcommand] if config.get("subcommand") else config).get("trainer"))
         if place is None:
             return
         if not place.others_wait or isinstance(error, torch.distributed.DistError):
@@ -577,6 +582,21 @@ def planned_place(trainer: Any) -> RankPlace | None:
         return None
 
 
+def _say_unread_layout(place: RankPlace | None) -> None:
+    """Say what is known of the run's layout where this process's settings could not be read: its place as the
+    launcher's environment gives it (``place``), or, in a run of several nodes under Lightning's own launcher
+    (``NODE_RANK`` set), that the other ranks are not told."""
+    if place is not None:
+        print(f"lit-grpo: the settings could not be read; this process's place comes from its launcher's environment:"
+              f" rank {place.rank} of {place.world}, the run's store at {place.address}:{place.port}",
+              file=sys.stderr, flush=True)
+    elif "NODE_RANK" in os.environ:
+        print(f"lit-grpo: the settings could not be read, so this process's place in the run is unknown (NODE_RANK="
+              f"{os.environ['NODE_RANK']} but no world size: Lightning's launcher takes it from trainer.num_nodes and "
+              "trainer.devices; torchrun and SLURM give it): the other ranks are not told, and wait for this one "
+              "until their process group's timeout", file=sys.stderr, flush=True)
+
+
 def _int_or_none(value: Any) -> int | None:
     try:
         return int(value)
@@ -843,7 +863,11 @@ class GRPOArgumentParser(LightningArgumentParser):
         if self.exit_on_error:  # the message shown; a nested type's parser raises it into its group's message
             message = optional_group_reason(message)
             shown = one_line_reason(message)
-        super().error(shown + did_you_mean(message, _option_names(parser)) + trl_value_hint(message), ex)
+        shown += did_you_mean(message, _option_names(parser)) + trl_value_hint(message)
+        try:
+            super().error(shown, ex)
+        except SystemExit as exit_:  # its cause is what a rank failing here records for the others to name
+            raise exit_ from ConfigError(shown)
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""

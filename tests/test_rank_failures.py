@@ -9,7 +9,8 @@ can talk and the end of training; and, each on the rank it happens on, the resto
 export of the trained model. More cases: a rank away from any collective while another fails (ended by its
 failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes, and a Lightning
 script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
-the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, and the bounded waits
+the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, a config file that
+does (under torchrun, whose environment gives the layout the unread settings do not), and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
 store on its port alone, a process group's setup that times out ending its rank at once (under Lightning's launcher
 with the ranks it started), and where each rank finds its place. A forked rank (``ddp_fork``) starts without its
@@ -259,6 +260,42 @@ def test_a_model_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_
                 in output, tail
 
 
+@pytest.mark.parametrize("failed_rank", [0, 1])
+def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_rank):
+    """``--config c.yaml`` where ``c.yaml`` exists on the other node only, under torchrun: the failing rank's
+    settings cannot be read, so its place comes from torchrun's environment; it says so, records its error in the
+    run's store as any rank failing before the ranks connect does, and the other rank, which would wait in the
+    process group's setup until its timeout (30 minutes), ends within seconds naming it."""
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    (folders[1 - failed_rank] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", "run", "--config", "c.yaml"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders, torchrun=True)
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
+    failed = f"lit-grpo: rank {failed_rank} of 2 failed: ConfigError: Parser key \"config\":"
+    for rank, (code, output, _) in enumerate(outputs):
+        tail = output[-4000:]
+        if rank == failed_rank:
+            assert code == 2 and failed in output and "c.yaml" in output and "Traceback" not in output, tail
+            assert f"this process's place comes from its launcher's environment: rank {rank} of 2" in output, tail
+        else:
+            assert code == 1 and f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " \
+                f"ConfigError: Parser key \"config\":" in output, tail
+
+
+def test_a_parse_error_under_lightnings_launcher_of_several_nodes_says_the_others_are_not_told(tmp_path):
+    """Under Lightning's own launcher of several nodes (``NODE_RANK``) the world size is a setting: a process whose
+    settings cannot be read knows no more than its node, and says that the other ranks wait for it."""
+    env = {**repo_env(), "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ended = forked_cli.run(["fit", "--config", str(tmp_path / "c.yaml")], tmp_path, env, timeout=DEADLINE_S)
+    assert ended.returncode == 2, ended.stderr[-4000:]
+    assert "this process's place in the run is unknown (NODE_RANK=1 but no world size" in ended.stderr, \
+        ended.stderr[-4000:]
+
+
 def _end_unconnected(rank: int, port: int, wait_s: float, log: Path, agent_store: bool = False
                      ) -> tuple[int | None, float]:
     """``fault_helpers.end_unconnected`` in a process of its own, killed after 30 s: its exit code and seconds."""
@@ -367,6 +404,32 @@ def test_a_rank_finds_its_place_before_the_ranks_connect(monkeypatch, env, train
     assert (found if found is None else (found.rank, found.world, found.starts_node, found.others_wait)) == place
     if found is not None:
         assert found.port == 29511
+
+
+@pytest.mark.parametrize("env, place", [
+    ({"RANK": "3", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
+      "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}, (3, 4, 1, 2, "10.0.0.1", 29511)),
+    ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+      "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "node[7-8]", "SLURM_JOB_NAME": "train",
+      "MASTER_PORT": "29511"}, (2, 4, 1, 2, "node7", 29511)),
+    ({"NODE_RANK": "1", "MASTER_PORT": "29511"}, None),  # Lightning's launcher: the world size is a setting
+    ({"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1",
+      "TORCHELASTIC_RUN_ID": "x"}, None),  # one process
+], ids=["torchrun", "slurm", "lightning", "one-process"])
+def test_a_rank_whose_settings_cannot_be_read_finds_its_place_in_its_launchers_environment(monkeypatch, env, place):
+    """``launched_place``: rank, world size, node, nodes and the run's store, from torchrun's or SLURM's variables."""
+    from lit_grpo.runtime.rank_failure import launched_place
+
+    for name in (*_LAUNCH_ENV, "TORCHELASTIC_RUN_ID", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", "SLURM_NODEID",
+                 "SLURM_NNODES", "SLURM_NODELIST", "MASTER_ADDR"):
+        monkeypatch.setenv(name, "")  # so that it is put back: SLURM's MASTER_ADDR is set as it is read
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    found = launched_place()
+    assert (found if found is None else (found.rank, found.world, found.node, found.nodes, found.address,
+                                         found.port)) == place
+    assert found is None or found.others_wait
 
 
 @pytest.mark.parametrize("rank0", ["stalls", "reduces"])

@@ -20,13 +20,14 @@ Before it ends, a rank records its error in the key-value store every rank joine
 after it names it as the cause. Where the store ended with the failed rank (Lightning's own launchers run it in
 rank 0's process), a rank says that its connection to the others broke, and the failed rank's output has the error.
 
-A rank can also fail before the ranks connect (a model path that exists on one node only): the others would wait in
-the process group's setup until its timeout. Each rank watches from before that setup (``GRPOCLI`` starts the watch
-as the run starts), and a rank failing there records its error through :func:`end_unconnected_rank`: rank 0, which
-runs the store, starts it itself and keeps it until every rank still to come has read the record (each says so in
-the store), within ``SETUP_WAIT_S``; any other rank records it in rank 0's store, waiting for it as long (and so
-does rank 0 under torchrun, whose agent runs the store). A store rank 0 finds on its port is another run's: it is
-left alone.
+A rank can also fail before the ranks connect (a model path that exists on one node only, or a config file): the
+others would wait in the process group's setup until its timeout. Its place comes from its settings, or where they
+cannot be read from its launcher's environment (:func:`launched_place`: torchrun's, SLURM's). Each rank watches
+from before that setup (``GRPOCLI`` starts the watch as the run starts), and a rank failing there records its error
+through :func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank
+still to come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it
+in rank 0's store, waiting for it as long (and so does rank 0 under torchrun, whose agent runs the store). A store
+rank 0 finds on its port is another run's: it is left alone.
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def rank_place(strategy: Any) -> RankPlace | None:
     return RankPlace(strategy.global_rank, world, strategy.node_rank, strategy.local_rank,
                      getattr(strategy, "num_nodes", 1), environment.main_address, environment.main_port,
                      not environment.creates_processes_externally)
+
+
+def launched_place() -> RankPlace | None:
+    """This process's place as its launcher's environment gives it, before any setting is read: torchrun's
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or SLURM's
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ...), as Lightning's environments read them. None for one process, or
+    where no launcher gives the world size (Lightning's own launcher takes it from the trainer's settings)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    for kind, nodes in ((TorchElasticEnvironment, lambda world: world // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+                        (SLURMEnvironment, lambda world: int(os.environ.get("SLURM_NNODES", 1)))):
+        try:
+            if not kind.detect():
+                continue
+            environment = kind()
+            world = environment.world_size()
+            place = RankPlace(environment.global_rank(), world, environment.node_rank(), environment.local_rank(),
+                              nodes(world), environment.main_address, environment.main_port, False)
+        except (KeyError, ValueError, RuntimeError):  # a variable missing or no number: not this launcher's run
+            continue
+        return place if world > 1 else None
+    return None
 
 
 @contextlib.contextmanager
