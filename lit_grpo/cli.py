@@ -105,9 +105,9 @@ class GRPOCLI(LightningCLI):
     of its micro-batches. It is process-wide, so it is set in ``lit-grpo``'s own process, not by the modules.
     """
 
-    #: On several nodes, this rank's refusal of the ``--ckpt_path`` file ("" for none; None: not on several nodes),
-    #: for every rank to end on once they can talk (``_parse_ckpt_path``).
-    _refused_checkpoint: str | None = None
+    #: Under several processes, the ``--ckpt_path`` file and this rank's refusal of it (None: accepted), for every
+    #: rank to compare and end on once they can talk (``_parse_ckpt_path``); None: one process, or no file given.
+    _given_checkpoint: tuple[str, str | None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         command_args = kwargs.get("args")
@@ -189,8 +189,9 @@ class GRPOCLI(LightningCLI):
                                  "last.ckpt beside lit_grpo's RunCheckpoint, which keeps it current (atomic, saved "
                                  "on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
             callbacks = [*callbacks, RunCheckpoint()]
-        if self._refused_checkpoint is not None:  # every rank ends on it once the ranks can talk (_parse_ckpt_path)
-            agreement = SameCheckpointOnEveryRank(None, refused=self._refused_checkpoint or None)
+        if self._given_checkpoint is not None:  # compared once the ranks can talk (_parse_ckpt_path)
+            path, refused = self._given_checkpoint
+            agreement = SameCheckpointOnEveryRank(Path(path), refused=refused, flag="--ckpt_path")
             agreement.check_before_setup_of(self.datamodule)
             callbacks = [*callbacks, agreement]
         check_distinct_stateful_callbacks([*configured, *callbacks])
@@ -217,9 +218,11 @@ class GRPOCLI(LightningCLI):
         """A ``--ckpt_path`` file is checked before anything loads it: a missing, cut-short or foreign file, or one
         trained with other settings, fails naming the file and what is wrong. (Lightning's own version of this
         hook loads the whole file and replaces the config's model settings with the checkpoint's; here the
-        config stays what the user gave, and the settings that must agree are compared.) On several nodes, each of
-        which may see another file there, the refusal waits for the ranks to talk, and ends every rank then."""
-        self._refused_checkpoint = None
+        config stays what the user gave, and the settings that must agree are compared.) Under several processes,
+        each of which loads the file itself and may see another one there (another node's, or one being replaced),
+        the file and any refusal are compared once the ranks can talk, and a difference or a refusal ends every
+        rank then; only a rank that no other waits for yet (Lightning's launcher of one node) ends on it at once."""
+        self._given_checkpoint = None
         if not self.config.get("subcommand"):
             return
         config = self.config[self.config.subcommand]
@@ -228,12 +231,11 @@ class GRPOCLI(LightningCLI):
             refusal = _refusal("--ckpt_path", ckpt_path, config.get("model") or {}, config.get("data"),
                                evaluate=self.config.subcommand != "fit",
                                defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings)
-            # the ranks of one node see one file system and refuse a file alike, each at once; a rank of one node
-            # ending alone now would leave the other nodes' waiting to connect
-            if _int_or_none((config.get("trainer") or {}).get("num_nodes")) not in (None, 1):
-                self._refused_checkpoint = "" if refusal is None else str(refusal)
-            elif refusal is not None:
+            place = planned_place(config.get("trainer"))
+            if refusal is not None and (place is None or not place.others_wait):
                 _exit_with(refusal, self.config.subcommand)
+            if place is not None:  # every rank must take part in the comparison: the ranks it will start too
+                self._given_checkpoint = (str(ckpt_path), None if refusal is None else str(refusal))
 
     def before_fit(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` of any run under this one's root (Lightning's own looks in
@@ -597,13 +599,6 @@ def _say_unread_layout(place: RankPlace | None) -> None:
               "until their process group's timeout", file=sys.stderr, flush=True)
 
 
-def _int_or_none(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def _exit_with(error: Exception, subcommand: str) -> None:
     """End a command's run on a bad setting as a parse error does: its message, a tip, exit status 2."""
     _say_config_error(error, subcommand)
@@ -729,13 +724,14 @@ class SameCheckpointOnEveryRank(Callback):
     (``checkpoint_identity``: its path under ``root``, the folder searched, its step and content), not by its path,
     which differs between nodes that mount one file system at different places. ``missing``: where the command
     needs a checkpoint (``validate``), the error every rank ends on when no rank found one (None: none found is a
-    new run). ``refused``: why this rank's checkpoint (found, or given with ``--ckpt_path`` on several nodes) cannot
-    be resumed; where any rank's is refused, every rank ends on the refusals first."""
+    new run). ``refused``: why this rank's checkpoint cannot be resumed; where any rank's is refused, every rank ends
+    on the refusals first. ``flag``: ``--ckpt_path`` for a file given by its path, compared so too (each rank
+    loads the file it sees there)."""
 
     def __init__(self, found: Path | None, missing: str | None = None, root: Path | None = None,
-                 refused: str | None = None) -> None:
+                 refused: str | None = None, flag: str = "--ckpt_path last") -> None:
         self.found = None if found is None else (str(found), checkpoint_identity(found, root))
-        self.missing, self.refused = missing, refused
+        self.missing, self.refused, self.flag = missing, refused, flag
         self._checked = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -750,7 +746,7 @@ class SameCheckpointOnEveryRank(Callback):
         torch.distributed.all_gather_object(gathered, (self.found, self.refused))
         check_no_checkpoint_refused([refused for _, refused in gathered])
         found = [finding for finding, _ in gathered]
-        check_same_checkpoint(found)
+        check_same_checkpoint(found, self.flag)
         if found[0] is None and self.missing is not None:
             raise NoCheckpointFound(self.missing)
 
@@ -799,20 +795,22 @@ def check_no_checkpoint_refused(refused: Sequence[str | None]) -> None:
                                           for reason, where in ranks.items()))
 
 
-def check_same_checkpoint(found: Sequence[tuple[str, CheckpointIdentity] | None]) -> None:
-    """Raise :class:`CheckpointsDiffer` unless every rank's ``--ckpt_path last`` finding (``found[rank]``: the path
-    it found and that checkpoint's identity, or None for none) identifies rank 0's checkpoint, naming rank 0's and
-    each rank's that differs."""
+def check_same_checkpoint(found: Sequence[tuple[str, CheckpointIdentity] | None],
+                          flag: str = "--ckpt_path last") -> None:
+    """Raise :class:`CheckpointsDiffer` unless every rank's ``flag`` finding (``found[rank]``: the path it found, or
+    was given with ``--ckpt_path``, and that checkpoint's identity, or None for none) identifies rank 0's checkpoint,
+    naming rank 0's and each rank's that differs."""
     identity = lambda finding: None if finding is None else finding[1]  # noqa: E731
     differing = [rank for rank, finding in enumerate(found) if identity(finding) != identity(found[0])]
     if not differing:
         return
     others = "; ".join(f"rank {rank}: {_shown_finding(found[rank])}" for rank in differing)
-    raise CheckpointsDiffer(f"--ckpt_path last: the ranks found different checkpoints: rank 0: "
-                            f"{_shown_finding(found[0])}; {others}. Each rank loads the checkpoint itself, so every "
-                            "rank must see rank 0's checkpoint (one file system shared by every node, mounted "
-                            "anywhere, or a copy at the same place under the run's root); or give one checkpoint's "
-                            "path with --ckpt_path PATH")
+    where = ("(one file system shared by every node, mounted anywhere, or a copy at the same place under the run's "
+             "root); or give one checkpoint's path with --ckpt_path PATH" if flag == "--ckpt_path last" else
+             "at that path (one file system shared by every node, or a copy of the file)")
+    raise CheckpointsDiffer(f"{flag}: the ranks found different checkpoints: rank 0: {_shown_finding(found[0])}; "
+                            f"{others}. Each rank loads the checkpoint itself, so every rank must see rank 0's "
+                            f"checkpoint {where}")
 
 
 def _shown_finding(finding: tuple[str, CheckpointIdentity] | None) -> str:

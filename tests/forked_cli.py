@@ -155,12 +155,12 @@ def _kill(process) -> None:
 
 
 def run_ranks(argv: list[str], folder: Path, port: int, timeout: float, env: dict[str, str] | None = None,
-              rank_folders: tuple[Path, Path] | None = None, script: str | None = None, torchrun: bool = False
+              rank_folders: tuple[Path, Path] | None = None, script: str | None = None, torchrun_nodes: int = 0
               ) -> list[tuple[int | None, str, float]]:
     """Rank 0 and rank 1 of ``lit-grpo ARGV`` (with ``script``: of ``python SCRIPT ARGV``, a Lightning script of
     its own) as 2 nodes x 1 process (Lightning's ``LightningEnvironment``: each process given its ``NODE_RANK`` and
-    one ``MASTER_ADDR`` / ``MASTER_PORT``; with ``torchrun``, torchrun's environment instead, whose ranks run the
-    store as under ``env://``), in ``folder`` (or each in its own of ``rank_folders``: nodes without a
+    one ``MASTER_ADDR`` / ``MASTER_PORT``; with ``torchrun_nodes`` 2 or 1, torchrun's environment instead, of 2
+    nodes x 1 process or 1 node x 2, whose rank 0 runs the store as under ``env://``), in ``folder`` (or each in its own of ``rank_folders``: nodes without a
     shared file system, for relative paths; the logs stay in ``folder``); waits for both, at most ``timeout``
     seconds from their start. Returns per rank its exit status (None: still running at the timeout, then killed),
     its output (stdout and stderr together) and the seconds it ran."""
@@ -170,9 +170,10 @@ def run_ranks(argv: list[str], folder: Path, port: int, timeout: float, env: dic
         base.pop(name, None)
     logs = [folder / f"rank{rank}.log" for rank in (0, 1)]
     cwds = rank_folders or (folder, folder)
-    launched = [{"RANK": str(rank), "GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "test"} if torchrun else {"NODE_RANK": str(rank)}
-                for rank in (0, 1)]
+    per_node = 2 // max(torchrun_nodes, 1)
+    launched = [{"RANK": str(rank), "GROUP_RANK": str(rank // per_node), "LOCAL_RANK": str(rank % per_node),
+                 "LOCAL_WORLD_SIZE": str(per_node), "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "test"}
+                if torchrun_nodes else {"NODE_RANK": str(rank)} for rank in (0, 1)]
     ranks = [_start(argv, cwds[rank], {**base, **launched[rank]}, (logs[rank], logs[rank]), script=script)
              for rank in (0, 1)]
     started, ended = time.monotonic(), {}

@@ -911,6 +911,40 @@ def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_pa
         assert "Restoring states" not in shown and "Traceback" not in shown
 
 
+def test_a_ckpt_path_file_that_one_rank_of_one_node_refuses_or_sees_otherwise_ends_every_rank(tmp_path):
+    """``--ckpt_path c.ckpt`` under torchrun on one node of 2 processes, rank 1 seeing another file there (each rank
+    in a folder of its own): a cut-short copy, which rank 1 refuses, or one of other content, which it would load
+    and train on as one run with rank 0's other weights. Both end on one error once they can talk, naming it."""
+    from tools.harness import free_port, repo_env
+
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    build_cli(_fit_args(tmp_path / "first", steps=1))
+    saved = tmp_path / "first" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    shutil.copy(saved, folders[0] / "c.ckpt")
+    other = torch.load(saved, map_location="cpu", weights_only=False)
+    weights = other["state_dict"]
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1
+    argv = [*_fit_args(Path("run"), "--ckpt_path", "c.ckpt", "--trainer.limit_val_batches", "0", steps=2),
+            "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    for seen, error in (("cut", "CheckpointRefused: rank 1: --ckpt_path: checkpoint c.ckpt is cut short"),
+                        ("other", "CheckpointsDiffer: --ckpt_path: the ranks found different checkpoints: rank 0: "
+                                  "c.ckpt (c.ckpt, step 1, content ")):
+        if seen == "cut":
+            (folders[1] / "c.ckpt").write_bytes((folders[0] / "c.ckpt").read_bytes()[:1000])
+        else:
+            torch.save(other, folders[1] / "c.ckpt")
+        outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 60, env=repo_env(), rank_folders=folders,
+                                       torchrun_nodes=1)
+        shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+        assert [code for code, _, _ in outputs] == [2, 2], shown
+        for rank, (_, output, _) in enumerate(outputs):
+            assert f"lit-grpo: rank {rank} of 2 failed: {error}" in output, shown
+        assert "Restoring states" not in shown and "Traceback" not in shown
+
+
 def test_validate_last_with_no_checkpoint_on_any_rank_ends_every_rank_naming_it(tmp_path):
     """``validate --ckpt_path last`` on 2 nodes x 1 process where no rank finds a last.ckpt: both end on the same
     error (NoCheckpointFound) once they can talk, exit status 2, in seconds."""

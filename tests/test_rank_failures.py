@@ -272,7 +272,7 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
     (folders[1 - failed_rank] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
     argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
             "--trainer.default_root_dir", "run", "--config", "c.yaml"]
-    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders, torchrun=True)
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders, torchrun_nodes=2)
     for rank, (code, output, _) in enumerate(outputs):
         assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
     failed = f"lit-grpo: rank {failed_rank} of 2 failed: ConfigError: Parser key \"config\":"
