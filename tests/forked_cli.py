@@ -160,10 +160,11 @@ def run_ranks(argv: list[str], folder: Path, port: int, timeout: float, env: dic
     """Rank 0 and rank 1 of ``lit-grpo ARGV`` (with ``script``: of ``python SCRIPT ARGV``, a Lightning script of
     its own) as 2 nodes x 1 process (Lightning's ``LightningEnvironment``: each process given its ``NODE_RANK`` and
     one ``MASTER_ADDR`` / ``MASTER_PORT``; with ``torchrun_nodes`` 2 or 1, torchrun's environment instead, of 2
-    nodes x 1 process or 1 node x 2, whose rank 0 runs the store as under ``env://``), in ``folder`` (or each in its own of ``rank_folders``: nodes without a
-    shared file system, for relative paths; the logs stay in ``folder``); waits for both, at most ``timeout``
-    seconds from their start. Returns per rank its exit status (None: still running at the timeout, then killed),
-    its output (stdout and stderr together) and the seconds it ran."""
+    nodes x 1 process or 1 node x 2, whose rank 0 runs the store as under ``env://``), in ``folder`` (or each in
+    its own of ``rank_folders``: nodes without a shared file system, for relative paths; the logs stay in
+    ``folder``); waits for both, at most ``timeout`` seconds from their start. Returns per rank its exit status
+    (None: still running at the timeout, then killed), its output (stdout and stderr together) and the seconds it
+    ran."""
     base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1"}
     for name in ("LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE"):  # a launcher's, which would say who starts the ranks
