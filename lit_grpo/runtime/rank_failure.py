@@ -51,7 +51,10 @@ STORE_TIMEOUT_S = 5.0
 #: How often :func:`watch_failures` asks the store whether a rank has failed.
 WATCH_INTERVAL_S = 1.0
 #: How long a rank that failed before the ranks connected waits for the others to read its record (rank 0, running
-#: the store), or for rank 0's store to exist (any other rank): a rank still loading its model comes late.
+#: the store), or for rank 0's store to exist (any other rank): a rank still loading its model comes late. A rank
+#: killed (SIGKILL) before it read the record holds rank 0 that long: nothing tells it from a late one, since the
+#: store exists only from rank 0's failure on (no rank could leave a sign of life in it before) and tells no
+#: count of its clients.
 SETUP_WAIT_S = 300.0
 
 _ending = threading.Event()  # this process is ending on its own error: its watch stands down
