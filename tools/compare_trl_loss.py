@@ -32,6 +32,18 @@ shares count every completion, lit_grpo's those with a loss token (a completion 
 a clipped one), so TRL's are compared scaled by completions / completions with a loss token. Exits 1 if any
 exceeds ``--tolerance``.
 
+The module path is compared apart, for every loss_type (also with ``off_policy_mask_threshold``) x level x beta
+(0, 0.04) x sampler correction (none, token_truncate, sequence_mask) x ``mask_truncated_completions`` (off, on):
+completions with tool results inside (a tool mask) and some truncated, their token ids ending on EOS exactly where
+not. TRL's loss masks come from running its ``mask_truncated_completions`` block of
+``_generate_and_score_completions`` from its source (the flag read from the ids), ``num_items_in_batch`` is the
+loss tokens of every process, its sampler weights are computed on those masks, and its stand-in trainer has
+``num_processes`` ranks; ours are ``GRPOModule._loss_mask`` and ``_total_active_tokens`` (summed over the ranks,
+as the strategy's reduce does) with ``micro_batch_weight``'s world size. Each shape is run as (ranks, micro-batches
+per rank) in ``RANK_SPLITS`` where its rows split evenly, every rank's gradient averaged as ddp does; a row reports
+the loss (the ranks' mean) and its gradient w.r.t. ``logps``. ``top_entropy_quantile`` is left out there: its
+quantile spans one rank's micro-batch in lit_grpo and every process's in TRL (``LossConfig``).
+
 The entropy bonus (``entropy_coef``) is compared apart, for every loss_type x level x ``top_entropy_quantile`` (1
 and 0.3) and shape, in one and in two micro-batches (beta 0, no sampler correction): the entropies are a leaf with
 a gradient on both sides (in ``--dtype``), and a row reports the loss, its gradient w.r.t. ``logps`` and w.r.t. the
@@ -307,6 +319,162 @@ def compare_advantages(dtype: torch.dtype) -> dict[str, float]:
     return worst
 
 
+# ------------------------------------------------------------------------------------------------ module path
+#: (ranks, micro-batches per rank) of the module-path comparison; a shape takes those its rows split into evenly
+#: (TRL's micro-batches are always equal).
+RANK_SPLITS = ((1, 1), (1, 2), (2, 1), (2, 2))
+MODULE_IS_MODES = ("none", "token_truncate", "sequence_mask")
+EOS, PAD = 2, 0
+
+
+def make_module_inputs(n: int, t: int, seed: int, dtype: torch.dtype) -> dict:
+    """``make_inputs`` plus a tool mask (tool results inside some completions: 0) and truncation flags, with each
+    completion's token ids ending on EOS exactly where it is not truncated (TRL reads the flag from the ids)."""
+    inputs = make_inputs(n, t, seed, dtype)
+    g = torch.Generator().manual_seed(1000 + seed)
+    tool = torch.ones(n, t, dtype=torch.long)
+    tool[torch.rand(n, t, generator=g) < 0.2] = 0
+    lengths = inputs["mask"].sum(dim=1).tolist()
+    truncated = torch.rand(n, generator=g) < 0.4
+    truncated[1] = False  # the completion without an active token ends on nothing
+    ids = [[5] * (length - 1) + [5 if cut else EOS] for length, cut in zip(lengths, truncated.tolist()) if length]
+    ids.insert(1, [PAD])
+    return {**inputs, "tool": tool, "truncated": truncated, "ids": ids}
+
+
+def trl_loss_masks(inputs: dict, rows: torch.Tensor, mask_truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's ``completion_mask`` and ``tool_mask`` of one process's ``rows``: the ``mask_truncated_completions`` block
+    of ``_generate_and_score_completions``, run from its source."""
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    block = trl_block(source, "if self.mask_truncated_completions:", "loss_mask = completion_mask if tool_mask")
+    fake = SimpleNamespace(mask_truncated_completions=mask_truncated, eos_token_ids=[EOS],
+                           _tokenizer=SimpleNamespace(pad_token_id=PAD))
+    scope = {"self": fake, "torch": torch, "device": inputs["mask"].device, "completion_mask": inputs["mask"][rows],
+             "tool_mask": inputs["tool"][rows], "completion_ids_list": [inputs["ids"][r] for r in rows.tolist()]}
+    exec(compile(block, "trl:mask_truncated_completions", "exec"), scope)
+    return scope["completion_mask"], scope["tool_mask"]
+
+
+def trl_module_loss(trl, case, inputs, split, mask_truncated):
+    """TRL over ``ranks`` processes of ``micro`` micro-batches each: every process's loss on its rows (its
+    masks from ``trl_loss_masks``, ``num_items_in_batch`` the loss tokens of every process), the gradients averaged
+    over the processes as ddp does; returns the mean loss and that gradient."""
+    loss_type, extra, level, beta, kl_bc, is_mode = case
+    ranks, micro = split
+    n = inputs["mask"].shape[0]
+    leaf = inputs["logps"].clone().requires_grad_(True)
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    per_rank = list(torch.arange(n).chunk(ranks))
+    masks = [trl_loss_masks(inputs, rows, mask_truncated) for rows in per_rank]
+    num_items = sum((completion * tool).sum() for completion, tool in masks)  # gathered over the processes
+    total = 0.0
+    for rows_of_rank, (completion_mask, tool_mask) in zip(per_rank, masks):
+        weights = None
+        if is_mode != "none":
+            masked = {**inputs, "mask": torch.zeros_like(inputs["mask"]), "old": inputs["old"].clone()}
+            masked["mask"][rows_of_rank] = completion_mask * tool_mask
+            weights = trl_weights_and_metrics(trl, masked, is_mode, BOUNDS[0])[0][rows_of_rank]
+        for part in torch.arange(len(rows_of_rank)).chunk(micro):
+            rows = rows_of_rank[part]
+            fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, micro, leaf[rows], eps_high,
+                               entropy=inputs["entropy"][rows], **extra)
+            fake.accelerator = SimpleNamespace(num_processes=ranks, gather=_Accelerator.gather,
+                                               reduce=_Accelerator.reduce)
+            t = leaf.shape[1]
+            batch = {"prompt_ids": torch.zeros(len(rows), 1, dtype=torch.long),
+                     "prompt_mask": torch.ones(len(rows), 1, dtype=torch.long),
+                     "completion_ids": torch.zeros(len(rows), t, dtype=torch.long),
+                     "completion_mask": completion_mask[part], "tool_mask": tool_mask[part],
+                     "advantages": inputs["advantages"][rows], "old_per_token_logps": inputs["old"][rows],
+                     "sampling_per_token_logps": inputs["sampling"][rows], "num_items_in_batch": num_items}
+            if beta:
+                batch["ref_per_token_logps"] = inputs["ref"][rows]
+            if weights is not None:
+                batch["importance_sampling_ratio"] = weights[part]
+            loss = trl[0]._compute_loss(fake, None, batch) / ranks  # ddp averages the processes' gradients
+            loss.backward()
+            total = total + loss.detach()
+    return total, leaf.grad
+
+
+def our_module_loss(case, inputs, split, mask_truncated):
+    """lit_grpo as ``GRPOModule._update`` runs on each rank: its ``_loss_mask`` and ``_total_active_tokens`` (summed
+    over the ranks, as the strategy's reduce does), the sampler correction on that mask, the loss times its
+    ``micro_batch_weight``; the gradients averaged over the ranks."""
+    from lit_grpo.update.module import GRPOModule
+
+    loss_type, extra, level, beta, kl_bc, is_mode = case
+    ranks, micro = split
+    n = inputs["mask"].shape[0]
+    eps_high = CISPO_EPS_HIGH if loss_type == "cispo" else EPS_HIGH
+    loss_fn = make_loss(loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high, beta=beta,
+                        importance_sampling_level=level, kl_bias_correction=kl_bc, **extra)
+    module = SimpleNamespace(hparams=SimpleNamespace(mask_truncated_completions=mask_truncated), _trainer=None)
+    module._loss_mask = MethodType(GRPOModule._loss_mask, module)
+    drawn = inputs["mask"] * inputs["tool"]
+    chunks_of = [[(rows, {"drawn_mask": drawn[rows], "truncated": inputs["truncated"][rows]})
+                  for rows in rows_of_rank.chunk(micro)] for rows_of_rank in torch.arange(n).chunk(ranks)]
+    total_active = sum(GRPOModule._total_active_tokens(module, chunks) for chunks in chunks_of)
+    correction = SamplerCorrection(is_mode, *BOUNDS[0]) if is_mode != "none" else None
+    leaf = inputs["logps"].clone().requires_grad_(True)
+    total = 0.0
+    for chunks in chunks_of:
+        rank_rows = sum(len(rows) for rows, _ in chunks)
+        for rows, batch in chunks:
+            mask = module._loss_mask(batch)
+            weights = correction.weights(inputs["old"][rows], inputs["sampling"][rows], mask) if correction else None
+            loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], mask,
+                           inputs["ref"][rows] if beta else None, MAX_LEN,
+                           total_active if loss_fn.needs_step_tokens else None, weights, inputs["sampling"][rows],
+                           inputs["entropy"][rows])
+            loss = loss * loss_fn.micro_batch_weight(len(rows), rank_rows, len(chunks), ranks) / ranks
+            loss.backward()
+            total = total + loss.detach()
+    return total, leaf.grad
+
+
+def compare_module_path(dtype: torch.dtype) -> list[dict]:
+    """The module path's rows (module docstring): per loss_type (and with the off-policy mask) x level x beta x
+    sampler correction x ``mask_truncated_completions``, the largest ``|ours - TRL|`` of the loss and its gradient
+    over the shapes and the even ``RANK_SPLITS``."""
+    trl = trl_sources()
+    records = []
+    variants = tuple((loss_type, {}) for loss_type in LOSS_TYPES) + tuple(
+        (loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES)
+    for (loss_type, extra), level, beta, is_mode, truncated in itertools.product(
+            variants, LEVELS, (0.0, 0.04), MODULE_IS_MODES, (False, True)):
+        case = (loss_type, extra, level, beta, False, is_mode)
+        worst = {"loss": 0.0, "grad": 0.0}
+        for seed, (n, t) in enumerate(SHAPES):
+            inputs = make_module_inputs(n, t, seed, dtype)
+            for split in RANK_SPLITS:
+                if n % (split[0] * split[1]):
+                    continue
+                want, want_grad = trl_module_loss(trl, case, inputs, split, truncated)
+                got, got_grad = our_module_loss(case, inputs, split, truncated)
+                worst["loss"] = max(worst["loss"], float((got - want).abs()))
+                worst["grad"] = max(worst["grad"], float((got_grad - want_grad).abs().max()))
+        records.append({"loss_type": loss_type, **extra, "importance_sampling_level": level, "beta": beta,
+                        "importance_sampling_mode": is_mode, "mask_truncated_completions": truncated,
+                        **{f"max_abs_diff_{k}": v for k, v in worst.items()}})
+    return records
+
+
+def print_module_path(records: list[dict], tolerance: float) -> int:
+    """Print the module path's summary and any row over ``tolerance``; returns how many are over."""
+    bad = [r for r in records if max(r["max_abs_diff_loss"], r["max_abs_diff_grad"]) > tolerance]
+    largest = {kind: max(r[f"max_abs_diff_{kind}"] for r in records) for kind in ("loss", "grad")}
+    for r in bad:
+        print("module path MISMATCH: " + ", ".join(f"{k}={v}" for k, v in r.items()))
+    print(f"module path (GRPOModule's loss mask and dapo normalizer, mask_truncated_completions off / on, tool "
+          f"masks; (ranks, micro-batches) in {RANK_SPLITS}, gradients averaged over ranks): {len(records)} "
+          f"combinations, {len(bad)} over {tolerance:g}; largest: loss {largest['loss']:.1e}, grad "
+          f"{largest['grad']:.1e}")
+    return len(bad)
+
+
 # ------------------------------------------------------------------------------------------------ entropy bonus
 ENTROPY_COEF, ENTROPY_DELTA = 0.05, 0.02
 #: (name, adaptive target): the static coefficient; the adaptive control with a target above every entropy (the
@@ -571,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         bad += diff > args.tolerance
         print(f"advantages, {key}, (B, G, K) in {REWARD_SHAPES}: max |ours - TRL| {diff:.1e}"
               + ("  MISMATCH" if diff > args.tolerance else ""))
+    module_path = compare_module_path(getattr(torch, args.dtype))
+    bad += print_module_path(module_path, args.tolerance)
     entropy = compare_entropy_bonus(getattr(torch, args.dtype))
     bad += print_entropy_bonus(entropy, args.tolerance)
     head = compare_lm_head()
@@ -581,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cast_lm_head_to_fp32, {r['precision']}, {'tied' if r['tied'] else 'untied'}: max |ours - TRL| "
               f"log-probs {diffs[0]:.1e}, head gradient {diffs[1]:.1e}" + ("  MISMATCH" if flag else ""))
     harness.write_json(args.json, {"trl": trl.__version__, "dtype": args.dtype, "records": records,
-                                   "max_abs_diff_advantages": advantages, "entropy_bonus": entropy,
+                                   "max_abs_diff_advantages": advantages, "module_path": module_path,
+                                   "entropy_bonus": entropy,
                                    "cast_lm_head_to_fp32": head}, indent=1)
     return 1 if bad else 0
 
