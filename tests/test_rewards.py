@@ -759,3 +759,15 @@ def test_the_arguments_kept_for_a_retry_copy_what_a_call_could_change_and_share_
         assert seen[0] is not prompts[start] and seen[0][0]["content"] is prompts[start][0]["content"]
         assert entry[0] is entry[1] and entry[0]["metadata"]["tags"] == ["x"]
         assert ids == [[7, 8, 9]] * 2
+
+
+def test_a_copy_shares_a_tuple_of_strings_and_numbers_and_rebuilds_one_holding_a_list():
+    """A tuple no call can change (a reasoning-gym row's ``difficulty`` ranges, ``(2, 6)``) is shared as a string
+    is; one holding a list is rebuilt around that list's copy."""
+    from lit_grpo.rollout.rewards import own_copy
+
+    fixed, mixed = (2, 6, "x"), (1, ["a"])
+    row = {"difficulty": {"num_terms": fixed}, "mixed": mixed}
+    copied = own_copy(row)
+    assert copied["difficulty"]["num_terms"] is fixed and copied["difficulty"] is not row["difficulty"]
+    assert copied["mixed"] == mixed and copied["mixed"] is not mixed and copied["mixed"][1] is not mixed[1]

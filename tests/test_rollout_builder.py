@@ -698,3 +698,32 @@ def test_a_reward_function_changing_its_arguments_changes_nothing_of_the_run():
     assert all(t == ["a"] for t in seen[0][1])
     assert all(example.entry["tags"] == ["a"] and example.entry["answer"] != "changed" for example in dm.examples)
     assert int(batch.completion_ids.min()) >= 0  # no -1 reached the tokens trained on
+
+
+def test_a_row_field_deepcopy_refuses_reaches_each_completion_as_it_is():
+    """Each completion's columns are copied as each reward function's are (``rewards._fresh``): plain data rebuilt,
+    and a value ``copy.deepcopy`` refuses (a lock, a client handle in a row built in Python) passed as it is, where
+    ``copy.deepcopy`` of the whole row ended the step on it."""
+    import threading
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    client = threading.Lock()
+    seen = []
+
+    def judge(prompts, completions, entry, handle, **columns):
+        seen.append((entry, handle))
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": f"{i} + 1?", "answer": str(i + 1), "handle": client, "tags": ["a"]} for i in range(4)]
+    dm = RolloutDataModule(prompts=rows, val_size=0, prompts_per_step=2, reward_funcs=[judge],
+                           sampling={"group_size": 2, "micro_group_size": 2, "max_new_tokens": 3})
+    dm.attach(model, tokenizer)
+    dm.setup("fit")
+    dm.build_train_batch()
+    entries, handles = seen[0]
+    assert len(handles) == 4 and all(handle is client for handle in handles)
+    assert all(entry["handle"] is client for entry in entries)
+    assert len({id(entry) for entry in entries}) == 4 and len({id(entry["tags"]) for entry in entries}) == 4

@@ -24,7 +24,6 @@ across ranks). It knows nothing about Lightning. The slot cache's memory decisio
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -37,8 +36,8 @@ from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normali
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, scored_rewards
 from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
-from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, reward_arguments,
-                                     score_rewards)
+from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, own_copy,
+                                     reward_arguments, score_rewards)
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
@@ -457,8 +456,9 @@ class RolloutBuilder:
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
                  for group in result.completion_ids]
         # each completion gets copies of its own, as TRL's rows are: a reward function that changes one changes
-        # neither the prompt set, the rollout's tokens, nor another completion's
-        repeat = lambda per_prompt: [copy.deepcopy(v) for v in per_prompt for _ in range(G)]  # noqa: E731
+        # neither the prompt set, the rollout's tokens, nor another completion's. Copied as each function's
+        # arguments are (own_copy: plain data rebuilt, what deepcopy refuses passed as it is)
+        repeat = lambda per_prompt: [own_copy(v) for v in per_prompt for _ in range(G)]  # noqa: E731
         columns = {
             "answer": repeat([e.answer for e in examples]),
             "entry": repeat([e.entry for e in examples]),

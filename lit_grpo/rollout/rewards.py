@@ -522,12 +522,12 @@ _IMMUTABLE = frozenset({str, bytes, int, float, complex, bool, type(None)})
 
 def _fresh(value: Any, memo: dict[int, Any]) -> Any:
     """A copy of ``value`` that a call may change without changing ``value``: lists, dicts and tuples rebuilt
-    (an object met twice copied once, ``memo``, as ``copy.deepcopy`` keeps it), strings and numbers shared (no call
-    can change them in place; copying them, ``completion_ids``' every token, was most of a scoring's copy), any
-    other value ``copy.deepcopy``'d, or kept as it is where ``copy.deepcopy`` refuses it (a lock, a client handle):
-    a retry then sees what a failed call left in it."""
+    (an object met twice copied once, ``memo``, as ``copy.deepcopy`` keeps it), strings and numbers shared, and
+    tuples of only those (no call can change them in place; copying them, ``completion_ids``' every token, was most
+    of a scoring's copy), any other value ``copy.deepcopy``'d, or kept as it is where ``copy.deepcopy`` refuses it
+    (a lock, a client handle): a retry then sees what a failed call left in it."""
     kind = type(value)
-    if kind in _IMMUTABLE:
+    if kind in _IMMUTABLE or (kind is tuple and _IMMUTABLE.issuperset(map(type, value))):
         return value
     if id(value) in memo:
         return memo[id(value)]
@@ -555,6 +555,12 @@ def _fresh(value: Any, memo: dict[int, Any]) -> Any:
             copied = value
     memo[id(value)] = copied
     return copied
+
+
+def own_copy(value: Any) -> Any:
+    """A copy of ``value`` that a reward call may change without changing ``value`` or another's copy (``_fresh``):
+    what one row of a scoring's columns gets."""
+    return _fresh(value, {})
 
 
 def _fresh_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
