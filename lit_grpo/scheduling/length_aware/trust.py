@@ -7,8 +7,8 @@ the log of its true length. Treating (m, t) as jointly normal, :class:`Predictio
 spreads and correlation ``rho`` (so it follows the policy as it drifts) and trusts only what is established:
 
 - ``rho_low``: the lower end of a one-sided confidence interval on ``rho`` (Fisher's z, ``CONFIDENCE_Z``
-  standard errors at the pairs' effective count), so a correlation seen on a handful of samples, or noise that
-  happens to line up, earns nothing;
+  standard errors at the pairs' effective degrees of freedom within rollouts, as the spreads below are pooled), so
+  a correlation seen on a handful of samples, or noise that happens to line up, earns nothing;
 - ``calibrate(m)``: the regression of t on m with that slope, i.e. the trusted median
   ``exp(mean_t + rho_low * sd_t / sd_m * (m - mean_m))`` and the trusted error spread
   ``sd_t * sqrt(1 - rho_low^2)``, where the within-rollout variances are pooled over the pairs' degrees of freedom:
@@ -130,6 +130,15 @@ class PredictionTrust:
         return (w + n) ** 2 / (w2 + n) if w2 + n > 0 else 0.0
 
     @property
+    def effective_dof(self) -> float:
+        """The effective count's degrees of freedom within rollouts: the pairs' (``effective_count``) less each
+        rollout's share of them its own mean took, as the within-rollout statistics are pooled (``_within``):
+        ``N - k`` for ``N`` pairs in ``k`` rollouts without decay."""
+        weight = self.past[0] + self.current[0]
+        dof = self.past_dof_weight + max(self.current[0] - 1, 0.0)
+        return self.effective_count * dof / weight if weight > 0 else 0.0
+
+    @property
     def rho(self) -> float:
         """The measured within-rollout correlation of log prediction and log length; 0 when either is constant."""
         weight, var_m, var_t, cov = self._within()
@@ -139,11 +148,14 @@ class PredictionTrust:
 
     @property
     def rho_low(self) -> float:
-        """The correlation established at ``confidence_z`` standard errors, floored at 0."""
-        n = self.effective_count
-        if n <= 3:
+        """The correlation established at ``confidence_z`` standard errors, floored at 0. Fisher's z of a correlation
+        has standard error ``1 / sqrt(n - 3)`` for ``n`` pairs about one mean, i.e. ``1 / sqrt(dof - 2)``; here
+        each rollout's pairs are centred on their own mean, so ``dof`` is ``effective_dof``, not ``n - 1`` (at 2
+        samples a rollout that halves it: over ``n`` the interval covered 91% where it claims 98%)."""
+        dof = self.effective_dof
+        if dof <= 2:
             return 0.0
-        return max(0.0, math.tanh(math.atanh(self.rho) - self.confidence_z / math.sqrt(n - 3)))
+        return max(0.0, math.tanh(math.atanh(self.rho) - self.confidence_z / math.sqrt(dof - 2)))
 
     @property
     def informative(self) -> bool:
