@@ -326,6 +326,7 @@ class GRPOCLI(LightningCLI):
             check_groups_are_mappings(config, self._parser(self.subcommand).get_defaults())
             check_manual_optimization_settings(config.get("trainer") or {})
             check_accelerator((config.get("trainer") or {}).get("accelerator"))
+            check_processes(config.get("trainer") or {})
             if self.subcommand == "fit" and (config.get("trainer") or {}).get("limit_train_batches") == 0:
                 raise ValueError("trainer.limit_train_batches=0 trains no step, so fit would only validate: remove "
                                  "it, or run lit-grpo validate")
@@ -680,6 +681,44 @@ def check_accelerator(accelerator: Any) -> None:
         return
     raise ValueError(f"trainer.accelerator={accelerator!r}, but torch finds no GPU on this machine "
                      "(torch.cuda.is_available() is False): use 'cpu', or 'auto' for whatever is here")
+
+
+def check_processes(trainer: Any) -> None:
+    """Refuse a ``trainer.strategy`` name, ``trainer.devices`` or ``trainer.num_nodes`` Lightning would refuse,
+    naming the setting and what it takes: Lightning's own messages name neither the setting's key nor, for
+    devices, what is allowed (``Trainer(devices='0')`` is not a valid input). Classes and values Lightning takes
+    are left to it."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str) and strategy.lower() != "auto" and strategy.lower() not in StrategyRegistry:
+        names = ["auto", *StrategyRegistry.available_strategies()]
+        close = difflib.get_close_matches(strategy.lower(), names, n=1)
+        plain = [name for name in names if "find_unused_parameters" not in name]  # not each ddp one's two variants
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"trainer.strategy={strategy!r} is not known{meant}; use one of {plain} (the ddp ones also "
+                         "as NAME_find_unused_parameters_true or _false), or a Strategy class (class_path, init_args)")
+    nodes = trainer.get("num_nodes")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise ValueError(f"trainer.num_nodes={nodes!r} is not allowed; trainer.num_nodes must be an integer >= 1")
+    devices = trainer.get("devices")
+    if devices is None or devices == "auto":
+        return
+    count = _int_or_none(devices) if isinstance(devices, (int, str)) and not isinstance(devices, bool) else None
+    shown = count if count is not None and str(devices).strip() == str(count) else repr(devices)  # '0' read as 0
+    accelerator = trainer.get("accelerator")
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available()
+                                      and not torch.backends.mps.is_available())
+    if on_cpu:
+        if count is None or count < 1:
+            raise ValueError(f"trainer.devices={shown} is not allowed; on the CPU trainer.devices must be a number "
+                             "of processes >= 1, or 'auto'")
+        return
+    listed = isinstance(devices, list) and devices and all(isinstance(i, int) and i >= 0 for i in devices)
+    if not (listed or (count is not None and (count >= 1 or count == -1)) or (
+            count is None and isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?", devices))):
+        raise ValueError(f"trainer.devices={shown} is not allowed; trainer.devices must be a number of devices >= 1, "
+                         "-1 (all of them), 'auto', or a list of device indices such as [0, 1]")
 
 
 def resume_command(args: Sequence[str]) -> str:

@@ -779,3 +779,36 @@ def test_a_gpu_accelerator_without_a_gpu_is_refused_before_the_model_loads(capsy
     assert _refused(capsys, ["fit", "--config", GPU]).startswith(  # Qwen3-1.7B: never loaded here
         "error: trainer.accelerator='gpu', but torch finds no GPU on this machine (torch.cuda.is_available() is "
         "False): use 'cpu', or 'auto'")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.devices", "0"], "error: trainer.devices=0 is not allowed; on the CPU trainer.devices must be a number "
+     "of processes >= 1, or 'auto'\n"),
+    (["--trainer.accelerator", "cpu", "--trainer.devices", "[0, 1]"], "error: trainer.devices=[0, 1] is not allowed; "
+     "on the CPU trainer.devices must be a number of processes >= 1, or 'auto'\n"),
+    (["--trainer.strategy", "dpp"], "error: trainer.strategy='dpp' is not known (did you mean 'ddp'?); use one of "
+     "['auto', 'ddp', 'ddp_spawn', "),
+    (["--trainer.num_nodes", "0"], "error: trainer.num_nodes=0 is not allowed; trainer.num_nodes must be an integer "
+     ">= 1\n"),
+])
+def test_a_bad_process_setting_is_named_with_what_it_takes(capsys, monkeypatch, args, message):
+    """trainer.devices, strategy and num_nodes are refused as the other settings are (the key, the value, what is
+    allowed), where Lightning said `Trainer(devices='0')` value is not a valid input, or listed strategy names
+    without the setting's key."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert message in _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", *args])
+
+
+@pytest.mark.parametrize("devices, allowed", [(0, False), ("0", False), (-2, False), ([], False), ("x", False),
+                                              (2, True), (-1, True), ([0, 3], True), ("0,1", True), ("auto", True)])
+def test_gpu_devices_take_a_count_all_or_indices(devices, allowed):
+    from lit_grpo.cli import check_processes
+
+    trainer = {"accelerator": "gpu", "devices": devices}
+    if allowed:
+        check_processes(trainer)
+        return
+    with pytest.raises(ValueError, match=r"trainer.devices=.* is not allowed; trainer.devices must be a number of "
+                                         r"devices >= 1, -1 \(all of them\), 'auto', or a list of device indices"):
+        check_processes(trainer)
