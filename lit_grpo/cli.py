@@ -934,9 +934,18 @@ _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([\w.]+)':")
 _KEY_THEN_REASON = re.compile(r'Parser key "([\w.]+)":\n\s+(Expected [^\n]*)')
 
 
+#: jsonargparse's refusal of a ``--config`` path: nothing there, or no file.
+_CONFIG_NOT_FOUND = re.compile(r"Parser key \"config\": (File does not exist|Path is not a file): '(.*)'", re.DOTALL)
+
+
 def one_line_reason(message: str) -> str:
     """``KEY: REASON`` for jsonargparse's two-line refusal of one setting's value (``Parser key "KEY":`` then the
-    reason), as the other refusals are said; any other ``message`` as it is."""
+    reason), and ``--config FILE: no such file`` for its refusal of a config path, as the other refusals are said;
+    any other ``message`` as it is."""
+    if missing := _CONFIG_NOT_FOUND.fullmatch(message):
+        path, found = Path(missing.group(2)).resolve(), "no such file" if "exist" in missing.group(1) else "not a file"
+        where = "" if shown_path(path) == str(path) else f" ({path})"  # a relative path: where it was looked for
+        return f"--config {shown_path(path)}: {found}{where}; --config takes a YAML file of settings"
     refused = _KEY_THEN_REASON.fullmatch(message)
     return f"{refused.group(1)}: {refused.group(2)}" if refused else message
 

@@ -812,3 +812,15 @@ def test_gpu_devices_take_a_count_all_or_indices(devices, allowed):
     with pytest.raises(ValueError, match=r"trainer.devices=.* is not allowed; trainer.devices must be a number of "
                                          r"devices >= 1, -1 \(all of them\), 'auto', or a list of device indices"):
         check_processes(trainer)
+
+
+def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(capsys, ["fit", "--config", "nope.yaml"])
+    assert (f"error: --config nope.yaml: no such file ({tmp_path.resolve() / 'nope.yaml'}); --config takes a YAML file "
+            "of settings\n") in err, err
+    assert "Parser key" not in err
+    (tmp_path / "run").mkdir()
+    err = _refused(capsys, ["fit", "--config", str(tmp_path / "run")])
+    assert (f"error: --config run: not a file ({tmp_path.resolve() / 'run'}); --config takes a YAML file of "
+            "settings\n") in err, err
