@@ -44,7 +44,7 @@ import types
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, get_args
 
 import torch
 import yaml
@@ -879,7 +879,15 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """jsonargparse's help, with the description's line breaks kept."""
 
 
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_NEGATIVE_NUMBER = re.compile(r"^-((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|\.?(inf|infinity|nan))$", re.IGNORECASE)
+#: Python's spellings of infinity and NaN, which the parser's YAML reads as text, as YAML spells them.
+_NON_FINITE = {"inf": ".inf", "+inf": ".inf", "infinity": ".inf", "+infinity": ".inf", "-inf": "-.inf",
+               "-infinity": "-.inf", "nan": ".nan", "+nan": ".nan", "-nan": ".nan"}
+
+
+def takes_float(typehint: Any) -> bool:
+    """Whether a setting of type ``typehint`` takes a float (``float``, ``float | None``, ``int | float``...)."""
+    return typehint is float or any(takes_float(arg) for arg in get_args(typehint))
 
 
 class GRPOArgumentParser(LightningArgumentParser):
@@ -890,9 +898,18 @@ class GRPOArgumentParser(LightningArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # argparse would read --model.beta as --model.betas, the prefix of another setting
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
-        # a negative number in exponent notation (--model.lr -1e-5) is a value too, not an unknown option that left
-        # its setting without one; argparse knows only -1 and -0.5 (its own attribute: it has no setting for it)
+        # a negative number in exponent notation (--model.lr -1e-5), or -inf, is a value too, not an unknown option
+        # that left its setting without one; argparse knows only -1 and -0.5 (its own attribute: it has no setting)
         self._negative_number_matcher = _NEGATIVE_NUMBER
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        """A float setting's ``inf``, ``-inf`` or ``nan`` read as the number it spells, so that its class refuses it
+        (``lr=inf is not allowed; lr must be a finite number > 0``) or takes it, as it does YAML's ``.inf``:
+        jsonargparse read it as text and said only that it expected a float."""
+        if takes_float(getattr(action, "_typehint", None)):
+            arg_strings = [_NON_FINITE.get(value.strip().lower(), value) if isinstance(value, str) else value
+                           for value in arg_strings]
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self

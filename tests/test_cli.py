@@ -9,6 +9,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import forked_cli
 import pytest
@@ -824,3 +825,28 @@ def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatc
     err = _refused(capsys, ["fit", "--config", str(tmp_path / "run")])
     assert (f"error: --config run: not a file ({tmp_path.resolve() / 'run'}); --config takes a YAML file of "
             "settings\n") in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.lr", "inf"], "error: model.lr=inf is not allowed; lr must be a finite number > 0\n"),
+    (["--model.lr=-inf"], "error: model.lr=-inf is not allowed; lr must be a finite number > 0\n"),
+    # -inf after a space is a value, not an unknown option that leaves the setting without one
+    (["--model.loss.beta", "-inf"], "error: model.loss.beta=-inf must be finite\n"),
+    (["--data.sampling.temperature", "NaN"], "error: data.sampling.temperature=nan must be 0 (greedy) or a finite "
+     "number >= 1e-05"),
+    (["--model.max_grad_norm", "-Infinity"], "error: model.max_grad_norm=-inf is not allowed; max_grad_norm must be "
+     "a finite number >= 0\n"),
+])
+def test_python_spellings_of_infinity_and_nan_reach_the_settings_own_check(capsys, args, message):
+    """inf, -inf and nan given to a float setting are read as the numbers they spell (as YAML's .inf is), so the
+    setting's own check refuses them with its key and range: jsonargparse read them as text ('Expected a <class
+    'float'>. Got value: inf'), and -inf as an option ('expected one argument')."""
+    assert message in _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", *args])
+
+
+def test_a_text_setting_keeps_inf_as_it_is_given():
+    from lit_grpo.cli import takes_float
+
+    cli = build_cli(["--config", TINY, "--trainer.logger", "false", "--data.system_prompt", "inf"], run=False)
+    assert cli.datamodule.hparams.system_prompt == "inf"
+    assert takes_float(Optional[float]) and takes_float(int | float) and not takes_float(Optional[str])
