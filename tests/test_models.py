@@ -263,6 +263,8 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
 def test_a_hub_id_neither_the_hub_nor_its_cache_gives_is_a_named_setting_error(monkeypatch):
     import transformers
 
+    monkeypatch.setattr(models, "hub_unreachable", lambda: None)  # the hub answers, transformers' load fails
+
     def unreachable(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files\nmore lines")
 
@@ -281,3 +283,64 @@ def test_a_local_folder_without_weights_is_named_as_a_folder(tmp_path):
     with pytest.raises(ValueError, match=r"model folder '.*' cannot be loaded: .*no file named model.safetensors.* "
                                          r"\(it needs a transformers model's files"):
         models.load_model_and_tokenizer(str(tmp_path))
+
+
+@pytest.fixture
+def hub_down(monkeypatch, tmp_path):
+    """A hub that refuses every connection at once (nothing listens on port 9), a Hugging Face cache of the test's
+    own, and huggingface_hub's waits before a retry made to fail the test. Returns the cache folder."""
+    import time
+    import types
+
+    import huggingface_hub.utils._http as http
+    from huggingface_hub import constants
+
+    def no_retry(seconds):
+        raise AssertionError(f"huggingface_hub waits {seconds} s to retry a hub it cannot reach")
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    monkeypatch.setattr(http, "time", types.SimpleNamespace(**{**clock, "sleep": no_retry}))
+    return tmp_path / "hub"
+
+
+def _cache_tiny_model(cache, repo_id: str) -> torch.nn.Module:
+    """tiny-llama saved into ``cache`` as huggingface_hub keeps a downloaded ``repo_id``."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    model.save_pretrained(folder / "snapshots" / revision)
+    tokenizer.save_pretrained(folder / "snapshots" / revision)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(revision)
+    return model
+
+
+def test_a_hub_id_neither_the_cache_nor_a_reachable_hub_has_fails_at_once_naming_it(hub_down):
+    """Without the hub, an id the cache lacks is refused at once with what loads instead, where huggingface_hub
+    retried each file five times (about 50 s) before failing."""
+    for load in (models.load_tokenizer, models.load_model_and_tokenizer):
+        with pytest.raises(ValueError, match=r"model 'no-such/model' is not in the Hugging Face cache \(.*\) and the "
+                                             r"hub \(http://127.0.0.1:9\) cannot be reached \(ConnectError: .*\): pass "
+                                             r"an existing local folder, random:qwen3-0.6b, .* or a hub id the cache "
+                                             r"holds"):
+            load("no-such/model")
+
+
+def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_is_down_or_offline(hub_down, monkeypatch):
+    from huggingface_hub import constants
+
+    cached = _cache_tiny_model(hub_down, "someone/tiny")
+    model, tokenizer = load_model_and_tokenizer("someone/tiny")
+    assert torch.equal(model.lm_head.weight, cached.lm_head.weight) and tokenizer.eos_token == "<|im_end|>"
+
+    def no_probe():
+        raise AssertionError("the hub was probed under HF_HUB_OFFLINE")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # huggingface_hub reads only its cache: no probe
+    monkeypatch.setattr(models, "hub_unreachable", no_probe)
+    assert models.hub_keywords("someone/tiny") == {}
+    model, _ = load_model_and_tokenizer("someone/tiny")
+    assert torch.equal(model.lm_head.weight, cached.lm_head.weight)

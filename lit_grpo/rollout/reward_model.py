@@ -37,7 +37,7 @@ class RewardModel:
     def __init__(self, model: str, dtype: str | None = None, device: str = "auto", batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from lit_grpo.runtime.models import resolve_dtype
+        from lit_grpo.runtime.models import hub_keywords, resolve_dtype
 
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
@@ -54,9 +54,11 @@ class RewardModel:
             # transformers' own tokenizer, not the policy's (load_tokenizer): it only pads here, so one without an
             # EOS token (an encoder's, BERT's) is as good as any
             source = _folder_or_id(model)
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
+            where = hub_keywords(source) if isinstance(source, str) else {}  # a hub id: its cache where the hub is down
+            self.tokenizer = AutoTokenizer.from_pretrained(source, **where)
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=1, dtype=torch_dtype or "auto")
+                source, num_labels=1, dtype=torch_dtype or "auto", **where,
+                **({"adapter_kwargs": dict(where)} if where else {}))
         except (OSError, ValueError) as error:
             raise ValueError(f"reward_model: model={model!r} cannot be loaded as a sequence classifier with one label "
                              f"({type(error).__name__}: {str(error).splitlines()[0]:.300})") from None

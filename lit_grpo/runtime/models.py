@@ -13,7 +13,8 @@
    (the hub is never contacted, so machines without network work). The conversion writes to a temporary folder
    and renames it into place, so an interrupted conversion never leaves a half-written model behind.
 4. Any other hub id: ``from_pretrained`` (which needs the hub or its cache). A name without an owner that is
-   close to a built-in one (``tiny-lama``) is refused as its misspelling, naming the built-in models.
+   close to a built-in one (``tiny-lama``) is refused as its misspelling, naming the built-in models. Where the hub
+   cannot be reached, the cache alone is read, and an id it lacks is refused at once (``hub_keywords``).
 
 Every tokenizer comes back with a pad token (EOS when it has none) and left padding, as generation wants.
 """
@@ -116,9 +117,12 @@ def load_model_and_tokenizer(
             model = model.to(torch_dtype)
     else:  # built in the dtype, keeping the layers the model holds in float32 (e.g. MoE router gates)
         source = _pretrained_source(name_or_path)
+        where = hub_keywords(source) if isinstance(source, str) else {}
+        # transformers looks for a LoRA adapter's config with adapter_kwargs alone: without them it asks the hub
+        adapter = {"adapter_kwargs": dict(where)} if where else {}
         with _unreachable_named(name_or_path):
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto")
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto", **where, **adapter)
+            tokenizer = AutoTokenizer.from_pretrained(source, **where)
     if device is not None:
         model = model.to(device)
     prepare_tokenizer(tokenizer)
@@ -197,9 +201,48 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         tokenizer = tiny_tokenizer()
     else:
         source = _pretrained_source(name_or_path)
+        where = hub_keywords(source) if isinstance(source, str) else {}
         with _unreachable_named(name_or_path):
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, **where)
     return prepare_tokenizer(tokenizer)
+
+
+def hub_keywords(repo_id: str) -> dict[str, Any]:
+    """``from_pretrained``'s keywords for the hub id ``repo_id``: none where the hub answers, or where
+    huggingface_hub is offline (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: it reads only its cache then, at
+    once); ``local_files_only`` where the hub does not answer but the cache holds the model; a ValueError naming the
+    id and what loads without the hub where the cache lacks it too. Without this, huggingface_hub retries each file
+    it cannot reach five times with backoff (about 25 s a file) before it reads the cache or fails."""
+    from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
+
+    if is_offline_mode():
+        return {}
+    unreachable = hub_unreachable()
+    if unreachable is None:
+        return {}
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return {"local_files_only": True}
+    random_names = ", ".join(RANDOM_PREFIX + name for name in RANDOM_MODELS)
+    raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub "
+                     f"({constants.ENDPOINT}) cannot be reached ({unreachable}): pass an existing local folder, "
+                     f"{random_names}, one of {list(TINY_MODELS)}, {DEFAULT_MODEL!r} (works offline) or a hub id "
+                     "the cache holds")
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub (``HF_ENDPOINT``) cannot be reached, from one request without retries within
+    ``HF_HUB_ETAG_TIMEOUT`` seconds (huggingface_hub's wait for a file's metadata); None where it answers at all."""
+    from huggingface_hub import constants, get_session
+
+    try:  # huggingface_hub's HTTP client: httpx2 from its 2.0 on, httpx before
+        from httpx2 import TransportError
+    except ImportError:
+        from httpx import TransportError
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except TransportError as error:
+        return f"{type(error).__name__}: {str(error).strip() or 'no answer'}"
+    return None
 
 
 @contextlib.contextmanager
