@@ -476,6 +476,50 @@ def test_a_kept_cache_fits_when_the_update_peak_and_it_leave_the_margin():
         kv_cache_fits_beside_update(0, -1, 10, 0)
 
 
+def test_a_decode_steps_activations_are_priced_from_the_shapes():
+    """Fake shapes: per slot, the logits' bytes, one layer's activations (its MLP, residual, query, key and value)
+    and its attention over the width (float32 scores and probabilities, and probabilities in the dtype)."""
+    from types import SimpleNamespace
+
+    from lit_grpo.sampling.memory_budget import STEP_BYTES_PER_LOGIT, decode_step_bytes
+
+    config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             hidden_size=32, intermediate_size=64)
+    layer = 2 * (3 * 64 + 4 * 32 + (4 + 2 * 2) * 8) + 4 * 16 * (8 + 2)
+    assert decode_step_bytes(config, torch.bfloat16, 3, 16, 100) == 3 * (100 * STEP_BYTES_PER_LOGIT + layer)
+    assert decode_step_bytes(config, torch.bfloat16, 6, 16, 100) == 2 * decode_step_bytes(config, "bfloat16", 3, 16,
+                                                                                            100)
+    wider = decode_step_bytes(config, torch.float32, 1, 32, 100) - decode_step_bytes(config, torch.float32, 1, 16, 100)
+    assert wider == 4 * 16 * (8 + 4)
+    del config.intermediate_size  # 4 x hidden where the config has none
+    assert decode_step_bytes(config, torch.bfloat16, 3, 16, 100) == 3 * (100 * STEP_BYTES_PER_LOGIT + layer
+                                                                         + 2 * 3 * (4 * 32 - 64))
+    with pytest.raises(ValueError, match=r"slots=0 must be an integer >= 1"):
+        decode_step_bytes(config, torch.float32, 0, 16, 100)
+
+
+def test_a_kept_graphs_pool_is_priced_at_the_cache_it_captured_or_the_widest(tiny_llama, prompt_ids):
+    """No graph, no pool kept (an eager step's activations are freed after it); a captured one keeps the step's
+    activations at the cache's slots and width, or at the widest cache's."""
+    from lit_grpo.sampling import RolloutEngine
+    from lit_grpo.sampling.decode_step import vocab_size
+    from lit_grpo.sampling.engine import WIDTH_ALIGNMENT
+    from lit_grpo.sampling.memory_budget import decode_step_bytes
+
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=4, seed=0)
+    engine.generate(prompt_ids)
+    assert engine._step is not None and not engine._step.graphs and engine.graph_pool_bytes() == 0
+    engine._step.graphs[engine._cache.width] = object()  # what a capture on CUDA leaves
+    cache, vocab = engine._cache, vocab_size(model)
+    assert engine.graph_pool_bytes() == decode_step_bytes(model.config, torch.float32, 2, cache.width, vocab)
+    widest = -(-(20 - 1 + 4) // WIDTH_ALIGNMENT) * WIDTH_ALIGNMENT
+    assert engine.graph_pool_bytes(5, 20) == decode_step_bytes(model.config, torch.float32, 2, widest, vocab)
+    engine.release()
+    assert engine.graph_pool_bytes() == 0
+
+
 def test_a_kv_budget_from_free_memory_is_what_is_left_after_the_reserve_and_the_margin():
     from lit_grpo.sampling.memory_budget import kv_budget_from_free_memory
 

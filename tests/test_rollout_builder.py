@@ -1,5 +1,7 @@
 """RolloutBuilder on its own (no Lightning), and the typed sampling / scheduler options in configs."""
 
+import functools
+
 import pytest
 import torch
 
@@ -225,11 +227,12 @@ def test_a_wrong_loss_type_fails_when_the_config_is_parsed(capsys):
 @pytest.mark.parametrize("cast", [False, True])
 def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast):
     """Without kv_budget_bytes the builder reads the device's free memory (once), sets aside the rollout weights'
-    copy, AdamW's moments and a margin, and sizes g to what is left (gradients are freed before every rollout)."""
+    copy, AdamW's moments and a margin, and sizes g to what is left (gradients are freed before every rollout), each
+    slot priced with its share of a decode step's activations."""
     from lit_grpo.rollout import slot_memory as slot_memory_module
     from lit_grpo.runtime.memory import trainable_bytes
-    from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, kv_held_bytes, kv_prefill_bytes,
-                                                 kv_slot_bytes)
+    from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, decode_step_bytes,
+                                                 kv_held_bytes, kv_prefill_bytes, kv_slot_bytes)
 
     model, tokenizer = policy
     prompts = _prompts(tokenizer, 2)
@@ -238,7 +241,9 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     weights = CastWeights(model, torch.bfloat16) if cast else None
     config = model.config
     dtype = torch.bfloat16 if cast else torch.float32
-    slot = kv_slot_bytes(config, dtype, longest, 6)
+    # a slot holds its KV and its share of a decode step's activations (the memory a captured graph keeps)
+    slot = kv_slot_bytes(config, dtype, longest, 6) + decode_step_bytes(config, dtype, 1, longest - 1 + 6,
+                                                                        vocab_size(model))
     held = kv_held_bytes(config, dtype, longest, 4, 2) + kv_prefill_bytes(config, dtype, longest, 2, 6)
     total = 10**9
     copy = weights.cast_bytes() if cast else 0
@@ -286,7 +291,11 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert third.resolved_micro_group_size == 3 and third.slot_memory.slot_budget.describe() == restored.describe()
     longer = resumed(builder.state_dict(), max_new_tokens=12)  # longer rows: fewer of them in the same bytes
     same_bytes = resumed({}, max_new_tokens=12, kv_budget_bytes=budget.kv_budget_bytes)
-    assert longer.resolved_micro_group_size == same_bytes.resolved_micro_group_size < 3
+    # the device's bytes hold the step's activations too; a configured budget is the cache's alone
+    step = decode_step_bytes(config, dtype, 1, longest - 1 + 12, vocab_size(model))
+    sized = functools.partial(auto_micro_group_size, config, dtype, budget.kv_budget_bytes, longest, 12, 4, 2)
+    assert longer.resolved_micro_group_size == sized(step_bytes=step) <= 3 < same_bytes.resolved_micro_group_size
+    assert same_bytes.resolved_micro_group_size == sized()
     assert longer.slot_memory.slot_budget.kv_budget_bytes == budget.kv_budget_bytes
     monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (free, 2 * total))
     with pytest.raises(ValueError, match="no device memory left for the KV cache"):  # read again: a larger margin
@@ -376,13 +385,17 @@ def test_auto_keeps_the_cache_beside_an_update_measured_with_it_kept_up_to_its_w
     sampling = SamplingConfig(group_size=4, micro_group_size=2, strategy="continuous", max_new_tokens=6)
     memory = SlotMemory(policy, sampling, SimpleNamespace(scope_bytes=lambda: 0, module=policy),
                         groups_per_rollout=2, max_prompt_length=0)
-    engine = SimpleNamespace(slot_cache_bytes=lambda: 200)
+    # its graphs' memory pool is kept with the cache: 50 bytes beside its 200
+    engine = SimpleNamespace(slot_cache_bytes=lambda: 200, graph_pool_bytes=lambda *widest: 50)
     memory.expect_update(engine, 10, kept=True)
-    memory.measure_last_update(900)  # the update of rows 10 wide, beside the kept 200 bytes
-    assert memory.keep_through_update(engine, 10, contextlib.nullcontext) is True  # 700 + 200 <= 1000 - 100
+    memory.measure_last_update(900)  # the update of rows 10 wide, beside the kept 250 bytes
+    assert memory.keep_through_update(engine, 10, contextlib.nullcontext) is True  # 650 + 250 <= 1000 - 100
     kept = memory.cache_keeping
-    assert (kept.update_peak_bytes, kept.kept_bytes, kept.update_width, kept.margin_bytes) == (700, 200, 10, 100)
+    assert (kept.update_peak_bytes, kept.kept_bytes, kept.update_width, kept.margin_bytes) == (650, 250, 10, 100)
     assert memory.keep_through_update(engine, 11, contextlib.nullcontext) is False
+    memory.expect_update(engine, 10, kept=False)
+    memory.measure_last_update(651)  # an update of 651 bytes with nothing kept: 651 + 250 > 900
+    assert memory.keep_through_update(engine, 10, contextlib.nullcontext) is False
 
 
 def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkeypatch):
@@ -391,7 +404,7 @@ def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkey
     model, tokenizer = policy
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
-                        lambda *args, carried, alignment, row_state_bytes: priced.append(args[7:]) or 2)
+                        lambda *args, carried, alignment, row_state_bytes, step_bytes: priced.append(args[7:]) or 2)
     for strategy, scheduler in [("infinite", {}), ("infinite", {"park_budget": None}), ("continuous", {})]:
         sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy=strategy, max_new_tokens=64,
                                   kv_budget_bytes=10**7, scheduler=scheduler)
@@ -407,13 +420,15 @@ def test_auto_slots_price_the_ids_a_repetition_penalty_keeps_per_row(policy, mon
     model, tokenizer = policy
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
-                        lambda *args, carried, alignment, row_state_bytes: priced.append(row_state_bytes) or 2)
+                        lambda *args, carried, alignment, row_state_bytes, step_bytes: priced.append(
+                            (row_state_bytes, step_bytes)) or 2)
     for penalty in (1.0, 1.2):
         sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=64,
                                   kv_budget_bytes=10**7, repetition_penalty=penalty)
         assert RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2,
                               max_prompt_length=8).resolved_micro_group_size == 2
-    assert priced == [0, vocab_size(model)]  # one bool per vocabulary entry a row
+    # one bool per vocabulary entry a row; no decode step's activations in a configured budget (the cache's alone)
+    assert priced == [(0, 0), (vocab_size(model), 0)]
 
 
 def test_auto_keeps_nothing_off_cuda(policy):
@@ -450,7 +465,7 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
         RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
-                        lambda *args, carried, alignment, row_state_bytes: priced.append(carried) or 2)
+                        lambda *args, carried, alignment, row_state_bytes, step_bytes: priced.append(carried) or 2)
     partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
                              max_prompt_length=8, over_provision=2.0)
     partial.build_train(lambda count: _prompts(tokenizer, count))

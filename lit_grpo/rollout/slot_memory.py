@@ -23,10 +23,11 @@ from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
 from lit_grpo.runtime.validation import ConfigError, config_errors
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
-from lit_grpo.sampling.decode_step import row_state_bytes
+from lit_grpo.sampling.decode_step import row_state_bytes, vocab_size
 from lit_grpo.sampling.engine import row_alignment
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
-from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, kv_budget_from_free_memory,
+from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, aligned_width, auto_micro_group_size,
+                                             decode_step_bytes, kv_budget_from_free_memory,
                                              kv_cache_fits_beside_update)
 
 
@@ -68,8 +69,8 @@ class SlotBudget:
 class CacheKeeping:
     """``keep_kv_cache: auto``'s decision at the end of a training rollout: ``kept`` through the coming update when
     this batch (``batch_width`` positions a row) is no wider than the widest update measured (``update_width``) and
-    that update's peak with nothing kept (``update_peak_bytes``) plus the slot cache at its widest and the rollout
-    weights' copy (``kept_bytes``) fit in ``total_bytes`` less ``margin_bytes``
+    that update's peak with nothing kept (``update_peak_bytes``) plus the slot cache at its widest with its CUDA
+    graphs' memory pool and the rollout weights' copy (``kept_bytes``) fit in ``total_bytes`` less ``margin_bytes``
     (``memory_budget.kv_cache_fits_beside_update``). A wider batch releases it, and its update is measured."""
 
     kept: bool
@@ -88,7 +89,8 @@ class CacheKeeping:
         verdict = "kept through the update" if self.kept else "released before the update"
         return (f"keep_kv_cache: auto -> the slot cache is {verdict}: the update's peak "
                 f"{format_bytes(self.update_peak_bytes)} (rows up to {self.update_width} positions) + the slot cache "
-                f"and rollout weights' copy {format_bytes(self.kept_bytes)} {'<=' if self.kept else '>'} "
+                f"(with its graphs' pool) and rollout weights' copy {format_bytes(self.kept_bytes)} "
+                f"{'<=' if self.kept else '>'} "
                 f"{format_bytes(self.total_bytes)} on the device - {format_bytes(self.margin_bytes)} margin")
 
 
@@ -161,24 +163,31 @@ class SlotMemory:
                 dtype = kv_cache_dtype(self.weights.module)
             # "auto" compiles on CUDA only, where the rows are aligned anyway
             alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
+            step = 0
+            if budget.device_total_bytes is not None:  # the device's memory holds the decode step's activations too
+                width = aligned_width(self.max_prompt_length - 1 + config.max_new_tokens, alignment)
+                step = decode_step_bytes(self.policy.config, dtype, 1, width, vocab_size(self.policy))
             with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
                 slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,
                                               self.max_prompt_length, config.max_new_tokens, config.group_size,
                                               prompts, *parked, carried=carried, alignment=alignment,
-                                              row_state_bytes=row_state_bytes(self.policy, config.repetition_penalty))
+                                              row_state_bytes=row_state_bytes(self.policy, config.repetition_penalty),
+                                              step_bytes=step)
             self.slot_budget = SlotBudget(slots, budget)
         return self.slot_budget.slots
 
     def _kv_budget(self) -> KVBudget:
         """``sampling.kv_budget_bytes`` where set; else on CUDA the device's free memory less what the run will
         still allocate there beside the KV cache and ``DEVICE_MARGIN_FRACTION`` of its memory
-        (``memory_budget.kv_budget_from_free_memory``). A resumed run takes the budget its checkpoint read, on a
-        device of the same memory: its free memory now holds the restored optimizer state, which a new reading
-        would set aside a second time. The slots are sized again from it, for the config of the resumed run.
+        (``memory_budget.kv_budget_from_free_memory``); the slots sized in it are priced with their share of a
+        decode step's activations (``memory_budget.decode_step_bytes``). A resumed run takes the budget its
+        checkpoint read, on a device of the same memory: its free memory now holds the restored optimizer state,
+        which a new reading would set aside a second time. The slots are sized again from it, for the config of
+        the resumed run.
 
         g is resolved before the first rollout, so before any optimizer step: AdamW's two moments are estimated
         (2 x ``runtime.memory.trainable_bytes``), as are the rollout weights' copy (cast or gathered, allocated
-        when a rollout starts) and the margin, which covers a decode step's activations and logits. The update's
+        when a rollout starts) and the margin, which covers the allocator's fragmentation. The update's
         gradients (freed after every optimizer step) are set aside only under ``keep_kv_cache: true``, which holds
         the cache through every update; ``"auto"`` keeps it only where it fits beside a measured update
         (``CacheKeeping``), and the update's activations are the margin's, or the released cache's.
@@ -228,10 +237,11 @@ class SlotMemory:
         if memory is None:
             return False
         total = memory[1]
-        cache = engine.slot_cache_bytes()
+        cache = engine.slot_cache_bytes() + engine.graph_pool_bytes()
         if self.max_prompt_length:
             with precision_context():  # the cache's dtype: the autocast one under mixed precision
-                cache = max(cache, engine.widest_slot_cache_bytes(self.groups_per_rollout, self.max_prompt_length))
+                widest = (self.groups_per_rollout, self.max_prompt_length)
+                cache = max(cache, engine.widest_slot_cache_bytes(*widest) + engine.graph_pool_bytes(*widest))
         width, peak = self._widest_update
         kept_bytes, margin = cache + self.weights.scope_bytes(), int(DEVICE_MARGIN_FRACTION * total)
         kept = batch_width <= width and kv_cache_fits_beside_update(peak, kept_bytes, total, margin)
@@ -241,7 +251,8 @@ class SlotMemory:
     def expect_update(self, engine: RolloutEngine, batch_width: int, kept: bool) -> None:
         """The update of the batch just built, ``batch_width`` positions a row, runs next, beside the slot cache and
         the rollout weights' copy where ``kept``: the next ``measure_last_update`` reads its peak."""
-        self._pending_update = batch_width, (engine.slot_cache_bytes() + self.weights.scope_bytes() if kept else 0)
+        kept_bytes = engine.slot_cache_bytes() + engine.graph_pool_bytes() + self.weights.scope_bytes()
+        self._pending_update = batch_width, (kept_bytes if kept else 0)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -55,7 +55,7 @@ from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
-from lit_grpo.sampling.memory_budget import aligned_width, kv_bytes_per_token
+from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_bytes_per_token
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stop_strings import StopStrings
@@ -284,7 +284,7 @@ class RolloutEngine:
 
     def slot_cache_bytes(self) -> int:
         """Bytes the slot cache holds now (0 once released): what keeping it between rollouts costs, its graphs'
-        memory pool aside."""
+        memory pool aside (``graph_pool_bytes``)."""
         return self._cache.nbytes() if self._cache is not None else 0
 
     def widest_slot_cache_bytes(self, num_prompts: int, longest_prompt: int) -> int:
@@ -294,6 +294,20 @@ class RolloutEngine:
         width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
         per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
         return self.num_slots(num_prompts) * width * per_token
+
+    def graph_pool_bytes(self, num_prompts: int | None = None, longest_prompt: int | None = None) -> int:
+        """Bytes the decode step's CUDA graphs keep in their private memory pool between rollouts, priced from the
+        shapes (``memory_budget.decode_step_bytes``): of the slot cache held now, or with ``num_prompts`` and
+        ``longest_prompt`` of the widest one (as ``widest_slot_cache_bytes``, whose note on autocast holds here);
+        0 where no graph is captured (an eager step's activations are freed after it)."""
+        if self._step is None or not self._step.graphs:
+            return 0
+        if longest_prompt is None:
+            slots, width = self._cache.num_slots, self._cache.width
+        else:
+            slots = self.num_slots(num_prompts)
+            width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
+        return decode_step_bytes(self.model.config, kv_cache_dtype(self.model), slots, width, vocab_size(self.model))
 
     def state_dict(self) -> dict:
         """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its

@@ -33,9 +33,13 @@ beside the KV cache and a safety margin::
 
     kv_budget_bytes = free_bytes - reserved_bytes - margin_bytes
 
+A budget from the device also prices one decode step's activations (``decode_step_bytes``), which grow with g: a
+slot's share of them is added to its ``slot_bytes`` (a configured ``kv_budget_bytes`` is the cache's alone).
+
 The slots are priced for the rollout alone: between rollouts the slot cache is released, so the update has that
-memory. ``keep_kv_cache: auto`` keeps it (and the rollout weights' copy, which its CUDA graphs read) only where both
-fit beside the update's measured peak (``kv_cache_fits_beside_update``)::
+memory. ``keep_kv_cache: auto`` keeps it (and the rollout weights' copy, which its CUDA graphs read, and the graphs'
+private memory pool, ``decode_step_bytes``) only where they fit beside the update's measured peak
+(``kv_cache_fits_beside_update``)::
 
     update_peak_bytes + kept_bytes <= total_bytes - margin_bytes
 """
@@ -49,14 +53,20 @@ import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
-__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "dtype_bytes", "kv_budget_from_free_memory",
-           "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry", "kv_held_bytes", "kv_prefill_bytes",
-           "kv_slot_bytes"]
+__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "decode_step_bytes", "dtype_bytes",
+           "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry",
+           "kv_held_bytes", "kv_prefill_bytes", "kv_slot_bytes"]
 
 
-#: The share of the device's total memory a budget from free memory leaves out: what no count here covers (a
-#: decode step's activations and logits, the update's activations, the allocator's fragmentation).
+#: The share of the device's total memory a budget from free memory leaves out: what no count here covers (the
+#: update's activations, the allocator's fragmentation, the prefill's activations).
 DEVICE_MARGIN_FRACTION = 0.1
+
+#: Bytes per next-token logit a decode step holds at its sampler's peak: the head's output (float32 at most), its
+#: float32 copy and tempered copy, top-p's sorted copy with its int64 indices, and the nucleus's probabilities, their
+#: running sums and those shifted by one (``token_sampler``): seven float32 ``[slots, V]`` tensors and one int64, and
+#: a repetition penalty's copy.
+STEP_BYTES_PER_LOGIT = 40
 
 
 def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_bytes: int) -> int:
@@ -100,6 +110,38 @@ def kv_cache_fits_beside_update(update_peak_bytes: int, kept_bytes: int, total_b
                         ("total_bytes", total_bytes), ("margin_bytes", margin_bytes)]:
         check_int(name, value, 0)
     return update_peak_bytes + kept_bytes <= total_bytes - margin_bytes
+
+
+def decode_step_bytes(config: Any, dtype: torch.dtype | str, slots: int, width: int, vocab_size: int) -> int:
+    """Bytes one decode step's activations take at their peak, over-counted: what its CUDA graph's private memory
+    pool keeps between replays (a captured step's blocks are never given back; the graphs of every attended width
+    share one pool, so the widest one's step prices it), and what an eager step holds for a moment beside the cache::
+
+        slots x (V x STEP_BYTES_PER_LOGIT                          the logits and the sampler's copies
+                 + dtype bytes x (3 x intermediate + 4 x hidden    one layer: the MLP's and the residual's
+                                  + (heads + 2 x kv_heads) x head_dim)   its query, key and value
+                 + heads x width x (8 + dtype bytes))              its attention scores, float32, and probabilities
+
+    One layer's: a layer's blocks are freed before the next layer allocates its own, which the pool reuses. The
+    sampler's and the last layer's are summed, although the layer's are freed first: an upper bound.
+
+    Args:
+        config: a transformers config (as ``kv_geometry``; ``intermediate_size`` where it has one, else 4 x hidden).
+        dtype: the layers' activations' dtype (the KV cache's).
+        slots: the step's rows (g).
+        width: the columns a row attends (the cache's width: the widest bucket).
+        vocab_size: the logits' width (``decode_step.vocab_size``).
+    """
+    for name, value in (("slots", slots), ("width", width), ("vocab_size", vocab_size)):
+        check_int(name, value, 1)
+    layers, kv_heads, head_dim = kv_geometry(config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    size = dtype_bytes(dtype)
+    layer = size * (3 * intermediate + 4 * hidden + (heads + 2 * kv_heads) * head_dim) + heads * width * (8 + size)
+    return slots * (vocab_size * STEP_BYTES_PER_LOGIT + layer)
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -186,12 +228,13 @@ def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int,
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
                           max_new_tokens: int, group_size: int, num_prompts: int = 1, parked_tokens: int = 0,
                           park_fraction: float = 0.0, carried: bool = False, alignment: int = 1,
-                          row_state_bytes: int = 0) -> int:
+                          row_state_bytes: int = 0, step_bytes: int = 0) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
     ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none);
     ``carried``: partial rollouts may carry samples into the rollout; ``alignment``: the engine rounds its rows'
-    width up to a multiple of it (``slot_positions``); ``row_state_bytes``: what a slot's row holds besides its KV.
+    width up to a multiple of it (``slot_positions``); ``row_state_bytes``: what a slot's row holds besides its KV;
+    ``step_bytes``: a slot's share of a decode step's activations (``decode_step_bytes`` of one slot; 0: not priced).
 
     Raises:
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
@@ -204,7 +247,8 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     check_real("park_fraction", park_fraction, 0)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens, alignment)
     check_int("row_state_bytes", row_state_bytes, 0)
-    slot += math.ceil(per_token * max_new_tokens * park_fraction) + row_state_bytes
+    check_int("step_bytes", step_bytes, 0)
+    slot += math.ceil(per_token * max_new_tokens * park_fraction) + row_state_bytes + step_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
@@ -215,6 +259,7 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
                          + (f", a row rounded up to a multiple of {alignment}" if alignment > 1 else "")
                          + f"{parked})"
                          + (f" + {row_state_bytes} bytes of its row's seen ids" if row_state_bytes else "")
+                         + (f" + {step_bytes} bytes of a decode step's activations" if step_bytes else "")
                          + f"), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
                          + (f", parked samples' {parked_tokens} tokens" if parked_tokens else "")
                          + " and a prefill's moment"
