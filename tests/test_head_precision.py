@@ -225,6 +225,69 @@ def test_a_lora_adapter_on_the_head_and_fsdp_are_refused():
         GRPOModule(model="tiny-llama", cast_lm_head_to_fp32="true")
 
 
+_SHARDED_HEADS = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from lit_grpo.runtime.distributed import shard_decoder_layers
+from lit_grpo.runtime.head_precision import Float32Head, cast_lm_head_to_fp32
+from lit_grpo.runtime.models import load_model_and_tokenizer
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+
+
+def tied():
+    model = load_model_and_tokenizer("tiny-llama")[0]
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def refused(call):
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+sharded = tied()
+shard_decoder_layers(sharded, mesh, torch.bfloat16)
+print("CAST AFTER:", refused(lambda: cast_lm_head_to_fp32(sharded)))
+print("SHARD AFTER:", refused(lambda: shard_decoder_layers(cast_lm_head_to_fp32(tied()), mesh, torch.bfloat16)))
+model = cast_lm_head_to_fp32(tied())
+shard_decoder_layers(model, mesh)  # gathered in the weights' own dtype: the head stays float32
+seen = []
+model.lm_head.register_forward_hook(lambda module, args, out: seen.append(module.weight.dtype))
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+print("OWN DTYPE:", seen, logits.dtype)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_gathering_a_float32_head_in_bfloat16_is_refused_by_both_functions():
+    """FSDP2 (gloo, one CPU rank: what is refused does not depend on the ranks) gathers a sharded weight in its
+    mixed precision's param_dtype, the tied head's with the root's: a head cast after sharding, or sharded after
+    the cast with a bfloat16 gather, would compute from bfloat16 weights. Gathered in its own dtype it stays
+    float32."""
+    import subprocess
+    import sys
+
+    from tools.harness import ROOT, free_port, repo_env
+
+    out = subprocess.run([sys.executable, "-c", _SHARDED_HEADS, str(free_port())], cwd=ROOT, env=repo_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert lines["CAST AFTER"].startswith("cast_lm_head_to_fp32 needs an unsharded output head; FSDPLlamaForCausalLM's "
+                                          "is sharded by FSDP2"), lines
+    assert lines["SHARD AFTER"].startswith("fsdp: the output head 'lm_head' computes in float32 "
+                                           "(cast_lm_head_to_fp32), but FSDP2 would gather its weight in "
+                                           "torch.bfloat16"), lines
+    assert lines["OWN DTYPE"] == "[torch.float32] torch.float32", lines
+
+
 def test_an_adapter_elsewhere_and_a_trained_copy_of_the_head_keep_it_float32():
     """LoRA on the layers, the head trained whole (peft's ``modules_to_save``): the head that runs is a float32 one."""
     model = cast_lm_head_to_fp32(load_model_and_tokenizer("tiny-llama", "bfloat16")[0])

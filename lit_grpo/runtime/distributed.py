@@ -25,6 +25,7 @@ def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype 
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    check_float32_head_gathered(model, param_dtype)
     mesh = data_parallel_mesh(mesh)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
@@ -33,6 +34,17 @@ def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype 
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def check_float32_head_gathered(model: torch.nn.Module, param_dtype: torch.dtype | None) -> None:
+    """Raise where FSDP2 would gather ``model``'s float32 output head (``cast_lm_head_to_fp32``) in a narrower
+    ``param_dtype``: the head, in the root's group (with the embedding it may be tied to), would then compute from
+    a rounded weight, the cast undone without a word."""
+    heads = [name for name, module in model.named_modules() if computes_in_float32(module)]
+    if heads and param_dtype is not None and param_dtype.itemsize < 4:
+        raise ValueError(f"fsdp: the output head {heads[0]!r} computes in float32 (cast_lm_head_to_fp32), but FSDP2 "
+                         f"would gather its weight in {param_dtype} (the mixed precision's param_dtype), so it would "
+                         "not compute from float32 weights; set cast_lm_head_to_fp32: false, or fsdp: false")
 
 
 def data_parallel_only(strategy) -> None:

@@ -15,8 +15,11 @@ for the places that compute with the head's weight themselves). A weight the hea
 layers see what they saw before. A float64 model keeps its float64 head: the cast never narrows.
 
 What cannot honour it is refused with a ValueError: a head that is not a plain ``nn.Linear`` (another class may
-compute otherwise) and a LoRA adapter on the head (``check_float32_head``: it would add its product in the autocast
-dtype).
+compute otherwise), a LoRA adapter on the head (``check_float32_head``: it would add its product in the autocast
+dtype) and a head FSDP2 has sharded (its weight a DTensor): FSDP2 gathers a sharded weight for each forward in its
+``MixedPrecisionPolicy``'s ``param_dtype`` (bfloat16 under bf16-mixed), with the root's other weights where the head
+is tied, so the head would compute from a rounded weight whatever its class. For that reason
+``shard_decoder_layers`` (lit_grpo.runtime.distributed) refuses a float32 head where its gather would narrow it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"cast_lm_head_to_fp32 needs a plain torch.nn.Linear output head; "
                          f"{type(model).__name__} has {what}, whose forward cannot be made to compute in float32; "
                          "set cast_lm_head_to_fp32: false")
+    if is_sharded(head.weight):
+        raise ValueError(f"cast_lm_head_to_fp32 needs an unsharded output head; {type(model).__name__}'s is sharded "
+                         "by FSDP2 (its weight is a DTensor), which gathers it for each forward in its "
+                         "MixedPrecisionPolicy's param_dtype, so the head would not compute from float32 weights; set "
+                         "cast_lm_head_to_fp32: false, or do not shard the model (fsdp: false)")
     model_dtype = head.weight.dtype
     head.to(_widened(model_dtype))  # in place: a tied embedding holds the same Parameter, now float32 too
     head.__class__ = Float32Head  # the same module (hooks, ties, its name): only its forward changes
@@ -74,6 +82,15 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> torch.nn.Module:
             model_dtype != head.weight.dtype:
         embedding.register_forward_hook(_ModelDtypeOutput(model_dtype))
     return model
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2 shards a parameter into one)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 class _ModelDtypeOutput:
