@@ -186,6 +186,33 @@ def test_top_p_finds_its_nucleus_among_the_top_logits_on_a_cpu_as_a_sort_of_the_
         monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
 
 
+def test_top_p_on_a_cpu_sorts_only_the_rows_its_search_does_not_hold_and_draws_what_a_whole_sort_draws(
+        monkeypatch):
+    """Rows of all three kinds, shuffled: a flat row is sorted alone (its top 256 cannot reach top_p within 4096
+    tokens, so that search is skipped), a wide row is searched among its top 4096 alone, a peaked one among its top
+    256; the tokens kept, drawn and their log-probs are a whole sort's, bit for bit."""
+    from lit_grpo.sampling import token_sampler
+
+    generator = torch.Generator().manual_seed(1)
+    peaked = torch.randn(3, 10000, generator=generator) * 5
+    wide = torch.randn(2, 10000, generator=generator) * 2.4
+    flat = torch.randn(2, 10000, generator=generator) * 0.05
+    rows = torch.cat([peaked, wide, flat])[torch.randperm(7, generator=generator)]
+    uniforms = torch.rand(7, generator=generator, dtype=torch.float64)
+    calls = []
+    real_sort, real_topk = torch.sort, torch.topk
+    monkeypatch.setattr(torch, "sort", lambda x, *a, **k: calls.append(("sort", x.shape[0])) or real_sort(x, *a, **k))
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append((k, x.shape[0])) or real_topk(x, k, *a,
+                                                                                                          **kw))
+    got = filter_logits(rows, top_p=0.9)
+    drawn = token_sampler.sample_tokens(rows, uniforms, 1.0, top_p=0.9)
+    assert calls[:3] == [(256, 7), ("sort", 2), (4096, 2)]  # filter_logits's calls
+    monkeypatch.setattr(token_sampler, "NUCLEUS_SEARCH", ())  # every row sorted whole
+    assert torch.equal(got, filter_logits(rows, top_p=0.9))
+    expected = token_sampler.sample_tokens(rows, uniforms, 1.0, top_p=0.9)
+    assert torch.equal(drawn[0], expected[0]) and torch.equal(drawn[1], expected[1])
+
+
 def test_top_p_after_top_k_counts_the_mass_of_the_tokens_tied_with_its_last():
     """Top-k keeps the tokens tied with its k-th (common in logits upcast from bfloat16): top-p's masses are shares
     of all it keeps, not of its k candidates alone, which would stop the nucleus short of top_p."""

@@ -2,8 +2,8 @@
 replayed tokens, and the sampling log-probs.
 
 Every function here keeps the shapes it is given and never reads a value back to the host, so the whole sampling
-runs inside the decode step's CUDA graph; but for top-p's search for its nucleus on a CPU (``NUCLEUS_SEARCH``),
-where no graph runs.
+runs inside the decode step's CUDA graph; but for top-p's search for its nucleus on a CPU (``top_p_floor``), where
+no graph runs.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import math
 import torch
 
 #: On a CPU, top-p without top-k looks for each row's nucleus among its top k logits first, for each k here in turn,
-#: and sorts the whole vocabulary only where they hold less than top_p of the mass: a sort of a 50k-token vocabulary
-#: costs as much as a third of a small model's decode step there. The nucleus is the same either way (the top k
-#: are the sort's first k, and their masses and running sums the same numbers).
+#: and sorts the whole vocabulary only of the rows whose nucleus they do not hold: a sort of a 150k-token vocabulary
+#: costs as much as a small model's decode step there. The nucleus is the same either way (the top k are the sort's
+#: first k, and their masses and running sums the same numbers).
 NUCLEUS_SEARCH = (256, 4096)
 
 
@@ -30,50 +30,84 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         top_k: keep the k most likely tokens (0 keeps all).
         top_p: keep the smallest set whose probability reaches top_p, renormalized over the top-k (1.0 keeps all;
             the most likely token always stays). With top-k on, only its k tokens are sorted: a sort of the whole
-            vocabulary costs far more than the rest of the draw (on a CPU ``nucleus_candidates`` avoids it where it
-            can).
+            vocabulary costs far more than the rest of the draw (on a CPU ``top_p_floor`` avoids it where it can).
         min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all); a ratio of
             two probabilities, so it does not matter whether top-k and top-p have renormalized them first.
     Returns:
         ``[n, V]`` logits with filtered entries at -inf.
     """
     top_k = top_k if 0 < top_k < logits.shape[-1] else 0
-    tied = log_total = None
+    floor = None
     if top_k:
         candidates = torch.topk(logits, top_k, dim=-1).values                               # [n, k] descending
         dropped = logits < candidates[:, -1:]
         logits = logits.masked_fill(dropped, float("-inf"))
         # top-k keeps the tokens tied with its last candidate too: their mass is part of what top-p renormalizes
         tied = logits.shape[-1] - top_k - torch.count_nonzero(dropped, -1).unsqueeze(-1)     # [n, 1]
+        if top_p < 1.0:
+            floor = nucleus_floor(candidates, top_p, tied)
     elif top_p < 1.0:
-        log_total = logits.logsumexp(-1, keepdim=True)                                       # [n, 1]
-        candidates = nucleus_candidates(logits, top_p, log_total)
-    if top_p < 1.0:
-        logits = logits.masked_fill(logits < nucleus_floor(candidates, top_p, tied, log_total), float("-inf"))
+        floor = top_p_floor(logits, top_p)
+    if floor is not None:
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if min_p > 0.0:
         floor = logits.amax(-1, keepdim=True) + math.log(min_p)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
-def nucleus_candidates(logits: torch.Tensor, top_p: float, log_total: torch.Tensor) -> torch.Tensor:
-    """``[n, c]`` each row's largest logits, descending, enough of them to hold its top-p nucleus: on a CPU the top
-    k of the first of ``NUCLEUS_SEARCH`` that holds every row's, else (and on other devices) the whole row sorted.
+def top_p_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The least logit of each row's top-p nucleus over the whole vocabulary: ``[n, 1]``.
+
+    On a CPU each row is looked for among its top k logits, for each k of ``NUCLEUS_SEARCH`` in turn, and only the
+    rows none of them holds are sorted whole. A row whose top k cannot reach top_p within the next k' either (its
+    top k's mass plus k' - k more tokens, each at most as likely as its k-th) goes to the sort at once: the bound
+    only saves a search that would fail, it never decides a floor. Elsewhere (and compiled) every row is sorted:
+    the search reads its outcome on the host, which a CUDA graph cannot.
+
+    Why no cheaper exact method on CUDA: the kernels that skip the sort (FlashInfer's rejection sampling, which
+    vLLM's v1 sampler calls; its pivot search for a top-p threshold) draw by other arithmetic, or sum the nucleus's
+    mass in another order than the sorted running sum ``nucleus_floor`` takes, so a row near its boundary may keep
+    another token set and draw another token for the same uniform; vLLM's own fallback sorts the whole row too.
 
     Args:
         logits: ``[n, V]``.
         top_p: in (0, 1).
-        log_total: ``[n, 1]`` the log of each row's total mass, ``logits.logsumexp(-1)``.
     """
-    if logits.device.type == "cpu" and not torch.compiler.is_compiling():  # a host read: no graph to break here
-        for k in NUCLEUS_SEARCH:
-            if k >= logits.shape[-1]:
-                break
-            top = torch.topk(logits, k, dim=-1).values                                        # [n, k]
-            # as nucleus_floor counts: the mass before the (k+1)-th token reaches top_p, so it is left out
-            if bool(((top - log_total).exp().cumsum(-1)[:, -1] >= top_p).all()):
-                return top
-    return torch.sort(logits, dim=-1, descending=True).values                                 # [n, V]
+    log_total = logits.logsumexp(-1, keepdim=True)                                           # [n, 1]
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():  # no host read in a graph
+        return nucleus_floor(torch.sort(logits, dim=-1, descending=True).values, top_p, log_total=log_total)
+    floor = torch.empty_like(log_total)
+    pending = torch.arange(logits.shape[0])                                                 # rows still to find
+    searches = [k for k in NUCLEUS_SEARCH if k < logits.shape[-1]]
+    for index, k in enumerate(searches):
+        rows = logits if len(pending) == logits.shape[0] else logits.index_select(0, pending)
+        top = torch.topk(rows, k, dim=-1).values                                             # [m, k]
+        probs = (top - log_total[pending]).exp()
+        # as nucleus_floor counts: the mass before the (k+1)-th token reaches top_p, so it is left out
+        mass = probs.cumsum(-1)[:, -1]                                                       # [m]
+        held = mass >= top_p
+        if bool(held.any()):
+            floor[pending[held]] = nucleus_floor(top[held], top_p, log_total=log_total[pending[held]])
+        hopeful = ~held
+        if index + 1 < len(searches):
+            hopeful &= mass + (searches[index + 1] - k) * probs[:, -1] >= top_p
+        sorted_now = pending[~held & ~hopeful]
+        pending = pending[hopeful]
+        if len(sorted_now):
+            floor[sorted_now] = _sorted_floor(logits, sorted_now, top_p, log_total)
+        if not len(pending):
+            return floor
+    if len(pending):
+        floor[pending] = _sorted_floor(logits, pending, top_p, log_total)
+    return floor
+
+
+def _sorted_floor(logits: torch.Tensor, rows: torch.Tensor, top_p: float, log_total: torch.Tensor) -> torch.Tensor:
+    """``nucleus_floor`` of the whole of ``logits``' ``rows`` (``[m]`` indices), sorted: ``[m, 1]``."""
+    chosen = logits if len(rows) == logits.shape[0] else logits.index_select(0, rows)       # every row: no copy
+    ordered = torch.sort(chosen, dim=-1, descending=True).values                             # [m, V]
+    return nucleus_floor(ordered, top_p, log_total=log_total[rows])
 
 
 def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | None = None,
@@ -86,7 +120,7 @@ def nucleus_floor(candidates: torch.Tensor, top_p: float, tied: torch.Tensor | N
         tied: ``[n, 1]`` how many more tokens may be sampled, each with the last candidate's logit (those top-k
             keeps beyond its k); they share the mass the nucleus is a fraction of. None: no more.
         log_total: ``[n, 1]`` the log of the total mass the nucleus is a fraction of, where the candidates are
-            only the row's largest logits (``nucleus_candidates``); None: the candidates' own.
+            only the row's largest logits (``top_p_floor``); None: the candidates' own.
     """
     if log_total is not None:
         probs = (candidates - log_total).exp()                                                # [n, c]
