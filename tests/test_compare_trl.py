@@ -495,7 +495,7 @@ def test_a_sigterm_keeps_the_finished_runs_and_what_the_stopped_one_left(tmp_pat
                                text=True)
     second = work / "demo_4x8x24" / "seed0" / "01_lit"
     deadline = time.monotonic() + 120
-    while not ((second / "output.log").exists() and "step 1 done" in (second / "output.log").read_text()):
+    while not ((second / "pid").exists() and "step 1 done" in (out / "live.log").read_text()):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
         time.sleep(0.05)
     with tarfile.open(out / "runs.tgz") as tar:  # the first run's records, before the second ended
@@ -511,6 +511,38 @@ def test_a_sigterm_keeps_the_finished_runs_and_what_the_stopped_one_left(tmp_pat
     assert "step 1 done" in log and not list(out.glob("*.partial"))
     with pytest.raises(ProcessLookupError):  # the stopped run's child was killed and reaped
         os.kill(int((second / "pid").read_text()), 0)
+
+
+def test_a_sigkill_leaves_what_the_run_in_flight_printed_in_the_output_folder(tmp_path):
+    """A kill without SIGTERM first (a machine's hard limit) can trap nothing: the run in flight writes its output
+    into OUT_DIR/live.log as it goes (a machine hands back a few files of OUT_DIR, none deep in it), so that file
+    holds what it printed; the finished run's log is in runs.tgz."""
+    import signal
+    import tarfile
+
+    run, script, out = tmp_path / "run.py", tmp_path / "compare.py", tmp_path / "out"
+    run.write_text(_STAND_IN_RUN)
+    script.write_text(_STAND_IN_COMPARISON)
+    process = subprocess.Popen([sys.executable, str(script), str(run), "--order", "lit,lit", "--steps", "1",
+                                "--untimed-steps", "0", "--work-dir", str(tmp_path / "runs"), "--out-dir", str(out)],
+                               cwd=compare_trl.harness.ROOT, env=compare_trl.harness.repo_env(),
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    second = tmp_path / "runs" / "demo_4x8x24" / "seed0" / "01_lit"
+    deadline = time.monotonic() + 120
+    try:
+        while not (second / "pid").exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        while "step 1 done" not in (out / "live.log").read_text():  # printed after the pid is written
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the comparison and its run, as a machine's limit ends both
+        process.wait(timeout=60)
+    assert (out / "live.log").read_text() == "step 1 done\n"
+    with tarfile.open(out / "runs.tgz") as tar:  # the first run's own output.log, copied from the live log
+        assert tar.extractfile("runs/demo_4x8x24/seed0/00_lit/output.log").read() == b"step 1 done\n"
+    assert sorted(path.name for path in out.iterdir()) == ["demo.json", "demo.md", "live.log", "runs.tgz"]
 
 
 def test_records_cut_short_by_a_kill_are_read(tmp_path):

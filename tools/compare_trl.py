@@ -62,8 +62,10 @@ after every run, so a comparison stopped midway (a command's time limit) keeps t
 DIR`` names both after the run: DIR/gpu_long_slots-auto.json for ``--shape gpu_long --lit-slots auto``. Each run's
 folder under ``--work-dir`` keeps its spec, config, step records and output; ``--archive FILE`` (with ``--out-dir``:
 DIR/runs.tgz) is that folder as a gzipped tar, written anew after every run and on SIGTERM (a stopped run's output
-included), for a machine whose results come back as a few files only. Every file is replaced whole (written beside,
-then renamed), so a kill while writing leaves the previous one.
+included), for a machine whose results come back as a few files only. ``--live-log FILE`` (with ``--out-dir``:
+DIR/live.log) is where the run in flight writes its output as it goes, copied into its folder once it ends: a kill
+that gives no SIGTERM first (SIGKILL), which nothing can trap, leaves that file with what the run had written.
+Every other file is replaced whole (written beside, then renamed), so a kill while writing leaves the previous one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -336,15 +339,18 @@ def run_status(seen: process_memory.Watched, output: str) -> str:
 
 
 def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python: str | None,
-            timeout_s: float | None, interval_s: float) -> dict[str, Any]:
+            timeout_s: float | None, interval_s: float, live_log: Path | None = None) -> dict[str, Any]:
     """Run one system on one spec in a fresh process, watched from here; its record (status "stopped" where
-    :class:`Stopped` came while it ran: the caller stops after saving it)."""
+    :class:`Stopped` came while it ran: the caller stops after saving it). The process writes its output into
+    ``live_log`` where given (copied to the run's output.log once it ended), else into that output.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("steps.jsonl", "output.log"):
         (run_dir / stale).unlink(missing_ok=True)
     command = run_command(run["system"], spec, run_dir, trl_python)
     seen = process_memory.Watched()
-    with (run_dir / "output.log").open("w") as log:
+    log_path = live_log or run_dir / "output.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["threads"]),
                                    cwd=harness.ROOT)
         try:
@@ -355,7 +361,9 @@ def run_one(run: dict[str, Any], spec: dict[str, Any], run_dir: Path, trl_python
         finally:  # never leave a training child running unwatched (Ctrl-C, an error while watching)
             if not seen.stopped:
                 process_memory.kill_and_reap(process, seen)
-    output = (run_dir / "output.log").read_text(errors="replace")
+    output = log_path.read_text(errors="replace")
+    if live_log is not None:
+        shutil.copyfile(live_log, run_dir / "output.log")
     return run_record(run, spec, seen, read_records(run_dir / "steps.jsonl"), output, command, run_dir)
 
 
@@ -617,6 +625,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--archive", type=Path, help="the work dir's runs as a gzipped tar, written anew after every "
                                                      "run and on SIGTERM (with --out-dir: OUT_DIR/runs.tgz)")
+    parser.add_argument("--live-log", type=Path, help="the run in flight writes its output here as it goes (with "
+                                                      "--out-dir: OUT_DIR/live.log), kept by a SIGKILL")
     parser.add_argument("--out-dir", type=Path, help="where --json, --markdown and --archive are not given: "
                                                      "OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/runs.tgz, NAME "
                                                      "the shape (with _slots-N for a --lit-slots N other than fixed)")
@@ -626,6 +636,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.json = args.json or args.out_dir / f"{name}.json"
         args.markdown = args.markdown or args.out_dir / f"{name}.md"
         args.archive = args.archive or args.out_dir / "runs.tgz"
+        args.live_log = args.live_log or args.out_dir / "live.log"
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
     if args.untimed_steps is None:
@@ -743,7 +754,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spec = {**cell_specs[run["cell"]], "seed": run["seed"]}
             run_dir = args.work_dir / f"{args.shape}_{cell_label(spec)}" / f"seed{run['seed']}" / \
                 f"{len(runs):02d}_{run['system']}"
-            runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s))
+            runs.append(run_one(run, spec, run_dir, args.trl_python, args.timeout_s, args.interval_s, args.live_log))
             print(run_line(runs[-1]), file=sys.stderr, flush=True)
             report = save(args, cell_specs, trl_version, runs)
             if runs[-1]["status"] == "stopped":

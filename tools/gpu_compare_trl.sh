@@ -18,7 +18,8 @@
 #    480) and recorded as a timeout with the steps it finished.
 # OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json, NAME.md and runs.tgz (compare_trl's
 # --out-dir: NAME is the shape, with _slots-N for a --lit-slots N other than fixed; runs.tgz holds the runs' configs,
-# records and logs). All three are written anew after every run, and once more on SIGTERM (a command's time limit:
+# records and logs), and live.log, the run in flight's output as it is written (a SIGKILL, which nothing can trap,
+# keeps it). The first three are written anew after every run, and once more on SIGTERM (a command's time limit:
 # the run in flight is then recorded as "stopped", with the steps it finished and its log), so a command killed by
 # `timeout` keeps every run it finished and what the last one left. The script passes a SIGTERM it gets on to
 # compare_trl and waits for it. TRL's three runs took about 100 s each on an H200 (start-up included); where one
