@@ -148,8 +148,10 @@ def test_the_gpu_check_leaves_few_enough_files_for_a_machine_that_hands_back_eig
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     files = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
-    assert files == ["cast_weights.json", "device.txt", "gpu_targets.json", "gpu_targets.tgz", "grpo_memory.json",
-                     "targets.txt", "tests.txt"]
+    assert files == ["benchmarks.txt", "cast_weights.json", "device.txt", "gpu_targets.json", "gpu_targets.tgz",
+                     "grpo_memory.json", "targets.txt", "tests.txt"]
+    # the two benchmarks' output, as they print it (a kill without SIGTERM first keeps what they had said)
+    assert (out / "benchmarks.txt").read_text() == "a fake GPU\na fake GPU\n"
     with tarfile.open(out / "gpu_targets.tgz") as tar:
         assert sorted(tar.getnames()) == ["gpu_targets", *(f"gpu_targets/{name}.json" for name in
                                                           ("cap512", "g_equals_G", "paper", "step"))]

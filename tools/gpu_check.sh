@@ -15,7 +15,9 @@
 # 5. python -m tools.bench_cast_weights: a bf16-mixed rollout's decode step with autocast's per-step casts against
 #    the weights cast once (float32 master weights, G 32 on 32 slots, 512 tokens; figures and the samples' equality).
 # Each part's output is written under OUT_DIR (device.txt, tests.txt, targets.txt, gpu_targets.json,
-# gpu_targets.tgz, grpo_memory.json, cast_weights.json): seven files, since a machine may hand back only a few
+# gpu_targets.tgz, grpo_memory.json, cast_weights.json, and benchmarks.txt, what the two benchmarks print; each
+# .txt as it is printed, so a kill without SIGTERM first keeps what a part had said): eight files, as many as a
+# machine hands back
 # (gpu_targets' four measurements, gpu_targets/NAME.json, are packed into gpu_targets.tgz once it ends, and stay
 # loose where it is stopped midway: `python -m tools.gpu_targets --from-dir` judges them again). The exit status
 # is not 0 when a test failed, a target was missed or a step broke. The whole script takes longer than 10 minutes:
@@ -40,9 +42,10 @@ if [ -d "$DIR/gpu_targets" ]; then
     tar czf "$DIR/gpu_targets.tgz" -C "$DIR" gpu_targets && rm -r "$DIR/gpu_targets"
 fi
 PYTHONUNBUFFERED=1 python3 -m tools.bench_grpo_memory --model random:qwen3-1.7b --dtype bfloat16 --group-sizes 8,64 \
-    --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json"
-memory=$?
+    --micro-group-size 8 --train-micro-batch-size 8 --strategies infinite,full --json "$DIR/grpo_memory.json" 2>&1 \
+    | tee "$DIR/benchmarks.txt"
+memory=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.bench_cast_weights --model random:qwen3-1.7b --device cuda --prompts 1 \
-    --group-size 32 --max-new-tokens 512 --repeats 2 --json "$DIR/cast_weights.json"
-cast=$?
+    --group-size 32 --max-new-tokens 512 --repeats 2 --json "$DIR/cast_weights.json" 2>&1 | tee -a "$DIR/benchmarks.txt"
+cast=${PIPESTATUS[0]}
 exit $(( tests || targets || memory || cast ))
