@@ -161,7 +161,8 @@ class InfiniteSchedulerConfig:
         return dataclasses.replace(self, **changes)
 
 
-#: Options an earlier release's single scheduler took, each with where it is set now: the hint an old config gets.
+#: Scheduler options that belong elsewhere or nowhere, each with where it is set instead: the hint a config naming
+#: one gets in its error.
 _MOVED = {**{name: "moved under length_aware" for name in ("predictor", "refill", "probe_tokens", "gain_z")},
           **{name: "removed (it measured nothing)" for name in ("grouping", "epsilon", "replan_tolerance",
                                                                 "slack_scale", "critical_fraction")}}

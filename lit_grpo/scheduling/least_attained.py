@@ -262,7 +262,7 @@ class LeastAttainedScheduler(Scheduler):
         return {"groups": [list(group) for group in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        # an earlier release's checkpoint keeps the groups under "preemption", beside a length predictor's state
+        # a checkpoint of one combined scheduler keeps the groups under "preemption", beside a length predictor's state
         groups = state["groups"] if "groups" in state else state.get("preemption", {}).get("groups", [])
         dropped = sorted({"predictor", "trust"} & set(state))
         if dropped and type(self) is LeastAttainedScheduler:

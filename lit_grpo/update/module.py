@@ -218,8 +218,8 @@ class GRPOModule(LightningModule):
             "auto" is oneDNN for a float32 policy that is not FSDP-sharded, on a CPU that is not Intel's (where
             MKL, torch's kernel, is the faster one; lit_grpo.sampling.cpu_linear).
         move_to_cpu_after_fit: let Lightning move the policy and the optimizer's state to the CPU when ``fit``
-            ends (its strategies' default). Off: both stay on their device (``on_train_end``), where a host copy
-            of weights and moments would take several GiB of host memory for a 1B-parameter model.
+            ends (its strategies' default). Off: both stay on their device (``on_train_end``), sparing the host a
+            copy of the weights and both AdamW moments, several times the model's size.
     """
 
     def __init__(

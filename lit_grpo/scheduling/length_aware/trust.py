@@ -191,9 +191,9 @@ class PredictionTrust:
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.confidence_z = state["decay"], state["confidence_z"]
         self.past, self.current = list(state["past"]), list(state["current"])
-        # An earlier checkpoint lacks the count: a past of at least two pairs is taken to have measured the spread.
+        # A checkpoint without the count: a past of at least two pairs is taken to have measured the spread.
         self.past_dof = float(state.get("past_dof", 1.0 if self.past[0] > 1 else 0.0))
-        # Nor the weighted one: the past's weight, the divisor its variances had then (uncorrected until it decays).
+        # Without the weighted one: the past's weight, the divisor of its variances (uncorrected until it decays).
         self.past_dof_weight = float(state.get("past_dof_weight", self.past[0]))
 
 
