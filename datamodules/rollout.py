@@ -80,6 +80,76 @@ def _own_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
+def _training_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
+    """``sampling`` (a config or a dict of its fields) as a :class:`SamplingConfig` fit for training rollouts:
+    G >= 2, sampled rather than greedy, and no length predictor that reads the true lengths."""
+    # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
+    if isinstance(sampling, Mapping):
+        check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
+    sampling = settings_from("sampling", sampling, SamplingConfig)
+    check_int("sampling.group_size", sampling.group_size, 2)
+    if sampling.temperature == 0 or sampling.top_k == 1:
+        setting = "temperature=0" if sampling.temperature == 0 else "top_k=1"
+        raise ValueError(f"sampling.{setting} makes training rollouts greedy: the group_size={sampling.group_size} "
+                         "completions of a prompt would be identical, so every advantage is 0 and nothing is "
+                         "learned; sample (temperature > 0, e.g. 1.0, and top_k 0 or > 1)")
+    length_aware = sampling.scheduler.length_aware if sampling.strategy == "infinite" else None
+    predictor = getattr(length_aware, "predictor", None)
+    if isinstance(predictor, str) and predictor.partition(":")[0] in ("oracle", "noisy"):
+        raise ValueError(f"sampling.scheduler.length_aware.predictor={predictor!r} reads the true lengths, which "
+                         "only a replay of known lengths has (tools.bench_rollout --lengths), never a training "
+                         "rollout: use 'online'")
+    return sampling
+
+
+def _warn_unused_sampling_options(sampling: SamplingConfig, stacklevel: int) -> None:
+    """Warn of ``sampling`` options its strategy or ``micro_group_size`` ignores: named, never dropped in silence."""
+    if ignored := sampling.ignored_scheduler_options():
+        warnings.warn(f"sampling.scheduler options {ignored} apply to strategy 'infinite' only; strategy "
+                      f"{sampling.strategy!r} ignores them", stacklevel=stacklevel)
+    g = sampling.micro_group_size
+    if sampling.strategy == "full" and g is not None:
+        warnings.warn(f"sampling.micro_group_size={g!r} is ignored by strategy 'full', which decodes every "
+                      "sample at once; use 'continuous' or 'infinite' for g slots", stacklevel=stacklevel)
+    if sampling.kv_budget_bytes is not None and g != "auto":
+        warnings.warn(f"sampling.kv_budget_bytes={sampling.kv_budget_bytes} is the budget of micro_group_size "
+                      f"'auto' only; micro_group_size={g!r} ignores it", stacklevel=stacklevel)
+    if sampling.strategy == "micro" and isinstance(g, int) and g > sampling.group_size:
+        warnings.warn(f"sampling.micro_group_size={g} is more than group_size={sampling.group_size}: strategy "
+                      "'micro' runs one prompt's samples at a time, so it uses group_size slots", stacklevel=stacklevel)
+
+
+def _warn_inactive_settings(given: Mapping[str, Any], stacklevel: int) -> None:
+    """Warn of ``RolloutDataModule`` settings (``given``, by argument name) that act only beside another one, where
+    that one is off and they differ from their defaults: named, never dropped in silence (a bad value is refused
+    before this, not also called ignored)."""
+    defaults = inspect.signature(RolloutDataModule.__init__).parameters
+    for name, needs in (
+            ("max_rollouts_per_step", None if given["dynamic_sampling"] else "dynamic_sampling"),
+            ("max_staleness", None if given["over_provision"] > 1 else "over_provision > 1"),
+            ("val_temperature", None if given["val_num_samples"] > 1 else "val_num_samples > 1"),
+            ("max_tool_calling_iterations", None if given["tools"] else "tools")):
+        if needs is not None and given[name] != defaults[name].default:
+            warnings.warn(f"{name}={given[name]!r} applies with {needs} only; it is ignored", stacklevel=stacklevel)
+    if given["task"] is None:  # a config that switches its source away from a task often keeps the task's settings
+        for name in ("task_config", "size"):
+            if given[name] != defaults[name].default:
+                warnings.warn(f"data.{name}={given[name]!r} applies to data.task only; this run's prompts come from "
+                              f"another source, so it is ignored (remove it, or give its default "
+                              f"{defaults[name].default!r})", stacklevel=stacklevel)
+
+
+def _warn_preemption_off(sampling: SamplingConfig, stacklevel: int) -> None:
+    """Warn where a set ``preempt_tokens`` is not below the length cap, so it never preempts (the default's
+    quantum may exceed a short cap unasked: no warning for it)."""
+    preempt = sampling.scheduler.preempt_tokens
+    if sampling.strategy == "infinite" and preempt and preempt >= sampling.max_new_tokens and \
+            preempt != PREEMPT_TOKENS:
+        warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
+                      f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
+                      "for plain continuous sampling", stacklevel=stacklevel)
+
+
 class _StepDraw:
     """One training step's prompts under several ranks: global draws of ``prompts_per_step x world_size`` prompts
     (the same on every rank, as every rank's sampler is in the same state), this rank keeping its own
@@ -219,37 +289,10 @@ class RolloutDataModule(LightningDataModule):
         max_tool_calling_iterations: int | None = None,
     ):
         super().__init__()
-        # Training's bound on G, checked before the config's own (>= 1): a lone completion has nothing to compare to.
-        if isinstance(sampling, Mapping):
-            check_int("sampling.group_size", sampling.get("group_size", SamplingConfig.group_size), 2)
-        sampling = settings_from("sampling", sampling, SamplingConfig)
-        check_int("sampling.group_size", sampling.group_size, 2)
-        if sampling.temperature == 0 or sampling.top_k == 1:
-            setting = "temperature=0" if sampling.temperature == 0 else "top_k=1"
-            raise ValueError(f"sampling.{setting} makes training rollouts greedy: the group_size={sampling.group_size} "
-                             "completions of a prompt would be identical, so every advantage is 0 and nothing is "
-                             "learned; sample (temperature > 0, e.g. 1.0, and top_k 0 or > 1)")
-        length_aware = sampling.scheduler.length_aware if sampling.strategy == "infinite" else None
-        predictor = getattr(length_aware, "predictor", None)
-        if isinstance(predictor, str) and predictor.partition(":")[0] in ("oracle", "noisy"):
-            raise ValueError(f"sampling.scheduler.length_aware.predictor={predictor!r} reads the true lengths, which "
-                             "only a replay of known lengths has (tools.bench_rollout --lengths), never a training "
-                             "rollout: use 'online'")
+        sampling = _training_sampling(sampling)
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
-        if ignored := sampling.ignored_scheduler_options():
-            warnings.warn(f"sampling.scheduler options {ignored} apply to strategy 'infinite' only; strategy "
-                          f"{sampling.strategy!r} ignores them", stacklevel=2)
-        g = sampling.micro_group_size
-        if sampling.strategy == "full" and g is not None:
-            warnings.warn(f"sampling.micro_group_size={g!r} is ignored by strategy 'full', which decodes every "
-                          "sample at once; use 'continuous' or 'infinite' for g slots", stacklevel=2)
-        if sampling.kv_budget_bytes is not None and g != "auto":
-            warnings.warn(f"sampling.kv_budget_bytes={sampling.kv_budget_bytes} is the budget of micro_group_size "
-                          f"'auto' only; micro_group_size={g!r} ignores it", stacklevel=2)
-        if sampling.strategy == "micro" and isinstance(g, int) and g > sampling.group_size:
-            warnings.warn(f"sampling.micro_group_size={g} is more than group_size={sampling.group_size}: strategy "
-                          "'micro' runs one prompt's samples at a time, so it uses group_size slots", stacklevel=2)
+        _warn_unused_sampling_options(sampling, stacklevel=3)
         for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
                             ("max_rollouts_per_step", max_rollouts_per_step), ("val_batch_size", val_batch_size),
                             ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
@@ -285,28 +328,12 @@ class RolloutDataModule(LightningDataModule):
         if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
         check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
-        # settings that only act beside another one (refused above where bad, not also called ignored): named where
-        # that one is off and they differ from their defaults, never dropped in silence
-        defaults = inspect.signature(RolloutDataModule.__init__).parameters
-        for name, value, needs in (
-                ("max_rollouts_per_step", max_rollouts_per_step, None if dynamic_sampling else "dynamic_sampling"),
-                ("max_staleness", max_staleness, None if over_provision > 1 else "over_provision > 1"),
-                ("val_temperature", val_temperature, None if val_num_samples > 1 else "val_num_samples > 1"),
-                ("max_tool_calling_iterations", max_tool_calling_iterations, None if self.tools else "tools")):
-            if needs is not None and value != defaults[name].default:
-                warnings.warn(f"{name}={value!r} applies with {needs} only; it is ignored", stacklevel=2)
-        if task is None:  # a config that switches its source away from a task often keeps the task's settings
-            for name, value in (("task_config", task_config), ("size", size)):
-                if value != defaults[name].default:
-                    warnings.warn(f"data.{name}={value!r} applies to data.task only; this run's prompts come from "
-                                  f"another source, so it is ignored (remove it, or give its default "
-                                  f"{defaults[name].default!r})", stacklevel=2)
-        preempt = sampling.scheduler.preempt_tokens  # the default's quantum may exceed a short cap unasked
-        if sampling.strategy == "infinite" and preempt and preempt >= sampling.max_new_tokens and \
-                preempt != PREEMPT_TOKENS:
-            warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
-                          f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
-                          "for plain continuous sampling", stacklevel=2)
+        _warn_inactive_settings(dict(
+            task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
+            max_rollouts_per_step=max_rollouts_per_step, over_provision=over_provision, max_staleness=max_staleness,
+            val_num_samples=val_num_samples, val_temperature=val_temperature, tools=self.tools,
+            max_tool_calling_iterations=max_tool_calling_iterations), stacklevel=3)
+        _warn_preemption_off(sampling, stacklevel=3)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
         # a tool by its name, which a checkpoint stores as plain text

@@ -394,6 +394,16 @@ def test_bad_arguments_name_the_value():
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"
 
 
+def test_datamodule_setting_warnings_point_at_the_caller():
+    """Each of RolloutDataModule's warnings about a setting names the line that built it, not the module's own."""
+    for kwargs in ({"sampling": {"strategy": "full", "micro_group_size": 2}}, {"max_staleness": 5},
+                   {"size": 40}, {"sampling": {"strategy": "infinite", "max_new_tokens": 64,
+                                               "scheduler": {"preempt_tokens": 64}}}):
+        with pytest.warns(UserWarning) as said:
+            RolloutDataModule(prompts=PROMPTS, **kwargs)
+        assert [w.filename for w in said] == [__file__] * len(said), kwargs
+
+
 def test_angle_curriculum_is_wired_in():
     module = make_module()
     dm = make_datamodule(module, curriculum="angle", curriculum_kwargs={"sigma": 2.0})
