@@ -394,13 +394,18 @@ def test_bad_arguments_name_the_value():
     assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"
 
 
-def test_datamodule_setting_warnings_point_at_the_caller():
-    """Each of RolloutDataModule's warnings about a setting names the line that built it, not the module's own."""
+def test_setting_warnings_point_at_the_caller():
+    """Each warning of RolloutDataModule and GRPOModule about a setting names the line that built it."""
     for kwargs in ({"sampling": {"strategy": "full", "micro_group_size": 2}}, {"max_staleness": 5},
                    {"size": 40}, {"sampling": {"strategy": "infinite", "max_new_tokens": 64,
                                                "scheduler": {"preempt_tokens": 64}}}):
         with pytest.warns(UserWarning) as said:
             RolloutDataModule(prompts=PROMPTS, **kwargs)
+        assert [w.filename for w in said] == [__file__] * len(said), kwargs
+    for kwargs in ({"fsdp_rollout": "gathered"}, {"min_lr_ratio": 0.1},
+                   {"sampler_correction": {"mode": "none", "clip_max": 2.0}}):
+        with pytest.warns(UserWarning) as said:
+            GRPOModule(model="tiny-llama", **kwargs)
         assert [w.filename for w in said] == [__file__] * len(said), kwargs
 
 

@@ -134,6 +134,45 @@ class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
     """A non-finite loss or gradient norm, found before the optimizer step, on every rank at once."""
 
 
+def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int,
+                              lr_schedule: LrSchedule, min_lr_ratio: float, max_grad_norm: float | None,
+                              stacklevel: int) -> None:
+    """Check ``GRPOModule``'s AdamW, learning-rate schedule and clipping settings (its docstring says each);
+    warn where ``min_lr_ratio`` is set for a schedule that never decays to it."""
+    check_int("warmup_steps", warmup_steps, 0)
+    check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
+    check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
+    if min_lr_ratio and lr_schedule == "constant":
+        warnings.warn(f"min_lr_ratio={min_lr_ratio!r} is the floor of a decaying lr_schedule; with 'constant' "
+                      "it is ignored", stacklevel=stacklevel)
+    check_real("lr", lr, low=0, low_open=True)
+    check_real("weight_decay", weight_decay, low=0)
+    pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
+    if not pair or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
+                         "rates of its moments, e.g. [0.9, 0.99])")
+    if max_grad_norm is not None:  # None: no clipping
+        check_real("max_grad_norm", max_grad_norm, low=0)
+
+
+def _checked_reference_sync(reference_sync: ReferenceSync | dict | None, loss: LossConfig,
+                            peft_config: dict[str, Any] | None) -> ReferenceSync | None:
+    """``reference_sync`` as a :class:`ReferenceSync` (None: the reference stays the initial weights), refused
+    where there is no reference of its own to move: no KL term (``loss.beta`` 0), or LoRA's adapter-off policy."""
+    if reference_sync is None:
+        return None
+    sync = settings_from("reference_sync", reference_sync, ReferenceSync)
+    if loss.beta == 0:
+        raise ValueError("reference_sync needs loss.beta > 0: with beta 0 there is no reference model to sync "
+                         "(no KL penalty); set loss.beta (e.g. 0.04) or reference_sync: null")
+    if peft_config:
+        raise ValueError("reference_sync does not apply with peft_config (LoRA): the reference is the policy with "
+                         "its adapter disabled, no weights of its own to move; set reference_sync: null or train "
+                         "all weights (peft_config: null)")
+    return sync
+
+
 class GRPOModule(LightningModule):
     """GRPO policy optimization (module docstring).
 
@@ -273,34 +312,14 @@ class GRPOModule(LightningModule):
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         check_int("num_iterations", num_iterations, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
-        check_int("warmup_steps", warmup_steps, 0)
-        check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
-        check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
-        if min_lr_ratio and lr_schedule == "constant":
-            warnings.warn(f"min_lr_ratio={min_lr_ratio!r} is the floor of a decaying lr_schedule; with 'constant' "
-                          "it is ignored", stacklevel=2)
-        check_real("lr", lr, low=0, low_open=True)
-        check_real("weight_decay", weight_decay, low=0)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
-        pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
-        if not pair or len(betas) != 2 or not all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
-            raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
-                             "rates of its moments, e.g. [0.9, 0.99])")
-        if max_grad_norm is not None:  # None: no clipping
-            check_real("max_grad_norm", max_grad_norm, low=0)
+        _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm,
+                                  stacklevel=3)
         if peft_config:  # checked here, before a model loads
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
         loss_config = settings_from("loss", loss, LossConfig)
-        sync = settings_from("reference_sync", reference_sync, ReferenceSync) if reference_sync is not None else None
-        if sync is not None and loss_config.beta == 0:
-            raise ValueError("reference_sync needs loss.beta > 0: with beta 0 there is no reference model to sync "
-                             "(no KL penalty); set loss.beta (e.g. 0.04) or reference_sync: null")
-        if sync is not None and peft_config:
-            raise ValueError("reference_sync does not apply with peft_config (LoRA): the reference is the policy with "
-                             "its adapter disabled, no weights of its own to move; set reference_sync: null or train "
-                             "all weights (peft_config: null)")
+        sync = _checked_reference_sync(reference_sync, loss_config, peft_config)
         correction = settings_from("sampler_correction", sampler_correction, SamplerCorrection)
         if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
             warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
