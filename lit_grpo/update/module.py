@@ -735,8 +735,6 @@ class GRPOModule(LightningModule):
         total_rows = batch.num_completions
         step = StepMetrics()
         world = self.trainer.world_size if self._trainer is not None else 1
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        blocks_sync = isinstance(strategy, ParallelStrategy)
         control = self.entropy_control
         # the previous step's coefficient for every micro-batch of this one; where it is 0 (the adaptive control's
         # gate closed) the entropy needs no gradient, and the forward stays the lean one
@@ -761,15 +759,7 @@ class GRPOModule(LightningModule):
                 if control.adaptive:
                     step.add_entropy_stats(entropy_stats(entropy, tokens))
             # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
-            if self._trainer is not None:
-                # ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward; the
-                # others accumulate locally (no_sync). A no-op for one process and for FSDP2, whose own hooks
-                # reduce-scatter each backward's gradients (skipping that would hold unsharded gradients)
-                last = index == len(chunks) - 1
-                with contextlib.nullcontext() if last or not blocks_sync else strategy.block_backward_sync():
-                    self.manual_backward(loss)
-            else:
-                loss.backward()
+            self._backward(loss, last=index == len(chunks) - 1)
             step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref, weights),
                      entropy.detach(), micro["drawn_mask"])
             del logps, entropy, loss
@@ -796,6 +786,20 @@ class GRPOModule(LightningModule):
                 control.end_step(*entropy_totals)
             metrics["entropy_coef"] = control.coef  # the next step's, as TRL logs it
         return metrics
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch's ``loss``; ``last``: the optimizer step's last micro-batch.
+
+        Under a Trainer, ddp all-reduces the gradients once per optimizer step, in the last micro-batch's backward;
+        the others accumulate locally (no_sync). A no-op for one process and for FSDP2, whose own hooks
+        reduce-scatter each backward's gradients (skipping that would hold unsharded gradients)."""
+        if self._trainer is None:
+            loss.backward()
+            return
+        strategy = self.trainer.strategy
+        blocks_sync = isinstance(strategy, ParallelStrategy)
+        with contextlib.nullcontext() if last or not blocks_sync else strategy.block_backward_sync():
+            self.manual_backward(loss)
 
     def _sync_reference_when_due(self, optimizer: torch.optim.Optimizer) -> None:
         """After an optimizer step: mix the policy into the reference where the steps taken are a multiple of
