@@ -1,14 +1,13 @@
 """Log-probs (and entropies) of completion tokens under a causal LM, with the vocabulary-sized logits bounded.
 
 The update's largest single tensors are the logits: ``[m, T, V]`` float32 for a micro-batch of m completions of T
-tokens (SmolLM2: V = 49,152, so 8 x 64 tokens are 100 MB; Qwen3: V = 151,936). Through ``logsumexp`` and
+tokens, the vocabulary V many times the hidden size in current decoders. Through ``logsumexp`` and
 ``gather`` autograd keeps them for the backward pass and adds three more tensors of that size in it, all while the
 decoder's activations are alive. ``completion_logps`` never builds them: the decoder's final hidden states of the
 real (unpadded) completion tokens are cut into chunks of about ``LOGITS_CHUNK_BYTES`` of logits (by device type),
 and each chunk goes through the model's own output head inside ``torch.utils.checkpoint``, so only one chunk's
 logits exist at a time, in the forward pass and again (recomputed) in the backward pass. The recomputation costs
-one more LM-head matmul per token (SmolLM2's head is a fifth of its forward FLOPs, so about 7% of a forward +
-backward).
+one more LM-head matmul per token: a third of the head's share of a forward, counted against a forward + backward.
 
 Under mixed precision with float32 master weights, autocast (Lightning's keeps no cast cache) would cast the head's
 weight to bfloat16 in every chunk and again in every recomputation, a ``[V, H]`` copy each time; the chunks then go
