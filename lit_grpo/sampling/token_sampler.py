@@ -13,9 +13,9 @@ import math
 import torch
 
 #: On a CPU, top-p without top-k looks for each row's nucleus among its top k logits first, for each k here in turn,
-#: and sorts the whole vocabulary only of the rows whose nucleus they do not hold: a sort of a 150k-token vocabulary
-#: costs as much as a small model's decode step there. The nucleus is the same either way (the top k are the sort's
-#: first k, and their masses and running sums the same numbers).
+#: and sorts the whole vocabulary only of the rows whose nucleus they do not hold: a CPU sorts a whole vocabulary
+#: slowly beside a small model's decode step (docs/benchmarks.md has the figures). The nucleus is the same either
+#: way (the top k are the sort's first k, and their masses and running sums the same numbers).
 NUCLEUS_SEARCH = (256, 4096)
 
 
