@@ -192,3 +192,18 @@ def test_the_bandwidth_is_measured_once_per_process_or_given(monkeypatch):
     assert library.read_bandwidth("cpu") == 2e9 and measured == ["cpu"]
     with pytest.raises(ValueError, match=r"read_bytes_per_s=0 must be a finite number > 0"):
         library.set_read_bandwidth("cpu", 0)
+
+
+def test_a_bare_cuda_device_is_the_current_one_in_every_per_device_cache(monkeypatch):
+    """``indexed_device`` names a device as a tensor's ``.device`` does, so "cuda" and "cuda:N" (N current) share
+    one entry of the bandwidth record (and of the float32-scores probe, keyed the same way)."""
+    from lit_grpo.sampling import roofline as library
+    from lit_grpo.sampling.devices import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed_device("cuda") == indexed_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed_device("cuda:1") == torch.device("cuda", 1)
+    assert indexed_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(library, "_BANDWIDTH", {})
+    library.set_read_bandwidth("cuda", 7e11)
+    assert library._BANDWIDTH == {"cuda:3": 7e11} and library.read_bandwidth("cuda:3") == 7e11

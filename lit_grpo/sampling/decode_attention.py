@@ -33,6 +33,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lit_grpo.sampling.devices import indexed_device
+
 #: The names the implementations are registered under in transformers' attention (and mask) registries.
 DECODE_ATTENTION = "lit_grpo_decode"
 SDPA_GQA_DECODE_ATTENTION = "lit_grpo_decode_sdpa_gqa"
@@ -130,9 +132,7 @@ def float32_scores(device: torch.device) -> bool:
     """Whether ``decode_attention`` writes half-precision scores in float32 on ``device``: its matmul can
     (``torch.bmm``'s ``out_dtype``, on CUDA in recent torch builds). Probed once per device on two tiny tensors,
     keyed as a tensor's ``device`` reads (``cuda:0``, never bare ``cuda``), which ``decode_attention`` looks up."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed_device(device)
     if device not in _FLOAT32_SCORES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False  # not probed inside a capture; the eager steps before it probe

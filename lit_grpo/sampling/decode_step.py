@@ -58,6 +58,7 @@ import torch
 
 from lit_grpo.runtime.models import cache_keyword
 from lit_grpo.sampling.decode_attention import step_attention
+from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, penalize_repetitions, replay_tokens, sample_tokens
@@ -583,7 +584,7 @@ def _end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, previ
     step's graphs of every bucket: a hold left behind would keep all their memory for the life of the process.
     ``began``: the capture's block was entered (its hold was taken)."""
     torch.cuda.set_stream(previous)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = indexed_device(device).index
     try:
         torch._C._cuda_endAllocateToPool(index, pool)
         routed = True

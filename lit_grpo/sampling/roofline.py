@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry
 
 __all__ = ["DecodeReads", "ModelShape", "decode_reads", "floor_ms", "measure_read_bandwidth", "model_shape",
@@ -186,7 +187,4 @@ def set_read_bandwidth(device: torch.device | str, read_bytes_per_s: float) -> N
 
 def _device_key(device: torch.device | str) -> str:
     """``device`` as its cache key: "cuda" is the current CUDA device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
+    return str(indexed_device(device))
