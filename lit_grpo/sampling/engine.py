@@ -230,28 +230,7 @@ class RolloutEngine:
         """
         started = time.perf_counter()
         check_decodable(self.model)
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-            raise TypeError(f"groups={groups!r:.80} must be a list of GroupProgress (from new_groups, or a result's "
-                            "carried groups)")
-        groups = list(groups)
-        if not groups:
-            raise ValueError("generate_groups needs at least one group")
-        if not all(isinstance(g, GroupProgress) for g in groups):
-            raise TypeError(f"groups holds {[type(g).__name__ for g in groups][:5]}; each must be a GroupProgress "
-                            "(engine.new_groups(prompts) makes them; generate(prompts) takes the prompts themselves)")
-        if complete is not None and (isinstance(complete, bool) or not isinstance(complete, Integral)
-                                     or not 1 <= complete <= len(groups)):
-            raise ValueError(f"complete={complete!r} must be an integer between 1 and the number of groups "
-                             f"({len(groups)})")
-        if isinstance(finish, (str, bytes)) or not isinstance(finish, Iterable):
-            raise ValueError(f"finish={finish!r:.80} must be a list of indices of the groups, integers in "
-                             f"[0, {len(groups)})")
-        finish = list(finish)
-        if any(isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < len(groups) for p in finish):
-            raise ValueError(f"finish={finish!r:.80} must be indices of the groups, integers in [0, {len(groups)})")
-        if any(len(g.samples) != self.group_size for g in groups):
-            raise ValueError(f"every group needs group_size={self.group_size} samples, got "
-                             f"{[len(g.samples) for g in groups]}")
+        groups, finish = self._checked_groups(groups, complete, finish)
         # A row holds at most the prompt's P - 1 cached positions plus the L tokens fed (the last one never is).
         width = max(len(g.prompt_ids) for g in groups) - 1 + self.max_new_tokens
         settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
@@ -277,6 +256,34 @@ class RolloutEngine:
         drawn = [sum(v == settings.rollout_index for v in s.versions) for g in loop.groups for s in g.samples]
         result.stats.finalize([n for n in drawn if n])
         return result
+
+    def _checked_groups(self, groups: Sequence[GroupProgress], complete: int | None,
+                        finish: Sequence[int]) -> tuple[list[GroupProgress], list[int]]:
+        """``generate_groups``' ``groups`` and ``finish`` as lists, each argument checked against the others and
+        this engine's G; a bad one raises naming it."""
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+            raise TypeError(f"groups={groups!r:.80} must be a list of GroupProgress (from new_groups, or a result's "
+                            "carried groups)")
+        groups = list(groups)
+        if not groups:
+            raise ValueError("generate_groups needs at least one group")
+        if not all(isinstance(g, GroupProgress) for g in groups):
+            raise TypeError(f"groups holds {[type(g).__name__ for g in groups][:5]}; each must be a GroupProgress "
+                            "(engine.new_groups(prompts) makes them; generate(prompts) takes the prompts themselves)")
+        if complete is not None and (isinstance(complete, bool) or not isinstance(complete, Integral)
+                                     or not 1 <= complete <= len(groups)):
+            raise ValueError(f"complete={complete!r} must be an integer between 1 and the number of groups "
+                             f"({len(groups)})")
+        if isinstance(finish, (str, bytes)) or not isinstance(finish, Iterable):
+            raise ValueError(f"finish={finish!r:.80} must be a list of indices of the groups, integers in "
+                             f"[0, {len(groups)})")
+        finish = list(finish)
+        if any(isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < len(groups) for p in finish):
+            raise ValueError(f"finish={finish!r:.80} must be indices of the groups, integers in [0, {len(groups)})")
+        if any(len(g.samples) != self.group_size for g in groups):
+            raise ValueError(f"every group needs group_size={self.group_size} samples, got "
+                             f"{[len(g.samples) for g in groups]}")
+        return groups, finish
 
     def release(self) -> None:
         """Free the slot cache and the decode step (and its CUDA graph); the next rollout allocates them again."""
