@@ -321,7 +321,6 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
     token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
-    num_tokens = token_ids.shape[1]
     real = _real_tokens(mask, micro.get("num_tokens"))  # [n] flat positions in [m, T']
     # (with no real token at all the chunks would be empty and the result detached from the model: full path)
     if not (chunked and len(real) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
@@ -329,38 +328,52 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         logps = token_logps(logits, token_ids) * mask
         entropy = entropy_with_grad(logits).to(logps.dtype) if entropy_grad else token_entropy(logits)
         return logps, entropy * mask
+    hidden = _completion_hidden(model, micro, shared_prefix, real)
+    logps_of_real, entropy_of_real = _head_logps(model, hidden, token_ids.flatten().index_select(0, real),
+                                                 temperature, chunk_bytes, entropy_grad)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    logps = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+    logps = logps.index_copy(0, real, logps_of_real.to(dtype)).view(mask.shape)
+    if entropy_grad:
+        entropy = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+        return logps, entropy.index_copy(0, real, entropy_of_real.to(dtype)).view(mask.shape)
+    entropy = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
+    entropy = entropy.index_copy(0, real, entropy_of_real.float()).view(mask.shape)
+    return logps, entropy.detach()
+
+
+def _completion_hidden(model: torch.nn.Module, micro: dict[str, Any], shared_prefix: bool | str,
+                       real: torch.Tensor) -> torch.Tensor:
+    """``[n, H]`` the decoder's final hidden states that predict the ``n`` real completion tokens (``real``: their
+    flat positions in ``[m, T']``), each prompt forward once where ``shared_prefix`` shares it."""
     groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
         hidden = shared_prefix_outputs(model, micro, hidden=True, groups=groups)
-    else:  # logits_to_keep=1: the model's own LM head runs on one position only; the chunks below do the rest
+    else:  # logits_to_keep=1: the model's own LM head runs on one position only; _head_logps does the rest
+        num_tokens = micro["completion_ids"].shape[1]
         out = model(**_model_inputs(micro), output_hidden_states=True, logits_to_keep=1)
         hidden = out.hidden_states[-1][:, -(num_tokens + 1):-1]
         del out
-    hidden = hidden.flatten(0, 1).index_select(0, real)  # [n, H]: the real completion tokens only
-    token_ids = token_ids.flatten().index_select(0, real)
+    return hidden.flatten(0, 1).index_select(0, real)
+
+
+def _head_logps(model: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+                chunk_bytes: int, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n]`` log-probs of ``token_ids`` (``[n]``) and ``[n]`` entropies from ``hidden`` (``[n, H]``) through the
+    model's output head, in chunks of about ``chunk_bytes`` of float32 logits: only one chunk's logits exist at a
+    time, in the forward and again (recomputed) in the backward."""
     head = model.get_output_embeddings()
     rows = max(1, chunk_bytes // (4 * _vocab_size(model, head)))
     cast_dtype = head_cast_dtype(model, head, hidden)
     if cast_dtype is not None:  # the head's weight cast once for every chunk, not in each chunk and its recomputation
-        logps, entropy = _CastOnceHeadLogps.apply(hidden, head.weight, token_ids, temperature, rows, cast_dtype,
-                                                  entropy_grad)
-        logp_parts, entropy_parts = [logps], [entropy]
-    else:
-        logp_parts, entropy_parts = [], []
-        for states, ids in zip(hidden.split(rows), token_ids.split(rows)):
-            if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
-                logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, entropy_grad,
-                                            use_reentrant=False)
-            else:
-                logps, entropy = _chunk_logps(head, states, ids, temperature)
-            logp_parts.append(logps)
-            entropy_parts.append(entropy)
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logps = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
-    logps = logps.index_copy(0, real, torch.cat(logp_parts).to(dtype)).view(mask.shape)
-    if entropy_grad:
-        entropy = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
-        return logps, entropy.index_copy(0, real, torch.cat(entropy_parts).to(dtype)).view(mask.shape)
-    entropy = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # a metric: float32, as token_entropy
-    entropy = entropy.index_copy(0, real, torch.cat(entropy_parts).float()).view(mask.shape)
-    return logps, entropy.detach()
+        return _CastOnceHeadLogps.apply(hidden, head.weight, token_ids, temperature, rows, cast_dtype, entropy_grad)
+    logp_parts, entropy_parts = [], []
+    for states, ids in zip(hidden.split(rows), token_ids.split(rows)):
+        if torch.is_grad_enabled():  # the backward's recomputation redoes the entropy too: cheap next to the matmul
+            logps, entropy = checkpoint(_chunk_logps, head, states, ids, temperature, entropy_grad,
+                                        use_reentrant=False)
+        else:
+            logps, entropy = _chunk_logps(head, states, ids, temperature)
+        logp_parts.append(logps)
+        entropy_parts.append(entropy)
+    return torch.cat(logp_parts), torch.cat(entropy_parts)
