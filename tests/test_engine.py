@@ -1138,3 +1138,18 @@ def test_merged_rounds_of_different_slot_counts_keep_one_timeline_grid_that_rend
     assert merged.timeline == [[0, 1, 2, 3], [0, 1, 2, -1], [4, 5, -1, -1], [4, 5, -1, -1], [4, 5, -1, -1]]
     image = render_slot_timeline_figure(merged.timeline, merged.group_size)
     assert image.ndim == 3 and image.shape[2] == 3
+
+
+def test_on_a_cpu_each_forward_times_its_own_phase(tiny_llama, prompt_ids, monkeypatch):
+    """Every timed forward adds its host time to forward_s and, on a CPU (no events), to its own phase's field:
+    with a clock that advances 1 s a reading, each decode step adds 1 s to decode_s, each prefill 1 s to prefill_s."""
+    from types import SimpleNamespace
+
+    from lit_grpo.sampling import rollout_loop
+
+    readings = iter(range(10**6))
+    monkeypatch.setattr(rollout_loop, "time", SimpleNamespace(perf_counter=lambda: float(next(readings))))
+    model, tokenizer = tiny_llama
+    stats = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=0).generate(prompt_ids).stats
+    assert stats.decode_s == stats.decode_steps > 0
+    assert stats.prefill_s >= 1 and stats.forward_s == stats.prefill_s + stats.decode_s

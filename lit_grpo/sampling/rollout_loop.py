@@ -11,7 +11,9 @@ See lit_grpo.sampling.engine for the design.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -143,16 +145,8 @@ class RolloutLoop:
 
     def step(self, rows: list[Row], probing: list[int]) -> list[bool]:
         self.decode_step.prepare()  # a new bucket's capture or compilation is capture_s, not the step's time
-        start = time.perf_counter()
-        events = self._start_events()
-        out = self._out = self.decode_step.step(probing)
-        elapsed = time.perf_counter() - start
-        self.stats.forward_s += elapsed
-        if events is None:
-            self.stats.decode_s += elapsed
-        else:  # the step has synchronised: its end event is stamped as soon as it is recorded
-            events[1].record(torch.cuda.current_stream(self.device))
-            self._decode_events.append(events)
+        with self._timed("decode_s", self._decode_events):
+            out = self._out = self.decode_step.step(probing)
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
         if self.reads is not None:  # each row attended its cached positions, the one it just wrote included
@@ -208,28 +202,31 @@ class RolloutLoop:
 
     def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
         """A prefill forward of ``input_ids`` ``[1, tokens]``, timed."""
-        start = time.perf_counter()
-        events = self._start_events()
-        out = self.model(input_ids=input_ids, **{self.decode_step.cache_keyword: cache}, use_cache=True,
-                         logits_to_keep=1, **kwargs)
-        elapsed = time.perf_counter() - start
-        self.stats.forward_s += elapsed
-        if events is None:
-            self.stats.prefill_s += elapsed
-        else:  # read once the rollout's last decode step has synchronised: no host sync of its own
-            events[1].record(torch.cuda.current_stream(self.device))
-            self._prefill_events.append(events)
+        with self._timed("prefill_s", self._prefill_events):
+            out = self.model(input_ids=input_ids, **{self.decode_step.cache_keyword: cache}, use_cache=True,
+                             logits_to_keep=1, **kwargs)
         self.stats.prefill_tokens += input_ids.shape[-1]
         return out
 
-    def _start_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-        """On CUDA, a timing event pair whose start is recorded now (kernels run asynchronously: the device's time
-        comes from events); None on a CPU, where the host's clock is the time."""
-        if self.device.type != "cuda":
-            return None
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record(torch.cuda.current_stream(self.device))
-        return events
+    @contextlib.contextmanager
+    def _timed(self, field: str, pending: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> Iterator[None]:
+        """Time the block's forward: the host's time goes to ``stats.forward_s``, and the device's to
+        ``stats.<field>``: on a CPU the host's clock is that time; on CUDA kernels run asynchronously, so a pair of
+        events brackets the block and goes to ``pending``, read once the rollout's last decode step has
+        synchronised (``_count_device_time``), with no host sync of its own."""
+        events = None
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(self.device))
+        yield
+        elapsed = time.perf_counter() - start
+        self.stats.forward_s += elapsed
+        if events is None:
+            setattr(self.stats, field, getattr(self.stats, field) + elapsed)
+        else:
+            events[1].record(torch.cuda.current_stream(self.device))
+            pending.append(events)
 
     def _count_device_time(self) -> None:
         """Add the CUDA prefills' and decode steps' device time to ``prefill_s`` and ``decode_s`` (their events
