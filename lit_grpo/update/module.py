@@ -732,7 +732,6 @@ class GRPOModule(LightningModule):
         ``bonus_batches``: the step's micro-batches on every rank (the entropy bonus's weight; None: this rank's)."""
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
-        total_rows = batch.num_completions
         step = StepMetrics()
         world = self.trainer.world_size if self._trainer is not None else 1
         control = self.entropy_control
@@ -751,7 +750,7 @@ class GRPOModule(LightningModule):
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy)
-            loss = loss * loss_fn.micro_batch_weight(len(rows), total_rows, len(chunks), world)
+            loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(chunks), world)
             if control.enabled:
                 tokens = bonus_tokens(entropy.detach(), mask, loss_fn.config.top_entropy_quantile)
                 if coef:
