@@ -25,8 +25,9 @@ class RankFailureWatch(Callback):
     one's place in the list whatever it is, and its loggers' last write), and the error goes on to the script.
     Where it leaves the script, the rank ends after its traceback, with exit status 1, before any exit handler or
     thread join can wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes
-    on. Under ``lit-grpo``, which adds it to every fit and validation, the CLI's error path records and ends the
-    rank instead (its output and exit status per error).
+    on, and the rank ends so where the script exits (``sys.exit`` or its end). Under ``lit-grpo``, which adds it to
+    every fit and validation, the CLI's error path records and ends the rank instead (its output and exit status
+    per error).
 
     The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
     ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or

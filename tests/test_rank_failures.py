@@ -605,3 +605,64 @@ def test_a_forked_rank_starts_with_no_watch_and_none_of_its_parents_flags():
         ending.clear()
         stop.set()
     assert state == (False, False, False)
+
+
+_CATCHING_SCRIPT = """
+import subprocess, sys
+import lightning.pytorch as pl
+from callback_helpers import TinyRegression
+from lit_grpo.callbacks import RankFailureWatch, rank_failure_watch
+
+rank_failure_watch.is_multi_process = lambda: True  # a rank of several (its store stood in for)
+rank_failure_watch.record_failure = lambda error: "rank 1 of 2 failed: its error; every rank stops"
+
+class Planted(TinyRegression):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("planted failure")
+
+node_rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],  # a rank it started
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(f"started {node_rank.pid}", flush=True)
+trainer = pl.Trainer(default_root_dir=sys.argv[1], max_steps=2, accelerator="cpu", logger=False,
+                     callbacks=[RankFailureWatch()], enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+try:
+    trainer.fit(Planted())
+except RuntimeError as error:
+    print(f"caught {error}", flush=True)
+    if sys.argv[2] == "exits":
+        sys.exit(0)
+print("the script ends", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["ends", "exits"])
+def test_a_failed_rank_whose_script_catches_the_error_ends_where_the_script_exits(tmp_path, then):
+    """A script of its own that catches the fit's error (and ends, or calls ``sys.exit(0)`` in its ``except``)
+    never hands it to ``sys.excepthook``: the rank still ends once the script is done, with exit status 1 and its
+    line, and ends the ranks it started, which may have missed the record (its store goes with this process)."""
+    env = repo_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), repo_env()["PYTHONPATH"]]))
+    done = subprocess.run([sys.executable, "-c", _CATCHING_SCRIPT, str(tmp_path), then], env=env,
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    assert "caught planted failure" in done.stdout, done.stderr[-4000:]
+    assert ("the script ends" in done.stdout) == (then == "ends")
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-4000:])
+    assert "lit-grpo: rank 1 of 2 failed: its error; every rank stops" in done.stderr, done.stderr[-4000:]
+    started = int(re.search(r"started (\d+)", done.stdout).group(1))
+    deadline = time.monotonic() + 10
+    while _alive(started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(started)
+    if alive:
+        os.kill(started, signal.SIGKILL)
+    assert not alive, "the rank it started outlived it"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not a zombie)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -32,6 +32,7 @@ rank 0 finds on its port is another run's: it is left alone.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -192,8 +193,11 @@ def end_at_uncaught_error(line: str, exit_status: int = 1) -> None:
     """From now on an error that leaves the script (``sys.excepthook``, as the interpreter calls it) ends this
     process as :func:`end_failed_rank` does, after the hook before this one (its traceback), with ``line``: the
     callers of ``trainer.fit`` get the error first (their ``except`` and ``finally``), as without several processes,
-    and no exit handler or thread join can then wait on the other ranks. An error they catch ends nothing."""
+    and no exit handler or thread join can then wait on the other ranks. A script that catches the error goes on,
+    and ends so too where it exits (the first exit handler: ``sys.exit`` in its ``except``, or its end), with the
+    ranks this process started: they may have missed the record, whose store can end with this process."""
     shown = sys.excepthook
+    atexit.register(_end, line, exit_status)
 
     def show_and_end(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         try:
