@@ -124,25 +124,26 @@ def whole_step(trainer: pl.Trainer, metrics: Mapping[str, float | None], keys: S
     return whole_step_metrics(metrics, keys, strategy_all_gather(trainer.strategy))
 
 
-def rank_rollout_stats(trainer: pl.Trainer, stats: RolloutStats) -> list[RolloutStats]:
-    """Every rank's RolloutStats of this step, rank 0 first (their timelines and decisions left out: see
-    ``rank_decision_counts``); ``[stats]`` for one process.
+def rank_rollouts(trainer: pl.Trainer,
+                  stats: RolloutStats | None) -> tuple[list[RolloutStats], list[dict[str, int]]]:
+    """Every rank's RolloutStats at this hook (their timelines and decisions left out) and its count of each
+    scheduling decision (``action_reason`` -> count, the names that occurred), rank 0 first; a rank without a
+    rollout here (``stats`` None) is left out of both. One process: its own, or nothing.
 
-    One collective per step however many callbacks ask: the last answer is kept for the same ``stats`` object, so
-    the first callback to ask gathers (on every rank at once, callbacks run in one order) and the others reuse it.
-    """
+    Under several processes one collective, which every rank joins at the same hook whether it has a rollout or
+    not: a rank of a module whose batches are not all rollouts may have none where another has one, and a rank that
+    skipped the gather would leave the others waiting in it. Ranks gather a fixed set of names (``DECISION_NAMES``):
+    a custom scheduler's other reasons are counted under ``other`` (warned once)."""
     if trainer.world_size <= 1:
-        return [stats]
-    return _gathered(trainer, stats)[0]
-
-
-def rank_decision_counts(trainer: pl.Trainer, stats: RolloutStats) -> list[dict[str, int]]:
-    """Every rank's count of each scheduling decision this step (``action_reason`` -> count, the names that
-    occurred), rank 0 first; gathered in the one collective of ``rank_rollout_stats``. Ranks gather a fixed set of
-    names (``DECISION_NAMES``): a custom scheduler's other reasons are counted under ``other`` (warned once)."""
-    if trainer.world_size <= 1:
-        return [_decision_counts(stats)]
-    return _gathered(trainer, stats)[1]
+        return ([stats], [_decision_counts(stats)]) if stats is not None else ([], [])
+    values = {} if stats is None else {**stats.scalars(), **{f"decisions/{name}": count for name, count
+                                                             in _decision_counts(stats).items()}}
+    per_rank = [rank for rank in gather_over_ranks(values, STATS_FIELDS + DECISION_FIELDS,
+                                                   strategy_all_gather(trainer.strategy)) if rank]
+    ranks = [_stats_from({k: v for k, v in rank.items() if k in STATS_FIELDS}) for rank in per_rank]
+    counts = [{name: round(rank[f"decisions/{name}"]) for name in DECISION_NAMES if f"decisions/{name}" in rank}
+              for rank in per_rank]
+    return ranks, counts
 
 
 def _decision_counts(stats: RolloutStats) -> dict[str, int]:
@@ -153,21 +154,6 @@ def _decision_counts(stats: RolloutStats) -> dict[str, int]:
                        "counted as rollout/decisions/other (add them there to count them by name)")
         counts["other"] = sum(counts.pop(name) for name in unknown)
     return counts
-
-
-def _gathered(trainer: pl.Trainer, stats: RolloutStats) -> tuple[list[RolloutStats], list[dict[str, int]]]:
-    """Every rank's stats and decision counts under several processes (one collective, kept for ``stats``)."""
-    if _last_gather[0] is not stats:
-        values = {**stats.scalars(), **{f"decisions/{name}": count for name, count in _decision_counts(stats).items()}}
-        per_rank = gather_over_ranks(values, STATS_FIELDS + DECISION_FIELDS, strategy_all_gather(trainer.strategy))
-        ranks = [_stats_from({k: v for k, v in rank.items() if k in STATS_FIELDS}) for rank in per_rank]
-        counts = [{name: round(rank[f"decisions/{name}"]) for name in DECISION_NAMES if f"decisions/{name}" in rank}
-                  for rank in per_rank]
-        _last_gather[:] = [stats, (ranks, counts)]
-    return _last_gather[1]
-
-
-_last_gather: list[Any] = [None, ([], [])]  # [the stats object last gathered, (every rank's stats, their counts)]
 
 
 def _stats_from(values: Mapping[str, float]) -> RolloutStats:

@@ -84,7 +84,8 @@ class CompletionLogger(Callback):
         want_table = step % self.table_every_n_steps == 0
         part = None
         if rollout_stats(batch) is None:
-            self._warn_once("no_rollout", "the training batches are not lit_grpo rollouts; nothing is logged.")
+            self._warn_once("no_rollout", "a training batch is not a lit_grpo rollout: the batches that are not "
+                                          "are left out (a module that has none logs nothing).")
         else:
             lengths = batch.completion_lengths.detach().flatten().cpu()
             if want_table and self._step_table is None and lengths.numel() and trainer.is_global_zero:
@@ -94,11 +95,11 @@ class CompletionLogger(Callback):
         if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
             return
         table, self._step_table = self._step_table, None
-        if not parts:  # no batch of the step was a rollout
-            return
-        lengths, truncated = torch.cat([length for length, _ in parts]), torch.cat([clipped for _, clipped in parts])
+        lengths = torch.cat([length for length, _ in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        truncated = torch.cat([clipped for _, clipped in parts]) if parts else torch.zeros(0, dtype=torch.bool)
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
-        # Which keys are left is the same on every rank, so every rank joins the gather below, or none does.
+        # Which keys are left is the same on every rank, so every rank joins the gather below, or none does: a rank
+        # whose step had no rollout too (its figures absent), where another rank's had one.
         wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]
         if wanted:
             summary = completion_length_metrics(lengths, truncated) if lengths.numel() else {}

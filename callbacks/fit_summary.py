@@ -20,7 +20,7 @@ from lit_grpo.runtime.validation import check_bool, check_int, check_text
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
-from ._rollout import accumulating, logger_step, rank_rollout_stats, rollout_stats
+from ._rollout import accumulating, logger_step, rank_rollouts, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
@@ -162,11 +162,12 @@ class FitSummary(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         stats = rollout_stats(batch)
-        if stats is not None:  # every batch's rollout, also one that only accumulates gradients (every rank's: one
-            # gather a batch under several processes, shared with RolloutProfiler)
+        if stats is not None or trainer.world_size > 1:  # every batch's rollout, also one that only accumulates
+            # gradients (every rank's: one gather a batch under several processes, which every rank joins)
             per_rank = [dataclasses.replace(rank, timeline=[], decisions=[])
-                        for rank in rank_rollout_stats(trainer, stats)]
-            self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
+                        for rank in rank_rollouts(trainer, stats)[0]]
+            if per_rank:
+                self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
         if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
             return
         self.steps += 1

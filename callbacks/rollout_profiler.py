@@ -14,7 +14,7 @@ from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
-from ._rollout import (log_metrics, measured_kv_bytes, rank_decision_counts, rank_rollout_stats, rollout_stats,
+from ._rollout import (log_metrics, measured_kv_bytes, rank_rollouts, rollout_stats,
                        show_in_progress_bar, step_parts)
 from .peak_memory import memory_peaks_paused
 
@@ -142,13 +142,15 @@ class RolloutProfiler(Callback):
         if stats is None:
             self._warn_no_rollout()
         parts = step_parts(self._step_stats, stats, trainer, batch_idx)
-        if not parts:  # the step goes on to the micro-batch whose optimizer step ends it, or had no rollout
+        if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
             return
-        stats = merge_stats(parts)  # the batch's own stats where it is the step's only one
-        # every step, logged or not: under several processes every rank joins the one gather of the step's stats
+        # every step, logged or not, with a rollout or not: under several processes every rank joins the one
+        # gather of the step's stats (merged: the batch's own where it is the step's only one)
+        ranks, counts = rank_rollouts(trainer, merge_stats(parts) if parts else None)
+        if not ranks:  # no rank's step had a rollout
+            return
         bandwidth = self.bandwidth(trainer)
-        per_rank = [{**profile(rank, bandwidth), **decision_values(counts)} for rank, counts in
-                    zip(rank_rollout_stats(trainer, stats), rank_decision_counts(trainer, stats))]
+        per_rank = [{**profile(rank, bandwidth), **decision_values(count)} for rank, count in zip(ranks, counts)]
         values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *ROOFLINE_KEYS,
                                               *DECISION_KEYS])
         values = {key: value for key, value in values.items() if value or key not in DECISION_KEYS}
@@ -160,8 +162,8 @@ class RolloutProfiler(Callback):
     def _warn_no_rollout(self) -> None:
         if not self._warned_no_rollout:
             self._warned_no_rollout = True
-            rank_zero_warn("RolloutProfiler: the training batches carry no RolloutStats (batch.stats), so there is "
-                           "no rollout to profile; nothing is logged.")
+            rank_zero_warn("RolloutProfiler: a training batch carries no RolloutStats (batch.stats): the batches "
+                           "without a rollout are left out of the profile (a module that has none logs nothing).")
 
 
 def profile(stats: RolloutStats, read_bytes_per_s: float | None = None) -> dict[str, float]:

@@ -330,7 +330,8 @@ class SlotTimelineLogger(Callback):
     ) -> None:
         stats = rollout_stats(batch)
         if stats is None:
-            self._warn_once("no_rollout", "the training batches carry no RolloutStats (batch.stats); no timeline.")
+            self._warn_once("no_rollout", "a training batch carries no RolloutStats (batch.stats): the batches "
+                                          "without one have no timeline.")
         # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
         if logger_step(trainer) % self.every_n_steps or not trainer.is_global_zero:
             return

@@ -563,6 +563,28 @@ def test_completion_logger_logs_the_whole_steps_lengths_over_ranks():
     assert logged["completions/clipped_ratio"] == pytest.approx(float(clipped))
 
 
+@pytest.mark.parametrize("with_rollout", [0, 1])
+def test_rollout_callbacks_gather_on_every_rank_where_only_one_has_a_rollout(with_rollout):
+    """A module whose batches are not all rollouts: at a step where one rank's batch has none, that rank still joins
+    each callback's gather (skipping it would leave the other waiting there), and rank 0 logs the rank's that has
+    one."""
+    rollout = make_rollout(0)
+    callbacks = [[RolloutProfiler(progress_bar=False), CompletionLogger(), FitSummary()] for _ in range(2)]
+
+    def hook(rank, trainer):
+        batch = rollout if rank == with_rollout else (torch.zeros(8, 4), torch.zeros(8, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the plain batch's "left out" notes
+            for callback in callbacks[rank]:
+                callback.on_train_batch_end(trainer, None, None, batch, 0)
+
+    logged = _as_rank_zero_of_two(hook)
+    figures = {key: value for metrics in logged for key, value in metrics.items()}
+    assert figures["rollout/generated_tokens"] == rollout.stats.generated_tokens  # the one rank's rollout
+    assert figures["completions/max_length"] == rollout.completion_lengths.max()
+    assert callbacks[0][2].rollout_totals.generated_tokens == rollout.stats.generated_tokens
+
+
 def _decisions(**counts: int) -> list[Decision]:
     """``count`` decisions of each ``action_reason`` (slot 0, sample (0, 0): only their names are counted)."""
     return [Decision(step, 0, (0, 0), *name.split("_", 1)) for name, count in counts.items() for step in range(count)]
