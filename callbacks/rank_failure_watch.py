@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import traceback
 
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
@@ -20,14 +21,15 @@ class RankFailureWatch(Callback):
     watch of this process runs already (``lit-grpo`` starts one as the run starts, before the ranks connect).
 
     This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
-    ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is recorded there at once, for the other
-    ranks; Lightning then ends its handling as without several processes (every callback's ``on_exception``, this
-    one's place in the list whatever it is, and its loggers' last write), and the error goes on to the script.
-    Where it leaves the script, the rank ends after its traceback, with exit status 1, before any exit handler or
-    thread join can wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes
-    on, and the rank ends so where the script exits (``sys.exit`` or its end). Under ``lit-grpo``, which adds it to
-    every fit and validation, the CLI's error path records and ends the rank instead (its output and exit status
-    per error).
+    ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is shown (its traceback) and recorded
+    there at once, for the other ranks; Lightning then ends its handling as without several processes (every
+    callback's ``on_exception``, this one's place in the list whatever it is, and its loggers' last write), unless
+    the others end this rank first (on one node under Lightning's launcher, rank 0 and the ranks it started end
+    together), and the error goes on to the script. Where it leaves the script, the rank ends with exit status 1,
+    after a hook of the user's if any (the traceback is not shown twice), before any exit handler or thread join
+    can wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the
+    rank ends so where the script exits (``sys.exit`` or its end). Under ``lit-grpo``, which adds it to every fit
+    and validation, the CLI's error path records and ends the rank instead (its output and exit status per error).
 
     The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
     ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or
@@ -49,8 +51,11 @@ class RankFailureWatch(Callback):
         if not is_multi_process() or caller_ends_failed_ranks() or not is_failure(exception):
             return
         # the other ranks learn now; this one ends once Lightning has called every other callback's on_exception
-        # and finalized the loggers, which an end here would cut short
-        end_at_uncaught_error(record_failure(exception))
+        # and finalized the loggers, which an end here would cut short. Its traceback is shown first: the others may
+        # end it once they read the record (under Lightning's launcher rank 0 ends its node's ranks as it ends, and
+        # its observer ends rank 0 once one of them has)
+        traceback.print_exception(exception)
+        end_at_uncaught_error(record_failure(exception), shown_error=exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_watch()

@@ -470,7 +470,7 @@ def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kin
     recorded, ending = [], []
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     monkeypatch.setattr(rank_failure_watch, "record_failure", lambda error: recorded.append(error) or "its line")
-    monkeypatch.setattr(rank_failure_watch, "end_at_uncaught_error", ending.append)
+    monkeypatch.setattr(rank_failure_watch, "end_at_uncaught_error", lambda line, **shown: ending.append(line))
     with ended_by_caller() if kind == "under lit-grpo" else contextlib.nullcontext():
         rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, errors[kind])
     assert recorded == ([errors[kind]] if kind == "failure" else [])
@@ -666,3 +666,36 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path, monkeypatch, capsys):
+    """The others may end a failed rank as soon as they read its record (on one node under Lightning's launcher,
+    rank 0 ends the ranks it started, and its observer ends rank 0 once one of them has), before the error leaves
+    the script: its traceback is shown before the record, and not again by the interpreter's hook."""
+    from callback_helpers import TinyRegression
+
+    from lit_grpo.callbacks import RankFailureWatch, rank_failure_watch
+    from lit_grpo.runtime import rank_failure
+
+    shown_at_record, ended = [], []
+
+    class Planted(TinyRegression):
+        def training_step(self, batch, batch_idx):
+            raise fault_helpers.PlantedError("planted failure")
+
+    def record(error):
+        shown_at_record.append("PlantedError: planted failure" in capsys.readouterr().err)
+        return "its line"
+
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    monkeypatch.setattr(rank_failure_watch, "record_failure", record)
+    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: ended.append(line))
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # the interpreter's own; restored after the test
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False,
+                         callbacks=[RankFailureWatch()], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(fault_helpers.PlantedError) as caught:
+        trainer.fit(Planted())
+    assert shown_at_record == [True]
+    sys.excepthook(caught.type, caught.value, caught.tb)  # the error leaves the script
+    assert ended == ["its line"] and "PlantedError" not in capsys.readouterr().err

@@ -189,9 +189,10 @@ def record_failure(error: BaseException) -> str:
     return _ending_line(rank, world, first)
 
 
-def end_at_uncaught_error(line: str, exit_status: int = 1) -> None:
+def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None) -> None:
     """From now on an error that leaves the script (``sys.excepthook``, as the interpreter calls it) ends this
-    process as :func:`end_failed_rank` does, after the hook before this one (its traceback), with ``line``: the
+    process as :func:`end_failed_rank` does, after the hook before this one (its traceback; not the interpreter's
+    own for ``shown_error``, whose traceback the caller printed already), with ``line``: the
     callers of ``trainer.fit`` get the error first (their ``except`` and ``finally``), as without several processes,
     and no exit handler or thread join can then wait on the other ranks. A script that catches the error goes on,
     and ends so too where it exits (the first exit handler: ``sys.exit`` in its ``except``, or its end), with the
@@ -201,7 +202,8 @@ def end_at_uncaught_error(line: str, exit_status: int = 1) -> None:
 
     def show_and_end(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         try:
-            shown(kind, error, trace)
+            if error is not shown_error or shown is not sys.__excepthook__:  # one traceback, and a user's hook
+                shown(kind, error, trace)
         finally:
             _end(line, exit_status)
 
