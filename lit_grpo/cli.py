@@ -1177,7 +1177,14 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
              "model_init_kwargs": "model.dtype", "torch_dtype": "model.dtype", "bf16": "trainer.precision",
              "fp16": "trainer.precision", "warmup_ratio": "model.warmup_steps",
              "output_dir": "trainer.default_root_dir", "eval_steps": "trainer.val_check_interval",
-             "per_device_eval_batch_size": "data.val_batch_size"}
+             "per_device_eval_batch_size": "data.val_batch_size",
+             # TRL's ModelConfig and ScriptArguments, which `trl grpo --config` reads from the same flat YAML
+             "model_name_or_path": "model.model", "dataset_name": "data.dataset", "dataset_train_split": "data.split",
+             "reward_model_name_or_path": "data.reward_funcs", "seed": "seed_everything",
+             "logging_dir": "trainer.default_root_dir", "resume_from_checkpoint": "ckpt_path",
+             **dict.fromkeys(["use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                              "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
+                              "use_dora"], "model.peft_config")}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
@@ -1190,6 +1197,14 @@ TRL_ELSEWHERE = {
     "max_prompt_length": "has no counterpart, nor has TRL 1.16",
     "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
     "log_completions": "is the CompletionLogger callback here, in trainer.callbacks",
+    "num_completions_to_print": "is the CompletionLogger callback's num_completions here, in trainer.callbacks",
+    "generation_kwargs": "has no counterpart but its stop strings: data.sampling.stop_strings",
+    "remove_unused_columns": "has no counterpart: every column but the prompt reaches the reward functions",
+    "report_to": "has no counterpart: logs go to TensorBoard under trainer.default_root_dir (another Lightning "
+                 "logger in trainer.logger)",
+    "push_to_hub": "has no counterpart: lit-grpo export writes a model directory to upload",
+    "trust_remote_code": "has no counterpart: a model is loaded without code of its own",
+    "dataset_config": "has no counterpart: data.dataset reads local files or a saved dataset, nothing from the Hub",
 }
 
 
@@ -1234,11 +1249,15 @@ def _meant_key(name: str, known: Sequence[str]) -> str | None:
 
 def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
     last = name.rsplit(".", 1)[-1]
+    if name in TRL_NAMES and TRL_NAMES[name] in known:  # TRL's flat name, before a nested key that shares it
+        return TRL_NAMES[name]
     same_last = [key for key in known if key.rsplit(".", 1)[-1] == last]
     if same_last:
         return max(same_last, key=lambda key: difflib.SequenceMatcher(None, name, key).ratio())
     if last in TRL_NAMES and TRL_NAMES[last] in known:
         return TRL_NAMES[last]
+    if last in TRL_ELSEWHERE:  # said in its note, not taken for a key spelled alike
+        return None
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
 

@@ -229,6 +229,14 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     (["--output_dir", "out"], "trainer.default_root_dir"),
     (["--model.warmup_ratio", "0.1"], "model.warmup_steps"),
     (["--shuffle_dataset", "false"], "data.curriculum"),
+    # TRL's ModelConfig and ScriptArguments names, which its own CLI reads from the same flat config
+    (["--model_name_or_path", "tiny-qwen2"], "model.model"),
+    (["--dataset_name", "train.jsonl"], "data.dataset"),
+    (["--dataset_train_split", "train"], "data.split"),
+    (["--lora_r", "16"], "model.peft_config"),
+    (["--resume_from_checkpoint", "true"], "ckpt_path"),
+    (["--seed", "1"], "seed_everything"),  # TRL's seed is the global one, not the sampler's data.sampling.seed
+    (["--data.seed", "1"], "data.sampling.seed"),  # a nested key keeps its section's meaning
     # a mapping put in the wrong section: its own key, not the key inside it
     (["--chat_template_kwargs.enable_thinking", "false"], "data.chat_template_kwargs")])
 def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys, args, meant):
@@ -245,6 +253,9 @@ def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys
                                                   "micro-batches, model.train_micro_batch_size completions each, all "
                                                   "accumulate into its one optimizer step)"),
     ("save_steps: 100", "(TRL's save_steps is RunCheckpoint's every_n_train_steps here, in trainer.callbacks)"),
+    ("report_to: tensorboard", "option 'report_to' (TRL's report_to has no counterpart: logs go to TensorBoard"),
+    # not taken for data.task_config, a key spelled alike that means something else
+    ("dataset_config: main", "option 'dataset_config' (TRL's dataset_config has no counterpart: data.dataset reads"),
     ("model:\n  model_init_kwargs: {torch_dtype: bfloat16}", "option 'model.model_init_kwargs.torch_dtype' (did you "
                                                              "mean 'model.dtype'?)"),
     # a known section's unknown key is not taken for the section itself
