@@ -260,6 +260,19 @@ def test_build_reward_funcs_from_config_specs():
             build_reward_funcs([{"name": "format", "weight": weight}])
 
 
+@pytest.mark.parametrize("name, meant", [
+    # TRL's accuracy_reward is math-verify: not lit_grpo's 'accuracy', the spelling closest to it
+    ("accuracy_reward", "is 'math' here, with data.answer_column: solution; use a built-in"),
+    ("think_format_reward", "name TRL's own, 'trl.rewards:think_format_reward', where TRL is installed"),
+    ("get_soft_overlong_punishment", "{name: overlong, kwargs: {max_length: max_completion_len, buffer: "
+                                     "soft_punish_cache}}"),
+])
+def test_trls_built_in_reward_names_say_what_they_are_here(name, meant):
+    with pytest.raises(ValueError, match=f"reward function '{name}' is unknown; TRL's {name}") as refused:
+        build_reward_funcs([name])
+    assert meant in str(refused.value) and "did you mean" not in str(refused.value)
+
+
 def test_scores_are_float_tensors():
     out = score_rewards(build_reward_funcs(["format"]), ["p", "p"], ["<answer>1</answer>", ""], group_size=2)
     assert out.total.dtype == torch.float32 and out.total.tolist() == [1.0, 0.0]

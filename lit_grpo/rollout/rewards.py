@@ -220,6 +220,27 @@ def import_failure(err: Exception) -> str:
     return f"{type(err).__name__}: {err}{where}"
 
 
+#: TRL's built-in reward names (those its `trl grpo` command takes): what each is here.
+TRL_REWARDS = {
+    "accuracy_reward": "TRL's accuracy_reward (math-verify against the row's solution) is 'math' here, with "
+                       "data.answer_column: solution",
+    "reasoning_accuracy_reward": "TRL's reasoning_accuracy_reward is closest to 'math' here (the last <answer> or "
+                                 "\\boxed{} is the answer), with data.answer_column: solution",
+    "think_format_reward": "TRL's think_format_reward has no built-in counterpart ('format' checks <answer> tags); "
+                           "name TRL's own, 'trl.rewards:think_format_reward', where TRL is installed",
+    "get_soft_overlong_punishment": "TRL's get_soft_overlong_punishment is 'overlong' here: {name: overlong, "
+                                    "kwargs: {max_length: max_completion_len, buffer: soft_punish_cache}}",
+}
+
+
+def _unknown_reward_hint(name: str) -> str:
+    """What to write instead of the unknown reward ``name``: TRL's counterpart, else the closest built-in."""
+    if name in TRL_REWARDS:
+        return f"{TRL_REWARDS[name]}; "
+    close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
     if name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
@@ -241,10 +262,9 @@ def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
             raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
                              f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
     else:
-        close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"reward function {name!r} is unknown; {hint}use a built-in {sorted(BUILTIN_REWARDS)}, "
-                         "'package.module:function' or a reward model's 'org/name' or folder")
+        raise ValueError(f"reward function {name!r} is unknown; {_unknown_reward_hint(name)}use a built-in "
+                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' or "
+                         "folder")
     if not callable(target):
         raise ValueError(f"reward function {name!r} imports {target!r:.80}, which is not callable; name a function "
                          "fn(prompts, completions, **columns) as 'package.module:function'")
