@@ -56,6 +56,9 @@ from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, chec
                                          check_real, config_errors, settings_from)
 
 
+#: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
+#: data ``ground_truth``): named in the refusal of prompts without an answer, which ``answer`` alone gives.
+GOLD_COLUMNS = ("solution", "ground_truth")
 #: The sampler state's entry holding ``prompt_set_fingerprint`` of the training prompts it drew from.
 TRAIN_PROMPTS_KEY = "train_prompts"
 
@@ -533,11 +536,15 @@ class RolloutDataModule(LightningDataModule):
 
     def _answer_source(self, examples: Sequence[PromptExample]) -> str:
         """Where the prompts' gold answers come from, as a user sets it (for ``check_gold_answers``' message)."""
+        columns = sorted(examples[0].entry) if examples and isinstance(examples[0].entry, Mapping) else []
+        gold = [column for column in GOLD_COLUMNS if column in columns]
         if self.jsonl_path is not None:
-            return f"data.jsonl_path={self.jsonl_path!r}: each row's 'answer' field"
+            hint = (f"; its rows' {gold[0]!r} is read as the answer with data.dataset={self.jsonl_path!r} and "
+                    f"data.answer_column: {gold[0]}" if gold else "")
+            return f"data.jsonl_path={self.jsonl_path!r}: each row's 'answer' field{hint}"
         if self.dataset is not None:
-            columns = sorted(examples[0].entry) if examples else []
-            return f"data.dataset: data.answer_column={self.answer_column!r}; its columns: {columns}"
+            hint = f"; for its {gold[0]!r} column set data.answer_column: {gold[0]}" if gold else ""
+            return f"data.dataset: data.answer_column={self.answer_column!r}; its columns: {columns}{hint}"
         return "data.prompts: {prompt, answer} entries" if self.inline_prompts is not None else f"task={self.task!r}"
 
     def _render_prompts(self) -> None:

@@ -1,6 +1,7 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
 import dataclasses
+import json
 import math
 import re
 import warnings
@@ -857,3 +858,17 @@ def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unles
     assert len(trainer.optimizers) == 1 and trainer.optimizers[0].state  # handed back, moments and all
     module.cpu()  # outside the teardown it moves as ever
     assert moved["module"] == moves_at_setup + 1 + move
+
+
+@pytest.mark.parametrize("source, hint", [
+    ("jsonl_path", "each row's 'answer' field; its rows' 'solution' is read as the answer with data.dataset="),
+    ("dataset", "data.answer_column=None; its columns: ['prompt', 'solution']; for its 'solution' column set "
+                "data.answer_column: solution"),
+])
+def test_prompts_without_an_answer_name_a_solution_column_as_the_answer(tmp_path, source, hint):
+    # TRL's accuracy_reward reads a 'solution' column; here the gold answer is 'answer' unless told
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "solution": str(i + 1)}) + "\n" for i in range(3)))
+    with pytest.raises(ValueError, match="score against a gold answer") as refused:
+        RolloutDataModule(**{source: str(path)}, reward_funcs=["math"], val_size=0, prompts_per_step=1).setup()
+    assert hint in str(refused.value)
