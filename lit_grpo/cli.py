@@ -60,7 +60,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
 from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.callbacks._paths import shown_path
-from lit_grpo.runtime.checkpoints import (CheckpointIdentity, check_resumable, checkpoint_identity,
+from lit_grpo.runtime.checkpoints import (CheckpointIdentity, SettingsDiffer, check_resumable, checkpoint_identity,
                                           find_last_checkpoint, finish_interrupted_swaps, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import RaisedOnEveryRank, data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (RankPlace, end_failed_rank, end_unconnected_rank, ended_by_caller,
@@ -280,6 +280,10 @@ class GRPOCLI(LightningCLI):
         refusal = None if found is None else _refusal(
             "--ckpt_path last", found, self.model.hparams, getattr(self.datamodule, "hparams", None),
             evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
+        if refusal is not None and isinstance(refusal.__cause__, SettingsDiffer):  # another experiment's run
+            refusal = ConfigError(f"{refusal}\n--ckpt_path last takes the newest run under {root}, whatever its "
+                                  "config: name the run you meant with --ckpt_path PATH, or give each experiment its "
+                                  "own trainer.default_root_dir")
         if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared, and a
             # refusal ended on by every rank, once they can (a rank ending alone now would leave the others waiting)
             missing = _nothing_to_evaluate(root) if evaluate else None

@@ -1191,3 +1191,19 @@ def test_a_step_save_is_kept_where_the_validation_after_it_has_no_batches(tmp_pa
     trainer.fit(NothingToValidate())
     assert saved == [0, 0, 2, 2, 4, 4, 6, 6]  # step 4, the first epoch's last, saved before step 5 starts
     assert checkpoint.saves == 4
+
+
+def test_last_refusing_another_experiments_run_says_how_to_name_the_one_meant(tmp_path, capsys):
+    # two experiments under one root: the newest last.ckpt is the other one's, which a TRL user (one output_dir
+    # per experiment) would not expect
+    build_cli(_fit_args(tmp_path, steps=1))
+    build_cli(_fit_args(tmp_path, "--model.loss.loss_type", "grpo", steps=1))
+    err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", steps=2))
+    assert "model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now" in err
+    assert (f"--ckpt_path last takes the newest run under {tmp_path / 'lightning_logs'}, whatever its config: name "
+            "the run you meant with --ckpt_path PATH, or give each experiment its own trainer.default_root_dir") in err
+    newest = tmp_path / "lightning_logs" / "version_2" / "checkpoints" / "last.ckpt"  # a broken file: no such hint
+    newest.parent.mkdir(parents=True)
+    newest.write_bytes((tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").read_bytes()[:1000])
+    err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", steps=2))
+    assert "is cut short" in err and "takes the newest run" not in err

@@ -300,6 +300,10 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
     return dict(checkpoint)
 
 
+class SettingsDiffer(ValueError):
+    """A checkpoint trained with other settings than the run that would resume or evaluate it."""
+
+
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                     datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False,
                     defaults: Mapping[str, Mapping[str, Any]] | None = None,
@@ -365,10 +369,10 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             differing.append(f"(the checkpoint also holds {', '.join(unknown)}, which this release does not have: "
                              "what it lacks may be one of them renamed, so it is not read as its default)")
     if differing and evaluate:
-        raise ValueError(f"checkpoint {path} holds the weights of another model than this run's:\n  "
+        raise SettingsDiffer(f"checkpoint {path} holds the weights of another model than this run's:\n  "
                          + "\n  ".join(differing) + "\nUse the checkpoint's model settings.")
     if differing:
-        raise ValueError(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
+        raise SettingsDiffer(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
                          "continue the same run:\n  " + "\n  ".join(differing)
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
 
