@@ -915,13 +915,20 @@ class GRPOArgumentParser(LightningArgumentParser):
                            for value in arg_strings]
         return super()._get_values(action, arg_strings)
 
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
+        # kept for an error's account of every unknown key in the configs given (jsonargparse stops at the first)
+        self._given_args = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *rest, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
         shown = message
         if self.exit_on_error:  # the message shown; a nested type's parser raises it into its group's message
             message = optional_group_reason(message)
             shown = one_line_reason(message)
-        shown += did_you_mean(message, _option_names(parser)) + trl_value_hint(message)
+        known = _option_names(parser)
+        also = other_unknown_keys(message, config_paths(getattr(self, "_given_args", [])), known)
+        shown += did_you_mean(message, known) + trl_value_hint(message) + also
         try:
             super().error(shown, ex)
         except SystemExit as exit_:  # its cause is what a rank failing here records for the others to name
@@ -1264,6 +1271,57 @@ def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
         return None
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
+
+
+def config_paths(args: Sequence[str]) -> list[str]:
+    """The files given with ``--config`` in ``args`` (``--config F`` or ``--config=F``), in order."""
+    paths = [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    paths += [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--config"]
+    return paths
+
+
+#: Keys inside a setting that take a class or a mapping: their contents are that class's, not options.
+_OPAQUE_KEYS = {"class_path", "init_args", "dict_kwargs"}
+
+
+def unknown_config_keys(config: Any, known: Sequence[str], prefix: str = "") -> list[str]:
+    """The dotted keys of a loaded YAML ``config`` that no option in ``known`` takes: a known option's value is
+    taken whole; a key that only begins known options (a section) is looked into."""
+    known_set = set(known)
+    sections = {key.rsplit(".", n)[0] for key in known for n in range(1, key.count(".") + 1)}
+    unknown = []
+    for key, value in (config.items() if isinstance(config, dict) else ()):
+        name = f"{prefix}{key}"
+        if key in _OPAQUE_KEYS or (name in known_set and name not in sections):
+            continue
+        if name in sections and isinstance(value, dict):
+            unknown += unknown_config_keys(value, known, f"{name}.")
+        elif name not in known_set:
+            unknown.append(name)
+    return unknown
+
+
+def other_unknown_keys(message: str, paths: Sequence[str], known: Sequence[str]) -> str:
+    """Where ``message`` refuses one unknown key of a config file in ``paths`` (the parser stops at the first), the
+    file's other unknown keys, one a line, each with the option it likely means; else an empty string. A port of
+    TRL's flat config gets all its renames at once."""
+    refused = _UNKNOWN_KEY.search(message)
+    if refused is None:
+        return ""
+    first = f"{refused.group(1)}.{refused.group(2)}" if refused.group(1) else refused.group(2)
+    for path in paths:
+        try:
+            unknown = unknown_config_keys(yaml.safe_load(Path(path).read_text()), known)
+        except (OSError, yaml.YAMLError):
+            continue
+        if first not in unknown:
+            continue
+        others = [name for name in unknown if name != first]
+        if not others:
+            return ""
+        shown = [f"'{name}'" + did_you_mean(f"unrecognized arguments: --{name}", known) for name in others]
+        return f"\n{path} also holds these unknown keys:\n  " + "\n  ".join(shown)
+    return ""
 
 
 def _trl_note(name: str) -> str | None:
