@@ -528,6 +528,20 @@ def test_luspo_and_vespo_off_their_papers_level_say_so():
         LossConfig(loss_type="vespo", importance_sampling_level="sequence")
 
 
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo", "cispo"])
+def test_gspos_sequence_level_under_a_token_summing_loss_says_so(loss_type):
+    # as TRL warns: dapo (the default) at the sequence level weighs completions by length, not GSPO's objective
+    settings = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+    with pytest.warns(UserWarning, match=rf"importance_sampling_level='sequence' with loss_type='{loss_type}', which "
+                                         r"sums its tokens' terms, weighs each completion by its length .* "
+                                         r"loss_type='grpo' is GSPO's setup"):
+        LossConfig(loss_type=loss_type, importance_sampling_level="sequence", **settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LossConfig(loss_type="grpo", importance_sampling_level="sequence")
+        LossConfig(loss_type=loss_type, **settings)
+
+
 def test_bad_entropy_bonus_values_name_the_value_and_what_is_allowed():
     for coef in (math.inf, math.nan, "0.1", True, None):
         with pytest.raises(ValueError, match=rf"entropy_coef={re.escape(repr(coef))} must be a finite number"):

@@ -153,6 +153,10 @@ class LossConfig:
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             warnings.warn("loss_type='luspo' is GSPO's sequence-level loss scaled by each completion's length; "
                           "its paper uses importance_sampling_level='sequence'", stacklevel=3)
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            warnings.warn(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}, which sums its "
+                          "tokens' terms, weighs each completion by its length instead of optimizing GSPO's "
+                          "per-sequence objective; loss_type='grpo' is GSPO's setup", stacklevel=3)
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             warnings.warn("loss_type='vespo' weighs each completion by its own sequence ratio; "
                           "importance_sampling_level='sequence' changes only kl_bias_correction's ratio (keep "
