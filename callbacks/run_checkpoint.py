@@ -186,6 +186,13 @@ class RunCheckpoint(ModelCheckpoint):
             return bool(trainer.strategy.reduce_boolean_decision(STOP_SIGNAL.requested, all=False))
         return STOP_SIGNAL.requested
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore, except for a checkpoint saved in another folder (validated, or resumed by its path
+        into a new run): this callback ranks no checkpoints and keeps this run's own ``last.ckpt``, so nothing of
+        the other folder's applies, and Lightning's warning that its top-k state is not reloaded says nothing."""
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state_dict)
+
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Lightning's save, or for a sharded checkpoint (a folder every rank writes, bypassing ``checkpoint_io``)
         a save into a staging folder that replaces ``filepath`` once every rank is done (``swap_in_staged``)."""

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -1207,3 +1208,17 @@ def test_last_refusing_another_experiments_run_says_how_to_name_the_one_meant(tm
     newest.write_bytes((tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").read_bytes()[:1000])
     err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", steps=2))
     assert "is cut short" in err and "takes the newest run" not in err
+
+
+def test_a_checkpoint_from_another_folder_restores_nothing_into_run_checkpoint_and_warns_nothing(tmp_path):
+    # lit-grpo validate (a new version folder) or a resume by path into a new run: Lightning's warning that the
+    # top-k state of the other folder is not reloaded was printed on each, about state this callback does not keep
+    here, there = RunCheckpoint(dirpath=str(tmp_path / "here")), RunCheckpoint(dirpath=str(tmp_path / "there"))
+    there.last_model_path = str(tmp_path / "there" / "last.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        here.load_state_dict(there.state_dict())
+    assert here.last_model_path == ""  # the other folder's last.ckpt is not this run's
+    again = RunCheckpoint(dirpath=str(tmp_path / "there"))
+    again.load_state_dict(there.state_dict())  # its own folder: restored as Lightning does
+    assert again.last_model_path == there.last_model_path
