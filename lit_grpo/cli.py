@@ -725,6 +725,13 @@ def check_processes(trainer: Any) -> None:
                          "-1 (all of them), 'auto', or a list of device indices such as [0, 1]")
 
 
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def resume_command(args: Sequence[str]) -> str:
     """The command that resumes this run: its own arguments with ``--ckpt_path last``."""
     kept, skip = [], False
