@@ -165,8 +165,9 @@ class _StepDraw:
     ones on every rank), which hands them out first next: every prompt drawn is trained on, filtered, or drawn
     again."""
 
-    def __init__(self, sampler: Any, prompts_per_step: int, world: int, rank: int):
+    def __init__(self, sampler: Any, prompts_per_step: int, world: int, rank: int, in_flight: Sequence[int] = ()):
         self.sampler, self.share, self.world, self.rank = sampler, prompts_per_step, world, rank
+        self.in_flight = set(in_flight)  # positions of the groups carried on any rank, never drawn again while so
         self.drawn: list[list[int]] = []  # the step's global draws
         self.ready: list[int] = []  # this rank's positions drawn and not yet handed out
         self.taken: list[int] = []  # this rank's positions handed out this step
@@ -198,9 +199,10 @@ class _StepDraw:
         return unused
 
     def _global_draw(self) -> list[int]:
-        """The next global draw, avoiding the step's earlier ones: no prompt twice in a step where there are enough."""
+        """The next global draw, avoiding the step's earlier ones and the prompts in flight: no prompt twice in a step,
+        nor beside its own carried group, where there are enough."""
         earlier = {prompt for draw in self.drawn for prompt in draw}
-        self.drawn.append(self.sampler.draw(self.share * self.world, avoid=earlier))
+        self.drawn.append(self.sampler.draw(self.share * self.world, avoid=earlier | self.in_flight))
         return self.drawn[-1]
 
 
@@ -376,6 +378,9 @@ class RolloutDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._step_drawn: set[int] = set()  # one process: the prompts this step has drawn so far
+        #: several ranks: the positions of the groups every rank carried out of the last step (``_finish_step``)
+        self._in_flight: list[int] = []
+        self._train_position: dict[int, int] = {}  # a training prompt's position from its example index
         self._slot_budget_said = False  # micro_group_size: auto's budget is said once in the log
         self._cache_keeping_said = None  # and keep_kv_cache: auto's decision, when it changes
 
@@ -501,6 +506,7 @@ class RolloutDataModule(LightningDataModule):
             check_row_fields(examples, self._prompt_source())
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
+        self._train_position = {index: position for position, index in enumerate(self.train_indices)}
         self._train_fingerprint = prompt_set_fingerprint([examples[i] for i in self.train_indices])
         kept_out = len(examples) - len(self.train_indices) - len(self.val_indices)
         if kept_out:
@@ -630,7 +636,7 @@ class RolloutDataModule(LightningDataModule):
         if self.sampler.needs_scores(epoch):
             self.sampler.set_scores(self._angle_scores(builder), epoch)
         if world > 1:
-            self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
+            self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank, self._in_flight)
         self._step_drawn = set()
         batch = builder.build_train(self._draw)
         memory = builder.slot_memory
@@ -675,20 +681,22 @@ class RolloutDataModule(LightningDataModule):
         """The next ``count`` training prompts of this rank.
 
         One process: ``sampler.draw(count)``, avoiding the step's earlier draws (dynamic sampling's extra rounds
-        would draw again the prompts it just filtered). Several ranks: the step's prompts come from global draws of
-        ``prompts_per_step x world_size`` prompts (every rank draws the same ones), each rank taking its own
-        ``prompts_per_step`` slice of each, so no prompt is on two ranks in one draw. No collective runs here (ranks
-        may ask for different counts, or not at all: dynamic sampling, partial rollouts); at the end of the step
-        ``_finish_step`` brings every rank to the same number of global draws and gives back what no rank took
-        (see ``_StepDraw``)."""
+        would draw again the prompts it just filtered) and the prompts of the carried groups (partial rollouts: a
+        prompt in flight drawn again would run twice at once and could be trained on twice in one batch). Several
+        ranks: the step's prompts come from global draws of ``prompts_per_step x world_size`` prompts (every rank
+        draws the same ones, avoiding what every rank carries), each rank taking its own ``prompts_per_step`` slice
+        of each, so no prompt is on two ranks in one draw. No collective runs here (ranks may ask for different
+        counts, or not at all: dynamic sampling, partial rollouts); at the end of the step ``_finish_step`` brings
+        every rank to the same number of global draws, gives back what no rank took (see ``_StepDraw``) and
+        gathers what every rank carries."""
         world, rank = self._world()
         if world == 1:
-            drawn = self.sampler.draw(count, avoid=self._step_drawn)
+            drawn = self.sampler.draw(count, avoid=self._step_drawn | set(self._carried_positions()))
             self._step_drawn.update(drawn)
             return [self._prompt("train", i) for i in drawn]
         step = getattr(self, "_step_draw", None)
         if step is None or step.sampler is not self.sampler:
-            step = self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank)
+            step = self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank, self._in_flight)
         return [self._prompt("train", i) for i in step.take(count)]
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -697,23 +705,42 @@ class RolloutDataModule(LightningDataModule):
         gather = (self._handover or {}).get("all_gather") or strategy_all_gather(self.trainer.strategy)
         return gather(tensor).cpu()
 
+    def _carried_positions(self) -> list[int]:
+        """The training positions of this rank's carried groups (partial rollouts), in the builder's order."""
+        carried = self.builder.carried if self.builder is not None else []
+        return [self._train_position[group.tag.prompt.index] for group in carried]
+
     def _finish_step(self, batch: RolloutBatch) -> tuple[float | None, float | None, int]:
-        """The end of a step under several ranks (one all_gather of a few numbers): the curriculum's feedback for
-        the whole step, the same on every rank, i.e. ``curriculum_accuracy`` over every rank's completions and the
-        mean raw angle score of every prompt the ranks took (None for a sampler without scores); and the step's
-        draws settled (``_StepDraw.finish``): every rank's sampler at the same state, the prompts drawn and not
-        taken given back to it, their count returned third."""
+        """The end of a step under several ranks (one all_gather of a few numbers, and a second of the carried
+        groups' positions where some rank carries one): the curriculum's feedback for the whole step, the same on
+        every rank, i.e. ``curriculum_accuracy`` over every rank's completions and the mean raw angle score of every
+        prompt the ranks took (None for a sampler without scores); the step's draws settled
+        (``_StepDraw.finish``): every rank's sampler at the same state, the prompts drawn and not taken given back
+        to it, their count returned third; and ``_in_flight``, what every rank carries into the next step."""
         step = self._step_draw
         scores = getattr(self.sampler, "scores", None)
         angles = scores[step.taken].double() if scores is not None and step.taken else torch.zeros(0)
+        carried = self._carried_positions()
         local = torch.cat([batch.accuracy_sums(), torch.tensor([float(angles.sum()), angles.numel(), step.draws,
-                                                                len(step.taken)], dtype=torch.float64)])
-        total = self._all_gather(local)  # [world, 8]
+                                                                len(step.taken), len(carried)], dtype=torch.float64)])
+        total = self._all_gather(local)  # [world, 9]
         unused = step.finish(total[:, 6].round().long().tolist(), total[:, 7].round().long().tolist())
+        self._in_flight = self._gather_positions(carried, int(total[:, 8].max()))
         self._step_draw = None
-        total = total.sum(dim=0)
+        total = total[:, :8].sum(dim=0)
         mean_angle = float(total[4] / total[5]) if total[5] > 0 else None
         return curriculum_accuracy(total[:4]), mean_angle, len(unused)
+
+    def _gather_positions(self, positions: list[int], most: int) -> list[int]:
+        """Every rank's ``positions`` together, sorted; ``most``: the longest list of any rank (every rank's same
+        value, so every rank joins the gather or none does). Padded with -1 to ``most``, as a gather needs one
+        shape."""
+        if most == 0:
+            return []
+        padded = torch.full((most,), -1, dtype=torch.long)
+        padded[:len(positions)] = torch.tensor(positions, dtype=torch.long)
+        gathered = self._all_gather(padded).flatten().tolist()
+        return sorted({position for position in gathered if position >= 0})
 
     def _prompt(self, split: str, position: int) -> Prompt:
         indices, ids = (self.train_indices, self.train_prompt_ids) if split == "train" else (
@@ -739,7 +766,8 @@ class RolloutDataModule(LightningDataModule):
 
     def _local_state(self) -> dict[str, Any]:
         """This rank's state, as ``state_dict`` without the gather of the ranks' engine states."""
-        state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(), **self._pending_state}
+        state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(),
+                                 "in_flight": list(self._in_flight), **self._pending_state}
         if self.sampler is not None:
             state["sampler"] = {**self.sampler.state_dict(), TRAIN_PROMPTS_KEY: self._train_fingerprint}
         if self.builder is not None:
@@ -764,6 +792,8 @@ class RolloutDataModule(LightningDataModule):
         if not self._fitting():
             return
         self.steps_built = int(state_dict.get("steps_built", 0))
+        # a checkpoint from before the ranks' carried groups were gathered: none known until its first step ends
+        self._in_flight = [int(position) for position in state_dict.get("in_flight", [])]
         rng = self._own_rng_states(state_dict)
         if rng is not None:
             set_rng_states(rng)

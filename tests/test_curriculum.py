@@ -410,8 +410,8 @@ def test_the_curriculums_feedback_over_ranks_is_the_whole_steps():
     data._step_draw = step = _StepDraw(data.sampler, 2, 2, 0)  # rank 0 of 2
     taken = step.take(2)
     other = step.drawn[0][2:]  # rank 1's share of the draw, which it took
-    rank_1 = torch.tensor([3.0, 4.0, 0.0, 0.0, float(data.sampler.scores[other].double().sum()), 2.0, 1.0, 2.0],
-                          dtype=torch.float64)  # 3 of 4 correct; its angles, their count, draws, prompts taken
+    rank_1 = torch.tensor([3.0, 4.0, 0.0, 0.0, float(data.sampler.scores[other].double().sum()), 2.0, 1.0, 2.0, 0.0],
+                          dtype=torch.float64)  # 3 of 4 correct; its angles, their count, draws, prompts taken, carried
     data._handover = {"all_gather": lambda local: torch.stack([local, rank_1])}
     batch = SimpleNamespace(accuracy_sums=lambda: torch.tensor([1.0, 4.0, 0.0, 0.0], dtype=torch.float64))
     accuracy, mean_angle, unused = data._finish_step(batch)

@@ -268,3 +268,40 @@ def test_under_two_ranks_each_prompt_is_drawn_by_one_rank_and_a_resume_draws_as_
         returned = [p for stream in whole for step in stream.trained for p in step] + [
             p for stream in whole for p in stream.in_flight()]
         assert sorted(returned) == sorted(taken)
+
+
+# ------------------------------------------------------------------------------------------------ prompts in flight
+IN_FLIGHT_STEPS = 15  # the sampler's epoch boundary at step 14 met a prompt whose group from step 13 was carried
+
+
+def _carried_everywhere(streams) -> set[int]:
+    return {prompt for stream in streams for prompt in stream.in_flight()}
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_a_prompt_whose_group_is_carried_is_not_drawn_again(module, max_staleness):
+    """Partial rollouts: a fresh draw skips the prompts of the carried groups (a prompt drawn beside its own carried
+    group would run twice at once, and could be trained on twice in one batch)."""
+    stream = Stream(module, {"over_provision": 2.0, "max_staleness": max_staleness})
+    for step in range(IN_FLIGHT_STEPS):
+        in_flight = _carried_everywhere([stream])
+        stream.step()
+        assert not in_flight & set(stream.drawn[-1]), (step, in_flight, stream.drawn[-1])
+
+
+def test_under_two_ranks_a_prompt_carried_on_any_rank_is_not_drawn_again(rank_modules):
+    """The carried groups of every rank are gathered at the end of each step, so a global draw skips them all; a
+    resume keeps them (the data state's ``in_flight``)."""
+    settings = {"over_provision": 2.0, "max_staleness": 3}
+    gather = Gather(WORLD)
+    streams = [RankStream(module, settings, rank, gather) for rank, module in enumerate(rank_modules)]
+    with ThreadPoolExecutor(WORLD) as pool:
+        for step in range(STEPS):
+            if step == 6:
+                state = _checkpoint_of_ranks(streams)
+                for stream in streams:
+                    stream.dm = stream._datamodule(state)
+            in_flight = _carried_everywhere(streams)
+            list(pool.map(lambda stream: stream.step(), streams))
+            drawn = {prompt for stream in streams for prompt in stream.drawn[-1]}
+            assert not in_flight & drawn, (step, in_flight, drawn)
