@@ -7,8 +7,10 @@
 The directory is what ``transformers`` (and vLLM, SGLang, llama.cpp's converter, the Hub) load with no lit_grpo
 installed: ``model.safetensors`` (or shards), ``config.json``, the tokenizer with its chat template, and a
 ``generation_config.json`` whose EOS ids are the ones the rollout engine stops on, so ``generate`` ends where
-training's completions ended. A LoRA run is merged into the base weights by default (peft's
-``merge_and_unload``); ``adapter_only`` writes peft's adapter directory instead, which needs the base model to load.
+training's completions ended (a run with ``data.tools`` also stopped at its chat template's end-of-turn token,
+``ToolBox.stop_token_ids``, which a Qwen base model's EOS is not: the checkpoint's data settings name the tools).
+A LoRA run is merged into the base weights by default (peft's ``merge_and_unload``); ``adapter_only`` writes
+peft's adapter directory instead, which needs the base model to load.
 
 A checkpoint holds the module's init arguments (``hyper_parameters``: the base model's name, its dtype, the LoRA
 config) and the policy's weights under ``state_dict`` with the prefix ``policy.``; the base is rebuilt from its
@@ -99,13 +101,15 @@ def _remove_model_files(out: Path) -> None:
 
 
 def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtype: str | None = "auto",
-                  adapter_only: bool = False, overwrite: bool = False, in_place: bool = False) -> ExportResult:
+                  adapter_only: bool = False, overwrite: bool = False, in_place: bool = False,
+                  extra_eos_token_ids: Sequence[int] = ()) -> ExportResult:
     """Write ``policy`` and ``tokenizer`` to ``out`` as a transformers model directory (module docstring).
 
     ``dtype``: one of ``EXPORT_DTYPES``; "auto" keeps each parameter's own (a bf16 model's float32 router stays
     float32; an adapter alone: the adapter's, which peft trains in float32 over a bf16 base). ``adapter_only``: only
     for a LoRA (peft) policy, the adapter alone. ``policy`` is left as it was (a copy is merged or cast where that
     is needed) unless ``in_place``, which saves the copy's memory when the policy is not used afterwards.
+    ``extra_eos_token_ids``: token ids the rollouts also stopped on beside the EOS ids (``run_stop_token_ids``).
     """
     started = time.perf_counter()
     dtype = check_dtype(dtype)
@@ -139,7 +143,7 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
     try:
         base.config.use_cache = True  # gradient checkpointing turns the KV cache off for training only
         generation = base.generation_config
-        generation.eos_token_id = stop_token_ids(base, tokenizer)
+        generation.eos_token_id = sorted({*stop_token_ids(base, tokenizer), *map(int, extra_eos_token_ids)})
         generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         if generation.bos_token_id is None and tokenizer.bos_token_id is not None:
@@ -229,16 +233,42 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     return policy.eval(), tokenizer, hp
 
 
+def run_stop_token_ids(data_settings: Mapping[str, Any] | None, policy: torch.nn.Module, tokenizer: Any,
+                       ckpt_path: str | Path) -> list[int]:
+    """The ids a run's rollouts stopped on beside the EOS ids, from its data settings (a checkpoint's
+    ``datamodule_hyper_parameters``; None: a checkpoint without them): with ``tools``, the chat template's
+    end-of-turn token (``ToolBox.stop_token_ids``, the tools imported by their names as the run resolved them);
+    else none. Raises naming the checkpoint where the tools do not import or the template ends no turn."""
+    from lit_grpo.rollout.tools import ToolBox
+
+    settings = dict(data_settings or {})
+    if not settings.get("tools"):
+        return []
+    try:
+        box = ToolBox(settings["tools"], tokenizer, settings.get("max_tool_calling_iterations"),
+                      settings.get("chat_template_kwargs"), settings.get("system_prompt"),
+                      settings.get("prompt_template") or "{prompt}")
+        return box.stop_token_ids(policy)
+    except ValueError as error:
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: the run called tools (data.tools={settings['tools']!r}), "
+                         f"whose rollouts also stopped at the chat template's end-of-turn token, which export reads "
+                         f"with them: {error}") from error
+
+
 def export_checkpoint(ckpt_path: str | Path, out: str | Path, dtype: str | None = "auto",
                       adapter_only: bool = False, overwrite: bool = False) -> ExportResult:
-    """:func:`policy_from_checkpoint` then :func:`export_policy`."""
+    """:func:`policy_from_checkpoint` then :func:`export_policy`, with the stop ids of the run's tools
+    (:func:`run_stop_token_ids`)."""
     check_dtype(dtype)
-    if adapter_only and not load_checkpoint(ckpt_path)["hyper_parameters"].get("peft_config"):
+    checkpoint = load_checkpoint(ckpt_path)
+    if adapter_only and not checkpoint["hyper_parameters"].get("peft_config"):
         raise ValueError(f"--adapter_only needs a LoRA run; {str(ckpt_path)!r} was trained without "
                          "model.peft_config (export the whole model instead)")  # said before the model loads
+    data_settings = checkpoint.get("datamodule_hyper_parameters")
     policy, tokenizer, _ = policy_from_checkpoint(ckpt_path)
+    stops = run_stop_token_ids(data_settings, policy, tokenizer, ckpt_path)
     return export_policy(policy, tokenizer, out, dtype=dtype, adapter_only=adapter_only, overwrite=overwrite,
-                         in_place=True)
+                         in_place=True, extra_eos_token_ids=stops)
 
 
 class _ExportParser(argparse.ArgumentParser):

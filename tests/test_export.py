@@ -64,6 +64,42 @@ def test_export_round_trip_tiny(tiny_checkpoint, tmp_path, capsys):
     assert module.tokenizer.eos_token_id in theirs["eos"]
 
 
+def test_a_tool_calling_runs_export_stops_at_its_templates_end_of_turn_too(tiny_checkpoint, tmp_path, monkeypatch):
+    """A run with data.tools stopped its rollouts at the chat template's end-of-turn token too
+    (``ToolBox.stop_token_ids``): the exported generation config's EOS ids hold it, read through the checkpoint's data
+    settings, here with the tool-calling tests' template made to end a calling turn with a token that is no EOS."""
+    import json
+
+    from datamodule_helpers import datamodule_arguments
+    from test_tool_calling import TOOLS_TEMPLATE, add
+
+    import lit_grpo.export as export
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+
+    template = TOOLS_TEMPLATE.replace("</tool_call>{% endfor %}<|im_end|>", "</tool_call>{% endfor %}<|endoftext|>")
+    assert template != TOOLS_TEMPLATE
+    load = export.load_model_and_tokenizer
+
+    def with_template(*args, **kwargs):  # the run's model, whose own tokenizer has this template
+        model, tokenizer = load(*args, **kwargs)
+        tokenizer.chat_template = template
+        return model, tokenizer
+
+    monkeypatch.setattr(export, "load_model_and_tokenizer", with_template)
+    module, _ = tiny_checkpoint
+    turn_end = module.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    eos = {}
+    for tools in (None, [add]):
+        data = RolloutDataModule(**datamodule_arguments({"tools": tools}))
+        ckpt = tmp_path / f"tools-{bool(tools)}.ckpt"
+        torch.save({**checkpoint, "datamodule_hyper_parameters": dict(data.hparams)}, ckpt)
+        out = export_checkpoint(ckpt, tmp_path / f"model-{bool(tools)}").out
+        eos[bool(tools)] = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert eos[False] == [module.tokenizer.eos_token_id]  # a run without tools: its EOS alone
+    assert sorted(eos[True]) == sorted({module.tokenizer.eos_token_id, turn_end})
+
+
 def test_export_lora_merged_and_adapter_only(tmp_path):
     """A LoRA run exports merged by default (round trip token for token) or as peft's adapter alone, which peft
     loads onto the base model with the same logits."""
