@@ -108,9 +108,9 @@ def test_the_high_entropy_mask_ranks_the_policys_entropies_at_the_sampling_tempe
     handed = []
     call = PolicyLoss.__call__
 
-    def recording(self, logps, old_logps, advantages, mask, *args):
-        handed.append((mask.clone(), args[-1]))  # entropy: the last argument
-        return call(self, logps, old_logps, advantages, mask, *args)
+    def recording(self, logps, old_logps, advantages, mask, *args, **kwargs):
+        handed.append((mask.clone(), args[-1]))  # entropy: the last positional argument
+        return call(self, logps, old_logps, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(PolicyLoss, "__call__", recording)
     masked, _ = grads_after_step(make_module(loss={"top_entropy_quantile": 0.3}), hot)
@@ -126,6 +126,45 @@ def test_the_high_entropy_mask_ranks_the_policys_entropies_at_the_sampling_tempe
     assert not torch.allclose(at[1.0][active], at[0.7][active], atol=1e-3)
     # about the top 30% of the micro-batch's tokens keep their policy term (the quantile interpolates)
     assert 0.25 < float(high_entropy_mask(entropy, mask, 0.3).sum() / active.sum()) < 0.35
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gather(batch, monkeypatch, world):
+    """``top_entropy_quantile`` < 1: each micro-batch's loss and entropy bonus rank its tokens with the strategy's
+    all_gather under several ranks (every rank's micro-batch of that index, as TRL's), with none for one process."""
+    from types import SimpleNamespace
+
+    from lit_grpo.update import entropy_bonus, policy_losses
+
+    handed = []
+
+    def recording(entropy, mask, top_quantile, all_gather=None):
+        handed.append(all_gather)
+        return high_entropy_mask(entropy, mask, top_quantile, all_gather)
+
+    for owner in (policy_losses, entropy_bonus):
+        monkeypatch.setattr(owner, "high_entropy_mask", recording)
+    gathered = []
+
+    def all_gather(tensor):  # the other rank as this one: a stand-in collective
+        gathered.append(tensor.shape)
+        return torch.stack([tensor] * world)
+
+    module = make_module(train_micro_batch_size=4, loss={"top_entropy_quantile": 0.3, "entropy_coef": 0.01})
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather,
+                               backward=lambda loss, optimizer, *args, **kwargs: loss.backward(),
+                               reduce=lambda tensor, reduce_op: tensor * world)
+    module._trainer = SimpleNamespace(world_size=world, strategy=strategy, precision_plugin=None)
+    try:
+        grads_after_step(module, batch)
+    finally:
+        module._trainer = None
+    assert len(handed) == 2 * 2  # two micro-batches of 4 rows, the loss's and the bonus's mask in each
+    if world == 1:
+        assert handed == [None] * 4
+    else:
+        assert all(gather is not None for gather in handed)
+        assert len(gathered) == 1 + 2 * 2 * 2  # each mask's lengths and values, and the step's own gather
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

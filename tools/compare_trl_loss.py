@@ -32,8 +32,8 @@ shares count every completion, lit_grpo's those with a loss token (a completion 
 a clipped one), so TRL's are compared scaled by completions / completions with a loss token. Exits 1 if any
 exceeds ``--tolerance``.
 
-The module path is compared apart, for every loss_type (also with ``off_policy_mask_threshold``) x level x beta
-(0, 0.04) x sampler correction (none, token_truncate, sequence_mask) x ``mask_truncated_completions`` (off, on):
+The module path is compared apart, for every loss_type (also with ``off_policy_mask_threshold`` and with
+``top_entropy_quantile``) x level x beta (0, 0.04) x sampler correction (none, token_truncate, sequence_mask) x ``mask_truncated_completions`` (off, on):
 completions with tool results inside (a tool mask) and some truncated, their token ids ending on EOS exactly where
 not. TRL's loss masks come from running its ``mask_truncated_completions`` block of
 ``_generate_and_score_completions`` from its source (the flag read from the ids), ``num_items_in_batch`` is the
@@ -41,8 +41,10 @@ loss tokens of every process, its sampler weights are computed on those masks, a
 ``num_processes`` ranks; ours are ``GRPOModule._loss_mask`` and ``_total_active_tokens`` (summed over the ranks,
 as the strategy's reduce does) with ``micro_batch_weight``'s world size. Each shape is run as (ranks, micro-batches
 per rank) in ``RANK_SPLITS`` where its rows split evenly, every rank's gradient averaged as ddp does; a row reports
-the loss (the ranks' mean) and its gradient w.r.t. ``logps``. ``top_entropy_quantile`` is left out there: its
-quantile spans one rank's micro-batch in lit_grpo and every process's in TRL (``LossConfig``).
+the loss (the ranks' mean) and its gradient w.r.t. ``logps``. Under several ranks ``top_entropy_quantile``'s quantile
+spans every rank's micro-batch of the same index on both sides: TRL's ``get_high_entropy_mask`` pads and gathers
+across its processes (a stand-in accelerator that knows every process's entropies of that micro-batch), lit_grpo's
+ranks run as threads whose all_gather meets in each micro-batch.
 
 The entropy bonus (``entropy_coef``) is compared apart, for every loss_type x level x ``top_entropy_quantile`` (1
 and 0.3) and shape, in one and in two micro-batches (beta 0, no sampler correction): the entropies are a leaf with
@@ -67,7 +69,9 @@ import itertools
 import math
 import sys
 import textwrap
+import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from types import MethodType, SimpleNamespace
 
 import torch
@@ -166,6 +170,50 @@ class _Accelerator:
     gather = staticmethod(lambda x: x.reshape(-1) if x.dim() == 0 else x)
     pad_across_processes = staticmethod(lambda x, dim=0, pad_index=0: x)
     reduce = staticmethod(lambda x, reduction="sum": x)
+
+
+class _Processes:
+    """TRL's accelerator on process ``rank`` of ``len(every)``, in one micro-batch index: ``pad_across_processes``
+    pads to the longest of ``every`` (each process's 1-D tensor there, in rank order) and a ``gather`` of what it
+    padded returns every process's, padded alike, in rank order; any other gather (logged scalars) is one
+    process's."""
+
+    def __init__(self, every: list[torch.Tensor], rank: int):
+        self.num_processes, self.every, self.rank = len(every), every, rank
+        self._padded: list[torch.Tensor] = []
+        self.reduce = _Accelerator.reduce
+
+    def pad_across_processes(self, tensor, dim=0, pad_index=0):
+        longest = max(len(t) for t in self.every)
+        self._padded = [torch.cat([t, t.new_full((longest - len(t),), pad_index)]) for t in self.every]
+        self._padded[self.rank] = torch.cat([tensor, tensor.new_full((longest - len(tensor),), pad_index)])
+        return self._padded[self.rank]
+
+    def gather(self, tensor):
+        if self._padded and tensor is self._padded[self.rank]:
+            return torch.cat(self._padded)
+        return _Accelerator.gather(tensor)
+
+
+def run_ranks(world: int, work):
+    """``[work(rank, all_gather) for each rank]``, the ranks as threads when ``world`` > 1, their ``all_gather``
+    (``tensor -> [world, *shape]``, rank by rank) meeting at a barrier as a collective does; one rank: ``work(0,
+    None)``, as the module passes no gather to a single process."""
+    if world == 1:
+        return [work(0, None)]
+    barrier, slots = threading.Barrier(world, timeout=120), [None] * world
+
+    def gather_of(rank):
+        def gather(tensor):
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            out = torch.stack(slots)
+            barrier.wait()  # every rank has read the slots before any writes the next
+            return out
+        return gather
+
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(lambda rank: work(rank, gather_of(rank)), range(world)))
 
 
 def trl_trainer(loss_type, level, beta, kl_bias_correction, is_mode, accumulation, logps_leaf, eps_high,
@@ -369,19 +417,22 @@ def trl_module_loss(trl, case, inputs, split, mask_truncated):
     per_rank = list(torch.arange(n).chunk(ranks))
     masks = [trl_loss_masks(inputs, rows, mask_truncated) for rows in per_rank]
     num_items = sum((completion * tool).sum() for completion, tool in masks)  # gathered over the processes
+    parts = list(torch.arange(n // ranks).chunk(micro))  # every process's micro-batches, alike
+    # each process's loss tokens' entropies in each micro-batch, as get_high_entropy_mask takes them
+    active = [[inputs["entropy"][rows_of_rank[part]][(completion[part] * tool[part]).bool()].float()
+               for rows_of_rank, (completion, tool) in zip(per_rank, masks)] for part in parts]
     total = 0.0
-    for rows_of_rank, (completion_mask, tool_mask) in zip(per_rank, masks):
+    for rank, (rows_of_rank, (completion_mask, tool_mask)) in enumerate(zip(per_rank, masks)):
         weights = None
         if is_mode != "none":
             masked = {**inputs, "mask": torch.zeros_like(inputs["mask"]), "old": inputs["old"].clone()}
             masked["mask"][rows_of_rank] = completion_mask * tool_mask
             weights = trl_weights_and_metrics(trl, masked, is_mode, BOUNDS[0])[0][rows_of_rank]
-        for part in torch.arange(len(rows_of_rank)).chunk(micro):
+        for index, part in enumerate(parts):
             rows = rows_of_rank[part]
             fake = trl_trainer(loss_type, level, beta, kl_bc, is_mode, micro, leaf[rows], eps_high,
                                entropy=inputs["entropy"][rows], **extra)
-            fake.accelerator = SimpleNamespace(num_processes=ranks, gather=_Accelerator.gather,
-                                               reduce=_Accelerator.reduce)
+            fake.accelerator = _Processes(active[index], rank)
             t = leaf.shape[1]
             batch = {"prompt_ids": torch.zeros(len(rows), 1, dtype=torch.long),
                      "prompt_mask": torch.ones(len(rows), 1, dtype=torch.long),
@@ -402,7 +453,8 @@ def trl_module_loss(trl, case, inputs, split, mask_truncated):
 def our_module_loss(case, inputs, split, mask_truncated):
     """lit_grpo as ``GRPOModule._update`` runs on each rank: its ``_loss_mask`` and ``_total_active_tokens`` (summed
     over the ranks, as the strategy's reduce does), the sampler correction on that mask, the loss times its
-    ``micro_batch_weight``; the gradients averaged over the ranks."""
+    ``micro_batch_weight``, under several ranks with their all_gather (the ranks as threads, ``run_ranks``); the
+    gradients averaged over the ranks."""
     from lit_grpo.update.module import GRPOModule
 
     loss_type, extra, level, beta, kl_bc, is_mode = case
@@ -418,21 +470,25 @@ def our_module_loss(case, inputs, split, mask_truncated):
                   for rows in rows_of_rank.chunk(micro)] for rows_of_rank in torch.arange(n).chunk(ranks)]
     total_active = sum(GRPOModule._total_active_tokens(module, chunks) for chunks in chunks_of)
     correction = SamplerCorrection(is_mode, *BOUNDS[0]) if is_mode != "none" else None
-    leaf = inputs["logps"].clone().requires_grad_(True)
-    total = 0.0
-    for chunks in chunks_of:
-        rank_rows = sum(len(rows) for rows, _ in chunks)
+
+    def rank_work(rank, all_gather):
+        chunks = chunks_of[rank]
+        leaf = inputs["logps"].clone().requires_grad_(True)  # each rank's own: its rows' gradient
+        total, rank_rows = 0.0, sum(len(rows) for rows, _ in chunks)
         for rows, batch in chunks:
             mask = module._loss_mask(batch)
             weights = correction.weights(inputs["old"][rows], inputs["sampling"][rows], mask) if correction else None
             loss = loss_fn(leaf[rows], inputs["old"][rows], inputs["advantages"][rows], mask,
                            inputs["ref"][rows] if beta else None, MAX_LEN,
                            total_active if loss_fn.needs_step_tokens else None, weights, inputs["sampling"][rows],
-                           inputs["entropy"][rows])
+                           inputs["entropy"][rows], all_gather=all_gather)
             loss = loss * loss_fn.micro_batch_weight(len(rows), rank_rows, len(chunks), ranks) / ranks
             loss.backward()
             total = total + loss.detach()
-    return total, leaf.grad
+        return total, leaf.grad
+
+    done = run_ranks(ranks, rank_work)
+    return sum(total for total, _ in done), sum(grad for _, grad in done)
 
 
 def compare_module_path(dtype: torch.dtype) -> list[dict]:
@@ -442,7 +498,8 @@ def compare_module_path(dtype: torch.dtype) -> list[dict]:
     trl = trl_sources()
     records = []
     variants = tuple((loss_type, {}) for loss_type in LOSS_TYPES) + tuple(
-        (loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES)
+        (loss_type, {"off_policy_mask_threshold": OPSM}) for loss_type in LOSS_TYPES) + tuple(
+        (loss_type, {"top_entropy_quantile": TOP_ENTROPY}) for loss_type in LOSS_TYPES)
     for (loss_type, extra), level, beta, is_mode, truncated in itertools.product(
             variants, LEVELS, (0.0, 0.04), MODULE_IS_MODES, (False, True)):
         case = (loss_type, extra, level, beta, False, is_mode)

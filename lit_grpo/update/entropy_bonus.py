@@ -22,6 +22,7 @@ step's entropy was at or below ``entropy_target``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,12 +31,14 @@ from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.surrogates import high_entropy_mask
 
 
-def bonus_tokens(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0) -> torch.Tensor:
+def bonus_tokens(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0,
+                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``[N, T]`` the tokens the bonus averages over, in ``entropy``'s dtype: ``mask`` ``[N, T]`` (the loss tokens),
-    times the high-entropy mask where ``top_entropy_quantile`` < 1 (the tokens the policy term keeps)."""
+    times the high-entropy mask where ``top_entropy_quantile`` < 1 (the tokens the policy term keeps; its quantile
+    over every rank's micro-batch with ``all_gather``, as the loss's)."""
     tokens = mask.to(entropy.dtype)
     if top_entropy_quantile < 1:
-        tokens = tokens * high_entropy_mask(entropy, mask, top_entropy_quantile).to(entropy.dtype)
+        tokens = tokens * high_entropy_mask(entropy, mask, top_entropy_quantile, all_gather).to(entropy.dtype)
     return tokens
 
 

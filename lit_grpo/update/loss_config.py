@@ -55,7 +55,7 @@ class LossConfig:
         top_entropy_quantile: the share of tokens by entropy whose policy term is kept ("Beyond the 80/20 rule",
             e.g. 0.2), in [0, 1]: a token stays where its entropy is at or above the ``1 - top_entropy_quantile``
             quantile of the micro-batch's loss tokens (at 0 only the highest); 1 (default): every token. Under
-            several processes the quantile is this rank's micro-batch's, where TRL's spans every process's.
+            several processes the quantile spans every rank's micro-batch of the same index, as TRL's.
         sapo_temperature_pos, sapo_temperature_neg: sapo's gate ``tau`` for ``A > 0`` / ``A <= 0`` (> 0).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's weight
             ``phi(w) = exp(lambda) w^k exp(-lambda w)`` for ``A >= 0`` / ``A < 0``: ``k`` (>= 0) sets how fast it

@@ -209,11 +209,12 @@ class GRPOModule(LightningModule):
         loss: the loss variant and its settings, a :class:`~lit_grpo.update.loss_config.LossConfig` (or a dict of its
             fields; YAML ``model.loss:``): loss_type, epsilon_low / epsilon_high, beta (k3 KL weight; > 0 loads a
             frozen reference model), importance_sampling_level, kl_bias_correction, sapo temperatures, vespo shapes,
-            the masks ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (its quantile: each micro-batch's own,
-            on this rank), the entropy bonus ``entropy_coef`` and its adaptive control (``use_adaptive_entropy``,
-            ``entropy_coef_min`` / ``_max`` / ``_delta``, ``entropy_target``; lit_grpo.update.entropy_bonus: each
-            micro-batch's mean token entropy x ``world size / micro-batches of every rank``, the control fed the
-            step's entropy over every rank in the step's one gather, its state saved in checkpoints).
+            the masks ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (its quantile: each micro-batch's,
+            with every rank's micro-batch of the same index, as TRL's), the entropy bonus ``entropy_coef`` and its
+            adaptive control (``use_adaptive_entropy``, ``entropy_coef_min`` / ``_max`` / ``_delta``,
+            ``entropy_target``; lit_grpo.update.entropy_bonus: each micro-batch's mean token entropy x ``world size /
+            micro-batches of every rank``, the control fed the step's entropy over every rank in the step's one
+            gather, its state saved in checkpoints).
         reference_sync: a :class:`~lit_grpo.update.reference_sync.ReferenceSync` (or a dict; YAML
             ``model.reference_sync: {every_n_steps: 64, mixup_alpha: 0.6}``): every ``every_n_steps`` optimizer steps
             the reference moves toward the policy, ``ref <- (1 - mixup_alpha) ref + mixup_alpha policy`` (TRL's
@@ -739,6 +740,10 @@ class GRPOModule(LightningModule):
         # gate closed) the entropy needs no gradient, and the forward stays the lean one
         coef = control.applied() if control.enabled else 0.0
         weight_of_bonus = bonus_weight(bonus_batches or len(chunks), world) if coef else 0.0
+        # the high-entropy quantile over every rank's micro-batch of this index, as TRL's: the ranks' rows are
+        # B x G each, so they run as many micro-batches and meet in each one's gathers
+        spans_ranks = world > 1 and loss_fn.config.top_entropy_quantile < 1
+        gather = strategy_all_gather(strategy) if spans_ranks else None
         for index, (rows, micro) in enumerate(chunks):
             logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
             mask = self._loss_mask(micro)
@@ -749,10 +754,10 @@ class GRPOModule(LightningModule):
             if iteration == 0:
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
-                           micro["sampling_logprobs"], entropy)
+                           micro["sampling_logprobs"], entropy, all_gather=gather)
             loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(chunks), world)
             if control.enabled:
-                tokens = bonus_tokens(entropy.detach(), mask, loss_fn.config.top_entropy_quantile)
+                tokens = bonus_tokens(entropy.detach(), mask, loss_fn.config.top_entropy_quantile, gather)
                 if coef:
                     loss = loss - coef * (entropy_bonus(entropy, tokens) * weight_of_bonus)
                 if control.adaptive:

@@ -38,8 +38,9 @@ vespo      vespo       as dapo                                                  
 ``micro_batch_weight`` is what each micro-batch's loss is multiplied by so that the weighted losses add up to the
 loss of the whole optimizer step (exactly for all but bnpo, which is by definition a mean of per-micro-batch
 ratios, as with gradient accumulation in TRL). dapo's weight is the world size because its normalizer already spans
-every rank while ddp averages the ranks' gradients. ``top_entropy_quantile`` < 1 ranks each micro-batch's tokens on
-their own (as TRL does per micro-batch), so which tokens count depends on how the rows are cut.
+every rank while ddp averages the ranks' gradients. ``top_entropy_quantile`` < 1 ranks each micro-batch's tokens, with
+every rank's micro-batch of the same index under several (as TRL does per micro-batch over its processes), so which
+tokens count depends on how the rows are cut.
 
 Objects (built once from a ``LossConfig``, lit_grpo.update.loss_config)::
 
@@ -51,6 +52,7 @@ Objects (built once from a ``LossConfig``, lit_grpo.update.loss_config)::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -96,6 +98,7 @@ class PolicyLoss:
         sampling_weights: torch.Tensor | None = None,
         sampling_logps: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The scalar loss of ``N`` completions.
 
@@ -113,6 +116,9 @@ class PolicyLoss:
                 ``logps`` (None: ``old_logps``, the sampler when the rollout ran on the update's weights).
             entropy: ``[N, T]`` each token's entropy under the current policy at the sampling temperature (no
                 gradient), which ``top_entropy_quantile`` < 1 ranks these ``N`` completions' tokens by; needed then.
+            all_gather: several ranks: ``tensor [k] -> [world, k]``, so that ``top_entropy_quantile``'s quantile
+                spans every rank's micro-batch, as TRL's (``high_entropy_mask``; every rank calls the loss in
+                lockstep then); None: these ``N`` completions' alone.
         """
         self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
         for name, tensor in (("sampling_logps", sampling_logps), ("entropy", entropy)):
@@ -126,11 +132,11 @@ class PolicyLoss:
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
         per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
-                                        sampling_logps, entropy)
+                                        sampling_logps, entropy, all_gather)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
 
     def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None,
-                       sampling_logps=None, entropy=None):
+                       sampling_logps=None, entropy=None, all_gather=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         per_token = self.policy_term(ratio, logps, old_logps, advantages, mask, sampling_weights)
@@ -138,7 +144,7 @@ class PolicyLoss:
             sampled = old_logps if sampling_logps is None else sampling_logps
             per_token = per_token * off_policy_sequence_mask(logps, sampled, mask, advantages, threshold)
         if (top_quantile := self.config.top_entropy_quantile) < 1:
-            per_token = per_token * high_entropy_mask(entropy, mask, top_quantile).to(per_token.dtype)
+            per_token = per_token * high_entropy_mask(entropy, mask, top_quantile, all_gather).to(per_token.dtype)
         if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
             per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)

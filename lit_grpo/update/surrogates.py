@@ -29,6 +29,7 @@ as ``w`` grows (as ``exp(-lam w)``) and, for ``k > 0``, as it goes to 0 (as ``w^
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -164,26 +165,43 @@ def off_policy_sequence_mask(logps: torch.Tensor, sampling_logps: torch.Tensor, 
 
 
 @torch.no_grad()
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float,
+                      all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``[N, T]`` bool: True on the active tokens whose entropy is at or above the ``1 - top_quantile`` quantile
     (``torch.quantile``, linear interpolation) of the active tokens' entropies, ties included; False elsewhere and
     everywhere when no token is active. At ``top_quantile`` 0 only the highest entropy (and its ties) stays.
 
-    The quantile spans these ``N`` completions only: in the update, this rank's micro-batch. TRL gathers every
-    process's micro-batch for it; here ranks may run different numbers of micro-batches, and a collective inside
-    the loss would wait forever on a rank that ran out of them.
+    Without ``all_gather`` the quantile spans these ``N`` completions only. With it (several ranks, each on its own
+    micro-batch) it spans every rank's active tokens, as TRL's ``get_high_entropy_mask`` gathers every process's:
+    a collective, so every rank calls it for its micro-batch of the same index (the update's ranks run as many
+    micro-batches, each rank's rows being B x G).
 
     Args:
         entropy: ``[N, T]`` each token's entropy (no gradient); mask: ``[N, T]`` 1 on active tokens;
-        top_quantile: the share of the active tokens kept, in [0, 1].
+        top_quantile: the share of the active tokens kept, in [0, 1];
+        all_gather: ``tensor [k] -> [world, k]``, every rank's tensor in rank order; None: this rank alone.
     """
     active = mask.bool()
     # torch.quantile takes float32 or float64; the comparison is in the same dtype, so a tie stays a tie
     entropy = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32))
     # the inactive tokens as NaN, which nanquantile leaves out: no boolean index, so no read back to the host (all
     # NaN, the threshold is NaN and no token is kept)
-    threshold = torch.nanquantile(entropy.masked_fill(~active, math.nan).flatten(), 1.0 - top_quantile)
+    values = entropy.masked_fill(~active, math.nan).flatten()
+    if all_gather is not None:
+        values = every_ranks_values(values, all_gather)
+    threshold = torch.nanquantile(values, 1.0 - top_quantile)
     return (entropy >= threshold) & active
+
+
+def every_ranks_values(values: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[world x longest]`` every rank's ``values`` ``[n]`` (n differs: each micro-batch has its own width), each
+    padded with NaN to the longest; a gather of the lengths (read to the host, to size the padding) then one of the
+    values. A collective: every rank calls it."""
+    lengths = all_gather(torch.tensor([values.numel()], device=values.device))
+    longest = int(lengths.max())
+    padded = values.new_full((longest,), math.nan)
+    padded[:values.numel()] = values
+    return all_gather(padded).flatten().to(values.device)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
