@@ -21,7 +21,9 @@ class ExportModel(Callback):
           model          lightning_logs/version_0/model (transformers model, float32, 513.2 MiB, 2.1 s)
                          -> AutoModelForCausalLM.from_pretrained("lightning_logs/version_0/model")
 
-    The same directory ``lit-grpo export --ckpt_path last.ckpt --out DIR`` writes. Only rank 0 writes. Logs no keys.
+    The same directory ``lit-grpo export --ckpt_path last.ckpt --out DIR`` writes, its EOS ids those the rollouts
+    stopped on (with ``data.tools``, the chat template's end-of-turn token too: ``tool_stop_token_ids``). Only rank 0
+    writes. Logs no keys.
 
     Args:
         dirpath: the directory to write; default ``model/`` in the run's log folder (``version_N/model``), so each
@@ -64,13 +66,21 @@ class ExportModel(Callback):
         # resolved on every rank: trainer.log_dir broadcasts from rank 0, a collective they all join.
         out = self._out(trainer)
         if trainer.is_global_zero:
+            stops = tool_stop_token_ids(getattr(trainer, "datamodule", None), pl_module.policy)
             self.result = export_policy(pl_module.policy, pl_module.tokenizer, out, dtype=self.dtype,
-                                        adapter_only=self.adapter_only, overwrite=True)
+                                        adapter_only=self.adapter_only, overwrite=True, extra_eos_token_ids=stops)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # teardown runs after every on_fit_end, so the line lands under FitSummary's summary.
         if stage == "fit" and self.result is not None and trainer.is_global_zero:
             print(export_lines(self.result), flush=True)
+
+
+def tool_stop_token_ids(datamodule: object, policy: object) -> list[int]:
+    """The ids the fit's rollouts stopped on beside the EOS ids: its tools' (``ToolBox.stop_token_ids``, the
+    template's end of turn) where the data module's rollout builder runs tools, else none."""
+    tools = getattr(getattr(datamodule, "builder", None), "tools", None)
+    return tools.stop_token_ids(policy) if tools is not None else []
 
 
 def export_lines(result: ExportResult) -> str:

@@ -100,6 +100,29 @@ def test_a_tool_calling_runs_export_stops_at_its_templates_end_of_turn_too(tiny_
     assert sorted(eos[True]) == sorted({module.tokenizer.eos_token_id, turn_end})
 
 
+def test_export_model_of_a_tool_calling_fit_stops_at_its_templates_end_of_turn_too(tmp_path):
+    """ExportModel, exporting the live policy when a fit with data.tools ends, adds the rollouts' end-of-turn token
+    (``ToolBox.stop_token_ids``) to the EOS ids as ``lit-grpo export`` does."""
+    import json
+    from types import SimpleNamespace
+
+    from test_module import make_datamodule, make_module
+    from test_tool_calling import TOOLS_TEMPLATE, add
+
+    from lit_grpo.callbacks import ExportModel
+
+    module = make_module()
+    module.tokenizer.chat_template = TOOLS_TEMPLATE.replace("</tool_call>{% endfor %}<|im_end|>",
+                                                            "</tool_call>{% endfor %}<|endoftext|>")
+    data = make_datamodule(module, tools=[add])
+    data._require_builder()  # built at the first rollout
+    turn_end = module.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    callback = ExportModel(dirpath=str(tmp_path / "model"))
+    callback.on_train_end(SimpleNamespace(datamodule=data, is_global_zero=True), module)
+    eos = json.loads((tmp_path / "model" / "generation_config.json").read_text())["eos_token_id"]
+    assert sorted(eos) == sorted({module.tokenizer.eos_token_id, turn_end})
+
+
 def test_export_lora_merged_and_adapter_only(tmp_path):
     """A LoRA run exports merged by default (round trip token for token) or as peft's adapter alone, which peft
     loads onto the base model with the same logits."""
