@@ -123,6 +123,7 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
     assert all(engine["rollout_index"] >= 1 and "scheduler" in engine for engine in by_rank)
     prompts = [{group["prompt"]["index"] for group in engine["carried"]} for engine in by_rank]
     assert not prompts[0] & prompts[1]  # each rank's own groups
+    assert len(state["in_flight"]) == len(prompts[0] | prompts[1])  # every rank's, gathered: no fresh draw takes one
 
     from lit_grpo.datamodules.rollout import RolloutDataModule
 
@@ -452,6 +453,19 @@ def test_a_ratio_over_ranks_is_the_ratio_of_the_sums(key, producer):
 
 
 @pytest.mark.xdist_group("ddp_run")
+def test_ddp_the_high_entropy_quantile_spans_both_ranks_in_lockstep(tmp_path):
+    """``top_entropy_quantile`` under 2 processes, 3 micro-batches a rank, with the entropy bonus: every micro-batch's
+    masks gather both ranks' entropies (the ranks' collectives pair: the run ends) and the weights stay identical."""
+    from tools.step_recorder import read_records
+
+    record = fit_two_processes(tmp_path, "--model.train_micro_batch_size", "3", "--model.loss.top_entropy_quantile",
+                               "0.3", "--model.loss.entropy_coef", "0.1")
+    ranks = [read_records(record, rank) for rank in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 2
+    for a, b in zip(*ranks):
+        assert a["param_sum"] == b["param_sum"]
+
+
 def test_ddp_the_adaptive_entropy_control_is_one_over_both_ranks(tmp_path):
     """The entropy bonus under 2 processes, 3 micro-batches a rank and 2 optimizer steps a training step: the
     ranks' collectives pair (the run ends), the weights stay identical and every rank logs the same coefficient,
