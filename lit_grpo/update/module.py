@@ -743,7 +743,7 @@ class GRPOModule(LightningModule):
         # the high-entropy quantile over every rank's micro-batch of this index, as TRL's: the ranks' rows are
         # B x G each, so they run as many micro-batches and meet in each one's gathers
         spans_ranks = world > 1 and loss_fn.config.top_entropy_quantile < 1
-        gather = strategy_all_gather(strategy) if spans_ranks else None
+        gather = strategy_all_gather(self.trainer.strategy) if spans_ranks else None
         for index, (rows, micro) in enumerate(chunks):
             logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
             mask = self._loss_mask(micro)
