@@ -466,6 +466,7 @@ def test_ddp_the_high_entropy_quantile_spans_both_ranks_in_lockstep(tmp_path):
         assert a["param_sum"] == b["param_sum"]
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_ddp_the_adaptive_entropy_control_is_one_over_both_ranks(tmp_path):
     """The entropy bonus under 2 processes, 3 micro-batches a rank and 2 optimizer steps a training step: the
     ranks' collectives pair (the run ends), the weights stay identical and every rank logs the same coefficient,
