@@ -275,7 +275,7 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
     outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders, torchrun_nodes=2)
     for rank, (code, output, _) in enumerate(outputs):
         assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
-    failed = f"lit-grpo: rank {failed_rank} of 2 failed: ConfigError: Parser key \"config\":"
+    failed = f"lit-grpo: rank {failed_rank} of 2 failed: ConfigError: --config c.yaml: no such file"
     for rank, (code, output, _) in enumerate(outputs):
         tail = output[-4000:]
         if rank == failed_rank:
@@ -283,7 +283,7 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
             assert f"this process's place comes from its launcher's environment: rank {rank} of 2" in output, tail
         else:
             assert code == 1 and f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " \
-                f"ConfigError: Parser key \"config\":" in output, tail
+                "ConfigError: --config c.yaml: no such file" in output, tail
 
 
 def test_a_parse_error_under_lightnings_launcher_of_several_nodes_says_the_others_are_not_told(tmp_path):
