@@ -24,7 +24,8 @@ from lit_grpo.callbacks import RunCheckpoint
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, atomic_torch_save, check_resumable, check_writable,
                                   checkpoint_identity, find_last_checkpoint, partial_path, read_checkpoint_header,
                                   remove_stale_partials, run_checkpoint_folders)
-from lit_grpo.cli import build_cli, resume_command
+from lit_grpo.cli import build_cli
+from lit_grpo.cli.resume import resume_command
 from tools.step_recorder import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -386,7 +387,7 @@ def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_chec
     """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
     correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run
     reads is still compared."""
-    from lit_grpo.cli import unread_settings
+    from lit_grpo.cli.resume import unread_settings
 
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     hparams = checkpoint["hyper_parameters"]
@@ -413,7 +414,7 @@ def test_a_resume_compares_the_entropy_bonus_and_its_control_only_where_a_run_re
     """entropy_coef is compared (an older checkpoint without it ran as 0) but where both runs have the adaptive
     control, whose saved state replaces it; the control's settings only where either run has it on: without it
     neither reads them."""
-    from lit_grpo.cli import unread_settings
+    from lit_grpo.cli.resume import unread_settings
 
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     loss = checkpoint["hyper_parameters"]["loss"]
@@ -747,7 +748,7 @@ def test_last_finds_a_killed_swaps_checkpoint_that_rank_0_finishes_while_it_look
 
 
 def test_ranks_that_find_different_checkpoints_are_named_on_every_rank():
-    from lit_grpo.cli import CheckpointsDiffer, check_same_checkpoint
+    from lit_grpo.cli.checkpoint_agreement import CheckpointsDiffer, check_same_checkpoint
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     from lit_grpo.runtime.checkpoints import CheckpointIdentity
@@ -789,20 +790,20 @@ def test_validate_with_no_rank_finding_a_checkpoint_ends_every_rank_once_they_ca
     (no ``missing``) starts a new run where none was found."""
     import torch.distributed
 
-    from lit_grpo import cli
+    from lit_grpo.cli import checkpoint_agreement
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
-    monkeypatch.setattr(cli, "is_multi_process", lambda: True)
+    monkeypatch.setattr(checkpoint_agreement, "is_multi_process", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     gathered = [(None if path is None else (path, checkpoint_identity(path)), None) for path in findings]
     monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, _: out.__setitem__(slice(None), gathered))
     missing = "--ckpt_path last: no last.ckpt under /runs to validate; give a checkpoint path"
-    cli.SameCheckpointOnEveryRank(None, None).setup(None, None, "fit")
+    checkpoint_agreement.SameCheckpointOnEveryRank(None, None).setup(None, None, "fit")
     if findings[0] is not None:
-        cli.SameCheckpointOnEveryRank(Path(findings[0]), missing).setup(None, None, "validate")
+        checkpoint_agreement.SameCheckpointOnEveryRank(Path(findings[0]), missing).setup(None, None, "validate")
         return
-    with pytest.raises(cli.NoCheckpointFound, match=re.escape(missing)) as raised:
-        cli.SameCheckpointOnEveryRank(None, missing).setup(None, None, "validate")
+    with pytest.raises(checkpoint_agreement.NoCheckpointFound, match=re.escape(missing)) as raised:
+        checkpoint_agreement.SameCheckpointOnEveryRank(None, missing).setup(None, None, "validate")
     assert isinstance(raised.value, RaisedOnEveryRank)
 
 
@@ -875,7 +876,7 @@ def test_two_ranks_resume_from_rank_0s_last_checkpoint_or_end_when_they_see_diff
 
 
 def test_a_checkpoint_refused_on_one_rank_is_named_by_every_rank():
-    from lit_grpo.cli import CheckpointRefused, check_no_checkpoint_refused
+    from lit_grpo.cli.checkpoint_agreement import CheckpointRefused, check_no_checkpoint_refused
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     check_no_checkpoint_refused([None, None])

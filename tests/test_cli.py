@@ -130,7 +130,7 @@ def test_a_reward_function_in_the_working_folder_is_found_as_by_python_m(tmp_pat
 
 def test_a_reward_function_that_fails_only_on_the_whole_batch_is_not_told_to_skip_groups(capsys):
     """Each group alone scores fine: skip_group would end the run the same way (it already did, here)."""
-    from lit_grpo.cli import _exit_on_reward_error
+    from lit_grpo.cli.run_errors import _exit_on_reward_error
     from lit_grpo.rollout.rewards import RewardFunctionError, build_reward_funcs, score_rewards
 
     def batch_only(prompts, completions, **columns):
@@ -616,10 +616,10 @@ def test_a_fixed_mmap_threshold_keeps_large_blocks_mapped_and_small_ones_in_the_
 
 
 def test_the_mmap_threshold_option_is_checked_and_can_be_turned_off(monkeypatch):
-    from lit_grpo import cli as cli_module
+    from lit_grpo.cli import command
 
     calls = []
-    monkeypatch.setattr(cli_module, "fix_mmap_threshold", calls.append)
+    monkeypatch.setattr(command, "fix_mmap_threshold", calls.append)
     build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
     build_cli(["--config", TINY, "--trainer.logger", "false", "--malloc_mmap_threshold", "null"], run=False)
     assert calls == [4 << 20]
@@ -634,9 +634,7 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
 
     import torch
 
-    from lit_grpo import cli as cli_module
-
-    monkeypatch.setattr(cli_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)  # available_cores
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded first, so the teardown takes back what the CLI sets
     monkeypatch.delenv("OMP_NUM_THREADS")
     quiet = ["--config", TINY, "--trainer.logger", "false"]
@@ -839,7 +837,7 @@ def test_a_bad_process_setting_is_named_with_what_it_takes(capsys, monkeypatch, 
 @pytest.mark.parametrize("devices, allowed", [(0, False), ("0", False), (-2, False), ([], False), ("x", False),
                                               (2, True), (-1, True), ([0, 3], True), ("0,1", True), ("auto", True)])
 def test_gpu_devices_take_a_count_all_or_indices(devices, allowed):
-    from lit_grpo.cli import check_processes
+    from lit_grpo.cli.setting_checks import check_processes
 
     trainer = {"accelerator": "gpu", "devices": devices}
     if allowed:
@@ -880,7 +878,7 @@ def test_python_spellings_of_infinity_and_nan_reach_the_settings_own_check(capsy
 
 
 def test_a_text_setting_keeps_inf_as_it_is_given():
-    from lit_grpo.cli import takes_float
+    from lit_grpo.cli.parser import takes_float
 
     cli = build_cli(["--config", TINY, "--trainer.logger", "false", "--data.system_prompt", "inf"], run=False)
     assert cli.datamodule.hparams.system_prompt == "inf"

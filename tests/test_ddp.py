@@ -14,7 +14,7 @@ import torch
 import yaml
 from two_process_helpers import ROOT, fit_two_processes
 
-from lit_grpo.cli import available_cores
+from lit_grpo.runtime.validation import available_cores
 
 FSDP = str(ROOT / "configs" / "fsdp_gpu.yaml")
 

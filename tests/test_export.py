@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_grpo.cli import export_command, main as cli_main
+from lit_grpo.cli import main as cli_main
+from lit_grpo.cli.resume import export_command
 from lit_grpo.export import export_checkpoint, export_policy
 from lit_grpo.update.module import GRPOModule
 from precision_helpers import assert_greedy_margin

@@ -392,7 +392,7 @@ def test_a_rank_finds_its_place_before_the_ranks_connect(monkeypatch, env, train
     from lightning.fabric.utilities import rank_zero as fabric_rank_zero
     from lightning.pytorch.utilities import rank_zero
 
-    from lit_grpo.cli import planned_place
+    from lit_grpo.cli.run_errors import planned_place
 
     for name in _LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
