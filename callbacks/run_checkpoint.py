@@ -58,7 +58,10 @@ class RunCheckpoint(ModelCheckpoint):
     it, and exits with 128 + the signal's number (143, 130). A signal during a training step's rollout does not
     wait for the step: the rollout is abandoned (the DataModule rolls its stream back to the step's start, and the
     weights have not moved yet), so the saved step is the one before, redone exactly on resume. A signal during the
-    update lets the update finish (an optimizer step cut in half cannot be redone). Under several processes the
+    update lets the update finish (an optimizer step cut in half cannot be redone). A signal during a validation
+    (the one before the first step too) cuts it: one process abandons its rollout at once, several processes stop
+    after the validation batch under way; a validation changes nothing of the training state, so nothing is lost,
+    and the resume goes on with the next step. Under several processes the
     ranks agree at each step boundary (one all-reduce of a flag) and stop after the same step; a rollout is not
     abandoned there, since another rank may already be in the update. A second signal stops at once, unsaved.
 
@@ -145,6 +148,16 @@ class RunCheckpoint(ModelCheckpoint):
         if stop:
             self._stop(trainer)
 
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """A stop cuts the validation after this batch. One process abandons the rollout itself, at once
+        (``build_val_batch``); several agree here, where every rank is (each runs as many validation batches)."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._stop_agreed(trainer):
+            self._save_last(trainer)
+            self._stop(trainer, cut=True)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -167,7 +180,7 @@ class RunCheckpoint(ModelCheckpoint):
             # A rollout was abandoned and rolled back: the state is the last completed step's. Anything else
             # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was.
             self._save_last(trainer)
-            self._announce(trainer, exception.signum)
+            self._announce(trainer, exception.signum, cut=trainer.validating)
 
     # ------------------------------------------------------------------------------------------ how
     def _interval_due(self, trainer: pl.Trainer) -> bool:
@@ -219,21 +232,27 @@ class RunCheckpoint(ModelCheckpoint):
         self.saves += 1
         self._last_time_checked = time.monotonic()
 
-    def _stop(self, trainer: pl.Trainer) -> None:
+    def _stop(self, trainer: pl.Trainer, cut: bool = False) -> None:
         signum = STOP_SIGNAL.signum or 15  # a rank that got no signal itself stops as SIGTERM
         self._stopped = True
-        self._announce(trainer, signum)
+        self._announce(trainer, signum, cut)
         raise StopRequested(signum)
 
-    def _announce(self, trainer: pl.Trainer, signum: int) -> None:
+    def _announce(self, trainer: pl.Trainer, signum: int, cut: bool = False) -> None:
+        """Where the run stopped, and the command that resumes it where a step was saved. ``cut``: in the middle
+        of a validation, which ends there (it changes nothing of the training state, so nothing is lost)."""
         if not trainer.is_global_zero:
             return
-        name = StopRequested(signum).signal_name
+        where = "before the first step" if trainer.global_step == 0 else f"after step {trainer.global_step}"
+        if cut:
+            where = (f"during the validation {where}, cut short (a validation changes nothing of the training "
+                     "state: nothing is lost)")
+        stopped = f"lit_grpo: stopped by {StopRequested(signum).signal_name} {where}"
         if not self.last_model_path or trainer.global_step == 0:
-            print(f"lit_grpo: stopped by {name} before the first step; nothing to save", flush=True)
+            print(f"{stopped}; nothing to save", flush=True)
             return
         path = shown_path(self.last_model_path)
-        print(f"lit_grpo: stopped by {name} after step {trainer.global_step}; saved to {path}", flush=True)
+        print(f"{stopped}; saved to {path}", flush=True)
         print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
 
 

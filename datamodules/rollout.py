@@ -674,8 +674,13 @@ class RolloutDataModule(LightningDataModule):
 
     def build_val_batch(self, positions: Sequence[int]) -> RolloutBatch | None:
         """Greedy completions (one per prompt) of some held-out prompts, scored (and k sampled ones with
-        ``val_num_samples`` k > 1); None for an empty chunk (a rank short of held-out prompts)."""
-        return self._require_builder().build_val([self._prompt("val", i) for i in positions])
+        ``val_num_samples`` k > 1); None for an empty chunk (a rank short of held-out prompts).
+
+        A stop signal abandons it at once (one process; several agree after each batch, ``RunCheckpoint``): a
+        validation changes nothing of the training state, so there is nothing to roll back."""
+        builder = self._require_builder()
+        with STOP_SIGNAL.abandonable(enabled=self._world()[0] == 1):
+            return builder.build_val([self._prompt("val", i) for i in positions])
 
     def _draw(self, count: int) -> list[Prompt]:
         """The next ``count`` training prompts of this rank.

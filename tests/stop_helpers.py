@@ -12,7 +12,8 @@ from lightning.pytorch import Callback
 class SignalAt(Callback):
     """Sends ``signal_name`` (TERM or INT) to this process ``times`` times when step ``step`` is in ``phase``:
     "rollout" (while its prompts are drawn, inside the rollout), "update" (at the start of its update) or
-    "validation" (in the first batch of the validation after it; step 0: the one before training)."""
+    "validation" (in the first batch of the validation after it; step 0: the one before training) or
+    "validation_rollout" (as that batch's rollout starts)."""
 
     def __init__(self, signal_name: str, step: int, phase: str, times: int = 1):
         self.signum, self.step, self.phase, self.times = getattr(signal, f"SIG{signal_name}"), step, phase, times
@@ -34,6 +35,23 @@ class SignalAt(Callback):
 
             sampler.draw = draw_and_signal
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.phase == "validation_rollout" and trainer.global_step == self.step:
+            # the builder's validation rollout (its builder is made at the first rollout): the signal comes as
+            # the first batch's rollout starts
+            from lit_grpo.rollout.builder import RolloutBuilder
+
+            build_val = RolloutBuilder.build_val
+
+            def signal_and_build(builder, prompts):
+                RolloutBuilder.build_val = build_val
+                self._send()
+                batch = build_val(builder, prompts)
+                print(f"validation rollout after step {trainer.global_step} finished", flush=True)
+                return batch
+
+            RolloutBuilder.build_val = signal_and_build
+
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.phase == "validation" and trainer.global_step == self.step and batch_idx == 0:
             self._send()
@@ -41,6 +59,13 @@ class SignalAt(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.phase == "update" and trainer.global_step + 1 == self.step:
             self._send()
+
+
+class ValidationBatches(Callback):
+    """Prints a line at the end of every validation batch (a cut validation's output shows where it stopped)."""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        print(f"validation batch {batch_idx} after step {trainer.global_step} ended", flush=True)
 
 
 class LastCheckpointProbe(Callback):

@@ -102,8 +102,50 @@ def test_a_stop_during_the_validation_before_training_stops_the_run_as_a_stop(tm
                    "--trainer.callbacks.signal_name=TERM", "--trainer.callbacks.step=0",
                    "--trainer.callbacks.phase=validation")
     assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-4000:]
-    assert "stopped by SIGTERM before the first step; nothing to save" in stopped.stdout + stopped.stderr
+    assert "stopped by SIGTERM during the validation before the first step" in stopped.stdout
+    assert "nothing to save" in stopped.stdout and "resume:" not in stopped.stdout
     assert "Traceback" not in stopped.stderr
+
+
+# two validation batches of two prompts: the signal comes in the first, the second must not run
+CUT = ("--trainer.limit_val_batches", "2", "--data.val_batch_size", "2",
+       "--trainer.callbacks+=stop_helpers.ValidationBatches")
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_a_stop_during_a_validation_rollout_abandons_it(tmp_path, step):
+    stopped = _run(tmp_path, "run", "--trainer.callbacks+=stop_helpers.SignalAt",
+                   "--trainer.callbacks.signal_name=TERM", f"--trainer.callbacks.step={step}",
+                   "--trainer.callbacks.phase=validation_rollout")
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-4000:]
+    assert "validation rollout" not in stopped.stdout and "Traceback" not in stopped.stderr
+    assert f"stopped by SIGTERM during the validation {'after step 2' if step else 'before the first step'}, cut" \
+        in stopped.stdout, stopped.stdout[-2000:]
+    assert ("resume: lit-grpo fit" in stopped.stdout) == (step > 0)
+
+
+@pytest.mark.xdist_group("reference")
+@pytest.mark.parametrize("step", [0, 2])
+def test_a_stop_during_a_validation_cuts_it_and_the_resume_is_exact(tmp_path, reference, step):
+    """A validation changes nothing of the training state: a stop ends it within its current rollout, saves the
+    last completed step (none before the first) and the resume trains the same steps."""
+    stopped = _run(tmp_path, "run", *CUT, "--trainer.callbacks+=stop_helpers.SignalAt",
+                   "--trainer.callbacks.signal_name=INT", f"--trainer.callbacks.step={step}",
+                   "--trainer.callbacks.phase=validation")
+    assert stopped.returncode == 130, stopped.stdout[-2000:] + stopped.stderr[-4000:]
+    assert f"validation batch 0 after step {step} ended" in stopped.stdout
+    assert f"validation batch 1 after step {step} ended" not in stopped.stdout, stopped.stdout[-2000:]
+    assert "Traceback" not in stopped.stderr
+    where = "before the first step" if step == 0 else f"after step {step}"
+    assert f"stopped by SIGINT during the validation {where}, cut short" in stopped.stdout, stopped.stdout[-2000:]
+    root = tmp_path / "run"
+    if step == 0:
+        assert "nothing to save" in stopped.stdout and "resume:" not in stopped.stdout
+        return
+    assert _last_step(root) == step and "resume: lit-grpo fit --config" in stopped.stdout
+    resumed = _run(tmp_path, "run", *CUT, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    _assert_same_steps(reference, root)
 
 
 def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
