@@ -245,6 +245,18 @@ def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys
     assert f"unrecognized arguments: {' '.join(args)} (did you mean '{meant}'?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["--per_device_train_batch_size", "8"],
+                                  ["--model.per_device_train_batch_size", "8"]])
+def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prompts_a_step_draws(capsys, args):
+    # in TRL it also decides how many prompts a step draws: pointing to the micro-batch alone halves a port
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, *args])
+    err = capsys.readouterr().err
+    assert "(did you mean 'model.train_micro_batch_size'?" in err, err
+    assert ("per_device_train_batch_size x gradient_accumulation_steps x processes / num_generations" in err
+            and "data.prompts_per_step prompts x data.sampling.group_size" in err), err
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     ("use_vllm: true", "option 'use_vllm' (TRL's use_vllm has no counterpart: rollouts run on lit_grpo's own engine"),
     ("model:\n  vllm_gpu_memory_utilization: 0.3", "option 'model.vllm_gpu_memory_utilization' (TRL's "

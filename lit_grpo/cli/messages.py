@@ -296,6 +296,11 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
              **dict.fromkeys(["use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                               "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
                               "use_dora"], "model.peft_config")}
+#: TRL's settings that mean more than their key in TRL_NAMES: the rest, said with it.
+TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size also sets how many prompts a step "
+                                           "draws, per_device_train_batch_size x gradient_accumulation_steps x "
+                                           "processes / num_generations: here a step is data.prompts_per_step "
+                                           "prompts x data.sampling.group_size completions on each process"}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
@@ -445,10 +450,12 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
     unknown = [name.split("=", 1)[0] for name in unknown]
     pairs = [(name, meant) for name in unknown if (meant := _meant_key(name, known))]
     notes = [note for name in unknown if name not in dict(pairs) and (note := _trl_note(name))]
+    notes += [TRL_ALSO[last] for name, meant in pairs
+              if (last := name.rsplit(".", 1)[-1]) in TRL_ALSO and meant == TRL_NAMES[last]]
     hint = "".join(f" ({note})" for note in notes)
     if not pairs:
         return hint
     if len(unknown) == 1:
-        return f" (did you mean '{pairs[0][1]}'?)"
+        return f" (did you mean '{pairs[0][1]}'?{''.join(f' {note}' for note in notes)})"
     return " (did you mean " + ", ".join(f"'{meant}' for '{name}'" for name, meant in pairs) + "?)" + hint
 
