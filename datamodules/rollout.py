@@ -51,6 +51,7 @@ from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.sampling.config import MIN_TEMPERATURE
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
+from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
                                          check_real, config_errors, settings_from)
@@ -783,13 +784,17 @@ class RolloutDataModule(LightningDataModule):
         state = dict(state)
         saved = state.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
         with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
-            self.sampler.load_state_dict(state)
+            try:
+                self.sampler.load_state_dict(state)
+            except ValueError as error:  # another prompt set or curriculum: the checkpoint's settings differ
+                raise SettingsDiffer(str(error)) from None
             if saved is not None and saved != self._train_fingerprint:
-                raise ValueError("the checkpoint drew from another set of training prompts than this run's (as many, "
-                                 "but others or in another order: another data source, task_config, size, "
-                                 "data_seed or val_size): its place in that set means nothing in this one, and this "
-                                 "run's held-out prompts could be trained on; resume with its data settings, or "
-                                 "start a new run from its weights (lit-grpo export, then model.model: the export)")
+                raise SettingsDiffer("the checkpoint drew from another set of training prompts than this run's (as "
+                                     "many, but others or in another order: another data source, task_config, size, "
+                                     "data_seed or val_size): its place in that set means nothing in this one, and "
+                                     "this run's held-out prompts could be trained on; resume with its data settings, "
+                                     "or start a new run from its weights (lit-grpo export, then model.model: the "
+                                     "export)")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that

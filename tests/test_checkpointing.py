@@ -1265,3 +1265,15 @@ def test_a_checkpoint_from_another_folder_restores_nothing_into_run_checkpoint_a
     again = RunCheckpoint(dirpath=str(tmp_path / "there"))
     again.load_state_dict(there.state_dict())  # its own folder: restored as Lightning does
     assert again.last_model_path == there.last_model_path
+
+
+def test_last_refused_by_the_data_module_for_another_prompt_set_says_how_to_name_the_run_meant(tmp_path, capsys):
+    # the settings compared before loading agree; the prompt set (another val_size) is refused as the stream loads
+    build_cli(_fit_args(tmp_path, steps=1))
+    err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", "--data.val_size", "8", steps=2))
+    assert "error: --ckpt_path: state num_prompts=" in err and "Traceback" not in err
+    assert (f"--ckpt_path last takes the newest run under {tmp_path / 'lightning_logs'}, whatever its config: name "
+            "the run you meant with --ckpt_path PATH, or give each experiment its own trainer.default_root_dir") in err
+    named = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"  # a path the user chose: no hint
+    err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", str(named), "--data.val_size", "8", steps=2))
+    assert "state num_prompts=" in err and "takes the newest run" not in err

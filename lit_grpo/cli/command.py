@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
 from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.runtime.checkpoints import (SettingsDiffer, find_last_checkpoint, finish_interrupted_swaps,
-                                          run_checkpoint_folders)
+                                          newest_run_hint, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, ended_by_caller, launched_place,
                                            rank_place, watch_failures)
@@ -257,9 +257,8 @@ class GRPOCLI(LightningCLI):
             "--ckpt_path last", found, self.model.hparams, getattr(self.datamodule, "hparams", None),
             evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
         if refusal is not None and isinstance(refusal.__cause__, SettingsDiffer):  # another experiment's run
-            refusal = ConfigError(f"{refusal}\n--ckpt_path last takes the newest run under {root}, whatever its "
-                                  "config: name the run you meant with --ckpt_path PATH, or give each experiment its "
-                                  "own trainer.default_root_dir")
+            refusal = ConfigError(f"{refusal}\n{newest_run_hint(root)}")
+        self._last_root = None if found is None else root  # a refusal while it loads (its prompts) says it too
         if self.trainer.world_size > 1:  # each rank looked on its own, before the ranks can talk: compared, and a
             # refusal ended on by every rank, once they can (a rank ending alone now would leave the others waiting)
             missing = _nothing_to_evaluate(root) if evaluate else None
@@ -347,6 +346,8 @@ class GRPOCLI(LightningCLI):
             except OSError as err:
                 raise unwritable_run_folder(err, self._run_folders()) or err
         except ConfigError as err:
+            if isinstance(err.__cause__, SettingsDiffer) and getattr(self, "_last_root", None) is not None:
+                err = ConfigError(f"{err}\n{newest_run_hint(self._last_root)}")  # --ckpt_path last's pick, loading
             if is_multi_process():
                 # a setting may be bad on one rank only (micro_group_size auto from its own GPU's free memory): its
                 # exit must be recorded for the others, which would wait for it in a collective or at their next one

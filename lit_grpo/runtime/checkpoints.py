@@ -304,6 +304,13 @@ class SettingsDiffer(ValueError):
     """A checkpoint trained with other settings than the run that would resume or evaluate it."""
 
 
+def newest_run_hint(root: str | os.PathLike) -> str:
+    """What a refusal of ``--ckpt_path last``'s checkpoint for other settings adds: it took the newest run under
+    ``root`` (the logger's root), maybe another experiment's, and how to name the run meant."""
+    return (f"--ckpt_path last takes the newest run under {root}, whatever its config: name the run you meant with "
+            "--ckpt_path PATH, or give each experiment its own trainer.default_root_dir")
+
+
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                     datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False,
                     defaults: Mapping[str, Mapping[str, Any]] | None = None,
