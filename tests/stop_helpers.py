@@ -15,10 +15,17 @@ class SignalAt(Callback):
     "validation" (in the first batch of the validation after it; step 0: the one before training) or
     "validation_rollout" (as that batch's rollout starts)."""
 
-    def __init__(self, signal_name: str, step: int, phase: str, times: int = 1):
+    def __init__(self, signal_name: str, step: int, phase: str, times: int = 1, rank: int | None = None):
         self.signum, self.step, self.phase, self.times = getattr(signal, f"SIG{signal_name}"), step, phase, times
+        self.rank = rank  # None: every rank's process; else that rank's alone
+        self._global_rank = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self._global_rank = trainer.global_rank
 
     def _send(self) -> None:
+        if self.rank is not None and self.rank != self._global_rank:
+            return
         for _ in range(self.times):
             os.kill(os.getpid(), self.signum)
 

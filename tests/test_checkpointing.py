@@ -1277,3 +1277,24 @@ def test_last_refused_by_the_data_module_for_another_prompt_set_says_how_to_name
     named = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"  # a path the user chose: no hint
     err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", str(named), "--data.val_size", "8", steps=2))
     assert "state num_prompts=" in err and "takes the newest run" not in err
+
+
+def test_a_stop_on_one_of_two_ranks_during_a_validation_stops_both_after_its_batch(tmp_path):
+    """2 nodes x 1 process, SIGTERM to rank 0 alone in the first of its two validation batches after step 2: the
+    ranks agree at the batch's end, and both stop there, step 2 saved, the second batch not run."""
+    from tools.harness import free_port, repo_env
+
+    argv = [*_fit_args(Path("run"), "--trainer.limit_val_batches", "2", "--data.val_batch_size", "1",
+                       "--trainer.callbacks+=stop_helpers.ValidationBatches",
+                       "--trainer.callbacks+=stop_helpers.SignalAt", "--trainer.callbacks.signal_name=TERM",
+                       "--trainer.callbacks.step=2", "--trainer.callbacks.phase=validation",
+                       "--trainer.callbacks.rank=0"),
+            "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "ddp",
+            "--trainer.accelerator", "cpu"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 240, env=repo_env())
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [143, 143], shown
+    assert all("validation batch 0 after step 2 ended" in output for _, output, _ in outputs), shown
+    assert "validation batch 1 after step 2 ended" not in shown and "Traceback" not in shown
+    assert "stopped by SIGTERM during the validation after step 2, cut short" in outputs[0][1], shown
+    assert _last_step(tmp_path / "run") == 2
