@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lit_grpo.sampling.cpu_linear import onednn_linear
+from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.memory_budget import dtype_bytes
 from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
                                         model_shape)
@@ -224,9 +225,7 @@ def measure_machine(device: torch.device | str, dtype: torch.dtype | str, second
         "method", "measured_s"}``; on a CPU also ``"cpu_flags"``. ``device_name`` is ``lscpu``'s model name or the
         GPU's.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed_device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: the roofline is measured on 'cpu' or 'cuda' only")
     if not isinstance(seconds_budget, (int, float)) or not seconds_budget > 0:

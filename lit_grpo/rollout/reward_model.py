@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lit_grpo.runtime.validation import check_int
+from lit_grpo.sampling.devices import indexed_device
 
 
 class RewardModel:
@@ -119,10 +120,8 @@ def _resolve_device(device: Any) -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"reward_model: device={device!r} must be 'auto' or a torch device name such as 'cpu' or "
                          "'cuda:0'") from None
-    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
-        # the model's own device names its index: "cuda" compared with "cuda:0" would move it at every call
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
+    # the model's own device names its index: "cuda" compared with "cuda:0" would move it at every call
+    return indexed_device(resolved) if torch.cuda.is_available() else resolved
 
 
 def is_reward_model_name(name: str) -> bool:
