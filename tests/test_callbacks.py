@@ -752,21 +752,10 @@ def test_peak_memory_under_gradient_accumulation_keeps_each_phase_apart(tmp_path
         assert metrics["memory/rollout_peak_delta_bytes"] < 32 * MiB
 
 
-def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merged(tmp_path):
-    """Rollout batches under accumulate_grad_batches 2 (a module of its own; GRPOModule refuses accumulation): a
-    step's figures are its two micro-batches' rollouts together (merge_stats), not each micro-batch's: the profile
-    of the merged stats, the lengths of both batches' samples, the slot timeline of both rollouts one after the
-    other, and the table of the step's first micro-batch."""
-    import io
-
-    import numpy as np
+def _fit_accumulating_two(tmp_path, batches, quiet: bool = False):
+    """A fit of ``batches`` under accumulate_grad_batches 2 with the three rollout callbacks logging every step;
+    returns what the logger was given, ``{(key, step): value}``, and the run's TensorBoard events."""
     from lightning.pytorch.loggers import TensorBoardLogger
-    from PIL import Image
-
-    from lit_grpo.callbacks.completion_logger import sample_table
-    from lit_grpo.callbacks.rollout_profiler import profile
-    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
-    from lit_grpo.sampling.stats import merge_stats
 
     logged: dict[tuple[str, int], float] = {}
 
@@ -775,15 +764,47 @@ def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merg
             logged.update({(key, step): value for key, value in metrics.items()})
             super().log_metrics(metrics, step)
 
-    rollouts = [make_rollout(seed) for seed in range(4)]
-    rollouts[1].stats.decisions = [Decision(1, 0, (0, 0), "park", "preemption")]
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
                          callbacks=[RolloutProfiler(read_bytes_per_s=1e9), CompletionLogger(table_every_n_steps=1),
                                     SlotTimelineLogger(every_n_steps=1)],
                          logger=Recording(tmp_path, name="tb"), log_every_n_steps=1, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False)
-    trainer.fit(RolloutModule(rollouts))
-    accumulator = events(trainer)
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")  # each callback says once that a batch carries no rollout
+        trainer.fit(RolloutModule(batches))
+    return logged, events(trainer)
+
+
+def _assert_step_timeline_and_table(accumulator, step: int, merged, first) -> None:
+    """The step's slot timeline is ``merged``'s figure and its sample table ``first``'s (the step's first rollout)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from lit_grpo.callbacks.completion_logger import sample_table
+    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
+
+    image = accumulator.Images("rollout/slot_timeline")[step]
+    decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+    expected = render_slot_timeline_figure(merged.timeline, merged.group_size, decisions=merged.decisions)
+    assert image.step == step and np.array_equal(decoded, expected)
+    text = accumulator.Tensors("completions/samples/text_summary")[step]
+    assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(first, 2, 4, 400)
+
+
+def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merged(tmp_path):
+    """Rollout batches under accumulate_grad_batches 2 (a module of its own; GRPOModule refuses accumulation): a
+    step's figures are its two micro-batches' rollouts together (merge_stats), not each micro-batch's: the profile
+    of the merged stats, the lengths of both batches' samples, the slot timeline of both rollouts one after the
+    other, and the table of the step's first micro-batch."""
+    from lit_grpo.callbacks.rollout_profiler import profile
+    from lit_grpo.sampling.stats import merge_stats
+
+    rollouts = [make_rollout(seed) for seed in range(4)]
+    rollouts[1].stats.decisions = [Decision(1, 0, (0, 0), "park", "preemption")]
+    logged, accumulator = _fit_accumulating_two(tmp_path, rollouts)
     for step, pair in enumerate((rollouts[:2], rollouts[2:])):
         merged = merge_stats([rollout.stats for rollout in pair])
         assert merged.decode_steps == sum(rollout.stats.decode_steps for rollout in pair)  # both, one after the other
@@ -795,57 +816,25 @@ def test_under_gradient_accumulation_a_step_logs_its_micro_batches_rollouts_merg
         assert logged["completions/max_length", step] == lengths.max().item()
         histogram = accumulator.Histograms("completions/length")[step]
         assert (histogram.step, histogram.histogram_value.num) == (step, lengths.numel())
-        image = accumulator.Images("rollout/slot_timeline")[step]
-        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
-        expected = render_slot_timeline_figure(merged.timeline, merged.group_size, decisions=merged.decisions)
-        assert image.step == step and np.array_equal(decoded, expected)
-        text = accumulator.Tensors("completions/samples/text_summary")[step]
-        assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(pair[0], 2, 4, 400)
+        _assert_step_timeline_and_table(accumulator, step, merged, pair[0])
 
 
 def test_under_gradient_accumulation_a_step_ends_at_its_optimizer_step_even_without_a_rollout_last(tmp_path):
     """A step whose last micro-batch carries no rollout still ends there: its figures are its own rollouts' (the
     first micro-batch's), and the next step's are the next step's alone, none of the earlier step carried over."""
     import dataclasses
-    import io
 
-    import numpy as np
-    from lightning.pytorch.loggers import TensorBoardLogger
-    from PIL import Image
-
-    from lit_grpo.callbacks.completion_logger import sample_table
-    from lit_grpo.callbacks.slot_timeline import render_slot_timeline_figure
     from lit_grpo.sampling.stats import merge_stats
-
-    logged: dict[tuple[str, int], float] = {}
-
-    class Recording(TensorBoardLogger):
-        def log_metrics(self, metrics, step=None):
-            logged.update({(key, step): value for key, value in metrics.items()})
-            super().log_metrics(metrics, step)
 
     rollouts = [make_rollout(seed) for seed in range(4)]
     batches = [rollouts[0], dataclasses.replace(rollouts[1], stats=None), rollouts[2], rollouts[3]]
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accumulate_grad_batches=2, accelerator="cpu",
-                         callbacks=[RolloutProfiler(read_bytes_per_s=1e9), CompletionLogger(table_every_n_steps=1),
-                                    SlotTimelineLogger(every_n_steps=1)],
-                         logger=Recording(tmp_path, name="tb"), log_every_n_steps=1, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # each callback says once that a batch carries no rollout
-        trainer.fit(RolloutModule(batches))
-    accumulator = events(trainer)
+    logged, accumulator = _fit_accumulating_two(tmp_path, batches, quiet=True)
     for step, own in enumerate(([rollouts[0]], rollouts[2:])):
         merged = merge_stats([rollout.stats for rollout in own])
         assert logged["rollout/decode_steps", step] == merged.decode_steps
         lengths = torch.cat([rollout.completion_lengths.flatten() for rollout in own]).float()
         assert logged["completions/mean_length", step] == pytest.approx(lengths.mean().item())
-        image = accumulator.Images("rollout/slot_timeline")[step]
-        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
-        expected = render_slot_timeline_figure(merged.timeline, merged.group_size, decisions=merged.decisions)
-        assert image.step == step and np.array_equal(decoded, expected)
-        text = accumulator.Tensors("completions/samples/text_summary")[step]
-        assert text.step == step and text.tensor_proto.string_val[0].decode() == sample_table(own[0], 2, 4, 400)
+        _assert_step_timeline_and_table(accumulator, step, merged, own[0])
 
 
 def test_under_gradient_accumulation_the_predictors_figures_are_the_steps_micro_batches_mean(tmp_path):
