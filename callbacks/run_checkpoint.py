@@ -176,9 +176,11 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         STOP_SIGNAL.restore()
-        if isinstance(exception, StopRequested) and not self._stopped:
+        if isinstance(exception, StopRequested) and not self._stopped and trainer.world_size == 1:
             # A rollout was abandoned and rolled back: the state is the last completed step's. Anything else
-            # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was.
+            # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was. One process
+            # only: a save runs collectives, which the other ranks, elsewhere, would not pair (several processes
+            # agree on a stop and save before raising it, in _stop's callers)
             self._save_last(trainer)
             self._announce(trainer, exception.signum, cut=trainer.validating)
 

@@ -1087,6 +1087,23 @@ def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interr
         STOP_SIGNAL.restore()
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatch, world_size):
+    """A ``StopRequested`` the ranks did not agree on (``_stop``'s callers save before raising it) reaches
+    ``on_exception`` on this rank alone: one process saves its rolled-back step; under several the save's collectives
+    would pair with whatever the other ranks run, so it saves nothing."""
+    from types import SimpleNamespace
+
+    from lit_grpo.runtime.stop_signal import StopRequested
+
+    saved = []
+    checkpoint = RunCheckpoint()
+    monkeypatch.setattr(checkpoint, "_save_last", lambda trainer: saved.append(trainer.global_step))
+    trainer = SimpleNamespace(world_size=world_size, global_step=3, is_global_zero=False, validating=False)
+    checkpoint.on_exception(trainer, None, StopRequested(signal.SIGTERM))
+    assert saved == ([3] if world_size == 1 else [])
+
+
 def _folder(path: Path, content: str) -> Path:
     path.mkdir()
     (path / "shard").write_text(content)
