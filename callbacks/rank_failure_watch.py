@@ -8,7 +8,7 @@ import traceback
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
 
-from lit_grpo.runtime.distributed import is_multi_process
+from lit_grpo.runtime.distributed import RankFailed, is_multi_process
 from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_at_uncaught_error, is_failure, rank_place,
                                            record_failure, watch_failures, watching)
 
@@ -23,13 +23,16 @@ class RankFailureWatch(Callback):
     This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
     ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is shown (its traceback) and recorded
     there at once, for the other ranks; Lightning then ends its handling as without several processes (every
-    callback's ``on_exception``, this one's place in the list whatever it is, and its loggers' last write), unless
-    the others end this rank first (on one node under Lightning's launcher, rank 0 and the ranks it started end
-    together), and the error goes on to the script. Where it leaves the script, the rank ends with exit status 1,
-    after a hook of the user's if any (the traceback is not shown twice), before any exit handler or thread join
-    can wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the
-    rank ends so where the script exits (``sys.exit`` or its end). Under ``lit-grpo``, which adds it to every fit
-    and validation, the CLI's error path records and ends the rank instead (its output and exit status per error).
+    callback's ``on_exception``, this one's place in the list whatever it is, and its loggers' last write; the
+    others wait up to ``rank_failure.HANDLING_GRACE_S`` for it before they end, since on one node under Lightning's
+    launcher rank 0 and the ranks it started end together), and the error goes on to the script. Where it leaves
+    the script, the rank ends with exit status 1, after a hook of the user's if any (the traceback is not shown
+    twice), before any exit handler or thread join can wait on the other ranks
+    (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the rank ends so where the
+    script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the others were told that
+    the run failed). So does a rank told that another failed (``RankFailed``; nothing recorded): it must not report
+    success. One process keeps the script's exit status. Under ``lit-grpo``, which adds it to every fit and
+    validation, the CLI's error path records and ends the rank instead (its output and exit status per error).
 
     The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
     ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or
@@ -48,14 +51,20 @@ class RankFailureWatch(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_watch()  # Lightning calls no teardown after an error or a stop: the fit is over here
-        if not is_multi_process() or caller_ends_failed_ranks() or not is_failure(exception):
+        if not is_multi_process() or caller_ends_failed_ranks():
+            return
+        if isinstance(exception, RankFailed):  # told that another rank failed: no exit of the script's, 0 included,
+            # may report success, nor run exit handlers that could wait on the others
+            end_at_uncaught_error(record_failure(exception))
+            return
+        if not is_failure(exception):
             return
         # the other ranks learn now; this one ends once Lightning has called every other callback's on_exception
-        # and finalized the loggers, which an end here would cut short. Its traceback is shown first: the others may
-        # end it once they read the record (under Lightning's launcher rank 0 ends its node's ranks as it ends, and
-        # its observer ends rank 0 once one of them has)
+        # and finalized the loggers, which an end here would cut short (the others wait a bounded time for that:
+        # under Lightning's launcher rank 0 ends its node's ranks as it ends, and its observer ends rank 0 once one
+        # of them has). Its traceback is shown first, in case that wait runs out
         traceback.print_exception(exception)
-        end_at_uncaught_error(record_failure(exception), shown_error=exception)
+        end_at_uncaught_error(record_failure(exception, handling=True), shown_error=exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_watch()

@@ -456,8 +456,8 @@ def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_n
                                   "RankFailed", "RaisedOnEveryRank"])
 def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kind):
     """``on_exception`` under several processes records the rank's own error and has the rank end where the error
-    leaves the script; not on a stop, another rank's failure or an error every rank raised, nor under ``lit-grpo``,
-    whose error path does it (recording the error once)."""
+    leaves the script, as it has a rank told of another's failure (which names it); not on a stop or an error every
+    rank raised, nor under ``lit-grpo``, whose error path does it (recording the error once)."""
     from lit_grpo.callbacks import rank_failure_watch
     from lit_grpo.runtime.distributed import RaisedOnEveryRank, RankFailed
     from lit_grpo.runtime.rank_failure import ended_by_caller
@@ -469,12 +469,14 @@ def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kin
               "RaisedOnEveryRank": RaisedOnEveryRank("non-finite loss on rank 1")}
     recorded, ending = [], []
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
-    monkeypatch.setattr(rank_failure_watch, "record_failure", lambda error: recorded.append(error) or "its line")
+    monkeypatch.setattr(rank_failure_watch, "record_failure",
+                        lambda error, handling=False: recorded.append(error) or "its line")
     monkeypatch.setattr(rank_failure_watch, "end_at_uncaught_error", lambda line, **shown: ending.append(line))
     with ended_by_caller() if kind == "under lit-grpo" else contextlib.nullcontext():
         rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, errors[kind])
-    assert recorded == ([errors[kind]] if kind == "failure" else [])
-    assert ending == (["its line"] if kind == "failure" else [])
+    ends = kind in ("failure", "RankFailed")  # RankFailed: no record of its own (record_failure reads the first)
+    assert recorded == ([errors[kind]] if ends else [])
+    assert ending == (["its line"] if ends else [])
 
 
 def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, monkeypatch):
@@ -503,8 +505,8 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
             super().finalize(status)
 
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
-    monkeypatch.setattr(rank_failure_watch, "record_failure", lambda error: events.append("recorded") or "its line",
-                        raising=False)
+    monkeypatch.setattr(rank_failure_watch, "record_failure",
+                        lambda error, handling=False: events.append(f"recorded, handling: {handling}") or "its line")
     monkeypatch.setattr(rank_failure_watch, "end_failed_rank", lambda error: events.append("ended"), raising=False)
     monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: events.append(f"ended: {line}"))
     monkeypatch.setattr(sys, "excepthook", lambda *error: events.append("traceback"))  # restored after the test
@@ -513,7 +515,7 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
                          enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(fault_helpers.PlantedError) as caught:
         trainer.fit(Planted())
-    assert events == ["recorded", "closed", "finalized failed"]
+    assert events == ["recorded, handling: True", "closed", "finalized failed"]
     sys.excepthook(caught.type, caught.value, caught.tb)  # the error leaves the script
     assert events[3:] == ["traceback", "ended: its line"]
 
@@ -612,13 +614,18 @@ import subprocess, sys
 import lightning.pytorch as pl
 from callback_helpers import TinyRegression
 from lit_grpo.callbacks import RankFailureWatch, rank_failure_watch
+from lit_grpo.runtime.distributed import RankFailed
 
-rank_failure_watch.is_multi_process = lambda: True  # a rank of several (its store stood in for)
-rank_failure_watch.record_failure = lambda error: "rank 1 of 2 failed: its error; every rank stops"
+kind, processes = sys.argv[3:5] or ["failure", "several"]
+if processes == "several":
+    rank_failure_watch.is_multi_process = lambda: True  # a rank of several (its store stood in for)
+    rank_failure_watch.record_failure = lambda error, handling=False: (
+        "rank 1 of 2 failed: its error; every rank stops" if kind == "failure" else
+        "rank 1 of 2 stopped because rank 0 failed: its error")
 
 class Planted(TinyRegression):
     def training_step(self, batch, batch_idx):
-        raise RuntimeError("planted failure")
+        raise RuntimeError("planted failure") if kind == "failure" else RankFailed([0], "in a rollout")
 
 node_rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],  # a rank it started
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -629,7 +636,7 @@ trainer = pl.Trainer(default_root_dir=sys.argv[1], max_steps=2, accelerator="cpu
 try:
     trainer.fit(Planted())
 except RuntimeError as error:
-    print(f"caught {error}", flush=True)
+    print(f"caught {type(error).__name__}: {error}", flush=True)
     if sys.argv[2] == "exits":
         sys.exit(0)
 print("the script ends", flush=True)
@@ -644,7 +651,7 @@ def test_a_failed_rank_whose_script_catches_the_error_ends_where_the_script_exit
     env = repo_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), repo_env()["PYTHONPATH"]]))
     done = subprocess.run([sys.executable, "-c", _CATCHING_SCRIPT, str(tmp_path), then], env=env,
                           capture_output=True, text=True, timeout=DEADLINE_S)
-    assert "caught planted failure" in done.stdout, done.stderr[-4000:]
+    assert "caught RuntimeError: planted failure" in done.stdout, done.stderr[-4000:]
     assert ("the script ends" in done.stdout) == (then == "ends")
     assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-4000:])
     assert "lit-grpo: rank 1 of 2 failed: its error; every rank stops" in done.stderr, done.stderr[-4000:]
@@ -656,6 +663,19 @@ def test_a_failed_rank_whose_script_catches_the_error_ends_where_the_script_exit
     if alive:
         os.kill(started, signal.SIGKILL)
     assert not alive, "the rank it started outlived it"
+
+
+@pytest.mark.parametrize("kind, processes, code", [("RankFailed", "several", 1), ("failure", "one", 0)])
+def test_a_script_that_catches_the_fits_error_and_exits_0(tmp_path, kind, processes, code):
+    """Under several processes a rank told that another failed (``RankFailed``) must not report success, whatever
+    its script does with the error: it ends with exit status 1 and its line where the script exits, not through the
+    interpreter's exit (whose handlers could wait on the other ranks). One process keeps the script's exit status."""
+    env = repo_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), repo_env()["PYTHONPATH"]]))
+    done = subprocess.run([sys.executable, "-c", _CATCHING_SCRIPT, str(tmp_path), "exits", kind, processes], env=env,
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    assert f"caught {'RankFailed' if kind == 'RankFailed' else 'RuntimeError'}" in done.stdout, done.stderr[-4000:]
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr[-4000:])
+    assert ("lit-grpo: rank 1 of 2 stopped because rank 0 failed" in done.stderr) == (code == 1), done.stderr[-4000:]
 
 
 def _alive(pid: int) -> bool:
@@ -683,7 +703,7 @@ def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path
         def training_step(self, batch, batch_idx):
             raise fault_helpers.PlantedError("planted failure")
 
-    def record(error):
+    def record(error, handling=False):
         shown_at_record.append("PlantedError: planted failure" in capsys.readouterr().err)
         return "its line"
 
@@ -699,3 +719,65 @@ def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path
     assert shown_at_record == [True]
     sys.excepthook(caught.type, caught.value, caught.tb)  # the error leaves the script
     assert ended == ["its line"] and "PlantedError" not in capsys.readouterr().err
+
+
+def test_a_rank_that_read_a_failure_waits_while_the_failed_rank_handles_it(monkeypatch):
+    """A rank whose failure is recorded while it goes on handling it (``RankFailureWatch``: the later callbacks'
+    ``on_exception``, the loggers' last write) says so; another rank's watch that reads the record waits, before it
+    ends, until that handling is done (bounded by ``HANDLING_GRACE_S``): on one node under Lightning's launcher its
+    end would end the failed rank too."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.runtime import rank_failure
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    prefix = rank_failure._prefix()
+    ended = []
+    monkeypatch.setattr(rank_failure, "HANDLING_GRACE_S", 120.0)
+    monkeypatch.setattr(rank_failure, "_end",
+                        lambda line, exit_status=1: ended.append((line, store.check([f"{prefix}handled/1"]))))
+    store.set(f"{prefix}handling/1", "1")  # rank 1 failed and handles its error: record_failure(..., handling=True)
+    rank_failure._record_in(store, 1, fault_helpers.PlantedError("planted failure"))
+    place = rank_failure.RankPlace(0, 2, 0, 0, 1, "127.0.0.1", port, True)
+    stop = rank_failure.watch_failures(place, interval_s=0.05)
+    try:
+        store.wait([f"{prefix}read/rank/0"])  # rank 0's watch read the failure
+        store.set(f"{prefix}handled/1", "1")  # rank 1's handling is over: it ends (rank_failure._end)
+        deadline = time.monotonic() + 30
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+    assert ended == [("rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure", True)]
+
+
+def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch):
+    """``record_failure(..., handling=True)`` says in the store that the rank handles its error, and its end says that
+    it is done, so the other ranks' watches wait no longer."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.runtime import rank_failure
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    prefix = rank_failure._prefix()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(rank_failure, "_handling", None)
+    monkeypatch.setattr(rank_failure, "_ending", rank_failure.threading.Event())
+    monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: None)
+    monkeypatch.setattr(rank_failure.os, "_exit", lambda status: None)
+    line = rank_failure.record_failure(fault_helpers.PlantedError("planted failure"), handling=True)
+    assert line == "rank 1 of 2 failed: PlantedError: planted failure; every rank stops"
+    assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}handled/1"])
+    rank_failure._end(line)
+    assert store.check([f"{prefix}handled/1"])

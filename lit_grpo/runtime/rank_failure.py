@@ -13,7 +13,8 @@ Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` reco
 Lightning's ``on_exception`` (:func:`is_failure` says which errors, :func:`record_failure`) and ends the rank the
 same way once the error leaves the script (:func:`end_at_uncaught_error`), after Lightning's own handling; under
 ``lit-grpo`` it leaves both to the CLI's error path (:func:`ended_by_caller`), which picks each error's output and
-exit status.
+exit status. Such a rank says in the store that it goes on handling its error, and a rank that read its record
+waits for that, at most ``HANDLING_GRACE_S``, before it ends: on one node they end together.
 
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
@@ -57,18 +58,23 @@ WATCH_INTERVAL_S = 1.0
 #: store exists only from rank 0's failure on (no rank could leave a sign of life in it before) and tells no
 #: count of its clients.
 SETUP_WAIT_S = 300.0
+#: How long a rank that read another's failure waits, before it ends, for that rank to finish its own handling
+#: (``record_failure(..., handling=True)``: its later callbacks' ``on_exception``, its loggers' last write): on one
+#: node under Lightning's launcher the ranks end together, so an end at once would cut that handling short.
+HANDLING_GRACE_S = 10.0
 
 _ending = threading.Event()  # this process is ending on its own error: its watch stands down
 _watches: set[threading.Event] = set()  # the stop events of this process's watches
 _caller_ends = False  # inside ended_by_caller()
+_handling: tuple[int, tuple[str, int]] | None = None  # (rank, store address) of a failure still being handled here
 
 
 def _start_clean() -> None:
     """A forked child (a ``ddp_fork`` rank) starts with no watch and none of its parent's flags: the parent's watch
     thread does not run there (its ``RankFailureWatch`` starts its own), nor the CLI's error path (that callback
     ends a failing child), and a lock of the parent's may have been held at the fork: new objects, not cleared ones."""
-    global _ending, _watches, _caller_ends
-    _ending, _watches, _caller_ends = threading.Event(), set(), False
+    global _ending, _watches, _caller_ends, _handling
+    _ending, _watches, _caller_ends, _handling = threading.Event(), set(), False, None
 
 
 os.register_at_fork(after_in_child=_start_clean)
@@ -174,14 +180,18 @@ def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: 
     _end(record_failure(error), exit_status)
 
 
-def record_failure(error: BaseException) -> str:
+def record_failure(error: BaseException, handling: bool = False) -> str:
     """Record this rank's ``error`` in the run's store for the other ranks (their watches end them), and return the
     line this rank ends with, naming the run's first failure; this process's watches stand down (it is ending). For
-    a process of a group of several ranks; the group must be initialized."""
+    a process of a group of several ranks; the group must be initialized. ``handling``: this rank goes on handling
+    the error before it ends (Lightning's ``on_exception`` hooks, the loggers' last write): the others' watches give
+    it up to ``HANDLING_GRACE_S`` for that, until :func:`_end` says it is done."""
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     _ending.set()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if handling:
+        _say_handling(rank)
     first = (rank, describe(error)) if isinstance(error, RaisedOnEveryRank) else _record_failure(rank, error)
     if first is None:
         return (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
@@ -266,11 +276,39 @@ def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
 
 
 def _end(line: str | None, exit_status: int = 1) -> NoReturn:
+    _say_handled()
     if line is not None:
         print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     _end_child_processes()
     os._exit(exit_status)
+
+
+def _say_handling(rank: int) -> None:
+    """Say in the run's store, before this rank's failure is recorded, that it goes on handling its error."""
+    global _handling
+    with contextlib.suppress(Exception):  # no store: no rank can read the record either
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        _connect_store(address).set(f"{_prefix()}handling/{rank}", "1")
+        _handling = (rank, address)
+
+
+def _say_handled() -> None:
+    """Say in the run's store that this rank's handling of its error is over (it ends now), if it said it had some."""
+    global _handling
+    if _handling is not None:
+        rank, address = _handling
+        _handling = None
+        with contextlib.suppress(Exception):  # the store went with another rank: nobody waits on this one
+            _connect_store(address).set(f"{_prefix()}handled/{rank}", "1")
+
+
+def _await_handled(store: torch.distributed.TCPStore, rank: int, deadline: float) -> None:
+    """Wait, until ``deadline`` (``time.monotonic``), while failed ``rank`` handles its error (it said so and has not
+    said it is done), before this rank ends: its end may end that one too (one node under Lightning's launcher)."""
+    handling, handled = [f"{_prefix()}handling/{rank}"], [f"{_prefix()}handled/{rank}"]
+    while store.check(handling) and not store.check(handled) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _end_child_processes() -> None:
@@ -425,6 +463,7 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
                 _say_read(store, place)
                 if place.rank == 0 and not torch.distributed.is_initialized():  # the others may still need it
                     _await_readers(store, place, time.monotonic() + SETUP_WAIT_S)
+                _await_handled(store, first[0], time.monotonic() + HANDLING_GRACE_S)
             _end(_ending_line(place.rank, place.world, first))
 
     def run() -> None:
