@@ -661,6 +661,17 @@ def test_completions_no_function_scored_are_left_out_of_their_groups_advantages(
         torch.testing.assert_close(batch.advantages[1, [0, 2, 3]], (scored - scored.mean()) / (scored.std() + 1e-4))
 
 
+def test_a_short_batch_is_filled_with_the_dropped_groups_in_the_order_they_were_generated():
+    """Dynamic sampling's batch: the kept groups first (at most B), then the dropped ones in generation order up to
+    B, none twice."""
+    from lit_grpo.rollout.builder import _fill_groups
+
+    generated = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert _fill_groups([(0, 1), (1, 1)], generated, 4) == [(0, 1), (1, 1), (0, 0), (0, 2)]
+    assert _fill_groups([(0, 2), (0, 0), (1, 0)], generated, 2) == [(0, 2), (0, 0)]
+    assert _fill_groups([], generated, 5) == generated
+
+
 def test_the_batch_scale_over_ranks_leaves_out_every_ranks_unscored_completions(policy):
     """scale_rewards=batch over two ranks: the std spans both ranks' scored completions; an unscored one (every
     function None) is gathered as NaN and left out, and gets 0."""

@@ -342,45 +342,66 @@ class RolloutBuilder:
 
     # ------------------------------------------------------------------------------------------ batches
     def build_train(self, draw: Callable[[int], list[Prompt]]) -> RolloutBatch:
-        """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts."""
+        """One training step's batch of ``prompts_per_step`` groups; ``draw(count)`` gives the next prompts.
+
+        Roll out (a partial rollout where one is on, then dynamic sampling's extra rounds while groups with learning
+        signal are short), choose B groups, assemble them, decide whether the slot cache stays through the update,
+        and add the step's metrics."""
         engine, num_prompts = self.engine, self.prompts_per_step
         self.slot_memory.measure_last_update(self.measured_update_peak())
         partial = self.partial_rollouts
         with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
             rollouts = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
-            keep = self._kept_groups(rollouts)
-            while self.dynamic_sampling and len(keep) < num_prompts and len(rollouts) < self.max_rollouts_per_step:
-                rollouts.append(self._rollout(engine, draw(num_prompts - len(keep))))
-                keep = self._kept_groups(rollouts)
-        chosen = keep[:num_prompts]
-        if len(chosen) < num_prompts:  # fill with dropped groups (zero advantage) to keep B fixed
-            dropped = [key for key in _all_groups(rollouts) if key not in set(chosen)]
-            chosen = chosen + dropped[: num_prompts - len(chosen)]
+            kept = self._kept_groups(rollouts)
+            while self.dynamic_sampling and len(kept) < num_prompts and len(rollouts) < self.max_rollouts_per_step:
+                rollouts.append(self._rollout(engine, draw(num_prompts - len(kept))))
+                kept = self._kept_groups(rollouts)
+        chosen = _fill_groups(kept, _all_groups(rollouts), num_prompts)
         batch = self._assemble(rollouts, chosen, engine, train=True)
+        self._settle_slot_cache(engine, batch)
+        batch.offpolicy_tokens = sum(rollouts[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
+        batch.metrics.update(self._train_metrics(rollouts, batch, engine, partial))
+        self._check_some_group_scored(rollouts)
+        batch.generated_accuracy = self._generated_accuracy(rollouts)
+        return batch
+
+    def _settle_slot_cache(self, engine: RolloutEngine, batch: RolloutBatch) -> None:
+        """Keep the training engine's slot cache (and the rollout weights' copy) through the coming update, or free
+        them where the update needs that memory more (``SlotMemory.keep_through_update``)."""
         width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
-        kept = self.slot_memory.keep_through_update(engine, width, self.precision_context)
-        if not kept:  # the update needs that memory more
+        cache_kept = self.slot_memory.keep_through_update(engine, width, self.precision_context)
+        if not cache_kept:
             engine.release()
             self.weights.release()  # no graph reads them any more
-        self.slot_memory.expect_update(engine, width, kept)
-        batch.metrics["rollout/rollouts_per_step"] = float(len(rollouts))
-        batch.offpolicy_tokens = sum(rollouts[r].offpolicy_tokens[p] for r, p in chosen)  # the groups trained on
+        self.slot_memory.expect_update(engine, width, cache_kept)
+
+    def _train_metrics(self, rollouts: list[_ScoredRollout], batch: RolloutBatch, engine: RolloutEngine,
+                       partial: bool) -> dict[str, float]:
+        """The training step's own metrics (``rollout/*`` of the builder, ``tools/*``, ``reward/skipped_groups``
+        and what the reward calls logged); it reads ``batch.offpolicy_tokens``, set before."""
+        metrics = {"rollout/rollouts_per_step": float(len(rollouts))}
         if partial:
-            batch.metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
+            metrics["rollout/carried_samples"] = float(sum(not s.done for g in self.carried for s in g.samples))
             tokens = max(int(batch.drawn_mask().sum()), 1)
-            batch.metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
+            metrics["rollout/offpolicy_tokens_frac"] = batch.offpolicy_tokens / tokens
         if self.tools is not None:
-            batch.metrics.update(tool_metrics(rollouts, engine.group_size))
-        batch.metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
-        batch.metrics.update(logged_metrics([rollout.logs for rollout in rollouts]))
-        self._check_some_group_scored(rollouts)
-        generated = [(rollout.components.get(self.accuracy_reward), self._scored(rollout.rewards, rollout.components),
-                      ~rollout.skipped) for rollout in rollouts]  # every group; unscored completions left out
-        batch.generated_accuracy = sum(accuracy_sums(None if accuracy is None else accuracy[kept], rewards[kept])
-                                       for accuracy, rewards, kept in generated)
+            metrics.update(tool_metrics(rollouts, engine.group_size))
+        metrics["reward/skipped_groups"] = float(sum(int(rollout.skipped.sum()) for rollout in rollouts))
+        metrics.update(logged_metrics([rollout.logs for rollout in rollouts]))
         if engine.micro_group_size is not None:
-            batch.metrics["rollout/slots"] = float(engine.micro_group_size)
-        return batch
+            metrics["rollout/slots"] = float(engine.micro_group_size)
+        return metrics
+
+    def _generated_accuracy(self, rollouts: list[_ScoredRollout]) -> torch.Tensor:
+        """``accuracy_sums`` over every group the step generated, the dropped ones too; unscored completions and
+        skipped groups left out."""
+        total = 0
+        for rollout in rollouts:
+            accuracy = rollout.components.get(self.accuracy_reward)
+            scored = ~rollout.skipped
+            rewards = self._scored(rollout.rewards, rollout.components)
+            total = total + accuracy_sums(None if accuracy is None else accuracy[scored], rewards[scored])
+        return total
 
     def build_val(self, prompts: list[Prompt]) -> RolloutBatch | None:
         """Greedy completions (one per prompt) of held-out prompts, scored; with ``val_num_samples`` k > 1 also
@@ -674,5 +695,14 @@ def _source_answer(saved: PromptExample, index: int, examples: Sequence[PromptEx
 
 
 def _all_groups(rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
+    """Every group of ``rollouts`` as ``(rollout, group)`` keys, in order."""
     return [(r, p) for r, rollout in enumerate(rollouts) for p in range(len(rollout.prompts))]
+
+
+def _fill_groups(kept: list[tuple[int, int]], generated: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """The first ``count`` of ``kept``, filled up to ``count`` with the ``generated`` groups not kept (dynamic
+    sampling's dropped ones, which get zero advantage), so that every batch has B groups."""
+    chosen = kept[:count]
+    taken = set(chosen)
+    return chosen + [key for key in generated if key not in taken][:count - len(chosen)]
 
