@@ -34,6 +34,30 @@ def test_weighted_rewards_that_overflow_float32_name_the_weights():
         score_rewards([WeightedReward(big, 3e38)], ["p"] * 2, ["c"] * 2, group_size=2)
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (dict(prompts=["p"], completions=["c"] * 2), r"1 prompts for 2 completions"),
+    (dict(columns={"answer": ["a"]}), r"column 'answer' has 1 values for 2 completions"),
+    (dict(columns={"trainer_state": ["a", "b"]}), r"a column is named 'trainer_state', a keyword every reward call"),
+    (dict(group_size=3), r"group_size=3 must be >= 1 and divide the 2 completions"),
+    (dict(group_size=0), r"group_size=0 must be >= 1"),
+    (dict(on_error="ignore"), r"on_error"),
+    (dict(reward_funcs=[]), r"no reward functions given"),
+])
+def test_scoring_refuses_arguments_that_do_not_line_up_naming_the_bad_value(arguments, message):
+    """One prompt and one value of each column per completion, G dividing them, no column named as a keyword every
+    call gets, a known on_error and some function: else an error naming the bad value, before any function runs."""
+    calls = []
+
+    def f(prompts, completions, **kw):
+        calls.append(prompts)
+        return [1.0] * len(prompts)
+
+    given = dict(reward_funcs=[WeightedReward(f)], prompts=["p"] * 2, completions=["c"] * 2, group_size=2)
+    with pytest.raises(ValueError, match=message):
+        score_rewards(**{**given, **arguments})
+    assert calls == []
+
+
 def test_columns_reach_the_functions():
     seen = {}
 

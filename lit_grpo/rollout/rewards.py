@@ -616,6 +616,41 @@ def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
     return prompts, [[{"role": "assistant", "content": text}] for group in texts for text in group]
 
 
+def _checked_arguments(reward_funcs: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
+                       columns: Mapping[str, Sequence[Any]] | None, group_size: int,
+                       on_error: str) -> dict[str, Sequence[Any]]:
+    """``score_rewards``' arguments checked (one prompt and one value of each column per completion, ``group_size``
+    dividing them, no column named as a call keyword); returns the columns as a dict of its own."""
+    check_choice("on_error", on_error, ON_ERROR)
+    if not reward_funcs:
+        raise ValueError("no reward functions given; pass at least one (e.g. ['accuracy'])")
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"{len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
+    columns = dict(columns or {})
+    for key, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    for keyword in CALL_KEYWORDS:
+        if keyword in columns:
+            raise ValueError(f"a column is named {keyword!r}, a keyword every reward call gets (TRL's name; "
+                             "trainer_state: the training progress, log_metric and log_extra: what the function "
+                             "logs): rename that field of the prompts")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} completions")
+    return columns
+
+
+def _check_total_finite(total: torch.Tensor, reward_funcs: Sequence[WeightedReward]) -> None:
+    """Refuse ``[N]`` weighted totals that overflow float32: each value and weight is finite in float32, their sum
+    need not be."""
+    if not bool(torch.isfinite(total).all()):
+        weights = {reward.name: reward.weight for reward in reward_funcs}
+        raise ValueError(f"the weighted rewards overflow float32 ({total[~torch.isfinite(total)].tolist()[:4]}): "
+                         f"the reward weights {weights} times their values exceed {FLOAT32_MAX:.4g}; use smaller "
+                         "weights")
+
+
 def score_rewards(
     reward_funcs: Sequence[WeightedReward],
     prompts: Sequence[str],
@@ -636,25 +671,9 @@ def score_rewards(
         on_error: ``"raise"`` (a ``RewardFunctionError``) or ``"skip_group"`` (``RewardScores.skipped_groups``).
         trainer_state: passed to every call as ``trainer_state`` (default: a ``TrainerState()`` at step 0).
     """
-    check_choice("on_error", on_error, ON_ERROR)
-    if not reward_funcs:
-        raise ValueError("no reward functions given; pass at least one (e.g. ['accuracy'])")
-    n = len(completions)
-    if len(prompts) != n:
-        raise ValueError(f"{len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
-    columns = dict(columns or {})
-    for key, values in columns.items():
-        if len(values) != n:
-            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    for keyword in CALL_KEYWORDS:
-        if keyword in columns:
-            raise ValueError(f"a column is named {keyword!r}, a keyword every reward call gets (TRL's name; "
-                             "trainer_state: the training progress, log_metric and log_extra: what the function "
-                             "logs): rename that field of the prompts")
+    columns = _checked_arguments(reward_funcs, prompts, completions, columns, group_size, on_error)
     state = {"trainer_state": trainer_state if trainer_state is not None else TrainerState()}
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} completions")
-
+    n = len(completions)
     total = torch.zeros(n, dtype=torch.float32)
     seen = torch.zeros(n, dtype=torch.bool)
     components: dict[str, torch.Tensor] = {}
@@ -686,11 +705,7 @@ def score_rewards(
         present = ~torch.isnan(component)
         total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
         seen |= present
-    if not bool(torch.isfinite(total).all()):  # each value and weight is finite in float32; their sum need not be
-        weights = {reward.name: reward.weight for reward in reward_funcs}
-        raise ValueError(f"the weighted rewards overflow float32 ({total[~torch.isfinite(total)].tolist()[:4]}): "
-                         f"the reward weights {weights} times their values exceed {FLOAT32_MAX:.4g}; use smaller "
-                         "weights")
+    _check_total_finite(total, reward_funcs)
     if skipped:
         rows = torch.zeros(n, dtype=torch.bool)
         for group in skipped:
