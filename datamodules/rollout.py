@@ -727,15 +727,16 @@ class RolloutDataModule(LightningDataModule):
         scores = getattr(self.sampler, "scores", None)
         angles = scores[step.taken].double() if scores is not None and step.taken else torch.zeros(0)
         carried = self._carried_positions()
-        local = torch.cat([batch.accuracy_sums(), torch.tensor([float(angles.sum()), angles.numel(), step.draws,
-                                                                len(step.taken), len(carried)], dtype=torch.float64)])
-        total = self._all_gather(local)  # [world, 9]
-        unused = step.finish(total[:, 6].round().long().tolist(), total[:, 7].round().long().tolist())
-        self._in_flight = self._gather_positions(carried, int(total[:, 8].max()))
+        counts = [float(angles.sum()), angles.numel(), step.draws, len(step.taken), len(carried)]
+        # [world, 9]: each rank's accuracy_sums (4), then its angle sum, angle count, draws, prompts taken, carried
+        gathered = self._all_gather(torch.cat([batch.accuracy_sums(), torch.tensor(counts, dtype=torch.float64)]))
+        accuracy_sums, (angle_sum, angle_count) = gathered[:, :4].sum(dim=0), gathered[:, 4:6].sum(dim=0).tolist()
+        draws, taken, carried_counts = gathered[:, 6:9].round().long().T.tolist()
+        unused = step.finish(draws, taken)
+        self._in_flight = self._gather_positions(carried, max(carried_counts))
         self._step_draw = None
-        total = total[:, :8].sum(dim=0)
-        mean_angle = float(total[4] / total[5]) if total[5] > 0 else None
-        return curriculum_accuracy(total[:4]), mean_angle, len(unused)
+        mean_angle = angle_sum / angle_count if angle_count > 0 else None
+        return curriculum_accuracy(accuracy_sums), mean_angle, len(unused)
 
     def _gather_positions(self, positions: list[int], most: int) -> list[int]:
         """Every rank's ``positions`` together, sorted; ``most``: the longest list of any rank (every rank's same
