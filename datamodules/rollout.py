@@ -44,7 +44,7 @@ from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader,
 from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, build_reward_funcs,
                                       check_gold_answers, check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
-from lit_grpo.rollout.slot_memory import check_slot_budget
+from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
 from lit_grpo.rollout.tools import (ToolBox, check_max_tool_calling_iterations, check_without_partial_rollouts,
                                    resolve_tools, tool_schemas)
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
@@ -640,14 +640,7 @@ class RolloutDataModule(LightningDataModule):
             self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank, self._in_flight)
         self._step_drawn = set()
         batch = builder.build_train(self._draw)
-        memory = builder.slot_memory
-        if memory.slot_budget is not None and not self._slot_budget_said:
-            self._slot_budget_said = True
-            rank_zero_info(f"lit_grpo: {memory.slot_budget.describe()}")
-        keeping, said = memory.cache_keeping, self._cache_keeping_said
-        if keeping is not None and (said is None or said.kept != keeping.kept):
-            self._cache_keeping_said = keeping
-            rank_zero_info(f"lit_grpo: {keeping.describe()}")
+        self._say_memory_decisions(builder.slot_memory)
         if world > 1:
             accuracy, mean_angle, unused = self._finish_step(batch)
             self.sampler.update(accuracy, mean_angle)
@@ -657,6 +650,17 @@ class RolloutDataModule(LightningDataModule):
         batch.metrics.update(self.sampler.metrics())
         self.steps_built += 1
         return batch
+
+    def _say_memory_decisions(self, memory: SlotMemory) -> None:
+        """Log ``micro_group_size: auto``'s slot budget once, and ``keep_kv_cache: auto``'s decision when it
+        changes."""
+        if memory.slot_budget is not None and not self._slot_budget_said:
+            self._slot_budget_said = True
+            rank_zero_info(f"lit_grpo: {memory.slot_budget.describe()}")
+        keeping, said = memory.cache_keeping, self._cache_keeping_said
+        if keeping is not None and (said is None or said.kept != keeping.kept):
+            self._cache_keeping_said = keeping
+            rank_zero_info(f"lit_grpo: {keeping.describe()}")
 
     def _angle_scores(self, builder: RolloutBuilder) -> torch.Tensor:
         """``[N]`` angle concentration of every training prompt. Several ranks: each scores its contiguous share
