@@ -328,8 +328,6 @@ class RolloutDataModule(LightningDataModule):
             tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
             if self.tools:
                 check_without_partial_rollouts(over_provision)
-        self.max_tool_calling_iterations = max_tool_calling_iterations
-        self._toolbox: ToolBox | None = None
         check_choice("on_reward_error", on_reward_error, ON_ERROR)
         if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
@@ -365,6 +363,7 @@ class RolloutDataModule(LightningDataModule):
         self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens
         self.curriculum, self.curriculum_kwargs = curriculum, dict(curriculum_kwargs or {})
         self.score_batch_size = score_batch_size
+        self.max_tool_calling_iterations = max_tool_calling_iterations
 
         self.examples: list[PromptExample] | None = None
         #: ``prompt_set_fingerprint`` of the training prompts, taken once when they are split (``setup``)
@@ -376,6 +375,7 @@ class RolloutDataModule(LightningDataModule):
         self.sampler = None
         self.builder: RolloutBuilder | None = None
         self._handover: dict[str, Any] | None = None  # what attach() was given
+        self._toolbox: ToolBox | None = None  # data.tools rendered for the handed-over tokenizer
         self._pending_state: dict[str, Any] = {}
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._step_drawn: set[int] = set()  # one process: the prompts this step has drawn so far
