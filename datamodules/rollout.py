@@ -693,12 +693,9 @@ class RolloutDataModule(LightningDataModule):
         One process: ``sampler.draw(count)``, avoiding the step's earlier draws (dynamic sampling's extra rounds
         would draw again the prompts it just filtered) and the prompts of the carried groups (partial rollouts: a
         prompt in flight drawn again would run twice at once and could be trained on twice in one batch). Several
-        ranks: the step's prompts come from global draws of ``prompts_per_step x world_size`` prompts (every rank
-        draws the same ones, avoiding what every rank carries), each rank taking its own ``prompts_per_step`` slice
-        of each, so no prompt is on two ranks in one draw. No collective runs here (ranks may ask for different
-        counts, or not at all: dynamic sampling, partial rollouts); at the end of the step ``_finish_step`` brings
-        every rank to the same number of global draws, gives back what no rank took (see ``_StepDraw``) and
-        gathers what every rank carries."""
+        ranks: this rank's slices of the step's global draws (``_StepDraw``, which avoids what every rank carries).
+        No collective runs here, as ranks may ask for different counts or none: ``_finish_step`` settles the step's
+        draws at its end."""
         world, rank = self._world()
         if world == 1:
             drawn = self.sampler.draw(count, avoid=self._step_drawn | set(self._carried_positions()))
