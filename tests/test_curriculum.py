@@ -419,6 +419,35 @@ def test_the_curriculums_feedback_over_ranks_is_the_whole_steps():
     assert mean_angle == pytest.approx(float(data.sampler.scores[taken + other].double().mean()))
 
 
+def test_the_end_of_a_step_over_ranks_gathers_every_ranks_carried_groups_and_gives_back_what_none_took():
+    """Several ranks: the positions every rank carries are gathered (padded to the longest rank's list) into what
+    the next step's draws avoid, and the part of a draw no rank took goes back to the sampler."""
+    from types import SimpleNamespace
+
+    from lit_grpo.datamodules.rollout import RolloutDataModule, _StepDraw
+
+    data = RolloutDataModule(prompts=[f"q{i}" for i in range(12)], val_size=0, prompts_per_step=2,
+                             reward_funcs=["char_fraction"])
+    data.setup("fit")
+    data._step_draw = step = _StepDraw(data.sampler, 2, 2, 0)  # rank 0 of 2
+    step.take(2)
+    rank_1 = torch.tensor([0.0, 0.0, 2.0, 4.0, 0.0, 0.0, 1.0, 1.0, 2.0], dtype=torch.float64)  # took 1, carries 2
+    gathered = []
+
+    def all_gather(local):
+        gathered.append(local.clone())
+        other = torch.tensor([9, 5]) if local.dtype == torch.long else rank_1
+        return torch.stack([local, other])
+
+    data._handover = {"all_gather": all_gather}
+    data._carried_positions = lambda: [3]
+    batch = SimpleNamespace(accuracy_sums=lambda: torch.tensor([0.0, 0.0, 1.0, 4.0], dtype=torch.float64))
+    accuracy, mean_angle, unused = data._finish_step(batch)
+    assert data._in_flight == [3, 5, 9] and gathered[1].tolist() == [3, -1]
+    assert unused == 1 and data._step_draw is None
+    assert accuracy == pytest.approx(3 / 8) and mean_angle is None
+
+
 def test_a_draw_avoids_as_many_earlier_draws_as_leave_a_batch():
     """All of ``avoid`` where a batch is left without it; where not, its lowest indices, so every rank (same
     avoid, same order) skips the same ones and the draw repeats as few as it must."""
