@@ -248,11 +248,7 @@ class UniformPromptSampler(PromptSampler):
         # every prompt still comes round once an epoch (avoid's rule alone would repeat the highest indices)
         repeats = len(set(avoid)) > self.num_prompts - batch_size
         avoid = usable_avoid(avoid, self.num_prompts, batch_size)
-        batch: list[int] = []
-        for prompt in list(self._returned):
-            if len(batch) < batch_size and prompt not in batch and prompt not in avoid:
-                batch.append(prompt)
-                self._returned.remove(prompt)
+        batch = self._take_returned(batch_size, avoid)
         while len(batch) < batch_size:
             if self._position == len(self._permutation):
                 self.epoch += 1
@@ -272,6 +268,16 @@ class UniformPromptSampler(PromptSampler):
             self._permutation[self._position:] = chosen + [prompt for prompt in rest if prompt not in chosen_set]
             self._position += len(chosen)
             batch.extend(chosen)
+        return batch
+
+    def _take_returned(self, batch_size: int, avoid: set[int]) -> list[int]:
+        """Up to ``batch_size`` of the prompts given back, in their order, none twice and none of ``avoid``; the
+        others stay given back for a later draw."""
+        batch: list[int] = []
+        for prompt in list(self._returned):
+            if len(batch) < batch_size and prompt not in batch and prompt not in avoid:
+                batch.append(prompt)
+                self._returned.remove(prompt)
         return batch
 
     def give_back(self, prompts: list[int]) -> None:
