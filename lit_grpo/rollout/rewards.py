@@ -241,26 +241,33 @@ def _unknown_reward_hint(name: str) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
+def _import_reward(name: str) -> Any:
+    """What ``"package.module:function"`` (or ``"package.module.function"``) names, imported."""
+    module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
+                         f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+    except Exception as err:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
+        raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
+                         f"{import_failure(err)}") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError as err:
+        raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
+                         f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+
+
 def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
+    """The reward function a config's ``name`` and option ``kwargs`` give: a built-in, a reward model or an
+    imported function (a class is built with the options, a function bound to them), its options checked."""
     if name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
     elif is_reward_model_name(name):
         target, kwargs = RewardModel, reward_model_kwargs(name, kwargs)
     elif ":" in name or "." in name:
-        module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
-                             f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
-        except Exception as err:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
-            raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
-                             f"{import_failure(err)}") from err
-        try:
-            target = getattr(module, attr)
-        except AttributeError as err:
-            raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
-                             f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+        target = _import_reward(name)
     else:
         raise ValueError(f"reward function {name!r} is unknown; {_unknown_reward_hint(name)}use a built-in "
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' or "
@@ -349,6 +356,27 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
 REWARD_SPEC_KEYS = ("name", "weight", "kwargs", "log_name")
 
 
+def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
+    """A reward spec given as ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``."""
+    unknown = sorted(set(spec) - set(REWARD_SPEC_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], REWARD_SPEC_KEYS, n=1)
+        raise ValueError(f"reward spec {dict(spec)!r} takes only the keys {list(REWARD_SPEC_KEYS)}; unknown: "
+                         f"{unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    if "name" not in spec:
+        raise ValueError(f"reward spec {dict(spec)!r} has no 'name': give a built-in's name "
+                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
+                         "or folder")
+    name = spec["name"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
+                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's "
+                         "'org/name' or folder")
+    fn = _resolve(name, spec.get("kwargs") or {})
+    log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
+    return WeightedReward(fn, spec.get("weight", 1.0), log_name)
+
+
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """Turn config entries into ``WeightedReward`` objects.
 
@@ -370,23 +398,7 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
         elif isinstance(spec, str):
             out.append(WeightedReward(_resolve(spec, {}), 1.0, spec if spec in BUILTIN_REWARDS else ""))
         elif isinstance(spec, Mapping):
-            unknown = sorted(set(spec) - set(REWARD_SPEC_KEYS))
-            if unknown:
-                close = difflib.get_close_matches(unknown[0], REWARD_SPEC_KEYS, n=1)
-                raise ValueError(f"reward spec {dict(spec)!r} takes only the keys {list(REWARD_SPEC_KEYS)}; unknown: "
-                                 f"{unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
-            if "name" not in spec:
-                raise ValueError(f"reward spec {dict(spec)!r} has no 'name': give a built-in's name "
-                                 f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
-                                 "or folder")
-            name = spec["name"]
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
-                                 f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's "
-                                 "'org/name' or folder")
-            fn = _resolve(name, spec.get("kwargs") or {})
-            log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
-            out.append(WeightedReward(fn, spec.get("weight", 1.0), log_name))
+            out.append(_reward_from_mapping(spec))
         elif callable(spec):
             out.append(WeightedReward(spec))
         else:
