@@ -547,6 +547,9 @@ class RolloutBuilder:
 
     def _assemble(self, rollouts: list[_ScoredRollout], chosen: list[tuple[int, int]], engine: RolloutEngine,
                   train: bool) -> RolloutBatch:
+        """The batch of the ``chosen`` ``(rollout, group)`` groups of ``rollouts``, B of them in this order, padded
+        into tensors; advantages for training (zeros for validation). The step's counts (``num_groups_generated``,
+        ``num_groups_zero_std``, ``stats``) cover every group generated, chosen or not."""
         tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         pick = lambda name: [getattr(rollouts[r], name)[p] for r, p in chosen]  # noqa: E731
@@ -554,16 +557,8 @@ class RolloutBuilder:
         rewards = torch.stack(pick("rewards"))
         components = {name: torch.stack([rollouts[r].components[name][p] for r, p in chosen])
                       for name in rollouts[0].components}
-        flat_ids = [ids for group in pick("completion_ids") for ids in group]
-        ids_tensor, mask = pad_right(flat_ids, pad, max((len(ids) for ids in flat_ids), default=1))
-        logprobs, _ = pad_right([lp for group in pick("logprobs") for lp in group], 0.0, ids_tensor.shape[1],
-                                dtype=torch.float32)
-        tool_mask = None
-        if self.tools is not None:  # padded with 1 as TRL's: completion_mask leaves the padding out
-            tool_mask, _ = pad_right([m for r, p in chosen for m in rollouts[r].tools.tool_mask[p]], 1,
-                                     ids_tensor.shape[1])
-            tool_mask = tool_mask.view(B, G, -1)
-        drawn = mask.view(B, G, -1) if tool_mask is None else mask.view(B, G, -1) * tool_mask
+        ids, mask, logprobs, tool_mask = self._padded_completions(rollouts, chosen, pad, B, G)
+        drawn = mask if tool_mask is None else mask * tool_mask
         prompts = pick("prompts")
         prompt_ids, prompt_mask = pad_left([p.ids for p in prompts], pad)
         zero_std = torch.cat([self._zero_std(rollout.rewards, rollout.components) for rollout in rollouts])
@@ -580,9 +575,9 @@ class RolloutBuilder:
             advantages=self._advantages(rewards, components, skipped) if train else torch.zeros_like(rewards),
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            completion_ids=ids_tensor.view(B, G, -1),
-            completion_mask=mask.view(B, G, -1),
-            sampling_logprobs=logprobs.view(B, G, -1),
+            completion_ids=ids,
+            completion_mask=mask,
+            sampling_logprobs=logprobs,
             reward_components=components,
             reward_extras=extras,
             accuracy=components.get(self.accuracy_reward),
@@ -597,6 +592,20 @@ class RolloutBuilder:
             skipped=skipped,
             tool_mask=tool_mask,
         )
+
+    def _padded_completions(self, rollouts: list[_ScoredRollout], chosen: list[tuple[int, int]], pad: int, B: int,
+                            G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The ``chosen`` groups' completions right-padded to the longest: ``[B, G, T]`` token ids (``pad``), mask,
+        float32 sampling log-probs (0.0) and, with tools, the tool mask (1 on drawn tokens)."""
+        flat_ids = [ids for r, p in chosen for ids in rollouts[r].completion_ids[p]]
+        ids, mask = pad_right(flat_ids, pad, max((len(ids) for ids in flat_ids), default=1))
+        logprobs, _ = pad_right([lp for r, p in chosen for lp in rollouts[r].logprobs[p]], 0.0, ids.shape[1],
+                                dtype=torch.float32)
+        tool_mask = None
+        if self.tools is not None:  # padded with 1 as TRL's: completion_mask leaves the padding out
+            tool_mask, _ = pad_right([m for r, p in chosen for m in rollouts[r].tools.tool_mask[p]], 1, ids.shape[1])
+            tool_mask = tool_mask.view(B, G, -1)
+        return ids.view(B, G, -1), mask.view(B, G, -1), logprobs.view(B, G, -1), tool_mask
 
     def _advantages(self, rewards: torch.Tensor, components: dict[str, torch.Tensor],
                     skipped: torch.Tensor) -> torch.Tensor:
