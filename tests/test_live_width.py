@@ -332,3 +332,38 @@ def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama
                 step.step([])
             assert step.compiled_widths == {64, width}
     assert counters["stats"]["unique_graphs"] - graphs == 6
+
+
+
+@pytest.mark.parametrize("autocast, kept_copy", [(False, False), (True, False), (True, True)])
+def test_a_kept_graphs_pool_prices_the_weight_casts_its_captured_steps_make(tiny_llama, monkeypatch, autocast,
+                                                                            kept_copy):
+    """The capture logic on a CPU (torch.cuda's graph calls faked), under autocast over float32 weights: each step
+    casts every linear weight, each cast freed before the next, and a captured graph's pool keeps a block for each
+    cast larger than all before it, priced with its activations. On a CastWeights copy (the weights in the autocast
+    dtype already), or without autocast, nothing is cast."""
+    from lit_grpo.runtime.distributed import CastWeights
+    from lit_grpo.sampling.decode_step import vocab_size
+    from lit_grpo.sampling.memory_budget import decode_step_bytes
+
+    model, tokenizer = tiny_llama
+    casts = [m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear)]  # bfloat16 copies
+    blocks = sum(size for i, size in enumerate(casts) if size > max(casts[:i], default=0))
+    assert max(casts) < blocks < sum(casts)  # the layers' casts reuse their blocks; the larger head needs its own
+    live = engine_module.RolloutEngine._step_settings
+    monkeypatch.setattr(engine_module.RolloutEngine, "_step_settings",
+                        lambda engine, *args: dataclasses.replace(live(engine, *args), cuda_graph=True))
+    capture = DecodeStep._capture
+    monkeypatch.setattr(DecodeStep, "_capture", lambda step: (_capturing.append(step), capture(step))[1])
+    _fake_cuda(monkeypatch, [])
+    weights = CastWeights(model, torch.bfloat16) if kept_copy else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            (weights.active() if kept_copy else contextlib.nullcontext(model)) as module:
+        engine = RolloutEngine(module, tokenizer, group_size=2, micro_group_size=2, strategy="continuous",
+                               max_new_tokens=4, seed=0)
+        engine.generate([[5, 6, 7]])
+        assert engine._step.graphs
+        assert engine._step.graph_cast_bytes == (blocks if autocast and not kept_copy else 0)
+        activations = decode_step_bytes(model.config, torch.bfloat16 if autocast else torch.float32, 2,
+                                        engine._cache.width, vocab_size(model))
+        assert engine.graph_pool_bytes() == activations + engine._step.graph_cast_bytes

@@ -1,6 +1,7 @@
 """Reliability: bad inputs name the value, reward errors (raise | skip_group), no NaN losses on degenerate
 rollouts, the KV memory budget (micro_group_size="auto"), and exact resume from a checkpoint (CPU, tiny model)."""
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -496,6 +497,40 @@ def test_a_decode_steps_activations_are_priced_from_the_shapes():
                                                                          + 2 * 3 * (4 * 32 - 64))
     with pytest.raises(ValueError, match=r"slots=0 must be an integer >= 1"):
         decode_step_bytes(config, torch.float32, 0, 16, 100)
+
+
+def test_weight_casts_take_a_pool_block_each_where_larger_than_every_cast_before():
+    """A step's casts, each freed before the next: a later cast no larger takes a freed block, a larger one a block
+    of its own (query 8, keys and values 4, output 8, the MLP's 24 each, a layer again, then the head's 594)."""
+    from lit_grpo.sampling.memory_budget import cast_pool_bytes
+
+    layer = [8, 4, 4, 8, 24, 24, 24]
+    assert cast_pool_bytes(layer + layer + [594]) == 8 + 24 + 594
+    assert cast_pool_bytes([]) == cast_pool_bytes([0, 0]) == 0
+    assert cast_pool_bytes([594, *layer]) == 594
+    with pytest.raises(ValueError, match=r"cast_sizes\[1\]=-4 must be an integer >= 0"):
+        cast_pool_bytes([8, -4])
+
+
+def test_the_weight_casts_of_a_step_are_the_linears_autocast_casts(tiny_llama):
+    """Under autocast every linear weight not in its dtype, in the modules' order (one entry per linear, 0 for
+    one already in it); nothing without autocast; a float32 head casts only a weight narrower than float32."""
+    from lit_grpo.runtime.distributed import CastWeights
+    from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32
+    from lit_grpo.sampling.decode_step import weight_cast_sizes
+
+    model, _ = tiny_llama
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert weight_cast_sizes(model, "cpu") == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert weight_cast_sizes(model, "cpu") == [m.weight.numel() * 2 for m in linears]
+        assert weight_cast_sizes(CastWeights(model, torch.bfloat16).module, "cpu") == [0] * len(linears)
+    head = copy.deepcopy(model)
+    cast_lm_head_to_fp32(head)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert weight_cast_sizes(head, "cpu")[-1] == 0
+    head.get_output_embeddings().weight.data = head.get_output_embeddings().weight.data.bfloat16()
+    assert weight_cast_sizes(head, "cpu") == [linears[-1].weight.numel() * 4]
 
 
 def test_a_kept_graphs_pool_is_priced_at_the_cache_it_captured_or_the_widest(tiny_llama, prompt_ids):

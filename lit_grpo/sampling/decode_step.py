@@ -56,10 +56,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.runtime.head_precision import computes_in_float32
 from lit_grpo.runtime.models import cache_keyword
 from lit_grpo.sampling.decode_attention import step_attention
 from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
+from lit_grpo.sampling.memory_budget import cast_pool_bytes
 from lit_grpo.sampling.random_streams import stream_uniforms
 from lit_grpo.sampling.token_sampler import force_lengths, penalize_repetitions, replay_tokens, sample_tokens
 
@@ -219,6 +221,9 @@ class DecodeStep:
         #: The captured graph of each attended width, captured when first needed, sharing one memory pool.
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        #: Bytes the captured graphs' pool holds for the weight casts their steps make (``cast_pool_bytes`` of
+        #: ``weight_cast_sizes`` under each capture's autocast; 0 where every weight is in the dtype it computes in).
+        self.graph_cast_bytes = 0
         #: The attended widths the compiled step has run at: one compilation each.
         self.compiled_widths: set[int] = set()
         # The host's copy of each running row's cached positions (cache.lengths), so a step's bucket needs no
@@ -519,6 +524,7 @@ class DecodeStep:
             previous.wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        casts = cast_pool_bytes(weight_cast_sizes(self.model, self.device.type))
         graph = torch.cuda.CUDAGraph()
         began, broke = False, []
         try:
@@ -540,6 +546,7 @@ class DecodeStep:
                 raise broke[0] from None
             raise
         self.graphs[self.cache.attended] = graph
+        self.graph_cast_bytes = max(self.graph_cast_bytes, casts)
 
 
 @functools.cache
@@ -560,6 +567,26 @@ def row_state_bytes(model: torch.nn.Module, repetition_penalty: float) -> int:
     """Bytes a step's row holds besides its KV and a few scalars: under a repetition penalty its seen ids, one
     bool per vocabulary entry; else 0."""
     return vocab_size(model) if repetition_penalty != 1.0 else 0
+
+
+def weight_cast_sizes(model: torch.nn.Module, device_type: str) -> list[int]:
+    """Bytes of each weight cast a forward of ``model`` makes on ``device_type`` as things stand (autocast on or
+    off), in the modules' order: under autocast each ``nn.Linear`` whose weight or bias is not in the autocast dtype
+    (the policy's own float32 weights, where no ``CastWeights`` copy stands in) has them cast at every call; a
+    float32 head (``cast_lm_head_to_fp32``) casts only a weight narrower than float32, to float32. Each cast is freed
+    after its call; captured, it takes its block in the graphs' pool (``memory_budget.cast_pool_bytes``)."""
+    autocast = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else None
+    sizes = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        params = [p for p in (module.weight, module.bias) if p is not None and p.is_floating_point()]
+        if computes_in_float32(module):
+            sizes.append(sum(p.numel() * 4 for p in params if p.element_size() < 4))
+        elif autocast:
+            sizes.append(sum(p.numel() * dtype.itemsize for p in params if p.dtype != dtype))
+    return sizes
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -306,7 +306,9 @@ class RolloutEngine:
         """Bytes the decode step's CUDA graphs keep in their private memory pool between rollouts, priced from the
         shapes (``memory_budget.decode_step_bytes``): of the slot cache held now, or with ``num_prompts`` and
         ``longest_prompt`` of the widest one (as ``widest_slot_cache_bytes``, whose note on autocast holds here);
-        0 where no graph is captured (an eager step's activations are freed after it)."""
+        with the blocks of the weight casts the captured steps make (``DecodeStep.graph_cast_bytes``: autocast over
+        weights no ``CastWeights`` copy stands in for); 0 where no graph is captured (an eager step's activations
+        and casts are freed after it)."""
         if self._step is None or not self._step.graphs:
             return 0
         if longest_prompt is None:
@@ -314,7 +316,8 @@ class RolloutEngine:
         else:
             slots = self.num_slots(num_prompts)
             width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
-        return decode_step_bytes(self.model.config, kv_cache_dtype(self.model), slots, width, vocab_size(self.model))
+        return (decode_step_bytes(self.model.config, kv_cache_dtype(self.model), slots, width, vocab_size(self.model))
+                + self._step.graph_cast_bytes)
 
     def state_dict(self) -> dict:
         """The rollout counter and the scheduler's state (the default's finished groups; a length predictor and its

@@ -38,7 +38,8 @@ slot's share of them is added to its ``slot_bytes`` (a configured ``kv_budget_by
 
 The slots are priced for the rollout alone: between rollouts the slot cache is released, so the update has that
 memory. ``keep_kv_cache: auto`` keeps it (and the rollout weights' copy, which its CUDA graphs read, and the graphs'
-private memory pool, ``decode_step_bytes``) only where they fit beside the update's measured peak
+private memory pool: ``decode_step_bytes``, and under autocast over weights no copy stands in for, the blocks of
+their casts, ``cast_pool_bytes``) only where they fit beside the update's measured peak
 (``kv_cache_fits_beside_update``)::
 
     update_peak_bytes + kept_bytes <= total_bytes - margin_bytes
@@ -47,13 +48,14 @@ private memory pool, ``decode_step_bytes``) only where they fit beside the updat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
-__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "decode_step_bytes", "dtype_bytes",
+__all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "cast_pool_bytes", "decode_step_bytes", "dtype_bytes",
            "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry",
            "kv_held_bytes", "kv_prefill_bytes", "kv_slot_bytes"]
 
@@ -142,6 +144,23 @@ def decode_step_bytes(config: Any, dtype: torch.dtype | str, slots: int, width: 
     size = dtype_bytes(dtype)
     layer = size * (3 * intermediate + 4 * hidden + (heads + 2 * kv_heads) * head_dim) + heads * width * (8 + size)
     return slots * (vocab_size * STEP_BYTES_PER_LOGIT + layer)
+
+
+def cast_pool_bytes(cast_sizes: Sequence[int]) -> int:
+    """Bytes the blocks of a decode step's weight casts take in a memory pool (its CUDA graphs'), from the casts'
+    sizes in the order the step makes them (``decode_step.weight_cast_sizes``): each cast is freed before the next,
+    whose allocation takes the freed block where it is no larger, so only a cast larger than every earlier one
+    takes a block of its own. The sum of those running maxima; 0 for no cast.
+
+    Args:
+        cast_sizes: bytes of each cast (each an integer >= 0).
+    """
+    total = largest = 0
+    for index, size in enumerate(cast_sizes):
+        check_int(f"cast_sizes[{index}]", size, 0)
+        if size > largest:
+            total, largest = total + size, size
+    return total
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
