@@ -14,6 +14,7 @@ from lit_grpo.update.entropy_bonus import (EntropyControl, bonus_tokens, bonus_w
 from lit_grpo.update.logprobs import completion_logits, token_logps
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.module import ENTROPY_CONTROL_KEY, GRPOModule
+from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.surrogates import high_entropy_mask
 
 from datamodule_helpers import datamodule_arguments
@@ -45,10 +46,10 @@ def step(module, batch, iterations: int = 1):
     return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, metrics
 
 
-def written_out_grads(module, batch, coef: float, top: float = 1.0):
+def written_out_grads(module, batch, coef: float, top: float = 1.0, gather=None):
     """The gradients of the step's objective written out over the whole logits: each micro-batch's policy loss x its
     weight, minus ``coef`` x its mean entropy ``-sum(p log p)`` over the loss tokens (x the high-entropy mask)
-    / the micro-batches."""
+    / the micro-batches. ``gather``: the ranks' all_gather, which the loss and the mask each take apart."""
     policy, loss_fn = module.policy, module.loss_fn
     chunks = module._micro_batches(batch)
     total_active = sum(float(module._loss_mask(micro).sum()) for _, micro in chunks)
@@ -60,11 +61,11 @@ def written_out_grads(module, batch, coef: float, top: float = 1.0):
         log_p = torch.log_softmax(logits, dim=-1)
         entropy = -(log_p.exp() * log_p).sum(dim=-1) * micro["completion_mask"]
         loss = loss_fn(logps, logps.detach(), micro["advantages"], mask, None, batch.max_new_tokens, total_active,
-                       None, micro["sampling_logprobs"], entropy.detach())
+                       None, micro["sampling_logprobs"], entropy.detach(), all_gather=gather)
         loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(chunks))
         tokens = mask.double()
         if top < 1:
-            tokens = tokens * high_entropy_mask(entropy, mask, top)
+            tokens = tokens * high_entropy_mask(entropy, mask, top, gather)
         loss = loss - coef * ((entropy * tokens).sum() / tokens.sum().clamp(min=1.0) / len(chunks))
         loss.backward()
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
@@ -88,6 +89,53 @@ def test_the_bonus_gradient_is_autograds_of_the_written_out_objective(batch, los
     assert any(not torch.allclose(ours[name], plain[name]) for name in plain)
     assert metrics["train/entropy_coef"] == coef
     assert "train/entropy_coef" not in step(make_module(loss=settings), batch)[1]
+
+
+def test_under_two_ranks_the_loss_and_the_bonus_share_one_high_entropy_mask_a_micro_batch(batch):
+    """With the bonus and ``top_entropy_quantile`` < 1 under a stand-in world of 2 (both ranks this one's rows): the
+    update takes each micro-batch's high-entropy mask once, for the policy term and the bonus alike, so the ranks
+    gather once for it (a gather of the lengths, then the values) and not once each; the gradients are those of the
+    objective written out with the loss and the mask each gathering on their own."""
+    from types import SimpleNamespace
+
+    coef, top = 0.5, 0.3
+    module = make_module(loss={"loss_type": "bnpo", "top_entropy_quantile": top, "entropy_coef": coef},
+                         train_micro_batch_size=3)
+    gathered = []
+
+    def gather(tensor):
+        gathered.append(tensor.shape)
+        return torch.stack([tensor, tensor])
+
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=gather,
+                               reduce=lambda t, reduce_op: t * 2, backward=lambda loss, _: loss.backward())
+    module._trainer = SimpleNamespace(world_size=2, strategy=strategy)
+    try:
+        ours, _ = step(module, batch)
+    finally:
+        module._trainer = None
+    chunks = module._micro_batches(batch)
+    # each mask's lengths are a [1] tensor; the step's end gathers its flag apart from them ([1] too, once)
+    assert len(gathered) == 2 * len(chunks) + 1 and gathered.count(torch.Size([1])) == len(chunks) + 1
+    want = written_out_grads(module, batch, coef, top, gather=lambda t: torch.stack([t, t]))
+    assert ours.keys() == want.keys() and len(want) > 0
+    for name in want:
+        torch.testing.assert_close(ours[name], want[name], msg=name)
+
+
+def test_a_mask_taken_once_gives_the_loss_and_the_bonus_tokens_they_take_themselves():
+    g = torch.Generator().manual_seed(1)
+    logps = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    old = logps + 0.1 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    advantages, entropy = torch.randn(4, generator=g, dtype=torch.float64), torch.rand(4, 6, generator=g)
+    mask = (torch.rand(4, 6, generator=g) > 0.3).long()
+    gather = lambda t: torch.stack([t, t.flip(0)])  # noqa: E731  a second rank with other entropies
+    kept = high_entropy_mask(entropy, mask, 0.4, gather)
+    for loss_type in ("grpo", "dapo", "sapo"):
+        loss_fn = make_loss(loss_type, top_entropy_quantile=0.4)
+        assert torch.equal(loss_fn(logps, old, advantages, mask, entropy=entropy, all_gather=gather),
+                           loss_fn(logps, old, advantages, mask, entropy_mask=kept))
+    assert torch.equal(bonus_tokens(entropy, mask, 0.4, gather), bonus_tokens(entropy, mask, 0.4, entropy_mask=kept))
 
 
 def test_entropy_coef_0_leaves_loss_and_gradients_bit_identical_and_asks_for_no_entropy_gradient(batch, monkeypatch):

@@ -32,13 +32,17 @@ from lit_grpo.update.surrogates import high_entropy_mask
 
 
 def bonus_tokens(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0,
-                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 entropy_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, T]`` the tokens the bonus averages over, in ``entropy``'s dtype: ``mask`` ``[N, T]`` (the loss tokens),
     times the high-entropy mask where ``top_entropy_quantile`` < 1 (the tokens the policy term keeps; its quantile
-    over every rank's micro-batch with ``all_gather``, as the loss's)."""
+    over every rank's micro-batch with ``all_gather``, as the loss's). ``entropy_mask``: that mask ``[N, T]`` as
+    the loss took it (``PolicyLoss``'s ``entropy_mask``), so the ranks gather once; None: taken here."""
     tokens = mask.to(entropy.dtype)
     if top_entropy_quantile < 1:
-        tokens = tokens * high_entropy_mask(entropy, mask, top_entropy_quantile, all_gather).to(entropy.dtype)
+        if entropy_mask is None:
+            entropy_mask = high_entropy_mask(entropy, mask, top_entropy_quantile, all_gather)
+        tokens = tokens * entropy_mask.to(entropy.dtype)
     return tokens
 
 

@@ -125,6 +125,7 @@ from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from lit_grpo.update.shared_prefix import SHARED_PREFIX_MODES, shared_prefix_usable
+from lit_grpo.update.surrogates import high_entropy_mask
 
 #: The checkpoint's key for the adaptive entropy control's state (``EntropyControl.state_dict``).
 ENTROPY_CONTROL_KEY = "entropy_control"
@@ -742,7 +743,8 @@ class GRPOModule(LightningModule):
         weight_of_bonus = bonus_weight(bonus_batches or len(chunks), world) if coef else 0.0
         # the high-entropy quantile over every rank's micro-batch of this index, as TRL's: the ranks' rows are
         # B x G each, so they run as many micro-batches and meet in each one's gathers
-        spans_ranks = world > 1 and loss_fn.config.top_entropy_quantile < 1
+        quantile = loss_fn.config.top_entropy_quantile
+        spans_ranks = world > 1 and quantile < 1
         gather = strategy_all_gather(self.trainer.strategy) if spans_ranks else None
         for index, (rows, micro) in enumerate(chunks):
             logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
@@ -753,11 +755,13 @@ class GRPOModule(LightningModule):
             weights = correction.weights(old, micro["sampling_logprobs"], mask)
             if iteration == 0:
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
+            # one high-entropy mask for the policy term and the bonus: under several ranks each take is a gather
+            kept = high_entropy_mask(entropy, mask, quantile, gather) if quantile < 1 else None
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
-                           micro["sampling_logprobs"], entropy, all_gather=gather)
+                           micro["sampling_logprobs"], entropy, all_gather=gather, entropy_mask=kept)
             loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(chunks), world)
             if control.enabled:
-                tokens = bonus_tokens(entropy.detach(), mask, loss_fn.config.top_entropy_quantile, gather)
+                tokens = bonus_tokens(entropy.detach(), mask, quantile, gather, entropy_mask=kept)
                 if coef:
                     loss = loss - coef * (entropy_bonus(entropy, tokens) * weight_of_bonus)
                 if control.adaptive:

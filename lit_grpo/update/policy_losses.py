@@ -99,6 +99,7 @@ class PolicyLoss:
         sampling_logps: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        entropy_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The scalar loss of ``N`` completions.
 
@@ -119,24 +120,27 @@ class PolicyLoss:
             all_gather: several ranks: ``tensor [k] -> [world, k]``, so that ``top_entropy_quantile``'s quantile
                 spans every rank's micro-batch, as TRL's (``high_entropy_mask``; every rank calls the loss in
                 lockstep then); None: these ``N`` completions' alone.
+            entropy_mask: ``[N, T]`` bool the high-entropy mask already taken (``high_entropy_mask`` of ``entropy``
+                with ``all_gather``), used as it is: a caller that needs it too (the entropy bonus) takes it once,
+                so the ranks gather once; None: taken here where ``top_entropy_quantile`` < 1.
         """
         self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
-        for name, tensor in (("sampling_logps", sampling_logps), ("entropy", entropy)):
+        for name, tensor in (("sampling_logps", sampling_logps), ("entropy", entropy), ("entropy_mask", entropy_mask)):
             if tensor is not None and tensor.shape != logps.shape:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected logps' shape "
                                  f"{tuple(logps.shape)}")
-        if self.config.top_entropy_quantile < 1 and entropy is None:
+        if self.config.top_entropy_quantile < 1 and entropy is None and entropy_mask is None:
             raise ValueError(f"top_entropy_quantile={self.config.top_entropy_quantile!r} < 1 needs entropy (each "
                              "token's entropy, [N, T]), got None")
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
         per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
-                                        sampling_logps, entropy, all_gather)
+                                        sampling_logps, entropy, all_gather, entropy_mask)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
 
     def per_token_loss(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None,
-                       sampling_logps=None, entropy=None, all_gather=None):
+                       sampling_logps=None, entropy=None, all_gather=None, entropy_mask=None):
         """``[N, T]`` token losses before aggregation (arguments as in ``__call__``)."""
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
         per_token = self.policy_term(ratio, logps, old_logps, advantages, mask, sampling_weights)
@@ -144,7 +148,9 @@ class PolicyLoss:
             sampled = old_logps if sampling_logps is None else sampling_logps
             per_token = per_token * off_policy_sequence_mask(logps, sampled, mask, advantages, threshold)
         if (top_quantile := self.config.top_entropy_quantile) < 1:
-            per_token = per_token * high_entropy_mask(entropy, mask, top_quantile, all_gather).to(per_token.dtype)
+            if entropy_mask is None:
+                entropy_mask = high_entropy_mask(entropy, mask, top_quantile, all_gather)
+            per_token = per_token * entropy_mask.to(per_token.dtype)
         if self.config.beta > 0:
             kl = k3_kl(logps, ref_logps)
             per_token = per_token + self.config.beta * (kl * ratio if self.config.kl_bias_correction else kl)
