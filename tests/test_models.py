@@ -344,3 +344,32 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_is_down_or_offline(hu
     assert models.hub_keywords("someone/tiny") == {}
     model, _ = load_model_and_tokenizer("someone/tiny")
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
+
+
+def test_the_hub_is_asked_once_per_process_and_endpoint(hub_down, monkeypatch, tmp_path):
+    """Loading a cached hub id with the hub down (tokenizer and model apart, then again) makes one request in all;
+    another endpoint (HF_ENDPOINT) is asked once of its own."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    try:  # huggingface_hub's HTTP client, as models.hub_unreachable imports it
+        from httpx2 import ConnectError
+    except ImportError:
+        from httpx import ConnectError
+
+    asked = []
+
+    class Session:
+        def head(self, url, timeout):
+            asked.append(url)
+            raise ConnectError("refused")
+
+    monkeypatch.setattr(huggingface_hub, "get_session", Session)
+    endpoint = f"http://127.0.0.1:9/{tmp_path.name}"  # one no earlier test of this process has asked
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    _cache_tiny_model(hub_down, "someone/tiny")
+    for _ in range(2):
+        load_model_and_tokenizer("someone/tiny")
+    assert asked == [endpoint]
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint + "/mirror")
+    assert models.hub_unreachable() == "ConnectError: refused" and models.hub_unreachable() == "ConnectError: refused"
+    assert asked == [endpoint, endpoint + "/mirror"]

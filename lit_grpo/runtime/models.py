@@ -231,7 +231,17 @@ def hub_keywords(repo_id: str) -> dict[str, Any]:
 
 def hub_unreachable() -> str | None:
     """Why the hub (``HF_ENDPOINT``) cannot be reached, from one request without retries within
-    ``HF_HUB_ETAG_TIMEOUT`` seconds (huggingface_hub's wait for a file's metadata); None where it answers at all."""
+    ``HF_HUB_ETAG_TIMEOUT`` seconds (huggingface_hub's wait for a file's metadata); None where it answers at all.
+    Asked once per process and endpoint: a run loads the tokenizer and the model (and maybe a reward model) apart,
+    and each would otherwise wait on a request of its own."""
+    from huggingface_hub import constants
+
+    return _probe_hub(constants.ENDPOINT)
+
+
+@functools.cache
+def _probe_hub(endpoint: str) -> str | None:
+    """``hub_unreachable``'s answer for ``endpoint``, from one HEAD request (kept for the process)."""
     from huggingface_hub import constants, get_session
 
     try:  # huggingface_hub's HTTP client: httpx2 from its 2.0 on, httpx before
@@ -239,7 +249,7 @@ def hub_unreachable() -> str | None:
     except ImportError:
         from httpx import TransportError
     try:
-        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        get_session().head(endpoint, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except TransportError as error:
         return f"{type(error).__name__}: {str(error).strip() or 'no answer'}"
     return None
