@@ -170,6 +170,19 @@ def test_help_says_what_the_tool_is(capsys):
     assert "lit-grpo export --ckpt_path CKPT --out DIR" in out
 
 
+def test_help_names_the_command_lit_grpo_also_run_as_a_module(capsys, monkeypatch):
+    """``python -m lit_grpo.cli`` has ``__main__.py`` as its program name: the usage names the console script."""
+    import lit_grpo.cli.__main__ as as_module
+
+    monkeypatch.setattr(sys, "argv", [as_module.__file__])
+    for argv, usage in ((["--help"], "usage: lit-grpo [-c CONFIG] {fit,validate}"),
+                        (["fit", "--help"], "usage: lit-grpo [options] fit [-c CONFIG]")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert out.startswith(usage) and "__main__" not in out
+
+
 def test_two_differently_configured_forecasts_work_and_identical_ones_are_named(tmp_path):
     base = ["--config", TINY, "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
             "--trainer.callbacks+=lit_grpo.callbacks.RewardForecast"]

@@ -420,7 +420,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     # --optimizer / --lr_scheduler would be parsed and then ignored: they are not offered.
     kwargs: dict[str, Any] = dict(args=args, run=run, auto_configure_optimizers=False,
                                   parser_class=GRPOArgumentParser,
-                                  parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter})
+                                  parser_kwargs={"prog": "lit-grpo", "description": DESCRIPTION,
+                                                 "formatter_class": _HelpFormatter})
     if run:
         kwargs["save_config_kwargs"] = {"overwrite": True}
     return GRPOCLI(GRPOModule, RolloutDataModule, **kwargs)
