@@ -885,7 +885,7 @@ def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatc
             "settings\n") in err, err
 
 
-@pytest.mark.parametrize("args, message", [
+NON_FINITE_REFUSALS = [
     (["--model.lr", "inf"], "error: model.lr=inf is not allowed; lr must be a finite number > 0\n"),
     (["--model.lr=-inf"], "error: model.lr=-inf is not allowed; lr must be a finite number > 0\n"),
     # -inf after a space is a value, not an unknown option that leaves the setting without one
@@ -894,7 +894,10 @@ def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatc
      "number >= 1e-05"),
     (["--model.max_grad_norm", "-Infinity"], "error: model.max_grad_norm=-inf is not allowed; max_grad_norm must be "
      "a finite number >= 0\n"),
-])
+]
+
+
+@pytest.mark.parametrize("args, message", NON_FINITE_REFUSALS)
 def test_python_spellings_of_infinity_and_nan_reach_the_settings_own_check(capsys, args, message):
     """inf, -inf and nan given to a float setting are read as the numbers they spell (as YAML's .inf is), so the
     setting's own check refuses them with its key and range: jsonargparse read them as text ('Expected a <class
@@ -902,9 +905,32 @@ def test_python_spellings_of_infinity_and_nan_reach_the_settings_own_check(capsy
     assert message in _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", *args])
 
 
-def test_a_text_setting_keeps_inf_as_it_is_given():
+def _as_yaml(args: list[str]) -> str:
+    """``--a.b.c value`` (or ``--a.b.c=value``) as the YAML ``a: {b: {c: value}}``, the value as written."""
+    key, value = args if len(args) == 2 else args[0].split("=", 1)
+    *parents, leaf = key.removeprefix("--").split(".")
+    return "".join(f"{'  ' * depth}{name}:\n" for depth, name in enumerate(parents)) + \
+        f"{'  ' * len(parents)}{leaf}: {value}\n"
+
+
+@pytest.mark.parametrize("args, message", NON_FINITE_REFUSALS)
+def test_a_config_files_inf_and_nan_get_the_command_lines_refusal(capsys, tmp_path, args, message):
+    """YAML 1.1 reads inf and nan as text (its float is .inf): a config file's float setting takes them as the
+    numbers they spell, as the command line does, so the setting's own check speaks, not jsonargparse's 'Expected a
+    <class 'float'>. Got value: inf'."""
+    config = tmp_path / "non_finite.yaml"
+    config.write_text(_as_yaml(args))
+    err = _refused(capsys, ["fit", "--config", TINY, "--trainer.logger", "false", "--config", str(config)])
+    assert message in err and "Expected a" not in err
+
+
+def test_a_text_setting_keeps_inf_as_it_is_given(tmp_path):
     from lit_grpo.cli.parser import takes_float
 
     cli = build_cli(["--config", TINY, "--trainer.logger", "false", "--data.system_prompt", "inf"], run=False)
     assert cli.datamodule.hparams.system_prompt == "inf"
+    config = tmp_path / "text.yaml"
+    config.write_text("data:\n  system_prompt: nan\n")
+    cli = build_cli(["--config", TINY, "--trainer.logger", "false", "--config", str(config)], run=False)
+    assert cli.datamodule.hparams.system_prompt == "nan"
     assert takes_float(Optional[float]) and takes_float(int | float) and not takes_float(Optional[str])

@@ -1,5 +1,5 @@
-"""``lit-grpo``'s argument parser: LightningCLI's, reading negative numbers and Python's inf and nan as values,
-and saying a refusal on one line with the option likely meant.
+"""``lit-grpo``'s argument parser: LightningCLI's, reading negative numbers and Python's inf and nan as values (a
+config file's inf and nan too), and saying a refusal on one line with the option likely meant.
 """
 
 from __future__ import annotations
@@ -54,6 +54,16 @@ class GRPOArgumentParser(LightningArgumentParser):
             arg_strings = [_NON_FINITE.get(value.strip().lower(), value) if isinstance(value, str) else value
                            for value in arg_strings]
         return super()._get_values(action, arg_strings)
+
+    def _check_value_key(self, action: argparse.Action, value: Any, key: str, cfg: Namespace | None,
+                         *args: Any, **kwargs: Any) -> Any:
+        """A config file's ``inf``, ``-inf`` or ``nan`` for a float setting read as the number, as on the command
+        line (``_get_values``): YAML 1.1 spells them ``.inf`` and ``.nan`` and reads these as text, which
+        jsonargparse refused only as not a float."""
+        if (isinstance(value, str) and value.strip().lower() in _NON_FINITE
+                and takes_float(getattr(action, "_typehint", None))):
+            value = float(value)
+        return super()._check_value_key(action, value, key, cfg, *args, **kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
         # kept for an error's account of every unknown key in the configs given (jsonargparse stops at the first)
