@@ -1027,6 +1027,42 @@ def zip_code(code: str, country: str = "US") -> str:
     return code
 
 
+def typed(n: int, x: float, flag: bool, options: dict, items: list, maybe: int | None = None,
+          either: int | str = 0) -> str:
+    """Take one value of each JSON schema type.
+
+    Args:
+        n: an integer.
+        x: a number.
+        flag: a boolean.
+        options: an object.
+        items: an array.
+        maybe: an integer or null.
+        either: an integer or a string (a list of types).
+    """
+    return ""
+
+
+def _typed_call(**values: str) -> str:
+    return "<function=typed>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items()) + \
+        "</function>"
+
+
+@pytest.mark.parametrize("values, arguments", [
+    ({"n": "7", "x": "2", "flag": "True", "options": '{"k": [1]}', "items": "[1, 2]", "maybe": "null"},
+     {"n": 7, "x": 2, "flag": True, "options": {"k": [1]}, "items": [1, 2], "maybe": None}),
+    ({"x": "2.5", "flag": "false", "maybe": "3", "n": "None", "either": "4"},
+     {"x": 2.5, "flag": False, "maybe": 3, "n": None, "either": 4}),
+    # a value that does not read as its schema's type stays text, as Qwen's own parser keeps it
+    ({"n": "2.5", "x": "true", "flag": "1", "options": "[1]", "items": '{"a": 1}', "maybe": "[]"},
+     {"n": "2.5", "x": "true", "flag": "1", "options": "[1]", "items": '{"a": 1}', "maybe": "[]"}),
+    ({"n": "true", "x": "seven", "items": '"a"', "either": "[4]"},
+     {"n": "true", "x": "seven", "items": '"a"', "either": "[4]"}),
+])
+def test_a_qwen3_5_value_takes_its_schemas_type_or_stays_text(values, arguments):
+    assert call_body(_typed_call(**values), tool_schemas([typed])) == {"name": "typed", "arguments": arguments}
+
+
 @pytest.mark.parametrize("body, call", [
     ("<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n-3\n</parameter>\n</function>",
      {"name": "add", "arguments": {"a": 2, "b": -3}}),

@@ -732,7 +732,8 @@ def xml_call(body: str, tools: Sequence[dict] = ()) -> dict | None:
     """``{"name", "arguments"}`` of a Qwen3.5 call's body (``tools``: the schemas, which type its values); None
     where it is not one whole ``<function=...>...</function>`` block of parameters and whitespace, or names a
     parameter twice. The template writes a value as text (a mapping or a list as JSON), so a value is read as
-    JSON, and where that fails or the tool's schema types it a string, kept as the text (TRL's Qwen3.5 parser)."""
+    JSON (TRL's Qwen3.5 parser), and where that fails, or the tool's schema types it a string or another type than
+    the JSON value's, kept as the text (Qwen's own parser: ``_xml_value``)."""
     whole = XML_FUNCTION.fullmatch(body.strip())
     if whole is None:
         return None
@@ -746,15 +747,30 @@ def xml_call(body: str, tools: Sequence[dict] = ()) -> dict | None:
                                         for key, value in parameters}}
 
 
+#: A JSON schema's type names and the Python types of their JSON values (bool is no integer or number here).
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "boolean": (bool,),
+                                            "object": (dict,), "array": (list,), "null": (type(None),),
+                                            "string": (str,)}
+
+
 def _xml_value(text: str, kind: Any) -> Any:
     """A Qwen3.5 argument's value: the text where the schema types it a string (``"75001"`` stays text), else its
     JSON value (Python's ``True`` / ``False`` / ``None``, which the template writes for those, as JSON's), else the
-    text."""
+    text. Where the schema types it (``kind``: a JSON schema type or a list of them), a JSON value of another type
+    stays text, as Qwen's own parser keeps a value that does not parse as its type (``2.5`` for an integer);
+    ``null`` is None whatever the type but a string."""
     if kind == "string":
         return text
     spelled = {"True": "true", "False": "false", "None": "null"}.get(text, text)
     value = _json(spelled)
-    return text if value is None and spelled != "null" else value
+    if value is None:
+        return None if spelled == "null" else text
+    allowed = [_JSON_TYPES.get(name) if isinstance(name, str) else None
+               for name in (kind if isinstance(kind, list) else [kind])]
+    if None in allowed:  # no type, or one this reading does not know: the JSON value as it reads
+        return value
+    fits = any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types in allowed)
+    return value if fits else text
 
 
 def _json(body: str) -> Any:
