@@ -249,3 +249,17 @@ def test_under_gradient_accumulation_a_callback_writes_each_key_once_an_optimize
     own_steps = {step for key, step in writes if matches(key.removesuffix("/text_summary"), listed)}
     # RewardForecast forecasts from its fifth point on
     assert own_steps == set(range(4 if isinstance(callback, callbacks.RewardForecast) else 0, 6))
+
+
+def test_every_key_a_training_step_logs_is_named_by_grpomodules_docstring_and_the_docs_table():
+    """``STEP_REDUCTIONS`` holds every key GRPOModule's training step logs (each must have its rule over ranks):
+    each is in GRPOModule's row of docs/training.md's table, and each of its names in the module docstring."""
+    from lit_grpo.rollout.metrics import STEP_REDUCTIONS
+    from lit_grpo.update import module
+
+    (row,) = [line for line in (ROOT / "docs" / "training.md").read_text().splitlines()
+              if line.startswith("| `GRPOModule` itself")]
+    table = listed_keys(row.split(" | ")[1])
+    assert [key for key in STEP_REDUCTIONS if not matches(key, table)] == []
+    words = set(re.findall(r"[\w]+", module.__doc__))
+    assert [key for key in STEP_REDUCTIONS if not set(key.split("/")) <= words] == []

@@ -45,9 +45,10 @@ values excluded), <name> (what reward functions log with ``log_metric``: the mea
 completions/{mean_length, min_length, max_length, clipped_ratio}; sampling/{sampling_logp_difference/{mean,
 max}, importance_sampling_ratio/{min, mean, max} (with a correction on)} (lit_grpo.update.sampler_correction);
 what the data side put in ``batch.metrics`` (curriculum/{mu, mean_angle}, reward/skipped_groups,
-rollout/{rollouts_per_step, slots}, with partial rollouts rollout/{carried_samples, offpolicy_tokens_frac}, and
-under several processes data/prompts_unused: prompts drawn this step that no rank took; the uniform sampler hands
-them out first next, the curriculum's draws are independent anyway). Validation:
+rollout/{rollouts_per_step, slots}, with partial rollouts rollout/{carried_samples, offpolicy_tokens_frac}, with
+tools tools/{call_frequency, failure_frequency}, and under several processes data/prompts_unused: prompts drawn this
+step that no rank took; the uniform sampler hands them out first next, the curriculum's draws are independent
+anyway). Validation:
 val/{accuracy, reward} (per prompt, greedy), and with ``data.val_num_samples`` k > 1 val/{mean_at_k, pass_at_k} (k
 samples per held-out prompt at ``data.val_temperature``), and what validation's reward calls log with
 ``log_metric``, the mean of their values: val/reward/<name> (the greedy completions' calls) and, with sampled
