@@ -1,7 +1,9 @@
 """The documentation site (mkdocs.yml, docs/) builds offline with ``--strict``, and its API reference is whole.
 
 ``--strict`` turns every warning into a failure: a link to a page or anchor that does not exist, a ``:::`` block
-naming an object griffe cannot find, a docstring whose ``Args:`` name a parameter the signature lacks.
+naming an object griffe cannot find, a docstring whose ``Args:`` name a parameter the signature lacks. And what the
+pages give a user to copy holds: each command's flags are its tool's, each YAML snippet is a config ``lit-grpo``
+accepts, and prose keeps within 120 columns.
 """
 
 from __future__ import annotations
@@ -120,3 +122,121 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
                           capture_output=True, text=True, timeout=300, env=repo_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lit_grpo: 1 step" in proc.stdout + proc.stderr
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: A command the docs give: ``python -m tools.NAME`` (or ``tools.NAME``, or a tool's bare name opening a span) or
+#: ``lit-grpo SUBCOMMAND``.
+COMMAND = re.compile(r"(?:python -m )?tools\.(\w+)|lit-grpo (fit|validate|export)\b|^(\w+) (?=\.\.\.|--)")
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w.-]*")
+
+
+def _code_spans(text: str) -> list[str]:
+    """The page's code in reading order: each line of a fenced block (``\\`` continuations joined, ``#`` comments
+    cut) and each inline backtick span (one that wraps a line read as one line)."""
+    spans, fenced = [], re.compile(r"```[^\n]*\n(.*?)```", re.S)
+    for match in re.finditer(rf"{fenced.pattern}|`([^`]+)`", text, re.S):
+        if match.group(1) is not None:
+            spans += [(match.start(), line.split(" #")[0]) for line in match.group(1).replace("\\\n", " ").splitlines()]
+        else:
+            spans.append((match.start(), match.group(2).replace("\n", " ")))
+    return [span for _, span in sorted(spans)]
+
+
+def docs_commands() -> list[tuple[str, str, str]]:
+    """Every (page, tool, flag) of a command in README.md and docs/*.md; a span opening with ``...`` continues the
+    page's last command. bench_fit passes what follows `` -- `` and its ``--variant NAME=ARGS`` to ``lit-grpo fit``."""
+    tools = {path.stem for path in (ROOT / "tools").glob("*.py")}
+    found = []
+    for page in PAGES:
+        last = None
+        for span in _code_spans(page.read_text()):
+            starts = [(m.start(), m.group(1) or (f"lit-grpo {m.group(2)}" if m.group(2) else m.group(3)))
+                      for m in COMMAND.finditer(span)]
+            starts = [(at, tool) for at, tool in starts if tool in tools or tool.startswith("lit-grpo")]
+            if not starts and last and span.startswith("..."):
+                starts = [(0, last)]
+            for (at, tool), (end, _) in zip(starts, [*starts[1:], (len(span), None)]):
+                last, args = tool, span[at:end]
+                if tool == "bench_fit":
+                    forwarded = " ".join(re.findall(r"\"[\w-]*=([^\"]*)\"", args)) + " " + args.partition(" -- ")[2]
+                    args = args.partition(" -- ")[0]
+                    found += [(page.name, "lit-grpo fit", flag) for flag in FLAG.findall(forwarded)]
+                found += [(page.name, tool, flag) for flag in FLAG.findall(re.sub(r"\"[^\"]*\"", "", args))]
+    return found
+
+
+def test_every_flag_a_docs_command_gives_is_one_its_tool_takes():
+    """Each ``--flag`` of a ``python -m tools.NAME`` or ``lit-grpo`` command in the README and the docs pages is in
+    that tool's ``--help``; the helps are read in one process of their own (a tool may set process-wide state)."""
+    import json
+
+    commands = docs_commands()
+    tools = sorted({tool for _, tool, _ in commands})
+    assert {"bench_rollout", "bench_fit", "lit-grpo fit", "lit-grpo export"} <= set(tools), tools
+    reader = ("import contextlib, importlib, io, json, sys\n"
+              "helps = {}\n"
+              "for name in sys.argv[1:]:\n"
+              "    out = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):\n"
+              "        try:\n"
+              "            if name.startswith('lit-grpo '):\n"
+              "                from lit_grpo.cli import main\n"
+              "                main([name.split()[1], '--help'])\n"
+              "            else:\n"
+              "                importlib.import_module('tools.' + name).main(['--help'])\n"
+              "        except SystemExit:\n"
+              "            pass\n"
+              "    helps[name] = out.getvalue()\n"
+              "print(json.dumps(helps))\n")
+    proc = subprocess.run([sys.executable, "-c", reader, *tools], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    helps = json.loads(proc.stdout.splitlines()[-1])
+    assert all("usage" in helps[tool].lower() for tool in tools), [tool for tool in tools if not helps[tool]]
+    unknown = sorted({(page, tool, flag) for page, tool, flag in commands
+                      if not re.search(rf"{re.escape(flag)}(?![\w-])", helps[tool])})
+    assert unknown == []
+
+
+def test_the_command_reader_finds_continued_and_forwarded_flags(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("Run `python -m tools.bench_faults --kills 20`, then:\n\n| `... --signal TERM` |\n\n"
+                    "`python -m tools.bench_fit --seeds 0 --variant a= --variant \"x=--model.cpu_linear torch\" -- "
+                    "--data.size 2` and `bench_grpo_memory ... --prompts 1`, `tools.bench_rollout\n--stop-strings`.\n\n"
+                    "```bash\nlit-grpo export --ckpt_path CKPT \\\n  --out DIR   # --not-a-flag\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "PAGES", [page])
+    assert docs_commands() == [
+        ("page.md", "bench_faults", "--kills"), ("page.md", "bench_faults", "--signal"),
+        ("page.md", "lit-grpo fit", "--model.cpu_linear"), ("page.md", "lit-grpo fit", "--data.size"),
+        ("page.md", "bench_fit", "--seeds"), *[("page.md", "bench_fit", "--variant")] * 2,
+        ("page.md", "bench_grpo_memory", "--prompts"), ("page.md", "bench_rollout", "--stop-strings"),
+        ("page.md", "lit-grpo export", "--ckpt_path"), ("page.md", "lit-grpo export", "--out")]
+
+
+@pytest.mark.parametrize("page, block", [
+    pytest.param(page.name, block, id=f"{page.stem}-{n}") for page in PAGES
+    for n, block in enumerate(re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S))])
+def test_every_yaml_snippet_in_the_docs_is_a_config_lit_grpo_accepts(capsys, tmp_path, page, block):
+    """Each YAML block of the docs, laid over configs/tiny.yaml, is parsed and checked as ``lit-grpo fit`` would
+    (``--print_config``: nothing is built)."""
+    from lit_grpo.cli import main
+
+    snippet = tmp_path / "snippet.yaml"
+    snippet.write_text(block)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config", str(snippet), "--print_config"])
+    assert exit_info.value.code in (0, None), capsys.readouterr().err[-4000:]
+
+
+def test_prose_lines_keep_within_120_columns_and_the_readme_within_150_lines():
+    """Tables and fenced code may run longer; prose, list items and headings may not."""
+    long_lines = []
+    for page in PAGES:
+        fenced = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            fenced ^= line.lstrip().startswith("```")
+            if len(line) > 120 and not fenced and not line.startswith("|"):
+                long_lines.append(f"{page.name}:{number} ({len(line)} columns)")
+    assert long_lines == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
