@@ -240,3 +240,12 @@ def test_prose_lines_keep_within_120_columns_and_the_readme_within_150_lines():
                 long_lines.append(f"{page.name}:{number} ({len(line)} columns)")
     assert long_lines == []
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_the_overviews_folder_table_names_every_module():
+    """docs/index.md's table of folders names each module file of lit_grpo/ and datamodules/ (callbacks/: one
+    callback per file, its docstring the account)."""
+    table = "\n".join(line for line in (ROOT / "docs" / "index.md").read_text().splitlines() if line.startswith("|"))
+    named = set(re.findall(r"`(?:[\w/]+/)?(\w+\.py)`", table))
+    modules = {path.name for folder in ("lit_grpo", "datamodules") for path in (ROOT / folder).rglob("*.py")}
+    assert sorted(modules - named - {"__init__.py", "__main__.py"}) == []
