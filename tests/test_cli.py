@@ -316,6 +316,17 @@ def test_the_configs_keys_are_all_known_to_the_account_of_unknown_ones(capsys, t
     assert "option 'no_such_key'" in err and "also holds" not in err, err
 
 
+@pytest.mark.parametrize("path", sorted(Path(TINY).parent.glob("*.yaml")))
+def test_every_config_passes_the_parsers_type_and_choice_checks(capsys, path):
+    """``--print_config`` parses a config whole (types, choices, class paths) without building anything; an unknown
+    key, which the test above adds, would hide a bad value from it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code in (0, None), err[-4000:]
+    assert yaml.safe_load(out)["model"]["model"], out
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     ("model:\n  scale_rewards: true", "Got value: True (TRL's scale_rewards: true is 'group' here)\n"),
     ("model:\n  scale_rewards: false", "Got value: False (TRL's scale_rewards: false is 'none' here)\n"),
