@@ -911,3 +911,27 @@ def test_prompts_without_an_answer_name_a_solution_column_as_the_answer(tmp_path
     with pytest.raises(ValueError, match="score against a gold answer") as refused:
         RolloutDataModule(**{source: str(path)}, reward_funcs=["math"], val_size=0, prompts_per_step=1).setup()
     assert hint in str(refused.value)
+
+
+@pytest.mark.parametrize("world, save_on_exception, warned", [(2, True, True), (1, True, False), (2, False, False)])
+def test_a_checkpoint_saving_on_an_error_under_several_processes_is_warned_of(world, save_on_exception, warned):
+    """Lightning's ModelCheckpoint(save_on_exception=True) saves in the failing rank's on_exception, whose collectives
+    the other ranks do not pair: GRPOModule's fit start, which lit-grpo and a script's Trainer both pass, says so."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = make_module()
+    checkpoint = ModelCheckpoint(save_on_exception=save_on_exception)
+    module._trainer = SimpleNamespace(world_size=world, callbacks=[checkpoint], datamodule=None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.on_fit_start()
+    finally:
+        module._trainer = None
+    said = [str(w.message) for w in caught if "save_on_exception" in str(w.message)]
+    assert len(said) == warned
+    if warned:
+        assert said[0].startswith("ModelCheckpoint(save_on_exception=True) under 2 processes")
+        assert "Set save_on_exception=False" in said[0]

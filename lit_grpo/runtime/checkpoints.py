@@ -401,6 +401,24 @@ def check_weight_shapes(path: str | os.PathLike | None, saved: Mapping[str, Any]
                          "another model: use that model's settings, or a checkpoint of this model")
 
 
+def exception_save_hazard(callbacks: Iterable[Any], world_size: int) -> str | None:
+    """A warning where a run of ``world_size`` processes has a Lightning ``ModelCheckpoint`` that saves on an error
+    (``save_on_exception=True``), else None. That save runs in the failing rank's ``on_exception`` and its
+    collectives (a barrier, a broadcast) pair with what the other ranks, still training, run next: the run hangs or
+    fails elsewhere instead of ending on the error. Lightning allows it, and an error raised on every rank together
+    saves, so it is said, not refused."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saving = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint) and getattr(cb, "save_on_exception", False)]
+    if world_size <= 1 or not saving:
+        return None
+    return (f"{type(saving[0]).__name__}(save_on_exception=True) under {world_size} processes: an error on one rank "
+            "saves there alone, and that save's collectives (a barrier, a broadcast) meet the other ranks' training "
+            "collectives, so the run can hang until the process group's timeout instead of ending on the error. "
+            "Set save_on_exception=False; lit_grpo's RunCheckpoint keeps last.ckpt current and saves a stop that "
+            "every rank agrees on")
+
+
 #: ``_lookup``'s answer for a setting that is not there, where None is a value.
 _MISSING = object()
 

@@ -99,6 +99,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import AGGREGATIONS, SCALES, Aggregation, Scale
@@ -108,7 +109,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
-from lit_grpo.runtime.checkpoints import check_weight_shapes
+from lit_grpo.runtime.checkpoints import check_weight_shapes, exception_save_hazard
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -544,8 +545,13 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------ data hand-over
     def on_fit_start(self) -> None:
         self._hand_over_to_data()
+        # here, where both lit-grpo's fits and a script's Trainer pass, on every rank; shown once, by rank 0
+        hazard = exception_save_hazard(self.trainer.callbacks, self.trainer.world_size)
+        if hazard is not None:
+            rank_zero_warn(hazard)
 
-    on_validation_start = on_fit_start
+    def on_validation_start(self) -> None:
+        self._hand_over_to_data()
 
     def _hand_over_to_data(self) -> None:
         """The one place the data side receives what this module owns: the policy, its tokenizer, the advantage
