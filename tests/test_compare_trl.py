@@ -299,7 +299,8 @@ def _steps(step_s, rollout_s, reward, peak, count=3, prompts=(1, 2)):
 def _record(system, seed, steps, samples, status="ok", returncode=0, cell=0):
     seen = process_memory.Watched(returncode=returncode, timed_out=status == "timeout", samples=samples,
                                   maxrss_bytes=max(rss for _, rss in samples))
-    output = {"oom": "RuntimeError: DefaultCPUAllocator: can't allocate memory", "timeout": "", "ok": ""}[status]
+    output = {"oom": "RuntimeError: DefaultCPUAllocator: can't allocate memory", "timeout": "", "ok": "",
+              "failed": "ValueError: a run's own error"}[status]
     spec = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 24, "untimed_steps": 1}
     run = {"cell": cell, "seed": seed, "system": system, "repeat": 0}
     records = [{"event": "start", "torch": "2", "threads": 2}, *steps]
@@ -411,6 +412,30 @@ def test_a_run_stopped_in_its_update_keeps_what_its_rollout_measured():
             "engine: 32 slots, a decode step 4.50 ms against a floor of 2.00 ms (2.2 x), 7000 tokens/s")
     assert note in compare_trl.run_line(run)
     assert f"- 1x256x4096: {note}" in table
+
+
+def test_a_failed_run_makes_the_exit_status_1_and_a_timeout_or_oom_does_not():
+    steps, samples = _steps(2.0, 1.0, 0.5, MB)
+    outcomes = {status: _record("lit", 0, steps, samples, status=status, returncode=returncode)
+                for status, returncode in (("ok", 0), ("timeout", -9), ("oom", 1), ("failed", 1))}
+    assert outcomes["failed"]["status"] == "failed"
+    assert compare_trl.exit_status([outcomes["ok"], outcomes["timeout"], outcomes["oom"]]) == 0
+    assert compare_trl.exit_status([outcomes["ok"], outcomes["failed"], outcomes["timeout"]]) == 1
+
+
+def test_a_comparison_with_a_failed_run_writes_its_records_then_exits_1(tmp_path, monkeypatch, capsys):
+    steps, samples = _steps(2.0, 1.0, 0.5, MB)
+    outcomes = iter([_record("lit", 0, steps, samples, status="failed", returncode=1),
+                     _record("lit", 0, steps, samples)])
+    monkeypatch.setattr(compare_trl, "run_one", lambda *args: next(outcomes))
+    with pytest.raises(SystemExit) as exit:
+        compare_trl.main(["--order", "lit,lit", "--steps", "2", "--out-dir", str(tmp_path / "out"),
+                          "--work-dir", str(tmp_path / "runs")])
+    assert exit.value.code == 1
+    report = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert [r["status"] for r in report["runs"]] == ["failed", "ok"]  # every run ran, and was written first
+    assert "failed x1" in (tmp_path / "out" / "demo.md").read_text()
+    assert "compare_trl: 1 of 2 runs failed" in capsys.readouterr().err
 
 
 def test_a_comparison_of_lit_grpo_alone_does_not_look_for_trl(tmp_path, monkeypatch, capsys):

@@ -40,7 +40,9 @@ batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with
 ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after ``--untimed-steps`` warm-up steps (1; ``gpu_long``:
 none, its one step takes minutes), in the ``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a
 drift of the machine falls on both). A run past ``--timeout-s`` is killed and recorded as "timeout", one killed by
-the kernel or failing to allocate as "oom"; the steps it finished are kept. SIGTERM to this process (a command's own
+the kernel or failing to allocate as "oom"; the steps it finished are kept. A run that fails otherwise is recorded
+as "failed" with its output's end, and the comparison, having written everything below, exits with status 1 (a
+timeout or "oom" is an outcome of its cell, not a failure). SIGTERM to this process (a command's own
 time limit) kills the run in flight, records it as "stopped" with the steps it finished, writes everything below
 once more and exits with status 143.
 
@@ -658,6 +660,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def exit_status(runs: list[dict[str, Any]]) -> int:
+    """The comparison's exit status once its runs are recorded: 1 where a run failed (an error of the run's own,
+    its output in the record), else 0. A timeout or an out-of-memory end is a recorded outcome of the cell (its
+    steps, its peak), not a failure; a stop exits with 143 before this."""
+    return 1 if any(run["status"] == "failed" for run in runs) else 0
+
+
 def specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One spec per cell of ``--shape`` (seed 0; a run's seed is put in when it runs), of ``--group-sizes`` alone
     where given."""
@@ -772,6 +781,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(markdown(report))
+    status = exit_status(runs)
+    if status:
+        failed = [f"{SYSTEM_NAMES[r['system']]} {r['label']} seed {r['seed']} ({r['run_dir']})" for r in runs
+                  if r["status"] == "failed"]
+        print(f"compare_trl: {len(failed)} of {len(runs)} runs failed (their output is in the records): "
+              + "; ".join(failed), file=sys.stderr, flush=True)
+        raise SystemExit(status)
     return report
 
 
