@@ -274,13 +274,23 @@ def test_gpu_long_times_its_one_step_without_a_warm_up_and_the_others_after_one(
         build_spec(demo, cells("gpu_long", demo)[0], untimed_steps=-1)
 
 
-def test_out_dir_names_the_files_after_the_shape_and_the_slots(tmp_path):
+def test_out_dir_names_the_files_after_what_picks_the_runs(tmp_path):
+    """The shape, the slots, the group sizes and a lone system name a call's files (its runs' archive too), so that
+    calls of other cells into one folder keep each other's; the live log is one, its runs archived as they end."""
     base = ["--trl-python", sys.executable, "--out-dir", str(tmp_path)]
     for flags, name in (([], "demo"), (["--shape", "gpu_long", "--lit-slots", "auto"], "gpu_long_slots-auto"),
                         (["--shape=gpu_gsweep", "--shape", "gpu_long", "--lit-slots", "32"], "gpu_long_slots-32"),
-                        (["--lit-slots", "fixed"], "demo")):
+                        (["--lit-slots", "fixed"], "demo"),
+                        (["--shape", "gpu_gsweep", "--group-sizes", "64,32", "--order", "lit"],
+                         "gpu_gsweep_g32-64_lit"),
+                        (["--shape", "gpu_gsweep", "--group-sizes", "32,64", "--order", "trl,trl"],
+                         "gpu_gsweep_g32-64_trl"),
+                        (["--shape", "gsweep", "--group-sizes", "8", "--lit-slots", "all", "--order", "trl,lit"],
+                         "gsweep_slots-all_g8")):
         args = compare_trl.parse_args([*base, *flags])
-        assert (args.json, args.markdown) == (tmp_path / f"{name}.json", tmp_path / f"{name}.md")
+        assert (args.json, args.markdown, args.archive) == (tmp_path / f"{name}.json", tmp_path / f"{name}.md",
+                                                            tmp_path / f"{name}.runs.tgz")
+        assert args.live_log == tmp_path / "live.log"
     args = compare_trl.parse_args([*base, "--json", str(tmp_path / "mine.json")])  # a given path wins
     assert (args.json, args.markdown) == (tmp_path / "mine.json", tmp_path / "demo.md")
     assert compare_trl.parse_args(base[:2]).json is None
@@ -432,9 +442,9 @@ def test_a_comparison_with_a_failed_run_writes_its_records_then_exits_1(tmp_path
         compare_trl.main(["--order", "lit,lit", "--steps", "2", "--out-dir", str(tmp_path / "out"),
                           "--work-dir", str(tmp_path / "runs")])
     assert exit.value.code == 1
-    report = json.loads((tmp_path / "out" / "demo.json").read_text())
+    report = json.loads((tmp_path / "out" / "demo_lit.json").read_text())
     assert [r["status"] for r in report["runs"]] == ["failed", "ok"]  # every run ran, and was written first
-    assert "failed x1" in (tmp_path / "out" / "demo.md").read_text()
+    assert "failed x1" in (tmp_path / "out" / "demo_lit.md").read_text()
     assert "compare_trl: 1 of 2 runs failed" in capsys.readouterr().err
 
 
@@ -523,15 +533,15 @@ def test_a_sigterm_keeps_the_finished_runs_and_what_the_stopped_one_left(tmp_pat
     while not ((second / "pid").exists() and "step 1 done" in (out / "live.log").read_text()):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
         time.sleep(0.05)
-    with tarfile.open(out / "runs.tgz") as tar:  # the first run's records, before the second ended
+    with tarfile.open(out / "demo_lit.runs.tgz") as tar:  # the first run's records, before the second ended
         assert "runs/demo_4x8x24/seed0/00_lit/output.log" in tar.getnames()
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, err
-    report = json.loads((out / "demo.json").read_text())
+    report = json.loads((out / "demo_lit.json").read_text())
     assert [(r["status"], len(r["steps"])) for r in report["runs"]] == [("ok", 1), ("stopped", 1)]
-    assert "stopped x1 (1-1 of 1 steps done)" in (out / "demo.md").read_text()
-    with tarfile.open(out / "runs.tgz") as tar:
+    assert "stopped x1 (1-1 of 1 steps done)" in (out / "demo_lit.md").read_text()
+    with tarfile.open(out / "demo_lit.runs.tgz") as tar:
         log = tar.extractfile("runs/demo_4x8x24/seed0/01_lit/output.log").read().decode()
     assert "step 1 done" in log and not list(out.glob("*.partial"))
     with pytest.raises(ProcessLookupError):  # the stopped run's child was killed and reaped
@@ -541,7 +551,7 @@ def test_a_sigterm_keeps_the_finished_runs_and_what_the_stopped_one_left(tmp_pat
 def test_a_sigkill_leaves_what_the_run_in_flight_printed_in_the_output_folder(tmp_path):
     """A kill without SIGTERM first (a machine's hard limit) can trap nothing: the run in flight writes its output
     into OUT_DIR/live.log as it goes (a machine hands back a few files of OUT_DIR, none deep in it), so that file
-    holds what it printed; the finished run's log is in runs.tgz."""
+    holds what it printed; the finished run's log is in NAME.runs.tgz."""
     import signal
     import tarfile
 
@@ -565,9 +575,10 @@ def test_a_sigkill_leaves_what_the_run_in_flight_printed_in_the_output_folder(tm
         os.killpg(process.pid, signal.SIGKILL)  # the comparison and its run, as a machine's limit ends both
         process.wait(timeout=60)
     assert (out / "live.log").read_text() == "step 1 done\n"
-    with tarfile.open(out / "runs.tgz") as tar:  # the first run's own output.log, copied from the live log
+    with tarfile.open(out / "demo_lit.runs.tgz") as tar:  # the first run's own output.log, from the live log
         assert tar.extractfile("runs/demo_4x8x24/seed0/00_lit/output.log").read() == b"step 1 done\n"
-    assert sorted(path.name for path in out.iterdir()) == ["demo.json", "demo.md", "live.log", "runs.tgz"]
+    assert sorted(path.name for path in out.iterdir()) == ["demo_lit.json", "demo_lit.md", "demo_lit.runs.tgz",
+                                                           "live.log"]
 
 
 def test_records_cut_short_by_a_kill_are_read(tmp_path):

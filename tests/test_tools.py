@@ -128,6 +128,54 @@ def test_the_gpu_comparison_script_runs_the_gpu_shape_and_asks_for_its_wheels(tm
     assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
 
 
+# Stand-ins for tools/gpu_compare_trl.sh's commands without a GPU: compare_trl itself, whose runs each record one
+# step and end, with an error where FAIL_RUNS is set.
+_STAND_IN_RUN = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], "steps.jsonl"), "w") as f:
+    f.write(json.dumps({"event": "step", "step": 1, "start": 0.0, "end": 1.0, "step_s": 1.0, "rollout_s": 0.5}) + "\\n")
+if os.environ.get("FAIL_RUNS"):
+    sys.exit("ValueError: a run's own error")
+"""
+_STAND_IN_COMPARISON = """
+import sys
+from tools import compare_trl
+
+compare_trl.run_command = lambda system, spec, run_dir, trl_python: [sys.executable, sys.argv[1], str(run_dir)]
+compare_trl.main(sys.argv[2:])
+"""
+
+
+def test_two_gpu_comparisons_into_one_folder_keep_both_and_a_failed_run_fails_the_script(tmp_path):
+    """Each call's files carry its group sizes and its lone system (the GPU's name inside its archive); the live log
+    is one. A call whose run failed exits 1 once its files are written."""
+    import tarfile
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (tmp_path / "run.py").write_text(_STAND_IN_RUN)
+    (tmp_path / "compare.py").write_text(_STAND_IN_COMPARISON)
+    (bin_dir / "python3").write_text(
+        f'#!/usr/bin/env bash\ncase "$1 $2" in\n  "-m pip") exit 0;;\n  "-c "*) echo "a fake GPU";;\n'
+        f'  "-m tools.compare_trl") shift 2; exec {sys.executable} {tmp_path / "compare.py"} {tmp_path / "run.py"} '
+        f'"$@";;\nesac\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    env.pop("FAIL_RUNS", None)
+    script = ["bash", str(ROOT / "tools" / "gpu_compare_trl.sh"), str(tmp_path), str(out), "lit"]
+    for group_size, failing in ((8, False), (32, True)):
+        proc = subprocess.run([*script, "--group-sizes", str(group_size)], capture_output=True, text=True,
+                              env={**env, **({"FAIL_RUNS": "1"} if failing else {})}, timeout=300)
+        assert proc.returncode == (1 if failing else 0), proc.stderr
+    names = [f"gpu_gsweep_g{g}_lit" for g in (32, 8)]
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        ["live.log", *(f"{name}.{ext}" for name in names for ext in ("json", "md", "runs.tgz"))])
+    for name, status in zip(names, ("failed", "ok")):
+        assert [run["status"] for run in json.loads((out / f"{name}.json").read_text())["runs"]] == [status]
+        with tarfile.open(out / f"{name}.runs.tgz") as tar:
+            assert tar.extractfile("runs/device.txt").read() == b"a fake GPU\n"
+
+
 def test_the_gpu_check_leaves_few_enough_files_for_a_machine_that_hands_back_eight(tmp_path):
     """The device machine hands back at most 8 files of OUT_DIR: gpu_targets' four measurements are packed into one
     archive, so that every part's output comes back."""

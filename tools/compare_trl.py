@@ -61,12 +61,15 @@ per seed, its spread, and whether the two systems' means lie within the larger o
 Output: the table on stdout (``--markdown OUT`` too) and ``--json OUT``: ``{"config", "trl_settings"
 (GRPOConfig's fields per cell and what else TRL is given), "runs" (every step record), "summary"}``, written again
 after every run, so a comparison stopped midway (a command's time limit) keeps the runs it finished. ``--out-dir
-DIR`` names both after the run: DIR/gpu_long_slots-auto.json for ``--shape gpu_long --lit-slots auto``. Each run's
-folder under ``--work-dir`` keeps its spec, config, step records and output; ``--archive FILE`` (with ``--out-dir``:
-DIR/runs.tgz) is that folder as a gzipped tar, written anew after every run and on SIGTERM (a stopped run's output
-included), for a machine whose results come back as a few files only. ``--live-log FILE`` (with ``--out-dir``:
-DIR/live.log) is where the run in flight writes its output as it goes, copied into its folder once it ends: a kill
-that gives no SIGTERM first (SIGKILL), which nothing can trap, leaves that file with what the run had written.
+DIR`` names both after what picks the runs (``out_name``): DIR/gpu_long_slots-auto.json for ``--shape gpu_long
+--lit-slots auto``, DIR/gpu_gsweep_g32-64_lit.json for ``--shape gpu_gsweep --group-sizes 32,64 --order lit``, so
+comparisons of other cells write into one folder side by side. Each run's folder under ``--work-dir`` keeps its spec,
+config, step records and output; ``--archive FILE`` (with ``--out-dir``: DIR/NAME.runs.tgz) is that folder as a
+gzipped tar, written anew after every run and on SIGTERM (a stopped run's output included), for a machine whose
+results come back as a few files only. ``--live-log FILE`` (with ``--out-dir``: DIR/live.log, one for every
+comparison into DIR) is where the run in flight writes its output as it goes, copied into its folder once it ends
+(so into the archive: the next comparison may reuse the file): a kill that gives no SIGTERM first (SIGKILL), which
+nothing can trap, leaves that file with what the run had written.
 Every other file is replaced whole (written beside, then renamed), so a kill while writing leaves the previous one.
 """
 
@@ -626,18 +629,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--archive", type=Path, help="the work dir's runs as a gzipped tar, written anew after every "
-                                                     "run and on SIGTERM (with --out-dir: OUT_DIR/runs.tgz)")
+                                                     "run and on SIGTERM (with --out-dir: OUT_DIR/NAME.runs.tgz)")
     parser.add_argument("--live-log", type=Path, help="the run in flight writes its output here as it goes (with "
                                                       "--out-dir: OUT_DIR/live.log), kept by a SIGKILL")
     parser.add_argument("--out-dir", type=Path, help="where --json, --markdown and --archive are not given: "
-                                                     "OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/runs.tgz, NAME "
-                                                     "the shape (with _slots-N for a --lit-slots N other than fixed)")
+                                                     "OUT_DIR/NAME.json, OUT_DIR/NAME.md and OUT_DIR/NAME.runs.tgz, "
+                                                     "NAME the shape with what else picks the runs (out_name)")
     args = parser.parse_args(argv)
     if args.out_dir is not None:
-        name = args.shape + ("" if args.lit_slots == "fixed" else f"_slots-{args.lit_slots}")
+        name = out_name(args)
         args.json = args.json or args.out_dir / f"{name}.json"
         args.markdown = args.markdown or args.out_dir / f"{name}.md"
-        args.archive = args.archive or args.out_dir / "runs.tgz"
+        args.archive = args.archive or args.out_dir / f"{name}.runs.tgz"
         args.live_log = args.live_log or args.out_dir / "live.log"
     if args.steps is None:
         args.steps = SHAPES[args.shape]["steps"]
@@ -658,6 +661,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--group-sizes {','.join(map(str, unknown))}: --shape {args.shape} has G "
                      f"{', '.join(map(str, shape_groups))}")
     return args
+
+
+def out_name(args: argparse.Namespace) -> str:
+    """The name of ``--out-dir``'s files: the shape, then ``_slots-N`` for a ``--lit-slots`` N other than fixed,
+    ``_gA-B`` for ``--group-sizes`` A,B (sorted: the runs are the same in any order), and ``_lit`` or ``_trl`` where
+    ``--order`` runs one system alone; so calls that run other cells into one folder keep each other's files."""
+    name = args.shape + ("" if args.lit_slots == "fixed" else f"_slots-{args.lit_slots}")
+    if args.group_sizes:
+        name += "_g" + "-".join(str(g) for g in sorted(args.group_sizes))
+    systems = set(args.order)
+    return name + (f"_{systems.pop()}" if len(systems) == 1 else "")
 
 
 def exit_status(runs: list[dict[str, Any]]) -> int:

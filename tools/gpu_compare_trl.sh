@@ -16,12 +16,17 @@
 # 2. python -m tools.compare_trl --shape gpu_gsweep (or the shape a FLAG names, e.g. --shape gpu_long) with
 #    --trl-python python3 (one environment for both sides), each run stopped after RUN_TIMEOUT_S seconds (default
 #    480) and recorded as a timeout with the steps it finished.
-# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json, NAME.md and runs.tgz (compare_trl's
-# --out-dir: NAME is the shape, with _slots-N for a --lit-slots N other than fixed; runs.tgz holds the runs' configs,
-# records and logs), and live.log, the run in flight's output as it is written (a SIGKILL, which nothing can trap,
-# keeps it). The first three are written anew after every run, and once more on SIGTERM (a command's time limit:
-# the run in flight is then recorded as "stopped", with the steps it finished and its log), so a command killed by
-# `timeout` keeps every run it finished and what the last one left. The script passes a SIGTERM it gets on to
+# OUT_DIR (default $OUT when set, else runs/gpu_compare_trl) gets NAME.json, NAME.md and NAME.runs.tgz
+# (compare_trl's --out-dir; NAME is the shape, then _slots-N for a --lit-slots N other than fixed, _gA-B for
+# --group-sizes A,B and _lit or _trl for an ORDER of one system: gpu_gsweep_g32-64_lit), so calls one after the other
+# into one OUT_DIR (other G, other slots, the two sides) keep each other's files. NAME.runs.tgz holds the runs'
+# configs, records and logs, and device.txt, the GPU this call ran on. live.log, one for all calls, is the run in
+# flight's output as it is written (a SIGKILL, which nothing can trap, keeps it); a run's output goes into its call's
+# NAME.runs.tgz once it ends, so the next call may start the file anew. The first three are written anew after every
+# run, and once more on SIGTERM (a command's time limit: the run in flight is then recorded as "stopped", with the
+# steps it finished and its log), so a command killed by `timeout` keeps every run it finished and what the last one
+# left. The script exits with compare_trl's status, its files written first: 1 where a run failed (not a timeout or
+# out of memory, which are recorded outcomes), 143 on a SIGTERM. The script passes a SIGTERM it gets on to
 # compare_trl and waits for it. TRL's three runs took about 100 s each on an H200 (start-up included); where one
 # command may not run 10 minutes, run the two sides in two commands on the same machine (ORDER lit, then trl).
 set -uo pipefail
@@ -41,10 +46,12 @@ if ls "$WHEELS"/pycosat-*.tar.gz >/dev/null 2>&1; then
              printf 'def solve(*args, **kwargs):\n    raise RuntimeError("pycosat was not built here")\n\nitersolve = solve\n' \
                  > "$SITE/pycosat.py"; }
 fi
+mkdir -p "$SITE/runs"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+# into compare_trl's work dir, so into this call's NAME.runs.tgz
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
-    | tee "$DIR/device.txt" || exit 1
+    | tee "$SITE/runs/device.txt" || exit 1
 # the FLAGs come last: a --shape among them replaces gpu_gsweep (argparse keeps the last). In the background, so that
 # a SIGTERM to this script is passed on at once (bash runs a trap only once its foreground command has ended).
 python3 -m tools.compare_trl --trl-python python3 --shape gpu_gsweep --model random:qwen3-1.7b --device cuda \
