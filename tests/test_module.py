@@ -130,11 +130,12 @@ def test_the_high_entropy_mask_ranks_the_policys_entropies_at_the_sampling_tempe
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gather(batch, monkeypatch, world):
-    """``top_entropy_quantile`` < 1: each micro-batch's loss and entropy bonus rank its tokens with the strategy's
-    all_gather under several ranks (every rank's micro-batch of that index, as TRL's), with none for one process."""
+    """``top_entropy_quantile`` < 1: each micro-batch's tokens are ranked once, for its loss and its entropy bonus
+    both, with the strategy's all_gather under several ranks (every rank's micro-batch of that index, as TRL's), with
+    none for one process."""
     from types import SimpleNamespace
 
-    from lit_grpo.update import entropy_bonus, policy_losses
+    from lit_grpo.update import entropy_bonus, module as module_file, policy_losses
 
     handed = []
 
@@ -142,7 +143,7 @@ def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gathe
         handed.append(all_gather)
         return high_entropy_mask(entropy, mask, top_quantile, all_gather)
 
-    for owner in (policy_losses, entropy_bonus):
+    for owner in (module_file, policy_losses, entropy_bonus):
         monkeypatch.setattr(owner, "high_entropy_mask", recording)
     gathered = []
 
@@ -159,12 +160,12 @@ def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gathe
         grads_after_step(module, batch)
     finally:
         module._trainer = None
-    assert len(handed) == 2 * 2  # two micro-batches of 4 rows, the loss's and the bonus's mask in each
+    assert len(handed) == 2  # two micro-batches of 4 rows, one mask each for the loss and the bonus
     if world == 1:
-        assert handed == [None] * 4
+        assert handed == [None] * 2
     else:
         assert all(gather is not None for gather in handed)
-        assert len(gathered) == 1 + 2 * 2 * 2  # each mask's lengths and values, and the step's own gather
+        assert len(gathered) == 1 + 2 * 2  # each mask's lengths and values, and the step's own gather
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
