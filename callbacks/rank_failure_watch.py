@@ -31,8 +31,10 @@ class RankFailureWatch(Callback):
     (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the rank ends so where the
     script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the others were told that
     the run failed). So does a rank told that another failed (``RankFailed``; nothing recorded): it must not report
-    success. One process keeps the script's exit status. Under ``lit-grpo``, which adds it to every fit and
-    validation, the CLI's error path records and ends the rank instead (its output and exit status per error).
+    success, and it ends only once that rank's own handling is done (at most ``HANDLING_GRACE_S``), since its end
+    may end that rank too. One process keeps the script's exit status. Under ``lit-grpo``, which adds it to every
+    fit and validation, the CLI's error path records and ends the rank instead (its output and exit status per
+    error).
 
     The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
     ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or
@@ -54,8 +56,9 @@ class RankFailureWatch(Callback):
         if not is_multi_process() or caller_ends_failed_ranks():
             return
         if isinstance(exception, RankFailed):  # told that another rank failed: no exit of the script's, 0 included,
-            # may report success, nor run exit handlers that could wait on the others
-            end_at_uncaught_error(record_failure(exception))
+            # may report success, nor run exit handlers that could wait on the others; its end waits while the
+            # failed ranks handle their errors, as a watch that read the failure would (it may end them too)
+            end_at_uncaught_error(record_failure(exception), awaited_ranks=exception.ranks)
             return
         if not is_failure(exception):
             return

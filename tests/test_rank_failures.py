@@ -508,7 +508,8 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
     monkeypatch.setattr(rank_failure_watch, "record_failure",
                         lambda error, handling=False: events.append(f"recorded, handling: {handling}") or "its line")
     monkeypatch.setattr(rank_failure_watch, "end_failed_rank", lambda error: events.append("ended"), raising=False)
-    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: events.append(f"ended: {line}"))
+    monkeypatch.setattr(rank_failure, "_end",
+                        lambda line, exit_status=1, awaited_ranks=(): events.append(f"ended: {line}"))
     monkeypatch.setattr(sys, "excepthook", lambda *error: events.append("traceback"))  # restored after the test
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=Finalizing(tmp_path),
                          callbacks=[RankFailureWatch(), Closing()], enable_checkpointing=False,
@@ -709,7 +710,7 @@ def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path
 
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     monkeypatch.setattr(rank_failure_watch, "record_failure", record)
-    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: ended.append(line))
+    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1, awaited_ranks=(): ended.append(line))
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # the interpreter's own; restored after the test
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False,
                          callbacks=[RankFailureWatch()], enable_checkpointing=False, enable_progress_bar=False,
@@ -781,3 +782,40 @@ def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch):
     assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}handled/1"])
     rank_failure._end(line)
     assert store.check([f"{prefix}handled/1"])
+
+
+def test_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch):
+    """A rank that raised ``RankFailed`` (told by a collective, before its watch read the store) ends where the
+    error leaves the script; that end, which may end the failed rank too (one node under Lightning's launcher),
+    first waits while the failed rank still handles its error, as a watch that read the failure does."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.callbacks import rank_failure_watch
+    from lit_grpo.runtime import rank_failure
+    from lit_grpo.runtime.distributed import RankFailed
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    prefix = rank_failure._prefix()
+    events = []
+    await_handled = rank_failure._await_handled
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    monkeypatch.setattr(rank_failure_watch, "record_failure",
+                        lambda error, handling=False: "rank 0 of 2 stopped because rank 1 failed: its error")
+    monkeypatch.setattr(rank_failure, "_await_handled", lambda store, rank, deadline: (
+        events.append(f"awaited rank {rank}"), await_handled(store, rank, deadline)))
+    monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append("ended the ranks it started"))
+    monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
+    monkeypatch.setattr(sys, "excepthook", lambda *error: None)  # restored after the test
+    monkeypatch.setattr(rank_failure, "atexit", SimpleNamespace(register=lambda *end: None))  # not pytest's exit
+    store.set(f"{prefix}handling/1", "1")  # rank 1 handles its error: record_failure(..., handling=True)
+    store.set(f"{prefix}handled/1", "1")  # and is done: the wait below ends at once
+    error = RankFailed([1], "inside the lockstep rollout")
+    rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, error)
+    sys.excepthook(RankFailed, error, None)  # the error leaves the script
+    assert events == ["awaited rank 1", "ended the ranks it started", "exit 1"]

@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -199,23 +199,26 @@ def record_failure(error: BaseException, handling: bool = False) -> str:
     return _ending_line(rank, world, first)
 
 
-def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None) -> None:
+def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None,
+                          awaited_ranks: Sequence[int] = ()) -> None:
     """From now on an error that leaves the script (``sys.excepthook``, as the interpreter calls it) ends this
     process as :func:`end_failed_rank` does, after the hook before this one (its traceback; not the interpreter's
     own for ``shown_error``, whose traceback the caller printed already), with ``line``: the
     callers of ``trainer.fit`` get the error first (their ``except`` and ``finally``), as without several processes,
     and no exit handler or thread join can then wait on the other ranks. A script that catches the error goes on,
     and ends so too where it exits (the first exit handler: ``sys.exit`` in its ``except``, or its end), with the
-    ranks this process started: they may have missed the record, whose store can end with this process."""
+    ranks this process started: they may have missed the record, whose store can end with this process.
+    ``awaited_ranks``: failed ranks this one was told of (``RankFailed.ranks``); its end first waits while they
+    still handle their errors, at most ``HANDLING_GRACE_S``, as a watch that read a failure does."""
     shown = sys.excepthook
-    atexit.register(_end, line, exit_status)
+    atexit.register(_end, line, exit_status, awaited_ranks)
 
     def show_and_end(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         try:
             if error is not shown_error or shown is not sys.__excepthook__:  # one traceback, and a user's hook
                 shown(kind, error, trace)
         finally:
-            _end(line, exit_status)
+            _end(line, exit_status, awaited_ranks)
 
     sys.excepthook = show_and_end
 
@@ -275,11 +278,12 @@ def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
     return f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
 
 
-def _end(line: str | None, exit_status: int = 1) -> NoReturn:
+def _end(line: str | None, exit_status: int = 1, awaited_ranks: Sequence[int] = ()) -> NoReturn:
     _say_handled()
     if line is not None:
         print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    _await_handling_of(awaited_ranks)
     _end_child_processes()
     os._exit(exit_status)
 
@@ -309,6 +313,18 @@ def _await_handled(store: torch.distributed.TCPStore, rank: int, deadline: float
     handling, handled = [f"{_prefix()}handling/{rank}"], [f"{_prefix()}handled/{rank}"]
     while store.check(handling) and not store.check(handled) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def _await_handling_of(ranks: Sequence[int]) -> None:
+    """Wait, at most ``HANDLING_GRACE_S`` in all, while any of the failed ``ranks`` handles its error, before this
+    rank ends (:func:`_await_handled`)."""
+    if not ranks:
+        return
+    deadline = time.monotonic() + HANDLING_GRACE_S
+    with contextlib.suppress(Exception):  # the store went with a failed rank: nobody is left to wait for
+        store = _connect_store()
+        for rank in ranks:
+            _await_handled(store, rank, deadline)
 
 
 def _end_child_processes() -> None:
