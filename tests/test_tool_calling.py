@@ -1058,6 +1058,8 @@ def _typed_call(**values: str) -> str:
      {"n": "2.5", "x": "true", "flag": "1", "options": "[1]", "items": '{"a": 1}', "maybe": "[]"}),
     ({"n": "true", "x": "seven", "items": '"a"', "either": "[4]"},
      {"n": "true", "x": "seven", "items": '"a"', "either": "[4]"}),
+    # a string is written as it is, so one in quotes keeps them, as where the schema types it a string alone
+    ({"either": '"4"'}, {"either": '"4"'}),
 ])
 def test_a_qwen3_5_value_takes_its_schemas_type_or_stays_text(values, arguments):
     assert call_body(_typed_call(**values), tool_schemas([typed])) == {"name": "typed", "arguments": arguments}

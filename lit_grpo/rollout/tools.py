@@ -757,8 +757,9 @@ def _xml_value(text: str, kind: Any) -> Any:
     """A Qwen3.5 argument's value: the text where the schema types it a string (``"75001"`` stays text), else its
     JSON value (Python's ``True`` / ``False`` / ``None``, which the template writes for those, as JSON's), else the
     text. Where the schema types it (``kind``: a JSON schema type or a list of them), a JSON value of another type
-    stays text, as Qwen's own parser keeps a value that does not parse as its type (``2.5`` for an integer);
-    ``null`` is None whatever the type but a string."""
+    stays text, as Qwen's own parser keeps a value that does not parse as its type (``2.5`` for an integer), and
+    so does a JSON string (the template writes a string as it is: quotes are its own); ``null`` is None whatever the
+    type but a string."""
     if kind == "string":
         return text
     spelled = {"True": "true", "False": "false", "None": "null"}.get(text, text)
@@ -769,6 +770,8 @@ def _xml_value(text: str, kind: Any) -> Any:
                for name in (kind if isinstance(kind, list) else [kind])]
     if None in allowed:  # no type, or one this reading does not know: the JSON value as it reads
         return value
+    if isinstance(value, str):  # a string type among others: the text as written, quotes and all
+        return text
     fits = any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types in allowed)
     return value if fits else text
 
