@@ -41,20 +41,20 @@ from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs,
                                      prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
-from lit_grpo.rollout.rewards import (ON_ERROR, OnRewardError, TrainerState, build_reward_funcs,
-                                      check_gold_answers, check_row_fields, correctness_reward)
-from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_partial_rollouts
+from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
+                                      check_row_fields, correctness_reward)
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
 from lit_grpo.rollout.tools import (ToolBox, check_max_tool_calling_iterations, check_without_partial_rollouts,
                                    resolve_tools, tool_schemas)
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
-from lit_grpo.sampling.config import MIN_TEMPERATURE
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_bool, check_choice, check_int, check_int_in_range,
-                                         check_real, config_errors, settings_from)
+from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_int, check_int_in_range, config_errors,
+                                         settings_from)
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -299,14 +299,16 @@ class RolloutDataModule(LightningDataModule):
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
         self.sampling = sampling
         _warn_unused_sampling_options(sampling, stacklevel=3)
-        for name, value in (("size", size), ("prompts_per_step", prompts_per_step),
-                            ("max_rollouts_per_step", max_rollouts_per_step), ("val_batch_size", val_batch_size),
-                            ("score_batch_size", score_batch_size), ("steps_per_epoch", steps_per_epoch),
-                            ("val_max_new_tokens", val_max_new_tokens), ("val_num_samples", val_num_samples)):
-            if value is not None or name not in ("steps_per_epoch", "val_max_new_tokens"):
-                check_int(name, value, 1)
+        check_int("size", size, 1)
+        #: How a training step gathers its groups, and the held-out prompts' rollouts: built (and checked) once
+        #: here, read by the builder (``_require_builder``) as they are
+        self.training = TrainingConfig(prompts_per_step, dynamic_sampling, max_rollouts_per_step, over_provision,
+                                       max_staleness)
+        self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
+        check_int("score_batch_size", score_batch_size, 1)
+        if steps_per_epoch is not None:
+            check_int("steps_per_epoch", steps_per_epoch, 1)
         check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
-        check_bool("dynamic_sampling", dynamic_sampling)  # "false" would be truthy: dynamic sampling on
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
         check_chat_template_kwargs(None, chat_template_kwargs)
@@ -320,7 +322,6 @@ class RolloutDataModule(LightningDataModule):
             if not is_dataset_object(dataset):
                 raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a "
                                  "datasets.Dataset")
-        check_partial_rollouts(over_provision, max_staleness)
         # a round cap of its own key: the user wrote it under data.max_tool_calling_iterations, not data.tools
         check_max_tool_calling_iterations(max_tool_calling_iterations)
         with config_errors("data.tools"):
@@ -328,10 +329,9 @@ class RolloutDataModule(LightningDataModule):
             tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
             if self.tools:
                 check_without_partial_rollouts(over_provision)
-        check_choice("on_reward_error", on_reward_error, ON_ERROR)
+        scoring = ScoringConfig(accuracy_reward, on_reward_error)
         if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
-        check_real("val_temperature", val_temperature, low=MIN_TEMPERATURE)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
             max_rollouts_per_step=max_rollouts_per_step, over_provision=over_provision, max_staleness=max_staleness,
@@ -349,18 +349,15 @@ class RolloutDataModule(LightningDataModule):
         self.task, self.task_config, self.size, self.jsonl_path = task, task_config, size, jsonl_path
         self.inline_prompts = prompts
         self.dataset, self.prompt_column, self.answer_column, self.split = dataset, prompt_column, answer_column, split
-        self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
         self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs is not None else None
         with config_errors("data.reward_funcs"):
             self.reward_funcs = build_reward_funcs(reward_funcs)
-        self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
-        self.on_reward_error = on_reward_error
-        self.prompts_per_step, self.steps_per_epoch = prompts_per_step, steps_per_epoch
-        self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
-        self.over_provision, self.max_staleness = over_provision, max_staleness
-        self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens
+        #: the correctness reward resolved against the reward functions, and what a raising one does
+        self.scoring = dataclasses.replace(scoring,
+                                           accuracy_reward=correctness_reward(self.reward_funcs, accuracy_reward))
+        self.steps_per_epoch = steps_per_epoch
         self.curriculum, self.curriculum_kwargs = curriculum, dict(curriculum_kwargs or {})
         self.score_batch_size = score_batch_size
         self.max_tool_calling_iterations = max_tool_calling_iterations
@@ -395,7 +392,7 @@ class RolloutDataModule(LightningDataModule):
         config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
         limit = getattr(config, "max_position_embeddings", None)
         for name, cap in (("sampling.max_new_tokens", self.sampling.max_new_tokens),
-                          ("val_max_new_tokens", self.val_max_new_tokens)):
+                          ("val_max_new_tokens", self.validation.val_max_new_tokens)):
             if limit is not None and cap is not None and cap >= limit:
                 raise ConfigError(f"data.{name}={cap} leaves no room for a prompt within the model's "
                                   f"max_position_embeddings={limit}: use at most {limit - 1} less the longest prompt")
@@ -418,11 +415,11 @@ class RolloutDataModule(LightningDataModule):
             check_slot_budget(self.sampling, device)  # now, not at the first rollout
         self._check_fits_the_policy(policy, device)
         given = self._handover
+        advantage = AdvantageConfig(scale_rewards, multi_objective_aggregation)
         world = dict(all_gather=all_gather, precision_context=precision_context,
                      measured_update_peak=measured_update_peak)
         if given is not None and given["policy"] is policy and given["tokenizer"] is tokenizer and (
-                given["scale_rewards"], given["multi_objective_aggregation"], given["world_size"]) == (
-                scale_rewards, multi_objective_aggregation, world_size) and (
+                given["advantage"], given["world_size"]) == (advantage, world_size) and (
                 rollout_weights is None or given["rollout_weights"] is rollout_weights):
             # the same hand-over again (every validation run repeats it), perhaps from another trainer, whose
             # precision and gather the builder takes on: its engines and caches stay
@@ -432,8 +429,7 @@ class RolloutDataModule(LightningDataModule):
             return
         if self.builder is not None:  # a new policy object: a new builder, continuing the engine's state
             self._pending_state["engine"] = self.builder.state_dict()
-        self._handover = dict(policy=policy, tokenizer=tokenizer, scale_rewards=scale_rewards,
-                              multi_objective_aggregation=multi_objective_aggregation, world_size=world_size,
+        self._handover = dict(policy=policy, tokenizer=tokenizer, advantage=advantage, world_size=world_size,
                               rollout_weights=rollout_weights, **world)
         self.builder = None
         self._render_prompts()
@@ -453,16 +449,10 @@ class RolloutDataModule(LightningDataModule):
         if self.builder is None:
             given = self._handover
             self.builder = RolloutBuilder(
-                given["policy"], given["tokenizer"], self.sampling, self.reward_funcs,
-                scale_rewards=given["scale_rewards"],
-                multi_objective_aggregation=given["multi_objective_aggregation"], accuracy_reward=self.accuracy_reward,
-                on_reward_error=self.on_reward_error, dynamic_sampling=self.dynamic_sampling,
-                max_rollouts_per_step=self.max_rollouts_per_step, val_batch_size=self.val_batch_size,
-                val_max_new_tokens=self.val_max_new_tokens, val_num_samples=self.val_num_samples,
-                val_temperature=self.val_temperature, world_size=given["world_size"], rank=self._world()[1],
-                all_gather=given["all_gather"], precision_context=given["precision_context"],
-                prompts_per_step=self.prompts_per_step, over_provision=self.over_provision,
-                max_staleness=self.max_staleness, rollout_weights=given["rollout_weights"],
+                given["policy"], given["tokenizer"], self.sampling, self.reward_funcs, advantage=given["advantage"],
+                scoring=self.scoring, training=self.training, validation=self.validation,
+                world_size=given["world_size"], rank=self._world()[1], all_gather=given["all_gather"],
+                precision_context=given["precision_context"], rollout_weights=given["rollout_weights"],
                 measured_update_peak=given["measured_update_peak"], tools=self._toolbox,
                 max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
             self.builder.trainer_state = self._trainer_state
@@ -514,13 +504,14 @@ class RolloutDataModule(LightningDataModule):
             rank_zero_info(f"lit_grpo: {kept_out} of {len(examples)} prompt rows repeat one of the "
                            f"{len(self.val_indices)} held-out prompts: validated once, never trained on")
         world, _ = self._world()
-        if self.prompts_per_step * world > len(self.train_indices):
-            raise ConfigError(f"data.prompts_per_step={self.prompts_per_step} x world_size={world} exceeds the "
+        step = self.training
+        if step.prompts_per_step * world > len(self.train_indices):
+            raise ConfigError(f"data.prompts_per_step={step.prompts_per_step} x world_size={world} exceeds the "
                               f"{len(self.train_indices)} training prompts")
-        first_rollout = math.ceil(self.over_provision * self.prompts_per_step)  # a partial rollout's groups
+        first_rollout = step.groups_per_rollout  # a partial rollout's groups
         if first_rollout * world > len(self.train_indices):
-            raise ConfigError(f"data.over_provision={self.over_provision} runs ceil({self.over_provision} x "
-                              f"prompts_per_step={self.prompts_per_step}) = {first_rollout} groups a rollout, x "
+            raise ConfigError(f"data.over_provision={step.over_provision} runs ceil({step.over_provision} x "
+                              f"prompts_per_step={step.prompts_per_step}) = {first_rollout} groups a rollout, x "
                               f"world_size={world} more than the {len(self.train_indices)} training prompts: lower "
                               "over_provision")
         if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
@@ -586,7 +577,8 @@ class RolloutDataModule(LightningDataModule):
 
     def num_train_steps_per_epoch(self) -> int:
         world, _ = self._world()
-        return self.steps_per_epoch or max(1, math.ceil(len(self.train_indices) / (self.prompts_per_step * world)))
+        return self.steps_per_epoch or max(1, math.ceil(len(self.train_indices) /
+                                                        (self.training.prompts_per_step * world)))
 
     def train_dataloader(self) -> DataLoader:
         stream = RequestStream("train", self.num_train_steps_per_epoch())
@@ -604,8 +596,9 @@ class RolloutDataModule(LightningDataModule):
         rollout is a collective under FSDP2."""
         world, rank = self._world()
         positions = list(range(len(self.val_indices)))[rank::world]
-        count = math.ceil(math.ceil(len(self.val_indices) / world) / self.val_batch_size)
-        return [positions[i * self.val_batch_size:(i + 1) * self.val_batch_size] for i in range(count)]
+        size = self.validation.val_batch_size
+        count = math.ceil(math.ceil(len(self.val_indices) / world) / size)
+        return [positions[i * size:(i + 1) * size] for i in range(count)]
 
     # ------------------------------------------------------------------------------------------ rollouts
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -637,7 +630,7 @@ class RolloutDataModule(LightningDataModule):
         if self.sampler.needs_scores(epoch):
             self.sampler.set_scores(self._angle_scores(builder), epoch)
         if world > 1:
-            self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank, self._in_flight)
+            self._step_draw = _StepDraw(self.sampler, self.training.prompts_per_step, world, rank, self._in_flight)
         self._step_drawn = set()
         batch = builder.build_train(self._draw)
         self._say_memory_decisions(builder.slot_memory)
@@ -703,7 +696,8 @@ class RolloutDataModule(LightningDataModule):
             return [self._prompt("train", i) for i in drawn]
         step = getattr(self, "_step_draw", None)
         if step is None or step.sampler is not self.sampler:
-            step = self._step_draw = _StepDraw(self.sampler, self.prompts_per_step, world, rank, self._in_flight)
+            step = self._step_draw = _StepDraw(self.sampler, self.training.prompts_per_step, world, rank,
+                                               self._in_flight)
         return [self._prompt("train", i) for i in step.take(count)]
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

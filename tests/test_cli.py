@@ -739,7 +739,7 @@ def test_multi_objective_aggregation_reaches_the_rollouts_from_the_command_line_
                      "--trainer.limit_val_batches", "0", "--trainer.logger", "false", "--torch_num_threads", "1",
                      "--model.multi_objective_aggregation", "normalize_then_sum"])
     builder = cli.datamodule.builder
-    assert cli.trainer.global_step == 1 and builder.multi_objective_aggregation == "normalize_then_sum"
+    assert cli.trainer.global_step == 1 and builder.advantage.multi_objective_aggregation == "normalize_then_sum"
     batch = cli.datamodule.build_train_batch()
     funcs = cli.datamodule.reward_funcs
     values = torch.stack([batch.reward_components[f.name] for f in funcs], dim=-1)

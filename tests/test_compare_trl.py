@@ -166,7 +166,7 @@ def test_the_lit_grpo_config_sets_what_the_spec_says(demo, tmp_path):
     assert (model.loss_fn.name, config.epsilon_low, config.epsilon_high, config.beta) == ("dapo", 0.2, 0.28, 0.0)
     sampling = data.sampling
     assert (sampling.group_size, sampling.max_new_tokens, sampling.temperature, sampling.seed) == (4, 12, 1.0, 5)
-    assert data.prompts_per_step == 2 and data.system_prompt == demo["data"]["system_prompt"]
+    assert data.training.prompts_per_step == 2 and data.system_prompt == demo["data"]["system_prompt"]
     assert trainer.max_steps == 4 and trainer.limit_val_batches == 0 and trainer.logger is None
     recorders = [cb for cb in trainer.callbacks if type(cb).__name__ == "StepRecorder"]
     assert len(recorders) == 1 and recorders[0].out == str(tmp_path / "steps.jsonl")

@@ -157,7 +157,7 @@ def test_multi_node_recipe_parses_and_instantiates():
                      "--trainer.devices", "1", "--trainer.num_nodes", "1", "--trainer.precision", "32-true",
                      "--trainer.logger", "false"], run=False)
     assert cli.trainer.num_nodes == 1 and type(cli.trainer.strategy).__name__ == "DDPStrategy"
-    assert cli.datamodule.prompts_per_step == 4 and cli.datamodule.sampling.group_size == 32
+    assert cli.datamodule.training.prompts_per_step == 4 and cli.datamodule.sampling.group_size == 32
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_stops_every_rank(tmp_path):

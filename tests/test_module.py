@@ -431,8 +431,8 @@ def test_bad_arguments_name_the_value():
                                          r"micro_group_size=4 ignores it"):
         RolloutDataModule(prompts=PROMPTS, sampling={"micro_group_size": 4, "kv_budget_bytes": 10**6})
     # unset, the correctness reward follows the reward functions
-    assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).accuracy_reward == "math"
-    assert RolloutDataModule(prompts=PROMPTS).accuracy_reward == "accuracy"
+    assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).scoring.accuracy_reward == "math"
+    assert RolloutDataModule(prompts=PROMPTS).scoring.accuracy_reward == "accuracy"
 
 
 def test_setting_warnings_point_at_the_caller():

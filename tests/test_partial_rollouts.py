@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lit_grpo.rollout.config import AdvantageConfig, TrainingConfig
 from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.sampling import RolloutEngine
 
@@ -156,13 +157,14 @@ class _Draws:
         return self.drawn[-count:]
 
 
-def _partial_builder(model, tokenizer, reward_funcs, **options):
+def _partial_builder(model, tokenizer, reward_funcs, advantage=AdvantageConfig(), **training):
+    """B = 2 groups a step over-provisioned twice, carried one step at most; ``training``: more of its settings."""
     from lit_grpo.rollout.builder import RolloutBuilder
     from lit_grpo.sampling import SamplingConfig
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=12, seed=1)
-    return RolloutBuilder(model, tokenizer, sampling, reward_funcs, prompts_per_step=2, over_provision=2.0,
-                          max_staleness=1, **options)
+    return RolloutBuilder(model, tokenizer, sampling, reward_funcs, advantage=advantage,
+                          training=TrainingConfig(prompts_per_step=2, over_provision=2.0, max_staleness=1, **training))
 
 
 def test_the_builder_carries_groups_and_drops_none(tiny64):
@@ -197,9 +199,9 @@ def test_the_builder_carries_groups_and_drops_none(tiny64):
     state = builder.state_dict()
     assert len(state["carried"]) == len(builder.carried)
     with pytest.raises(ValueError, match=r"over_provision=0.5 must be a finite number >= 1.0"):
-        RolloutBuilder(model, tokenizer, sampling, [], over_provision=0.5)
+        RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(over_provision=0.5))
     with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1"):
-        RolloutBuilder(model, tokenizer, sampling, [], max_staleness=0)
+        RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(max_staleness=0))
 
 
 def test_off_policy_tokens_are_counted_over_the_groups_trained_on_only(tiny64):
@@ -243,7 +245,8 @@ def test_partial_rollouts_under_normalize_then_sum_score_the_groups_returned(tin
         return [float(k % 2) if k % 3 else None for k in range(len(prompts))]
 
     funcs = [WeightedReward(length, 0.1), WeightedReward(odd, 1.0)]
-    builder = _partial_builder(model, tokenizer, funcs, multi_objective_aggregation="normalize_then_sum")
+    builder = _partial_builder(model, tokenizer, funcs,
+                               AdvantageConfig(multi_objective_aggregation="normalize_then_sum"))
     carried_some = False
     for step in range(3):
         draw.step = step
@@ -265,7 +268,8 @@ def test_carried_groups_that_fill_the_rollout_alone_run_without_fresh_ones(tiny6
     model, tokenizer = tiny64
     draw = _Draws(tokenizer)
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=1)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=2))
     carried = draw(2)
     builder.carried = [GroupProgress(p.ids, [SampleProgress() for _ in range(4)], (0, i), tag=_Carry(p))
                        for i, p in enumerate(carried)]
@@ -292,11 +296,13 @@ def test_a_resumed_carried_chat_prompt_reaches_the_rewards_as_its_messages(tiny6
         return [0.0] * len(prompts)
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=1)
-    saved = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)], prompts_per_step=1)
+    saved = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)],
+                           training=TrainingConfig(prompts_per_step=1))
     prompt = Prompt(0, PromptExample("What is 2 + 2?", "4", {"prompt": messages}, messages),
                     tokenizer("What is 2 + 2?")["input_ids"])
     saved.carried = [GroupProgress(prompt.ids, [SampleProgress() for _ in range(4)], (0, 0), tag=_Carry(prompt))]
-    resumed = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)], prompts_per_step=1)
+    resumed = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)],
+                             training=TrainingConfig(prompts_per_step=1))
     resumed.load_state_dict(saved.state_dict())
     resumed.build_train(_Draws(tokenizer))
     assert [p for p, _ in seen] == [messages] * 4

@@ -402,8 +402,8 @@ def test_auto_micro_group_size_in_the_datamodule(module):
     parked = sampling.scheduler.parked_kv_bounds(sampling.max_new_tokens) if sampling.strategy == "infinite" else (0, 0)
     # "continuous" (or "infinite" with no preemption point below the 6-token cap): no sample parks, no KV aside
     assert sampling.max_new_tokens == 6 and parked == (0, 0)
-    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step) + \
-        kv_prefill_bytes(config, torch.float32, longest, probe.prompts_per_step, sampling.max_new_tokens)
+    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.training.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.float32, longest, probe.training.prompts_per_step, sampling.max_new_tokens)
     dm = make_datamodule(module, micro_group_size="auto", kv_budget_bytes=held + 3 * slot + 1)
     batch = dm.build_train_batch()
     assert dm.resolved_micro_group_size == 3 and dm.engine.micro_group_size == 3
@@ -431,8 +431,8 @@ def test_auto_prices_a_slot_at_its_rows_aligned_width_where_the_engine_aligns_th
     assert aligned == kv_bytes_per_token(config, torch.float32) * WIDTH_ALIGNMENT > kv_slot_bytes(
         config, torch.float32, longest, 6)
     sampling = probe.sampling
-    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.prompts_per_step) + \
-        kv_prefill_bytes(config, torch.float32, longest, probe.prompts_per_step, sampling.max_new_tokens)
+    held = kv_held_bytes(config, torch.float32, longest, sampling.group_size, probe.training.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.float32, longest, probe.training.prompts_per_step, sampling.max_new_tokens)
     budget = held + 3 * aligned + 1  # three aligned slots and what is held besides them, not four
     slots = {compiled: make_datamodule(module, micro_group_size="auto", kv_budget_bytes=budget,
                                        compile=compiled).resolved_micro_group_size for compiled in (False, True)}
@@ -604,9 +604,9 @@ def test_auto_micro_group_size_prices_the_cache_in_the_dtype_it_stores(module):
     probe = make_datamodule(module)
     longest = max(len(ids) for ids in probe.train_prompt_ids)
     config, sampling = module.policy.config, probe.sampling
-    args = (longest, sampling.max_new_tokens, sampling.group_size, probe.prompts_per_step)
-    budget = kv_held_bytes(config, torch.bfloat16, longest, sampling.group_size, probe.prompts_per_step) + \
-        kv_prefill_bytes(config, torch.bfloat16, longest, probe.prompts_per_step, sampling.max_new_tokens) + \
+    args = (longest, sampling.max_new_tokens, sampling.group_size, probe.training.prompts_per_step)
+    budget = kv_held_bytes(config, torch.bfloat16, longest, sampling.group_size, probe.training.prompts_per_step) + \
+        kv_prefill_bytes(config, torch.bfloat16, longest, probe.training.prompts_per_step, sampling.max_new_tokens) + \
         6 * kv_slot_bytes(config, torch.bfloat16, longest, sampling.max_new_tokens)
     assert auto_micro_group_size(config, torch.bfloat16, budget, *args) == 6
     assert auto_micro_group_size(config, torch.float32, budget, *args) < 6

@@ -12,6 +12,7 @@ from lit_grpo.runtime.distributed import CastWeights
 from lit_grpo.runtime.models import load_model_and_tokenizer
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.sampling.decode_step import vocab_size
 from lit_grpo.scheduling import LeastAttainedScheduler
@@ -43,7 +44,8 @@ def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
     sampling = SamplingConfig(group_size=4, micro_group_size=3, strategy="continuous", max_new_tokens=6, seed=1)
     model.train()
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction", "accuracy"]),
-                             scale_rewards="group", prompts_per_step=2)
+                             advantage=AdvantageConfig(scale_rewards="group"),
+                             training=TrainingConfig(prompts_per_step=2))
     batch = builder.build_train(draw)
     assert drawn == [2] and batch.rewards.shape == (2, 4) and batch.indices == [0, 1]
     assert torch.equal(batch.accuracy, batch.reward_components["accuracy"])
@@ -59,8 +61,9 @@ def test_validation_engines_run_their_step_as_the_training_engine_does(policy):
     model, tokenizer = policy
     options = dict(cuda_graph=False, compile=True, cpu_linear="torch", decode_attention="sdpa_gqa")
     sampling = SamplingConfig(group_size=4, micro_group_size=2, max_new_tokens=6, repetition_penalty=1.2, **options)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), prompts_per_step=1,
-                             val_num_samples=3, val_temperature=0.7)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),
+                             training=TrainingConfig(prompts_per_step=1),
+                             validation=ValidationConfig(val_num_samples=3, val_temperature=0.7))
     for engine in (builder.engine, builder.val_engine, builder.val_sampled_engine):
         assert {key: getattr(engine.config, key) for key in options} == options
     assert (builder.val_engine.config.temperature, builder.val_sampled_engine.config.temperature) == (0.0, 0.7)
@@ -78,7 +81,8 @@ def test_sampled_validation_takes_its_own_seed_whatever_the_training_seed(policy
     model, tokenizer = policy
     for seed in (1, SEED_MAX):
         sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4, seed=seed)
-        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), val_num_samples=2)
+        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),
+                                 validation=ValidationConfig(val_num_samples=2))
         assert builder.engine.seed == seed
         assert builder.val_sampled_engine.seed == (seed + VAL_SEED_OFFSET) % (SEED_MAX + 1) != seed
 
@@ -86,7 +90,7 @@ def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)
     make = lambda: RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),  # noqa: E731
-                                  prompts_per_step=1)
+                                  training=TrainingConfig(prompts_per_step=1))
     first = make()
     first.build_train(lambda n: _prompts(tokenizer, n))
     second = make()
@@ -104,7 +108,7 @@ def test_each_rank_draws_from_its_own_random_streams(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=3)
     make = lambda rank: RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),  # noqa: E731
-                                       prompts_per_step=2, world_size=2, rank=rank)
+                                       training=TrainingConfig(prompts_per_step=2), world_size=2, rank=rank)
     ranks = [make(rank) for rank in (0, 1)]
     assert ranks[0].engine.seed == 3 and ranks[1].engine.seed == rank_seed(3, 1) != 3  # rank 0: the seed itself
     assert len({rank_seed(3, rank) for rank in range(64)}) == 64
@@ -117,7 +121,8 @@ def test_each_rank_draws_from_its_own_random_streams(policy):
 def test_batch_scaling_across_ranks_needs_a_gather(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match=r"scale_rewards='batch' over world_size=2 ranks needs all_gather"):
-        RolloutBuilder(model, tokenizer, SamplingConfig(), [], scale_rewards="batch", world_size=2)
+        RolloutBuilder(model, tokenizer, SamplingConfig(), [], advantage=AdvantageConfig(scale_rewards="batch"),
+                       world_size=2)
 
 
 @pytest.mark.parametrize("args, message, key", [
@@ -258,7 +263,8 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
 
     monkeypatch.setattr(slot_memory_module, "device_memory", device_memory)
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=2),
                              max_prompt_length=longest, rollout_weights=weights, precision_context=context)
     batch = builder.build_train(lambda count: prompts[:count])
     assert builder.engine.micro_group_size == 3 and batch.metrics["rollout/slots"] == 3.0
@@ -276,7 +282,8 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
         model.parameters()), total))
 
     def resumed(state, **changes):
-        run = RolloutBuilder(model, tokenizer, sampling.replace(**changes), [], prompts_per_step=2,
+        run = RolloutBuilder(model, tokenizer, sampling.replace(**changes), [],
+                             training=TrainingConfig(prompts_per_step=2),
                              max_prompt_length=longest, rollout_weights=weights, precision_context=context)
         run.load_state_dict(state)
         return run
@@ -303,7 +310,8 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     # keep_kv_cache: true holds the cache through every update: the gradients are set aside too
     gradients = trainable_bytes(model.parameters())
     monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (free + gradients, total))
-    held_through = RolloutBuilder(model, tokenizer, sampling.replace(keep_kv_cache=True), [], prompts_per_step=2,
+    held_through = RolloutBuilder(model, tokenizer, sampling.replace(keep_kv_cache=True), [],
+                                  training=TrainingConfig(prompts_per_step=2),
                                   max_prompt_length=longest, rollout_weights=weights, precision_context=context)
     assert held_through.resolved_micro_group_size == 3
     held_budget = held_through.slot_memory.slot_budget
@@ -344,7 +352,8 @@ def test_auto_keeps_the_cache_through_updates_no_wider_than_one_measured_where_i
         weights = CastWeights(model, torch.bfloat16) if cast else None
         context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast else None
         measured = {"peak": None}
-        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+        builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                                 training=TrainingConfig(prompts_per_step=2),
                                  rollout_weights=weights, precision_context=context, max_prompt_length=longest,
                                  measured_update_peak=lambda: measured["peak"])
         kept_bytes = slot_cache + (weights.cast_bytes() if cast else 0)
@@ -408,7 +417,8 @@ def test_auto_slots_under_infinite_price_what_preemption_may_park(policy, monkey
     for strategy, scheduler in [("infinite", {}), ("infinite", {"park_budget": None}), ("continuous", {})]:
         sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy=strategy, max_new_tokens=64,
                                   kv_budget_bytes=10**7, scheduler=scheduler)
-        builder = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=8)
+        builder = RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(prompts_per_step=2),
+                                 max_prompt_length=8)
         assert builder.resolved_micro_group_size == 2
     # within the park budget: half of each slot's generation KV; without one, each sample up to its last point
     assert priced == [(0, 0.5), (56, 0.0), (0, 0)]
@@ -425,7 +435,7 @@ def test_auto_slots_price_the_ids_a_repetition_penalty_keeps_per_row(policy, mon
     for penalty in (1.0, 1.2):
         sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=64,
                                   kv_budget_bytes=10**7, repetition_penalty=penalty)
-        assert RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2,
+        assert RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(prompts_per_step=2),
                               max_prompt_length=8).resolved_micro_group_size == 2
     # one bool per vocabulary entry a row; no decode step's activations in a configured budget (the cache's alone)
     assert priced == [(0, 0), (vocab_size(model), 0)]
@@ -434,7 +444,8 @@ def test_auto_slots_price_the_ids_a_repetition_penalty_keeps_per_row(policy, mon
 def test_auto_keeps_nothing_off_cuda(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="continuous", max_new_tokens=4)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=1,
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=1),
                              measured_update_peak=lambda: 1)
     for _ in range(2):
         builder.build_train(lambda count: _prompts(tokenizer, count))
@@ -447,7 +458,8 @@ def test_auto_slots_name_a_device_too_full_for_one_slot(policy, monkeypatch):
     model, tokenizer = policy
     monkeypatch.setattr(slot_memory_module, "device_memory", lambda device: (10**6, 10**9))  # the margin alone is 10**8
     sampling = SamplingConfig(group_size=4, micro_group_size="auto", strategy="continuous", max_new_tokens=6)
-    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=2),
                              max_prompt_length=8)
     with pytest.raises(ValueError, match=r"no device memory left for the KV cache: free_bytes=1000000 - "
                                          r"reserved_bytes=\d+ .* - margin_bytes=100000000 = -\d+"):
@@ -462,16 +474,18 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
                               kv_budget_bytes=10**7)
     with pytest.raises(ValueError, match=r"max_prompt_length=0: micro_group_size 'auto' prices the prompts' KV "
                                          r"from the longest training prompt"):
-        RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2)
+        RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(prompts_per_step=2))
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
                         lambda *args, carried, alignment, row_state_bytes, step_bytes: priced.append(carried) or 2)
-    partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]), prompts_per_step=2,
-                             max_prompt_length=8, over_provision=2.0)
+    partial = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=2, over_provision=2.0),
+                             max_prompt_length=8)
     partial.build_train(lambda count: _prompts(tokenizer, count))
     assert partial.carried, "the test needs groups carried into the next step"
     # resumed without partial rollouts, the carried groups still run first: their KV is priced
-    resumed = RolloutBuilder(model, tokenizer, sampling, [], prompts_per_step=2, max_prompt_length=8)
+    resumed = RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(prompts_per_step=2),
+                             max_prompt_length=8)
     resumed.load_state_dict(partial.state_dict())
     assert resumed.resolved_micro_group_size == 2 and priced == [True, True]
 
@@ -488,8 +502,9 @@ def test_the_curriculums_accuracy_counts_every_generated_group_dynamic_sampling_
         return [first.get(p, float(k % 2)) for k, p in enumerate(prompts)]
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
-    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(correct)], prompts_per_step=1,
-                             accuracy_reward="correct", dynamic_sampling=True)
+    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(correct)],
+                             training=TrainingConfig(prompts_per_step=1, dynamic_sampling=True),
+                             scoring=ScoringConfig(accuracy_reward="correct"))
     pool = iter(_prompts(tokenizer, 3))
     batch = builder.build_train(lambda count: [next(pool) for _ in range(count)])
     assert batch.indices == [2] and batch.metrics["rollout/rollouts_per_step"] == 3.0
@@ -510,8 +525,9 @@ def test_the_curriculums_mean_reward_leaves_out_the_completions_no_reward_functi
         return [1.0 if k % 2 == 0 else None for k in range(len(prompts))]
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
-    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(half)], prompts_per_step=2)
-    assert builder.accuracy_reward is None
+    builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(half)],
+                             training=TrainingConfig(prompts_per_step=2))
+    assert builder.scoring.accuracy_reward is None
     with pytest.warns(UserWarning, match="every reward function returned None for 4 of 8 completions"):
         batch = builder.build_train(lambda count: _prompts(tokenizer, count))
     assert batch.rewards.tolist() == [[1.0, 0.0, 1.0, 0.0]] * 2  # the logged totals
@@ -546,7 +562,8 @@ def test_normalize_then_sum_advantages_span_the_kept_groups_of_every_rank(policy
     other_sums = normalize_then_sum(other, weights).masked_fill(other_skipped[:, None], float("nan"))
     sampling = SamplingConfig(group_size=4)
 
-    one = RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum")
+    one = RolloutBuilder(model, tokenizer, sampling, funcs,
+                         advantage=AdvantageConfig(multi_objective_aggregation="normalize_then_sum"))
     advantages = one._advantages(values.sum(dim=2), components, skipped)
     assert torch.equal(advantages[2], torch.zeros(4))
     torch.testing.assert_close(advantages[:2], normalize_then_sum_advantages(values[:2], weights))
@@ -558,8 +575,10 @@ def test_normalize_then_sum_advantages_span_the_kept_groups_of_every_rank(policy
         gathered.append(tensor)
         return torch.stack([tensor, other_sums])
 
-    two = RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum",
-                         world_size=2, all_gather=all_gather, scale_rewards="group")
+    two = RolloutBuilder(model, tokenizer, sampling, funcs,
+                         advantage=AdvantageConfig(multi_objective_aggregation="normalize_then_sum",
+                                                   scale_rewards="group"),
+                         world_size=2, all_gather=all_gather)
     advantages = two._advantages(values.sum(dim=2), components, skipped)
     assert len(gathered) == 1 and gathered[0][2].isnan().all()   # the skipped group is gathered as NaN
     kept = torch.cat([normalize_then_sum(values[:2], weights), other_sums[1:]])
@@ -569,11 +588,12 @@ def test_normalize_then_sum_advantages_span_the_kept_groups_of_every_rank(policy
 
     with pytest.raises(ValueError, match=r"multi_objective_aggregation='normalize_then_sum' over world_size=2 "
                                          r"ranks needs all_gather"):
-        RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="normalize_then_sum",
+        RolloutBuilder(model, tokenizer, sampling, funcs,
+                       advantage=AdvantageConfig(multi_objective_aggregation="normalize_then_sum"),
                        world_size=2)
     with pytest.raises(ValueError, match=r"multi_objective_aggregation='gdpo' is not known; use one of "
                                          r"\['sum_then_normalize', 'normalize_then_sum'\]"):
-        RolloutBuilder(model, tokenizer, sampling, funcs, multi_objective_aggregation="gdpo")
+        RolloutBuilder(model, tokenizer, sampling, funcs, advantage=AdvantageConfig(multi_objective_aggregation="gdpo"))
 
 
 def test_normalize_then_sum_trains_on_the_groups_no_reward_function_raised_on(policy, recwarn):
@@ -595,8 +615,9 @@ def test_normalize_then_sum_trains_on_the_groups_no_reward_function_raised_on(po
     names = ["picky", "spread"]
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
     builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(picky, 2.0), WeightedReward(spread, 0.5)],
-                             prompts_per_step=3, on_reward_error="skip_group",
-                             multi_objective_aggregation="normalize_then_sum")
+                             training=TrainingConfig(prompts_per_step=3),
+                             scoring=ScoringConfig(on_reward_error="skip_group"),
+                             advantage=AdvantageConfig(multi_objective_aggregation="normalize_then_sum"))
     batch = builder.build_train(lambda count: _prompts(tokenizer, count))
     assert batch.skipped.tolist() == [False, True, False]
     assert torch.equal(batch.advantages[1], torch.zeros(4)) and batch.advantages.abs().sum() > 0
@@ -624,8 +645,9 @@ def test_dynamic_sampling_under_normalize_then_sum_drops_groups_whose_every_func
     funcs = [WeightedReward(first, 1.0), WeightedReward(second, 2.0)]
     batches = {}
     for aggregation in ("normalize_then_sum", "sum_then_normalize"):
-        builder = RolloutBuilder(model, tokenizer, sampling, funcs, prompts_per_step=1, dynamic_sampling=True,
-                                 multi_objective_aggregation=aggregation)
+        builder = RolloutBuilder(model, tokenizer, sampling, funcs,
+                                 training=TrainingConfig(prompts_per_step=1, dynamic_sampling=True),
+                                 advantage=AdvantageConfig(multi_objective_aggregation=aggregation))
         pool = iter([_prompts(tokenizer, 2)[1], _prompts(tokenizer, 2)[0]])
         batches[aggregation] = builder.build_train(lambda count: [next(pool) for _ in range(count)])
     gdpo, summed = batches["normalize_then_sum"], batches["sum_then_normalize"]
@@ -648,8 +670,9 @@ def test_completions_no_function_scored_are_left_out_of_their_groups_advantages(
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=4)
     for dynamic in (False, True):
-        builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(sparse, 1.0)], prompts_per_step=2,
-                                 dynamic_sampling=dynamic, max_rollouts_per_step=1)
+        builder = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(sparse, 1.0)],
+                                 training=TrainingConfig(prompts_per_step=2, dynamic_sampling=dynamic,
+                                                         max_rollouts_per_step=1))
         with pytest.warns(UserWarning, match="None for 2 of 8 completions; they are left out"):
             batch = builder.build_train(lambda count: _prompts(tokenizer, count))
         if dynamic:
@@ -687,7 +710,8 @@ def test_the_batch_scale_over_ranks_leaves_out_every_ranks_unscored_completions(
     def all_gather(tensor):
         return torch.stack([tensor, other if tensor.dtype == torch.float32 else torch.ones(2, dtype=torch.bool)])
 
-    builder = RolloutBuilder(model, tokenizer, SamplingConfig(group_size=4), funcs, scale_rewards="batch",
+    builder = RolloutBuilder(model, tokenizer, SamplingConfig(group_size=4), funcs,
+                             advantage=AdvantageConfig(scale_rewards="batch"),
                              world_size=2, all_gather=all_gather)
     advantages = builder._advantages(values.nan_to_num(0.0), {"a": values}, torch.zeros(2, dtype=torch.bool))
     pool = torch.cat([values, other]).flatten()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+from lit_grpo.rollout.config import TrainingConfig
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.runtime.models import load_model_and_tokenizer
@@ -151,7 +152,7 @@ def test_the_builders_batches_and_validation_stop_on_them(tiny64):
         sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=16,
                                   top_k=20, seed=7, stop_strings=stops)
         builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
-                                 prompts_per_step=4)
+                                 training=TrainingConfig(prompts_per_step=4))
         batches.append(builder.build_train(lambda count: pool[:count]))
     free, stopped = batches
     assert builder.val_engine.stop_strings.strings == builder.val_sampled_engine.stop_strings.strings == tuple(stops)

@@ -15,6 +15,7 @@ import torch
 
 from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
+from lit_grpo.rollout.config import TrainingConfig
 from lit_grpo.rollout.metrics import reduce_over_ranks
 from lit_grpo.rollout.tools import ToolBox, call_body, tool_chat_template, tool_schemas, tool_suffix_ids
 from lit_grpo.runtime.models import tiny_tokenizer
@@ -183,7 +184,7 @@ def test_bad_tool_settings_name_the_value(llama):
     tools_tokenizer.chat_template = TOOLS_TEMPLATE
     with pytest.raises(ValueError, match=partial):
         RolloutBuilder(llama[0], tools_tokenizer, SamplingConfig(group_size=2), build_reward_funcs(["char_fraction"]),
-                       over_provision=2.0, tools=ToolBox([add], tools_tokenizer))
+                       training=TrainingConfig(over_provision=2.0), tools=ToolBox([add], tools_tokenizer))
 
 
 def tool_batch(template=TOOLS_TEMPLATE, **kwargs):

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+from lit_grpo.rollout.config import TrainingConfig
 from lit_grpo.rollout.prompts import PromptExample
 from lit_grpo.rollout.rewards import build_reward_funcs
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
@@ -115,8 +116,8 @@ def replay(builder: RolloutBuilder, prompt_ids: list[int], steps: int) -> dict:
         offpolicy += batch.metrics.get("rollout/offpolicy_tokens_frac", 0.0) * step_tokens
         tokens += step_tokens
         carried_samples.append(batch.metrics.get("rollout/carried_samples", 0.0))
-    return {"over_provision": builder.over_provision, "micro_group_size": builder.resolved_micro_group_size,
-            "max_staleness": builder.max_staleness, "decode_steps_per_step": harness.median(decode_steps),
+    return {"over_provision": builder.training.over_provision, "micro_group_size": builder.resolved_micro_group_size,
+            "max_staleness": builder.training.max_staleness, "decode_steps_per_step": harness.median(decode_steps),
             "decode_steps_total": sum(decode_steps), "carried_samples": sum(carried_samples) / steps,
             "observed_max_staleness": staleness_seen, "offpolicy_tokens_frac": offpolicy / max(tokens, 1),
             "wall_s_per_step": harness.median(walls), "steps": steps}
@@ -138,8 +139,8 @@ def main(argv=None) -> dict:
             sampling = SamplingConfig(group_size=args.group_size, micro_group_size=g, strategy=args.strategy,
                                       max_new_tokens=max_new_tokens, seed=args.seed)
             builder = ReplayBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),
-                                    prompts_per_step=args.prompts, over_provision=r,
-                                    max_staleness=args.max_staleness, lengths=lengths)
+                                    training=TrainingConfig(prompts_per_step=args.prompts, over_provision=r,
+                                                            max_staleness=args.max_staleness), lengths=lengths)
             with torch.inference_mode():
                 runs.append(replay(builder, prompt_ids, args.steps))
             print(json.dumps(runs[-1]), file=sys.stderr)

@@ -16,24 +16,25 @@ The data flow of a training step, prompt -> builder -> batch -> module::
       -> GRPOModule.training_step               the update
 
 Everything the builder needs comes in as an argument, once: the policy and tokenizer (from the module that owns
-them), the sampling config, the reward functions, the advantage scaling and the world (size, and how to gather
-across ranks). It knows nothing about Lightning. The slot cache's memory decisions (``micro_group_size: auto``,
-``keep_kv_cache: auto``) are its ``SlotMemory``'s (lit_grpo.rollout.slot_memory).
+them), the sampling config, the reward functions, its settings grouped by idea (``lit_grpo.rollout.config``:
+advantages, scoring, training steps, validation) and the world (size, and how to gather across ranks). It knows
+nothing about Lightning. The slot cache's memory decisions (``micro_group_size: auto``, ``keep_kv_cache: auto``)
+are its ``SlotMemory``'s (lit_grpo.rollout.slot_memory).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from lit_grpo.rollout.advantages import (AGGREGATIONS, group_advantages, normalize_then_sum,
-                                         normalize_then_sum_advantages, zero_std_groups)
+from lit_grpo.rollout.advantages import (group_advantages, normalize_then_sum, normalize_then_sum_advantages,
+                                         zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, scored_rewards
+from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, own_copy,
@@ -41,7 +42,7 @@ from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
-from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int
+from lit_grpo.runtime.validation import SEED_MAX, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
@@ -102,20 +103,14 @@ class RolloutBuilder:
         sampling: the training rollouts' settings; ``micro_group_size="auto"`` is resolved against
             ``max_prompt_length`` on first use.
         reward_funcs: weighted reward functions (``lit_grpo.rollout.rewards.build_reward_funcs``).
-        scale_rewards: advantage scaling, "group" | "batch" | "none" (part of the module's objective).
-        multi_objective_aggregation: how the reward functions' values become advantages (part of the module's
-            objective): "sum_then_normalize" scales their weighted sum by ``scale_rewards``; "normalize_then_sum"
-            (GDPO) normalizes each function within its group, sums them with their weights and normalizes that
-            sum over the batch (every rank's). It also says which groups dynamic sampling drops as without
-            signal, and counts in ``num_groups_zero_std``: under "normalize_then_sum" those in which every
-            function's values are equal (``zero_std_groups``), whatever their totals do.
-        accuracy_reward: the reward whose values are correctness (``RolloutBatch.accuracy``; ``correctness_reward``).
-        on_reward_error: "raise" | "skip_group" (see RolloutDataModule).
-        dynamic_sampling: drop groups without learning signal (all-equal rewards; see
-            ``multi_objective_aggregation``) and sample more, at most ``max_rollouts_per_step`` rollouts
-            (engine calls) per step; dropped groups fill the batch if still short (each with equal advantages).
-        val_batch_size: greedy validation rollouts (one completion per prompt), ``val_max_new_tokens`` long.
-        val_num_samples: k > 1 also draws k completions per held-out prompt at ``val_temperature``
+        advantage: how rewards become advantages (``scale_rewards``, ``multi_objective_aggregation``; the module's
+            objective).
+        scoring: the reward whose values are correctness (``RolloutBatch.accuracy``; resolved against
+            ``reward_funcs`` by ``correctness_reward``) and what a raising reward function does.
+        training: how a training step gathers its B groups: dynamic sampling, and partial rollouts
+            (``over_provision``, ``max_staleness``; see ``TrainingConfig``).
+        validation: greedy validation rollouts (one completion per prompt), ``val_batch_size`` prompts at a time;
+            with ``val_num_samples`` k > 1 also k completions per held-out prompt at ``val_temperature``
             (``RolloutBatch.sampled_accuracy``, for mean@k and pass@k). Their random streams use their own seed
             (``val_seed``: ``sampling.seed + VAL_SEED_OFFSET``), keyed by the prompt's index in the dataset, and
             restart at every validation, so a prompt's k draws depend on the seed and that index only (not on the
@@ -130,13 +125,7 @@ class RolloutBuilder:
         precision_context: a context manager factory the rollouts run in (the trainer's autocast), or None.
         measured_update_peak: the device's peak in the last update, read from its owner (``use_world``), for
             ``keep_kv_cache: auto`` (``slot_memory``).
-        prompts_per_step: B, groups per training batch.
         max_prompt_length: the longest training prompt, for ``micro_group_size="auto"``.
-        over_provision: partial rollouts (1.0: off): each step's first rollout runs up to ``ceil(over_provision x B)``
-            groups, carried ones first, stops once B are complete and carries every unfinished group (its samples'
-            tokens so far, continued next step under the new weights). Nothing is dropped.
-        max_staleness: steps a group may be carried; one carried that long must complete in the next rollout
-            (the stalest B at most, as only B groups fit a batch).
         rollout_weights: what the engines run on (default: ``policy`` itself); under FSDP2 the policy's gathered
             copy or its shards in lockstep (lit_grpo.runtime.distributed). A training step's rollouts (all of
             them, dynamic sampling's too) run in one ``active()`` scope, a validation batch's in one, and what
@@ -147,46 +136,35 @@ class RolloutBuilder:
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
-                 reward_funcs: Sequence[WeightedReward], *, scale_rewards: str = "group",
-                 multi_objective_aggregation: str = "sum_then_normalize",
-                 accuracy_reward: str | None = None, on_reward_error: str = "raise", dynamic_sampling: bool = False,
-                 max_rollouts_per_step: int = 4, val_batch_size: int = 32, val_max_new_tokens: int | None = None,
-                 val_num_samples: int = 1, val_temperature: float = 1.0,
+                 reward_funcs: Sequence[WeightedReward], *, advantage: AdvantageConfig = AdvantageConfig(),
+                 scoring: ScoringConfig = ScoringConfig(), training: TrainingConfig = TrainingConfig(),
+                 validation: ValidationConfig = ValidationConfig(),
                  world_size: int = 1, rank: int = 0, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 precision_context: Callable[[], Any] | None = None, prompts_per_step: int = 1,
-                 max_prompt_length: int = 0, over_provision: float = 1.0, max_staleness: int = 2,
+                 precision_context: Callable[[], Any] | None = None, max_prompt_length: int = 0,
                  rollout_weights: RolloutWeights | None = None,
                  measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None):
-        check_choice("multi_objective_aggregation", multi_objective_aggregation, AGGREGATIONS)
         if world_size > 1 and all_gather is None:
-            if multi_objective_aggregation == "normalize_then_sum":
+            if advantage.multi_objective_aggregation == "normalize_then_sum":
                 raise ValueError(f"multi_objective_aggregation='normalize_then_sum' over world_size={world_size} "
                                  "ranks needs all_gather")
-            if scale_rewards == "batch":
+            if advantage.scale_rewards == "batch":
                 raise ValueError(f"scale_rewards='batch' over world_size={world_size} ranks needs all_gather")
-        check_partial_rollouts(over_provision, max_staleness)
         if tools is not None:
-            check_without_partial_rollouts(over_provision)
+            check_without_partial_rollouts(training.over_provision)
         self.tools = tools
         check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
-        self.scale_rewards, self.on_reward_error = scale_rewards, on_reward_error
-        self.multi_objective_aggregation = multi_objective_aggregation
-        self.accuracy_reward = correctness_reward(self.reward_funcs, accuracy_reward)
-        self.dynamic_sampling, self.max_rollouts_per_step = dynamic_sampling, max_rollouts_per_step
-        self.val_batch_size, self.val_max_new_tokens = val_batch_size, val_max_new_tokens or sampling.max_new_tokens
-        self.val_num_samples, self.val_temperature = val_num_samples, val_temperature
+        self.advantage, self.training, self.validation = advantage, training, validation
+        # the name resolved once against these reward functions (the first of accuracy and math where unnamed)
+        self.scoring = replace(scoring, accuracy_reward=correctness_reward(self.reward_funcs, scoring.accuracy_reward))
         self.world_size, self.rank = world_size, check_int("rank", rank, 0)
         self.use_world(all_gather, precision_context, measured_update_peak)
-        self.prompts_per_step = prompts_per_step
-        self.over_provision, self.max_staleness = over_provision, max_staleness
         self.weights = rollout_weights or RolloutWeights(policy)
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
         #: the slot cache's memory decisions: ``micro_group_size: auto`` and ``keep_kv_cache: auto``. A rollout
-        #: runs at most ``ceil(over_provision x B)`` groups at once: a step's first, with partial rollouts, runs
+        #: runs at most ``training.groups_per_rollout`` groups at once: a step's first, with partial rollouts, runs
         #: carried and fresh groups up to that
-        self.slot_memory = SlotMemory(policy, sampling, self.weights,
-                                      groups_per_rollout=math.ceil(over_provision * prompts_per_step),
+        self.slot_memory = SlotMemory(policy, sampling, self.weights, groups_per_rollout=training.groups_per_rollout,
                                       max_prompt_length=max_prompt_length)
         self.carried: list[GroupProgress] = []  # unfinished groups of the last step, continued by the next
         #: training groups no reward function raised on, over every rank, until the first (checkpointed)
@@ -212,7 +190,7 @@ class RolloutBuilder:
     def partial_rollouts(self) -> bool:
         """Whether a step's first rollout is a partial one (``_partial_rollout``): ``over_provision > 1``, or groups
         carried in from a checkpoint wait to run first."""
-        return self.over_provision > 1 or bool(self.carried)
+        return self.training.partial or bool(self.carried)
 
     # ------------------------------------------------------------------------------------------ engines
     @property
@@ -236,8 +214,8 @@ class RolloutBuilder:
     def val_engine(self) -> RolloutEngine:
         """Greedy, one completion per prompt, ``val_batch_size`` prompts at a time."""
         if self._val_engine is None:
-            config = SamplingConfig(group_size=1, micro_group_size=self.val_batch_size, strategy="continuous",
-                                    max_new_tokens=self.val_max_new_tokens, temperature=0.0,
+            config = SamplingConfig(group_size=1, micro_group_size=self.validation.val_batch_size,
+                                    strategy="continuous", max_new_tokens=self._val_max_new_tokens, temperature=0.0,
                                     stop_strings=self.sampling.stop_strings, seed=self.sampling.seed,
                                     **self._step_options())
             self._val_engine = self._new_engine(config)
@@ -248,15 +226,21 @@ class RolloutBuilder:
         """``val_num_samples`` completions per held-out prompt at ``val_temperature`` (the training top_p /
         top_k / min_p / repetition_penalty), on ``val_batch_size`` continuous slots, with the validation seed."""
         if self._val_sampled_engine is None:
-            config = SamplingConfig(group_size=self.val_num_samples, micro_group_size=self.val_batch_size,
-                                    strategy="continuous", max_new_tokens=self.val_max_new_tokens,
-                                    temperature=self.val_temperature, top_p=self.sampling.top_p,
+            validation = self.validation
+            config = SamplingConfig(group_size=validation.val_num_samples, micro_group_size=validation.val_batch_size,
+                                    strategy="continuous", max_new_tokens=self._val_max_new_tokens,
+                                    temperature=validation.val_temperature, top_p=self.sampling.top_p,
                                     top_k=self.sampling.top_k, min_p=self.sampling.min_p,
                                     repetition_penalty=self.sampling.repetition_penalty,
                                     stop_strings=self.sampling.stop_strings, seed=val_seed(self.sampling.seed),
                                     **self._step_options())
             self._val_sampled_engine = self._new_engine(config)
         return self._val_sampled_engine
+
+    @property
+    def _val_max_new_tokens(self) -> int:
+        """Validation's length cap: ``val_max_new_tokens``, else the training rollouts' ``max_new_tokens``."""
+        return self.validation.val_max_new_tokens or self.sampling.max_new_tokens
 
     def _step_options(self) -> dict[str, Any]:
         """How the training engine runs its decode step (graphs, compiler, kernels): validation's engines run theirs
@@ -347,13 +331,14 @@ class RolloutBuilder:
         Roll out (a partial rollout where one is on, then dynamic sampling's extra rounds while groups with learning
         signal are short), choose B groups, assemble them, decide whether the slot cache stays through the update,
         and add the step's metrics."""
-        engine, num_prompts = self.engine, self.prompts_per_step
+        engine, step = self.engine, self.training
+        num_prompts = step.prompts_per_step
         self.slot_memory.measure_last_update(self.measured_update_peak())
         partial = self.partial_rollouts
         with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
             rollouts = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
             kept = self._kept_groups(rollouts)
-            while self.dynamic_sampling and len(kept) < num_prompts and len(rollouts) < self.max_rollouts_per_step:
+            while step.dynamic_sampling and len(kept) < num_prompts and len(rollouts) < step.max_rollouts_per_step:
                 rollouts.append(self._rollout(engine, draw(num_prompts - len(kept))))
                 kept = self._kept_groups(rollouts)
         chosen = _fill_groups(kept, _all_groups(rollouts), num_prompts)
@@ -397,7 +382,7 @@ class RolloutBuilder:
         skipped groups left out."""
         total = 0
         for rollout in rollouts:
-            accuracy = rollout.components.get(self.accuracy_reward)
+            accuracy = rollout.components.get(self.scoring.accuracy_reward)
             scored = ~rollout.skipped
             rewards = self._scored(rollout.rewards, rollout.components)
             total = total + accuracy_sums(None if accuracy is None else accuracy[scored], rewards[scored])
@@ -417,7 +402,7 @@ class RolloutBuilder:
             if self.sampling.keep_kv_cache is not True:  # validation's engines are kept only when asked
                 engine.release()
             sampled = None
-            if self.val_num_samples > 1:
+            if self.validation.val_num_samples > 1:
                 sampled_engine = self.val_sampled_engine
                 sampled_engine.rollout_index = 0  # every validation draws from the same streams (docstring)
                 sampled = self._rollout(sampled_engine, prompts, streams=[p.index for p in prompts])
@@ -425,7 +410,7 @@ class RolloutBuilder:
                     sampled_engine.release()
         batch = self._assemble([greedy], [(0, p) for p in range(len(prompts))], engine, train=False)
         if sampled is not None:
-            batch.sampled_accuracy = sampled.components.get(self.accuracy_reward)
+            batch.sampled_accuracy = sampled.components.get(self.scoring.accuracy_reward)
         # what the reward calls of this batch logged, the greedy's and the sampled's apart (GRPOModule's
         # val/reward/<name> and val/reward_at_k/<name>, as val/reward and val/mean_at_k are)
         batch.metrics.update(logged_metrics([greedy.logs]))
@@ -437,10 +422,10 @@ class RolloutBuilder:
     def _partial_rollout(self, engine: RolloutEngine, draw: Callable[[int], list[Prompt]]) -> _ScoredRollout:
         """The carried groups first, then fresh ones up to ``ceil(over_provision x B)``; stops once B groups are
         complete and carries the others, one step staler."""
-        B, carried = self.prompts_per_step, self.carried
+        B, carried, step = self.training.prompts_per_step, self.carried, self.training
         since = engine.rollout_index
-        wanted, finish = plan_partial_rollout([g.tag.steps for g in carried], B, self.over_provision,
-                                              self.max_staleness)
+        wanted, finish = plan_partial_rollout([g.tag.steps for g in carried], B, step.over_provision,
+                                              step.max_staleness)
         fresh = draw(wanted) if wanted else []
         with self.generation_mode():
             # carried groups may fill the rollout alone (a checkpoint of a run with more over-provision or more
@@ -494,7 +479,7 @@ class RolloutBuilder:
         reward_prompts, reward_completions = reward_arguments(examples, texts,
                                                               None if tooled is None else tooled.messages)
         scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
-                               on_error=self.on_reward_error, trainer_state=self.trainer_state())
+                               on_error=self.scoring.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)
         skipped[scores.skipped_groups] = True
         offpolicy = [sum(v < since for sample in group for v in sample) for group in result.versions]
@@ -513,7 +498,7 @@ class RolloutBuilder:
             return
         scored = torch.tensor(float(sum(int((~rollout.skipped).sum()) for rollout in rollouts)))
         # "raise" skips no group, so every rank has scored some: only skip_group needs the ranks' sum
-        if self.on_reward_error == "skip_group" and self.world_size > 1 and self.all_gather is not None:
+        if self.scoring.on_reward_error == "skip_group" and self.world_size > 1 and self.all_gather is not None:
             scored = self.all_gather(scored).sum()
         self._groups_scored = int(scored)
         if not self._groups_scored:
@@ -523,7 +508,7 @@ class RolloutBuilder:
                                "a traceback")
 
     def _kept_groups(self, rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
-        if not self.dynamic_sampling:
+        if not self.training.dynamic_sampling:
             return _all_groups(rollouts)
         signal = [~(self._zero_std(rollout.rewards, rollout.components) | rollout.skipped) for rollout in rollouts]
         return [(r, p) for r, kept in enumerate(signal) for p in range(len(kept)) if bool(kept[p])]
@@ -531,7 +516,7 @@ class RolloutBuilder:
     def _zero_std(self, rewards: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[b]`` bool: the groups without learning signal under ``multi_objective_aggregation`` (``[b, G]``
         totals, ``{name: [b, G]}`` each function's values)."""
-        if self.multi_objective_aggregation == "normalize_then_sum":
+        if self.advantage.multi_objective_aggregation == "normalize_then_sum":
             return zero_std_groups(self._stacked(components)[0])
         return zero_std_groups(self._scored(rewards, components))
 
@@ -580,7 +565,7 @@ class RolloutBuilder:
             sampling_logprobs=logprobs,
             reward_components=components,
             reward_extras=extras,
-            accuracy=components.get(self.accuracy_reward),
+            accuracy=components.get(self.scoring.accuracy_reward),
             columns={"answer": [p.example.answer for p in prompts], "entry": [p.example.entry for p in prompts]},
             indices=[p.index for p in prompts],
             max_new_tokens=engine.max_new_tokens,
@@ -616,18 +601,19 @@ class RolloutBuilder:
         gathered with ``all_gather`` (every rank has the same ``[B, G]`` shape), so all ranks scale alike; under
         "normalize_then_sum" the mean and standard deviation of the summed normalized rewards span them alike.
         """
-        if self.multi_objective_aggregation == "normalize_then_sum":
+        if self.advantage.multi_objective_aggregation == "normalize_then_sum":
             return self._normalize_then_sum_advantages(components, skipped)
         advantages = torch.zeros_like(rewards, dtype=torch.float32)
         rewards = self._scored(rewards, components)
         batch_rewards = None
-        if self.scale_rewards == "batch" and self.world_size > 1:
+        scale = self.advantage.scale_rewards
+        if scale == "batch" and self.world_size > 1:
             gathered = self.all_gather(rewards)                            # [W, B, G]
             kept = self.all_gather(skipped.logical_not())                  # [W, B]
             batch_rewards = gathered.reshape(-1, rewards.shape[1])[kept.reshape(-1).bool()].cpu()
         keep = ~skipped
         if bool(keep.any()):
-            advantages[keep] = group_advantages(rewards[keep], self.scale_rewards, batch_rewards=batch_rewards)
+            advantages[keep] = group_advantages(rewards[keep], scale, batch_rewards=batch_rewards)
         return advantages
 
     def _normalize_then_sum_advantages(self, components: dict[str, torch.Tensor],
@@ -644,16 +630,6 @@ class RolloutBuilder:
         if bool(keep.any()):
             advantages[keep] = normalize_then_sum_advantages(values[keep], weights, batch_sums=batch_sums).float()
         return advantages
-
-
-def check_partial_rollouts(over_provision: float, max_staleness: int) -> None:
-    """Raise naming the value unless ``over_provision >= 1`` (a number) and ``max_staleness >= 1`` (an int)."""
-    if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or \
-            not 1 <= over_provision < math.inf:
-        raise ValueError(f"over_provision={over_provision!r} must be a finite number >= 1.0 (1.0: no partial "
-                         "rollouts)")
-    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
-        raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 1 (steps a group may be carried)")
 
 
 def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, float]:
