@@ -777,3 +777,37 @@ def test_a_row_field_deepcopy_refuses_reaches_each_completion_as_it_is():
     assert len(handles) == 4 and all(handle is client for handle in handles)
     assert all(entry["handle"] is client for entry in entries)
     assert len({id(entry) for entry in entries}) == 4 and len({id(entry["tags"]) for entry in entries}) == 4
+
+
+def test_the_data_module_hands_its_settings_groups_to_the_builder_as_they_are(policy):
+    """The data module's flat settings become the groups once; its builder reads those very groups (no copy that
+    could drift), the module's objective handed over by ``attach``, and the accuracy reward resolved once."""
+    model, tokenizer = policy
+    rows = [{"prompt": f"{i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    dm = RolloutDataModule(prompts=rows, val_size=2, prompts_per_step=2, reward_funcs=["char_fraction", "math"],
+                           over_provision=1.5, val_num_samples=2, on_reward_error="skip_group",
+                           sampling={"group_size": 2, "max_new_tokens": 3})
+    assert dm.training == TrainingConfig(prompts_per_step=2, over_provision=1.5)
+    assert dm.validation == ValidationConfig(val_num_samples=2)
+    assert dm.scoring == ScoringConfig(accuracy_reward="math", on_reward_error="skip_group")
+    dm.attach(model, tokenizer, scale_rewards="none")
+    dm.setup("fit")
+    builder = dm._require_builder()
+    assert builder.training is dm.training and builder.validation is dm.validation
+    assert builder.scoring == dm.scoring and builder.advantage == AdvantageConfig(scale_rewards="none")
+    assert builder.slot_memory.groups_per_rollout == dm.training.groups_per_rollout == 3
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: TrainingConfig(prompts_per_step=0), r"prompts_per_step=0 must be an integer >= 1"),
+    (lambda: TrainingConfig(dynamic_sampling="false"), r"dynamic_sampling='false' must be True or False"),
+    (lambda: TrainingConfig(max_rollouts_per_step=0), r"max_rollouts_per_step=0 must be an integer >= 1"),
+    (lambda: ValidationConfig(val_max_new_tokens=0), r"val_max_new_tokens=0 must be an integer >= 1"),
+    (lambda: ValidationConfig(val_temperature=0.0), r"val_temperature=0.0 is not allowed"),
+    (lambda: AdvantageConfig(scale_rewards="rank"), r"scale_rewards='rank' is not known"),
+    (lambda: ScoringConfig(on_reward_error="ignore"), r"on_reward_error='ignore' is not known"),
+])
+def test_each_settings_group_refuses_a_bad_value_by_its_setting_name(make, match):
+    """A builder made without the data module gets the same checks, named as the user's keys."""
+    with pytest.raises(ValueError, match=match):
+        make()
