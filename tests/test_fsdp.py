@@ -131,7 +131,10 @@ def test_fsdp2_fit_with_unequal_rollouts_trains_as_ddp(mode, eos_model, ddp_run,
     assert [max(row) for row in lengths[0]] != [max(row) for row in lengths[1]], lengths  # rollouts differ
     for step, ddp in enumerate(read_records(ddp_run, 0)):
         shards = [read_records(fsdp_run, rank)[step] for rank in (0, 1)]
-        assert sum(s["param_sum"] for s in shards) == pytest.approx(ddp["param_sum"], rel=1e-6)
+        # AdamW turns a near-zero gradient's float32 rounding into a whole step of its element (its update is
+        # m / sqrt(v)), so the signed sum, which cancels, is held to the scale of the magnitudes it sums
+        scale = 1e-6 * ddp["param_abs"]
+        assert sum(s["param_sum"] for s in shards) == pytest.approx(ddp["param_sum"], rel=1e-6, abs=scale)
         assert sum(s["param_abs"] for s in shards) == pytest.approx(ddp["param_abs"], rel=1e-6)
 
 
