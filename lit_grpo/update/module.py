@@ -459,7 +459,7 @@ class GRPOModule(LightningModule):
         """Whether the gathered weights fit on every rank ("auto"): one rank's no makes every rank's lockstep,
         since the two kinds run different collectives."""
         fits = self._gathered.fits()
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if _world_size(self._trainer) > 1:
             fits = self.trainer.strategy.reduce_boolean_decision(fits, all=True)
         return bool(fits)
 
@@ -612,7 +612,7 @@ class GRPOModule(LightningModule):
         gathers. One max over the ranks a step; their micro-batches repeat prompts alike (equal B, G and rows)."""
         policy = self._require_policy()
         shares = [shares_prefix(policy, micro, "auto") for _, micro in chunks]
-        if is_fsdp_sharded(policy) and self._trainer is not None and self.trainer.world_size > 1:
+        if is_fsdp_sharded(policy) and _world_size(self._trainer) > 1:
             votes = torch.tensor(shares, dtype=torch.float32, device=self.device)
             shares = [bool(vote) for vote in self.trainer.strategy.reduce(votes, reduce_op="max").tolist()]
         for (_, micro), share in zip(chunks, shares):
@@ -642,7 +642,7 @@ class GRPOModule(LightningModule):
         """The step's micro-batches summed over every rank (the entropy bonus's weight): one reduction a step,
         which every rank runs (the loss settings are every rank's)."""
         count = len(chunks)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if _world_size(self._trainer) > 1:
             total = torch.tensor(float(count), device=self.device)
             count = int(self.trainer.strategy.reduce(total, reduce_op="sum").item())
         return count
@@ -651,7 +651,7 @@ class GRPOModule(LightningModule):
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
         to the host once per step, so that no micro-batch's loss waits on the device for it."""
         total = torch.stack([self._loss_mask(micro).sum() for _, micro in chunks]).sum().float()
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if _world_size(self._trainer) > 1:
             total = self.trainer.strategy.reduce(total, reduce_op="sum")
         return float(total)
 
@@ -742,7 +742,7 @@ class GRPOModule(LightningModule):
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         step = StepMetrics()
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = _world_size(self._trainer)
         control = self.entropy_control
         # the previous step's coefficient for every micro-batch of this one; where it is 0 (the adaptive control's
         # gate closed) the entropy needs no gradient, and the forward stays the lean one
@@ -839,7 +839,7 @@ class GRPOModule(LightningModule):
         """The ranks whose loss was not finite, and ``totals`` summed over the ranks: one gather of a flag and the
         totals under several processes (every rank calls it once per optimizer step, with as many totals), none
         in one. ``nonfinite``: this rank's finding (``_raise_on_nonfinite_loss``)."""
-        if self._trainer is None or self.trainer.world_size == 1:
+        if _world_size(self._trainer) == 1:
             return ([0] if nonfinite is not None else []), list(totals)
         mine = torch.tensor([float(nonfinite is not None), *totals], dtype=torch.float64)
         gathered = strategy_all_gather(self.trainer.strategy)(mine).reshape(-1, len(totals) + 1).cpu()
@@ -855,8 +855,7 @@ class GRPOModule(LightningModule):
         if not ranks:
             return
         optimizer.zero_grad(set_to_none=True)
-        where = f"on rank {', '.join(map(str, ranks))} " if self._trainer is not None and self.trainer.world_size > 1 \
-            else ""
+        where = f"on rank {', '.join(map(str, ranks))} " if _world_size(self._trainer) > 1 else ""
         here = f": {nonfinite}" if nonfinite is not None else " (this rank's losses were finite)"
         raise NonFiniteStepError(
             f"non-finite GRPO loss {where}at global step {self.global_step}, iteration {iteration}{here}; no "
@@ -904,8 +903,7 @@ class GRPOModule(LightningModule):
         """``val/reward/<name>`` and ``val/reward_at_k/<name>``: what reward functions logged in this validation's
         greedy and sampled calls (``ValidationLogs``), over every rank's (a gather every rank joins, a rank short of
         held-out prompts too)."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        gather = strategy_all_gather(self.trainer.strategy) if world > 1 else None
+        gather = strategy_all_gather(self.trainer.strategy) if _world_size(self._trainer) > 1 else None
         for key, value in self.validation_logs.compute(gather).items():
             # already the same on every rank: Lightning's mean over ranks keeps it (and it warns without one)
             self.log(key, value, on_step=False, on_epoch=True, sync_dist=True)
@@ -918,6 +916,12 @@ def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
     (foreach) is as fast, so it stays."""
     return (not loss_scaled and bool(params)
             and all(p.device.type == "cuda" and p.is_floating_point() for p in params))
+
+
+def _world_size(trainer: Any | None) -> int:
+    """The processes training together: the trainer's world size, 1 for a module used outside a Trainer (its
+    ``_trainer`` is None; ``self.trainer`` would raise)."""
+    return trainer.world_size if trainer is not None else 1
 
 
 def _drop_reference(checkpoint: dict[str, Any]) -> None:
