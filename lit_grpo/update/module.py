@@ -846,12 +846,9 @@ class GRPOModule(LightningModule):
         return torch.nonzero(gathered[:, 0]).flatten().tolist(), gathered[:, 1:].sum(dim=0).tolist()
 
     def _raise_on_nonfinite_loss(self, nonfinite: str | None, optimizer: torch.optim.Optimizer,
-                                 iteration: int, ranks: list[int] | None = None) -> None:
-        """Raise, before the optimizer step, where any rank's loss was not finite: on every rank (the ranks found
-        by ``_gather_step_end``, which gathers them when not given), so no rank steps or waits alone.
-        ``nonfinite``: this rank's finding."""
-        if ranks is None:
-            ranks, _ = self._gather_step_end(nonfinite, [])
+                                 iteration: int, ranks: list[int]) -> None:
+        """Raise, before the optimizer step, where any rank's loss was not finite: on every rank (``ranks``, found by
+        ``_gather_step_end``), so no rank steps or waits alone. ``nonfinite``: this rank's finding."""
         if not ranks:
             return
         optimizer.zero_grad(set_to_none=True)
