@@ -27,9 +27,9 @@ overflow, whose step the scaler skips (the logged norm shows it).
 
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (``clip_grads_with_norm_`` by the norm already taken, on the gradients the precision
-plugin has unscaled). Likewise
-``accumulate_grad_batches`` must stay 1: the micro-batching above IS the accumulation. ``trainer.global_step``
-counts optimizer steps, i.e. training steps x ``num_iterations`` (``max_steps`` counts the same).
+plugin has unscaled). Likewise ``accumulate_grad_batches`` must stay 1: the micro-batching above IS the
+accumulation. ``trainer.global_step`` counts optimizer steps, i.e. training steps x ``num_iterations``
+(``max_steps`` counts the same).
 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
 clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss token, as TRL), entropy (mean over
@@ -736,9 +736,10 @@ class GRPOModule(LightningModule):
     def _update(self, batch: RolloutBatch, chunks: list[tuple[range, dict[str, Any]]], optimizer, old_logps,
                 ref_logps, total_active, iteration: int, correction: SamplerCorrection,
                 correction_stats: CorrectionStats, bonus_batches: int | None = None) -> dict[str, float]:
-        """One optimizer step over all micro-batches of the batch (``_micro_batches``); returns the step's metrics
-        (the sampler correction's, resolved for this batch, go to ``correction_stats`` in the first iteration).
-        ``bonus_batches``: the step's micro-batches on every rank (the entropy bonus's weight; None: this rank's)."""
+        """One optimizer step over all micro-batches of the batch (``_micro_batches``): each one's forward, loss and
+        backward, then ``_end_step``; returns the step's metrics (the sampler correction's, resolved for this batch,
+        go to ``correction_stats`` in the first iteration). ``bonus_batches``: the step's micro-batches on every
+        rank (the entropy bonus's weight; None: this rank's)."""
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         step = StepMetrics()
@@ -773,11 +774,18 @@ class GRPOModule(LightningModule):
                     loss = loss - coef * (entropy_bonus(entropy, tokens) * weight_of_bonus)
                 if control.adaptive:
                     step.add_entropy_stats(entropy_stats(entropy, tokens))
-            # a non-finite loss still goes backward (the ranks' collectives stay paired); it is found below
+            # a non-finite loss still goes backward (the ranks' collectives stay paired); _end_step finds it
             self._backward(loss, last=index == len(chunks) - 1)
             step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref, weights),
                      entropy.detach(), micro["drawn_mask"])
             del logps, entropy, loss
+        return self._end_step(step, chunks, optimizer, iteration)
+
+    def _end_step(self, step: StepMetrics, chunks: list[tuple[range, dict[str, Any]]], optimizer,
+                  iteration: int) -> dict[str, float]:
+        """After every micro-batch's backward: the losses' finiteness check on every rank, the optimizer step (the
+        gradient norm and clipping before it) and the adaptive entropy control's move; returns the step's metrics."""
+        control = self.entropy_control
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
         nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"
                           for index, ((rows, _), value) in enumerate(zip(chunks, step.read()))
