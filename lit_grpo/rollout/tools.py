@@ -202,13 +202,8 @@ class ToolBox:
         """One assistant turn's message without its calls (``{"role": "assistant", "content": ...}``, and what else
         ``parse_response`` read, such as ``reasoning_content``, as TRL keeps the parsed message) and its tool calls
         (``[{"name", "arguments"}]``, empty: no call). ``prefix``: the token ids before the turn (the prompt, the
-        completion's earlier turns and tool results).
-
-        Without a response template the turn is read in the Hermes / Qwen format (or Qwen3.5's, ``call_body``)
-        as TRL reads it with Qwen3's: a reasoning block (``split_reasoning``; one ``prefix`` left open too) is
-        its ``reasoning_content`` where not empty, out of its ``content`` (Qwen3's template splits a block in
-        the content back out when it renders it, so the rendering is the same, and the reward functions get the
-        message TRL gives them).
+        completion's earlier turns and tool results). Read by the tokenizer's ``parse_response`` where it has a
+        response schema or template (``_parse_response``), else in the Hermes / Qwen format (``_parse_hermes``).
 
         A turn whose calls cannot be read (not JSON, not an object, a name that is not a string) is its text with no
         call, under either parser: TRL's ``parse_response`` falls back so, and a tool call the model wrote so badly
@@ -220,22 +215,34 @@ class ToolBox:
                                      skip_special_tokens=True)
         plain = {"role": "assistant", "content": text}
         if self.parses:
-            keywords = {"prefix": list(prefix), "tools": self.schemas}
-            try:
-                parsed = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
-            except (ValueError, TypeError):  # a malformed or cut call
-                return plain, []
-            if not isinstance(parsed, Mapping):  # a turn cut so early the parser found nothing
-                return plain, []
-            calls = read_calls(parsed.get("tool_calls") or [])
-            if calls is None:
-                return plain, []
-            # some transformers versions leave the EOS in a call turn's content (transformers #42249; TRL strips it)
-            content = parsed.get("content") or ""
-            if isinstance(content, str) and self.tokenizer.eos_token:
-                content = content.removesuffix(self.tokenizer.eos_token)
-            extra = {k: v for k, v in parsed.items() if k not in ("role", "content", "tool_calls")}
-            return {"role": "assistant", "content": content, **extra}, calls
+            return self._parse_response(ids, prefix, plain)
+        return self._parse_hermes(text, prefix, plain)
+
+    def _parse_response(self, ids: Sequence[int], prefix: Sequence[int], plain: dict) -> tuple[dict, list[dict]]:
+        """``parse`` by the tokenizer's ``parse_response``; ``plain``: the turn as text with no call, its fallback."""
+        keywords = {"prefix": list(prefix), "tools": self.schemas}
+        try:
+            parsed = self.tokenizer.parse_response(list(ids), **{k: keywords[k] for k in self.parse_keywords})
+        except (ValueError, TypeError):  # a malformed or cut call
+            return plain, []
+        if not isinstance(parsed, Mapping):  # a turn cut so early the parser found nothing
+            return plain, []
+        calls = read_calls(parsed.get("tool_calls") or [])
+        if calls is None:
+            return plain, []
+        # some transformers versions leave the EOS in a call turn's content (transformers #42249; TRL strips it)
+        content = parsed.get("content") or ""
+        if isinstance(content, str) and self.tokenizer.eos_token:
+            content = content.removesuffix(self.tokenizer.eos_token)
+        extra = {k: v for k, v in parsed.items() if k not in ("role", "content", "tool_calls")}
+        return {"role": "assistant", "content": content, **extra}, calls
+
+    def _parse_hermes(self, text: str, prefix: Sequence[int], plain: dict) -> tuple[dict, list[dict]]:
+        """``parse`` of the turn's ``text`` in the Hermes / Qwen format (or Qwen3.5's, ``call_body``), as TRL reads
+        it with Qwen3's: a reasoning block (``split_reasoning``; one ``prefix`` left open too) is its
+        ``reasoning_content`` where not empty, out of its ``content`` (Qwen3's template splits a block in the content
+        back out when it renders it, so the rendering is the same, and the reward functions get the message TRL gives
+        them). ``plain``: the turn as text with no call, its fallback."""
         reasoning, rest = split_reasoning(text, reasoning_open(self.tokenizer, prefix))
         message = plain if reasoning is None else {"role": "assistant", "content": rest.strip(),
                                                    **({"reasoning_content": reasoning} if reasoning else {})}
