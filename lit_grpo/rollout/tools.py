@@ -55,6 +55,8 @@ XML_FUNCTION = re.compile(r"<function=([^\n>]+)>(.*?)</function>", re.DOTALL)
 #: One argument of a Qwen3.5 call: its value is the text between the tags, less the newlines the template puts around
 #: it (TRL's Qwen3.5 response template strips it so too).
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.DOTALL)
+#: The argument (name and value) of the stand-in call that ``turn_end_ids`` and ``check_calls_read`` render.
+TURN_MARKER = "lit_grpo_turn_marker"
 
 
 def resolve_tools(specs: Sequence[Any] | None) -> list[Callable]:
@@ -168,10 +170,11 @@ class ToolBox:
         swap = tool_chat_template(tokenizer, self.schemas)
         self.swapped_template = swap[0] if swap else None
         self.template_kwargs = {**self.chat_template_kwargs, **({"chat_template": swap[1]} if swap else {})}
-        check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, self.prompt_messages())
-        self.turn_end = turn_end_ids(tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs)
-        self.suffix_from_text = suffix_from_text(tokenizer, self.prompt_messages(), self.schemas,
-                                                 self.template_kwargs, self.turn_end)
+        stand_in = self.prompt_messages()  # what the checks render a turn after
+        check_template_renders_tools(tokenizer, self.schemas, self.template_kwargs, stand_in)
+        self.turn_end = turn_end_ids(tokenizer, stand_in, self.schemas, self.template_kwargs)
+        self.suffix_from_text = suffix_from_text(tokenizer, stand_in, self.schemas, self.template_kwargs,
+                                                 self.turn_end)
         # the schema parse_response reads (TRL's test); else the Hermes format
         self.parses = any(getattr(tokenizer, name, None) is not None for name in ("response_schema",
                                                                                   "response_template"))
@@ -180,8 +183,7 @@ class ToolBox:
         parameters = inspect.signature(tokenizer.parse_response).parameters if self.parses else {}
         self.parse_keywords = {name for name in ("prefix", "tools") if name in parameters} \
             if getattr(tokenizer, "response_template", None) is not None else set()
-        check_calls_read(self.parse, tokenizer, self.prompt_messages(), self.schemas, self.template_kwargs,
-                         self.turn_end)
+        check_calls_read(self.parse, tokenizer, stand_in, self.schemas, self.template_kwargs, self.turn_end)
 
     def stop_token_ids(self, model: Any) -> list[int]:
         """The ids a rollout with these tools ends a sample on: the model's EOS ids (the engine's default,
@@ -471,8 +473,8 @@ def check_calls_read(parse: Callable, tokenizer: Any, prompt: Sequence[dict], to
     """Raise unless ``parse`` (``ToolBox.parse``) reads back the call the chat template writes in an assistant turn
     after ``prompt`` (a call of the first of ``tools``): a template whose calls the reader does not read would run
     no tool at all, without a word (Mistral's ``[TOOL_CALLS]`` calls under this reader)."""
-    call = {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}
-    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    turn = _marker_call_turn(tools)
+    call = turn["tool_calls"][0]["function"]
     render = dict(tools=tools, tokenize=False, **kwargs)
     start = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, **render)
     whole = tokenizer.apply_chat_template([*prompt, turn], **render)
@@ -539,10 +541,6 @@ def tools_template(tokenizer: Any, tools: list[dict] | None) -> str | None:
     return template if isinstance(template, str) else None
 
 
-#: The argument (name and value) of the stand-in call whose turn ``turn_end_ids`` reads.
-TURN_MARKER = "lit_grpo_turn_marker"
-
-
 def turn_end_ids(tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
                  kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """``[1]`` the token that closes an assistant turn calling a tool, read from the chat template: the last whole
@@ -555,11 +553,9 @@ def turn_end_ids(tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
     Raises where the template cannot render the turn or writes no such token after the call: nothing would mark a
     turn's end, so neither a turn a stop string cuts could be closed nor a tool turn be cut from the conversation as
     the template writes them."""
-    call = {"type": "function",
-            "function": {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}}
     try:
-        text = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                             tools=tools, tokenize=False, **(kwargs or {}))
+        text = tokenizer.apply_chat_template([*prompt, _marker_call_turn(tools)], tools=tools, tokenize=False,
+                                             **(kwargs or {}))
     except Exception as error:  # noqa: BLE001 - the template's own failure, named in the setting's error
         raise ValueError(f"the chat template cannot render an assistant turn that calls a tool ({error}); data.tools "
                          "needs a template that renders assistant tool_calls") from error
@@ -575,6 +571,13 @@ def turn_end_ids(tokenizer: Any, prompt: Sequence[dict], tools: list[dict],
                          "data.tools needs a template that ends an assistant turn with a special or added token of "
                          "the tokenizer's (such as <|im_end|>, <|eot_id|> or <end_of_turn>)")
     return ends
+
+
+def _marker_call_turn(tools: list[dict]) -> dict:
+    """An assistant turn with one call of the first of ``tools`` whose one argument is ``TURN_MARKER``, so the
+    chat template's rendering of it can be found in the text."""
+    call = {"name": tools[0]["function"]["name"], "arguments": {TURN_MARKER: TURN_MARKER}}
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
 
 
 def _whole_token_ids(tokenizer: Any) -> set[int]:
