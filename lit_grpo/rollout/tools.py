@@ -131,6 +131,36 @@ class ToolRollout:
     calls: int = 0
     failures: int = 0
 
+    @classmethod
+    def from_result(cls, result: Any) -> ToolRollout:
+        """A rollout's ``RolloutResult`` before any tool round: every token drawn, no message yet."""
+        return cls([[list(ids) for ids in group] for group in result.completion_ids],
+                   [[list(lp) for lp in group] for group in result.logprobs],
+                   [[list(v) for v in group] for group in result.versions],
+                   [list(group) for group in result.truncated],
+                   [[[1] * len(ids) for ids in group] for group in result.completion_ids],
+                   [[[] for _ in group] for group in result.completion_ids], [result.stats])
+
+    def append_tool_turn(self, p: int, k: int, suffix: Sequence[int], tool_messages: list[dict],
+                         version: int) -> None:
+        """Append to completion ``(p, k)`` its ``tool_messages``, rendered as the ``suffix`` tokens: not drawn
+        (``tool_mask`` 0, log-prob 0), counted as of rollout ``version``."""
+        self.completion_ids[p][k].extend(suffix)
+        self.logprobs[p][k].extend([0.0] * len(suffix))
+        self.versions[p][k].extend([version] * len(suffix))
+        self.tool_mask[p][k].extend([0] * len(suffix))
+        self.messages[p][k].extend(tool_messages)
+
+    def continue_with(self, p: int, k: int, result: Any, i: int) -> None:
+        """Completion ``(p, k)`` as the continued decode's ``result`` holds it (its group ``i``): the tokens past
+        those it had were drawn (``tool_mask`` 1)."""
+        new = result.completion_ids[i][k][len(self.completion_ids[p][k]):]
+        self.tool_mask[p][k].extend([1] * len(new))
+        self.completion_ids[p][k] = list(result.completion_ids[i][k])
+        self.logprobs[p][k] = list(result.logprobs[i][k])
+        self.versions[p][k] = list(result.versions[i][k])
+        self.truncated[p][k] = result.truncated[i][k]
+
 
 class ToolBox:
     """The tools of a run, their schemas and the tokenizer that renders and parses their turns.
@@ -330,12 +360,7 @@ class ToolBox:
         if examples is not None and len(examples) != len(groups):
             raise ValueError(f"run_rounds got {len(examples)} examples for {len(groups)} groups; give one per group")
         prompts = [self.prompt_messages(None if examples is None else examples[p]) for p in range(len(groups))]
-        out = ToolRollout([[list(ids) for ids in group] for group in result.completion_ids],
-                          [[list(lp) for lp in group] for group in result.logprobs],
-                          [[list(v) for v in group] for group in result.versions],
-                          [list(group) for group in result.truncated],
-                          [[[1] * len(ids) for ids in group] for group in result.completion_ids],
-                          [[[] for _ in group] for group in result.completion_ids], [result.stats])
+        out = ToolRollout.from_result(result)
         turn_start = [[0] * len(group) for group in out.completion_ids]
         pending = self._ended_turns(groups, out, turn_start, [(p, k) for p, group in enumerate(out.completion_ids)
                                                               for k in range(len(group))])
@@ -354,11 +379,7 @@ class ToolBox:
                 suffix = self.closing(ids, eos) + self.suffix_ids(tool_messages, out.messages[p][k], prompts[p])
                 if len(ids) + len(suffix) >= engine.max_new_tokens:  # no room to answer: it ends as it is (TRL)
                     continue
-                ids.extend(suffix)
-                out.logprobs[p][k].extend([0.0] * len(suffix))
-                out.versions[p][k].extend([engine.rollout_index - 1] * len(suffix))
-                out.tool_mask[p][k].extend([0] * len(suffix))
-                out.messages[p][k].extend(tool_messages)
+                out.append_tool_turn(p, k, suffix, tool_messages, engine.rollout_index - 1)
                 turn_start[p][k] = len(ids)
                 resumed.append((p, k))
             if not resumed:
@@ -409,12 +430,7 @@ class ToolBox:
         out.stats.append(_renumbered(result.stats, order))
         for i, p in enumerate(order):
             for k in by_group[p]:
-                new = result.completion_ids[i][k][len(out.completion_ids[p][k]):]
-                out.tool_mask[p][k].extend([1] * len(new))
-                out.completion_ids[p][k] = list(result.completion_ids[i][k])
-                out.logprobs[p][k] = list(result.logprobs[i][k])
-                out.versions[p][k] = list(result.versions[i][k])
-                out.truncated[p][k] = result.truncated[i][k]
+                out.continue_with(p, k, result, i)
 
 
 def _renumbered(stats: RolloutStats, order: list[int]) -> RolloutStats:
