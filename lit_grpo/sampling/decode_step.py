@@ -184,7 +184,7 @@ class DecodeStep:
         slots, width = cache.num_slots, cache.width
         self.model, self.cache, self.settings = model, cache, settings
         #: A capture that fails raises (True: ``cuda_graph=True`` was asked for) or gives graphs up, saying why in
-        #: ``graph_failure`` (``capture_or_run_eagerly``).
+        #: ``graph_failure`` (``capture_or_give_up_graphs``).
         self.graph_required = graph_required
         self.graph_failure: str | None = None
         #: Why the compiled step was given up, after a failed capture, where it failed to compile without a graph.
@@ -337,9 +337,9 @@ class DecodeStep:
             self.cache.attend(self.live_bucket())
         width = self.cache.attended
         if self.settings.cuda_graph and width not in self.graphs:
-            self.capture_or_run_eagerly()
+            self.capture_or_give_up_graphs()
         elif not self.settings.cuda_graph and self._compiled_run is not None and width not in self.compiled_widths:
-            self.compile_eagerly()
+            self.precompile()
 
     def step(self, hidden_slots: list[int]) -> StepOutput:
         """Run one decode step and bring its results to the host (one synchronisation).
@@ -436,7 +436,7 @@ class DecodeStep:
         finally:
             self.capture_s += time.perf_counter() - started
 
-    def capture_or_run_eagerly(self) -> None:
+    def capture_or_give_up_graphs(self) -> None:
         """``capture``, and where that fails (a model whose forward reads a device value on the host, an op CUDA
         graphs do not support): raise when the graph was required (``graph_required``), else warn once, give the
         graphs up and run without them from then on (``graph_failure`` says why). A compiled step is first compiled in
@@ -458,13 +458,13 @@ class DecodeStep:
             warnings.warn(f"capturing the decode step of {name} as a CUDA graph failed ({reason}); this engine runs "
                           "it without a graph from now on (same results, more time per step). Set cuda_graph=False "
                           "to skip the attempt.", RuntimeWarning, stacklevel=2)
-            self.run_eagerly()
+            self.give_up_graphs()
             if self._compiled_run is not None:
                 self._compile_or_run_uncompiled()
 
     def _compile_or_run_uncompiled(self) -> None:
         try:
-            self.compile_eagerly()
+            self.precompile()
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as error:
@@ -475,7 +475,7 @@ class DecodeStep:
             self._compiled_run = None
             self.settings = dataclasses.replace(self.settings, compile=False)
 
-    def compile_eagerly(self) -> None:
+    def precompile(self) -> None:
         """Without a graph: run the compiled step once at the width the next step attends (the rows kept), so that
         compilation (paid once per step shape, attended width and process) is counted in ``capture_s`` rather than
         in a decode step's time. Built, the step compiles its first width; ``prepare`` each later bucket's."""
@@ -488,7 +488,7 @@ class DecodeStep:
         finally:
             self.capture_s += time.perf_counter() - started
 
-    def run_eagerly(self) -> None:
+    def give_up_graphs(self) -> None:
         """Give up the graphs (a capture failed): the same step, without a graph from now on."""
         self.graphs.clear()
         self.settings = dataclasses.replace(self.settings, cuda_graph=False)

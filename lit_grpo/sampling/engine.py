@@ -372,14 +372,14 @@ class RolloutEngine:
         needed). A capture that fails raises when ``cuda_graph=True`` was asked for; when it was left automatic,
         the step warns once and runs without a graph from then on (compiled where it compiles without one), and so
         do the engine's later steps (``graph_failure``, ``compile_failure``;
-        ``DecodeStep.capture_or_run_eagerly``)."""
+        ``DecodeStep.capture_or_give_up_graphs``)."""
         step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids,
                           graph_required=bool(self.config.cuda_graph))
         if not settings.cuda_graph:
             if settings.compile:
-                step.compile_eagerly()
+                step.precompile()
             return step
-        step.capture_or_run_eagerly()
+        step.capture_or_give_up_graphs()
         return step
 
     def _step_settings(self, forced: bool, replayed: bool, sharded: bool) -> StepSettings:
