@@ -375,11 +375,10 @@ class RolloutEngine:
         ``DecodeStep.capture_or_give_up_graphs``)."""
         step = DecodeStep(self.model, self._cache, settings, self.eos_token_ids,
                           graph_required=bool(self.config.cuda_graph))
-        if not settings.cuda_graph:
-            if settings.compile:
-                step.precompile()
-            return step
-        step.capture_or_give_up_graphs()
+        if settings.cuda_graph:
+            step.capture_or_give_up_graphs()
+        elif settings.compile:
+            step.precompile()
         return step
 
     def _step_settings(self, forced: bool, replayed: bool, sharded: bool) -> StepSettings:
