@@ -26,9 +26,8 @@ from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling.decode_step import row_state_bytes, vocab_size
 from lit_grpo.sampling.engine import row_alignment
 from lit_grpo.sampling.kv_cache import kv_cache_dtype
-from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, aligned_width, auto_micro_group_size,
-                                             decode_step_bytes, kv_budget_from_free_memory,
-                                             kv_cache_fits_beside_update)
+from lit_grpo.sampling.memory_budget import (DEVICE_MARGIN_FRACTION, auto_micro_group_size, decode_step_bytes,
+                                             kv_budget_from_free_memory, kv_cache_fits_beside_update, row_width)
 
 
 @dataclass(frozen=True)
@@ -165,7 +164,7 @@ class SlotMemory:
             alignment = row_alignment(next(self.policy.parameters()).device, config.compile is True)
             step = 0
             if budget.device_total_bytes is not None:  # the device's memory holds the decode step's activations too
-                width = aligned_width(self.max_prompt_length - 1 + config.max_new_tokens, alignment)
+                width = row_width(self.max_prompt_length, config.max_new_tokens, alignment)
                 step = decode_step_bytes(self.policy.config, dtype, 1, width, vocab_size(self.policy))
             with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
                 slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,

@@ -55,7 +55,7 @@ from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
-from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_bytes_per_token
+from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_bytes_per_token, row_width
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stop_strings import StopStrings
@@ -231,8 +231,7 @@ class RolloutEngine:
         started = time.perf_counter()
         check_decodable(self.model)
         groups, finish = self._checked_groups(groups, complete, finish)
-        # A row holds at most the prompt's P - 1 cached positions plus the L tokens fed (the last one never is).
-        width = max(len(g.prompt_ids) for g in groups) - 1 + self.max_new_tokens
+        width = row_width(max(len(g.prompt_ids) for g in groups), self.max_new_tokens)
         settings = LoopSettings(self.group_size, self.max_new_tokens, frozenset(self.eos_token_ids), self.seed,
                                 self.rollout_index, width, self.stop_strings)
         forced = any(g.forced_lengths is not None for g in groups)
@@ -298,7 +297,7 @@ class RolloutEngine:
         """Bytes of the slot cache of a rollout of ``num_prompts`` groups whose longest prompt has
         ``longest_prompt`` tokens (its rows aligned, as on CUDA): the most a kept cache can grow to. Under mixed
         precision, ask inside the rollout's autocast: the cache's dtype is the autocast one."""
-        width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
+        width = row_width(longest_prompt, self.max_new_tokens, WIDTH_ALIGNMENT)
         per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
         return self.num_slots(num_prompts) * width * per_token
 
@@ -315,7 +314,7 @@ class RolloutEngine:
             slots, width = self._cache.num_slots, self._cache.width
         else:
             slots = self.num_slots(num_prompts)
-            width = aligned_width(longest_prompt - 1 + self.max_new_tokens, WIDTH_ALIGNMENT)
+            width = row_width(longest_prompt, self.max_new_tokens, WIDTH_ALIGNMENT)
         return (decode_step_bytes(self.model.config, kv_cache_dtype(self.model), slots, width, vocab_size(self.model))
                 + self._step.graph_cast_bytes)
 

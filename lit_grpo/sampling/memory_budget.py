@@ -207,10 +207,16 @@ def aligned_width(width: int, alignment: int) -> int:
     return -(-width // alignment) * alignment
 
 
+def row_width(longest_prompt: int, max_new_tokens: int, alignment: int = 1) -> int:
+    """Positions a slot's row of the engine's cache holds at most, rounded up to a multiple of ``alignment``: the
+    prompt's ``P - 1`` cached positions plus the ``L`` tokens fed (its last token is never fed)."""
+    return aligned_width(longest_prompt - 1 + max_new_tokens, alignment)
+
+
 def slot_positions(max_prompt_len: int, max_new_tokens: int, alignment: int = 1) -> int:
-    """Positions one slot holds at most: ``max_prompt_len + max_new_tokens``, or the width of the engine's row
-    (``max_prompt_len - 1 + max_new_tokens``) rounded up to a multiple of ``alignment`` where that is larger."""
-    return max(max_prompt_len + max_new_tokens, aligned_width(max_prompt_len - 1 + max_new_tokens, alignment))
+    """Positions one slot holds at most: ``max_prompt_len + max_new_tokens``, or the engine's ``row_width`` where
+    that is larger."""
+    return max(max_prompt_len + max_new_tokens, row_width(max_prompt_len, max_new_tokens, alignment))
 
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int,
