@@ -116,8 +116,7 @@ def load_model_and_tokenizer(
         if torch_dtype is not None:
             model = model.to(torch_dtype)
     else:  # built in the dtype, keeping the layers the model holds in float32 (e.g. MoE router gates)
-        source = _pretrained_source(name_or_path)
-        where = hub_keywords(source) if isinstance(source, str) else {}
+        source, where = _pretrained_source_and_keywords(name_or_path)
         # transformers looks for a LoRA adapter's config with adapter_kwargs alone: without them it asks the hub
         adapter = {"adapter_kwargs": dict(where)} if where else {}
         with _unreachable_named(name_or_path):
@@ -200,8 +199,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     elif name_or_path in TINY_MODELS:
         tokenizer = tiny_tokenizer()
     else:
-        source = _pretrained_source(name_or_path)
-        where = hub_keywords(source) if isinstance(source, str) else {}
+        source, where = _pretrained_source_and_keywords(name_or_path)
         with _unreachable_named(name_or_path):
             tokenizer = AutoTokenizer.from_pretrained(source, **where)
     return prepare_tokenizer(tokenizer)
@@ -290,6 +288,12 @@ def _pretrained_source(name_or_path: str, convert: bool = True) -> str | Path | 
         raise ValueError(f"model {name_or_path!r} is not known: did you mean {close[0]!r}? The built-in models: "
                          f"{short_names} and {DEFAULT_MODEL!r} (works offline); else an existing directory or a hub id")
     return name_or_path
+
+
+def _pretrained_source_and_keywords(name_or_path: str) -> tuple[str | Path, dict[str, Any]]:
+    """``_pretrained_source`` and, for a hub id, its ``hub_keywords`` (none for a local folder)."""
+    source = _pretrained_source(name_or_path)
+    return source, hub_keywords(source) if isinstance(source, str) else {}
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
