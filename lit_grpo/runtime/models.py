@@ -435,19 +435,35 @@ def seeded_on(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
+#: The seed of the tiny and ``random:NAME`` models' weights: the same weights every call.
+RANDOM_WEIGHTS_SEED = 1234
+
+
+def _seeded_model(config: Any, dtype: torch.dtype, device: torch.device,
+                  tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A model of ``config`` built on ``device`` with weights drawn from ``RANDOM_WEIGHTS_SEED``, stopping and
+    padding with ``tokenizer``'s EOS, in eval mode."""
+    with seeded_on(device, RANDOM_WEIGHTS_SEED), device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model.eval()
+
+
+def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """A random model's config fields for ``tokenizer``'s special tokens (pad is EOS)."""
+    return dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id)
+
+
 def _tiny_model(name: str) -> PreTrainedModel:
     tokenizer = tiny_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                  bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+                  tie_word_embeddings=False, **_special_token_ids(tokenizer))
     config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)
-    device = torch.get_default_device()  # a torch.device context (Lightning's configure_model) builds it there
-    with seeded_on(device, 1234):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.eos_token_id
-    return model.eval()
+    # where tensors are made now: a torch.device context (Lightning's configure_model) builds it there
+    return _seeded_model(config, torch.float32, torch.get_default_device(), tokenizer)
 
 
 def random_model(name: str, dtype: torch.dtype | None = None,
@@ -462,15 +478,9 @@ def random_model(name: str, dtype: torch.dtype | None = None,
     dtype = dtype or _random_model_dtype(fields)
     fields.pop("torch_dtype", None)
     tokenizer = tiny_tokenizer(vocab_size=fields["vocab_size"])
-    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                   bos_token_id=tokenizer.bos_token_id)
-    config = AutoConfig.for_model(**fields, **special)
+    config = AutoConfig.for_model(**fields, **_special_token_ids(tokenizer))
     device = torch.device(device) if device is not None else torch.get_default_device()
-    with seeded_on(device, 1234), device:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.eos_token_id
-    return model.eval(), tokenizer
+    return _seeded_model(config, dtype, device, tokenizer), tokenizer
 
 
 def random_model_tokenizer(name: str) -> PreTrainedTokenizerBase:
