@@ -233,10 +233,10 @@ class FitSummary(Callback):
         self.rollout_totals = RolloutStats(**state_dict["rollout_totals"])
         self._elapsed_before_s, self._validation_s = float(state_dict["elapsed_s"]), float(state_dict["validation_s"])
         self._earlier_memory_peaks = {where: dict(peaks) for where, peaks in state_dict["memory_peaks"].items()}
-        for series, key, saved_key in (("accuracy", self.accuracy_key, state_dict["accuracy_key"]),
-                                       ("rewards", self.reward_key, state_dict["reward_key"])):
+        for series, key, saved_key, item in (("accuracy", self.accuracy_key, state_dict["accuracy_key"], tuple),
+                                             ("rewards", self.reward_key, state_dict["reward_key"], float)):
             if saved_key == key:
-                setattr(self, series, [tuple(a) if series == "accuracy" else float(a) for a in state_dict[series]])
+                setattr(self, series, [item(a) for a in state_dict[series]])
             else:
                 rank_zero_info(f"FitSummary: the checkpoint's {series} are of {saved_key!r}, not {key!r}: the "
                                "summary's line for it covers this fit alone")
@@ -256,8 +256,8 @@ class FitSummary(Callback):
     def summary_lines(self, trainer: pl.Trainer) -> list[str]:
         """The summary, one string per line (what ``on_fit_end`` prints)."""
         steps = self.steps
-        host = None if self._host_peak is None else max(self._host_peak, host_peak_bytes())  # and the end of fit's,
-        # read before the decode floor's bandwidth measurement allocates its buffer
+        # the end of fit's host peak too, read before the decode floor's bandwidth measurement allocates its buffer
+        host = None if self._host_peak is None else max(self._host_peak, host_peak_bytes())
         elapsed = self._elapsed()
         training_s = max(elapsed - self._validation_s, 0.0)
         per_step = f"{training_s / steps:.1f} s per step" if steps else ""
