@@ -334,7 +334,6 @@ def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama
     assert counters["stats"]["unique_graphs"] - graphs == 6
 
 
-
 @pytest.mark.parametrize("autocast, kept_copy", [(False, False), (True, False), (True, True)])
 def test_a_kept_graphs_pool_prices_the_weight_casts_its_captured_steps_make(tiny_llama, monkeypatch, autocast,
                                                                             kept_copy):
