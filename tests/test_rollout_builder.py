@@ -513,6 +513,19 @@ def test_the_curriculums_accuracy_counts_every_generated_group_dynamic_sampling_
     assert (correct_sum, judged) == (4 + 0 + 2, 12)  # all three groups'
 
 
+def test_no_generated_group_gives_the_curriculum_zero_sums_as_a_tensor(policy):
+    """Every generated group's ``accuracy_sums`` add up from a ``[4]`` float64 tensor of zeros, so no group at all
+    gives one too (what ``RolloutBatch.accuracy_sums`` returns), not a plain number."""
+    from lit_grpo.batch import accuracy_sums
+
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, max_new_tokens=4)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]))
+    total = builder._generated_accuracy([])
+    assert isinstance(total, torch.Tensor) and total.dtype == torch.float64
+    assert torch.equal(total, accuracy_sums(None, torch.zeros(0)))
+
+
 def test_the_curriculums_mean_reward_leaves_out_the_completions_no_reward_function_scored(policy):
     """Without a correctness reward the curriculum is fed the mean reward; a completion every function said None
     to has a logged total of 0.0 that it never earned, and counting it would pull the feedback down."""

@@ -378,9 +378,9 @@ class RolloutBuilder:
         return metrics
 
     def _generated_accuracy(self, rollouts: list[_ScoredRollout]) -> torch.Tensor:
-        """``accuracy_sums`` over every group the step generated, the dropped ones too; unscored completions and
-        skipped groups left out."""
-        total = 0
+        """``[4]`` ``accuracy_sums`` over every group the step generated, the dropped ones too; unscored completions
+        and skipped groups left out (zeros where there is none)."""
+        total = torch.zeros(4, dtype=torch.float64)
         for rollout in rollouts:
             accuracy = rollout.components.get(self.scoring.accuracy_reward)
             scored = ~rollout.skipped
