@@ -138,6 +138,19 @@ def test_a_mask_taken_once_gives_the_loss_and_the_bonus_tokens_they_take_themsel
     assert torch.equal(bonus_tokens(entropy, mask, 0.4, gather), bonus_tokens(entropy, mask, 0.4, entropy_mask=kept))
 
 
+def test_a_high_entropy_mask_given_where_no_quantile_applies_is_refused_by_the_loss_and_the_bonus():
+    """At ``top_entropy_quantile`` 1 no mask is taken or applied: one given is refused, naming the quantile, rather
+    than dropped unread."""
+    logps = -torch.rand(2, 3, dtype=torch.float64)
+    mask, entropy = torch.ones(2, 3), torch.rand(2, 3)
+    kept = high_entropy_mask(entropy, mask, 0.5)
+    refused = r"entropy_mask was given with top_entropy_quantile=1(\.0)?: a high-entropy mask applies only where"
+    with pytest.raises(ValueError, match=refused):
+        make_loss("grpo")(logps, logps.detach(), torch.ones(2), mask, entropy=entropy, entropy_mask=kept)
+    with pytest.raises(ValueError, match=refused):
+        bonus_tokens(entropy, mask, 1.0, entropy_mask=kept)
+
+
 def test_entropy_coef_0_leaves_loss_and_gradients_bit_identical_and_asks_for_no_entropy_gradient(batch, monkeypatch):
     """The default: the update runs as without the feature (the entropy without a graph, nothing added to the
     loss): the gradients and the loss equal, to the bit, those of the policy loss written out alone."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lit_grpo.update.loss_config import LossConfig
-from lit_grpo.update.surrogates import high_entropy_mask
+from lit_grpo.update.surrogates import check_entropy_mask, high_entropy_mask
 
 
 def bonus_tokens(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0,
@@ -37,7 +37,9 @@ def bonus_tokens(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile
     """``[N, T]`` the tokens the bonus averages over, in ``entropy``'s dtype: ``mask`` ``[N, T]`` (the loss tokens),
     times the high-entropy mask where ``top_entropy_quantile`` < 1 (the tokens the policy term keeps; its quantile
     over every rank's micro-batch with ``all_gather``, as the loss's). ``entropy_mask``: that mask ``[N, T]`` as
-    the loss took it (``PolicyLoss``'s ``entropy_mask``), so the ranks gather once; None: taken here."""
+    the loss took it (``PolicyLoss``'s ``entropy_mask``), so the ranks gather once; None: taken here. Refused where
+    ``top_entropy_quantile`` is 1 (no mask applies: it would be dropped unread)."""
+    check_entropy_mask(entropy_mask, top_entropy_quantile)
     tokens = mask.to(entropy.dtype)
     if top_entropy_quantile < 1:
         if entropy_mask is None:

@@ -60,8 +60,9 @@ import torch
 
 from lit_grpo.runtime.validation import check_choice
 from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
-from lit_grpo.update.surrogates import (cispo_surrogate, clip_surrogate, high_entropy_mask, importance_ratio, k3_kl,
-                                        off_policy_sequence_mask, sapo_surrogate, vespo_weight)
+from lit_grpo.update.surrogates import (check_entropy_mask, cispo_surrogate, clip_surrogate, high_entropy_mask,
+                                        importance_ratio, k3_kl, off_policy_sequence_mask, sapo_surrogate,
+                                        vespo_weight)
 
 Number = int | float | torch.Tensor
 
@@ -122,13 +123,15 @@ class PolicyLoss:
                 lockstep then); None: these ``N`` completions' alone.
             entropy_mask: ``[N, T]`` bool the high-entropy mask already taken (``high_entropy_mask`` of ``entropy``
                 with ``all_gather``), used as it is: a caller that needs it too (the entropy bonus) takes it once,
-                so the ranks gather once; None: taken here where ``top_entropy_quantile`` < 1.
+                so the ranks gather once; None: taken here where ``top_entropy_quantile`` < 1. Refused where
+                ``top_entropy_quantile`` is 1 (no token is masked then: the mask would be dropped unread).
         """
         self.check_inputs(logps, old_logps, advantages, mask, ref_logps, max_completion_length, total_active_tokens)
         for name, tensor in (("sampling_logps", sampling_logps), ("entropy", entropy), ("entropy_mask", entropy_mask)):
             if tensor is not None and tensor.shape != logps.shape:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected logps' shape "
                                  f"{tuple(logps.shape)}")
+        check_entropy_mask(entropy_mask, self.config.top_entropy_quantile)
         if self.config.top_entropy_quantile < 1 and entropy is None and entropy_mask is None:
             raise ValueError(f"top_entropy_quantile={self.config.top_entropy_quantile!r} < 1 needs entropy (each "
                              "token's entropy, [N, T]), got None")

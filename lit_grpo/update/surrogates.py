@@ -193,6 +193,14 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
     return (entropy >= threshold) & active
 
 
+def check_entropy_mask(entropy_mask: torch.Tensor | None, top_quantile: float) -> None:
+    """Refuse a high-entropy mask given where ``top_quantile`` (``top_entropy_quantile``) is 1: every active token
+    is kept then and the mask is never applied, so a mask a caller took would be dropped without a word."""
+    if entropy_mask is not None and top_quantile >= 1:
+        raise ValueError(f"entropy_mask was given with top_entropy_quantile={top_quantile!r}: a high-entropy mask "
+                         "applies only where top_entropy_quantile < 1 (pass entropy_mask=None, or a quantile below 1)")
+
+
 def every_ranks_values(values: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``[world x longest]`` every rank's ``values`` ``[n]`` (n differs: each micro-batch has its own width), each
     padded with NaN to the longest; a gather of the lengths (read to the host, to size the padding) then one of the
