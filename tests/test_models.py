@@ -263,7 +263,7 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
 def test_a_hub_id_neither_the_hub_nor_its_cache_gives_is_a_named_setting_error(monkeypatch):
     import transformers
 
-    monkeypatch.setattr(models, "hub_unreachable", lambda: None)  # the hub answers, transformers' load fails
+    monkeypatch.setattr(models, "hub_unreachable", lambda recheck=False: None)  # the hub answers, the load fails
 
     def unreachable(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files\nmore lines")
@@ -336,7 +336,7 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_is_down_or_offline(hu
     model, tokenizer = load_model_and_tokenizer("someone/tiny")
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight) and tokenizer.eos_token == "<|im_end|>"
 
-    def no_probe():
+    def no_probe(recheck=False):
         raise AssertionError("the hub was probed under HF_HUB_OFFLINE")
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # huggingface_hub reads only its cache: no probe
@@ -346,9 +346,13 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_is_down_or_offline(hu
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
 
 
-def test_the_hub_is_asked_once_per_process_and_endpoint(hub_down, monkeypatch, tmp_path):
-    """Loading a cached hub id with the hub down (tokenizer and model apart, then again) makes one request in all;
-    another endpoint (HF_ENDPOINT) is asked once of its own."""
+@pytest.fixture
+def hub_answers(hub_down, monkeypatch, tmp_path):
+    """The hub as a session that fails (a ``ConnectError``) while ``answers["down"]``, else answers; the clock
+    ``hub_unreachable`` reads, set by ``answers["now"]``; an endpoint no earlier test of this process asked. Returns
+    ``answers``, whose ``"asked"`` lists the URLs asked in order."""
+    import types
+
     import huggingface_hub
     from huggingface_hub import constants
     try:  # huggingface_hub's HTTP client, as models.hub_unreachable imports it
@@ -356,20 +360,57 @@ def test_the_hub_is_asked_once_per_process_and_endpoint(hub_down, monkeypatch, t
     except ImportError:
         from httpx import ConnectError
 
-    asked = []
+    answers = {"asked": [], "down": True, "now": 0.0}
 
     class Session:
         def head(self, url, timeout):
-            asked.append(url)
-            raise ConnectError("refused")
+            answers["asked"].append(url)
+            if answers["down"]:
+                raise ConnectError("refused")
 
     monkeypatch.setattr(huggingface_hub, "get_session", Session)
-    endpoint = f"http://127.0.0.1:9/{tmp_path.name}"  # one no earlier test of this process has asked
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(models, "time", types.SimpleNamespace(monotonic=lambda: answers["now"]))
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:9/{tmp_path.name}")
+    return answers
+
+
+def test_the_hub_is_asked_once_per_process_and_endpoint(hub_down, hub_answers, monkeypatch):
+    """Loading a cached hub id with the hub down (tokenizer and model apart, then again) makes one request in all;
+    another endpoint (HF_ENDPOINT) is asked once of its own."""
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
     _cache_tiny_model(hub_down, "someone/tiny")
     for _ in range(2):
         load_model_and_tokenizer("someone/tiny")
-    assert asked == [endpoint]
+    assert hub_answers["asked"] == [endpoint]
     monkeypatch.setattr(constants, "ENDPOINT", endpoint + "/mirror")
     assert models.hub_unreachable() == "ConnectError: refused" and models.hub_unreachable() == "ConnectError: refused"
-    assert asked == [endpoint, endpoint + "/mirror"]
+    assert hub_answers["asked"] == [endpoint, endpoint + "/mirror"]
+
+
+def test_an_unreachable_hub_is_asked_again_once_its_answer_is_old_and_a_reachable_one_is_not(hub_answers):
+    """A failed answer is kept for ``UNREACHABLE_KEPT_TIMEOUTS`` x ``HF_HUB_ETAG_TIMEOUT`` seconds, so a passing
+    outage at one load does not keep every later load of the process to the cache; a reachable answer stays."""
+    from huggingface_hub import constants
+
+    kept_s = models.UNREACHABLE_KEPT_TIMEOUTS * constants.HF_HUB_ETAG_TIMEOUT
+    assert models.hub_unreachable() == "ConnectError: refused"
+    hub_answers["down"], hub_answers["now"] = False, kept_s - 1
+    assert models.hub_unreachable() == "ConnectError: refused" and len(hub_answers["asked"]) == 1  # still kept
+    hub_answers["now"] = kept_s + 1
+    assert models.hub_unreachable() is None and len(hub_answers["asked"]) == 2
+    hub_answers["down"], hub_answers["now"] = True, 1000 * kept_s
+    assert models.hub_unreachable() is None and models.hub_unreachable(recheck=True) is None
+    assert len(hub_answers["asked"]) == 2
+
+
+def test_a_hub_id_the_cache_lacks_asks_again_a_hub_an_earlier_load_found_down(hub_down, hub_answers):
+    """A cached id loaded while the hub was down keeps its failed answer for the process's next loads, but an id
+    the cache lacks needs the hub: it asks again, and loads where the hub now answers."""
+    _cache_tiny_model(hub_down, "someone/tiny")
+    assert models.hub_keywords("someone/tiny") == {"local_files_only": True}
+    assert models.hub_keywords("someone/tiny") == {"local_files_only": True} and len(hub_answers["asked"]) == 1
+    hub_answers["down"] = False  # the outage has passed, within the time a failed answer is kept
+    assert models.hub_keywords("someone/other") == {} and len(hub_answers["asked"]) == 2
+    assert models.hub_keywords("someone/tiny") == {} and len(hub_answers["asked"]) == 2

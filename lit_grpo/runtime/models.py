@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -215,10 +216,12 @@ def hub_keywords(repo_id: str) -> dict[str, Any]:
 
     if is_offline_mode():
         return {}
-    unreachable = hub_unreachable()
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    # an id the cache lacks needs the hub: a failure kept from an earlier load (a passing outage) is asked again
+    unreachable = hub_unreachable(recheck=not cached)
     if unreachable is None:
         return {}
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+    if cached:
         return {"local_files_only": True}
     random_names = ", ".join(RANDOM_PREFIX + name for name in RANDOM_MODELS)
     raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub "
@@ -227,19 +230,32 @@ def hub_keywords(repo_id: str) -> dict[str, Any]:
                      "the cache holds")
 
 
-def hub_unreachable() -> str | None:
+#: How long ``hub_unreachable`` keeps an unreachable hub's answer, in ``HF_HUB_ETAG_TIMEOUT``s: long enough to span a
+#: run's tokenizer, model and reward model loads, short enough that a passing outage is not kept for the run.
+UNREACHABLE_KEPT_TIMEOUTS = 3
+_hub_answers: dict[str, tuple[float, str | None]] = {}  # endpoint -> (time.monotonic() it expires at, answer)
+
+
+def hub_unreachable(recheck: bool = False) -> str | None:
     """Why the hub (``HF_ENDPOINT``) cannot be reached, from one request without retries within
     ``HF_HUB_ETAG_TIMEOUT`` seconds (huggingface_hub's wait for a file's metadata); None where it answers at all.
     Asked once per process and endpoint: a run loads the tokenizer and the model (and maybe a reward model) apart,
-    and each would otherwise wait on a request of its own."""
+    and each would otherwise wait on a request of its own. A reachable hub's answer is kept for the process; an
+    unreachable one for ``UNREACHABLE_KEPT_TIMEOUTS`` x ``HF_HUB_ETAG_TIMEOUT`` seconds only, or not at all with
+    ``recheck``, so that a passing outage at one load does not keep every later one to the cache."""
     from huggingface_hub import constants
 
-    return _probe_hub(constants.ENDPOINT)
+    endpoint = constants.ENDPOINT
+    kept = _hub_answers.get(endpoint)
+    if kept is not None and (kept[1] is None or not recheck and time.monotonic() < kept[0]):
+        return kept[1]
+    unreachable = _probe_hub(endpoint)
+    _hub_answers[endpoint] = (time.monotonic() + UNREACHABLE_KEPT_TIMEOUTS * constants.HF_HUB_ETAG_TIMEOUT, unreachable)
+    return unreachable
 
 
-@functools.cache
 def _probe_hub(endpoint: str) -> str | None:
-    """``hub_unreachable``'s answer for ``endpoint``, from one HEAD request (kept for the process)."""
+    """``hub_unreachable``'s answer for ``endpoint``, from one HEAD request."""
     from huggingface_hub import constants, get_session
 
     try:  # huggingface_hub's HTTP client: httpx2 from its 2.0 on, httpx before
