@@ -726,7 +726,8 @@ def test_a_rank_that_read_a_failure_waits_while_the_failed_rank_handles_it(monke
     """A rank whose failure is recorded while it goes on handling it (``RankFailureWatch``: the later callbacks'
     ``on_exception``, the loggers' last write) says so; another rank's watch that reads the record waits, before it
     ends, until that handling is done (bounded by ``HANDLING_GRACE_S``): on one node under Lightning's launcher its
-    end would end the failed rank too."""
+    end would end the failed rank too. The failed rank's handling ends from inside the watch's first wait, so a
+    watch that did not wait ends before it, whatever the threads' timing."""
     import datetime
 
     import torch
@@ -737,23 +738,28 @@ def test_a_rank_that_read_a_failure_waits_while_the_failed_rank_handles_it(monke
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=30))
     prefix = rank_failure._prefix()
-    ended = []
+    events = []
+
+    def wait(seconds):  # the watch waits for rank 1: its handling is over now (rank_failure._end)
+        events.append("waited")
+        store.set(f"{prefix}handled/1", "1")
+
     monkeypatch.setattr(rank_failure, "HANDLING_GRACE_S", 120.0)
-    monkeypatch.setattr(rank_failure, "_end",
-                        lambda line, exit_status=1: ended.append((line, store.check([f"{prefix}handled/1"]))))
+    monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
+    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: events.append(
+        (line, "after rank 1's handling" if store.check([f"{prefix}handled/1"]) else "during rank 1's handling")))
     store.set(f"{prefix}handling/1", "1")  # rank 1 failed and handles its error: record_failure(..., handling=True)
     rank_failure._record_in(store, 1, fault_helpers.PlantedError("planted failure"))
     place = rank_failure.RankPlace(0, 2, 0, 0, 1, "127.0.0.1", port, True)
     stop = rank_failure.watch_failures(place, interval_s=0.05)
     try:
-        store.wait([f"{prefix}read/rank/0"])  # rank 0's watch read the failure
-        store.set(f"{prefix}handled/1", "1")  # rank 1's handling is over: it ends (rank_failure._end)
         deadline = time.monotonic() + 30
-        while not ended and time.monotonic() < deadline:
+        while not any(isinstance(event, tuple) for event in events) and time.monotonic() < deadline:  # its end
             time.sleep(0.05)
     finally:
         stop.set()
-    assert ended == [("rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure", True)]
+    assert events == ["waited", ("rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure",
+                                 "after rank 1's handling")]
 
 
 def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch):
