@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 
 from lit_grpo.runtime.distributed import RankFailed, is_multi_process
 from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_at_uncaught_error, is_failure, rank_place,
-                                           record_failure, watch_failures, watching)
+                                           record_failure, say_handling, watch_failures, watching)
 
 
 class RankFailureWatch(Callback):
@@ -53,7 +53,13 @@ class RankFailureWatch(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_watch()  # Lightning calls no teardown after an error or a stop: the fit is over here
-        if not is_multi_process() or caller_ends_failed_ranks():
+        if not is_multi_process():
+            return
+        if caller_ends_failed_ranks():
+            # the CLI records the error and ends the rank once Lightning's handling is done; a rank told of the
+            # failure meanwhile (RankFailed) waits for that handling, which this says is under way
+            if is_failure(exception):
+                say_handling()
             return
         if isinstance(exception, RankFailed):  # told that another rank failed: no exit of the script's, 0 included,
             # may report success, nor run exit handlers that could wait on the others; its end waits while the

@@ -453,11 +453,12 @@ def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_n
 
 
 @pytest.mark.parametrize("kind", ["failure", "under lit-grpo", "KeyboardInterrupt", "StopRequested", "SystemExit",
-                                  "RankFailed", "RaisedOnEveryRank"])
+                                  "RankFailed", "RaisedOnEveryRank", "RankFailed under lit-grpo"])
 def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kind):
     """``on_exception`` under several processes records the rank's own error and has the rank end where the error
     leaves the script, as it has a rank told of another's failure (which names it); not on a stop or an error every
-    rank raised, nor under ``lit-grpo``, whose error path does it (recording the error once)."""
+    rank raised, nor under ``lit-grpo``, whose error path does it (recording the error once): there it only says
+    that the rank handles its own failure."""
     from lit_grpo.callbacks import rank_failure_watch
     from lit_grpo.runtime.distributed import RaisedOnEveryRank, RankFailed
     from lit_grpo.runtime.rank_failure import ended_by_caller
@@ -466,17 +467,20 @@ def test_rank_failure_watch_records_the_ranks_own_failures_only(monkeypatch, kin
     errors = {"failure": ValueError("boom"), "under lit-grpo": ValueError("boom"), "KeyboardInterrupt":
               KeyboardInterrupt(), "StopRequested": StopRequested(signal.SIGTERM), "SystemExit": SystemExit(1),
               "RankFailed": RankFailed([0], "in a rollout"),
-              "RaisedOnEveryRank": RaisedOnEveryRank("non-finite loss on rank 1")}
-    recorded, ending = [], []
+              "RaisedOnEveryRank": RaisedOnEveryRank("non-finite loss on rank 1"),
+              "RankFailed under lit-grpo": RankFailed([0], "in a rollout")}
+    recorded, ending, said = [], [], []
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     monkeypatch.setattr(rank_failure_watch, "record_failure",
                         lambda error, handling=False: recorded.append(error) or "its line")
     monkeypatch.setattr(rank_failure_watch, "end_at_uncaught_error", lambda line, **shown: ending.append(line))
-    with ended_by_caller() if kind == "under lit-grpo" else contextlib.nullcontext():
+    monkeypatch.setattr(rank_failure_watch, "say_handling", lambda: said.append("handling"))
+    with ended_by_caller() if kind.endswith("under lit-grpo") else contextlib.nullcontext():
         rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, errors[kind])
     ends = kind in ("failure", "RankFailed")  # RankFailed: no record of its own (record_failure reads the first)
     assert recorded == ([errors[kind]] if ends else [])
     assert ending == (["its line"] if ends else [])
+    assert said == (["handling"] if kind == "under lit-grpo" else [])
 
 
 def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, monkeypatch):
@@ -788,6 +792,54 @@ def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch):
     assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}handled/1"])
     rank_failure._end(line)
     assert store.check([f"{prefix}handled/1"])
+
+
+def test_under_lit_grpo_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch, capsys):
+    """Under ``lit-grpo`` the failed rank's ``on_exception`` only says that it handles its error (the CLI records
+    it as the rank ends); a rank told of the failure (``RankFailed``) ends from the CLI's error path
+    (``end_failed_rank``) only once that handling is over, naming the error: its end may end the failed rank too
+    (one node under Lightning's launcher). That handling ends from inside the told rank's first wait, so an end
+    that did not wait comes before it, whatever the timing."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.callbacks import rank_failure_watch
+    from lit_grpo.runtime import rank_failure
+    from lit_grpo.runtime.distributed import RankFailed
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    prefix, events = rank_failure._prefix(), []
+    error = fault_helpers.PlantedError("planted failure")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(rank_failure, "_ending", rank_failure.threading.Event())
+    monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
+    # rank 1 fails: its on_exception under the CLI says it handles its error and records nothing yet
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(rank_failure, "_handling", None)
+    with rank_failure.ended_by_caller():
+        rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, error)
+    assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}count"])
+    rank_failure._record_in(store, 1, error)  # the CLI's record as rank 1 ends, its handling not yet said done
+
+    def wait(seconds):  # rank 0 waits for rank 1: its handling is over now (rank_failure._end)
+        events.append("waited")
+        store.set(f"{prefix}handled/1", "1")
+
+    # rank 0, told of it by a collective, ends from the CLI's error path
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(rank_failure, "_handling", None)
+    monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
+    monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append("ended the ranks it started"))
+    monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
+    rank_failure.end_failed_rank(RankFailed([1], "inside the lockstep rollout"), show_traceback=False)
+    assert events == ["waited", "ended the ranks it started", "exit 1"]
+    named = "lit-grpo: rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure"
+    assert named in capsys.readouterr().err
 
 
 def test_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch):

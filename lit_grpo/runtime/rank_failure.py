@@ -13,8 +13,10 @@ Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` reco
 Lightning's ``on_exception`` (:func:`is_failure` says which errors, :func:`record_failure`) and ends the rank the
 same way once the error leaves the script (:func:`end_at_uncaught_error`), after Lightning's own handling; under
 ``lit-grpo`` it leaves both to the CLI's error path (:func:`ended_by_caller`), which picks each error's output and
-exit status. Such a rank says in the store that it goes on handling its error, and a rank that read its record
-waits for that, at most ``HANDLING_GRACE_S``, before it ends: on one node they end together.
+exit status. Either way the failed rank says in the store, from ``on_exception``, that it goes on handling its
+error (under ``lit-grpo``, :func:`say_handling`: its record comes as it ends), and a rank that read its record, or
+was told of the failure (``RankFailed``), waits for that, at most ``HANDLING_GRACE_S``, before it ends: on one node
+they end together.
 
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
@@ -172,12 +174,16 @@ def describe(error: BaseException) -> str:
 def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: bool = True) -> NoReturn:
     """Print ``error``'s traceback (unless not ``show_traceback``: a bad setting, said already) and a line naming
     this rank and the run's first failure, end the processes this one started, then this one with ``exit_status``
-    (``os._exit``: no exit handler or thread join can wait on the other ranks). For a process of a group of several
-    ranks; the group must be initialized."""
+    (``os._exit``: no exit handler or thread join can wait on the other ranks). For a ``RankFailed``, the end
+    first waits while the failed ranks still handle their errors (:func:`say_handling`), at most
+    ``HANDLING_GRACE_S``. For a process of a group of several ranks; the group must be initialized."""
+    from lit_grpo.runtime.distributed import RankFailed
+
     _ending.set()
     if show_traceback:
         traceback.print_exception(error)
-    _end(record_failure(error), exit_status)
+    # a rank told of another's failure first waits while that rank handles it: its end may end that rank too
+    _end(record_failure(error), exit_status, error.ranks if isinstance(error, RankFailed) else ())
 
 
 def record_failure(error: BaseException, handling: bool = False) -> str:
@@ -197,6 +203,15 @@ def record_failure(error: BaseException, handling: bool = False) -> str:
         return (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
                 "failed first ended with it; that rank's output names its error)")
     return _ending_line(rank, world, first)
+
+
+def say_handling() -> None:
+    """Say in the run's store that this rank failed and goes on handling its error before it records it and ends
+    (``lit-grpo``: Lightning's ``on_exception`` hooks and the loggers' last write, then the CLI's error path,
+    :func:`end_failed_rank`, which says it is done as it ends): a rank told of the failure by a collective
+    (``RankFailed``) waits for that, at most ``HANDLING_GRACE_S``, before its end can end this one. For a process
+    of a group of several ranks; the group must be initialized."""
+    _say_handling(torch.distributed.get_rank())
 
 
 def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None,
