@@ -15,26 +15,33 @@ from lit_grpo.runtime.rank_failure import (caller_ends_failed_ranks, end_at_unca
 
 class RankFailureWatch(Callback):
     """Ends this rank, naming the rank that failed and its error, within a second of another rank's failure
-    recorded in the run's store (``lit_grpo.runtime.rank_failure``). Over gloo a failed rank's peers fail at their
+    recorded in the run's store (``lit_grpo.runtime.rank_failure``): over gloo a failed rank's peers fail at their
     next collective anyway; over NCCL a peer waiting in a collective may notice only at the process group's
-    timeout, and a rank computing alone notices only at its next collective. One process: nothing; nor where a
-    watch of this process runs already (``lit-grpo`` starts one as the run starts, before the ranks connect).
+    timeout, and a rank computing alone notices only at its next collective. Where a watch of this process runs
+    already (``lit-grpo`` starts one as the run starts, before the ranks connect), it starts none of its own.
 
-    This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
-    ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``) is shown (its traceback) and recorded
-    there at once, for the other ranks; Lightning then ends its handling as without several processes (every
-    callback's ``on_exception``, this one's place in the list whatever it is, and its loggers' last write; the
-    others wait up to ``rank_failure.HANDLING_GRACE_S`` for it before they end, since on one node under Lightning's
-    launcher rank 0 and the ranks it started end together), and the error goes on to the script. Where it leaves
-    the script, the rank ends with exit status 1, after a hook of the user's if any (the traceback is not shown
-    twice), before any exit handler or thread join can wait on the other ranks
-    (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the rank ends so where the
-    script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the others were told that
-    the run failed). So does a rank told that another failed (``RankFailed``; nothing recorded): it must not report
-    success, and it ends only once that rank's own handling is done (at most ``HANDLING_GRACE_S``), since its end
-    may end that rank too. One process keeps the script's exit status. Under ``lit-grpo``, which adds it to every
-    fit and validation, the CLI's error path records and ends the rank instead (its output and exit status per
-    error).
+    What it does, by case (the first two in a Lightning project of its own, under several processes):
+
+    - This rank's own error (``on_exception``; not a stop such as ``KeyboardInterrupt`` or ``StopRequested``, nor
+      ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``): it shows the traceback and records
+      the error in the store at once for the other ranks, saying that this rank still handles it. Lightning then
+      ends its handling as without several processes (every callback's ``on_exception``, this one's place in the
+      list whatever it is, and the loggers' last write); the others wait up to ``rank_failure.HANDLING_GRACE_S``
+      for it before they end, since on one node under Lightning's launcher rank 0 and the ranks it started end
+      together. Where the error leaves the script, the rank ends with exit status 1, after a hook of the user's
+      if any (the traceback is not shown twice), before any exit handler or thread join can wait on the other
+      ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the rank ends so where
+      the script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the others were told
+      that the run failed).
+    - Told of another rank's failure by a collective (``RankFailed``; nothing recorded): the rank ends as above,
+      where the error leaves the script or the script exits, with exit status 1 (it must not report success), but
+      only once the failed ranks' own handling is done (at most ``HANDLING_GRACE_S``), since its end may end them
+      too.
+    - One process: nothing; the script keeps its exit status.
+    - Under ``lit-grpo``, which adds it to every fit and validation: on this rank's own error it only says in the
+      store that the rank handles it (``rank_failure.say_handling``); the CLI's error path records the error and
+      ends the rank after Lightning's handling (its output and exit status per error), and a rank told of the
+      failure (``RankFailed``) ends there once that handling is done, as above.
 
     The watch runs from ``setup`` to the end of the fit or validation, however it ends: ``teardown`` (a fit that
     ends on its own, by ``max_steps``, ``trainer.should_stop`` or EarlyStopping), or ``on_exception`` (an error or
