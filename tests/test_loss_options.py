@@ -12,6 +12,7 @@ from lit_grpo.update.loss import policy_loss, policy_loss_metrics
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.policy_losses import make_loss
 from lit_grpo.update.surrogates import high_entropy_mask, vespo_weight
+from tools.compare_trl_loss import run_ranks  # ranks as threads, meeting in their all_gather
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LENGTHS = [5, 3, 0, 4]  # a completion without any active token included
@@ -274,27 +275,6 @@ def test_the_high_entropy_mask_keeps_the_active_tokens_at_or_above_the_quantile(
     assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()  # no active token: nothing kept
 
 
-def _two_ranks(work):
-    """``[work(0, gather), work(1, gather)]`` run as two ranks (threads), ``gather``: their all_gather (``tensor ->
-    [2, *shape]``, rank by rank); a rank that skips a collective, or calls one of another shape, fails."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    barrier, slots = threading.Barrier(2, timeout=60), [None, None]
-
-    def gather_of(rank):
-        def gather(tensor):
-            slots[rank] = tensor.clone()
-            barrier.wait()
-            out = torch.stack(slots)
-            barrier.wait()  # both ranks have read the slots before either writes the next
-            return out
-        return gather
-
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda rank: work(rank, gather_of(rank)), range(2)))
-
-
 def test_under_two_ranks_the_high_entropy_quantile_spans_both_ranks_micro_batches():
     """TRL's ``get_high_entropy_mask`` takes its quantile over every process's non-pad entropies (padded across
     processes and gathered): with the ranks' all_gather, each rank's mask is the quantile of both micro-batches'
@@ -309,11 +289,11 @@ def test_under_two_ranks_the_high_entropy_quantile_spans_both_ranks_micro_batche
     for top in (0.2, 0.3):
         threshold = torch.quantile(every, 1 - top)
         want = [(e >= threshold) & m.bool() for e, m in zip(entropies, masks)]
-        got = _two_ranks(lambda rank, gather: high_entropy_mask(entropies[rank], masks[rank], top, gather))
+        got = run_ranks(2, lambda rank, gather: high_entropy_mask(entropies[rank], masks[rank], top, gather))
         assert [g.tolist() for g in got] == [w.tolist() for w in want], top
         alone = [high_entropy_mask(e, m, top) for e, m in zip(entropies, masks)]
         assert any(not torch.equal(a, w) for a, w in zip(alone, want)), top  # a rank's own quantile differs
-        tokens = _two_ranks(lambda rank, gather: bonus_tokens(entropies[rank].double(), masks[rank], top, gather))
+        tokens = run_ranks(2, lambda rank, gather: bonus_tokens(entropies[rank].double(), masks[rank], top, gather))
         assert [t.bool().tolist() for t in tokens] == [w.tolist() for w in want], top
     # the loss: rank 0's with both ranks' quantile, as the loss of its tokens below that quantile left out
     loss_fn = make_loss("grpo", top_entropy_quantile=0.3)
@@ -321,8 +301,8 @@ def test_under_two_ranks_the_high_entropy_quantile_spans_both_ranks_micro_batche
     second = _inputs(seed=1)
     inputs = [(logps, old, adv, mask, ENTROPY.double()),
               (second[0][:2], second[1][:2], second[3][:2], other_mask[:, :5], other[:, :5].double())]
-    losses = _two_ranks(lambda rank, gather: loss_fn(*inputs[rank][:4], entropy=inputs[rank][4], all_gather=gather))
-    kept = _two_ranks(lambda rank, gather: high_entropy_mask(inputs[rank][4], inputs[rank][3], 0.3, gather))
+    losses = run_ranks(2, lambda rank, gather: loss_fn(*inputs[rank][:4], entropy=inputs[rank][4], all_gather=gather))
+    kept = run_ranks(2, lambda rank, gather: high_entropy_mask(inputs[rank][4], inputs[rank][3], 0.3, gather))
     assert any(not torch.equal(high_entropy_mask(e, m, 0.3), k) for (*_, m, e), k in zip(inputs, kept))
     for rank in range(2):
         lp, olp, a, m, _ = inputs[rank]
