@@ -62,8 +62,10 @@ class RunCheckpoint(ModelCheckpoint):
     (the one before the first step too) cuts it: one process abandons its rollout at once, several processes stop
     after the validation batch under way; a validation changes nothing of the training state, so nothing is lost,
     and the resume goes on with the next step. Under several processes the
-    ranks agree at each step boundary (one all-reduce of a flag) and stop after the same step; a rollout is not
-    abandoned there, since another rank may already be in the update. A second signal stops at once, unsaved.
+    ranks agree at each step boundary (one all-reduce of a flag) and stop after the same step; a training rollout
+    is abandoned on each rank its signal reaches, and the ranks meet right after their rollouts
+    (``StopSignal.abandonable_together``): where any rank abandoned, every rank rolls the step back and raises an
+    agreed stop, saved here in ``on_exception`` as one process's is. A second signal stops at once, unsaved.
 
     Args:
         dirpath: the checkpoint folder (default: Lightning's, ``<logger dir>/checkpoints``).
@@ -176,11 +178,13 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         STOP_SIGNAL.restore()
-        if isinstance(exception, StopRequested) and not self._stopped and trainer.world_size == 1:
+        if isinstance(exception, StopRequested) and not self._stopped and (trainer.world_size == 1 or
+                                                                           exception.agreed):
             # A rollout was abandoned and rolled back: the state is the last completed step's. Anything else
-            # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was. One process
-            # only: a save runs collectives, which the other ranks, elsewhere, would not pair (several processes
-            # agree on a stop and save before raising it, in _stop's callers)
+            # that fails mid-step leaves no consistent state to save, and last.ckpt stays as it was. Under several
+            # processes only a stop every rank raised at one point (agreed: a training rollout abandoned on some
+            # rank, StopSignal.abandonable_together): a save runs collectives, which ranks elsewhere would not pair
+            # (at step boundaries the ranks agree on a stop and save before raising it, in _stop's callers)
             self._save_last(trainer)
             self._announce(trainer, exception.signum, cut=trainer.validating)
 

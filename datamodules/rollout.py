@@ -609,9 +609,11 @@ class RolloutDataModule(LightningDataModule):
     def build_train_batch(self) -> RolloutBatch:
         """One training step's batch: draw prompts, generate with the current policy, score, advantages.
 
-        All or nothing: when the build fails or is interrupted (a stop signal abandons the rollout of a single
-        process, ``lit_grpo.runtime.stop_signal``), the stream is rolled back to where the step started, so a checkpoint
-        saved then holds the last completed step and a resume redoes this one exactly."""
+        All or nothing: when the build fails or is interrupted (a stop signal abandons the build of a single
+        process, or under several the rollout of any rank, which every rank then drops, its own finished one too:
+        ``RolloutBuilder.build_train``, ``lit_grpo.runtime.stop_signal``), the stream is rolled back to where the
+        step started, so a checkpoint saved then holds the last completed step and a resume redoes this one
+        exactly, its prompts drawn again."""
         builder = self._require_builder()
         start = copy.deepcopy(self._local_state())
         try:

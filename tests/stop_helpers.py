@@ -87,3 +87,64 @@ class LastCheckpointProbe(Callback):
         if path and os.path.exists(path):
             step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"]
         self.seen[trainer.global_step + 1] = step
+
+
+class SlowRollout(Callback):
+    """Makes step ``step``'s training rollout long on ``slow_ranks`` (a ``sleep``-second pause before each forward of
+    the policy in it), and on ``signal_ranks`` sends SIGTERM to this process after ``after`` of its forwards, or,
+    where it slows none, as it joins the ranks' meeting after its rollout (past its rollout). Each rank writes the
+    training positions its sampler drew in that step, as example indices, to ``folder/drawn.rankR`` and, where its
+    rollout finished (not abandoned), touches ``folder/past.rankR`` as it joins that meeting; a slowed rank that
+    signals only once some other rank is past its rollout waits for that file first (``after_others``)."""
+
+    def __init__(self, folder: str, step: int, sleep: float, after: int = 5, slow_ranks: tuple = (0, 1),
+                 signal_ranks: tuple = (0, 1), after_others: bool = False):
+        self.folder, self.step, self.sleep, self.after = folder, step, sleep, after
+        self.slow_ranks, self.signal_ranks, self.after_others = tuple(slow_ranks), tuple(signal_ranks), after_others
+        self._forwards = 0
+
+    def _in_step(self, trainer) -> bool:
+        return trainer.global_step + 1 == self.step and trainer.training
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        rank, folder = trainer.global_rank, self.folder
+        datamodule = trainer.datamodule
+        draw = datamodule.sampler.draw
+
+        def draw_and_note(count, avoid=()):
+            drawn = draw(count, avoid)
+            if self._in_step(trainer):
+                with open(os.path.join(folder, f"drawn.rank{rank}"), "a") as handle:
+                    handle.write("".join(f"{datamodule.train_indices[p]}\n" for p in drawn))
+            return drawn
+
+        datamodule.sampler.draw = draw_and_note
+        if rank in self.slow_ranks:
+            pl_module.policy.register_forward_pre_hook(lambda module, args: self._slow(trainer))
+        from lit_grpo.rollout.builder import RolloutBuilder
+
+        any_rank = RolloutBuilder._any_rank
+
+        def note_and_meet(builder, flag):
+            if self._in_step(trainer) and not flag:  # its rollout finished, not abandoned
+                open(os.path.join(folder, f"past.rank{rank}"), "w").close()
+                if rank in self.signal_ranks and rank not in self.slow_ranks:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return any_rank(builder, flag)
+
+        RolloutBuilder._any_rank = note_and_meet
+
+    def _slow(self, trainer) -> None:
+        if not self._in_step(trainer) or torch.is_grad_enabled():  # the rollout's forwards only, not the update's
+            return
+        import time
+
+        self._forwards += 1
+        if self._forwards == self.after and trainer.global_rank in self.signal_ranks:
+            others = [os.path.join(self.folder, f"past.rank{r}") for r in range(trainer.world_size)
+                      if r != trainer.global_rank]
+            while self.after_others and not any(os.path.exists(path) for path in others):
+                time.sleep(0.1)
+            print(f"rank {trainer.global_rank}: SIGTERM after {self._forwards} rollout forwards", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(self.sleep)

@@ -1087,11 +1087,49 @@ def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interr
         STOP_SIGNAL.restore()
 
 
+def test_code_abandonable_together_is_abandoned_by_every_rank_once_any_rank_abandons_it():
+    """Each rank's flag goes to the one meeting at the end (``any_rank``), finished or abandoned; where any rank
+    abandoned, every rank raises an agreed stop, the finished ones too; a stop that comes after the code finished
+    is only recorded."""
+    from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
+
+    def meeting(others: bool, sent: list):
+        return lambda abandoned: sent.append(abandoned) or abandoned or others
+
+    STOP_SIGNAL.install()
+    try:
+        sent = []
+        with STOP_SIGNAL.abandonable_together(meeting(False, sent)):  # no rank abandons: nothing raised
+            finished = True
+        os.kill(os.getpid(), signal.SIGTERM)  # after the code: recorded only
+        assert finished and sent == [False] and STOP_SIGNAL.signum == signal.SIGTERM
+    finally:
+        STOP_SIGNAL.restore()
+
+    STOP_SIGNAL.install()
+    try:
+        sent = []
+        with pytest.raises(StopRequested) as stop:  # this rank finished, another abandoned: dropped here too
+            with STOP_SIGNAL.abandonable_together(meeting(True, sent)):
+                pass
+        assert sent == [False] and stop.value.agreed and stop.value.code == 143  # SIGTERM: this rank got none
+        sent = []
+        with pytest.raises(StopRequested) as stop:  # abandoned here, where it was, and met the others
+            with STOP_SIGNAL.abandonable_together(meeting(False, sent)):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+                pytest.fail("not interrupted")
+        assert sent == [True] and stop.value.agreed and stop.value.code == 130
+    finally:
+        STOP_SIGNAL.restore()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatch, world_size):
     """A ``StopRequested`` the ranks did not agree on (``_stop``'s callers save before raising it) reaches
     ``on_exception`` on this rank alone: one process saves its rolled-back step; under several the save's collectives
-    would pair with whatever the other ranks run, so it saves nothing."""
+    would pair with whatever the other ranks run, so it saves nothing. An agreed one (a training rollout abandoned
+    together) every rank raised at one point: saved."""
     from types import SimpleNamespace
 
     from lit_grpo.runtime.stop_signal import StopRequested
@@ -1102,6 +1140,50 @@ def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatc
     trainer = SimpleNamespace(world_size=world_size, global_step=3, is_global_zero=False, validating=False)
     checkpoint.on_exception(trainer, None, StopRequested(signal.SIGTERM))
     assert saved == ([3] if world_size == 1 else [])
+    saved.clear()
+    checkpoint.on_exception(trainer, None, StopRequested(signal.SIGTERM, agreed=True))  # every rank raised it
+    assert saved == [3]
+
+
+#: A rollout of step 2 slowed to at least 4 x 600 / 2 decode steps of 0.2 s each (G 4 on 2 slots, no sample
+#: ending before the cap on the random model being rare): unabandoned, some 240 s on each rank, above the
+#: test's whole time limit, so a run that waited for it would be cut off there.
+LONG_ROLLOUT = ("--data.sampling.max_new_tokens", "600")
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["both_ranks_mid_rollout", "rank_0_past_its_rollout"])
+def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resume_draws_its_prompts_again(
+        tmp_path, race):
+    """SIGTERM to both ranks of a 2-process fit during step 2's long rollout: every rank abandons its rollout at
+    once, the ranks meet after it, and step 1 is saved; the resume trains step 2 on the prompts the abandoned step
+    drew. ``race``: rank 0's rollout is not slowed, so it is past its rollout and waiting for rank 1 when rank 1
+    is signalled (rank 0 too, as it gets there: recorded only), and still drops its finished step."""
+    from tools.harness import free_port, repo_env
+
+    root = tmp_path / "run"
+    slow = ["--trainer.callbacks+=stop_helpers.SlowRollout", f"--trainer.callbacks.folder={tmp_path}",
+            "--trainer.callbacks.step=2", "--trainer.callbacks.sleep=0.2"]
+    if race:
+        slow += ["--trainer.callbacks.slow_ranks=[1]", "--trainer.callbacks.after_others=true"]
+    argv = [*_fit_args(root, *LONG_ROLLOUT, "--trainer.num_nodes", "2", "--trainer.devices", "1",
+                       "--trainer.strategy", "ddp", "--trainer.callbacks+=tools.step_recorder.StepRecorder",
+                       f"--trainer.callbacks.path={root / 'rec'}", steps=2)]
+    outputs = forked_cli.run_ranks([*argv, *slow], tmp_path, free_port(), 200, env=repo_env())
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code == 143, f"rank {rank} ended with {code}:\n{output[-4000:]}"
+    assert "stopped by SIGTERM after step 1; saved to" in outputs[0][1]
+    assert all("Traceback" not in output for _, output, _ in outputs)
+    assert (tmp_path / "past.rank0").exists() == race and not (tmp_path / "past.rank1").exists()
+    assert _last_step(root) == 1
+    drawn = [sorted(map(int, (tmp_path / f"drawn.rank{rank}").read_text().split())) for rank in (0, 1)]
+    assert drawn[0] == drawn[1] and len(drawn[0]) == 4  # one global draw: 2 prompts for each rank
+
+    resumed = forked_cli.run_ranks([*argv, "--ckpt_path", "last"], tmp_path, free_port(), 300, env=repo_env())
+    for rank, (code, output, _) in enumerate(resumed):
+        assert code == 0, f"rank {rank} ended with {code}:\n{output[-4000:]}"
+    steps = [read_records(str(root / "rec"), rank) for rank in (0, 1)]
+    assert [[r["global_step"] for r in records] for records in steps] == [[1, 2], [1, 2]]
+    assert sorted(steps[0][1]["indices"] + steps[1][1]["indices"]) == drawn[0]
 
 
 def _folder(path: Path, content: str) -> Path:

@@ -42,6 +42,7 @@ from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
+from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import SEED_MAX, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
@@ -330,12 +331,13 @@ class RolloutBuilder:
 
         Roll out (a partial rollout where one is on, then dynamic sampling's extra rounds while groups with learning
         signal are short), choose B groups, assemble them, decide whether the slot cache stays through the update,
-        and add the step's metrics."""
+        and add the step's metrics. Under several ranks a stop signal abandons the rollouts where they are, on each
+        rank it reaches, and every rank raises it once the ranks have met after them (``_abandonable_rollouts``)."""
         engine, step = self.engine, self.training
         num_prompts = step.prompts_per_step
         self.slot_memory.measure_last_update(self.measured_update_peak())
         partial = self.partial_rollouts
-        with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False):  # "auto" decides below
+        with self.rollout_scope(keep=self.sampling.keep_kv_cache is not False), self._abandonable_rollouts():
             rollouts = [self._partial_rollout(engine, draw) if partial else self._rollout(engine, draw(num_prompts))]
             kept = self._kept_groups(rollouts)
             while step.dynamic_sampling and len(kept) < num_prompts and len(rollouts) < step.max_rollouts_per_step:
@@ -349,6 +351,20 @@ class RolloutBuilder:
         self._check_some_group_scored(rollouts)
         batch.generated_accuracy = self._generated_accuracy(rollouts)
         return batch
+
+    def _abandonable_rollouts(self) -> contextlib.AbstractContextManager:
+        """Under several ranks, a training step's rollouts as code a stop may abandon on each rank alone, the ranks
+        meeting after them in one gather of a flag (``StopSignal.abandonable_together``): the first collective of
+        the step after its rollouts, on every rank. Not where the rollout weights run collectives inside their
+        scope (FSDP2's lockstep: every forward), nor without a gather; one process: its caller's
+        (``RolloutDataModule``) abandons the whole build."""
+        if self.world_size == 1 or self.all_gather is None or not self.weights.decodes_alone:
+            return contextlib.nullcontext()
+        return STOP_SIGNAL.abandonable_together(self._any_rank)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
+        return bool(self.all_gather(torch.tensor([float(flag)])).max() > 0)
 
     def _settle_slot_cache(self, engine: RolloutEngine, batch: RolloutBatch) -> None:
         """Keep the training engine's slot cache (and the rollout weights' copy) through the coming update, or free

@@ -137,7 +137,10 @@ class RolloutWeights:
     ``release()`` on exit); this class: the policy itself, nothing to do. Every rank enters ``active()`` the same
     number of times (once per training step's rollouts, once per validation batch): the sharded kinds below run
     collectives at its edges. ``keep``: the engines keep their CUDA graphs after the scope, so the weights they read
-    must stay where they are."""
+    must stay where they are. ``decodes_alone``: inside the scope a rank decodes with no collective, so it may stop
+    decoding on its own (a stop signal abandons its rollout)."""
+
+    decodes_alone = True
 
     def __init__(self, policy: torch.nn.Module):
         self.module = policy
@@ -372,6 +375,7 @@ class LockstepWeights(RolloutWeights):
     """
 
     WORKING, DONE, FAILED = 1.0, 0.0, -1.0
+    decodes_alone = False  # every forward gathers shards from every rank
 
     def __init__(self, policy: torch.nn.Module, group=None):
         super().__init__(policy)
