@@ -26,13 +26,14 @@ class RankFailureWatch(Callback):
       ``RaisedOnEveryRank`` or ``RankFailed``: ``rank_failure.is_failure``): it shows the traceback and records
       the error in the store at once for the other ranks, saying that this rank still handles it. Lightning then
       ends its handling as without several processes (every callback's ``on_exception``, this one's place in the
-      list whatever it is, and the loggers' last write); the others wait up to ``rank_failure.HANDLING_GRACE_S``
-      for it before they end, since on one node under Lightning's launcher rank 0 and the ranks it started end
-      together. Where the error leaves the script, the rank ends with exit status 1, after a hook of the user's
-      if any (the traceback is not shown twice), before any exit handler or thread join can wait on the other
-      ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the rank ends so where
-      the script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the others were told
-      that the run failed).
+      list whatever it is, and the loggers' last write); the others, failing too or not, wait up to
+      ``rank_failure.HANDLING_GRACE_S`` in all for every such handling before they end, since on one node under
+      Lightning's launcher rank 0 and the ranks it started end together. Where the error leaves the script, the
+      rank ends with exit status 1, after a hook of the user's if any (the traceback is not shown twice), and once
+      the other failed ranks' handling is done (within that same bound), before any exit handler or thread join can
+      wait on the other ranks (``rank_failure.end_at_uncaught_error``); a script that catches it goes on, and the
+      rank ends so where the script exits (``sys.exit`` or its end), with exit status 1 whatever the script's (the
+      others were told that the run failed).
     - Told of another rank's failure by a collective (``RankFailed``; nothing recorded): the rank ends as above,
       where the error leaves the script or the script exits, with exit status 1 (it must not report success), but
       only once the failed ranks' own handling is done (at most ``HANDLING_GRACE_S``), since its end may end them
@@ -70,8 +71,8 @@ class RankFailureWatch(Callback):
             return
         if isinstance(exception, RankFailed):  # told that another rank failed: no exit of the script's, 0 included,
             # may report success, nor run exit handlers that could wait on the others; its end waits while the
-            # failed ranks handle their errors, as a watch that read the failure would (it may end them too)
-            end_at_uncaught_error(record_failure(exception), awaited_ranks=exception.ranks)
+            # failed ranks handle their errors, as every end does (it may end them too)
+            end_at_uncaught_error(record_failure(exception))
             return
         if not is_failure(exception):
             return

@@ -8,7 +8,8 @@ checked on every rank), the update's backward, a validation rollout, a checkpoin
 can talk and the end of training; and, each on the rank it happens on, the restore of a resumed checkpoint and the
 export of the trained model. More cases: a rank away from any collective while another fails (ended by its
 failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit-grpo`` processes, and a Lightning
-script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself. Before
+script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself, once
+with both ranks of one node failing at once (each finishes its handling before the other's end can end it). Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, a config file that
 does (under torchrun, whose environment gives the layout the unread settings do not), and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
@@ -513,7 +514,7 @@ def test_rank_failure_watch_ends_the_rank_after_lightnings_handling(tmp_path, mo
                         lambda error, handling=False: events.append(f"recorded, handling: {handling}") or "its line")
     monkeypatch.setattr(rank_failure_watch, "end_failed_rank", lambda error: events.append("ended"), raising=False)
     monkeypatch.setattr(rank_failure, "_end",
-                        lambda line, exit_status=1, awaited_ranks=(): events.append(f"ended: {line}"))
+                        lambda line, exit_status=1, after_handling=True: events.append(f"ended: {line}"))
     monkeypatch.setattr(sys, "excepthook", lambda *error: events.append("traceback"))  # restored after the test
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=Finalizing(tmp_path),
                          callbacks=[RankFailureWatch(), Closing()], enable_checkpointing=False,
@@ -714,7 +715,7 @@ def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path
 
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     monkeypatch.setattr(rank_failure_watch, "record_failure", record)
-    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1, awaited_ranks=(): ended.append(line))
+    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1, after_handling=True: ended.append(line))
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # the interpreter's own; restored after the test
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False,
                          callbacks=[RankFailureWatch()], enable_checkpointing=False, enable_progress_bar=False,
@@ -726,12 +727,9 @@ def test_a_failed_rank_shows_its_traceback_before_the_others_can_end_it(tmp_path
     assert ended == ["its line"] and "PlantedError" not in capsys.readouterr().err
 
 
-def test_a_rank_that_read_a_failure_waits_while_the_failed_rank_handles_it(monkeypatch):
-    """A rank whose failure is recorded while it goes on handling it (``RankFailureWatch``: the later callbacks'
-    ``on_exception``, the loggers' last write) says so; another rank's watch that reads the record waits, before it
-    ends, until that handling is done (bounded by ``HANDLING_GRACE_S``): on one node under Lightning's launcher its
-    end would end the failed rank too. The failed rank's handling ends from inside the watch's first wait, so a
-    watch that did not wait ends before it, whatever the threads' timing."""
+def _store_of_a_run(monkeypatch):
+    """A run's store (this process runs it, as rank 0's does) at ``MASTER_ADDR``, ``MASTER_PORT``, and this process
+    as a rank that has not failed, ended or waited yet; returns the store and its keys' prefix."""
     import datetime
 
     import torch
@@ -741,139 +739,187 @@ def test_a_rank_that_read_a_failure_waits_while_the_failed_rank_handles_it(monke
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=30))
-    prefix = rank_failure._prefix()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(rank_failure, "_handling", None)
+    monkeypatch.setattr(rank_failure, "_grace_end", None)
+    monkeypatch.setattr(rank_failure, "_ending", rank_failure.threading.Event())
+    return store, rank_failure._prefix()
+
+
+def _handling_counts(store, prefix: str) -> tuple[int, int]:
+    """How many ranks said they handle their failure, and how many of those said they are done."""
+    return store.add(f"{prefix}handling", 0), store.add(f"{prefix}handled", 0)
+
+
+def test_a_rank_that_read_a_failure_waits_while_every_failed_rank_handles_it(monkeypatch):
+    """Ranks whose failures are recorded while they go on handling them (``RankFailureWatch``: the later callbacks'
+    ``on_exception``, the loggers' last write) say so; another rank's watch that reads the first record waits,
+    before it ends, until every such handling is done (bounded by ``HANDLING_GRACE_S`` in all): on one node under
+    Lightning's launcher its end would end the failed ranks too. Rank 1's and then rank 2's handling end from inside
+    the watch's waits, so a watch that waited for the first failed rank only ends during rank 2's handling."""
+    from lit_grpo.runtime import rank_failure
+
+    store, prefix = _store_of_a_run(monkeypatch)
     events = []
 
-    def wait(seconds):  # the watch waits for rank 1: its handling is over now (rank_failure._end)
+    def wait(seconds):  # the watch waits: one failed rank's handling is over now (rank_failure._end)
         events.append("waited")
-        store.set(f"{prefix}handled/1", "1")
+        store.add(f"{prefix}handled", 1)
 
     monkeypatch.setattr(rank_failure, "HANDLING_GRACE_S", 120.0)
     monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
-    monkeypatch.setattr(rank_failure, "_end", lambda line, exit_status=1: events.append(
-        (line, "after rank 1's handling" if store.check([f"{prefix}handled/1"]) else "during rank 1's handling")))
-    store.set(f"{prefix}handling/1", "1")  # rank 1 failed and handles its error: record_failure(..., handling=True)
+    monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append(
+        ("ended", "after every handling" if _handling_counts(store, prefix) == (2, 2) else "during a handling")))
+    monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
+    store.add(f"{prefix}handling", 2)  # ranks 1 and 2 failed and handle their errors: record_failure(..., True)
     rank_failure._record_in(store, 1, fault_helpers.PlantedError("planted failure"))
-    place = rank_failure.RankPlace(0, 2, 0, 0, 1, "127.0.0.1", port, True)
+    rank_failure._record_in(store, 2, fault_helpers.PlantedError("planted failure"))
+    place = rank_failure.RankPlace(0, 3, 0, 0, 1, "127.0.0.1", int(os.environ["MASTER_PORT"]), True)
     stop = rank_failure.watch_failures(place, interval_s=0.05)
     try:
         deadline = time.monotonic() + 30
-        while not any(isinstance(event, tuple) for event in events) and time.monotonic() < deadline:  # its end
+        while not any(str(event).startswith("exit") for event in events) and time.monotonic() < deadline:  # its end
             time.sleep(0.05)
     finally:
         stop.set()
-    assert events == ["waited", ("rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure",
-                                 "after rank 1's handling")]
+    assert events == ["waited", "waited", ("ended", "after every handling"), "exit 1"]
 
 
-def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch):
+def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch, capsys):
     """``record_failure(..., handling=True)`` says in the store that the rank handles its error, and its end says that
-    it is done, so the other ranks' watches wait no longer."""
-    import datetime
-
+    it is done (once its last line is out: the others may end it from then on), so the others wait no longer."""
     import torch
 
     from lit_grpo.runtime import rank_failure
 
-    port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=30))
-    prefix = rank_failure._prefix()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    store, prefix = _store_of_a_run(monkeypatch)
+    said = []
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(rank_failure, "_handling", None)
-    monkeypatch.setattr(rank_failure, "_ending", rank_failure.threading.Event())
     monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: None)
     monkeypatch.setattr(rank_failure.os, "_exit", lambda status: None)
     line = rank_failure.record_failure(fault_helpers.PlantedError("planted failure"), handling=True)
     assert line == "rank 1 of 2 failed: PlantedError: planted failure; every rank stops"
-    assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}handled/1"])
+    rank_failure.say_handling()  # said once, however often asked
+    assert _handling_counts(store, prefix) == (1, 0)
+    say_handled = rank_failure._say_handled
+    monkeypatch.setattr(rank_failure, "_say_handled", lambda: (said.append(capsys.readouterr().err), say_handled()))
     rank_failure._end(line)
-    assert store.check([f"{prefix}handled/1"])
+    assert _handling_counts(store, prefix) == (1, 1)
+    assert said == [f"lit-grpo: {line}\n"]
 
 
-def test_under_lit_grpo_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch, capsys):
+@pytest.mark.parametrize("recorded_after_s", [7.0, None], ids=["record-within-the-grace", "no-record"])
+def test_under_lit_grpo_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch, capsys,
+                                                                                          recorded_after_s):
     """Under ``lit-grpo`` the failed rank's ``on_exception`` only says that it handles its error (the CLI records
     it as the rank ends); a rank told of the failure (``RankFailed``) ends from the CLI's error path
     (``end_failed_rank``) only once that handling is over, naming the error: its end may end the failed rank too
-    (one node under Lightning's launcher). That handling ends from inside the told rank's first wait, so an end
-    that did not wait comes before it, whatever the timing."""
-    import datetime
-
+    (one node under Lightning's launcher). A handling longer than the store's timeout (``STORE_TIMEOUT_S``) still
+    has its record quoted where it comes within ``HANDLING_GRACE_S``; where none comes, the line says that the
+    failed rank's output names the error, and the end waits no longer (one bound for both waits). The clock is the
+    waits' own: the failed rank's handling ends from inside the told rank's waits, whatever the timing."""
     import torch
 
     from lit_grpo.callbacks import rank_failure_watch
     from lit_grpo.runtime import rank_failure
     from lit_grpo.runtime.distributed import RankFailed
 
-    port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=30))
-    prefix, events = rank_failure._prefix(), []
+    store, prefix = _store_of_a_run(monkeypatch)
+    clock, events = [0.0], []
     error = fault_helpers.PlantedError("planted failure")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(rank_failure, "_ending", rank_failure.threading.Event())
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     # rank 1 fails: its on_exception under the CLI says it handles its error and records nothing yet
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    monkeypatch.setattr(rank_failure, "_handling", None)
     with rank_failure.ended_by_caller():
         rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, error)
-    assert store.check([f"{prefix}handling/1"]) and not store.check([f"{prefix}count"])
-    rank_failure._record_in(store, 1, error)  # the CLI's record as rank 1 ends, its handling not yet said done
+    assert _handling_counts(store, prefix) == (1, 0) and not store.check([f"{prefix}count"])
 
-    def wait(seconds):  # rank 0 waits for rank 1: its handling is over now (rank_failure._end)
-        events.append("waited")
-        store.set(f"{prefix}handled/1", "1")
+    def wait(seconds):  # rank 0 waits; rank 1's handling ends after recorded_after_s of it (rank_failure._end)
+        clock[0] += seconds
+        if recorded_after_s is not None and clock[0] >= recorded_after_s and not events:
+            rank_failure._record_in(store, 1, error)  # the CLI's record as rank 1 ends
+            store.add(f"{prefix}handled", 1)
+            events.append(f"rank 1 handled its error after {recorded_after_s:.0f} s")
 
     # rank 0, told of it by a collective, ends from the CLI's error path
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(rank_failure, "_handling", None)
-    monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
+    monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=wait))
     monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append("ended the ranks it started"))
     monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
     rank_failure.end_failed_rank(RankFailed([1], "inside the lockstep rollout"), show_traceback=False)
-    assert events == ["waited", "ended the ranks it started", "exit 1"]
-    named = "lit-grpo: rank 0 of 2 stopped because rank 1 failed: PlantedError: planted failure"
-    assert named in capsys.readouterr().err
+    stopped = "lit-grpo: rank 0 of 2 stopped because rank 1 failed: "
+    if recorded_after_s is None:
+        assert events == ["ended the ranks it started", "exit 1"]
+        assert clock[0] == pytest.approx(rank_failure.HANDLING_GRACE_S, abs=0.2)
+        assert f"{stopped}its output names the error" in capsys.readouterr().err
+    else:
+        assert events == ["rank 1 handled its error after 7 s", "ended the ranks it started", "exit 1"]
+        assert f"{stopped}PlantedError: planted failure" in capsys.readouterr().err
 
 
 def test_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_handled_it(monkeypatch):
     """A rank that raised ``RankFailed`` (told by a collective, before its watch read the store) ends where the
     error leaves the script; that end, which may end the failed rank too (one node under Lightning's launcher),
-    first waits while the failed rank still handles its error, as a watch that read the failure does."""
-    import datetime
-
-    import torch
-
+    first waits while the failed rank still handles its error, as every end does. That handling ends from inside
+    the end's first wait, so an end that did not wait comes before it, whatever the timing."""
     from lit_grpo.callbacks import rank_failure_watch
     from lit_grpo.runtime import rank_failure
     from lit_grpo.runtime.distributed import RankFailed
 
-    port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=30))
-    prefix = rank_failure._prefix()
+    store, prefix = _store_of_a_run(monkeypatch)
     events = []
-    await_handled = rank_failure._await_handled
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+
+    def wait(seconds):  # the end waits: rank 1's handling is over now (rank_failure._end)
+        events.append("waited")
+        store.add(f"{prefix}handled", 1)
+
     monkeypatch.setattr(rank_failure_watch, "is_multi_process", lambda: True)
     monkeypatch.setattr(rank_failure_watch, "record_failure",
                         lambda error, handling=False: "rank 0 of 2 stopped because rank 1 failed: its error")
-    monkeypatch.setattr(rank_failure, "_await_handled", lambda store, rank, deadline: (
-        events.append(f"awaited rank {rank}"), await_handled(store, rank, deadline)))
+    monkeypatch.setattr(rank_failure, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
     monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append("ended the ranks it started"))
     monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
     monkeypatch.setattr(sys, "excepthook", lambda *error: None)  # restored after the test
     monkeypatch.setattr(rank_failure, "atexit", SimpleNamespace(register=lambda *end: None))  # not pytest's exit
-    store.set(f"{prefix}handling/1", "1")  # rank 1 handles its error: record_failure(..., handling=True)
-    store.set(f"{prefix}handled/1", "1")  # and is done: the wait below ends at once
+    store.add(f"{prefix}handling", 1)  # rank 1 handles its error: record_failure(..., handling=True)
     error = RankFailed([1], "inside the lockstep rollout")
     rank_failure_watch.RankFailureWatch().on_exception(SimpleNamespace(loggers=[]), None, error)
     sys.excepthook(RankFailed, error, None)  # the error leaves the script
-    assert events == ["awaited rank 1", "ended the ranks it started", "exit 1"]
+    assert events == ["waited", "ended the ranks it started", "exit 1"]
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_under_lightnings_own_launcher_two_ranks_failing_at_once_each_finish_handling_their_error(tmp_path,
+                                                                                                   slow_rank):
+    """A plain Lightning script with ``RankFailureWatch`` on one node x 2 processes under Lightning's own launcher
+    (tests/plain_ddp_failures_at_once.py), whose ranks both fail in one step, one of them taking 7 s in a later
+    callback's ``on_exception``: the other, done first, waits for that handling before it ends, since its end
+    would end the slow one (rank 0 ends the ranks it started as it ends; its process observer, polling every 5 s,
+    ends rank 0 once rank 1 has ended). Both handle their error and print their line; no process is left."""
+    script = str(Path(__file__).parent / "plain_ddp_failures_at_once.py")
+    env = {**repo_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, script, str(tmp_path / "run"), str(slow_rank), "7"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S + 30)  # the interpreters' start included
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the run still went after {DEADLINE_S + 30} s:\n{output[-4000:]}")
+    tail = output[-4000:]
+    assert proc.returncode != 0, tail
+    for rank in (0, 1):
+        assert f"rank {rank} handled its PlantedError" in output, tail
+        line = rf"lit-grpo: rank {rank} of 2 (failed: |stopped because rank \d failed: )PlantedError"
+        assert re.search(line, output), tail
+    session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
+    alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
+    assert not alive, f"processes of the run still alive: {alive}"

@@ -13,10 +13,14 @@ Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` reco
 Lightning's ``on_exception`` (:func:`is_failure` says which errors, :func:`record_failure`) and ends the rank the
 same way once the error leaves the script (:func:`end_at_uncaught_error`), after Lightning's own handling; under
 ``lit-grpo`` it leaves both to the CLI's error path (:func:`ended_by_caller`), which picks each error's output and
-exit status. Either way the failed rank says in the store, from ``on_exception``, that it goes on handling its
-error (under ``lit-grpo``, :func:`say_handling`: its record comes as it ends), and a rank that read its record, or
-was told of the failure (``RankFailed``), waits for that, at most ``HANDLING_GRACE_S``, before it ends: on one node
-they end together.
+exit status. Either way each failed rank says in the store, from ``on_exception``, that it goes on handling its
+error (under ``lit-grpo``, :func:`say_handling`: its record comes as it ends), and every rank, whether it read a
+record, was told of the failure (``RankFailed``) or failed too, waits before it ends until each rank that said so
+is done, at most ``HANDLING_GRACE_S`` in all (:func:`_end`): on one node under Lightning's launcher the ranks end
+together (rank 0 ends the ranks it started as it ends, and its process observer ends rank 0 once one of them has),
+so two ranks failing at once each finish their handling. A rank told of the failure quotes the failed rank's
+record where it comes within that same bound (under ``lit-grpo`` it comes as that handling ends); else its line
+says that the failed rank's output names the error.
 
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
@@ -30,7 +34,11 @@ from before that setup (``GRPOCLI`` starts the watch as the run starts), and a r
 through :func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank
 still to come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it
 in rank 0's store, waiting for it as long (and so does rank 0 under torchrun, whose agent runs the store). A store
-rank 0 finds on its port is another run's: it is left alone.
+rank 0 finds on its port is another run's: it is left alone. Under Lightning's own launcher rank 0 waits for the
+other nodes only (one of each reading is enough): the ranks of its own node are its children, which it ends as it
+ends (on one node it waits for none), and whose end, a SIGKILL's too, has its process observer end rank 0 within
+seconds. A rank of another node, or under torchrun or SLURM any rank, killed (SIGKILL, the OOM killer) before it
+read the record holds rank 0 the whole ``SETUP_WAIT_S``: nothing tells it from a late one.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -56,27 +64,29 @@ STORE_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
 #: How long a rank that failed before the ranks connected waits for the others to read its record (rank 0, running
 #: the store), or for rank 0's store to exist (any other rank): a rank still loading its model comes late. A rank
-#: killed (SIGKILL) before it read the record holds rank 0 that long: nothing tells it from a late one, since the
-#: store exists only from rank 0's failure on (no rank could leave a sign of life in it before) and tells no
-#: count of its clients.
+#: rank 0 waits for (another node's, under Lightning's launcher; any, under torchrun or SLURM) killed (SIGKILL)
+#: before it read the record holds rank 0 that long: nothing tells it from a late one, since the store exists only
+#: from rank 0's failure on (no rank could leave a sign of life in it before) and tells no count of its clients.
 SETUP_WAIT_S = 300.0
-#: How long a rank that read another's failure waits, before it ends, for that rank to finish its own handling
-#: (``record_failure(..., handling=True)``: its later callbacks' ``on_exception``, its loggers' last write): on one
-#: node under Lightning's launcher the ranks end together, so an end at once would cut that handling short.
+#: How long a rank waits in all, before it ends, for every failed rank that said it handles its error to finish
+#: (``record_failure(..., handling=True)``, :func:`say_handling`: its later callbacks' ``on_exception``, its loggers'
+#: last write), and for a record that comes as that handling ends: on one node under Lightning's launcher the ranks
+#: end together, so an end at once would cut that handling short.
 HANDLING_GRACE_S = 10.0
 
 _ending = threading.Event()  # this process is ending on its own error: its watch stands down
 _watches: set[threading.Event] = set()  # the stop events of this process's watches
 _caller_ends = False  # inside ended_by_caller()
-_handling: tuple[int, tuple[str, int]] | None = None  # (rank, store address) of a failure still being handled here
+_handling: tuple[str, int] | None = None  # the store address where this rank said it handles its failure
+_grace_end: float | None = None  # when this process's wait for the failed ranks' handling runs out (monotonic)
 
 
 def _start_clean() -> None:
     """A forked child (a ``ddp_fork`` rank) starts with no watch and none of its parent's flags: the parent's watch
     thread does not run there (its ``RankFailureWatch`` starts its own), nor the CLI's error path (that callback
     ends a failing child), and a lock of the parent's may have been held at the fork: new objects, not cleared ones."""
-    global _ending, _watches, _caller_ends, _handling
-    _ending, _watches, _caller_ends, _handling = threading.Event(), set(), False, None
+    global _ending, _watches, _caller_ends, _handling, _grace_end
+    _ending, _watches, _caller_ends, _handling, _grace_end = threading.Event(), set(), False, None, None
 
 
 os.register_at_fork(after_in_child=_start_clean)
@@ -174,30 +184,29 @@ def describe(error: BaseException) -> str:
 def end_failed_rank(error: BaseException, exit_status: int = 1, show_traceback: bool = True) -> NoReturn:
     """Print ``error``'s traceback (unless not ``show_traceback``: a bad setting, said already) and a line naming
     this rank and the run's first failure, end the processes this one started, then this one with ``exit_status``
-    (``os._exit``: no exit handler or thread join can wait on the other ranks). For a ``RankFailed``, the end
-    first waits while the failed ranks still handle their errors (:func:`say_handling`), at most
-    ``HANDLING_GRACE_S``. For a process of a group of several ranks; the group must be initialized."""
-    from lit_grpo.runtime.distributed import RankFailed
-
+    (``os._exit``: no exit handler or thread join can wait on the other ranks). The end first waits while any
+    failed rank still handles its error (:func:`say_handling`), at most ``HANDLING_GRACE_S``: this one's end may end
+    it. For a process of a group of several ranks; the group must be initialized."""
     _ending.set()
     if show_traceback:
         traceback.print_exception(error)
-    # a rank told of another's failure first waits while that rank handles it: its end may end that rank too
-    _end(record_failure(error), exit_status, error.ranks if isinstance(error, RankFailed) else ())
+    _end(record_failure(error), exit_status)
 
 
 def record_failure(error: BaseException, handling: bool = False) -> str:
     """Record this rank's ``error`` in the run's store for the other ranks (their watches end them), and return the
     line this rank ends with, naming the run's first failure; this process's watches stand down (it is ending). For
     a process of a group of several ranks; the group must be initialized. ``handling``: this rank goes on handling
-    the error before it ends (Lightning's ``on_exception`` hooks, the loggers' last write): the others' watches give
-    it up to ``HANDLING_GRACE_S`` for that, until :func:`_end` says it is done."""
+    the error before it ends (Lightning's ``on_exception`` hooks, the loggers' last write): the other ranks' ends give
+    it up to ``HANDLING_GRACE_S`` for that, until :func:`_end` says it is done. For a ``RankFailed`` the line
+    quotes the failed rank's record, waited for while that rank still handles its error (its record may come as it
+    ends), within the same ``HANDLING_GRACE_S`` as this rank's end waits in."""
     from lit_grpo.runtime.distributed import RaisedOnEveryRank
 
     _ending.set()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if handling:
-        _say_handling(rank)
+        _say_handling()
     first = (rank, describe(error)) if isinstance(error, RaisedOnEveryRank) else _record_failure(rank, error)
     if first is None:
         return (f"rank {rank} of {world} stopped on {describe(error)} (the run's store is gone: a rank that "
@@ -208,32 +217,30 @@ def record_failure(error: BaseException, handling: bool = False) -> str:
 def say_handling() -> None:
     """Say in the run's store that this rank failed and goes on handling its error before it records it and ends
     (``lit-grpo``: Lightning's ``on_exception`` hooks and the loggers' last write, then the CLI's error path,
-    :func:`end_failed_rank`, which says it is done as it ends): a rank told of the failure by a collective
-    (``RankFailed``) waits for that, at most ``HANDLING_GRACE_S``, before its end can end this one. For a process
-    of a group of several ranks; the group must be initialized."""
-    _say_handling(torch.distributed.get_rank())
+    :func:`end_failed_rank`, which says it is done as it ends): every other rank, told of the failure or failing
+    itself, waits for that, at most ``HANDLING_GRACE_S``, before its end can end this one. For a process of a group
+    of several ranks; the group must be initialized."""
+    _say_handling()
 
 
-def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None,
-                          awaited_ranks: Sequence[int] = ()) -> None:
+def end_at_uncaught_error(line: str, exit_status: int = 1, shown_error: BaseException | None = None) -> None:
     """From now on an error that leaves the script (``sys.excepthook``, as the interpreter calls it) ends this
     process as :func:`end_failed_rank` does, after the hook before this one (its traceback; not the interpreter's
     own for ``shown_error``, whose traceback the caller printed already), with ``line``: the
     callers of ``trainer.fit`` get the error first (their ``except`` and ``finally``), as without several processes,
     and no exit handler or thread join can then wait on the other ranks. A script that catches the error goes on,
     and ends so too where it exits (the first exit handler: ``sys.exit`` in its ``except``, or its end), with the
-    ranks this process started: they may have missed the record, whose store can end with this process.
-    ``awaited_ranks``: failed ranks this one was told of (``RankFailed.ranks``); its end first waits while they
-    still handle their errors, at most ``HANDLING_GRACE_S``, as a watch that read a failure does."""
+    ranks this process started: they may have missed the record, whose store can end with this process. The end
+    first waits while any failed rank still handles its error, at most ``HANDLING_GRACE_S``, as every end does."""
     shown = sys.excepthook
-    atexit.register(_end, line, exit_status, awaited_ranks)
+    atexit.register(_end, line, exit_status)
 
     def show_and_end(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         try:
             if error is not shown_error or shown is not sys.__excepthook__:  # one traceback, and a user's hook
                 shown(kind, error, trace)
         finally:
-            _end(line, exit_status, awaited_ranks)
+            _end(line, exit_status)
 
     sys.excepthook = show_and_end
 
@@ -262,19 +269,19 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
         why = (f"its port {where} is another process's (another run's store?), left alone" if runs_store
                else f"no store came at {where} within {SETUP_WAIT_S:.0f} s")
         _end(f"rank {rank} of {world} failed before the ranks connected: {describe(error)}; {why}, so the ranks "
-             "waiting there end at their process group's timeout", exit_status)
+             "waiting there end at their process group's timeout", exit_status, after_handling=False)
     try:
         first = _record_in(store, rank, error)
         _say_read(store, place)
         started = time.monotonic()
     except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
         _end(f"rank {rank} of {world} stopped on {describe(error)} before the ranks connected (the run's store is "
-             "gone: rank 0 ended on a failure; its output names it)", exit_status)
+             "gone: rank 0 ended on a failure; its output names it)", exit_status, after_handling=False)
     line = _ending_line(rank, world, first)
     if runs_store:
         if not _await_readers(store, place, deadline):
             line += f" (not every rank read it within {SETUP_WAIT_S:.0f} s: those end at their process group's timeout)"
-        _end(line, exit_status)
+        _end(line, exit_status, after_handling=False)
     # Lightning's launcher (rank 0's process) ends its node, without a word, once a child has ended: said first, the
     # record is then kept a little while for rank 0 to read and name (it ends this process as it ends)
     print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
@@ -282,7 +289,7 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     with contextlib.suppress(Exception):  # the store may go with rank 0
         while not store.check(read_by_rank_0) and time.monotonic() < started + STORE_TIMEOUT_S:
             time.sleep(0.1)
-    _end(None, exit_status)
+    _end(None, exit_status, after_handling=False)
 
 
 def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
@@ -293,53 +300,69 @@ def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
     return f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
 
 
-def _end(line: str | None, exit_status: int = 1, awaited_ranks: Sequence[int] = ()) -> NoReturn:
-    _say_handled()
+def _end(line: str | None, exit_status: int = 1, after_handling: bool = True) -> NoReturn:
+    """End this process with ``line`` (its last words, said before its handling is said done: the others may end it
+    from then on), its failure's handling over; ``after_handling``: first wait while any other failed rank still
+    handles its error (:func:`_await_handling`), as every end of a connected rank does."""
     if line is not None:
         print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    _await_handling_of(awaited_ranks)
+    _say_handled()
+    if after_handling:
+        _await_handling()
     _end_child_processes()
     os._exit(exit_status)
 
 
-def _say_handling(rank: int) -> None:
-    """Say in the run's store, before this rank's failure is recorded, that it goes on handling its error."""
+def _handling_keys() -> tuple[str, str]:
+    """The store's counts of the ranks that said they handle their failure, and of those that said they are done."""
+    return f"{_prefix()}handling", f"{_prefix()}handled"
+
+
+def _say_handling() -> None:
+    """Say in the run's store, before this rank's failure is recorded, that it goes on handling its error (once)."""
     global _handling
+    if _handling is not None:
+        return
     with contextlib.suppress(Exception):  # no store: no rank can read the record either
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        _connect_store(address).set(f"{_prefix()}handling/{rank}", "1")
-        _handling = (rank, address)
+        _connect_store(address).add(_handling_keys()[0], 1)
+        _handling = address
 
 
 def _say_handled() -> None:
     """Say in the run's store that this rank's handling of its error is over (it ends now), if it said it had some."""
     global _handling
     if _handling is not None:
-        rank, address = _handling
-        _handling = None
+        address, _handling = _handling, None
         with contextlib.suppress(Exception):  # the store went with another rank: nobody waits on this one
-            _connect_store(address).set(f"{_prefix()}handled/{rank}", "1")
+            _connect_store(address).add(_handling_keys()[1], 1)
 
 
-def _await_handled(store: torch.distributed.TCPStore, rank: int, deadline: float) -> None:
-    """Wait, until ``deadline`` (``time.monotonic``), while failed ``rank`` handles its error (it said so and has not
-    said it is done), before this rank ends: its end may end that one too (one node under Lightning's launcher)."""
-    handling, handled = [f"{_prefix()}handling/{rank}"], [f"{_prefix()}handled/{rank}"]
-    while store.check(handling) and not store.check(handled) and time.monotonic() < deadline:
-        time.sleep(0.1)
+def _handling_left(store: torch.distributed.TCPStore) -> bool:
+    """Whether a rank said it handles its failure and has not yet said it is done."""
+    handling, handled = _handling_keys()
+    return store.add(handling, 0) > store.add(handled, 0)
 
 
-def _await_handling_of(ranks: Sequence[int]) -> None:
-    """Wait, at most ``HANDLING_GRACE_S`` in all, while any of the failed ``ranks`` handles its error, before this
-    rank ends (:func:`_await_handled`)."""
-    if not ranks:
-        return
-    deadline = time.monotonic() + HANDLING_GRACE_S
-    with contextlib.suppress(Exception):  # the store went with a failed rank: nobody is left to wait for
-        store = _connect_store()
-        for rank in ranks:
-            _await_handled(store, rank, deadline)
+def _grace_deadline() -> float:
+    """When this process's waits for the failed ranks' handling run out (``time.monotonic``): ``HANDLING_GRACE_S``
+    after the first of them, one bound for them all (a told rank's wait for a record, then for the handling)."""
+    global _grace_end
+    if _grace_end is None:
+        _grace_end = time.monotonic() + HANDLING_GRACE_S
+    return _grace_end
+
+
+def _await_handling() -> None:
+    """Wait, until :func:`_grace_deadline`, while any rank that said it handles its failure (:func:`say_handling`,
+    ``record_failure(..., handling=True)``) has not said it is done, before this rank ends: on one node under
+    Lightning's launcher the launcher's end ends the ranks it started, and its process observer ends the launcher
+    once one of them has ended, so an end here could cut another rank's handling short, two failing at once too."""
+    with contextlib.suppress(Exception):  # no store (gone with a failed rank): nobody is left to wait for
+        store, deadline = _connect_store(), _grace_deadline()
+        while _handling_left(store) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _end_child_processes() -> None:
@@ -447,10 +470,7 @@ def _record_in(store: torch.distributed.TCPStore, rank: int, error: BaseExceptio
 
     prefix = _prefix()
     if isinstance(error, RankFailed):  # it names the rank that failed, whose record may still be on its way
-        try:
-            return error.ranks[0], store.get(f"{prefix}rank/{error.ranks[0]}").decode()
-        except Exception:
-            return error.ranks[0], None
+        return error.ranks[0], _await_record(store, error.ranks[0])
     order = store.add(prefix + "count", 1)  # its place among the failures, taken before a rank can read it
     store.set(f"{prefix}rank/{rank}", describe(error))
     if order == 1:  # the first: no answer needed (a rank that read this record may end the store with it)
@@ -458,6 +478,21 @@ def _record_in(store: torch.distributed.TCPStore, rank: int, error: BaseExceptio
             store.set(f"{prefix}1", str(rank))
         return rank, describe(error)
     return _first_failure(store)
+
+
+def _await_record(store: torch.distributed.TCPStore, rank: int) -> str | None:
+    """The description failed ``rank`` recorded, waited for ``STORE_TIMEOUT_S``, and while a rank still handles its
+    failure (``lit-grpo`` records it as the rank ends) until :func:`_grace_deadline`; None where it did not come."""
+    key, short = f"{_prefix()}rank/{rank}", time.monotonic() + STORE_TIMEOUT_S
+    try:
+        while not store.check([key]):
+            now = time.monotonic()
+            if now >= _grace_deadline() or (now >= short and not _handling_left(store)):
+                return None
+            time.sleep(0.1)
+        return store.get(key).decode()
+    except Exception:  # the store went with the failed rank
+        return None
 
 
 def watching() -> bool:
@@ -494,8 +529,7 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
                 _say_read(store, place)
                 if place.rank == 0 and not torch.distributed.is_initialized():  # the others may still need it
                     _await_readers(store, place, time.monotonic() + SETUP_WAIT_S)
-                _await_handled(store, first[0], time.monotonic() + HANDLING_GRACE_S)
-            _end(_ending_line(place.rank, place.world, first))
+            _end(_ending_line(place.rank, place.world, first))  # once the failed ranks' handling is done
 
     def run() -> None:
         try:
