@@ -6,6 +6,13 @@ Every callback in this package must run next to any LightningModule, so a lit_gr
 typing alone: an object whose ``stats`` attribute is a :class:`~lit_grpo.sampling.stats.RolloutStats`. Such a batch
 also carries ``prompts`` ([B]), ``completions`` ([B][G]), ``rewards`` ([B, G]), ``completion_lengths`` ([B, G])
 and ``truncated`` ([B, G], bool).
+
+Under several processes a rank cannot tell from its own batch whether another rank has a rollout at this batch, so
+the callbacks that report rollouts (``FitSummary``, ``RolloutProfiler``, ``CompletionLogger``) gather at every
+training batch only where the source declares it: the trainer's datamodule has ``yields_rollouts = True``
+(``RolloutDataModule`` has), the same on every rank, as every rank builds the same datamodule. Any other project
+pays no collective a batch for them; a rollout batch from a source that did not declare it is refused
+(``check_rollout_source``).
 """
 
 from __future__ import annotations
@@ -47,6 +54,41 @@ def rollout_stats(batch: Any) -> RolloutStats | None:
     """The batch's RolloutStats when it is a lit_grpo rollout, else None (any other module's batch)."""
     stats = getattr(batch, "stats", None)
     return stats if isinstance(stats, RolloutStats) else None
+
+
+def declares_rollouts(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's datamodule declares that its training batches are lit_grpo rollouts (its
+    ``yields_rollouts`` is True; ``RolloutDataModule``'s is): the same on every rank, which builds the same
+    datamodule, so every rank decides alike whether to join the callbacks' gathers. No datamodule (the loaders given
+    to ``fit`` or defined on the module) declares nothing."""
+    return getattr(getattr(trainer, "datamodule", None), "yields_rollouts", False) is True
+
+
+def gathers_rollouts(trainer: pl.Trainer) -> bool:
+    """Whether the callbacks gather each training batch's rollout figures over ranks: under several processes, from
+    a source that declares its batches rollouts (``declares_rollouts``); one process needs no gather."""
+    return trainer.world_size > 1 and declares_rollouts(trainer)
+
+
+def check_rollout_source(trainer: pl.Trainer, stats: RolloutStats | None, callback: str) -> None:
+    """Refuse a rollout batch (``stats`` not None) under several processes from a source that did not declare its
+    batches rollouts: the callbacks do not gather there, so its figures would be rank 0's alone, never the step's.
+
+    Raised at this batch on the rank that has it, with no collective to agree first (which would cost the gather a
+    batch that the declaration saves). Every rank runs the same module and data code, so in practice every rank has
+    a rollout at the same batch and all raise together; where only some ranks do, theirs is a rank's error like any
+    other, which ends the others (``RankFailureWatch``, which ``lit-grpo`` adds; in a project of its own without it,
+    over NCCL the others may wait in their next collective until the process group's timeout)."""
+    if stats is None or trainer.world_size <= 1 or declares_rollouts(trainer):
+        return
+    source = getattr(trainer, "datamodule", None)
+    named = f"its datamodule {type(source).__name__}" if source is not None else "no datamodule (loaders of its own)"
+    raise RuntimeError(
+        f"{callback}: a training batch is a lit_grpo rollout (batch.stats is a RolloutStats) under "
+        f"{trainer.world_size} processes, but the trainer has {named}, which does not declare that its training "
+        "batches are rollouts: set the class attribute yields_rollouts = True on the LightningDataModule that yields "
+        "them (RolloutDataModule does), so that every rank joins the gather of each step's rollout figures; "
+        "undeclared, they would be rank 0's alone")
 
 
 def accumulating(trainer: pl.Trainer, batch_idx: int) -> bool:
@@ -128,13 +170,15 @@ def rank_rollouts(trainer: pl.Trainer,
                   stats: RolloutStats | None) -> tuple[list[RolloutStats], list[dict[str, int]]]:
     """Every rank's RolloutStats at this hook (their timelines and decisions left out) and its count of each
     scheduling decision (``action_reason`` -> count, the names that occurred), rank 0 first; a rank without a
-    rollout here (``stats`` None) is left out of both. One process: its own, or nothing.
+    rollout here (``stats`` None) is left out of both. One process: its own, or nothing; several from a source that
+    does not declare rollouts (``gathers_rollouts``): nothing, with no collective (``check_rollout_source`` has
+    refused a rollout there).
 
-    Under several processes one collective, which every rank joins at the same hook whether it has a rollout or
-    not: a rank of a module whose batches are not all rollouts may have none where another has one, and a rank that
-    skipped the gather would leave the others waiting in it. Ranks gather a fixed set of names (``DECISION_NAMES``):
-    a custom scheduler's other reasons are counted under ``other`` (warned once)."""
-    if trainer.world_size <= 1:
+    Under several processes from a declared source, one collective, which every rank joins at the same hook whether
+    it has a rollout or not: a rank of a module whose batches are not all rollouts may have none where another has
+    one, and a rank that skipped the gather would leave the others waiting in it. Ranks gather a fixed set of names
+    (``DECISION_NAMES``): a custom scheduler's other reasons are counted under ``other`` (warned once)."""
+    if not gathers_rollouts(trainer):
         return ([stats], [_decision_counts(stats)]) if stats is not None else ([], [])
     values = {} if stats is None else {**stats.scalars(), **{f"decisions/{name}": count for name, count
                                                              in _decision_counts(stats).items()}}

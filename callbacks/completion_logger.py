@@ -12,8 +12,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.rollout.metrics import completion_length_metrics
 from lit_grpo.runtime.validation import check_int
 
-from ._rollout import (RolloutLike, log_metrics, logger_step, rollout_stats, step_parts, tensorboard_experiments,
-                       whole_step)
+from ._rollout import (RolloutLike, check_rollout_source, gathers_rollouts, log_metrics, logger_step, rollout_stats,
+                       step_parts, tensorboard_experiments, whole_step)
 
 #: The scalars this callback logs (where the LightningModule does not), in the order ranks gather them.
 COMPLETION_KEYS = ("completions/mean_length", "completions/min_length", "completions/max_length",
@@ -32,7 +32,11 @@ class CompletionLogger(Callback):
     - ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``: completion tokens
       over the B x G samples of the rollout, the whole step's under several processes (scalars, every step,
       honouring ``log_every_n_steps``), unless the LightningModule logs these keys itself (GRPOModule does), in
-      which case its values stand alone.
+      which case its values stand alone. Under several processes the ranks' figures are gathered at every step,
+      every rank joining, where the trainer's datamodule declares that its training batches are rollouts (its
+      ``yields_rollouts`` is True, as ``RolloutDataModule``'s); where it does not, no gather (another project pays
+      no collective a step), and a rollout batch raises an error at that batch
+      (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank 0's alone.
     - ``completions/clipped_ratio``: share of completions cut by ``max_new_tokens`` (no EOS).
     - ``completions/length`` (TensorBoard histogram, every ``histogram_every_n_steps`` steps): the lengths
       (rank 0's batches under several processes, as is the table).
@@ -83,7 +87,9 @@ class CompletionLogger(Callback):
         want_histogram = step % self.histogram_every_n_steps == 0
         want_table = step % self.table_every_n_steps == 0
         part = None
-        if rollout_stats(batch) is None:
+        stats = rollout_stats(batch)
+        check_rollout_source(trainer, stats, "CompletionLogger")
+        if stats is None:
             self._warn_once("no_rollout", "a training batch is not a lit_grpo rollout: the batches that are not "
                                           "are left out (a module that has none logs nothing).")
         else:
@@ -98,10 +104,11 @@ class CompletionLogger(Callback):
         lengths = torch.cat([length for length, _ in parts]) if parts else torch.zeros(0, dtype=torch.long)
         truncated = torch.cat([clipped for _, clipped in parts]) if parts else torch.zeros(0, dtype=torch.bool)
         # A module that already logs these keys (GRPOModule does) keeps them: the same figure is never written twice.
-        # Which keys are left is the same on every rank, so every rank joins the gather below, or none does: a rank
-        # whose step had no rollout too (its figures absent), where another rank's had one.
+        # Which keys are left, and whether the source declares rollouts, is the same on every rank, so every rank
+        # joins the gather below, or none does: a rank whose step had no rollout too (its figures absent), where
+        # another rank's had one.
         wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]
-        if wanted:
+        if wanted and (gathers_rollouts(trainer) or trainer.world_size <= 1):
             summary = completion_length_metrics(lengths, truncated) if lengths.numel() else {}
             log_metrics(trainer, whole_step(trainer, {key: summary.get(key) for key in wanted}, wanted))
         if lengths.numel() == 0:

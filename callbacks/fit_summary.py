@@ -20,7 +20,7 @@ from lit_grpo.runtime.validation import check_bool, check_int, check_text
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
-from ._rollout import accumulating, logger_step, rank_rollouts, rollout_stats
+from ._rollout import accumulating, check_rollout_source, logger_step, rank_rollouts, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
 from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
@@ -63,7 +63,11 @@ class FitSummary(Callback):
     that logs a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's rollout time
     its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
     rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered
-    when training ends).
+    when training ends). The rollouts are gathered at every training batch, every rank joining, where the trainer's
+    datamodule declares that its training batches are rollouts (its ``yields_rollouts`` is True, as
+    ``RolloutDataModule``'s); where it does not, no gather a batch (another project pays none), and a rollout batch
+    raises an error at that batch (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be
+    rank 0's alone.
 
     **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
     time, rollouts, the accuracy and reward curves, PeakMemoryMonitor's largest rollout peaks) are kept in the
@@ -162,12 +166,12 @@ class FitSummary(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         stats = rollout_stats(batch)
-        if stats is not None or trainer.world_size > 1:  # every batch's rollout, also one that only accumulates
-            # gradients (every rank's: one gather a batch under several processes, which every rank joins)
-            per_rank = [dataclasses.replace(rank, timeline=[], decisions=[])
-                        for rank in rank_rollouts(trainer, stats)[0]]
-            if per_rank:
-                self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
+        check_rollout_source(trainer, stats, "FitSummary")
+        # every batch's rollout, also one that only accumulates gradients (every rank's: one gather a batch under
+        # several processes from a source that declares rollouts, which every rank joins)
+        per_rank = [dataclasses.replace(rank, timeline=[], decisions=[]) for rank in rank_rollouts(trainer, stats)[0]]
+        if per_rank:
+            self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
         if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
             return
         self.steps += 1

@@ -14,7 +14,7 @@ from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
-from ._rollout import (log_metrics, measured_kv_bytes, rank_rollouts, rollout_stats,
+from ._rollout import (check_rollout_source, log_metrics, measured_kv_bytes, rank_rollouts, rollout_stats,
                        show_in_progress_bar, step_parts)
 from .peak_memory import memory_peaks_paused
 
@@ -92,8 +92,9 @@ class RolloutProfiler(Callback):
     lower bound and slot utilization (all its rollouts); ``steps`` close to ``bound`` means the schedule left little
     on the table.
 
-    **Several processes**: every key is the whole step's, the same on every rank: every rank's RolloutStats are
-    gathered once a step (a one-batch step's gather shared with FitSummary) and each key reduced by its rule in
+    **Several processes**, where the trainer's datamodule declares that its training batches are rollouts (its
+    ``yields_rollouts`` is True, as ``RolloutDataModule``'s): every key is the whole step's, the same on every rank:
+    every rank's RolloutStats are gathered once a step, every rank joining, and each key reduced by its rule in
     ``lit_grpo.rollout.metrics.ROLLOUT_REDUCTIONS``: the step waits for its slowest rank, so ``decode_steps``,
     ``lower_bound_steps``, ``wall_s``, ``ms_per_step``, ``decode_ms_per_step``, ``prefill_ms_per_token`` and
     ``capture_s`` are the largest rank's, and so is ``floor_ms_per_step``, with ``roofline_ratio`` the step's
@@ -102,7 +103,9 @@ class RolloutProfiler(Callback):
     generate at once); ``peak_kv_bytes`` and ``parked_kv_bytes`` are the largest process's; ``slot_utilization``
     is every rank's tokens over every rank's slot-steps; ``preempting`` and the predictor's figures are means over
     ranks (a rank without a predictor left out).
-    ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values.
+    ``rollout/rank_skew`` is GRPOModule's. The progress bar shows the same whole-step values. Where the source
+    does not declare it, no gather (another project pays no collective a step), and a rollout batch raises an error
+    at that batch (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank 0's alone.
 
     With batches that are not lit_grpo rollouts (any other LightningModule) it does nothing (no bandwidth probe)
     and says so once, on rank 0.
@@ -139,13 +142,14 @@ class RolloutProfiler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stats = rollout_stats(batch)
+        check_rollout_source(trainer, stats, "RolloutProfiler")
         if stats is None:
             self._warn_no_rollout()
         parts = step_parts(self._step_stats, stats, trainer, batch_idx)
         if parts is None:  # the step goes on to the micro-batch whose optimizer step ends it
             return
-        # every step, logged or not, with a rollout or not: under several processes every rank joins the one
-        # gather of the step's stats (merged: the batch's own where it is the step's only one)
+        # every step, logged or not, with a rollout or not: under several processes from a declared source every
+        # rank joins the one gather of the step's stats (merged: the batch's own where it is the step's only one)
         ranks, counts = rank_rollouts(trainer, merge_stats(parts) if parts else None)
         if not ranks:  # no rank's step had a rollout
             return

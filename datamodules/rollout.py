@@ -26,7 +26,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -257,6 +257,12 @@ class RolloutDataModule(LightningDataModule):
         max_tool_calling_iterations: tool rounds per completion (TRL's setting); None: no count, the rounds end
             when no turn calls a tool or the completion reaches ``sampling.max_new_tokens``.
     """
+
+    #: Declares that this data module's training batches are lit_grpo rollouts (``RolloutBatch``): under several
+    #: processes the callbacks that report rollouts (``FitSummary``, ``RolloutProfiler``, ``CompletionLogger``)
+    #: gather each step's figures over ranks only where the trainer's datamodule declares it, the same on every
+    #: rank. A data module of your own that yields rollouts sets it too.
+    yields_rollouts: ClassVar[bool] = True
 
     def __init__(
         self,

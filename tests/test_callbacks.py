@@ -441,10 +441,12 @@ class _RecordingLogger:
         self.logged.append(dict(metrics))
 
 
-def _stand_in_trainer(all_gather) -> SimpleNamespace:
-    """What the callbacks read of a trainer of world size 2, with ``all_gather`` as the strategy's."""
+def _stand_in_trainer(all_gather, datamodule: object = None) -> SimpleNamespace:
+    """What the callbacks read of a trainer of world size 2, with ``all_gather`` as the strategy's, whose datamodule
+    declares its training batches rollouts (as RolloutDataModule does) unless ``datamodule`` is given."""
     strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
-    return SimpleNamespace(world_size=2, strategy=strategy, callbacks=[],
+    datamodule = SimpleNamespace(yields_rollouts=True) if datamodule is None else datamodule
+    return SimpleNamespace(world_size=2, strategy=strategy, callbacks=[], datamodule=datamodule,
                            loggers=[_RecordingLogger()], log_every_n_steps=1, should_stop=False, callback_metrics={},
                            accumulate_grad_batches=1, is_last_batch=False, is_global_zero=False,
                            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)))
@@ -583,6 +585,76 @@ def test_rollout_callbacks_gather_on_every_rank_where_only_one_has_a_rollout(wit
     assert figures["rollout/generated_tokens"] == rollout.stats.generated_tokens  # the one rank's rollout
     assert figures["completions/max_length"] == rollout.completion_lengths.max()
     assert callbacks[0][2].rollout_totals.generated_tokens == rollout.stats.generated_tokens
+
+
+@pytest.mark.parametrize("datamodule", [SimpleNamespace(), SimpleNamespace(yields_rollouts=False)])
+def test_rollout_callbacks_gather_nothing_from_a_source_that_declares_no_rollouts(datamodule):
+    """Under several processes, from a source that does not declare its training batches rollouts: a plain batch
+    makes no collective, and a rollout batch is refused by each callback, naming the declaration, rather than
+    reported from one rank alone."""
+    def no_gather(tensor):
+        raise AssertionError("a callback gathered on a plain module's batch")
+
+    trainer = _stand_in_trainer(no_gather, datamodule)
+    callbacks = [RolloutProfiler(progress_bar=False), CompletionLogger(), FitSummary()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plain batch's "left out" notes
+        for callback in callbacks:
+            callback.on_train_batch_end(trainer, None, None, (torch.zeros(8, 4), torch.zeros(8, 1)), 0)
+    assert trainer.loggers[0].logged == [] and callbacks[2].rollouts == 0
+    for callback in callbacks:
+        with pytest.raises(RuntimeError, match=rf"^{type(callback).__name__}: .* under 2 processes.* does not "
+                                               r"declare.*yields_rollouts = True"):
+            callback.on_train_batch_end(trainer, None, None, make_rollout(0), 0)
+
+
+@pytest.mark.parametrize("source", ["plain", "declared", "undeclared"])
+def test_rollout_callbacks_under_two_gloo_ranks_gather_only_for_a_source_that_declares_rollouts(tmp_path, source):
+    """2 ranks over gloo (tests/plain_ddp_callbacks.py, a Lightning project of its own): a plain module with
+    FitSummary, RolloutProfiler and CompletionLogger makes no gather at any training batch; rollouts from a data
+    module that declares them are gathered at every batch, one gather a callback, and logged as the whole step's on
+    both ranks; the same rollouts from the module's own loader stop both ranks at the first batch, naming the
+    declaration."""
+    import json
+    from pathlib import Path
+
+    import forked_cli
+    from tools.harness import free_port, repo_env
+
+    script = str(Path(__file__).parent / "plain_ddp_callbacks.py")
+    outputs = forked_cli.run_ranks([str(tmp_path), source], tmp_path, free_port(), 120, env=repo_env(),
+                                   script=script)
+    if source == "undeclared":
+        for code, output, _ in outputs:
+            assert code == 1, output[-4000:]
+            assert "does not declare that its training batches are rollouts" in output, output[-4000:]
+        return
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code == 0, f"rank {rank} ended with {code}:\n{output[-4000:]}"
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    per_batch = [[b - a for a, b in zip([0, *rank["gathers_by_batch"]], rank["gathers_by_batch"])]
+                 for rank in ranks]
+    assert len(per_batch[0]) == 4
+    if source == "plain":
+        assert per_batch == [[0] * 4, [0] * 4]
+        assert ranks[0]["logged"] == ranks[1]["logged"] == []
+        return
+    assert per_batch == [[3] * 4, [3] * 4]  # FitSummary, RolloutProfiler and CompletionLogger: one gather each
+    tokens = [a + b for a, b in zip(ranks[0]["generated_tokens"], ranks[1]["generated_tokens"])]
+    lengths = [a + b for a, b in zip(ranks[0]["lengths"], ranks[1]["lengths"])]
+    assert ranks[0]["generated_tokens"] != ranks[1]["generated_tokens"]  # each rank its own rollouts
+    for rank in ranks:
+        assert [step["rollout/generated_tokens"] for step in rank["logged"]] == tokens
+        assert [step["completions/max_length"] for step in rank["logged"]] == [max(step) for step in lengths]
+        assert rank["summary_generated_tokens"] == sum(tokens) and rank["summary_rollouts"] == 4
+
+
+def test_the_rollout_data_module_declares_its_batches_rollouts():
+    from lit_grpo.callbacks._rollout import declares_rollouts
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+
+    assert declares_rollouts(SimpleNamespace(datamodule=RolloutDataModule(prompts=["a", "b"])))
+    assert not declares_rollouts(SimpleNamespace(datamodule=None))
 
 
 def _decisions(**counts: int) -> list[Decision]:
