@@ -75,12 +75,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice, check_int_in_range, check_real
+from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range, check_real
 
 __all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
            "build_prompt_sampler"]
@@ -443,6 +443,16 @@ class AngleCurriculumSampler(PromptSampler):
         self.drawn = list(state["drawn"])
         self.last_angle = float(state["last_angle"])
         self._asked_epoch = int(state["asked_epoch"])
+
+
+def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> None:
+    """Refuse a bad curriculum setting before any model is loaded: its name, its options (``curriculum_kwargs``, a
+    mapping or None) and ``score_batch_size`` (prompts per prefill when the angle curriculum scores its prompts)."""
+    check_int("score_batch_size", score_batch_size, 1)
+    if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
+        raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
+                         "options or None")
+    check_curriculum_options(curriculum, curriculum_kwargs or {})
 
 
 def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:

@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import inspect
 import math
-import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -36,9 +35,10 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
-from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_options
-from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, load_prompts,
-                                     prompt_set_fingerprint, render_prompt, split_examples)
+from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_settings
+from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, check_prompt_shaping,
+                                     check_prompt_source, load_prompts, prompt_set_fingerprint, render_prompt,
+                                     split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
@@ -46,15 +46,13 @@ from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
-from lit_grpo.rollout.tools import (ToolBox, check_max_tool_calling_iterations, check_without_partial_rollouts,
-                                   resolve_tools, tool_schemas)
+from lit_grpo.rollout.tools import ToolBox, checked_tools
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import (SEED_MAX, ConfigError, check_int, check_int_in_range, config_errors,
-                                         settings_from)
+from lit_grpo.runtime.validation import ConfigError, check_int, config_errors, settings_from
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -301,43 +299,23 @@ class RolloutDataModule(LightningDataModule):
         max_tool_calling_iterations: int | None = None,
     ):
         super().__init__()
-        sampling = _training_sampling(sampling)
+        # The settings checked first, each by its owner, before anything is stored or loaded (the reward
+        # functions as they are built, below)
         #: The engine's settings (G, g, strategy, length cap, temperature, seed, scheduler, ...), checked once.
-        self.sampling = sampling
+        self.sampling = sampling = _training_sampling(sampling)
         _warn_unused_sampling_options(sampling, stacklevel=3)
-        check_int("size", size, 1)
         #: How a training step gathers its groups, and the held-out prompts' rollouts: built (and checked) once
         #: here, read by the builder (``_require_builder``) as they are
         self.training = TrainingConfig(prompts_per_step, dynamic_sampling, max_rollouts_per_step, over_provision,
                                        max_staleness)
         self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
-        check_int("score_batch_size", score_batch_size, 1)
+        scoring = ScoringConfig(accuracy_reward, on_reward_error)
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch, 1)
-        check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
-        check_chat_template_kwargs(None, chat_template_kwargs)
-        if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
-            raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
-                             "options or None")
-        check_curriculum_options(curriculum, curriculum_kwargs or {})  # before any model is loaded
-        if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
-            from lit_grpo.rollout.hf_dataset import is_dataset_object
-
-            if not is_dataset_object(dataset):
-                raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a "
-                                 "datasets.Dataset")
-        # a round cap of its own key: the user wrote it under data.max_tool_calling_iterations, not data.tools
-        check_max_tool_calling_iterations(max_tool_calling_iterations)
-        with config_errors("data.tools"):
-            self.tools = resolve_tools(tools)
-            tool_schemas(self.tools)  # a function without one fails here, not at the first rollout
-            if self.tools:
-                check_without_partial_rollouts(over_provision)
-        scoring = ScoringConfig(accuracy_reward, on_reward_error)
-        if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
-            raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
+        check_prompt_source(size, data_seed, dataset)
+        check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
+        check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
+        self.tools = checked_tools(tools, max_tool_calling_iterations, over_provision)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
             max_rollouts_per_step=max_rollouts_per_step, over_provision=over_provision, max_staleness=max_staleness,

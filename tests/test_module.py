@@ -435,6 +435,23 @@ def test_bad_arguments_name_the_value():
     assert RolloutDataModule(prompts=PROMPTS).scoring.accuracy_reward == "accuracy"
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(size=0), r"size=0 must be an integer >= 1"),
+    (dict(data_seed=-1), r"data_seed=-1"),
+    (dict(data_seed=1.5), r"data_seed=1.5"),
+    (dict(steps_per_epoch=0), r"steps_per_epoch=0 must be an integer >= 1"),
+    (dict(score_batch_size=0), r"score_batch_size=0 must be an integer >= 1"),
+    (dict(val_batch_size=0), r"val_batch_size=0 must be an integer >= 1"),
+    (dict(on_reward_error="ignore"), r"on_reward_error='ignore'"),
+    (dict(chat_template_kwargs=[1]), r"chat_template_kwargs=\[1\] must be a mapping"),
+])
+def test_each_data_setting_is_refused_when_the_data_module_is_built_naming_it(setting, message):
+    """Each setting's owner checks it (the config groups, the prompt source and shaping, the curriculum) when
+    RolloutDataModule is built, before any prompt or model is loaded; the refusal names the value."""
+    with pytest.raises(ValueError, match=message):
+        RolloutDataModule(prompts=PROMPTS, **setting)
+
+
 def test_setting_warnings_point_at_the_caller():
     """Each warning of RolloutDataModule and GRPOModule about a setting names the line that built it."""
     for kwargs in ({"sampling": {"strategy": "full", "micro_group_size": 2}}, {"max_staleness": 5},

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range
+
 #: Field names accepted for the prompt text of a JSONL row or inline dict, in order.
 PROMPT_KEYS = ("prompt", "question")
 
@@ -142,6 +144,19 @@ def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
     return [_example_from_row(row, f"prompts[{i}]") for i, row in enumerate(items)]
 
 
+def check_prompt_source(size: Any, data_seed: Any, dataset: Any) -> None:
+    """Refuse a bad setting of the prompt source before anything is loaded: ``size`` (a task's entries),
+    ``data_seed`` (the task's generation and the held-out split) and ``dataset`` (a path or a ``datasets.Dataset``);
+    which source is given is ``load_prompts``' to judge."""
+    check_int("size", size, 1)
+    check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
+    if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
+        from lit_grpo.rollout.hf_dataset import is_dataset_object
+
+        if not is_dataset_object(dataset):
+            raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a datasets.Dataset")
+
+
 def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
                  task_config: Mapping[str, Any] | None = None, jsonl_path: str | None = None,
                  prompts: Sequence[Any] | None = None, dataset: Any = None, prompt_column: str | None = None,
@@ -258,6 +273,17 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
     held_out = {distinct[i] for i in order[:count]}
     train = [row for row, first in enumerate(prompt_of_row) if first not in held_out]
     return train, sorted(held_out)
+
+
+def check_prompt_shaping(system_prompt: Any, prompt_template: Any, chat_template_kwargs: Any) -> None:
+    """Refuse a bad setting of what shapes a prompt's messages (``prompt_messages``, ``render_prompt``) before any
+    tokenizer is loaded: the system prompt, the user message's template and the chat template's variables (their
+    names alone here; ``render_prompt`` checks them against the template)."""
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
+    if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
+        raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
+    check_chat_template_kwargs(None, chat_template_kwargs)
 
 
 def prompt_messages(prompt: str, system_prompt: str | None = None, template: str = "{prompt}",

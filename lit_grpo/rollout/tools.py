@@ -42,6 +42,7 @@ from typing import Any
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.prompts import PromptExample, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
+from lit_grpo.runtime.validation import config_errors
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import vocab_size
 from lit_grpo.sampling.engine import stop_token_ids
@@ -441,6 +442,21 @@ def _renumbered(stats: RolloutStats, order: list[int]) -> RolloutStats:
                       for row in stats.timeline]
     stats.decisions = [d._replace(key=(order[d.key[0]], d.key[1])) for d in stats.decisions]
     return stats
+
+
+def checked_tools(specs: Sequence[Any] | None, max_tool_calling_iterations: Any,
+                  over_provision: float) -> list[Callable]:
+    """``data.tools`` resolved to its functions, each with its JSON schema (a function without one fails here, not
+    at the first rollout), and the settings beside them checked: the round cap (an error of its own key, which the
+    user wrote under ``data.max_tool_calling_iterations``) and partial rollouts off where there are tools. Errors of
+    the tools start with ``data.tools``."""
+    check_max_tool_calling_iterations(max_tool_calling_iterations)
+    with config_errors("data.tools"):
+        tools = resolve_tools(specs)
+        tool_schemas(tools)
+        if tools:
+            check_without_partial_rollouts(over_provision)
+    return tools
 
 
 def check_without_partial_rollouts(over_provision: float) -> None:
