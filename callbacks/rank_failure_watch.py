@@ -18,7 +18,9 @@ class RankFailureWatch(Callback):
     recorded in the run's store (``lit_grpo.runtime.rank_failure``): over gloo a failed rank's peers fail at their
     next collective anyway; over NCCL a peer waiting in a collective may notice only at the process group's
     timeout, and a rank computing alone notices only at its next collective. Where a watch of this process runs
-    already (``lit-grpo`` starts one as the run starts, before the ranks connect), it starts none of its own.
+    already (``lit-grpo`` starts one as the run starts, before the ranks connect), it starts none of its own. The
+    watch also passes a SIGTERM or Ctrl-C that reached one rank only to the others (``RunCheckpoint``'s stop,
+    ``lit_grpo.runtime.stop_signal``).
 
     What it does, by case (the first two in a Lightning project of its own, under several processes):
 

@@ -63,9 +63,11 @@ class RunCheckpoint(ModelCheckpoint):
     after the validation batch under way; a validation changes nothing of the training state, so nothing is lost,
     and the resume goes on with the next step. Under several processes the
     ranks agree at each step boundary (one all-reduce of a flag) and stop after the same step; a training rollout
-    is abandoned on each rank its signal reaches, and the ranks meet right after their rollouts
-    (``StopSignal.abandonable_together``): where any rank abandoned, every rank rolls the step back and raises an
-    agreed stop, saved here in ``on_exception`` as one process's is. A second signal stops at once, unsaved.
+    is abandoned on each rank the stop reaches (a signal that came to one rank only reaches the others through the
+    run's store within seconds, where ``RankFailureWatch``'s watch runs: ``StopSignal.relay``), and the ranks meet
+    right after their rollouts (``StopSignal.abandonable_together``): where any rank abandoned, every rank rolls
+    the step back and raises an agreed stop, saved here in ``on_exception`` as one process's is. A second signal
+    (to the same process) stops at once, unsaved.
 
     Args:
         dirpath: the checkpoint folder (default: Lightning's, ``<logger dir>/checkpoints``).

@@ -1124,6 +1124,81 @@ def test_code_abandonable_together_is_abandoned_by_every_rank_once_any_rank_aban
         STOP_SIGNAL.restore()
 
 
+def test_a_stop_from_another_rank_is_no_signal_of_this_one_and_interrupts_abandonable_code():
+    """A peer stop (another rank's signal, read from the run's store by the failure watch's thread) is recorded as
+    this process's stop request, interrupts abandonable code on the main thread where it is, and is no signal of
+    this process: its own first signal after it is a first (recorded), only a second one stops at once. Nothing is
+    recorded while no handler is installed, nor twice."""
+    import threading
+
+    from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
+
+    STOP_SIGNAL.record_peer_stop(1, signal.SIGTERM)  # no run listens for stops
+    assert STOP_SIGNAL.signum is None
+    STOP_SIGNAL.install()
+    try:
+        with pytest.raises(StopRequested) as stop:  # in abandonable code on the main thread: interrupted there
+            with STOP_SIGNAL.abandonable():
+                threading.Timer(0.1, STOP_SIGNAL.record_peer_stop, (1, signal.SIGTERM)).start()
+                time.sleep(5)
+                pytest.fail("not interrupted")
+        assert stop.value.code == 143 and (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (signal.SIGTERM, 1)
+        STOP_SIGNAL.record_peer_stop(2, signal.SIGINT)  # a stop is recorded already: nothing
+        assert (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (signal.SIGTERM, 1)
+        os.kill(os.getpid(), signal.SIGINT)  # this process's first signal: recorded, not a second one
+        with pytest.raises(KeyboardInterrupt):  # its second: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        STOP_SIGNAL.restore()
+    assert (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (None, None)
+
+    STOP_SIGNAL.install()
+    try:  # outside abandonable code: recorded only, and abandonable code entered later raises on entry
+        STOP_SIGNAL.record_peer_stop(1, signal.SIGINT)
+        time.sleep(0.1)  # an interrupt would be handled here
+        with pytest.raises(StopRequested) as stop:
+            with STOP_SIGNAL.abandonable():
+                pytest.fail("entered")
+        assert stop.value.code == 130
+    finally:
+        STOP_SIGNAL.restore()
+
+
+def test_a_stop_signal_on_one_rank_is_relayed_to_the_others_through_the_run_store():
+    """``StopSignal.relay`` (one poll of the failure watch): a rank says its own signal in the store, once, the
+    first rank to say one being the run's; another rank reads it and records a peer stop; a process listens only
+    while its handlers are installed, and a later run of it has a key of its own."""
+    from lit_grpo.runtime.stop_signal import STOP_SIGNAL
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=5))
+    STOP_SIGNAL.relay(store, 0)  # not installed: no exchange
+    STOP_SIGNAL.install()
+    try:
+        STOP_SIGNAL.relay(store, 0)  # no stop anywhere
+        assert STOP_SIGNAL.signum is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        STOP_SIGNAL.relay(store, 0)  # said in the store, as rank 0's
+        STOP_SIGNAL.relay(store, 0)
+        assert (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (signal.SIGTERM, None)
+        key = STOP_SIGNAL._store_key()
+        assert store.get(key) == b"0 15"
+    finally:
+        STOP_SIGNAL.restore()
+
+    STOP_SIGNAL.install()  # the next run: a key of its own, said by rank 1 (Ctrl-C) and then by rank 2 too
+    try:
+        assert STOP_SIGNAL._store_key() != key
+        STOP_SIGNAL.relay(store, 0)
+        assert STOP_SIGNAL.signum is None
+        store.compare_set(STOP_SIGNAL._store_key(), "", "1 2")
+        store.compare_set(STOP_SIGNAL._store_key(), "", "2 15")
+        STOP_SIGNAL.relay(store, 0)
+        assert (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (signal.SIGINT, 1)
+    finally:
+        STOP_SIGNAL.restore()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatch, world_size):
     """A ``StopRequested`` the ranks did not agree on (``_stop``'s callers save before raising it) reaches
@@ -1151,20 +1226,26 @@ def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatc
 LONG_ROLLOUT = ("--data.sampling.max_new_tokens", "600")
 
 
-@pytest.mark.parametrize("race", [False, True], ids=["both_ranks_mid_rollout", "rank_0_past_its_rollout"])
+@pytest.mark.parametrize("case", ["both_ranks_mid_rollout", "rank_0_past_its_rollout", "one_rank_signalled"])
 def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resume_draws_its_prompts_again(
-        tmp_path, race):
-    """SIGTERM to both ranks of a 2-process fit during step 2's long rollout: every rank abandons its rollout at
-    once, the ranks meet after it, and step 1 is saved; the resume trains step 2 on the prompts the abandoned step
-    drew. ``race``: rank 0's rollout is not slowed, so it is past its rollout and waiting for rank 1 when rank 1
-    is signalled (rank 0 too, as it gets there: recorded only), and still drops its finished step."""
+        tmp_path, case):
+    """SIGTERM to the ranks of a 2-process fit during step 2's long rollout (both but where said): every rank
+    abandons its rollout at once, the ranks meet after it, and step 1 is saved; the resume trains step 2 on the
+    prompts the abandoned step drew. ``rank_0_past_its_rollout``: rank 0's rollout is not slowed, so it is past
+    its rollout and waiting for rank 1 when rank 1 is signalled (rank 0 too, as it gets there: recorded only), and
+    still drops its finished step. ``one_rank_signalled``: SIGTERM to rank 1 only (``docker stop``'s case, to one
+    process): rank 0 learns of it through the run's store and abandons its own rollout too, which it would
+    otherwise finish past the limit."""
     from tools.harness import free_port, repo_env
 
     root = tmp_path / "run"
     slow = ["--trainer.callbacks+=stop_helpers.SlowRollout", f"--trainer.callbacks.folder={tmp_path}",
             "--trainer.callbacks.step=2", "--trainer.callbacks.sleep=0.2"]
+    race = case == "rank_0_past_its_rollout"
     if race:
         slow += ["--trainer.callbacks.slow_ranks=[1]", "--trainer.callbacks.after_others=true"]
+    if case == "one_rank_signalled":
+        slow += ["--trainer.callbacks.signal_ranks=[1]"]
     argv = [*_fit_args(root, *LONG_ROLLOUT, "--trainer.num_nodes", "2", "--trainer.devices", "1",
                        "--trainer.strategy", "ddp", "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                        f"--trainer.callbacks.path={root / 'rec'}", steps=2)]
@@ -1173,6 +1254,9 @@ def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resum
         assert code == 143, f"rank {rank} ended with {code}:\n{output[-4000:]}"
     assert "stopped by SIGTERM after step 1; saved to" in outputs[0][1]
     assert all("Traceback" not in output for _, output, _ in outputs)
+    if case == "one_rank_signalled":
+        assert "a stop from rank 1 (SIGTERM came to it)" in outputs[0][1]
+        assert "SIGTERM received" not in outputs[0][1] and "SIGTERM received" in outputs[1][1]
     assert (tmp_path / "past.rank0").exists() == race and not (tmp_path / "past.rank1").exists()
     assert _last_step(root) == 1
     drawn = [sorted(map(int, (tmp_path / f"drawn.rank{rank}").read_text().split())) for rank in (0, 1)]

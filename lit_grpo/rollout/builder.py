@@ -331,8 +331,9 @@ class RolloutBuilder:
 
         Roll out (a partial rollout where one is on, then dynamic sampling's extra rounds while groups with learning
         signal are short), choose B groups, assemble them, decide whether the slot cache stays through the update,
-        and add the step's metrics. Under several ranks a stop signal abandons the rollouts where they are, on each
-        rank it reaches, and every rank raises it once the ranks have met after them (``_abandonable_rollouts``)."""
+        and add the step's metrics. Under several ranks a stop abandons the rollouts where they are, on each rank it
+        reaches (from its own signal, or another rank's relayed), and every rank raises it once the ranks have met
+        after them (``_abandonable_rollouts``)."""
         engine, step = self.engine, self.training
         num_prompts = step.prompts_per_step
         self.slot_memory.measure_last_update(self.measured_update_peak())

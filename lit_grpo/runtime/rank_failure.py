@@ -7,7 +7,8 @@ would first run exit handlers and join threads, which can wait on the broken col
 connections make every other rank's pending or next collective fail, and that rank ends the same way; NCCL may
 notice a peer's end only at its timeout, so every rank also watches for the others' failures
 (:func:`watch_failures`, a thread; ``lit_grpo.callbacks.RankFailureWatch`` starts it) and ends itself within a
-second of one.
+second of one. The same poll passes a stop signal that reached one rank only to every rank
+(``StopSignal.relay``, ``lit_grpo.runtime.stop_signal``).
 
 Outside ``lit-grpo`` (a Lightning project of its own), ``RankFailureWatch`` records a failing rank's error from
 Lightning's ``on_exception`` (:func:`is_failure` says which errors, :func:`record_failure`) and ends the rank the
@@ -58,9 +59,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from lit_grpo.runtime.stop_signal import STOP_SIGNAL
+
 #: How long a failing rank waits for the store (to connect, or for the record of a rank named as the cause).
 STORE_TIMEOUT_S = 5.0
-#: How often :func:`watch_failures` asks the store whether a rank has failed.
+#: How often :func:`watch_failures` asks the store whether a rank has failed (or received a stop signal).
 WATCH_INTERVAL_S = 1.0
 #: How long a rank that failed before the ranks connected waits for the others to read its record (rank 0, running
 #: the store), or for rank 0's store to exist (any other rank): a rank still loading its model comes late. A rank
@@ -506,7 +509,9 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
     the process group's setup for a rank that failed before it, or computing alone for long, does not outlive the
     run. It may start before the ranks connect (it asks for the store until it exists); set the returned event to
     stop the watch before the run ends on its own. Before it ends this process it records that this rank read the
-    failure; rank 0 before the ranks connected first keeps its store until every rank did (``SETUP_WAIT_S``)."""
+    failure; rank 0 before the ranks connected first keeps its store until every rank did (``SETUP_WAIT_S``). Each
+    poll also relays stop signals between the ranks (``STOP_SIGNAL.relay``: this rank's own is said in the store,
+    another rank's said there is recorded here)."""
     stop = threading.Event()
     _watches.add(stop)
 
@@ -515,6 +520,7 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
         while not stop.wait(interval_s):
             try:
                 store = store or _connect_store((place.address, place.port))
+                STOP_SIGNAL.relay(store, place.rank)  # a stop signal that came to one rank reaches every rank
                 if not store.check([count]):
                     continue
                 first = _first_failure(store)

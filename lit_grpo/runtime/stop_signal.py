@@ -1,8 +1,9 @@
 """A stop asked for by SIGTERM or Ctrl-C (SIGINT), honoured where the run's state is consistent.
 
-Owns: this process's stop request (which signal came, if any) and the handlers that record it. Signals are a
-process-wide resource, so there is one :data:`STOP_SIGNAL`; :class:`~lit_grpo.callbacks.RunCheckpoint` installs
-its handlers for the training loop and decides where the run stops.
+Owns: this process's stop request (which signal came, if any, and to which rank), the handlers that record it, and
+the run's stop in the key-value store its ranks share. Signals are a process-wide resource, so there is one
+:data:`STOP_SIGNAL`; :class:`~lit_grpo.callbacks.RunCheckpoint` installs its handlers for the training loop and
+decides where the run stops.
 
 A handler only records the signal, except inside :meth:`StopSignal.abandonable`: code there (a training step's
 rollout, which changes nothing that its caller cannot roll back) is interrupted at once with
@@ -13,11 +14,23 @@ it at one point they all reach: :meth:`StopSignal.abandonable_together` (a train
 lengths, so they cannot agree per decode step without a collective each step) ends with one collective that says
 whether any rank abandoned; if one did, every rank raises an agreed :class:`StopRequested`, after which the ranks are
 at the same point and may save together.
+
+A signal may reach one rank only (``docker stop`` and Kubernetes send it to the container's first process, ``kill``
+to one process id: Lightning's launcher's, rank 0): the ranks pass it on through the key-value store every rank
+joined, in :meth:`StopSignal.relay`, which the failure watch's thread (``lit_grpo.runtime.rank_failure``'s
+``watch_failures``) calls once a poll, so not in the signal handler. A rank says its own signal there, the first
+rank to say one being the run's; every other rank records a peer stop (:meth:`StopSignal.record_peer_stop`) and,
+where its main thread is inside abandonable code, interrupts it there as its own signal would, so the ranks meet
+after their rollouts within about two polls. Never by signals: a forwarded one on top of a scheduler's own would
+count as a second one and stop that rank unsaved; a peer stop is no signal of this process, so its own first signal
+after one is still a first.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -44,12 +57,18 @@ class StopRequested(SystemExit):
 
 
 class StopSignal:
-    """The stop request of this process (``signum``, None until a signal came) and its handlers."""
+    """The stop request of this process (``signum``, None until a signal came to it or to another rank: ``peer``,
+    that rank, or None) and its handlers."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.peer: int | None = None
+        self._received: int | None = None  # the signal this process received itself (a second one stops at once)
+        self._shared = False  # this process's own signal is said in the run's store (relay)
+        self._peer_interrupt = False  # the next call of the handler is record_peer_stop's interrupt, no signal
         self._abandonable = False
         self._previous: dict[int, Any] = {}
+        self._runs = 0  # the runs that installed the handlers in this process: one stop key in the store per run
 
     @property
     def requested(self) -> bool:
@@ -60,7 +79,8 @@ class StopSignal:
         installed already, the handlers stay and so does a stop they have received."""
         if self._previous or not _main_thread():
             return
-        self.signum = None
+        self._forget()
+        self._runs += 1
         for signum in HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -69,16 +89,64 @@ class StopSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-        self.signum = None
+        self._forget()
+
+    def _forget(self) -> None:
+        self.signum = self.peer = self._received = None
+        self._shared = self._peer_interrupt = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
+        if self._peer_interrupt:  # record_peer_stop's interrupt (the stop is recorded): no signal of this process's
+            self._peer_interrupt = False
+            if self._abandonable and self.signum is not None:
+                raise StopRequested(self.signum)
+            return
+        if self._received is not None:
             raise KeyboardInterrupt(f"second stop signal ({signal.Signals(signum).name}): stopping now")
-        self.signum = signum
+        self._received = signum
+        if self.signum is None:
+            self.signum = signum
         print(f"\nlit_grpo: {signal.Signals(signum).name} received: saving the last completed step and stopping "
               "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
         if self._abandonable:
-            raise StopRequested(signum)
+            raise StopRequested(self.signum)
+
+    def record_peer_stop(self, rank: int, signum: int) -> None:
+        """Record a stop that ``signum`` asked of rank ``rank`` (another rank of this run; called from a thread
+        other than the main one, :meth:`relay`): this process stops as if it had received the signal, but a signal
+        it receives itself after this counts as its first, not a second one. Where its main thread is inside
+        abandonable code, it is interrupted there (``_thread.interrupt_main``: its handler runs, as for a signal,
+        and raises :class:`StopRequested`). Nothing where a stop is recorded already, or no handler is installed."""
+        if self.signum is not None or not self._previous:
+            return
+        self.signum, self.peer = int(signum), int(rank)
+        print(f"\nlit_grpo: a stop from rank {rank} ({signal.Signals(signum).name} came to it): saving the last "
+              "completed step and stopping", file=sys.stderr, flush=True)
+        if self._abandonable:
+            # the handler learns it is this interrupt from the flag; should a signal of signum come meanwhile,
+            # the two are one call of the handler, which counts it as this one
+            self._peer_interrupt = True
+            _thread.interrupt_main(self.signum)
+
+    def relay(self, store: Any, rank: int) -> None:
+        """One exchange with the run's key-value store ``store`` (a ``torch.distributed.Store`` every rank joined;
+        this process is rank ``rank``), from a thread that polls it: say this process's own signal there, the first
+        time it is seen (the first rank to say one is the run's), or record the stop that another rank said
+        (:meth:`record_peer_stop`). Nothing while no handler is installed (no run listens for stops); raises what
+        the store raises (gone: the caller's watch decides)."""
+        if not self._previous:
+            return
+        key = self._store_key()
+        if self._received is not None and not self._shared:
+            store.compare_set(key, "", f"{rank} {self._received}")
+            self._shared = True
+        elif self.signum is None and store.check([key]):
+            self.record_peer_stop(*map(int, store.get(key).decode().split()))
+
+    def _store_key(self) -> str:
+        # the run's stop in the store: per torchrun attempt (its agent's store outlives an attempt's ranks) and per
+        # run of this process (every rank runs its fits in the same order, so the count matches on every rank)
+        return f"lit_grpo/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._runs}"
 
     @contextlib.contextmanager
     def abandonable(self, enabled: bool = True) -> Iterator[None]:
