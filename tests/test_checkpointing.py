@@ -1087,6 +1087,43 @@ def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interr
         STOP_SIGNAL.restore()
 
 
+@pytest.mark.parametrize("closing", [False, True], ids=["as_the_scope_opens", "as_the_scope_closes"])
+def test_a_signal_between_the_abandonable_flag_and_its_scope_leaves_no_scope_open(closing):
+    """The interpreter runs a signal handler between any two bytecodes, so a stop may come right after
+    ``abandonable`` has set its flag and before its ``try``, or in its ``finally`` before the flag is reset: the raise
+    skips that reset. The next fit's first signal, during an update, must still be recorded only, not raised there
+    (a stop raised mid-update would be saved as a completed step by a run of one process)."""
+    from lit_grpo.runtime.stop_signal import StopRequested, StopSignal
+
+    class SignalAtTheFlag(StopSignal):
+        """Its SIGTERM handler runs where the abandonable flag is set: after it is set on opening, or before it is
+        reset on closing (once, from ``armed`` on)."""
+
+        armed = False
+
+        @property
+        def _abandonable(self) -> bool:
+            return self.__dict__.get("flag", False)
+
+        @_abandonable.setter
+        def _abandonable(self, value: bool) -> None:
+            due, self.armed = self.armed and value is not closing, self.armed and value is closing
+            if due and closing:
+                self._handle(signal.SIGTERM, None)
+            self.__dict__["flag"] = value
+            if due and not closing:
+                self._handle(signal.SIGTERM, None)
+
+    stop = SignalAtTheFlag()
+    stop.armed = True
+    with pytest.raises(StopRequested):
+        with stop.abandonable():
+            pass
+    stop.restore()  # the fit ends; the next one starts with no stop
+    stop._handle(signal.SIGTERM, None)  # its first signal, outside any abandonable code
+    assert stop.signum == signal.SIGTERM
+
+
 def test_code_abandonable_together_is_abandoned_by_every_rank_once_any_rank_abandons_it():
     """Each rank's flag goes to the one meeting at the end (``any_rank``), finished or abandoned; where any rank
     abandoned, every rank raises an agreed stop, the finished ones too; a stop that comes after the code finished

@@ -99,6 +99,7 @@ class StopSignal:
         if self._peer_interrupt:  # record_peer_stop's interrupt (the stop is recorded): no signal of this process's
             self._peer_interrupt = False
             if self._abandonable and self.signum is not None:
+                self._abandonable = False  # closed as it raises, as for a signal (below)
                 raise StopRequested(self.signum)
             return
         if self._received is not None:
@@ -109,6 +110,9 @@ class StopSignal:
         print(f"\nlit_grpo: {signal.Signals(signum).name} received: saving the last completed step and stopping "
               "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
         if self._abandonable:
+            # closed here: a handler may run between the scope's flag and its try, or in its finally before the
+            # reset, and this raise would then skip the reset (the next fit's first signal raised mid-update)
+            self._abandonable = False
             raise StopRequested(self.signum)
 
     def record_peer_stop(self, rank: int, signum: int) -> None:
