@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from lightning.pytorch import Callback
+
+from lit_grpo.runtime.stop_signal import COPY_WINDOW_S
 
 
 class SignalAt(Callback):
@@ -26,7 +29,9 @@ class SignalAt(Callback):
     def _send(self) -> None:
         if self.rank is not None and self.rank != self._global_rank:
             return
-        for _ in range(self.times):
+        for i in range(self.times):
+            if i:  # a user asking again, not a launcher's copy of the first (``COPY_WINDOW_S``)
+                time.sleep(COPY_WINDOW_S + 0.1)
             os.kill(os.getpid(), self.signum)
 
     def on_train_start(self, trainer, pl_module) -> None:

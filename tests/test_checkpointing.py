@@ -1055,13 +1055,24 @@ def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path, c
 
 
 # ------------------------------------------------------------------------------------------------ the stop request
-def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interrupts_anything():
-    from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
+@pytest.fixture
+def stop_clock(monkeypatch):
+    """The stop handler's clock, moved by hand: ``stop_clock[0] += s``."""
+    from lit_grpo.runtime import stop_signal
+
+    now = [1000.0]
+    monkeypatch.setattr(stop_signal, "_now", lambda: now[0])
+    return now
+
+
+def test_stop_signal_interrupts_only_abandonable_code_and_a_second_signal_interrupts_anything(stop_clock):
+    from lit_grpo.runtime.stop_signal import COPY_WINDOW_S, STOP_SIGNAL, StopRequested
 
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a shell's background job
     STOP_SIGNAL.install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # outside abandonable code: only recorded
+        stop_clock[0] += COPY_WINDOW_S  # the next signal is the user's second, no copy of this one
         assert STOP_SIGNAL.signum == signal.SIGTERM
         with pytest.raises(StopRequested) as stop:  # a pending stop interrupts abandonable code on entry
             with STOP_SIGNAL.abandonable():
@@ -1161,7 +1172,31 @@ def test_code_abandonable_together_is_abandoned_by_every_rank_once_any_rank_aban
         STOP_SIGNAL.restore()
 
 
-def test_a_stop_from_another_rank_is_no_signal_of_this_one_and_interrupts_abandonable_code():
+def test_a_signal_soon_after_the_first_is_a_copy_of_it_and_one_later_a_second_request(stop_clock):
+    """torchrun forwards to its workers the Ctrl-C (or SIGTERM) that the terminal (or scheduler) sent them too: a
+    signal within ``COPY_WINDOW_S`` of the first is the same request, recorded once, not the "stop at once, unsaved"
+    of a second one, in abandonable code or not; one after the window is a second request."""
+    from lit_grpo.runtime.stop_signal import COPY_WINDOW_S, STOP_SIGNAL, StopRequested
+
+    STOP_SIGNAL.install()
+    try:
+        with pytest.raises(StopRequested) as stop:
+            with STOP_SIGNAL.abandonable():
+                os.kill(os.getpid(), signal.SIGINT)  # the terminal's
+                pytest.fail("not interrupted")
+        assert stop.value.signal_name == "SIGINT"
+        stop_clock[0] += COPY_WINDOW_S * 0.9
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy: recorded already, nothing more
+        os.kill(os.getpid(), signal.SIGTERM)  # a copy of another kind (a scheduler's SIGTERM forwarded) likewise
+        assert STOP_SIGNAL.signum == signal.SIGINT
+        stop_clock[0] += COPY_WINDOW_S * 0.2
+        with pytest.raises(KeyboardInterrupt):  # the user's second, after the window: at once
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        STOP_SIGNAL.restore()
+
+
+def test_a_stop_from_another_rank_is_no_signal_of_this_one_and_interrupts_abandonable_code(stop_clock):
     """A peer stop (another rank's signal, read from the run's store by the failure watch's thread) is recorded as
     this process's stop request, interrupts abandonable code on the main thread where it is, and is no signal of
     this process: its own first signal after it is a first (recorded), only a second one stops at once. Nothing is
@@ -1183,6 +1218,7 @@ def test_a_stop_from_another_rank_is_no_signal_of_this_one_and_interrupts_abando
         STOP_SIGNAL.record_peer_stop(2, signal.SIGINT)  # a stop is recorded already: nothing
         assert (STOP_SIGNAL.signum, STOP_SIGNAL.peer) == (signal.SIGTERM, 1)
         os.kill(os.getpid(), signal.SIGINT)  # this process's first signal: recorded, not a second one
+        stop_clock[0] += 60
         with pytest.raises(KeyboardInterrupt):  # its second: at once
             os.kill(os.getpid(), signal.SIGTERM)
     finally:

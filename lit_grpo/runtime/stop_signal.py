@@ -7,7 +7,8 @@ decides where the run stops.
 
 A handler only records the signal, except inside :meth:`StopSignal.abandonable`: code there (a training step's
 rollout, which changes nothing that its caller cannot roll back) is interrupted at once with
-:class:`StopRequested`. A second signal raises ``KeyboardInterrupt`` wherever the run is: the user asked twice.
+:class:`StopRequested`. A second signal raises ``KeyboardInterrupt`` wherever the run is: the user asked twice. One
+within ``COPY_WINDOW_S`` of the first is a copy of it (a launcher forwarding what its workers received already).
 
 Under several processes a rank may abandon only code with no collective inside, and every rank must then learn of
 it at one point they all reach: :meth:`StopSignal.abandonable_together` (a training rollout: ranks decode different
@@ -33,11 +34,15 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+#: A signal this soon after the process's first is a copy of it, not a second request: torchrun forwards to its
+#: workers the Ctrl-C (or the scheduler's SIGTERM) that the terminal (or scheduler) sent them already, at once.
+COPY_WINDOW_S = 1.0
 
 
 class StopRequested(SystemExit):
@@ -64,6 +69,7 @@ class StopSignal:
         self.signum: int | None = None
         self.peer: int | None = None
         self._received: int | None = None  # the signal this process received itself (a second one stops at once)
+        self._received_at = 0.0  # when (``_now``): a signal within COPY_WINDOW_S of it is a copy
         self._shared = False  # this process's own signal is said in the run's store (relay)
         self._peer_interrupt = False  # the next call of the handler is record_peer_stop's interrupt, no signal
         self._abandonable = False
@@ -103,8 +109,10 @@ class StopSignal:
                 raise StopRequested(self.signum)
             return
         if self._received is not None:
+            if _now() - self._received_at < COPY_WINDOW_S:
+                return
             raise KeyboardInterrupt(f"second stop signal ({signal.Signals(signum).name}): stopping now")
-        self._received = signum
+        self._received, self._received_at = signum, _now()
         if self.signum is None:
             self.signum = signum
         print(f"\nlit_grpo: {signal.Signals(signum).name} received: saving the last completed step and stopping "
@@ -185,6 +193,10 @@ class StopSignal:
         # outside the abandonable code: a signal during the collective is recorded, never raised inside it
         if any_rank(abandoned) or abandoned:
             raise StopRequested(self.signum or signal.SIGTERM, agreed=True) from None
+
+
+def _now() -> float:
+    return time.monotonic()
 
 
 def _main_thread() -> bool:
