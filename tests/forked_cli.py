@@ -20,7 +20,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,9 +50,10 @@ def forkserver():
 
 
 def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str, new_session: bool,
-          script: str | None = None) -> None:
+          console_script: str, script: str | None = None) -> None:
     """One ``lit-grpo`` process (in a fork): ``argv`` run in ``cwd`` with ``env``, its output in two files, in a
-    session of its own where ``new_session``; with ``script``, ``python SCRIPT ARGV`` instead (not the CLI)."""
+    session of its own where ``new_session``, as ``console_script`` (its ``sys.argv[0]``, which Lightning's launcher
+    starts further ranks with); with ``script``, ``python SCRIPT ARGV`` instead (not the CLI)."""
     if new_session:
         os.setsid()
     sys.path[:] = [os.path.abspath(entry) for entry in sys.path]  # "" meant the server's folder, not cwd
@@ -73,7 +73,7 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
             sys.excepthook(*sys.exc_info())
             sys.exit(1)
         return
-    sys.argv = [shutil.which("lit-grpo") or "lit-grpo", *argv]
+    sys.argv = [console_script, *argv]
     from lit_grpo.cli import main
 
     main(argv)
@@ -81,8 +81,11 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
 
 def _start(argv: list[str], cwd: Path, env: dict[str, str] | None, outputs: tuple[Path, Path],
            new_session: bool = False, script: str | None = None):
+    from tools.harness import lit_grpo_script
+
     process = forkserver().Process(target=_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
-                                                        str(outputs[0]), str(outputs[1]), new_session, script))
+                                                        str(outputs[0]), str(outputs[1]), new_session,
+                                                        str(lit_grpo_script()), script))
     process.start()
     return process
 

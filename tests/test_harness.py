@@ -155,3 +155,16 @@ def test_repo_env_lets_a_child_import_the_tools():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # imported from outside the repository
     assert harness.repo_env(EXTRA="1")["EXTRA"] == "1"
+
+
+def test_the_lit_grpo_command_is_this_interpreters_not_paths_first(tmp_path, monkeypatch):
+    """Another environment's ``lit-grpo`` first on PATH (another lit_grpo): the command stays this Python's."""
+    import sys
+
+    other = tmp_path / "lit-grpo"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{Path(sys.executable).parent}")
+    own = Path(sys.executable).with_name("lit-grpo")
+    assert harness.lit_grpo_command() == ([str(own)] if own.is_file() else [sys.executable, "-m", "lit_grpo.cli"])
+    assert harness.lit_grpo_script() == own

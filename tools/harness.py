@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -273,7 +272,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def lit_grpo_script() -> Path:
+    """This interpreter's ``lit-grpo`` console script (beside ``sys.executable``, where pip installs it): PATH's
+    first ``lit-grpo`` may belong to another environment, with another lit_grpo."""
+    return Path(sys.executable).with_name("lit-grpo")
+
+
 def lit_grpo_command() -> list[str]:
-    """The ``lit-grpo`` command: the installed script, else the CLI module under this Python."""
-    exe = shutil.which("lit-grpo")
-    return [exe] if exe else [sys.executable, "-m", "lit_grpo.cli"]
+    """The ``lit-grpo`` command of this interpreter: its console script, else the CLI module under it."""
+    script = lit_grpo_script()
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "lit_grpo.cli"]
