@@ -122,9 +122,23 @@ def _run(module, settings: dict, stop_after: int | None = None, reward=half_flat
     return stream
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(module):
+    """``name`` -> the uninterrupted run of ``SETTINGS[name]``, run once for the module's tests, which only read it
+    (a run's draws follow from its settings alone: the resumed and redone runs must match it)."""
+    runs = {}
+
+    def run(name: str) -> Stream:
+        if name not in runs:
+            runs[name] = _run(module, SETTINGS[name])
+        return runs[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_a_stopped_and_resumed_stream_draws_and_trains_as_an_uninterrupted_one(module, name):
-    whole = _run(module, SETTINGS[name])
+def test_a_stopped_and_resumed_stream_draws_and_trains_as_an_uninterrupted_one(module, uninterrupted, name):
+    whole = uninterrupted(name)
     for stop_after in (3, 7):  # within the first sampler epoch, and within the second
         resumed = _run(module, SETTINGS[name], stop_after)
         assert resumed.drawn == whole.drawn, stop_after
@@ -152,10 +166,10 @@ def test_a_stopped_and_resumed_stream_draws_and_trains_as_an_uninterrupted_one(m
 
 
 @pytest.mark.parametrize("name", ["uniform", "partial", "dynamic"])
-def test_a_step_whose_reward_raised_is_redone_drawing_what_the_uninterrupted_run_drew(module, name):
+def test_a_step_whose_reward_raised_is_redone_drawing_what_the_uninterrupted_run_drew(module, uninterrupted, name):
     """``on_reward_error: raise``: the failed build gives its draws back (the stream rolls back to the step's start),
     so the redone step draws the same prompts and the run goes on as if it had never failed."""
-    whole = _run(module, SETTINGS[name])
+    whole = uninterrupted(name)
     failing = _run(module, SETTINGS[name], reward=FailsOnce(at=9))
     assert failing.failures == 1
     assert failing.drawn == whole.drawn and failing.trained == whole.trained
