@@ -598,6 +598,8 @@ def test_an_environment_with_this_torch_and_transformers_is_accepted_whatever_it
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     versions = compare_trl.check_trl_python(sys.executable)
     assert versions[2] == "1.16.0" and versions[0] == compare_trl.importlib.metadata.version("torch")
+    # the imports passed above; the refusal compares the same versions, read without importing torch again
+    monkeypatch.setattr(compare_trl, "_VERSIONS", _METADATA_VERSIONS)
     monkeypatch.setattr(compare_trl.importlib.metadata, "version", lambda name: "0.0-other")
     with pytest.raises(SystemExit, match=r"has torch .*; this environment has 0.0-other, 0.0-other"):
         compare_trl.check_trl_python(sys.executable)
