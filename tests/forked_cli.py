@@ -94,14 +94,14 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
-        ) -> subprocess.CompletedProcess:
-    """``lit-grpo ARGV`` in ``cwd`` with ``env`` (default: this process's), as ``subprocess.run(..., capture_output=
-    True, text=True, timeout=timeout)`` would run it; past ``timeout`` the process is killed and
-    ``subprocess.TimeoutExpired`` raised."""
+def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
+        script: str | None = None) -> subprocess.CompletedProcess:
+    """``lit-grpo ARGV`` (with ``script``: ``python SCRIPT ARGV``) in ``cwd`` with ``env`` (default: this
+    process's), as ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` would run it; past
+    ``timeout`` the process is killed and ``subprocess.TimeoutExpired`` raised."""
     with tempfile.TemporaryDirectory() as folder:
         outputs = (Path(folder) / "stdout", Path(folder) / "stderr")
-        process = _start(argv, cwd, env, outputs)
+        process = _start(argv, cwd, env, outputs, script=script)
         process.join(timeout)
         if process.is_alive():
             _kill(process)

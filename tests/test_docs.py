@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_the_readme_lightning_example_trains(tmp_path):
     script = tmp_path / "example.py"
     script.write_text("import torch\ntorch.set_num_threads(1)\n" + code
                       + "\nprint('global_step', trainer.global_step)\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = forked_cli.run([], tmp_path, script=str(script))  # as `python example.py`, forked warm
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "global_step 1" in proc.stdout
 
@@ -102,7 +103,7 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     train a step through ``lit-grpo fit`` on the tiny model, the module found in the working folder."""
     import json
 
-    from tools.harness import lit_grpo_command, repo_env
+    from tools.harness import repo_env
 
     text = (ROOT / "docs" / "training.md").read_text()
     section = text[text.index("### A TRL script, ported"):text.index("## Callbacks and what they log")]
@@ -118,8 +119,7 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     overrides = ["--model.model", "tiny-llama", "--trainer.max_steps", "1", "--trainer.precision", "32-true",
                  "--data.sampling.max_new_tokens", "8", "--data.sampling.group_size", "2",
                  "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"]
-    proc = subprocess.run([*lit_grpo_command(), "fit", "--config", "trl_port.yaml", *overrides], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=repo_env(OMP_NUM_THREADS="1"))
+    proc = forked_cli.run(["fit", "--config", "trl_port.yaml", *overrides], tmp_path, repo_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lit_grpo: 1 step" in proc.stdout + proc.stderr
 
