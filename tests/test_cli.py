@@ -610,11 +610,12 @@ def test_gpu_recipe_parses_and_instantiates_with_a_tiny_model():
 
 # Whether glibc maps a malloc'd block of its own (mallinfo2's count of mapped blocks rises while it is held): a
 # 24 MiB block twice (glibc's own threshold rises to 24 MiB when the first is freed, so the second comes from the
-# heap), then a 2 MiB block. argv[1]: "fix" to fix the threshold at 4 MiB first, as lit-grpo does.
+# heap), then a 2 MiB block. Each of argv[1:] probes in a fork of the process as the import left it, as a fresh
+# process of its own would (one import of torch for them all): "fix" fixes the threshold at 4 MiB first, as lit-grpo
+# does, "own" leaves glibc's.
 _MAPPED_PROBE = """
-import ctypes, json, sys
+import ctypes, json, os, sys
 from lit_grpo.runtime.memory import fix_mmap_threshold
-fixed = fix_mmap_threshold(4 << 20) if sys.argv[1] == "fix" else None
 libc = ctypes.CDLL(None)
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -629,26 +630,34 @@ def mapped(nbytes):
     out = libc.mallinfo2().hblks > before
     libc.free(block)
     return out
-print(json.dumps({"fixed": fixed, "mapped": [mapped(24 << 20), mapped(24 << 20), mapped(2 << 20)]}))
+for mode in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        fixed = fix_mmap_threshold(4 << 20) if mode == "fix" else None
+        print(json.dumps({"fixed": fixed, "mapped": [mapped(24 << 20), mapped(24 << 20), mapped(2 << 20)]}),
+              flush=True)
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
 """
 
 
-def _probe_mapped(mode: str, **env: str) -> dict:
+def _probe_mapped(*modes: str, **env: str) -> list[dict]:
     import ctypes
     import json
 
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("glibc >= 2.33 only (mallinfo2)")
-    out = subprocess.run([sys.executable, "-c", _MAPPED_PROBE, mode], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", _MAPPED_PROBE, *modes], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env)
-    return json.loads(out.stdout)
+    return [json.loads(line) for line in out.stdout.splitlines()]
 
 
 def test_a_fixed_mmap_threshold_keeps_large_blocks_mapped_and_small_ones_in_the_heap():
-    assert _probe_mapped("own") == {"fixed": None, "mapped": [True, False, False]}  # glibc's threshold rose
-    assert _probe_mapped("fix") == {"fixed": True, "mapped": [True, True, False]}
-    # the user's MALLOC_MMAP_THRESHOLD_ wins: lit-grpo leaves it as it is
-    assert _probe_mapped("fix", MALLOC_MMAP_THRESHOLD_="131072") == {"fixed": False, "mapped": [True, True, True]}
+    own, fixed = _probe_mapped("own", "fix")
+    assert own == {"fixed": None, "mapped": [True, False, False]}  # glibc's threshold rose
+    assert fixed == {"fixed": True, "mapped": [True, True, False]}
+    # the user's MALLOC_MMAP_THRESHOLD_ wins (glibc reads it as a process starts): lit-grpo leaves it as it is
+    assert _probe_mapped("fix", MALLOC_MMAP_THRESHOLD_="131072") == [{"fixed": False, "mapped": [True, True, True]}]
 
 
 def test_the_mmap_threshold_option_is_checked_and_can_be_turned_off(monkeypatch):
