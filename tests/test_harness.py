@@ -168,3 +168,14 @@ def test_the_lit_grpo_command_is_this_interpreters_not_paths_first(tmp_path, mon
     own = Path(sys.executable).with_name("lit-grpo")
     assert harness.lit_grpo_command() == ([str(own)] if own.is_file() else [sys.executable, "-m", "lit_grpo.cli"])
     assert harness.lit_grpo_script() == own
+
+
+def test_an_alias_resolves_without_importing_torch():
+    """A tool's --model is checked as its arguments are parsed: an alias (every tool's default) costs no torch."""
+    import subprocess
+    import sys
+
+    check = "import sys; from tools import harness; harness.resolve_model('smollm2'); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", check], env=harness.repo_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "False\n", proc.stderr

@@ -101,11 +101,12 @@ def _refuse_repeats(text: str, items: list) -> None:
 # ------------------------------------------------------------------------------------------------ models
 def resolve_model(name: str) -> str:
     """What ``load_model_and_tokenizer`` loads for ``--model name``; a ValueError naming the allowed forms for a
-    name that is none of them (a misspelt alias would otherwise be sent to the hub)."""
-    from lit_grpo.runtime.models import RANDOM_MODELS, RANDOM_PREFIX, TINY_MODELS
-
+    name that is none of them (a misspelt alias would otherwise be sent to the hub). An alias resolves without
+    importing torch: a tool's arguments are checked before its first child process starts."""
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
+    from lit_grpo.runtime.models import RANDOM_MODELS, RANDOM_PREFIX, TINY_MODELS
+
     if name.startswith(RANDOM_PREFIX):
         if name.removeprefix(RANDOM_PREFIX) not in RANDOM_MODELS:
             raise ValueError(f"model {name!r}: {RANDOM_PREFIX}NAME takes one of {list(RANDOM_MODELS)}")
