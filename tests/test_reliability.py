@@ -249,7 +249,11 @@ def test_skip_group_stops_a_run_whose_reward_has_raised_on_every_group(module, r
     another_rank_scored = make_datamodule(module, prompts=PROMPTS[3:4], val_size=0, prompts_per_step=1,
                                           reward_funcs=[_flaky_reward], on_reward_error="skip_group")
     builder = another_rank_scored._require_builder()
-    builder.world_size, builder.all_gather = 2, lambda count: torch.stack([count, torch.ones_like(count)])
+
+    def another_rank(tensor):  # its values in the step's gathers: no rollout abandoned ([1] flag), one group scored
+        return torch.stack([tensor, torch.zeros_like(tensor) if tensor.dim() else torch.ones_like(tensor)])
+
+    builder.world_size, builder.all_gather = 2, another_rank
     assert another_rank_scored.build_train_batch().skipped.tolist() == [True]
     calls = []
 
