@@ -99,13 +99,12 @@ class SlowRollout(Callback):
     the policy in it), and on ``signal_ranks`` sends SIGTERM to this process after ``after`` of its forwards, or,
     where it slows none, as it joins the ranks' meeting after its rollout (past its rollout). Each rank writes the
     training positions its sampler drew in that step, as example indices, to ``folder/drawn.rankR`` and, where its
-    rollout finished (not abandoned), touches ``folder/past.rankR`` as it joins that meeting; a slowed rank that
-    signals only once some other rank is past its rollout waits for that file first (``after_others``)."""
+    rollout finished (not abandoned), touches ``folder/past.rankR`` as it joins that meeting."""
 
     def __init__(self, folder: str, step: int, sleep: float, after: int = 5, slow_ranks: tuple = (0, 1),
-                 signal_ranks: tuple = (0, 1), after_others: bool = False):
+                 signal_ranks: tuple = (0, 1)):
         self.folder, self.step, self.sleep, self.after = folder, step, sleep, after
-        self.slow_ranks, self.signal_ranks, self.after_others = tuple(slow_ranks), tuple(signal_ranks), after_others
+        self.slow_ranks, self.signal_ranks = tuple(slow_ranks), tuple(signal_ranks)
         self._forwards = 0
 
     def _in_step(self, trainer) -> bool:
@@ -146,10 +145,6 @@ class SlowRollout(Callback):
 
         self._forwards += 1
         if self._forwards == self.after and trainer.global_rank in self.signal_ranks:
-            others = [os.path.join(self.folder, f"past.rank{r}") for r in range(trainer.world_size)
-                      if r != trainer.global_rank]
-            while self.after_others and not any(os.path.exists(path) for path in others):
-                time.sleep(0.1)
             print(f"rank {trainer.global_rank}: SIGTERM after {self._forwards} rollout forwards", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(self.sleep)

@@ -1299,26 +1299,23 @@ def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatc
 LONG_ROLLOUT = ("--data.sampling.max_new_tokens", "600")
 
 
-@pytest.mark.parametrize("case", ["both_ranks_mid_rollout", "rank_0_past_its_rollout", "one_rank_signalled"])
+@pytest.mark.parametrize("case", ["both_ranks_mid_rollout", "rank_0_past_its_rollout_signalled_alone"])
 def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resume_draws_its_prompts_again(
         tmp_path, case):
-    """SIGTERM to the ranks of a 2-process fit during step 2's long rollout (both but where said): every rank
-    abandons its rollout at once, the ranks meet after it, and step 1 is saved; the resume trains step 2 on the
-    prompts the abandoned step drew. ``rank_0_past_its_rollout``: rank 0's rollout is not slowed, so it is past
-    its rollout and waiting for rank 1 when rank 1 is signalled (rank 0 too, as it gets there: recorded only), and
-    still drops its finished step. ``one_rank_signalled``: SIGTERM to rank 1 only (``docker stop``'s case, to one
-    process): rank 0 learns of it through the run's store and abandons its own rollout too, which it would
-    otherwise finish past the limit."""
+    """SIGTERM during step 2 of a 2-process fit whose rollout on a slowed rank would outlast the test's limit:
+    every rank abandons its rollout at once, the ranks meet after it, and step 1 is saved; the resume trains step 2
+    on the prompts the abandoned step drew. ``both_ranks_mid_rollout``: both ranks slowed and signalled mid-rollout.
+    ``rank_0_past_its_rollout_signalled_alone``: rank 0's rollout is not slowed, and SIGTERM comes to rank 0 alone
+    (``docker stop``'s case) as it waits for rank 1 after its finished rollout (recorded only there): rank 1 learns
+    of it through the run's store and abandons its rollout, and rank 0 still drops its finished step."""
     from tools.harness import free_port, repo_env
 
     root = tmp_path / "run"
     slow = ["--trainer.callbacks+=stop_helpers.SlowRollout", f"--trainer.callbacks.folder={tmp_path}",
             "--trainer.callbacks.step=2", "--trainer.callbacks.sleep=0.2"]
-    race = case == "rank_0_past_its_rollout"
+    race = case == "rank_0_past_its_rollout_signalled_alone"
     if race:
-        slow += ["--trainer.callbacks.slow_ranks=[1]", "--trainer.callbacks.after_others=true"]
-    if case == "one_rank_signalled":
-        slow += ["--trainer.callbacks.signal_ranks=[1]"]
+        slow += ["--trainer.callbacks.slow_ranks=[1]", "--trainer.callbacks.signal_ranks=[0]"]
     argv = [*_fit_args(root, *LONG_ROLLOUT, "--trainer.num_nodes", "2", "--trainer.devices", "1",
                        "--trainer.strategy", "ddp", "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                        f"--trainer.callbacks.path={root / 'rec'}", steps=2)]
@@ -1327,9 +1324,9 @@ def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resum
         assert code == 143, f"rank {rank} ended with {code}:\n{output[-4000:]}"
     assert "stopped by SIGTERM after step 1; saved to" in outputs[0][1]
     assert all("Traceback" not in output for _, output, _ in outputs)
-    if case == "one_rank_signalled":
-        assert "a stop from rank 1 (SIGTERM came to it)" in outputs[0][1]
-        assert "SIGTERM received" not in outputs[0][1] and "SIGTERM received" in outputs[1][1]
+    if race:
+        assert "a stop from rank 0 (SIGTERM came to it)" in outputs[1][1]
+        assert "SIGTERM received" not in outputs[1][1] and "SIGTERM received" in outputs[0][1]
     assert (tmp_path / "past.rank0").exists() == race and not (tmp_path / "past.rank1").exists()
     assert _last_step(root) == 1
     drawn = [sorted(map(int, (tmp_path / f"drawn.rank{rank}").read_text().split())) for rank in (0, 1)]
