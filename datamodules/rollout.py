@@ -471,8 +471,14 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------ data
     def setup(self, stage: str | None = None) -> None:
         """Load and split the prompts and build the prompt sampler (once); render them once a tokenizer is here."""
-        if self.examples is not None:
-            return
+        if self.examples is None:
+            self._load_prompts()
+        if stage == "validate" and not self.val_indices:  # Lightning would warn of an empty loader and end, exit 0
+            raise ConfigError(f"data.val_size={self.val_size!r} holds out no prompts, so there is nothing to "
+                              "validate: set it to a count >= 1 or a fraction in (0, 1)")
+
+    def _load_prompts(self) -> None:
+        """The prompts loaded and split, checked against the world size, the sampler built, and rendered."""
         with config_errors("data"):
             examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
                                     self.inline_prompts, self.dataset, self.prompt_column, self.answer_column,

@@ -741,6 +741,14 @@ def test_a_setting_found_bad_while_setting_up_ends_the_run_as_a_parse_error_does
     assert message in capsys.readouterr().err
 
 
+def test_validate_with_no_held_out_prompts_is_refused_naming_val_size(tmp_path, capsys, monkeypatch):
+    """``data.val_size: 0`` (the TRL port's setting) leaves validate nothing to run: an error, not a silent exit 0."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused(capsys, ["validate", "--config", TINY, "--trainer.logger", "false", "--data.val_size", "0"])
+    assert ("error: data.val_size=0 holds out no prompts, so there is nothing to validate: set it to a count >= 1 or "
+            "a fraction in (0, 1)") in err, err
+
+
 def test_multi_objective_aggregation_reaches_the_rollouts_from_the_command_line_and_the_yaml(tmp_path, capsys):
     from lit_grpo.rollout.advantages import normalize_then_sum_advantages
 
