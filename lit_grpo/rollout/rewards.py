@@ -150,8 +150,8 @@ class WeightedReward:
             raise ValueError(f"reward function {self.fn!r} is not callable")
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or \
                 not math.isfinite(self.weight) or abs(self.weight) > FLOAT32_MAX:  # totals are float32 tensors
-            raise ValueError(f"reward weight {self.weight!r} for {self.name or self.fn!r} must be a finite number, "
-                             f"|weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
+            raise ValueError(f"reward weight {self.weight!r} for {self.name or reward_name(self.fn)!r} must be a "
+                             f"finite number, |weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = float(self.weight)
         if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
             raise ValueError(f"reward name {self.name!r} for {self.fn!r} must be a string ('' for the function's "
