@@ -100,6 +100,17 @@ def test_fit_two_steps_end_to_end(tmp_path):
         assert noise not in proc.stdout + proc.stderr, noise
 
 
+def test_a_run_without_validation_says_nothing_of_an_empty_loader(tmp_path):
+    """``data.val_size: 0`` (the TRL port's setting) is no validation, on purpose: Lightning's warning of a
+    validation loader of length zero is not shown."""
+    proc = forked_cli.run(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
+                           "--trainer.max_steps", "1", "--data.val_size", "0", "--trainer.logger", "false"],
+                          tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lit_grpo: 1 step" in proc.stdout, proc.stdout[-3000:]
+    assert "across ranks is zero" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_function_named(tmp_path):
     proc = forked_cli.run(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
                            "--trainer.max_steps", "1", "--data.reward_funcs", "[fault_helpers:lookup_reward]"],

@@ -406,6 +406,12 @@ def quiet_known_noise() -> None:
     # ModelCheckpoint's advice for manual optimization to snapshot the weights before the optimizer step: GRPOModule
     # checkpoints after the step on purpose (a resume continues from the completed step).
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    # RolloutDataModule's validation loader with data.val_size 0: an empty list, no validation on purpose.
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+    # Lightning's all_gather runs torch's deprecated autograd gather, warned of on every rank;
+    # the deprecation in a user's own call, outside Lightning, stays.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                            module=r"lightning\.")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropAdvertisingTips) for f in logger.filters):
