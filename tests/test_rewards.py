@@ -333,6 +333,10 @@ def test_reward_options_are_checked_by_name():
         "threshold": 2, "extra": 1}
     with pytest.raises(ValueError, match=r"takes no option \['treshold'\]; its options: \['threshold'\]"):
         build_reward_funcs([{"name": f"{__name__}:_strict", "kwargs": {"treshold": 2}}])
+    # ... but not a misspelling of a named one: it would reach **kwargs while the named option kept its default
+    with pytest.raises(ValueError, match=r"takes no option 'treshold' \(did you mean 'threshold'\?\); an option "
+                                         r"it does not name reaches its \*\*kwargs"):
+        build_reward_funcs([{"name": name, "kwargs": {"treshold": 2}}])
 
 
 def test_the_correctness_reward_follows_the_reward_functions():

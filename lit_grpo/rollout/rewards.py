@@ -307,6 +307,11 @@ def _check_options(name: str, target: Any, kwargs: Mapping[str, Any]) -> None:
     unknown = sorted(set(kwargs) - set(options))
     if unknown and (name in BUILTIN_REWARDS or not takes_any):
         raise ValueError(f"reward function {name!r} takes no option {unknown}; its options: {options}")
+    for option in unknown:  # a misspelled named option would reach **kwargs, the named one keeping its default
+        close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"reward function {name!r} takes no option {option!r} (did you mean {close[0]!r}?); an "
+                             f"option it does not name reaches its **kwargs, and {close[0]!r} would keep its default")
 
 
 def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None) -> str | None:
