@@ -72,7 +72,7 @@ def test_an_async_function_returning_a_wrong_value_is_named():
     async def short(prompts, completions, **columns):
         return [1.0]
 
-    with pytest.raises(ValueError, match=r"reward function 'short' returned 1 values? for 4 completions"):
+    with pytest.raises(RewardFunctionError, match=r"reward function 'short' returned 1 values? for 4 completions"):
         score_rewards([WeightedReward(short, 1.0)], PROMPTS, COMPLETIONS, group_size=2)
 
 

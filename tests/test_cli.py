@@ -125,6 +125,19 @@ def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_funct
                      r"data\.on_reward_error: skip_group", report), report
 
 
+def test_a_reward_functions_bad_result_ends_the_run_naming_it_without_a_traceback(tmp_path):
+    """A result of the wrong length is the function's error, said as one it raised would be: no frames of
+    lit_grpo's or Lightning's, which point at nothing its author can fix."""
+    (tmp_path / "short_rewards.py").write_text("def one_value(completions, **kwargs):\n    return [1.0]\n")
+    proc = forked_cli.run(["fit", "--config", TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
+                           "--trainer.max_steps", "1", "--data.reward_funcs", "[short_rewards:one_value]"],
+                          tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("error: reward function 'one_value' returned 1 values for 4 completions; "
+                                         "it must return one float (or None) per completion"), proc.stderr[-3000:]
+
+
 def test_a_reward_function_in_the_working_folder_is_found_as_by_python_m(tmp_path, monkeypatch, capsys):
     """``lit-grpo`` is a console script, whose sys.path lacks the working folder: ``my_rewards:fn`` beside the
     config is imported all the same (the run here then stops at a later setting, which names itself)."""

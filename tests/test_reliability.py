@@ -103,7 +103,7 @@ def test_bad_reward_values_are_named(values, match):
     def bad(prompts, completions, **kw):
         return values
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(RewardFunctionError, match=match):  # the function's error, as one it raised would be
         score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
 
 

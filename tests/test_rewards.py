@@ -182,7 +182,7 @@ def test_bad_return_values(values, match):
     def bad(prompts, completions, **kw):
         return values
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(RewardFunctionError, match=match):
         score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
 
 
@@ -197,11 +197,11 @@ def test_numpy_and_torch_values_score_as_python_ones():
     scores = score_rewards([WeightedReward(matches), WeightedReward(scalars)], ["q"] * 4, ["yes", "no", "yes", "x"])
     assert scores.components["matches"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert scores.components["scalars"].tolist() == [0.5, 1.0, 1.0, 2.0]
-    with pytest.raises(ValueError, match=r"'bad' returned .*'x'.* \(str_\) at index 0"):
+    with pytest.raises(RewardFunctionError, match=r"'bad' returned .*'x'.* \(str_\) at index 0"):
         score_rewards([WeightedReward(lambda p, c, **kw: np.array(["x", "y"]), name="bad")], ["q"] * 2, ["a", "b"])
     # other NumPy scalars are no numbers, though item() gives an int for a nanosecond datetime or timedelta
     for value in (np.datetime64(5, "ns"), np.timedelta64(5, "ns"), np.datetime64("NaT")):
-        with pytest.raises(ValueError, match=r"'bad' returned .* \((datetime|timedelta)64\) at index 0"):
+        with pytest.raises(RewardFunctionError, match=r"'bad' returned .* \((datetime|timedelta)64\) at index 0"):
             score_rewards([WeightedReward(lambda p, c, **kw: [value], name="bad")], ["q"], ["a"])
 
 
@@ -643,7 +643,7 @@ def test_an_error_names_a_chat_prompt_by_its_question():
                                                   r"100\.'$") as raised:
         score_rewards([WeightedReward(picky)], prompts, completions, group_size=2)
     assert raised.value.prompt == "Name a prime above 100."
-    with pytest.raises(ValueError, match=r"returned nan at index 2 for prompt 'Name a prime above 100\.'; "):
+    with pytest.raises(RewardFunctionError, match=r"returned nan at index 2 for prompt 'Name a prime above 100\.'; "):
         score_rewards([WeightedReward(not_finite)], prompts, completions, group_size=2)
 
 

@@ -715,7 +715,10 @@ def score_rewards(
             for message in messages:
                 warnings.warn(f"{message}; on_error='skip_group': the group is skipped (no loss)", stacklevel=2)
         else:
-            values = _check_values(raw, reward.name, prompts, n)
+            try:
+                values = _check_values(raw, reward.name, prompts, n)
+            except ValueError as err:  # the function's result: its error, said as one it raised (without frames)
+                raise RewardFunctionError(str(err), reward.name, None, None) from None
             logs.add(call_logs[i])
         component = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
         components[reward.name] = component
