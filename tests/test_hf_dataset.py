@@ -215,6 +215,11 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
     garbage.write_bytes(b"this is not parquet")
     with pytest.raises(ValueError, match=rf"{garbage}' cannot be read"):
         load_prompts(dataset=str(garbage))
+    # the parser's reason, where datasets wraps it in a DatasetGenerationError that gives none
+    not_json = tmp_path / "not_json.jsonl"
+    not_json.write_text('{"prompt": "fine", "answer": "1"}\nnot json\n')
+    with pytest.raises(ValueError, match=rf"{not_json}' cannot be read: ArrowInvalid: JSON parse error: .* in row 1"):
+        load_prompts(dataset=str(not_json))
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"files ending in '.txt' are not read; use one of"):
         load_prompts(dataset=str(tmp_path / "notes.txt"))

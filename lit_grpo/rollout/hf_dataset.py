@@ -54,6 +54,16 @@ def describe_source(dataset: Any) -> str:
     return f"<datasets.Dataset: {dataset.num_rows} rows, columns {list(dataset.column_names)}>"
 
 
+def unwrapped_read_error(error: BaseException) -> BaseException:
+    """The error that says why a file could not be read: datasets' ``DatasetGenerationError`` ("An error occurred
+    while generating the dataset") wraps the parser's (``JSON parse error: ... in row 1``) as its cause."""
+    from datasets.exceptions import DatasetGenerationError  # datasets read the file: imported already
+
+    while isinstance(error, DatasetGenerationError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def load_local_dataset(path: str | os.PathLike, split: str = "train"):
     """The ``split`` of a local dataset as a ``datasets.Dataset`` (module docstring); errors name the path."""
     datasets = _datasets()
@@ -78,7 +88,8 @@ def load_local_dataset(path: str | os.PathLike, split: str = "train"):
             raise
         raise ValueError(f"data.dataset {str(source)!r} cannot be read: {err}") from err
     except Exception as err:  # noqa: BLE001 - pyarrow / json / datasets errors all mean an unreadable file
-        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {type(err).__name__}: {err}") from err
+        reason = unwrapped_read_error(err)
+        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {type(reason).__name__}: {reason}") from err
     return select_split(loaded, split, str(source))
 
 
