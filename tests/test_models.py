@@ -414,3 +414,12 @@ def test_a_hub_id_the_cache_lacks_asks_again_a_hub_an_earlier_load_found_down(hu
     hub_answers["down"] = False  # the outage has passed, within the time a failed answer is kept
     assert models.hub_keywords("someone/other") == {} and len(hub_answers["asked"]) == 2
     assert models.hub_keywords("someone/tiny") == {} and len(hub_answers["asked"]) == 2
+
+
+def test_lora_target_modules_the_model_lacks_are_refused_naming_its_linear_layers():
+    """peft says only that the modules were not found; the error lists the names the model has."""
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    with pytest.raises(ValueError, match=r"Target modules \{'q_prj'\} not found.*; the model's linear layers: "
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', "
+                                         r"'up_proj', 'v_proj'\]"):
+        with_lora(model, {"r": 2, "target_modules": ["q_prj"]})

@@ -546,4 +546,17 @@ def with_lora(model: PreTrainedModel, peft_config: Mapping[str, Any]) -> PreTrai
     """``model`` wrapped with the LoRA adapter ``peft_config`` describes (peft's ``LoraConfig`` fields)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(peft_config))
+    config = lora_config(peft_config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft does not say which names the model has
+        if "target modules" not in str(err).lower():
+            raise
+        raise ValueError(f"{str(err).rstrip('. ')}; the model's linear layers: {linear_layer_names(model)}") from err
+
+
+def linear_layer_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of ``model``'s ``nn.Linear`` modules (``q_proj``, ...): what LoRA's
+    ``target_modules`` names."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear)})
