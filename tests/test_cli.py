@@ -432,6 +432,10 @@ def test_an_unknown_option_of_an_optional_group_is_named_alone(capsys):
     (["--data.sampling.micro_group_size", "all"],
      "error: data.sampling.micro_group_size: Expected a <class 'int'> or typing.Literal['auto']. Got value: all "
      "(or data.sampling.micro_group_size: null)\n"),
+    # one item where a list belongs (TRL's reward_funcs=fn): how to write it as a list
+    (["--data.reward_funcs", "my_rewards:fn"],
+     "error: data.reward_funcs: Expected a <class 'list'>. Got value: my_rewards:fn; for one item, write "
+     "[my_rewards:fn] (or data.reward_funcs: null)\n"),
     # an option a group's class does not take, with the one it most likely meant
     (["--data.sampling.scheduler.length_aware", "{predictr: oracle}"],
      "error: data.sampling.scheduler.length_aware: Option 'predictr' is not accepted (did you mean 'predictor'?) "

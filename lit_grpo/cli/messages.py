@@ -144,6 +144,8 @@ def _own_reason(message: str, keys: Sequence[str], building: bool = False) -> tu
             group = setting.group(1).rsplit(".", 1)[0]
     if _BARE_TYPE.fullmatch(reason) or len(own_types) > 1:  # as jsonargparse says it where the value is not optional
         reason += f". Got value: {value}"
+    if reason == f"{_NOT_LIST}. Got value: {value}" and value and not value.startswith("["):
+        reason += f"; for one item, write [{value}]"  # TRL's reward_funcs=fn, a list of one here
     return key, reason, group
 
 
