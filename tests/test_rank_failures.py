@@ -153,6 +153,21 @@ def test_a_setting_found_bad_on_one_rank_ends_every_rank_naming_it(tmp_path):
     assert "Traceback" not in output, output[-4000:]  # a setting is said, not traced
 
 
+def _run_session(cmd: list[str], cwd: Path, env: dict) -> tuple[subprocess.Popen, str]:
+    """Runs ``cmd`` in a session of its own to its end (its output, stderr in stdout), or fails the test where it
+    still goes after ``DEADLINE_S`` (and the interpreters' start), killing the whole session."""
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the run still went after {time.monotonic() - started:.0f} s:\n{output[-4000:]}")
+    return proc, output
+
+
 def _launch_two(tmp_path: Path, place: str) -> str:
     """``--trainer.devices 2`` with an error planted on rank 1 at ``place``: Lightning starts rank 1 as a child of
     rank 0, re-running the command. Both end (no process of the run is left) non-zero; returns their output."""
@@ -162,15 +177,7 @@ def _launch_two(tmp_path: Path, place: str) -> str:
                                 f"--trainer.callbacks.place={place}", "--trainer.callbacks.rank=1"]
     env = {**repo_env(), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S + 30)  # the interpreters' start included
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the run still went after {time.monotonic() - started:.0f} s:\n{output[-4000:]}")
+    proc, output = _run_session(cmd, tmp_path, env)
     assert proc.returncode != 0, output[-4000:]
     session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
     alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
@@ -905,15 +912,7 @@ def test_under_lightnings_own_launcher_two_ranks_failing_at_once_each_finish_han
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)
-    proc = subprocess.Popen([sys.executable, script, str(tmp_path / "run"), str(slow_rank), "7"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S + 30)  # the interpreters' start included
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the run still went after {DEADLINE_S + 30} s:\n{output[-4000:]}")
+    proc, output = _run_session([sys.executable, script, str(tmp_path / "run"), str(slow_rank), "7"], tmp_path, env)
     tail = output[-4000:]
     assert proc.returncode != 0, tail
     for rank in (0, 1):
