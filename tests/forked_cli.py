@@ -39,7 +39,7 @@ def forkserver():
     global _context
     if _context is None:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["lit_grpo.cli", "forkserver_warmup"])
+        context.set_forkserver_preload(["lit_grpo.cli.command", "forkserver_warmup"])
         # The server imports its preloads from its own sys.path, where Python 3.11's leaves out the tests' folder
         # (it ignores the sys_path it is given), and skips any it cannot import without a word.
         path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))

@@ -2,6 +2,7 @@
 consistency."""
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -205,6 +206,43 @@ def test_help_names_the_command_lit_grpo_also_run_as_a_module(capsys, monkeypatc
             main(argv)
         out = capsys.readouterr().out
         assert out.startswith(usage) and "__main__" not in out
+
+
+#: Run in a fresh interpreter: ``lit_grpo.cli.main`` from ``import lit_grpo.cli`` on, as the console script runs it,
+#: noting what the garbage collector did meanwhile; one JSON line, printed by the first atexit handler registered
+#: (so the last to run).
+COLLECTOR_PROBE = r"""
+import atexit, gc, json, sys
+report = {"collections_while_importing": 0}
+atexit.register(lambda: print(json.dumps({**report, "frozen_at_exit": gc.get_freeze_count() > frozen}), flush=True))
+importing = False
+def note(phase, info):
+    command = sys.modules.get("lit_grpo.cli.command")
+    if phase == "start" and importing and not hasattr(command, "main"):  # main: command.py's last definition
+        report["collections_while_importing"] += 1
+gc.callbacks.append(note)
+import lit_grpo.cli
+report["torch_before_main"] = "torch" in sys.modules
+importing = True
+try:
+    lit_grpo.cli.main(["--help"])
+except SystemExit:
+    pass
+frozen = gc.get_freeze_count()
+report.update(enabled_after=gc.isenabled(), frozen_by_main=frozen > 0)
+"""
+
+
+def test_the_command_imports_its_packages_with_the_collector_paused_and_freezes_them(tmp_path):
+    """torch, Lightning and transformers are imported by ``main``, not by ``import lit_grpo.cli``, with Python's
+    cyclic garbage collector paused meanwhile (and on again after), then frozen, and at exit what is alive then is
+    frozen before the interpreter's final collections: no collection walks them all again."""
+    proc = subprocess.run([sys.executable, "-c", COLLECTOR_PROBE], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"collections_while_importing": 0, "torch_before_main": False, "enabled_after": True,
+                      "frozen_by_main": True, "frozen_at_exit": True}, proc.stderr[-4000:]
 
 
 def test_two_differently_configured_forecasts_work_and_identical_ones_are_named(tmp_path):

@@ -36,11 +36,12 @@ SOURCES = {"lit_grpo": "lit_grpo", "lit_grpo.callbacks": "callbacks", "lit_grpo.
 BUILD_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in")
 #: Seconds each step may take; a step that hangs fails with its output instead of stalling the suite.
 TIMEOUT = 300
-#: Run inside the installed environment: imports ``lit_grpo.cli``, notes the length-aware modules that loaded,
-#: then imports every module of the package and prints one JSON report as its last line.
+#: Run inside the installed environment: imports what ``lit-grpo`` runs (``lit_grpo.cli.command``), notes the
+#: length-aware modules that loaded, then imports every module of the package and prints one JSON report as its last
+#: line.
 IMPORT_CHECK = r"""
 import importlib, json, os, pkgutil, sys, traceback
-import lit_grpo, lit_grpo.cli
+import lit_grpo, lit_grpo.cli.command
 report = {"file": lit_grpo.__file__,
           "length_aware": sorted(m for m in sys.modules if m.startswith("lit_grpo.scheduling.length_aware"))}
 modules, failed = [], {}
@@ -218,7 +219,7 @@ def test_the_wheel_installed_apart_from_the_sources_imports_every_module_and_fit
     assert report["failed"] == {}, "modules that fail to import:\n" + "\n".join(report["failed"].values())
     missing = sorted(_source_modules() - set(report["modules"]))
     assert not missing, f"modules missing from the wheel: {missing}"
-    assert report["length_aware"] == [], f"import lit_grpo.cli loaded the opt-in scheduler: {report['length_aware']}"
+    assert report["length_aware"] == [], f"import lit_grpo.cli.command loaded the opt-in scheduler: {report['length_aware']}"
 
     checkpoints = list(run_dir.rglob("last.ckpt"))
     assert len(checkpoints) == 1, f"the fit left {checkpoints}; expected one last.ckpt\n{outputs['lit-grpo fit']}"

@@ -32,6 +32,50 @@ on an error).
 
 from __future__ import annotations
 
-from lit_grpo.cli.command import GRPOCLI, build_cli, main
+import atexit
+import gc
+import importlib
+import sys
 
 __all__ = ["GRPOCLI", "build_cli", "main"]
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``lit-grpo``: ``command.main(args)`` (``args`` defaults to ``sys.argv[1:]``).
+
+    A run's torch, Lightning and transformers are millions of objects that live as long as the process, and Python's
+    cyclic garbage collector would walk all of them at each full collection: the first call imports them with the
+    collector paused, collects once and freezes what is alive (``gc.freeze``: later collections skip it), and at exit
+    whatever is still alive is frozen too, before the interpreter's final collections would walk it once more.
+    Objects freed by reference counting are still freed and finalized; Python does not promise finalizers of objects
+    left in cycles at exit.
+    """
+    if "lit_grpo.cli.command" not in sys.modules:
+        _import_untraced("lit_grpo.cli.command")
+    from lit_grpo.cli.command import main as run_command
+
+    atexit.unregister(gc.freeze)  # once, however often main runs in a process
+    atexit.register(gc.freeze)
+    run_command(args)
+
+
+def _import_untraced(module: str) -> None:
+    """Import ``module`` with the collector paused (as it was after), free the little garbage importing left with one
+    collection, and freeze what is alive."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module(module)
+        gc.collect()
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def __getattr__(name: str):
+    """``GRPOCLI`` and ``build_cli``, loaded on first use, so that importing this package loads no torch (``main``
+    loads it)."""
+    if name not in ("GRPOCLI", "build_cli"):
+        raise AttributeError(f"module 'lit_grpo.cli' has no attribute {name!r}")
+    return getattr(importlib.import_module("lit_grpo.cli.command"), name)
