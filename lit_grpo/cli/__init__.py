@@ -27,7 +27,7 @@ The modules: ``command`` (``GRPOCLI``, ``build_cli``, ``main``), ``parser`` (the
 refused setting said on one line, with hints), ``setting_checks`` and ``setting_warnings`` (the settings checked
 before anything is built, and the warnings of what is built placed at them), ``checkpoint_agreement`` (the same
 checkpoint on every rank), ``resume`` (a resumed run's checks and commands) and ``run_errors`` (how a run ends
-on an error).
+on an error). Importing this package loads none of them: ``main`` and the names above load ``command`` on first use.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``lit-grpo``: ``command.main(args)`` (``args`` defaults to ``sys.argv[1:]``).
 
     A run's torch, Lightning and transformers are millions of objects that live as long as the process, and Python's
-    cyclic garbage collector would walk all of them at each full collection: the first call imports them with the
-    collector paused, collects once and freezes what is alive (``gc.freeze``: later collections skip it), and at exit
-    whatever is still alive is frozen too, before the interpreter's final collections would walk it once more.
-    Objects freed by reference counting are still freed and finalized; Python does not promise finalizers of objects
-    left in cycles at exit.
+    cyclic garbage collector would walk all of them at each full collection: a call that finds ``command`` not
+    imported yet imports it with the collector paused, collects once and freezes what is alive (``gc.freeze``: later
+    collections skip it), and at exit whatever is still alive is frozen too, before the interpreter's final
+    collections would walk it once more. Objects freed by reference counting are still freed and finalized; Python
+    does not promise finalizers of objects left in cycles at exit.
     """
     if "lit_grpo.cli.command" not in sys.modules:
         _import_untraced("lit_grpo.cli.command")
