@@ -668,6 +668,69 @@ def _check_total_finite(total: torch.Tensor, reward_funcs: Sequence[WeightedRewa
                          "weights")
 
 
+def _each_function_values(reward_funcs: Sequence[WeightedReward], prompts: Sequence[Any],
+                          completions: Sequence[Any], columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any],
+                          group_size: int, on_error: str,
+                          logs: RewardLogs) -> tuple[list[list[float | None]], set[int], list[str]]:
+    """``score_rewards``' calls: ``[len(reward_funcs)][N]`` each function's checked values (None: no opinion, or
+    a row of a group it raised on), the groups skipped under ``on_error="skip_group"`` and one message per skipped
+    (function, group), each also warned. What the calls that returned logged goes to ``logs``."""
+    n = len(completions)
+    every_values: list[list[float | None]] = []
+    skipped: set[int] = set()
+    errors: list[str] = []
+    # no call gets these lists themselves, only copies (_call_all): a retry group by group after a call that
+    # raised (_handle_reward_error) starts from them as they came
+    outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
+    for i, reward in enumerate(reward_funcs):
+        raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
+        failure = raw if isinstance(raw, Exception) else None
+        # retried outside the except clause: a group's error is then not chained to the whole batch's
+        if failure is not None:
+            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
+                                                            group_size, on_error, logs)
+            # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
+            # reward model's tensors) alive until a garbage collection, where an except clause lets them go
+            failure = raw = None
+            skipped.update(failed)
+            errors.extend(messages)
+            for message in messages:
+                warnings.warn(f"{message}; on_error='skip_group': the group is skipped (no loss)", stacklevel=3)
+        else:
+            try:
+                values = _check_values(raw, reward.name, prompts, n)
+            except ValueError as err:  # the function's result: its error, said as one it raised (without frames)
+                raise RewardFunctionError(str(err), reward.name, None, None) from None
+            logs.add(call_logs[i])
+        every_values.append(values)
+    return every_values, skipped, errors
+
+
+def _weighted_total(reward_funcs: Sequence[WeightedReward], values: Sequence[Sequence[float | None]],
+                    n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """From each function's ``[N]`` values (``_each_function_values``): the ``[N]`` weighted total over the values
+    that are not None, ``{name: [N]}`` each function's values (NaN for None) and ``[N]`` bool, whether some function
+    had a value for the completion."""
+    total = torch.zeros(n, dtype=torch.float32)
+    seen = torch.zeros(n, dtype=torch.bool)
+    components: dict[str, torch.Tensor] = {}
+    for reward, function_values in zip(reward_funcs, values):
+        component = torch.tensor([math.nan if v is None else v for v in function_values], dtype=torch.float32)
+        components[reward.name] = component
+        present = ~torch.isnan(component)
+        total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
+        seen |= present
+    return total, components, seen
+
+
+def _group_rows(groups: AbstractSet[int], group_size: int, n: int) -> torch.Tensor:
+    """``[n]`` bool: True on the rows of ``groups`` (group ``g`` holds rows ``g * group_size`` up to the next)."""
+    rows = torch.zeros(n, dtype=torch.bool)
+    for group in groups:
+        rows[group * group_size:(group + 1) * group_size] = True
+    return rows
+
+
 def score_rewards(
     reward_funcs: Sequence[WeightedReward],
     prompts: Sequence[str],
@@ -691,45 +754,13 @@ def score_rewards(
     columns = _checked_arguments(reward_funcs, prompts, completions, columns, group_size, on_error)
     state = {"trainer_state": trainer_state if trainer_state is not None else TrainerState()}
     n = len(completions)
-    total = torch.zeros(n, dtype=torch.float32)
-    seen = torch.zeros(n, dtype=torch.bool)
-    components: dict[str, torch.Tensor] = {}
-    skipped: set[int] = set()
-    errors: list[str] = []
     logs = RewardLogs(n)
-    # no call gets these lists themselves, only copies (_call_all): a retry group by group after a call that
-    # raised (_handle_reward_error) starts from them as they came
-    outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
-    for i, reward in enumerate(reward_funcs):
-        raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
-        failure = raw if isinstance(raw, Exception) else None
-        # retried outside the except clause: a group's error is then not chained to the whole batch's
-        if failure is not None:
-            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
-                                                            group_size, on_error, logs)
-            # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
-            # reward model's tensors) alive until a garbage collection, where an except clause lets them go
-            failure = raw = None
-            skipped.update(failed)
-            errors.extend(messages)
-            for message in messages:
-                warnings.warn(f"{message}; on_error='skip_group': the group is skipped (no loss)", stacklevel=2)
-        else:
-            try:
-                values = _check_values(raw, reward.name, prompts, n)
-            except ValueError as err:  # the function's result: its error, said as one it raised (without frames)
-                raise RewardFunctionError(str(err), reward.name, None, None) from None
-            logs.add(call_logs[i])
-        component = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
-        components[reward.name] = component
-        present = ~torch.isnan(component)
-        total = total + torch.where(present, component * reward.weight, torch.zeros_like(component))
-        seen |= present
+    values, skipped, errors = _each_function_values(reward_funcs, prompts, completions, columns, state, group_size,
+                                                    on_error, logs)
+    total, components, seen = _weighted_total(reward_funcs, values, n)
     _check_total_finite(total, reward_funcs)
     if skipped:
-        rows = torch.zeros(n, dtype=torch.bool)
-        for group in skipped:
-            rows[group * group_size:(group + 1) * group_size] = True
+        rows = _group_rows(skipped, group_size, n)
         total = torch.where(rows, torch.zeros_like(total), total)
         components = {k: torch.where(rows, torch.full_like(v, math.nan), v) for k, v in components.items()}
         seen |= rows  # skipped rows are reported as skipped, not as "no opinion"
