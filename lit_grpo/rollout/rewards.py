@@ -444,6 +444,8 @@ def _shown(prompt: Any) -> Any:
 
 
 def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
+    """Reward function ``name``'s ``values`` for ``n`` completions of ``prompts`` as ``n`` floats or None; raises
+    naming the function, the bad value, its index and its prompt where one is not a number finite in float32."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     # a dict or a set has a length too, but no order of the completions: a dict's keys would be taken as rewards
@@ -508,10 +510,10 @@ def _call(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[
     return outcome
 
 
-def _handle_reward_error(err: Exception, reward: WeightedReward, prompts: Sequence[str],
-                         completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
-                         state: Mapping[str, Any], group_size: int, on_error: str,
-                         logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
+def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[str],
+                     completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+                     state: Mapping[str, Any], group_size: int, on_error: str,
+                     logs: RewardLogs) -> tuple[list[float | None], list[int], list[str]]:
     """A reward function raised on the whole batch: call it again one group at a time (what the groups' calls
     that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they came
     (no call got them, only copies: ``_call_all``); each group's call gets copies of its own.
@@ -560,9 +562,9 @@ _IMMUTABLE = frozenset({str, bytes, int, float, complex, bool, type(None)})
 def _fresh(value: Any, memo: dict[int, Any]) -> Any:
     """A copy of ``value`` that a call may change without changing ``value``: lists, dicts and tuples rebuilt
     (an object met twice copied once, ``memo``, as ``copy.deepcopy`` keeps it), strings and numbers shared, and
-    tuples of only those (no call can change them in place; copying them, ``completion_ids``' every token, was most
-    of a scoring's copy), any other value ``copy.deepcopy``'d, or kept as it is where ``copy.deepcopy`` refuses it
-    (a lock, a client handle): a retry then sees what a failed call left in it."""
+    tuples of only those (no call can change them in place, so a copy would only cost time), any other value
+    ``copy.deepcopy``'d, or kept as it is where ``copy.deepcopy`` refuses it (a lock, a client handle): a retry
+    then sees what a failed call left in it."""
     kind = type(value)
     if kind in _IMMUTABLE or (kind is tuple and _IMMUTABLE.issuperset(map(type, value))):
         return value
@@ -680,15 +682,15 @@ def _each_function_values(reward_funcs: Sequence[WeightedReward], prompts: Seque
     skipped: set[int] = set()
     errors: list[str] = []
     # no call gets these lists themselves, only copies (_call_all): a retry group by group after a call that
-    # raised (_handle_reward_error) starts from them as they came
+    # raised (_values_by_group) starts from them as they came
     outcomes, call_logs = _call_all(reward_funcs, prompts, completions, columns, state)
     for i, reward in enumerate(reward_funcs):
         raw, outcomes[i] = outcomes[i], None  # an error held in the list would keep this frame alive: see below
         failure = raw if isinstance(raw, Exception) else None
         # retried outside the except clause: a group's error is then not chained to the whole batch's
         if failure is not None:
-            values, failed, messages = _handle_reward_error(failure, reward, prompts, completions, columns, state,
-                                                            group_size, on_error, logs)
+            values, failed, messages = _values_by_group(failure, reward, prompts, completions, columns, state,
+                                                        group_size, on_error, logs)
             # its traceback holds this frame, which holds it: a cycle that would keep the function's locals (a
             # reward model's tensors) alive until a garbage collection, where an except clause lets them go
             failure = raw = None
