@@ -478,21 +478,7 @@ class RolloutBuilder:
         examples = [p.example for p in prompts]
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
                  for group in result.completion_ids]
-        # each completion gets copies of its own, as TRL's rows are: a reward function that changes one changes
-        # neither the prompt set, the rollout's tokens, nor another completion's. Copied as each function's
-        # arguments are (own_copy: plain data rebuilt, what deepcopy refuses passed as it is)
-        repeat = lambda per_prompt: [own_copy(v) for v in per_prompt for _ in range(G)]  # noqa: E731
-        columns = {
-            "answer": repeat([e.answer for e in examples]),
-            "entry": repeat([e.entry for e in examples]),
-            "completion_ids": [list(ids) for group in result.completion_ids for ids in group],
-            "completion_length": [len(ids) for group in result.completion_ids for ids in group],
-            "truncated": [t for group in result.truncated for t in group],
-            "max_new_tokens": [engine.max_new_tokens] * (len(examples) * G),
-        }
-        # every field of the row but "prompt", whose value the prompts argument holds (TRL drops it alike)
-        for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt"}):
-            columns[key] = repeat([e.entry.get(key) for e in examples])
+        columns = _reward_columns(examples, result, G, engine.max_new_tokens)
         reward_prompts, reward_completions = reward_arguments(examples, texts,
                                                               None if tooled is None else tooled.messages)
         scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
@@ -658,6 +644,30 @@ def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, f
     completions = sum(len(rollout.prompts) for rollout in rollouts) * group_size
     return {"tools/call_frequency": calls / max(completions, 1),
             "tools/failure_frequency": failures / calls if calls else 0.0, "weight/tool_calls": float(calls)}
+
+
+def _reward_columns(examples: Sequence[PromptExample], result: Any, group_size: int,
+                    max_new_tokens: int) -> dict[str, list[Any]]:
+    """The per-completion columns the reward functions get (``lit_grpo.rollout.rewards``), ``N = b x G`` entries
+    each, from ``b`` prompt ``examples`` and the rollout's ``result`` (``[b][G]`` completions)."""
+    # each completion gets copies of its own, as TRL's rows are: a reward function that changes one changes
+    # neither the prompt set, the rollout's tokens, nor another completion's. Copied as each function's
+    # arguments are (own_copy: plain data rebuilt, what deepcopy refuses passed as it is)
+    def repeat(per_prompt: list[Any]) -> list[Any]:
+        return [own_copy(value) for value in per_prompt for _ in range(group_size)]
+
+    columns = {
+        "answer": repeat([e.answer for e in examples]),
+        "entry": repeat([e.entry for e in examples]),
+        "completion_ids": [list(ids) for group in result.completion_ids for ids in group],
+        "completion_length": [len(ids) for group in result.completion_ids for ids in group],
+        "truncated": [t for group in result.truncated for t in group],
+        "max_new_tokens": [max_new_tokens] * (len(examples) * group_size),
+    }
+    # every field of the row but "prompt", whose value the prompts argument holds (TRL drops it alike)
+    for key in sorted({k for e in examples for k in e.entry} - set(columns) - {"prompt"}):
+        columns[key] = repeat([e.entry.get(key) for e in examples])
+    return columns
 
 
 def _carried_state(group: GroupProgress) -> dict:
