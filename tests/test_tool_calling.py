@@ -17,7 +17,8 @@ from lit_grpo import RolloutEngine, load_model_and_tokenizer
 from lit_grpo.sampling import SampleProgress
 from lit_grpo.rollout.config import TrainingConfig
 from lit_grpo.rollout.metrics import reduce_over_ranks
-from lit_grpo.rollout.tools import ToolBox, call_body, tool_chat_template, tool_schemas, tool_suffix_ids
+from lit_grpo.rollout.tool_calls import call_body
+from lit_grpo.rollout.tools import ToolBox, tool_chat_template, tool_schemas, tool_suffix_ids
 from lit_grpo.runtime.models import tiny_tokenizer
 from lit_grpo.runtime.validation import ConfigError
 from lit_grpo.update.logprobs import completion_logits, token_logps

@@ -20,12 +20,10 @@ their ``completion_length`` column. They do count against ``max_new_tokens`` (TR
 tool result that would leave no room for a drawn token is dropped and the sample ends as it is.
 
 Tool calls are parsed with the tokenizer's ``parse_response`` where it has a response schema (as TRL), else in the
-Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or Qwen3.5's
-``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`` (``xml_call``), after a
-reasoning block's ``</think>`` (the block itself is the turn's ``reasoning_content``, as TRL parses Qwen3's turns).
-Under either, a turn whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no
-tool runs and no failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit)
-is a failed call. A template whose calls the reader does not read back is refused at setup (``check_calls_read``).
+Hermes / Qwen format or Qwen3.5's, after a reasoning block (``lit_grpo.rollout.tool_calls``). Under either, a turn
+whose calls cannot be read (a malformed or cut call) is text with no call, TRL's fallback: no tool runs and no
+failure is counted. A call that reads but fails to run (an unknown tool, arguments that do not fit) is a failed
+call. A template whose calls the reader does not read back is refused at setup (``check_calls_read``).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +39,7 @@ from typing import Any
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.prompts import PromptExample, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
+from lit_grpo.rollout.tool_calls import HERMES_CALL, call_body, json_value, read_calls, reasoning_open, split_reasoning
 from lit_grpo.runtime.validation import config_errors
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import vocab_size
@@ -49,13 +47,6 @@ from lit_grpo.sampling.engine import stop_token_ids
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.driver import IDLE
 
-#: The Hermes / Qwen tool-call format, for tokenizers without a response schema.
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-#: Qwen3.5's body of a ``<tool_call>`` block, ``<function=NAME>`` around its ``<parameter=KEY>`` blocks.
-XML_FUNCTION = re.compile(r"<function=([^\n>]+)>(.*?)</function>", re.DOTALL)
-#: One argument of a Qwen3.5 call: its value is the text between the tags, less the newlines the template puts around
-#: it (TRL's Qwen3.5 response template strips it so too).
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.DOTALL)
 #: The argument (name and value) of the stand-in call that ``turn_end_ids`` and ``check_calls_read`` render.
 TURN_MARKER = "lit_grpo_turn_marker"
 
@@ -519,7 +510,7 @@ def check_calls_read(parse: Callable, tokenizer: Any, prompt: Sequence[dict], to
     end = whole.rindex(marker) + len(marker) if marker in whole[begin:] else len(whole)
     written = _ids(tokenizer(whole[begin:end], add_special_tokens=False))
     _, calls = parse(written, _ids(tokenizer(whole[:begin], add_special_tokens=False)))
-    if [(c["name"], _json(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"])
+    if [(c["name"], json_value(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"])
             for c in calls] != [(call["name"], call["arguments"])]:
         reader = ("the tokenizer's response_template (parse_response)"
                   if getattr(tokenizer, "response_template", None) is not None else
@@ -716,114 +707,6 @@ def _end_of_last(ids: list[int], part: list[int]) -> int | None:
 def _ids(encoded: Any) -> list[int]:
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
-
-
-#: How many of the tokens before a turn ``reasoning_open`` reads: enough for a ``<think>`` a byte tokenizer splits.
-OPEN_REASONING_TAIL = 32
-
-
-def reasoning_open(tokenizer: Any, prefix: Sequence[int]) -> bool:
-    """Whether the text before a turn (``prefix``: its token ids) leaves a ``<think>`` block open, so the turn
-    starts inside it: a template that pre-writes the opener in the generation prompt (as a thinking model's does)."""
-    tail = tokenizer.decode(list(prefix[-OPEN_REASONING_TAIL:])) if prefix else ""
-    return tail.rfind("<think>") > tail.rfind("</think>")
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
-    """``(reasoning, rest)`` of a turn's text, as TRL's Qwen3 response template reads a reasoning block: a turn that
-    starts with ``<think>`` (after whitespace), or inside one its prompt left open (``opened``), reasons up to its
-    ``</think>`` (to its end where the block never closes); ``reasoning`` is that text stripped (empty for an empty
-    block), ``rest`` what follows the block. ``(None, text)`` where the turn opens no block: a ``</think>`` without
-    its opener is text (TRL's parser keeps it in the content)."""
-    if text.lstrip().startswith("<think>"):
-        body = text.lstrip()[len("<think>"):]
-    elif opened:
-        body = text
-    else:
-        return None, text
-    end = body.find("</think>")
-    if end < 0:
-        return body.strip(), ""
-    return body[:end].strip(), body[end + len("</think>"):]
-
-
-def read_calls(raw: Any) -> list[dict] | None:
-    """``[{"name", "arguments"}]`` of a turn's parsed tool calls (each ``{"name", "arguments"}``, or TRL's
-    ``{"type": "function", "function": {...}}``), or None where one cannot be read: the whole turn is then text, as
-    TRL's ``parse_response`` validates them. Missing or null arguments are ``{}`` (a call of no argument)."""
-    if not isinstance(raw, list):
-        return None
-    calls = []
-    for call in raw:
-        function = call.get("function", call) if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            return None
-        arguments = function.get("arguments")
-        calls.append({"name": function["name"], "arguments": {} if arguments is None else arguments})
-    return calls
-
-
-def call_body(body: str, tools: Sequence[dict] = ()) -> Any:
-    """A ``<tool_call>`` block's body as ``read_calls`` takes it: Hermes JSON (``{"name", "arguments"}``), or
-    Qwen3.5's ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>`` (``xml_call``); None where it is
-    neither (the turn is then text, as TRL's parser falls back)."""
-    return xml_call(body, tools) if body.startswith("<function=") else _json(body)
-
-
-def xml_call(body: str, tools: Sequence[dict] = ()) -> dict | None:
-    """``{"name", "arguments"}`` of a Qwen3.5 call's body (``tools``: the schemas, which type its values); None
-    where it is not one whole ``<function=...>...</function>`` block of parameters and whitespace, or names a
-    parameter twice. The template writes a value as text (a mapping or a list as JSON), so a value is read as
-    JSON (TRL's Qwen3.5 parser), and where that fails, or the tool's schema types it a string or another type than
-    the JSON value's, kept as the text (Qwen's own parser: ``_xml_value``)."""
-    whole = XML_FUNCTION.fullmatch(body.strip())
-    if whole is None:
-        return None
-    name, inside = whole.group(1), whole.group(2)
-    parameters = XML_PARAMETER.findall(inside)
-    if XML_PARAMETER.sub("", inside).strip() or len({key for key, _ in parameters}) != len(parameters):
-        return None
-    types = next((tool["function"].get("parameters", {}).get("properties", {}) for tool in tools
-                  if tool.get("function", {}).get("name") == name), {})
-    return {"name": name, "arguments": {key: _xml_value(value, types.get(key, {}).get("type"))
-                                        for key, value in parameters}}
-
-
-#: A JSON schema's type names and the Python types of their JSON values (bool is no integer or number here).
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "boolean": (bool,),
-                                            "object": (dict,), "array": (list,), "null": (type(None),),
-                                            "string": (str,)}
-
-
-def _xml_value(text: str, kind: Any) -> Any:
-    """A Qwen3.5 argument's value: the text where the schema types it a string (``"75001"`` stays text), else its
-    JSON value (Python's ``True`` / ``False`` / ``None``, which the template writes for those, as JSON's), else the
-    text. Where the schema types it (``kind``: a JSON schema type or a list of them), a JSON value of another type
-    stays text, as Qwen's own parser keeps a value that does not parse as its type (``2.5`` for an integer), and
-    so does a JSON string (the template writes a string as it is: quotes are its own); ``null`` is None whatever the
-    type but a string."""
-    if kind == "string":
-        return text
-    spelled = {"True": "true", "False": "false", "None": "null"}.get(text, text)
-    value = _json(spelled)
-    if value is None:
-        return None if spelled == "null" else text
-    allowed = [_JSON_TYPES.get(name) if isinstance(name, str) else None
-               for name in (kind if isinstance(kind, list) else [kind])]
-    if None in allowed:  # no type, or one this reading does not know: the JSON value as it reads
-        return value
-    if isinstance(value, str):  # a string type among others: the text as written, quotes and all
-        return text
-    fits = any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types in allowed)
-    return value if fits else text
-
-
-def _json(body: str) -> Any:
-    """``body`` decoded, or None where it is not JSON (``read_calls`` then reads no call)."""
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError:
-        return None
 
 
 def _content(value: Any) -> str:
