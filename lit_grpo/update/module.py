@@ -131,6 +131,8 @@ from lit_grpo.update.surrogates import high_entropy_mask
 
 #: The checkpoint's key for the adaptive entropy control's state (``EntropyControl.state_dict``).
 ENTROPY_CONTROL_KEY = "entropy_control"
+#: One micro-batch of a step: its rows of the batch and their model inputs (``RolloutBatch.micro_batch``).
+MicroBatch = tuple[range, dict[str, Any]]
 
 
 class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
@@ -595,30 +597,32 @@ class GRPOModule(LightningModule):
                          weight_decay=hp.weight_decay)
 
     # ------------------------------------------------------------------------------------------ log-probs
-    def _micro_batches(self, batch: RolloutBatch) -> list[tuple[range, dict[str, Any]]]:
+    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """The step's micro-batches of ``train_micro_batch_size`` consecutive rows, each with its model inputs
         (``RolloutBatch.micro_batch``), cut once per step and without waiting on the device."""
         size, total = self.hparams.train_micro_batch_size, batch.num_completions
-        chunks = [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
-                                                                for start in range(0, total, size))]
+        micro_batches = [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
+                                                                       for start in range(0, total, size))]
         if self.uses_shared_prefix == "auto":
-            self._decide_sharing(chunks)
-        return chunks
+            self._decide_sharing(micro_batches)
+        return micro_batches
 
-    def _decide_sharing(self, chunks: list[tuple[range, dict[str, Any]]]) -> None:
+    def _decide_sharing(self, micro_batches: list[MicroBatch]) -> None:
         """``shared_prefix: auto`` decided for each micro-batch (``logprobs.shares_prefix``, from its own prompt
         length) into its ``"shared_prefix"`` key, the same on every rank under FSDP2: a shared forward runs the
         sharded layers twice, each run gathering their weights, so ranks deciding apart would wait on each other's
         gathers. One max over the ranks a step; their micro-batches repeat prompts alike (equal B, G and rows)."""
         policy = self._require_policy()
-        shares = [shares_prefix(policy, micro, "auto") for _, micro in chunks]
+        shares = [shares_prefix(policy, micro, "auto") for _, micro in micro_batches]
         if is_fsdp_sharded(policy) and _world_size(self._trainer) > 1:
             votes = torch.tensor(shares, dtype=torch.float32, device=self.device)
             shares = [bool(vote) for vote in self.trainer.strategy.reduce(votes, reduce_op="max").tolist()]
-        for (_, micro), share in zip(chunks, shares):
+        for (_, micro), share in zip(micro_batches, shares):
             micro["shared_prefix"] = share
 
     def _loss_mask(self, micro: dict[str, Any]) -> torch.Tensor:
+        """``[m, T']`` the tokens of a micro-batch that carry loss: drawn by the policy, in a row that is neither
+        truncated under ``mask_truncated_completions`` nor of a skipped group."""
         mask = micro["drawn_mask"]  # a tool's result (data.tools) is no token the policy chose: no loss
         if self.hparams.mask_truncated_completions:
             mask = mask * (~micro["truncated"]).unsqueeze(1).to(mask.dtype)
@@ -628,8 +632,11 @@ class GRPOModule(LightningModule):
         return mask
 
     @torch.no_grad()
-    def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list) -> list:
-        return [self._logps(model, micro, batch.temperature)[0] for _, micro in chunks]
+    def _frozen_logps(self, model: torch.nn.Module, batch: RolloutBatch,
+                      micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """``model``'s ``[m, T']`` log-probs of each micro-batch, without a graph (the old policy's, the
+        reference's)."""
+        return [self._logps(model, micro, batch.temperature)[0] for _, micro in micro_batches]
 
     def _logps(self, model: torch.nn.Module, micro: dict[str, Any], temperature: float, entropy_grad: bool = False):
         """``[m, T']`` log-probs and entropies (with ``entropy_grad`` differentiable: the entropy bonus); the logits
@@ -638,19 +645,19 @@ class GRPOModule(LightningModule):
         return completion_logps(model, micro, temperature, entropy_grad=entropy_grad,
                                 shared_prefix=micro.get("shared_prefix", self.uses_shared_prefix))
 
-    def _micro_batches_over_ranks(self, chunks: list) -> int:
+    def _micro_batches_over_ranks(self, micro_batches: list[MicroBatch]) -> int:
         """The step's micro-batches summed over every rank (the entropy bonus's weight): one reduction a step,
         which every rank runs (the loss settings are every rank's)."""
-        count = len(chunks)
+        count = len(micro_batches)
         if _world_size(self._trainer) > 1:
             total = torch.tensor(float(count), device=self.device)
             count = int(self.trainer.strategy.reduce(total, reduce_op="sum").item())
         return count
 
-    def _total_active_tokens(self, chunks: list) -> float:
+    def _total_active_tokens(self, micro_batches: list[MicroBatch]) -> float:
         """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
         to the host once per step, so that no micro-batch's loss waits on the device for it."""
-        total = torch.stack([self._loss_mask(micro).sum() for _, micro in chunks]).sum().float()
+        total = torch.stack([self._loss_mask(micro).sum() for _, micro in micro_batches]).sum().float()
         if _world_size(self._trainer) > 1:
             total = self.trainer.strategy.reduce(total, reduce_op="sum")
         return float(total)
@@ -703,23 +710,24 @@ class GRPOModule(LightningModule):
         policy = self._require_policy()
         kernel = resolve_update_linear(hp.cpu_linear, policy, is_fsdp_sharded(policy))
         with onednn_linears(policy, kernel):
-            chunks = self._micro_batches(batch)
+            micro_batches = self._micro_batches(batch)
             loss_fn = self.loss_fn
-            total_active = self._total_active_tokens(chunks) if loss_fn.needs_step_tokens else None
-            bonus_batches = self._micro_batches_over_ranks(chunks) if self.entropy_control.enabled else len(chunks)
-            old_logps = self._frozen_logps(policy, batch, chunks) if hp.num_iterations > 1 else None
+            total_active = self._total_active_tokens(micro_batches) if loss_fn.needs_step_tokens else None
+            bonus_batches = (self._micro_batches_over_ranks(micro_batches) if self.entropy_control.enabled
+                             else len(micro_batches))
+            old_logps = self._frozen_logps(policy, batch, micro_batches) if hp.num_iterations > 1 else None
             ref_logps = None
             beta = loss_fn.config.beta
             if beta > 0:
                 with self._reference() as reference:
-                    ref_logps = self._frozen_logps(reference, batch, chunks)
+                    ref_logps = self._frozen_logps(reference, batch, micro_batches)
 
             sums: dict[str, float] = {}
             correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
             correction_stats = CorrectionStats()
             for iteration in range(hp.num_iterations):
-                step_metrics = self._update(batch, chunks, optimizer, old_logps, ref_logps, total_active, iteration,
-                                            correction, correction_stats, bonus_batches)
+                step_metrics = self._update(batch, micro_batches, optimizer, old_logps, ref_logps, total_active,
+                                            iteration, correction, correction_stats, bonus_batches)
                 # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
                 step_metrics["lr"] = optimizer.param_groups[0]["lr"]
                 self._sync_reference_when_due(optimizer)
@@ -733,8 +741,9 @@ class GRPOModule(LightningModule):
         logged.update(rollout_metrics(batch))
         return logged
 
-    def _update(self, batch: RolloutBatch, chunks: list[tuple[range, dict[str, Any]]], optimizer, old_logps,
-                ref_logps, total_active, iteration: int, correction: SamplerCorrection,
+    def _update(self, batch: RolloutBatch, micro_batches: list[MicroBatch], optimizer: torch.optim.Optimizer,
+                old_logps: list[torch.Tensor] | None, ref_logps: list[torch.Tensor] | None,
+                total_active: float | None, iteration: int, correction: SamplerCorrection,
                 correction_stats: CorrectionStats, bonus_batches: int | None = None) -> dict[str, float]:
         """One optimizer step over all micro-batches of the batch (``_micro_batches``): each one's forward, loss and
         backward, then ``_end_step``; returns the step's metrics (the sampler correction's, resolved for this batch,
@@ -748,13 +757,13 @@ class GRPOModule(LightningModule):
         # the previous step's coefficient for every micro-batch of this one; where it is 0 (the adaptive control's
         # gate closed) the entropy needs no gradient, and the forward stays the lean one
         coef = control.applied() if control.enabled else 0.0
-        weight_of_bonus = bonus_weight(bonus_batches or len(chunks), world) if coef else 0.0
+        weight_of_bonus = bonus_weight(bonus_batches or len(micro_batches), world) if coef else 0.0
         # the high-entropy quantile over every rank's micro-batch of this index, as TRL's: the ranks' rows are
         # B x G each, so they run as many micro-batches and meet in each one's gathers
         quantile = loss_fn.config.top_entropy_quantile
         spans_ranks = world > 1 and quantile < 1
         gather = strategy_all_gather(self.trainer.strategy) if spans_ranks else None
-        for index, (rows, micro) in enumerate(chunks):
+        for index, (rows, micro) in enumerate(micro_batches):
             logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
             mask = self._loss_mask(micro)
             # with one iteration the weights have not moved since the rollout: this forward's log-probs are the old
@@ -767,7 +776,7 @@ class GRPOModule(LightningModule):
             kept = high_entropy_mask(entropy, mask, quantile, gather) if quantile < 1 else None
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy, all_gather=gather, entropy_mask=kept)
-            loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(chunks), world)
+            loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(micro_batches), world)
             if control.enabled:
                 tokens = bonus_tokens(entropy.detach(), mask, quantile, gather, entropy_mask=kept)
                 if coef:
@@ -775,20 +784,20 @@ class GRPOModule(LightningModule):
                 if control.adaptive:
                     step.add_entropy_stats(entropy_stats(entropy, tokens))
             # a non-finite loss still goes backward (the ranks' collectives stay paired); _end_step finds it
-            self._backward(loss, last=index == len(chunks) - 1)
+            self._backward(loss, last=index == len(micro_batches) - 1)
             step.add(loss, loss_fn.metrics(logps.detach(), old, micro["advantages"], mask, ref, weights),
                      entropy.detach(), micro["drawn_mask"])
             del logps, entropy, loss
-        return self._end_step(step, chunks, optimizer, iteration)
+        return self._end_step(step, micro_batches, optimizer, iteration)
 
-    def _end_step(self, step: StepMetrics, chunks: list[tuple[range, dict[str, Any]]], optimizer,
+    def _end_step(self, step: StepMetrics, micro_batches: list[MicroBatch], optimizer,
                   iteration: int) -> dict[str, float]:
         """After every micro-batch's backward: the losses' finiteness check on every rank, the optimizer step (the
         gradient norm and clipping before it) and the adaptive entropy control's move; returns the step's metrics."""
         control = self.entropy_control
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
         nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"
-                          for index, ((rows, _), value) in enumerate(zip(chunks, step.read()))
+                          for index, ((rows, _), value) in enumerate(zip(micro_batches, step.read()))
                           if not math.isfinite(value)), None)
         # one gather a step, on every rank: which ranks' losses were not finite, and the adaptive control's entropy
         ranks, entropy_totals = self._gather_step_end(nonfinite, step.entropy_totals() if control.adaptive else [])
