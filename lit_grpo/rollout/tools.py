@@ -110,6 +110,8 @@ class ToolRollout:
         tool_mask: ``[b][G][T_i]`` 1 on drawn tokens, 0 on appended tool messages.
         messages: ``[b][G]`` each completion as a conversation: its assistant turns (``content`` and
             ``tool_calls``) and tool messages; one assistant turn where it called no tool.
+        stats: each engine call's ``RolloutStats``, the first rollout's and then each tool round's, their
+            samples keyed as the first call's (``_renumbered``).
         calls, failures: tool calls made and those that failed (unknown tool, bad arguments, the tool raised).
     """
 
@@ -119,7 +121,7 @@ class ToolRollout:
     truncated: list[list[bool]]
     tool_mask: list[list[list[int]]]
     messages: list[list[list[dict]]]
-    stats: list[Any] = field(default_factory=list)
+    stats: list[RolloutStats] = field(default_factory=list)
     calls: int = 0
     failures: int = 0
 
@@ -184,7 +186,7 @@ class ToolBox:
         if not self.tools:
             raise ValueError("tools is empty: give at least one tool, or leave data.tools unset")
         check_max_tool_calling_iterations(max_tool_calling_iterations)
-        self.max_iterations = max_tool_calling_iterations
+        self.max_tool_calling_iterations = max_tool_calling_iterations
         self.schemas = tool_schemas(self.tools)
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
@@ -358,7 +360,7 @@ class ToolBox:
                                                               for k in range(len(group))])
         eos = set(engine.eos_token_ids)
         rounds = 0
-        while pending and (self.max_iterations is None or rounds < self.max_iterations):
+        while pending and (self.max_tool_calling_iterations is None or rounds < self.max_tool_calling_iterations):
             resumed = []
             ran = iter(self.run_all([call for calls in pending.values() for call in calls]))
             for (p, k), calls in pending.items():
@@ -394,9 +396,9 @@ class ToolBox:
         (a truncated sample's turn never does: it was cut)."""
         pending = {}
         for p, k in keys:
-            done = out.completion_ids[p][k]
-            ids = done[turn_start[p][k]:]
-            message, calls = (self.parse(ids, groups[p].prompt_ids + done[:turn_start[p][k]]) if ids
+            completion, start = out.completion_ids[p][k], turn_start[p][k]
+            turn = completion[start:]
+            message, calls = (self.parse(turn, groups[p].prompt_ids + completion[:start]) if turn
                               else ({"role": "assistant", "content": ""}, []))
             if calls and not out.truncated[p][k]:
                 message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
