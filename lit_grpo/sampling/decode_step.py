@@ -325,6 +325,7 @@ class DecodeStep:
         self.live_lengths.pop(slot, None)
 
     def stop_all(self) -> None:
+        """Leave every slot idle (``stop_row`` of each)."""
         self.active.zero_()
         self.cache.lengths.zero_()
         self.live_lengths.clear()
@@ -358,7 +359,7 @@ class DecodeStep:
         tokens = self.tokens.to("cpu", non_blocking=non_blocking)
         logprobs = self.logprobs.to("cpu", non_blocking=non_blocking)
         hidden = None
-        if hidden_slots:  # all rows come over (a few KB): indexing on the device would need the index there first
+        if hidden_slots:  # all rows come over (one small copy): indexing on the device needs the index there first
             if not self.settings.hidden_states:
                 raise RuntimeError("this decode step was built without hidden_states=True")
             hidden = self.hidden.to("cpu", non_blocking=non_blocking)
@@ -371,9 +372,9 @@ class DecodeStep:
     # ------------------------------------------------------------------------------------------ device side
     def _forward(self, hidden_states: bool = True) -> None:
         """The step, compiled where it was built so, its attention the settings' decode kernel. Eager, it leaves the
-        hidden states out unless ``hidden_states``: asking the model for them costs a few percent of a forward, and
-        a row is probed on one step of its whole run. A compiled step, like a captured graph, has one shape per
-        attended width and computes them every step."""
+        hidden states out unless ``hidden_states``: asking the model for them costs time on every step, and a row
+        is probed on one step of its whole run. A compiled step, like a captured graph, has one shape per attended
+        width and computes them every step."""
         with step_attention(self.model, self.settings.attention):
             if self._compiled_run is not None:
                 self._compiled_run(self)
@@ -463,6 +464,8 @@ class DecodeStep:
                 self._compile_or_run_uncompiled()
 
     def _compile_or_run_uncompiled(self) -> None:
+        """``precompile`` after graphs were given up; where that fails too (not for want of memory), warn and run
+        the step uncompiled from then on (``compile_failure`` says why)."""
         try:
             self.precompile()
         except torch.cuda.OutOfMemoryError:
