@@ -93,7 +93,7 @@ class _ScoredRollout:
     stats: Any
     offpolicy_tokens: list[int]           # [b] each group's completion tokens drawn in an earlier rollout
     logs: RewardLogs                      # what the reward calls logged (log_metric, log_extra)
-    tools: ToolRollout | None = None      # tool rounds (data.tools): tool_mask, calls, failures
+    tool_rollout: ToolRollout | None = None  # tool rounds (data.tools): tool_mask, calls, failures
 
 
 class RolloutBuilder:
@@ -457,21 +457,21 @@ class RolloutBuilder:
                  streams: list[int] | None = None) -> _ScoredRollout:
         """Generate G completions per prompt (``streams``: their random streams' keys, ``RolloutEngine.generate``)
         and score them."""
-        since, tooled = engine.rollout_index, None
+        since, tool_rollout = engine.rollout_index, None
         with self.generation_mode():
             if self.tools is None:
                 result = engine.generate([p.ids for p in prompts], streams=streams)
             else:  # generate's groups, kept: their samples that call a tool decode on in them
                 groups = engine.new_groups([p.ids for p in prompts], streams=streams)
                 result = engine.generate_groups(groups)
-                tooled = self.tools.run_rounds(engine, groups, result, [p.example for p in prompts])
-                result = replace(result, completion_ids=tooled.completion_ids, logprobs=tooled.logprobs,
-                                 truncated=tooled.truncated, versions=tooled.versions,
-                                 stats=merge_stats(tooled.stats, same_samples=True))
-        return self._score(engine, prompts, result, since, tooled)
+                tool_rollout = self.tools.run_rounds(engine, groups, result, [p.example for p in prompts])
+                result = replace(result, completion_ids=tool_rollout.completion_ids, logprobs=tool_rollout.logprobs,
+                                 truncated=tool_rollout.truncated, versions=tool_rollout.versions,
+                                 stats=merge_stats(tool_rollout.stats, same_samples=True))
+        return self._score(engine, prompts, result, since, tool_rollout)
 
     def _score(self, engine: RolloutEngine, prompts: list[Prompt], result, since: int,
-               tooled: ToolRollout | None = None) -> _ScoredRollout:
+               tool_rollout: ToolRollout | None = None) -> _ScoredRollout:
         """Score ``result``, a rollout whose first engine call had index ``since`` (tokens of earlier ones are
         off-policy; tool rounds run further calls under the same weights)."""
         G = engine.group_size
@@ -480,7 +480,7 @@ class RolloutBuilder:
                  for group in result.completion_ids]
         columns = _reward_columns(examples, result, G, engine.max_new_tokens)
         reward_prompts, reward_completions = reward_arguments(examples, texts,
-                                                              None if tooled is None else tooled.messages)
+                                                              None if tool_rollout is None else tool_rollout.messages)
         scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
                                on_error=self.scoring.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)
@@ -490,7 +490,7 @@ class RolloutBuilder:
                               truncated=result.truncated, texts=texts, rewards=scores.total.view(len(examples), G),
                               components={k: v.view(len(examples), G) for k, v in scores.components.items()},
                               skipped=skipped, stats=result.stats, offpolicy_tokens=offpolicy, logs=scores.logs,
-                              tools=tooled)
+                              tool_rollout=tool_rollout)
 
     def _check_some_group_scored(self, rollouts: list[_ScoredRollout]) -> None:
         """``on_reward_error: skip_group`` skips the groups a reward function raised on. Where it has raised on
@@ -591,7 +591,8 @@ class RolloutBuilder:
                                 dtype=torch.float32)
         tool_mask = None
         if self.tools is not None:  # padded with 1 as TRL's: completion_mask leaves the padding out
-            tool_mask, _ = pad_right([m for r, p in chosen for m in rollouts[r].tools.tool_mask[p]], 1, ids.shape[1])
+            tool_masks = [m for r, p in chosen for m in rollouts[r].tool_rollout.tool_mask[p]]
+            tool_mask, _ = pad_right(tool_masks, 1, ids.shape[1])
             tool_mask = tool_mask.view(B, G, -1)
         return ids.view(B, G, -1), mask.view(B, G, -1), logprobs.view(B, G, -1), tool_mask
 
@@ -639,8 +640,8 @@ def tool_metrics(rollouts: list[_ScoredRollout], group_size: int) -> dict[str, f
     """``tools/call_frequency`` (tool calls per completion generated this step) and ``tools/failure_frequency``
     (failed calls per call, 0.0 without calls), TRL's; with the calls as the latter's weight over ranks (the
     former's is the groups generated, ``weight/groups_generated``: the ranks' counts differ with dynamic sampling)."""
-    calls = sum(rollout.tools.calls for rollout in rollouts)
-    failures = sum(rollout.tools.failures for rollout in rollouts)
+    calls = sum(rollout.tool_rollout.calls for rollout in rollouts)
+    failures = sum(rollout.tool_rollout.failures for rollout in rollouts)
     completions = sum(len(rollout.prompts) for rollout in rollouts) * group_size
     return {"tools/call_frequency": calls / max(completions, 1),
             "tools/failure_frequency": failures / calls if calls else 0.0, "weight/tool_calls": float(calls)}
