@@ -685,7 +685,7 @@ def _carried_state(group: GroupProgress) -> dict:
 def _carried_group(state: dict, examples: Sequence[PromptExample] | None = None) -> GroupProgress:
     """A carried group from ``_carried_state``'s ``state``; ``examples``: the prompt set its index points into."""
     p = state["prompt"]
-    example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # older checkpoints: none
+    example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # a state saved without them: None
     example = replace(example, answer=_source_answer(example, p["index"], examples))
     prompt = Prompt(p["index"], example, list(p["ids"]))
     samples = [SampleProgress(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]), bool(s["done"]))

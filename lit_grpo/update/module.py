@@ -503,7 +503,7 @@ class GRPOModule(LightningModule):
             weights = {**dict(self.named_parameters()), **dict(self.named_buffers())}
             with config_errors("--ckpt_path"):  # before load_state_dict's traceback, naming the file
                 check_weight_shapes(path, checkpoint["state_dict"], weights)
-        # a checkpoint of a run without the adaptive control (or an older one) leaves it at its start
+        # a checkpoint without the control's state (its run had no adaptive control) leaves it at its start
         if self.entropy_control.adaptive and ENTROPY_CONTROL_KEY in checkpoint:
             self.entropy_control.load_state_dict(checkpoint[ENTROPY_CONTROL_KEY])
         # a checkpoint that holds the reference restores it (a synced one); one without it: the initial weights
