@@ -10,8 +10,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
-
 
 @dataclass(frozen=True)
 class RolloutRequest:
@@ -23,8 +21,17 @@ class RolloutRequest:
     indices: tuple[int, ...] | None = None
 
 
-class RequestStream(IterableDataset):
-    """Yields ``num_steps`` train requests, or one val request per chunk of positions."""
+class RequestStream:
+    """Yields ``num_steps`` train requests, or one val request per chunk of positions: what the loaders hand Lightning.
+
+    A sized plain iterable rather than a ``DataLoader`` over an ``IterableDataset``: the length keeps Lightning from
+    pre-fetching a rollout, and Lightning warns of any ``IterableDataset`` with a length (inexact under worker
+    processes, which requests never need). Requests carry no data (the stream position is
+    ``RolloutDataModule.state_dict``), so the stream is stateful for Lightning: a mid-epoch resume is exact without
+    the "not resumable" warning. Iterating draws no random number, where a ``DataLoader``'s iterator draws a seed
+    from the global random state: a resumed run starts its epoch's iterator after the checkpoint's random states are
+    back, so a draw there would shift every later random number (dropout in the update, a reward's ``random``).
+    """
 
     def __init__(self, split: str, num_steps: int, chunks: Sequence[Sequence[int]] | None = None):
         self.split, self.num_steps, self.chunks = split, num_steps, chunks
@@ -37,11 +44,6 @@ class RequestStream(IterableDataset):
 
     def __len__(self) -> int:
         return len(self.chunks) if self.chunks is not None else self.num_steps
-
-
-class ResumableRequestLoader(DataLoader):
-    """Requests carry no data (the stream position is ``RolloutDataModule.state_dict``), so Lightning may treat
-    the loader as resumable: a mid-epoch resume is exact without the "not resumable" warning."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

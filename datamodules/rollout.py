@@ -31,7 +31,6 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils.data import DataLoader
 
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
@@ -40,7 +39,7 @@ from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs,
                                      check_prompt_source, load_prompts, prompt_set_fingerprint, render_prompt,
                                      split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
-from lit_grpo.datamodules.requests import RequestStream, ResumableRequestLoader, RolloutRequest
+from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
                                       check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
@@ -74,12 +73,12 @@ def curriculum_accuracy(sums: torch.Tensor) -> float | None:
     return min(max(accuracy, 0.0), 1.0)
 
 
-def _own_generator() -> torch.Generator:
-    """A loader's own generator: each iterator of a loader draws a seed, from the global random state unless the
-    loader has a generator. A resumed run starts its epoch's iterator after the checkpoint's random states are back,
-    where the uninterrupted run had started it before they were saved: a draw from them would shift every later
-    random number (dropout in the update, a reward function's ``random``), so the loaders draw from their own."""
-    return torch.Generator().manual_seed(0)
+def _quiet_loader_flattening() -> None:
+    """Lightning flattens the loaders a fit gets with a helper that builds torch's deprecated ``LeafSpec`` (torch >=
+    2.9), a warning on every fit that neither lit_grpo nor the user can act on: ignored for that message from that
+    Lightning module only, so that the deprecation stays visible in the user's own code."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 def _training_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
@@ -570,15 +569,15 @@ class RolloutDataModule(LightningDataModule):
         return self.steps_per_epoch or max(1, math.ceil(len(self.train_indices) /
                                                         (self.training.prompts_per_step * world)))
 
-    def train_dataloader(self) -> DataLoader:
-        stream = RequestStream("train", self.num_train_steps_per_epoch())
-        return ResumableRequestLoader(stream, batch_size=None, num_workers=0, generator=_own_generator())
+    def train_dataloader(self) -> RequestStream:
+        _quiet_loader_flattening()
+        return RequestStream("train", self.num_train_steps_per_epoch())
 
-    def val_dataloader(self) -> DataLoader | list:
+    def val_dataloader(self) -> RequestStream | list:
+        _quiet_loader_flattening()
         if not self.val_indices:
             return []
-        return DataLoader(RequestStream("val", len(chunks := self._val_chunks()), chunks), batch_size=None,
-                          num_workers=0, generator=_own_generator())
+        return RequestStream("val", len(chunks := self._val_chunks()), chunks)
 
     def _val_chunks(self) -> list[list[int]]:
         """This rank's held-out positions in ``val_batch_size`` chunks: every prompt on one rank, and as many

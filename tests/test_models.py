@@ -222,6 +222,20 @@ def test_the_installed_transformers_gets_the_cache_by_its_own_name_with_no_depre
     assert cache_keyword(with_lora(model, {"r": 2, "target_modules": ["q_proj"]})) == cache_keyword(model)
 
 
+def test_wrapping_with_lora_prints_no_deprecation_of_peft_reading_transformers_old_checkpointing_name():
+    """peft's LoRA wrapper reads ``is_gradient_checkpointing``, which transformers deprecates: nothing a user of
+    ``GRPOModule(peft_config=...)`` can act on, so it is not printed; the user's own read still warns."""
+    import warnings
+
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_lora(model, {"r": 2, "target_modules": ["q_proj"]})
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        model.is_gradient_checkpointing
+
+
 def test_activation_checkpointing_is_switched_on_and_read_under_either_name_of_the_switch():
     model, _ = load_model_and_tokenizer("tiny-llama")
     assert not checkpointed_layers(model)

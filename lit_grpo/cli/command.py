@@ -400,9 +400,6 @@ def quiet_known_noise() -> None:
     """Silence what every lit-grpo run printed without saying anything about the run. Real warnings stay."""
     # Lightning's own pytree helper with torch >= 2.9; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # RolloutDataModule's request stream is an IterableDataset with a __len__ on purpose (so Lightning does not
-    # pre-fetch a rollout); it runs without worker processes, where the length is exact.
-    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     # ModelCheckpoint's advice for manual optimization to snapshot the weights before the optimizer step: GRPOModule
     # checkpoints after the step on purpose (a resume continues from the completed step).
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")

@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -548,7 +549,10 @@ def with_lora(model: PreTrainedModel, peft_config: Mapping[str, Any]) -> PreTrai
 
     config = lora_config(peft_config)
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing a user can act on
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as err:  # peft does not say which names the model has
         if "target modules" not in str(err).lower():
             raise
