@@ -478,7 +478,7 @@ class RolloutDataModule(LightningDataModule):
 
     def _load_prompts(self) -> None:
         """The prompts loaded and split, checked against the world size, the sampler built, and rendered."""
-        with config_errors("data"):
+        with config_errors("data", inspect.signature(type(self)).parameters):
             examples = load_prompts(self.task, self.size, self.data_seed, self.task_config, self.jsonl_path,
                                     self.inline_prompts, self.dataset, self.prompt_column, self.answer_column,
                                     self.split)

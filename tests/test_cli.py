@@ -776,14 +776,14 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
                                        "dataset); got ['task', 'jsonl_path']: unset the others, e.g. --data.task null"),
     (["--data.task", "null", "--data.task_config", "null", "--data.jsonl_path", "missing.jsonl"],
      "error: data: prompt file 'missing.jsonl' does not exist"),
-    (["--data.val_size", "-1"], "error: data: val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
+    (["--data.val_size", "-1"], "error: data.val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
     # under the key the user set, not under data.tools (whose block it was checked in)
     (["--data.max_tool_calling_iterations", "-1"], "error: data.max_tool_calling_iterations=-1 must be an integer "
                                                    ">= 0 (tool rounds per completion) or None (null in YAML"),
     (["--data.over_provision", "1000"], "error: data.over_provision=1000.0 runs ceil(1000.0 x prompts_per_step=2) = "
                                         "2000 groups a rollout, x world_size=1 more than the 36 training prompts"),
     (["--data.sampling.micro_group_size", "auto", "--data.sampling.kv_budget_bytes", "1"],
-     "error: data.sampling: kv_budget_bytes=1 is smaller than one slot's KV cache"),
+     "error: data.sampling.kv_budget_bytes=1 is smaller than one slot's KV cache"),
     # judged against the policy when it is handed over, before any rollout
     (["--data.sampling.max_new_tokens", "100000"], "error: data.sampling.max_new_tokens=100000 leaves no room for a "
                                                    "prompt within the model's max_position_embeddings=2048"),
@@ -791,7 +791,7 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
                                              "on cpu"),
     (["--trainer.precision", "bf16-true"], "error: trainer.precision='bf16-true' is not supported; use one of "
                                            "['32-true', 'bf16-mixed', '16-mixed']"),
-    (["--data.task", "basic_arith"], "error: data: task='basic_arith' is not a reasoning-gym task; did you mean "
+    (["--data.task", "basic_arith"], "error: data.task='basic_arith' is not a reasoning-gym task; did you mean "
                                      "['basic_arithmetic']?"),
     (["--data.task_config", '{"max_digit": 3}'], "error: data: task_config ['max_digit'] is not an option of "
                                                  "reasoning-gym task 'basic_arithmetic'; its options: "
@@ -808,6 +808,27 @@ def test_a_setting_found_bad_while_setting_up_ends_the_run_as_a_parse_error_does
                    "--trainer.logger", "false", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, settings, message, said", [
+    ("data", ["val_size"], "val_size=-1 must be", "data.val_size=-1 must be"),
+    ("data", ["sampling"], "sampling.seed=-1 is not allowed; sampling.seed must", "data.sampling.seed=-1 is not "
+                                                                                  "allowed; sampling.seed must"),
+    ("model.peft_config", [], "peft_config.r=0 must be", "model.peft_config.r=0 must be"),
+    ("model.peft_config", [], "peft_config=[('r', 4)] must be", "model.peft_config=[('r', 4)] must be"),
+    # no setting and its value first, a name not known under ``where``, a flag: under ``where: ``
+    ("data", ["val_size"], "prompt file 'x' does not exist", "data: prompt file 'x' does not exist"),
+    ("data.tools", [], "over_provision=2 turns on partial rollouts", "data.tools: over_provision=2 turns on partial "
+                                                                     "rollouts"),
+    ("--ckpt_path", ["step"], "step=3 is past", "--ckpt_path: step=3 is past"),
+])
+def test_a_setting_error_names_the_setting_and_its_value_as_the_command_line_writes_them(where, settings, message,
+                                                                                         said):
+    from lit_grpo.runtime.validation import ConfigError, config_errors
+
+    with pytest.raises(ConfigError) as error, config_errors(where, settings):
+        raise ValueError(message)
+    assert str(error.value) == said
 
 
 def test_validate_with_no_held_out_prompts_is_refused_naming_val_size(tmp_path, capsys, monkeypatch):

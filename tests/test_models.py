@@ -261,16 +261,18 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
     from lit_grpo.update import module as module_file
 
     monkeypatch.setattr(module_file, "load_model_and_tokenizer", lambda *args: pytest.fail("a model was loaded"))
-    for peft_config, message in (({"r": 0}, r"peft_config.r=0 must be an integer >= 1"),
+    # a setting with its value named as on the command line (model.peft_config.r=0), else under its key
+    for peft_config, message in (({"r": 0}, r"model.peft_config.r=0 must be an integer >= 1"),
                                  ({"r": 4, "lora_alfa": 8},
-                                  r"peft_config has fields peft.LoraConfig does not take: 'lora_alfa' \(did you mean "
-                                  r"'lora_alpha'\?\)"),
+                                  r"model.peft_config: peft_config has fields peft.LoraConfig does not take: "
+                                  r"'lora_alfa' \(did you mean 'lora_alpha'\?\)"),
                                  ({"r": 4, "lora_alpha": float("nan")},  # every logit NaN once it runs
-                                  r"peft_config.lora_alpha=nan is not allowed; .* must be a finite number > 0"),
+                                  r"model.peft_config.lora_alpha=nan is not allowed; .* must be a finite number > 0"),
                                  ({"r": 4, "lora_dropout": 1.5},
-                                  r"peft_config.lora_dropout=1.5 is not allowed; .* finite number >= 0 and < 1"),
-                                 ([("r", 4)], r"peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
-        with pytest.raises(ConfigError, match=f"model.peft_config: {message}"):
+                                  r"model.peft_config.lora_dropout=1.5 is not allowed; .* finite number >= 0 and < 1"),
+                                 ([("r", 4)],
+                                  r"model.peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
+        with pytest.raises(ConfigError, match=f"^{message}"):
             module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)
 
 

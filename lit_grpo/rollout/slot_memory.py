@@ -13,7 +13,7 @@ The engine owns the cache itself and the builder frees it; the figures are ``lit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -166,7 +166,8 @@ class SlotMemory:
             if budget.device_total_bytes is not None:  # the device's memory holds the decode step's activations too
                 width = row_width(self.max_prompt_length, config.max_new_tokens, alignment)
                 step = decode_step_bytes(self.policy.config, dtype, 1, width, vocab_size(self.policy))
-            with config_errors("data.sampling"):  # a budget too small for one slot: a setting, said as one
+            # a budget too small for one slot: a setting, said as one
+            with config_errors("data.sampling", [field.name for field in fields(SamplingConfig)]):
                 slots = auto_micro_group_size(self.policy.config, dtype, budget.kv_budget_bytes,
                                               self.max_prompt_length, config.max_new_tokens, config.group_size,
                                               prompts, *parked, carried=carried, alignment=alignment,

@@ -7,7 +7,8 @@ import dataclasses
 import math
 import numbers
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 
@@ -42,16 +43,40 @@ class ConfigError(ValueError):
 
 
 @contextlib.contextmanager
-def config_errors(where: str) -> Iterator[None]:
+def config_errors(where: str, settings: Collection[str] = ()) -> Iterator[None]:
     """Re-raise what a setting makes fail in this block (a ValueError, a missing file or key, a wrong type) as a
-    :class:`ConfigError` whose message starts with ``where``."""
+    :class:`ConfigError` whose message starts with ``where`` (see :func:`setting_message`; ``settings``: the names
+    of the settings under ``where``)."""
     try:
         yield
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError, KeyError, TypeError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        raise ConfigError(f"{where}: {message}") from error
+        raise ConfigError(setting_message(where, str(message), settings)) from error
+
+
+_DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+_LEADING_SETTING = re.compile(r"([A-Za-z_][\w.]*)=")
+
+
+def setting_message(where: str, message: str, settings: Collection[str] = ()) -> str:
+    """``message`` said under the config key ``where``. One that starts with a setting and its value names it by its
+    key, as the command line writes it: a setting of ``settings`` (``data``, ``val_size=-1 ...``:
+    ``data.val_size=-1 ...``), or ``where``'s own (``model.peft_config``, ``peft_config.r=0 ...``:
+    ``model.peft_config.r=0 ...``). Any other message follows ``where: ``: a name not known to be a setting under
+    ``where`` (a tool's check of ``over_provision``) is not given a key that does not exist."""
+    leading = _LEADING_SETTING.match(message)
+    if leading is None or not _DOTTED_KEY.fullmatch(where):
+        return f"{where}: {message}"
+    outer, name = where.split("."), leading.group(1).split(".")
+    if name[0] == outer[-1]:
+        key = ".".join(outer[:-1] + name)
+    elif name[0] in settings:
+        key = ".".join(outer + name)
+    else:
+        return f"{where}: {message}"
+    return key + message[len(leading.group(1)):]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

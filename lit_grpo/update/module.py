@@ -377,7 +377,7 @@ class GRPOModule(LightningModule):
             raise ConfigError("trainer.strategy is ModelParallelStrategy but model.fsdp is false: the policy would "
                               "train unsharded and its gradients would never be averaged over the ranks; set "
                               "model.fsdp: true (or use the ddp strategy)")
-        with config_errors("model"):
+        with config_errors("model", self.hparams.keys()):
             policy = self._load_model()
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(policy)
