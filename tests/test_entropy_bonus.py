@@ -94,8 +94,9 @@ def test_the_bonus_gradient_is_autograds_of_the_written_out_objective(batch, los
 def test_under_two_ranks_the_loss_and_the_bonus_share_one_high_entropy_mask_a_micro_batch(batch):
     """With the bonus and ``top_entropy_quantile`` < 1 under a stand-in world of 2 (both ranks this one's rows): the
     update takes each micro-batch's high-entropy mask once, for the policy term and the bonus alike, so the ranks
-    gather once for it (a gather of the lengths, then the values) and not once each; the gradients are those of the
-    objective written out with the loss and the mask each gathering on their own."""
+    meet once for it, in one gather of the values padded to a size every rank knows (rows x max_new_tokens), not
+    once each nor after a gather of their lengths; the gradients are those of the objective written out with the
+    loss and the mask each gathering on their own."""
     from types import SimpleNamespace
 
     coef, top = 0.5, 0.3
@@ -115,8 +116,9 @@ def test_under_two_ranks_the_loss_and_the_bonus_share_one_high_entropy_mask_a_mi
     finally:
         module._trainer = None
     chunks = module._micro_batches(batch)
-    # each mask's lengths are a [1] tensor; the step's end gathers its flag apart from them ([1] too, once)
-    assert len(gathered) == 2 * len(chunks) + 1 and gathered.count(torch.Size([1])) == len(chunks) + 1
+    # one gather a mask, of every rank's bound; the step's end gathers its flag apart from them ([1], once)
+    assert gathered.count(torch.Size([3 * batch.max_new_tokens])) == len(chunks) > 1
+    assert len(gathered) == len(chunks) + 1 and gathered.count(torch.Size([1])) == 1
     want = written_out_grads(module, batch, coef, top, gather=lambda t: torch.stack([t, t]))
     assert ours.keys() == want.keys() and len(want) > 0
     for name in want:

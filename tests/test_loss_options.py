@@ -311,6 +311,37 @@ def test_under_two_ranks_the_high_entropy_quantile_spans_both_ranks_micro_batche
         torch.testing.assert_close(losses[rank], plain.aggregate(per_token, m, None, None))
 
 
+def test_with_a_bound_every_rank_knows_the_high_entropy_mask_meets_the_ranks_in_one_gather_and_is_the_same():
+    """Each rank's micro-batch has its own width; a bound on its values every rank knows alike (rows x the rollout's
+    max_new_tokens) sizes the padding, so one gather carries every rank's entropies instead of a gather of their
+    lengths (read back to the host) and then one of them: the mask is exactly the one of the two gathers."""
+    generator = torch.Generator().manual_seed(0)
+    widths, rows, max_new_tokens = (3, 7), 2, 8
+    # ties across ranks (rounded entropies) and a rank with an inactive row: the quantile's interpolation and the
+    # ties at the threshold decide the mask
+    entropies = [torch.rand(rows, w, generator=generator).mul(4).round().div(2) for w in widths]
+    masks = [torch.ones(rows, widths[0]), torch.cat([torch.ones(1, widths[1]), torch.zeros(1, widths[1])])]
+    masks[0][1, 2] = 0
+
+    def counted(rank, gather, capacity):
+        def counting(tensor):
+            calls[rank] += 1
+            return gather(tensor)
+
+        return high_entropy_mask(entropies[rank], masks[rank], top, counting, capacity=capacity)
+
+    for top in (0.0, 0.2, 0.5, 0.9):
+        calls = [0, 0]
+        two_gathers = run_ranks(2, lambda rank, gather: counted(rank, gather, None))
+        assert calls == [2, 2]
+        calls = [0, 0]
+        one_gather = run_ranks(2, lambda rank, gather: counted(rank, gather, rows * max_new_tokens))
+        assert calls == [1, 1], top
+        assert [m.tolist() for m in one_gather] == [m.tolist() for m in two_gathers], top
+    with pytest.raises(ValueError, match=r"14 entropies .* capacity=8"):
+        high_entropy_mask(entropies[1], masks[1], 0.2, lambda tensor: tensor[None], capacity=8)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("top", [0.3, 0.2])

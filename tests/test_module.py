@@ -139,9 +139,9 @@ def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gathe
 
     handed = []
 
-    def recording(entropy, mask, top_quantile, all_gather=None):
+    def recording(entropy, mask, top_quantile, all_gather=None, capacity=None):
         handed.append(all_gather)
-        return high_entropy_mask(entropy, mask, top_quantile, all_gather)
+        return high_entropy_mask(entropy, mask, top_quantile, all_gather, capacity)
 
     for owner in (module_file, policy_losses, entropy_bonus):
         monkeypatch.setattr(owner, "high_entropy_mask", recording)
@@ -165,7 +165,8 @@ def test_under_several_ranks_the_high_entropy_quantile_is_handed_the_ranks_gathe
         assert handed == [None] * 2
     else:
         assert all(gather is not None for gather in handed)
-        assert len(gathered) == 1 + 2 * 2  # each mask's lengths and values, and the step's own gather
+        # each mask's values in one gather, padded to every rank's bound (rows x max_new_tokens); the step's own
+        assert gathered == [torch.Size([4 * batch.max_new_tokens])] * 2 + [torch.Size([1])]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

@@ -763,6 +763,9 @@ class GRPOModule(LightningModule):
         quantile = loss_fn.config.top_entropy_quantile
         spans_ranks = world > 1 and quantile < 1
         gather = strategy_all_gather(self.trainer.strategy) if spans_ranks else None
+        # every rank's bound on a micro-batch's entropies, alike on every rank (rows x the rollout's length cap),
+        # so each mask's ranks meet in one gather, without asking one another for their widths first
+        capacity = self.hparams.train_micro_batch_size * batch.max_new_tokens if batch.max_new_tokens > 0 else None
         for index, (rows, micro) in enumerate(micro_batches):
             logps, entropy = self._logps(self.policy, micro, batch.temperature, entropy_grad=coef != 0)
             mask = self._loss_mask(micro)
@@ -773,7 +776,7 @@ class GRPOModule(LightningModule):
             if iteration == 0:
                 correction_stats.update(old, micro["sampling_logprobs"], mask, weights)
             # one high-entropy mask for the policy term and the bonus: under several ranks each take is a gather
-            kept = high_entropy_mask(entropy, mask, quantile, gather) if quantile < 1 else None
+            kept = high_entropy_mask(entropy, mask, quantile, gather, capacity) if quantile < 1 else None
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy, all_gather=gather, entropy_mask=kept)
             loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(micro_batches), world)

@@ -166,7 +166,8 @@ def off_policy_sequence_mask(logps: torch.Tensor, sampling_logps: torch.Tensor, 
 
 @torch.no_grad()
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float,
-                      all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                      all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      capacity: int | None = None) -> torch.Tensor:
     """``[N, T]`` bool: True on the active tokens whose entropy is at or above the ``1 - top_quantile`` quantile
     (``torch.quantile``, linear interpolation) of the active tokens' entropies, ties included; False elsewhere and
     everywhere when no token is active. At ``top_quantile`` 0 only the highest entropy (and its ties) stays.
@@ -179,7 +180,9 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
     Args:
         entropy: ``[N, T]`` each token's entropy (no gradient); mask: ``[N, T]`` 1 on active tokens;
         top_quantile: the share of the active tokens kept, in [0, 1];
-        all_gather: ``tensor [k] -> [world, k]``, every rank's tensor in rank order; None: this rank alone.
+        all_gather: ``tensor [k] -> [world, k]``, every rank's tensor in rank order; None: this rank alone;
+        capacity: with ``all_gather``, a bound on ``N x T`` that every rank knows alike (its rows x the rollout's
+            ``max_new_tokens``): the ranks meet in one gather (``every_ranks_values``); None: in two.
     """
     active = mask.bool()
     # torch.quantile takes float32 or float64; the comparison is in the same dtype, so a tie stays a tie
@@ -188,7 +191,7 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
     # NaN, the threshold is NaN and no token is kept)
     values = entropy.masked_fill(~active, math.nan).flatten()
     if all_gather is not None:
-        values = every_ranks_values(values, all_gather)
+        values = every_ranks_values(values, all_gather, capacity)
     threshold = torch.nanquantile(values, 1.0 - top_quantile)
     return (entropy >= threshold) & active
 
@@ -201,13 +204,18 @@ def check_entropy_mask(entropy_mask: torch.Tensor | None, top_quantile: float) -
                          "applies only where top_entropy_quantile < 1 (pass entropy_mask=None, or a quantile below 1)")
 
 
-def every_ranks_values(values: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``[world x longest]`` every rank's ``values`` ``[n]`` (n differs: each micro-batch has its own width), each
-    padded with NaN to the longest; a gather of the lengths (read to the host, to size the padding) then one of the
-    values. A collective: every rank calls it."""
-    lengths = all_gather(torch.tensor([values.numel()], device=values.device))
-    longest = int(lengths.max())
-    padded = values.new_full((longest,), math.nan)
+def every_ranks_values(values: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor],
+                       capacity: int | None = None) -> torch.Tensor:
+    """``[world x size]`` every rank's ``values`` ``[n]`` (n differs: each micro-batch has its own width), each
+    padded with NaN to one size: ``capacity``, a bound on n that every rank knows alike, so that one gather carries
+    them and nothing is read back to the host; None: the longest n, found by a gather of the lengths (read to the
+    host) before the one of the values. A collective: every rank calls it, with the same ``capacity``."""
+    if capacity is None:
+        capacity = int(all_gather(torch.tensor([values.numel()], device=values.device)).max())
+    elif values.numel() > capacity:
+        raise ValueError(f"{values.numel()} entropies to gather exceed capacity={capacity}, the bound every rank pads "
+                         "to: it must be at least each rank's rows x completion width")
+    padded = values.new_full((capacity,), math.nan)
     padded[:values.numel()] = values
     return all_gather(padded).flatten().to(values.device)
 
