@@ -47,6 +47,7 @@ from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConf
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
 from lit_grpo.rollout.tools import ToolBox, checked_tools
 from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
+from lit_grpo.runtime.known_warnings import ignore_warning
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import SettingsDiffer
@@ -77,8 +78,8 @@ def _quiet_loader_flattening() -> None:
     """Lightning flattens the loaders a fit gets with a helper that builds torch's deprecated ``LeafSpec`` (torch >=
     2.9), a warning on every fit that neither lit_grpo nor the user can act on: ignored for that message from that
     Lightning module only, so that the deprecation stays visible in the user's own code."""
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    ignore_warning(r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+                   r"lightning\.pytorch\.utilities\._pytree")
 
 
 def _training_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
@@ -576,6 +577,10 @@ class RolloutDataModule(LightningDataModule):
     def val_dataloader(self) -> RequestStream | list:
         _quiet_loader_flattening()
         if not self.val_indices:
+            # no validation, on purpose: Lightning's warning of an empty loader, from its sizing of the loaders, is
+            # not shown
+            ignore_warning(r"Total length of `list` across ranks is zero\.", UserWarning,
+                           r"lightning\.pytorch\.utilities\.data")
             return []
         return RequestStream("val", len(chunks := self._val_chunks()), chunks)
 

@@ -4,6 +4,7 @@ rollouts, the KV memory budget (micro_group_size="auto"), and exact resume from 
 import copy
 import math
 import os
+import warnings
 from pathlib import Path
 
 import forked_cli
@@ -724,6 +725,50 @@ def test_starting_the_loaders_draws_nothing_from_the_global_random_state(module)
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         assert next(iter(loader)) is not None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_lightning_sizes_the_loaders_without_a_warning_of_them_and_the_users_own_warnings_stay(module):
+    """What Lightning warned of in a plain fit, of the loaders alone: the train stream's length (an IterableDataset
+    with one), and no validation loader with val_size 0 (on purpose: no held-out prompt). The same deprecation
+    raised by the user's own code still shows."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities.data import has_len_all_ranks
+
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
+    dm = make_datamodule(module, val_size=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train, val = dm.train_dataloader(), dm.val_dataloader()
+        assert has_len_all_ranks(train, strategy) and len(train) == dm.num_train_steps_per_epoch()
+        assert val == [] and has_len_all_ranks(val, strategy)
+        assert [str(w.message) for w in caught] == []
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning)
+        warnings.warn("Total length of `list` across ranks is zero.")
+    assert len(caught) == 2
+
+
+def test_lightnings_gather_for_lit_grpo_says_nothing_of_torchs_deprecated_gather_and_a_users_own_call_does():
+    """Lightning's ``all_gather`` runs torch's deprecated autograd gather: in lit_grpo's gathers (the update's, the
+    callbacks') that is not shown, as nothing a user can act on; a user's own call of it still warns."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+    from torch.distributed.nn.functional import all_gather as users_own_gather
+
+    from lit_grpo.runtime.distributed import strategy_all_gather
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=_all_gather_ddp_if_available)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert strategy_all_gather(strategy)(torch.tensor([1.0, 2.0])).tolist() == [[1.0, 2.0]]
+            assert [str(w.message) for w in caught] == []
+            with pytest.warns(FutureWarning, match="all_gather is deprecated"):
+                users_own_gather(torch.tensor([1.0]))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_saved_random_states_hold_the_cuda_devices_where_cuda_is_in_use(monkeypatch):

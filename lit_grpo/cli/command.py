@@ -398,17 +398,9 @@ class _DropAdvertisingTips(logging.Filter):
 
 def quiet_known_noise() -> None:
     """Silence what every lit-grpo run printed without saying anything about the run. Real warnings stay."""
-    # Lightning's own pytree helper with torch >= 2.9; nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # ModelCheckpoint's advice for manual optimization to snapshot the weights before the optimizer step: GRPOModule
     # checkpoints after the step on purpose (a resume continues from the completed step).
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-    # RolloutDataModule's validation loader with data.val_size 0: an empty list, no validation on purpose.
-    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
-    # Lightning's all_gather runs torch's deprecated autograd gather, warned of on every rank;
-    # the deprecation in a user's own call, outside Lightning, stays.
-    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
-                            module=r"lightning\.")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropAdvertisingTips) for f in logger.filters):

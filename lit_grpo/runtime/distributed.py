@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from lit_grpo.runtime.head_precision import computes_in_float32
+from lit_grpo.runtime.known_warnings import ignore_warning
 from lit_grpo.runtime.memory import device_memory
 
 
@@ -87,7 +88,10 @@ def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
 
 def strategy_all_gather(strategy) -> Callable[[torch.Tensor], torch.Tensor]:
     """``tensor -> [world_size, *tensor.shape]`` through a Lightning strategy's ``all_gather``, the tensor moved to
-    the strategy's device first (NCCL gathers CUDA tensors only). A collective: every rank calls it."""
+    the strategy's device first (NCCL gathers CUDA tensors only). A collective: every rank calls it. Lightning's
+    gather runs torch's deprecated autograd gather, warned of on every rank: ignored from Lightning's call only."""
+    ignore_warning(r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning,
+                   r"lightning\.fabric\.utilities\.distributed")
     return lambda tensor: strategy.all_gather(tensor.to(strategy.root_device))
 
 
