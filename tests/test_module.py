@@ -752,8 +752,8 @@ def _fit_one_step(plugins, callbacks=(), **module_arguments):
 def test_under_a_loss_scaler_the_gradients_are_checked_and_clipped_unscaled():
     """16-mixed's GradScaler multiplies the loss by its scale in the backward and unscales the gradients inside
     ``optimizer.step()``: the norm, the finiteness check and clipping must see them unscaled (there: Lightning's
-    ``on_before_optimizer_step``), and an overflow skips the step as the scaler does, instead of stopping the run.
-    (Lightning turns "16-mixed" into bf16 on a CPU; the plugin given here keeps a float16 scaler.)"""
+    ``on_before_optimizer_step``), and an overflow skips the step as the scaler does, and the learning-rate
+    schedule's step with it, instead of stopping the run. (Lightning turns "16-mixed" into bf16 on a CPU; the plugin given here keeps a float16 scaler.)"""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     def fp16(scale):
@@ -763,9 +763,14 @@ def test_under_a_loss_scaler_the_gradients_are_checked_and_clipped_unscaled():
     scaled, _ = _fit_one_step(fp16(2.0**16))
     norms = [module.trainer.callback_metrics["train/grad_norm"].item() for module in (full, scaled)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-2)  # the same step in float16 autocast, not 2**16 x larger
-    overflow, trainer = _fit_one_step(fp16(2.0**120))  # every scaled gradient overflows float16
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        overflow, trainer = _fit_one_step(fp16(2.0**120))  # every scaled gradient overflows float16
     assert not math.isfinite(overflow.trainer.callback_metrics["train/grad_norm"].item())
     assert trainer.precision_plugin.scaler.get_scale() < 2.0**120  # the scaler saw the overflow and backed off
+    # the schedule counts the steps taken: a skipped one leaves it where it was (and torch has nothing to warn of)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 0
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     initial = GRPOModule(model="tiny-llama")
     initial.configure_model()
     for p, q in zip(overflow.policy.parameters(), initial.policy.parameters(), strict=True):

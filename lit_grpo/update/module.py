@@ -23,7 +23,7 @@ makes ``num_iterations`` optimizer steps on it:
 
 A non-finite loss or gradient norm raises ``NonFiniteStepError`` (a ``FloatingPointError``) before any optimizer step
 of that iteration, so the weights are never corrupted; under 16-mixed a non-finite norm is the loss scaler's
-overflow, whose step the scaler skips (the logged norm shows it).
+overflow, whose step the scaler skips (the logged norm shows it), and the learning-rate schedule with it.
 
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (``clip_grads_with_norm_`` by the norm already taken, on the gradients the precision
@@ -733,7 +733,9 @@ class GRPOModule(LightningModule):
                 self._sync_reference_when_due(optimizer)
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value / hp.num_iterations
-                if scheduler is not None:
+                # a loss scaler's overflow skipped the optimizer step (its norm is not finite; any other raised):
+                # the schedule counts the steps taken
+                if scheduler is not None and math.isfinite(self._grad_norm):
                     scheduler.step()
         logged = {k if k.startswith(WEIGHT_PREFIX) else f"train/{k}": v for k, v in sums.items()
                   if k != "kl" or beta > 0}
