@@ -4,7 +4,7 @@ An interpreter here spends seconds importing torch, Lightning and transformers b
 run; a fork of a process that did so already spends none. :func:`run` is one ``lit-grpo`` process, as
 ``subprocess.run`` of the command would be (its exit status, its output); :func:`run_ranks` the two ranks of a
 2-node launch (or of a Lightning script of its own, not the CLI); :func:`run_command` and :class:`Popen` stand in
-for ``subprocess`` in a tool that starts its own runs.
+for ``subprocess`` in a tool that starts its own runs (:func:`run_command` its own workers too).
 The fork server imports lit_grpo and tests/forkserver_warmup.py once, when the first run starts.
 
 A forked run is ``lit_grpo.cli.main`` in a fresh process, with the given working folder, environment and
@@ -50,10 +50,11 @@ def forkserver():
 
 
 def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str, new_session: bool,
-          console_script: str, script: str | None = None) -> None:
+          console_script: str, script: str | None = None, module: str | None = None) -> None:
     """One ``lit-grpo`` process (in a fork): ``argv`` run in ``cwd`` with ``env``, its output in two files, in a
     session of its own where ``new_session``, as ``console_script`` (its ``sys.argv[0]``, which Lightning's launcher
-    starts further ranks with); with ``script``, ``python SCRIPT ARGV`` instead (not the CLI)."""
+    starts further ranks with); with ``script``, ``python SCRIPT ARGV`` instead (not the CLI); with ``module``,
+    ``python -m MODULE ARGV``."""
     if new_session:
         os.setsid()
     sys.path[:] = [os.path.abspath(entry) for entry in sys.path]  # "" meant the server's folder, not cwd
@@ -65,10 +66,15 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
     out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out if stderr == stdout else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-    if script is not None:
-        sys.argv = [script, *argv]
+    if script is not None or module is not None:
+        if module is not None:  # as an interpreter starting `-m` puts them: the folder, then PYTHONPATH's
+            sys.path[:0] = [cwd, *(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        sys.argv = [script or module, *argv]
         try:
-            runpy.run_path(script, run_name="__main__")
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
         except Exception:  # the interpreter hands a script's uncaught error to sys.excepthook, then exits with 1
             sys.excepthook(*sys.exc_info())
             sys.exit(1)
@@ -80,12 +86,12 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: s
 
 
 def _start(argv: list[str], cwd: Path, env: dict[str, str] | None, outputs: tuple[Path, Path],
-           new_session: bool = False, script: str | None = None):
+           new_session: bool = False, script: str | None = None, module: str | None = None):
     from tools.harness import lit_grpo_script
 
     process = forkserver().Process(target=_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
                                                         str(outputs[0]), str(outputs[1]), new_session,
-                                                        str(lit_grpo_script()), script))
+                                                        str(lit_grpo_script()), script, module))
     process.start()
     return process
 
@@ -95,25 +101,31 @@ def _read(path: Path) -> str:
 
 
 def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
-        script: str | None = None) -> subprocess.CompletedProcess:
-    """``lit-grpo ARGV`` (with ``script``: ``python SCRIPT ARGV``) in ``cwd`` with ``env`` (default: this
-    process's), as ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` would run it; past
-    ``timeout`` the process is killed and ``subprocess.TimeoutExpired`` raised."""
+        script: str | None = None, module: str | None = None) -> subprocess.CompletedProcess:
+    """``lit-grpo ARGV`` (with ``script``: ``python SCRIPT ARGV``; with ``module``: ``python -m MODULE ARGV``) in
+    ``cwd`` with ``env`` (default: this process's), as ``subprocess.run(..., capture_output=True, text=True,
+    timeout=timeout)`` would run it; past ``timeout`` the process is killed and ``subprocess.TimeoutExpired``
+    raised."""
     with tempfile.TemporaryDirectory() as folder:
         outputs = (Path(folder) / "stdout", Path(folder) / "stderr")
-        process = _start(argv, cwd, env, outputs, script=script)
+        process = _start(argv, cwd, env, outputs, script=script, module=module)
         process.join(timeout)
+        command = ["python", "-m", module, *argv] if module else ["lit-grpo", *argv]
         if process.is_alive():
             _kill(process)
-            raise subprocess.TimeoutExpired(["lit-grpo", *argv], timeout, _read(outputs[0]), _read(outputs[1]))
-        return subprocess.CompletedProcess(["lit-grpo", *argv], process.exitcode, *(_read(path) for path in outputs))
+            raise subprocess.TimeoutExpired(command, timeout, _read(outputs[0]), _read(outputs[1]))
+        return subprocess.CompletedProcess(command, process.exitcode, *(_read(path) for path in outputs))
 
 
 def run_command(command: list[str], env: dict[str, str] | None = None, timeout: float = 300,
                 **_: object) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, env=env)`` of a ``lit-grpo`` command
-    (``tools.harness.lit_grpo_command()`` and its arguments) run as :func:`run` runs it, in the current folder: a
-    stand-in for ``subprocess.run`` in a tool that starts runs of its own."""
+    (``tools.harness.lit_grpo_command()`` and its arguments) or of a tool's (``tools.harness.tool_command``:
+    ``python -m tools.NAME ...``) run as :func:`run` runs it, in the current folder: a stand-in for
+    ``subprocess.run`` in a tool that starts runs or workers of its own. A forked worker's interpreter has started
+    already, so what it reads only then (glibc's ``MALLOC_*`` variables) is the server's, not ``env``'s."""
+    if command[:2] == [sys.executable, "-m"] and command[2] != "lit_grpo.cli":
+        return run(command[3:], Path.cwd(), env, timeout, module=command[2])
     return run(_lit_grpo_arguments(command), Path.cwd(), env, timeout)
 
 
