@@ -268,9 +268,11 @@ def test_bench_rollout_replays_lengths_per_predictor_and_refill(tmp_path):
         bench_rollout.main(["--model", "tiny", "--lengths", str(lengths), "--prompts", "5", "--repeats", "1"])
 
 
-def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
+def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path, monkeypatch):
     from tools import bench_grpo_memory
 
+    # each worker a fresh process forked warm; glibc took its MALLOC_* settings at the server's start
+    monkeypatch.setattr(bench_grpo_memory, "subprocess", SimpleNamespace(run=forked_cli.run_command))
     out = tmp_path / "memory.json"
     report = bench_grpo_memory.main(["--model", "tiny", "--group-sizes", "2,4", "--strategies", "continuous",
                                      "--no-gradient-checkpointing", "--malloc-mmap-threshold", "262144",
@@ -287,7 +289,8 @@ def test_bench_grpo_memory_measures_whole_steps_in_fresh_processes(tmp_path):
         assert run["peak_bytes"] == max(phases) and min(phases) > 0  # the step's peak is its largest phase's
         assert 0 < run["generated_tokens"] <= run["group_size"] * 4  # B = 1 prompt, at most 4 tokens each
         assert 0 < run["decode_steps"] <= run["generated_tokens"] and 0 < run["rollout_wall_s"] < run["step_s"]
-        assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"  # reached the worker
+        # reached the worker (in its environment; a fork's glibc does not read it again)
+        assert run["gradient_checkpointing"] is False and run["malloc_mmap_threshold"] == "262144"
         assert run["shared_prefix"] is False
     medians = report["median_bytes"]["continuous"]["peak_bytes"]
     assert medians == {str(run["group_size"]): run["peak_bytes"] for run in report["runs"]}  # one repeat each
@@ -322,7 +325,7 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
 
     out = tmp_path / "curriculum.json"
     report = bench_curriculum.main(["--config", "configs/tiny.yaml", "--seeds", "3", "--root", str(tmp_path / "runs"),
-                                    "--json", str(out)])
+                                    "--json", str(out), "--", "--data.sampling.max_new_tokens", "8"])  # short rollouts
     assert json.loads(out.read_text()) == report
     runs = {run["curriculum"]: run for run in report["runs"]}
     assert set(runs) == {"none", "angle"} and all(run["seed"] == 3 for run in runs.values())
@@ -344,7 +347,8 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
     out = tmp_path / "fit.json"
     report = bench_fit.main(["--config", "configs/tiny.yaml", "--seeds", "1", "--variant", "default=",
                              "--variant", "partial=--data.over_provision 2.0", "--scalars", "rollout/carried_samples",
-                             "--root", str(tmp_path / "runs"), "--json", str(out), "--", "--trainer.max_steps", "3"])
+                             "--root", str(tmp_path / "runs"), "--json", str(out), "--", "--trainer.max_steps", "3",
+                             "--data.sampling.max_new_tokens", "8"])  # half the config's: shorter rollouts
     assert json.loads(out.read_text()) == report
     runs = {run["variant"]: run for run in report["runs"]}
     assert runs["partial"]["args"] == "--data.over_provision 2.0" and runs["default"]["args"] == ""
