@@ -172,15 +172,17 @@ def docs_commands() -> list[tuple[str, str, str]]:
     return found
 
 
-def test_every_flag_a_docs_command_gives_is_one_its_tool_takes():
+def test_every_flag_a_docs_command_gives_is_one_its_tool_takes(tmp_path):
     """Each ``--flag`` of a ``python -m tools.NAME`` or ``lit-grpo`` command in the README and the docs pages is in
-    that tool's ``--help``; the helps are read in one process of their own (a tool may set process-wide state)."""
+    that tool's ``--help``; the helps are read in one process of their own (a tool may set process-wide state),
+    forked warm."""
     import json
 
     commands = docs_commands()
     tools = sorted({tool for _, tool, _ in commands})
     assert {"bench_rollout", "bench_fit", "lit-grpo fit", "lit-grpo export"} <= set(tools), tools
-    reader = ("import contextlib, importlib, io, json, sys\n"
+    reader = ("import contextlib, importlib, io, json, os, sys\n"
+              "sys.path.insert(0, os.getcwd())  # the repository root, for tools\n"
               "helps = {}\n"
               "for name in sys.argv[1:]:\n"
               "    out = io.StringIO()\n"
@@ -195,8 +197,9 @@ def test_every_flag_a_docs_command_gives_is_one_its_tool_takes():
               "            pass\n"
               "    helps[name] = out.getvalue()\n"
               "print(json.dumps(helps))\n")
-    proc = subprocess.run([sys.executable, "-c", reader, *tools], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    script = tmp_path / "read_helps.py"
+    script.write_text(reader)
+    proc = forked_cli.run(tools, ROOT, script=str(script))
     assert proc.returncode == 0, proc.stderr[-4000:]
     helps = json.loads(proc.stdout.splitlines()[-1])
     assert all("usage" in helps[tool].lower() for tool in tools), [tool for tool in tools if not helps[tool]]
