@@ -18,6 +18,11 @@ from tools import bench_rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: ``lit-grpo fit`` arguments that make the tiny config's runs cheaper for the tools that run them: half its tokens,
+#: and of its callbacks only RolloutProfiler (which logs the rollout times bench_fit reads).
+CHEAP_TINY_FIT = ["--data.sampling.max_new_tokens", "8", "--trainer.callbacks", "[]",
+                  "--trainer.callbacks+=lit_grpo.callbacks.RolloutProfiler"]
+
 RUN_FIELDS = {"strategy", "decode_steps", "prefill_tokens", "generated_tokens", "lower_bound_steps",
               "slot_utilization", "peak_kv_bytes", "peak_rss_bytes", "wall_s", "tokens_per_s", "identical_fraction",
               "peak_memory_bytes", "ms_per_step", "floor_ms_per_step", "roofline_ratio", "decode_ms_per_step",
@@ -325,7 +330,7 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
 
     out = tmp_path / "curriculum.json"
     report = bench_curriculum.main(["--config", "configs/tiny.yaml", "--seeds", "3", "--root", str(tmp_path / "runs"),
-                                    "--json", str(out), "--", "--data.sampling.max_new_tokens", "8"])  # short rollouts
+                                    "--json", str(out), "--", *CHEAP_TINY_FIT])
     assert json.loads(out.read_text()) == report
     runs = {run["curriculum"]: run for run in report["runs"]}
     assert set(runs) == {"none", "angle"} and all(run["seed"] == 3 for run in runs.values())
@@ -348,7 +353,7 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
     report = bench_fit.main(["--config", "configs/tiny.yaml", "--seeds", "1", "--variant", "default=",
                              "--variant", "partial=--data.over_provision 2.0", "--scalars", "rollout/carried_samples",
                              "--root", str(tmp_path / "runs"), "--json", str(out), "--", "--trainer.max_steps", "3",
-                             "--data.sampling.max_new_tokens", "8"])  # half the config's: shorter rollouts
+                             *CHEAP_TINY_FIT])
     assert json.loads(out.read_text()) == report
     runs = {run["variant"]: run for run in report["runs"]}
     assert runs["partial"]["args"] == "--data.over_provision 2.0" and runs["default"]["args"] == ""
