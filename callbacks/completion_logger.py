@@ -15,6 +15,9 @@ from lit_grpo.runtime.validation import check_int
 from ._rollout import (RolloutLike, check_rollout_source, gathers_rollouts, log_metrics, logger_step, rollout_stats,
                        step_parts, tensorboard_experiments, whole_step)
 
+#: What this callback reads of a rollout batch besides its ``stats`` (``RolloutLike``).
+COMPLETION_FIELDS = ("prompts", "completions", "rewards", "completion_lengths", "truncated")
+
 #: The scalars this callback logs (where the LightningModule does not), in the order ranks gather them.
 COMPLETION_KEYS = ("completions/mean_length", "completions/min_length", "completions/max_length",
                    "completions/clipped_ratio")
@@ -46,7 +49,10 @@ class CompletionLogger(Callback):
       the columns reward functions logged (``log_extra``); texts cut to ``max_chars`` characters.
 
     Histogram and table need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise).
-    Needs lit_grpo batches; with any other LightningModule it warns once and logs nothing.
+    Needs lit_grpo batches: ``stats`` (a RolloutStats) with ``prompts``, ``completions``, ``rewards``,
+    ``completion_lengths`` and ``truncated`` (``lit_grpo.batch.RolloutBatch``); a batch with ``stats`` and not all of
+    these is refused, naming what it lacks. With batches without ``stats`` (any other LightningModule) it warns once
+    and logs nothing.
 
     Args:
         histogram_every_n_steps: training steps between two length histograms.
@@ -93,6 +99,7 @@ class CompletionLogger(Callback):
             self._warn_once("no_rollout", "a training batch is not a lit_grpo rollout: the batches that are not "
                                           "are left out (a module that has none logs nothing).")
         else:
+            _check_completions(batch)
             lengths = batch.completion_lengths.detach().flatten().cpu()
             if want_table and self._step_table is None and lengths.numel() and trainer.is_global_zero:
                 self._step_table = sample_table(batch, self.num_prompts, self.num_completions, self.max_chars)
@@ -131,6 +138,19 @@ class CompletionLogger(Callback):
         if what not in self._warned:
             self._warned.add(what)
             rank_zero_warn(f"CompletionLogger: {message}")
+
+
+def _check_completions(batch: Any) -> None:
+    """Refuse a batch that carries a rollout's ``stats`` without its completions, naming what it lacks (a project
+    of its own may hand the engine's stats alone to the callbacks, which is all RolloutProfiler reads)."""
+    missing = [name for name in COMPLETION_FIELDS if not hasattr(batch, name)]
+    if missing:
+        raise TypeError(
+            f"CompletionLogger: a training batch ({type(batch).__name__}) carries a rollout's batch.stats but "
+            f"lacks {', '.join(missing)}: it reads prompts ([B] strings), completions ([B][G] strings), and "
+            "rewards, completion_lengths and truncated ([B, G] tensors), as lit_grpo.batch.RolloutBatch holds them. "
+            "Give the batch these, or leave CompletionLogger out (RolloutProfiler, SlotTimelineLogger and "
+            "PeakMemoryMonitor need batch.stats alone)")
 
 
 def sample_table(batch: RolloutLike, num_prompts: int, num_completions: int, max_chars: int) -> str:

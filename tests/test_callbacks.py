@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -420,6 +421,29 @@ def test_completion_logger_scalars_histogram_and_table(tmp_path):
     assert "prompt number 0" in text and "prompt number 1" not in text
     assert f"| 1 | {reward:.3f} |" in text and "answer 0.1 \\| \\*x\\* <br> second line" in text
     assert "answer 0.2" not in text
+
+
+@dataclass
+class _StatsOnly:
+    """A batch of a project of its own that hands the engine's RolloutStats to the callbacks, and no more."""
+
+    stats: object
+
+
+def test_completion_logger_names_what_a_batch_with_stats_alone_lacks(tmp_path):
+    """RolloutProfiler and SlotTimelineLogger need only ``batch.stats``; CompletionLogger needs the completions too,
+    and says which of them the batch lacks rather than failing on the first attribute it reads."""
+    rollouts = [_StatsOnly(make_rollout(seed).stats) for seed in range(2)]
+    with pytest.raises(TypeError, match=r"CompletionLogger: .* lacks prompts, completions, rewards, "
+                                        r"completion_lengths, truncated: .*lit_grpo\.batch\.RolloutBatch"):
+        fit(tmp_path, _StatsOnlyModule(rollouts), [CompletionLogger()], max_steps=2)
+    trainer = fit(tmp_path, _StatsOnlyModule(rollouts), [RolloutProfiler(read_bytes_per_s=1e9)], max_steps=2)
+    assert scalars(events(trainer), "rollout/decode_steps") == [r.stats.decode_steps for r in rollouts]
+
+
+class _StatsOnlyModule(RolloutModule):
+    def training_step(self, batch, batch_idx):
+        return (self.weight - 1.0) ** 2
 
 
 def test_markdown_cell_escapes_and_cuts():
