@@ -36,6 +36,11 @@ from lit_grpo.scheduling.base import DECISION_NAMES, decision_counts
 STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats) if f.name not in ("timeline", "decisions"))
 DECISION_FIELDS = tuple(f"decisions/{name}" for name in DECISION_NAMES)
 
+#: How a project of its own gets its rollouts to the callbacks, said where a callback finds none.
+CARRYING_ROLLOUTS = ("a batch carries one where the data pipeline sets its batch.stats to the RolloutStats of "
+                     "RolloutEngine.generate (result.stats); a rollout generated inside training_step reaches no "
+                     "callback")
+
 T = TypeVar("T")
 
 

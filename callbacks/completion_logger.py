@@ -12,8 +12,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_grpo.rollout.metrics import completion_length_metrics
 from lit_grpo.runtime.validation import check_int
 
-from ._rollout import (RolloutLike, check_rollout_source, gathers_rollouts, log_metrics, logger_step, rollout_stats,
-                       step_parts, tensorboard_experiments, whole_step)
+from ._rollout import (CARRYING_ROLLOUTS, RolloutLike, check_rollout_source, gathers_rollouts, log_metrics,
+                       logger_step, rollout_stats, step_parts, tensorboard_experiments, whole_step)
 
 #: What this callback reads of a rollout batch besides its ``stats`` (``RolloutLike``).
 COMPLETION_FIELDS = ("prompts", "completions", "rewards", "completion_lengths", "truncated")
@@ -96,8 +96,10 @@ class CompletionLogger(Callback):
         stats = rollout_stats(batch)
         check_rollout_source(trainer, stats, "CompletionLogger")
         if stats is None:
-            self._warn_once("no_rollout", "a training batch is not a lit_grpo rollout: the batches that are not "
-                                          "are left out (a module that has none logs nothing).")
+            self._warn_once("no_rollout", "a training batch is not a lit_grpo rollout (no batch.stats): the "
+                                          "batches that are not are left out (a module that has none logs "
+                                          f"nothing; {CARRYING_ROLLOUTS}, with the fields CompletionLogger "
+                                          "reads, as lit_grpo.batch.RolloutBatch holds them).")
         else:
             _check_completions(batch)
             lengths = batch.completion_lengths.detach().flatten().cpu()

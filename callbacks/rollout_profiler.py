@@ -14,8 +14,8 @@ from lit_grpo.sampling.roofline import floor_ms, read_bandwidth
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES
 
-from ._rollout import (check_rollout_source, log_metrics, measured_kv_bytes, rank_rollouts, rollout_stats,
-                       show_in_progress_bar, step_parts)
+from ._rollout import (CARRYING_ROLLOUTS, check_rollout_source, log_metrics, measured_kv_bytes, rank_rollouts,
+                       rollout_stats, show_in_progress_bar, step_parts)
 from .peak_memory import memory_peaks_paused
 
 #: RolloutStats fields logged as ``rollout/<field>``.
@@ -167,7 +167,8 @@ class RolloutProfiler(Callback):
         if not self._warned_no_rollout:
             self._warned_no_rollout = True
             rank_zero_warn("RolloutProfiler: a training batch carries no RolloutStats (batch.stats): the batches "
-                           "without a rollout are left out of the profile (a module that has none logs nothing).")
+                           "without a rollout are left out of the profile (a module that has none logs nothing; "
+                           f"{CARRYING_ROLLOUTS}).")
 
 
 def profile(stats: RolloutStats, read_bytes_per_s: float | None = None) -> dict[str, float]:

@@ -19,7 +19,7 @@ from lit_grpo.sampling.stats import RolloutStats, merge_stats
 from lit_grpo.scheduling.base import DECISION_NAMES, Decision, decision_counts
 from lit_grpo.scheduling.driver import IDLE
 
-from ._rollout import logger_step, rollout_stats, step_parts, tensorboard_experiments
+from ._rollout import CARRYING_ROLLOUTS, logger_step, rollout_stats, step_parts, tensorboard_experiments
 
 #: Idle slot: a neutral grey no group colour comes close to (group colours are all saturated).
 IDLE_RGB = (214, 214, 214)
@@ -331,7 +331,7 @@ class SlotTimelineLogger(Callback):
         stats = rollout_stats(batch)
         if stats is None:
             self._warn_once("no_rollout", "a training batch carries no RolloutStats (batch.stats): the batches "
-                                          "without one have no timeline.")
+                                          f"without one have no timeline ({CARRYING_ROLLOUTS}).")
         # counted by the loop's own step, which a resumed run restores: the same rollouts as an uninterrupted run
         if logger_step(trainer) % self.every_n_steps or not trainer.is_global_zero:
             return
