@@ -264,7 +264,7 @@ class FitSummary(Callback):
         host = None if self._host_peak is None else max(self._host_peak, host_peak_bytes())
         elapsed = self._elapsed()
         training_s = max(elapsed - self._validation_s, 0.0)
-        per_step = f"{training_s / steps:.1f} s per step" if steps else ""
+        per_step = f"{_step_time(training_s / steps)} per step" if steps else ""
         if self._validation_s >= 0.5:
             per_step += f", plus {_duration(self._validation_s)} of validation"
         lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
@@ -408,5 +408,12 @@ def _when(step: int) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:  # a short run (a plain module's steps take milliseconds): "0 s" would say nothing
+        return f"{seconds:.1f} s"
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _step_time(seconds: float) -> str:
+    """A step's time: ``24.1 s``, or ``50 ms`` below a second."""
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{1000 * seconds:.0f} ms"
