@@ -23,7 +23,7 @@ from ._paths import shown_path
 from ._rollout import accumulating, check_rollout_source, logger_step, rank_rollouts, rollout_stats
 from .peak_memory import PeakMemoryMonitor
 from .rollout_profiler import RolloutProfiler, roofline
-from .run_checkpoint import RunCheckpoint, last_checkpoint_callback
+from .run_checkpoint import RunCheckpoint, fit_resume, last_checkpoint_callback
 
 
 #: The PeakMemoryMonitor keys the summary reports (their largest value over the run).
@@ -50,24 +50,24 @@ class FitSummary(Callback):
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with
                          --ckpt_path last)
 
-    A line whose figure was never logged is left out. A step is a training step (a batch that ends an optimizer
-    step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps only (the
-    validations in between are named apart); a step's rollout time is that of every batch's rollout in it (under
-    gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
-    token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of
-    the run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode
-    step read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else
-    measured once per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's,
-    as ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the
-    figures are the whole run's: reward/mean and val/accuracy as logged (GRPOModule reduces them over ranks; a module
-    that logs a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's rollout time
-    its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every
-    rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered
-    when training ends). The rollouts are gathered at every training batch, every rank joining, where the trainer's
-    datamodule declares that its training batches are rollouts (its ``yields_rollouts`` is True, as
-    ``RolloutDataModule``'s); where it does not, no gather a batch (another project pays none), and a rollout batch
-    raises an error at that batch (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be
-    rank 0's alone.
+    The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
+    ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
+    optimizer step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps
+    only (the validations in between are named apart); a step's rollout time is that of every batch's rollout in it
+    (under gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
+    token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of the
+    run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode step
+    read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else measured once
+    per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's, as
+    ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the figures
+    are the whole run's: reward/mean and val/accuracy as logged (GRPOModule reduces them over ranks; a module that logs
+    a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's rollout time its slowest
+    rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's rollouts,
+    the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered when training ends). The
+    rollouts are gathered at every training batch, every rank joining, where the trainer's datamodule declares that its
+    training batches are rollouts (its ``yields_rollouts`` is True, as ``RolloutDataModule``'s); where it does not, no
+    gather a batch (another project pays none), and a rollout batch raises an error at that batch
+    (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank 0's alone.
 
     **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
     time, rollouts, the accuracy and reward curves, PeakMemoryMonitor's largest rollout peaks) are kept in the
@@ -365,9 +365,8 @@ class FitSummary(Callback):
                 if isinstance(checkpoint, RunCheckpoint) and checkpoint.saves:
                     saves = (f", {_count(checkpoint.saves, 'save')} in {checkpoint.save_seconds:.1f} s"
                              + (" in this fit" if resumed else ""))
-                    resume = "--ckpt_path last"
-                else:
-                    resume = f"--ckpt_path {shown_path(path)}"
+                cli = isinstance(checkpoint, RunCheckpoint) and checkpoint.resume_command  # lit-grpo sets it
+                resume = "--ckpt_path last" if cli else fit_resume(shown_path(path))
                 size = format_bytes(disk_bytes(path))
                 lines.append(f"  {'checkpoint':<14} {shown_path(path)} ({size}{saves}; resume with {resume})")
         return lines

@@ -76,7 +76,8 @@ class RunCheckpoint(ModelCheckpoint):
         save_on_validation: save after every validation.
 
     Logs no keys. ``saves`` and ``save_seconds`` count the saves of this run and their time (the fit summary
-    prints them); ``resume_command``, when set (the CLI does), is printed as the way back after a stop.
+    prints them); ``resume_command``, when set (the CLI does), is printed as the way back after a stop, else
+    ``trainer.fit(..., ckpt_path=...)`` with the checkpoint's path.
     """
 
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
@@ -261,7 +262,14 @@ class RunCheckpoint(ModelCheckpoint):
             return
         path = shown_path(self.last_model_path)
         print(f"{stopped}; saved to {path}", flush=True)
-        print(f"  resume: {self.resume_command or f'--ckpt_path {path}'}", flush=True)
+        print(f"  resume: {self.resume_command or fit_resume(path)}", flush=True)
+
+
+def fit_resume(path: str) -> str:
+    """How a script of its own resumes from the checkpoint at ``path``: ``trainer.fit``'s ``ckpt_path`` with the path
+    itself, since its next run's default folder is another logger version, in which ``"last"`` finds nothing (the
+    CLI's ``--ckpt_path last`` searches every version; ``RunCheckpoint.resume_command``)."""
+    return f'trainer.fit(..., ckpt_path="{path}")'
 
 
 def last_checkpoint_callback(trainer: pl.Trainer) -> ModelCheckpoint | None:

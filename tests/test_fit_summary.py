@@ -79,7 +79,8 @@ def test_validation_before_training_and_a_summary_of_the_run(tmp_path, capsys):
     assert host, lines[6]
     assert float(host[1]) * {"MiB": 2**20, "GiB": 2**30}[host[2]] == pytest.approx(host_peak_bytes(), rel=0.05)
     assert "tensorboard --logdir" in lines[7]
-    assert "last.ckpt (" in lines[8] and "--ckpt_path" in lines[8]
+    # a script of its own resumes through trainer.fit (the CLI's --ckpt_path is no option of it)
+    assert "last.ckpt (" in lines[8] and 'resume with trainer.fit(..., ckpt_path="' in lines[8], lines[8]
 
 
 def test_a_short_runs_reward_ends_never_overlap_and_leave_out_what_is_not_a_number(tmp_path):
@@ -322,3 +323,27 @@ def test_a_run_of_fast_steps_states_their_time_in_milliseconds(tmp_path, capsys)
     trainer.fit(TinyRegression())
     first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lit_grpo: "))
     assert re.fullmatch(r"lit_grpo: 4 steps in \d+\.\d s \(\d+ ms per step\)", first), first
+
+
+def test_the_way_back_is_said_as_the_run_was_started(tmp_path, capsys):
+    """In a script of its own the summary and a stop name ``trainer.fit``'s ``ckpt_path`` with the checkpoint's
+    path (a new run's default folder is another version, where "last" finds nothing); under ``lit-grpo`` (which
+    sets ``resume_command``) its ``--ckpt_path last``."""
+    from callback_helpers import TinyRegression
+
+    from lit_grpo.callbacks import RunCheckpoint
+
+    summary, checkpoint = FitSummary(), RunCheckpoint()
+    trainer = _trainer(tmp_path, [summary, checkpoint], max_steps=2, limit_val_batches=0)
+    trainer.fit(TinyRegression())
+    path = checkpoint.last_model_path
+    assert path.endswith("last.ckpt")
+    checkpoint._announce(trainer, 15)
+    out = capsys.readouterr().out
+    assert f'resume with trainer.fit(..., ckpt_path="{path}")' in summary.summary_lines(trainer)[-1]
+    assert f'  resume: trainer.fit(..., ckpt_path="{path}")' in out.splitlines()
+
+    checkpoint.resume_command = "lit-grpo fit --config c.yaml --ckpt_path last"
+    assert summary.summary_lines(trainer)[-1].endswith("resume with --ckpt_path last)")
+    checkpoint._announce(trainer, 15)
+    assert "  resume: lit-grpo fit --config c.yaml --ckpt_path last" in capsys.readouterr().out.splitlines()
