@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_bool, check_int, check_text
@@ -201,7 +202,7 @@ class FitSummary(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         peak = host_peak_bytes()
         if trainer.world_size > 1:  # every rank is here at once, before the strategy's teardown
-            peak = int(trainer.strategy.all_gather(torch.tensor(peak, device=pl_module.device)).max())
+            peak = int(strategy_all_gather(trainer.strategy)(torch.tensor(peak)).max())
         self._host_peak = peak
 
     # ------------------------------------------------------------------------------------------ resume
