@@ -87,12 +87,17 @@ def check_rollout_source(trainer: pl.Trainer, stats: RolloutStats | None, callba
     if stats is None or trainer.world_size <= 1 or declares_rollouts(trainer):
         return
     source = getattr(trainer, "datamodule", None)
-    named = f"its datamodule {type(source).__name__}" if source is not None else "no datamodule (loaders of its own)"
+    if source is not None:
+        named = f"its datamodule {type(source).__name__}, which does not declare"
+        declare = "set the class attribute yields_rollouts = True on the LightningDataModule that yields them"
+    else:
+        named = "no datamodule (loaders of its own), which do not declare"
+        declare = ("loaders cannot declare it: yield the rollouts from a LightningDataModule with the class "
+                   "attribute yields_rollouts = True")
     raise RuntimeError(
         f"{callback}: a training batch is a lit_grpo rollout (batch.stats is a RolloutStats) under "
-        f"{trainer.world_size} processes, but the trainer has {named}, which does not declare that its training "
-        "batches are rollouts: set the class attribute yields_rollouts = True on the LightningDataModule that yields "
-        "them (RolloutDataModule does), so that every rank joins the gather of each step's rollout figures; "
+        f"{trainer.world_size} processes, but the trainer has {named} that its training batches are rollouts: "
+        f"{declare} (RolloutDataModule has it), so that every rank joins the gather of each step's rollout figures; "
         "undeclared, they would be rank 0's alone")
 
 

@@ -635,6 +635,17 @@ def test_rollout_callbacks_gather_nothing_from_a_source_that_declares_no_rollout
             callback.on_train_batch_end(trainer, None, None, make_rollout(0), 0)
 
 
+def test_a_rollout_from_loaders_given_to_fit_is_refused_saying_where_the_declaration_goes():
+    """Loaders passed to ``fit`` (or defined on the module) cannot declare anything: the refusal says to yield the
+    rollouts from a data module that does."""
+    trainer = _stand_in_trainer(None)
+    trainer.datamodule = None
+    with pytest.raises(RuntimeError, match=r"^RolloutProfiler: .* no datamodule \(loaders of its own\).* loaders "
+                                           r"cannot declare it: yield the rollouts from a LightningDataModule with "
+                                           r"the class attribute yields_rollouts = True"):
+        RolloutProfiler(progress_bar=False).on_train_batch_end(trainer, None, None, make_rollout(0), 0)
+
+
 @pytest.mark.parametrize("source", ["plain", "declared", "undeclared"])
 def test_rollout_callbacks_under_two_gloo_ranks_gather_only_for_a_source_that_declares_rollouts(tmp_path, source):
     """2 ranks over gloo (tests/plain_ddp_callbacks.py, a Lightning project of its own): a plain module with
@@ -654,7 +665,7 @@ def test_rollout_callbacks_under_two_gloo_ranks_gather_only_for_a_source_that_de
     if source == "undeclared":
         for code, output, _ in outputs:
             assert code == 1, output[-4000:]
-            assert "does not declare that its training batches are rollouts" in output, output[-4000:]
+            assert "not declare that its training batches are rollouts" in output, output[-4000:]
         return
     for rank, (code, output, _) in enumerate(outputs):
         assert code == 0, f"rank {rank} ended with {code}:\n{output[-4000:]}"
