@@ -107,8 +107,10 @@ class RolloutProfiler(Callback):
     does not declare it, no gather (another project pays no collective a step), and a rollout batch raises an error
     at that batch (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank 0's alone.
 
-    With batches that are not lit_grpo rollouts (any other LightningModule) it does nothing (no bandwidth probe)
-    and says so once, on rank 0.
+    A batch is a lit_grpo rollout where its ``stats`` is a RolloutStats: ``RolloutEngine.generate``'s
+    ``result.stats``, which a project of its own puts on the batches its data pipeline yields (a rollout generated
+    inside ``training_step`` reaches no callback); nothing else of the batch is read. With batches that are not
+    (any other LightningModule) it does nothing (no bandwidth probe) and says so once, on rank 0.
 
     Args:
         progress_bar: show the step's decode steps, lower bound and utilization in the progress bar.

@@ -303,8 +303,9 @@ class SlotTimelineLogger(Callback):
     run logs the ones an uninterrupted run would); under several processes, rank 0's; under gradient accumulation
     one image per optimizer step, after its last micro-batch, its micro-batches' rollouts one after another
     (``lit_grpo.sampling.stats.merge_stats``: steps and samples numbered on from the earlier ones). Needs a
-    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches (warns once
-    and logs nothing with any other LightningModule).
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (warns once otherwise) and lit_grpo batches, whose
+    ``stats`` is a RolloutStats with its timeline (``RolloutEngine.generate``'s ``result.stats``; warns once and logs
+    nothing with any other LightningModule).
 
     Args:
         every_n_steps: log the rollout of one training step in this many.
