@@ -53,8 +53,9 @@ class RewardForecast(Callback):
 
     The monitored value must be logged at every training step: ``callback_metrics`` keeps the last value, which
     would be recorded again at steps that did not log it. A monitor still unlogged at the first check is warned
-    about once, naming the logged keys. Bad settings (a criterion, a reward range that is not ``low < high``, a
-    negative ``min_delta``) are refused when the callback is built.
+    about once, naming the logged keys, and so is one that a validation logs and the training steps do not (a
+    ``val/`` value). Bad settings (a criterion, a reward range that is not ``low < high``, a negative
+    ``min_delta``) are refused when the callback is built.
 
     Args:
         monitor: the reward metric, as logged.
@@ -94,6 +95,9 @@ class RewardForecast(Callback):
         self.reward_range = check_reward_range(reward_range)
         self._start()
         self._warned_missing = False
+        self._warned_validation = False
+        self._before_validation: float | None = None  # the monitor's value when the validation under way started
+        self._left_by_validation: float | None = None  # what the last validation logged, until a batch ends
 
     def _start(self) -> None:
         """No points and no decision yet: at construction and when a fit starts (a resumed one then loads its
@@ -120,6 +124,7 @@ class RewardForecast(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._check_not_validations(trainer)
         if accumulating(trainer, batch_idx):  # one point per optimizer step: its last batch's
             return
         value = self._over_ranks(trainer, pl_module, self._monitored_value(trainer))
@@ -144,6 +149,29 @@ class RewardForecast(Callback):
         self.wait_count = self.wait_count + 1 if plateaued else 0
         if self.stop:
             self._maybe_stop(trainer, forecast)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._before_validation = _value(trainer.callback_metrics.get(self.monitor))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        logged = _value(trainer.callback_metrics.get(self.monitor))
+        if logged is not None and logged != self._before_validation:  # this validation logged the monitor
+            self._left_by_validation = logged
+
+    def _check_not_validations(self, trainer: pl.Trainer) -> None:
+        """Say once where the monitor is a validation's value that the training step left as it was: it stays in
+        ``callback_metrics`` until the next validation, so every training step would record it again. By value
+        (``callback_metrics`` may hold a new tensor of the same value): a training step that logs the same key
+        writes its own."""
+        left, self._left_by_validation = self._left_by_validation, None
+        metrics = trainer.callback_metrics
+        if (left is None or self._warned_validation or f"{self.monitor}_step" in metrics
+                or _value(metrics.get(self.monitor)) != left):
+            return
+        self._warned_validation = True
+        rank_zero_warn(f"RewardForecast: monitor={self.monitor!r} is logged in validation, not at every training "
+                       "step: each step records its last validation's value again, and the forecast fits that "
+                       "staircase; monitor a value the module logs in training_step")
 
     def _monitored_value(self, trainer: pl.Trainer) -> float | None:
         metrics = trainer.callback_metrics
@@ -216,6 +244,11 @@ class RewardForecast(Callback):
         self.rewards = [float(r) for r in state_dict["rewards"]]
         self.wait_count = int(state_dict["wait_count"])
         self.stopped_step = state_dict.get("stopped_step")
+
+
+def _value(logged: Any) -> float | None:
+    """A logged metric's value as a float (None: not logged)."""
+    return None if logged is None else float(logged)
 
 
 def _forecast_monitor(state_key: str) -> str | None:

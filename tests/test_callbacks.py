@@ -70,6 +70,35 @@ class _ValidatedRegression(TinyRegression):
         return self.train_dataloader()
 
 
+def test_reward_forecast_says_when_its_monitor_is_a_validations(tmp_path, recwarn):
+    """A value logged in validation stays in callback_metrics between validations, so every training step would
+    record its last value again (a flat curve with jumps): said once, naming the monitor, where a value logged at
+    every training step is not."""
+    forecasts = [RewardForecast(monitor="val/accuracy", min_points=5), RewardForecast(monitor="train/loss")]
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=6, accelerator="cpu", val_check_interval=2,
+                         callbacks=forecasts, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False)
+    trainer.fit(_ValidatedRegression())
+    said = [str(w.message) for w in recwarn if str(w.message).startswith("RewardForecast")]
+    assert sum("monitor='val/accuracy' is logged in validation" in message for message in said) == 1, said
+    assert not any("monitor='train/loss'" in message for message in said), said
+
+
+class _LossLoggedInBoth(_ValidatedRegression):
+    def validation_step(self, batch, batch_idx):
+        self.log("train/loss", 123.0)  # the same key as training_step's, which overwrites it at every step
+
+
+def test_reward_forecast_does_not_mistake_a_key_training_steps_log_too_for_a_validations(tmp_path, recwarn):
+    forecast = RewardForecast(monitor="train/loss", min_points=5)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=6, accelerator="cpu", val_check_interval=2,
+                         callbacks=[forecast], logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False)
+    trainer.fit(_LossLoggedInBoth())
+    assert not [str(w.message) for w in recwarn if str(w.message).startswith("RewardForecast")]
+    assert 123.0 not in forecast.rewards
+
+
 def test_the_run_callbacks_work_on_a_plain_module_and_across_a_resume(tmp_path, capsys):
     """FitSummary, RunCheckpoint, GRPOProgressBar and RankFailureWatch on a plain module: a validation before the
     first step, last.ckpt kept, a bar over optimizer steps, a summary; a resume goes on from last.ckpt, the bar at
