@@ -17,6 +17,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lit_grpo.sampling.stats import IDLE, RolloutStats
 
 MiB = 1 << 20
+#: How long a test's memory stays held where a sampling thread must see it: longer than a thread on a loaded
+#: machine goes unscheduled.
+HOLD_S = 0.15
 
 
 
@@ -119,6 +122,19 @@ def touch_memory(num_bytes: int, hold_s: float) -> None:
             for offset in range(0, num_bytes, mmap.PAGESIZE):
                 block[offset] = 1
             time.sleep(hold_s)
+
+
+def touch_memory_until_sampled(num_bytes: int, sampler, timeout_s: float = 10.0) -> None:
+    """Make RSS rise by ``num_bytes`` until the ``SampledRss`` thread ``sampler`` has read at least three quarters of
+    it (its own reading, not ``read()``'s, which takes the value right now too), at most ``timeout_s``, then give the
+    memory back: a fixed hold can end before a thread on a loaded machine is scheduled."""
+    base = sampler.current()
+    with mmap.mmap(-1, num_bytes) as block:
+        for offset in range(0, num_bytes, mmap.PAGESIZE):
+            block[offset] = 1
+        deadline = time.monotonic() + timeout_s
+        while sampler._peak - base < num_bytes * 3 // 4 and time.monotonic() < deadline:
+            time.sleep(0.002)
 
 
 class RolloutModule(pl.LightningModule):

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from callback_helpers import MiB, RolloutModule, TinyRegression, events, fit, make_rollout, scalars, touch_memory
+from callback_helpers import (HOLD_S, MiB, RolloutModule, TinyRegression, events, fit, make_rollout, scalars,
+                              touch_memory, touch_memory_until_sampled)
 
 from lit_grpo.runtime import memory
 from lit_grpo.callbacks import (
@@ -140,7 +141,7 @@ def test_the_run_callbacks_work_on_a_plain_module_and_across_a_resume(tmp_path, 
 @pytest.mark.parametrize("cpu_method", ["auto", "sampling"])
 def test_peak_memory_separates_rollout_and_update(tmp_path, cpu_method):
     rollouts = [make_rollout(seed) for seed in range(3)]
-    module = RolloutModule(rollouts, update_bytes=48 * MiB, hold_s=0.03)
+    module = RolloutModule(rollouts, update_bytes=48 * MiB, hold_s=HOLD_S)
     module.rollout_bytes = 112 * MiB
     monitor = PeakMemoryMonitor(cpu_method=cpu_method, sample_interval_s=0.002)
     trainer = fit(tmp_path, module, [monitor], max_steps=3)
@@ -186,7 +187,7 @@ class _SteppingWithMemory(torch.optim.SGD):
 
     def step(self, closure=None):
         loss = super().step(closure)
-        touch_memory(self.step_bytes, 0.03)
+        touch_memory(self.step_bytes, HOLD_S)
         return loss
 
 
@@ -224,7 +225,7 @@ def test_peak_memory_refuses_a_sampling_interval_that_is_not_a_finite_positive_t
 
 def test_peak_memory_splits_the_optimizer_step_off_the_update(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(2)]
-    module = RolloutModule(rollouts, update_bytes=96 * MiB, hold_s=0.03)
+    module = RolloutModule(rollouts, update_bytes=96 * MiB, hold_s=HOLD_S)
     _SteppingWithMemory.step_bytes = 32 * MiB
     module.configure_optimizers = lambda: _SteppingWithMemory(module.parameters(), lr=0.1)
     trainer = fit(tmp_path, module, [PeakMemoryMonitor()], max_steps=2)
@@ -299,7 +300,7 @@ def test_peak_memory_auto_leaves_the_kernels_mark_alone():
         assert tracker.name == "hwm+sampling" and message is None
         for _ in range(3):
             tracker.reset()
-            touch_memory(16 * MiB, 0.02)  # below the earlier peak: the sampling thread sees it
+            touch_memory_until_sampled(16 * MiB, tracker._sampled)  # below the earlier peak: the thread sees it
             assert tracker.read()["peak_bytes"] - tracker.current() > 8 * MiB
     finally:
         tracker.close()
@@ -364,7 +365,7 @@ def test_peak_memory_falls_back_to_sampling_with_a_warning(monkeypatch):
         assert tracker.name == "sampling"
         assert "VmHWM not found (test)" in message and "sampling RSS every 2 ms" in message
         tracker.reset()
-        touch_memory(64 * MiB, 0.05)
+        touch_memory_until_sampled(64 * MiB, tracker)
         assert tracker.read()["peak_bytes"] - memory.read_statm_rss() > 48 * MiB
     finally:
         tracker.close()
@@ -577,7 +578,7 @@ def test_rollout_profiler_keeps_its_bandwidth_probe_out_of_the_memory_peaks(tmp_
     monkeypatch.setattr(roofline, "measure_read_bandwidth",
                         lambda device: probes.append(device) or touch_memory(256 * MiB, 0.05) or 1e9)
     monitor, profiler = PeakMemoryMonitor(), RolloutProfiler(progress_bar=False)
-    module = RolloutModule([make_rollout(seed) for seed in range(3)], update_bytes=48 * MiB, hold_s=0.03)
+    module = RolloutModule([make_rollout(seed) for seed in range(3)], update_bytes=48 * MiB, hold_s=HOLD_S)
     trainer = fit(tmp_path, module, [profiler, monitor] if profiler_first else [monitor, profiler], max_steps=3)
     assert len(probes) == 1
     accumulator = events(trainer)
@@ -829,7 +830,7 @@ class _AccumulatingWithMemory(TinyRegression):
 
     def training_step(self, batch, batch_idx):
         if batch_idx % 3 == 0:
-            touch_memory(96 * MiB, 0.03)
+            touch_memory(96 * MiB, HOLD_S)
         return super().training_step(batch, batch_idx)
 
     def train_dataloader(self):
@@ -866,7 +867,7 @@ class _AccumulatingRollouts(RolloutModule):
 
     def training_step(self, batch, batch_idx):
         if batch_idx % 2 == 0:
-            touch_memory(96 * MiB, 0.03)
+            touch_memory(96 * MiB, HOLD_S)
         return super().training_step(batch, batch_idx)
 
 
