@@ -43,11 +43,11 @@ class PeakMemoryMonitor(Callback):
       what the previous phase left in the allocator (a rollout with a small KV cache reads the whole footprint
       the update left); the delta is the figure to compare across phases and settings. It can be 0 when a phase
       only reused memory the process already held.
+    - on CUDA also ``memory/{step,rollout,update,optimizer}_peak_reserved_bytes``: the same peaks of the allocator's
+      reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
 
     "lit_grpo batches" are those whose ``stats`` is a RolloutStats (``RolloutEngine.generate``'s ``result.stats``),
     which a project of its own gets by generating in its data pipeline: the fetch is then the rollout.
-    - on CUDA also ``memory/{step,rollout,update,optimizer}_peak_reserved_bytes``: the same peaks of the allocator's
-      reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
 
     **What is measured**
 

@@ -753,7 +753,8 @@ def test_under_a_loss_scaler_the_gradients_are_checked_and_clipped_unscaled():
     """16-mixed's GradScaler multiplies the loss by its scale in the backward and unscales the gradients inside
     ``optimizer.step()``: the norm, the finiteness check and clipping must see them unscaled (there: Lightning's
     ``on_before_optimizer_step``), and an overflow skips the step as the scaler does, and the learning-rate
-    schedule's step with it, instead of stopping the run. (Lightning turns "16-mixed" into bf16 on a CPU; the plugin given here keeps a float16 scaler.)"""
+    schedule's step with it, instead of stopping the run. (Lightning turns "16-mixed" into bf16 on a CPU; the
+    plugin given here keeps a float16 scaler.)"""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     def fp16(scale):
