@@ -342,6 +342,25 @@ def test_with_a_bound_every_rank_knows_the_high_entropy_mask_meets_the_ranks_in_
         high_entropy_mask(entropies[1], masks[1], 0.2, lambda tensor: tensor[None], capacity=8)
 
 
+def test_a_padded_gather_past_torchs_quantile_limit_gives_the_mask_of_the_active_tokens():
+    """torch.quantile takes at most 2**24 values: a bound every rank knows (rows x max_new_tokens) times the ranks
+    can pass it where the active tokens are few (long caps, short completions, many ranks); the padding is NaN, left
+    out of the quantile, so the mask is the one of the active tokens alone."""
+    generator = torch.Generator().manual_seed(1)
+    entropies = [torch.rand(2, w, generator=generator) for w in (3, 5)]
+    masks = [torch.ones(2, 3), torch.ones(2, 5)]
+    capacity = 2 ** 23 + 1  # two ranks' padded values: just past the limit
+    expected = run_ranks(2, lambda rank, gather: high_entropy_mask(entropies[rank], masks[rank], 0.3, gather))
+    padded = run_ranks(2, lambda rank, gather: high_entropy_mask(entropies[rank], masks[rank], 0.3, gather,
+                                                                  capacity=capacity))
+    assert [m.tolist() for m in padded] == [m.tolist() for m in expected]
+    assert 0 < sum(int(m.sum()) for m in padded) < 16  # some tokens kept, not all
+    # no active token anywhere: none kept, as with fewer values
+    nothing = high_entropy_mask(entropies[0], torch.zeros(2, 3), 0.3, lambda tensor: torch.stack([tensor] * 2),
+                                capacity=capacity)
+    assert not nothing.any()
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("top", [0.3, 0.2])

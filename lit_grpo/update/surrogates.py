@@ -192,8 +192,22 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
     values = entropy.masked_fill(~active, math.nan).flatten()
     if all_gather is not None:
         values = every_ranks_values(values, all_gather, capacity)
-    threshold = torch.nanquantile(values, 1.0 - top_quantile)
+    threshold = _nan_quantile(values, 1.0 - top_quantile)
     return (entropy >= threshold) & active
+
+
+#: The most values ``torch.quantile`` and ``torch.nanquantile`` take.
+QUANTILE_LIMIT = 2 ** 24
+
+
+def _nan_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.nanquantile(values, q)``, also past torch's ``QUANTILE_LIMIT`` where the values that are not NaN are
+    fewer: every rank padded to a bound (``every_ranks_values``) can pass it with few active tokens. Only then are
+    the NaN dropped, a boolean index whose count is read back to the host."""
+    if values.numel() <= QUANTILE_LIMIT:
+        return torch.nanquantile(values, q)
+    present = values[~values.isnan()]
+    return torch.nanquantile(present, q) if present.numel() else values.new_tensor(math.nan)
 
 
 def check_entropy_mask(entropy_mask: torch.Tensor | None, top_quantile: float) -> None:
