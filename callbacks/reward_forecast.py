@@ -28,14 +28,20 @@ class RewardForecast(Callback):
     ``training_step``; ``<monitor>_step`` is preferred when the module logs both on_step and on_epoch; under
     gradient accumulation the value of the batch that ends the step). Every
     ``check_every_n_steps`` steps, once ``min_points`` points are in, it fits an exponential saturation and a
-    logistic (:func:`forecast_plateau`) and logs the better fit's forecast.
+    logistic (:func:`forecast_plateau`) and logs the better fit's forecast where its plateau is in sight.
 
-    **Logged keys** (at each check)
+    **Logged keys** (at each check whose plateau is in sight)
 
     - ``forecast/plateau_reward``: the predicted plateau Rmax.
     - ``forecast/step_to_plateau``: the step at which 95% of the predicted gain (from the first recorded reward to
       Rmax) is reached, on the same step axis as the logged scalars.
     - ``forecast/remaining_gain``: Rmax minus the fitted reward now.
+
+    In sight: the plateau lies no farther from the fitted reward now than the fitted curve has moved since the
+    first recorded step (``|remaining_gain| <= |observed_gain|``), so a logged forecast extrapolates at most as far
+    again as the curve has come. A fit that puts it farther (a curve still rising straight, or a shape fitted to
+    the noise of a few readings, which can send Rmax tens of readings' ranges away) logs nothing at that check;
+    ``last_forecast`` still holds it. The three keys are logged together or not at all.
 
     With ``stop=True``, training stops (``trainer.should_stop``, agreed across ranks) after ``patience``
     consecutive checks where the curve has visibly risen (``Forecast.rise_seen``: the fitted rise exceeds twice
@@ -193,13 +199,16 @@ class RewardForecast(Callback):
         return mean if math.isfinite(mean) else None
 
     def _forecast(self, trainer: pl.Trainer) -> Forecast | None:
-        """Fit the history and log the forecast; None before ``min_points`` points or when no fit converges."""
+        """Fit the history and log the forecast where its plateau is in sight; None before ``min_points`` points
+        or when no fit converges."""
         if len(self.rewards) < self.min_points:
             return None
         forecast = forecast_plateau(self.steps, self.rewards, self.criterion, reward_range=self.reward_range)
         if forecast is None:
             return None
         self.last_forecast = forecast
+        if abs(forecast.remaining_gain) > abs(forecast.observed_gain):  # no plateau in sight: nothing to chart
+            return forecast
         # Logged at every check, whatever log_every_n_steps: the checks have their own cadence.
         log_metrics(trainer, {
             "forecast/plateau_reward": forecast.plateau_reward,

@@ -240,7 +240,7 @@ def test_early_stop_where_the_planted_curve_flattens(tmp_path, curve, first_flat
     assert trainer.global_step == forecast.stopped_step + 1
 
 
-def test_forecast_is_logged_at_every_check_and_never_stops_when_told_not_to(tmp_path):
+def test_forecast_is_logged_at_every_check_in_sight_and_never_stops_when_told_not_to(tmp_path):
     forecast = RewardForecast(min_delta=0.01, patience=1, stop=False, min_points=30, check_every_n_steps=20)
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer = run(TrajectoryModule(noisy(saturating, seed=1)), forecast, 600, tmp_path, logger=logger)
@@ -249,11 +249,35 @@ def test_forecast_is_logged_at_every_check_and_never_stops_when_told_not_to(tmp_
     events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
     events.Reload()
     plateau = events.Scalars("forecast/plateau_reward")
-    # Checks at steps 40, 60, ..., 580, logged even though log_every_n_steps=50 would skip most of them.
-    assert [e.step for e in plateau] == list(range(40, 600, 20))
+    # Checks at steps 40, 60, ..., 580, logged even though log_every_n_steps=50 would skip most of them, from the
+    # check where the plateau is in sight on (the planted curve covers half its rise at step 69).
+    checks = list(range(40, 600, 20))
+    assert [e.step for e in plateau] == checks[checks.index(plateau[0].step):]
+    assert 60 <= plateau[0].step <= 120
     assert plateau[-1].value == pytest.approx(0.8, rel=0.05)
     assert events.Scalars("forecast/step_to_plateau")[-1].value == pytest.approx(100 * math.log(20), rel=0.1)
     assert events.Scalars("forecast/remaining_gain")[-1].value < 0.01
+
+
+def test_a_noisy_short_curve_logs_no_plateau_beyond_its_reach(tmp_path):
+    """Few noisy readings of a flat curve near -0.2, fitted at every step: a fit that sends the plateau far off (to
+    -7 or +8 here) is not logged; each logged one lies no farther from the fitted reward now than the curve has
+    moved, so within the readings' range widened by its width."""
+    rewards = -0.2 + np.random.default_rng(1).normal(0.0, 0.3, 30)
+    forecast = RewardForecast(min_points=5, check_every_n_steps=1)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    run(TrajectoryModule(rewards), forecast, 30, tmp_path, logger=logger)
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    logged = events.Scalars("forecast/plateau_reward")
+    assert len(logged) >= 15  # most checks still forecast: a flat curve's plateau is its level
+    for event in logged:
+        seen = rewards[:event.step + 1]
+        width = seen.max() - seen.min()
+        assert seen.min() - width <= event.value <= seen.max() + width, (event.step, event.value)
+    steps = {key: [e.step for e in events.Scalars(key)] for key in
+             ("forecast/plateau_reward", "forecast/step_to_plateau", "forecast/remaining_gain")}
+    assert steps["forecast/step_to_plateau"] == steps["forecast/remaining_gain"] == steps["forecast/plateau_reward"]
 
 
 def test_the_stop_waits_for_patience_consecutive_plateaued_checks_from_min_points_on(tmp_path, monkeypatch):
