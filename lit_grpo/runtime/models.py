@@ -16,7 +16,9 @@
    close to a built-in one (``tiny-lama``) is refused as its misspelling, naming the built-in models. Where the hub
    cannot be reached, the cache alone is read, and an id it lacks is refused at once (``hub_keywords``).
 
-Every tokenizer comes back with a pad token (EOS when it has none) and left padding, as generation wants.
+Every tokenizer comes back with a pad token (EOS when it has none) and left padding, as generation wants, and every
+model in eval mode, as ``from_pretrained`` gives it (``load_model_and_tokenizer`` says why, and what a module that
+trains it does).
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def load_model_and_tokenizer(
 
     ``device``: where the model goes (default: where tensors are made now: the CPU, or a ``torch.device``
     context's); a random model is built there directly, a hub or tiny one on the CPU and then moved.
+
+    The model comes back in eval mode, as ``from_pretrained`` gives it, whichever way it was found: dropout off,
+    ready to generate with (``RolloutEngine``). A LightningModule of one's own that trains it calls ``.train()`` on
+    it (``GRPOModule`` does), else Lightning warns "Found N module(s) in eval mode at the start of training" and
+    the model trains with its dropout off.
     """
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(RANDOM_PREFIX):

@@ -393,7 +393,7 @@ class GRPOModule(LightningModule):
             self._fully_shard(policy)
             if skeleton is not None:
                 self._gathered = GatheredWeights(policy, skeleton, self._mixed_precision_dtype())
-        self.policy = policy.train()  # the tiny models come back in eval mode; Lightning warns about those
+        self.policy = policy.train()  # loaded in eval mode, as from_pretrained gives it; Lightning warns about those
         usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
         self.uses_shared_prefix = hp.shared_prefix if usable else False
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
