@@ -40,8 +40,8 @@ class RewardForecast(Callback):
     In sight: the plateau lies no farther from the fitted reward now than the fitted curve has moved since the
     first recorded step (``|remaining_gain| <= |observed_gain|``), so a logged forecast extrapolates at most as far
     again as the curve has come. A fit that puts it farther (a curve still rising straight, or a shape fitted to
-    the noise of a few readings, which can send Rmax tens of readings' ranges away) logs nothing at that check;
-    ``last_forecast`` still holds it. The three keys are logged together or not at all.
+    the noise of a few readings, which can send Rmax up to ten times the readings' range away) logs nothing at
+    that check; ``last_forecast`` still holds it. The three keys are logged together or not at all.
 
     With ``stop=True``, training stops (``trainer.should_stop``, agreed across ranks) after ``patience``
     consecutive checks where the curve has visibly risen (``Forecast.rise_seen``: the fitted rise exceeds twice
