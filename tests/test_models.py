@@ -68,42 +68,6 @@ def test_every_model_comes_back_in_eval_mode_as_from_pretrained_gives_it(name, t
     assert not any(module.training for module in model.modules())
 
 
-def test_a_module_of_its_own_that_trains_the_loaded_model_puts_it_in_train_mode_as_the_docstring_says(tmp_path):
-    """Lightning warns at the start of fit about every module in eval mode; ``.train()`` on the loaded model, as
-    load_model_and_tokenizer's docstring says (and GRPOModule does), leaves nothing to warn about."""
-    import warnings
-
-    import lightning.pytorch as pl
-
-    class Trains(pl.LightningModule):
-        def __init__(self, to_train: bool) -> None:
-            super().__init__()
-            self.policy, _ = load_model_and_tokenizer("tiny-llama")
-            if to_train:
-                self.policy.train()
-
-        def training_step(self, batch, batch_idx):
-            return self.policy(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.float().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.zeros(1, 1))
-
-    def eval_mode_warnings(to_train: bool) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pl.Trainer(default_root_dir=tmp_path, max_steps=1, accelerator="cpu", logger=False,
-                       enable_checkpointing=False, enable_progress_bar=False,
-                       enable_model_summary=False).fit(Trains(to_train))
-        return [str(w.message) for w in caught if "in eval mode at the start of training" in str(w.message)]
-
-    assert eval_mode_warnings(to_train=False) and not eval_mode_warnings(to_train=True)
-    said = " ".join(models.load_model_and_tokenizer.__doc__.split())
-    assert "in eval mode" in said and "calls ``.train()`` on it" in said
-
-
 def test_dtype_names(tiny_llama):
     model, _ = load_model_and_tokenizer("tiny-llama", dtype="bf16")
     assert model.dtype == torch.bfloat16
