@@ -97,9 +97,15 @@ class LastCheckpointProbe(Callback):
 class SlowRollout(Callback):
     """Makes step ``step``'s training rollout long on ``slow_ranks`` (a ``sleep``-second pause before each forward of
     the policy in it), and on ``signal_ranks`` sends SIGTERM to this process after ``after`` of its forwards, or,
-    where it slows none, as it joins the ranks' meeting after its rollout (past its rollout). Each rank writes the
-    training positions its sampler drew in that step, as example indices, to ``folder/drawn.rankR`` and, where its
-    rollout finished (not abandoned), touches ``folder/past.rankR`` as it joins that meeting."""
+    where it slows none, as it joins the ranks' meeting after its rollout (past its rollout). A rank that both
+    slows and signals pauses only from its signal's forward on: the pauses are there to make a rollout the signal
+    failed to abandon outlast the test, and any before the signal would only delay it. A pause is taken in naps of
+    ``NAP_S``, between which a stop from another rank interrupts it (``_thread.interrupt_main`` wakes no sleep), as
+    it would a rollout's compute. Each rank writes the training positions its sampler drew in that step, as example
+    indices, to ``folder/drawn.rankR`` and, where its rollout finished (not abandoned), touches
+    ``folder/past.rankR`` as it joins that meeting."""
+
+    NAP_S = 0.05
 
     def __init__(self, folder: str, step: int, sleep: float, after: int = 5, slow_ranks: tuple = (0, 1),
                  signal_ranks: tuple = (0, 1)):
@@ -141,10 +147,13 @@ class SlowRollout(Callback):
     def _slow(self, trainer) -> None:
         if not self._in_step(trainer) or torch.is_grad_enabled():  # the rollout's forwards only, not the update's
             return
-        import time
-
         self._forwards += 1
-        if self._forwards == self.after and trainer.global_rank in self.signal_ranks:
+        signals = trainer.global_rank in self.signal_ranks
+        if self._forwards == self.after and signals:
             print(f"rank {trainer.global_rank}: SIGTERM after {self._forwards} rollout forwards", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(self.sleep)
+        if signals and self._forwards < self.after:
+            return
+        end = time.monotonic() + self.sleep
+        while time.monotonic() < end:
+            time.sleep(min(self.NAP_S, max(end - time.monotonic(), 0.0)))

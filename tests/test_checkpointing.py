@@ -1293,10 +1293,12 @@ def test_a_stop_raised_on_one_rank_saves_only_in_a_run_of_one_process(monkeypatc
     assert saved == [3]
 
 
-#: A rollout of step 2 slowed to at least 4 x 600 / 2 decode steps of 0.2 s each (G 4 on 2 slots, no sample
-#: ending before the cap on the random model being rare): unabandoned, some 240 s on each rank, above the
-#: test's whole time limit, so a run that waited for it would be cut off there.
-LONG_ROLLOUT = ("--data.sampling.max_new_tokens", "600")
+#: A rollout of step 2 is at least 4 x 16 / 2 decode steps (G 4 on 2 slots, no sample ending before the cap on the
+#: random model being rare), each slowed by 10 s from the signal's 5th forward on: unabandoned, at least 280 s on
+#: each rank, above the launch's time limit of 200 s, so a run that waited for it would be cut off there. A short
+#: cap keeps the unslowed rollouts (step 1, the resume's step 2, the validations) cheap.
+ROLLOUT_CAP = ("--data.sampling.max_new_tokens", "16")
+SLOW_FORWARD_S = 10
 
 
 @pytest.mark.parametrize("case", ["both_ranks_mid_rollout", "rank_0_past_its_rollout_signalled_alone"])
@@ -1312,11 +1314,11 @@ def test_a_stop_during_a_training_rollout_of_two_ranks_abandons_it_and_the_resum
 
     root = tmp_path / "run"
     slow = ["--trainer.callbacks+=stop_helpers.SlowRollout", f"--trainer.callbacks.folder={tmp_path}",
-            "--trainer.callbacks.step=2", "--trainer.callbacks.sleep=0.2"]
+            "--trainer.callbacks.step=2", f"--trainer.callbacks.sleep={SLOW_FORWARD_S}"]
     race = case == "rank_0_past_its_rollout_signalled_alone"
     if race:
         slow += ["--trainer.callbacks.slow_ranks=[1]", "--trainer.callbacks.signal_ranks=[0]"]
-    argv = [*_fit_args(root, *LONG_ROLLOUT, "--trainer.num_nodes", "2", "--trainer.devices", "1",
+    argv = [*_fit_args(root, *ROLLOUT_CAP, "--trainer.num_nodes", "2", "--trainer.devices", "1",
                        "--trainer.strategy", "ddp", "--trainer.callbacks+=tools.step_recorder.StepRecorder",
                        f"--trainer.callbacks.path={root / 'rec'}", steps=2)]
     outputs = forked_cli.run_ranks([*argv, *slow], tmp_path, free_port(), 200, env=repo_env())
