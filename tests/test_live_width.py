@@ -308,7 +308,7 @@ def test_a_compiled_live_width_step_samples_what_the_eager_one_does_and_compiles
 
 def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama, monkeypatch):
     """torch._dynamo recompiles one code object at most ``recompile_limit`` times, then runs it uncompiled. Each
-    step shape has its own (``compiled_step``): three shapes of two buckets each compile six whole-step graphs
+    step shape has its own (``compiled_step``): two shapes of two buckets each compile four whole-step graphs
     under a limit of two, where one shared code object would stop compiling at its third. Counted by graphs
     traced (the "eager" backend: tracing is what the limit counts, and it spares Inductor's time)."""
     from torch._dynamo.utils import counters
@@ -321,7 +321,7 @@ def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama
     # torch's own patch: monkeypatch's undo of a dynamo config entry hides it under torch 2.11, so every later
     # compilation in the process failed reading it
     with torch._dynamo.config.patch(recompile_limit=2):
-        for width in (136, 140, 144):  # widths no other test compiles (compiled steps are kept per shape)
+        for width in (136, 140):  # widths no other test compiles (compiled steps are kept per shape)
             step = _step(model, width=width, settings=compiled, slots=2)
             assert step.buckets == (64, width)
             step.start_rollout(seed=0, width=width)
@@ -331,7 +331,7 @@ def test_steps_of_many_shapes_each_compile_within_the_recompile_limit(tiny_llama
                 step.start_row(1, [_prefix(model, 100, 1)], stream=(0, 1), sample=0, generated=0, next_input=6)
                 step.step([])
             assert step.compiled_widths == {64, width}
-    assert counters["stats"]["unique_graphs"] - graphs == 6
+    assert counters["stats"]["unique_graphs"] - graphs == 4
 
 
 @pytest.mark.parametrize("autocast, kept_copy", [(False, False), (True, False), (True, True)])
