@@ -27,6 +27,7 @@ def _mkdocs_build(config_dir: Path, site_dir: Path) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    """The site built once for its tests, which share an xdist group so that one worker builds it, not two."""
     site_dir = tmp_path_factory.mktemp("site")
     proc = _mkdocs_build(ROOT, site_dir)
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-6000:]}"
@@ -34,6 +35,7 @@ def site(tmp_path_factory) -> Path:
     return site_dir
 
 
+@pytest.mark.xdist_group("docs_site")
 def test_every_page_of_the_nav_is_built(site):
     for page in ("index", "engine", "scheduler", "training", "reliability", "benchmarks", "api"):
         html = site / ("index.html" if page == "index" else f"{page}/index.html")
@@ -41,6 +43,7 @@ def test_every_page_of_the_nav_is_built(site):
     assert (site / "slot_timeline.png").is_file()
 
 
+@pytest.mark.xdist_group("docs_site")
 def test_the_api_reference_documents_every_public_name(site):
     """Each name a user imports from ``lit_grpo`` or ``lit_grpo.callbacks`` has its own entry in docs/api.md."""
     import lit_grpo
