@@ -157,3 +157,13 @@ class SlowRollout(Callback):
         end = time.monotonic() + self.sleep
         while time.monotonic() < end:
             time.sleep(min(self.NAP_S, max(end - time.monotonic(), 0.0)))
+
+
+def write_checkpoint_twice(path: str, first_written) -> None:
+    """A process's two atomic saves to ``path`` (started from tests/forked_cli.py's fork server, warm already): a
+    small one, then ``first_written`` set, then one of 800 MB for the test to kill in the middle of."""
+    from lit_grpo.runtime.checkpoints import atomic_torch_save
+
+    atomic_torch_save({"version": 1, "weights": torch.ones(1000)}, path)
+    first_written.set()
+    atomic_torch_save({"version": 2, "weights": torch.ones(200_000_000)}, path)

@@ -8,8 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 import warnings
 from datetime import timedelta
@@ -18,6 +16,7 @@ from pathlib import Path
 import forked_cli
 import lightning.pytorch as pl
 import pytest
+import stop_helpers
 import torch
 
 from lit_grpo.callbacks import RunCheckpoint
@@ -224,28 +223,21 @@ def test_bad_run_checkpoint_settings_are_named():
 
 
 # ------------------------------------------------------------------------------------------------ atomic writes
-KILLED_WRITER = textwrap.dedent("""
-    import sys, torch
-    from lit_grpo.runtime.checkpoints import atomic_torch_save
-    atomic_torch_save({"version": 1, "weights": torch.ones(1000)}, sys.argv[1])
-    print("first", flush=True)
-    atomic_torch_save({"version": 2, "weights": torch.ones(200_000_000)}, sys.argv[1])  # 800 MB
-    print("second", flush=True)
-""")
-
-
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
     folder = tmp_path / "checkpoints"
     last = folder / "last.ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(last)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "first"
+    context = forked_cli.forkserver()
+    first_written = context.Event()
+    proc = context.Process(target=stop_helpers.write_checkpoint_twice, args=(str(last), first_written))
+    proc.start()
+    assert first_written.wait(60), "the first write never ended"
     partial = partial_path(last, pid=proc.pid)
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size > 1 << 20):
-        assert time.monotonic() < deadline and proc.poll() is None, "the second write never started"
+        assert time.monotonic() < deadline and proc.is_alive(), "the second write never started"
         time.sleep(0.001)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()
+    proc.join()
     assert partial.exists()  # the kill struck inside the second write
     assert torch.load(last, weights_only=True)["version"] == 1  # the previous checkpoint, whole
     assert find_last_checkpoint([folder]) == last  # the partial file is never a candidate
