@@ -574,14 +574,14 @@ class RolloutDataModule(LightningDataModule):
         _quiet_loader_flattening()
         return RequestStream("train", self.num_train_steps_per_epoch())
 
-    def val_dataloader(self) -> RequestStream | list:
+    def val_dataloader(self) -> RequestStream:
         _quiet_loader_flattening()
         if not self.val_indices:
-            # no validation, on purpose: Lightning's warning of an empty loader, from its sizing of the loaders, is
-            # not shown
-            ignore_warning(r"Total length of `list` across ranks is zero\.", UserWarning,
+            # No validation, on purpose: Lightning's warning of an empty loader is not shown. It names the loader's
+            # type, so an empty loader of the user's own (a list) still warns.
+            ignore_warning(r"Total length of `RequestStream` across ranks is zero\.", UserWarning,
                            r"lightning\.pytorch\.utilities\.data")
-            return []
+            return RequestStream("val", 0, [])
         return RequestStream("val", len(chunks := self._val_chunks()), chunks)
 
     def _val_chunks(self) -> list[list[int]]:
