@@ -137,6 +137,14 @@ class Forecast:
         return (self.observed_gain > RISE_NOISE_FACTOR * self.noise_std
                 and self.flat_p_value < RISE_SIGNIFICANCE and self.readings_rise_z > RISE_NOISE_FACTOR)
 
+    @property
+    def in_sight(self) -> bool:
+        """Whether the plateau lies no farther from the fitted reward now than the fitted curve has moved since the
+        first step (``|remaining_gain| <= |observed_gain|``): a forecast that extrapolates at most as far again as
+        the curve has come. Farther, it is a shape fitted to the noise of a few readings or a curve still rising
+        straight."""
+        return abs(self.remaining_gain) <= abs(self.observed_gain)
+
 
 def fit_exp_saturation(
     t: np.ndarray, y: np.ndarray, reward_range: tuple[float, float] | None = None

@@ -44,10 +44,10 @@ class RewardForecast(Callback):
     that check; ``last_forecast`` still holds it. The three keys are logged together or not at all.
 
     With ``stop=True``, training stops (``trainer.should_stop``, agreed across ranks) after ``patience``
-    consecutive checks where the curve has visibly risen (``Forecast.rise_seen``: the fitted rise exceeds twice
-    the noise of one reward reading, the fit beats a flat line at the 0.1% level and the last quarter of readings
-    lies above the first; during a flat slow start no fit can see the rise to come) and
-    ``remaining_gain < min_delta``. A run whose reward never rises is therefore rarely stopped by this callback:
+    consecutive checks whose plateau is in sight (each one logged) where the curve has visibly risen
+    (``Forecast.rise_seen``: the fitted rise exceeds twice the noise of one reward reading, the fit beats a flat
+    line at the 0.1% level and the last quarter of readings lies above the first; during a flat slow start no fit
+    can see the rise to come) and ``remaining_gain < min_delta``. A run whose reward never rises is therefore rarely stopped by this callback:
     its noise passes for a rise in about 1% of runs at most (checked every step). ``stopped_step`` tells where it
     stopped. The history and the patience count survive checkpoints (``state_dict``); a resume with other settings
     (``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one forecast of the same
@@ -149,7 +149,8 @@ class RewardForecast(Callback):
             rank_zero_warn(f"RewardForecast: monitor={self.monitor!r} has not been logged by step {step}, so nothing "
                            f"is forecast (or stopped); logged keys: {sorted(trainer.callback_metrics)}")
         forecast = self._forecast(trainer)
-        plateaued = forecast is not None and forecast.rise_seen and forecast.remaining_gain < self.min_delta
+        plateaued = (forecast is not None and forecast.rise_seen and forecast.in_sight
+                     and forecast.remaining_gain < self.min_delta)
         if trainer.world_size > 1:  # rank 0's verdict: the patience count is the same on every rank by construction
             plateaued = bool(trainer.strategy.broadcast(plateaued, src=0))
         self.wait_count = self.wait_count + 1 if plateaued else 0
@@ -207,7 +208,7 @@ class RewardForecast(Callback):
         if forecast is None:
             return None
         self.last_forecast = forecast
-        if abs(forecast.remaining_gain) > abs(forecast.observed_gain):  # no plateau in sight: nothing to chart
+        if not forecast.in_sight:  # nothing to chart
             return forecast
         # Logged at every check, whatever log_every_n_steps: the checks have their own cadence.
         log_metrics(trainer, {

@@ -298,6 +298,22 @@ def test_the_stop_waits_for_patience_consecutive_plateaued_checks_from_min_point
     assert forecast.stopped_step == 40 and forecast.wait_count == 2
 
 
+def test_a_plateau_out_of_sight_is_not_counted_towards_the_stop(tmp_path, monkeypatch):
+    """A fit whose plateau lies far below the fitted reward now (a remaining gain of -5 on a curve that rose by 1)
+    is not logged, so it does not count towards the stop either: the stop message quotes a charted forecast."""
+    fit = CurveFit("exp_saturation", (0.0, 1.0, 0.1), rss=1.0, num_points=10)
+
+    def far_below(steps, rewards, criterion, reward_range=None):
+        return Forecast(plateau_reward=-4.0, step_to_plateau=5.0, remaining_gain=-5.0, observed_gain=1.0,
+                        noise_std=0.01, fit=fit, candidates=(fit,))
+
+    monkeypatch.setattr(reward_forecast_module, "forecast_plateau", far_below)
+    forecast = RewardForecast(min_delta=0.01, patience=1, stop=True, min_points=5, check_every_n_steps=5)
+    trainer = run(TrajectoryModule(noisy(saturating, seed=0)), forecast, 40, tmp_path)
+    assert forecast.last_forecast.remaining_gain == -5.0 and not forecast.last_forecast.in_sight
+    assert forecast.stopped_step is None and forecast.wait_count == 0 and trainer.global_step == 40
+
+
 def test_a_reward_that_is_not_finite_is_not_recorded(tmp_path):
     rewards = noisy(saturating, seed=0)[:30].copy()
     rewards[[3, 17]] = np.nan
