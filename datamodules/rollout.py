@@ -36,8 +36,8 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_settings
 from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, check_prompt_shaping,
-                                     check_prompt_source, load_prompts, prompt_set_fingerprint, render_prompt,
-                                     split_examples)
+                                     check_prompt_source, check_val_size, load_prompts, prompt_set_fingerprint,
+                                     render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
@@ -313,6 +313,7 @@ class RolloutDataModule(LightningDataModule):
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch, 1)
         check_prompt_source(size, data_seed, dataset)
+        check_val_size(val_size)
         check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
         check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
         self.tools = checked_tools(tools, max_tool_calling_iterations, over_provision)

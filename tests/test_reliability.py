@@ -51,6 +51,11 @@ def make_datamodule(module, setup=True, **kwargs) -> RolloutDataModule:
     ({"val_batch_size": 0}, r"val_batch_size=0 must be an integer >= 1"),
     ({"score_batch_size": 0}, r"score_batch_size=0 must be an integer >= 1"),
     ({"on_reward_error": "ignore"}, r"on_reward_error='ignore' is not known.*raise.*skip_group"),
+    # the value's shape is refused when the module is built, before any prompt is loaded
+    ({"val_size": -1}, r"val_size=-1 must be a count >= 0 or a fraction in \[0, 1\)"),
+    ({"val_size": True}, r"val_size=True must be a count >= 0 or a fraction in \[0, 1\)"),
+    ({"val_size": "10%"}, r"val_size='10%' must be a count >= 0 or a fraction in \[0, 1\)"),
+    ({"val_size": 1.5}, r"val_size=1.5 as a fraction must be in \[0, 1\)"),
 ])
 def test_bad_datamodule_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

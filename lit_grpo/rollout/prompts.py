@@ -234,6 +234,16 @@ def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 
+def check_val_size(val_size: Any) -> None:
+    """Refuse a ``val_size`` that is neither a count of prompts (an int >= 0) nor a fraction of them in [0, 1), before
+    any prompt is loaded; whether it leaves prompts on both sides is ``split_examples``' to judge."""
+    if isinstance(val_size, float):
+        if not 0.0 <= val_size < 1.0:
+            raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
+    elif not (isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0):
+        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
+
+
 def split_examples(examples: Sequence[PromptExample], val_size: int | float,
                    seed: int = 0) -> tuple[list[int], list[int]]:
     """Hold out ``val_size`` distinct prompts, chosen by ``seed``, so that no validation prompt is trained on.
@@ -254,17 +264,14 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
         key = json.dumps([example.prompt, example.messages], default=str)
         prompt_of_row.append(first_rows.setdefault(key, row))
     n = len(first_rows)
+    check_val_size(val_size)
     if isinstance(val_size, float):
-        if not 0.0 <= val_size < 1.0:
-            raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
         count = int(round(val_size * n))
         if val_size > 0 and count == 0:  # asked for validation: none would run, silently
             raise ValueError(f"val_size={val_size!r} of {n} distinct prompts holds none out (it rounds to 0); use a "
                              "count (an integer >= 1), a larger fraction, or 0 for no validation")
-    elif isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0:
-        count = val_size
     else:
-        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
+        count = val_size
     if count >= n:
         raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n} distinct prompts; lower it or "
                          "add prompts")
