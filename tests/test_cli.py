@@ -415,6 +415,7 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
 @pytest.mark.parametrize("args, message", [
     # a class names its own field; the message names it by its full key
     (["--data.sampling.group_size", "0"], "error: data.sampling.group_size=0 must be an integer >= 1"),
+    (["--data.val_size", "-1"], "error: data.val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
     (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
     # a negative number in exponent notation is the value, not an option of its own
     (["--model.lr", "-1e-5"], "error: model.lr=-1e-05 is not allowed; lr must be a finite number > 0"),
@@ -776,7 +777,7 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
                                        "dataset); got ['task', 'jsonl_path']: unset the others, e.g. --data.task null"),
     (["--data.task", "null", "--data.task_config", "null", "--data.jsonl_path", "missing.jsonl"],
      "error: data: prompt file 'missing.jsonl' does not exist"),
-    (["--data.val_size", "-1"], "error: data.val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
+    (["--data.val_size", "1000"], "error: data.val_size=1000 leaves no training prompt out of 40 distinct prompts"),
     # under the key the user set, not under data.tools (whose block it was checked in)
     (["--data.max_tool_calling_iterations", "-1"], "error: data.max_tool_calling_iterations=-1 must be an integer "
                                                    ">= 0 (tool rounds per completion) or None (null in YAML"),
