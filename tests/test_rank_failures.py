@@ -11,7 +11,8 @@ failure watch), Lightning's own launcher (``--trainer.devices 2``) as real ``lit
 script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and ends a failing rank itself, once
 with both ranks of one node failing at once (each finishes its handling before the other's end can end it). Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, a config file that
-does (under torchrun, whose environment gives the layout the unread settings do not), and the bounded waits
+does (under torchrun, whose environment gives the layout the unread settings do not; under Lightning's launcher,
+whose node 1 is named by its node), and the bounded waits
 of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
 store on its port alone, a process group's setup that times out ending its rank at once (under Lightning's launcher
 with the ranks it started), and where each rank finds its place. A forked rank (``ddp_fork``) starts without its
@@ -294,13 +295,36 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
                 "ConfigError: --config c.yaml: no such file" in output, tail
 
 
-def test_a_parse_error_under_lightnings_launcher_of_several_nodes_says_the_others_are_not_told(tmp_path):
-    """Under Lightning's own launcher of several nodes (``NODE_RANK``) the world size is a setting: a process whose
-    settings cannot be read knows no more than its node, and says that the other ranks wait for it."""
-    env = {**repo_env(), "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_node_naming_it(tmp_path):
+    """``--config c.yaml`` where ``c.yaml`` exists on node 0 only, under Lightning's own launcher of 2 nodes
+    (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): node 1 knows neither the world size nor its ranks (settings
+    it could not read), yet records its error in rank 0's store as node 1's, and rank 0, which would wait in the
+    process group's setup until its timeout (30 minutes), ends within seconds naming node 1 and the error."""
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    (folders[0] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", "run", "--config", "c.yaml"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders)
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code is not None, f"node {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
+    missing = "ConfigError: --config c.yaml: no such file"
+    (code0, output0, _), (code1, output1, _) = outputs
+    assert code1 == 2 and f"lit-grpo: node 1 failed: {missing}" in output1, output1[-4000:]
+    assert "Traceback" not in output1, output1[-4000:]
+    assert code0 == 1 and f"lit-grpo: rank 0 of 2 stopped because node 1 failed: {missing}" in output0, \
+        output0[-4000:]
+
+
+def test_a_parse_error_on_node_0_under_lightnings_launcher_says_the_others_are_not_told(tmp_path):
+    """Under Lightning's own launcher of several nodes (``NODE_RANK``) the world size is a setting: node 0, whose
+    process would run the store, knows no more than that when its settings cannot be read (one node or several),
+    and says that the other ranks, if any, wait for it."""
+    env = {**repo_env(), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ended = forked_cli.run(["fit", "--config", str(tmp_path / "c.yaml")], tmp_path, env, timeout=DEADLINE_S)
     assert ended.returncode == 2, ended.stderr[-4000:]
-    assert "this process's place in the run is unknown (NODE_RANK=1 but no world size" in ended.stderr, \
+    assert "this process's place in the run is unknown (NODE_RANK=0 but no world size" in ended.stderr, \
         ended.stderr[-4000:]
 
 
@@ -421,12 +445,15 @@ def test_a_rank_finds_its_place_before_the_ranks_connect(monkeypatch, env, train
       "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "node[7-8]", "SLURM_JOB_NAME": "train",
       "MASTER_PORT": "29511"}, (2, 4, 1, 2, "node7", 29511)),
     ({"NODE_RANK": "1", "MASTER_PORT": "29511"}, None),  # Lightning's launcher: the world size is a setting
+    ({"NODE_RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_PORT": "29511"}, None),  # a rank it started
     ({"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1",
       "TORCHELASTIC_RUN_ID": "x"}, None),  # one process
-], ids=["torchrun", "slurm", "lightning", "one-process"])
+], ids=["torchrun", "slurm", "lightning", "lightning-child", "one-process"])
 def test_a_rank_whose_settings_cannot_be_read_finds_its_place_in_its_launchers_environment(monkeypatch, env, place):
-    """``launched_place``: rank, world size, node, nodes and the run's store, from torchrun's or SLURM's variables."""
-    from lit_grpo.runtime.rank_failure import launched_place
+    """``launched_place``: rank, world size, node, nodes and the run's store, from torchrun's or SLURM's variables;
+    ``launched_node``: under Lightning's own launcher only the node, for the process started on it (not for a rank
+    the launcher started, nor under torchrun or SLURM)."""
+    from lit_grpo.runtime.rank_failure import launched_node, launched_place
 
     for name in (*_LAUNCH_ENV, "TORCHELASTIC_RUN_ID", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", "SLURM_NODEID",
                  "SLURM_NNODES", "SLURM_NODELIST", "MASTER_ADDR"):
@@ -438,6 +465,7 @@ def test_a_rank_whose_settings_cannot_be_read_finds_its_place_in_its_launchers_e
     assert (found if found is None else (found.rank, found.world, found.node, found.nodes, found.address,
                                          found.port)) == place
     assert found is None or found.others_wait
+    assert launched_node() == (1 if "NODE_RANK" in env and "LOCAL_RANK" not in env else None)
 
 
 @pytest.mark.parametrize("rank0", ["stalls", "reduces"])

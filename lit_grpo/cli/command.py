@@ -28,8 +28,8 @@ from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.runtime.checkpoints import (SettingsDiffer, find_last_checkpoint, finish_interrupted_swaps,
                                           newest_run_hint, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
-from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, ended_by_caller, launched_place,
-                                           rank_place, watch_failures)
+from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, end_unread_node, ended_by_caller,
+                                           launched_node, launched_place, rank_place, watch_failures)
 from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
@@ -100,8 +100,10 @@ class GRPOCLI(LightningCLI):
         this rank alone (a model path missing on one node, a config file missing there) would leave them waiting
         in the process group's setup until its timeout: its record in the run's store ends them
         (``end_unconnected_rank``). The run's layout is read from the settings, or for a parse error from the
-        launcher's environment (torchrun's, SLURM's: ``launched_place``). A run of one process, or a parse error
-        whose layout no launcher gives (Lightning's own: said so), ends here at once; so do rank 0 of one
+        launcher's environment (torchrun's, SLURM's: ``launched_place``; under Lightning's own launcher of several
+        nodes only the node is known, ``launched_node``, whose error rank 0's store is told as that node's,
+        ``end_unread_node``). A run of one process, or a parse error on node 0 under Lightning's launcher (no store
+        to tell: its process would run it; said so), ends here at once; so do rank 0 of one
         node under Lightning's launcher and an error of the ranks' connecting itself (a rank that never came, the
         store's port taken), which no store is there to tell: with the node's ranks the launcher started, which
         would wait for this one's store."""
@@ -109,8 +111,13 @@ class GRPOCLI(LightningCLI):
             return  # main ends every rank
         config = getattr(self, "config", None)
         if config is None:  # the settings could not be read: the layout is known only from a launcher's environment
-            place = launched_place()
-            _say_unread_layout(place)
+            place, node = launched_place(), launched_node()
+            _say_unread_layout(place, node)
+            if node:  # Lightning's launcher of several nodes: told in rank 0's store (node 0's process would run it)
+                if isinstance(error, SystemExit):  # a bad setting, said already: its cause is what the others name
+                    status = error.code if isinstance(error.code, int) else 1
+                    end_unread_node(error.__cause__ or error, node, exit_status=status, show_traceback=False)
+                end_unread_node(error, node)
         else:
             place = planned_place((config[config.subcommand] if config.get("subcommand") else config).get("trainer"))
         if place is None:

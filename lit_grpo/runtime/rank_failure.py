@@ -25,15 +25,20 @@ says that the failed rank's output names the error.
 
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
-after it names it as the cause. Where the store ended with the failed rank (Lightning's own launchers run it in
-rank 0's process), a rank says that its connection to the others broke, and the failed rank's output has the error.
+after it names it as the cause (its rank, or a node's name for a node that failed before it knew its ranks). Where
+the store ended with the failed rank (Lightning's own launchers run it in rank 0's process), a rank says that its
+connection to the others broke, and the failed rank's output has the error.
 
 A rank can also fail before the ranks connect (a model path that exists on one node only, or a config file): the
 others would wait in the process group's setup until its timeout. Its place comes from its settings, or where they
-cannot be read from its launcher's environment (:func:`launched_place`: torchrun's, SLURM's). Each rank watches
-from before that setup (``GRPOCLI`` starts the watch as the run starts), and a rank failing there records its error
-through :func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank
-still to come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it
+cannot be read from its launcher's environment (:func:`launched_place`: torchrun's, SLURM's). Under Lightning's own
+launcher of several nodes that environment gives only the node (:func:`launched_node`): the process started on a
+node other than 0 records its error in rank 0's store as ``node N``'s, which every rank names, and says its node
+read it (:func:`end_unread_node`); node 0's would run the store, and knows no count of nodes to keep it for (the run
+may have one), so it ends at once and the others wait until their timeout. Each rank watches from before that
+setup (``GRPOCLI`` starts the watch as the run starts), and a rank failing there records its error through
+:func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank still to
+come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it
 in rank 0's store, waiting for it as long (and so does rank 0 under torchrun, whose agent runs the store). A store
 rank 0 finds on its port is another run's: it is left alone. Under Lightning's own launcher rank 0 waits for the
 other nodes only (one of each reading is enough): the ranks of its own node are its children, which it ends as it
@@ -147,6 +152,17 @@ def launched_place() -> RankPlace | None:
         except (KeyError, ValueError, RuntimeError):  # a variable missing or no number: not this launcher's run
             continue
         return place if world > 1 else None
+    return None
+
+
+def launched_node() -> int | None:
+    """This process's node where Lightning's own launcher runs several nodes and the settings could not be read:
+    ``NODE_RANK``, for the process started on each node (``MASTER_PORT`` set, no ``LOCAL_RANK``: not a rank the
+    launcher started); the world size and the node's ranks are settings. None elsewhere."""
+    if "LOCAL_RANK" in os.environ or "MASTER_PORT" not in os.environ or launched_place() is not None:
+        return None
+    with contextlib.suppress(KeyError, ValueError):
+        return int(os.environ["NODE_RANK"])
     return None
 
 
@@ -266,7 +282,7 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
           f"{SETUP_WAIT_S:.0f} s for " + ("the other ranks to read its record" if runs_store else
                                           f"rank 0's store at {place.address}:{place.port} to record it"),
           file=sys.stderr, flush=True)
-    store = _start_store(place) if runs_store else _await_store(place, deadline)
+    store = _start_store(place) if runs_store else _await_store((place.address, place.port), deadline)
     if store is None:
         where = f"{place.address}:{place.port}"
         why = (f"its port {where} is another process's (another run's store?), left alone" if runs_store
@@ -295,12 +311,40 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     _end(None, exit_status, after_handling=False)
 
 
-def _ending_line(rank: int, world: int, first: tuple[int, str | None]) -> str:
-    """The line a rank ends with, ``first`` being the run's first failure (its rank and description)."""
+def end_unread_node(error: BaseException, node: int, exit_status: int = 1, show_traceback: bool = True) -> NoReturn:
+    """:func:`end_unconnected_rank` for the process started on node ``node`` (not 0: rank 0's runs the store) under
+    Lightning's own launcher of several nodes, whose settings could not be read (:func:`launched_node`): its ranks
+    unknown, its error is recorded in rank 0's store as ``node N``'s, which every rank names as it ends; the store
+    is waited for ``SETUP_WAIT_S``. It starts no rank, so its node is said to have read the record."""
+    _ending.set()
+    if show_traceback:
+        traceback.print_exception(error)
+    address = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
+    name, where = f"node {node}", "{}:{}".format(*address)
+    print(f"lit-grpo: {name} failed before the ranks connected: {describe(error)}; it waits up to {SETUP_WAIT_S:.0f}"
+          f" s for rank 0's store at {where} to record it", file=sys.stderr, flush=True)
+    store = _await_store(address, time.monotonic() + SETUP_WAIT_S)
+    if store is None:
+        _end(f"{name} failed before the ranks connected: {describe(error)}; no store came at {where} within "
+             f"{SETUP_WAIT_S:.0f} s, so the ranks waiting there end at their process group's timeout", exit_status,
+             after_handling=False)
+    try:
+        first = _record_in(store, name, error)
+        store.set(f"{_prefix()}read/node/{node}", "1")
+    except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
+        _end(f"{name} stopped on {describe(error)} before the ranks connected (the run's store is gone: rank 0 ended "
+             "on a failure; its output names it)", exit_status, after_handling=False)
+    _end(_ending_line(name, 0, first), exit_status, after_handling=False)
+
+
+def _ending_line(rank: int | str, world: int, first: tuple[int | str, str | None]) -> str:
+    """The line a rank ends with (``rank`` of ``world``, or a node's name: ``node N``), ``first`` being the run's
+    first failure (its rank or node name, and its description)."""
+    this = f"rank {rank} of {world}" if isinstance(rank, int) else rank
     if first[0] == rank:
-        return f"rank {rank} of {world} failed: {first[1]}; every rank stops"
-    cause = first[1] or "its output names the error"
-    return f"rank {rank} of {world} stopped because rank {first[0]} failed: {cause}"
+        return f"{this} failed: {first[1]}; every rank stops"
+    failed = f"rank {first[0]}" if isinstance(first[0], int) else first[0]
+    return f"{this} stopped because {failed} failed: {first[1] or 'its output names the error'}"
 
 
 def _end(line: str | None, exit_status: int = 1, after_handling: bool = True) -> NoReturn:
@@ -410,12 +454,12 @@ def _start_store(place: RankPlace) -> torch.distributed.TCPStore | None:
     return None
 
 
-def _await_store(place: RankPlace, deadline: float) -> torch.distributed.TCPStore | None:
-    """A client of the run's store, asked for once a second until ``deadline`` (``time.monotonic``): rank 0's,
-    which may still be loading its model, or the launcher's. None: none came."""
+def _await_store(address: tuple[str, int], deadline: float) -> torch.distributed.TCPStore | None:
+    """A client of the run's store at ``address``, asked for once a second until ``deadline`` (``time.monotonic``):
+    rank 0's, which may still be loading its model, or the launcher's. None: none came."""
     while True:
         with contextlib.suppress(OSError, RuntimeError):
-            return _connect_store((place.address, place.port))
+            return _connect_store(address)
         if time.monotonic() >= deadline:
             return None
         time.sleep(WATCH_INTERVAL_S)
@@ -450,14 +494,15 @@ def _await_readers(store: torch.distributed.TCPStore, place: RankPlace, deadline
     return True
 
 
-def _first_failure(store: torch.distributed.TCPStore) -> tuple[int, str]:
-    """``(rank, description)`` of the run's first recorded failure (waits for it up to the store's timeout)."""
+def _first_failure(store: torch.distributed.TCPStore) -> tuple[int | str, str]:
+    """``(rank, description)`` of the run's first recorded failure (waits for it up to the store's timeout); the
+    rank is a node's name (``node N``) for a node that failed before it knew its ranks (:func:`end_unread_node`)."""
     prefix = _prefix()
-    first = int(store.get(f"{prefix}1").decode())
-    return first, store.get(f"{prefix}rank/{first}").decode()
+    first = store.get(f"{prefix}1").decode()
+    return int(first) if first.isdigit() else first, store.get(f"{prefix}rank/{first}").decode()
 
 
-def _record_failure(rank: int, error: BaseException) -> tuple[int, str | None] | None:
+def _record_failure(rank: int, error: BaseException) -> tuple[int | str, str | None] | None:
     """Record this rank's error in the run's store; return ``(rank, description)`` of the failure that came first
     (this one, another rank's, or the one a ``RankFailed`` names: its description None where its record did not
     come), or None where the store cannot be reached."""
@@ -467,8 +512,10 @@ def _record_failure(rank: int, error: BaseException) -> tuple[int, str | None] |
         return None
 
 
-def _record_in(store: torch.distributed.TCPStore, rank: int, error: BaseException) -> tuple[int, str | None]:
-    """:func:`_record_failure` in ``store``; raises where the store is gone."""
+def _record_in(store: torch.distributed.TCPStore, rank: int | str, error: BaseException
+               ) -> tuple[int | str, str | None]:
+    """:func:`_record_failure` in ``store`` (``rank``: or a node's name, ``node N``); raises where the store is
+    gone."""
     from lit_grpo.runtime.distributed import RankFailed
 
     prefix = _prefix()
