@@ -41,7 +41,7 @@ from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs,
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
-                                      check_row_fields, correctness_reward)
+                                      check_reward_columns, check_row_fields, correctness_reward)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
@@ -486,6 +486,7 @@ class RolloutDataModule(LightningDataModule):
                                     self.split)
             check_gold_answers(self.reward_funcs, examples, self._answer_source(examples))
             check_row_fields(examples, self._prompt_source())
+            check_reward_columns(self.reward_funcs, examples, self._prompt_source())
             self.train_indices, self.val_indices = split_examples(examples, self.val_size, self.data_seed)
         self.examples = examples
         self._train_position = {index: position for position, index in enumerate(self.train_indices)}

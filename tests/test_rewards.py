@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -812,3 +813,53 @@ def test_a_copy_shares_a_tuple_of_strings_and_numbers_and_rebuilds_one_holding_a
     copied = own_copy(row)
     assert copied["difficulty"]["num_terms"] is fixed and copied["difficulty"] is not row["difficulty"]
     assert copied["mixed"] == mixed and copied["mixed"] is not mixed and copied["mixed"][1] is not mixed[1]
+
+
+def test_a_reward_needing_a_column_the_data_lacks_is_refused_with_the_prompts():
+    """TRL's ``def f(completions, solution, **kwargs)`` on data without ``solution`` would raise TypeError at the
+    first step's scoring, after the model loaded and the first rollout ran: refused with the prompts instead,
+    naming the function, the parameter and the columns the rows have."""
+    import functools
+
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import check_reward_columns
+
+    examples = [PromptExample("a?", "1", {"prompt": "a?", "answer": "1", "solutions": "1"})]
+
+    def needs_solution(completions, solution, **kwargs):
+        return [1.0] * len(completions)
+
+    def by_position(prompts, completions, difficulty, *, level, **columns):
+        return [1.0] * len(completions)
+
+    def fine(prompts, completions, answer, completion_ids, trainer_state, solutions, **kwargs):
+        return [1.0] * len(completions)
+
+    @functools.wraps(needs_solution)
+    def decorated(*args, **kwargs):
+        return needs_solution(*args, **kwargs)
+
+    check_reward_columns(build_reward_funcs([fine, "accuracy", "format", "overlong", "math"]), examples,
+                         "data.dataset='rows.jsonl'")
+    bound = functools.partial(by_position, difficulty=1, level=2)  # a spec's kwargs bind them so
+    check_reward_columns(build_reward_funcs([bound]), examples, "x")
+    for fn, missing in ((needs_solution, "['solution']"), (decorated, "['solution']"),
+                        (by_position, "['difficulty', 'level']")):
+        with pytest.raises(ValueError, match=rf"reward function '{fn.__name__}' needs {re.escape(missing)}, which no "
+                                             r"row of data.dataset='rows.jsonl' has: its fields are \['answer', "
+                                             r"'solutions'\]"):
+            check_reward_columns(build_reward_funcs([fn]), examples, "data.dataset='rows.jsonl'")
+    with pytest.raises(ValueError, match=r"did you mean 'solutions'\?"):
+        check_reward_columns(build_reward_funcs([needs_solution]), examples, "data.dataset='rows.jsonl'")
+
+
+def test_a_field_missing_from_some_jsonl_rows_reaches_every_call_as_none():
+    """As TRL's JSON loader (datasets) reads a JSONL file: a field some rows lack is None in those rows, so a
+    function taking it by name gets it in every call, not only in a batch that happens to hold a row with it."""
+    from lit_grpo.rollout.prompts import load_prompts
+
+    rows = [{"prompt": "a?", "solution": "1"}, {"prompt": "b?"}, "c?"]
+    examples = load_prompts(prompts=rows)
+    assert [e.entry for e in examples] == [{"prompt": "a?", "solution": "1"}, {"prompt": "b?", "solution": None},
+                                           {"prompt": "c?", "solution": None}]
+    assert rows[1] == {"prompt": "b?"}, "the caller's rows are not changed"

@@ -179,12 +179,23 @@ def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
     if task is not None:
         return reasoning_gym_prompts(task, size, seed, task_config)
     if jsonl_path is not None:
-        return jsonl_prompts(jsonl_path)
+        return with_every_field(jsonl_prompts(jsonl_path))
     if dataset is not None:
         from lit_grpo.rollout.hf_dataset import dataset_prompts
 
         return dataset_prompts(dataset, prompt_column, answer_column, split)
-    return inline_prompts(prompts)
+    return with_every_field(inline_prompts(prompts))
+
+
+def with_every_field(examples: list[PromptExample]) -> list[PromptExample]:
+    """``examples`` with every row holding every field of any row, None where it had none, as TRL's JSON loader
+    (datasets) reads a JSONL file: a reward function that takes a field by name then gets it in every call, not
+    only in a batch that happens to draw a row with it. The entries are the examples' own copies."""
+    fields = list(dict.fromkeys(key for example in examples for key in example.entry))
+    for example in examples:
+        for key in fields:
+            example.entry.setdefault(key, None)
+    return examples
 
 
 #: ``apply_chat_template``'s own arguments, which ``render_prompt`` sets or it takes for itself, and ``messages``, the

@@ -18,7 +18,8 @@ of the same length: ``answer`` (the gold answer as the row holds it, a number as
 messages too, as TRL's ``completion_ids`` hold them and ``max_new_tokens`` bounds them; the logged
 ``completions/*_length`` count drawn tokens only), ``truncated`` (hit the length cap), ``max_new_tokens``, plus
 every field of the prompt's row but ``prompt`` (a JSONL row's, a dataset's columns; ``check_row_fields`` refuses
-one named as an argument above). Take ``**kwargs`` and ignore what you do not need.
+one named as an argument above; ``check_reward_columns`` refuses a function needing a field no row has). Take
+``**kwargs`` and ignore what you do not need.
 
 Every call also passes ``trainer_state`` (a ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``), under
 TRL's name and with its fields' meaning, for rewards shaped by training progress, and TRL's ``log_metric(name,
@@ -355,6 +356,47 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
         if clash := sorted(taken & set(example.entry)):
             raise ValueError(f"{source}: row {index} has the fields {clash}, which are names the reward functions "
                              f"get from lit_grpo itself ({', '.join(sorted(taken))}); rename those fields")
+
+
+
+def _required_keywords(reward: WeightedReward) -> list[str]:
+    """The parameters of ``reward``'s function that a call must pass by name (no default): beyond ``prompts`` and
+    ``completions``, or the first two positional ones where it is called by position; a decorator's forwarding
+    ``wrapper(*args, **kwargs)`` read as the function it wraps (as ``check_reward_call`` reads it)."""
+    fn = reward.fn
+    while True:
+        try:
+            parameters = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            return []
+        kinds = {p.kind for p in parameters}
+        wrapped = getattr(fn, "__wrapped__", None)
+        if not ({inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds and callable(wrapped)):
+            break
+        fn = wrapped
+    if not reward.by_keyword:
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        parameters = [p for p in parameters if p not in positional]
+    return [p.name for p in parameters if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompts", "completions")]
+
+
+def check_reward_columns(reward_funcs: Sequence[WeightedReward], examples: Sequence[Any], source: str) -> None:
+    """Refuse a reward function with a parameter it needs (no default) that no call passes: neither an argument
+    every call gets (``COLUMNS``, ``trainer_state``, ``log_metric``, ``log_extra``) nor a field of the prompts'
+    rows (``PromptExample.entry``). Its first call would raise TypeError, as TRL's does, but only after the model
+    loaded and the first rollout ran; said with the prompts instead, naming the fields there are. ``source`` names
+    where the prompts come from, for the message."""
+    fields = sorted({key for example in examples for key in example.entry} - {"prompt"})
+    given = {*COLUMNS, *CALL_KEYWORDS, *fields}
+    for reward in reward_funcs:
+        missing = [name for name in _required_keywords(reward) if name not in given]
+        if missing:
+            close = difflib.get_close_matches(missing[0], fields, n=1)
+            raise ValueError(f"reward function {reward.name!r} needs {missing}, which no row of {source} has: its "
+                             f"fields are {fields}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f", and every call also passes {list(COLUMNS + CALL_KEYWORDS)}; add the column, "
+                             "or give the parameter a default")
 
 
 #: The keys of a reward spec given as a mapping (``build_reward_funcs``).
