@@ -236,6 +236,22 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
         dataset_prompts([{"prompt": "x"}])
 
 
+
+def test_an_empty_file_or_folder_is_said_to_have_no_rows(tmp_path):
+    """An empty data file (no bytes, blank lines, a header alone, a table of no rows, or a filter that kept
+    nothing, saved) is named as having no rows, not by what the parser says of it (StopIteration, 'Instruction
+    "train" corresponds to no data!', an IndexError)."""
+    files = {"empty.jsonl": "", "blank.jsonl": "\n\n", "header.csv": "prompt,solution\n", "empty.csv": "",
+             "none.json": "[]", "zero.parquet": ""}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    datasets.Dataset.from_dict({"prompt": [], "solution": []}).to_parquet(tmp_path / "no_rows.parquet")
+    datasets.Dataset.from_dict({"prompt": [], "solution": []}).save_to_disk(tmp_path / "saved")
+    for name in [*files, "no_rows.parquet", "saved"]:
+        with pytest.raises(ValueError, match=rf"data.dataset '{tmp_path / name}' has no rows"):
+            load_prompts(dataset=str(tmp_path / name))
+
+
 def test_without_the_data_extra_the_error_names_it(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'lit-grpo\[data\]'"):

@@ -17,6 +17,7 @@ first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a st
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -83,14 +84,35 @@ def load_local_dataset(path: str | os.PathLike, split: str = "train"):
                 raise ValueError(f"data.dataset {str(source)!r}: files ending in {source.suffix!r} are not read; use "
                                  f"one of {sorted(FILE_BUILDERS)}")
             loaded = datasets.load_dataset(builder, data_files={"train": str(source)})
-    except ValueError as err:
-        if str(source) in str(err):
-            raise
-        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {err}") from err
     except Exception as err:  # noqa: BLE001 - pyarrow / json / datasets errors all mean an unreadable file
+        if isinstance(err, ValueError) and str(source) in str(err):
+            raise
+        if holds_no_rows(err, source):
+            raise ValueError(f"data.dataset {str(source)!r} has no rows; give at least one prompt row") from err
         reason = unwrapped_read_error(err)
-        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {type(reason).__name__}: {reason}") from err
+        said = str(err) if isinstance(err, ValueError) else f"{type(reason).__name__}: {reason}"
+        raise ValueError(f"data.dataset {str(source)!r} cannot be read: {said}") from err
     return select_split(loaded, split, str(source))
+
+
+def holds_no_rows(error: BaseException, source: Path) -> bool:
+    """Whether reading ``source`` failed with ``error`` because it holds no rows: its parsers say so only in their
+    own terms (an empty JSONL file's StopIteration, a table of no rows' 'Instruction "train" corresponds to no
+    data!', an empty CSV's EmptyDataError, a saved empty dataset's IndexError)."""
+    if source.is_file() and source.stat().st_size == 0:
+        return True
+    state = source / "state.json"
+    if source.is_dir() and state.is_file():  # save_to_disk of no rows writes no data file, then cannot load it
+        try:
+            return json.loads(state.read_text()).get("_data_files") == []
+        except (OSError, ValueError):
+            return False
+    while error is not None:
+        if isinstance(error, StopIteration) or type(error).__name__ == "EmptyDataError" or \
+                "corresponds to no data" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def select_split(loaded: Any, split: str, where: str):
