@@ -562,6 +562,28 @@ class RolloutDataModule(LightningDataModule):
                                          self.chat_template_kwargs, tools=schemas)
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
+        self._check_prompt_lengths(self._handover["policy"])
+
+    def _check_prompt_lengths(self, policy: torch.nn.Module) -> None:
+        """Refuse prompts that, with their length cap, run past the model's positions: named by row now, where the
+        engine would refuse one only at the step that first draws it, as a prompt of that step's batch."""
+        config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is None:
+            return
+        val_cap = self.validation.val_max_new_tokens
+        caps = (("sampling.max_new_tokens", self.sampling.max_new_tokens), ("val_max_new_tokens", val_cap)
+                if val_cap is not None else ("sampling.max_new_tokens", self.sampling.max_new_tokens))
+        over = [(index, len(prompt), setting, cap)
+                for (setting, cap), indices, ids in zip(caps, (self.train_indices, self.val_indices),
+                                                        (self.train_prompt_ids, self.val_prompt_ids))
+                for index, prompt in zip(indices, ids) if len(prompt) + cap > limit]
+        if over:
+            index, tokens, setting, cap = min(over)
+            raise ConfigError(f"{self._prompt_source()} row {index}: the prompt is {tokens} tokens (after the chat "
+                              f"template); with data.{setting}={cap} that exceeds the model's max_position_embeddings="
+                              f"{limit} ({len(over)} of {len(self.examples)} rows): shorten or drop those rows, or "
+                              "lower the length cap")
 
     def _world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)

@@ -252,6 +252,33 @@ def test_an_empty_file_or_folder_is_said_to_have_no_rows(tmp_path):
             load_prompts(dataset=str(tmp_path / name))
 
 
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_at_hand_over_naming_its_row(tmp_path):
+    """A row whose prompt, with the length cap, runs past the model's positions is named (the source, the row, its
+    tokens, how many rows are over) when the policy is handed over, not at the step that first draws it, deep in
+    the engine, as "prompt 1" of that step's batch; a held-out row against the validation cap."""
+    from lit_grpo.runtime.validation import ConfigError
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    rows[3]["prompt"] = "long " * 500  # 2500 tokens of the byte-level tokenizer, past tiny-llama's 2048 positions
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    data = RolloutDataModule(dataset=str(path), val_size=0, prompts_per_step=2, reward_funcs=["math"],
+                             sampling={"group_size": 2, "max_new_tokens": 8})
+    data.setup("fit")
+    with pytest.raises(ConfigError, match=rf"data.dataset='{path}' row 3: the prompt is 25\d\d tokens \(after the "
+                                          r"chat template\); with data.sampling.max_new_tokens=8 that exceeds the "
+                                          r"model's max_position_embeddings=2048 \(1 of 6 rows\)"):
+        data.attach(model, tokenizer)
+    rows[3]["prompt"] = "long " * 390  # fits with 8 new tokens, not with validation's 200
+    data = RolloutDataModule(prompts=rows, val_size=5, prompts_per_step=1, reward_funcs=["math"],
+                             val_max_new_tokens=200, sampling={"group_size": 2, "max_new_tokens": 8})
+    data.setup("fit")
+    with pytest.raises(ConfigError, match=r"data.prompts row 3: .* with data.val_max_new_tokens=200 that exceeds"):
+        data.attach(model, tokenizer)
+
+
 def test_without_the_data_extra_the_error_names_it(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'lit-grpo\[data\]'"):
