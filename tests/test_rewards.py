@@ -484,6 +484,19 @@ def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(t
         build_reward_funcs(["no_such_rewards_module:f"])
 
 
+
+def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
+    """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
+    (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
+                                               "    return [0.0]\n\n\ndef _helper():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'spelt_rewards:lenght_reward' cannot be imported \(module 'spelt_rewards' "
+                                         r"has no attribute 'lenght_reward'\); did you mean 'length_reward'\?"):
+        build_reward_funcs(["spelt_rewards:lenght_reward"])
+    with pytest.raises(ValueError, match=r"has no attribute 'judge'\); its functions: \['length_reward'\]"):
+        build_reward_funcs(["spelt_rewards.judge"])
+
+
 def test_reward_functions_of_the_documented_shapes_are_accepted():
     import functools
 

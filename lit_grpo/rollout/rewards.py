@@ -256,8 +256,13 @@ def _import_reward(name: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError as err:
-        raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
-                         f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+        # the module's own public functions: what a misspelt name was meant to be
+        functions = sorted(key for key, value in vars(module).items() if not key.startswith("_")
+                           and inspect.isfunction(value) and value.__module__ == module.__name__)
+        close = difflib.get_close_matches(attr, functions, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"its functions: {functions}" if functions else ""
+        raise ValueError(f"reward function {name!r} cannot be imported ({err}); " + (
+            hint or f"use a built-in {sorted(BUILTIN_REWARDS)} or 'package.module:function'")) from err
 
 
 def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
