@@ -103,7 +103,7 @@ def test_tokenizer_without_eos_is_refused():
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("-inf")], r"'bad' returned -inf at index 1 for prompt 'q2'"),
     ([1e39, 1.0], r"'bad' returned 1e\+39 at index 0 for prompt 'q1'; values must be finite in float32"),
-    (None, r"'bad' returned NoneType"),
+    (None, r"'bad' returned None, as a function without a return statement does"),
 ])
 def test_bad_reward_values_are_named(values, match):
     def bad(prompts, completions, **kw):

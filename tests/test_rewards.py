@@ -178,6 +178,10 @@ def test_a_function_named_only_reward_keeps_its_name():
     ("11", r"returned str"),
     ({0: 1.0, 1: 0.0}, r"returned dict"),  # its keys were taken as the rewards
     ({1.0, 0.0}, r"returned set"),
+    (None, r"'bad' returned None, as a function without a return statement does; it must return a list of 2 values, "
+           r"each a float or None"),
+    (np.array([np.nan, 1.0]), r"'bad' returned np.float64\(nan\) at index 0.*; a NaN is refused where TRL reads "
+                              r"it as None: return None for no opinion"),
 ])
 def test_bad_return_values(values, match):
     def bad(prompts, completions, **kw):

@@ -496,9 +496,12 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     # a dict or a set has a length too, but no order of the completions: a dict's keys would be taken as rewards
+    if values is None:
+        raise ValueError(f"reward function {name!r} returned None, as a function without a return statement does; it "
+                         f"must return a list of {n} values, each a float or None")
     if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__"):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__} {values!r:.100}; it must return "
-                         f"a list of {n} floats or None")
+                         f"a list of {n} values, each a float or None")
     if len(values) != n:
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions; it must "
                          "return one float (or None) per completion")
@@ -512,9 +515,12 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
             raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
                              f"for prompt {_shown(prompts[i])!r:.300}; values must be floats or None")
         if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # rewards are float32 tensors
+            # TRL's nansum takes a NaN for None; refused here, so that a broken computation is not read as no opinion
+            nan = "; a NaN is refused where TRL reads it as None: return None for no opinion" if number != number \
+                else ""
             raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
                              f"{_shown(prompts[i])!r:.300}; values must be finite in float32, |value| <= "
-                             f"{FLOAT32_MAX:.4g} (or None for no opinion)")
+                             f"{FLOAT32_MAX:.4g} (or None for no opinion){nan}")
         out.append(number)
     return out
 
