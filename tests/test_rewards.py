@@ -869,6 +869,12 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_with_the_prompts():
     with pytest.raises(ValueError, match=r"did you mean 'solutions'\?"):
         check_reward_columns(build_reward_funcs([needs_solution]), examples, "data.dataset='rows.jsonl'")
 
+    def singular(prompt, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"'singular' needs \['prompt'\].*did you mean 'prompts'\?"):
+        check_reward_columns(build_reward_funcs([singular]), examples, "data.dataset='rows.jsonl'")
+
 
 def test_a_field_missing_from_some_jsonl_rows_reaches_every_call_as_none():
     """As TRL's JSON loader (datasets) reads a JSONL file: a field some rows lack is None in those rows, so a

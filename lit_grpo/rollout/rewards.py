@@ -397,7 +397,8 @@ def check_reward_columns(reward_funcs: Sequence[WeightedReward], examples: Seque
     for reward in reward_funcs:
         missing = [name for name in _required_keywords(reward) if name not in given]
         if missing:
-            close = difflib.get_close_matches(missing[0], fields, n=1)
+            # a misspelt column, or the singular of an argument every call passes (prompt for prompts)
+            close = difflib.get_close_matches(missing[0], [*fields, "prompts", "completions", *COLUMNS], n=1)
             raise ValueError(f"reward function {reward.name!r} needs {missing}, which no row of {source} has: its "
                              f"fields are {fields}" + (f" (did you mean {close[0]!r}?)" if close else "")
                              + f", and every call also passes {list(COLUMNS + CALL_KEYWORDS)}; add the column, "
