@@ -501,6 +501,17 @@ def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has
         build_reward_funcs(["spelt_rewards.judge"])
 
 
+
+@pytest.mark.parametrize("spec", ["my_rewards.py:length_reward", "./my_rewards.py:length_reward",
+                                  "/data/lib/my_rewards.py:length_reward", "lib\\my_rewards.py:length_reward"])
+def test_a_reward_named_by_its_file_is_refused_with_the_module_name_to_write(spec):
+    """A file's path where a module's name goes was refused by what importlib says of it ('my_rewards' is not a
+    package, a relative import needs a package): the message gives the spec to write instead."""
+    with pytest.raises(ValueError, match=rf"reward function {re.escape(repr(spec))} names a file; name its module: "
+                                         r"'my_rewards:length_reward', with the module's folder"):
+        build_reward_funcs([spec])
+
+
 def test_reward_functions_of_the_documented_shapes_are_accepted():
     import functools
 

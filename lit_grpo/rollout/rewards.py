@@ -78,6 +78,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any, Literal, get_args
 
 import torch
@@ -245,6 +246,12 @@ def _unknown_reward_hint(name: str) -> str:
 def _import_reward(name: str) -> Any:
     """What ``"package.module:function"`` (or ``"package.module.function"``) names, imported."""
     module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        # importlib reads a path as a module name: 'my_rewards' is not a package, a relative import needs one
+        file = PurePath(module_name.replace("\\", "/"))
+        module = file.stem if file.suffix == ".py" else file.name
+        raise ValueError(f"reward function {name!r} names a file; name its module: {module + ':' + attr!r}, with the "
+                         f"module's folder ({str(file.parent)!r}) the working folder or on PYTHONPATH")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
