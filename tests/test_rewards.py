@@ -512,6 +512,24 @@ def test_a_reward_named_by_its_file_is_refused_with_the_module_name_to_write(spe
         build_reward_funcs([spec])
 
 
+
+def test_a_missing_reward_module_or_a_missing_import_inside_it_is_told_apart(tmp_path, monkeypatch):
+    """A module name one letter off names the working folder's module; a module that imports a package that is not
+    installed names that package and the line, where both read 'No module named ...; use a built-in'."""
+    (tmp_path / "near_rewards.py").write_text("def f(completions, **kw):\n    return [0.0]\n")
+    (tmp_path / "needy_rewards.py").write_text("import os\nimport judge_sdk_not_installed\n\n\ndef f(completions, "
+                                               "**kw):\n    return [0.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'near_reward:f' cannot be imported \(No module named 'near_reward'\); did "
+                                         r"you mean 'near_rewards:f'\?"):
+        build_reward_funcs(["near_reward:f"])
+    with pytest.raises(ValueError, match=r"'needy_rewards:f' cannot be imported: its module 'needy_rewards' raised "
+                                         r"ModuleNotFoundError: No module named 'judge_sdk_not_installed' "
+                                         r"\(.*needy_rewards.py, line 2\)"):
+        build_reward_funcs(["needy_rewards:f"])
+
+
 def test_reward_functions_of_the_documented_shapes_are_accepted():
     import functools
 

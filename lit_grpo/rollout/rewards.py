@@ -78,7 +78,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, Literal, get_args
 
 import torch
@@ -255,8 +255,18 @@ def _import_reward(name: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward function {name!r} cannot be imported ({err}); use a built-in "
-                         f"{sorted(BUILTIN_REWARDS)} or 'package.module:function'") from err
+        missing = getattr(err, "name", None)
+        if isinstance(err, ModuleNotFoundError) and missing and not (
+                module_name == missing or module_name.startswith(missing + ".")):
+            # the module was found; a package it imports is not installed: its line, as for any error of its own
+            raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
+                             f"{import_failure(err)}") from err
+        # a module of the working folder one slip away (my_reward for my_rewards)
+        here = [path.stem for path in Path.cwd().glob("*.py")]
+        close = difflib.get_close_matches(module_name, here, n=1)
+        hint = f"did you mean {close[0] + ':' + attr!r}?" if close else (
+            f"use a built-in {sorted(BUILTIN_REWARDS)} or 'package.module:function'")
+        raise ValueError(f"reward function {name!r} cannot be imported ({err}); {hint}") from err
     except Exception as err:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
         raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
                          f"{import_failure(err)}") from err
