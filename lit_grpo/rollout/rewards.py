@@ -380,7 +380,6 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
                              f"get from lit_grpo itself ({', '.join(sorted(taken))}); rename those fields")
 
 
-
 def _required_keywords(reward: WeightedReward) -> list[str]:
     """The parameters of ``reward``'s function that a call must pass by name (no default): beyond ``prompts`` and
     ``completions``, or the first two positional ones where it is called by position; a decorator's forwarding
