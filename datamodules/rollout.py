@@ -52,7 +52,7 @@ from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import ConfigError, check_int, config_errors, settings_from
+from lit_grpo.runtime.validation import ConfigError, check_bool, check_int, config_errors, settings_from
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -217,7 +217,8 @@ class RolloutDataModule(LightningDataModule):
     ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
     as ``\\boxed{}`` stay as written) shape the user message before the chat template; ``chat_template_kwargs``
     are more variables for the chat template (TRL's setting; e.g. ``{enable_thinking: false}`` for Qwen3), each one
-    it must read. ``val_size``: held-out
+    it must read; ``apply_chat_template: false`` tokenizes a string prompt as the text it is (TRL's standard
+    format; a chat-format prompt always goes through the template). ``val_size``: held-out
     prompts (a count or fraction of the distinct prompts; a repeated prompt is held out whole).
 
     Args:
@@ -278,6 +279,7 @@ class RolloutDataModule(LightningDataModule):
         system_prompt: str | None = None,
         prompt_template: str = "{prompt}",
         chat_template_kwargs: dict[str, Any] | None = None,
+        apply_chat_template: bool = True,
         reward_funcs: list[Any] | None = None,
         accuracy_reward: str | None = None,
         prompts_per_step: int = 4,
@@ -315,6 +317,10 @@ class RolloutDataModule(LightningDataModule):
         check_prompt_source(size, data_seed, dataset)
         check_val_size(val_size)
         check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
+        check_bool("apply_chat_template", apply_chat_template)
+        if not apply_chat_template and tools is not None:
+            raise ValueError("apply_chat_template=False tokenizes string prompts as plain text, but tools are shown "
+                             "to the model and their turns rendered through the chat template; drop one of the two")
         check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
         self.tools = checked_tools(tools, max_tool_calling_iterations, over_provision)
         _warn_inactive_settings(dict(
@@ -337,6 +343,7 @@ class RolloutDataModule(LightningDataModule):
         self.data_seed, self.val_size = data_seed, val_size
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
         self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs is not None else None
+        self.apply_chat_template = apply_chat_template
         with config_errors("data.reward_funcs"):
             self.reward_funcs = build_reward_funcs(reward_funcs)
         #: the correctness reward resolved against the reward functions, and what a raising one does
@@ -559,7 +566,8 @@ class RolloutDataModule(LightningDataModule):
         schemas = self._toolbox.schemas if self._toolbox is not None else None
         render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
                                          self.prompt_template, (self.examples[i].messages or [])[:-1],
-                                         self.chat_template_kwargs, tools=schemas)
+                                         self.chat_template_kwargs, tools=schemas,
+                                         chat_template=self.apply_chat_template or bool(self.examples[i].messages))
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
         self._check_prompt_lengths(self._handover["policy"])

@@ -71,3 +71,33 @@ def test_the_datamodule_renders_every_prompt_with_them_and_names_the_setting(thi
     typo.setup("fit")
     with pytest.raises(ConfigError, match=r"^data.chat_template_kwargs names \['thinking'\]"):
         typo.attach(model, tokenizer)
+
+
+def test_apply_chat_template_false_tokenizes_a_string_prompt_as_its_text_and_templates_a_chat_prompt(thinking):
+    """TRL's standard format: a string prompt is the text the model reads, tokenized as the tokenizer does any text
+    (``processing_class(text=prompts)``); a chat-format prompt goes through the template all the same."""
+    model, tokenizer = thinking
+    prompts = [{"prompt": f"Q: What is {i} + {i}?\nA:", "answer": str(2 * i)} for i in range(4)]
+    prompts += [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)}
+                for i in range(4)]
+    data = RolloutDataModule(prompts=prompts, val_size=0, prompt_template="{prompt}", apply_chat_template=False)
+    data.setup("fit")
+    data.attach(model, tokenizer)
+    rendered = dict(zip(data.train_indices, data.train_prompt_ids))
+    for i in range(4):
+        assert rendered[i] == tokenizer(prompts[i]["prompt"])["input_ids"]
+        assert tokenizer.decode(rendered[4 + i]).endswith("<|im_start|>assistant\n")
+    templated = RolloutDataModule(prompts=prompts[:4], val_size=0)
+    templated.setup("fit")
+    templated.attach(model, tokenizer)
+    assert all(tokenizer.decode(ids).endswith("<|im_start|>assistant\n") for ids in templated.train_prompt_ids)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"apply_chat_template": "no"}, r"apply_chat_template='no' must be"),
+    ({"apply_chat_template": False, "tools": ["math"]}, r"apply_chat_template=False tokenizes string prompts as "
+                                                         r"plain text, but tools .* drop one of the two"),
+])
+def test_a_bad_apply_chat_template_is_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutDataModule(prompts=["1 + 1", "2 + 2"], **kwargs)

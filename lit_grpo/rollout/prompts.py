@@ -319,19 +319,22 @@ def prompt_messages(prompt: str, system_prompt: str | None = None, template: str
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
                   template: str = "{prompt}", history: Sequence[Mapping[str, str]] = (),
-                  chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None) -> list[int]:
+                  chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None,
+                  chat_template: bool = True) -> list[int]:
     """Token ids of one prompt: ``template`` with ``{prompt}`` replaced by the prompt (every other brace kept as
     written, e.g. ``\\boxed{}``) as the user message, through the chat template.
 
     ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
-    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template get
-    the plain text (system prompt, a blank line, the turns' contents, the message). ``chat_template_kwargs``: more
-    variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``), each one the template reads.
-    ``tools``: the tools' JSON schemas, for the chat template's ``tools=`` (``lit_grpo.rollout.tools``).
+    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template, and
+    ``chat_template=False``, get the plain text (system prompt, a blank line, the turns' contents, the message),
+    tokenized as the tokenizer does any text (its own special tokens, e.g. a BOS, included).
+    ``chat_template_kwargs``: more variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``),
+    each one the template reads. ``tools``: the tools' JSON schemas, for the chat template's ``tools=``
+    (``lit_grpo.rollout.tools``).
     """
     messages = prompt_messages(prompt, system_prompt, template, history)
     check_chat_template_kwargs(tokenizer, chat_template_kwargs)
-    if getattr(tokenizer, "chat_template", None):
+    if chat_template and getattr(tokenizer, "chat_template", None):
         # tools=None, never []: some templates (Llama's) render their tool boilerplate for an empty list
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 tools=tools or None, **(chat_template_kwargs or {}))
