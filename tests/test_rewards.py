@@ -445,6 +445,18 @@ def test_trls_reward_signatures_run_unchanged():
                     "keyword_only": (["4", "5"], ["p1", "p2"]), "positional": (["4", "5"], ["p1", "p2"])}
 
 
+def test_a_dict_spec_from_python_takes_the_function_itself_with_its_weight_and_options():
+    def length_bonus(prompts, completions, scale=1.0, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    weighted, scaled = build_reward_funcs([{"name": length_bonus, "weight": 0.5},
+                                           {"name": length_bonus, "kwargs": {"scale": 2.0}, "log_name": "scaled"}])
+    assert (weighted.name, weighted.weight, weighted.fn) == ("length_bonus", 0.5, length_bonus)
+    assert scaled.name == "scaled" and scaled.fn(["p"], ["abc"]) == [6.0]
+    with pytest.raises(ValueError, match=r"'length_bonus' .*'sclae'"):
+        build_reward_funcs([{"name": length_bonus, "kwargs": {"sclae": 2.0}}])
+
+
 def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused():
     def mine(prompts, completions, **kwargs):
         return [0.0] * len(completions)
@@ -453,8 +465,8 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
     for specs in ("accuracy", {"name": "accuracy"}, mine):
         with pytest.raises(ValueError, match=r"reward_funcs=.* must be a list of reward specs .*; for one, write \["):
             build_reward_funcs(specs)
-    with pytest.raises(ValueError, match=r"name=3 must be a built-in's name .*'package.module:function' or a "
-                                         r"reward model's 'org/name' or folder"):
+    with pytest.raises(ValueError, match=r"name=3 must be a built-in's name .*'package.module:function', a "
+                                         r"reward model's 'org/name' or folder, or \(from Python\) the function"):
         build_reward_funcs([{"name": 3}])
     with pytest.raises(ValueError, match=r"reward function 'os:path' imports .*, which is not callable"):
         build_reward_funcs(["os:path"])

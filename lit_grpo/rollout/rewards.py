@@ -282,10 +282,13 @@ def _import_reward(name: str) -> Any:
             hint or f"use a built-in {sorted(BUILTIN_REWARDS)} or 'package.module:function'")) from err
 
 
-def _resolve(name: str, kwargs: Mapping[str, Any]) -> RewardFn:
-    """The reward function a config's ``name`` and option ``kwargs`` give: a built-in, a reward model or an
-    imported function (a class is built with the options, a function bound to them), its options checked."""
-    if name in BUILTIN_REWARDS:
+def _resolve(name: str | Callable[..., Any], kwargs: Mapping[str, Any]) -> RewardFn:
+    """The reward function a config's ``name`` and option ``kwargs`` give: a built-in, a reward model, an
+    imported function or, from Python, the callable itself (a class is built with the options, a function bound to
+    them), its options checked."""
+    if callable(name):
+        target, name = name, getattr(name, "__name__", type(name).__name__)
+    elif name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
     elif is_reward_model_name(name):
         target, kwargs = RewardModel, reward_model_kwargs(name, kwargs)
@@ -437,12 +440,12 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
                          "or folder")
     name = spec["name"]
-    if not isinstance(name, str) or not name:
+    if not (isinstance(name, str) and name or callable(name)):
         raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
-                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's "
-                         "'org/name' or folder")
+                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function', a reward model's "
+                         "'org/name' or folder, or (from Python) the function itself")
     fn = _resolve(name, spec.get("kwargs") or {})
-    log_name = spec.get("log_name") or (name if name in BUILTIN_REWARDS else "")
+    log_name = spec.get("log_name") or (name if isinstance(name, str) and name in BUILTIN_REWARDS else "")
     return WeightedReward(fn, spec.get("weight", 1.0), log_name)
 
 
@@ -450,7 +453,8 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """Turn config entries into ``WeightedReward`` objects.
 
     Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in or ``"pkg.module:fn"``), or a
-    dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``. ``None`` or ``[]`` -> ``[accuracy]``.
+    dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}`` (from Python its name may be the
+    callable itself). ``None`` or ``[]`` -> ``[accuracy]``.
     ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error, and a
     function that carries ``check_options(**kwargs)`` (as ``math`` does) has their values checked here too.
     """
