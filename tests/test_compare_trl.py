@@ -143,6 +143,30 @@ def test_a_decaying_schedule_and_min_p_reach_both_sides(demo):
                                  steps=1, threads=1), "out")["min_p"] is None  # off, as TRL says it
 
 
+def test_trl_steps_a_gpu_policy_with_the_fused_adamw_lit_grpo_steps_it_with(demo):
+    """On a GPU lit_grpo's AdamW runs fused (one kernel for every weight): TRL's side, handed lit_grpo's optimizer,
+    runs the same one, or the comparison would time TRL's optimizer step by another kernel. The GPU's weights are
+    faked (their device alone is read: nothing runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lit_grpo.update.module import GRPOModule
+    from tools.compare_trl_runs import lit_optimizer
+    from tools.compare_trl_spec import trl_other_settings
+
+    spec = build_spec(demo, {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, device="cuda",
+                      precision="bf16-mixed", seed=0, steps=2, threads=1)
+    with FakeTensorMode():
+        weight = torch.nn.Parameter(torch.zeros(4, 4, device="cuda"))
+    module = GRPOModule(model="tiny-llama")
+    module.policy = torch.nn.ParameterList([weight])  # what configure_optimizers steps: the policy's weights
+    optimizer, _ = lit_optimizer(torch.nn.ParameterList([weight]), spec)
+    assert optimizer.defaults["fused"] is True is module.configure_optimizers()["optimizer"].defaults["fused"]
+    assert "fused" in trl_other_settings(spec)["optimizers"]
+    cpu, _ = lit_optimizer(torch.nn.Linear(2, 2), build_spec(demo, {"prompts_per_step": 2, "group_size": 4,
+                                                                    "max_new_tokens": 8}, seed=0, steps=2, threads=1))
+    assert not cpu.defaults["fused"]  # on a CPU torch's default, as lit_grpo's
+
+
 def test_the_lit_grpo_config_sets_what_the_spec_says(demo, tmp_path):
     from lit_grpo.cli import build_cli
 

@@ -32,19 +32,19 @@ free memory holds (``--shape gpu_long``: G 256, 32, 64, 128 at 4,096 tokens), ``
 device's time is short). Everything else is the demo's and set explicitly on both sides
 (``tools.compare_trl_spec``): SmolLM2-135M-Instruct float32 (``--model`` for another), the reasoning-gym task, its
 prompts, system prompt and chat template, the accuracy reward (lit_grpo's function, called by TRL as its reward
-function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr 1e-5 with AdamW (0.9, 0.99) and 2
-warm-up steps, gradient clipping 1.0, micro-batches of 16 rows (the sweep: 8) and one optimizer step per GRPO step,
-temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with its engine (the demo's strategy
-and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``: transformers' paged continuous
-batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a generated config; TRL:
-``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after ``--untimed-steps`` warm-up steps (1; ``gpu_long``:
-none, its one step takes minutes), in the ``--order`` given for each seed (default ``lit,trl,trl,lit``: ABBA, so a
-drift of the machine falls on both). A run past ``--timeout-s`` is killed and recorded as "timeout", one killed by
-the kernel or failing to allocate as "oom"; the steps it finished are kept. A run that fails otherwise is recorded
-as "failed" with its output's end, and the comparison, having written everything below, exits with status 1 (a
-timeout or "oom" is an outcome of its cell, not a failure). SIGTERM to this process (a command's own
-time limit) kills the run in flight, records it as "stopped" with the steps it finished, writes everything below
-once more and exits with status 143.
+function), DAPO with epsilons 0.2 / 0.28 and beta 0, group reward scaling, lr 1e-5 with AdamW (0.9, 0.99; fused on a
+GPU, as lit_grpo's) and 2 warm-up steps, gradient clipping 1.0, micro-batches of 16 rows (the sweep: 8) and one
+optimizer step per GRPO step, temperature 1, ``--precision``, ``--threads`` and the seed. lit_grpo decodes with its
+engine (the demo's strategy and g), TRL with ``model.generate`` (``--trl-generation continuous_batching``:
+transformers' paged continuous batching). Each run is a fresh process (lit_grpo: the real ``lit-grpo fit`` with a
+generated config; TRL: ``tools.compare_trl_runs``), ``--steps`` timed GRPO steps after ``--untimed-steps`` warm-up
+steps (1; ``gpu_long``: none, its one step takes minutes), in the ``--order`` given for each seed (default
+``lit,trl,trl,lit``: ABBA, so a drift of the machine falls on both). A run past ``--timeout-s`` is killed and
+recorded as "timeout", one killed by the kernel or failing to allocate as "oom"; the steps it finished are kept. A
+run that fails otherwise is recorded as "failed" with its output's end, and the comparison, having written
+everything below, exits with status 1 (a timeout or "oom" is an outcome of its cell, not a failure). SIGTERM to this
+process (a command's own time limit) kills the run in flight, records it as "stopped" with the steps it finished,
+writes everything below once more and exits with status 143.
 
 **What is measured, per step** (definitions in ``tools.compare_trl_runs``): ``step_s`` (the end of one optimizer
 step to the end of the next), ``rollout_s`` (lit_grpo: the batch fetch, i.e. prompt draw, generation, scoring,

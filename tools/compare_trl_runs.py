@@ -235,13 +235,16 @@ def trl_reward_funcs(spec: dict[str, Any], eos_token_ids: set[int], step_log: St
 
 
 def lit_optimizer(model, spec: dict[str, Any]):
-    """lit_grpo's optimizer and learning-rate schedule (``GRPOModule.configure_optimizers``) for TRL's model."""
+    """lit_grpo's optimizer and learning-rate schedule (``GRPOModule.configure_optimizers``) for TRL's model: AdamW
+    fused where lit_grpo's is (weights on a GPU; no loss scaler in either side's precisions)."""
     import torch
 
     from lit_grpo.update.lr_schedule import lr_lambda
+    from lit_grpo.update.module import fused_adamw
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"],
-                                  weight_decay=spec["weight_decay"], betas=tuple(spec["betas"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=spec["weight_decay"],
+                                  betas=tuple(spec["betas"]), fused=fused_adamw(params) or None)
     schedule = lr_lambda(spec["lr_schedule"], spec["lr_warmup_steps"], spec["steps"] * spec["num_iterations"],
                          spec.get("min_lr_ratio", 0.0))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -266,9 +266,9 @@ def trl_other_settings(spec: dict[str, Any]) -> dict[str, str]:
         "reward_funcs": "lit_grpo's own reward functions (build_reward_funcs of the same specs), called with TRL's "
                         "completions' text and the rows' answer and reasoning-gym entry",
         "optimizers": f"torch.optim.AdamW(lr={spec['lr']}, betas={tuple(spec['betas'])}, "
-                      f"weight_decay={spec['weight_decay']}) with LambdaLR of lit_grpo's lr_factor (warm-up "
-                      f"{warmup} steps, then {spec['lr_schedule']} to {spec['min_lr_ratio']} of the rate): lit_grpo's "
-                      "optimizer and schedule",
+                      f"weight_decay={spec['weight_decay']}, fused where the weights are on a GPU) with LambdaLR "
+                      f"of lit_grpo's lr_factor (warm-up {warmup} steps, then {spec['lr_schedule']} to "
+                      f"{spec['min_lr_ratio']} of the rate): lit_grpo's optimizer and schedule",
         "trainer": "a GRPOTrainer subclass that times _generate_and_score_completions and _generate around "
                    "super() (TRL's code does all the work), plus a TrainerCallback marking step ends",
         "threads": f"torch.set_num_threads({spec['threads']}), OMP_NUM_THREADS={spec['threads']}",
