@@ -32,9 +32,11 @@ mkdir -p "$DIR"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
     | tee "$DIR/device.txt" || exit 1
-# -o addopts=-ra: one process (the image may lack pytest-xdist, and the CUDA tests share one device)
-python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_cuda_graph.py tests/test_decode_step.py \
-    tests/test_decode_attention.py tests/test_cuda_update.py 2>&1 | tee "$DIR/tests.txt"
+# -o addopts=-ra: one process (the image may lack pytest-xdist, and the CUDA tests share one device); a test still
+# running after 240 s has every thread's stack written to tests.txt, so a hang that runs into the command's time
+# limit leaves where it hung
+python3 -m pytest -q -p no:cacheprovider -o addopts=-ra -o faulthandler_timeout=240 tests/test_cuda_graph.py \
+    tests/test_decode_step.py tests/test_decode_attention.py tests/test_cuda_update.py 2>&1 | tee "$DIR/tests.txt"
 tests=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 python3 -m tools.gpu_targets --repeats 1 --json "$DIR/gpu_targets.json" 2>&1 | tee "$DIR/targets.txt"
 targets=${PIPESTATUS[0]}
