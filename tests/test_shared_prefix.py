@@ -251,7 +251,9 @@ def test_one_process_backs_up_in_two_stages_and_a_process_group_in_one(monkeypat
     live = live_tensors()
     assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
     assert order == [len(layers) - 1, 0, len(layers) - 1, 0]  # pass 2 (top layer down), then pass 1
-    assert live_tensors() == live  # nothing of the two stages outlives the backward (the .grad existed already)
+    # nothing of the two stages outlives the backward (the .grad existed already); at most: an earlier test's
+    # objects may be collected meanwhile
+    assert live_tensors() <= live
     order.clear()
     monkeypatch.setattr("lit_grpo.update.shared_prefix.is_multi_process", lambda: True)
     assert_same(run(model, micro, True), unshared, rtol=1e-6, atol=1e-8)
