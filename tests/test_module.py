@@ -661,9 +661,9 @@ def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
         GRPOModule(model="tiny-llama", lr_schedule="Linear")
 
 
-def _fit_rates(max_steps, ckpt_path=None, save=None, **module_options):
+def _fit_rates(max_steps, ckpt_path=None, save=None, fused=None, **module_options):
     """The rate of every optimizer step of a tiny fit (Python API, the settings given as their classes), and the
-    betas of its last."""
+    betas of its last; ``fused``, a list: each step's ``fused`` setting and step count's device are added to it."""
     import lightning.pytorch as pl
 
     from lit_grpo.sampling import SamplingConfig
@@ -675,6 +675,10 @@ def _fit_rates(max_steps, ckpt_path=None, save=None, **module_options):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             rates.append(optimizer.param_groups[0]["lr"])
             betas[:] = optimizer.param_groups[0]["betas"]
+            if fused is not None:
+                group = optimizer.param_groups[0]
+                steps = {optimizer.state[p]["step"].device.type for p in group["params"] if optimizer.state.get(p)}
+                fused.append((group["fused"], steps))
 
     pl.seed_everything(0)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
@@ -710,6 +714,26 @@ def test_a_resumed_run_takes_its_own_rate_and_schedule_at_the_step_it_resumes(tm
     rates, betas = _fit_rates(4, ckpt_path=checkpoint, lr=2e-3, lr_schedule="linear", betas=(0.8, 0.9))
     assert rates == pytest.approx([1e-3, 5e-4]) and betas == (0.8, 0.9)
     assert _fit_rates(4, ckpt_path=checkpoint, lr=2e-3)[0] == pytest.approx([2e-3, 2e-3])  # constant from here
+
+
+def test_a_resume_on_another_device_steps_with_this_runs_adamw_kernel(tmp_path, monkeypatch):
+    """A checkpoint saved where AdamW ran foreach (a CPU) resumed where it runs fused (a GPU: ``fused_adamw``, made
+    to say so here, on a CPU, which has a fused kernel too) steps fused, not with the saved group's setting; and
+    back. The step counts go where each kernel keeps them."""
+    import lit_grpo.update.module as module_file
+
+    checkpoint = str(tmp_path / "foreach.ckpt")
+    seen = []
+    _fit_rates(1, save=checkpoint, fused=seen)
+    assert seen == [(None, set())]  # the first step's state is made in it
+    monkeypatch.setattr(module_file, "fused_adamw", lambda params, loss_scaled=False: True)
+    seen.clear()
+    _fit_rates(2, ckpt_path=checkpoint, save=str(tmp_path / "fused.ckpt"), fused=seen)
+    assert seen == [(True, {"cpu"})]
+    monkeypatch.setattr(module_file, "fused_adamw", lambda params, loss_scaled=False: False)
+    seen.clear()
+    _fit_rates(3, ckpt_path=str(tmp_path / "fused.ckpt"), fused=seen)
+    assert seen == [(None, {"cpu"})]
 
 
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):

@@ -588,13 +588,15 @@ class GRPOModule(LightningModule):
 
     def on_train_start(self) -> None:
         """The optimizer takes this run's settings: a resumed run has the checkpoint's param groups back, whose
-        rate, betas and weight decay are the saved run's, the rate at the saved run's schedule."""
+        rate, betas and weight decay are the saved run's, the rate at the saved run's schedule, and whose kernel
+        (fused or not) is the saved run's device's."""
         hp = self.hparams
         scheduler, optimizer = self.lr_schedulers(), self.optimizers().optimizer
         scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
             group.update(initial_lr=hp.lr, lr=hp.lr * factor(scheduler.last_epoch), betas=tuple(hp.betas),
                          weight_decay=hp.weight_decay)
+        _match_fused(optimizer)
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
@@ -935,6 +937,23 @@ def fused_adamw(params: list[torch.Tensor], loss_scaled: bool = False) -> bool:
     (foreach) is as fast, so it stays."""
     return (not loss_scaled and bool(params)
             and all(p.device.type == "cuda" and p.is_floating_point() for p in params))
+
+
+def _match_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Give each param group back the optimizer's own ``fused`` setting (``fused_adamw``'s choice for this run's
+    device) where a checkpoint saved on another device brought its own, with its step counts where that kernel
+    keeps them: on the parameters' device (fused) or on the CPU (foreach), as ``Optimizer.load_state_dict`` places
+    them for the group's setting."""
+    fused = optimizer.defaults.get("fused")
+    for group in optimizer.param_groups:
+        if group.get("fused") == fused:
+            continue
+        group["fused"] = fused
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "step" in state:
+                state["step"] = (state["step"].to(device=param.device, dtype=torch.float32) if fused
+                                 else state["step"].to("cpu"))
 
 
 def _world_size(trainer: Any | None) -> int:
