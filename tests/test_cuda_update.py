@@ -143,3 +143,15 @@ def test_a_resume_sets_the_cuda_generator_back():
     first = torch.rand(8, device="cuda")
     set_rng_states(saved)
     assert torch.equal(torch.rand(8, device="cuda"), first)
+
+
+def test_the_bandwidth_probe_leaves_the_devices_reserved_memory_as_it_found_it():
+    """The probe's buffer (a few hundred MiB) is handed back to the device, not kept in the allocator's cache, where
+    it would count in every ``memory/*_peak_reserved_bytes`` read after it."""
+    from lit_grpo.sampling.roofline import measure_read_bandwidth
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    assert measure_read_bandwidth("cuda") > 0
+    assert torch.cuda.memory_reserved() == before
+

@@ -156,15 +156,22 @@ def measure_read_bandwidth(device: torch.device | str, buffer_bytes: int | None 
     device = torch.device(device)
     buffer_bytes = buffer_bytes or bandwidth_buffer_bytes(device)
     inner = inner or (10 if device.type == "cuda" else 1)
-    with torch.inference_mode():
-        buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
-
-        def run():
-            for _ in range(inner):
-                buffer.sum()
-
-        seconds = median_seconds(run, device, budget_s) / inner
+    seconds = _sum_seconds(device, buffer_bytes, budget_s, inner)
+    if device.type == "cuda":  # the buffer's cached block would count in the reserved peaks measured after
+        torch.cuda.empty_cache()
     return buffer_bytes / seconds
+
+
+@torch.inference_mode()
+def _sum_seconds(device: torch.device, buffer_bytes: int, budget_s: float, inner: int) -> float:
+    """Median seconds of one ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (freed on return)."""
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
+
+    def run():
+        for _ in range(inner):
+            buffer.sum()
+
+    return median_seconds(run, device, budget_s) / inner
 
 
 def read_bandwidth(device: torch.device | str,
