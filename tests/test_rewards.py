@@ -917,6 +917,30 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_with_the_prompts():
         check_reward_columns(build_reward_funcs([singular]), examples, "data.dataset='rows.jsonl'")
 
 
+def test_an_option_a_spec_binds_on_a_decorated_reward_is_no_missing_column():
+    """A spec's ``kwargs`` bind a decorated function's option (``functools.partial`` over its forwarding wrapper):
+    the function it wraps has no default for it, but every call gets it, so no column is missing."""
+    import functools
+
+    from lit_grpo.rollout.prompts import PromptExample
+    from lit_grpo.rollout.rewards import check_reward_columns
+
+    def forwarding(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @forwarding
+    def above(completions, threshold, **kwargs):
+        return [float(threshold)] * len(completions)
+
+    examples = [PromptExample("a?", "1", {"prompt": "a?", "answer": "1"})]
+    check_reward_columns(build_reward_funcs([{"name": above, "kwargs": {"threshold": 0.5}}]), examples, "x")
+    with pytest.raises(ValueError, match=r"reward function 'above' needs \['threshold'\]"):
+        check_reward_columns(build_reward_funcs([above]), examples, "x")
+
+
 def test_a_field_missing_from_some_jsonl_rows_reaches_every_call_as_none():
     """As TRL's JSON loader (datasets) reads a JSONL file: a field some rows lack is None in those rows, so a
     function taking it by name gets it in every call, not only in a batch that happens to hold a row with it."""

@@ -386,13 +386,17 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
 def _required_keywords(reward: WeightedReward) -> list[str]:
     """The parameters of ``reward``'s function that a call must pass by name (no default): beyond ``prompts`` and
     ``completions``, or the first two positional ones where it is called by position; a decorator's forwarding
-    ``wrapper(*args, **kwargs)`` read as the function it wraps (as ``check_reward_call`` reads it)."""
-    fn = reward.fn
+    ``wrapper(*args, **kwargs)`` read as the function it wraps (as ``check_reward_call`` reads it), less what an
+    outer layer gives a default (a spec's options, bound by ``functools.partial`` over the wrapper)."""
+    fn, defaulted = reward.fn, set()
     while True:
         try:
             parameters = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
         except (TypeError, ValueError):  # a builtin without a signature: nothing to check
             return []
+        defaulted.update(p.name for p in parameters if p.default is not p.empty)
+        if isinstance(fn, functools.partial):  # its keywords, which a wrapper's **kwargs hides in its signature
+            defaulted.update(fn.keywords)
         kinds = {p.kind for p in parameters}
         wrapped = getattr(fn, "__wrapped__", None)
         if not ({inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds and callable(wrapped)):
@@ -401,7 +405,7 @@ def _required_keywords(reward: WeightedReward) -> list[str]:
     if not reward.by_keyword:
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
         parameters = [p for p in parameters if p not in positional]
-    return [p.name for p in parameters if p.default is p.empty
+    return [p.name for p in parameters if p.default is p.empty and p.name not in defaulted
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompts", "completions")]
 
 
