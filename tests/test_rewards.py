@@ -542,6 +542,25 @@ def test_a_missing_reward_module_or_a_missing_import_inside_it_is_told_apart(tmp
         build_reward_funcs(["needy_rewards:f"])
 
 
+def test_an_import_error_inside_a_reward_module_or_a_working_folder_off_the_path_is_said_as_such(tmp_path,
+                                                                                                 monkeypatch):
+    """A name the module's own import does not find (``from os import no_such_name``) is the module's error, with
+    its line, not the module missing; a module of the working folder that is not importable because that folder is
+    not on ``sys.path`` (a script run from elsewhere) is said so, not 'did you mean' the very name given."""
+    (tmp_path / "stale_rewards.py").write_text("import os\nfrom os import no_such_name\n")
+    (tmp_path / "unlisted_rewards.py").write_text("def f(completions, **kw):\n    return [0.0]\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'unlisted_rewards:f' cannot be imported \(No module named "
+                                         r"'unlisted_rewards'\); its file is in the working folder, which is not on "
+                                         r"sys.path: add the folder to PYTHONPATH"):
+        build_reward_funcs(["unlisted_rewards:f"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'stale_rewards:f' cannot be imported: its module 'stale_rewards' raised "
+                                         r"ImportError: cannot import name 'no_such_name' from 'os' "
+                                         r"\(.*\).*\(.*stale_rewards.py, line 2\)"):
+        build_reward_funcs(["stale_rewards:f"])
+
+
 def test_reward_functions_of_the_documented_shapes_are_accepted():
     import functools
 

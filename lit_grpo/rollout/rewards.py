@@ -256,16 +256,19 @@ def _import_reward(name: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         missing = getattr(err, "name", None)
-        if isinstance(err, ModuleNotFoundError) and missing and not (
+        if not isinstance(err, ModuleNotFoundError) or missing and not (
                 module_name == missing or module_name.startswith(missing + ".")):
-            # the module was found; a package it imports is not installed: its line, as for any error of its own
+            # the module was found; a package it imports is not installed, or a name it imports is not in its
+            # package: its line, as for any error of its own
             raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
                              f"{import_failure(err)}") from err
-        # a module of the working folder one slip away (my_reward for my_rewards)
         here = [path.stem for path in Path.cwd().glob("*.py")]
-        close = difflib.get_close_matches(module_name, here, n=1)
-        hint = f"did you mean {close[0] + ':' + attr!r}?" if close else (
-            f"use a built-in {sorted(BUILTIN_REWARDS)} or 'package.module:function'")
+        if module_name in here:  # a script run from another folder has that one on sys.path, not this one
+            hint = "its file is in the working folder, which is not on sys.path: add the folder to PYTHONPATH"
+        else:  # a module of the working folder one slip away (my_reward for my_rewards)
+            close = difflib.get_close_matches(module_name, here, n=1)
+            hint = f"did you mean {close[0] + ':' + attr!r}?" if close else (
+                f"use a built-in {sorted(BUILTIN_REWARDS)} or 'package.module:function'")
         raise ValueError(f"reward function {name!r} cannot be imported ({err}); {hint}") from err
     except Exception as err:  # noqa: BLE001 - the module's own code failed: a setting's error, not a traceback
         raise ValueError(f"reward function {name!r} cannot be imported: its module {module_name!r} raised "
