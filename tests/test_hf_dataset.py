@@ -236,7 +236,6 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
         dataset_prompts([{"prompt": "x"}])
 
 
-
 def test_an_empty_file_or_folder_is_said_to_have_no_rows(tmp_path):
     """An empty data file (no bytes, blank lines, a header alone, a table of no rows, or a filter that kept
     nothing, saved) is named as having no rows, not by what the parser says of it (StopIteration, 'Instruction
@@ -250,7 +249,6 @@ def test_an_empty_file_or_folder_is_said_to_have_no_rows(tmp_path):
     for name in [*files, "no_rows.parquet", "saved"]:
         with pytest.raises(ValueError, match=rf"data.dataset '{tmp_path / name}' has no rows"):
             load_prompts(dataset=str(tmp_path / name))
-
 
 
 def test_a_prompt_longer_than_the_models_positions_is_refused_at_hand_over_naming_its_row(tmp_path):

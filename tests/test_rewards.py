@@ -500,7 +500,6 @@ def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(t
         build_reward_funcs(["no_such_rewards_module:f"])
 
 
-
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
@@ -513,7 +512,6 @@ def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has
         build_reward_funcs(["spelt_rewards.judge"])
 
 
-
 @pytest.mark.parametrize("spec", ["my_rewards.py:length_reward", "./my_rewards.py:length_reward",
                                   "/data/lib/my_rewards.py:length_reward", "lib\\my_rewards.py:length_reward"])
 def test_a_reward_named_by_its_file_is_refused_with_the_module_name_to_write(spec):
@@ -522,7 +520,6 @@ def test_a_reward_named_by_its_file_is_refused_with_the_module_name_to_write(spe
     with pytest.raises(ValueError, match=rf"reward function {re.escape(repr(spec))} names a file; name its module: "
                                          r"'my_rewards:length_reward', with the module's folder"):
         build_reward_funcs([spec])
-
 
 
 def test_a_missing_reward_module_or_a_missing_import_inside_it_is_told_apart(tmp_path, monkeypatch):
