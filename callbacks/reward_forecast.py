@@ -47,11 +47,12 @@ class RewardForecast(Callback):
     consecutive checks whose plateau is in sight (each one logged) where the curve has visibly risen
     (``Forecast.rise_seen``: the fitted rise exceeds twice the noise of one reward reading, the fit beats a flat
     line at the 0.1% level and the last quarter of readings lies above the first; during a flat slow start no fit
-    can see the rise to come) and ``remaining_gain < min_delta``. A run whose reward never rises is therefore rarely stopped by this callback:
-    its noise passes for a rise in about 1% of runs at most (checked every step). ``stopped_step`` tells where it
-    stopped. The history and the patience count survive checkpoints (``state_dict``); a resume with other settings
-    (``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one forecast of the same
-    ``monitor``, its checks starting over (``on_load_checkpoint``).
+    can see the rise to come) and ``remaining_gain < min_delta``. A run whose reward never rises is therefore
+    rarely stopped by this callback: its noise passes for a rise in about 1% of runs at most (checked every step).
+    ``stopped_step`` tells where it stopped. The history and the patience count survive checkpoints
+    (``state_dict``); a resume with other settings (``stop`` turned on, another ``patience``) goes on from the
+    history of the checkpoint's one forecast of the same ``monitor``, its checks starting over
+    (``on_load_checkpoint``).
 
     Under several processes every rank holds the same state: the recorded value is the monitored one averaged over
     the ranks (one small all-reduce per batch; unchanged when the module logs it reduced already), and each check's
