@@ -579,9 +579,10 @@ class RolloutDataModule(LightningDataModule):
         limit = getattr(config, "max_position_embeddings", None)
         if limit is None:
             return
-        val_cap = self.validation.val_max_new_tokens
-        caps = (("sampling.max_new_tokens", self.sampling.max_new_tokens), ("val_max_new_tokens", val_cap)
-                if val_cap is not None else ("sampling.max_new_tokens", self.sampling.max_new_tokens))
+        train_cap, val_cap = self.sampling.max_new_tokens, self.validation.val_max_new_tokens
+        # validation's cap is the sampling one where it sets none (the builder's _val_max_new_tokens)
+        caps = (("sampling.max_new_tokens", train_cap),
+                ("val_max_new_tokens", val_cap) if val_cap is not None else ("sampling.max_new_tokens", train_cap))
         over = [(index, len(prompt), setting, cap)
                 for (setting, cap), indices, ids in zip(caps, (self.train_indices, self.val_indices),
                                                         (self.train_prompt_ids, self.val_prompt_ids))
