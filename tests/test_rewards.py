@@ -672,6 +672,17 @@ def test_a_row_field_named_as_a_logging_keyword_is_refused_at_setup(field):
         check_row_fields(examples, "data.prompts")
 
 
+def test_a_row_field_named_as_an_argument_is_refused_naming_the_row_that_has_it():
+    """The rows that lack a field hold it as None (``load_prompts``, as TRL's JSON loader): the row named is the
+    one that holds a value for it, not the first row, which holds only that None."""
+    from lit_grpo.rollout.prompts import load_prompts
+    from lit_grpo.rollout.rewards import check_row_fields
+
+    examples = load_prompts(prompts=[{"prompt": "a?"}, {"prompt": "b?"}, {"prompt": "c?", "truncated": True}])
+    with pytest.raises(ValueError, match=r"data.prompts: row 2 has the fields \['truncated'\]"):
+        check_row_fields(examples, "data.prompts")
+
+
 def test_each_completion_gets_a_chat_prompt_of_its_own():
     """A reward function that builds each conversation on its prompt's list (``p.extend(c)``) sees every
     completion's prompt as the row holds it, as with TRL's rows: one list shared by a group's completions grew with

@@ -382,6 +382,9 @@ def check_row_fields(examples: Sequence[Any], source: str) -> None:
     taken = {"prompts", "completions", *CALL_KEYWORDS, *COLUMNS} - {"answer"}
     for index, example in enumerate(examples):
         if clash := sorted(taken & set(example.entry)):
+            # the rows lacking a field hold it as None (prompts.with_every_field): name one that holds a value
+            held = ((i, [key for key in clash if other.entry.get(key) is not None]) for i, other in enumerate(examples))
+            index, clash = next(((i, keys) for i, keys in held if keys), (index, clash))
             raise ValueError(f"{source}: row {index} has the fields {clash}, which are names the reward functions "
                              f"get from lit_grpo itself ({', '.join(sorted(taken))}); rename those fields")
 
