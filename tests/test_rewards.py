@@ -456,6 +456,14 @@ def test_a_dict_spec_from_python_takes_the_function_itself_with_its_weight_and_o
     with pytest.raises(ValueError, match=r"'length_bonus' .*'sclae'"):
         build_reward_funcs([{"name": length_bonus, "kwargs": {"sclae": 2.0}}])
 
+    def accuracy(completions, **kwargs):  # a function of one's own that shares a built-in's name
+        return [kwargs["scale"]] * len(completions)
+
+    (own,) = build_reward_funcs([{"name": accuracy, "kwargs": {"scale": 2.0}}])
+    assert own.call(["p"], ["abc"]) == [2.0]
+    with pytest.raises(ValueError, match=r"reward function 'accuracy' takes no option \['scale'\]"):
+        build_reward_funcs([{"name": "accuracy", "kwargs": {"scale": 2.0}}])
+
 
 def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused():
     def mine(prompts, completions, **kwargs):

@@ -334,7 +334,7 @@ def _check_options(name: str, target: Any, kwargs: Mapping[str, Any]) -> None:
     takes its named options alone; another function with ``**kwargs`` may read any option from them."""
     options, takes_any = reward_options(target)
     unknown = sorted(set(kwargs) - set(options))
-    if unknown and (name in BUILTIN_REWARDS or not takes_any):
+    if unknown and (BUILTIN_REWARDS.get(name) is target or not takes_any):  # a function's own may share its name
         raise ValueError(f"reward function {name!r} takes no option {unknown}; its options: {options}")
     for option in unknown:  # a misspelled named option would reach **kwargs, the named one keeping its default
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
