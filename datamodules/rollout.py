@@ -589,10 +589,10 @@ class RolloutDataModule(LightningDataModule):
                 for index, prompt in zip(indices, ids) if len(prompt) + cap > limit]
         if over:
             index, tokens, setting, cap = min(over)
-            raise ConfigError(f"{self._prompt_source()} row {index}: the prompt is {tokens} tokens (after the chat "
-                              f"template); with data.{setting}={cap} that exceeds the model's max_position_embeddings="
-                              f"{limit} ({len(over)} of {len(self.examples)} rows): shorten or drop those rows, or "
-                              "lower the length cap")
+            raise ConfigError(f"{self._prompt_source()} row {index}: the prompt is {tokens} tokens as the model "
+                              f"reads it (templates applied); with data.{setting}={cap} that exceeds the model's "
+                              f"max_position_embeddings={limit} ({len(over)} of {len(self.examples)} rows): shorten "
+                              "or drop those rows, or lower the length cap")
 
     def _world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)

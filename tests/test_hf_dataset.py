@@ -265,9 +265,10 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_at_hand_over_namin
     data = RolloutDataModule(dataset=str(path), val_size=0, prompts_per_step=2, reward_funcs=["math"],
                              sampling={"group_size": 2, "max_new_tokens": 8})
     data.setup("fit")
-    with pytest.raises(ConfigError, match=rf"data.dataset='{path}' row 3: the prompt is 25\d\d tokens \(after the "
-                                          r"chat template\); with data.sampling.max_new_tokens=8 that exceeds the "
-                                          r"model's max_position_embeddings=2048 \(1 of 6 rows\)"):
+    with pytest.raises(ConfigError, match=rf"data.dataset='{path}' row 3: the prompt is 25\d\d tokens as the "
+                                          r"model reads it \(templates applied\); with "
+                                          r"data.sampling.max_new_tokens=8 that exceeds the model's "
+                                          r"max_position_embeddings=2048 \(1 of 6 rows\)"):
         data.attach(model, tokenizer)
     rows[3]["prompt"] = "long " * 390  # fits with 8 new tokens, not with validation's 200
     data = RolloutDataModule(prompts=rows, val_size=5, prompts_per_step=1, reward_funcs=["math"],
