@@ -205,3 +205,78 @@ def test_micro_batch_weights_of_the_objects_span_the_ranks():
         make_loss("grpo").micro_batch_weight(2, 8, 4, world_size=0)
     with pytest.raises(ValueError, match="num_sequences=9, total_sequences=8"):
         micro_batch_weight("dapo", 9, 8, 1)
+
+
+# ------------------------------------------------------------------------------------------------ the API boundary
+def test_metrics_check_their_inputs_as_the_loss_does():
+    logps, old, ref, adv, mask = _inputs()
+    with pytest.raises(ValueError, match=r"old_logps has shape \(4, 2\)"):
+        policy_loss_metrics(logps, old[:, :2], adv, mask)
+    with pytest.raises(ValueError, match=r"advantages must be \[N\] = \[4\], got shape \(2, 2\)"):
+        policy_loss_metrics(logps, old, adv.view(2, 2), mask)
+
+
+def test_a_tensor_on_another_device_or_of_a_wrong_dtype_is_named():
+    """A stand-in for advantages left on the CPU beside CUDA log-probs: the meta device, on any machine."""
+    logps, old, ref, adv, mask = _inputs()
+    for name, args in (("advantages", (logps, old, adv.to("meta"), mask)),
+                       ("mask", (logps, old, adv, mask.to("meta"))),
+                       ("old_logps", (logps, old.to("meta"), adv, mask))):
+        with pytest.raises(ValueError, match=rf"{name} is on meta, logps on cpu"):
+            policy_loss(*args)
+    with pytest.raises(ValueError, match=r"ref_logps is on meta, logps on cpu"):
+        policy_loss(logps, old, adv, mask, beta=0.1, ref_logps=ref.to("meta"))
+    with pytest.raises(ValueError, match=r"logps must be floating point \(log-probs\), got torch.int64"):
+        policy_loss(logps.long(), old, adv, mask)
+    with pytest.raises(ValueError, match=r"old_logps must be floating point \(log-probs\), got torch.int64"):
+        policy_loss_metrics(logps, old.long(), adv, mask)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_what_padding_holds_changes_neither_the_loss_nor_its_gradient(loss_type, level):
+    """NaN or -inf where ``mask`` is 0 (a log-prob nobody computed) are ignored, as the docstrings' "mask marks the
+    real tokens" says; the all-masked row (``_inputs``' third has one token: masked here) too."""
+    logps, old, ref, adv, mask = _inputs()
+    mask[2] = 0
+    settings = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, max_completion_length=5,
+                    off_policy_mask_threshold=0.5, top_entropy_quantile=0.5)
+    if loss_type == "cispo":
+        settings["epsilon_high"] = 5.0
+    entropy = torch.rand(logps.shape, dtype=logps.dtype, generator=torch.Generator().manual_seed(1))
+    weights = torch.full_like(logps, 0.9)
+    pads = {"logps": math.nan, "old": -math.inf, "ref": math.nan, "sampled": math.nan, "entropy": math.nan,
+            "weights": math.nan}
+
+    def loss_and_grad(fill):
+        def padded(name, tensor):
+            return tensor.masked_fill(~mask.bool(), pads[name]) if fill else tensor
+        current = padded("logps", logps).detach().clone().requires_grad_()
+        loss = policy_loss(current, padded("old", old), adv, mask, ref_logps=padded("ref", ref),
+                           sampling_logps=padded("sampled", old), entropy=padded("entropy", entropy),
+                           sampling_weights=padded("weights", weights), **settings)
+        loss.backward()
+        metrics = policy_loss_metrics(current.detach(), padded("old", old), adv, mask, ref_logps=padded("ref", ref),
+                                      **{k: v for k, v in settings.items() if k != "max_completion_length"})
+        return loss.detach(), current.grad, metrics
+
+    with _quiet():  # the settings' warnings of an unusual combination
+        clean, clean_grad, clean_metrics = loss_and_grad(False)
+        padded_loss, padded_grad, padded_metrics = loss_and_grad(True)
+    assert torch.isfinite(clean) and torch.isfinite(clean_grad).all()
+    torch.testing.assert_close(padded_loss, clean)
+    torch.testing.assert_close(padded_grad, clean_grad)
+    assert padded_grad[2].eq(0).all()
+    torch.testing.assert_close(padded_metrics, clean_metrics)
+
+
+def _quiet():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ignoring():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    return ignoring()

@@ -108,7 +108,8 @@ class PolicyLoss:
             logps: ``[N, T]`` per-token log-probs under the current policy (with gradient).
             old_logps: ``[N, T]`` under the policy that sampled (``logps.detach()`` when each rollout is used once).
             advantages: ``[N]``.
-            mask: ``[N, T]`` 1/True for tokens that count.
+            mask: ``[N, T]`` 1/True for tokens that count; what the other tensors hold where it is 0 (NaN, -inf)
+                reaches neither the loss nor its gradient. Every tensor on ``logps``' device.
             ref_logps: ``[N, T]`` under the frozen reference model; needed when ``beta > 0``.
             max_completion_length: dr_grpo's normalizer (the rollout's ``max_new_tokens``).
             total_active_tokens: dapo's (and cispo's and vespo's) normalizer spanning the optimizer step.
@@ -131,6 +132,8 @@ class PolicyLoss:
             if tensor is not None and tensor.shape != logps.shape:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected logps' shape "
                                  f"{tuple(logps.shape)}")
+        _check_devices(logps, sampling_logps=sampling_logps, entropy=entropy, entropy_mask=entropy_mask,
+                       sampling_weights=sampling_weights)
         check_entropy_mask(entropy_mask, self.config.top_entropy_quantile)
         if self.config.top_entropy_quantile < 1 and entropy is None and entropy_mask is None:
             raise ValueError(f"top_entropy_quantile={self.config.top_entropy_quantile!r} < 1 needs entropy (each "
@@ -138,6 +141,8 @@ class PolicyLoss:
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
+        logps, old_logps, ref_logps, sampling_logps, entropy, sampling_weights = _padding_ignored(
+            mask, logps, old_logps, ref_logps, sampling_logps, entropy, sampling_weights)
         per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
                                         sampling_logps, entropy, all_gather, entropy_mask)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
@@ -216,6 +221,10 @@ class PolicyLoss:
                                  f"{tuple(logps.shape)}")
         if advantages.shape != logps.shape[:1]:
             raise ValueError(f"advantages must be [N] = [{logps.shape[0]}], got shape {tuple(advantages.shape)}")
+        for name, tensor in (("logps", logps), ("old_logps", old_logps), ("ref_logps", ref_logps)):
+            if tensor is not None and not tensor.is_floating_point():
+                raise ValueError(f"{name} must be floating point (log-probs), got {tensor.dtype}")
+        _check_devices(logps, old_logps=old_logps, advantages=advantages, mask=mask, ref_logps=ref_logps)
         if self.config.beta > 0 and ref_logps is None:
             raise ValueError(f"beta={self.config.beta} > 0 needs ref_logps (log-probs under the reference model), "
                              "got None")
@@ -238,6 +247,8 @@ class PolicyLoss:
             vespo only: ``phi_seq_mean``, the mean of its weight over the ``N`` completions (TRL's
             ``vespo/phi_seq_mean``), with ``completions``, ``N`` (the weight for averaging it).
         """
+        PolicyLoss.check_inputs(self, logps, old_logps, advantages, mask, ref_logps)  # the tensors': no normalizer
+        logps, old_logps, ref_logps = _padding_ignored(mask, logps, old_logps, ref_logps)
         mask = mask.to(logps.dtype)
         active = mask.sum()
         ratio = importance_ratio(logps, old_logps, mask, self.config.importance_sampling_level)
@@ -382,12 +393,31 @@ class VESPOLoss(DAPOLoss):
     @torch.no_grad()
     def metrics(self, logps, old_logps, advantages, mask, ref_logps=None, sampling_weights=None):
         out = super().metrics(logps, old_logps, advantages, mask, ref_logps, sampling_weights)
+        logps, old_logps, sampling_weights = _padding_ignored(mask, logps, old_logps, sampling_weights)
         c = self.config
         phi = vespo_weight(logps, old_logps, mask, advantages, c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg,
                            c.vespo_lambda_neg, sampling_weights)                                   # [N, 1]
         out["phi_seq_mean"] = phi.to(logps.dtype).mean()
         out["completions"] = torch.tensor(float(phi.shape[0]), dtype=logps.dtype, device=logps.device)
         return out
+
+
+def _check_devices(logps: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming the first of ``tensors`` (None: absent) on another device than ``logps``: read
+    from the tensors' attributes, nothing waits on the device."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != logps.device:
+            raise ValueError(f"{name} is on {tensor.device}, logps on {logps.device}: every tensor of the loss must "
+                             "be on one device")
+
+
+def _padding_ignored(mask: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` (``[N, T]``, or None, or a ``[N, 1]`` weight left as it is) with 0 where ``mask`` is 0, so that
+    what padding holds (NaN or -inf where no log-prob was computed) reaches neither the loss nor its gradient, which
+    ``per_token * mask`` alone would turn into NaN. Elementwise, on the device: no wait on it."""
+    padding = ~mask.bool()
+    return tuple(tensor.masked_fill(padding, 0.0) if tensor is not None and tensor.shape == mask.shape else tensor
+                 for tensor in tensors)
 
 
 LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, BNPOLoss, DrGRPOLoss, DAPOLoss,
