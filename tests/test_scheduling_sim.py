@@ -290,3 +290,9 @@ def test_a_slot_for_every_sample_asks_nothing_of_the_predictor(preempt_tokens):
     simulate_rollout(scheduler, lengths, 11, 40, rollout.prompt_features, rollout.token_feature)
     assert {"predict", "observe"} <= set(calls)
     assert math.isfinite(scheduler.last_info["length_pred_kendall_tau"])
+
+
+@pytest.mark.parametrize("num_slots", [0, 2.5, True])
+def test_the_simulator_names_a_bad_slot_count(num_slots):
+    with pytest.raises(ValueError, match=rf"num_slots={num_slots!r} is not allowed; num_slots must be an integer >= 1"):
+        simulate_rollout(FIFOScheduler(), [[3, 5]], num_slots)

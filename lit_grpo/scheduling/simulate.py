@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lit_grpo.runtime.validation import check_int_in_range
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler, lower_bound_steps
 from lit_grpo.scheduling.driver import Row, drive_rollout
 
@@ -91,6 +92,7 @@ def simulate_rollout(
         reveal_lengths: fill ``work.true_lengths`` as the engine's forced-length replay does (oracle).
         keep_timeline: record ``timeline[t][s]`` = flat sample index ``p * G + k`` or -1.
     """
+    num_slots = check_int_in_range("num_slots", num_slots, 1)
     num_prompts = len(lengths)
     group_size = len(lengths[0]) if num_prompts else 0
     ragged = [p for p, row in enumerate(lengths) if len(row) != group_size]
