@@ -261,3 +261,21 @@ def test_the_overviews_folder_table_names_every_module():
     named = set(re.findall(r"`(?:[\w/]+/)?(\w+\.py)`", table))
     modules = {path.name for folder in ("lit_grpo", "datamodules") for path in (ROOT / folder).rglob("*.py")}
     assert sorted(modules - named - {"__init__.py", "__main__.py"}) == []
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/engine.md"])
+def test_the_engine_snippet_runs_as_written(page):
+    """The engine's snippet, as a user copies it, on the tiny model with short completions: every name it uses is
+    defined in it (the prompts too), and its result has the shape it names."""
+    text = (ROOT / page).read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "engine.generate(" in b]
+    code = code.replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', '"tiny-llama"')
+    code = code.replace("group_size=32", "group_size=4").replace("micro_group_size=8", "micro_group_size=2")
+    code = code.replace("max_new_tokens=1024", "max_new_tokens=4")
+    assert '"tiny-llama"' in code and "max_new_tokens=4" in code, "the snippet's model or length changed"
+    namespace: dict = {}
+    exec(compile(code, page, "exec"), namespace)
+    result, prompts = namespace["result"], namespace["prompts"]
+    assert len(result.completion_ids) == len(prompts) and all(len(row) == 4 for row in result.completion_ids)
+    assert [len(c) for row in result.completion_ids for c in row] == [
+        len(lp) for row in result.logprobs for lp in row]
