@@ -1,5 +1,7 @@
 """completion_logps: the chunked path (no [m, T, V] logits) equals the full-logits path in values and gradients."""
 
+import re
+
 import pytest
 import torch
 from precision_helpers import WeightCasts
@@ -317,3 +319,17 @@ def test_under_autocast_the_cast_once_head_gives_the_entropys_gradient_as_the_pe
         torch.testing.assert_close(once[2][key], per_chunk[2][key], atol=1e-5 * scale, rtol=1e-3, msg=key)
     head = "lm_head.weight"
     assert float((without[2][head] - per_chunk[2][head]).abs().max()) > 1e-3 * float(per_chunk[2][head].abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_ids_of_another_shape_or_dtype_than_the_logits_rows_are_named(dtype):
+    """``[m, 1]`` ids beside ``[m, T, V]`` logits broadcast against the logsumexp into ``[m, T]`` values of the
+    wrong tokens without the check."""
+    logits = torch.randn(2, 3, 7, dtype=dtype)
+    for ids in (torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
+                torch.zeros(6, dtype=torch.long)):
+        with pytest.raises(ValueError, match=rf"token_ids has shape {re.escape(str(tuple(ids.shape)))}, expected the logits' "
+                                             r"rows \(2, 3\) \(logits \[m, T, V\] = \(2, 3, 7\)\)"):
+            token_logps(logits, ids)
+    with pytest.raises(ValueError, match=r"token_ids must be integer ids, got torch.float32"):
+        token_logps(logits, torch.zeros(2, 3))

@@ -110,6 +110,11 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     one row at a time through ``log_softmax`` in their own dtype (as TRL's selective_log_softmax), so no float32
     copy of the logits is kept for the backward pass (for a 150k vocabulary that copy would be GBs).
     """
+    if token_ids.shape != logits.shape[:-1]:  # [m, 1] ids would broadcast against the logsumexp's [m, T]
+        raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, expected the logits' rows "
+                         f"{tuple(logits.shape[:-1])} (logits [m, T, V] = {tuple(logits.shape)})")
+    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must be integer ids, got {token_ids.dtype}")
     if logits.dtype in (torch.float32, torch.float64):
         picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
