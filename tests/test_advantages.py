@@ -239,3 +239,10 @@ def test_normalize_then_sum_with_a_gathered_batch_and_degenerate_shapes():
         normalize_then_sum(torch.zeros(2, 4, 2), torch.ones(3))
     with pytest.raises(ValueError, match="infinite"):
         normalize_then_sum(torch.tensor([[[0.0], [math.inf]]]), torch.ones(1))
+
+
+def test_rewards_that_are_not_a_tensor_are_named():
+    with pytest.raises(TypeError, match=r"rewards must be a \[B, G\] tensor, got list"):
+        group_advantages([[1.0, 0.0]])
+    with pytest.raises(TypeError, match=r"batch_rewards must be a \[B', G\] tensor or None, got list"):
+        group_advantages(torch.tensor([[1.0, 0.0]]), scale="batch", batch_rewards=[[1.0, 0.0]])

@@ -49,9 +49,15 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
         than two rewards are scored in all.
 
     Raises:
+        TypeError: ``rewards`` (or ``batch_rewards``) is not a tensor.
         ValueError: ``rewards`` is not 2-D, is empty, holds inf, or ``scale`` is unknown.
     """
     check_choice("scale", scale, SCALES)
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a [B, G] tensor, got {type(rewards).__name__} (torch.tensor(rewards) "
+                        "makes one)")
+    if batch_rewards is not None and not isinstance(batch_rewards, torch.Tensor):
+        raise TypeError(f"batch_rewards must be a [B', G] tensor or None, got {type(batch_rewards).__name__}")
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G] (2-D), got shape {tuple(rewards.shape)}")
     if rewards.numel() == 0:
