@@ -280,3 +280,25 @@ def _quiet():
             warnings.simplefilter("ignore")
             yield
     return ignoring()
+
+
+def test_a_tensor_step_token_count_is_a_scalar_and_is_not_read_to_the_host():
+    """A count summed on the device over the step's micro-batches is used where it is: reading it back for the
+    ``>= 0`` check would wait on the device at every micro-batch."""
+    logps, old, ref, adv, mask = _inputs()
+
+    class OnTheDevice(torch.Tensor):
+        def __float__(self):
+            raise AssertionError("total_active_tokens was read to the host")
+
+        item = __float__
+
+    total = torch.tensor(20.0, dtype=torch.float64).as_subclass(OnTheDevice)
+    loss = policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=total)
+    expected = _hand(logps, old, ref, adv, mask, "dapo", total=20.0)
+    assert loss.shape == () and float(loss.as_subclass(torch.Tensor)) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match=r"total_active_tokens must be a number or a one-element tensor, got a "
+                                         r"tensor of shape \(2,\)"):
+        policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=torch.tensor([20.0, 20.0]))
+    with pytest.raises(ValueError, match=r"total_active_tokens=-1 must be >= 0"):
+        policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=-1)

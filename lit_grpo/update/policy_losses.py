@@ -107,12 +107,14 @@ class PolicyLoss:
         Args:
             logps: ``[N, T]`` per-token log-probs under the current policy (with gradient).
             old_logps: ``[N, T]`` under the policy that sampled (``logps.detach()`` when each rollout is used once).
-            advantages: ``[N]``.
+            advantages: ``[N]``. NaN in an advantage, or in an active token's log-prob, makes the loss NaN (not
+                looked for: that would wait on the device at every call).
             mask: ``[N, T]`` 1/True for tokens that count; what the other tensors hold where it is 0 (NaN, -inf)
                 reaches neither the loss nor its gradient. Every tensor on ``logps``' device.
             ref_logps: ``[N, T]`` under the frozen reference model; needed when ``beta > 0``.
             max_completion_length: dr_grpo's normalizer (the rollout's ``max_new_tokens``).
-            total_active_tokens: dapo's (and cispo's and vespo's) normalizer spanning the optimizer step.
+            total_active_tokens: dapo's (and cispo's and vespo's) normalizer spanning the optimizer step: a number,
+                or a one-element tensor (used where it is, never read back to the host).
             sampling_weights: ``[N, T]`` or ``[N, 1]`` the sampler correction's weights (no gradient), which
                 multiply the policy term, not the KL; None: no correction.
             sampling_logps: ``[N, T]`` the sampler's log-probs, which ``off_policy_mask_threshold`` compares with
@@ -228,7 +230,11 @@ class PolicyLoss:
         if self.config.beta > 0 and ref_logps is None:
             raise ValueError(f"beta={self.config.beta} > 0 needs ref_logps (log-probs under the reference model), "
                              "got None")
-        if total_active_tokens is not None and float(total_active_tokens) < 0:
+        if isinstance(total_active_tokens, torch.Tensor):  # on the device: its sign is not read back (a wait)
+            if total_active_tokens.numel() != 1:
+                raise ValueError("total_active_tokens must be a number or a one-element tensor, got a tensor of "
+                                 f"shape {tuple(total_active_tokens.shape)}")
+        elif total_active_tokens is not None and total_active_tokens < 0:
             raise ValueError(f"total_active_tokens={total_active_tokens!r} must be >= 0")
 
     @torch.no_grad()
@@ -320,7 +326,7 @@ class DAPOLoss(PolicyLoss):
 
     @staticmethod
     def aggregate(per_token, mask, max_completion_length, total_active_tokens):
-        denominator = mask.sum() if total_active_tokens is None else torch.as_tensor(total_active_tokens)
+        denominator = mask.sum() if total_active_tokens is None else torch.as_tensor(total_active_tokens).reshape(())
         return (per_token * mask).sum() / denominator.to(per_token.dtype).clamp(min=1.0)
 
     @staticmethod
