@@ -296,3 +296,20 @@ def test_a_slot_for_every_sample_asks_nothing_of_the_predictor(preempt_tokens):
 def test_the_simulator_names_a_bad_slot_count(num_slots):
     with pytest.raises(ValueError, match=rf"num_slots={num_slots!r} is not allowed; num_slots must be an integer >= 1"):
         simulate_rollout(FIFOScheduler(), [[3, 5]], num_slots)
+
+
+def test_a_hand_made_rollout_work_names_a_bad_field():
+    """A scheduler or predictor driven by hand gets its ``RolloutWork`` checked once, where it is built: a group of
+    0 samples ran nothing, prompt features of the wrong rows were indexed deep in the predictor or silently reused."""
+    fine = dict(prompt_lengths=[3, 4], group_size=2, num_slots=2, max_new_tokens=8)
+    RolloutWork(**fine, prompt_features=torch.zeros(2, 5), true_lengths=[[1, 8], [2, 3]])
+    for name, value, says in (
+            ("group_size", 0, r"group_size=0 is not allowed; group_size must be an integer >= 1"),
+            ("num_slots", 1.5, r"num_slots=1.5 is not allowed; num_slots must be an integer >= 1"),
+            ("max_new_tokens", 0, r"max_new_tokens=0 is not allowed"),
+            ("prompt_features", torch.zeros(3, 5), r"prompt_features must be \[B, H\] = \[2, H\], got shape \(3, 5\)"),
+            ("prompt_features", torch.zeros(2), r"prompt_features must be \[B, H\] = \[2, H\], got shape \(2,\)"),
+            ("true_lengths", [[1, 2]], r"true_lengths must be \[B\]\[G\] = \[2\]\[2\]"),
+            ("true_lengths", [[1, 2], [3]], r"true_lengths must be \[B\]\[G\] = \[2\]\[2\]")):
+        with pytest.raises(ValueError, match=says):
+            RolloutWork(**{**fine, name: value})

@@ -112,6 +112,17 @@ class RolloutWork:
     generated: dict[SampleKey, int] = field(default_factory=dict)
     done: set[SampleKey] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        for name in ("group_size", "num_slots", "max_new_tokens"):
+            check_int_in_range(name, getattr(self, name), 1)
+        num_prompts, features = len(self.prompt_lengths), self.prompt_features
+        if features is not None and (features.dim() != 2 or features.shape[0] != num_prompts):
+            raise ValueError(f"prompt_features must be [B, H] = [{num_prompts}, H], got shape {tuple(features.shape)}")
+        if self.true_lengths is not None and (len(self.true_lengths) != num_prompts
+                                              or any(len(row) != self.group_size for row in self.true_lengths)):
+            raise ValueError(f"true_lengths must be [B][G] = [{num_prompts}][{self.group_size}], got rows of "
+                             f"{[len(row) for row in self.true_lengths][:8]}")
+
     @property
     def num_prompts(self) -> int:
         return len(self.prompt_lengths)

@@ -94,7 +94,7 @@ def simulate_rollout(
     """
     num_slots = check_int_in_range("num_slots", num_slots, 1)
     num_prompts = len(lengths)
-    group_size = len(lengths[0]) if num_prompts else 0
+    group_size = len(lengths[0]) if num_prompts else 1  # no prompt: an empty rollout of any G
     ragged = [p for p, row in enumerate(lengths) if len(row) != group_size]
     if ragged:
         raise ValueError(f"lengths must have one row of G = {group_size} samples per prompt (the first row's); rows "
