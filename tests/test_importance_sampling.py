@@ -224,3 +224,14 @@ def test_vespo_under_auto_drops_the_completion_the_mask_drops(rollout, k):
     corrected, metrics = _grads(shifted, loss=loss)
     _assert_same_grads(corrected, _grads(dropped, loss=loss, sampler_correction={"mode": "none"})[0])
     assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
+
+
+def test_the_weights_name_an_unresolved_auto_mode_and_a_tensor_of_another_shape():
+    trainer = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"mode='auto' is resolved per batch: call "
+                                         r"for_batch\(has_older_samples\) first"):
+        SamplerCorrection().weights(trainer, trainer, torch.ones(2, 3))
+    for name, args in (("sampling_logps", (trainer, trainer[:, :2], torch.ones(2, 3))),
+                       ("mask", (trainer, trainer, torch.ones(3)))):
+        with pytest.raises(ValueError, match=rf"{name} has shape .*, expected trainer_logps' shape \(2, 3\)"):
+            SamplerCorrection(mode="token_mask").weights(*args)

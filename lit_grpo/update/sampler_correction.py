@@ -65,6 +65,10 @@ def importance_sampling_weights(trainer_logps: torch.Tensor, sampling_logps: tor
         mask: ``[N, T]`` 1 on active tokens.
     """
     check_choice("importance_sampling_mode", mode, IMPORTANCE_SAMPLING_MODES)
+    for name, tensor in (("sampling_logps", sampling_logps), ("mask", mask)):
+        if tensor.shape != trainer_logps.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected trainer_logps' shape "
+                             f"{tuple(trainer_logps.shape)}")
     if mode == "none":
         return None
     log_weights = sampling_logp_difference(trainer_logps, sampling_logps, mask)
@@ -127,6 +131,9 @@ class SamplerCorrection:
     def weights(self, trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor | None:
         """``[N, T]`` / ``[N, 1]`` weights, or None when the mode is ``none`` (resolve "auto" with ``for_batch``)."""
+        if self.mode == "auto":
+            raise ValueError("sampler_correction.mode='auto' is resolved per batch: call for_batch(has_older_samples) "
+                             "first (has_older_samples: whether the batch carries tokens sampled by older weights)")
         return importance_sampling_weights(trainer_logps, sampling_logps, mask, self.mode, self.clip_min,
                                            self.clip_max)
 
