@@ -42,11 +42,11 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group",
             rank's rewards, gathered; NaN left out); default ``rewards``.
 
     Returns:
-        ``[B, G]`` float advantages. A group whose rewards are all equal gets (near) 0 everywhere, never NaN: its
-        float32 mean may differ from the rewards in the last bit, which ``/ (std + eps)`` scales to about 1e-3, as
-        in TRL. Exactly 0 for an unscored completion, for every completion of a group with fewer than two scored
-        ones (a lone value has nothing to be compared with, ``G == 1`` included), and under ``"batch"`` when fewer
-        than two rewards are scored in all.
+        ``[B, G]`` float32 advantages (whatever ``rewards``' dtype). A group whose rewards are all equal gets (near)
+        0 everywhere, never NaN: its float32 mean may differ from the rewards in the last bit, which
+        ``/ (std + eps)`` scales to about 1e-3, as in TRL. Exactly 0 for an unscored completion, for every
+        completion of a group with fewer than two scored ones (a lone value has nothing to be compared with,
+        ``G == 1`` included), and under ``"batch"`` when fewer than two rewards are scored in all.
 
     Raises:
         TypeError: ``rewards`` (or ``batch_rewards``) is not a tensor.

@@ -104,7 +104,8 @@ def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature
 
 
 def token_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """``[m, T]`` log-probs of ``token_ids`` ``[m, T]`` under ``logits`` ``[m, T, V]``.
+    """``[m, T]`` log-probs of ``token_ids`` ``[m, T]`` (integers) under ``logits`` ``[m, T, V]``, in the logits'
+    dtype where it is float32 or float64, else float32.
 
     float32/64 logits: ``gather - logsumexp`` on the whole tensor (no ``[m, T, V]`` copy). Half-precision logits:
     one row at a time through ``log_softmax`` in their own dtype (as TRL's selective_log_softmax), so no float32
