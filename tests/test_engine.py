@@ -1155,3 +1155,23 @@ def test_on_a_cpu_each_forward_times_its_own_phase(tiny_llama, prompt_ids, monke
     stats = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=4, seed=0).generate(prompt_ids).stats
     assert stats.decode_s == stats.decode_steps > 0
     assert stats.prefill_s >= 1 and stats.forward_s == stats.prefill_s + stats.decode_s
+
+
+def test_a_model_left_in_train_mode_samples_as_in_eval_mode_and_is_left_as_it_was(prompt_ids):
+    """A loop of one's own trains the policy (``.train()``) between rollouts: with dropout on, the samples and their
+    log-probs would come from a noised model, silently. The engine samples in eval mode and leaves every module's
+    mode as it found it (a frozen part kept in eval stays so)."""
+    from lit_grpo import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.9
+    settings = dict(group_size=4, micro_group_size=2, max_new_tokens=6, seed=3)
+    evaluated = RolloutEngine(model.eval(), tokenizer, **settings).generate(prompt_ids)
+    model.train()
+    model.lm_head.eval()
+    trained = RolloutEngine(model, tokenizer, **settings).generate(prompt_ids)
+    assert trained.completion_ids == evaluated.completion_ids
+    assert trained.logprobs == evaluated.logprobs
+    assert model.training and model.model.training and not model.lm_head.training

@@ -41,8 +41,9 @@ so there the same g gives equal completions up to the rounding of attention at a
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from typing import Any, Sequence
 
@@ -72,6 +73,20 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 #: rollouts whose prompts differ by a few tokens reuse one cache, its captured graph and its compiled code (and
 #: attention rows stay aligned).
 WIDTH_ALIGNMENT = 64
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (dropout off) for a rollout, then each module back in its own mode: a loop of one's
+    own that trains the policy between rollouts would otherwise sample from a model with its dropout on, and
+    ``model.train(was_training)`` would turn on a part its owner keeps in eval."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def row_alignment(device: torch.device, compiled: bool) -> int:
@@ -241,7 +256,7 @@ class RolloutEngine:
         step_settings = self._step_settings(forced, replayed, sharded)
         linear_kernel = resolve_cpu_linear(self.config.cpu_linear, self.model, step_settings.compile, sharded)
         slots = self.num_slots(len(groups))
-        with (torch.inference_mode() if self.inference_mode else torch.no_grad(),
+        with (torch.inference_mode() if self.inference_mode else torch.no_grad(), eval_mode(self.model),
               onednn_linears(self.model, linear_kernel, rows=slots)):
             _, step, built = self._slots(slots, width, step_settings)
             captured_before = 0.0 if built else step.capture_s  # a kept step captures new buckets' graphs too
