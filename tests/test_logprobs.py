@@ -333,3 +333,25 @@ def test_token_ids_of_another_shape_or_dtype_than_the_logits_rows_are_named(dtyp
             token_logps(logits, ids)
     with pytest.raises(ValueError, match=r"token_ids must be integer ids, got torch.float32"):
         token_logps(logits, torch.zeros(2, 3))
+
+
+def test_a_hand_made_micro_batch_missing_a_key_or_of_mismatched_shapes_is_named():
+    """A loop of one's own builds the micro-batch dict itself: a missing key was a KeyError, a mask of another shape
+    or a completion longer than the input an IndexError from inside the gather."""
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    ids = torch.randint(3, 300, (2, 7))
+    ones = torch.ones(2, 7, dtype=torch.long)
+    micro = dict(input_ids=ids, attention_mask=ones, position_ids=ones.cumsum(1) - 1, completion_ids=ids[:, 4:],
+                 completion_mask=ones[:, 4:])
+    for function in (completion_logps, completion_logits):
+        with pytest.raises(ValueError, match=r"the micro-batch lacks \['position_ids'\]; it holds input_ids, "
+                                             r"attention_mask, position_ids"):
+            function(model, {k: v for k, v in micro.items() if k != "position_ids"})
+        with pytest.raises(ValueError, match=r"completion_mask has shape \(2, 7\), expected completion_ids' \(2, 3\)"):
+            function(model, {**micro, "completion_mask": ones})
+        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 6\), expected input_ids' \(2, 7\)"):
+            function(model, {**micro, "attention_mask": ones[:, 1:]})
+        longer = torch.randint(3, 300, (2, 7))
+        with pytest.raises(ValueError, match=r"completion_ids \(2, 7\) must be the last T' < 7 columns of "
+                                             r"input_ids \(2, 7\)"):
+            function(model, {**micro, "completion_ids": longer, "completion_mask": ones})

@@ -54,6 +54,30 @@ LOGITS_CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 512 << 20}
 _HEAD_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
+#: What a micro-batch dict holds for the log-probs (``RolloutBatch.micro_batch`` gives these and more).
+MICRO_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "completion_ids", "completion_mask")
+
+
+def check_micro_batch(micro: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming a missing key or a tensor of the wrong shape in a micro-batch made by hand:
+    ``input_ids``, ``attention_mask``, ``position_ids`` ``[m, P + T']``; ``completion_ids``, ``completion_mask``
+    ``[m, T']``, the last ``T'`` columns of the input (not compared: that would wait on the device)."""
+    missing = [key for key in MICRO_BATCH_KEYS if key not in micro]
+    if missing:
+        raise ValueError(f"the micro-batch lacks {missing}; it holds {', '.join(MICRO_BATCH_KEYS)} "
+                         "(RolloutBatch.micro_batch gives them)")
+    inputs, completions = micro["input_ids"], micro["completion_ids"]
+    for name, tensor, like, of in (("attention_mask", micro["attention_mask"], inputs, "input_ids"),
+                                   ("position_ids", micro["position_ids"], inputs, "input_ids"),
+                                   ("completion_mask", micro["completion_mask"], completions, "completion_ids")):
+        if tensor.shape != like.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {of}' {tuple(like.shape)}")
+    if (inputs.dim() != 2 or completions.dim() != 2 or completions.shape[0] != inputs.shape[0]
+            or completions.shape[1] >= inputs.shape[1]):
+        raise ValueError(f"completion_ids {tuple(completions.shape)} must be the last T' < {inputs.shape[-1]} columns "
+                         f"of input_ids {tuple(inputs.shape)} (a prompt token first), [m, T'] beside [m, P + T']")
+
+
 def _model_inputs(micro: dict[str, Any]) -> dict[str, Any]:
     return dict(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                 position_ids=micro["position_ids"], use_cache=False)
@@ -89,6 +113,7 @@ def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature
     are divided by the sampling temperature (0 = greedy counts as 1), as the sampler did. ``shared_prefix``: each
     distinct prompt goes forward once (lit_grpo.update.shared_prefix; "auto": where that pays).
     """
+    check_micro_batch(micro)
     num_tokens = micro["completion_ids"].shape[1]
     groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
@@ -321,6 +346,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     the same bool, as ``GRPOModule`` does). Every way the values are the same up to float rounding
     (tests/test_logprobs.py, tests/test_shared_prefix.py).
     """
+    check_micro_batch(micro)
     if chunk_bytes is None:
         device_type = micro["input_ids"].device.type
         chunk_bytes = LOGITS_CHUNK_BYTES.get(device_type, LOGITS_CHUNK_BYTES["cuda"])
