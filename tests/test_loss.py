@@ -234,9 +234,12 @@ def test_a_tensor_on_another_device_or_of_a_wrong_dtype_is_named():
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_what_padding_holds_changes_neither_the_loss_nor_its_gradient(loss_type, level):
+@pytest.mark.parametrize("pad", [math.nan, -math.inf, math.inf])
+def test_what_padding_holds_changes_neither_the_loss_nor_its_gradient(loss_type, level, pad):
     """NaN or -inf where ``mask`` is 0 (a log-prob nobody computed) are ignored, as the docstrings' "mask marks the
-    real tokens" says; the all-masked row (``_inputs``' third has one token: masked here) too."""
+    real tokens" says; the all-masked row (``_inputs``' third has one token: masked here) too. The sampler's
+    log-probs and the entropies, which only their masked consumers read, take ``pad`` (an infinite entropy would
+    rank first)."""
     logps, old, ref, adv, mask = _inputs()
     mask[2] = 0
     settings = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, max_completion_length=5,
@@ -245,7 +248,7 @@ def test_what_padding_holds_changes_neither_the_loss_nor_its_gradient(loss_type,
         settings["epsilon_high"] = 5.0
     entropy = torch.rand(logps.shape, dtype=logps.dtype, generator=torch.Generator().manual_seed(1))
     weights = torch.full_like(logps, 0.9)
-    pads = {"logps": math.nan, "old": -math.inf, "ref": math.nan, "sampled": math.nan, "entropy": math.nan,
+    pads = {"logps": math.nan, "old": -math.inf, "ref": math.nan, "sampled": pad, "entropy": pad,
             "weights": math.nan}
 
     def loss_and_grad(fill):

@@ -143,8 +143,10 @@ class PolicyLoss:
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
-        logps, old_logps, ref_logps, sampling_logps, entropy, sampling_weights = _padding_ignored(
-            mask, logps, old_logps, ref_logps, sampling_logps, entropy, sampling_weights)
+        # sampling_logps and entropy are not filled: their only readers (off_policy_sequence_mask, high_entropy_mask)
+        # leave padding out themselves, so two fills a micro-batch would change nothing
+        logps, old_logps, ref_logps, sampling_weights = _padding_ignored(mask, logps, old_logps, ref_logps,
+                                                                         sampling_weights)
         per_token = self.per_token_loss(logps, old_logps, advantages, mask, ref_logps, sampling_weights,
                                         sampling_logps, entropy, all_gather, entropy_mask)
         return self.aggregate(per_token, mask.to(per_token.dtype), max_completion_length, total_active_tokens)
