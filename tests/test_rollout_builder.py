@@ -57,6 +57,22 @@ def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
     assert val.group_size == 1 and val.split == "val" and not val.advantages.any()
 
 
+def test_a_rollout_leaves_each_module_of_the_policy_in_the_mode_it_found_it_in(policy):
+    """A part its owner keeps in eval (a frozen tower, a head) stays in eval after the builder's rollout, as after
+    the engine's (``sampling.engine.eval_mode``): ``policy.train(was_training)`` would turn it on again."""
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=3, seed=0)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),
+                             training=TrainingConfig(prompts_per_step=1))
+    model.train()
+    model.lm_head.eval()
+    try:
+        builder.build_train(lambda count: _prompts(tokenizer, count))
+        assert model.training and model.model.training and not model.lm_head.training
+    finally:
+        model.train()
+
+
 def test_validation_engines_run_their_step_as_the_training_engine_does(policy):
     model, tokenizer = policy
     options = dict(cuda_graph=False, compile=True, cpu_linear="torch", decode_attention="sdpa_gqa")

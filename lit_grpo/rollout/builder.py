@@ -46,6 +46,7 @@ from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import SEED_MAX, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
+from lit_grpo.sampling.engine import eval_mode
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 
@@ -306,16 +307,11 @@ class RolloutBuilder:
 
     @contextlib.contextmanager
     def generation_mode(self) -> Iterator[torch.nn.Module]:
-        """The module to generate with, inside ``rollout_scope()``, with no grad, in eval mode (restored
-        afterwards) and the precision context. Reward functions run outside it."""
-        with self.rollout_scope():
-            was_training = self.policy.training
-            self.policy.eval()
-            try:
-                with torch.no_grad(), self.precision_context():
-                    yield self.weights.module
-            finally:
-                self.policy.train(was_training)
+        """The module to generate with, inside ``rollout_scope()``, with no grad, in eval mode (each module's mode
+        restored afterwards) and the precision context. Reward functions run outside it."""
+        # each module back in its own mode: policy.train(True) would turn on a part its owner keeps in eval
+        with self.rollout_scope(), eval_mode(self.policy), torch.no_grad(), self.precision_context():
+            yield self.weights.module
 
     def release(self) -> None:
         """Free every engine's slot cache and graphs, and the rollout weights' copy (the end of fit: the policy may
