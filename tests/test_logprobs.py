@@ -328,7 +328,8 @@ def test_token_ids_of_another_shape_or_dtype_than_the_logits_rows_are_named(dtyp
     logits = torch.randn(2, 3, 7, dtype=dtype)
     for ids in (torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
                 torch.zeros(6, dtype=torch.long)):
-        with pytest.raises(ValueError, match=rf"token_ids has shape {re.escape(str(tuple(ids.shape)))}, expected the logits' "
+        shape = re.escape(str(tuple(ids.shape)))
+        with pytest.raises(ValueError, match=rf"token_ids has shape {shape}, expected the logits' "
                                              r"rows \(2, 3\) \(logits \[m, T, V\] = \(2, 3, 7\)\)"):
             token_logps(logits, ids)
     with pytest.raises(ValueError, match=r"token_ids must be integer ids, got torch.float32"):
