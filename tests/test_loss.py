@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lit_grpo.update.loss import micro_batch_weight, policy_loss, policy_loss_metrics
+from lit_grpo.update.policy_losses import make_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -259,8 +260,9 @@ def test_what_padding_holds_changes_neither_the_loss_nor_its_gradient(loss_type,
                            sampling_logps=padded("sampled", old), entropy=padded("entropy", entropy),
                            sampling_weights=padded("weights", weights), **settings)
         loss.backward()
-        metrics = policy_loss_metrics(current.detach(), padded("old", old), adv, mask, ref_logps=padded("ref", ref),
-                                      **{k: v for k, v in settings.items() if k != "max_completion_length"})
+        # the object's metrics, which take the sampler correction's weights as GRPOModule passes them (vespo's)
+        metrics = make_loss(**{k: v for k, v in settings.items() if k != "max_completion_length"}).metrics(
+            current.detach(), padded("old", old), adv, mask, padded("ref", ref), padded("weights", weights))
         return loss.detach(), current.grad, metrics
 
     with _quiet():  # the settings' warnings of an unusual combination
