@@ -356,3 +356,13 @@ def test_a_hand_made_micro_batch_missing_a_key_or_of_mismatched_shapes_is_named(
         with pytest.raises(ValueError, match=r"completion_ids \(2, 7\) must be the last T' < 7 columns of "
                                              r"input_ids \(2, 7\)"):
             function(model, {**micro, "completion_ids": longer, "completion_mask": ones})
+
+
+def test_the_head_check_leaves_each_module_in_the_mode_it_found_it_in():
+    """The check runs the model in eval mode once; a part its owner keeps in eval stays so after it, as after a
+    rollout: ``model.train(was_training)`` would turn it on."""
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    model.train()
+    model.lm_head.eval()
+    assert head_reproduces_logits(model)
+    assert model.training and model.model.training and not model.lm_head.training

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.head_precision import head_compute_dtype
 from lit_grpo.runtime.models import accepts
+from lit_grpo.sampling.engine import eval_mode
 from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
                                           shared_prefix_pays)
 
@@ -305,20 +306,17 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
     if isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
         device = next(model.parameters()).device
         ids = (torch.arange(4, device=device) * 7919 % _vocab_size(model, head)).unsqueeze(0)
-        was_training = model.training
-        model.eval()  # dropout would make the two sides differ
         try:
-            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
-            hidden_states = getattr(out, "hidden_states", None)
-            if hidden_states is not None:
-                ok = torch.allclose(head(hidden_states[-1]).float(), out.logits.float(), rtol=1e-3, atol=1e-3)
+            with eval_mode(model):  # dropout would make the two sides differ
+                out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+                hidden_states = getattr(out, "hidden_states", None)
+                if hidden_states is not None:
+                    ok = torch.allclose(head(hidden_states[-1]).float(), out.logits.float(), rtol=1e-3, atol=1e-3)
         except (TypeError, ValueError, RuntimeError, AttributeError) as error:  # a model whose forward differs
             warnings.warn(f"the output head of {type(model).__name__} could not be checked against its logits "
                           f"({type(error).__name__}: {error}); the update computes each micro-batch's whole logits",
                           RuntimeWarning, stacklevel=3)
             ok = False
-        finally:
-            model.train(was_training)
     _HEAD_CHECKS[model] = ok
     return ok
 
