@@ -59,7 +59,7 @@ def test_builder_turns_prompts_into_a_scored_batch_without_lightning(policy):
 
 def test_a_rollout_leaves_each_module_of_the_policy_in_the_mode_it_found_it_in(policy):
     """A part its owner keeps in eval (a frozen tower, a head) stays in eval after the builder's rollout, as after
-    the engine's (``sampling.engine.eval_mode``): ``policy.train(was_training)`` would turn it on again."""
+    the engine's (``runtime.models.eval_mode``): ``policy.train(was_training)`` would turn it on again."""
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=3, seed=0)
     builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),

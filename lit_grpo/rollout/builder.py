@@ -42,11 +42,11 @@ from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
+from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 from lit_grpo.runtime.validation import SEED_MAX, check_int
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
-from lit_grpo.sampling.engine import eval_mode
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
 

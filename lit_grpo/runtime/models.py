@@ -571,3 +571,17 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
     ``target_modules`` names."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if isinstance(module, torch.nn.Linear)})
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (dropout off: a rollout, a check's forward), then each module back in its own mode: a
+    loop of one's own that trains the policy between rollouts would otherwise sample from a model with its dropout
+    on, and ``model.train(was_training)`` would turn on a part its owner keeps in eval."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

@@ -41,9 +41,8 @@ so there the same g gives equal completions up to the rounding of attention at a
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from numbers import Integral
 from typing import Any, Sequence
 
@@ -51,6 +50,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
+from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.validation import check_int_in_range
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
@@ -73,20 +73,6 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 #: rollouts whose prompts differ by a few tokens reuse one cache, its captured graph and its compiled code (and
 #: attention rows stay aligned).
 WIDTH_ALIGNMENT = 64
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (dropout off) for a rollout, then each module back in its own mode: a loop of one's
-    own that trains the policy between rollouts would otherwise sample from a model with its dropout on, and
-    ``model.train(was_training)`` would turn on a part its owner keeps in eval."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def row_alignment(device: torch.device, compiled: bool) -> int:

@@ -42,8 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.head_precision import head_compute_dtype
-from lit_grpo.runtime.models import accepts
-from lit_grpo.sampling.engine import eval_mode
+from lit_grpo.runtime.models import accepts, eval_mode
 from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
                                           shared_prefix_pays)
 
