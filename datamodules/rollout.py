@@ -573,8 +573,8 @@ class RolloutDataModule(LightningDataModule):
         self._check_prompt_lengths(self._handover["policy"])
 
     def _check_prompt_lengths(self, policy: torch.nn.Module) -> None:
-        """Refuse prompts that, with their length cap, run past the model's positions: named by row now, where the
-        engine would refuse one only at the step that first draws it, as a prompt of that step's batch."""
+        """Refuse prompts that, with their length cap, run past the model's positions: named by row at the hand-over,
+        where the engine would refuse one only at the step that first draws it, as a prompt of that step's batch."""
         config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
         limit = getattr(config, "max_position_embeddings", None)
         if limit is None:
