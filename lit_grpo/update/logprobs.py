@@ -114,6 +114,12 @@ def completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature
     distinct prompt goes forward once (lit_grpo.update.shared_prefix; "auto": where that pays).
     """
     check_micro_batch(micro)
+    return _completion_logits(model, micro, temperature, shared_prefix)
+
+
+def _completion_logits(model: torch.nn.Module, micro: dict[str, Any], temperature: float,
+                       shared_prefix: bool | str) -> torch.Tensor:
+    """:func:`completion_logits` of a micro-batch checked already."""
     num_tokens = micro["completion_ids"].shape[1]
     groups = _shared_groups(model, micro, shared_prefix)
     if groups is not None:
@@ -353,7 +359,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
     real = _real_tokens(mask, micro.get("num_tokens"))  # [n] flat positions in [m, T']
     # (with no real token at all the chunks would be empty and the result detached from the model: full path)
     if not (chunked and len(real) and accepts(model, "logits_to_keep") and head_reproduces_logits(model)):
-        logits = completion_logits(model, micro, temperature, shared_prefix)
+        logits = _completion_logits(model, micro, temperature, shared_prefix)
         logps = token_logps(logits, token_ids) * mask
         entropy = entropy_with_grad(logits).to(logps.dtype) if entropy_grad else token_entropy(logits)
         return logps, entropy * mask
