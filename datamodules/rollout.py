@@ -82,6 +82,12 @@ def _quiet_loader_flattening() -> None:
                    r"lightning\.pytorch\.utilities\._pytree")
 
 
+def _position_limit(policy: torch.nn.Module) -> int | None:
+    """The policy's ``max_position_embeddings`` (its text decoder's), None where its config has none."""
+    config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
+    return getattr(config, "max_position_embeddings", None)
+
+
 def _training_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
     """``sampling`` (a config or a dict of its fields) as a :class:`SamplingConfig` fit for training rollouts:
     G >= 2, sampled rather than greedy, and no length predictor that reads the true lengths."""
@@ -381,8 +387,7 @@ class RolloutDataModule(LightningDataModule):
         if self.sampling.cuda_graph and device.type != "cuda":
             raise ConfigError(f"data.sampling.cuda_graph=True needs a CUDA model; this one is on {device}: leave it "
                               "null (captured where CUDA is) or false")
-        config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
-        limit = getattr(config, "max_position_embeddings", None)
+        limit = _position_limit(policy)
         for name, cap in (("sampling.max_new_tokens", self.sampling.max_new_tokens),
                           ("val_max_new_tokens", self.validation.val_max_new_tokens)):
             if limit is not None and cap is not None and cap >= limit:
@@ -575,14 +580,13 @@ class RolloutDataModule(LightningDataModule):
     def _check_prompt_lengths(self, policy: torch.nn.Module) -> None:
         """Refuse prompts that, with their length cap, run past the model's positions: named by row at the hand-over,
         where the engine would refuse one only at the step that first draws it, as a prompt of that step's batch."""
-        config = policy.config.get_text_config(decoder=True) if hasattr(policy, "config") else None
-        limit = getattr(config, "max_position_embeddings", None)
+        limit = _position_limit(policy)
         if limit is None:
             return
         train_cap, val_cap = self.sampling.max_new_tokens, self.validation.val_max_new_tokens
         # validation's cap is the sampling one where it sets none (the builder's _val_max_new_tokens)
         caps = (("sampling.max_new_tokens", train_cap),
-                ("val_max_new_tokens", val_cap) if val_cap is not None else ("sampling.max_new_tokens", train_cap))
+                ("val_max_new_tokens" if val_cap is not None else "sampling.max_new_tokens", val_cap or train_cap))
         over = [(index, len(prompt), setting, cap)
                 for (setting, cap), indices, ids in zip(caps, (self.train_indices, self.val_indices),
                                                         (self.train_prompt_ids, self.val_prompt_ids))
