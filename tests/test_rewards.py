@@ -1,3 +1,4 @@
+import functools
 import math
 import re
 
@@ -9,6 +10,14 @@ import torch
 from lit_grpo.rollout.reward_functions import OverlongPenalty, accuracy_reward, extract_answer, format_reward
 from lit_grpo.rollout.rewards import (RewardFunctionError, WeightedReward, build_reward_funcs, correctness_reward,
                                       reward_name, score_rewards)
+
+
+def forwarding(fn):
+    """A decorator of one's own: a wrapper that passes its arguments on as they come (``functools.wraps``)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def test_weighted_sum_skips_none():
@@ -567,8 +576,6 @@ def test_an_import_error_inside_a_reward_module_or_a_working_folder_off_the_path
 
 
 def test_reward_functions_of_the_documented_shapes_are_accepted():
-    import functools
-
     def trl_style(completions, **kwargs):
         return [0.0] * len(completions)
 
@@ -638,23 +645,16 @@ def test_a_decorated_trl_reward_function_is_called_as_the_function_it_wraps():
     """A decorator's forwarding wrapper (``wrapper(*args, **kwargs)``, ``functools.wraps``) around TRL's
     ``f(completions, solution, **kwargs)`` runs as TRL runs it, by keyword: by position it got the prompts as its
     completions and the completions as its solution (a TypeError, 'multiple values for argument')."""
-    import functools
 
-    def timed(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return fn(*args, **kwargs)
-        return wrapper
-
-    @timed
+    @forwarding
     def accuracy(completions, solution, **kwargs):
         return [float(c == s) for c, s in zip(completions, solution)]
 
-    @timed
+    @forwarding
     def length(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    @timed
+    @forwarding
     def positional(p, c, **kwargs):  # no parameter named completions: by position, as before
         return [float(len(c_i)) for c_i in c]
 
@@ -912,8 +912,6 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_with_the_prompts():
     """TRL's ``def f(completions, solution, **kwargs)`` on data without ``solution`` would raise TypeError at the
     first step's scoring, after the model loaded and the first rollout ran: refused with the prompts instead,
     naming the function, the parameter and the columns the rows have."""
-    import functools
-
     from lit_grpo.rollout.prompts import PromptExample
     from lit_grpo.rollout.rewards import check_reward_columns
 
@@ -955,16 +953,8 @@ def test_a_reward_needing_a_column_the_data_lacks_is_refused_with_the_prompts():
 def test_an_option_a_spec_binds_on_a_decorated_reward_is_no_missing_column():
     """A spec's ``kwargs`` bind a decorated function's option (``functools.partial`` over its forwarding wrapper):
     the function it wraps has no default for it, but every call gets it, so no column is missing."""
-    import functools
-
     from lit_grpo.rollout.prompts import PromptExample
     from lit_grpo.rollout.rewards import check_reward_columns
-
-    def forwarding(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return fn(*args, **kwargs)
-        return wrapper
 
     @forwarding
     def above(completions, threshold, **kwargs):
