@@ -540,12 +540,15 @@ class RolloutDataModule(LightningDataModule):
         """Where the prompts' gold answers come from, as a user sets it (for ``check_gold_answers``' message)."""
         columns = sorted(examples[0].entry) if examples and isinstance(examples[0].entry, Mapping) else []
         gold = [column for column in GOLD_COLUMNS if column in columns]
+        if not gold and "reward_model" in columns and isinstance(examples[0].entry["reward_model"], Mapping) and \
+                "ground_truth" in examples[0].entry["reward_model"]:  # verl's layout
+            gold = ["reward_model.ground_truth"]
         if self.jsonl_path is not None:
             hint = (f"; its rows' {gold[0]!r} is read as the answer with data.dataset={self.jsonl_path!r} and "
                     f"data.answer_column: {gold[0]}" if gold else "")
             return f"data.jsonl_path={self.jsonl_path!r}: each row's 'answer' field{hint}"
         if self.dataset is not None:
-            hint = f"; for its {gold[0]!r} column set data.answer_column: {gold[0]}" if gold else ""
+            hint = f"; for its {gold[0]!r} set data.answer_column: {gold[0]}" if gold else ""
             return f"data.dataset: data.answer_column={self.answer_column!r}; its columns: {columns}{hint}"
         return "data.prompts: {prompt, answer} entries" if self.inline_prompts is not None else f"task={self.task!r}"
 

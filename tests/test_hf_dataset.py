@@ -282,3 +282,38 @@ def test_without_the_data_extra_the_error_names_it(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'lit-grpo\[data\]'"):
         load_prompts(dataset=str(tmp_path))
+
+
+#: Rows in verl's layout (its examples/data_preprocess/gsm8k.py): a chat prompt, the gold answer nested in
+#: ``reward_model``, the rest in ``extra_info``.
+VERL_ROWS = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+              "extra_info": {"split": "train", "index": i}} for i in range(6)]
+
+
+def test_a_dotted_answer_column_reads_a_field_inside_a_column(tmp_path):
+    """verl keeps the gold answer at ``reward_model.ground_truth``: ``answer_column`` names it by its dotted path, and
+    it reaches the reward functions as ``answer`` (the ``reward_model`` column as it is, under its own name)."""
+    path = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list(VERL_ROWS).to_parquet(path)
+    examples = load_prompts(dataset=str(path), answer_column="reward_model.ground_truth")
+    assert [e.answer for e in examples] == [str(2 * i) for i in range(6)]
+    assert examples[1].entry["reward_model"] == {"style": "rule", "ground_truth": "2"}
+    assert examples[1].messages == VERL_ROWS[1]["prompt"]
+    with pytest.raises(ValueError, match=r"row 0, column 'reward_model.truth': 'reward_model' holds no field 'truth' "
+                                         r"\(its fields: \['ground_truth', 'style'\]\)"):
+        load_prompts(dataset=str(path), answer_column="reward_model.truth")
+    with pytest.raises(ValueError, match=r"answer_column='reward.ground_truth' is not a column; it has \['data_source'"
+                                         r".*a field inside a column is named by its path, e.g. "
+                                         r"'reward_model.ground_truth'"):
+        load_prompts(dataset=str(path), answer_column="reward.ground_truth")
+    with pytest.raises(ValueError, match=r"row 0, column 'ability.x': 'ability' holds 'math', not fields"):
+        load_prompts(dataset=str(path), answer_column="ability.x")
+
+
+def test_verl_rows_without_an_answer_column_name_its_ground_truth_as_the_answer(tmp_path):
+    path = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list(VERL_ROWS).to_parquet(path)
+    with pytest.raises(ValueError, match="score against a gold answer") as refused:
+        RolloutDataModule(dataset=str(path), reward_funcs=["math"], val_size=0, prompts_per_step=1).setup()
+    assert "for its 'reward_model.ground_truth' set data.answer_column: reward_model.ground_truth" in str(refused.value)

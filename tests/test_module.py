@@ -950,7 +950,7 @@ def test_the_policy_and_its_optimizer_state_stay_on_their_device_after_fit_unles
 
 @pytest.mark.parametrize("source, hint", [
     ("jsonl_path", "each row's 'answer' field; its rows' 'solution' is read as the answer with data.dataset="),
-    ("dataset", "data.answer_column=None; its columns: ['prompt', 'solution']; for its 'solution' column set "
+    ("dataset", "data.answer_column=None; its columns: ['prompt', 'solution']; for its 'solution' set "
                 "data.answer_column: solution"),
 ])
 def test_prompts_without_an_answer_name_a_solution_column_as_the_answer(tmp_path, source, hint):

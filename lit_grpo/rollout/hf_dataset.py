@@ -12,7 +12,9 @@ first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a st
 ``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn). The gold answer is
 ``answer_column`` (default ``answer`` when present; else the rows have none), passed to the reward functions as
 ``answer`` and under its own name; a dataset with an ``answer`` column of its own takes no other ``answer_column``
-(that column would be hidden from the rewards).
+(that column would be hidden from the rewards). A dotted ``answer_column`` that is not a column names a field inside
+one: verl's ``reward_model.ground_truth`` (its rows keep the gold answer there; the rewards get the whole
+``reward_model`` column too).
 """
 
 from __future__ import annotations
@@ -145,9 +147,11 @@ def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_co
                          f"{columns}")
     if answer_column is None:
         answer_column = "answer" if "answer" in columns else None
-    elif answer_column not in columns:
+    elif answer_column not in columns and answer_column.split(".")[0] not in columns:
+        dotted = " (a field inside a column is named by its path, e.g. 'reward_model.ground_truth')" \
+            if "." in answer_column else ""
         raise ValueError(f"data.dataset {where!r}: data.answer_column={answer_column!r} is not a column; it has "
-                         f"{columns}")
+                         f"{columns}{dotted}")
     elif answer_column != "answer" and "answer" in columns:
         # the reward functions get the gold answer as `answer`: the data's own `answer` column would reach them
         # under another column's values, unseen (TRL passes every column under its own name)
@@ -156,6 +160,23 @@ def resolve_columns(columns: Sequence[str], prompt_column: str | None, answer_co
                          "which would hide that column; leave answer_column unset to score against 'answer', or "
                          "rename one of the two columns (e.g. Dataset.rename_column)")
     return prompt_column, answer_column
+
+
+def column_value(row: Mapping[str, Any], column: str, at: str) -> Any:
+    """``row[column]``, or where ``column`` is no column but a dotted path (verl keeps the gold answer at
+    ``reward_model.ground_truth``), the field it names inside a column; ``at`` names the row, for the errors."""
+    if column in row:
+        return row[column]
+    head, *path = column.split(".")
+    value, holder = row[head], head
+    for name in path:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{at}, column {column!r}: {holder!r} holds {value!r:.80}, not fields")
+        if name not in value:
+            raise ValueError(f"{at}, column {column!r}: {holder!r} holds no field {name!r} (its fields: "
+                             f"{sorted(value)})")
+        value, holder = value[name], f"{holder}.{name}"
+    return value
 
 
 def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_column: str | None = None,
@@ -187,7 +208,8 @@ def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_colum
         else:
             messages = check_messages(value, at)
             prompt = messages[-1]["content"]
-        answer = row[answer_column] if answer_column is not None else None
+        answer = column_value(row, answer_column, f"data.dataset {where!r}, row {index}") \
+            if answer_column is not None else None
         if answer_column is not None and (answer is None or not str(answer).strip()):
             raise ValueError(f"data.dataset {where!r}, row {index}, column {answer_column!r}: the answer is missing "
                              f"({answer!r}); fill it, or drop the row")
