@@ -89,6 +89,7 @@ from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
+from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
 from lit_grpo.runtime.validation import check_choice
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -150,6 +151,8 @@ class WeightedReward:
     def __post_init__(self) -> None:
         if not callable(self.fn):
             raise ValueError(f"reward function {self.fn!r} is not callable")
+        if is_verl_score(self.fn):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info)
+            self.fn = VerlScore(self.fn)
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or \
                 not math.isfinite(self.weight) or abs(self.weight) > FLOAT32_MAX:  # totals are float32 tensors
             raise ValueError(f"reward weight {self.weight!r} for {self.name or reward_name(self.fn)!r} must be a "
@@ -424,6 +427,8 @@ def check_reward_columns(reward_funcs: Sequence[WeightedReward], examples: Seque
     fields = sorted({key for example in examples for key in example.entry} - {"prompt"})
     given = {*COLUMNS, *CALL_KEYWORDS, *fields}
     for reward in reward_funcs:
+        if isinstance(reward.fn, VerlScore):
+            reward.fn.check_rows(examples, source)
         missing = [name for name in _required_keywords(reward) if name not in given]
         if missing:
             # a misspelt column, or the singular of an argument every call passes (prompt for prompts)
