@@ -131,3 +131,17 @@ def test_a_call_on_a_row_with_no_ground_truth_names_the_function_and_the_prompt(
                                                   r"compute_score\(.*\), which needs each row's reward_model."
                                                   r"ground_truth .* on prompt 0 'a\?'"):
         score_rewards(build_reward_funcs([compute_score]), ["a?"], ["1"], _columns([{"prompt": "a?"}]))
+
+
+def test_a_function_for_verls_batch_reward_manager_gets_every_completion_in_one_call():
+    calls = []
+
+    def batch_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+        calls.append((data_sources, solution_strs, ground_truths, extra_infos))
+        return [{"score": float(s == g), "pred": s} for s, g in zip(solution_strs, ground_truths)]
+
+    rows = ROWS[:3]
+    scores = score_rewards(build_reward_funcs([batch_score]), ["p", "q", "r"], ["0", "1", "4"], _columns(rows))
+    assert scores.total.tolist() == [1.0, 0.0, 1.0]
+    assert calls == [(["openai/gsm8k"] * 3, ["0", "1", "4"], ["0", "2", "4"], [row["extra_info"] for row in rows])]
+    assert scores.logs.extras == {"pred": ["0", "1", "4"]}

@@ -5,7 +5,7 @@ the signature of its ``default_compute_score`` and of the function its ``custom_
 name, returning a number or a dict with the number under ``"score"``. A reward function with a parameter named
 ``solution_str`` and none named ``completions`` is taken for one (``is_verl_score``) and wrapped in ``VerlScore``
 when it is built (``WeightedReward``), so ``reward_funcs: [my_reward:compute_score]`` runs it unchanged. Each
-completion gets one call, by keyword, as verl's reward managers make it:
+completion gets one call, by keyword, as verl's default (``naive``) reward manager makes it:
 
 - ``data_source``: the row's ``data_source`` field (None where the row has none);
 - ``solution_str``: the completion's text (special tokens left out, as verl decodes it);
@@ -13,9 +13,11 @@ completion gets one call, by keyword, as verl's reward managers make it:
   ``data.answer_column``); a row with neither is refused before the model loads (``check_rows``);
 - ``extra_info``: the row's ``extra_info`` field ({} where the row has none, as verl passes it).
 
-A dict's other keys become columns of ``CompletionLogger``'s table (``log_extra``), as verl keeps them as its
-``reward_extra_info``. An ``async def`` function is awaited, a call's completions together. verl's
-``custom_reward_function.reward_kwargs`` are the spec's ``kwargs``.
+A function written for verl's ``batch`` reward manager, ``compute_score(data_sources, solution_strs,
+ground_truths, extra_infos)`` (``solution_strs``), gets the same values as lists, in one call, and returns one
+result per completion. A dict's other keys become columns of ``CompletionLogger``'s table (``log_extra``), as verl
+keeps them as its ``reward_extra_info``. An ``async def`` function is awaited, a call's completions together.
+verl's ``custom_reward_function.reward_kwargs`` are the spec's ``kwargs``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ SIGNATURE = f"verl's compute_score({', '.join(VERL_KEYWORDS)})"
 
 
 def is_verl_score(fn: Any) -> bool:
-    """Whether ``fn`` has verl's shape: a parameter named ``solution_str`` and none named ``completions`` (TRL's)."""
+    """Whether ``fn`` has verl's shape: a parameter named ``solution_str`` (``solution_strs``: its batch reward
+    manager's) and none named ``completions`` (TRL's)."""
     try:
         names = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-    return "solution_str" in names and "completions" not in names
+    return bool({"solution_str", "solution_strs"} & set(names)) and "completions" not in names
 
 
 def ground_truth(row: Any, answer: Any) -> tuple[bool, Any]:
@@ -53,12 +56,14 @@ class VerlScore:
     """A verl reward function called as a lit_grpo one (module docstring).
 
     Args:
-        fn: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``, sync or async.
+        fn: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``, or verl's batch form
+            ``fn(data_sources, solution_strs, ground_truths, extra_infos) -> list``; sync or async.
     """
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.batch = "solution_strs" in inspect.signature(fn).parameters
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any] | None = None,
                  entry: Sequence[Any] | None = None, log_extra: Callable[[str, list], None] | None = None,
@@ -76,10 +81,17 @@ class VerlScore:
             extra_info = fields.get("extra_info")
             calls.append({"data_source": fields.get("data_source"), "solution_str": message_text(completion),
                           "ground_truth": truth, "extra_info": {} if extra_info is None else extra_info})
+        if self.batch:
+            results = self.fn(**{key + "s": [call[key] for call in calls] for key in VERL_KEYWORDS})
+            return self._awaited_batch(results, log_extra) if inspect.isawaitable(results) else \
+                self._scores(results, log_extra)
         results = [self.fn(**call) for call in calls]
         if any(inspect.isawaitable(result) for result in results):
             return self._awaited(results, log_extra)
         return self._scores(results, log_extra)
+
+    async def _awaited_batch(self, results: Any, log_extra: Any) -> Any:
+        return self._scores(await results, log_extra)
 
     async def _awaited(self, results: list[Any], log_extra: Any) -> list[Any]:
         async def value(result: Any) -> Any:
@@ -88,7 +100,10 @@ class VerlScore:
         return self._scores(list(await asyncio.gather(*map(value, results))), log_extra)
 
     def _scores(self, results: list[Any], log_extra: Any) -> list[Any]:
-        """Each result's score; a dict's other keys logged as columns, None where a result lacks one."""
+        """Each result's score; a dict's other keys logged as columns, None where a result lacks one. A batch
+        function's return that is no list (None, a tensor) is left to ``score_rewards``' check of the values."""
+        if not isinstance(results, (list, tuple)):
+            return results
         extras: dict[str, list[Any]] = {}
         scores = []
         for i, result in enumerate(results):
