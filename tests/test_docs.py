@@ -113,7 +113,7 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     from tools.harness import repo_env
 
     text = (ROOT / "docs" / "training.md").read_text()
-    section = text[text.index("### A TRL script, ported"):text.index("## Callbacks and what they log")]
+    section = text[text.index("### A TRL script, ported"):text.index("## verl's GRPO settings in lit-grpo's YAML")]
     (module,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith("# my_rewards.py")]
     (config,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
     (tmp_path / "my_rewards.py").write_text(module)
@@ -132,6 +132,39 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     # as TRL's run, quietly: its seed set (TRL's 42), its validation off without a warning of an empty loader
     assert "No seed found" not in proc.stderr and "across ranks is zero" not in proc.stderr, proc.stderr[-4000:]
 
+
+
+def test_the_verl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
+    """docs/training.md's verl port: its reward module (verl's compute_score) and its config, as written, train a step
+    through ``lit-grpo fit`` on the tiny model on one CPU process, on rows in verl's gsm8k parquet layout."""
+    import datasets
+
+    from tools.harness import repo_env
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text[text.index("### A verl run, ported"):text.index("## Callbacks and what they log")]
+    (module,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith("# my_reward.py")]
+    (config,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    (tmp_path / "my_reward.py").write_text(module)
+    (tmp_path / "verl_port.yaml").write_text(config)
+    (tmp_path / "gsm8k").mkdir()
+    for split, rows in (("train", range(6)), ("test", range(6, 8))):  # examples/data_preprocess/gsm8k.py's layout
+        datasets.Dataset.from_list([
+            {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}? Answer "
+                                                                                   "after '####'."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": split, "index": i}} for i in rows
+        ]).to_parquet(tmp_path / "gsm8k" / f"{split}.parquet")
+    overrides = ["--model.model", "tiny-llama", "--model.fsdp", "false", "--model.train_micro_batch_size", "2",
+                 "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
+                 "--trainer.precision", "32-true", "--trainer.max_steps", "1", "--data.dataset", "gsm8k",
+                 "--data.val_size", "2", "--data.prompts_per_step", "1", "--data.sampling.group_size", "2",
+                 "--data.sampling.max_new_tokens", "8", "--trainer.default_root_dir", str(tmp_path / "runs"),
+                 "--trainer.enable_progress_bar", "false"]
+    proc = forked_cli.run(["fit", "--config", "verl_port.yaml", *overrides], tmp_path, repo_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert "lit_grpo: 1 step" in out and "val/accuracy" in out, out[-4000:]  # compute_score's values
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: A command the docs give: ``python -m tools.NAME`` (or ``tools.NAME``, or a tool's bare name opening a span) or
