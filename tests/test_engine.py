@@ -427,7 +427,7 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
                               r"logits divided by it overflow\)"),
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
-    (dict(top_k=-1), "top_k=-1"),
+    (dict(top_k=-1), r"top_k=-1 must be an integer >= 0 \(0 disables it: vLLM's and verl's -1\)"),
     (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\)"),
     (dict(min_p=-0.1), "min_p=-0.1"),
     *[(dict(repetition_penalty=value), rf"sampling.repetition_penalty={value!r} must be a finite number > 0 \(1.0 "
