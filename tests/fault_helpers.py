@@ -158,3 +158,18 @@ def end_unconnected(rank: int, port: int, wait_s: float, log: str, agent_store: 
     rank_failure.SETUP_WAIT_S = wait_s
     place = rank_failure.RankPlace(rank, 2, rank, 0, 2, "127.0.0.1", port, starts_node=True)
     rank_failure.end_unconnected_rank(PlantedError(f"planted failure on rank {rank}"), place)
+
+
+def end_unread_node(node: int, port: int, wait_s: float, unknown_nodes_wait_s: float, log: str) -> None:
+    """In a process of its own (it ends it): the process started on node ``node`` under Lightning's launcher of
+    several nodes fails before its settings were read, its run's store at 127.0.0.1:``port``, waiting at most
+    ``wait_s`` (``SETUP_WAIT_S``) and ``unknown_nodes_wait_s`` (``UNKNOWN_NODES_WAIT_S``); its output goes to
+    ``log``."""
+    from lit_grpo.runtime import rank_failure
+
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_failure.SETUP_WAIT_S, rank_failure.UNKNOWN_NODES_WAIT_S = wait_s, unknown_nodes_wait_s
+    rank_failure.end_unread_node(PlantedError(f"planted failure on node {node}"), node)

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import fault_helpers
 import forked_cli
@@ -317,15 +318,94 @@ def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_
         output0[-4000:]
 
 
-def test_a_parse_error_on_node_0_under_lightnings_launcher_says_the_others_are_not_told(tmp_path):
-    """Under Lightning's own launcher of several nodes (``NODE_RANK``) the world size is a setting: node 0, whose
-    process would run the store, knows no more than that when its settings cannot be read (one node or several),
-    and says that the other ranks, if any, wait for it."""
-    env = {**repo_env(), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ended = forked_cli.run(["fit", "--config", str(tmp_path / "c.yaml")], tmp_path, env, timeout=DEADLINE_S)
-    assert ended.returncode == 2, ended.stderr[-4000:]
-    assert "this process's place in the run is unknown (NODE_RANK=0 but no world size" in ended.stderr, \
-        ended.stderr[-4000:]
+def test_a_config_file_missing_on_node_0_under_lightnings_launcher_ends_every_node_naming_it(tmp_path):
+    """``--config c.yaml`` where ``c.yaml`` exists on node 1 only, under Lightning's own launcher of 2 nodes: node 0,
+    whose process would run rank 0's store, knows neither the world size nor its ranks, yet runs that store itself,
+    records its error there as node 0's and keeps it until node 1, which would wait in the process group's setup
+    until its timeout (30 minutes), has read it: node 1 ends within seconds naming node 0 and the error."""
+    folders = (tmp_path / "node0", tmp_path / "node1")
+    for folder in folders:
+        folder.mkdir()
+    (folders[1] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
+    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
+            "--trainer.default_root_dir", "run", "--config", "c.yaml"]
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders)
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code is not None, f"node {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
+    missing = "ConfigError: --config c.yaml: no such file"
+    (code0, output0, _), (code1, output1, _) = outputs
+    assert code0 == 2 and re.search(f"lit-grpo: node 0 failed: {missing} .*; every rank stops$", output0, re.M), \
+        output0[-4000:]
+    assert "Traceback" not in output0 and "not every node" not in output0, output0[-4000:]
+    assert "its error is told to the other ranks, if any, as node 0's" in output0, output0[-4000:]
+    assert code1 == 1 and f"lit-grpo: rank 1 of 2 stopped because node 0 failed: {missing}" in output1, \
+        output1[-4000:]
+
+
+def _start_unread_node(node: int, port: int, log: Path, wait_s: float = 20.0) -> tuple[Any, float]:
+    """``fault_helpers.end_unread_node`` in a process of its own (``UNKNOWN_NODES_WAIT_S`` 2 s): it and its start."""
+    process = forked_cli.forkserver().Process(target=fault_helpers.end_unread_node,
+                                              args=(node, port, wait_s, 2.0, str(log)))
+    process.start()
+    return process, time.monotonic()
+
+
+def _ended(process: Any, started: float) -> tuple[int | None, float]:
+    """The exit code of ``process`` (killed after 30 s: None) and the seconds it ran from ``started``."""
+    process.join(max(0.0, started + 30 - time.monotonic()))
+    seconds = time.monotonic() - started
+    if process.is_alive():
+        process.kill()
+        return None, seconds
+    return process.exitcode, seconds
+
+
+@pytest.mark.parametrize("node_1_fails", [False, True], ids=["one-node", "every-node-fails"])
+def test_node_0_failing_before_its_settings_are_read_keeps_its_store_while_nodes_read(tmp_path, node_1_fails):
+    """Node 0's process under Lightning's launcher, its settings unread (the count of nodes unknown), runs rank 0's
+    store with its record, and ends ``UNKNOWN_NODES_WAIT_S`` (2 s here) after its start, or after the last read: a
+    run of one node, where none reads it, or one whose node 1 failed to read its settings too, which ends naming
+    node 0."""
+    port, logs = free_port(), (tmp_path / "node0.log", tmp_path / "node1.log")
+    node_0 = _start_unread_node(0, port, logs[0])
+    if node_1_fails:
+        exitcode, seconds = _ended(*_start_unread_node(1, port, logs[1]))
+        assert exitcode == 1 and seconds < 15, (exitcode, seconds, logs[1].read_text())
+        assert ("lit-grpo: node 1 stopped because node 0 failed: PlantedError: planted failure on node 0"
+                in logs[1].read_text()), logs[1].read_text()
+    exitcode, seconds = _ended(*node_0)
+    assert exitcode == 1 and 2 <= seconds < 25, (exitcode, seconds, logs[0].read_text())
+    read = "1 read it, none knowing the run's count of nodes, then no other" if node_1_fails else "no node read it"
+    assert (f"lit-grpo: node 0 failed: PlantedError: planted failure on node 0; every rank stops ({read} within 2 s: "
+            "a run of one node has none") in logs[0].read_text(), logs[0].read_text()
+
+
+def test_node_0_failing_before_its_settings_are_read_keeps_its_store_until_every_node_read(tmp_path):
+    """A node that reads node 0's record says the run's count of nodes (3 here): node 0's process keeps its store
+    until node 2 has read it too, past ``UNKNOWN_NODES_WAIT_S`` (2 s), and ends at once then."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.runtime.rank_failure import RankPlace, _prefix, _say_read
+
+    port, log = free_port(), tmp_path / "node0.log"
+    node_0, started = _start_unread_node(0, port, log)
+    while True:
+        with contextlib.suppress(RuntimeError):
+            store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=5))
+            if store.check([_prefix() + "1"]):
+                break
+        assert time.monotonic() < started + 20, log.read_text()
+        time.sleep(0.2)
+    _say_read(store, RankPlace(1, 3, 1, 0, 3, "127.0.0.1", port, starts_node=True))
+    time.sleep(4)
+    assert node_0.is_alive(), log.read_text()
+    store.set(_prefix() + "read/node/2", "1")
+    exitcode, seconds = _ended(node_0, time.monotonic())
+    assert exitcode == 1 and seconds < 5, (exitcode, seconds, log.read_text())
+    assert log.read_text().endswith("planted failure on node 0; every rank stops\n"), log.read_text()
 
 
 def _end_unconnected(rank: int, port: int, wait_s: float, log: Path, agent_store: bool = False

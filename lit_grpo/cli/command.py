@@ -101,19 +101,18 @@ class GRPOCLI(LightningCLI):
         in the process group's setup until its timeout: its record in the run's store ends them
         (``end_unconnected_rank``). The run's layout is read from the settings, or for a parse error from the
         launcher's environment (torchrun's, SLURM's: ``launched_place``; under Lightning's own launcher of several
-        nodes only the node is known, ``launched_node``, whose error rank 0's store is told as that node's,
-        ``end_unread_node``). A run of one process, or a parse error on node 0 under Lightning's launcher (no store
-        to tell: its process would run it; said so), ends here at once; so do rank 0 of one
-        node under Lightning's launcher and an error of the ranks' connecting itself (a rank that never came, the
-        store's port taken), which no store is there to tell: with the node's ranks the launcher started, which
-        would wait for this one's store."""
+        nodes only the node is known, ``launched_node``, whose error rank 0's store is told as that node's, node
+        0's process running that store itself: ``end_unread_node``). A run of one process ends here at once; so do
+        rank 0 of one node under Lightning's launcher and an error of the ranks' connecting itself (a rank that
+        never came, the store's port taken), which no store is there to tell: with the node's ranks the launcher
+        started, which would wait for this one's store."""
         if not torch.distributed.is_available() or torch.distributed.is_initialized():
             return  # main ends every rank
         config = getattr(self, "config", None)
         if config is None:  # the settings could not be read: the layout is known only from a launcher's environment
             place, node = launched_place(), launched_node()
             _say_unread_layout(place, node)
-            if node:  # Lightning's launcher of several nodes: told in rank 0's store (node 0's process would run it)
+            if node is not None:  # Lightning's launcher of several nodes: told in rank 0's store (node 0 runs it)
                 if isinstance(error, SystemExit):  # a bad setting, said already: its cause is what the others name
                     status = error.code if isinstance(error.code, int) else 1
                     end_unread_node(error.__cause__ or error, node, exit_status=status, show_traceback=False)

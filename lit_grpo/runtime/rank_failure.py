@@ -76,6 +76,11 @@ WATCH_INTERVAL_S = 1.0
 #: before it read the record holds rank 0 that long: nothing tells it from a late one, since the store exists only
 #: from rank 0's failure on (no rank could leave a sign of life in it before) and tells no count of its clients.
 SETUP_WAIT_S = 300.0
+#: How long node 0, failing before its settings were read under Lightning's launcher (:func:`end_unread_node`),
+#: keeps the store it runs while no other node says the run's count of nodes: from its start, and from each read
+#: of its record. The run may have one node (no reader comes); each other node's process watches the store from
+#: its start (its settings read), so it reads the record within seconds of both starting.
+UNKNOWN_NODES_WAIT_S = 30.0
 #: How long a rank waits in all, before it ends, for every failed rank that said it handles its error to finish
 #: (``record_failure(..., handling=True)``, :func:`say_handling`: its later callbacks' ``on_exception``, its loggers'
 #: last write), and for a record that comes as that handling ends: on one node under Lightning's launcher the ranks
@@ -282,7 +287,8 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
           f"{SETUP_WAIT_S:.0f} s for " + ("the other ranks to read its record" if runs_store else
                                           f"rank 0's store at {place.address}:{place.port} to record it"),
           file=sys.stderr, flush=True)
-    store = _start_store(place) if runs_store else _await_store((place.address, place.port), deadline)
+    address = (place.address, place.port)
+    store = _start_store(address) if runs_store else _await_store(address, deadline)
     if store is None:
         where = f"{place.address}:{place.port}"
         why = (f"its port {where} is another process's (another run's store?), left alone" if runs_store
@@ -312,29 +318,61 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
 
 
 def end_unread_node(error: BaseException, node: int, exit_status: int = 1, show_traceback: bool = True) -> NoReturn:
-    """:func:`end_unconnected_rank` for the process started on node ``node`` (not 0: rank 0's runs the store) under
-    Lightning's own launcher of several nodes, whose settings could not be read (:func:`launched_node`): its ranks
-    unknown, its error is recorded in rank 0's store as ``node N``'s, which every rank names as it ends; the store
-    is waited for ``SETUP_WAIT_S``. It starts no rank, so its node is said to have read the record."""
+    """:func:`end_unconnected_rank` for the process started on node ``node`` under Lightning's own launcher of
+    several nodes, whose settings could not be read (:func:`launched_node`): its ranks unknown, its error is recorded
+    in rank 0's store as ``node N``'s, which every rank names as it ends. Node 0's process, where rank 0 would run
+    that store, runs it itself and keeps it until every other node has read the record (:func:`_await_nodes`);
+    another node waits for it ``SETUP_WAIT_S``. It starts no rank, so its node is said to have read the record."""
     _ending.set()
     if show_traceback:
         traceback.print_exception(error)
     address = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
     name, where = f"node {node}", "{}:{}".format(*address)
+    waits = (f"the other nodes, if any, to read it in rank 0's store, which it runs at {where} (while no node says "
+             f"the run's count of nodes, {UNKNOWN_NODES_WAIT_S:.0f} s after the last read)" if node == 0 else
+             f"rank 0's store at {where} to record it")
     print(f"lit-grpo: {name} failed before the ranks connected: {describe(error)}; it waits up to {SETUP_WAIT_S:.0f}"
-          f" s for rank 0's store at {where} to record it", file=sys.stderr, flush=True)
-    store = _await_store(address, time.monotonic() + SETUP_WAIT_S)
+          f" s for {waits}", file=sys.stderr, flush=True)
+    store = _start_store(address) if node == 0 else _await_store(address, time.monotonic() + SETUP_WAIT_S)
     if store is None:
-        _end(f"{name} failed before the ranks connected: {describe(error)}; no store came at {where} within "
-             f"{SETUP_WAIT_S:.0f} s, so the ranks waiting there end at their process group's timeout", exit_status,
+        why = (f"its port {where} is another process's (another run's store?), left alone" if node == 0 else
+               f"no store came at {where} within {SETUP_WAIT_S:.0f} s")
+        _end(f"{name} failed before the ranks connected: {describe(error)}; {why}, so the ranks waiting there end at "
+             "their process group's timeout", exit_status, after_handling=False)
+    if node == 0:  # its own store: nothing can take it away
+        _end(_ending_line(name, 0, _record_in(store, name, error)) + _await_nodes(store), exit_status,
              after_handling=False)
     try:
         first = _record_in(store, name, error)
         store.set(f"{_prefix()}read/node/{node}", "1")
+        store.add(f"{_prefix()}reads", 1)
     except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
         _end(f"{name} stopped on {describe(error)} before the ranks connected (the run's store is gone: rank 0 ended "
              "on a failure; its output names it)", exit_status, after_handling=False)
     _end(_ending_line(name, 0, first), exit_status, after_handling=False)
+
+
+def _await_nodes(store: torch.distributed.TCPStore) -> str:
+    """Keep the store (run by node 0's process, :func:`end_unread_node`) until every other node has read the run's
+    first failure, the count of nodes said by the first reader that knows it (:func:`_say_read`), at most
+    ``SETUP_WAIT_S``; while none has said it (one node, or only nodes whose settings could not be read either),
+    until ``UNKNOWN_NODES_WAIT_S`` passes with no read. Returns what its ending line adds: "" where every node read."""
+    prefix, started = _prefix(), time.monotonic()
+    reads, last_read = 0, started
+    while time.monotonic() < started + SETUP_WAIT_S:
+        if store.check([prefix + "nodes"]):
+            nodes = int(store.get(prefix + "nodes"))
+            if store.check([f"{prefix}read/node/{other}" for other in range(1, nodes)]):
+                return ""
+        elif store.add(prefix + "reads", 0) > reads:  # another read: nodes may still be coming
+            reads, last_read = store.add(prefix + "reads", 0), time.monotonic()
+        elif time.monotonic() >= last_read + UNKNOWN_NODES_WAIT_S:
+            read = (f"{reads} read it, none knowing the run's count of nodes, then no other" if reads else
+                    "no node read it")
+            return (f" ({read} within {UNKNOWN_NODES_WAIT_S:.0f} s: a run of one node has none, and a node still to "
+                    "come waits until its process group's timeout)")
+        time.sleep(0.1)
+    return f" (not every node read it within {SETUP_WAIT_S:.0f} s: those end at their process group's timeout)"
 
 
 def _ending_line(rank: int | str, world: int, first: tuple[int | str, str | None]) -> str:
@@ -444,12 +482,13 @@ def _launcher_runs_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def _start_store(place: RankPlace) -> torch.distributed.TCPStore | None:
-    """The run's store, started by rank 0 that failed before the ranks connected (shared with this process's own
-    where its process group's setup started one: ``multi_tenant``); None where another process holds the port. A
-    store there is another run's (two runs given one ``MASTER_PORT``), whose ranks would end on this record."""
+def _start_store(address: tuple[str, int]) -> torch.distributed.TCPStore | None:
+    """The run's store at ``address``, started by rank 0 (or node 0's process) that failed before the ranks connected
+    (shared with this process's own where its process group's setup started one: ``multi_tenant``); None where
+    another process holds the port. A store there is another run's (two runs given one ``MASTER_PORT``), whose ranks
+    would end on this record."""
     with contextlib.suppress(RuntimeError):
-        return torch.distributed.TCPStore(place.address, place.port, is_master=True, wait_for_workers=False,
+        return torch.distributed.TCPStore(*address, is_master=True, wait_for_workers=False,
                                           multi_tenant=True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
     return None
 
@@ -477,10 +516,13 @@ def _read_keys(place: RankPlace) -> list[str]:
 def _say_read(store: torch.distributed.TCPStore, place: RankPlace) -> None:
     """Record that this process read the run's first failure (or failed itself), for rank 0 to stop waiting. For
     its node too: under Lightning's launcher a node's processes end together (the launcher ends its children as it
-    ends, and its process observer ends the launcher once a child has)."""
+    ends, and its process observer ends the launcher once a child has); and the run's count of nodes, for node 0's
+    process to wait for each where it failed before it could read its own (:func:`_await_nodes`)."""
     prefix = _prefix()
     store.set(f"{prefix}read/rank/{place.rank}", "1")
     store.set(f"{prefix}read/node/{place.node}", "1")
+    store.set(f"{prefix}nodes", str(place.nodes))
+    store.add(f"{prefix}reads", 1)
 
 
 def _await_readers(store: torch.distributed.TCPStore, place: RankPlace, deadline: float) -> bool:
