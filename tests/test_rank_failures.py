@@ -314,6 +314,7 @@ def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_
     (code0, output0, _), (code1, output1, _) = outputs
     assert code1 == 2 and f"lit-grpo: node 1 failed: {missing}" in output1, output1[-4000:]
     assert "Traceback" not in output1, output1[-4000:]
+    assert "as node 1's (for a run of one node, unset NODE_RANK)" in output1, output1[-4000:]
     assert code0 == 1 and f"lit-grpo: rank 0 of 2 stopped because node 1 failed: {missing}" in output0, \
         output0[-4000:]
 
@@ -406,6 +407,25 @@ def test_node_0_failing_before_its_settings_are_read_keeps_its_store_until_every
     exitcode, seconds = _ended(node_0, time.monotonic())
     assert exitcode == 1 and seconds < 5, (exitcode, seconds, log.read_text())
     assert log.read_text().endswith("planted failure on node 0; every rank stops\n"), log.read_text()
+
+
+@pytest.mark.parametrize("node", [1, 0])
+def test_ctrl_c_ends_a_failed_nodes_wait_at_once_naming_its_error(tmp_path, node):
+    """The process started on node 1 with ``NODE_RANK`` and ``MASTER_PORT`` (a user's leftover variables, say) whose
+    settings cannot be read waits ``SETUP_WAIT_S`` for rank 0's store, which nobody may run, and node 0's keeps its
+    store for the other nodes: each says Ctrl-C ends the wait, and Ctrl-C does, at once, naming the error (no
+    traceback of the wait), with the error's exit status."""
+    log = tmp_path / "log"
+    process, started = _start_unread_node(node, free_port(), log, wait_s=60.0)
+    while "(Ctrl-C ends the wait)" not in (log.read_text() if log.exists() else ""):
+        assert process.is_alive() and time.monotonic() < started + 20, log.read_text()
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGINT)
+    exitcode, seconds = _ended(process, time.monotonic())
+    assert exitcode == 1 and seconds < 5, (exitcode, seconds, log.read_text())
+    assert (f"lit-grpo: node {node} failed before the ranks connected: PlantedError: planted failure on node {node}; "
+            "Ctrl-C ended its wait") in log.read_text(), log.read_text()
+    assert "Traceback" not in log.read_text() and "KeyboardInterrupt" not in log.read_text(), log.read_text()
 
 
 def _end_unconnected(rank: int, port: int, wait_s: float, log: Path, agent_store: bool = False

@@ -62,7 +62,8 @@ def _say_unread_layout(place: RankPlace | None, node: int | None) -> None:
     elif node is not None:
         print(f"lit-grpo: the settings could not be read, so this process's ranks are unknown (NODE_RANK={node} but "
               "no world size: Lightning's launcher takes it from trainer.num_nodes and trainer.devices): its error "
-              f"is told to the other ranks{', if any,' if node == 0 else ''} as node {node}'s",
+              f"is told to the other ranks{', if any,' if node == 0 else ''} as node {node}'s"
+              f"{'' if node == 0 else ' (for a run of one node, unset NODE_RANK)'}",
               file=sys.stderr, flush=True)
     elif "NODE_RANK" in os.environ:
         print(f"lit-grpo: the settings could not be read, so this process's place in the run is unknown (NODE_RANK="

@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import socket
 import sys
 import threading
@@ -282,11 +283,8 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     deadline = time.monotonic() + SETUP_WAIT_S
     rank, world = place.rank, place.world
     runs_store = place.rank == 0 and not _launcher_runs_store()
-    # the wait can be long (a rank still loading its model): say what this rank waits for, not a silent stall
-    print(f"lit-grpo: rank {rank} of {world} failed before the ranks connected: {describe(error)}; it waits up to "
-          f"{SETUP_WAIT_S:.0f} s for " + ("the other ranks to read its record" if runs_store else
-                                          f"rank 0's store at {place.address}:{place.port} to record it"),
-          file=sys.stderr, flush=True)
+    _say_wait(f"rank {rank} of {world}", error, "the other ranks to read its record" if runs_store else
+              f"rank 0's store at {place.address}:{place.port} to record it", exit_status)
     address = (place.address, place.port)
     store = _start_store(address) if runs_store else _await_store(address, deadline)
     if store is None:
@@ -328,11 +326,10 @@ def end_unread_node(error: BaseException, node: int, exit_status: int = 1, show_
         traceback.print_exception(error)
     address = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
     name, where = f"node {node}", "{}:{}".format(*address)
-    waits = (f"the other nodes, if any, to read it in rank 0's store, which it runs at {where} (while no node says "
-             f"the run's count of nodes, {UNKNOWN_NODES_WAIT_S:.0f} s after the last read)" if node == 0 else
-             f"rank 0's store at {where} to record it")
-    print(f"lit-grpo: {name} failed before the ranks connected: {describe(error)}; it waits up to {SETUP_WAIT_S:.0f}"
-          f" s for {waits}", file=sys.stderr, flush=True)
+    waits = (f"the other nodes, if any, to read it in rank 0's store, which it runs at {where}; while no node says "
+             f"the run's count of nodes, {UNKNOWN_NODES_WAIT_S:.0f} s after its start or the last read"
+             if node == 0 else f"rank 0's store at {where} to record it")
+    _say_wait(name, error, waits, exit_status)
     store = _start_store(address) if node == 0 else _await_store(address, time.monotonic() + SETUP_WAIT_S)
     if store is None:
         why = (f"its port {where} is another process's (another run's store?), left alone" if node == 0 else
@@ -350,6 +347,20 @@ def end_unread_node(error: BaseException, node: int, exit_status: int = 1, show_
         _end(f"{name} stopped on {describe(error)} before the ranks connected (the run's store is gone: rank 0 ended "
              "on a failure; its output names it)", exit_status, after_handling=False)
     _end(_ending_line(name, 0, first), exit_status, after_handling=False)
+
+
+def _say_wait(this: str, error: BaseException, waits: str, exit_status: int) -> None:
+    """Say what ``this`` rank (or node), failed before the ranks connected, ``waits`` for before it ends: the wait
+    can be long (a rank still loading its model comes late), so not a silent stall; from now on Ctrl-C (SIGINT,
+    where its handler is the interpreter's own) ends it at once naming ``error``, not in the wait's traceback."""
+    failed = f"{this} failed before the ranks connected: {describe(error)}"
+    print(f"lit-grpo: {failed}; it waits up to {SETUP_WAIT_S:.0f} s for {waits} (Ctrl-C ends the wait)",
+          file=sys.stderr, flush=True)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, lambda *_: _end(f"{failed}; Ctrl-C ended its wait, so the ranks that did not "
+                                                     "read its record end at their process group's timeout",
+                                                     exit_status, after_handling=False))
 
 
 def _await_nodes(store: torch.distributed.TCPStore) -> str:
