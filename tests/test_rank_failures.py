@@ -12,8 +12,9 @@ script of its own with ``RankFailureWatch`` (no ``lit-grpo``), which records and
 with both ranks of one node failing at once (each finishes its handling before the other's end can end it). Before
 the ranks connect: a model path that exists on one node only, failing on rank 0 or on rank 1, a config file that
 does (under torchrun, whose environment gives the layout the unread settings do not; under Lightning's launcher,
-whose node 1 is named by its node), and the bounded waits
-of a rank failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``), rank 0 leaving another run's
+on node 1 or on node 0, which runs rank 0's store itself, each named by its node), and the bounded waits of a rank
+failing there (``lit_grpo.runtime.rank_failure.end_unconnected_rank``; node 0's, for the nodes that read its record,
+``end_unread_node``), ended at once by Ctrl-C, rank 0 leaving another run's
 store on its port alone, a process group's setup that times out ending its rank at once (under Lightning's launcher
 with the ranks it started), and where each rank finds its place. A forked rank (``ddp_fork``) starts without its
 parent's watch.

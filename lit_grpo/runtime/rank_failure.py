@@ -31,20 +31,24 @@ connection to the others broke, and the failed rank's output has the error.
 
 A rank can also fail before the ranks connect (a model path that exists on one node only, or a config file): the
 others would wait in the process group's setup until its timeout. Its place comes from its settings, or where they
-cannot be read from its launcher's environment (:func:`launched_place`: torchrun's, SLURM's). Under Lightning's own
-launcher of several nodes that environment gives only the node (:func:`launched_node`): the process started on a
-node other than 0 records its error in rank 0's store as ``node N``'s, which every rank names, and says its node
-read it (:func:`end_unread_node`); node 0's would run the store, and knows no count of nodes to keep it for (the run
-may have one), so it ends at once and the others wait until their timeout. Each rank watches from before that
-setup (``GRPOCLI`` starts the watch as the run starts), and a rank failing there records its error through
-:func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank still to
-come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it
-in rank 0's store, waiting for it as long (and so does rank 0 under torchrun, whose agent runs the store). A store
-rank 0 finds on its port is another run's: it is left alone. Under Lightning's own launcher rank 0 waits for the
-other nodes only (one of each reading is enough): the ranks of its own node are its children, which it ends as it
-ends (on one node it waits for none), and whose end, a SIGKILL's too, has its process observer end rank 0 within
-seconds. A rank of another node, or under torchrun or SLURM any rank, killed (SIGKILL, the OOM killer) before it
-read the record holds rank 0 the whole ``SETUP_WAIT_S``: nothing tells it from a late one.
+cannot be read from its launcher's environment (:func:`launched_place`: torchrun's, SLURM's). Each rank watches from
+before that setup (``GRPOCLI`` starts the watch as the run starts), and a rank failing there records its error
+through :func:`end_unconnected_rank`: rank 0, which runs the store, starts it itself and keeps it until every rank
+still to come has read the record (each says so in the store), within ``SETUP_WAIT_S``; any other rank records it in
+rank 0's store, waiting for it as long (and so does rank 0 under torchrun, whose agent runs the store). A store rank
+0 finds on its port is another run's: it is left alone. Under Lightning's own launcher rank 0 waits for the other
+nodes only (one of each reading is enough): the ranks of its own node are its children, which it ends as it ends (on
+one node it waits for none), and whose end, a SIGKILL's too, has its process observer end rank 0 within seconds. A
+rank of another node, or under torchrun or SLURM any rank, killed (SIGKILL, the OOM killer) before it read the
+record holds rank 0 the whole ``SETUP_WAIT_S``: nothing tells it from a late one. Under Lightning's own launcher of
+several nodes the launcher's environment gives only the node (:func:`launched_node`): the process started on a node
+records its error in rank 0's store as ``node N``'s, which every rank names (:func:`end_unread_node`). On a node
+other than 0 it waits for that store ``SETUP_WAIT_S`` (nothing tells a run of one node given a leftover
+``NODE_RANK`` from a node whose node 0 comes later) and says its node read it. Node 0's process, where rank 0 would
+run the store, runs it itself and keeps it until every other node has read the record: each node that reads it says
+the run's count of nodes, and while none has (a run of one node has no reader, and a node whose settings could not
+be read knows no count), until ``UNKNOWN_NODES_WAIT_S`` passes after its start or the last read, at most
+``SETUP_WAIT_S`` in all. Ctrl-C ends any of these waits at once, naming the error.
 """
 
 from __future__ import annotations
