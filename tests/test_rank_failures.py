@@ -344,6 +344,17 @@ def test_a_config_file_missing_on_node_0_under_lightnings_launcher_ends_every_no
         output1[-4000:]
 
 
+def test_a_parse_error_with_node_rank_and_no_master_port_says_the_others_are_not_told(tmp_path):
+    """``NODE_RANK`` without ``MASTER_PORT`` says no store where rank 0 would run it: the process whose settings
+    cannot be read ends at once, saying that the other ranks, if any, are not told."""
+    env = {**repo_env(), "NODE_RANK": "0"}
+    env.pop("MASTER_PORT", None)
+    ended = forked_cli.run(["fit", "--config", str(tmp_path / "c.yaml")], tmp_path, env, timeout=DEADLINE_S)
+    assert ended.returncode == 2, ended.stderr[-4000:]
+    assert ("this process's place in the run is unknown (NODE_RANK=0 but no world size" in ended.stderr and
+            "are not told (no MASTER_PORT says where rank 0 runs the store)" in ended.stderr), ended.stderr[-4000:]
+
+
 def _start_unread_node(node: int, port: int, log: Path, wait_s: float = 20.0) -> tuple[Any, float]:
     """``fault_helpers.end_unread_node`` in a process of its own (``UNKNOWN_NODES_WAIT_S`` 2 s): it and its start."""
     process = forked_cli.forkserver().Process(target=fault_helpers.end_unread_node,
