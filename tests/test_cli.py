@@ -403,6 +403,28 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     assert message in err and "Expected a typing.Literal[" in err, err
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    # verl's names (its ppo_trainer.yaml's last key parts) point to lit_grpo's keys
+    ("data:\n  train_batch_size: 16", "option 'data.train_batch_size' (did you mean 'data.prompts_per_step'?)"),
+    ("model:\n  loss:\n    clip_ratio_c: 3.0", "(did you mean 'model.loss.delta'?)"),
+    ("model:\n  loss_agg_mode: token-mean", "(did you mean 'model.loss.loss_type'?)"),
+    ("data:\n  max_response_length: 64", "(did you mean 'data.sampling.max_new_tokens'?)"),
+    ("model:\n  ppo_epochs: 2", "(did you mean 'model.num_iterations'?)"),
+    # or say what takes the place of one without a key here
+    ("algorithm:\n  adv_estimator: grpo", "option 'algorithm.adv_estimator' (verl's adv_estimator has no counterpart: "
+                                           "GRPO's group advantages are the only estimator)"),
+    ("data:\n  max_prompt_length: 512", "(verl's max_prompt_length has no counterpart (nor has TRL 1.16)"),
+    # a value of verl's for a setting lit_grpo spells otherwise
+    ("model:\n  loss: {loss_type: seq-mean-token-mean}",
+     "Got value: seq-mean-token-mean (verl's loss_agg_mode seq-mean-token-mean is 'grpo' here)\n"),
+])
+def test_verls_settings_point_to_lit_grpos_or_say_what_takes_their_place(capsys, tmp_path, yaml_text, message):
+    config = tmp_path / "verl.yaml"
+    config.write_text(yaml_text + "\n")
+    err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
+    assert message in err, err
+
+
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
 def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # GRPOModule builds its own optimizer from model.lr and friends: Lightning's would be parsed, then ignored

@@ -1,6 +1,6 @@
 """jsonargparse's and Lightning's refusals of a setting said on one line that names the setting by its full key,
-with hints: the option likely meant, TRL's name or value for it, a close class name, a config file's other unknown
-keys.
+with hints: the option likely meant, TRL's or verl's name or value for it, a close class name, a config file's other
+unknown keys.
 """
 
 from __future__ import annotations
@@ -312,7 +312,6 @@ TRL_ELSEWHERE = {
                             "data.sampling.group_size completions, model.num_iterations optimizer steps on it",
     "gradient_accumulation_steps": "has no counterpart: a step's micro-batches, model.train_micro_batch_size "
                                    "completions each, all accumulate into its one optimizer step",
-    "max_prompt_length": "has no counterpart, nor has TRL 1.16",
     "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
     "log_completions": "is the CompletionLogger callback here, in trainer.callbacks",
     "num_completions_to_print": "is the CompletionLogger callback's num_completions here, in trainer.callbacks",
@@ -326,34 +325,71 @@ TRL_ELSEWHERE = {
 }
 
 
-#: TRL GRPOConfig's values of a setting lit_grpo spells otherwise (by the setting's last key part, then TRL's value
-#: lowercased, as the parser shows it): what the value is here.
-TRL_VALUES = {
+#: verl's settings (``ppo_trainer.yaml``'s last key parts) that a lit_grpo key does, for a setting written with
+#: verl's name: ``data.train_batch_size`` -> ``data.prompts_per_step`` (docs/training.md's verl table says how).
+VERL_NAMES = {"train_batch_size": "data.prompts_per_step", "max_response_length": "data.sampling.max_new_tokens",
+              "n": "data.sampling.group_size", "ppo_micro_batch_size_per_gpu": "model.train_micro_batch_size",
+              "ppo_epochs": "model.num_iterations", "clip_ratio": "model.loss.epsilon_low",
+              "clip_ratio_low": "model.loss.epsilon_low", "clip_ratio_high": "model.loss.epsilon_high",
+              "clip_ratio_c": "model.loss.delta", "loss_agg_mode": "model.loss.loss_type",
+              "use_kl_loss": "model.loss.beta", "kl_loss_coef": "model.loss.beta",
+              "entropy_coeff": "model.loss.entropy_coef", "norm_adv_by_std_in_grpo": "model.scale_rewards",
+              "grad_clip": "model.max_grad_norm", "lr_warmup_steps": "model.warmup_steps",
+              "enable_gradient_checkpointing": "model.gradient_checkpointing", "train_files": "data.dataset",
+              "prompt_key": "data.prompt_column", "total_training_steps": "trainer.max_steps",
+              "total_epochs": "trainer.max_epochs", "test_freq": "trainer.val_check_interval",
+              "n_gpus_per_node": "trainer.devices", "nnodes": "trainer.num_nodes"}
+#: verl's settings with no key of lit_grpo's to name instead: what takes their place.
+VERL_ELSEWHERE = {
+    "adv_estimator": "has no counterpart: GRPO's group advantages are the only estimator",
+    "kl_loss_type": "has no counterpart: model.loss.beta's KL is verl's low_var_kl (k3)",
+    "max_prompt_length": "has no counterpart (nor has TRL 1.16): no prompt is cut or filtered; one whose tokens and "
+                         "data.sampling.max_new_tokens pass the model's max_position_embeddings is refused before "
+                         "the first step, naming its row",
+    "filter_overlong_prompts": "has no counterpart: a prompt too long for the model is refused before the first "
+                               "step, naming its row",
+    "val_files": "has no counterpart: validation holds out data.val_size prompts of data.dataset's split",
+    "save_freq": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
+    "custom_reward_function": "is an entry of data.reward_funcs here: {name: my_reward:compute_score, kwargs: {...}}, "
+                              "called as verl calls it",
+    "use_kl_in_reward": "has no counterpart: no KL penalty in the reward (model.loss.beta puts it in the loss)",
+}
+
+#: TRL GRPOConfig's (and verl's) values of a setting lit_grpo spells otherwise (by the setting's last key part, then
+#: the value lowercased, as the parser shows it): what the value is here.
+PEER_VALUES = {
     "scale_rewards": {"true": "TRL's scale_rewards: true is 'group' here",
                       "false": "TRL's scale_rewards: false is 'none' here"},
     "lr_schedule": {"constant_with_warmup": "TRL's lr_scheduler_type constant_with_warmup is 'constant' here, "
                                             "after model.warmup_steps",
                     "cosine_with_min_lr": "TRL's lr_scheduler_type cosine_with_min_lr is 'cosine' here, down to "
                                           "model.min_lr_ratio"},
+    # verl's loss_agg_mode, written as lit_grpo's loss_type
+    "loss_type": {"token-mean": "verl's loss_agg_mode token-mean is 'bnpo' here",
+                  "seq-mean-token-mean": "verl's loss_agg_mode seq-mean-token-mean is 'grpo' here",
+                  "seq-mean-token-sum": "verl's loss_agg_mode seq-mean-token-sum is 'luspo' here, with "
+                                        "model.loss.importance_sampling_level: token",
+                  "seq-mean-token-sum-norm": "verl's loss_agg_mode seq-mean-token-sum-norm is 'dr_grpo' here, "
+                                             "whose loss is verl's over the completions of a micro-batch"},
 }
 #: jsonargparse's refusal of a value none of a setting's choices is.
 _NOT_A_CHOICE = re.compile(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[.*\]\. Got value: (\S+)\s*')
 
 
-def trl_value_hint(message: str) -> str:
-    """`` (TRL's ...)`` where the parser's ``message`` refuses a value of TRL's for a setting that lit_grpo spells
-    otherwise (``TRL_VALUES``), saying what it is here; else an empty string."""
+def peer_value_hint(message: str) -> str:
+    """`` (TRL's ...)`` where the parser's ``message`` refuses a value of TRL's (or verl's) for a setting that lit_grpo
+    spells otherwise (``PEER_VALUES``), saying what it is here; else an empty string."""
     refused = _NOT_A_CHOICE.fullmatch(message)
     if refused is None:
         return ""
-    meaning = TRL_VALUES.get(refused.group(1).rsplit(".", 1)[-1], {}).get(refused.group(2).lower())
+    meaning = PEER_VALUES.get(refused.group(1).rsplit(".", 1)[-1], {}).get(refused.group(2).lower())
     return f" ({meaning})" if meaning else ""
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:
     """The known option ``name`` most likely means: one with the same last part (``model.beta`` ->
-    ``model.loss.beta``, not ``model.betas``), TRL's name's counterpart (``TRL_NAMES``), else the closest spelling;
-    failing all three, the same for the key of a mapping put in the wrong place
+    ``model.loss.beta``, not ``model.betas``), TRL's or verl's name's counterpart (``TRL_NAMES``, ``VERL_NAMES``),
+    else the closest spelling; failing all three, the same for the key of a mapping put in the wrong place
     (``chat_template_kwargs.enable_thinking`` -> ``data.chat_template_kwargs``)."""
     meant = _meant_whole_key(name, known)
     groups = {key.rsplit(".", 1)[0] for key in known} | set(known)
@@ -372,9 +408,10 @@ def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
     same_last = [key for key in known if key.rsplit(".", 1)[-1] == last]
     if same_last:
         return max(same_last, key=lambda key: difflib.SequenceMatcher(None, name, key).ratio())
-    if last in TRL_NAMES and TRL_NAMES[last] in known:
-        return TRL_NAMES[last]
-    if last in TRL_ELSEWHERE:  # said in its note, not taken for a key spelled alike
+    for names in (TRL_NAMES, VERL_NAMES):
+        if last in names and names[last] in known:
+            return names[last]
+    if last in TRL_ELSEWHERE or last in VERL_ELSEWHERE:  # said in its note, not taken for a key spelled alike
         return None
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
@@ -431,12 +468,14 @@ def other_unknown_keys(message: str, paths: Sequence[str], known: Sequence[str])
     return ""
 
 
-def _trl_note(name: str) -> str | None:
-    """What takes the place of TRL's setting ``name`` (its last part), where lit_grpo has no key for it."""
+def _peer_note(name: str) -> str | None:
+    """What takes the place of TRL's or verl's setting ``name`` (its last part), where lit_grpo has no key for it."""
     last = name.rsplit(".", 1)[-1]
+    if last in VERL_ELSEWHERE:
+        return f"verl's {last} {VERL_ELSEWHERE[last]}"
     if last.startswith("vllm_") and last not in TRL_ELSEWHERE:
-        last = "use_vllm"
-    return f"TRL's {name.rsplit('.', 1)[-1]} {TRL_ELSEWHERE[last]}" if last in TRL_ELSEWHERE else None
+        return f"TRL's {last} {TRL_ELSEWHERE['use_vllm']}"
+    return f"TRL's {last} {TRL_ELSEWHERE[last]}" if last in TRL_ELSEWHERE else None
 
 
 def did_you_mean(message: str, known: Sequence[str]) -> str:
@@ -451,7 +490,7 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
         return ""
     unknown = [name.split("=", 1)[0] for name in unknown]
     pairs = [(name, meant) for name in unknown if (meant := _meant_key(name, known))]
-    notes = [note for name in unknown if name not in dict(pairs) and (note := _trl_note(name))]
+    notes = [note for name in unknown if name not in dict(pairs) and (note := _peer_note(name))]
     notes += [TRL_ALSO[last] for name, meant in pairs
               if (last := name.rsplit(".", 1)[-1]) in TRL_ALSO and meant == TRL_NAMES[last]]
     hint = "".join(f" ({note})" for note in notes)

@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lit_grpo.runtime.validation import ConfigError
 
 from lit_grpo.cli.messages import (_option_names, config_paths, did_you_mean, one_line_reason, optional_group_reason,
-                                   other_unknown_keys, trl_value_hint)
+                                   other_unknown_keys, peer_value_hint)
 
 
 class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -78,7 +78,7 @@ class GRPOArgumentParser(LightningArgumentParser):
             shown = one_line_reason(message)
         known = _option_names(parser)
         also = other_unknown_keys(message, config_paths(getattr(self, "_given_args", [])), known)
-        shown += did_you_mean(message, known) + trl_value_hint(message) + also
+        shown += did_you_mean(message, known) + peer_value_hint(message) + also
         try:
             super().error(shown, ex)
         except SystemExit as exit_:  # its cause is what a rank failing here records for the others to name
