@@ -53,7 +53,7 @@ class FitSummary(Callback):
 
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
     ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
-    optimizer step; a GRPO batch with its ``num_iterations`` optimizer steps), and its time counts the training steps
+    optimizer step; a GRPO batch with all its optimizer steps), and its time counts the training steps
     only (the validations in between are named apart); a step's rollout time is that of every batch's rollout in it
     (under gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of the
@@ -160,7 +160,7 @@ class FitSummary(Callback):
         value = self._logged(trainer, self.accuracy_key, "val/")
         if value is not None:
             # Training steps, as the summary counts them and TensorBoard draws them (after step k at k - 1), not
-            # trainer.global_step: a GRPO step makes num_iterations optimizer steps.
+            # trainer.global_step: a GRPO step makes num_iterations x num_mini_batches optimizer steps.
             step = logger_step(trainer) + 1 if trainer.global_step else 0
             self.accuracy.append((step, float(value)))
 

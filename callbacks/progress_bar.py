@@ -20,9 +20,9 @@ class GRPOProgressBar(TQDMProgressBar):
     r"""Lightning's TQDM bar, counting what a GRPO run counts.
 
     - the training bar, "GRPO steps", runs over optimizer steps, ``global_step / max_steps`` (one training batch is
-      ``num_iterations`` of them), with a real rate and ETA (seconds per step when a step takes longer than a
-      second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``); a resumed run
-      starts at its step and its rate counts only the steps it ran;
+      ``num_iterations x num_mini_batches`` of them), with a real rate and ETA (seconds per step when a step takes
+      longer than a second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``); a resumed
+      run starts at its step and its rate counts only the steps it ran;
     - next to it: ``reward`` (``reward/mean`` of the last step), ``val_acc`` (the last ``val/accuracy``),
       ``loss`` (``train/loss``), and whatever is logged with ``prog_bar=True`` (RolloutProfiler's ``steps``,
       ``bound`` and ``util``); the logger's version number (``v_num``) is left out.

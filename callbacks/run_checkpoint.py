@@ -36,7 +36,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     - after every validation (``save_on_validation``);
     - every ``every_n_train_steps`` optimizer steps (after the training step that passes each multiple of it:
-      a GRPO step makes ``num_iterations`` optimizer steps), and after the first step that ends ``train_time_interval``
+      a GRPO step makes several optimizer steps), and after the first step that ends ``train_time_interval``
       (a ``timedelta``; in YAML ``"0:30:00"``) after the last save; the interval bounds what a kill (SIGKILL, a
       lost machine) can cost, the README states what a save costs; where a validation follows that step, the save
       waits for it (with ``save_on_validation``), so the checkpoint holds what the validation changed;
@@ -193,7 +193,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------------------------------ how
     def _interval_due(self, trainer: pl.Trainer) -> bool:
-        every = self._every_n_train_steps  # a batch may make several optimizer steps (GRPOModule's num_iterations)
+        every = self._every_n_train_steps  # a batch may make several optimizer steps (GRPOModule's)
         if every >= 1 and trainer.global_step // every > self._step_before // every:
             return True
         if self._train_time_interval is None or self._last_time_checked is None:

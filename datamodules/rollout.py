@@ -466,9 +466,9 @@ class RolloutDataModule(LightningDataModule):
             return TrainerState(self.steps_built, -1, epoch)
         max_steps = trainer.max_steps
         if max_steps < 0 and trainer.max_epochs is not None and trainer.max_epochs > 0:
-            # each training step takes num_iterations optimizer steps (the module's setting)
-            iterations = getattr(getattr(trainer.lightning_module, "hparams", None), "num_iterations", 1)
-            max_steps = trainer.max_epochs * self.num_train_steps_per_epoch() * iterations
+            # each training step takes num_iterations x num_mini_batches optimizer steps (the module's settings)
+            per_step = getattr(trainer.lightning_module, "optimizer_steps_per_training_step", 1)
+            max_steps = trainer.max_epochs * self.num_train_steps_per_epoch() * per_step
         return TrainerState(trainer.global_step, max_steps, epoch)
 
     @property

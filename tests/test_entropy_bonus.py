@@ -340,7 +340,8 @@ def test_a_run_without_the_adaptive_control_saves_and_reads_no_state():
 
 def test_the_steps_entropy_and_micro_batches_are_summed_over_the_ranks_in_the_steps_collectives():
     """Under several processes: the entropy sums and token counts go with the non-finite flag in the optimizer
-    step's one gather and add up over the ranks; the micro-batch count is one reduction a training step."""
+    step's one gather and add up over the ranks; the micro-batch counts, each mini-batch's, are one reduction a
+    training step."""
     from types import SimpleNamespace
 
     module = GRPOModule(model="tiny-llama", loss={"use_adaptive_entropy": True})
@@ -352,6 +353,6 @@ def test_the_steps_entropy_and_micro_batches_are_summed_over_the_ranks_in_the_st
     try:
         assert module._gather_step_end("micro-batch 0 has loss nan", [3.0, 2.0]) == ([0], [9.0, 6.0])
         assert module._gather_step_end(None, []) == ([], [])
-        assert module._micro_batches_over_ranks([None] * 3) == 6 and reduced == ["sum"]
+        assert module._micro_batches_over_ranks([[None] * 3, [None] * 2]) == [6, 4] and reduced == ["sum"]
     finally:
         module._trainer = None

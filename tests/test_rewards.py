@@ -612,13 +612,15 @@ def test_every_call_gets_the_training_progress_as_trl_passes_it():
         score_rewards([WeightedReward(ramp, 1.0)], ["a"], ["x"], {"trainer_state": [1]})
 
 
-@pytest.mark.parametrize("bound, num_prompts, iterations, expected", [
-    ({"max_steps": 3}, 8, 1, [(0, 3, 0.0), (1, 3, 0.25), (2, 3, 0.5)]),
+@pytest.mark.parametrize("bound, num_prompts, iterations, mini_batches, expected", [
+    ({"max_steps": 3}, 8, 1, 1, [(0, 3, 0.0), (1, 3, 0.25), (2, 3, 0.5)]),
     # no max_steps: the bound from max_epochs, 2 training steps an epoch of 2 optimizer steps each
-    ({"max_epochs": 1}, 4, 2, [(0, 4, 0.0), (2, 4, 0.5)]),
+    ({"max_epochs": 1}, 4, 2, 1, [(0, 4, 0.0), (2, 4, 0.5)]),
+    # ... and of 2 x 2 with 2 mini-batches a pass
+    ({"max_epochs": 1}, 4, 2, 2, [(0, 8, 0.0), (4, 8, 0.5)]),
 ])
 def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp_path, bound, num_prompts,
-                                                                             iterations, expected):
+                                                                             iterations, mini_batches, expected):
     """A whole fit: the reward functions see the optimizer steps taken so far, the run's bound and the epochs of
     prompts drawn."""
     from lightning.pytorch import Trainer
@@ -637,7 +639,8 @@ def test_the_data_module_lends_the_trainers_progress_to_the_reward_functions(tmp
                              sampling={"group_size": 2, "max_new_tokens": 4})
     trainer = Trainer(**bound, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       limit_val_batches=0, default_root_dir=tmp_path, enable_model_summary=False)
-    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=iterations), datamodule=data)
+    trainer.fit(GRPOModule(model="tiny-llama", num_iterations=iterations, num_mini_batches=mini_batches),
+                datamodule=data)
     assert seen == expected
 
 

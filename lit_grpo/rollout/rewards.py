@@ -116,7 +116,7 @@ class TrainerState:
     whose fields these are).
 
     Attributes:
-        global_step: optimizer steps taken so far (training steps x ``num_iterations``).
+        global_step: optimizer steps taken so far (training steps x ``num_iterations`` x ``num_mini_batches``).
         max_steps: the optimizer steps the run will take (from ``max_epochs`` where ``max_steps`` is unset; -1:
             neither bounds it).
         epoch: epochs of training prompts drawn so far, fractional (``steps / steps_per_epoch``).

@@ -5,9 +5,10 @@ default).
 transformers' default) and "cosine" (a half cosine) take it down to ``min_lr_ratio`` of it (0 by default;
 transformers' ``cosine_with_min_lr`` with ``min_lr_rate`` is "cosine" with it), which the step after the last one
 would reach. The last step is ``trainer.max_steps``'s, which counts optimizer steps, as ``trainer.global_step`` does
-(training steps x ``num_iterations``; rounded up to whole training steps, where Lightning stops): the decay needs
-it set. The warm-up's first step already has ``1 / warmup_steps`` of the rate (transformers' has 0), so with a
-warm-up the whole schedule runs one step ahead of transformers'; without one the two are the same.
+(training steps x ``num_iterations`` x ``num_mini_batches``; rounded up to whole training steps, where Lightning
+stops): the decay needs it set. The warm-up's first step already has ``1 / warmup_steps`` of the rate (transformers'
+has 0), so with a warm-up the whole schedule runs one step ahead of transformers'; without one the two are the same.
+verl steps its schedule once a rollout, whatever its mini-batches; TRL's, as this one, once an optimizer step.
 
 A resumed run follows this run's settings (``GRPOModule.on_train_start``): its rate, warm-up, schedule and
 ``max_steps``, at the step the checkpoint reached.
@@ -49,7 +50,7 @@ def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None,
             floor = f"{min_ratio:g} of it" if min_ratio else "0"
             raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to {floor} at trainer.max_steps, "
                               f"which is not set ({max_steps}): set it (optimizer steps: training steps x "
-                              "model.num_iterations), or use lr_schedule 'constant'")
+                              "model.num_iterations x model.num_mini_batches), or use lr_schedule 'constant'")
         if warmup_steps >= max_steps:
             raise ConfigError(f"model.warmup_steps={warmup_steps} leaves no step of trainer.max_steps={max_steps} "
                               f"for lr_schedule={schedule!r} to decay over: warmup_steps must be < max_steps")

@@ -2,21 +2,32 @@
 
 Prompt -> builder -> batch -> module: one ``training_step`` consumes one ``RolloutBatch`` (B prompts x G
 completions, built by ``RolloutDataModule``'s ``RolloutBuilder`` with the current policy right before the step) and
-makes ``num_iterations`` optimizer steps on it:
+makes ``num_iterations x num_mini_batches`` optimizer steps on it:
 
-1. ``N = B x G`` completion rows are cut into micro-batches of ``train_micro_batch_size`` rows.
-2. Normalizers that span the step are computed first: dapo's active-token count (summed over ranks).
-3. If ``num_iterations > 1``: old log-probs, once, with no grad, before the first update (with one iteration the
-   rollout's policy IS the current one, so ``old_logps = logps.detach()``). If ``loss.beta > 0``: reference
-   log-probs, once, with no grad (the frozen reference model, or the policy with its LoRA adapter disabled).
-4. Per iteration: for each micro-batch, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never
-   holds the whole ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs;
-   "auto": on for a batch with samples from older weights), the loss object ``self.loss_fn`` (built once from
-   ``loss``, a ``LossConfig``) x its ``micro_batch_weight`` (the weighted micro-batch losses add up to the whole
+1. The ``B`` groups are cut in order into ``num_mini_batches`` mini-batches of whole groups (``B`` divisible by it,
+   else refused when a fit starts, naming both), each an optimizer step; each mini-batch's ``B / num_mini_batches
+   x G`` completion rows into micro-batches of ``train_micro_batch_size`` rows (none spans two mini-batches).
+   Advantages are the rollout's, computed over the whole batch's groups before the cut.
+2. Normalizers that span an optimizer step are computed first, each mini-batch's own: dapo's active-token count
+   (summed over ranks), the entropy bonus's micro-batch count (over ranks). The loss types' micro-batch weights
+   (``micro_batch_weight``) take the mini-batch's rows and micro-batches; the high-entropy quantile is each
+   micro-batch's, as with one mini-batch.
+3. If ``num_iterations > 1`` or ``num_mini_batches > 1``: old log-probs, once, with no grad, before the first
+   optimizer step, of every mini-batch that is not trained before the first (with one iteration and one
+   mini-batch the rollout's policy IS the current one, so ``old_logps = logps.detach()``; likewise the first
+   mini-batch of a single pass): every optimizer step after the first is off-policy, its ratio to the rollout's
+   policy. If ``loss.beta > 0``: reference log-probs, once, with no grad (the frozen reference model, or the
+   policy with its LoRA adapter disabled).
+4. Per iteration (a pass over every mini-batch in order, PPO's and verl's order), per mini-batch: for each of its
+   micro-batches, forward log-probs (``lit_grpo.update.logprobs.completion_logps``, which never holds the whole
+   ``[m, T, vocab]`` logits), the sampler correction's weights (old against sampling log-probs; "auto": on for a
+   batch with samples from older weights), the loss object ``self.loss_fn`` (built once from ``loss``, a
+   ``LossConfig``) x its ``micro_batch_weight`` (the weighted micro-batch losses add up to the whole optimizer
    step's loss, so the gradients equal one big batch's), ``manual_backward`` (under ddp without gradient sync but
-   in the last micro-batch: below); then the losses' finiteness check, over every rank, and ``optimizer.step``,
-   inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the gradients) the
-   gradient norm is taken once (logged, checked finite, and the clipping's); the learning rate's step. With a
+   in the mini-batch's last micro-batch: below); then the losses' finiteness check, over every rank, and
+   ``optimizer.step``, inside which (``on_before_optimizer_step``, after a 16-mixed loss scaler has unscaled the
+   gradients) the gradient norm is taken once (logged, checked finite, and the clipping's); the learning rate's
+   step. With a
    ``reference_sync``, after each optimizer step whose count (``trainer.global_step``) is a multiple of its
    ``every_n_steps``, the frozen reference moves toward the policy (lit_grpo.update.reference_sync). Under a
    Trainer the gradients are then freed, so the next rollout does not hold them.
@@ -28,8 +39,9 @@ overflow, whose step the scaler skips (the logged norm shows it), and the learni
 Manual optimization: Lightning forbids ``Trainer(gradient_clip_val=...)`` with manual optimization, so clipping is
 this module's ``max_grad_norm`` (``clip_grads_with_norm_`` by the norm already taken, on the gradients the precision
 plugin has unscaled). Likewise ``accumulate_grad_batches`` must stay 1: the micro-batching above IS the
-accumulation. ``trainer.global_step`` counts optimizer steps, i.e. training steps x ``num_iterations``
-(``max_steps`` counts the same).
+accumulation. ``trainer.global_step`` counts optimizer steps, i.e. training steps x ``num_iterations`` x
+``num_mini_batches`` (``optimizer_steps_per_training_step``; ``max_steps``, the learning-rate schedule and
+``reference_sync.every_n_steps`` count the same).
 
 Logged (``self.log``, on step): train/{loss, kl (loss.beta > 0 only: there is no reference otherwise), clip_ratio_low,
 clip_ratio_high (shares of loss tokens; under GSPO of completions with a loss token, as TRL), entropy (mean over
@@ -37,7 +49,7 @@ all completion tokens: under mask_truncated_completions TRL's leaves the truncat
 clipping), lr, entropy_coef (with the entropy bonus on, ``loss.entropy_coef`` != 0 or ``loss.use_adaptive_entropy``:
 the coefficient after each optimizer step, the next one's, as TRL's ``entropy_coef``), phi_seq_mean (loss_type vespo
 only: the mean over completions of vespo's weight, TRL's ``vespo/phi_seq_mean``); each the mean over the step's
-``num_iterations`` optimizer steps};
+``num_iterations x num_mini_batches`` optimizer steps};
 reward/{mean, std (mean over groups of the within-group std; TRL 1.16's reward_std is the batch's), frac_zero_std
 (share of the step's generated groups without learning signal, whose rewards were all equal (under
 normalize_then_sum: whose every reward function's values were), dropped ones included), <fn_name>/mean (None
@@ -57,11 +69,12 @@ every key is the whole step's, the same on every rank (below).
 
 Distributed: under ddp (``--trainer.strategy ddp --trainer.devices N``; gloo on CPU) each rank trains on its own
 B groups (RolloutDataModule draws different prompts per rank, whole groups), dapo's normalizer is the active tokens
-of every micro-batch of every rank (``strategy.reduce``), and the loss is multiplied by the world size because ddp
-averages the ranks' gradients: the update equals one process holding all ranks' rows (tests/test_ddp.py). Every
-micro-batch but the last runs its backward without gradient sync (Lightning's ``strategy.block_backward_sync()``,
-the wrapped model's ``no_sync``), so ddp all-reduces once per optimizer step, with the same gradients up to
-summation order (FSDP2 is left to its own per-backward reduce-scatter).
+of every micro-batch of the optimizer step's mini-batch on every rank (``strategy.reduce``, once a training step for
+every mini-batch), and the loss is multiplied by the world size because ddp averages the ranks' gradients: the
+update equals one process holding all ranks' rows (tests/test_ddp.py; each optimizer step: every rank's mini-batch
+of that index). Every micro-batch but a mini-batch's last runs its backward without gradient sync (Lightning's
+``strategy.block_backward_sync()``, the wrapped model's ``no_sync``), so ddp all-reduces once per optimizer step,
+with the same gradients up to summation order (FSDP2 is left to its own per-backward reduce-scatter).
 Logged keys are the whole step's, the same on every rank: ``training_step`` gathers every rank's values in one
 collective (a ``[2, K]`` float64 tensor over K keys listed in one order on every rank; a key absent on a rank is
 left out of its reduction) and reduces each key by its rule in ``lit_grpo.rollout.metrics.RANK_REDUCTIONS``: means
@@ -72,10 +85,10 @@ rank's value weighted by its groups, tokens or present values, ``RATIO_WEIGHTS``
 rank's rows would log them), sums (reward/skipped_groups, rollout/carried_samples), min or max
 (completions/min_length and max_length, sampling/*/min and max, rollout/rollouts_per_step), and
 ``rollout/rank_skew``, the slowest rank's rollout seconds over their mean (several processes only). ``train/loss``:
-each rank's value is its own rows' loss (dapo, cispo and vespo, normalized by the whole step's tokens: its share
-times the world size); every rank holds as many rows, so their mean is the step's loss. val/*: torchmetrics means,
-synced over the ranks when computed (every rank's held-out prompts, each counted once). The lit_grpo callbacks reduce
-their keys (rollout/*, memory/*) by the same table.
+each rank's value is its own rows' loss (dapo, cispo and vespo, normalized by the optimizer step's tokens on
+every rank: its share times the world size); every rank holds as many rows, so their mean is the step's loss.
+val/*: torchmetrics means, synced over the ranks when computed (every rank's held-out prompts, each counted once).
+The lit_grpo callbacks reduce their keys (rollout/*, memory/*) by the same table.
 ``fsdp: true`` with ``ModelParallelStrategy`` shards the policy with FSDP2 (configs/fsdp_gpu.yaml); gradients are
 averaged the same way. A non-finite loss, or gradient norm, raises on every rank at once, naming the ranks whose loss
 was not finite (one gather of a flag per optimizer step; the norm is the same on every rank after the reduction),
@@ -240,7 +253,12 @@ class GRPOModule(LightningModule):
             for is left out of the statistics and gets advantage 0, as in TRL.
             Under "normalize_then_sum" a group without signal (dynamic sampling drops it; ``reward/frac_zero_std``)
             is one in which every function's values are equal.
-        num_iterations: optimizer steps per training step, on its one batch (mu in the GRPO paper).
+        num_iterations: passes over each training step's batch (mu in the GRPO paper; verl's ``ppo_epochs``),
+            each pass ``num_mini_batches`` optimizer steps.
+        num_mini_batches: optimizer steps per pass: the step's ``B`` groups (on each rank) cut in order into this
+            many mini-batches of whole groups, ``B`` divisible by it (verl's ``train_batch_size /
+            ppo_mini_batch_size``; TRL's ``steps_per_generation / gradient_accumulation_steps``). Every step after
+            the first is off-policy: its ratio is to the log-probs from before the first (module docstring).
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
@@ -282,6 +300,7 @@ class GRPOModule(LightningModule):
         scale_rewards: Scale = "group",
         multi_objective_aggregation: Aggregation = "sum_then_normalize",
         num_iterations: int = 1,
+        num_mini_batches: int = 1,
         mask_truncated_completions: bool = False,
         train_micro_batch_size: int = 8,
         lr: float = 1e-6,
@@ -317,6 +336,7 @@ class GRPOModule(LightningModule):
             raise ValueError(f"shared_prefix={shared_prefix!r} is not known; use one of {list(SHARED_PREFIX_MODES)}")
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         check_int("num_iterations", num_iterations, 1)
+        check_int("num_mini_batches", num_mini_batches, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
         _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm,
@@ -545,7 +565,17 @@ class GRPOModule(LightningModule):
         return super().cpu()
 
     # ------------------------------------------------------------------------------------------ data hand-over
+    @property
+    def optimizer_steps_per_training_step(self) -> int:
+        """The optimizer steps each training step takes: ``num_iterations x num_mini_batches`` (what
+        ``trainer.global_step`` and ``max_steps`` count)."""
+        return self.hparams.num_iterations * self.hparams.num_mini_batches
+
     def on_fit_start(self) -> None:
+        # before the first rollout: mini-batches of whole groups need a count of them that divides the step's
+        groups = getattr(getattr(self.trainer.datamodule, "training", None), "prompts_per_step", None)
+        if isinstance(groups, int):
+            self._check_mini_batches(groups, ConfigError)
         self._hand_over_to_data()
         # here, where both lit-grpo's fits and a script's Trainer pass, on every rank; shown once, by rank 0
         hazard = exception_save_hazard(self.trainer.callbacks, self.trainer.world_size)
@@ -581,7 +611,8 @@ class GRPOModule(LightningModule):
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
         max_steps = self.trainer.max_steps if self._trainer is not None else None
         if max_steps is not None and max_steps > 0:  # Lightning stops after whole training steps: the steps run
-            max_steps = math.ceil(max_steps / hp.num_iterations) * hp.num_iterations
+            per_training_step = self.optimizer_steps_per_training_step
+            max_steps = math.ceil(max_steps / per_training_step) * per_training_step
         schedule = lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps, hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -599,15 +630,38 @@ class GRPOModule(LightningModule):
         _match_fused(optimizer)
 
     # ------------------------------------------------------------------------------------------ log-probs
-    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+    def _micro_batches(self, batch: RolloutBatch, mini_batches: int = 1) -> list[MicroBatch]:
         """The step's micro-batches of ``train_micro_batch_size`` consecutive rows, each with its model inputs
-        (``RolloutBatch.micro_batch``), cut once per step and without waiting on the device."""
+        (``RolloutBatch.micro_batch``), cut once per step and without waiting on the device; none spans two of
+        ``mini_batches`` equal runs of rows (``_mini_batches``)."""
         size, total = self.hparams.train_micro_batch_size, batch.num_completions
-        micro_batches = [(rows, batch.micro_batch(rows)) for rows in (range(start, min(start + size, total))
-                                                                       for start in range(0, total, size))]
+        span = total // mini_batches
+        micro_batches = [(rows, batch.micro_batch(rows))
+                         for first in range(0, total, span)
+                         for rows in (range(start, min(start + size, first + span))
+                                      for start in range(first, first + span, size))]
         if self.uses_shared_prefix == "auto":
             self._decide_sharing(micro_batches)
         return micro_batches
+
+    def _mini_batches(self, batch: RolloutBatch) -> list[list[MicroBatch]]:
+        """The step's ``num_mini_batches`` mini-batches, in order, each its whole groups' micro-batches."""
+        count = self.hparams.num_mini_batches
+        self._check_mini_batches(batch.num_prompts, ValueError)
+        span = batch.num_completions // count
+        minis: list[list[MicroBatch]] = [[] for _ in range(count)]
+        for rows, micro in self._micro_batches(batch, count):
+            minis[rows[0] // span].append((rows, micro))
+        return minis
+
+    def _check_mini_batches(self, groups: int, error: type[ValueError]) -> None:
+        """Raise ``error`` where ``num_mini_batches`` does not divide ``groups``, the step's groups on each rank."""
+        count = self.hparams.num_mini_batches
+        if groups % count:
+            divisors = [d for d in range(1, groups + 1) if groups % d == 0]
+            raise error(f"model.num_mini_batches={count} must divide the step's groups on each rank, "
+                        f"data.prompts_per_step={groups}: each mini-batch holds whole groups, as many in each; use "
+                        f"one of {divisors}")
 
     def _decide_sharing(self, micro_batches: list[MicroBatch]) -> None:
         """``shared_prefix: auto`` decided for each micro-batch (``logprobs.shares_prefix``, from its own prompt
@@ -647,22 +701,29 @@ class GRPOModule(LightningModule):
         return completion_logps(model, micro, temperature, entropy_grad=entropy_grad,
                                 shared_prefix=micro.get("shared_prefix", self.uses_shared_prefix))
 
-    def _micro_batches_over_ranks(self, micro_batches: list[MicroBatch]) -> int:
-        """The step's micro-batches summed over every rank (the entropy bonus's weight): one reduction a step,
-        which every rank runs (the loss settings are every rank's)."""
-        count = len(micro_batches)
+    def _micro_batches_over_ranks(self, mini_batches: list[list[MicroBatch]]) -> list[int]:
+        """Each mini-batch's micro-batches summed over every rank (the entropy bonus's weight in its optimizer
+        step): one reduction a training step, which every rank runs (the loss settings are every rank's)."""
+        counts = [len(micro_batches) for micro_batches in mini_batches]
         if _world_size(self._trainer) > 1:
-            total = torch.tensor(float(count), device=self.device)
-            count = int(self.trainer.strategy.reduce(total, reduce_op="sum").item())
-        return count
+            totals = torch.tensor(counts, dtype=torch.float32, device=self.device)
+            counts = [int(c) for c in self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()]
+        return counts
 
     def _total_active_tokens(self, micro_batches: list[MicroBatch]) -> float:
-        """The step's active loss tokens (dapo's normalizer), summed over every micro-batch and every rank: read
-        to the host once per step, so that no micro-batch's loss waits on the device for it."""
-        total = torch.stack([self._loss_mask(micro).sum() for _, micro in micro_batches]).sum().float()
+        """The active loss tokens of one optimizer step's ``micro_batches`` (dapo's normalizer), summed over every
+        rank (``_active_tokens_per_mini_batch`` for each of a step's mini-batches)."""
+        return self._active_tokens_per_mini_batch([micro_batches])[0]
+
+    def _active_tokens_per_mini_batch(self, mini_batches: list[list[MicroBatch]]) -> list[float]:
+        """Each mini-batch's active loss tokens (dapo's normalizer of its optimizer step), summed over its
+        micro-batches and every rank: read to the host once per training step, so that no micro-batch's loss waits
+        on the device for it."""
+        totals = torch.stack([torch.stack([self._loss_mask(micro).sum() for _, micro in micro_batches]).sum()
+                              for micro_batches in mini_batches]).float()
         if _world_size(self._trainer) > 1:
-            total = self.trainer.strategy.reduce(total, reduce_op="sum")
-        return float(total)
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return totals.tolist()
 
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: RolloutBatch, batch_idx: int = 0) -> torch.Tensor:
@@ -700,8 +761,10 @@ class GRPOModule(LightningModule):
 
     def grpo_step(self, batch: RolloutBatch, optimizer: torch.optim.Optimizer,
                   scheduler: Any | None = None) -> dict[str, float]:
-        """The whole update on one step's batch (``num_iterations`` optimizer steps); returns the scalars to log,
-        and under ``weight/`` the weights of its ratios over ranks (``lit_grpo.rollout.metrics.loggable`` drops them).
+        """The whole update on one step's batch (``num_iterations`` passes over its ``num_mini_batches``
+        mini-batches, an optimizer step each); returns the scalars to log (each the mean over those optimizer
+        steps), and under ``weight/`` the weights of its ratios over ranks (``lit_grpo.rollout.metrics.loggable``
+        drops them).
 
         Works with or without a Trainer (without one: plain ``backward``, the norm and the clipping before the step).
         """
@@ -712,33 +775,43 @@ class GRPOModule(LightningModule):
         policy = self._require_policy()
         kernel = resolve_update_linear(hp.cpu_linear, policy, is_fsdp_sharded(policy))
         with onednn_linears(policy, kernel):
-            micro_batches = self._micro_batches(batch)
+            mini_batches = self._mini_batches(batch)
+            mini_rows = batch.num_completions // len(mini_batches)
             loss_fn = self.loss_fn
-            total_active = self._total_active_tokens(micro_batches) if loss_fn.needs_step_tokens else None
-            bonus_batches = (self._micro_batches_over_ranks(micro_batches) if self.entropy_control.enabled
-                             else len(micro_batches))
-            old_logps = self._frozen_logps(policy, batch, micro_batches) if hp.num_iterations > 1 else None
-            ref_logps = None
+            total_active = (self._active_tokens_per_mini_batch(mini_batches) if loss_fn.needs_step_tokens
+                            else [None] * len(mini_batches))
+            bonus_batches = (self._micro_batches_over_ranks(mini_batches) if self.entropy_control.enabled
+                             else [len(micro_batches) for micro_batches in mini_batches])
+            # the old policy's log-probs, all taken before the first optimizer step; a mini-batch whose first
+            # forward comes before any step (the first, in a single pass) takes its own forward's instead
+            old_logps: list[list[torch.Tensor] | None] = [
+                self._frozen_logps(policy, batch, micro_batches) if hp.num_iterations > 1 or index > 0 else None
+                for index, micro_batches in enumerate(mini_batches)]
+            ref_logps: list[list[torch.Tensor] | None] = [None] * len(mini_batches)
             beta = loss_fn.config.beta
             if beta > 0:
                 with self._reference() as reference:
-                    ref_logps = self._frozen_logps(reference, batch, micro_batches)
+                    ref_logps = [self._frozen_logps(reference, batch, micro_batches) for micro_batches in mini_batches]
 
             sums: dict[str, float] = {}
             correction = self.sampler_correction.for_batch(batch.offpolicy_tokens > 0)
             correction_stats = CorrectionStats()
+            optimizer_steps = hp.num_iterations * len(mini_batches)
+            # PPO's order, as verl's and TRL's: each pass (iteration) runs over every mini-batch in turn
             for iteration in range(hp.num_iterations):
-                step_metrics = self._update(batch, micro_batches, optimizer, old_logps, ref_logps, total_active,
-                                            iteration, correction, correction_stats, bonus_batches)
-                # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
-                step_metrics["lr"] = optimizer.param_groups[0]["lr"]
-                self._sync_reference_when_due(optimizer)
-                for key, value in step_metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value / hp.num_iterations
-                # a loss scaler's overflow skipped the optimizer step (its norm is not finite; any other raised):
-                # the schedule counts the steps taken
-                if scheduler is not None and math.isfinite(self._grad_norm):
-                    scheduler.step()
+                for index, micro_batches in enumerate(mini_batches):
+                    step_metrics = self._update(batch, micro_batches, optimizer, old_logps[index], ref_logps[index],
+                                                total_active[index], iteration, correction, correction_stats,
+                                                bonus_batches[index], mini_rows)
+                    # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
+                    step_metrics["lr"] = optimizer.param_groups[0]["lr"]
+                    self._sync_reference_when_due(optimizer)
+                    for key, value in step_metrics.items():
+                        sums[key] = sums.get(key, 0.0) + value / optimizer_steps
+                    # a loss scaler's overflow skipped the optimizer step (its norm is not finite; any other
+                    # raised): the schedule counts the steps taken
+                    if scheduler is not None and math.isfinite(self._grad_norm):
+                        scheduler.step()
         logged = {k if k.startswith(WEIGHT_PREFIX) else f"train/{k}": v for k, v in sums.items()
                   if k != "kl" or beta > 0}
         logged.update(correction_stats.as_metrics())
@@ -748,11 +821,15 @@ class GRPOModule(LightningModule):
     def _update(self, batch: RolloutBatch, micro_batches: list[MicroBatch], optimizer: torch.optim.Optimizer,
                 old_logps: list[torch.Tensor] | None, ref_logps: list[torch.Tensor] | None,
                 total_active: float | None, iteration: int, correction: SamplerCorrection,
-                correction_stats: CorrectionStats, bonus_batches: int | None = None) -> dict[str, float]:
-        """One optimizer step over all micro-batches of the batch (``_micro_batches``): each one's forward, loss and
-        backward, then ``_end_step``; returns the step's metrics (the sampler correction's, resolved for this batch,
-        go to ``correction_stats`` in the first iteration). ``bonus_batches``: the step's micro-batches on every
-        rank (the entropy bonus's weight; None: this rank's)."""
+                correction_stats: CorrectionStats, bonus_batches: int | None = None,
+                mini_rows: int | None = None) -> dict[str, float]:
+        """One optimizer step over ``micro_batches``, one mini-batch's (``_mini_batches``; the whole batch's with
+        one): each one's forward, loss and backward, then ``_end_step``; returns the step's metrics (the sampler
+        correction's, resolved for this batch, go to ``correction_stats`` in the first iteration). ``old_logps``:
+        each micro-batch's old log-probs (None: its forward's own, the weights have not moved since the rollout);
+        ``total_active``: dapo's normalizer, the mini-batch's active tokens over every rank; ``bonus_batches``: the
+        optimizer step's micro-batches on every rank (the entropy bonus's weight; None: this rank's);
+        ``mini_rows``: the mini-batch's rows (the loss types' weights; None: the whole batch's)."""
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         step = StepMetrics()
@@ -783,7 +860,8 @@ class GRPOModule(LightningModule):
             kept = high_entropy_mask(entropy, mask, quantile, gather, capacity) if quantile < 1 else None
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy, all_gather=gather, entropy_mask=kept)
-            loss = loss * loss_fn.micro_batch_weight(len(rows), batch.num_completions, len(micro_batches), world)
+            loss = loss * loss_fn.micro_batch_weight(len(rows), mini_rows or batch.num_completions,
+                                                     len(micro_batches), world)
             if control.enabled:
                 tokens = bonus_tokens(entropy.detach(), mask, quantile, gather, entropy_mask=kept)
                 if coef:
@@ -843,7 +921,7 @@ class GRPOModule(LightningModule):
     def _sync_reference_when_due(self, optimizer: torch.optim.Optimizer) -> None:
         """After an optimizer step: mix the policy into the reference where the steps taken are a multiple of
         ``reference_sync.every_n_steps`` (lit_grpo.update.reference_sync). Checked after every optimizer step, so
-        with ``num_iterations > 1`` no multiple is passed over."""
+        with several a training step (``num_iterations``, ``num_mini_batches``) no multiple is passed over."""
         if self.reference_sync is None:
             return
         if self.reference_sync.due(self._steps_taken(optimizer)):

@@ -29,7 +29,7 @@ class ReferenceSync:
 
     Args:
         every_n_steps: mix after every this many optimizer steps (``trainer.global_step``, which counts
-            ``num_iterations`` per training step; TRL's ``ref_model_sync_steps``), an integer >= 1.
+            ``num_iterations x num_mini_batches`` per training step; TRL's ``ref_model_sync_steps``), an integer >= 1.
         mixup_alpha: the policy's share of the mix, in (0, 1] (TRL's ``ref_model_mixup_alpha``).
     """
 
