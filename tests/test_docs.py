@@ -158,7 +158,7 @@ def test_the_verl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     overrides = ["--model.model", "tiny-llama", "--model.fsdp", "false", "--model.train_micro_batch_size", "2",
                  "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
                  "--trainer.precision", "32-true", "--trainer.max_steps", "1", "--data.dataset", "gsm8k",
-                 "--data.val_size", "2", "--data.prompts_per_step", "1", "--data.sampling.group_size", "2",
+                 "--data.val_size", "2", "--data.prompts_per_step", "4", "--data.sampling.group_size", "2",
                  "--data.sampling.max_new_tokens", "8", "--trainer.default_root_dir", str(tmp_path / "runs"),
                  "--trainer.enable_progress_bar", "false"]
     proc = forked_cli.run(["fit", "--config", "verl_port.yaml", *overrides], tmp_path, repo_env(OMP_NUM_THREADS="1"))
