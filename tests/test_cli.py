@@ -414,6 +414,8 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     ("algorithm:\n  adv_estimator: grpo", "option 'algorithm.adv_estimator' (verl's adv_estimator has no counterpart: "
                                            "GRPO's group advantages are the only estimator)"),
     ("data:\n  max_prompt_length: 512", "(verl's max_prompt_length has no counterpart (nor has TRL 1.16)"),
+    ("model:\n  ppo_mini_batch_size: 256", "(verl's ppo_mini_batch_size is model.num_mini_batches here, counted "
+                                           "otherwise: train_batch_size / ppo_mini_batch_size optimizer steps"),
     # a value of verl's for a setting lit_grpo spells otherwise
     ("model:\n  loss: {loss_type: seq-mean-token-mean}",
      "Got value: seq-mean-token-mean (verl's loss_agg_mode seq-mean-token-mean is 'grpo' here)\n"),

@@ -6,7 +6,8 @@
 
 Notes for configs: GRPOModule uses manual optimization, so ``trainer.gradient_clip_val`` and
 ``trainer.accumulate_grad_batches`` must stay unset (use ``model.max_grad_norm`` and
-``model.train_micro_batch_size``); ``trainer.max_steps`` counts optimizer steps (training steps x num_iterations).
+``model.train_micro_batch_size``); ``trainer.max_steps`` counts optimizer steps (training steps x num_iterations x
+num_mini_batches).
 
 Multi-process and resume:
 

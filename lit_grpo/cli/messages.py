@@ -308,8 +308,8 @@ TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
     "generation_batch_size": "has no counterpart: a step is one rollout of data.prompts_per_step prompts x "
                              "data.sampling.group_size completions",
-    "steps_per_generation": "has no counterpart: a step is one rollout of data.prompts_per_step prompts x "
-                            "data.sampling.group_size completions, model.num_iterations optimizer steps on it",
+    "steps_per_generation": "is model.num_mini_batches here, counted otherwise: steps_per_generation / "
+                            "gradient_accumulation_steps optimizer steps on each rollout",
     "gradient_accumulation_steps": "has no counterpart: a step's micro-batches, model.train_micro_batch_size "
                                    "completions each, all accumulate into its one optimizer step",
     "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
@@ -342,6 +342,8 @@ VERL_NAMES = {"train_batch_size": "data.prompts_per_step", "max_response_length"
 #: verl's settings with no key of lit_grpo's to name instead: what takes their place.
 VERL_ELSEWHERE = {
     "adv_estimator": "has no counterpart: GRPO's group advantages are the only estimator",
+    "ppo_mini_batch_size": "is model.num_mini_batches here, counted otherwise: train_batch_size / "
+                           "ppo_mini_batch_size optimizer steps on each rollout",
     "kl_loss_type": "has no counterpart: model.loss.beta's KL is verl's low_var_kl (k3)",
     "max_prompt_length": "has no counterpart (nor has TRL 1.16): no prompt is cut or filtered; one whose tokens and "
                          "data.sampling.max_new_tokens pass the model's max_position_embeddings is refused before "
