@@ -92,12 +92,11 @@ class DecodeReads:
         return self.weights + rows * self.per_row + attended * self.per_position
 
 
-def decode_reads(config: Any, dtype: torch.dtype | str, kv_dtype: torch.dtype | str | None = None) -> DecodeReads:
-    """The ``DecodeReads`` of a model: weights and embedding rows in ``dtype`` (the rollout's), keys and values
-    in ``kv_dtype`` (default ``dtype``)."""
+def decode_reads(config: Any, dtype: torch.dtype | str) -> DecodeReads:
+    """The ``DecodeReads`` of a model: weights, embedding rows, keys and values in ``dtype`` (the rollout's)."""
     shape, b = model_shape(config), dtype_bytes(dtype)
     return DecodeReads(weights=b * shape.weights, per_row=b * shape.hidden,
-                       per_position=kv_bytes_per_token(config, kv_dtype if kv_dtype is not None else dtype))
+                       per_position=kv_bytes_per_token(config, dtype))
 
 
 def floor_ms(read_bytes: float, read_bytes_per_s: float) -> float:
