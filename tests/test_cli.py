@@ -405,11 +405,24 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
 
 @pytest.mark.parametrize("yaml_text, message", [
     # verl's names (its ppo_trainer.yaml's last key parts) point to lit_grpo's keys
-    ("data:\n  train_batch_size: 16", "option 'data.train_batch_size' (did you mean 'data.prompts_per_step'?)"),
+    ("data:\n  train_batch_size: 16", "option 'data.train_batch_size' (did you mean 'data.prompts_per_step'? "),
     ("model:\n  loss:\n    clip_ratio_c: 3.0", "(did you mean 'model.loss.delta'?)"),
     ("model:\n  loss_agg_mode: token-mean", "(did you mean 'model.loss.loss_type'?)"),
     ("data:\n  max_response_length: 64", "(did you mean 'data.sampling.max_new_tokens'?)"),
     ("model:\n  ppo_epochs: 2", "(did you mean 'model.num_iterations'?)"),
+    # where verl counts otherwise, how: rollouts against optimizer steps, every GPU's prompts against one rank's
+    ("trainer:\n  total_training_steps: 100", "(did you mean 'trainer.max_steps'? verl's total_training_steps "
+                                              "counts rollouts, trainer.max_steps optimizer steps: rollouts x "
+                                              "model.num_iterations x model.num_mini_batches)"),
+    ("model:\n  lr_warmup_steps: 10", "(did you mean 'model.warmup_steps'? verl's lr_warmup_steps counts rollouts, "
+                                      "model.warmup_steps optimizer steps: rollouts x model.num_iterations x "
+                                      "model.num_mini_batches)"),
+    ("data:\n  train_batch_size: 16", "(did you mean 'data.prompts_per_step'? verl's train_batch_size counts the "
+                                      "prompts of every GPU, data.prompts_per_step those of one rank: "
+                                      "train_batch_size / ranks)"),
+    ("trainer:\n  save_freq: 10", "(verl's save_freq is RunCheckpoint's every_n_train_steps here, in "
+                                  "trainer.callbacks, counting optimizer steps: verl's rollouts x "
+                                  "model.num_iterations x model.num_mini_batches)"),
     # or say what takes the place of one without a key here
     ("algorithm:\n  adv_estimator: grpo", "option 'algorithm.adv_estimator' (verl's adv_estimator has no counterpart: "
                                            "GRPO's group advantages are the only estimator)"),

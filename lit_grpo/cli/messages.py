@@ -339,6 +339,13 @@ VERL_NAMES = {"train_batch_size": "data.prompts_per_step", "max_response_length"
               "prompt_key": "data.prompt_column", "total_training_steps": "trainer.max_steps",
               "total_epochs": "trainer.max_epochs", "test_freq": "trainer.val_check_interval",
               "n_gpus_per_node": "trainer.devices", "nnodes": "trainer.num_nodes"}
+#: verl's settings in VERL_NAMES that count otherwise than their key here: how, said with it.
+_OPTIMIZER_STEPS = "optimizer steps: rollouts x model.num_iterations x model.num_mini_batches"
+VERL_ALSO = {"total_training_steps": "verl's total_training_steps counts rollouts, trainer.max_steps "
+                                     f"{_OPTIMIZER_STEPS}",
+             "lr_warmup_steps": f"verl's lr_warmup_steps counts rollouts, model.warmup_steps {_OPTIMIZER_STEPS}",
+             "train_batch_size": "verl's train_batch_size counts the prompts of every GPU, data.prompts_per_step "
+                                 "those of one rank: train_batch_size / ranks"}
 #: verl's settings with no key of lit_grpo's to name instead: what takes their place.
 VERL_ELSEWHERE = {
     "adv_estimator": "has no counterpart: GRPO's group advantages are the only estimator",
@@ -351,7 +358,8 @@ VERL_ELSEWHERE = {
     "filter_overlong_prompts": "has no counterpart: a prompt too long for the model is refused before the first "
                                "step, naming its row",
     "val_files": "has no counterpart: validation holds out data.val_size prompts of data.dataset's split",
-    "save_freq": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
+    "save_freq": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks, counting optimizer steps: "
+                 "verl's rollouts x model.num_iterations x model.num_mini_batches",
     "custom_reward_function": "is an entry of data.reward_funcs here: {name: my_reward:compute_score, kwargs: {...}}, "
                               "called as verl calls it",
     "use_kl_in_reward": "has no counterpart: no KL penalty in the reward (model.loss.beta puts it in the loss)",
@@ -493,8 +501,8 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
     unknown = [name.split("=", 1)[0] for name in unknown]
     pairs = [(name, meant) for name in unknown if (meant := _meant_key(name, known))]
     notes = [note for name in unknown if name not in dict(pairs) and (note := _peer_note(name))]
-    notes += [TRL_ALSO[last] for name, meant in pairs
-              if (last := name.rsplit(".", 1)[-1]) in TRL_ALSO and meant == TRL_NAMES[last]]
+    notes += [also[last] for name, meant in pairs for also, names in ((TRL_ALSO, TRL_NAMES), (VERL_ALSO, VERL_NAMES))
+              if (last := name.rsplit(".", 1)[-1]) in also and meant == names[last]]
     hint = "".join(f" ({note})" for note in notes)
     if not pairs:
         return hint
