@@ -104,6 +104,40 @@ def test_a_fit_counts_the_mini_batches_optimizer_steps_in_global_step_and_the_sc
     assert not module._reference_is_initial  # synced after optimizer step 3, inside the second training step
 
 
+def test_a_resumed_fit_goes_on_counting_the_mini_batches_optimizer_steps(tmp_path):
+    """A checkpoint after one training step of 2 iterations x 2 mini-batches holds global_step 4; the resumed run
+    takes its next training step as optimizer steps 5 to 8, at the rates of a linear decay over its max_steps 8."""
+    import lightning.pytorch as pl
+
+    from lit_grpo.sampling import SamplingConfig
+
+    rates, steps = [], []
+
+    class Rates(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            rates.append(optimizer.param_groups[0]["lr"])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append((trainer.global_step, trainer.fit_loop.epoch_loop._batches_that_stepped))
+
+    def fit(max_steps, ckpt_path=None):
+        pl.seed_everything(0)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, callbacks=[Rates()])
+        module = GRPOModule(model="tiny-llama", lr=1e-3, lr_schedule="linear", num_mini_batches=2, num_iterations=2)
+        sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4)
+        trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0, "sampling": sampling})),
+                    ckpt_path=ckpt_path)
+        return trainer
+
+    fit(4).save_checkpoint(tmp_path / "step4.ckpt")
+    assert steps == [(4, 0)] and rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    steps.clear(), rates.clear()
+    assert fit(8, tmp_path / "step4.ckpt").global_step == 8
+    assert steps == [(8, 1)] and rates == pytest.approx([5e-4, 3.75e-4, 2.5e-4, 1.25e-4])
+
+
 # ------------------------------------------------------------------------------------------------ the normalizers
 @pytest.mark.parametrize("loss", [{"loss_type": "grpo"}, {"loss_type": "dapo"}, {"loss_type": "dr_grpo"},
                                   {"loss_type": "bnpo"}, {"loss_type": "cispo", "epsilon_high": 5.0},
