@@ -713,15 +713,20 @@ def test_completions_no_function_scored_are_left_out_of_their_groups_advantages(
         torch.testing.assert_close(batch.advantages[1, [0, 2, 3]], (scored - scored.mean()) / (scored.std() + 1e-4))
 
 
-def test_a_short_batch_is_filled_with_the_dropped_groups_in_the_order_they_were_generated():
-    """Dynamic sampling's batch: the kept groups first (at most B), then the dropped ones in generation order up to
-    B, none twice."""
+def test_a_short_batch_is_filled_with_the_dropped_groups_spread_among_the_kept_ones():
+    """Dynamic sampling's batch: the kept groups (at most B) in their order, the dropped ones in generation order up
+    to B, none twice, spread evenly, so no mini-batch of consecutive groups is made of fillers where it need not be."""
     from lit_grpo.rollout.builder import _fill_groups
 
     generated = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
-    assert _fill_groups([(0, 1), (1, 1)], generated, 4) == [(0, 1), (1, 1), (0, 0), (0, 2)]
+    assert _fill_groups([(0, 1), (1, 1)], generated, 4) == [(0, 1), (0, 0), (1, 1), (0, 2)]
     assert _fill_groups([(0, 2), (0, 0), (1, 0)], generated, 2) == [(0, 2), (0, 0)]
     assert _fill_groups([], generated, 5) == generated
+    assert _fill_groups([(1, 1)], generated, 3) == [(0, 0), (1, 1), (0, 1)]
+    # 2 kept of 8: any 2 mini-batches of 4 groups hold a kept group each, any 4 of 2 at most one filler pair
+    kept, many = [(1, 0), (1, 1)], [(0, p) for p in range(8)] + [(1, 0), (1, 1)]
+    filled = _fill_groups(kept, many, 8)
+    assert sorted(filled) == sorted(kept + many[:6]) and all(set(filled[i:i + 4]) & set(kept) for i in (0, 4))
 
 
 def test_the_batch_scale_over_ranks_leaves_out_every_ranks_unscored_completions(policy):

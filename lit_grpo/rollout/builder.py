@@ -710,8 +710,15 @@ def _all_groups(rollouts: list[_ScoredRollout]) -> list[tuple[int, int]]:
 
 def _fill_groups(kept: list[tuple[int, int]], generated: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     """The first ``count`` of ``kept``, filled up to ``count`` with the ``generated`` groups not kept (dynamic
-    sampling's dropped ones, which get zero advantage), so that every batch has B groups."""
+    sampling's dropped ones, which get zero advantage, in generation order), so that every batch has B groups. The
+    fillers are spread evenly among the kept groups: a run of them would make whole mini-batches
+    (``model.num_mini_batches``) without learning signal, optimizer steps that only AdamW's momentum moves."""
     chosen = kept[:count]
     taken = set(chosen)
-    return chosen + [key for key in generated if key not in taken][:count - len(chosen)]
+    fillers = [key for key in generated if key not in taken][:count - len(chosen)]
+    total = len(chosen) + len(fillers)
+    # positions floor((i + 1/2) x total / fillers): at least 1 apart, so distinct
+    spread = {int((2 * i + 1) * total // (2 * len(fillers))) for i in range(len(fillers))}
+    kept_in_order, fillers_in_order = iter(chosen), iter(fillers)
+    return [next(fillers_in_order if position in spread else kept_in_order) for position in range(total)]
 
