@@ -881,9 +881,8 @@ class GRPOModule(LightningModule):
         gradient norm and clipping before it) and the adaptive entropy control's move; returns the step's metrics."""
         control = self.entropy_control
         # the step's one read of its values: the device runs ahead of the host through every micro-batch
-        nonfinite = next((f"micro-batch {index} (rows {rows[0]}..{rows[-1]}) has loss {value}"
-                          for index, ((rows, _), value) in enumerate(zip(micro_batches, step.read()))
-                          if not math.isfinite(value)), None)
+        nonfinite = next((f"the micro-batch of rows {rows[0]}..{rows[-1]} has loss {value}"
+                          for (rows, _), value in zip(micro_batches, step.read()) if not math.isfinite(value)), None)
         # one gather a step, on every rank: which ranks' losses were not finite, and the adaptive control's entropy
         ranks, entropy_totals = self._gather_step_end(nonfinite, step.entropy_totals() if control.adaptive else [])
         self._raise_on_nonfinite_loss(nonfinite, optimizer, iteration, ranks)
@@ -957,9 +956,9 @@ class GRPOModule(LightningModule):
         where = f"on rank {', '.join(map(str, ranks))} " if _world_size(self._trainer) > 1 else ""
         here = f": {nonfinite}" if nonfinite is not None else " (this rank's losses were finite)"
         raise NonFiniteStepError(
-            f"non-finite GRPO loss {where}at global step {self.global_step}, iteration {iteration}{here}; no "
-            "optimizer step was taken, the weights are unchanged. Check the rewards/advantages, lower lr, or use "
-            "float32/bf16-mixed.")
+            f"non-finite GRPO loss {where}at global step {self.global_step}, iteration {iteration}{here}; this "
+            "optimizer step was not taken: the weights are the last step's. Check the rewards/advantages, lower lr, "
+            "or use float32/bf16-mixed.")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning calls it inside optimizer.step(), after a 16-mixed GradScaler has unscaled the gradients (before
@@ -976,8 +975,8 @@ class GRPOModule(LightningModule):
                 return grad_norm
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteStepError(f"non-finite gradient norm ({grad_norm}) at global step {self.global_step}, "
-                                     f"iteration {self._iteration}; no optimizer step was taken, the weights are "
-                                     "unchanged.")
+                                     f"iteration {self._iteration}; this optimizer step was not taken: the weights "
+                                     "are the last step's.")
         max_norm = self.hparams.max_grad_norm
         if max_norm:  # by the norm just taken: clip_grad_norm_ would read every gradient again for it
             torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
