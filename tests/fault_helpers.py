@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -171,5 +172,8 @@ def end_unread_node(node: int, port: int, wait_s: float, unknown_nodes_wait_s: f
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as in a terminal: the fork server may hand SIGINT on ignored (a background job's; a handler a test left when
+    # it started), and the wait leaves an ignored SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rank_failure.SETUP_WAIT_S, rank_failure.UNKNOWN_NODES_WAIT_S = wait_s, unknown_nodes_wait_s
     rank_failure.end_unread_node(PlantedError(f"planted failure on node {node}"), node)
