@@ -105,6 +105,17 @@ def test_the_readme_lightning_example_trains(tmp_path):
         assert noise not in proc.stderr, proc.stderr[-4000:]
 
 
+def _write_port(folder: Path, start: str, end: str, module: str, config: str) -> None:
+    """docs/training.md's port between the headings ``start`` and ``end`` into ``folder``: its Python block that
+    opens with ``# MODULE`` as ``module``, its one YAML block as ``config``."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text[text.index(start):text.index(end)]
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith(f"# {module}")]
+    (yaml_text,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    (folder / module).write_text(code)
+    (folder / config).write_text(yaml_text)
+
+
 def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     """docs/training.md's TRL port: its reward module (TRL's signatures, chat completions) and its config, as written,
     train a step through ``lit-grpo fit`` on the tiny model, the module found in the working folder."""
@@ -112,12 +123,8 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
 
     from tools.harness import repo_env
 
-    text = (ROOT / "docs" / "training.md").read_text()
-    section = text[text.index("### A TRL script, ported"):text.index("## verl's GRPO settings in lit-grpo's YAML")]
-    (module,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith("# my_rewards.py")]
-    (config,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
-    (tmp_path / "my_rewards.py").write_text(module)
-    (tmp_path / "trl_port.yaml").write_text(config)
+    _write_port(tmp_path, "### A TRL script, ported", "## verl's GRPO settings in lit-grpo's YAML", "my_rewards.py",
+                "trl_port.yaml")
     with open(tmp_path / "train.jsonl", "w") as rows:
         for i in range(6):
             rows.write(json.dumps({"prompt": [{"role": "system", "content": "Answer in <answer></answer>."},
@@ -141,12 +148,7 @@ def test_the_verl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
 
     from tools.harness import repo_env
 
-    text = (ROOT / "docs" / "training.md").read_text()
-    section = text[text.index("### A verl run, ported"):text.index("## Callbacks and what they log")]
-    (module,) = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if b.startswith("# my_reward.py")]
-    (config,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
-    (tmp_path / "my_reward.py").write_text(module)
-    (tmp_path / "verl_port.yaml").write_text(config)
+    _write_port(tmp_path, "### A verl run, ported", "## Callbacks and what they log", "my_reward.py", "verl_port.yaml")
     (tmp_path / "gsm8k").mkdir()
     for split, rows in (("train", range(6)), ("test", range(6, 8))):  # examples/data_preprocess/gsm8k.py's layout
         datasets.Dataset.from_list([

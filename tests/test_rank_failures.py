@@ -297,26 +297,34 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
                 "ConfigError: --config c.yaml: no such file" in output, tail
 
 
-def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_node_naming_it(tmp_path):
-    """``--config c.yaml`` where ``c.yaml`` exists on node 0 only, under Lightning's own launcher of 2 nodes
-    (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): node 1 knows neither the world size nor its ranks (settings
-    it could not read), yet records its error in rank 0's store as node 1's, and rank 0, which would wait in the
-    process group's setup until its timeout (30 minutes), ends within seconds naming node 1 and the error."""
+MISSING_CONFIG = "ConfigError: --config c.yaml: no such file"
+
+
+def _two_nodes_with_the_config_on(node: int, tmp_path: Path) -> list[tuple[int, str]]:
+    """Two nodes on localhost under Lightning's own launcher (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each
+    in a folder of its own, ``--config c.yaml`` there on ``node`` only: each node's exit status and output."""
     folders = (tmp_path / "node0", tmp_path / "node1")
     for folder in folders:
         folder.mkdir()
-    (folders[0] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
+    (folders[node] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
     argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
             "--trainer.default_root_dir", "run", "--config", "c.yaml"]
     outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders)
     for rank, (code, output, _) in enumerate(outputs):
         assert code is not None, f"node {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
-    missing = "ConfigError: --config c.yaml: no such file"
-    (code0, output0, _), (code1, output1, _) = outputs
-    assert code1 == 2 and f"lit-grpo: node 1 failed: {missing}" in output1, output1[-4000:]
+    return [(code, output) for code, output, _ in outputs]
+
+
+def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_node_naming_it(tmp_path):
+    """``--config c.yaml`` where ``c.yaml`` exists on node 0 only, under Lightning's own launcher of 2 nodes
+    (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): node 1 knows neither the world size nor its ranks (settings
+    it could not read), yet records its error in rank 0's store as node 1's, and rank 0, which would wait in the
+    process group's setup until its timeout (30 minutes), ends within seconds naming node 1 and the error."""
+    (code0, output0), (code1, output1) = _two_nodes_with_the_config_on(0, tmp_path)
+    assert code1 == 2 and f"lit-grpo: node 1 failed: {MISSING_CONFIG}" in output1, output1[-4000:]
     assert "Traceback" not in output1, output1[-4000:]
     assert "as node 1's (for a run of one node, unset NODE_RANK)" in output1, output1[-4000:]
-    assert code0 == 1 and f"lit-grpo: rank 0 of 2 stopped because node 1 failed: {missing}" in output0, \
+    assert code0 == 1 and f"lit-grpo: rank 0 of 2 stopped because node 1 failed: {MISSING_CONFIG}" in output0, \
         output0[-4000:]
 
 
@@ -325,22 +333,13 @@ def test_a_config_file_missing_on_node_0_under_lightnings_launcher_ends_every_no
     whose process would run rank 0's store, knows neither the world size nor its ranks, yet runs that store itself,
     records its error there as node 0's and keeps it until node 1, which would wait in the process group's setup
     until its timeout (30 minutes), has read it: node 1 ends within seconds naming node 0 and the error."""
-    folders = (tmp_path / "node0", tmp_path / "node1")
-    for folder in folders:
-        folder.mkdir()
-    (folders[1] / "c.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 1}}))
-    argv = [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1",
-            "--trainer.default_root_dir", "run", "--config", "c.yaml"]
-    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders)
-    for rank, (code, output, _) in enumerate(outputs):
-        assert code is not None, f"node {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
-    missing = "ConfigError: --config c.yaml: no such file"
-    (code0, output0, _), (code1, output1, _) = outputs
-    assert code0 == 2 and re.search(f"lit-grpo: node 0 failed: {missing} .*; every rank stops$", output0, re.M), \
+    (code0, output0), (code1, output1) = _two_nodes_with_the_config_on(1, tmp_path)
+    assert code0 == 2 and re.search(f"lit-grpo: node 0 failed: {MISSING_CONFIG} .*; every rank stops$", output0,
+                                    re.M), \
         output0[-4000:]
     assert "Traceback" not in output0 and "not every node" not in output0, output0[-4000:]
     assert "its error is told to the other ranks, if any, as node 0's" in output0, output0[-4000:]
-    assert code1 == 1 and f"lit-grpo: rank 1 of 2 stopped because node 0 failed: {missing}" in output1, \
+    assert code1 == 1 and f"lit-grpo: rank 1 of 2 stopped because node 0 failed: {MISSING_CONFIG}" in output1, \
         output1[-4000:]
 
 
