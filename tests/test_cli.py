@@ -429,6 +429,9 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     ("data:\n  max_prompt_length: 512", "(verl's max_prompt_length has no counterpart (nor has TRL 1.16)"),
     ("model:\n  ppo_mini_batch_size: 256", "(verl's ppo_mini_batch_size is model.num_mini_batches here, counted "
                                            "otherwise: train_batch_size / ppo_mini_batch_size optimizer steps"),
+    # a key inside verl's section (its file's path, its function's name): the section's note
+    ("custom_reward_function:\n  path: my_reward.py", "option 'custom_reward_function.path' (verl's "
+                                                       "custom_reward_function is an entry of data.reward_funcs here"),
     # a value of verl's for a setting lit_grpo spells otherwise
     ("model:\n  loss: {loss_type: seq-mean-token-mean}",
      "Got value: seq-mean-token-mean (verl's loss_agg_mode seq-mean-token-mean is 'grpo' here)\n"),
@@ -438,6 +441,24 @@ def test_verls_settings_point_to_lit_grpos_or_say_what_takes_their_place(capsys,
     config.write_text(yaml_text + "\n")
     err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
     assert message in err, err
+
+
+def test_a_config_in_verls_nested_layout_names_every_unknown_key_at_once(capsys, tmp_path):
+    # verl's keys sit in sections lit_grpo has not (actor_rollout_ref.actor.optim): each is named with its hint
+    config = tmp_path / "verl.yaml"
+    config.write_text("actor_rollout_ref:\n  actor:\n    optim: {lr: 1.0e-6}\n    ppo_mini_batch_size: 2\n"
+                      "  rollout: {n: 4}\ncustom_reward_function: {path: my_reward.py, name: compute_score}\n"
+                      "trainer:\n  total_training_steps: 2\n")
+    err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
+    meant = ["'actor_rollout_ref.actor.optim.lr' (did you mean 'model.lr'?",
+             "'actor_rollout_ref.actor.ppo_mini_batch_size' (verl's ppo_mini_batch_size is model.num_mini_batches",
+             "'actor_rollout_ref.rollout.n' (did you mean 'data.sampling.group_size'?",
+             "'custom_reward_function.path' (verl's custom_reward_function is an entry of data.reward_funcs",
+             "'custom_reward_function.name' (verl's custom_reward_function is an entry of data.reward_funcs",
+             "'trainer.total_training_steps' (did you mean 'trainer.max_steps'?"]
+    assert err.count(f"\n{config} also holds these unknown keys:\n  '") == 1, err
+    for key in meant:  # each named once: the parser's first in its error line, the others one a line after it
+        assert err.count(key) == 1, err
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])

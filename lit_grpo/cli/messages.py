@@ -440,7 +440,8 @@ _OPAQUE_KEYS = {"class_path", "init_args", "dict_kwargs"}
 
 def unknown_config_keys(config: Any, known: Sequence[str], prefix: str = "") -> list[str]:
     """The dotted keys of a loaded YAML ``config`` that no option in ``known`` takes: a known option's value is
-    taken whole; a key that only begins known options (a section) is looked into."""
+    taken whole; a key that only begins known options (a section) is looked into, and so is an unknown mapping
+    (verl's ``actor_rollout_ref.actor``), whose keys the parser names one by one, as it does its first."""
     known_set = set(known)
     sections = {key.rsplit(".", n)[0] for key in known for n in range(1, key.count(".") + 1)}
     unknown = []
@@ -448,7 +449,9 @@ def unknown_config_keys(config: Any, known: Sequence[str], prefix: str = "") -> 
         name = f"{prefix}{key}"
         if key in _OPAQUE_KEYS or (name in known_set and name not in sections):
             continue
-        if name in sections and isinstance(value, dict):
+        unknown_mapping = name not in known_set and isinstance(value, dict) and value and \
+            not _OPAQUE_KEYS & value.keys()
+        if (name in sections and isinstance(value, dict)) or unknown_mapping:
             unknown += unknown_config_keys(value, known, f"{name}.")
         elif name not in known_set:
             unknown.append(name)
@@ -479,10 +482,12 @@ def other_unknown_keys(message: str, paths: Sequence[str], known: Sequence[str])
 
 
 def _peer_note(name: str) -> str | None:
-    """What takes the place of TRL's or verl's setting ``name`` (its last part), where lit_grpo has no key for it."""
+    """What takes the place of TRL's or verl's setting ``name`` (its last part, or the verl section it is in:
+    ``custom_reward_function.path``), where lit_grpo has no key for it."""
     last = name.rsplit(".", 1)[-1]
-    if last in VERL_ELSEWHERE:
-        return f"verl's {last} {VERL_ELSEWHERE[last]}"
+    section = next((part for part in reversed(name.split(".")) if part in VERL_ELSEWHERE), None)
+    if section is not None:
+        return f"verl's {section} {VERL_ELSEWHERE[section]}"
     if last.startswith("vllm_") and last not in TRL_ELSEWHERE:
         return f"TRL's {last} {TRL_ELSEWHERE['use_vllm']}"
     return f"TRL's {last} {TRL_ELSEWHERE[last]}" if last in TRL_ELSEWHERE else None
