@@ -328,17 +328,30 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
         main(["fit", "--config", TINY, *args])
     err = capsys.readouterr().err
     assert "(did you mean 'model.train_micro_batch_size'?" in err, err
-    assert ("per_device_train_batch_size x gradient_accumulation_steps x processes / num_generations" in err
-            and "data.prompts_per_step prompts x data.sampling.group_size" in err), err
+    # the prompts of a generation, a rollout here: steps_per_generation of its optimizer steps, not one's
+    assert ("per_device_train_batch_size x steps_per_generation (gradient_accumulation_steps when unset) x "
+            "processes / num_generations" in err and "data.prompts_per_step prompts x data.sampling.group_size" in err
+            and "model.num_mini_batches" in err), err
 
 
 @pytest.mark.parametrize("yaml_text, message", [
     ("use_vllm: true", "option 'use_vllm' (TRL's use_vllm has no counterpart: rollouts run on lit_grpo's own engine"),
     ("model:\n  vllm_gpu_memory_utilization: 0.3", "option 'model.vllm_gpu_memory_utilization' (TRL's "
                                                    "vllm_gpu_memory_utilization has no counterpart"),
-    ("model:\n  gradient_accumulation_steps: 4", "(TRL's gradient_accumulation_steps has no counterpart: a step's "
-                                                  "micro-batches, model.train_micro_batch_size completions each, all "
-                                                  "accumulate into its one optimizer step)"),
+    ("model:\n  gradient_accumulation_steps: 4",
+     "(TRL's gradient_accumulation_steps has no counterpart: a mini-batch's micro-batches, "
+     "model.train_micro_batch_size completions each, all accumulate into its optimizer step; "
+     "model.num_mini_batches is steps_per_generation / gradient_accumulation_steps)"),
+    ("generation_batch_size: 64", "(TRL's generation_batch_size has no counterpart: a rollout is "
+                                  "data.prompts_per_step prompts x data.sampling.group_size completions on each "
+                                  "process, cut into model.num_mini_batches optimizer steps)"),
+    # TRL counts these in optimizer steps, Lightning's keys in training steps (rollouts)
+    ("eval_steps: 8", "(did you mean 'trainer.val_check_interval'? TRL's eval_steps counts optimizer steps, "
+                      "trainer.val_check_interval training steps: eval_steps / (model.num_mini_batches x "
+                      "model.num_iterations), with trainer.check_val_every_n_epoch: null)"),
+    ("logging_steps: 8", "(did you mean 'trainer.log_every_n_steps'? TRL's logging_steps counts optimizer steps, "
+                         "trainer.log_every_n_steps training steps: logging_steps / (model.num_mini_batches x "
+                         "model.num_iterations))"),
     ("save_steps: 100", "(TRL's save_steps is RunCheckpoint's every_n_train_steps here, in trainer.callbacks)"),
     ("report_to: tensorboard", "option 'report_to' (TRL's report_to has no counterpart: logs go to TensorBoard"),
     # not taken for data.task_config, a key spelled alike that means something else

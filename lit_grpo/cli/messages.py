@@ -299,19 +299,28 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
                               "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
                               "use_dora"], "model.peft_config")}
 #: TRL's settings that mean more than their key in TRL_NAMES: the rest, said with it.
-TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size also sets how many prompts a step "
-                                           "draws, per_device_train_batch_size x gradient_accumulation_steps x "
-                                           "processes / num_generations: here a step is data.prompts_per_step "
-                                           "prompts x data.sampling.group_size completions on each process"}
+_IN_TRAINING_STEPS = "training steps: {0} / (model.num_mini_batches x model.num_iterations)"
+TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size also sets how many prompts a "
+                                           "generation draws, per_device_train_batch_size x steps_per_generation "
+                                           "(gradient_accumulation_steps when unset) x processes / num_generations: "
+                                           "here a step's rollout is data.prompts_per_step prompts x "
+                                           "data.sampling.group_size completions on each process, cut into "
+                                           "model.num_mini_batches optimizer steps",
+            "eval_steps": "TRL's eval_steps counts optimizer steps, trainer.val_check_interval "
+                          f"{_IN_TRAINING_STEPS.format('eval_steps')}, with trainer.check_val_every_n_epoch: null",
+            "logging_steps": "TRL's logging_steps counts optimizer steps, trainer.log_every_n_steps "
+                             f"{_IN_TRAINING_STEPS.format('logging_steps')}"}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
-    "generation_batch_size": "has no counterpart: a step is one rollout of data.prompts_per_step prompts x "
-                             "data.sampling.group_size completions",
+    "generation_batch_size": "has no counterpart: a rollout is data.prompts_per_step prompts x "
+                             "data.sampling.group_size completions on each process, cut into model.num_mini_batches "
+                             "optimizer steps",
     "steps_per_generation": "is model.num_mini_batches here, counted otherwise: steps_per_generation / "
                             "gradient_accumulation_steps optimizer steps on each rollout",
-    "gradient_accumulation_steps": "has no counterpart: a step's micro-batches, model.train_micro_batch_size "
-                                   "completions each, all accumulate into its one optimizer step",
+    "gradient_accumulation_steps": "has no counterpart: a mini-batch's micro-batches, model.train_micro_batch_size "
+                                   "completions each, all accumulate into its optimizer step; model.num_mini_batches "
+                                   "is steps_per_generation / gradient_accumulation_steps",
     "save_steps": "is RunCheckpoint's every_n_train_steps here, in trainer.callbacks",
     "log_completions": "is the CompletionLogger callback here, in trainer.callbacks",
     "num_completions_to_print": "is the CompletionLogger callback's num_completions here, in trainer.callbacks",
