@@ -206,6 +206,21 @@ def test_a_fit_refuses_mini_batches_that_do_not_divide_the_steps_groups_before_i
         trainer.fit(GRPOModule(model="tiny-llama", num_mini_batches=4), data)
 
 
+def test_a_fit_whose_max_steps_ends_inside_a_training_step_says_where_it_ends():
+    """Lightning stops after whole training steps: max_steps 3 of 2 optimizer steps each runs to global_step 4, which
+    its schedule takes as its end; said before the first rollout (verl's and TRL's counts are easily mistaken)."""
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
+    data.build_train_batch = None  # no rollout: the warning comes first
+    with pytest.warns(UserWarning, match=r"trainer.max_steps=3 is not a multiple of the 2 optimizer steps a training "
+                                         r"step takes \(model.num_iterations 1 x model.num_mini_batches 2\): the fit "
+                                         r"runs 2 training steps, to global_step 4"), pytest.raises(TypeError):
+        trainer.fit(GRPOModule(model="tiny-llama", num_mini_batches=2), data)
+
+
 # ------------------------------------------------------------------------------------------------ ddp
 def test_ddp_trains_two_mini_batches_a_step_with_dapos_normalizer_over_both_ranks_mini_batch(tmp_path, eos_model):
     """2 processes, 2 mini-batches of 2 micro-batches a training step: 2 gradient all-reduces a step, global_step

@@ -972,7 +972,7 @@ def test_a_checkpoint_saving_on_an_error_under_several_processes_is_warned_of(wo
 
     module = make_module()
     checkpoint = ModelCheckpoint(save_on_exception=save_on_exception)
-    module._trainer = SimpleNamespace(world_size=world, callbacks=[checkpoint], datamodule=None)
+    module._trainer = SimpleNamespace(world_size=world, callbacks=[checkpoint], datamodule=None, max_steps=-1)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

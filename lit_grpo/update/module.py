@@ -576,11 +576,24 @@ class GRPOModule(LightningModule):
         groups = getattr(getattr(self.trainer.datamodule, "training", None), "prompts_per_step", None)
         if isinstance(groups, int):
             self._check_mini_batches(groups, ConfigError)
+        self._warn_of_max_steps_inside_a_training_step()
         self._hand_over_to_data()
         # here, where both lit-grpo's fits and a script's Trainer pass, on every rank; shown once, by rank 0
         hazard = exception_save_hazard(self.trainer.callbacks, self.trainer.world_size)
         if hazard is not None:
             rank_zero_warn(hazard)
+
+    def _warn_of_max_steps_inside_a_training_step(self) -> None:
+        """Lightning stops after the training step that reaches ``max_steps``: one that is not a multiple of a
+        training step's optimizer steps runs past it, a count verl's rollouts and TRL's steps make easy to miss."""
+        max_steps, per_training_step = self.trainer.max_steps, self.optimizer_steps_per_training_step
+        if max_steps > 0 and max_steps % per_training_step:
+            training_steps = math.ceil(max_steps / per_training_step)
+            rank_zero_warn(f"trainer.max_steps={max_steps} is not a multiple of the {per_training_step} optimizer "
+                           f"steps a training step takes (model.num_iterations {self.hparams.num_iterations} x "
+                           f"model.num_mini_batches {self.hparams.num_mini_batches}): the fit runs {training_steps} "
+                           f"training steps, to global_step {training_steps * per_training_step}, where its "
+                           "learning-rate schedule ends")
 
     def on_validation_start(self) -> None:
         self._hand_over_to_data()
