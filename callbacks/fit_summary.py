@@ -53,7 +53,8 @@ class FitSummary(Callback):
 
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
     ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
-    optimizer step; a GRPO batch with all its optimizer steps), and its time counts the training steps
+    optimizer step; a GRPO batch with all its optimizer steps; the first line adds their count, ``trainer.global_step``,
+    where it differs), and its time counts the training steps
     only (the validations in between are named apart); a step's rollout time is that of every batch's rollout in it
     (under gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
     token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of the
@@ -268,7 +269,13 @@ class FitSummary(Callback):
         per_step = f"{_step_time(training_s / steps)} per step" if steps else ""
         if self._validation_s >= 0.5:
             per_step += f", plus {_duration(self._validation_s)} of validation"
-        lines = [f"lit_grpo: {_count(steps, 'step')} in {_duration(elapsed)}" + (f" ({per_step})" if per_step else "")]
+        # the optimizer steps max_steps counts, where a step makes several (GRPOModule's num_mini_batches,
+        # num_iterations) and the count covers the whole run
+        optimizer_steps = (f" ({_count(trainer.global_step, 'optimizer step')})"
+                           if steps and trainer.global_step != steps and (self.resumed_at is None or self._restored)
+                           else "")
+        lines = [f"lit_grpo: {_count(steps, 'step')}{optimizer_steps} in {_duration(elapsed)}"
+                 + (f" ({per_step})" if per_step else "")]
         fit_steps = steps - self._fit_started_steps
         if self.resumed_at is not None:
             covers = (f"the lines cover all {steps}" if self._restored else

@@ -126,7 +126,8 @@ def test_a_validation_is_placed_by_training_steps_not_optimizer_steps(tmp_path):
     assert trainer.global_step == 4 and summary.steps == 2
     assert [event.step for event in events(trainer).Scalars("val/accuracy")] == [0, 1]  # after step 2 at x = 1
     lines = summary.summary_lines(trainer)
-    assert lines[0].startswith("lit_grpo: 2 steps in")
+    # the optimizer steps too: what max_steps and global_step count (verl's rollouts x mini-batches)
+    assert lines[0].startswith("lit_grpo: 2 steps (4 optimizer steps) in")
     assert lines[1].endswith("   (before training -> after step 2)")
 
 
