@@ -221,6 +221,40 @@ def test_a_fit_whose_max_steps_ends_inside_a_training_step_says_where_it_ends():
         trainer.fit(GRPOModule(model="tiny-llama", num_mini_batches=2), data)
 
 
+def test_a_dynamic_sampling_step_left_short_trains_its_mini_batches_on_the_groups_it_kept():
+    """Dynamic sampling whose two rollouts keep at most 1 group of B 4 (the others' rewards all equal): the step is
+    filled with dropped groups, and its 2 mini-batches still make 2 optimizer steps a training step, the one holding
+    the kept group a step that moves the weights."""
+    import lightning.pytorch as pl
+
+    def first_prompt_only(prompts, completions, **columns):
+        return [float(len(c) % 3) if "0 + 0" in str(p) else 0.0 for p, c in zip(prompts, completions)]
+
+    grads, steps = [], []
+
+    class Recorder(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.append(sum(float(p.grad.abs().sum()) for p in pl_module.policy.parameters() if p.grad is not None))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append((trainer.global_step, float(trainer.callback_metrics["reward/frac_zero_std"])))
+
+    pl.seed_everything(0)
+    prompts = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    data = RolloutDataModule(prompts=prompts, val_size=0, prompts_per_step=4, reward_funcs=[first_prompt_only],
+                             dynamic_sampling=True, max_rollouts_per_step=2,
+                             sampling={"group_size": 4, "micro_group_size": 4, "max_new_tokens": 6})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Recorder()])
+    trainer.fit(GRPOModule(model="tiny-llama", num_mini_batches=2, train_micro_batch_size=4), data)
+    assert [step for step, _ in steps] == [2, 4] and trainer.global_step == 4
+    # at most 1 kept of the groups its rollouts drew (the second draws only the groups still missing)
+    assert all(share >= 6 / 7 for _, share in steps), steps
+    # each training step: one mini-batch with the kept group (a gradient), one of fillers alone (none)
+    assert [grad > 0 for grad in grads].count(True) == 2 and len(grads) == 4, grads
+
+
 # ------------------------------------------------------------------------------------------------ ddp
 def test_ddp_trains_two_mini_batches_a_step_with_dapos_normalizer_over_both_ranks_mini_batch(tmp_path, eos_model):
     """2 processes, 2 mini-batches of 2 micro-batches a training step: 2 gradient all-reduces a step, global_step
