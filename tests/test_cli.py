@@ -474,6 +474,15 @@ def test_a_config_in_verls_nested_layout_names_every_unknown_key_at_once(capsys,
         assert err.count(key) == 1, err
 
 
+def test_a_validation_interval_past_the_epoch_names_both_and_the_setting_that_counts_over_the_run(capsys):
+    # verl's test_freq written as val_check_interval in a config that validates within each epoch (tiny.yaml's)
+    err = _refused(capsys, ["fit", "--config", TINY, "--trainer.val_check_interval", "5"])
+    assert ("trainer.val_check_interval=5 is more than an epoch's 2 training steps (data.steps_per_epoch) while "
+            "trainer.check_val_every_n_epoch=1 counts it within each epoch: set trainer.check_val_every_n_epoch: "
+            "null to validate every 5 training steps of the run, or val_check_interval <= 2") in err, err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("args", [["--optimizer", "SGD"], ["--lr_scheduler", "StepLR"]])
 def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # GRPOModule builds its own optimizer from model.lr and friends: Lightning's would be parsed, then ignored

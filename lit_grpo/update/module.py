@@ -577,6 +577,7 @@ class GRPOModule(LightningModule):
         if isinstance(groups, int):
             self._check_mini_batches(groups, ConfigError)
         self._warn_of_max_steps_inside_a_training_step()
+        self._check_validation_interval()
         self._hand_over_to_data()
         # here, where both lit-grpo's fits and a script's Trainer pass, on every rank; shown once, by rank 0
         hazard = exception_save_hazard(self.trainer.callbacks, self.trainer.world_size)
@@ -594,6 +595,23 @@ class GRPOModule(LightningModule):
                            f"model.num_mini_batches {self.hparams.num_mini_batches}): the fit runs {training_steps} "
                            f"training steps, to global_step {training_steps * per_training_step}, where its "
                            "learning-rate schedule ends")
+
+    def _check_validation_interval(self) -> None:
+        """Refuse, naming the keys, an interval of training steps past the epoch while validation counts within each
+        epoch (verl's test_freq, TRL's eval_steps, ported as val_check_interval): Lightning refuses it later, in its
+        own words and with a traceback."""
+        trainer = self.trainer
+        interval, every_n_epochs = trainer.val_check_interval, trainer.check_val_every_n_epoch
+        epoch_steps = getattr(trainer.datamodule, "num_train_steps_per_epoch", None)
+        if (not isinstance(interval, int) or every_n_epochs is None or trainer.limit_train_batches != 1.0
+                or epoch_steps is None):
+            return
+        steps = epoch_steps()
+        if interval > steps:
+            raise ConfigError(f"trainer.val_check_interval={interval} is more than an epoch's {steps} training steps "
+                              f"(data.steps_per_epoch) while trainer.check_val_every_n_epoch={every_n_epochs} counts "
+                              "it within each epoch: set trainer.check_val_every_n_epoch: null to validate every "
+                              f"{interval} training steps of the run, or val_check_interval <= {steps}")
 
     def on_validation_start(self) -> None:
         self._hand_over_to_data()
