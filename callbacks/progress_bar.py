@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,9 +21,10 @@ class GRPOProgressBar(TQDMProgressBar):
     r"""Lightning's TQDM bar, counting what a GRPO run counts.
 
     - the training bar, "GRPO steps", runs over optimizer steps, ``global_step / max_steps`` (one training batch is
-      ``num_iterations x num_mini_batches`` of them), with a real rate and ETA (seconds per step when a step takes
-      longer than a second), not over the batches of an epoch that never ends (``Epoch 0/-2``, ``-:--:--``); a resumed
-      run starts at its step and its rate counts only the steps it ran;
+      ``num_iterations x num_mini_batches`` of them, its module's ``optimizer_steps_per_training_step``: ``max_steps``
+      rounded up to whole training steps, where Lightning stops), with a real rate and ETA (seconds per step when a
+      step takes longer than a second), not over the batches of an epoch that never ends (``Epoch 0/-2``,
+      ``-:--:--``); a resumed run starts at its step and its rate counts only the steps it ran;
     - next to it: ``reward`` (``reward/mean`` of the last step), ``val_acc`` (the last ``val/accuracy``),
       ``loss`` (``train/loss``), and whatever is logged with ``prog_bar=True`` (RolloutProfiler's ``steps``,
       ``bound`` and ``util``); the logger's version number (``v_num``) is left out.
@@ -45,7 +47,10 @@ class GRPOProgressBar(TQDMProgressBar):
         bar = super().init_train_tqdm()
         if self._counts_steps:  # the total from the start: no "0/?" line before the first step
             bar.unit = "step"
-            bar.reset(total=self.trainer.max_steps)
+            # Lightning stops after whole training steps: a max_steps inside one (GRPOModule's several optimizer
+            # steps a training step) runs on to its end
+            per_step = getattr(self.trainer.lightning_module, "optimizer_steps_per_training_step", 1)
+            bar.reset(total=math.ceil(self.trainer.max_steps / per_step) * per_step)
             bar.initial = bar.n = self.trainer.global_step  # a resumed run starts where it stopped
         return bar
 

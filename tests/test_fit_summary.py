@@ -170,6 +170,22 @@ def test_the_progress_bar_counts_steps_to_max_steps_and_shows_the_reward(tmp_pat
     assert re.search(r"\d ?(step/s|s/step)", out)  # a rate in steps, not batches
 
 
+def test_the_progress_bar_of_two_optimizer_steps_a_step_ends_at_the_step_past_an_odd_max_steps(tmp_path, capsys):
+    """max_steps 3 at 2 optimizer steps a training step (GRPOModule's num_mini_batches 2) runs to global_step 4:
+    the bar's total is 4, not a 3 it would pass ("4/?")."""
+    class TwoStepsEach(TwoOptimizerStepsModule):
+        optimizer_steps_per_training_step = 2
+
+    bar = GRPOProgressBar()
+    trainer = _trainer(tmp_path, [bar], max_steps=3, enable_progress_bar=True, enable_checkpointing=False,
+                       limit_val_batches=0)
+    trainer.fit(TwoStepsEach([make_rollout(seed) for seed in range(2)]))
+    assert trainer.global_step == 4
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (4, 4)
+    out = capsys.readouterr().out
+    assert "0/4" in out and "4/4" in out and "/?" not in out.split("0/4", 1)[1], out
+
+
 def test_a_resumed_runs_bar_starts_at_its_step(tmp_path):
     rollouts = [make_rollout(seed) for seed in range(4)]
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
