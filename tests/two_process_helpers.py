@@ -37,6 +37,8 @@ def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = Fa
         assert code == 0, f"rank {rank} ended with {code}:\n{output[-6000:]}"
         # Lightning's all_gather runs torch's deprecated autograd gather: nothing a user can act on
         assert "all_gather is deprecated" not in output, output[-6000:]
+        # FSDP2's warning of a view among the sharded policy's outputs: transformers' hidden_states[0]
+        assert "returned a view tensor" not in output, output[-6000:]
     assert "distributed_backend=gloo" in outputs[0][1]
     return str(record)
 

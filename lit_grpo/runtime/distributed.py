@@ -35,6 +35,11 @@ def shard_decoder_layers(model: torch.nn.Module, mesh, param_dtype: torch.dtype 
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    # transformers' hidden_states[0] (the embeddings' output) is a view, which FSDP2 warns an in-place op on would
+    # drop its pre-backward hook: lit_grpo reads hidden_states[-1] alone, out of place. For this model's class
+    # (fully_shard's FSDP<Model> now) only.
+    ignore_warning(rf"FSDP2-wrapped module \({type(model).__name__}\) returned a view tensor", UserWarning,
+                   r"torch\.distributed\.fsdp")
 
 
 def check_float32_head_gathered(model: torch.nn.Module, param_dtype: torch.dtype | None) -> None:
