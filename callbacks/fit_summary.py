@@ -54,11 +54,11 @@ class FitSummary(Callback):
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
     ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
     optimizer step; a GRPO batch with all its optimizer steps; the first line adds their count, ``trainer.global_step``,
-    where it differs), and its time counts the training steps
-    only (the validations in between are named apart); a step's rollout time is that of every batch's rollout in it
-    (under gradient accumulation, all its micro-batches'), its share is of that time, and a decode step's and a prompt
-    token's milliseconds are the whole run's (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of the
-    run's totals): the rest of a rollout is the scheduler's bookkeeping. The decode floor is the bytes a decode step
+    where it differs), and its time counts the training steps only (the validations in between are named apart); a
+    step's rollout time is that of every batch's rollout in it (under gradient accumulation, all its micro-batches'),
+    its share is of that time, and a decode step's and a prompt token's milliseconds are the whole run's
+    (``RolloutStats.decode_ms_per_step`` and ``prefill_ms_per_token`` of the run's totals): the rest of a rollout is
+    the scheduler's bookkeeping. The decode floor is the bytes a decode step
     read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else measured once
     per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's, as
     ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the figures
