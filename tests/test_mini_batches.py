@@ -292,7 +292,7 @@ def test_ddp_trains_two_mini_batches_a_step_with_dapos_normalizer_over_both_rank
         grads = []
         for b, micro_batches in zip(batches, minis):
             module._update(b, micro_batches, torch.optim.SGD(module.policy.parameters(), lr=0.0), None, None, total,
-                           0, module.sampler_correction.for_batch(False), CorrectionStats(), mini_rows=4)
+                           0, module.sampler_correction.for_batch(False), CorrectionStats())
             grads.append([p.grad.clone() for p in module.policy.parameters()])
         norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a + b)
                                                                  for a, b in zip(*grads)]))))

@@ -807,7 +807,6 @@ class GRPOModule(LightningModule):
         kernel = resolve_update_linear(hp.cpu_linear, policy, is_fsdp_sharded(policy))
         with onednn_linears(policy, kernel):
             mini_batches = self._mini_batches(batch)
-            mini_rows = batch.num_completions // len(mini_batches)
             loss_fn = self.loss_fn
             total_active = (self._active_tokens_per_mini_batch(mini_batches) if loss_fn.needs_step_tokens
                             else [None] * len(mini_batches))
@@ -833,7 +832,7 @@ class GRPOModule(LightningModule):
                 for index, micro_batches in enumerate(mini_batches):
                     step_metrics = self._update(batch, micro_batches, optimizer, old_logps[index], ref_logps[index],
                                                 total_active[index], iteration, correction, correction_stats,
-                                                bonus_batches[index], mini_rows)
+                                                bonus_batches[index])
                     # the rate this optimizer step used: read before the scheduler moves it on (so warm-up shows)
                     step_metrics["lr"] = optimizer.param_groups[0]["lr"]
                     self._sync_reference_when_due(optimizer)
@@ -852,18 +851,17 @@ class GRPOModule(LightningModule):
     def _update(self, batch: RolloutBatch, micro_batches: list[MicroBatch], optimizer: torch.optim.Optimizer,
                 old_logps: list[torch.Tensor] | None, ref_logps: list[torch.Tensor] | None,
                 total_active: float | None, iteration: int, correction: SamplerCorrection,
-                correction_stats: CorrectionStats, bonus_batches: int | None = None,
-                mini_rows: int | None = None) -> dict[str, float]:
+                correction_stats: CorrectionStats, bonus_batches: int | None = None) -> dict[str, float]:
         """One optimizer step over ``micro_batches``, one mini-batch's (``_mini_batches``; the whole batch's with
         one): each one's forward, loss and backward, then ``_end_step``; returns the step's metrics (the sampler
         correction's, resolved for this batch, go to ``correction_stats`` in the first iteration). ``old_logps``:
         each micro-batch's old log-probs (None: its forward's own, the weights have not moved since the rollout);
         ``total_active``: dapo's normalizer, the mini-batch's active tokens over every rank; ``bonus_batches``: the
-        optimizer step's micro-batches on every rank (the entropy bonus's weight; None: this rank's);
-        ``mini_rows``: the mini-batch's rows (the loss types' weights; None: the whole batch's)."""
+        optimizer step's micro-batches on every rank (the entropy bonus's weight; None: this rank's)."""
         loss_fn = self.loss_fn
         optimizer.zero_grad(set_to_none=True)
         step = StepMetrics()
+        step_rows = sum(len(rows) for rows, _ in micro_batches)  # the loss types' weights: this optimizer step's rows
         world = _world_size(self._trainer)
         control = self.entropy_control
         # the previous step's coefficient for every micro-batch of this one; where it is 0 (the adaptive control's
@@ -891,8 +889,7 @@ class GRPOModule(LightningModule):
             kept = high_entropy_mask(entropy, mask, quantile, gather, capacity) if quantile < 1 else None
             loss = loss_fn(logps, old, micro["advantages"], mask, ref, batch.max_new_tokens, total_active, weights,
                            micro["sampling_logprobs"], entropy, all_gather=gather, entropy_mask=kept)
-            loss = loss * loss_fn.micro_batch_weight(len(rows), mini_rows or batch.num_completions,
-                                                     len(micro_batches), world)
+            loss = loss * loss_fn.micro_batch_weight(len(rows), step_rows, len(micro_batches), world)
             if control.enabled:
                 tokens = bonus_tokens(entropy.detach(), mask, quantile, gather, entropy_mask=kept)
                 if coef:
