@@ -345,8 +345,7 @@ def end_unread_node(error: BaseException, node: int, exit_status: int = 1, show_
              after_handling=False)
     try:
         first = _record_in(store, name, error)
-        store.set(f"{_prefix()}read/node/{node}", "1")
-        store.add(f"{_prefix()}reads", 1)
+        _say_node_read(store, node)
     except Exception:  # the store went with rank 0's process, which ended on a failure: its output names it
         _end(f"{name} stopped on {describe(error)} before the ranks connected (the run's store is gone: rank 0 ended "
              "on a failure; its output names it)", exit_status, after_handling=False)
@@ -379,8 +378,8 @@ def _await_nodes(store: torch.distributed.TCPStore) -> str:
             nodes = int(store.get(prefix + "nodes"))
             if store.check([f"{prefix}read/node/{other}" for other in range(1, nodes)]):
                 return ""
-        elif store.add(prefix + "reads", 0) > reads:  # another read: nodes may still be coming
-            reads, last_read = store.add(prefix + "reads", 0), time.monotonic()
+        elif (count := store.add(prefix + "reads", 0)) > reads:  # another read: nodes may still be coming
+            reads, last_read = count, time.monotonic()
         elif time.monotonic() >= last_read + UNKNOWN_NODES_WAIT_S:
             read = (f"{reads} read it, none knowing the run's count of nodes, then no other" if reads else
                     "no node read it")
@@ -533,11 +532,15 @@ def _say_read(store: torch.distributed.TCPStore, place: RankPlace) -> None:
     its node too: under Lightning's launcher a node's processes end together (the launcher ends its children as it
     ends, and its process observer ends the launcher once a child has); and the run's count of nodes, for node 0's
     process to wait for each where it failed before it could read its own (:func:`_await_nodes`)."""
-    prefix = _prefix()
-    store.set(f"{prefix}read/rank/{place.rank}", "1")
-    store.set(f"{prefix}read/node/{place.node}", "1")
-    store.set(f"{prefix}nodes", str(place.nodes))
-    store.add(f"{prefix}reads", 1)
+    store.set(f"{_prefix()}read/rank/{place.rank}", "1")
+    store.set(f"{_prefix()}nodes", str(place.nodes))
+    _say_node_read(store, place.node)
+
+
+def _say_node_read(store: torch.distributed.TCPStore, node: int) -> None:
+    """Record that ``node`` read the run's first failure, and count the read (:func:`_await_nodes` waits for both)."""
+    store.set(f"{_prefix()}read/node/{node}", "1")
+    store.add(f"{_prefix()}reads", 1)
 
 
 def _await_readers(store: torch.distributed.TCPStore, place: RankPlace, deadline: float) -> bool:
