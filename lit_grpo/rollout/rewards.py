@@ -422,13 +422,15 @@ def check_reward_columns(reward_funcs: Sequence[WeightedReward], examples: Seque
     """Refuse a reward function with a parameter it needs (no default) that no call passes: neither an argument
     every call gets (``COLUMNS``, ``trainer_state``, ``log_metric``, ``log_extra``) nor a field of the prompts'
     rows (``PromptExample.entry``). Its first call would raise TypeError, as TRL's does, but only after the model
-    loaded and the first rollout ran; said with the prompts instead, naming the fields there are. ``source`` names
-    where the prompts come from, for the message."""
+    loaded and the first rollout ran; said with the prompts instead, naming the fields there are. A function that
+    carries ``check_rows(examples, source)`` (as ``VerlScore`` does) checks the rows itself first. ``source``
+    names where the prompts come from, for the message."""
     fields = sorted({key for example in examples for key in example.entry} - {"prompt"})
     given = {*COLUMNS, *CALL_KEYWORDS, *fields}
     for reward in reward_funcs:
-        if isinstance(reward.fn, VerlScore):
-            reward.fn.check_rows(examples, source)
+        check_rows = getattr(reward.fn, "check_rows", None)  # a function's own check of the rows (VerlScore's)
+        if callable(check_rows):
+            check_rows(examples, source)
         missing = [name for name in _required_keywords(reward) if name not in given]
         if missing:
             # a misspelt column, or the singular of an argument every call passes (prompt for prompts)
