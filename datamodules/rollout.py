@@ -586,10 +586,9 @@ class RolloutDataModule(LightningDataModule):
         limit = _position_limit(policy)
         if limit is None:
             return
-        train_cap, val_cap = self.sampling.max_new_tokens, self.validation.val_max_new_tokens
-        # validation's cap is the sampling one where it sets none (the builder's _val_max_new_tokens)
-        caps = (("sampling.max_new_tokens", train_cap),
-                ("val_max_new_tokens" if val_cap is not None else "sampling.max_new_tokens", val_cap or train_cap))
+        train_cap = self.sampling.max_new_tokens
+        val_setting = "val_max_new_tokens" if self.validation.val_max_new_tokens else "sampling.max_new_tokens"
+        caps = (("sampling.max_new_tokens", train_cap), (val_setting, self.validation.length_cap(train_cap)))
         over = [(index, len(prompt), setting, cap)
                 for (setting, cap), indices, ids in zip(caps, (self.train_indices, self.val_indices),
                                                         (self.train_prompt_ids, self.val_prompt_ids))

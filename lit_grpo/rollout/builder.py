@@ -241,8 +241,8 @@ class RolloutBuilder:
 
     @property
     def _val_max_new_tokens(self) -> int:
-        """Validation's length cap: ``val_max_new_tokens``, else the training rollouts' ``max_new_tokens``."""
-        return self.validation.val_max_new_tokens or self.sampling.max_new_tokens
+        """Validation's length cap (``ValidationConfig.length_cap``)."""
+        return self.validation.length_cap(self.sampling.max_new_tokens)
 
     def _step_options(self) -> dict[str, Any]:
         """How the training engine runs its decode step (graphs, compiler, kernels): validation's engines run theirs

@@ -94,6 +94,10 @@ class ValidationConfig:
         check_int("val_num_samples", self.val_num_samples, 1)
         check_real("val_temperature", self.val_temperature, low=MIN_TEMPERATURE)
 
+    def length_cap(self, sampling_cap: int) -> int:
+        """Validation's length cap: ``val_max_new_tokens``, else the training rollouts' (``sampling_cap``)."""
+        return self.val_max_new_tokens or sampling_cap
+
 
 @dataclass(frozen=True)
 class AdvantageConfig:
