@@ -79,10 +79,11 @@ def setting_message(where: str, message: str, settings: Collection[str] = ()) ->
     return key + message[len(leading.group(1)):]
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise a ValueError naming it."""
+def check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise a ValueError naming it (and
+    ``hint``, said after it in parentheses)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else ""))
     return value
 
 

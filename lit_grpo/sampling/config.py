@@ -132,9 +132,7 @@ class SamplingConfig:
                              f"{MIN_TEMPERATURE:g} (below it the logits divided by it overflow)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it: vLLM's and "
-                             "verl's -1)")
+        check_int("sampling.top_k", self.top_k, 0, hint="0 disables it: vLLM's and verl's -1")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
