@@ -219,7 +219,8 @@ def test_the_wheel_installed_apart_from_the_sources_imports_every_module_and_fit
     assert report["failed"] == {}, "modules that fail to import:\n" + "\n".join(report["failed"].values())
     missing = sorted(_source_modules() - set(report["modules"]))
     assert not missing, f"modules missing from the wheel: {missing}"
-    assert report["length_aware"] == [], f"import lit_grpo.cli.command loaded the opt-in scheduler: {report['length_aware']}"
+    assert report["length_aware"] == [], \
+        f"import lit_grpo.cli.command loaded the opt-in scheduler: {report['length_aware']}"
 
     checkpoints = list(run_dir.rglob("last.ckpt"))
     assert len(checkpoints) == 1, f"the fit left {checkpoints}; expected one last.ckpt\n{outputs['lit-grpo fit']}"

@@ -352,8 +352,8 @@ def test_nan_loss_stops_training_and_keeps_the_weights(module, degenerate_batch)
     bad.advantages = torch.full_like(bad.advantages, float("nan"))
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
-    with pytest.raises(FloatingPointError,
-                       match="non-finite GRPO loss.*this optimizer step was not taken: the weights are the last step's"):
+    with pytest.raises(FloatingPointError, match="non-finite GRPO loss.*this optimizer step was not taken: "
+                                                 "the weights are the last step's"):
         module.grpo_step(bad, optimizer)
     for name, param in module.policy.named_parameters():
         assert torch.equal(param, before[name]), name
