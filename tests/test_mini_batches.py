@@ -138,6 +138,18 @@ def test_a_resumed_fit_goes_on_counting_the_mini_batches_optimizer_steps(tmp_pat
     assert steps == [(8, 1)] and rates == pytest.approx([5e-4, 3.75e-4, 2.5e-4, 1.25e-4])
 
 
+def test_the_update_peak_is_read_before_each_mini_batchs_optimizer_step_and_the_largest_kept(batch, monkeypatch):
+    """On CUDA the allocator's peak is read before every optimizer step (PeakMemoryMonitor resets it inside each, so
+    one read at the end would miss an earlier mini-batch's) and the largest is what ``keep_kv_cache: auto`` reads; a
+    CPU module stands in for a CUDA one, and a list of readings for the allocator."""
+    module = make_module(num_mini_batches=2)
+    readings = iter([7 << 20, 3 << 20])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings))
+    monkeypatch.setattr(module, "_device", torch.device("cuda", 0))
+    module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    assert module.measured_update_peak() == 7 << 20
+
+
 # ------------------------------------------------------------------------------------------------ the normalizers
 @pytest.mark.parametrize("loss", [{"loss_type": "grpo"}, {"loss_type": "dapo"}, {"loss_type": "dr_grpo"},
                                   {"loss_type": "bnpo"}, {"loss_type": "cispo", "epsilon_high": 5.0},
