@@ -354,6 +354,14 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
                          "model.num_iterations))"),
     ("save_steps: 100", "(TRL's save_steps is RunCheckpoint's every_n_train_steps here, in trainer.callbacks)"),
     ("report_to: tensorboard", "option 'report_to' (TRL's report_to has no counterpart: logs go to TensorBoard"),
+    # Unsloth's GRPO notebooks set these: an 8-bit optimizer, a warm-up as a share of the steps, its model's length
+    ("optim: adamw_8bit", "option 'optim' (TRL's optim has no counterpart: the optimizer is torch's AdamW (fused on "
+                          "a GPU), from model.lr, model.betas and model.weight_decay; no 8-bit or paged one)"),
+    ("warmup_ratio: 0.1", "(did you mean 'model.warmup_steps'? TRL's warmup_ratio is a share of the optimizer "
+                          "steps, model.warmup_steps a count of them: warmup_ratio x trainer.max_steps)"),
+    ("max_seq_length: 1024", "option 'max_seq_length' (Unsloth's max_seq_length has no counterpart: no prompt is "
+                             "cut; one whose tokens and data.sampling.max_new_tokens pass the model's "
+                             "max_position_embeddings is refused before the first step, naming its row)"),
     # not taken for data.task_config, a key spelled alike that means something else
     ("dataset_config: main", "option 'dataset_config' (TRL's dataset_config has no counterpart: data.dataset reads"),
     ("model:\n  model_init_kwargs: {torch_dtype: bfloat16}", "option 'model.model_init_kwargs.torch_dtype' (did you "
@@ -427,6 +435,14 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     config.write_text(yaml_text + "\n")
     err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
     assert message in err and "Expected a typing.Literal[" in err, err
+
+
+def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts_them(capsys, tmp_path):
+    config = tmp_path / "trl.yaml"
+    config.write_text("model:\n  warmup_steps: 0.1\n")
+    err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
+    assert ("Got value: 0.1 (model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is "
+            "warmup_ratio x trainer.max_steps)\n") in err, err
 
 
 @pytest.mark.parametrize("yaml_text, message", [

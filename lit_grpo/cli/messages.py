@@ -309,7 +309,9 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
             "eval_steps": "TRL's eval_steps counts optimizer steps, trainer.val_check_interval "
                           f"{_IN_TRAINING_STEPS.format('eval_steps')}, with trainer.check_val_every_n_epoch: null",
             "logging_steps": "TRL's logging_steps counts optimizer steps, trainer.log_every_n_steps "
-                             f"{_IN_TRAINING_STEPS.format('logging_steps')}"}
+                             f"{_IN_TRAINING_STEPS.format('logging_steps')}",
+            "warmup_ratio": "TRL's warmup_ratio is a share of the optimizer steps, model.warmup_steps a count of "
+                            "them: warmup_ratio x trainer.max_steps"}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
@@ -331,6 +333,20 @@ TRL_ELSEWHERE = {
     "push_to_hub": "has no counterpart: lit-grpo export writes a model directory to upload",
     "trust_remote_code": "has no counterpart: a model is loaded without code of its own",
     "dataset_config": "has no counterpart: data.dataset reads local files or a saved dataset, nothing from the Hub",
+    "optim": "has no counterpart: the optimizer is torch's AdamW (fused on a GPU), from model.lr, model.betas and "
+             "model.weight_decay; no 8-bit or paged one",
+}
+#: Unsloth's settings (``FastLanguageModel.from_pretrained`` and ``get_peft_model``'s, which its GRPO notebooks set
+#: beside TRL's GRPOConfig) with no key of lit_grpo's: what takes their place.
+_TOO_LONG_REFUSED = ("no prompt is cut; one whose tokens and data.sampling.max_new_tokens pass the model's "
+                     "max_position_embeddings is refused before the first step, naming its row")
+UNSLOTH_ELSEWHERE = {
+    "max_seq_length": f"has no counterpart: {_TOO_LONG_REFUSED}",
+    "load_in_4bit": "has no counterpart: the weights load in model.dtype, unquantized",
+    "fast_inference": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
+    "gpu_memory_utilization": "has no counterpart: the rollout's KV cache holds data.sampling.micro_group_size "
+                              "slots (auto: as many as fit data.sampling.kv_budget_bytes, or the GPU's free memory)",
+    "max_lora_rank": "has no counterpart: the adapter's rank is model.peft_config's r",
 }
 
 
@@ -391,13 +407,21 @@ PEER_VALUES = {
                   "seq-mean-token-sum-norm": "verl's loss_agg_mode seq-mean-token-sum-norm is 'dr_grpo' here, "
                                              "whose loss is verl's over the completions of a micro-batch"},
 }
-#: jsonargparse's refusal of a value none of a setting's choices is.
+#: Counts that TRL also takes as a share (a float below 1): what the count is, for such a value.
+PEER_SHARES = {"warmup_steps": "model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is "
+                               "warmup_ratio x trainer.max_steps"}
+#: jsonargparse's refusal of a value none of a setting's choices is, and of a value that is not an int.
 _NOT_A_CHOICE = re.compile(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[.*\]\. Got value: (\S+)\s*')
+_NOT_AN_INT = re.compile(r'Parser key "([\w.]+)":\s+Expected a <class \'int\'>\. Got value: (\S+)\s*')
 
 
 def peer_value_hint(message: str) -> str:
     """`` (TRL's ...)`` where the parser's ``message`` refuses a value of TRL's (or verl's) for a setting that lit_grpo
-    spells otherwise (``PEER_VALUES``), saying what it is here; else an empty string."""
+    spells otherwise (``PEER_VALUES``), or a share of TRL's for a count (``PEER_SHARES``), saying what it is here;
+    else an empty string."""
+    if (refused := _NOT_AN_INT.fullmatch(message)) is not None:
+        meaning = PEER_SHARES.get(refused.group(1).rsplit(".", 1)[-1])
+        return f" ({meaning})" if meaning else ""
     refused = _NOT_A_CHOICE.fullmatch(message)
     if refused is None:
         return ""
@@ -430,8 +454,8 @@ def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
     for names in (TRL_NAMES, VERL_NAMES):
         if last in names and names[last] in known:
             return names[last]
-    if last in TRL_ELSEWHERE or last in VERL_ELSEWHERE:  # said in its note, not taken for a key spelled alike
-        return None
+    if any(last in notes for notes in (TRL_ELSEWHERE, VERL_ELSEWHERE, UNSLOTH_ELSEWHERE)):
+        return None  # said in its note, not taken for a key spelled alike
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
 
@@ -491,14 +515,16 @@ def other_unknown_keys(message: str, paths: Sequence[str], known: Sequence[str])
 
 
 def _peer_note(name: str) -> str | None:
-    """What takes the place of TRL's or verl's setting ``name`` (its last part, or the verl section it is in:
-    ``custom_reward_function.path``), where lit_grpo has no key for it."""
+    """What takes the place of TRL's, verl's or Unsloth's setting ``name`` (its last part, or the verl section it is
+    in: ``custom_reward_function.path``), where lit_grpo has no key for it."""
     last = name.rsplit(".", 1)[-1]
     section = next((part for part in reversed(name.split(".")) if part in VERL_ELSEWHERE), None)
     if section is not None:
         return f"verl's {section} {VERL_ELSEWHERE[section]}"
     if last.startswith("vllm_") and last not in TRL_ELSEWHERE:
         return f"TRL's {last} {TRL_ELSEWHERE['use_vllm']}"
+    if last in UNSLOTH_ELSEWHERE:
+        return f"Unsloth's {last} {UNSLOTH_ELSEWHERE[last]}"
     return f"TRL's {last} {TRL_ELSEWHERE[last]}" if last in TRL_ELSEWHERE else None
 
 
