@@ -94,6 +94,38 @@ def test_raising_function_names_function_and_prompt():
 
 
 
+def _reads_chat_completions(completions, **kwargs):
+    return [float(len(completion[0]["content"])) for completion in completions]  # Unsloth's notebooks' way
+
+
+def _reads_text_completions(completions, **kwargs):
+    return [float(bool(re.search("<answer>", completion))) for completion in completions]
+
+
+@pytest.mark.parametrize("fn, prompts, completions, note", [
+    (_reads_chat_completions, ["q"] * 2, ["x", "y"],
+     "; its completions are text, as its prompts are: TRL's conversational completions ([{'role': 'assistant', "
+     "'content': text}]) come with prompts of chat messages (a prompt column of [{'role': ..., 'content': ...}] "
+     "lists, a system message included), where data.system_prompt leaves text prompts text"),
+    (_reads_text_completions, [[{"role": "user", "content": "q"}]] * 2, [[{"role": "assistant", "content": "x"}]] * 2,
+     "; its completions are TRL's conversational form, as its prompts are chat messages: a completion's text is "
+     "completion[0]['content']"),
+], ids=["chat_reader_on_text", "text_reader_on_chat"])
+def test_a_function_reading_the_other_completion_form_is_told_which_form_it_gets(fn, prompts, completions, note):
+    with pytest.raises(RewardFunctionError) as info:
+        score_rewards([WeightedReward(fn)], prompts, completions, group_size=2)
+    assert str(info.value).endswith(note), str(info.value)
+
+
+def test_a_type_error_on_the_form_the_function_reads_gets_no_note_on_forms():
+    def divides_by_text(completions, **kwargs):
+        return [1.0 / completion for completion in completions]
+
+    with pytest.raises(RewardFunctionError) as info:
+        score_rewards([WeightedReward(divides_by_text)], ["q"] * 2, ["x", "y"], group_size=2)
+    assert "conversational" not in str(info.value) and str(info.value).endswith("'q'"), str(info.value)
+
+
 def test_skip_group_blanks_every_row_of_the_failing_group_in_every_component():
     # skip_group: all G rows of the failing group get total 0 and NaN components, even from functions that scored it
     def fine(prompts, completions, **kw):

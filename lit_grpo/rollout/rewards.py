@@ -629,7 +629,7 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
             raw = _call(reward, group_prompts, group_completions, group_columns, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
-                       f"{group} {_shown(prompts[start])!r:.300}")
+                       f"{group} {_shown(prompts[start])!r:.300}{_completion_form_note(group_err, completions[start])}")
             if on_error == "raise":
                 raise RewardFunctionError(message, reward.name, _shown(prompts[start]), group) from group_err
             skipped.append(group)
@@ -644,6 +644,24 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
                                   f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
                                   reward.name, prompt, None) from err
     return values, skipped, errors
+
+
+def _completion_form_note(err: Exception, completion: Any) -> str:
+    """Where ``err`` is a function's reading ``completion`` as the other of the two forms (a text read as TRL's
+    conversational ``[{"role": "assistant", "content": text}]``, or that list read as text), which form it gets and
+    why; else an empty string."""
+    if not isinstance(err, (TypeError, AttributeError)):
+        return ""
+    said = str(err)
+    if isinstance(completion, str) and ("string indices" in said or "'str' object" in said):
+        return ("; its completions are text, as its prompts are: TRL's conversational completions ([{'role': "
+                "'assistant', 'content': text}]) come with prompts of chat messages (a prompt column of [{'role': "
+                "..., 'content': ...}] lists, a system message included), where data.system_prompt leaves text "
+                "prompts text")
+    if isinstance(completion, list) and "'list'" in said:
+        return ("; its completions are TRL's conversational form, as its prompts are chat messages: a completion's "
+                "text is completion[0]['content']")
+    return ""
 
 
 #: Types whose values no call can change in place: a copy shares them (``_fresh``).
