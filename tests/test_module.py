@@ -321,6 +321,10 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", betas=(0.9,))
     with pytest.raises(ValueError, match=r"betas=0.9 must be two numbers in \[0, 1\)"):
         GRPOModule(model="tiny-llama", betas=0.9)
+    # TRL's (transformers 5's) warmup_steps takes a share of the steps below 1: here it is a count
+    with pytest.raises(ValueError, match=r"warmup_steps=0.1 must be an integer >= 0 \(a count of optimizer steps; "
+                                         r"TRL's warmup_ratio, a share of them, is warmup_ratio x trainer.max_steps\)"):
+        GRPOModule(model="tiny-llama", warmup_steps=0.1)
     # a string is truthy: fsdp="false" turned FSDP on, and the other switches alike
     for name in ("gradient_checkpointing", "disable_dropout", "mask_truncated_completions", "fsdp",
                  "move_to_cpu_after_fit"):
