@@ -302,13 +302,11 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     (["--model.ref_model_sync_steps", "64"], "model.reference_sync"),
     (["--bf16", "true"], "trainer.precision"),
     (["--output_dir", "out"], "trainer.default_root_dir"),
-    (["--model.warmup_ratio", "0.1"], "model.warmup_steps"),
     (["--shuffle_dataset", "false"], "data.curriculum"),
     # TRL's ModelConfig and ScriptArguments names, which its own CLI reads from the same flat config
     (["--model_name_or_path", "tiny-qwen2"], "model.model"),
     (["--dataset_name", "train.jsonl"], "data.dataset"),
     (["--dataset_train_split", "train"], "data.split"),
-    (["--lora_r", "16"], "model.peft_config"),
     (["--resume_from_checkpoint", "true"], "ckpt_path"),
     (["--seed", "1"], "seed_everything"),  # TRL's seed is the global one, not the sampler's data.sampling.seed
     (["--data.seed", "1"], "data.sampling.seed"),  # a nested key keeps its section's meaning
@@ -359,6 +357,13 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
                           "a GPU), from model.lr, model.betas and model.weight_decay; no 8-bit or paged one)"),
     ("warmup_ratio: 0.1", "(did you mean 'model.warmup_steps'? TRL's warmup_ratio is a share of the optimizer "
                           "steps, model.warmup_steps a count of them: warmup_ratio x trainer.max_steps)"),
+    # TRL's LoRA fields are one peft LoraConfig here: each says its field's name in it
+    ("lora_r: 16", "(did you mean 'model.peft_config'? TRL's lora_r is r in model.peft_config, peft's LoraConfig "
+                   "fields: {r: 16, lora_alpha: 32, lora_dropout: 0.0, target_modules: [q_proj, v_proj]})"),
+    ("lora_target_modules: [q_proj]", "(did you mean 'model.peft_config'? TRL's lora_target_modules is "
+                                      "target_modules in model.peft_config, peft's LoraConfig fields: "),
+    ("use_peft: true", "(did you mean 'model.peft_config'? TRL's use_peft is a model.peft_config given, peft's "
+                       "LoraConfig fields: "),
     ("max_seq_length: 1024", "option 'max_seq_length' (Unsloth's max_seq_length has no counterpart: no prompt is "
                              "cut; one whose tokens and data.sampling.max_new_tokens pass the model's "
                              "max_position_embeddings is refused before the first step, naming its row)"),

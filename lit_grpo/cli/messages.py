@@ -311,7 +311,15 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
             "logging_steps": "TRL's logging_steps counts optimizer steps, trainer.log_every_n_steps "
                              f"{_IN_TRAINING_STEPS.format('logging_steps')}",
             "warmup_ratio": "TRL's warmup_ratio is a share of the optimizer steps, model.warmup_steps a count of "
-                            "them: warmup_ratio x trainer.max_steps"}
+                            "them: warmup_ratio x trainer.max_steps",
+            **{name: f"TRL's {name} is {what}, peft's LoraConfig fields: {{r: 16, lora_alpha: 32, lora_dropout: "
+                     "0.0, target_modules: [q_proj, v_proj]}"
+               for name, what in [("use_peft", "a model.peft_config given"),
+                                  *((name, f"{field} in model.peft_config") for name, field in [
+                                      ("lora_r", "r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
+                                      ("lora_target_modules", "target_modules"),
+                                      ("lora_modules_to_save", "modules_to_save"), ("use_rslora", "use_rslora"),
+                                      ("use_dora", "use_dora")])]}}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
