@@ -133,6 +133,20 @@ def test_the_default_models_loaded_dtype_is_read_without_converting_it(tmp_path,
     assert models.loaded_dtype(DEFAULT_MODEL) == torch.bfloat16
 
 
+def test_the_default_model_is_named_by_its_hub_id_not_its_offline_copys_folder(tmp_path, monkeypatch):
+    """A LoRA adapter saved from it (``lit-grpo export --adapter_only``, peft's ``save_pretrained``) names its base
+    as peft reads it, from the model's name: the hub id loads anywhere, this machine's cache folder nowhere else."""
+    monkeypatch.setenv("LIT_GRPO_CACHE", str(tmp_path / "cache"))
+    tiny, tokenizer = load_model_and_tokenizer("tiny-llama")
+    copy = tmp_path / "cache" / "SmolLM2-135M-Instruct"  # the converted copy, once there
+    tiny.save_pretrained(copy)
+    tokenizer.save_pretrained(copy)
+    model, _ = load_model_and_tokenizer(DEFAULT_MODEL)
+    assert model.name_or_path == model.config.name_or_path == DEFAULT_MODEL
+    adapter = models.with_lora(model, {"r": 2, "target_modules": ["q_proj"]})
+    assert adapter.peft_config["default"].base_model_name_or_path == DEFAULT_MODEL
+
+
 def test_missing_model_path_is_named(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match="no-such-model.*does not exist"):

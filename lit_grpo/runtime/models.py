@@ -131,6 +131,10 @@ def load_model_and_tokenizer(
         with _unreachable_named(name_or_path):
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or "auto", **where, **adapter)
             tokenizer = AutoTokenizer.from_pretrained(source, **where)
+        if source != name_or_path and name_or_path == DEFAULT_MODEL:
+            # named by its hub id, not by this machine's offline copy: a LoRA adapter saved from it names its base
+            # so (peft reads the model's name), which loads on any machine
+            model.name_or_path = model.config.name_or_path = name_or_path
     if device is not None:
         model = model.to(device)
     prepare_tokenizer(tokenizer)
