@@ -572,7 +572,8 @@ def test_split_holds_out_distinct_prompts_whole():
     assert len(split_examples(rows, 0.2, 0)[1]) == 6  # a fraction of the 30 distinct prompts, not of the 50 rows
     chat = [PromptExample(prompt="hi", messages=[{"role": "user", "content": "hi"}]), PromptExample(prompt="hi")]
     assert len(split_examples(chat, 1, 0)[0]) == 1  # the same text after other chat turns is another prompt
-    with pytest.raises(ValueError, match="val_size=30 leaves no training prompt out of 30 distinct prompts"):
+    with pytest.raises(ValueError, match=r"val_size=30 leaves no training prompt out of 30 distinct prompts; lower "
+                                         r"it \(at most 29; 0: no validation\) or add prompts"):
         split_examples(rows, 30)
     unique = [PromptExample(prompt=str(i)) for i in range(40)]
     order = torch.randperm(40, generator=torch.Generator().manual_seed(3)).tolist()
