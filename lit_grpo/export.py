@@ -320,10 +320,15 @@ def main(args: Sequence[str] | None = None) -> int:
     if options.ckpt_path == "last":
         root = Path(options.root)
         # ROOT/checkpoints, and a logger's ROOT/SAVE_DIR[/NAME]/VERSION/checkpoints
-        found = find_last_checkpoint(folder for depth in range(4) for folder in root.glob("*/" * depth + "checkpoints"))
+        folders = [folder for depth in range(4) for folder in root.glob("*/" * depth + "checkpoints")]
+        found = find_last_checkpoint(folders)
         if found is None:
+            # a Lightning script of one's own keeps ModelCheckpoint's epoch=N-step=M.ckpt files, and no last.ckpt
+            others = sorted(str(path) for folder in folders for path in Path(folder).glob("*.ckpt"))
+            there = (f"; the checkpoints there: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''} (give one "
+                     "as --ckpt_path)") if others else ""
             parser.error(f"--ckpt_path last: no last.ckpt in a checkpoints folder up to 3 levels under {root}; give "
-                         "the checkpoint's path, or --root the run's trainer.default_root_dir")
+                         f"the checkpoint's path, or --root the run's trainer.default_root_dir{there}")
         print(f"lit_grpo: --ckpt_path last: exporting {found}", file=sys.stdout)
         options.ckpt_path = str(found)
     try:

@@ -292,6 +292,18 @@ def test_an_overwrite_replaces_an_earlier_exports_model_files(tmp_path):
         torch.testing.assert_close(loaded(x).logits, module.policy.eval()(x).logits)
 
 
+def test_export_last_without_a_last_ckpt_names_the_checkpoints_it_found(tmp_path, capsys):
+    """A run of one's own Lightning script keeps Lightning's ModelCheckpoint's files, no last.ckpt: they are named."""
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "epoch=0-step=4.ckpt").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert f"; the checkpoints there: {folder / 'epoch=0-step=4.ckpt'} (give one as --ckpt_path)" in err, err
+
+
 def test_export_last_takes_the_newest_run_checkpoint_under_its_root(tiny_checkpoint, tmp_path, capsys):
     """``--ckpt_path last`` finds what ``fit --ckpt_path last`` would resume: the newest last.ckpt of a run."""
     import shutil
