@@ -301,6 +301,12 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
                                  ({"r": 4, "lora_alfa": 8},
                                   r"model.peft_config: peft_config has fields peft.LoraConfig does not take: "
                                   r"'lora_alfa' \(did you mean 'lora_alpha'\?\)"),
+                                 # Unsloth's get_peft_model takes these beside LoraConfig's fields
+                                 ({"r": 4, "random_state": 3407, "use_gradient_checkpointing": "unsloth"},
+                                  r"model.peft_config: peft_config has fields peft.LoraConfig does not take: "
+                                  r"'random_state' \(Unsloth's get_peft_model's: seed_everything here\), "
+                                  r"'use_gradient_checkpointing' \(Unsloth's get_peft_model's: "
+                                  r"model.gradient_checkpointing here\)"),
                                  ({"r": 4, "lora_alpha": float("nan")},  # every logit NaN once it runs
                                   r"model.peft_config.lora_alpha=nan is not allowed; .* must be a finite number > 0"),
                                  ({"r": 4, "lora_dropout": 1.5},

@@ -528,6 +528,13 @@ def _random_model_fields(name: str) -> dict:
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
 
 
+#: Unsloth's ``get_peft_model`` arguments beside LoraConfig's fields, which a port copies into ``peft_config``: the
+#: setting that does the same here.
+UNSLOTH_LORA_ARGUMENTS = {"random_state": "seed_everything",
+                          "use_gradient_checkpointing": "model.gradient_checkpointing",
+                          "max_seq_length": "data.sampling.max_new_tokens and the model's max_position_embeddings"}
+
+
 def lora_config(peft_config: Mapping[str, Any]) -> Any:
     """peft's ``LoraConfig`` of ``peft_config``, or a ValueError naming the field or value it does not take (a
     rank ``r`` below 1 included, which ``LoraConfig`` itself accepts)."""
@@ -541,7 +548,9 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
     unknown = sorted(set(peft_config) - fields)
     if unknown:
         close = {name: difflib.get_close_matches(name, fields, n=1) for name in unknown}
-        hints = ", ".join(f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
+        hints = ", ".join(f"{name!r} (Unsloth's get_peft_model's: {UNSLOTH_LORA_ARGUMENTS[name]} here)"
+                          if name in UNSLOTH_LORA_ARGUMENTS else
+                          f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
                           for name in unknown)
         raise ValueError(f"peft_config has fields peft.LoraConfig does not take: {hints}")
     if "r" in peft_config:
