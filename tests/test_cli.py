@@ -309,6 +309,7 @@ def test_a_misspelled_key_names_the_one_it_meant_without_the_usage_listing(tmp_p
     (["--dataset_train_split", "train"], "data.split"),
     (["--resume_from_checkpoint", "true"], "ckpt_path"),
     (["--seed", "1"], "seed_everything"),  # TRL's seed is the global one, not the sampler's data.sampling.seed
+    (["--random_state", "3407"], "seed_everything"),  # Unsloth's get_peft_model's seed, which its notebooks set
     (["--data.seed", "1"], "data.sampling.seed"),  # a nested key keeps its section's meaning
     # a mapping put in the wrong section: its own key, not the key inside it
     (["--chat_template_kwargs.enable_thinking", "false"], "data.chat_template_kwargs")])

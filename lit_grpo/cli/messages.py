@@ -295,6 +295,8 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
              "model_name_or_path": "model.model", "dataset_name": "data.dataset", "dataset_train_split": "data.split",
              "reward_model_name_or_path": "data.reward_funcs", "seed": "seed_everything",
              "logging_dir": "trainer.default_root_dir", "resume_from_checkpoint": "ckpt_path",
+             # Unsloth's get_peft_model's, which its GRPO notebooks set beside GRPOConfig
+             "random_state": "seed_everything",
              **dict.fromkeys(["use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                               "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
                               "use_dora"], "model.peft_config")}
