@@ -443,12 +443,17 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     assert message in err and "Expected a typing.Literal[" in err, err
 
 
-def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts_them(capsys, tmp_path):
+@pytest.mark.parametrize("value, share", [("0.1", True), ("10.0", False), ("ten", False)])
+def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts_them(capsys, tmp_path, value,
+                                                                                        share):
+    """transformers 5's warmup_steps below 1 is a share of the steps; a count written as a float, or no number, is
+    refused without that word."""
     config = tmp_path / "trl.yaml"
-    config.write_text("model:\n  warmup_steps: 0.1\n")
+    config.write_text(f"model:\n  warmup_steps: {value}\n")
     err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
-    assert ("Got value: 0.1 (model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is "
-            "warmup_ratio x trainer.max_steps)\n") in err, err
+    hint = (" (model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is warmup_ratio x "
+            "trainer.max_steps)")
+    assert f"Got value: {value}{hint if share else ''}\n" in err, err
 
 
 @pytest.mark.parametrize("yaml_text, message", [

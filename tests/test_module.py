@@ -325,6 +325,9 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match=r"warmup_steps=0.1 must be an integer >= 0 \(a count of optimizer steps; "
                                          r"TRL's warmup_ratio, a share of them, is warmup_ratio x trainer.max_steps\)"):
         GRPOModule(model="tiny-llama", warmup_steps=0.1)
+    for count in (10.0, -1):  # a count, not a share: no word of warmup_ratio
+        with pytest.raises(ValueError, match=rf"warmup_steps={count!r} must be an integer >= 0$"):
+            GRPOModule(model="tiny-llama", warmup_steps=count)
     # a string is truthy: fsdp="false" turned FSDP on, and the other switches alike
     for name in ("gradient_checkpointing", "disable_dropout", "mask_truncated_completions", "fsdp",
                  "move_to_cpu_after_fit"):

@@ -431,12 +431,20 @@ def peer_value_hint(message: str) -> str:
     else an empty string."""
     if (refused := _NOT_AN_INT.fullmatch(message)) is not None:
         meaning = PEER_SHARES.get(refused.group(1).rsplit(".", 1)[-1])
-        return f" ({meaning})" if meaning else ""
+        return f" ({meaning})" if meaning and _is_share(refused.group(2)) else ""
     refused = _NOT_A_CHOICE.fullmatch(message)
     if refused is None:
         return ""
     meaning = PEER_VALUES.get(refused.group(1).rsplit(".", 1)[-1], {}).get(refused.group(2).lower())
     return f" ({meaning})" if meaning else ""
+
+
+def _is_share(value: str) -> bool:
+    """Whether the parser's shown ``value`` is a number between 0 and 1, both excluded (TRL's share of the steps)."""
+    try:
+        return 0 < float(value) < 1
+    except ValueError:
+        return False
 
 
 def _meant_key(name: str, known: Sequence[str]) -> str | None:

@@ -157,8 +157,10 @@ def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[fl
                               stacklevel: int) -> None:
     """Check ``GRPOModule``'s AdamW, learning-rate schedule and clipping settings (its docstring says each);
     warn where ``min_lr_ratio`` is set for a schedule that never decays to it."""
+    # transformers 5's warmup_steps below 1 is a share of the steps (TRL's warmup_ratio): say what the count is
+    share = isinstance(warmup_steps, float) and 0 < warmup_steps < 1
     check_int("warmup_steps", warmup_steps, 0, "a count of optimizer steps; TRL's warmup_ratio, a share of them, is "
-                                              "warmup_ratio x trainer.max_steps")
+                                              "warmup_ratio x trainer.max_steps" if share else "")
     check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
     check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
     if min_lr_ratio and lr_schedule == "constant":
