@@ -142,12 +142,13 @@ def test_the_update_peak_is_read_before_each_mini_batchs_optimizer_step_and_the_
     """On CUDA the allocator's peak is read before every optimizer step (PeakMemoryMonitor resets it inside each, so
     one read at the end would miss an earlier mini-batch's) and the largest is what ``keep_kv_cache: auto`` reads; a
     CPU module stands in for a CUDA one, and a list of readings for the allocator."""
-    module = make_module(num_mini_batches=2)
-    readings = iter([7 << 20, 3 << 20])
+    module = make_module(num_mini_batches=4)
+    readings = iter([3 << 20, 7 << 20, 5 << 20, 2 << 20])  # the largest neither the first nor the last read
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings))
     monkeypatch.setattr(module, "_device", torch.device("cuda", 0))
     module.grpo_step(batch, torch.optim.SGD(module.policy.parameters(), lr=0.0))
     assert module.measured_update_peak() == 7 << 20
+    assert next(readings, None) is None  # one read for each mini-batch
 
 
 # ------------------------------------------------------------------------------------------------ the normalizers
