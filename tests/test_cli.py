@@ -363,6 +363,9 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
                    "fields: {r: 16, lora_alpha: 32, lora_dropout: 0.0, target_modules: [q_proj, v_proj]})"),
     ("lora_target_modules: [q_proj]", "(did you mean 'model.peft_config'? TRL's lora_target_modules is "
                                       "target_modules in model.peft_config, peft's LoraConfig fields: "),
+    ("lora_target_parameters: [mlp.experts.down_proj]", "(did you mean 'model.peft_config'? TRL's "
+                                                         "lora_target_parameters is target_parameters in "
+                                                         "model.peft_config, peft's LoraConfig fields: "),
     ("use_peft: true", "(did you mean 'model.peft_config'? TRL's use_peft is a model.peft_config given, peft's "
                        "LoraConfig fields: "),
     ("max_seq_length: 1024", "option 'max_seq_length' (Unsloth's max_seq_length has no counterpart: no prompt is "

@@ -320,8 +320,9 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
                                   *((name, f"{field} in model.peft_config") for name, field in [
                                       ("lora_r", "r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
                                       ("lora_target_modules", "target_modules"),
-                                      ("lora_modules_to_save", "modules_to_save"), ("use_rslora", "use_rslora"),
-                                      ("use_dora", "use_dora")])]}}
+                                      ("lora_target_parameters", "target_parameters"),
+                                      ("lora_modules_to_save", "modules_to_save"), ("lora_task_type", "task_type"),
+                                      ("use_rslora", "use_rslora"), ("use_dora", "use_dora")])]}}
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
