@@ -102,6 +102,10 @@ def _reads_text_completions(completions, **kwargs):
     return [float(bool(re.search("<answer>", completion))) for completion in completions]
 
 
+def _adds_to_text_completions(completions, **kwargs):
+    return [float(len("<think>" + completion)) for completion in completions]
+
+
 @pytest.mark.parametrize("fn, prompts, completions, note", [
     (_reads_chat_completions, ["q"] * 2, ["x", "y"],
      "; its completions are text, as its prompts are: TRL's conversational completions ([{'role': 'assistant', "
@@ -110,7 +114,9 @@ def _reads_text_completions(completions, **kwargs):
     (_reads_text_completions, [[{"role": "user", "content": "q"}]] * 2, [[{"role": "assistant", "content": "x"}]] * 2,
      "; its completions are TRL's conversational form, as its prompts are chat messages: a completion's text is "
      "completion[0]['content']"),
-], ids=["chat_reader_on_text", "text_reader_on_chat"])
+    (_adds_to_text_completions, [[{"role": "user", "content": "q"}]] * 2,
+     [[{"role": "assistant", "content": "x"}]] * 2, "a completion's text is completion[0]['content']"),
+], ids=["chat_reader_on_text", "text_reader_on_chat", "text_concatenated_to_chat"])
 def test_a_function_reading_the_other_completion_form_is_told_which_form_it_gets(fn, prompts, completions, note):
     with pytest.raises(RewardFunctionError) as info:
         score_rewards([WeightedReward(fn)], prompts, completions, group_size=2)

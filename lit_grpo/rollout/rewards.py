@@ -658,7 +658,7 @@ def _completion_form_note(err: Exception, completion: Any) -> str:
                 "'assistant', 'content': text}]) come with prompts of chat messages (a prompt column of [{'role': "
                 "..., 'content': ...}] lists, a system message included), where data.system_prompt leaves text "
                 "prompts text")
-    if isinstance(completion, list) and "'list'" in said:
+    if isinstance(completion, list) and ("'list'" in said or '(not "list")' in said):  # text + completion
         return ("; its completions are TRL's conversational form, as its prompts are chat messages: a completion's "
                 "text is completion[0]['content']")
     return ""
