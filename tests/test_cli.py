@@ -369,7 +369,7 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
     ("use_peft: true", "(did you mean 'model.peft_config'? TRL's use_peft is a model.peft_config given, peft's "
                        "LoraConfig fields: "),
     ("max_seq_length: 1024", "option 'max_seq_length' (Unsloth's max_seq_length has no counterpart: no prompt is "
-                             "cut; one whose tokens and data.sampling.max_new_tokens pass the model's "
+                             "cut or filtered; one whose tokens and data.sampling.max_new_tokens pass the model's "
                              "max_position_embeddings is refused before the first step, naming its row)"),
     # not taken for data.task_config, a key spelled alike that means something else
     ("dataset_config: main", "option 'dataset_config' (TRL's dataset_config has no counterpart: data.dataset reads"),

@@ -323,6 +323,9 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
                                       ("lora_target_parameters", "target_parameters"),
                                       ("lora_modules_to_save", "modules_to_save"), ("lora_task_type", "task_type"),
                                       ("use_rslora", "use_rslora"), ("use_dora", "use_dora")])]}}
+#: What takes the place of a prompt length limit (Unsloth's max_seq_length, verl's max_prompt_length).
+_TOO_LONG_REFUSED = ("no prompt is cut or filtered; one whose tokens and data.sampling.max_new_tokens pass the model's "
+                     "max_position_embeddings is refused before the first step, naming its row")
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
@@ -349,12 +352,10 @@ TRL_ELSEWHERE = {
 }
 #: Unsloth's settings (``FastLanguageModel.from_pretrained`` and ``get_peft_model``'s, which its GRPO notebooks set
 #: beside TRL's GRPOConfig) with no key of lit_grpo's: what takes their place.
-_TOO_LONG_REFUSED = ("no prompt is cut; one whose tokens and data.sampling.max_new_tokens pass the model's "
-                     "max_position_embeddings is refused before the first step, naming its row")
 UNSLOTH_ELSEWHERE = {
     "max_seq_length": f"has no counterpart: {_TOO_LONG_REFUSED}",
     "load_in_4bit": "has no counterpart: the weights load in model.dtype, unquantized",
-    "fast_inference": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
+    "fast_inference": TRL_ELSEWHERE["use_vllm"],  # Unsloth's vLLM
     "gpu_memory_utilization": "has no counterpart: the rollout's KV cache holds data.sampling.micro_group_size "
                               "slots (auto: as many as fit data.sampling.kv_budget_bytes, or the GPU's free memory)",
     "max_lora_rank": "has no counterpart: the adapter's rank is model.peft_config's r",
@@ -388,9 +389,7 @@ VERL_ELSEWHERE = {
     "ppo_mini_batch_size": "is model.num_mini_batches here, counted otherwise: train_batch_size / "
                            "ppo_mini_batch_size optimizer steps on each rollout",
     "kl_loss_type": "has no counterpart: model.loss.beta's KL is verl's low_var_kl (k3)",
-    "max_prompt_length": "has no counterpart (nor has TRL 1.16): no prompt is cut or filtered; one whose tokens and "
-                         "data.sampling.max_new_tokens pass the model's max_position_embeddings is refused before "
-                         "the first step, naming its row",
+    "max_prompt_length": f"has no counterpart (nor has TRL 1.16): {_TOO_LONG_REFUSED}",
     "filter_overlong_prompts": "has no counterpart: a prompt too long for the model is refused before the first "
                                "step, naming its row",
     "val_files": "has no counterpart: validation holds out data.val_size prompts of data.dataset's split",
