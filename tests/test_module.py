@@ -576,8 +576,15 @@ def test_split_holds_out_distinct_prompts_whole():
     chat = [PromptExample(prompt="hi", messages=[{"role": "user", "content": "hi"}]), PromptExample(prompt="hi")]
     assert len(split_examples(chat, 1, 0)[0]) == 1  # the same text after other chat turns is another prompt
     with pytest.raises(ValueError, match=r"val_size=30 leaves no training prompt out of 30 distinct prompts; lower "
-                                         r"it \(at most 29; 0: no validation\) or add prompts"):
+                                         r"it \(a count of at most 29; 0: no validation\) or add prompts"):
         split_examples(rows, 30)
+    # a fraction that rounds to every prompt: the count is named as a count
+    with pytest.raises(ValueError, match=r"val_size=0.99 leaves .* \(a count of at most 29, or a smaller fraction; "
+                                         r"0: no validation\)"):
+        split_examples(rows, 0.99)
+    with pytest.raises(ValueError, match=r"val_size=1 leaves .* out of 1 distinct prompts; lower it \(0: no "
+                                         r"validation\)"):
+        split_examples(rows[:1], 1)
     unique = [PromptExample(prompt=str(i)) for i in range(40)]
     order = torch.randperm(40, generator=torch.Generator().manual_seed(3)).tolist()
     assert split_examples(unique, 4, 3) == (sorted(order[4:]), sorted(order[:4]))

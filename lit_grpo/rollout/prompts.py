@@ -284,8 +284,10 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
     else:
         count = val_size
     if count >= n:
+        fraction = ", or a smaller fraction" if isinstance(val_size, float) else ""
+        allowed = "0: no validation" if n == 1 else f"a count of at most {n - 1}{fraction}; 0: no validation"
         raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n} distinct prompts; lower it "
-                         f"(at most {n - 1}; 0: no validation) or add prompts")
+                         f"({allowed}) or add prompts")
     distinct = list(first_rows.values())
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     held_out = {distinct[i] for i in order[:count]}
