@@ -323,10 +323,13 @@ def main(args: Sequence[str] | None = None) -> int:
         folders = [folder for depth in range(4) for folder in root.glob("*/" * depth + "checkpoints")]
         found = find_last_checkpoint(folders)
         if found is None:
-            # a Lightning script of one's own keeps ModelCheckpoint's epoch=N-step=M.ckpt files, and no last.ckpt
-            others = sorted(str(path) for folder in folders for path in Path(folder).glob("*.ckpt"))
-            there = (f"; the checkpoints there: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''} (give one "
-                     "as --ckpt_path)") if others else ""
+            # a Lightning script of one's own keeps ModelCheckpoint's epoch=N-step=M.ckpt files, and no last.ckpt;
+            # newest first: the names' order is not their age (epoch=10 sorts before epoch=9)
+            paths = sorted((path for folder in folders for path in folder.glob("*.ckpt")),
+                           key=lambda path: path.stat().st_mtime, reverse=True)
+            others = [str(path) for path in paths]
+            there = (f"; the checkpoints there, newest first: {', '.join(others[:5])}"
+                     f"{' ...' if len(others) > 5 else ''} (give one as --ckpt_path)") if others else ""
             parser.error(f"--ckpt_path last: no last.ckpt in a checkpoints folder up to 3 levels under {root}; give "
                          f"the checkpoint's path, or --root the run's trainer.default_root_dir{there}")
         print(f"lit_grpo: --ckpt_path last: exporting {found}", file=sys.stdout)

@@ -296,12 +296,15 @@ def test_export_last_without_a_last_ckpt_names_the_checkpoints_it_found(tmp_path
     """A run of one's own Lightning script keeps Lightning's ModelCheckpoint's files, no last.ckpt: they are named."""
     folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
     folder.mkdir(parents=True)
-    (folder / "epoch=0-step=4.ckpt").write_bytes(b"")
+    for age, name in enumerate(["epoch=2-step=12.ckpt", "epoch=1-step=8.ckpt"]):  # newest first, not by name
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (1e9 - age, 1e9 - age))
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["export", "--ckpt_path", "last", "--root", str(tmp_path), "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    assert f"; the checkpoints there: {folder / 'epoch=0-step=4.ckpt'} (give one as --ckpt_path)" in err, err
+    assert (f"; the checkpoints there, newest first: {folder / 'epoch=2-step=12.ckpt'}, "
+            f"{folder / 'epoch=1-step=8.ckpt'} (give one as --ckpt_path)") in err, err
 
 
 def test_export_last_takes_the_newest_run_checkpoint_under_its_root(tiny_checkpoint, tmp_path, capsys):
