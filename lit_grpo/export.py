@@ -324,7 +324,7 @@ def main(args: Sequence[str] | None = None) -> int:
         found = find_last_checkpoint(folders)
         if found is None:
             # a Lightning script of one's own keeps ModelCheckpoint's epoch=N-step=M.ckpt files, and no last.ckpt;
-            # newest first: the names' order is not their age (epoch=10 sorts before epoch=9)
+            # newest first: by name, epoch=1 would come before epoch=2, and epoch=10 before epoch=9
             paths = sorted((path for folder in folders for path in folder.glob("*.ckpt")),
                            key=lambda path: path.stat().st_mtime, reverse=True)
             others = [str(path) for path in paths]
