@@ -528,11 +528,12 @@ def _random_model_fields(name: str) -> dict:
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
 
 
-#: Unsloth's ``get_peft_model`` arguments beside LoraConfig's fields, which a port copies into ``peft_config``: the
-#: setting that does the same here.
-UNSLOTH_LORA_ARGUMENTS = {"random_state": "seed_everything",
-                          "use_gradient_checkpointing": "model.gradient_checkpointing",
-                          "max_seq_length": "data.sampling.max_new_tokens and the model's max_position_embeddings"}
+#: Unsloth's ``get_peft_model`` arguments beside LoraConfig's fields, which a port copies into ``peft_config``: what
+#: takes their place here (``lit_grpo.cli.messages.UNSLOTH_ELSEWHERE`` says it of the same names given as settings).
+UNSLOTH_LORA_ARGUMENTS = {"random_state": "seed_everything here",
+                          "use_gradient_checkpointing": "model.gradient_checkpointing here",
+                          "max_seq_length": "no counterpart: no prompt is cut; one too long for the model's "
+                                            "max_position_embeddings is refused before the first step"}
 
 
 def lora_config(peft_config: Mapping[str, Any]) -> Any:
@@ -548,7 +549,7 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
     unknown = sorted(set(peft_config) - fields)
     if unknown:
         close = {name: difflib.get_close_matches(name, fields, n=1) for name in unknown}
-        hints = ", ".join(f"{name!r} (Unsloth's get_peft_model's: {UNSLOTH_LORA_ARGUMENTS[name]} here)"
+        hints = ", ".join(f"{name!r} (Unsloth's get_peft_model's: {UNSLOTH_LORA_ARGUMENTS[name]})"
                           if name in UNSLOTH_LORA_ARGUMENTS else
                           f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
                           for name in unknown)
