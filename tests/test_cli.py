@@ -319,6 +319,17 @@ def test_a_setting_under_another_section_or_trls_name_points_to_lit_grpos(capsys
     assert f"unrecognized arguments: {' '.join(args)} (did you mean '{meant}'?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, meant, note", [
+    (["--model.warmup_ratio", "0.1"], "model.warmup_steps",
+     "TRL's warmup_ratio is a share of the optimizer steps, model.warmup_steps a count of them"),
+    (["--lora_r", "8"], "model.peft_config", "TRL's lora_r is r in model.peft_config"),
+])
+def test_a_trl_name_on_the_command_line_points_to_lit_grpos_and_says_how_it_differs(capsys, args, meant, note):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", TINY, *args])
+    assert f"unrecognized arguments: {' '.join(args)} (did you mean '{meant}'? {note}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [["--per_device_train_batch_size", "8"],
                                   ["--model.per_device_train_batch_size", "8"]])
 def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prompts_a_step_draws(capsys, args):
