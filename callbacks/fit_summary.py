@@ -29,6 +29,9 @@ from .run_checkpoint import RunCheckpoint, fit_resume, last_checkpoint_callback
 
 #: The PeakMemoryMonitor keys the summary reports (their largest value over the run).
 ROLLOUT_MEMORY_KEYS = ("memory/rollout_peak_bytes", "memory/rollout_peak_delta_bytes")
+#: The share of a step's groups whose completions all got one reward (GRPOModule's, reduced over ranks): at 1.0
+#: every advantage of the step is 0 and the reward gives no gradient.
+NO_SPREAD_KEY = "reward/frac_zero_std"
 
 
 class FitSummary(Callback):
@@ -51,6 +54,16 @@ class FitSummary(Callback):
           checkpoint     lightning_logs/version_0/checkpoints/last.ckpt (1.6 GiB, 3 saves in 9.0 s; resume with
                          --ckpt_path last)
 
+    Where at least half of the steps had no group whose completions got different rewards (``reward/frac_zero_std``
+    1.0 at every batch of the step: every advantage 0, so the reward taught the step nothing; e.g. too hard a task, too
+    short a ``max_new_tokens``, or a reward function that scores every completion alike), a ``no signal`` line after
+    the reward's says how many, out of the steps that logged the key (all of them, or their count and share), and
+    what to check::
+
+          no signal      all 30 steps: no group's completions got different rewards (reward/frac_zero_std 1.0), so
+                         every advantage was 0 and the reward taught nothing; check the reward functions against the
+                         completions (too hard a task? too short a max_new_tokens?)
+
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
     ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
     optimizer step; a GRPO batch with all its optimizer steps; the first line adds their count, ``trainer.global_step``,
@@ -62,21 +75,22 @@ class FitSummary(Callback):
     read (the run's mean) at the device's read bandwidth (``RolloutProfiler``'s ``read_bytes_per_s``, else measured once
     per process; ``lit_grpo.sampling.roofline``), then ``rollout/ms_per_step`` over it (the run's, as
     ``rollout/roofline_ratio``) and the run's generated tokens per rollout second. Under several processes the figures
-    are the whole run's: reward/mean and val/accuracy as logged (GRPOModule reduces them over ranks; a module that logs
-    a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's rollout time its slowest
-    rank's (which every rank waited for), the decode step's and prompt token's milliseconds over every rank's rollouts,
-    the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak gathered when training ends). The
-    rollouts are gathered at every training batch, every rank joining, where the trainer's datamodule declares that its
-    training batches are rollouts (its ``yields_rollouts`` is True, as ``RolloutDataModule``'s); where it does not, no
-    gather a batch (another project pays none), and a rollout batch raises an error at that batch
-    (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank 0's alone.
+    are the whole run's: reward/mean, reward/frac_zero_std and val/accuracy as logged (GRPOModule reduces them over
+    ranks; a module that logs a rank's own value, without ``sync_dist``, shows rank 0's, as its logger does), a step's
+    rollout time its slowest rank's (which every rank waited for), the decode step's and prompt token's milliseconds
+    over every rank's rollouts, the KV, process (on CUDA: device) and host peaks the largest rank's (the host peak
+    gathered when training ends). The rollouts are gathered at every training batch, every rank joining, where the
+    trainer's datamodule declares that its training batches are rollouts (its ``yields_rollouts`` is True, as
+    ``RolloutDataModule``'s); where it does not, no gather a batch (another project pays none), and a rollout batch
+    raises an error at that batch (``lit_grpo.callbacks._rollout.check_rollout_source``): its figures would be rank
+    0's alone.
 
     **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
-    time, rollouts, the accuracy and reward curves, PeakMemoryMonitor's largest rollout peaks) are kept in the
-    checkpoint (``state_dict``) and go on from there, each fit's time counted (not the time between fits); a
-    ``resumed`` line says at which step this fit started and how many steps it ran. The host peak and the
-    checkpoint's save count are this fit's (an earlier process's were not kept); a resume from a checkpoint without
-    this state says that the lines cover this fit's steps alone.
+    time, rollouts, the accuracy and reward curves, the steps without a reward spread, PeakMemoryMonitor's largest
+    rollout peaks) are kept in the checkpoint (``state_dict``) and go on from there, each fit's time counted (not
+    the time between fits); a ``resumed`` line says at which step this fit started and how many steps it ran. The
+    host peak and the checkpoint's save count are this fit's (an earlier process's were not kept); a resume from a
+    checkpoint without this state says that the lines cover this fit's steps alone.
 
     TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
     (the x of step k's own scalars). Logs no keys of its own.
@@ -106,6 +120,9 @@ class FitSummary(Callback):
         self.steps = 0  # training steps: the batches that end an optimizer step, whatever their optimizer steps
         self.accuracy: list[tuple[int, float]] = []   # (step, value) after each validation
         self.rewards: list[float] = []
+        self.spread_logged_steps = 0  # training steps whose every batch logged NO_SPREAD_KEY
+        self.flat_steps = 0  # those of them in which no batch had a group with a reward spread
+        self._step_flat: bool | None = None  # the step under way: None until a batch logged NO_SPREAD_KEY
         # The run's rollouts, every rank's, added up (merge_stats: times and counts add, the KV peak is the
         # largest); their timelines and decisions are left out, so the totals do not grow with the run.
         self.rollouts = 0  # training batches that carried a rollout (several a step under gradient accumulation)
@@ -174,9 +191,17 @@ class FitSummary(Callback):
         per_rank = [dataclasses.replace(rank, timeline=[], decisions=[]) for rank in rank_rollouts(trainer, stats)[0]]
         if per_rank:
             self._step_rollouts.append((per_rank, max(rank.wall_s for rank in per_rank)))
+        spread = trainer.callback_metrics.get(NO_SPREAD_KEY)  # a module that logs none (not GRPOModule): no line
+        if spread is not None:  # a step is flat where every one of its batches was
+            flat = float(spread) >= 1.0 - 1e-6  # the ranks' weighted mean of 1.0s, in float32
+            self._step_flat = flat if self._step_flat is None else self._step_flat and flat
         if accumulating(trainer, batch_idx):  # the step goes on to the batch whose optimizer step ends it
             return
         self.steps += 1
+        if self._step_flat is not None:
+            self.spread_logged_steps += 1
+            self.flat_steps += self._step_flat
+            self._step_flat = None
         if self._step_rollouts:
             self.rollouts += len(self._step_rollouts)
             self.rollout_steps += 1
@@ -226,7 +251,8 @@ class FitSummary(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The run's totals up to the last completed step (a checkpoint is saved at a step boundary)."""
         return {"steps": self.steps, "accuracy_key": self.accuracy_key, "accuracy": [list(a) for a in self.accuracy],
-                "reward_key": self.reward_key, "rewards": list(self.rewards), "rollouts": self.rollouts,
+                "reward_key": self.reward_key, "rewards": list(self.rewards), "flat_steps": self.flat_steps,
+                "spread_logged_steps": self.spread_logged_steps, "rollouts": self.rollouts,
                 "rollout_steps": self.rollout_steps, "rollout_s": self.rollout_s,
                 "rollout_totals": self.rollout_totals.scalars(), "elapsed_s": self._elapsed(),
                 "validation_s": self._validation_s, "memory_peaks": self._memory_peaks()}
@@ -234,6 +260,9 @@ class FitSummary(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from a checkpoint's totals; a curve saved under another key is left out (said once)."""
         self.steps = int(state_dict["steps"])
+        # absent from a checkpoint of an older FitSummary: the counts then cover this fit's steps
+        self.flat_steps = int(state_dict.get("flat_steps", 0))
+        self.spread_logged_steps = int(state_dict.get("spread_logged_steps", 0))
         self.rollouts, self.rollout_steps = int(state_dict["rollouts"]), int(state_dict["rollout_steps"])
         self.rollout_s = float(state_dict["rollout_s"])
         self.rollout_totals = RolloutStats(**state_dict["rollout_totals"])
@@ -297,6 +326,9 @@ class FitSummary(Callback):
             first, last = sum(self.rewards[:n]) / n, sum(self.rewards[-n:]) / n
             ends = "first step -> last step" if n == 1 else f"mean of the first {n} steps -> the last {n}"
             lines.append(f"  {self.reward_key:<14} {first:.3f} -> {last:.3f}   ({ends})")
+        no_signal = self._no_signal_line()
+        if no_signal:
+            lines.append(f"  {'no signal':<14} {no_signal}")
         if self.rollouts:
             lines.append(f"  {'rollout time':<14} {self._rollout_time(training_s)}")
             floor = self._floor_line(trainer)
@@ -311,6 +343,20 @@ class FitSummary(Callback):
                          + (", this fit's)" if self.resumed_at is not None else ")"))
         lines.extend(self._where_lines(trainer, resumed=self.resumed_at is not None))
         return lines
+
+    def _no_signal_line(self) -> str:
+        """The steps in which no group's completions got different rewards, where they are at least half of those
+        that logged ``NO_SPREAD_KEY``: every advantage of such a step is 0, so the reward taught it nothing."""
+        flat, logged = self.flat_steps, self.spread_logged_steps
+        if not logged or 2 * flat < logged:
+            return ""
+        if flat == logged:
+            which, taught = f"all {_count(logged, 'step')}", "every advantage was 0 and the reward taught nothing"
+        else:
+            which = f"{flat} of {logged} steps ({flat / logged:.0%})"
+            taught = "their every advantage was 0 and the reward taught them nothing"
+        return (f"{which}: no group's completions got different rewards ({NO_SPREAD_KEY} 1.0), so {taught}; check "
+                "the reward functions against the completions (too hard a task? too short a max_new_tokens?)")
 
     def _rollout_time(self, training_s: float) -> str:
         totals = self.rollout_totals

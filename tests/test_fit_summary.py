@@ -364,3 +364,81 @@ def test_the_way_back_is_said_as_the_run_was_started(tmp_path, capsys):
     assert summary.summary_lines(trainer)[-1].endswith("resume with --ckpt_path last)")
     checkpoint._announce(trainer, 15)
     assert "  resume: lit-grpo fit --config c.yaml --ckpt_path last" in capsys.readouterr().out.splitlines()
+
+
+class SpreadModule(ValidatedModule):
+    """Logs ``reward/frac_zero_std`` as GRPOModule does: the share of the batch's groups whose rewards are equal."""
+
+    def training_step(self, batch, batch_idx):
+        equal = (batch.rewards == batch.rewards[:, :1]).all(dim=1)
+        self.log("reward/frac_zero_std", equal.double().mean())
+        return super().training_step(batch, batch_idx)
+
+
+def _flat(rollout, groups: int | None = None):
+    """``rollout`` with every one of its first ``groups`` groups' rewards equal (all of them by default)."""
+    rewards = rollout.rewards.clone()
+    rewards[:groups] = rewards[:groups, :1]
+    return dataclasses.replace(rollout, rewards=rewards)
+
+
+def _no_signal_line(lines: list[str]) -> str | None:
+    return next((line for line in lines if line.startswith("  no signal")), None)
+
+
+def test_a_run_whose_every_step_had_no_reward_spread_says_so_and_what_to_check(tmp_path):
+    """Every group's rewards equal at every step (every advantage 0: the reward taught nothing) is said plainly,
+    where the reward line alone would show a flat curve."""
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=4, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(SpreadModule([_flat(make_rollout(seed)) for seed in range(4)]))
+    line = _no_signal_line(summary.summary_lines(trainer))
+    assert line is not None and line.startswith("  no signal      all 4 steps: no group's completions got different "
+                                                "rewards (reward/frac_zero_std 1.0)"), line
+    assert "check the reward functions against the completions" in line and "max_new_tokens" in line
+
+
+def test_a_run_whose_most_steps_had_no_reward_spread_says_their_share_and_a_few_says_nothing(tmp_path):
+    rollouts = [_flat(make_rollout(0)), _flat(make_rollout(1)), _flat(make_rollout(2), groups=1), make_rollout(3)]
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=4, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(SpreadModule(rollouts))  # one group of two flat is no step without signal
+    line = _no_signal_line(summary.summary_lines(trainer))
+    assert line is not None and line.startswith("  no signal      2 of 4 steps (50%): no group's"), line
+    assert summary.flat_steps == 2 and summary.spread_logged_steps == 4
+
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=4, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(SpreadModule([_flat(make_rollout(0))] + [make_rollout(seed) for seed in range(1, 4)]))
+    assert _no_signal_line(summary.summary_lines(trainer)) is None  # 1 of 4: the run learnt on the others
+    # a module that logs no reward/frac_zero_std: no line, and no warning that it is missing
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=2, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(RolloutModule([_flat(make_rollout(seed)) for seed in range(2)]))
+    assert summary.spread_logged_steps == 0 and _no_signal_line(summary.summary_lines(trainer)) is None
+
+
+def test_the_steps_without_reward_spread_survive_a_resume(tmp_path):
+    rollouts = [_flat(make_rollout(seed % 2)) for seed in range(4)]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    _trainer(tmp_path, [FitSummary(), checkpoint], max_steps=2, limit_val_batches=0).fit(SpreadModule(rollouts))
+    resumed = FitSummary()
+    trainer = _trainer(tmp_path / "resumed", [resumed], max_steps=4, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(SpreadModule(rollouts), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert (resumed.flat_steps, resumed.spread_logged_steps) == (4, 4)
+    assert _no_signal_line(resumed.summary_lines(trainer)).startswith("  no signal      all 4 steps:")
+    # a checkpoint saved before the summary kept these counts: they cover this fit's steps
+    state = resumed.state_dict()
+    del state["flat_steps"], state["spread_logged_steps"]
+    older = FitSummary()
+    older.load_state_dict(state)
+    assert (older.flat_steps, older.spread_logged_steps) == (0, 0)
+
+
+def test_a_step_of_several_micro_batches_has_no_signal_only_where_none_of_them_had(tmp_path):
+    rollouts = [_flat(make_rollout(0)), make_rollout(1), _flat(make_rollout(2)), _flat(make_rollout(3))]
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=2, accumulate_grad_batches=2, enable_checkpointing=False,
+                       limit_val_batches=0)
+    trainer.fit(SpreadModule(rollouts))
+    assert (summary.flat_steps, summary.spread_logged_steps) == (1, 2)
