@@ -122,8 +122,10 @@ def test_a_reward_functions_error_ends_the_run_with_its_own_frames_and_the_funct
     # Lightning's frames, and the retry of a single group is not chained to the whole batch's error
     assert re.search(r'fault_helpers\.py", line \d+, in lookup_reward\n.*answers\[prompt\]', report), report
     assert "lightning" not in report and "lit_grpo" not in report and "During handling" not in report, report
-    assert re.search(r"\nerror: reward function 'lookup' raised KeyError: .* on prompt 0 '.+'\ntip: "
-                     r"data\.on_reward_error: skip_group", report), report
+    # it fails on every group: skipping the failing ones is no remedy, and the message says so
+    assert re.search(r"\nerror: reward function 'lookup' raised KeyError: .* on prompt 0 '.+', and on each of the "
+                     r"batch's other \d+ groups", report), report
+    assert "tip: data.on_reward_error: skip_group" not in report, report
 
 
 def test_a_reward_functions_bad_result_ends_the_run_naming_it_without_a_traceback(tmp_path):
@@ -173,6 +175,30 @@ def test_a_reward_function_that_fails_only_on_the_whole_batch_is_not_told_to_ski
     assert "error: reward function 'batch_only' raised RuntimeError: too many at once on the whole batch" in err
     assert "skip_group" not in err, err
 
+
+
+@pytest.mark.parametrize("fails_on, tip", [("everything", False), ("bad", True)])
+def test_the_skip_group_tip_is_shown_only_where_some_group_scores(capsys, fails_on, tip):
+    """A function's own signature refusing the call (a required column the data lacks) fails every group alike, as
+    a bug of its body does: skip_group would skip them all. One failing on a row's content gets the tip."""
+    from lit_grpo.cli.run_errors import _exit_on_reward_error
+    from lit_grpo.rollout.rewards import RewardFunctionError, build_reward_funcs, score_rewards
+
+    def needs_answer(prompts, completions, answer, **columns):
+        return [1.0] * len(prompts)
+
+    def picky(prompts, completions, **columns):
+        if "bad" in prompts:
+            raise ValueError("a bad row")
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFunctionError) as error:
+        score_rewards(build_reward_funcs([needs_answer if fails_on == "everything" else picky]),
+                      ["bad", "bad", "b", "b"], ["x"] * 4, group_size=2)
+    with pytest.raises(SystemExit):
+        _exit_on_reward_error(error.value)
+    err = capsys.readouterr().err
+    assert ("tip: data.on_reward_error: skip_group" in err) is tip, err
 
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,6 +1,7 @@
 import functools
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -93,6 +94,53 @@ def test_raising_function_names_function_and_prompt():
     assert isinstance(info.value.__cause__, KeyError)
 
 
+
+
+def test_a_function_failing_on_every_group_says_so_and_one_failing_on_some_says_the_others_score():
+    """Under on_error="raise" the first failing group ends the call; where it is the batch's first, the others are
+    tried until one scores: a function that fails on every group (a bug of its own, not a row's) is said to, since
+    skip_group would skip them all."""
+    calls = []
+
+    def lookup(prompts, completions, **kw):
+        calls.append(len(prompts))
+        return [{}[prompt] for prompt in prompts]
+
+    with pytest.raises(RewardFunctionError, match=r"'lookup' raised KeyError: 'p0' on prompt 0 'p0', and on each "
+                                                  r"of the batch's other 2 groups") as info:
+        score_rewards([WeightedReward(lookup)], ["p0", "p0", "p1", "p1", "p2", "p2"], ["c"] * 6, group_size=2)
+    assert info.value.group == 0 and info.value.others_scored is False
+    assert calls == [6, 2, 2, 2]  # the batch, then each group
+
+    def first_bad(prompts, completions, **kw):
+        if "bad" in prompts:
+            raise ValueError("no")
+        return [1.0] * len(prompts)
+
+    for prompts, group in ((["bad", "bad", "ok", "ok"], 0), (["ok", "ok", "bad", "bad"], 1)):
+        with pytest.raises(RewardFunctionError) as info:
+            score_rewards([WeightedReward(first_bad)], prompts, ["c"] * 4, group_size=2)
+        assert info.value.group == group and info.value.others_scored is True
+        assert "other" not in str(info.value), str(info.value)
+
+
+def test_the_other_groups_are_tried_for_a_bounded_time(monkeypatch):
+    """A function that fails slowly (a timeout) is not waited on for every group: past the bound it is not known
+    whether another group scores, and the message claims nothing."""
+    from lit_grpo.rollout import rewards
+
+    monkeypatch.setattr(rewards, "OTHER_GROUPS_PROBE_S", 0.0)
+    calls = []
+
+    def slow_failure(prompts, completions, **kw):
+        calls.append(len(prompts))
+        time.sleep(0.01)
+        raise TimeoutError("the judge did not answer")
+
+    with pytest.raises(RewardFunctionError) as info:
+        score_rewards([WeightedReward(slow_failure)], ["p0", "p0", "p1", "p1", "p2", "p2"], ["c"] * 6, group_size=2)
+    assert info.value.others_scored is None and calls == [6, 2]
+    assert str(info.value).endswith("on prompt 0 'p0'"), str(info.value)
 
 def _reads_chat_completions(completions, **kwargs):
     return [float(len(completion[0]["content"])) for completion in completions]  # Unsloth's notebooks' way

@@ -74,6 +74,7 @@ import importlib
 import inspect
 import math
 import numbers
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
@@ -106,6 +107,10 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: ``RewardScores.skipped_groups`` (the trainer gives their rows no loss).
 OnRewardError = Literal["raise", "skip_group"]
 ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
+#: Seconds at most that ``on_error="raise"`` spends calling the groups after the batch's first, where that one
+#: failed, to find whether some group scores (``RewardFunctionError.others_scored``): a function that fails slowly
+#: (a timeout) is not waited on for every group before the run ends.
+OTHER_GROUPS_PROBE_S = 10.0
 #: The keywords every reward call gets besides the columns (TRL's names): no column may take them.
 CALL_KEYWORDS = ("trainer_state", *LOG_KEYWORDS)
 
@@ -128,13 +133,17 @@ class TrainerState:
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised; the message names the function and the prompt."""
+    """A reward function raised; the message names the function and the prompt. ``group``: the first group it
+    raised on alone (None: the whole batch only, or its result was wrong); ``others_scored``: whether another group
+    of the batch scored, so that ``on_error="skip_group"`` would go on (None: not known)."""
 
-    def __init__(self, message: str, name: str, prompt: str | None, group: int | None):
+    def __init__(self, message: str, name: str, prompt: str | None, group: int | None,
+                 others_scored: bool | None = None):
         super().__init__(message)
         self.name = name
         self.prompt = prompt
         self.group = group
+        self.others_scored = others_scored
 
 
 # --------------------------------------------------------------------------------------------- specs
@@ -609,7 +618,9 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
     that return log goes to ``logs``). ``prompts``, ``completions`` and ``columns`` are the arguments as they came
     (no call got them, only copies: ``_call_all``); each group's call gets copies of its own.
 
-    ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt.
+    ``on_error="raise"``: raise ``RewardFunctionError`` naming the function and the first failing prompt; where
+    that is the batch's first group, the next groups are called (``OTHER_GROUPS_PROBE_S`` at most) until one scores,
+    and a function that raised on every group is said to (skip_group would skip them all).
     ``on_error="skip_group"``: return ``(values, skipped_groups, errors)``: the values of the groups that score
     fine (None in the failing groups' rows) and the failing group indices; raise only when no group fails alone
     (the batch fails as a whole, so there is nothing to skip).
@@ -629,9 +640,16 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
             raw = _call(reward, group_prompts, group_completions, group_columns, state, log)
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
-                       f"{group} {_shown(prompts[start])!r:.300}{_completion_form_note(group_err, completions[start])}")
+                       f"{group} {_shown(prompts[start])!r:.300}")
+            note = _completion_form_note(group_err, completions[start])
             if on_error == "raise":
-                raise RewardFunctionError(message, reward.name, _shown(prompts[start]), group) from group_err
+                others = True if group else _other_groups_score(reward, prompts, completions, columns, state,
+                                                                group_size)
+                if others is False:
+                    message += f", and on each of the batch's other {len(prompts) // group_size - 1} groups"
+                raise RewardFunctionError(message + note, reward.name, _shown(prompts[start]), group,
+                                          others_scored=others) from group_err
+            message += note
             skipped.append(group)
             errors.append(message)
             values.extend([None] * (end - start))
@@ -644,6 +662,29 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
                                   f"batch (each group alone scores fine; first prompt {prompt!r:.300})",
                                   reward.name, prompt, None) from err
     return values, skipped, errors
+
+
+def _other_groups_score(reward: WeightedReward, prompts: Sequence[str], completions: Sequence[str],
+                        columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any],
+                        group_size: int) -> bool | None:
+    """Whether a call on one of the groups after the first returns (its values unchecked, its logs dropped): True
+    at the first that does, False where every one raised, None where ``OTHER_GROUPS_PROBE_S`` ran out first (or
+    the batch has one group). Only where the first group raised: ``skip_group`` would go on with the others."""
+    if len(prompts) <= group_size:
+        return None
+    deadline = time.perf_counter() + OTHER_GROUPS_PROBE_S
+    for start in range(group_size, len(prompts), group_size):
+        if time.perf_counter() >= deadline:
+            return None
+        end = start + group_size
+        arguments = _fresh_arguments(prompts[start:end], completions[start:end],
+                                     {k: v[start:end] for k, v in columns.items()})
+        try:
+            _call(reward, *arguments, state, CallLog(reward.name, end - start))
+        except Exception:  # noqa: BLE001 - any failure is one more group it fails on
+            continue
+        return True
+    return False
 
 
 def _completion_form_note(err: Exception, completion: Any) -> str:
