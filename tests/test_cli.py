@@ -519,7 +519,13 @@ def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts
     # or say what takes the place of one without a key here
     ("algorithm:\n  adv_estimator: grpo", "option 'algorithm.adv_estimator' (verl's adv_estimator has no counterpart: "
                                            "GRPO's group advantages are the only estimator)"),
-    ("data:\n  max_prompt_length: 512", "(verl's max_prompt_length has no counterpart (nor has TRL 1.16)"),
+    # verl's data.max_prompt_length, and TRL's in a flat config (its older GRPOConfig's, which Unsloth's notebooks
+    # set): the note names both, right for either
+    ("data:\n  max_prompt_length: 512", "(verl's and TRL's max_prompt_length (an older TRL GRPOConfig's, which "
+                                        "Unsloth's notebooks set; TRL 1.16 has none) has no counterpart: no prompt "
+                                        "is cut"),
+    ("max_prompt_length: 256", "option 'max_prompt_length' (verl's and TRL's max_prompt_length (an older TRL "
+                               "GRPOConfig's, which Unsloth's notebooks set; TRL 1.16 has none) has no counterpart"),
     ("model:\n  ppo_mini_batch_size: 256", "(verl's ppo_mini_batch_size is model.num_mini_batches here, counted "
                                            "otherwise: train_batch_size / ppo_mini_batch_size optimizer steps"),
     # a key inside verl's section (its file's path, its function's name): the section's note

@@ -350,6 +350,12 @@ TRL_ELSEWHERE = {
     "optim": "has no counterpart: the optimizer is torch's AdamW (fused on a GPU), from model.lr, model.betas and "
              "model.weight_decay; no 8-bit or paged one",
 }
+#: Settings of verl's and TRL's alike with no key of lit_grpo's, said as both peers' (a flat config is TRL's way,
+#: verl's is nested, but either may be ported into the other's place): what takes their place.
+SHARED_ELSEWHERE = {
+    "max_prompt_length": "verl's and TRL's max_prompt_length (an older TRL GRPOConfig's, which Unsloth's notebooks "
+                         f"set; TRL 1.16 has none) has no counterpart: {_TOO_LONG_REFUSED}",
+}
 #: Unsloth's settings (``FastLanguageModel.from_pretrained`` and ``get_peft_model``'s, which its GRPO notebooks set
 #: beside TRL's GRPOConfig) with no key of lit_grpo's: what takes their place.
 UNSLOTH_ELSEWHERE = {
@@ -389,7 +395,6 @@ VERL_ELSEWHERE = {
     "ppo_mini_batch_size": "is model.num_mini_batches here, counted otherwise: train_batch_size / "
                            "ppo_mini_batch_size optimizer steps on each rollout",
     "kl_loss_type": "has no counterpart: model.loss.beta's KL is verl's low_var_kl (k3)",
-    "max_prompt_length": f"has no counterpart (nor has TRL 1.16): {_TOO_LONG_REFUSED}",
     "filter_overlong_prompts": "has no counterpart: a prompt too long for the model is refused before the first "
                                "step, naming its row",
     "val_files": "has no counterpart: validation holds out data.val_size prompts of data.dataset's split",
@@ -472,7 +477,7 @@ def _meant_whole_key(name: str, known: Sequence[str]) -> str | None:
     for names in (TRL_NAMES, VERL_NAMES):
         if last in names and names[last] in known:
             return names[last]
-    if any(last in notes for notes in (TRL_ELSEWHERE, VERL_ELSEWHERE, UNSLOTH_ELSEWHERE)):
+    if any(last in notes for notes in (TRL_ELSEWHERE, VERL_ELSEWHERE, UNSLOTH_ELSEWHERE, SHARED_ELSEWHERE)):
         return None  # said in its note, not taken for a key spelled alike
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     return close[0] if close else None
@@ -534,8 +539,10 @@ def other_unknown_keys(message: str, paths: Sequence[str], known: Sequence[str])
 
 def _peer_note(name: str) -> str | None:
     """What takes the place of TRL's, verl's or Unsloth's setting ``name`` (its last part, or the verl section it is
-    in: ``custom_reward_function.path``), where lit_grpo has no key for it."""
+    in: ``custom_reward_function.path``; one both peers have is said as both's), where lit_grpo has no key for it."""
     last = name.rsplit(".", 1)[-1]
+    if last in SHARED_ELSEWHERE:
+        return SHARED_ELSEWHERE[last]
     section = next((part for part in reversed(name.split(".")) if part in VERL_ELSEWHERE), None)
     if section is not None:
         return f"verl's {section} {VERL_ELSEWHERE[section]}"
