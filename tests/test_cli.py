@@ -491,8 +491,8 @@ def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts
     config = tmp_path / "trl.yaml"
     config.write_text(f"model:\n  warmup_steps: {value}\n")
     err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
-    hint = (" (model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is warmup_ratio x "
-            "trainer.max_steps)")
+    hint = (" (model.warmup_steps is a count of optimizer steps; TRL's warmup_ratio, a share of them, is "
+            "warmup_ratio x trainer.max_steps)")
     assert f"Got value: {value}{hint if share else ''}\n" in err, err
 
 

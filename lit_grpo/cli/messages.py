@@ -19,6 +19,7 @@ import yaml
 from jsonargparse import Namespace
 
 from lit_grpo.callbacks._paths import shown_path
+from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT
 
 
 _LEADING_SETTING = re.compile(r"^([A-Za-z_][\w.]*)=")
@@ -423,8 +424,7 @@ PEER_VALUES = {
                                              "whose loss is verl's over the completions of a micro-batch"},
 }
 #: Counts that TRL also takes as a share (a float below 1): what the count is, for such a value.
-PEER_SHARES = {"warmup_steps": "model.warmup_steps counts optimizer steps; TRL's warmup_ratio, a share of them, is "
-                               "warmup_ratio x trainer.max_steps"}
+PEER_SHARES = {"warmup_steps": f"model.warmup_steps is {WARMUP_STEPS_COUNT}"}
 #: jsonargparse's refusal of a value none of a setting's choices is, and of a value that is not an int.
 _NOT_A_CHOICE = re.compile(r'Parser key "([\w.]+)":\s+Expected a typing\.Literal\[.*\]\. Got value: (\S+)\s*')
 _NOT_AN_INT = re.compile(r'Parser key "([\w.]+)":\s+Expected a <class \'int\'>\. Got value: (\S+)\s*')

@@ -22,6 +22,10 @@ from typing import Callable, Literal
 
 from lit_grpo.runtime.validation import ConfigError
 
+#: What ``warmup_steps`` is, said where one is given as a share (transformers 5 and TRL take a value below 1 as one).
+WARMUP_STEPS_COUNT = ("a count of optimizer steps; TRL's warmup_ratio, a share of them, is warmup_ratio x "
+                      "trainer.max_steps")
+
 LrSchedule = Literal["constant", "linear", "cosine"]
 
 
