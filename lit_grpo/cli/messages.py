@@ -19,6 +19,7 @@ import yaml
 from jsonargparse import Namespace
 
 from lit_grpo.callbacks._paths import shown_path
+from lit_grpo.runtime.models import NO_PROMPT_LENGTH_LIMIT
 from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT
 
 
@@ -324,9 +325,6 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
                                       ("lora_target_parameters", "target_parameters"),
                                       ("lora_modules_to_save", "modules_to_save"), ("lora_task_type", "task_type"),
                                       ("use_rslora", "use_rslora"), ("use_dora", "use_dora")])]}}
-#: What takes the place of a prompt length limit (Unsloth's max_seq_length, verl's max_prompt_length).
-_TOO_LONG_REFUSED = ("no prompt is cut or filtered; one whose tokens and data.sampling.max_new_tokens pass the model's "
-                     "max_position_embeddings is refused before the first step, naming its row")
 #: TRL's settings with no key of lit_grpo's to name instead: what takes their place.
 TRL_ELSEWHERE = {
     "use_vllm": "has no counterpart: rollouts run on lit_grpo's own engine, data.sampling",
@@ -355,12 +353,12 @@ TRL_ELSEWHERE = {
 #: verl's is nested, but either may be ported into the other's place): what takes their place.
 SHARED_ELSEWHERE = {
     "max_prompt_length": "verl's and TRL's max_prompt_length (an older TRL GRPOConfig's, which Unsloth's notebooks "
-                         f"set; TRL 1.16 has none) has no counterpart: {_TOO_LONG_REFUSED}",
+                         f"set; TRL 1.16 has none) has no counterpart: {NO_PROMPT_LENGTH_LIMIT}",
 }
 #: Unsloth's settings (``FastLanguageModel.from_pretrained`` and ``get_peft_model``'s, which its GRPO notebooks set
 #: beside TRL's GRPOConfig) with no key of lit_grpo's: what takes their place.
 UNSLOTH_ELSEWHERE = {
-    "max_seq_length": f"has no counterpart: {_TOO_LONG_REFUSED}",
+    "max_seq_length": f"has no counterpart: {NO_PROMPT_LENGTH_LIMIT}",
     "load_in_4bit": "has no counterpart: the weights load in model.dtype, unquantized",
     "fast_inference": TRL_ELSEWHERE["use_vllm"],  # Unsloth's vLLM
     "gpu_memory_utilization": "has no counterpart: the rollout's KV cache holds data.sampling.micro_group_size "

@@ -528,12 +528,14 @@ def _random_model_fields(name: str) -> dict:
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
 
 
+#: What takes the place of a peer's prompt length limit (Unsloth's max_seq_length, verl's max_prompt_length).
+NO_PROMPT_LENGTH_LIMIT = ("no prompt is cut or filtered; one whose tokens and data.sampling.max_new_tokens pass the "
+                          "model's max_position_embeddings is refused before the first step, naming its row")
 #: Unsloth's ``get_peft_model`` arguments beside LoraConfig's fields, which a port copies into ``peft_config``: what
 #: takes their place here (``lit_grpo.cli.messages.UNSLOTH_ELSEWHERE`` says it of the same names given as settings).
 UNSLOTH_LORA_ARGUMENTS = {"random_state": "seed_everything here",
                           "use_gradient_checkpointing": "model.gradient_checkpointing here",
-                          "max_seq_length": "no counterpart: no prompt is cut; one too long for the model's "
-                                            "max_position_embeddings is refused before the first step"}
+                          "max_seq_length": f"no counterpart: {NO_PROMPT_LENGTH_LIMIT}"}
 
 
 def lora_config(peft_config: Mapping[str, Any]) -> Any:
