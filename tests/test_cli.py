@@ -389,7 +389,8 @@ def test_trls_per_device_train_batch_size_points_to_the_micro_batch_and_the_prom
                          "trainer.log_every_n_steps training steps: logging_steps / (model.num_mini_batches x "
                          "model.num_iterations))"),
     ("save_steps: 100", "(TRL's save_steps is RunCheckpoint's every_n_train_steps here, in trainer.callbacks)"),
-    ("report_to: tensorboard", "option 'report_to' (TRL's report_to has no counterpart: logs go to TensorBoard"),
+    ("report_to: tensorboard", "option 'report_to' (did you mean 'trainer.logger'? TRL's report_to names "
+                               "integrations, trainer.logger takes Lightning loggers"),
     # Unsloth's GRPO notebooks set these: an 8-bit optimizer, a warm-up as a share of the steps, its model's length
     ("optim: adamw_8bit", "option 'optim' (TRL's optim has no counterpart: the optimizer is torch's AdamW (fused on "
                           "a GPU), from model.lr, model.betas and model.weight_decay; no 8-bit or paged one)"),
@@ -428,7 +429,7 @@ def test_trls_settings_without_a_key_here_say_what_takes_their_place(capsys, tmp
      "init_args: {}}]\n",
      ["'model_name_or_path' (did you mean 'model.model'?)", "'learning_rate' (did you mean 'model.lr'?)",
       "'model.loss.epsilon' (did you mean 'model.loss.epsilon_low'?)",
-      "'report_to' (TRL's report_to has no counterpart"]),
+      "'report_to' (did you mean 'trainer.logger'? TRL's report_to names integrations"]),
     # verl's keys sit in sections lit_grpo has not (actor_rollout_ref.actor.optim): each is named with its hint
     ("actor_rollout_ref:\n  actor:\n    optim: {lr: 1.0e-6}\n    ppo_mini_batch_size: 2\n"
      "  rollout: {n: 4}\ncustom_reward_function: {path: my_reward.py, name: compute_score}\n"

@@ -292,6 +292,7 @@ TRL_NAMES = {"num_generations": "data.sampling.group_size", "max_completion_leng
              "model_init_kwargs": "model.dtype", "torch_dtype": "model.dtype", "bf16": "trainer.precision",
              "fp16": "trainer.precision", "warmup_ratio": "model.warmup_steps",
              "output_dir": "trainer.default_root_dir", "eval_steps": "trainer.val_check_interval",
+             "report_to": "trainer.logger",
              "per_device_eval_batch_size": "data.val_batch_size",
              # TRL's ModelConfig and ScriptArguments, which `trl grpo --config` reads from the same flat YAML
              "model_name_or_path": "model.model", "dataset_name": "data.dataset", "dataset_train_split": "data.split",
@@ -314,6 +315,8 @@ TRL_ALSO = {"per_device_train_batch_size": "TRL's per_device_train_batch_size al
                           f"{_IN_TRAINING_STEPS.format('eval_steps')}, with trainer.check_val_every_n_epoch: null",
             "logging_steps": "TRL's logging_steps counts optimizer steps, trainer.log_every_n_steps "
                              f"{_IN_TRAINING_STEPS.format('logging_steps')}",
+            "report_to": "TRL's report_to names integrations, trainer.logger takes Lightning loggers: TensorBoard's "
+                         "under trainer.default_root_dir by default, false for none",
             "warmup_ratio": "TRL's warmup_ratio is a share of the optimizer steps, model.warmup_steps a count of "
                             "them: warmup_ratio x trainer.max_steps",
             **{name: f"TRL's {name} is {what}, peft's LoraConfig fields: {{r: 16, lora_alpha: 32, lora_dropout: "
@@ -341,8 +344,6 @@ TRL_ELSEWHERE = {
     "num_completions_to_print": "is the CompletionLogger callback's num_completions here, in trainer.callbacks",
     "generation_kwargs": "has no counterpart but its stop strings: data.sampling.stop_strings",
     "remove_unused_columns": "has no counterpart: every column but the prompt reaches the reward functions",
-    "report_to": "has no counterpart: logs go to TensorBoard under trainer.default_root_dir (another Lightning "
-                 "logger in trainer.logger)",
     "push_to_hub": "has no counterpart: lit-grpo export writes a model directory to upload",
     "trust_remote_code": "has no counterpart: a model is loaded without code of its own",
     "dataset_config": "has no counterpart: data.dataset reads local files or a saved dataset, nothing from the Hub",
