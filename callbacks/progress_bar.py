@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+from lit_grpo.update.lr_schedule import global_steps_to_run
 
 from .rollout_profiler import PROGRESS_BAR_NAMES
 
@@ -50,7 +51,7 @@ class GRPOProgressBar(TQDMProgressBar):
             # Lightning stops after whole training steps: a max_steps inside one (GRPOModule's several optimizer
             # steps a training step) runs on to its end
             per_step = getattr(self.trainer.lightning_module, "optimizer_steps_per_training_step", 1)
-            bar.reset(total=math.ceil(self.trainer.max_steps / per_step) * per_step)
+            bar.reset(total=global_steps_to_run(self.trainer.max_steps, per_step))
             bar.initial = bar.n = self.trainer.global_step  # a resumed run starts where it stopped
         return bar
 

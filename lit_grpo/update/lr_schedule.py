@@ -29,6 +29,15 @@ WARMUP_STEPS_COUNT = ("a count of optimizer steps; TRL's warmup_ratio, a share o
 LrSchedule = Literal["constant", "linear", "cosine"]
 
 
+
+def global_steps_to_run(max_steps: int, optimizer_steps_per_training_step: int) -> int:
+    """The ``global_step`` a fit of ``max_steps`` runs to: ``max_steps`` rounded up to whole training steps of
+    ``optimizer_steps_per_training_step`` each (Lightning stops after the training step that reaches it);
+    ``max_steps`` itself where it sets no limit (-1)."""
+    per = optimizer_steps_per_training_step
+    return math.ceil(max_steps / per) * per if max_steps > 0 else max_steps
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: LrSchedule,
               min_ratio: float = 0.0) -> float:
     """The base rate's multiplier at optimizer step ``step`` (from 0): ``(step + 1) / warmup_steps`` in the warm-up,

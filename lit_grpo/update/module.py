@@ -134,7 +134,7 @@ from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_we
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
-from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT, LrSchedule, lr_lambda
+from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT, LrSchedule, global_steps_to_run, lr_lambda
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
@@ -591,7 +591,7 @@ class GRPOModule(LightningModule):
         training step's optimizer steps runs past it, a count verl's rollouts and TRL's steps make easy to miss."""
         max_steps, per_training_step = self.trainer.max_steps, self.optimizer_steps_per_training_step
         if max_steps > 0 and max_steps % per_training_step:
-            training_steps = math.ceil(max_steps / per_training_step)
+            training_steps = global_steps_to_run(max_steps, per_training_step) // per_training_step
             rank_zero_warn(f"trainer.max_steps={max_steps} is not a multiple of the {per_training_step} optimizer "
                            f"steps a training step takes (model.num_iterations {self.hparams.num_iterations} x "
                            f"model.num_mini_batches {self.hparams.num_mini_batches}): the fit runs {training_steps} "
@@ -642,10 +642,8 @@ class GRPOModule(LightningModule):
         scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
-        max_steps = self.trainer.max_steps if self._trainer is not None else None
-        if max_steps is not None and max_steps > 0:  # Lightning stops after whole training steps: the steps run
-            per_training_step = self.optimizer_steps_per_training_step
-            max_steps = math.ceil(max_steps / per_training_step) * per_training_step
+        max_steps = (global_steps_to_run(self.trainer.max_steps, self.optimizer_steps_per_training_step)
+                     if self._trainer is not None else None)
         schedule = lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps, hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
