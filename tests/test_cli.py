@@ -177,10 +177,13 @@ def test_a_reward_function_that_fails_only_on_the_whole_batch_is_not_told_to_ski
 
 
 
-@pytest.mark.parametrize("fails_on, tip", [("everything", False), ("bad", True)])
-def test_the_skip_group_tip_is_shown_only_where_some_group_scores(capsys, fails_on, tip):
+@pytest.mark.parametrize("fails_on, prompts, tip", [("everything", ["bad", "bad", "b", "b"], False),
+                                                     ("bad", ["bad", "bad", "b", "b"], True),
+                                                     ("bad", ["bad", "bad"], False)])
+def test_the_skip_group_tip_is_shown_only_where_some_group_scores(capsys, fails_on, prompts, tip):
     """A function's own signature refusing the call (a required column the data lacks) fails every group alike, as
-    a bug of its body does: skip_group would skip them all. One failing on a row's content gets the tip."""
+    a bug of its body does: skip_group would skip them all. One failing on a row's content gets the tip, unless its
+    batch has that one group: skipping it would leave nothing to score."""
     from lit_grpo.cli.run_errors import _exit_on_reward_error
     from lit_grpo.rollout.rewards import RewardFunctionError, build_reward_funcs, score_rewards
 
@@ -194,11 +197,22 @@ def test_the_skip_group_tip_is_shown_only_where_some_group_scores(capsys, fails_
 
     with pytest.raises(RewardFunctionError) as error:
         score_rewards(build_reward_funcs([needs_answer if fails_on == "everything" else picky]),
-                      ["bad", "bad", "b", "b"], ["x"] * 4, group_size=2)
+                      prompts, ["x"] * len(prompts), group_size=2)
     with pytest.raises(SystemExit):
         _exit_on_reward_error(error.value)
     err = capsys.readouterr().err
     assert ("tip: data.on_reward_error: skip_group" in err) is tip, err
+
+def test_no_skip_group_tip_where_the_other_groups_trial_ran_out_of_time(capsys):
+    """The other groups' trial (OTHER_GROUPS_PROBE_S) ended before one scored: nothing says skipping would help."""
+    from lit_grpo.cli.run_errors import _exit_on_reward_error
+    from lit_grpo.rollout.rewards import RewardFunctionError
+
+    with pytest.raises(SystemExit):
+        _exit_on_reward_error(RewardFunctionError("reward function 'judge' raised TimeoutError", "judge", "p0", 0,
+                                                  others_scored=None))
+    assert "tip:" not in capsys.readouterr().err
+
 
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
