@@ -183,6 +183,25 @@ def test_a_function_reading_the_other_completion_form_is_told_which_form_it_gets
     assert str(info.value).endswith(note), str(info.value)
 
 
+_TOOL_TURNS = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+    "name": "add", "arguments": {"a": 1, "b": 2}}}]}, {"role": "tool", "name": "add", "content": "3"},
+               {"role": "assistant", "content": "<answer>3</answer>"}]
+
+
+def test_a_text_reader_on_completions_with_tool_turns_is_told_the_answer_is_the_last_turn():
+    """With data.tools a completion is its turns: completion[0] is the turn that called the tool, not the answer.
+    One completion of the batch with tool turns is enough for the note (its group's may have called none)."""
+    prompts = [[{"role": "user", "content": "q"}]] * 4
+    completions = [[{"role": "assistant", "content": "x"}]] * 2 + [_TOOL_TURNS] * 2
+    with pytest.raises(RewardFunctionError) as info:
+        score_rewards([WeightedReward(_reads_text_completions)], prompts, completions, group_size=2)
+    message = str(info.value)
+    assert message.endswith("; its completions are TRL's conversational form, as its prompts are chat messages, "
+                            "and with data.tools a completion is its turns (a tool call, the tool's reply, then the "
+                            "answer): the answer's text is completion[-1]['content']"), message
+    assert "completion[0]" not in message, message
+
+
 def test_a_type_error_on_the_form_the_function_reads_gets_no_note_on_forms():
     def divides_by_text(completions, **kwargs):
         return [1.0 / completion for completion in completions]
