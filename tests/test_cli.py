@@ -498,17 +498,31 @@ def test_trls_values_spelled_otherwise_here_say_what_they_are(capsys, tmp_path, 
     assert message in err and "Expected a typing.Literal[" in err, err
 
 
-@pytest.mark.parametrize("value, share", [("0.1", True), ("10.0", False), ("ten", False)])
+@pytest.mark.parametrize("value, share", [("0.1", True), ("10.5", False), ("ten", False)])
 def test_a_warmup_given_as_trls_share_of_the_steps_says_that_warmup_steps_counts_them(capsys, tmp_path, value,
                                                                                         share):
-    """transformers 5's warmup_steps below 1 is a share of the steps; a count written as a float, or no number, is
-    refused without that word."""
+    """transformers 5's warmup_steps below 1 is a share of the steps; a fraction above 1, or no number, is refused
+    without that word."""
     config = tmp_path / "trl.yaml"
     config.write_text(f"model:\n  warmup_steps: {value}\n")
     err = _refused(capsys, ["fit", "--config", TINY, "--config", str(config)])
     hint = (" (model.warmup_steps is a count of optimizer steps; TRL's warmup_ratio, a share of them, is "
             "warmup_ratio x trainer.max_steps)")
     assert f"Got value: {value}{hint if share else ''}\n" in err, err
+
+
+@pytest.mark.parametrize("given", ["yaml", "option"])
+def test_a_warmup_count_written_as_a_float_is_that_count(capsys, tmp_path, given):
+    """transformers' TrainingArguments takes warmup_steps: 10.0 as 10 steps: so does model.warmup_steps, from a
+    config file and from the command line, and the config it saves holds the integer."""
+    config = tmp_path / "trl.yaml"
+    config.write_text("model:\n  warmup_steps: 10.0\n")
+    setting = ["--config", str(config)] if given == "yaml" else ["--model.warmup_steps", "10.0"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, *setting, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    saved = yaml.safe_load(capsys.readouterr().out)["model"]["warmup_steps"]
+    assert saved == 10 and type(saved) is int, saved
 
 
 @pytest.mark.parametrize("yaml_text, message", [

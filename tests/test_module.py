@@ -325,9 +325,13 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match=r"warmup_steps=0.1 must be an integer >= 0 \(a count of optimizer steps; "
                                          r"TRL's warmup_ratio, a share of them, is warmup_ratio x trainer.max_steps\)"):
         GRPOModule(model="tiny-llama", warmup_steps=0.1)
-    for count in (10.0, -1):  # a count, not a share: no word of warmup_ratio
+    for count in (10.5, -1, -1.0):  # not a count, nor a share: no word of warmup_ratio
         with pytest.raises(ValueError, match=rf"warmup_steps={count!r} must be an integer >= 0$"):
             GRPOModule(model="tiny-llama", warmup_steps=count)
+    # a count written as a float (transformers' TrainingArguments takes 10.0) is that count, saved as an int
+    for count in (10.0, 0.0):
+        module = GRPOModule(model="tiny-llama", warmup_steps=count)
+        assert module.hparams.warmup_steps == int(count) and type(module.hparams.warmup_steps) is int
     # a string is truthy: fsdp="false" turned FSDP on, and the other switches alike
     for name in ("gradient_checkpointing", "disable_dropout", "mask_truncated_completions", "fsdp",
                  "move_to_cpu_after_fit"):

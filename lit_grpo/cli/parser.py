@@ -14,9 +14,10 @@ from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_grpo.runtime.validation import ConfigError
+from lit_grpo.update.lr_schedule import warmup_steps_count
 
-from lit_grpo.cli.messages import (_option_names, config_paths, did_you_mean, one_line_reason, optional_group_reason,
-                                   other_unknown_keys, peer_value_hint)
+from lit_grpo.cli.messages import (PEER_SHARES, _option_names, config_paths, did_you_mean, one_line_reason,
+                                   optional_group_reason, other_unknown_keys, peer_value_hint)
 
 
 class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -27,6 +28,22 @@ _NEGATIVE_NUMBER = re.compile(r"^-((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|\.?(inf|infi
 #: Python's spellings of infinity and NaN, which the parser's YAML reads as text, as YAML spells them.
 _NON_FINITE = {"inf": ".inf", "+inf": ".inf", "infinity": ".inf", "+infinity": ".inf", "-inf": "-.inf",
                "-infinity": "-.inf", "nan": ".nan", "+nan": ".nan", "-nan": ".nan"}
+
+
+def _whole_count(key: str, value: Any) -> Any:
+    """A count of TRL's written as a float (``warmup_steps: 10.0``, which transformers' TrainingArguments take) as
+    the int it holds, text as text (``"10.0"`` -> ``"10"``); any other value as it is, for the parser to refuse (a
+    share such as ``0.1`` with what the count is: ``peer_value_hint``)."""
+    if key.rsplit(".", 1)[-1] not in PEER_SHARES or isinstance(value, bool):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return value
+    count = warmup_steps_count(number)
+    if not isinstance(count, int):
+        return value
+    return str(count) if isinstance(value, str) else count
 
 
 def takes_float(typehint: Any) -> bool:
@@ -53,6 +70,7 @@ class GRPOArgumentParser(LightningArgumentParser):
         if takes_float(getattr(action, "_typehint", None)):
             arg_strings = [_NON_FINITE.get(value.strip().lower(), value) if isinstance(value, str) else value
                            for value in arg_strings]
+        arg_strings = [_whole_count(action.dest, value) for value in arg_strings]
         return super()._get_values(action, arg_strings)
 
     def _check_value_key(self, action: argparse.Action, value: Any, key: str, cfg: Namespace | None,
@@ -63,7 +81,7 @@ class GRPOArgumentParser(LightningArgumentParser):
         if (isinstance(value, str) and value.strip().lower() in _NON_FINITE
                 and takes_float(getattr(action, "_typehint", None))):
             value = float(value)
-        return super()._check_value_key(action, value, key, cfg, *args, **kwargs)
+        return super()._check_value_key(action, _whole_count(key, value), key, cfg, *args, **kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
         # kept for an error's account of every unknown key in the configs given (jsonargparse stops at the first)

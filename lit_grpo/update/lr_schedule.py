@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from lit_grpo.runtime.validation import ConfigError
 
@@ -27,6 +27,15 @@ WARMUP_STEPS_COUNT = ("a count of optimizer steps; TRL's warmup_ratio, a share o
                       "trainer.max_steps")
 
 LrSchedule = Literal["constant", "linear", "cosine"]
+
+
+def warmup_steps_count(value: Any) -> Any:
+    """``value`` as an int where it is a float holding a whole number >= 0 (transformers' TrainingArguments takes
+    ``warmup_steps=10.0`` as 10 steps), else as it is: a share (``0 < value < 1``) or a fraction is refused where
+    the settings are checked."""
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return value
 
 
 

@@ -134,7 +134,8 @@ from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_we
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
-from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT, LrSchedule, global_steps_to_run, lr_lambda
+from lit_grpo.update.lr_schedule import (WARMUP_STEPS_COUNT, LrSchedule, global_steps_to_run, lr_lambda,
+                                        warmup_steps_count)
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
@@ -264,7 +265,8 @@ class GRPOModule(LightningModule):
         mask_truncated_completions: truncated completions contribute no loss tokens (their rewards still count in
             their group's advantages).
         train_micro_batch_size: completions per forward/backward; update memory depends on it, not on G.
-        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many optimizer steps;
+        lr: AdamW (with ``weight_decay``, ``betas``); ``warmup_steps``: linear warmup over that many optimizer steps
+            (a whole number written as a float, ``10.0``, is that count, as transformers' TrainingArguments take it);
             then ``lr_schedule`` (lit_grpo.update.lr_schedule): "constant" (default), or "linear" or "cosine", a
             decay to ``min_lr_ratio`` x ``lr`` (0 by default) at ``trainer.max_steps``.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping; the norm is logged anyway).
@@ -341,6 +343,7 @@ class GRPOModule(LightningModule):
         check_int("num_mini_batches", num_mini_batches, 1)
         check_int("train_micro_batch_size", train_micro_batch_size, 1)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
+        warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: the checkpoint keeps the int
         _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm,
                                   stacklevel=3)
         if peft_config:  # checked here, before a model loads
