@@ -34,7 +34,7 @@ import torch
 
 from lit_grpo.runtime.checkpoints import check_writable, find_last_checkpoint, read_checkpoint_header
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, layers_dtype
-from lit_grpo.runtime.models import DTYPES, load_model_and_tokenizer, resolve_dtype, with_lora
+from lit_grpo.runtime.models import DTYPES, follow_umask, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors
 from lit_grpo.sampling.engine import stop_token_ids
@@ -154,6 +154,7 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
             base.config.pad_token_id = generation.pad_token_id
         _remove_model_files(out)
         model.save_pretrained(out, safe_serialization=True)
+        follow_umask(*out.glob("*.safetensors"))  # safetensors writes 0600: readable by the exporting user alone
         written = str(base.config.dtype).removeprefix("torch.")  # save_pretrained's: the first weight's dtype
         if not adapter_only and written != str(torch_dtype).removeprefix("torch."):
             # transformers and vLLM load every layer in the config's dtype

@@ -179,6 +179,19 @@ def test_an_adapter_is_exported_as_it_trained(tmp_path):
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "adapter_model.safetensors").values()} == {torch.bfloat16}
 
 
+def test_exported_files_follow_the_umask(tiny_checkpoint, tmp_path):
+    """safetensors writes its files 0600: an export shared with another user (or a container under another uid)
+    could not be read. Every file takes the mode any file written under the umask has."""
+    module, _ = tiny_checkpoint
+    before = os.umask(0o002)
+    try:
+        export_policy(module.policy, module.tokenizer, tmp_path / "out")
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o664}, modes
+
+
 def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     _, ckpt = tiny_checkpoint
     full = export_checkpoint(ckpt, tmp_path / "fp32")

