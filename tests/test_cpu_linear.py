@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -144,6 +145,30 @@ def test_a_rollout_runs_its_linears_on_onednn_only_when_chosen(tiny_llama, monke
     for setting in ("onednn", "packed", "auto"):
         for ours, theirs in zip(outputs[setting].logprobs, outputs["torch"].logprobs):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_a_rollouts_packed_copies_are_freed_when_it_ends_so_none_reach_the_update_or_the_next_rollout(
+        tiny_llama, monkeypatch):
+    # a CPU step's host memory (docs/benchmarks.md) counts one packed copy of the linears, alive only in a rollout
+    model, tokenizer = tiny_llama
+    alive: list[weakref.ref] = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def recorded(weight, rows):
+        packed = reorder(weight, rows)
+        alive.append(weakref.ref(packed))
+        return packed
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", recorded, raising=False)
+    engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="continuous",
+                           max_new_tokens=6, temperature=0.0, cpu_linear="packed")
+    stacked = sum(len(members) - 1 for _, members in cpu_linear._shared_input_siblings(model))
+    for _ in range(2):
+        alive.clear()
+        engine.generate([[5, 6, 7, 8]])
+        assert len(alive) == len({id(m.weight) for m in _linears(model)}) - stacked  # one copy per weight or stack
+        assert [ref for ref in alive if ref() is not None] == []
 
 
 def test_auto_takes_packed_onednn_only_for_a_float32_cpu_policy_and_an_uncompiled_step(tiny_llama):
