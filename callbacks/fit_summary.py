@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
+from lit_grpo.runtime.threads import ThreadTimes, busiest_threads, core_wait_advice, thread_times
 from lit_grpo.runtime.validation import check_bool, check_int, check_text
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
@@ -63,6 +64,16 @@ class FitSummary(Callback):
           no signal      all 30 steps: no group's completions got different rewards (reward/frac_zero_std 1.0), so
                          every advantage was 0 and the reward taught nothing; check the reward functions against the
                          completions (too hard a task? too short a max_new_tokens?)
+
+    On a CPU device, where torch's threads on rank 0 (as many of its threads as torch runs, those that ran most)
+    spent at least ``CORE_WAIT_SHARE`` of their time since training started waiting for a core that other processes
+    held, and torch runs several (``lit_grpo.runtime.threads``), a ``threads`` line after the first says so and what
+    to do (this fit's threads: a resume starts the count again); the first step at which they had says it at once,
+    as a warning (once)::
+
+          threads        torch's threads waited for a core 64% of their time with 2 torch threads: other processes
+                         keep the cores busy and every parallel op waits for its slowest thread; try
+                         --torch_num_threads 1 (or OMP_NUM_THREADS=1)
 
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
     ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
@@ -143,6 +154,11 @@ class FitSummary(Callback):
         self._resuming = False  # a resumed fit without a checkpoint state whose first batch is still to come
         self._monitors: list[PeakMemoryMonitor] = []  # the fit's, whose largest logged peaks the summary reports
         self._earlier_memory_peaks: dict[str, dict[str, int]] = {}  # the checkpoint's (_memory_peaks)
+        # rank 0's threads on a CPU device when this fit's training started (None: not read, or unreadable), their
+        # (running, waiting) seconds since then at the last step, and whether the run was told to try one thread
+        self._threads_at_start: ThreadTimes | None = None
+        self._thread_seconds: tuple[float, float] | None = None
+        self._told_core_wait = False
 
     # ------------------------------------------------------------------------------------------ collect
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -158,6 +174,8 @@ class FitSummary(Callback):
             _validate_now(trainer)
         self._started_s = time.perf_counter()  # time per step: the training steps only
         self._fit_started_steps = self.steps
+        if trainer.is_global_zero and trainer.strategy.root_device.type == "cpu":  # a GPU's step waits on no core
+            self._threads_at_start = thread_times()
         self._resuming = trainer.global_step > 0 and not self._restored  # its step is read at its first batch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -212,6 +230,22 @@ class FitSummary(Callback):
         value = self._logged(trainer, self.reward_key, "")
         if value is not None and math.isfinite(float(value)):
             self.rewards.append(float(value))
+        self._read_threads(warn=True)
+
+    def _read_threads(self, warn: bool) -> None:
+        """The threads' time since training started; the first step at which they waited for busy cores
+        (``core_wait_advice``) says so at once, as a warning, when ``warn``: the summary comes at the end only."""
+        if self._threads_at_start is None:
+            return
+        now = thread_times()
+        if now is None:
+            return
+        threads = torch.get_num_threads()
+        self._thread_seconds = busiest_threads(now.since(self._threads_at_start), threads)
+        advice = core_wait_advice(*self._thread_seconds, threads)
+        if warn and advice and not self._told_core_wait:
+            self._told_core_wait = True
+            rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the whole run's share")
 
     def _logged(self, trainer: pl.Trainer, key: str, family: str) -> Any:
         """The value ``key`` was logged with; a key given and not logged where others of its ``family`` (prefix)
@@ -226,6 +260,7 @@ class FitSummary(Callback):
         return metrics.get(key)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_threads(warn=False)
         peak = host_peak_bytes()
         if trainer.world_size > 1:  # every rank is here at once, before the strategy's teardown
             peak = int(strategy_all_gather(trainer.strategy)(torch.tensor(peak)).max())
@@ -314,6 +349,10 @@ class FitSummary(Callback):
         if not fit_steps and 0 <= trainer.max_steps <= trainer.global_step:  # e.g. a resume of a finished run
             lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
                          f"{trainer.global_step}): raise --trainer.max_steps to train on")
+        if self._thread_seconds is not None:
+            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads())
+            if advice:
+                lines.append(f"  {'threads':<14} {advice}")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with
             (step, value), = self.accuracy
             lines.append(f"  {self.accuracy_key:<14} {value:.3f}   ({_when(step)})")

@@ -442,3 +442,49 @@ def test_a_step_of_several_micro_batches_has_no_signal_only_where_none_of_them_h
                        limit_val_batches=0)
     trainer.fit(SpreadModule(rollouts))
     assert (summary.flat_steps, summary.spread_logged_steps) == (1, 2)
+
+
+class _ThreadReadings:
+    """Fake ``thread_times``: every reading adds ``running_s`` and ``waiting_s`` to one thread's times."""
+
+    def __init__(self, running_s: float, waiting_s: float) -> None:
+        self.running_s, self.waiting_s, self.reads = running_s, waiting_s, 0
+
+    def __call__(self):
+        from lit_grpo.runtime.threads import ThreadTimes
+        n = self.reads
+        self.reads += 1
+        return ThreadTimes(running_s={7: n * self.running_s}, waiting_s={7: n * self.waiting_s})
+
+
+def _threads_line(lines: list[str]) -> str | None:
+    return next((line for line in lines if line.startswith("  threads")), None)
+
+
+def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_the_summary(tmp_path, monkeypatch,
+                                                                                             recwarn):
+    import lit_grpo.callbacks.fit_summary as fit_summary
+    monkeypatch.setattr(fit_summary, "thread_times", _ThreadReadings(running_s=1.0, waiting_s=2.0))
+    torch.set_num_threads(2)  # the conftest's fixture sets one again
+    summary = FitSummary(validate_before_training=False)
+    trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(RolloutModule([make_rollout(seed) for seed in range(3)]))
+    said = [str(w.message) for w in recwarn if "waited for a core" in str(w.message)]
+    assert len(said) == 1 and "67% of their time with 2 torch threads" in said[0], said
+    line = _threads_line(summary.summary_lines(trainer))
+    assert line is not None and line.startswith("  threads        torch's threads waited for a core 67%"), line
+    assert line.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+
+
+def test_no_threads_line_on_one_thread_or_where_the_threads_hardly_waited(tmp_path, monkeypatch, recwarn):
+    import lit_grpo.callbacks.fit_summary as fit_summary
+    for threads, readings in ((1, _ThreadReadings(running_s=1.0, waiting_s=2.0)),
+                              (2, _ThreadReadings(running_s=1.0, waiting_s=0.05))):
+        monkeypatch.setattr(fit_summary, "thread_times", readings)
+        torch.set_num_threads(threads)
+        summary = FitSummary(validate_before_training=False)
+        trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)
+        trainer.fit(RolloutModule([make_rollout(seed) for seed in range(3)]))
+        assert readings.reads > 1  # read, and judged
+        assert _threads_line(summary.summary_lines(trainer)) is None
+    assert not [w for w in recwarn if "waited for a core" in str(w.message)]

@@ -1,0 +1,77 @@
+"""Whether this process's threads wait for cores that other processes keep busy, and what to do about it.
+
+Torch's intra-op threads meet at the end of every parallel op: where another process holds the core one of them
+needs, the op waits for the scheduler to give it one, and a step of many small ops can take many times as long as
+on one thread. Linux counts, for each thread, the time it ran and the time it was ready to run but waited for a core
+(``/proc/self/task/<tid>/schedstat``): on an idle machine with no more threads than cores the wait is near zero,
+on a busy one it is a large share of the threads' time. A merely slow CPU runs its threads without waiting, so the
+share tells the two apart (measured in docs/benchmarks.md, "Threads").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: The share of the threads' time spent waiting for a core from which a run of several torch threads is told to try
+#: one: well above an idle machine's, and below the shares at which two threads were measured slower than one.
+CORE_WAIT_SHARE = 0.2
+#: The least thread time, running and waiting, in seconds, that a reading must cover to be judged: a shorter one
+#: is a few scheduler ticks, whatever the machine's load.
+MIN_THREAD_S = 1.0
+
+_TASKS = "/proc/self/task"
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadTimes:
+    """The seconds each thread of the process (by its id) has run on a core and waited for one since it started."""
+
+    running_s: dict[int, float]
+    waiting_s: dict[int, float]
+
+    def since(self, earlier: ThreadTimes) -> list[tuple[float, float]]:
+        """Each thread's ``(running, waiting)`` seconds between ``earlier`` and this reading: a thread started in
+        between counts whole, one that ended in between took its times with it."""
+        return [(max(0.0, running - earlier.running_s.get(tid, 0.0)),
+                 max(0.0, self.waiting_s[tid] - earlier.waiting_s.get(tid, 0.0)))
+                for tid, running in self.running_s.items()]
+
+
+def busiest_threads(per_thread: list[tuple[float, float]], count: int) -> tuple[float, float]:
+    """The ``(running, waiting)`` seconds of the ``count`` threads that ran most, summed: torch's threads, not the
+    helpers that wake now and then (a memory sampler, a reward loop), whose waits to be scheduled beside them would
+    count as the cores' business."""
+    busiest = sorted(per_thread, reverse=True)[:count]
+    return sum(running for running, _ in busiest), sum(waiting for _, waiting in busiest)
+
+
+def thread_times() -> ThreadTimes | None:
+    """This process's threads' times from ``/proc/self/task/*/schedstat``; None where Linux does not keep them
+    (another system, or a kernel without scheduler statistics)."""
+    running, waiting = {}, {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/schedstat") as file:
+                ran_ns, waited_ns = file.read().split()[:2]
+        except (OSError, ValueError):  # a thread that ended meanwhile, or no statistics
+            continue
+        running[int(tid)], waiting[int(tid)] = int(ran_ns) / 1e9, int(waited_ns) / 1e9
+    return ThreadTimes(running, waiting) if running else None
+
+
+def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int) -> str:
+    """What to do where torch's threads, ``running_s`` and ``waiting_s`` seconds between two readings, waited
+    for a core at least ``CORE_WAIT_SHARE`` of their time with several torch threads: one thread then waits for no
+    other; ``""`` where they did not, where torch has one thread already (nothing to change) or where the reading
+    covers less than ``MIN_THREAD_S``."""
+    total = running_s + waiting_s
+    if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s < CORE_WAIT_SHARE * total:
+        return ""
+    return (f"torch's threads waited for a core {waiting_s / total:.0%} of their time with {torch_threads} "
+            "torch threads: other processes keep the cores busy and every parallel op waits for its slowest thread; "
+            "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")

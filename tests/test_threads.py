@@ -1,0 +1,58 @@
+"""Whether the process's threads wait for busy cores (lit_grpo.runtime.threads): the rule on given readings."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lit_grpo.runtime.threads import (CORE_WAIT_SHARE, MIN_THREAD_S, ThreadTimes, busiest_threads, core_wait_advice,
+                                      thread_times)
+
+
+def test_several_threads_that_waited_for_busy_cores_are_told_to_try_one():
+    advice = core_wait_advice(running_s=36.0, waiting_s=64.0, torch_threads=2)
+    assert advice.startswith("torch's threads waited for a core 64% of their time with 2 torch threads")
+    assert "--torch_num_threads 1" in advice and "OMP_NUM_THREADS=1" in advice
+    # from the share on, whatever the thread count
+    assert core_wait_advice(running_s=1 - CORE_WAIT_SHARE, waiting_s=CORE_WAIT_SHARE, torch_threads=16)
+
+
+@pytest.mark.parametrize("running_s, waiting_s, torch_threads", [
+    (99.0, 1.0, 2),     # an idle machine: the threads hardly wait
+    (85.0, 15.0, 2),    # below the share
+    (30.0, 70.0, 1),    # one thread: a busy machine, but nothing to change
+    (0.3, 0.6, 2),      # too short a reading to judge
+    (0.0, 0.0, 2),
+])
+def test_no_advice_where_the_threads_did_not_wait_or_nothing_would_change(running_s, waiting_s, torch_threads):
+    assert core_wait_advice(running_s, waiting_s, torch_threads) == ""
+
+
+def test_the_thresholds_leave_room_on_both_sides():
+    assert 0 < CORE_WAIT_SHARE < 0.5 and MIN_THREAD_S > 0
+
+
+def test_the_times_between_readings_count_every_thread_alive_at_the_second():
+    earlier = ThreadTimes(running_s={1: 10.0, 2: 5.0, 3: 1.0}, waiting_s={1: 1.0, 2: 0.5, 3: 7.0})
+    later = ThreadTimes(running_s={1: 12.0, 2: 6.0, 4: 0.5}, waiting_s={1: 4.0, 2: 0.5, 4: 0.25})
+    # thread 3 ended (its times went with it), thread 4 started (counted whole)
+    assert sorted(later.since(earlier)) == pytest.approx([(0.5, 0.25), (1.0, 0.0), (2.0, 3.0)])
+
+
+def test_torchs_threads_are_those_that_ran_most():
+    # two torch threads, and a sampler that ran little and waited long to be scheduled beside them
+    per_thread = [(9.0, 1.0), (0.2, 3.0), (8.0, 2.0)]
+    assert busiest_threads(per_thread, 2) == pytest.approx((17.0, 3.0))
+    assert busiest_threads(per_thread, 8) == pytest.approx((17.2, 6.0))  # fewer threads than torch's count: all
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux keeps the threads' scheduler statistics")
+def test_this_process_is_read_thread_by_thread():
+    before = thread_times()
+    assert before is not None and before.running_s and before.running_s.keys() == before.waiting_s.keys()
+    total = 0
+    for i in range(2_000_000):  # some CPU time on this thread
+        total += i
+    running, waiting = busiest_threads(thread_times().since(before), 1)
+    assert running > 0 and waiting >= 0
