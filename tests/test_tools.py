@@ -690,3 +690,18 @@ def test_bench_cast_weights_times_both_rollouts_and_checks_their_samples_equal(t
     model = load_model_and_tokenizer("tiny-llama")[0]
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert report["config"]["cast_bytes"] == sum(p.numel() * 2 for m in linears for p in m.parameters())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux keeps the threads' scheduler statistics")
+def test_bench_core_wait_reads_every_thread_counts_chunks_with_and_without_competitors(tmp_path):
+    from tools import bench_core_wait
+
+    report = bench_core_wait.main(["--seconds", "0.3", "--window", "0.1", "--competing-processes", "1", "--steps", "1",
+                                   "--json", str(tmp_path / "wait.json")])
+    assert json.loads((tmp_path / "wait.json").read_text())["summary"] == report["summary"]
+    chunks = report["chunks"]
+    assert [c["threads"] for c in chunks] == [1, 2, 2, 1] * (len(chunks) // 4) + [1, 2][:len(chunks) % 4]
+    assert chunks and all(c["running_s"] > 0 and 0 <= c["share"] <= 1 for c in chunks)  # odd rounds reversed
+    assert {(row["threads"], row["competitors"]) for row in report["summary"]} >= {(1, 0), (2, 0)}
+    with pytest.raises(SystemExit):
+        bench_core_wait.main(["--window", "0"])
