@@ -525,6 +525,25 @@ def test_a_warmup_count_written_as_a_float_is_that_count(capsys, tmp_path, given
     assert saved == 10 and type(saved) is int, saved
 
 
+def test_another_classs_setting_named_warmup_steps_keeps_its_value(capsys, tmp_path, monkeypatch):
+    """Only model.warmup_steps is a count of TRL's: a callback's own warmup_steps, text here, is its value as given."""
+    (tmp_path / "user_warmup_callback.py").write_text(textwrap.dedent("""\
+        from lightning.pytorch import Callback
+
+        class Warmup(Callback):
+            def __init__(self, warmup_steps: str = "none"):
+                self.warmup_steps = warmup_steps
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, "--trainer.callbacks+=user_warmup_callback.Warmup",
+              "--trainer.callbacks.warmup_steps", "10.0", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    [callback] = [c for c in yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+                  if c["class_path"].endswith("Warmup")]
+    assert callback["init_args"]["warmup_steps"] == "10.0", callback
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     # verl's names (its ppo_trainer.yaml's last key parts) point to lit_grpo's keys
     ("data:\n  train_batch_size: 16", "option 'data.train_batch_size' (did you mean 'data.prompts_per_step'? "),

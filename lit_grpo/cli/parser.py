@@ -33,8 +33,9 @@ _NON_FINITE = {"inf": ".inf", "+inf": ".inf", "infinity": ".inf", "+infinity": "
 def _whole_count(key: str, value: Any) -> Any:
     """A count of TRL's written as a float (``warmup_steps: 10.0``, which transformers' TrainingArguments take) as
     the int it holds, text as text (``"10.0"`` -> ``"10"``); any other value as it is, for the parser to refuse (a
-    share such as ``0.1`` with what the count is: ``peer_value_hint``)."""
-    if key.rsplit(".", 1)[-1] not in PEER_SHARES or isinstance(value, bool):
+    share such as ``0.1`` with what the count is: ``peer_value_hint``). Only the module's own (``model.``): another
+    class's setting of that name, a callback's, keeps its value as given."""
+    if key not in {f"model.{name}" for name in PEER_SHARES} or isinstance(value, bool):
         return value
     try:
         number = float(value)
