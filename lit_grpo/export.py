@@ -154,7 +154,9 @@ def export_policy(policy: torch.nn.Module, tokenizer: Any, out: str | Path, dtyp
             base.config.pad_token_id = generation.pad_token_id
         _remove_model_files(out)
         model.save_pretrained(out, safe_serialization=True)
-        follow_umask(*out.glob("*.safetensors"))  # safetensors writes 0600: readable by the exporting user alone
+        # safetensors writes 0600, readable by the exporting user alone; a file of the user's in out keeps its mode
+        follow_umask(*(path for pattern in MODEL_FILES if pattern.endswith(".safetensors")
+                       for path in out.glob(pattern)))
         written = str(base.config.dtype).removeprefix("torch.")  # save_pretrained's: the first weight's dtype
         if not adapter_only and written != str(torch_dtype).removeprefix("torch."):
             # transformers and vLLM load every layer in the config's dtype

@@ -192,6 +192,23 @@ def test_exported_files_follow_the_umask(tiny_checkpoint, tmp_path):
     assert "model.safetensors" in modes and set(modes.values()) == {0o664}, modes
 
 
+def test_an_overwritten_exports_other_files_keep_their_modes(tiny_checkpoint, tmp_path):
+    """--overwrite replaces the model files alone: a file of the user's in the folder keeps its mode, 0600 too."""
+    module, _ = tiny_checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    private = out / "reward_model.safetensors"
+    private.write_bytes(b"{}")
+    private.chmod(0o600)
+    before = os.umask(0o002)
+    try:
+        export_policy(module.policy, module.tokenizer, out, overwrite=True)
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (private, out / "model.safetensors")}
+    assert modes == {"reward_model.safetensors": 0o600, "model.safetensors": 0o664}, modes
+
+
 def test_export_dtype_halves_the_weights(tiny_checkpoint, tmp_path):
     _, ckpt = tiny_checkpoint
     full = export_checkpoint(ckpt, tmp_path / "fp32")
