@@ -56,3 +56,14 @@ def test_this_process_is_read_thread_by_thread():
         total += i
     running, waiting = busiest_threads(thread_times().since(before), 1)
     assert running > 0 and waiting >= 0
+
+
+def test_a_thread_that_ended_or_whose_statistics_are_unreadable_is_left_out(tmp_path, monkeypatch):
+    import lit_grpo.runtime.threads as threads
+
+    for tid, schedstat in (("11", "2000000000 500000000 7\n"), ("12", None), ("13", "n/a\n"), ("14", "x y 1\n")):
+        (tmp_path / tid).mkdir()
+        if schedstat is not None:  # 12 ended between the listing and the reading
+            (tmp_path / tid / "schedstat").write_text(schedstat)
+    monkeypatch.setattr(threads, "_TASKS", str(tmp_path))
+    assert thread_times() == ThreadTimes(running_s={11: 2.0}, waiting_s={11: 0.5})

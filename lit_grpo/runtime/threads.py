@@ -57,10 +57,10 @@ def thread_times() -> ThreadTimes | None:
     for tid in tids:
         try:
             with open(f"{_TASKS}/{tid}/schedstat") as file:
-                ran_ns, waited_ns = file.read().split()[:2]
+                ran_ns, waited_ns = (int(field) for field in file.read().split()[:2])
         except (OSError, ValueError):  # a thread that ended meanwhile, or no statistics
             continue
-        running[int(tid)], waiting[int(tid)] = int(ran_ns) / 1e9, int(waited_ns) / 1e9
+        running[int(tid)], waiting[int(tid)] = ran_ns / 1e9, waited_ns / 1e9
     return ThreadTimes(running, waiting) if running else None
 
 
