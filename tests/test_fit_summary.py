@@ -465,6 +465,7 @@ def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_
                                                                                              recwarn):
     import lit_grpo.callbacks.fit_summary as fit_summary
     monkeypatch.setattr(fit_summary, "thread_times", _ThreadReadings(running_s=1.0, waiting_s=2.0))
+    monkeypatch.setattr(fit_summary, "available_cores", lambda: 8)  # the threads fit the cores: other processes
     torch.set_num_threads(2)  # the conftest's fixture sets one again
     summary = FitSummary(validate_before_training=False)
     trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)

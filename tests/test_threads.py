@@ -11,11 +11,19 @@ from lit_grpo.runtime.threads import (CORE_WAIT_SHARE, MIN_THREAD_S, ThreadTimes
 
 
 def test_several_threads_that_waited_for_busy_cores_are_told_to_try_one():
-    advice = core_wait_advice(running_s=36.0, waiting_s=64.0, torch_threads=2)
+    advice = core_wait_advice(running_s=36.0, waiting_s=64.0, torch_threads=2, cores=8)
     assert advice.startswith("torch's threads waited for a core 64% of their time with 2 torch threads")
-    assert "--torch_num_threads 1" in advice and "OMP_NUM_THREADS=1" in advice
+    assert "other processes" in advice and advice.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
     # from the share on, whatever the thread count
-    assert core_wait_advice(running_s=1 - CORE_WAIT_SHARE, waiting_s=CORE_WAIT_SHARE, torch_threads=16)
+    assert core_wait_advice(running_s=1 - CORE_WAIT_SHARE, waiting_s=CORE_WAIT_SHARE, torch_threads=16, cores=16)
+
+
+def test_more_threads_than_cores_are_told_to_take_one_a_core():
+    """Torch's own threads beyond the cores wait for one another on an idle machine: no other process is to blame,
+    and a thread a core waits for none."""
+    advice = core_wait_advice(running_s=64.0, waiting_s=36.0, torch_threads=4, cores=2)
+    assert advice.startswith("torch's threads waited for a core 36% of their time with 4 torch threads on 2 cores")
+    assert "other processes" not in advice and advice.endswith("try --torch_num_threads 2 (or OMP_NUM_THREADS=2)")
 
 
 @pytest.mark.parametrize("running_s, waiting_s, torch_threads", [
@@ -26,7 +34,7 @@ def test_several_threads_that_waited_for_busy_cores_are_told_to_try_one():
     (0.0, 0.0, 2),
 ])
 def test_no_advice_where_the_threads_did_not_wait_or_nothing_would_change(running_s, waiting_s, torch_threads):
-    assert core_wait_advice(running_s, waiting_s, torch_threads) == ""
+    assert core_wait_advice(running_s, waiting_s, torch_threads, cores=1) == ""
 
 
 def test_the_thresholds_leave_room_on_both_sides():
