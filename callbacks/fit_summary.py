@@ -246,7 +246,7 @@ class FitSummary(Callback):
         advice = core_wait_advice(*self._thread_seconds, threads, available_cores())
         if warn and advice and not self._told_core_wait:
             self._told_core_wait = True
-            rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the whole run's share")
+            rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the share over the whole fit")
 
     def _logged(self, trainer: pl.Trainer, key: str, family: str) -> Any:
         """The value ``key`` was logged with; a key given and not logged where others of its ``family`` (prefix)
