@@ -124,18 +124,6 @@ def test_a_function_failing_on_every_group_says_so_and_one_failing_on_some_says_
         assert "other" not in str(info.value), str(info.value)
 
 
-def test_a_batch_of_one_group_has_no_other_group_that_scored():
-    """Where the batch's one group fails, no other group scores: skip_group would skip the only one. The message
-    counts no "other 0 groups"."""
-    def picky(prompts, completions, **kw):
-        raise ValueError("a bad row")
-
-    with pytest.raises(RewardFunctionError) as info:
-        score_rewards([WeightedReward(picky)], ["p0", "p0"], ["c"] * 2, group_size=2)
-    assert info.value.group == 0 and info.value.others_scored is False
-    assert str(info.value).endswith("raised ValueError: a bad row on prompt 0 'p0'"), str(info.value)
-
-
 def test_the_other_groups_are_tried_for_a_bounded_time(monkeypatch):
     """A function that fails slowly (a timeout) is not waited on for every group: past the bound it is not known
     whether another group scores, and the message claims nothing."""

@@ -104,10 +104,9 @@ def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:
             frames = frames.tb_next
         print("".join(traceback.format_exception(type(cause), cause, frames)), file=sys.stderr)
     # skip_group only helps where a group fails alone and another scores; a function that fails on the whole batch,
-    # on every group (a bug of its own, its signature refusing the call) or on a batch's only group fails under it
-    # too, and where the other groups' trial ran out of time nothing says it would help
+    # or on every group (a bug of its own, its signature refusing the call), fails under it too
     tip = ("\ntip: data.on_reward_error: skip_group scores the other groups and gives the failing ones no loss"
-           if error.group is not None and error.others_scored is True else "")
+           if error.group is not None and error.others_scored is not False else "")
     print(f"error: {error}{tip}", file=sys.stderr)
     raise SystemExit(1) from error
 

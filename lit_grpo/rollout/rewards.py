@@ -135,8 +135,7 @@ class TrainerState:
 class RewardFunctionError(RuntimeError):
     """A reward function raised; the message names the function and the prompt. ``group``: the first group it
     raised on alone (None: the whole batch only, or its result was wrong); ``others_scored``: whether another group
-    of the batch scored, so that ``on_error="skip_group"`` would go on (False also where the batch has no other
-    group; None: not known)."""
+    of the batch scored, so that ``on_error="skip_group"`` would go on (None: not known)."""
 
     def __init__(self, message: str, name: str, prompt: str | None, group: int | None,
                  others_scored: bool | None = None):
@@ -646,7 +645,7 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
             if on_error == "raise":
                 others = True if group else _other_groups_score(reward, prompts, completions, columns, state,
                                                                 group_size)
-                if others is False and len(prompts) > group_size:
+                if others is False:
                     message += f", and on each of the batch's other {len(prompts) // group_size - 1} groups"
                 raise RewardFunctionError(message + note, reward.name, _shown(prompts[start]), group,
                                           others_scored=others) from group_err
@@ -669,11 +668,10 @@ def _other_groups_score(reward: WeightedReward, prompts: Sequence[str], completi
                         columns: Mapping[str, Sequence[Any]], state: Mapping[str, Any],
                         group_size: int) -> bool | None:
     """Whether a call on one of the groups after the first returns (its values unchecked, its logs dropped): True
-    at the first that does, False where every one raised (or the batch has no other), None where
-    ``OTHER_GROUPS_PROBE_S`` ran out first. Only where the first group raised: ``skip_group`` would go on with the
-    others."""
+    at the first that does, False where every one raised, None where ``OTHER_GROUPS_PROBE_S`` ran out first (or
+    the batch has one group). Only where the first group raised: ``skip_group`` would go on with the others."""
     if len(prompts) <= group_size:
-        return False
+        return None
     deadline = time.perf_counter() + OTHER_GROUPS_PROBE_S
     for start in range(group_size, len(prompts), group_size):
         if time.perf_counter() >= deadline:
