@@ -161,9 +161,10 @@ def _adds_to_text_completions(completions, **kwargs):
      "lists, a system message included), where data.system_prompt leaves text prompts text"),
     (_reads_text_completions, [[{"role": "user", "content": "q"}]] * 2, [[{"role": "assistant", "content": "x"}]] * 2,
      "; its completions are TRL's conversational form, as its prompts are chat messages: a completion's text is "
-     "completion[0]['content']"),
+     "completion[-1]['content'] (its last turn, the answer, after any tool call and reply)"),
     (_adds_to_text_completions, [[{"role": "user", "content": "q"}]] * 2,
-     [[{"role": "assistant", "content": "x"}]] * 2, "a completion's text is completion[0]['content']"),
+     [[{"role": "assistant", "content": "x"}]] * 2, "a completion's text is completion[-1]['content'] (its last turn, "
+     "the answer, after any tool call and reply)"),
 ], ids=["chat_reader_on_text", "text_reader_on_chat", "text_concatenated_to_chat"])
 def test_a_function_reading_the_other_completion_form_is_told_which_form_it_gets(fn, prompts, completions, note):
     with pytest.raises(RewardFunctionError) as info:
@@ -177,16 +178,13 @@ _TOOL_TURNS = [{"role": "assistant", "content": "", "tool_calls": [{"type": "fun
 
 
 def test_a_text_reader_on_completions_with_tool_turns_is_told_the_answer_is_the_last_turn():
-    """With data.tools a completion is its turns: completion[0] is the turn that called the tool, not the answer.
-    One completion of the batch with tool turns is enough for the note (its group's may have called none)."""
-    prompts = [[{"role": "user", "content": "q"}]] * 4
-    completions = [[{"role": "assistant", "content": "x"}]] * 2 + [_TOOL_TURNS] * 2
+    """With data.tools a completion is its turns: completion[0] is the turn that called the tool, not the answer."""
+    prompts = [[{"role": "user", "content": "q"}]] * 2
     with pytest.raises(RewardFunctionError) as info:
-        score_rewards([WeightedReward(_reads_text_completions)], prompts, completions, group_size=2)
+        score_rewards([WeightedReward(_reads_text_completions)], prompts, [_TOOL_TURNS] * 2, group_size=2)
     message = str(info.value)
-    assert message.endswith("; its completions are TRL's conversational form, as its prompts are chat messages, "
-                            "and with data.tools a completion is its turns (a tool call, the tool's reply, then the "
-                            "answer): the answer's text is completion[-1]['content']"), message
+    assert message.endswith("a completion's text is completion[-1]['content'] (its last turn, the answer, after "
+                            "any tool call and reply)"), message
     assert "completion[0]" not in message, message
 
 

@@ -641,7 +641,7 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
         except Exception as group_err:  # noqa: BLE001 - any failure is the one we look for
             message = (f"reward function {reward.name!r} raised {type(group_err).__name__}: {group_err} on prompt "
                        f"{group} {_shown(prompts[start])!r:.300}")
-            note = _completion_form_note(group_err, completions[start], completions)
+            note = _completion_form_note(group_err, completions[start])
             if on_error == "raise":
                 others = True if group else _other_groups_score(reward, prompts, completions, columns, state,
                                                                 group_size)
@@ -687,11 +687,11 @@ def _other_groups_score(reward: WeightedReward, prompts: Sequence[str], completi
     return False
 
 
-def _completion_form_note(err: Exception, completion: Any, completions: Sequence[Any]) -> str:
+def _completion_form_note(err: Exception, completion: Any) -> str:
     """Where ``err`` is a function's reading ``completion`` as the other of the two forms (a text read as TRL's
     conversational ``[{"role": "assistant", "content": text}]``, or that list read as text), which form it gets and
-    why; else an empty string. ``completions``: the batch's, where one of several turns (tool calls,
-    ``lit_grpo.rollout.tools``) shows that the answer is a completion's last turn, not its first."""
+    why; else an empty string. The answer is a completion's last turn: with ``data.tools`` the turns before it are
+    tool calls and replies (``lit_grpo.rollout.tools``)."""
     if not isinstance(err, (TypeError, AttributeError)):
         return ""
     said = str(err)
@@ -701,12 +701,8 @@ def _completion_form_note(err: Exception, completion: Any, completions: Sequence
                 "..., 'content': ...}] lists, a system message included), where data.system_prompt leaves text "
                 "prompts text")
     if isinstance(completion, list) and ("'list'" in said or '(not "list")' in said):  # text + completion
-        if any(isinstance(turns, list) and len(turns) > 1 for turns in completions):
-            return ("; its completions are TRL's conversational form, as its prompts are chat messages, and with "
-                    "data.tools a completion is its turns (a tool call, the tool's reply, then the answer): the "
-                    "answer's text is completion[-1]['content']")
         return ("; its completions are TRL's conversational form, as its prompts are chat messages: a completion's "
-                "text is completion[0]['content']")
+                "text is completion[-1]['content'] (its last turn, the answer, after any tool call and reply)")
     return ""
 
 
