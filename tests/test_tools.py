@@ -700,8 +700,9 @@ def test_bench_core_wait_reads_every_thread_counts_chunks_with_and_without_compe
                                    "--json", str(tmp_path / "wait.json")])
     assert json.loads((tmp_path / "wait.json").read_text())["summary"] == report["summary"]
     chunks = report["chunks"]
+    # odd rounds reversed
     assert [c["threads"] for c in chunks] == [1, 2, 2, 1] * (len(chunks) // 4) + [1, 2][:len(chunks) % 4]
-    assert chunks and all(c["running_s"] > 0 and 0 <= c["share"] <= 1 for c in chunks)  # odd rounds reversed
+    assert chunks and all(c["running_s"] > 0 and 0 <= c["share"] <= 1 for c in chunks)
     assert {(row["threads"], row["competitors"]) for row in report["summary"]} >= {(1, 0), (2, 0)}
     with pytest.raises(SystemExit):
         bench_core_wait.main(["--window", "0"])
