@@ -8,8 +8,8 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 
 #: The largest seed: numpy's and Lightning's (``seed_everything``) bound, so one seed means the same everywhere.
@@ -20,20 +20,99 @@ SEED_MAX = 2**32 - 1
 MAX_THREADS_PER_CORE = 4
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+class CoreLimit(NamedTuple):
+    """The cores this process may use, and whether its cgroup's CPU quota set them (else its CPU affinity)."""
+
+    cores: int
+    by_quota: bool
+
+
+def quota_cores(quotas: Iterable[str]) -> int | None:
+    """The cores the tightest of ``quotas`` grants, each a cgroup's CPU quota as cgroup v2's ``cpu.max`` writes it
+    (``"QUOTA PERIOD"`` in microseconds; a QUOTA of ``max``, or v1's ``-1``, sets none): ceil(QUOTA / PERIOD), a
+    share of a core counting as one; None where none sets a quota."""
+    granted = []
+    for text in quotas:
+        try:
+            quota, period = (int(field) for field in text.split()[:2])
+        except ValueError:  # "max", or a text the kernel would not write: no quota to go by
+            continue
+        if quota > 0 and period > 0:
+            granted.append(-(-quota // period))
+    return min(granted, default=None)
+
+
+def cgroup_cpu_quotas() -> list[str]:
+    """The CPU quotas, as ``cpu.max`` texts, of this process's cgroup (``/proc/self/cgroup``) and of those above it,
+    under ``/sys/fs/cgroup``: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``. A
+    container sees its own cgroup at the root, where ``/proc/self/cgroup`` may name it by the host's path: the
+    folders missing are passed over, so the root itself is read too. ``[]`` where there are no cgroups."""
+    try:
+        with open(_PROC_SELF_CGROUP) as file:
+            memberships = file.read().splitlines()
+    except OSError:
+        return []
+    quotas = []
+    for membership in memberships:  # "ID:CONTROLLERS:PATH"; v2's CONTROLLERS are empty
+        _, controllers, path = (membership.split(":", 2) + ["", ""])[:3]
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        folder = _CGROUP_ROOT if not controllers else os.path.join(_CGROUP_ROOT, controllers)
+        folders = [folder]
+        for part in filter(None, path.split("/")):
+            folder = os.path.join(folder, part)
+            folders.append(folder)
+        for folder in folders:
+            if controllers:
+                quotas.append(f"{_read_text(os.path.join(folder, 'cpu.cfs_quota_us'))} "
+                              f"{_read_text(os.path.join(folder, 'cpu.cfs_period_us'))}".strip())
+            else:
+                quotas.append(_read_text(os.path.join(folder, "cpu.max")))
+    return [quota for quota in quotas if quota]
+
+
+def _read_text(path: str) -> str:
+    """The stripped text of the file at ``path``; ``""`` where there is none (a cgroup's or a folder's missing)."""
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def core_limit() -> CoreLimit:
+    """The cores this process may use: its CPU affinity's (``os.cpu_count()`` where that is unknown), or fewer where
+    its cgroup's CPU quota (a container's: Docker ``--cpus``, a Kubernetes CPU limit) grants fewer. The quota, not
+    the affinity, is the CPU time the kernel gives: in a 4-CPU container the affinity shows every core of the host,
+    and threads beyond the quota's 4 are stopped (throttled) until its next period, spinning OpenMP threads burning
+    it meanwhile."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        affinity = len(os.sched_getaffinity(0))
+    else:
+        affinity = os.cpu_count() or 1
+    quota = quota_cores(cgroup_cpu_quotas())
+    if quota is not None and quota < affinity:
+        return CoreLimit(quota, by_quota=True)
+    return CoreLimit(affinity, by_quota=False)
+
+
+def available_cores() -> int:
+    """The cores this process may use (:func:`core_limit`): its CPU affinity, or its cgroup's CPU quota if less."""
+    return core_limit().cores
 
 
 def check_thread_count(name: str, threads: int) -> int:
-    """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may run on], else a
-    ValueError naming ``name``, the value and that range."""
-    cores = available_cores()
+    """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may use], else a ValueError
+    naming ``name``, the value and that range."""
+    cores, by_quota = core_limit()
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+        of_the = f"{cores} its cgroup's CPU quota grants this process" if by_quota else f"{cores} this process may run on"
         raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
-                         f"a core of the {cores} this process may run on)")
+                         f"a core of the {of_the})")
     return threads
 
 

@@ -1,0 +1,87 @@
+"""The cores this process may use (lit_grpo.runtime.validation): its CPU affinity, or fewer where a cgroup CPU quota
+(a container's) grants fewer. No test reads this machine's cgroups: they are given as texts or a fake root folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import lit_grpo.runtime.validation as validation
+from lit_grpo.runtime.validation import (CoreLimit, available_cores, cgroup_cpu_quotas, check_thread_count,
+                                         core_limit, quota_cores)
+
+
+@pytest.mark.parametrize("quotas, cores", [
+    (["400000 100000"], 4),                   # docker --cpus 4
+    (["150000 100000"], 2),                   # a share of a core counts as one
+    (["50000 100000"], 1),                    # half a CPU: still one core
+    (["max 100000"], None),                   # cgroup v2: no quota
+    (["-1 100000"], None),                    # cgroup v1: no quota
+    (["max 100000", "800000 100000", "300000 100000"], 3),  # the tightest of the cgroup and those above it
+    ([], None),
+    (["", "max", "12 x"], None),              # a text the kernel would not write is passed over
+])
+def test_a_quota_grants_its_cpu_time_in_cores_rounded_up(quotas, cores):
+    assert quota_cores(quotas) == cores
+
+
+def _write(root, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _fake_cgroups(tmp_path, monkeypatch, proc_self_cgroup: str, files: dict[str, str]):
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    for relative, text in files.items():
+        _write(root, relative, text)
+    _write(tmp_path, "proc_self_cgroup", proc_self_cgroup)
+    monkeypatch.setattr(validation, "_CGROUP_ROOT", str(root))
+    monkeypatch.setattr(validation, "_PROC_SELF_CGROUP", str(tmp_path / "proc_self_cgroup"))
+    return root
+
+
+def test_cgroup_v2_reads_the_processs_cgroup_and_those_above_it(tmp_path, monkeypatch):
+    """A Kubernetes pod's limit may sit on the pod's cgroup and the container's on its own: the tightest counts."""
+    _fake_cgroups(tmp_path, monkeypatch, "0::/kubepods/pod1/ctr\n", {
+        "kubepods/pod1/ctr/cpu.max": "800000 100000\n", "kubepods/pod1/cpu.max": "200000 100000\n",
+        "kubepods/cpu.max": "max 100000\n", "other/cpu.max": "100000 100000\n"})  # another cgroup's: not ours
+    assert sorted(cgroup_cpu_quotas()) == ["200000 100000", "800000 100000", "max 100000"]
+    assert quota_cores(cgroup_cpu_quotas()) == 2
+
+
+def test_a_container_reads_its_own_cgroup_at_the_root_whatever_path_proc_names(tmp_path, monkeypatch):
+    """Without a cgroup namespace /proc/self/cgroup names the host's path, which the container's mount has not."""
+    _fake_cgroups(tmp_path, monkeypatch, "0::/system.slice/docker-abc.scope\n", {"cpu.max": "400000 100000\n"})
+    assert cgroup_cpu_quotas() == ["400000 100000"]
+
+
+def test_cgroup_v1_reads_the_cfs_quota_and_period(tmp_path, monkeypatch):
+    _fake_cgroups(tmp_path, monkeypatch, "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n", {
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "memory/docker/abc/cpu.cfs_quota_us": "100000\n", "memory/docker/abc/cpu.cfs_period_us": "100000\n"})
+    assert sorted(cgroup_cpu_quotas()) == ["-1 100000", "300000 100000"]
+
+
+def test_no_cgroups_no_quota(tmp_path, monkeypatch):
+    monkeypatch.setattr(validation, "_PROC_SELF_CGROUP", str(tmp_path / "missing"))  # not Linux
+    assert cgroup_cpu_quotas() == []
+    _fake_cgroups(tmp_path, monkeypatch, "garbage\n0::/\n", {})  # a root cgroup has no cpu.max
+    assert cgroup_cpu_quotas() == []
+
+
+def test_a_quota_below_the_affinity_sets_the_cores(tmp_path, monkeypatch):
+    """A 4-CPU pod on a 64-core host: the affinity shows 64 cores, the kernel grants 4 CPUs' time."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    _fake_cgroups(tmp_path, monkeypatch, "0::/\n", {"cpu.max": "400000 100000\n"})
+    assert core_limit() == CoreLimit(cores=4, by_quota=True) and available_cores() == 4
+    with pytest.raises(ValueError, match=r"torch_num_threads=17 must be in \[1, 16\] \(4 a core of the 4 its cgroup's "
+                                         r"CPU quota grants this process\)"):
+        check_thread_count("torch_num_threads", 17)
+    _write(tmp_path, "cgroup/cpu.max", "12800000 100000\n")  # a quota of 128 CPUs: the affinity's 64 cores decide
+    assert core_limit() == CoreLimit(cores=64, by_quota=False)
+    with pytest.raises(ValueError, match=r"\(4 a core of the 64 this process may run on\)"):
+        check_thread_count("torch_num_threads", 257)
