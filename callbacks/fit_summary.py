@@ -18,7 +18,7 @@ from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.threads import ThreadTimes, busiest_threads, core_wait_advice, thread_times
-from lit_grpo.runtime.validation import available_cores, check_bool, check_int, check_text
+from lit_grpo.runtime.validation import check_bool, check_int, check_text, core_limit
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
@@ -69,8 +69,8 @@ class FitSummary(Callback):
     spent at least ``CORE_WAIT_SHARE`` of their time since this fit's training started waiting for a core (a resume
     starts the count again) and torch runs several (``lit_grpo.runtime.threads``), a ``threads`` line after the first
     says so and what to do: one thread where other processes keep the cores busy, a thread a core where torch runs
-    more threads than the cores the process may run on; the first step that reaches the share says so at once, as a
-    warning (once a fit)::
+    more threads than the cores the process may use (its affinity's, or its cgroup CPU quota's, named so); the first
+    step that reaches the share says so at once, as a warning (once a fit)::
 
           threads        torch's threads waited for a core 64% of their time with 2 torch threads: other processes
                          keep the cores busy and every parallel op waits for its slowest thread; try
@@ -243,7 +243,7 @@ class FitSummary(Callback):
             return
         threads = torch.get_num_threads()
         self._thread_seconds = busiest_threads(now.since(self._threads_at_start), threads)
-        advice = core_wait_advice(*self._thread_seconds, threads, available_cores())
+        advice = core_wait_advice(*self._thread_seconds, threads, *core_limit())
         if warn and advice and not self._told_core_wait:
             self._told_core_wait = True
             rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the share over the whole fit")
@@ -351,7 +351,7 @@ class FitSummary(Callback):
             lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
                          f"{trainer.global_step}): raise --trainer.max_steps to train on")
         if self._thread_seconds is not None:
-            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads(), available_cores())
+            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads(), *core_limit())
             if advice:
                 lines.append(f"  {'threads':<14} {advice}")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with

@@ -78,8 +78,8 @@ def test_a_quota_below_the_affinity_sets_the_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     _fake_cgroups(tmp_path, monkeypatch, "0::/\n", {"cpu.max": "400000 100000\n"})
     assert core_limit() == CoreLimit(cores=4, by_quota=True) and available_cores() == 4
-    with pytest.raises(ValueError, match=r"torch_num_threads=17 must be in \[1, 16\] \(4 a core of the 4 its cgroup's "
-                                         r"CPU quota grants this process\)"):
+    with pytest.raises(ValueError, match=r"torch_num_threads=17 must be in \[1, 16\] \(4 a core of the 4 this "
+                                         r"process's cgroup CPU quota grants\)"):
         check_thread_count("torch_num_threads", 17)
     _write(tmp_path, "cgroup/cpu.max", "12800000 100000\n")  # a quota of 128 CPUs: the affinity's 64 cores decide
     assert core_limit() == CoreLimit(cores=64, by_quota=False)

@@ -26,6 +26,19 @@ def test_more_threads_than_cores_are_told_to_take_one_a_core():
     assert "other processes" not in advice and advice.endswith("try --torch_num_threads 2 (or OMP_NUM_THREADS=2)")
 
 
+def test_more_threads_than_a_cpu_quotas_cores_are_told_it_is_the_quota():
+    """In a 4-CPU container on a big host the threads have idle cores to run on, but the quota's time runs out:
+    they wait throttled (which schedstat counts as waiting), not for one another's cores."""
+    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=64, cores=4, by_quota=True)
+    assert advice.startswith("torch's threads waited for a core 70% of their time with 64 torch threads on the 4 "
+                             "cores this process's cgroup CPU quota grants")
+    assert "other processes" not in advice and advice.endswith("try --torch_num_threads 4 (or OMP_NUM_THREADS=4)")
+    # within the quota's cores: whatever else uses the quota's time or the cores keeps them waiting
+    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=4, cores=4, by_quota=True)
+    assert "other processes keep the cores busy or share the CPU quota" in advice
+    assert advice.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+
+
 @pytest.mark.parametrize("running_s, waiting_s, torch_threads", [
     (99.0, 1.0, 2),     # an idle machine: the threads hardly wait
     (85.0, 15.0, 2),    # below the share

@@ -64,20 +64,29 @@ def thread_times() -> ThreadTimes | None:
     return ThreadTimes(running, waiting) if running else None
 
 
-def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cores: int) -> str:
+def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cores: int,
+                     by_quota: bool = False) -> str:
     """What to do where torch's threads, ``running_s`` and ``waiting_s`` seconds between two readings, waited
     for a core at least ``CORE_WAIT_SHARE`` of their time with several torch threads: with more of them than the
-    ``cores`` the process may run on, a thread a core (they wait for one another, the machine idle or not); else
+    ``cores`` the process may use, a thread a core (they wait for one another, the machine idle or not); else
     one thread, which waits for no other; ``""`` where they did not, where torch has one thread already (nothing to
-    change) or where the reading covers less than ``MIN_THREAD_S``."""
+    change) or where the reading covers less than ``MIN_THREAD_S``. ``by_quota``: the cores are those of the
+    process's cgroup CPU quota (``lit_grpo.runtime.validation.core_limit``), whose threads, once its time in a
+    period is spent, wait throttled until the next, which Linux counts as waiting for a core."""
     total = running_s + waiting_s
     if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s < CORE_WAIT_SHARE * total:
         return ""
     waited = (f"torch's threads waited for a core {waiting_s / total:.0%} of their time with {torch_threads} torch "
               "threads")
+    if torch_threads > cores and by_quota:
+        return (f"{waited} on the {cores} {'core' if cores == 1 else 'cores'} this process's cgroup CPU quota "
+                "grants: threads beyond them spend the quota's time early and wait, throttled, for its next period, "
+                f"and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
+                f"OMP_NUM_THREADS={cores})")
     if torch_threads > cores:
         return (f"{waited} on {cores} {'core' if cores == 1 else 'cores'}: threads beyond the cores wait for one "
                 f"another and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
                 f"OMP_NUM_THREADS={cores})")
-    return (f"{waited}: other processes keep the cores busy and every parallel op waits for its slowest thread; "
+    busy = "keep the cores busy or share the CPU quota" if by_quota else "keep the cores busy"
+    return (f"{waited}: other processes {busy} and every parallel op waits for its slowest thread; "
             "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")

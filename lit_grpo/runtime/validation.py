@@ -110,7 +110,7 @@ def check_thread_count(name: str, threads: int) -> int:
     naming ``name``, the value and that range."""
     cores, by_quota = core_limit()
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
-        of_the = f"{cores} its cgroup's CPU quota grants this process" if by_quota else f"{cores} this process may run on"
+        of_the = f"{cores} this process's cgroup CPU quota grants" if by_quota else f"{cores} this process may run on"
         raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
                          f"a core of the {of_the})")
     return threads
