@@ -957,6 +957,25 @@ def test_thread_count_is_the_processes_share_of_the_cores_unless_the_config_or_t
             build_cli(["--config", TINY, "--torch_num_threads", str(bad)], run=False)
 
 
+def test_a_cpu_quota_sets_the_default_thread_count(tmp_path, monkeypatch):
+    """A 4-CPU container on a 64-core host: 4 threads, not 64 that the quota throttles."""
+    import os
+
+    import torch
+
+    import lit_grpo.runtime.validation as validation
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    (tmp_path / "cpu.max").write_text("400000 100000\n")
+    (tmp_path / "self_cgroup").write_text("0::/\n")
+    monkeypatch.setattr(validation, "_CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(validation, "_PROC_SELF_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded first, so the teardown takes back what the CLI sets
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)
+    assert torch.get_num_threads() == 4
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data.jsonl_path", "x.jsonl"], "error: data: give exactly one prompt source (task, jsonl_path, prompts or "
                                        "dataset); got ['task', 'jsonl_path']: unset the others, e.g. --data.task null"),

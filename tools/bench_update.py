@@ -35,6 +35,7 @@ from typing import get_args
 
 import torch
 
+from lit_grpo.runtime.validation import available_cores
 from lit_grpo.sampling.cpu_linear import UpdateLinear
 from tools import harness
 from tools.roofline import device_name
@@ -188,8 +189,7 @@ def run(args: argparse.Namespace) -> dict:
             settings.pop(key)
     report = {"config": {**settings, "cpu": device_name(torch.device("cpu")),
                          "device_name": device_name(torch.device(args.device)),
-                         "available_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count(),
+                         "available_cores": available_cores(),
                          "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
               "batch": {"num_prompts": batch.num_prompts, "group_size": batch.group_size,
                         "distinct_prompt_tokens": distinct_prompt_tokens, "completion_tokens": completion_tokens,

@@ -71,10 +71,12 @@ class GRPOCLI(LightningCLI):
 
     ``torch_num_threads`` (top level of the config) calls ``torch.set_num_threads`` before the model is loaded. Left
     unset it is ``OMP_NUM_THREADS`` where the environment sets it (a launcher's choice: torchrun sets 1), else this
-    process's share of the cores it may run on (``available_cores()`` divided by the trainer's devices per node,
-    each a process of its own), so an idle machine is used whole and ranks on one node do not each take all of it:
-    OpenMP threads spin-waiting for a core another process holds slow every parallel op down. For the same reason
-    fewer threads can be faster on a CPU that other jobs keep busy (configs/demo.yaml says what it picks and why).
+    process's share of the cores it may use (``available_cores()``: its CPU affinity's, or its cgroup CPU quota's
+    where that grants fewer, as a container's does, divided by the trainer's devices per node, each a process of its
+    own), so an idle machine is used whole and ranks on one node do not each take all of it: OpenMP threads
+    spin-waiting for a core another process holds, or for a quota's next period, slow every parallel op down. For
+    the same reason fewer threads can be faster on a CPU that other jobs keep busy (configs/demo.yaml says what it
+    picks and why).
 
     ``malloc_mmap_threshold`` (top level, default 4 MiB) fixes glibc's mmap threshold before anything is built
     (``lit_grpo.runtime.memory.fix_mmap_threshold``): without it a CPU step's resident memory grows with the number
@@ -298,8 +300,8 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--torch_num_threads", type=Optional[int], default=None,
                             help="torch.set_num_threads(N) before building anything (None: OMP_NUM_THREADS where "
-                                 "set, else this process's share of the cores: the cores it may run on divided "
-                                 "by the devices per node)")
+                                 "set, else this process's share of the cores: the cores it may use (its CPU "
+                                 "affinity's, or its cgroup CPU quota's if fewer) divided by the devices per node)")
         parser.add_argument("--malloc_mmap_threshold", type=Optional[int], default=DEFAULT_MMAP_THRESHOLD,
                             help="glibc's mmap threshold in bytes, fixed at start: larger freed blocks go back to "
                                  "the system at once, so a CPU step's memory does not grow with G (null: glibc's "
