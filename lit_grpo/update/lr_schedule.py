@@ -38,7 +38,6 @@ def warmup_steps_count(value: Any) -> Any:
     return value
 
 
-
 def global_steps_to_run(max_steps: int, optimizer_steps_per_training_step: int) -> int:
     """The ``global_step`` a fit of ``max_steps`` runs to: ``max_steps`` rounded up to whole training steps of
     ``optimizer_steps_per_training_step`` each (Lightning stops after the training step that reaches it);
