@@ -884,4 +884,3 @@ class RolloutDataModule(LightningDataModule):
                                  f"with as many ranks (this run has {world})")
             return by_rank[0]
         return by_rank[rank]
-

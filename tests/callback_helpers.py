@@ -22,8 +22,6 @@ MiB = 1 << 20
 HOLD_S = 0.15
 
 
-
-
 class TinyRegression(pl.LightningModule):
     """Any LightningModule: tensors in, no rollout stats."""
 

@@ -21,6 +21,7 @@ def one_thread_again():
     yield
     torch.set_num_threads(1)
 
+
 PROMPT_TEXTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
 
 

@@ -48,4 +48,3 @@ if __name__ == "__main__":
                          max_steps=3, callbacks=[RankFailureWatch(), SaysItSawTheError()], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(FailingRegression(rank0))
-

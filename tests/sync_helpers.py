@@ -62,5 +62,3 @@ class HostReads(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)
-
-

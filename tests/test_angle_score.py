@@ -37,7 +37,6 @@ def explicit_score(model, ids: list[int]) -> float:
     return float(cos[off_diagonal].mean())
 
 
-
 def test_hidden_states_last_is_after_final_norm(tiny):
     """Pins the documented layer: in transformers 5, hidden_states[-1] is the final norm's output."""
     model, _, prompts = tiny

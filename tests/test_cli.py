@@ -750,7 +750,6 @@ def test_an_optional_setting_inside_an_optional_group_is_named_by_its_whole_key(
     assert "Union" not in err and "Given value" not in err
 
 
-
 @pytest.mark.parametrize("yaml, message", [
     ("data:\n  sampling: [4, 2]", "error: data.sampling=[4, 2] must be a mapping of its settings by name (group_size, "
                                   "micro_group_size, kv_budget_bytes, strategy, ...), not a list"),
@@ -1125,6 +1124,7 @@ def test_a_callbacks_warning_about_its_own_setting_is_not_named_by_a_config_key_
                    "--trainer.callbacks+=user_warning_callback.LoudCallback", "--trainer.callbacks.lr=3"], run=False)
     [warned] = [w for w in caught if "is large" in str(w.message)]
     assert (str(warned.message), warned.filename) == ("lr=3.0 is large", str(tmp_path / "user_warning_callback.py"))
+
 
 def test_a_constructors_warning_turned_into_an_error_is_raised_by_the_constructor(tmp_path):
     """Under an error filter (python -W error) the warning is raised where it is warned, as Python does: its

@@ -159,4 +159,3 @@ def test_the_bandwidth_probe_leaves_the_devices_reserved_memory_as_it_found_it()
     before = torch.cuda.memory_reserved()
     assert measure_read_bandwidth("cuda") > 0
     assert torch.cuda.memory_reserved() == before
-

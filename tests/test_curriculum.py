@@ -25,6 +25,7 @@ from lit_grpo.datamodules.curriculum import (
     sample_without_replacement,
 )
 
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson's statistic with bins of expected count < 5 pooled into one; returns (statistic, degrees of freedom)."""
     expected = probs * counts.sum()

@@ -140,7 +140,6 @@ def test_the_trl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     assert "No seed found" not in proc.stderr and "across ranks is zero" not in proc.stderr, proc.stderr[-4000:]
 
 
-
 def test_the_verl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     """docs/training.md's verl port: its reward module (verl's compute_score) and its config, as written, train a step
     through ``lit-grpo fit`` on the tiny model on one CPU process, on rows in verl's gsm8k parquet layout."""
@@ -167,6 +166,7 @@ def test_the_verl_port_in_the_docs_runs_its_reward_module_unchanged(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert "lit_grpo: 1 step" in out and "val/accuracy" in out, out[-4000:]  # compute_score's values
+
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: A command the docs give: ``python -m tools.NAME`` (or ``tools.NAME``, or a tool's bare name opening a span) or

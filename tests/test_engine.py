@@ -126,7 +126,6 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
 
 
-
 def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
     # a nucleus whose mass equals top_p exactly is complete: the next token is dropped
     logits = torch.tensor([[1.0, 0.0, -1.0, -2.0]])
@@ -864,7 +863,6 @@ def test_a_slot_cache_that_does_not_fit_says_how_large_it_is_and_what_to_change(
         engine.generate(prompt_ids)
 
 
-
 class _RecordingScheduler(_CountingScheduler):
     """Also records every (slot, sample) assignment, in order."""
 
@@ -1050,7 +1048,6 @@ def test_a_compiled_slot_cache_write_writes_the_layer_in_place(tiny_llama):
     assert layer.keys.count_nonzero() == keys.count_nonzero()  # nothing written elsewhere
 
 
-
 def test_a_slot_cache_row_takes_a_kv_up_to_its_full_width(tiny_llama):
     # write_row fills columns [start, start + n) up to the width itself, and refuses one column more
     from lit_grpo.sampling.kv_cache import SlotKVCache
@@ -1101,6 +1098,7 @@ def test_the_prefix_and_tail_store_counts_the_bytes_it_holds():
     assert store.parked_bytes == kv_bytes(kv(2)) and store.nbytes() == kv_bytes(kv(7))
     store.drop_prefix(0)
     assert store.prompts() == [1] and store.nbytes() == kv_bytes(kv(2))
+
 
 def test_compile_setting_resolves_per_device_and_warns_once_without_a_compiler(tiny_llama, monkeypatch):
     from lit_grpo.sampling import SamplingConfig, decode_step

@@ -212,7 +212,6 @@ def test_the_scheduler_preempts_once_the_tail_is_seen_and_gains_on_it():
     assert max(scheduler.parked_tokens_seen) <= 0.5 * 32 * 256  # park_budget 0.5 of the slots' generation KV
 
 
-
 class _AlwaysPreempting(LeastAttainedScheduler):
     """Preempts in every rollout (no gate); records the parked tokens it counts and those parked after each admit."""
 

@@ -111,7 +111,6 @@ def test_a_micro_batch_without_real_tokens_still_has_a_gradient_path():
     logps.sum().backward()  # a zero loss, but backward works as for any other micro-batch
 
 
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("tied", [False, True])

@@ -594,7 +594,6 @@ def test_split_holds_out_distinct_prompts_whole():
     assert split_examples(unique, 4, 3) == (sorted(order[4:]), sorted(order[:4]))
 
 
-
 def test_an_epoch_has_enough_steps_for_every_training_prompt():
     # steps per epoch round up: 10 training prompts at 4 a step take 3 steps (the last one partly a new epoch's)
     for prompts_per_step, steps in ((4, 3), (5, 2), (10, 1)):
@@ -602,6 +601,7 @@ def test_an_epoch_has_enough_steps_for_every_training_prompt():
         dm.setup("fit")  # no policy needed to split the prompts
         assert len(dm.train_indices) == 10  # PROMPTS' 12, 2 held out
         assert dm.num_train_steps_per_epoch() == steps, prompts_per_step
+
 
 def test_token_logps_and_entropy_helpers():
     from lit_grpo.update.logprobs import token_entropy

@@ -94,8 +94,6 @@ def test_raising_function_names_function_and_prompt():
     assert isinstance(info.value.__cause__, KeyError)
 
 
-
-
 def test_a_function_failing_on_every_group_says_so_and_one_failing_on_some_says_the_others_score():
     """Under on_error="raise" the first failing group ends the call; where it is the batch's first, the others are
     tried until one scores: a function that fails on every group (a bug of its own, not a row's) is said to, since
@@ -141,6 +139,7 @@ def test_the_other_groups_are_tried_for_a_bounded_time(monkeypatch):
         score_rewards([WeightedReward(slow_failure)], ["p0", "p0", "p1", "p1", "p2", "p2"], ["c"] * 6, group_size=2)
     assert info.value.others_scored is None and calls == [6, 2]
     assert str(info.value).endswith("on prompt 0 'p0'"), str(info.value)
+
 
 def _reads_chat_completions(completions, **kwargs):
     return [float(len(completion[0]["content"])) for completion in completions]  # Unsloth's notebooks' way
@@ -280,6 +279,7 @@ def test_a_function_named_only_reward_keeps_its_name():
 
     assert reward_name(_reward) == "_reward" and WeightedReward(_reward).name == "_reward"
     assert reward_name(accuracy_reward) == "accuracy"
+
 
 @pytest.mark.parametrize("values, match", [
     ([1.0], r"'bad' returned 1 values for 2 completions"),

@@ -102,6 +102,7 @@ def test_sampled_validation_takes_its_own_seed_whatever_the_training_seed(policy
         assert builder.engine.seed == seed
         assert builder.val_sampled_engine.seed == (seed + VAL_SEED_OFFSET) % (SEED_MAX + 1) != seed
 
+
 def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)

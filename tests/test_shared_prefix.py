@@ -120,7 +120,6 @@ def test_shared_prefix_logits_match_on_smollm2():
         assert error < 5e-5, (name, error)
 
 
-
 class WeightCasts(TorchDispatchMode):
     """Counts the casts of each of ``model``'s parameters (``aten._to_copy`` of its storage) while active."""
 
@@ -185,6 +184,7 @@ def test_one_shared_cast_gives_the_gradients_of_one_cast_per_pass(monkeypatch):
         assert torch.equal(got, expected)
     assert shared[2].keys() == separate[2].keys() and len(shared[2]) > 0
     assert all(torch.equal(shared[2][name], separate[2][name]) for name in shared[2])
+
 
 @pytest.fixture(scope="module")
 def rollout():

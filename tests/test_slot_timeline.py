@@ -16,8 +16,6 @@ from lit_grpo.sampling.stats import IDLE
 from lit_grpo.scheduling.base import Decision
 
 
-
-
 def test_render_slot_timeline_layout_colours_and_markers():
     # Two slots, G = 2: slot 0 runs sample 0 then sample 1 (same group), slot 1 runs sample 2 then idles.
     timeline = [[0, 2], [0, 2], [1, IDLE], [1, IDLE]]
@@ -177,5 +175,3 @@ def test_slot_timeline_logger_warns_once_without_tensorboard(tmp_path):
         fit(tmp_path, RolloutModule([make_rollout(s) for s in range(3)]), [SlotTimelineLogger(every_n_steps=1)],
             max_steps=3, logger=CSVLogger(tmp_path))
     assert sum("SlotTimelineLogger" in str(w.message) for w in caught) == 1
-
-

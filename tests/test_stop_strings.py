@@ -107,7 +107,6 @@ def test_the_window_holds_a_string_the_newest_token_completes():
     assert stop.ended([]) == []
 
 
-
 def test_special_tokens_among_a_strings_tokens_do_not_hide_it():
     """Special tokens hold no text (the decoding skips them): between a string's tokens they pushed its first ones
     out of the window of the last few tokens, and the sample ran on past the string."""
@@ -121,6 +120,7 @@ def test_special_tokens_among_a_strings_tokens_do_not_hide_it():
     first = holds.index(True) + 1
     assert first - 1 - ids.index(specials[0]) > stop.window  # the string's tokens are farther apart than the window
     assert stop.ended([ids[:t] for t in range(1, first + 1)]) == holds[:first]
+
 
 @pytest.mark.parametrize("value", ["</answer>", [""], ["ok", 3], None])
 def test_bad_stop_strings_name_the_value(value):

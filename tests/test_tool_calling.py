@@ -985,7 +985,6 @@ def test_an_end_of_turn_token_the_model_cannot_draw_is_refused_naming_it(llama):
         box.stop_token_ids(narrow)
 
 
-
 def qwen3_5_call(name="add", **arguments) -> str:
     """A call as Qwen3.5's template writes it: each argument's value on its own lines, as text."""
     parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())

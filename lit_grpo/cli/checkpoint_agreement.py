@@ -121,4 +121,3 @@ def _shown_finding(finding: tuple[str, CheckpointIdentity] | None) -> str:
     path, identity = finding
     step = "no step" if identity.global_step is None else f"step {identity.global_step}"
     return f"{path} ({identity.name}, {step}, content {identity.fingerprint})"
-

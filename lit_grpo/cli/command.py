@@ -457,4 +457,3 @@ def main(args: list[str] | None = None) -> None:
         if is_multi_process():  # the other ranks would wait for this one: end now, naming the error everywhere
             end_failed_rank(error)
         raise
-

@@ -573,4 +573,3 @@ def did_you_mean(message: str, known: Sequence[str]) -> str:
     if len(unknown) == 1:
         return f" (did you mean '{pairs[0][1]}'?{''.join(f' {note}' for note in notes)})"
     return " (did you mean " + ", ".join(f"'{meant}' for '{name}'" for name, meant in pairs) + "?)" + hint
-

@@ -105,4 +105,3 @@ class GRPOArgumentParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:
         """Nothing: argparse prints the usage only before an error, and ``--help`` shows it."""
-

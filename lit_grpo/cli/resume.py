@@ -79,4 +79,3 @@ def _continue_in_folder_of(trainer: Any, checkpoint: Path) -> None:
     if (isinstance(logger, TensorBoardLogger) and checkpoint.parent.name == "checkpoints"
             and version.parent.resolve() == Path(logger.root_dir).resolve()):
         logger._version = version.name  # no public setter; read lazily, when the first thing is logged
-

@@ -109,4 +109,3 @@ def _exit_on_reward_error(error: RewardFunctionError) -> NoReturn:
            if error.group is not None and error.others_scored is not False else "")
     print(f"error: {error}{tip}", file=sys.stderr)
     raise SystemExit(1) from error
-

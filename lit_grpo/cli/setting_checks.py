@@ -121,4 +121,3 @@ def check_distinct_stateful_callbacks(callbacks: list[Callback]) -> None:
                              f"states would collide. Give the second one different settings (any of those named) "
                              f"or remove it from trainer.callbacks.")
         seen[callback.state_key] = callback
-

@@ -113,4 +113,3 @@ def yaml_key_line(path: str, key: str) -> int | None:
             return None
         line, node = entry[0].start_mark.line + 1, entry[1]
     return line
-

@@ -721,4 +721,3 @@ def _fill_groups(kept: list[tuple[int, int]], generated: list[tuple[int, int]], 
     spread = {int((2 * i + 1) * total // (2 * len(fillers))) for i in range(len(fillers))}
     kept_in_order, fillers_in_order = iter(chosen), iter(fillers)
     return [next(fillers_in_order if position in spread else kept_in_order) for position in range(total)]
-

@@ -138,4 +138,3 @@ class ScoringConfig:
 
     def __post_init__(self) -> None:
         check_choice("on_reward_error", self.on_reward_error, ON_ERROR)
-
