@@ -85,3 +85,12 @@ def test_a_quota_below_the_affinity_sets_the_cores(tmp_path, monkeypatch):
     assert core_limit() == CoreLimit(cores=64, by_quota=False)
     with pytest.raises(ValueError, match=r"\(4 a core of the 64 this process may run on\)"):
         check_thread_count("torch_num_threads", 257)
+
+
+def test_a_cgroup_path_that_is_not_utf8_is_read_not_raised(tmp_path, monkeypatch):
+    """A cgroup's name is any bytes: the CLI and every fit step read them, so they must not raise."""
+    root = _fake_cgroups(tmp_path, monkeypatch, "", {})
+    (tmp_path / "proc_self_cgroup").write_bytes(b"0::/job-\xff\n")
+    (root / os.fsdecode(b"job-\xff")).mkdir()
+    (root / os.fsdecode(b"job-\xff") / "cpu.max").write_text("200000 100000\n")
+    assert cgroup_cpu_quotas() == ["200000 100000"]

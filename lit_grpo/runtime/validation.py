@@ -52,8 +52,8 @@ def cgroup_cpu_quotas() -> list[str]:
     container sees its own cgroup at the root, where ``/proc/self/cgroup`` may name it by the host's path: the
     folders missing are passed over, so the root itself is read too. ``[]`` where there are no cgroups."""
     try:
-        with open(_PROC_SELF_CGROUP) as file:
-            memberships = file.read().splitlines()
+        with open(_PROC_SELF_CGROUP, "rb") as file:  # a cgroup's name is any bytes: decoded as the file system's
+            memberships = os.fsdecode(file.read()).splitlines()
     except OSError:
         return []
     quotas = []
