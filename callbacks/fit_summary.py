@@ -18,7 +18,7 @@ from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.threads import ThreadTimes, busiest_threads, core_wait_advice, thread_times
-from lit_grpo.runtime.validation import check_bool, check_int, check_text, core_limit
+from lit_grpo.runtime.validation import CoreLimit, check_bool, check_int, check_text, core_limit
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
@@ -159,6 +159,7 @@ class FitSummary(Callback):
         # (running, waiting) seconds since then at the last step, and whether the run was told to try one thread
         self._threads_at_start: ThreadTimes | None = None
         self._thread_seconds: tuple[float, float] | None = None
+        self._core_limit = CoreLimit(1, by_quota=False)  # the cores the threads are judged by, read at train start
         self._told_core_wait = False
 
     # ------------------------------------------------------------------------------------------ collect
@@ -177,6 +178,7 @@ class FitSummary(Callback):
         self._fit_started_steps = self.steps
         if trainer.is_global_zero and trainer.strategy.root_device.type == "cpu":  # a GPU's step waits on no core
             self._threads_at_start = thread_times()
+            self._core_limit = core_limit()
         self._resuming = trainer.global_step > 0 and not self._restored  # its step is read at its first batch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -243,7 +245,7 @@ class FitSummary(Callback):
             return
         threads = torch.get_num_threads()
         self._thread_seconds = busiest_threads(now.since(self._threads_at_start), threads)
-        advice = core_wait_advice(*self._thread_seconds, threads, *core_limit())
+        advice = core_wait_advice(*self._thread_seconds, threads, *self._core_limit)
         if warn and advice and not self._told_core_wait:
             self._told_core_wait = True
             rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the share over the whole fit")
@@ -351,7 +353,7 @@ class FitSummary(Callback):
             lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
                          f"{trainer.global_step}): raise --trainer.max_steps to train on")
         if self._thread_seconds is not None:
-            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads(), *core_limit())
+            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads(), *self._core_limit)
             if advice:
                 lines.append(f"  {'threads':<14} {advice}")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with

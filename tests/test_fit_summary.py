@@ -469,7 +469,8 @@ def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_
     from lit_grpo.runtime.validation import CoreLimit
     monkeypatch.setattr(fit_summary, "thread_times", _ThreadReadings(running_s=1.0, waiting_s=2.0))
     # the threads fit the cores: other processes (or, where a CPU quota set the cores, what else uses its time)
-    monkeypatch.setattr(fit_summary, "core_limit", lambda: CoreLimit(8, by_quota))
+    limits = []  # read once a fit, not at every step: the cgroups are files to walk
+    monkeypatch.setattr(fit_summary, "core_limit", lambda: limits.append(1) or CoreLimit(8, by_quota))
     torch.set_num_threads(2)  # the conftest's fixture sets one again
     summary = FitSummary(validate_before_training=False)
     trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)
@@ -479,6 +480,7 @@ def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_
     line = _threads_line(summary.summary_lines(trainer))
     assert line is not None and line.startswith("  threads        torch's threads waited for a core 67%"), line
     assert busy in line and line.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+    assert len(limits) == 1
 
 
 def test_no_threads_line_on_one_thread_or_where_the_threads_hardly_waited(tmp_path, monkeypatch, recwarn):
