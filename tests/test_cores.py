@@ -94,3 +94,10 @@ def test_a_cgroup_path_that_is_not_utf8_is_read_not_raised(tmp_path, monkeypatch
     (root / os.fsdecode(b"job-\xff")).mkdir()
     (root / os.fsdecode(b"job-\xff") / "cpu.max").write_text("200000 100000\n")
     assert cgroup_cpu_quotas() == ["200000 100000"]
+
+
+def test_a_cgroup_outside_the_namespaces_root_reads_no_quota(tmp_path, monkeypatch):
+    """The kernel names a cgroup outside the reader's cgroup namespace "/../x": the root seen is not above it, so
+    its quota (here a sibling's single CPU) is not this process's."""
+    _fake_cgroups(tmp_path, monkeypatch, "0::/../job\n", {"cpu.max": "100000 100000\n"})
+    assert cgroup_cpu_quotas() == []

@@ -59,8 +59,8 @@ def cgroup_cpu_quotas() -> list[str]:
     quotas = []
     for membership in memberships:  # "ID:CONTROLLERS:PATH"; v2's CONTROLLERS are empty
         _, controllers, path = (membership.split(":", 2) + ["", ""])[:3]
-        if controllers and "cpu" not in controllers.split(","):
-            continue
+        if (controllers and "cpu" not in controllers.split(",")) or ".." in path.split("/"):
+            continue  # not the cpu controller's, or outside this cgroup namespace: no folder seen is it or above it
         folder = _CGROUP_ROOT if not controllers else os.path.join(_CGROUP_ROOT, controllers)
         folders = [folder]
         for part in filter(None, path.split("/")):
