@@ -520,3 +520,24 @@ def test_export_model_forgets_an_earlier_fits_export_when_a_fit_starts():
     module = SimpleNamespace(policy=None, tokenizer=None, hparams=SimpleNamespace(fsdp=False, peft_config=None))
     callback.setup(SimpleNamespace(), module, "fit")
     assert callback.result is None
+
+
+@pytest.mark.parametrize("omp", [None, "2"])
+def test_export_takes_the_cores_this_process_may_use_by_default(tmp_path, monkeypatch, omp):
+    """torch's own default thread count is the host's cores; in a 3-CPU container (a cgroup quota) export takes 3,
+    and OMP_NUM_THREADS, where set, is left to decide (torch read it when it started)."""
+    import lit_grpo.export as export
+
+    monkeypatch.setattr(export, "available_cores", lambda: 3)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(5)
+        with pytest.raises(SystemExit):  # no such checkpoint: after the threads are settled
+            export.main(["--ckpt_path", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out")])
+        assert torch.get_num_threads() == (3 if omp is None else 5)
+    finally:
+        torch.set_num_threads(before)
