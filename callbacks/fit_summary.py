@@ -159,7 +159,7 @@ class FitSummary(Callback):
         # (running, waiting) seconds since then at the last step, and whether the run was told to try one thread
         self._threads_at_start: ThreadTimes | None = None
         self._thread_seconds: tuple[float, float] | None = None
-        self._core_limit = CoreLimit(1, by_quota=False)  # the cores the threads are judged by, read at train start
+        self._core_limit = CoreLimit(1)  # the cores the threads are judged by, read at train start
         self._told_core_wait = False
 
     # ------------------------------------------------------------------------------------------ collect

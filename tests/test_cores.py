@@ -9,21 +9,20 @@ import pytest
 
 import lit_grpo.runtime.validation as validation
 from lit_grpo.runtime.validation import (CoreLimit, available_cores, cgroup_cpu_quotas, check_thread_count,
-                                         core_limit, quota_cores)
+                                         core_limit, quota_cpus)
 
 
-@pytest.mark.parametrize("quotas, cores", [
+@pytest.mark.parametrize("quotas, cpus", [
     (["400000 100000"], 4),                   # docker --cpus 4
-    (["150000 100000"], 2),                   # a share of a core counts as one
-    (["50000 100000"], 1),                    # half a CPU: still one core
+    (["150000 100000"], 1.5),                 # a Kubernetes limit of 1500m
     (["max 100000"], None),                   # cgroup v2: no quota
     (["-1 100000"], None),                    # cgroup v1: no quota
     (["max 100000", "800000 100000", "300000 100000"], 3),  # the tightest of the cgroup and those above it
     ([], None),
     (["", "max", "12 x"], None),              # a text the kernel would not write is passed over
 ])
-def test_a_quota_grants_its_cpu_time_in_cores_rounded_up(quotas, cores):
-    assert quota_cores(quotas) == cores
+def test_a_quota_grants_its_cpu_time_in_cpus(quotas, cpus):
+    assert quota_cpus(quotas) == cpus
 
 
 def _write(root, relative: str, text: str) -> None:
@@ -49,7 +48,7 @@ def test_cgroup_v2_reads_the_processs_cgroup_and_those_above_it(tmp_path, monkey
         "kubepods/pod1/ctr/cpu.max": "800000 100000\n", "kubepods/pod1/cpu.max": "200000 100000\n",
         "kubepods/cpu.max": "max 100000\n", "other/cpu.max": "100000 100000\n"})  # another cgroup's: not ours
     assert sorted(cgroup_cpu_quotas()) == ["200000 100000", "800000 100000", "max 100000"]
-    assert quota_cores(cgroup_cpu_quotas()) == 2
+    assert quota_cpus(cgroup_cpu_quotas()) == 2
 
 
 def test_a_container_reads_its_own_cgroup_at_the_root_whatever_path_proc_names(tmp_path, monkeypatch):
@@ -77,12 +76,17 @@ def test_a_quota_below_the_affinity_sets_the_cores(tmp_path, monkeypatch):
     """A 4-CPU pod on a 64-core host: the affinity shows 64 cores, the kernel grants 4 CPUs' time."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     _fake_cgroups(tmp_path, monkeypatch, "0::/\n", {"cpu.max": "400000 100000\n"})
-    assert core_limit() == CoreLimit(cores=4, by_quota=True) and available_cores() == 4
+    assert core_limit() == CoreLimit(cores=4, quota_cpus=4.0) and available_cores() == 4
     with pytest.raises(ValueError, match=r"torch_num_threads=17 must be in \[1, 16\] \(4 a core of the 4 this "
-                                         r"process's cgroup CPU quota grants\)"):
+                                         r"process's cgroup CPU quota of 4 CPUs grants\)"):
         check_thread_count("torch_num_threads", 17)
     _write(tmp_path, "cgroup/cpu.max", "12800000 100000\n")  # a quota of 128 CPUs: the affinity's 64 cores decide
-    assert core_limit() == CoreLimit(cores=64, by_quota=False)
+    assert core_limit() == CoreLimit(cores=64)
+    # a share counts as a core; 63.5 CPUs are the affinity's 64 cores, and a quota that throttles them
+    for quota, limit in (("150000", CoreLimit(2, 1.5)), ("50000", CoreLimit(1, 0.5)), ("6350000", CoreLimit(64, 63.5))):
+        _write(tmp_path, "cgroup/cpu.max", f"{quota} 100000\n")
+        assert core_limit() == limit
+    _write(tmp_path, "cgroup/cpu.max", "12800000 100000\n")
     with pytest.raises(ValueError, match=r"\(4 a core of the 64 this process may run on\)"):
         check_thread_count("torch_num_threads", 257)
 

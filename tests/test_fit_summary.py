@@ -461,16 +461,16 @@ def _threads_line(lines: list[str]) -> str | None:
     return next((line for line in lines if line.startswith("  threads")), None)
 
 
-@pytest.mark.parametrize("by_quota, busy", [(False, "keep the cores busy and"),
-                                             (True, "keep the cores busy or share the CPU quota")])
+@pytest.mark.parametrize("quota_cpus, busy", [(None, "keep the cores busy and"),
+                                               (8.0, "keep the cores busy or share the CPU quota")])
 def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_the_summary(tmp_path, monkeypatch,
-                                                                                             recwarn, by_quota, busy):
+                                                                                             recwarn, quota_cpus, busy):
     import lit_grpo.callbacks.fit_summary as fit_summary
     from lit_grpo.runtime.validation import CoreLimit
     monkeypatch.setattr(fit_summary, "thread_times", _ThreadReadings(running_s=1.0, waiting_s=2.0))
     # the threads fit the cores: other processes (or, where a CPU quota set the cores, what else uses its time)
     limits = []  # read once a fit, not at every step: the cgroups are files to walk
-    monkeypatch.setattr(fit_summary, "core_limit", lambda: limits.append(1) or CoreLimit(8, by_quota))
+    monkeypatch.setattr(fit_summary, "core_limit", lambda: limits.append(1) or CoreLimit(8, quota_cpus))
     torch.set_num_threads(2)  # the conftest's fixture sets one again
     summary = FitSummary(validate_before_training=False)
     trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)

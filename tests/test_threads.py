@@ -29,12 +29,12 @@ def test_more_threads_than_cores_are_told_to_take_one_a_core():
 def test_more_threads_than_a_cpu_quotas_cores_are_told_it_is_the_quota():
     """In a 4-CPU container on a big host the threads have idle cores to run on, but the quota's time runs out:
     they wait throttled (which schedstat counts as waiting), not for one another's cores."""
-    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=64, cores=4, by_quota=True)
+    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=64, cores=4, quota_cpus=4.0)
     assert advice.startswith("torch's threads waited for a core 70% of their time with 64 torch threads on the 4 "
                              "cores this process's cgroup CPU quota grants")
     assert "other processes" not in advice and advice.endswith("try --torch_num_threads 4 (or OMP_NUM_THREADS=4)")
     # within the quota's cores: whatever else uses the quota's time or the cores keeps them waiting
-    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=4, cores=4, by_quota=True)
+    advice = core_wait_advice(running_s=30.0, waiting_s=70.0, torch_threads=4, cores=4, quota_cpus=4.0)
     assert "other processes keep the cores busy or share the CPU quota" in advice
     assert advice.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
 
@@ -84,3 +84,14 @@ def test_a_thread_that_ended_or_whose_statistics_are_unreadable_is_left_out(tmp_
             (tmp_path / tid / "schedstat").write_text(schedstat)
     monkeypatch.setattr(threads, "_TASKS", str(tmp_path))
     assert thread_times() == ThreadTimes(running_s={11: 2.0}, waiting_s={11: 0.5})
+
+
+def test_the_share_a_fractional_quota_throttles_its_threads_is_not_judged():
+    """Under a quota of 1.5 CPUs its 2 threads are throttled a quarter of each period with nothing else running
+    (measured: as fast as one thread, docs/benchmarks.md "Threads"): no advice; a wait beyond that share is advised,
+    and 2 threads under 1 CPU, beyond the quota's one core, are told to take one."""
+    assert core_wait_advice(running_s=76.5, waiting_s=23.5, torch_threads=2, cores=2, quota_cpus=1.5) == ""
+    assert "other processes keep the cores busy or share the CPU quota" in core_wait_advice(
+        running_s=50.0, waiting_s=50.0, torch_threads=2, cores=2, quota_cpus=1.5)
+    assert core_wait_advice(running_s=50.5, waiting_s=49.5, torch_threads=2, cores=1, quota_cpus=1.0).endswith(
+        "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")

@@ -65,20 +65,22 @@ def thread_times() -> ThreadTimes | None:
 
 
 def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cores: int,
-                     by_quota: bool = False) -> str:
+                     quota_cpus: float | None = None) -> str:
     """What to do where torch's threads, ``running_s`` and ``waiting_s`` seconds between two readings, waited
     for a core at least ``CORE_WAIT_SHARE`` of their time with several torch threads: with more of them than the
     ``cores`` the process may use, a thread a core (they wait for one another, the machine idle or not); else
     one thread, which waits for no other; ``""`` where they did not, where torch has one thread already (nothing to
-    change) or where the reading covers less than ``MIN_THREAD_S``. ``by_quota``: the cores are those of the
-    process's cgroup CPU quota (``lit_grpo.runtime.validation.core_limit``), whose threads, once its time in a
-    period is spent, wait throttled until the next, which Linux counts as waiting for a core."""
+    change) or where the reading covers less than ``MIN_THREAD_S``. ``quota_cpus``: the CPUs of the process's cgroup
+    CPU quota where it set the cores (``lit_grpo.runtime.validation.core_limit``). Once a period's quota is spent
+    its threads wait, throttled, until the next, which Linux counts as waiting for a core: within the cores, the
+    share a quota of a fraction of them leaves its threads throttled (1 - quota_cpus / threads) is not judged."""
     total = running_s + waiting_s
-    if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s < CORE_WAIT_SHARE * total:
+    expected = max(0.0, 1 - quota_cpus / torch_threads) if quota_cpus is not None and torch_threads <= cores else 0.0
+    if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s - expected * total < CORE_WAIT_SHARE * total:
         return ""
     waited = (f"torch's threads waited for a core {waiting_s / total:.0%} of their time with {torch_threads} torch "
               "threads")
-    if torch_threads > cores and by_quota:
+    if torch_threads > cores and quota_cpus is not None:
         return (f"{waited} on the {cores} {'core' if cores == 1 else 'cores'} this process's cgroup CPU quota "
                 "grants: threads beyond them spend the quota's time early and wait, throttled, for its next period, "
                 f"and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
@@ -87,6 +89,6 @@ def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cor
         return (f"{waited} on {cores} {'core' if cores == 1 else 'cores'}: threads beyond the cores wait for one "
                 f"another and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
                 f"OMP_NUM_THREADS={cores})")
-    busy = "keep the cores busy or share the CPU quota" if by_quota else "keep the cores busy"
+    busy = "keep the cores busy or share the CPU quota" if quota_cpus is not None else "keep the cores busy"
     return (f"{waited}: other processes {busy} and every parallel op waits for its slowest thread; "
             "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")

@@ -25,16 +25,17 @@ _PROC_SELF_CGROUP = "/proc/self/cgroup"
 
 
 class CoreLimit(NamedTuple):
-    """The cores this process may use, and whether its cgroup's CPU quota set them (else its CPU affinity)."""
+    """The cores this process may use, and the CPUs its cgroup's CPU quota grants where they are fewer than the CPU
+    affinity's cores (1.5 for a limit of 1.5 CPUs, taken as 2 cores; None where the quota grants no fewer)."""
 
     cores: int
-    by_quota: bool
+    quota_cpus: float | None = None
 
 
-def quota_cores(quotas: Iterable[str]) -> int | None:
-    """The cores the tightest of ``quotas`` grants, each a cgroup's CPU quota as cgroup v2's ``cpu.max`` writes it
-    (``"QUOTA PERIOD"`` in microseconds; a QUOTA of ``max``, or v1's ``-1``, sets none): ceil(QUOTA / PERIOD), a
-    share of a core counting as one; None where none sets a quota."""
+def quota_cpus(quotas: Iterable[str]) -> float | None:
+    """The CPUs the tightest of ``quotas`` grants, each a cgroup's CPU quota as cgroup v2's ``cpu.max`` writes it
+    (``"QUOTA PERIOD"`` in microseconds; a QUOTA of ``max``, or v1's ``-1``, sets none): QUOTA / PERIOD; None where
+    none sets a quota."""
     granted = []
     for text in quotas:
         try:
@@ -42,7 +43,7 @@ def quota_cores(quotas: Iterable[str]) -> int | None:
         except ValueError:  # "max", or a text the kernel would not write: no quota to go by
             continue
         if quota > 0 and period > 0:
-            granted.append(-(-quota // period))
+            granted.append(quota / period)
     return min(granted, default=None)
 
 
@@ -94,10 +95,12 @@ def core_limit() -> CoreLimit:
         affinity = len(os.sched_getaffinity(0))
     else:
         affinity = os.cpu_count() or 1
-    quota = quota_cores(cgroup_cpu_quotas())
-    if quota is not None and quota < affinity:
-        return CoreLimit(quota, by_quota=True)
-    return CoreLimit(affinity, by_quota=False)
+    cpus = quota_cpus(cgroup_cpu_quotas())
+    # a share of a core counts as one (as the JVM and loky count it): the quota's threads are throttled together,
+    # not one waiting behind another at every op (docs/benchmarks.md, "Threads")
+    if cpus is not None and cpus < affinity:
+        return CoreLimit(min(math.ceil(cpus), affinity), quota_cpus=cpus)
+    return CoreLimit(affinity)
 
 
 def available_cores() -> int:
@@ -108,9 +111,10 @@ def available_cores() -> int:
 def check_thread_count(name: str, threads: int) -> int:
     """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may use], else a ValueError
     naming ``name``, the value and that range."""
-    cores, by_quota = core_limit()
+    cores, cpus = core_limit()
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
-        of_the = f"{cores} this process's cgroup CPU quota grants" if by_quota else f"{cores} this process may run on"
+        of_the = (f"{cores} this process's cgroup CPU quota of {cpus:g} CPUs grants" if cpus is not None
+                  else f"{cores} this process may run on")
         raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
                          f"a core of the {of_the})")
     return threads
