@@ -1,4 +1,5 @@
-"""Whether this process's threads wait for cores that other processes keep busy, and what to do about it.
+"""Whether this process's threads wait for cores that other processes keep busy (or a CPU quota has spent), and
+what to do about it.
 
 Torch's intra-op threads meet at the end of every parallel op: where another process holds the core one of them
 needs, the op waits for the scheduler to give it one, and a step of many small ops can take many times as long as
@@ -70,10 +71,11 @@ def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cor
     for a core at least ``CORE_WAIT_SHARE`` of their time with several torch threads: with more of them than the
     ``cores`` the process may use, a thread a core (they wait for one another, the machine idle or not); else
     one thread, which waits for no other; ``""`` where they did not, where torch has one thread already (nothing to
-    change) or where the reading covers less than ``MIN_THREAD_S``. ``quota_cpus``: the CPUs of the process's cgroup
-    CPU quota where it set the cores (``lit_grpo.runtime.validation.core_limit``). Once a period's quota is spent
-    its threads wait, throttled, until the next, which Linux counts as waiting for a core: within the cores, the
-    share a quota of a fraction of them leaves its threads throttled (1 - quota_cpus / threads) is not judged."""
+    change) or where the reading covers less than ``MIN_THREAD_S``. ``quota_cpus``: the CPUs of the process's
+    cgroup CPU quota where they are fewer than its affinity's cores (``lit_grpo.runtime.validation.core_limit``).
+    Once a period's quota is spent its threads wait, throttled, until the next, which Linux counts as waiting for a
+    core: within the cores, the share a quota of a fraction of them leaves its threads throttled (1 - quota_cpus /
+    threads) is not judged."""
     total = running_s + waiting_s
     expected = max(0.0, 1 - quota_cpus / torch_threads) if quota_cpus is not None and torch_threads <= cores else 0.0
     if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s - expected * total < CORE_WAIT_SHARE * total:
