@@ -155,11 +155,12 @@ class FitSummary(Callback):
         self._resuming = False  # a resumed fit without a checkpoint state whose first batch is still to come
         self._monitors: list[PeakMemoryMonitor] = []  # the fit's, whose largest logged peaks the summary reports
         self._earlier_memory_peaks: dict[str, dict[str, int]] = {}  # the checkpoint's (_memory_peaks)
-        # rank 0's threads on a CPU device when this fit's training started (None: not read, or unreadable), their
-        # (running, waiting) seconds since then at the last step, and whether the run was told to try one thread
+        # rank 0's threads on a CPU device when this fit's training started (None: not read, or unreadable), and
+        # what to do about their wait for cores since then, as of the last step ("" where nothing), and whether the
+        # run was told so
         self._threads_at_start: ThreadTimes | None = None
-        self._thread_seconds: tuple[float, float] | None = None
         self._core_limit = CoreLimit(1)  # the cores the threads are judged by, read at train start
+        self._threads_advice = ""
         self._told_core_wait = False
 
     # ------------------------------------------------------------------------------------------ collect
@@ -244,11 +245,12 @@ class FitSummary(Callback):
         if now is None:
             return
         threads = torch.get_num_threads()
-        self._thread_seconds = busiest_threads(now.since(self._threads_at_start), threads)
-        advice = core_wait_advice(*self._thread_seconds, threads, *self._core_limit)
-        if warn and advice and not self._told_core_wait:
+        self._threads_advice = core_wait_advice(*busiest_threads(now.since(self._threads_at_start), threads), threads,
+                                                *self._core_limit)
+        if warn and self._threads_advice and not self._told_core_wait:
             self._told_core_wait = True
-            rank_zero_warn(f"FitSummary: {advice}; the fit summary's 'threads' line gives the share over the whole fit")
+            rank_zero_warn(f"FitSummary: {self._threads_advice}; the fit summary's 'threads' line gives the share "
+                           "over the whole fit")
 
     def _logged(self, trainer: pl.Trainer, key: str, family: str) -> Any:
         """The value ``key`` was logged with; a key given and not logged where others of its ``family`` (prefix)
@@ -352,10 +354,8 @@ class FitSummary(Callback):
         if not fit_steps and 0 <= trainer.max_steps <= trainer.global_step:  # e.g. a resume of a finished run
             lines.append(f"  {'nothing to do':<14} the run is at trainer.max_steps={trainer.max_steps} (step "
                          f"{trainer.global_step}): raise --trainer.max_steps to train on")
-        if self._thread_seconds is not None:
-            advice = core_wait_advice(*self._thread_seconds, torch.get_num_threads(), *self._core_limit)
-            if advice:
-                lines.append(f"  {'threads':<14} {advice}")
+        if self._threads_advice:
+            lines.append(f"  {'threads':<14} {self._threads_advice}")
         if len(self.accuracy) == 1:  # one validation (a short or resumed run): nothing to compare it with
             (step, value), = self.accuracy
             lines.append(f"  {self.accuracy_key:<14} {value:.3f}   ({_when(step)})")
