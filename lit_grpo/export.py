@@ -36,7 +36,7 @@ from lit_grpo.runtime.checkpoints import check_writable, find_last_checkpoint, r
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, layers_dtype
 from lit_grpo.runtime.models import DTYPES, follow_umask, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
-from lit_grpo.runtime.validation import available_cores, check_choice, check_thread_count, config_errors
+from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors, default_threads
 from lit_grpo.sampling.engine import stop_token_ids
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in; the others (and their short forms, as
@@ -321,8 +321,8 @@ def main(args: Sequence[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         torch.set_num_threads(options.torch_num_threads)
-    elif "OMP_NUM_THREADS" not in os.environ:  # torch's own default counts the host's cores, not a container's quota
-        torch.set_num_threads(available_cores())
+    elif (threads := default_threads()) is not None:
+        torch.set_num_threads(threads)
     if options.ckpt_path == "last":
         root = Path(options.root)
         # ROOT/checkpoints, and a logger's ROOT/SAVE_DIR[/NAME]/VERSION/checkpoints

@@ -527,8 +527,9 @@ def test_export_takes_the_cores_this_process_may_use_by_default(tmp_path, monkey
     """torch's own default thread count is the host's cores; in a 3-CPU container (a cgroup quota) export takes 3,
     and OMP_NUM_THREADS, where set, is left to decide (torch read it when it started)."""
     import lit_grpo.export as export
+    import lit_grpo.runtime.validation as validation
 
-    monkeypatch.setattr(export, "available_cores", lambda: 3)
+    monkeypatch.setattr(validation, "available_cores", lambda: 3)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

@@ -30,7 +30,7 @@ from lit_grpo.runtime.checkpoints import (SettingsDiffer, find_last_checkpoint, 
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, end_unread_node, ended_by_caller,
                                            launched_node, launched_place, rank_place, watch_failures)
-from lit_grpo.runtime.validation import ConfigError, available_cores, check_thread_count
+from lit_grpo.runtime.validation import ConfigError, check_thread_count, default_threads
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
 from lit_grpo.datamodules.rollout import RolloutDataModule
@@ -191,9 +191,9 @@ class GRPOCLI(LightningCLI):
         of its own unless ``OMP_NUM_THREADS`` is set, so the choice is handed to them there."""
         threads = self._get(self.config, "torch_num_threads")
         if threads is None:
-            if "OMP_NUM_THREADS" in os.environ:
+            threads = default_threads(local_processes)
+            if threads is None:  # OMP_NUM_THREADS
                 return
-            threads = max(1, available_cores() // local_processes)
             torch.set_num_threads(threads)
         if local_processes > 1:
             os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -108,6 +108,15 @@ def available_cores() -> int:
     return core_limit().cores
 
 
+def default_threads(local_processes: int = 1) -> int | None:
+    """Torch's thread count for one of ``local_processes`` on this node where none is given: None where
+    ``OMP_NUM_THREADS`` is set (torch took it when it started), else its share of the cores this process may use
+    (torch's own default counts the host's cores, not a container's CPU quota)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, available_cores() // local_processes)
+
+
 def check_thread_count(name: str, threads: int) -> int:
     """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may use], else a ValueError
     naming ``name``, the value and that range."""
