@@ -69,8 +69,9 @@ class FitSummary(Callback):
     spent at least ``CORE_WAIT_SHARE`` of their time since this fit's training started waiting for a core (a resume
     starts the count again) and torch runs several (``lit_grpo.runtime.threads``), a ``threads`` line after the first
     says so and what to do: one thread where other processes keep the cores busy, a thread a core where torch runs
-    more threads than the cores the process may use (its affinity's, or its cgroup CPU quota's, named so); the first
-    step that reaches the share says so at once, as a warning (once a fit)::
+    more threads than the cores the process may use (its affinity's, or its cgroup CPU quota's, named so; under
+    several ranks on the node, its share of them, as the CLI's default thread count divides them, named so too); the
+    first step that reaches the share says so at once, as a warning (once a fit)::
 
           threads        torch's threads waited for a core 64% of their time with 2 torch threads: other processes
                          keep the cores busy and every parallel op waits for its slowest thread; try
@@ -160,6 +161,7 @@ class FitSummary(Callback):
         # run was told so
         self._threads_at_start: ThreadTimes | None = None
         self._core_limit = CoreLimit(1)  # the cores the threads are judged by, read at train start
+        self._local_processes = 1  # the processes on this node, which divide those cores
         self._threads_advice = ""
         self._told_core_wait = False
 
@@ -180,6 +182,7 @@ class FitSummary(Callback):
         if trainer.is_global_zero and trainer.strategy.root_device.type == "cpu":  # a GPU's step waits on no core
             self._threads_at_start = thread_times()
             self._core_limit = core_limit()
+            self._local_processes = trainer.num_devices
         self._resuming = trainer.global_step > 0 and not self._restored  # its step is read at its first batch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -246,7 +249,7 @@ class FitSummary(Callback):
             return
         threads = torch.get_num_threads()
         self._threads_advice = core_wait_advice(*busiest_threads(now.since(self._threads_at_start), threads), threads,
-                                                *self._core_limit)
+                                                *self._core_limit, local_processes=self._local_processes)
         if warn and self._threads_advice and not self._told_core_wait:
             self._told_core_wait = True
             rank_zero_warn(f"FitSummary: {self._threads_advice}; the fit summary's 'threads' line gives the share "

@@ -9,7 +9,7 @@ import pytest
 
 import lit_grpo.runtime.validation as validation
 from lit_grpo.runtime.validation import (CoreLimit, available_cores, cgroup_cpu_quotas, check_thread_count,
-                                         core_limit, quota_cpus)
+                                         core_limit, core_share, default_threads, quota_cpus)
 
 
 @pytest.mark.parametrize("quotas, cpus", [
@@ -105,3 +105,15 @@ def test_a_cgroup_outside_the_namespaces_root_reads_no_quota(tmp_path, monkeypat
     its quota (here a sibling's single CPU) is not this process's."""
     _fake_cgroups(tmp_path, monkeypatch, "0::/../job\n", {"cpu.max": "100000 100000\n"})
     assert cgroup_cpu_quotas() == []
+
+
+def test_each_process_on_a_node_takes_its_share_of_the_cores(monkeypatch):
+    """The CLI's default threads and the fit summary's advice divide the cores by this one rule."""
+    assert (core_share(8, 2), core_share(7, 2), core_share(2, 4), core_share(5)) == (4, 3, 1, 5)
+    with pytest.raises(ValueError, match=r"local_processes=0 must be an integer >= 1"):
+        core_share(8, 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(validation, "available_cores", lambda: 8)
+    assert (default_threads(), default_threads(3)) == (8, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # torch took it when it started
+    assert default_threads(3) is None

@@ -483,6 +483,25 @@ def test_threads_that_waited_for_busy_cores_are_said_once_during_the_run_and_in_
     assert len(limits) == 1
 
 
+def test_a_ranks_threads_are_judged_by_its_share_of_the_nodes_cores(tmp_path, monkeypatch, recwarn):
+    """2 ranks on a node of 8 cores, each of 4 threads (the CLI's default share) or 8: the 8 are told to take their
+    share, not that other processes keep the cores busy."""
+    import lit_grpo.callbacks.fit_summary as fit_summary
+    from lit_grpo.runtime.validation import CoreLimit
+    monkeypatch.setattr(fit_summary, "thread_times", _ThreadReadings(running_s=1.0, waiting_s=2.0))
+    monkeypatch.setattr(fit_summary, "core_limit", lambda: CoreLimit(8))
+    monkeypatch.setattr(pl.Trainer, "num_devices", property(lambda trainer: 2))  # rank 0 of 2 on this node
+    for threads, advice in ((8, "try --torch_num_threads 4 (or OMP_NUM_THREADS=4)"),
+                            (4, "other processes keep the cores busy")):
+        torch.set_num_threads(threads)
+        summary = FitSummary(validate_before_training=False)
+        trainer = _trainer(tmp_path, [summary], max_steps=3, enable_checkpointing=False, limit_val_batches=0)
+        trainer.fit(RolloutModule([make_rollout(seed) for seed in range(3)]))
+        line = _threads_line(summary.summary_lines(trainer))
+        assert line is not None and f"with {threads} torch threads" in line and advice in line, line
+        assert "this process's share of the 8 cores among the 2 processes on this node" in line
+
+
 def test_no_threads_line_on_one_thread_or_where_the_threads_hardly_waited(tmp_path, monkeypatch, recwarn):
     import lit_grpo.callbacks.fit_summary as fit_summary
     for threads, readings in ((1, _ThreadReadings(running_s=1.0, waiting_s=2.0)),

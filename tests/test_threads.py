@@ -95,3 +95,35 @@ def test_the_share_a_fractional_quota_throttles_its_threads_is_not_judged():
         running_s=50.0, waiting_s=50.0, torch_threads=2, cores=2, quota_cpus=1.5)
     assert core_wait_advice(running_s=50.5, waiting_s=49.5, torch_threads=2, cores=1, quota_cpus=1.0).endswith(
         "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+
+
+def test_several_ranks_on_a_node_are_judged_by_their_share_of_the_cores():
+    """2 ranks of 8 threads each on 8 cores run 16 threads, which wait for one another on an idle machine too: rank 0
+    is told to take a thread a core of its share (as the CLI's default divides the cores), not to blame others."""
+    advice = core_wait_advice(running_s=64.0, waiting_s=36.0, torch_threads=8, cores=8, local_processes=2)
+    assert advice.startswith("torch's threads waited for a core 36% of their time with 8 torch threads on 4 cores, "
+                             "this process's share of the 8 cores among the 2 processes on this node: threads beyond "
+                             "the share wait for one another and the other processes' threads")
+    assert "other processes keep" not in advice and advice.endswith("try --torch_num_threads 4 (or OMP_NUM_THREADS=4)")
+    # within its share: whatever else runs keeps the cores busy
+    advice = core_wait_advice(running_s=64.0, waiting_s=36.0, torch_threads=4, cores=8, local_processes=2)
+    assert ("with 4 torch threads within 4 cores, this process's share of the 8 cores among the 2 processes on this "
+            "node: other processes keep the cores busy") in advice
+    assert advice.endswith("try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+    # more processes than cores: a share of one core
+    assert core_wait_advice(running_s=64.0, waiting_s=36.0, torch_threads=2, cores=2, local_processes=4).endswith(
+        "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+
+
+def test_several_ranks_share_a_cpu_quota():
+    """The ranks a run starts are in its cgroup: 2 ranks of 2 threads under a quota of 3.5 CPUs are throttled an
+    eighth of each period with nothing else running, which is not judged; 4 threads each, beyond their share of
+    the quota's 4 cores, are told to take 2."""
+    assert core_wait_advice(running_s=70.0, waiting_s=30.0, torch_threads=2, cores=4, quota_cpus=3.5,
+                            local_processes=2) == ""
+    advice = core_wait_advice(running_s=50.0, waiting_s=50.0, torch_threads=4, cores=4, quota_cpus=3.5,
+                              local_processes=2)
+    assert advice.startswith("torch's threads waited for a core 50% of their time with 4 torch threads on 2 cores, "
+                             "this process's share of the 4 cores their cgroup CPU quota grants among the 2 processes "
+                             "on this node: threads beyond the share spend the quota's time early and wait, throttled,")
+    assert advice.endswith("try --torch_num_threads 2 (or OMP_NUM_THREADS=2)")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from lit_grpo.runtime.validation import core_share
+
 #: The share of the threads' time spent waiting for a core from which a run of several torch threads is told to try
 #: one: well above an idle machine's, and below the shares at which two threads were measured slower than one.
 CORE_WAIT_SHARE = 0.2
@@ -66,31 +68,48 @@ def thread_times() -> ThreadTimes | None:
 
 
 def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cores: int,
-                     quota_cpus: float | None = None) -> str:
+                     quota_cpus: float | None = None, local_processes: int = 1) -> str:
     """What to do where torch's threads, ``running_s`` and ``waiting_s`` seconds between two readings, waited
     for a core at least ``CORE_WAIT_SHARE`` of their time with several torch threads: with more of them than the
-    ``cores`` the process may use, a thread a core (they wait for one another, the machine idle or not); else
-    one thread, which waits for no other; ``""`` where they did not, where torch has one thread already (nothing to
-    change) or where the reading covers less than ``MIN_THREAD_S``. ``quota_cpus``: the CPUs of the process's
-    cgroup CPU quota where they are fewer than its affinity's cores (``lit_grpo.runtime.validation.core_limit``).
-    Once a period's quota is spent its threads wait, throttled, until the next, which Linux counts as waiting for a
-    core: within the cores, the share a quota of a fraction of them leaves its threads throttled (1 - quota_cpus /
-    threads) is not judged."""
+    process's share of the ``cores`` the node's ``local_processes`` may use (all of them for one process; the
+    share :func:`~lit_grpo.runtime.validation.core_share`, which the CLI's default thread count takes), a thread a
+    core of the share (they wait for one another, the machine idle or not); else one thread, which waits for no
+    other; ``""`` where they did not, where torch has one thread already (nothing to change) or where the reading
+    covers less than ``MIN_THREAD_S``. ``quota_cpus``: the CPUs of the cgroup CPU quota, which the node's processes
+    share (the ranks a run starts are in its cgroup), where they are fewer than the affinity's cores
+    (``lit_grpo.runtime.validation.core_limit``). Once a period's quota is spent its threads wait, throttled, until
+    the next, which Linux counts as waiting for a core: within the share, the part of their time a quota of a
+    fraction of the cores leaves each process's threads throttled (1 - quota_cpus / local_processes / threads) is
+    not judged."""
     total = running_s + waiting_s
-    expected = max(0.0, 1 - quota_cpus / torch_threads) if quota_cpus is not None and torch_threads <= cores else 0.0
-    if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s - expected * total < CORE_WAIT_SHARE * total:
+    share = core_share(cores, local_processes)
+    throttled = (max(0.0, 1 - quota_cpus / local_processes / torch_threads)
+                 if quota_cpus is not None and torch_threads <= share else 0.0)
+    if torch_threads <= 1 or total < MIN_THREAD_S or waiting_s - throttled * total < CORE_WAIT_SHARE * total:
         return ""
     waited = (f"torch's threads waited for a core {waiting_s / total:.0%} of their time with {torch_threads} torch "
               "threads")
-    if torch_threads > cores and quota_cpus is not None:
-        return (f"{waited} on the {cores} {'core' if cores == 1 else 'cores'} this process's cgroup CPU quota "
-                "grants: threads beyond them spend the quota's time early and wait, throttled, for its next period, "
-                f"and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
-                f"OMP_NUM_THREADS={cores})")
-    if torch_threads > cores:
-        return (f"{waited} on {cores} {'core' if cores == 1 else 'cores'}: threads beyond the cores wait for one "
-                f"another and every parallel op waits for its slowest thread; try --torch_num_threads {cores} (or "
-                f"OMP_NUM_THREADS={cores})")
+    if local_processes > 1:
+        granted = " their cgroup CPU quota grants" if quota_cpus is not None else ""
+        shared = (f"{_cores(share)}, this process's share of the {_cores(cores)}{granted} among the "
+                  f"{local_processes} processes on this node")
+    if torch_threads > share:
+        if local_processes > 1:
+            beyond = ("spend the quota's time early and wait, throttled, for its next period" if quota_cpus is not None
+                      else "wait for one another and the other processes' threads")
+            on = f"{shared}: threads beyond the share {beyond},"
+        elif quota_cpus is not None:
+            on = (f"the {_cores(cores)} this process's cgroup CPU quota grants: threads beyond them spend the quota's "
+                  "time early and wait, throttled, for its next period,")
+        else:
+            on = f"{_cores(cores)}: threads beyond the cores wait for one another"
+        return (f"{waited} on {on} and every parallel op waits for its slowest thread; try --torch_num_threads "
+                f"{share} (or OMP_NUM_THREADS={share})")
+    within = f" within {shared}" if local_processes > 1 else ""
     busy = "keep the cores busy or share the CPU quota" if quota_cpus is not None else "keep the cores busy"
-    return (f"{waited}: other processes {busy} and every parallel op waits for its slowest thread; "
+    return (f"{waited}{within}: other processes {busy} and every parallel op waits for its slowest thread; "
             "try --torch_num_threads 1 (or OMP_NUM_THREADS=1)")
+
+
+def _cores(count: int) -> str:
+    return f"{count} {'core' if count == 1 else 'cores'}"

@@ -114,7 +114,13 @@ def default_threads(local_processes: int = 1) -> int | None:
     (torch's own default counts the host's cores, not a container's CPU quota)."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    return max(1, available_cores() // local_processes)
+    return core_share(available_cores(), local_processes)
+
+
+def core_share(cores: int, local_processes: int = 1) -> int:
+    """The cores each of ``local_processes`` on a node may take of the ``cores`` they divide: at least one."""
+    check_int("local_processes", local_processes, 1)
+    return max(1, cores // local_processes)
 
 
 def check_thread_count(name: str, threads: int) -> int:
