@@ -20,7 +20,7 @@ from jsonargparse import Namespace
 
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.models import NO_PROMPT_LENGTH_LIMIT
-from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT
+from lit_grpo.update.lr_schedule import WARMUP_STEPS_COUNT, is_share
 
 
 _LEADING_SETTING = re.compile(r"^([A-Za-z_][\w.]*)=")
@@ -444,9 +444,9 @@ def peer_value_hint(message: str) -> str:
 
 
 def _is_share(value: str) -> bool:
-    """Whether the parser's shown ``value`` is a number between 0 and 1, both excluded (TRL's share of the steps)."""
+    """Whether the parser's shown ``value`` is the text of a share of the steps (:func:`is_share`)."""
     try:
-        return 0 < float(value) < 1
+        return is_share(float(value))
     except ValueError:
         return False
 

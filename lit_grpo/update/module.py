@@ -134,7 +134,7 @@ from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_we
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
 from lit_grpo.update.logprobs import completion_logps, shares_prefix
 from lit_grpo.update.loss_config import LossConfig
-from lit_grpo.update.lr_schedule import (WARMUP_STEPS_COUNT, LrSchedule, global_steps_to_run, lr_lambda,
+from lit_grpo.update.lr_schedule import (WARMUP_STEPS_COUNT, LrSchedule, global_steps_to_run, is_share, lr_lambda,
                                         warmup_steps_count)
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
@@ -159,8 +159,7 @@ def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[fl
     """Check ``GRPOModule``'s AdamW, learning-rate schedule and clipping settings (its docstring says each);
     warn where ``min_lr_ratio`` is set for a schedule that never decays to it."""
     # transformers 5's warmup_steps below 1 is a share of the steps (TRL's warmup_ratio): say what the count is
-    share = isinstance(warmup_steps, float) and 0 < warmup_steps < 1
-    check_int("warmup_steps", warmup_steps, 0, WARMUP_STEPS_COUNT if share else "")
+    check_int("warmup_steps", warmup_steps, 0, WARMUP_STEPS_COUNT if is_share(warmup_steps) else "")
     check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
     check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
     if min_lr_ratio and lr_schedule == "constant":
