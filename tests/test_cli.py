@@ -969,6 +969,7 @@ def test_a_cpu_quota_sets_the_default_thread_count(tmp_path, monkeypatch):
     (tmp_path / "self_cgroup").write_text("0::/\n")
     monkeypatch.setattr(validation, "_CGROUP_ROOT", str(tmp_path))
     monkeypatch.setattr(validation, "_PROC_SELF_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(validation, "_PROC_SELF_MOUNTINFO", str(tmp_path / "missing"))  # the cgroups under the root
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded first, so the teardown takes back what the CLI sets
     monkeypatch.delenv("OMP_NUM_THREADS")
     build_cli(["--config", TINY, "--trainer.logger", "false"], run=False)

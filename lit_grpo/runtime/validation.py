@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 
@@ -22,6 +22,7 @@ MAX_THREADS_PER_CORE = 4
 
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _PROC_SELF_CGROUP = "/proc/self/cgroup"
+_PROC_SELF_MOUNTINFO = "/proc/self/mountinfo"
 
 
 class CoreLimit(NamedTuple):
@@ -47,33 +48,102 @@ def quota_cpus(quotas: Iterable[str]) -> float | None:
     return min(granted, default=None)
 
 
+class CgroupMount(NamedTuple):
+    """A cgroup hierarchy mounted at ``mount_point``, showing there its cgroup ``root`` and those below it: cgroup
+    v1's, with the ``controllers`` it holds, or v2's (``controllers`` None)."""
+
+    root: str
+    mount_point: str
+    controllers: frozenset[str] | None
+
+
+_MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def cgroup_mounts(mountinfo: str) -> list[CgroupMount]:
+    """The cgroup hierarchies' mounts that a ``/proc/self/mountinfo`` text lists, one a line: ``ID PARENT
+    MAJOR:MINOR ROOT MOUNT_POINT OPTIONS [OPTIONAL FIELDS] - FSTYPE SOURCE SUPER_OPTIONS``, of FSTYPE ``cgroup``
+    (v1, whose SUPER_OPTIONS name its controllers: ``rw,cpu,cpuacct``) or ``cgroup2``; paths as the kernel escapes
+    them (a space as ``\\040``). Of two mounts at one mount point the later, which hides the earlier, counts."""
+    mounts = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        try:
+            fstype = fields[fields.index("-", 6) + 1]
+        except (ValueError, IndexError):  # not a mount's line
+            continue
+        if fstype in ("cgroup", "cgroup2"):
+            root, mount_point = (_MOUNTINFO_ESCAPE.sub(lambda code: chr(int(code.group(1), 8)), path)
+                                 for path in fields[3:5])
+            # SUPER_OPTIONS last: a SOURCE may be empty
+            controllers = frozenset(fields[-1].split(",")) if fstype == "cgroup" else None
+            mounts[mount_point] = CgroupMount(root, mount_point, controllers)
+    return list(mounts.values())
+
+
 def cgroup_cpu_quotas() -> list[str]:
-    """The CPU quotas, as ``cpu.max`` texts, of this process's cgroup (``/proc/self/cgroup``) and of those above it,
-    under ``/sys/fs/cgroup``: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``. A
-    container sees its own cgroup at the root, where ``/proc/self/cgroup`` may name it by the host's path: the
-    folders missing are passed over, so the root itself is read too. ``[]`` where there are no cgroups."""
+    """The CPU quotas, as ``cpu.max`` texts, of this process's cgroups (:func:`cpu_quota_texts` of
+    ``/proc/self/cgroup`` and ``/proc/self/mountinfo``); ``[]`` where there are no cgroups."""
     try:
         with open(_PROC_SELF_CGROUP, "rb") as file:  # a cgroup's name is any bytes: decoded as the file system's
-            memberships = os.fsdecode(file.read()).splitlines()
+            memberships = os.fsdecode(file.read())
     except OSError:
         return []
+    try:
+        with open(_PROC_SELF_MOUNTINFO, "rb") as file:
+            mountinfo = os.fsdecode(file.read())
+    except OSError:
+        mountinfo = ""
+    return cpu_quota_texts(memberships, mountinfo, _read_text)
+
+
+def cpu_quota_texts(proc_self_cgroup: str, mountinfo: str, read_text: Callable[[str], str]) -> list[str]:
+    """The CPU quotas, as ``cpu.max`` texts, of the cgroups that ``proc_self_cgroup`` (``/proc/self/cgroup``'s text)
+    names and of those above them that a mount shows (:func:`_cgroup_folders`): cgroup v2's ``cpu.max``, v1's
+    ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us`` (of the hierarchy that holds the ``cpu`` controller), each
+    file's text as ``read_text`` gives it (stripped; ``""`` where there is none)."""
+    mounts = cgroup_mounts(mountinfo)
     quotas = []
-    for membership in memberships:  # "ID:CONTROLLERS:PATH"; v2's CONTROLLERS are empty
+    for membership in proc_self_cgroup.splitlines():  # "ID:CONTROLLERS:PATH"; v2's CONTROLLERS are empty
         _, controllers, path = (membership.split(":", 2) + ["", ""])[:3]
         if (controllers and "cpu" not in controllers.split(",")) or ".." in path.split("/"):
             continue  # not the cpu controller's, or outside this cgroup namespace: no folder seen is it or above it
-        folder = _CGROUP_ROOT if not controllers else os.path.join(_CGROUP_ROOT, controllers)
-        folders = [folder]
-        for part in filter(None, path.split("/")):
-            folder = os.path.join(folder, part)
-            folders.append(folder)
-        for folder in folders:
+        for folder in _cgroup_folders(path, controllers, mounts):
             if controllers:
-                quotas.append(f"{_read_text(os.path.join(folder, 'cpu.cfs_quota_us'))} "
-                              f"{_read_text(os.path.join(folder, 'cpu.cfs_period_us'))}".strip())
+                quotas.append(f"{read_text(os.path.join(folder, 'cpu.cfs_quota_us'))} "
+                              f"{read_text(os.path.join(folder, 'cpu.cfs_period_us'))}".strip())
             else:
-                quotas.append(_read_text(os.path.join(folder, "cpu.max")))
+                quotas.append(read_text(os.path.join(folder, "cpu.max")))
     return [quota for quota in quotas if quota]
+
+
+def _cgroup_folders(path: str, controllers: str, mounts: Iterable[CgroupMount]) -> list[str]:
+    """The folders of the cgroup ``path`` (as ``/proc/self/cgroup`` names it) of the hierarchy that holds the cpu
+    controller among v1's ``controllers`` (``""``: v2's) and of the cgroups above it, from the highest seen: under
+    the mount of that hierarchy whose root is ``path`` or above it (of several, the one that shows most), none
+    where its mounts show other cgroups only (a container's mount root is its own cgroup, the paths outside it not
+    seen); where ``mounts`` hold none of the hierarchy, under ``/sys/fs/cgroup`` (v1: its folder named as
+    ``controllers``, ``cpu,cpuacct``). A container sees its own cgroup at the mount point, which
+    ``/proc/self/cgroup`` may name by the host's path: the folders missing are passed over by the reader, so the
+    mount point itself is read too."""
+    parts = [part for part in path.split("/") if part]
+    hierarchy = [mount for mount in mounts if (mount.controllers is None if not controllers
+                                               else mount.controllers is not None and "cpu" in mount.controllers)]
+    if not hierarchy:
+        folders = [_CGROUP_ROOT if not controllers else os.path.join(_CGROUP_ROOT, controllers)]
+    else:
+        showing = []
+        for mount in hierarchy:
+            root = [part for part in mount.root.split("/") if part]
+            if parts[:len(root)] == root:
+                showing.append((len(root), mount.mount_point))
+        if not showing:
+            return []
+        depth, mount_point = min(showing, key=lambda shown: shown[0])
+        folders, parts = [mount_point], parts[depth:]
+    for part in parts:
+        folders.append(os.path.join(folders[-1], part))
+    return folders
 
 
 def _read_text(path: str) -> str:
