@@ -18,7 +18,7 @@ def test_model_aliases_resolve_and_other_names_pass_through(tmp_path):
 @pytest.mark.parametrize("name", ["smolm2", "tiny-gpt", "gpt"])
 def test_an_unknown_model_name_is_an_error_naming_the_allowed_forms(name):
     with pytest.raises(ValueError, match=rf"model '{name}' is not an alias \(tiny, smollm2\), a tiny model "
-                                         r"\(tiny-llama, tiny-qwen2\), random:NAME"):
+                                         r"\(tiny-llama, tiny-qwen2, tiny-gemma3\), random:NAME"):
         harness.resolve_model(name)
 
 

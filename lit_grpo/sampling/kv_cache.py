@@ -6,7 +6,9 @@ it holds keys and values of shape ``[slots, kv_heads, width, head_dim]``, alloca
 decode step, a refill or a removal. Row ``s`` belongs to whichever sample runs in slot ``s``; its positions sit in
 columns ``[0, lengths[s])``. Keys are cached after the rotary embedding, so a column only needs to be admitted by
 the attention mask, not to sit at its position's index; still, column = position id here, which keeps the mask a
-plain comparison (``column <= lengths[s]``).
+plain comparison (``column <= lengths[s]``). A sliding-window layer (Gemma 3's, Mistral's) keeps every column too,
+as wide as a full-attention layer: its mask admits only the window's columns (also ``column > lengths[s] -
+window``, ``attention_layout``), so its memory is a full-attention layer's, and a row's columns never move.
 
 A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``index_put_`` per
 layer, no host round trip) and attends over the cache's first ``attended`` columns (``attend``: the rollout's own
@@ -29,6 +31,9 @@ schedule, so ``RolloutLoop`` decides.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, DynamicCache
@@ -78,17 +83,69 @@ def take_columns(kv: KV, spans: list[tuple[int, int | None]]) -> list[KV]:
     return parts
 
 
-def check_full_attention(model_config) -> None:
-    """Refuse models whose cache layers are not plain full attention (sliding-window, hybrid, linear), or whose
-    cached keys and values are not ``num_key_value_heads x head_dim`` wide (multi-head latent attention)."""
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a model's layers attend, as the decode step and the packed prefill must mask them.
+
+    Attributes:
+        sliding_window: None where every layer attends in full; else the window of its sliding-window layers
+            (transformers' rule: a query at position q attends the keys at positions k with q - window < k <= q).
+        keyed_masks: the model takes its ready-made masks as a dict keyed by layer type (``"full_attention"``,
+            ``"sliding_attention"``: transformers' models with ``layer_types``, such as Gemma 3 and Qwen2) rather
+            than one mask for every layer (Mistral, all of whose layers slide).
+    """
+
+    sliding_window: int | None = None
+    keyed_masks: bool = False
+
+    def mask_argument(self, full: torch.Tensor,
+                      sliding: Callable[[], torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The ``attention_mask`` a forward takes: ``full`` alone for a model without sliding layers (the very
+        tensor, so nothing changes for it); else ``sliding()`` (the mask that also hides keys outside the window)
+        for every layer, or keyed by layer type."""
+        if self.sliding_window is None:
+            return full
+        if self.keyed_masks:
+            return {"full_attention": full, "sliding_attention": sliding()}
+        return sliding()
+
+
+def attention_layout(model_config) -> AttentionLayout:
+    """The ``AttentionLayout`` of a model the rollout engine computes exactly: every cache layer full attention or
+    sliding-window attention of one window. Refused, naming why: linear, hybrid, chunked or latent attention (keys
+    and values not ``num_key_value_heads x head_dim`` wide), bidirectional attention, and attention logit
+    soft-capping under SDPA (which does not compute it)."""
     if getattr(model_config, "kv_lora_rank", None):
         raise ValueError(f"the rollout engine needs keys and values of num_key_value_heads x head_dim each; this "
                          f"model ({model_config.model_type}) caches latent attention (kv_lora_rank="
                          f"{model_config.kv_lora_rank}), whose keys and values have other widths")
-    for layer in DynamicCache(config=model_config).layers:
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"the rollout engine needs full-attention cache layers; this model uses "
-                             f"{type(layer).__name__} (sliding-window or hybrid caches are not supported)")
+    text = model_config.get_text_config(decoder=True)
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"the rollout engine needs causal attention; this model ({text.model_type}) sets "
+                         "use_bidirectional_attention=True")
+    implementation = getattr(model_config, "_attn_implementation", None)
+    if getattr(text, "attn_logit_softcapping", None) is not None and implementation == "sdpa":
+        raise ValueError(f"this model ({text.model_type}) sets attn_logit_softcapping="
+                         f"{text.attn_logit_softcapping}, which SDPA attention does not compute; load it with "
+                         "attn_implementation='eager'")
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=model_config).layers}
+    if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer"}:
+        raise ValueError(f"the rollout engine needs full-attention or sliding-window cache layers; this model uses "
+                         f"{', '.join(sorted(kinds))} (hybrid or linear caches are not supported)")
+    if "DynamicSlidingWindowLayer" not in kinds:
+        return AttentionLayout()
+    layer_types = getattr(text, "layer_types", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    other = sorted(set(layer_types or ()) - {"full_attention", "sliding_attention"})
+    if other or chunk is not None:
+        found = f"layer_types {other}" if other else f"attention_chunk_size={chunk}"
+        raise ValueError(f"the rollout engine computes full and sliding-window attention; this model "
+                         f"({text.model_type}) has {found} (chunked attention is not supported)")
+    window = getattr(text, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"this model ({text.model_type}) has sliding-window layers but sliding_window={window!r}; "
+                         "an integer >= 1 is needed")
+    return AttentionLayout(sliding_window=window, keyed_masks=layer_types is not None)
 
 
 class _StoringLayer(DynamicLayer):
@@ -106,8 +163,10 @@ class PrefillCache(DynamicCache):
     """The ``DynamicCache`` of a prefill, storing keys and values in ``dtype``, the slot cache's (``kv_cache_dtype``):
     under autocast the keys arrive in float32 (the rotary embedding multiplies the bfloat16 projection by float32
     cos/sin), and attention computes in the autocast dtype anyway, so storing them in it changes no result and
-    halves the keys' memory, for the prefill's moment and for the prefixes split from it. For full-attention
-    models (``check_full_attention``)."""
+    halves the keys' memory, for the prefill's moment and for the prefixes split from it. Every layer keeps every
+    position, a sliding-window layer's too (transformers' ``DynamicSlidingWindowLayer`` keeps only the last
+    window): the prefixes split from it fill slot-cache rows, which hold every position; the masks hide the keys
+    outside a window (``attention_layout``)."""
 
     def __init__(self, config, dtype: torch.dtype):
         super().__init__(config=config)
@@ -177,7 +236,8 @@ class SlotKVCache(Cache):
     """
 
     def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
-        check_full_attention(model_config)
+        #: How the model's layers attend (the decode step masks sliding-window layers by it).
+        self.layout = attention_layout(model_config)
         num_layers, kv_heads, head_dim = kv_geometry(model_config)
         self.num_slots, self.width = num_slots, width
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)

@@ -9,7 +9,8 @@ The chunk is packed, not padded: its prompts are laid end to end in one sequence
 (from 0), so no position is computed for nothing. Attention must not cross from one prompt into another: on an SDPA
 model, ``packed_attention`` runs each prompt's causal attention on its own (SDPA per prompt, as if it ran alone,
 instead of one masked ``[T, T]`` product that costs the square of the whole chunk); any other attention
-implementation gets a block-diagonal causal mask.
+implementation gets a block-diagonal causal mask. A sliding-window layer attends only its window here too: its SDPA
+call gets the windowed causal mask of a prefix longer than the window, and a block mask is windowed for it.
 
 Why fixed chunks: a prompt's prefix KV may depend (in its rounding) on the shape of the forward it ran in (a
 matmul kernel may pick its blocking by the rows). The chunks are a function of the rollout's prompts alone (their
@@ -21,6 +22,7 @@ stay bit-identical. Chunks are consecutive prompts, so a strategy that starts th
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,10 +36,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling.decode_attention import instead_of_sdpa
-from lit_grpo.sampling.kv_cache import KV, take_columns
+from lit_grpo.sampling.kv_cache import KV, attention_layout, take_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
-           "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes"]
+           "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes", "window_causal"]
 
 #: The most tokens one prefill forward packs (a longer prefix runs alone): enough rows for a CPU's matmuls to
 #: reach their rate, and small beside the slot cache in activations and in the prefixes held ahead.
@@ -98,21 +100,32 @@ def pack_chunk(prefixes: Sequence[Sequence[int]], device: torch.device) -> Packe
     return PackedChunk(input_ids, position_ids, lengths, [0, *itertools.accumulate(lengths)][:-1])
 
 
-def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.device,
+                      sliding_window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, T]`` additive mask (0, or ``dtype``'s lowest): each position attends the earlier positions of its
-    own prefix (``lengths``: the prefixes' tokens, end to end)."""
+    own prefix (``lengths``: the prefixes' tokens, end to end), with a ``sliding_window`` only the last that many
+    (its own included)."""
     member = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    causal = torch.ones(len(member), len(member), dtype=torch.bool, device=device).tril()
-    allowed = causal & (member[:, None] == member[None, :])
+    allowed = window_causal(len(member), sliding_window, device) & (member[:, None] == member[None, :])
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def window_causal(n: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` bool: query q attends key k where k <= q, and with a ``sliding_window``, q - window < k
+    (transformers' rule)."""
+    query, key = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    allowed = key <= query
+    return allowed if sliding_window is None else allowed & (key > query - sliding_window)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      prefill_lengths: Sequence[int] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: with ``prefill_lengths`` (a packed chunk's, passed through the
-    model's forward), each prefix's causal attention by SDPA on its own; without, SDPA unchanged.
+    model's forward), each prefix's causal attention by SDPA on its own; without, SDPA unchanged. A sliding-window
+    layer's call (``sliding_window``, passed by the layer) gives a prefix longer than the window the mask that
+    also hides the keys outside it, as transformers' own mask does.
 
     Args:
         query: ``[1, heads, T, dim]``; key, value: ``[1, kv_heads, T, dim]`` (T = the sum of ``prefill_lengths``).
@@ -123,10 +136,12 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if prefill_lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    window = kwargs.get("sliding_window")
     outputs, start = [], 0
     for n in prefill_lengths:
         part = slice(start, start + n)
-        out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], None,
+        mask = None if window is None or n <= window else window_causal(n, window, query.device)[None, None]
+        out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], mask,
                                         dropout=dropout, scaling=scaling, **kwargs)
         outputs.append(out)
         start += n
@@ -155,8 +170,9 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
             yield inputs | {"prefill_lengths": chunk.lengths}
         else:
             # the layers' dtype: a float32 head (cast_lm_head_to_fp32) tied to the embedding makes model.dtype float32
-            yield inputs | {"attention_mask": block_causal_mask(chunk.lengths, layers_dtype(model),
-                                                                chunk.input_ids.device)}
+            mask = functools.partial(block_causal_mask, chunk.lengths, layers_dtype(model), chunk.input_ids.device)
+            layout = attention_layout(model.config)
+            yield inputs | {"attention_mask": layout.mask_argument(mask(), lambda: mask(layout.sliding_window))}
 
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:

@@ -197,7 +197,8 @@ class GRPOModule(LightningModule):
     """GRPO policy optimization (module docstring).
 
     Args:
-        model: hub id or path ("HuggingFaceTB/SmolLM2-135M-Instruct" works offline; "tiny-llama", "tiny-qwen2").
+        model: hub id or path ("HuggingFaceTB/SmolLM2-135M-Instruct" works offline; "tiny-llama", "tiny-qwen2",
+            "tiny-gemma3").
         dtype: weights dtype ("float32", "bfloat16", ...); None keeps the checkpoint's. For mixed precision keep
             float32 weights and set ``trainer.precision: bf16-mixed``.
         peft_config: LoRA settings for ``peft.LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules:

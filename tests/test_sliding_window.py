@@ -1,0 +1,303 @@
+"""Sliding-window attention in the rollout engine (Gemma 3 text, Qwen2 and Mistral with a window): the slot cache
+keeps every column and the masks admit a sliding layer's window only, so rollouts longer than the window equal
+``model.generate`` (transformers' own sliding cache) and the update's log-probs, in every schedule."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, Llama4TextConfig,
+                          MistralConfig, Qwen2Config, Qwen3NextConfig)
+
+from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
+                                     cache_keyword)
+from lit_grpo.sampling import RolloutEngine
+from lit_grpo.sampling.decode_attention import _is_decode_call
+from lit_grpo.sampling.kv_cache import AttentionLayout, PrefillCache, attention_layout, cache_layers_kv
+from lit_grpo.sampling.prefill import block_causal_mask, pack_chunk, packed_forward, split_prefixes
+from precision_helpers import assert_greedy_margin
+from scheduler_helpers import trust_predictions
+
+WINDOW = TINY_SLIDING_WINDOW
+# 7, 16 and 2 tokens: two prompts longer than the window, and completions of up to 16 tokens past it
+PROMPTS = ["What is 2+3?", "Compute the sum of 7, 8 and 9. Think step by step.", "hi"]
+MODELS = ["tiny-gemma3", "qwen2-sliding", "mistral-sliding"]
+
+
+def sliding_model(name: str):
+    """(model, tokenizer), float32: tiny-gemma3 (sliding, sliding, full), a Qwen2 whose second layer slides (mask
+    dict keyed by layer type, as Gemma 3's) or a Mistral whose every layer slides (one mask for every layer)."""
+    if name == "tiny-gemma3":
+        return load_model_and_tokenizer(name)
+    tokenizer = tiny_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW, tie_word_embeddings=False,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id)
+    if name == "qwen2-sliding":
+        config = Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
+    else:
+        config = MistralConfig(**common)
+    with seeded_on(torch.device("cpu"), 1234):
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def sliding(request):
+    return sliding_model(request.param)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def sliding64(request):
+    """float64, as conftest's ``tiny``: schedules of different row counts then agree to far below float32."""
+    model, tokenizer = sliding_model(request.param)
+    return model.double(), tokenizer
+
+
+def _ids(tokenizer):
+    ids = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    assert max(len(p) for p in ids) > 2 * WINDOW  # the windows bite within the prompts
+    return ids
+
+
+def test_the_layout_reads_the_window_and_how_the_model_takes_its_masks():
+    assert attention_layout(load_model_and_tokenizer("tiny-llama")[0].config) == AttentionLayout()
+    gemma = sliding_model("tiny-gemma3")[0]
+    assert type(gemma).__name__ == "Gemma3ForCausalLM"
+    assert attention_layout(gemma.config) == AttentionLayout(sliding_window=WINDOW, keyed_masks=True)
+    assert attention_layout(sliding_model("qwen2-sliding")[0].config) == AttentionLayout(WINDOW, keyed_masks=True)
+    assert attention_layout(sliding_model("mistral-sliding")[0].config) == AttentionLayout(WINDOW, keyed_masks=False)
+    full = torch.zeros(1)
+    assert AttentionLayout().mask_argument(full, lambda: 1 / 0) is full  # a full-attention model: today's tensor
+    # a sliding layer's decode call is the decode kernel's: its window is in the mask the step builds
+    query, mask = torch.zeros(2, 4, 1, 8), torch.zeros(2, 1, 1, 5)
+    assert _is_decode_call(query, mask, 0.0, {"sliding_window": WINDOW})
+
+
+def _sdpa(config):
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.mark.parametrize("config, message", [
+    (_sdpa(Gemma2Config(num_hidden_layers=2)), "sets attn_logit_softcapping=50.0, which SDPA attention does not "
+                                               "compute; load it with attn_implementation='eager'"),
+    (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (Llama4TextConfig(num_hidden_layers=4), "has layer_types ['chunked_attention'] (chunked attention is not "
+                                            "supported)"),
+    (Qwen3NextConfig(num_hidden_layers=4), "this model uses DynamicLayer, LinearAttentionLayer (hybrid or linear "
+                                           "caches are not supported)"),
+])
+def test_what_the_engine_cannot_compute_exactly_is_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attention_layout(config)
+
+
+@pytest.mark.parametrize("name, implementation", [(name, "sdpa") for name in MODELS] + [("tiny-gemma3", "eager")])
+def test_greedy_output_equals_model_generate_past_the_window(name, implementation):
+    """generate keeps transformers' sliding cache (the last window of keys); the engine keeps every column and
+    masks. Equal tokens, 16 per completion from prompts of up to 16 tokens, window 6. eager: the packed prefill's
+    block mask is windowed too (a dict keyed by layer type for Gemma 3)."""
+    model, tokenizer = sliding_model(name)
+    model.config._attn_implementation = implementation
+    prompts = _ids(tokenizer)
+    engine = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=3, strategy="continuous",
+                           max_new_tokens=16, temperature=0.0)
+    result = engine.generate(prompts)
+    for p, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        assert_greedy_margin(model, prompt, expected)
+        assert len(expected) == 16 and result.completion_ids[p] == [expected, expected]
+
+
+def test_without_the_window_in_the_mask_the_engine_would_differ(monkeypatch):
+    """The check above can fail: masking the sliding layers as full ones changes the completions."""
+    import lit_grpo.sampling.kv_cache as kv_cache
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)
+    settings = dict(group_size=1, strategy="continuous", max_new_tokens=16, temperature=0.0)
+    windowed = RolloutEngine(model, tokenizer, **settings).generate(prompts)
+    monkeypatch.setattr(kv_cache, "attention_layout", lambda config: AttentionLayout())
+    unwindowed = RolloutEngine(model, tokenizer, **settings).generate(prompts)
+    assert unwindowed.completion_ids != windowed.completion_ids
+
+
+def test_every_strategy_returns_the_same_completions(sliding64):
+    model, tokenizer = sliding64
+    prompts = _ids(tokenizer)
+    runs = {}
+    for strategy in ("full", "micro", "continuous", "infinite"):
+        for g in (1, 3):
+            engine = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=g, strategy=strategy,
+                                   max_new_tokens=14, temperature=1.0, seed=5)
+            runs[(strategy, g)] = engine.generate(prompts)
+    parking = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="infinite",
+                            max_new_tokens=14, temperature=1.0, seed=5, predictor="online", probe_tokens=4)
+    trust_predictions(parking.scheduler)
+    runs["parking"] = parking.generate(prompts)
+    assert parking.scheduler.last_info["parked_samples"] > 0  # parked tails, read from rows, written back
+    reference = runs[("full", 1)]
+    assert max(len(c) for c in sum(reference.completion_ids, [])) > WINDOW
+    for key, result in runs.items():  # precision: as test_engine's test of every strategy (float64 model)
+        assert result.completion_ids == reference.completion_ids, key
+        for got, want in zip(sum(result.logprobs, []), sum(reference.logprobs, [])):
+            assert got == pytest.approx(want, abs=2e-6), key
+
+
+def test_carried_samples_prefilled_again_continue_as_one_rollout(sliding64):
+    """A carried sample's fed positions are prefilled after its prompt's prefix (``_prefill_tail``): past the window
+    too, the completions and log-probs of one uninterrupted rollout."""
+    model, tokenizer = sliding64
+    prompts = _ids(tokenizer)
+    make = lambda: RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy="continuous",  # noqa
+                                 max_new_tokens=14, temperature=1.0, seed=7)
+    whole = make().generate(prompts)
+    engine = make()
+    groups = engine.new_groups(prompts, tags=list(range(len(prompts))))
+    completions, logprobs, calls = {}, {}, 0
+    while groups:
+        result = engine.generate_groups(groups, complete=1)
+        calls += 1
+        for tag, ids, lps in zip(result.tags, result.completion_ids, result.logprobs):
+            completions[tag], logprobs[tag] = ids, lps
+        groups = result.carried
+    assert calls > 1
+    assert [completions[p] for p in range(len(prompts))] == whole.completion_ids
+    for p in range(len(prompts)):
+        for got, want in zip(sum(logprobs[p], []), sum(whole.logprobs[p], [])):
+            assert got == pytest.approx(want, abs=2e-6)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_packed_chunk_computes_each_prefix_as_it_would_alone_past_the_window(sliding64, implementation):
+    """Packed: SDPA per prefix with the windowed mask for a sliding layer, or the windowed block mask; alone: the
+    model's own masks. The prefill cache keeps every position of a sliding layer (not the last window)."""
+    model, tokenizer = sliding64
+    prefixes = [tokenizer(text)["input_ids"] for text in PROMPTS[:2] + ["Name a colour, then another one."]]
+    model.config._attn_implementation = implementation
+    try:
+        with torch.inference_mode():
+            packed = pack_chunk(prefixes, torch.device("cpu"))
+            cache = PrefillCache(model.config, torch.float64)
+            with packed_forward(model, packed) as inputs:
+                model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
+            for prefix, kv in zip(prefixes, split_prefixes(cache_layers_kv(cache), packed)):
+                alone = PrefillCache(model.config, torch.float64)
+                model(input_ids=torch.tensor([prefix]), **{cache_keyword(model): alone}, use_cache=True)
+                for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
+                    assert keys.shape[2] == own_keys.shape[2] == len(prefix) > WINDOW
+                    torch.testing.assert_close(keys, own_keys, rtol=1e-6, atol=1e-6)
+                    torch.testing.assert_close(values, own_values, rtol=1e-6, atol=1e-6)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    # transformers' own prefill cache keeps a sliding layer's last window only: PrefillCache must not
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+    assert "DynamicSlidingWindowLayer" in kinds
+
+
+def test_a_windowed_block_mask_admits_the_last_window_of_each_prefix():
+    allowed = (block_causal_mask([4, 2], torch.float32, torch.device("cpu"), sliding_window=2)[0, 0] == 0).int()
+    assert allowed.tolist() == [[1, 0, 0, 0, 0, 0],
+                                [1, 1, 0, 0, 0, 0],
+                                [0, 1, 1, 0, 0, 0],
+                                [0, 0, 1, 1, 0, 0],
+                                [0, 0, 0, 0, 1, 0],
+                                [0, 0, 0, 0, 1, 1]]
+
+
+def test_the_engines_logprobs_equal_the_updates_for_gemma3():
+    """The update runs the model's own forward (transformers builds the sliding masks, over left padding): its
+    log-probs of the sampled completions equal the sampler's, float32 on a CPU, as for tiny-llama."""
+    from lit_grpo.update.logprobs import completion_logps
+    from lit_grpo.update.shared_prefix import unsupported_reason
+    from test_module import make_datamodule, make_module
+
+    module = make_module(model="tiny-gemma3")
+    batch = make_datamodule(module, max_new_tokens=14).build_train_batch()
+    micro = batch.micro_batch(torch.arange(batch.num_completions))
+    mask = micro["completion_mask"].bool()
+    assert micro["input_ids"].shape[1] > 2 * WINDOW and mask.sum(1).max() > WINDOW
+    with torch.no_grad():
+        trainer, _ = completion_logps(module.policy, micro, batch.temperature)
+        full, _ = completion_logps(module.policy, micro, batch.temperature, chunked=False)
+    torch.testing.assert_close(trainer[mask], micro["sampling_logprobs"][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(full[mask], micro["sampling_logprobs"][mask], atol=1e-5, rtol=0)
+    # the shared-prefix forward cannot read a sliding cache as a prefix: "auto" runs the plain forward
+    assert "DynamicSlidingWindowLayer" in unsupported_reason(module.policy)
+    with torch.no_grad():
+        auto, _ = completion_logps(module.policy, micro, batch.temperature, shared_prefix="auto")
+    assert torch.equal(auto, trainer)
+
+
+def test_gemma3_trains_a_few_steps():
+    import lightning.pytorch as pl
+
+    from datamodule_helpers import datamodule_arguments
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    module = GRPOModule(model="tiny-gemma3")
+    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0, "max_new_tokens": 10})))
+    assert trainer.global_step == 2
+    assert type(module.policy).__name__ == "Gemma3ForCausalLM"
+    fresh = load_model_and_tokenizer("tiny-gemma3")[0]
+    moved = [not torch.equal(p, q) for p, q in zip(module.policy.parameters(), fresh.parameters())]
+    assert any(moved)  # the steps updated the policy
+
+
+def test_a_compiled_step_masks_the_window_as_the_eager_one():
+    """The CPU's compiled step traces the same code (the mask dict built from the lengths inside the step): the
+    same greedy completions as the eager step and ``model.generate``, in one compilation. (The CUDA graph path
+    captures this same step; it is not run here.)"""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)
+    settings = dict(group_size=2, micro_group_size=3, strategy="continuous", max_new_tokens=16, temperature=0.0)
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled = RolloutEngine(model, tokenizer, compile=True, **settings).generate(prompts)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    eager = RolloutEngine(model, tokenizer, compile=False, **settings).generate(prompts)
+    assert compiled.completion_ids == eager.completion_ids
+    for p, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+        assert compiled.completion_ids[p][0] == expected.tolist()
+
+
+def test_a_multimodal_gemma3_samples_text_as_its_generate_does():
+    """Gemma 3 4B and larger load as ``Gemma3ForConditionalGeneration`` (vision tower and all): text prompts go
+    through its language model, whose masks it takes as Gemma3ForCausalLM does."""
+    from transformers import Gemma3Config
+
+    tokenizer = tiny_tokenizer()
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    text = dict(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                **special)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=len(tokenizer) + 1, boi_token_index=len(tokenizer) + 2,
+                          eoi_token_index=len(tokenizer) + 3, **special)
+    with seeded_on(torch.device("cpu"), 1234):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert attention_layout(model.config) == AttentionLayout(sliding_window=WINDOW, keyed_masks=True)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    prompts = _ids(tokenizer)
+    result = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=16,
+                           temperature=0.0).generate(prompts)
+    for p, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        assert_greedy_margin(model, prompt, expected)
+        assert result.completion_ids[p] == [expected]
