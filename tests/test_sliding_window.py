@@ -38,6 +38,10 @@ def sliding_model(name: str):
                   bos_token_id=tokenizer.bos_token_id)
     if name == "qwen2-sliding":
         config = Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
+    elif name == "gemma2":  # soft-capped attention scores and logits; transformers runs it in eager attention
+        config = Gemma2Config(**(common | dict(num_hidden_layers=3)), head_dim=16, query_pre_attn_scalar=16,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     else:
         config = MistralConfig(**common)
     with seeded_on(torch.device("cpu"), 1234):
@@ -301,3 +305,28 @@ def test_a_multimodal_gemma3_samples_text_as_its_generate_does():
                                   max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
         assert_greedy_margin(model, prompt, expected)
         assert result.completion_ids[p] == [expected]
+
+
+def test_gemma2_in_eager_attention_samples_with_its_soft_capping():
+    """Gemma 2 soft-caps its attention scores, which only eager attention computes (transformers loads it so; under
+    SDPA ``attention_layout`` refuses it): the decode step and the prefill then run the model's own eager
+    attention with the engine's masks. Greedy equals generate, and sampled log-probs a teacher-forced forward's."""
+    model, tokenizer = sliding_model("gemma2")
+    assert model.config._attn_implementation == "eager"
+    assert attention_layout(model.config) == AttentionLayout(sliding_window=WINDOW, keyed_masks=True)
+    prompts = _ids(tokenizer)
+    greedy = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=16,
+                           temperature=0.0).generate(prompts)
+    for p, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        assert_greedy_margin(model, prompt, expected)
+        assert greedy.completion_ids[p] == [expected]
+    sampled = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=3, strategy="continuous",
+                            max_new_tokens=14, temperature=0.7, seed=3).generate(prompts)
+    for p, prompt in enumerate(prompts):
+        for completion, logprobs in zip(sampled.completion_ids[p], sampled.logprobs[p]):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+            expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, torch.tensor(completion)[:, None])
+            torch.testing.assert_close(torch.tensor(logprobs), expected.squeeze(-1), atol=1e-5, rtol=0)
