@@ -4,6 +4,7 @@ keeps every column and the masks admit a sliding layer's window only, so rollout
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -355,3 +356,22 @@ def test_the_sdpa_gqa_decode_kernel_reads_the_window_from_the_mask_too():
     matmul = RolloutEngine(model, tokenizer, **settings).generate(prompts)
     gqa = RolloutEngine(model, tokenizer, decode_attention="sdpa_gqa", **settings).generate(prompts)
     assert gqa.completion_ids == matmul.completion_ids  # both equal generate (the greedy test above)
+
+
+def test_prompts_prefilled_alone_take_the_models_own_sliding_masks(monkeypatch):
+    """A chunk of one prompt (here every prompt: a budget of one token) runs the model's own masks over the full-width
+    ``PrefillCache``: the same completions as packed chunks, and as generate."""
+    from lit_grpo.sampling import rollout_loop
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)
+    settings = dict(group_size=2, micro_group_size=3, strategy="continuous", max_new_tokens=16, temperature=1.0,
+                    seed=11)
+    packed = RolloutEngine(model, tokenizer, **settings).generate(prompts)
+    monkeypatch.setattr(rollout_loop, "PREFILL_CHUNK_TOKENS", 1)
+    alone = RolloutEngine(model, tokenizer, **settings).generate(prompts)
+    assert alone.completion_ids == packed.completion_ids
+    for got, want in zip(sum(sum(alone.logprobs, []), []), sum(sum(packed.logprobs, []), [])):
+        assert got == pytest.approx(want, abs=1e-5)  # float32: packed and lone prefixes round apart
+    bf16 = RolloutEngine(model.to(torch.bfloat16), tokenizer, **settings).generate(prompts)  # runs, finite
+    assert all(math.isfinite(x) for x in sum(sum(bf16.logprobs, []), []))
