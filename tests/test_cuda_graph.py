@@ -282,3 +282,28 @@ def test_a_compiled_step_under_a_caching_autocast_is_compiled_before_its_capture
         with torch.autocast("cuda", dtype=torch.bfloat16):
             engine.generate(prompts)
     assert engine._step.graph is not None and not engine.graph_failure
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_sliding_window_model_replays_its_windowed_masks(compile):
+    """tiny-gemma3 (window 6): the captured step (compiled or not) builds the sliding layers' mask from the rows'
+    lengths on every replay, with live-width buckets: greedy equals generate (transformers' sliding cache), and
+    sampling equals the eager step, past the window."""
+    model, tokenizer = load_model_and_tokenizer("tiny-gemma3", dtype="float32", device="cuda")
+    prompts = [tokenizer(text)["input_ids"] for text in ["Compute 7 + 8 + 9, step by step.", "What is 2+3?"]]
+    greedy = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=16,
+                           temperature=0.0, cuda_graph=True, compile=compile)
+    result = greedy.generate(prompts)
+    assert greedy._step.graph is not None
+    for p, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,
+                                      eos_token_id=greedy.eos_token_ids, pad_token_id=tokenizer.pad_token_id)
+        expected = expected[0, len(prompt):].tolist()
+        if any(t in greedy.eos_token_ids for t in expected):  # generate pads after EOS; the engine stops there
+            expected = expected[: next(i for i, t in enumerate(expected) if t in greedy.eos_token_ids) + 1]
+        assert result.completion_ids[p][0] == expected
+    settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=16, seed=2)
+    replayed = RolloutEngine(model, tokenizer, cuda_graph=True, compile=compile, **settings).generate(prompts)
+    eager = RolloutEngine(model, tokenizer, cuda_graph=False, compile=False, **settings).generate(prompts)
+    assert_same_samples(replayed, eager)
