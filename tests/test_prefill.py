@@ -72,8 +72,8 @@ def test_a_chunk_computes_each_prompts_prefix_as_it_would_alone(tiny, implementa
             packed = pack_chunk(prefixes, torch.device("cpu"))
             cache = DynamicCache(config=model.config)
             with packed_forward(model, packed) as inputs:
-                assert set(inputs) == {"position_ids", "prefill_lengths" if implementation == "sdpa" else
-                                       "attention_mask"}
+                assert set(inputs) == {"position_ids"} if implementation == "sdpa" else {"position_ids",
+                                                                                       "attention_mask"}
                 model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
             assert model.config._attn_implementation == implementation
             together = split_prefixes(cache_layers_kv(cache), packed)
@@ -90,7 +90,7 @@ def test_a_chunk_computes_each_prompts_prefix_as_it_would_alone(tiny, implementa
 
 
 def test_without_a_chunk_the_packed_attention_is_sdpa(tiny_llama):
-    """Any call of the registered attention that carries no ``prefill_lengths`` is SDPA's, unchanged."""
+    """Any call of the registered attention outside a packed forward's block is SDPA's, unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     attention = tiny_llama[0].model.layers[0].self_attn

@@ -12,6 +12,13 @@ instead of one masked ``[T, T]`` product that costs the square of the whole chun
 implementation gets a block-diagonal causal mask. A sliding-window layer attends only its window here too: its SDPA
 call gets the windowed causal mask of a prefix longer than the window, and a block mask is windowed for it.
 
+The chunk's lengths reach ``packed_attention`` beside the forward (``packed_forward`` holds them for its block), not
+as a keyword argument of it: some decoder layers (StableLM's, Nemotron's in transformers 5.24) do not pass their
+keyword arguments on to their attention, which would then run SDPA's causal attention over the whole chunk, every
+prompt attending to those before it. A layer whose attention does not call the registered function at all (one
+that picks its kernel by the implementation's name) is refused after the forward, by name, rather than its
+prefixes kept.
+
 Why fixed chunks: a prompt's prefix KV may depend (in its rounding) on the shape of the forward it ran in (a
 matmul kernel may pick its blocking by the rows). The chunks are a function of the rollout's prompts alone (their
 order and lengths), never of the schedule, so every strategy computes the same prefix KV and same-g schedules
@@ -22,6 +29,7 @@ stay bit-identical. Chunks are consecutive prompts, so a strategy that starts th
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -119,26 +127,45 @@ def window_causal(n: int, sliding_window: int | None, device: torch.device) -> t
     return allowed if sliding_window is None else allowed & (key > query - sliding_window)
 
 
+@dataclass
+class _PackedCalls:
+    """A packed forward's chunk: its prefixes' ``lengths``, and the ``calls`` of ``packed_attention`` over them."""
+
+    lengths: list[int]
+    calls: int = 0
+
+
+#: The packed chunk whose forward runs now (``packed_forward``'s block): its prefixes' lengths, and how many calls
+#: of ``packed_attention`` split a forward over them (one per attention layer).
+_PACKED_CHUNK: contextvars.ContextVar[_PackedCalls | None] = contextvars.ContextVar("lit_grpo_packed_chunk",
+                                                                                   default=None)
+
+
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     prefill_lengths: Sequence[int] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: with ``prefill_lengths`` (a packed chunk's, passed through the
-    model's forward), each prefix's causal attention by SDPA on its own; without, SDPA unchanged. A sliding-window
-    layer's call (``sliding_window``, passed by the layer) gives a prefix longer than the window the mask that
-    also hides the keys outside it, as transformers' own mask does.
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: inside ``packed_forward``'s block, each of the chunk's prefixes'
+    causal attention by SDPA on its own; outside it, SDPA unchanged. A sliding-window layer's call
+    (``sliding_window``, passed by the layer) gives a prefix longer than the window the mask that also hides the
+    keys outside it, as transformers' own mask does.
 
     Args:
-        query: ``[1, heads, T, dim]``; key, value: ``[1, kv_heads, T, dim]`` (T = the sum of ``prefill_lengths``).
+        query: ``[1, heads, T, dim]``; key, value: ``[1, kv_heads, T, dim]`` (T = the chunk's tokens).
         attention_mask: None (the registered mask function builds none; each prefix's causal mask is SDPA's own).
     Returns:
         ``[1, T, heads, dim]`` and no attention weights.
     """
-    if prefill_lengths is None:
+    packed = _PACKED_CHUNK.get()
+    if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != sum(packed.lengths) or key.shape[2] != query.shape[2]:
+        raise ValueError(f"a packed prefill's attention takes one row of the chunk's {sum(packed.lengths)} tokens; "
+                         f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
+    packed.calls += 1
     window = kwargs.get("sliding_window")
     outputs, start = [], 0
-    for n in prefill_lengths:
+    for n in packed.lengths:
         part = slice(start, start + n)
         mask = None if window is None or n <= window else window_causal(n, window, query.device)[None, None]
         out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], mask,
@@ -158,21 +185,45 @@ AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
 
 @contextlib.contextmanager
 def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[str, Any]]:
-    """The keyword arguments that keep ``chunk``'s prefixes apart in a forward of ``model`` within the block (its
-    ``position_ids``, and ``prefill_lengths`` or an ``attention_mask``). An SDPA model's attention is switched to
-    ``packed_attention`` for the block and restored after; any other implementation gets ``block_causal_mask``."""
+    """The keyword arguments that keep ``chunk``'s prefixes apart in one forward of ``model`` within the block (its
+    ``position_ids``, and for an attention other than SDPA an ``attention_mask``). An SDPA model's attention is
+    switched to ``packed_attention`` for the block, which finds the chunk's lengths here, and restored after.
+
+    Raises:
+        ValueError: on leaving the block, where the forward's attention layers did not each call
+            ``packed_attention`` (module doc): the prefixes would have attended to each other.
+    """
     inputs: dict[str, Any] = {"position_ids": chunk.position_ids}
     if len(chunk.lengths) == 1:  # one prefix: the model's own causal attention, as if no chunk
         yield inputs
         return
     with instead_of_sdpa(model, PACKED_ATTENTION) as switched:
-        if switched:
-            yield inputs | {"prefill_lengths": chunk.lengths}
-        else:
+        if not switched:
             # the layers' dtype: a float32 head (cast_lm_head_to_fp32) tied to the embedding makes model.dtype float32
             mask = functools.partial(block_causal_mask, chunk.lengths, layers_dtype(model), chunk.input_ids.device)
             layout = attention_layout(model.config)
             yield inputs | {"attention_mask": layout.mask_argument(mask(), lambda: mask(layout.sliding_window))}
+            return
+        calls = _PackedCalls(list(chunk.lengths))
+        token = _PACKED_CHUNK.set(calls)
+        try:
+            yield inputs
+        finally:
+            _PACKED_CHUNK.reset(token)
+        layers = attention_layers(model)
+        if calls.calls != layers:
+            config = model.config
+            raise ValueError(
+                f"a packed prefill of {type(model).__name__} ({config.model_type}) called the registered attention "
+                f"function {calls.calls} times for its {layers} attention layers: its attention does not go through "
+                "transformers' attention interface (AttentionInterface), so the rollout engine cannot keep its "
+                "prompts apart; load the model with attn_implementation='eager' (a block-diagonal mask), or use a "
+                "model whose attention does")
+
+
+def attention_layers(model: torch.nn.Module) -> int:
+    """The attention layers a forward of ``model`` runs: its text config's ``num_hidden_layers``."""
+    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
 
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
