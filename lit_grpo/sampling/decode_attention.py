@@ -25,6 +25,7 @@ Both attend the key/value columns the slot cache returns (its ``attended`` width
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Literal, get_args
 
@@ -111,6 +112,23 @@ def sdpa_gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key:
 for _name, _function in ((DECODE_ATTENTION, decode_attention), (SDPA_GQA_DECODE_ATTENTION, sdpa_gqa_decode_attention)):
     AttentionInterface.register(_name, _function)
     AttentionMaskInterface.register(_name, sdpa_mask)  # what a 2-D mask becomes, as for SDPA
+
+
+def attention_dispatch_problem(model: torch.nn.Module) -> str | None:
+    """Why switching ``model``'s attention implementation (``instead_of_sdpa``) would not reach its attention layers,
+    or None where it does: none of its modules' forwards looks its attention function up in transformers' registry
+    (``ALL_ATTENTION_FUNCTIONS``), as Falcon's pick their kernel by comparing the implementation's name with "sdpa"
+    (transformers 5.24). Their decode steps and packed prefills would run their own attention on the slot cache's
+    operands, unmasked where the registered mask function builds no mask."""
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+        if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return None
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return (f"{type(model).__name__} ({model_type}) does not look its attention up in transformers' attention "
+            "interface (ALL_ATTENTION_FUNCTIONS), which the rollout engine's decode and packed-prefill attention "
+            "are registered in")
 
 
 @contextlib.contextmanager

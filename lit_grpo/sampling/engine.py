@@ -54,6 +54,7 @@ from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.validation import check_int_in_range
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
+from lit_grpo.sampling.decode_attention import attention_dispatch_problem
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
 from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_bytes_per_token, row_width
@@ -124,6 +125,8 @@ class RolloutEngine:
             raise ValueError(f"the model's attention implementation is {attention!r}; the slot cache passes a 4-D "
                              f"attention mask, which {list(SUPPORTED_ATTENTION)} take: load the model with "
                              "attn_implementation='sdpa'")
+        if attention == "sdpa" and (problem := attention_dispatch_problem(model)) is not None:
+            raise ValueError(f"the rollout engine cannot run this model exactly: {problem}")
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = stop_token_ids(model, tokenizer) if eos_token_ids is None else \
             _check_stop_ids(eos_token_ids, vocab_size(model))
