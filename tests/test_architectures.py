@@ -1,0 +1,153 @@
+"""Decoder architectures the rollout engine and the update run exactly: tiny random models of each family that
+transformers ships, float32 on the CPU (the repo's byte-level tokenizer, 2 layers of width 64, GQA where the family
+has it, options that change the forward set off their defaults), each checked as tests/test_engine.py checks
+tiny-llama: the engine's greedy completions are ``model.generate``'s, its sampled log-probs the update's
+``completion_logps``, the shared-prefix update's log-probs the unshared one's, and oneDNN's packed linears (the
+CPU's default) sample what torch's ``F.linear`` samples. docs/training.md lists the families and the refusals.
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from lit_grpo.batch import pad_left, pad_right
+from lit_grpo.runtime.models import _seeded_model, _special_token_ids, prepare_tokenizer, tiny_tokenizer
+from lit_grpo.sampling import RolloutEngine
+from lit_grpo.sampling.prefill import pack_chunk, packed_forward
+from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits
+from precision_helpers import assert_greedy_margin
+
+from conftest import PROMPT_TEXTS
+
+#: What every tiny model shares; an architecture's own fields below override it (None: left out, its default).
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+               logits_scaling=8.0)
+
+#: name: (model_type, its fields). Each field set tests what its family adds to Llama's forward.
+ARCHITECTURES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=None)),
+    "mixtral": ("mixtral", dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("qwen2", dict(use_sliding_window=False)),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, decoder_sparse_step=1, **MOE)),
+    "qwen2_moe": ("qwen2_moe", dict(decoder_sparse_step=1, shared_expert_intermediate_size=64, **MOE)),
+    "phi3": ("phi3", dict(sliding_window=None)),  # fused qkv_proj and gate_up_proj
+    "phi4-mini": ("phi3", dict(sliding_window=None, partial_rotary_factor=0.75, tie_word_embeddings=True)),
+    "phi": ("phi", {}),  # partial rotary, LayerNorm, a biased head
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),  # its second layer without rotary (NoPE)
+    "olmo": ("olmo", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", GRANITE),
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, **GRANITE)),
+    "gemma": ("gemma", dict(head_dim=16)),  # embeddings scaled by sqrt(hidden)
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+    "cohere": ("cohere", dict(logit_scale=0.0625, use_qk_norm=True)),
+    "stablelm": ("stablelm", dict(partial_rotary_factor=0.25, qk_layernorm=True)),
+    "starcoder2": ("starcoder2", dict(sliding_window=None)),
+    "nemotron": ("nemotron", {}),
+    "gpt_neox": ("gpt_neox", dict(num_key_value_heads=None)),
+    "gpt2": ("gpt2", dict(num_key_value_heads=None)),
+    "helium": ("helium", dict(head_dim=16)),
+    "ernie4_5": ("ernie4_5", {}),
+    "arcee": ("arcee", {}),
+    "seed_oss": ("seed_oss", {}),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(head_dim=16)),
+    "exaone4": ("exaone4", dict(sliding_window=None, sliding_window_pattern=None,
+                                layer_types=["full_attention"] * 2)),
+    "bitnet": ("bitnet", {}),
+}
+
+
+def tiny_architecture(model_type: str, **fields):
+    """(float32 model, tokenizer): a seeded tiny model of ``model_type`` over the repo's test tokenizer."""
+    tokenizer = prepare_tokenizer(tiny_tokenizer())
+    merged = {key: value for key, value in {**COMMON, **fields}.items() if value is not None or key not in COMMON}
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **merged, **_special_token_ids(tokenizer))
+    return _seeded_model(config, torch.float32, torch.device("cpu"), tokenizer), tokenizer
+
+
+def micro_batch(prompts, completions, pad):
+    """The update's micro-batch of a rollout: each group's prompt (left-padded) beside each of its completions."""
+    rows = [(prompt, completion) for prompt, group in zip(prompts, completions) for completion in group]
+    prompt_ids, prompt_mask = pad_left([prompt for prompt, _ in rows], pad)
+    completion_ids, completion_mask = pad_right([completion for _, completion in rows], pad)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    return {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1), "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "completion_ids": completion_ids,
+            "completion_mask": completion_mask}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_engine_and_the_update_run_the_architecture_exactly(name):
+    model_type, fields = ARCHITECTURES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a family's notes on a random config (rope fields, optional kernels)
+        model, tokenizer = tiny_architecture(model_type, **fields)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]
+    # greedy: the packed prefill of three prompts and a decode step of three slots give generate's tokens
+    greedy = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=3, strategy="continuous",
+                           max_new_tokens=8, temperature=0.0).generate(prompts)
+    for prompt, completions in zip(prompts, greedy.completion_ids):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        assert_greedy_margin(model, prompt, expected)  # no near tie that other kernels could break
+        assert completions == [expected, expected]
+    # sampled: oneDNN's packed linears (the CPU's default) and torch's draw the same tokens
+    sampled = {}
+    for kernel in ("packed", "torch"):
+        engine = RolloutEngine(model, tokenizer, group_size=3, micro_group_size=2, strategy="continuous",
+                               max_new_tokens=8, temperature=0.7, seed=3, cpu_linear=kernel)
+        sampled[kernel] = engine.generate(prompts)
+    result = sampled["packed"]
+    assert result.completion_ids == sampled["torch"].completion_ids
+    micro = micro_batch(prompts, result.completion_ids, tokenizer.eos_token_id)
+    sampler = pad_right([logps for group in result.logprobs for logps in group], 0.0, dtype=torch.float32)[0]
+    mask = micro["completion_mask"].bool()
+    # Precision: float32 forwards of other shapes and kernels (a slot cache's decode step, a packed prefill, a
+    # whole-sequence forward) round each log-prob differently, by a few float32 ulps of |log-prob| ~ 6.
+    with torch.no_grad():
+        for shared_prefix in (False, True):
+            update, _ = completion_logps(model, micro, 0.7, shared_prefix=shared_prefix)
+            torch.testing.assert_close(update[mask], sampler[mask], rtol=0, atol=1e-5)
+    # a head the chunks cannot reproduce alone (Granite's and Cohere's logit scales) is left for the full logits
+    assert head_reproduces_logits(model) == (name not in ("granite", "granitemoe", "cohere"))
+
+
+def test_a_layer_that_drops_its_keyword_arguments_keeps_the_packed_prompts_apart():
+    """StableLM's decoder layers do not pass their keyword arguments on to their attention: the packed prefill's
+    lengths reach it beside the forward, so each prompt's keys are those it has alone."""
+    model, tokenizer = tiny_architecture("stablelm")
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS[:2]]
+    chunk = pack_chunk(prompts, torch.device("cpu"))
+    with torch.no_grad(), packed_forward(model, chunk) as inputs:
+        packed = model(input_ids=chunk.input_ids, **inputs).logits[0]
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([prompt])).logits[0] for prompt in prompts]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)
+
+
+def test_a_packed_prefill_whose_layers_never_call_the_packed_attention_is_refused():
+    model, _ = tiny_architecture("llama")
+    chunk = pack_chunk([[5, 6, 7], [8, 9]], torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"a packed prefill of LlamaForCausalLM \(llama\) called the registered "
+                                         r"attention function 0 times for its 2 attention layers"):
+        with packed_forward(model, chunk):
+            pass  # a forward whose attention picks its own kernel calls none
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_an_attention_outside_transformers_interface_is_refused_when_the_engine_is_built():
+    """Falcon's attention compares the implementation's name with "sdpa" rather than looking it up: the engine's
+    decode and prefill attention would never run."""
+    model, tokenizer = tiny_architecture("falcon", num_key_value_heads=None)
+    with pytest.raises(ValueError, match=r"cannot run this model exactly: FalconForCausalLM \(falcon\) does not look "
+                                         r"its attention up in transformers' attention interface"):
+        RolloutEngine(model, tokenizer, group_size=2)
