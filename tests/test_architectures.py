@@ -144,10 +144,13 @@ def test_a_packed_prefill_whose_layers_never_call_the_packed_attention_is_refuse
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_an_attention_outside_transformers_interface_is_refused_when_the_engine_is_built():
-    """Falcon's attention compares the implementation's name with "sdpa" rather than looking it up: the engine's
-    decode and prefill attention would never run."""
-    model, tokenizer = tiny_architecture("falcon", num_key_value_heads=None)
-    with pytest.raises(ValueError, match=r"cannot run this model exactly: FalconForCausalLM \(falcon\) does not look "
+@pytest.mark.parametrize("model_type", ["falcon", "bloom"])
+def test_an_attention_outside_transformers_interface_is_refused_when_the_engine_is_built(model_type):
+    """Falcon's attention compares the implementation's name with "sdpa" rather than looking it up (the engine's
+    decode and prefill attention would never run); BLOOM's builds its ALiBi biases from a 2-D mask, where the slot
+    cache passes a 4-D one."""
+    model, tokenizer = tiny_architecture(model_type, num_key_value_heads=None)
+    name = type(model).__name__
+    with pytest.raises(ValueError, match=rf"cannot run this model exactly: {name} \({model_type}\) does not look "
                                          r"its attention up in transformers' attention interface"):
         RolloutEngine(model, tokenizer, group_size=2)

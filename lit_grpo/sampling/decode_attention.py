@@ -115,11 +115,11 @@ for _name, _function in ((DECODE_ATTENTION, decode_attention), (SDPA_GQA_DECODE_
 
 
 def attention_dispatch_problem(model: torch.nn.Module) -> str | None:
-    """Why switching ``model``'s attention implementation (``instead_of_sdpa``) would not reach its attention layers,
-    or None where it does: none of its modules' forwards looks its attention function up in transformers' registry
-    (``ALL_ATTENTION_FUNCTIONS``), as Falcon's pick their kernel by comparing the implementation's name with "sdpa"
-    (transformers 5.24). Their decode steps and packed prefills would run their own attention on the slot cache's
-    operands, unmasked where the registered mask function builds no mask."""
+    """Why the rollout engine cannot run ``model``'s attention exactly, or None where it can: none of its modules'
+    forwards looks its attention function up in transformers' registry (``ALL_ATTENTION_FUNCTIONS``), which the
+    engine's decode and packed-prefill attention are registered in (``instead_of_sdpa``) and whose functions take
+    the slot cache's 4-D additive mask. In transformers 5.24 Falcon's attention picks its kernel by comparing the
+    implementation's name with "sdpa", and BLOOM's and MPT's build their ALiBi biases from a 2-D mask."""
     for module in model.modules():
         forward = getattr(type(module), "forward", None)
         code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
@@ -127,8 +127,8 @@ def attention_dispatch_problem(model: torch.nn.Module) -> str | None:
             return None
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     return (f"{type(model).__name__} ({model_type}) does not look its attention up in transformers' attention "
-            "interface (ALL_ATTENTION_FUNCTIONS), which the rollout engine's decode and packed-prefill attention "
-            "are registered in")
+            "interface (ALL_ATTENTION_FUNCTIONS), where the engine's decode and packed-prefill attention are "
+            "registered and whose functions take the slot cache's 4-D mask")
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ class RolloutEngine:
             raise ValueError(f"the model's attention implementation is {attention!r}; the slot cache passes a 4-D "
                              f"attention mask, which {list(SUPPORTED_ATTENTION)} take: load the model with "
                              "attn_implementation='sdpa'")
-        if attention == "sdpa" and (problem := attention_dispatch_problem(model)) is not None:
+        if (problem := attention_dispatch_problem(model)) is not None:
             raise ValueError(f"the rollout engine cannot run this model exactly: {problem}")
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = stop_token_ids(model, tokenizer) if eos_token_ids is None else \
