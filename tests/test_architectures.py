@@ -154,3 +154,23 @@ def test_an_attention_outside_transformers_interface_is_refused_when_the_engine_
     with pytest.raises(ValueError, match=rf"cannot run this model exactly: {name} \({model_type}\) does not look "
                                          r"its attention up in transformers' attention interface"):
         RolloutEngine(model, tokenizer, group_size=2)
+
+
+@pytest.mark.parametrize("model_type, rates", [
+    ("seed_oss", dict(attention_dropout=0.1, residual_dropout=0.1)),
+    ("starcoder2", dict(attention_dropout=0.1, residual_dropout=0.1, embedding_dropout=0.1, sliding_window=None)),
+])
+def test_disable_dropout_zeroes_the_rates_a_forward_applies_by_functional_dropout(model_type, rates):
+    """Seed-OSS and StarCoder2 keep their residual (and embedding) dropout as float attributes that their forward
+    hands to ``F.dropout``, as transformers' attention does its ``attention_dropout``: a model in train mode then
+    computes one input twice alike only once they are 0."""
+    from lit_grpo.runtime.models import disable_dropout
+
+    model, _ = tiny_architecture(model_type, **rates)
+    ids = torch.arange(3, 19).unsqueeze(0)
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        disable_dropout(model)
+        assert torch.equal(model(ids).logits, model(ids).logits)
+    assert model.config.residual_dropout == 0.1  # the config keeps its value: an export writes the model loaded

@@ -219,13 +219,15 @@ DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.D
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout of ``model`` to 0 and return it: its dropout modules (a LoRA adapter's too) and the float
-    ``attention_dropout`` of transformers' attention modules, which their forward applies in train mode. The
-    model's config keeps its values, so an exported model is the one loaded."""
+    rates named ``*_dropout`` that transformers' modules keep and their forward hands to ``F.dropout`` in train mode
+    (every attention's ``attention_dropout``; Seed-OSS's and StarCoder2's ``residual_dropout``, StarCoder2's
+    ``embedding_dropout``). The model's config keeps its values, so an exported model is the one loaded."""
     for module in model.modules():
         if isinstance(module, DROPOUTS):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        for name, value in list(vars(module).items()):
+            if name.endswith("_dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
     return model
 
 
