@@ -2,8 +2,9 @@
 transformers ships, float32 on the CPU (the repo's byte-level tokenizer, 2 layers of width 64, GQA where the family
 has it, options that change the forward set off their defaults), each checked as tests/test_engine.py checks
 tiny-llama: the engine's greedy completions are ``model.generate``'s, its sampled log-probs the update's
-``completion_logps``, the shared-prefix update's log-probs the unshared one's, and oneDNN's packed linears (the
-CPU's default) sample what torch's ``F.linear`` samples. docs/training.md lists the families and the refusals.
+``completion_logps``, the shared-prefix update's log-probs and gradients the unshared one's, and oneDNN's packed
+linears (the CPU's default) sample what torch's ``F.linear`` samples. docs/training.md lists the families and
+the refusals.
 """
 
 import warnings
@@ -13,7 +14,8 @@ import torch
 from transformers import AutoConfig
 
 from lit_grpo.batch import pad_left, pad_right
-from lit_grpo.runtime.models import _seeded_model, _special_token_ids, prepare_tokenizer, tiny_tokenizer
+from lit_grpo.runtime.models import (_seeded_model, _special_token_ids, disable_dropout, prepare_tokenizer,
+                                     tiny_tokenizer)
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.prefill import pack_chunk, packed_forward
 from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits
@@ -117,6 +119,18 @@ def test_the_engine_and_the_update_run_the_architecture_exactly(name):
         for shared_prefix in (False, True):
             update, _ = completion_logps(model, micro, 0.7, shared_prefix=shared_prefix)
             torch.testing.assert_close(update[mask], sampler[mask], rtol=0, atol=1e-5)
+    # the update's gradients (train mode, dropout off) with the shared prefix are the unshared forward's
+    disable_dropout(model.train())
+    gradients = {}
+    for shared_prefix in (False, True):
+        model.zero_grad(set_to_none=True)
+        update, _ = completion_logps(model, micro, 0.7, shared_prefix=shared_prefix)
+        (update * torch.linspace(-1, 1, update.numel()).view(update.shape)).sum().backward()
+        gradients[shared_prefix] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert gradients[True].keys() == gradients[False].keys() and gradients[False]
+    for parameter, unshared in gradients[False].items():  # float32 rounding of sums in another order
+        torch.testing.assert_close(gradients[True][parameter], unshared, rtol=0,
+                                   atol=1e-5 * float(unshared.abs().max()), msg=parameter)
     # a head the chunks cannot reproduce alone (Granite's and Cohere's logit scales) is left for the full logits
     assert head_reproduces_logits(model) == (name not in ("granite", "granitemoe", "cohere"))
 
@@ -164,8 +178,6 @@ def test_disable_dropout_zeroes_the_rates_a_forward_applies_by_functional_dropou
     """Seed-OSS and StarCoder2 keep their residual (and embedding) dropout as float attributes that their forward
     hands to ``F.dropout``, as transformers' attention does its ``attention_dropout``: a model in train mode then
     computes one input twice alike only once they are 0."""
-    from lit_grpo.runtime.models import disable_dropout
-
     model, _ = tiny_architecture(model_type, **rates)
     ids = torch.arange(3, 19).unsqueeze(0)
     model.train()
