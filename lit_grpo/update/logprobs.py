@@ -15,11 +15,12 @@ through ``_CastOnceHeadLogps``, which casts it once per micro-batch and gives th
 head cast to float32 (``cast_lm_head_to_fp32``, lit_grpo.runtime.head_precision) computes in its weight's dtype
 whatever the autocast: nothing to cast, its chunks go through the head itself (``head_compute_dtype`` decides).
 
-The chunked path needs the output head applied to the last hidden state to BE the model's logits. That holds for
-Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits (Gemma's soft-capping,
-logit scales): ``head_reproduces_logits`` checks it once per model on four tokens, and ``completion_logps`` falls
-back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the model cannot return hidden
-states with ``logits_to_keep``.
+The chunked path needs the output head applied to the last hidden state, times ``logits_multiplier`` (Granite's
+``1 / logits_scaling``, Cohere's ``logit_scale``: folded into the temperature the chunks divide by), to BE the model's
+logits. That holds for Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits
+otherwise (Gemma 2's soft-capping): ``head_reproduces_logits`` checks it once per model on four tokens, and
+``completion_logps`` falls back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the
+model cannot return hidden states with ``logits_to_keep``.
 
 The entropies are a metric (and the high-entropy mask's ranking), without a gradient, unless ``entropy_grad`` asks
 for one (the entropy bonus, lit_grpo.update.entropy_bonus): then every path gives them the gradient of
@@ -301,9 +302,35 @@ def _vocab_size(model: torch.nn.Module, head: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", 0) or model.config.vocab_size)
 
 
+def logits_multiplier(model: torch.nn.Module) -> float:
+    """What ``model``'s forward multiplies its output head's result by, read from its config: Granite's
+    ``1 / logits_scaling`` times Cohere's ``logit_scale`` (1.0 where it has neither). ``head_reproduces_logits``
+    checks it with the head, so a field that means something else in another model sends that one to the full
+    logits rather than to wrong ones."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return 1.0
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    multiplier = 1.0
+    scaling, scale = getattr(config, "logits_scaling", None), getattr(config, "logit_scale", None)
+    if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling:
+        multiplier /= scaling
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale:
+        multiplier *= scale
+    return float(multiplier)
+
+
+def _head_temperature(model: torch.nn.Module, temperature: float) -> float:
+    """The temperature the chunks divide the head's output by: the sampling temperature (0, greedy, counts as 1)
+    over ``logits_multiplier``."""
+    return (temperature or 1.0) / logits_multiplier(model)
+
+
 @torch.no_grad()
 def head_reproduces_logits(model: torch.nn.Module) -> bool:
-    """Whether ``output head(hidden_states[-1])`` equals the model's logits (checked once per model, 4 tokens)."""
+    """Whether ``output head(hidden_states[-1])`` times ``logits_multiplier`` equals the model's logits (checked once
+    per model, 4 tokens)."""
     if model in _HEAD_CHECKS:
         return _HEAD_CHECKS[model]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -316,7 +343,8 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
                 out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
                 hidden_states = getattr(out, "hidden_states", None)
                 if hidden_states is not None:
-                    ok = torch.allclose(head(hidden_states[-1]).float(), out.logits.float(), rtol=1e-3, atol=1e-3)
+                    logits = head(hidden_states[-1]).float() * logits_multiplier(model)
+                    ok = torch.allclose(logits, out.logits.float(), rtol=1e-3, atol=1e-3)
         except (TypeError, ValueError, RuntimeError, AttributeError) as error:  # a model whose forward differs
             warnings.warn(f"the output head of {type(model).__name__} could not be checked against its logits "
                           f"({type(error).__name__}: {error}); the update computes each micro-batch's whole logits",
@@ -365,7 +393,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         return logps, entropy * mask
     hidden = _completion_hidden(model, micro, shared_prefix, real)
     logps_of_real, entropy_of_real = _head_logps(model, hidden, token_ids.flatten().index_select(0, real),
-                                                 temperature, chunk_bytes, entropy_grad)
+                                                 _head_temperature(model, temperature), chunk_bytes, entropy_grad)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     logps = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
     logps = logps.index_copy(0, real, logps_of_real.to(dtype)).view(mask.shape)
