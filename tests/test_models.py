@@ -511,3 +511,27 @@ def test_lora_target_modules_the_model_lacks_are_refused_naming_its_linear_layer
                                          r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', "
                                          r"'up_proj', 'v_proj'\]"):
         with_lora(model, {"r": 2, "target_modules": ["q_prj"]})
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, dropout=0.1, attention_dropout=0.1, layerdrop=0.5)),
+    ("biogpt", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, activation_dropout=0.1,
+                    layerdrop=0.5)),
+])
+def test_disable_dropout_zeroes_the_float_rates_named_dropout_and_layerdrop(model_type, fields):
+    """OPT and BioGPT (which the rollout engine runs exactly) keep their dropout as a float ``dropout`` and skip
+    whole layers by a float ``layerdrop`` in train mode: the update's forward then computes one input twice alike
+    only once these are 0 too, not only the ``*_dropout`` rates."""
+    from transformers import AutoConfig
+
+    tokenizer = prepare_tokenizer(models.tiny_tokenizer())
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512, **fields,
+                                  **models._special_token_ids(tokenizer))
+    model = models._seeded_model(config, torch.float32, torch.device("cpu"), tokenizer).train()
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        models.disable_dropout(model)
+        assert torch.equal(model(ids).logits, model(ids).logits)
+    assert config.layerdrop == 0.5  # the config keeps its values: an export writes the model loaded

@@ -219,14 +219,16 @@ DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.D
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout of ``model`` to 0 and return it: its dropout modules (a LoRA adapter's too) and the float
-    rates named ``*_dropout`` that transformers' modules keep and their forward hands to ``F.dropout`` in train mode
-    (every attention's ``attention_dropout``; Seed-OSS's and StarCoder2's ``residual_dropout``, StarCoder2's
-    ``embedding_dropout``). The model's config keeps its values, so an exported model is the one loaded."""
+    rates whose name says drop, which transformers' modules keep and their forward applies in train mode: every
+    attention's ``attention_dropout``, Seed-OSS's and StarCoder2's ``residual_dropout``, OPT's and BioGPT's
+    ``dropout`` (handed to ``F.dropout``) and ``layerdrop`` (a whole layer skipped), a drop path's ``drop_prob``. In
+    transformers 5.24 every float attribute so named is such a probability (``token_dropout``, a flag, is a bool).
+    The model's config keeps its values, so an exported model is the one loaded."""
     for module in model.modules():
         if isinstance(module, DROPOUTS):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if name.endswith("_dropout") and isinstance(value, float):
+            if "drop" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
     return model
 
