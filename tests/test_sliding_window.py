@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, Llama4TextConfig,
-                          MistralConfig, Qwen2Config, Qwen3NextConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig,
+                          Llama4TextConfig, MistralConfig, Qwen2Config, Qwen3NextConfig)
 
 from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
                                      cache_keyword)
@@ -375,3 +375,33 @@ def test_prompts_prefilled_alone_take_the_models_own_sliding_masks(monkeypatch):
         assert got == pytest.approx(want, abs=1e-5)  # float32: packed and lone prefixes round apart
     bf16 = RolloutEngine(model.to(torch.bfloat16), tokenizer, **settings).generate(prompts)  # runs, finite
     assert all(math.isfinite(x) for x in sum(sum(bf16.logprobs, []), []))
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("qwen2_moe", dict(use_sliding_window=True, max_window_layers=1, decoder_sparse_step=1, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_it(model_type, fields):
+    """Qwen2-MoE's and PhiMoE's attention layers do not pass ``sliding_window`` to the attention function (their
+    window is only in the masks, which a packed SDPA chunk does not build): the packed prefill takes each layer's
+    window from the config, as the cache's layers do, so a prefix longer than the window is computed as alone."""
+    tokenizer = tiny_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  sliding_window=WINDOW, tie_word_embeddings=False, **fields)
+    with seeded_on(torch.device("cpu"), 1234):
+        model = AutoModelForCausalLM.from_config(config).eval()  # float32: the experts' grouped matmul takes no float64
+    assert attention_layout(model.config).sliding_window == WINDOW
+    prefixes = [tokenizer(text)["input_ids"] for text in PROMPTS[:2]]
+    with torch.inference_mode():
+        packed = pack_chunk(prefixes, torch.device("cpu"))
+        cache = PrefillCache(model.config, torch.float32)
+        with packed_forward(model, packed) as inputs:
+            model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
+        for prefix, kv in zip(prefixes, split_prefixes(cache_layers_kv(cache), packed)):
+            alone = PrefillCache(model.config, torch.float32)
+            model(input_ids=torch.tensor([prefix]), **{cache_keyword(model): alone}, use_cache=True)
+            for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
+                torch.testing.assert_close(keys, own_keys, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(values, own_values, rtol=1e-5, atol=1e-5)

@@ -148,6 +148,15 @@ def attention_layout(model_config) -> AttentionLayout:
     return AttentionLayout(sliding_window=window, keyed_masks=layer_types is not None)
 
 
+def layer_windows(model_config) -> list[int | None]:
+    """Each layer's sliding window, None for a full-attention layer, as transformers builds the model's cache layers
+    from its config (its ``layer_types``; without them, every layer where ``sliding_window`` is set): the rule the
+    model's own masks follow, whether or not a layer's attention is also told its window (Qwen2-MoE's, PhiMoE's are
+    not)."""
+    return [layer.sliding_window if type(layer).__name__ == "DynamicSlidingWindowLayer" else None
+            for layer in DynamicCache(config=model_config).layers]
+
+
 class _StoringLayer(DynamicLayer):
     """A ``DynamicLayer`` that stores keys and values in ``store_dtype``."""
 

@@ -44,7 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling.decode_attention import instead_of_sdpa
-from lit_grpo.sampling.kv_cache import KV, attention_layout, take_columns
+from lit_grpo.sampling.kv_cache import KV, attention_layout, layer_windows, take_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
            "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes", "window_causal"]
@@ -129,14 +129,16 @@ def window_causal(n: int, sliding_window: int | None, device: torch.device) -> t
 
 @dataclass
 class _PackedCalls:
-    """A packed forward's chunk: its prefixes' ``lengths``, and the ``calls`` of ``packed_attention`` over them."""
+    """A packed forward's chunk: its prefixes' ``lengths``, the model's ``windows`` (``kv_cache.layer_windows``,
+    by layer index), and the ``calls`` of ``packed_attention`` over them."""
 
     lengths: list[int]
+    windows: list[int | None]
     calls: int = 0
 
 
-#: The packed chunk whose forward runs now (``packed_forward``'s block): its prefixes' lengths, and how many calls
-#: of ``packed_attention`` split a forward over them (one per attention layer).
+#: The packed chunk whose forward runs now (``packed_forward``'s block): its prefixes' lengths, the layers' windows,
+#: and how many calls of ``packed_attention`` split a forward over them (one per attention layer).
 _PACKED_CHUNK: contextvars.ContextVar[_PackedCalls | None] = contextvars.ContextVar("lit_grpo_packed_chunk",
                                                                                    default=None)
 
@@ -145,9 +147,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: inside ``packed_forward``'s block, each of the chunk's prefixes'
-    causal attention by SDPA on its own; outside it, SDPA unchanged. A sliding-window layer's call
-    (``sliding_window``, passed by the layer) gives a prefix longer than the window the mask that also hides the
-    keys outside it, as transformers' own mask does.
+    causal attention by SDPA on its own; outside it, SDPA unchanged. A sliding-window layer (its config's window, by
+    its ``layer_idx``: some layers do not pass ``sliding_window``) gives a prefix longer than the window the mask
+    that also hides the keys outside it, as transformers' own mask does.
 
     Args:
         query: ``[1, heads, T, dim]``; key, value: ``[1, kv_heads, T, dim]`` (T = the chunk's tokens).
@@ -163,7 +165,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"a packed prefill's attention takes one row of the chunk's {sum(packed.lengths)} tokens; "
                          f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
     packed.calls += 1
-    window = kwargs.get("sliding_window")
+    window = _layer_window(module, packed.windows, kwargs.get("sliding_window"))
     outputs, start = [], 0
     for n in packed.lengths:
         part = slice(start, start + n)
@@ -173,6 +175,19 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         outputs.append(out)
         start += n
     return torch.cat(outputs, dim=1), None
+
+
+def _layer_window(module: torch.nn.Module, windows: list[int | None], told: int | None) -> int | None:
+    """The sliding window of the attention layer ``module``: its config's, by its ``layer_idx`` (what the model's
+    own mask would hide), else the window its call passed (``told``)."""
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and 0 <= layer < len(windows):
+        return windows[layer]
+    if told is None and any(window is not None for window in windows):
+        raise ValueError(f"a packed prefill cannot tell which window the attention layer {type(module).__name__} "
+                         f"(layer_idx={layer!r}) of a model with sliding-window layers attends: it has no layer_idx "
+                         f"within the {len(windows)} layers and passed no sliding_window")
+    return told
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -204,7 +219,7 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
             layout = attention_layout(model.config)
             yield inputs | {"attention_mask": layout.mask_argument(mask(), lambda: mask(layout.sliding_window))}
             return
-        calls = _PackedCalls(list(chunk.lengths))
+        calls = _PackedCalls(list(chunk.lengths), layer_windows(model.config))
         token = _PACKED_CHUNK.set(calls)
         try:
             yield inputs
