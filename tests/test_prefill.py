@@ -151,3 +151,21 @@ def test_a_lazy_strategy_holds_the_prefixes_of_one_chunk_ahead_at_most(tiny_llam
     engine.generate(prompts)
     assert forwards == [[0], [4]]  # one prefill per chunk, when its first prompt starts
     assert held[0] == [0, 1, 2, 3] and set(held[1]) <= {3, 4, 5} and {4, 5} <= set(held[1])
+
+
+def test_a_layer_that_calls_the_attention_function_twice_is_packed_not_refused():
+    """DiffLlama's layers call the attention function twice each (its differential attention): every layer went
+    through the packed attention, so the chunk runs, each prompt's logits those it has alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("diffllama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    chunk = pack_chunk(prompts, torch.device("cpu"))
+    with torch.no_grad(), packed_forward(model, chunk) as inputs:
+        packed = model(input_ids=chunk.input_ids, **inputs).logits[0]
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([prompt])).logits[0] for prompt in prompts]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)

@@ -33,7 +33,7 @@ import contextvars
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,15 +130,17 @@ def window_causal(n: int, sliding_window: int | None, device: torch.device) -> t
 @dataclass
 class _PackedCalls:
     """A packed forward's chunk: its prefixes' ``lengths``, the model's ``windows`` (``kv_cache.layer_windows``,
-    by layer index), and the ``calls`` of ``packed_attention`` over them."""
+    by layer index), the ``calls`` of ``packed_attention`` over them and the attention modules that made them
+    (``callers``, by id: a layer may call it more than once, as DiffLlama's do)."""
 
     lengths: list[int]
     windows: list[int | None]
     calls: int = 0
+    callers: set[int] = field(default_factory=set)
 
 
 #: The packed chunk whose forward runs now (``packed_forward``'s block): its prefixes' lengths, the layers' windows,
-#: and how many calls of ``packed_attention`` split a forward over them (one per attention layer).
+#: and which attention modules split a forward over them by ``packed_attention`` (each attention layer).
 _PACKED_CHUNK: contextvars.ContextVar[_PackedCalls | None] = contextvars.ContextVar("lit_grpo_packed_chunk",
                                                                                    default=None)
 
@@ -165,6 +167,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"a packed prefill's attention takes one row of the chunk's {sum(packed.lengths)} tokens; "
                          f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
     packed.calls += 1
+    packed.callers.add(id(module))
     window = _layer_window(module, packed.windows, kwargs.get("sliding_window"))
     outputs, start = [], 0
     for n in packed.lengths:
@@ -226,14 +229,14 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
         finally:
             _PACKED_CHUNK.reset(token)
         layers = attention_layers(model)
-        if calls.calls != layers:
+        if len(calls.callers) != layers:
             config = model.config
             raise ValueError(
                 f"a packed prefill of {type(model).__name__} ({config.model_type}) called the registered attention "
-                f"function {calls.calls} times for its {layers} attention layers: its attention does not go through "
-                "transformers' attention interface (AttentionInterface), so the rollout engine cannot keep its "
-                "prompts apart; load the model with attn_implementation='eager' (a block-diagonal mask), or use a "
-                "model whose attention does")
+                f"function {calls.calls} times for its {layers} attention layers, from {len(calls.callers)} "
+                "attention modules: its attention does not go through transformers' attention interface "
+                "(AttentionInterface), so the rollout engine cannot keep its prompts apart; load the model with "
+                "attn_implementation='eager' (a block-diagonal mask), or use a model whose attention does")
 
 
 def attention_layers(model: torch.nn.Module) -> int:
