@@ -228,7 +228,7 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
             yield inputs
         finally:
             _PACKED_CHUNK.reset(token)
-        layers = attention_layers(model)
+        layers = len(calls.windows)  # one a layer, as the model's cache layers
         if len(calls.callers) != layers:
             config = model.config
             raise ValueError(
@@ -237,11 +237,6 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
                 "attention modules: its attention does not go through transformers' attention interface "
                 "(AttentionInterface), so the rollout engine cannot keep its prompts apart; load the model with "
                 "attn_implementation='eager' (a block-diagonal mask), or use a model whose attention does")
-
-
-def attention_layers(model: torch.nn.Module) -> int:
-    """The attention layers a forward of ``model`` runs: its text config's ``num_hidden_layers``."""
-    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
 
 
 def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
