@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from lit_grpo.batch import pad_left, pad_right
-from lit_grpo.runtime.models import (_seeded_model, _special_token_ids, disable_dropout, prepare_tokenizer,
+from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, _seeded_model, _special_token_ids, disable_dropout, prepare_tokenizer,
                                      tiny_tokenizer)
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.prefill import pack_chunk, packed_forward
@@ -65,6 +65,10 @@ ARCHITECTURES = {
     "exaone4": ("exaone4", dict(sliding_window=None, sliding_window_pattern=None,
                                 layer_types=["full_attention"] * 2)),
     "bitnet": ("bitnet", {}),
+    # sliding-window attention (window 6: the prompts' 7 and 16 tokens and the completions pass it)
+    "qwen2_moe-sliding": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW,
+                                            max_window_layers=1, decoder_sparse_step=1,
+                                            shared_expert_intermediate_size=64, **MOE)),
 }
 
 
