@@ -215,3 +215,18 @@ def test_the_chunked_head_takes_the_logit_scale_the_model_applies(model_type, fi
         stray = tiny_architecture(model_type)[0]
         stray.config.logits_scaling = 8.0
         assert logits_multiplier(stray) == 1 / 8 and not head_reproduces_logits(stray)
+
+
+def test_a_soft_capped_head_gets_the_whole_logits():
+    """Gemma 2's logits are ``cap * tanh(head / cap)``: at a random model's small logits the cap moves them by less
+    than the head check's tolerance, yet the log-probs by 1e-5 and more; the update takes the whole logits for it."""
+    model, _ = tiny_architecture("gemma2", head_dim=16, attn_implementation="eager", final_logit_softcapping=30.0)
+    assert not head_reproduces_logits(model)
+    ids = torch.arange(3, 21).view(2, 9)
+    mask = torch.ones_like(ids)
+    micro = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1),
+             "completion_ids": ids[:, 4:], "completion_mask": mask[:, 4:]}
+    with torch.no_grad():
+        got, _ = completion_logps(model, micro, 0.7)
+        want = torch.log_softmax(model(ids).logits[:, 3:-1].float() / 0.7, dim=-1)
+    torch.testing.assert_close(got, want.gather(-1, ids[:, 4:, None])[..., 0], rtol=0, atol=2e-6)

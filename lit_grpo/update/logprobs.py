@@ -330,12 +330,17 @@ def _head_temperature(model: torch.nn.Module, temperature: float) -> float:
 @torch.no_grad()
 def head_reproduces_logits(model: torch.nn.Module) -> bool:
     """Whether ``output head(hidden_states[-1])`` times ``logits_multiplier`` equals the model's logits (checked once
-    per model, 4 tokens)."""
+    per model, 4 tokens). A config's ``final_logit_softcapping`` (Gemma 2's ``cap * tanh(logits / cap)``) answers
+    no without the check: at small logits the cap moves them by less than its tolerance, the log-probs by more."""
     if model in _HEAD_CHECKS:
         return _HEAD_CHECKS[model]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     ok = False
-    if isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
+    capped = getattr(config, "final_logit_softcapping", None) is not None
+    if not capped and isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
         device = next(model.parameters()).device
         ids = (torch.arange(4, device=device) * 7919 % _vocab_size(model, head)).unsqueeze(0)
         try:
