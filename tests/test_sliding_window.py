@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig,
-                          Llama4TextConfig, MistralConfig, Qwen2Config, Qwen3NextConfig)
+                          Llama4TextConfig, MinistralConfig, MistralConfig, Qwen2Config, Qwen3NextConfig)
 
 from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
                                      cache_keyword)
@@ -97,6 +97,9 @@ def _sdpa(config):
                                             "supported)"),
     (Qwen3NextConfig(num_hidden_layers=4), "this model uses DynamicLayer, LinearAttentionLayer (hybrid or linear "
                                            "caches are not supported)"),
+    # a heterogeneous config's own window for one layer: transformers' cache keeps two windows
+    (MinistralConfig(num_hidden_layers=2, head_dim=16, sliding_window=6, per_layer_config={0: {"sliding_window": 4}}),
+     "has sliding-window layers of 2 windows [4, 6]; the rollout engine masks every sliding layer with one window"),
 ])
 def test_what_the_engine_cannot_compute_exactly_is_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache, DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.sampling.memory_budget import kv_geometry
@@ -128,7 +128,8 @@ def attention_layout(model_config) -> AttentionLayout:
         raise ValueError(f"this model ({text.model_type}) sets attn_logit_softcapping="
                          f"{text.attn_logit_softcapping}, which SDPA attention does not compute; load it with "
                          "attn_implementation='eager'")
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=model_config).layers}
+    cache_layers = DynamicCache(config=model_config).layers
+    kinds = {type(layer).__name__ for layer in cache_layers}
     if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer"}:
         raise ValueError(f"the rollout engine needs full-attention or sliding-window cache layers; this model uses "
                          f"{', '.join(sorted(kinds))} (hybrid or linear caches are not supported)")
@@ -141,7 +142,13 @@ def attention_layout(model_config) -> AttentionLayout:
         found = f"layer_types {other}" if other else f"attention_chunk_size={chunk}"
         raise ValueError(f"the rollout engine computes full and sliding-window attention; this model "
                          f"({text.model_type}) has {found} (chunked attention is not supported)")
-    window = getattr(text, "sliding_window", None)
+    # the windows transformers' own cache keeps (a heterogeneous config may give each layer its own)
+    windows = sorted({layer.sliding_window for layer in cache_layers if isinstance(layer, DynamicSlidingWindowLayer)},
+                     key=repr)
+    if len(windows) > 1:
+        raise ValueError(f"this model ({text.model_type}) has sliding-window layers of {len(windows)} windows "
+                         f"{windows}; the rollout engine masks every sliding layer with one window")
+    window = windows[0]
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"this model ({text.model_type}) has sliding-window layers but sliding_window={window!r}; "
                          "an integer >= 1 is needed")
