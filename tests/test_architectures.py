@@ -30,6 +30,9 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                logits_scaling=8.0)
 
+WINDOW = TINY_SLIDING_WINDOW
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+
 #: name: (model_type, its fields). Each field set tests what its family adds to Llama's forward.
 ARCHITECTURES = {
     "llama": ("llama", {}),
@@ -65,10 +68,45 @@ ARCHITECTURES = {
     "exaone4": ("exaone4", dict(sliding_window=None, sliding_window_pattern=None,
                                 layer_types=["full_attention"] * 2)),
     "bitnet": ("bitnet", {}),
-    # sliding-window attention (window 6: the prompts' 7 and 16 tokens and the completions pass it)
-    "qwen2_moe-sliding": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW,
-                                            max_window_layers=1, decoder_sparse_step=1,
-                                            shared_expert_intermediate_size=64, **MOE)),
+    # Sliding-window attention, window 6: the prompts' 7 and 16 tokens and the completions pass it. SLIDING_FULL:
+    # the first layer slides, the second attends in full (those with layer_types); the others slide in every layer.
+    "mistral-sliding": ("mistral", dict(sliding_window=WINDOW)),
+    "mixtral-sliding": ("mixtral", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen2_moe-sliding": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                            decoder_sparse_step=1, shared_expert_intermediate_size=64, **MOE)),
+    "qwen3-sliding": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3_moe-sliding": ("qwen3_moe", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+                                            decoder_sparse_step=1, **MOE)),
+    "phi3-sliding": ("phi3", dict(sliding_window=WINDOW)),
+    "starcoder2-sliding": ("starcoder2", dict(sliding_window=WINDOW)),
+    "smollm3-sliding": ("smollm3", dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "ministral": ("ministral", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL,
+                              attn_implementation="eager")),  # soft-capped attention scores and logits
+    "gemma3_text": ("gemma3_text", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "vaultgemma": ("vaultgemma", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "gpt_oss": ("gpt_oss", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL, num_local_experts=4,
+                                num_experts_per_tok=2)),  # attention sinks, in eager attention
+    "cohere2": ("cohere2", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, logit_scale=0.0625)),
+    "cohere2_moe": ("cohere2_moe", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, logit_scale=0.0625, **MOE)),
+    "exaone4-sliding": ("exaone4", dict(sliding_window=WINDOW, sliding_window_pattern=None, layer_types=SLIDING_FULL)),
+    "exaone_moe": ("exaone_moe", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, **MOE)),
+    "granite_swa": ("granite_swa", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, **GRANITE)),
+    "granitemoe_swa": ("granitemoe_swa", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, num_local_experts=4,
+                                              num_experts_per_tok=2, **GRANITE)),
+    "afmoe": ("afmoe", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, **MOE)),
+    "cwm": ("cwm", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "flint": ("flint", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "lfm3": ("lfm3", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "mellum": ("mellum", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL, **MOE)),
+    "lara_mini": ("lara_mini", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL,
+                                    shared_expert_intermediate_size=64, **MOE)),
+    "laguna": ("laguna", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL,
+                              shared_expert_intermediate_size=64, **MOE)),
+    "kolibri1": ("kolibri1", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL, num_local_experts=4,
+                                  shared_expert_intermediate_size=64, **MOE)),
 }
 
 
@@ -135,8 +173,9 @@ def test_the_engine_and_the_update_run_the_architecture_exactly(name):
     for parameter, unshared in gradients[False].items():  # float32 rounding of sums in another order
         torch.testing.assert_close(gradients[True][parameter], unshared, rtol=0,
                                    atol=1e-5 * float(unshared.abs().max()), msg=parameter)
-    # the update ran its chunked head: Granite's and Cohere's logit scales are folded into its temperature
-    assert head_reproduces_logits(model)
+    # the update ran its chunked head: Granite's and Cohere's logit scales are folded into its temperature; a
+    # soft-capped head (Gemma 2's, VaultGemma's) the whole logits
+    assert head_reproduces_logits(model) == (getattr(model.config, "final_logit_softcapping", None) is None)
 
 
 def test_a_layer_that_drops_its_keyword_arguments_keeps_the_packed_prompts_apart():
