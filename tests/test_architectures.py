@@ -269,3 +269,18 @@ def test_a_soft_capped_head_gets_the_whole_logits():
         got, _ = completion_logps(model, micro, 0.7)
         want = torch.log_softmax(model(ids).logits[:, 3:-1].float() / 0.7, dim=-1)
     torch.testing.assert_close(got, want.gather(-1, ids[:, 4:, None])[..., 0], rtol=0, atol=2e-6)
+
+
+def test_attention_sinks_switched_to_sdpa_are_refused_rather_than_dropped():
+    """gpt-oss's attention hands its sinks to the attention function (``s_aux``), which transformers' SDPA ignores:
+    transformers loads the family in eager attention; a config switched to SDPA afterwards is refused when the
+    engine's attention gets the sinks, by the decode step and the packed prefill alike."""
+    model, tokenizer = tiny_architecture("gpt_oss", **ARCHITECTURES["gpt_oss"][1])
+    assert model.config._attn_implementation == "eager"
+    model.config._attn_implementation = "sdpa"
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]
+    for micro_group_size in (1, 3):  # a prompt prefilled alone, then decoded; three packed
+        engine = RolloutEngine(model, tokenizer, group_size=1, micro_group_size=micro_group_size, max_new_tokens=4)
+        with pytest.raises(ValueError, match=r"GptOssAttention passes attention sinks \(s_aux\), which SDPA does "
+                                             r"not compute; load the model with attn_implementation='eager'"):
+            engine.generate(prompts[:micro_group_size])

@@ -48,9 +48,20 @@ _REGISTERED = {"matmul": DECODE_ATTENTION, "sdpa_gqa": SDPA_GQA_DECODE_ATTENTION
 #: per device by ``step_attention``, outside any capture or compilation.
 _FLOAT32_SCORES: dict[torch.device, bool] = {}
 
-#: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA. Not
-#: ``sliding_window``: a sliding layer's window is in the mask the decode step gives it (``AttentionLayout``).
-_SDPA_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
+#: Attention options the decode kernels do not compute; a call with any of them set goes to SDPA (attention sinks
+#: are refused before, ``refuse_sinks``). Not ``sliding_window``: a sliding layer's window is in the mask the decode
+#: step gives it (``AttentionLayout``).
+_SDPA_ONLY = ("softcap", "position_bias")
+
+
+def refuse_sinks(module: torch.nn.Module, kwargs: dict) -> None:
+    """Raise where an attention call carries attention sinks (gpt-oss's ``s_aux``): transformers' SDPA, which the
+    engine's attention falls back to, ignores them; transformers loads such a model in eager attention, which does
+    not reach the engine's attention at all."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} passes attention sinks ({name}), which SDPA does not compute; "
+                             "load the model with attn_implementation='eager'")
 
 
 def _is_decode_call(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
@@ -72,6 +83,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     Returns:
         ``[rows, 1, heads, dim]`` and no attention weights.
     """
+    refuse_sinks(module, kwargs)
     if not _is_decode_call(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -101,6 +113,7 @@ def sdpa_gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key:
     """Experimental: ``decode_attention``'s contract, a decode step's call computed by torch's SDPA with
     ``enable_gqa=True`` (no ``repeat_kv`` copy; which backend runs it is torch's choice), any other by
     transformers' SDPA. Shapes as ``decode_attention``."""
+    refuse_sinks(module, kwargs)
     if not _is_decode_call(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -43,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_int
-from lit_grpo.sampling.decode_attention import instead_of_sdpa
+from lit_grpo.sampling.decode_attention import instead_of_sdpa, refuse_sinks
 from lit_grpo.sampling.kv_cache import KV, attention_layout, layer_windows, take_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
@@ -159,6 +159,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     Returns:
         ``[1, T, heads, dim]`` and no attention weights.
     """
+    refuse_sinks(module, kwargs)
     packed = _PACKED_CHUNK.get()
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
