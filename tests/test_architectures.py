@@ -7,6 +7,7 @@ linears (the CPU's default) sample what torch's ``F.linear`` samples. docs/train
 the refusals.
 """
 
+import re
 import warnings
 
 import pytest
@@ -284,3 +285,15 @@ def test_attention_sinks_switched_to_sdpa_are_refused_rather_than_dropped():
         with pytest.raises(ValueError, match=r"GptOssAttention passes attention sinks \(s_aux\), which SDPA does "
                                              r"not compute; load the model with attn_implementation='eager'"):
             engine.generate(prompts[:micro_group_size])
+
+
+def test_layers_that_cache_other_widths_than_the_config_gives_are_refused():
+    """MiMo-V2-Flash's sliding layers cache twice the config's key/value heads, and its values are v_head_dim wide:
+    the slot cache, sized by ``num_key_value_heads x head_dim``, refuses the prefix KV naming the layer's widths."""
+    model, tokenizer = tiny_architecture("mimo_v2_flash", head_dim=16, v_head_dim=8, sliding_window=WINDOW,
+                                         layer_types=SLIDING_FULL, **MOE)
+    engine = RolloutEngine(model, tokenizer, group_size=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match=re.escape(
+            "layer 0 of this model (mimo_v2_flash) caches keys of 4 heads x 16 and values of 4 heads x 8, where "
+            "the slot cache, sized by the config's num_key_value_heads x head_dim, holds 2 x 16")):
+        engine.generate([tokenizer(PROMPT_TEXTS[0])["input_ids"]])

@@ -254,6 +254,7 @@ class SlotKVCache(Cache):
     def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
         #: How the model's layers attend (the decode step masks sliding-window layers by it).
         self.layout = attention_layout(model_config)
+        self.model_type = model_config.get_text_config(decoder=True).model_type
         num_layers, kv_heads, head_dim = kv_geometry(model_config)
         self.num_slots, self.width = num_slots, width
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
@@ -294,7 +295,14 @@ class SlotKVCache(Cache):
         n = kv[0][0].shape[2]
         if start + n > self.width:
             raise ValueError(f"{start + n} positions do not fit the slot cache's width {self.width}")
-        for layer, (keys, values) in zip(self.layers, kv):
+        for index, (layer, (keys, values)) in enumerate(zip(self.layers, kv)):
+            if keys.shape[1::2] != layer.keys.shape[1::2] or values.shape[1::2] != layer.values.shape[1::2]:
+                # per-layer widths (MiMo-V2-Flash's sliding layers: more key/value heads, a v_head_dim)
+                raise ValueError(
+                    f"layer {index} of this model ({self.model_type}) caches keys of {keys.shape[1]} heads x "
+                    f"{keys.shape[3]} and values of {values.shape[1]} heads x {values.shape[3]}, where the slot "
+                    f"cache, sized by the config's num_key_value_heads x head_dim, holds {layer.keys.shape[1]} x "
+                    f"{layer.keys.shape[3]}; the rollout engine needs every layer's keys and values that wide")
             layer.keys[slot, :, start:start + n].copy_(keys[0])
             layer.values[slot, :, start:start + n].copy_(values[0])
         return n
