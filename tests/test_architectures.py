@@ -106,6 +106,8 @@ ARCHITECTURES = {
                                     shared_expert_intermediate_size=64, **MOE)),
     "laguna": ("laguna", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL,
                               shared_expert_intermediate_size=64, **MOE)),
+    "dots1": ("dots1", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL, n_routed_experts=4, n_shared_experts=1,
+                            num_experts_per_tok=2, moe_intermediate_size=32)),
     "kolibri1": ("kolibri1", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL, num_local_experts=4,
                                   shared_expert_intermediate_size=64, **MOE)),
 }
