@@ -9,8 +9,9 @@ import re
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig,
-                          Llama4TextConfig, MinistralConfig, MistralConfig, Qwen2Config, Qwen3NextConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, DogeConfig, DynamicCache, Gemma2Config,
+                          Gemma3TextConfig, Llama4TextConfig, MinistralConfig, MistralConfig, Qwen2Config,
+                          Qwen3NextConfig)
 
 from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
                                      cache_keyword)
@@ -97,6 +98,7 @@ def _sdpa(config):
                                             "supported)"),
     (Qwen3NextConfig(num_hidden_layers=4), "this model uses DynamicLayer, LinearAttentionLayer (hybrid or linear "
                                            "caches are not supported)"),
+    (DogeConfig(num_hidden_layers=2, keep_window_size=6), "masks its attention dynamically (keep_window_size=6)"),
     # a heterogeneous config's own window for one layer: transformers' cache keeps two windows
     (MinistralConfig(num_hidden_layers=2, head_dim=16, sliding_window=6, per_layer_config={0: {"sliding_window": 4}}),
      "has sliding-window layers of 2 windows [4, 6]; the rollout engine masks every sliding layer with one window"),

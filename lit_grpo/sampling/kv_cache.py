@@ -113,8 +113,8 @@ class AttentionLayout:
 def attention_layout(model_config) -> AttentionLayout:
     """The ``AttentionLayout`` of a model the rollout engine computes exactly: every cache layer full attention or
     sliding-window attention of one window. Refused, naming why: linear, hybrid, chunked or latent attention (keys
-    and values not ``num_key_value_heads x head_dim`` wide), bidirectional attention, and attention logit
-    soft-capping under SDPA (which does not compute it)."""
+    and values not ``num_key_value_heads x head_dim`` wide), bidirectional attention, Doge's dynamic mask, and
+    attention logit soft-capping under SDPA (which does not compute it)."""
     if getattr(model_config, "kv_lora_rank", None):
         raise ValueError(f"the rollout engine needs keys and values of num_key_value_heads x head_dim each; this "
                          f"model ({model_config.model_type}) caches latent attention (kv_lora_rank="
@@ -123,6 +123,11 @@ def attention_layout(model_config) -> AttentionLayout:
     if getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"the rollout engine needs causal attention; this model ({text.model_type}) sets "
                          "use_bidirectional_attention=True")
+    keep = getattr(text, "keep_window_size", None)
+    if keep is not None:
+        raise ValueError(f"this model ({text.model_type}) masks its attention dynamically (keep_window_size={keep}): "
+                         "past that many keys its cached decode attends other keys than its whole-sequence forward, "
+                         "so the update would not reproduce the sampled log-probs")
     implementation = getattr(model_config, "_attn_implementation", None)
     if getattr(text, "attn_logit_softcapping", None) is not None and implementation == "sdpa":
         raise ValueError(f"this model ({text.model_type}) sets attn_logit_softcapping="
