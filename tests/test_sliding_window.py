@@ -410,3 +410,19 @@ def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_
             for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
                 torch.testing.assert_close(keys, own_keys, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(values, own_values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_whose_layers_cache_other_widths_is_refused_when_the_cache_is_sized():
+    """Gemma 4's full-attention layers have their own head_dim (a heterogeneous config, which will not give one
+    global value): the slot cache, one width for every layer, refuses it naming the field."""
+    from transformers import Gemma4TextConfig
+
+    from lit_grpo.sampling.memory_budget import kv_geometry
+
+    config = Gemma4TextConfig(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention"],
+                              per_layer_config={1: {"head_dim": 32}})
+    with pytest.raises(ValueError, match=r"model config Gemma4TextConfig \(gemma4_text\) gives its layers their own "
+                                         r"key/value widths \(.*head_dim.*\); the rollout engine's slot cache holds "
+                                         r"one num_key_value_heads x head_dim for every layer"):
+        kv_geometry(config)
