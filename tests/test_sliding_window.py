@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, DogeConfig, DynamicCache, Gemma2Config,
-                          Gemma3TextConfig, Llama4TextConfig, MinistralConfig, MistralConfig, Qwen2Config,
-                          Qwen3NextConfig)
+                          Gemma3TextConfig, Gemma4TextConfig, Llama4TextConfig, MinistralConfig, MistralConfig,
+                          Qwen2Config, Qwen3NextConfig)
 
 from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
                                      cache_keyword)
@@ -99,6 +99,10 @@ def _sdpa(config):
     (Qwen3NextConfig(num_hidden_layers=4), "this model uses DynamicLayer, LinearAttentionLayer (hybrid or linear "
                                            "caches are not supported)"),
     (DogeConfig(num_hidden_layers=2, keep_window_size=6), "masks its attention dynamically (keep_window_size=6)"),
+    (Gemma4TextConfig(num_hidden_layers=3, head_dim=16, global_head_dim=16, hidden_size_per_layer_input=0,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_kv_shared_layers=1),
+     "this model uses DummyLayer, DynamicLayer, DynamicSlidingWindowLayer (hybrid or linear caches, and layers that "
+     "reuse another layer's keys and values (num_kv_shared_layers=1), are not supported)"),
     # a heterogeneous config's own window for one layer: transformers' cache keeps two windows
     (MinistralConfig(num_hidden_layers=2, head_dim=16, sliding_window=6, per_layer_config={0: {"sliding_window": 4}}),
      "has sliding-window layers of 2 windows [4, 6]; the rollout engine masks every sliding layer with one window"),
@@ -415,8 +419,6 @@ def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_
 def test_a_config_whose_layers_cache_other_widths_is_refused_when_the_cache_is_sized():
     """Gemma 4's full-attention layers have their own head_dim (a heterogeneous config, which will not give one
     global value): the slot cache, one width for every layer, refuses it naming the field."""
-    from transformers import Gemma4TextConfig
-
     from lit_grpo.sampling.memory_budget import kv_geometry
 
     config = Gemma4TextConfig(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW, hidden_size_per_layer_input=0,

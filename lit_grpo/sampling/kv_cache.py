@@ -136,8 +136,11 @@ def attention_layout(model_config) -> AttentionLayout:
     cache_layers = DynamicCache(config=model_config).layers
     kinds = {type(layer).__name__ for layer in cache_layers}
     if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer"}:
+        shared = getattr(text, "num_kv_shared_layers", None)
+        sharing = (f", and layers that reuse another layer's keys and values (num_kv_shared_layers={shared}),"
+                   if "DummyLayer" in kinds and shared else "")
         raise ValueError(f"the rollout engine needs full-attention or sliding-window cache layers; this model uses "
-                         f"{', '.join(sorted(kinds))} (hybrid or linear caches are not supported)")
+                         f"{', '.join(sorted(kinds))} (hybrid or linear caches{sharing} are not supported)")
     if "DynamicSlidingWindowLayer" not in kinds:
         return AttentionLayout()
     layer_types = getattr(text, "layer_types", None)
