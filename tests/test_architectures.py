@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig
 
 from lit_grpo.batch import pad_left, pad_right
-from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, _seeded_model, _special_token_ids, disable_dropout, prepare_tokenizer,
-                                     tiny_tokenizer)
+from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, _seeded_model, _special_token_ids, disable_dropout,
+                                     prepare_tokenizer, tiny_tokenizer)
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.prefill import pack_chunk, packed_forward
 from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits, logits_multiplier
@@ -86,6 +86,9 @@ ARCHITECTURES = {
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL,
                               attn_implementation="eager")),  # soft-capped attention scores and logits
     "gemma3_text": ("gemma3_text", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
+    "gemma4_text": ("gemma4_text", dict(head_dim=16, global_head_dim=16, sliding_window=WINDOW,
+                                        layer_types=SLIDING_FULL, hidden_size_per_layer_input=8,
+                                        num_kv_shared_layers=0)),  # per-layer inputs; one head_dim, no shared KV
     "vaultgemma": ("vaultgemma", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL)),
     "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_FULL)),
     "gpt_oss": ("gpt_oss", dict(head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL, num_local_experts=4,
