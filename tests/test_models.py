@@ -530,6 +530,7 @@ def test_disable_dropout_zeroes_the_float_rates_named_dropout_and_layerdrop(mode
                                   **models._special_token_ids(tokenizer))
     model = models._seeded_model(config, torch.float32, torch.device("cpu"), tokenizer).train()
     ids = torch.arange(3, 19).unsqueeze(0)
+    torch.manual_seed(0)  # layerdrop may skip every layer in both forwards: a seed that does not
     with torch.no_grad():
         assert not torch.equal(model(ids).logits, model(ids).logits)
         models.disable_dropout(model)
