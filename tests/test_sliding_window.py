@@ -390,11 +390,14 @@ def test_prompts_prefilled_alone_take_the_models_own_sliding_masks(monkeypatch):
     ("qwen2_moe", dict(use_sliding_window=True, max_window_layers=1, decoder_sparse_step=1, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
     ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # layer_types without use_sliding_window: the mask slides the first layer, its attention is told no window
+    ("smollm3", dict(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"], pad_token_id=None)),
 ])
 def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_it(model_type, fields):
-    """Qwen2-MoE's and PhiMoE's attention layers do not pass ``sliding_window`` to the attention function (their
-    window is only in the masks, which a packed SDPA chunk does not build): the packed prefill takes each layer's
-    window from the config, as the cache's layers do, so a prefix longer than the window is computed as alone."""
+    """Qwen2-MoE's and PhiMoE's attention layers do not pass ``sliding_window`` to the attention function, nor
+    SmolLM3's without ``use_sliding_window`` (their window is only in the masks, which a packed SDPA chunk does not
+    build): the packed prefill takes each layer's window from the config, as the cache's layers do, so a prefix
+    longer than the window is computed as alone."""
     tokenizer = tiny_tokenizer()
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
