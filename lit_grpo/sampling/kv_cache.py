@@ -151,8 +151,7 @@ def attention_layout(model_config) -> AttentionLayout:
         raise ValueError(f"the rollout engine computes full and sliding-window attention; this model "
                          f"({text.model_type}) has {found} (chunked attention is not supported)")
     # the windows transformers' own cache keeps (a heterogeneous config may give each layer its own)
-    windows = sorted({layer.sliding_window for layer in cache_layers if isinstance(layer, DynamicSlidingWindowLayer)},
-                     key=repr)
+    windows = sorted(set(_cache_windows(cache_layers)) - {None}, key=repr)
     if len(windows) > 1:
         raise ValueError(f"this model ({text.model_type}) has sliding-window layers of {len(windows)} windows "
                          f"{windows}; the rollout engine masks every sliding layer with one window")
@@ -168,8 +167,13 @@ def layer_windows(model_config) -> list[int | None]:
     from its config (its ``layer_types``; without them, every layer where ``sliding_window`` is set): the rule the
     model's own masks follow, whether or not a layer's attention is also told its window (Qwen2-MoE's, PhiMoE's are
     not)."""
-    return [layer.sliding_window if type(layer).__name__ == "DynamicSlidingWindowLayer" else None
-            for layer in DynamicCache(config=model_config).layers]
+    return _cache_windows(DynamicCache(config=model_config).layers)
+
+
+def _cache_windows(cache_layers: list[CacheLayerMixin]) -> list[int | None]:
+    """Each of transformers' cache layers' sliding window, None for a full-attention one: the one reading of which
+    layers slide, for ``attention_layout`` (one window) and ``layer_windows`` (by layer index) alike."""
+    return [layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None for layer in cache_layers]
 
 
 class _StoringLayer(DynamicLayer):
