@@ -103,6 +103,10 @@ def _sdpa(config):
                       layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_kv_shared_layers=1),
      "this model uses DummyLayer, DynamicLayer, DynamicSlidingWindowLayer (hybrid or linear caches, and layers that "
      "reuse another layer's keys and values (num_kv_shared_layers=1), are not supported)"),
+    # layer_types that slide a layer where Qwen2 keeps no window (use_sliding_window=False sets it to None)
+    (Qwen2Config(num_hidden_layers=2, use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
+     "this model (qwen2) has sliding_attention layers [0] (layer_types ['sliding_attention', 'full_attention']) "
+     "whose sliding_window is None; an integer >= 1 is needed"),
     # a heterogeneous config's own window for one layer: transformers' cache keeps two windows
     (MinistralConfig(num_hidden_layers=2, head_dim=16, sliding_window=6, per_layer_config={0: {"sliding_window": 4}}),
      "has sliding-window layers of 2 windows [4, 6]; the rollout engine masks every sliding layer with one window"),

@@ -113,8 +113,8 @@ class AttentionLayout:
 def attention_layout(model_config) -> AttentionLayout:
     """The ``AttentionLayout`` of a model the rollout engine computes exactly: every cache layer full attention or
     sliding-window attention of one window. Refused, naming why: linear, hybrid, chunked or latent attention (keys
-    and values not ``num_key_value_heads x head_dim`` wide), bidirectional attention, Doge's dynamic mask, and
-    attention logit soft-capping under SDPA (which does not compute it)."""
+    and values not ``num_key_value_heads x head_dim`` wide), bidirectional attention, Doge's dynamic mask, a sliding
+    layer without a window, and attention logit soft-capping under SDPA (which does not compute it)."""
     if getattr(model_config, "kv_lora_rank", None):
         raise ValueError(f"the rollout engine needs keys and values of num_key_value_heads x head_dim each; this "
                          f"model ({model_config.model_type}) caches latent attention (kv_lora_rank="
@@ -133,7 +133,16 @@ def attention_layout(model_config) -> AttentionLayout:
         raise ValueError(f"this model ({text.model_type}) sets attn_logit_softcapping="
                          f"{text.attn_logit_softcapping}, which SDPA attention does not compute; load it with "
                          "attn_implementation='eager'")
-    cache_layers = DynamicCache(config=model_config).layers
+    layer_types = getattr(text, "layer_types", None)
+    try:
+        cache_layers = DynamicCache(config=model_config).layers
+    except TypeError as error:  # a sliding layer whose window is None: its cache layer takes an integer
+        windowless = [index for index, (kind, layer) in enumerate(zip(layer_types or (), text.per_layer_config))
+                      if kind == "sliding_attention" and getattr(layer, "sliding_window", None) is None]
+        if not windowless:
+            raise
+        raise ValueError(f"this model ({text.model_type}) has sliding_attention layers {windowless} (layer_types "
+                         f"{layer_types}) whose sliding_window is None; an integer >= 1 is needed") from error
     kinds = {type(layer).__name__ for layer in cache_layers}
     if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer"}:
         shared = getattr(text, "num_kv_shared_layers", None)
@@ -143,7 +152,6 @@ def attention_layout(model_config) -> AttentionLayout:
                          f"{', '.join(sorted(kinds))} (hybrid or linear caches{sharing} are not supported)")
     if "DynamicSlidingWindowLayer" not in kinds:
         return AttentionLayout()
-    layer_types = getattr(text, "layer_types", None)
     chunk = getattr(text, "attention_chunk_size", None)
     other = sorted(set(layer_types or ()) - {"full_attention", "sliding_attention"})
     if other or chunk is not None:
