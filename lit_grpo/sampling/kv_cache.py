@@ -173,8 +173,8 @@ def attention_layout(model_config) -> AttentionLayout:
 def layer_windows(model_config) -> list[int | None]:
     """Each layer's sliding window, None for a full-attention layer, as transformers builds the model's cache layers
     from its config (its ``layer_types``; without them, every layer where ``sliding_window`` is set): the rule the
-    model's own masks follow, whether or not a layer's attention is also told its window (Qwen2-MoE's, PhiMoE's are
-    not)."""
+    model's own masks follow, whether or not a layer's attention is also told its window (Qwen2-MoE's, PhiMoE's and,
+    without ``use_sliding_window``, SmolLM3's are not)."""
     return _cache_windows(DynamicCache(config=model_config).layers)
 
 

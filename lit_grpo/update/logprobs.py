@@ -18,9 +18,10 @@ whatever the autocast: nothing to cast, its chunks go through the head itself (`
 The chunked path needs the output head applied to the last hidden state, times ``logits_multiplier`` (Granite's
 ``1 / logits_scaling``, Cohere's ``logit_scale``: folded into the temperature the chunks divide by), to BE the model's
 logits. That holds for Llama, Qwen2/3, Mistral and most decoders, but not for models that post-process logits
-otherwise (Gemma 2's soft-capping): ``head_reproduces_logits`` checks it once per model on four tokens, and
-``completion_logps`` falls back to the full logits (``completion_logits`` + ``token_logps``) where it fails or the
-model cannot return hidden states with ``logits_to_keep``.
+otherwise: ``head_reproduces_logits`` checks it once per model on four tokens (a config's
+``final_logit_softcapping``, Gemma 2's, answers no unchecked: the check's tolerance would pass a small model's
+capped logits), and ``completion_logps`` falls back to the full logits (``completion_logits`` + ``token_logps``)
+where it fails or the model cannot return hidden states with ``logits_to_keep``.
 
 The entropies are a metric (and the high-entropy mask's ranking), without a gradient, unless ``entropy_grad`` asks
 for one (the entropy bonus, lit_grpo.update.entropy_bonus): then every path gives them the gradient of
