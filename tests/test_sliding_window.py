@@ -425,13 +425,15 @@ def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_
 
 def test_a_config_whose_layers_cache_other_widths_is_refused_when_the_cache_is_sized():
     """Gemma 4's full-attention layers have their own head_dim (a heterogeneous config, which will not give one
-    global value): the slot cache, one width for every layer, refuses it naming the field."""
+    global value): the slot cache, one width for every layer, refuses it naming each layer's widths (not transformers'
+    advice to read the global value anyway)."""
     from lit_grpo.sampling.memory_budget import kv_geometry
 
     config = Gemma4TextConfig(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW, hidden_size_per_layer_input=0,
                               layer_types=["sliding_attention", "full_attention"],
                               per_layer_config={1: {"head_dim": 32}})
     with pytest.raises(ValueError, match=r"model config Gemma4TextConfig \(gemma4_text\) gives its layers their own "
-                                         r"key/value widths \(.*head_dim.*\); the rollout engine's slot cache holds "
+                                         r"key/value widths \(num_key_value_heads, head_dim by layer: "
+                                         r"\[\(4, 16\), \(4, 32\)\]\); the rollout engine's slot cache holds "
                                          r"one num_key_value_heads x head_dim for every layer"):
         kv_geometry(config)

@@ -193,9 +193,12 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     except RuntimeError as error:  # a heterogeneous config (Gemma 4's) will not give one value for every layer
+        widths = [(getattr(layer, "num_key_value_heads", None), getattr(layer, "head_dim", None))
+                  for layer in config.per_layer_config]
         raise ValueError(f"model config {type(config).__name__} ({getattr(config, 'model_type', None)}) gives its "
-                         f"layers their own key/value widths ({error}); the rollout engine's slot cache holds one "
-                         "num_key_value_heads x head_dim for every layer") from error
+                         f"layers their own key/value widths (num_key_value_heads, head_dim by layer: {widths}); the "
+                         "rollout engine's slot cache holds one num_key_value_heads x head_dim for every layer") \
+            from error
     return int(layers), int(kv_heads), int(head_dim)
 
 
