@@ -21,6 +21,7 @@ from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.prefill import pack_chunk, packed_forward
 from lit_grpo.update.logprobs import completion_logps, head_reproduces_logits, logits_multiplier
 from precision_helpers import assert_greedy_margin
+from prefill_helpers import assert_packed_logits_equal_alone
 
 from conftest import PROMPT_TEXTS
 
@@ -189,12 +190,7 @@ def test_a_layer_that_drops_its_keyword_arguments_keeps_the_packed_prompts_apart
     lengths reach it beside the forward, so each prompt's keys are those it has alone."""
     model, tokenizer = tiny_architecture("stablelm")
     prompts = [tokenizer(text)["input_ids"] for text in PROMPT_TEXTS[:2]]
-    chunk = pack_chunk(prompts, torch.device("cpu"))
-    with torch.no_grad(), packed_forward(model, chunk) as inputs:
-        packed = model(input_ids=chunk.input_ids, **inputs).logits[0]
-    with torch.no_grad():
-        alone = [model(input_ids=torch.tensor([prompt])).logits[0] for prompt in prompts]
-    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)
+    assert_packed_logits_equal_alone(model, prompts)
 
 
 def test_a_packed_prefill_whose_layers_never_call_the_packed_attention_is_refused():

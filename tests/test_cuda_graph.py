@@ -32,6 +32,18 @@ def assert_same_samples(replayed, eager) -> None:
             torch.testing.assert_close(torch.tensor(got_row), torch.tensor(expected_row), **GRAPH_AGAINST_EAGER)
 
 
+def _generated(model, prompt: list[int], max_new_tokens: int, eos_token_ids, pad_token_id: int) -> list[int]:
+    """``model.generate``'s greedy completion of ``prompt`` on CUDA, up to its first EOS (generate pads after it;
+    the engine stops there)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_token_ids, pad_token_id=pad_token_id)
+    expected = out[0, len(prompt):].tolist()
+    if any(t in eos_token_ids for t in expected):
+        expected = expected[: next(i for i, t in enumerate(expected) if t in eos_token_ids) + 1]
+    return expected
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.3])  # 1.3: the rows' seen ids, written between replays, read in them
 @pytest.mark.parametrize("strategy", ["continuous", "infinite"])
 def test_graph_replay_equals_the_eager_step(strategy, penalty):
@@ -140,15 +152,9 @@ def test_greedy_replayed_graph_equals_model_generate():
                            temperature=0.0, cuda_graph=True)
     completion = engine.generate([prompt]).completion_ids[0][0]
     assert engine._step.graph is not None
-    with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=engine.eos_token_ids, pad_token_id=tokenizer.pad_token_id)
-    expected = expected[0, len(prompt):].tolist()
     # float32, other kernels than generate's: equal tokens while no step is a near tie (tests/precision_helpers.py
     # checks such margins on the CPU tests)
-    if any(t in engine.eos_token_ids for t in expected):  # generate pads after EOS; the engine stops there
-        expected = expected[: next(i for i, t in enumerate(expected) if t in engine.eos_token_ids) + 1]
-    assert completion == expected
+    assert completion == _generated(model, prompt, 12, engine.eos_token_ids, tokenizer.pad_token_id)
 
 
 def test_a_model_that_cannot_be_captured_falls_back_to_the_eager_step():
@@ -296,13 +302,8 @@ def test_a_sliding_window_model_replays_its_windowed_masks(compile):
     result = greedy.generate(prompts)
     assert greedy._step.graph is not None
     for p, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,
-                                      eos_token_id=greedy.eos_token_ids, pad_token_id=tokenizer.pad_token_id)
-        expected = expected[0, len(prompt):].tolist()
-        if any(t in greedy.eos_token_ids for t in expected):  # generate pads after EOS; the engine stops there
-            expected = expected[: next(i for i, t in enumerate(expected) if t in greedy.eos_token_ids) + 1]
-        assert result.completion_ids[p][0] == expected
+        assert result.completion_ids[p][0] == _generated(model, prompt, 16, greedy.eos_token_ids,
+                                                         tokenizer.pad_token_id)
     settings = dict(group_size=3, micro_group_size=2, strategy="continuous", max_new_tokens=16, seed=2)
     replayed = RolloutEngine(model, tokenizer, cuda_graph=True, compile=compile, **settings).generate(prompts)
     eager = RolloutEngine(model, tokenizer, cuda_graph=False, compile=False, **settings).generate(prompts)

@@ -12,6 +12,7 @@ from lit_grpo.sampling import RolloutEngine, rollout_loop
 from lit_grpo.sampling.kv_cache import cache_layers_kv
 from lit_grpo.sampling.prefill import (block_causal_mask, pack_chunk, packed_attention, packed_forward,
                                       prefill_chunks, split_prefixes)
+from prefill_helpers import assert_packed_logits_equal_alone
 from scheduler_helpers import trust_predictions
 
 
@@ -163,9 +164,4 @@ def test_a_layer_that_calls_the_attention_function_twice_is_packed_not_refused()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    chunk = pack_chunk(prompts, torch.device("cpu"))
-    with torch.no_grad(), packed_forward(model, chunk) as inputs:
-        packed = model(input_ids=chunk.input_ids, **inputs).logits[0]
-    with torch.no_grad():
-        alone = [model(input_ids=torch.tensor([prompt])).logits[0] for prompt in prompts]
-    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)
+    assert_packed_logits_equal_alone(model, prompts)

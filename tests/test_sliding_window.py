@@ -13,13 +13,13 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DogeConfig, DynamicC
                           Gemma3TextConfig, Gemma4TextConfig, Llama4TextConfig, MinistralConfig, MistralConfig,
                           Qwen2Config, Qwen3NextConfig)
 
-from lit_grpo.runtime.models import (TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer,
-                                     cache_keyword)
+from lit_grpo.runtime.models import TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.decode_attention import _is_decode_call
-from lit_grpo.sampling.kv_cache import AttentionLayout, PrefillCache, attention_layout, cache_layers_kv
-from lit_grpo.sampling.prefill import block_causal_mask, pack_chunk, packed_forward, split_prefixes
+from lit_grpo.sampling.kv_cache import AttentionLayout, attention_layout
+from lit_grpo.sampling.prefill import block_causal_mask
 from precision_helpers import assert_greedy_margin
+from prefill_helpers import assert_packed_prefixes_equal_alone
 from scheduler_helpers import trust_predictions
 
 WINDOW = TINY_SLIDING_WINDOW
@@ -68,6 +68,22 @@ def _ids(tokenizer):
     ids = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert max(len(p) for p in ids) > 2 * WINDOW  # the windows bite within the prompts
     return ids
+
+
+def _greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy completion of ``prompt`` (its sliding caches), no step of which is a near tie."""
+    expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist()
+    assert_greedy_margin(model, prompt, expected)
+    return expected
+
+
+def _assert_greedy_is_generates(model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 16) -> None:
+    """The engine's greedy completion of each prompt (one slot a prompt) is transformers' own (``_greedy``)."""
+    result = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=max_new_tokens,
+                           temperature=0.0).generate(prompts)
+    for p, prompt in enumerate(prompts):
+        assert result.completion_ids[p] == [_greedy(model, prompt, max_new_tokens)]
 
 
 def test_the_layout_reads_the_window_and_how_the_model_takes_its_masks():
@@ -128,9 +144,7 @@ def test_greedy_output_equals_model_generate_past_the_window(name, implementatio
                            max_new_tokens=16, temperature=0.0)
     result = engine.generate(prompts)
     for p, prompt in enumerate(prompts):
-        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        assert_greedy_margin(model, prompt, expected)
+        expected = _greedy(model, prompt, 16)
         assert len(expected) == 16 and result.completion_ids[p] == [expected, expected]
 
 
@@ -201,18 +215,7 @@ def test_a_packed_chunk_computes_each_prefix_as_it_would_alone_past_the_window(s
     prefixes = [tokenizer(text)["input_ids"] for text in PROMPTS[:2] + ["Name a colour, then another one."]]
     model.config._attn_implementation = implementation
     try:
-        with torch.inference_mode():
-            packed = pack_chunk(prefixes, torch.device("cpu"))
-            cache = PrefillCache(model.config, torch.float64)
-            with packed_forward(model, packed) as inputs:
-                model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
-            for prefix, kv in zip(prefixes, split_prefixes(cache_layers_kv(cache), packed)):
-                alone = PrefillCache(model.config, torch.float64)
-                model(input_ids=torch.tensor([prefix]), **{cache_keyword(model): alone}, use_cache=True)
-                for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
-                    assert keys.shape[2] == own_keys.shape[2] == len(prefix) > WINDOW
-                    torch.testing.assert_close(keys, own_keys, rtol=1e-6, atol=1e-6)
-                    torch.testing.assert_close(values, own_values, rtol=1e-6, atol=1e-6)
+        assert_packed_prefixes_equal_alone(model, prefixes, torch.float64, 1e-6, longer_than=WINDOW)
     finally:
         model.config._attn_implementation = "sdpa"
     # transformers' own prefill cache keeps a sliding layer's last window only: PrefillCache must not
@@ -313,13 +316,7 @@ def test_a_multimodal_gemma3_samples_text_as_its_generate_does():
     assert attention_layout(model.config) == AttentionLayout(sliding_window=WINDOW, keyed_masks=True)
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
     prompts = _ids(tokenizer)
-    result = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=16,
-                           temperature=0.0).generate(prompts)
-    for p, prompt in enumerate(prompts):
-        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        assert_greedy_margin(model, prompt, expected)
-        assert result.completion_ids[p] == [expected]
+    _assert_greedy_is_generates(model, tokenizer, prompts)
 
 
 def test_gemma2_in_eager_attention_samples_with_its_soft_capping():
@@ -330,13 +327,7 @@ def test_gemma2_in_eager_attention_samples_with_its_soft_capping():
     assert model.config._attn_implementation == "eager"
     assert attention_layout(model.config) == AttentionLayout(sliding_window=WINDOW, keyed_masks=True)
     prompts = _ids(tokenizer)
-    greedy = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=16,
-                           temperature=0.0).generate(prompts)
-    for p, prompt in enumerate(prompts):
-        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        assert_greedy_margin(model, prompt, expected)
-        assert greedy.completion_ids[p] == [expected]
+    _assert_greedy_is_generates(model, tokenizer, prompts)
     sampled = RolloutEngine(model, tokenizer, group_size=2, micro_group_size=3, strategy="continuous",
                             max_new_tokens=14, temperature=0.7, seed=3).generate(prompts)
     for p, prompt in enumerate(prompts):
@@ -410,17 +401,7 @@ def test_a_packed_chunk_takes_the_window_of_a_layer_whose_attention_is_not_told_
         model = AutoModelForCausalLM.from_config(config).eval()  # float32: the experts' grouped matmul takes no float64
     assert attention_layout(model.config).sliding_window == WINDOW
     prefixes = [tokenizer(text)["input_ids"] for text in PROMPTS[:2]]
-    with torch.inference_mode():
-        packed = pack_chunk(prefixes, torch.device("cpu"))
-        cache = PrefillCache(model.config, torch.float32)
-        with packed_forward(model, packed) as inputs:
-            model(input_ids=packed.input_ids, **{cache_keyword(model): cache}, use_cache=True, **inputs)
-        for prefix, kv in zip(prefixes, split_prefixes(cache_layers_kv(cache), packed)):
-            alone = PrefillCache(model.config, torch.float32)
-            model(input_ids=torch.tensor([prefix]), **{cache_keyword(model): alone}, use_cache=True)
-            for (keys, values), (own_keys, own_values) in zip(kv, cache_layers_kv(alone)):
-                torch.testing.assert_close(keys, own_keys, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(values, own_values, rtol=1e-5, atol=1e-5)
+    assert_packed_prefixes_equal_alone(model, prefixes, torch.float32, 1e-5, longer_than=WINDOW)
 
 
 def test_a_config_whose_layers_cache_other_widths_is_refused_when_the_cache_is_sized():
