@@ -303,16 +303,20 @@ def _vocab_size(model: torch.nn.Module, head: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", 0) or model.config.vocab_size)
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    """``model``'s config, its text decoder's where it nests one (a multimodal model's); None where it has none."""
+    config = getattr(model, "config", None)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def logits_multiplier(model: torch.nn.Module) -> float:
     """What ``model``'s forward multiplies its output head's result by, read from its config: Granite's
     ``1 / logits_scaling`` times Cohere's ``logit_scale`` (1.0 where it has neither). ``head_reproduces_logits``
     checks it with the head, so a field that means something else in another model sends that one to the full
     logits rather than to wrong ones."""
-    config = getattr(model, "config", None)
+    config = _text_config(model)
     if config is None:
         return 1.0
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
     multiplier = 1.0
     scaling, scale = getattr(config, "logits_scaling", None), getattr(config, "logit_scale", None)
     if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling:
@@ -336,11 +340,8 @@ def head_reproduces_logits(model: torch.nn.Module) -> bool:
     if model in _HEAD_CHECKS:
         return _HEAD_CHECKS[model]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
     ok = False
-    capped = getattr(config, "final_logit_softcapping", None) is not None
+    capped = getattr(_text_config(model), "final_logit_softcapping", None) is not None
     if not capped and isinstance(head, torch.nn.Module) and accepts(model, "output_hidden_states"):
         device = next(model.parameters()).device
         ids = (torch.arange(4, device=device) * 7919 % _vocab_size(model, head)).unsqueeze(0)
