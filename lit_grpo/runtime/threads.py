@@ -24,6 +24,8 @@ CORE_WAIT_SHARE = 0.2
 MIN_THREAD_S = 1.0
 
 _TASKS = "/proc/self/task"
+#: What threads beyond a CPU quota's cores do.
+_THROTTLED = "spend the quota's time early and wait, throttled, for its next period"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +97,10 @@ def core_wait_advice(running_s: float, waiting_s: float, torch_threads: int, cor
                   f"{local_processes} processes on this node")
     if torch_threads > share:
         if local_processes > 1:
-            beyond = ("spend the quota's time early and wait, throttled, for its next period" if quota_cpus is not None
-                      else "wait for one another and the other processes' threads")
+            beyond = _THROTTLED if quota_cpus is not None else "wait for one another and the other processes' threads"
             on = f"{shared}: threads beyond the share {beyond},"
         elif quota_cpus is not None:
-            on = (f"the {_cores(cores)} this process's cgroup CPU quota grants: threads beyond them spend the quota's "
-                  "time early and wait, throttled, for its next period,")
+            on = f"the {_cores(cores)} this process's cgroup CPU quota grants: threads beyond them {_THROTTLED},"
         else:
             on = f"{_cores(cores)}: threads beyond the cores wait for one another"
         return (f"{waited} on {on} and every parallel op waits for its slowest thread; try --torch_num_threads "
