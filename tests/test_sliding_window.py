@@ -418,3 +418,146 @@ def test_a_config_whose_layers_cache_other_widths_is_refused_when_the_cache_is_s
                                          r"\[\(4, 16\), \(4, 32\)\]\); the rollout engine's slot cache holds "
                                          r"one num_key_value_heads x head_dim for every layer"):
         kv_geometry(config)
+
+
+# ------------------------------------------------------------------------- the ring: a sliding layer's W columns
+def _slot_cache(model, width: int, slots: int = 2):
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+
+    return SlotKVCache(model.config, num_slots=slots, width=width, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_sliding_layer_holds_a_ring_of_window_columns_where_the_cache_is_wider(name):
+    """tiny-gemma3 slides its first two layers of three, the Qwen2 its second of two, the Mistral both: those hold
+    WINDOW columns per row once the width exceeds it (bytes counted as held), every column where it does not."""
+    from lit_grpo.sampling.kv_cache import layer_windows
+    from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+
+    model, _ = sliding_model(name)
+    windows = layer_windows(model.config)
+    per_layer = kv_bytes_per_token(model.config, torch.float32) // len(windows)
+    for width in (40, WINDOW + 1):
+        cache = _slot_cache(model, width)
+        assert [layer.keys.shape[2] for layer in cache.layers] == [width if w is None else WINDOW for w in windows]
+        assert cache.ring_width == WINDOW and cache.ring_columns is not None
+        assert cache.nbytes() == 2 * per_layer * sum(width if w is None else WINDOW for w in windows)
+    for width in (WINDOW, 3):  # the window holds the row: every layer as before, no ring
+        cache = _slot_cache(model, width)
+        assert all(layer.keys.shape[2] == width and layer.ring is None for layer in cache.layers)
+        assert cache.ring_width is None and cache.ring_columns is None
+        assert cache.nbytes() == 2 * per_layer * len(windows) * width
+
+
+def test_a_ring_row_writes_and_reads_the_last_window_of_a_span_across_the_wrap():
+    model, _ = sliding_model("tiny-gemma3")
+    cache = _slot_cache(model, 40)
+    ring, full = cache.layers[0], cache.layers[2]
+    _, kv_heads, _, head_dim = ring.keys.shape
+
+    def kv(n):
+        return [(torch.randn(1, kv_heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim)) for _ in cache.layers]
+
+    piece = kv(10)  # positions [3, 13): the ring keeps 7..12, at columns 7 % 6 = 1 on, wrapping after 11
+    assert cache.write_row(1, 3, piece) == 10
+    assert torch.equal(ring.keys[1, :, 1:6], piece[0][0][0, :, 4:9]) and torch.equal(ring.keys[1, :, 0],
+                                                                                        piece[0][0][0, :, 9])
+    assert torch.equal(full.keys[1, :, 3:13], piece[2][0][0])
+    read = cache.read_row(1, 3, 13)
+    assert [k.shape[2] for k, _ in read] == [WINDOW, WINDOW, 10]
+    assert torch.equal(read[0][0], piece[0][0][:, :, -WINDOW:]) and torch.equal(read[2][1], piece[2][1])
+    # a piece cut to the window (as the prefixes and tails are) writes the same row; positions then say the span
+    cut = [(k[:, :, -WINDOW:], v[:, :, -WINDOW:]) if i < 2 else (k, v) for i, (k, v) in enumerate(piece)]
+    cache.write_row(0, 3, cut, positions=10)
+    assert torch.equal(cache.layers[1].values[0], cache.layers[1].values[1])
+    with pytest.raises(ValueError, match=r"needs its span's length \(positions=\)"):
+        cache.write_row(0, 3, cut)
+    with pytest.raises(ValueError, match="layer 0's piece holds 5 positions of a span of 10; this slot cache's "
+                                         "layer needs the span's last 6"):
+        cache.write_row(0, 3, [(k[:, :, -5:], v[:, :, -5:]) for k, v in piece], positions=10)
+
+
+def _masks_seen(monkeypatch) -> list:
+    """The attention masks the decode steps give the model (``AttentionLayout.mask_argument``'s, which an SDPA
+    model's packed prefill does not call)."""
+    seen, mask_argument = [], AttentionLayout.mask_argument
+
+    def spy(self, full, sliding):
+        seen.append(mask_argument(self, full, sliding))
+        return seen[-1]
+
+    monkeypatch.setattr(AttentionLayout, "mask_argument", spy)
+    return seen
+
+
+def test_a_model_without_sliding_layers_allocates_and_masks_as_before(monkeypatch):
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    cache = _slot_cache(model, 40)
+    assert cache.ring_width is None and cache.ring_columns is None
+    assert all(layer.keys.shape[2] == 40 and layer.ring is None for layer in cache.layers)
+    seen = _masks_seen(monkeypatch)
+    RolloutEngine(model, tokenizer, group_size=2, strategy="continuous", max_new_tokens=5,
+                  temperature=0.0).generate([[5, 6, 7, 8]])
+    # one tensor: 0 on the columns <= each row's length, the dtype's lowest past them
+    assert seen and all(isinstance(mask, torch.Tensor) and mask.shape[1:3] == (1, 1) for mask in seen)
+    assert (seen[-1][:, 0, 0] == 0).sum(1).tolist() == [8, 8]  # 3 prompt positions and 4 fed, plus the new one
+
+
+def test_a_ring_layers_mask_admits_its_columns_up_to_the_length(monkeypatch):
+    """Gemma 3's mask dict: the full layers' mask over the attended columns, the ring layers' its first WINDOW
+    columns (all admitted once the row is longer: the ring holds the window alone)."""
+    model, tokenizer = sliding_model("tiny-gemma3")
+    seen = _masks_seen(monkeypatch)
+    prompts = _ids(tokenizer)
+    RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=8,
+                  temperature=0.0).generate(prompts[2:])  # "hi": its row grows past the window
+    widths = [(mask["sliding_attention"].shape[-1], mask["full_attention"].shape[-1]) for mask in seen]
+    assert all(ring == WINDOW < full for ring, full in widths)
+    for mask in seen:
+        assert torch.equal(mask["sliding_attention"], mask["full_attention"][..., :WINDOW])
+
+
+def test_parked_samples_whose_tails_pass_the_window_resume_exactly(sliding64, monkeypatch):
+    """Probed for 9 tokens (past the window of 6) and parked: a ring layer's tail is its last window, and the
+    resumed samples complete as in an unparked rollout."""
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+
+    model, tokenizer = sliding64
+    prompts = _ids(tokenizer)
+    settings = dict(group_size=4, max_new_tokens=14, temperature=1.0, seed=5)
+    whole = RolloutEngine(model, tokenizer, micro_group_size=1, strategy="continuous", **settings).generate(prompts)
+    tails, read = [], SlotKVCache.read_row
+
+    def spy(self, slot, start, stop):
+        kv = read(self, slot, start, stop)
+        tails.append((stop - start, [k.shape[2] for k, _ in kv]))
+        return kv
+
+    monkeypatch.setattr(SlotKVCache, "read_row", spy)
+    parking = RolloutEngine(model, tokenizer, micro_group_size=2, strategy="infinite", predictor="online",
+                            probe_tokens=9, **settings)
+    trust_predictions(parking.scheduler)
+    parked = parking.generate(prompts)
+    assert any(span > WINDOW and WINDOW in held for span, held in tails)  # a tail cut to the ring's window
+    assert parked.completion_ids == whole.completion_ids
+    for got, want in zip(sum(sum(parked.logprobs, []), []), sum(sum(whole.logprobs, []), [])):
+        assert got == pytest.approx(want, abs=2e-6)
+
+
+def test_prompts_longer_than_the_window_go_into_the_ring_and_complete_as_generate(monkeypatch):
+    """16-token prompts (past 2 x WINDOW): their prefixes are cut to the window and written into the ring; greedy
+    completions equal generate's."""
+    from lit_grpo.sampling import rollout_loop
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)
+    cut, split = [], rollout_loop.split_prefixes
+
+    def spy(kv, chunk, windows=None):
+        cut.append(windows)
+        return split(kv, chunk, windows)
+
+    monkeypatch.setattr(rollout_loop, "split_prefixes", spy)
+    _assert_greedy_is_generates(model, tokenizer, prompts)
+    assert cut and all(windows == [WINDOW, WINDOW, None] for windows in cut)
+

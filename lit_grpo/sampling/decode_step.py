@@ -10,7 +10,9 @@ One step, all on the device, no host round trip until the end:
 
 1. attention mask ``[slots, 1, 1, attended]`` from the rows' lengths (a row attends to its columns ``<= lengths``;
    ``attended``: see "Attended width" below); a model with sliding-window layers also gets, for those layers, the
-   mask that hides the columns ``<= lengths - window`` (``kv_cache.AttentionLayout``);
+   mask that hides the columns ``<= lengths - window`` (``kv_cache.AttentionLayout``), or where they hold a ring of
+   ``window`` columns (``kv_cache``), the same mask's first ``window`` columns, and the ring's write columns
+   (``lengths % window``, ``SlotKVCache.locate_writes``);
 2. the model's forward with ``position_ids = lengths`` and the ``SlotKVCache``, which writes each row's new
    key/value at its own column; its attention is ``decode_attention``'s (``SamplingConfig.decode_attention``);
 3. the optional repetition penalty on the ids each row has seen (its prompt and tokens so far, ``[slots, V]``
@@ -271,10 +273,13 @@ class DecodeStep:
 
     def start_row(self, slot: int, kv: Sequence[KV | None], *, stream: tuple[int, int], sample: int,
                   generated: int, next_input: int, forced_length: int = 0,
-                  forced_tokens: Sequence[int] | None = None, seen: Sequence[Sequence[int]] = ()) -> None:
+                  forced_tokens: Sequence[int] | None = None, seen: Sequence[Sequence[int]] = (),
+                  positions: Sequence[int] | None = None) -> None:
         """Run a sample in ``slot``: its cached positions are the ``kv`` parts in order (the prompt's prefix, then
-        a resumed sample's tail); it has generated ``generated`` tokens and feeds ``next_input`` next. ``stream`` =
-        (rollout, prompt) keys its random stream with ``sample``. A replayed sample has its recorded length
+        a resumed sample's tail), ``positions[i]`` of them in part i (``SlotKVCache.write_row``: a sliding layer's
+        piece may hold only its last window of them; None: each part's layers hold all); it has generated
+        ``generated`` tokens and feeds ``next_input`` next. ``stream`` = (rollout, prompt) keys its random stream
+        with ``sample``. A replayed sample has its recorded length
         (``forced_length``) and, in a token replay, all its recorded tokens (``forced_tokens``, from the first: it
         emits token ``generated`` next). ``seen``: the sample's ids so far in parts (its prompt's, then the tokens
         it generated, a resumed sample's included), which the repetition penalty penalizes; read only under one."""
@@ -283,8 +288,8 @@ class DecodeStep:
         if self.seen is not None:
             self._write_seen(slot, seen)
         length = 0
-        for part in kv:
-            length += self.cache.write_row(slot, length, part)
+        for index, part in enumerate(kv):
+            length += self.cache.write_row(slot, length, part, None if positions is None else positions[index])
         self.stream_rollout[slot], self.prompt_index[slot] = stream
         self.sample_index[slot], self.token_index[slot] = sample, generated
         self.input_ids[slot, 0], self.forced_length[slot] = next_input, forced_length
@@ -316,7 +321,8 @@ class DecodeStep:
         row[torch.tensor(ids).to(self.device, non_blocking=True)] = True  # staged at once, without a wait
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
-        """A copy of the row's positions ``[start, stop)`` (a parked sample's tail)."""
+        """A copy of the row's positions ``[start, stop)`` (a parked sample's tail; ``stop`` the row's length: a
+        ring layer's piece holds the last window of them, ``SlotKVCache.read_row``)."""
         return self.cache.read_row(slot, start, stop)
 
     def stop_row(self, slot: int) -> None:
@@ -386,15 +392,19 @@ class DecodeStep:
     def _run(self, hidden_states: bool = True) -> None:
         """The step itself: forward, sampling, advance. Captured as is into the CUDA graph. ``hidden_states=False``
         leaves ``hidden`` as it was, even when the settings keep it."""
-        settings, lengths = self.settings, self.cache.lengths
+        settings, cache = self.settings, self.cache
+        lengths = cache.lengths
         hidden_states = hidden_states and settings.hidden_states
-        columns = self.columns[:self.cache.attended].unsqueeze(0)                            # [1, attended]
+        columns = self.columns[:cache.attended].unsqueeze(0)                                 # [1, attended]
         admitted = columns <= lengths.unsqueeze(1)                                          # [slots, attended]
         mask = self._additive(admitted)
-        # sliding-window layers (if any) also hide the columns outside the window, from the same lengths
-        window = self.cache.layout.sliding_window
-        masks = self.cache.layout.mask_argument(
-            mask, lambda: self._additive(admitted & (columns > (lengths - window).unsqueeze(1))))
+        cache.locate_writes()  # the ring layers' write columns, from the same lengths
+        window = cache.layout.sliding_window
+        if cache.ring_width is None:  # sliding layers (if any) also hide the columns outside the window
+            sliding = lambda: self._additive(admitted & (columns > (lengths - window).unsqueeze(1)))  # noqa: E731
+        else:  # a ring holds the window alone: its columns up to the length, all once the ring is full
+            sliding = lambda: mask[..., :min(cache.attended, cache.ring_width)]  # noqa: E731
+        masks = cache.layout.mask_argument(mask, sliding)
         out = self.model(input_ids=self.input_ids, attention_mask=masks, position_ids=lengths.unsqueeze(1),
                          **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1,
                          output_hidden_states=hidden_states)

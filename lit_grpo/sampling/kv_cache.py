@@ -5,19 +5,35 @@ beside it, byte accounting.
 it holds keys and values of shape ``[slots, kv_heads, width, head_dim]``, allocated once and never reallocated by a
 decode step, a refill or a removal. Row ``s`` belongs to whichever sample runs in slot ``s``; its positions sit in
 columns ``[0, lengths[s])``. Keys are cached after the rotary embedding, so a column only needs to be admitted by
-the attention mask, not to sit at its position's index; still, column = position id here, which keeps the mask a
-plain comparison (``column <= lengths[s]``). A sliding-window layer (Gemma 3's, Mistral's) keeps every column too,
-as wide as a full-attention layer: its mask admits only the window's columns (also ``column > lengths[s] -
-window``, ``attention_layout``), so its memory is a full-attention layer's, and a row's columns never move.
+the attention mask, not to sit at its position's index; in a full-attention layer column = position id, which keeps
+the mask a plain comparison (``column <= lengths[s]``).
 
-A decode step writes every row's new key/value at that row's own column ``lengths[s]`` (one ``index_put_`` per
-layer, no host round trip) and attends over the cache's first ``attended`` columns (``attend``: the rollout's own
-width, the whole width when the step is compiled on a CPU, or, on CUDA, the bucket of the longest live row, see
-``decode_step``); the mask hides what another sample left behind in the row's later columns (stale but finite
-values, multiplied by an exact zero). Refilling a slot writes a prompt's cached prefix (and, for a resumed sample,
-its parked tail) into the row in place; removing a sample just stops using the row. So every step of a rollout has
+A sliding-window layer (Gemma 3's five in six, Mistral's) whose window W is narrower than the cache's width holds a
+ring of W columns per row instead: position p sits in column ``p % W``. Once a decode step has written position p
+the ring holds positions p - W + 1 .. p, exactly what a query at p attends (transformers' rule, q - W < k <= q), so
+its mask is the same comparison over its W columns (``column <= lengths[s]``: all of them once the row is W - 1
+long), and its memory is W columns, not the width. Where the window holds the whole row (width <= W), and in a
+model without sliding layers, every layer is as wide as the cache, column = position, and the masks are as ever
+(a sliding layer's then also hides ``column <= lengths[s] - W``, ``attention_layout``). The ring reorders a
+sliding layer's columns, so its softmax sums them in another order than a positional layout would: the same
+tokens and log-probs to rounding, not bit for bit.
+
+A decode step writes every row's new key/value at that row's own column (one ``index_put_`` per layer, no host
+round trip): ``lengths[s]``, or in a ring layer ``ring_columns[s] = lengths[s] % W``, which the step computes on
+the device before its forward (``locate_writes``), so a compiled step or a captured graph replays it. It attends
+over the cache's first ``attended`` columns (``attend``: the rollout's own width, the whole width when the step is
+compiled on a CPU, or, on CUDA, the bucket of the longest live row, see ``decode_step``; a ring layer at most its
+W); the mask hides what another sample left behind in the row's later columns (stale but finite values,
+multiplied by an exact zero). Refilling a slot writes a prompt's cached prefix (and, for a resumed sample, its
+parked tail) into the row in place; removing a sample just stops using the row. So every step of a rollout has
 one of a few shapes, which is what CUDA graphs need, and on a CPU a row's arithmetic never depends on its
 neighbours, which is what makes every schedule return the same completions.
+
+The pieces of a row held outside the cache (prefixes, parked tails: single-row KVs) follow one rule,
+``kept_positions``: each layer's piece holds the *last* positions of its span, all of them in a full-attention
+layer, at most the last W in a ring layer (``SlotKVCache.piece_windows``); the span's length is passed with it
+(``write_row(..., positions=)``), since a model whose every layer slides (Mistral) has no layer that tells it. So
+a prompt longer than W keeps its last W positions in each ring layer's prefix, and a parked tail its last W.
 
 Why a rollout's own width rather than the whole cache: a cache is reused while it fits, so its width is the widest
 rollout's so far, and attention's kernels round a row differently at different widths (a matmul computes a width's
@@ -32,7 +48,7 @@ schedule, so ``RolloutLoop`` decides.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,20 +82,41 @@ def kv_bytes(kv: KV) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
 
-def slice_columns(kv: KV, start: int, stop: int | None = None) -> KV:
-    """Columns ``[start:stop]`` of every layer (a copy, so the source can be freed)."""
-    return [(k[:, :, start:stop].clone(), v[:, :, start:stop].clone()) for k, v in kv]
+def kept_positions(window: int | None, positions: int) -> int:
+    """How many of a span's ``positions`` a layer's piece of it holds (its last ones): all of them for a
+    full-attention layer (``window`` None), at most the last ``window`` for a sliding one, all that a later query of
+    the row attends (transformers' rule: q - window < k <= q). The one rule for every piece of a row: the slot
+    cache's ring layers, prefixes, parked tails (module doc)."""
+    return positions if window is None else min(positions, window)
 
 
-def take_columns(kv: KV, spans: list[tuple[int, int | None]]) -> list[KV]:
-    """``slice_columns(kv, start, stop)`` of each ``(start, stop)`` span, consuming ``kv`` (the list is emptied) a
-    layer at a time: where nothing else holds a layer, its tensors are freed once copied, so at most one layer is
-    held twice, not the whole source."""
+def slice_columns(kv: KV, start: int, stop: int | None = None,
+                  windows: Sequence[int | None] | None = None) -> KV:
+    """Columns ``[start:stop]`` of every layer (a copy, so the source can be freed; a negative ``start`` counts from
+    the layer's end); with ``windows`` (by layer, None for a full one) a sliding layer's only the last
+    ``kept_positions`` of them."""
+    parts = []
+    for index, (k, v) in enumerate(kv):
+        begin = start + k.shape[2] if start < 0 else start
+        end = k.shape[2] if stop is None else stop
+        first = end - kept_positions(None if windows is None else windows[index], end - begin)
+        parts.append((k[:, :, first:end].clone(), v[:, :, first:end].clone()))
+    return parts
+
+
+def take_columns(kv: KV, spans: list[tuple[int, int | None]],
+                 windows: Sequence[int | None] | None = None) -> list[KV]:
+    """``slice_columns(kv, start, stop, windows)`` of each ``(start, stop)`` span, consuming ``kv`` (the list is
+    emptied) a layer at a time: where nothing else holds a layer, its tensors are freed once copied, so at most one
+    layer is held twice, not the whole source."""
     parts: list[KV] = [[] for _ in spans]
+    index = 0
     while kv:
         layer = [kv.pop(0)]
+        window = None if windows is None else [windows[index]]
         for part, (start, stop) in zip(parts, spans):
-            part.extend(slice_columns(layer, start, stop))
+            part.extend(slice_columns(layer, start, stop, window))
+        index += 1
     return parts
 
 
@@ -200,9 +237,10 @@ class PrefillCache(DynamicCache):
     under autocast the keys arrive in float32 (the rotary embedding multiplies the bfloat16 projection by float32
     cos/sin), and attention computes in the autocast dtype anyway, so storing them in it changes no result and
     halves the keys' memory, for the prefill's moment and for the prefixes split from it. Every layer keeps every
-    position, a sliding-window layer's too (transformers' ``DynamicSlidingWindowLayer`` keeps only the last
-    window): the prefixes split from it fill slot-cache rows, which hold every position; the masks hide the keys
-    outside a window (``attention_layout``)."""
+    position of the forward, a sliding-window layer's too (transformers' ``DynamicSlidingWindowLayer`` keeps only
+    the last window, and a packed chunk's prompts each need their own): the split keeps a ring layer's last window
+    of each prefix (``prefill.split_prefixes``), so the prefixes held for a rollout take a ring layer's W columns
+    at most; the masks hide the keys outside a window (``attention_layout``)."""
 
     def __init__(self, config, dtype: torch.dtype):
         super().__init__(config=config)
@@ -213,34 +251,40 @@ class SlotCacheLayer(CacheLayerMixin):
     """One decoder layer's keys and values for every slot, written in place at each row's own column.
 
     Args:
-        keys, values: ``[slots, kv_heads, width, head_dim]`` storage.
-        lengths: ``[slots]`` int64, shared with the owning cache: the column each row's next update writes.
+        keys, values: ``[slots, kv_heads, columns, head_dim]`` storage: the slot cache's width, or a ring layer's
+            window.
+        write_columns: ``[slots]`` int64, shared with the owning cache: the column each row's next update writes
+            (its ``lengths``, or for a ring layer its ``ring_columns``, ``lengths % window``).
+        ring: None for a layer whose column is the position; else the ring's width (the sliding window, narrower
+            than the slot cache): position p sits in column ``p % ring``.
     """
 
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_columns: torch.Tensor,
+                 ring: int | None = None):
         super().__init__()
         self.keys, self.values = keys, values
+        self.ring = ring
         self.attended = keys.shape[2]  # the columns update returns (SlotKVCache.attend sets it)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         slots, kv_heads, _, _ = keys.shape
-        # Row s, head h is written at column lengths[s]: three indices that broadcast to [slots, kv_heads]. The
-        # column is a view of `lengths` (no copy): it follows its in-place updates, so a captured graph reads the
-        # current columns on every replay. `index_put_` rather than `scatter_`: compiled, Inductor writes an
-        # `index_put_` into the layer in place, where a `scatter_` into a graph input becomes a copy of the whole
+        # Row s, head h is written at column write_columns[s]: three indices that broadcast to [slots, kv_heads].
+        # The column is a view of `write_columns` (no copy): it follows its in-place updates, so a captured graph
+        # reads the current columns on every replay. `index_put_` rather than `scatter_`: compiled, Inductor writes
+        # an `index_put_` into the layer in place, where a `scatter_` into a graph input becomes a copy of the whole
         # layer, the write, and a copy back, on every step.
         self._write_index = (torch.arange(slots, device=keys.device).view(slots, 1),
                              torch.arange(kv_heads, device=keys.device).view(1, kv_heads),
-                             lengths.view(slots, 1))
+                             write_columns.view(slots, 1))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None  # allocated up front
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write one new column per row (``key_states``: ``[slots, kv_heads, 1, head_dim]``) at ``lengths``."""
+        """Write one new column per row (``key_states``: ``[slots, kv_heads, 1, head_dim]``) at ``write_columns``."""
         if key_states.shape[2] != 1 or key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"SlotKVCache takes one token for each of its {self.keys.shape[0]} slots per step, got "
                              f"key states of shape {tuple(key_states.shape)}")
@@ -253,6 +297,28 @@ class SlotCacheLayer(CacheLayerMixin):
             return self.keys, self.values
         return self.keys[:, :, :self.attended], self.values[:, :, :self.attended]
 
+    def _column_runs(self, first: int, count: int) -> list[tuple[int, int, int]]:
+        """Where positions ``[first, first + count)`` sit: ``(column, offset, n)`` runs, positions ``first + offset``
+        on in columns ``[column, column + n)``; one run, or two where a ring wraps (``count`` at most its width)."""
+        if self.ring is None:
+            return [(first, 0, count)]
+        column = first % self.ring
+        head = min(count, self.ring - column)
+        return [(column, 0, head)] + ([(0, head, count - head)] if count > head else [])
+
+    def write_positions(self, slot: int, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Row ``slot``'s positions ``[first, first + n)`` from ``keys``/``values`` ``[kv_heads, n, head_dim]``."""
+        for column, offset, n in self._column_runs(first, keys.shape[1]):
+            self.keys[slot, :, column:column + n].copy_(keys[:, offset:offset + n])
+            self.values[slot, :, column:column + n].copy_(values[:, offset:offset + n])
+
+    def read_positions(self, slot: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``slot``'s positions ``[first, first + count)``, ``[1, kv_heads, count, head_dim]`` each (copies)."""
+        runs = self._column_runs(first, count)
+        keys = [self.keys[slot:slot + 1, :, column:column + n] for column, _, n in runs]
+        values = [self.values[slot:slot + 1, :, column:column + n] for column, _, n in runs]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.attended, 0
 
@@ -264,11 +330,15 @@ class SlotCacheLayer(CacheLayerMixin):
 
 
 class SlotKVCache(Cache):
-    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer, allocated once.
+    """The decode batch's KV cache: ``slots`` rows of ``width`` columns per layer, allocated once; a sliding layer
+    whose window is narrower than ``width`` holds a ring of ``window`` columns instead (module doc).
 
     Attributes:
         lengths: ``[slots]`` int64 on the device: cached positions of each row (= the column and the position id
             of the token its next decode step feeds). Idle rows keep 0.
+        ring_width: the ring layers' width (the sliding window), None where no layer keeps a ring.
+        ring_columns: ``[slots]`` int64 on the device, ``lengths % ring_width``: the column each row's next decode
+            step writes in a ring layer (``locate_writes``); None without ring layers.
     """
 
     def __init__(self, model_config, num_slots: int, width: int, dtype: torch.dtype, device: torch.device):
@@ -278,27 +348,50 @@ class SlotKVCache(Cache):
         num_layers, kv_heads, head_dim = kv_geometry(model_config)
         self.num_slots, self.width = num_slots, width
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
-        shape = (num_slots, kv_heads, width, head_dim)
-        layers = [SlotCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
-                                 torch.zeros(shape, dtype=dtype, device=device), self.lengths)
-                  for _ in range(num_layers)]
+        window = self.layout.sliding_window
+        self.ring_width = window if window is not None and window < width else None
+        self.ring_columns = None if self.ring_width is None else torch.zeros_like(self.lengths)
+        layers = []
+        for layer_window in (layer_windows(model_config) if self.ring_width is not None else [None] * num_layers):
+            ring = self.ring_width if layer_window is not None else None
+            shape = (num_slots, kv_heads, width if ring is None else ring, head_dim)
+            layers.append(SlotCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                         torch.zeros(shape, dtype=dtype, device=device),
+                                         self.lengths if ring is None else self.ring_columns, ring))
         super().__init__(layers=layers)
+        self._attended = width
 
     @property
     def attended(self) -> int:
-        """The columns a decode step attends (``attend``; the whole width until it is called)."""
-        return self.layers[0].attended
+        """The columns a decode step attends (``attend``; the whole width until it is called); a ring layer attends
+        at most its ring's."""
+        return self._attended
 
     def attend(self, columns: int) -> None:
-        """From the next decode step on, attend columns ``[0, columns)`` of every row; a rollout's rows must fit
-        them (``columns`` at least its longest prompt - 1 + ``max_new_tokens``)."""
+        """From the next decode step on, attend columns ``[0, columns)`` of every row (of a ring layer, its first
+        ``min(columns, ring_width)``: all of it once a row is longer than the ring); a rollout's rows must fit them
+        (``columns`` at least its longest prompt - 1 + ``max_new_tokens``)."""
         if not 0 < columns <= self.width:
             raise ValueError(f"attended columns must be in [1, {self.width}] (the slot cache's width), got {columns}")
+        self._attended = columns
         for layer in self.layers:
-            layer.attended = columns
+            layer.attended = min(columns, layer.keys.shape[2])
+
+    def locate_writes(self) -> None:
+        """Where ring layers write each row's next position: ``ring_columns = lengths % ring_width``, in place, on
+        the device (the decode step calls it inside the step, before the forward, so a compiled or captured step
+        computes it from the current lengths on every run). Nothing without ring layers."""
+        if self.ring_columns is not None:
+            torch.remainder(self.lengths, self.ring_width, out=self.ring_columns)
+
+    @property
+    def piece_windows(self) -> list[int | None]:
+        """Each layer's window as pieces written into this cache may cut it (``kept_positions``): a ring layer's
+        ring width, None for a layer that needs every position."""
+        return [layer.ring for layer in self.layers]
 
     def nbytes(self) -> int:
-        """Bytes held by the slot cache (every row at full width)."""
+        """Bytes held by the slot cache (every row at full width, a ring layer's at its ring's)."""
         return kv_bytes(cache_layers_kv(self))
 
     def fits(self, num_slots: int, width: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -307,14 +400,22 @@ class SlotKVCache(Cache):
         return (num_slots == self.num_slots and width <= self.width and layer.dtype == dtype
                 and layer.device == device)
 
-    def write_row(self, slot: int, start: int, kv: KV | None) -> int:
-        """Copy a single-row KV (``[1, kv_heads, n, head_dim]`` per layer) into row ``slot`` at columns
-        ``[start, start + n)``; returns ``n``."""
+    def write_row(self, slot: int, start: int, kv: KV | None, positions: int | None = None) -> int:
+        """Write a piece of a row (a single-row KV, ``[1, kv_heads, n, head_dim]`` per layer) into row ``slot`` as
+        its positions ``[start, start + positions)``; returns ``positions``. Each layer's piece holds the span's
+        last ``n`` positions: all of them for a layer whose column is the position, at least
+        ``kept_positions(ring_width, positions)`` for a ring layer, whose last ones it writes. ``positions`` None:
+        every layer holds the whole span (then of one ``n``)."""
         if kv is None:
             return 0
-        n = kv[0][0].shape[2]
-        if start + n > self.width:
-            raise ValueError(f"{start + n} positions do not fit the slot cache's width {self.width}")
+        if positions is None:
+            held = {keys.shape[2] for keys, _ in kv}
+            if len(held) != 1:
+                raise ValueError(f"a piece whose layers hold {sorted(held)} positions needs its span's length "
+                                 "(positions=) to be written")
+            positions = held.pop()
+        if start + positions > self.width:
+            raise ValueError(f"{start + positions} positions do not fit the slot cache's width {self.width}")
         for index, (layer, (keys, values)) in enumerate(zip(self.layers, kv)):
             if keys.shape[1::2] != layer.keys.shape[1::2] or values.shape[1::2] != layer.values.shape[1::2]:
                 # per-layer widths (MiMo-V2-Flash's sliding layers: more key/value heads, a v_head_dim)
@@ -323,13 +424,19 @@ class SlotKVCache(Cache):
                     f"{keys.shape[3]} and values of {values.shape[1]} heads x {values.shape[3]}, where the slot "
                     f"cache, sized by the config's num_key_value_heads x head_dim, holds {layer.keys.shape[1]} x "
                     f"{layer.keys.shape[3]}; the rollout engine needs every layer's keys and values that wide")
-            layer.keys[slot, :, start:start + n].copy_(keys[0])
-            layer.values[slot, :, start:start + n].copy_(values[0])
-        return n
+            held, needed = keys.shape[2], kept_positions(layer.ring, positions)
+            if not needed <= held <= positions:
+                raise ValueError(f"layer {index}'s piece holds {held} positions of a span of {positions}; this slot "
+                                 f"cache's layer needs the span's last {needed}, and a piece holds at most the span")
+            layer.write_positions(slot, start + positions - needed, keys[0, :, held - needed:],
+                                  values[0, :, held - needed:])
+        return positions
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
-        """Columns ``[start, stop)`` of row ``slot`` as a single-row KV (a copy)."""
-        return [(layer.keys[slot:slot + 1, :, start:stop].clone(), layer.values[slot:slot + 1, :, start:stop].clone())
+        """Positions ``[start, stop)`` of row ``slot`` as a single-row KV (copies): a ring layer's last
+        ``kept_positions(ring_width, stop - start)`` of them, which it holds while ``stop`` is the row's length."""
+        return [layer.read_positions(slot, stop - kept_positions(layer.ring, stop - start),
+                                     kept_positions(layer.ring, stop - start))
                 for layer in self.layers]
 
 

@@ -44,10 +44,11 @@ from transformers.masking_utils import AttentionMaskInterface
 from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.runtime.validation import check_int
 from lit_grpo.sampling.decode_attention import instead_of_sdpa, refuse_sinks
-from lit_grpo.sampling.kv_cache import KV, attention_layout, layer_windows, take_columns
+from lit_grpo.sampling.kv_cache import KV, AttentionLayout, attention_layout, layer_windows, take_columns
 
 __all__ = ["PACKED_ATTENTION", "PREFILL_CHUNK_TOKENS", "PackedChunk", "block_causal_mask", "pack_chunk",
-           "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes", "window_causal"]
+           "packed_attention", "packed_forward", "prefill_chunks", "split_prefixes", "tail_attention_inputs",
+           "window_causal"]
 
 #: The most tokens one prefill forward packs (a longer prefix runs alone): enough rows for a CPU's matmuls to
 #: reach their rate, and small beside the slot cache in activations and in the prefixes held ahead.
@@ -240,8 +241,31 @@ def packed_forward(model: torch.nn.Module, chunk: PackedChunk) -> Iterator[dict[
                 "attn_implementation='eager' (a block-diagonal mask), or use a model whose attention does")
 
 
-def split_prefixes(kv: KV, chunk: PackedChunk) -> list[KV]:
+def split_prefixes(kv: KV, chunk: PackedChunk, windows: Sequence[int | None] | None = None) -> list[KV]:
     """Each prefix's KV from its chunk's cache (every layer's keys and values ``[1, kv_heads, T, head_dim]``):
     ``[1, kv_heads, lengths[i], head_dim]`` each, copied so the chunk's cache can be freed; ``kv`` is consumed a
-    layer at a time (``take_columns``), so the split holds at most one layer of the chunk twice."""
-    return take_columns(kv, [(start, start + n) for start, n in zip(chunk.offsets, chunk.lengths)])
+    layer at a time (``take_columns``), so the split holds at most one layer of the chunk twice. With ``windows``
+    (by layer, ``SlotKVCache.piece_windows``) a sliding layer keeps each prefix's last window only
+    (``kv_cache.kept_positions``): all its ring will hold."""
+    return take_columns(kv, [(start, start + n) for start, n in zip(chunk.offsets, chunk.lengths)], windows)
+
+
+def tail_attention_inputs(layout: AttentionLayout, start: int, fed: int, kept: int, dtype: torch.dtype,
+                          device: torch.device) -> dict[str, Any]:
+    """The ``position_ids`` and ``attention_mask`` of a forward of ``fed`` positions ``[start, start + fed)``
+    after a prefix of ``start`` positions whose sliding layers hold only its last ``kept`` (a cut prefix,
+    ``split_prefixes``): transformers would read the positions and the masks' sizes from a layer's cached columns,
+    which a cut sliding layer no longer tells (Mistral has no full layer to read them from). Additive masks
+    ``[1, 1, fed, keys]``: a full layer's keys are positions ``[0, start + fed)``, a sliding layer's ``[start -
+    kept, start + fed)``, admitted where k <= q and, sliding, q - window < k."""
+    query = torch.arange(start, start + fed, device=device)[:, None]
+
+    def mask(first: int, window: int | None) -> torch.Tensor:
+        key = torch.arange(first, start + fed, device=device)[None, :]
+        allowed = (key <= query) if window is None else (key <= query) & (key > query - window)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return additive.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+    window = layout.sliding_window
+    return {"position_ids": query.view(1, fed),
+            "attention_mask": layout.mask_argument(mask(0, None), lambda: mask(start - kept, window))}

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.roofline import DecodeReads, decode_reads
 from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache_layers_kv, kv_bytes, kv_cache_dtype,
                                        take_columns)
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
-                                      split_prefixes)
+                                      split_prefixes, tail_attention_inputs)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
 from lit_grpo.sampling.stop_strings import StopStrings
 from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler
@@ -136,9 +137,12 @@ class RolloutLoop:
             next_input = sample.tokens[-1] if sample.tokens else group.prompt_ids[-1]
             forced = group.forced_lengths[k] if group.forced_lengths is not None else 0
             recorded = group.forced_tokens[k] if group.forced_tokens is not None else None
+            # the span of each part explicitly: a sliding layer's piece may hold only its last window of it
+            positions = (len(group.prompt_ids) - 1, 0 if tail is None else len(sample.tokens))
             self.decode_step.start_row(slot, (store.prefix(p), tail), stream=group.stream, sample=k,
                                        generated=len(sample.tokens), next_input=next_input, forced_length=forced,
-                                       forced_tokens=recorded, seen=(group.prompt_ids, sample.tokens))
+                                       forced_tokens=recorded, seen=(group.prompt_ids, sample.tokens),
+                                       positions=positions)
             del tail  # the row has its copy: free this one before the next sample starts
         self._release_unused_prefixes()
         self._record_memory()
@@ -191,7 +195,8 @@ class RolloutLoop:
     def park(self, slot: int, key: SampleKey) -> None:
         """The scheduler parked the sample (and freed its slot): keep its row's generated positions aside."""
         sample = self.samples[key]
-        # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those.
+        # The row holds the prompt prefix, then the fed tokens (the last prompt token and tokens[:-1]): keep those
+        # (a ring layer's last window of them).
         prefix = len(self.groups[key[0]].prompt_ids) - 1
         self.store.put_tail(key, self.decode_step.read_row(slot, prefix, prefix + len(sample.tokens)))
         self.decode_step.stop_row(slot)
@@ -281,23 +286,29 @@ class RolloutLoop:
         kv = cache_layers_kv(cache)
         del out, cache  # the chunk's KV is held by kv alone, and split_prefixes frees it a layer at a time
         self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]))  # the split's peak: its first layer copied
-        return split_prefixes(kv, packed), features
+        return split_prefixes(kv, packed, self.decode_step.cache.piece_windows), features
 
     def _prefill_tail(self, p: int, tokens: list[int]) -> KV:
         """The KV of a carried sample's fed positions (the last prompt token and ``tokens[:-1]``), computed under
-        the current weights after prompt p's cached prefix."""
+        the current weights after prompt p's cached prefix; a ring layer's last window of them."""
         cache = PrefillCache(self.model.config, kv_cache_dtype(self.model))
         prefix = self.store.prefix(p)
         for layer, (keys, values) in enumerate(prefix or []):
             cache.update(keys, values, layer)
-        start = 0 if prefix is None else prefix[0][0].shape[-2]
+        start = len(self.groups[p].prompt_ids) - 1  # the prefix's positions
         fed = [self.groups[p].prompt_ids[-1], *tokens[:-1]]
-        self._forward(torch.tensor([fed], device=self.device), cache)
+        inputs = {}
+        kept = min((keys.shape[-2] for keys, _ in prefix or []), default=start)
+        if kept < start:  # the sliding layers hold the prefix's last window: positions and masks said explicitly
+            # masks in the layers' dtype, as the packed prefill's (a float32 head tied to the embedding aside)
+            inputs = tail_attention_inputs(self.decode_step.cache.layout, start, len(fed), kept,
+                                           layers_dtype(self.model), self.device)
+        self._forward(torch.tensor([fed], device=self.device), cache, **inputs)
         kv = cache_layers_kv(cache)
         del cache  # the prefix and tail are held by kv alone: each layer is freed once its tail is copied
         width = kv[0][0].shape[-2]
-        self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]) // width * (width - start))
-        (tail,) = take_columns(kv, [(start, None)])
+        self._record_memory(transient=kv_bytes(kv) + kv_bytes(kv[:1]) // width * len(fed))
+        (tail,) = take_columns(kv, [(-len(fed), None)], self.decode_step.cache.piece_windows)
         return tail
 
     def _release_unused_prefixes(self) -> None:
