@@ -432,7 +432,7 @@ def test_a_sliding_layer_holds_a_ring_of_window_columns_where_the_cache_is_wider
     """tiny-gemma3 slides its first two layers of three, the Qwen2 its second of two, the Mistral both: those hold
     WINDOW columns per row once the width exceeds it (bytes counted as held), every column where it does not."""
     from lit_grpo.sampling.kv_cache import layer_windows
-    from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+    from lit_grpo.sampling.memory_budget import kv_bytes_per_token, kv_slot_bytes
 
     model, _ = sliding_model(name)
     windows = layer_windows(model.config)
@@ -442,6 +442,8 @@ def test_a_sliding_layer_holds_a_ring_of_window_columns_where_the_cache_is_wider
         assert [layer.keys.shape[2] for layer in cache.layers] == [width if w is None else WINDOW for w in windows]
         assert cache.ring_width == WINDOW and cache.ring_columns is not None
         assert cache.nbytes() == 2 * per_layer * sum(width if w is None else WINDOW for w in windows)
+        # the pricing is the allocation: a slot of a 1-token prompt and width new tokens is priced at width + 1
+        assert kv_slot_bytes(model.config, torch.float32, 1, width - 1) == cache.nbytes() // 2
     for width in (WINDOW, 3):  # the window holds the row: every layer as before, no ring
         cache = _slot_cache(model, width)
         assert all(layer.keys.shape[2] == width and layer.ring is None for layer in cache.layers)
@@ -560,4 +562,30 @@ def test_prompts_longer_than_the_window_go_into_the_ring_and_complete_as_generat
     monkeypatch.setattr(rollout_loop, "split_prefixes", spy)
     _assert_greedy_is_generates(model, tokenizer, prompts)
     assert cut and all(windows == [WINDOW, WINDOW, None] for windows in cut)
+
+
+def test_auto_fits_more_slots_for_a_sliding_model_at_a_long_width_by_the_ring_rule():
+    """A Gemma 3 1B-shaped config (26 layers, 22 sliding with window 512, one KV head of 256) at 4096 new tokens:
+    a slot costs 4 full layers x 4352 positions + 22 ring layers x 512, a prefix 26 layers x 256 positions (shorter
+    than the window): about 4x the slots of pricing every layer at every column."""
+    from lit_grpo.sampling.kv_cache import layer_windows
+    from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_prefill_bytes,
+                                                 kv_slot_bytes)
+
+    config = Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144)
+    windows = layer_windows(config)
+    assert windows.count(None) == 4 and windows.count(512) == 22
+    per_layer = 2 * 256 * 2  # keys and values, one head of 256, bfloat16
+    assert kv_bytes_per_token(config, "bfloat16") == 26 * per_layer
+    budget, prompt, new, prompts = 8 * 2**30, 256, 4096, 8
+    slot = per_layer * (4 * (prompt + new) + 22 * 512)
+    assert kv_slot_bytes(config, "bfloat16", prompt, new) == slot
+    held = prompts * 26 * per_layer * prompt + kv_prefill_bytes(config, "bfloat16", prompt, prompts, new)
+    slots = auto_micro_group_size(config, "bfloat16", budget, prompt, new, group_size=64, num_prompts=prompts)
+    assert slots == (budget - held) // slot == 290
+    every_column = (budget - held) // (26 * per_layer * (prompt + new))
+    assert slots > 3.9 * every_column
+    # where the window holds the row, every column is priced as before
+    assert kv_slot_bytes(config, "bfloat16", 100, 400) == 26 * per_layer * 500
 

@@ -57,7 +57,7 @@ from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_attention import attention_dispatch_problem
 from lit_grpo.sampling.decode_step import DecodeStep, StepSettings, resolve_compile, vocab_size
 from lit_grpo.sampling.kv_cache import SlotKVCache, kv_cache_dtype
-from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_bytes_per_token, row_width
+from lit_grpo.sampling.memory_budget import aligned_width, decode_step_bytes, kv_row_bytes, row_width
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.rollout_loop import LoopSettings, RolloutLoop
 from lit_grpo.sampling.stop_strings import StopStrings
@@ -303,8 +303,7 @@ class RolloutEngine:
         ``longest_prompt`` tokens (its rows aligned, as on CUDA): the most a kept cache can grow to. Under mixed
         precision, ask inside the rollout's autocast: the cache's dtype is the autocast one."""
         width = row_width(longest_prompt, self.max_new_tokens, WIDTH_ALIGNMENT)
-        per_token = kv_bytes_per_token(self.model.config, kv_cache_dtype(self.model))
-        return self.num_slots(num_prompts) * width * per_token
+        return self.num_slots(num_prompts) * kv_row_bytes(self.model.config, kv_cache_dtype(self.model), width)
 
     def graph_pool_bytes(self, num_prompts: int | None = None, longest_prompt: int | None = None) -> int:
         """Bytes the decode step's CUDA graphs keep in their private memory pool between rollouts, priced from the
@@ -360,7 +359,7 @@ class RolloutEngine:
         return self._cache, self._step, True
 
     def _cache_too_large(self, num_slots: int, width: int, dtype: torch.dtype) -> str:
-        gib = kv_bytes_per_token(self.model.config, dtype) * num_slots * width / 2**30
+        gib = kv_row_bytes(self.model.config, dtype, width) * num_slots / 2**30
         if self.strategy == "full":
             fix = (f"strategy 'full' keeps all B x G = {num_slots} sequences alive: use 'continuous' or 'infinite' "
                    "with a micro_group_size (or micro_group_size: auto under kv_budget_bytes)")

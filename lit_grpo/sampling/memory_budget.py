@@ -4,7 +4,10 @@ Pure functions of the model config; no model is loaded. One cached position cost
 
     kv_bytes_per_token = 2 (keys and values) x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes
 
-and one slot holds at most ``longest prompt + max_new_tokens`` positions. Besides its slots the engine holds KV
+and one slot holds at most ``longest prompt + max_new_tokens`` positions. A sliding-window layer holds at most its
+window of a row's positions (the slot cache keeps it as a ring, ``kv_cache``), and of a prefix's or a parked tail's
+(its last ones): ``kv_row_bytes(positions)`` counts them so (``kv_bytes_per_token x positions`` for a model without
+sliding layers). Besides its slots the engine holds KV
 that does not depend on g: the prompts' prefixes (at most every prompt's at once: a predictor that reads prompt
 features prefills them all before the first step) and, under "infinite", each parked sample's ``parked_tokens``
 positions whatever g is (at most every sample's: the length-aware method's probes, or preemption without a park
@@ -16,8 +19,9 @@ its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus
 row of the decode step may hold more than KV: ``row_state_bytes`` (a repetition penalty's seen ids, one byte per
 vocabulary entry; ``decode_step.row_state_bytes``). So::
 
-    slot_bytes    = kv_bytes_per_token x (max_prompt_len + max_new_tokens x (1 + park_fraction)) + row_state_bytes
-    held_bytes    = kv_bytes_per_token x num_prompts x (max_prompt_len + group_size x parked_tokens)
+    slot_bytes    = kv_row_bytes(max_prompt_len + max_new_tokens) + kv_bytes_per_token x max_new_tokens x park_fraction
+                    + row_state_bytes
+    held_bytes    = num_prompts x (kv_row_bytes(max_prompt_len) + group_size x kv_row_bytes(parked_tokens))
     prefill_bytes = the larger of those two moments (kv_prefill_bytes)
     g             = min(floor((kv_budget_bytes - held_bytes - prefill_bytes) / slot_bytes), group_size x num_prompts)
 
@@ -57,7 +61,7 @@ from lit_grpo.runtime.validation import check_int, check_real
 
 __all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "cast_pool_bytes", "decode_step_bytes", "dtype_bytes",
            "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry",
-           "kv_held_bytes", "kv_prefill_bytes", "kv_slot_bytes"]
+           "kv_held_bytes", "kv_prefill_bytes", "kv_row_bytes", "kv_slot_bytes", "kv_windows"]
 
 
 #: The share of the device's total memory a budget from free memory leaves out: what no count here covers (the
@@ -204,9 +208,38 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     """Bytes one cached position costs across all layers: ``2 x layers x kv_heads x head_dim x dtype bytes``
-    (``config`` as in :func:`kv_geometry`; ``dtype``: the KV cache's, a ``torch.dtype`` or its name)."""
+    (``config`` as in :func:`kv_geometry`; ``dtype``: the KV cache's, a ``torch.dtype`` or its name). What a row's
+    positions cost where no layer slides; ``kv_row_bytes`` counts a sliding layer's window."""
     layers, kv_heads, head_dim = kv_geometry(config)
     return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
+
+
+def kv_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window, None for a full-attention layer (``kv_cache.layer_windows``); every layer
+    full (priced at every position: never less than it holds) for a config transformers builds no cache from (a
+    plain namespace standing in for one, a sliding layer without a window, which the engine refuses by name)."""
+    from lit_grpo.sampling.kv_cache import layer_windows  # kv_cache imports this module
+
+    layers = kv_geometry(config)[0]
+    try:
+        windows = layer_windows(config) if hasattr(config, "get_text_config") else []
+    except (TypeError, ValueError):
+        windows = []
+    return windows if len(windows) == layers else [None] * layers
+
+
+def kv_row_bytes(config: Any, dtype: torch.dtype | str, positions: int) -> int:
+    """Bytes ``positions`` positions of one row cost across all layers, as the slot cache and the prefix and tail
+    pieces hold them: every position in a full-attention layer, at most the last ``window`` in a sliding one
+    (``kv_cache.kept_positions``)::
+
+        kv_row_bytes = kv_bytes_per_token / layers x sum over layers of min(positions, window)
+
+    ``kv_bytes_per_token x positions`` for a model without sliding layers, or whose window holds ``positions``."""
+    check_int("positions", positions, 0)
+    windows = kv_windows(config)
+    per_layer = kv_bytes_per_token(config, dtype) // len(windows)
+    return per_layer * sum(positions if window is None else min(positions, window) for window in windows)
 
 
 def aligned_width(width: int, alignment: int) -> int:
@@ -229,19 +262,22 @@ def slot_positions(max_prompt_len: int, max_new_tokens: int, alignment: int = 1)
 
 def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, max_new_tokens: int,
                   alignment: int = 1) -> int:
-    """Worst-case KV bytes of one slot: ``kv_bytes_per_token x slot_positions(...)``."""
+    """Worst-case KV bytes of one slot: ``kv_row_bytes`` of ``slot_positions(...)`` (a sliding layer's row holds
+    at most its window)."""
     check_int("max_prompt_len", max_prompt_len, 0)
     check_int("max_new_tokens", max_new_tokens, 1)
-    return kv_bytes_per_token(config, dtype) * slot_positions(max_prompt_len, max_new_tokens, alignment)
+    return kv_row_bytes(config, dtype, slot_positions(max_prompt_len, max_new_tokens, alignment))
 
 
 def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, group_size: int, num_prompts: int,
                   parked_tokens: int = 0) -> int:
-    """Worst-case KV bytes the engine holds besides its slot cache (module docstring): ``kv_bytes_per_token x
-    num_prompts x (max_prompt_len + group_size x parked_tokens)``; ``parked_tokens``: 0 where no sample is parked
+    """Worst-case KV bytes the engine holds besides its slot cache (module docstring): ``num_prompts x
+    (kv_row_bytes(max_prompt_len) + group_size x kv_row_bytes(parked_tokens))`` (each prefix and parked tail a
+    piece of its own, a sliding layer's holding at most its window); ``parked_tokens``: 0 where no sample is parked
     outside a park budget."""
     check_int("parked_tokens", parked_tokens, 0)
-    return kv_bytes_per_token(config, dtype) * num_prompts * (max_prompt_len + group_size * parked_tokens)
+    return num_prompts * (kv_row_bytes(config, dtype, max_prompt_len)
+                          + group_size * kv_row_bytes(config, dtype, parked_tokens))
 
 
 def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, num_prompts: int,
@@ -285,12 +321,15 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
+    positions = slot_positions(max_prompt_len, max_new_tokens, alignment)
+    windowed = kv_row_bytes(config, dtype, positions) < per_token * positions
     if fits < 1:
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens"
                          + (f", a row rounded up to a multiple of {alignment}" if alignment > 1 else "")
-                         + f"{parked})"
+                         + f"{parked}"
+                         + (", sliding layers holding at most their window" if windowed else "") + ")"
                          + (f" + {row_state_bytes} bytes of its row's seen ids" if row_state_bytes else "")
                          + (f" + {step_bytes} bytes of a decode step's activations" if step_bytes else "")
                          + f"), plus the {held} bytes held besides the slots ({num_prompts} prompts' prefixes"
