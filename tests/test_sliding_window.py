@@ -589,3 +589,22 @@ def test_auto_fits_more_slots_for_a_sliding_model_at_a_long_width_by_the_ring_ru
     # where the window holds the row, every column is priced as before
     assert kv_slot_bytes(config, "bfloat16", 100, 400) == 26 * per_layer * 500
 
+
+def test_the_decode_floor_counts_a_sliding_layers_window_of_each_row():
+    """The roofline's bytes a step reads: a sliding layer's keys and values at most the window of a row, as its
+    ring holds them; the engine sums them over its steps (a P-token prompt's row attends P + j positions at its
+    j-th step)."""
+    from lit_grpo.sampling.roofline import decode_reads
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    reads = decode_reads(model.config, torch.float32)
+    assert reads.window == WINDOW and reads.windowed_per_position == reads.per_position * 2 // 3
+    assert reads.rows_bytes([3, 10]) == reads.step_bytes(2, 13) - (10 - WINDOW) * reads.windowed_per_position
+    assert decode_reads(load_model_and_tokenizer("tiny-llama")[0].config, torch.float32).window is None
+    result = RolloutEngine(model, tokenizer, group_size=2, strategy="continuous", max_new_tokens=9,
+                           temperature=1.0, seed=3).generate(_ids(tokenizer))
+    attended = [len(prompt) + j for prompt, group in zip(result.prompt_ids, result.completion_ids)
+                for ids in group for j in range(len(ids))]
+    assert max(attended) > WINDOW
+    expected = result.stats.decode_steps * reads.weights + reads.rows_bytes(attended) - reads.weights
+    assert result.stats.decode_read_bytes == expected

@@ -154,8 +154,7 @@ class RolloutLoop:
         self._hidden_row = {slot: i for i, slot in enumerate(probing)}
         eos, version = self.settings.eos_token_ids, self.settings.rollout_index
         if self.reads is not None:  # each row attended its cached positions, the one it just wrote included
-            attended = sum(self.decode_step.live_lengths.values())
-            self.stats.decode_read_bytes += self.reads.step_bytes(len(rows), attended)
+            self.stats.decode_read_bytes += self.reads.rows_bytes(self.decode_step.live_lengths.values())
         ended = []
         for slot, key in rows:
             token, progress = out.tokens[slot], self.samples[key]

@@ -8,7 +8,8 @@ take, is those bytes over the memory's read bandwidth::
 
 with W the linear weights a forward reads (elements, output head included), H the hidden size (one embedding row
 looked up per row), b bytes per element in the rollout's dtype, and ``attended`` the positions the step's rows
-attend, summed over its rows (a row feeding the token at position i attends i + 1). The engine adds up every
+attend, summed over its rows (a row feeding the token at position i attends i + 1; a sliding-window layer's keys and
+values at most its window of them, ``DecodeReads.rows_bytes``). The engine adds up every
 step's bytes (``RolloutStats.decode_read_bytes``); ``rollout/floor_ms_per_step`` is their mean over the
 bandwidth, and ``rollout/roofline_ratio`` the measured ``ms_per_step`` over it. tools/roofline.py adds FLOPs
 (a compute floor) and prefill for the benchmarks, on these pieces.
@@ -25,12 +26,13 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from lit_grpo.sampling.devices import indexed_device
-from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry
+from lit_grpo.sampling.kv_cache import kept_positions
+from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry, kv_windows
 
 __all__ = ["DecodeReads", "ModelShape", "decode_reads", "floor_ms", "measure_read_bandwidth", "model_shape",
            "read_bandwidth", "set_read_bandwidth"]
@@ -81,22 +83,43 @@ def model_shape(config: Any) -> ModelShape:
 @dataclass(frozen=True)
 class DecodeReads:
     """What a decode step reads, in bytes: ``weights`` once, ``per_row`` for each row (its embedding row) and
-    ``per_position`` for each position a row attends (its keys and values across all layers)."""
+    ``per_position`` for each position a row attends (its keys and values across all layers); of those, the
+    sliding layers' (``windowed_per_position``) for at most ``window`` positions of a row (0 and None: no layer
+    slides, or the layers slide by several windows, counted in full)."""
 
     weights: int
     per_row: int
     per_position: int
+    window: int | None = None
+    windowed_per_position: int = 0
 
     def step_bytes(self, rows: int, attended: int) -> int:
-        """Bytes one step of ``rows`` rows reads, ``attended`` positions summed over its rows."""
+        """Bytes one step of ``rows`` rows reads, ``attended`` positions summed over its rows, every layer reading
+        all of them (``rows_bytes`` counts a sliding layer's window)."""
         return self.weights + rows * self.per_row + attended * self.per_position
+
+    def rows_bytes(self, positions: Iterable[int]) -> int:
+        """Bytes one step reads whose rows attend ``positions[i]`` positions each: a sliding layer at most its
+        window of a row (``kv_cache.kept_positions``); ``step_bytes`` where no layer slides."""
+        positions = list(positions)
+        total = self.step_bytes(len(positions), sum(positions))
+        if self.window is None:
+            return total
+        beyond = sum(n - kept_positions(self.window, n) for n in positions)  # positions a sliding layer skips
+        return total - beyond * self.windowed_per_position
 
 
 def decode_reads(config: Any, dtype: torch.dtype | str) -> DecodeReads:
-    """The ``DecodeReads`` of a model: weights, embedding rows, keys and values in ``dtype`` (the rollout's)."""
+    """The ``DecodeReads`` of a model: weights, embedding rows, keys and values in ``dtype`` (the rollout's), its
+    sliding layers' at most their window (``memory_budget.kv_windows``)."""
     shape, b = model_shape(config), dtype_bytes(dtype)
-    return DecodeReads(weights=b * shape.weights, per_row=b * shape.hidden,
-                       per_position=kv_bytes_per_token(config, dtype))
+    per_position = kv_bytes_per_token(config, dtype)
+    windows = kv_windows(config)
+    sliding = {window for window in windows if window is not None}
+    window = sliding.pop() if len(sliding) == 1 else None
+    windowed = per_position // len(windows) * sum(w is not None for w in windows) if window is not None else 0
+    return DecodeReads(weights=b * shape.weights, per_row=b * shape.hidden, per_position=per_position,
+                       window=window, windowed_per_position=windowed)
 
 
 def floor_ms(read_bytes: float, read_bytes_per_s: float) -> float:
