@@ -1,6 +1,7 @@
-"""Sliding-window attention in the rollout engine (Gemma 3 text, Qwen2 and Mistral with a window): the slot cache
-keeps every column and the masks admit a sliding layer's window only, so rollouts longer than the window equal
-``model.generate`` (transformers' own sliding cache) and the update's log-probs, in every schedule."""
+"""Sliding-window attention in the rollout engine (Gemma 3 text, Qwen2 and Mistral with a window): a sliding layer
+holds a ring of its window's columns where the slot cache is wider (every column, masked to the window, where not),
+so rollouts longer than the window equal ``model.generate`` (transformers' own sliding cache) and the update's
+log-probs, in every schedule."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DogeConfig, DynamicC
 from lit_grpo.runtime.models import TINY_SLIDING_WINDOW, load_model_and_tokenizer, seeded_on, tiny_tokenizer
 from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.decode_attention import _is_decode_call
-from lit_grpo.sampling.kv_cache import AttentionLayout, attention_layout
+from lit_grpo.sampling.kv_cache import AttentionLayout, SlotCacheLayer, attention_layout
 from lit_grpo.sampling.prefill import block_causal_mask
 from precision_helpers import assert_greedy_margin
 from prefill_helpers import assert_packed_prefixes_equal_alone
@@ -134,8 +135,8 @@ def test_what_the_engine_cannot_compute_exactly_is_refused_naming_the_field(conf
 
 @pytest.mark.parametrize("name, implementation", [(name, "sdpa") for name in MODELS] + [("tiny-gemma3", "eager")])
 def test_greedy_output_equals_model_generate_past_the_window(name, implementation):
-    """generate keeps transformers' sliding cache (the last window of keys); the engine keeps every column and
-    masks. Equal tokens, 16 per completion from prompts of up to 16 tokens, window 6. eager: the packed prefill's
+    """generate keeps transformers' sliding cache (the last window of keys); the engine a ring of the window's
+    columns. Equal tokens, 16 per completion from prompts of up to 16 tokens, window 6. eager: the packed prefill's
     block mask is windowed too (a dict keyed by layer type for Gemma 3)."""
     model, tokenizer = sliding_model(name)
     model.config._attn_implementation = implementation
@@ -608,3 +609,42 @@ def test_the_decode_floor_counts_a_sliding_layers_window_of_each_row():
     assert max(attended) > WINDOW
     expected = result.stats.decode_steps * reads.weights + reads.rows_bytes(attended) - reads.weights
     assert result.stats.decode_read_bytes == expected
+
+
+
+def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wrap_it(monkeypatch):
+    """As on CUDA, each step attends the bucket of its longest live row (built by hand on a CPU): with a window of
+    80, the 64-column bucket reads a ring layer's first 64 columns (no row has wrapped yet: column = position), the
+    128-column one the whole ring of 80, wrapped. Greedy equals generate across both."""
+    import dataclasses
+
+    from lit_grpo.sampling import engine as engine_module
+
+    tokenizer = tiny_tokenizer()
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=80, layer_types=["sliding_attention", "sliding_attention",
+                                                              "full_attention"],
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    with seeded_on(torch.device("cpu"), 1234):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    live = engine_module.RolloutEngine._step_settings
+    monkeypatch.setattr(engine_module.RolloutEngine, "_step_settings",
+                        lambda engine, *args: dataclasses.replace(live(engine, *args), live_width=True))
+    attended = []
+    update = SlotCacheLayer.update
+
+    def spy(self, *args, **kwargs):
+        attended.append((self.ring, self.attended))
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(SlotCacheLayer, "update", spy)
+    prompt = [5 + (7 * i) % 300 for i in range(40)]  # width 39 + 89 = 128: buckets 64 and 128
+    engine = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=89,
+                           temperature=0.0)
+    result = engine.generate([prompt])
+    assert engine._step.buckets == (64, 128) and engine._cache.ring_width == 80
+    assert {(80, 64), (80, 80), (None, 64), (None, 128)} <= set(attended)
+    assert len(result.completion_ids[0][0]) > 60  # rows of over 99 positions: the ring wrapped
+    assert result.completion_ids == [[_greedy(model, prompt, 89)]]
