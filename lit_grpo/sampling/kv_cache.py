@@ -448,6 +448,9 @@ class PrefixTailStore:
       prefix but is held as prefilled all the same;
     - parked tails: sample key -> the KV of a parked sample's fed positions (its last prompt token and its tokens
       but the last), read from its row when it left its slot.
+
+    A ring layer's piece holds the last window of those positions only (``kept_positions``, module doc); the
+    spans' lengths are the caller's to pass when it writes them (the prompt's and the sample's, which it knows).
     """
 
     def __init__(self):
