@@ -7,6 +7,7 @@ The tiny models run in float64, but their RMSNorm computes in float32, so gradie
 
 import collections
 import contextlib
+import math
 import gc
 import warnings
 
@@ -313,6 +314,40 @@ def test_sliding_window_models_fall_back_with_a_warning(monkeypatch):
             warnings.simplefilter("error")
             quiet.configure_model()
         assert quiet.uses_shared_prefix is False
+
+
+def test_a_model_that_drops_the_cache_under_checkpointing_trains_unshared(rollout, monkeypatch):
+    """GPT-2's forward hands its layers no cache while they checkpoint (the default): ``unsupported_reason`` says so
+    (found by running it, not by its name), True warns and "auto" says nothing, and the update runs one forward per
+    completion. Without checkpointing it shares."""
+    from test_architectures import ARCHITECTURES, tiny_architecture
+
+    model_type, fields = ARCHITECTURES["gpt2"]
+    monkeypatch.setattr(GRPOModule, "_load_model", lambda self: tiny_architecture(model_type, **fields)[0])
+    module = GRPOModule(model="tiny-llama", shared_prefix=True, max_grad_norm=None)
+    with pytest.warns(UserWarning, match=r"shared_prefix=True is not exact for GPT2LMHeadModel: its forward hands its "
+                                         r"layers no cache under gradient checkpointing "
+                                         r"\(model.gradient_checkpointing: false keeps it\); the update runs one "
+                                         r"forward per completion instead"):
+        module.configure_model()
+    assert module.uses_shared_prefix is False and module.policy.training  # the probe left it in train mode
+    metrics = module.grpo_step(rollout, torch.optim.SGD(module.policy.parameters(), lr=0.0))
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    auto = GRPOModule(model="tiny-llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto.configure_model()
+    assert auto.uses_shared_prefix is False
+    unchecked = GRPOModule(model="tiny-llama", shared_prefix=True, gradient_checkpointing=False)
+    unchecked.configure_model()
+    assert unchecked.uses_shared_prefix is True and unsupported_reason(unchecked.policy) is None
+
+    def failing(model):
+        raise RuntimeError("no such input")
+
+    monkeypatch.setattr(shared_prefix_module, "drops_cache_under_checkpointing", failing)
+    assert unsupported_reason(module.policy) == ("a one-token forward into the prefix cache failed (RuntimeError: no "
+                                                 "such input)")
 
 
 def test_auto_shares_where_the_spared_work_pays_for_the_second_pass(monkeypatch):

@@ -413,14 +413,15 @@ class GRPOModule(LightningModule):
                     check_float32_head(policy)
         if hp.disable_dropout:  # after LoRA, whose adapter brings a dropout of its own
             disable_dropout(policy)
+        # before sharding: the check may run the model (drops_cache_under_checkpointing), as each rank's own
+        usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
+        self.uses_shared_prefix = hp.shared_prefix if usable else False
         if hp.fsdp:
             skeleton = meta_replica(policy) if hp.fsdp_rollout != "lockstep" else None
             self._fully_shard(policy)
             if skeleton is not None:
                 self._gathered = GatheredWeights(policy, skeleton, self._mixed_precision_dtype())
         self.policy = policy.train()  # loaded in eval mode, as from_pretrained gives it; Lightning warns about those
-        usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
-        self.uses_shared_prefix = hp.shared_prefix if usable else False
         if self.loss_fn.config.beta > 0 and not hp.peft_config:
             ref = self._load_model()
             ref.requires_grad_(False)

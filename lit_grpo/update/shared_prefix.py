@@ -41,7 +41,8 @@ Gradient checkpointing: transformers' checkpointed decoder layers drop the cache
 Neither cache here appends: the writer overwrites (the replay stores equal tensors) and the reader stores nothing,
 so ``caches_through_checkpoints`` sets that flag on the layers for the two calls. ``unsupported_reason`` names
 what keeps a model off this path (sliding-window or hybrid caches, no cache argument, a transformers without
-that flag under checkpointing); ``GRPOModule`` then warns and runs the unshared forward.
+that flag under checkpointing, a model whose own forward drops the cache under checkpointing, as GPT-2's:
+``drops_cache_under_checkpointing``); ``GRPOModule`` then warns and runs the unshared forward.
 """
 
 from __future__ import annotations
@@ -150,7 +151,45 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
         return ("this transformers version drops the cache in gradient-checkpointed layers "
                 "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
+    if checkpointed_layers(model):
+        try:
+            dropped = drops_cache_under_checkpointing(model)
+        except Exception as error:  # the shared forward's first pass, which it runs alike, would fail too
+            return f"a one-token forward into the prefix cache failed ({type(error).__name__}: {error})"
+        if dropped:
+            return ("its forward hands its layers no cache under gradient checkpointing "
+                    "(model.gradient_checkpointing: false keeps it)")
     return None
+
+
+def drops_cache_under_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward, in train mode, passes its decoder layers no cache. transformers' checkpointed
+    layers drop the cache themselves, which ``caches_through_checkpoints`` lifts; some models drop it above them,
+    in their own forward (GPT-2's passes None while ``self.gradient_checkpointing and self.training``). Found by
+    one token's forward into a ``prefix_writer``: no layer written, dropped. Without gradients, where a layer keeps
+    the cache whatever its flag, so only a drop above the layers shows; the modules' modes and the random state
+    (dropout draws in train mode) are put back, and an FSDP2-sharded model's weights resharded (its root keeps them
+    gathered after a forward, in place of its parameters). False for a model on the meta device, which cannot run."""
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type == "meta":
+        return False
+    device = parameter.device
+    modes = [(module, module.training) for module in model.modules()]
+    writer = prefix_writer()
+    one = torch.ones(1, 1, dtype=torch.long, device=device)
+    forked = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=forked, device_type=device.type):
+            model.train()
+            model(input_ids=one * 0, attention_mask=one, position_ids=one * 0, **{cache_keyword(model): writer},
+                  use_cache=False)
+    finally:
+        for module, training in modes:
+            module.training = training
+        for module in model.modules():
+            if is_fsdp_sharded(module):
+                module.reshard()
+    return not writer.layers
 
 
 #: ``GRPOModule(shared_prefix=...)``'s settings (what ``completion_logps`` takes).
