@@ -648,3 +648,20 @@ def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wr
     assert {(80, 64), (80, 80), (None, 64), (None, 128)} <= set(attended)
     assert len(result.completion_ids[0][0]) > 60  # rows of over 99 positions: the ring wrapped
     assert result.completion_ids == [[_greedy(model, prompt, 89)]]
+
+
+def test_the_priced_kv_bounds_the_peak_held_while_prompts_longer_than_the_window_are_prefilled():
+    """A prefill chunk holds every layer at every position of its prompts until the split cuts a ring layer's prefix
+    to its window: the budget prices that moment beside the slots and the (cut) prefixes, so a rollout's
+    ``peak_kv_bytes`` stays within what ``micro_group_size: auto`` priced."""
+    from lit_grpo.sampling.memory_budget import kv_held_bytes, kv_prefill_bytes, kv_slot_bytes
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = [[5 + (3 * i + p) % 200 for i in range(40)] for p in range(3)]  # 40 tokens each, past the window
+    config, new_tokens, group_size, slots = model.config, 4, 2, 2
+    priced = (kv_held_bytes(config, torch.float32, 40, group_size, len(prompts))
+              + kv_prefill_bytes(config, torch.float32, 40, len(prompts), new_tokens)
+              + slots * kv_slot_bytes(config, torch.float32, 40, new_tokens))
+    result = RolloutEngine(model, tokenizer, group_size=group_size, micro_group_size=slots, strategy="continuous",
+                           max_new_tokens=new_tokens, temperature=1.0, seed=3).generate(prompts)
+    assert 0 < result.stats.peak_kv_bytes <= priced

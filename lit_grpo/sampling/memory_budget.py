@@ -14,7 +14,9 @@ positions whatever g is (at most every sample's: the length-aware method's probe
 budget, up to the last preemption point). Samples preempted within a park budget (``least_attained.py``) hold at
 most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. For a moment a prefill
 holds more: while a chunk of prompts (up to ``PREFILL_CHUNK_TOKENS`` positions, or one longer prompt) is split into
-their prefixes, one layer of it twice; and under partial rollouts, while a carried sample's KV is computed again,
+their prefixes, one layer of it twice, and where its prompts are longer than a sliding layer's window, the positions
+past it that the split then cuts from their prefixes (every layer of a chunk holds every position); and under partial
+rollouts, while a carried sample's KV is computed again,
 its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus one layer of its tokens. A slot's
 row of the decode step may hold more than KV: ``row_state_bytes`` (a repetition penalty's seen ids, one byte per
 vocabulary entry; ``decode_step.row_state_bytes``). So::
@@ -283,15 +285,21 @@ def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, gr
 def kv_prefill_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, num_prompts: int,
                      max_new_tokens: int, carried: bool = False) -> int:
     """The most KV bytes a prefill holds for a moment besides the slots, prefixes and parked tails (module
-    docstring): one layer of a prefill chunk, or with ``carried`` samples (partial rollouts) a carried sample's
-    recomputed prompt and tokens plus one layer of its tokens, whichever is larger."""
+    docstring): one layer of a prefill chunk, plus where its prompts pass a sliding layer's window the positions
+    the split then cuts from their prefixes (``kv_held_bytes`` prices the prefixes cut), or with ``carried``
+    samples (partial rollouts) a carried sample's recomputed prompt and tokens plus one layer of its tokens,
+    whichever is larger."""
     from lit_grpo.sampling.prefill import PREFILL_CHUNK_TOKENS  # prefill imports kv_cache, which imports this
 
     per_token = kv_bytes_per_token(config, dtype)
     per_layer = per_token // kv_geometry(config)[0]
     chunk = min(num_prompts * max_prompt_len, max(PREFILL_CHUNK_TOKENS, max_prompt_len))
+    cut = 0
+    if kv_row_bytes(config, dtype, max_prompt_len) < per_token * max_prompt_len:  # a prompt may pass the window
+        # the chunk's prompts drop at most (sum of their lengths) - window positions of a sliding layer in all
+        cut = per_token * chunk - kv_row_bytes(config, dtype, chunk)
     tail = per_token * (max_prompt_len + max_new_tokens) + per_layer * max_new_tokens if carried else 0
-    return max(per_layer * chunk, tail)
+    return max(per_layer * chunk + cut, tail)
 
 
 def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes: int, max_prompt_len: int,
