@@ -665,3 +665,32 @@ def test_the_priced_kv_bounds_the_peak_held_while_prompts_longer_than_the_window
     result = RolloutEngine(model, tokenizer, group_size=group_size, micro_group_size=slots, strategy="continuous",
                            max_new_tokens=new_tokens, temperature=1.0, seed=3).generate(prompts)
     assert 0 < result.stats.peak_kv_bytes <= priced
+
+
+@pytest.mark.parametrize("appended", [WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + 3])
+@pytest.mark.parametrize("name", MODELS)
+def test_tokens_appended_past_the_window_at_once_continue_as_generate(name, appended):
+    """A tool's result appended to a sample (``SampleProgress.resumed_at``), up to more tokens than the window at
+    once, after a prompt longer than it: the carried sample's positions are prefilled after its cut prefix and cut
+    to the ring, and its greedy continuation is transformers' own on the prompt and those tokens."""
+    from lit_grpo.sampling.carry import GroupProgress, SampleProgress
+
+    model, tokenizer = sliding_model(name)
+    prompt = _ids(tokenizer)[1]  # 16 tokens
+    engine = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=21,
+                           temperature=0.0)
+    tokens = _greedy(model, prompt, 4) + [11, 23, 35, 47, 59, 71, 83, 95, 107][:appended]
+    group = GroupProgress(prompt, [SampleProgress(tokens, [0.0] * len(tokens), [0] * len(tokens),
+                                                  resumed_at=len(tokens))], (0, 0))
+    result = engine.generate_groups([group])
+    assert result.completion_ids[0][0][:len(tokens)] == tokens
+    assert result.completion_ids[0][0][len(tokens):] == _greedy(model, prompt + tokens, 21 - len(tokens))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_rows_at_the_edges_of_the_window_complete_as_generate(name):
+    """Prompts of 1, W - 1, W, W + 1 and W + 2 tokens (prefixes of 0, W - 2, W - 1, W positions, uncut, and W + 1
+    cut to the ring's W), each row growing through W - 1, W and W + 1 positions: greedy equals generate."""
+    model, tokenizer = sliding_model(name)
+    prompts = [[5 + (11 * i + n) % 200 for i in range(n)] for n in (1, WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + 2)]
+    _assert_greedy_is_generates(model, tokenizer, prompts, max_new_tokens=WINDOW + 3)
