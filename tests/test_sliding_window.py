@@ -612,14 +612,8 @@ def test_the_decode_floor_counts_a_sliding_layers_window_of_each_row():
 
 
 
-def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wrap_it(monkeypatch):
-    """As on CUDA, each step attends the bucket of its longest live row (built by hand on a CPU): with a window of
-    80, the 64-column bucket reads a ring layer's first 64 columns (no row has wrapped yet: column = position), the
-    128-column one the whole ring of 80, wrapped. Greedy equals generate across both."""
-    import dataclasses
-
-    from lit_grpo.sampling import engine as engine_module
-
+def _window_80_gemma3():
+    """A tiny Gemma 3 (sliding, sliding, full) with a window of 80: between the live-width buckets 64 and 128."""
     tokenizer = tiny_tokenizer()
     config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
@@ -629,9 +623,30 @@ def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wr
     with seeded_on(torch.device("cpu"), 1234):
         model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def _live_width(monkeypatch) -> None:
+    """Each step attends the bucket of its longest live row, as on CUDA (built by hand on a CPU)."""
+    import dataclasses
+
+    from lit_grpo.sampling import engine as engine_module
+
     live = engine_module.RolloutEngine._step_settings
     monkeypatch.setattr(engine_module.RolloutEngine, "_step_settings",
                         lambda engine, *args: dataclasses.replace(live(engine, *args), live_width=True))
+
+
+#: width 39 + 89 = 128: buckets 64 and 128, the window of 80 between them
+BUCKETED_PROMPT = [5 + (7 * i) % 300 for i in range(40)]
+
+
+def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wrap_it(monkeypatch):
+    """As on CUDA, each step attends the bucket of its longest live row (built by hand on a CPU): with a window of
+    80, the 64-column bucket reads a ring layer's first 64 columns (no row has wrapped yet: column = position), the
+    128-column one the whole ring of 80, wrapped. Greedy equals generate across both."""
+    model, tokenizer = _window_80_gemma3()
+    _live_width(monkeypatch)
     attended = []
     update = SlotCacheLayer.update
 
@@ -640,7 +655,7 @@ def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wr
         return update(self, *args, **kwargs)
 
     monkeypatch.setattr(SlotCacheLayer, "update", spy)
-    prompt = [5 + (7 * i) % 300 for i in range(40)]  # width 39 + 89 = 128: buckets 64 and 128
+    prompt = BUCKETED_PROMPT
     engine = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=89,
                            temperature=0.0)
     result = engine.generate([prompt])
@@ -648,6 +663,36 @@ def test_buckets_narrower_than_the_ring_attend_it_positionally_and_wider_ones_wr
     assert {(80, 64), (80, 80), (None, 64), (None, 128)} <= set(attended)
     assert len(result.completion_ids[0][0]) > 60  # rows of over 99 positions: the ring wrapped
     assert result.completion_ids == [[_greedy(model, prompt, 89)]]
+
+
+def test_a_compiled_ring_step_compiles_once_per_bucket_and_samples_as_the_eager_one(monkeypatch):
+    """The compiled step (the code a CUDA graph captures) with the ring's write columns computed inside it and its
+    mask sliced to the ring: one whole-step graph per bucket, no graph break, no recompilation in a second rollout,
+    and the eager step's completions. Traced by dynamo's "eager" backend: tracing is what breaks or recompiles."""
+    from torch._dynamo.utils import counters
+
+    from lit_grpo.sampling import decode_step
+
+    model, tokenizer = _window_80_gemma3()
+    _live_width(monkeypatch)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **kwargs, backend="eager"))
+    monkeypatch.setattr(decode_step, "compiler_problem", lambda device_type: None)  # "eager" needs no C++ compiler
+    prompts = [BUCKETED_PROMPT, BUCKETED_PROMPT[:7]]
+    settings = dict(group_size=2, micro_group_size=3, strategy="continuous", max_new_tokens=89, seed=5,
+                    temperature=1.0)
+    eager_engine = RolloutEngine(model, tokenizer, **settings)
+    eagers = [eager_engine.generate(prompts) for _ in range(2)]  # each rollout its own random streams
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    engine = RolloutEngine(model, tokenizer, compile=True, keep_kv_cache=True, **settings)
+    results = [engine.generate(prompts) for _ in range(2)]
+    assert engine._cache.ring_width == 80 and engine._step.compiled_widths == {64, 128}
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    for result, eager in zip(results, eagers):
+        assert result.completion_ids == eager.completion_ids
+        for expected, got in zip(sum(eager.logprobs, []), sum(result.logprobs, [])):
+            assert got == pytest.approx(expected, abs=1e-4)
 
 
 def test_the_priced_kv_bounds_the_peak_held_while_prompts_longer_than_the_window_are_prefilled():
@@ -694,3 +739,19 @@ def test_rows_at_the_edges_of_the_window_complete_as_generate(name):
     model, tokenizer = sliding_model(name)
     prompts = [[5 + (11 * i + n) % 200 for i in range(n)] for n in (1, WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + 2)]
     _assert_greedy_is_generates(model, tokenizer, prompts, max_new_tokens=WINDOW + 3)
+
+
+def test_a_kept_cache_serves_rollouts_with_and_without_the_ring():
+    """``keep_kv_cache``: a cache built with a ring (a rollout wider than the window) serves a later rollout the
+    window holds whole (its rows never wrap), and one built without (narrower) is rebuilt with a ring for a wider
+    rollout; greedy equals generate in every rollout."""
+    model, tokenizer = sliding_model("tiny-gemma3")
+    long, short = _ids(tokenizer)[1], [5, 6]  # widths 15 + 3 = 18 (ring) and 1 + 3 = 4 (within the window)
+    for order in ([long, short, long], [short, long, short]):
+        engine = RolloutEngine(model, tokenizer, group_size=1, strategy="continuous", max_new_tokens=3,
+                               temperature=0.0, keep_kv_cache=True)
+        rings = []
+        for prompt in order:
+            assert engine.generate([prompt]).completion_ids == [[_greedy(model, prompt, 3)]]
+            rings.append(engine._cache.ring_width)
+        assert rings == ([WINDOW] * 3 if order[0] is long else [None, WINDOW, WINDOW])
