@@ -755,3 +755,21 @@ def test_a_kept_cache_serves_rollouts_with_and_without_the_ring():
             assert engine.generate([prompt]).completion_ids == [[_greedy(model, prompt, 3)]]
             rings.append(engine._cache.ring_width)
         assert rings == ([WINDOW] * 3 if order[0] is long else [None, WINDOW, WINDOW])
+
+
+def test_a_ring_rows_tail_is_read_up_to_the_rows_length_only():
+    """A ring layer holds a row's last window up to its length: a span that stops short of it is no longer held
+    (its columns hold later positions), so the decode step refuses to read one rather than return other keys."""
+    from lit_grpo.sampling.decode_step import DecodeStep, StepSettings
+
+    model, _ = sliding_model("tiny-gemma3")
+    cache = _slot_cache(model, 40)
+    settings = StepSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, force_lengths=False, hidden_states=False,
+                            cuda_graph=False)
+    step = DecodeStep(model, cache, settings, eos_token_ids=[0])
+    _, kv_heads, _, head_dim = cache.layers[2].keys.shape
+    piece = [(torch.randn(1, kv_heads, 12, head_dim), torch.randn(1, kv_heads, 12, head_dim)) for _ in cache.layers]
+    step.start_row(1, [piece], stream=(0, 0), sample=0, generated=0, next_input=5)
+    assert [k.shape[2] for k, _ in step.read_row(1, 3, 12)] == [WINDOW, WINDOW, 9]
+    with pytest.raises(ValueError, match=r"row 1 holds 12 positions: a span of it up to 10 .* up to its length"):
+        step.read_row(1, 3, 10)

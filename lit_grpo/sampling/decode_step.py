@@ -322,7 +322,17 @@ class DecodeStep:
 
     def read_row(self, slot: int, start: int, stop: int) -> KV:
         """A copy of the row's positions ``[start, stop)`` (a parked sample's tail; ``stop`` the row's length: a
-        ring layer's piece holds the last window of them, ``SlotKVCache.read_row``)."""
+        ring layer's piece holds the last window of them, ``SlotKVCache.read_row``).
+
+        Raises:
+            ValueError: ``stop`` is not the row's length where the cache has ring layers (they no longer hold the
+                positions before it: their columns hold later ones).
+        """
+        length = self.live_lengths.get(slot)
+        if self.cache.ring_width is not None and stop != length:
+            raise ValueError(f"row {slot} holds {length} positions: a span of it up to {stop} cannot be read, as its "
+                             f"sliding layers hold a ring of their last {self.cache.ring_width} positions, read up "
+                             "to its length")
         return self.cache.read_row(slot, start, stop)
 
     def stop_row(self, slot: int) -> None:
