@@ -238,10 +238,12 @@ def kv_row_bytes(config: Any, dtype: torch.dtype | str, positions: int) -> int:
         kv_row_bytes = kv_bytes_per_token / layers x sum over layers of min(positions, window)
 
     ``kv_bytes_per_token x positions`` for a model without sliding layers, or whose window holds ``positions``."""
+    from lit_grpo.sampling.kv_cache import kept_positions  # kv_cache imports this module
+
     check_int("positions", positions, 0)
     windows = kv_windows(config)
     per_layer = kv_bytes_per_token(config, dtype) // len(windows)
-    return per_layer * sum(positions if window is None else min(positions, window) for window in windows)
+    return per_layer * sum(kept_positions(window, positions) for window in windows)
 
 
 def aligned_width(width: int, alignment: int) -> int:
