@@ -773,3 +773,22 @@ def test_a_ring_rows_tail_is_read_up_to_the_rows_length_only():
     assert [k.shape[2] for k, _ in step.read_row(1, 3, 12)] == [WINDOW, WINDOW, 9]
     with pytest.raises(ValueError, match=r"row 1 holds 12 positions: a span of it up to 10 .* up to its length"):
         step.read_row(1, 3, 10)
+
+
+def test_the_hf_generate_benchmark_counts_a_sliding_layers_kv_at_its_window():
+    """tools/bench_rollout's estimate of ``model.generate``'s KV: transformers' sliding cache keeps a sliding
+    layer's last window of each row, so its rows are priced as the engine's (``kv_row_bytes``), not every layer at
+    every position."""
+    from types import SimpleNamespace
+
+    from lit_grpo.sampling.memory_budget import kv_row_bytes
+    from tools import bench_rollout
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)[:2]
+    args = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=8)
+    record, completions = bench_rollout.run_hf_generate(model, tokenizer, prompts, 1, None, args,
+                                                        {tokenizer.eos_token_id})
+    steps = max(len(c) for c in completions)
+    padded = max(map(len, prompts)) + steps - 1  # left-padded rows: the longest prompt and all but the last token
+    assert record["peak_kv_bytes"] == 2 * kv_row_bytes(model.config, model.dtype, padded)

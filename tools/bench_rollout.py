@@ -71,7 +71,7 @@ from transformers import GenerationConfig
 from lit_grpo.sampling import RolloutEngine, lower_bound_steps
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS
-from lit_grpo.sampling.memory_budget import kv_bytes_per_token
+from lit_grpo.sampling.memory_budget import kv_row_bytes
 from lit_grpo.scheduling.length_aware.predictors import make_predictor, parse_predictor_name
 from lit_grpo.scheduling.length_aware.refill import RefillName
 from tools import harness, roofline
@@ -117,7 +117,6 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
     """``model.generate`` over left-padded chunks of ``chunk_rows`` rows (all B x G rows when chunk_rows is None)."""
     rows = [p for p in prompts for _ in range(G)]
     chunk_rows = chunk_rows or len(rows)
-    bytes_per_position = kv_bytes_per_token(model.config, model.dtype)
     completions, steps, prefill, peak_kv = [], 0, 0, 0
     start = time.perf_counter()
     for i in range(0, len(rows), chunk_rows):
@@ -129,8 +128,10 @@ def run_hf_generate(model, tokenizer, prompts, G, chunk_rows, args, eos) -> tupl
         completions += [_strip_after_eos(row, eos) for row in new.tolist()]
         steps += new.shape[1]
         prefill += batch["input_ids"].numel()
-        # generate's DynamicCache holds every row, padding included, for prompt + all but the last new token.
-        peak_kv = max(peak_kv, len(chunk) * (batch["input_ids"].shape[1] + new.shape[1] - 1) * bytes_per_position)
+        # generate's DynamicCache holds every row, padding included, for prompt + all but the last new token (a
+        # sliding layer its last window of them, as the engine's rows: kv_row_bytes).
+        positions = batch["input_ids"].shape[1] + new.shape[1] - 1
+        peak_kv = max(peak_kv, len(chunk) * kv_row_bytes(model.config, model.dtype, positions))
     wall = time.perf_counter() - start
     generated = sum(map(len, completions))
     record = dict(decode_steps=steps, prefill_tokens=prefill, generated_tokens=generated,
