@@ -792,3 +792,18 @@ def test_the_hf_generate_benchmark_counts_a_sliding_layers_kv_at_its_window():
     steps = max(len(c) for c in completions)
     padded = max(map(len, prompts)) + steps - 1  # left-padded rows: the longest prompt and all but the last token
     assert record["peak_kv_bytes"] == 2 * kv_row_bytes(model.config, model.dtype, padded)
+
+
+def test_the_roofline_tools_decode_cost_counts_a_sliding_layers_window():
+    """tools/roofline's decode step: a sliding layer reads and attends at most its window of a row (as the engine's
+    floor, ``DecodeReads.rows_bytes``); within the window, every layer every position."""
+    from lit_grpo.sampling.roofline import decode_reads, model_shape
+    from tools import roofline
+
+    config = sliding_model("tiny-gemma3")[0].config
+    reads, shape = decode_reads(config, "float32"), model_shape(config)
+    for context, windowed in ((4, 4), (20, WINDOW)):
+        cost = roofline.decode_step_cost(config, 3, context, "float32")
+        assert cost.bytes == reads.step_bytes(3, 3 * context) - 3 * (context - windowed) * reads.windowed_per_position
+        attended = shape.heads * shape.head_dim * (context + 2 * windowed)  # one full layer, two sliding
+        assert cost.flops == 2 * 3 * shape.weights + 4 * 3 * attended

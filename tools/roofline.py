@@ -39,7 +39,8 @@ import torch
 
 from lit_grpo.sampling.cpu_linear import onednn_linear
 from lit_grpo.sampling.devices import indexed_device
-from lit_grpo.sampling.memory_budget import dtype_bytes
+from lit_grpo.sampling.kv_cache import kept_positions
+from lit_grpo.sampling.memory_budget import dtype_bytes, kv_windows
 from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
                                         model_shape)
 
@@ -64,7 +65,8 @@ def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dt
 
     Left out, as small beside these at decode sizes: norms, rotary embeddings, the softmax, activations, the
     sampling over ``rows·V`` logits, biases, and writing the new keys and values (``2·rows·L·n_kv·d`` elements).
-    A static cache that attends its whole width (masked) does more; the floor counts only the positions needed.
+    A static cache that attends its whole width (masked) does more; the floor counts only the positions needed, a
+    sliding-window layer's at most its window (``DecodeReads.rows_bytes``, every row at ``context_len``).
 
     Args:
         config: the model's transformers config.
@@ -77,9 +79,9 @@ def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dt
     if not isinstance(context_len, (int, float)) or not context_len >= 1:
         raise ValueError(f"context_len={context_len!r} must be a number >= 1 (positions attended, its own included)")
     s = model_shape(config)
-    attention = s.layers * s.heads * s.head_dim * context_len
+    attention = s.heads * s.head_dim * sum(kept_positions(window, context_len) for window in kv_windows(config))
     return Cost(flops=2 * rows * s.weights + 4 * rows * attention,
-                bytes=decode_reads(config, dtype).step_bytes(rows, rows * context_len))
+                bytes=decode_reads(config, dtype).rows_bytes([context_len] * rows))
 
 
 def prefill_cost(config: Any, tokens: int, dtype: torch.dtype | str, cached: int = 0) -> Cost:
