@@ -30,7 +30,8 @@ def every_column_slots(config, budget: int, new_tokens: int) -> tuple[int, int]:
 def main() -> None:
     config = Gemma3TextConfig(**GEMMA3_1B)
     mib = 2**20
-    print("| max_new_tokens | KV budget | slot, every column | slot, ring | slots, every column | slots, ring | ratio |")
+    print("| max_new_tokens | KV budget | slot, every column | slot, ring | slots, every column | slots, ring "
+          "| ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for new_tokens, gib in ROWS:
         budget = gib * 2**30
