@@ -589,6 +589,10 @@ def test_auto_fits_more_slots_for_a_sliding_model_at_a_long_width_by_the_ring_ru
     assert slots > 3.9 * every_column
     # where the window holds the row, every column is priced as before
     assert kv_slot_bytes(config, "bfloat16", 100, 400) == 26 * per_layer * 500
+    with pytest.raises(ValueError, match=rf"one slot's KV cache, {slot} bytes \({26 * per_layer} bytes/token x "
+                                         rf"\({prompt} prompt \+ {new} new tokens, sliding layers holding at most "
+                                         r"their window\)"):
+        auto_micro_group_size(config, "bfloat16", held, prompt, new, group_size=64, num_prompts=prompts)
 
 
 def test_the_decode_floor_counts_a_sliding_layers_window_of_each_row():

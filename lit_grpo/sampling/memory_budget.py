@@ -331,9 +331,9 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
-    positions = slot_positions(max_prompt_len, max_new_tokens, alignment)
-    windowed = kv_row_bytes(config, dtype, positions) < per_token * positions
     if fits < 1:
+        positions = slot_positions(max_prompt_len, max_new_tokens, alignment)
+        windowed = kv_row_bytes(config, dtype, positions) < per_token * positions
         parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens"
