@@ -413,7 +413,7 @@ class DecodeStep:
         if cache.ring_width is None:  # sliding layers (if any) also hide the columns outside the window
             sliding = lambda: self._additive(admitted & (columns > (lengths - window).unsqueeze(1)))  # noqa: E731
         else:  # a ring holds the window alone: its columns up to the length, all once the ring is full
-            sliding = lambda: mask[..., :min(cache.attended, cache.ring_width)]  # noqa: E731
+            sliding = lambda: mask[..., :cache.ring_attended]  # noqa: E731
         masks = cache.layout.mask_argument(mask, sliding)
         out = self.model(input_ids=self.input_ids, attention_mask=masks, position_ids=lengths.unsqueeze(1),
                          **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1,

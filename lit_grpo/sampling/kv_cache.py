@@ -363,19 +363,25 @@ class SlotKVCache(Cache):
 
     @property
     def attended(self) -> int:
-        """The columns a decode step attends (``attend``; the whole width until it is called); a ring layer attends
-        at most its ring's."""
+        """The columns a decode step attends (``attend``; the whole width until it is called); a ring layer its
+        ``ring_attended``."""
         return self._attended
 
     def attend(self, columns: int) -> None:
         """From the next decode step on, attend columns ``[0, columns)`` of every row (of a ring layer, its first
-        ``min(columns, ring_width)``: all of it once a row is longer than the ring); a rollout's rows must fit them
-        (``columns`` at least its longest prompt - 1 + ``max_new_tokens``)."""
+        ``ring_attended``); a rollout's rows must fit them (``columns`` at least its longest prompt - 1 +
+        ``max_new_tokens``)."""
         if not 0 < columns <= self.width:
             raise ValueError(f"attended columns must be in [1, {self.width}] (the slot cache's width), got {columns}")
         self._attended = columns
         for layer in self.layers:
-            layer.attended = min(columns, layer.keys.shape[2])
+            layer.attended = columns if layer.ring is None else self.ring_attended
+
+    @property
+    def ring_attended(self) -> int | None:
+        """The columns a ring layer attends: ``attended``, at most its ring's (all of it once a row may be longer);
+        None without ring layers."""
+        return None if self.ring_width is None else min(self._attended, self.ring_width)
 
     def locate_writes(self) -> None:
         """Where ring layers write each row's next position: ``ring_columns = lengths % ring_width``, in place, on
