@@ -10,6 +10,7 @@ must train as ddp does.
 
 import datetime
 import os
+from pathlib import Path
 
 import forked_cli
 import pytest
@@ -201,3 +202,31 @@ def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path):
     assert last.is_dir() and [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
     resumed = read_records(fit_two_processes(tmp_path, *args, "--ckpt_path", "last", steps=2), 0)
     assert [r["global_step"] for r in first] == [1] and resumed[-1]["global_step"] == 2
+
+
+def _saved_param_groups(tmp_path) -> set[int]:
+    """The optimizer param groups (their indices) in the run's sharded ``last.ckpt``, from its metadata."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    keys = FileSystemReader(str(last)).read_metadata().state_dict_metadata
+    return {int(match.group(1)) for key in keys if (match := re.search(r"param_groups\.(\d+)\.", key))}
+
+
+def test_an_fsdp2_checkpoint_of_one_param_group_resumes_into_the_two(tmp_path):
+    """A sharded checkpoint of the optimizer's one group of every weight (the code before ``weight_decay_groups``,
+    tests/one_param_group_fit.py) resumes: under FSDP2 the optimizer is built as that one group, which takes a
+    checkpoint of either kind by parameter name, and the fit's start splits it; its checkpoint then has both."""
+    from tools.step_recorder import read_records
+
+    strategy = tmp_path / "strategy.yaml"
+    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
+    args = ("--config", str(strategy), "--model.fsdp", "true", "--model.weight_decay", "0.1")
+    fit_two_processes(tmp_path, *args, steps=1, script=str(Path(__file__).with_name("one_param_group_fit.py")))
+    assert _saved_param_groups(tmp_path) == {0}
+    resumed = read_records(fit_two_processes(tmp_path, *args, "--ckpt_path", "last", steps=2), 0)
+    assert resumed[-1]["global_step"] == 2 and _saved_param_groups(tmp_path) == {0, 1}
+

@@ -755,6 +755,124 @@ def test_a_resume_on_another_device_steps_with_this_runs_adamw_kernel(tmp_path, 
     assert seen == [(None, {"cpu"})]
 
 
+#: The parameters of tiny-llama that transformers' Trainer (TRL's GRPOTrainer) leaves out of weight decay: its
+#: RMSNorm weights; tiny-qwen2 adds its attention's biases.
+LLAMA_NO_DECAY = {f"model.layers.{i}.{norm}.weight" for i in (0, 1)
+                  for norm in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.weight"}
+QWEN2_NO_DECAY = LLAMA_NO_DECAY | {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in (0, 1) for p in "qkv"}
+
+
+def _decay_by_name(module, optimizer) -> dict[str, float]:
+    names = {id(p): name for name, p in module.policy.named_parameters()}
+    return {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("model, no_decay", [("tiny-llama", LLAMA_NO_DECAY), ("tiny-qwen2", QWEN2_NO_DECAY)])
+def test_weight_decay_leaves_out_biases_and_norm_weights_as_transformers_trainer_does(model, no_decay):
+    """Two param groups, decayed first, as the Trainer's: ``weight_decay`` on every other trainable weight."""
+    module = make_module(model=model, weight_decay=0.1)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    decay = _decay_by_name(module, optimizer)
+    assert decay == {name: 0.0 if name in no_decay else 0.1 for name, _ in module.policy.named_parameters()}
+    assert not optimizer.defaults["fused"]  # the kernel is chosen as before, from every trainable weight
+
+
+def test_weight_decay_under_lora_and_for_layernorm_modules():
+    """A LoRA policy trains its adapters only, which have no bias: one group, decayed. A ``LayerNorm`` module's
+    weights are left out whatever their name (GPT-2's ``ln_1``)."""
+    from test_architectures import ARCHITECTURES, tiny_architecture
+
+    from lit_grpo.update.module import weight_decay_groups
+
+    lora = make_module(weight_decay=0.1, peft_config={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    decay = _decay_by_name(lora, lora.configure_optimizers()["optimizer"])
+    assert len(decay) == 8 and all("lora_" in name for name in decay) and set(decay.values()) == {0.1}
+    gpt2, _ = tiny_architecture(ARCHITECTURES["gpt2"][0], **ARCHITECTURES["gpt2"][1])
+    names = {id(p): name for name, p in gpt2.named_parameters()}
+    decayed, kept = ([names[id(p)] for p in group["params"]] for group in weight_decay_groups(gpt2, 0.1))
+    assert "transformer.h.0.ln_1.weight" in kept and "transformer.ln_f.weight" in kept
+    assert "transformer.h.0.attn.c_attn.bias" in kept and "transformer.h.0.attn.c_attn.weight" in decayed
+    assert all("ln_" not in name and "bias" not in name for name in decayed)
+
+
+def test_a_step_with_weight_decay_moves_biases_and_norm_weights_as_adamw_without_it(batch, monkeypatch):
+    """One step at weight_decay 0.1 changes the weights it decays and leaves every bias and norm weight where a step
+    without decay puts it; without decay the two groups step exactly as the one group of every weight would."""
+    import lit_grpo.update.module as module_file
+
+    def stepped(**options):
+        module = make_module(model="tiny-qwen2", lr=1e-2, **options)
+        module.grpo_step(batch, module.configure_optimizers()["optimizer"])
+        return {name: p.detach().clone() for name, p in module.policy.named_parameters()}
+
+    decayed, plain = stepped(weight_decay=0.1), stepped()
+    for name, weight in plain.items():
+        assert torch.equal(decayed[name], weight) is (name in QWEN2_NO_DECAY), name
+    monkeypatch.setattr(module_file, "weight_decay_groups", lambda model, weight_decay: [
+        {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}])
+    one_group = stepped()
+    assert all(torch.equal(one_group[name], weight) for name, weight in plain.items())
+
+
+def _fit_decays(max_steps, ckpt_path=None, save=None, **module_options):
+    """A tiny fit's weight decay of each weight by name at its first optimizer step, and each weight's first AdamW
+    moment there (a resumed run's: the checkpoint's)."""
+    import lightning.pytorch as pl
+
+    from lit_grpo.sampling import SamplingConfig
+
+    seen = {}
+
+    class Decays(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if not seen:
+                seen["decay"] = _decay_by_name(pl_module, optimizer)
+                names = {id(p): name for name, p in pl_module.policy.named_parameters()}
+                seen["moments"] = {names[id(p)]: state["exp_avg"].clone() for p, state in optimizer.state.items()}
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Decays()])
+    module = GRPOModule(model="tiny-qwen2", lr=1e-3, **module_options)
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4)
+    trainer.fit(module, RolloutDataModule(**datamodule_arguments({"val_size": 0, "sampling": sampling})),
+                ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(save)
+    return seen, module
+
+
+def test_a_resumed_run_decays_by_its_own_setting_and_never_biases_or_norm_weights(tmp_path):
+    checkpoint = str(tmp_path / "decayed.ckpt")
+    first, _ = _fit_decays(1, save=checkpoint, weight_decay=0.1)
+    assert first["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else 0.1 for name in first["decay"]}
+    resumed, _ = _fit_decays(2, ckpt_path=checkpoint, weight_decay=0.2)
+    assert resumed["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else 0.2 for name in first["decay"]}
+
+
+def test_a_checkpoint_with_one_param_group_resumes_split_each_weight_keeping_its_moments(tmp_path, monkeypatch):
+    """A checkpoint saved before the two groups (one group of every trainable weight, in the policy's order)
+    resumes: its state loads into that group, which the fit's start splits, each weight's moments with it."""
+    import lit_grpo.update.module as module_file
+
+    checkpoint = str(tmp_path / "one_group.ckpt")
+    with monkeypatch.context() as patched:
+        patched.setattr(module_file, "weight_decay_groups", lambda model, weight_decay: [
+            {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}])
+        _, saved = _fit_decays(1, save=checkpoint, weight_decay=0.1)
+    optimizer = saved.trainer.optimizers[0]
+    names = {id(p): name for name, p in saved.policy.named_parameters()}
+    moments = {names[id(p)]: state["exp_avg"] for p, state in optimizer.state.items()}
+    assert len(torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["param_groups"]) == 1
+    resumed, module = _fit_decays(2, ckpt_path=checkpoint, weight_decay=0.1)
+    assert resumed["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else 0.1 for name in moments}
+    assert resumed["moments"].keys() == moments.keys()
+    assert all(torch.equal(resumed["moments"][name], moment) for name, moment in moments.items())
+    assert len(module.lr_schedulers().lr_lambdas) == 2  # the schedule steps both groups
+
+
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):
     """On CPU the update's freed activations are released after the backward passes, before AdamW allocates."""
     module = make_module(num_iterations=2, train_micro_batch_size=3, lr=1e-3)

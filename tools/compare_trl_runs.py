@@ -236,14 +236,16 @@ def trl_reward_funcs(spec: dict[str, Any], eos_token_ids: set[int], step_log: St
 
 def lit_optimizer(model, spec: dict[str, Any]):
     """lit_grpo's optimizer and learning-rate schedule (``GRPOModule.configure_optimizers``) for TRL's model: AdamW
-    fused where lit_grpo's is (weights on a GPU; no loss scaler in either side's precisions)."""
+    fused where lit_grpo's is (weights on a GPU; no loss scaler in either side's precisions), its weight decay
+    grouped as both sides group it (``weight_decay_groups``, the Trainer's rule)."""
     import torch
 
     from lit_grpo.update.lr_schedule import lr_lambda
-    from lit_grpo.update.module import fused_adamw
+    from lit_grpo.update.module import fused_adamw, weight_decay_groups
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=spec["weight_decay"],
+    groups = weight_decay_groups(model, spec["weight_decay"])
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=spec["lr"], weight_decay=spec["weight_decay"],
                                   betas=tuple(spec["betas"]), fused=fused_adamw(params) or None)
     schedule = lr_lambda(spec["lr_schedule"], spec["lr_warmup_steps"], spec["steps"] * spec["num_iterations"],
                          spec.get("min_lr_ratio", 0.0))

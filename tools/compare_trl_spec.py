@@ -266,7 +266,8 @@ def trl_other_settings(spec: dict[str, Any]) -> dict[str, str]:
         "reward_funcs": "lit_grpo's own reward functions (build_reward_funcs of the same specs), called with TRL's "
                         "completions' text and the rows' answer and reasoning-gym entry",
         "optimizers": f"torch.optim.AdamW(lr={spec['lr']}, betas={tuple(spec['betas'])}, "
-                      f"weight_decay={spec['weight_decay']}, fused where the weights are on a GPU) with LambdaLR "
+                      f"weight_decay={spec['weight_decay']} but on biases and norm weights, as the Trainer's, fused "
+                      "where the weights are on a GPU) with LambdaLR "
                       f"of lit_grpo's lr_factor (warm-up {warmup} steps, then {spec['lr_schedule']} to "
                       f"{spec['min_lr_ratio']} of the rate): lit_grpo's optimizer and schedule",
         "trainer": "a GRPOTrainer subclass that times _generate_and_score_completions and _generate around "
