@@ -10,7 +10,6 @@ must train as ddp does.
 
 import datetime
 import os
-from pathlib import Path
 
 import forked_cli
 import pytest
@@ -215,18 +214,21 @@ def _saved_param_groups(tmp_path) -> set[int]:
     return {int(match.group(1)) for key in keys if (match := re.search(r"param_groups\.(\d+)\.", key))}
 
 
-def test_an_fsdp2_checkpoint_of_one_param_group_resumes_into_the_two(tmp_path):
-    """A sharded checkpoint of the optimizer's one group of every weight (the code before ``weight_decay_groups``,
-    tests/one_param_group_fit.py) resumes: under FSDP2 the optimizer is built as that one group, which takes a
-    checkpoint of either kind by parameter name, and the fit's start splits it; its checkpoint then has both."""
+def test_an_fsdp2_checkpoint_resumes_with_its_param_groups_and_is_refused_with_others(tmp_path):
+    """A sharded checkpoint of the two groups (weight_decay > 0) resumes; one run with weight_decay 0 (one group)
+    would be refused before its load, naming both counts, where torch would fail on the missing keys."""
     from tools.step_recorder import read_records
+
+    from lit_grpo.runtime.checkpoints import check_resumable
 
     strategy = tmp_path / "strategy.yaml"
     strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
         "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
     args = ("--config", str(strategy), "--model.fsdp", "true", "--model.weight_decay", "0.1")
-    fit_two_processes(tmp_path, *args, steps=1, script=str(Path(__file__).with_name("one_param_group_fit.py")))
-    assert _saved_param_groups(tmp_path) == {0}
+    fit_two_processes(tmp_path, *args, steps=1)
+    assert _saved_param_groups(tmp_path) == {0, 1}
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    with pytest.raises(ValueError, match=r"has 2 param group\(s\), this run's 1 .*now 0\.0\)"):
+        check_resumable(last, {"weight_decay": 0.0}, None)
     resumed = read_records(fit_two_processes(tmp_path, *args, "--ckpt_path", "last", steps=2), 0)
     assert resumed[-1]["global_step"] == 2 and _saved_param_groups(tmp_path) == {0, 1}
-

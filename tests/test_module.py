@@ -796,23 +796,22 @@ def test_weight_decay_under_lora_and_for_layernorm_modules():
     assert all("ln_" not in name and "bias" not in name for name in decayed)
 
 
-def test_a_step_with_weight_decay_moves_biases_and_norm_weights_as_adamw_without_it(batch, monkeypatch):
+def test_a_step_with_weight_decay_moves_biases_and_norm_weights_as_adamw_without_it(batch):
     """One step at weight_decay 0.1 changes the weights it decays and leaves every bias and norm weight where a step
-    without decay puts it; without decay the two groups step exactly as the one group of every weight would."""
-    import lit_grpo.update.module as module_file
-
+    without decay puts it; without decay the optimizer is the one group of every trainable weight, in the policy's
+    order, that it was before the groups (its steps bit for bit those)."""
     def stepped(**options):
         module = make_module(model="tiny-qwen2", lr=1e-2, **options)
-        module.grpo_step(batch, module.configure_optimizers()["optimizer"])
-        return {name: p.detach().clone() for name, p in module.policy.named_parameters()}
+        optimizer = module.configure_optimizers()["optimizer"]
+        module.grpo_step(batch, optimizer)
+        return optimizer, {name: p.detach().clone() for name, p in module.policy.named_parameters()}
 
-    decayed, plain = stepped(weight_decay=0.1), stepped()
+    (_, decayed), (optimizer, plain) = stepped(weight_decay=0.1), stepped()
     for name, weight in plain.items():
         assert torch.equal(decayed[name], weight) is (name in QWEN2_NO_DECAY), name
-    monkeypatch.setattr(module_file, "weight_decay_groups", lambda model, weight_decay: [
-        {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}])
-    one_group = stepped()
-    assert all(torch.equal(one_group[name], weight) for name, weight in plain.items())
+    (only,) = optimizer.param_groups
+    assert only["weight_decay"] == 0.0 and [p.shape for p in only["params"]] == [
+        p.shape for p in make_module(model="tiny-qwen2").policy.parameters()]
 
 
 def _fit_decays(max_steps, ckpt_path=None, save=None, **module_options):
@@ -852,25 +851,36 @@ def test_a_resumed_run_decays_by_its_own_setting_and_never_biases_or_norm_weight
     assert resumed["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else 0.2 for name in first["decay"]}
 
 
-def test_a_checkpoint_with_one_param_group_resumes_split_each_weight_keeping_its_moments(tmp_path, monkeypatch):
-    """A checkpoint saved before the two groups (one group of every trainable weight, in the policy's order)
-    resumes: its state loads into that group, which the fit's start splits, each weight's moments with it."""
-    import lit_grpo.update.module as module_file
-
-    checkpoint = str(tmp_path / "one_group.ckpt")
-    with monkeypatch.context() as patched:
-        patched.setattr(module_file, "weight_decay_groups", lambda model, weight_decay: [
-            {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}])
-        _, saved = _fit_decays(1, save=checkpoint, weight_decay=0.1)
-    optimizer = saved.trainer.optimizers[0]
+@pytest.mark.parametrize("saved_decay, resumed_decay", [(0.0, 0.1), (0.1, 0.0)])
+def test_a_checkpoint_of_other_param_groups_resumes_regrouped_each_weight_keeping_its_moments(
+        tmp_path, saved_decay, resumed_decay):
+    """A checkpoint of one group (weight_decay 0, or saved before the groups) resumed with weight_decay > 0, and
+    one of the two groups resumed with 0: its optimizer state is regrouped as this run builds it, each weight's
+    AdamW moments with it, and the schedule steps every group."""
+    checkpoint = str(tmp_path / "saved.ckpt")
+    _, saved = _fit_decays(1, save=checkpoint, weight_decay=saved_decay)
     names = {id(p): name for name, p in saved.policy.named_parameters()}
-    moments = {names[id(p)]: state["exp_avg"] for p, state in optimizer.state.items()}
-    assert len(torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["param_groups"]) == 1
-    resumed, module = _fit_decays(2, ckpt_path=checkpoint, weight_decay=0.1)
-    assert resumed["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else 0.1 for name in moments}
+    moments = {names[id(p)]: state["exp_avg"] for p, state in saved.trainer.optimizers[0].state.items()}
+    saved_groups = len(torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["param_groups"])
+    resumed, module = _fit_decays(2, ckpt_path=checkpoint, weight_decay=resumed_decay)
+    assert saved_groups == (2 if saved_decay else 1)
+    assert resumed["decay"] == {name: 0.0 if name in QWEN2_NO_DECAY else resumed_decay for name in moments}
     assert resumed["moments"].keys() == moments.keys()
     assert all(torch.equal(resumed["moments"][name], moment) for name, moment in moments.items())
-    assert len(module.lr_schedulers().lr_lambdas) == 2  # the schedule steps both groups
+    groups = len(module.optimizers().param_groups)
+    assert groups == (2 if resumed_decay else 1) and len(module.lr_schedulers().lr_lambdas) == groups
+
+
+def test_regrouped_gives_each_parameter_its_saved_number_in_its_new_group():
+    from lit_grpo.update.module import regrouped
+
+    a, b, c = (torch.zeros(1) for _ in range(3))
+    state = {"state": {0: "a's", 1: "c's", 2: "b's"},
+             "param_groups": [{"lr": 1.0, "weight_decay": 0.1, "params": [0, 1]}, {"lr": 1.0, "params": [2]}]}
+    one = regrouped(state, [{"params": [a, c]}, {"params": [b]}], [{"params": [a, b, c]}])
+    assert one == {"state": state["state"], "param_groups": [{"lr": 1.0, "weight_decay": 0.1, "params": [0, 2, 1]}]}
+    assert regrouped(one, [{"params": [a, b, c]}], [{"params": [a, c]}, {"params": [b]}])["param_groups"] == [
+        {"lr": 1.0, "weight_decay": 0.1, "params": [0, 1]}, {"lr": 1.0, "weight_decay": 0.1, "params": [2]}]
 
 
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):

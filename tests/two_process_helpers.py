@@ -11,16 +11,14 @@ from tools.harness import ROOT, free_port, repo_env
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
-def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = False,
-                      script: str | None = None) -> str:
+def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = False) -> str:
     """Fit the tiny config for ``steps`` steps on 2 CPU processes (scale_rewards batch, dapo) with ``args`` added;
     returns the StepRecorder path (its records of every rank, and each rank's batch of step 1).
 
     The ranks are forked ``lit-grpo`` processes (tests/forked_cli.py) launched as 2 nodes x 1 process of one thread
     each. With ``launcher`` rank 0 is forked and Lightning's own launcher (``--trainer.devices 2``) starts rank 1
     from it as a real process; ``OMP_NUM_THREADS`` is then left out of the environment, so the threads per rank
-    are what a user's run gets by default: its share of the cores. ``script``: the ranks run ``python SCRIPT``
-    with those arguments instead of ``lit-grpo`` (not with ``launcher``)."""
+    are what a user's run gets by default: its share of the cores."""
     record = tmp / "rec"
     argv = [
         "fit", "--config", TINY, *args, "--trainer.default_root_dir", str(tmp / "run"),
@@ -34,7 +32,7 @@ def fit_two_processes(tmp: Path, *args: str, steps: int = 2, launcher: bool = Fa
         outputs = [(proc.returncode, proc.stdout + proc.stderr, None)]
     else:
         outputs = forked_cli.run_ranks([*argv, "--trainer.num_nodes", "2", "--trainer.devices", "1"], tmp,
-                                       free_port(), timeout=400, env=repo_env(), script=script)
+                                       free_port(), timeout=400, env=repo_env())
     for rank, (code, output, _) in enumerate(outputs):
         assert code == 0, f"rank {rank} ended with {code}:\n{output[-6000:]}"
         # Lightning's all_gather runs torch's deprecated autograd gather: nothing a user can act on

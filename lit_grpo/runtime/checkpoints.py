@@ -336,6 +336,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
     if missing:
         raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
                          "(a weights-only file, or another program's)")
+    if Path(path).is_dir() and not evaluate and not _lookup(module_hparams, "peft_config"):  # LoRA's: left to the load
+        _check_sharded_param_groups(path, _lookup(module_hparams, "weight_decay"))
     current = {"hyper_parameters": module_hparams, "datamodule_hyper_parameters": datamodule_hparams or {}}
     differing = []
     for section, names in (WEIGHT_SETTINGS if evaluate else RESUME_SETTINGS).items():
@@ -382,6 +384,21 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         raise SettingsDiffer(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
                          "continue the same run:\n  " + "\n  ".join(differing)
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
+
+
+def _check_sharded_param_groups(path: str | os.PathLike, weight_decay: float) -> None:
+    """FSDP2 loads a sharded optimizer into the param groups as built, before a hook could regroup it: refused here."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (Path(path) / ".metadata").is_file():  # no index of the shards: left to their loader, which names it
+        return
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = len({found[1] for key in keys if (found := re.search(r"\.param_groups\.(\d+)\.", key))})
+    if saved and saved != (built := 2 if weight_decay else 1):
+        raise ValueError(f"checkpoint {path}: its optimizer has {saved} param group(s), this run's {built} "
+                         f"(weight_decay_groups: one at model.weight_decay 0, two above, now {weight_decay}); FSDP2 "
+                         "loads a sharded optimizer into the groups as built, so they must agree: resume it with "
+                         f"model.weight_decay {'0' if saved == 1 else '> 0'}, or start a new run without --ckpt_path")
 
 
 def check_weight_shapes(path: str | os.PathLike | None, saved: Mapping[str, Any],

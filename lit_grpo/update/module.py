@@ -392,9 +392,6 @@ class GRPOModule(LightningModule):
         self._in_teardown = False
         #: The CUDA allocator's peak in the last update (``measured_update_peak``); None elsewhere.
         self._update_peak_bytes: int | None = None
-        #: The optimizer's param groups in the (unsharded) checkpoint being resumed, read by ``on_load_checkpoint``
-        #: before the optimizer is built (``configure_optimizers``).
-        self._resumed_param_groups: int | None = None
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -533,11 +530,15 @@ class GRPOModule(LightningModule):
             weights = {**dict(self.named_parameters()), **dict(self.named_buffers())}
             with config_errors("--ckpt_path"):  # before load_state_dict's traceback, naming the file
                 check_weight_shapes(path, checkpoint["state_dict"], weights)
-        if checkpoint.get("optimizer_states"):  # read by configure_optimizers, which runs next
-            self._resumed_param_groups = len(checkpoint["optimizer_states"][0]["param_groups"])
-        optimizers = self.trainer.optimizers if self._trainer is not None else []
-        if optimizers:  # built already (FSDP2's, maybe of fewer groups than saved): the schedule's state fits it
-            _fit_schedules_to_groups(checkpoint, len(optimizers[0].param_groups))
+        if checkpoint.get("optimizer_states"):  # loaded after this hook (FSDP2's before: check_resumable)
+            policy, (state,) = self._require_policy(), checkpoint["optimizer_states"]
+            built = weight_decay_groups(policy, self.hparams.weight_decay)
+            if len(state["param_groups"]) != len(built):  # one group: weight_decay 0, or saved before the groups
+                saved = weight_decay_groups(policy, 0.0 if len(built) > 1 else 1.0)
+                checkpoint["optimizer_states"] = [regrouped(state, saved, built)]
+                for schedule in checkpoint["lr_schedulers"]:  # every group has the same schedule
+                    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+                        schedule[key] = schedule[key][:1] * len(built)
         # a checkpoint without the control's state (its run had no adaptive control) leaves it at its start
         if self.entropy_control.adaptive and ENTROPY_CONTROL_KEY in checkpoint:
             self.entropy_control.load_state_dict(checkpoint[ENTROPY_CONTROL_KEY])
@@ -654,12 +655,6 @@ class GRPOModule(LightningModule):
         params = [p for group in groups for p in group["params"]]
         if not params:
             raise ValueError("the policy has no trainable parameters")
-        if len(groups) > 1 and (self._resumed_param_groups == 1 or is_fsdp_sharded(policy)):
-            # One group of every trainable weight (in the policy's order), which on_train_start splits, each weight
-            # keeping its moments: what a checkpoint from before the groups was saved from, and under FSDP2, whose
-            # checkpoint is loaded into the built optimizer by parameter name, what takes a checkpoint of either kind
-            # (one of the two groups would miss the other's keys in an old one)
-            groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "weight_decay": hp.weight_decay}]
         scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
@@ -675,11 +670,7 @@ class GRPOModule(LightningModule):
         (fused or not) is the saved run's device's. The group without decay (``weight_decay_groups``) stays at 0."""
         hp = self.hparams
         scheduler, optimizer = self.lr_schedulers(), self.optimizers().optimizer
-        policy = self._require_policy()
-        groups = weight_decay_groups(policy, hp.weight_decay)
-        if len(optimizer.param_groups) < len(groups):  # configure_optimizers' one group
-            decayed = {id(p) for p in groups[0]["params"]}
-            _split_into(optimizer, scheduler, [id(p) in decayed for p in policy.parameters() if p.requires_grad])
+        groups = weight_decay_groups(self._require_policy(), hp.weight_decay)
         scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
         for group, wanted, factor in zip(optimizer.param_groups, groups, scheduler.lr_lambdas):
             group.update(initial_lr=hp.lr, lr=hp.lr * factor(scheduler.last_epoch), betas=tuple(hp.betas),
@@ -1075,43 +1066,28 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     (``Trainer.get_decay_parameter_names``, TRL's too): ``weight_decay`` on the rest, none on the parameters of
     ``nn.LayerNorm`` modules and those whose name says bias or norm (RMSNorm weights: ``layernorm``, ``rmsnorm``,
     a ``norm`` or ``*_norm`` part). In that order, an empty group left out (a LoRA adapter has no bias). Names are
-    the module's own: an FSDP2-sharded model keeps them."""
+    the module's own: an FSDP2-sharded model keeps them. ``weight_decay`` 0: one group of them all, in the model's
+    order, as before the groups (nothing decays either way), so such a run and its checkpoints are unchanged."""
     from transformers import Trainer
 
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not weight_decay:
+        return [{"params": [p for _, p in named], "weight_decay": weight_decay}]
     # the Trainer's rule itself: a method that reads only the model, in every transformers version that has it
     decays = set(Trainer.get_decay_parameter_names(None, model))
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for name, p in named if name in decays], "weight_decay": weight_decay},
               {"params": [p for name, p in named if name not in decays], "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 
-def _split_into(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                decays: list[bool]) -> None:
-    """Split ``optimizer``'s one group of every trainable weight (``configure_optimizers``' for a checkpoint from
-    before the groups, and under FSDP2) into the decayed weights and the rest, ``decays`` saying which of them, in
-    the group's order (the policy's). By position, not by tensor: FSDP2 puts its gathered weights in place of the
-    sharded parameters while they are gathered. AdamW's state is kept by parameter, so each weight keeps its moments
-    and step; the new group starts with the old one's settings, and the schedule steps both."""
-    (only,) = optimizer.param_groups
-    params = only["params"]
-    if len(params) != len(decays):
-        raise RuntimeError(f"the optimizer's group holds {len(params)} parameters, the policy {len(decays)} "
-                           "trainable ones")
-    settings = {key: value for key, value in only.items() if key != "params"}
-    only["params"] = [p for p, decayed in zip(params, decays) if decayed]
-    optimizer.add_param_group({**settings, "params": [p for p, decayed in zip(params, decays) if not decayed]})
-    scheduler.lr_lambdas = [scheduler.lr_lambdas[0]] * len(optimizer.param_groups)
-    scheduler._last_lr = [scheduler.get_last_lr()[0]] * len(optimizer.param_groups)
-
-
-def _fit_schedules_to_groups(checkpoint: dict[str, Any], count: int) -> None:
-    """Cut the checkpoint's learning-rate schedules' per-group lists to an optimizer of ``count`` groups: every group
-    has the same schedule (``on_train_start`` sets each group's again, ``_split_into`` the schedule's)."""
-    for state in checkpoint.get("lr_schedulers", []):
-        for key in ("lr_lambdas", "base_lrs", "_last_lr"):
-            if isinstance(state.get(key), list) and len(state[key]) > count:
-                state[key] = state[key][:count]
+def regrouped(state: dict[str, Any], saved: list[dict[str, Any]], built: list[dict[str, Any]]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` from param groups ``saved`` for ``built``'s, the same parameters grouped
+    otherwise: each keeps its saved number, so its state (AdamW's moments) follows it; the settings are group 0's."""
+    number = {id(p): n for numbers, group in zip(state["param_groups"], saved)
+              for n, p in zip(numbers["params"], group["params"])}
+    settings = {key: value for key, value in state["param_groups"][0].items() if key != "params"}
+    return {**state, "param_groups": [{**settings, "params": [number[id(p)] for p in group["params"]]}
+                                      for group in built]}
 
 
 def _match_fused(optimizer: torch.optim.Optimizer) -> None:
