@@ -350,6 +350,24 @@ def test_a_model_that_drops_the_cache_under_checkpointing_trains_unshared(rollou
                                                  "such input)")
 
 
+def test_the_probe_finds_the_cache_kept_where_checkpointed_layers_drop_it_without_gradients(monkeypatch):
+    """transformers versions whose checkpointed layers drop the cache in train mode with or without gradients (their
+    rule: ``gradient_checkpointing and training``): the probe still finds that a model whose own forward passes the
+    cache keeps it, as the shared forward lets its layers keep it (``caches_through_checkpoints``)."""
+    import types
+
+    from transformers import modeling_layers
+
+    class GradientsOn(types.ModuleType):  # torch as that module sees it, saying gradients are on
+        def __getattr__(self, name):
+            return (lambda: True) if name == "is_grad_enabled" else getattr(torch, name)
+
+    module = GRPOModule(model="tiny-llama", shared_prefix=False)
+    module.configure_model()
+    monkeypatch.setattr(modeling_layers, "torch", GradientsOn("torch"))
+    assert shared_prefix_module.drops_cache_under_checkpointing(module.policy) is False
+
+
 def test_auto_shares_where_the_spared_work_pays_for_the_second_pass(monkeypatch):
     """The rule against what tools.bench_update measured on a CPU (AMD EPYC, docs/training.md), shared / unshared
     time: tiny-llama (36,992 parameters a layer, 8 completion tokens) 1.57 x at 8 rows of one 64-token prompt and

@@ -166,10 +166,12 @@ def drops_cache_under_checkpointing(model: torch.nn.Module) -> bool:
     """Whether ``model``'s forward, in train mode, passes its decoder layers no cache. transformers' checkpointed
     layers drop the cache themselves, which ``caches_through_checkpoints`` lifts; some models drop it above them,
     in their own forward (GPT-2's passes None while ``self.gradient_checkpointing and self.training``). Found by
-    one token's forward into a ``prefix_writer``: no layer written, dropped. Without gradients, where a layer keeps
-    the cache whatever its flag, so only a drop above the layers shows; the modules' modes and the random state
-    (dropout draws in train mode) are put back, and an FSDP2-sharded model's weights resharded (its root keeps them
-    gathered after a forward, in place of its parameters). False for a model on the meta device, which cannot run."""
+    one token's forward into a ``prefix_writer``: no layer written, dropped. Without gradients, and with the layers
+    let keep the cache as the shared forward lets them (``caches_through_checkpoints``: some transformers versions
+    drop it in a checkpointed layer in train mode even without gradients), so only a drop above the layers shows;
+    the modules' modes and the random state (dropout draws in train mode) are put back, and an FSDP2-sharded model's
+    weights resharded (its root keeps them gathered after a forward, in place of its parameters). False for a model
+    on the meta device, which cannot run."""
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type == "meta":
         return False
@@ -179,7 +181,8 @@ def drops_cache_under_checkpointing(model: torch.nn.Module) -> bool:
     one = torch.ones(1, 1, dtype=torch.long, device=device)
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=forked, device_type=device.type):
+        with (torch.no_grad(), torch.random.fork_rng(devices=forked, device_type=device.type),
+              caches_through_checkpoints(model)):
             model.train()
             model(input_ids=one * 0, attention_mask=one, position_ids=one * 0, **{cache_keyword(model): writer},
                   use_cache=False)
