@@ -148,10 +148,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if kinds:
         return (f"its cache layers include {', '.join(kinds)} (sliding-window, hybrid or linear attention), "
                 "which a completion cannot read as a plain prefix")
-    if checkpointed_layers(model) and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        return ("this transformers version drops the cache in gradient-checkpointed layers "
-                "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
     if checkpointed_layers(model):
+        if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+            return ("this transformers version drops the cache in gradient-checkpointed layers "
+                    "(no GradientCheckpointingLayer._can_checkpoint_with_cache)")
         try:
             dropped = drops_cache_under_checkpointing(model)
         except Exception as error:  # the shared forward's first pass, which it runs alike, would fail too
