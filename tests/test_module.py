@@ -883,6 +883,16 @@ def test_regrouped_gives_each_parameter_its_saved_number_in_its_new_group():
         {"lr": 1.0, "weight_decay": 0.1, "params": [0, 1]}, {"lr": 1.0, "weight_decay": 0.1, "params": [2]}]
 
 
+def test_regrouped_refuses_groups_that_are_not_the_saved_ones():
+    """Saved groups of other sizes than the state's (another run's trainable weights) are named, not mapped."""
+    from lit_grpo.update.module import regrouped
+
+    a, b, c = (torch.zeros(1) for _ in range(3))
+    state = {"state": {}, "param_groups": [{"lr": 1.0, "params": [0, 1]}, {"lr": 1.0, "params": [2]}]}
+    with pytest.raises(ValueError, match=r"param groups of \[2, 1\] parameters .* groups of \[1, 2\]"):
+        regrouped(state, [{"params": [a]}, {"params": [b, c]}], [{"params": [a, b, c]}])
+
+
 def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batch, monkeypatch):
     """On CPU the update's freed activations are released after the backward passes, before AdamW allocates."""
     module = make_module(num_iterations=2, train_micro_batch_size=3, lr=1e-3)

@@ -535,7 +535,8 @@ class GRPOModule(LightningModule):
             built = weight_decay_groups(policy, self.hparams.weight_decay)
             if len(state["param_groups"]) != len(built):  # one group: weight_decay 0, or saved before the groups
                 saved = weight_decay_groups(policy, 0.0 if len(built) > 1 else 1.0)
-                checkpoint["optimizer_states"] = [regrouped(state, saved, built)]
+                with config_errors("--ckpt_path"):
+                    checkpoint["optimizer_states"] = [regrouped(state, saved, built)]
                 for schedule in checkpoint["lr_schedulers"]:  # every group has the same schedule
                     for key in ("base_lrs", "_last_lr", "lr_lambdas"):
                         schedule[key] = schedule[key][:1] * len(built)
@@ -1082,7 +1083,15 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
 
 def regrouped(state: dict[str, Any], saved: list[dict[str, Any]], built: list[dict[str, Any]]) -> dict[str, Any]:
     """An optimizer's ``state_dict()`` from param groups ``saved`` for ``built``'s, the same parameters grouped
-    otherwise: each keeps its saved number, so its state (AdamW's moments) follows it; the settings are group 0's."""
+    otherwise: each keeps its saved number, so its state (AdamW's moments) follows it; the settings are group 0's.
+
+    Raises:
+        ValueError: ``saved``'s groups are not the state's (other sizes: another run's trainable weights).
+    """
+    sizes, saved_sizes = ([len(group["params"]) for group in groups] for groups in (state["param_groups"], saved))
+    if sizes != saved_sizes:
+        raise ValueError(f"an optimizer state of param groups of {sizes} parameters cannot be regrouped: this model's "
+                         f"weights, grouped as it was saved, make groups of {saved_sizes}")
     number = {id(p): n for numbers, group in zip(state["param_groups"], saved)
               for n, p in zip(numbers["params"], group["params"])}
     settings = {key: value for key, value in state["param_groups"][0].items() if key != "params"}
