@@ -775,7 +775,7 @@ def test_weight_decay_leaves_out_biases_and_norm_weights_as_transformers_trainer
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
     decay = _decay_by_name(module, optimizer)
     assert decay == {name: 0.0 if name in no_decay else 0.1 for name, _ in module.policy.named_parameters()}
-    assert not optimizer.defaults["fused"]  # the kernel is chosen as before, from every trainable weight
+    assert not optimizer.defaults["fused"]  # the kernel is chosen from every trainable weight
 
 
 def test_weight_decay_under_lora_and_for_layernorm_modules():

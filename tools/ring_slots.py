@@ -1,5 +1,5 @@
-"""Slots that fit a KV budget for a Gemma 3 1B-shaped config, with every layer priced at every column (the rule
-before sliding layers held a ring of their window) and by ``micro_group_size: auto`` now (``kv_row_bytes``).
+"""Slots that fit a KV budget for a Gemma 3 1B-shaped config, with every layer priced at every column (no ring)
+and as ``micro_group_size: auto`` prices a sliding layer's ring of its window (``kv_row_bytes``).
 
 Pure arithmetic on the config (no weights, no device): ``python -m tools.ring_slots`` prints the markdown table of
 docs/engine.md's sliding-window paragraph.

@@ -13,7 +13,7 @@ ring of W columns per row instead: position p sits in column ``p % W``. Once a d
 the ring holds positions p - W + 1 .. p, exactly what a query at p attends (transformers' rule, q - W < k <= q), so
 its mask is the same comparison over its W columns (``column <= lengths[s]``: all of them once the row is W - 1
 long), and its memory is W columns, not the width. Where the window holds the whole row (width <= W), and in a
-model without sliding layers, every layer is as wide as the cache, column = position, and the masks are as ever
+model without sliding layers, every layer is as wide as the cache, column = position, and the masks are positional
 (a sliding layer's then also hides ``column <= lengths[s] - W``, ``attention_layout``). The ring reorders a
 sliding layer's columns, so its softmax sums them in another order than a positional layout would: the same
 tokens and log-probs to rounding, not bit for bit.

@@ -1068,7 +1068,7 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     ``nn.LayerNorm`` modules and those whose name says bias or norm (RMSNorm weights: ``layernorm``, ``rmsnorm``,
     a ``norm`` or ``*_norm`` part). In that order, an empty group left out (a LoRA adapter has no bias). Names are
     the module's own: an FSDP2-sharded model keeps them. ``weight_decay`` 0: one group of them all, in the model's
-    order, as before the groups (nothing decays either way), so such a run and its checkpoints are unchanged."""
+    order (nothing decays either way), as a checkpoint saved without the groups holds them."""
     from transformers import Trainer
 
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
