@@ -445,7 +445,7 @@ def test_a_sliding_layer_holds_a_ring_of_window_columns_where_the_cache_is_wider
         assert cache.nbytes() == 2 * per_layer * sum(width if w is None else WINDOW for w in windows)
         # the pricing is the allocation: a slot of a 1-token prompt and width new tokens is priced at width + 1
         assert kv_slot_bytes(model.config, torch.float32, 1, width - 1) == cache.nbytes() // 2
-    for width in (WINDOW, 3):  # the window holds the row: every layer as before, no ring
+    for width in (WINDOW, 3):  # the window holds the row: every layer at the cache's width, no ring
         cache = _slot_cache(model, width)
         assert all(layer.keys.shape[2] == width and layer.ring is None for layer in cache.layers)
         assert cache.ring_width is None and cache.ring_columns is None
@@ -587,7 +587,7 @@ def test_auto_fits_more_slots_for_a_sliding_model_at_a_long_width_by_the_ring_ru
     assert slots == (budget - held) // slot == 290
     every_column = (budget - held) // (26 * per_layer * (prompt + new))
     assert slots > 3.9 * every_column
-    # where the window holds the row, every column is priced as before
+    # where the window holds the row, every layer is priced at every column
     assert kv_slot_bytes(config, "bfloat16", 100, 400) == 26 * per_layer * 500
     with pytest.raises(ValueError, match=rf"one slot's KV cache, {slot} bytes \({26 * per_layer} bytes/token x "
                                          rf"\({prompt} prompt \+ {new} new tokens, sliding layers holding at most "
