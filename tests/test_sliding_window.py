@@ -493,7 +493,7 @@ def _masks_seen(monkeypatch) -> list:
     return seen
 
 
-def test_a_model_without_sliding_layers_allocates_and_masks_as_before(monkeypatch):
+def test_a_model_without_sliding_layers_allocates_every_layer_at_the_width_with_one_mask(monkeypatch):
     model, tokenizer = load_model_and_tokenizer("tiny-llama")
     cache = _slot_cache(model, 40)
     assert cache.ring_width is None and cache.ring_columns is None
