@@ -414,7 +414,7 @@ class GRPOModule(LightningModule):
                     check_float32_head(policy)
         if hp.disable_dropout:  # after LoRA, whose adapter brings a dropout of its own
             disable_dropout(policy)
-        # before sharding: the check may run the model (drops_cache_under_checkpointing), as each rank's own
+        # before sharding: the check may run the model (drops_cache_under_checkpointing), each rank its whole copy
         usable = hp.shared_prefix and shared_prefix_usable(policy, warn=hp.shared_prefix is True)
         self.uses_shared_prefix = hp.shared_prefix if usable else False
         if hp.fsdp:
