@@ -706,3 +706,15 @@ def test_bench_core_wait_reads_every_thread_counts_chunks_with_and_without_compe
     assert {(row["threads"], row["competitors"]) for row in report["summary"]} >= {(1, 0), (2, 0)}
     with pytest.raises(SystemExit):
         bench_core_wait.main(["--window", "0"])
+
+
+def test_the_ring_slots_table_in_the_engine_docs_is_what_the_tool_prints(capsys):
+    """docs/engine.md's table of slots under a sliding-window ring is ``python -m tools.ring_slots``' output: a
+    change to the pricing (``memory_budget``) or the scheduler's park budget shows here, not in stale docs."""
+    from tools import ring_slots
+
+    ring_slots.main()
+    table = capsys.readouterr().out.strip().splitlines()
+    docs = (ROOT / "docs" / "engine.md").read_text()
+    assert len(table) == 2 + 2 * len(ring_slots.ROWS)
+    assert [row for row in table if row not in docs] == []
