@@ -3,6 +3,7 @@ reasons it records for every decision."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from lit_grpo.sampling import RolloutEngine
-from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token
+from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, tail_tokens
 from lit_grpo.scheduling import (FIFOScheduler, InfiniteSchedulerConfig, LeastAttainedScheduler, LengthAwareConfig,
                                  RolloutWork, decision_counts, simulate_rollout)
 from lit_grpo.scheduling.base import ARRIVAL, LEAST_ATTAINED, PREEMPTION
@@ -66,10 +67,17 @@ def test_the_gates_model_of_both_orders_is_the_scheduler_driven_through_the_engi
             assert result.decode_steps == rollout_makespan(flat, slots, preemption_points(4, 64))
 
 
+#: A parked tail's cost where two of three layers keep a ring of 6 positions (``tail_tokens``).
+RING_COST = functools.partial(tail_tokens, [6, 6, None])
+
+
+@pytest.mark.parametrize("park_cost", [None, RING_COST], ids=["tokens", "ring"])
 @pytest.mark.parametrize("park_budget", [None, 0.05, 0.3, 1.0])
-def test_the_gates_model_equals_the_driven_scheduler_step_for_step_with_and_without_a_park_budget(park_budget):
+def test_the_gates_model_equals_the_driven_scheduler_step_for_step_with_and_without_a_park_budget(park_budget,
+                                                                                                  park_cost):
     # Under a park budget the first sample parked in a step can leave no room for the next, so the order in which
-    # one step's preemption points are offered (the driver's: slot order) decides the run; the model must follow it
+    # one step's preemption points are offered (the driver's: slot order) decides the run; the model must follow it,
+    # counting a parked tail at the cost the scheduler counts it (a ring model's tail past its window costs less)
     rng, cases = random.Random(str(park_budget)), 0
     for _ in range(150):
         cap, slots = rng.choice([16, 40, 64, 100]), rng.randint(1, 6)
@@ -77,12 +85,48 @@ def test_the_gates_model_equals_the_driven_scheduler_step_for_step_with_and_with
         lengths = [[rng.randint(1, cap) for _ in range(group_size)] for _ in range(rng.randint(1, 5))]
         quantum = rng.choice([1, 2, 4, 8])
         scheduler = _AlwaysPreempting(preempt_tokens=quantum, park_budget=park_budget, loss_share=None)
-        driven = simulate_rollout(scheduler, lengths, slots, cap).decode_steps
+        driven = simulate_rollout(scheduler, lengths, slots, cap, park_cost=park_cost).decode_steps
         flat = [x for row in lengths for x in row]
-        model = rollout_makespan(flat, slots, preemption_points(quantum, cap), scheduler.park_tokens)
+        model = rollout_makespan(flat, slots, preemption_points(quantum, cap), scheduler.park_tokens, park_cost)
         assert model == driven, (lengths, slots, quantum, park_budget)
         cases += scheduler.parked_samples > 0
     assert cases > 50  # most draws park something: the comparison reaches the preemption path
+
+
+def test_a_park_cost_without_ring_layers_is_the_identity_and_changes_no_decision():
+    # the park budget counts a parked tail's KV: where every layer holds every token that is its tokens, so a model
+    # without ring layers parks, resumes and ends where it did when the budget counted tokens
+    assert [tail_tokens([None, None], t) for t in (0, 1, 7, 64)] == [0, 1, 7, 64]
+    assert RING_COST(4) == 4 and RING_COST(12) == (6 + 6 + 12) / 3  # a tail past the ring costs less
+    identity = functools.partial(tail_tokens, [None, None, None])
+    rng, parks = random.Random(1), 0
+    for _ in range(60):
+        cap, slots = rng.choice([16, 40, 64]), rng.randint(1, 4)
+        lengths = [[rng.randint(1, cap) for _ in range(rng.randint(1, 6))]] * rng.randint(1, 3)
+        runs = []
+        for park_cost in (None, identity):
+            scheduler = _AlwaysPreempting(preempt_tokens=2, park_budget=0.2, loss_share=None)
+            steps = simulate_rollout(scheduler, lengths, slots, cap, park_cost=park_cost).decode_steps
+            runs.append((steps, scheduler.park_tokens, scheduler.decisions))
+        assert runs[0] == runs[1]
+        flat = [x for row in lengths for x in row]
+        points = preemption_points(2, cap)
+        assert rollout_makespan(flat, slots, points, runs[0][1], identity) == rollout_makespan(flat, slots, points,
+                                                                                                runs[0][1])
+        parks += any(d.action == "park" for d in runs[0][2])
+    assert parks > 20
+
+
+def test_the_park_budget_counts_a_ring_models_tails_at_their_kv():
+    # a budget of 0.25 x 1 slot x cost(16) = 0.25 x (6 + 6 + 16) / 3 = 7/3 full-layer tokens: a 2-token tail fits
+    # (counted at 2), the 4-token one after it does not (2 + 4 > 7/3); counted in tokens (0.25 x 16 = 4) both fit
+    scheduler = _AlwaysPreempting(preempt_tokens=2, park_budget=0.25, loss_share=None)
+    simulate_rollout(scheduler, [[16, 16, 16]], 1, 16, park_cost=RING_COST)
+    assert scheduler.park_tokens == pytest.approx(0.25 * 28 / 3)
+    assert scheduler.parked_tokens == pytest.approx(0)  # every tail given back at its cost
+    tokens = _AlwaysPreempting(preempt_tokens=2, park_budget=0.25, loss_share=None)
+    simulate_rollout(tokens, [[16, 16, 16]], 1, 16)
+    assert tokens.park_tokens == 4 and tokens.parked_samples > scheduler.parked_samples > 0
 
 
 def test_a_long_sample_that_arrives_last_starts_early_when_preempting():

@@ -717,6 +717,44 @@ def test_the_priced_kv_bounds_the_peak_held_while_prompts_longer_than_the_window
     assert 0 < result.stats.peak_kv_bytes <= priced
 
 
+def test_preempted_tails_past_the_window_stay_within_the_park_share_auto_prices(monkeypatch):
+    """The default strategy's park budget counts a parked tail's KV (a ring layer's at most its window), and
+    ``micro_group_size: auto`` prices the park share so: preempting on every point (a park budget of 2), tiny-gemma3
+    parks tails longer than its window, and ``peak_kv_bytes`` stays within what auto priced for its two slots."""
+    from lit_grpo.sampling.kv_cache import SlotKVCache
+    from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_held_bytes, kv_prefill_bytes, kv_row_bytes, \
+        kv_slot_bytes
+    from lit_grpo.scheduling import LeastAttainedScheduler
+
+    class Preempting(LeastAttainedScheduler):
+        def judge(self, work):
+            return True, "preempting: forced by the test"
+
+    model, tokenizer = sliding_model("tiny-gemma3")
+    prompts = _ids(tokenizer)
+    config, longest, new_tokens, group_size, slots, park = model.config, max(map(len, prompts)), 20, 4, 2, 2.0
+    priced = (kv_held_bytes(config, torch.float32, longest, group_size, len(prompts))
+              + kv_prefill_bytes(config, torch.float32, longest, len(prompts), new_tokens)
+              + slots * (kv_slot_bytes(config, torch.float32, longest, new_tokens)
+                         + math.ceil(park * kv_row_bytes(config, torch.float32, new_tokens))))
+    assert auto_micro_group_size(config, torch.float32, priced, longest, new_tokens, group_size, len(prompts),
+                                 park_fraction=park) == slots
+    tails, read = [], SlotKVCache.read_row
+
+    def spy(self, slot, start, stop):
+        tails.append(stop - start)
+        return read(self, slot, start, stop)
+
+    monkeypatch.setattr(SlotKVCache, "read_row", spy)
+    scheduler = Preempting(preempt_tokens=2, park_budget=park, loss_share=None)
+    result = RolloutEngine(model, tokenizer, group_size=group_size, micro_group_size=slots, strategy="infinite",
+                           max_new_tokens=new_tokens, temperature=1.0, seed=3, scheduler=scheduler).generate(prompts)
+    # the budget in full-layer tokens: 2 x 2 slots x (6 + 6 + 20) / 3, less than 2 x 2 x 20 tokens
+    assert scheduler.park_tokens == pytest.approx(park * slots * (2 * WINDOW + new_tokens) / 3)
+    assert max(tails) > WINDOW and result.stats.parked_samples > 0
+    assert 0 < result.stats.peak_kv_bytes <= priced
+
+
 @pytest.mark.parametrize("appended", [WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + 3])
 @pytest.mark.parametrize("name", MODELS)
 def test_tokens_appended_past_the_window_at_once_continue_as_generate(name, appended):

@@ -1,7 +1,7 @@
 """Slots that fit a KV budget for a Gemma 3 1B-shaped config, with every layer priced at every column (no ring)
 and as ``micro_group_size: auto`` prices a sliding layer's ring of its window (``kv_row_bytes``), for continuous
-sampling and for the default strategy, whose park budget is priced per token at every layer (a parked tail shorter
-than the window holds each of its tokens in every layer).
+sampling and for the default strategy, whose park share is priced as its budget counts parked tails: at their KV, a
+ring layer's at most its window (``park_fraction x kv_row_bytes(max_new_tokens)``).
 
 Pure arithmetic on the config (no weights, no device): ``python -m tools.ring_slots`` prints the markdown table of
 docs/engine.md's sliding-window paragraph.
@@ -14,7 +14,7 @@ import math
 from transformers import Gemma3TextConfig
 
 from lit_grpo.sampling.memory_budget import (auto_micro_group_size, kv_bytes_per_token, kv_prefill_bytes,
-                                             kv_slot_bytes)
+                                             kv_row_bytes, kv_slot_bytes)
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig
 
 #: Gemma 3 1B's shape: 26 layers (every sixth full attention), one key/value head of 256, window 512.
@@ -36,7 +36,7 @@ def every_column_slots(config, budget: int, new_tokens: int, park_fraction: floa
 def main() -> None:
     config = Gemma3TextConfig(**GEMMA3_1B)
     mib = 2**20
-    # the default strategy ("infinite") parks preempted samples within its park budget, priced per token
+    # the default strategy ("infinite") parks preempted samples within its park budget, counted in KV
     _, park = InfiniteSchedulerConfig().parked_kv_bounds(max(new_tokens for new_tokens, _ in ROWS))
     print("| strategy | max_new_tokens | KV budget | slot, every column | slot, ring | slots, every column "
           "| slots, ring | ratio |")
@@ -46,7 +46,7 @@ def main() -> None:
             budget = gib * 2**30
             old_slot, old = every_column_slots(config, budget, new_tokens, park_fraction)
             slot = (kv_slot_bytes(config, DTYPE, PROMPT_TOKENS, new_tokens)
-                    + math.ceil(kv_bytes_per_token(config, DTYPE) * new_tokens * park_fraction))
+                    + math.ceil(park_fraction * kv_row_bytes(config, DTYPE, new_tokens)))
             slots = auto_micro_group_size(config, DTYPE, budget, PROMPT_TOKENS, new_tokens, GROUP_SIZE, PROMPTS,
                                           park_fraction=park_fraction)
             print(f"| {strategy} | {new_tokens} | {gib} GiB | {old_slot / mib:.1f} MiB | {slot / mib:.1f} MiB | "

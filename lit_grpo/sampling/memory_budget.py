@@ -12,7 +12,8 @@ that does not depend on g: the prompts' prefixes (at most every prompt's at once
 features prefills them all before the first step) and, under "infinite", each parked sample's ``parked_tokens``
 positions whatever g is (at most every sample's: the length-aware method's probes, or preemption without a park
 budget, up to the last preemption point). Samples preempted within a park budget (``least_attained.py``) hold at
-most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g. For a moment a prefill
+most ``park_fraction`` (its ``park_budget``) of the slots' generation KV, which grows with g: the budget counts a
+parked tail's KV (``tail_tokens``), so a sliding layer's share of it is at most its window. For a moment a prefill
 holds more: while a chunk of prompts (up to ``PREFILL_CHUNK_TOKENS`` positions, or one longer prompt) is split into
 their prefixes, one layer of it twice, and where its prompts are longer than a sliding layer's window, the positions
 past it that the split then cuts from their prefixes (every layer of a chunk holds every position); and under partial
@@ -21,7 +22,7 @@ its prompt and tokens (up to ``max_prompt_len + max_new_tokens`` positions) plus
 row of the decode step may hold more than KV: ``row_state_bytes`` (a repetition penalty's seen ids, one byte per
 vocabulary entry; ``decode_step.row_state_bytes``). So::
 
-    slot_bytes    = kv_row_bytes(max_prompt_len + max_new_tokens) + kv_bytes_per_token x max_new_tokens x park_fraction
+    slot_bytes    = kv_row_bytes(max_prompt_len + max_new_tokens) + park_fraction x kv_row_bytes(max_new_tokens)
                     + row_state_bytes
     held_bytes    = num_prompts x (kv_row_bytes(max_prompt_len) + group_size x kv_row_bytes(parked_tokens))
     prefill_bytes = the larger of those two moments (kv_prefill_bytes)
@@ -63,7 +64,7 @@ from lit_grpo.runtime.validation import check_int, check_real
 
 __all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "cast_pool_bytes", "decode_step_bytes", "dtype_bytes",
            "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry",
-           "kv_held_bytes", "kv_prefill_bytes", "kv_row_bytes", "kv_slot_bytes", "kv_windows"]
+           "kv_held_bytes", "kv_prefill_bytes", "kv_row_bytes", "kv_slot_bytes", "kv_windows", "tail_tokens"]
 
 
 #: The share of the device's total memory a budget from free memory leaves out: what no count here covers (the
@@ -246,6 +247,15 @@ def kv_row_bytes(config: Any, dtype: torch.dtype | str, positions: int) -> int:
     return per_layer * sum(kept_positions(window, positions) for window in windows)
 
 
+def tail_tokens(windows: Sequence[int | None], tokens: int) -> float:
+    """A parked tail of ``tokens`` positions' KV in tokens of every layer, ``kv_row_bytes / kv_bytes_per_token``:
+    each layer holding ``kept_positions(window, tokens)`` of it (``windows``: by layer, None for a full one). The
+    cost the default strategy's park budget counts a parked sample at (``RolloutWork.park_cost``)."""
+    from lit_grpo.sampling.kv_cache import kept_positions  # kv_cache imports this module
+
+    return sum(kept_positions(window, tokens) for window in windows) / len(windows)
+
+
 def aligned_width(width: int, alignment: int) -> int:
     """``width`` rounded up to a multiple of ``alignment``."""
     check_int("alignment", alignment, 1)
@@ -310,7 +320,8 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
                           row_state_bytes: int = 0, step_bytes: int = 0) -> int:
     """The largest ``g`` whose worst-case KV bytes, its slots' and what the engine holds besides them, fit
     ``kv_budget_bytes`` (module docstring), capped at the rollout's ``group_size x num_prompts`` samples.
-    ``park_fraction``: the share of a slot's generation KV preempted samples may hold parked (0: none);
+    ``park_fraction``: the share of a slot's generation KV (``kv_row_bytes(max_new_tokens)``, a ring layer's at
+    most its window, as a parked tail holds it) preempted samples may hold parked (0: none);
     ``carried``: partial rollouts may carry samples into the rollout; ``alignment``: the engine rounds its rows'
     width up to a multiple of it (``slot_positions``); ``row_state_bytes``: what a slot's row holds besides its KV;
     ``step_bytes``: a slot's share of a decode step's activations (``decode_step_bytes`` of one slot; 0: not priced).
@@ -327,14 +338,14 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens, alignment)
     check_int("row_state_bytes", row_state_bytes, 0)
     check_int("step_bytes", step_bytes, 0)
-    slot += math.ceil(per_token * max_new_tokens * park_fraction) + row_state_bytes + step_bytes
+    slot += math.ceil(park_fraction * kv_row_bytes(config, dtype, max_new_tokens)) + row_state_bytes + step_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)
     fits = (kv_budget_bytes - held) // slot
     if fits < 1:
         positions = slot_positions(max_prompt_len, max_new_tokens, alignment)
         windowed = kv_row_bytes(config, dtype, positions) < per_token * positions
-        parked = f" + {park_fraction:g} x {max_new_tokens} parked" if park_fraction else ""
+        parked = f" + {park_fraction:g} x a parked tail of {max_new_tokens}" if park_fraction else ""
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one slot's KV cache, {slot} bytes "
                          f"({per_token} bytes/token x ({max_prompt_len} prompt + {max_new_tokens} new tokens"
                          + (f", a row rounded up to a multiple of {alignment}" if alignment > 1 else "")

@@ -12,8 +12,9 @@ See lit_grpo.sampling.engine for the design.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.roofline import DecodeReads, decode_reads
 from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache_layers_kv, kv_bytes, kv_cache_dtype,
                                        take_columns)
+from lit_grpo.sampling.memory_budget import tail_tokens
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes, tail_attention_inputs)
 from lit_grpo.sampling.stats import RolloutResult, RolloutStats
@@ -100,7 +102,8 @@ class RolloutLoop:
                            num_slots=self.num_slots, max_new_tokens=self.settings.max_new_tokens,
                            true_lengths=self._forced_lengths(),
                            generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
-                           done={key for key, s in self.samples.items() if s.done})
+                           done={key for key, s in self.samples.items() if s.done},
+                           park_cost=self._park_cost())
         if self.scheduler.needs_prompt_features:
             work.prompt_features = self._prefill_with_features()
         self._record_memory()
@@ -116,6 +119,12 @@ class RolloutLoop:
         self.stats.length_pred_kendall_tau = driven.metrics.get("length_pred_kendall_tau")
         self.stats.length_pred_smape = driven.metrics.get("length_pred_smape")
         return self._result()
+
+    def _park_cost(self) -> Callable[[int], float] | None:
+        """A parked tail's KV in tokens of every layer (``tail_tokens`` of the cache's windows), for the park
+        budget; None (the identity) where no layer keeps a ring."""
+        windows = self.decode_step.cache.piece_windows
+        return None if all(window is None for window in windows) else functools.partial(tail_tokens, windows)
 
     # ------------------------------------------------------------------- the executor (scheduling.driver)
     def over(self) -> bool:

@@ -100,7 +100,7 @@ class InfiniteSchedulerConfig:
     Attributes:
         preempt_tokens: q, the first preemption point (then 2q, 4q, ..., then every eighth of the cap); None or 0:
             no preemption (plain continuous sampling).
-        park_budget: parked samples' tokens as a share of the slots' generation KV, > 0 (None: unbounded).
+        park_budget: parked samples' KV as a share of the slots' generation KV, > 0 (None: unbounded).
         loss_share: the most drawn rollouts, in [0, 1], that may lose to first-come order where preemption is
             chosen (None: preempt wherever the drawn rollouts gain on average).
         length_aware: the paper's length-aware method on top (a ``LengthAwareConfig`` or a dict of its fields;

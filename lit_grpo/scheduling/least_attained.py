@@ -13,7 +13,9 @@ heavy-tailed (a sample that has run long is expected to run longer), so the fix 
    sample that has generated least, the first arrival among equals. Every sample starts within the rollout's first
    quanta, short ones end early, and the rollout ends with the longest samples running side by side.
 2. **The park budget.** Parked samples hold at most ``park_budget`` of the slots' generation KV
-   (``park_budget x g x max_new_tokens`` tokens); a sample that would exceed it runs on.
+   (``park_budget x g x cost(max_new_tokens)``, a sample's ``t`` tokens costing ``cost(t)``: its KV in tokens of
+   every layer, ``RolloutWork.park_cost_of``; ``t`` itself unless a sliding layer keeps only its window of a tail);
+   a sample that would exceed it runs on.
 3. **The gate.** Where lengths are light-tailed, preemption can lose to first-come order. So once per rollout the
    scheduler draws rollouts from the groups that finished in earlier rollouts (whole groups with replacement, each
    group's samples shuffled, since they are exchangeable), runs both rules on each draw (:func:`rollout_makespan`)
@@ -39,7 +41,7 @@ import math
 import random
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,7 +49,7 @@ from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, Sa
 
 #: The first preemption point, in tokens.
 PREEMPT_TOKENS = 8
-#: Parked samples' tokens, as a share of the slots' generation KV (``g x max_new_tokens``).
+#: Parked samples' KV, as a share of the slots' generation KV (``g x max_new_tokens`` tokens of every layer).
 PARK_BUDGET = 0.5
 #: The share of drawn rollouts that may lose to first-come order where preemption is chosen.
 LOSS_SHARE = 0.1
@@ -93,10 +95,10 @@ def list_makespan(lengths: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
-                     park_tokens: float = math.inf) -> int:
+                     park_tokens: float = math.inf, park_cost: Callable[[int], float] | None = None) -> int:
     """Decode steps of a rollout of samples ``lengths`` (arrival order) on ``num_slots`` slots, as this scheduler
     runs it through ``driver.drive_rollout``: with no ``points`` first-come order, else least attained service
-    within ``park_tokens``.
+    within ``park_tokens``, a parked sample's tokens costing ``park_cost`` of them (None: the identity).
 
     Exact, not an estimate: the slots are tracked because the driver offers a step's preemption points in slot
     order, and under a park budget the first sample parked in a step can leave no room for the next.
@@ -106,6 +108,7 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
     order = sorted(points)
     running: list[tuple[int, int, int, int, int]] = []  # (event clock, slot, arrival, start clock, attained at start)
     clock = parked_tokens = 0
+    cost = (lambda tokens: tokens) if park_cost is None else park_cost
 
     def run(slot: int, i: int, attained: int) -> None:
         """Sample ``i`` runs in ``slot`` from ``clock`` until it ends or reaches its next point."""
@@ -116,7 +119,8 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
     while waiting or running:
         while free and waiting:
             attained, i = heapq.heappop(waiting)
-            parked_tokens -= attained  # 0 for a sample not started yet
+            if attained:  # a parked sample (every sample starts here at 0)
+                parked_tokens -= cost(attained)
             run(heapq.heappop(free), i, attained)
         clock = running[0][0]
         while running and running[0][0] == clock:  # one step's events, in slot order (the heap's second key)
@@ -124,8 +128,8 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
             attained += clock - start
             if attained >= lengths[i]:
                 heapq.heappush(free, slot)
-            elif waiting and waiting[0][0] < attained and parked_tokens + attained <= park_tokens:
-                parked_tokens += attained
+            elif waiting and waiting[0][0] < attained and parked_tokens + cost(attained) <= park_tokens:
+                parked_tokens += cost(attained)
                 heapq.heappush(waiting, (attained, i))
                 heapq.heappush(free, slot)
             else:
@@ -138,7 +142,7 @@ class LeastAttainedScheduler(Scheduler):
 
     Args:
         preempt_tokens: q, the first preemption point (None or 0: never preempt: plain continuous sampling).
-        park_budget: parked samples' tokens as a share of ``g x max_new_tokens``, > 0 (None: unbounded).
+        park_budget: parked samples' KV as a share of the slots' generation KV, > 0 (None: unbounded).
         loss_share: the most drawn rollouts that may lose where preemption is chosen, in [0, 1] (None: preempt
             wherever the drawn rollouts gain on average).
     """
@@ -158,7 +162,7 @@ class LeastAttainedScheduler(Scheduler):
     def begin(self, work: RolloutWork) -> None:
         super().begin(work)
         self.park_tokens = self._park_tokens(work)
-        self.parked_tokens = 0  # tokens held by the parked samples
+        self.parked_tokens = 0  # what the parked samples hold, in tokens of every layer (work.park_cost_of)
         self.finished: dict[SampleKey, int] = {}
         self.preempting, self.gate_note = self.judge(work)
         self.preempt_points = preemption_points(self.preempt_tokens, work.max_new_tokens) if self.preempting \
@@ -179,19 +183,20 @@ class LeastAttainedScheduler(Scheduler):
                 break
             _, _, key = heapq.heappop(self._least)
             if key in self.parked:
-                self.parked_tokens -= self.generated[key]
+                self.parked_tokens -= self.work.park_cost_of(self.generated[key])
             assignments.append(self._place(slot, key, LEAST_ATTAINED))
         return assignments
 
     def preempt(self, key: SampleKey, generated: int) -> bool:
         """Park ``key`` at a preemption point when a waiting sample has generated fewer tokens and the parked
-        samples' tokens stay within the park budget."""
+        samples' KV stays within the park budget."""
         if not self.preempting or key not in self.running:
             return False
-        if not self._least or self._least[0][0] >= generated or self.parked_tokens + generated > self.park_tokens:
+        cost = self.work.park_cost_of(generated)
+        if not self._least or self._least[0][0] >= generated or self.parked_tokens + cost > self.park_tokens:
             return False
         self._park(key, PREEMPTION)
-        self.parked_tokens += generated
+        self.parked_tokens += cost
         heapq.heappush(self._least, (generated, self._rank[key], key))
         return True
 
@@ -222,7 +227,7 @@ class LeastAttainedScheduler(Scheduler):
         if not self.groups:
             return False, "first come: no finished group to draw rollouts from yet"
         gains = self.gains(work.num_prompts, work.group_size, work.num_slots, work.max_new_tokens,
-                           self._park_tokens(work))
+                           self._park_tokens(work), work.park_cost)
         losing = sum(gain < 0 for gain in gains)
         grounds = f"{losing} of {len(gains)} drawn rollouts lose, mean gain {sum(gains) / len(gains):+.1f} steps"
         if sum(gains) <= 0 or (self.loss_share is not None and losing > self.loss_share * len(gains)):
@@ -230,15 +235,17 @@ class LeastAttainedScheduler(Scheduler):
         return True, f"preempting: {grounds}"
 
     def _park_tokens(self, work: RolloutWork) -> float:
-        """The most tokens parked samples may hold in ``work``: ``park_budget`` of the slots' generation KV."""
-        return math.inf if self.park_budget is None else self.park_budget * work.num_slots * work.max_new_tokens
+        """What parked samples may hold in ``work``, in tokens of every layer: ``park_budget`` of the slots'
+        generation KV (``park_budget x g x cost(max_new_tokens)``)."""
+        return math.inf if self.park_budget is None \
+            else self.park_budget * work.num_slots * work.park_cost_of(work.max_new_tokens)
 
     def observe(self, lengths: Sequence[int]) -> None:
         """A group whose samples all finished: their lengths (tokens)."""
         self.groups.append([int(x) for x in lengths])
 
     def gains(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
-              park_tokens: float = math.inf) -> list[float]:
+              park_tokens: float = math.inf, park_cost: Callable[[int], float] | None = None) -> list[float]:
         """``decode steps(first come) - decode steps(preempting)`` of each of ``DRAWS`` rollouts drawn from the
         finished groups (none where nothing was seen or every sample has a slot)."""
         points = preemption_points(self.preempt_tokens, max_new_tokens)
@@ -254,7 +261,7 @@ class LeastAttainedScheduler(Scheduler):
             draws.append(lengths)
         first_come = list_makespan(torch.tensor(draws, dtype=torch.float64),
                                    torch.zeros(DRAWS, num_slots, dtype=torch.float64)).tolist()
-        return [first - rollout_makespan(lengths, num_slots, points, park_tokens)
+        return [first - rollout_makespan(lengths, num_slots, points, park_tokens, park_cost)
                 for first, lengths in zip(first_come, draws)]
 
     def state_dict(self) -> dict:

@@ -80,6 +80,7 @@ def simulate_rollout(
     token_feature: TokenFeatureFn | None = None,
     reveal_lengths: bool = True,
     keep_timeline: bool = False,
+    park_cost: Callable[[int], float] | None = None,
 ) -> SimulationResult:
     """Run one rollout of known completion ``lengths[p][k]`` through ``scheduler``.
 
@@ -91,6 +92,8 @@ def simulate_rollout(
         token_feature: features at probes (default: zeros of size H, or 1).
         reveal_lengths: fill ``work.true_lengths`` as the engine's forced-length replay does (oracle).
         keep_timeline: record ``timeline[t][s]`` = flat sample index ``p * G + k`` or -1.
+        park_cost: a parked sample's tokens in tokens of every layer's KV (``RolloutWork.park_cost``; None: the
+            identity).
     """
     num_slots = check_int_in_range("num_slots", num_slots, 1)
     num_prompts = len(lengths)
@@ -115,6 +118,7 @@ def simulate_rollout(
         max_new_tokens=cap,
         prompt_features=prompt_features if getattr(scheduler, "needs_prompt_features", False) else None,
         true_lengths=[list(map(int, row)) for row in lengths] if reveal_lengths else None,
+        park_cost=park_cost,
     )
     target = {(p, k): int(lengths[p][k]) for p in range(num_prompts) for k in range(group_size)}
     driven = drive_rollout(scheduler, work, _CountingExecutor(scheduler, target, token_feature), keep_timeline)
