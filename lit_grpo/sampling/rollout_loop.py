@@ -24,8 +24,8 @@ from lit_grpo.runtime.head_precision import layers_dtype
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import DecodeStep
 from lit_grpo.sampling.roofline import DecodeReads, decode_reads
-from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache_layers_kv, kv_bytes, kv_cache_dtype,
-                                       take_columns)
+from lit_grpo.sampling.kv_cache import (KV, PrefillCache, PrefixTailStore, cache_layers_kv, kept_positions, kv_bytes,
+                                       kv_cache_dtype, take_columns)
 from lit_grpo.sampling.memory_budget import tail_tokens
 from lit_grpo.sampling.prefill import (PREFILL_CHUNK_TOKENS, pack_chunk, packed_forward, prefill_chunks,
                                       split_prefixes, tail_attention_inputs)
@@ -123,8 +123,8 @@ class RolloutLoop:
     def _park_cost(self) -> Callable[[int], float] | None:
         """A parked tail's KV in tokens of every layer (``tail_tokens`` of the cache's windows), for the park
         budget; None (the identity) where no layer keeps a ring."""
-        windows = self.decode_step.cache.piece_windows
-        return None if all(window is None for window in windows) else functools.partial(tail_tokens, windows)
+        cache = self.decode_step.cache
+        return None if cache.ring_width is None else functools.partial(tail_tokens, cache.piece_windows)
 
     # ------------------------------------------------------------------- the executor (scheduling.driver)
     def over(self) -> bool:
@@ -306,7 +306,7 @@ class RolloutLoop:
         start = len(self.groups[p].prompt_ids) - 1  # the prefix's positions
         fed = [self.groups[p].prompt_ids[-1], *tokens[:-1]]
         inputs = {}
-        kept = min((keys.shape[-2] for keys, _ in prefix or []), default=start)
+        kept = kept_positions(self.decode_step.cache.ring_width, start)  # what split_prefixes left a ring layer
         if kept < start:  # the sliding layers hold the prefix's last window: positions and masks said explicitly
             # masks in the layers' dtype, as the packed prefill's (a float32 head tied to the embedding aside)
             inputs = tail_attention_inputs(self.decode_step.cache.layout, start, len(fed), kept,
