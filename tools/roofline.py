@@ -39,8 +39,7 @@ import torch
 
 from lit_grpo.sampling.cpu_linear import onednn_linear
 from lit_grpo.sampling.devices import indexed_device
-from lit_grpo.sampling.kv_cache import kept_positions
-from lit_grpo.sampling.memory_budget import dtype_bytes, kv_windows
+from lit_grpo.sampling.memory_budget import dtype_bytes, held_positions, kv_windows
 from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
                                         model_shape)
 
@@ -79,7 +78,7 @@ def decode_step_cost(config: Any, rows: int, context_len: float, dtype: torch.dt
     if not isinstance(context_len, (int, float)) or not context_len >= 1:
         raise ValueError(f"context_len={context_len!r} must be a number >= 1 (positions attended, its own included)")
     s = model_shape(config)
-    attention = s.heads * s.head_dim * sum(kept_positions(window, context_len) for window in kv_windows(config))
+    attention = s.heads * s.head_dim * held_positions(kv_windows(config), context_len)
     return Cost(flops=2 * rows * s.weights + 4 * rows * attention,
                 bytes=decode_reads(config, dtype).rows_bytes([context_len] * rows))
 

@@ -63,8 +63,9 @@ import torch
 from lit_grpo.runtime.validation import check_int, check_real
 
 __all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "cast_pool_bytes", "decode_step_bytes", "dtype_bytes",
-           "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update", "kv_geometry",
-           "kv_held_bytes", "kv_prefill_bytes", "kv_row_bytes", "kv_slot_bytes", "kv_windows", "tail_tokens"]
+           "held_positions", "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update",
+           "kv_geometry", "kv_held_bytes", "kv_prefill_bytes", "kv_row_bytes", "kv_slot_bytes", "kv_windows",
+           "tail_tokens"]
 
 
 #: The share of the device's total memory a budget from free memory leaves out: what no count here covers (the
@@ -239,21 +240,24 @@ def kv_row_bytes(config: Any, dtype: torch.dtype | str, positions: int) -> int:
         kv_row_bytes = kv_bytes_per_token / layers x sum over layers of min(positions, window)
 
     ``kv_bytes_per_token x positions`` for a model without sliding layers, or whose window holds ``positions``."""
-    from lit_grpo.sampling.kv_cache import kept_positions  # kv_cache imports this module
-
     check_int("positions", positions, 0)
     windows = kv_windows(config)
-    per_layer = kv_bytes_per_token(config, dtype) // len(windows)
-    return per_layer * sum(kept_positions(window, positions) for window in windows)
+    return kv_bytes_per_token(config, dtype) // len(windows) * held_positions(windows, positions)
+
+
+def held_positions(windows: Sequence[int | None], positions: float) -> float:
+    """Positions of a span of ``positions`` that all layers together hold, each its ``kept_positions`` of them
+    (``windows``: by layer, None for a full one): ``layers x positions`` where no layer slides."""
+    from lit_grpo.sampling.kv_cache import kept_positions  # kv_cache imports this module
+
+    return sum(kept_positions(window, positions) for window in windows)
 
 
 def tail_tokens(windows: Sequence[int | None], tokens: int) -> float:
-    """A parked tail of ``tokens`` positions' KV in tokens of every layer, ``kv_row_bytes / kv_bytes_per_token``:
-    each layer holding ``kept_positions(window, tokens)`` of it (``windows``: by layer, None for a full one). The
-    cost the default strategy's park budget counts a parked sample at (``RolloutWork.park_cost``)."""
-    from lit_grpo.sampling.kv_cache import kept_positions  # kv_cache imports this module
-
-    return sum(kept_positions(window, tokens) for window in windows) / len(windows)
+    """A parked tail of ``tokens`` positions' KV in tokens of every layer, ``kv_row_bytes / kv_bytes_per_token``
+    (``held_positions`` per layer). The cost the default strategy's park budget counts a parked sample at
+    (``RolloutWork.park_cost``)."""
+    return held_positions(windows, tokens) / len(windows)
 
 
 def aligned_width(width: int, alignment: int) -> int:
