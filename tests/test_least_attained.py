@@ -15,7 +15,7 @@ from lit_grpo.sampling import RolloutEngine
 from lit_grpo.sampling.memory_budget import auto_micro_group_size, kv_bytes_per_token, tail_tokens
 from lit_grpo.scheduling import (FIFOScheduler, InfiniteSchedulerConfig, LeastAttainedScheduler, LengthAwareConfig,
                                  RolloutWork, decision_counts, simulate_rollout)
-from lit_grpo.scheduling.base import ARRIVAL, LEAST_ATTAINED, PREEMPTION
+from lit_grpo.scheduling.base import ARRIVAL, LEAST_ATTAINED, PREEMPTION, whole_tail
 from lit_grpo.scheduling.least_attained import LOSS_SHARE, preemption_points, rollout_makespan
 from lit_grpo.scheduling.length_aware import LengthAwareScheduler, make_predictor
 from lit_grpo.scheduling.length_aware.scheduler import PLAN
@@ -71,7 +71,7 @@ def test_the_gates_model_of_both_orders_is_the_scheduler_driven_through_the_engi
 RING_COST = functools.partial(tail_tokens, [6, 6, None])
 
 
-@pytest.mark.parametrize("park_cost", [None, RING_COST], ids=["tokens", "ring"])
+@pytest.mark.parametrize("park_cost", [whole_tail, RING_COST], ids=["tokens", "ring"])
 @pytest.mark.parametrize("park_budget", [None, 0.05, 0.3, 1.0])
 def test_the_gates_model_equals_the_driven_scheduler_step_for_step_with_and_without_a_park_budget(park_budget,
                                                                                                   park_cost):
@@ -104,7 +104,7 @@ def test_a_park_cost_without_ring_layers_is_the_identity_and_changes_no_decision
         cap, slots = rng.choice([16, 40, 64]), rng.randint(1, 4)
         lengths = [[rng.randint(1, cap) for _ in range(rng.randint(1, 6))]] * rng.randint(1, 3)
         runs = []
-        for park_cost in (None, identity):
+        for park_cost in (whole_tail, identity):
             scheduler = _AlwaysPreempting(preempt_tokens=2, park_budget=0.2, loss_share=None)
             steps = simulate_rollout(scheduler, lengths, slots, cap, park_cost=park_cost).decode_steps
             runs.append((steps, scheduler.park_tokens, scheduler.decisions))

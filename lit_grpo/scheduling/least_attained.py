@@ -14,7 +14,7 @@ heavy-tailed (a sample that has run long is expected to run longer), so the fix 
    quanta, short ones end early, and the rollout ends with the longest samples running side by side.
 2. **The park budget.** Parked samples hold at most ``park_budget`` of the slots' generation KV
    (``park_budget x g x cost(max_new_tokens)``, a sample's ``t`` tokens costing ``cost(t)``: its KV in tokens of
-   every layer, ``RolloutWork.park_cost_of``; ``t`` itself unless a sliding layer keeps only its window of a tail);
+   every layer, ``RolloutWork.park_cost``; ``t`` itself unless a sliding layer keeps only its window of a tail);
    a sample that would exceed it runs on.
 3. **The gate.** Where lengths are light-tailed, preemption can lose to first-come order. So once per rollout the
    scheduler draws rollouts from the groups that finished in earlier rollouts (whole groups with replacement, each
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler
+from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler, whole_tail
 
 #: The first preemption point, in tokens.
 PREEMPT_TOKENS = 8
@@ -95,10 +95,10 @@ def list_makespan(lengths: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[int] = frozenset(),
-                     park_tokens: float = math.inf, park_cost: Callable[[int], float] | None = None) -> int:
+                     park_tokens: float = math.inf, park_cost: Callable[[int], float] = whole_tail) -> int:
     """Decode steps of a rollout of samples ``lengths`` (arrival order) on ``num_slots`` slots, as this scheduler
     runs it through ``driver.drive_rollout``: with no ``points`` first-come order, else least attained service
-    within ``park_tokens``, a parked sample's tokens costing ``park_cost`` of them (None: the identity).
+    within ``park_tokens``, a parked sample's tokens costing ``park_cost`` of them.
 
     Exact, not an estimate: the slots are tracked because the driver offers a step's preemption points in slot
     order, and under a park budget the first sample parked in a step can leave no room for the next.
@@ -108,7 +108,6 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
     order = sorted(points)
     running: list[tuple[int, int, int, int, int]] = []  # (event clock, slot, arrival, start clock, attained at start)
     clock = parked_tokens = 0
-    cost = (lambda tokens: tokens) if park_cost is None else park_cost
 
     def run(slot: int, i: int, attained: int) -> None:
         """Sample ``i`` runs in ``slot`` from ``clock`` until it ends or reaches its next point."""
@@ -120,7 +119,7 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
         while free and waiting:
             attained, i = heapq.heappop(waiting)
             if attained:  # a parked sample (every sample starts here at 0)
-                parked_tokens -= cost(attained)
+                parked_tokens -= park_cost(attained)
             run(heapq.heappop(free), i, attained)
         clock = running[0][0]
         while running and running[0][0] == clock:  # one step's events, in slot order (the heap's second key)
@@ -128,8 +127,8 @@ def rollout_makespan(lengths: Sequence[int], num_slots: int, points: frozenset[i
             attained += clock - start
             if attained >= lengths[i]:
                 heapq.heappush(free, slot)
-            elif waiting and waiting[0][0] < attained and parked_tokens + cost(attained) <= park_tokens:
-                parked_tokens += cost(attained)
+            elif waiting and waiting[0][0] < attained and parked_tokens + park_cost(attained) <= park_tokens:
+                parked_tokens += park_cost(attained)
                 heapq.heappush(waiting, (attained, i))
                 heapq.heappush(free, slot)
             else:
@@ -162,7 +161,7 @@ class LeastAttainedScheduler(Scheduler):
     def begin(self, work: RolloutWork) -> None:
         super().begin(work)
         self.park_tokens = self._park_tokens(work)
-        self.parked_tokens = 0  # what the parked samples hold, in tokens of every layer (work.park_cost_of)
+        self.parked_tokens = 0  # what the parked samples hold, in tokens of every layer (work.park_cost)
         self.finished: dict[SampleKey, int] = {}
         self.preempting, self.gate_note = self.judge(work)
         self.preempt_points = preemption_points(self.preempt_tokens, work.max_new_tokens) if self.preempting \
@@ -183,7 +182,7 @@ class LeastAttainedScheduler(Scheduler):
                 break
             _, _, key = heapq.heappop(self._least)
             if key in self.parked:
-                self.parked_tokens -= self.work.park_cost_of(self.generated[key])
+                self.parked_tokens -= self.work.park_cost(self.generated[key])
             assignments.append(self._place(slot, key, LEAST_ATTAINED))
         return assignments
 
@@ -192,7 +191,7 @@ class LeastAttainedScheduler(Scheduler):
         samples' KV stays within the park budget."""
         if not self.preempting or key not in self.running:
             return False
-        cost = self.work.park_cost_of(generated)
+        cost = self.work.park_cost(generated)
         if not self._least or self._least[0][0] >= generated or self.parked_tokens + cost > self.park_tokens:
             return False
         self._park(key, PREEMPTION)
@@ -238,14 +237,14 @@ class LeastAttainedScheduler(Scheduler):
         """What parked samples may hold in ``work``, in tokens of every layer: ``park_budget`` of the slots'
         generation KV (``park_budget x g x cost(max_new_tokens)``)."""
         return math.inf if self.park_budget is None \
-            else self.park_budget * work.num_slots * work.park_cost_of(work.max_new_tokens)
+            else self.park_budget * work.num_slots * work.park_cost(work.max_new_tokens)
 
     def observe(self, lengths: Sequence[int]) -> None:
         """A group whose samples all finished: their lengths (tokens)."""
         self.groups.append([int(x) for x in lengths])
 
     def gains(self, num_prompts: int, group_size: int, num_slots: int, max_new_tokens: int,
-              park_tokens: float = math.inf, park_cost: Callable[[int], float] | None = None) -> list[float]:
+              park_tokens: float = math.inf, park_cost: Callable[[int], float] = whole_tail) -> list[float]:
         """``decode steps(first come) - decode steps(preempting)`` of each of ``DRAWS`` rollouts drawn from the
         finished groups (none where nothing was seen or every sample has a slot)."""
         points = preemption_points(self.preempt_tokens, max_new_tokens)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lit_grpo.runtime.validation import check_int_in_range
-from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler, lower_bound_steps
+from lit_grpo.scheduling.base import Assignment, RolloutWork, SampleKey, Scheduler, lower_bound_steps, whole_tail
 from lit_grpo.scheduling.driver import Row, drive_rollout
 
 #: ``token_feature(key, generated) -> [H]``: the hidden state of a sample's latest token.
@@ -80,7 +80,7 @@ def simulate_rollout(
     token_feature: TokenFeatureFn | None = None,
     reveal_lengths: bool = True,
     keep_timeline: bool = False,
-    park_cost: Callable[[int], float] | None = None,
+    park_cost: Callable[[int], float] = whole_tail,
 ) -> SimulationResult:
     """Run one rollout of known completion ``lengths[p][k]`` through ``scheduler``.
 
@@ -92,8 +92,7 @@ def simulate_rollout(
         token_feature: features at probes (default: zeros of size H, or 1).
         reveal_lengths: fill ``work.true_lengths`` as the engine's forced-length replay does (oracle).
         keep_timeline: record ``timeline[t][s]`` = flat sample index ``p * G + k`` or -1.
-        park_cost: a parked sample's tokens in tokens of every layer's KV (``RolloutWork.park_cost``; None: the
-            identity).
+        park_cost: a parked sample's tokens in tokens of every layer's KV (``RolloutWork.park_cost``).
     """
     num_slots = check_int_in_range("num_slots", num_slots, 1)
     num_prompts = len(lengths)
