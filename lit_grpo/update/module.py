@@ -1069,11 +1069,11 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     a ``norm`` or ``*_norm`` part). In that order, an empty group left out (a LoRA adapter has no bias). Names are
     the module's own: an FSDP2-sharded model keeps them. ``weight_decay`` 0: one group of them all, in the model's
     order (nothing decays either way), as a checkpoint saved without the groups holds them."""
-    from transformers import Trainer
-
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not weight_decay:
         return [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+    from transformers import Trainer  # slow to import: only where its rule is needed
+
     # the Trainer's rule itself: a method that reads only the model, in every transformers version that has it
     decays = set(Trainer.get_decay_parameter_names(None, model))
     groups = [{"params": [p for name, p in named if name in decays], "weight_decay": weight_decay},
