@@ -342,6 +342,13 @@ def test_bad_arguments_name_the_value():
     for model in (None, 3, ""):
         with pytest.raises(ValueError, match=rf"model={model!r} must be a non-empty string"):
             GRPOModule(model=model)
+    # an empty or falsy LoRA setting was read as none: every weight trained
+    with pytest.raises(ValueError, match=r"model.peft_config=\{\} gives no LoRA setting; give peft.LoraConfig's "
+                                         r"fields \(e.g. \{r: 16, .*or None \(null\) to train all weights"):
+        GRPOModule(model="tiny-llama", peft_config={})
+    for falsy in (0, "", []):
+        with pytest.raises(ValueError, match=re.escape(f"model.peft_config={falsy!r} must be a mapping of peft.")):
+            GRPOModule(model="tiny-llama", peft_config=falsy)
     with pytest.raises(ValueError, match=r"unknown loss options \['eps'\]; allowed: \['loss_type', 'epsilon_low'"):
         GRPOModule(model="tiny-llama", loss={"eps": 0.1})
     with pytest.raises(ValueError, match=r"unknown sampler_correction options \['max'\]; allowed: \['mode', "):

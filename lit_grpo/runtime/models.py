@@ -590,6 +590,9 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
         raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
     if not isinstance(peft_config, Mapping):
         raise ValueError(f"peft_config={peft_config!r} must be a mapping of peft.LoraConfig's fields")
+    if not peft_config:  # a run that tests it for truth would train all weights instead
+        raise ValueError("peft_config={} gives no LoRA setting; give peft.LoraConfig's fields (e.g. {r: 16, "
+                         "lora_alpha: 32, target_modules: [q_proj, v_proj]}), or None (null) to train all weights")
     fields = {f.name for f in dataclasses.fields(LoraConfig)}
     unknown = sorted(set(peft_config) - fields)
     if unknown:

@@ -347,7 +347,7 @@ class GRPOModule(LightningModule):
         warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: the checkpoint keeps the int
         _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm,
                                   stacklevel=3)
-        if peft_config:  # checked here, before a model loads
+        if peft_config is not None:  # checked here, before a model loads ({}, 0 or '' too: not taken as None)
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
         loss_config = settings_from("loss", loss, LossConfig)
