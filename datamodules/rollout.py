@@ -320,7 +320,7 @@ class RolloutDataModule(LightningDataModule):
         scoring = ScoringConfig(accuracy_reward, on_reward_error)
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch, 1)
-        check_prompt_source(size, data_seed, dataset)
+        check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column, answer_column, split)
         check_val_size(val_size)
         check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
         check_bool("apply_chat_template", apply_chat_template)

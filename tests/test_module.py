@@ -463,6 +463,16 @@ def test_bad_arguments_name_the_value():
     (dict(val_batch_size=0), r"val_batch_size=0 must be an integer >= 1"),
     (dict(on_reward_error="ignore"), r"on_reward_error='ignore'"),
     (dict(chat_template_kwargs=[1]), r"chat_template_kwargs=\[1\] must be a mapping"),
+    # a number failed inside reasoning-gym ("'float' object is not iterable"), a string was read as its keys
+    (dict(task_config=1.5), r"task_config=1.5 must be a mapping of the reasoning-gym task's options"),
+    (dict(task_config="min_terms"), r"task_config='min_terms' must be a mapping"),
+    # a column that is not a name failed with an AttributeError ('bool' object has no attribute 'split')
+    (dict(answer_column=True), r"answer_column=True must be a non-empty string or None"),
+    (dict(prompt_column=""), r"prompt_column='' must be a non-empty string or None"),
+    (dict(split=None), r"split=None must be a non-empty string"),
+    # an empty path is the current folder: datasets' own error named neither the setting nor the value
+    (dict(dataset=""), r"dataset='' must be a path \(a local file or folder\) or a datasets.Dataset"),
+    (dict(jsonl_path=""), r"jsonl_path='' must be a JSONL file's path or None"),
 ])
 def test_each_data_setting_is_refused_when_the_data_module_is_built_naming_it(setting, message):
     """Each setting's owner checks it (the config groups, the prompt source and shaping, the curriculum) when

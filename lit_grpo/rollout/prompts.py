@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range
+from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range, check_text
 
 #: Field names accepted for the prompt text of a JSONL row or inline dict, in order.
 PROMPT_KEYS = ("prompt", "question")
@@ -144,17 +144,29 @@ def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
     return [_example_from_row(row, f"prompts[{i}]") for i, row in enumerate(items)]
 
 
-def check_prompt_source(size: Any, data_seed: Any, dataset: Any) -> None:
+def check_prompt_source(size: Any, data_seed: Any, dataset: Any, task_config: Any = None, jsonl_path: Any = None,
+                        prompt_column: Any = None, answer_column: Any = None, split: Any = "train") -> None:
     """Refuse a bad setting of the prompt source before anything is loaded: ``size`` (a task's entries),
-    ``data_seed`` (the task's generation and the held-out split) and ``dataset`` (a path or a ``datasets.Dataset``);
-    which source is given is ``load_prompts``' to judge."""
+    ``data_seed`` (the task's generation and the held-out split), ``dataset`` (a path or a ``datasets.Dataset``),
+    ``task_config``, ``jsonl_path`` and the dataset's columns and split, each by its type; which source is given
+    is ``load_prompts``' to judge."""
     check_int("size", size, 1)
     check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
-    if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
+    # an empty path would be the current folder, which datasets reads as a dataset of whatever files it holds
+    if dataset is not None and (not isinstance(dataset, (str, os.PathLike)) or not os.fspath(dataset)):
         from lit_grpo.rollout.hf_dataset import is_dataset_object
 
         if not is_dataset_object(dataset):
             raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a datasets.Dataset")
+    if jsonl_path is not None and (not isinstance(jsonl_path, (str, os.PathLike)) or not os.fspath(jsonl_path)):
+        raise ValueError(f"jsonl_path={jsonl_path!r:.80} must be a JSONL file's path or None")
+    # a string or a list was read key by key, a number failed inside reasoning-gym's call
+    if task_config is not None and not isinstance(task_config, Mapping):
+        raise ValueError(f"task_config={task_config!r:.80} must be a mapping of the reasoning-gym task's options "
+                         "(e.g. {min_terms: 2}) or None")
+    check_text("prompt_column", prompt_column, none=True)
+    check_text("answer_column", answer_column, none=True)
+    check_text("split", split)
 
 
 def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,
