@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lit_grpo.runtime.validation import check_bool, check_int
 from lit_grpo.update.lr_schedule import global_steps_to_run
 
 from .rollout_profiler import PROGRESS_BAR_NAMES
@@ -35,6 +36,13 @@ class GRPOProgressBar(TQDMProgressBar):
 
     #: Lightning's format with ``rate_fmt`` (s/step when slower than one step a second) for ``rate_noinv_fmt``.
     BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        # Lightning's bar takes any value: a negative rate hid the bar, a string failed once training started
+        check_int("refresh_rate", refresh_rate, 0, hint="steps between redraws; 0: no bar")
+        check_int("process_position", process_position, 0)
+        check_bool("leave", leave)
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
 
     @property
     def train_description(self) -> str:

@@ -20,6 +20,7 @@ from lit_grpo.callbacks import (
     CompletionLogger,
     ExportModel,
     FitSummary,
+    GRPOProgressBar,
     PeakMemoryMonitor,
     RewardForecast,
     RolloutProfiler,
@@ -210,6 +211,12 @@ class _SteppingWithMemory(torch.optim.SGD):
     (RunCheckpoint, dict(train_time_interval=60), r"train_time_interval=60 must be a datetime.timedelta"),
     (RunCheckpoint, dict(dirpath=3), r"dirpath=3 must be a folder's path or None"),
     (ExportModel, dict(dirpath=""), r"dirpath='' must be a folder's path or None"),  # it was the current folder
+    # Lightning's bar took these: a negative rate hid it, a string failed at the first step, "no" left it on screen
+    (GRPOProgressBar, dict(refresh_rate=-1), r"refresh_rate=-1 must be an integer >= 0 \(steps between redraws; "
+                                             r"0: no bar\)"),
+    (GRPOProgressBar, dict(refresh_rate="10"), r"refresh_rate='10' must be an integer >= 0"),
+    (GRPOProgressBar, dict(process_position=0.5), r"process_position=0.5 must be an integer >= 0"),
+    (GRPOProgressBar, dict(leave="no"), r"leave='no' must be True or False"),
 ])
 def test_bad_callback_settings_are_named(callback, kwargs, match):
     with pytest.raises(ValueError, match=match):
