@@ -181,10 +181,13 @@ def check_reward_range(reward_range: Any) -> tuple[float, float] | None:
     """``reward_range`` as ``(low, high)``, two finite numbers with low < high, or None; else a ValueError naming it."""
     if reward_range is None:
         return None
+    message = f"reward_range={reward_range!r} must be (low, high), two finite numbers with low < high, or None"
     if isinstance(reward_range, (str, bytes)) or not isinstance(reward_range, Sequence) or len(reward_range) != 2:
-        raise ValueError(f"reward_range={reward_range!r} must be (low, high), two finite numbers with low < high, "
-                         "or None")
-    low, high = (check_real("reward_range", value) for value in reward_range)
+        raise ValueError(message)
+    try:  # the pair named, not one of its numbers as if it were the whole setting
+        low, high = (check_real("reward_range", value) for value in reward_range)
+    except ValueError:
+        raise ValueError(message) from None
     if not low < high:
         raise ValueError(f"reward_range={tuple(reward_range)!r} must have low < high")
     return low, high

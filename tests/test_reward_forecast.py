@@ -335,7 +335,9 @@ def test_a_monitor_never_logged_is_warned_about_once(tmp_path):
     (dict(criterion="x"), "criterion='x'"),
     (dict(reward_range=1.0), r"reward_range=1.0 must be \(low, high\)"),
     (dict(reward_range=(1.0, 0.0)), r"reward_range=\(1.0, 0.0\) must have low < high"),
-    (dict(reward_range=(0.0, float("inf"))), "reward_range=inf"),
+    # the pair named, not its infinite or NaN bound as if it were the whole setting ("must be a finite number")
+    (dict(reward_range=(0.0, float("inf"))), r"reward_range=\(0.0, inf\) must be \(low, high\), two finite numbers"),
+    (dict(reward_range=[float("nan"), 1.0]), r"reward_range=\[nan, 1.0\] must be \(low, high\), two finite numbers"),
     (dict(min_delta=-1), "min_delta=-1"),
     (dict(patience=1.5), "patience=1.5 must be an integer >= 1"),
     (dict(min_points=3), "min_points=3 must be an integer >= 5"),
