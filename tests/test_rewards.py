@@ -592,6 +592,13 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
         build_reward_funcs(["os:path"])
     with pytest.raises(ValueError, match=r"reward name 3 for .* must be a string"):
         build_reward_funcs([{"name": "format", "log_name": 3}])
+    # a falsy kwargs or log_name was read as none given: the options dropped, the default name taken
+    with pytest.raises(ValueError, match=r"reward function 'overlong': kwargs=\[\] must be a mapping of option "
+                                         r"names to values"):
+        build_reward_funcs([{"name": "overlong", "kwargs": []}])
+    with pytest.raises(ValueError, match=r"reward name 0 for .* must be a string"):
+        build_reward_funcs([{"name": "format", "log_name": 0}])
+    assert [r.name for r in build_reward_funcs([{"name": "format", "log_name": None, "kwargs": None}])] == ["format"]
     # a mapping without a name says so, and a misspelled key names the one it meant
     with pytest.raises(ValueError, match=r"reward spec \{'weight': 1.0\} has no 'name': give a built-in's name "
                                          r"\['accuracy', .*'package.module:function'"):

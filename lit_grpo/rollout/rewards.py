@@ -470,8 +470,10 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
         raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function', a reward model's "
                          "'org/name' or folder, or (from Python) the function itself")
-    fn = _resolve(name, spec.get("kwargs") or {})
-    log_name = spec.get("log_name") or (name if isinstance(name, str) and name in BUILTIN_REWARDS else "")
+    kwargs, log_name = spec.get("kwargs"), spec.get("log_name")
+    fn = _resolve(name, {} if kwargs is None else kwargs)  # [] or 0 named, not read as no options
+    if log_name is None or log_name == "":  # another falsy value (0, False) is named by WeightedReward
+        log_name = name if isinstance(name, str) and name in BUILTIN_REWARDS else ""
     return WeightedReward(fn, spec.get("weight", 1.0), log_name)
 
 
