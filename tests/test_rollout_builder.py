@@ -103,6 +103,20 @@ def test_sampled_validation_takes_its_own_seed_whatever_the_training_seed(policy
         assert builder.val_sampled_engine.seed == (seed + VAL_SEED_OFFSET) % (SEED_MAX + 1) != seed
 
 
+@pytest.mark.parametrize("world, match", [
+    (dict(world_size=0), r"world_size=0 must be an integer >= 1"),
+    (dict(world_size=1.5), r"world_size=1.5 must be an integer >= 1"),
+    (dict(world_size="2"), r"world_size='2' must be an integer >= 1"),  # it failed a comparison with a TypeError
+    (dict(world_size=2, rank=2), r"rank=2 is not allowed; rank must be an integer >= 0 and <= 1"),
+    (dict(rank=-1), r"rank=-1 is not allowed; rank must be an integer >= 0 and <= 0"),
+])
+def test_a_builder_refuses_a_world_it_cannot_be_a_rank_of(policy, world, match):
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=match):
+        RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), all_gather=lambda x: x, **world)
+
+
 def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)
@@ -131,7 +145,7 @@ def test_each_rank_draws_from_its_own_random_streams(policy):
     assert len({rank_seed(3, rank) for rank in range(64)}) == 64
     batches = [builder.build_train(lambda n: _prompts(tokenizer, n)) for builder in ranks]
     assert batches[0].completions != batches[1].completions
-    with pytest.raises(ValueError, match=r"rank=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"rank=-1 is not allowed; rank must be an integer >= 0 and <= 1"):
         make(-1)
 
 

@@ -44,7 +44,7 @@ from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_r
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import SEED_MAX, check_int
+from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
@@ -145,6 +145,9 @@ class RolloutBuilder:
                  precision_context: Callable[[], Any] | None = None, max_prompt_length: int = 0,
                  rollout_weights: RolloutWeights | None = None,
                  measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None):
+        # a world_size below 1 ran as one process, and a rank >= world_size seeds streams no rank of the world has
+        check_int("world_size", world_size, 1)
+        check_int_in_range("rank", rank, 0, world_size - 1)
         if world_size > 1 and all_gather is None:
             if advantage.multi_objective_aggregation == "normalize_then_sum":
                 raise ValueError(f"multi_objective_aggregation='normalize_then_sum' over world_size={world_size} "
@@ -159,7 +162,7 @@ class RolloutBuilder:
         self.advantage, self.training, self.validation = advantage, training, validation
         # the name resolved once against these reward functions (the first of accuracy and math where unnamed)
         self.scoring = replace(scoring, accuracy_reward=correctness_reward(self.reward_funcs, scoring.accuracy_reward))
-        self.world_size, self.rank = world_size, check_int("rank", rank, 0)
+        self.world_size, self.rank = world_size, rank
         self.use_world(all_gather, precision_context, measured_update_peak)
         self.weights = rollout_weights or RolloutWeights(policy)
         self._in_scope = False  # inside rollout_scope(): a nested one reuses it
