@@ -592,6 +592,12 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
         build_reward_funcs(["os:path"])
     with pytest.raises(ValueError, match=r"reward name 3 for .* must be a string"):
         build_reward_funcs([{"name": "format", "log_name": 3}])
+    # a number failed in the first call (not iterable), and no characters scored every completion 0
+    for chars in (5, ""):
+        with pytest.raises(ValueError, match=re.escape(f"char_fraction reward chars={chars!r} must be a non-empty "
+                                                       "string")):
+            build_reward_funcs([{"name": "char_fraction", "kwargs": {"chars": chars}}])
+    assert build_reward_funcs([{"name": "char_fraction", "kwargs": {"chars": "ab"}}])[0].fn([""], ["abcd"]) == [0.5]
     # a falsy kwargs or log_name was read as none given: the options dropped, the default name taken
     with pytest.raises(ValueError, match=r"reward function 'overlong': kwargs=\[\] must be a mapping of option "
                                          r"names to values"):

@@ -180,6 +180,17 @@ def char_fraction_reward(prompts: list[str], completions: list[str], chars: str 
     return [sum(ch in chars for ch in c) / len(c) if c else 0.0 for c in map(message_text, completions)]
 
 
+def check_char_fraction_options(chars: str = "0123456789") -> None:
+    """Raise, naming the value, unless ``chars`` is a non-empty string: a number failed in the first call, and no
+    characters scored every completion 0, a reward without signal."""
+    if not isinstance(chars, str) or not chars:
+        raise ValueError(f"char_fraction reward chars={chars!r} must be a non-empty string (the characters counted)")
+
+
+#: Called by ``build_reward_funcs`` with a config's options: a bad value fails when the config is read.
+char_fraction_reward.check_options = check_char_fraction_options
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
