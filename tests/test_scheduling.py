@@ -686,6 +686,28 @@ def test_length_aware_config_bad_arguments(kwargs, pattern):
         InfiniteSchedulerConfig(length_aware=kwargs)  # given as a dict, checked the same
 
 
+@pytest.mark.parametrize(("make", "pattern"), [
+    # each was taken as given: a float or a string failed at the first prediction or update, inside torch, and a
+    # decay above 1 grew the older observations' weights without bound
+    (lambda: OnlineLengthPredictor(max_dim=0), r"max_dim=0 must be an integer >= 1"),
+    (lambda: OnlineLengthPredictor(max_dim=8.5), r"max_dim=8.5 must be an integer >= 1"),
+    (lambda: OnlineLengthPredictor(decay=1.5), r"decay=1.5 is not allowed; decay must be a finite number >= 0 and "
+                                               r"<= 1"),
+    (lambda: OnlineLengthPredictor(decay="0.99"), r"decay='0.99' is not allowed"),
+    (lambda: OnlineLengthPredictor(min_token_observations=-1), r"min_token_observations=-1 must be an integer >= 0"),
+    (lambda: OnlineLengthPredictor(seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),
+    (lambda: RidgeRegressor(alphas=()), r"alphas=\(\) must be a non-empty list of penalties"),
+    (lambda: RidgeRegressor(alphas=(1.0, math.nan)), r"alphas=nan is not allowed; alphas must be a finite number >= 0"),
+    (lambda: RidgeRegressor(min_refit=2.5), r"min_refit=2.5 must be an integer >= 0"),
+    # int() took these as seeds 1 and 1
+    (lambda: make_predictor("noisy:0.5", seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),
+    (lambda: make_predictor("noisy:0.5", seed=True), r"seed=True is not allowed; seed must be an integer"),
+])
+def test_the_length_predictors_refuse_a_bad_setting_naming_it(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
 def test_length_aware_must_be_a_config_a_dict_or_none():
     with pytest.raises(ValueError, match=r"scheduler.length_aware=5 must be a LengthAwareConfig"):
         InfiniteSchedulerConfig(length_aware=5)

@@ -28,7 +28,7 @@ from typing import Protocol, get_args, runtime_checkable
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.config import PredictorName
 from lit_grpo.scheduling.length_aware.ridge import RidgeRegressor, rms_normalize, single_thread
@@ -90,6 +90,9 @@ class OnlineLengthPredictor:
 
     def __init__(self, max_dim: int = 256, decay: float = 0.998, min_token_observations: int = 16,
                  seed: int = 0) -> None:
+        check_int("max_dim", max_dim, 1)
+        check_int("min_token_observations", min_token_observations, 0)
+        check_int_in_range("seed", seed)  # added to the hidden size as a torch seed: a float failed there
         self.max_dim, self.seed, self.min_token_observations = max_dim, seed, min_token_observations
         self.prompt_model = RidgeRegressor(decay=decay)
         self.token_model = RidgeRegressor(decay=decay)
@@ -198,7 +201,7 @@ class NoisyOraclePredictor(OracleLengthPredictor):
 
     def __init__(self, log_std: float, seed: int = 0) -> None:
         self.spread = check_spread(log_std)
-        self.seed = int(seed)
+        self.seed = check_int_in_range("seed", seed)  # int() took 1.5 as 1 and True as 1
         self.rollout = -1
         self.current_work: RolloutWork | None = None
 

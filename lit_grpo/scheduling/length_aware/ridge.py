@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_grpo.runtime.validation import check_int, check_real
+
 
 class RidgeRegressor:
     """Ridge regression in closed form from exponentially decayed sufficient statistics.
@@ -27,9 +29,12 @@ class RidgeRegressor:
 
     def __init__(self, decay: float = 0.998, alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0),
                  min_refit: int = 4) -> None:
-        self.decay = decay
-        self.alphas = tuple(float(a) for a in alphas)
-        self.min_refit = min_refit
+        # above 1 the older observations' weights grow without bound; a string failed at the first update
+        self.decay = check_real("decay", decay, low=0, high=1)
+        if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
+            raise ValueError(f"alphas={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
+        self.alphas = tuple(check_real("alphas", a, low=0) for a in alphas)
+        self.min_refit = check_int("min_refit", min_refit, 0)
         self.dim: int | None = None
         self._reset_stats(0)
 
