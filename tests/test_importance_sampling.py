@@ -81,6 +81,9 @@ def test_bad_settings_name_the_value_and_what_is_allowed():
     for value in ("2", True):  # a string failed a comparison with a TypeError; a bool was taken as 1
         with pytest.raises(ValueError, match=rf"sampler_correction.clip_min={value!r} must be a number > 0 or None"):
             SamplerCorrection("token_mask", value, None)
+    with pytest.raises(ValueError, match=r"sampler_correction.clip_min=inf must be a finite number > 0 or None"):
+        SamplerCorrection("token_truncate", math.inf, None)  # every weight was truncated to inf
+    assert SamplerCorrection("token_truncate", None, math.inf).clip_max == math.inf  # an upper bound of inf: none
     with pytest.raises(ValueError, match=r"mode='token_truncate' needs sampler_correction.clip_min or"):
         SamplerCorrection("token_truncate", None, None)
     with pytest.raises(ValueError, match=r"importance_sampling_mode='auto' is not known"):  # resolve it first

@@ -106,6 +106,9 @@ class SamplerCorrection:
                 raise ValueError(f"sampler_correction.{name}={value!r} must be a number > 0 or None")
             if value is not None and not value > 0:
                 raise ValueError(f"sampler_correction.{name}={value!r} must be > 0 or None")
+        # an infinite lower bound truncates every weight to inf (a loss of inf) or masks every token (no gradient)
+        if self.clip_min is not None and math.isinf(self.clip_min):
+            raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be a finite number > 0 or None")
         if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
             raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be < sampler_correction.clip_max="
                              f"{self.clip_max!r}")
