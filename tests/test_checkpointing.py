@@ -1566,3 +1566,16 @@ def test_a_stop_on_one_of_two_ranks_during_a_validation_stops_both_after_its_bat
     assert "validation batch 1 after step 2 ended" not in shown and "Traceback" not in shown
     assert "stopped by SIGTERM during the validation after step 2, cut short" in outputs[0][1], shown
     assert _last_step(tmp_path / "run") == 2
+
+
+def test_a_checkpoint_whose_peft_config_is_empty_resumes_with_null(tmp_path, tiny_checkpoint):
+    """An empty peft_config, now refused, trained all weights as null does: its checkpoint resumes with null."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["peft_config"] = {}
+    saved = tmp_path / "empty_lora.ckpt"
+    torch.save(checkpoint, saved)
+    module, data = _hparams(saved)
+    check_resumable(saved, {**module, "peft_config": None}, data)
+    check_resumable(saved, {**module, "peft_config": None}, data, evaluate=True)
+    with pytest.raises(ValueError, match=r"model.peft_config: None in the checkpoint, \{'r': 4\} now"):
+        check_resumable(saved, {**module, "peft_config": {"r": 4}}, data)

@@ -353,6 +353,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         lacked = False
         for name in names:
             old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
+            if name == "peft_config" and section == "hyper_parameters" and isinstance(old, dict) and not old:
+                old = None  # a saved {} (refused now) trained all weights, as null does: null resumes it
             if old is not _MISSING and isinstance(old, dict) != isinstance(new, dict):
                 old, new = {"": old}, {"": new}  # a group on one side only: compared whole
             old, new = _as_group(old), _as_group(new)
