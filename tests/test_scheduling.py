@@ -697,7 +697,8 @@ def test_length_aware_config_bad_arguments(kwargs, pattern):
     (lambda: OnlineLengthPredictor(min_token_observations=-1), r"min_token_observations=-1 must be an integer >= 0"),
     (lambda: OnlineLengthPredictor(seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),
     (lambda: RidgeRegressor(alphas=()), r"alphas=\(\) must be a non-empty list of penalties"),
-    (lambda: RidgeRegressor(alphas=(1.0, math.nan)), r"alphas=nan is not allowed; alphas must be a finite number >= 0"),
+    (lambda: RidgeRegressor(alphas=(1.0, math.nan)), r"alphas\[1\]=nan is not allowed; alphas\[1\] must be a "
+                                                     r"finite number >= 0"),  # the entry named, not the list
     (lambda: RidgeRegressor(min_refit=2.5), r"min_refit=2.5 must be an integer >= 0"),
     # int() took these as seeds 1 and 1
     (lambda: make_predictor("noisy:0.5", seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),

@@ -33,7 +33,7 @@ class RidgeRegressor:
         self.decay = check_real("decay", decay, low=0, high=1)
         if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
             raise ValueError(f"alphas={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
-        self.alphas = tuple(check_real("alphas", a, low=0) for a in alphas)
+        self.alphas = tuple(check_real(f"alphas[{i}]", a, low=0) for i, a in enumerate(alphas))  # the entry named
         self.min_refit = check_int("min_refit", min_refit, 0)
         self.dim: int | None = None
         self._reset_stats(0)
