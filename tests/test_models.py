@@ -348,6 +348,20 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
             module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)
 
 
+
+def test_an_empty_or_non_mapping_lora_config_is_named_without_peft(monkeypatch):
+    """{} (meant as no LoRA) and a non-mapping are named as such where peft is not installed, not sent to install
+    it; a good setting still needs it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # an import of peft fails
+    with pytest.raises(ValueError, match=r"^peft_config=\{\} gives no LoRA setting; .* or None \(null\) to train"):
+        models.lora_config({})
+    with pytest.raises(ValueError, match=r"^peft_config=0 must be a mapping of peft.LoraConfig's fields"):
+        models.lora_config(0)
+    with pytest.raises(ImportError, match=r"peft_config needs peft"):
+        models.lora_config({"r": 4})
+
 def test_a_hub_id_neither_the_hub_nor_its_cache_gives_is_a_named_setting_error(monkeypatch):
     import transformers
 

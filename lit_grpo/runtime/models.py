@@ -584,15 +584,16 @@ UNSLOTH_LORA_ARGUMENTS = {"random_state": "seed_everything here",
 def lora_config(peft_config: Mapping[str, Any]) -> Any:
     """peft's ``LoraConfig`` of ``peft_config``, or a ValueError naming the field or value it does not take (a
     rank ``r`` below 1 included, which ``LoraConfig`` itself accepts)."""
-    try:
-        from peft import LoraConfig
-    except ImportError as err:
-        raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
+    # before peft is imported: a run without peft that gives {} meaning no LoRA is told so, not to install peft
     if not isinstance(peft_config, Mapping):
         raise ValueError(f"peft_config={peft_config!r} must be a mapping of peft.LoraConfig's fields")
     if not peft_config:  # a run that tests it for truth would train all weights instead
         raise ValueError("peft_config={} gives no LoRA setting; give peft.LoraConfig's fields (e.g. {r: 16, "
                          "lora_alpha: 32, target_modules: [q_proj, v_proj]}), or None (null) to train all weights")
+    try:
+        from peft import LoraConfig
+    except ImportError as err:
+        raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
     fields = {f.name for f in dataclasses.fields(LoraConfig)}
     unknown = sorted(set(peft_config) - fields)
     if unknown:
