@@ -4,7 +4,8 @@ An interpreter here spends seconds importing torch, Lightning and transformers b
 run; a fork of a process that did so already spends none. :func:`run` is one ``lit-grpo`` process, as
 ``subprocess.run`` of the command would be (its exit status, its output); :func:`run_ranks` the two ranks of a
 2-node launch (or of a Lightning script of its own, not the CLI); :func:`run_command` and :class:`Popen` stand in
-for ``subprocess`` in a tool that starts its own runs (:func:`run_command` its own workers too).
+for ``subprocess`` in a tool that starts its own runs (:func:`run_command` its own workers too); :func:`start_script` a
+Lightning script of its own in a session of its own.
 The fork server imports lit_grpo and tests/forkserver_warmup.py once, when the first run starts.
 
 A forked run is ``lit_grpo.cli.main`` in a fresh process, with the given working folder, environment and
@@ -147,6 +148,14 @@ class Popen:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
+
+
+def start_script(script: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path):
+    """``python SCRIPT ARGV`` (a Lightning script of its own) forked in a session of its own, as
+    ``Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+    start_new_session=True)`` would start it: the started process (its ``pid`` leads the session). Ranks that
+    Lightning's own launcher starts from it are real interpreters of the script, in that session."""
+    return _start(argv, cwd, env, (log, log), new_session=True, script=script)
 
 
 def _lit_grpo_arguments(command: list[str]) -> list[str]:

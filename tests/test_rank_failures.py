@@ -171,19 +171,47 @@ def _run_session(cmd: list[str], cwd: Path, env: dict) -> tuple[subprocess.Popen
     return proc, output
 
 
-def _launch_two(tmp_path: Path, place: str) -> str:
+def _left_in_session(pid: int, tries: int = 20) -> list[str]:
+    """The processes of session ``pid`` still alive (not zombies, which are only not reaped yet), once those killed
+    as it ended have had a moment to go (``tries`` looks half a second apart; 1 where the run's output pipe, open in
+    every process of the session, was read to its end already)."""
+    alive = []
+    for _ in range(tries):
+        session = subprocess.run(["ps", "-s", str(pid), "-o", "pid=,stat="], capture_output=True, text=True)
+        alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]
+        if not alive:
+            break
+        time.sleep(0.5)
+    return alive
+
+
+def _launch_two(tmp_path: Path, place: str, forked: bool = False) -> str:
     """``--trainer.devices 2`` with an error planted on rank 1 at ``place``: Lightning starts rank 1 as a child of
-    rank 0, re-running the command. Both end (no process of the run is left) non-zero; returns their output."""
+    rank 0, re-running the command. Both end (no process of the run is left) non-zero; returns their output. With
+    ``forked``, rank 0 is forked warm (tests/forked_cli.py) and only rank 1 starts an interpreter, a real
+    ``lit-grpo`` process still."""
     cmd = lit_grpo_command() + [*RUN_ARGS, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                                 "--trainer.default_root_dir", str(tmp_path / "run"),
                                 "--trainer.callbacks+=fault_helpers.PlantedFault",
                                 f"--trainer.callbacks.place={place}", "--trainer.callbacks.rank=1"]
     env = {**repo_env(), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    proc, output = _run_session(cmd, tmp_path, env)
-    assert proc.returncode != 0, output[-4000:]
-    session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
-    alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
+    if not forked:
+        proc, output = _run_session(cmd, tmp_path, env)
+        code, alive = proc.returncode, _left_in_session(proc.pid, tries=1)
+    else:
+        log = tmp_path / "log"
+        proc = forked_cli.Popen(cmd, tmp_path, env, log)
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(DEADLINE_S + 30)
+            output = log.read_text()
+            assert proc.poll() is not None, f"the run still went after {DEADLINE_S + 30} s:\n{output[-4000:]}"
+            code, alive = proc.poll(), _left_in_session(proc.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert code != 0, output[-4000:]
     assert not alive, f"processes of the run still alive: {alive}"
     return output
 
@@ -198,7 +226,7 @@ def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_e
     """An error building rank 1's callbacks (said as a setting) in Lightning's child of rank 0, before the ranks
     connect: rank 0, waiting in the process group's setup, ends within a second of its record naming it
     (Lightning's process observer would kill it a few seconds later without a word on why)."""
-    output = _launch_two(tmp_path, "build")
+    output = _launch_two(tmp_path, "build", forked=True)
     planted = "ValueError: trainer.callbacks: fault_helpers.PlantedFault: planted build failure on rank 1"
     assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
     assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
@@ -219,25 +247,15 @@ def test_under_lightnings_own_launcher_rank_0_failing_before_the_ranks_connect_e
                "MASTER_PORT": str(taken.getsockname()[1])}
         for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):
             env.pop(name, None)
-        log = tmp_path / "log"
-        with open(log, "w") as handle:  # not a pipe: a rank left running would keep it open
-            proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        log = tmp_path / "log"  # not a pipe: a rank left running would keep it open
+        proc = forked_cli.Popen(cmd, tmp_path, env, log)  # rank 0 forked warm; rank 1 a real lit-grpo process
         try:
-            proc.wait(timeout=DEADLINE_S)
-            output, left = log.read_text(), []
-            for _ in range(20):  # a killed process may take a moment to go
-                session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True,
-                                         text=True)
-                left = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]
-                if not left:
-                    break
-                time.sleep(0.5)
+            code = proc.wait(timeout=DEADLINE_S)
+            output, left = log.read_text(), _left_in_session(proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 1 and "EADDRINUSE" in output, output[-4000:]
+    assert code == 1 and "EADDRINUSE" in output, output[-4000:]
     assert not left, f"rank 1 still ran after rank 0 ended: {left}\n{output[-4000:]}"
 
 
@@ -1051,13 +1069,23 @@ def test_under_lightnings_own_launcher_two_ranks_failing_at_once_each_finish_han
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)
-    proc, output = _run_session([sys.executable, script, str(tmp_path / "run"), str(slow_rank), "7"], tmp_path, env)
+    # rank 0 forked warm (its interpreter's start is the real launches' above to show); rank 1, which Lightning's
+    # launcher starts from it, a real interpreter of the script
+    log = tmp_path / "log"
+    proc = forked_cli.start_script(script, [str(tmp_path / "run"), str(slow_rank), "7"], tmp_path, env, log)
+    try:
+        proc.join(DEADLINE_S + 30)
+        output = log.read_text()
+        assert not proc.is_alive(), f"the run still went after {DEADLINE_S + 30} s:\n{output[-4000:]}"
+        alive = _left_in_session(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.join()
     tail = output[-4000:]
-    assert proc.returncode != 0, tail
+    assert proc.exitcode != 0, tail
     for rank in (0, 1):
         assert f"rank {rank} handled its PlantedError" in output, tail
         line = rf"lit-grpo: rank {rank} of 2 (failed: |stopped because rank \d failed: )PlantedError"
         assert re.search(line, output), tail
-    session = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid=,stat="], capture_output=True, text=True)
-    alive = [line for line in session.stdout.splitlines() if not line.split()[1].startswith("Z")]  # not reaped yet
     assert not alive, f"processes of the run still alive: {alive}"
