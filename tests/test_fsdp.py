@@ -185,17 +185,44 @@ def test_a_mesh_that_is_not_all_data_parallel_or_an_unsharded_policy_is_refused(
         module.configure_model()
 
 
-def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path):
+#: FSDP2 with a frozen reference (loss.beta > 0, no LoRA) and two optimizer param groups (weight_decay > 0): what
+#: each resume test below needs of its checkpoint, in one run.
+RESUMED_ARGS = ("--model.fsdp", "true", "--model.loss.beta", "0.04", "--model.weight_decay", "0.1")
+
+
+@pytest.fixture(scope="module")
+def fsdp_step_1(tmp_path_factory):
+    """A 1-step FSDP2 fit of ``RESUMED_ARGS`` (its folder, its ``run`` holding the sharded last.ckpt) and the
+    arguments that resume it: each test resumes its own copy."""
+    tmp = tmp_path_factory.mktemp("fsdp_step_1")
+    strategy = tmp / "strategy.yaml"
+    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
+    args = ("--config", str(strategy), *RESUMED_ARGS)
+    fit_two_processes(tmp, *args, steps=1)
+    return tmp, args
+
+
+def _resumable_copy(fsdp_step_1, tmp_path):
+    """The step-1 run and its records copied to ``tmp_path``: what a resume there reads and rewrites; returns the
+    arguments that resume it."""
+    import shutil
+
+    shutil.copytree(fsdp_step_1[0] / "run", tmp_path / "run")
+    for records in fsdp_step_1[0].glob("rec.*"):  # the StepRecorder's files, each rank's, which the resume extends
+        (shutil.copytree if records.is_dir() else shutil.copy)(records, tmp_path / records.name)
+    return fsdp_step_1[1]
+
+
+@pytest.mark.xdist_group("fsdp_step_1")
+def test_an_fsdp2_run_with_a_reference_model_resumes(tmp_path, fsdp_step_1):
     """loss.beta > 0 without LoRA loads a frozen reference, sharded as the policy is: its keys stay in the sharded
     checkpoint, which ModelParallelStrategy loads whole into the module, so ``--ckpt_path last`` resumes (from the
     folder RunCheckpoint staged and swapped in)."""
     from tools.step_recorder import read_records
 
-    strategy = tmp_path / "strategy.yaml"
-    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
-    args = ("--config", str(strategy), "--model.fsdp", "true", "--model.loss.beta", "0.04")
-    first = read_records(fit_two_processes(tmp_path, *args, steps=1), 0)
+    args = _resumable_copy(fsdp_step_1, tmp_path)
+    first = read_records(str(tmp_path / "rec"), 0)
     (last,) = (tmp_path / "run").rglob("last.ckpt")
     # a folder of both ranks' shards, written beside its place and swapped in: nothing else is left there
     assert last.is_dir() and [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
@@ -214,18 +241,15 @@ def _saved_param_groups(tmp_path) -> set[int]:
     return {int(match.group(1)) for key in keys if (match := re.search(r"param_groups\.(\d+)\.", key))}
 
 
-def test_an_fsdp2_checkpoint_resumes_with_its_param_groups_and_is_refused_with_others(tmp_path):
+@pytest.mark.xdist_group("fsdp_step_1")
+def test_an_fsdp2_checkpoint_resumes_with_its_param_groups_and_is_refused_with_others(tmp_path, fsdp_step_1):
     """A sharded checkpoint of the two groups (weight_decay > 0) resumes; one run with weight_decay 0 (one group)
     would be refused before its load, naming both counts, where torch would fail on the missing keys."""
     from tools.step_recorder import read_records
 
     from lit_grpo.runtime.checkpoints import check_resumable
 
-    strategy = tmp_path / "strategy.yaml"
-    strategy.write_text(yaml.safe_dump({"trainer": {"strategy": {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}}}))
-    args = ("--config", str(strategy), "--model.fsdp", "true", "--model.weight_decay", "0.1")
-    fit_two_processes(tmp_path, *args, steps=1)
+    args = _resumable_copy(fsdp_step_1, tmp_path)
     assert _saved_param_groups(tmp_path) == {0, 1}
     (last,) = (tmp_path / "run").rglob("last.ckpt")
     with pytest.raises(ValueError, match=r"has 2 param group\(s\), this run's 1 .*now 0\.0\)"):
