@@ -280,6 +280,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
 
 
+def _run_copied_from(tiny_checkpoint: Path, root: Path) -> None:
+    """The 1-step run of ``tiny_checkpoint`` copied into ``root``, as ``build_cli(_fit_args(root, steps=1))`` would
+    have left it there, for tests whose later command refuses its checkpoint or only validates it (its
+    RunCheckpoint state names the first run's folder, which a resume's restore would compare)."""
+    shutil.copytree(tiny_checkpoint.parents[3], root, dirs_exist_ok=True)
+
+
 def _hparams(path: Path) -> tuple[dict, dict]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return dict(checkpoint["hyper_parameters"]), dict(checkpoint["datamodule_hyper_parameters"])
@@ -738,16 +745,17 @@ def test_a_history_checkpoint_keeps_last_ckpt_with_run_checkpoint_and_a_second_w
     assert "ModelCheckpoint(save_last=True) would write last.ckpt beside lit_grpo's RunCheckpoint" in err
 
 
-def test_an_incompatible_last_checkpoint_is_refused_without_a_traceback(tmp_path, capsys):
-    build_cli(_fit_args(tmp_path, steps=1))
+def test_an_incompatible_last_checkpoint_is_refused_without_a_traceback(tmp_path, tiny_checkpoint, capsys):
+    _run_copied_from(tiny_checkpoint, tmp_path)
     err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", "--data.sampling.group_size", "6", steps=2))
     assert "error: --ckpt_path last: " in err and "data.sampling.group_size: 4 in the checkpoint, 6 now" in err
 
 
-def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is_none(tmp_path, caplog, capsys):
+def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is_none(tmp_path, tiny_checkpoint,
+                                                                                     caplog, capsys):
     validate = ["validate", *_fit_args(tmp_path, "--ckpt_path", "last", "--trainer.limit_val_batches", "1")[1:]]
     assert "--ckpt_path last: no last.ckpt under " in _refused(capsys, validate)
-    build_cli(_fit_args(tmp_path, steps=1))
+    _run_copied_from(tiny_checkpoint, tmp_path)
     build_cli(validate)
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
@@ -1505,10 +1513,10 @@ def test_a_step_save_is_kept_where_the_validation_after_it_has_no_batches(tmp_pa
     assert checkpoint.saves == 4
 
 
-def test_last_refusing_another_experiments_run_says_how_to_name_the_one_meant(tmp_path, capsys):
+def test_last_refusing_another_experiments_run_says_how_to_name_the_one_meant(tmp_path, tiny_checkpoint, capsys):
     # two experiments under one root: the newest last.ckpt is the other one's, which a TRL user (one output_dir
     # per experiment) would not expect
-    build_cli(_fit_args(tmp_path, steps=1))
+    _run_copied_from(tiny_checkpoint, tmp_path)
     build_cli(_fit_args(tmp_path, "--model.loss.loss_type", "grpo", steps=1))
     err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", steps=2))
     assert "model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now" in err
@@ -1535,9 +1543,10 @@ def test_a_checkpoint_from_another_folder_restores_nothing_into_run_checkpoint_a
     assert again.last_model_path == there.last_model_path
 
 
-def test_last_refused_by_the_data_module_for_another_prompt_set_says_how_to_name_the_run_meant(tmp_path, capsys):
+def test_last_refused_by_the_data_module_for_another_prompt_set_says_how_to_name_the_run_meant(tmp_path,
+                                                                                               tiny_checkpoint, capsys):
     # the settings compared before loading agree; the prompt set (another val_size) is refused as the stream loads
-    build_cli(_fit_args(tmp_path, steps=1))
+    _run_copied_from(tiny_checkpoint, tmp_path)
     err = _refused(capsys, _fit_args(tmp_path, "--ckpt_path", "last", "--data.val_size", "8", steps=2))
     assert "error: --ckpt_path: state num_prompts=" in err and "Traceback" not in err
     assert (f"--ckpt_path last takes the newest run under {tmp_path / 'lightning_logs'}, whatever its config: name "
