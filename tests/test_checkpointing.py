@@ -947,14 +947,14 @@ def test_a_checkpoint_refused_on_one_rank_is_named_by_every_rank():
     assert isinstance(raised.value, RaisedOnEveryRank)
 
 
-def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_path):
+def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_path, tiny_checkpoint):
     """On 2 nodes x 1 process, rank 1's node holds a cut-short copy of rank 0's last.ckpt (``--ckpt_path last``), or
     lacks the file ``--ckpt_path PATH`` names: rank 1 refuses it before the ranks can talk, and both end on its
     refusal, at setup, instead of rank 1 ending alone and rank 0 waiting for it to connect."""
     from tools.harness import free_port, repo_env
 
     folders = (tmp_path / "node0", tmp_path / "node1")
-    build_cli(_fit_args(folders[0] / "run", steps=1))
+    _run_copied_from(tiny_checkpoint, folders[0] / "run")
     found = Path("run") / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     (folders[1] / found).parent.mkdir(parents=True)
     (folders[1] / found).write_bytes((folders[0] / found).read_bytes()[:1000])
@@ -974,7 +974,8 @@ def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_pa
         assert "Restoring states" not in shown and "Traceback" not in shown
 
 
-def test_a_ckpt_path_file_that_one_rank_of_one_node_refuses_or_sees_otherwise_ends_every_rank(tmp_path):
+def test_a_ckpt_path_file_that_one_rank_of_one_node_refuses_or_sees_otherwise_ends_every_rank(tmp_path,
+                                                                                             tiny_checkpoint):
     """``--ckpt_path c.ckpt`` under torchrun on one node of 2 processes, rank 1 seeing another file there (each rank
     in a folder of its own): a cut-short copy, which rank 1 refuses, or one of other content, which it would load
     and train on as one run with rank 0's other weights. Both end on one error once they can talk, naming it."""
@@ -983,8 +984,7 @@ def test_a_ckpt_path_file_that_one_rank_of_one_node_refuses_or_sees_otherwise_en
     folders = (tmp_path / "node0", tmp_path / "node1")
     for folder in folders:
         folder.mkdir()
-    build_cli(_fit_args(tmp_path / "first", steps=1))
-    saved = tmp_path / "first" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = tiny_checkpoint  # only read: copied, or changed and saved elsewhere
     shutil.copy(saved, folders[0] / "c.ckpt")
     other = torch.load(saved, map_location="cpu", weights_only=False)
     weights = other["state_dict"]
