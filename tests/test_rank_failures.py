@@ -916,6 +916,27 @@ def _handling_counts(store, prefix: str) -> tuple[int, int]:
     return store.add(f"{prefix}handling", 0), store.add(f"{prefix}handled", 0)
 
 
+def test_a_store_gone_between_the_probe_and_the_clients_connect_is_given_up_within_seconds(monkeypatch):
+    """The run's store may end (with rank 0, ending on its error) between ``_connect_store``'s plain probe of its port
+    and its store client's connect: the client then retries the refused port, and a failing rank 1 spent about 8 s of
+    its end there (in ``say_handling``) after rank 0 had ended. It gives up within ``STORE_CONNECT_TIMEOUT_S`` and
+    torch's one retry; a client of a store that is there keeps ``STORE_TIMEOUT_S`` for its waits."""
+    import datetime
+
+    import torch
+
+    from lit_grpo.runtime import rank_failure
+
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    client = rank_failure._connect_store(("127.0.0.1", store.port))
+    assert client.timeout == datetime.timedelta(seconds=rank_failure.STORE_TIMEOUT_S)
+    monkeypatch.setattr(rank_failure.socket, "create_connection", lambda *_, **__: SimpleNamespace(close=lambda: None))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):  # torch's DistNetworkError: nothing listens on the port
+        rank_failure._connect_store(("127.0.0.1", free_port()))
+    assert time.monotonic() - started < 4.0
+
+
 def test_a_rank_that_read_a_failure_waits_while_every_failed_rank_handles_it(monkeypatch):
     """Ranks whose failures are recorded while they go on handling them (``RankFailureWatch``: the later callbacks'
     ``on_exception``, the loggers' last write) say so; another rank's watch that reads the first record waits,

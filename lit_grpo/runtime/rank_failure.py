@@ -73,6 +73,10 @@ from lit_grpo.runtime.stop_signal import STOP_SIGNAL
 
 #: How long a failing rank waits for the store (to connect, or for the record of a rank named as the cause).
 STORE_TIMEOUT_S = 5.0
+#: How long a store client's connect may take once a plain connection to the store's port was accepted: the store
+#: may end (with rank 0's process) in between, and torch's client retries a refused port until its timeout, then
+#: once more after a random delay about as long; a store that is there answers in milliseconds.
+STORE_CONNECT_TIMEOUT_S = 1.0
 #: How often :func:`watch_failures` asks the store whether a rank has failed (or received a stop signal).
 WATCH_INTERVAL_S = 1.0
 #: How long a rank that failed before the ranks connected waits for the others to read its record (rank 0, running
@@ -484,10 +488,14 @@ def _prefix() -> str:
 def _connect_store(address: tuple[str, int] | None = None) -> torch.distributed.TCPStore:
     """A client of the store every rank joined (at ``address``; default: ``MASTER_ADDR``, ``MASTER_PORT``, which
     Lightning sets as the ranks connect); raises where it is gone (at once: a plain connection is refused first,
-    where a store client would retry for seconds)."""
+    where a store client would retry for seconds; within about twice ``STORE_CONNECT_TIMEOUT_S`` where it ends
+    between the two)."""
     address = address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     socket.create_connection(address, timeout=STORE_TIMEOUT_S).close()
-    return torch.distributed.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    store = torch.distributed.TCPStore(*address, is_master=False,
+                                       timeout=datetime.timedelta(seconds=STORE_CONNECT_TIMEOUT_S))
+    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))  # for its waits: a record may still be on its way
+    return store
 
 
 def _launcher_runs_store() -> bool:
