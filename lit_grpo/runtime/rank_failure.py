@@ -26,8 +26,10 @@ says that the failed rank's output names the error.
 Before it ends, a rank records its error in the key-value store every rank joined at start (``MASTER_ADDR``,
 ``MASTER_PORT``), numbered by the store's atomic counter: record 1 is the first failure, and a rank that ends
 after it names it as the cause (its rank, or a node's name for a node that failed before it knew its ranks). Where
-the store ended with the failed rank (Lightning's own launchers run it in rank 0's process), a rank says that its
-connection to the others broke, and the failed rank's output has the error.
+rank 0's process runs the store (Lightning's own launchers; not torchrun's agent), it ends with rank 0: rank 0 keeps
+it as it ends until every other rank has read the first failure, at most ``READ_WAIT_S`` (those ranks are still
+connected to it, so their collectives do not fail meanwhile). A rank that had not read it by then (killed, or its
+watch not running) says that its connection to the others broke, and the failed rank's output has the error.
 
 A rank can also fail before the ranks connect (a model path that exists on one node only, or a config file): the
 others would wait in the process group's setup until its timeout. Its place comes from its settings, or where they
@@ -90,6 +92,10 @@ SETUP_WAIT_S = 300.0
 #: of its record. The run may have one node (no reader comes); each other node's process watches the store from
 #: its start (its settings read), so it reads the record within seconds of both starting.
 UNKNOWN_NODES_WAIT_S = 30.0
+#: How long rank 0, whose process runs the run's store (not torchrun's agent), keeps it as it ends, once a failure is
+#: recorded there, for the other ranks to read that record: each rank's watch asks once a second, and a rank that
+#: has not read it when the store ends can only name its broken connection.
+READ_WAIT_S = 3.0
 #: How long a rank waits in all, before it ends, for every failed rank that said it handles its error to finish
 #: (``record_failure(..., handling=True)``, :func:`say_handling`: its later callbacks' ``on_exception``, its loggers'
 #: last write), and for a record that comes as that handling ends: on one node under Lightning's launcher the ranks
@@ -413,8 +419,26 @@ def _end(line: str | None, exit_status: int = 1, after_handling: bool = True) ->
     _say_handled()
     if after_handling:
         _await_handling()
+        _keep_store_for_readers()
     _end_child_processes()
     os._exit(exit_status)
+
+
+def _keep_store_for_readers() -> None:
+    """In rank 0's process, where it runs the run's store, and a failure is recorded there: wait until every other
+    rank has read the run's first failure (its watch, or its own record, says so), at most ``READ_WAIT_S``, before
+    the store ends with this process. The ranks it waits for are still connected to it: none of their collectives
+    fails meanwhile, so each learns of the failure from the record."""
+    if _launcher_runs_store() or not torch.distributed.is_initialized() or torch.distributed.get_rank() != 0:
+        return
+    with contextlib.suppress(Exception):  # no store to keep
+        store, prefix = _connect_store(), _prefix()
+        if not store.check([prefix + "count"]):
+            return
+        readers = [f"{prefix}read/rank/{rank}" for rank in range(1, torch.distributed.get_world_size())]
+        deadline = time.monotonic() + READ_WAIT_S
+        while not store.check(readers) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _handling_keys() -> tuple[str, str]:
@@ -575,7 +599,10 @@ def _record_failure(rank: int, error: BaseException) -> tuple[int | str, str | N
     (this one, another rank's, or the one a ``RankFailed`` names: its description None where its record did not
     come), or None where the store cannot be reached."""
     try:
-        return _record_in(_connect_store(), rank, error)
+        store = _connect_store()
+        first = _record_in(store, rank, error)
+        store.set(f"{_prefix()}read/rank/{rank}", "1")  # it knows the first failure: rank 0 keeps no store for it
+        return first
     except Exception:  # the store went with a failed rank, or never existed: nothing to name but this error
         return None
 
