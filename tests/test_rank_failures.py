@@ -915,9 +915,10 @@ def _handling_counts(store, prefix: str) -> tuple[int, int]:
 
 def test_a_store_gone_between_the_probe_and_the_clients_connect_is_given_up_within_seconds(monkeypatch):
     """The run's store may end (with rank 0, ending on its error) between ``_connect_store``'s plain probe of its port
-    and its store client's connect: the client then retries the refused port, and a failing rank 1 spent about 8 s of
-    its end there (in ``say_handling``) after rank 0 had ended. It gives up within ``STORE_CONNECT_TIMEOUT_S`` and
-    torch's one retry; a client of a store that is there keeps ``STORE_TIMEOUT_S`` for its waits."""
+    and its store client's connect, where torch's client retries the refused port until its timeout and then once
+    more after a delay: a rank ending after rank 0 (its ``say_handling``) would wait there. It gives up within
+    ``STORE_CONNECT_TIMEOUT_S`` and that one retry; a client of a store that is there keeps ``STORE_TIMEOUT_S`` for
+    its waits."""
     import datetime
 
     import torch
