@@ -436,9 +436,7 @@ def _keep_store_for_readers() -> None:
         if not store.check([prefix + "count"]):
             return
         readers = [f"{prefix}read/rank/{rank}" for rank in range(1, torch.distributed.get_world_size())]
-        deadline = time.monotonic() + READ_WAIT_S
-        while not store.check(readers) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _await_keys(store, readers, time.monotonic() + READ_WAIT_S)
 
 
 def _handling_keys() -> tuple[str, str]:
@@ -578,7 +576,11 @@ def _say_node_read(store: torch.distributed.TCPStore, node: int) -> None:
 def _await_readers(store: torch.distributed.TCPStore, place: RankPlace, deadline: float) -> bool:
     """Keep the store (run by this process, rank 0) until every other rank (node, under Lightning's launcher) has
     read the run's first failure, or ``deadline`` (``time.monotonic``) passes; whether all did."""
-    keys = _read_keys(place)
+    return _await_keys(store, _read_keys(place), deadline)
+
+
+def _await_keys(store: torch.distributed.TCPStore, keys: list[str], deadline: float) -> bool:
+    """Wait until the store holds every one of ``keys`` or ``deadline`` (``time.monotonic``) passes; whether it does."""
     while not store.check(keys):
         if time.monotonic() >= deadline:
             return False
