@@ -322,7 +322,7 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
     # Lightning's launcher (rank 0's process) ends its node, without a word, once a child has ended: said first, the
     # record is then kept a little while for rank 0 to read and name (it ends this process as it ends)
     print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
-    read_by_rank_0 = [f"{_prefix()}read/rank/0"]
+    read_by_rank_0 = [_rank_read_key(0)]
     with contextlib.suppress(Exception):  # the store may go with rank 0
         while not store.check(read_by_rank_0) and time.monotonic() < started + STORE_TIMEOUT_S:
             time.sleep(0.1)
@@ -386,7 +386,7 @@ def _await_nodes(store: torch.distributed.TCPStore) -> str:
     while time.monotonic() < started + SETUP_WAIT_S:
         if store.check([prefix + "nodes"]):
             nodes = int(store.get(prefix + "nodes"))
-            if store.check([f"{prefix}read/node/{other}" for other in range(1, nodes)]):
+            if store.check([_node_read_key(other) for other in range(1, nodes)]):
                 return ""
         elif (count := store.add(prefix + "reads", 0)) > reads:  # another read: nodes may still be coming
             reads, last_read = count, time.monotonic()
@@ -432,10 +432,10 @@ def _keep_store_for_readers() -> None:
     if _launcher_runs_store() or not torch.distributed.is_initialized() or torch.distributed.get_rank() != 0:
         return
     with contextlib.suppress(Exception):  # no store to keep
-        store, prefix = _connect_store(), _prefix()
-        if not store.check([prefix + "count"]):
+        store = _connect_store()
+        if not store.check([_prefix() + "count"]):
             return
-        readers = [f"{prefix}read/rank/{rank}" for rank in range(1, torch.distributed.get_world_size())]
+        readers = [_rank_read_key(rank) for rank in range(1, torch.distributed.get_world_size())]
         _await_keys(store, readers, time.monotonic() + READ_WAIT_S)
 
 
@@ -548,13 +548,22 @@ def _await_store(address: tuple[str, int], deadline: float) -> torch.distributed
         time.sleep(WATCH_INTERVAL_S)
 
 
+def _rank_read_key(rank: int) -> str:
+    """The store's key that says ``rank`` read the run's first failure (or recorded its own)."""
+    return f"{_prefix()}read/rank/{rank}"
+
+
+def _node_read_key(node: int) -> str:
+    """The store's key that says a process of ``node`` read the run's first failure."""
+    return f"{_prefix()}read/node/{node}"
+
+
 def _read_keys(place: RankPlace) -> list[str]:
     """The keys that say a rank read the run's first failure, one per rank :func:`_await_readers` waits for:
     under Lightning's launcher per node (its launcher process ends the node's others with it), else per rank."""
-    prefix = _prefix()
     if place.starts_node:
-        return [f"{prefix}read/node/{node}" for node in range(place.nodes) if node != place.node]
-    return [f"{prefix}read/rank/{rank}" for rank in range(place.world) if rank != place.rank]
+        return [_node_read_key(node) for node in range(place.nodes) if node != place.node]
+    return [_rank_read_key(rank) for rank in range(place.world) if rank != place.rank]
 
 
 def _say_read(store: torch.distributed.TCPStore, place: RankPlace) -> None:
@@ -562,14 +571,14 @@ def _say_read(store: torch.distributed.TCPStore, place: RankPlace) -> None:
     its node too: under Lightning's launcher a node's processes end together (the launcher ends its children as it
     ends, and its process observer ends the launcher once a child has); and the run's count of nodes, for node 0's
     process to wait for each where it failed before it could read its own (:func:`_await_nodes`)."""
-    store.set(f"{_prefix()}read/rank/{place.rank}", "1")
+    store.set(_rank_read_key(place.rank), "1")
     store.set(f"{_prefix()}nodes", str(place.nodes))
     _say_node_read(store, place.node)
 
 
 def _say_node_read(store: torch.distributed.TCPStore, node: int) -> None:
     """Record that ``node`` read the run's first failure, and count the read (:func:`_await_nodes` waits for both)."""
-    store.set(f"{_prefix()}read/node/{node}", "1")
+    store.set(_node_read_key(node), "1")
     store.add(f"{_prefix()}reads", 1)
 
 
@@ -603,7 +612,7 @@ def _record_failure(rank: int, error: BaseException) -> tuple[int | str, str | N
     try:
         store = _connect_store()
         first = _record_in(store, rank, error)
-        store.set(f"{_prefix()}read/rank/{rank}", "1")  # it knows the first failure: rank 0 keeps no store for it
+        store.set(_rank_read_key(rank), "1")  # it knows the first failure: rank 0 keeps no store for it
         return first
     except Exception:  # the store went with a failed rank, or never existed: nothing to name but this error
         return None
