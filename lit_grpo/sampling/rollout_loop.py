@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +103,7 @@ class RolloutLoop:
                            true_lengths=self._forced_lengths(),
                            generated={key: len(s.tokens) for key, s in self.samples.items() if s.tokens},
                            done={key for key, s in self.samples.items() if s.done},
-                           park_cost=functools.partial(tail_tokens, self.decode_step.cache.piece_windows))
+                           park_cost=self._park_cost())
         if self.scheduler.needs_prompt_features:
             work.prompt_features = self._prefill_with_features()
         self._record_memory()
@@ -119,6 +119,12 @@ class RolloutLoop:
         self.stats.length_pred_kendall_tau = driven.metrics.get("length_pred_kendall_tau")
         self.stats.length_pred_smape = driven.metrics.get("length_pred_smape")
         return self._result()
+
+    def _park_cost(self) -> Callable[[int], float]:
+        """A parked tail's KV in tokens of every layer, ``tail_tokens`` of the cache's windows: memoized, since the
+        gate's simulation asks it at the preemption points of every rollout it draws, and each answer sums the
+        layers."""
+        return functools.cache(functools.partial(tail_tokens, self.decode_step.cache.piece_windows))
 
     # ------------------------------------------------------------------- the executor (scheduling.driver)
     def over(self) -> bool:
