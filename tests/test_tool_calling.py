@@ -156,6 +156,29 @@ def test_a_failing_tool_returns_its_error_text(llama):
     assert unknown.failures == 2 and "nope not found" in unknown.messages[0][0][1]["content"]
 
 
+def city(name: str) -> dict:
+    """Look a city up.
+
+    Args:
+        name: the city.
+    """
+    if name == "Atlantis":
+        raise ValueError(f"keine Stadt namens {name} gefunden: größer als erwartet")
+    return {"city": name, "country": "Schweiz", "greeting": "Grüezi 👋"}
+
+
+def test_a_tool_result_with_non_ascii_text_reaches_the_model_as_that_text(llama):
+    # a result's text as the tool wrote it, as TRL's str(result) keeps it: JSON's default \u escapes would show the
+    # model other (and many more) tokens than the text
+    _, out = rollout(llama, [city], '<tool_call>{"name": "city", "arguments": {"name": "Zürich"}}</tool_call>',
+                     iterations=1)
+    assert out.messages[0][0][1]["content"] == '{"city": "Zürich", "country": "Schweiz", "greeting": "Grüezi 👋"}'
+    _, failed = rollout(llama, [city], '<tool_call>{"name": "city", "arguments": {"name": "Atlantis"}}</tool_call>',
+                        iterations=1)
+    assert failed.messages[0][0][1]["content"] == \
+        '{"error": "keine Stadt namens Atlantis gefunden: größer als erwartet"}'
+
+
 def test_bad_tool_settings_name_the_value(llama):
     _, tokenizer = llama
     with pytest.raises(ValueError, match="'no_such_module_x:f'.*does not import"):

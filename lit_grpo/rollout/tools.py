@@ -712,10 +712,11 @@ def _ids(encoded: Any) -> list[int]:
 
 
 def _content(value: Any) -> str:
-    """A tool's result as a tool message's content: text as it is, anything else as JSON (or its str)."""
+    """A tool's result as a tool message's content: text as it is, anything else as JSON (or its str), its text
+    unescaped (JSON's ``\\u`` escapes would show the model other tokens than the text, as TRL's ``str`` does not)."""
     if isinstance(value, str):
         return value
     try:
-        return json.dumps(value)
+        return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(value)
