@@ -553,6 +553,20 @@ def test_jsonl_source_and_its_errors(tmp_path):
         split_examples(examples, 0.01)
 
 
+def test_a_jsonl_file_that_starts_with_a_byte_order_mark_reads_as_one_without(tmp_path):
+    """A UTF-8 file some editors save with a BOM (as data.dataset's JSON reader takes it): its first row is read, not
+    refused as invalid JSON with advice to decode it otherwise, which the setting cannot do."""
+    from lit_grpo.rollout.prompts import jsonl_prompts
+
+    text = '{"prompt": "Wie viel ist 2 + 2?", "answer": 4}\n{"prompt": "Größte Stadt?", "answer": "Zürich"}\n'
+    (tmp_path / "plain.jsonl").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text(text, encoding="utf-8-sig")
+    assert (tmp_path / "bom.jsonl").read_bytes().startswith(b"\xef\xbb\xbf")
+    read = [(e.prompt, e.answer, e.entry) for e in jsonl_prompts(tmp_path / "bom.jsonl")]
+    assert read == [(e.prompt, e.answer, e.entry) for e in jsonl_prompts(tmp_path / "plain.jsonl")]
+    assert read[1][:2] == ("Größte Stadt?", "Zürich")
+
+
 def test_a_jsonl_rows_chat_messages_are_taken_and_checked_as_data_dataset_takes_them(tmp_path):
     """TRL's conversational rows (``{"prompt": [{"role", "content"}, ...]}``) from data.jsonl_path: the same
     example data.dataset makes of the file, and the same checks with the line named."""

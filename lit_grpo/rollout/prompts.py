@@ -123,7 +123,8 @@ def jsonl_prompts(path: str | Path) -> list[PromptExample]:
         what = "is a folder" if path.is_dir() else "does not exist"
         raise ValueError(f"prompt file {str(path)!r} {what} (jsonl_path): give a JSONL file, one prompt a line")
     examples = []
-    with path.open(encoding="utf-8") as handle:
+    # utf-8-sig: a byte order mark some editors write is read past, as data.dataset's JSON reader does
+    with path.open(encoding="utf-8-sig") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
