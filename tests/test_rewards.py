@@ -303,6 +303,23 @@ def test_bad_return_values(values, match):
         score_rewards([WeightedReward(bad)], ["q1", "q2"], ["a", "b"])
 
 
+@pytest.mark.parametrize("on_error", ["raise", "skip_group"])
+def test_a_bad_value_found_while_retrying_group_by_group_is_said_as_on_the_whole_batch(on_error):
+    """A function that raises on one group and returns a bad value on another: the group-by-group retry meets the bad
+    value first, and says it as the whole batch's call does (a RewardFunctionError naming the function, the value,
+    its index in the batch and its prompt), never a bare ValueError from lit_grpo's own frames."""
+    def bad(prompts, completions, **kw):
+        if any("raise" in p for p in prompts):
+            raise KeyError("boom")
+        return [1.0, math.nan] if prompts[0] == "q2" else [1.0, 1.0]
+
+    prompts = ["q1", "q1", "q2", "q2", "raise", "raise"]
+    with pytest.raises(RewardFunctionError, match=r"'bad' returned nan at index 3 for prompt 'q2'.*finite") as info:
+        score_rewards([WeightedReward(bad)], prompts, ["a"] * 6, group_size=2, on_error=on_error)
+    # no group to skip: a bad value stops the run whatever on_error says
+    assert (info.value.name, info.value.group, info.value.__cause__) == ("bad", None, None)
+
+
 def test_numpy_and_torch_values_score_as_python_ones():
     """A reward function may return a NumPy array or scalars, bools included (``answer == gold``)."""
     def matches(prompts, completions, **kw):

@@ -49,8 +49,8 @@ Errors stop training, never silently zero a reward:
   by calling it again one group at a time, each call on copies of its own of the arguments as they came); with
   ``on_error="skip_group"`` the groups it fails on are skipped instead (``RewardScores.skipped_groups``; a warning
   names the function, the prompt and the error) and the other groups are scored normally;
-- a wrong number of values, a value that is not a number, NaN or inf -> ``ValueError`` naming the function, the
-  value, its index and the prompt.
+- a wrong number of values, a value that is not a number, NaN or inf -> ``RewardFunctionError`` naming the
+  function, the value, its index in the batch and the prompt, whatever ``on_error`` says (no group to skip).
 
 A function may be async (``async def``, as TRL's): the async functions of a call run together on one event loop
 (``lit_grpo/rollout/async_loop.py``), after the others, so that a judge model's or a sandbox's requests overlap.
@@ -539,9 +539,10 @@ def _shown(prompt: Any) -> Any:
     return message_text(prompt) if is_chat else prompt
 
 
-def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> list[float | None]:
+def _check_values(values: Any, name: str, prompts: Sequence[str], n: int, offset: int = 0) -> list[float | None]:
     """Reward function ``name``'s ``values`` for ``n`` completions of ``prompts`` as ``n`` floats or None; raises
-    naming the function, the bad value, its index and its prompt where one is not a number finite in float32."""
+    naming the function, the bad value, its index (in the batch: ``offset``, the first completion's) and its prompt
+    where one is not a number finite in float32."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     # a dict or a set has a length too, but no order of the completions: a dict's keys would be taken as rewards
@@ -561,13 +562,13 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int) -> lis
             continue
         number = as_number(value)
         if number is None:
-            raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i} "
-                             f"for prompt {_shown(prompts[i])!r:.300}; values must be floats or None")
+            raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index "
+                             f"{offset + i} for prompt {_shown(prompts[i])!r:.300}; values must be floats or None")
         if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # rewards are float32 tensors
             # TRL's nansum takes a NaN for None; refused here, so that a broken computation is not read as no opinion
             nan = "; a NaN is refused where TRL reads it as None: return None for no opinion" if number != number \
                 else ""
-            raise ValueError(f"reward function {name!r} returned {value!r} at index {i} for prompt "
+            raise ValueError(f"reward function {name!r} returned {value!r} at index {offset + i} for prompt "
                              f"{_shown(prompts[i])!r:.300}; values must be finite in float32, |value| <= "
                              f"{FLOAT32_MAX:.4g} (or None for no opinion){nan}")
         out.append(number)
@@ -656,7 +657,10 @@ def _values_by_group(err: Exception, reward: WeightedReward, prompts: Sequence[s
             errors.append(message)
             values.extend([None] * (end - start))
             continue
-        values.extend(_check_values(raw, reward.name, prompts[start:end], end - start))
+        try:
+            values.extend(_check_values(raw, reward.name, prompts[start:end], end - start, offset=start))
+        except ValueError as bad:  # its result: said as on the whole batch (_each_function_values)
+            raise RewardFunctionError(str(bad), reward.name, None, None) from None
         logs.add(log, offset=start)
     if not skipped:
         prompt = _shown(prompts[0]) if prompts else None
