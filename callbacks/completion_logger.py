@@ -70,15 +70,11 @@ class CompletionLogger(Callback):
         num_completions: int = 4,
         max_chars: int = 400,
     ) -> None:
-        for name, value in (("histogram_every_n_steps", histogram_every_n_steps),
-                            ("table_every_n_steps", table_every_n_steps), ("num_prompts", num_prompts),
-                            ("num_completions", num_completions), ("max_chars", max_chars)):
-            check_int(name, value, 1)
-        self.histogram_every_n_steps = histogram_every_n_steps
-        self.table_every_n_steps = table_every_n_steps
-        self.num_prompts = num_prompts
-        self.num_completions = num_completions
-        self.max_chars = max_chars
+        self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 1)
+        self.table_every_n_steps = check_int("table_every_n_steps", table_every_n_steps, 1)
+        self.num_prompts = check_int("num_prompts", num_prompts, 1)
+        self.num_completions = check_int("num_completions", num_completions, 1)
+        self.max_chars = check_int("max_chars", max_chars, 1)
         self._warned: set[str] = set()
         self._step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # the step's micro-batches' so far
         self._step_table: str | None = None  # the step's first micro-batch's table, where the step shows one

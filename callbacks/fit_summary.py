@@ -117,7 +117,7 @@ class FitSummary(Callback):
 
     def __init__(self, validate_before_training: bool = True, accuracy_key: str = "val/accuracy",
                  reward_key: str = "reward/mean", window: int = 5) -> None:
-        check_int("window", window, 1)
+        window = check_int("window", window, 1)
         check_bool("validate_before_training", validate_before_training)
         check_text("accuracy_key", accuracy_key)
         check_text("reward_key", reward_key)

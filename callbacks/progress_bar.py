@@ -39,8 +39,8 @@ class GRPOProgressBar(TQDMProgressBar):
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
         # Lightning's bar takes any value: a negative rate hid the bar, a string failed once training started
-        check_int("refresh_rate", refresh_rate, 0, hint="steps between redraws; 0: no bar")
-        check_int("process_position", process_position, 0)
+        refresh_rate = check_int("refresh_rate", refresh_rate, 0, hint="steps between redraws; 0: no bar")
+        process_position = check_int("process_position", process_position, 0)
         check_bool("leave", leave)
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
 

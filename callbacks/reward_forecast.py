@@ -89,9 +89,9 @@ class RewardForecast(Callback):
         check_text("monitor", monitor)
         check_bool("stop", stop)  # "false" would be truthy: the callback would stop training
         check_choice("criterion", criterion, CRITERIA)
-        check_int("patience", patience, 1)
-        check_int("check_every_n_steps", check_every_n_steps, 1)
-        check_int("min_points", min_points, 5)
+        patience = check_int("patience", patience, 1)
+        check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        min_points = check_int("min_points", min_points, 5)
         self.monitor = monitor
         self.min_delta = check_real("min_delta", min_delta, low=0)
         self.patience = patience

@@ -85,7 +85,8 @@ class RunCheckpoint(ModelCheckpoint):
                  verbose: bool = False) -> None:
         check_folder("dirpath", dirpath, "Lightning's checkpoint folder")
         if every_n_train_steps is not None:
-            check_int("every_n_train_steps", every_n_train_steps, 1)
+            # a plain int: it is part of the state_key a checkpoint's callback state is found by
+            every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 1)
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ValueError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta (in YAML "
                              "\"0:30:00\") or None: never")

@@ -314,10 +314,10 @@ class SlotTimelineLogger(Callback):
     """
 
     def __init__(self, every_n_steps: int = 10, width: int = 1000, row_height: int | None = None) -> None:
-        check_int("every_n_steps", every_n_steps, 1)
-        check_int("width", width, 800)  # pixels: a readable figure
+        every_n_steps = check_int("every_n_steps", every_n_steps, 1)
+        width = check_int("width", width, 800)  # pixels: a readable figure
         if row_height is not None:
-            check_int("row_height", row_height, 2)  # pixels (None: from the slots and the width)
+            row_height = check_int("row_height", row_height, 2)  # pixels (None: from the slots and the width)
         self.every_n_steps = every_n_steps
         self.render_kwargs = dict(width=width, row_height=row_height)
         self._warned: set[str] = set()

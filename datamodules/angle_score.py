@@ -101,7 +101,7 @@ def angle_concentration(model: torch.nn.Module, tokenizer: Any, prompts: list[li
     Returns:
         ``[N]`` float32 on the CPU, in the order of ``prompts``.
     """
-    check_int("batch_size", batch_size, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
     for i, ids in enumerate(prompts):

@@ -445,14 +445,16 @@ class AngleCurriculumSampler(PromptSampler):
         self._asked_epoch = int(state["asked_epoch"])
 
 
-def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> None:
+def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> int:
     """Refuse a bad curriculum setting before any model is loaded: its name, its options (``curriculum_kwargs``, a
-    mapping or None) and ``score_batch_size`` (prompts per prefill when the angle curriculum scores its prompts)."""
-    check_int("score_batch_size", score_batch_size, 1)
+    mapping or None) and ``score_batch_size`` (prompts per prefill when the angle curriculum scores its prompts),
+    which it returns as a plain int (a numpy integer's too)."""
+    score_batch_size = check_int("score_batch_size", score_batch_size, 1)
     if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
         raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
                          "options or None")
     check_curriculum_options(curriculum, curriculum_kwargs or {})
+    return score_batch_size
 
 
 def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:

@@ -318,16 +318,19 @@ class RolloutDataModule(LightningDataModule):
                                        max_staleness)
         self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
         scoring = ScoringConfig(accuracy_reward, on_reward_error)
+        # the counts rebound as checked before save_hyperparameters: a numpy integer saved as an int, which
+        # torch.load(weights_only=True) reads back
         if steps_per_epoch is not None:
-            check_int("steps_per_epoch", steps_per_epoch, 1)
-        check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column, answer_column, split)
+            steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
+        size, data_seed = check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column,
+                                              answer_column, split)
         check_val_size(val_size)
         check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
         check_bool("apply_chat_template", apply_chat_template)
         if not apply_chat_template and tools is not None:
             raise ValueError("apply_chat_template=False tokenizes string prompts as plain text, but tools are shown "
                              "to the model and their turns rendered through the chat template; drop one of the two")
-        check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
+        score_batch_size = check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
         self.tools = checked_tools(tools, max_tool_calling_iterations, over_provision)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
@@ -337,6 +340,8 @@ class RolloutDataModule(LightningDataModule):
         _warn_preemption_off(sampling, stacklevel=3)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
+        # the groups' fields are the flat settings' names: their checked values saved (a numpy integer as an int)
+        self.hparams.update(dataclasses.asdict(self.training), **dataclasses.asdict(self.validation))
         # a tool by its name, which a checkpoint stores as plain text
         self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints

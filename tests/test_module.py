@@ -1,11 +1,13 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
 import dataclasses
+import io
 import json
 import math
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -452,6 +454,25 @@ def test_bad_arguments_name_the_value():
     # unset, the correctness reward follows the reward functions
     assert RolloutDataModule(prompts=PROMPTS, reward_funcs=["format", "math"]).scoring.accuracy_reward == "math"
     assert RolloutDataModule(prompts=PROMPTS).scoring.accuracy_reward == "accuracy"
+
+
+def test_numpy_integer_settings_are_kept_as_plain_ints():
+    """A count computed with numpy (np.int64) is the integer it is, kept as a plain int: a checkpoint's
+    hyperparameters are read back by torch.load(weights_only=True), which refuses numpy scalars."""
+    n = np.int64
+    module = GRPOModule(model="tiny-llama", num_iterations=n(2), num_mini_batches=n(1),
+                        train_micro_batch_size=n(4), warmup_steps=n(3))
+    data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
+                             prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
+                             val_batch_size=n(8), val_num_samples=n(1),
+                             sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
+    for hparams in (module.hparams, data.hparams):
+        buffer = io.BytesIO()
+        torch.save(dict(hparams), buffer)
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True) == dict(hparams)
+    assert type(module.hparams.warmup_steps) is int and type(data.training.prompts_per_step) is int
+    assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -146,8 +146,8 @@ class RolloutBuilder:
                  rollout_weights: RolloutWeights | None = None,
                  measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None):
         # a world_size below 1 ran as one process, and a rank >= world_size seeds streams no rank of the world has
-        check_int("world_size", world_size, 1)
-        check_int_in_range("rank", rank, 0, world_size - 1)
+        world_size = check_int("world_size", world_size, 1)
+        rank = check_int_in_range("rank", rank, 0, world_size - 1)
         if world_size > 1 and all_gather is None:
             if advantage.multi_objective_aggregation == "normalize_then_sum":
                 raise ValueError(f"multi_objective_aggregation='normalize_then_sum' over world_size={world_size} "

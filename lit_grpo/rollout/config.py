@@ -45,17 +45,16 @@ class TrainingConfig:
     max_staleness: int = 2
 
     def __post_init__(self) -> None:
-        check_int("prompts_per_step", self.prompts_per_step, 1)
-        check_int("max_rollouts_per_step", self.max_rollouts_per_step, 1)
+        for name in ("prompts_per_step", "max_rollouts_per_step"):  # a numpy integer kept as a plain int
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         check_bool("dynamic_sampling", self.dynamic_sampling)  # "false" would be truthy: dynamic sampling on
-        over_provision, max_staleness = self.over_provision, self.max_staleness
+        over_provision = self.over_provision
         if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or \
                 not 1 <= over_provision < math.inf:
             raise ValueError(f"over_provision={over_provision!r} must be a finite number >= 1.0 (1.0: no partial "
                              "rollouts)")
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
-            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 1 (steps a group may be "
-                             "carried)")
+        object.__setattr__(self, "max_staleness", check_int("max_staleness", self.max_staleness, 1,
+                                                            hint="steps a group may be carried"))
 
     @property
     def partial(self) -> bool:
@@ -88,10 +87,9 @@ class ValidationConfig:
     val_temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        check_int("val_batch_size", self.val_batch_size, 1)
-        if self.val_max_new_tokens is not None:
-            check_int("val_max_new_tokens", self.val_max_new_tokens, 1)
-        check_int("val_num_samples", self.val_num_samples, 1)
+        for name in ("val_batch_size", "val_max_new_tokens", "val_num_samples"):  # a numpy integer as a plain int
+            if not (name == "val_max_new_tokens" and self.val_max_new_tokens is None):  # None: the sampling cap
+                object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         check_real("val_temperature", self.val_temperature, low=MIN_TEMPERATURE)
 
     def length_cap(self, sampling_cap: int) -> int:

@@ -146,13 +146,14 @@ def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
 
 
 def check_prompt_source(size: Any, data_seed: Any, dataset: Any, task_config: Any = None, jsonl_path: Any = None,
-                        prompt_column: Any = None, answer_column: Any = None, split: Any = "train") -> None:
+                        prompt_column: Any = None, answer_column: Any = None,
+                        split: Any = "train") -> tuple[int, int]:
     """Refuse a bad setting of the prompt source before anything is loaded: ``size`` (a task's entries),
     ``data_seed`` (the task's generation and the held-out split), ``dataset`` (a path or a ``datasets.Dataset``),
     ``task_config``, ``jsonl_path`` and the dataset's columns and split, each by its type; which source is given
-    is ``load_prompts``' to judge."""
-    check_int("size", size, 1)
-    check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
+    is ``load_prompts``' to judge. Returns ``(size, data_seed)`` as plain ints (a numpy integer's too)."""
+    size = check_int("size", size, 1)
+    data_seed = check_int_in_range("data_seed", data_seed, 0, SEED_MAX)
     # an empty path would be the current folder, which datasets reads as a dataset of whatever files it holds
     if dataset is not None and (not isinstance(dataset, (str, os.PathLike)) or not os.fspath(dataset)):
         from lit_grpo.rollout.hf_dataset import is_dataset_object
@@ -168,6 +169,7 @@ def check_prompt_source(size: Any, data_seed: Any, dataset: Any, task_config: An
     check_text("prompt_column", prompt_column, none=True)
     check_text("answer_column", answer_column, none=True)
     check_text("split", split)
+    return size, data_seed
 
 
 def load_prompts(task: str | None = None, size: int = 1000, seed: int = 0,

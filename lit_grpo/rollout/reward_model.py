@@ -42,7 +42,7 @@ class RewardModel:
 
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
-        check_int("reward_model batch_size", batch_size, 1)
+        batch_size = check_int("reward_model batch_size", batch_size, 1)
         try:  # checked before loading: a bad dtype is a setting's error, not the model's
             torch_dtype = resolve_dtype(dtype)
         except ValueError as error:

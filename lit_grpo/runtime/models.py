@@ -603,14 +603,15 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
                           f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
                           for name in unknown)
         raise ValueError(f"peft_config has fields peft.LoraConfig does not take: {hints}")
-    if "r" in peft_config:
-        check_int("peft_config.r", peft_config["r"], 1)
+    peft_config = dict(peft_config)
+    if "r" in peft_config:  # a numpy integer as a plain int: peft writes the config as JSON
+        peft_config["r"] = check_int("peft_config.r", peft_config["r"], 1)
     # numbers LoraConfig takes as given, which fail (or make every logit NaN) once the adapter runs
     if "lora_alpha" in peft_config:
         check_real("peft_config.lora_alpha", peft_config["lora_alpha"], low=0, low_open=True)
     if "lora_dropout" in peft_config:
         check_real("peft_config.lora_dropout", peft_config["lora_dropout"], low=0, high=1, high_open=True)
-    return LoraConfig(**dict(peft_config))
+    return LoraConfig(**peft_config)
 
 
 def with_lora(model: PreTrainedModel, peft_config: Mapping[str, Any]) -> PreTrainedModel:

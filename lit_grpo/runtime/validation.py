@@ -189,20 +189,21 @@ def default_threads(local_processes: int = 1) -> int | None:
 
 def core_share(cores: int, local_processes: int = 1) -> int:
     """The cores each of ``local_processes`` on a node may take of the ``cores`` they divide: at least one."""
-    check_int("local_processes", local_processes, 1)
+    local_processes = check_int("local_processes", local_processes, 1)
     return max(1, cores // local_processes)
 
 
 def check_thread_count(name: str, threads: int) -> int:
-    """``threads`` if it is in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may use], else a ValueError
-    naming ``name``, the value and that range."""
+    """``threads`` as a plain int if it is an integer in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may
+    use], else a ValueError naming ``name``, the value and that range."""
     cores, cpus = core_limit()
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS_PER_CORE * cores:
+    count = _integer_within(threads, 1, MAX_THREADS_PER_CORE * cores)
+    if count is None:
         of_the = (f"{cores} this process's cgroup CPU quota of {cpus:g} CPUs grants" if cpus is not None
                   else f"{cores} this process may run on")
         raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
                          f"a core of the {of_the})")
-    return threads
+    return count
 
 
 class ConfigError(ValueError):
@@ -247,24 +248,36 @@ def setting_message(where: str, message: str, settings: Collection[str] = ()) ->
     return key + message[len(leading.group(1)):]
 
 
+def _integer_within(value: Any, minimum: int | None, maximum: int | None) -> int | None:
+    """``value`` as a plain int if it is an integral number within the bounds, else None: an int or a numpy integer
+    (a setting computed with numpy, or read through it), not a bool (nor numpy's, which is no ``numbers.Integral``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    number = int(value)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        return None
+    return number
+
+
 def check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise a ValueError naming it (and
-    ``hint``, said after it in parentheses)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) ``>= minimum``,
+    else a ValueError naming it (and ``hint``, said after it in parentheses). :func:`check_int_in_range` with no
+    upper bound, said shorter."""
+    number = _integer_within(value, minimum, None)
+    if number is None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else ""))
-    return value
+    return number
 
 
 def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as an int if it is an integral number (not a bool) within the bounds, else a ValueError naming it."""
-    allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
-        f" and <= {maximum}" if maximum is not None else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) within the
+    bounds, else a ValueError naming it."""
+    number = _integer_within(value, minimum, maximum)
+    if number is None:
+        allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
+            f" and <= {maximum}" if maximum is not None else "")
         raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-    return value
+    return number
 
 
 def check_real(name: str, value: Any, low: float | None = None, high: float | None = None,

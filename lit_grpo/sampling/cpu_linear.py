@@ -141,7 +141,7 @@ def onednn_linears(model: torch.nn.Module, kernel: LinearKernel = "onednn", rows
     chunks) read the plain weight. Nothing happens when ``kernel`` is "torch"."""
     check_choice("kernel", kernel, get_args(LinearKernel))
     if kernel == "packed":
-        check_int("rows", rows, 1)
+        rows = check_int("rows", rows, 1)
     if kernel == "torch":
         yield
         return

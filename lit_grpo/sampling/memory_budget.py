@@ -93,9 +93,9 @@ def kv_budget_from_free_memory(free_bytes: int, reserved_bytes: int, margin_byte
         ValueError: a count that is not an integer >= 0, or nothing left for the KV cache (the message names the
             three numbers).
     """
-    check_int("free_bytes", free_bytes, 0)
-    check_int("reserved_bytes", reserved_bytes, 0)
-    check_int("margin_bytes", margin_bytes, 0)
+    free_bytes = check_int("free_bytes", free_bytes, 0)
+    reserved_bytes = check_int("reserved_bytes", reserved_bytes, 0)
+    margin_bytes = check_int("margin_bytes", margin_bytes, 0)
     budget = free_bytes - reserved_bytes - margin_bytes
     if budget < 1:
         raise ValueError(f"no device memory left for the KV cache: free_bytes={free_bytes} - reserved_bytes="
@@ -240,7 +240,7 @@ def kv_row_bytes(config: Any, dtype: torch.dtype | str, positions: int) -> int:
         kv_row_bytes = kv_bytes_per_token / layers x sum over layers of min(positions, window)
 
     ``kv_bytes_per_token x positions`` for a model without sliding layers, or whose window holds ``positions``."""
-    check_int("positions", positions, 0)
+    positions = check_int("positions", positions, 0)
     windows = kv_windows(config)
     return kv_bytes_per_token(config, dtype) // len(windows) * held_positions(windows, positions)
 
@@ -262,7 +262,7 @@ def tail_tokens(windows: Sequence[int | None], tokens: int) -> float:
 
 def aligned_width(width: int, alignment: int) -> int:
     """``width`` rounded up to a multiple of ``alignment``."""
-    check_int("alignment", alignment, 1)
+    alignment = check_int("alignment", alignment, 1)
     return -(-width // alignment) * alignment
 
 
@@ -282,8 +282,8 @@ def kv_slot_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, ma
                   alignment: int = 1) -> int:
     """Worst-case KV bytes of one slot: ``kv_row_bytes`` of ``slot_positions(...)`` (a sliding layer's row holds
     at most its window)."""
-    check_int("max_prompt_len", max_prompt_len, 0)
-    check_int("max_new_tokens", max_new_tokens, 1)
+    max_prompt_len = check_int("max_prompt_len", max_prompt_len, 0)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     return kv_row_bytes(config, dtype, slot_positions(max_prompt_len, max_new_tokens, alignment))
 
 
@@ -293,7 +293,7 @@ def kv_held_bytes(config: Any, dtype: torch.dtype | str, max_prompt_len: int, gr
     (kv_row_bytes(max_prompt_len) + group_size x kv_row_bytes(parked_tokens))`` (each prefix and parked tail a
     piece of its own, a sliding layer's holding at most its window); ``parked_tokens``: 0 where no sample is parked
     outside a park budget."""
-    check_int("parked_tokens", parked_tokens, 0)
+    parked_tokens = check_int("parked_tokens", parked_tokens, 0)
     return num_prompts * (kv_row_bytes(config, dtype, max_prompt_len)
                           + group_size * kv_row_bytes(config, dtype, parked_tokens))
 
@@ -334,14 +334,14 @@ def auto_micro_group_size(config: Any, dtype: torch.dtype | str, kv_budget_bytes
         ValueError: a bad argument, or a budget smaller than one slot and the held KV (the message names the
             numbers).
     """
-    check_int("kv_budget_bytes", kv_budget_bytes, 1)
-    check_int("group_size", group_size, 1)
-    check_int("num_prompts", num_prompts, 1)
+    kv_budget_bytes = check_int("kv_budget_bytes", kv_budget_bytes, 1)
+    group_size = check_int("group_size", group_size, 1)
+    num_prompts = check_int("num_prompts", num_prompts, 1)
     per_token = kv_bytes_per_token(config, dtype)
     check_real("park_fraction", park_fraction, 0)
     slot = kv_slot_bytes(config, dtype, max_prompt_len, max_new_tokens, alignment)
-    check_int("row_state_bytes", row_state_bytes, 0)
-    check_int("step_bytes", step_bytes, 0)
+    row_state_bytes = check_int("row_state_bytes", row_state_bytes, 0)
+    step_bytes = check_int("step_bytes", step_bytes, 0)
     slot += math.ceil(park_fraction * kv_row_bytes(config, dtype, max_new_tokens)) + row_state_bytes + step_bytes
     held = kv_held_bytes(config, dtype, max_prompt_len, group_size, num_prompts, parked_tokens)
     held += kv_prefill_bytes(config, dtype, max_prompt_len, num_prompts, max_new_tokens, carried)

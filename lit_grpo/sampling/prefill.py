@@ -62,7 +62,7 @@ def prefill_chunks(prefix_lengths: Sequence[int], max_tokens: int = PREFILL_CHUN
     >>> prefill_chunks([60, 0, 39, 36, 700, 44], max_tokens=200)
     [[0, 2, 3], [4], [5]]
     """
-    check_int("max_tokens", max_tokens, 1)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     chunks: list[list[int]] = []
     tokens = 0
     for p, length in enumerate(prefix_lengths):

@@ -81,7 +81,7 @@ DECISION_NAMES: tuple[str, ...] = (
 
 def lower_bound_steps(lengths: Sequence[int], num_slots: int) -> int:
     """``max(ceil(sum L / g), max L)``: no schedule on ``num_slots`` slots finishes in fewer decode steps."""
-    check_int_in_range("num_slots", num_slots, minimum=1)
+    num_slots = check_int_in_range("num_slots", num_slots, minimum=1)
     if not lengths:
         return 0
     return max(math.ceil(sum(lengths) / num_slots), max(lengths))
@@ -123,7 +123,7 @@ class RolloutWork:
 
     def __post_init__(self) -> None:
         for name in ("group_size", "num_slots", "max_new_tokens"):
-            check_int_in_range(name, getattr(self, name), 1)
+            setattr(self, name, check_int_in_range(name, getattr(self, name), 1))
         num_prompts, features = len(self.prompt_lengths), self.prompt_features
         if features is not None and (features.dim() != 2 or features.shape[0] != num_prompts):
             raise ValueError(f"prompt_features must be [B, H] = [{num_prompts}, H], got shape {tuple(features.shape)}")

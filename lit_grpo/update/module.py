@@ -155,11 +155,12 @@ class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
 
 def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int,
                               lr_schedule: LrSchedule, min_lr_ratio: float, max_grad_norm: float | None,
-                              stacklevel: int) -> None:
+                              stacklevel: int) -> int:
     """Check ``GRPOModule``'s AdamW, learning-rate schedule and clipping settings (its docstring says each);
-    warn where ``min_lr_ratio`` is set for a schedule that never decays to it."""
+    warn where ``min_lr_ratio`` is set for a schedule that never decays to it. Returns ``warmup_steps`` as a plain
+    int (a numpy integer's too)."""
     # transformers 5's warmup_steps below 1 is a share of the steps (TRL's warmup_ratio): say what the count is
-    check_int("warmup_steps", warmup_steps, 0, WARMUP_STEPS_COUNT if is_share(warmup_steps) else "")
+    warmup_steps = check_int("warmup_steps", warmup_steps, 0, WARMUP_STEPS_COUNT if is_share(warmup_steps) else "")
     check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
     check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
     if min_lr_ratio and lr_schedule == "constant":
@@ -174,6 +175,7 @@ def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[fl
                          "rates of its moments, e.g. [0.9, 0.99])")
     if max_grad_norm is not None:  # None: no clipping
         check_real("max_grad_norm", max_grad_norm, low=0)
+    return warmup_steps
 
 
 def _checked_reference_sync(reference_sync: ReferenceSync | dict | None, loss: LossConfig,
@@ -340,13 +342,15 @@ class GRPOModule(LightningModule):
         if not isinstance(shared_prefix, (bool, str)):  # 1 and 0 equal True and False, which check_choice takes
             raise ValueError(f"shared_prefix={shared_prefix!r} is not known; use one of {list(SHARED_PREFIX_MODES)}")
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
-        check_int("num_iterations", num_iterations, 1)
-        check_int("num_mini_batches", num_mini_batches, 1)
-        check_int("train_micro_batch_size", train_micro_batch_size, 1)
+        # rebound before save_hyperparameters: a numpy integer is saved as an int, which torch.load(weights_only=True)
+        # reads back
+        num_iterations = check_int("num_iterations", num_iterations, 1)
+        num_mini_batches = check_int("num_mini_batches", num_mini_batches, 1)
+        train_micro_batch_size = check_int("train_micro_batch_size", train_micro_batch_size, 1)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
         warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: the checkpoint keeps the int
-        _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm,
-                                  stacklevel=3)
+        warmup_steps = _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio,
+                                                 max_grad_norm, stacklevel=3)
         if peft_config is not None:  # checked here, before a model loads ({}, 0 or '' too: not taken as None)
             with config_errors("model.peft_config"):
                 lora_config(peft_config)

@@ -37,7 +37,7 @@ class ReferenceSync:
     mixup_alpha: float = 0.6
 
     def __post_init__(self) -> None:
-        check_int("reference_sync.every_n_steps", self.every_n_steps, 1)
+        object.__setattr__(self, "every_n_steps", check_int("reference_sync.every_n_steps", self.every_n_steps, 1))
         check_real("reference_sync.mixup_alpha", self.mixup_alpha, low=0, high=1, low_open=True)
 
     def due(self, optimizer_steps: int) -> bool:

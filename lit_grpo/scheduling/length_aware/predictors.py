@@ -90,10 +90,9 @@ class OnlineLengthPredictor:
 
     def __init__(self, max_dim: int = 256, decay: float = 0.998, min_token_observations: int = 16,
                  seed: int = 0) -> None:
-        check_int("max_dim", max_dim, 1)
-        check_int("min_token_observations", min_token_observations, 0)
-        check_int_in_range("seed", seed)  # added to the hidden size as a torch seed: a float failed there
-        self.max_dim, self.seed, self.min_token_observations = max_dim, seed, min_token_observations
+        self.max_dim = check_int("max_dim", max_dim, 1)
+        self.min_token_observations = check_int("min_token_observations", min_token_observations, 0)
+        self.seed = check_int_in_range("seed", seed)  # added to the hidden size as a torch seed: a float failed there
         self.prompt_model = RidgeRegressor(decay=decay)
         self.token_model = RidgeRegressor(decay=decay)
         self._projections: dict[int, torch.Tensor] = {}
