@@ -508,6 +508,18 @@ def test_a_ridge_fit_is_reused_until_min_refit_new_observations():
     assert regressor.predict(probe).item() > fitted  # the 4th: refitted
 
 
+def test_a_ridge_regressor_fits_at_a_decay_just_above_its_bound():
+    # the effective count approaches (1 + decay) / (1 - decay): above 3 just above decay 0.5, so a fit is made
+    generator = torch.Generator().manual_seed(0)
+    regressor = RidgeRegressor(decay=0.55, alphas=(1.0,), min_refit=1)
+    for _ in range(40):
+        x = torch.randn(1, 2, generator=generator, dtype=torch.float64)
+        regressor.update(x, x[:, 0] - x[:, 1])
+    assert regressor.effective_count > 3
+    first, second = regressor.predict(torch.tensor([[1.0, 0.0], [0.0, 1.0]])).tolist()
+    assert first > second  # a slope was fitted: the mean alone would answer both alike
+
+
 def test_a_ridge_penalty_counts_pseudo_observations():
     # a penalty of 1 against 1000 exact observations of y = 2x + 1 barely shrinks the slope
     regressor = RidgeRegressor(decay=1.0, alphas=(1.0,))
@@ -691,11 +703,20 @@ def test_length_aware_config_bad_arguments(kwargs, pattern):
     # decay above 1 grew the older observations' weights without bound
     (lambda: OnlineLengthPredictor(max_dim=0), r"max_dim=0 must be an integer >= 1"),
     (lambda: OnlineLengthPredictor(max_dim=8.5), r"max_dim=8.5 must be an integer >= 1"),
-    (lambda: OnlineLengthPredictor(decay=1.5), r"decay=1.5 is not allowed; decay must be a finite number >= 0 and "
+    (lambda: OnlineLengthPredictor(decay=1.5), r"decay=1.5 is not allowed; decay must be a finite number > 0.5 and "
                                                r"<= 1"),
+    # at most 0.5 the decayed statistics never count the 3 observations a fit needs: the mean was predicted forever
+    (lambda: OnlineLengthPredictor(decay=0.3), r"decay=0.3 is not allowed; decay must be a finite number > 0.5"),
+    (lambda: RidgeRegressor(decay=0.5), r"decay=0.5 is not allowed; decay must be a finite number > 0.5"),
+    (lambda: RidgeRegressor(decay=0), r"decay=0 is not allowed; decay must be a finite number > 0.5"),
     (lambda: OnlineLengthPredictor(decay="0.99"), r"decay='0.99' is not allowed"),
     (lambda: OnlineLengthPredictor(min_token_observations=-1), r"min_token_observations=-1 must be an integer >= 0"),
     (lambda: OnlineLengthPredictor(seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),
+    # beyond torch's generator's range these failed at the first projection ("Overflow when unpacking long long")
+    (lambda: OnlineLengthPredictor(seed=-1), r"seed=-1 is not allowed; seed must be an integer >= 0 and <= "
+                                             r"4294967295$"),
+    (lambda: OnlineLengthPredictor(seed=2**64), r"seed=18446744073709551616 is not allowed; seed must be an integer "
+                                                r">= 0 and <= 4294967295$"),
     (lambda: RidgeRegressor(alphas=()), r"alphas=\(\) must be a non-empty list of penalties"),
     (lambda: RidgeRegressor(alphas=(1.0, math.nan)), r"alphas\[1\]=nan is not allowed; alphas\[1\] must be a "
                                                      r"finite number >= 0"),  # the entry named, not the list
@@ -703,6 +724,8 @@ def test_length_aware_config_bad_arguments(kwargs, pattern):
     # int() took these as seeds 1 and 1
     (lambda: make_predictor("noisy:0.5", seed=1.5), r"seed=1.5 is not allowed; seed must be an integer"),
     (lambda: make_predictor("noisy:0.5", seed=True), r"seed=True is not allowed; seed must be an integer"),
+    (lambda: make_predictor("noisy:0.5", seed=-1), r"seed=-1 is not allowed; seed must be an integer >= 0 and <= "
+                                                   r"4294967295$"),
 ])
 def test_the_length_predictors_refuse_a_bad_setting_naming_it(make, pattern):
     with pytest.raises(ValueError, match=pattern):

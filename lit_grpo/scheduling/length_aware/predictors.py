@@ -28,7 +28,7 @@ from typing import Protocol, get_args, runtime_checkable
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range
+from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int, check_int_in_range
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.config import PredictorName
 from lit_grpo.scheduling.length_aware.ridge import RidgeRegressor, rms_normalize, single_thread
@@ -80,9 +80,10 @@ class OnlineLengthPredictor:
 
     Args:
         max_dim: projected size of each feature part.
-        decay: forgetting factor per observation (0.998: half-life ~350 samples), so the model follows the policy.
+        decay: forgetting factor per observation (0.998: half-life ~350 samples), so the model follows the policy;
+            in (0.5, 1] (``RidgeRegressor``).
         min_token_observations: below this many probed samples the prompt model answers instead.
-        seed: of the projection matrices.
+        seed: of the projection matrices, in [0, 2**32 - 1].
     """
 
     needs_prompt_features = True
@@ -92,7 +93,8 @@ class OnlineLengthPredictor:
                  seed: int = 0) -> None:
         self.max_dim = check_int("max_dim", max_dim, 1)
         self.min_token_observations = check_int("min_token_observations", min_token_observations, 0)
-        self.seed = check_int_in_range("seed", seed)  # added to the hidden size as a torch seed: a float failed there
+        # added to the hidden size as a torch seed: a float failed there, and one beyond the generator's range
+        self.seed = check_int_in_range("seed", seed, 0, SEED_MAX)
         self.prompt_model = RidgeRegressor(decay=decay)
         self.token_model = RidgeRegressor(decay=decay)
         self._projections: dict[int, torch.Tensor] = {}
@@ -195,12 +197,12 @@ class NoisyOraclePredictor(OracleLengthPredictor):
 
     Args:
         log_std: S, the spread of the log-length error (>= 0; 0 is the oracle).
-        seed: base of the noise.
+        seed: base of the noise, in [0, 2**32 - 1].
     """
 
     def __init__(self, log_std: float, seed: int = 0) -> None:
         self.spread = check_spread(log_std)
-        self.seed = check_int_in_range("seed", seed)  # int() took 1.5 as 1 and True as 1
+        self.seed = check_int_in_range("seed", seed, 0, SEED_MAX)  # int() took 1.5 as 1 and True as 1
         self.rollout = -1
         self.current_work: RolloutWork | None = None
 

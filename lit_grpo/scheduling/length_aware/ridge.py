@@ -10,6 +10,12 @@ import torch
 
 from lit_grpo.runtime.validation import check_int, check_real
 
+#: The effective count of observations (``(sum w)^2 / sum w^2``) below which nothing is fitted: only the mean.
+MIN_EFFECTIVE_COUNT = 3
+#: The smallest decay allowed, excluded: weights ``decay^k`` cap the effective count at ``(1 + decay) / (1 - decay)``,
+#: which is below ``MIN_EFFECTIVE_COUNT`` up to this decay (0.5), so a model that decays faster never fits.
+MIN_DECAY = (MIN_EFFECTIVE_COUNT - 1) / (MIN_EFFECTIVE_COUNT + 1)
+
 
 class RidgeRegressor:
     """Ridge regression in closed form from exponentially decayed sufficient statistics.
@@ -22,15 +28,17 @@ class RidgeRegressor:
     cross-validation.
 
     Args:
-        decay: each new observation multiplies the weight of all older ones by this (1.0: no forgetting).
+        decay: each new observation multiplies the weight of all older ones by this (1.0: no forgetting); above
+            ``MIN_DECAY`` (0.5), or nothing is ever fitted.
         alphas: penalties, in units of pseudo-observations per standardized feature.
         min_refit: refit after at least this many new observations (and 10% of the effective count).
     """
 
     def __init__(self, decay: float = 0.998, alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0),
                  min_refit: int = 4) -> None:
-        # above 1 the older observations' weights grow without bound; a string failed at the first update
-        self.decay = check_real("decay", decay, low=0, high=1)
+        # above 1 the older observations' weights grow without bound; at most MIN_DECAY they never count enough
+        # observations for a fit; a string failed at the first update
+        self.decay = check_real("decay", decay, low=MIN_DECAY, high=1, low_open=True)
         if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
             raise ValueError(f"alphas={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
         self.alphas = tuple(check_real(f"alphas[{i}]", a, low=0) for i, a in enumerate(alphas))  # the entry named
@@ -102,7 +110,7 @@ class RidgeRegressor:
         due = self.new_since_fit >= self._refit_threshold()
         if self._fit is not None and not due:
             return
-        if self.effective_count < 3 or self.dim is None:
+        if self.effective_count < MIN_EFFECTIVE_COUNT or self.dim is None:
             self._fit = None
             return
         self._fit = self._solve()
