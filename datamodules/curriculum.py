@@ -75,12 +75,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range, check_real
+from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range, check_real, config_errors
 
 __all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
            "build_prompt_sampler"]
@@ -94,6 +94,21 @@ PAPER_NUM_PROMPTS = 7500  # the size of the sets the paper's defaults were set f
 N_FRACTION = 500 / PAPER_NUM_PROMPTS  # paper n = 500
 SIGMA_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper sigma = 1000
 ADJ_MAX_FRACTION = 1000 / PAPER_NUM_PROMPTS  # paper adj_max = 1000
+
+#: The check of each ``AngleCurriculumSampler`` option's value, which needs no prompt count: run as the sampler is
+#: built and, on ``curriculum_kwargs``, before any prompt loads (``check_curriculum_settings``).
+_ANGLE_OPTION_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "n": lambda name, value: check_real(name, value, low=0.0),
+    "alpha": lambda name, value: check_real(name, value, low=0.0),
+    "target_accuracy": lambda name, value: check_real(name, value, low=0.0, high=1.0),
+    "sigma": lambda name, value: check_real(name, value, low=0.0, low_open=True),
+    "adj_min": check_real,
+    "adj_max": check_real,
+    "rescore_every_n_epochs": lambda name, value: check_int_in_range(name, value, minimum=1),
+    "angle_normalization": lambda name, value: check_choice(name, value, ANGLE_NORMALIZATIONS),
+}
+#: The options whose None means a default from the prompt count (or, for rescoring, never).
+_ANGLE_OPTIONS_NONE = ("n", "sigma", "adj_max", "rescore_every_n_epochs")
 
 
 # ---------------------------------------------------------------------------------------------------- draw
@@ -322,18 +337,18 @@ class AngleCurriculumSampler(PromptSampler):
                  angle_normalization: AngleNormalization = "minmax"):
         super().__init__(num_prompts, seed)
         size = self.num_prompts
-        self.n = N_FRACTION * size if n is None else check_real("n", n, low=0.0)
-        self.alpha = check_real("alpha", alpha, low=0.0)
-        self.target_accuracy = check_real("target_accuracy", target_accuracy, low=0.0, high=1.0)
-        self.sigma = SIGMA_FRACTION * size if sigma is None else check_real("sigma", sigma, low=0.0, low_open=True)
-        self.adj_min = check_real("adj_min", adj_min)
-        self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else check_real("adj_max", adj_max)
-        if self.adj_min > self.adj_max:
-            raise ValueError(f"adj_min={self.adj_min:g} is not allowed with adj_max={self.adj_max:g}; "
-                             "adj_min must be <= adj_max")
-        self.rescore_every_n_epochs = (None if rescore_every_n_epochs is None else
-                                       check_int_in_range("rescore_every_n_epochs", rescore_every_n_epochs, minimum=1))
-        self.angle_normalization = check_choice("angle_normalization", angle_normalization, ANGLE_NORMALIZATIONS)
+        given = check_angle_options(dict(n=n, alpha=alpha, target_accuracy=target_accuracy, sigma=sigma,
+                                         adj_min=adj_min, adj_max=adj_max,
+                                         rescore_every_n_epochs=rescore_every_n_epochs,
+                                         angle_normalization=angle_normalization))
+        self.n = N_FRACTION * size if n is None else given["n"]
+        self.alpha, self.target_accuracy = given["alpha"], given["target_accuracy"]
+        self.sigma = SIGMA_FRACTION * size if sigma is None else given["sigma"]
+        self.adj_min = given["adj_min"]
+        self.adj_max = ADJ_MAX_FRACTION * size if adj_max is None else given["adj_max"]
+        _check_adjustment_bounds(self.adj_min, self.adj_max)
+        self.rescore_every_n_epochs = given["rescore_every_n_epochs"]
+        self.angle_normalization = given["angle_normalization"]
         self.mu = 0.0
         self.scores: torch.Tensor | None = None  # [N] float32, by prompt index
         self.order: torch.Tensor | None = None  # [N] long: order[rank] = prompt index, scores descending
@@ -446,15 +461,36 @@ class AngleCurriculumSampler(PromptSampler):
 
 
 def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> int:
-    """Refuse a bad curriculum setting before any model is loaded: its name, its options (``curriculum_kwargs``, a
-    mapping or None) and ``score_batch_size`` (prompts per prefill when the angle curriculum scores its prompts),
-    which it returns as a plain int (a numpy integer's too)."""
+    """Refuse a bad curriculum setting before any prompt or model is loaded: its name, its options
+    (``curriculum_kwargs``, a mapping or None: each key, and each value by the check the sampler makes, named
+    ``data.curriculum_kwargs.KEY`` as at setup) and ``score_batch_size`` (prompts per prefill when the angle
+    curriculum scores its prompts), which it returns as a plain int (a numpy integer's too)."""
     score_batch_size = check_int("score_batch_size", score_batch_size, 1)
     if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
         raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
                          "options or None")
     check_curriculum_options(curriculum, curriculum_kwargs or {})
+    if curriculum == "angle" and curriculum_kwargs:
+        with config_errors("data.curriculum_kwargs", curriculum_kwargs):
+            check_angle_options(curriculum_kwargs)
     return score_batch_size
+
+
+def check_angle_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` (``AngleCurriculumSampler``'s, by name; no others) with each value checked as
+    ``_ANGLE_OPTION_CHECKS`` says (None kept where it means a default), and ``adj_min <= adj_max`` where both are
+    given; a ValueError names the option, its value and what is allowed."""
+    checked = {name: None if value is None and name in _ANGLE_OPTIONS_NONE else _ANGLE_OPTION_CHECKS[name](name, value)
+               for name, value in options.items()}
+    if checked.get("adj_min") is not None and checked.get("adj_max") is not None:
+        _check_adjustment_bounds(checked["adj_min"], checked["adj_max"])
+    return checked
+
+
+def _check_adjustment_bounds(adj_min: float, adj_max: float) -> None:
+    """Refuse bounds of one update's move where ``adj_min > adj_max``, naming both."""
+    if adj_min > adj_max:
+        raise ValueError(f"adj_min={adj_min:g} is not allowed with adj_max={adj_max:g}; adj_min must be <= adj_max")
 
 
 def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:

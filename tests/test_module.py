@@ -481,6 +481,18 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     (dict(data_seed=1.5), r"data_seed=1.5"),
     (dict(steps_per_epoch=0), r"steps_per_epoch=0 must be an integer >= 1"),
     (dict(score_batch_size=0), r"score_batch_size=0 must be an integer >= 1"),
+    # a curriculum option's value, refused at setup once the prompts had loaded, is named with its key when built
+    (dict(curriculum="angle", curriculum_kwargs={"alpha": "2"}),
+     r"^data.curriculum_kwargs.alpha='2' is not allowed; alpha must be a finite number >= 0$"),
+    (dict(curriculum="angle", curriculum_kwargs={"sigma": 0}),
+     r"^data.curriculum_kwargs.sigma=0 is not allowed; sigma must be a finite number > 0$"),
+    (dict(curriculum="angle", curriculum_kwargs={"rescore_every_n_epochs": 1.5}),
+     r"^data.curriculum_kwargs.rescore_every_n_epochs=1.5 is not allowed; rescore_every_n_epochs must be an integer "
+     r">= 1$"),
+    (dict(curriculum="angle", curriculum_kwargs={"angle_normalization": "zscore"}),
+     r"^data.curriculum_kwargs.angle_normalization='zscore' is not known; use one of \['minmax', 'none'\]$"),
+    (dict(curriculum="angle", curriculum_kwargs={"adj_min": 5.0, "adj_max": 1.0}),
+     r"adj_min=5 is not allowed with adj_max=1; adj_min must be <= adj_max$"),
     (dict(val_batch_size=0), r"val_batch_size=0 must be an integer >= 1"),
     (dict(on_reward_error="ignore"), r"on_reward_error='ignore'"),
     (dict(chat_template_kwargs=[1]), r"chat_template_kwargs=\[1\] must be a mapping"),
