@@ -744,6 +744,32 @@ def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
         GRPOModule(model="tiny-llama", lr_schedule="Linear")
 
 
+def test_a_warmup_the_run_never_leaves_is_warned_of_naming_both_counts():
+    """A constant schedule takes any warm-up; one as long as the run's optimizer steps never reaches model.lr."""
+    import lightning.pytorch as pl
+
+    def configured(max_steps, **options):
+        module = GRPOModule(model="tiny-llama", **options)
+        module.policy = torch.nn.Linear(2, 2)  # what configure_optimizers steps: no model loaded
+        module.trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False)
+        module.configure_optimizers()
+
+    with pytest.warns(UserWarning, match=r"model.warmup_steps=8 is not below trainer.max_steps=4: the whole run is "
+                                         r"warm-up, its rate rising to 0.5 x model.lr at its last step"):
+        configured(4, warmup_steps=8)
+    # max_steps rounded up to whole training steps of 2 optimizer steps: the fit runs 4
+    with pytest.warns(UserWarning, match=r"model.warmup_steps=4 is not below trainer.max_steps=3 \(4 optimizer "
+                                         r"steps, rounded up to whole training steps\): the whole run is warm-up, "
+                                         r"its rate rising to 1 x model.lr at its last step"):
+        configured(3, warmup_steps=4, num_iterations=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*warmup_steps")
+        configured(4, warmup_steps=3)
+        configured(1, warmup_steps=1)  # one step of warm-up has the full rate
+        configured(-1, warmup_steps=8)  # no max_steps: the run's length is not known here
+
+
 def _fit_rates(max_steps, ckpt_path=None, save=None, fused=None, **module_options):
     """The rate of every optimizer step of a tiny fit (Python API, the settings given as their classes), and the
     betas of its last; ``fused``, a list: each step's ``fused`` setting and step count's device are added to it."""

@@ -666,6 +666,13 @@ class GRPOModule(LightningModule):
         max_steps = (global_steps_to_run(self.trainer.max_steps, self.optimizer_steps_per_training_step)
                      if self._trainer is not None else None)
         schedule = lr_lambda(hp.lr_schedule, hp.warmup_steps, max_steps, hp.min_lr_ratio)
+        # a constant schedule's (a decay's was refused); a warm-up of 1 step is at the full rate already
+        if max_steps is not None and 0 < max_steps <= hp.warmup_steps and hp.warmup_steps > 1:
+            rounded = (f" ({max_steps} optimizer steps, rounded up to whole training steps)"
+                       if max_steps != self.trainer.max_steps else "")
+            rank_zero_warn(f"model.warmup_steps={hp.warmup_steps} is not below trainer.max_steps="
+                           f"{self.trainer.max_steps}{rounded}: the whole run is warm-up, its rate rising to "
+                           f"{max_steps / hp.warmup_steps:g} x model.lr at its last step; lower model.warmup_steps")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
