@@ -220,8 +220,9 @@ class RolloutDataModule(LightningDataModule):
     ``dataset`` (a local parquet / JSON / JSONL / CSV / Arrow file, a folder of them or a ``save_to_disk`` folder;
     in Python also a ``datasets.Dataset``), read with ``prompt_column``, ``answer_column`` and ``split``
     (``lit_grpo.rollout.hf_dataset``; needs ``pip install 'lit-grpo[data]'``).
-    ``system_prompt`` and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces such
-    as ``\\boxed{}`` stay as written) shape the user message before the chat template; ``chat_template_kwargs``
+    ``system_prompt`` (the system message; None, null, for none: an empty text is refused, as it could also mean an
+    empty system turn) and ``prompt_template`` (``"...{prompt}..."``: only ``{prompt}`` is replaced, other braces
+    such as ``\\boxed{}`` stay as written) shape the messages before the chat template; ``chat_template_kwargs``
     are more variables for the chat template (TRL's setting; e.g. ``{enable_thinking: false}`` for Qwen3), each one
     it must read; ``apply_chat_template: false`` tokenizes a string prompt as the text it is (TRL's standard
     format; a chat-format prompt always goes through the template). ``val_size``: held-out

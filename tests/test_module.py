@@ -366,6 +366,9 @@ def test_bad_arguments_name_the_value():
         RolloutDataModule(prompts=PROMPTS, curriculum="angle", curriculum_kwargs={"foo": 1})
     with pytest.raises(ValueError, match=r"system_prompt=3 must be a string or None"):
         RolloutDataModule(prompts=PROMPTS, system_prompt=3)
+    # '' sent no system message in silence: a chat template such as Qwen2.5's then adds its own default one
+    with pytest.raises(ValueError, match=r"system_prompt='' is empty: use None \(null\) for no system message"):
+        RolloutDataModule(prompts=PROMPTS, system_prompt="")
     with pytest.raises(ValueError, match=r"prompt_template=3 must be a string that contains '\{prompt\}'"):
         RolloutDataModule(prompts=PROMPTS, prompt_template=3)
     with pytest.raises(ValueError, match=r"dataset=3 must be a path \(a local file or folder\) or a datasets.Dataset"):

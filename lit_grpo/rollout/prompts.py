@@ -312,10 +312,16 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
 
 def check_prompt_shaping(system_prompt: Any, prompt_template: Any, chat_template_kwargs: Any) -> None:
     """Refuse a bad setting of what shapes a prompt's messages (``prompt_messages``, ``render_prompt``) before any
-    tokenizer is loaded: the system prompt, the user message's template and the chat template's variables (their
-    names alone here; ``render_prompt`` checks them against the template)."""
+    tokenizer is loaded: the system prompt (None for no system message; an empty one is refused, see below), the
+    user message's template and the chat template's variables (their names alone here; ``render_prompt`` checks
+    them against the template)."""
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
+    # '' could mean no system message or an empty system turn, which differ where a chat template (Qwen2.5's) adds
+    # a default system message to a conversation without one: None says the first, and nothing says the second
+    if system_prompt == "":
+        raise ValueError("system_prompt='' is empty: use None (null) for no system message (a chat template such as "
+                         "Qwen2.5's then adds its own default one), or a non-empty text")
     if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
         raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
     check_chat_template_kwargs(None, chat_template_kwargs)
@@ -323,9 +329,10 @@ def check_prompt_shaping(system_prompt: Any, prompt_template: Any, chat_template
 
 def prompt_messages(prompt: str, system_prompt: str | None = None, template: str = "{prompt}",
                     history: Sequence[Mapping[str, str]] = ()) -> list[dict]:
-    """The chat messages a prompt is rendered from (``render_prompt``): the system prompt, ``history``, then
-    ``template`` with ``{prompt}`` replaced as the user message. Raises where both the system prompt and the
-    history's first turn are a system turn."""
+    """The chat messages a prompt is rendered from (``render_prompt``): the system prompt (none where it is None or
+    empty, which ``check_prompt_shaping`` refuses as a setting), ``history``, then ``template`` with ``{prompt}``
+    replaced as the user message. Raises where both the system prompt and the history's first turn are a system
+    turn."""
     history = [dict(turn) for turn in history]
     if history and history[0]["role"] == "system" and system_prompt:
         raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
