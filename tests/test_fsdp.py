@@ -256,3 +256,27 @@ def test_an_fsdp2_checkpoint_resumes_with_its_param_groups_and_is_refused_with_o
         check_resumable(last, {"weight_decay": 0.0}, None)
     resumed = read_records(fit_two_processes(tmp_path, *args, "--ckpt_path", "last", steps=2), 0)
     assert resumed[-1]["global_step"] == 2 and _saved_param_groups(tmp_path) == {0, 1}
+
+
+@pytest.mark.xdist_group("fsdp_step_1")
+def test_a_sharded_checkpoint_of_other_param_groups_is_refused_by_trainer_fit_before_its_load(tmp_path, fsdp_step_1):
+    """A user's script (tests/fit_without_cli.py: no ``lit-grpo`` and its checks of ``--ckpt_path``) that resumes
+    the two groups' sharded checkpoint by ``trainer.fit(ckpt_path=...)`` with weight_decay 0 (one group) ends on
+    every rank naming both counts, before FSDP2 loads the optimizer into the groups as built (it then failed in
+    the schedule's load, an IndexError)."""
+    from two_process_helpers import TINY
+
+    from tools.harness import repo_env
+
+    args = _resumable_copy(fsdp_step_1, tmp_path)
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    argv = [str(last), "--config", TINY, *args, "--model.weight_decay", "0.0", "--trainer.default_root_dir",
+            str(tmp_path / "run"), "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+            "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    script = os.path.join(os.path.dirname(__file__), "fit_without_cli.py")
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), timeout=240, env=repo_env(), script=script)
+    for rank, (code, output, _) in enumerate(outputs):
+        assert code == 1, f"rank {rank} ended with {code}:\n{output[-4000:]}"
+        assert f"--ckpt_path: checkpoint {last}: its optimizer has 2 param group(s), this run's 1" in output, (
+            output[-4000:])
+        assert "IndexError" not in output, output[-4000:]

@@ -1223,7 +1223,8 @@ def test_a_checkpoint_saving_on_an_error_under_several_processes_is_warned_of(wo
     module = make_module()
     checkpoint = ModelCheckpoint(save_on_exception=save_on_exception)
     module._trainer = SimpleNamespace(world_size=world, callbacks=[checkpoint], datamodule=None, max_steps=-1,
-                                      val_check_interval=1.0, check_val_every_n_epoch=1)
+                                      val_check_interval=1.0, check_val_every_n_epoch=1,
+                                      strategy=SimpleNamespace(restore_checkpoint_after_setup=False))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

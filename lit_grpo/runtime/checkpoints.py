@@ -337,7 +337,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
                          "(a weights-only file, or another program's)")
     if Path(path).is_dir() and not evaluate and not _lookup(module_hparams, "peft_config"):  # LoRA's: left to the load
-        _check_sharded_param_groups(path, _lookup(module_hparams, "weight_decay"))
+        weight_decay = _lookup(module_hparams, "weight_decay")
+        check_sharded_param_groups(path, 2 if weight_decay else 1, weight_decay)
     current = {"hyper_parameters": module_hparams, "datamodule_hyper_parameters": datamodule_hparams or {}}
     differing = []
     for section, names in (WEIGHT_SETTINGS if evaluate else RESUME_SETTINGS).items():
@@ -388,15 +389,17 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
 
 
-def _check_sharded_param_groups(path: str | os.PathLike, weight_decay: float) -> None:
-    """FSDP2 loads a sharded optimizer into the param groups as built, before a hook could regroup it: refused here."""
+def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay: float) -> None:
+    """Raise, naming both counts, where the sharded checkpoint at ``path`` (FSDP2's folder) holds an optimizer of
+    other than ``built`` param groups (this run's, of ``weight_decay``): FSDP2 loads a sharded optimizer into the
+    groups as built, before a hook could regroup it, and fails on the missing keys or in the schedule's load."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if not (Path(path) / ".metadata").is_file():  # no index of the shards: left to their loader, which names it
         return
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = len({found[1] for key in keys if (found := re.search(r"\.param_groups\.(\d+)\.", key))})
-    if saved and saved != (built := 2 if weight_decay else 1):
+    if saved and saved != built:
         raise ValueError(f"checkpoint {path}: its optimizer has {saved} param group(s), this run's {built} "
                          f"(weight_decay_groups: one at model.weight_decay 0, two above, now {weight_decay}); FSDP2 "
                          "loads a sharded optimizer into the groups as built, so they must agree: resume it with "

@@ -104,6 +104,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, get_args
@@ -112,6 +113,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.batch import RolloutBatch
@@ -122,7 +124,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
-from lit_grpo.runtime.checkpoints import check_weight_shapes, exception_save_hazard
+from lit_grpo.runtime.checkpoints import check_sharded_param_groups, check_weight_shapes, exception_save_hazard
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -534,7 +536,7 @@ class GRPOModule(LightningModule):
             weights = {**dict(self.named_parameters()), **dict(self.named_buffers())}
             with config_errors("--ckpt_path"):  # before load_state_dict's traceback, naming the file
                 check_weight_shapes(path, checkpoint["state_dict"], weights)
-        if checkpoint.get("optimizer_states"):  # loaded after this hook (FSDP2's before: check_resumable)
+        if checkpoint.get("optimizer_states"):  # loaded after this hook (FSDP2's before: _check_sharded_resume)
             policy, (state,) = self._require_policy(), checkpoint["optimizer_states"]
             built = weight_decay_groups(policy, self.hparams.weight_decay)
             if len(state["param_groups"]) != len(built):  # one group: weight_decay 0, or saved before the groups
@@ -604,6 +606,29 @@ class GRPOModule(LightningModule):
         hazard = exception_save_hazard(self.trainer.callbacks, self.trainer.world_size)
         if hazard is not None:
             rank_zero_warn(hazard)
+        self._check_sharded_resume()
+
+    def _check_sharded_resume(self) -> None:
+        """Have the strategy's next load of a sharded checkpoint (FSDP2's folder) in this fit first refuse one whose
+        optimizer has other param groups than this run's (``check_sharded_param_groups``). Such a strategy restores
+        after ``on_fit_start`` and loads the optimizer inside ``load_checkpoint``, into the groups as built, before
+        ``on_load_checkpoint`` could regroup it; and no hook is told the path before (``trainer.ckpt_path`` is set
+        as the load starts). So the load is wrapped for one call, as ``on_train_end`` wraps the teardown."""
+        strategy = self.trainer.strategy
+        strategy.__dict__.pop("load_checkpoint", None)  # a wrapper an earlier fit left uncalled
+        if not strategy.restore_checkpoint_after_setup:  # read before setup: on_load_checkpoint regroups its state
+            return
+        load = strategy.load_checkpoint
+
+        def load_checking_param_groups(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            del strategy.load_checkpoint  # once: the class's own from now on
+            if self.trainer.state.fn == TrainerFn.FITTING and os.path.isdir(checkpoint_path):
+                with config_errors("--ckpt_path"):
+                    check_sharded_param_groups(checkpoint_path, len(self.optimizers().optimizer.param_groups),
+                                               self.hparams.weight_decay)
+            return load(checkpoint_path, *args, **kwargs)
+
+        strategy.load_checkpoint = load_checking_param_groups
 
     def _warn_of_max_steps_inside_a_training_step(self) -> None:
         """Lightning stops after the training step that reaches ``max_steps``: one that is not a multiple of a
