@@ -336,9 +336,6 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
     if missing:
         raise ValueError(f"checkpoint {path} is not a lit_grpo training checkpoint: it has no {', '.join(missing)} "
                          "(a weights-only file, or another program's)")
-    if Path(path).is_dir() and not evaluate and not _lookup(module_hparams, "peft_config"):  # LoRA's: left to the load
-        weight_decay = _lookup(module_hparams, "weight_decay")
-        check_sharded_param_groups(path, 2 if weight_decay else 1, weight_decay)
     current = {"hyper_parameters": module_hparams, "datamodule_hyper_parameters": datamodule_hparams or {}}
     differing = []
     for section, names in (WEIGHT_SETTINGS if evaluate else RESUME_SETTINGS).items():
@@ -391,8 +388,9 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
 
 def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay: float) -> None:
     """Raise, naming both counts, where the sharded checkpoint at ``path`` (FSDP2's folder) holds an optimizer of
-    other than ``built`` param groups (this run's, of ``weight_decay``): FSDP2 loads a sharded optimizer into the
-    groups as built, before a hook could regroup it, and fails on the missing keys or in the schedule's load."""
+    other than ``built`` param groups, those of this run's optimizer (``weight_decay_groups`` at ``weight_decay``):
+    FSDP2 loads a sharded optimizer into the groups as built, before a hook could regroup it, and fails on the
+    missing keys or in the schedule's load. Checked as the fit loads it (``GRPOModule``), where the groups exist."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if not (Path(path) / ".metadata").is_file():  # no index of the shards: left to their loader, which names it
@@ -400,10 +398,12 @@ def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = len({found[1] for key in keys if (found := re.search(r"\.param_groups\.(\d+)\.", key))})
     if saved and saved != built:
+        fits = "0" if saved == 1 else "> 0"
         raise ValueError(f"checkpoint {path}: its optimizer has {saved} param group(s), this run's {built} "
-                         f"(weight_decay_groups: one at model.weight_decay 0, two above, now {weight_decay}); FSDP2 "
-                         "loads a sharded optimizer into the groups as built, so they must agree: resume it with "
-                         f"model.weight_decay {'0' if saved == 1 else '> 0'}, or start a new run without --ckpt_path")
+                         f"(model.weight_decay {weight_decay}; weight_decay_groups: one group at 0, above 0 a second "
+                         "of the biases and normalization weights); FSDP2 loads a sharded optimizer into the groups "
+                         f"as built, so they must agree: resume it with model.weight_decay {fits}, or start a new run "
+                         "without --ckpt_path")
 
 
 def check_weight_shapes(path: str | os.PathLike | None, saved: Mapping[str, Any],
