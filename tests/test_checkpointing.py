@@ -1577,8 +1577,9 @@ def test_a_stop_on_one_of_two_ranks_during_a_validation_stops_both_after_its_bat
     assert _last_step(tmp_path / "run") == 2
 
 
-def test_a_checkpoint_whose_peft_config_is_empty_resumes_with_null(tmp_path, tiny_checkpoint):
-    """An empty peft_config, now refused, trained all weights as null does: its checkpoint resumes with null."""
+def test_a_checkpoint_whose_peft_config_is_empty_resumes_with_null(tmp_path, tiny_checkpoint, capsys):
+    """An empty peft_config, which older releases took, trained all weights as null does: its checkpoint resumes
+    with null. A run's own {} is refused as GRPOModule refuses it without a checkpoint, not as another setting."""
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     checkpoint["hyper_parameters"]["peft_config"] = {}
     saved = tmp_path / "empty_lora.ckpt"
@@ -1588,3 +1589,6 @@ def test_a_checkpoint_whose_peft_config_is_empty_resumes_with_null(tmp_path, tin
     check_resumable(saved, {**module, "peft_config": None}, data, evaluate=True)
     with pytest.raises(ValueError, match=r"model.peft_config: None in the checkpoint, \{'r': 4\} now"):
         check_resumable(saved, {**module, "peft_config": {"r": 4}}, data)
+    for ckpt in (saved, tiny_checkpoint):  # {} saved, null saved
+        err = _refused(capsys, _fit_args(tmp_path / "run", "--ckpt_path", str(ckpt), "--model.peft_config", "{}"))
+        assert "error: model.peft_config={} gives no LoRA setting" in err and "in the checkpoint" not in err, err

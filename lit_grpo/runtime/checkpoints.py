@@ -351,8 +351,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         lacked = False
         for name in names:
             old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
-            if name == "peft_config" and section == "hyper_parameters" and isinstance(old, dict) and not old:
-                old = None  # a saved {} (refused now) trained all weights, as null does: null resumes it
+            if name == "peft_config" and section == "hyper_parameters":
+                old, new = _compared_peft_config(old), _compared_peft_config(new)
             if old is not _MISSING and isinstance(old, dict) != isinstance(new, dict):
                 old, new = {"": old}, {"": new}  # a group on one side only: compared whole
             old, new = _as_group(old), _as_group(new)
@@ -471,6 +471,13 @@ def _fields(value: Any) -> Any:
     if hasattr(value, "as_dict"):  # jsonargparse's Namespace
         return value.as_dict()
     return value
+
+
+def _compared_peft_config(value: Any) -> Any:
+    """A ``peft_config`` as a resume compares it: an empty one (older releases took it; ``GRPOModule`` refuses it
+    now) trained all weights, as null does, so a checkpoint's {} resumes with null, and a run's own {} is left to
+    ``GRPOModule``'s refusal, which names it, instead of differing from the checkpoint."""
+    return None if isinstance(value, dict) and not value else value
 
 
 def _null_dtype_as_loaded(saved: tuple[Any, Any], current: tuple[Any, Any]) -> tuple[Any, Any]:
