@@ -468,6 +468,23 @@ def test_a_malformed_call_is_text_without_a_call_under_either_parser(llama, pars
 
 
 @pytest.mark.parametrize("parser", ["hermes", "response_template"])
+def test_a_call_cut_at_the_length_cap_reaches_the_rewards_as_an_unanswered_call(llama, parsing, parser):
+    """A sample that writes a whole call and hits max_new_tokens before its turn's end: no room is left for a tool
+    result, so nothing runs, but its turn keeps the call as ``tool_calls`` (TRL's parsed message; as past the round
+    cap), not the parser's content with the call's text taken out and no call, which showed the rewards nothing."""
+    model, tokenizer = llama if parser == "hermes" else parsing
+    CALLS.clear()
+    cap = len(call_turn(tokenizer, ADD_CALL)) - 1  # the call's text whole, its EOS past the cap
+    _, out = rollout((model, tokenizer), [add], ADD_CALL, iterations=1, max_new_tokens=cap)
+    assert out.truncated[0] == [True, True] and (out.calls, out.failures, CALLS) == (0, 0, [])
+    for k in range(2):
+        assert out.completion_ids[0][k] == tokenizer(ADD_CALL)["input_ids"] and out.tool_mask[0][k] == [1] * cap
+        (turn,) = out.messages[0][k]
+        assert turn["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+        assert turn["content"] == ""
+
+
+@pytest.mark.parametrize("parser", ["hermes", "response_template"])
 def test_a_readable_call_with_bad_arguments_is_a_failed_call_under_either_parser(llama, parsing, parser):
     model, tokenizer = llama if parser == "hermes" else parsing
     _, out = rollout((model, tokenizer), [add], '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>',

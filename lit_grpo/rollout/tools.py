@@ -392,17 +392,19 @@ class ToolBox:
 
     def _ended_turns(self, groups: Sequence[GroupProgress], out: ToolRollout, turn_start: list[list[int]],
                      keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], list[dict]]:
-        """Record each sample's newest assistant turn in ``out.messages``; return those that end with tool calls
-        (a truncated sample's turn never does: it was cut)."""
+        """Record each sample's newest assistant turn in ``out.messages``, its calls as ``tool_calls``; return those
+        whose calls are to run: not a truncated sample's, which has no room left for their results. Its call stays
+        in its turn unanswered, as one past the round cap does, so the reward functions see it (TRL's message)."""
         pending = {}
         for p, k in keys:
             completion, start = out.completion_ids[p][k], turn_start[p][k]
             turn = completion[start:]
             message, calls = (self.parse(turn, groups[p].prompt_ids + completion[:start]) if turn
                               else ({"role": "assistant", "content": ""}, []))
-            if calls and not out.truncated[p][k]:
+            if calls:  # the parser took the call's text out of the content: it must stay somewhere
                 message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
-                pending[(p, k)] = calls
+                if not out.truncated[p][k]:
+                    pending[(p, k)] = calls
             out.messages[p][k].append(message)
         return pending
 
