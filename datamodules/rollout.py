@@ -36,8 +36,8 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_settings
 from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, check_prompt_shaping,
-                                     check_prompt_source, check_val_size, load_prompts, prompt_set_fingerprint,
-                                     render_prompt, split_examples)
+                                     check_prompt_source, check_val_size, is_conversational, load_prompts,
+                                     prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
@@ -457,7 +457,8 @@ class RolloutDataModule(LightningDataModule):
                 world_size=given["world_size"], rank=self._world()[1], all_gather=given["all_gather"],
                 precision_context=given["precision_context"], rollout_weights=given["rollout_weights"],
                 measured_update_peak=given["measured_update_peak"], tools=self._toolbox,
-                max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0))
+                max_prompt_length=max((len(ids) for ids in self.train_prompt_ids), default=0),
+                conversational=is_conversational(self.examples))
             self.builder.trainer_state = self._trainer_state
             if "engine" in self._pending_state:
                 self.builder.load_state_dict(self._pending_state.pop("engine"), self.examples)

@@ -629,6 +629,28 @@ def test_a_jsonl_rows_chat_messages_are_taken_and_checked_as_data_dataset_takes_
     assert (taken.prompt, taken.messages, taken.answer, taken.entry) == (read.prompt, read.messages, 4, read.entry)
 
 
+def test_a_source_mixing_chat_and_plain_prompts_gives_every_reward_call_the_conversational_form():
+    """The form the reward functions get is the prompt source's, one for the run: a source with a chat row gives
+    each step TRL's conversational form, a plain row as its one user message, whatever rows the step drew. Decided
+    by the batch, a step that drew plain rows only gave text, so one function got two forms (len(c) meant two
+    things)."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    seen = []
+
+    def record(prompts, completions, **kwargs):
+        seen.append((prompts, completions))
+        return [0.0] * len(completions)
+
+    dm = make_datamodule(make_module(), prompts=[{"prompt": chat}, "What is 3 + 3?"], val_size=0, prompts_per_step=1,
+                         reward_funcs=[record], group_size=2, micro_group_size=2, max_new_tokens=2)
+    batches = [dm.build_train_batch() for _ in range(2)]  # an epoch: each row drawn once, alone in its step
+    assert sorted(batch.prompts[0] for batch in batches) == ["What is 2 + 2?", "What is 3 + 3?"]
+    for batch, (prompts, completions) in zip(batches, seen):
+        row = chat if batch.prompts == ["What is 2 + 2?"] else [{"role": "user", "content": "What is 3 + 3?"}]
+        assert prompts == [row, row]
+        assert completions == [[{"role": "assistant", "content": text}] for text in batch.completions[0]]
+
+
 def test_split_holds_out_distinct_prompts_whole():
     """A prompt the source repeats is held out with all its rows (validated once) and never trained on; a source
     without repeats splits as a plain shuffle of its rows."""

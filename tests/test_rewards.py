@@ -533,16 +533,26 @@ def test_a_reward_function_lit_grpo_cannot_call_as_meant_is_refused_when_built(f
 
 
 def test_reward_arguments_are_text_or_trls_conversational_form():
-    from lit_grpo.rollout.prompts import PromptExample
+    """The form is the one given (the prompt set's, ``is_conversational``), not this batch's: a batch of plain rows
+    from a set with chat rows gets the conversational form too, and chat rows said to be text are refused."""
+    from lit_grpo.rollout.prompts import PromptExample, is_conversational
     from lit_grpo.rollout.rewards import reward_arguments
 
     plain = [PromptExample("a?"), PromptExample("b?")]
-    assert reward_arguments(plain, [["1", "2"], ["3", "4"]]) == (["a?", "a?", "b?", "b?"], ["1", "2", "3", "4"])
+    assert reward_arguments(plain, [["1", "2"], ["3", "4"]], conversational=False) == (
+        ["a?", "a?", "b?", "b?"], ["1", "2", "3", "4"])
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
     mixed = [PromptExample("a?", messages=chat), PromptExample("b?")]
-    prompts, completions = reward_arguments(mixed, [["1"], ["2"]])
-    assert prompts == [chat, [{"role": "user", "content": "b?"}]]  # a plain prompt among chat ones: its user turn
-    assert completions == [[{"role": "assistant", "content": "1"}], [{"role": "assistant", "content": "2"}]]
+    assert (is_conversational(plain), is_conversational(mixed), is_conversational(mixed[1:])) == (False, True, False)
+    as_chat = ([[{"role": "user", "content": "b?"}]], [[{"role": "assistant", "content": "2"}]])
+    assert reward_arguments(mixed[1:], [["2"]], conversational=True) == as_chat  # a plain row: its user turn
+    prompts, completions = reward_arguments(mixed, [["1"], ["2"]], conversational=True)
+    assert prompts == [chat, *as_chat[0]]
+    assert completions == [[{"role": "assistant", "content": "1"}], *as_chat[1]]
+    with pytest.raises(ValueError, match=r"conversational=False, but prompt 'a\?' is chat messages: the reward "
+                                         r"functions' form is the whole prompt set's: pass "
+                                         r"conversational=is_conversational\(examples\) over all its rows"):
+        reward_arguments(mixed, [["1"], ["2"]], conversational=False)
 
 
 def test_trls_reward_signatures_run_unchanged():
@@ -836,7 +846,7 @@ def test_each_completion_gets_a_chat_prompt_of_its_own():
 
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
     example = PromptExample("a?", messages=chat)
-    prompts, completions = reward_arguments([example], [["x", "yy", "zzz"]])
+    prompts, completions = reward_arguments([example], [["x", "yy", "zzz"]], conversational=True)
 
     def turns(prompts, completions, **kwargs):
         out = []
@@ -859,7 +869,7 @@ def test_an_error_names_a_chat_prompt_by_its_question():
     system = {"role": "system", "content": "You are a careful assistant. " * 12}
     examples = [PromptExample(q, messages=[system, {"role": "user", "content": q}])
                 for q in ("What is 1+1?", "Name a prime above 100.")]
-    prompts, completions = reward_arguments(examples, [["a", "b"], ["c", "d"]])
+    prompts, completions = reward_arguments(examples, [["a", "b"], ["c", "d"]], conversational=True)
 
     def picky(prompts, completions, **kwargs):
         if any("prime" in prompt[-1]["content"] for prompt in prompts):

@@ -44,7 +44,7 @@ from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_r
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range
+from lit_grpo.runtime.validation import SEED_MAX, check_bool, check_int, check_int_in_range
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
@@ -135,6 +135,9 @@ class RolloutBuilder:
             together whatever its rollouts' lengths.
         tools: EXPERIMENTAL tool calling (``lit_grpo.rollout.tools``): every rollout, validation's too, runs the
             tool calls that end a turn and decodes on; not with partial rollouts (over_provision > 1).
+        conversational: the reward functions get TRL's conversational form (``reward_arguments``), in every
+            rollout: the prompt set's form, ``prompts.is_conversational`` of all its rows, which must be True where
+            any row is chat messages.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
@@ -144,7 +147,8 @@ class RolloutBuilder:
                  world_size: int = 1, rank: int = 0, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  precision_context: Callable[[], Any] | None = None, max_prompt_length: int = 0,
                  rollout_weights: RolloutWeights | None = None,
-                 measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None):
+                 measured_update_peak: Callable[[], int | None] | None = None, tools: ToolBox | None = None,
+                 conversational: bool = False):
         # a world_size below 1 ran as one process, and a rank >= world_size seeds streams no rank of the world has
         world_size = check_int("world_size", world_size, 1)
         rank = check_int_in_range("rank", rank, 0, world_size - 1)
@@ -157,6 +161,8 @@ class RolloutBuilder:
         if tools is not None:
             check_without_partial_rollouts(training.over_provision)
         self.tools = tools
+        #: the reward functions' form, the prompt set's: one for the run, whatever rows a batch holds
+        self.conversational = check_bool("conversational", conversational)
         check_max_prompt_length(sampling, max_prompt_length)
         self.policy, self.tokenizer, self.sampling, self.reward_funcs = policy, tokenizer, sampling, list(reward_funcs)
         self.advantage, self.training, self.validation = advantage, training, validation
@@ -478,8 +484,9 @@ class RolloutBuilder:
         texts = [[self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group]
                  for group in result.completion_ids]
         columns = _reward_columns(examples, result, G, engine.max_new_tokens)
-        reward_prompts, reward_completions = reward_arguments(examples, texts,
-                                                              None if tool_rollout is None else tool_rollout.messages)
+        conversations = None if tool_rollout is None else tool_rollout.messages
+        reward_prompts, reward_completions = reward_arguments(examples, texts, conversations,
+                                                              conversational=self.conversational)
         scores = score_rewards(self.reward_funcs, reward_prompts, reward_completions, columns, group_size=G,
                                on_error=self.scoring.on_reward_error, trainer_state=self.trainer_state())
         skipped = torch.zeros(len(examples), dtype=torch.bool)

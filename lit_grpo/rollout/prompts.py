@@ -51,6 +51,14 @@ def message_text(value: Any) -> str:
     return value if isinstance(value, str) else value[-1]["content"]
 
 
+def is_conversational(examples: Sequence[PromptExample]) -> bool:
+    """Whether the reward functions get a prompt set's prompts and completions in TRL's conversational form
+    (``rewards.reward_arguments``): where any of its rows is chat messages. One answer for the whole set, taken
+    once, so that a function gets one form all run (a plain row then as its one user message), whatever rows a
+    step draws; TRL's dataset column holds one form, so TRL's rewards never meet two."""
+    return any(example.messages for example in examples)
+
+
 def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """A chat prompt: a non-empty list of ``{"role", "content"}`` turns ending with a user turn."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:

@@ -8,7 +8,8 @@ A function with a parameter named ``completions`` is called as TRL calls it, ``p
 keyword (so TRL's ``def f(completions, solution, **kwargs)`` runs unchanged); any other by position, those two
 first. For chat prompts they come in TRL's conversational form (``reward_arguments``): each prompt's messages and
 each completion ``[{"role": "assistant", "content": text}]``; ``lit_grpo.rollout.prompts.message_text`` reads
-the text of either form.
+the text of either form. The form is the prompt set's, one for the run (``prompts.is_conversational``): a set with
+any chat row gives every call this form, a plain row as its one user message.
 
 ``prompts`` and ``completions`` are flat lists of ``N = B x G`` entries (``prompts[i]`` is the prompt of
 completion ``i``; completion ``k`` of prompt ``p`` is at ``i = p * G + k``). ``columns`` are per-completion lists
@@ -774,13 +775,20 @@ def _fresh_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns
 
 
 def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
-                     conversations: Sequence[Sequence[list[dict]]] | None = None) -> tuple[list[Any], list[Any]]:
+                     conversations: Sequence[Sequence[list[dict]]] | None = None, *,
+                     conversational: bool) -> tuple[list[Any], list[Any]]:
     """``(prompts, completions)`` as reward functions get them, ``N = B x G`` each, from ``B`` prompt examples
-    (``PromptExample``) and their ``[B][G]`` completion texts: text; or, where the prompts are chat messages, TRL's
-    conversational form: each prompt's messages as its row holds them, each completion
-    ``[{"role": "assistant", "content": text}]`` (a plain prompt among them as its one user message), or with tool
-    calls (``conversations``, ``[B][G]``: ``lit_grpo.rollout.tools``) its turns and tool messages, as TRL's."""
-    if not any(example.messages for example in examples):
+    (``PromptExample``) and their ``[B][G]`` completion texts: text; or, ``conversational`` (the whole prompt
+    set's form, ``prompts.is_conversational``, not this batch's: one form all run), TRL's conversational form: each
+    prompt's messages as its row holds them, each completion ``[{"role": "assistant", "content": text}]`` (a plain
+    prompt as its one user message), or with tool calls (``conversations``, ``[B][G]``: ``lit_grpo.rollout.tools``)
+    its turns and tool messages, as TRL's."""
+    if not conversational:
+        chat = next((example.prompt for example in examples if example.messages), None)
+        if chat is not None:  # the set's form was taken from other prompts than these
+            raise ValueError(f"conversational=False, but prompt {chat!r:.80} is chat messages: the reward functions' "
+                             "form is the whole prompt set's: pass conversational=is_conversational(examples) over "
+                             "all its rows (RolloutBuilder's conversational)")
         return ([example.prompt for example, group in zip(examples, texts) for _ in group],
                 [text for group in texts for text in group])
     prompts = [example.messages or [{"role": "user", "content": example.prompt}] for example in examples]
