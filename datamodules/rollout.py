@@ -320,7 +320,11 @@ class RolloutDataModule(LightningDataModule):
         self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
         scoring = ScoringConfig(accuracy_reward, on_reward_error)
         # the counts rebound as checked before save_hyperparameters: a numpy integer saved as an int, which
-        # torch.load(weights_only=True) reads back
+        # torch.load(weights_only=True) reads back, in the hparams and in their initial copy the loggers write
+        training, validation = self.training, self.validation
+        prompts_per_step, max_rollouts_per_step = training.prompts_per_step, training.max_rollouts_per_step
+        max_staleness, val_batch_size = training.max_staleness, validation.val_batch_size
+        val_max_new_tokens, val_num_samples = validation.val_max_new_tokens, validation.val_num_samples
         if steps_per_epoch is not None:
             steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
         size, data_seed = check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column,
@@ -341,8 +345,6 @@ class RolloutDataModule(LightningDataModule):
         _warn_preemption_off(sampling, stacklevel=3)
         sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
-        # the groups' fields are the flat settings' names: their checked values saved (a numpy integer as an int)
-        self.hparams.update(dataclasses.asdict(self.training), **dataclasses.asdict(self.validation))
         # a tool by its name, which a checkpoint stores as plain text
         self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints

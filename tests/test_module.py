@@ -469,7 +469,8 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
                              prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
                              val_batch_size=n(8), val_num_samples=n(1),
                              sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
-    for hparams in (module.hparams, data.hparams):
+    # the initial copy too: the loggers write it (TensorBoard's hparams.yaml, which a numpy scalar leaves unreadable)
+    for hparams in (module.hparams, data.hparams, module.hparams_initial, data.hparams_initial):
         buffer = io.BytesIO()
         torch.save(dict(hparams), buffer)
         buffer.seek(0)
