@@ -329,14 +329,14 @@ class RolloutDataModule(LightningDataModule):
             steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
         size, data_seed = check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column,
                                               answer_column, split)
-        check_val_size(val_size)
+        val_size = check_val_size(val_size)
         check_prompt_shaping(system_prompt, prompt_template, chat_template_kwargs)
         check_bool("apply_chat_template", apply_chat_template)
         if not apply_chat_template and tools is not None:
             raise ValueError("apply_chat_template=False tokenizes string prompts as plain text, but tools are shown "
                              "to the model and their turns rendered through the chat template; drop one of the two")
         score_batch_size = check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
-        self.tools = checked_tools(tools, max_tool_calling_iterations, over_provision)
+        self.tools, max_tool_calling_iterations = checked_tools(tools, max_tool_calling_iterations, over_provision)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
             max_rollouts_per_step=max_rollouts_per_step, over_provision=over_provision, max_staleness=max_staleness,

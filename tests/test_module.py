@@ -467,8 +467,10 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
                         train_micro_batch_size=n(4), warmup_steps=n(3))
     data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
                              prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
-                             val_batch_size=n(8), val_num_samples=n(1),
+                             val_batch_size=n(8), val_num_samples=n(1), val_size=n(4),
                              sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
+    with pytest.warns(UserWarning, match="max_tool_calling_iterations"):  # no tools: unread, but checked and saved
+        rounds = RolloutDataModule(prompts=PROMPTS, max_tool_calling_iterations=n(2))
     # the initial copy too: the loggers write it (TensorBoard's hparams.yaml, which a numpy scalar leaves unreadable)
     for hparams in (module.hparams, data.hparams, module.hparams_initial, data.hparams_initial):
         buffer = io.BytesIO()
@@ -477,6 +479,7 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
         assert torch.load(buffer, weights_only=True) == dict(hparams)
     assert type(module.hparams.warmup_steps) is int and type(data.training.prompts_per_step) is int
     assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
+    assert type(data.hparams.val_size) is int and type(rounds.hparams.max_tool_calling_iterations) is int
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -268,14 +268,18 @@ def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 
-def check_val_size(val_size: Any) -> None:
-    """Refuse a ``val_size`` that is neither a count of prompts (an int >= 0) nor a fraction of them in [0, 1), before
-    any prompt is loaded; whether it leaves prompts on both sides is ``split_examples``' to judge."""
+def check_val_size(val_size: Any) -> int | float:
+    """Refuse a ``val_size`` that is neither a count of prompts (an integer >= 0) nor a fraction of them in [0, 1),
+    before any prompt is loaded; whether it leaves prompts on both sides is ``split_examples``' to judge. Returns it
+    as a plain int or float (a numpy number's too)."""
     if isinstance(val_size, float):
         if not 0.0 <= val_size < 1.0:
             raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
-    elif not (isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 0):
-        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)")
+        return float(val_size)
+    try:
+        return check_int("val_size", val_size, 0)
+    except ValueError:
+        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)") from None
 
 
 def split_examples(examples: Sequence[PromptExample], val_size: int | float,
@@ -298,7 +302,7 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
         key = json.dumps([example.prompt, example.messages], default=str)
         prompt_of_row.append(first_rows.setdefault(key, row))
     n = len(first_rows)
-    check_val_size(val_size)
+    val_size = check_val_size(val_size)
     if isinstance(val_size, float):
         count = int(round(val_size * n))
         if val_size > 0 and count == 0:  # asked for validation: none would run, silently

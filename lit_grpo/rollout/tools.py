@@ -40,7 +40,7 @@ from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.prompts import PromptExample, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.rollout.tool_calls import HERMES_CALL, call_body, json_value, read_calls, reasoning_open, split_reasoning
-from lit_grpo.runtime.validation import config_errors
+from lit_grpo.runtime.validation import check_int, config_errors
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import vocab_size
 from lit_grpo.sampling.engine import stop_token_ids
@@ -185,8 +185,7 @@ class ToolBox:
         self.tools = resolve_tools(tools)
         if not self.tools:
             raise ValueError("tools is empty: give at least one tool, or leave data.tools unset")
-        check_max_tool_calling_iterations(max_tool_calling_iterations)
-        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.max_tool_calling_iterations = check_max_tool_calling_iterations(max_tool_calling_iterations)
         self.schemas = tool_schemas(self.tools)
         self.by_name = {tool.__name__: tool for tool in self.tools}
         self.tokenizer, self.chat_template_kwargs = tokenizer, dict(chat_template_kwargs or {})
@@ -440,18 +439,18 @@ def _renumbered(stats: RolloutStats, order: list[int]) -> RolloutStats:
 
 
 def checked_tools(specs: Sequence[Any] | None, max_tool_calling_iterations: Any,
-                  over_provision: float) -> list[Callable]:
+                  over_provision: float) -> tuple[list[Callable], int | None]:
     """``data.tools`` resolved to its functions, each with its JSON schema (a function without one fails here, not
     at the first rollout), and the settings beside them checked: the round cap (an error of its own key, which the
-    user wrote under ``data.max_tool_calling_iterations``) and partial rollouts off where there are tools. Errors of
-    the tools start with ``data.tools``."""
-    check_max_tool_calling_iterations(max_tool_calling_iterations)
+    user wrote under ``data.max_tool_calling_iterations``; returned as a plain int or None) and partial rollouts off
+    where there are tools. Errors of the tools start with ``data.tools``."""
+    max_tool_calling_iterations = check_max_tool_calling_iterations(max_tool_calling_iterations)
     with config_errors("data.tools"):
         tools = resolve_tools(specs)
         tool_schemas(tools)
         if tools:
             check_without_partial_rollouts(over_provision)
-    return tools
+    return tools, max_tool_calling_iterations
 
 
 def check_without_partial_rollouts(over_provision: float) -> None:
@@ -462,11 +461,16 @@ def check_without_partial_rollouts(over_provision: float) -> None:
                          "run with yet (a carried group's samples may wait on a tool); set over_provision: 1.0")
 
 
-def check_max_tool_calling_iterations(value: Any) -> None:
-    """Raise naming ``value`` unless it is None or an int >= 0."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+def check_max_tool_calling_iterations(value: Any) -> int | None:
+    """``value`` as a plain int (a numpy integer's too) or None; raises naming it unless it is None or an integer
+    >= 0."""
+    if value is None:
+        return None
+    try:
+        return check_int("max_tool_calling_iterations", value, 0)
+    except ValueError:
         raise ValueError(f"max_tool_calling_iterations={value!r} must be an integer >= 0 (tool rounds per "
-                         "completion) or None (null in YAML: no count, max_new_tokens bounds the rounds)")
+                         "completion) or None (null in YAML: no count, max_new_tokens bounds the rounds)") from None
 
 
 def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any],
