@@ -1589,6 +1589,9 @@ def test_a_checkpoint_whose_peft_config_is_empty_resumes_with_null(tmp_path, tin
     check_resumable(saved, {**module, "peft_config": None}, data, evaluate=True)
     with pytest.raises(ValueError, match=r"model.peft_config: None in the checkpoint, \{'r': 4\} now"):
         check_resumable(saved, {**module, "peft_config": {"r": 4}}, data)
-    for ckpt in (saved, tiny_checkpoint):  # {} saved, null saved
+    checkpoint["hyper_parameters"]["peft_config"] = {"r": 4}
+    lora = tmp_path / "lora.ckpt"
+    torch.save(checkpoint, lora)
+    for ckpt in (saved, tiny_checkpoint, lora):  # {} saved, null saved, a LoRA saved (not said to be None now)
         err = _refused(capsys, _fit_args(tmp_path / "run", "--ckpt_path", str(ckpt), "--model.peft_config", "{}"))
         assert "error: model.peft_config={} gives no LoRA setting" in err and "in the checkpoint" not in err, err

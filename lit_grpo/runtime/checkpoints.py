@@ -352,7 +352,9 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         for name in names:
             old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
             if name == "peft_config" and section == "hyper_parameters":
-                old, new = _compared_peft_config(old), _compared_peft_config(new)
+                if _is_empty_peft_config(new):  # GRPOModule refuses it, naming it: not another run's setting
+                    continue
+                old = None if _is_empty_peft_config(old) else old  # it trained all weights, as null does
             if old is not _MISSING and isinstance(old, dict) != isinstance(new, dict):
                 old, new = {"": old}, {"": new}  # a group on one side only: compared whole
             old, new = _as_group(old), _as_group(new)
@@ -473,11 +475,11 @@ def _fields(value: Any) -> Any:
     return value
 
 
-def _compared_peft_config(value: Any) -> Any:
-    """A ``peft_config`` as a resume compares it: an empty one (older releases took it; ``GRPOModule`` refuses it
-    now) trained all weights, as null does, so a checkpoint's {} resumes with null, and a run's own {} is left to
-    ``GRPOModule``'s refusal, which names it, instead of differing from the checkpoint."""
-    return None if isinstance(value, dict) and not value else value
+def _is_empty_peft_config(value: Any) -> bool:
+    """Whether ``value`` is an empty ``peft_config``, which older releases took and ``GRPOModule`` refuses now: a
+    checkpoint's trained all weights, as null does, so null resumes it; a run's own is left to that refusal, which
+    names it, whatever the checkpoint holds (compared as null it was said to be None against a LoRA checkpoint)."""
+    return isinstance(value, dict) and not value
 
 
 def _null_dtype_as_loaded(saved: tuple[Any, Any], current: tuple[Any, Any]) -> tuple[Any, Any]:
