@@ -371,7 +371,7 @@ def test_a_sharded_checkpoint_of_one_param_group_is_refused_where_this_run_build
              checkpoint_id=folder)
     torch.save({"loops": {}, "hyper_parameters": {}}, folder / SHARDED_HEADER)
     with pytest.raises(ValueError, match=r"has 1 param group\(s\), this run's 2 \(model.weight_decay 0.1;.*"
-                                         r"resume it with model.weight_decay 0,"):
+                                         r"one group: model.weight_decay 0 or a model.peft_config;"):
         check_sharded_param_groups(folder, 2, 0.1)
     check_sharded_param_groups(folder, 1, 0.1)  # a LoRA adapter's one group at weight_decay 0.1
 

@@ -400,12 +400,12 @@ def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = len({found[1] for key in keys if (found := re.search(r"\.param_groups\.(\d+)\.", key))})
     if saved and saved != built:
-        fits = "0" if saved == 1 else "> 0"
         raise ValueError(f"checkpoint {path}: its optimizer has {saved} param group(s), this run's {built} "
-                         f"(model.weight_decay {weight_decay}; weight_decay_groups: one group at 0, above 0 a second "
-                         "of the biases and normalization weights); FSDP2 loads a sharded optimizer into the groups "
-                         f"as built, so they must agree: resume it with model.weight_decay {fits}, or start a new run "
-                         "without --ckpt_path")
+                         f"(model.weight_decay {weight_decay}; weight_decay_groups: one group at 0 or under LoRA, "
+                         "above 0 a second of the biases and normalization weights); FSDP2 loads a sharded optimizer "
+                         "into the groups as built, so they must agree: resume it with the settings it was saved "
+                         "with (one group: model.weight_decay 0 or a model.peft_config; two: model.weight_decay > 0 "
+                         "without one), or start a new run without --ckpt_path")
 
 
 def check_weight_shapes(path: str | os.PathLike | None, saved: Mapping[str, Any],
