@@ -87,9 +87,8 @@ class PeakMemoryMonitor(Callback):
 
     def __init__(self, cpu_method: CpuMethod = "auto", sample_interval_s: float = 0.005) -> None:
         check_choice("cpu_method", cpu_method, CPU_METHODS)
-        check_real("sample_interval_s", sample_interval_s, low=0, high=60, low_open=True)
         self.cpu_method = cpu_method
-        self.sample_interval_s = sample_interval_s
+        self.sample_interval_s = check_real("sample_interval_s", sample_interval_s, low=0, high=60, low_open=True)
         self._tracker: PeakTracker | None = None
         self._method: str | None = None
         self._rollout_peaks: dict[str, int] = {}

@@ -473,13 +473,38 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
         rounds = RolloutDataModule(prompts=PROMPTS, max_tool_calling_iterations=n(2))
     # the initial copy too: the loggers write it (TensorBoard's hparams.yaml, which a numpy scalar leaves unreadable)
     for hparams in (module.hparams, data.hparams, module.hparams_initial, data.hparams_initial):
-        buffer = io.BytesIO()
-        torch.save(dict(hparams), buffer)
-        buffer.seek(0)
-        assert torch.load(buffer, weights_only=True) == dict(hparams)
+        assert_loads_back(hparams)
     assert type(module.hparams.warmup_steps) is int and type(data.training.prompts_per_step) is int
     assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
     assert type(data.hparams.val_size) is int and type(rounds.hparams.max_tool_calling_iterations) is int
+
+
+def test_numpy_float_settings_are_kept_as_plain_floats():
+    """A number computed with numpy (np.float64, a float subclass numpy pickles as its own scalar) is kept as a
+    plain float: a checkpoint's hyperparameters are read back by torch.load(weights_only=True), which refuses it."""
+    f = np.float64
+    module = GRPOModule(model="tiny-llama", lr=f(1e-5), weight_decay=f(0.1), lr_schedule="cosine",
+                        min_lr_ratio=f(0.1), max_grad_norm=f(0.5), loss={"beta": 0.04},
+                        reference_sync={"mixup_alpha": f(0.5)})
+    data = RolloutDataModule(prompts=PROMPTS, val_num_samples=2, val_temperature=f(0.7),
+                             sampling={"strategy": "infinite",
+                                       "scheduler": {"park_budget": f(0.5), "loss_share": f(0.25),
+                                                     "length_aware": {"gain_z": f(1.5)}}})
+    for hparams in (module.hparams, data.hparams):
+        assert_loads_back(hparams)
+    assert [type(module.hparams[name]) for name in ("lr", "weight_decay", "min_lr_ratio", "max_grad_norm")] == \
+        [float] * 4
+    assert type(module.reference_sync.mixup_alpha) is float and type(data.validation.val_temperature) is float
+    assert type(data.sampling.scheduler.park_budget) is float and type(data.sampling.scheduler.loss_share) is float
+    assert type(data.sampling.scheduler.length_aware.gain_z) is float
+
+
+def assert_loads_back(hparams):
+    """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
+    buffer = io.BytesIO()
+    torch.save(dict(hparams), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == dict(hparams)
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -90,7 +90,8 @@ class ValidationConfig:
         for name in ("val_batch_size", "val_max_new_tokens", "val_num_samples"):  # a numpy integer as a plain int
             if not (name == "val_max_new_tokens" and self.val_max_new_tokens is None):  # None: the sampling cap
                 object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        check_real("val_temperature", self.val_temperature, low=MIN_TEMPERATURE)
+        object.__setattr__(self, "val_temperature", check_real("val_temperature", self.val_temperature,
+                                                               low=MIN_TEMPERATURE))
 
     def length_cap(self, sampling_cap: int) -> int:
         """Validation's length cap: ``val_max_new_tokens``, else the training rollouts' (``sampling_cap``)."""

@@ -35,12 +35,14 @@ RefillName = Literal["lpt", "sjf", "fifo"]
 GAIN_Z = 1.0
 
 
-def _check_number(name: str, value: Any, minimum: float, strict: bool, maximum: float | None = None) -> None:
-    """A finite number > (or >=) ``minimum`` (and <= ``maximum``), or None; else a ValueError naming the key."""
+def _check_number(name: str, value: Any, minimum: float, strict: bool,
+                  maximum: float | None = None) -> float | None:
+    """``value`` as a plain float if it is a finite number > (or >=) ``minimum`` (and <= ``maximum``), or None; else
+    a ValueError naming the key."""
     if value is None:
-        return
+        return None
     try:
-        check_real(f"scheduler.{name}", value, minimum, maximum, low_open=strict)
+        return check_real(f"scheduler.{name}", value, minimum, maximum, low_open=strict)
     except ValueError as error:
         raise ValueError(f"{error}, or None") from None
 
@@ -90,7 +92,7 @@ class LengthAwareConfig:
             raise ValueError(f"scheduler.length_aware.refill={self.refill!r} must be one of {get_args(RefillName)} "
                              "or a RefillPolicy")
         _check_tokens("length_aware.probe_tokens", self.probe_tokens)
-        _check_number("length_aware.gain_z", self.gain_z, 0, strict=True)
+        object.__setattr__(self, "gain_z", _check_number("length_aware.gain_z", self.gain_z, 0, strict=True))
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,9 @@ class InfiniteSchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_tokens("preempt_tokens", self.preempt_tokens)
-        _check_number("park_budget", self.park_budget, 0, strict=True)
-        _check_number("loss_share", self.loss_share, 0, strict=False, maximum=1)
+        object.__setattr__(self, "park_budget", _check_number("park_budget", self.park_budget, 0, strict=True))
+        object.__setattr__(self, "loss_share", _check_number("loss_share", self.loss_share, 0, strict=False,
+                                                             maximum=1))
         if isinstance(self.length_aware, dict):
             object.__setattr__(self, "length_aware", _from_options(LengthAwareConfig, self.length_aware,
                                                                    "scheduler.length_aware"))

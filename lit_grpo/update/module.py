@@ -107,7 +107,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -155,29 +155,39 @@ class NonFiniteStepError(RaisedOnEveryRank, FloatingPointError):
     """A non-finite loss or gradient norm, found before the optimizer step, on every rank at once."""
 
 
+class OptimizerSettings(NamedTuple):
+    """``GRPOModule``'s checked numbers of AdamW, its learning-rate schedule and clipping: plain ints and floats (a
+    numpy scalar's too), which a checkpoint's hyperparameters keep."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    min_lr_ratio: float
+    max_grad_norm: float | None
+
+
 def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int,
                               lr_schedule: LrSchedule, min_lr_ratio: float, max_grad_norm: float | None,
-                              stacklevel: int) -> int:
+                              stacklevel: int) -> OptimizerSettings:
     """Check ``GRPOModule``'s AdamW, learning-rate schedule and clipping settings (its docstring says each);
-    warn where ``min_lr_ratio`` is set for a schedule that never decays to it. Returns ``warmup_steps`` as a plain
-    int (a numpy integer's too)."""
+    warn where ``min_lr_ratio`` is set for a schedule that never decays to it."""
     # transformers 5's warmup_steps below 1 is a share of the steps (TRL's warmup_ratio): say what the count is
     warmup_steps = check_int("warmup_steps", warmup_steps, 0, WARMUP_STEPS_COUNT if is_share(warmup_steps) else "")
     check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
-    check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
+    min_lr_ratio = check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
     if min_lr_ratio and lr_schedule == "constant":
         warnings.warn(f"min_lr_ratio={min_lr_ratio!r} is the floor of a decaying lr_schedule; with 'constant' "
                       "it is ignored", stacklevel=stacklevel)
-    check_real("lr", lr, low=0, low_open=True)
-    check_real("weight_decay", weight_decay, low=0)
+    lr = check_real("lr", lr, low=0, low_open=True)
+    weight_decay = check_real("weight_decay", weight_decay, low=0)
     pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
     if not pair or len(betas) != 2 or not all(
             isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
         raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
                          "rates of its moments, e.g. [0.9, 0.99])")
     if max_grad_norm is not None:  # None: no clipping
-        check_real("max_grad_norm", max_grad_norm, low=0)
-    return warmup_steps
+        max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0)
+    return OptimizerSettings(lr, weight_decay, warmup_steps, min_lr_ratio, max_grad_norm)
 
 
 def _checked_reference_sync(reference_sync: ReferenceSync | dict | None, loss: LossConfig,
@@ -351,8 +361,8 @@ class GRPOModule(LightningModule):
         train_micro_batch_size = check_int("train_micro_batch_size", train_micro_batch_size, 1)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
         warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: the checkpoint keeps the int
-        warmup_steps = _check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio,
-                                                 max_grad_norm, stacklevel=3)
+        lr, weight_decay, warmup_steps, min_lr_ratio, max_grad_norm = _check_optimizer_settings(
+            lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm, stacklevel=3)
         if peft_config is not None:  # checked here, before a model loads ({}, 0 or '' too: not taken as None)
             with config_errors("model.peft_config"):
                 lora_config(peft_config)

@@ -38,7 +38,8 @@ class ReferenceSync:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "every_n_steps", check_int("reference_sync.every_n_steps", self.every_n_steps, 1))
-        check_real("reference_sync.mixup_alpha", self.mixup_alpha, low=0, high=1, low_open=True)
+        object.__setattr__(self, "mixup_alpha", check_real("reference_sync.mixup_alpha", self.mixup_alpha, low=0,
+                                                           high=1, low_open=True))
 
     def due(self, optimizer_steps: int) -> bool:
         """Whether the optimizer step that brought the count to ``optimizer_steps`` is followed by a mix."""
