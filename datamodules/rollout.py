@@ -52,7 +52,8 @@ from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import ConfigError, check_bool, check_int, config_errors, settings_from
+from lit_grpo.runtime.validation import (ConfigError, check_bool, check_int, config_errors, plain_values,
+                                        settings_from)
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -336,6 +337,7 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError("apply_chat_template=False tokenizes string prompts as plain text, but tools are shown "
                              "to the model and their turns rendered through the chat template; drop one of the two")
         score_batch_size = check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
+        curriculum_kwargs = plain_values(curriculum_kwargs)  # saved: a numpy number in it as the number it is
         self.tools, max_tool_calling_iterations = checked_tools(tools, max_tool_calling_iterations, over_provision)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,

@@ -499,6 +499,22 @@ def test_numpy_float_settings_are_kept_as_plain_floats():
     assert type(data.sampling.scheduler.length_aware.gain_z) is float
 
 
+def test_numpy_numbers_in_lora_and_curriculum_options_are_saved_as_plain_numbers():
+    """``peft_config`` and ``curriculum_kwargs``, mappings handed on to peft and the sampler, are saved with a numpy
+    number in them (at any depth) as the plain number it is, which torch.load(weights_only=True) reads back."""
+    module = GRPOModule(model="tiny-llama", peft_config={"r": np.int64(4), "lora_alpha": np.float64(8.0),
+                                                         "lora_dropout": np.float64(0.1),
+                                                         "layers_to_transform": [np.int64(0), 1]})
+    data = RolloutDataModule(prompts=PROMPTS, curriculum="angle",
+                             curriculum_kwargs={"sigma": np.float64(2.0), "rescore_every_n_epochs": np.int64(2)})
+    for hparams in (module.hparams, data.hparams):
+        assert_loads_back(hparams)
+    assert module.hparams.peft_config == {"r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "layers_to_transform": [0, 1]}
+    assert [type(module.hparams.peft_config[name]) for name in ("r", "lora_alpha")] == [int, float]
+    assert type(module.hparams.peft_config["layers_to_transform"][0]) is int
+    assert [type(value) for value in data.hparams.curriculum_kwargs.values()] == [float, int]
+
+
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
     buffer = io.BytesIO()

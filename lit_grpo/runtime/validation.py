@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 
 #: The largest seed: numpy's and Lightning's (``seed_everything``) bound, so one seed means the same everywhere.
 SEED_MAX = 2**32 - 1
@@ -299,6 +300,19 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     if high is not None and (number >= high if high_open else number > high):
         raise ValueError(message)
     return number
+
+
+def plain_values(value: Any) -> Any:
+    """``value`` with each numpy scalar in it (np.float64, np.int64, ...; in a mapping, list or tuple, at any depth)
+    as the plain Python value it holds, a mapping as a dict: for a setting saved as given in a checkpoint's
+    hyperparameters, which torch.load(weights_only=True) reads back only without numpy scalars."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {plain_values(key): plain_values(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(plain_values(item) for item in value)
+    return value
 
 
 def check_bool(name: str, value: Any) -> bool:

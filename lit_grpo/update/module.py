@@ -130,7 +130,7 @@ from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
-                                         config_errors, settings_from)
+                                         config_errors, plain_values, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
@@ -366,6 +366,7 @@ class GRPOModule(LightningModule):
         if peft_config is not None:  # checked here, before a model loads ({}, 0 or '' too: not taken as None)
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
+            peft_config = plain_values(peft_config)  # saved: a numpy number in it as the number it is
         loss_config = settings_from("loss", loss, LossConfig)
         sync = _checked_reference_sync(reference_sync, loss_config, peft_config)
         correction = settings_from("sampler_correction", sampler_correction, SamplerCorrection)
