@@ -466,7 +466,7 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     module = GRPOModule(model="tiny-llama", num_iterations=n(2), num_mini_batches=n(1),
                         train_micro_batch_size=n(4), warmup_steps=n(3))
     data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
-                             prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
+                             prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2), over_provision=n(2),
                              val_batch_size=n(8), val_num_samples=n(1), val_size=n(4),
                              sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
     with pytest.warns(UserWarning, match="max_tool_calling_iterations"):  # no tools: unread, but checked and saved
@@ -477,6 +477,7 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     assert type(module.hparams.warmup_steps) is int and type(data.training.prompts_per_step) is int
     assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
     assert type(data.hparams.val_size) is int and type(rounds.hparams.max_tool_calling_iterations) is int
+    assert data.training.over_provision == 2.0 and type(data.training.over_provision) is float
 
 
 def test_numpy_float_settings_are_kept_as_plain_floats():
@@ -486,7 +487,7 @@ def test_numpy_float_settings_are_kept_as_plain_floats():
     module = GRPOModule(model="tiny-llama", lr=f(1e-5), weight_decay=f(0.1), lr_schedule="cosine",
                         min_lr_ratio=f(0.1), max_grad_norm=f(0.5), loss={"beta": 0.04},
                         reference_sync={"mixup_alpha": f(0.5)})
-    data = RolloutDataModule(prompts=PROMPTS, val_num_samples=2, val_temperature=f(0.7),
+    data = RolloutDataModule(prompts=PROMPTS, val_num_samples=2, val_temperature=f(0.7), over_provision=f(1.5),
                              sampling={"strategy": "infinite",
                                        "scheduler": {"park_budget": f(0.5), "loss_share": f(0.25),
                                                      "length_aware": {"gain_z": f(1.5)}}})
@@ -495,6 +496,7 @@ def test_numpy_float_settings_are_kept_as_plain_floats():
     assert [type(module.hparams[name]) for name in ("lr", "weight_decay", "min_lr_ratio", "max_grad_norm")] == \
         [float] * 4
     assert type(module.reference_sync.mixup_alpha) is float and type(data.validation.val_temperature) is float
+    assert type(data.training.over_provision) is float
     assert type(data.sampling.scheduler.park_budget) is float and type(data.sampling.scheduler.loss_share) is float
     assert type(data.sampling.scheduler.length_aware.gain_z) is float
 

@@ -198,7 +198,8 @@ def test_the_builder_carries_groups_and_drops_none(tiny64):
     assert len(set(returned)) == len(returned)
     state = builder.state_dict()
     assert len(state["carried"]) == len(builder.carried)
-    with pytest.raises(ValueError, match=r"over_provision=0.5 must be a finite number >= 1.0"):
+    with pytest.raises(ValueError, match=r"over_provision=0.5 is not allowed; over_provision must be a finite "
+                                         r"number >= 1 \(1.0: no partial rollouts\)$"):
         RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(over_provision=0.5))
     with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1"):
         RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(max_staleness=0))

@@ -48,11 +48,10 @@ class TrainingConfig:
         for name in ("prompts_per_step", "max_rollouts_per_step"):  # a numpy integer kept as a plain int
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         check_bool("dynamic_sampling", self.dynamic_sampling)  # "false" would be truthy: dynamic sampling on
-        over_provision = self.over_provision
-        if isinstance(over_provision, bool) or not isinstance(over_provision, (int, float)) or \
-                not 1 <= over_provision < math.inf:
-            raise ValueError(f"over_provision={over_provision!r} must be a finite number >= 1.0 (1.0: no partial "
-                             "rollouts)")
+        try:  # a numpy number kept as a plain float
+            object.__setattr__(self, "over_provision", check_real("over_provision", self.over_provision, low=1))
+        except ValueError as error:
+            raise ValueError(f"{error} (1.0: no partial rollouts)") from None
         object.__setattr__(self, "max_staleness", check_int("max_staleness", self.max_staleness, 1,
                                                             hint="steps a group may be carried"))
 
