@@ -345,7 +345,8 @@ class RolloutDataModule(LightningDataModule):
             val_num_samples=val_num_samples, val_temperature=val_temperature, tools=self.tools,
             max_tool_calling_iterations=max_tool_calling_iterations), stacklevel=3)
         _warn_preemption_off(sampling, stacklevel=3)
-        sampling = dataclasses.asdict(sampling)  # saved as plain values, which torch.load(weights_only=True) reads
+        # saved as plain values (a numpy number as the number it is), which torch.load(weights_only=True) reads
+        sampling = plain_values(dataclasses.asdict(sampling))
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
         # a tool by its name, which a checkpoint stores as plain text
         self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None

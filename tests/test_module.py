@@ -466,8 +466,8 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     module = GRPOModule(model="tiny-llama", num_iterations=n(2), num_mini_batches=n(1),
                         train_micro_batch_size=n(4), warmup_steps=n(3))
     data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
-                             prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2), over_provision=n(2),
-                             val_batch_size=n(8), val_num_samples=n(1), val_size=n(4),
+                             prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
+                             over_provision=n(2), val_size=n(4), val_batch_size=n(8), val_num_samples=n(1),
                              sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
     with pytest.warns(UserWarning, match="max_tool_calling_iterations"):  # no tools: unread, but checked and saved
         rounds = RolloutDataModule(prompts=PROMPTS, max_tool_calling_iterations=n(2))
@@ -478,6 +478,7 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
     assert type(data.hparams.val_size) is int and type(rounds.hparams.max_tool_calling_iterations) is int
     assert data.training.over_provision == 2.0 and type(data.training.over_provision) is float
+    assert type(data.val_size) is int  # a count of prompts, not a fraction
 
 
 def test_numpy_float_settings_are_kept_as_plain_floats():
@@ -499,6 +500,23 @@ def test_numpy_float_settings_are_kept_as_plain_floats():
     assert type(data.training.over_provision) is float
     assert type(data.sampling.scheduler.park_budget) is float and type(data.sampling.scheduler.loss_share) is float
     assert type(data.sampling.scheduler.length_aware.gain_z) is float
+
+
+def test_numpy_numbers_in_the_settings_groups_are_saved_as_plain_numbers():
+    """The loss's, the sampler correction's and the sampling's settings, AdamW's betas and a fraction val_size,
+    each checked by its own rules, are saved with a numpy number as the plain number it is."""
+    f = np.float64
+    module = GRPOModule(model="tiny-llama", betas=(f(0.9), f(0.95)), sampler_correction={"clip_max": f(2.0)},
+                        loss={"epsilon_low": f(0.2), "epsilon_high": f(0.3), "beta": f(0.04),
+                              "top_entropy_quantile": f(0.5), "entropy_coef": f(0.01)})
+    data = RolloutDataModule(prompts=PROMPTS, val_size=f(0.25),
+                             sampling={"temperature": f(0.9), "top_p": f(0.95), "min_p": f(0.05),
+                                       "repetition_penalty": f(1.1)})
+    for hparams in (module.hparams, data.hparams):
+        assert_loads_back(hparams)
+    assert module.hparams.betas == (0.9, 0.95) and module.hparams.loss["beta"] == 0.04
+    assert module.hparams.sampler_correction["clip_max"] == 2.0 and data.hparams.sampling["top_p"] == 0.95
+    assert type(data.val_size) is float and data.val_size == 0.25
 
 
 def test_numpy_numbers_in_lora_and_curriculum_options_are_saved_as_plain_numbers():

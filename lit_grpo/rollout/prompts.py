@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -269,10 +270,10 @@ def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
 
 
 def check_val_size(val_size: Any) -> int | float:
-    """Refuse a ``val_size`` that is neither a count of prompts (an integer >= 0) nor a fraction of them in [0, 1),
-    before any prompt is loaded; whether it leaves prompts on both sides is ``split_examples``' to judge. Returns it
-    as a plain int or float (a numpy number's too)."""
-    if isinstance(val_size, float):
+    """``val_size`` as a plain int if it is a count of prompts (an integer >= 0, a numpy one too) or a plain float if
+    it is a fraction of them in [0, 1) (a float, a numpy one too), else a ValueError, before any prompt is loaded;
+    whether it leaves prompts on both sides is ``split_examples``' to judge."""
+    if isinstance(val_size, numbers.Real) and not isinstance(val_size, (bool, numbers.Integral)):
         if not 0.0 <= val_size < 1.0:
             raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
         return float(val_size)

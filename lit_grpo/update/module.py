@@ -373,8 +373,10 @@ class GRPOModule(LightningModule):
         if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
             warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
                           "ignored", stacklevel=2)
-        # saved as plain values, which torch.load(weights_only=True) reads back; the update reads the typed objects
-        loss, sampler_correction = dataclasses.asdict(loss_config), dataclasses.asdict(correction)
+        # saved as plain values (a numpy number as the number it is), which torch.load(weights_only=True) reads
+        # back; the update reads the typed objects
+        loss, sampler_correction = (plain_values(dataclasses.asdict(group)) for group in (loss_config, correction))
+        betas = plain_values(betas)
         reference_sync = dataclasses.asdict(sync) if sync is not None else None
         self.save_hyperparameters()
         self.automatic_optimization = False
