@@ -278,3 +278,19 @@ def test_the_engine_checkpoint_carries_the_predictor_and_its_trust(tiny_llama, p
         assert restored.scheduler.trust[kind].state_dict() == engine.scheduler.trust[kind].state_dict()
     assert engine.scheduler.trust["probe"].effective_count > 0
     assert list(restored.scheduler.groups) == list(engine.scheduler.groups) and len(engine.scheduler.groups) == 4
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(decay=0.0), r"^decay=0.0 is not allowed; decay must be a finite number > 0 and <= 1"),
+    (dict(decay=1.5), r"^decay=1.5 is not allowed; decay must be a finite number > 0 and <= 1"),
+    (dict(decay=-0.5), r"^decay=-0.5 is not allowed"),
+    (dict(decay="0.9"), r"^decay='0.9' is not allowed"),
+    (dict(confidence_z=-1.0), r"^confidence_z=-1.0 is not allowed; confidence_z must be a finite number >= 0"),
+    (dict(confidence_z=math.inf), r"^confidence_z=inf is not allowed"),
+])
+def test_bad_trust_settings_are_refused_naming_them(setting, message):
+    # above 1 the older pairs' weights would grow without bound, at or below 0 vanish or flip sign; a negative
+    # confidence would trust more than is measured
+    with pytest.raises(ValueError, match=message):
+        PredictionTrust(**setting)
+    assert PredictionTrust(decay=1, confidence_z=0).decay == 1.0  # no forgetting; the measured rho as it is

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_grpo.runtime.validation import check_real
 from lit_grpo.scheduling.config import GAIN_Z
 from lit_grpo.scheduling.least_attained import list_makespan
 from lit_grpo.scheduling.length_aware.predictors import MAX_LOG_STD
@@ -57,8 +58,11 @@ class PredictionTrust:
     """
 
     def __init__(self, decay: float = DECAY, confidence_z: float = CONFIDENCE_Z) -> None:
-        self.decay = decay
-        self.confidence_z = confidence_z
+        # each pair multiplies the older ones' weights by decay: above 1 they would grow without bound, at 0 or
+        # below vanish or flip sign; 1 forgets nothing
+        self.decay = check_real("decay", decay, low=0, high=1, low_open=True)
+        # below 0 rho_low would exceed the correlation measured; 0 trusts it as measured
+        self.confidence_z = check_real("confidence_z", confidence_z, low=0)
         # Past rollouts, decayed: weight, squared weight, sums of m and t, centred sums of m^2, t^2, m*t.
         self.past = [0.0] * 7
         # The current rollout, plain sums: count, m, t, m^2, t^2, m*t.
