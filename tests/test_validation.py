@@ -30,3 +30,10 @@ def test_an_integer_check_names_the_bound_a_numpy_integer_breaks():
         check_int("n", np.int64(0), 1)
     with pytest.raises(ValueError, match=r"^n=.*6.* is not allowed; n must be an integer >= 1 and <= 5$"):
         check_int_in_range("n", np.int64(6), 1, 5)
+
+
+@pytest.mark.parametrize("minimum, maximum, allowed", [(None, 5, "an integer <= 5"), (1, None, "an integer >= 1"),
+                                                       (None, None, "an integer")])
+def test_an_integer_range_check_says_the_bounds_it_has(minimum, maximum, allowed):
+    with pytest.raises(ValueError, match=rf"^n=6.5 is not allowed; n must be {allowed}$"):
+        check_int_in_range("n", 6.5, minimum, maximum)

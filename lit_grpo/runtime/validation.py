@@ -275,9 +275,10 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
     bounds, else a ValueError naming it."""
     number = _integer_within(value, minimum, maximum)
     if number is None:
-        allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
-            f" and <= {maximum}" if maximum is not None else "")
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+        bounds = " and ".join(f"{sign} {bound}" for sign, bound in ((">=", minimum), ("<=", maximum))
+                              if bound is not None)
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be an integer"
+                         + (f" {bounds}" if bounds else ""))
     return number
 
 
