@@ -35,11 +35,12 @@ def test_logged_metrics_and_columns_reach_the_scores():
         log_metric("judge_calls", 1)
         log_metric("judge_calls", True)  # bools and NumPy / torch scalars are numbers, as rewards are
         log_metric("unparsed_share", math.nan)  # a diagnostic's NaN is logged as it is, as TRL does
+        log_metric("blowup", -10**400)  # an int beyond float range: as the float it overflows to
         return [1.0] * len(completions)
 
     scores = score_rewards([WeightedReward(logging_reward), WeightedReward(judged)], ["p"] * 4,
                            ["ab", "c", "def", "gh"], group_size=2)
-    expected = {"call_length": [2.0], "judge_calls": [1.0, 1.0], "unparsed_share": [math.nan]}
+    expected = {"call_length": [2.0], "judge_calls": [1.0, 1.0], "unparsed_share": [math.nan], "blowup": [-math.inf]}
     # key by key: pytest 9.2's approx refuses a mapping whose values are lists
     assert scores.logs.metrics.keys() == expected.keys()
     for key, values in expected.items():

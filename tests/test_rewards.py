@@ -287,6 +287,8 @@ def test_a_function_named_only_reward_keeps_its_name():
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("inf")], r"returned inf at index 1"),
     ([1e39, 1.0], r"'bad' returned 1e\+39 at index 0 for prompt 'q1'; values must be finite in float32"),
+    # an int beyond float range: float() raised a bare OverflowError
+    ([1.0, -10**400], r"'bad' returned -10{400} at index 1 for prompt 'q2'; values must be finite in float32"),
     ("11", r"returned str"),
     ({0: 1.0, 1: 0.0}, r"returned dict"),  # its keys were taken as the rewards
     ({1.0, 0.0}, r"returned set"),

@@ -37,14 +37,21 @@ OWN_REWARD_KEYS = ("mean", "std", "frac_zero_std", "skipped_groups")
 
 
 def as_number(value: Any) -> float | None:
-    """``value`` as a float if it is one number (a Python, NumPy or one-element torch bool or number), else None."""
+    """``value`` as a float if it is one number (a Python, NumPy or one-element torch bool or number), else None; a
+    number beyond float range (an int) as the infinity of its sign, which a reward's check refuses as it does
+    ``inf``."""
     # a NumPy bool, like Python's and torch's, is 1.0 or 0.0. Only bools and numbers are read: item() makes a
     # nanosecond datetime64 or timedelta64 an int, and a timedelta64 is a NumPy integer (a numbers.Real) too
     if isinstance(value, np.timedelta64):
         return None
     if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (np.bool_, np.number)):
         value = value.item()
-    return float(value) if isinstance(value, numbers.Real) else None
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # a number past float's range, such as the int 10**400
+        return math.inf if value > 0 else -math.inf
 
 
 def plain_value(value: Any) -> Any:
