@@ -122,8 +122,14 @@ def test_two_functions_filling_one_column_and_a_column_named_as_a_keyword_are_re
         log_extra("why", ["b"] * len(completions))
         return [0.0] * len(completions)
 
-    with pytest.raises(ValueError, match=r"the column 'why' was logged by two reward functions \('b' and another\)"):
-        score_rewards([WeightedReward(a), WeightedReward(b)], ["p"] * 2, ["x"] * 2, group_size=2)
+    def none(prompts, completions, log_extra, **columns):  # a column whose values are all None is logged still
+        log_extra("why", [None] * len(completions))
+        return [0.0] * len(completions)
+
+    for first in (a, none):
+        with pytest.raises(ValueError, match=rf"the column 'why' was logged by two reward functions \('b' and "
+                                             rf"'{first.__name__}'\)"):
+            score_rewards([WeightedReward(first), WeightedReward(b)], ["p"] * 2, ["x"] * 2, group_size=2)
     with pytest.raises(ValueError, match=r"a column is named 'log_metric'"):
         score_rewards([WeightedReward(a)], ["p"] * 2, ["x"] * 2, {"log_metric": [1, 2]}, group_size=2)
 

@@ -107,22 +107,27 @@ class RewardLogs:
     Attributes:
         metrics: ``{name: values}``, every value each call logged, in call order.
         extras: ``{column: [N]}`` per completion, None where no call gave the column a value.
+        logged_by: ``{column: [N]}`` the reward function that logged each completion's value, None where none did
+            (its value may be None too: a column of Nones is logged still).
     """
 
     n: int
     metrics: dict[str, list[float]] = field(default_factory=dict)
     extras: dict[str, list[Any]] = field(default_factory=dict)
+    logged_by: dict[str, list[str | None]] = field(default_factory=dict, repr=False)
 
     def add(self, call: CallLog, offset: int = 0) -> None:
         """Take in a call that returned, made on completions ``offset`` to ``offset + call.n``."""
         for name, values in call.metrics.items():
             self.metrics.setdefault(name, []).extend(values)
         for column, values in call.extras.items():
-            own = self.extras.setdefault(column, [None] * self.n)
-            if any(value is not None for value in own[offset:offset + call.n]):
+            owners = self.logged_by.setdefault(column, [None] * self.n)
+            other = next((owner for owner in owners[offset:offset + call.n] if owner is not None), None)
+            if other is not None:
                 raise ValueError(f"the column {column!r} was logged by two reward functions ({call.fn_name!r} and "
-                                 "another) for the same completions; give each its own column name")
-            own[offset:offset + call.n] = values
+                                 f"{other!r}) for the same completions; give each its own column name")
+            owners[offset:offset + call.n] = [call.fn_name] * call.n
+            self.extras.setdefault(column, [None] * self.n)[offset:offset + call.n] = values
 
     def group_extra(self, column: str, group: int, size: int) -> list[Any]:
         """``[size]`` the column's values of group ``group`` (completions ``group x size`` on; None where absent)."""
