@@ -468,13 +468,17 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
                              prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
                              over_provision=n(2), val_size=n(4), val_batch_size=n(8), val_num_samples=n(1),
-                             sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5)})
+                             sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5),
+                                       "strategy": "infinite", "scheduler": {"preempt_tokens": n(8),
+                                                                             "length_aware": {"probe_tokens": n(4)}}})
     with pytest.warns(UserWarning, match="max_tool_calling_iterations"):  # no tools: unread, but checked and saved
         rounds = RolloutDataModule(prompts=PROMPTS, max_tool_calling_iterations=n(2))
     # the initial copy too: the loggers write it (TensorBoard's hparams.yaml, which a numpy scalar leaves unreadable)
     for hparams in (module.hparams, data.hparams, module.hparams_initial, data.hparams_initial):
         assert_loads_back(hparams)
     assert type(module.hparams.warmup_steps) is int and type(data.training.prompts_per_step) is int
+    assert type(data.sampling.scheduler.preempt_tokens) is int
+    assert type(data.sampling.scheduler.length_aware.probe_tokens) is int
     assert type(data.sampling.group_size) is int and type(data.validation.val_batch_size) is int
     assert type(data.hparams.val_size) is int and type(rounds.hparams.max_tool_calling_iterations) is int
     assert data.training.over_provision == 2.0 and type(data.training.over_provision) is float

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
-from lit_grpo.runtime.validation import check_choice, check_real
+from lit_grpo.runtime.validation import check_choice, check_int, check_real
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
@@ -47,9 +47,15 @@ def _check_number(name: str, value: Any, minimum: float, strict: bool,
         raise ValueError(f"{error}, or None") from None
 
 
-def _check_tokens(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"scheduler.{name}={value!r} must be an integer >= 0 or None")
+def _check_tokens(name: str, value: Any) -> int | None:
+    """``value`` as a plain int if it is an integer >= 0 (a numpy one too), or None; else a ValueError naming the
+    key."""
+    if value is None:
+        return None
+    try:
+        return check_int(f"scheduler.{name}", value, 0)
+    except ValueError as error:
+        raise ValueError(f"{error} or None") from None
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class LengthAwareConfig:
         elif not isinstance(self.refill, RefillPolicy):
             raise ValueError(f"scheduler.length_aware.refill={self.refill!r} must be one of {get_args(RefillName)} "
                              "or a RefillPolicy")
-        _check_tokens("length_aware.probe_tokens", self.probe_tokens)
+        object.__setattr__(self, "probe_tokens", _check_tokens("length_aware.probe_tokens", self.probe_tokens))
         object.__setattr__(self, "gain_z", _check_number("length_aware.gain_z", self.gain_z, 0, strict=True))
 
 
@@ -115,7 +121,7 @@ class InfiniteSchedulerConfig:
     length_aware: LengthAwareConfig | None = None
 
     def __post_init__(self) -> None:
-        _check_tokens("preempt_tokens", self.preempt_tokens)
+        object.__setattr__(self, "preempt_tokens", _check_tokens("preempt_tokens", self.preempt_tokens))
         object.__setattr__(self, "park_budget", _check_number("park_budget", self.park_budget, 0, strict=True))
         object.__setattr__(self, "loss_share", _check_number("loss_share", self.loss_share, 0, strict=False,
                                                              maximum=1))
