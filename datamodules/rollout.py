@@ -320,11 +320,12 @@ class RolloutDataModule(LightningDataModule):
                                        max_staleness)
         self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
         scoring = ScoringConfig(accuracy_reward, on_reward_error)
-        # the counts rebound as checked before save_hyperparameters: a numpy integer saved as an int, which
+        # the settings rebound as checked before save_hyperparameters: a numpy number saved as a plain one, which
         # torch.load(weights_only=True) reads back, in the hparams and in their initial copy the loggers write
         training, validation = self.training, self.validation
         prompts_per_step, max_rollouts_per_step = training.prompts_per_step, training.max_rollouts_per_step
-        max_staleness, val_batch_size = training.max_staleness, validation.val_batch_size
+        max_staleness, over_provision = training.max_staleness, training.over_provision
+        val_batch_size, val_temperature = validation.val_batch_size, validation.val_temperature
         val_max_new_tokens, val_num_samples = validation.val_max_new_tokens, validation.val_num_samples
         if steps_per_epoch is not None:
             steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)

@@ -468,6 +468,7 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     data = RolloutDataModule(prompts=PROMPTS, data_seed=n(1), steps_per_epoch=n(2), score_batch_size=n(4),
                              prompts_per_step=n(2), max_rollouts_per_step=n(4), max_staleness=n(2),
                              over_provision=n(2), val_size=n(4), val_batch_size=n(8), val_num_samples=n(1),
+                             val_temperature=np.float64(0.5),
                              sampling={"group_size": n(4), "max_new_tokens": n(16), "seed": n(3), "top_k": n(5),
                                        "strategy": "infinite", "scheduler": {"preempt_tokens": n(8),
                                                                              "length_aware": {"probe_tokens": n(4)}}})
