@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lit_grpo.rollout.advantages import AGGREGATIONS, SCALES
 from lit_grpo.rollout.rewards import ON_ERROR
-from lit_grpo.runtime.validation import check_bool, check_choice, check_int, check_real
+from lit_grpo.runtime.validation import check_bool, check_choice, check_field, check_int, check_real
 from lit_grpo.sampling.config import MIN_TEMPERATURE
 
 
@@ -45,15 +45,14 @@ class TrainingConfig:
     max_staleness: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "max_rollouts_per_step"):  # a numpy integer kept as a plain int
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        for name in ("prompts_per_step", "max_rollouts_per_step"):
+            check_field(self, name, check_int, 1)
         check_bool("dynamic_sampling", self.dynamic_sampling)  # "false" would be truthy: dynamic sampling on
-        try:  # a numpy number kept as a plain float
-            object.__setattr__(self, "over_provision", check_real("over_provision", self.over_provision, low=1))
+        try:
+            check_field(self, "over_provision", check_real, low=1)
         except ValueError as error:
             raise ValueError(f"{error} (1.0: no partial rollouts)") from None
-        object.__setattr__(self, "max_staleness", check_int("max_staleness", self.max_staleness, 1,
-                                                            hint="steps a group may be carried"))
+        check_field(self, "max_staleness", check_int, 1, hint="steps a group may be carried")
 
     @property
     def partial(self) -> bool:
@@ -86,11 +85,10 @@ class ValidationConfig:
     val_temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("val_batch_size", "val_max_new_tokens", "val_num_samples"):  # a numpy integer as a plain int
+        for name in ("val_batch_size", "val_max_new_tokens", "val_num_samples"):
             if not (name == "val_max_new_tokens" and self.val_max_new_tokens is None):  # None: the sampling cap
-                object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        object.__setattr__(self, "val_temperature", check_real("val_temperature", self.val_temperature,
-                                                               low=MIN_TEMPERATURE))
+                check_field(self, name, check_int, 1)
+        check_field(self, "val_temperature", check_real, low=MIN_TEMPERATURE)
 
     def length_cap(self, sampling_cap: int) -> int:
         """Validation's length cap: ``val_max_new_tokens``, else the training rollouts' (``sampling_cap``)."""

@@ -303,6 +303,17 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     return number
 
 
+def check_field(config: Any, name: str, check: Callable[..., Any], *bounds: Any, prefix: str = "",
+                **options: Any) -> Any:
+    """Check the field ``name`` of ``config``, a frozen dataclass in its ``__post_init__``, with ``check``
+    (:func:`check_int`, :func:`check_real`, ...: given the key ``prefix + name``, the field's value, ``bounds`` and
+    ``options``) and keep what it returns in the field: a numpy number as the plain number it is, which the config's
+    owner stores and a checkpoint's hyperparameters save. Returns it."""
+    value = check(prefix + name, getattr(config, name), *bounds, **options)
+    object.__setattr__(config, name, value)  # a frozen dataclass's own __post_init__ may set its fields
+    return value
+
+
 def plain_values(value: Any) -> Any:
     """``value`` with each numpy scalar in it (np.float64, np.int64, ...; in a mapping, list or tuple, at any depth)
     as the plain Python value it holds, a mapping as a dict: for a setting saved as given in a checkpoint's

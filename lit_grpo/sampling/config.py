@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int, check_int_in_range
+from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_field, check_int, check_int_in_range
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -29,6 +29,8 @@ Strategy = Literal["full", "micro", "continuous", "infinite"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 #: The smallest sampling temperature above 0 (vLLM's sampling epsilon): the logits are divided by it.
 MIN_TEMPERATURE = 1e-5
+#: The key the fields are named by in a refusal (YAML ``data.sampling.NAME``).
+_KEY = "sampling."
 
 
 @dataclass(frozen=True)
@@ -107,16 +109,16 @@ class SamplingConfig:
     keep_kv_cache: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        _check_count(self, "group_size", 1)
+        check_field(self, "group_size", check_int, 1, prefix=_KEY)
         if isinstance(self.micro_group_size, str) and self.micro_group_size != "auto":
             raise ValueError(f"sampling.micro_group_size={self.micro_group_size!r} must be an integer >= 1, "
                              "'auto' or None")
         elif self.micro_group_size not in (None, "auto"):
-            _check_count(self, "micro_group_size", 1)
+            check_field(self, "micro_group_size", check_int, 1, prefix=_KEY)
         if self.kv_budget_bytes is not None:
-            _check_count(self, "kv_budget_bytes", 1)
+            check_field(self, "kv_budget_bytes", check_int, 1, prefix=_KEY)
         check_choice("sampling.strategy", self.strategy, STRATEGIES)
-        _check_count(self, "max_new_tokens", 1)
+        check_field(self, "max_new_tokens", check_int, 1, prefix=_KEY)
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise ValueError(f"sampling.cuda_graph={self.cuda_graph!r} must be true, false or null (on CUDA, unless "
                              "FSDP shards the policy)")
@@ -132,7 +134,7 @@ class SamplingConfig:
                              f"{MIN_TEMPERATURE:g} (below it the logits divided by it overflow)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
-        _check_count(self, "top_k", 0, hint="0 disables it: vLLM's and verl's -1")
+        check_field(self, "top_k", check_int, 0, hint="0 disables it: vLLM's and verl's -1", prefix=_KEY)
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
@@ -144,7 +146,7 @@ class SamplingConfig:
             shown = list(self.stop_strings) if isinstance(self.stop_strings, tuple) else self.stop_strings
             raise ValueError(f"sampling.stop_strings={shown!r:.200} must be a list of non-empty strings")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))  # a YAML or Python list: hashable
-        object.__setattr__(self, "seed", check_int_in_range("sampling.seed", self.seed, 0, SEED_MAX))
+        check_field(self, "seed", check_int_in_range, 0, SEED_MAX, prefix=_KEY)
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))
         if not isinstance(self.scheduler, InfiniteSchedulerConfig):
@@ -196,8 +198,3 @@ class SamplingConfig:
             config = config.replace(scheduler=config.scheduler.replace(**options))
         return config
 
-
-def _check_count(config: SamplingConfig, name: str, minimum: int, hint: str = "") -> None:
-    """Check the field ``name`` of ``config`` is an integer >= ``minimum`` (:func:`check_int`, named by its key
-    ``sampling.NAME``), kept as a plain int: a numpy integer would reach the checkpoint's hyperparameters."""
-    object.__setattr__(config, name, check_int(f"sampling.{name}", getattr(config, name), minimum, hint))

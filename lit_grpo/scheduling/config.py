@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.validation import check_choice, check_field, check_int, check_real
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
@@ -97,8 +97,8 @@ class LengthAwareConfig:
         elif not isinstance(self.refill, RefillPolicy):
             raise ValueError(f"scheduler.length_aware.refill={self.refill!r} must be one of {get_args(RefillName)} "
                              "or a RefillPolicy")
-        object.__setattr__(self, "probe_tokens", _check_tokens("length_aware.probe_tokens", self.probe_tokens))
-        object.__setattr__(self, "gain_z", _check_number("length_aware.gain_z", self.gain_z, 0, strict=True))
+        check_field(self, "probe_tokens", _check_tokens, prefix="length_aware.")
+        check_field(self, "gain_z", _check_number, 0, strict=True, prefix="length_aware.")
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,9 @@ class InfiniteSchedulerConfig:
     length_aware: LengthAwareConfig | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "preempt_tokens", _check_tokens("preempt_tokens", self.preempt_tokens))
-        object.__setattr__(self, "park_budget", _check_number("park_budget", self.park_budget, 0, strict=True))
-        object.__setattr__(self, "loss_share", _check_number("loss_share", self.loss_share, 0, strict=False,
-                                                             maximum=1))
+        check_field(self, "preempt_tokens", _check_tokens)
+        check_field(self, "park_budget", _check_number, 0, strict=True)
+        check_field(self, "loss_share", _check_number, 0, strict=False, maximum=1)
         if isinstance(self.length_aware, dict):
             object.__setattr__(self, "length_aware", _from_options(LengthAwareConfig, self.length_aware,
                                                                    "scheduler.length_aware"))

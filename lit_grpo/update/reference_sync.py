@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_grpo.runtime.validation import check_int, check_real
+from lit_grpo.runtime.validation import check_field, check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,8 @@ class ReferenceSync:
     mixup_alpha: float = 0.6
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "every_n_steps", check_int("reference_sync.every_n_steps", self.every_n_steps, 1))
-        object.__setattr__(self, "mixup_alpha", check_real("reference_sync.mixup_alpha", self.mixup_alpha, low=0,
-                                                           high=1, low_open=True))
+        check_field(self, "every_n_steps", check_int, 1, prefix="reference_sync.")
+        check_field(self, "mixup_alpha", check_real, low=0, high=1, low_open=True, prefix="reference_sync.")
 
     def due(self, optimizer_steps: int) -> bool:
         """Whether the optimizer step that brought the count to ``optimizer_steps`` is followed by a mix."""
