@@ -522,6 +522,9 @@ def test_numpy_numbers_in_the_settings_groups_are_saved_as_plain_numbers():
     assert module.hparams.betas == (0.9, 0.95) and module.hparams.loss["beta"] == 0.04
     assert module.hparams.sampler_correction["clip_max"] == 2.0 and data.hparams.sampling["top_p"] == 0.95
     assert type(data.val_size) is float and data.val_size == 0.25
+    # a float32 or integer beta is a number in [0, 1) too
+    betas = GRPOModule(model="tiny-llama", betas=[np.float32(0.5), np.int64(0)]).hparams.betas
+    assert betas == [0.5, 0] and [type(beta) for beta in betas] == [float, int]
 
 
 def test_numpy_numbers_in_lora_and_curriculum_options_are_saved_as_plain_numbers():

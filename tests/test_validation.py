@@ -8,7 +8,14 @@ import re
 import numpy as np
 import pytest
 
-from lit_grpo.runtime.validation import check_field, check_int, check_int_in_range, check_real
+from lit_grpo.rollout.math_reward import check_math_options
+from lit_grpo.rollout.reward_functions import OverlongPenalty
+from lit_grpo.rollout.slot_memory import check_max_prompt_length
+from lit_grpo.runtime.validation import (check_field, check_int, check_int_in_range, check_real, integer_within,
+                                         real_within)
+from lit_grpo.sampling import SamplingConfig
+from lit_grpo.scheduling.least_attained import preemption_points
+from lit_grpo.update.lr_schedule import is_share, warmup_steps_count
 
 
 @pytest.mark.parametrize("value", [np.int64(3), np.int32(3), np.uint8(3), 3])
@@ -57,3 +64,44 @@ def test_a_checked_field_keeps_the_plain_number_its_check_returns():
     assert (type(settings.count), type(settings.share)) == (int, float)
     with pytest.raises(ValueError, match=r"^group.count=0 must be an integer >= 1$"):  # named by its key
         _Settings(count=0)
+
+
+@pytest.mark.parametrize("value", [np.float32(0.25), np.float64(0.25), 0.25])
+def test_a_real_check_takes_numpy_numbers_as_plain_floats(value):
+    for checked in (check_real("x", value, 0, 1), real_within(value, 0, 1)):
+        assert checked == 0.25 and type(checked) is float
+    assert real_within(np.int64(2), 0) == 2.0 and type(real_within(np.int64(2), 0)) is float
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), "1", None, float("nan"), np.float32("inf"), 10**400, 2.0])
+def test_a_real_check_refuses_what_is_not_a_finite_number_within_its_bounds(value):
+    assert real_within(value, 0, 1) is None
+    with pytest.raises(ValueError, match=r"^x=.* is not allowed; x must be a finite number >= 0 and <= 1$"):
+        check_real("x", value, 0, 1)
+    assert integer_within(True) is None and integer_within(np.int64(3), 0, 5) == 3
+
+
+def test_an_integer_check_may_take_none():
+    assert check_int("n", None, 1, none=True) is None
+    with pytest.raises(ValueError, match=r"^n=0 must be an integer >= 1 \(tokens\) or None$"):
+        check_int("n", 0, 1, hint="tokens", none=True)
+    with pytest.raises(ValueError, match=r"^n=None must be an integer >= 1$"):
+        check_int("n", None, 1)
+
+
+def test_the_settings_own_number_checks_take_numpy_numbers():
+    # each setting checked by a rule of its own takes a number computed with numpy (np.float32, numpy integers),
+    # as the shared checks do, and keeps it as the plain number it is
+    sampling = SamplingConfig(temperature=np.float32(0.5), top_p=np.float32(0.75), min_p=np.int64(0),
+                              repetition_penalty=np.int64(1))
+    assert [getattr(sampling, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty")] == \
+        [0.5, 0.75, 0.0, 1.0]
+    assert {type(getattr(sampling, name)) for name in ("temperature", "top_p", "min_p", "repetition_penalty")} == \
+        {float}
+    penalty = OverlongPenalty(max_length=np.int64(100), buffer=np.int32(10))
+    assert (penalty.max_length, penalty.buffer) == (100, 10) and type(penalty.max_length) is type(penalty.buffer) is int
+    check_math_options(np.float32(2.0))
+    check_max_prompt_length(SamplingConfig(micro_group_size="auto"), np.int64(12))
+    assert preemption_points(np.int64(8), 64) == preemption_points(8, 64)
+    assert is_share(np.float32(0.5)) and warmup_steps_count(np.float32(10.0)) == 10
+    assert type(warmup_steps_count(np.float32(10.0))) is int

@@ -34,6 +34,7 @@ from typing import Any
 
 from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
 from lit_grpo.rollout.prompts import message_text
+from lit_grpo.runtime.validation import real_within
 
 #: The answer a completion commits to, in the format lit_grpo's prompts ask for.
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -176,8 +177,7 @@ def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
 
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
     """Raise, naming the value, unless ``timeout_s`` is a number of seconds > 0 or None."""
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                  or not timeout_s > 0):
+    if timeout_s is not None and real_within(timeout_s, 0, low_open=True) is None:
         raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
 from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_model import RewardModel
+from lit_grpo.runtime.validation import check_int
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
@@ -142,13 +143,8 @@ class OverlongPenalty:
     """
 
     def __init__(self, max_length: int | None = None, buffer: int = 64):
-        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
-            raise ValueError(f"OverlongPenalty buffer={buffer!r} must be an integer >= 1 (tokens)")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
-                                       or max_length < 1):
-            raise ValueError(f"OverlongPenalty max_length={max_length!r} must be an integer >= 1 (tokens) or None")
-        self.max_length = max_length
-        self.buffer = buffer
+        self.buffer = check_int("OverlongPenalty buffer", buffer, 1, hint="tokens")
+        self.max_length = check_int("OverlongPenalty max_length", max_length, 1, hint="tokens", none=True)
         self.__name__ = "overlong"
 
     def __call__(self, prompts: list[str], completions: list[str], completion_length: list[int] | None = None,

@@ -21,7 +21,7 @@ import torch
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
-from lit_grpo.runtime.validation import ConfigError, config_errors
+from lit_grpo.runtime.validation import ConfigError, config_errors, integer_within
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling.decode_step import row_state_bytes, vocab_size
 from lit_grpo.sampling.engine import row_alignment
@@ -104,7 +104,7 @@ def check_slot_budget(sampling: SamplingConfig, device: torch.device) -> None:
 def check_max_prompt_length(sampling: SamplingConfig, max_prompt_length: int) -> None:
     """Raise unless ``max_prompt_length`` is an integer >= 1 where ``micro_group_size: auto`` sizes slots."""
     if sampling.micro_group_size == "auto" and sampling.strategy != "full" and (
-            isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1):
+            integer_within(max_prompt_length, 1) is None):
         raise ValueError(f"max_prompt_length={max_prompt_length!r}: micro_group_size 'auto' prices the prompts' "
                          "KV from the longest training prompt, so it needs that length (an integer >= 1)")
 

@@ -198,7 +198,7 @@ def check_thread_count(name: str, threads: int) -> int:
     """``threads`` as a plain int if it is an integer in [1, ``MAX_THREADS_PER_CORE`` x the cores this process may
     use], else a ValueError naming ``name``, the value and that range."""
     cores, cpus = core_limit()
-    count = _integer_within(threads, 1, MAX_THREADS_PER_CORE * cores)
+    count = integer_within(threads, 1, MAX_THREADS_PER_CORE * cores)
     if count is None:
         of_the = (f"{cores} this process's cgroup CPU quota of {cpus:g} CPUs grants" if cpus is not None
                   else f"{cores} this process may run on")
@@ -249,9 +249,10 @@ def setting_message(where: str, message: str, settings: Collection[str] = ()) ->
     return key + message[len(leading.group(1)):]
 
 
-def _integer_within(value: Any, minimum: int | None, maximum: int | None) -> int | None:
+def integer_within(value: Any, minimum: int | None = None, maximum: int | None = None) -> int | None:
     """``value`` as a plain int if it is an integral number within the bounds, else None: an int or a numpy integer
-    (a setting computed with numpy, or read through it), not a bool (nor numpy's, which is no ``numbers.Integral``)."""
+    (a setting computed with numpy, or read through it), not a bool (nor numpy's, which is no ``numbers.Integral``).
+    The rule of :func:`check_int`, for a check that words its refusal itself."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     number = int(value)
@@ -260,20 +261,23 @@ def _integer_within(value: Any, minimum: int | None, maximum: int | None) -> int
     return number
 
 
-def check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
-    """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) ``>= minimum``,
-    else a ValueError naming it (and ``hint``, said after it in parentheses). :func:`check_int_in_range` with no
-    upper bound, said shorter."""
-    number = _integer_within(value, minimum, None)
+def check_int(name: str, value: Any, minimum: int, hint: str = "", none: bool = False) -> int | None:
+    """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) ``>= minimum``
+    (or None where ``none``), else a ValueError naming it (and ``hint``, said after it in parentheses).
+    :func:`check_int_in_range` with no upper bound, said shorter."""
+    if value is None and none:
+        return None
+    number = integer_within(value, minimum, None)
     if number is None:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else ""))
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else "")
+                         + (" or None" if none else ""))
     return number
 
 
 def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) within the
     bounds, else a ValueError naming it."""
-    number = _integer_within(value, minimum, maximum)
+    number = integer_within(value, minimum, maximum)
     if number is None:
         bounds = " and ".join(f"{sign} {bound}" for sign, bound in ((">=", minimum), ("<=", maximum))
                               if bound is not None)
@@ -292,14 +296,30 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     if high is not None:
         bounds.append(f"{'<' if high_open else '<='} {high:g}")
     allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
-    message = f"{name}={value!r} is not allowed; {name} must be {allowed}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(message)
-    number = float(value)
+    number = real_within(value, low, high, low_open, high_open)
+    if number is None:
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+    return number
+
+
+def real_within(value: Any, low: float | None = None, high: float | None = None, low_open: bool = False,
+                high_open: bool = False) -> float | None:
+    """``value`` as a plain float if it is a finite real number within the bounds (``low`` excluded when
+    ``low_open``, ``high`` when ``high_open``), else None: an int, a float or a numpy number (np.float32, np.int64:
+    a setting computed with numpy), not a bool (nor numpy's). The rule of :func:`check_real`, for a check that words
+    its refusal itself."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    if not math.isfinite(number):
+        return None
     if low is not None and (number <= low if low_open else number < low):
-        raise ValueError(message)
+        return None
     if high is not None and (number >= high if high_open else number > high):
-        raise ValueError(message)
+        return None
     return number
 
 

@@ -16,11 +16,11 @@ is parsed), with a message that names the key and what is allowed::
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_field, check_int, check_int_in_range
+from lit_grpo.runtime.validation import (SEED_MAX, check_choice, check_field, check_int, check_int_in_range,
+                                         real_within)
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -128,19 +128,13 @@ class SamplingConfig:
             raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         check_choice("sampling.decode_attention", self.decode_attention, DECODE_KERNELS)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-                not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"sampling.temperature={self.temperature!r} must be 0 (greedy) or a finite number >= "
-                             f"{MIN_TEMPERATURE:g} (below it the logits divided by it overflow)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
+        check_field(self, "temperature", _check_temperature, prefix=_KEY)
+        check_field(self, "top_p", _check_bounded, "in (0, 1]", low=0, high=1, low_open=True, prefix=_KEY)
         check_field(self, "top_k", check_int, 0, hint="0 disables it: vLLM's and verl's -1", prefix=_KEY)
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
-            raise ValueError(f"sampling.min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
-        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
-                not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"sampling.repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
-                             "(1.0 disables it; above 1 penalizes the tokens already in the sequence)")
+        check_field(self, "min_p", _check_bounded, "in [0, 1) (0 disables it)", low=0, high=1, high_open=True,
+                    prefix=_KEY)
+        check_field(self, "repetition_penalty", _check_bounded, "a finite number > 0 (1.0 disables it; above 1 "
+                    "penalizes the tokens already in the sequence)", low=0, low_open=True, prefix=_KEY)
         if isinstance(self.stop_strings, (str, bytes)) or not isinstance(self.stop_strings, (list, tuple)) or \
                 not all(isinstance(s, str) and s for s in self.stop_strings):
             shown = list(self.stop_strings) if isinstance(self.stop_strings, tuple) else self.stop_strings
@@ -198,3 +192,20 @@ class SamplingConfig:
             config = config.replace(scheduler=config.scheduler.replace(**options))
         return config
 
+
+def _check_bounded(name: str, value: Any, allowed: str, **bounds: Any) -> float:
+    """``value`` as a plain float if it is a finite number within ``bounds`` (:func:`real_within`'s), else a
+    ValueError saying it ``must be {allowed}``."""
+    number = real_within(value, **bounds)
+    if number is None:
+        raise ValueError(f"{name}={value!r} must be {allowed}")
+    return number
+
+
+def _check_temperature(name: str, value: Any) -> float:
+    """``value`` as a plain float if it is 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``, else a ValueError."""
+    number = real_within(value, low=0)
+    if number is None or 0 < number < MIN_TEMPERATURE:
+        raise ValueError(f"{name}={value!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below it "
+                         "the logits divided by it overflow)")
+    return number

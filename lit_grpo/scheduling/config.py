@@ -50,12 +50,7 @@ def _check_number(name: str, value: Any, minimum: float, strict: bool,
 def _check_tokens(name: str, value: Any) -> int | None:
     """``value`` as a plain int if it is an integer >= 0 (a numpy one too), or None; else a ValueError naming the
     key."""
-    if value is None:
-        return None
-    try:
-        return check_int(f"scheduler.{name}", value, 0)
-    except ValueError as error:
-        raise ValueError(f"{error} or None") from None
+    return check_int(f"scheduler.{name}", value, 0, none=True)
 
 
 @dataclass(frozen=True)

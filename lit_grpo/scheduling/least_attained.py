@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lit_grpo.runtime.validation import check_int
 from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler, whole_tail
 
 #: The first preemption point, in tokens.
@@ -69,8 +70,7 @@ def preemption_points(quantum: int | None, max_new_tokens: int) -> frozenset[int
     every stride. Doubling parks a short sample rarely; the stride keeps the rollout's end fine-grained (with
     doubling alone the last quantum is half the cap, and the longest samples run it in whole waves, slots idle).
     """
-    if quantum is not None and (isinstance(quantum, bool) or not isinstance(quantum, int) or quantum < 0):
-        raise ValueError(f"preempt_tokens={quantum!r} must be an integer >= 0 or None")
+    quantum = check_int("preempt_tokens", quantum, 0, none=True)
     if not quantum or quantum >= max_new_tokens:
         return frozenset()
     stride = quantum

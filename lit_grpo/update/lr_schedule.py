@@ -20,6 +20,8 @@ import functools
 import math
 from typing import Any, Callable, Literal
 
+import numpy as np
+
 from lit_grpo.runtime.validation import ConfigError
 
 #: What ``warmup_steps`` is, said where one is given as a share (transformers 5 and TRL take a value below 1 as one).
@@ -30,16 +32,16 @@ LrSchedule = Literal["constant", "linear", "cosine"]
 
 
 def is_share(value: Any) -> bool:
-    """Whether ``value`` is a share of the steps as transformers 5 and TRL take a count below 1: a float between 0
-    and 1, both excluded (an int, or a text, is not one)."""
-    return isinstance(value, float) and 0 < value < 1
+    """Whether ``value`` is a share of the steps as transformers 5 and TRL take a count below 1: a float (numpy's
+    too) between 0 and 1, both excluded (an int, or a text, is not one)."""
+    return isinstance(value, (float, np.floating)) and 0 < value < 1
 
 
 def warmup_steps_count(value: Any) -> Any:
     """``value`` as an int where it is a float holding a whole number >= 0 (transformers' TrainingArguments takes
     ``warmup_steps=10.0`` as 10 steps), else as it is: a share (:func:`is_share`) or a fraction is refused where
     the settings are checked."""
-    if isinstance(value, float) and value.is_integer() and value >= 0:
+    if isinstance(value, (float, np.floating)) and float(value).is_integer() and value >= 0:
         return int(value)
     return value
 

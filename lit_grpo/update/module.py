@@ -130,7 +130,7 @@ from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
-                                         config_errors, plain_values, settings_from)
+                                         config_errors, plain_values, real_within, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
@@ -181,8 +181,7 @@ def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[fl
     lr = check_real("lr", lr, low=0, low_open=True)
     weight_decay = check_real("weight_decay", weight_decay, low=0)
     pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
-    if not pair or len(betas) != 2 or not all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+    if not pair or len(betas) != 2 or any(real_within(b, 0, 1, high_open=True) is None for b in betas):
         raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
                          "rates of its moments, e.g. [0.9, 0.99])")
     if max_grad_norm is not None:  # None: no clipping
