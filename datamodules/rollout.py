@@ -50,10 +50,9 @@ from lit_grpo.runtime.distributed import RolloutWeights, strategy_all_gather
 from lit_grpo.runtime.known_warnings import ignore_warning
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
-from lit_grpo.runtime.checkpoints import SettingsDiffer
+from lit_grpo.runtime.checkpoints import PlainHyperparameters, SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import (ConfigError, check_bool, check_int, config_errors, plain_values,
-                                        settings_from)
+from lit_grpo.runtime.validation import ConfigError, check_bool, check_int, config_errors, settings_from
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -212,7 +211,7 @@ class _StepDraw:
         return self.drawn[-1]
 
 
-class RolloutDataModule(LightningDataModule):
+class RolloutDataModule(PlainHyperparameters, LightningDataModule):
     """Streams GRPO rollouts built with the current policy.
 
     Prompt source (exactly one): ``task`` (a reasoning-gym task, ``size`` entries, ``data_seed``, ``task_config``),
@@ -320,13 +319,7 @@ class RolloutDataModule(LightningDataModule):
                                        max_staleness)
         self.validation = ValidationConfig(val_batch_size, val_max_new_tokens, val_num_samples, val_temperature)
         scoring = ScoringConfig(accuracy_reward, on_reward_error)
-        # the settings rebound as checked before save_hyperparameters: a numpy number saved as a plain one, which
-        # torch.load(weights_only=True) reads back, in the hparams and in their initial copy the loggers write
         training, validation = self.training, self.validation
-        prompts_per_step, max_rollouts_per_step = training.prompts_per_step, training.max_rollouts_per_step
-        max_staleness, over_provision = training.max_staleness, training.over_provision
-        val_batch_size, val_temperature = validation.val_batch_size, validation.val_temperature
-        val_max_new_tokens, val_num_samples = validation.val_max_new_tokens, validation.val_num_samples
         if steps_per_epoch is not None:
             steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
         size, data_seed = check_prompt_source(size, data_seed, dataset, task_config, jsonl_path, prompt_column,
@@ -338,16 +331,16 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError("apply_chat_template=False tokenizes string prompts as plain text, but tools are shown "
                              "to the model and their turns rendered through the chat template; drop one of the two")
         score_batch_size = check_curriculum_settings(curriculum, curriculum_kwargs, score_batch_size)
-        curriculum_kwargs = plain_values(curriculum_kwargs)  # saved: a numpy number in it as the number it is
-        self.tools, max_tool_calling_iterations = checked_tools(tools, max_tool_calling_iterations, over_provision)
+        self.tools, max_tool_calling_iterations = checked_tools(tools, max_tool_calling_iterations,
+                                                                training.over_provision)
         _warn_inactive_settings(dict(
             task=task, task_config=task_config, size=size, dynamic_sampling=dynamic_sampling,
-            max_rollouts_per_step=max_rollouts_per_step, over_provision=over_provision, max_staleness=max_staleness,
-            val_num_samples=val_num_samples, val_temperature=val_temperature, tools=self.tools,
+            max_rollouts_per_step=training.max_rollouts_per_step, over_provision=training.over_provision,
+            max_staleness=training.max_staleness, val_num_samples=validation.val_num_samples,
+            val_temperature=validation.val_temperature, tools=self.tools,
             max_tool_calling_iterations=max_tool_calling_iterations), stacklevel=3)
         _warn_preemption_off(sampling, stacklevel=3)
-        # saved as plain values (a numpy number as the number it is), which torch.load(weights_only=True) reads
-        sampling = plain_values(dataclasses.asdict(sampling))
+        sampling = dataclasses.asdict(sampling)  # saved as a dict of its fields
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
         # a tool by its name, which a checkpoint stores as plain text
         self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None

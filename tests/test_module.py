@@ -543,6 +543,24 @@ def test_numpy_numbers_in_lora_and_curriculum_options_are_saved_as_plain_numbers
     assert [type(value) for value in data.hparams.curriculum_kwargs.values()] == [float, int]
 
 
+def test_a_numpy_value_in_any_saved_setting_is_saved_as_the_plain_value_it_is():
+    """One rule for what is saved, not one per setting: a numpy value where no check of its own converts it (a reward
+    function's weight, a task's option, a text read through numpy) is saved as the plain value it is, in the hparams
+    and in their initial copy, which torch.load(weights_only=True) and the loggers read back."""
+    module = GRPOModule(model="tiny-llama", dtype=np.str_("float32"), lr_schedule=np.str_("cosine"))
+    data = RolloutDataModule(prompts=PROMPTS, reward_funcs=[{"name": "accuracy", "weight": np.float64(0.5)}],
+                             system_prompt=np.str_("Be brief."),
+                             chat_template_kwargs={"enable_thinking": np.bool_(False)})
+    task = RolloutDataModule(task="leg_counting", task_config={"min_animals": np.int64(3)})
+    for owner in (module, data, task):
+        for hparams in (owner.hparams, owner.hparams_initial):
+            assert_loads_back(hparams)
+    assert type(module.hparams.lr_schedule) is str and type(data.hparams.system_prompt) is str
+    assert type(data.hparams.reward_funcs[0]["weight"]) is float
+    assert type(data.hparams_initial.chat_template_kwargs["enable_thinking"]) is bool
+    assert task.hparams.task_config == {"min_animals": 3} and type(task.hparams.task_config["min_animals"]) is int
+
+
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
     buffer = io.BytesIO()

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.core.mixins import HyperparametersMixin
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
+from lit_grpo.runtime.validation import plain_values
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 #: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
@@ -192,6 +194,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
+
+
+class PlainHyperparameters(HyperparametersMixin):
+    """Hyperparameters saved as plain values: each numpy scalar in what ``save_hyperparameters`` takes (a setting
+    computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as the Python value it
+    holds (:func:`~lit_grpo.runtime.validation.plain_values`), in ``hparams`` and in the initial copy Lightning takes
+    of them right after. torch.load(weights_only=True) refuses a checkpoint's hyperparameters with a numpy scalar,
+    and yaml.safe_load the hparams.yaml a logger writes of them: one rule for every setting, so that none needs its
+    own conversion before it is saved. Listed before the Lightning class (``class M(PlainHyperparameters,
+    LightningModule)``)."""
+
+    def _set_hparams(self, hp: Any) -> None:
+        # Lightning's one entry for what save_hyperparameters stores, the initial copy deep-copied from it after
+        super()._set_hparams(plain_values(hp))
 
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:

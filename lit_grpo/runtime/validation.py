@@ -336,8 +336,9 @@ def check_field(config: Any, name: str, check: Callable[..., Any], *bounds: Any,
 
 def plain_values(value: Any) -> Any:
     """``value`` with each numpy scalar in it (np.float64, np.int64, ...; in a mapping, list or tuple, at any depth)
-    as the plain Python value it holds, a mapping as a dict: for a setting saved as given in a checkpoint's
-    hyperparameters, which torch.load(weights_only=True) reads back only without numpy scalars."""
+    as the plain Python value it holds, a mapping as a dict: the settings a checkpoint's hyperparameters save
+    (``runtime.checkpoints.PlainHyperparameters``), which torch.load(weights_only=True) reads back only without numpy
+    scalars."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, Mapping):

@@ -124,13 +124,14 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
-from lit_grpo.runtime.checkpoints import check_sharded_param_groups, check_weight_shapes, exception_save_hazard
+from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_sharded_param_groups, check_weight_shapes,
+                                         exception_save_hazard)
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
-                                         config_errors, plain_values, real_within, settings_from)
+                                         config_errors, real_within, settings_from)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
@@ -206,7 +207,7 @@ def _checked_reference_sync(reference_sync: ReferenceSync | dict | None, loss: L
     return sync
 
 
-class GRPOModule(LightningModule):
+class GRPOModule(PlainHyperparameters, LightningModule):
     """GRPO policy optimization (module docstring).
 
     Args:
@@ -353,29 +354,25 @@ class GRPOModule(LightningModule):
         if not isinstance(shared_prefix, (bool, str)):  # 1 and 0 equal True and False, which check_choice takes
             raise ValueError(f"shared_prefix={shared_prefix!r} is not known; use one of {list(SHARED_PREFIX_MODES)}")
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
-        # rebound before save_hyperparameters: a numpy integer is saved as an int, which torch.load(weights_only=True)
-        # reads back
         num_iterations = check_int("num_iterations", num_iterations, 1)
         num_mini_batches = check_int("num_mini_batches", num_mini_batches, 1)
         train_micro_batch_size = check_int("train_micro_batch_size", train_micro_batch_size, 1)
         resolve_dtype(dtype)  # a dtype no policy runs in is named now, not when the model loads
-        warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: the checkpoint keeps the int
+        warmup_steps = warmup_steps_count(warmup_steps)  # before save_hyperparameters: 10.0 is saved as the count 10
         lr, weight_decay, warmup_steps, min_lr_ratio, max_grad_norm = _check_optimizer_settings(
             lr, weight_decay, betas, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm, stacklevel=3)
         if peft_config is not None:  # checked here, before a model loads ({}, 0 or '' too: not taken as None)
             with config_errors("model.peft_config"):
                 lora_config(peft_config)
-            peft_config = plain_values(peft_config)  # saved: a numpy number in it as the number it is
         loss_config = settings_from("loss", loss, LossConfig)
         sync = _checked_reference_sync(reference_sync, loss_config, peft_config)
         correction = settings_from("sampler_correction", sampler_correction, SamplerCorrection)
         if ignored := correction.ignored_settings():  # here, once: for_batch rebuilds the object every batch
             warnings.warn(f"sampler_correction settings {ignored} have no effect with mode='none'; they are "
                           "ignored", stacklevel=2)
-        # saved as plain values (a numpy number as the number it is), which torch.load(weights_only=True) reads
-        # back; the update reads the typed objects
-        loss, sampler_correction = (plain_values(dataclasses.asdict(group)) for group in (loss_config, correction))
-        betas = plain_values(betas)
+        # saved as dicts of their fields (PlainHyperparameters: numpy numbers as plain ones); the update reads the
+        # typed objects
+        loss, sampler_correction = (dataclasses.asdict(group) for group in (loss_config, correction))
         reference_sync = dataclasses.asdict(sync) if sync is not None else None
         self.save_hyperparameters()
         self.automatic_optimization = False
