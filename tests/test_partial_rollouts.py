@@ -298,12 +298,12 @@ def test_a_resumed_carried_chat_prompt_reaches_the_rewards_as_its_messages(tiny6
 
     sampling = SamplingConfig(group_size=4, micro_group_size=4, strategy="continuous", max_new_tokens=6, seed=1)
     saved = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)],
-                           training=TrainingConfig(prompts_per_step=1))
+                           training=TrainingConfig(prompts_per_step=1), conversational=True)
     prompt = Prompt(0, PromptExample("What is 2 + 2?", "4", {"prompt": messages}, messages),
                     tokenizer("What is 2 + 2?")["input_ids"])
     saved.carried = [GroupProgress(prompt.ids, [SampleProgress() for _ in range(4)], (0, 0), tag=_Carry(prompt))]
     resumed = RolloutBuilder(model, tokenizer, sampling, [WeightedReward(record)],
-                             training=TrainingConfig(prompts_per_step=1))
+                             training=TrainingConfig(prompts_per_step=1), conversational=True)
     resumed.load_state_dict(saved.state_dict())
     resumed.build_train(_Draws(tokenizer))
     assert [p for p, _ in seen] == [messages] * 4
