@@ -139,6 +139,10 @@ def test_math_is_a_builtin_usable_by_name():
     assert scores.total.tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match="timeout_s=0"):
         math_reward(["p"], ["1"], answer=["1"], timeout_s=0)
+    # no deadline is None: an infinite one is refused (no timer takes it), saying the number must be finite
+    with pytest.raises(ValueError, match=r"timeout_s=inf must be a finite number of seconds > 0 \(or None: no "
+                                         r"deadline\)"):
+        math_reward(["p"], ["1"], answer=["1"], timeout_s=float("inf"))
 
 
 def test_a_pathological_answer_scores_zero_within_the_deadline():

@@ -458,8 +458,8 @@ def test_reward_options_are_checked_by_name():
                         ({"name": "accuracy", "kwargs": {"answer": "4"}}, r"\['answer'\]; its options: \[\]"),
                         ({"name": "math", "kwargs": [5]}, "must be a mapping"),
                         # values too, when the config is read rather than at the first rollout
-                        ({"name": "math", "kwargs": {"timeout_s": True}}, r"timeout_s=True must be a number of "
-                                                                          r"seconds > 0"),
+                        ({"name": "math", "kwargs": {"timeout_s": True}}, r"timeout_s=True must be a finite "
+                                                                          r"number of seconds > 0"),
                         ({"name": "math", "kwargs": {"timeout_s": -1}}, r"timeout_s=-1 must be")]:
         with pytest.raises(ValueError, match=match):
             build_reward_funcs([spec])

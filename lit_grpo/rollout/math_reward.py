@@ -176,9 +176,11 @@ def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
 
 
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
-    """Raise, naming the value, unless ``timeout_s`` is a number of seconds > 0 or None."""
+    """Raise, naming the value, unless ``timeout_s`` is a finite number of seconds > 0 or None (no deadline: the
+    timer takes no infinite one)."""
     if timeout_s is not None and real_within(timeout_s, 0, low_open=True) is None:
-        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a number of seconds > 0 (or None)")
+        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a finite number of seconds > 0 (or None: no "
+                         "deadline)")
 
 
 #: Called by ``build_reward_funcs`` with a config's options: a bad value fails when the config is read.
