@@ -407,8 +407,6 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         self._in_teardown = False
         #: The CUDA allocator's peak in the last update (``measured_update_peak``); None elsewhere.
         self._update_peak_bytes: int | None = None
-        #: Each param group's weight decay as ``configure_optimizers`` built it (``weight_decay_groups``).
-        self._built_weight_decays: list[float] = []
 
     # ------------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -549,8 +547,6 @@ class GRPOModule(PlainHyperparameters, LightningModule):
                 check_weight_shapes(path, checkpoint["state_dict"], weights)
         if checkpoint.get("optimizer_states"):  # loaded after this hook (FSDP2's before: _check_sharded_resume)
             policy, (state,) = self._require_policy(), checkpoint["optimizer_states"]
-            # the groups configure_optimizers will build: a strategy that reads the checkpoint here (before setup)
-            # has built no optimizer yet
             built = weight_decay_groups(policy, self.hparams.weight_decay)
             if len(state["param_groups"]) != len(built):  # one group: weight_decay 0, or saved before the groups
                 saved = weight_decay_groups(policy, 0.0 if len(built) > 1 else 1.0)
@@ -698,8 +694,6 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         params = [p for group in groups for p in group["params"]]
         if not params:
             raise ValueError("the policy has no trainable parameters")
-        # a resume's restore replaces each group's settings by the saved run's: on_train_start puts these back
-        self._built_weight_decays = [group["weight_decay"] for group in groups]
         scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
                                       fused=fused_adamw(params, loss_scaled=scaled) or None)
@@ -722,11 +716,11 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         (fused or not) is the saved run's device's. The group without decay (``weight_decay_groups``) stays at 0."""
         hp = self.hparams
         scheduler, optimizer = self.lr_schedulers(), self.optimizers().optimizer
+        groups = weight_decay_groups(self._require_policy(), hp.weight_decay)
         scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
-        for group, weight_decay, factor in zip(optimizer.param_groups, self._built_weight_decays,
-                                               scheduler.lr_lambdas):
+        for group, wanted, factor in zip(optimizer.param_groups, groups, scheduler.lr_lambdas):
             group.update(initial_lr=hp.lr, lr=hp.lr * factor(scheduler.last_epoch), betas=tuple(hp.betas),
-                         weight_decay=weight_decay)
+                         weight_decay=wanted["weight_decay"])
         _match_fused(optimizer)
 
     # ------------------------------------------------------------------------------------------ log-probs
