@@ -969,6 +969,38 @@ def test_a_rank_that_read_a_failure_waits_while_every_failed_rank_handles_it(mon
     assert events == ["waited", "waited", ("ended", "after every handling"), "exit 1"]
 
 
+@pytest.mark.parametrize("own_end", [True, False], ids=["own-path-ends-it", "own-path-stalls"])
+def test_a_rank_handling_its_own_error_is_ended_by_its_own_path_not_by_its_watch(monkeypatch, own_end):
+    """Two ranks fail at once (one bad setting seen by both): this rank says it handles its own error
+    (``say_handling``) while its watch reads the other's record. The watch leaves the end to this rank's own error
+    path, which ends it with that error's exit status (a bad setting's 2), rather than ending it with 1 first; it
+    ends the rank itself only where that path has not begun its end within ``HANDLING_GRACE_S``."""
+    from lit_grpo.runtime import rank_failure
+
+    store, prefix = _store_of_a_run(monkeypatch)
+    events = []
+    monkeypatch.setattr(rank_failure, "HANDLING_GRACE_S", 0.5)
+    monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: None)
+    def exit(status):  # os._exit: the watch's thread ends here
+        events.append(f"exit {status}")
+        raise SystemExit(status)
+
+    monkeypatch.setattr(rank_failure.os, "_exit", exit)
+    rank_failure.say_handling()  # this rank (0) handles its own error
+    rank_failure._record_in(store, 1, fault_helpers.PlantedError("planted failure"))
+    store.add(f"{prefix}handled", 1)  # rank 1's handling is over: it ended
+    place = rank_failure.RankPlace(0, 2, 0, 0, 1, "127.0.0.1", int(os.environ["MASTER_PORT"]), True)
+    stop = rank_failure.watch_failures(place, interval_s=0.05)
+    try:
+        if own_end:
+            time.sleep(0.2)  # the watch has read rank 1's record and waits on this rank's own path
+            rank_failure._ending.set()  # end_failed_rank begins this rank's end (exit status 2 for a bad setting)
+        time.sleep(1.5)
+    finally:
+        stop.set()
+    assert events == ([] if own_end else ["exit 1"])
+
+
 def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch, capsys):
     """``record_failure(..., handling=True)`` says in the store that the rank handles its error, and its end says that
     it is done (once its last line is out: the others may end it from then on), so the others wait no longer."""

@@ -662,9 +662,10 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
     the process group's setup for a rank that failed before it, or computing alone for long, does not outlive the
     run. It may start before the ranks connect (it asks for the store until it exists); set the returned event to
     stop the watch before the run ends on its own. Before it ends this process it records that this rank read the
-    failure; rank 0 before the ranks connected first keeps its store until every rank did (``SETUP_WAIT_S``). Each
-    poll also relays stop signals between the ranks (``STOP_SIGNAL.relay``: this rank's own is said in the store,
-    another rank's said there is recorded here)."""
+    failure; rank 0 before the ranks connected first keeps its store until every rank did (``SETUP_WAIT_S``). A rank
+    that failed too and handles its own error (``say_handling``) is left to its own error path, which ends it with
+    that error's exit status, for up to ``HANDLING_GRACE_S``. Each poll also relays stop signals between the ranks
+    (``STOP_SIGNAL.relay``: this rank's own is said in the store, another rank's said there is recorded here)."""
     stop = threading.Event()
     _watches.add(stop)
 
@@ -684,6 +685,8 @@ def watch_failures(place: RankPlace, interval_s: float = WATCH_INTERVAL_S) -> th
                 continue
             if _ending.is_set() or stop.is_set() or first[0] == place.rank:
                 return  # this rank is ending on its own error, or the run on its own
+            if _handling is not None and _ending.wait(HANDLING_GRACE_S):
+                return  # this rank failed too (both at once): its own error path ends it, with its exit status
             with contextlib.suppress(Exception):
                 _say_read(store, place)
                 if place.rank == 0 and not torch.distributed.is_initialized():  # the others may still need it
