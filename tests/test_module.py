@@ -822,7 +822,9 @@ def test_masked_truncated_completions_give_no_loss_or_gradient(batch, mask_trunc
     module = make_module(mask_truncated_completions=mask_truncated)
     grads, metrics = grads_after_step(module, every_row_cut)
     moved = any(grad.abs().sum() > 0 for grad in grads.values())
-    assert moved is not mask_truncated and (metrics["train/loss"] == 0) is mask_truncated
+    assert moved is not mask_truncated
+    if mask_truncated:  # unmasked, the on-policy loss is a sum of zero-mean advantages: 0 up to rounding
+        assert metrics["train/loss"] == 0
 
 
 def test_the_rate_warms_up_then_holds_or_decays_to_zero_at_the_last_step():
