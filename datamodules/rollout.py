@@ -343,11 +343,12 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         sampling = dataclasses.asdict(sampling)  # saved as a dict of its fields
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
         # a tool by its name, which a checkpoint stores as plain text
-        self.hparams["tools"] = [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None
+        self.set_hparam("tools",
+                        [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None)
         if dataset is not None:  # a path as given; a Dataset object only described, never pickled into checkpoints
             from lit_grpo.rollout.hf_dataset import describe_source
 
-            self.hparams["dataset"] = describe_source(dataset)
+            self.set_hparam("dataset", describe_source(dataset))
         self.task, self.task_config, self.size, self.jsonl_path = task, task_config, size, jsonl_path
         self.inline_prompts = prompts
         self.dataset, self.prompt_column, self.answer_column, self.split = dataset, prompt_column, answer_column, split

@@ -561,6 +561,19 @@ def test_a_numpy_value_in_any_saved_setting_is_saved_as_the_plain_value_it_is():
     assert task.hparams.task_config == {"min_animals": 3} and type(task.hparams.task_config["min_animals"]) is int
 
 
+def test_a_numpy_value_set_into_the_hparams_after_they_are_saved_is_saved_as_the_plain_value_it_is(tmp_path):
+    """What the data module sets into its hparams after save_hyperparameters (a dataset by its path, a tool by its
+    name) follows the same rule: a path read through numpy (np.str_, which os.fspath hands back as it is) is saved
+    as the plain text it is, and the checkpoint's hyperparameters load back with torch.load(weights_only=True)."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    data = RolloutDataModule(dataset=np.str_(path), val_size=0, prompts_per_step=1)
+    assert data.hparams["dataset"] == str(path) and type(data.hparams["dataset"]) is str
+    checkpoint = tmp_path / "hparams.ckpt"
+    torch.save({"datamodule_hyper_parameters": dict(data.hparams)}, checkpoint)  # as Lightning's dump_checkpoint
+    assert torch.load(checkpoint, weights_only=True)["datamodule_hyper_parameters"]["dataset"] == str(path)
+
+
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
     buffer = io.BytesIO()

@@ -209,6 +209,12 @@ class PlainHyperparameters(HyperparametersMixin):
         # Lightning's one entry for what save_hyperparameters stores, the initial copy deep-copied from it after
         super()._set_hparams(plain_values(hp))
 
+    def set_hparam(self, name: str, value: Any) -> None:
+        """Set ``hparams[name]`` after ``save_hyperparameters`` (a setting saved in another form than it was given:
+        a tool by its name, a dataset by its path), converted by the same rule; ``hparams[name] = value`` would keep
+        a numpy value as it is."""
+        self.hparams[name] = plain_values(value)
+
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
     """The newest ``last.ckpt`` (or ``last-vN.ckpt``) in ``folders``, by modification time; partial writes are
