@@ -1340,6 +1340,57 @@ def test_prompts_without_an_answer_name_a_solution_column_as_the_answer(tmp_path
     assert hint in str(refused.value)
 
 
+def test_the_sharded_resume_check_keeps_no_module_alive_and_checks_only_its_own_fit(monkeypatch, tmp_path):
+    """The strategy's load is wrapped at fit start to check a sharded checkpoint's param groups first; a fit that
+    loads nothing leaves the wrapper on the strategy. It must not keep its module alive (a script fitting one module
+    after another on a Trainer), nor, once another module is the strategy's, check that one's optimizer against the
+    first module's settings."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    import lit_grpo.update.module as module_file
+
+    checked, loaded = [], []
+    monkeypatch.setattr(module_file, "check_sharded_param_groups",
+                        lambda path, groups, weight_decay: checked.append((path, groups, weight_decay)))
+
+    class Strategy:  # the part of a sharded strategy (FSDP2's ModelParallelStrategy) the check uses
+        restore_checkpoint_after_setup = True
+        lightning_module = None
+
+        def load_checkpoint(self, path):
+            loaded.append(path)
+            return {}
+
+    def fit_start(module, strategy):
+        module._trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn=TrainerFn.FITTING))
+        module.optimizers = lambda: SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{}, {}]))
+        strategy.lightning_module = module
+        module._check_sharded_resume()
+
+    folder = str(tmp_path)
+    strategy, module = Strategy(), make_module(weight_decay=0.1)
+    fit_start(module, strategy)
+    assert strategy.load_checkpoint(folder) == {} and checked == [(folder, 2, 0.1)] and loaded == [folder]
+    assert "load_checkpoint" not in strategy.__dict__  # once: the class's own from then on
+    # a fit that loads nothing, then the strategy's next module: the first is collected, the wrapper left behind
+    fit_start(module, strategy)
+    strategy.lightning_module, gone = SimpleNamespace(), weakref.ref(module)
+    del module
+    gc.collect()
+    assert gone() is None, "the wrapper left on the strategy keeps its module alive"
+    assert strategy.load_checkpoint(folder) == {} and checked == [(folder, 2, 0.1)] and loaded == [folder] * 2
+    assert "load_checkpoint" not in strategy.__dict__
+    # alive, but no longer the strategy's module: the load is the class's own, unchecked
+    first = make_module(weight_decay=0.1)
+    fit_start(first, strategy)
+    strategy.lightning_module = make_module(weight_decay=0.0)
+    assert strategy.load_checkpoint(folder) == {} and checked == [(folder, 2, 0.1)] and loaded == [folder] * 3
+
+
 @pytest.mark.parametrize("world, save_on_exception, warned", [(2, True, True), (1, True, False), (2, False, False)])
 def test_a_checkpoint_saving_on_an_error_under_several_processes_is_warned_of(world, save_on_exception, warned):
     """Lightning's ModelCheckpoint(save_on_exception=True) saves in the failing rank's on_exception, whose collectives

@@ -106,6 +106,7 @@ import dataclasses
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple, get_args
 
@@ -622,19 +623,24 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         optimizer has other param groups than this run's (``check_sharded_param_groups``). Such a strategy restores
         after ``on_fit_start`` and loads the optimizer inside ``load_checkpoint``, into the groups as built, before
         ``on_load_checkpoint`` could regroup it; and no hook is told the path before (``trainer.ckpt_path`` is set
-        as the load starts). So the load is wrapped for one call, as ``on_train_end`` wraps the teardown."""
+        as the load starts). So the load is wrapped for one call, as ``on_train_end`` wraps the teardown. A fit that
+        loads nothing leaves the wrapper behind (no hook of this module runs at the end of a failed fit): it holds the
+        module weakly, and checks only while it is the strategy's, so that it neither keeps a module fitted before
+        alive nor checks the next module's load against this one's settings."""
         strategy = self.trainer.strategy
         strategy.__dict__.pop("load_checkpoint", None)  # a wrapper an earlier fit left uncalled
         if not strategy.restore_checkpoint_after_setup:  # read before setup: on_load_checkpoint regroups its state
             return
-        load = strategy.load_checkpoint
+        load, owner = strategy.load_checkpoint, weakref.ref(self)
 
         def load_checking_param_groups(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             del strategy.load_checkpoint  # once: the class's own from now on
-            if self.trainer.state.fn == TrainerFn.FITTING and os.path.isdir(checkpoint_path):
+            module = owner()
+            if (module is not None and strategy.lightning_module is module
+                    and module.trainer.state.fn == TrainerFn.FITTING and os.path.isdir(checkpoint_path)):
                 with config_errors("--ckpt_path"):
-                    check_sharded_param_groups(checkpoint_path, len(self.optimizers().optimizer.param_groups),
-                                               self.hparams.weight_decay)
+                    check_sharded_param_groups(checkpoint_path, len(module.optimizers().optimizer.param_groups),
+                                               module.hparams.weight_decay)
             return load(checkpoint_path, *args, **kwargs)
 
         strategy.load_checkpoint = load_checking_param_groups
