@@ -294,3 +294,70 @@ def test_bad_trust_settings_are_refused_naming_them(setting, message):
     with pytest.raises(ValueError, match=message):
         PredictionTrust(**setting)
     assert PredictionTrust(decay=1, confidence_z=0).decay == 1.0  # no forgetting; the measured rho as it is
+
+
+def _state_with(**changes) -> dict:
+    """A measured trust's state with ``changes``: a key to None is dropped; ``"past[0]"`` sets one entry."""
+    state = _trust_from(_lognormal_pairs(random.Random(7), 40, noise=0.5), rollout_size=8).state_dict()
+    for key, value in changes.items():
+        if "[" in key:
+            name, index = key.rstrip("]").split("[")
+            state[name][int(index)] = value
+        elif value is None:
+            del state[key]
+        else:
+            state[key] = value
+    return state
+
+
+@pytest.mark.parametrize("state, message", [
+    ([0.99, 2.0], r"^a PredictionTrust state must be a mapping of decay, confidence_z, past, current, past_dof, "
+                  r"past_dof_weight, not list$"),
+    (_state_with(past=None), r"^a PredictionTrust state lacks \['past'\]; it holds decay, confidence_z, past, "
+                             r"current, past_dof, past_dof_weight \(past_dof and past_dof_weight may be absent\)$"),
+    (_state_with(alphas=[1.0]), r"^a PredictionTrust state has unknown keys \['alphas'\]; it holds decay, "),
+    (_state_with(decay=0.0), r"^trust state decay=0.0 is not allowed; trust state decay must be a finite number > 0 "
+                             r"and <= 1$"),
+    (_state_with(decay="0.99"), r"^trust state decay='0.99' is not allowed"),
+    (_state_with(confidence_z=-2.0), r"^trust state confidence_z=-2.0 is not allowed; trust state confidence_z "
+                                     r"must be a finite number >= 0$"),
+    (_state_with(past=[1.0] * 6), r"^trust state past=\[1.0, 1.0, 1.0, 1.0, 1.0, 1.0\] must be a list of 7 "
+                                  r"numbers \(the past rollouts' weight, squared weight, sums of m and t"),
+    (_state_with(current="abc"), r"^trust state current='abc' must be a list of 6 numbers \(the current "
+                                 r"rollout's count, sums of m, t, m\^2, t\^2, m\*t\)$"),
+    (_state_with(**{"past[0]": -1.0}), r"^trust state past\[0\]=-1.0 is not allowed; trust state past\[0\] must be "
+                                       r"a finite number >= 0$"),
+    (_state_with(**{"past[4]": math.nan}), r"^trust state past\[4\]=nan is not allowed; trust state past\[4\] must "
+                                           r"be a finite number$"),
+    (_state_with(**{"current[0]": 2.5}), r"^trust state current\[0\]=2.5 is not allowed; the current rollout's "
+                                         r"count of pairs must be a whole number >= 0$"),
+    (_state_with(**{"current[3]": -1.0}), r"^trust state current\[3\]=-1.0 is not allowed; trust state "
+                                          r"current\[3\] must be a finite number >= 0$"),
+    (_state_with(past_dof=-1.0), r"^trust state past_dof=-1.0 is not allowed; trust state past_dof must be a "
+                                 r"finite number >= 0$"),
+    (_state_with(past_dof_weight=math.inf), r"^trust state past_dof_weight=inf is not allowed"),
+])
+def test_a_bad_trust_state_is_refused_naming_the_bad_key_and_the_trust_is_left_as_it_was(state, message):
+    """A corrupt or foreign checkpoint's trust state (another object's, a wrong length, a value out of range) is
+    refused naming what is wrong and what is allowed, before any of it is taken: taken, it failed later, far from
+    the checkpoint, or calibrated with nonsense."""
+    trust = _trust_from(_lognormal_pairs(random.Random(8), 24, noise=0.3), rollout_size=8)
+    before = trust.state_dict()
+    with pytest.raises(ValueError, match=message):
+        trust.load_state_dict(state)
+    assert trust.state_dict() == before
+
+
+def test_a_trust_state_of_numpy_numbers_or_tuples_loads_as_plain_floats():
+    """What the checks take they keep as plain floats: a state written through numpy resumes as the one it was."""
+    import numpy as np
+
+    state = _state_with()
+    numpy_state = {**state, "decay": np.float64(state["decay"]), "past": tuple(np.float64(x) for x in state["past"]),
+                   "past_dof": np.int64(state["past_dof"])}
+    trust, resumed = PredictionTrust(), PredictionTrust()
+    trust.load_state_dict(state)
+    resumed.load_state_dict(numpy_state)
+    assert resumed.state_dict() == trust.state_dict()
+    assert all(type(x) is float for x in resumed.past) and type(resumed.decay) is float
+    assert type(resumed.past_dof) is float and resumed.calibrate(50.0) == trust.calibrate(50.0)

@@ -31,7 +31,8 @@ standard deviations: the guided order beats arrival order on almost every rollou
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -192,13 +193,57 @@ class PredictionTrust:
         return {"decay": self.decay, "confidence_z": self.confidence_z, "past": list(self.past),
                 "current": list(self.current), "past_dof": self.past_dof, "past_dof_weight": self.past_dof_weight}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.decay, self.confidence_z = state["decay"], state["confidence_z"]
-        self.past, self.current = list(state["past"]), list(state["current"])
-        # A checkpoint without the count: a past of at least two pairs is taken to have measured the spread.
-        self.past_dof = float(state.get("past_dof", 1.0 if self.past[0] > 1 else 0.0))
-        # Without the weighted one: the past's weight, the divisor of its variances (uncorrected until it decays).
-        self.past_dof_weight = float(state.get("past_dof_weight", self.past[0]))
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first (:func:`_checked_state`): a
+        corrupt or foreign one is refused naming the bad key, and leaves this trust as it was."""
+        (self.decay, self.confidence_z, self.past, self.current, self.past_dof,
+         self.past_dof_weight) = _checked_state(state)
+
+
+#: The keys of a ``PredictionTrust`` state; the last two are absent from checkpoints written before they were kept.
+_STATE_KEYS = ("decay", "confidence_z", "past", "current", "past_dof", "past_dof_weight")
+_OPTIONAL_KEYS = ("past_dof", "past_dof_weight")
+#: Each list of sums in a state: what it holds, its length, and the entries that cannot be negative (weights, the
+#: count, plain sums of squares; the past's centred sums of squares are left free: rounding can put one below 0).
+_SUMS = {"past": ("the past rollouts' weight, squared weight, sums of m and t, centred sums of m^2, t^2, m*t", 7,
+                  (0, 1)),
+         "current": ("the current rollout's count, sums of m, t, m^2, t^2, m*t", 6, (0, 3, 4))}
+
+
+def _checked_state(state: Any) -> tuple[float, float, list[float], list[float], float, float]:
+    """``(decay, confidence_z, past, current, past_dof, past_dof_weight)`` of a ``PredictionTrust`` state, each
+    number a plain float, else a ValueError naming the bad key or value and what is allowed."""
+    holds = ", ".join(_STATE_KEYS)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a PredictionTrust state must be a mapping of {holds}, not {type(state).__name__}")
+    said = f"it holds {holds} ({' and '.join(_OPTIONAL_KEYS)} may be absent)"
+    missing = [key for key in _STATE_KEYS if key not in state and key not in _OPTIONAL_KEYS]
+    if missing:
+        raise ValueError(f"a PredictionTrust state lacks {missing}; {said}")
+    unknown = sorted((key for key in state if key not in _STATE_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"a PredictionTrust state has unknown keys {unknown}; {said}")
+    # the settings' own rules (PredictionTrust's constructor)
+    decay = check_real("trust state decay", state["decay"], low=0, high=1, low_open=True)
+    confidence_z = check_real("trust state confidence_z", state["confidence_z"], low=0)
+    past, current = (_checked_sums(name, state[name]) for name in _SUMS)
+    if not current[0].is_integer():
+        raise ValueError(f"trust state current[0]={state['current'][0]!r} is not allowed; the current rollout's "
+                         "count of pairs must be a whole number >= 0")
+    # A checkpoint without the count: a past of at least two pairs is taken to have measured the spread.
+    past_dof = check_real("trust state past_dof", state.get("past_dof", 1.0 if past[0] > 1 else 0.0), low=0)
+    # Without the weighted one: the past's weight, the divisor of its variances (uncorrected until it decays).
+    past_dof_weight = check_real("trust state past_dof_weight", state.get("past_dof_weight", past[0]), low=0)
+    return decay, confidence_z, past, current, past_dof, past_dof_weight
+
+
+def _checked_sums(name: str, sums: Any) -> list[float]:
+    """The list of sums ``name`` of a state (``_SUMS``) as plain floats, else a ValueError naming it."""
+    holds, size, nonnegative = _SUMS[name]
+    if type(sums) not in (list, tuple) or len(sums) != size:
+        raise ValueError(f"trust state {name}={sums!r} must be a list of {size} numbers ({holds})")
+    return [check_real(f"trust state {name}[{i}]", value, low=0 if i in nonnegative else None)
+            for i, value in enumerate(sums)]
 
 
 # ---- the gate: is following the predictions expected to beat arrival order? --------------------------------
