@@ -58,6 +58,34 @@ def test_every_local_format_gives_the_same_examples(table, tmp_path, kind):
     assert [e.entry["level"] for e in examples] == [r["level"] for r in ROWS]  # every field kept
 
 
+@pytest.mark.parametrize("name", ["set.jsonl.gz", "set.json.bz2", "set.csv.xz", "SET.JSONL.GZ"])
+def test_a_compressed_json_or_csv_file_is_read_as_the_file_it_holds(table, tmp_path, name):
+    """gzip, bz2 and xz (the compressions datasets reads with the standard library) after a JSON, JSONL or CSV
+    suffix: the rows of the file inside."""
+    import bz2
+    import gzip
+    import lzma
+
+    text = _write(table, tmp_path, name.lower().split(".")[1]).read_bytes()
+    compress = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[name.lower().rsplit(".", 1)[1]]
+    (tmp_path / name).write_bytes(compress(text))
+    examples = load_prompts(dataset=str(tmp_path / name), prompt_column="problem", answer_column="solution")
+    assert [(e.prompt, e.answer) for e in examples] == [(r["problem"], r["solution"]) for r in ROWS]
+
+
+@pytest.mark.parametrize("name", ["set.parquet.gz", "set.gz", "set.jsonl.zst", "set.txt.gz"])
+def test_a_compressed_file_datasets_cannot_read_is_refused_listing_what_is_read(tmp_path, name):
+    """A compressed parquet or Arrow file (their own format compresses; datasets does not unpack them), a bare
+    ``.gz`` and a compression that needs a package of its own (zstandard) are refused, naming what is read."""
+    (tmp_path / name).write_bytes(b"x")
+    ending = {"set.parquet.gz": ".parquet.gz", "set.gz": ".gz", "set.jsonl.zst": ".zst", "set.txt.gz": ".txt.gz"}
+    with pytest.raises(ValueError, match=rf"data.dataset '{tmp_path / name}': files ending in '{ending[name]}' are not "
+                                         r"read; use one of \['.arrow', '.csv', '.json', '.jsonl', '.parquet'\], or, "
+                                         r"compressed, one of \['.csv', '.json', '.jsonl'\] followed by one of "
+                                         r"\['.bz2', '.gz', '.xz'\] \(e.g. data.jsonl.gz\)"):
+        load_prompts(dataset=str(tmp_path / name))
+
+
 def test_default_columns_and_a_dataset_dict_split(tmp_path):
     splits = datasets.DatasetDict({
         "train": datasets.Dataset.from_list([{"question": "1+1?", "answer": 2}, {"question": "2+2?", "answer": 4}]),

@@ -1,5 +1,6 @@
-"""Hugging Face ``datasets`` as a prompt source: local parquet / JSON / JSONL / CSV / Arrow files, a folder of them,
-a folder written by ``Dataset.save_to_disk``, or a ``datasets.Dataset`` (``DatasetDict``) object.
+"""Hugging Face ``datasets`` as a prompt source: local parquet / JSON / JSONL / CSV / Arrow files (JSON, JSONL and
+CSV also compressed with gzip, bz2 or xz: ``data.jsonl.gz``), a folder of them, a folder written by
+``Dataset.save_to_disk``, or a ``datasets.Dataset`` (``DatasetDict``) object.
 
 Local only: a path that does not exist is an error naming it; nothing is looked up on the Hub (a string is never
 passed to ``load_dataset`` unless it is an existing file or folder). Needs the ``data`` extra
@@ -31,6 +32,10 @@ from lit_grpo.rollout.prompts import PromptExample, check_messages
 PROMPT_COLUMNS = ("prompt", "question", "problem", "messages")
 #: File suffixes and the ``datasets`` builder that reads them.
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+#: Compressions ``datasets`` unpacks with the standard library alone (zstd and lz4 need packages of their own), after
+#: one of these suffixes (``data.jsonl.gz``); parquet and Arrow files compress inside their own format.
+COMPRESSIONS = (".bz2", ".gz", ".xz")
+COMPRESSIBLE = (".csv", ".json", ".jsonl")
 
 
 def _datasets():
@@ -81,11 +86,7 @@ def load_local_dataset(path: str | os.PathLike, split: str = "train"):
         elif source.is_dir():
             loaded = datasets.load_dataset(str(source))
         else:
-            builder = FILE_BUILDERS.get(source.suffix.lower())
-            if builder is None:
-                raise ValueError(f"data.dataset {str(source)!r}: files ending in {source.suffix!r} are not read; use "
-                                 f"one of {sorted(FILE_BUILDERS)}")
-            loaded = datasets.load_dataset(builder, data_files={"train": str(source)})
+            loaded = datasets.load_dataset(file_builder(source), data_files={"train": str(source)})
     except Exception as err:  # noqa: BLE001 - pyarrow / json / datasets errors all mean an unreadable file
         if isinstance(err, ValueError) and str(source) in str(err):
             raise
@@ -95,6 +96,23 @@ def load_local_dataset(path: str | os.PathLike, split: str = "train"):
         said = str(err) if isinstance(err, ValueError) else f"{type(reason).__name__}: {reason}"
         raise ValueError(f"data.dataset {str(source)!r} cannot be read: {said}") from err
     return select_split(loaded, split, str(source))
+
+
+def file_builder(source: Path) -> str:
+    """The ``datasets`` builder that reads the file ``source``, by its suffix (``FILE_BUILDERS``), after which a
+    JSON, JSONL or CSV file may have a compression's (``COMPRESSIONS``); else an error listing what is read."""
+    last_two = [suffix.lower() for suffix in source.suffixes[-2:]]
+    if last_two[-1:] and last_two[-1] in COMPRESSIONS:
+        if len(last_two) == 2 and last_two[0] in COMPRESSIBLE:
+            return FILE_BUILDERS[last_two[0]]
+        ending = "".join(source.suffixes[-2:])
+    elif last_two[-1:] and last_two[-1] in FILE_BUILDERS:
+        return FILE_BUILDERS[last_two[-1]]
+    else:
+        ending = source.suffix
+    raise ValueError(f"data.dataset {str(source)!r}: files ending in {ending!r} are not read; use one of "
+                     f"{sorted(FILE_BUILDERS)}, or, compressed, one of {list(COMPRESSIBLE)} followed by one of "
+                     f"{list(COMPRESSIONS)} (e.g. data.jsonl.gz); decompress a file compressed otherwise first")
 
 
 def holds_no_rows(error: BaseException, source: Path) -> bool:
