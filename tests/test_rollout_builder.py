@@ -117,6 +117,33 @@ def test_a_builder_refuses_a_world_it_cannot_be_a_rank_of(policy, world, match):
         RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]), all_gather=lambda x: x, **world)
 
 
+@pytest.mark.parametrize("over_provision", [1.0, 2.0])
+def test_a_chat_prompt_given_to_a_text_form_builder_is_refused_before_it_is_generated(policy, over_provision):
+    """A builder made directly with conversational=False (its default) that is handed a chat prompt is told so when
+    it gets the prompt, naming the fix, before any completion is generated for it (training, partial rollouts and
+    validation alike), not once the rollout is done and its reward functions are called."""
+    model, tokenizer = policy
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2 + 2?"}]
+    chat = [Prompt(0, PromptExample("What is 2 + 2?", "4", {"prompt": messages}, messages),
+                   tokenizer("What is 2 + 2?")["input_ids"])]
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, max_new_tokens=4, seed=0)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["accuracy"]),
+                             training=TrainingConfig(prompts_per_step=1, over_provision=over_provision))
+
+    def generate(*args, **kwargs):
+        raise AssertionError("a completion was generated for the chat prompt")
+
+    for name in ("new_groups", "generate", "generate_groups"):
+        for engine in (builder.engine, builder.val_engine):
+            setattr(engine, name, generate)
+    match = (r"conversational=False, but prompt 'What is 2 \+ 2\?' is chat messages: the reward functions' form is "
+             r"the whole prompt set's: pass conversational=is_conversational\(examples\) over all its rows")
+    with pytest.raises(ValueError, match=match):
+        builder.build_train(lambda count: chat * count)
+    with pytest.raises(ValueError, match=match):
+        builder.build_val(chat)
+
+
 def test_builder_resumes_the_engine_state_it_is_given(policy):
     model, tokenizer = policy
     sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5)

@@ -37,7 +37,7 @@ from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, sco
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
-from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, correctness_reward, own_copy,
+from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, check_prompt_form, correctness_reward, own_copy,
                                      reward_arguments, score_rewards)
 from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
@@ -137,7 +137,8 @@ class RolloutBuilder:
             tool calls that end a turn and decodes on; not with partial rollouts (over_provision > 1).
         conversational: the reward functions get TRL's conversational form (``reward_arguments``), in every
             rollout: the prompt set's form, ``prompts.is_conversational`` of all its rows, which must be True where
-            any row is chat messages.
+            any row is chat messages (a chat prompt given to a builder with False is refused before it is
+            generated, ``rewards.check_prompt_form``).
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, sampling: SamplingConfig,
@@ -449,6 +450,8 @@ class RolloutBuilder:
         wanted, finish = plan_partial_rollout([g.tag.steps for g in carried], B, step.over_provision,
                                               step.max_staleness)
         fresh = draw(wanted) if wanted else []
+        # a checkpoint's carried prompts too: the form is checked before any completion costs anything (_rollout)
+        check_prompt_form([g.tag.prompt.example for g in carried] + [p.example for p in fresh], self.conversational)
         with self.generation_mode():
             # carried groups may fill the rollout alone (a checkpoint of a run with more over-provision or more
             # groups per step): no fresh group then, and new_groups refuses an empty list
@@ -463,6 +466,9 @@ class RolloutBuilder:
         """Generate G completions per prompt (``streams``: their random streams' keys, ``RolloutEngine.generate``)
         and score them."""
         since, tool_rollout = engine.rollout_index, None
+        # the form the reward functions get, checked before the completions cost anything (RolloutBuilder made
+        # directly, with another form than its prompts')
+        check_prompt_form([p.example for p in prompts], self.conversational)
         with self.generation_mode():
             if self.tools is None:
                 result = engine.generate([p.ids for p in prompts], streams=streams)

@@ -774,6 +774,18 @@ def _fresh_arguments(prompts: Sequence[Any], completions: Sequence[Any], columns
     return fresh_list(prompts), fresh_list(completions), {key: fresh_list(values) for key, values in columns.items()}
 
 
+def check_prompt_form(examples: Sequence[Any], conversational: bool) -> None:
+    """Refuse prompt examples (``PromptExample``) of which one is chat messages where the reward functions' form is
+    text (``conversational`` False): that form was taken from other prompts than these, or not from the prompt set
+    at all. A plain prompt takes either form (a set mixing both gives it as its one user message)."""
+    if not conversational:
+        chat = next((example.prompt for example in examples if example.messages), None)
+        if chat is not None:
+            raise ValueError(f"conversational=False, but prompt {chat!r:.80} is chat messages: the reward functions' "
+                             "form is the whole prompt set's: pass conversational=is_conversational(examples) over "
+                             "all its rows (RolloutBuilder's conversational)")
+
+
 def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
                      conversations: Sequence[Sequence[list[dict]]] | None = None, *,
                      conversational: bool) -> tuple[list[Any], list[Any]]:
@@ -783,12 +795,8 @@ def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
     prompt's messages as its row holds them, each completion ``[{"role": "assistant", "content": text}]`` (a plain
     prompt as its one user message), or with tool calls (``conversations``, ``[B][G]``: ``lit_grpo.rollout.tools``)
     its turns and tool messages, as TRL's."""
+    check_prompt_form(examples, conversational)
     if not conversational:
-        chat = next((example.prompt for example in examples if example.messages), None)
-        if chat is not None:  # the set's form was taken from other prompts than these
-            raise ValueError(f"conversational=False, but prompt {chat!r:.80} is chat messages: the reward functions' "
-                             "form is the whole prompt set's: pass conversational=is_conversational(examples) over "
-                             "all its rows (RolloutBuilder's conversational)")
         return ([example.prompt for example, group in zip(examples, texts) for _ in group],
                 [text for group in texts for text in group])
     prompts = [example.messages or [{"role": "user", "content": example.prompt}] for example in examples]
