@@ -94,6 +94,9 @@ def test_tensor_and_numpy_values_of_a_column_are_kept_and_shown_as_python_values
 @pytest.mark.parametrize("body, match", [
     (lambda m, e, n: m("loss", "0.5"), r"log_metric\('loss', '0.5'\); the value must be one number"),
     (lambda m, e, n: m("loss", [0.5]), r"log_metric\('loss', \[0.5\]\); the value must be one number"),
+    # Python refuses to print an int of more than 4300 digits: the message said only that
+    (lambda m, e, n: m("loss", [10**5000]), r"log_metric\('loss', a list holding an int of more than 4300 digits\); "
+                                            r"the value must be one number"),
     (lambda m, e, n: m("", 1.0), r"log_metric with the name ''; it must be a non-empty string"),
     (lambda m, e, n: m("x/", 1.0), r"with the name 'x/'"),
     (lambda m, e, n: m("mean", 1.0), r"log_metric names \['mean'\] would be logged as \['reward/mean'\]"),

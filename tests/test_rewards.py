@@ -287,8 +287,14 @@ def test_a_function_named_only_reward_keeps_its_name():
     ([float("nan"), 1.0], r"'bad' returned nan at index 0 for prompt 'q1'.*finite"),
     ([1.0, float("inf")], r"returned inf at index 1"),
     ([1e39, 1.0], r"'bad' returned 1e\+39 at index 0 for prompt 'q1'; values must be finite in float32"),
-    # an int beyond float range: float() raised a bare OverflowError
-    ([1.0, -10**400], r"'bad' returned -10{400} at index 1 for prompt 'q2'; values must be finite in float32"),
+    # an int beyond float range (float() raised a bare OverflowError): its size said, not its hundreds of digits,
+    # nor Python's refusal to print an int of more than 4300 (sys.get_int_max_str_digits())
+    ([1.0, -10**400], r"'bad' returned a negative int of 401 digits at index 1 for prompt 'q2', which is not a finite "
+                      r"float; values must be finite in float32"),
+    ([10**5000, 1.0], r"'bad' returned an int of 5001 digits at index 0 for prompt 'q1', which is not a finite float; "
+                      r"values must be finite in float32, \|value\| <= 3.403e\+38 \(or None for no opinion\)$"),
+    ([1.0, [10**5000]], r"'bad' returned a list holding an int of more than 4300 digits \(list\) at index 1 for "
+                        r"prompt 'q2'; values must be floats or None"),
     ("11", r"returned str"),
     ({0: 1.0, 1: 0.0}, r"returned dict"),  # its keys were taken as the rewards
     ({1.0, 0.0}, r"returned set"),
@@ -418,6 +424,10 @@ def test_build_reward_funcs_from_config_specs():
     for weight in (None, "1", True):  # named, not a bare TypeError from float()
         with pytest.raises(ValueError, match=rf"reward weight {weight!r} for 'format' must be a finite number"):
             build_reward_funcs([{"name": "format", "weight": weight}])
+    # an int beyond float range: named by its size, not a bare OverflowError from math.isfinite
+    with pytest.raises(ValueError, match=r"reward weight \(an int of 5001 digits\) for 'format' must be a finite "
+                                         r"number, \|weight\| <= 3.403e\+38"):
+        build_reward_funcs([{"name": "format", "weight": 10**5000}])
 
 
 @pytest.mark.parametrize("name, meant", [

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,30 @@ def as_number(value: Any) -> float | None:
         return math.inf if value > 0 else -math.inf
 
 
+def huge_int(value: Any) -> str | None:
+    """An int beyond float range said by its count of digits ("an int of 401 digits"), for an error message: Python
+    refuses to print one of more than ``sys.get_int_max_str_digits()`` (4300 by default), and hundreds of digits
+    say nothing; None for any other value."""
+    if not isinstance(value, int) or isinstance(value, bool) or not math.isinf(as_number(value)):
+        return None
+    digits = math.floor(math.log10(abs(value))) + 1
+    digits -= 10 ** (digits - 1) > abs(value)  # log10 rounds 10**k - 1 up to k
+    return f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
+
+
+def shown_value(value: Any, width: int = 100) -> str:
+    """``value``'s repr cut to ``width`` characters, for an error message; an int beyond float range by its digits
+    (``huge_int``), and a value holding an int too long to print as that."""
+    if (huge := huge_int(value)) is not None:
+        return huge
+    try:
+        return repr(value)[:width]
+    except ValueError as err:  # a container's repr met such an int
+        if "integer string conversion" not in str(err):
+            raise
+        return f"a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits"
+
+
 def plain_value(value: Any) -> Any:
     """``value`` as Python holds it: a torch tensor's or a NumPy array's or scalar's values (``tolist``: a number, or
     nested lists of them), anything else as it is. A logged column keeps no tensor (nor the device memory behind
@@ -76,8 +101,8 @@ class CallLog:
                              "a non-empty string, not starting or ending with '/' (it is logged as reward/<name>)")
         number = as_number(value)  # NaN and inf are logged as they are, as TRL does: a diagnostic, not a reward
         if number is None:
-            raise ValueError(f"reward function {self.fn_name!r} called log_metric({name!r}, {value!r:.100}); the "
-                             "value must be one number")
+            raise ValueError(f"reward function {self.fn_name!r} called log_metric({name!r}, {shown_value(value)}); "
+                             "the value must be one number")
         self.metrics.setdefault(name, []).append(number)
 
     def extra(self, column: str, values: Sequence[Any]) -> None:
@@ -87,7 +112,7 @@ class CallLog:
                              f"be a non-empty string other than the table's own columns {list(TABLE_COLUMNS)}")
         unordered = isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__")
         if unordered or len(values) != self.n:
-            shown = f"{type(values).__name__} {values!r:.100}" if unordered else f"{len(values)} values"
+            shown = f"{type(values).__name__} {shown_value(values)}" if unordered else f"{len(values)} values"
             raise ValueError(f"reward function {self.fn_name!r} called log_extra({column!r}, ...) with {shown}; it "
                              f"must give one value per completion of the call ({self.n}), in their order")
         if column in self.extras:

@@ -74,7 +74,6 @@ import functools
 import importlib
 import inspect
 import math
-import numbers
 import time
 import traceback
 import warnings
@@ -88,11 +87,11 @@ import torch
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.prompts import message_text
-from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
+from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number, huge_int, shown_value
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, real_within
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -163,11 +162,13 @@ class WeightedReward:
             raise ValueError(f"reward function {self.fn!r} is not callable")
         if is_verl_score(self.fn):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info)
             self.fn = VerlScore(self.fn)
-        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or \
-                not math.isfinite(self.weight) or abs(self.weight) > FLOAT32_MAX:  # totals are float32 tensors
-            raise ValueError(f"reward weight {self.weight!r} for {self.name or reward_name(self.fn)!r} must be a "
+        weight = real_within(self.weight, -FLOAT32_MAX, FLOAT32_MAX)  # totals are float32 tensors
+        if weight is None:
+            huge = huge_int(self.weight)
+            shown = f"({huge})" if huge else shown_value(self.weight)
+            raise ValueError(f"reward weight {shown} for {self.name or reward_name(self.fn)!r} must be a "
                              f"finite number, |weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
-        self.weight = float(self.weight)
+        self.weight = weight
         if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
             raise ValueError(f"reward name {self.name!r} for {self.fn!r} must be a string ('' for the function's "
                              "name)")
@@ -551,8 +552,8 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int, offset
         raise ValueError(f"reward function {name!r} returned None, as a function without a return statement does; it "
                          f"must return a list of {n} values, each a float or None")
     if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__"):
-        raise ValueError(f"reward function {name!r} returned {type(values).__name__} {values!r:.100}; it must return "
-                         f"a list of {n} values, each a float or None")
+        raise ValueError(f"reward function {name!r} returned {type(values).__name__} {shown_value(values)}; it must "
+                         f"return a list of {n} values, each a float or None")
     if len(values) != n:
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions; it must "
                          "return one float (or None) per completion")
@@ -563,15 +564,19 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int, offset
             continue
         number = as_number(value)
         if number is None:
-            raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index "
-                             f"{offset + i} for prompt {_shown(prompts[i])!r:.300}; values must be floats or None")
+            raise ValueError(f"reward function {name!r} returned {shown_value(value)} ({type(value).__name__}) at "
+                             f"index {offset + i} for prompt {_shown(prompts[i])!r:.300}; values must be floats or "
+                             "None")
         if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # rewards are float32 tensors
             # TRL's nansum takes a NaN for None; refused here, so that a broken computation is not read as no opinion
             nan = "; a NaN is refused where TRL reads it as None: return None for no opinion" if number != number \
                 else ""
-            raise ValueError(f"reward function {name!r} returned {value!r} at index {offset + i} for prompt "
-                             f"{_shown(prompts[i])!r:.300}; values must be finite in float32, |value| <= "
-                             f"{FLOAT32_MAX:.4g} (or None for no opinion){nan}")
+            # an int beyond float range, which as_number made an infinity, is not even a float
+            huge = huge_int(value)
+            beyond = ", which is not a finite float" if huge else ""
+            raise ValueError(f"reward function {name!r} returned {huge or shown_value(value)} at index {offset + i} "
+                             f"for prompt {_shown(prompts[i])!r:.300}{beyond}; values must be finite in float32, "
+                             f"|value| <= {FLOAT32_MAX:.4g} (or None for no opinion){nan}")
         out.append(number)
     return out
 
