@@ -155,12 +155,13 @@ def _adds_to_text_completions(completions, **kwargs):
 
 @pytest.mark.parametrize("fn, prompts, completions, note", [
     (_reads_chat_completions, ["q"] * 2, ["x", "y"],
-     "; its completions are text, as its prompts are: TRL's conversational completions ([{'role': 'assistant', "
-     "'content': text}]) come with prompts of chat messages (a prompt column of [{'role': ..., 'content': ...}] "
-     "lists, a system message included), where data.system_prompt leaves text prompts text"),
+     "; its completions are plain strings, because its prompts are text, not chat messages: completions come in "
+     "TRL's conversational form ([{'role': 'assistant', 'content': text}]) only with chat-message prompts (a prompt "
+     "column of [{'role': ..., 'content': ...}] lists, which may hold a system turn; data.system_prompt does not make "
+     "text prompts chat messages)"),
     (_reads_text_completions, [[{"role": "user", "content": "q"}]] * 2, [[{"role": "assistant", "content": "x"}]] * 2,
-     "; its completions are TRL's conversational form, as its prompts are chat messages: a completion's text is "
-     "completion[-1]['content'] (its last turn, the answer, after any tool call and reply)"),
+     "; its completions are in TRL's conversational form, lists of messages, because its prompts are chat messages: "
+     "a completion's text is completion[-1]['content'] (its last turn, the answer, after any tool call and reply)"),
     (_adds_to_text_completions, [[{"role": "user", "content": "q"}]] * 2,
      [[{"role": "assistant", "content": "x"}]] * 2, "a completion's text is completion[-1]['content'] (its last turn, "
      "the answer, after any tool call and reply)"),

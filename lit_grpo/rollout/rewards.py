@@ -708,13 +708,14 @@ def _completion_form_note(err: Exception, completion: Any) -> str:
         return ""
     said = str(err)
     if isinstance(completion, str) and ("string indices" in said or "'str' object" in said):
-        return ("; its completions are text, as its prompts are: TRL's conversational completions ([{'role': "
-                "'assistant', 'content': text}]) come with prompts of chat messages (a prompt column of [{'role': "
-                "..., 'content': ...}] lists, a system message included), where data.system_prompt leaves text "
-                "prompts text")
+        return ("; its completions are plain strings, because its prompts are text, not chat messages: completions "
+                "come in TRL's conversational form ([{'role': 'assistant', 'content': text}]) only with chat-message "
+                "prompts (a prompt column of [{'role': ..., 'content': ...}] lists, which may hold a system turn; "
+                "data.system_prompt does not make text prompts chat messages)")
     if isinstance(completion, list) and ("'list'" in said or '(not "list")' in said):  # text + completion
-        return ("; its completions are TRL's conversational form, as its prompts are chat messages: a completion's "
-                "text is completion[-1]['content'] (its last turn, the answer, after any tool call and reply)")
+        return ("; its completions are in TRL's conversational form, lists of messages, because its prompts are "
+                "chat messages: a completion's text is completion[-1]['content'] (its last turn, the answer, after "
+                "any tool call and reply)")
     return ""
 
 
