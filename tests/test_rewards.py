@@ -383,6 +383,18 @@ def test_accuracy_without_reasoning_gym_entry():
     assert accuracy_reward(["q"], ["x"], answer=["  "]) == [None]  # a blank gold answer is no gold answer
 
 
+def test_accuracy_compares_numbers_exactly_whatever_their_digits():
+    """Numbers are compared digit for digit (2.50 is 2.5, 007 is 7): read as floats, a product of two 10-digit
+    numbers matched any answer within its 17 significant digits, and two numbers of 309 digits or more were both
+    inf, so one matched any other."""
+    product = str(12345678901 * 98765432109)
+    completions = [f"<answer>{int(product) + 1}</answer>", f"<answer>{product}</answer>", "<answer>2" + "0" * 400
+                   + "</answer>", "<answer>1" + "0" * 400 + "</answer>", "<answer>0.30000000000000001</answer>",
+                   "<answer>2.50</answer>", "<answer>-007</answer>", "<answer>-0.0</answer>", "<answer>.5</answer>"]
+    gold = [product, product, "1" + "0" * 400, "1" + "0" * 400, "0.3", 2.5, -7, 0, "0.50"]
+    assert accuracy_reward(["q"] * 9, completions, answer=gold) == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+
+
 def test_format_and_overlong():
     completions = ["<answer>3</answer>", "3", "<answer>1</answer><answer>2</answer>", "<answer> </answer>"]
     assert format_reward([], completions) == [1.0, 0.0, 0.0, 0.0]

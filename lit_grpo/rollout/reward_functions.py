@@ -30,14 +30,19 @@ from lit_grpo.runtime.validation import check_int
 _NUMBER = re.compile(SIGN + DECIMAL + "|" + SIGN + r"\.\d+")
 
 
-def _number(text: str) -> float | None:
-    """The value of ``text`` written as one number ("1,000", "1 000", "- 5", "\u22125", "2.50"), else None: a list
-    such as "1,2,3" or "2 3" is not one number."""
+def _number(text: str) -> str | None:
+    """The value of ``text`` written as one number ("1,000", "1 000", "- 5", "\u22125", "2.50") in one exact
+    spelling (plain digits, no leading or trailing zeros: "1000", "-5", "2.5"), else None: a list such as "1,2,3"
+    or "2 3" is not one number. Digits, not a float: a float keeps 17 significant digits and takes 309 or more for
+    inf, so other numbers would read as the same."""
     text = re.sub(r"^([-\u2212])\s+", r"\1", text.strip())
     text = re.sub(r"(?<=\d) (?=\d{3}\b)", ",", text)  # a space as a thousands separator
     if _NUMBER.fullmatch(text) is None:
         return None
-    return float(text.replace(",", "").replace("\u2212", "-"))
+    text = text.replace(",", "").replace("\u2212", "-")
+    whole, _, fraction = text.lstrip("-").partition(".")
+    digits = (whole.lstrip("0") or "0") + ("." + fraction.rstrip("0") if fraction.rstrip("0") else "")
+    return "-" + digits if text.startswith("-") and digits != "0" else digits
 
 
 def _is_number(text: str) -> bool:
@@ -62,9 +67,9 @@ def extract_answer(completion: str, numeric: bool = False) -> str | None:
 
 def _normalize(text: str) -> str:
     text = text.strip().rstrip(".").strip()
-    value = _number(text)
-    if value is not None:
-        return str(int(value)) if value.is_integer() else repr(value)
+    number = _number(text)
+    if number is not None:
+        return number
     return re.sub(r"\s*,\s*", ",", " ".join(text.lower().split()))  # "2, 3" is "2,3"
 
 
@@ -87,8 +92,8 @@ def score_answer(answer: str | None, gold: Any, entry: Mapping[str, Any] | None 
 
     A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
     ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` as text (``str(gold)``: a
-    dataset's number too; numbers compared as numbers, text case- and space-insensitively). ``None`` when there is
-    no gold answer (no opinion).
+    dataset's number too; numbers compared digit for digit, "2.50" as "2.5", text case- and space-insensitively).
+    ``None`` when there is no gold answer (no opinion).
     """
     source = reasoning_gym_source(entry)
     if source:
