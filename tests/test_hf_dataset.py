@@ -248,6 +248,12 @@ def test_errors_name_the_file_the_row_and_the_column(table, tmp_path):
     not_json.write_text('{"prompt": "fine", "answer": "1"}\nnot json\n')
     with pytest.raises(ValueError, match=rf"{not_json}' cannot be read: ArrowInvalid: JSON parse error: .* in row 1"):
         load_prompts(dataset=str(not_json))
+    # an integer past Python's int-to-str limit (4300 digits): json's bare ValueError named neither file nor line
+    long_number = tmp_path / "long_number.jsonl"
+    long_number.write_text('{"prompt": "fine", "answer": 1}\n{"prompt": "big", "answer": ' + "9" * 5000 + "}\n")
+    with pytest.raises(ValueError, match=rf"{long_number}:2: cannot be read \(Exceeds the limit \(4300 digits\) for "
+                                         r"integer string conversion.*\); write so long a number as a string"):
+        load_prompts(jsonl_path=str(long_number))
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"files ending in '.txt' are not read; use one of"):
         load_prompts(dataset=str(tmp_path / "notes.txt"))

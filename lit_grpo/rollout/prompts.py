@@ -141,6 +141,9 @@ def jsonl_prompts(path: str | Path) -> list[PromptExample]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            except ValueError as err:  # valid JSON Python will not read: an integer past its int-to-str limit
+                hint = "; write so long a number as a string" if "integer string conversion" in str(err) else ""
+                raise ValueError(f"{path}:{number}: cannot be read ({err}){hint}") from err
             examples.append(_example_from_row(row, f"{path}:{number}"))
     if not examples:
         raise ValueError(f"prompt file {str(path)!r} holds no prompts")
