@@ -878,7 +878,7 @@ def test_the_data_module_hands_its_settings_groups_to_the_builder_as_they_are(po
     (lambda: TrainingConfig(prompts_per_step=0), r"prompts_per_step=0 must be an integer >= 1"),
     (lambda: TrainingConfig(dynamic_sampling="false"), r"dynamic_sampling='false' must be True or False"),
     (lambda: TrainingConfig(max_rollouts_per_step=0), r"max_rollouts_per_step=0 must be an integer >= 1"),
-    (lambda: ValidationConfig(val_max_new_tokens=0), r"val_max_new_tokens=0 must be an integer >= 1"),
+    (lambda: ValidationConfig(val_max_new_tokens=0), r"val_max_new_tokens=0 must be an integer >= 1 or None$"),
     (lambda: ValidationConfig(val_temperature=0.0), r"val_temperature=0.0 is not allowed"),
     (lambda: AdvantageConfig(scale_rewards="rank"), r"scale_rewards='rank' is not known"),
     (lambda: ScoringConfig(on_reward_error="ignore"), r"on_reward_error='ignore' is not known"),

@@ -85,9 +85,9 @@ class ValidationConfig:
     val_temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("val_batch_size", "val_max_new_tokens", "val_num_samples"):
-            if not (name == "val_max_new_tokens" and self.val_max_new_tokens is None):  # None: the sampling cap
-                check_field(self, name, check_int, 1)
+        for name in ("val_batch_size", "val_num_samples"):
+            check_field(self, name, check_int, 1)
+        check_field(self, "val_max_new_tokens", check_int, 1, none=True)  # None: the sampling cap
         check_field(self, "val_temperature", check_real, low=MIN_TEMPERATURE)
 
     def length_cap(self, sampling_cap: int) -> int:
