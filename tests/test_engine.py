@@ -425,12 +425,14 @@ def test_bfloat16_and_qwen2_run(tiny_llama):
     (dict(temperature=1e-40), r"temperature=1e-40 must be 0 \(greedy\) or a finite number >= 1e-05 \(below it the "
                               r"logits divided by it overflow\)"),
     (dict(top_p=0.0), "top_p=0.0"),
-    (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), r"top_k=-1 must be an integer >= 0 \(0 disables it: vLLM's and verl's -1\)"),
-    (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\)"),
+    (dict(top_p=1.5), r"^sampling.top_p=1.5 is not allowed; sampling.top_p must be a finite number > 0 and <= 1$"),
+    (dict(min_p=1.0), r"^sampling.min_p=1.0 is not allowed; sampling.min_p must be a finite number >= 0 and < 1 "
+                      r"\(0 disables it\)$"),
     (dict(min_p=-0.1), "min_p=-0.1"),
-    *[(dict(repetition_penalty=value), rf"sampling.repetition_penalty={value!r} must be a finite number > 0 \(1.0 "
-                                        r"disables it; above 1 penalizes the tokens already in the sequence\)")
+    *[(dict(repetition_penalty=value), rf"^sampling.repetition_penalty={value!r} is not allowed; "
+                                        r"sampling.repetition_penalty must be a finite number > 0 \(1.0 "
+                                        r"disables it; above 1 penalizes the tokens already in the sequence\)$")
       for value in (0.0, -1.2, float("inf"), float("nan"), True, "1.2", None)],
     (dict(max_new_tokens=0), "max_new_tokens=0"),
 ])

@@ -81,6 +81,14 @@ def test_a_real_check_refuses_what_is_not_a_finite_number_within_its_bounds(valu
     assert integer_within(True) is None and integer_within(np.int64(3), 0, 5) == 3
 
 
+def test_a_real_check_says_its_hint_after_the_bounds_it_has():
+    # a setting's own meaning (what a value disables) said with the bounds the check words from its numbers
+    with pytest.raises(ValueError, match=r"^x=1.0 is not allowed; x must be a finite number >= 0 and < 1 "
+                                         r"\(0 disables it\)$"):
+        check_real("x", 1.0, 0, 1, high_open=True, hint="0 disables it")
+    assert check_real("x", 0, 0, 1, high_open=True, hint="0 disables it") == 0.0
+
+
 def test_an_integer_check_may_take_none():
     assert check_int("n", None, 1, none=True) is None
     with pytest.raises(ValueError, match=r"^n=0 must be an integer >= 1 \(tokens\) or None$"):

@@ -287,15 +287,16 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
 
 
 def check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
-               low_open: bool = False, high_open: bool = False) -> float:
+               low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
     """``value`` as a float if it is a finite real (not a bool) within the bounds (``low`` excluded when
-    ``low_open``, ``high`` when ``high_open``), else a ValueError naming it."""
+    ``low_open``, ``high`` when ``high_open``), else a ValueError naming it (and ``hint``, said after the bounds in
+    parentheses: what a value means, as "0 disables it")."""
     bounds = []
     if low is not None:
         bounds.append(f"{'>' if low_open else '>='} {low:g}")
     if high is not None:
         bounds.append(f"{'<' if high_open else '<='} {high:g}")
-    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "") + (f" ({hint})" if hint else "")
     number = real_within(value, low, high, low_open, high_open)
     if number is None:
         raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from lit_grpo.runtime.validation import (SEED_MAX, check_choice, check_field, check_int, check_int_in_range,
-                                         real_within)
+                                         check_real, real_within)
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -129,12 +129,11 @@ class SamplingConfig:
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         check_choice("sampling.decode_attention", self.decode_attention, DECODE_KERNELS)
         check_field(self, "temperature", _check_temperature, prefix=_KEY)
-        check_field(self, "top_p", _check_bounded, "in (0, 1]", low=0, high=1, low_open=True, prefix=_KEY)
+        check_field(self, "top_p", check_real, low=0, high=1, low_open=True, prefix=_KEY)
         check_field(self, "top_k", check_int, 0, hint="0 disables it: vLLM's and verl's -1", prefix=_KEY)
-        check_field(self, "min_p", _check_bounded, "in [0, 1) (0 disables it)", low=0, high=1, high_open=True,
-                    prefix=_KEY)
-        check_field(self, "repetition_penalty", _check_bounded, "a finite number > 0 (1.0 disables it; above 1 "
-                    "penalizes the tokens already in the sequence)", low=0, low_open=True, prefix=_KEY)
+        check_field(self, "min_p", check_real, low=0, high=1, high_open=True, hint="0 disables it", prefix=_KEY)
+        check_field(self, "repetition_penalty", check_real, low=0, low_open=True, prefix=_KEY,
+                    hint="1.0 disables it; above 1 penalizes the tokens already in the sequence")
         if isinstance(self.stop_strings, (str, bytes)) or not isinstance(self.stop_strings, (list, tuple)) or \
                 not all(isinstance(s, str) and s for s in self.stop_strings):
             shown = list(self.stop_strings) if isinstance(self.stop_strings, tuple) else self.stop_strings
@@ -191,15 +190,6 @@ class SamplingConfig:
                 options["length_aware"] = dataclasses.replace(current, **length_aware)
             config = config.replace(scheduler=config.scheduler.replace(**options))
         return config
-
-
-def _check_bounded(name: str, value: Any, allowed: str, **bounds: Any) -> float:
-    """``value`` as a plain float if it is a finite number within ``bounds`` (:func:`real_within`'s), else a
-    ValueError saying it ``must be {allowed}``."""
-    number = real_within(value, **bounds)
-    if number is None:
-        raise ValueError(f"{name}={value!r} must be {allowed}")
-    return number
 
 
 def _check_temperature(name: str, value: Any) -> float:
