@@ -194,7 +194,9 @@ def test_bad_tool_settings_name_the_value(llama):
     with pytest.raises(ConfigError, match="data.tools.*'tests_x.y:z'"):
         make_datamodule(make_module(), tools=["tests_x.y:z"])
     for bad in (-1, True, 1.5):  # its own key's error, with what it allows, not one of data.tools
-        with pytest.raises(ValueError, match=rf"^max_tool_calling_iterations={bad!r} must be an integer >= 0 .*None"):
+        with pytest.raises(ValueError, match=rf"^max_tool_calling_iterations={bad!r} must be an integer >= 0 \(tool "
+                                             r"rounds per completion\) or None \(null in YAML: no count, "
+                                             r"max_new_tokens bounds the rounds\)$"):
             make_datamodule(make_module(), tools=[add], max_tool_calling_iterations=bad)
     # partial rollouts: refused by the data module as a setting, and by a builder made by hand
     partial = r"over_provision=2.0 turns on partial rollouts, which tool calling does not run with yet"

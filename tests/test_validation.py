@@ -97,6 +97,13 @@ def test_an_integer_check_may_take_none():
         check_int("n", None, 1)
 
 
+def test_an_integer_check_may_say_what_none_means():
+    assert check_int("n", None, 1, none="no cap") is None
+    assert check_int("n", np.int64(2), 1, none="no cap") == 2
+    with pytest.raises(ValueError, match=r"^n=0 must be an integer >= 1 \(tokens\) or None \(no cap\)$"):
+        check_int("n", 0, 1, hint="tokens", none="no cap")
+
+
 def test_the_settings_own_number_checks_take_numpy_numbers():
     # each setting checked by a rule of its own takes a number computed with numpy (np.float32, numpy integers),
     # as the shared checks do, and keeps it as the plain number it is

@@ -464,13 +464,8 @@ def check_without_partial_rollouts(over_provision: float) -> None:
 def check_max_tool_calling_iterations(value: Any) -> int | None:
     """``value`` as a plain int (a numpy integer's too) or None; raises naming it unless it is None or an integer
     >= 0."""
-    if value is None:
-        return None
-    try:
-        return check_int("max_tool_calling_iterations", value, 0)
-    except ValueError:
-        raise ValueError(f"max_tool_calling_iterations={value!r} must be an integer >= 0 (tool rounds per "
-                         "completion) or None (null in YAML: no count, max_new_tokens bounds the rounds)") from None
+    return check_int("max_tool_calling_iterations", value, 0, hint="tool rounds per completion",
+                     none="null in YAML: no count, max_new_tokens bounds the rounds")
 
 
 def check_template_renders_tools(tokenizer: Any, schemas: list[dict], kwargs: Mapping[str, Any],

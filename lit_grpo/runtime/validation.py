@@ -261,17 +261,25 @@ def integer_within(value: Any, minimum: int | None = None, maximum: int | None =
     return number
 
 
-def check_int(name: str, value: Any, minimum: int, hint: str = "", none: bool = False) -> int | None:
+def check_int(name: str, value: Any, minimum: int, hint: str = "", none: bool | str = False) -> int | None:
     """``value`` as a plain int if it is an integral number (an int or a numpy integer, not a bool) ``>= minimum``
-    (or None where ``none``), else a ValueError naming it (and ``hint``, said after it in parentheses).
-    :func:`check_int_in_range` with no upper bound, said shorter."""
+    (or None where ``none``: True, or a text saying what None means, said after it in parentheses), else a
+    ValueError naming it (and ``hint``, said after it in parentheses). :func:`check_int_in_range` with no upper
+    bound, said shorter."""
     if value is None and none:
         return None
     number = integer_within(value, minimum, None)
     if number is None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else "")
-                         + (" or None" if none else ""))
+                         + _or_none(none))
     return number
+
+
+def _or_none(none: bool | str) -> str:
+    """What a check's refusal adds where it takes None: " or None", and what None means where ``none`` says it."""
+    if not none:
+        return ""
+    return " or None" + (f" ({none})" if isinstance(none, str) else "")
 
 
 def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
