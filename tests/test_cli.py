@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import forked_cli
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -1184,7 +1185,8 @@ def test_a_bad_process_setting_is_named_with_what_it_takes(capsys, monkeypatch, 
 
 
 @pytest.mark.parametrize("devices, allowed", [(0, False), ("0", False), (-2, False), ([], False), ("x", False),
-                                              (2, True), (-1, True), ([0, 3], True), ("0,1", True), ("auto", True)])
+                                              (2, True), (-1, True), ([0, 3], True), ("0,1", True), ("auto", True),
+                                              ([True], False), ([-1], False)])
 def test_gpu_devices_take_a_count_all_or_indices(devices, allowed):
     from lit_grpo.cli.setting_checks import check_processes
 
@@ -1195,6 +1197,26 @@ def test_gpu_devices_take_a_count_all_or_indices(devices, allowed):
     with pytest.raises(ValueError, match=r"trainer.devices=.* is not allowed; trainer.devices must be a number of "
                                          r"devices >= 1, -1 \(all of them\), 'auto', or a list of device indices"):
         check_processes(trainer)
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
+def test_process_counts_take_numpy_integers_as_plain_ints(accelerator):
+    # as every other integer setting: a count computed with numpy is the int it holds, given on to Lightning, which
+    # refuses numpy integers itself
+    from lit_grpo.cli.setting_checks import check_processes
+
+    trainer = {"accelerator": accelerator, "num_nodes": np.int64(2), "devices": np.int64(2)}
+    check_processes(trainer)
+    assert (trainer["num_nodes"], trainer["devices"]) == (2, 2)
+    assert (type(trainer["num_nodes"]), type(trainer["devices"])) == (int, int)
+    if accelerator == "gpu":
+        trainer["devices"] = [np.int64(0), np.int32(3)]
+        check_processes(trainer)
+        assert trainer["devices"] == [0, 3] and {type(index) for index in trainer["devices"]} == {int}
+    for nodes in (np.int64(0), True, 2.0):
+        with pytest.raises(ValueError, match=r"^trainer.num_nodes=.* is not allowed; trainer.num_nodes must be an "
+                                             r"integer >= 1$"):
+            check_processes({"num_nodes": nodes})
 
 
 def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatch):

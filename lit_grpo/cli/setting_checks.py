@@ -15,6 +15,8 @@ from lightning.pytorch import Callback
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lit_grpo.runtime.validation import check_int_in_range, integer_within
+
 
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
@@ -67,7 +69,8 @@ def check_processes(trainer: Any) -> None:
     """Refuse a ``trainer.strategy`` name, ``trainer.devices`` or ``trainer.num_nodes`` Lightning would refuse,
     naming the setting and what it takes: Lightning's own messages name neither the setting's key nor, for
     devices, what is allowed (``Trainer(devices='0')`` is not a valid input). Classes and values Lightning takes
-    are left to it."""
+    are left to it. A count or index given as a numpy integer is put back in ``trainer`` as the plain int it
+    holds, as every integer setting takes it (Lightning refuses numpy integers)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     strategy = trainer.get("strategy")
@@ -78,12 +81,16 @@ def check_processes(trainer: Any) -> None:
         meant = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"trainer.strategy={strategy!r} is not known{meant}; use one of {plain} (the ddp ones also "
                          "as NAME_find_unused_parameters_true or _false), or a Strategy class (class_path, init_args)")
-    nodes = trainer.get("num_nodes")
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
-        raise ValueError(f"trainer.num_nodes={nodes!r} is not allowed; trainer.num_nodes must be an integer >= 1")
+    if trainer.get("num_nodes") is not None:
+        trainer["num_nodes"] = check_int_in_range("trainer.num_nodes", trainer["num_nodes"], 1)
     devices = trainer.get("devices")
-    if devices is None or devices == "auto":
+    if devices is None or (isinstance(devices, str) and devices == "auto"):
         return
+    # a numpy integer (a count or an index computed with numpy) given on as the int it is, which Lightning takes
+    if isinstance(devices, list) and None not in (indices := [integer_within(index, 0) for index in devices]):
+        devices = trainer["devices"] = indices
+    elif (number := integer_within(devices)) is not None:
+        devices = trainer["devices"] = number
     count = _int_or_none(devices) if isinstance(devices, (int, str)) and not isinstance(devices, bool) else None
     shown = count if count is not None and str(devices).strip() == str(count) else repr(devices)  # '0' read as 0
     accelerator = trainer.get("accelerator")
@@ -94,7 +101,7 @@ def check_processes(trainer: Any) -> None:
             raise ValueError(f"trainer.devices={shown} is not allowed; on the CPU trainer.devices must be a number "
                              "of processes >= 1, or 'auto'")
         return
-    listed = isinstance(devices, list) and devices and all(isinstance(i, int) and i >= 0 for i in devices)
+    listed = isinstance(devices, list) and devices and all(integer_within(index, 0) is not None for index in devices)
     if not (listed or (count is not None and (count >= 1 or count == -1)) or (
             count is None and isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?", devices))):
         raise ValueError(f"trainer.devices={shown} is not allowed; trainer.devices must be a number of devices >= 1, "
