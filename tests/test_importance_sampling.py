@@ -3,6 +3,7 @@ rollout (tiny model, CPU float32), and its effect on the update."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,18 +72,27 @@ def test_none_mode_and_nan_sampling_log_probs():
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)  # exp(2.0) truncated
 
 
+def test_the_bounds_are_kept_as_plain_floats():
+    # a bound computed with numpy is the float it holds, as the config's owner stores it and a checkpoint saves it
+    correction = SamplerCorrection("token_mask", np.float32(0.5), np.int64(4))
+    assert (correction.clip_min, correction.clip_max) == (0.5, 4.0)
+    assert (type(correction.clip_min), type(correction.clip_max)) == (float, float)
+
+
 def test_bad_settings_name_the_value_and_what_is_allowed():
     with pytest.raises(ValueError, match=r"sampler_correction.mode='tis' is not known; use one of \['auto', 'none', "):
         SamplerCorrection("tis")
     with pytest.raises(ValueError, match=r"sampler_correction.clip_min=2.0 must be < sampler_correction.clip_max=1"):
         SamplerCorrection("token_mask", 2.0, 1.0)
-    with pytest.raises(ValueError, match=r"sampler_correction.clip_max=-1.0 must be > 0 or None"):
-        SamplerCorrection("token_mask", None, -1.0)
-    for value in ("2", True):  # a string failed a comparison with a TypeError; a bool was taken as 1
-        with pytest.raises(ValueError, match=rf"sampler_correction.clip_min={value!r} must be a number > 0 or None"):
+    for value in (-1.0, math.nan, "2"):  # an upper bound of inf is none, as None
+        with pytest.raises(ValueError, match=rf"^sampler_correction.clip_max={value!r} is not allowed; "
+                                             r"sampler_correction.clip_max must be a number > 0 or None$"):
+            SamplerCorrection("token_mask", None, value)
+    for value in ("2", True, math.inf):  # a string failed a comparison with a TypeError; a bool was taken as 1
+        # (an infinite lower bound truncated every weight to inf)
+        with pytest.raises(ValueError, match=rf"^sampler_correction.clip_min={value!r} is not allowed; "
+                                             r"sampler_correction.clip_min must be a finite number > 0 or None$"):
             SamplerCorrection("token_mask", value, None)
-    with pytest.raises(ValueError, match=r"sampler_correction.clip_min=inf must be a finite number > 0 or None"):
-        SamplerCorrection("token_truncate", math.inf, None)  # every weight was truncated to inf
     assert SamplerCorrection("token_truncate", None, math.inf).clip_max == math.inf  # an upper bound of inf: none
     with pytest.raises(ValueError, match=r"mode='token_truncate' needs sampler_correction.clip_min or"):
         SamplerCorrection("token_truncate", None, None)

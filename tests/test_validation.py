@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -87,6 +88,17 @@ def test_a_real_check_says_its_hint_after_the_bounds_it_has():
                                          r"\(0 disables it\)$"):
         check_real("x", 1.0, 0, 1, high_open=True, hint="0 disables it")
     assert check_real("x", 0, 0, 1, high_open=True, hint="0 disables it") == 0.0
+
+
+def test_a_real_check_may_take_none_and_infinity():
+    assert check_real("x", None, 0, none=True) is None
+    assert check_real("x", np.float32("inf"), 0, finite=False) == math.inf
+    assert real_within(-math.inf, finite=False) == -math.inf and real_within(math.inf, 0, 1, finite=False) is None
+    with pytest.raises(ValueError, match=r"^x=None is not allowed; x must be a finite number > 0$"):
+        check_real("x", None, 0, low_open=True)
+    with pytest.raises(ValueError, match=r"^x=nan is not allowed; x must be a number > 0 \(a cap\) or None "
+                                         r"\(no cap\)$"):  # NaN is no number of any bound, infinite or not
+        check_real("x", math.nan, 0, low_open=True, hint="a cap", none="no cap", finite=False)
 
 
 def test_an_integer_check_may_take_none():

@@ -295,35 +295,40 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
 
 
 def check_real(name: str, value: Any, low: float | None = None, high: float | None = None,
-               low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
-    """``value`` as a float if it is a finite real (not a bool) within the bounds (``low`` excluded when
-    ``low_open``, ``high`` when ``high_open``), else a ValueError naming it (and ``hint``, said after the bounds in
-    parentheses: what a value means, as "0 disables it")."""
+               low_open: bool = False, high_open: bool = False, hint: str = "", none: bool | str = False,
+               finite: bool = True) -> float | None:
+    """``value`` as a float if it is a finite real (not a bool; an infinite one too unless ``finite``) within the
+    bounds (``low`` excluded when ``low_open``, ``high`` when ``high_open``), or None where ``none`` (True, or a text
+    saying what None means), else a ValueError naming it (and ``hint``, said after the bounds in parentheses: what a
+    value means, as "0 disables it")."""
+    if value is None and none:
+        return None
     bounds = []
     if low is not None:
         bounds.append(f"{'>' if low_open else '>='} {low:g}")
     if high is not None:
         bounds.append(f"{'<' if high_open else '<='} {high:g}")
-    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "") + (f" ({hint})" if hint else "")
-    number = real_within(value, low, high, low_open, high_open)
+    allowed = ("a finite number" if finite else "a number") + (" " + " and ".join(bounds) if bounds else "")
+    number = real_within(value, low, high, low_open, high_open, finite)
     if number is None:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}" + (f" ({hint})" if hint else "")
+                         + _or_none(none))
     return number
 
 
 def real_within(value: Any, low: float | None = None, high: float | None = None, low_open: bool = False,
-                high_open: bool = False) -> float | None:
-    """``value`` as a plain float if it is a finite real number within the bounds (``low`` excluded when
-    ``low_open``, ``high`` when ``high_open``), else None: an int, a float or a numpy number (np.float32, np.int64:
-    a setting computed with numpy), not a bool (nor numpy's). The rule of :func:`check_real`, for a check that words
-    its refusal itself."""
+                high_open: bool = False, finite: bool = True) -> float | None:
+    """``value`` as a plain float if it is a finite real number (or an infinite one, unless ``finite``; never NaN)
+    within the bounds (``low`` excluded when ``low_open``, ``high`` when ``high_open``), else None: an int, a float
+    or a numpy number (np.float32, np.int64: a setting computed with numpy), not a bool (nor numpy's). The rule of
+    :func:`check_real`, for a check that words its refusal itself."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
         number = float(value)
     except OverflowError:  # an int beyond float range
         return None
-    if not math.isfinite(number):
+    if math.isnan(number) or (finite and math.isinf(number)):
         return None
     if low is not None and (number <= low if low_open else number < low):
         return None

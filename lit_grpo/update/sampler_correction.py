@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, check_field, check_real
 
 ImportanceSamplingMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = get_args(ImportanceSamplingMode)
@@ -100,15 +99,11 @@ class SamplerCorrection:
 
     def __post_init__(self) -> None:
         check_choice("sampler_correction.mode", self.mode, CORRECTION_MODES)
-        for name in ("clip_min", "clip_max"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-                raise ValueError(f"sampler_correction.{name}={value!r} must be a number > 0 or None")
-            if value is not None and not value > 0:
-                raise ValueError(f"sampler_correction.{name}={value!r} must be > 0 or None")
-        # an infinite lower bound truncates every weight to inf (a loss of inf) or masks every token (no gradient)
-        if self.clip_min is not None and math.isinf(self.clip_min):
-            raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be a finite number > 0 or None")
+        # an infinite lower bound truncates every weight to inf (a loss of inf) or masks every token (no gradient);
+        # an upper one of inf bounds nothing, as None
+        check_field(self, "clip_min", check_real, 0, low_open=True, none=True, prefix="sampler_correction.")
+        check_field(self, "clip_max", check_real, 0, low_open=True, none=True, finite=False,
+                    prefix="sampler_correction.")
         if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
             raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be < sampler_correction.clip_max="
                              f"{self.clip_max!r}")
