@@ -602,11 +602,12 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     # a class names its own field; the message names it by its full key
     (["--data.sampling.group_size", "0"], "error: data.sampling.group_size=0 must be an integer >= 1"),
     (["--data.val_size", "-1"], "error: data.val_size=-1 must be a count >= 0 or a fraction in [0, 1)"),
-    (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 must be >= 0"),
+    (["--model.loss.epsilon_low", "-1"], "error: model.loss.epsilon_low=-1.0 is not allowed; epsilon_low must be a "
+                                         "finite number >= 0 and < 1"),
     # a negative number in exponent notation is the value, not an option of its own
     (["--model.lr", "-1e-5"], "error: model.lr=-1e-05 is not allowed; lr must be a finite number > 0"),
-    (["--model.loss.top_entropy_quantile", "1.5"], "error: model.loss.top_entropy_quantile=1.5 must be a number in "
-                                                   "[0, 1]"),
+    (["--model.loss.top_entropy_quantile", "1.5"], "error: model.loss.top_entropy_quantile=1.5 is not allowed; "
+                                                   "top_entropy_quantile must be a finite number >= 0 and <= 1"),
     (["--model.betas", "[0.9, 1.5]"], "error: model.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["--trainer.gradient_clip_val", "1.0"], "error: trainer.gradient_clip_val=1.0 does not apply to GRPOModule"),
     (["--trainer.gradient_clip_algorithm", "value"], "error: trainer.gradient_clip_algorithm='value' does not apply "
@@ -1235,7 +1236,8 @@ NON_FINITE_REFUSALS = [
     (["--model.lr", "inf"], "error: model.lr=inf is not allowed; lr must be a finite number > 0\n"),
     (["--model.lr=-inf"], "error: model.lr=-inf is not allowed; lr must be a finite number > 0\n"),
     # -inf after a space is a value, not an unknown option that leaves the setting without one
-    (["--model.loss.beta", "-inf"], "error: model.loss.beta=-inf must be finite\n"),
+    (["--model.loss.beta", "-inf"], "error: model.loss.beta=-inf is not allowed; beta must be a finite number "
+                                    ">= 0\n"),
     (["--data.sampling.temperature", "NaN"], "error: data.sampling.temperature=nan must be 0 (greedy) or a finite "
      "number >= 1e-05"),
     (["--model.max_grad_norm", "-Infinity"], "error: model.max_grad_norm=-inf is not allowed; max_grad_norm must be "

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,17 +174,20 @@ def test_loss_objects_are_checked_once_when_built():
     assert tuple(LOSSES) == LOSS_TYPES  # every name the config accepts has its variant
     with pytest.raises(ValueError, match=r"loss_type='ppo' is not known; use one of \['grpo', 'bnpo', "):
         make_loss("ppo")
-    with pytest.raises(ValueError, match="epsilon_low=1.0 must be < 1"):
+    with pytest.raises(ValueError, match=r"^epsilon_low=1.0 is not allowed; epsilon_low must be a finite number >= 0 "
+                                         r"and < 1 \(1 - epsilon_low is the ratio's lower clip\)$"):
         make_loss("grpo", epsilon_low=1.0)
-    with pytest.raises(ValueError, match="epsilon_high=-0.5 must be >= 0"):
-        make_loss("dapo", epsilon_high=-0.5)
-    with pytest.raises(ValueError, match=r"beta=nan must be >= 0"):
+    for value in (-0.5, math.nan, "0.3"):
+        with pytest.raises(ValueError, match=rf"^epsilon_high={value!r} is not allowed; epsilon_high must be a number "
+                                             r">= 0 \(inf: no upper clip\)$"):
+            make_loss("dapo", epsilon_high=value)
+    with pytest.raises(ValueError, match=r"^beta=nan is not allowed; beta must be a finite number >= 0$"):
         make_loss("bnpo", beta=float("nan"))
     # a string failed a comparison with a TypeError, a bool weighed as 1, an infinite beta made the loss inf or NaN
-    for name, value, match in (("epsilon_low", "0.2", "must be a number"), ("beta", True, "must be a number"),
-                               ("beta", math.inf, "must be finite"),
-                               ("sapo_temperature_pos", math.inf, "must be finite")):
-        with pytest.raises(ValueError, match=rf"{name}={value!r} {match}"):
+    for name, value, allowed in (("epsilon_low", "0.2", r">= 0 and < 1 \("), ("beta", True, ">= 0$"),
+                                 ("beta", math.inf, ">= 0$"), ("sapo_temperature_pos", math.inf, "> 0$")):
+        with pytest.raises(ValueError, match=rf"^{name}={value!r} is not allowed; {name} must be a finite number "
+                                             rf"{allowed}"):
             LossConfig(**{name: value})
     assert LossConfig(epsilon_high=math.inf).epsilon_high == math.inf  # no upper clip
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -192,6 +196,21 @@ def test_loss_objects_are_checked_once_when_built():
         GRPOLoss(LossConfig(loss_type="dapo"))
     with pytest.raises(TypeError, match=r"make_loss got a LossConfig and settings \['beta'\]"):
         make_loss(LossConfig(), beta=0.1)
+
+
+def test_loss_settings_are_kept_as_plain_floats():
+    # a setting computed with numpy is the float it holds, as the module stores it and a checkpoint saves it
+    from dataclasses import fields
+
+    from lit_grpo.update.loss_config import LossConfig
+
+    numeric = [f.name for f in fields(LossConfig) if f.type in ("float", "float | None")]
+    values = {f.name: np.float64(f.default) for f in fields(LossConfig) if f.name in numeric and f.default is not None}
+    values.update(delta=np.float64(2.0), off_policy_mask_threshold=np.float32(0.5), entropy_coef=np.int64(0))
+    config = LossConfig(**values, use_adaptive_entropy=True)
+    assert {name: type(getattr(config, name)) for name in numeric} == {name: float for name in numeric}
+    assert (config.delta, config.entropy_coef, config.off_policy_mask_threshold) == (2.0, 0.0, 0.5)
+    assert LossConfig().delta is None and LossConfig().off_policy_mask_threshold is None
 
 
 def test_micro_batch_weights_of_the_objects_span_the_ranks():

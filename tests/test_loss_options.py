@@ -528,9 +528,10 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
     with pytest.raises(ValueError, match=r"loss_type='cispo' caps the ratio at epsilon_high itself; "
                                          r"epsilon_high=0.28 must be >= 1"):
         policy_loss(logps, old, adv, mask, loss_type="cispo")
-    with pytest.raises(ValueError, match=r"sapo_temperature_neg=0.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"^sapo_temperature_neg=0.0 is not allowed; sapo_temperature_neg must be a "
+                                         r"finite number > 0$"):
         make_loss("sapo", sapo_temperature_neg=0.0)
-    with pytest.raises(ValueError, match=r"sapo_temperature_pos=-1.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"sapo_temperature_pos=-1.0 is not allowed; .* must be a finite number > 0"):
         policy_loss(logps, old, adv, mask, loss_type="sapo", sapo_temperature_pos=-1.0)
     with pytest.raises(ValueError, match=r"kl_bias_correction='yes' must be True or False"):
         make_loss("dapo", kl_bias_correction="yes")
@@ -539,28 +540,32 @@ def test_bad_option_values_name_the_value_and_what_is_allowed():
     with pytest.raises(ValueError, match=r"loss_type='gspo' is not known; use one of \[.*'sapo', 'luspo', "
                                          r"'vespo'\]"):
         make_loss("gspo")
-    with pytest.raises(ValueError, match=r"vespo_lambda_neg=0.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"vespo_lambda_neg=0.0 is not allowed; .* must be a finite number > 0$"):
         make_loss("vespo", vespo_lambda_neg=0.0)
-    with pytest.raises(ValueError, match=r"vespo_k_pos=-1.0 must be >= 0"):
+    with pytest.raises(ValueError, match=r"vespo_k_pos=-1.0 is not allowed; .* must be a finite number >= 0$"):
         make_loss("vespo", vespo_k_pos=-1.0)
-    with pytest.raises(ValueError, match=r"vespo_lambda_pos=inf must be finite"):
+    with pytest.raises(ValueError, match=r"vespo_lambda_pos=inf is not allowed; .* must be a finite number > 0$"):
         make_loss("vespo", vespo_lambda_pos=math.inf)
-    with pytest.raises(ValueError, match=r"vespo_k_neg=True must be a number"):
+    with pytest.raises(ValueError, match=r"vespo_k_neg=True is not allowed; .* must be a finite number >= 0$"):
         make_loss("vespo", vespo_k_neg=True)
     with pytest.raises(ValueError, match=r"delta=1.28 must be > 1 \+ epsilon_high = 1.28 \(it caps the ratio above "
                                          r"the clip range\), or None"):
         make_loss("dapo", delta=1.28)
-    with pytest.raises(ValueError, match=r"delta='2' must be a number or None"):
+    with pytest.raises(ValueError, match=r"^delta='2' is not allowed; delta must be a number or None \(no cap\)$"):
         make_loss("grpo", delta="2")
+    with pytest.raises(ValueError, match=r"^delta=nan is not allowed"):  # outside the clip losses too
+        make_loss("sapo", delta=math.nan)
     for threshold in (-0.1, math.inf, "0.5", True):
-        with pytest.raises(ValueError, match=rf"off_policy_mask_threshold={re.escape(repr(threshold))} must be a "
-                                             r"finite number >= 0 \(a mean log-prob gap to the sampler"):
+        with pytest.raises(ValueError, match=rf"^off_policy_mask_threshold={re.escape(repr(threshold))} is not "
+                                             r"allowed; off_policy_mask_threshold must be a finite number >= 0 \(a "
+                                             r"mean log-prob gap to the sampler, e.g. 0.5\) or None \(off\)$"):
             make_loss("dapo", off_policy_mask_threshold=threshold)
     with pytest.raises(ValueError, match=r"sampling_logps has shape \(4, 2\), expected logps' shape \(4, 5\)"):
         policy_loss(logps, old, adv, mask, sampling_logps=torch.zeros(4, 2))
     for top in (-0.1, 1.5, math.nan, math.inf, "0.2", True, None):
-        with pytest.raises(ValueError, match=rf"top_entropy_quantile={re.escape(repr(top))} must be a number in "
-                                             r"\[0, 1\] \(the share of tokens by entropy whose policy term is kept"):
+        with pytest.raises(ValueError, match=rf"^top_entropy_quantile={re.escape(repr(top))} is not allowed; "
+                                             r"top_entropy_quantile must be a finite number >= 0 and <= 1 \(the "
+                                             r"share of tokens by entropy whose policy term is kept"):
             make_loss("dapo", top_entropy_quantile=top)
     with pytest.raises(ValueError, match=r"top_entropy_quantile=0.2 < 1 needs entropy \(each token's entropy, "
                                          r"\[N, T\]\), got None"):
@@ -631,15 +636,16 @@ def test_gspos_sequence_level_under_a_token_summing_loss_says_so(loss_type):
 
 def test_bad_entropy_bonus_values_name_the_value_and_what_is_allowed():
     for coef in (math.inf, math.nan, "0.1", True, None):
-        with pytest.raises(ValueError, match=rf"entropy_coef={re.escape(repr(coef))} must be a finite number"):
+        with pytest.raises(ValueError, match=rf"^entropy_coef={re.escape(repr(coef))} is not allowed; entropy_coef "
+                                             r"must be a finite number$"):
             LossConfig(entropy_coef=coef)
     with pytest.raises(ValueError, match=r"use_adaptive_entropy='yes' must be True or False"):
         LossConfig(use_adaptive_entropy="yes")
-    with pytest.raises(ValueError, match=r"entropy_target=inf must be a finite number"):
+    with pytest.raises(ValueError, match=r"^entropy_target=inf is not allowed; .* must be a finite number >= 0$"):
         LossConfig(use_adaptive_entropy=True, entropy_target=math.inf)
-    with pytest.raises(ValueError, match=r"entropy_coef_delta=-0.01 must be >= 0"):
+    with pytest.raises(ValueError, match=r"^entropy_coef_delta=-0.01 is not allowed; .* must be a finite number >= 0$"):
         LossConfig(use_adaptive_entropy=True, entropy_coef_delta=-0.01)
-    with pytest.raises(ValueError, match=r"entropy_target=-1.0 must be >= 0"):
+    with pytest.raises(ValueError, match=r"^entropy_target=-1.0 is not allowed; .* must be a finite number >= 0$"):
         LossConfig(use_adaptive_entropy=True, entropy_target=-1.0)
     with pytest.raises(ValueError, match=r"entropy_coef_min=0.5 must be <= entropy_coef_max=0.1"):
         LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)

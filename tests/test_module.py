@@ -1134,7 +1134,8 @@ def test_the_update_gives_freed_host_memory_back_before_each_optimizer_step(batc
 def test_loss_type_and_its_settings_are_checked_when_the_module_is_built():
     with pytest.raises(ValueError, match="loss_type='ppo' is not known"):
         GRPOModule(model="tiny-llama", loss={"loss_type": "ppo"})
-    with pytest.raises(ValueError, match="epsilon_low=1.5 must be < 1"):
+    with pytest.raises(ValueError, match="epsilon_low=1.5 is not allowed; epsilon_low must be a finite number >= 0 "
+                                         "and < 1"):
         GRPOModule(model="tiny-llama", loss={"epsilon_low": 1.5})
     assert GRPOModule(model="tiny-llama", loss={"loss_type": "grpo"}).loss_fn.name == "grpo"
 

@@ -15,13 +15,11 @@ the config is built (``Literal`` fields already when the YAML is parsed), with a
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_bool, check_choice, check_field, check_real
 from lit_grpo.update.surrogates import IMPORTANCE_SAMPLING_LEVELS, ImportanceSamplingLevel
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -100,50 +98,29 @@ class LossConfig:
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        for name in ("epsilon_low", "epsilon_high", "beta", *SHAPE_SETTINGS):
-            value = getattr(self, name)
-            # a bool would weigh as 0 or 1 and a string fails the comparisons below with a TypeError
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name}={value!r} must be a number")
-            # epsilon_high may be inf (no upper clip); beta and the shapes multiply the loss or its weight
-            if name != "epsilon_high" and math.isinf(value):
-                raise ValueError(f"{name}={value!r} must be finite")
-        for name in ("epsilon_low", "epsilon_high", "beta"):
-            value = getattr(self, name)
-            if not value >= 0:  # NaN fails too
-                raise ValueError(f"{name}={value!r} must be >= 0")
-        if self.delta is not None:
-            if isinstance(self.delta, bool) or not isinstance(self.delta, numbers.Real):
-                raise ValueError(f"delta={self.delta!r} must be a number or None")
-            # at or below the upper clip a negative advantage's ratio is capped at 1 + epsilon_high whatever delta
-            # is, and a positive one's clip tightens to delta (below 1 that zeroes on-policy gradients); at it, TRL
-            # logs no high clip (its shares read the capped ratio, ours the ratio)
-            if self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
-                raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
-                                 "(it caps the ratio above the clip range), or None")
-        if self.off_policy_mask_threshold is not None and (
-                isinstance(self.off_policy_mask_threshold, bool)
-                or not isinstance(self.off_policy_mask_threshold, numbers.Real)
-                or not 0 <= self.off_policy_mask_threshold < math.inf):
-            raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be a finite number "
-                             ">= 0 (a mean log-prob gap to the sampler, e.g. 0.5), or None")
-        if (isinstance(self.top_entropy_quantile, bool) or not isinstance(self.top_entropy_quantile, numbers.Real)
-                or not 0 <= self.top_entropy_quantile <= 1):  # NaN fails too
-            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be a number in [0, 1] (the "
-                             "share of tokens by entropy whose policy term is kept, e.g. 0.2; 1: every token)")
-        if self.epsilon_low >= 1:
-            raise ValueError(f"epsilon_low={self.epsilon_low!r} must be < 1 (the ratio's lower clip "
-                             "1 - epsilon_low must be > 0)")
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} must be True or False")
+        # a bool would weigh as 0 or 1 and a string fail the comparisons below; beta and the shapes multiply the loss
+        # or its weight, so they must be finite
+        check_field(self, "epsilon_low", check_real, 0, 1, high_open=True, hint="1 - epsilon_low is the ratio's lower "
+                    "clip")
+        check_field(self, "epsilon_high", check_real, 0, finite=False, hint="inf: no upper clip")
+        check_field(self, "beta", check_real, 0)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0")
+            check_field(self, name, check_real, 0, low_open=True)
+        # below 0 vespo's weight would grow without bound as the ratio falls to 0
         for name in ("vespo_k_pos", "vespo_k_neg"):
-            value = getattr(self, name)
-            if not value >= 0:  # below 0 the weight would grow without bound as the ratio falls to 0
-                raise ValueError(f"{name}={value!r} must be >= 0")
+            check_field(self, name, check_real, 0)
+        check_field(self, "delta", check_real, none="no cap", finite=False)
+        # at or below the upper clip a negative advantage's ratio is capped at 1 + epsilon_high whatever delta is, and
+        # a positive one's clip tightens to delta (below 1 that zeroes on-policy gradients); at it, TRL logs no high
+        # clip (its shares read the capped ratio, ours the ratio)
+        if self.delta is not None and self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
+            raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
+                             "(it caps the ratio above the clip range), or None")
+        check_field(self, "off_policy_mask_threshold", check_real, 0, hint="a mean log-prob gap to the sampler, e.g. "
+                    "0.5", none="off")
+        check_field(self, "top_entropy_quantile", check_real, 0, 1, hint="the share of tokens by entropy whose policy "
+                    "term is kept, e.g. 0.2; 1: every token")
+        check_bool("kl_bias_correction", self.kl_bias_correction)
         self._check_entropy_bonus()
         # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
         if self.loss_type == "cispo" and not self.epsilon_high >= 1:
@@ -168,15 +145,11 @@ class LossConfig:
 
     def _check_entropy_bonus(self) -> None:
         """Raise naming the first bad entropy bonus setting."""
-        if not isinstance(self.use_adaptive_entropy, bool):
-            raise ValueError(f"use_adaptive_entropy={self.use_adaptive_entropy!r} must be True or False")
-        for name in ("entropy_coef", *ADAPTIVE_ENTROPY_SETTINGS):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+        check_bool("use_adaptive_entropy", self.use_adaptive_entropy)
+        for name in ("entropy_coef", "entropy_coef_min", "entropy_coef_max"):
+            check_field(self, name, check_real)
         for name in ("entropy_coef_delta", "entropy_target"):  # a negative step would turn the control around
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+            check_field(self, name, check_real, 0)
         if not self.use_adaptive_entropy:
             return
         if self.entropy_coef_min > self.entropy_coef_max:
