@@ -434,13 +434,21 @@ def test_build_reward_funcs_from_config_specs():
         build_reward_funcs([{"name": "format", "wieght": 2}])
     with pytest.raises(ValueError, match="weight"):
         WeightedReward(format_reward, float("nan"))
-    for weight in (None, "1", True):  # named, not a bare TypeError from float()
-        with pytest.raises(ValueError, match=rf"reward weight {weight!r} for 'format' must be a finite number"):
+    for weight in (None, "1", True, -3.5e38):  # named, not a bare TypeError from float()
+        with pytest.raises(ValueError, match=rf"reward weight {re.escape(repr(weight))} for 'format' must be a "
+                                             r"finite number"):
             build_reward_funcs([{"name": "format", "weight": weight}])
     # an int beyond float range: named by its size, not a bare OverflowError from math.isfinite
     with pytest.raises(ValueError, match=r"reward weight \(an int of 5001 digits\) for 'format' must be a finite "
                                          r"number, \|weight\| <= 3.403e\+38"):
         build_reward_funcs([{"name": "format", "weight": 10**5000}])
+
+
+def test_a_reward_weight_is_kept_as_a_plain_float():
+    # a weight computed with numpy is the float it holds, as the totals' tensor and a checkpoint take it
+    for weight in (np.float32(0.5), np.int64(2), 3):
+        kept = WeightedReward(format_reward, weight).weight
+        assert kept == float(weight) and type(kept) is float
 
 
 @pytest.mark.parametrize("name, meant", [
