@@ -1,12 +1,13 @@
 """The ``math`` reward: answer extraction, math-verify's equivalences (a table of tricky cases), the deadline."""
 
+import re
 import signal
 import threading
 import time
 
 import pytest
 
-from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline
+from lit_grpo.rollout.deadline import MAX_DEADLINE_S, DeadlineExceeded, call_with_deadline
 from lit_grpo.rollout.math_reward import extract_final_answer, last_boxed, math_reward, score_math
 from lit_grpo.rollout.rewards import build_reward_funcs, score_rewards
 
@@ -140,9 +141,28 @@ def test_math_is_a_builtin_usable_by_name():
     with pytest.raises(ValueError, match="timeout_s=0"):
         math_reward(["p"], ["1"], answer=["1"], timeout_s=0)
     # no deadline is None: an infinite one is refused (no timer takes it), saying the number must be finite
-    with pytest.raises(ValueError, match=r"timeout_s=inf must be a finite number of seconds > 0 \(or None: no "
-                                         r"deadline\)"):
+    with pytest.raises(ValueError, match=r"timeout_s=inf must be a finite number of seconds > 0 and <= .*, or None "
+                                         r"\(no deadline\)"):
         math_reward(["p"], ["1"], answer=["1"], timeout_s=float("inf"))
+
+
+def test_a_deadline_longer_than_the_timer_takes_is_refused_naming_the_longest():
+    # a huge finite deadline overflowed the timer (setitimer's OverflowError) once a completion was scored: refused
+    # with the range, when the options are read, not clamped to no deadline (None says that)
+    longest = f"{MAX_DEADLINE_S:.0f}"
+    assert call_with_deadline(lambda: 42, MAX_DEADLINE_S) == 42
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert math_reward(["p"], [r"\boxed{1}"], answer=["1"], timeout_s=MAX_DEADLINE_S) == [1.0]
+    for seconds in (MAX_DEADLINE_S * (1 + 1e-9), 1e300, float("inf"), True):
+        with pytest.raises(ValueError, match=rf"^seconds={re.escape(repr(seconds))} must be a number > 0 and <= "
+                                             rf"{longest} \(about \d+ years, the longest deadline the timer takes\)$"):
+            call_with_deadline(lambda: 1, seconds)
+    refusal = (r"^math reward timeout_s=1e\+300 must be a finite number of seconds > 0 and <= "
+               rf"{longest} \(about \d+ years, the longest deadline the timer takes\), or None \(no deadline\)$")
+    with pytest.raises(ValueError, match=refusal):
+        math_reward(["p"], ["1"], answer=["1"], timeout_s=1e300)
+    with pytest.raises(ValueError, match=refusal):  # by the config's options, before any completion
+        build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 1e300}}])
 
 
 def test_a_pathological_answer_scores_zero_within_the_deadline():

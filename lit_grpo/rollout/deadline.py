@@ -14,7 +14,19 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from lit_grpo.runtime.validation import real_within
+
 T = TypeVar("T")
+
+#: The longest deadline the timer takes, in seconds (about 292 years): setitimer counts it in 64-bit nanoseconds, as
+#: threading's waits do, and raises OverflowError beyond.
+MAX_DEADLINE_S = threading.TIMEOUT_MAX
+
+
+def deadline_range() -> str:
+    """The deadlines the timer takes, as a refusal says them: ``> 0 and <= MAX_DEADLINE_S (...)``."""
+    return (f"> 0 and <= {MAX_DEADLINE_S:.0f} (about {MAX_DEADLINE_S / (365.25 * 86400):.0f} years, the longest "
+            "deadline the timer takes)")
 
 
 class DeadlineExceeded(BaseException):
@@ -23,13 +35,14 @@ class DeadlineExceeded(BaseException):
 
 
 def call_with_deadline(fn: Callable[[], T], seconds: float) -> T:
-    """``fn()``, or ``DeadlineExceeded`` once ``seconds`` (> 0) have passed.
+    """``fn()``, or ``DeadlineExceeded`` once ``seconds`` (> 0, at most ``MAX_DEADLINE_S``) have passed.
 
     A timer already running (an outer deadline, a test runner's timeout) is restored afterwards with the time it
     had left, and the previous SIGALRM handler is put back.
     """
-    if not seconds > 0:
-        raise ValueError(f"seconds={seconds!r} must be > 0")
+    given, seconds = seconds, real_within(seconds, 0, MAX_DEADLINE_S, low_open=True)
+    if seconds is None:
+        raise ValueError(f"seconds={given!r} must be a number {deadline_range()}")
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("call_with_deadline needs the main thread (the deadline is a SIGALRM timer, which only "
                            "the main thread receives); call it from the main thread or run without a deadline")
