@@ -362,6 +362,24 @@ def plain_values(value: Any) -> Any:
     return value
 
 
+def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Collection[str] = ()) -> Mapping:
+    """``state`` if it is a mapping that holds each of ``keys`` (those of ``optional`` may be absent) and no other key,
+    else a ValueError saying ``what`` it is (``"a PredictionTrust state"``), the keys missing or unknown and those it
+    holds: a checkpoint's state of another object, or of another version, refused before any of it is taken."""
+    holds = ", ".join(keys)
+    if not isinstance(state, Mapping):
+        mapping = f"a mapping of {holds}" if keys else "an empty mapping"
+        raise ValueError(f"{what} must be {mapping}, not {type(state).__name__}")
+    said = f"it holds {holds or 'nothing'}" + (f" ({' and '.join(optional)} may be absent)" if optional else "")
+    missing = [key for key in keys if key not in state and key not in optional]
+    if missing:
+        raise ValueError(f"{what} lacks {missing}; {said}")
+    unknown = sorted((key for key in state if key not in keys), key=str)
+    if unknown:
+        raise ValueError(f"{what} has unknown keys {unknown}; {said}")
+    return state
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool, else a ValueError naming it: a string such as ``"false"`` is truthy, so taking any
     value as a switch would turn it on."""

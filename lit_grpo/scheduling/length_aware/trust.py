@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_real
+from lit_grpo.runtime.validation import check_real, check_state_keys
 from lit_grpo.scheduling.config import GAIN_Z
 from lit_grpo.scheduling.least_attained import list_makespan
 from lit_grpo.scheduling.length_aware.predictors import MAX_LOG_STD
@@ -213,16 +213,7 @@ _SUMS = {"past": ("the past rollouts' weight, squared weight, sums of m and t, c
 def _checked_state(state: Any) -> tuple[float, float, list[float], list[float], float, float]:
     """``(decay, confidence_z, past, current, past_dof, past_dof_weight)`` of a ``PredictionTrust`` state, each
     number a plain float, else a ValueError naming the bad key or value and what is allowed."""
-    holds = ", ".join(_STATE_KEYS)
-    if not isinstance(state, Mapping):
-        raise ValueError(f"a PredictionTrust state must be a mapping of {holds}, not {type(state).__name__}")
-    said = f"it holds {holds} ({' and '.join(_OPTIONAL_KEYS)} may be absent)"
-    missing = [key for key in _STATE_KEYS if key not in state and key not in _OPTIONAL_KEYS]
-    if missing:
-        raise ValueError(f"a PredictionTrust state lacks {missing}; {said}")
-    unknown = sorted((key for key in state if key not in _STATE_KEYS), key=str)
-    if unknown:
-        raise ValueError(f"a PredictionTrust state has unknown keys {unknown}; {said}")
+    check_state_keys("a PredictionTrust state", state, _STATE_KEYS, _OPTIONAL_KEYS)
     # the settings' own rules (PredictionTrust's constructor)
     decay = check_real("trust state decay", state["decay"], low=0, high=1, low_open=True)
     confidence_z = check_real("trust state confidence_z", state["confidence_z"], low=0)
