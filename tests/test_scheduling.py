@@ -736,3 +736,193 @@ def test_length_aware_must_be_a_config_a_dict_or_none():
     with pytest.raises(ValueError, match=r"scheduler.length_aware=5 must be a LengthAwareConfig"):
         InfiniteSchedulerConfig(length_aware=5)
     assert InfiniteSchedulerConfig(length_aware=None).length_aware is None
+
+
+# ---- checkpoint states of the predictors: checked whole before any of it is taken ------------------------------
+
+def _learned_online_predictor() -> OnlineLengthPredictor:
+    """An online predictor that has learned: a projection made (hidden 8 > max_dim 4), both models fitted."""
+    generator = torch.Generator().manual_seed(3)
+    predictor = OnlineLengthPredictor(max_dim=4, min_token_observations=0)
+    for _ in range(3):
+        work = RolloutWork([4] * 4, 2, 2, 64, prompt_features=torch.randn(4, 8, generator=generator))
+        features = torch.randn(8, 8, generator=generator)
+        predictor.observe(work, work.keys(), [2 + 5 * p + k for p, k in work.keys()], features)
+    predictor.predict(work, work.keys(), features)  # fits the token model
+    predictor.predict(work, work.keys())  # and the prompt model
+    assert predictor.token_model._fit is not None and predictor.prompt_model._fit is not None
+    assert list(predictor.state_dict()["projections"]) == [8]
+    return predictor
+
+
+def same_state(a, b) -> bool:
+    """Whether two states (nested mappings, lists and tuples of numbers and tensors) are equal, tensors exactly."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b)
+                and all(same_state(a[key], b[key]) for key in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+def _drop(key):
+    return lambda state: state.pop(key)
+
+
+def _set(key, value):
+    return lambda state: state.__setitem__(key, value)
+
+
+def _set_entry(key, index, value):
+    return lambda state: state[key].__setitem__(index, value)
+
+
+_RIDGE_KEYS = "decay, alphas, dim, sw, sw2, sy, sx, sxx, sxy, alpha_sq_err, new_since_fit, fit"
+
+
+@pytest.mark.parametrize("change, message", [
+    (_drop("sw"), r"^a RidgeRegressor state lacks \['sw'\]; it holds " + _RIDGE_KEYS + "$"),
+    (_set("past", [0.0]), r"^a RidgeRegressor state has unknown keys \['past'\]; it holds decay, "),
+    (_set("decay", 0.3), r"^ridge state decay=0.3 is not allowed; ridge state decay must be a finite number > 0.5 "
+                         r"and <= 1$"),
+    (_set("alphas", []), r"^ridge state alphas=\[\] must be a non-empty list of penalties \(finite numbers >= 0\)$"),
+    (_set_entry("alphas", 1, -1.0), r"^ridge state alphas\[1\]=-1.0 is not allowed; ridge state alphas\[1\] must be "
+                                    r"a finite number >= 0$"),
+    (_set("dim", 0), r"^ridge state dim=0 must be an integer >= 1 or None$"),
+    (_set("dim", 8.0), r"^ridge state dim=8.0 must be an integer >= 1 or None$"),
+    (_set("sw", -1.0), r"^ridge state sw=-1.0 is not allowed; ridge state sw must be a finite number >= 0$"),
+    (_set("sw2", "1.0"), r"^ridge state sw2='1.0' is not allowed; ridge state sw2 must be a finite number >= 0$"),
+    (_set("sy", math.nan), r"^ridge state sy=nan is not allowed; ridge state sy must be a finite number$"),
+    (_set("sx", [0.0] * 8), r"^ridge state sx must be a floating-point tensor shaped \[8\] \(dim\) of finite "
+                            r"numbers, not \[0.0, "),
+    (_set("sx", torch.zeros(7, dtype=torch.float64)),
+     r"^ridge state sx must be a floating-point tensor shaped \[8\] \(dim\) of finite numbers, not a torch.float64 "
+     r"tensor shaped \[7\]$"),
+    (_set("dim", None), r"^ridge state sx must be a floating-point tensor shaped \[0\] \(dim\) of finite numbers, "
+                        r"not a torch.float64 tensor shaped \[8\]$"),  # no features seen, but their statistics
+    (_set_entry("sxx", (1, 2), math.inf), r"^ridge state sxx\[1, 2\]=inf is not allowed; ridge state sxx must be a "
+                                          r"floating-point tensor shaped \[8, 8\] \(dim x dim\) of finite numbers$"),
+    (_set("sxy", torch.zeros(8, dtype=torch.int64)),
+     r"^ridge state sxy must be a floating-point tensor shaped \[8\] \(dim\) of finite numbers, not a torch.int64 "),
+    (_set_entry("alpha_sq_err", 4, -1.0), r"^ridge state alpha_sq_err\[4\]=-1.0 is not allowed; ridge state "
+                                          r"alpha_sq_err must be a floating-point tensor shaped \[5\] \(one per "
+                                          r"penalty\) of finite numbers >= 0$"),
+    (_set("new_since_fit", -1), r"^ridge state new_since_fit=-1 must be an integer >= 0$"),
+    (lambda state: state.__setitem__("fit", state["fit"][:2]),
+     r"^ridge state fit must be None or \(weights, mean of x, mean of y\), not a tuple of 2$"),
+    (lambda state: state.__setitem__("fit", (state["fit"][0][:, :7], *state["fit"][1:])),
+     r"^ridge state fit\[0\] must be a floating-point tensor shaped \[5, 8\] \(penalties x dim\) of finite numbers, "
+     r"not a torch.float64 tensor shaped \[5, 7\]$"),
+    (lambda state: state.__setitem__("fit", (*state["fit"][:2], math.nan)),
+     r"^ridge state fit\[2\]=nan is not allowed; ridge state fit\[2\] must be a finite number$"),
+])
+def test_a_bad_ridge_state_is_refused_naming_the_bad_key_and_the_regressor_is_left_as_it_was(change, message):
+    """A corrupt or foreign checkpoint's ridge state (another object's, a wrong shape, a number out of range) is
+    refused naming what is wrong and what is allowed, before any of it is taken: taken, it failed later, inside
+    torch, far from the checkpoint, or predicted from nonsense."""
+    state = _learned_online_predictor().token_model.state_dict()
+    change(state)
+    regressor = _learned_online_predictor().prompt_model
+    before = regressor.state_dict()
+    with pytest.raises(ValueError, match=message):
+        regressor.load_state_dict(state)
+    assert same_state(regressor.state_dict(), before)
+
+
+def test_a_ridge_state_of_numpy_numbers_loads_as_plain_ones():
+    """What the checks take they keep as plain numbers: a state written through numpy resumes as the one it was."""
+    import numpy as np
+
+    state = _learned_online_predictor().token_model.state_dict()
+    numpy_state = {**state, "decay": np.float64(state["decay"]), "alphas": tuple(np.float64(a) for a in state["alphas"]),
+                   "dim": np.int64(state["dim"]), "sw": np.float32(state["sw"]),
+                   "new_since_fit": np.int64(state["new_since_fit"])}
+    regressor, resumed = RidgeRegressor(), RidgeRegressor()
+    regressor.load_state_dict(state)
+    resumed.load_state_dict(numpy_state)
+    assert type(resumed.dim) is int and type(resumed.new_since_fit) is int and type(resumed.sw) is float
+    assert all(type(a) is float for a in resumed.alphas) and type(resumed.decay) is float
+    x = torch.randn(3, state["dim"], dtype=torch.float64)
+    assert torch.allclose(resumed.predict(x), regressor.predict(x))
+    fresh = RidgeRegressor()
+    fresh.load_state_dict(RidgeRegressor().state_dict())  # nothing learned: no features seen, no fit
+    assert fresh.dim is None and fresh.state_dict()["fit"] is None
+
+
+_ONLINE_KEYS = "max_dim, seed, min_token_observations, prompt_model, token_model, projections"
+
+
+@pytest.mark.parametrize("change, message", [
+    (_drop("projections"), r"^an OnlineLengthPredictor state lacks \['projections'\]; it holds " + _ONLINE_KEYS + "$"),
+    (_set("spread", 0.5), r"^an OnlineLengthPredictor state has unknown keys \['spread'\]; it holds max_dim, "),
+    (_set("max_dim", 0), r"^online predictor state max_dim=0 must be an integer >= 1$"),
+    (_set("seed", -1), r"^online predictor state seed=-1 is not allowed; online predictor state seed must be an "
+                       r"integer >= 0 and <= 4294967295$"),
+    (_set("min_token_observations", 1.5), r"^online predictor state min_token_observations=1.5 must be an integer "
+                                          r">= 0$"),
+    (_set("token_model", "ridge"), r"^an OnlineLengthPredictor state's token_model must be a mapping of "
+                                   + _RIDGE_KEYS + ", not str$"),
+    # the prompt model's state is good: it is not taken either
+    (lambda state: state["token_model"].__setitem__("sw", -1.0),
+     r"^online predictor state token_model.sw=-1.0 is not allowed; online predictor state token_model.sw must be a "
+     r"finite number >= 0$"),
+    (_set("projections", [torch.zeros(8, 4)]), r"^online predictor state projections must be a mapping of hidden "
+                                               r"sizes to their projections, not list$"),
+    (lambda state: state["projections"].__setitem__("16", torch.zeros(16, 4, dtype=torch.float64)),
+     r"^online predictor state projections\['16'\] is not allowed; a projection's key is the hidden size it maps, "
+     r"an integer > max_dim=4$"),
+    (lambda state: state["projections"].__setitem__(4, torch.zeros(4, 4, dtype=torch.float64)),
+     r"^online predictor state projections\[4\] is not allowed; a projection's key is the hidden size it maps, an "
+     r"integer > max_dim=4$"),  # a hidden size of max_dim or fewer is not projected
+    (lambda state: state["projections"].__setitem__(8, torch.zeros(8, 3, dtype=torch.float64)),
+     r"^online predictor state projections\[8\] must be a floating-point tensor shaped \[8, 4\] \(hidden size x "
+     r"max_dim\) of finite numbers, not a torch.float64 tensor shaped \[8, 3\]$"),
+])
+def test_a_bad_online_predictor_state_is_refused_naming_the_bad_key_and_nothing_is_taken(change, message):
+    """The online predictor's state is checked whole, its two models' states among it, before any of it is taken:
+    a bad token model's state used to fail after the prompt model's was taken."""
+    state = _learned_online_predictor().state_dict()
+    change(state)
+    predictor = OnlineLengthPredictor(max_dim=4, seed=5)
+    predictor.observe(RolloutWork([4] * 2, 2, 2, 64, prompt_features=torch.ones(2, 8)), [(0, 0), (1, 1)], [3, 9])
+    before = predictor.state_dict()
+    with pytest.raises(ValueError, match=message):
+        predictor.load_state_dict(state)
+    assert same_state(predictor.state_dict(), before)
+
+
+def test_an_online_predictor_state_resumes_a_predictor_that_predicts_the_same():
+    learned = _learned_online_predictor()
+    resumed = OnlineLengthPredictor()
+    resumed.load_state_dict(learned.state_dict())
+    assert same_state(resumed.state_dict(), learned.state_dict())
+    work = RolloutWork([4] * 3, 2, 2, 64, prompt_features=torch.randn(3, 8, generator=torch.Generator().manual_seed(9)))
+    features = torch.randn(6, 8, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(resumed.predict(work, work.keys(), features), learned.predict(work, work.keys(), features))
+
+
+@pytest.mark.parametrize("make, state, message", [
+    (OracleLengthPredictor, {"spread": 0.25}, r"^an OracleLengthPredictor state has unknown keys \['spread'\]; it "
+                                              r"holds nothing$"),
+    (OracleLengthPredictor, [], r"^an OracleLengthPredictor state must be an empty mapping, not list$"),
+    (lambda: make_predictor("noisy:0.5"), {"spread": 0.25, "seed": 0},
+     r"^a NoisyOraclePredictor state lacks \['rollout'\]; it holds spread, seed, rollout$"),
+    (lambda: make_predictor("noisy:0.5"), {"spread": -0.25, "seed": 0, "rollout": 3},
+     r"^noisy predictor state spread=-0.25 is not allowed; noisy predictor state spread must be a finite number "
+     r">= 0$"),
+    (lambda: make_predictor("noisy:0.5"), {"spread": "0.25", "seed": 0, "rollout": 3},
+     r"^noisy predictor state spread='0.25' is not allowed"),
+    (lambda: make_predictor("noisy:0.5"), {"spread": 0.25, "seed": 2**32, "rollout": 3},
+     r"^noisy predictor state seed=4294967296 is not allowed; noisy predictor state seed must be an integer >= 0 "
+     r"and <= 4294967295$"),
+    (lambda: make_predictor("noisy:0.5"), {"spread": 0.25, "seed": 0, "rollout": -2},
+     r"^noisy predictor state rollout=-2 must be an integer >= -1 \(-1: before the first rollout\)$"),
+])
+def test_a_bad_oracle_state_is_refused_naming_the_bad_key_and_nothing_is_taken(make, state, message):
+    predictor = make()
+    before = predictor.state_dict()
+    with pytest.raises(ValueError, match=message):
+        predictor.load_state_dict(state)
+    assert predictor.state_dict() == before

@@ -22,16 +22,30 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import NormalDist
-from typing import Protocol, get_args, runtime_checkable
+from typing import Any, Protocol, get_args, runtime_checkable
 
 import torch
 
-from lit_grpo.runtime.validation import SEED_MAX, check_choice, check_int, check_int_in_range
+from lit_grpo.runtime.validation import (
+    SEED_MAX,
+    check_choice,
+    check_int,
+    check_int_in_range,
+    check_real,
+    check_state_keys,
+    integer_within,
+)
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.config import PredictorName
-from lit_grpo.scheduling.length_aware.ridge import RidgeRegressor, rms_normalize, single_thread
+from lit_grpo.scheduling.length_aware.ridge import (
+    RidgeRegressor,
+    check_tensor,
+    checked_state,
+    rms_normalize,
+    single_thread,
+)
 
 #: The widest log-length spread worth reasoning with (beyond e^4 a spread means "unknown" anyway).
 MAX_LOG_STD = 4.0
@@ -157,12 +171,41 @@ class OnlineLengthPredictor:
                 "projections": {h: m.clone() for h, m in self._projections.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.max_dim, self.seed = state["max_dim"], state["seed"]
-        self.min_token_observations = state["min_token_observations"]
-        self.prompt_model.load_state_dict(state["prompt_model"])
-        self.token_model.load_state_dict(state["token_model"])
-        self._projections = {int(h): m.clone() for h, m in state["projections"].items()}
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first, both models' states among it:
+        a corrupt or foreign one is refused naming the bad key, and leaves this predictor as it was."""
+        what, prefix = "an OnlineLengthPredictor state", "online predictor state "
+        check_state_keys(what, state, _ONLINE_STATE_KEYS)
+        max_dim = check_int(prefix + "max_dim", state["max_dim"], 1)
+        seed = check_int_in_range(prefix + "seed", state["seed"], 0, SEED_MAX)
+        min_token_observations = check_int(prefix + "min_token_observations", state["min_token_observations"], 0)
+        prompt_model, token_model = (checked_state(state[name], f"{what}'s {name}", f"{prefix}{name}.")
+                                     for name in ("prompt_model", "token_model"))
+        projections = _checked_projections(prefix + "projections", state["projections"], max_dim)
+        self.max_dim, self.seed, self.min_token_observations = max_dim, seed, min_token_observations
+        self.prompt_model.take_state(prompt_model)
+        self.token_model.take_state(token_model)
+        self._projections = projections
         self._prompt_phi = None
+
+
+#: The keys of an ``OnlineLengthPredictor`` state, all of them kept since it was first checkpointed.
+_ONLINE_STATE_KEYS = ("max_dim", "seed", "min_token_observations", "prompt_model", "token_model", "projections")
+
+
+def _checked_projections(name: str, projections: Any, max_dim: int) -> dict[int, torch.Tensor]:
+    """The projections ``name`` of an online predictor's state (``{hidden size: [hidden size, max_dim]}``, made only
+    for hidden sizes above ``max_dim``) as float64 copies, else a ValueError naming the bad key or matrix."""
+    if not isinstance(projections, Mapping):
+        raise ValueError(f"{name} must be a mapping of hidden sizes to their projections, not "
+                         f"{type(projections).__name__}")
+    checked = {}
+    for hidden, matrix in projections.items():
+        size = integer_within(hidden, max_dim + 1)
+        if size is None:
+            raise ValueError(f"{name}[{hidden!r}] is not allowed; a projection's key is the hidden size it maps, an "
+                             f"integer > max_dim={max_dim}")
+        checked[size] = check_tensor(f"{name}[{hidden!r}]", matrix, [size, max_dim], "hidden size x max_dim")
+    return checked
 
 
 class OracleLengthPredictor:
@@ -185,7 +228,8 @@ class OracleLengthPredictor:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Nothing to take; a state that holds something is another predictor's, refused naming its keys."""
+        check_state_keys("an OracleLengthPredictor state", state, ())
 
 
 class NoisyOraclePredictor(OracleLengthPredictor):
@@ -219,7 +263,12 @@ class NoisyOraclePredictor(OracleLengthPredictor):
         return {"spread": self.spread, "seed": self.seed, "rollout": self.rollout}
 
     def load_state_dict(self, state: dict) -> None:
-        self.spread, self.seed, self.rollout = state["spread"], state["seed"], state["rollout"]
+        """Take ``state`` (``state_dict``'s), checked whole first: a bad one is refused naming the bad key."""
+        check_state_keys("a NoisyOraclePredictor state", state, ("spread", "seed", "rollout"))
+        spread = check_real("noisy predictor state spread", state["spread"], low=0)
+        seed = check_int_in_range("noisy predictor state seed", state["seed"], 0, SEED_MAX)
+        rollout = check_int("noisy predictor state rollout", state["rollout"], -1, "-1: before the first rollout")
+        self.spread, self.seed, self.rollout = spread, seed, rollout
         self.current_work = None
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int, check_real
+from lit_grpo.runtime.validation import check_int, check_real, check_state_keys
 
 #: The effective count of observations (``(sum w)^2 / sum w^2``) below which nothing is fitted: only the mean.
 MIN_EFFECTIVE_COUNT = 3
@@ -36,12 +37,8 @@ class RidgeRegressor:
 
     def __init__(self, decay: float = 0.998, alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0),
                  min_refit: int = 4) -> None:
-        # above 1 the older observations' weights grow without bound; at most MIN_DECAY they never count enough
-        # observations for a fit; a string failed at the first update
-        self.decay = check_real("decay", decay, low=MIN_DECAY, high=1, low_open=True)
-        if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
-            raise ValueError(f"alphas={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
-        self.alphas = tuple(check_real(f"alphas[{i}]", a, low=0) for i, a in enumerate(alphas))  # the entry named
+        self.decay = check_decay("decay", decay)
+        self.alphas = check_alphas("alphas", alphas)
         self.min_refit = check_int("min_refit", min_refit, 0)
         self.dim: int | None = None
         self._reset_stats(0)
@@ -156,15 +153,84 @@ class RidgeRegressor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.decay = state["decay"]
-        self.alphas = tuple(state["alphas"])
-        self._reset_stats(state["dim"] or 0)
-        self.sw, self.sw2, self.sy = state["sw"], state["sw2"], state["sy"]
-        self.sx, self.sxx, self.sxy = state["sx"].clone(), state["sxx"].clone(), state["sxy"].clone()
-        self.alpha_sq_err = state["alpha_sq_err"].clone()
-        self.new_since_fit = state["new_since_fit"]
-        fit = state["fit"]
-        self._fit = None if fit is None else (fit[0].clone(), fit[1].clone(), fit[2])
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first (:func:`checked_state`): a
+        corrupt or foreign one is refused naming the bad key, and leaves this regressor as it was."""
+        self.take_state(checked_state(state))
+
+    def take_state(self, checked: dict[str, Any]) -> None:
+        """Take a state :func:`checked_state` returned (a predictor checks both its models' before taking either)."""
+        self.decay, self.alphas = checked["decay"], checked["alphas"]
+        self._reset_stats(checked["dim"] or 0)
+        for key in ("sw", "sw2", "sy", "sx", "sxx", "sxy", "alpha_sq_err", "new_since_fit"):
+            setattr(self, key, checked[key])
+        self._fit = checked["fit"]
+
+
+#: The keys of a ``RidgeRegressor`` state (``state_dict``), all of them kept since it was first checkpointed.
+_STATE_KEYS = ("decay", "alphas", "dim", "sw", "sw2", "sy", "sx", "sxx", "sxy", "alpha_sq_err", "new_since_fit", "fit")
+
+
+def checked_state(state: Any, what: str = "a RidgeRegressor state", prefix: str = "ridge state ") -> dict[str, Any]:
+    """A ``RidgeRegressor`` state checked whole: its numbers plain, its tensors float64 copies on the CPU (where the
+    updates' are), the shapes its ``dim`` and penalties give them; else a ValueError saying ``what`` the state is
+    where a key is missing or unknown, or naming the bad key (``prefix`` and the key) or value and what is allowed."""
+    check_state_keys(what, state, _STATE_KEYS)
+    decay = check_decay(prefix + "decay", state["decay"])
+    alphas = check_alphas(prefix + "alphas", state["alphas"])
+    dim = check_int(prefix + "dim", state["dim"], 1, none=True)  # None: no features seen yet
+    size, penalties = dim or 0, len(alphas)
+    checked = {"decay": decay, "alphas": alphas, "dim": dim}
+    for key in ("sw", "sw2", "sy"):  # the sums of weights cannot be negative; the targets' can
+        checked[key] = check_real(prefix + key, state[key], low=None if key == "sy" else 0)
+    for key, shape, dims in (("sx", [size], "dim"), ("sxx", [size, size], "dim x dim"), ("sxy", [size], "dim")):
+        checked[key] = check_tensor(prefix + key, state[key], shape, dims)
+    checked["alpha_sq_err"] = check_tensor(prefix + "alpha_sq_err", state["alpha_sq_err"], [penalties],
+                                           "one per penalty", nonnegative=True)  # decayed squared errors
+    checked["new_since_fit"] = check_int(prefix + "new_since_fit", state["new_since_fit"], 0)
+    fit, name = state["fit"], prefix + "fit"
+    if fit is not None:
+        if type(fit) not in (list, tuple) or len(fit) != 3:
+            shown = f"a {type(fit).__name__} of {len(fit)}" if type(fit) in (list, tuple) else f"{fit!r:.80}"
+            raise ValueError(f"{name} must be None or (weights, mean of x, mean of y), not {shown}")
+        if dim is None:
+            raise ValueError(f"{name} must be None where {prefix}dim is None (nothing is fitted before features)")
+        fit = (check_tensor(f"{name}[0]", fit[0], [penalties, size], "penalties x dim"),
+               check_tensor(f"{name}[1]", fit[1], [size], "dim"), check_real(f"{name}[2]", fit[2]))
+    checked["fit"] = fit
+    return checked
+
+
+def check_decay(name: str, decay: Any) -> float:
+    """``decay`` as a float in (``MIN_DECAY``, 1], else a ValueError naming it: above 1 the older observations'
+    weights grow without bound; at most ``MIN_DECAY`` they never count enough observations for a fit."""
+    return check_real(name, decay, low=MIN_DECAY, high=1, low_open=True)
+
+
+def check_alphas(name: str, alphas: Any) -> tuple[float, ...]:
+    """``alphas`` as a tuple of floats if it is a non-empty list of penalties (finite numbers >= 0), else a
+    ValueError naming it, or the bad entry."""
+    if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
+        raise ValueError(f"{name}={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
+    return tuple(check_real(f"{name}[{i}]", a, low=0) for i, a in enumerate(alphas))
+
+
+def check_tensor(name: str, value: Any, shape: Sequence[int], dims: str, nonnegative: bool = False) -> torch.Tensor:
+    """``value`` as a float64 copy on the CPU if it is a floating-point tensor of ``shape`` (``dims``: its dimensions
+    in words) holding finite numbers (>= 0 where ``nonnegative``), else a ValueError naming it, or its bad entry."""
+    allowed = (f"a floating-point tensor shaped {list(shape)} ({dims}) of finite numbers"
+               + (" >= 0" if nonnegative else ""))
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != list(shape):
+        shown = (f"a {value.dtype} tensor shaped {list(value.shape)}" if isinstance(value, torch.Tensor)
+                 else f"{value!r:.80}")
+        raise ValueError(f"{name} must be {allowed}, not {shown}")
+    bad = ~torch.isfinite(value)
+    if nonnegative:
+        bad |= value < 0
+    if bad.any():
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}[{', '.join(map(str, index))}]={value[tuple(index)].item()!r} is not allowed; "
+                         f"{name} must be {allowed}")
+    return value.detach().to("cpu", torch.float64, copy=True)
 
 
 @contextlib.contextmanager
