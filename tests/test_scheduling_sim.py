@@ -313,3 +313,60 @@ def test_a_hand_made_rollout_work_names_a_bad_field():
             ("true_lengths", [[1, 2], [3]], r"true_lengths must be \[B\]\[G\] = \[2\]\[2\]")):
         with pytest.raises(ValueError, match=says):
             RolloutWork(**{**fine, name: value})
+
+
+def _state_copy(state):
+    """A deep copy of a scheduler state (mappings, lists, numbers, tensors)."""
+    if isinstance(state, dict):
+        return {key: _state_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_state_copy(value) for value in state)
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda state: state["trust"].__setitem__("tokens", state["trust"]["probe"]),
+     r"^the checkpoint's scheduler state has trust for unknown kinds \['tokens'\]; a length-aware scheduler keeps "
+     r"prompt, probe$"),
+    (lambda state: state.__setitem__("trust", [state["trust"]["probe"]]),
+     r"^the checkpoint's scheduler state trust must be a mapping of kinds \(prompt, probe\) to trust states, not "
+     r"list$"),
+    # the predictor's state and the groups are good: they are not taken either
+    (lambda state: state["trust"]["probe"].__setitem__("decay", 0.0),
+     r"^the checkpoint's scheduler state trust\['probe'\] does not load: trust state decay=0.0 is not allowed; trust "
+     r"state decay must be a finite number > 0 and <= 1$"),
+    (lambda state: state.__setitem__("predictor", {"spread": 0.25, "seed": 0, "rollout": 3}),
+     r"^the checkpoint's length predictor state does not load into this run's OnlineLengthPredictor: an "
+     r"OnlineLengthPredictor state lacks \['max_dim', 'min_token_observations', "),  # another predictor's
+    (lambda state: state["predictor"]["prompt_model"].__setitem__("sy", math.inf),
+     r"^the checkpoint's length predictor state does not load into this run's OnlineLengthPredictor: online "
+     r"predictor state prompt_model.sy=inf is not allowed"),
+])
+def test_a_bad_scheduler_state_is_refused_naming_where_and_nothing_is_taken(change, message):
+    """A scheduler state whose trust or predictor is bad is refused naming which (the kind of trust, the predictor
+    this run has), before any of it is taken: an unknown kind was a bare KeyError, a bad trust state did not say
+    which, and the predictor's state and the groups were taken before a trust state failed."""
+    _, written, _ = rollout_series("online", 2, 8, 4, seed=0, warmup=1)
+    state = _state_copy(written.state_dict())
+    change(state)
+    _, scheduler, _ = rollout_series("online", 2, 8, 4, seed=1, warmup=1)
+    before = _state_copy(scheduler.state_dict())
+    with pytest.raises(ValueError, match=message):
+        scheduler.load_state_dict(state)
+    after = scheduler.state_dict()
+    assert after["groups"] == before["groups"] and after["trust"] == before["trust"]
+    assert all(torch.equal(after["predictor"][model][key], before["predictor"][model][key])
+               for model in ("prompt_model", "token_model") for key in ("sx", "sxx", "sxy"))
+    assert after["predictor"]["prompt_model"]["sw"] == before["predictor"]["prompt_model"]["sw"]
+
+
+def test_a_scheduler_state_without_one_kind_of_trust_keeps_that_kind_fresh():
+    """A state that lacks a kind of trust (the probe's, of a run whose predictor was never probed) leaves that kind
+    as it is; the other is taken."""
+    _, written, _ = rollout_series("online", 2, 8, 4, seed=0, warmup=1)
+    state = written.state_dict()
+    del state["trust"]["probe"]
+    scheduler = length_aware("online")
+    scheduler.load_state_dict(state)
+    assert scheduler.trust["prompt"].state_dict() == written.trust["prompt"].state_dict()
+    assert scheduler.trust["probe"].state_dict() == length_aware("online").trust["probe"].state_dict()

@@ -45,6 +45,7 @@ import itertools
 import math
 import warnings
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,18 +258,42 @@ class LengthAwareScheduler(LeastAttainedScheduler):
                 "trust": {kind: trust.state_dict() for kind, trust in self.trust.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        """Take ``state`` (``state_dict``'s, from a checkpoint): the trust states are checked before the predictor's
+        is taken (itself checked whole first), the trust taken last, so that a bad one, refused naming which,
+        leaves the predictor and the trust as they were. A kind of trust the state lacks stays as it is."""
         if "predictor" not in state:  # the default scheduler's state: nothing learned to resume
+            super().load_state_dict(state)
             warnings.warn("the checkpoint's scheduler state is the default scheduler's (no length predictor): the "
                           "length-aware method's predictor and trust start fresh", stacklevel=2)
             return
+        trust = self._checked_trust(state.get("trust", {}))
         try:
             self.predictor.load_state_dict(state["predictor"])
-        except KeyError as error:
-            raise ValueError(f"the checkpoint's length predictor state lacks {error}: it was written by another "
-                             f"predictor than this run's {self.config.predictor!r}") from None
-        for kind, trust_state in state.get("trust", {}).items():
-            self.trust[kind].load_state_dict(trust_state)
+        except (KeyError, ValueError) as error:  # KeyError: a predictor of the caller's that checks nothing
+            said = f"lacks {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"the checkpoint's length predictor state does not load into this run's "
+                             f"{type(self.predictor).__name__}: {said}") from error
+        super().load_state_dict(state)
+        self.trust.update(trust)
+
+    def _checked_trust(self, states: Any) -> dict[str, PredictionTrust]:
+        """The trust of each kind in ``states`` (the state's ``trust``), loaded into new ones, else a ValueError
+        naming the bad kind."""
+        kinds = ", ".join(self.trust)
+        if not isinstance(states, Mapping):
+            raise ValueError(f"the checkpoint's scheduler state trust must be a mapping of kinds ({kinds}) to trust "
+                             f"states, not {type(states).__name__}")
+        if unknown := sorted((kind for kind in states if kind not in self.trust), key=str):
+            raise ValueError(f"the checkpoint's scheduler state has trust for unknown kinds {unknown}; a "
+                             f"length-aware scheduler keeps {kinds}")
+        loaded = {}
+        for kind, trust_state in states.items():
+            loaded[kind] = PredictionTrust()
+            try:
+                loaded[kind].load_state_dict(trust_state)
+            except ValueError as error:
+                raise ValueError(f"the checkpoint's scheduler state trust[{kind!r}] does not load: {error}") from error
+        return loaded
 
     # ---- policy ----------------------------------------------------------------------------------------------
 
