@@ -239,6 +239,36 @@ def test_the_control_applies_the_previous_steps_coefficient_only_below_the_targe
     assert not EntropyControl(LossConfig()).enabled
 
 
+@pytest.mark.parametrize("state, message", [
+    ([0.1, 0.5], r"^an EntropyControl state must be a mapping of entropy_coef, last_world_entropy, not list$"),
+    ({"entropy_coef": 0.1}, r"^an EntropyControl state lacks \['last_world_entropy'\]; it holds entropy_coef, "
+                            r"last_world_entropy$"),
+    ({"entropy_coef": 0.1, "last_world_entropy": 0.5, "step": 3},
+     r"^an EntropyControl state has unknown keys \['step'\]; it holds entropy_coef, last_world_entropy$"),
+    ({"entropy_coef": math.nan, "last_world_entropy": 0.5},
+     r"^entropy control state entropy_coef=nan is not allowed; entropy control state entropy_coef must be a finite "
+     r"number$"),
+    ({"entropy_coef": "0.1", "last_world_entropy": 0.5}, r"^entropy control state entropy_coef='0.1' is not allowed"),
+    ({"entropy_coef": 0.1, "last_world_entropy": -math.inf},
+     r"^entropy control state last_world_entropy=-inf is not allowed; it must be a number: finite, inf \(no step "
+     r"measured yet\) or nan \(a step's entropy that was not a number\)$"),
+    ({"entropy_coef": 0.1, "last_world_entropy": None}, r"^entropy control state last_world_entropy=None is not "
+                                                        r"allowed"),
+])
+def test_a_bad_entropy_control_state_is_refused_naming_the_bad_key_and_the_control_is_left_as_it_was(state, message):
+    """A corrupt or foreign checkpoint's control state is refused naming what is wrong and what is allowed, before
+    any of it is taken: a missing key was a bare KeyError, a NaN coefficient was taken and turned the loss NaN."""
+    control = EntropyControl(LossConfig(entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=1.0))
+    control.end_step(entropy_sum=6.0, tokens=10.0)
+    before = control.state_dict()
+    with pytest.raises(ValueError, match=message):
+        control.load_state_dict(state)
+    assert control.state_dict() == before
+    for entropy in (math.inf, math.nan, 0.3):  # what end_step can record, and the start's inf
+        control.load_state_dict({"entropy_coef": 0.2, "last_world_entropy": entropy})
+        assert control.coef == 0.2 and control.applied() == (0.2 if entropy == 0.3 else 0.0)
+
+
 def test_the_adaptive_update_gates_the_bonus_and_follows_the_steps_entropy(batch):
     """First step: no bonus (the gradient is the plain one's, bit for bit, and the entropy needs no gradient),
     the coefficient moves by the step's token-weighted entropy over every micro-batch; next step: the bonus at

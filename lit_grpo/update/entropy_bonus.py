@@ -22,11 +22,13 @@ step's entropy was at or below ``entropy_target``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lit_grpo.runtime.validation import check_real, check_state_keys
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.surrogates import check_entropy_mask, high_entropy_mask
 
@@ -123,5 +125,20 @@ class EntropyControl:
         return {"entropy_coef": self.coef, "last_world_entropy": self.last_world_entropy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.coef = float(state["entropy_coef"])
-        self.last_world_entropy = float(state["last_world_entropy"])
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first: a corrupt or foreign one is
+        refused naming the bad key or value, and leaves the control as it was. The coefficient need not lie within
+        this run's bounds: a resume may narrow them, and the next step's move brings it inside."""
+        check_state_keys("an EntropyControl state", state, ("entropy_coef", "last_world_entropy"))
+        coef = check_real("entropy control state entropy_coef", state["entropy_coef"])
+        entropy = state["last_world_entropy"]
+        try:
+            number = float(entropy) if isinstance(entropy, numbers.Real) and not isinstance(entropy, bool) else None
+        except OverflowError:  # an int beyond float range
+            number = None
+        # inf before the first step; nan where a step's entropy was not a number (end_step records it, and it
+        # closes the gate as inf does); -inf no step gives, and it would open the gate
+        if number is None or number == -math.inf:
+            raise ValueError(f"entropy control state last_world_entropy={entropy!r} is not allowed; it must be a "
+                             "number: finite, inf (no step measured yet) or nan (a step's entropy that was not a "
+                             "number)")
+        self.coef, self.last_world_entropy = coef, number
