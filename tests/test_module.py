@@ -574,6 +574,48 @@ def test_a_numpy_value_set_into_the_hparams_after_they_are_saved_is_saved_as_the
     assert torch.load(checkpoint, weights_only=True)["datamodule_hyper_parameters"]["dataset"] == str(path)
 
 
+def test_the_hparams_set_after_they_are_saved_are_logged_too(tmp_path):
+    """The data module's dataset path and tools' names, set after save_hyperparameters, reach what a logger writes
+    (Lightning logs hparams_initial, copied when they are saved): they were missing from hparams.yaml."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.core.saving import load_hparams_from_yaml
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.utilities import _log_hyperparams
+
+    from test_tool_calling import add
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    data = RolloutDataModule(dataset=np.str_(path), val_size=0, prompts_per_step=1, tools=[add])
+    tools = [f"{add.__module__}:{add.__qualname__}"]
+    assert data.hparams_initial["dataset"] == str(path) and type(data.hparams_initial["dataset"]) is str
+    assert data.hparams_initial["tools"] == tools
+    logger = CSVLogger(tmp_path / "logs")
+    _log_hyperparams(SimpleNamespace(loggers=[logger], lightning_module=LightningModule(), datamodule=data))
+    logged = load_hparams_from_yaml(tmp_path / "logs" / "lightning_logs" / "version_0" / "hparams.yaml", False)
+    assert logged["dataset"] == str(path) and logged["tools"] == tools
+    data.hparams["tools"].append("changed")  # the initial copy is its own, as Lightning's
+    assert data.hparams_initial["tools"] == tools
+
+
+def test_a_hparam_set_before_they_are_saved_is_refused():
+    """save_hyperparameters replaces the hparams, so a setting set before would be dropped without a word."""
+    from lightning.pytorch import LightningDataModule
+
+    from lit_grpo.runtime.checkpoints import PlainHyperparameters
+
+    class Data(PlainHyperparameters, LightningDataModule):
+        def __init__(self, size: int = 3):
+            super().__init__()
+            self.set_hparam("dataset", "train.jsonl")
+
+    with pytest.raises(RuntimeError, match=r"^set_hparam\('dataset', 'train.jsonl'\) before save_hyperparameters: "
+                                           r"save_hyperparameters would drop it; set it after$"):
+        Data()
+
+
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
     buffer = io.BytesIO()

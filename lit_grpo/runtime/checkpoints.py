@@ -13,6 +13,7 @@ its shards into) is written the same way as a folder beside its target and swapp
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import os
@@ -213,9 +214,16 @@ class PlainHyperparameters(HyperparametersMixin):
 
     def set_hparam(self, name: str, value: Any) -> None:
         """Set ``hparams[name]`` after ``save_hyperparameters`` (a setting saved in another form than it was given:
-        a tool by its name, a dataset by its path), converted by the same rule; ``hparams[name] = value`` would keep
-        a numpy value as it is."""
+        a tool by its name, a dataset by its path), converted by the same rule, and in the initial copy, which is
+        what Lightning's loggers write (hparams.yaml, TensorBoard's hparams); ``hparams[name] = value`` would keep a
+        numpy value as it is and reach neither. Refused before ``save_hyperparameters``, which would drop it."""
+        # Lightning's initial copy (private: it has no public setter; test_module's logging test fails if it goes),
+        # taken by save_hyperparameters as a deep copy, so this value is copied too
+        if not hasattr(self, "_hparams_initial"):
+            raise RuntimeError(f"set_hparam({name!r}, {value!r:.80}) before save_hyperparameters: "
+                               "save_hyperparameters would drop it; set it after")
         self.hparams[name] = plain_values(value)
+        self._hparams_initial[name] = copy.deepcopy(self.hparams[name])
 
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
