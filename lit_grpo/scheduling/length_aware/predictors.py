@@ -188,7 +188,7 @@ class OnlineLengthPredictor:
         self._prompt_phi = None
 
 
-#: The keys of an ``OnlineLengthPredictor`` state, all of them kept since it was first checkpointed.
+#: The keys of an ``OnlineLengthPredictor`` state, each required.
 _ONLINE_STATE_KEYS = ("max_dim", "seed", "min_token_observations", "prompt_model", "token_model", "projections")
 
 

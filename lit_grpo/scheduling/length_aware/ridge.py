@@ -166,7 +166,7 @@ class RidgeRegressor:
         self._fit = checked["fit"]
 
 
-#: The keys of a ``RidgeRegressor`` state (``state_dict``), all of them kept since it was first checkpointed.
+#: The keys of a ``RidgeRegressor`` state (``state_dict``), each required.
 _STATE_KEYS = ("decay", "alphas", "dim", "sw", "sw2", "sy", "sx", "sxx", "sxy", "alpha_sq_err", "new_since_fit", "fit")
 
 
