@@ -202,8 +202,9 @@ class PlainHyperparameters(HyperparametersMixin):
     computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as the Python value it
     holds (:func:`~lit_grpo.runtime.validation.plain_values`), in ``hparams`` and in the initial copy Lightning takes
     of them right after. torch.load(weights_only=True) refuses a checkpoint's hyperparameters with a numpy scalar,
-    and yaml.safe_load the hparams.yaml a logger writes of them: one rule for every setting, so that none needs its
-    own conversion before it is saved. Listed before the Lightning class (``class M(PlainHyperparameters,
+    and the hparams.yaml a logger writes of them would name numpy's classes (read back by Lightning's own loader,
+    which also takes the tuples Python's yaml writes, not by yaml.safe_load): one rule for every setting, so that
+    none needs its own conversion before it is saved. Listed before the Lightning class (``class M(PlainHyperparameters,
     LightningModule)``)."""
 
     def _set_hparams(self, hp: Any) -> None:
