@@ -294,6 +294,8 @@ def test_a_function_named_only_reward_keeps_its_name():
                       r"float; values must be finite in float32"),
     ([10**5000, 1.0], r"'bad' returned an int of 5001 digits at index 0 for prompt 'q1', which is not a finite float; "
                       r"values must be finite in float32, \|value\| <= 3.403e\+38 \(or None for no opinion\)$"),
+    # a power of ten whose log10 rounds below it (10**512's is 511.99999999999994): its digits counted, not one short
+    ([10**512, 1.0], r"'bad' returned an int of 513 digits at index 0 for prompt 'q1', which is not a finite float"),
     ([1.0, [10**5000]], r"'bad' returned a list holding an int of more than 4300 digits \(list\) at index 1 for "
                         r"prompt 'q2'; values must be floats or None"),
     ("11", r"returned str"),

@@ -61,8 +61,10 @@ def huge_int(value: Any) -> str | None:
     say nothing; None for any other value."""
     if not isinstance(value, int) or isinstance(value, bool) or not math.isinf(as_number(value)):
         return None
-    digits = math.floor(math.log10(abs(value))) + 1
-    digits -= 10 ** (digits - 1) > abs(value)  # log10 rounds 10**k - 1 up to k
+    size = abs(value)
+    digits = math.floor(math.log10(size)) + 1
+    # log10 rounds either way: 10**k - 1 up to k, some powers of ten (10**512) just below theirs
+    digits += (size >= 10 ** digits) - (10 ** (digits - 1) > size)
     return f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
 
 
