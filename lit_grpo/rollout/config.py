@@ -87,7 +87,7 @@ class ValidationConfig:
     def __post_init__(self) -> None:
         for name in ("val_batch_size", "val_num_samples"):
             check_field(self, name, check_int, 1)
-        check_field(self, "val_max_new_tokens", check_int, 1, none=True)  # None: the sampling cap
+        check_field(self, "val_max_new_tokens", check_int, 1, none="null in YAML: the sampling cap")
         check_field(self, "val_temperature", check_real, low=MIN_TEMPERATURE)
 
     def length_cap(self, sampling_cap: int) -> int:
