@@ -35,9 +35,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_settings
-from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, check_prompt_shaping,
-                                     check_prompt_source, check_val_size, is_conversational, load_prompts,
-                                     prompt_set_fingerprint, render_prompt, split_examples)
+from lit_grpo.rollout.prompts import (PromptExample, chat_turns, check_chat_template_kwargs,
+                                     check_prompt_shaping, check_prompt_source, check_val_size, is_conversational,
+                                     load_prompts, prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
@@ -579,10 +579,13 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
                                "appended to a completion: tool turns are rendered with a prefix-preserving version "
                                "of it (prompts render the same; the tokenizer and its export keep the stock one)")
         schemas = self._toolbox.schemas if self._toolbox is not None else None
-        render = lambda i: render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt,  # noqa: E731
-                                         self.prompt_template, (self.examples[i].messages or [])[:-1],
-                                         self.chat_template_kwargs, tools=schemas,
-                                         chat_template=self.apply_chat_template or bool(self.examples[i].messages))
+
+        def render(i: int) -> list[int]:
+            history, user_turn = chat_turns(self.examples[i])
+            return render_prompt(tokenizer, self.examples[i].prompt, self.system_prompt, self.prompt_template,
+                                 history, self.chat_template_kwargs, tools=schemas, user_turn=user_turn,
+                                 chat_template=self.apply_chat_template or bool(self.examples[i].messages))
+
         self.train_prompt_ids = [render(i) for i in self.train_indices]
         self.val_prompt_ids = [render(i) for i in self.val_indices]
         self._check_prompt_lengths(self._handover["policy"])

@@ -98,6 +98,18 @@ def test_default_columns_and_a_dataset_dict_split(tmp_path):
         dataset_prompts(str(tmp_path / "dict"), split="validation")
 
 
+def test_a_chat_columns_keys_a_turn_lacks_are_absent_not_none():
+    """Arrow gives each turn every key of the column's struct type, None where the turn has none: such a key is
+    absent from the prompt's messages (a template testing ``'name' in m`` would see one), the keys a turn has are
+    kept."""
+    rows = [{"messages": [{"role": "system", "content": "Be brief.", "name": "setup"},
+                          {"role": "user", "content": "1+1?"}]},
+            {"messages": [{"role": "user", "content": "2+2?", "name": "ada"}]}]
+    data = datasets.Dataset.from_list(rows)
+    assert data[0]["messages"][1] == {"role": "user", "content": "1+1?", "name": None}  # as the table holds it
+    assert [example.messages for example in dataset_prompts(data)] == [row["messages"] for row in rows]
+
+
 def test_chat_messages_render_through_the_template():
     _, tokenizer = load_model_and_tokenizer("tiny-llama")
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]

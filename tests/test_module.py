@@ -775,6 +775,56 @@ def test_a_jsonl_rows_chat_messages_are_taken_and_checked_as_data_dataset_takes_
     assert (taken.prompt, taken.messages, taken.answer, taken.entry) == (read.prompt, read.messages, 4, read.entry)
 
 
+def test_chat_messages_keep_their_other_keys_and_drop_those_a_table_row_holds_as_none():
+    """A chat turn's keys beyond role and content (name, tool_calls, tool_call_id, reasoning_content) are kept, as
+    TRL passes a prompt's messages as they are; a key whose value is None is absent (a datasets row holds every key
+    of the column's struct type, None where the turn lacks it). Keys are the template's names: strings only."""
+    from lit_grpo.rollout.prompts import check_messages
+
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]
+    given = [{"role": "system", "content": "Be brief.", "name": "setup", "tool_calls": None},
+             {"role": "user", "content": "2 + 2?"},
+             {"role": "assistant", "content": "", "tool_calls": calls, "reasoning_content": "add them"},
+             {"role": "tool", "content": "4", "tool_call_id": "call_0", "name": None},
+             {"role": "user", "content": "And 3 + 3?", "name": "ada"}]
+    assert check_messages(given, "here") == [
+        {"role": "system", "content": "Be brief.", "name": "setup"}, {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "", "tool_calls": calls, "reasoning_content": "add them"},
+        {"role": "tool", "content": "4", "tool_call_id": "call_0"},
+        {"role": "user", "content": "And 3 + 3?", "name": "ada"}]
+    with pytest.raises(ValueError, match=r"here: message 0 has the key 1 \(int\); a chat message's keys must be "
+                                         r"strings"):
+        check_messages([{"role": "user", "content": "hi", 1: "x"}], "here")
+    with pytest.raises(ValueError, match=r"here: message 0 must be \{'role': str, 'content': str"):
+        check_messages([{"role": "user", "content": None, "name": "ada"}], "here")  # role and content: never None
+
+
+def test_a_chat_prompts_other_message_keys_reach_the_chat_template_and_the_reward_functions():
+    """A chat prompt's turns go to the chat template with every key they have (a user turn's name too, whose
+    content the prompt template shapes), as TRL passes them, and reach the reward functions so: a template that
+    renders names rendered none where only role and content were kept."""
+    chat = [{"role": "system", "content": "Be brief.", "name": "setup"},
+            {"role": "user", "content": "What is 2 + 2?", "name": "ada"}]
+    seen = []
+
+    def record(prompts, completions, **kwargs):
+        seen.append(prompts)
+        return [0.0] * len(completions)
+
+    module = make_module()
+    module.tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}{{ ' ' + m.name if m.name else '' }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    dm = make_datamodule(module, prompts=[{"prompt": chat}], val_size=0, prompts_per_step=1, reward_funcs=[record],
+                         prompt_template="Q: {prompt}", group_size=2, micro_group_size=2, max_new_tokens=2)
+    shaped = [chat[0], {**chat[1], "content": "Q: What is 2 + 2?"}]
+    rendered = module.tokenizer.apply_chat_template(shaped, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>system setup\n" in rendered and "<|im_start|>user ada\nQ: What" in rendered
+    assert dm.train_prompt_ids == [module.tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    dm.build_train_batch()
+    assert seen == [[chat, chat]]  # the messages as the row holds them, as TRL's conversational prompts
+
+
 def test_a_source_mixing_chat_and_plain_prompts_gives_every_reward_call_the_conversational_form():
     """The form the reward functions get is the prompt source's, one for the run: a source with a chat row gives
     each step TRL's conversational form, a plain row as its one user message, whatever rows the step drew. Decided

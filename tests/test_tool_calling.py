@@ -876,6 +876,18 @@ def test_a_tokenizer_whose_turn_end_strips_what_follows_it_is_cut_from_its_token
                            from_text=True) != whole  # the text cut's tokens would differ here
 
 
+def test_the_tool_turns_conversation_keeps_a_chat_prompts_other_message_keys():
+    """The tool turns render after the prompt's messages as its tokens were rendered from (``render_prompt``):
+    every key of its turns, the user turn's name too, with the prompt template's content."""
+    from lit_grpo.rollout.prompts import PromptExample
+
+    box = ToolBox([add], qwen3_tokenizer(), 1, prompt_template="Q: {prompt}")
+    chat = [{"role": "assistant", "content": "Hi.", "reasoning_content": "greet"},
+            {"role": "user", "content": "2+3?", "name": "ada"}]
+    assert box.prompt_messages(PromptExample("2+3?", messages=chat)) == [
+        chat[0], {"role": "user", "content": "Q: 2+3?", "name": "ada"}]
+
+
 def test_a_tokenizer_with_several_named_templates_has_the_one_tools_select_matched():
     """A tokenizer's templates by name: tool turns render with the one tools= picks (transformers' ``tool_use``
     where it has one, else ``default``), which is matched as a lone template is (it was never: a stock Qwen3 one was

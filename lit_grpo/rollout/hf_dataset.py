@@ -10,7 +10,8 @@ JSONL files and prompt lists do without.
 Each row becomes a :class:`~lit_grpo.rollout.prompts.PromptExample` whose ``entry`` is the whole row, so every
 column reaches the reward functions (as a JSONL row's fields do). The prompt is ``prompt_column`` (default: the
 first of ``prompt``, ``question``, ``problem``, ``messages`` the data has): a string (the user message) or a chat
-``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn). The gold answer is
+``messages`` list (``[{"role": ..., "content": ...}, ...]``, ending with a user turn; each turn's other keys
+kept but those the table holds as None: ``prompts.check_messages``). The gold answer is
 ``answer_column`` (default ``answer`` when present; else the rows have none), passed to the reward functions as
 ``answer`` and under its own name; a dataset with an ``answer`` column of its own takes no other ``answer_column``
 (that column would be hidden from the rewards). A dotted ``answer_column`` that is not a column names a field inside

@@ -35,14 +35,21 @@ class PromptExample:
         answer: the gold answer as the source holds it (a string, a number, ...: reward functions get it unchanged,
             as TRL passes a dataset's column), or None.
         entry: the full source row (reasoning-gym: ``question``, ``answer``, ``metadata``; JSONL: the row).
-        messages: a chat prompt (``[{"role", "content"}, ...]`` ending with the user turn ``prompt``), rendered
-            whole through the chat template; None for a single user message.
+        messages: a chat prompt (``[{"role", "content", ...}, ...]`` ending with the user turn ``prompt``, each
+            turn with the other keys it has: ``check_messages``), rendered whole through the chat template; None for
+            a single user message.
     """
 
     prompt: str
     answer: Any = None
     entry: dict[str, Any] = field(default_factory=dict)
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def chat_turns(example: PromptExample) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """``example``'s turns before its user turn and that user turn, as ``prompt_messages`` and ``render_prompt``
+    take them (``history``, ``user_turn``); ``([], None)`` for a single user message."""
+    return (example.messages[:-1], example.messages[-1]) if example.messages else ([], None)
 
 
 def message_text(value: Any) -> str:
@@ -60,8 +67,13 @@ def is_conversational(examples: Sequence[PromptExample]) -> bool:
     return any(example.messages for example in examples)
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A chat prompt: a non-empty list of ``{"role", "content"}`` turns ending with a user turn."""
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """A chat prompt: a non-empty list of ``{"role", "content", ...}`` turns ending with a non-empty user turn, role
+    and content strings. A turn's other keys (``name``, ``tool_calls``, ``tool_call_id``, ``reasoning_content``,
+    ...) are kept, as TRL passes a prompt's messages to the chat template as they are, except a key whose value is
+    None, which is absent: a datasets (Arrow) row gives each turn every key of the column's struct type, None where
+    the turn has none, and a template testing ``'name' in message`` would take those for given. Each turn is a dict
+    of its own, role and content first."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got {messages!r:.80}")
     turns = []
@@ -69,7 +81,11 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) or \
                 not isinstance(turn.get("content"), str):
             raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {turn!r:.80}")
-        turns.append({"role": turn["role"], "content": turn["content"]})
+        if odd := [key for key in turn if not isinstance(key, str)]:
+            raise ValueError(f"{where}: message {i} has the key {odd[0]!r:.40} ({type(odd[0]).__name__}); a chat "
+                             "message's keys must be strings (the names the chat template reads)")
+        turns.append({"role": turn["role"], "content": turn["content"],
+                      **{key: value for key, value in turn.items() if value is not None}})
     if turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
         raise ValueError(f"{where}: the messages must end with a non-empty user turn (the prompt the policy answers);"
                          f" the last is {turns[-1]['role']!r} with content {turns[-1]['content']!r:.60}")
@@ -344,35 +360,39 @@ def check_prompt_shaping(system_prompt: Any, prompt_template: Any, chat_template
 
 
 def prompt_messages(prompt: str, system_prompt: str | None = None, template: str = "{prompt}",
-                    history: Sequence[Mapping[str, str]] = ()) -> list[dict]:
+                    history: Sequence[Mapping[str, Any]] = (),
+                    user_turn: Mapping[str, Any] | None = None) -> list[dict]:
     """The chat messages a prompt is rendered from (``render_prompt``): the system prompt (none where it is None or
     empty, which ``check_prompt_shaping`` refuses as a setting), ``history``, then ``template`` with ``{prompt}``
-    replaced as the user message. Raises where both the system prompt and the history's first turn are a system
-    turn."""
+    replaced as the user message, with ``user_turn``'s other keys (a chat prompt's user turn: its ``name``, ...;
+    ``chat_turns``). Raises where both the system prompt and the history's first turn are a system turn."""
     history = [dict(turn) for turn in history]
     if history and history[0]["role"] == "system" and system_prompt:
         raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
                          f"turn ({history[0]['content']!r:.60}); drop one of the two")
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
-        {"role": "user", "content": template.replace("{prompt}", prompt)}]
+        {"role": "user", "content": template.replace("{prompt}", prompt),
+         **{key: value for key, value in (user_turn or {}).items() if key not in ("role", "content")}}]
 
 
 def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
-                  template: str = "{prompt}", history: Sequence[Mapping[str, str]] = (),
+                  template: str = "{prompt}", history: Sequence[Mapping[str, Any]] = (),
                   chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None,
-                  chat_template: bool = True) -> list[int]:
+                  chat_template: bool = True, user_turn: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of one prompt: ``template`` with ``{prompt}`` replaced by the prompt (every other brace kept as
     written, e.g. ``\\boxed{}``) as the user message, through the chat template.
 
-    ``history``: chat turns before that message (a ``messages`` prompt's earlier turns); ``system_prompt`` goes
-    first (an error when the history starts with a system turn of its own). Tokenizers without a chat template, and
+    ``history``: chat turns before that message (a ``messages`` prompt's earlier turns), ``user_turn``: the
+    prompt's own user turn, whose keys beyond role and content the message takes (``chat_turns``; TRL passes every
+    key of a prompt's messages to the template); ``system_prompt`` goes first (an error when the history starts with
+    a system turn of its own). Tokenizers without a chat template, and
     ``chat_template=False``, get the plain text (system prompt, a blank line, the turns' contents, the message),
     tokenized as the tokenizer does any text (its own special tokens, e.g. a BOS, included).
     ``chat_template_kwargs``: more variables for the chat template (TRL's setting; e.g. Qwen3's ``enable_thinking``),
     each one the template reads. ``tools``: the tools' JSON schemas, for the chat template's ``tools=``
     (``lit_grpo.rollout.tools``).
     """
-    messages = prompt_messages(prompt, system_prompt, template, history)
+    messages = prompt_messages(prompt, system_prompt, template, history, user_turn)
     check_chat_template_kwargs(tokenizer, chat_template_kwargs)
     if chat_template and getattr(tokenizer, "chat_template", None):
         # tools=None, never []: some templates (Llama's) render their tool boilerplate for an empty list

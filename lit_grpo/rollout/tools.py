@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.rollout.async_loop import run_concurrently
-from lit_grpo.rollout.prompts import PromptExample, prompt_messages
+from lit_grpo.rollout.prompts import PromptExample, chat_turns, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.rollout.tool_calls import HERMES_CALL, call_body, json_value, read_calls, reasoning_open, split_reasoning
 from lit_grpo.runtime.validation import check_int, config_errors
@@ -321,7 +321,7 @@ class ToolBox:
         and template); without one a stand-in user message, as the template checks use."""
         if example is None:
             return prompt_messages("x", self.system_prompt, self.prompt_template)
-        return prompt_messages(example.prompt, self.system_prompt, self.prompt_template, (example.messages or [])[:-1])
+        return prompt_messages(example.prompt, self.system_prompt, self.prompt_template, *chat_turns(example))
 
     def suffix_ids(self, tool_messages: list[dict], history: Sequence[dict] = (),
                    prompt: Sequence[dict] | None = None) -> list[int]:
