@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
 
+from lit_grpo.rollout import reward_log
 from lit_grpo.rollout.math_reward import check_math_options
 from lit_grpo.rollout.reward_functions import OverlongPenalty
 from lit_grpo.rollout.slot_memory import check_max_prompt_length
-from lit_grpo.runtime.validation import (check_field, check_int, check_int_in_range, check_real, integer_within,
-                                         real_within)
+from lit_grpo.runtime.validation import (check_bool, check_choice, check_field, check_folder, check_int,
+                                         check_int_in_range, check_real, check_text, huge_int, integer_within,
+                                         real_within, shown_value)
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import preemption_points
 from lit_grpo.update.lr_schedule import is_share, warmup_steps_count
@@ -99,6 +102,39 @@ def test_a_real_check_may_take_none_and_infinity():
     with pytest.raises(ValueError, match=r"^x=nan is not allowed; x must be a number > 0 \(a cap\) or None "
                                          r"\(no cap\)$"):  # NaN is no number of any bound, infinite or not
         check_real("x", math.nan, 0, low_open=True, hint="a cap", none="no cap", finite=False)
+
+
+def test_a_checks_refusal_names_an_int_too_long_to_print_by_its_digits():
+    """Python refuses to print an int of more than sys.get_int_max_str_digits() digits (4300): a refusal printing
+    the value with repr raised that ValueError in place of its own. An int past float range is named by its count
+    of digits, a value holding one too long to print by its type."""
+    huge, limit = 10**5000, sys.get_int_max_str_digits()
+    with pytest.raises(ValueError, match=r"^x=\(an int of 5001 digits\) is not allowed; x must be a finite number "
+                                         r">= 0 and <= 1$"):
+        check_real("x", huge, 0, 1)
+    with pytest.raises(ValueError, match=r"^n=\(a negative int of 5001 digits\) must be an integer >= 1$"):
+        check_int("n", -huge, 1)
+    with pytest.raises(ValueError, match=r"^n=\(an int of 5001 digits\) is not allowed; n must be an integer >= 1 "
+                                         r"and <= 5$"):
+        check_int_in_range("n", huge, 1, 5)
+    with pytest.raises(ValueError, match=rf"^x=a list holding an int of more than {limit} digits is not allowed; x "
+                                         r"must be a finite number$"):
+        check_real("x", [huge])
+    for check, said in ((lambda v: check_bool("b", v), "must be True or False"),
+                        (lambda v: check_text("t", v), "must be a non-empty string"),
+                        (lambda v: check_folder("f", v, "none"), "must be a folder's path or None"),
+                        (lambda v: check_choice("c", v, ("a",)), r"is not known; use one of \['a'\]")):
+        with pytest.raises(ValueError, match=rf"=\(an int of 5001 digits\) {said}"):
+            check(huge)
+    with pytest.raises(ValueError, match=rf"^x={re.escape(repr([0] * 1000)[:100])} is not allowed"):  # cut short
+        check_real("x", [0] * 1000)
+
+
+def test_an_int_past_float_range_is_said_by_its_digits():
+    assert [huge_int(v) for v in (10**400, 10**400 - 1, -10**5000, 10**300, 3, True, 1e308)] == [
+        "an int of 401 digits", "an int of 400 digits", "a negative int of 5001 digits", None, None, None, None]
+    assert shown_value("x" * 200) == repr("x" * 200)[:100] and shown_value(10**400) == "an int of 401 digits"
+    assert reward_log.shown_value is shown_value  # one implementation, the reward log's too
 
 
 def test_an_integer_check_may_take_none():

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from lit_grpo.runtime.validation import shown_value
 
 #: The keywords a reward call gets for logging, beside ``trainer_state``.
 LOG_KEYWORDS = ("log_metric", "log_extra")
@@ -53,32 +54,6 @@ def as_number(value: Any) -> float | None:
         return float(value)
     except OverflowError:  # a number past float's range, such as the int 10**400
         return math.inf if value > 0 else -math.inf
-
-
-def huge_int(value: Any) -> str | None:
-    """An int beyond float range said by its count of digits ("an int of 401 digits"), for an error message: Python
-    refuses to print one of more than ``sys.get_int_max_str_digits()`` (4300 by default), and hundreds of digits
-    say nothing; None for any other value."""
-    if not isinstance(value, int) or isinstance(value, bool) or not math.isinf(as_number(value)):
-        return None
-    size = abs(value)
-    digits = math.floor(math.log10(size)) + 1
-    # log10 rounds either way: 10**k - 1 up to k, some powers of ten (10**512) just below theirs
-    digits += (size >= 10 ** digits) - (10 ** (digits - 1) > size)
-    return f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
-
-
-def shown_value(value: Any, width: int = 100) -> str:
-    """``value``'s repr cut to ``width`` characters, for an error message; an int beyond float range by its digits
-    (``huge_int``), and a value holding an int too long to print as that."""
-    if (huge := huge_int(value)) is not None:
-        return huge
-    try:
-        return repr(value)[:width]
-    except ValueError as err:  # a container's repr met such an int
-        if "integer string conversion" not in str(err):
-            raise
-        return f"a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits"
 
 
 def plain_value(value: Any) -> Any:

@@ -87,11 +87,11 @@ import torch
 from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.prompts import message_text
-from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number, huge_int, shown_value
+from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import check_choice, real_within
+from lit_grpo.runtime.validation import check_choice, huge_int, real_within, shown_value
 
 RewardFn = Callable[..., Sequence[Any]]
 

@@ -8,6 +8,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -202,8 +203,8 @@ def check_thread_count(name: str, threads: int) -> int:
     if count is None:
         of_the = (f"{cores} this process's cgroup CPU quota of {cpus:g} CPUs grants" if cpus is not None
                   else f"{cores} this process may run on")
-        raise ValueError(f"{name}={threads!r} must be in [1, {MAX_THREADS_PER_CORE * cores}] ({MAX_THREADS_PER_CORE} "
-                         f"a core of the {of_the})")
+        raise ValueError(f"{_setting(name, threads)} must be in [1, {MAX_THREADS_PER_CORE * cores}] "
+                         f"({MAX_THREADS_PER_CORE} a core of the {of_the})")
     return count
 
 
@@ -249,6 +250,44 @@ def setting_message(where: str, message: str, settings: Collection[str] = ()) ->
     return key + message[len(leading.group(1)):]
 
 
+def huge_int(value: Any) -> str | None:
+    """An int beyond float range said by its count of digits ("an int of 401 digits"), for an error message: Python
+    refuses to print one of more than ``sys.get_int_max_str_digits()`` (4300 by default), and hundreds of digits
+    say nothing; None for any other value."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    try:
+        float(value)
+        return None
+    except OverflowError:
+        pass
+    size = abs(value)
+    digits = math.floor(math.log10(size)) + 1
+    # log10 rounds either way: 10**k - 1 up to k, some powers of ten (10**512) just below theirs
+    digits += (size >= 10 ** digits) - (10 ** (digits - 1) > size)
+    return f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
+
+
+def shown_value(value: Any, width: int = 100) -> str:
+    """``value``'s repr cut to ``width`` characters, for an error message; an int beyond float range by its digits
+    (``huge_int``), and a value holding an int too long to print as that."""
+    if (huge := huge_int(value)) is not None:
+        return huge
+    try:
+        return repr(value)[:width]
+    except ValueError as err:  # a container's repr met such an int
+        if "integer string conversion" not in str(err):
+            raise
+        return f"a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits"
+
+
+def _setting(name: str, value: Any) -> str:
+    """``name=value`` as a check's refusal starts, the value as :func:`shown_value` shows it (an int beyond float
+    range in parentheses: ``n=(an int of 5001 digits)``), where its repr could fail or run to any length."""
+    huge = huge_int(value)
+    return f"{name}=({huge})" if huge else f"{name}={shown_value(value)}"
+
+
 def integer_within(value: Any, minimum: int | None = None, maximum: int | None = None) -> int | None:
     """``value`` as a plain int if it is an integral number within the bounds, else None: an int or a numpy integer
     (a setting computed with numpy, or read through it), not a bool (nor numpy's, which is no ``numbers.Integral``).
@@ -270,7 +309,7 @@ def check_int(name: str, value: Any, minimum: int, hint: str = "", none: bool | 
         return None
     number = integer_within(value, minimum, None)
     if number is None:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f" ({hint})" if hint else "")
+        raise ValueError(f"{_setting(name, value)} must be an integer >= {minimum}" + (f" ({hint})" if hint else "")
                          + _or_none(none))
     return number
 
@@ -289,7 +328,7 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
     if number is None:
         bounds = " and ".join(f"{sign} {bound}" for sign, bound in ((">=", minimum), ("<=", maximum))
                               if bound is not None)
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be an integer"
+        raise ValueError(f"{_setting(name, value)} is not allowed; {name} must be an integer"
                          + (f" {bounds}" if bounds else ""))
     return number
 
@@ -311,8 +350,8 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     allowed = ("a finite number" if finite else "a number") + (" " + " and ".join(bounds) if bounds else "")
     number = real_within(value, low, high, low_open, high_open, finite)
     if number is None:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}" + (f" ({hint})" if hint else "")
-                         + _or_none(none))
+        raise ValueError(f"{_setting(name, value)} is not allowed; {name} must be {allowed}"
+                         + (f" ({hint})" if hint else "") + _or_none(none))
     return number
 
 
@@ -384,7 +423,7 @@ def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool, else a ValueError naming it: a string such as ``"false"`` is truthy, so taking any
     value as a switch would turn it on."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False")
+        raise ValueError(f"{_setting(name, value)} must be True or False")
     return value
 
 
@@ -392,7 +431,7 @@ def check_text(name: str, value: Any, none: bool = False) -> str | None:
     """``value`` if it is a non-empty string (or None where ``none``), else a ValueError naming it."""
     if (value is None and none) or (isinstance(value, str) and value):
         return value
-    raise ValueError(f"{name}={value!r} must be a non-empty string" + (" or None" if none else ""))
+    raise ValueError(f"{_setting(name, value)} must be a non-empty string" + (" or None" if none else ""))
 
 
 def settings_from(name: str, value: Any, cls: type) -> Any:
@@ -404,7 +443,7 @@ def settings_from(name: str, value: Any, cls: type) -> Any:
             raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
         return cls(**value)
     if not isinstance(value, cls):
-        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or a dict of its fields")
+        raise TypeError(f"{_setting(name, value)} must be a {cls.__name__} or a dict of its fields")
     return value
 
 
@@ -412,12 +451,12 @@ def check_folder(name: str, value: Any, unset: str) -> Any:
     """``value`` if it is None (``unset`` says what that means) or a folder's path, else a ValueError naming it:
     an empty path would be the current folder."""
     if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
-        raise ValueError(f"{name}={value!r} must be a folder's path or None ({unset})")
+        raise ValueError(f"{_setting(name, value)} must be a folder's path or None ({unset})")
     return value
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else a ValueError listing them."""
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not known; use one of {list(choices)}")
+        raise ValueError(f"{_setting(name, value)} is not known; use one of {list(choices)}")
     return value
