@@ -5,6 +5,7 @@ import io
 import json
 import math
 import re
+import sys
 import warnings
 
 import numpy as np
@@ -773,6 +774,33 @@ def test_a_jsonl_rows_chat_messages_are_taken_and_checked_as_data_dataset_takes_
     pytest.importorskip("datasets")  # the data extra
     (taken,), (read,) = jsonl_prompts(tmp_path / "chat.jsonl"), dataset_prompts(str(tmp_path / "chat.jsonl"))
     assert (taken.prompt, taken.messages, taken.answer, taken.entry) == (read.prompt, read.messages, 4, read.entry)
+
+
+def test_an_inline_prompt_holding_an_int_too_long_to_print_is_refused_naming_the_row():
+    """Python turns no int of more than sys.get_int_max_str_digits() digits (4300) into text, as the prompt set's
+    fingerprint takes a row's answer and messages (and the math reward its answer): such a data.prompts row failed
+    with Python's bare ValueError, naming no prompt. It is refused naming the row and the fix, as a JSONL file's is;
+    a long int Python prints is taken."""
+    from lit_grpo.rollout.prompts import load_prompts, prompt_set_fingerprint
+    from lit_grpo.runtime.validation import ConfigError
+
+    limit = sys.get_int_max_str_digits()
+    fix = (rf"more than Python turns into text \(sys.get_int_max_str_digits\(\): {limit}\); give so long a number "
+           "as a string")
+    for answer, shown in ((10**5000, "an int of 5001 digits"),
+                          ([1, 10**5000], f"a list holding an int of more than {limit} digits")):
+        with pytest.raises(ValueError, match=rf"^prompts\[1\]: the answer is {shown}, {fix}$"):
+            load_prompts(prompts=[{"prompt": "a?", "answer": 3}, {"prompt": "b?", "answer": answer}])
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: the messages hold an int of more than {limit} digits, "
+                                         rf"{fix}$"):
+        load_prompts(prompts=[{"prompt": [{"role": "user", "content": "b?", "count": 10**5000}]}])
+    for rewards in (["char_fraction"], ["math"]):  # the fingerprint's answer as text; the math reward's check's
+        data = RolloutDataModule(prompts=[{"prompt": "a?", "answer": 3}, {"prompt": "b?", "answer": -10**5000}],
+                                 val_size=0, prompts_per_step=1, reward_funcs=rewards)
+        with pytest.raises(ConfigError, match=r"^data: prompts\[1\]: the answer is a negative int of 5001 digits, "):
+            data.setup("fit")
+    long = 10 ** (limit - 1)  # as many digits as Python prints
+    assert prompt_set_fingerprint(load_prompts(prompts=[{"prompt": "a?", "answer": long}]))
 
 
 def test_chat_messages_keep_their_other_keys_and_drop_those_a_table_row_holds_as_none():

@@ -13,14 +13,15 @@ import json
 import numbers
 import os
 import re
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range, check_text
+from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range, check_text, shown_value
 
 #: Field names accepted for the prompt text of a JSONL row or inline dict, in order.
 PROMPT_KEYS = ("prompt", "question")
@@ -110,7 +111,34 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {key!r} must be a non-empty string or a list of chat messages "
                          f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got {prompt!r:.80}")
-    return PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
+    example = PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
+    _check_as_text(example, where)
+    return example
+
+
+def _check_as_text(example: PromptExample, where: str) -> None:
+    """Refuse a row (``where``) whose answer or messages Python cannot turn into text as the prompt set's fingerprint
+    does (``prompt_set_fingerprint``; the math reward too, the answer): an int of more than
+    ``sys.get_int_max_str_digits()`` digits, which Python's bare ValueError would name nowhere near the row. A JSONL
+    file cannot hold one (``jsonl_prompts``); a ``data.prompts`` row can."""
+    limit = sys.get_int_max_str_digits()
+    fix = (f", more than Python turns into text (sys.get_int_max_str_digits(): {limit}); give so long a number as "
+           "a string")
+    if not _as_text(lambda: answer_text(example.answer)):
+        raise ValueError(f"{where}: the answer is {shown_value(example.answer)}{fix}")
+    if not _as_text(lambda: json.dumps(example.messages, default=str)):
+        raise ValueError(f"{where}: the messages hold an int of more than {limit} digits{fix}")
+
+
+def _as_text(text: Callable[[], str]) -> bool:
+    """Whether ``text()`` runs, False where it met an int too long for Python to turn into text."""
+    try:
+        text()
+    except ValueError as err:
+        if "integer string conversion" not in str(err):
+            raise
+        return False
+    return True
 
 
 def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
