@@ -168,3 +168,12 @@ def test_the_settings_own_number_checks_take_numpy_numbers():
     assert preemption_points(np.int64(8), 64) == preemption_points(8, 64)
     assert is_share(np.float32(0.5)) and warmup_steps_count(np.float32(10.0)) == 10
     assert type(warmup_steps_count(np.float32(10.0))) is int
+
+
+def test_an_int_beyond_float_range_is_said_by_its_exact_count_of_digits():
+    # math.log10 of a huge int rounds either way: below k at some powers of ten (10**512, 10**1024), above at 10**k - 1
+    for k in (309, 400, 512, 1024, 2048, 4096, 5000):
+        assert huge_int(10**k) == f"an int of {k + 1} digits"
+        assert huge_int(-10**k) == f"a negative int of {k + 1} digits"
+        assert huge_int(10**k - 1) == f"an int of {k} digits"
+    assert huge_int(10**308) is None and huge_int(1.0) is None and huge_int(True) is None
