@@ -1,4 +1,5 @@
 import functools
+import json
 import math
 import re
 import time
@@ -893,6 +894,30 @@ def test_each_completion_gets_a_chat_prompt_of_its_own():
 
     assert score_rewards([WeightedReward(turns)], prompts, completions, group_size=3).total.tolist() == [3.0] * 3
     assert example.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "a?"}]
+
+
+def test_each_completion_gets_a_chat_prompts_other_message_keys_of_its_own():
+    """A turn's other keys (an assistant turn's tool_calls) are each completion's own too: a function that changes
+    one for a completion (parses a call's arguments in place) found it changed for the group's next ones."""
+    from lit_grpo.rollout.prompts import PromptExample, check_messages
+    from lit_grpo.rollout.rewards import reward_arguments
+
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    chat = check_messages([{"role": "assistant", "content": "", "tool_calls": [call]},
+                           {"role": "user", "content": "a?"}], "test")
+    example = PromptExample("a?", messages=chat)
+    prompts, completions = reward_arguments([example], [["x", "yy", "zzz"]], conversational=True)
+
+    def parsed(prompts, completions, **kwargs):
+        out = []
+        for prompt in prompts:
+            function = prompt[0]["tool_calls"][0]["function"]
+            function["arguments"] = json.loads(function["arguments"])  # a str as the row holds it
+            out.append(float(function["arguments"]["a"]))
+        return out
+
+    assert score_rewards([WeightedReward(parsed)], prompts, completions, group_size=3).total.tolist() == [1.0] * 3
+    assert example.messages[0]["tool_calls"] == [call] and call["function"]["arguments"] == '{"a": 1}'
 
 
 def test_an_error_names_a_chat_prompt_by_its_question():
