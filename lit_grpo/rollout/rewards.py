@@ -807,8 +807,9 @@ def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
                 [text for group in texts for text in group])
     prompts = [example.messages or [{"role": "user", "content": example.prompt}] for example in examples]
     # a list of its own for each completion, as TRL's rows give: a function building the conversation on it
-    # (prompt.extend(completion)) would otherwise extend the group's next prompts too, and the row's messages
-    prompts = [[dict(m) for m in prompt] for prompt, group in zip(prompts, texts) for _ in group]
+    # (prompt.extend(completion)) would otherwise extend the group's next prompts too, and the row's messages; the
+    # turns' other keys too (own_copy: a tool call's arguments parsed in place)
+    prompts = [own_copy(prompt) for prompt, group in zip(prompts, texts) for _ in group]
     if conversations is not None:
         return prompts, [[dict(turn) for turn in turns] for group in conversations for turns in group]
     return prompts, [[{"role": "assistant", "content": text}] for group in texts for text in group]
