@@ -357,6 +357,38 @@ def test_the_prompt_sets_hash_is_taken_once_not_in_every_steps_state(monkeypatch
     assert len(hashed) == 1
 
 
+def test_a_checkpoint_hashed_before_chat_messages_kept_their_other_keys_resumes_and_says_so():
+    """The prompt set's hash takes a chat turn's keys beyond role and content, which were dropped before (and
+    hashed without): a checkpoint of then, of the same prompts in the same order, resumes with a warning that they
+    now render with those keys, not refused as another prompt set; one of other prompts still is."""
+    from dataclasses import replace
+
+    from datamodule_helpers import datamodule_arguments
+    from lit_grpo.datamodules.rollout import TRAIN_PROMPTS_KEY, RolloutDataModule
+    from lit_grpo.rollout.prompts import prompt_set_fingerprint
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+    from lit_grpo.runtime.validation import ConfigError
+
+    chat = [{"prompt": [{"role": "system", "content": "Be brief.", "name": "setup"},
+                        {"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(12)]
+    data = RolloutDataModule(**datamodule_arguments({"prompts": chat, "max_new_tokens": 4, "group_size": 2}))
+    data.attach(*load_model_and_tokenizer("tiny-llama"))
+    data.setup("fit")
+    state = data.state_dict()
+    # the hash as it was taken when a turn was its role and content alone
+    before = [replace(data.examples[i], messages=[{"role": m["role"], "content": m["content"]}
+                                                  for m in data.examples[i].messages]) for i in data.train_indices]
+    state["sampler"][TRAIN_PROMPTS_KEY] = prompt_set_fingerprint(before)
+    assert state["sampler"][TRAIN_PROMPTS_KEY] != data.state_dict()["sampler"][TRAIN_PROMPTS_KEY]
+    with pytest.warns(UserWarning, match=r"the checkpoint's training prompts are this run's but for their chat "
+                                         r"messages' keys beyond role and content \(\['name'\]\), which its run "
+                                         r"dropped: it resumes, and these prompts now render with them$"):
+        data.load_state_dict(state)
+    state["sampler"][TRAIN_PROMPTS_KEY] = prompt_set_fingerprint(before[::-1])
+    with pytest.raises(ConfigError, match=r"^--ckpt_path: the checkpoint drew from another set of training prompts"):
+        data.load_state_dict(state)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
 def test_a_sharded_checkpoint_of_one_param_group_is_refused_where_this_run_builds_two(tmp_path):
     """An FSDP2 checkpoint of one group (weight_decay 0, or saved before the groups) cannot be regrouped before its
