@@ -36,8 +36,9 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.datamodules.angle_score import angle_concentration
 from lit_grpo.datamodules.curriculum import Curriculum, build_prompt_sampler, check_curriculum_settings
 from lit_grpo.rollout.prompts import (PromptExample, chat_turns, check_chat_template_kwargs,
-                                     check_prompt_shaping, check_prompt_source, check_val_size, is_conversational,
-                                     load_prompts, prompt_set_fingerprint, render_prompt, split_examples)
+                                     check_prompt_shaping, check_prompt_source, check_val_size,
+                                     fingerprint_without_message_keys, is_conversational, load_prompts,
+                                     other_message_keys, prompt_set_fingerprint, render_prompt, split_examples)
 from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
@@ -830,12 +831,22 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
             except ValueError as error:  # another prompt set or curriculum: the checkpoint's settings differ
                 raise SettingsDiffer(str(error)) from None
             if saved is not None and saved != self._train_fingerprint:
-                raise SettingsDiffer("the checkpoint drew from another set of training prompts than this run's (as "
-                                     "many, but others or in another order: another data source, task_config, size, "
-                                     "data_seed or val_size): its place in that set means nothing in this one, and "
-                                     "this run's held-out prompts could be trained on; resume with its data settings, "
-                                     "or start a new run from its weights (lit-grpo export, then model.model: the "
-                                     "export)")
+                self._resume_hashed_without_message_keys(saved)
+
+    def _resume_hashed_without_message_keys(self, saved: str) -> None:
+        """Warn where ``saved``, the checkpoint's hash of its training prompts, is this run's as it was taken before
+        a chat turn kept its keys beyond role and content (same prompts, same order, same split: it resumes, its
+        prompts now rendered with those keys), else refuse it as another prompt set."""
+        train = [self.examples[i] for i in self.train_indices]
+        if saved != fingerprint_without_message_keys(train):
+            raise SettingsDiffer("the checkpoint drew from another set of training prompts than this run's (as many, "
+                                 "but others or in another order: another data source, task_config, size, data_seed "
+                                 "or val_size): its place in that set means nothing in this one, and this run's "
+                                 "held-out prompts could be trained on; resume with its data settings, or start a new "
+                                 "run from its weights (lit-grpo export, then model.model: the export)")
+        warnings.warn(f"the checkpoint's training prompts are this run's but for their chat messages' keys beyond "
+                      f"role and content ({other_message_keys(train)}), which its run dropped: it resumes, and these "
+                      "prompts now render with them", stacklevel=2)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that

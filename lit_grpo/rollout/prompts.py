@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +314,21 @@ def prompt_set_fingerprint(examples: Sequence[PromptExample]) -> str:
     # the answer as text (answer_text): a checkpoint's fingerprint was taken over text answers
     rows = [[example.prompt, answer_text(example.answer), example.messages] for example in examples]
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
+
+
+def other_message_keys(examples: Sequence[PromptExample]) -> list[str]:
+    """The keys beyond role and content that ``examples``' chat turns hold (``check_messages``), sorted."""
+    return sorted({key for example in examples for turn in example.messages or () for key in turn}
+                  - {"role", "content"})
+
+
+def fingerprint_without_message_keys(examples: Sequence[PromptExample]) -> str:
+    """``prompt_set_fingerprint`` as it was taken when a chat turn was its role and content alone (its other keys
+    dropped, ``other_message_keys``): a checkpoint of then holds it."""
+    return prompt_set_fingerprint([
+        replace(example, messages=[{"role": turn["role"], "content": turn["content"]}
+                                    for turn in example.messages]) if example.messages else example
+        for example in examples])
 
 
 def check_val_size(val_size: Any) -> int | float:
