@@ -200,6 +200,53 @@ def test_a_restored_gate_keeps_only_the_most_recent_groups_too():
     assert len(restored.groups) == 64 and restored.groups[0] == [38, 38] and restored.groups[-1] == [500, 500]
 
 
+_SCHEDULER_KEYS = r"it holds groups, preemption, predictor, trust \(each may be absent\)"
+
+
+@pytest.mark.parametrize("state, message", [
+    ([[3, 4]], r"^a LeastAttainedScheduler state must be a mapping of groups, preemption, predictor, trust, not "
+               r"list$"),
+    ({"groups": [[3, 4]], "rollout_index": 2}, r"^a LeastAttainedScheduler state has unknown keys "
+                                               r"\['rollout_index'\]; " + _SCHEDULER_KEYS + "$"),
+    ({"preemption": {"groups": [[3]], "draws": 64}}, r"^a LeastAttainedScheduler state's preemption has unknown keys "
+                                                     r"\['draws'\]; it holds groups$"),
+    ({"groups": [[3, 4], []]}, r"^scheduler state groups\[1\]=\[\] is not allowed; a finished group is a "
+                               r"non-empty list of its samples' lengths \(integers >= 0\)$"),
+    ({"groups": [[3, -4]]}, r"^scheduler state groups\[0\]=\[3, -4\] is not allowed; a finished group is a "),
+    ({"groups": [[3, "4"]]}, r"^scheduler state groups\[0\]=\[3, '4'\] is not allowed"),  # was parsed as 4
+    ({"groups": [[3, 4.5]]}, r"^scheduler state groups\[0\]=\[3, 4.5\] is not allowed"),  # was cut to 4
+    ({"groups": "34"}, r"^scheduler state groups='34' must be a list of finished groups$"),
+    ({"preemption": {"groups": [[True]]}}, r"^scheduler state preemption.groups\[0\]=\[True\] is not allowed"),
+    ({"groups": [[3]], "preemption": {"groups": [[4]]}}, r"^a LeastAttainedScheduler state holds groups and "
+                                                         r"preemption.groups; it holds its finished groups once"),
+])
+def test_a_bad_gate_state_is_refused_naming_the_bad_key_and_the_groups_are_left_as_they_were(state, message):
+    """A corrupt or foreign checkpoint's scheduler state is refused naming what is wrong and what is allowed,
+    before any of it is taken: a string length was parsed as a number and a fraction cut, an empty group failed in
+    the gate's draw at the next rollout, a foreign state was taken as no groups at all."""
+    gate = LeastAttainedScheduler()
+    gate.observe([5, 6])
+    with pytest.raises(ValueError, match=message):
+        gate.load_state_dict(state)
+    assert list(gate.groups) == [[5, 6]]
+
+
+def test_a_gate_state_of_any_version_loads():
+    """What the default scheduler wrote, a length-aware one's (its predictor and trust dropped, said), and a state of
+    the 0.1 combined scheduler (its groups under "preemption", or none before preemption existed) load."""
+    import numpy as np
+
+    gate = LeastAttainedScheduler()
+    gate.load_state_dict({"groups": [[np.int64(3), 0], (7,)]})
+    assert list(gate.groups) == [[3, 0], [7]] and type(gate.groups[0][0]) is int
+    with pytest.warns(UserWarning, match="the default scheduler has none"):
+        gate.load_state_dict({"groups": [[2, 2]], "predictor": {}, "trust": {}})
+    assert list(gate.groups) == [[2, 2]]
+    with pytest.warns(UserWarning, match="the default scheduler has none"):
+        gate.load_state_dict({"predictor": {}, "trust": {}})  # written before preemption existed
+    assert list(gate.groups) == []
+
+
 def test_the_gate_keeps_first_come_order_where_no_drawn_rollout_gains():
     # every sample ends before the first preemption point: both orders take the same steps, a gain of 0 is none
     gate = LeastAttainedScheduler()

@@ -341,6 +341,11 @@ def _state_copy(state):
     (lambda state: state["predictor"]["prompt_model"].__setitem__("sy", math.inf),
      r"^the checkpoint's length predictor state does not load into this run's OnlineLengthPredictor: online "
      r"predictor state prompt_model.sy=inf is not allowed"),
+    # checked before the predictor's state is taken, which the default scheduler's groups follow
+    (lambda state: state["groups"].append([]), r"^scheduler state groups\[\d+\]=\[\] is not allowed; a finished "
+                                               r"group is a non-empty list of its samples' lengths"),
+    (lambda state: state.__setitem__("rollout_index", 2), r"^a LengthAwareScheduler state has unknown keys "
+                                                          r"\['rollout_index'\]; it holds groups, preemption, "),
 ])
 def test_a_bad_scheduler_state_is_refused_naming_where_and_nothing_is_taken(change, message):
     """A scheduler state whose trust or predictor is bad is refused naming which (the kind of trust, the predictor

@@ -409,7 +409,9 @@ def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Col
     if not isinstance(state, Mapping):
         mapping = f"a mapping of {holds}" if keys else "an empty mapping"
         raise ValueError(f"{what} must be {mapping}, not {type(state).__name__}")
-    said = f"it holds {holds or 'nothing'}" + (f" ({' and '.join(optional)} may be absent)" if optional else "")
+    everyone = len(keys) > 1 and set(keys) <= set(optional)
+    absent = "each may be absent" if everyone else f"{' and '.join(optional)} may be absent"
+    said = f"it holds {holds or 'nothing'}" + (f" ({absent})" if optional else "")
     missing = [key for key in keys if key not in state and key not in optional]
     if missing:
         raise ValueError(f"{what} lacks {missing}; {said}")

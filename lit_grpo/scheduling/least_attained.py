@@ -42,10 +42,11 @@ import random
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import check_int, check_state_keys, integer_within
 from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler, whole_tail
 
 #: The first preemption point, in tokens.
@@ -268,11 +269,43 @@ class LeastAttainedScheduler(Scheduler):
         return {"groups": [list(group) for group in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        # a checkpoint of one combined scheduler keeps the groups under "preemption", beside a length predictor's state
-        groups = state["groups"] if "groups" in state else state.get("preemption", {}).get("groups", [])
+        """Take the finished groups of ``state`` (``state_dict``'s, from a checkpoint), checked whole first
+        (``checked_groups``): a corrupt or foreign one is refused naming the bad key or group, and leaves the groups
+        as they were. A length-aware scheduler's predictor and trust are dropped, said."""
+        groups = self.checked_groups(state)
         dropped = sorted({"predictor", "trust"} & set(state))
         if dropped and type(self) is LeastAttainedScheduler:
             warnings.warn(f"the checkpoint's scheduler state holds {dropped} (a length predictor's); the default "
                           "scheduler has none and keeps only the finished groups (sampling.scheduler.length_aware "
                           "resumes them)", stacklevel=2)
-        self.groups = deque(([int(x) for x in group] for group in groups), maxlen=KEPT_GROUPS)
+        self.groups = groups
+
+    def checked_groups(self, state: Any) -> deque[list[int]]:
+        """The finished groups of a scheduler state, checked, as the gate keeps them (the most recent
+        ``KEPT_GROUPS``, plain ints), else a ValueError naming the bad key or group. The groups are under
+        ``groups``; a checkpoint of the 0.1 combined scheduler keeps them under ``preemption`` beside a length
+        predictor's state, or has none (written before preemption existed); a length-aware scheduler's state holds
+        its predictor and trust beside them."""
+        check_state_keys(f"a {type(self).__name__} state", state, _STATE_KEYS, optional=_STATE_KEYS)
+        name, groups = "scheduler state groups", state.get("groups", [])
+        if "preemption" in state:
+            if "groups" in state:
+                raise ValueError(f"a {type(self).__name__} state holds groups and preemption.groups; it holds its "
+                                 "finished groups once (under preemption only in a checkpoint of the 0.1 combined "
+                                 "scheduler)")
+            check_state_keys(f"a {type(self).__name__} state's preemption", state["preemption"], ("groups",))
+            name, groups = "scheduler state preemption.groups", state["preemption"]["groups"]
+        if not isinstance(groups, (list, tuple)):
+            raise ValueError(f"{name}={groups!r:.80} must be a list of finished groups")
+        checked = deque(maxlen=KEPT_GROUPS)
+        for index, group in enumerate(groups):
+            lengths = [integer_within(length, 0) for length in group] if isinstance(group, (list, tuple)) else []
+            if not lengths or None in lengths:
+                raise ValueError(f"{name}[{index}]={group!r:.80} is not allowed; a finished group is a non-empty "
+                                 "list of its samples' lengths (integers >= 0)")
+            checked.append(lengths)
+        return checked
+
+
+#: The keys of a scheduler state the default scheduler reads (``checked_groups``): each may be absent.
+_STATE_KEYS = ("groups", "preemption", "predictor", "trust")

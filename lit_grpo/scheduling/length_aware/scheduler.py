@@ -258,11 +258,13 @@ class LengthAwareScheduler(LeastAttainedScheduler):
                 "trust": {kind: trust.state_dict() for kind, trust in self.trust.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take ``state`` (``state_dict``'s, from a checkpoint): the trust states are checked before the predictor's
-        is taken (itself checked whole first), the trust taken last, so that a bad one, refused naming which,
-        leaves the predictor and the trust as they were. A kind of trust the state lacks stays as it is."""
+        """Take ``state`` (``state_dict``'s, from a checkpoint): the default's finished groups and the trust states
+        are checked before the predictor's is taken (itself checked whole first), the groups and the trust taken
+        last, so that a bad one, refused naming which, leaves the predictor, the groups and the trust as they were.
+        A kind of trust the state lacks stays as it is."""
+        groups = self.checked_groups(state)
         if "predictor" not in state:  # the default scheduler's state: nothing learned to resume
-            super().load_state_dict(state)
+            self.groups = groups
             warnings.warn("the checkpoint's scheduler state is the default scheduler's (no length predictor): the "
                           "length-aware method's predictor and trust start fresh", stacklevel=2)
             return
@@ -273,7 +275,7 @@ class LengthAwareScheduler(LeastAttainedScheduler):
             said = f"lacks {error}" if isinstance(error, KeyError) else str(error)
             raise ValueError(f"the checkpoint's length predictor state does not load into this run's "
                              f"{type(self.predictor).__name__}: {said}") from error
-        super().load_state_dict(state)
+        self.groups = groups
         self.trust.update(trust)
 
     def _checked_trust(self, states: Any) -> dict[str, PredictionTrust]:
