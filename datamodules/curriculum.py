@@ -80,7 +80,16 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_int_in_range, check_real, config_errors
+from lit_grpo.runtime.validation import (
+    check_choice,
+    check_int,
+    check_int_in_range,
+    check_real,
+    check_state_keys,
+    config_errors,
+    integer_within,
+    real_within,
+)
 
 __all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
            "build_prompt_sampler"]
@@ -221,15 +230,67 @@ class PromptSampler:
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != type(self).__name__:
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first (``_checked_state``): a corrupt
+        or foreign one is refused naming the bad key or value, and leaves the sampler as it was."""
+        checked = self._checked_state(state)
+        self.generator.set_state(checked.pop("generator"))
+        for name, value in checked.items():
+            setattr(self, name, value)
+
+    #: The keys of a state beyond the base's, and those of them an older checkpoint may lack.
+    _STATE_KEYS: tuple[str, ...] = ()
+    _OPTIONAL_STATE_KEYS: tuple[str, ...] = ()
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        """``state``'s values, checked, by the attribute each sets (the generator's state apart), else a ValueError
+        naming the bad key or value: a sampler of another kind or over another number of prompts first, as a
+        setting that differs."""
+        if isinstance(state, Mapping) and state.get("kind") != type(self).__name__:
             raise ValueError(f"state kind={state.get('kind')!r} cannot be loaded into {type(self).__name__}; "
                              f"it needs kind={type(self).__name__!r}")
-        if state.get("num_prompts") != self.num_prompts:
+        if isinstance(state, Mapping) and state.get("num_prompts") != self.num_prompts:
             raise ValueError(f"state num_prompts={state.get('num_prompts')!r} does not match this sampler's "
                              f"num_prompts={self.num_prompts}: the checkpoint drew from another set of training "
                              "prompts (other data settings, or a split made before validation held out repeated "
                              "prompts whole); resume with its data settings, or start a new run")
-        self.generator.set_state(state["generator"])
+        check_state_keys(f"a {type(self).__name__} state", state, ("kind", "num_prompts", "generator")
+                         + self._STATE_KEYS, self._OPTIONAL_STATE_KEYS)
+        generator = state["generator"]
+        try:  # torch knows what a generator's state is: a scratch generator takes it first
+            torch.Generator().set_state(generator)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"sampler state generator is not a random generator's state (torch.Generator."
+                             f"get_state()'s): {error}") from None
+        return {"generator": generator}
+
+    def _prompt_indices(self, name: str, indices: Any, permutation: bool = False) -> list[int]:
+        """``indices`` (a list, or an integer tensor, of prompt indices; where ``permutation``, each prompt once) as
+        plain ints, else a ValueError naming ``name`` and the bad index."""
+        if isinstance(indices, torch.Tensor):
+            if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex \
+                    or indices.dtype == torch.bool:
+                raise ValueError(f"sampler state {name} must be a list or an integer tensor of prompt indices, not "
+                                 f"a {indices.dtype} tensor" + (f" shaped {list(indices.shape)}"
+                                                                if indices.dim() != 1 else ""))
+            indices = indices.tolist()
+        if not isinstance(indices, (list, tuple)):
+            raise ValueError(f"sampler state {name}={indices!r:.80} must be a list or an integer tensor of prompt "
+                             "indices")
+        last = self.num_prompts - 1
+        if permutation:
+            numbers = [integer_within(index, 0, last) for index in indices]
+            if None in numbers or sorted(numbers) != list(range(self.num_prompts)):
+                raise ValueError(f"sampler state {name} must be a permutation of the prompt indices 0 to {last}, not "
+                                 f"{list(indices)!r:.120}")
+            return numbers
+        checked = []
+        for position, index in enumerate(indices):
+            number = integer_within(index, 0, last)
+            if number is None:
+                raise ValueError(f"sampler state {name}[{position}]={index!r} is not allowed; a prompt index is an "
+                                 f"integer >= 0 and <= {last}")
+            checked.append(number)
+        return checked
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -305,12 +366,16 @@ class UniformPromptSampler(PromptSampler):
                      position=self._position, returned=torch.tensor(self._returned, dtype=torch.long))
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.epoch = int(state["epoch"])
-        self._permutation = torch.as_tensor(state["permutation"]).tolist()
-        self._position = int(state["position"])
-        self._returned = torch.as_tensor(state.get("returned", []), dtype=torch.long).tolist()
+    # a checkpoint from before prompts were given back has no "returned"
+    _STATE_KEYS, _OPTIONAL_STATE_KEYS = ("epoch", "permutation", "position", "returned"), ("returned",)
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        checked = super()._checked_state(state)
+        permutation = self._prompt_indices("permutation", state["permutation"], permutation=True)
+        return {**checked, "epoch": check_int_in_range("sampler state epoch", state["epoch"], 0),
+                "_permutation": permutation,
+                "_position": check_int_in_range("sampler state position", state["position"], 0, len(permutation)),
+                "_returned": self._prompt_indices("returned", state.get("returned", []))}
 
 
 class AngleCurriculumSampler(PromptSampler):
@@ -449,15 +514,42 @@ class AngleCurriculumSampler(PromptSampler):
                      asked_epoch=self._asked_epoch)
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.mu = float(state["mu"])
-        self.scores = None if state["scores"] is None else torch.as_tensor(state["scores"]).float().clone()
-        self.order = None if state["order"] is None else torch.as_tensor(state["order"]).long().clone()
-        self.scored_epoch = state["scored_epoch"]
-        self.drawn = list(state["drawn"])
-        self.last_angle = float(state["last_angle"])
-        self._asked_epoch = int(state["asked_epoch"])
+    _STATE_KEYS = ("mu", "scores", "order", "scored_epoch", "drawn", "last_angle", "asked_epoch")
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        checked = super()._checked_state(state)
+        scored = {name: state[name] is not None for name in ("scores", "order", "scored_epoch")}
+        if len(set(scored.values())) > 1:  # set_scores sets the three together
+            said = ", ".join(f"{name} {'set' if given else 'None'}" for name, given in scored.items())
+            raise ValueError(f"sampler state scores, order and scored_epoch are all set (by set_scores) or all None, "
+                             f"not {said}")
+        scores = order = scored_epoch = None
+        if scored["scores"]:
+            scores = self._checked_scores(state["scores"])
+            order = torch.tensor(self._prompt_indices("order", state["order"], permutation=True), dtype=torch.long)
+            scored_epoch = check_int_in_range("sampler state scored_epoch", state["scored_epoch"], 0)
+        last_angle = state["last_angle"]
+        number = real_within(last_angle, finite=False)
+        if number is None or math.isinf(number):  # nan: no angle drawn or given yet
+            raise ValueError(f"sampler state last_angle={last_angle!r} is not allowed; it must be a finite number or "
+                             "nan (no angle yet)")
+        return {**checked, "mu": check_real("sampler state mu", state["mu"], 0, self.num_prompts - 1),
+                "scores": scores, "order": order, "scored_epoch": scored_epoch,
+                "drawn": self._prompt_indices("drawn", state["drawn"]), "last_angle": number,
+                "_asked_epoch": check_int_in_range("sampler state asked_epoch", state["asked_epoch"], 0)}
+
+    def _checked_scores(self, scores: Any) -> torch.Tensor:
+        """A state's scores as ``set_scores`` keeps them (``[N]`` float32 on the CPU), else a ValueError."""
+        try:
+            tensor = torch.as_tensor(scores).detach().float().cpu().clone()
+        except (TypeError, ValueError, RuntimeError):
+            tensor = None
+        if tensor is None or tensor.shape != (self.num_prompts,) or not torch.isfinite(tensor).all():
+            said = (f"a {scores.dtype} tensor shaped {list(scores.shape)}" if isinstance(scores, torch.Tensor)
+                    else f"{scores!r:.80}")
+            raise ValueError(f"sampler state scores must be None or a tensor of {self.num_prompts} finite scores, one "
+                             f"per prompt, not {said}")
+        return tensor
 
 
 def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> int:

@@ -245,6 +245,105 @@ def test_state_of_another_kind_or_size_is_refused():
         UniformPromptSampler(12).load_state_dict(UniformPromptSampler(10).state_dict())
 
 
+def _same_sampler_state(a: dict, b: dict) -> bool:
+    """Whether two sampler states are equal, tensors exactly (NaN equal to NaN)."""
+    if list(a) != list(b):
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif not (x == y or (x != x and y != y)):
+            return False
+    return True
+
+
+def _changed(key, value):
+    return lambda state: state.__setitem__(key, value)
+
+
+_UNIFORM_KEYS = "kind, num_prompts, generator, epoch, permutation, position, returned"
+_ANGLE_KEYS = "kind, num_prompts, generator, mu, scores, order, scored_epoch, drawn, last_angle, asked_epoch"
+
+
+@pytest.mark.parametrize("curriculum, change, message", [
+    ("none", lambda state: state.pop("position"), r"^a UniformPromptSampler state lacks \['position'\]; it holds "
+                                                  + _UNIFORM_KEYS + r" \(returned may be absent\)$"),
+    ("none", _changed("mu", 3.0), r"^a UniformPromptSampler state has unknown keys \['mu'\]; it holds "),
+    ("none", _changed("generator", torch.zeros(3, dtype=torch.uint8)),
+     r"^sampler state generator is not a random generator's state \(torch.Generator.get_state\(\)'s\): "),
+    ("none", _changed("permutation", torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 8])),  # was taken: 9 never drawn
+     r"^sampler state permutation must be a permutation of the prompt indices 0 to 9, not \[0, 1, 2, 3, 4, 5, 6, 7, "
+     r"8, 8\]$"),
+    ("none", _changed("permutation", [-1, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+     r"^sampler state permutation must be a permutation of the prompt indices 0 to 9, not \[-1, 1, "),
+    ("none", _changed("permutation", [0, 1, 2]), r"^sampler state permutation must be a permutation of the prompt "
+                                                 r"indices 0 to 9, not \[0, 1, 2\]$"),
+    ("none", _changed("permutation", torch.arange(10.0)), r"^sampler state permutation must be a list or an integer "
+                                                          r"tensor of prompt indices, not a torch.float32 tensor$"),
+    ("none", _changed("position", 11), r"^sampler state position=11 is not allowed; sampler state position must be "
+                                       r"an integer >= 0 and <= 10$"),
+    ("none", _changed("epoch", -1), r"^sampler state epoch=-1 is not allowed; sampler state epoch must be an integer "
+                                    r">= 0$"),
+    ("none", _changed("returned", torch.tensor([3, 10])),  # was taken, and drew a prompt that does not exist
+     r"^sampler state returned\[1\]=10 is not allowed; a prompt index is an integer >= 0 and <= 9$"),
+    ("angle", _changed("order", None), r"^sampler state scores, order and scored_epoch are all set \(by set_scores\) "
+                                       r"or all None, not scores set, order None, scored_epoch set$"),
+    ("angle", _changed("scores", torch.ones(9)), r"^sampler state scores must be None or a tensor of 10 finite "
+                                                 r"scores, one per prompt, not a torch.float32 tensor shaped \[9\]$"),
+    ("angle", _changed("scores", torch.tensor([math.nan] * 10)), r"^sampler state scores must be None or a tensor "
+                                                                 r"of 10 finite scores"),
+    ("angle", _changed("order", torch.zeros(10, dtype=torch.long)), r"^sampler state order must be a permutation of "
+                                                                    r"the prompt indices 0 to 9, not \[0, 0, "),
+    ("angle", _changed("mu", 10.0), r"^sampler state mu=10.0 is not allowed; sampler state mu must be a finite number "
+                                    r">= 0 and <= 9$"),
+    ("angle", _changed("mu", "2"), r"^sampler state mu='2' is not allowed"),  # was parsed as 2.0
+    ("angle", _changed("drawn", [1, -1]), r"^sampler state drawn\[1\]=-1 is not allowed; a prompt index is an "
+                                          r"integer >= 0 and <= 9$"),
+    ("angle", _changed("last_angle", math.inf), r"^sampler state last_angle=inf is not allowed; it must be a finite "
+                                                r"number or nan \(no angle yet\)$"),
+    ("angle", _changed("scored_epoch", 1.5), r"^sampler state scored_epoch=1.5 is not allowed; sampler state "
+                                             r"scored_epoch must be an integer >= 0$"),
+    ("angle", _changed("asked_epoch", None), r"^sampler state asked_epoch=None is not allowed"),
+])
+def test_a_bad_sampler_state_is_refused_naming_the_bad_key_and_the_sampler_is_left_as_it_was(curriculum, change,
+                                                                                             message):
+    """A corrupt or foreign checkpoint's sampler state is refused naming what is wrong and what is allowed, before
+    any of it is taken (the generator's state was set before the rest failed): a permutation that repeats a prompt
+    was taken, and that epoch never drew the prompt it left out; an index past the prompts failed at the draw."""
+    def sampler():
+        made = build_prompt_sampler(curriculum, 10, seed=4)
+        if curriculum == "angle":
+            made.set_scores(torch.arange(10.0) / 10)
+        made.give_back(made.draw(3)[:1])
+        return made
+
+    state = sampler().state_dict()
+    change(state)
+    target = sampler()
+    target.draw(2)
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert _same_sampler_state(target.state_dict(), before)
+
+
+def test_a_sampler_state_of_plain_values_resumes_as_the_saved_one():
+    """The indices and numbers a checkpoint may hold as lists or numpy numbers (a state written by hand or through
+    numpy) load as the tensors' would."""
+    import numpy as np
+
+    sampler = scored_sampler(12, seed=2)
+    sampler.draw(3)
+    state = sampler.state_dict()
+    plain = {**state, "scores": state["scores"].tolist(), "order": state["order"].tolist(), "mu": np.float64(0.0),
+             "drawn": [np.int64(i) for i in state["drawn"]], "asked_epoch": np.int64(0)}
+    resumed = AngleCurriculumSampler(12)
+    resumed.load_state_dict(plain)
+    assert resumed.draw(3) == sampler.draw(3) and type(resumed.mu) is float
+
+
 # ---------------------------------------------------------------------------------------------------- uniform
 @pytest.mark.parametrize("num_prompts,batch_size", [(10, 3), (12, 4), (7, 7), (5, 1)])
 def test_uniform_sees_every_prompt_once_per_epoch(num_prompts, batch_size):
