@@ -533,6 +533,10 @@ def test_bad_replay_streams_stop_ids_and_state_are_named(tiny_llama):
     for index in (-1, 2**32, "3"):
         with pytest.raises(ValueError, match=rf"rollout_index={index!r} is not allowed"):
             engine.load_state_dict({"rollout_index": index})
+    with pytest.raises(ValueError, match=r"^an engine state has unknown keys \['carried'\]; it holds rollout_index, "
+                                         r"scheduler \(scheduler may be absent\)$"):  # a builder's: was dropped
+        engine.load_state_dict({"rollout_index": 1, "carried": []})
+    assert engine.rollout_index == 0
     # integer ids as tensors or arrays are still taken
     lengths = torch.tensor([[1, 2]])
     result = engine.generate([torch.tensor([5, 6])], lengths=lengths, streams=torch.tensor([3]))

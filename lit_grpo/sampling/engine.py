@@ -51,7 +51,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
 from lit_grpo.runtime.models import eval_mode
-from lit_grpo.runtime.validation import check_int_in_range
+from lit_grpo.runtime.validation import check_int_in_range, check_state_keys
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_attention import attention_dispatch_problem
@@ -331,12 +331,12 @@ class RolloutEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, Mapping) or "rollout_index" not in state:
-            raise ValueError(f"state={state!r:.80} is not an engine's state_dict: it needs 'rollout_index'")
-        # the stream key holds 32 bits of it: a larger index would draw an earlier rollout's numbers again
-        self.rollout_index = check_int_in_range("rollout_index", state["rollout_index"], 0, 2**32 - 1)
+        """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first (``checked_rollout_index``; the
+        scheduler checks its own state before taking any of it): a bad one leaves the engine as it was."""
+        rollout_index = checked_rollout_index(state)
         if "scheduler" in state and hasattr(self.scheduler, "load_state_dict"):
             self.scheduler.load_state_dict(state["scheduler"])
+        self.rollout_index = rollout_index
 
     # ------------------------------------------------------------------------------- slot cache and step
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
@@ -532,6 +532,16 @@ def _default_scheduler(config: SamplingConfig) -> Scheduler:
 def _graphs_available(device: torch.device) -> bool:
     """CUDA graphs capture CUDA kernels only."""
     return device.type == "cuda"
+
+
+def checked_rollout_index(state: Any) -> int:
+    """The rollout index of an engine's ``state`` (``RolloutEngine.state_dict``'s), its keys checked, else a
+    ValueError naming the bad key or value. The scheduler's state beside it is its scheduler's to check."""
+    if not isinstance(state, Mapping) or "rollout_index" not in state:
+        raise ValueError(f"state={state!r:.80} is not an engine's state_dict: it needs 'rollout_index'")
+    check_state_keys("an engine state", state, ("rollout_index", "scheduler"), ("scheduler",))
+    # the stream key holds 32 bits of it: a larger index would draw an earlier rollout's numbers again
+    return check_int_in_range("rollout_index", state["rollout_index"], 0, 2**32 - 1)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
