@@ -377,6 +377,103 @@ def test_auto_slots_come_from_the_devices_free_memory(policy, monkeypatch, cast)
     assert "gradients and optimizer state" in held_budget.source
 
 
+def _partial_builder(policy, seed=0):
+    """A builder whose first step carried two groups into the next (over_provision 2: their tokens drawn or not)."""
+    model, tokenizer = policy
+    sampling = SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite", max_new_tokens=5, seed=seed)
+    builder = RolloutBuilder(model, tokenizer, sampling, build_reward_funcs(["char_fraction"]),
+                             training=TrainingConfig(prompts_per_step=2, over_provision=2.0))
+    builder.build_train(lambda count: _prompts(tokenizer, count))
+    assert builder.carried and builder.engine.rollout_index == 1
+    return builder
+
+
+def _with_tokens(state):
+    """``state`` whose first carried group's first sample has drawn 2 tokens."""
+    state["carried"][0]["samples"][0].update(tokens=[5, 6], logprobs=[-0.5, -1.0], versions=[0, 0])
+    return state
+
+
+def _in_carried(*path_and_value):
+    *path, key, value = path_and_value
+
+    def change(state):
+        entry = _with_tokens(state)["carried"][0]
+        for step in path:
+            entry = entry[step]
+        entry[key] = value
+    return change
+
+
+_BUILDER_KEYS = "rollout_index, scheduler, carried, groups_scored, kv_budget"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda state: state.__setitem__("carried_by_rank", [[]]),
+     r"^a rollout builder state has unknown keys \['carried_by_rank'\]; it holds " + _BUILDER_KEYS
+     + r" \(each may be absent\)$"),
+    (lambda state: state.__setitem__("groups_scored", "2"),
+     r"^builder state groups_scored='2' must be an integer >= 0"),  # was parsed as 2
+    (lambda state: _with_tokens(state).__setitem__("rollout_index", -1), r"^rollout_index=-1 is not allowed"),
+    (lambda state: _with_tokens(state).update(rollout_index=5, scheduler={"groups": [[]]}),
+     r"^scheduler state groups\[0\]=\[\] is not allowed"),  # the engine's scheduler checks its own, the index kept
+    (lambda state: state.__setitem__("carried", {"0": []}), r"^builder state carried=\{'0': \[\]\} must be a list of "
+                                                            r"carried groups$"),
+    (_in_carried("forced", None), r"^builder state carried\[0\] has unknown keys \['forced'\]; it holds prompt, steps, "
+                                  r"stream, forced_lengths, samples$"),
+    (_in_carried("prompt", "ids", [292, -1]), r"^builder state carried\[0\].prompt.ids=\[292, -1\] is not allowed; "
+                                              r"it must be a non-empty list of token ids \(integers >= 0\)$"),
+    (_in_carried("stream", [0]), r"^builder state carried\[0\].stream=\[0\] is not allowed; it must be \(rollout "
+                                 r"index, prompt index\), two integers >= 0$"),
+    (_in_carried("samples", [{"tokens": [], "logprobs": [], "versions": [], "done": False}]),
+     r"^builder state carried\[0\].samples holds 1 samples; a group of this run holds group_size=2$"),
+    (_in_carried("samples", 0, "logprobs", [-0.5]), r"^builder state carried\[0\].samples\[0\] holds 2 tokens, 1 "
+                                                    r"logprobs and 2 versions; a sample holds one of each per token$"),
+    (_in_carried("samples", 0, "logprobs", [-0.5, "x"]), r"^builder state carried\[0\].samples\[0\].logprobs=\[-0.5, "
+                                                         r"'x'\] is not allowed; it must be a list of numbers \(the "
+                                                         r"sampler's log-probabilities\)$"),
+    (_in_carried("samples", 1, "done", "false"), r"^builder state carried\[0\].samples\[1\].done='false' must be True "
+                                                 r"or False$"),
+    (_in_carried("forced_lengths", [3]), r"^builder state carried\[0\].forced_lengths=\[3\] is not allowed; it must "
+                                         r"be None or 2 lengths, one per sample \(integers >= 0\)$"),
+    (_in_carried("steps", -1), r"^builder state carried\[0\].steps=-1 must be an integer >= 0$"),
+    (lambda state: state.__setitem__("kv_budget", {"kv_budget_bytes": -5, "source": "cuda:0", "device_total_bytes": 8,
+                                                   "restored": False}),
+     r"^builder state kv_budget.kv_budget_bytes=-5 must be an integer >= 1$"),
+    (lambda state: state.__setitem__("kv_budget", {"kv_budget_bytes": 5, "source": "cuda:0", "total": 8}),
+     r"^a KV budget state has unknown keys \['total'\]; it holds kv_budget_bytes, source, device_total_bytes, "
+     r"restored \(device_total_bytes and restored may be absent\)$"),
+])
+def test_a_bad_builder_state_is_refused_naming_the_bad_key_and_nothing_is_taken(policy, change, message):
+    """A corrupt or foreign checkpoint's builder state (its carried groups, the engine's state, the KV budget) is
+    refused naming what is wrong and what is allowed, before any of it is taken: the carried groups were taken before
+    the engine's state failed, a carried sample of fewer log-probs than tokens failed in a later batch, and a KV
+    budget of a negative size sized the slots."""
+    state = _partial_builder(policy).state_dict()
+    change(state)
+    builder = _partial_builder(policy, seed=1)
+    before = builder.state_dict()
+    with pytest.raises(ValueError, match=message):
+        builder.load_state_dict(state)
+    assert builder.state_dict() == before and builder.slot_memory._checkpoint_kv_budget is None
+
+
+def test_a_bad_engine_state_is_refused_when_it_is_loaded_not_when_the_engine_is_built(policy):
+    """A builder takes the engine's state before its engine is built: the keys and the rollout index are checked
+    then, not at the first rollout."""
+    model, tokenizer = policy
+    state = _with_tokens(_partial_builder(policy).state_dict())
+    fresh = RolloutBuilder(model, tokenizer, SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite",
+                                                            max_new_tokens=5),
+                           build_reward_funcs(["char_fraction"]), training=TrainingConfig(prompts_per_step=2))
+    with pytest.raises(ValueError, match=r"^rollout_index=None is not allowed"):
+        fresh.load_state_dict({**state, "rollout_index": None})
+    assert fresh._pending_engine_state is None and fresh.carried == []
+    fresh.load_state_dict(state)
+    assert fresh.engine.rollout_index == 1 and fresh.carried[0].samples[0].tokens == [5, 6]
+    assert fresh.state_dict() == state
+
+
 def _prompts_of_length(tokenizer, count, words):
     return [Prompt(index=i, example=PromptExample(f"What is {i} + {i}?", str(2 * i)),
                    ids=tokenizer(f"{'Think. ' * words}What is {i} + {i}?")["input_ids"]) for i in range(count)]

@@ -39,13 +39,22 @@ from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, check_prompt_form, correctness_reward, own_copy,
                                      reward_arguments, score_rewards)
-from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length
+from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length, checked_kv_budget
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.models import eval_mode
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import SEED_MAX, check_bool, check_int, check_int_in_range
+from lit_grpo.runtime.validation import (
+    SEED_MAX,
+    check_bool,
+    check_int,
+    check_int_in_range,
+    check_state_keys,
+    integer_within,
+    real_within,
+)
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
+from lit_grpo.sampling.engine import checked_rollout_index
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
@@ -276,24 +285,35 @@ class RolloutBuilder:
         return state
 
     def load_state_dict(self, state: dict, examples: Sequence[PromptExample] | None = None) -> None:
-        """Take back ``state_dict``'s state. ``examples``: the prompt set the carried groups' indices point into
-        (``Prompt.index``); a carried group whose prompt is the one there gets its gold answer from it, as the row
-        holds it (``_source_answer``)."""
+        """Take back ``state_dict``'s state, checked whole before any of it is taken (the carried groups, the KV
+        budget, the engine's state: its scheduler's checked where the engine is built, else when it is), so that a
+        corrupt or foreign one, refused naming the bad key or value, leaves the builder as it was. ``examples``: the
+        prompt set the carried groups' indices point into (``Prompt.index``); a carried group whose prompt is the
+        one there gets its gold answer from it, as the row holds it (``_source_answer``)."""
+        check_state_keys("a rollout builder state", state, _STATE_KEYS, optional=_STATE_KEYS)
         state = dict(state)
         carried = state.pop("carried", [])
+        if not isinstance(carried, (list, tuple)):
+            raise ValueError(f"builder state carried={carried!r:.80} must be a list of carried groups")
         if carried and self.tools is not None:  # they would finish without tool rounds, in a rollout of their own
             raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
                              "(over_provision > 1), and tool calling (data.tools) does not run with partial "
                              "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
-        self.carried = [_carried_group(entry, examples) for entry in carried]
-        self._groups_scored = int(state.pop("groups_scored", 1))  # a checkpoint without it: a run that trained
-        state = self.slot_memory.load_state_dict(state)  # the rest is the engine's
+        groups = [_carried_group(entry, examples, f"builder state carried[{index}]", self.sampling.group_size)
+                  for index, entry in enumerate(carried)]
+        # a checkpoint without it: a run that trained
+        groups_scored = check_int("builder state groups_scored", state.pop("groups_scored", 1), 0)
+        budget = checked_kv_budget(state.pop("kv_budget", None))
+        # the rest is the engine's, taken last: only the engine's own checks may fail after this
         if not state:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
         elif self._engine is not None:
-            self._engine.load_state_dict(state)
+            self._engine.load_state_dict(state)  # checked whole before it takes any of it
         else:
+            checked_rollout_index(state)  # its scheduler's state is checked where the engine is built
             self._pending_engine_state = state
+        self.carried, self._groups_scored = groups, groups_scored
+        self.slot_memory.resume_kv_budget(budget)
 
     @contextlib.contextmanager
     def rollout_scope(self, keep: bool | None = None) -> Iterator[None]:
@@ -694,16 +714,68 @@ def _carried_state(group: GroupProgress) -> dict:
                         for s in group.samples]}
 
 
-def _carried_group(state: dict, examples: Sequence[PromptExample] | None = None) -> GroupProgress:
-    """A carried group from ``_carried_state``'s ``state``; ``examples``: the prompt set its index points into."""
+#: The keys of a rollout builder's state: the engine's, the carried groups, the count of groups scored and the KV
+#: budget read from the device; each may be absent (a state from before the engine was built is empty).
+_STATE_KEYS = ("rollout_index", "scheduler", "carried", "groups_scored", "kv_budget")
+
+
+def _carried_group(state: Any, examples: Sequence[PromptExample] | None = None, name: str = "carried group",
+                   group_size: int | None = None) -> GroupProgress:
+    """A carried group from ``_carried_state``'s ``state`` (``name``: where it is in the checkpoint's state), checked
+    before any of it is used, else a ValueError naming the bad key or value; ``examples``: the prompt set its index
+    points into; ``group_size``: the samples it must hold (None: any number)."""
+    check_state_keys(name, state, ("prompt", "steps", "stream", "forced_lengths", "samples"))
     p = state["prompt"]
+    check_state_keys(f"{name}.prompt", p, ("index", "ids", "prompt", "answer", "entry", "messages"), ("messages",))
+    index = check_int(f"{name}.prompt.index", p["index"], 0)
+    ids = _token_ids(f"{name}.prompt.ids", p["ids"], "a non-empty list of token ids (integers >= 0)", empty=False)
+    stream = _token_ids(f"{name}.stream", state["stream"], "(rollout index, prompt index), two integers >= 0")
+    if len(stream) != 2:
+        raise ValueError(f"{name}.stream={state['stream']!r:.80} is not allowed; it must be (rollout index, prompt "
+                         "index), two integers >= 0")
+    samples = state["samples"]
+    if not isinstance(samples, (list, tuple)):
+        raise ValueError(f"{name}.samples={samples!r:.80} must be a list of the group's samples")
+    if group_size is not None and len(samples) != group_size:
+        raise ValueError(f"{name}.samples holds {len(samples)} samples; a group of this run holds "
+                         f"group_size={group_size}")
+    forced, allowed = state["forced_lengths"], f"None or {len(samples)} lengths, one per sample (integers >= 0)"
+    if forced is not None:
+        forced = _token_ids(f"{name}.forced_lengths", forced, allowed)
+        if len(forced) != len(samples):
+            raise ValueError(f"{name}.forced_lengths={forced!r:.80} is not allowed; it must be {allowed}")
     example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # a state saved without them: None
-    example = replace(example, answer=_source_answer(example, p["index"], examples))
-    prompt = Prompt(p["index"], example, list(p["ids"]))
-    samples = [SampleProgress(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]), bool(s["done"]))
-               for s in state["samples"]]
-    return GroupProgress(prompt.ids, samples, tuple(state["stream"]), state["forced_lengths"],
-                         _Carry(prompt, int(state["steps"])))
+    example = replace(example, answer=_source_answer(example, index, examples))
+    prompt = Prompt(index, example, ids)
+    progress = [_carried_sample(f"{name}.samples[{k}]", sample) for k, sample in enumerate(samples)]
+    return GroupProgress(prompt.ids, progress, tuple(stream), forced,
+                         _Carry(prompt, check_int(f"{name}.steps", state["steps"], 0)))
+
+
+def _carried_sample(name: str, state: Any) -> SampleProgress:
+    """A carried sample from its state (``_carried_state``'s), checked: one log-prob and one rollout index (the
+    version it was drawn in) per token, else a ValueError naming the bad key or value."""
+    check_state_keys(name, state, ("tokens", "logprobs", "versions", "done"))
+    tokens = _token_ids(f"{name}.tokens", state["tokens"], "a list of token ids (integers >= 0)")
+    versions = _token_ids(f"{name}.versions", state["versions"], "a list of rollout indices (integers >= 0)")
+    logprobs = state["logprobs"]
+    numbers = [real_within(x, finite=False) for x in logprobs] if isinstance(logprobs, (list, tuple)) else [None]
+    if None in numbers:  # -inf is a number here; nan is not
+        raise ValueError(f"{name}.logprobs={logprobs!r:.80} is not allowed; it must be a list of numbers (the "
+                         "sampler's log-probabilities)")
+    if not len(tokens) == len(numbers) == len(versions):
+        raise ValueError(f"{name} holds {len(tokens)} tokens, {len(numbers)} logprobs and {len(versions)} versions; "
+                         "a sample holds one of each per token")
+    return SampleProgress(tokens, numbers, versions, check_bool(f"{name}.done", state["done"]))
+
+
+def _token_ids(name: str, values: Any, allowed: str, empty: bool = True) -> list[int]:
+    """``values`` as plain ints if it is a list of integers >= 0 (non-empty unless ``empty``), else a ValueError
+    naming it and what is ``allowed``."""
+    numbers = [integer_within(x, 0) for x in values] if isinstance(values, (list, tuple)) else [None]
+    if None in numbers or not (numbers or empty):
+        raise ValueError(f"{name}={values!r:.80} is not allowed; it must be {allowed}")
+    return numbers
 
 
 def _source_answer(saved: PromptExample, index: int, examples: Sequence[PromptExample] | None) -> Any:

@@ -21,7 +21,15 @@ import torch
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.memory import device_memory, trainable_bytes
 from lit_grpo.runtime.sizes import format_bytes
-from lit_grpo.runtime.validation import ConfigError, config_errors, integer_within
+from lit_grpo.runtime.validation import (
+    ConfigError,
+    check_bool,
+    check_int,
+    check_state_keys,
+    check_text,
+    config_errors,
+    integer_within,
+)
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling.decode_step import row_state_bytes, vocab_size
 from lit_grpo.sampling.engine import row_alignment
@@ -264,11 +272,24 @@ class SlotMemory:
             return {"kv_budget": asdict(replace(budget, restored=False))}
         return {}
 
-    def load_state_dict(self, state: dict) -> dict:
-        """Take the KV budget out of ``state`` (a checkpoint's, where ``state_dict`` saved one) for ``_kv_budget``;
-        returns ``state``'s other entries."""
-        rest = dict(state)
-        budget = rest.pop("kv_budget", None)
+    def resume_kv_budget(self, budget: KVBudget | None) -> None:
+        """Take the KV budget of a checkpoint's state (``checked_kv_budget``'s; None: it saved none) for
+        ``_kv_budget``."""
         if budget is not None:
-            self._checkpoint_kv_budget = KVBudget(**budget)
-        return rest
+            self._checkpoint_kv_budget = budget
+
+
+def checked_kv_budget(state: Any) -> KVBudget | None:
+    """The KV budget a checkpoint's ``kv_budget`` holds (``SlotMemory.state_dict``'s; None: none saved), else a
+    ValueError naming the bad key or value: taken as it was, a budget of no bytes, or a device's total that is no
+    number, sized the slots from nonsense or was never matched."""
+    if state is None:
+        return None
+    names = tuple(field.name for field in fields(KVBudget))
+    check_state_keys("a KV budget state", state, names, ("device_total_bytes", "restored"))
+    prefix = "builder state kv_budget."
+    return KVBudget(check_int(prefix + "kv_budget_bytes", state["kv_budget_bytes"], 1),
+                    check_text(prefix + "source", state["source"]),
+                    check_int(prefix + "device_total_bytes", state.get("device_total_bytes"), 1,
+                              none="the budget of sampling.kv_budget_bytes"),
+                    check_bool(prefix + "restored", state.get("restored", False)))
