@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_grpo.runtime.validation import check_bool, check_choice, check_int, check_real, check_text
+from lit_grpo.runtime.validation import check_bool, check_choice, check_int, check_real, check_state_keys, check_text
 
 from ._rollout import accumulating, log_metrics, logger_step
 from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, forecast_plateau
@@ -50,9 +50,9 @@ class RewardForecast(Callback):
     can see the rise to come) and ``remaining_gain < min_delta``. A run whose reward never rises is therefore
     rarely stopped by this callback: its noise passes for a rise in about 1% of runs at most (checked every step).
     ``stopped_step`` tells where it stopped. The history and the patience count survive checkpoints
-    (``state_dict``); a resume with other settings (``stop`` turned on, another ``patience``) goes on from the
-    history of the checkpoint's one forecast of the same ``monitor``, its checks starting over
-    (``on_load_checkpoint``).
+    (``state_dict``; a corrupt one is refused naming the bad key or value, before any of it is taken); a resume
+    with other settings (``stop`` turned on, another ``patience``) goes on from the history of the checkpoint's one
+    forecast of the same ``monitor``, its checks starting over (``on_load_checkpoint``).
 
     Under several processes every rank holds the same state: the recorded value is the monitored one averaged over
     the ranks (one small all-reduce per batch; unchanged when the module logs it reduced already), and each check's
@@ -251,10 +251,25 @@ class RewardForecast(Callback):
                            "saved under other settings; it goes on from it, its checks start over")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = [float(s) for s in state_dict["steps"]]
-        self.rewards = [float(r) for r in state_dict["rewards"]]
-        self.wait_count = int(state_dict["wait_count"])
-        self.stopped_step = state_dict.get("stopped_step")
+        """Take ``state_dict`` (``state_dict``'s, from a checkpoint), checked whole first: a corrupt or foreign one is
+        refused naming the bad key or value, and leaves the forecast as it was."""
+        # stopped_step: absent from a state saved by hand, taken as not stopped
+        check_state_keys("a RewardForecast state", state_dict, ("steps", "rewards", "wait_count", "stopped_step"),
+                         ("stopped_step",))
+        steps, rewards = (_numbers(f"forecast state {name}", state_dict[name]) for name in ("steps", "rewards"))
+        if len(steps) != len(rewards):
+            raise ValueError(f"forecast state steps and rewards must be as long as each other (one reward per step), "
+                             f"not {len(steps)} and {len(rewards)}")
+        wait_count = check_int("forecast state wait_count", state_dict["wait_count"], 0)
+        stopped = check_int("forecast state stopped_step", state_dict.get("stopped_step"), 0, none="not stopped")
+        self.steps, self.rewards, self.wait_count, self.stopped_step = steps, rewards, wait_count, stopped
+
+
+def _numbers(name: str, values: Any) -> list[float]:
+    """``values`` as plain floats if it is a list of finite numbers, else a ValueError naming the bad one."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name}={values!r:.80} must be a list of numbers")
+    return [check_real(f"{name}[{index}]", value) for index, value in enumerate(values)]
 
 
 def _value(logged: Any) -> float | None:

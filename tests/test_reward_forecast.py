@@ -354,6 +354,39 @@ def test_bad_forecast_plateau_arguments_are_named(kwargs, match):
         forecast_plateau(STEPS[:50], saturating(STEPS[:50]), **kwargs)
 
 
+_FORECAST_STATE = {"steps": [1.0, 2.0, 3.0], "rewards": [0.1, 0.2, 0.25], "wait_count": 1, "stopped_step": None}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"steps": [1.0, 2.0]}, r"^forecast state steps and rewards must be as long as each other \(one reward per "
+                            r"step\), not 2 and 3$"),  # was taken: the fit failed at its next check
+    ({"rewards": [0.1, math.nan, 0.25]}, r"^forecast state rewards\[1\]=nan is not allowed; forecast state "
+                                         r"rewards\[1\] must be a finite number$"),  # a NaN reward is never recorded
+    ({"rewards": [0.1, "0.2", 0.25]}, r"^forecast state rewards\[1\]='0.2' is not allowed"),  # was parsed
+    ({"steps": "123"}, r"^forecast state steps='123' must be a list of numbers$"),
+    ({"wait_count": -1}, r"^forecast state wait_count=-1 must be an integer >= 0$"),
+    ({"wait_count": 1.5}, r"^forecast state wait_count=1.5 must be an integer >= 0$"),  # was cut to 1
+    ({"stopped_step": "40"}, r"^forecast state stopped_step='40' must be an integer >= 0 or None \(not stopped\)$"),
+    ({"patience": 3}, r"^a RewardForecast state has unknown keys \['patience'\]; it holds steps, rewards, wait_count, "
+                      r"stopped_step \(stopped_step may be absent\)$"),
+])
+def test_a_bad_forecast_state_is_refused_naming_the_bad_key_and_the_forecast_is_left_as_it_was(change, message):
+    """A corrupt or foreign checkpoint's forecast state is refused naming what is wrong and what is allowed, before
+    any of it is taken."""
+    forecast = RewardForecast()
+    forecast.load_state_dict({"steps": [5.0], "rewards": [0.5], "wait_count": 0, "stopped_step": None})
+    before = forecast.state_dict()
+    with pytest.raises(ValueError, match=message):
+        forecast.load_state_dict({**_FORECAST_STATE, **change})
+    assert forecast.state_dict() == before
+    with pytest.raises(ValueError, match=r"^a RewardForecast state lacks \['wait_count'\]; it holds steps, "):
+        forecast.load_state_dict({"steps": [], "rewards": []})
+    forecast.load_state_dict({key: value for key, value in _FORECAST_STATE.items() if key != "stopped_step"})
+    assert forecast.state_dict() == {**_FORECAST_STATE, "stopped_step": None}  # as saved before it was kept
+    forecast.load_state_dict({**_FORECAST_STATE, "steps": [np.int64(1), 2, 3], "wait_count": np.int64(1)})
+    assert forecast.state_dict() == _FORECAST_STATE and type(forecast.wait_count) is int
+
+
 def test_history_survives_a_checkpoint(tmp_path):
     rewards = noisy(saturating, seed=2)
     first = RewardForecast(check_every_n_steps=10)
