@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lit_grpo.runtime.validation import check_state_keys
+
 
 @dataclass(frozen=True)
 class RolloutRequest:
@@ -49,4 +51,6 @@ class RequestStream:
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        return None
+        """Nothing to take (the stream's position is the data module's); a state that holds something is another
+        loader's, refused naming its keys."""
+        check_state_keys("a RequestStream state", state_dict, ())

@@ -319,3 +319,19 @@ def test_under_two_ranks_a_prompt_carried_on_any_rank_is_not_drawn_again(rank_mo
             list(pool.map(lambda stream: stream.step(), streams))
             drawn = {prompt for stream in streams for prompt in stream.drawn[-1]}
             assert not in_flight & drawn, (step, in_flight, drawn)
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"position": 3}, r"^a RequestStream state has unknown keys \['position'\]; it holds nothing$"),
+    ([], r"^a RequestStream state must be an empty mapping, not list$"),
+])
+def test_a_request_streams_state_holds_nothing_and_anything_else_is_refused(state, message):
+    """The request stream's position is the data module's (``RolloutDataModule.state_dict``): Lightning saves the
+    stream's empty state and gives it back; another loader's state was taken in silence."""
+    from lit_grpo.datamodules.requests import RequestStream
+
+    stream = RequestStream("train", 3)
+    stream.load_state_dict(stream.state_dict())
+    with pytest.raises(ValueError, match=message):
+        stream.load_state_dict(state)
+    assert [request.step for request in stream] == [0, 1, 2]
