@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_grpo.runtime.validation import check_state_keys
+
 
 def get_rng_states() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -23,12 +25,53 @@ def get_rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: Mapping[str, Any]) -> None:
     if "python" in states:
-        version, internal, gauss = states["python"]
-        random.setstate((version, tuple(internal), gauss))
+        random.setstate(_python_state(states["python"]))
     if "numpy" in states:
-        name, keys, pos, has_gauss, gauss = states["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        np.random.set_state(_numpy_state(states["numpy"]))
     if "torch" in states:
-        torch.set_rng_state(torch.as_tensor(states["torch"], dtype=torch.uint8))
+        torch.set_rng_state(_byte_state(states["torch"]))
     if "cuda" in states and torch.cuda.is_available():  # a CPU-only resume of a GPU run has no such state to set
-        torch.cuda.set_rng_state(torch.as_tensor(states["cuda"], dtype=torch.uint8))
+        torch.cuda.set_rng_state(_byte_state(states["cuda"]))
+
+
+def check_rng_states(name: str, states: Any) -> None:
+    """Refuse ``states`` (``get_rng_states``' of a checkpoint, ``name`` in it) unless each state is one its
+    generator takes, tried on a scratch generator (the global ones are left as they are): a ValueError naming the
+    bad one, with the error its generator gave. A CUDA state is checked for its form only: its size is the device's.
+    """
+    check_state_keys(name, states, tuple(_CHECKS), optional=tuple(_CHECKS))
+    for key, state in states.items():
+        what, check = _CHECKS[key]
+        try:
+            check(state)
+        except (TypeError, ValueError, IndexError, OverflowError, RuntimeError) as error:
+            raise ValueError(f"{name}[{key!r}] is not a random state of {what}: {error}") from None
+
+
+def _python_state(state: Any) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def _numpy_state(state: Any) -> tuple:
+    name, keys, pos, has_gauss, gauss = state
+    return name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss
+
+
+def _byte_state(state: Any) -> torch.Tensor:
+    return torch.as_tensor(state, dtype=torch.uint8)
+
+
+def _check_cuda_state(state: Any) -> None:
+    tensor = _byte_state(state)
+    if tensor.dim() != 1 or not tensor.numel():
+        raise ValueError(f"a generator's state is a non-empty list of bytes, not one shaped {list(tensor.shape)}")
+
+
+#: What each saved state seeds, and its check on a scratch generator.
+_CHECKS = {
+    "python": ("python's random module", lambda state: random.Random().setstate(_python_state(state))),
+    "numpy": ("numpy's global generator", lambda state: np.random.RandomState().set_state(_numpy_state(state))),
+    "torch": ("torch's generator", lambda state: torch.Generator().set_state(_byte_state(state))),
+    "cuda": ("the CUDA device's generator", _check_cuda_state),
+}

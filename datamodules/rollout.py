@@ -39,7 +39,7 @@ from lit_grpo.rollout.prompts import (PromptExample, chat_turns, check_chat_temp
                                      check_prompt_shaping, check_prompt_source, check_val_size,
                                      fingerprint_without_message_keys, is_conversational, load_prompts,
                                      other_message_keys, prompt_set_fingerprint, render_prompt, split_examples)
-from lit_grpo.datamodules.random_state import get_rng_states, set_rng_states
+from lit_grpo.datamodules.random_state import check_rng_states, get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
                                       check_reward_columns, check_row_fields, correctness_reward)
@@ -53,7 +53,15 @@ from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import PREEMPT_TOKENS
 from lit_grpo.runtime.checkpoints import PlainHyperparameters, SettingsDiffer
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL
-from lit_grpo.runtime.validation import ConfigError, check_bool, check_int, config_errors, settings_from
+from lit_grpo.runtime.validation import (
+    ConfigError,
+    check_bool,
+    check_int,
+    check_state_keys,
+    config_errors,
+    integer_within,
+    settings_from,
+)
 
 
 #: Columns that hold gold answers under other trainers' names (TRL's accuracy_reward reads ``solution``, verl's
@@ -61,6 +69,8 @@ from lit_grpo.runtime.validation import ConfigError, check_bool, check_int, conf
 GOLD_COLUMNS = ("solution", "ground_truth")
 #: The sampler state's entry holding ``prompt_set_fingerprint`` of the training prompts it drew from.
 TRAIN_PROMPTS_KEY = "train_prompts"
+#: The keys of a data state (``RolloutDataModule.state_dict``); each may be absent (older checkpoints, one rank's).
+_STATE_KEYS = ("steps_built", "rng", "rng_by_rank", "in_flight", "sampler", "engine", "engine_by_rank")
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float | None:
@@ -850,26 +860,40 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that
-        only evaluates it takes none of the training stream: it may hold out other prompts than the fit did."""
+        only evaluates it takes none of the training stream: it may hold out other prompts than the fit did. The
+        state is checked before any of it is taken (its keys, the counts, this rank's random states tried on scratch
+        generators, the sampler's and the engine's states by their owners): a corrupt or foreign one is refused
+        naming the bad key or value."""
         if not self._fitting():
             return
-        self.steps_built = int(state_dict.get("steps_built", 0))
+        check_state_keys("a RolloutDataModule state", state_dict, _STATE_KEYS, optional=_STATE_KEYS)
+        steps_built = check_int("data state steps_built", state_dict.get("steps_built", 0), 0)
         # a checkpoint from before the ranks' carried groups were gathered: none known until its first step ends
-        self._in_flight = [int(position) for position in state_dict.get("in_flight", [])]
+        in_flight = state_dict.get("in_flight", [])
+        positions = [integer_within(p, 0) for p in in_flight] if isinstance(in_flight, (list, tuple)) else [None]
+        if None in positions:
+            raise ValueError(f"data state in_flight={in_flight!r:.80} is not allowed; it must be a list of prompt "
+                             "positions (integers >= 0)")
         rng = self._own_rng_states(state_dict)
         if rng is not None:
-            set_rng_states(rng)
+            check_rng_states("data state " + ("rng" if rng is state_dict.get("rng")
+                                              else f"rng_by_rank[{self._world()[1]}]"), rng)
+        engine = self._own_engine_state(state_dict)
+        # the sampler's and the engine's states, each checked whole by its owner, before this module's own values
+        # and the random states are taken: a refused one leaves them as they were
         if "sampler" in state_dict:
             if self.sampler is not None:
                 self._load_sampler_state(state_dict["sampler"])
             else:
                 self._pending_state["sampler"] = state_dict["sampler"]
-        engine = self._own_engine_state(state_dict)
         if engine is not None:
             if self.builder is not None:
                 self.builder.load_state_dict(engine, self.examples)
             else:
                 self._pending_state["engine"] = engine
+        self.steps_built, self._in_flight = steps_built, positions
+        if rng is not None:
+            set_rng_states(rng)
 
     def _fitting(self) -> bool:
         """Whether this datamodule serves a fit (also when no trainer is attached: a Python caller's stream)."""

@@ -335,3 +335,48 @@ def test_a_request_streams_state_holds_nothing_and_anything_else_is_refused(stat
     with pytest.raises(ValueError, match=message):
         stream.load_state_dict(state)
     assert [request.step for request in stream] == [0, 1, 2]
+
+
+def _rng_with(**changes):
+    from lit_grpo.datamodules.random_state import get_rng_states
+
+    return {**get_rng_states(), **changes}
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"steps_built": 2, "rollout_index": 3}, r"^a RolloutDataModule state has unknown keys \['rollout_index'\]; it "
+                                             r"holds steps_built, rng, rng_by_rank, in_flight, sampler, engine, "
+                                             r"engine_by_rank \(each may be absent\)$"),
+    ({"steps_built": "2"}, r"^data state steps_built='2' must be an integer >= 0$"),  # was parsed as 2
+    ({"steps_built": 2, "in_flight": [3, -1]}, r"^data state in_flight=\[3, -1\] is not allowed; it must be a list "
+                                               r"of prompt positions \(integers >= 0\)$"),
+    ({"steps_built": 2, "rng": {"torch": [1, 2, 3]}}, r"^data state rng\['torch'\] is not a random state of torch's "
+                                                      r"generator: "),  # torch's error, after python's was set
+    ({"steps_built": 2, "rng": lambda: _rng_with(python=[3, [0] * 5, None])},
+     r"^data state rng\['python'\] is not a random state of python's random module: "),
+    ({"steps_built": 2, "rng": lambda: _rng_with(numpy=["MT19937", [1, 2], 0, 0, 0.0])},
+     r"^data state rng\['numpy'\] is not a random state of numpy's global generator: "),
+    ({"steps_built": 2, "rng": lambda: _rng_with(cuda="abc")}, r"^data state rng\['cuda'\] is not a random state of "
+                                                               r"the CUDA device's generator: "),
+    ({"steps_built": 2, "rng": lambda: _rng_with(gpu=[0])}, r"^data state rng has unknown keys \['gpu'\]; it holds "
+                                                            r"python, numpy, torch, cuda \(each may be absent\)$"),
+])
+def test_a_bad_data_state_is_refused_naming_the_bad_key_and_nothing_is_taken(state, message):
+    """A corrupt or foreign checkpoint's data state is refused naming what is wrong and what is allowed, before any
+    of it is taken (the random states are tried on scratch generators): a count was parsed, and a bad random state
+    failed inside numpy or torch after the count, the positions in flight and the other random states were taken."""
+    import random
+
+    from lit_grpo.datamodules.random_state import get_rng_states
+
+    data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0)
+    data.load_state_dict({"steps_built": 5, "in_flight": [1]})
+    state = {key: value() if callable(value) else value for key, value in state.items()}
+    random.random()
+    before = get_rng_states()
+    with pytest.raises(ValueError, match=message):
+        data.load_state_dict(state)
+    assert (data.steps_built, data._in_flight, data._pending_state) == (5, [1], {})
+    after = get_rng_states()
+    assert after["python"] == before["python"] and torch.equal(after["torch"], before["torch"])
+    assert after["numpy"][1] == before["numpy"][1]
