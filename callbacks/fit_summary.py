@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import time
 from typing import Any
@@ -18,7 +19,16 @@ from lit_grpo.runtime.distributed import strategy_all_gather
 from lit_grpo.runtime.memory import host_peak_bytes
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
 from lit_grpo.runtime.threads import ThreadTimes, busiest_threads, core_wait_advice, thread_times
-from lit_grpo.runtime.validation import CoreLimit, check_bool, check_int, check_text, core_limit
+from lit_grpo.runtime.validation import (
+    CoreLimit,
+    check_bool,
+    check_int,
+    check_real,
+    check_state_keys,
+    check_text,
+    core_limit,
+    integer_within,
+)
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
 from ._paths import shown_path
@@ -100,10 +110,11 @@ class FitSummary(Callback):
 
     **Through a resume** (``--ckpt_path``) the summary is the whole run's: its totals (steps, training and validation
     time, rollouts, the accuracy and reward curves, the steps without a reward spread, PeakMemoryMonitor's largest
-    rollout peaks) are kept in the checkpoint (``state_dict``) and go on from there, each fit's time counted (not
-    the time between fits); a ``resumed`` line says at which step this fit started and how many steps it ran. The
-    host peak and the checkpoint's save count are this fit's (an earlier process's were not kept); a resume from a
-    checkpoint without this state says that the lines cover this fit's steps alone.
+    rollout peaks) are kept in the checkpoint (``state_dict``; checked whole before any is taken, a corrupt state
+    refused naming the bad key or value) and go on from there, each fit's time counted (not the time between fits);
+    a ``resumed`` line says at which step this fit started and how many steps it ran. The host peak and the
+    checkpoint's save count are this fit's (an earlier process's were not kept); a resume from a checkpoint without
+    this state says that the lines cover this fit's steps alone.
 
     TensorBoard draws a validation where Lightning logs it: before training at step 0, after step k at step k - 1
     (the x of step k's own scalars). Logs no keys of its own.
@@ -301,25 +312,54 @@ class FitSummary(Callback):
                 "validation_s": self._validation_s, "memory_peaks": self._memory_peaks()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go on from a checkpoint's totals; a curve saved under another key is left out (said once)."""
-        self.steps = int(state_dict["steps"])
-        # absent from a checkpoint of an older FitSummary: the counts then cover this fit's steps
-        self.flat_steps = int(state_dict.get("flat_steps", 0))
-        self.spread_logged_steps = int(state_dict.get("spread_logged_steps", 0))
-        self.rollouts, self.rollout_steps = int(state_dict["rollouts"]), int(state_dict["rollout_steps"])
-        self.rollout_s = float(state_dict["rollout_s"])
-        self.rollout_totals = RolloutStats(**state_dict["rollout_totals"])
-        self._elapsed_before_s, self._validation_s = float(state_dict["elapsed_s"]), float(state_dict["validation_s"])
-        self._earlier_memory_peaks = {where: dict(peaks) for where, peaks in state_dict["memory_peaks"].items()}
-        for series, key, saved_key, item in (("accuracy", self.accuracy_key, state_dict["accuracy_key"], tuple),
-                                             ("rewards", self.reward_key, state_dict["reward_key"], float)):
+        """Go on from a checkpoint's totals, checked whole first (``_checked_state``: a corrupt or foreign state is
+        refused naming the bad key or value, and leaves the summary as it was); a curve saved under another key is
+        left out (said once)."""
+        checked = self._checked_state(state_dict)
+        self.steps, self.flat_steps = checked["steps"], checked["flat_steps"]
+        self.spread_logged_steps, self.rollouts = checked["spread_logged_steps"], checked["rollouts"]
+        self.rollout_steps, self.rollout_s = checked["rollout_steps"], checked["rollout_s"]
+        self.rollout_totals = RolloutStats(**checked["rollout_totals"])
+        self._elapsed_before_s, self._validation_s = checked["elapsed_s"], checked["validation_s"]
+        self._earlier_memory_peaks = checked["memory_peaks"]
+        for series, key, saved_key in (("accuracy", self.accuracy_key, checked["accuracy_key"]),
+                                       ("rewards", self.reward_key, checked["reward_key"])):
             if saved_key == key:
-                setattr(self, series, [item(a) for a in state_dict[series]])
+                setattr(self, series, checked[series])
             else:
                 rank_zero_info(f"FitSummary: the checkpoint's {series} are of {saved_key!r}, not {key!r}: the "
                                "summary's line for it covers this fit alone")
         self._restored = True
         self.resumed_at = self._fit_started_steps = self.steps  # also where the fit trains nothing (no train start)
+
+    @staticmethod
+    def _checked_state(state: Any) -> dict[str, Any]:
+        """A checkpoint's summary state, each value checked and as the summary keeps it, else a ValueError naming
+        the bad key or value."""
+        # flat_steps and spread_logged_steps: absent from a checkpoint of an older FitSummary, the counts then cover
+        # this fit's steps
+        check_state_keys("a FitSummary state", state, _SUMMARY_KEYS, ("flat_steps", "spread_logged_steps"))
+        checked = {key: check_int(f"summary state {key}", state.get(key, 0), 0) for key in _SUMMARY_COUNTS}
+        checked.update((key, check_real(f"summary state {key}", state[key], low=0)) for key in _SUMMARY_SECONDS)
+        checked.update((key, check_text(f"summary state {key}", state[key])) for key in ("accuracy_key", "reward_key"))
+        rewards = state["rewards"]
+        if not isinstance(rewards, (list, tuple)):
+            raise ValueError(f"summary state rewards={rewards!r:.80} must be a list of numbers")
+        checked["rewards"] = [check_real(f"summary state rewards[{i}]", reward) for i, reward in enumerate(rewards)]
+        checked["accuracy"] = _checked_accuracy(state["accuracy"])
+        totals = state["rollout_totals"]
+        check_state_keys("a FitSummary state's rollout_totals", totals, _TOTALS, optional=_TOTALS)
+        checked["rollout_totals"] = {key: _total(f"summary state rollout_totals.{key}", key, value)
+                                     for key, value in totals.items()}
+        peaks = state["memory_peaks"]
+        check_state_keys("summary state memory_peaks", peaks, _PEAK_PLACES, optional=_PEAK_PLACES)
+        checked["memory_peaks"] = {}
+        for where, logged in peaks.items():
+            check_state_keys(f"summary state memory_peaks[{where!r}]", logged, ROLLOUT_MEMORY_KEYS,
+                             optional=ROLLOUT_MEMORY_KEYS)
+            checked["memory_peaks"][where] = {key: _integer(f"summary state memory_peaks[{where!r}][{key!r}]", value)
+                                              for key, value in logged.items()}
+        return checked
 
     def _elapsed(self) -> float:
         """Seconds since the training steps started, validations included, the earlier fits' added."""
@@ -515,3 +555,60 @@ def _duration(seconds: float) -> str:
 def _step_time(seconds: float) -> str:
     """A step's time: ``24.1 s``, or ``50 ms`` below a second."""
     return f"{seconds:.1f} s" if seconds >= 1 else f"{1000 * seconds:.0f} ms"
+
+
+#: The keys of a FitSummary state: its counts, its seconds, and the rest.
+_SUMMARY_COUNTS = ("steps", "flat_steps", "spread_logged_steps", "rollouts", "rollout_steps")
+_SUMMARY_SECONDS = ("rollout_s", "elapsed_s", "validation_s")
+_SUMMARY_KEYS = ("steps", "accuracy_key", "accuracy", "reward_key", "rewards", "flat_steps", "spread_logged_steps",
+                 "rollouts", "rollout_steps", "rollout_s", "rollout_totals", "elapsed_s", "validation_s",
+                 "memory_peaks")
+#: The rollout totals' keys (``RolloutStats.scalars``: its numbers, those that are None left out) and where a
+#: memory peak was measured (``_memory_peaks``).
+_TOTALS = tuple(field.name for field in dataclasses.fields(RolloutStats) if field.name not in ("timeline", "decisions"))
+_PEAK_PLACES = ("device", "process")
+
+
+def _checked_accuracy(accuracy: Any) -> list[tuple[int, float]]:
+    """A state's accuracy curve as the summary keeps it (``(step, value)`` pairs), else a ValueError naming the bad
+    entry."""
+    if not isinstance(accuracy, (list, tuple)):
+        raise ValueError(f"summary state accuracy={accuracy!r:.80} must be a list of [step, value] pairs")
+    checked = []
+    for index, entry in enumerate(accuracy):
+        pair = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+        step, value = integer_within(pair[0], 0), _number(pair[1])
+        if step is None or value is None:
+            raise ValueError(f"summary state accuracy[{index}]={entry!r:.80} is not allowed; a validation's accuracy "
+                             "is [step, value], an integer >= 0 and a number")
+        checked.append((step, value))
+    return checked
+
+
+def _total(name: str, key: str, value: Any) -> int | float:
+    """A rollout total: a count (an integer >= 0) where ``RolloutStats`` counts, else a number (NaN among them: a
+    length prediction's quality where nothing was scored)."""
+    if type(RolloutStats.__dataclass_fields__[key].default) is int:
+        return check_int(name, value, 0)
+    number = _number(value)
+    if number is None:
+        raise ValueError(f"{name}={value!r:.80} must be a number")
+    return number
+
+
+def _integer(name: str, value: Any) -> int:
+    number = integer_within(value)
+    if number is None:
+        raise ValueError(f"{name}={value!r:.80} must be an integer")
+    return number
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (NaN and infinities too; not a bool, nor an int beyond float
+    range), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None

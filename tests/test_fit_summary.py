@@ -332,6 +332,61 @@ def test_a_resume_summarising_another_reward_key_keeps_the_runs_totals_but_not_t
     assert (resumed.steps, resumed.rewards, resumed.accuracy, resumed.resumed_at) == (3, [], [(0, 0.5)], 3)
 
 
+def _saved_summary_state() -> dict:
+    saved = FitSummary()
+    saved.steps, saved.rewards, saved.accuracy, saved.rollouts, saved.rollout_steps = 4, [0.5, 0.25], [(0, 0.5)], 4, 4
+    saved.rollout_totals = dataclasses.replace(saved.rollout_totals, decode_steps=12, generated_tokens=40, wall_s=1.5)
+    saved._earlier_memory_peaks = {"process": {"memory/rollout_peak_bytes": 2**20}}
+    return saved.state_dict()
+
+
+def _summary_change(key, value, *inner):
+    def change(state):
+        target = state
+        for step in inner:
+            target = target[step]
+        target[key] = value
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (_summary_change("epochs", 1), r"^a FitSummary state has unknown keys \['epochs'\]; it holds steps, "),
+    (lambda state: state.pop("rollouts"), r"^a FitSummary state lacks \['rollouts'\]; it holds steps, "),
+    (_summary_change("steps", "4"), r"^summary state steps='4' must be an integer >= 0$"),  # was parsed as 4
+    (_summary_change("rollout_s", -1.0), r"^summary state rollout_s=-1.0 is not allowed; summary state rollout_s must "
+                                         r"be a finite number >= 0$"),
+    (_summary_change("rewards", [0.5, float("nan")]), r"^summary state rewards\[1\]=nan is not allowed; summary state "
+                                                      r"rewards\[1\] must be a finite number$"),  # never recorded
+    (_summary_change("accuracy", [[0, 0.5, 1]]), r"^summary state accuracy\[0\]=\[0, 0.5, 1\] is not allowed; a "
+                                                 r"validation's accuracy is \[step, value\], an integer >= 0 and a "
+                                                 r"number$"),  # failed in the summary's last lines
+    (_summary_change("reward_key", ""), r"^summary state reward_key='' must be a non-empty string$"),
+    (_summary_change("tokens", 3, "rollout_totals"), r"^a FitSummary state's rollout_totals has unknown keys "
+                                                     r"\['tokens'\]; it holds decode_steps, "),  # was a TypeError
+    (_summary_change("decode_steps", 1.5, "rollout_totals"), r"^summary state rollout_totals.decode_steps=1.5 must "
+                                                             r"be an integer >= 0$"),
+    (_summary_change("wall_s", "1.5", "rollout_totals"), r"^summary state rollout_totals.wall_s='1.5' must be a "
+                                                         r"number$"),
+    (_summary_change("gpu", {}, "memory_peaks"), r"^summary state memory_peaks has unknown keys \['gpu'\]; it holds "
+                                                 r"device, process \(each may be absent\)$"),
+    (_summary_change("memory/rollout_peak_bytes", "1 MiB", "memory_peaks", "process"),
+     r"^summary state memory_peaks\['process'\]\['memory/rollout_peak_bytes'\]='1 MiB' must be an integer$"),
+])
+def test_a_bad_summary_state_is_refused_naming_the_bad_key_and_nothing_is_taken(change, message):
+    """A corrupt or foreign checkpoint's summary state is refused naming what is wrong and what is allowed, before
+    any of it is taken: counts were parsed, a rollout total of another version failed inside RolloutStats, and a bad
+    curve or peak failed in the summary at the end of the fit."""
+    state = _saved_summary_state()
+    change(state)
+    summary = FitSummary()
+    before = summary.state_dict()
+    with pytest.raises(ValueError, match=message):
+        summary.load_state_dict(state)
+    assert summary.state_dict() == before and summary.resumed_at is None
+    summary.load_state_dict(_saved_summary_state())
+    assert summary.state_dict() == _saved_summary_state()
+
+
 def test_a_run_of_fast_steps_states_their_time_in_milliseconds(tmp_path, capsys):
     """A plain module's steps take milliseconds: "0.0 s per step" in "0 s" would say nothing."""
     from callback_helpers import TinyRegression
