@@ -375,3 +375,15 @@ def test_a_scheduler_state_without_one_kind_of_trust_keeps_that_kind_fresh():
     scheduler.load_state_dict(state)
     assert scheduler.trust["prompt"].state_dict() == written.trust["prompt"].state_dict()
     assert scheduler.trust["probe"].state_dict() == length_aware("online").trust["probe"].state_dict()
+
+
+def test_a_default_schedulers_state_gives_a_length_aware_one_its_groups_checked():
+    """The default scheduler's state (no predictor) gives the length-aware scheduler its finished groups, said, and
+    is checked as the default's is: a bad group is refused, the groups left as they were."""
+    scheduler = length_aware("online")
+    with pytest.warns(UserWarning, match=r"the length-aware method's predictor and trust start fresh"):
+        scheduler.load_state_dict({"groups": [[3, 4]]})
+    assert list(scheduler.groups) == [[3, 4]]
+    with pytest.raises(ValueError, match=r"^scheduler state groups\[0\]=\[3, None\] is not allowed"):
+        scheduler.load_state_dict({"groups": [[3, None]]})
+    assert list(scheduler.groups) == [[3, 4]]
