@@ -1,7 +1,7 @@
 """Imported once by tests/forked_cli.py's fork server, never by a test: it does once what each forked
 rank of a ``lit-grpo fit`` would otherwise do first (import the lazily imported packages, build the tiny model and
-its tokenizer, run a forward, a backward and a short rollout), so a forked rank starts warm. One thread: the
-server forks, and a thread pool does not survive a fork."""
+its tokenizer, run a forward, a backward and a short rollout, measure the read bandwidth of RolloutProfiler's decode
+floor), so a forked rank starts warm. One thread: the server forks, and a thread pool does not survive a fork."""
 
 import matplotlib
 import torch
@@ -18,10 +18,14 @@ import torch.utils.tensorboard  # noqa: E402,F401
 
 from lit_grpo.runtime.models import load_model_and_tokenizer  # noqa: E402
 from lit_grpo.sampling import RolloutEngine  # noqa: E402
+from lit_grpo.sampling.roofline import read_bandwidth  # noqa: E402
 
 _model, _tokenizer = load_model_and_tokenizer("tiny-llama")
 _model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
 with torch.no_grad():
     RolloutEngine(_model.eval(), _tokenizer, group_size=2, micro_group_size=2, max_new_tokens=4).generate([[1, 2, 3]])
 reasoning_gym.create_dataset("basic_arithmetic", size=4, seed=0)
+# The probe sums a buffer of 4 x the last-level cache (GiBs where that cache is large), seconds of every rank's
+# first step; measured here, a forked rank reads it as its process's own (roofline.read_bandwidth keeps it).
+read_bandwidth("cpu")
 del _model, _tokenizer
