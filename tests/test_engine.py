@@ -567,25 +567,35 @@ def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_na
 
 
 # ------------------------------------------------------------------------------- static slot cache, decode step
-def test_schedules_are_bit_identical_on_smollm2_in_float32():
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 (the default model) in float32, loaded once for the tests of this module that run it."""
+    from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer
+
+    return load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
+
+
+def _chat_prompts(tokenizer, questions):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"] for q in questions]
+
+
+@pytest.mark.xdist_group("smollm2")
+def test_schedules_are_bit_identical_on_smollm2_in_float32(smollm2):
     """Every decode step has the same shapes, so a row's arithmetic does not depend on what runs beside it: the
     g-slot strategies return bit-identical completions and log-probs on a real model in float32. A determinism
     claim, not a numerical one: every strategy runs the same kernels (packed oneDNN linears and the decode
     attention compute each row alone, tests/test_cpu_linear.py and tests/test_decode_attention.py) on the same
     shapes and the same prefill chunks (tests/test_prefill.py) in one process, so it holds on any CPU."""
-    from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
-    questions = ["What is 12 + 7?", "Name three colours.", "Compute 3 * 4 - 2."]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True)["input_ids"] for q in questions]
+    model, tokenizer = smollm2
+    prompts = _chat_prompts(tokenizer, ["What is 12 + 7?", "Name three colours."])
     results, engines = {}, {}
     for strategy in ("micro", "continuous", "infinite"):
-        # a cap of 4 keeps the decode steps (most of the time, a whole forward of the real model each) few, and a
-        # parked sample still decodes 2 tokens after its probe
-        options = {"probe_tokens": 2} if strategy == "infinite" else {}
+        # a cap of 3 keeps the decode steps (most of the time, a whole forward of the real model each) few, and a
+        # parked sample still decodes 2 tokens after its probe; G = 4 > g = 3: micro's rounds leave slots idle
+        options = {"probe_tokens": 1} if strategy == "infinite" else {}
         engines[strategy] = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=3, strategy=strategy,
-                                          max_new_tokens=4, temperature=1.0, seed=5, **options)
+                                          max_new_tokens=3, temperature=1.0, seed=5, **options)
         if strategy == "infinite":
             trust_predictions(engines[strategy].scheduler)
         results[strategy] = engines[strategy].generate(prompts)
@@ -616,28 +626,24 @@ def test_the_slot_cache_is_allocated_once_and_reused_while_it_fits(tiny_llama, p
     assert engine._cache is None and engine._step is None
 
 
-def test_a_rollout_is_the_same_in_a_fresh_slot_cache_and_in_one_an_earlier_rollout_widened():
+@pytest.mark.xdist_group("smollm2")
+def test_a_rollout_is_the_same_in_a_fresh_slot_cache_and_in_one_an_earlier_rollout_widened(smollm2):
     """A step attends its rollout's own width, so a rollout's completions and log-probs do not depend on how wide
     earlier rollouts left the cache (a resumed run starts with a fresh one). The cap puts the rollout's width one
-    column into a new block of 16, which its longest prompt's rows reach: attending the whole cache rounded them
+    column into a new block of 16, which its prompt's rows reach: attending the whole cache rounded them
     differently there."""
-    from lit_grpo.runtime.models import DEFAULT_MODEL, load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, dtype="float32")
-    questions = ["What is 12 + 7?", "Name three colours.", "Compute 3 * 4 - 2, explain."]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True)["input_ids"] for q in questions]
-    cached = max(map(len, prompts)) - 1
-    cap = 8 + (1 - cached - 8) % 16  # cached + cap = 1 (mod 16); 8 with these questions: short rollouts
+    model, tokenizer = smollm2
+    prompts = _chat_prompts(tokenizer, ["Compute 3 * 4 - 2, explain."])
+    cached = len(prompts[0]) - 1
+    cap = 8 + (1 - cached - 8) % 16  # cached + cap = 1 (mod 16); 8 with this question: a short rollout
     settings = dict(group_size=3, micro_group_size=3, strategy="continuous", max_new_tokens=cap, temperature=1.0,
                     seed=3)
     widened, fresh = RolloutEngine(model, tokenizer, **settings), RolloutEngine(model, tokenizer, **settings)
-    widened.generate([prompts[2] * 2])
+    widened.generate([prompts[0] * 2])
     fresh.rollout_index = widened.rollout_index
     results = [engine.generate(prompts) for engine in (widened, fresh)]
     assert widened._cache.width > fresh._cache.width == widened._cache.attended == cached + cap
-    longest = max(range(len(prompts)), key=lambda p: len(prompts[p]))
-    assert max(map(len, results[1].completion_ids[longest])) == cap  # its rows reached the width's end
+    assert max(map(len, results[1].completion_ids[0])) == cap  # its rows reached the width's end
     assert results[0].completion_ids == results[1].completion_ids
     assert results[0].logprobs == results[1].logprobs
 
