@@ -976,39 +976,42 @@ def test_a_policy_whose_logits_are_nan_stops_the_rollout_naming_why(temperature)
 
 
 # ------------------------------------------------------------------------------ the compiled decode step
-def test_a_compiled_step_is_schedule_invariant_greedy_exact_and_compiled_once(tiny_llama):
+def test_a_compiled_step_is_schedule_invariant_samples_as_the_eager_one_and_compiles_once(tiny_llama):
+    """One compilation serves every strategy and later rollouts of other prompts; the compiled rollouts equal each
+    other and the eager step's. Compiled greedy decoding against ``model.generate`` is tests/test_sliding_window.py's
+    (the same fixed-width CPU step): a second compilation here would take as long as all of this test."""
     from torch._dynamo.utils import counters
 
     model, tokenizer = tiny_llama
     prompts = _ids(tokenizer, PROMPTS)
     graphs_before = counters["stats"]["unique_graphs"]
     runs = {}
+    settings = dict(group_size=G, micro_group_size=3, max_new_tokens=10, seed=7)
     # Equal completions across strategies: a determinism claim (the same compiled code on the same shapes, each
     # row computed alone, in one process), so it holds on any CPU.
     for strategy in ("micro", "continuous", "infinite"):
         # the default "infinite" scheduler reads no hidden states: the same step settings, so the same compiled code
-        engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=3, strategy=strategy,
-                               max_new_tokens=10, seed=7, compile=True)
+        engine = RolloutEngine(model, tokenizer, strategy=strategy, compile=True, **settings)
         result = engine.generate(prompts)
-        runs[strategy] = result.completion_ids
+        runs[strategy] = result
         assert result.stats.capture_s > 0 or strategy != "micro"  # the first build pays the compilation
-    assert runs["continuous"] == runs["micro"] and runs["infinite"] == runs["micro"]
+    for strategy in ("continuous", "infinite"):
+        assert runs[strategy].completion_ids == runs["micro"].completion_ids
+        assert runs[strategy].logprobs == runs["micro"].logprobs
+    # The eager step on torch's linears (a compiled step keeps oneDNN's off): fused float32 kernels round differently
+    # (~1e-7), which changes a sampled token only where its uniform is that close to a CDF boundary.
+    eager = RolloutEngine(model, tokenizer, strategy="micro", cpu_linear="torch", **settings).generate(prompts)
+    assert eager.completion_ids == runs["micro"].completion_ids
+    for expected, got in zip(sum(eager.logprobs, []), sum(runs["micro"].logprobs, [])):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-4)
     after_first = counters["stats"]["unique_graphs"]
     assert after_first - graphs_before == 1  # one shape, one settings: one compilation for all three engines
     # Training-like: new prompts of other lengths (same width bucket), the cache freed after every rollout.
-    engine = RolloutEngine(model, tokenizer, group_size=G, micro_group_size=3, strategy="continuous",
-                           max_new_tokens=10, seed=7, compile=True)
+    engine = RolloutEngine(model, tokenizer, strategy="continuous", compile=True, **settings)
     for texts in (PROMPTS[:2], PROMPTS[1:], ["Another prompt of another length?"]):
         engine.generate(_ids(tokenizer, texts))
         engine.release()
     assert counters["stats"]["unique_graphs"] == after_first
-
-    greedy = RolloutEngine(model, tokenizer, group_size=1, max_new_tokens=8, temperature=0.0, compile=True)
-    ids = _ids(tokenizer, PROMPTS[:1])
-    completion = greedy.generate(ids).completion_ids[0][0]
-    expected = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False)[0, len(ids[0]):].tolist()
-    assert_greedy_margin(model, ids[0], expected)  # float32, other kernels: no step is a near tie
-    assert completion == expected[: len(completion)]
 
 
 def test_a_compiled_step_on_a_cpu_attends_by_decode_attention(tiny_llama):
