@@ -266,18 +266,18 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_gathering_a_float32_head_in_bfloat16_is_refused_by_both_functions():
+def test_fsdp2_gathering_a_float32_head_in_bfloat16_is_refused_by_both_functions(tmp_path):
     """FSDP2 (gloo, one CPU rank: what is refused does not depend on the ranks) gathers a sharded weight in its
     mixed precision's param_dtype, the tied head's with the root's: a head cast after sharding, or sharded after
     the cast with a bfloat16 gather, would compute from bfloat16 weights. Gathered in its own dtype it stays
     float32."""
-    import subprocess
-    import sys
-
+    import forked_cli
     from tools.harness import ROOT, free_port, repo_env
 
-    out = subprocess.run([sys.executable, "-c", _SHARDED_HEADS, str(free_port())], cwd=ROOT, env=repo_env(),
-                         capture_output=True, text=True, timeout=300)
+    script = tmp_path / "sharded_heads.py"
+    script.write_text(_SHARDED_HEADS)
+    # a process of its own for the process group, forked warm (an interpreter's start is most of the time)
+    out = forked_cli.run([str(free_port())], ROOT, repo_env(), timeout=300, script=str(script))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
     assert lines["CAST AFTER"].startswith("cast_lm_head_to_fp32 needs an unsharded output head; FSDPLlamaForCausalLM's "
