@@ -9,7 +9,7 @@ import torch
 torch.set_num_threads(1)
 matplotlib.use("Agg")
 
-import math_verify  # noqa: E402,F401
+import math_verify  # noqa: E402
 import matplotlib.pyplot  # noqa: E402,F401
 import reasoning_gym  # noqa: E402
 import torch.distributed.checkpoint  # noqa: E402,F401
@@ -28,4 +28,4 @@ reasoning_gym.create_dataset("basic_arithmetic", size=4, seed=0)
 # The probe sums a buffer of 4 x the last-level cache (GiBs where that cache is large), seconds of every rank's
 # first step; measured here, a forked rank reads it as its process's own (roofline.read_bandwidth keeps it).
 read_bandwidth("cpu")
-del _model, _tokenizer
+del _model, _tokenizer, math_verify  # imported to be warm in every forked rank, not used here
