@@ -166,7 +166,7 @@ class FitSummary(Callback):
         self._fit_started_steps = 0  # self.steps when this fit's training started
         self._resuming = False  # a resumed fit without a checkpoint state whose first batch is still to come
         self._monitors: list[PeakMemoryMonitor] = []  # the fit's, whose largest logged peaks the summary reports
-        self._earlier_memory_peaks: dict[str, dict[str, int]] = {}  # the checkpoint's (_memory_peaks)
+        self._earlier_memory_peaks: dict[str, dict[str, float]] = {}  # the checkpoint's (_memory_peaks)
         # rank 0's threads on a CPU device when this fit's training started (None: not read, or unreadable), and
         # what to do about their wait for cores since then, as of the last step ("" where nothing), and whether the
         # run was told so
@@ -357,8 +357,9 @@ class FitSummary(Callback):
         for where, logged in peaks.items():
             check_state_keys(f"summary state memory_peaks[{where!r}]", logged, ROLLOUT_MEMORY_KEYS,
                              optional=ROLLOUT_MEMORY_KEYS)
-            checked["memory_peaks"][where] = {key: _integer(f"summary state memory_peaks[{where!r}][{key!r}]", value)
-                                              for key, value in logged.items()}
+            # byte counts as PeakMemoryMonitor logged them: floats where the ranks' values were reduced
+            checked["memory_peaks"][where] = {key: check_real(f"summary state memory_peaks[{where!r}][{key!r}]",
+                                                              value, low=0) for key, value in logged.items()}
         return checked
 
     def _elapsed(self) -> float:
@@ -477,7 +478,7 @@ class FitSummary(Callback):
                              + (f" (+{format_bytes(added)} during the rollout)" if added is not None else ""))
         return "; ".join(parts)
 
-    def _memory_peaks(self) -> dict[str, dict[str, int]]:
+    def _memory_peaks(self) -> dict[str, dict[str, float]]:
         """The largest rollout peaks PeakMemoryMonitor logged (``ROLLOUT_MEMORY_KEYS``) by where they were measured:
         ``"device"`` (CUDA, the allocator's) or ``"process"``; earlier fits' included (the checkpoint's)."""
         peaks = {where: dict(logged) for where, logged in self._earlier_memory_peaks.items()}
@@ -593,13 +594,6 @@ def _total(name: str, key: str, value: Any) -> int | float:
     number = _number(value)
     if number is None:
         raise ValueError(f"{name}={value!r:.80} must be a number")
-    return number
-
-
-def _integer(name: str, value: Any) -> int:
-    number = integer_within(value)
-    if number is None:
-        raise ValueError(f"{name}={value!r:.80} must be an integer")
     return number
 
 

@@ -336,7 +336,8 @@ def _saved_summary_state() -> dict:
     saved = FitSummary()
     saved.steps, saved.rewards, saved.accuracy, saved.rollouts, saved.rollout_steps = 4, [0.5, 0.25], [(0, 0.5)], 4, 4
     saved.rollout_totals = dataclasses.replace(saved.rollout_totals, decode_steps=12, generated_tokens=40, wall_s=1.5)
-    saved._earlier_memory_peaks = {"process": {"memory/rollout_peak_bytes": 2**20}}
+    # a float, as the ranks' reduced peaks are logged
+    saved._earlier_memory_peaks = {"process": {"memory/rollout_peak_bytes": float(2**20)}}
     return saved.state_dict()
 
 
@@ -370,7 +371,9 @@ def _summary_change(key, value, *inner):
     (_summary_change("gpu", {}, "memory_peaks"), r"^summary state memory_peaks has unknown keys \['gpu'\]; it holds "
                                                  r"device, process \(each may be absent\)$"),
     (_summary_change("memory/rollout_peak_bytes", "1 MiB", "memory_peaks", "process"),
-     r"^summary state memory_peaks\['process'\]\['memory/rollout_peak_bytes'\]='1 MiB' must be an integer$"),
+     r"^summary state memory_peaks\['process'\]\['memory/rollout_peak_bytes'\]='1 MiB' is not allowed; "),
+    (_summary_change("memory/rollout_peak_bytes", -1.0, "memory_peaks", "process"),
+     r"^summary state memory_peaks\['process'\]\['memory/rollout_peak_bytes'\]=-1.0 is not allowed; "),
 ])
 def test_a_bad_summary_state_is_refused_naming_the_bad_key_and_nothing_is_taken(change, message):
     """A corrupt or foreign checkpoint's summary state is refused naming what is wrong and what is allowed, before
