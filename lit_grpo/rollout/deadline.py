@@ -23,6 +23,11 @@ T = TypeVar("T")
 MAX_DEADLINE_S = threading.TIMEOUT_MAX
 
 
+def deadline_seconds(value: object) -> float | None:
+    """``value`` as a plain float if the timer takes it as a deadline (``deadline_range``), else None."""
+    return real_within(value, 0, MAX_DEADLINE_S, low_open=True)
+
+
 def deadline_range() -> str:
     """The deadlines the timer takes, as a refusal says them: ``> 0 and <= MAX_DEADLINE_S (...)``."""
     return (f"> 0 and <= {MAX_DEADLINE_S:.0f} (about {MAX_DEADLINE_S / (365.25 * 86400):.0f} years, the longest "
@@ -40,7 +45,7 @@ def call_with_deadline(fn: Callable[[], T], seconds: float) -> T:
     A timer already running (an outer deadline, a test runner's timeout) is restored afterwards with the time it
     had left, and the previous SIGALRM handler is put back.
     """
-    given, seconds = seconds, real_within(seconds, 0, MAX_DEADLINE_S, low_open=True)
+    given, seconds = seconds, deadline_seconds(seconds)
     if seconds is None:
         raise ValueError(f"seconds={given!r} must be a number {deadline_range()}")
     if threading.current_thread() is not threading.main_thread():

@@ -32,9 +32,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lit_grpo.rollout.deadline import MAX_DEADLINE_S, DeadlineExceeded, call_with_deadline, deadline_range
+from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline, deadline_range, deadline_seconds
 from lit_grpo.rollout.prompts import message_text
-from lit_grpo.runtime.validation import real_within
 
 #: The answer a completion commits to, in the format lit_grpo's prompts ask for.
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -178,7 +177,7 @@ def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
     """Raise, naming the value, unless ``timeout_s`` is a finite number of seconds > 0, at most the timer's longest
     (``deadline.MAX_DEADLINE_S``), or None (no deadline: the timer takes no infinite one)."""
-    if timeout_s is not None and real_within(timeout_s, 0, MAX_DEADLINE_S, low_open=True) is None:
+    if timeout_s is not None and deadline_seconds(timeout_s) is None:
         raise ValueError(f"math reward timeout_s={timeout_s!r} must be a finite number of seconds {deadline_range()}, "
                          "or None (no deadline)")
 
