@@ -237,6 +237,11 @@ class PromptSampler:
         for name, value in checked.items():
             setattr(self, name, value)
 
+    def check_state_dict(self, state: dict) -> None:
+        """Refuse ``state`` as ``load_state_dict`` would, taking none of it: for the owner of a whole checkpoint's
+        state, which checks every part before any part is taken."""
+        self._checked_state(state)
+
     #: The keys of a state beyond the base's, and those of them an older checkpoint may lack.
     _STATE_KEYS: tuple[str, ...] = ()
     _OPTIONAL_STATE_KEYS: tuple[str, ...] = ()

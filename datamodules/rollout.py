@@ -43,7 +43,7 @@ from lit_grpo.datamodules.random_state import check_rng_states, get_rng_states, 
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
                                       check_reward_columns, check_row_fields, correctness_reward)
-from lit_grpo.rollout.builder import Prompt, RolloutBuilder
+from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_builder_state
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
 from lit_grpo.rollout.tools import ToolBox, checked_tools
@@ -833,18 +833,37 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         return state
 
     def _load_sampler_state(self, state: dict) -> None:
-        state = dict(state)
-        saved = state.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
+        """Take a data state's ``sampler`` (``_checked_sampler_state``)."""
+        self._take_sampler_state(*self._checked_sampler_state(state))
+
+    def _checked_sampler_state(self, state: dict) -> tuple[dict, bool]:
+        """The sampler's own part of a data state's ``sampler`` (the sampler's state and the hash of the training
+        prompts it drew from), checked by the sampler, taking none of it, and whether those prompts hash as this
+        run's did before a chat turn kept its keys beyond role and content (``_check_hashed_without_message_keys``).
+        A refused one is a setting (a ``ConfigError`` caused by a ``SettingsDiffer``)."""
+        own = dict(state)
+        saved = own.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
         with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
             try:
-                self.sampler.load_state_dict(state)
+                self.sampler.check_state_dict(own)
             except ValueError as error:  # another prompt set or curriculum: the checkpoint's settings differ
                 raise SettingsDiffer(str(error)) from None
-            if saved is not None and saved != self._train_fingerprint:
-                self._resume_hashed_without_message_keys(saved)
+            rehashed = saved is not None and saved != self._train_fingerprint
+            if rehashed:
+                self._check_hashed_without_message_keys(saved)
+        return own, rehashed
 
-    def _resume_hashed_without_message_keys(self, saved: str) -> None:
-        """Warn where ``saved``, the checkpoint's hash of its training prompts, is this run's as it was taken before
+    def _take_sampler_state(self, own: dict, rehashed: bool) -> None:
+        """Take what ``_checked_sampler_state`` checked; ``rehashed``: said in a warning."""
+        self.sampler.load_state_dict(own)
+        if rehashed:
+            train = [self.examples[i] for i in self.train_indices]
+            warnings.warn(f"the checkpoint's training prompts are this run's but for their chat messages' keys beyond "
+                          f"role and content ({other_message_keys(train)}), which its run dropped: it resumes, and "
+                          "these prompts now render with them", stacklevel=3)
+
+    def _check_hashed_without_message_keys(self, saved: str) -> None:
+        """Pass where ``saved``, the checkpoint's hash of its training prompts, is this run's as it was taken before
         a chat turn kept its keys beyond role and content (same prompts, same order, same split: it resumes, its
         prompts now rendered with those keys), else refuse it as another prompt set."""
         train = [self.examples[i] for i in self.train_indices]
@@ -854,16 +873,13 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
                                  "or val_size): its place in that set means nothing in this one, and this run's "
                                  "held-out prompts could be trained on; resume with its data settings, or start a new "
                                  "run from its weights (lit-grpo export, then model.model: the export)")
-        warnings.warn(f"the checkpoint's training prompts are this run's but for their chat messages' keys beyond "
-                      f"role and content ({other_message_keys(train)}), which its run dropped: it resumes, and these "
-                      "prompts now render with them", stacklevel=2)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the prompt stream of a checkpoint (works before or after ``setup`` and ``attach``). A run that
-        only evaluates it takes none of the training stream: it may hold out other prompts than the fit did. The
-        state is checked before any of it is taken (its keys, the counts, this rank's random states tried on scratch
-        generators, the sampler's and the engine's states by their owners): a corrupt or foreign one is refused
-        naming the bad key or value."""
+        only evaluates it takes none of the training stream: it may hold out other prompts than the fit did. All or
+        nothing: every part is checked before any owner takes its own (its keys, the counts, this rank's random
+        states tried on scratch generators, the sampler's and the engine's states by their owners), so a corrupt or
+        foreign one is refused naming the bad key or value and leaves the data module as it was."""
         if not self._fitting():
             return
         check_state_keys("a RolloutDataModule state", state_dict, _STATE_KEYS, optional=_STATE_KEYS)
@@ -879,18 +895,20 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
             check_rng_states("data state " + ("rng" if rng is state_dict.get("rng")
                                               else f"rng_by_rank[{self._world()[1]}]"), rng)
         engine = self._own_engine_state(state_dict)
-        # the sampler's and the engine's states, each checked whole by its owner, before this module's own values
-        # and the random states are taken: a refused one leaves them as they were
-        if "sampler" in state_dict:
-            if self.sampler is not None:
-                self._load_sampler_state(state_dict["sampler"])
-            else:
-                self._pending_state["sampler"] = state_dict["sampler"]
-        if engine is not None:
-            if self.builder is not None:
-                self.builder.load_state_dict(engine, self.examples)
-            else:
-                self._pending_state["engine"] = engine
+        sampler = None
+        if "sampler" in state_dict and self.sampler is not None:
+            sampler = self._checked_sampler_state(state_dict["sampler"])
+        if engine is not None and self.builder is None:  # kept for the builder: checked now, not at its first rollout
+            check_builder_state(engine, self.examples, self.sampling, self._toolbox)
+        # the last check: the builder checks its state whole before it takes any of it; nothing below can fail
+        if engine is not None and self.builder is not None:
+            self.builder.load_state_dict(engine, self.examples)
+        elif engine is not None:
+            self._pending_state["engine"] = engine
+        if sampler is not None:
+            self._take_sampler_state(*sampler)
+        elif "sampler" in state_dict:  # checked once setup has built the sampler
+            self._pending_state["sampler"] = state_dict["sampler"]
         self.steps_built, self._in_flight = steps_built, positions
         if rng is not None:
             set_rng_states(rng)

@@ -245,6 +245,16 @@ def test_state_of_another_kind_or_size_is_refused():
         UniformPromptSampler(12).load_state_dict(UniformPromptSampler(10).state_dict())
 
 
+def test_a_sampler_states_check_takes_none_of_it():
+    saved = UniformPromptSampler(10, seed=3)
+    saved.draw(4)
+    sampler = UniformPromptSampler(10, seed=3)
+    before = sampler.state_dict()
+    sampler.check_state_dict(saved.state_dict())
+    assert _same_sampler_state(sampler.state_dict(), before)
+    assert not _same_sampler_state(saved.state_dict(), before)
+
+
 def _same_sampler_state(a: dict, b: dict) -> bool:
     """Whether two sampler states are equal, tensors exactly (NaN equal to NaN)."""
     if list(a) != list(b):

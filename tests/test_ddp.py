@@ -127,7 +127,8 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
 
     from lit_grpo.datamodules.rollout import RolloutDataModule
 
-    data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0)
+    # the fit's group size: the carried groups are checked as the data state is loaded, against this run's
+    data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0, sampling={"group_size": 4})
     data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
     data.load_state_dict(state)
     assert data._pending_state["engine"] == by_rank[1]

@@ -459,8 +459,8 @@ def test_a_bad_builder_state_is_refused_naming_the_bad_key_and_nothing_is_taken(
 
 
 def test_a_bad_engine_state_is_refused_when_it_is_loaded_not_when_the_engine_is_built(policy):
-    """A builder takes the engine's state before its engine is built: the keys and the rollout index are checked
-    then, not at the first rollout."""
+    """A builder takes the engine's state before its engine is built: the keys, the rollout index and the
+    scheduler's state (on a scratch scheduler of the strategy) are checked then, not at the first rollout."""
     model, tokenizer = policy
     state = _with_tokens(_partial_builder(policy).state_dict())
     fresh = RolloutBuilder(model, tokenizer, SamplingConfig(group_size=2, micro_group_size=2, strategy="infinite",
@@ -468,6 +468,10 @@ def test_a_bad_engine_state_is_refused_when_it_is_loaded_not_when_the_engine_is_
                            build_reward_funcs(["char_fraction"]), training=TrainingConfig(prompts_per_step=2))
     with pytest.raises(ValueError, match=r"^rollout_index=None is not allowed"):
         fresh.load_state_dict({**state, "rollout_index": None})
+    assert fresh._pending_engine_state is None and fresh.carried == []
+    with pytest.raises(ValueError, match=r"^scheduler state groups\[0\]=\[\] is not allowed; a finished group is a "
+                                         r"non-empty list"):
+        fresh.load_state_dict({**state, "scheduler": {"groups": [[]]}})
     assert fresh._pending_engine_state is None and fresh.carried == []
     fresh.load_state_dict(state)
     assert fresh.engine.rollout_index == 1 and fresh.carried[0].samples[0].tokens == [5, 6]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,7 +39,7 @@ from lit_grpo.rollout.prompts import PromptExample, answer_text
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, check_prompt_form, correctness_reward, own_copy,
                                      reward_arguments, score_rewards)
-from lit_grpo.rollout.slot_memory import SlotMemory, check_max_prompt_length, checked_kv_budget
+from lit_grpo.rollout.slot_memory import KVBudget, SlotMemory, check_max_prompt_length, checked_kv_budget
 from lit_grpo.rollout.tools import ToolBox, ToolRollout, check_without_partial_rollouts
 from lit_grpo.runtime.distributed import RolloutWeights
 from lit_grpo.runtime.models import eval_mode
@@ -54,7 +54,7 @@ from lit_grpo.runtime.validation import (
     real_within,
 )
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
-from lit_grpo.sampling.engine import checked_rollout_index
+from lit_grpo.sampling.engine import check_engine_state
 from lit_grpo.sampling.carry import plan_partial_rollout
 from lit_grpo.sampling.random_streams import rank_seed
 from lit_grpo.sampling.stats import merge_stats
@@ -285,35 +285,23 @@ class RolloutBuilder:
         return state
 
     def load_state_dict(self, state: dict, examples: Sequence[PromptExample] | None = None) -> None:
-        """Take back ``state_dict``'s state, checked whole before any of it is taken (the carried groups, the KV
-        budget, the engine's state: its scheduler's checked where the engine is built, else when it is), so that a
-        corrupt or foreign one, refused naming the bad key or value, leaves the builder as it was. ``examples``: the
-        prompt set the carried groups' indices point into (``Prompt.index``); a carried group whose prompt is the
-        one there gets its gold answer from it, as the row holds it (``_source_answer``)."""
-        check_state_keys("a rollout builder state", state, _STATE_KEYS, optional=_STATE_KEYS)
-        state = dict(state)
-        carried = state.pop("carried", [])
-        if not isinstance(carried, (list, tuple)):
-            raise ValueError(f"builder state carried={carried!r:.80} must be a list of carried groups")
-        if carried and self.tools is not None:  # they would finish without tool rounds, in a rollout of their own
-            raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
-                             "(over_provision > 1), and tool calling (data.tools) does not run with partial "
-                             "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
-        groups = [_carried_group(entry, examples, f"builder state carried[{index}]", self.sampling.group_size)
-                  for index, entry in enumerate(carried)]
-        # a checkpoint without it: a run that trained
-        groups_scored = check_int("builder state groups_scored", state.pop("groups_scored", 1), 0)
-        budget = checked_kv_budget(state.pop("kv_budget", None))
-        # the rest is the engine's, taken last: only the engine's own checks may fail after this
-        if not state:  # a state from before the engine was built: the next rollout builds it afresh
+        """Take back ``state_dict``'s state, checked whole before any of it is taken (``checked_builder_state``; the
+        engine's state by the engine, or where it is not built yet on a scratch scheduler of the strategy:
+        ``check_engine_state``), so that a corrupt or foreign one, refused naming the bad key or value, leaves the
+        builder as it was. ``examples``: the prompt set the carried groups' indices point into (``Prompt.index``); a
+        carried group whose prompt is the one there gets its gold answer from it, as the row holds it
+        (``_source_answer``)."""
+        checked = checked_builder_state(state, examples, self.sampling, self.tools)
+        # the engine's part is taken last: only the engine's own checks may fail after this
+        if not checked.engine:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
         elif self._engine is not None:
-            self._engine.load_state_dict(state)  # checked whole before it takes any of it
+            self._engine.load_state_dict(checked.engine)  # checked whole before it takes any of it
         else:
-            checked_rollout_index(state)  # its scheduler's state is checked where the engine is built
-            self._pending_engine_state = state
-        self.carried, self._groups_scored = groups, groups_scored
-        self.slot_memory.resume_kv_budget(budget)
+            check_engine_state(checked.engine, self.sampling)
+            self._pending_engine_state = checked.engine
+        self.carried, self._groups_scored = checked.carried, checked.groups_scored
+        self.slot_memory.resume_kv_budget(checked.kv_budget)
 
     @contextlib.contextmanager
     def rollout_scope(self, keep: bool | None = None) -> Iterator[None]:
@@ -717,6 +705,46 @@ def _carried_state(group: GroupProgress) -> dict:
 #: The keys of a rollout builder's state: the engine's, the carried groups, the count of groups scored and the KV
 #: budget read from the device; each may be absent (a state from before the engine was built is empty).
 _STATE_KEYS = ("rollout_index", "scheduler", "carried", "groups_scored", "kv_budget")
+
+
+class CheckedBuilderState(NamedTuple):
+    """A rollout builder's state (``RolloutBuilder.state_dict``'s) checked by ``checked_builder_state``, as the
+    builder takes it: the engine's part still the engine's to check."""
+
+    carried: list[GroupProgress]
+    groups_scored: int
+    kv_budget: KVBudget | None
+    engine: dict  # empty: a state from before the engine was built
+
+
+def checked_builder_state(state: Any, examples: Sequence[PromptExample] | None, sampling: SamplingConfig,
+                          tools: ToolBox | None) -> CheckedBuilderState:
+    """``state`` checked for a builder of ``sampling`` and ``tools`` (``examples``: the prompt set its carried
+    groups point into), the engine's part apart, else a ValueError naming the bad key or value."""
+    check_state_keys("a rollout builder state", state, _STATE_KEYS, optional=_STATE_KEYS)
+    state = dict(state)
+    carried = state.pop("carried", [])
+    if not isinstance(carried, (list, tuple)):
+        raise ValueError(f"builder state carried={carried!r:.80} must be a list of carried groups")
+    if carried and tools is not None:  # they would finish without tool rounds, in a rollout of their own
+        raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
+                         "(over_provision > 1), and tool calling (data.tools) does not run with partial "
+                         "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
+    groups = [_carried_group(entry, examples, f"builder state carried[{index}]", sampling.group_size)
+              for index, entry in enumerate(carried)]
+    # a checkpoint without it: a run that trained
+    groups_scored = check_int("builder state groups_scored", state.pop("groups_scored", 1), 0)
+    budget = checked_kv_budget(state.pop("kv_budget", None))
+    return CheckedBuilderState(groups, groups_scored, budget, state)
+
+
+def check_builder_state(state: Any, examples: Sequence[PromptExample] | None, sampling: SamplingConfig,
+                        tools: ToolBox | None) -> None:
+    """Refuse ``state`` as ``RolloutBuilder.load_state_dict`` of a builder not built yet would, without one: for
+    the data module, which keeps a state until it builds its builder, checked now and not at the first rollout."""
+    engine = checked_builder_state(state, examples, sampling, tools).engine
+    if engine:
+        check_engine_state(engine, sampling)
 
 
 def _carried_group(state: Any, examples: Sequence[PromptExample] | None = None, name: str = "carried group",

@@ -42,6 +42,7 @@ so there the same g gives equal completions up to the rounding of attention at a
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from numbers import Integral
 from typing import Any, Sequence
@@ -542,6 +543,19 @@ def checked_rollout_index(state: Any) -> int:
     check_state_keys("an engine state", state, ("rollout_index", "scheduler"), ("scheduler",))
     # the stream key holds 32 bits of it: a larger index would draw an earlier rollout's numbers again
     return check_int_in_range("rollout_index", state["rollout_index"], 0, 2**32 - 1)
+
+
+def check_engine_state(state: Any, config: SamplingConfig) -> None:
+    """Refuse ``state`` (``RolloutEngine.state_dict``'s) as ``load_state_dict`` of an engine of ``config`` would
+    (a ValueError naming the bad key or value), without an engine: for the owner of a state kept until its engine is
+    built, checked now and not at its first rollout. The scheduler's state is loaded into a scratch scheduler of the
+    strategy, its warnings left to the load that takes it."""
+    checked_rollout_index(state)
+    scheduler = _default_scheduler(config)
+    if "scheduler" in state and hasattr(scheduler, "load_state_dict"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scheduler.load_state_dict(state["scheduler"])
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
