@@ -80,6 +80,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.validation import (
     check_choice,
     check_int,
@@ -89,6 +90,7 @@ from lit_grpo.runtime.validation import (
     config_errors,
     integer_within,
     real_within,
+    shown_value,
 )
 
 __all__ = ["CURRICULA", "Curriculum", "AngleCurriculumSampler", "PromptSampler", "UniformPromptSampler",
@@ -248,16 +250,10 @@ class PromptSampler:
 
     def _checked_state(self, state: Any) -> dict[str, Any]:
         """``state``'s values, checked, by the attribute each sets (the generator's state apart), else a ValueError
-        naming the bad key or value: a sampler of another kind or over another number of prompts first, as a
-        setting that differs."""
-        if isinstance(state, Mapping) and state.get("kind") != type(self).__name__:
-            raise ValueError(f"state kind={state.get('kind')!r} cannot be loaded into {type(self).__name__}; "
-                             f"it needs kind={type(self).__name__!r}")
-        if isinstance(state, Mapping) and state.get("num_prompts") != self.num_prompts:
-            raise ValueError(f"state num_prompts={state.get('num_prompts')!r} does not match this sampler's "
-                             f"num_prompts={self.num_prompts}: the checkpoint drew from another set of training "
-                             "prompts (other data settings, or a split made before validation held out repeated "
-                             "prompts whole); resume with its data settings, or start a new run")
+        naming the bad key or value: a sampler of another curriculum or over another number of prompts first
+        (``_check_same_sampler``)."""
+        if isinstance(state, Mapping):
+            self._check_same_sampler(state)
         check_state_keys(f"a {type(self).__name__} state", state, ("kind", "num_prompts", "generator")
                          + self._STATE_KEYS, self._OPTIONAL_STATE_KEYS)
         generator = state["generator"]
@@ -267,6 +263,25 @@ class PromptSampler:
             raise ValueError(f"sampler state generator is not a random generator's state (torch.Generator."
                              f"get_state()'s): {error}") from None
         return {"generator": generator}
+
+    def _check_same_sampler(self, state: Mapping) -> None:
+        """Raise a ``SettingsDiffer`` where ``state`` is a sampler's of another curriculum or over another number of
+        prompts (a checkpoint of another run's settings), and a ValueError where its kind or count is no sampler's
+        (a corrupt one)."""
+        kind, own = state.get("kind"), type(self).__name__
+        if kind != own:
+            if not isinstance(kind, str) or kind not in _CURRICULUM_OF_KIND:
+                raise ValueError(f"state kind={shown_value(kind)} is not allowed; it must be a prompt sampler's, one "
+                                 f"of {list(_CURRICULUM_OF_KIND)}")
+            curricula = (f" (the checkpoint's curriculum={_CURRICULUM_OF_KIND[kind]!r}, this run's "
+                         f"{_CURRICULUM_OF_KIND[own]!r})" if own in _CURRICULUM_OF_KIND else "")
+            raise SettingsDiffer(f"state kind={kind!r} cannot be loaded into {own}; it needs kind={own!r}{curricula}")
+        num_prompts = check_int("state num_prompts", state.get("num_prompts"), 1)
+        if num_prompts != self.num_prompts:
+            raise SettingsDiffer(f"state num_prompts={num_prompts} does not match this sampler's "
+                                 f"num_prompts={self.num_prompts}: the checkpoint drew from another set of training "
+                                 "prompts (other data settings, or a split made before validation held out repeated "
+                                 "prompts whole); resume with its data settings, or start a new run")
 
     def _prompt_indices(self, name: str, indices: Any, permutation: bool = False) -> list[int]:
         """``indices`` (a list, or an integer tensor, of prompt indices; where ``permutation``, each prompt once) as
@@ -555,6 +570,10 @@ class AngleCurriculumSampler(PromptSampler):
             raise ValueError(f"sampler state scores must be None or a tensor of {self.num_prompts} finite scores, one "
                              f"per prompt, not {said}")
         return tensor
+
+
+#: The curriculum each prompt sampler serves, by its kind (a sampler state's ``kind``).
+_CURRICULUM_OF_KIND = {UniformPromptSampler.__name__: "none", AngleCurriculumSampler.__name__: "angle"}
 
 
 def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_batch_size: Any) -> int:

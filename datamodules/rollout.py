@@ -19,12 +19,13 @@ goes back to the sampler at the end of the step (``_StepDraw``), counted in ``da
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -61,6 +62,7 @@ from lit_grpo.runtime.validation import (
     config_errors,
     integer_within,
     settings_from,
+    shown_value,
 )
 
 
@@ -71,6 +73,16 @@ GOLD_COLUMNS = ("solution", "ground_truth")
 TRAIN_PROMPTS_KEY = "train_prompts"
 #: The keys of a data state (``RolloutDataModule.state_dict``); each may be absent (older checkpoints, one rank's).
 _STATE_KEYS = ("steps_built", "rng", "rng_by_rank", "in_flight", "sampler", "engine", "engine_by_rank")
+
+
+@contextlib.contextmanager
+def _settings_differences_said() -> Iterator[None]:
+    """A checkpoint of another run's settings (a ``SettingsDiffer``) refused as a setting of ``--ckpt_path``: a
+    ``ConfigError`` caused by it, which the CLI says may be another experiment's run; other errors as they are."""
+    try:
+        yield
+    except SettingsDiffer as error:
+        raise ConfigError(f"--ckpt_path: {error}") from error
 
 
 def curriculum_accuracy(sums: torch.Tensor) -> float | None:
@@ -832,22 +844,27 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
             state["engine"] = self.builder.state_dict()
         return state
 
-    def _load_sampler_state(self, state: dict) -> None:
+    def _load_sampler_state(self, state: Any) -> None:
         """Take a data state's ``sampler`` (``_checked_sampler_state``)."""
         self._take_sampler_state(*self._checked_sampler_state(state))
 
-    def _checked_sampler_state(self, state: dict) -> tuple[dict, bool]:
+    def _checked_sampler_state(self, state: Any) -> tuple[dict, bool]:
         """The sampler's own part of a data state's ``sampler`` (the sampler's state and the hash of the training
         prompts it drew from), checked by the sampler, taking none of it, and whether those prompts hash as this
         run's did before a chat turn kept its keys beyond role and content (``_check_hashed_without_message_keys``).
-        A refused one is a setting (a ``ConfigError`` caused by a ``SettingsDiffer``)."""
+        A checkpoint of another curriculum or prompt set is refused as a setting (a ``ConfigError`` caused by a
+        ``SettingsDiffer``, which the CLI says may be another experiment's run); a corrupt one is a ValueError
+        naming the bad key or value."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"data state sampler={shown_value(state, 80)} is not allowed; it must be a prompt "
+                             "sampler's state (a mapping)")
         own = dict(state)
         saved = own.pop(TRAIN_PROMPTS_KEY, None)  # None: a checkpoint from before the prompts were hashed
-        with config_errors("--ckpt_path"):  # a checkpoint of another prompt set: a setting, said as one
-            try:
-                self.sampler.check_state_dict(own)
-            except ValueError as error:  # another prompt set or curriculum: the checkpoint's settings differ
-                raise SettingsDiffer(str(error)) from None
+        if saved is not None and not isinstance(saved, str):
+            raise ValueError(f"sampler state {TRAIN_PROMPTS_KEY}={shown_value(saved, 80)} is not allowed; it must be "
+                             "the hash of the training prompts (a string)")
+        with _settings_differences_said():
+            self.sampler.check_state_dict(own)
             rehashed = saved is not None and saved != self._train_fingerprint
             if rehashed:
                 self._check_hashed_without_message_keys(saved)

@@ -1,5 +1,6 @@
 """A resume from a checkpoint is all or nothing and says what is wrong: the data state's owners (the prompt sampler,
-the rollout builder and its engine) are all checked before any of them takes its part."""
+the rollout builder and its engine) are all checked before any of them takes its part; a corrupt sampler state is
+a corrupt value, not another run's settings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from datamodule_helpers import datamodule_arguments
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
+from lit_grpo.runtime.checkpoints import SettingsDiffer
+from lit_grpo.runtime.validation import ConfigError
 
 
 def _set_up(**kwargs) -> RolloutDataModule:
@@ -74,3 +77,46 @@ def test_a_sound_data_state_is_taken_by_every_owner(tiny_llama, built):
     saved_sampler = {key: value for key, value in state["sampler"].items() if key != "train_prompts"}
     assert _same_state(data.sampler.state_dict(), saved_sampler)
     assert data.steps_built == 1 and data.engine.rollout_index == 3
+
+
+# ------------------------------------------------------------------------------ corrupt, or another run's
+@pytest.mark.parametrize("change, message", [
+    (lambda sampler: sampler.update(position=-1), r"^sampler state position=-1 is not allowed"),
+    (lambda sampler: sampler.update(epoch="1"), r"^sampler state epoch='1' is not allowed"),
+    (lambda sampler: sampler.update(permutation=[0, 0, 1]), r"^sampler state permutation must be a permutation"),
+    (lambda sampler: sampler.update(num_prompts="10"), r"^state num_prompts='10' must be an integer >= 1$"),
+    (lambda sampler: sampler.update(kind="Garbage"), r"^state kind='Garbage' is not allowed; it must be a "
+                                                     r"prompt sampler's, one of \['UniformPromptSampler', "
+                                                     r"'AngleCurriculumSampler'\]$"),
+    (lambda sampler: sampler.update(train_prompts=5), r"^sampler state train_prompts=5 is not allowed; it must be the "
+                                                      r"hash of the training prompts \(a string\)"),
+])
+def test_a_corrupt_sampler_state_is_a_plain_error_naming_the_bad_value_not_another_runs_settings(change, message):
+    """Every ValueError of the sampler was said as a checkpoint of another prompt set or curriculum (a
+    SettingsDiffer), which the CLI then names as another experiment's run."""
+    state = _moved_sampler_state()
+    change(state["sampler"])
+    data = _set_up()
+    with pytest.raises(ValueError, match=message) as refused:
+        data.load_state_dict(state)
+    assert not isinstance(refused.value, (ConfigError, SettingsDiffer))
+
+
+def test_a_data_state_whose_sampler_state_is_no_mapping_is_refused_naming_it():
+    state = {**_moved_sampler_state(), "sampler": 5}
+    with pytest.raises(ValueError, match=r"^data state sampler=5 is not allowed; it must be a prompt sampler's state "
+                                         r"\(a mapping\)$") as refused:
+        _set_up().load_state_dict(state)
+    assert not isinstance(refused.value, ConfigError)
+
+
+@pytest.mark.parametrize("saved, now, message", [
+    ({"curriculum": "angle"}, {}, r"^--ckpt_path: state kind='AngleCurriculumSampler' cannot be loaded into "
+                                  r"UniformPromptSampler"),
+    ({"val_size": 4}, {}, r"^--ckpt_path: state num_prompts=8 does not match this sampler's num_prompts=10"),
+])
+def test_a_sampler_state_of_another_curriculum_or_prompt_set_is_another_runs_settings(saved, now, message):
+    state = _moved_sampler_state(**saved)
+    with pytest.raises(ConfigError, match=message) as refused:
+        _set_up(**now).load_state_dict(state)
+    assert isinstance(refused.value.__cause__, SettingsDiffer)

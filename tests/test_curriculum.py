@@ -245,6 +245,34 @@ def test_state_of_another_kind_or_size_is_refused():
         UniformPromptSampler(12).load_state_dict(UniformPromptSampler(10).state_dict())
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda state: state.update(kind="Garbage"), r"^state kind='Garbage' is not allowed; it must be a prompt "
+                                                 r"sampler's, one of \['UniformPromptSampler', "
+                                                 r"'AngleCurriculumSampler'\]$"),
+    (lambda state: state.update(kind=["UniformPromptSampler"]), r"^state kind=\['UniformPromptSampler'\] is not "
+                                                                r"allowed"),
+    (lambda state: state.update(num_prompts=10.0), r"^state num_prompts=10.0 must be an integer >= 1$"),
+    (lambda state: state.pop("num_prompts"), r"^state num_prompts=None must be an integer >= 1$"),
+])
+def test_a_corrupt_sampler_kind_or_count_is_a_plain_error_and_another_curriculum_or_count_another_runs_settings(
+        change, message):
+    """A sampler of another curriculum or over another number of prompts is a checkpoint of other settings (a
+    SettingsDiffer, which the CLI says may be another experiment's run); a kind or a count that is no sampler's is a
+    corrupt value, said as one."""
+    from lit_grpo.runtime.checkpoints import SettingsDiffer
+
+    with pytest.raises(SettingsDiffer, match=r"kind='UniformPromptSampler'.*\(the checkpoint's curriculum='none', this "
+                                             r"run's 'angle'\)$"):
+        AngleCurriculumSampler(10).load_state_dict(UniformPromptSampler(10).state_dict())
+    with pytest.raises(SettingsDiffer, match=r"^state num_prompts=10 does not match this sampler's num_prompts=12"):
+        UniformPromptSampler(12).check_state_dict(UniformPromptSampler(10).state_dict())
+    state = UniformPromptSampler(10).state_dict()
+    change(state)
+    with pytest.raises(ValueError, match=message) as refused:
+        UniformPromptSampler(10).load_state_dict(state)
+    assert not isinstance(refused.value, SettingsDiffer)
+
+
 def test_a_sampler_states_check_takes_none_of_it():
     saved = UniformPromptSampler(10, seed=3)
     saved.draw(4)
