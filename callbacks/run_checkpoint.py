@@ -3,13 +3,15 @@ on SIGTERM or Ctrl-C."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -18,7 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, check_writable, finish_interrupted_swaps,
                                           remove_stale_partials, remove_staged, staging_path, swap_in_staged)
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
-from lit_grpo.runtime.validation import ConfigError, check_bool, check_folder, check_int
+from lit_grpo.runtime.validation import (ConfigError, check_bool, check_folder, check_int, check_state_keys,
+                                         shown_value)
 
 from ._paths import shown_path
 from ._rollout import accumulating
@@ -210,11 +213,37 @@ class RunCheckpoint(ModelCheckpoint):
         return STOP_SIGNAL.requested
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning's restore, except for a checkpoint saved in another folder (validated, or resumed by its path
-        into a new run): this callback ranks no checkpoints and keeps this run's own ``last.ckpt``, so nothing of
-        the other folder's applies, and Lightning's warning that its top-k state is not reloaded says nothing."""
+        """Lightning's restore of a state checked whole first (``_check_lightning_state``: a corrupt or foreign one
+        is refused naming the bad key or value, and leaves the callback as it was), except for a checkpoint saved in
+        another folder (validated, or resumed by its path into a new run): this callback ranks no checkpoints and
+        keeps this run's own ``last.ckpt``, so nothing of the other folder's applies, and Lightning's warning that its
+        top-k state is not reloaded says nothing."""
+        self._check_lightning_state(state_dict)
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:
             super().load_state_dict(state_dict)
+
+    def _check_lightning_state(self, state: Any) -> None:
+        """Refuse, naming the bad key or value, a state that is not Lightning's ``ModelCheckpoint.state_dict`` (the
+        keys this Lightning writes; those its restore reads by name required, the others may be absent, as in an
+        older Lightning's) with values of the types it writes."""
+        keys = tuple(super().state_dict())
+        check_state_keys("a RunCheckpoint state", state, keys,
+                         [key for key in keys if key not in ("best_model_score", "best_model_path")])
+        prefix = "RunCheckpoint state "
+        for key, value in state.items():
+            name = prefix + key
+            if key == "dirpath":
+                check_folder(name, value, "Lightning's checkpoint folder")
+            elif key == "monitor" and not (value is None or isinstance(value, str)):
+                raise ValueError(f"{name}={shown_value(value)} is not allowed; it must be None or a logged key (a "
+                                 "string)")
+            elif key in ("best_model_score", "current_score", "kth_value"):
+                _check_score(name, value, none=key != "kth_value")
+            elif key.endswith("_path") and not isinstance(value, str):
+                raise ValueError(f"{name}={shown_value(value)} is not allowed; it must be a path (a string, empty "
+                                 "for none)")
+            elif key == "best_k_models":
+                _check_scores_by_path(name, value)
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Lightning's save, or for a sharded checkpoint (a folder every rank writes, bypassing ``checkpoint_io``)
@@ -264,6 +293,25 @@ class RunCheckpoint(ModelCheckpoint):
         path = shown_path(self.last_model_path)
         print(f"{stopped}; saved to {path}", flush=True)
         print(f"  resume: {self.resume_command or fit_resume(path)}", flush=True)
+
+
+def _check_score(name: str, value: Any, none: bool = False) -> None:
+    """Refuse, naming it, a ``ModelCheckpoint`` score that is not a real number or a tensor of one (or None where
+    ``none``): a monitored metric's value, which may be infinite or NaN."""
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if (value is None and none) or (isinstance(number, numbers.Real) and not isinstance(number, bool)):
+        return
+    raise ValueError(f"{name}={shown_value(value)} is not allowed; it must be " + ("None or " if none else "")
+                     + "a score (a number, or a tensor of one)")
+
+
+def _check_scores_by_path(name: str, value: Any) -> None:
+    """Refuse, naming the bad entry, a ``best_k_models`` that is not a mapping of checkpoint paths to scores."""
+    if not isinstance(value, Mapping) or not all(isinstance(path, str) for path in value):
+        raise ValueError(f"{name}={shown_value(value)} is not allowed; it must be a mapping of checkpoint paths to "
+                         "scores")
+    for path, score in value.items():
+        _check_score(f"{name}[{path!r}]", score)
 
 
 def fit_resume(path: str) -> str:

@@ -1,6 +1,6 @@
 """A resume from a checkpoint is all or nothing and says what is wrong: the data state's owners (the prompt sampler,
 the rollout builder and its engine) are all checked before any of them takes its part; a corrupt sampler state is
-a corrupt value, not another run's settings."""
+a corrupt value, not another run's settings; the checkpoint callback's state is checked before Lightning takes it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from datamodule_helpers import datamodule_arguments
 
+from lit_grpo.callbacks.run_checkpoint import RunCheckpoint
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.validation import ConfigError
@@ -120,3 +121,52 @@ def test_a_sampler_state_of_another_curriculum_or_prompt_set_is_another_runs_set
     with pytest.raises(ConfigError, match=message) as refused:
         _set_up(**now).load_state_dict(state)
     assert isinstance(refused.value.__cause__, SettingsDiffer)
+
+
+# ------------------------------------------------------------------------------ the checkpoint callback
+def _run_checkpoint_state(tmp_path) -> tuple[RunCheckpoint, dict]:
+    callback = RunCheckpoint(dirpath=str(tmp_path))
+    saved = RunCheckpoint(dirpath=str(tmp_path))
+    saved.best_model_path = saved.last_model_path = str(tmp_path / "last.ckpt")
+    saved.best_model_score = torch.tensor(0.5)
+    return callback, saved.state_dict()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("best_model_score", "abc", r"^RunCheckpoint state best_model_score='abc' is not allowed; it must be None or a "
+                                r"score \(a number, or a tensor of one\)$"),
+    ("best_model_score", torch.ones(2), r"^RunCheckpoint state best_model_score=tensor\(\[1., 1.\]\) is not allowed"),
+    ("kth_value", None, r"^RunCheckpoint state kth_value=None is not allowed; it must be a score \(a number, or a "
+                        r"tensor of one\)$"),
+    ("dirpath", 5, r"^RunCheckpoint state dirpath=5 must be a folder's path or None"),
+    ("best_model_path", None, r"^RunCheckpoint state best_model_path=None is not allowed; it must be a path \(a "
+                              r"string, empty for none\)$"),
+    ("last_model_path", 3, r"^RunCheckpoint state last_model_path=3 is not allowed; it must be a path"),
+    ("monitor", 1, r"^RunCheckpoint state monitor=1 is not allowed; it must be None or a logged key \(a string\)$"),
+    ("best_k_models", ["a"], r"^RunCheckpoint state best_k_models=\['a'\] is not allowed; it must be a mapping of "
+                             r"checkpoint paths to scores$"),
+    ("best_k_models", {"a.ckpt": "x"}, r"^RunCheckpoint state best_k_models\['a.ckpt'\]='x' is not allowed; it must "
+                                       r"be a score"),
+    ("top_k", 3, r"^a RunCheckpoint state has unknown keys \['top_k'\]; it holds monitor, best_model_score, "),
+])
+def test_a_corrupt_run_checkpoint_state_is_refused_naming_the_key_and_nothing_is_taken(tmp_path, key, value, message):
+    callback, state = _run_checkpoint_state(tmp_path)
+    state[key] = value
+    before = callback.state_dict()
+    with pytest.raises(ValueError, match=message):
+        callback.load_state_dict(state)
+    assert _same_state(callback.state_dict(), before)
+
+
+def test_a_run_checkpoint_state_lacking_what_lightning_reads_is_refused():
+    callback = RunCheckpoint()
+    with pytest.raises(ValueError, match=r"^a RunCheckpoint state lacks \['best_model_score'\]"):
+        callback.load_state_dict({"best_model_path": ""})
+
+
+def test_lightnings_own_run_checkpoint_state_is_taken(tmp_path):
+    callback, state = _run_checkpoint_state(tmp_path)
+    state["best_k_models"] = {str(tmp_path / "a.ckpt"): torch.tensor(0.25), str(tmp_path / "b.ckpt"): 0.5}
+    callback.load_state_dict(state)
+    assert callback.best_model_path == str(tmp_path / "last.ckpt") and float(callback.best_model_score) == 0.5
+    assert list(callback.best_k_models) == [str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")]
