@@ -1,8 +1,11 @@
 """A resume from a checkpoint is all or nothing and says what is wrong: the data state's owners (the prompt sampler,
 the rollout builder and its engine) are all checked before any of them takes its part; a corrupt sampler state is
-a corrupt value, not another run's settings; the checkpoint callback's state is checked before Lightning takes it."""
+a corrupt value, not another run's settings; the checkpoint callback's state is checked before Lightning takes it;
+and an engine resumed with another strategy than the one that saved its scheduler's state says what it drops."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from lit_grpo.callbacks.run_checkpoint import RunCheckpoint
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.runtime.checkpoints import SettingsDiffer
 from lit_grpo.runtime.validation import ConfigError
+from lit_grpo.sampling import RolloutEngine
 
 
 def _set_up(**kwargs) -> RolloutDataModule:
@@ -170,3 +174,37 @@ def test_lightnings_own_run_checkpoint_state_is_taken(tmp_path):
     callback.load_state_dict(state)
     assert callback.best_model_path == str(tmp_path / "last.ckpt") and float(callback.best_model_score) == 0.5
     assert list(callback.best_k_models) == [str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")]
+
+
+# ------------------------------------------------------------------------------ another strategy
+def _engine(tiny_llama, strategy: str) -> RolloutEngine:
+    model, tokenizer = tiny_llama
+    return RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy=strategy, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("strategy", ["full", "micro", "continuous"])
+def test_a_scheduler_state_resumed_by_a_strategy_that_keeps_none_is_dropped_and_said(tiny_llama, strategy):
+    saved = _engine(tiny_llama, "infinite")
+    saved.scheduler.groups.append([3, 5, 8, 2])
+    engine = _engine(tiny_llama, strategy)
+    with pytest.warns(UserWarning, match=rf"^the checkpoint's engine state holds its scheduler's state \(the "
+                                         rf"'infinite' strategy keeps one\); this run's strategy={strategy!r} keeps "
+                                         rf"none and drops it: resume with strategy 'infinite' to keep it$"):
+        engine.load_state_dict(saved.state_dict())
+    assert engine.rollout_index == saved.rollout_index
+
+
+def test_an_engine_state_of_a_strategy_that_keeps_none_starts_the_infinite_scheduler_fresh_and_says_so(tiny_llama):
+    engine = _engine(tiny_llama, "infinite")
+    with pytest.warns(UserWarning, match=r"^the checkpoint's engine state holds no scheduler state \(its strategy "
+                                         r"keeps none\); this run's strategy='infinite' starts its scheduler fresh$"):
+        engine.load_state_dict({"rollout_index": 4})
+    assert engine.rollout_index == 4 and not engine.scheduler.groups
+
+
+@pytest.mark.parametrize("strategy", ["infinite", "continuous"])
+def test_a_scheduler_state_resumed_by_the_same_strategy_says_nothing(tiny_llama, strategy):
+    saved = _engine(tiny_llama, strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _engine(tiny_llama, strategy).load_state_dict(saved.state_dict())

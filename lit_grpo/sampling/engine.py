@@ -333,11 +333,28 @@ class RolloutEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Take ``state`` (``state_dict``'s, from a checkpoint), checked whole first (``checked_rollout_index``; the
-        scheduler checks its own state before taking any of it): a bad one leaves the engine as it was."""
+        scheduler checks its own state before taking any of it): a bad one leaves the engine as it was. Saved with
+        another strategy, it resumes (the strategy schedules the samples, it does not change them), said where the
+        scheduler's state is dropped or starts fresh (``_warn_other_scheduler``)."""
         rollout_index = checked_rollout_index(state)
-        if "scheduler" in state and hasattr(self.scheduler, "load_state_dict"):
+        keeps_state = hasattr(self.scheduler, "load_state_dict")
+        if "scheduler" in state and keeps_state:
             self.scheduler.load_state_dict(state["scheduler"])
+        self._warn_other_scheduler("scheduler" in state, keeps_state)
         self.rollout_index = rollout_index
+
+    def _warn_other_scheduler(self, saved: bool, keeps_state: bool) -> None:
+        """Warn where the checkpoint holds a scheduler state (``saved``) and this run's scheduler keeps none, or the
+        other way round, as a resume with another scheduler's settings says what it drops
+        (``LeastAttainedScheduler.load_state_dict``)."""
+        strategy = self.config.strategy
+        if saved and not keeps_state:
+            warnings.warn(f"the checkpoint's engine state holds its scheduler's state (the 'infinite' strategy keeps "
+                          f"one); this run's strategy={strategy!r} keeps none and drops it: resume with strategy "
+                          "'infinite' to keep it", stacklevel=3)
+        elif keeps_state and not saved:
+            warnings.warn(f"the checkpoint's engine state holds no scheduler state (its strategy keeps none); this "
+                          f"run's strategy={strategy!r} starts its scheduler fresh", stacklevel=3)
 
     # ------------------------------------------------------------------------------- slot cache and step
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
