@@ -16,7 +16,7 @@ from lit_grpo.rollout.reward_functions import OverlongPenalty
 from lit_grpo.rollout.slot_memory import check_max_prompt_length
 from lit_grpo.runtime.validation import (check_bool, check_choice, check_field, check_folder, check_int,
                                          check_int_in_range, check_real, check_text, huge_int, integer_within,
-                                         real_within, shown_value)
+                                         real_within, shown_setting, shown_value)
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import preemption_points
 from lit_grpo.update.lr_schedule import is_share, warmup_steps_count
@@ -135,6 +135,18 @@ def test_an_int_past_float_range_is_said_by_its_digits():
         "an int of 401 digits", "an int of 400 digits", "a negative int of 5001 digits", None, None, None, None]
     assert shown_value("x" * 200) == repr("x" * 200)[:100] and shown_value(10**400) == "an int of 401 digits"
     assert reward_log.shown_value is shown_value  # one implementation, the reward log's too
+
+
+def test_a_setting_is_shown_as_the_checks_refusals_start():
+    """``name=value``: the value as shown_value shows it, cut to the width; an int past float range in parentheses,
+    where its words would run into the refusal's."""
+    limit = sys.get_int_max_str_digits()
+    assert shown_setting("n", 10**5000) == "n=(an int of 5001 digits)"
+    assert shown_setting("n", -10**400) == "n=(a negative int of 401 digits)"
+    assert shown_setting("x", [10**5000]) == f"x=a list holding an int of more than {limit} digits"
+    assert shown_setting("x", "y" * 200) == "x=" + repr("y" * 200)[:100]
+    assert shown_setting("x", "y" * 200, 80) == "x=" + repr("y" * 200)[:80]
+    assert shown_setting("x", 10**300) == f"x={10**300!r}"[:102] and shown_setting("b", True) == "b=True"
 
 
 def test_an_integer_check_may_take_none():

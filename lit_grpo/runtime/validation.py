@@ -203,7 +203,7 @@ def check_thread_count(name: str, threads: int) -> int:
     if count is None:
         of_the = (f"{cores} this process's cgroup CPU quota of {cpus:g} CPUs grants" if cpus is not None
                   else f"{cores} this process may run on")
-        raise ValueError(f"{_setting(name, threads)} must be in [1, {MAX_THREADS_PER_CORE * cores}] "
+        raise ValueError(f"{shown_setting(name, threads)} must be in [1, {MAX_THREADS_PER_CORE * cores}] "
                          f"({MAX_THREADS_PER_CORE} a core of the {of_the})")
     return count
 
@@ -271,21 +271,27 @@ def huge_int(value: Any) -> str | None:
 def shown_value(value: Any, width: int = 100) -> str:
     """``value``'s repr cut to ``width`` characters, for an error message; an int beyond float range by its digits
     (``huge_int``), and a value holding an int too long to print as that."""
-    if (huge := huge_int(value)) is not None:
-        return huge
+    huge = huge_int(value)
+    return huge if huge is not None else _cut_repr(value, width)
+
+
+def shown_setting(name: str, value: Any, width: int = 100) -> str:
+    """``name=value`` as a refusal of a setting or a state's key starts, the value as :func:`shown_value` shows it
+    (cut to ``width``), an int beyond float range in parentheses, where its words would run into the refusal's:
+    ``n=(an int of 5001 digits) must be ...``."""
+    huge = huge_int(value)
+    return f"{name}=({huge})" if huge is not None else f"{name}={_cut_repr(value, width)}"
+
+
+def _cut_repr(value: Any, width: int) -> str:
+    """``value``'s repr cut to ``width`` characters; a value holding an int too long to print said by its type (its
+    repr raises Python's int-to-str ValueError)."""
     try:
         return repr(value)[:width]
     except ValueError as err:  # a container's repr met such an int
         if "integer string conversion" not in str(err):
             raise
         return f"a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits"
-
-
-def _setting(name: str, value: Any) -> str:
-    """``name=value`` as a check's refusal starts, the value as :func:`shown_value` shows it (an int beyond float
-    range in parentheses: ``n=(an int of 5001 digits)``), where its repr could fail or run to any length."""
-    huge = huge_int(value)
-    return f"{name}=({huge})" if huge else f"{name}={shown_value(value)}"
 
 
 def integer_within(value: Any, minimum: int | None = None, maximum: int | None = None) -> int | None:
@@ -309,8 +315,8 @@ def check_int(name: str, value: Any, minimum: int, hint: str = "", none: bool | 
         return None
     number = integer_within(value, minimum, None)
     if number is None:
-        raise ValueError(f"{_setting(name, value)} must be an integer >= {minimum}" + (f" ({hint})" if hint else "")
-                         + _or_none(none))
+        raise ValueError(f"{shown_setting(name, value)} must be an integer >= {minimum}"
+                         + (f" ({hint})" if hint else "") + _or_none(none))
     return number
 
 
@@ -328,7 +334,7 @@ def check_int_in_range(name: str, value: Any, minimum: int | None = None, maximu
     if number is None:
         bounds = " and ".join(f"{sign} {bound}" for sign, bound in ((">=", minimum), ("<=", maximum))
                               if bound is not None)
-        raise ValueError(f"{_setting(name, value)} is not allowed; {name} must be an integer"
+        raise ValueError(f"{shown_setting(name, value)} is not allowed; {name} must be an integer"
                          + (f" {bounds}" if bounds else ""))
     return number
 
@@ -350,7 +356,7 @@ def check_real(name: str, value: Any, low: float | None = None, high: float | No
     allowed = ("a finite number" if finite else "a number") + (" " + " and ".join(bounds) if bounds else "")
     number = real_within(value, low, high, low_open, high_open, finite)
     if number is None:
-        raise ValueError(f"{_setting(name, value)} is not allowed; {name} must be {allowed}"
+        raise ValueError(f"{shown_setting(name, value)} is not allowed; {name} must be {allowed}"
                          + (f" ({hint})" if hint else "") + _or_none(none))
     return number
 
@@ -425,7 +431,7 @@ def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool, else a ValueError naming it: a string such as ``"false"`` is truthy, so taking any
     value as a switch would turn it on."""
     if not isinstance(value, bool):
-        raise ValueError(f"{_setting(name, value)} must be True or False")
+        raise ValueError(f"{shown_setting(name, value)} must be True or False")
     return value
 
 
@@ -433,7 +439,7 @@ def check_text(name: str, value: Any, none: bool = False) -> str | None:
     """``value`` if it is a non-empty string (or None where ``none``), else a ValueError naming it."""
     if (value is None and none) or (isinstance(value, str) and value):
         return value
-    raise ValueError(f"{_setting(name, value)} must be a non-empty string" + (" or None" if none else ""))
+    raise ValueError(f"{shown_setting(name, value)} must be a non-empty string" + (" or None" if none else ""))
 
 
 def settings_from(name: str, value: Any, cls: type) -> Any:
@@ -445,7 +451,7 @@ def settings_from(name: str, value: Any, cls: type) -> Any:
             raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
         return cls(**value)
     if not isinstance(value, cls):
-        raise TypeError(f"{_setting(name, value)} must be a {cls.__name__} or a dict of its fields")
+        raise TypeError(f"{shown_setting(name, value)} must be a {cls.__name__} or a dict of its fields")
     return value
 
 
@@ -453,12 +459,12 @@ def check_folder(name: str, value: Any, unset: str) -> Any:
     """``value`` if it is None (``unset`` says what that means) or a folder's path, else a ValueError naming it:
     an empty path would be the current folder."""
     if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
-        raise ValueError(f"{_setting(name, value)} must be a folder's path or None ({unset})")
+        raise ValueError(f"{shown_setting(name, value)} must be a folder's path or None ({unset})")
     return value
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else a ValueError listing them."""
     if value not in choices:
-        raise ValueError(f"{_setting(name, value)} is not known; use one of {list(choices)}")
+        raise ValueError(f"{shown_setting(name, value)} is not known; use one of {list(choices)}")
     return value
