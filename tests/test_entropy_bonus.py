@@ -3,6 +3,7 @@ is autograd's of the written-out objective, off it changes nothing, the control'
 state survives a resume."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -254,6 +255,11 @@ def test_the_control_applies_the_previous_steps_coefficient_only_below_the_targe
      r"measured yet\) or nan \(a step's entropy that was not a number\)$"),
     ({"entropy_coef": 0.1, "last_world_entropy": None}, r"^entropy control state last_world_entropy=None is not "
                                                         r"allowed"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long one ran on
+    ({"entropy_coef": 0.1, "last_world_entropy": 10**5000},
+     r"^entropy control state last_world_entropy=\(an int of 5001 digits\) is not allowed; it must be a number"),
+    ({"entropy_coef": 0.1, "last_world_entropy": [0.5] * 1000},
+     rf"^entropy control state last_world_entropy={re.escape(repr([0.5] * 1000)[:100])} is not allowed; it must be"),
 ])
 def test_a_bad_entropy_control_state_is_refused_naming_the_bad_key_and_the_control_is_left_as_it_was(state, message):
     """A corrupt or foreign checkpoint's control state is refused naming what is wrong and what is allowed, before

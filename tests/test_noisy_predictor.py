@@ -1,6 +1,7 @@
 """The noisy oracle predictor ("noisy:S") of the length-aware scheduler: reproducible noise of the stated spread."""
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -95,6 +96,15 @@ def test_bad_names_are_named_with_what_is_allowed(name, message):
 def test_bad_keywords_and_config_values_are_named():
     with pytest.raises(ValueError, match=r"noisy predictor log_std=-1 must be a finite number >= 0"):
         NoisyOraclePredictor(log_std=-1)
+    # shown as every check shows a value: float() of an int of more than 308 digits raised an OverflowError, a
+    # repr of one of more than 4300 failed, a long value ran on
+    with pytest.raises(ValueError, match=r"^noisy predictor log_std=\(an int of 5001 digits\) must be a finite "
+                                         r"number >= 0 \(the spread of the log-length error, e.g. 0.25\)$"):
+        NoisyOraclePredictor(log_std=10**5000)
+    with pytest.raises(ValueError, match=r"^noisy predictor log_std=\(an int of 401 digits\) must be a finite"):
+        NoisyOraclePredictor(log_std=10**400)
+    with pytest.raises(ValueError, match=rf"^noisy predictor log_std={re.escape(repr('9' * 500)[:100])} must be a "):
+        NoisyOraclePredictor(log_std="9" * 500)
     assert LengthAwareConfig(predictor="noisy:0.25").predictor == "noisy:0.25"
     assert InfiniteSchedulerConfig(length_aware={"predictor": "noisy:0.25"}).length_aware.predictor == "noisy:0.25"
     with pytest.raises(ValueError, match=r"scheduler.length_aware.predictor: length predictor='bert' is not known"):

@@ -817,6 +817,17 @@ _RIDGE_KEYS = "decay, alphas, dim, sw, sw2, sy, sx, sxx, sxy, alpha_sq_err, new_
      r"not a torch.float64 tensor shaped \[5, 7\]$"),
     (lambda state: state.__setitem__("fit", (*state["fit"][:2], math.nan)),
      r"^ridge state fit\[2\]=nan is not allowed; ridge state fit\[2\] must be a finite number$"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed
+    (_set("alphas", 10**5000), r"^ridge state alphas=\(an int of 5001 digits\) must be a non-empty list of "
+                               r"penalties \(finite numbers >= 0\)$"),
+    (_set("sx", 10**5000), r"^ridge state sx must be a floating-point tensor shaped \[8\] \(dim\) of finite "
+                           r"numbers, not an int of 5001 digits$"),
+    (_set("sx", [10**5000]), r"^ridge state sx must be a floating-point tensor shaped \[8\] \(dim\) of finite "
+                             r"numbers, not a list holding an int of more than \d+ digits$"),
+    (_set("fit", 10**5000), r"^ridge state fit must be None or \(weights, mean of x, mean of y\), not an int of "
+                            r"5001 digits$"),
+    (_set("sx", "x" * 200), rf"^ridge state sx must be a floating-point tensor shaped \[8\] \(dim\) of finite "
+                            rf"numbers, not {repr('x' * 200)[:80]}$"),  # cut short
 ])
 def test_a_bad_ridge_state_is_refused_naming_the_bad_key_and_the_regressor_is_left_as_it_was(change, message):
     """A corrupt or foreign checkpoint's ridge state (another object's, a wrong shape, a number out of range) is

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 import random
 
 import pytest
@@ -336,6 +337,12 @@ def _state_with(**changes) -> dict:
     (_state_with(past_dof=-1.0), r"^trust state past_dof=-1.0 is not allowed; trust state past_dof must be a "
                                  r"finite number >= 0$"),
     (_state_with(past_dof_weight=math.inf), r"^trust state past_dof_weight=inf is not allowed"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long one ran on
+    (_state_with(past=[10**5000] * 6), r"^trust state past=a list holding an int of more than \d+ digits must be a "
+                                       r"list of 7 numbers \(the past rollouts'"),
+    (_state_with(current=10**5000), r"^trust state current=\(an int of 5001 digits\) must be a list of 6 numbers"),
+    (_state_with(current=[0.0] * 1000), rf"^trust state current={re.escape(repr([0.0] * 1000)[:100])} must be a list "
+                                        r"of 6 numbers"),
 ])
 def test_a_bad_trust_state_is_refused_naming_the_bad_key_and_the_trust_is_left_as_it_was(state, message):
     """A corrupt or foreign checkpoint's trust state (another object's, a wrong length, a value out of range) is

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_real, check_state_keys
+from lit_grpo.runtime.validation import check_real, check_state_keys, shown_setting
 from lit_grpo.update.loss_config import LossConfig
 from lit_grpo.update.surrogates import check_entropy_mask, high_entropy_mask
 
@@ -138,7 +138,7 @@ class EntropyControl:
         # inf before the first step; nan where a step's entropy was not a number (end_step records it, and it
         # closes the gate as inf does); -inf no step gives, and it would open the gate
         if number is None or number == -math.inf:
-            raise ValueError(f"entropy control state last_world_entropy={entropy!r} is not allowed; it must be a "
-                             "number: finite, inf (no step measured yet) or nan (a step's entropy that was not a "
-                             "number)")
+            raise ValueError(f"{shown_setting('entropy control state last_world_entropy', entropy)} is not "
+                             "allowed; it must be a number: finite, inf (no step measured yet) or nan (a step's "
+                             "entropy that was not a number)")
         self.coef, self.last_world_entropy = coef, number

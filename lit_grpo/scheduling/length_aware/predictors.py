@@ -36,6 +36,7 @@ from lit_grpo.runtime.validation import (
     check_real,
     check_state_keys,
     integer_within,
+    shown_setting,
 )
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.config import PredictorName
@@ -282,11 +283,11 @@ def check_spread(value: object, name: str = "noisy predictor log_std") -> float:
     """``value`` as a finite float >= 0, or a ValueError naming it."""
     try:
         spread = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float range
         spread = math.nan
     if isinstance(value, bool) or not math.isfinite(spread) or spread < 0:
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0 (the spread of the log-length error, "
-                         "e.g. 0.25)")
+        raise ValueError(f"{shown_setting(name, value)} must be a finite number >= 0 (the spread of the log-length "
+                         "error, e.g. 0.25)")
     return spread
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int, check_real, check_state_keys
+from lit_grpo.runtime.validation import check_int, check_real, check_state_keys, shown_setting, shown_value
 
 #: The effective count of observations (``(sum w)^2 / sum w^2``) below which nothing is fitted: only the mean.
 MIN_EFFECTIVE_COUNT = 3
@@ -190,7 +190,7 @@ def checked_state(state: Any, what: str = "a RidgeRegressor state", prefix: str 
     fit, name = state["fit"], prefix + "fit"
     if fit is not None:
         if type(fit) not in (list, tuple) or len(fit) != 3:
-            shown = f"a {type(fit).__name__} of {len(fit)}" if type(fit) in (list, tuple) else f"{fit!r:.80}"
+            shown = f"a {type(fit).__name__} of {len(fit)}" if type(fit) in (list, tuple) else shown_value(fit, 80)
             raise ValueError(f"{name} must be None or (weights, mean of x, mean of y), not {shown}")
         if dim is None:
             raise ValueError(f"{name} must be None where {prefix}dim is None (nothing is fitted before features)")
@@ -210,7 +210,8 @@ def check_alphas(name: str, alphas: Any) -> tuple[float, ...]:
     """``alphas`` as a tuple of floats if it is a non-empty list of penalties (finite numbers >= 0), else a
     ValueError naming it, or the bad entry."""
     if isinstance(alphas, (str, bytes)) or not isinstance(alphas, Sequence) or not alphas:
-        raise ValueError(f"{name}={alphas!r:.80} must be a non-empty list of penalties (finite numbers >= 0)")
+        raise ValueError(f"{shown_setting(name, alphas, 80)} must be a non-empty list of penalties (finite numbers "
+                         ">= 0)")
     return tuple(check_real(f"{name}[{i}]", a, low=0) for i, a in enumerate(alphas))
 
 
@@ -221,15 +222,15 @@ def check_tensor(name: str, value: Any, shape: Sequence[int], dims: str, nonnega
                + (" >= 0" if nonnegative else ""))
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != list(shape):
         shown = (f"a {value.dtype} tensor shaped {list(value.shape)}" if isinstance(value, torch.Tensor)
-                 else f"{value!r:.80}")
+                 else shown_value(value, 80))
         raise ValueError(f"{name} must be {allowed}, not {shown}")
     bad = ~torch.isfinite(value)
     if nonnegative:
         bad |= value < 0
     if bad.any():
         index = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"{name}[{', '.join(map(str, index))}]={value[tuple(index)].item()!r} is not allowed; "
-                         f"{name} must be {allowed}")
+        entry = shown_setting(f"{name}[{', '.join(map(str, index))}]", value[tuple(index)].item())
+        raise ValueError(f"{entry} is not allowed; {name} must be {allowed}")
     return value.detach().to("cpu", torch.float64, copy=True)
 
 

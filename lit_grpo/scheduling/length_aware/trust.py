@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_real, check_state_keys
+from lit_grpo.runtime.validation import check_real, check_state_keys, shown_setting
 from lit_grpo.scheduling.config import GAIN_Z
 from lit_grpo.scheduling.least_attained import list_makespan
 from lit_grpo.scheduling.length_aware.predictors import MAX_LOG_STD
@@ -219,8 +219,8 @@ def _checked_state(state: Any) -> tuple[float, float, list[float], list[float], 
     confidence_z = check_real("trust state confidence_z", state["confidence_z"], low=0)
     past, current = (_checked_sums(name, state[name]) for name in _SUMS)
     if not current[0].is_integer():
-        raise ValueError(f"trust state current[0]={state['current'][0]!r} is not allowed; the current rollout's "
-                         "count of pairs must be a whole number >= 0")
+        raise ValueError(f"{shown_setting('trust state current[0]', state['current'][0])} is not allowed; the "
+                         "current rollout's count of pairs must be a whole number >= 0")
     # A checkpoint without the count: a past of at least two pairs is taken to have measured the spread.
     past_dof = check_real("trust state past_dof", state.get("past_dof", 1.0 if past[0] > 1 else 0.0), low=0)
     # Without the weighted one: the past's weight, the divisor of its variances (uncorrected until it decays).
@@ -232,7 +232,7 @@ def _checked_sums(name: str, sums: Any) -> list[float]:
     """The list of sums ``name`` of a state (``_SUMS``) as plain floats, else a ValueError naming it."""
     holds, size, nonnegative = _SUMS[name]
     if type(sums) not in (list, tuple) or len(sums) != size:
-        raise ValueError(f"trust state {name}={sums!r} must be a list of {size} numbers ({holds})")
+        raise ValueError(f"{shown_setting(f'trust state {name}', sums)} must be a list of {size} numbers ({holds})")
     return [check_real(f"trust state {name}[{i}]", value, low=0 if i in nonnegative else None)
             for i, value in enumerate(sums)]
 
