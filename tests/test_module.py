@@ -803,6 +803,34 @@ def test_an_inline_prompt_holding_an_int_too_long_to_print_is_refused_naming_the
     assert prompt_set_fingerprint(load_prompts(prompts=[{"prompt": "a?", "answer": long}]))
 
 
+def test_a_rows_ints_are_refused_exactly_where_python_would_not_turn_them_into_text():
+    """A row of plain values (strings, floats, ints whose bits allow no more digits than the limit) is taken without
+    turning it into text; any other is turned into text as the prompt set's fingerprint does. The refusal falls
+    exactly where Python's does: an int of the limit's digits is taken at its most bits, one of a digit more is
+    refused, wherever it is held (a tuple, a dict's key, a Fraction)."""
+    from fractions import Fraction
+
+    from lit_grpo.rollout.prompts import load_prompts
+
+    limit = sys.get_int_max_str_digits()
+
+    def answer_taken(answer):
+        try:
+            load_prompts(prompts=[{"prompt": "a?", "answer": answer}])
+        except ValueError as error:
+            assert "more than Python turns into text" in str(error)
+            return False
+        return True
+
+    # the most bits of an int Python prints, and the fewest of one it does not
+    assert answer_taken(10**limit - 1) and answer_taken(-(10**limit - 1)) and answer_taken([True, 2.5, None, b"x"])
+    for held in (10**limit, -10**limit, (1, 10**limit), {10**limit: 1}, {"a": [{"b": 10**limit}]},
+                 Fraction(10**limit, 3)):
+        assert not answer_taken(held), held
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: the messages hold an int"):
+        load_prompts(prompts=[{"prompt": [{"role": "user", "content": "b?", "ids": (1, -10**limit)}]}])
+
+
 def test_chat_messages_keep_their_other_keys_and_drop_those_a_table_row_holds_as_none():
     """A chat turn's keys beyond role and content (name, tool_calls, tool_call_id, reasoning_content) are kept, as
     TRL passes a prompt's messages as they are; a key whose value is None is absent (a datasets row holds every key

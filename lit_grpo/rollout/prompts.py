@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import numbers
 import os
 import re
@@ -122,12 +123,29 @@ def _check_as_text(example: PromptExample, where: str) -> None:
     ``sys.get_int_max_str_digits()`` digits, which Python's bare ValueError would name nowhere near the row. A JSONL
     file cannot hold one (``jsonl_prompts``); a ``data.prompts`` row can."""
     limit = sys.get_int_max_str_digits()
+    # a row of plain values, as most are, is not turned into text: doing it for every row slowed loading a large
+    # JSONL file markedly, where the parser has refused such an int already
+    bits = limit * _BITS_PER_DIGIT if limit else math.inf  # 0: Python turns any int into text
+    if _plain(example.answer, bits) and (example.messages is None or all(
+            _plain(value, bits) for turn in example.messages for value in turn.values())):
+        return
     fix = (f", more than Python turns into text (sys.get_int_max_str_digits(): {limit}); give so long a number as "
            "a string")
     if not _as_text(lambda: answer_text(example.answer)):
         raise ValueError(f"{where}: the answer is {shown_value(example.answer)}{fix}")
     if not _as_text(lambda: json.dumps(example.messages, default=str)):
         raise ValueError(f"{where}: the messages hold an int of more than {limit} digits{fix}")
+
+
+#: An int of b bits is below 2**b = 10**(b / log2(10)): of at most limit x log2(10) bits, it has at most limit digits.
+_BITS_PER_DIGIT = math.log2(10)
+
+
+def _plain(value: Any, bits: float) -> bool:
+    """Whether ``value`` is a plain one Python surely turns into text: None, a string, a float, a bool or an int of
+    at most ``bits`` bits (``_BITS_PER_DIGIT`` x the limit of digits)."""
+    return (value is None or isinstance(value, (str, float, bool))
+            or (type(value) is int and value.bit_length() <= bits))
 
 
 def _as_text(text: Callable[[], str]) -> bool:
