@@ -437,6 +437,20 @@ _BUILDER_KEYS = "rollout_index, scheduler, carried, groups_scored, kv_budget"
     (_in_carried("forced_lengths", [3]), r"^builder state carried\[0\].forced_lengths=\[3\] is not allowed; it must "
                                          r"be None or 2 lengths, one per sample \(integers >= 0\)$"),
     (_in_carried("steps", -1), r"^builder state carried\[0\].steps=-1 must be an integer >= 0$"),
+    # the prompt's own fields: taken unchecked, a bad one failed at the first reward call or prompt-set comparison
+    (_in_carried("prompt", "prompt", 5), r"^builder state carried\[0\].prompt.prompt=5 must be a non-empty string$"),
+    (_in_carried("prompt", "entry", ["x"]), r"^builder state carried\[0\].prompt.entry=\['x'\] is not allowed; it "
+                                            r"must be the prompt's source row: a mapping of its fields by name "
+                                            r"\(string keys\)$"),
+    (_in_carried("prompt", "entry", {0: "x"}), r"^builder state carried\[0\].prompt.entry=\{0: 'x'\} is not "
+                                               r"allowed; it must be the prompt's source row"),
+    (_in_carried("prompt", "messages", [{"role": "user"}]),
+     r"^builder state carried\[0\].prompt.messages: message 0 must be \{'role': str, 'content': str\}"),
+    (_in_carried("prompt", "messages", "hello"),
+     r"^builder state carried\[0\].prompt.messages='hello' is not allowed; it must be None \(a single user "
+     r"message\) or a non-empty list of chat messages"),
+    (_in_carried("prompt", "answer", 10**5000), r"^builder state carried\[0\].prompt: the answer is an int of 5001 "
+                                                r"digits, more than Python turns into text"),
     (lambda state: state.__setitem__("kv_budget", {"kv_budget_bytes": -5, "source": "cuda:0", "device_total_bytes": 8,
                                                    "restored": False}),
      r"^builder state kv_budget.kv_budget_bytes=-5 must be an integer >= 1$"),

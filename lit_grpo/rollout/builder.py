@@ -25,7 +25,7 @@ are its ``SlotMemory``'s (lit_grpo.rollout.slot_memory).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -35,7 +35,7 @@ from lit_grpo.rollout.advantages import (group_advantages, normalize_then_sum, n
                                          zero_std_groups)
 from lit_grpo.batch import RolloutBatch, accuracy_sums, pad_left, pad_right, scored_rewards
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
-from lit_grpo.rollout.prompts import PromptExample, answer_text
+from lit_grpo.rollout.prompts import PromptExample, answer_text, check_as_text, check_messages
 from lit_grpo.rollout.reward_log import RewardLogs, step_metrics as logged_metrics
 from lit_grpo.rollout.rewards import (TrainerState, WeightedReward, check_prompt_form, correctness_reward, own_copy,
                                      reward_arguments, score_rewards)
@@ -50,8 +50,10 @@ from lit_grpo.runtime.validation import (
     check_int,
     check_int_in_range,
     check_state_keys,
+    check_text,
     integer_within,
     real_within,
+    shown_setting,
 )
 from lit_grpo.sampling import GroupProgress, RolloutEngine, SampleProgress, SamplingConfig
 from lit_grpo.sampling.engine import check_engine_state
@@ -772,12 +774,34 @@ def _carried_group(state: Any, examples: Sequence[PromptExample] | None = None, 
         forced = _token_ids(f"{name}.forced_lengths", forced, allowed)
         if len(forced) != len(samples):
             raise ValueError(f"{name}.forced_lengths={forced!r:.80} is not allowed; it must be {allowed}")
-    example = PromptExample(p["prompt"], p["answer"], p["entry"], p.get("messages"))  # a state saved without them: None
+    example = _carried_example(f"{name}.prompt", p)
     example = replace(example, answer=_source_answer(example, index, examples))
     prompt = Prompt(index, example, ids)
     progress = [_carried_sample(f"{name}.samples[{k}]", sample) for k, sample in enumerate(samples)]
     return GroupProgress(prompt.ids, progress, tuple(stream), forced,
                          _Carry(prompt, check_int(f"{name}.steps", state["steps"], 0)))
+
+
+def _carried_example(name: str, state: Mapping) -> PromptExample:
+    """The prompt of a carried group's state ``name`` (``_carried_state``'s ``prompt``), each field checked as a prompt
+    set's row holds it, else a ValueError naming the bad key and what is allowed: taken unchecked, a bad one failed
+    at the first reward call or prompt-set comparison, far from the checkpoint. The answer may be any value Python
+    turns into text (``check_as_text``: the prompt set's comparison takes it as text)."""
+    prompt = check_text(f"{name}.prompt", state["prompt"])
+    entry = state["entry"]
+    if not isinstance(entry, Mapping) or not all(isinstance(key, str) for key in entry):
+        raise ValueError(f"{shown_setting(f'{name}.entry', entry)} is not allowed; it must be the prompt's source "
+                         "row: a mapping of its fields by name (string keys)")
+    messages = state.get("messages")  # a state saved without them: None
+    if messages is not None:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"{shown_setting(f'{name}.messages', messages)} is not allowed; it must be None (a "
+                             "single user message) or a non-empty list of chat messages ([{'role': ..., 'content': "
+                             "...}, ...] ending with a user turn)")
+        messages = check_messages(messages, f"{name}.messages")
+    example = PromptExample(prompt, state["answer"], dict(entry), messages)
+    check_as_text(example, name)
+    return example
 
 
 def _carried_sample(name: str, state: Any) -> SampleProgress:

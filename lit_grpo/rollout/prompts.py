@@ -113,15 +113,15 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
         raise ValueError(f"{where}: field {key!r} must be a non-empty string or a list of chat messages "
                          f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got {prompt!r:.80}")
     example = PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
-    _check_as_text(example, where)
+    check_as_text(example, where)
     return example
 
 
-def _check_as_text(example: PromptExample, where: str) -> None:
+def check_as_text(example: PromptExample, where: str) -> None:
     """Refuse a row (``where``) whose answer or messages Python cannot turn into text as the prompt set's fingerprint
     does (``prompt_set_fingerprint``; the math reward too, the answer): an int of more than
     ``sys.get_int_max_str_digits()`` digits, which Python's bare ValueError would name nowhere near the row. A JSONL
-    file cannot hold one (``jsonl_prompts``); a ``data.prompts`` row can."""
+    file cannot hold one (``jsonl_prompts``); a ``data.prompts`` row can, and a checkpoint's carried prompt."""
     limit = sys.get_int_max_str_digits()
     # a row of plain values, as most are, is not turned into text: doing it for every row slowed loading a large
     # JSONL file markedly, where the parser has refused such an int already
