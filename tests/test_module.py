@@ -1,6 +1,7 @@
 """GRPOModule's update and RolloutDataModule's rollouts on the tiny random model (real engine, CPU, seconds)."""
 
 import dataclasses
+import inspect
 import io
 import json
 import math
@@ -599,6 +600,18 @@ def test_the_hparams_set_after_they_are_saved_are_logged_too(tmp_path):
     assert logged["dataset"] == str(path) and logged["tools"] == tools
     data.hparams["tools"].append("changed")  # the initial copy is its own, as Lightning's
     assert data.hparams_initial["tools"] == tools
+
+
+def test_the_hparams_are_the_init_arguments_each_class_saves():
+    """``PlainHyperparameters.save_hyperparameters`` has Lightning read the init arguments from its own caller's
+    frame, as Lightning's reads its caller's: the hparams are the class's arguments (less those it ignores, with
+    those it sets after), none of the override's own names, in ``hparams`` and in the initial copy alike."""
+    module = GRPOModule(model="tiny-llama")
+    data = RolloutDataModule(prompts=PROMPTS)
+    for hparams in (module.hparams, module.hparams_initial):
+        assert set(hparams) == set(inspect.signature(GRPOModule).parameters)
+    for hparams in (data.hparams, data.hparams_initial):
+        assert set(hparams) == set(inspect.signature(RolloutDataModule).parameters) - {"prompts", "dataset"}
 
 
 def test_a_hparam_set_before_they_are_saved_is_refused():

@@ -16,15 +16,18 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import inspect
 import os
 import re
 import shutil
+import types
 import zipfile
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.core.mixins import HyperparametersMixin
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -198,33 +201,44 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class PlainHyperparameters(HyperparametersMixin):
-    """Hyperparameters saved as plain values: each numpy scalar in what ``save_hyperparameters`` takes (a setting
+    """Hyperparameters saved as plain values: each numpy scalar in what ``save_hyperparameters`` stores (a setting
     computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as the Python value it
-    holds (:func:`~lit_grpo.runtime.validation.plain_values`), in ``hparams`` and in the initial copy Lightning takes
-    of them right after. torch.load(weights_only=True) refuses a checkpoint's hyperparameters with a numpy scalar,
-    and the hparams.yaml a logger writes of them would name numpy's classes (read back by Lightning's own loader,
-    which also takes the tuples Python's yaml writes, not by yaml.safe_load): one rule for every setting, so that
-    none needs its own conversion before it is saved. Listed before the Lightning class (``class M(PlainHyperparameters,
-    LightningModule)``)."""
+    holds (:func:`~lit_grpo.runtime.validation.plain_values`), in ``hparams`` and in ``hparams_initial``, which
+    Lightning's loggers write. torch.load(weights_only=True) refuses a checkpoint's hyperparameters with a numpy
+    scalar, and the hparams.yaml a logger writes of them would name numpy's classes: one rule for every setting, so
+    that none needs its own conversion before it is saved. Through Lightning's public names only (the method and the
+    property it documents), so that an upgrade does not change it unseen. Listed before the Lightning class
+    (``class M(PlainHyperparameters, LightningModule)``)."""
 
-    def _set_hparams(self, hp: Any) -> None:
-        # Lightning's one entry for what save_hyperparameters stores, the initial copy deep-copied from it after.
-        # Private, but Lightning (2.6) has no public hook that sees every stored value (the init arguments it reads
-        # from the caller's frame, a CLI's given ones): test_module's numpy tests fail if it stops calling this.
-        super()._set_hparams(plain_values(hp))
+    def save_hyperparameters(self, *args: Any, frame: types.FrameType | None = None, **kwargs: Any) -> None:
+        """Lightning's ``save_hyperparameters``, its values then made plain in place (Lightning's initial copy, taken
+        before, is made plain as ``hparams_initial`` reads it)."""
+        if frame is None:  # Lightning reads the init arguments from its caller's frame: here the one calling this
+            frame = inspect.currentframe().f_back
+        super().save_hyperparameters(*args, frame=frame, **kwargs)
+        plain = plain_values(dict(self.hparams))
+        self.hparams.clear()
+        self.hparams.update(plain)
+        #: What ``set_hparam`` sets after the initial copy is taken, which ``hparams_initial`` adds to it.
+        self._hparams_set_later: dict[str, Any] = {}
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """Lightning's initial copy of the hyperparameters with those ``set_hparam`` set later, as plain values: what
+        Lightning's loggers write (hparams.yaml, TensorBoard's hparams plugin)."""
+        later = copy.deepcopy(getattr(self, "_hparams_set_later", {}))
+        return AttributeDict(plain_values({**super().hparams_initial, **later}))
 
     def set_hparam(self, name: str, value: Any) -> None:
         """Set ``hparams[name]`` after ``save_hyperparameters`` (a setting saved in another form than it was given:
-        a tool by its name, a dataset by its path), converted by the same rule, and in the initial copy, which is
-        what Lightning's loggers write (hparams.yaml, TensorBoard's hparams); ``hparams[name] = value`` would keep a
-        numpy value as it is and reach neither. Refused before ``save_hyperparameters``, which would drop it."""
-        # Lightning's initial copy (private: it has no public setter; test_module's logging test fails if it goes),
-        # taken by save_hyperparameters as a deep copy, so this value is copied too
-        if not hasattr(self, "_hparams_initial"):
+        a tool by its name, a dataset by its path), converted by the same rule, and in ``hparams_initial``, which is
+        what Lightning's loggers write; ``hparams[name] = value`` would keep a numpy value as it is and reach only
+        ``hparams``. Refused before ``save_hyperparameters``, which would drop it."""
+        if not hasattr(self, "_hparams_set_later"):
             raise RuntimeError(f"set_hparam({name!r}, {value!r:.80}) before save_hyperparameters: "
                                "save_hyperparameters would drop it; set it after")
         self.hparams[name] = plain_values(value)
-        self._hparams_initial[name] = copy.deepcopy(self.hparams[name])
+        self._hparams_set_later[name] = copy.deepcopy(self.hparams[name])
 
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:
