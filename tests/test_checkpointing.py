@@ -475,6 +475,40 @@ def test_a_resume_refuses_another_dropout_head_precision_or_entropy_mask_and_rea
         check_resumable(older, changed, data, defaults=defaults)
 
 
+def _with_tuples(value):
+    """``value`` with each list in it a tuple: a Python run's settings as releases saved them before they saved plain
+    YAML (AdamW's betas, stop strings, LoRA's layer pairs)."""
+    if isinstance(value, dict):
+        return {key: _with_tuples(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_with_tuples(item) for item in value)
+    return value
+
+
+def test_a_checkpoint_saved_with_tuples_resumes_where_the_run_has_lists(tmp_path, tiny_checkpoint, capsys):
+    """A checkpoint's hyperparameters hold lists, or tuples where an earlier release saved a Python run's: a resume
+    compares a tuple and the list of its values as one setting, at any depth (LoRA's layer_replication: a list of
+    pairs), either way round, and still names a value that differs."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    assert checkpoint["hyper_parameters"]["betas"] == [0.9, 0.99]  # the tiny run's, saved as plain YAML
+    for section in ("hyper_parameters", "datamodule_hyper_parameters"):
+        checkpoint[section] = _with_tuples(checkpoint[section])
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    build_cli(_fit_args(tmp_path / "resumed", "--ckpt_path", str(older), steps=2))
+    assert "in the checkpoint" not in capsys.readouterr().err and _last_step(tmp_path / "resumed") == 2
+    module, data = _hparams(tiny_checkpoint)
+    pairs = {"r": 4, "layer_replication": [[0, 1], [1, 2]]}
+    checkpoint["hyper_parameters"]["peft_config"] = _with_tuples(pairs)
+    torch.save(checkpoint, older)
+    check_resumable(older, {**module, "peft_config": pairs}, data)
+    torch.save({**checkpoint, "hyper_parameters": {**checkpoint["hyper_parameters"], "peft_config": pairs}}, older)
+    check_resumable(older, {**module, "peft_config": _with_tuples(pairs)}, data)
+    with pytest.raises(ValueError, match=re.escape("model.peft_config.layer_replication: [[0, 1], [1, 2]] in the "
+                                                   "checkpoint, ((0, 1), (1, 3)) now")):
+        check_resumable(older, {**module, "peft_config": {"r": 4, "layer_replication": ((0, 1), (1, 3))}}, data)
+
+
 def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_checkpoint, capsys):
     """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
     correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from lit_grpo.rollout import reward_log
 from lit_grpo.rollout.math_reward import check_math_options
@@ -16,7 +17,7 @@ from lit_grpo.rollout.reward_functions import OverlongPenalty
 from lit_grpo.rollout.slot_memory import check_max_prompt_length
 from lit_grpo.runtime.validation import (check_bool, check_choice, check_field, check_folder, check_int,
                                          check_int_in_range, check_real, check_text, huge_int, integer_within,
-                                         real_within, shown_setting, shown_value)
+                                         plain_yaml_values, real_within, shown_setting, shown_value)
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import preemption_points
 from lit_grpo.update.lr_schedule import is_share, warmup_steps_count
@@ -189,3 +190,17 @@ def test_an_int_beyond_float_range_is_said_by_its_exact_count_of_digits():
         assert huge_int(-10**k) == f"a negative int of {k + 1} digits"
         assert huge_int(10**k - 1) == f"an int of {k} digits"
     assert huge_int(10**308) is None and huge_int(1.0) is None and huge_int(True) is None
+
+
+def test_plain_yaml_values_are_what_yaml_safe_load_reads_back():
+    """Tuples (at any depth, in lists and mappings) as lists, numpy values as plain ones, mappings as dicts: what
+    yaml.safe_dump writes and yaml.safe_load reads back equal (either refuses a tuple or a numpy scalar). The value
+    given keeps its tuples."""
+    given = {"betas": (np.float64(0.9), 0.99), "pairs": [(0, np.int64(1)), (1, 2)], "none": (),
+             np.str_("nested"): {"stop": ("\n\n",), "on": np.bool_(True)}}
+    plain = plain_yaml_values(given)
+    assert plain == {"betas": [0.9, 0.99], "pairs": [[0, 1], [1, 2]], "none": [], "nested": {"stop": ["\n\n"],
+                                                                                            "on": True}}
+    assert type(plain["betas"]) is list and type(plain["pairs"][0]) is list and type(plain["nested"]["on"]) is bool
+    assert yaml.safe_load(yaml.safe_dump(plain)) == plain
+    assert given["betas"] == (0.9, 0.99) and type(given["betas"]) is tuple and type(given["pairs"][0]) is tuple

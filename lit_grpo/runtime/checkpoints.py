@@ -32,7 +32,7 @@ from lightning.pytorch.core.mixins import HyperparametersMixin
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
-from lit_grpo.runtime.validation import plain_values
+from lit_grpo.runtime.validation import plain_values, plain_yaml_values
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 #: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
@@ -554,11 +554,9 @@ def _normalized(value: Any, name: str = "") -> Any:
     if name == "dtype" and isinstance(value, str):  # "bf16" and "bfloat16" are one dtype
         with contextlib.suppress(ValueError, KeyError):
             return resolve_dtype(value)
-    if isinstance(value, tuple):
-        return list(value)
-    if isinstance(value, Mapping):
-        return {key: _normalized(item) for key, item in value.items()}
-    return value
+    # a tuple and the list of its values are one setting, at any depth: a Python run's settings hold tuples where
+    # the command line's hold lists, and a checkpoint saved before hyperparameters were plain YAML holds them too
+    return plain_yaml_values(value)
 
 
 def check_writable(folder: str | os.PathLike, needed_bytes: int = 0, what: str = "checkpoint folder",

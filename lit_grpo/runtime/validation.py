@@ -407,6 +407,18 @@ def plain_values(value: Any) -> Any:
     return value
 
 
+def plain_yaml_values(value: Any) -> Any:
+    """``value`` as plain YAML holds it: :func:`plain_values` with each list or tuple in it (at any depth) a list.
+    Python's yaml writes a tuple with a ``!!python/tuple`` tag, which ``yaml.safe_load`` (TensorBoard's hparams
+    reader, a user's script) refuses; as a list it reads back equal. What a run saves of its settings (a logger's
+    hparams.yaml, a checkpoint's hyperparameters), while the objects it runs with keep the tuples they were given."""
+    if isinstance(value, Mapping):
+        return {plain_values(key): plain_yaml_values(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return [plain_yaml_values(item) for item in value]
+    return plain_values(value)
+
+
 def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Collection[str] = ()) -> Mapping:
     """``state`` if it is a mapping that holds each of ``keys`` (those of ``optional`` may be absent) and no other key,
     else a ValueError saying ``what`` it is (``"a PredictionTrust state"``), the keys missing or unknown and those it
