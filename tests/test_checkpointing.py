@@ -509,6 +509,19 @@ def test_a_checkpoint_saved_with_tuples_resumes_where_the_run_has_lists(tmp_path
         check_resumable(older, {**module, "peft_config": {"r": 4, "layer_replication": ((0, 1), (1, 3))}}, data)
 
 
+def test_a_fit_writes_its_hyperparameters_as_plain_yaml(tiny_checkpoint):
+    """The run's hparams.yaml (the TensorBoard logger's) and its checkpoint's hyperparameters are what
+    yaml.safe_load reads back: no ``!!python/tuple`` or other Python tag."""
+    import yaml
+
+    logged = yaml.safe_load((tiny_checkpoint.parents[1] / "hparams.yaml").read_text())
+    assert logged["model"] == "tiny-llama" and logged["sampling"]["group_size"] == 4
+    module, data = _hparams(tiny_checkpoint)
+    for saved in (module, data):
+        assert yaml.safe_load(yaml.safe_dump(saved)) == saved
+    assert {**module, **data} == {key: value for key, value in logged.items() if key != "_class_path"}
+
+
 def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_checkpoint, capsys):
     """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
     correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run

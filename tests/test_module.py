@@ -8,10 +8,12 @@ import math
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.logprobs import completion_logits, token_entropy, token_logps
@@ -600,6 +602,37 @@ def test_the_hparams_set_after_they_are_saved_are_logged_too(tmp_path):
     assert logged["dataset"] == str(path) and logged["tools"] == tools
     data.hparams["tools"].append("changed")  # the initial copy is its own, as Lightning's
     assert data.hparams_initial["tools"] == tools
+
+
+def test_the_saved_hyperparameters_are_plain_yaml_while_the_run_keeps_its_tuples(tmp_path):
+    """What a run writes of its settings, a logger's hparams.yaml and a checkpoint's hyperparameters, holds each tuple
+    given in Python (AdamW's betas, stop strings, LoRA's target modules and layer pairs) as a list: Python's yaml
+    tags a tuple (``!!python/tuple``), which yaml.safe_load (TensorBoard's hparams reader, a user's script) refuses.
+    The module and the data module keep the tuples they were given."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers.utilities import _log_hyperparams
+
+    module = GRPOModule(model="tiny-llama", betas=(0.9, 0.95), peft_config={
+        "r": 4, "target_modules": ("q_proj", "v_proj"), "layer_replication": [(0, 1), (1, 2)]})
+    data = RolloutDataModule(prompts=PROMPTS, sampling={"stop_strings": ("\n\n",)})
+    logger = TensorBoardLogger(tmp_path / "logs")
+    _log_hyperparams(SimpleNamespace(loggers=[logger], lightning_module=module, datamodule=data))
+    logged = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
+    assert logged["betas"] == [0.9, 0.95] and logged["sampling"]["stop_strings"] == ["\n\n"]
+    assert logged["peft_config"] == {"r": 4, "target_modules": ["q_proj", "v_proj"],
+                                     "layer_replication": [[0, 1], [1, 2]]}
+    checkpoint = {"state_dict": {}, "hyper_parameters": dict(module.hparams),
+                  "datamodule_hyper_parameters": dict(data.hparams)}  # as Lightning's dump_checkpoint, before the hook
+    module.on_save_checkpoint(checkpoint)
+    for section in ("hyper_parameters", "datamodule_hyper_parameters"):
+        assert yaml.safe_load(yaml.safe_dump(checkpoint[section])) == checkpoint[section]
+    assert checkpoint["hyper_parameters"]["betas"] == [0.9, 0.95]
+    assert checkpoint["datamodule_hyper_parameters"]["sampling"]["stop_strings"] == ["\n\n"]
+    # what the run reads is as it was given
+    assert module.hparams.betas == (0.9, 0.95) and module.hparams.peft_config["layer_replication"] == [(0, 1), (1, 2)]
+    assert data.hparams.sampling["stop_strings"] == ("\n\n",) and data.sampling.stop_strings == ("\n\n",)
 
 
 def test_the_hparams_are_the_init_arguments_each_class_saves():

@@ -53,6 +53,8 @@ RESUME_SETTINGS = {
 SHARDED_HEADER = "meta.pt"
 #: What a checkpoint must share with a run that only evaluates it (``lit-grpo validate``): the weights' layout.
 WEIGHT_SETTINGS = {"hyper_parameters": ("model", "peft_config")}
+#: Where a Lightning checkpoint holds the module's hyperparameters and the data module's.
+HYPERPARAMETER_SECTIONS = ("hyper_parameters", "datamodule_hyper_parameters")
 
 
 def partial_path(path: str | os.PathLike, pid: int | None = None) -> Path:
@@ -201,14 +203,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class PlainHyperparameters(HyperparametersMixin):
-    """Hyperparameters saved as plain values: each numpy scalar in what ``save_hyperparameters`` stores (a setting
-    computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as the Python value it
-    holds (:func:`~lit_grpo.runtime.validation.plain_values`), in ``hparams`` and in ``hparams_initial``, which
-    Lightning's loggers write. torch.load(weights_only=True) refuses a checkpoint's hyperparameters with a numpy
-    scalar, and the hparams.yaml a logger writes of them would name numpy's classes: one rule for every setting, so
-    that none needs its own conversion before it is saved. Through Lightning's public names only (the method and the
-    property it documents), so that an upgrade does not change it unseen. Listed before the Lightning class
-    (``class M(PlainHyperparameters, LightningModule)``)."""
+    """Hyperparameters saved as plain values. ``hparams`` hold each numpy scalar of what ``save_hyperparameters``
+    stores (a setting computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as
+    the Python value it holds (:func:`~lit_grpo.runtime.validation.plain_values`): torch.load(weights_only=True)
+    refuses a checkpoint's hyperparameters with a numpy scalar. What a run writes of them is plain YAML besides
+    (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list), which ``yaml.safe_load`` reads:
+    ``hparams_initial``, which Lightning's loggers write (hparams.yaml, TensorBoard's hparams), and a checkpoint's
+    (:func:`plain_saved_hyperparameters`, called by the module's ``on_save_checkpoint``); ``hparams`` keep the
+    tuples given, as the run reads them. One rule for every setting, so that none needs its own conversion before
+    it is saved. Through Lightning's public names only (the method and the property it documents), so that an
+    upgrade does not change it unseen. Listed before the Lightning class (``class M(PlainHyperparameters,
+    LightningModule)``)."""
 
     def save_hyperparameters(self, *args: Any, frame: types.FrameType | None = None, **kwargs: Any) -> None:
         """Lightning's ``save_hyperparameters``, its values then made plain in place (Lightning's initial copy, taken
@@ -224,10 +229,10 @@ class PlainHyperparameters(HyperparametersMixin):
 
     @property
     def hparams_initial(self) -> AttributeDict:
-        """Lightning's initial copy of the hyperparameters with those ``set_hparam`` set later, as plain values: what
-        Lightning's loggers write (hparams.yaml, TensorBoard's hparams plugin)."""
+        """Lightning's initial copy of the hyperparameters with those ``set_hparam`` set later, as plain YAML: what
+        Lightning's loggers write (hparams.yaml, TensorBoard's hparams plugin), which ``yaml.safe_load`` reads."""
         later = copy.deepcopy(getattr(self, "_hparams_set_later", {}))
-        return AttributeDict(plain_values({**super().hparams_initial, **later}))
+        return AttributeDict(plain_yaml_values({**super().hparams_initial, **later}))
 
     def set_hparam(self, name: str, value: Any) -> None:
         """Set ``hparams[name]`` after ``save_hyperparameters`` (a setting saved in another form than it was given:
@@ -239,6 +244,16 @@ class PlainHyperparameters(HyperparametersMixin):
                                "save_hyperparameters would drop it; set it after")
         self.hparams[name] = plain_values(value)
         self._hparams_set_later[name] = copy.deepcopy(self.hparams[name])
+
+
+def plain_saved_hyperparameters(checkpoint: dict[str, Any]) -> None:
+    """Make the module's and the data module's hyperparameters in ``checkpoint`` (Lightning's, before it is written)
+    plain YAML (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list), as hparams.yaml holds
+    them; the module's ``on_save_checkpoint`` calls it, the one hook that sees both. A resume compares them with the
+    run's own as plain YAML too (``check_resumable``), so a checkpoint that holds tuples resumes as before."""
+    for section in HYPERPARAMETER_SECTIONS:
+        if isinstance(checkpoint.get(section), Mapping):
+            checkpoint[section] = plain_yaml_values(checkpoint[section])
 
 
 def find_last_checkpoint(folders: Iterable[str | os.PathLike]) -> Path | None:

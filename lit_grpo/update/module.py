@@ -126,7 +126,7 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
 from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_sharded_param_groups, check_weight_shapes,
-                                         exception_save_hazard)
+                                         exception_save_hazard, plain_saved_hyperparameters)
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -534,6 +534,7 @@ class GRPOModule(PlainHyperparameters, LightningModule):
             self.reference_sync is not None or not self._reference_is_initial))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        plain_saved_hyperparameters(checkpoint)
         if not self.saves_reference():
             _drop_reference(checkpoint)
         if self.entropy_control.adaptive:  # its coefficient and last entropy: a resume goes on from them
