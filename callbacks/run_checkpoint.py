@@ -224,9 +224,12 @@ class RunCheckpoint(ModelCheckpoint):
 
     def _check_lightning_state(self, state: Any) -> None:
         """Refuse, naming the bad key or value, a state that is not Lightning's ``ModelCheckpoint.state_dict`` (the
-        keys this Lightning writes; those its restore reads by name required, the others may be absent, as in an
-        older Lightning's) with values of the types it writes."""
+        keys Lightning writes; those its restore reads by name required, the others may be absent, as in an older
+        Lightning's) with values of the types it writes. A key this Lightning does not write (another version's) is
+        left to Lightning's restore, which reads its keys by name: an upgrade between runs keeps them resumable."""
         keys = tuple(super().state_dict())
+        if isinstance(state, Mapping):
+            keys += tuple(key for key in state if isinstance(key, str) and key not in keys)
         check_state_keys("a RunCheckpoint state", state, keys,
                          [key for key in keys if key not in ("best_model_score", "best_model_path")])
         prefix = "RunCheckpoint state "

@@ -151,7 +151,7 @@ def _run_checkpoint_state(tmp_path) -> tuple[RunCheckpoint, dict]:
                              r"checkpoint paths to scores$"),
     ("best_k_models", {"a.ckpt": "x"}, r"^RunCheckpoint state best_k_models\['a.ckpt'\]='x' is not allowed; it must "
                                        r"be a score"),
-    ("top_k", 3, r"^a RunCheckpoint state has unknown keys \['top_k'\]; it holds monitor, best_model_score, "),
+    (3, "x", r"^a RunCheckpoint state has unknown keys \[3\]; it holds monitor, best_model_score, "),
 ])
 def test_a_corrupt_run_checkpoint_state_is_refused_naming_the_key_and_nothing_is_taken(tmp_path, key, value, message):
     callback, state = _run_checkpoint_state(tmp_path)
@@ -166,6 +166,13 @@ def test_a_run_checkpoint_state_lacking_what_lightning_reads_is_refused():
     callback = RunCheckpoint()
     with pytest.raises(ValueError, match=r"^a RunCheckpoint state lacks \['best_model_score'\]"):
         callback.load_state_dict({"best_model_path": ""})
+
+
+def test_a_run_checkpoint_state_of_another_lightning_version_is_taken(tmp_path):
+    callback, state = _run_checkpoint_state(tmp_path)
+    state["a_key_of_a_later_lightning"] = {"anything": 1}
+    callback.load_state_dict(state)
+    assert callback.best_model_path == str(tmp_path / "last.ckpt")
 
 
 def test_lightnings_own_run_checkpoint_state_is_taken(tmp_path):
