@@ -81,6 +81,19 @@ def _check_roofline(report, runs):
     assert runs["full"]["floor_ms_per_step"] > runs["continuous"]["floor_ms_per_step"]  # 8 rows against 2
 
 
+def test_bench_rollout_table_keeps_its_columns_under_long_labels(capsys):
+    """A run's label grows with each option measured (``--compile`` and ``--decode-attention`` together): the label
+    column widens to the longest, so every row's figures stay under their header."""
+    plain = {"strategy": "continuous", "decode_steps": 16, "tokens_per_s": 1800.5}
+    long = {**plain, "compile": "auto", "cpu_linear": "packed", "decode_attention": "sdpa_gqa", "control": True}
+    bench_rollout._print_table([plain, long])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "continuous compile=auto cpu_linear=packed sdpa_gqa control" in lines[2]
+    assert len({len(line) for line in lines}) == 1, lines
+    header_end = lines[0].index("decode_steps") + len("decode_steps")
+    assert all(line[header_end - 2:header_end] == "16" for line in lines[1:]), lines
+
+
 def test_bench_rollout_runs_as_a_module_from_the_repository_root():
     """The one way to run a tool, ``python -m tools.NAME`` from the repository root: its imports must resolve."""
     proc = subprocess.run([sys.executable, "-m", "tools.bench_rollout", "--help"], cwd=ROOT, capture_output=True,

@@ -437,11 +437,13 @@ def _print_table(runs: list[dict]) -> None:
                        + (f" {r['decode_attention']}" if r.get("decode_attention") not in (None, "matmul") else "")
                        + (" control" if r.get("control") else ""))
     widths = [max(20, len(c) + 2) for c in columns]
-    print(f"{'strategy':30s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
+    # as wide as the longest label: one grows with every option measured (compile, cpu_linear, decode_attention)
+    first = max([30, *(len(label(run)) + 2 for run in runs)])
+    print(f"{'strategy':{first}s}" + "".join(f"{c:>{w}s}" for c, w in zip(columns, widths)))
     for run in runs:
         cells = ["-" if run.get(c) is None else f"{run[c]:.3f}" if isinstance(run[c], float) else str(run[c])
                  for c in columns]
-        print(f"{label(run):30s}" + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+        print(f"{label(run):{first}s}" + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
 
 
 if __name__ == "__main__":
