@@ -522,6 +522,69 @@ def test_a_fit_writes_its_hyperparameters_as_plain_yaml(tiny_checkpoint):
     assert {**module, **data} == {key: value for key, value in logged.items() if key != "_class_path"}
 
 
+def _python_fit(root: Path, jsonl: Path, reward_funcs: list, steps: int, ckpt_path: str | None = None):
+    """A fit from Python, no CLI: a TensorBoard logger (hparams.yaml) and Lightning's checkpoint of each epoch."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from datamodule_helpers import datamodule_arguments
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.update.module import GRPOModule
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=TensorBoardLogger(root, name="logs"),
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    module = GRPOModule(model="tiny-llama")
+    arguments = datamodule_arguments({"val_size": 0, "group_size": 2, "micro_group_size": 2, "max_new_tokens": 4,
+                                      "reward_funcs": reward_funcs})
+    datamodule = RolloutDataModule(**{**arguments, "prompts": None, "jsonl_path": jsonl})
+    trainer.fit(module, datamodule, ckpt_path=ckpt_path)
+    return trainer, module, datamodule
+
+
+def test_a_python_fit_saves_its_reward_functions_and_paths_as_plain_values_and_resumes(tmp_path, monkeypatch):
+    """Reward functions and a Path given from Python are saved as text that yaml.safe_load and
+    torch.load(weights_only=True) read (Lightning's resume loads so): an importable function by the name a config
+    gives it, a lambda or local function by a marker that says it cannot be imported, a Path as its text. A resume
+    given the same functions compares them as the saved names; another function is another setting."""
+    import json
+
+    import yaml
+
+    from datamodule_helpers import PROMPTS
+    from lit_grpo.rollout.reward_functions import char_fraction_reward
+    from lit_grpo.runtime import checkpoints
+
+    def zero(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    lam = lambda prompts, completions, **columns: [1.0] * len(completions)  # noqa: E731
+    rewards = [char_fraction_reward, {"name": zero, "weight": 0.5, "log_name": "zeros"}, lam]
+    _, module, datamodule = _python_fit(tmp_path / "first", jsonl, rewards, steps=1)
+    here = f"{__name__}:test_a_python_fit_saves_its_reward_functions_and_paths_as_plain_values_and_resumes"
+    saved_rewards = ["lit_grpo.rollout.reward_functions:char_fraction_reward",
+                     {"name": f"<not importable (a local function): {here}.<locals>.zero>", "weight": 0.5,
+                      "log_name": "zeros"},
+                     f"<not importable (a lambda): {here}.<locals>.<lambda>>"]
+    logged = yaml.safe_load((tmp_path / "first" / "logs" / "version_0" / "hparams.yaml").read_text())
+    assert logged["reward_funcs"] == saved_rewards and logged["jsonl_path"] == str(jsonl)
+    [ckpt] = (tmp_path / "first" / "logs" / "version_0" / "checkpoints").glob("*.ckpt")
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
+    assert saved["reward_funcs"] == saved_rewards and saved["jsonl_path"] == str(jsonl)
+    # the run kept the objects it was given
+    assert datamodule.jsonl_path is jsonl
+    assert [reward.fn for reward in datamodule.reward_funcs] == [char_fraction_reward, zero, lam]
+    assert datamodule.hparams.reward_funcs[0] is char_fraction_reward
+
+    trainer, _, _ = _python_fit(tmp_path / "resumed", jsonl, rewards, steps=2, ckpt_path=str(ckpt))
+    assert trainer.global_step == 2
+    # where the comparison covers the rewards, the same functions given again are the saved names; another is not
+    monkeypatch.setitem(checkpoints.RESUME_SETTINGS, "datamodule_hyper_parameters", ("reward_funcs", "jsonl_path"))
+    check_resumable(ckpt, module.hparams, datamodule.hparams)
+    with pytest.raises(ValueError, match=re.escape("data.reward_funcs: ")):
+        check_resumable(ckpt, module.hparams, {**datamodule.hparams, "reward_funcs": [char_fraction_reward, zero]})
+
+
 def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_checkpoint, capsys):
     """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
     correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run

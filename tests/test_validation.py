@@ -183,6 +183,46 @@ def test_the_settings_own_number_checks_take_numpy_numbers():
     assert type(warmup_steps_count(np.float32(10.0))) is int
 
 
+def _module_level_reward(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+class _Rewards:
+    @staticmethod
+    def nested(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+
+def test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_imports():
+    """A function or class by the name a config gives it, where it imports; a lambda, a local function, one no
+    name finds, or another callable object by a marker that says so, with no address in it (the same function saved
+    twice reads the same); a path as its text; a dataclass as a dict of its fields. The value given keeps them."""
+    import functools
+    from pathlib import Path
+
+    from lit_grpo.rollout.rewards import WeightedReward
+
+    def local(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+    here = f"{__name__}:test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_imports.<locals>"
+    given = {"funcs": [_module_level_reward, OverlongPenalty, len, local, lambda prompts, completions: [],
+                       _Rewards.nested, functools.partial(_module_level_reward), OverlongPenalty(8, 2)],
+             "path": Path("/data/prompts.jsonl"), "reward": WeightedReward(_module_level_reward, 2.0, "zeros")}
+    plain = plain_yaml_values(given)
+    assert plain == {
+        "funcs": [f"{__name__}:_module_level_reward", "lit_grpo.rollout.reward_functions:OverlongPenalty",
+                  "builtins:len", f"<not importable (a local function): {here}.local>",
+                  f"<not importable (a lambda): {here}.<lambda>>",
+                  f"<not importable (not found by that name in its module): {__name__}:_Rewards.nested>",
+                  "<not importable (an instance of functools:partial)>",
+                  "<not importable (an instance of lit_grpo.rollout.reward_functions:OverlongPenalty)>"],
+        "path": "/data/prompts.jsonl", "reward": {"fn": f"{__name__}:_module_level_reward", "weight": 2.0,
+                                                  "name": "zeros"}}
+    assert yaml.safe_load(yaml.safe_dump(plain)) == plain
+    assert given["funcs"][0] is _module_level_reward and isinstance(given["path"], Path)
+
+
 def test_an_int_beyond_float_range_is_said_by_its_exact_count_of_digits():
     # math.log10 of a huge int rounds either way: below k at some powers of ten (10**512, 10**1024), above at 10**k - 1
     for k in (309, 400, 512, 1024, 2048, 4096, 5000):

@@ -207,12 +207,13 @@ class PlainHyperparameters(HyperparametersMixin):
     stores (a setting computed with numpy or read through it, at any depth: np.float64, np.int64, np.str_, ...) as
     the Python value it holds (:func:`~lit_grpo.runtime.validation.plain_values`): torch.load(weights_only=True)
     refuses a checkpoint's hyperparameters with a numpy scalar. What a run writes of them is plain YAML besides
-    (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list), which ``yaml.safe_load`` reads:
-    ``hparams_initial``, which Lightning's loggers write (hparams.yaml, TensorBoard's hparams), and a checkpoint's
+    (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list, a path its text, a function its
+    importable name or a marker that says none imports it), which ``yaml.safe_load`` reads: ``hparams_initial``,
+    which Lightning's loggers write (hparams.yaml, TensorBoard's hparams), and a checkpoint's
     (:func:`plain_saved_hyperparameters`, called by the module's ``on_save_checkpoint``); ``hparams`` keep the
-    tuples given, as the run reads them. One rule for every setting, so that none needs its own conversion before
-    it is saved. Through Lightning's public names only (the method and the property it documents), so that an
-    upgrade does not change it unseen. Listed before the Lightning class (``class M(PlainHyperparameters,
+    tuples, paths and functions given, as the run reads them. One rule for every setting, so that none needs its own
+    conversion before it is saved. Through Lightning's public names only (the method and the property it documents),
+    so that an upgrade does not change it unseen. Listed before the Lightning class (``class M(PlainHyperparameters,
     LightningModule)``)."""
 
     def save_hyperparameters(self, *args: Any, frame: types.FrameType | None = None, **kwargs: Any) -> None:
@@ -248,9 +249,11 @@ class PlainHyperparameters(HyperparametersMixin):
 
 def plain_saved_hyperparameters(checkpoint: dict[str, Any]) -> None:
     """Make the module's and the data module's hyperparameters in ``checkpoint`` (Lightning's, before it is written)
-    plain YAML (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list), as hparams.yaml holds
-    them; the module's ``on_save_checkpoint`` calls it, the one hook that sees both. A resume compares them with the
-    run's own as plain YAML too (``check_resumable``), so a checkpoint that holds tuples resumes as before."""
+    plain YAML (:func:`~lit_grpo.runtime.validation.plain_yaml_values`: each tuple a list, a path its text, a
+    function its name), as hparams.yaml holds them, which torch.load(weights_only=True), Lightning's resume, reads;
+    the module's ``on_save_checkpoint`` calls it, the one hook that sees both. A resume compares them with the run's
+    own as plain YAML too (``check_resumable``), so a checkpoint that holds tuples resumes as before, and a function
+    given again is the name it was saved as."""
     for section in HYPERPARAMETER_SECTIONS:
         if isinstance(checkpoint.get(section), Mapping):
             checkpoint[section] = plain_yaml_values(checkpoint[section])

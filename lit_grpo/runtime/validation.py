@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import numbers
 import os
@@ -408,15 +409,54 @@ def plain_values(value: Any) -> Any:
 
 
 def plain_yaml_values(value: Any) -> Any:
-    """``value`` as plain YAML holds it: :func:`plain_values` with each list or tuple in it (at any depth) a list.
-    Python's yaml writes a tuple with a ``!!python/tuple`` tag, which ``yaml.safe_load`` (TensorBoard's hparams
-    reader, a user's script) refuses; as a list it reads back equal. What a run saves of its settings (a logger's
-    hparams.yaml, a checkpoint's hyperparameters), while the objects it runs with keep the tuples they were given."""
+    """``value`` as plain YAML holds it: :func:`plain_values` with each list or tuple in it (at any depth) a list, each
+    path (``os.PathLike``: a ``pathlib.Path``) its text, each function, class or other callable object its
+    :func:`saved_name`, and each other dataclass a dict of its fields. Python's yaml writes a tuple with a
+    ``!!python/tuple`` tag, and a path or a function with tags of their own, which ``yaml.safe_load`` (TensorBoard's
+    hparams reader, a user's script) refuses, as torch.load(weights_only=True) refuses a pickled function, path or
+    dataclass. What a run saves of its settings (a logger's hparams.yaml, a checkpoint's hyperparameters), while the
+    objects it runs with keep what they were given."""
     if isinstance(value, Mapping):
         return {plain_values(key): plain_yaml_values(item) for key, item in value.items()}
     if type(value) in (list, tuple):
         return [plain_yaml_values(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fsdecode(value)
+    if callable(value):
+        return saved_name(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: plain_yaml_values(getattr(value, field.name)) for field in dataclasses.fields(value)
+                if field.init}
     return plain_values(value)
+
+
+#: How a saved setting (``saved_name``) begins that names a function or object no name imports.
+NOT_IMPORTABLE = "<not importable"
+
+
+def saved_name(value: Callable[..., Any]) -> str:
+    """A function, class or other callable object as a saved setting names it: a function or class by
+    ``"package.module:qualname"``, the spelling a config gives a reward function or a tool, where that name imports
+    it; else a marker that says it cannot be imported and why (a lambda, a local function, one of the script run as
+    ``__main__``, which is another program in another process, an object by its class). A marker holds no address,
+    so one function saved twice reads the same."""
+    if not (inspect.isroutine(value) or inspect.isclass(value)):
+        kind = type(value)
+        return f"{NOT_IMPORTABLE} (an instance of {kind.__module__}:{kind.__qualname__})>"
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None) or getattr(value, "__name__", type(value).__qualname__)
+    spelling = f"{module}:{qualname}" if module else qualname
+    if "<lambda>" in qualname:
+        reason = "a lambda"
+    elif "<locals>" in qualname:
+        reason = "a local function"
+    elif module == "__main__":
+        reason = "defined in the script run as __main__"
+    elif module is None or getattr(sys.modules.get(module), qualname, None) is not value:
+        reason = "not found by that name in its module"
+    else:
+        return spelling
+    return f"{NOT_IMPORTABLE} ({reason}): {spelling}>"
 
 
 def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Collection[str] = ()) -> Mapping:
