@@ -696,6 +696,26 @@ def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(t
         build_reward_funcs(["no_such_rewards_module:f"])
 
 
+def test_a_reward_function_saved_by_its_name_builds_again_and_one_saved_as_not_importable_is_named():
+    """What a run saves of its reward specs (plain_yaml_values) is a config's spelling: an importable function's
+    name builds that function again, with its weight and log name; a lambda's or local function's marker is refused
+    saying why no name imports it and what to give instead, not as a module that is not installed."""
+    from lit_grpo.rollout.reward_functions import char_fraction_reward
+    from lit_grpo.runtime.validation import plain_yaml_values
+
+    saved = plain_yaml_values([char_fraction_reward, {"name": char_fraction_reward, "weight": 0.5, "log_name": "x"}])
+    built = build_reward_funcs(saved)
+    assert [(r.fn, r.weight, r.name) for r in built] == [(char_fraction_reward, 1.0, "char_fraction"),
+                                                          (char_fraction_reward, 0.5, "x")]
+    [marker] = plain_yaml_values([lambda prompts, completions, **columns: [0.0] * len(completions)])
+    for spec in (marker, {"name": marker}):
+        with pytest.raises(ValueError, match=re.escape(f"reward function {marker!r} is how a run saves a function "
+                                                       "that no name imports (a lambda): give the function itself "
+                                                       "from Python, or define it at the top level of a module and "
+                                                       "name it 'package.module:function'")):
+            build_reward_funcs([spec])
+
+
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"

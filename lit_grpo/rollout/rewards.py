@@ -91,7 +91,7 @@ from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_nu
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import check_choice, huge_int, real_within, shown_value
+from lit_grpo.runtime.validation import NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_value
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -305,6 +305,11 @@ def _resolve(name: str | Callable[..., Any], kwargs: Mapping[str, Any]) -> Rewar
     them), its options checked."""
     if callable(name):
         target, name = name, getattr(name, "__name__", type(name).__name__)
+    elif name.startswith(NOT_IMPORTABLE):  # a saved setting (a checkpoint's, hparams.yaml) given back as a config
+        why = name[len(NOT_IMPORTABLE):].partition("(")[2].partition(")")[0]  # "<not importable (why): ..."
+        raise ValueError(f"reward function {name!r} is how a run saves a function that no name imports"
+                         + (f" ({why})" if why else "") + ": give the function itself from Python, or define it "
+                         "at the top level of a module and name it 'package.module:function'")
     elif name in BUILTIN_REWARDS:
         target = BUILTIN_REWARDS[name]
     elif is_reward_model_name(name):
