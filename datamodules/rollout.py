@@ -61,6 +61,7 @@ from lit_grpo.runtime.validation import (
     check_state_keys,
     config_errors,
     integer_within,
+    plain_yaml_values,
     settings_from,
     shown_value,
 )
@@ -364,7 +365,10 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
             max_tool_calling_iterations=max_tool_calling_iterations), stacklevel=3)
         _warn_preemption_off(sampling, stacklevel=3)
         sampling = dataclasses.asdict(sampling)  # saved as a dict of its fields
-        self.save_hyperparameters(ignore=["prompts", "dataset", "tools"])
+        self.save_hyperparameters(ignore=["prompts", "dataset", "tools", "reward_funcs"])
+        # a reward function by its name, an object by its class (plain_yaml_values): Lightning deep-copies what it
+        # saves, and a reward object that holds a lock (an API client) cannot be copied, one with a model is copied
+        self.set_hparam("reward_funcs", plain_yaml_values(reward_funcs))
         # a tool by its name, which a checkpoint stores as plain text
         self.set_hparam("tools",
                         [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None)

@@ -490,6 +490,27 @@ def test_numpy_integer_settings_are_kept_as_plain_ints():
     assert type(data.val_size) is int  # a count of prompts, not a fraction
 
 
+def test_a_reward_object_that_cannot_be_copied_is_taken_and_saved_by_its_class():
+    """A reward function given as an object that holds a lock (an API client's, a thread pool's) or a model (a
+    RewardModel) is used as given and saved by its class: Lightning deep-copies what save_hyperparameters stores,
+    again at each read of hparams_initial, and a lock cannot be copied (the data module failed to build), a model is
+    copied whole."""
+    import threading
+
+    class Judge:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, prompts, completions, **columns):
+            return [0.0] * len(completions)
+
+    judge = Judge()
+    data = RolloutDataModule(prompts=PROMPTS, reward_funcs=[judge, {"name": "format", "weight": 0.5}])
+    assert [reward.fn for reward in data.reward_funcs][0] is judge
+    saved = [f"<not importable (an instance of {__name__}:{Judge.__qualname__})>", {"name": "format", "weight": 0.5}]
+    assert data.hparams.reward_funcs == saved and data.hparams_initial["reward_funcs"] == saved
+
+
 def test_numpy_float_settings_are_kept_as_plain_floats():
     """A number computed with numpy (np.float64, a float subclass numpy pickles as its own scalar) is kept as a
     plain float: a checkpoint's hyperparameters are read back by torch.load(weights_only=True), which refuses it."""
