@@ -215,3 +215,25 @@ def test_a_scheduler_state_resumed_by_the_same_strategy_says_nothing(tiny_llama,
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _engine(tiny_llama, strategy).load_state_dict(saved.state_dict())
+
+
+def test_an_engine_given_its_own_scheduler_names_it_not_the_strategy_when_it_drops_or_starts_a_state(tiny_llama):
+    """A scheduler given in place of the strategy's (``scheduler=``) is what drops the checkpoint's state or starts
+    fresh: the warning names it, and does not tell a run of strategy 'infinite' to resume with strategy 'infinite'."""
+    from lit_grpo.scheduling.base import Scheduler
+    from lit_grpo.scheduling.least_attained import LeastAttainedScheduler
+
+    model, tokenizer = tiny_llama
+    saved = _engine(tiny_llama, "infinite")
+    given = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="infinite", max_new_tokens=8,
+                          scheduler=Scheduler())
+    with pytest.warns(UserWarning, match=r"^the checkpoint's engine state holds its scheduler's state \(the "
+                                         r"'infinite' strategy keeps one\); this run's scheduler \(Scheduler, given "
+                                         r"in place of strategy 'infinite''s\) keeps none and drops it$"):
+        given.load_state_dict(saved.state_dict())
+    given = RolloutEngine(model, tokenizer, group_size=4, micro_group_size=2, strategy="micro", max_new_tokens=8,
+                          scheduler=LeastAttainedScheduler())
+    with pytest.warns(UserWarning, match=r"^the checkpoint's engine state holds no scheduler state \(its strategy "
+                                         r"keeps none\); this run's scheduler \(LeastAttainedScheduler, given in "
+                                         r"place of strategy 'micro''s\) starts fresh$"):
+        given.load_state_dict({"rollout_index": 4})
