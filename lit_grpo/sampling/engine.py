@@ -143,6 +143,8 @@ class RolloutEngine:
             raise TypeError(f"scheduler={type(scheduler).__name__} object has no {', '.join(missing)}: give a "
                             "lit_grpo.scheduling.Scheduler (or a subclass), or None for the strategy's own")
         self.scheduler = scheduler if scheduler is not None else _default_scheduler(self.config)
+        #: Whether ``scheduler`` was given in place of the strategy's own: a resume's warnings name it then.
+        self._scheduler_given = scheduler is not None
         #: Rollouts generated so far; part of every random-stream key so successive rollouts differ.
         self.rollout_index = 0
         #: Generate under torch.inference_mode; torch.no_grad for FSDP2-sharded models (their hooks write parameters).
@@ -348,13 +350,18 @@ class RolloutEngine:
         other way round, as a resume with another scheduler's settings says what it drops
         (``LeastAttainedScheduler.load_state_dict``)."""
         strategy = self.config.strategy
+        # a scheduler given in place of the strategy's is what drops or starts the state, whatever the strategy
+        given = f"scheduler ({type(self.scheduler).__name__}, given in place of strategy {strategy!r}'s)"
         if saved and not keeps_state:
+            run = given if self._scheduler_given else f"strategy={strategy!r}"
+            advice = "" if self._scheduler_given else ": resume with strategy 'infinite' to keep it"
             warnings.warn(f"the checkpoint's engine state holds its scheduler's state (the 'infinite' strategy keeps "
-                          f"one); this run's strategy={strategy!r} keeps none and drops it: resume with strategy "
-                          "'infinite' to keep it", stacklevel=3)
+                          f"one); this run's {run} keeps none and drops it{advice}", stacklevel=3)
         elif keeps_state and not saved:
+            fresh = f"{given} starts fresh" if self._scheduler_given else (
+                f"strategy={strategy!r} starts its scheduler fresh")
             warnings.warn(f"the checkpoint's engine state holds no scheduler state (its strategy keeps none); this "
-                          f"run's strategy={strategy!r} starts its scheduler fresh", stacklevel=3)
+                          f"run's {fresh}", stacklevel=3)
 
     # ------------------------------------------------------------------------------- slot cache and step
     def _slots(self, num_slots: int, width: int, settings: StepSettings) -> tuple[SlotKVCache, DecodeStep, bool]:
