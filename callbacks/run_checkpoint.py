@@ -227,13 +227,15 @@ class RunCheckpoint(ModelCheckpoint):
         keys Lightning writes; those its restore reads by name required, the others may be absent, as in an older
         Lightning's) with values of the types it writes. A key this Lightning does not write (another version's) is
         left to Lightning's restore, which reads its keys by name: an upgrade between runs keeps them resumable."""
-        keys = tuple(super().state_dict())
+        written = keys = tuple(super().state_dict())
         if isinstance(state, Mapping):
             keys += tuple(key for key in state if isinstance(key, str) and key not in keys)
         check_state_keys("a RunCheckpoint state", state, keys,
                          [key for key in keys if key not in ("best_model_score", "best_model_path")])
         prefix = "RunCheckpoint state "
         for key, value in state.items():
+            if key not in written:  # another version's: Lightning's restore does not read it
+                continue
             name = prefix + key
             if key == "dirpath":
                 check_folder(name, value, "Lightning's checkpoint folder")
