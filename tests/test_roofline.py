@@ -205,3 +205,47 @@ def test_a_bare_cuda_device_is_the_current_one_in_every_per_device_cache(monkeyp
     monkeypatch.setattr(library, "_BANDWIDTH", {})
     library.set_read_bandwidth("cuda", 7e11)
     assert library._BANDWIDTH == {"cuda:3": 7e11} and library.read_bandwidth("cuda:3") == 7e11
+
+
+def _resident_peak_bytes() -> int:
+    """This process's VmHWM (the kernel's resident high-water mark), in bytes."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def test_a_cpu_bandwidth_probe_leaves_this_process_resident_peak_alone():
+    """The probe's buffer (at least 4 x the last-level cache: GiBs on a CPU with a large one) is filled by a process
+    this one never reaps, so a run's peak resident memory is its own work, not the probe's: its VmHWM, and the
+    ``ru_maxrss`` its parent's ``wait4`` reads (the largest of the process and of the children it reaped)."""
+    import resource
+
+    from lit_grpo.sampling import roofline as library
+
+    buffer_bytes = library.bandwidth_buffer_bytes(torch.device("cpu"))
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # the high-water mark restarts from the present resident size
+    before, children_before = _resident_peak_bytes(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert library.measure_read_bandwidth("cpu", budget_s=0.02) > 1e8  # bytes/s: some memory, read
+    assert _resident_peak_bytes() - before < buffer_bytes // 4
+    # a child started here holds at most this process's own peak (exec keeps the high-water mark it forked with)
+    own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 <= max(children_before, own_peak)
+
+
+def test_a_cpu_probe_whose_child_cannot_run_is_measured_here_with_a_warning(monkeypatch):
+    import sys
+
+    from lit_grpo.sampling import read_probe, roofline as library
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(RuntimeError, match="the read-bandwidth probe's child did not run"):
+        read_probe.sum_seconds_in_child(2**20, 0.01, 1)
+    with pytest.warns(RuntimeWarning, match=r"did not run.*measured in this process instead, its 1 MiB buffer"):
+        assert library.measure_read_bandwidth("cpu", buffer_bytes=2**20, budget_s=0.01) > 1e6
+
+
+def test_a_failing_probe_child_is_reported_with_its_status_and_error():
+    from lit_grpo.sampling import read_probe
+
+    with pytest.raises(RuntimeError, match=r"(?s)printed no seconds \(status 0\): .*negative dimension"):
+        read_probe.sum_seconds_in_child(-4, 0.01, 1)  # a buffer of -1 elements: torch refuses it in the child

@@ -40,8 +40,8 @@ import torch
 from lit_grpo.sampling.cpu_linear import onednn_linear
 from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.memory_budget import dtype_bytes, held_positions, kv_windows
-from lit_grpo.sampling.roofline import (bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, median_seconds,
-                                        model_shape)
+from lit_grpo.sampling.read_probe import median_seconds
+from lit_grpo.sampling.roofline import bandwidth_buffer_bytes, decode_reads, measure_read_bandwidth, model_shape
 
 #: What ``measure_machine`` keeps of its measurements, per (device, dtype, threads), so a process measures once.
 _MEASURED: dict[tuple[str, str, int], dict] = {}

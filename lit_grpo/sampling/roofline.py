@@ -15,14 +15,15 @@ bandwidth, and ``rollout/roofline_ratio`` the measured ``ms_per_step`` over it. 
 (a compute floor) and prefill for the benchmarks, on these pieces.
 
 The bandwidth is measured once per device and process (``read_bandwidth``): ``torch.sum`` over a buffer much
-larger than the last-level cache, the median of a few timed calls after a warm-up.
+larger than the last-level cache, the median of a few timed calls after a warm-up. A CPU's buffer is filled in a
+child process with this process's threads (``read_probe``), so that it never counts in this process's resident
+peak; a GPU's lives in the GPU's memory, outside the host's.
 """
 
 from __future__ import annotations
 
 import re
-import statistics
-import time
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.kv_cache import kept_positions
 from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry, kv_windows
+from lit_grpo.sampling.read_probe import sum_seconds, sum_seconds_in_child
 
 __all__ = ["DecodeReads", "ModelShape", "decode_reads", "floor_ms", "measure_read_bandwidth", "model_shape",
            "read_bandwidth", "set_read_bandwidth"]
@@ -147,22 +149,6 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def median_seconds(run: Callable[[], Any], device: torch.device, budget_s: float, min_runs: int = 3,
-                   max_runs: int = 30) -> float:
-    """Median wall time of ``run()`` after one untimed warm-up call: at least ``min_runs`` timed calls, more while
-    ``budget_s`` lasts. On CUDA each call is waited for (kernels run asynchronously)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    run()
-    sync(device)
-    times, started = [], time.perf_counter()
-    while len(times) < min_runs or (len(times) < max_runs and time.perf_counter() - started < budget_s):
-        start = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bandwidth_buffer_bytes(device: torch.device, minimum: int = 2**28) -> int:
     """The bandwidth buffer: at least ``minimum`` and 4 x the last-level cache (the CPU's, or the GPU's L2)."""
     llc = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda"
@@ -174,26 +160,28 @@ def measure_read_bandwidth(device: torch.device | str, buffer_bytes: int | None 
                            inner: int | None = None) -> float:
     """Bytes/s ``torch.sum`` reads from a float32 buffer of ``buffer_bytes`` on ``device`` (default
     ``bandwidth_buffer_bytes``): the median of timed calls within ``budget_s`` (at least 3, after a warm-up; on
-    a GPU a call is ``inner`` = 10 back-to-back sums, 1 on a CPU). Measured afresh at every call."""
+    a GPU a call is ``inner`` = 10 back-to-back sums, 1 on a CPU). Measured afresh at every call; on a CPU in a
+    child process (``read_probe.sum_seconds_in_child``), so the buffer is not this process's memory."""
     device = torch.device(device)
     buffer_bytes = buffer_bytes or bandwidth_buffer_bytes(device)
     inner = inner or (10 if device.type == "cuda" else 1)
-    seconds = _sum_seconds(device, buffer_bytes, budget_s, inner)
+    seconds = _cpu_sum_seconds(buffer_bytes, budget_s, inner) if device.type == "cpu" else \
+        sum_seconds(device, buffer_bytes, budget_s, inner)
     if device.type == "cuda":  # the buffer's cached block would count in the reserved peaks measured after
         torch.cuda.empty_cache()
     return buffer_bytes / seconds
 
 
-@torch.inference_mode()
-def _sum_seconds(device: torch.device, buffer_bytes: int, budget_s: float, inner: int) -> float:
-    """Median seconds of one ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (freed on return)."""
-    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
-
-    def run():
-        for _ in range(inner):
-            buffer.sum()
-
-    return median_seconds(run, device, budget_s) / inner
+def _cpu_sum_seconds(buffer_bytes: int, budget_s: float, inner: int) -> float:
+    """``sum_seconds`` on the CPU in a child process (``read_probe``): its buffer never counts in this process's
+    resident peak. Where no child can run, in this process, with a warning that says so."""
+    try:
+        return sum_seconds_in_child(buffer_bytes, budget_s, inner)
+    except RuntimeError as error:
+        warnings.warn(f"{error}; the read bandwidth is measured in this process instead, its "
+                      f"{buffer_bytes / 2**20:.0f} MiB buffer counting in this process's peak memory", RuntimeWarning,
+                      stacklevel=3)
+        return sum_seconds(torch.device("cpu"), buffer_bytes, budget_s, inner)
 
 
 def read_bandwidth(device: torch.device | str,
