@@ -53,7 +53,8 @@ advantages; TRL: ``_generate_and_score_completions``, the same work), ``generate
 milliseconds against their floor (the bytes it read at the device's read bandwidth) and its tokens/s. Memory is
 measured the same way for both: this process samples the child's RSS (``/proc/<pid>/status``) every ``--interval-s``
 and takes the largest sample in each step's window; ``maxrss`` is the kernel's peak over the child's whole life
-(``wait4``: loading included), the figure ``/usr/bin/time -v`` prints. On CUDA each side also reports
+(``wait4``: loading included), the figure ``/usr/bin/time -v`` prints: the largest of the child's own peak and those
+of the processes it reaped (a compile worker's). On CUDA each side also reports
 ``torch.cuda.max_memory_allocated`` per step. The table gives medians over the timed steps of all runs of a system,
 the largest step-window RSS (median over runs), and the ratios lit_grpo / TRL. With several seeds, the mean reward
 per seed, its spread, and whether the two systems' means lie within the larger of their spreads.
@@ -590,8 +591,8 @@ def markdown(report: dict[str, Any]) -> str:
                                     if cuda else "")
                  + f"RSS of the child sampled from outside every {config['interval_s'] * 1000:g} ms, the "
                  "largest sample in a timed step's window (median over runs); maxrss: the kernel's peak RSS over "
-                 "the whole process (wait4's ru_maxrss, loading" + (" and the warm-up included)." if untimed
-                                                                       else " included)."))
+                 "the whole process and those it reaped (wait4's ru_maxrss, loading"
+                 + (" and the warm-up included)." if untimed else " included)."))
     return "\n".join(lines) + "\n"
 
 
