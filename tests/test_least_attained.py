@@ -216,6 +216,10 @@ _SCHEDULER_KEYS = r"it holds groups, preemption, predictor, trust \(each may be 
     ({"groups": [[3, "4"]]}, r"^scheduler state groups\[0\]=\[3, '4'\] is not allowed"),  # was parsed as 4
     ({"groups": [[3, 4.5]]}, r"^scheduler state groups\[0\]=\[3, 4.5\] is not allowed"),  # was cut to 4
     ({"groups": "34"}, r"^scheduler state groups='34' must be a list of finished groups$"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed
+    ({"groups": [[-10**5000]]}, r"^scheduler state groups\[0\]=a list holding an int of more than \d+ digits is not "
+                                r"allowed; a finished group is a non-empty list of its samples' lengths"),
+    ({"groups": 10**5000}, r"^scheduler state groups=\(an int of 5001 digits\) must be a list of finished groups$"),
     ({"preemption": {"groups": [[True]]}}, r"^scheduler state preemption.groups\[0\]=\[True\] is not allowed"),
     ({"groups": [[3]], "preemption": {"groups": [[4]]}}, r"^a LeastAttainedScheduler state holds groups and "
                                                          r"preemption.groups; it holds its finished groups once"),

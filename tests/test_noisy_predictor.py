@@ -87,6 +87,11 @@ def test_noisy_zero_schedules_as_the_oracle():
     ("noisy:-0.5", r"S='-0.5'.*>= 0"),
     ("noisy:nan", r"S='nan'"),
     ("oracle:0.5", r"length predictor='oracle:0.5' is not known; use one of \['online', 'oracle', 'noisy:S"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long name ran on
+    pytest.param(10**5000, r"^length predictor an int of 5001 digits must be a name; allowed: online, oracle, "
+                           r"noisy:S", id="an int of 5001 digits"),  # pytest's own id would print it
+    ("noisy:" + "x" * 500, rf"^length predictor {re.escape(repr('noisy:' + 'x' * 500)[:100])}: "
+                           rf"S={re.escape(repr('x' * 500)[:100])} must be a finite number >= 0"),
 ])
 def test_bad_names_are_named_with_what_is_allowed(name, message):
     with pytest.raises(ValueError, match=message):

@@ -208,6 +208,9 @@ def test_large_plan_is_certified():
 def test_bad_partition_inputs_are_named():
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         fptas_partition([1, 2], 2, epsilon=0)
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed
+    with pytest.raises(ValueError, match=r"^epsilon must be > 0, got a negative int of 5001 digits$"):
+        fptas_partition([1, 2], 2, epsilon=-10**5000)
     with pytest.raises(ValueError, match="num_slots must be >= 1"):
         fptas_partition([1, 2], 0)
     with pytest.raises(ValueError, match="non-negative"):
@@ -735,6 +738,19 @@ def test_the_length_predictors_refuse_a_bad_setting_naming_it(make, pattern):
 def test_length_aware_must_be_a_config_a_dict_or_none():
     with pytest.raises(ValueError, match=r"scheduler.length_aware=5 must be a LengthAwareConfig"):
         InfiniteSchedulerConfig(length_aware=5)
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long value ran on
+    with pytest.raises(ValueError, match=r"^scheduler.length_aware=\(an int of 5001 digits\) must be a "
+                                         r"LengthAwareConfig, a dict of its fields \['predictor', "):
+        InfiniteSchedulerConfig(length_aware=10**5000)
+    with pytest.raises(ValueError, match=r"^scheduler=\(an int of 5001 digits\) must be a mapping of its options "
+                                         r"\['preempt_tokens', "):
+        InfiniteSchedulerConfig.from_options(10**5000)
+    with pytest.raises(ValueError, match=r"^scheduler.length_aware.predictor=\(an int of 5001 digits\) must be a "
+                                         r"predictor's name or a LengthPredictor$"):
+        LengthAwareConfig(predictor=10**5000)
+    with pytest.raises(ValueError, match=rf"^scheduler.length_aware.refill={re.escape(repr([1] * 100)[:100])} must "
+                                         r"be one of \('lpt', "):
+        LengthAwareConfig(refill=[1] * 100)
     assert InfiniteSchedulerConfig(length_aware=None).length_aware is None
 
 
@@ -890,6 +906,14 @@ _ONLINE_KEYS = "max_dim, seed, min_token_observations, prompt_model, token_model
     (lambda state: state["projections"].__setitem__(8, torch.zeros(8, 3, dtype=torch.float64)),
      r"^online predictor state projections\[8\] must be a floating-point tensor shaped \[8, 4\] \(hidden size x "
      r"max_dim\) of finite numbers, not a torch.float64 tensor shaped \[8, 3\]$"),
+    # keys shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long one ran on
+    (lambda state: state["projections"].__setitem__(10**5000, torch.zeros(8, 4, dtype=torch.float64)),
+     r"^online predictor state projections\[an int of 5001 digits\] must be a floating-point tensor shaped \[an "
+     r"int of 5001 digits, 4\] \(hidden size x max_dim\) of finite numbers, not a torch.float64 tensor shaped "
+     r"\[8, 4\]$"),
+    (lambda state: state["projections"].__setitem__("9" * 500, torch.zeros(8, 4, dtype=torch.float64)),
+     rf"^online predictor state projections\[{re.escape(repr('9' * 500)[:100])}\] is not allowed; a projection's "
+     r"key is the hidden size it maps, an integer > max_dim=4$"),
 ])
 def test_a_bad_online_predictor_state_is_refused_naming_the_bad_key_and_nothing_is_taken(change, message):
     """The online predictor's state is checked whole, its two models' states among it, before any of it is taken:

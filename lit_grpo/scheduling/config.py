@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
-from lit_grpo.runtime.validation import check_choice, check_field, check_int, check_real
+from lit_grpo.runtime.validation import check_choice, check_field, check_int, check_real, shown_setting
 from lit_grpo.scheduling.base import Scheduler
 from lit_grpo.scheduling.least_attained import (LOSS_SHARE, PARK_BUDGET, PREEMPT_TOKENS, LeastAttainedScheduler,
                                                 preemption_points)
@@ -85,13 +85,13 @@ class LengthAwareConfig:
             except ValueError as error:
                 raise ValueError(f"scheduler.length_aware.predictor: {error}") from None
         elif not isinstance(self.predictor, LengthPredictor):
-            raise ValueError(f"scheduler.length_aware.predictor={self.predictor!r} must be a predictor's name or a "
-                             "LengthPredictor")
+            raise ValueError(f"{shown_setting('scheduler.length_aware.predictor', self.predictor)} must be a "
+                             "predictor's name or a LengthPredictor")
         if isinstance(self.refill, str):
             check_choice("scheduler.length_aware.refill", self.refill, get_args(RefillName))
         elif not isinstance(self.refill, RefillPolicy):
-            raise ValueError(f"scheduler.length_aware.refill={self.refill!r} must be one of {get_args(RefillName)} "
-                             "or a RefillPolicy")
+            raise ValueError(f"{shown_setting('scheduler.length_aware.refill', self.refill)} must be one of "
+                             f"{get_args(RefillName)} or a RefillPolicy")
         check_field(self, "probe_tokens", _check_tokens, prefix="length_aware.")
         check_field(self, "gain_z", _check_number, 0, strict=True, prefix="length_aware.")
 
@@ -123,8 +123,9 @@ class InfiniteSchedulerConfig:
             object.__setattr__(self, "length_aware", _from_options(LengthAwareConfig, self.length_aware,
                                                                    "scheduler.length_aware"))
         if self.length_aware is not None and not isinstance(self.length_aware, LengthAwareConfig):
-            raise ValueError(f"scheduler.length_aware={self.length_aware!r} must be a LengthAwareConfig, a dict of "
-                             f"its fields {[f.name for f in fields(LengthAwareConfig)]}, or None")
+            raise ValueError(f"{shown_setting('scheduler.length_aware', self.length_aware)} must be a "
+                             f"LengthAwareConfig, a dict of its fields {[f.name for f in fields(LengthAwareConfig)]}, "
+                             "or None")
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | InfiniteSchedulerConfig | None) -> InfiniteSchedulerConfig:
@@ -174,7 +175,7 @@ _MOVED = {**{name: "moved under length_aware" for name in ("predictor", "refill"
 def _from_options(cls: type, options: dict[str, Any], where: str) -> Any:
     known = [f.name for f in fields(cls)]
     if not isinstance(options, Mapping):  # a string or a list would be read key by key
-        raise ValueError(f"{where}={options!r:.80} must be a mapping of its options {known}")
+        raise ValueError(f"{shown_setting(where, options, 80)} must be a mapping of its options {known}")
     unknown = sorted(set(options) - set(known))
     if unknown:
         notes = "; ".join(f"{name}: {_MOVED[name]}" for name in unknown

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int, check_state_keys, integer_within
+from lit_grpo.runtime.validation import check_int, check_state_keys, integer_within, shown_setting
 from lit_grpo.scheduling.base import LEAST_ATTAINED, PREEMPTION, RolloutWork, SampleKey, Scheduler, whole_tail
 
 #: The first preemption point, in tokens.
@@ -296,13 +296,13 @@ class LeastAttainedScheduler(Scheduler):
             check_state_keys(f"a {type(self).__name__} state's preemption", state["preemption"], ("groups",))
             name, groups = "scheduler state preemption.groups", state["preemption"]["groups"]
         if not isinstance(groups, (list, tuple)):
-            raise ValueError(f"{name}={groups!r:.80} must be a list of finished groups")
+            raise ValueError(f"{shown_setting(name, groups, 80)} must be a list of finished groups")
         checked = deque(maxlen=KEPT_GROUPS)
         for index, group in enumerate(groups):
             lengths = [integer_within(length, 0) for length in group] if isinstance(group, (list, tuple)) else []
             if not lengths or None in lengths:
-                raise ValueError(f"{name}[{index}]={group!r:.80} is not allowed; a finished group is a non-empty "
-                                 "list of its samples' lengths (integers >= 0)")
+                raise ValueError(f"{shown_setting(f'{name}[{index}]', group, 80)} is not allowed; a finished group "
+                                 "is a non-empty list of its samples' lengths (integers >= 0)")
             checked.append(lengths)
         return checked
 

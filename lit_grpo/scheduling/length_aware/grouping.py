@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lit_grpo.runtime.validation import shown_value
+
 
 @dataclass
 class Partition:
@@ -142,7 +144,7 @@ def fptas_partition(
         dp_budget: the DP's work cap, see step 3.
     """
     if not epsilon > 0:
-        raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        raise ValueError(f"epsilon must be > 0, got {shown_value(epsilon)}")
     ready = check_jobs(lengths, num_slots, ready)
     lower = makespan_lower_bound(lengths, num_slots, ready)
     lpt_bound = lpt_ratio_bound(math.inf, lower, num_slots, ready)  # every candidate below is <= LPT

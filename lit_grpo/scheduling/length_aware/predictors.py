@@ -37,6 +37,7 @@ from lit_grpo.runtime.validation import (
     check_state_keys,
     integer_within,
     shown_setting,
+    shown_value,
 )
 from lit_grpo.scheduling.base import RolloutWork, SampleKey
 from lit_grpo.scheduling.config import PredictorName
@@ -201,11 +202,11 @@ def _checked_projections(name: str, projections: Any, max_dim: int) -> dict[int,
                          f"{type(projections).__name__}")
     checked = {}
     for hidden, matrix in projections.items():
-        size = integer_within(hidden, max_dim + 1)
+        size, key = integer_within(hidden, max_dim + 1), f"{name}[{shown_value(hidden)}]"
         if size is None:
-            raise ValueError(f"{name}[{hidden!r}] is not allowed; a projection's key is the hidden size it maps, an "
-                             f"integer > max_dim={max_dim}")
-        checked[size] = check_tensor(f"{name}[{hidden!r}]", matrix, [size, max_dim], "hidden size x max_dim")
+            raise ValueError(f"{key} is not allowed; a projection's key is the hidden size it maps, an integer > "
+                             f"max_dim={max_dim}")
+        checked[size] = check_tensor(key, matrix, [size, max_dim], "hidden size x max_dim")
     return checked
 
 
@@ -300,12 +301,12 @@ def parse_predictor_name(name: str) -> tuple[str, dict]:
     """``(registry name, constructor kwargs)`` of "online" | "oracle" | "noisy:S"; a ValueError naming the bad name
     and what is allowed otherwise."""
     if not isinstance(name, str):
-        raise ValueError(f"length predictor {name!r} must be a name; allowed: {', '.join(PREDICTOR_NAMES)}")
+        raise ValueError(f"length predictor {shown_value(name)} must be a name; allowed: {', '.join(PREDICTOR_NAMES)}")
     base, colon, argument = name.partition(":")
     if base == "noisy":
         if not colon:
             raise ValueError(f"length predictor {name!r} needs its spread: 'noisy:S' with S >= 0, e.g. 'noisy:0.25'")
-        return base, {"log_std": check_spread(argument, f"length predictor {name!r}: S")}
+        return base, {"log_std": check_spread(argument, f"length predictor {shown_value(name)}: S")}
     if colon or base not in PREDICTORS:
         check_choice("length predictor", name, PREDICTOR_NAMES)  # raises: no other name takes an argument
     return base, {}

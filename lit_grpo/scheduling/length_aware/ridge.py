@@ -218,7 +218,8 @@ def check_alphas(name: str, alphas: Any) -> tuple[float, ...]:
 def check_tensor(name: str, value: Any, shape: Sequence[int], dims: str, nonnegative: bool = False) -> torch.Tensor:
     """``value`` as a float64 copy on the CPU if it is a floating-point tensor of ``shape`` (``dims``: its dimensions
     in words) holding finite numbers (>= 0 where ``nonnegative``), else a ValueError naming it, or its bad entry."""
-    allowed = (f"a floating-point tensor shaped {list(shape)} ({dims}) of finite numbers"
+    # a shape's size may come from a checkpoint's key: one too long to print is shown by its digits
+    allowed = (f"a floating-point tensor shaped [{', '.join(map(shown_value, shape))}] ({dims}) of finite numbers"
                + (" >= 0" if nonnegative else ""))
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != list(shape):
         shown = (f"a {value.dtype} tensor shaped {list(value.shape)}" if isinstance(value, torch.Tensor)
