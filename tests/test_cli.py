@@ -618,11 +618,11 @@ def test_lightnings_optimizer_options_are_not_offered(capsys, args):
     (["--data.sampling.seed", "-1"],
      "error: data.sampling.seed=-1 is not allowed; sampling.seed must be an integer >= 0"),
     (["--data.reward_funcs", "[{name: char_fraction, weight: 1e39}]"],
-     "error: data.reward_funcs: reward weight 1e+39 for 'char_fraction' must be a finite number, "
+     "error: data.reward_funcs: reward weight=1e+39 for 'char_fraction' must be a finite number, "
      "|weight| <= 3.403e+38"),
     # a function of the user's is named as it is logged, not as its repr (<function ... at 0x...>)
     (["--data.reward_funcs", "[{name: 'fault_helpers:lookup_reward', weight: heavy}]"],
-     "error: data.reward_funcs: reward weight 'heavy' for 'lookup' must be a finite number"),
+     "error: data.reward_funcs: reward weight='heavy' for 'lookup' must be a finite number"),
     (["--data.jsonl_path", "/", "--data.task", "null"], "error: data: prompt file '/' is a folder (jsonl_path)"),
     (["--model.dtype", "float13"], "error: model.dtype='float13' is not known; use one of ['bf16', 'bfloat16'"),
     # an optional group's own reason, not jsonargparse's account of each type of the Union

@@ -438,11 +438,11 @@ def test_build_reward_funcs_from_config_specs():
     with pytest.raises(ValueError, match="weight"):
         WeightedReward(format_reward, float("nan"))
     for weight in (None, "1", True, -3.5e38):  # named, not a bare TypeError from float()
-        with pytest.raises(ValueError, match=rf"reward weight {re.escape(repr(weight))} for 'format' must be a "
+        with pytest.raises(ValueError, match=rf"reward weight={re.escape(repr(weight))} for 'format' must be a "
                                              r"finite number"):
             build_reward_funcs([{"name": "format", "weight": weight}])
     # an int beyond float range: named by its size, not a bare OverflowError from math.isfinite
-    with pytest.raises(ValueError, match=r"reward weight \(an int of 5001 digits\) for 'format' must be a finite "
+    with pytest.raises(ValueError, match=r"reward weight=\(an int of 5001 digits\) for 'format' must be a finite "
                                          r"number, \|weight\| <= 3.403e\+38"):
         build_reward_funcs([{"name": "format", "weight": 10**5000}])
 
@@ -653,7 +653,7 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
         build_reward_funcs([{"name": 3}])
     with pytest.raises(ValueError, match=r"reward function 'os:path' imports .*, which is not callable"):
         build_reward_funcs(["os:path"])
-    with pytest.raises(ValueError, match=r"reward name 3 for .* must be a string"):
+    with pytest.raises(ValueError, match=r"reward name=3 for .* must be a string"):
         build_reward_funcs([{"name": "format", "log_name": 3}])
     # a number failed in the first call (not iterable), and no characters scored every completion 0
     for chars in (5, ""):
@@ -665,7 +665,7 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
     with pytest.raises(ValueError, match=r"reward function 'overlong': kwargs=\[\] must be a mapping of option "
                                          r"names to values"):
         build_reward_funcs([{"name": "overlong", "kwargs": []}])
-    with pytest.raises(ValueError, match=r"reward name 0 for .* must be a string"):
+    with pytest.raises(ValueError, match=r"reward name=0 for .* must be a string"):
         build_reward_funcs([{"name": "format", "log_name": 0}])
     assert [r.name for r in build_reward_funcs([{"name": "format", "log_name": None, "kwargs": None}])] == ["format"]
     # a mapping without a name says so, and a misspelled key names the one it meant
@@ -676,6 +676,46 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
                                          r"'log_name'\]; unknown: \['wieght'\] \(did you mean 'weight'\?\)"):
         build_reward_funcs([{"name": "accuracy", "wieght": 1.0}])
     assert [r.name for r in build_reward_funcs(None)] == ["accuracy"]
+
+
+#: A module-level value a reward spec may name by mistake: an int too long for Python to print.
+_HUGE = 10**5000
+
+
+def test_a_bad_reward_spec_is_shown_bounded_and_an_int_too_long_to_print_by_its_digits():
+    """Each refusal shows the bad value as the shared checks do: a repr of an int of more than 4300 digits failed
+    with Python's int-to-str ValueError in place of the refusal, a long value ran on."""
+    holding = r"a dict holding an int of more than \d+ digits"
+    cases = [
+        (lambda: WeightedReward(_HUGE), r"^reward function an int of 5001 digits is not callable$"),
+        (lambda: build_reward_funcs([{"name": "format", "log_name": _HUGE}]),
+         r"^reward name=\(an int of 5001 digits\) for .* must be a string \('' for the function's name\)$"),
+        (lambda: build_reward_funcs([{"name": _HUGE}]),
+         rf"^reward spec {holding}: name=\(an int of 5001 digits\) must be a built-in's name "),
+        (lambda: build_reward_funcs([{"name": "format", "wieght": _HUGE}]),
+         rf"^reward spec {holding} takes only the keys \['name', 'weight', 'kwargs', 'log_name'\]; unknown: "),
+        (lambda: build_reward_funcs([{"weight": _HUGE}]), rf"^reward spec {holding} has no 'name': give a "),
+        (lambda: build_reward_funcs([{"name": "x" * 500, "wieght": 1}]),
+         rf"^reward spec {re.escape(repr({'name': 'x' * 500, 'wieght': 1})[:100])} takes only the keys "),
+        (lambda: build_reward_funcs(_HUGE),
+         r"^reward_funcs=\(an int of 5001 digits\) must be a list of reward specs \(names, dicts or callables\); "
+         r"for one, write \[an int of 5001 digits\]$"),
+        (lambda: build_reward_funcs([_HUGE]), r"^reward spec an int of 5001 digits is not a name, a dict or a "
+                                              r"callable$"),
+        (lambda: build_reward_funcs([{"name": "overlong", "kwargs": _HUGE}]),
+         r"^reward function 'overlong': kwargs=\(an int of 5001 digits\) must be a mapping of option names to "
+         r"values$"),
+        (lambda: build_reward_funcs([f"{__name__}:_HUGE"]),
+         rf"^reward function '{__name__}:_HUGE' imports an int of 5001 digits, which is not callable; name a "),
+        (lambda: correctness_reward(build_reward_funcs(["format", "math"]), _HUGE),
+         r"^accuracy_reward=\(an int of 5001 digits\) is not one of the reward functions' names \['format', "
+         r"'math'\]; name one of them"),
+        (lambda: correctness_reward(build_reward_funcs(["format"]), "m" * 500),
+         rf"^accuracy_reward={re.escape(repr('m' * 500)[:100])} is not one of the reward functions' names"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
 
 
 def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(tmp_path, monkeypatch):

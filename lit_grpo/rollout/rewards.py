@@ -91,7 +91,7 @@ from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_nu
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_value
+from lit_grpo.runtime.validation import NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_setting, shown_value
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -159,19 +159,17 @@ class WeightedReward:
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise ValueError(f"reward function {self.fn!r} is not callable")
+            raise ValueError(f"reward function {shown_value(self.fn)} is not callable")
         if is_verl_score(self.fn):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info)
             self.fn = VerlScore(self.fn)
         weight = real_within(self.weight, -FLOAT32_MAX, FLOAT32_MAX)  # totals are float32 tensors
         if weight is None:
-            huge = huge_int(self.weight)
-            shown = f"({huge})" if huge else shown_value(self.weight)
-            raise ValueError(f"reward weight {shown} for {self.name or reward_name(self.fn)!r} must be a "
-                             f"finite number, |weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
+            raise ValueError(f"{shown_setting('reward weight', self.weight)} for {self.name or reward_name(self.fn)!r} "
+                             f"must be a finite number, |weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = weight
         if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
-            raise ValueError(f"reward name {self.name!r} for {self.fn!r} must be a string ('' for the function's "
-                             "name)")
+            raise ValueError(f"{shown_setting('reward name', self.name)} for {self.fn!r} must be a string ('' for "
+                             "the function's name)")
         if not self.name:
             self.name = reward_name(self.fn)
         self.by_keyword = check_reward_call(self.fn, self.name)
@@ -321,10 +319,11 @@ def _resolve(name: str | Callable[..., Any], kwargs: Mapping[str, Any]) -> Rewar
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' or "
                          "folder")
     if not callable(target):
-        raise ValueError(f"reward function {name!r} imports {target!r:.80}, which is not callable; name a function "
-                         "fn(prompts, completions, **columns) as 'package.module:function'")
+        raise ValueError(f"reward function {name!r} imports {shown_value(target, 80)}, which is not callable; name a "
+                         "function fn(prompts, completions, **columns) as 'package.module:function'")
     if not isinstance(kwargs, Mapping):
-        raise ValueError(f"reward function {name!r}: kwargs={kwargs!r} must be a mapping of option names to values")
+        raise ValueError(f"reward function {name!r}: {shown_setting('kwargs', kwargs)} must be a mapping of option "
+                         "names to values")
     _check_options(name, target, kwargs)
     check_values = getattr(target, "check_options", None)  # a function's own check of its options' values
     if check_values is not None and not isinstance(target, type):
@@ -370,8 +369,8 @@ def correctness_reward(reward_funcs: Sequence[WeightedReward], name: str | None)
     if name is None:
         return next((candidate for candidate in CORRECTNESS_REWARDS if candidate in names), None)
     if name not in names:
-        raise ValueError(f"accuracy_reward={name!r} is not one of the reward functions' names {names}; name one of "
-                         f"them, or leave it unset for the first of {list(CORRECTNESS_REWARDS)} among them")
+        raise ValueError(f"{shown_setting('accuracy_reward', name)} is not one of the reward functions' names {names}; "
+                         f"name one of them, or leave it unset for the first of {list(CORRECTNESS_REWARDS)} among them")
     return name
 
 
@@ -466,17 +465,17 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
     unknown = sorted(set(spec) - set(REWARD_SPEC_KEYS))
     if unknown:
         close = difflib.get_close_matches(unknown[0], REWARD_SPEC_KEYS, n=1)
-        raise ValueError(f"reward spec {dict(spec)!r} takes only the keys {list(REWARD_SPEC_KEYS)}; unknown: "
-                         f"{unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        raise ValueError(f"reward spec {shown_value(dict(spec))} takes only the keys {list(REWARD_SPEC_KEYS)}; "
+                         f"unknown: {unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
     if "name" not in spec:
-        raise ValueError(f"reward spec {dict(spec)!r} has no 'name': give a built-in's name "
+        raise ValueError(f"reward spec {shown_value(dict(spec))} has no 'name': give a built-in's name "
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
                          "or folder")
     name = spec["name"]
     if not (isinstance(name, str) and name or callable(name)):
-        raise ValueError(f"reward spec {dict(spec)!r}: name={name!r} must be a built-in's name "
-                         f"{sorted(BUILTIN_REWARDS)}, 'package.module:function', a reward model's "
-                         "'org/name' or folder, or (from Python) the function itself")
+        raise ValueError(f"reward spec {shown_value(dict(spec))}: {shown_setting('name', name)} must be a built-in's "
+                         f"name {sorted(BUILTIN_REWARDS)}, 'package.module:function', a reward model's 'org/name' or "
+                         "folder, or (from Python) the function itself")
     kwargs, log_name = spec.get("kwargs"), spec.get("log_name")
     fn = _resolve(name, {} if kwargs is None else kwargs)  # [] or 0 named, not read as no options
     if log_name is None or log_name == "":  # another falsy value (0, False) is named by WeightedReward
@@ -495,8 +494,8 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """
     if isinstance(specs, (str, bytes, Mapping, WeightedReward)) or callable(specs) or (
             specs is not None and not isinstance(specs, Sequence)):  # a str or a dict would be read item by item
-        raise ValueError(f"reward_funcs={specs!r:.80} must be a list of reward specs (names, dicts or callables); "
-                         f"for one, write [{specs!r:.60}]")
+        raise ValueError(f"{shown_setting('reward_funcs', specs, 80)} must be a list of reward specs (names, dicts or "
+                         f"callables); for one, write [{shown_value(specs, 60)}]")
     if not specs:
         specs = ["accuracy"]
     out: list[WeightedReward] = []
@@ -510,7 +509,7 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
         elif callable(spec):
             out.append(WeightedReward(spec))
         else:
-            raise ValueError(f"reward spec {spec!r} is not a name, a dict or a callable")
+            raise ValueError(f"reward spec {shown_value(spec)} is not a name, a dict or a callable")
     names = [r.name for r in out]
     if len(set(names)) != len(names):
         raise ValueError(f"reward functions need distinct names (they are logged as reward/<name>/mean): {names}; "
@@ -577,9 +576,8 @@ def _check_values(values: Any, name: str, prompts: Sequence[str], n: int, offset
             nan = "; a NaN is refused where TRL reads it as None: return None for no opinion" if number != number \
                 else ""
             # an int beyond float range, which as_number made an infinity, is not even a float
-            huge = huge_int(value)
-            beyond = ", which is not a finite float" if huge else ""
-            raise ValueError(f"reward function {name!r} returned {huge or shown_value(value)} at index {offset + i} "
+            beyond = ", which is not a finite float" if huge_int(value) else ""
+            raise ValueError(f"reward function {name!r} returned {shown_value(value)} at index {offset + i} "
                              f"for prompt {_shown(prompts[i])!r:.300}{beyond}; values must be finite in float32, "
                              f"|value| <= {FLOAT32_MAX:.4g} (or None for no opinion){nan}")
         out.append(number)
@@ -792,9 +790,10 @@ def check_prompt_form(examples: Sequence[Any], conversational: bool) -> None:
     if not conversational:
         chat = next((example.prompt for example in examples if example.messages), None)
         if chat is not None:
-            raise ValueError(f"conversational=False, but prompt {chat!r:.80} is chat messages: the reward functions' "
-                             "form is the whole prompt set's: pass conversational=is_conversational(examples) over "
-                             "all its rows (RolloutBuilder's conversational)")
+            raise ValueError(f"conversational=False, but prompt {shown_value(chat, 80)} is chat messages: the reward "
+                             "functions' form is the whole prompt set's: pass "
+                             "conversational=is_conversational(examples) over all its rows (RolloutBuilder's "
+                             "conversational)")
 
 
 def reward_arguments(examples: Sequence[Any], texts: Sequence[Sequence[str]],
