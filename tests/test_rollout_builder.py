@@ -451,6 +451,21 @@ _BUILDER_KEYS = "rollout_index, scheduler, carried, groups_scored, kv_budget"
      r"message\) or a non-empty list of chat messages"),
     (_in_carried("prompt", "answer", 10**5000), r"^builder state carried\[0\].prompt: the answer is an int of 5001 "
                                                 r"digits, more than Python turns into text"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed
+    (lambda state: state.__setitem__("carried", 10**5000), r"^builder state carried=\(an int of 5001 digits\) must be "
+                                                           r"a list of carried groups$"),
+    (_in_carried("stream", [10**5000] * 3), r"^builder state carried\[0\].stream=a list holding an int of more than "
+                                            r"\d+ digits is not allowed; it must be \(rollout index, prompt index\)"),
+    (_in_carried("prompt", "ids", [-10**5000]), r"^builder state carried\[0\].prompt.ids=a list holding an int of "
+                                                r"more than \d+ digits is not allowed; it must be a non-empty list"),
+    (_in_carried("samples", 10**5000), r"^builder state carried\[0\].samples=\(an int of 5001 digits\) must be a "
+                                       r"list of the group's samples$"),
+    (_in_carried("forced_lengths", [10**5000]),
+     r"^builder state carried\[0\].forced_lengths=a list holding an int of more than \d+ digits is not allowed; it "
+     r"must be None or 2 lengths"),
+    (_in_carried("samples", 0, "logprobs", [-0.5, 10**5000]),
+     r"^builder state carried\[0\].samples\[0\].logprobs=a list holding an int of more than \d+ digits is not "
+     r"allowed; it must be a list of numbers \(the sampler's log-probabilities\)$"),
     (lambda state: state.__setitem__("kv_budget", {"kv_budget_bytes": -5, "source": "cuda:0", "device_total_bytes": 8,
                                                    "restored": False}),
      r"^builder state kv_budget.kv_budget_bytes=-5 must be an integer >= 1$"),

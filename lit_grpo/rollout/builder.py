@@ -727,7 +727,7 @@ def checked_builder_state(state: Any, examples: Sequence[PromptExample] | None, 
     state = dict(state)
     carried = state.pop("carried", [])
     if not isinstance(carried, (list, tuple)):
-        raise ValueError(f"builder state carried={carried!r:.80} must be a list of carried groups")
+        raise ValueError(f"{shown_setting('builder state carried', carried, 80)} must be a list of carried groups")
     if carried and tools is not None:  # they would finish without tool rounds, in a rollout of their own
         raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
                          "(over_provision > 1), and tool calling (data.tools) does not run with partial "
@@ -761,11 +761,11 @@ def _carried_group(state: Any, examples: Sequence[PromptExample] | None = None, 
     ids = _token_ids(f"{name}.prompt.ids", p["ids"], "a non-empty list of token ids (integers >= 0)", empty=False)
     stream = _token_ids(f"{name}.stream", state["stream"], "(rollout index, prompt index), two integers >= 0")
     if len(stream) != 2:
-        raise ValueError(f"{name}.stream={state['stream']!r:.80} is not allowed; it must be (rollout index, prompt "
-                         "index), two integers >= 0")
+        raise ValueError(f"{shown_setting(f'{name}.stream', state['stream'], 80)} is not allowed; it must be "
+                         "(rollout index, prompt index), two integers >= 0")
     samples = state["samples"]
     if not isinstance(samples, (list, tuple)):
-        raise ValueError(f"{name}.samples={samples!r:.80} must be a list of the group's samples")
+        raise ValueError(f"{shown_setting(f'{name}.samples', samples, 80)} must be a list of the group's samples")
     if group_size is not None and len(samples) != group_size:
         raise ValueError(f"{name}.samples holds {len(samples)} samples; a group of this run holds "
                          f"group_size={group_size}")
@@ -773,7 +773,8 @@ def _carried_group(state: Any, examples: Sequence[PromptExample] | None = None, 
     if forced is not None:
         forced = _token_ids(f"{name}.forced_lengths", forced, allowed)
         if len(forced) != len(samples):
-            raise ValueError(f"{name}.forced_lengths={forced!r:.80} is not allowed; it must be {allowed}")
+            raise ValueError(f"{shown_setting(f'{name}.forced_lengths', forced, 80)} is not allowed; it must be "
+                             f"{allowed}")
     example = _carried_example(f"{name}.prompt", p)
     example = replace(example, answer=_source_answer(example, index, examples))
     prompt = Prompt(index, example, ids)
@@ -813,8 +814,8 @@ def _carried_sample(name: str, state: Any) -> SampleProgress:
     logprobs = state["logprobs"]
     numbers = [real_within(x, finite=False) for x in logprobs] if isinstance(logprobs, (list, tuple)) else [None]
     if None in numbers:  # -inf is a number here; nan is not
-        raise ValueError(f"{name}.logprobs={logprobs!r:.80} is not allowed; it must be a list of numbers (the "
-                         "sampler's log-probabilities)")
+        raise ValueError(f"{shown_setting(f'{name}.logprobs', logprobs, 80)} is not allowed; it must be a list of "
+                         "numbers (the sampler's log-probabilities)")
     if not len(tokens) == len(numbers) == len(versions):
         raise ValueError(f"{name} holds {len(tokens)} tokens, {len(numbers)} logprobs and {len(versions)} versions; "
                          "a sample holds one of each per token")
@@ -826,7 +827,7 @@ def _token_ids(name: str, values: Any, allowed: str, empty: bool = True) -> list
     naming it and what is ``allowed``."""
     numbers = [integer_within(x, 0) for x in values] if isinstance(values, (list, tuple)) else [None]
     if None in numbers or not (numbers or empty):
-        raise ValueError(f"{name}={values!r:.80} is not allowed; it must be {allowed}")
+        raise ValueError(f"{shown_setting(name, values, 80)} is not allowed; it must be {allowed}")
     return numbers
 
 
