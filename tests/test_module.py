@@ -803,6 +803,63 @@ def test_jsonl_source_and_its_errors(tmp_path):
         split_examples(examples, 0.01)
 
 
+def test_the_prompt_settings_refusals_show_the_bad_value_bounded_and_a_huge_int_by_its_digits():
+    """Each refusal shows the bad value as the shared checks do: a repr of an int of more than 4300 digits failed
+    with Python's int-to-str ValueError in place of the refusal, a long value ran on."""
+    from types import SimpleNamespace
+
+    from lit_grpo.rollout.prompts import (PromptExample, check_chat_template_kwargs, check_messages,
+                                          check_prompt_shaping, check_prompt_source, check_val_size, inline_prompts,
+                                          jsonl_prompts, reasoning_gym_prompts, split_examples)
+
+    huge, holding = 10**5000, r"a (dict|list) holding an int of more than \d+ digits"
+    user = {"role": "user", "content": "hi"}
+    two = [PromptExample("a?", None, {}), PromptExample("b?", None, {})]
+    cases = [
+        (lambda: check_messages(huge, "here"), r"^here: expected a non-empty string or a list of chat messages, got "
+                                               r"an int of 5001 digits$"),
+        (lambda: check_messages([huge], "here"), r"^here: message 0 must be \{'role': str, 'content': str\}, got an "
+                                                 r"int of 5001 digits$"),
+        (lambda: check_messages([{**user, huge: "x"}], "here"), r"^here: message 0 has the key an int of 5001 "
+                                                                r"digits \(int\); a chat message's keys must be "),
+        (lambda: check_messages([{"role": "r" * 500, "content": "hi"}], "here"),
+         rf"^here: the messages must end with a non-empty user turn .*; the last is {re.escape(repr('r' * 500)[:100])}"
+         r" with content 'hi'$"),
+        (lambda: inline_prompts(huge), r"^prompts must be a non-empty list of strings or dicts, got an int of 5001 "
+                                       r"digits$"),
+        (lambda: inline_prompts([{"prompt": huge}]), r"^prompts\[0\]: field 'prompt' must be a non-empty string or a "
+                                                     r"list of chat messages .*, got an int of 5001 digits$"),
+        (lambda: jsonl_prompts(huge), r"^jsonl_path=\(an int of 5001 digits\) must be a JSONL file's path$"),
+        (lambda: check_prompt_source(8, 0, huge), r"^dataset=\(an int of 5001 digits\) must be a path"),
+        (lambda: check_prompt_source(8, 0, None, jsonl_path=huge), r"^jsonl_path=\(an int of 5001 digits\) must be a "
+                                                                   r"JSONL file's path or None$"),
+        (lambda: check_prompt_source(8, 0, None, task_config=huge), r"^task_config=\(an int of 5001 digits\) must be "
+                                                                    r"a mapping of the reasoning-gym task's options"),
+        (lambda: check_chat_template_kwargs(None, huge), r"^chat_template_kwargs=\(an int of 5001 digits\) must be a "
+                                                         r"mapping of the chat template's variable names"),
+        (lambda: check_chat_template_kwargs(SimpleNamespace(chat_template=None), {"enable_thinking": huge}),
+         rf"^chat_template_kwargs={holding} need a chat template; this tokenizer has none"),
+        (lambda: check_val_size(-huge), r"^val_size=\(a negative int of 5001 digits\) must be a count >= 0 or a "
+                                        r"fraction in \[0, 1\)$"),
+        (lambda: split_examples(two, huge), r"^val_size=\(an int of 5001 digits\) leaves no training prompt out of 2 "
+                                            r"distinct prompts"),
+        (lambda: check_prompt_shaping(huge, "{prompt}", None), r"^system_prompt=\(an int of 5001 digits\) must be a "
+                                                               r"string or None$"),
+        (lambda: check_prompt_shaping(None, "x" * 500, None),
+         rf"^prompt_template={re.escape(repr('x' * 500)[:100])} must be a string that contains '\{{prompt\}}'$"),
+        (lambda: reasoning_gym_prompts("basic_arithmetic", -huge), r"^size=\(a negative int of 5001 digits\) must be "
+                                                                   r">= 1 \(prompts to generate from task "
+                                                                   r"'basic_arithmetic'\)$"),
+        (lambda: reasoning_gym_prompts(huge, 2), r"^task=\(an int of 5001 digits\) is not a reasoning-gym task "),
+        (lambda: reasoning_gym_prompts("basic_arithmetic", 2, config={"min_terms": huge, "max_terms": 2}),
+         rf"^reasoning-gym task='basic_arithmetic' with task_config {holding} failed: AssertionError: max_terms must "
+         r"be >= min_terms$"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+
+
 def test_a_jsonl_file_that_starts_with_a_byte_order_mark_reads_as_one_without(tmp_path):
     """A UTF-8 file some editors save with a BOM (as data.dataset's JSON reader takes it): its first row is read, not
     refused as invalid JSON with advice to decode it otherwise, which the setting cannot do."""

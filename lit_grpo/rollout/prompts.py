@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import SEED_MAX, check_int, check_int_in_range, check_text, shown_value
+from lit_grpo.runtime.validation import (
+    SEED_MAX,
+    check_int,
+    check_int_in_range,
+    check_text,
+    shown_setting,
+    shown_value,
+)
 
 #: Field names accepted for the prompt text of a JSONL row or inline dict, in order.
 PROMPT_KEYS = ("prompt", "question")
@@ -77,20 +84,23 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     the turn has none, and a template testing ``'name' in message`` would take those for given. Each turn is a dict
     of its own, role and content first."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got {messages!r:.80}")
+        raise ValueError(f"{where}: expected a non-empty string or a list of chat messages, got "
+                         f"{shown_value(messages, 80)}")
     turns = []
     for i, turn in enumerate(messages):
         if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) or \
                 not isinstance(turn.get("content"), str):
-            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {turn!r:.80}")
+            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got "
+                             f"{shown_value(turn, 80)}")
         if odd := [key for key in turn if not isinstance(key, str)]:
-            raise ValueError(f"{where}: message {i} has the key {odd[0]!r:.40} ({type(odd[0]).__name__}); a chat "
-                             "message's keys must be strings (the names the chat template reads)")
+            raise ValueError(f"{where}: message {i} has the key {shown_value(odd[0], 40)} ({type(odd[0]).__name__}); "
+                             "a chat message's keys must be strings (the names the chat template reads)")
         turns.append({"role": turn["role"], "content": turn["content"],
                       **{key: value for key, value in turn.items() if value is not None}})
     if turns[-1]["role"] != "user" or not turns[-1]["content"].strip():
         raise ValueError(f"{where}: the messages must end with a non-empty user turn (the prompt the policy answers);"
-                         f" the last is {turns[-1]['role']!r} with content {turns[-1]['content']!r:.60}")
+                         f" the last is {shown_value(turns[-1]['role'])} with content "
+                         f"{shown_value(turns[-1]['content'], 60)}")
     return turns
 
 
@@ -111,7 +121,8 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
         prompt = messages[-1]["content"]
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {key!r} must be a non-empty string or a list of chat messages "
-                         f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got {prompt!r:.80}")
+                         f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got "
+                         f"{shown_value(prompt, 80)}")
     example = PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
     check_as_text(example, where)
     return example
@@ -166,10 +177,12 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
     from reasoning_gym.factory import DATASETS
 
     if size < 1:
-        raise ValueError(f"size={size!r} must be >= 1 (prompts to generate from task {task!r})")
+        raise ValueError(f"{shown_setting('size', size)} must be >= 1 (prompts to generate from task "
+                         f"{shown_value(task)})")
     if task not in DATASETS:
-        close = difflib.get_close_matches(str(task), DATASETS, n=3)
-        raise ValueError(f"task={task!r} is not a reasoning-gym task" + (f"; did you mean {close}?" if close else "")
+        close = difflib.get_close_matches(task, DATASETS, n=3) if isinstance(task, str) else []
+        raise ValueError(f"{shown_setting('task', task)} is not a reasoning-gym task"
+                         + (f"; did you mean {close}?" if close else "")
                          + f" ({len(DATASETS)} tasks, e.g. {sorted(DATASETS)[:4]}: reasoning_gym.factory.DATASETS)")
     options = {option.name for option in fields(DATASETS[task][1])} - {"seed", "size"}  # those two are data's own
     unknown = sorted(set(config or {}) - options)
@@ -179,7 +192,7 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config or {}))
     except (ValueError, TypeError, AssertionError) as err:
-        raise ValueError(f"reasoning-gym task={task!r} with task_config {dict(config or {})!r} failed: "
+        raise ValueError(f"reasoning-gym task={task!r} with task_config {shown_value(dict(config or {}))} failed: "
                          f"{type(err).__name__}: {err}") from err
     return [PromptExample(prompt=e["question"], answer=e.get("answer"), entry=dict(e)) for e in dataset]
 
@@ -188,7 +201,7 @@ def jsonl_prompts(path: str | Path) -> list[PromptExample]:
     """One example per non-empty line of a JSONL file: ``{"prompt": ..., "answer": ..., ...}``, the prompt a string
     or chat messages (``check_messages``, as ``data.dataset`` takes them)."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"jsonl_path={path!r:.80} must be a JSONL file's path")
+        raise ValueError(f"{shown_setting('jsonl_path', path, 80)} must be a JSONL file's path")
     path = Path(path).expanduser()
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
@@ -215,7 +228,7 @@ def jsonl_prompts(path: str | Path) -> list[PromptExample]:
 def inline_prompts(items: Sequence[Any]) -> list[PromptExample]:
     """Strings or dicts ``{"prompt": ..., "answer": ...}``."""
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
-        raise ValueError(f"prompts must be a non-empty list of strings or dicts, got {items!r:.80}")
+        raise ValueError(f"prompts must be a non-empty list of strings or dicts, got {shown_value(items, 80)}")
     return [_example_from_row(row, f"prompts[{i}]") for i, row in enumerate(items)]
 
 
@@ -233,13 +246,14 @@ def check_prompt_source(size: Any, data_seed: Any, dataset: Any, task_config: An
         from lit_grpo.rollout.hf_dataset import is_dataset_object
 
         if not is_dataset_object(dataset):
-            raise ValueError(f"dataset={dataset!r:.80} must be a path (a local file or folder) or a datasets.Dataset")
+            raise ValueError(f"{shown_setting('dataset', dataset, 80)} must be a path (a local file or folder) or a "
+                             "datasets.Dataset")
     if jsonl_path is not None and (not isinstance(jsonl_path, (str, os.PathLike)) or not os.fspath(jsonl_path)):
-        raise ValueError(f"jsonl_path={jsonl_path!r:.80} must be a JSONL file's path or None")
+        raise ValueError(f"{shown_setting('jsonl_path', jsonl_path, 80)} must be a JSONL file's path or None")
     # a string or a list was read key by key, a number failed inside reasoning-gym's call
     if task_config is not None and not isinstance(task_config, Mapping):
-        raise ValueError(f"task_config={task_config!r:.80} must be a mapping of the reasoning-gym task's options "
-                         "(e.g. {min_terms: 2}) or None")
+        raise ValueError(f"{shown_setting('task_config', task_config, 80)} must be a mapping of the reasoning-gym "
+                         "task's options (e.g. {min_terms: 2}) or None")
     check_text("prompt_column", prompt_column, none=True)
     check_text("answer_column", answer_column, none=True)
     check_text("split", split)
@@ -302,8 +316,8 @@ def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None)
     if kwargs is None:
         return
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
-        raise ValueError(f"chat_template_kwargs={kwargs!r:.120} must be a mapping of the chat template's variable "
-                         "names to their values, or None")
+        raise ValueError(f"{shown_setting('chat_template_kwargs', kwargs, 120)} must be a mapping of the chat "
+                         "template's variable names to their values, or None")
     if reserved := sorted(set(kwargs) & set(RENDER_ARGUMENTS)):
         raise ValueError(f"chat_template_kwargs sets {reserved}, which lit_grpo sets itself; give only the chat "
                          "template's own variables (e.g. enable_thinking)")
@@ -311,8 +325,8 @@ def check_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None)
         return
     source = getattr(tokenizer, "chat_template", None)
     if not source:
-        raise ValueError(f"chat_template_kwargs={dict(kwargs)!r:.120} need a chat template; this tokenizer has none "
-                         "(its prompts are plain text)")
+        raise ValueError(f"{shown_setting('chat_template_kwargs', dict(kwargs), 120)} need a chat template; this "
+                         "tokenizer has none (its prompts are plain text)")
     sources = source.values() if isinstance(source, Mapping) else [source]
     unread = [key for key in kwargs if not any(re.search(rf"\b{re.escape(key)}\b", text) for text in sources)]
     if unread:
@@ -355,12 +369,13 @@ def check_val_size(val_size: Any) -> int | float:
     whether it leaves prompts on both sides is ``split_examples``' to judge."""
     if isinstance(val_size, numbers.Real) and not isinstance(val_size, (bool, numbers.Integral)):
         if not 0.0 <= val_size < 1.0:
-            raise ValueError(f"val_size={val_size!r} as a fraction must be in [0, 1)")
+            raise ValueError(f"{shown_setting('val_size', val_size)} as a fraction must be in [0, 1)")
         return float(val_size)
     try:
         return check_int("val_size", val_size, 0)
     except ValueError:
-        raise ValueError(f"val_size={val_size!r} must be a count >= 0 or a fraction in [0, 1)") from None
+        raise ValueError(f"{shown_setting('val_size', val_size)} must be a count >= 0 or a fraction in "
+                         "[0, 1)") from None
 
 
 def split_examples(examples: Sequence[PromptExample], val_size: int | float,
@@ -387,15 +402,15 @@ def split_examples(examples: Sequence[PromptExample], val_size: int | float,
     if isinstance(val_size, float):
         count = int(round(val_size * n))
         if val_size > 0 and count == 0:  # asked for validation: none would run, silently
-            raise ValueError(f"val_size={val_size!r} of {n} distinct prompts holds none out (it rounds to 0); use a "
-                             "count (an integer >= 1), a larger fraction, or 0 for no validation")
+            raise ValueError(f"{shown_setting('val_size', val_size)} of {n} distinct prompts holds none out (it rounds "
+                             "to 0); use a count (an integer >= 1), a larger fraction, or 0 for no validation")
     else:
         count = val_size
     if count >= n:
         fraction = ", or a smaller fraction" if isinstance(val_size, float) else ""
         allowed = "0: no validation" if n == 1 else f"a count of at most {n - 1}{fraction}; 0: no validation"
-        raise ValueError(f"val_size={val_size!r} leaves no training prompt out of {n} distinct prompts; lower it "
-                         f"({allowed}) or add prompts")
+        raise ValueError(f"{shown_setting('val_size', val_size)} leaves no training prompt out of {n} distinct "
+                         f"prompts; lower it ({allowed}) or add prompts")
     distinct = list(first_rows.values())
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     held_out = {distinct[i] for i in order[:count]}
@@ -409,14 +424,15 @@ def check_prompt_shaping(system_prompt: Any, prompt_template: Any, chat_template
     user message's template and the chat template's variables (their names alone here; ``render_prompt`` checks
     them against the template)."""
     if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"system_prompt={system_prompt!r:.80} must be a string or None")
+        raise ValueError(f"{shown_setting('system_prompt', system_prompt, 80)} must be a string or None")
     # '' could mean no system message or an empty system turn, which differ where a chat template (Qwen2.5's) adds
     # a default system message to a conversation without one: None says the first, and nothing says the second
     if system_prompt == "":
         raise ValueError("system_prompt='' is empty: use None (null) for no system message (a chat template such as "
                          "Qwen2.5's then adds its own default one), or a non-empty text")
     if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
-        raise ValueError(f"prompt_template={prompt_template!r} must be a string that contains '{{prompt}}'")
+        raise ValueError(f"{shown_setting('prompt_template', prompt_template)} must be a string that contains "
+                         "'{prompt}'")
     check_chat_template_kwargs(None, chat_template_kwargs)
 
 
@@ -429,8 +445,8 @@ def prompt_messages(prompt: str, system_prompt: str | None = None, template: str
     ``chat_turns``). Raises where both the system prompt and the history's first turn are a system turn."""
     history = [dict(turn) for turn in history]
     if history and history[0]["role"] == "system" and system_prompt:
-        raise ValueError(f"system_prompt={system_prompt!r:.60} and a prompt whose messages start with their own system "
-                         f"turn ({history[0]['content']!r:.60}); drop one of the two")
+        raise ValueError(f"{shown_setting('system_prompt', system_prompt, 60)} and a prompt whose messages start with "
+                         f"their own system turn ({shown_value(history[0]['content'], 60)}); drop one of the two")
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history + [
         {"role": "user", "content": template.replace("{prompt}", prompt),
          **{key: value for key, value in (user_turn or {}).items() if key not in ("role", "content")}}]
@@ -465,5 +481,5 @@ def render_prompt(tokenizer: Any, prompt: str, system_prompt: str | None = None,
             "input_ids"]
     ids = [int(t) for t in ids]
     if not ids:
-        raise ValueError(f"prompt {prompt!r:.80} renders to no tokens")
+        raise ValueError(f"prompt {shown_value(prompt, 80)} renders to no tokens")
     return ids
