@@ -129,6 +129,16 @@ def test_a_folder_under_the_home_directory_is_read_from_there(reward_model_path,
                                                                              r"torch device name"),
     ({"name": "RM", "kwargs": {"model": "other"}}, r"names its reward model; its kwargs may not name another"),
     ({"name": "reward_model", "kwargs": {"model": ""}}, r"model='' must be a reward model's hub id or folder"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, and torch.device's
+    # ValueError for one beyond a C long got out unnamed
+    ({"name": "reward_model", "kwargs": {"model": 10**5000}}, r"^reward_model: model=\(an int of 5001 digits\) must "
+                                                              r"be a reward model's hub id or folder$"),
+    ({"name": "reward_model", "kwargs": {"model": "RM", "device": 10**5000}},
+     r"^reward_model: device=\(an int of 5001 digits\) must be 'auto' or a torch device name"),
+    ({"name": "reward_model", "kwargs": {"model": "RM", "device": 2**64}},
+     r"^reward_model: device=18446744073709551616 must be 'auto' or a torch device name"),
+    ({"name": "RM", "kwargs": {"model": 10**5000}}, r"names its reward model; its kwargs may not name another "
+                                                    r"\(model=\(an int of 5001 digits\)\)$"),
 ])
 def test_bad_reward_model_specs_are_refused_by_name(reward_model_path, spec, match):
     if isinstance(spec, dict):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import check_int, shown_setting
 from lit_grpo.sampling.devices import indexed_device
 
 
@@ -41,7 +41,7 @@ class RewardModel:
         from lit_grpo.runtime.models import hub_keywords, resolve_dtype
 
         if not isinstance(model, str) or not model:
-            raise ValueError(f"reward_model: model={model!r} must be a reward model's hub id or folder")
+            raise ValueError(f"reward_model: {shown_setting('model', model)} must be a reward model's hub id or folder")
         batch_size = check_int("reward_model batch_size", batch_size, 1)
         try:  # checked before loading: a bad dtype is a setting's error, not the model's
             torch_dtype = resolve_dtype(dtype)
@@ -117,9 +117,9 @@ def _resolve_device(device: Any) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"reward_model: device={device!r} must be 'auto' or a torch device name such as 'cpu' or "
-                         "'cuda:0'") from None
+    except (RuntimeError, TypeError, ValueError):  # ValueError: an index beyond a C long
+        raise ValueError(f"reward_model: {shown_setting('device', device)} must be 'auto' or a torch device name "
+                         "such as 'cpu' or 'cuda:0'") from None
     # the model's own device names its index: "cuda" compared with "cuda:0" would move it at every call
     return indexed_device(resolved) if torch.cuda.is_available() else resolved
 
@@ -133,5 +133,5 @@ def reward_model_kwargs(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The short form's options: ``model`` is the name."""
     if "model" in kwargs:
         raise ValueError(f"reward function {name!r} names its reward model; its kwargs may not name another "
-                         f"(model={kwargs['model']!r})")
+                         f"({shown_setting('model', kwargs['model'])})")
     return {"model": name, **kwargs}
