@@ -63,6 +63,7 @@ from lit_grpo.runtime.validation import (
     integer_within,
     plain_yaml_values,
     settings_from,
+    shown_setting,
     shown_value,
 )
 
@@ -180,6 +181,24 @@ def _warn_preemption_off(sampling: SamplingConfig, stacklevel: int) -> None:
         warnings.warn(f"sampling.scheduler.preempt_tokens={preempt} is not below max_new_tokens="
                       f"{sampling.max_new_tokens}, so no sample is ever preempted: set it below the cap, or 0 "
                       "for plain continuous sampling", stacklevel=stacklevel)
+
+
+def _rank_states(name: str, states: Any, what: str) -> list[Any]:
+    """``states``, a checkpoint's list of each saving rank's ``what``, as a list, else a ValueError naming it:
+    iterated as it was, an int failed with a bare TypeError and a mapping was read as its keys."""
+    if not isinstance(states, (list, tuple)):
+        raise ValueError(f"{shown_setting(name, states, 80)} is not allowed; it must be a list of the saving ranks' "
+                         f"{what}")
+    return list(states)
+
+
+def _builder_state(name: str, state: Any, whose: str = "a") -> dict[str, Any]:
+    """``state``, an engine's state in a checkpoint, as a dict if it is a mapping, else a ValueError naming it
+    (``whose``: ``"a"``, or ``"a rank's"``): dict() took a list of pairs, and failed bare on anything else."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{shown_setting(name, state, 80)} is not allowed; it must be {whose} rollout builder state "
+                         "(a mapping)")
+    return dict(state)
 
 
 class _StepDraw:
@@ -909,8 +928,8 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         in_flight = state_dict.get("in_flight", [])
         positions = [integer_within(p, 0) for p in in_flight] if isinstance(in_flight, (list, tuple)) else [None]
         if None in positions:
-            raise ValueError(f"data state in_flight={in_flight!r:.80} is not allowed; it must be a list of prompt "
-                             "positions (integers >= 0)")
+            raise ValueError(f"{shown_setting('data state in_flight', in_flight, 80)} is not allowed; it must be a "
+                             "list of prompt positions (integers >= 0)")
         rng = self._own_rng_states(state_dict)
         if rng is not None:
             check_rng_states("data state " + ("rng" if rng is state_dict.get("rng")
@@ -942,6 +961,8 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         """This rank's global random states in a checkpoint: its own where every rank's were saved by as many ranks,
         else the saving rank's (``rng``; saved by another number of ranks, or before every rank's were kept)."""
         by_rank = state_dict.get("rng_by_rank")
+        if by_rank is not None:
+            by_rank = _rank_states("data state rng_by_rank", by_rank, "random states")
         world, rank = self._world()
         if by_rank is not None and len(by_rank) == world:
             return by_rank[rank]
@@ -952,13 +973,19 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         ranks than this fit has: rank 0's state for every rank, unless some rank carried partial rollouts, which
         cannot be dealt out again (an error)."""
         engine = state_dict.get("engine")
+        if engine is not None:
+            engine = _builder_state("data state engine", engine)
         if "engine_by_rank" in state_dict:
-            by_rank = [dict(state) for state in state_dict["engine_by_rank"]]
+            states = _rank_states("data state engine_by_rank", state_dict["engine_by_rank"],
+                                  "rollout builder states (mappings)")
+            by_rank = [_builder_state(f"data state engine_by_rank[{index}]", state, "a rank's")
+                       for index, state in enumerate(states)]
         elif engine is not None and "carried_by_rank" in engine:  # every rank's carried groups in rank 0's engine state
             shared = {key: value for key, value in engine.items() if key != "carried_by_rank"}
-            by_rank = [{**shared, "carried": carried} for carried in engine["carried_by_rank"]]
+            by_rank = [{**shared, "carried": carried} for carried in _rank_states(
+                "data state engine.carried_by_rank", engine["carried_by_rank"], "carried groups")]
         elif engine is not None:
-            by_rank = [dict(engine)]  # saved by one process
+            by_rank = [engine]  # saved by one process
         else:
             return None
         world, rank = self._world()

@@ -350,6 +350,28 @@ def _rng_with(**changes):
     ({"steps_built": "2"}, r"^data state steps_built='2' must be an integer >= 0$"),  # was parsed as 2
     ({"steps_built": 2, "in_flight": [3, -1]}, r"^data state in_flight=\[3, -1\] is not allowed; it must be a list "
                                                r"of prompt positions \(integers >= 0\)$"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed
+    ({"steps_built": 2, "in_flight": [-10**5000]}, r"^data state in_flight=a list holding an int of more than \d+ "
+                                                    r"digits is not allowed; it must be a list of prompt positions"),
+    # a rank's state that is no list or mapping: a bare TypeError (or dict()'s ValueError) named no key
+    ({"steps_built": 2, "engine_by_rank": 5}, r"^data state engine_by_rank=5 is not allowed; it must be a list of "
+                                              r"the saving ranks' rollout builder states \(mappings\)$"),
+    ({"steps_built": 2, "engine_by_rank": {"rollout_index": 2}},
+     r"^data state engine_by_rank=\{'rollout_index': 2\} is not allowed; it must be a list of the saving ranks'"),
+    ({"steps_built": 2, "engine_by_rank": 10**5000}, r"^data state engine_by_rank=\(an int of 5001 digits\) is not "
+                                                     r"allowed; it must be a list"),
+    ({"steps_built": 2, "engine_by_rank": [{}, 5]}, r"^data state engine_by_rank\[1\]=5 is not allowed; it must be a "
+                                                    r"rank's rollout builder state \(a mapping\)$"),
+    ({"steps_built": 2, "engine_by_rank": ["ab"]}, r"^data state engine_by_rank\[0\]='ab' is not allowed; it must be "
+                                                   r"a rank's rollout builder state \(a mapping\)$"),
+    ({"steps_built": 2, "engine": 5}, r"^data state engine=5 is not allowed; it must be a rollout builder state \(a "
+                                      r"mapping\)$"),
+    ({"steps_built": 2, "engine": [("rollout_index", 2)]}, r"^data state engine=\[\('rollout_index', 2\)\] is not "
+                                                           r"allowed; it must be a rollout builder state"),
+    ({"steps_built": 2, "engine": {"rollout_index": 2, "carried_by_rank": 5}},
+     r"^data state engine.carried_by_rank=5 is not allowed; it must be a list of the saving ranks' carried groups$"),
+    ({"steps_built": 2, "rng_by_rank": 5}, r"^data state rng_by_rank=5 is not allowed; it must be a list of the "
+                                           r"saving ranks' random states$"),
     ({"steps_built": 2, "rng": {"torch": [1, 2, 3]}}, r"^data state rng\['torch'\] is not a random state of torch's "
                                                       r"generator: "),  # torch's error, after python's was set
     ({"steps_built": 2, "rng": lambda: _rng_with(python=[3, [0] * 5, None])},
