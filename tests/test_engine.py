@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -544,6 +545,56 @@ def test_bad_replay_streams_stop_ids_and_state_are_named(tiny_llama):
     assert RolloutEngine(model, tokenizer, group_size=2, eos_token_ids=(3, 3, 0)).eos_token_ids == [0, 3]
 
 
+def test_bad_engine_arguments_show_the_value_bounded_and_a_huge_int_by_its_digits(tiny_llama):
+    """Each refusal shows the bad value as the shared checks do: a repr of an int of more than 4300 digits failed
+    with Python's int-to-str ValueError in place of the refusal, a long value ran on."""
+    model, tokenizer = tiny_llama
+    engine = RolloutEngine(model, tokenizer, group_size=2, max_new_tokens=2)
+    huge, holding = 10**5000, r"a list holding an int of more than \d+ digits"
+    cases = [
+        (lambda: RolloutEngine(huge, tokenizer, group_size=2), TypeError,
+         r"^model=\(an int of 5001 digits\) must be a transformers causal LM"),
+        (lambda: RolloutEngine(model, huge, group_size=2), TypeError,
+         r"^tokenizer=\(an int of 5001 digits\) must be a transformers tokenizer or None"),
+        (lambda: RolloutEngine(model, tokenizer, group_size=2, scheduler={"preempt_tokens": huge}), TypeError,
+         r"^scheduler=a dict holding an int of more than \d+ digits is the 'infinite' strategy's options"),
+        (lambda: RolloutEngine(model, tokenizer, group_size=2, eos_token_ids=[huge]), ValueError,
+         rf"^eos_token_ids={holding} must be a list of token ids"),
+        (lambda: engine.load_state_dict(huge), ValueError,
+         r"^state=\(an int of 5001 digits\) is not an engine's state_dict: it needs 'rollout_index'$"),
+        (lambda: engine.new_groups([[5, 6]], tags=huge), ValueError,
+         r"^tags is an int of 5001 digits for 1 prompts: give a list of one per prompt$"),
+        (lambda: engine.generate_groups(huge), TypeError, r"^groups=\(an int of 5001 digits\) must be a list of "
+                                                          r"GroupProgress"),
+        (lambda: engine.generate_groups(engine.new_groups([[5, 6]]), complete=huge), ValueError,
+         r"^complete=\(an int of 5001 digits\) must be an integer between 1 and the number of groups \(1\)$"),
+        (lambda: engine.generate_groups(engine.new_groups([[5, 6]]), finish=huge), ValueError,
+         r"^finish=\(an int of 5001 digits\) must be a list of indices of the groups"),
+        (lambda: engine.generate_groups(engine.new_groups([[5, 6]]), finish=[huge]), ValueError,
+         rf"^finish={holding} must be indices of the groups"),
+        (lambda: engine.generate(huge), ValueError, r"^prompts must be a non-empty list of strings or token-id lists, "
+                                                    r"got an int of 5001 digits$"),
+        (lambda: engine.generate([huge]), ValueError, r"^prompt 0 is an int of 5001 digits; each prompt is a string or "
+                                                      r"a list of token ids; for one prompt of token ids pass "
+                                                      r"\[\[an int of 5001 digits\]\]$"),
+        (lambda: engine.generate([[5, huge]]), ValueError, rf"^prompt 0 has token ids outside \[0, \d+\): {holding}$"),
+        (lambda: engine.generate([[5, 6]], lengths=huge), ValueError,
+         r"^lengths must be \[B=1\]\[G=2\], got an int of 5001 digits$"),
+        (lambda: engine.generate([[5, 6]], lengths=[[1, -huge]]), ValueError,
+         r"^forced lengths must be >= 1, got a negative int of 5001 digits$"),
+        (lambda: engine.generate([[5, 6]], lengths=[["x" * 500, 1]]), ValueError,
+         rf"^forced lengths must be integers, got {re.escape(repr(['x' * 500])[:100])}$"),
+        (lambda: engine.generate([[5, 6]], streams=huge), ValueError,
+         r"^streams=\(an int of 5001 digits\) must be \[B=1\] ints in \[0, 2\*\*32\)$"),
+        (lambda: engine.generate([[5, 6]], streams=[huge]), ValueError, rf"^streams={holding} must be \[B=1\] ints"),
+        (lambda: engine.generate([[5, 6]], tokens=[[[5], [huge]]]), ValueError,
+         r"^tokens\[0\]\[1\]\[0\] = an int of 5001 digits \(prompt 0, sample 1\); token ids are ints in \[0, "),
+    ]
+    for make, error, message in cases:
+        with pytest.raises(error, match=message):
+            make()
+
+
 def test_every_strategy_is_documented_runs_on_its_slots_and_an_unknown_one_is_named(tiny_llama, prompt_ids):
     import re
 
@@ -715,6 +766,27 @@ def test_sampling_config_errors_name_the_option(tiny_llama):
     config = SamplingConfig(group_size=3, strategy="infinite", scheduler={"length_aware": {"predictor": "online"}})
     engine = RolloutEngine(model, tokenizer, config)
     assert engine.config is config and engine.scheduler.predictor.__class__.__name__ == "OnlineLengthPredictor"
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("micro_group_size", "x" * 500, rf"^sampling.micro_group_size={re.escape(repr('x' * 500)[:100])} must be an "
+                                    r"integer >= 1, 'auto' or None$"),
+    ("cuda_graph", 10**5000, r"^sampling.cuda_graph=\(an int of 5001 digits\) must be true, false or null"),
+    ("keep_kv_cache", 10**5000, r"^sampling.keep_kv_cache=\(an int of 5001 digits\) must be true, false or 'auto'$"),
+    ("compile", 10**5000, r"^sampling.compile=\(an int of 5001 digits\) must be true, false or 'auto'$"),
+    ("stop_strings", [10**5000], r"^sampling.stop_strings=a list holding an int of more than \d+ digits must be a "
+                                 r"list of non-empty strings$"),
+    ("scheduler", 10**5000, r"^sampling.scheduler=\(an int of 5001 digits\) must be an InfiniteSchedulerConfig"),
+    ("temperature", -10**5000, r"^sampling.temperature=\(a negative int of 5001 digits\) must be 0 \(greedy\) or a "
+                               r"finite number >= "),
+], ids=["micro_group_size", "cuda_graph", "keep_kv_cache", "compile", "stop_strings", "scheduler", "temperature"])
+def test_a_bad_sampling_setting_is_shown_bounded_and_a_huge_int_by_its_digits(name, value, message):
+    """Shown as every check shows a value: a repr of an int of more than 4300 digits failed with Python's int-to-str
+    ValueError in place of the refusal, a long value ran on."""
+    from lit_grpo.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**{name: value})
 
 
 def test_under_autocast_the_cache_holds_the_autocast_dtype(tiny_llama, prompt_ids):

@@ -43,7 +43,9 @@ def test_buckets_follow_count_and_smallest_and_name_bad_values():
     assert width_buckets(300, smallest=100) == (128, 300)
     assert width_buckets(64) == (64,)
     for bad, named in ((dict(width=0), "width=0"), (dict(width=64.0), "width=64.0"),
-                       (dict(width=64, count=0), "count=0"), (dict(width=64, smallest=True), "smallest=True")):
+                       (dict(width=64, count=0), "count=0"), (dict(width=64, smallest=True), "smallest=True"),
+                       # a repr of an int of more than 4300 digits failed in place of the refusal
+                       (dict(width=-10**5000), r"width=\(a negative int of 5001 digits\)")):
         with pytest.raises(ValueError, match=rf"width_buckets: {named} must be an integer >= 1"):
             width_buckets(**bad)
 

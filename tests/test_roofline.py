@@ -92,6 +92,7 @@ def test_mean_decode_context_averages_every_step_of_every_sample():
     (lambda c: roofline.decode_step_cost(c, 0, 5, "float32"), "rows=0 must be an integer >= 1"),
     (lambda c: roofline.decode_step_cost(c, 2, 0.5, "float32"), "context_len=0.5 must be a number >= 1"),
     (lambda c: roofline.decode_step_cost(c, 2, 5, "float33"), "dtype='float33' is not a torch dtype"),
+    (lambda c: roofline.decode_step_cost(c, 2, 5, "f" * 500), rf"^dtype='{'f' * 99} is not a torch dtype"),  # cut
     (lambda c: roofline.prefill_cost(c, 0, "float32"), "tokens=0 must be an integer >= 1"),
     (lambda c: roofline.prefill_cost(c, 3, "float32", cached=-1), "cached=-1 must be an integer >= 0"),
 ])
@@ -146,6 +147,11 @@ def test_the_floor_is_the_bytes_read_over_the_bandwidth():
     assert floor_ms(0, 5e9) == 0.0
     with pytest.raises(ValueError, match=r"read_bytes=-1 must be a number >= 0"):
         floor_ms(-1, 1e9)
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^read_bytes=\(a negative int of 5001 digits\) must be a number >= 0$"):
+        floor_ms(-10**5000, 1e9)
+    with pytest.raises(ValueError, match=r"^read_bytes_per_s=\(a negative int of 5001 digits\) must be a finite "):
+        floor_ms(1, -10**5000)
     for bad in (0, -3.0, float("inf"), None):
         with pytest.raises(ValueError, match=rf"read_bytes_per_s={bad!r} must be a finite number > 0"):
             floor_ms(1, bad)

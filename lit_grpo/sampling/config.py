@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from lit_grpo.runtime.validation import (SEED_MAX, check_choice, check_field, check_int, check_int_in_range,
-                                         check_real, real_within)
+                                         check_real, real_within, shown_setting)
 from lit_grpo.sampling.cpu_linear import CpuLinear
 from lit_grpo.sampling.decode_attention import DECODE_KERNELS, DecodeKernel
 from lit_grpo.scheduling.config import InfiniteSchedulerConfig, LengthAwareConfig
@@ -111,8 +111,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         check_field(self, "group_size", check_int, 1, prefix=_KEY)
         if isinstance(self.micro_group_size, str) and self.micro_group_size != "auto":
-            raise ValueError(f"sampling.micro_group_size={self.micro_group_size!r} must be an integer >= 1, "
-                             "'auto' or None")
+            raise ValueError(f"{shown_setting('sampling.micro_group_size', self.micro_group_size)} must be an "
+                             "integer >= 1, 'auto' or None")
         elif self.micro_group_size not in (None, "auto"):
             check_field(self, "micro_group_size", check_int, 1, prefix=_KEY)
         if self.kv_budget_bytes is not None:
@@ -120,12 +120,13 @@ class SamplingConfig:
         check_choice("sampling.strategy", self.strategy, STRATEGIES)
         check_field(self, "max_new_tokens", check_int, 1, prefix=_KEY)
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
-            raise ValueError(f"sampling.cuda_graph={self.cuda_graph!r} must be true, false or null (on CUDA, unless "
-                             "FSDP shards the policy)")
+            raise ValueError(f"{shown_setting('sampling.cuda_graph', self.cuda_graph)} must be true, false or null "
+                             "(on CUDA, unless FSDP shards the policy)")
         if not isinstance(self.keep_kv_cache, bool) and self.keep_kv_cache != "auto":
-            raise ValueError(f"sampling.keep_kv_cache={self.keep_kv_cache!r} must be true, false or 'auto'")
+            raise ValueError(f"{shown_setting('sampling.keep_kv_cache', self.keep_kv_cache)} must be true, false or "
+                             "'auto'")
         if not isinstance(self.compile, bool) and self.compile != "auto":
-            raise ValueError(f"sampling.compile={self.compile!r} must be true, false or 'auto'")
+            raise ValueError(f"{shown_setting('sampling.compile', self.compile)} must be true, false or 'auto'")
         check_choice("sampling.cpu_linear", self.cpu_linear, get_args(CpuLinear))
         check_choice("sampling.decode_attention", self.decode_attention, DECODE_KERNELS)
         check_field(self, "temperature", _check_temperature, prefix=_KEY)
@@ -137,14 +138,15 @@ class SamplingConfig:
         if isinstance(self.stop_strings, (str, bytes)) or not isinstance(self.stop_strings, (list, tuple)) or \
                 not all(isinstance(s, str) and s for s in self.stop_strings):
             shown = list(self.stop_strings) if isinstance(self.stop_strings, tuple) else self.stop_strings
-            raise ValueError(f"sampling.stop_strings={shown!r:.200} must be a list of non-empty strings")
+            raise ValueError(f"{shown_setting('sampling.stop_strings', shown, 200)} must be a list of non-empty "
+                             "strings")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))  # a YAML or Python list: hashable
         check_field(self, "seed", check_int_in_range, 0, SEED_MAX, prefix=_KEY)
         if isinstance(self.scheduler, dict):  # a plain mapping (Python callers): typed here
             object.__setattr__(self, "scheduler", InfiniteSchedulerConfig.from_options(self.scheduler))
         if not isinstance(self.scheduler, InfiniteSchedulerConfig):
-            raise ValueError(f"sampling.scheduler={self.scheduler!r} must be an InfiniteSchedulerConfig or a dict of "
-                             "its fields")
+            raise ValueError(f"{shown_setting('sampling.scheduler', self.scheduler)} must be an "
+                             "InfiniteSchedulerConfig or a dict of its fields")
 
     def ignored_scheduler_options(self) -> list[str]:
         """The ``scheduler`` options set away from their defaults that this strategy ignores (all of them, unless
@@ -196,6 +198,6 @@ def _check_temperature(name: str, value: Any) -> float:
     """``value`` as a plain float if it is 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``, else a ValueError."""
     number = real_within(value, low=0)
     if number is None or 0 < number < MIN_TEMPERATURE:
-        raise ValueError(f"{name}={value!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below it "
-                         "the logits divided by it overflow)")
+        raise ValueError(f"{shown_setting(name, value)} must be 0 (greedy) or a finite number >= "
+                         f"{MIN_TEMPERATURE:g} (below it the logits divided by it overflow)")
     return number

@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lit_grpo.runtime.validation import shown_value
 from lit_grpo.sampling.devices import indexed_device
 
 #: The names the implementations are registered under in transformers' attention (and mask) registries.
@@ -183,7 +184,8 @@ def step_attention(model: torch.nn.Module, kernel: str = "matmul") -> Iterator[N
     "sdpa_gqa": ``sdpa_gqa_decode_attention``). Nothing happens when the model's attention is not SDPA
     (``instead_of_sdpa``)."""
     if kernel not in _REGISTERED:
-        raise ValueError(f"decode attention kernel {kernel!r} is not known; use one of {list(DECODE_KERNELS)}")
+        raise ValueError(f"decode attention kernel {shown_value(kernel)} is not known; use one of "
+                         f"{list(DECODE_KERNELS)}")
     if kernel == "matmul":
         float32_scores(next(model.parameters()).device)  # probed here, before any traced or captured call reads it
     with instead_of_sdpa(model, _REGISTERED[kernel]):

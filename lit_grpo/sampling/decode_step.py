@@ -61,6 +61,7 @@ import torch
 
 from lit_grpo.runtime.head_precision import computes_in_float32
 from lit_grpo.runtime.models import cache_keyword
+from lit_grpo.runtime.validation import shown_setting
 from lit_grpo.sampling.decode_attention import step_attention
 from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.kv_cache import KV, SlotKVCache
@@ -87,7 +88,7 @@ def width_buckets(width: int, count: int = MAX_BUCKETS, smallest: int = MIN_BUCK
     same for every cache, so the ladder is a function of the width alone, a handful of widths however wide."""
     for name, value in (("width", width), ("count", count), ("smallest", smallest)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"width_buckets: {name}={value!r} must be an integer >= 1")
+            raise ValueError(f"width_buckets: {shown_setting(name, value)} must be an integer >= 1")
     powers = []
     power = 1 << (smallest - 1).bit_length()  # the smallest power of two >= smallest
     while 3 * power <= 2 * width:

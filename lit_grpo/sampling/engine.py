@@ -52,7 +52,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.runtime.distributed import check_decodable, is_fsdp_sharded
 from lit_grpo.runtime.models import eval_mode
-from lit_grpo.runtime.validation import check_int_in_range, check_state_keys
+from lit_grpo.runtime.validation import check_int_in_range, check_state_keys, shown_setting, shown_value
 from lit_grpo.sampling.config import STRATEGIES, SamplingConfig
 from lit_grpo.sampling.cpu_linear import onednn_linears, resolve_cpu_linear
 from lit_grpo.sampling.decode_attention import attention_dispatch_problem
@@ -104,17 +104,17 @@ class RolloutEngine:
                  config: SamplingConfig | None = None, *, scheduler: Scheduler | None = None,
                  eos_token_ids: Sequence[int] | None = None, **options: Any):
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"model={model!r:.80} must be a transformers causal LM "
+            raise TypeError(f"{shown_setting('model', model, 80)} must be a transformers causal LM "
                             "(lit_grpo.load_model_and_tokenizer gives one)")
         if tokenizer is not None and not callable(tokenizer):
-            raise TypeError(f"tokenizer={tokenizer!r:.80} must be a transformers tokenizer or None (token-id prompts "
-                            "with eos_token_ids=[...])")
+            raise TypeError(f"{shown_setting('tokenizer', tokenizer, 80)} must be a transformers tokenizer or None "
+                            "(token-id prompts with eos_token_ids=[...])")
         if config is not None and not isinstance(config, SamplingConfig):
             raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}; give the sampling "
                             "settings as keywords (group_size=..., strategy=...) or as a SamplingConfig")
         if isinstance(scheduler, (Mapping, InfiniteSchedulerConfig)):  # SamplingConfig's field, not an override
-            raise TypeError(f"scheduler={scheduler!r} is the 'infinite' strategy's options: give them flat "
-                            "(preempt_tokens=..., predictor=...) or inside a SamplingConfig(scheduler=...); the "
+            raise TypeError(f"{shown_setting('scheduler', scheduler)} is the 'infinite' strategy's options: give them "
+                            "flat (preempt_tokens=..., predictor=...) or inside a SamplingConfig(scheduler=...); the "
                             "scheduler argument takes a lit_grpo.scheduling.Scheduler object that replaces the "
                             "strategy's own")
         self.config = SamplingConfig.from_kwargs(config, **options)
@@ -217,7 +217,7 @@ class RolloutEngine:
         if lengths is not None:
             lengths = self._check_lengths(lengths, len(prompt_ids))
         if tags is not None and (not isinstance(tags, Sequence) or len(tags) != len(prompt_ids)):
-            count = f"has {len(tags)} entries" if isinstance(tags, Sequence) else f"is {tags!r:.40}"
+            count = f"has {len(tags)} entries" if isinstance(tags, Sequence) else f"is {shown_value(tags, 40)}"
             raise ValueError(f"tags {count} for {len(prompt_ids)} prompts: give a list of one per prompt")
         return [GroupProgress(ids, [SampleProgress() for _ in range(self.group_size)],
                               (self.rollout_index, streams[p]), None if lengths is None else lengths[p],
@@ -269,8 +269,8 @@ class RolloutEngine:
         """``generate_groups``' ``groups`` and ``finish`` as lists, each argument checked against the others and
         this engine's G; a bad one raises naming it."""
         if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-            raise TypeError(f"groups={groups!r:.80} must be a list of GroupProgress (from new_groups, or a result's "
-                            "carried groups)")
+            raise TypeError(f"{shown_setting('groups', groups, 80)} must be a list of GroupProgress (from new_groups, "
+                            "or a result's carried groups)")
         groups = list(groups)
         if not groups:
             raise ValueError("generate_groups needs at least one group")
@@ -279,14 +279,15 @@ class RolloutEngine:
                             "(engine.new_groups(prompts) makes them; generate(prompts) takes the prompts themselves)")
         if complete is not None and (isinstance(complete, bool) or not isinstance(complete, Integral)
                                      or not 1 <= complete <= len(groups)):
-            raise ValueError(f"complete={complete!r} must be an integer between 1 and the number of groups "
-                             f"({len(groups)})")
+            raise ValueError(f"{shown_setting('complete', complete)} must be an integer between 1 and the number of "
+                             f"groups ({len(groups)})")
         if isinstance(finish, (str, bytes)) or not isinstance(finish, Iterable):
-            raise ValueError(f"finish={finish!r:.80} must be a list of indices of the groups, integers in "
-                             f"[0, {len(groups)})")
+            raise ValueError(f"{shown_setting('finish', finish, 80)} must be a list of indices of the groups, integers "
+                             f"in [0, {len(groups)})")
         finish = list(finish)
         if any(isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < len(groups) for p in finish):
-            raise ValueError(f"finish={finish!r:.80} must be indices of the groups, integers in [0, {len(groups)})")
+            raise ValueError(f"{shown_setting('finish', finish, 80)} must be indices of the groups, integers in "
+                             f"[0, {len(groups)})")
         if any(len(g.samples) != self.group_size for g in groups):
             raise ValueError(f"every group needs group_size={self.group_size} samples, got "
                              f"{[len(g.samples) for g in groups]}")
@@ -431,7 +432,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------ validation
     def _prompt_ids(self, prompts) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise ValueError(f"prompts must be a non-empty list of strings or token-id lists, got {prompts!r:.80}")
+            raise ValueError(f"prompts must be a non-empty list of strings or token-id lists, got "
+                             f"{shown_value(prompts, 80)}")
         ids = []
         vocab = self.model.get_input_embeddings().num_embeddings
         limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -443,20 +445,21 @@ class RolloutEngine:
             elif hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or array of ids
                 prompt = prompt.tolist()
             if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
-                head = ", ".join(repr(t) for t in list(prompts)[:5]) + (", ..." if len(prompts) > 5 else "")
+                head = ", ".join(map(shown_value, list(prompts)[:5])) + (", ..." if len(prompts) > 5 else "")
                 hint = f"; for one prompt of token ids pass [[{head}]]" if isinstance(prompt, Integral) else ""
-                raise ValueError(f"prompt {i} is {prompt!r:.60}; each prompt is a string or a list of token ids{hint}")
+                raise ValueError(f"prompt {i} is {shown_value(prompt, 60)}; each prompt is a string or a list of token "
+                                 f"ids{hint}")
             # int() would take 1.7 as 1 and "5" as 5: a token id is an integer, nothing converted to one
             bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]
             if bad:
-                raise ValueError(f"prompt {i} has token ids that are not integers: {bad[:5]!r:.80}; a prompt is a "
-                                 "string or a list of ints")
+                raise ValueError(f"prompt {i} has token ids that are not integers: {shown_value(bad[:5], 80)}; a "
+                                 "prompt is a string or a list of ints")
             prompt = [int(t) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): "
-                                 f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
+                                 f"{shown_value([t for t in prompt if not 0 <= t < vocab][:5])}")
             if limit is not None and len(prompt) + self.max_new_tokens > limit:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={self.max_new_tokens} "
                                  f"that exceeds the model's max_position_embeddings={limit}")
@@ -468,13 +471,13 @@ class RolloutEngine:
         shape = _shape(lengths)
         if shape is None or len(shape) != num_prompts or any(n != self.group_size for n in shape):
             raise ValueError(f"lengths must be [B={num_prompts}][G={self.group_size}], got "
-                             f"{shape if shape is not None else repr(lengths)[:80]}")
+                             f"{shape if shape is not None else shown_value(lengths, 80)}")
         flat = [n for row in lengths for n in row]
         bad = [n for n in flat if isinstance(n, bool) or not isinstance(n, Integral)]
         if bad:
-            raise ValueError(f"forced lengths must be integers, got {bad[:5]}")
+            raise ValueError(f"forced lengths must be integers, got {shown_value(bad[:5])}")
         if min(flat) < 1:
-            raise ValueError(f"forced lengths must be >= 1, got {min(flat)}")
+            raise ValueError(f"forced lengths must be >= 1, got {shown_value(min(flat))}")
         # a recorded length past the cap becomes cap + 1: EOS is suppressed up to the cap, which cuts the sample
         # there, truncated, as a live run would (EOS forced at the cap would end it untruncated)
         return [[min(int(n), self.max_new_tokens + 1) for n in row] for row in lengths]
@@ -482,12 +485,13 @@ class RolloutEngine:
     @staticmethod
     def _check_streams(streams, num_prompts: int) -> list[int]:
         """``streams`` as ``[B]`` distinct ints in [0, 2**32) (the key's width); a ValueError names what is wrong."""
-        message = f"streams={streams!r:.80} must be [B={num_prompts}] ints in [0, 2**32)"
+        message = f"{shown_setting('streams', streams, 80)} must be [B={num_prompts}] ints in [0, 2**32)"
         streams = _int_list(streams, 2**32, message)
         if len(streams) != num_prompts:
             raise ValueError(message)
         if len(set(streams)) != num_prompts:
-            raise ValueError(f"streams={streams!r:.80} repeat a value: two groups would draw the same numbers")
+            raise ValueError(f"{shown_setting('streams', streams, 80)} repeat a value: two groups would draw the same "
+                             "numbers")
         return streams
 
     def _check_tokens(self, tokens, num_prompts: int) -> list[list[list[int]]]:
@@ -503,12 +507,12 @@ class RolloutEngine:
             checked.append([])
             for k, row in enumerate(group):
                 if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not row:
-                    raise ValueError(f"tokens[{p}][{k}] is {row!r:.40}; every replayed sample needs a non-empty "
-                                     "list of token ids")
+                    raise ValueError(f"tokens[{p}][{k}] is {shown_value(row, 40)}; every replayed sample needs a "
+                                     "non-empty list of token ids")
                 for i, t in enumerate(row):
                     if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab:
-                        raise ValueError(f"tokens[{p}][{k}][{i}] = {t!r} (prompt {p}, sample {k}); token ids are "
-                                         f"ints in [0, {vocab})")
+                        raise ValueError(f"tokens[{p}][{k}][{i}] = {shown_value(t)} (prompt {p}, sample {k}); token "
+                                         f"ids are ints in [0, {vocab})")
                     if t in eos and i < len(row) - 1:
                         raise ValueError(f"tokens[{p}][{k}][{i}] = {t} is a stop token {sorted(eos)} before the "
                                          f"end of its {len(row)} tokens; a sample ends at its first stop token")
@@ -527,7 +531,7 @@ def _shape(rows) -> list[int] | None:
 def _check_stop_ids(ids: Any, vocab: int) -> list[int]:
     """``eos_token_ids`` as sorted distinct ints in [0, ``vocab``): the decode step marks them in a ``[vocab]`` mask,
     where -1 would mark the last token and a float or a string would fail deep inside torch."""
-    message = f"eos_token_ids={ids!r:.80} must be a list of token ids, ints in [0, {vocab})"
+    message = f"{shown_setting('eos_token_ids', ids, 80)} must be a list of token ids, ints in [0, {vocab})"
     return sorted(set(_int_list(ids, vocab, message)))
 
 
@@ -563,7 +567,7 @@ def checked_rollout_index(state: Any) -> int:
     """The rollout index of an engine's ``state`` (``RolloutEngine.state_dict``'s), its keys checked, else a
     ValueError naming the bad key or value. The scheduler's state beside it is its scheduler's to check."""
     if not isinstance(state, Mapping) or "rollout_index" not in state:
-        raise ValueError(f"state={state!r:.80} is not an engine's state_dict: it needs 'rollout_index'")
+        raise ValueError(f"{shown_setting('state', state, 80)} is not an engine's state_dict: it needs 'rollout_index'")
     check_state_keys("an engine state", state, ("rollout_index", "scheduler"), ("scheduler",))
     # the stream key holds 32 bits of it: a larger index would draw an earlier rollout's numbers again
     return check_int_in_range("rollout_index", state["rollout_index"], 0, 2**32 - 1)

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from lit_grpo.runtime.validation import check_int, check_real
+from lit_grpo.runtime.validation import check_int, check_real, shown_setting
 
 __all__ = ["DEVICE_MARGIN_FRACTION", "auto_micro_group_size", "cast_pool_bytes", "decode_step_bytes", "dtype_bytes",
            "held_positions", "kv_budget_from_free_memory", "kv_bytes_per_token", "kv_cache_fits_beside_update",
@@ -177,7 +177,7 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
         name = dtype.removeprefix("torch.")
         resolved = getattr(torch, name, None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+            raise ValueError(f"{shown_setting('dtype', dtype)} is not a torch dtype (e.g. 'float32', 'bfloat16')")
         dtype = resolved
     return torch.empty((), dtype=dtype).element_size()
 

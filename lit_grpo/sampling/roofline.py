@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lit_grpo.runtime.validation import shown_setting
 from lit_grpo.sampling.devices import indexed_device
 from lit_grpo.sampling.kv_cache import kept_positions
 from lit_grpo.sampling.memory_budget import dtype_bytes, kv_bytes_per_token, kv_geometry, kv_windows
@@ -131,10 +132,11 @@ def floor_ms(read_bytes: float, read_bytes_per_s: float) -> float:
         ValueError: ``read_bytes`` < 0 or a bandwidth that is not a finite number > 0 (the message names it).
     """
     if isinstance(read_bytes, bool) or not isinstance(read_bytes, (int, float)) or not read_bytes >= 0:
-        raise ValueError(f"read_bytes={read_bytes!r} must be a number >= 0")
+        raise ValueError(f"{shown_setting('read_bytes', read_bytes)} must be a number >= 0")
     if isinstance(read_bytes_per_s, bool) or not isinstance(read_bytes_per_s, (int, float)) or \
             not 0 < read_bytes_per_s < float("inf"):
-        raise ValueError(f"read_bytes_per_s={read_bytes_per_s!r} must be a finite number > 0 (bytes per second)")
+        raise ValueError(f"{shown_setting('read_bytes_per_s', read_bytes_per_s)} must be a finite number > 0 (bytes "
+                         "per second)")
     return 1000 * read_bytes / read_bytes_per_s
 
 
