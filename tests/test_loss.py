@@ -326,3 +326,9 @@ def test_a_tensor_step_token_count_is_a_scalar_and_is_not_read_to_the_host():
         policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=torch.tensor([20.0, 20.0]))
     with pytest.raises(ValueError, match=r"total_active_tokens=-1 must be >= 0"):
         policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=-1)
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^total_active_tokens=\(a negative int of 5001 digits\) must be >= 0$"):
+        policy_loss(logps, old, adv, mask, loss_type="dapo", total_active_tokens=-10**5000)
+    with pytest.raises(ValueError, match=r"^loss_type='dr_grpo' needs max_completion_length >= 1 \(the rollout's "
+                                         r"max_new_tokens\), got a negative int of 5001 digits$"):
+        policy_loss(logps, old, adv, mask, loss_type="dr_grpo", max_completion_length=-10**5000)

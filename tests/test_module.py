@@ -327,6 +327,11 @@ def test_bad_arguments_name_the_value():
         GRPOModule(model="tiny-llama", betas=(0.9,))
     with pytest.raises(ValueError, match=r"betas=0.9 must be two numbers in \[0, 1\)"):
         GRPOModule(model="tiny-llama", betas=0.9)
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed, a long value ran on
+    with pytest.raises(ValueError, match=r"^betas=a list holding an int of more than \d+ digits must be two numbers"):
+        GRPOModule(model="tiny-llama", betas=(10**5000, 0.9))
+    with pytest.raises(ValueError, match=rf"^betas={re.escape(repr('9' * 500)[:100])} must be two numbers in "):
+        GRPOModule(model="tiny-llama", betas="9" * 500)
     # TRL's (transformers 5's) warmup_steps takes a share of the steps below 1: here it is a count
     with pytest.raises(ValueError, match=r"warmup_steps=0.1 must be an integer >= 0 \(a count of optimizer steps; "
                                          r"TRL's warmup_ratio, a share of them, is warmup_ratio x trainer.max_steps\)"):
@@ -345,6 +350,8 @@ def test_bad_arguments_name_the_value():
             GRPOModule(model="tiny-llama", **{name: "false"})
     with pytest.raises(ValueError, match=r"shared_prefix=1 is not known; use one of \[True, False, 'auto'\]"):
         GRPOModule(model="tiny-llama", shared_prefix=1)
+    with pytest.raises(ValueError, match=r"^shared_prefix=\(an int of 5001 digits\) is not known; use one of "):
+        GRPOModule(model="tiny-llama", shared_prefix=10**5000)
     for model in (None, 3, ""):
         with pytest.raises(ValueError, match=rf"model={model!r} must be a non-empty string"):
             GRPOModule(model=model)

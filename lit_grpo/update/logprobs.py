@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_grpo.runtime.distributed import is_fsdp_sharded
 from lit_grpo.runtime.head_precision import head_compute_dtype
 from lit_grpo.runtime.models import accepts, eval_mode
+from lit_grpo.runtime.validation import shown_setting
 from lit_grpo.update.shared_prefix import (layer_parameters, prompt_groups, saved_positions, shared_prefix_outputs,
                                           shared_prefix_pays)
 
@@ -389,7 +390,7 @@ def completion_logps(model: torch.nn.Module, micro: dict[str, Any], temperature:
         device_type = micro["input_ids"].device.type
         chunk_bytes = LOGITS_CHUNK_BYTES.get(device_type, LOGITS_CHUNK_BYTES["cuda"])
     if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be >= 1")
+        raise ValueError(f"{shown_setting('chunk_bytes', chunk_bytes)} must be >= 1")
     token_ids, mask = micro["completion_ids"], micro["completion_mask"].bool()
     real = _real_tokens(mask, micro.get("num_tokens"))  # [n] flat positions in [m, T']
     # (with no real token at all the chunks would be empty and the result detached from the model: full path)

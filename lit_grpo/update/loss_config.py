@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from lit_grpo.runtime.validation import check_bool, check_choice, check_field, check_real
+from lit_grpo.runtime.validation import check_bool, check_choice, check_field, check_real, shown_setting
 from lit_grpo.update.surrogates import IMPORTANCE_SAMPLING_LEVELS, ImportanceSamplingLevel
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -114,8 +114,8 @@ class LossConfig:
         # a positive one's clip tightens to delta (below 1 that zeroes on-policy gradients); at it, TRL logs no high
         # clip (its shares read the capped ratio, ours the ratio)
         if self.delta is not None and self.loss_type in CLIP_LOSSES and not self.delta > 1 + self.epsilon_high:
-            raise ValueError(f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.epsilon_high!r} "
-                             "(it caps the ratio above the clip range), or None")
+            raise ValueError(f"{shown_setting('delta', self.delta)} must be > 1 + epsilon_high = "
+                             f"{1 + self.epsilon_high!r} (it caps the ratio above the clip range), or None")
         check_field(self, "off_policy_mask_threshold", check_real, 0, hint="a mean log-prob gap to the sampler, e.g. "
                     "0.5", none="off")
         check_field(self, "top_entropy_quantile", check_real, 0, 1, hint="the share of tokens by entropy whose policy "
@@ -124,8 +124,9 @@ class LossConfig:
         self._check_entropy_bonus()
         # the cap is on the ratio itself: below 1 it would shrink every on-policy token's gradient
         if self.loss_type == "cispo" and not self.epsilon_high >= 1:
-            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; epsilon_high="
-                             f"{self.epsilon_high!r} must be >= 1 (5.0 is the usual value)")
+            raise ValueError(f"loss_type='cispo' caps the ratio at epsilon_high itself; "
+                             f"{shown_setting('epsilon_high', self.epsilon_high)} must be >= 1 (5.0 is the usual "
+                             "value)")
         # as TRL warns: each paper's setup, which the other level departs from
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             warnings.warn("loss_type='luspo' is GSPO's sequence-level loss scaled by each completion's length; "
@@ -153,11 +154,11 @@ class LossConfig:
         if not self.use_adaptive_entropy:
             return
         if self.entropy_coef_min > self.entropy_coef_max:
-            raise ValueError(f"entropy_coef_min={self.entropy_coef_min!r} must be <= entropy_coef_max="
-                             f"{self.entropy_coef_max!r}")
+            raise ValueError(f"{shown_setting('entropy_coef_min', self.entropy_coef_min)} must be <= "
+                             f"{shown_setting('entropy_coef_max', self.entropy_coef_max)}")
         # outside the bounds the control could apply a coefficient above entropy_coef_max for a few steps
         if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
-            raise ValueError(f"entropy_coef={self.entropy_coef!r} is the initial coefficient under "
+            raise ValueError(f"{shown_setting('entropy_coef', self.entropy_coef)} is the initial coefficient under "
                              f"use_adaptive_entropy; it must be within [entropy_coef_min, entropy_coef_max] = "
                              f"[{self.entropy_coef_min!r}, {self.entropy_coef_max!r}]")
 

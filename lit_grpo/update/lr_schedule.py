@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from lit_grpo.runtime.validation import ConfigError
+from lit_grpo.runtime.validation import ConfigError, shown_setting, shown_value
 
 #: What ``warmup_steps`` is, said where one is given as a share (transformers 5 and TRL take a value below 1 as one).
 WARMUP_STEPS_COUNT = ("a count of optimizer steps; TRL's warmup_ratio, a share of them, is warmup_ratio x "
@@ -77,11 +77,14 @@ def lr_lambda(schedule: LrSchedule, warmup_steps: int, max_steps: int | None,
     if schedule != "constant":
         if max_steps is None or max_steps < 0:
             floor = f"{min_ratio:g} of it" if min_ratio else "0"
-            raise ConfigError(f"model.lr_schedule={schedule!r} decays the rate to {floor} at trainer.max_steps, "
-                              f"which is not set ({max_steps}): set it (optimizer steps: training steps x "
-                              "model.num_iterations x model.num_mini_batches), or use lr_schedule 'constant'")
+            raise ConfigError(f"{shown_setting('model.lr_schedule', schedule)} decays the rate to {floor} at "
+                              f"trainer.max_steps, which is not set ({shown_value(max_steps)}): set it (optimizer "
+                              "steps: training steps x model.num_iterations x model.num_mini_batches), or use "
+                              "lr_schedule 'constant'")
         if warmup_steps >= max_steps:
-            raise ConfigError(f"model.warmup_steps={warmup_steps} leaves no step of trainer.max_steps={max_steps} "
-                              f"for lr_schedule={schedule!r} to decay over: warmup_steps must be < max_steps")
+            raise ConfigError(f"{shown_setting('model.warmup_steps', warmup_steps)} leaves no step of "
+                              f"{shown_setting('trainer.max_steps', max_steps)} for "
+                              f"{shown_setting('lr_schedule', schedule)} to decay over: warmup_steps must be < "
+                              "max_steps")
     return functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=max_steps, schedule=schedule,
                              min_ratio=min_ratio)

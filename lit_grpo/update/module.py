@@ -132,7 +132,7 @@ from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
                                      load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
-                                         config_errors, real_within, settings_from)
+                                         config_errors, real_within, settings_from, shown_setting)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
@@ -178,14 +178,14 @@ def _check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[fl
     check_choice("lr_schedule", lr_schedule, get_args(LrSchedule))
     min_lr_ratio = check_real("min_lr_ratio", min_lr_ratio, low=0, high=1)
     if min_lr_ratio and lr_schedule == "constant":
-        warnings.warn(f"min_lr_ratio={min_lr_ratio!r} is the floor of a decaying lr_schedule; with 'constant' "
-                      "it is ignored", stacklevel=stacklevel)
+        warnings.warn(f"{shown_setting('min_lr_ratio', min_lr_ratio)} is the floor of a decaying lr_schedule; with "
+                      "'constant' it is ignored", stacklevel=stacklevel)
     lr = check_real("lr", lr, low=0, low_open=True)
     weight_decay = check_real("weight_decay", weight_decay, low=0)
     pair = isinstance(betas, Sequence) and not isinstance(betas, (str, bytes))
     if not pair or len(betas) != 2 or any(real_within(b, 0, 1, high_open=True) is None for b in betas):
-        raise ValueError(f"betas={list(betas) if pair else betas!r} must be two numbers in [0, 1) (AdamW's decay "
-                         "rates of its moments, e.g. [0.9, 0.99])")
+        raise ValueError(f"{shown_setting('betas', list(betas) if pair else betas)} must be two numbers in [0, 1) "
+                         "(AdamW's decay rates of its moments, e.g. [0.9, 0.99])")
     if max_grad_norm is not None:  # None: no clipping
         max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0)
     return OptimizerSettings(lr, weight_decay, warmup_steps, min_lr_ratio, max_grad_norm)
@@ -353,7 +353,8 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         if fsdp_rollout != "auto" and not fsdp:
             warnings.warn(f"fsdp_rollout={fsdp_rollout!r} applies with fsdp only; it is ignored", stacklevel=2)
         if not isinstance(shared_prefix, (bool, str)):  # 1 and 0 equal True and False, which check_choice takes
-            raise ValueError(f"shared_prefix={shared_prefix!r} is not known; use one of {list(SHARED_PREFIX_MODES)}")
+            raise ValueError(f"{shown_setting('shared_prefix', shared_prefix)} is not known; use one of "
+                             f"{list(SHARED_PREFIX_MODES)}")
         check_choice("shared_prefix", shared_prefix, SHARED_PREFIX_MODES)
         num_iterations = check_int("num_iterations", num_iterations, 1)
         num_mini_batches = check_int("num_mini_batches", num_mini_batches, 1)

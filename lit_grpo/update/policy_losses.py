@@ -58,7 +58,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, shown_setting, shown_value
 from lit_grpo.update.loss_config import LOSS_TYPES, LossConfig
 from lit_grpo.update.surrogates import (check_entropy_mask, cispo_surrogate, clip_surrogate, high_entropy_mask,
                                         importance_ratio, k3_kl, off_policy_sequence_mask, sapo_surrogate,
@@ -138,8 +138,8 @@ class PolicyLoss:
                        sampling_weights=sampling_weights)
         check_entropy_mask(entropy_mask, self.config.top_entropy_quantile)
         if self.config.top_entropy_quantile < 1 and entropy is None and entropy_mask is None:
-            raise ValueError(f"top_entropy_quantile={self.config.top_entropy_quantile!r} < 1 needs entropy (each "
-                             "token's entropy, [N, T]), got None")
+            raise ValueError(f"{shown_setting('top_entropy_quantile', self.config.top_entropy_quantile)} < 1 needs "
+                             "entropy (each token's entropy, [N, T]), got None")
         if sampling_weights is not None and sampling_weights.shape not in (logps.shape, logps.shape[:1] + (1,)):
             raise ValueError(f"sampling_weights has shape {tuple(sampling_weights.shape)}, expected "
                              f"{tuple(logps.shape)} or {(logps.shape[0], 1)}")
@@ -237,7 +237,7 @@ class PolicyLoss:
                 raise ValueError("total_active_tokens must be a number or a one-element tensor, got a tensor of "
                                  f"shape {tuple(total_active_tokens.shape)}")
         elif total_active_tokens is not None and total_active_tokens < 0:
-            raise ValueError(f"total_active_tokens={total_active_tokens!r} must be >= 0")
+            raise ValueError(f"{shown_setting('total_active_tokens', total_active_tokens)} must be >= 0")
 
     @torch.no_grad()
     def metrics(self, logps, old_logps, advantages, mask, ref_logps=None,
@@ -316,7 +316,7 @@ class DrGRPOLoss(PolicyLoss):
                              total_active_tokens)
         if max_completion_length is None or max_completion_length < 1:
             raise ValueError(f"loss_type='dr_grpo' needs max_completion_length >= 1 (the rollout's "
-                             f"max_new_tokens), got {max_completion_length!r}")
+                             f"max_new_tokens), got {shown_value(max_completion_length)}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice, check_field, check_real
+from lit_grpo.runtime.validation import check_choice, check_field, check_real, shown_setting
 
 ImportanceSamplingMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = get_args(ImportanceSamplingMode)
@@ -105,11 +105,11 @@ class SamplerCorrection:
         check_field(self, "clip_max", check_real, 0, low_open=True, none=True, finite=False,
                     prefix="sampler_correction.")
         if self.clip_min is not None and self.clip_max is not None and not self.clip_min < self.clip_max:
-            raise ValueError(f"sampler_correction.clip_min={self.clip_min!r} must be < sampler_correction.clip_max="
-                             f"{self.clip_max!r}")
+            raise ValueError(f"{shown_setting('sampler_correction.clip_min', self.clip_min)} must be < "
+                             f"{shown_setting('sampler_correction.clip_max', self.clip_max)}")
         if self.mode.endswith("truncate") and self.clip_min is None and self.clip_max is None:
-            raise ValueError(f"sampler_correction.mode={self.mode!r} needs sampler_correction.clip_min or "
-                             "sampler_correction.clip_max (both are None)")
+            raise ValueError(f"{shown_setting('sampler_correction.mode', self.mode)} needs "
+                             "sampler_correction.clip_min or sampler_correction.clip_max (both are None)")
 
     def ignored_settings(self) -> list[str]:
         """The bounds given other than their defaults that ``mode="none"`` never reads ("auto" reads them for a

@@ -34,7 +34,7 @@ from typing import Literal, get_args
 
 import torch
 
-from lit_grpo.runtime.validation import check_choice
+from lit_grpo.runtime.validation import check_choice, shown_setting
 
 ImportanceSamplingLevel = Literal["token", "sequence"]
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
@@ -214,8 +214,9 @@ def check_entropy_mask(entropy_mask: torch.Tensor | None, top_quantile: float) -
     """Refuse a high-entropy mask given where ``top_quantile`` (``top_entropy_quantile``) is 1: every active token
     is kept then and the mask is never applied, so a mask a caller took would be dropped without a word."""
     if entropy_mask is not None and top_quantile >= 1:
-        raise ValueError(f"entropy_mask was given with top_entropy_quantile={top_quantile!r}: a high-entropy mask "
-                         "applies only where top_entropy_quantile < 1 (pass entropy_mask=None, or a quantile below 1)")
+        raise ValueError(f"entropy_mask was given with {shown_setting('top_entropy_quantile', top_quantile)}: a "
+                         "high-entropy mask applies only where top_entropy_quantile < 1 (pass entropy_mask=None, or a "
+                         "quantile below 1)")
 
 
 def every_ranks_values(values: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor],
