@@ -163,6 +163,11 @@ def test_a_deadline_longer_than_the_timer_takes_is_refused_naming_the_longest():
         math_reward(["p"], ["1"], answer=["1"], timeout_s=1e300)
     with pytest.raises(ValueError, match=refusal):  # by the config's options, before any completion
         build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 1e300}}])
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^seconds=\(an int of 5001 digits\) must be a number > 0 and <= "):
+        call_with_deadline(lambda: 1, 10**5000)
+    with pytest.raises(ValueError, match=r"^math reward timeout_s=\(an int of 5001 digits\) must be a finite number "):
+        build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 10**5000}}])
 
 
 def test_a_pathological_answer_scores_zero_within_the_deadline():

@@ -98,6 +98,8 @@ def test_tensor_and_numpy_values_of_a_column_are_kept_and_shown_as_python_values
     (lambda m, e, n: m("loss", [10**5000]), r"log_metric\('loss', a list holding an int of more than 4300 digits\); "
                                             r"the value must be one number"),
     (lambda m, e, n: m("", 1.0), r"log_metric with the name ''; it must be a non-empty string"),
+    (lambda m, e, n: m(10**5000, 1.0), r"log_metric with the name an int of 5001 digits; it must be a non-empty "),
+    (lambda m, e, n: e(10**5000, [0] * n), r"log_extra with the column an int of 5001 digits; it must be a "),
     (lambda m, e, n: m("x/", 1.0), r"with the name 'x/'"),
     (lambda m, e, n: m("mean", 1.0), r"log_metric names \['mean'\] would be logged as \['reward/mean'\]"),
     (lambda m, e, n: m("f/mean", 1.0), r"names \['f/mean'\] would be logged as \['reward/f/mean'\]"),

@@ -661,6 +661,9 @@ def test_reward_specs_that_are_not_a_list_or_name_nothing_callable_are_refused()
                                                        "string")):
             build_reward_funcs([{"name": "char_fraction", "kwargs": {"chars": chars}}])
     assert build_reward_funcs([{"name": "char_fraction", "kwargs": {"chars": "ab"}}])[0].fn([""], ["abcd"]) == [0.5]
+    with pytest.raises(ValueError, match=r"^char_fraction reward chars=\(an int of 5001 digits\) must be a non-empty "
+                                         r"string"):  # a repr of an int of more than 4300 digits failed
+        build_reward_funcs([{"name": "char_fraction", "kwargs": {"chars": 10**5000}}])
     # a falsy kwargs or log_name was read as none given: the options dropped, the default name taken
     with pytest.raises(ValueError, match=r"reward function 'overlong': kwargs=\[\] must be a mapping of option "
                                          r"names to values"):

@@ -663,6 +663,9 @@ def test_auto_slots_need_the_longest_prompt_and_price_carried_groups_wherever_so
     with pytest.raises(ValueError, match=r"max_prompt_length=0: micro_group_size 'auto' prices the prompts' KV "
                                          r"from the longest training prompt"):
         RolloutBuilder(model, tokenizer, sampling, [], training=TrainingConfig(prompts_per_step=2))
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^max_prompt_length=\(a negative int of 5001 digits\): micro_group_size "):
+        slot_memory_module.check_max_prompt_length(sampling, -10**5000)
     priced = []
     monkeypatch.setattr(slot_memory_module, "auto_micro_group_size",
                         lambda *args, carried, alignment, row_state_bytes, step_bytes: priced.append(carried) or 2)

@@ -185,6 +185,14 @@ def test_bad_tool_settings_name_the_value(llama):
         ToolBox(["no_such_module_x:f"], tokenizer)
     with pytest.raises(ValueError, match="'undocumented' has no JSON schema"):
         ToolBox([undocumented], tokenizer)
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    from lit_grpo.rollout.tools import resolve_tools
+
+    with pytest.raises(ValueError, match=r"^tools=\(an int of 5001 digits\) must be a list of callables or "):
+        resolve_tools(10**5000)
+    with pytest.raises(ValueError, match=r"^tool an int of 5001 digits must be a callable or a "
+                                         r"'package.module:function' name$"):
+        resolve_tools([10**5000])
     with pytest.raises(ValueError, match="max_tool_calling_iterations=-1"):
         ToolBox([add], tokenizer, -1)
     plain = copy.deepcopy(tokenizer)

@@ -84,6 +84,14 @@ def test_a_dict_result_is_its_score_and_its_other_keys_are_logged_columns():
                                                   r"dict with the number under 'score' on prompt 0 'p'"):
         score_rewards(build_reward_funcs([no_score]), ["p", "q"], ["0", "7"], _columns(rows))
 
+    def huge_no_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"reward": 10**5000}
+
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(RewardFunctionError, match=r"raised ValueError: it returned a dict holding an int of more "
+                                                  r"than \d+ digits; a verl reward function returns a number"):
+        score_rewards(build_reward_funcs([huge_no_score]), ["p", "q"], ["0", "7"], _columns(rows))
+
 
 def test_an_async_verl_function_and_verls_reward_kwargs_are_taken():
     async def judged(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from lit_grpo.runtime.validation import real_within
+from lit_grpo.runtime.validation import real_within, shown_setting
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def call_with_deadline(fn: Callable[[], T], seconds: float) -> T:
     """
     given, seconds = seconds, deadline_seconds(seconds)
     if seconds is None:
-        raise ValueError(f"seconds={given!r} must be a number {deadline_range()}")
+        raise ValueError(f"{shown_setting('seconds', given)} must be a number {deadline_range()}")
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("call_with_deadline needs the main thread (the deadline is a SIGALRM timer, which only "
                            "the main thread receives); call it from the main thread or run without a deadline")

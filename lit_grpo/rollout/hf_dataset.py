@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_grpo.rollout.prompts import PromptExample, check_messages
+from lit_grpo.runtime.validation import shown_value
 
 #: Prompt columns looked for, in order, when ``prompt_column`` is not given.
 PROMPT_COLUMNS = ("prompt", "question", "problem", "messages")
@@ -190,7 +191,7 @@ def column_value(row: Mapping[str, Any], column: str, at: str) -> Any:
     value, holder = row[head], head
     for name in path:
         if not isinstance(value, Mapping):
-            raise ValueError(f"{at}, column {column!r}: {holder!r} holds {value!r:.80}, not fields")
+            raise ValueError(f"{at}, column {column!r}: {holder!r} holds {shown_value(value, 80)}, not fields")
         if name not in value:
             raise ValueError(f"{at}, column {column!r}: {holder!r} holds no field {name!r} (its fields: "
                              f"{sorted(value)})")
@@ -212,7 +213,7 @@ def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_colum
         data = select_split(dataset, split, where)
     else:
         raise ValueError(f"data.dataset must be a local path or a datasets.Dataset, got {type(dataset).__name__} "
-                         f"{dataset!r:.80}")
+                         f"{shown_value(dataset, 80)}")
     prompt_column, answer_column = resolve_columns(data.column_names, prompt_column, answer_column, where)
     examples = []
     for index, row in enumerate(data):
@@ -231,7 +232,7 @@ def dataset_prompts(dataset: Any, prompt_column: str | None = None, answer_colum
             if answer_column is not None else None
         if answer_column is not None and (answer is None or not str(answer).strip()):
             raise ValueError(f"data.dataset {where!r}, row {index}, column {answer_column!r}: the answer is missing "
-                             f"({answer!r}); fill it, or drop the row")
+                             f"({shown_value(answer)}); fill it, or drop the row")
         examples.append(PromptExample(prompt=prompt, answer=answer, entry=dict(row), messages=messages))
     if not examples:
         raise ValueError(f"data.dataset {where!r} (split {split!r}) has no rows")

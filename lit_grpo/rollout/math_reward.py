@@ -34,6 +34,7 @@ from typing import Any
 
 from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline, deadline_range, deadline_seconds
 from lit_grpo.rollout.prompts import message_text
+from lit_grpo.runtime.validation import shown_setting
 
 #: The answer a completion commits to, in the format lit_grpo's prompts ask for.
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -178,8 +179,8 @@ def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
     """Raise, naming the value, unless ``timeout_s`` is a finite number of seconds > 0, at most the timer's longest
     (``deadline.MAX_DEADLINE_S``), or None (no deadline: the timer takes no infinite one)."""
     if timeout_s is not None and deadline_seconds(timeout_s) is None:
-        raise ValueError(f"math reward timeout_s={timeout_s!r} must be a finite number of seconds {deadline_range()}, "
-                         "or None (no deadline)")
+        raise ValueError(f"math reward {shown_setting('timeout_s', timeout_s)} must be a finite number of seconds "
+                         f"{deadline_range()}, or None (no deadline)")
 
 
 #: Called by ``build_reward_funcs`` with a config's options: a bad value fails when the config is read.

@@ -22,7 +22,7 @@ from typing import Any
 from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
 from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_model import RewardModel
-from lit_grpo.runtime.validation import check_int
+from lit_grpo.runtime.validation import check_int, shown_setting
 
 
 # --------------------------------------------------------------------------------------------- answer extraction
@@ -185,7 +185,8 @@ def check_char_fraction_options(chars: str = "0123456789") -> None:
     """Raise, naming the value, unless ``chars`` is a non-empty string: a number failed in the first call, and no
     characters scored every completion 0, a reward without signal."""
     if not isinstance(chars, str) or not chars:
-        raise ValueError(f"char_fraction reward chars={chars!r} must be a non-empty string (the characters counted)")
+        raise ValueError(f"char_fraction reward {shown_setting('chars', chars)} must be a non-empty string (the "
+                         "characters counted)")
 
 
 #: Called by ``build_reward_funcs`` with a config's options: a bad value fails when the config is read.

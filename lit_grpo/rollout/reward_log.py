@@ -74,8 +74,9 @@ class CallLog:
 
     def metric(self, name: str, value: Any) -> None:
         if not isinstance(name, str) or not name or name.startswith("/") or name.endswith("/"):
-            raise ValueError(f"reward function {self.fn_name!r} called log_metric with the name {name!r}; it must be "
-                             "a non-empty string, not starting or ending with '/' (it is logged as reward/<name>)")
+            raise ValueError(f"reward function {self.fn_name!r} called log_metric with the name "
+                             f"{shown_value(name)}; it must be a non-empty string, not starting or ending with '/' "
+                             "(it is logged as reward/<name>)")
         number = as_number(value)  # NaN and inf are logged as they are, as TRL does: a diagnostic, not a reward
         if number is None:
             raise ValueError(f"reward function {self.fn_name!r} called log_metric({name!r}, {shown_value(value)}); "
@@ -85,8 +86,9 @@ class CallLog:
     def extra(self, column: str, values: Sequence[Any]) -> None:
         values = plain_value(values)  # a tensor of the call's values: each one a number
         if not isinstance(column, str) or not column or column in TABLE_COLUMNS:
-            raise ValueError(f"reward function {self.fn_name!r} called log_extra with the column {column!r}; it must "
-                             f"be a non-empty string other than the table's own columns {list(TABLE_COLUMNS)}")
+            raise ValueError(f"reward function {self.fn_name!r} called log_extra with the column "
+                             f"{shown_value(column)}; it must be a non-empty string other than the table's own "
+                             f"columns {list(TABLE_COLUMNS)}")
         unordered = isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__")
         if unordered or len(values) != self.n:
             shown = f"{type(values).__name__} {shown_value(values)}" if unordered else f"{len(values)} values"

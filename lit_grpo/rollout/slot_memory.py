@@ -29,6 +29,7 @@ from lit_grpo.runtime.validation import (
     check_text,
     config_errors,
     integer_within,
+    shown_setting,
 )
 from lit_grpo.sampling import RolloutEngine, SamplingConfig
 from lit_grpo.sampling.decode_step import row_state_bytes, vocab_size
@@ -113,8 +114,8 @@ def check_max_prompt_length(sampling: SamplingConfig, max_prompt_length: int) ->
     """Raise unless ``max_prompt_length`` is an integer >= 1 where ``micro_group_size: auto`` sizes slots."""
     if sampling.micro_group_size == "auto" and sampling.strategy != "full" and (
             integer_within(max_prompt_length, 1) is None):
-        raise ValueError(f"max_prompt_length={max_prompt_length!r}: micro_group_size 'auto' prices the prompts' "
-                         "KV from the longest training prompt, so it needs that length (an integer >= 1)")
+        raise ValueError(f"{shown_setting('max_prompt_length', max_prompt_length)}: micro_group_size 'auto' prices "
+                         "the prompts' KV from the longest training prompt, so it needs that length (an integer >= 1)")
 
 
 def _no_slot_budget(device: torch.device) -> ConfigError:

@@ -40,7 +40,7 @@ from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.prompts import PromptExample, chat_turns, prompt_messages
 from lit_grpo.rollout.rewards import import_failure
 from lit_grpo.rollout.tool_calls import HERMES_CALL, call_body, json_value, read_calls, reasoning_open, split_reasoning
-from lit_grpo.runtime.validation import check_int, config_errors
+from lit_grpo.runtime.validation import check_int, config_errors, shown_setting, shown_value
 from lit_grpo.sampling.carry import GroupProgress, SampleProgress
 from lit_grpo.sampling.decode_step import vocab_size
 from lit_grpo.sampling.engine import stop_token_ids
@@ -57,7 +57,8 @@ def resolve_tools(specs: Sequence[Any] | None) -> list[Callable]:
     if specs is None:
         return []
     if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Sequence):
-        raise ValueError(f"tools={specs!r:.80} must be a list of callables or 'package.module:function' names")
+        raise ValueError(f"{shown_setting('tools', specs, 80)} must be a list of callables or "
+                         "'package.module:function' names")
     tools = [_resolve_tool(spec) for spec in specs]
     names = [tool.__name__ for tool in tools]
     if repeated := sorted({name for name in names if names.count(name) > 1}):
@@ -69,11 +70,11 @@ def resolve_tools(specs: Sequence[Any] | None) -> list[Callable]:
 def _resolve_tool(spec: Any) -> Callable:
     if callable(spec):
         if not hasattr(spec, "__name__"):
-            raise ValueError(f"tool {spec!r:.80} has no __name__: give a function (its name, type hints and "
+            raise ValueError(f"tool {shown_value(spec, 80)} has no __name__: give a function (its name, type hints and "
                              "docstring make its schema)")
         return spec
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"tool {spec!r:.80} must be a callable or a 'package.module:function' name")
+        raise ValueError(f"tool {shown_value(spec, 80)} must be a callable or a 'package.module:function' name")
     module_name, attribute = spec.split(":")
     try:
         module = importlib.import_module(module_name)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lit_grpo.rollout.prompts import message_text
+from lit_grpo.runtime.validation import shown_value
 
 #: verl's per-completion keywords, in its order.
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -112,8 +113,8 @@ class VerlScore:
                 continue
             if "score" not in result:
                 # raised inside the call: score_rewards names the function and the prompt
-                raise ValueError(f"it returned {dict(result)!r:.200}; a verl reward function returns a number or a "
-                                 "dict with the number under 'score'")
+                raise ValueError(f"it returned {shown_value(dict(result), 200)}; a verl reward function returns a "
+                                 "number or a dict with the number under 'score'")
             scores.append(result["score"])
             for key, value in result.items():
                 if key != "score":
