@@ -90,6 +90,7 @@ from lit_grpo.runtime.validation import (
     config_errors,
     integer_within,
     real_within,
+    shown_setting,
     shown_value,
 )
 
@@ -294,21 +295,21 @@ class PromptSampler:
                                                                 if indices.dim() != 1 else ""))
             indices = indices.tolist()
         if not isinstance(indices, (list, tuple)):
-            raise ValueError(f"sampler state {name}={indices!r:.80} must be a list or an integer tensor of prompt "
-                             "indices")
+            raise ValueError(f"{shown_setting(f'sampler state {name}', indices, 80)} must be a list or an integer "
+                             "tensor of prompt indices")
         last = self.num_prompts - 1
         if permutation:
             numbers = [integer_within(index, 0, last) for index in indices]
             if None in numbers or sorted(numbers) != list(range(self.num_prompts)):
                 raise ValueError(f"sampler state {name} must be a permutation of the prompt indices 0 to {last}, not "
-                                 f"{list(indices)!r:.120}")
+                                 f"{shown_value(list(indices), 120)}")
             return numbers
         checked = []
         for position, index in enumerate(indices):
             number = integer_within(index, 0, last)
             if number is None:
-                raise ValueError(f"sampler state {name}[{position}]={index!r} is not allowed; a prompt index is an "
-                                 f"integer >= 0 and <= {last}")
+                raise ValueError(f"{shown_setting(f'sampler state {name}[{position}]', index)} is not allowed; a "
+                                 f"prompt index is an integer >= 0 and <= {last}")
             checked.append(number)
         return checked
 
@@ -551,8 +552,8 @@ class AngleCurriculumSampler(PromptSampler):
         last_angle = state["last_angle"]
         number = real_within(last_angle, finite=False)
         if number is None or math.isinf(number):  # nan: no angle drawn or given yet
-            raise ValueError(f"sampler state last_angle={last_angle!r} is not allowed; it must be a finite number or "
-                             "nan (no angle yet)")
+            raise ValueError(f"{shown_setting('sampler state last_angle', last_angle)} is not allowed; it must be a "
+                             "finite number or nan (no angle yet)")
         return {**checked, "mu": check_real("sampler state mu", state["mu"], 0, self.num_prompts - 1),
                 "scores": scores, "order": order, "scored_epoch": scored_epoch,
                 "drawn": self._prompt_indices("drawn", state["drawn"]), "last_angle": number,
@@ -566,7 +567,7 @@ class AngleCurriculumSampler(PromptSampler):
             tensor = None
         if tensor is None or tensor.shape != (self.num_prompts,) or not torch.isfinite(tensor).all():
             said = (f"a {scores.dtype} tensor shaped {list(scores.shape)}" if isinstance(scores, torch.Tensor)
-                    else f"{scores!r:.80}")
+                    else shown_value(scores, 80))
             raise ValueError(f"sampler state scores must be None or a tensor of {self.num_prompts} finite scores, one "
                              f"per prompt, not {said}")
         return tensor
@@ -583,8 +584,8 @@ def check_curriculum_settings(curriculum: Any, curriculum_kwargs: Any, score_bat
     curriculum scores its prompts), which it returns as a plain int (a numpy integer's too)."""
     score_batch_size = check_int("score_batch_size", score_batch_size, 1)
     if curriculum_kwargs is not None and not isinstance(curriculum_kwargs, Mapping):
-        raise ValueError(f"curriculum_kwargs={curriculum_kwargs!r:.80} must be a mapping of the curriculum's "
-                         "options or None")
+        raise ValueError(f"{shown_setting('curriculum_kwargs', curriculum_kwargs, 80)} must be a mapping of the "
+                         "curriculum's options or None")
     check_curriculum_options(curriculum, curriculum_kwargs or {})
     if curriculum == "angle" and curriculum_kwargs:
         with config_errors("data.curriculum_kwargs", curriculum_kwargs):

@@ -129,9 +129,9 @@ def _training_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> Sampling
     length_aware = sampling.scheduler.length_aware if sampling.strategy == "infinite" else None
     predictor = getattr(length_aware, "predictor", None)
     if isinstance(predictor, str) and predictor.partition(":")[0] in ("oracle", "noisy"):
-        raise ValueError(f"sampling.scheduler.length_aware.predictor={predictor!r} reads the true lengths, which "
-                         "only a replay of known lengths has (tools.bench_rollout --lengths), never a training "
-                         "rollout: use 'online'")
+        raise ValueError(f"{shown_setting('sampling.scheduler.length_aware.predictor', predictor)} reads the true "
+                         "lengths, which only a replay of known lengths has (tools.bench_rollout --lengths), never a "
+                         "training rollout: use 'online'")
     return sampling
 
 
@@ -540,8 +540,8 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         if self.examples is None:
             self._load_prompts()
         if stage == "validate" and not self.val_indices:  # Lightning would warn of an empty loader and end, exit 0
-            raise ConfigError(f"data.val_size={self.val_size!r} holds out no prompts, so there is nothing to "
-                              "validate: set it to a count >= 1 or a fraction in (0, 1)")
+            raise ConfigError(f"{shown_setting('data.val_size', self.val_size)} holds out no prompts, so there is "
+                              "nothing to validate: set it to a count >= 1 or a fraction in (0, 1)")
 
     def _load_prompts(self) -> None:
         """The prompts loaded and split, checked against the world size, the sampler built, and rendered."""
@@ -572,8 +572,9 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
                               f"world_size={world} more than the {len(self.train_indices)} training prompts: lower "
                               "over_provision")
         if 0 < len(self.val_indices) < world:  # a rank with no held-out prompt would log no val/* at all
-            raise ConfigError(f"val_size={self.val_size!r} gives {len(self.val_indices)} held-out prompts, fewer "
-                              f"than world_size={world}: use at least one per rank, or 0 for no validation")
+            raise ConfigError(f"{shown_setting('val_size', self.val_size)} gives {len(self.val_indices)} held-out "
+                              f"prompts, fewer than world_size={world}: use at least one per rank, or 0 for no "
+                              "validation")
         with config_errors("data.curriculum_kwargs"):
             self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
                                                 **self.curriculum_kwargs)

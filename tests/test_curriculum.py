@@ -344,6 +344,19 @@ _ANGLE_KEYS = "kind, num_prompts, generator, mu, scores, order, scored_epoch, dr
     ("angle", _changed("scored_epoch", 1.5), r"^sampler state scored_epoch=1.5 is not allowed; sampler state "
                                              r"scored_epoch must be an integer >= 0$"),
     ("angle", _changed("asked_epoch", None), r"^sampler state asked_epoch=None is not allowed"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    ("none", _changed("permutation", 10**5000), r"^sampler state permutation=\(an int of 5001 digits\) must be a list "
+                                                r"or an integer tensor of prompt indices$"),
+    ("none", _changed("permutation", [10**5000, *range(1, 10)]),
+     r"^sampler state permutation must be a permutation of the prompt indices 0 to 9, not a list holding an int of "
+     r"more than \d+ digits$"),
+    ("none", _changed("returned", [10**5000]), r"^sampler state returned\[0\]=\(an int of 5001 digits\) is not "
+                                               r"allowed; a prompt index is an integer >= 0 and <= 9$"),
+    ("angle", _changed("last_angle", 10**5000), r"^sampler state last_angle=\(an int of 5001 digits\) is not allowed; "
+                                                r"it must be a finite number or nan \(no angle yet\)$"),
+    ("angle", _changed("scores", [10**5000] * 10), r"^sampler state scores must be None or a tensor of 10 finite "
+                                                   r"scores, one per prompt, not a list holding an int of more than "
+                                                   r"\d+ digits$"),
 ])
 def test_a_bad_sampler_state_is_refused_naming_the_bad_key_and_the_sampler_is_left_as_it_was(curriculum, change,
                                                                                              message):
@@ -666,6 +679,12 @@ def test_bad_names_and_values_raise():
 
     with pytest.raises(ValueError, match=r"curriculum_kwargs=\['1', 'x'\] are not options"):  # YAML keys 1 and x
         check_curriculum_options("angle", {1: 2, "x": 3})
+    from lit_grpo.datamodules.curriculum import check_curriculum_settings
+
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^curriculum_kwargs=\(an int of 5001 digits\) must be a mapping of the "
+                                         r"curriculum's options or None$"):
+        check_curriculum_settings("angle", 10**5000, 8)
     with pytest.raises(ValueError, match=r"num_prompts=0 is not allowed.*>= 1"):
         UniformPromptSampler(0)
     sampler = scored_sampler(10)
