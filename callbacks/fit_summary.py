@@ -28,6 +28,7 @@ from lit_grpo.runtime.validation import (
     check_text,
     core_limit,
     integer_within,
+    shown_setting,
 )
 from lit_grpo.sampling.stats import RolloutStats, merge_stats
 
@@ -344,7 +345,7 @@ class FitSummary(Callback):
         checked.update((key, check_text(f"summary state {key}", state[key])) for key in ("accuracy_key", "reward_key"))
         rewards = state["rewards"]
         if not isinstance(rewards, (list, tuple)):
-            raise ValueError(f"summary state rewards={rewards!r:.80} must be a list of numbers")
+            raise ValueError(f"{shown_setting('summary state rewards', rewards, 80)} must be a list of numbers")
         checked["rewards"] = [check_real(f"summary state rewards[{i}]", reward) for i, reward in enumerate(rewards)]
         checked["accuracy"] = _checked_accuracy(state["accuracy"])
         totals = state["rollout_totals"]
@@ -574,14 +575,15 @@ def _checked_accuracy(accuracy: Any) -> list[tuple[int, float]]:
     """A state's accuracy curve as the summary keeps it (``(step, value)`` pairs), else a ValueError naming the bad
     entry."""
     if not isinstance(accuracy, (list, tuple)):
-        raise ValueError(f"summary state accuracy={accuracy!r:.80} must be a list of [step, value] pairs")
+        raise ValueError(f"{shown_setting('summary state accuracy', accuracy, 80)} must be a list of [step, value] "
+                         "pairs")
     checked = []
     for index, entry in enumerate(accuracy):
         pair = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
         step, value = integer_within(pair[0], 0), _number(pair[1])
         if step is None or value is None:
-            raise ValueError(f"summary state accuracy[{index}]={entry!r:.80} is not allowed; a validation's accuracy "
-                             "is [step, value], an integer >= 0 and a number")
+            raise ValueError(f"{shown_setting(f'summary state accuracy[{index}]', entry, 80)} is not allowed; a "
+                             "validation's accuracy is [step, value], an integer >= 0 and a number")
         checked.append((step, value))
     return checked
 
@@ -593,7 +595,7 @@ def _total(name: str, key: str, value: Any) -> int | float:
         return check_int(name, value, 0)
     number = _number(value)
     if number is None:
-        raise ValueError(f"{name}={value!r:.80} must be a number")
+        raise ValueError(f"{shown_setting(name, value, 80)} must be a number")
     return number
 
 

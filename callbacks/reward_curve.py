@@ -19,7 +19,7 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.special import fdtrc
 
-from lit_grpo.runtime.validation import check_choice, check_real
+from lit_grpo.runtime.validation import check_choice, check_real, shown_setting
 
 Criterion = Literal["aic", "bic"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -181,7 +181,8 @@ def check_reward_range(reward_range: Any) -> tuple[float, float] | None:
     """``reward_range`` as ``(low, high)``, two finite numbers with low < high, or None; else a ValueError naming it."""
     if reward_range is None:
         return None
-    message = f"reward_range={reward_range!r} must be (low, high), two finite numbers with low < high, or None"
+    message = (f"{shown_setting('reward_range', reward_range)} must be (low, high), two finite numbers with low < "
+               "high, or None")
     if isinstance(reward_range, (str, bytes)) or not isinstance(reward_range, Sequence) or len(reward_range) != 2:
         raise ValueError(message)
     try:  # the pair named, not one of its numbers as if it were the whole setting
@@ -189,7 +190,7 @@ def check_reward_range(reward_range: Any) -> tuple[float, float] | None:
     except ValueError:
         raise ValueError(message) from None
     if not low < high:
-        raise ValueError(f"reward_range={tuple(reward_range)!r} must have low < high")
+        raise ValueError(f"{shown_setting('reward_range', tuple(reward_range))} must have low < high")
     return low, high
 
 

@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_grpo.runtime.validation import check_bool, check_choice, check_int, check_real, check_state_keys, check_text
+from lit_grpo.runtime.validation import (check_bool, check_choice, check_int, check_real, check_state_keys, check_text,
+                                         shown_setting)
 
 from ._rollout import accumulating, log_metrics, logger_step
 from .reward_curve import CRITERIA, Criterion, Forecast, check_reward_range, forecast_plateau
@@ -268,7 +269,7 @@ class RewardForecast(Callback):
 def _numbers(name: str, values: Any) -> list[float]:
     """``values`` as plain floats if it is a list of finite numbers, else a ValueError naming the bad one."""
     if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{name}={values!r:.80} must be a list of numbers")
+        raise ValueError(f"{shown_setting(name, values, 80)} must be a list of numbers")
     return [check_real(f"{name}[{index}]", value) for index, value in enumerate(values)]
 
 

@@ -21,7 +21,7 @@ from lit_grpo.runtime.checkpoints import (AtomicCheckpointIO, check_writable, fi
                                           remove_stale_partials, remove_staged, staging_path, swap_in_staged)
 from lit_grpo.runtime.stop_signal import STOP_SIGNAL, StopRequested
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_folder, check_int, check_state_keys,
-                                         shown_value)
+                                         shown_setting, shown_value)
 
 from ._paths import shown_path
 from ._rollout import accumulating
@@ -91,8 +91,8 @@ class RunCheckpoint(ModelCheckpoint):
             # a plain int: it is part of the state_key a checkpoint's callback state is found by
             every_n_train_steps = check_int("every_n_train_steps", every_n_train_steps, 1)
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
-            raise ValueError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta (in YAML "
-                             "\"0:30:00\") or None: never")
+            raise ValueError(f"{shown_setting('train_time_interval', train_time_interval)} must be a "
+                             "datetime.timedelta (in YAML \"0:30:00\") or None: never")
         check_bool("save_on_validation", save_on_validation)
         check_bool("verbose", verbose)
         if train_time_interval is not None and train_time_interval.total_seconds() < 0:

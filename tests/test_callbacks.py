@@ -209,6 +209,9 @@ class _SteppingWithMemory(torch.optim.SGD):
     (FitSummary, dict(accuracy_key=None), r"accuracy_key=None must be a non-empty string"),
     (RewardForecast, dict(monitor=""), r"monitor='' must be a non-empty string"),
     (RunCheckpoint, dict(train_time_interval=60), r"train_time_interval=60 must be a datetime.timedelta"),
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    (RunCheckpoint, dict(train_time_interval=10**5000), r"^train_time_interval=\(an int of 5001 digits\) must be a "
+                                                        r"datetime.timedelta"),
     (RunCheckpoint, dict(dirpath=3), r"dirpath=3 must be a folder's path or None"),
     (ExportModel, dict(dirpath=""), r"dirpath='' must be a folder's path or None"),  # it was the current folder
     # Lightning's bar took these: a negative rate hid it, a string failed at the first step, "no" left it on screen

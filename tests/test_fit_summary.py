@@ -361,6 +361,15 @@ def _summary_change(key, value, *inner):
     (_summary_change("accuracy", [[0, 0.5, 1]]), r"^summary state accuracy\[0\]=\[0, 0.5, 1\] is not allowed; a "
                                                  r"validation's accuracy is \[step, value\], an integer >= 0 and a "
                                                  r"number$"),  # failed in the summary's last lines
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    (_summary_change("accuracy", [[-10**5000, 0.5]]), r"^summary state accuracy\[0\]=a list holding an int of more "
+                                                      r"than \d+ digits is not allowed; a validation's accuracy is "),
+    (_summary_change("accuracy", 10**5000), r"^summary state accuracy=\(an int of 5001 digits\) must be a list of "
+                                            r"\[step, value\] pairs$"),
+    (_summary_change("rewards", 10**5000), r"^summary state rewards=\(an int of 5001 digits\) must be a list of "
+                                           r"numbers$"),
+    (_summary_change("wall_s", 10**5000, "rollout_totals"), r"^summary state rollout_totals.wall_s=\(an int of 5001 "
+                                                            r"digits\) must be a number$"),
     (_summary_change("reward_key", ""), r"^summary state reward_key='' must be a non-empty string$"),
     (_summary_change("tokens", 3, "rollout_totals"), r"^a FitSummary state's rollout_totals has unknown keys "
                                                      r"\['tokens'\]; it holds decode_steps, "),  # was a TypeError

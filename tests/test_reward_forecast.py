@@ -338,6 +338,9 @@ def test_a_monitor_never_logged_is_warned_about_once(tmp_path):
     # the pair named, not its infinite or NaN bound as if it were the whole setting ("must be a finite number")
     (dict(reward_range=(0.0, float("inf"))), r"reward_range=\(0.0, inf\) must be \(low, high\), two finite numbers"),
     (dict(reward_range=[float("nan"), 1.0]), r"reward_range=\[nan, 1.0\] must be \(low, high\), two finite numbers"),
+    # shown as every check shows a value: a repr of an int of more than 4300 digits failed in place of the refusal
+    (dict(reward_range=[0.0, 10**5000]), r"^reward_range=a list holding an int of more than \d+ digits must be \(low, "
+                                         r"high\), two finite numbers"),
     (dict(min_delta=-1), "min_delta=-1"),
     (dict(patience=1.5), "patience=1.5 must be an integer >= 1"),
     (dict(min_points=3), "min_points=3 must be an integer >= 5"),
@@ -364,6 +367,7 @@ _FORECAST_STATE = {"steps": [1.0, 2.0, 3.0], "rewards": [0.1, 0.2, 0.25], "wait_
                                          r"rewards\[1\] must be a finite number$"),  # a NaN reward is never recorded
     ({"rewards": [0.1, "0.2", 0.25]}, r"^forecast state rewards\[1\]='0.2' is not allowed"),  # was parsed
     ({"steps": "123"}, r"^forecast state steps='123' must be a list of numbers$"),
+    ({"steps": 10**5000}, r"^forecast state steps=\(an int of 5001 digits\) must be a list of numbers$"),
     ({"wait_count": -1}, r"^forecast state wait_count=-1 must be an integer >= 0$"),
     ({"wait_count": 1.5}, r"^forecast state wait_count=1.5 must be an integer >= 0$"),  # was cut to 1
     ({"stopped_step": "40"}, r"^forecast state stopped_step='40' must be an integer >= 0 or None \(not stopped\)$"),
