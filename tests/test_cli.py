@@ -1220,6 +1220,32 @@ def test_process_counts_take_numpy_integers_as_plain_ints(accelerator):
             check_processes({"num_nodes": nodes})
 
 
+def test_the_trainer_setting_checks_show_the_value_bounded_and_a_huge_int_by_its_digits():
+    """Shown as every check shows a value: a repr (or str) of an int of more than 4300 digits failed with Python's
+    int-to-str ValueError in place of the refusal, a long value ran on."""
+    from lit_grpo.cli.setting_checks import check_manual_optimization_settings, check_processes
+
+    cases = [
+        (lambda: check_processes({"accelerator": "cpu", "devices": -10**5000}),
+         r"^trainer.devices=\(a negative int of 5001 digits\) is not allowed; on the CPU trainer.devices must be "),
+        (lambda: check_processes({"accelerator": "gpu", "devices": [-10**5000]}),
+         r"^trainer.devices=a list holding an int of more than \d+ digits is not allowed; trainer.devices must be a "),
+        (lambda: check_processes({"accelerator": "cpu", "devices": "0"}),  # a count written as text, shown as one
+         r"^trainer.devices=0 is not allowed; on the CPU trainer.devices must be a number of processes >= 1"),
+        (lambda: check_processes({"strategy": "x" * 500}),
+         rf"^trainer.strategy={re.escape(repr('x' * 500)[:100])} is not known; use one of "),
+        (lambda: check_manual_optimization_settings({"gradient_clip_val": 10**5000}),
+         r"^trainer.gradient_clip_val=\(an int of 5001 digits\) does not apply to GRPOModule"),
+        (lambda: check_manual_optimization_settings({"accumulate_grad_batches": 10**5000}),
+         r"^trainer.accumulate_grad_batches=\(an int of 5001 digits\) does not apply to GRPOModule"),
+        (lambda: check_manual_optimization_settings({"precision": "x" * 500}),
+         rf"^trainer.precision={re.escape(repr('x' * 500)[:100])} is not supported; use one of "),
+    ]
+    for check, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check()
+
+
 def test_a_missing_config_file_is_named_on_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     err = _refused(capsys, ["fit", "--config", "nope.yaml"])

@@ -30,7 +30,7 @@ from lit_grpo.runtime.checkpoints import (SettingsDiffer, find_last_checkpoint, 
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, end_unread_node, ended_by_caller,
                                            launched_node, launched_place, rank_place, watch_failures)
-from lit_grpo.runtime.validation import ConfigError, check_thread_count, default_threads
+from lit_grpo.runtime.validation import ConfigError, check_thread_count, default_threads, shown_setting
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError
 from lit_grpo.datamodules.rollout import RolloutDataModule
@@ -335,7 +335,8 @@ class GRPOCLI(LightningCLI):
             try:
                 super()._set_seed()
             except ValueError as error:  # outside numpy's range: Lightning's message does not name the setting
-                raise ValueError(f"seed_everything={self._get(self.config, 'seed_everything')!r}: {error}") from None
+                seed = self._get(self.config, "seed_everything")
+                raise ValueError(f"{shown_setting('seed_everything', seed)}: {error}") from None
 
     def instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

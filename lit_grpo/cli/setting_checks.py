@@ -15,7 +15,7 @@ from lightning.pytorch import Callback
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_grpo.runtime.validation import check_int_in_range, integer_within
+from lit_grpo.runtime.validation import check_int_in_range, integer_within, shown_setting
 
 
 #: The trainer precisions GRPOModule runs under, each with Lightning's short name after it.
@@ -32,8 +32,8 @@ def check_groups_are_mappings(config: Namespace, defaults: Namespace) -> None:
             value = config.get(key)
             if isinstance(value, (list, tuple)):
                 names = list(vars(default))
-                raise ValueError(f"{key}={value!r} must be a mapping of its settings by name ({', '.join(names[:4])}"
-                                 f"{', ...' if len(names) > 4 else ''}), not a list")
+                raise ValueError(f"{shown_setting(key, value)} must be a mapping of its settings by name "
+                                 f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), not a list")
 
 
 def check_manual_optimization_settings(trainer: Any) -> None:
@@ -41,16 +41,17 @@ def check_manual_optimization_settings(trainer: Any) -> None:
     module's own settings instead of Lightning's advice to switch to automatic optimization."""
     for name in ("gradient_clip_val", "gradient_clip_algorithm"):
         if trainer.get(name) is not None:
-            raise ValueError(f"trainer.{name}={trainer[name]!r} does not apply to GRPOModule (it steps its optimizer "
-                             "itself): set model.max_grad_norm instead")
+            raise ValueError(f"{shown_setting(f'trainer.{name}', trainer[name])} does not apply to GRPOModule (it "
+                             "steps its optimizer itself): set model.max_grad_norm instead")
     if trainer.get("accumulate_grad_batches", 1) != 1:
-        raise ValueError(f"trainer.accumulate_grad_batches={trainer['accumulate_grad_batches']!r} does not apply to "
-                         "GRPOModule (a step's rows are already accumulated in micro-batches): set "
+        raise ValueError(f"{shown_setting('trainer.accumulate_grad_batches', trainer['accumulate_grad_batches'])} "
+                         "does not apply to GRPOModule (a step's rows are already accumulated in micro-batches): set "
                          "model.train_micro_batch_size, the rows per backward pass, instead")
     precision = trainer.get("precision")
     if precision is not None and str(precision) not in PRECISIONS:
         # Lightning's "-true" plugins convert every batch, which a rollout batch (frozen dataclasses) cannot take
-        raise ValueError(f"trainer.precision={precision!r} is not supported; use one of {list(PRECISIONS[::2])} "
+        raise ValueError(f"{shown_setting('trainer.precision', precision)} is not supported; use one of "
+                         f"{list(PRECISIONS[::2])} "
                          "(for weights held in bf16: model.dtype: bfloat16 under 32-true or bf16-mixed)")
 
 
@@ -61,7 +62,7 @@ def check_accelerator(accelerator: Any) -> None:
         return
     if accelerator == "gpu" and torch.backends.mps.is_available():  # Lightning's "gpu" is CUDA or Apple's MPS
         return
-    raise ValueError(f"trainer.accelerator={accelerator!r}, but torch finds no GPU on this machine "
+    raise ValueError(f"{shown_setting('trainer.accelerator', accelerator)}, but torch finds no GPU on this machine "
                      "(torch.cuda.is_available() is False): use 'cpu', or 'auto' for whatever is here")
 
 
@@ -79,8 +80,9 @@ def check_processes(trainer: Any) -> None:
         close = difflib.get_close_matches(strategy.lower(), names, n=1)
         plain = [name for name in names if "find_unused_parameters" not in name]  # not each ddp one's two variants
         meant = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"trainer.strategy={strategy!r} is not known{meant}; use one of {plain} (the ddp ones also "
-                         "as NAME_find_unused_parameters_true or _false), or a Strategy class (class_path, init_args)")
+        raise ValueError(f"{shown_setting('trainer.strategy', strategy)} is not known{meant}; use one of {plain} (the "
+                         "ddp ones also as NAME_find_unused_parameters_true or _false), or a Strategy class "
+                         "(class_path, init_args)")
     if trainer.get("num_nodes") is not None:
         trainer["num_nodes"] = check_int_in_range("trainer.num_nodes", trainer["num_nodes"], 1)
     devices = trainer.get("devices")
@@ -92,20 +94,21 @@ def check_processes(trainer: Any) -> None:
     elif (number := integer_within(devices)) is not None:
         devices = trainer["devices"] = number
     count = _int_or_none(devices) if isinstance(devices, (int, str)) and not isinstance(devices, bool) else None
-    shown = count if count is not None and str(devices).strip() == str(count) else repr(devices)  # '0' read as 0
+    written = isinstance(devices, str) and count is not None and devices.strip() == str(count)  # '0' read as 0
+    shown = shown_setting("trainer.devices", count if written else devices)
     accelerator = trainer.get("accelerator")
     on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available()
                                       and not torch.backends.mps.is_available())
     if on_cpu:
         if count is None or count < 1:
-            raise ValueError(f"trainer.devices={shown} is not allowed; on the CPU trainer.devices must be a number "
-                             "of processes >= 1, or 'auto'")
+            raise ValueError(f"{shown} is not allowed; on the CPU trainer.devices must be a number of processes >= 1, "
+                             "or 'auto'")
         return
     listed = isinstance(devices, list) and devices and all(integer_within(index, 0) is not None for index in devices)
     if not (listed or (count is not None and (count >= 1 or count == -1)) or (
             count is None and isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?", devices))):
-        raise ValueError(f"trainer.devices={shown} is not allowed; trainer.devices must be a number of devices >= 1, "
-                         "-1 (all of them), 'auto', or a list of device indices such as [0, 1]")
+        raise ValueError(f"{shown} is not allowed; trainer.devices must be a number of devices >= 1, -1 (all of "
+                         "them), 'auto', or a list of device indices such as [0, 1]")
 
 
 def _int_or_none(value: Any) -> int | None:
