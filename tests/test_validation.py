@@ -16,8 +16,9 @@ from lit_grpo.rollout.math_reward import check_math_options
 from lit_grpo.rollout.reward_functions import OverlongPenalty
 from lit_grpo.rollout.slot_memory import check_max_prompt_length
 from lit_grpo.runtime.validation import (check_bool, check_choice, check_field, check_folder, check_int,
-                                         check_int_in_range, check_real, check_text, huge_int, integer_within,
-                                         plain_yaml_values, real_within, shown_setting, shown_value)
+                                         check_int_in_range, check_real, check_state_keys, check_text, huge_int,
+                                         integer_within, plain_yaml_values, real_within, settings_from, shown_setting,
+                                         shown_value)
 from lit_grpo.sampling import SamplingConfig
 from lit_grpo.scheduling.least_attained import preemption_points
 from lit_grpo.update.lr_schedule import is_share, warmup_steps_count
@@ -148,6 +149,20 @@ def test_a_setting_is_shown_as_the_checks_refusals_start():
     assert shown_setting("x", "y" * 200) == "x=" + repr("y" * 200)[:100]
     assert shown_setting("x", "y" * 200, 80) == "x=" + repr("y" * 200)[:80]
     assert shown_setting("x", 10**300) == f"x={10**300!r}"[:102] and shown_setting("b", True) == "b=True"
+
+
+def test_unknown_keys_are_listed_as_shown_values_in_their_order():
+    """A state's or a settings mapping's unknown keys are listed as before (by their text, each as its repr), an int
+    too long to print by its digits and a long key cut: sorting by str() failed with Python's int-to-str ValueError,
+    and a long key ran on."""
+    with pytest.raises(ValueError, match=r"^a state has unknown keys \[1, 'b', 'c'\]; it holds a$"):
+        check_state_keys("a state", {"a": 0, "c": 0, 1: 0, "b": 0}, ("a",))
+    with pytest.raises(ValueError, match=r"^a state has unknown keys \[an int of 5001 digits\]; it holds a$"):
+        check_state_keys("a state", {"a": 0, 10**5000: 0}, ("a",))
+    with pytest.raises(ValueError, match=rf"^a state has unknown keys \[{re.escape(repr('k' * 500)[:100])}\]; it "):
+        check_state_keys("a state", {"a": 0, "k" * 500: 0}, ("a",))
+    with pytest.raises(ValueError, match=r"^unknown sampling options \[an int of 5001 digits, 'x'\]; allowed: "):
+        settings_from("sampling", {"x": 1, 10**5000: 2}, SamplingConfig)
 
 
 def test_an_integer_check_may_take_none():

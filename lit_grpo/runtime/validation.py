@@ -473,10 +473,16 @@ def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Col
     missing = [key for key in keys if key not in state and key not in optional]
     if missing:
         raise ValueError(f"{what} lacks {missing}; {said}")
-    unknown = sorted((key for key in state if key not in keys), key=str)
-    if unknown:
-        raise ValueError(f"{what} has unknown keys {unknown}; {said}")
+    if unknown := [key for key in state if key not in keys]:
+        raise ValueError(f"{what} has unknown keys {_shown_keys(unknown)}; {said}")
     return state
+
+
+def _shown_keys(keys: Iterable[Any]) -> str:
+    """``keys`` as a list's text, each key as :func:`shown_value` shows it, sorted by their text (a string by
+    itself): str() of an int too long to print fails, and a long key would run on."""
+    texts = {key: key if isinstance(key, str) else shown_value(key) for key in keys}
+    return f"[{', '.join(shown_value(key) for key in sorted(texts, key=texts.__getitem__))}]"
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -499,8 +505,8 @@ def settings_from(name: str, value: Any, cls: type) -> Any:
     named with the fields allowed (not the dataclass's TypeError); anything else is a TypeError naming ``name``."""
     if isinstance(value, Mapping):
         known = [f.name for f in dataclasses.fields(cls)]
-        if unknown := sorted(set(value) - set(known), key=str):
-            raise ValueError(f"unknown {name} options {unknown}; allowed: {known}")
+        if unknown := [key for key in value if key not in known]:
+            raise ValueError(f"unknown {name} options {_shown_keys(unknown)}; allowed: {known}")
         return cls(**value)
     if not isinstance(value, cls):
         raise TypeError(f"{shown_setting(name, value)} must be a {cls.__name__} or a dict of its fields")
