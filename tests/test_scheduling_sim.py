@@ -328,6 +328,9 @@ def _state_copy(state):
     (lambda state: state["trust"].__setitem__("tokens", state["trust"]["probe"]),
      r"^the checkpoint's scheduler state has trust for unknown kinds \['tokens'\]; a length-aware scheduler keeps "
      r"prompt, probe$"),
+    # a kind shown as every key is: sorting by str() failed for an int of more than 4300 digits
+    (lambda state: state["trust"].__setitem__(10**5000, state["trust"]["probe"]),
+     r"^the checkpoint's scheduler state has trust for unknown kinds \[an int of 5001 digits\]; a length-aware "),
     (lambda state: state.__setitem__("trust", [state["trust"]["probe"]]),
      r"^the checkpoint's scheduler state trust must be a mapping of kinds \(prompt, probe\) to trust states, not "
      r"list$"),

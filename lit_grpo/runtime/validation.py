@@ -474,11 +474,11 @@ def check_state_keys(what: str, state: Any, keys: Collection[str], optional: Col
     if missing:
         raise ValueError(f"{what} lacks {missing}; {said}")
     if unknown := [key for key in state if key not in keys]:
-        raise ValueError(f"{what} has unknown keys {_shown_keys(unknown)}; {said}")
+        raise ValueError(f"{what} has unknown keys {shown_keys(unknown)}; {said}")
     return state
 
 
-def _shown_keys(keys: Iterable[Any]) -> str:
+def shown_keys(keys: Iterable[Any]) -> str:
     """``keys`` as a list's text, each key as :func:`shown_value` shows it, sorted by their text (a string by
     itself): str() of an int too long to print fails, and a long key would run on."""
     texts = {key: key if isinstance(key, str) else shown_value(key) for key in keys}
@@ -506,7 +506,7 @@ def settings_from(name: str, value: Any, cls: type) -> Any:
     if isinstance(value, Mapping):
         known = [f.name for f in dataclasses.fields(cls)]
         if unknown := [key for key in value if key not in known]:
-            raise ValueError(f"unknown {name} options {_shown_keys(unknown)}; allowed: {known}")
+            raise ValueError(f"unknown {name} options {shown_keys(unknown)}; allowed: {known}")
         return cls(**value)
     if not isinstance(value, cls):
         raise TypeError(f"{shown_setting(name, value)} must be a {cls.__name__} or a dict of its fields")

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.runtime.validation import shown_keys
 from lit_grpo.scheduling.base import ARRIVAL, Assignment, RolloutWork, SampleKey
 from lit_grpo.scheduling.config import LengthAwareConfig
 from lit_grpo.scheduling.least_attained import LeastAttainedScheduler
@@ -285,8 +286,8 @@ class LengthAwareScheduler(LeastAttainedScheduler):
         if not isinstance(states, Mapping):
             raise ValueError(f"the checkpoint's scheduler state trust must be a mapping of kinds ({kinds}) to trust "
                              f"states, not {type(states).__name__}")
-        if unknown := sorted((kind for kind in states if kind not in self.trust), key=str):
-            raise ValueError(f"the checkpoint's scheduler state has trust for unknown kinds {unknown}; a "
+        if unknown := [kind for kind in states if kind not in self.trust]:
+            raise ValueError(f"the checkpoint's scheduler state has trust for unknown kinds {shown_keys(unknown)}; a "
                              f"length-aware scheduler keeps {kinds}")
         loaded = {}
         for kind, trust_state in states.items():
