@@ -691,6 +691,8 @@ def test_a_bad_reward_spec_is_shown_bounded_and_an_int_too_long_to_print_by_its_
     holding = r"a dict holding an int of more than \d+ digits"
     cases = [
         (lambda: WeightedReward(_HUGE), r"^reward function an int of 5001 digits is not callable$"),
+        (lambda: WeightedReward(format_reward, math.nan, _HUGE),  # the weight is checked before the name
+         r"^reward weight=nan for an int of 5001 digits must be a finite number"),
         (lambda: build_reward_funcs([{"name": "format", "log_name": _HUGE}]),
          r"^reward name=\(an int of 5001 digits\) for .* must be a string \('' for the function's name\)$"),
         (lambda: build_reward_funcs([{"name": _HUGE}]),

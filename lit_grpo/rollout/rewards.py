@@ -164,8 +164,9 @@ class WeightedReward:
             self.fn = VerlScore(self.fn)
         weight = real_within(self.weight, -FLOAT32_MAX, FLOAT32_MAX)  # totals are float32 tensors
         if weight is None:
-            raise ValueError(f"{shown_setting('reward weight', self.weight)} for {self.name or reward_name(self.fn)!r} "
-                             f"must be a finite number, |weight| <= {FLOAT32_MAX:.4g} (rewards are float32)")
+            raise ValueError(f"{shown_setting('reward weight', self.weight)} for "
+                             f"{shown_value(self.name or reward_name(self.fn))} must be a finite number, |weight| <= "
+                             f"{FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = weight
         if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
             raise ValueError(f"{shown_setting('reward name', self.name)} for {self.fn!r} must be a string ('' for "
