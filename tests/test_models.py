@@ -335,7 +335,8 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
                                   r"model.peft_config: peft_config has fields peft.LoraConfig does not take: "
                                   r"'max_seq_length' \(Unsloth's get_peft_model's: no counterpart: no prompt is cut or "
                                   r"filtered; one whose tokens and data.sampling.max_new_tokens pass the model's "
-                                  r"max_position_embeddings is refused before the first step, naming its row\), 'random_state' \(Unsloth's get_peft_model's: seed_everything here\), "
+                                  r"max_position_embeddings is refused before the first step, naming its row\), "
+                                  r"'random_state' \(Unsloth's get_peft_model's: seed_everything here\), "
                                   r"'use_gradient_checkpointing' \(Unsloth's get_peft_model's: "
                                   r"model.gradient_checkpointing here\)"),
                                  ({"r": 4, "lora_alpha": float("nan")},  # every logit NaN once it runs
