@@ -250,6 +250,21 @@ def test_a_cpu_probe_whose_child_cannot_run_is_measured_here_with_a_warning(monk
         assert library.measure_read_bandwidth("cpu", buffer_bytes=2**20, budget_s=0.01) > 1e6
 
 
+@pytest.mark.parametrize("executable", [None, ""])
+def test_a_cpu_probe_without_an_interpreter_to_start_is_measured_here_with_a_warning(monkeypatch, executable):
+    """An embedded Python's sys.executable may be None or empty (no interpreter to start): the probe is measured in
+    this process with the warning, as where the child cannot run; None failed with subprocess's TypeError."""
+    import sys
+
+    from lit_grpo.sampling import read_probe, roofline as library
+
+    monkeypatch.setattr(sys, "executable", executable)
+    with pytest.raises(RuntimeError, match="the read-bandwidth probe's child did not run"):
+        read_probe.sum_seconds_in_child(2**20, 0.01, 1)
+    with pytest.warns(RuntimeWarning, match=r"did not run.*measured in this process instead, its 1 MiB buffer"):
+        assert library.measure_read_bandwidth("cpu", buffer_bytes=2**20, budget_s=0.01) > 1e6
+
+
 def test_a_failing_probe_child_is_reported_with_its_status_and_error():
     from lit_grpo.sampling import read_probe
 
