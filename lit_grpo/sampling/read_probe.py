@@ -81,9 +81,12 @@ def sum_seconds_in_child(buffer_bytes: int, budget_s: float, inner: int) -> floa
     count: the buffer is the probe's memory, never this process's, and its peak is no child's of this process.
 
     Raises:
-        RuntimeError: the child did not start, or the probe printed no seconds (it failed, or ended itself past
-            ``CHILD_TIMEOUT_S``): the message holds the end of what it wrote.
+        RuntimeError: the child did not start (or no interpreter is known to start it), or the probe printed no
+            seconds (it failed, or ended itself past ``CHILD_TIMEOUT_S``): the message holds the end of what it wrote.
     """
+    if not sys.executable:  # an embedded Python may name none: None would fail in subprocess with a TypeError
+        raise RuntimeError(f"the read-bandwidth probe's child did not run: sys.executable={sys.executable!r} names "
+                           "no Python interpreter to start")
     command = child_command(buffer_bytes, budget_s, inner, torch.get_num_threads())
     try:  # the output's end is the probe's: its pipes close when it ends
         done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S + 30)
