@@ -95,7 +95,8 @@ def sum_seconds_in_child(buffer_bytes: int, budget_s: float, inner: int) -> floa
     try:
         return float(done.stdout.split()[-1])
     except (IndexError, ValueError) as error:
-        raise RuntimeError(f"the read-bandwidth probe printed no seconds (status {done.returncode}): "
+        # no exit status to show: the status is the starter's, which exits at once, not the probe's
+        raise RuntimeError(f"the read-bandwidth probe printed no seconds: "
                            f"{(done.stderr.strip() or done.stdout.strip())[-2000:]}") from error
 
 
