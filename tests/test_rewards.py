@@ -723,6 +723,19 @@ def test_a_bad_reward_spec_is_shown_bounded_and_an_int_too_long_to_print_by_its_
             make()
 
 
+def test_a_reward_specs_unknown_keys_are_listed_whatever_their_type():
+    """Unknown keys of a reward spec are listed as shown_keys shows them: sorting an int key with a string one
+    failed with Python's TypeError, and an int key of more than 4300 digits failed its repr with the int-to-str
+    ValueError, each in place of the refusal. A misspelt string key still names the one it meant."""
+    start = r"^reward spec .* takes only the keys \['name', 'weight', 'kwargs', 'log_name'\]; unknown: "
+    with pytest.raises(ValueError, match=start + r"\[3, 'wieght'\] \(did you mean 'weight'\?\)$"):
+        build_reward_funcs([{"name": "format", 3: 1.0, "wieght": 1.0}])
+    with pytest.raises(ValueError, match=start + r"\[an int of 5001 digits\]$"):
+        build_reward_funcs([{"name": "format", _HUGE: 1.0}])
+    with pytest.raises(ValueError, match=start + r"\[\(1, 2\), 'zzz'\]$"):
+        build_reward_funcs([{"name": "format", (1, 2): 1.0, "zzz": 0}])
+
+
 def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(tmp_path, monkeypatch):
     """A syntax error or an exception in the module's own code is a setting's error naming the function, the
     error and where, as a missing module is, not a traceback."""
