@@ -91,7 +91,8 @@ from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_nu
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_setting, shown_value
+from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_keys,
+                                         shown_setting, shown_value)
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -463,11 +464,12 @@ REWARD_SPEC_KEYS = ("name", "weight", "kwargs", "log_name")
 
 def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
     """A reward spec given as ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}``."""
-    unknown = sorted(set(spec) - set(REWARD_SPEC_KEYS))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], REWARD_SPEC_KEYS, n=1)
+    if unknown := [key for key in spec if key not in REWARD_SPEC_KEYS]:
+        # a key of any type: listed as shown_keys shows it, the closest meant key found for the first string
+        misspelt = sorted(key for key in unknown if isinstance(key, str))
+        close = difflib.get_close_matches(misspelt[0], REWARD_SPEC_KEYS, n=1) if misspelt else []
         raise ValueError(f"reward spec {shown_value(dict(spec))} takes only the keys {list(REWARD_SPEC_KEYS)}; "
-                         f"unknown: {unknown}" + (f" (did you mean '{close[0]}'?)" if close else ""))
+                         f"unknown: {shown_keys(unknown)}" + (f" (did you mean '{close[0]}'?)" if close else ""))
     if "name" not in spec:
         raise ValueError(f"reward spec {shown_value(dict(spec))} has no 'name': give a built-in's name "
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
