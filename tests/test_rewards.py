@@ -774,6 +774,104 @@ def test_a_reward_function_saved_by_its_name_builds_again_and_one_saved_as_not_i
             build_reward_funcs([spec])
 
 
+def _same_fn(fn):
+    """What makes two reward functions the same: the function itself; a functools.partial's function and arguments;
+    an OverlongPenalty's options (its type and attributes)."""
+    if isinstance(fn, functools.partial):
+        return functools.partial, fn.func, fn.args, fn.keywords
+    if isinstance(fn, OverlongPenalty):
+        return type(fn), vars(fn)
+    return fn
+
+
+def _judge(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+def test_a_runs_saved_reward_specs_build_the_same_rewards_again():
+    """What a run saves of its reward functions (RolloutDataModule's hparams: hparams.yaml, a checkpoint's
+    datamodule_hyper_parameters) is a config's spelling, which builds the same rewards again (function, weight,
+    name): a WeightedReward as {name, weight, log_name where its name is not the one the spec gives}, not its
+    fields (fn was refused as an unknown key); a functools.partial of an importable function with keyword arguments
+    as its name and those as kwargs; an OverlongPenalty as the built-in overlong with its options. Saved again,
+    the spelling reads the same."""
+    import io
+
+    import yaml
+
+    from datamodule_helpers import PROMPTS
+    from lit_grpo.datamodules.rollout import RolloutDataModule
+    from lit_grpo.rollout.reward_functions import char_fraction_reward
+
+    chars = "char_fraction"  # a built-in by its built-in name
+    given = [WeightedReward(char_fraction_reward, 0.5, "digits"), WeightedReward(format_reward, 2.0),
+             WeightedReward(functools.partial(char_fraction_reward, chars="ab"), -1.0, "ab"),
+             functools.partial(char_fraction_reward, chars="xy"),
+             {"name": char_fraction_reward, "kwargs": {"chars": "pq"}, "log_name": "pq"},
+             {"name": functools.partial(char_fraction_reward, chars="mn"), "weight": 3.0, "log_name": "mn"},
+             WeightedReward(OverlongPenalty(16, buffer=4), 0.25), WeightedReward(_judge)]
+    data = RolloutDataModule(prompts=PROMPTS, reward_funcs=given)
+    saved = [{"name": chars, "weight": 0.5, "log_name": "digits"}, {"name": "format", "weight": 2.0},
+             {"name": chars, "weight": -1.0, "kwargs": {"chars": "ab"}, "log_name": "ab"},
+             {"name": chars, "weight": 1.0, "kwargs": {"chars": "xy"}, "log_name": "partial"},
+             {"name": chars, "weight": 1.0, "kwargs": {"chars": "pq"}, "log_name": "pq"},
+             {"name": chars, "weight": 3.0, "kwargs": {"chars": "mn"}, "log_name": "mn"},
+             {"name": "overlong", "weight": 0.25, "kwargs": {"max_length": 16, "buffer": 4}},
+             {"name": f"{__name__}:_judge", "weight": 1.0}]
+    assert data.hparams.reward_funcs == saved and data.hparams_initial["reward_funcs"] == saved
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    read = yaml.safe_load(yaml.safe_dump(data.hparams_initial["reward_funcs"]))
+    assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=True) == read == saved
+    built = build_reward_funcs(read)
+    assert [(_same_fn(r.fn), r.weight, r.name, r.by_keyword) for r in built] == [
+        (_same_fn(r.fn), r.weight, r.name, r.by_keyword) for r in data.reward_funcs]
+    assert RolloutDataModule(prompts=PROMPTS, reward_funcs=read).hparams.reward_funcs == saved
+    assert RolloutDataModule(prompts=PROMPTS, reward_funcs=built).hparams.reward_funcs == saved
+
+
+class _LongerPenalty(OverlongPenalty):
+    """An OverlongPenalty of one's own: the built-in overlong would build another class."""
+
+
+def test_a_saved_reward_that_no_spec_builds_again_is_a_marker_that_says_so():
+    """A reward no config spelling builds the same again is saved with a marker for its function, in a spec's shape
+    (weight, log_name where the name is not the function's): a lambda; a functools.partial with a positional
+    argument, an option whose value YAML would read back as another type (a tuple as a list), an option the spec
+    would refuse, or of a local function; an OverlongPenalty of a subclass or with an attribute of its own. Given
+    back, each is refused saying a run saved a function no name imports, not as a spec with an unknown key."""
+    from lit_grpo.rollout.reward_functions import char_fraction_reward
+    from lit_grpo.runtime.validation import plain_yaml_values
+
+    def local(prompts, completions, chars="", **columns):
+        return [0.0] * len(completions)
+
+    tagged = OverlongPenalty(16, 4)
+    tagged.note = "mine"
+    partial = "<not importable (an instance of functools:partial)>"
+    cases = [(WeightedReward(lambda prompts, completions, **columns: [], 0.5, "l"),
+              {"name": f"<not importable (a lambda): {__name__}:test_a_saved_reward_that_no_spec_builds_again_is_a_"
+                       "marker_that_says_so.<locals>.<lambda>>", "weight": 0.5, "log_name": "l"}),
+             (WeightedReward(functools.partial(char_fraction_reward, ["q"]), 1.0, "p1"),
+              {"name": partial, "weight": 1.0, "log_name": "p1"}),
+             (WeightedReward(functools.partial(char_fraction_reward, chars=("a", "b")), 1.0, "p2"),
+              {"name": partial, "weight": 1.0, "log_name": "p2"}),
+             (WeightedReward(functools.partial(char_fraction_reward, chrs="a"), 1.0, "p3"),
+              {"name": partial, "weight": 1.0, "log_name": "p3"}),
+             (WeightedReward(functools.partial(local, chars="a"), 1.0, "p4"),
+              {"name": partial, "weight": 1.0, "log_name": "p4"}),
+             (WeightedReward(_LongerPenalty(16, 4)),
+              {"name": f"<not importable (an instance of {__name__}:_LongerPenalty)>", "weight": 1.0}),
+             (WeightedReward(tagged, 2.0),
+              {"name": "<not importable (an instance of lit_grpo.rollout.reward_functions:OverlongPenalty)>",
+               "weight": 2.0})]
+    for reward, spec in cases:
+        assert plain_yaml_values(reward) == spec
+        with pytest.raises(ValueError, match=re.escape(f"reward function {spec['name']!r} is how a run saves a "
+                                                       "function that no name imports")):
+            build_reward_funcs([spec])
+
+
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
