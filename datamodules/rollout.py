@@ -43,7 +43,7 @@ from lit_grpo.rollout.prompts import (PromptExample, chat_turns, check_chat_temp
 from lit_grpo.datamodules.random_state import check_rng_states, get_rng_states, set_rng_states
 from lit_grpo.datamodules.requests import RequestStream, RolloutRequest
 from lit_grpo.rollout.rewards import (OnRewardError, TrainerState, build_reward_funcs, check_gold_answers,
-                                      check_reward_columns, check_row_fields, correctness_reward)
+                                      check_reward_columns, check_row_fields, correctness_reward, saved_reward_specs)
 from lit_grpo.rollout.builder import Prompt, RolloutBuilder, check_builder_state
 from lit_grpo.rollout.config import AdvantageConfig, ScoringConfig, TrainingConfig, ValidationConfig
 from lit_grpo.rollout.slot_memory import SlotMemory, check_slot_budget
@@ -387,7 +387,8 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         self.save_hyperparameters(ignore=["prompts", "dataset", "tools", "reward_funcs"])
         # a reward function by its name, an object by its class (plain_yaml_values): Lightning deep-copies what it
         # saves, and a reward object that holds a lock (an API client) cannot be copied, one with a model is copied
-        self.set_hparam("reward_funcs", plain_yaml_values(reward_funcs))
+        # in a config's spelling where one builds the same reward again (saved_reward_specs)
+        self.set_hparam("reward_funcs", plain_yaml_values(saved_reward_specs(reward_funcs)))
         # a tool by its name, which a checkpoint stores as plain text
         self.set_hparam("tools",
                         [f"{t.__module__}:{t.__qualname__}" for t in self.tools] if tools is not None else None)

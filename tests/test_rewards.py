@@ -834,11 +834,19 @@ class _LongerPenalty(OverlongPenalty):
     """An OverlongPenalty of one's own: the built-in overlong would build another class."""
 
 
+class _Scores:
+    """A class given as the reward function itself: a config naming it builds one of its objects instead."""
+
+    def __init__(self, prompts, completions, **columns):
+        self.values = [0.0] * len(completions)
+
+
 def test_a_saved_reward_that_no_spec_builds_again_is_a_marker_that_says_so():
     """A reward no config spelling builds the same again is saved with a marker for its function, in a spec's shape
     (weight, log_name where the name is not the function's): a lambda; a functools.partial with a positional
     argument, an option whose value YAML would read back as another type (a tuple as a list), an option the spec
-    would refuse, or of a local function; an OverlongPenalty of a subclass or with an attribute of its own. Given
+    would refuse, or of a local function; an OverlongPenalty of a subclass or with an attribute of its own; a class
+    as the function itself, which a config's name would build an object of. Given
     back, each is refused saying a run saved a function no name imports, not as a spec with an unknown key."""
     from lit_grpo.rollout.reward_functions import char_fraction_reward
     from lit_grpo.runtime.validation import plain_yaml_values
@@ -864,7 +872,10 @@ def test_a_saved_reward_that_no_spec_builds_again_is_a_marker_that_says_so():
               {"name": f"<not importable (an instance of {__name__}:_LongerPenalty)>", "weight": 1.0}),
              (WeightedReward(tagged, 2.0),
               {"name": "<not importable (an instance of lit_grpo.rollout.reward_functions:OverlongPenalty)>",
-               "weight": 2.0})]
+               "weight": 2.0}),
+             (WeightedReward(_Scores, 1.0, "scores"),
+              {"name": f"<not importable (its name builds another reward): {__name__}:_Scores>", "weight": 1.0,
+               "log_name": "scores"})]
     for reward, spec in cases:
         assert plain_yaml_values(reward) == spec
         with pytest.raises(ValueError, match=re.escape(f"reward function {spec['name']!r} is how a run saves a "

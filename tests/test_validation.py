@@ -211,7 +211,8 @@ class _Rewards:
 def test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_imports():
     """A function or class by the name a config gives it, where it imports; a lambda, a local function, one no
     name finds, or another callable object by a marker that says so, with no address in it (the same function saved
-    twice reads the same); a path as its text; a dataclass as a dict of its fields. The value given keeps them."""
+    twice reads the same); a path as its text; a reward (WeightedReward) as the spec that builds it again; another
+    dataclass as a dict of its fields. The value given keeps them."""
     import functools
     from pathlib import Path
 
@@ -223,7 +224,8 @@ def test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_import
     here = f"{__name__}:test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_imports.<locals>"
     given = {"funcs": [_module_level_reward, OverlongPenalty, len, local, lambda prompts, completions: [],
                        _Rewards.nested, functools.partial(_module_level_reward), OverlongPenalty(8, 2)],
-             "path": Path("/data/prompts.jsonl"), "reward": WeightedReward(_module_level_reward, 2.0, "zeros")}
+             "path": Path("/data/prompts.jsonl"), "reward": WeightedReward(_module_level_reward, 2.0, "zeros"),
+             "settings": _Settings(count=2, share=np.float64(0.25))}
     plain = plain_yaml_values(given)
     assert plain == {
         "funcs": [f"{__name__}:_module_level_reward", "lit_grpo.rollout.reward_functions:OverlongPenalty",
@@ -232,8 +234,9 @@ def test_plain_yaml_values_name_functions_and_paths_and_mark_what_no_name_import
                   f"<not importable (not found by that name in its module): {__name__}:_Rewards.nested>",
                   "<not importable (an instance of functools:partial)>",
                   "<not importable (an instance of lit_grpo.rollout.reward_functions:OverlongPenalty)>"],
-        "path": "/data/prompts.jsonl", "reward": {"fn": f"{__name__}:_module_level_reward", "weight": 2.0,
-                                                  "name": "zeros"}}
+        "path": "/data/prompts.jsonl", "reward": {"name": f"{__name__}:_module_level_reward", "weight": 2.0,
+                                                  "log_name": "zeros"},
+        "settings": {"count": 2, "share": 0.25}}
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain
     assert given["funcs"][0] is _module_level_reward and isinstance(given["path"], Path)
 

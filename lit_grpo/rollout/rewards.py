@@ -91,7 +91,7 @@ from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_nu
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, real_within, shown_keys,
+from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, real_within, saved_name, shown_keys,
                                          shown_setting, shown_value)
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -175,6 +175,11 @@ class WeightedReward:
         if not self.name:
             self.name = reward_name(self.fn)
         self.by_keyword = check_reward_call(self.fn, self.name)
+
+    def saved_setting(self) -> dict[str, Any]:
+        """This reward as a run saves it (``plain_yaml_values``): the spec that builds it again
+        (``saved_reward_spec``)."""
+        return saved_reward_spec(self)
 
     def call(self, prompts: Sequence[str], completions: Sequence[str], **keywords: Any) -> Any:
         """``fn`` on these completions, ``prompts`` and ``completions`` passed as it takes them."""
@@ -518,6 +523,116 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
         raise ValueError(f"reward functions need distinct names (they are logged as reward/<name>/mean): {names}; "
                          "set log_name")
     return out
+
+
+# --------------------------------------------------------------------------------------------- saved specs
+def saved_reward_specs(specs: Any) -> Any:
+    """``reward_funcs`` as a run saves them (hparams.yaml, a checkpoint's hyperparameters; ``plain_yaml_values``
+    then makes them plain): each entry that is or names a callable (``saved_reward_spec``) in a config's spelling
+    where one builds the same reward again; anything else, and what is not a list of specs, as given (the build
+    refuses it)."""
+    if type(specs) not in (list, tuple):
+        return specs
+    return [saved_reward_spec(spec) for spec in specs]
+
+
+def saved_reward_spec(spec: Any) -> Any:
+    """One reward spec as a run saves it: a ``WeightedReward`` as ``{"name", "weight", "kwargs", "log_name"}``
+    (``REWARD_SPEC_KEYS``), its name the function's built-in name or ``saved_name`` with its options as ``kwargs``
+    (``_reward_spelling``), where that spec builds an equal reward (function, weight, name), else a marker for the
+    function that says none does; a mapping naming a callable (not a class, which a config builds with the
+    options as given) and a callable that is no plain function or class (a ``functools.partial``, an
+    ``OverlongPenalty``) as the reward they build, where a spelling builds it again; anything else as given, for
+    ``plain_yaml_values``. What does not build is kept as given: the build that follows refuses it."""
+    if isinstance(spec, WeightedReward):
+        return _saved_reward(spec)
+    name = spec.get("name") if isinstance(spec, Mapping) else None
+    if (callable(name) and not inspect.isclass(name)) or (
+            callable(spec) and not (inspect.isroutine(spec) or inspect.isclass(spec))):
+        try:
+            with warnings.catch_warnings():  # the build that follows warns
+                warnings.simplefilter("ignore")
+                reward = _reward_from_mapping(spec) if isinstance(spec, Mapping) else WeightedReward(spec)
+        except Exception:  # noqa: BLE001 - any spec that does not build: saved as given, refused by the build
+            return spec
+        saved = _saved_reward(reward)
+        if not saved["name"].startswith(NOT_IMPORTABLE):
+            return saved
+    return spec
+
+
+def _saved_reward(reward: WeightedReward) -> dict[str, Any]:
+    """``reward`` as the spec that builds it again (``saved_reward_spec``), or with a marker for its function."""
+    spelling = _reward_spelling(reward.fn)
+    if spelling is not None:
+        name, kwargs = spelling
+        spec = {"name": name, "weight": reward.weight, **({} if kwargs is None else {"kwargs": kwargs})}
+        try:  # the spelling is kept only where it builds the same reward: a check of its options may refuse it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built = _reward_from_mapping(spec)
+        except Exception:  # noqa: BLE001 - a spelling that does not build is no spelling of this reward
+            built = None
+        if built is not None and _same_function(built.fn, reward.fn) and built.by_keyword == reward.by_keyword:
+            return spec if built.name == reward.name else {**spec, "log_name": reward.name}
+    given = reward.fn.fn if type(reward.fn) is VerlScore else reward.fn  # as given: WeightedReward wrapped it
+    marker = saved_name(given)
+    if not marker.startswith(NOT_IMPORTABLE):  # a name that imports it, but builds another reward (a class's)
+        marker = f"{NOT_IMPORTABLE} (its name builds another reward): {marker}>"
+    spec = {"name": marker, "weight": reward.weight}
+    # a spec naming the function itself, from Python, logs it under its own name
+    return spec if reward.name == reward_name(reward.fn) else {**spec, "log_name": reward.name}
+
+
+def _reward_spelling(fn: Any) -> tuple[str, dict[str, Any] | None] | None:
+    """The name and options (None: none) a config's spec gives to build a reward function like ``fn``: a function
+    that a name imports (a built-in's name where it is one); a ``functools.partial`` of one with keyword arguments
+    only, each a plain YAML value that reads back as itself (a spec's kwargs bind the function's options so); an
+    ``OverlongPenalty`` (not a subclass's) by its options; a verl function (``VerlScore``) as itself, which the
+    build wraps again. None for any other: no spelling is made up for it. ``_saved_reward`` checks it builds."""
+    if type(fn) is VerlScore:
+        return _reward_spelling(fn.fn)
+    if type(fn) is functools.partial:
+        if fn.args or not _reads_back(fn.keywords):
+            return None
+        spelling = _reward_spelling(fn.func)
+        return None if spelling is None or spelling[1] is not None else (spelling[0], dict(fn.keywords))
+    if type(fn) is BUILTIN_REWARDS["overlong"]:  # its options are its state; _same_function compares the rest
+        options = {option: getattr(fn, option, None) for option in reward_options(type(fn))[0]}
+        return ("overlong", options) if _reads_back(options) else None
+    if not inspect.isroutine(fn):  # a class builds an object with the spec's options; another object is no name
+        return None
+    builtin = next((key for key, value in BUILTIN_REWARDS.items() if value is fn), None)
+    name = builtin if builtin is not None else saved_name(fn)
+    return None if name.startswith(NOT_IMPORTABLE) else (name, None)
+
+
+def _reads_back(value: Any) -> bool:
+    """Whether plain YAML and torch.load(weights_only=True) read ``value`` back as itself: a string, a bool, a
+    number (an int that prints), None, and lists and string-keyed dicts of those; not a tuple (read as a list)."""
+    if value is None or type(value) in (str, bool, float):
+        return True
+    if type(value) is int:
+        return huge_int(value) is None
+    if type(value) is list:
+        return all(map(_reads_back, value))
+    if type(value) is dict:
+        return all(isinstance(key, str) and _reads_back(item) for key, item in value.items())
+    return False
+
+
+def _same_function(built: Any, given: Any) -> bool:
+    """Whether the reward function a saved spec builds is ``given``: itself; a ``functools.partial`` of the same
+    function with equal arguments; an ``OverlongPenalty`` or ``VerlScore`` of the same type and state."""
+    if built is given:
+        return True
+    if type(built) is not type(given):
+        return False
+    if type(given) is functools.partial:
+        return built.func is given.func and built.args == given.args and built.keywords == given.keywords
+    if type(given) is VerlScore:
+        return _same_function(built.fn, given.fn) and built.batch == given.batch
+    return type(given) is BUILTIN_REWARDS["overlong"] and vars(built) == vars(given)
 
 
 # --------------------------------------------------------------------------------------------- scoring

@@ -411,7 +411,8 @@ def plain_values(value: Any) -> Any:
 def plain_yaml_values(value: Any) -> Any:
     """``value`` as plain YAML holds it: :func:`plain_values` with each list or tuple in it (at any depth) a list, each
     path (``os.PathLike``: a ``pathlib.Path``) its text, each function, class or other callable object its
-    :func:`saved_name`, and each other dataclass a dict of its fields. Python's yaml writes a tuple with a
+    :func:`saved_name`, an object with a ``saved_setting()`` method what that returns (a ``WeightedReward``: the
+    spec a config gives to build it), and each other dataclass a dict of its fields. Python's yaml writes a tuple with a
     ``!!python/tuple`` tag, and a path or a function with tags of their own, which ``yaml.safe_load`` (TensorBoard's
     hparams reader, a user's script) refuses, as torch.load(weights_only=True) refuses a pickled function, path or
     dataclass. What a run saves of its settings (a logger's hparams.yaml, a checkpoint's hyperparameters), while the
@@ -422,6 +423,8 @@ def plain_yaml_values(value: Any) -> Any:
         return [plain_yaml_values(item) for item in value]
     if isinstance(value, os.PathLike):
         return os.fsdecode(value)
+    if not isinstance(value, type) and callable(getattr(type(value), "saved_setting", None)):
+        return plain_yaml_values(value.saved_setting())  # the object says how a config spells it (a reward)
     if callable(value):
         return saved_name(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
