@@ -84,6 +84,52 @@ def test_a_sound_data_state_is_taken_by_every_owner(tiny_llama, built):
     assert data.steps_built == 1 and data.engine.rollout_index == 3
 
 
+def _length_aware_sampling(predictor) -> dict:
+    """The data module keywords of the length-aware method with ``predictor``, the caller's object."""
+    return {"strategy": "infinite", "scheduler": {"length_aware": {"predictor": predictor}}}
+
+
+def _length_aware_engine_state() -> dict:
+    """An engine state of the length-aware method whose predictor learned otherwise than a fresh one (another seed
+    and observation count): a sound state that changes the predictor it is loaded into."""
+    from lit_grpo.scheduling.config import InfiniteSchedulerConfig
+    from lit_grpo.scheduling.length_aware import OnlineLengthPredictor
+
+    learned = OnlineLengthPredictor(seed=5, min_token_observations=3)
+    scheduler = InfiniteSchedulerConfig(length_aware={"predictor": learned}).build()
+    return {"rollout_index": 3, "scheduler": scheduler.state_dict()}
+
+
+def test_checking_an_engine_state_leaves_the_callers_length_predictor_as_it_was():
+    """The check runs the scheduler's own load on a scratch scheduler of the strategy; the predictor it was given is
+    the caller's (the engine's to be), so the check must not load into it: only the load that takes the state may."""
+    from lit_grpo.sampling import SamplingConfig
+    from lit_grpo.sampling.engine import check_engine_state
+    from lit_grpo.scheduling.length_aware import OnlineLengthPredictor
+
+    predictor = OnlineLengthPredictor()
+    before = predictor.state_dict()
+    config = SamplingConfig(group_size=4, max_new_tokens=8, **_length_aware_sampling(predictor))
+    check_engine_state(_length_aware_engine_state(), config)
+    assert _same_state(predictor.state_dict(), before)
+
+
+def test_a_data_state_refused_after_its_engine_state_was_checked_leaves_the_length_predictor_as_it_was():
+    """Loaded before setup, a data state's engine state is checked at once and its sampler state once setup has
+    built the sampler: a sound scheduler state beside a corrupt sampler state leaves the predictor untouched."""
+    from lit_grpo.scheduling.length_aware import OnlineLengthPredictor
+
+    state = {**_moved_sampler_state(), "engine": _length_aware_engine_state()}
+    state["sampler"]["position"] = -1
+    data = RolloutDataModule(**datamodule_arguments(_length_aware_sampling(OnlineLengthPredictor())))
+    predictor = data.sampling.scheduler.length_aware.predictor  # the one the engine will learn with
+    before = predictor.state_dict()
+    with pytest.raises(ValueError, match=r"^sampler state position=-1 is not allowed"):
+        data.load_state_dict(state)
+        data.setup("fit")
+    assert _same_state(predictor.state_dict(), before)
+
+
 # ------------------------------------------------------------------------------ corrupt, or another run's
 @pytest.mark.parametrize("change, message", [
     (lambda sampler: sampler.update(position=-1), r"^sampler state position=-1 is not allowed"),
