@@ -41,6 +41,7 @@ so there the same g gives equal completions up to the rounding of attention at a
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -579,7 +580,9 @@ def check_engine_state(state: Any, config: SamplingConfig) -> None:
     built, checked now and not at its first rollout. The scheduler's state is loaded into a scratch scheduler of the
     strategy, its warnings left to the load that takes it."""
     checked_rollout_index(state)
-    scheduler = _default_scheduler(config)
+    # a copy: the config holds the caller's length predictor, the engine's to be, which only the load that takes
+    # the state may change (a state refused after this check must leave it as it was)
+    scheduler = copy.deepcopy(_default_scheduler(config))
     if "scheduler" in state and hasattr(scheduler, "load_state_dict"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
