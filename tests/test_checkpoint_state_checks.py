@@ -130,6 +130,58 @@ def test_a_data_state_refused_after_its_engine_state_was_checked_leaves_the_leng
     assert _same_state(predictor.state_dict(), before)
 
 
+def test_a_data_state_loaded_before_setup_and_refused_there_leaves_nothing_taken():
+    """A state loaded before setup (a Python caller's; Lightning sets up first) has its sampler's part checked only
+    once setup has built the sampler: refused there, none of it was taken, the count, the random states and the
+    engine's state (kept for the builder) included."""
+    import random
+
+    from lit_grpo.datamodules.random_state import get_rng_states
+
+    saved = _set_up()
+    state = {**_moved_sampler_state(), "steps_built": 3, "rng": saved.state_dict()["rng"],
+             "engine": {"rollout_index": 3}}
+    state["sampler"]["position"] = -1
+    random.random()  # this process's states now differ from the saved ones
+    before = get_rng_states()
+    data = RolloutDataModule(**datamodule_arguments({}))
+    with pytest.raises(ValueError, match=r"^sampler state position=-1 is not allowed"):
+        data.load_state_dict(state)
+        data.setup("fit")
+    assert data.steps_built == 0 and data._pending_state == {}
+    assert get_rng_states()["python"] == before["python"]
+    assert _same_state(data.state_dict()["sampler"], _set_up().state_dict()["sampler"])
+
+
+def test_a_data_state_loaded_before_attach_is_checked_against_the_tool_settings():
+    """Tool calling does not run with partial rollouts: a state carrying partial rollouts, loaded before attach has
+    rendered the tools for the tokenizer, is refused at once, not by the builder at the first rollout once the
+    sampler and the count had taken their parts."""
+    from lit_grpo.rollout.builder import Prompt, PromptExample, _Carry, _carried_state
+    from lit_grpo.sampling import GroupProgress, SampleProgress
+
+    prompt = Prompt(0, PromptExample("2+3?", None, {"prompt": "2+3?"}), [1, 2, 3])
+    carried = GroupProgress(prompt.ids, [SampleProgress() for _ in range(4)], (0, 0), tag=_Carry(prompt))
+    state = {**_moved_sampler_state(), "steps_built": 1, "engine": {"rollout_index": 2,
+                                                                    "carried": [_carried_state(carried)]}}
+    data = _set_up(tools=[_add], max_tool_calling_iterations=1)
+    before = data.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"carries 1 unfinished group.*data\.tools"):
+        data.load_state_dict(state)
+    assert _same_state(data.sampler.state_dict(), before)
+    assert data.steps_built == 0 and data._pending_state == {}
+
+
+def _add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
 # ------------------------------------------------------------------------------ corrupt, or another run's
 @pytest.mark.parametrize("change, message", [
     (lambda sampler: sampler.update(position=-1), r"^sampler state position=-1 is not allowed"),
