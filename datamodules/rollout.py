@@ -424,7 +424,10 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         self.builder: RolloutBuilder | None = None
         self._handover: dict[str, Any] | None = None  # what attach() was given
         self._toolbox: ToolBox | None = None  # data.tools rendered for the handed-over tokenizer
-        self._pending_state: dict[str, Any] = {}
+        self._pending_state: dict[str, Any] = {}  # the engine's state, kept until the builder is built
+        #: a data state loaded before setup (this rank's parts, ``_own_data_state``), kept whole until setup has built
+        #: the sampler that checks its part, so that a refused sampler state leaves nothing taken
+        self._state_for_setup: dict[str, Any] | None = None
         self.steps_built = 0  # training rollouts built so far (the position in the prompt stream)
         self._step_drawn: set[int] = set()  # one process: the prompts this step has drawn so far
         #: several ranks: the positions of the groups every rank carried out of the last step (``_finish_step``)
@@ -579,8 +582,9 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         with config_errors("data.curriculum_kwargs"):
             self.sampler = build_prompt_sampler(self.curriculum, len(self.train_indices), self.sampling.seed,
                                                 **self.curriculum_kwargs)
-        if "sampler" in self._pending_state:
-            self._load_sampler_state(self._pending_state.pop("sampler"))
+        if self._state_for_setup is not None:  # refused, it is dropped whole: nothing of it was taken
+            state, self._state_for_setup = self._state_for_setup, None
+            self._take_own_data_state(state)
         self._render_prompts()
 
     def _prompt_source(self) -> str:
@@ -862,16 +866,13 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
     def _local_state(self) -> dict[str, Any]:
         """This rank's state, as ``state_dict`` without the gather of the ranks' engine states."""
         state: dict[str, Any] = {"steps_built": self.steps_built, "rng": get_rng_states(),
-                                 "in_flight": list(self._in_flight), **self._pending_state}
+                                 "in_flight": list(self._in_flight), **self._pending_state,
+                                 **(self._state_for_setup or {})}  # loaded before setup, not taken yet
         if self.sampler is not None:
             state["sampler"] = {**self.sampler.state_dict(), TRAIN_PROMPTS_KEY: self._train_fingerprint}
         if self.builder is not None:
             state["engine"] = self.builder.state_dict()
         return state
-
-    def _load_sampler_state(self, state: Any) -> None:
-        """Take a data state's ``sampler`` (``_checked_sampler_state``)."""
-        self._take_sampler_state(*self._checked_sampler_state(state))
 
     def _checked_sampler_state(self, state: Any) -> tuple[dict, bool]:
         """The sampler's own part of a data state's ``sampler`` (the sampler's state and the hash of the training
@@ -921,9 +922,23 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         only evaluates it takes none of the training stream: it may hold out other prompts than the fit did. All or
         nothing: every part is checked before any owner takes its own (its keys, the counts, this rank's random
         states tried on scratch generators, the sampler's and the engine's states by their owners), so a corrupt or
-        foreign one is refused naming the bad key or value and leaves the data module as it was."""
+        foreign one is refused naming the bad key or value and leaves the data module as it was. Before ``setup``
+        (a Python caller's order; Lightning sets up first) the state is checked but for the sampler's part, which
+        only the sampler setup builds can check, and kept whole: setup checks that part and takes all of it, or
+        refuses all of it."""
         if not self._fitting():
             return
+        state = self._own_data_state(state_dict)
+        if self.sampler is None:  # kept whole; a second load replaces the parts it holds, as taking them would
+            self._state_for_setup = {**(self._state_for_setup or {}), **state}
+        else:
+            self._take_own_data_state(state)
+
+    def _own_data_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's parts of a data state, as ``_local_state`` holds them (``steps_built``, ``in_flight``, and
+        where given ``rng``, ``engine`` and ``sampler``), each checked but the sampler's, else a ValueError naming
+        the bad key or value. The engine's part is checked against the tool settings, known before ``attach``
+        renders the tools."""
         check_state_keys("a RolloutDataModule state", state_dict, _STATE_KEYS, optional=_STATE_KEYS)
         steps_built = check_int("data state steps_built", state_dict.get("steps_built", 0), 0)
         # a checkpoint from before the ranks' carried groups were gathered: none known until its first step ends
@@ -932,28 +947,34 @@ class RolloutDataModule(PlainHyperparameters, LightningDataModule):
         if None in positions:
             raise ValueError(f"{shown_setting('data state in_flight', in_flight, 80)} is not allowed; it must be a "
                              "list of prompt positions (integers >= 0)")
+        state: dict[str, Any] = {"steps_built": steps_built, "in_flight": positions}
         rng = self._own_rng_states(state_dict)
         if rng is not None:
             check_rng_states("data state " + ("rng" if rng is state_dict.get("rng")
                                               else f"rng_by_rank[{self._world()[1]}]"), rng)
+            state["rng"] = rng
         engine = self._own_engine_state(state_dict)
-        sampler = None
-        if "sampler" in state_dict and self.sampler is not None:
-            sampler = self._checked_sampler_state(state_dict["sampler"])
-        if engine is not None and self.builder is None:  # kept for the builder: checked now, not at its first rollout
-            check_builder_state(engine, self.examples, self.sampling, self._toolbox)
+        if engine is not None:
+            if self.builder is None:  # kept for the builder: checked now, not at its first rollout
+                check_builder_state(engine, self.examples, self.sampling, bool(self.tools))
+            state["engine"] = engine
+        if "sampler" in state_dict:
+            state["sampler"] = state_dict["sampler"]
+        return state
+
+    def _take_own_data_state(self, state: dict[str, Any]) -> None:
+        """Take ``_own_data_state``'s ``state`` once its sampler's part is checked too (a set-up data module)."""
+        sampler = self._checked_sampler_state(state["sampler"]) if "sampler" in state else None
         # the last check: the builder checks its state whole before it takes any of it; nothing below can fail
-        if engine is not None and self.builder is not None:
-            self.builder.load_state_dict(engine, self.examples)
-        elif engine is not None:
-            self._pending_state["engine"] = engine
+        if "engine" in state and self.builder is not None:
+            self.builder.load_state_dict(state["engine"], self.examples)
+        elif "engine" in state:
+            self._pending_state["engine"] = state["engine"]
         if sampler is not None:
             self._take_sampler_state(*sampler)
-        elif "sampler" in state_dict:  # checked once setup has built the sampler
-            self._pending_state["sampler"] = state_dict["sampler"]
-        self.steps_built, self._in_flight = steps_built, positions
-        if rng is not None:
-            set_rng_states(rng)
+        self.steps_built, self._in_flight = state["steps_built"], state["in_flight"]
+        if "rng" in state:
+            set_rng_states(state["rng"])
 
     def _fitting(self) -> bool:
         """Whether this datamodule serves a fit (also when no trainer is attached: a Python caller's stream)."""

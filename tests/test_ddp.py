@@ -130,8 +130,8 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
     # the fit's group size: the carried groups are checked as the data state is loaded, against this run's
     data = RolloutDataModule(prompts=["1 + 1", "2 + 2"], val_size=0, sampling={"group_size": 4})
     data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
-    data.load_state_dict(state)
-    assert data._pending_state["engine"] == by_rank[1]
+    data.load_state_dict(state)  # before setup: kept whole until setup has checked its sampler part
+    assert data._local_state()["engine"] == by_rank[1]
     data.trainer = type("Trainer", (), {"world_size": 3, "global_rank": 0})()
     with pytest.raises(ValueError, match=r"carries partial rollouts of 2 rank\(s\); resume it with as many ranks "
                                          r"\(this run has 3\)"):
@@ -140,17 +140,17 @@ def test_each_rank_carries_its_own_partial_rollouts_into_the_checkpoint(tmp_path
         data.load_state_dict({"engine": by_rank[0]})
     nothing_carried = {"engine_by_rank": [{**engine, "carried": []} for engine in by_rank]}
     data.load_state_dict(nothing_carried)  # another number of ranks: rank 0's counter and scheduler for each
-    assert data._pending_state["engine"] == nothing_carried["engine_by_rank"][0]
+    assert data._local_state()["engine"] == nothing_carried["engine_by_rank"][0]
     data.trainer.state = type("State", (), {"fn": "validate"})()  # evaluating needs no engine state
-    data._pending_state.pop("engine", None)
+    data._state_for_setup = None
     data.load_state_dict(state)
-    assert "engine" not in data._pending_state
+    assert "engine" not in data._local_state()
     # a checkpoint written with rank 0's engine state and every rank's carried groups beside it
     older = {"engine": {**by_rank[0], "carried": None, "carried_by_rank": [e["carried"] for e in by_rank]}}
     older["engine"].pop("carried")
     data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 1})()
     data.load_state_dict(older)
-    assert data._pending_state["engine"] == {**by_rank[0], "carried": by_rank[1]["carried"]}
+    assert data._local_state()["engine"] == {**by_rank[0], "carried": by_rank[1]["carried"]}
 
 
 def test_a_ddp_resume_with_dropout_on_goes_on_with_each_ranks_own_random_states(tmp_path):

@@ -293,7 +293,7 @@ class RolloutBuilder:
         builder as it was. ``examples``: the prompt set the carried groups' indices point into (``Prompt.index``); a
         carried group whose prompt is the one there gets its gold answer from it, as the row holds it
         (``_source_answer``)."""
-        checked = checked_builder_state(state, examples, self.sampling, self.tools)
+        checked = checked_builder_state(state, examples, self.sampling, self.tools is not None)
         # the engine's part is taken last: only the engine's own checks may fail after this
         if not checked.engine:  # a state from before the engine was built: the next rollout builds it afresh
             self._engine, self._pending_engine_state = None, None
@@ -720,15 +720,16 @@ class CheckedBuilderState(NamedTuple):
 
 
 def checked_builder_state(state: Any, examples: Sequence[PromptExample] | None, sampling: SamplingConfig,
-                          tools: ToolBox | None) -> CheckedBuilderState:
-    """``state`` checked for a builder of ``sampling`` and ``tools`` (``examples``: the prompt set its carried
-    groups point into), the engine's part apart, else a ValueError naming the bad key or value."""
+                          tool_calling: bool) -> CheckedBuilderState:
+    """``state`` checked for a builder of ``sampling``, calling tools or not (``tool_calling``; ``examples``: the
+    prompt set its carried groups point into), the engine's part apart, else a ValueError naming the bad key or
+    value."""
     check_state_keys("a rollout builder state", state, _STATE_KEYS, optional=_STATE_KEYS)
     state = dict(state)
     carried = state.pop("carried", [])
     if not isinstance(carried, (list, tuple)):
         raise ValueError(f"{shown_setting('builder state carried', carried, 80)} must be a list of carried groups")
-    if carried and tools is not None:  # they would finish without tool rounds, in a rollout of their own
+    if carried and tool_calling:  # they would finish without tool rounds, in a rollout of their own
         raise ValueError(f"the checkpoint carries {len(carried)} unfinished group(s) of partial rollouts "
                          "(over_provision > 1), and tool calling (data.tools) does not run with partial "
                          "rollouts: resume it without data.tools, or start from a checkpoint that carries none")
@@ -741,10 +742,11 @@ def checked_builder_state(state: Any, examples: Sequence[PromptExample] | None, 
 
 
 def check_builder_state(state: Any, examples: Sequence[PromptExample] | None, sampling: SamplingConfig,
-                        tools: ToolBox | None) -> None:
+                        tool_calling: bool) -> None:
     """Refuse ``state`` as ``RolloutBuilder.load_state_dict`` of a builder not built yet would, without one: for
-    the data module, which keeps a state until it builds its builder, checked now and not at the first rollout."""
-    engine = checked_builder_state(state, examples, sampling, tools).engine
+    the data module, which keeps a state until it builds its builder, checked now and not at the first rollout
+    (``tool_calling``: whether that builder will call tools, known from the settings before their tokenizer)."""
+    engine = checked_builder_state(state, examples, sampling, tool_calling).engine
     if engine:
         check_engine_state(engine, sampling)
 
