@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_grpo.runtime.distributed import strategy_all_gather
@@ -208,7 +209,9 @@ class FitSummary(Callback):
         self._validation_started_s = time.perf_counter()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
+        # a trainer.validate of its own (after a fit, with the same callback) is no point of the fit's curve nor
+        # part of its time
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         if self._started_s is not None and self._validation_started_s is not None:
             self._validation_s += time.perf_counter() - self._validation_started_s
