@@ -231,3 +231,25 @@ def test_a_forecast_of_a_reward_the_module_never_logs_says_so_naming_the_logged_
     assert run.said == ["RewardForecast: monitor='reward/mean' has not been logged by step 0, so nothing is forecast "
                         "(or stopped); logged keys: []"]
     assert forecast.rewards == [] and run.logger.keys() == set()
+
+
+@pytest.mark.parametrize("make, keys", [
+    (callbacks.PeakMemoryMonitor, ["memory/step_peak_bytes", "memory/step_peak_delta_bytes"]),
+    (lambda: callbacks.RewardForecast(min_points=5, check_every_n_steps=1),
+     ["forecast/plateau_reward", "forecast/remaining_gain", "forecast/step_to_plateau"]),
+], ids=["PeakMemoryMonitor", "RewardForecast"])
+def test_a_callback_with_no_logger_for_its_keys_says_so_once(tmp_path, make, keys):
+    """Trainer(logger=False): what the callback measured has nowhere to go, said once, naming the keys (it went
+    unsaid: every step's figures dropped without a word)."""
+    callback = make()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=STEPS, accelerator="cpu", logger=False,
+                         callbacks=[callback], log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    name = type(callback).__name__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.seed_everything(0)
+        trainer.fit(LoggingBoringModel(), datamodule=TinyData())
+    said = [str(w.message) for w in caught if str(w.message).startswith(f"{name}:")]
+    assert said == [f"{name}: the trainer has no logger (Trainer(logger=False)), so {keys} are not written; give the "
+                    "Trainer a logger (a CSVLogger will do) to keep them"]
