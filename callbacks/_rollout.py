@@ -18,6 +18,7 @@ pays no collective a batch for them; a rollout batch from a source that did not 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -28,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.rollout.metrics import gather_over_ranks, whole_step_metrics
 from lit_grpo.runtime.distributed import strategy_all_gather
+from lit_grpo.runtime.validation import shown_keys
 from lit_grpo.sampling.stats import RolloutStats
 from lit_grpo.scheduling.base import DECISION_NAMES, decision_counts
 
@@ -42,6 +44,9 @@ CARRYING_ROLLOUTS = ("a batch carries one where the data pipeline sets its batch
                      "callback")
 
 T = TypeVar("T")
+
+#: The callbacks told that the trainer has no logger for their keys (``log_metrics``), each once.
+_TOLD_NO_LOGGER: weakref.WeakSet[pl.Callback] = weakref.WeakSet()
 
 
 class RolloutLike(Protocol):
@@ -147,15 +152,24 @@ def tensorboard_experiments(trainer: pl.Trainer) -> list[Any]:
     return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], every_log_step: bool = True) -> None:
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], by: pl.Callback, every_log_step: bool = True) -> None:
     """Write scalars straight to every logger at this batch's step, as Lightning's own monitor callbacks do.
 
     Not ``pl_module.log``: Lightning re-logs a key's last value at every later step of the epoch, even steps that
     did not log it, so a figure skipped for one step (no length predictor) or logged only at some steps (a
     forecast) would show stale copies. ``every_log_step`` honours ``Trainer(log_every_n_steps=...)``; callbacks
-    with their own cadence pass False. Called from training-batch hooks.
+    with their own cadence pass False. Called from training-batch hooks, ``by`` the callback that writes: a trainer
+    without a logger is said once per callback, naming the keys that are not written (not refused, as Lightning's
+    monitors do: what these callbacks keep, PeakMemoryMonitor's ``max_logged``, a forecast's stop, still works).
     """
     if not metrics or (every_log_step and not log_step_due(trainer)):
+        return
+    if not trainer.loggers:
+        if by not in _TOLD_NO_LOGGER:
+            _TOLD_NO_LOGGER.add(by)
+            rank_zero_warn(f"{type(by).__name__}: the trainer has no logger (Trainer(logger=False)), so "
+                           f"{shown_keys(metrics)} are not written; give the Trainer a logger (a CSVLogger will do) "
+                           "to keep them")
         return
     step = logger_step(trainer)
     for logger in trainer.loggers:

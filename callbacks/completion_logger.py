@@ -115,7 +115,7 @@ class CompletionLogger(Callback):
         wanted = [key for key in COMPLETION_KEYS if key not in trainer.callback_metrics]
         if wanted and (gathers_rollouts(trainer) or trainer.world_size <= 1):
             summary = completion_length_metrics(lengths, truncated) if lengths.numel() else {}
-            log_metrics(trainer, whole_step(trainer, {key: summary.get(key) for key in wanted}, wanted))
+            log_metrics(trainer, whole_step(trainer, {key: summary.get(key) for key in wanted}, wanted), self)
         if lengths.numel() == 0:
             return
 

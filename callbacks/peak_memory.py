@@ -167,7 +167,7 @@ class PeakMemoryMonitor(Callback):
         metrics = whole_step(trainer, metrics, MEMORY_KEYS)
         for key, value in metrics.items():
             self.max_logged[key] = max(self.max_logged.get(key, value), value)
-        log_metrics(trainer, metrics)
+        log_metrics(trainer, metrics, self)
 
     def _step_peaks(self, batch: Any) -> dict[str, int]:
         """This process's peaks of the step that just ended, by logged key (under gradient accumulation each the

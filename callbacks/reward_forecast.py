@@ -217,7 +217,7 @@ class RewardForecast(Callback):
             "forecast/plateau_reward": forecast.plateau_reward,
             "forecast/step_to_plateau": forecast.step_to_plateau,
             "forecast/remaining_gain": forecast.remaining_gain,
-        }, every_log_step=False)
+        }, self, every_log_step=False)
         return forecast
 
     def _maybe_stop(self, trainer: pl.Trainer, forecast: Forecast | None) -> None:

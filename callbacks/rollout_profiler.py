@@ -160,7 +160,7 @@ class RolloutProfiler(Callback):
         values = reduce_over_ranks(per_rank, [*(f"rollout/{name}" for name in ROLLOUT_FIELDS), *ROOFLINE_KEYS,
                                               *DECISION_KEYS])
         values = {key: value for key, value in values.items() if value or key not in DECISION_KEYS}
-        log_metrics(trainer, values)
+        log_metrics(trainer, values, self)
         if self.progress_bar:
             bar = {short: values[f"rollout/{name}"] for name, short in PROGRESS_BAR_NAMES.items()}
             show_in_progress_bar(pl_module, bar)
