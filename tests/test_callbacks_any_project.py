@@ -135,6 +135,8 @@ def _summary(run: Run, callback: callbacks.FitSummary) -> None:
     first, last = sum(rewards[:3]) / 3, sum(rewards[3:]) / 3
     assert f"reward/mean    {first:.3f} -> {last:.3f}   (mean of the first 3 steps -> the last 3)" in run.out
     assert "rollout time" not in run.out  # no rollouts: no line about them
+    # where the logs are, with a logger other than TensorBoard's too (its folder was not named)
+    assert f"  logs           {run.logger.log_dir} (RecordingCSVLogger)\n" in run.out
 
 
 def _checkpoint(run: Run, callback: callbacks.RunCheckpoint) -> None:
