@@ -90,7 +90,8 @@ class FitSummary(Callback):
                          --torch_num_threads 1 (or OMP_NUM_THREADS=1)
 
     The checkpoint line's way back is ``lit-grpo``'s ``--ckpt_path last``, in a script of its own ``trainer.fit(...,
-    ckpt_path=PATH)``. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
+    ckpt_path=PATH)``. Another logger that writes to a folder (a CSVLogger) has a ``logs`` line of its own, its folder
+    and its class. A line whose figure was never logged is left out. A step is a training step (a batch that ends an
     optimizer step; a GRPO batch with all its optimizer steps; the first line adds their count, ``trainer.global_step``,
     where it differs), and its time counts the training steps only (the validations in between are named apart); a
     step's rollout time is that of every batch's rollout in it (under gradient accumulation, all its micro-batches'),
@@ -501,6 +502,10 @@ class FitSummary(Callback):
         if logger is not None:
             lines.append(f"  {'logs':<14} {shown_path(logger.log_dir)}  ->  tensorboard --logdir "
                          f"{shown_path(logger.root_dir)}")
+        for other in trainer.loggers:  # any other logger that writes to a folder here (a CSVLogger) is named too
+            folder = getattr(other, "log_dir", None)
+            if not isinstance(other, TensorBoardLogger) and isinstance(folder, str) and os.path.isdir(folder):
+                lines.append(f"  {'logs':<14} {shown_path(folder)} ({type(other).__name__})")
         checkpoint = last_checkpoint_callback(trainer)
         if isinstance(checkpoint, ModelCheckpoint):
             path = checkpoint.last_model_path or checkpoint.best_model_path
