@@ -23,7 +23,8 @@ class ExportModel(Callback):
 
     The same directory ``lit-grpo export --ckpt_path last.ckpt --out DIR`` writes, its EOS ids those the rollouts
     stopped on (with ``data.tools``, the chat template's end-of-turn token too: ``tool_stop_token_ids``). Only rank 0
-    writes. Logs no keys.
+    writes. A module without a ``policy`` and a ``tokenizer`` is refused when ``fit`` starts, before any step, naming
+    what it lacks. Logs no keys.
 
     Args:
         dirpath: the directory to write; default ``model/`` in the run's log folder (``version_N/model``), so each

@@ -42,7 +42,8 @@ class PeakMemoryMonitor(Callback):
       started: what the phase itself added. On CPU the absolute peaks are resident-set sizes, which carry over
       what the previous phase left in the allocator (a rollout with a small KV cache reads the whole footprint
       the update left); the delta is the figure to compare across phases and settings. It can be 0 when a phase
-      only reused memory the process already held.
+      only reused memory the process already held. The step's on any LightningModule, each phase's where its
+      peak above is logged.
     - on CUDA also ``memory/{step,rollout,update,optimizer}_peak_reserved_bytes``: the same peaks of the allocator's
       reserved memory (allocated plus cached blocks); the keys above are then allocated bytes.
 
