@@ -475,6 +475,24 @@ def test_a_resume_refuses_another_dropout_head_precision_or_entropy_mask_and_rea
         check_resumable(older, changed, data, defaults=defaults)
 
 
+def test_a_resume_names_a_setting_or_key_too_long_to_print_as_refusals_do(tmp_path):
+    """A value or a key that holds an int too long to print (Python's int-to-str limit) is named in a resume's
+    differences as refusals name it: repr's and str()'s ValueError failed in place of the refusal (a run's
+    data.sampling.group_size, a hand-edited checkpoint's key), and a key that is no text failed to join the names."""
+    path = tmp_path / "edited.ckpt"
+    saved = {"model": "tiny-llama", "dtype": None, 1: "a", 10**5000: "b"}  # no disable_dropout: an older release's
+    torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": saved,
+                "datamodule_hyper_parameters": {"sampling": {"group_size": 4}}}, path)
+    module = {"model": "tiny-llama", "dtype": None, "disable_dropout": True}
+    with pytest.raises(ValueError) as refused:
+        check_resumable(path, module, {"sampling": {"group_size": 10**5000}})
+    message = str(refused.value)
+    assert "\n  model.disable_dropout: None in the checkpoint, True now\n" in message
+    assert ("(the checkpoint also holds model.1, model.(an int of 5001 digits), which this release does not have: "
+            in message)
+    assert "\n  data.sampling.group_size: 4 in the checkpoint, an int of 5001 digits now\n" in message
+
+
 def _with_tuples(value):
     """``value`` with each list in it a tuple: a Python run's settings as releases saved them before they saved plain
     YAML (AdamW's betas, stop strings, LoRA's layer pairs)."""

@@ -1308,3 +1308,21 @@ def test_a_text_setting_keeps_inf_as_it_is_given(tmp_path):
     cli = build_cli(["--config", TINY, "--trainer.logger", "false", "--config", str(config)], run=False)
     assert cli.datamodule.hparams.system_prompt == "nan"
     assert takes_float(Optional[float]) and takes_float(int | float) and not takes_float(Optional[str])
+
+
+def test_a_configured_save_last_or_a_warned_setting_too_long_to_print_is_named_as_refusals_name_it():
+    """A value holding an int too long to print (Python's int-to-str limit): repr's and str()'s ValueError failed in
+    place of the refusal of a ModelCheckpoint writing last.ckpt, and of a warning named by its setting's key."""
+    from jsonargparse import Namespace
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_grpo.cli.command import GRPOCLI
+    from lit_grpo.cli.setting_warnings import warned_setting
+
+    with pytest.raises(ValueError, match=r"^ModelCheckpoint\(save_last=\(an int of 5001 digits\)\) would write "
+                                         r"last.ckpt beside lit_grpo's RunCheckpoint"):
+        GRPOCLI._instantiate_trainer(object.__new__(GRPOCLI), {"callbacks": [ModelCheckpoint(save_last=10**5000)]},
+                                     [])
+    config = Namespace(model=Namespace(lr=10**5000))
+    assert warned_setting("lr=(an int of 5001 digits) is large", config) == "model.lr=(an int of 5001 digits) is large"
+    assert warned_setting("lr=2 is large", config) == "lr=2 is large"  # another value: another class's lr

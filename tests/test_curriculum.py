@@ -243,6 +243,11 @@ def test_state_of_another_kind_or_size_is_refused():
         AngleCurriculumSampler(10).load_state_dict(UniformPromptSampler(10).state_dict())
     with pytest.raises(ValueError, match="num_prompts=10 does not match.*num_prompts=12"):
         UniformPromptSampler(12).load_state_dict(UniformPromptSampler(10).state_dict())
+    state = {**UniformPromptSampler(10).state_dict(), "num_prompts": 10**5000}
+    # a count too long to print (Python's int-to-str limit) failed with str()'s ValueError in place of the refusal
+    with pytest.raises(ValueError, match=r"^state num_prompts=\(an int of 5001 digits\) does not match this sampler's "
+                                         r"num_prompts=12: "):
+        UniformPromptSampler(12).load_state_dict(state)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -677,8 +682,16 @@ def test_bad_names_and_values_raise():
         build_prompt_sampler("angle", 10, sigmaa=2.0)
     from lit_grpo.datamodules.curriculum import check_curriculum_options
 
-    with pytest.raises(ValueError, match=r"curriculum_kwargs=\['1', 'x'\] are not options"):  # YAML keys 1 and x
+    # YAML keys 1 and x: each shown as what it is (str() showed the int as the text '1')
+    with pytest.raises(ValueError, match=r"curriculum_kwargs=\[1, 'x'\] are not options"):
         check_curriculum_options("angle", {1: 2, "x": 3})
+    # a key too long to print (Python's int-to-str limit) failed with str()'s ValueError in place of the refusal
+    with pytest.raises(ValueError, match=r"^curriculum_kwargs=\[an int of 5001 digits, 'x'\] are not options of "
+                                         r"curriculum='angle'; its options: \['n', "):
+        check_curriculum_options("angle", {10**5000: 2, "x": 3})
+    with pytest.raises(ValueError, match=r"^curriculum='none' takes no options, got \[an int of 5001 digits, "
+                                         r"'sigma'\]; they apply to curriculum='angle' only$"):
+        check_curriculum_options("none", {10**5000: 2, "sigma": 3})
     from lit_grpo.datamodules.curriculum import check_curriculum_settings
 
     # a repr of an int of more than 4300 digits failed in place of the refusal

@@ -203,6 +203,10 @@ def test_mini_batches_that_do_not_divide_the_steps_groups_are_refused_naming_bot
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=rf"num_mini_batches={bad!r}"):
             GRPOModule(model="tiny-llama", num_mini_batches=bad)
+    # a count too long to print (Python's int-to-str limit) failed in place of the refusal
+    with pytest.raises(ValueError, match=r"^model.num_mini_batches=\(an int of 5001 digits\) must divide the step's "
+                                         r"groups on each rank, data.prompts_per_step=4"):
+        GRPOModule(model="tiny-llama", num_mini_batches=10**5000)._check_mini_batches(4, ValueError)
 
 
 def test_a_fit_refuses_mini_batches_that_do_not_divide_the_steps_groups_before_its_first_rollout():

@@ -244,6 +244,9 @@ def test_random_model_tokenizer_loads_without_the_model():
 def test_random_model_names_are_listed_when_wrong():
     with pytest.raises(ValueError, match=r"unknown random model random:gpt5.*random:qwen3-1.7b"):
         load_model_and_tokenizer("random:gpt5")
+    # a name too long to print (Python's int-to-str limit) failed with str()'s ValueError in place of the refusal
+    with pytest.raises(ValueError, match=r"^unknown random model an int of 5001 digits; allowed: random:qwen3-0.6b, "):
+        models.random_model(10**5000)
 
 
 class _TakesCache(torch.nn.Module):
@@ -344,7 +347,12 @@ def test_a_bad_lora_config_is_named_before_a_model_loads(monkeypatch):
                                  ({"r": 4, "lora_dropout": 1.5},
                                   r"model.peft_config.lora_dropout=1.5 is not allowed; .* finite number >= 0 and < 1"),
                                  ([("r", 4)],
-                                  r"model.peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig")):
+                                  r"model.peft_config=\[\('r', 4\)\] must be a mapping of peft.LoraConfig"),
+                                 # keys that are no text (YAML's 1), one too long to print (Python's int-to-str
+                                 # limit): sorting them with text, matching them to the fields or repr failed
+                                 ({"r": 4, "lora_alfa": 8, 1: 2, 10**5000: 3},
+                                  r"model.peft_config: peft_config has fields peft.LoraConfig does not take: 1, an int "
+                                  r"of 5001 digits, 'lora_alfa' \(did you mean 'lora_alpha'\?\)$")):
         with pytest.raises(ConfigError, match=f"^{message}"):
             module_file.GRPOModule(model="tiny-llama", peft_config=peft_config)
 

@@ -690,6 +690,16 @@ def test_a_hparam_set_before_they_are_saved_is_refused():
                                            r"save_hyperparameters would drop it; set it after$"):
         Data()
 
+    class Huge(PlainHyperparameters, LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.set_hparam("size", 10**5000)
+
+    # an int too long to print (Python's int-to-str limit) failed with repr's ValueError in place of the refusal
+    with pytest.raises(RuntimeError, match=r"^set_hparam\('size', an int of 5001 digits\) before "
+                                           r"save_hyperparameters: "):
+        Huge()
+
 
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
