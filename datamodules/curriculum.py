@@ -90,6 +90,7 @@ from lit_grpo.runtime.validation import (
     config_errors,
     integer_within,
     real_within,
+    shown_keys,
     shown_setting,
     shown_value,
 )
@@ -279,7 +280,7 @@ class PromptSampler:
             raise SettingsDiffer(f"state kind={kind!r} cannot be loaded into {own}; it needs kind={own!r}{curricula}")
         num_prompts = check_int("state num_prompts", state.get("num_prompts"), 1)
         if num_prompts != self.num_prompts:
-            raise SettingsDiffer(f"state num_prompts={num_prompts} does not match this sampler's "
+            raise SettingsDiffer(f"{shown_setting('state num_prompts', num_prompts)} does not match this sampler's "
                                  f"num_prompts={self.num_prompts}: the checkpoint drew from another set of training "
                                  "prompts (other data settings, or a split made before validation held out repeated "
                                  "prompts whole); resume with its data settings, or start a new run")
@@ -616,13 +617,14 @@ def check_curriculum_options(curriculum: str, options: Collection[str]) -> None:
     check_choice("curriculum", curriculum, CURRICULA)
     if curriculum == "none":
         if options:
-            raise ValueError(f"curriculum='none' takes no options, got {sorted(map(str, options))}; they apply to "
+            raise ValueError(f"curriculum='none' takes no options, got {shown_keys(options)}; they apply to "
                              "curriculum='angle' only")
         return
     own = [name for name in inspect.signature(AngleCurriculumSampler).parameters if name not in ("num_prompts", "seed")]
-    unknown = sorted(map(str, set(options) - set(own)))
+    unknown = [name for name in options if name not in own]
     if unknown:
-        raise ValueError(f"curriculum_kwargs={unknown} are not options of curriculum='angle'; its options: {own}")
+        raise ValueError(f"curriculum_kwargs={shown_keys(unknown)} are not options of curriculum='angle'; its "
+                         f"options: {own}")
 
 
 def build_prompt_sampler(curriculum: str, num_prompts: int, seed: int = 0, **options: Any) -> PromptSampler:

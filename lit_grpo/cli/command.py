@@ -169,9 +169,10 @@ class GRPOCLI(LightningCLI):
                 isinstance(cb, RunCheckpoint) for cb in configured):  # beside a ModelCheckpoint keeping a history too
             writers = [cb for cb in configured if isinstance(cb, ModelCheckpoint) and cb.save_last]
             if writers:
-                raise ValueError(f"{type(writers[0]).__name__}(save_last={writers[0].save_last!r}) would write "
-                                 "last.ckpt beside lit_grpo's RunCheckpoint, which keeps it current (atomic, saved "
-                                 "on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
+                writer = writers[0]
+                raise ValueError(f"{type(writer).__name__}({shown_setting('save_last', writer.save_last)}) would "
+                                 "write last.ckpt beside lit_grpo's RunCheckpoint, which keeps it current (atomic, "
+                                 "saved on a stop): set its save_last to false, or configure a RunCheckpoint yourself")
             callbacks = [*callbacks, RunCheckpoint()]
         if self._given_checkpoint is not None:  # compared once the ranks can talk (_parse_ckpt_path)
             path, refused = self._given_checkpoint

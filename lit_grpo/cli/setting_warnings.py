@@ -16,6 +16,7 @@ import yaml
 from jsonargparse import Namespace
 
 from lit_grpo.cli.messages import _LEADING_SETTING, qualified_error
+from lit_grpo.runtime.validation import shown_setting
 
 
 #: The top-level packages of the code that builds the configured classes: a warning a class's constructor raises
@@ -78,7 +79,10 @@ def warned_setting(message: str, config: Namespace) -> str:
         return message
     key = _LEADING_SETTING.match(named).group(1)
     value = config.get(key)
-    return named if named[len(key) + 1:].startswith((repr(value), str(value))) else message
+    shown = [shown_setting(key, value)]  # as a check's message shows it; its repr and str where they can be printed
+    with contextlib.suppress(ValueError):  # an int too long to print (Python's int-to-str limit), held or itself
+        shown += [f"{key}={repr(value)}", f"{key}={value}"]
+    return named if named.startswith(tuple(shown)) else message
 
 
 def setting_location(key: str, args: Sequence[str]) -> tuple[str, int] | None:

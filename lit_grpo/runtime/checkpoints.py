@@ -32,7 +32,7 @@ from lightning.pytorch.core.mixins import HyperparametersMixin
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
-from lit_grpo.runtime.validation import plain_values, plain_yaml_values
+from lit_grpo.runtime.validation import huge_int, plain_values, plain_yaml_values, shown_value
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 #: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
@@ -241,8 +241,8 @@ class PlainHyperparameters(HyperparametersMixin):
         what Lightning's loggers write; ``hparams[name] = value`` would keep a numpy value as it is and reach only
         ``hparams``. Refused before ``save_hyperparameters``, which would drop it."""
         if not hasattr(self, "_hparams_set_later"):
-            raise RuntimeError(f"set_hparam({name!r}, {value!r:.80}) before save_hyperparameters: "
-                               "save_hyperparameters would drop it; set it after")
+            raise RuntimeError(f"set_hparam({shown_value(name)}, {shown_value(value, 80)}) before "
+                               "save_hyperparameters: save_hyperparameters would drop it; set it after")
         self.hparams[name] = plain_values(value)
         self._hparams_set_later[name] = copy.deepcopy(self.hparams[name])
 
@@ -412,7 +412,8 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         # A setting the checkpoint holds that this release does not have may be one it renamed or moved (flat loss
         # settings into model.loss): then a setting the checkpoint lacks ran as that one, not as its default.
         settings = _fields(current[section])
-        unknown = [prefix + key for key in saved if not str(key).startswith("_") and key not in settings]
+        unknown = [prefix + _key_text(key) for key in saved
+                   if not (isinstance(key, str) and key.startswith("_")) and key not in settings]
         lacked = False
         for name in names:
             old, new = _fields(_lookup(saved, name, _MISSING)), _fields(_lookup(current[section], name))
@@ -428,7 +429,7 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
             skipped = set()
             if unread is not None and "" not in old and "" not in new:  # fields that neither run reads
                 skipped = set(unread(name, {**default, **old})) & set(unread(name, {**default, **new}))
-            for key in sorted(set(old) | set(new), key=str):
+            for key in sorted(set(old) | set(new), key=_key_text):
                 if key in skipped:
                     continue
                 was, now = old.get(key, default.get(key)), new.get(key)
@@ -437,7 +438,7 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                     compared = _null_dtype_as_loaded((was, _lookup(saved, "model")),
                                                      (now, _lookup(current[section], "model")))
                 if _normalized(compared[0], name) != _normalized(compared[1], name):
-                    shown = f"{prefix}{name}.{key}" if key else f"{prefix}{name}"
+                    shown = f"{prefix}{name}.{_key_text(key)}" if key != "" else f"{prefix}{name}"
                     differing.append(f"{shown}: {_shown(was, compared[0])} in the checkpoint, "
                                      f"{_shown(now, compared[1])} now")
                     lacked = lacked or key not in old
@@ -562,10 +563,21 @@ def _null_dtype_as_loaded(saved: tuple[Any, Any], current: tuple[Any, Any]) -> t
 
 
 def _shown(value: Any, compared: Any) -> str:
-    """A setting's value as a difference names it; a null dtype with the dtype it was compared as."""
+    """A setting's value as a difference names it (:func:`shown_value`; whole, as two paths may differ at their
+    ends); a null dtype with the dtype it was compared as."""
     if value is None and isinstance(compared, torch.dtype):
         return f"None (its model's own dtype, {str(compared).removeprefix('torch.')})"
-    return repr(value)
+    return shown_value(value, 1000)
+
+
+def _key_text(key: Any) -> str:
+    """A settings key as a difference names it after its group's (``model.KEY``): a string itself, another key
+    (a hand-edited checkpoint's) as :func:`shown_value` shows it, in parentheses where that is words (an int too long
+    to print), as :func:`shown_setting` shows a value."""
+    if isinstance(key, str):
+        return key
+    huge = huge_int(key)
+    return f"({huge})" if huge is not None else shown_value(key)
 
 
 def _normalized(value: Any, name: str = "") -> Any:

