@@ -241,6 +241,26 @@ def test_random_model_tokenizer_loads_without_the_model():
     assert module.policy is None and len(module.tokenizer) == 128256
 
 
+def test_a_model_folder_given_as_a_path_loads_as_its_text_does(tmp_path):
+    """A ``pathlib.Path`` names the folder its text names, for every loader (its text is what a run saves and a
+    resume compares); the loaders failed on it (no ``startswith``). What is neither text nor a path is refused by
+    name."""
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    by_path, path_tokenizer = load_model_and_tokenizer(tmp_path)
+    by_text, _ = load_model_and_tokenizer(str(tmp_path))
+    for name, weight in by_text.state_dict().items():
+        torch.testing.assert_close(by_path.state_dict()[name], weight)
+    assert path_tokenizer("2 + 2").input_ids == tokenizer("2 + 2").input_ids
+    assert models.load_tokenizer(tmp_path)("2 + 2").input_ids == tokenizer("2 + 2").input_ids
+    assert models.loaded_dtype(tmp_path) == models.loaded_dtype(str(tmp_path)) == torch.float32
+    for loader in (load_model_and_tokenizer, models.load_tokenizer, models.loaded_dtype):
+        with pytest.raises(ValueError, match=r"^model=3 must be a non-empty string or a path \(os.PathLike\): a hub "
+                                             r"id, a built-in model's name or a model folder$"):
+            loader(3)
+
+
 def test_random_model_names_are_listed_when_wrong():
     with pytest.raises(ValueError, match=r"unknown random model random:gpt5.*random:qwen3-1.7b"):
         load_model_and_tokenizer("random:gpt5")

@@ -701,6 +701,37 @@ def test_a_hparam_set_before_they_are_saved_is_refused():
         Huge()
 
 
+def test_a_model_folder_given_as_a_path_is_the_setting_its_text_is(tmp_path):
+    """``GRPOModule(model=Path(folder))`` loads, saves and resumes as ``model=str(folder)`` does: it was refused as
+    no string. Its hyperparameters hold the text (a path's YAML tag is what yaml.safe_load refuses)."""
+    from lit_grpo.runtime.checkpoints import check_resumable
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    folder = tmp_path / "model"
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    by_path, by_text = GRPOModule(model=folder), GRPOModule(model=str(folder))
+    for hparams in (by_path.hparams, by_path.hparams_initial):
+        assert hparams["model"] == str(folder) and type(hparams["model"]) is str
+    assert dict(by_path.hparams) == dict(by_text.hparams)
+    by_path.configure_model()
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(by_path.policy.state_dict()[name], weight)
+    # a checkpoint of either resumes the other, a null dtype read as the folder's (float32) on either side
+    checkpoint = tmp_path / "last.ckpt"
+    for saved, now in ((by_path.hparams, by_text.hparams), (by_text.hparams, {**by_text.hparams, "model": folder})):
+        torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": dict(saved)},
+                   checkpoint)
+        check_resumable(checkpoint, now, None)
+        check_resumable(checkpoint, {**now, "dtype": "float32"}, None)
+    torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [],
+                "hyper_parameters": {**by_text.hparams, "dtype": "float32"}}, checkpoint)
+    check_resumable(checkpoint, {**by_text.hparams, "model": folder}, None)
+    with pytest.raises(ValueError, match=r"model.dtype: 'float32' in the checkpoint, 'bfloat16' now"):
+        check_resumable(checkpoint, {**by_text.hparams, "model": folder, "dtype": "bfloat16"}, None)
+
+
 def assert_loads_back(hparams):
     """``hparams`` saved by torch.save read back equal by torch.load(weights_only=True), as a checkpoint's are."""
     buffer = io.BytesIO()

@@ -111,6 +111,16 @@ def test_a_config_names_it_by_its_folder_or_as_the_built_in(reward_model_path):
     torch.testing.assert_close(scores.total, 2 * scores.components["rm2"])
 
 
+def test_a_folder_given_as_a_path_is_read_as_its_text_is(reward_model_path):
+    """A ``pathlib.Path`` (a Python config's) names the folder its text names; it was refused as no hub id or
+    folder."""
+    by_path = RewardModel(Path(reward_model_path))
+    assert by_path.__name__ == "tiny-rm"
+    assert by_path(["2 + 2?"], ["4", "5"]) == RewardModel(reward_model_path)(["2 + 2?"], ["4", "5"])
+    (func,) = build_reward_funcs([{"name": "reward_model", "kwargs": {"model": Path(reward_model_path)}}])
+    assert func.fn(["2 + 2?"], ["4"]) == by_path(["2 + 2?"], ["4"])
+
+
 def test_a_folder_under_the_home_directory_is_read_from_there(reward_model_path, tmp_path, monkeypatch):
     """``~/name``, as the policy's model takes it: the tokenizer and the model are read from the same folder."""
     import shutil
