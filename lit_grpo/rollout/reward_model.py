@@ -15,6 +15,7 @@ forward, on the policy's device (``device: auto``: the current CUDA device where
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,21 @@ class RewardModel:
     """Scores completions with a sequence-classification reward model (module docstring).
 
     Args:
-        model: the reward model's hub id or folder (read offline where the hub is unreachable).
+        model: the reward model's hub id or folder (read offline where the hub is unreachable); a
+            ``pathlib.Path`` is its text.
         dtype: the dtype it runs in (``model.dtype``'s names); None: its checkpoint's.
         device: "auto" (the current CUDA device, else the CPU) or a torch device name.
         batch_size: texts scored per forward, >= 1.
     """
 
-    def __init__(self, model: str, dtype: str | None = None, device: str = "auto", batch_size: int = 16):
+    def __init__(self, model: str | os.PathLike, dtype: str | None = None, device: str = "auto",
+                 batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from lit_grpo.runtime.models import hub_keywords, resolve_dtype
 
+        if isinstance(model, os.PathLike):  # as its text, which the refusals below name and __name__ ends
+            model = os.fsdecode(model)
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward_model: {shown_setting('model', model)} must be a reward model's hub id or folder")
         batch_size = check_int("reward_model batch_size", batch_size, 1)

@@ -556,7 +556,9 @@ def _null_dtype_as_loaded(saved: tuple[Any, Any], current: tuple[Any, Any]) -> t
     if (was is None) == (now is None):
         return was, now
     model = saved_model if was is None else current_model
-    dtype = loaded_dtype(model) if isinstance(model, str) else None
+    dtype = None
+    with contextlib.suppress(ValueError):  # no model's name or path (a corrupt checkpoint's): not told
+        dtype = loaded_dtype(model)
     if dtype is None:
         return was, now
     return (dtype, now) if was is None else (was, dtype)

