@@ -3,7 +3,7 @@
 ``--strict`` turns every warning into a failure: a link to a page or anchor that does not exist, a ``:::`` block
 naming an object griffe cannot find, a docstring whose ``Args:`` name a parameter the signature lacks. And what the
 pages give a user to copy holds: each command's flags are its tool's, each YAML snippet is a config ``lit-grpo``
-accepts, and prose keeps within 120 columns.
+accepts, each file of the repository they name exists, and prose keeps within 120 columns.
 """
 
 from __future__ import annotations
@@ -82,6 +82,55 @@ def test_the_readme_links_to_files_that_exist():
     assert local, "the README links to no docs page"
     missing = [target for target in local if not (ROOT / target).exists()]
     assert missing == []
+
+
+#: A file or folder of the repository a page's code names: a path under one of its top folders, a file by its
+#: extension (or a ``module.name``), a folder by its trailing slash; ``tools/call_frequency``, a logged key, is none.
+REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|tools|tests|lit_grpo|datamodules|callbacks|docs)/"
+                       r"(?:[\w-]+/)*(?:[\w-]+\.[\w.]*\w)?)(?![\w./-])")
+#: Prose that names a file as it was at a commit (``9bfe290's `lit_grpo/cli.py```), which may be gone since.
+AT_A_COMMIT = re.compile(r"\b[0-9a-f]{7,40}'s\s*$")
+
+
+def docs_repository_paths(pages: list[Path]) -> list[tuple[str, str]]:
+    """Every (page, path) of the repository in the pages' code, those named at a commit left out."""
+    found = []
+    for page in pages:
+        text = page.read_text()
+        for at, span in _code_spans_at(text):
+            if not AT_A_COMMIT.search(text[max(0, at - 60):at]):
+                found += [(page.name, path) for path in REPO_PATH.findall(span)]
+    return found
+
+
+def in_repository(path: str) -> bool:
+    """``path`` is a file or folder of the repository, or a ``module.name`` that its module's file defines."""
+    if (ROOT / path).exists():
+        return True
+    module, _, name = path.rpartition(".")
+    source = ROOT / f"{module}.py"
+    definition = rf"^(?:def|class) {name}\b|^{name}\s*[:=]"
+    return source.is_file() and re.search(definition, source.read_text(), re.M) is not None
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A config, tool, test or module that README.md or docs/*.md names in its code (``configs/demo.yaml``,
+    ``lit_grpo/update/loss.py``, ``tests/scheduler_helpers.planted_rollout``) is in the repository."""
+    paths = docs_repository_paths(PAGES)
+    assert ("README.md", "configs/demo.yaml") in paths and len(paths) > 100, "the reader finds no paths"
+    assert sorted({(page, path) for page, path in paths if not in_repository(path)}) == []
+
+
+def test_the_path_reader_skips_a_file_named_at_a_commit_and_finds_a_missing_one(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Run `lit-grpo fit --config configs/nope.yaml` (9bfe290's `lit_grpo/cli.py`, then\n"
+                    "`tests/scheduler_helpers.planted_rollout`), logging `tools/call_frequency`, in `lit_grpo/nope/`."
+                    "\n\n```bash\npython -m tools.x configs/tiny.yaml\n```\n")
+    paths = docs_repository_paths([page])
+    assert paths == [("page.md", "configs/nope.yaml"), ("page.md", "tests/scheduler_helpers.planted_rollout"),
+                     ("page.md", "lit_grpo/nope/"), ("page.md", "configs/tiny.yaml")]
+    assert [in_repository(path) for _, path in paths] == [False, True, False, True]
+    assert not in_repository("tests/scheduler_helpers.no_such_helper")
 
 
 def test_the_readme_lightning_example_trains(tmp_path):
@@ -175,16 +224,22 @@ COMMAND = re.compile(r"(?:python -m )?tools\.(\w+)|lit-grpo (fit|validate|export
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w.-]*")
 
 
-def _code_spans(text: str) -> list[str]:
-    """The page's code in reading order: each line of a fenced block (``\\`` continuations joined, ``#`` comments
-    cut) and each inline backtick span (one that wraps a line read as one line)."""
+def _code_spans_at(text: str) -> list[tuple[int, str]]:
+    """The page's code in reading order, each with the offset of its block or span: each line of a fenced block
+    (``\\`` continuations joined, ``#`` comments cut) and each inline backtick span (one that wraps a line read as
+    one line)."""
     spans, fenced = [], re.compile(r"```[^\n]*\n(.*?)```", re.S)
     for match in re.finditer(rf"{fenced.pattern}|`([^`]+)`", text, re.S):
         if match.group(1) is not None:
             spans += [(match.start(), line.split(" #")[0]) for line in match.group(1).replace("\\\n", " ").splitlines()]
         else:
             spans.append((match.start(), match.group(2).replace("\n", " ")))
-    return [span for _, span in sorted(spans)]
+    return sorted(spans)
+
+
+def _code_spans(text: str) -> list[str]:
+    """:func:`_code_spans_at` without the offsets."""
+    return [span for _, span in _code_spans_at(text)]
 
 
 def docs_commands() -> list[tuple[str, str, str]]:
