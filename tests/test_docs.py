@@ -392,3 +392,20 @@ def test_the_plain_pytorch_loop_in_the_training_page_trains():
         moved, _ = namespace["completion_logps"](model, micro)
     assert not torch.allclose(moved, old_logps, atol=1e-4)
     torch.testing.assert_close(namespace["logps"].detach(), old_logps, atol=1e-4, rtol=0)
+
+
+def test_the_scheduler_pages_gate_note_example_reads_as_the_gate_writes_it():
+    """docs/scheduler.md quotes a preempting gate's ``gate_note``; the note the gate writes has its form, digits
+    aside (lognormal lengths, whose tail the gate preempts on)."""
+    import random
+
+    from lit_grpo.scheduling import LeastAttainedScheduler, RolloutWork
+
+    (quoted,) = re.findall(r'"(preempting: [^"]+)"', (ROOT / "docs" / "scheduler.md").read_text())
+    scheduler, rng = LeastAttainedScheduler(), random.Random(0)
+    for _ in range(32):
+        scheduler.observe([min(256, max(1, round(rng.lognormvariate(4.8, 1.0)))) for _ in range(16)])
+    preempting, note = scheduler.judge(RolloutWork(prompt_lengths=[1] * 4, group_size=16, num_slots=8,
+                                                   max_new_tokens=256))
+    assert preempting, note
+    assert re.sub(r"\d+", "9", quoted) == re.sub(r"\d+", "9", note), (quoted, note)
