@@ -409,3 +409,32 @@ def test_the_scheduler_pages_gate_note_example_reads_as_the_gate_writes_it():
                                                    max_new_tokens=256))
     assert preempting, note
     assert re.sub(r"\d+", "9", quoted) == re.sub(r"\d+", "9", note), (quoted, note)
+
+
+def _given_in(summary: dict, config: dict, where: str = "") -> list[str]:
+    """The keys of ``summary`` (nested) whose value ``config`` does not hold."""
+    wrong = []
+    for key, value in summary.items():
+        held = config.get(key, "<absent>") if isinstance(config, dict) else "<absent>"
+        if isinstance(value, dict):
+            wrong += _given_in(value, held, f"{where}{key}.")
+        elif held != value:
+            wrong.append(f"{where}{key}: {value!r} in the docs, {held!r} in the config")
+    return wrong
+
+
+def test_the_gpu_quick_starts_summary_of_its_recipe_holds_the_recipes_values():
+    """docs/training.md's GPU quick start says what configs/qwen3_1.7b_gpu.yaml sets, as YAML flow mappings: each
+    value it gives is the config's."""
+    import yaml
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text[text.index("What it sets:"):text.index("`RunCheckpoint` keeps")]
+    summary: dict = {}
+    for span in re.findall(r"`([^`]+)`", section):
+        summary.update(yaml.safe_load(span.replace("\n", " ")))
+    assert set(summary) == {"trainer", "model", "data"}, summary
+    config = yaml.safe_load((ROOT / "configs" / "qwen3_1.7b_gpu.yaml").read_text())
+    assert _given_in(summary, config) == []
+    assert _given_in({"model": {"lr": 2.0e-6, "loss": {"beta": 0.0}}, "data": {"size": 1}}, config) == [
+        "model.lr: 2e-06 in the docs, 1e-06 in the config", "data.size: 1 in the docs, 20000 in the config"]
