@@ -1130,7 +1130,7 @@ def test_a_checkpoint_one_node_refuses_ends_every_rank_once_they_can_talk(tmp_pa
         assert [code for code, _, _ in outputs] == [2, 2], shown
         for rank, (_, output, _) in enumerate(outputs):
             assert f"error: {refusal}" in output, shown
-            assert f"lit-grpo: rank {rank} of 2 failed: CheckpointRefused: {refusal}" in output, shown
+            assert f"lit_grpo: rank {rank} of 2 failed: CheckpointRefused: {refusal}" in output, shown
         assert "Restoring states" not in shown and "Traceback" not in shown
 
 
@@ -1164,7 +1164,7 @@ def test_a_ckpt_path_file_that_one_rank_of_one_node_refuses_or_sees_otherwise_en
         shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
         assert [code for code, _, _ in outputs] == [2, 2], shown
         for rank, (_, output, _) in enumerate(outputs):
-            assert f"lit-grpo: rank {rank} of 2 failed: {error}" in output, shown
+            assert f"lit_grpo: rank {rank} of 2 failed: {error}" in output, shown
         assert "Restoring states" not in shown and "Traceback" not in shown
 
 
@@ -1182,7 +1182,7 @@ def test_validate_last_with_no_checkpoint_on_any_rank_ends_every_rank_naming_it(
     missing = "--ckpt_path last: no last.ckpt under run/lightning_logs to validate; give a checkpoint path"
     for rank, (_, output, _) in enumerate(outputs):
         assert f"error: {missing}" in output, shown
-        assert f"lit-grpo: rank {rank} of 2 failed: NoCheckpointFound: {missing}; every rank stops" in output, shown
+        assert f"lit_grpo: rank {rank} of 2 failed: NoCheckpointFound: {missing}; every rank stops" in output, shown
     assert "Traceback" not in shown
 
 

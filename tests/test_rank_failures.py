@@ -83,12 +83,12 @@ def _check_ended_naming_the_failure(outputs, failed_rank: int, place: str) -> No
         assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{tail}"
         assert code != 0, f"rank {rank} exited 0:\n{tail}"
         if place == "loss":  # found on every rank at once, each naming the rank whose loss was not finite
-            assert f"lit-grpo: rank {rank} of 2 failed: NonFiniteStepError: non-finite GRPO loss on rank " \
+            assert f"lit_grpo: rank {rank} of 2 failed: NonFiniteStepError: non-finite GRPO loss on rank " \
                    f"{failed_rank} " in output, tail
         elif rank == failed_rank:
-            assert re.search(rf"lit-grpo: rank {rank} of 2 failed: .*{planted}", output), tail
+            assert re.search(rf"lit_grpo: rank {rank} of 2 failed: .*{planted}", output), tail
         else:  # rank 0, failing, keeps its store until the other rank read its record
-            assert f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " in output, tail
+            assert f"lit_grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " in output, tail
             assert planted in output, tail
 
 
@@ -216,7 +216,7 @@ def _launch_two(tmp_path: Path, place: str, forked: bool = False) -> str:
 def test_under_lightnings_own_launcher_a_childs_error_ends_the_run(tmp_path):
     """A reward error on rank 1, Lightning's child of rank 0, ends both, and rank 0 names it."""
     output = _launch_two(tmp_path, "reward")
-    assert "lit-grpo: rank 1 of 2 failed: " in output and "planted reward failure on rank 1" in output, output[-4000:]
+    assert "lit_grpo: rank 1 of 2 failed: " in output and "planted reward failure on rank 1" in output, output[-4000:]
 
 
 def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_ends_the_run_naming_it(tmp_path):
@@ -225,8 +225,8 @@ def test_under_lightnings_own_launcher_a_childs_error_before_the_ranks_connect_e
     (Lightning's process observer would kill it a few seconds later without a word on why)."""
     output = _launch_two(tmp_path, "build", forked=True)
     planted = "ValueError: trainer.callbacks: fault_helpers.PlantedFault: planted build failure on rank 1"
-    assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
-    assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
+    assert f"lit_grpo: rank 1 of 2 failed: {planted}; every rank stops" in output, output[-4000:]
+    assert f"lit_grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in output, output[-4000:]
 
 
 def test_under_lightnings_own_launcher_rank_0_failing_before_the_ranks_connect_ends_the_ranks_it_started(tmp_path):
@@ -279,10 +279,10 @@ def test_a_model_missing_on_one_node_ends_every_rank_naming_it(tmp_path, failed_
     for rank, (code, output, _) in enumerate(outputs):
         tail = output[-4000:]
         if rank == failed_rank:
-            assert code == 2 and f"lit-grpo: rank {rank} of 2 failed: {missing}" in output, tail
+            assert code == 2 and f"lit_grpo: rank {rank} of 2 failed: {missing}" in output, tail
             assert "error: model path './m' does not exist" in output and "Traceback" not in output, tail
         else:
-            assert code == 1 and f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: {missing}" \
+            assert code == 1 and f"lit_grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: {missing}" \
                 in output, tail
 
 
@@ -301,14 +301,14 @@ def test_a_config_file_missing_on_one_node_ends_every_rank_naming_it(tmp_path, f
     outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), DEADLINE_S, rank_folders=folders, torchrun_nodes=2)
     for rank, (code, output, _) in enumerate(outputs):
         assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
-    failed = f"lit-grpo: rank {failed_rank} of 2 failed: ConfigError: --config c.yaml: no such file"
+    failed = f"lit_grpo: rank {failed_rank} of 2 failed: ConfigError: --config c.yaml: no such file"
     for rank, (code, output, _) in enumerate(outputs):
         tail = output[-4000:]
         if rank == failed_rank:
             assert code == 2 and failed in output and "c.yaml" in output and "Traceback" not in output, tail
             assert f"this process's place comes from its launcher's environment: rank {rank} of 2" in output, tail
         else:
-            assert code == 1 and f"lit-grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " \
+            assert code == 1 and f"lit_grpo: rank {rank} of 2 stopped because rank {failed_rank} failed: " \
                 "ConfigError: --config c.yaml: no such file" in output, tail
 
 
@@ -336,10 +336,10 @@ def test_a_config_file_missing_on_one_node_under_lightnings_launcher_ends_every_
     it could not read), yet records its error in rank 0's store as node 1's, and rank 0, which would wait in the
     process group's setup until its timeout (30 minutes), ends within seconds naming node 1 and the error."""
     (code0, output0), (code1, output1) = _two_nodes_with_the_config_on(0, tmp_path)
-    assert code1 == 2 and f"lit-grpo: node 1 failed: {MISSING_CONFIG}" in output1, output1[-4000:]
+    assert code1 == 2 and f"lit_grpo: node 1 failed: {MISSING_CONFIG}" in output1, output1[-4000:]
     assert "Traceback" not in output1, output1[-4000:]
     assert "as node 1's (for a run of one node, unset NODE_RANK)" in output1, output1[-4000:]
-    assert code0 == 1 and f"lit-grpo: rank 0 of 2 stopped because node 1 failed: {MISSING_CONFIG}" in output0, \
+    assert code0 == 1 and f"lit_grpo: rank 0 of 2 stopped because node 1 failed: {MISSING_CONFIG}" in output0, \
         output0[-4000:]
 
 
@@ -349,12 +349,12 @@ def test_a_config_file_missing_on_node_0_under_lightnings_launcher_ends_every_no
     records its error there as node 0's and keeps it until node 1, which would wait in the process group's setup
     until its timeout (30 minutes), has read it: node 1 ends within seconds naming node 0 and the error."""
     (code0, output0), (code1, output1) = _two_nodes_with_the_config_on(1, tmp_path)
-    assert code0 == 2 and re.search(f"lit-grpo: node 0 failed: {MISSING_CONFIG} .*; every rank stops$", output0,
+    assert code0 == 2 and re.search(f"lit_grpo: node 0 failed: {MISSING_CONFIG} .*; every rank stops$", output0,
                                     re.M), \
         output0[-4000:]
     assert "Traceback" not in output0 and "not every node" not in output0, output0[-4000:]
     assert "its error is told to the other ranks, if any, as node 0's" in output0, output0[-4000:]
-    assert code1 == 1 and f"lit-grpo: rank 1 of 2 stopped because node 0 failed: {MISSING_CONFIG}" in output1, \
+    assert code1 == 1 and f"lit_grpo: rank 1 of 2 stopped because node 0 failed: {MISSING_CONFIG}" in output1, \
         output1[-4000:]
 
 
@@ -398,12 +398,12 @@ def test_node_0_failing_before_its_settings_are_read_keeps_its_store_while_nodes
     if node_1_fails:
         exitcode, seconds = _ended(*_start_unread_node(1, port, logs[1]))
         assert exitcode == 1 and seconds < 15, (exitcode, seconds, logs[1].read_text())
-        assert ("lit-grpo: node 1 stopped because node 0 failed: PlantedError: planted failure on node 0"
+        assert ("lit_grpo: node 1 stopped because node 0 failed: PlantedError: planted failure on node 0"
                 in logs[1].read_text()), logs[1].read_text()
     exitcode, seconds = _ended(*node_0)
     assert exitcode == 1 and 2 <= seconds < 25, (exitcode, seconds, logs[0].read_text())
     read = "1 read it, none knowing the run's count of nodes, then no other" if node_1_fails else "no node read it"
-    assert (f"lit-grpo: node 0 failed: PlantedError: planted failure on node 0; every rank stops ({read} within 2 s: "
+    assert (f"lit_grpo: node 0 failed: PlantedError: planted failure on node 0; every rank stops ({read} within 2 s: "
             "a run of one node has none") in logs[0].read_text(), logs[0].read_text()
 
 
@@ -449,7 +449,7 @@ def test_ctrl_c_ends_a_failed_nodes_wait_at_once_naming_its_error(tmp_path, node
     os.kill(process.pid, signal.SIGINT)
     exitcode, seconds = _ended(process, time.monotonic())
     assert exitcode == 1 and seconds < 5, (exitcode, seconds, log.read_text())
-    assert (f"lit-grpo: node {node} failed before the ranks connected: PlantedError: planted failure on node {node}; "
+    assert (f"lit_grpo: node {node} failed before the ranks connected: PlantedError: planted failure on node {node}; "
             "Ctrl-C ended its wait") in log.read_text(), log.read_text()
     assert "Traceback" not in log.read_text() and "KeyboardInterrupt" not in log.read_text(), log.read_text()
 
@@ -473,16 +473,16 @@ def test_a_rank_failing_before_the_ranks_connect_waits_a_bounded_time(tmp_path):
     waits for a store that never comes: each says what it waits for, waits ``SETUP_WAIT_S`` (2 s here), then ends
     saying so."""
     log = tmp_path / "log"
-    ends = {0: "lit-grpo: rank 0 of 2 failed: PlantedError: planted failure on rank 0; every rank stops (not every "
+    ends = {0: "lit_grpo: rank 0 of 2 failed: PlantedError: planted failure on rank 0; every rank stops (not every "
                "rank read it within 2 s: those end at their process group's timeout)",
-            1: "lit-grpo: rank 1 of 2 failed before the ranks connected: PlantedError: planted failure on rank 1; "
+            1: "lit_grpo: rank 1 of 2 failed before the ranks connected: PlantedError: planted failure on rank 1; "
                "no store came at 127.0.0.1:"}
     for rank, end in ends.items():
         exitcode, seconds = _end_unconnected(rank, free_port(), 2.0, log)
         assert exitcode == 1 and 2 <= seconds < 30, (exitcode, seconds, log.read_text())
         assert end in log.read_text(), log.read_text()
         waits = "the other ranks to read its record" if rank == 0 else "rank 0's store at 127.0.0.1:"
-        assert (f"lit-grpo: rank {rank} of 2 failed before the ranks connected: PlantedError: planted failure on rank "
+        assert (f"lit_grpo: rank {rank} of 2 failed before the ranks connected: PlantedError: planted failure on rank "
                 f"{rank}; it waits up to 2 s for {waits}") in log.read_text(), log.read_text()  # said before it waits
 
 
@@ -505,8 +505,8 @@ def test_rank_0_failing_before_the_ranks_connect_records_only_in_its_own_runs_st
     assert exitcode == 1 and seconds < 15, (exitcode, seconds, log.read_text())
     assert store.check([_prefix() + "count"]) == agent_store, log.read_text()
     planted = "PlantedError: planted failure on rank 0"
-    end = (f"lit-grpo: rank 0 of 2 failed: {planted}; every rank stops" if agent_store else
-           f"lit-grpo: rank 0 of 2 failed before the ranks connected: {planted}; its port 127.0.0.1:{port} is "
+    end = (f"lit_grpo: rank 0 of 2 failed: {planted}; every rank stops" if agent_store else
+           f"lit_grpo: rank 0 of 2 failed before the ranks connected: {planted}; its port 127.0.0.1:{port} is "
            "another process's (another run's store?), left alone")
     assert end in log.read_text(), log.read_text()
 
@@ -528,7 +528,7 @@ def test_a_rank_whose_process_group_setup_times_out_ends_at_once(tmp_path):
     assert ended.returncode == 1, ended.stderr[-4000:]
     assert "DistStoreError: Timed out after" in ended.stderr and "1/2 clients joined" in ended.stderr, \
         ended.stderr[-4000:]
-    assert "lit-grpo: rank 0 of 2" not in ended.stderr, ended.stderr[-4000:]
+    assert "lit_grpo: rank 0 of 2" not in ended.stderr, ended.stderr[-4000:]
 
 
 _LAUNCH_ENV = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "SLURM_NTASKS",
@@ -607,11 +607,11 @@ def test_in_a_lightning_script_of_its_own_an_error_on_one_rank_ends_every_rank_n
         assert code is not None, f"rank {rank} still ran after {DEADLINE_S} s:\n{output[-4000:]}"
         assert code == 1, f"rank {rank} exited {code}:\n{output[-4000:]}"
     planted = "PlantedError: planted failure on rank 1"
-    assert f"lit-grpo: rank 1 of 2 failed: {planted}; every rank stops" in outputs[1][1], outputs[1][1][-4000:]
+    assert f"lit_grpo: rank 1 of 2 failed: {planted}; every rank stops" in outputs[1][1], outputs[1][1][-4000:]
     # the callback after the watch saw the error before the rank ended
     seen = outputs[1][1].find("on_exception after the watch: PlantedError")
-    assert 0 <= seen < outputs[1][1].find("lit-grpo: rank 1 of 2 failed"), outputs[1][1][-4000:]
-    assert f"lit-grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in outputs[0][1], outputs[0][1][-4000:]
+    assert 0 <= seen < outputs[1][1].find("lit_grpo: rank 1 of 2 failed"), outputs[1][1][-4000:]
+    assert f"lit_grpo: rank 0 of 2 stopped because rank 1 failed: {planted}" in outputs[0][1], outputs[0][1][-4000:]
 
 
 @pytest.mark.parametrize("kind", ["failure", "under lit-grpo", "KeyboardInterrupt", "StopRequested", "SystemExit",
@@ -821,7 +821,7 @@ def test_a_failed_rank_whose_script_catches_the_error_ends_where_the_script_exit
     assert "caught RuntimeError: planted failure" in done.stdout, done.stderr[-4000:]
     assert ("the script ends" in done.stdout) == (then == "ends")
     assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-4000:])
-    assert "lit-grpo: rank 1 of 2 failed: its error; every rank stops" in done.stderr, done.stderr[-4000:]
+    assert "lit_grpo: rank 1 of 2 failed: its error; every rank stops" in done.stderr, done.stderr[-4000:]
     started = int(re.search(r"started (\d+)", done.stdout).group(1))
     deadline = time.monotonic() + 10
     while _alive(started) and time.monotonic() < deadline:
@@ -842,7 +842,7 @@ def test_a_script_that_catches_the_fits_error_and_exits_0(tmp_path, kind, proces
                           capture_output=True, text=True, timeout=DEADLINE_S)
     assert f"caught {'RankFailed' if kind == 'RankFailed' else 'RuntimeError'}" in done.stdout, done.stderr[-4000:]
     assert done.returncode == code, (done.returncode, done.stdout, done.stderr[-4000:])
-    assert ("lit-grpo: rank 1 of 2 stopped because rank 0 failed" in done.stderr) == (code == 1), done.stderr[-4000:]
+    assert ("lit_grpo: rank 1 of 2 stopped because rank 0 failed" in done.stderr) == (code == 1), done.stderr[-4000:]
 
 
 def _alive(pid: int) -> bool:
@@ -1022,7 +1022,7 @@ def test_a_failed_rank_says_its_handling_is_done_as_it_ends(monkeypatch, capsys)
     monkeypatch.setattr(rank_failure, "_say_handled", lambda: (said.append(capsys.readouterr().err), say_handled()))
     rank_failure._end(line)
     assert _handling_counts(store, prefix) == (1, 1)
-    assert said == [f"lit-grpo: {line}\n"]
+    assert said == [f"lit_grpo: {line}\n"]
 
 
 @pytest.mark.parametrize("recorded_after_s", [7.0, None], ids=["record-within-the-grace", "no-record"])
@@ -1066,7 +1066,7 @@ def test_under_lit_grpo_a_rank_told_of_a_failure_ends_once_the_failed_rank_has_h
     monkeypatch.setattr(rank_failure, "_end_child_processes", lambda: events.append("ended the ranks it started"))
     monkeypatch.setattr(rank_failure.os, "_exit", lambda status: events.append(f"exit {status}"))
     rank_failure.end_failed_rank(RankFailed([1], "inside the lockstep rollout"), show_traceback=False)
-    stopped = "lit-grpo: rank 0 of 2 stopped because rank 1 failed: "
+    stopped = "lit_grpo: rank 0 of 2 stopped because rank 1 failed: "
     if recorded_after_s is None:
         assert events == ["ended the ranks it started", "exit 1"]
         assert clock[0] == pytest.approx(rank_failure.HANDLING_GRACE_S, abs=0.2)
@@ -1137,6 +1137,6 @@ def test_under_lightnings_own_launcher_two_ranks_failing_at_once_each_finish_han
     assert proc.exitcode != 0, tail
     for rank in (0, 1):
         assert f"rank {rank} handled its PlantedError" in output, tail
-        line = rf"lit-grpo: rank {rank} of 2 (failed: |stopped because rank \d failed: )PlantedError"
+        line = rf"lit_grpo: rank {rank} of 2 (failed: |stopped because rank \d failed: )PlantedError"
         assert re.search(line, output), tail
     assert not alive, f"processes of the run still alive: {alive}"

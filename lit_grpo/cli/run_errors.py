@@ -56,17 +56,17 @@ def _say_unread_layout(place: RankPlace | None, node: int | None) -> None:
     ``MASTER_PORT`` set), its ``node``, whose error rank 0's store tells the other ranks (node 0's process runs it).
     ``NODE_RANK`` without ``MASTER_PORT`` says no store: the other ranks, if the run has any, are not told."""
     if place is not None:
-        print(f"lit-grpo: the settings could not be read; this process's place comes from its launcher's environment:"
+        print(f"lit_grpo: the settings could not be read; this process's place comes from its launcher's environment:"
               f" rank {place.rank} of {place.world}, the run's store at {place.address}:{place.port}",
               file=sys.stderr, flush=True)
     elif node is not None:
-        print(f"lit-grpo: the settings could not be read, so this process's ranks are unknown (NODE_RANK={node} but "
+        print(f"lit_grpo: the settings could not be read, so this process's ranks are unknown (NODE_RANK={node} but "
               "no world size: Lightning's launcher takes it from trainer.num_nodes and trainer.devices): its error "
               f"is told to the other ranks{', if any,' if node == 0 else ''} as node {node}'s"
               f"{'' if node == 0 else ' (for a run of one node, unset NODE_RANK)'}",
               file=sys.stderr, flush=True)
     elif "NODE_RANK" in os.environ:
-        print(f"lit-grpo: the settings could not be read, so this process's place in the run is unknown (NODE_RANK="
+        print(f"lit_grpo: the settings could not be read, so this process's place in the run is unknown (NODE_RANK="
               f"{os.environ['NODE_RANK']} but no world size: Lightning's launcher takes it from trainer.num_nodes and "
               "trainer.devices; torchrun and SLURM give it): the other ranks, if any, are not told"
               f"{'' if 'MASTER_PORT' in os.environ else ' (no MASTER_PORT says where rank 0 runs the store)'}, and "

@@ -321,7 +321,7 @@ def end_unconnected_rank(error: BaseException, place: RankPlace, exit_status: in
         _end(line, exit_status, after_handling=False)
     # Lightning's launcher (rank 0's process) ends its node, without a word, once a child has ended: said first, the
     # record is then kept a little while for rank 0 to read and name (it ends this process as it ends)
-    print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
+    print(f"lit_grpo: {line}", file=sys.stderr, flush=True)
     read_by_rank_0 = [_rank_read_key(0)]
     with contextlib.suppress(Exception):  # the store may go with rank 0
         while not store.check(read_by_rank_0) and time.monotonic() < started + STORE_TIMEOUT_S:
@@ -367,7 +367,7 @@ def _say_wait(this: str, error: BaseException, waits: str, exit_status: int) -> 
     can be long (a rank still loading its model comes late), so not a silent stall; from now on Ctrl-C (SIGINT,
     where its handler is the interpreter's own) ends it at once naming ``error``, not in the wait's traceback."""
     failed = f"{this} failed before the ranks connected: {describe(error)}"
-    print(f"lit-grpo: {failed}; it waits up to {SETUP_WAIT_S:.0f} s for {waits} (Ctrl-C ends the wait)",
+    print(f"lit_grpo: {failed}; it waits up to {SETUP_WAIT_S:.0f} s for {waits} (Ctrl-C ends the wait)",
           file=sys.stderr, flush=True)
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -414,7 +414,7 @@ def _end(line: str | None, exit_status: int = 1, after_handling: bool = True) ->
     from then on), its failure's handling over; ``after_handling``: first wait while any other failed rank still
     handles its error (:func:`_await_handling`), as every end of a connected rank does."""
     if line is not None:
-        print(f"lit-grpo: {line}", file=sys.stderr, flush=True)
+        print(f"lit_grpo: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     _say_handled()
     if after_handling:
