@@ -3,6 +3,7 @@ stop on SIGTERM and Ctrl-C with a non-zero exit, ``--ckpt_path last``, and clear
 
 import csv
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -493,6 +494,61 @@ def test_a_resume_names_a_setting_or_key_too_long_to_print_as_refusals_do(tmp_pa
     assert "\n  data.sampling.group_size: 4 in the checkpoint, an int of 5001 digits now\n" in message
 
 
+def test_a_resume_with_other_reward_functions_warns_once_naming_each_change(tmp_path, tiny_checkpoint):
+    """A resume may change the reward functions (on purpose): it is not refused, but its reward curve, forecast and
+    early stop then mix two objectives, so it warns once, naming each reward added, removed or changed (weight, kwargs,
+    log_name), the checkpoint's against this run's, both as a run saves them. The same rewards spelt otherwise (a
+    name alone, its defaults written out, the function itself, a marker for one no name imports) warn nothing."""
+    from lit_grpo.rollout.reward_functions import accuracy_reward
+    from lit_grpo.rollout.rewards import WeightedReward, reward_changes
+
+    marker = "<not importable (a lambda): script:<lambda>>"
+    saved = ["accuracy", {"name": "format", "weight": 0.1},
+             {"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 8}},
+             {"name": marker, "weight": 0.5, "log_name": "ones"}, {"name": "math", "log_name": "m"}]
+    path = tmp_path / "rewards.ckpt"
+    torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": {"model": "tiny-llama"},
+                "datamodule_hyper_parameters": {"sampling": {"group_size": 4}, "reward_funcs": saved}}, path)
+    module = {"model": "tiny-llama"}
+    same = [WeightedReward(accuracy_reward), {"name": "format", "weight": 0.1, "kwargs": None, "log_name": ""},
+            {"name": "overlong", "kwargs": {"buffer": 8}}, {"name": marker, "weight": 0.5, "log_name": "ones"},
+            {"name": "math", "weight": 1, "log_name": "m"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resumable(path, module, {"sampling": {"group_size": 4}, "reward_funcs": same},
+                        reward_changes=reward_changes)
+    other = [{"name": "accuracy", "log_name": "accuracy"},
+             {"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 16}},
+             {"name": marker, "weight": 0.5, "log_name": "ones"}, {"name": "math", "log_name": "maths"},
+             "char_fraction"]
+    with pytest.warns(UserWarning) as caught:
+        check_resumable(path, module, {"sampling": {"group_size": 4}, "reward_funcs": other},
+                        reward_changes=reward_changes)
+    [message] = [str(warning.message) for warning in caught]
+    assert message.startswith(f"checkpoint {path} was trained with other reward functions than this run's:")
+    assert ("\n  reward 'format': removed (weight 0.1 in the checkpoint)"
+            "\n  reward 'overlong': kwargs {'buffer': 8} in the checkpoint, {'buffer': 16} now"
+            "\n  reward 'math': log_name 'm' in the checkpoint, 'maths' now"
+            "\n  reward 'char_fraction': added (weight 1.0 now)\n") in message
+    assert "'accuracy'" not in message and marker not in message
+    # a run that only evaluates the checkpoint trains no further: nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resumable(path, module, {"reward_funcs": other}, evaluate=True, reward_changes=reward_changes)
+
+    # the CLI: a resume of tiny.yaml's run with another weight names that reward, and that reward alone
+    checkpoint_rewards = _hparams(tiny_checkpoint)[1]["reward_funcs"]
+    assert checkpoint_rewards[1] == {"name": "format", "weight": 0.1}
+    changed = [checkpoint_rewards[0], {"name": "format", "weight": 0.3}, *checkpoint_rewards[2:]]
+    with pytest.warns(UserWarning, match="other reward functions") as caught:
+        build_cli(_fit_args(tmp_path / "resumed", "--ckpt_path", str(tiny_checkpoint),
+                            "--data.reward_funcs", json.dumps(changed), steps=2))
+    [message] = [str(warning.message) for warning in caught if "reward functions" in str(warning.message)]
+    assert "\n  reward 'format': weight 0.1 in the checkpoint, 0.3 now\n" in message
+    assert message.count("\n  reward ") == 1
+    assert _last_step(tmp_path / "resumed") == 2
+
+
 def _with_tuples(value):
     """``value`` with each list in it a tuple: a Python run's settings as releases saved them before they saved plain
     YAML (AdamW's betas, stop strings, LoRA's layer pairs)."""
@@ -563,8 +619,6 @@ def test_a_python_fit_saves_its_reward_functions_and_paths_as_plain_values_and_r
     torch.load(weights_only=True) read (Lightning's resume loads so): an importable function by the name a config
     gives it, a lambda or local function by a marker that says it cannot be imported, a Path as its text. A resume
     given the same functions compares them as the saved names; another function is another setting."""
-    import json
-
     import yaml
 
     from datamodule_helpers import PROMPTS
