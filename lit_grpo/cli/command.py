@@ -32,7 +32,7 @@ from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank
                                            launched_node, launched_place, rank_place, watch_failures)
 from lit_grpo.runtime.validation import ConfigError, check_thread_count, default_threads, shown_setting
 from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
-from lit_grpo.rollout.rewards import RewardFunctionError
+from lit_grpo.rollout.rewards import RewardFunctionError, reward_changes
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
 
@@ -215,7 +215,8 @@ class GRPOCLI(LightningCLI):
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
             refusal = _refusal("--ckpt_path", ckpt_path, config.get("model") or {}, config.get("data"),
                                evaluate=self.config.subcommand != "fit",
-                               defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings)
+                               defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings,
+                               reward_changes=reward_changes)
             place = planned_place(config.get("trainer"))
             if refusal is not None and (place is None or not place.others_wait):
                 _exit_with(refusal, self.config.subcommand)
@@ -264,7 +265,8 @@ class GRPOCLI(LightningCLI):
         found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
         refusal = None if found is None else _refusal(
             "--ckpt_path last", found, self.model.hparams, getattr(self.datamodule, "hparams", None),
-            evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings)
+            evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings,
+            reward_changes=reward_changes)
         if refusal is not None and isinstance(refusal.__cause__, SettingsDiffer):  # another experiment's run
             refusal = ConfigError(f"{refusal}\n{newest_run_hint(root)}")
         self._last_root = None if found is None else root  # a refusal while it loads (its prompts) says it too

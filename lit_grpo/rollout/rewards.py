@@ -91,8 +91,8 @@ from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_nu
 from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
-from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, real_within, saved_name, shown_keys,
-                                         shown_setting, shown_value)
+from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, plain_yaml_values, real_within,
+                                         saved_name, shown_keys, shown_setting, shown_value)
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -633,6 +633,89 @@ def _same_function(built: Any, given: Any) -> bool:
     if type(given) is VerlScore:
         return _same_function(built.fn, given.fn) and built.batch == given.batch
     return type(given) is BUILTIN_REWARDS["overlong"] and vars(built) == vars(given)
+
+
+# --------------------------------------------------------------------------------------------- a resume's rewards
+def reward_changes(saved: Any, now: Any) -> list[str]:
+    """How the reward functions ``now`` (this run's ``reward_funcs``) differ from ``saved`` (a checkpoint's): a line
+    for each reward removed, added or changed (its weight, kwargs or log_name), none where they are the same. Both
+    are compared as a run saves them (``saved_reward_specs``, then plain YAML), so a function is the name it was
+    saved as and a marker (``<not importable ...>``) equals the same marker; a spec's defaults are filled in (a name
+    alone weighs 1.0 with no kwargs and its default log name), and no rewards are ``accuracy``, as the build reads
+    them. A reward is known by its spec's name, the n-th of a name given twice (under two log names) by the n-th;
+    what is no spec (the build refuses it) by itself, whole. A resume may change them on purpose, so this is said,
+    not refused: the reward logged from here on measures another objective than the checkpoint's."""
+    old, new = _compared_rewards(saved), _compared_rewards(now)
+    lines = []
+    for key, fields in old.items():
+        if key not in new:
+            lines.append(f"{_reward_label(key)}: removed" + (
+                f" (weight {shown_value(fields['weight'])} in the checkpoint)" if "weight" in fields else ""))
+            continue
+        for part, was in fields.items():
+            if not _same_value(was, new[key][part]):
+                lines.append(f"{_reward_label(key)}: {part} {_shown_field(was)} in the checkpoint, "
+                             f"{_shown_field(new[key][part])} now")
+    for key, fields in new.items():
+        if key not in old:
+            lines.append(f"{_reward_label(key)}: added" + (
+                f" (weight {shown_value(fields['weight'])} now)" if "weight" in fields else ""))
+    return lines
+
+
+def _compared_rewards(specs: Any) -> dict[tuple[bool, str, int], dict[str, Any]]:
+    """``specs`` as ``reward_changes`` compares them: by ``(is a spec, its name or shown text, n-th of it)``, each
+    spec's weight, kwargs and log name (None: its default), anything else as itself."""
+    specs = plain_yaml_values(saved_reward_specs(specs))
+    if specs is None or specs == []:
+        specs = ["accuracy"]
+    compared: dict[tuple[bool, str, int], dict[str, Any]] = {}
+    for spec in specs if isinstance(specs, list) else [specs]:
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        name = spec.get("name") if isinstance(spec, dict) and set(spec) <= set(REWARD_SPEC_KEYS) else None
+        if isinstance(name, str):
+            log_name = spec.get("log_name")
+            fields = {"weight": spec.get("weight", 1.0), "kwargs": {} if spec.get("kwargs") is None else spec["kwargs"],
+                      "log_name": None if log_name in ("", _default_log_name(name)) else log_name}
+            label = (True, name)
+        else:
+            fields, label = {"spec": spec}, (False, shown_value(spec, 1000))
+        count = sum(1 for key in compared if key[:2] == label)
+        compared[(*label, count)] = fields
+    return compared
+
+
+def _default_log_name(name: str) -> str | None:
+    """The name a spec named ``name`` without a log name is logged under, where the name tells it: a built-in's own,
+    an imported function's (``reward_name`` of ``package.module:function``); None where only the object built knows
+    (a marker, a reward model's)."""
+    if name in BUILTIN_REWARDS:
+        return name
+    if name.startswith(NOT_IMPORTABLE) or ":" not in name:
+        return None
+    function = name.rpartition(":")[2].rpartition(".")[2]
+    return function[: -len("_reward")] if function.endswith("_reward") and len(function) > len("_reward") else function
+
+
+def _reward_label(key: tuple[bool, str, int]) -> str:
+    is_spec, name, count = key
+    label = f"reward {shown_value(name)}" if is_spec else f"reward spec {name}"
+    return label + (f" (number {count + 1} of that name)" if count else "")
+
+
+def _same_value(was: Any, now: Any) -> bool:
+    """Whether two saved values are one: equal, 1 and 1.0 too, but not True and 1."""
+    if isinstance(was, bool) != isinstance(now, bool):
+        return False
+    try:
+        return bool(was == now)
+    except Exception:  # noqa: BLE001 - values that cannot be compared (a hand-edited checkpoint's) differ
+        return False
+
+
+def _shown_field(value: Any) -> str:
+    return "None (its default)" if value is None else shown_value(value)
 
 
 # --------------------------------------------------------------------------------------------- scoring

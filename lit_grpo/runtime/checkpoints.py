@@ -30,6 +30,7 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.core.mixins import HyperparametersMixin
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
 from lit_grpo.runtime.validation import huge_int, plain_values, plain_yaml_values, shown_value
@@ -40,8 +41,8 @@ PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 SWAP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<kind>staging|replaced)$")
 
 #: The settings a checkpoint must share with the run that resumes it: the model and its weights' layout, and the
-#: objective (G and the loss). Anything else may change between a stop and a resume. A nested setting (``loss``, a
-#: dataclass or a mapping) is compared field by field.
+#: objective (G and the loss). Anything else may change between a stop and a resume; other reward functions are
+#: warned of (``check_resumable``). A nested setting (``loss``, a dataclass or a mapping) is compared field by field.
 RESUME_SETTINGS = {
     "hyper_parameters": ("model", "dtype", "peft_config", "loss", "scale_rewards", "multi_objective_aggregation",
                          "sampler_correction", "mask_truncated_completions", "disable_dropout",
@@ -379,7 +380,8 @@ def newest_run_hint(root: str | os.PathLike) -> str:
 def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                     datamodule_hparams: Mapping[str, Any] | None, evaluate: bool = False,
                     defaults: Mapping[str, Mapping[str, Any]] | None = None,
-                    unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None) -> None:
+                    unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None,
+                    reward_changes: Callable[[Any, Any], list[str]] | None = None) -> None:
     """Raise, naming ``path`` and what is wrong, unless it is a lit_grpo training checkpoint that a run with these
     hyperparameters can resume: readable, from a ``GRPOModule`` fit, and with the same ``RESUME_SETTINGS``. With
     ``evaluate`` (a run that only evaluates it) its weights and ``WEIGHT_SETTINGS`` are all that must fit.
@@ -391,7 +393,12 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
 
     ``unread(name, group)`` names the fields of the group of settings ``name`` (``loss``) that a run with those
     values never reads: a field unread by the checkpoint's run and by this one is not compared, so a resume that
-    drops a setting its run was warned was ignored is not refused."""
+    drops a setting its run was warned was ignored is not refused.
+
+    ``reward_changes(saved, now)`` (``lit_grpo.rollout.rewards.reward_changes``) names how this run's
+    ``reward_funcs`` differ from the checkpoint's, one line each: a resume that changes them (on purpose, often) is
+    not refused, but its reward curve, forecast and early stop then mix two objectives, so the lines are warned, once,
+    where the checkpoint resumes (not where it is only evaluated, nor saved without its data module's settings)."""
     checkpoint = read_checkpoint_header(path)
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
@@ -452,6 +459,16 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
         raise SettingsDiffer(f"checkpoint {path} was trained with other settings than this run's; a resume would not "
                          "continue the same run:\n  " + "\n  ".join(differing)
                          + "\nUse the checkpoint's settings, or start a new run without --ckpt_path.")
+    saved_data = checkpoint.get("datamodule_hyper_parameters")
+    now = _MISSING if datamodule_hparams is None else _lookup(datamodule_hparams, "reward_funcs", _MISSING)
+    if (not evaluate and reward_changes is not None and isinstance(saved_data, Mapping)
+            and "reward_funcs" in saved_data and now is not _MISSING):
+        changes = reward_changes(saved_data["reward_funcs"], _fields(now))
+        if changes:
+            rank_zero_warn(f"checkpoint {path} was trained with other reward functions than this run's:\n  "
+                           + "\n  ".join(changes) + "\nIt resumes, but the reward logged from here on measures "
+                           "another objective: its curve, forecast and early stop mix the two. To keep them apart, "
+                           "start a new run from its weights (lit-grpo export, then model.model: the export).")
 
 
 def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay: float) -> None:
