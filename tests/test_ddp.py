@@ -322,6 +322,21 @@ def test_rank_reductions_cover_every_key_and_reduce_as_documented():
         rank_reduction("custom/thing")
 
 
+def test_a_logged_key_that_is_no_string_is_refused_naming_it():
+    """A logged key that is no string (an int, one too long to print among them) is refused naming it as refusals
+    name a value: rank_reduction and reduce_over_ranks failed on its missing startswith, and gather_over_ranks' refusal
+    of an unknown key raised repr's ValueError on an int of more than 4300 digits."""
+    from lit_grpo.rollout.metrics import gather_over_ranks, rank_reduction, reduce_over_ranks
+
+    huge = 10**5000
+    with pytest.raises(ValueError, match=r"^logged key an int of 5001 digits \(int\) is not a string"):
+        rank_reduction(huge)
+    with pytest.raises(ValueError, match=r"^logged key 3 \(int\) is not a string"):
+        reduce_over_ranks([{"reward/mean": 1.0, 3: 1.0}], ["reward/mean", 3])
+    with pytest.raises(ValueError, match=r"^logged keys \[an int of 5001 digits\] are not among the 1 keys gathered"):
+        gather_over_ranks({huge: 1.0}, ["reward/mean"], lambda local: local[None])
+
+
 def test_rank_reductions_of_rounds_parks_an_idle_skew_and_a_ratio_a_rank_left_unweighted():
     from lit_grpo.rollout.metrics import reduce_over_ranks, with_weights
 

@@ -132,6 +132,24 @@ def test_math_reward_gold_from_the_row_and_no_opinion_without_gold():
     assert score_math("<answer>5</answer>", "  ") is None  # a blank gold answer is none
 
 
+def test_a_gold_answer_of_an_int_too_long_to_print_is_scored_by_its_digits():
+    """A gold answer that is an int of more digits than Python prints (str() raises ValueError past
+    sys.get_int_max_str_digits(), 4300 by default) is compared as its digits: the math and accuracy rewards score
+    it, 1.0 for those digits and 0.0 for another answer, from the answer column or the row; str() failed inside the
+    reward instead, ending the run's step."""
+    from lit_grpo.rollout.math_reward import gold_answer
+    from lit_grpo.rollout.reward_functions import accuracy_reward
+
+    gold = 10**5000 + 7
+    digits = "1" + "0" * 4999 + "7"  # its digits, written without str()
+    completions = [f"<answer>{digits}</answer>", "<answer>5</answer>"]
+    assert gold_answer(gold, None) is gold and gold_answer(None, {"answer": gold}) is gold
+    for reward in (math_reward, accuracy_reward):
+        assert reward(["p", "p"], completions, answer=[gold, gold]) == [1.0, 0.0], reward
+        assert reward(["p", "p"], completions, entry=[{"answer": gold}] * 2) == [1.0, 0.0], reward
+    assert score_math(completions[0], gold) == 1.0
+
+
 def test_math_is_a_builtin_usable_by_name():
     rewards = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 2}}])
     assert rewards[0].name == "math"

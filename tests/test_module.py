@@ -899,6 +899,11 @@ def test_the_prompt_settings_refusals_show_the_bad_value_bounded_and_a_huge_int_
                                                                    r">= 1 \(prompts to generate from task "
                                                                    r"'basic_arithmetic'\)$"),
         (lambda: reasoning_gym_prompts(huge, 2), r"^task=\(an int of 5001 digits\) is not a reasoning-gym task "),
+        (lambda: inline_prompts([{huge: "x", "text": "y", 2: "z"}]), r"^prompts\[0\]: no prompt field; the row has "
+                                                                   r"keys \[2, an int of 5001 digits, 'text'\] but "),
+        (lambda: reasoning_gym_prompts("basic_arithmetic", 2, config={huge: 1, "min_term": 2, 3: 4}),
+         r"^task_config \[3, an int of 5001 digits, 'min_term'\] is not an option of reasoning-gym task "
+         r"'basic_arithmetic'; its options: "),
         (lambda: reasoning_gym_prompts("basic_arithmetic", 2, config={"min_terms": huge, "max_terms": 2}),
          rf"^reasoning-gym task='basic_arithmetic' with task_config {holding} failed: AssertionError: max_terms must "
          r"be >= min_terms$"),
