@@ -25,6 +25,7 @@ Values: 1.0 correct, 0.0 wrong or no answer found, ``None`` (no opinion) for row
 
 from __future__ import annotations
 
+import decimal
 import functools
 import logging
 import re
@@ -132,20 +133,21 @@ def answers_match(answer: str, gold: str) -> bool:
     return bool(answer_parsed) and math_verify.verify(gold_parsed, answer_parsed, timeout_seconds=None)
 
 
-def score_math(completion: str, gold: str | None, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float | None:
-    """1.0 / 0.0 for one completion against ``gold``; None without a gold answer; 0.0 past ``timeout_s``
-    (None: no deadline, for callers off the main thread)."""
-    if gold is None or not str(gold).strip():
+def score_math(completion: str, gold: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float | None:
+    """1.0 / 0.0 for one completion against ``gold`` (as ``gold_text``); None without a gold answer; 0.0 past
+    ``timeout_s`` (None: no deadline, for callers off the main thread)."""
+    if gold is None or not gold_text(gold).strip():
         return None
+    gold = gold_text(gold)
     answer = extract_final_answer(completion)
     if answer is None:
         return 0.0
     answer = answer.replace("\u2212", "-")  # a Unicode minus, which math-verify does not read
-    check = lambda: answers_match(answer, str(gold))  # noqa: E731
+    check = lambda: answers_match(answer, gold)  # noqa: E731
     try:
         return 1.0 if (call_with_deadline(check, timeout_s) if timeout_s is not None else check()) else 0.0
     except DeadlineExceeded:
-        warnings.warn(f"math reward: verifying answer {answer!r:.120} against {str(gold)!r:.60} ran past "
+        warnings.warn(f"math reward: verifying answer {answer!r:.120} against {gold!r:.60} ran past "
                       f"timeout_s={timeout_s}; scored 0", stacklevel=2)
         return 0.0
 
@@ -164,7 +166,7 @@ def math_reward(prompts: list[str], completions: list[str], answer: list[Any] | 
     out: list[float | None] = []
     for completion, gold, row in zip(map(message_text, completions), answers, entries):
         gold = gold_answer(gold, row)
-        out.append(score_math(completion, None if gold is None else str(gold), timeout_s))
+        out.append(score_math(completion, None if gold is None else gold_text(gold), timeout_s))
     return out
 
 
@@ -172,7 +174,19 @@ def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
     """A completion's gold answer: its ``answer`` column, else its row's ``answer`` field; None where neither has
     one, or it is blank (the correctness rewards and ``rewards.check_gold_answers`` read it alike)."""
     gold = answer if answer is not None else (row.get("answer") if isinstance(row, Mapping) else None)
-    return None if gold is None or not str(gold).strip() else gold
+    return None if gold is None or not gold_text(gold).strip() else gold
+
+
+def gold_text(gold: Any) -> str:
+    """A gold answer as the text it is compared as: ``str(gold)``, an int by its digits however many (``str()``
+    refuses one of more than ``sys.get_int_max_str_digits()``; a row from Python can hold one, and scoring it must
+    give a reward, not end the step)."""
+    try:
+        return str(gold)
+    except ValueError:
+        if not isinstance(gold, int):  # a container holding such an int: no text to compare
+            raise
+        return format(decimal.Decimal(int(gold)), "f")  # exact, and not bound by the limit
 
 
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:

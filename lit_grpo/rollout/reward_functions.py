@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, math_reward
+from lit_grpo.rollout.math_reward import ANSWER_TAG, DECIMAL, SIGN, gold_answer, gold_text, math_reward
 from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_model import RewardModel
 from lit_grpo.runtime.validation import check_int, shown_setting
@@ -91,7 +91,7 @@ def score_answer(answer: str | None, gold: Any, entry: Mapping[str, Any] | None 
     """Score one extracted answer: 1 correct, 0 wrong (reasoning-gym tasks may give partial credit).
 
     A reasoning-gym entry (``entry["metadata"]["source_dataset"]``) is scored by that dataset's own
-    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` as text (``str(gold)``: a
+    ``score_answer(answer, entry)``. Anything else: normalized exact match with ``gold`` as text (``gold_text``: a
     dataset's number too; numbers compared digit for digit, "2.50" as "2.5", text case- and space-insensitively).
     ``None`` when there is no gold answer (no opinion).
     """
@@ -102,7 +102,7 @@ def score_answer(answer: str | None, gold: Any, entry: Mapping[str, Any] | None 
         return None
     if answer is None:
         return 0.0
-    return 1.0 if _normalize(answer) == _normalize(str(gold)) else 0.0
+    return 1.0 if _normalize(answer) == _normalize(gold_text(gold)) else 0.0
 
 
 # --------------------------------------------------------------------------------------------- built-in rewards
@@ -121,7 +121,7 @@ def accuracy_reward(
         if gold is None and not (isinstance(row, Mapping) and row.get("metadata")):
             out.append(None)
             continue
-        numeric = gold is not None and _is_number(str(gold))
+        numeric = gold is not None and _is_number(gold_text(gold))
         out.append(score_answer(extract_answer(completion, numeric=numeric), gold, row))
     return out
 
