@@ -51,7 +51,8 @@ def global_steps_to_run(max_steps: int, optimizer_steps_per_training_step: int) 
     ``optimizer_steps_per_training_step`` each (Lightning stops after the training step that reaches it);
     ``max_steps`` itself where it sets no limit (-1)."""
     per = optimizer_steps_per_training_step
-    return math.ceil(max_steps / per) * per if max_steps > 0 else max_steps
+    # in ints: a float quotient loses counts past 2**53 and runs to 0 against a count past float range
+    return -(-max_steps // per) * per if max_steps > 0 else max_steps
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: LrSchedule,

@@ -133,7 +133,7 @@ from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_acti
                                      load_model_and_tokenizer, load_tokenizer, lora_config, model_text, resolve_dtype,
                                      with_lora)
 from lit_grpo.runtime.validation import (ConfigError, check_bool, check_choice, check_int, check_real,
-                                         config_errors, real_within, settings_from, shown_setting)
+                                         config_errors, real_within, settings_from, shown_setting, shown_value)
 from lit_grpo.sampling.cpu_linear import UpdateLinear, onednn_linears, resolve_update_linear
 from lit_grpo.update.entropy_bonus import EntropyControl, bonus_tokens, bonus_weight, entropy_bonus, entropy_stats
 from lit_grpo.update.held_out import HeldOutMetrics, ValidationLogs
@@ -654,10 +654,12 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         max_steps, per_training_step = self.trainer.max_steps, self.optimizer_steps_per_training_step
         if max_steps > 0 and max_steps % per_training_step:
             training_steps = global_steps_to_run(max_steps, per_training_step) // per_training_step
-            rank_zero_warn(f"trainer.max_steps={max_steps} is not a multiple of the {per_training_step} optimizer "
-                           f"steps a training step takes (model.num_iterations {self.hparams.num_iterations} x "
-                           f"model.num_mini_batches {self.hparams.num_mini_batches}): the fit runs {training_steps} "
-                           f"training steps, to global_step {training_steps * per_training_step}, where its "
+            hp = self.hparams
+            rank_zero_warn(f"{shown_setting('trainer.max_steps', max_steps)} is not a multiple of a training step's "
+                           f"optimizer steps, {shown_value(per_training_step)} (model.num_iterations "
+                           f"{shown_value(hp.num_iterations)} x model.num_mini_batches "
+                           f"{shown_value(hp.num_mini_batches)}): the fit runs {shown_value(training_steps)} training "
+                           f"steps, to global_step {shown_value(training_steps * per_training_step)}, where its "
                            "learning-rate schedule ends")
 
     def _check_validation_interval(self) -> None:
