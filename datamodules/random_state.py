@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_grpo.runtime.validation import check_state_keys
+from lit_grpo.runtime.validation import check_state_keys, shown_value
 
 
 def get_rng_states() -> dict[str, Any]:
@@ -45,7 +45,7 @@ def check_rng_states(name: str, states: Any) -> None:
         try:
             check(state)
         except (TypeError, ValueError, IndexError, OverflowError, RuntimeError) as error:
-            raise ValueError(f"{name}[{key!r}] is not a random state of {what}: {error}") from None
+            raise ValueError(f"{name}[{shown_value(key)}] is not a random state of {what}: {error}") from None
 
 
 def _python_state(state: Any) -> tuple:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lit_grpo.rollout.reward_log import LOGGED_REWARD_PREFIXES
+from lit_grpo.runtime.validation import shown_keys, shown_value
 from lit_grpo.scheduling.base import DECISION_NAMES
 
 
@@ -226,6 +227,9 @@ def loggable(values: Mapping[str, float | None]) -> dict[str, float | None]:
 def rank_reduction(key: str) -> str:
     """The rule that makes ``key`` the whole step's over ranks: "mean", "sum", "min", "max" or "skew" ("sum" for a
     ratio's weight, a count)."""
+    if not isinstance(key, str):
+        raise ValueError(f"logged key {shown_value(key)} ({type(key).__name__}) is not a string: a logged key is the "
+                         "name a logger shows (reward/<name>, ...)")
     if key in RANK_REDUCTIONS:
         return RANK_REDUCTIONS[key]
     if key.startswith(WEIGHT_PREFIX):
@@ -233,7 +237,7 @@ def rank_reduction(key: str) -> str:
     for prefix, suffix, rule in RANK_REDUCTION_FAMILIES:
         if key.startswith(prefix) and key.endswith(suffix):
             return rule
-    raise ValueError(f"logged key {key!r} has no rule for reducing it over ranks; add one to "
+    raise ValueError(f"logged key {shown_value(key)} has no rule for reducing it over ranks; add one to "
                      "lit_grpo.rollout.metrics.RANK_REDUCTIONS")
 
 
@@ -274,9 +278,9 @@ def gather_over_ranks(values: Mapping[str, float | None], keys: Sequence[str],
     ``values`` outside ``keys`` is an error rather than left out. Returns one dict per rank, its present keys."""
     unknown = [key for key in values if key not in keys]
     if unknown:
-        raise ValueError(f"logged keys {unknown} are not among the {len(keys)} keys gathered over ranks, so they "
-                         "cannot be reduced; list them with their rule in lit_grpo.rollout.metrics (STEP_REDUCTIONS "
-                         "for a training step's keys)")
+        raise ValueError(f"logged keys {shown_keys(unknown)} are not among the {len(keys)} keys gathered over "
+                         "ranks, so they cannot be reduced; list them with their rule in lit_grpo.rollout.metrics "
+                         "(STEP_REDUCTIONS for a training step's keys)")
     local = torch.zeros(2, len(keys), dtype=torch.float64)
     for index, key in enumerate(keys):
         value = values.get(key)
@@ -295,6 +299,8 @@ def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]], keys: Sequence[st
         raise ValueError("reduce_over_ranks needs the values of at least one rank, got none")
     out = {}
     for key in keys:
+        if not isinstance(key, str):
+            rank_reduction(key)  # refuses it, naming it
         if key.startswith(WEIGHT_PREFIX):
             continue
         ranks = [values for values in per_rank if values.get(key) is not None]

@@ -27,6 +27,7 @@ from lit_grpo.runtime.validation import (
     check_int,
     check_int_in_range,
     check_text,
+    shown_keys,
     shown_setting,
     shown_value,
 )
@@ -113,14 +114,14 @@ def _example_from_row(row: Any, where: str) -> PromptExample:
         raise ValueError(f"{where}: expected a string or an object with a 'prompt' field, got {type(row).__name__}")
     key = next((k for k in PROMPT_KEYS if k in row), None)
     if key is None:
-        raise ValueError(f"{where}: no prompt field; the row has keys {sorted(row)} but needs one of "
+        raise ValueError(f"{where}: no prompt field; the row has keys {shown_keys(row)} but needs one of "
                          f"{list(PROMPT_KEYS)}")
     prompt, messages = row[key], None
     if isinstance(prompt, Sequence) and not isinstance(prompt, str):  # chat messages, as data.dataset takes them
-        messages = check_messages(prompt, f"{where}, field {key!r}")
+        messages = check_messages(prompt, f"{where}, field {shown_value(key)}")
         prompt = messages[-1]["content"]
     elif not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: field {key!r} must be a non-empty string or a list of chat messages "
+        raise ValueError(f"{where}: field {shown_value(key)} must be a non-empty string or a list of chat messages "
                          f"([{{'role': ..., 'content': ...}}, ...] ending with a user turn), got "
                          f"{shown_value(prompt, 80)}")
     example = PromptExample(prompt=prompt, answer=row.get("answer"), entry=dict(row), messages=messages)
@@ -185,15 +186,15 @@ def reasoning_gym_prompts(task: str, size: int, seed: int = 0,
                          + (f"; did you mean {close}?" if close else "")
                          + f" ({len(DATASETS)} tasks, e.g. {sorted(DATASETS)[:4]}: reasoning_gym.factory.DATASETS)")
     options = {option.name for option in fields(DATASETS[task][1])} - {"seed", "size"}  # those two are data's own
-    unknown = sorted(set(config or {}) - options)
+    unknown = [key for key in config or {} if key not in options]  # a key of any type, shown as shown_keys shows it
     if unknown:
-        raise ValueError(f"task_config {unknown} is not an option of reasoning-gym task {task!r}; its options: "
-                         f"{sorted(options)}")
+        raise ValueError(f"task_config {shown_keys(unknown)} is not an option of reasoning-gym task "
+                         f"{shown_value(task)}; its options: {sorted(options)}")
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config or {}))
     except (ValueError, TypeError, AssertionError) as err:
-        raise ValueError(f"reasoning-gym task={task!r} with task_config {shown_value(dict(config or {}))} failed: "
-                         f"{type(err).__name__}: {err}") from err
+        raise ValueError(f"reasoning-gym {shown_setting('task', task)} with task_config "
+                         f"{shown_value(dict(config or {}))} failed: {type(err).__name__}: {err}") from err
     return [PromptExample(prompt=e["question"], answer=e.get("answer"), entry=dict(e)) for e in dataset]
 
 
