@@ -227,7 +227,11 @@ def check_reward_call(fn: RewardFn, name: str) -> bool:
 
 def reward_name(fn: Any) -> str:
     """``fn.__name__`` without a ``_reward`` suffix; a callable object's class name otherwise."""
-    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return _logged_name(getattr(fn, "__name__", None) or type(fn).__name__)
+
+
+def _logged_name(name: str) -> str:
+    """A function's ``name`` as its reward is logged: without a ``_reward`` suffix."""
     return name[: -len("_reward")] if name.endswith("_reward") and len(name) > len("_reward") else name
 
 
@@ -694,8 +698,7 @@ def _default_log_name(name: str) -> str | None:
         return name
     if name.startswith(NOT_IMPORTABLE) or ":" not in name:
         return None
-    function = name.rpartition(":")[2].rpartition(".")[2]
-    return function[: -len("_reward")] if function.endswith("_reward") and len(function) > len("_reward") else function
+    return _logged_name(name.rpartition(":")[2].rpartition(".")[2])
 
 
 def _reward_label(key: tuple[bool, str, int]) -> str:
