@@ -736,6 +736,21 @@ def test_a_reward_specs_unknown_keys_are_listed_whatever_their_type():
         build_reward_funcs([{"name": "format", (1, 2): 1.0, "zzz": 0}])
 
 
+def test_a_reward_specs_option_keys_that_are_no_text_are_refused_by_name():
+    """Its kwargs' keys too (YAML's ``1:``): an int beside a string failed sorting with TypeError, an int of more
+    than 4300 digits its repr with the int-to-str ValueError, and a function taking ``**kwargs`` fed the key to
+    difflib (TypeError), each in place of the refusal. No option's name is anything but text, also where the
+    function takes any other option (``extra`` here), which is not refused with it."""
+    takes_any = f"{__name__}:_takes_a_threshold"
+    for name, kwargs, shown in [("accuracy", {1: 2, "x": 3}, r"\[1, 'x'\]"),
+                                ("accuracy", {_HUGE: 1}, r"\[an int of 5001 digits\]"),
+                                (takes_any, {1: 2}, r"\[1\]"), (takes_any, {1: 2, "extra": 3}, r"\[1\]"),
+                                (takes_any, {_HUGE: 1}, r"\[an int of 5001 digits\]")]:
+        with pytest.raises(ValueError, match=rf"^reward function {re.escape(repr(name))} takes no option {shown}; "
+                                             r"its options: "):
+            build_reward_funcs([{"name": name, "kwargs": kwargs}])
+
+
 def test_a_reward_module_that_fails_to_import_is_named_with_its_error_and_line(tmp_path, monkeypatch):
     """A syntax error or an exception in the module's own code is a setting's error naming the function, the
     error and where, as a missing module is, not a traceback."""
