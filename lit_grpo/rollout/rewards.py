@@ -362,10 +362,13 @@ def _check_options(name: str, target: Any, kwargs: Mapping[str, Any]) -> None:
     """Refuse an option the function does not take by name. A built-in's ``**columns`` receives data only, so it
     takes its named options alone; another function with ``**kwargs`` may read any option from them."""
     options, takes_any = reward_options(target)
-    unknown = sorted(set(kwargs) - set(options))
-    if unknown and (BUILTIN_REWARDS.get(name) is target or not takes_any):  # a function's own may share its name
-        raise ValueError(f"reward function {name!r} takes no option {unknown}; its options: {options}")
-    for option in unknown:  # a misspelled named option would reach **kwargs, the named one keeping its default
+    unknown = [key for key in kwargs if key not in options]
+    # a function's own may share a built-in's name; a key that is no text (YAML's 1:) names no option, **kwargs or not
+    refused = unknown if BUILTIN_REWARDS.get(name) is target or not takes_any else [
+        key for key in unknown if not isinstance(key, str)]
+    if refused:
+        raise ValueError(f"reward function {name!r} takes no option {shown_keys(refused)}; its options: {options}")
+    for option in sorted(unknown):  # a misspelled named option would reach **kwargs, the named one keeping its default
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
         if close:
             raise ValueError(f"reward function {name!r} takes no option {option!r} (did you mean {close[0]!r}?); an "
