@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -357,7 +358,7 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in err
 
 
-def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path, monkeypatch):
+def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path, monkeypatch, capsys):
     from tools import bench_fit
 
     monkeypatch.setattr(bench_fit, "subprocess", SimpleNamespace(run=forked_cli.run_command))  # runs start warm
@@ -384,6 +385,8 @@ def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(t
     assert 1 <= carried <= 8 and carried == int(carried)
     assert report["summary"]["partial"]["runs"] == 1 and "step_s_mean" in report["summary"]["partial"]
     assert "lit_grpo: 3 steps in" in (tmp_path / "runs" / "partial_seed1" / "fit.log").read_text()  # its summary
+    printed = capsys.readouterr().out  # one seed: each figure alone, no "+- 0.000" for a std it has not
+    assert re.search(r"^partial: .*step_s \d+\.\d{3}", printed, re.M) and "+-" not in printed, printed
     with pytest.raises(SystemExit, match=r"--variant 'partial' must be NAME=ARGS"):
         bench_fit.main(["--config", "configs/tiny.yaml", "--variant", "partial"])
 

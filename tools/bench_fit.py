@@ -142,8 +142,10 @@ def measure(args: argparse.Namespace, seeds: list[int], variants: dict[str, list
         report = {"config": config, "runs": runs, "summary": summarize(runs, by)}
         harness.write_json(args.json, report)
     for name, stats in report["summary"].items():
-        print(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f} +- {stats[key[:-5] + '_std']:.3f}"
-                                      for key, value in stats.items() if key.endswith("_mean")))
+        spread = stats["runs"] > 1  # one seed has no sample std: its figure alone, not "+- 0.000"
+        print(f"{name}: " + ", ".join(
+            f"{key[:-5]} {value:.3f}" + (f" +- {stats[key[:-5] + '_std']:.3f}" if spread else "")
+            for key, value in stats.items() if key.endswith("_mean")))
     return report
 
 
