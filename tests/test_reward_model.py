@@ -121,6 +121,31 @@ def test_a_folder_given_as_a_path_is_read_as_its_text_is(reward_model_path):
     assert func.fn(["2 + 2?"], ["4"]) == by_path(["2 + 2?"], ["4"])
 
 
+def test_a_reward_specs_name_given_as_a_path_names_the_folder_its_text_names(reward_model_path):
+    """A reward spec's name given as a ``pathlib.Path`` (``[Path(folder)]``, ``{"name": Path(folder)}``) is the
+    reward model its text names, logged and scored alike, and a run saves it as that text (which builds the same
+    reward, and reads as no change on a resume); it was refused as no name, dict or callable. A path whose text
+    would name no folder (a built-in's name) is refused, not read as that."""
+    from lit_grpo.rollout.rewards import reward_changes, saved_reward_specs
+    from lit_grpo.runtime.validation import plain_yaml_values
+
+    folder = Path(reward_model_path)
+    short, spelled = build_reward_funcs([folder, {"name": folder, "weight": 2.0, "log_name": "rm2"}])
+    (by_text,) = build_reward_funcs([reward_model_path])
+    assert isinstance(short.fn, RewardModel) and short.name == by_text.name == "tiny-rm"
+    assert isinstance(spelled.fn, RewardModel) and spelled.name == "rm2" and spelled.weight == 2.0
+    expected = by_text.fn(["2 + 2?"] * 2, ["4", "5"])
+    assert short.fn(["2 + 2?"] * 2, ["4", "5"]) == spelled.fn(["2 + 2?"] * 2, ["4", "5"]) == expected
+    saved = plain_yaml_values(saved_reward_specs([folder, {"name": folder, "weight": 2.0, "log_name": "rm2"}]))
+    assert saved == [reward_model_path, {"name": reward_model_path, "weight": 2.0, "log_name": "rm2"}]
+    assert [reward.name for reward in build_reward_funcs(saved)] == ["tiny-rm", "rm2"]
+    assert reward_changes(saved, [folder, {"name": folder, "weight": 2.0, "log_name": "rm2"}]) == []
+    for spec in (Path("accuracy"), {"name": Path("accuracy")}):
+        with pytest.raises(ValueError, match=r"^reward spec PosixPath\('accuracy'\) is a path, which names a reward "
+                                             r"model's folder: write its text with a '/' and no ':' \('./accuracy'"):
+            build_reward_funcs([spec])
+
+
 def test_a_folder_under_the_home_directory_is_read_from_there(reward_model_path, tmp_path, monkeypatch):
     """``~/name``, as the policy's model takes it: the tokenizer and the model are read from the same folder."""
     import shutil
