@@ -74,6 +74,7 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import time
 import traceback
 import warnings
@@ -487,6 +488,8 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
                          f"{sorted(BUILTIN_REWARDS)}, 'package.module:function' or a reward model's 'org/name' "
                          "or folder")
     name = spec["name"]
+    if isinstance(name, os.PathLike):
+        name = _path_name(name)
     if not (isinstance(name, str) and name or callable(name)):
         raise ValueError(f"reward spec {shown_value(dict(spec))}: {shown_setting('name', name)} must be a built-in's "
                          f"name {sorted(BUILTIN_REWARDS)}, 'package.module:function', a reward model's 'org/name' or "
@@ -498,12 +501,25 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
     return WeightedReward(fn, spec.get("weight", 1.0), log_name)
 
 
+def _path_name(path: os.PathLike) -> str:
+    """A reward spec's name given as a path (``os.PathLike``: a ``pathlib.Path``, a Python config's): its text,
+    which a run saves and which builds the same reward model; refused where that text would not name a folder (a
+    built-in's name, a module's), which a path is not meant as."""
+    text = os.fsdecode(path)
+    if not is_reward_model_name(text):
+        raise ValueError(f"reward spec {shown_value(path)} is a path, which names a reward model's folder: write its "
+                         "text with a '/' and no ':'" + (f" ({'./' + text!r})" if ":" not in text else "")
+                         + ", as a config's text names a folder")
+    return text
+
+
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
     """Turn config entries into ``WeightedReward`` objects.
 
-    Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in or ``"pkg.module:fn"``), or a
-    dict ``{"name": ..., "weight": 1.0, "kwargs": {...}, "log_name": ...}`` (from Python its name may be the
-    callable itself). ``None`` or ``[]`` -> ``[accuracy]``.
+    Each entry is a ``WeightedReward``, a callable (weight 1), a name (a built-in, ``"pkg.module:fn"`` or a reward
+    model's ``org/name`` or folder; a folder may be a ``pathlib.Path``, read as its text), or a dict ``{"name": ...,
+    "weight": 1.0, "kwargs": {...}, "log_name": ...}`` (from Python its name may be the callable itself or a
+    path). ``None`` or ``[]`` -> ``[accuracy]``.
     ``kwargs`` are options the function takes by name (``reward_options``); a misspelled one is an error, and a
     function that carries ``check_options(**kwargs)`` (as ``math`` does) has their values checked here too.
     """
@@ -515,6 +531,8 @@ def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
         specs = ["accuracy"]
     out: list[WeightedReward] = []
     for spec in specs:
+        if isinstance(spec, os.PathLike):  # a reward model's folder, as its text names it
+            spec = _path_name(spec)
         if isinstance(spec, WeightedReward):
             out.append(spec)
         elif isinstance(spec, str):
