@@ -150,6 +150,51 @@ def test_a_gold_answer_of_an_int_too_long_to_print_is_scored_by_its_digits():
     assert score_math(completions[0], gold) == 1.0
 
 
+def _printed(value):
+    """``str(value)`` with Python's limit on an int's digits lifted for the call: the text it would print."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        return str(value)
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def test_a_gold_answer_holding_an_int_too_long_to_print_is_scored_or_refused_by_name():
+    """A gold answer that is a container holding an int of more digits than Python prints is the text str() would
+    give it, that int by its digits, and scored; one with no such text is refused, named as the shared checks show
+    a value. str()'s ValueError got out of the reward in place of either."""
+    from lit_grpo.rollout.math_reward import gold_answer, gold_text
+    from lit_grpo.rollout.reward_functions import accuracy_reward
+
+    huge = 10**5000 + 7
+    looped = [huge]
+    looped.append(looped)
+    for gold in ([1, huge], (huge,), {"a": [huge, "b"], huge: None}, {huge}, frozenset({huge}), looped,
+                 [[huge], ((2, huge), {}, set(), frozenset(), ())]):
+        assert gold_text(gold) == _printed(gold), type(gold)
+    gold = [1, huge]
+    completions = [f"<answer>{_printed(gold)}</answer>", "<answer>5</answer>"]
+    assert gold_answer(gold, None) is gold and gold_answer(None, {"answer": gold}) is gold
+    for reward in (math_reward, accuracy_reward):
+        assert reward(["p", "p"], completions, answer=[gold, gold]) == [1.0, 0.0], reward
+
+    class Gold:  # its text is an int's, too long to print: nothing to compare it as
+        def __str__(self):
+            return str(huge)
+
+        def __repr__(self):
+            return f"Gold({huge})"
+
+    for gold in (Gold(), [Gold()]):
+        with pytest.raises(ValueError, match=r"^math reward: the gold answer a (Gold|list) holding an int of "
+                                             r"more than \d+ digits has no text to compare: str\(\) of it raised "
+                                             r"ValueError: .*; give the gold answer as text$"):
+            math_reward(["p"], ["<answer>5</answer>"], answer=[gold])
+
+
 def test_math_is_a_builtin_usable_by_name():
     rewards = build_reward_funcs([{"name": "math", "kwargs": {"timeout_s": 2}}])
     assert rewards[0].name == "math"
