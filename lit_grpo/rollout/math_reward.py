@@ -35,7 +35,7 @@ from typing import Any
 
 from lit_grpo.rollout.deadline import DeadlineExceeded, call_with_deadline, deadline_range, deadline_seconds
 from lit_grpo.rollout.prompts import message_text
-from lit_grpo.runtime.validation import shown_setting
+from lit_grpo.runtime.validation import shown_setting, shown_value
 
 #: The answer a completion commits to, in the format lit_grpo's prompts ask for.
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -180,13 +180,43 @@ def gold_answer(answer: Any, row: Mapping[str, Any] | None) -> Any:
 def gold_text(gold: Any) -> str:
     """A gold answer as the text it is compared as: ``str(gold)``, an int by its digits however many (``str()``
     refuses one of more than ``sys.get_int_max_str_digits()``; a row from Python can hold one, and scoring it must
-    give a reward, not end the step)."""
+    give a reward, not end the step), in a list, tuple, dict or set too (``_spelled``); a ValueError naming the
+    gold answer where it has no such text (another object holding such an int)."""
     try:
         return str(gold)
+    except ValueError as error:
+        try:
+            return _spelled(gold, frozenset())
+        except ValueError:
+            pass
+        raise ValueError(f"math reward: the gold answer {shown_value(gold)} has no text to compare: str() of it "
+                         f"raised {type(error).__name__}: {error}; give the gold answer as text") from None
+
+
+def _spelled(value: Any, inside: frozenset[int]) -> str:
+    """``repr(value)`` as ``str()`` of a container spells an item, an int by its digits however many, in a list,
+    tuple, dict, set or frozenset too (one met again inside itself as ``[...]``, as repr shows it: ``inside``, the
+    ids of those around it); a ValueError where another type's repr raises."""
+    kind = type(value)
+    if id(value) in inside:  # only a list or a dict can hold itself
+        return "[...]" if kind is list else "{...}"
+    try:
+        return repr(value)
     except ValueError:
-        if not isinstance(gold, int):  # a container holding such an int: no text to compare
+        if isinstance(value, int):  # exact, and not bound by the limit
+            return format(decimal.Decimal(int(value)), "f")
+        if kind not in (list, tuple, dict, set, frozenset):
             raise
-        return format(decimal.Decimal(int(gold)), "f")  # exact, and not bound by the limit
+    inside = inside | {id(value)}
+    if kind is dict:
+        return "{" + ", ".join(f"{_spelled(key, inside)}: {_spelled(item, inside)}"
+                               for key, item in value.items()) + "}"
+    items = ", ".join(_spelled(item, inside) for item in value)
+    if kind is list:
+        return f"[{items}]"
+    if kind is tuple:
+        return f"({items},)" if len(value) == 1 else f"({items})"
+    return f"{{{items}}}" if kind is set else f"frozenset({{{items}}})"
 
 
 def check_math_options(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
