@@ -695,6 +695,13 @@ def test_a_bad_reward_spec_is_shown_bounded_and_an_int_too_long_to_print_by_its_
          r"^reward weight=nan for an int of 5001 digits must be a finite number"),
         (lambda: build_reward_funcs([{"name": "format", "log_name": _HUGE}]),
          r"^reward name=\(an int of 5001 digits\) for .* must be a string \('' for the function's name\)$"),
+        # the function beside a bad name: its repr failed the same way (a partial binding such an int), or ran on
+        (lambda: WeightedReward(functools.partial(format_reward, limit=_HUGE), 1.0, 3),
+         r"^reward name=3 for a partial holding an int of more than \d+ digits must be a string \('' for the "
+         r"function's name\)$"),
+        (lambda: WeightedReward(functools.partial(format_reward, text="x" * 500), 1.0, 3),
+         rf"^reward name=3 for {re.escape(repr(functools.partial(format_reward, text='x' * 500))[:100])} must be a "
+         r"string \('' for the function's name\)$"),
         (lambda: build_reward_funcs([{"name": _HUGE}]),
          rf"^reward spec {holding}: name=\(an int of 5001 digits\) must be a built-in's name "),
         (lambda: build_reward_funcs([{"name": "format", "wieght": _HUGE}]),
