@@ -171,8 +171,8 @@ class WeightedReward:
                              f"{FLOAT32_MAX:.4g} (rewards are float32)")
         self.weight = weight
         if not isinstance(self.name, str):  # it names the logged key reward/<name>/mean
-            raise ValueError(f"{shown_setting('reward name', self.name)} for {self.fn!r} must be a string ('' for "
-                             "the function's name)")
+            raise ValueError(f"{shown_setting('reward name', self.name)} for {shown_value(self.fn)} must be a string "
+                             "('' for the function's name)")
         if not self.name:
             self.name = reward_name(self.fn)
         self.by_keyword = check_reward_call(self.fn, self.name)
