@@ -253,5 +253,24 @@ def test_a_callback_with_no_logger_for_its_keys_says_so_once(tmp_path, make, key
         pl.seed_everything(0)
         trainer.fit(LoggingBoringModel(), datamodule=TinyData())
     said = [str(w.message) for w in caught if str(w.message).startswith(f"{name}:")]
-    assert said == [f"{name}: the trainer has no logger (Trainer(logger=False)), so {keys} are not written; give the "
-                    "Trainer a logger (a CSVLogger will do) to keep them"]
+    assert said == [f"{name}: the trainer has no logger (Trainer(logger=False)), so none of the figures it logs is "
+                    f"written (such as {keys}); give the Trainer a logger (a CSVLogger will do) to keep them"]
+
+
+def test_the_no_logger_warning_says_every_figure_is_lost_not_only_the_first_steps_keys():
+    """A callback's first due step may log fewer keys than later ones (RolloutProfiler's decision counts come with
+    the steps that decide): the one warning says none of its figures is written, the first keys as examples,
+    where it read as the complete list of what is lost."""
+    from types import SimpleNamespace
+
+    from lit_grpo.callbacks._rollout import log_metrics
+
+    trainer, callback = SimpleNamespace(loggers=[]), callbacks.RolloutProfiler()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log_metrics(trainer, {"rollout/decode_steps": 3.0}, callback, every_log_step=False)
+        log_metrics(trainer, {"rollout/decode_steps": 4.0, "rollout/decisions/start_arrival": 1.0}, callback,
+                    every_log_step=False)
+    assert [str(w.message) for w in caught] == [
+        "RolloutProfiler: the trainer has no logger (Trainer(logger=False)), so none of the figures it logs is written "
+        "(such as ['rollout/decode_steps']); give the Trainer a logger (a CSVLogger will do) to keep them"]
