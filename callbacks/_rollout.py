@@ -159,17 +159,18 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], by: pl.Callback,
     did not log it, so a figure skipped for one step (no length predictor) or logged only at some steps (a
     forecast) would show stale copies. ``every_log_step`` honours ``Trainer(log_every_n_steps=...)``; callbacks
     with their own cadence pass False. Called from training-batch hooks, ``by`` the callback that writes: a trainer
-    without a logger is said once per callback, naming the keys that are not written (not refused, as Lightning's
-    monitors do: what these callbacks keep, PeakMemoryMonitor's ``max_logged``, a forecast's stop, still works).
+    without a logger is said once per callback, that none of its figures is written, this first call's keys as
+    examples (a later step may log others: RolloutProfiler's decision counts); not refused, as Lightning's monitors
+    do: what these callbacks keep, PeakMemoryMonitor's ``max_logged``, a forecast's stop, still works.
     """
     if not metrics or (every_log_step and not log_step_due(trainer)):
         return
     if not trainer.loggers:
         if by not in _TOLD_NO_LOGGER:
             _TOLD_NO_LOGGER.add(by)
-            rank_zero_warn(f"{type(by).__name__}: the trainer has no logger (Trainer(logger=False)), so "
-                           f"{shown_keys(metrics)} are not written; give the Trainer a logger (a CSVLogger will do) "
-                           "to keep them")
+            rank_zero_warn(f"{type(by).__name__}: the trainer has no logger (Trainer(logger=False)), so none of the "
+                           f"figures it logs is written (such as {shown_keys(metrics)}); give the Trainer a logger (a "
+                           "CSVLogger will do) to keep them")
         return
     step = logger_step(trainer)
     for logger in trainer.loggers:
