@@ -146,6 +146,10 @@ def test_a_setting_is_shown_as_the_checks_refusals_start():
     assert shown_setting("n", 10**5000) == "n=(an int of 5001 digits)"
     assert shown_setting("n", -10**400) == "n=(a negative int of 401 digits)"
     assert shown_setting("x", [10**5000]) == f"x=a list holding an int of more than {limit} digits"
+
+    class Opaque(list):  # a type whose name takes "an"
+        pass
+    assert shown_setting("x", Opaque([10**5000])) == f"x=an Opaque holding an int of more than {limit} digits"
     assert shown_setting("x", "y" * 200) == "x=" + repr("y" * 200)[:100]
     assert shown_setting("x", "y" * 200, 80) == "x=" + repr("y" * 200)[:80]
     assert shown_setting("x", 10**300) == f"x={10**300!r}"[:102] and shown_setting("b", True) == "b=True"

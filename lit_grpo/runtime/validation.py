@@ -292,7 +292,9 @@ def _cut_repr(value: Any, width: int) -> str:
     except ValueError as err:  # a container's repr met such an int
         if "integer string conversion" not in str(err):
             raise
-        return f"a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits"
+        kind = type(value).__name__
+        return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} holding an int of more than " \
+               f"{sys.get_int_max_str_digits()} digits"
 
 
 def integer_within(value: Any, minimum: int | None = None, maximum: int | None = None) -> int | None:
