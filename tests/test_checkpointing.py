@@ -661,7 +661,7 @@ def test_a_resume_compares_no_setting_that_neither_run_reads(tmp_path, tiny_chec
     """A loss setting another loss type never reads (warned as ignored when the run started), or a sampler
     correction's bounds with mode none, may differ: dropping it on resume changes nothing. One that either run
     reads is still compared."""
-    from lit_grpo.cli.resume import unread_settings
+    from lit_grpo.update.resume_settings import unread_settings
 
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     hparams = checkpoint["hyper_parameters"]
@@ -688,7 +688,7 @@ def test_a_resume_compares_the_entropy_bonus_and_its_control_only_where_a_run_re
     """entropy_coef is compared (an older checkpoint without it ran as 0) but where both runs have the adaptive
     control, whose saved state replaces it; the control's settings only where either run has it on: without it
     neither reads them."""
-    from lit_grpo.cli.resume import unread_settings
+    from lit_grpo.update.resume_settings import unread_settings
 
     checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     loss = checkpoint["hyper_parameters"]["loss"]

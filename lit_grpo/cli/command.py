@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lit_grpo.callbacks import ExportModel, FitSummary, GRPOProgressBar, RankFailureWatch, RunCheckpoint
 from lit_grpo.callbacks.run_checkpoint import last_checkpoint_callback
 from lit_grpo.runtime.checkpoints import (SettingsDiffer, find_last_checkpoint, finish_interrupted_swaps,
-                                          newest_run_hint, run_checkpoint_folders)
+                                          mark_settings_checked, newest_run_hint, run_checkpoint_folders)
 from lit_grpo.runtime.distributed import data_parallel_only, is_multi_process
 from lit_grpo.runtime.rank_failure import (end_failed_rank, end_unconnected_rank, end_unread_node, ended_by_caller,
                                            launched_node, launched_place, rank_place, watch_failures)
@@ -35,14 +35,15 @@ from lit_grpo.runtime.memory import DEFAULT_MMAP_THRESHOLD, fix_mmap_threshold
 from lit_grpo.rollout.rewards import RewardFunctionError, reward_changes
 from lit_grpo.datamodules.rollout import RolloutDataModule
 from lit_grpo.update.module import GRPOModule
+from lit_grpo.update.resume_settings import unread_settings
 
 from lit_grpo.cli.messages import configured_class_key, optional_group_reason, qualified_error
 from lit_grpo.cli.setting_warnings import warnings_at_settings
 from lit_grpo.cli.setting_checks import (check_accelerator, check_distinct_stateful_callbacks,
                                          check_groups_are_mappings, check_manual_optimization_settings, check_processes)
 from lit_grpo.cli.checkpoint_agreement import SameCheckpointOnEveryRank
-from lit_grpo.cli.resume import (_continue_in_folder_of, _nothing_to_evaluate, _refusal, export_command, resume_command,
-                                 unread_settings)
+from lit_grpo.cli.resume import (_continue_in_folder_of, _nothing_to_evaluate, _refusal, export_command,
+                                 resume_command)
 from lit_grpo.cli.run_errors import (_exit_on_reward_error, _exit_with, _say_config_error, _say_unread_layout,
                                      planned_place, unwritable_run_folder)
 from lit_grpo.cli.parser import GRPOArgumentParser, _HelpFormatter
@@ -86,6 +87,9 @@ class GRPOCLI(LightningCLI):
     #: Under several processes, the ``--ckpt_path`` file and this rank's refusal of it (None: accepted), for every
     #: rank to compare and end on once they can talk (``_parse_ckpt_path``); None: one process, or no file given.
     _given_checkpoint: tuple[str, str | None] | None = None
+    #: The checkpoint whose settings this command compared with the run's (``_parse_ckpt_path``, ``--ckpt_path
+    #: last``): the module is told (``_mark_checked``), so that its own check as Lightning loads it is not run twice.
+    _checked_checkpoint: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         command_args = kwargs.get("args")
@@ -207,7 +211,7 @@ class GRPOCLI(LightningCLI):
         each of which loads the file itself and may see another one there (another node's, or one being replaced),
         the file and any refusal are compared once the ranks can talk, and a difference or a refusal ends every
         rank then; only a rank that no other waits for yet (Lightning's launcher of one node) ends on it at once."""
-        self._given_checkpoint = None
+        self._given_checkpoint = self._checked_checkpoint = None
         if not self.config.get("subcommand"):
             return
         config = self.config[self.config.subcommand]
@@ -217,6 +221,7 @@ class GRPOCLI(LightningCLI):
                                evaluate=self.config.subcommand != "fit",
                                defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings,
                                reward_changes=reward_changes)
+            self._checked_checkpoint = str(ckpt_path)
             place = planned_place(config.get("trainer"))
             if refusal is not None and (place is None or not place.others_wait):
                 _exit_with(refusal, self.config.subcommand)
@@ -240,6 +245,7 @@ class GRPOCLI(LightningCLI):
             rank_zero_info(f"lit_grpo: --ckpt_path last: resuming from {found}")
             _continue_in_folder_of(self.trainer, found)
             config["ckpt_path"] = str(found)
+        self._mark_checked(config.get("ckpt_path"))
 
     def before_validate(self) -> None:
         """``--ckpt_path last``: the newest ``last.ckpt`` under the root, as ``fit`` finds it, whose weights are
@@ -254,6 +260,15 @@ class GRPOCLI(LightningCLI):
             if found is not None:
                 rank_zero_info(f"lit_grpo: --ckpt_path last: validating {found}")
             config["ckpt_path"] = None if found is None else str(found)
+        self._mark_checked(config.get("ckpt_path"))
+
+    def _mark_checked(self, ckpt_path: Any) -> None:
+        """Tell the module that ``ckpt_path``, which the run loads, was compared with its settings here (before
+        anything loaded it, with the parser's defaults; ``mark_settings_checked``): its ``on_load_checkpoint`` then
+        neither compares it again nor warns of its reward functions a second time. A path not compared here
+        (``best``, a URL) is compared there."""
+        if ckpt_path is not None and self._checked_checkpoint == str(ckpt_path):
+            mark_settings_checked(self.model, ckpt_path)
 
     def _last_checkpoint(self, evaluate: bool) -> tuple[Path, Path | None]:
         """The root searched and the newest ``last.ckpt`` of any run under it (None: none yet), checked against
@@ -263,6 +278,7 @@ class GRPOCLI(LightningCLI):
             for folder in folders:  # other runs' folders too, maybe saving from other hosts: no deleting here
                 finish_interrupted_swaps(folder, clean=False)
         found = find_last_checkpoint(folders)  # the same before and after rank 0's renames
+        self._checked_checkpoint = None if found is None else str(found)
         refusal = None if found is None else _refusal(
             "--ckpt_path last", found, self.model.hparams, getattr(self.datamodule, "hparams", None),
             evaluate=evaluate, defaults=self._parser(self.subcommand).get_defaults(), unread=unread_settings,

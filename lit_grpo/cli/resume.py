@@ -1,5 +1,6 @@
-"""Resuming a run: the module settings a resume does not compare, a refused checkpoint as a bad setting, the
-resume and export commands shown, and a resumed run logging on in its own folder.
+"""Resuming a run: a refused checkpoint as a bad setting, the resume and export commands shown, and a resumed run
+logging on in its own folder (what a resume compares: ``lit_grpo.runtime.checkpoints`` and
+``lit_grpo.update.resume_settings``).
 """
 
 from __future__ import annotations
@@ -15,23 +16,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lit_grpo.callbacks._paths import shown_path
 from lit_grpo.runtime.checkpoints import check_resumable
 from lit_grpo.runtime.validation import ConfigError, config_errors
-from lit_grpo.update.loss_config import LossConfig, unread_settings as loss_unread_settings
-
-
-def unread_settings(name: str, group: dict[str, Any]) -> set[str]:
-    """The fields of the module's group of settings ``name`` that a resumed run with the values ``group`` never
-    reads (the loss's for another loss type or without the KL, the starting ``entropy_coef`` under the adaptive
-    control, a sampler correction's bounds with mode none): a resume does not compare them (``check_resumable``)."""
-    if name == "loss":
-        adaptive = group.get("use_adaptive_entropy", LossConfig.use_adaptive_entropy)
-        unread = loss_unread_settings(group.get("loss_type", LossConfig.loss_type),
-                                      group.get("beta", LossConfig.beta), adaptive)
-        # the adaptive control's checkpointed state holds the coefficient a resume goes on from: the starting one
-        # is read only at a run's start
-        return unread | {"entropy_coef"} if adaptive else unread
-    if name == "sampler_correction" and group.get("mode") == "none":
-        return {"clip_min", "clip_max"}
-    return set()
 
 
 def _nothing_to_evaluate(root: Path) -> str:

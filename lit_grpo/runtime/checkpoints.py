@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo.runtime.models import loaded_dtype, resolve_dtype
-from lit_grpo.runtime.validation import huge_int, plain_values, plain_yaml_values, shown_value
+from lit_grpo.runtime.validation import config_errors, huge_int, plain_values, plain_yaml_values, shown_value
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$")
 #: A sharded checkpoint's folders beside ``NAME``: being written (``staging``), or the old one set aside while the
@@ -399,10 +399,21 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
     ``reward_funcs`` differ from the checkpoint's, one line each: a resume that changes them (on purpose, often) is
     not refused, but its reward curve, forecast and early stop then mix two objectives, so the lines are warned, once,
     where the checkpoint resumes (not where it is only evaluated, nor saved without its data module's settings)."""
-    checkpoint = read_checkpoint_header(path)
+    check_checkpoint_settings(read_checkpoint_header(path), path, module_hparams, datamodule_hparams, evaluate,
+                              defaults, unread, reward_changes)
+
+
+def check_checkpoint_settings(checkpoint: Mapping[str, Any], path: str | os.PathLike | None,
+                              module_hparams: Mapping[str, Any], datamodule_hparams: Mapping[str, Any] | None,
+                              evaluate: bool = False, defaults: Mapping[str, Mapping[str, Any]] | None = None,
+                              unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None,
+                              reward_changes: Callable[[Any, Any], list[str]] | None = None) -> None:
+    """:func:`check_resumable` of a checkpoint already read (``checkpoint``, the file at ``path``): the CLI's check
+    of a file before anything loads it and the module's of what Lightning has loaded (``check_loaded_settings``)
+    are this one, so both refuse with the same text."""
     needed = ("state_dict", "hyper_parameters") if evaluate else (
         "state_dict", "loops", "optimizer_states", "hyper_parameters")
-    if Path(path).is_dir():  # the weights and optimizer states are the shards beside the header
+    if path is not None and Path(path).is_dir():  # the weights and optimizer states are the shards beside the header
         needed = tuple(key for key in needed if key not in ("state_dict", "optimizer_states"))
     missing = [key for key in needed if key not in checkpoint]
     if missing:
@@ -469,6 +480,76 @@ def check_resumable(path: str | os.PathLike, module_hparams: Mapping[str, Any],
                            + "\n  ".join(changes) + "\nIt resumes, but the reward logged from here on measures "
                            "another objective: its curve, forecast and early stop mix the two. To keep them apart, "
                            "start a new run from its weights (lit-grpo export, then model.model: the export).")
+
+
+def init_defaults(cls: type) -> dict[str, Any]:
+    """The default of each ``__init__`` argument of ``cls`` and of its bases (a subclass's own where both have one):
+    this release's settings, which a setting an older release's checkpoint lacks reads as (``check_resumable``'s
+    ``defaults``, in a script, where no parser holds them)."""
+    defaults: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters
+        except (TypeError, ValueError):  # a builtin's, without a signature: no defaults of settings
+            continue
+        defaults.update({name: p.default for name, p in parameters.items() if p.default is not p.empty})
+    return defaults
+
+
+#: The attribute by which ``mark_settings_checked`` tells ``check_loaded_settings`` that a checkpoint was compared.
+_CHECKED = "_lit_grpo_checked_ckpt_path"
+
+
+def mark_settings_checked(module: Any, path: str | os.PathLike) -> None:
+    """Note on ``module`` that the checkpoint at ``path`` was compared with its run's settings already: ``lit-grpo``
+    compares it before anything loads (with its parser's defaults, and every rank's refusal compared), so its
+    module's ``check_loaded_settings`` does not compare it again as Lightning loads it, nor warn of its reward
+    functions a second time."""
+    setattr(module, _CHECKED, _path_key(path))
+
+
+def _path_key(path: str | os.PathLike) -> str:
+    """``path`` as ``mark_settings_checked`` compares it: a local file by its real path (Lightning is handed the text
+    the CLI checked, but a script may spell it otherwise), a URL as given."""
+    text = os.fspath(path)
+    return text if "://" in text else os.path.realpath(text)
+
+
+def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: Any,
+                          unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None,
+                          reward_changes: Callable[[Any, Any], list[str]] | None = None) -> None:
+    """``lit-grpo fit --ckpt_path``'s check (:func:`check_resumable`) of the checkpoint Lightning loads into
+    ``module`` in ``trainer`` (``GRPOModule.on_load_checkpoint`` calls it first, before any of it is taken), so
+    that a script's ``trainer.fit(model, datamodule=dm, ckpt_path=PATH)`` is refused as the command is: a
+    ``ConfigError`` of ``--ckpt_path`` caused by the ``SettingsDiffer`` that names each setting that differs, other
+    reward functions warned of once; a validate or test (not a fit) compares the weights' settings only. A setting
+    an older release's checkpoint lacks reads as this release's default, the module's and the data module's
+    ``__init__`` defaults (:func:`init_defaults`). The data settings are compared where the trainer's data module
+    has them (``RolloutDataModule``'s), not with another data module's, whose settings are others. Nothing is
+    compared without a trainer (``load_from_checkpoint``: the settings are the checkpoint's own) nor for a
+    checkpoint the CLI compared already (:func:`mark_settings_checked`). ``unread`` and ``reward_changes`` are
+    :func:`check_resumable`'s, the command's (``lit_grpo.update.resume_settings.unread_settings``,
+    ``lit_grpo.rollout.rewards.reward_changes``)."""
+    if trainer is None:
+        return
+    path = getattr(trainer, "ckpt_path", None)
+    if path is not None and getattr(module, _CHECKED, None) == _path_key(path):
+        return
+    datamodule = getattr(trainer, "datamodule", None)
+    data_hparams = getattr(datamodule, "hparams", None)
+    data_names = RESUME_SETTINGS["datamodule_hyper_parameters"]
+    if data_hparams is None or any(_lookup(data_hparams, name, _MISSING) is _MISSING for name in data_names):
+        checkpoint = {key: value for key, value in checkpoint.items() if key != "datamodule_hyper_parameters"}
+        data_hparams = None
+    defaults = {"model": init_defaults(type(module)),
+                "data": init_defaults(type(datamodule)) if datamodule is not None else {}}
+    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
+    with config_errors("--ckpt_path"):
+        check_checkpoint_settings(checkpoint, path, module.hparams, data_hparams, evaluate=evaluate,
+                                  defaults=defaults, unread=unread, reward_changes=reward_changes)
 
 
 def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay: float) -> None:

@@ -121,12 +121,13 @@ from lit_grpo.batch import RolloutBatch
 from lit_grpo.rollout.advantages import AGGREGATIONS, SCALES, Aggregation, Scale
 from lit_grpo.rollout.metrics import (WEIGHT_PREFIX, loggable, logged_reward_keys, rollout_metrics,
                                       step_metric_keys, whole_step_metrics)
+from lit_grpo.rollout.rewards import reward_changes
 from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWeights, LockstepWeights,
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
-from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_sharded_param_groups, check_weight_shapes,
-                                         exception_save_hazard, plain_saved_hyperparameters)
+from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_loaded_settings, check_sharded_param_groups,
+                                         check_weight_shapes, exception_save_hazard, plain_saved_hyperparameters)
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -144,6 +145,7 @@ from lit_grpo.update.lr_schedule import (WARMUP_STEPS_COUNT, LrSchedule, global_
 from lit_grpo.update.metrics import StepMetrics
 from lit_grpo.update.policy_losses import PolicyLoss, make_loss
 from lit_grpo.update.reference_sync import ReferenceSync, mix_parameters
+from lit_grpo.update.resume_settings import unread_settings
 from lit_grpo.update.sampler_correction import CorrectionStats, SamplerCorrection
 from lit_grpo.update.shared_prefix import SHARED_PREFIX_MODES, shared_prefix_usable
 from lit_grpo.update.surrogates import high_entropy_mask
@@ -543,6 +545,8 @@ class GRPOModule(PlainHyperparameters, LightningModule):
             checkpoint[ENTROPY_CONTROL_KEY] = self.entropy_control.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # first, before any of it is taken: a script's trainer.fit(ckpt_path=...) is refused as lit-grpo fit's is
+        check_loaded_settings(checkpoint, self, self._trainer, unread=unread_settings, reward_changes=reward_changes)
         if "state_dict" in checkpoint:  # a sharded one's weights are loaded by the strategy, which checks them
             path = self.trainer.ckpt_path if self._trainer is not None else None
             # the tensors by name, not state_dict(), whose hooks under FSDP2 run collectives
