@@ -975,6 +975,28 @@ def test_validate_last_validates_the_newest_checkpoint_and_refuses_when_there_is
     assert f"--ckpt_path last: validating {checkpoint}" in caplog.text
 
 
+@pytest.mark.parametrize("subcommand, given", [("fit", "path"), ("fit", "last"), ("validate", "path"),
+                                               ("validate", "last")])
+def test_the_cli_compares_a_checkpoints_settings_once(tmp_path, tiny_checkpoint, monkeypatch, subcommand, given):
+    """``lit-grpo`` compares the checkpoint it is given, or ``--ckpt_path last`` finds, before anything loads it, and
+    tells the module, whose own check as Lightning loads it (a script's) is then not run a second time."""
+    from lit_grpo.runtime import checkpoints
+
+    compared = []
+    original = checkpoints.check_checkpoint_settings
+
+    def counted(checkpoint, path, *args, **kwargs):
+        compared.append(Path(path).resolve())
+        return original(checkpoint, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "check_checkpoint_settings", counted)
+    _run_copied_from(tiny_checkpoint, tmp_path)
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    args = _fit_args(tmp_path, "--ckpt_path", "last" if given == "last" else str(checkpoint), steps=2)
+    build_cli([subcommand, *args[1:], "--trainer.limit_val_batches", "1"] if subcommand == "validate" else args)
+    assert compared == [checkpoint.resolve()]
+
+
 def _killed_swap(folder: Path) -> tuple[Path, Path]:
     """A folder holding an older ``last-v1.ckpt`` and a sharded save of ``last.ckpt`` killed between its renames
     (the old one set aside, the new one staged, by a process that has ended): ``(last.ckpt, its staged copy)``."""
