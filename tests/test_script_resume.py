@@ -148,3 +148,24 @@ def test_the_data_settings_are_not_compared_with_another_data_modules(checkpoint
     # the module's own settings are compared all the same
     with pytest.raises(ConfigError, match="model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now"):
         check_loaded_settings(loaded, _module(loss_type="dapo"), trainer)
+
+
+def test_a_whole_checkpoint_file_whose_weights_fsdp2s_strategy_loaded_itself_resumes(checkpoint):
+    """FSDP2's strategy (``ModelParallelStrategy(save_distributed_checkpoint=False)``: one whole file) loads the
+    weights into the sharded policy itself and hands ``on_load_checkpoint`` the rest, without ``state_dict``: that
+    is no weights-only file, so the same settings resume (a whole file was refused as having no state_dict) and
+    other ones are still refused; another strategy's checkpoint without weights is refused naming it."""
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+    from lit_grpo.runtime.checkpoints import check_loaded_settings
+
+    loaded = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    del loaded["state_dict"]  # what ModelParallelStrategy.load_checkpoint of a whole file hands the hook
+    trainer = SimpleNamespace(ckpt_path=str(checkpoint), state=SimpleNamespace(fn="fit"), datamodule=_data(),
+                              strategy=ModelParallelStrategy())
+    check_loaded_settings(loaded, _module(), trainer)
+    with pytest.raises(ConfigError, match="model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now"):
+        check_loaded_settings(loaded, _module(loss_type="dapo"), trainer)
+    trainer.strategy = SingleDeviceStrategy("cpu")
+    with pytest.raises(ConfigError, match="it has no state_dict"):
+        check_loaded_settings(loaded, _module(), trainer)
