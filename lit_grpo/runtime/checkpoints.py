@@ -538,6 +538,9 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
     path = getattr(trainer, "ckpt_path", None)
     if path is not None and getattr(module, _CHECKED, None) == _path_key(path):
         return
+    if "state_dict" not in checkpoint and _loads_weights_itself(getattr(trainer, "strategy", None)):
+        # FSDP2's strategy took the weights from a whole file before this hook, as it takes a folder's shards
+        checkpoint = {**checkpoint, "state_dict": {}}
     datamodule = getattr(trainer, "datamodule", None)
     data_hparams = getattr(datamodule, "hparams", None)
     data_names = RESUME_SETTINGS["datamodule_hyper_parameters"]
@@ -550,6 +553,14 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
     with config_errors("--ckpt_path"):
         check_checkpoint_settings(checkpoint, path, module.hparams, data_hparams, evaluate=evaluate,
                                   defaults=defaults, unread=unread, reward_changes=reward_changes)
+
+
+def _loads_weights_itself(strategy: Any) -> bool:
+    """Whether ``strategy`` loads a checkpoint's weights in its ``load_checkpoint`` and hands the module's
+    ``on_load_checkpoint`` the rest (FSDP2's ``ModelParallelStrategy``, a whole file's too)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
 
 
 def check_sharded_param_groups(path: str | os.PathLike, built: int, weight_decay: float) -> None:
