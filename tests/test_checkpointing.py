@@ -549,6 +549,28 @@ def test_a_resume_with_other_reward_functions_warns_once_naming_each_change(tmp_
     assert _last_step(tmp_path / "resumed") == 2
 
 
+def test_a_resume_with_other_reward_functions_on_two_nodes_is_warned_of_by_rank_0_alone(tmp_path):
+    """``--ckpt_path PATH`` on 2 nodes x 1 process under Lightning's own launcher (each node's process given its
+    ``NODE_RANK``): the checkpoint is compared as the command line is read, before any Trainer set this process's
+    rank, and rank 1 took itself for rank 0, so every node warned of the other rewards; rank 0 alone does."""
+    from tools.harness import free_port, repo_env
+
+    layout = ["--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.accelerator", "cpu",
+              "--trainer.limit_val_batches", "0"]
+    first = forked_cli.run_ranks([*_fit_args(Path("run"), *layout, steps=1)], tmp_path, free_port(), 120,
+                                 env=repo_env())
+    assert [code for code, _, _ in first] == [0, 0], "\n\n".join(output[-3000:] for _, output, _ in first)
+    (checkpoint,) = (tmp_path / "run").rglob("last.ckpt")
+    changed = _hparams(checkpoint)[1]["reward_funcs"][:-1]  # one removed
+    argv = _fit_args(Path("run"), *layout, "--data.reward_funcs", json.dumps(changed), "--ckpt_path",
+                     str(checkpoint), steps=2)
+    outputs = forked_cli.run_ranks(argv, tmp_path, free_port(), 120, env=repo_env())
+    shown = "\n\n".join(output[-3000:] for _, output, _ in outputs)
+    assert [code for code, _, _ in outputs] == [0, 0], shown
+    warned = [output.count("reward 'char_fraction': removed") for _, output, _ in outputs]
+    assert warned == [1, 0], shown
+
+
 def _with_tuples(value):
     """``value`` with each list in it a tuple: a Python run's settings as releases saved them before they saved plain
     YAML (AdamW's betas, stop strings, LoRA's layer pairs)."""
