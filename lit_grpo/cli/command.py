@@ -217,12 +217,14 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path):
+            # first: it sets the rank that rank_zero_warn reads (a node's process given only NODE_RANK, as under
+            # Lightning's launcher, takes itself for rank 0 until then), so that rank 0 alone warns of other rewards
+            place = planned_place(config.get("trainer"))
             refusal = _refusal("--ckpt_path", ckpt_path, config.get("model") or {}, config.get("data"),
                                evaluate=self.config.subcommand != "fit",
                                defaults=self._parser(self.config.subcommand).get_defaults(), unread=unread_settings,
                                reward_changes=reward_changes)
             self._checked_checkpoint = str(ckpt_path)
-            place = planned_place(config.get("trainer"))
             if refusal is not None and (place is None or not place.others_wait):
                 _exit_with(refusal, self.config.subcommand)
             if place is not None:  # every rank must take part in the comparison: the ranks it will start too
