@@ -121,11 +121,11 @@ def test_a_folder_given_as_a_path_is_read_as_its_text_is(reward_model_path):
     assert func.fn(["2 + 2?"], ["4"]) == by_path(["2 + 2?"], ["4"])
 
 
-def test_a_reward_specs_name_given_as_a_path_names_the_folder_its_text_names(reward_model_path):
+def test_a_reward_specs_name_given_as_a_path_names_the_folder_its_text_names(reward_model_path, monkeypatch):
     """A reward spec's name given as a ``pathlib.Path`` (``[Path(folder)]``, ``{"name": Path(folder)}``) is the
     reward model its text names, logged and scored alike, and a run saves it as that text (which builds the same
     reward, and reads as no change on a resume); it was refused as no name, dict or callable. A path whose text
-    would name no folder (a built-in's name) is refused, not read as that."""
+    without a '/' (pathlib drops a './') is that folder too, not a built-in of that name; one holding ':' is refused."""
     from lit_grpo.rollout.rewards import reward_changes, saved_reward_specs
     from lit_grpo.runtime.validation import plain_yaml_values
 
@@ -140,10 +140,15 @@ def test_a_reward_specs_name_given_as_a_path_names_the_folder_its_text_names(rew
     assert saved == [reward_model_path, {"name": reward_model_path, "weight": 2.0, "log_name": "rm2"}]
     assert [reward.name for reward in build_reward_funcs(saved)] == ["tiny-rm", "rm2"]
     assert reward_changes(saved, [folder, {"name": folder, "weight": 2.0, "log_name": "rm2"}]) == []
-    for spec in (Path("accuracy"), {"name": Path("accuracy")}):
-        with pytest.raises(ValueError, match=r"^reward spec PosixPath\('accuracy'\) is a path, which names a reward "
-                                             r"model's folder: write its text with a '/' and no ':' \('./accuracy'"):
-            build_reward_funcs([spec])
+    # a bare relative path (pathlib drops "./") is the folder, never the built-in of that name
+    monkeypatch.chdir(folder.parent)
+    for spec in (Path("tiny-rm"), {"name": Path("./tiny-rm")}):
+        (relative,) = build_reward_funcs([spec])
+        assert isinstance(relative.fn, RewardModel) and relative.name == "tiny-rm"
+        assert plain_yaml_values(saved_reward_specs([spec])) in (["./tiny-rm"], [{"name": "./tiny-rm"}])
+    with pytest.raises(ValueError, match=r"^reward spec PosixPath\('a:b'\) is a path, which names a reward model's "
+                                         r"folder; its text holds a ':'"):
+        build_reward_funcs([Path("a:b")])
 
 
 def test_a_folder_under_the_home_directory_is_read_from_there(reward_model_path, tmp_path, monkeypatch):

@@ -502,15 +502,15 @@ def _reward_from_mapping(spec: Mapping[str, Any]) -> WeightedReward:
 
 
 def _path_name(path: os.PathLike) -> str:
-    """A reward spec's name given as a path (``os.PathLike``: a ``pathlib.Path``, a Python config's): its text,
-    which a run saves and which builds the same reward model; refused where that text would not name a folder (a
-    built-in's name, a module's), which a path is not meant as."""
+    """A reward spec's name given as a path (``os.PathLike``: a ``pathlib.Path``, a Python config's): the text of the
+    reward model's folder it names, which a run saves and which builds the same reward model. A path is meant as a
+    folder, so a bare ``Path("rm")`` (pathlib drops a ``./``) reads as ``./rm``, never as a built-in's name; refused
+    where its text holds a ':', which no folder name in a spec may (it would read as a module's function)."""
     text = os.fsdecode(path)
-    if not is_reward_model_name(text):
-        raise ValueError(f"reward spec {shown_value(path)} is a path, which names a reward model's folder: write its "
-                         "text with a '/' and no ':'" + (f" ({'./' + text!r})" if ":" not in text else "")
-                         + ", as a config's text names a folder")
-    return text
+    if ":" in text:
+        raise ValueError(f"reward spec {shown_value(path)} is a path, which names a reward model's folder; its text "
+                         "holds a ':', which a spec reads as 'package.module:function': rename or link the folder")
+    return text if "/" in text else f"./{text}"
 
 
 def build_reward_funcs(specs: Sequence[Any] | None) -> list[WeightedReward]:
@@ -567,11 +567,17 @@ def saved_reward_spec(spec: Any) -> Any:
     (``_reward_spelling``), where that spec builds an equal reward (function, weight, name), else a marker for the
     function that says none does; a mapping naming a callable (not a class, which a config builds with the
     options as given) and a callable that is no plain function or class (a ``functools.partial``, an
-    ``OverlongPenalty``) as the reward they build, where a spelling builds it again; anything else as given, for
-    ``plain_yaml_values``. What does not build is kept as given: the build that follows refuses it."""
+    ``OverlongPenalty``) as the reward they build, where a spelling builds it again; a folder's path as the text that
+    names it (``_path_name``); anything else as given, for ``plain_yaml_values``. What does not build is kept as
+    given: the build that follows refuses it."""
     if isinstance(spec, WeightedReward):
         return _saved_reward(spec)
     name = spec.get("name") if isinstance(spec, Mapping) else None
+    if isinstance(spec, os.PathLike) or isinstance(name, os.PathLike):  # a folder, as the text that names it
+        try:
+            return _path_name(spec) if name is None else {**spec, "name": _path_name(name)}
+        except ValueError:  # saved as given, refused by the build
+            return spec
     if (callable(name) and not inspect.isclass(name)) or (
             callable(spec) and not (inspect.isroutine(spec) or inspect.isclass(spec))):
         try:
