@@ -905,6 +905,32 @@ def test_a_saved_reward_that_no_spec_builds_again_is_a_marker_that_says_so():
             build_reward_funcs([spec])
 
 
+def test_a_resume_reads_a_reward_option_given_at_its_default_as_unset():
+    """A resume compares each reward's kwargs with the function's (or class's) defaults filled in: an option given at
+    its default is the same reward as one left unset. OverlongPenalty(buffer=8) from Python is saved with every
+    option (max_length: None too), and {name: overlong, kwargs: {buffer: 8}} was warned of as a kwargs change. An
+    option given another value is still named."""
+    from lit_grpo.rollout.reward_functions import char_fraction_reward
+    from lit_grpo.rollout.rewards import reward_changes, saved_reward_specs
+    from lit_grpo.runtime.validation import plain_yaml_values
+
+    saved = plain_yaml_values(saved_reward_specs([OverlongPenalty(buffer=8),
+                                                  functools.partial(char_fraction_reward, chars="0123456789"),
+                                                  {"name": "org/rm", "kwargs": {"device": "auto", "dtype": None}}]))
+    assert saved[0] == {"name": "overlong", "weight": 1.0, "kwargs": {"max_length": None, "buffer": 8}}
+    assert saved[1]["kwargs"] == {"chars": "0123456789"}
+    same = [{"name": "overlong", "kwargs": {"buffer": 8}}, {"name": "char_fraction", "log_name": "partial"},
+            {"name": "org/rm", "kwargs": {"batch_size": 16}}]
+    assert reward_changes(saved, same) == [] and reward_changes(same, saved) == []
+    other = [{"name": "overlong", "kwargs": {"buffer": 8, "max_length": 64}},
+             {"name": "char_fraction", "kwargs": {"chars": "ab"}, "log_name": "partial"},
+             {"name": "org/rm", "kwargs": {"device": "cpu"}}]
+    assert reward_changes(saved, other) == [
+        "reward 'overlong': kwargs {'buffer': 8} in the checkpoint, {'buffer': 8, 'max_length': 64} now",
+        "reward 'char_fraction': kwargs {} in the checkpoint, {'chars': 'ab'} now",
+        "reward 'org/rm': kwargs {} in the checkpoint, {'device': 'cpu'} now"]
+
+
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
