@@ -672,10 +672,11 @@ def reward_changes(saved: Any, now: Any) -> list[str]:
     for each reward removed, added or changed (its weight, kwargs or log_name), none where they are the same. Both
     are compared as a run saves them (``saved_reward_specs``, then plain YAML), so a function is the name it was
     saved as and a marker (``<not importable ...>``) equals the same marker; a spec's defaults are filled in (a name
-    alone weighs 1.0 with no kwargs and its default log name), and no rewards are ``accuracy``, as the build reads
-    them. A reward is known by its spec's name, the n-th of a name given twice (under two log names) by the n-th;
-    what is no spec (the build refuses it) by itself, whole. A resume may change them on purpose, so this is said,
-    not refused: the reward logged from here on measures another objective than the checkpoint's."""
+    alone weighs 1.0 with no kwargs and its default log name; an option given at the function's default reads as
+    unset), and no rewards are ``accuracy``, as the build reads them. A reward is known by its spec's name, the n-th
+    of a name given twice (under two log names) by the n-th; what is no spec (the build refuses it) by itself, whole.
+    A resume may change them on purpose, so this is said, not refused: the reward logged from here on measures another
+    objective than the checkpoint's."""
     old, new = _compared_rewards(saved), _compared_rewards(now)
     lines = []
     for key, fields in old.items():
@@ -707,7 +708,8 @@ def _compared_rewards(specs: Any) -> dict[tuple[bool, str, int], dict[str, Any]]
         name = spec.get("name") if isinstance(spec, dict) and set(spec) <= set(REWARD_SPEC_KEYS) else None
         if isinstance(name, str):
             log_name = spec.get("log_name")
-            fields = {"weight": spec.get("weight", 1.0), "kwargs": {} if spec.get("kwargs") is None else spec["kwargs"],
+            kwargs = {} if spec.get("kwargs") is None else _set_options(spec["kwargs"], _reward_target(name))
+            fields = {"weight": spec.get("weight", 1.0), "kwargs": kwargs,
                       "log_name": None if log_name in ("", _default_log_name(name)) else log_name}
             label = (True, name)
         else:
@@ -715,6 +717,35 @@ def _compared_rewards(specs: Any) -> dict[tuple[bool, str, int], dict[str, Any]]
         count = sum(1 for key in compared if key[:2] == label)
         compared[(*label, count)] = fields
     return compared
+
+
+def _reward_target(name: str) -> Any:
+    """The function or class a spec's ``name`` builds its reward from, nothing built: a built-in's, a reward model's
+    class, an imported one; None where no name imports it (a marker, a module that fails: the build says why)."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if is_reward_model_name(name):
+        return RewardModel
+    if name.startswith(NOT_IMPORTABLE) or not (":" in name or "." in name):
+        return None
+    try:
+        return _import_reward(name)
+    except Exception:  # noqa: BLE001 - any failure: the name is compared as its text
+        return None
+
+
+def _set_options(kwargs: Any, target: Any) -> Any:
+    """A spec's ``kwargs`` less the options equal to their defaults in ``target``'s signature: an option given at its
+    default builds the same reward as one left unset (a Python object is saved with every option)."""
+    try:
+        parameters = inspect.signature(target).parameters
+        options = reward_options(target)[0]
+    except (TypeError, ValueError):  # no target, or one without a signature: compared as given
+        return kwargs
+    if not isinstance(kwargs, dict):
+        return kwargs
+    return {key: value for key, value in kwargs.items() if key not in options
+            or parameters[key].default is inspect.Parameter.empty or not _same_value(value, parameters[key].default)}
 
 
 def _default_log_name(name: str) -> str | None:
