@@ -931,6 +931,27 @@ def test_a_resume_reads_a_reward_option_given_at_its_default_as_unset():
         "reward 'org/rm': kwargs {} in the checkpoint, {'device': 'cpu'} now"]
 
 
+def test_a_resume_reads_a_builtin_function_named_by_its_module_as_the_builtin():
+    """A resume compares a 'package.module:function' (or 'package.module.function') that imports a built-in's function
+    as the built-in's name: accuracy and lit_grpo.rollout.reward_functions:accuracy_reward were one reward removed and
+    one added. A change of its weight is named under the built-in's name; a class named by its module stays as spelt
+    (its object may log under a name of its own: a reward model's, its folder's)."""
+    from lit_grpo.rollout.rewards import reward_changes
+
+    module = "lit_grpo.rollout.reward_functions"
+    saved = ["accuracy", {"name": "format", "weight": 0.5}, {"name": "char_fraction", "kwargs": {"chars": "ab"}}]
+    now = [f"{module}:accuracy_reward", {"name": f"{module}.format_reward", "weight": 0.5},
+           {"name": f"{module}:char_fraction_reward", "kwargs": {"chars": "ab"}}]
+    assert reward_changes(saved, now) == [] and reward_changes(now, saved) == []
+    assert reward_changes(saved, [*now[:1], {"name": f"{module}:format_reward", "weight": 2.0}, now[2]]) == [
+        "reward 'format': weight 0.5 in the checkpoint, 2.0 now"]
+    model = {"model": "org/rm"}
+    assert reward_changes([{"name": "reward_model", "kwargs": model}],
+                          [{"name": "lit_grpo.rollout.reward_model:RewardModel", "kwargs": model}]) == [
+        "reward 'reward_model': removed (weight 1.0 in the checkpoint)",
+        "reward 'lit_grpo.rollout.reward_model:RewardModel': added (weight 1.0 now)"]
+
+
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
