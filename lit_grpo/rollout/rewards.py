@@ -671,10 +671,11 @@ def reward_changes(saved: Any, now: Any) -> list[str]:
     """How the reward functions ``now`` (this run's ``reward_funcs``) differ from ``saved`` (a checkpoint's): a line
     for each reward removed, added or changed (its weight, kwargs or log_name), none where they are the same. Both
     are compared as a run saves them (``saved_reward_specs``, then plain YAML), so a function is the name it was
-    saved as and a marker (``<not importable ...>``) equals the same marker; a spec's defaults are filled in (a name
-    alone weighs 1.0 with no kwargs and its default log name; an option given at the function's default reads as
-    unset), and no rewards are ``accuracy``, as the build reads them. A reward is known by its spec's name, the n-th
-    of a name given twice (under two log names) by the n-th; what is no spec (the build refuses it) by itself, whole.
+    saved as (a built-in's function named by its module, 'package.module:function', the built-in's name) and a marker
+    (``<not importable ...>``) equals the same marker; a spec's defaults are filled in (a name alone weighs 1.0 with
+    no kwargs and its default log name; an option given at the function's default reads as unset), and no rewards are
+    ``accuracy``, as the build reads them. A reward is known by its spec's name, the n-th of a name given twice
+    (under two log names) by the n-th; what is no spec (the build refuses it) by itself, whole.
     A resume may change them on purpose, so this is said, not refused: the reward logged from here on measures another
     objective than the checkpoint's."""
     old, new = _compared_rewards(saved), _compared_rewards(now)
@@ -707,8 +708,9 @@ def _compared_rewards(specs: Any) -> dict[tuple[bool, str, int], dict[str, Any]]
             spec = {"name": spec}
         name = spec.get("name") if isinstance(spec, dict) and set(spec) <= set(REWARD_SPEC_KEYS) else None
         if isinstance(name, str):
-            log_name = spec.get("log_name")
-            kwargs = {} if spec.get("kwargs") is None else _set_options(spec["kwargs"], _reward_target(name))
+            log_name, target = spec.get("log_name"), _reward_target(name)
+            name = _compared_name(name, target)
+            kwargs = {} if spec.get("kwargs") is None else _set_options(spec["kwargs"], target)
             fields = {"weight": spec.get("weight", 1.0), "kwargs": kwargs,
                       "log_name": None if log_name in ("", _default_log_name(name)) else log_name}
             label = (True, name)
@@ -732,6 +734,14 @@ def _reward_target(name: str) -> Any:
         return _import_reward(name)
     except Exception:  # noqa: BLE001 - any failure: the name is compared as its text
         return None
+
+
+def _compared_name(name: str, target: Any) -> str:
+    """A spec's ``name`` as ``reward_changes`` knows its reward (``target``: ``_reward_target``'s): the built-in's
+    name where it imports a built-in's function, which is logged under that name either way (a class is not: its
+    object may name itself, a reward model after its folder)."""
+    builtin = next((key for key, value in BUILTIN_REWARDS.items() if value is target), None)
+    return builtin if builtin is not None and inspect.isroutine(target) else name
 
 
 def _set_options(kwargs: Any, target: Any) -> Any:
