@@ -952,6 +952,33 @@ def test_a_resume_reads_a_builtin_function_named_by_its_module_as_the_builtin():
         "reward 'lit_grpo.rollout.reward_model:RewardModel': added (weight 1.0 now)"]
 
 
+def test_a_resume_reads_a_reward_models_folder_by_its_real_path(tmp_path, monkeypatch):
+    """A resume compares a reward model's folder by its real path: ./rm, its absolute path, a trailing '/', ~/rm and a
+    link to it are one folder, one reward model (no model is built to compare); they were one removed and one added.
+    A link of another name logs it under that name (the folder's last part), a log_name change. Another folder is
+    another reward, shown by its real path; a name that is no local folder (a hub id) by its text."""
+    import os
+
+    from lit_grpo.rollout.rewards import reward_changes
+
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "rm")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for spelling in (str(tmp_path / "rm"), f"{tmp_path}/rm/", "./rm/", "~/rm", "./link"):
+        link = {"log_name": "rm"} if spelling == "./link" else {}  # logged as the folder its name names
+        assert reward_changes(["./rm"], [{"name": spelling, **link}]) == [], spelling
+        assert reward_changes([{"name": spelling, "weight": 2.0, **link}], [{"name": "./rm", "weight": 2.0}]) == []
+    real = os.path.realpath(tmp_path)
+    assert reward_changes(["./rm"], ["./link"]) == [
+        f"reward '{real}/rm': log_name None (its default) in the checkpoint, 'link' now"]
+    assert reward_changes(["./rm"], ["./other"]) == [f"reward '{real}/rm': removed (weight 1.0 in the checkpoint)",
+                                                     f"reward '{real}/other': added (weight 1.0 now)"]
+    assert reward_changes(["org/rm"], ["org/rm/"]) == ["reward 'org/rm': removed (weight 1.0 in the checkpoint)",
+                                                       "reward 'org/rm/': added (weight 1.0 now)"]
+
+
 def test_a_misspelt_function_of_a_reward_module_is_named_with_the_closest_it_has(tmp_path, monkeypatch):
     """``my_rewards:lenght_reward`` names the module's ``length_reward``; without a close name, its functions."""
     (tmp_path / "spelt_rewards.py").write_text("import re\n\nSCALE = 2\n\n\ndef length_reward(completions, **kw):\n"
