@@ -671,13 +671,13 @@ def reward_changes(saved: Any, now: Any) -> list[str]:
     """How the reward functions ``now`` (this run's ``reward_funcs``) differ from ``saved`` (a checkpoint's): a line
     for each reward removed, added or changed (its weight, kwargs or log_name), none where they are the same. Both
     are compared as a run saves them (``saved_reward_specs``, then plain YAML), so a function is the name it was
-    saved as (a built-in's function named by its module, 'package.module:function', the built-in's name) and a marker
-    (``<not importable ...>``) equals the same marker; a spec's defaults are filled in (a name alone weighs 1.0 with
-    no kwargs and its default log name; an option given at the function's default reads as unset), and no rewards are
-    ``accuracy``, as the build reads them. A reward is known by its spec's name, the n-th of a name given twice
-    (under two log names) by the n-th; what is no spec (the build refuses it) by itself, whole.
-    A resume may change them on purpose, so this is said, not refused: the reward logged from here on measures another
-    objective than the checkpoint's."""
+    saved as (a built-in's function named by its module, 'package.module:function', is the built-in's name; a reward
+    model's local folder is its real path) and a marker (``<not importable ...>``) equals the same marker; a spec's
+    defaults are filled in (a name alone weighs 1.0 with no kwargs and its default log name; an option given at the
+    function's default reads as unset), and no rewards are ``accuracy``, as the build reads them. A reward is known
+    by its spec's name, the n-th of a name given twice (under two log names) by the n-th; what is no spec (the build
+    refuses it) by itself, whole. A resume may change them on purpose, so this is said, not refused: the reward
+    logged from here on measures another objective than the checkpoint's."""
     old, new = _compared_rewards(saved), _compared_rewards(now)
     lines = []
     for key, fields in old.items():
@@ -709,10 +709,12 @@ def _compared_rewards(specs: Any) -> dict[tuple[bool, str, int], dict[str, Any]]
         name = spec.get("name") if isinstance(spec, dict) and set(spec) <= set(REWARD_SPEC_KEYS) else None
         if isinstance(name, str):
             log_name, target = spec.get("log_name"), _reward_target(name)
+            if log_name in (None, ""):  # its default as this spelling gives it: a folder's link logs its own name
+                log_name = _default_log_name(name)
             name = _compared_name(name, target)
             kwargs = {} if spec.get("kwargs") is None else _set_options(spec["kwargs"], target)
             fields = {"weight": spec.get("weight", 1.0), "kwargs": kwargs,
-                      "log_name": None if log_name in ("", _default_log_name(name)) else log_name}
+                      "log_name": None if log_name in (None, "", _default_log_name(name)) else log_name}
             label = (True, name)
         else:
             fields, label = {"spec": spec}, (False, shown_value(spec, 1000))
@@ -739,9 +741,13 @@ def _reward_target(name: str) -> Any:
 def _compared_name(name: str, target: Any) -> str:
     """A spec's ``name`` as ``reward_changes`` knows its reward (``target``: ``_reward_target``'s): the built-in's
     name where it imports a built-in's function, which is logged under that name either way (a class is not: its
-    object may name itself, a reward model after its folder)."""
+    object may name itself, a reward model after its folder); a reward model's local folder by its real path, which
+    ``./rm``, ``/abs/rm/``, ``~/rm`` and a link all name; any other name as its text."""
     builtin = next((key for key, value in BUILTIN_REWARDS.items() if value is target), None)
-    return builtin if builtin is not None and inspect.isroutine(target) else name
+    if builtin is not None and inspect.isroutine(target):
+        return builtin
+    folder = os.path.expanduser(name)  # as RewardModel reads it
+    return os.path.realpath(folder) if is_reward_model_name(name) and os.path.isdir(folder) else name
 
 
 def _set_options(kwargs: Any, target: Any) -> Any:
@@ -760,10 +766,12 @@ def _set_options(kwargs: Any, target: Any) -> Any:
 
 def _default_log_name(name: str) -> str | None:
     """The name a spec named ``name`` without a log name is logged under, where the name tells it: a built-in's own,
-    an imported function's (``reward_name`` of ``package.module:function``); None where only the object built knows
-    (a marker, a reward model's)."""
+    an imported function's (``reward_name`` of ``package.module:function``), a reward model's (its folder's or hub
+    id's last part, as ``RewardModel`` names itself); None where only the object built knows (a marker)."""
     if name in BUILTIN_REWARDS:
         return name
+    if is_reward_model_name(name):
+        return _logged_name(PurePath(name.rstrip("/")).name)
     if name.startswith(NOT_IMPORTABLE) or ":" not in name:
         return None
     return _logged_name(name.rpartition(":")[2].rpartition(".")[2])
