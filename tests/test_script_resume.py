@@ -169,3 +169,34 @@ def test_a_whole_checkpoint_file_whose_weights_fsdp2s_strategy_loaded_itself_res
     trainer.strategy = SingleDeviceStrategy("cpu")
     with pytest.raises(ConfigError, match="it has no state_dict"):
         check_loaded_settings(loaded, _module(), trainer)
+
+
+@pytest.mark.parametrize("marked, run", [("validate", "fit"), ("fit", "validate")])
+def test_a_checkpoint_marked_compared_for_one_kind_of_run_is_compared_for_the_other(checkpoint, marked, run):
+    """``mark_settings_checked`` records the path and whether it was compared for a fit (every resume setting) or
+    for a validate (the weights' settings only): a mark of the other kind is no comparison of this one."""
+    from lit_grpo.runtime.checkpoints import check_loaded_settings, mark_settings_checked
+
+    loaded = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    trainer = SimpleNamespace(ckpt_path=str(checkpoint), state=SimpleNamespace(fn=run), datamodule=_data())
+    differing = _module(model="tiny-qwen2", loss_type="dapo")  # refused by a fit and by a validate
+    mark_settings_checked(differing, checkpoint, evaluate=marked != "fit")
+    with pytest.raises(ConfigError, match="model.model: 'tiny-llama' in the checkpoint, 'tiny-qwen2' now"):
+        check_loaded_settings(loaded, differing, trainer)
+    # marked for this kind of run, spelt otherwise (the real path): not compared again
+    mark_settings_checked(differing, checkpoint.parent / "." / checkpoint.name, evaluate=run != "fit")
+    check_loaded_settings(loaded, differing, trainer)
+
+
+def test_a_mark_stands_for_one_load(checkpoint):
+    """A mark skips the comparison of the one load it was made for: the same module resuming the same file again
+    (another fit of a script, maybe with another data module) is compared."""
+    from lit_grpo.runtime.checkpoints import check_loaded_settings, mark_settings_checked
+
+    loaded = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    trainer = SimpleNamespace(ckpt_path=str(checkpoint), state=SimpleNamespace(fn="fit"), datamodule=_data())
+    module = _module(loss_type="dapo")
+    mark_settings_checked(module, checkpoint, evaluate=False)
+    check_loaded_settings(loaded, module, trainer)
+    with pytest.raises(ConfigError, match="model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now"):
+        check_loaded_settings(loaded, module, trainer)
