@@ -270,7 +270,7 @@ class GRPOCLI(LightningCLI):
         neither compares it again nor warns of its reward functions a second time. A path not compared here
         (``best``, a URL) is compared there."""
         if ckpt_path is not None and self._checked_checkpoint == str(ckpt_path):
-            mark_settings_checked(self.model, ckpt_path)
+            mark_settings_checked(self.model, ckpt_path, evaluate=self.subcommand != "fit")
 
     def _last_checkpoint(self, evaluate: bool) -> tuple[Path, Path | None]:
         """The root searched and the newest ``last.ckpt`` of any run under it (None: none yet), checked against

@@ -499,16 +499,19 @@ def init_defaults(cls: type) -> dict[str, Any]:
     return defaults
 
 
-#: The attribute by which ``mark_settings_checked`` tells ``check_loaded_settings`` that a checkpoint was compared.
+#: The attribute by which ``mark_settings_checked`` tells ``check_loaded_settings`` that a checkpoint was compared:
+#: its path and whether for a run that only evaluates it.
 _CHECKED = "_lit_grpo_checked_ckpt_path"
 
 
-def mark_settings_checked(module: Any, path: str | os.PathLike) -> None:
-    """Note on ``module`` that the checkpoint at ``path`` was compared with its run's settings already: ``lit-grpo``
-    compares it before anything loads (with its parser's defaults, and every rank's refusal compared), so its
-    module's ``check_loaded_settings`` does not compare it again as Lightning loads it, nor warn of its reward
-    functions a second time."""
-    setattr(module, _CHECKED, _path_key(path))
+def mark_settings_checked(module: Any, path: str | os.PathLike, *, evaluate: bool) -> None:
+    """Note on ``module`` that the checkpoint at ``path`` was compared with its run's settings already, for a fit
+    (every resume setting) or, with ``evaluate``, for a run that only evaluates it (the weights' settings): the
+    module's ``check_loaded_settings`` then does not compare it again as Lightning loads it for that kind of run, nor
+    warn of its reward functions a second time. ``lit-grpo`` compares it before anything loads (with its parser's
+    defaults, and every rank's refusal compared); under FSDP2 ``GRPOModule`` compares it before the strategy loads
+    it. A mark stands for the one load it was made for: the comparison it skips takes it off."""
+    setattr(module, _CHECKED, (_path_key(path), bool(evaluate)))
 
 
 def _path_key(path: str | os.PathLike) -> str:
@@ -530,13 +533,15 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
     ``__init__`` defaults (:func:`init_defaults`). The data settings are compared where the trainer's data module
     has them (``RolloutDataModule``'s), not with another data module's, whose settings are others. Nothing is
     compared without a trainer (``load_from_checkpoint``: the settings are the checkpoint's own) nor for a
-    checkpoint the CLI compared already (:func:`mark_settings_checked`). ``unread`` and ``reward_changes`` are
-    :func:`check_resumable`'s, the command's (``lit_grpo.update.resume_settings.unread_settings``,
-    ``lit_grpo.rollout.rewards.reward_changes``)."""
+    checkpoint compared already for this kind of run (:func:`mark_settings_checked`). ``unread`` and
+    ``reward_changes`` are :func:`check_resumable`'s, the command's
+    (``lit_grpo.update.resume_settings.unread_settings``, ``lit_grpo.rollout.rewards.reward_changes``)."""
     if trainer is None:
         return
     path = getattr(trainer, "ckpt_path", None)
-    if path is not None and getattr(module, _CHECKED, None) == _path_key(path):
+    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
+    if path is not None and getattr(module, _CHECKED, None) == (_path_key(path), evaluate):
+        delattr(module, _CHECKED)  # the load it was made for: another load of the same file is compared
         return
     if "state_dict" not in checkpoint and _loads_weights_itself(getattr(trainer, "strategy", None)):
         # FSDP2's strategy took the weights from a whole file before this hook, as it takes a folder's shards
@@ -549,7 +554,6 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
         data_hparams = None
     defaults = {"model": init_defaults(type(module)),
                 "data": init_defaults(type(datamodule)) if datamodule is not None else {}}
-    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
     with config_errors("--ckpt_path"):
         check_checkpoint_settings(checkpoint, path, module.hparams, data_hparams, evaluate=evaluate,
                                   defaults=defaults, unread=unread, reward_changes=reward_changes)
