@@ -278,3 +278,79 @@ def test_a_sharded_checkpoint_of_other_param_groups_is_refused_by_trainer_fit_be
         assert f"--ckpt_path: checkpoint {last}: its optimizer has 2 param group(s), this run's 1" in output, (
             output[-4000:])
         assert "IndexError" not in output and (script or "Traceback" not in output), output[-4000:]
+
+
+def _fsdp2_strategy(folder, whole: bool) -> str:
+    """A config of FSDP2's strategy, saving a folder of shards or (``whole``) one whole file; returns its path."""
+    path = folder / ("whole.yaml" if whole else "sharded.yaml")
+    strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}
+    if whole:
+        strategy["init_args"] = {"save_distributed_checkpoint": False}
+    path.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
+    return str(path)
+
+
+def _one_process_arguments(tmp, whole: bool) -> list[str]:
+    """The tiny config under FSDP2 on one CPU process (its loss dapo), whose first step moves every weight."""
+    from two_process_helpers import TINY
+
+    return ["--config", TINY, "--config", _fsdp2_strategy(tmp, whole), "--model.fsdp", "true",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--model.scale_rewards", "batch",
+            "--model.lr", "1e-2"]
+
+
+def _one_process_env() -> dict[str, str]:
+    from tools.harness import repo_env
+
+    return repo_env(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_one_process(tmp_path_factory):
+    """The last.ckpt of a 1-step FSDP2 fit on one CPU process, by how it was saved: "sharded" (a folder of shards)
+    and "whole" (one file), each with its weights as a torch state dict (the shards gathered into one)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = {}
+    for kind in ("sharded", "whole"):
+        tmp = tmp_path_factory.mktemp(f"fsdp2_{kind}")
+        argv = ["fit", *_one_process_arguments(tmp, kind == "whole"), "--trainer.default_root_dir", str(tmp / "run"),
+                "--trainer.max_steps", "1"]
+        proc = forked_cli.run(argv, tmp, _one_process_env(), timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        (last,) = (tmp / "run").rglob("last.ckpt")
+        assert last.is_dir() == (kind == "sharded")
+        whole = tmp / "whole.pt"
+        if last.is_dir():
+            dcp_to_torch_save(last, whole)
+        state = torch.load(whole if last.is_dir() else last, map_location="cpu", weights_only=False)["state_dict"]
+        saved[kind] = (last, {key.removeprefix("policy."): value for key, value in state.items()})
+    return saved
+
+
+@pytest.mark.parametrize("kind", ["sharded", "whole"])
+def test_an_fsdp2_checkpoint_of_another_objective_is_refused_by_a_scripts_fit_before_its_weights_load(
+        tmp_path, fsdp2_one_process, kind):
+    """A script's ``trainer.fit(ckpt_path=...)`` under FSDP2 (tests/fit_keeping_weights.py, no ``lit-grpo``) of a
+    checkpoint trained with another loss is refused naming it, as ``lit-grpo fit`` refuses it, and the module keeps
+    the weights it was built with: the strategy loads the weights (and the optimizer) inside its ``load_checkpoint``,
+    before ``on_load_checkpoint`` could compare the settings, so they are compared before that load."""
+    from lit_grpo.runtime.models import load_model_and_tokenizer
+
+    last, saved = fsdp2_one_process[kind]
+    initial = load_model_and_tokenizer("tiny-llama")[0].state_dict()
+    assert set(saved) == set(initial) and all(not torch.equal(saved[name], initial[name]) for name in initial)
+    weights = tmp_path / "weights.pt"
+    script = os.path.join(os.path.dirname(__file__), "fit_keeping_weights.py")
+    argv = [str(last), str(weights), *_one_process_arguments(tmp_path, kind == "whole"),
+            "--model.loss.loss_type", "grpo", "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.max_steps", "2"]
+    proc = forked_cli.run(argv, tmp_path, _one_process_env(), timeout=240, script=script)
+    output = (proc.stdout + proc.stderr).replace("[rank0]: ", "")  # torch's prefix of a process group's errors
+    assert proc.returncode == 1, output[-4000:]
+    assert (f"--ckpt_path: checkpoint {last} was trained with other settings than this run's; a resume would not "
+            "continue the same run:\n  model.loss.loss_type: 'dapo' in the checkpoint, 'grpo' now\n") in output, (
+        output[-4000:])
+    after = torch.load(weights, map_location="cpu", weights_only=True)
+    assert set(after) == set(initial), output[-4000:]
+    assert [name for name in initial if not torch.equal(after[name], initial[name])] == []
