@@ -354,3 +354,26 @@ def test_an_fsdp2_checkpoint_of_another_objective_is_refused_by_a_scripts_fit_be
     after = torch.load(weights, map_location="cpu", weights_only=True)
     assert set(after) == set(initial), output[-4000:]
     assert [name for name in initial if not torch.equal(after[name], initial[name])] == []
+
+
+@pytest.mark.parametrize("kind", ["sharded", "whole"])
+def test_an_fsdp2_checkpoint_resumed_by_a_scripts_fit_with_other_reward_functions_warns_once_and_goes_on(
+        tmp_path, fsdp2_one_process, kind):
+    """Its settings are compared before the strategy loads it, and on_load_checkpoint, told so, does not compare
+    them again: the other reward functions are warned of once, and the fit goes on from the checkpoint's step."""
+    last, _ = fsdp2_one_process[kind]
+    rewards = tmp_path / "rewards.yaml"  # the tiny config's rewards without format and overlong
+    rewards.write_text(yaml.safe_dump({"data": {"reward_funcs": [{"name": "accuracy", "weight": 1.0},
+                                                                 {"name": "char_fraction", "weight": 1.0}]}}))
+    weights = tmp_path / "weights.pt"
+    script = os.path.join(os.path.dirname(__file__), "fit_keeping_weights.py")
+    argv = [str(last), str(weights), *_one_process_arguments(tmp_path, kind == "whole"), "--config", str(rewards),
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2"]
+    proc = forked_cli.run(argv, tmp_path, _one_process_env(), timeout=240, script=script)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count(f"checkpoint {last} was trained with other reward functions than this run's:") == 1, (
+        output[-4000:])
+    assert "reward 'format': removed (weight 0.1 in the checkpoint)" in output
+    assert f"Restored all states from the checkpoint at {last}" in output, output[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in output, output[-4000:]

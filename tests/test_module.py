@@ -1679,9 +1679,11 @@ def test_the_sharded_resume_check_keeps_no_module_alive_and_checks_only_its_own_
 
     import lit_grpo.update.module as module_file
 
-    checked, loaded = [], []
+    checked, loaded, compared = [], [], []
     monkeypatch.setattr(module_file, "check_sharded_param_groups",
                         lambda path, groups, weight_decay: checked.append((path, groups, weight_decay)))
+    monkeypatch.setattr(module_file, "check_settings_before_load",
+                        lambda path, module, trainer, **checks: compared.append((path, module.hparams.weight_decay)))
 
     class Strategy:  # the part of a sharded strategy (FSDP2's ModelParallelStrategy) the check uses
         restore_checkpoint_after_setup = True
@@ -1701,6 +1703,7 @@ def test_the_sharded_resume_check_keeps_no_module_alive_and_checks_only_its_own_
     strategy, module = Strategy(), make_module(weight_decay=0.1)
     fit_start(module, strategy)
     assert strategy.load_checkpoint(folder) == {} and checked == [(folder, 2, 0.1)] and loaded == [folder]
+    assert compared == [(folder, 0.1)]  # its settings first
     assert "load_checkpoint" not in strategy.__dict__  # once: the class's own from then on
     # a fit that loads nothing, then the strategy's next module: the first is collected, the wrapper left behind
     fit_start(module, strategy)
@@ -1715,6 +1718,44 @@ def test_the_sharded_resume_check_keeps_no_module_alive_and_checks_only_its_own_
     fit_start(first, strategy)
     strategy.lightning_module = make_module(weight_decay=0.0)
     assert strategy.load_checkpoint(folder) == {} and checked == [(folder, 2, 0.1)] and loaded == [folder] * 3
+    assert compared == [(folder, 0.1)]
+
+
+def test_the_load_wrapped_at_fit_start_compares_a_whole_files_settings_and_a_failed_load_leaves_no_mark(
+        monkeypatch, tmp_path):
+    """A whole file under FSDP2 (``save_distributed_checkpoint=False``) has its settings compared before the load
+    too, but no sharded param groups; a load that fails after the comparison marked the file takes the mark off:
+    no ``on_load_checkpoint`` follows, and a later fit of the same module loading that file is compared."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    import lit_grpo.update.module as module_file
+    from lit_grpo.runtime.checkpoints import _CHECKED, mark_settings_checked
+
+    checked, compared = [], []
+    monkeypatch.setattr(module_file, "check_sharded_param_groups", lambda *args: checked.append(args))
+
+    def compare(path, module, trainer, **checks):
+        compared.append(path)
+        mark_settings_checked(module, path, evaluate=False)
+
+    monkeypatch.setattr(module_file, "check_settings_before_load", compare)
+
+    class Strategy:  # FSDP2's ModelParallelStrategy as the wrapper sees it, its load failing (a shard unreadable)
+        restore_checkpoint_after_setup = True
+
+        def load_checkpoint(self, path):
+            raise OSError(f"cannot read {path}")
+
+    whole = str(tmp_path / "last.ckpt")
+    strategy, module = Strategy(), make_module()
+    module._trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn=TrainerFn.FITTING))
+    strategy.lightning_module = module
+    module._check_sharded_resume()
+    with pytest.raises(OSError, match="cannot read"):
+        strategy.load_checkpoint(whole)
+    assert compared == [whole] and checked == [] and not hasattr(module, _CHECKED)
 
 
 @pytest.mark.parametrize("world, save_on_exception, warned", [(2, True, True), (1, True, False), (2, False, False)])

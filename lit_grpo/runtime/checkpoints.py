@@ -514,6 +514,13 @@ def mark_settings_checked(module: Any, path: str | os.PathLike, *, evaluate: boo
     setattr(module, _CHECKED, (_path_key(path), bool(evaluate)))
 
 
+def forget_settings_checked(module: Any) -> None:
+    """Take off ``module`` the mark of :func:`mark_settings_checked`, if any: the load it was made for failed, so
+    the next load of that file (the same module fitted again) is compared."""
+    if hasattr(module, _CHECKED):
+        delattr(module, _CHECKED)
+
+
 def _path_key(path: str | os.PathLike) -> str:
     """``path`` as ``mark_settings_checked`` compares it: a local file by its real path (Lightning is handed the text
     the CLI checked, but a script may spell it otherwise), a URL as given."""
@@ -557,6 +564,24 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
     with config_errors("--ckpt_path"):
         check_checkpoint_settings(checkpoint, path, module.hparams, data_hparams, evaluate=evaluate,
                                   defaults=defaults, unread=unread, reward_changes=reward_changes)
+
+
+def check_settings_before_load(path: str | os.PathLike, module: Any, trainer: Any,
+                               unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None,
+                               reward_changes: Callable[[Any, Any], list[str]] | None = None) -> None:
+    """:func:`check_loaded_settings` of the checkpoint at ``path`` (``trainer.ckpt_path``) before a strategy that
+    loads its weights and optimizer states itself takes them (FSDP2's ``ModelParallelStrategy``, before the module's
+    ``on_load_checkpoint`` runs): its header (:func:`read_checkpoint_header`: a folder's ``SHARDED_HEADER``, a whole
+    file memory-mapped) compared, a refusal raised before anything loads, then the checkpoint marked compared for
+    this kind of run (:func:`mark_settings_checked`) so that ``on_load_checkpoint`` neither compares it again nor
+    warns of its reward functions twice. A URL is not read here: it is compared as ``on_load_checkpoint`` gets it."""
+    if "://" in os.fspath(path):
+        return
+    with config_errors("--ckpt_path"):  # missing, cut short or not a checkpoint: named as lit-grpo names it
+        header = read_checkpoint_header(path)
+    check_loaded_settings(header, module, trainer, unread=unread, reward_changes=reward_changes)
+    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
+    mark_settings_checked(module, path, evaluate=evaluate)
 
 
 def _loads_weights_itself(strategy: Any) -> bool:

@@ -126,8 +126,9 @@ from lit_grpo.runtime.distributed import (FSDP_ROLLOUTS, CastWeights, GatheredWe
                                           RaisedOnEveryRank, RolloutWeights, cast_names, data_parallel_mesh,
                                           gradient_norm, is_fsdp_sharded, meta_replica, reads_weights_outside_linear,
                                           shard_decoder_layers, strategy_all_gather, union_over_ranks)
-from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_loaded_settings, check_sharded_param_groups,
-                                         check_weight_shapes, exception_save_hazard, plain_saved_hyperparameters)
+from lit_grpo.runtime.checkpoints import (PlainHyperparameters, check_loaded_settings, check_settings_before_load,
+                                         check_sharded_param_groups, check_weight_shapes, exception_save_hazard,
+                                         forget_settings_checked, plain_saved_hyperparameters)
 from lit_grpo.runtime.head_precision import cast_lm_head_to_fp32, check_float32_head
 from lit_grpo.runtime.memory import release_freed_host_memory
 from lit_grpo.runtime.models import (DEFAULT_MODEL, disable_dropout, enable_activation_checkpointing,
@@ -546,6 +547,7 @@ class GRPOModule(PlainHyperparameters, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # first, before any of it is taken: a script's trainer.fit(ckpt_path=...) is refused as lit-grpo fit's is
+        # (a fit under FSDP2, whose strategy took the weights already, was compared before that: _check_sharded_resume)
         check_loaded_settings(checkpoint, self, self._trainer, unread=unread_settings, reward_changes=reward_changes)
         if "state_dict" in checkpoint:  # a sharded one's weights are loaded by the strategy, which checks them
             path = self.trainer.ckpt_path if self._trainer is not None else None
@@ -626,31 +628,42 @@ class GRPOModule(PlainHyperparameters, LightningModule):
         self._check_sharded_resume()
 
     def _check_sharded_resume(self) -> None:
-        """Have the strategy's next load of a sharded checkpoint (FSDP2's folder) in this fit first refuse one whose
-        optimizer has other param groups than this run's (``check_sharded_param_groups``). Such a strategy restores
-        after ``on_fit_start`` and loads the optimizer inside ``load_checkpoint``, into the groups as built, before
-        ``on_load_checkpoint`` could regroup it; and no hook is told the path before (``trainer.ckpt_path`` is set
-        as the load starts). So the load is wrapped for one call, as ``on_train_end`` wraps the teardown. A fit that
-        loads nothing leaves the wrapper behind (no hook of this module runs at the end of a failed fit): it holds the
-        module weakly, and checks only while it is the strategy's, so that it neither keeps a module fitted before
-        alive nor checks the next module's load against this one's settings."""
+        """Have the strategy's next load in this fit, where the strategy loads the weights and optimizer itself
+        (FSDP2's ``ModelParallelStrategy``: a folder of shards, or a whole file), first compare the checkpoint's
+        settings with this run's (``check_settings_before_load``: a script's ``trainer.fit(ckpt_path=...)`` refused
+        before any weight is taken, as ``lit-grpo fit`` refuses it; marked, so ``on_load_checkpoint`` does not compare
+        it again), then refuse a folder whose optimizer has other param groups than this run's
+        (``check_sharded_param_groups``): it loads into the groups as built, before ``on_load_checkpoint`` could
+        regroup it. Such a strategy restores after ``on_fit_start``, and no hook is told the path before
+        (``trainer.ckpt_path`` is set as the load starts), so the load is wrapped for one call, as ``on_train_end``
+        wraps the teardown. A fit that loads nothing leaves the wrapper behind (no hook of this module runs at the
+        end of a failed fit): it holds the module weakly, and checks only while it is the strategy's, so that it
+        neither keeps a module fitted before alive nor checks the next module's load against this one's settings."""
         strategy = self.trainer.strategy
         strategy.__dict__.pop("load_checkpoint", None)  # a wrapper an earlier fit left uncalled
-        if not strategy.restore_checkpoint_after_setup:  # read before setup: on_load_checkpoint regroups its state
+        if not strategy.restore_checkpoint_after_setup:  # read before setup: on_load_checkpoint compares it first
             return
         load, owner = strategy.load_checkpoint, weakref.ref(self)
 
-        def load_checking_param_groups(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        def load_checking_first(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             del strategy.load_checkpoint  # once: the class's own from now on
             module = owner()
-            if (module is not None and strategy.lightning_module is module
-                    and module.trainer.state.fn == TrainerFn.FITTING and os.path.isdir(checkpoint_path)):
-                with config_errors("--ckpt_path"):
-                    check_sharded_param_groups(checkpoint_path, len(module.optimizers().optimizer.param_groups),
-                                               module.hparams.weight_decay)
-            return load(checkpoint_path, *args, **kwargs)
+            if (module is None or strategy.lightning_module is not module
+                    or module.trainer.state.fn != TrainerFn.FITTING):
+                return load(checkpoint_path, *args, **kwargs)
+            check_settings_before_load(checkpoint_path, module, module.trainer, unread=unread_settings,
+                                       reward_changes=reward_changes)
+            try:
+                if os.path.isdir(checkpoint_path):
+                    with config_errors("--ckpt_path"):
+                        check_sharded_param_groups(checkpoint_path, len(module.optimizers().optimizer.param_groups),
+                                                   module.hparams.weight_decay)
+                return load(checkpoint_path, *args, **kwargs)
+            except BaseException:
+                forget_settings_checked(module)  # no on_load_checkpoint follows: a later load is compared
+                raise
 
-        strategy.load_checkpoint = load_checking_param_groups
+        strategy.load_checkpoint = load_checking_first
 
     def _warn_of_max_steps_inside_a_training_step(self) -> None:
         """Lightning stops after the training step that reaches ``max_steps``: one that is not a multiple of a
