@@ -200,3 +200,41 @@ def test_a_mark_stands_for_one_load(checkpoint):
     check_loaded_settings(loaded, module, trainer)
     with pytest.raises(ConfigError, match="model.loss.loss_type: 'grpo' in the checkpoint, 'dapo' now"):
         check_loaded_settings(loaded, module, trainer)
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+def test_the_comparison_before_fsdp2s_load_unpickles_the_checkpoint_as_that_load_does(checkpoint, tmp_path,
+                                                                                       weights_only):
+    """Under FSDP2 a script's fit compares the checkpoint's settings just before the strategy loads it, reading it
+    itself: with the load's ``weights_only`` (None: torch's default, True), as the load would, so a file that runs
+    code as it is unpickled is refused naming it, that code never run; it ran before a load that refuses it."""
+    import os
+    import re
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    class RunsCode:  # what unpickling it does: makes a folder
+        def __reduce__(self):
+            return os.mkdir, (str(tmp_path / "ran"),)
+
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    path = tmp_path / "code.ckpt"
+    torch.save({**saved, "extra": RunsCode()}, path)
+    loaded = []
+
+    class Strategy:  # FSDP2's ModelParallelStrategy as the wrapper sees it
+        restore_checkpoint_after_setup = True
+
+        def load_checkpoint(self, checkpoint_path, weights_only=None):
+            loaded.append(checkpoint_path)
+            return {}
+
+    strategy, module = Strategy(), _module()
+    module._trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn=TrainerFn.FITTING),
+                                      ckpt_path=str(path), datamodule=_data())
+    strategy.lightning_module = module
+    module._check_sharded_resume()
+    refusal = re.escape(f"--ckpt_path: checkpoint {path} cannot be read: UnpicklingError")
+    with pytest.raises(ConfigError, match=refusal):
+        strategy.load_checkpoint(str(path), weights_only=weights_only)
+    assert not (tmp_path / "ran").exists() and loaded == []
