@@ -334,10 +334,11 @@ def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
     return [*sorted(folder for folder in found if folder.is_dir()), root / "checkpoints"]
 
 
-def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
+def read_checkpoint_header(path: str | os.PathLike, weights_only: bool | None = False) -> dict[str, Any]:
     """The checkpoint at ``path`` with its tensors memory-mapped (nothing large is read), or a ``ValueError`` that
     names the file and says what is wrong with it: missing, cut short, or not a torch checkpoint. A sharded
-    checkpoint's folder gives its header (``SHARDED_HEADER``): everything but the weights and optimizer states."""
+    checkpoint's folder gives its header (``SHARDED_HEADER``): everything but the weights and optimizer states.
+    ``weights_only`` is ``torch.load``'s (None: torch's default)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -345,7 +346,7 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
         if not (path / SHARDED_HEADER).is_file():
             raise ValueError(f"checkpoint folder {path} has no {SHARDED_HEADER}: it is not a sharded Lightning "
                              "checkpoint, or its save did not finish; use another checkpoint")
-        return read_checkpoint_header(path / SHARDED_HEADER)
+        return read_checkpoint_header(path / SHARDED_HEADER, weights_only)
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
     try:
@@ -358,7 +359,7 @@ def read_checkpoint_header(path: str | os.PathLike) -> dict[str, Any]:
     if not any(name.endswith("/data.pkl") for name in names):
         raise ValueError(f"checkpoint {path} is a zip archive but not a torch checkpoint (it has no data.pkl)")
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except Exception as error:  # noqa: BLE001 - any reading failure is a bad file, named
         raise ValueError(f"checkpoint {path} cannot be read: {type(error).__name__}: {error}") from None
     if not isinstance(checkpoint, Mapping):
@@ -568,17 +569,19 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
 
 def check_settings_before_load(path: str | os.PathLike, module: Any, trainer: Any,
                                unread: Callable[[str, Mapping[str, Any]], Collection[str]] | None = None,
-                               reward_changes: Callable[[Any, Any], list[str]] | None = None) -> None:
+                               reward_changes: Callable[[Any, Any], list[str]] | None = None,
+                               weights_only: bool | None = None) -> None:
     """:func:`check_loaded_settings` of the checkpoint at ``path`` (``trainer.ckpt_path``) before a strategy that
     loads its weights and optimizer states itself takes them (FSDP2's ``ModelParallelStrategy``, before the module's
     ``on_load_checkpoint`` runs): its header (:func:`read_checkpoint_header`: a folder's ``SHARDED_HEADER``, a whole
     file memory-mapped) compared, a refusal raised before anything loads, then the checkpoint marked compared for
     this kind of run (:func:`mark_settings_checked`) so that ``on_load_checkpoint`` neither compares it again nor
-    warns of its reward functions twice. A URL is not read here: it is compared as ``on_load_checkpoint`` gets it."""
+    warns of its reward functions twice. A URL is not read here: it is compared as ``on_load_checkpoint`` gets it.
+    ``weights_only`` is the load's (None: torch's default): a file is unpickled here only as that load would."""
     if "://" in os.fspath(path):
         return
     with config_errors("--ckpt_path"):  # missing, cut short or not a checkpoint: named as lit-grpo names it
-        header = read_checkpoint_header(path)
+        header = read_checkpoint_header(path, weights_only)
     check_loaded_settings(header, module, trainer, unread=unread, reward_changes=reward_changes)
     evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
     mark_settings_checked(module, path, evaluate=evaluate)

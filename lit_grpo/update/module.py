@@ -652,7 +652,8 @@ class GRPOModule(PlainHyperparameters, LightningModule):
                     or module.trainer.state.fn != TrainerFn.FITTING):
                 return load(checkpoint_path, *args, **kwargs)
             check_settings_before_load(checkpoint_path, module, module.trainer, unread=unread_settings,
-                                       reward_changes=reward_changes)
+                                       reward_changes=reward_changes,
+                                       weights_only=kwargs.get("weights_only", args[0] if args else None))
             try:
                 if os.path.isdir(checkpoint_path):
                     with config_errors("--ckpt_path"):
