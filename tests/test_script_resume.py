@@ -222,8 +222,13 @@ def test_the_comparison_before_fsdp2s_load_unpickles_the_checkpoint_as_that_load
     torch.save({**saved, "extra": RunsCode()}, path)
     loaded = []
 
-    class Strategy:  # FSDP2's ModelParallelStrategy as the wrapper sees it
-        restore_checkpoint_after_setup = True
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class Strategy(ModelParallelStrategy):  # FSDP2's, its load a stand-in
+        restore_checkpoint_after_setup, lightning_module = True, None
+
+        def __init__(self):  # nothing set up: only its load is called
+            pass
 
         def load_checkpoint(self, checkpoint_path, weights_only=None):
             loaded.append(checkpoint_path)
@@ -238,3 +243,18 @@ def test_the_comparison_before_fsdp2s_load_unpickles_the_checkpoint_as_that_load
     with pytest.raises(ConfigError, match=refusal):
         strategy.load_checkpoint(str(path), weights_only=weights_only)
     assert not (tmp_path / "ran").exists() and loaded == []
+
+
+def test_only_a_strategy_that_loads_the_weights_itself_is_compared_before_its_load(tmp_path):
+    """The check before the load reads FSDP2's header (a folder's meta.pt, or the file); another strategy that
+    restores after setup (DeepSpeed's folder, which has no such header) is left to ``on_load_checkpoint``, which
+    compares what it loaded: reading the header there refused a checkpoint that loads."""
+    from lit_grpo.runtime.checkpoints import check_settings_before_load
+
+    folder = tmp_path / "deepspeed-ckpt"
+    folder.mkdir()  # no meta.pt
+    module = _module()
+    other = SimpleNamespace(strategy=SimpleNamespace(restore_checkpoint_after_setup=True),
+                            state=SimpleNamespace(fn="fit"))
+    check_settings_before_load(folder, module, other)  # nothing read, nothing refused, nothing marked
+    assert not any("checked" in name for name in vars(module))

@@ -577,8 +577,10 @@ def check_settings_before_load(path: str | os.PathLike, module: Any, trainer: An
     file memory-mapped) compared, a refusal raised before anything loads, then the checkpoint marked compared for
     this kind of run (:func:`mark_settings_checked`) so that ``on_load_checkpoint`` neither compares it again nor
     warns of its reward functions twice. A URL is not read here: it is compared as ``on_load_checkpoint`` gets it.
-    ``weights_only`` is the load's (None: torch's default): a file is unpickled here only as that load would."""
-    if "://" in os.fspath(path):
+    ``weights_only`` is the load's (None: torch's default): a file is unpickled here only as that load would. Another
+    strategy that restores after setup (DeepSpeed's folder has no header here) is compared in ``on_load_checkpoint``.
+    """
+    if "://" in os.fspath(path) or not _loads_weights_itself(getattr(trainer, "strategy", None)):
         return
     with config_errors("--ckpt_path"):  # missing, cut short or not a checkpoint: named as lit-grpo names it
         header = read_checkpoint_header(path, weights_only)
