@@ -476,17 +476,45 @@ def test_a_resume_refuses_another_dropout_head_precision_or_entropy_mask_and_rea
         check_resumable(older, changed, data, defaults=defaults)
 
 
+class _RunsCode:
+    """What unpickling it does: makes the folder ``path``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_checkpoint_is_read_for_its_settings_as_lightnings_resume_reads_it(tmp_path):
+    """``lit-grpo fit --ckpt_path`` reads the file's settings before Lightning loads it: with torch.load's default
+    ``weights_only``, as Lightning's resume does, so a file that runs code as it is unpickled is refused naming it,
+    its code never run; it was read with weights_only=False, running code that the load would then refuse."""
+    path = tmp_path / "code.ckpt"
+    torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": {"model": "tiny-llama"},
+                "extra": _RunsCode(tmp_path / "ran")}, path)
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(path))} cannot be read: UnpicklingError"):
+        check_resumable(path, {"model": "tiny-llama"}, None)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_resume_names_a_setting_or_key_too_long_to_print_as_refusals_do(tmp_path):
     """A value or a key that holds an int too long to print (Python's int-to-str limit) is named in a resume's
     differences as refusals name it: repr's and str()'s ValueError failed in place of the refusal (a run's
     data.sampling.group_size, a hand-edited checkpoint's key), and a key that is no text failed to join the names."""
+    from lit_grpo.runtime.checkpoints import check_checkpoint_settings
+
     path = tmp_path / "edited.ckpt"
     saved = {"model": "tiny-llama", "dtype": None, 1: "a", 10**5000: "b"}  # no disable_dropout: an older release's
-    torch.save({"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": saved,
-                "datamodule_hyper_parameters": {"sampling": {"group_size": 4}}}, path)
+    checkpoint = {"state_dict": {}, "loops": {}, "optimizer_states": [], "hyper_parameters": saved,
+                  "datamodule_hyper_parameters": {"sampling": {"group_size": 4}}}
+    torch.save(checkpoint, path)
     module = {"model": "tiny-llama", "dtype": None, "disable_dropout": True}
-    with pytest.raises(ValueError) as refused:
+    # the file is read as Lightning's resume reads it (torch.load's default weights_only), which refuses such an int
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(path))} cannot be read: UnpicklingError"):
         check_resumable(path, module, {"sampling": {"group_size": 10**5000}})
+    with pytest.raises(ValueError) as refused:  # read by other means (weights_only=False), it is compared
+        check_checkpoint_settings(checkpoint, path, module, {"sampling": {"group_size": 10**5000}})
     message = str(refused.value)
     assert "\n  model.disable_dropout: None in the checkpoint, True now\n" in message
     assert ("(the checkpoint also holds model.1, model.(an int of 5001 digits), which this release does not have: "

@@ -334,11 +334,12 @@ def run_checkpoint_folders(root: str | os.PathLike) -> list[Path]:
     return [*sorted(folder for folder in found if folder.is_dir()), root / "checkpoints"]
 
 
-def read_checkpoint_header(path: str | os.PathLike, weights_only: bool | None = False) -> dict[str, Any]:
+def read_checkpoint_header(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` with its tensors memory-mapped (nothing large is read), or a ``ValueError`` that
     names the file and says what is wrong with it: missing, cut short, or not a torch checkpoint. A sharded
     checkpoint's folder gives its header (``SHARDED_HEADER``): everything but the weights and optimizer states.
-    ``weights_only`` is ``torch.load``'s (None: torch's default)."""
+    ``weights_only`` is ``torch.load``'s (None: torch's default, True, as Lightning's resume reads the file): a file
+    that would run code as it is unpickled is refused here, that code not run."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
