@@ -358,6 +358,17 @@ def test_bench_curriculum_runs_each_curriculum_and_seed_and_reads_val_accuracy(t
     assert "--curricula: 'none,gain': ['gain'] not known; use a comma list of ['none', 'angle']" in err
 
 
+def test_bench_fit_shows_a_spread_only_for_a_figure_more_than_one_run_measured():
+    """A figure's sample std is shown where two runs or more measured it; one measured by a single run (a key logged
+    in one seed's run only) is shown alone: its std of 0 is no spread."""
+    from tools import bench_fit
+
+    runs = [{"variant": "a", "seed": 0, "step_s": 1.0, "carried": 3.0}, {"variant": "a", "seed": 1, "step_s": 3.0,
+                                                                         "carried": None}]
+    (line,) = bench_fit.summary_lines(runs, bench_fit.summarize(runs))
+    assert line == "a: step_s 2.000 +- 1.414, carried 3.000"
+
+
 def test_bench_fit_runs_each_variant_and_seed_and_reads_step_and_rollout_times(tmp_path, monkeypatch, capsys):
     from tools import bench_fit
 

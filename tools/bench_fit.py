@@ -141,12 +141,25 @@ def measure(args: argparse.Namespace, seeds: list[int], variants: dict[str, list
         runs.append(run)
         report = {"config": config, "runs": runs, "summary": summarize(runs, by)}
         harness.write_json(args.json, report)
-    for name, stats in report["summary"].items():
-        spread = stats["runs"] > 1  # one seed has no sample std: its figure alone, not "+- 0.000"
-        print(f"{name}: " + ", ".join(
-            f"{key[:-5]} {value:.3f}" + (f" +- {stats[key[:-5] + '_std']:.3f}" if spread else "")
-            for key, value in stats.items() if key.endswith("_mean")))
+    for line in summary_lines(runs, report["summary"], by):
+        print(line)
     return report
+
+
+def summary_lines(runs: list[dict], summary: dict[str, dict[str, float]], by: str = "variant") -> list[str]:
+    """A line per variant of ``summary`` (:func:`summarize` of ``runs``): each figure's mean, with its sample std
+    where more than one run measured it (a figure of one run has none: shown alone, not as "+- 0.000")."""
+    lines = []
+    for name, stats in summary.items():
+        mine = [run for run in runs if run[by] == name]
+
+        def spread(figure: str) -> str:
+            measured = sum(isinstance(run.get(figure), (int, float)) for run in mine)
+            return f" +- {stats[figure + '_std']:.3f}" if measured > 1 else ""
+
+        lines.append(f"{name}: " + ", ".join(f"{key[:-5]} {value:.3f}{spread(key[:-5])}"
+                                             for key, value in stats.items() if key.endswith("_mean")))
+    return lines
 
 
 def parse_args(argv: list[str] | None, description: str, seeds: str, root: str,
