@@ -547,9 +547,8 @@ def check_loaded_settings(checkpoint: Mapping[str, Any], module: Any, trainer: A
     (``lit_grpo.update.resume_settings.unread_settings``, ``lit_grpo.rollout.rewards.reward_changes``)."""
     if trainer is None:
         return
-    path = getattr(trainer, "ckpt_path", None)
-    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
-    if path is not None and getattr(module, _CHECKED, None) == (_path_key(path), evaluate):
+    path, evaluate = getattr(trainer, "ckpt_path", None), _evaluates(trainer)
+    if _marked(module, path, evaluate):
         delattr(module, _CHECKED)  # the load it was made for: another load of the same file is compared
         return
     if "state_dict" not in checkpoint and _loads_weights_itself(getattr(trainer, "strategy", None)):
@@ -581,13 +580,24 @@ def check_settings_before_load(path: str | os.PathLike, module: Any, trainer: An
     ``weights_only`` is the load's (None: torch's default): a file is unpickled here only as that load would. Another
     strategy that restores after setup (DeepSpeed's folder has no header here) is compared in ``on_load_checkpoint``.
     """
-    if "://" in os.fspath(path) or not _loads_weights_itself(getattr(trainer, "strategy", None)):
+    evaluate = _evaluates(trainer)
+    if ("://" in os.fspath(path) or not _loads_weights_itself(getattr(trainer, "strategy", None))
+            or _marked(module, path, evaluate)):  # compared already (lit-grpo): its mark left to on_load_checkpoint
         return
     with config_errors("--ckpt_path"):  # missing, cut short or not a checkpoint: named as lit-grpo names it
         header = read_checkpoint_header(path, weights_only)
     check_loaded_settings(header, module, trainer, unread=unread, reward_changes=reward_changes)
-    evaluate = getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
     mark_settings_checked(module, path, evaluate=evaluate)
+
+
+def _evaluates(trainer: Any) -> bool:
+    """Whether ``trainer`` loads a checkpoint for a run that only evaluates it (not a fit)."""
+    return getattr(getattr(trainer, "state", None), "fn", "fit") != "fit"
+
+
+def _marked(module: Any, path: str | os.PathLike | None, evaluate: bool) -> bool:
+    """Whether ``module`` holds the mark of :func:`mark_settings_checked` for ``path`` and this kind of run."""
+    return path is not None and getattr(module, _CHECKED, None) == (_path_key(path), evaluate)
 
 
 def _loads_weights_itself(strategy: Any) -> bool:
