@@ -136,9 +136,9 @@ def answers_match(answer: str, gold: str) -> bool:
 def score_math(completion: str, gold: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float | None:
     """1.0 / 0.0 for one completion against ``gold`` (as ``gold_text``); None without a gold answer; 0.0 past
     ``timeout_s`` (None: no deadline, for callers off the main thread)."""
-    if gold is None or not gold_text(gold).strip():
+    gold = None if gold is None else gold_text(gold)
+    if gold is None or not gold.strip():
         return None
-    gold = gold_text(gold)
     answer = extract_final_answer(completion)
     if answer is None:
         return 0.0

@@ -55,7 +55,7 @@ class RewardModel:
         _resolve_device(device)  # checked now, resolved at each call: a rank's CUDA device is set after the config
         self.device = device
         self.batch_size = batch_size
-        self.__name__ = Path(model.rstrip("/")).name  # TRL's name for it: the id's last part
+        self.__name__ = reward_model_name(model)
         try:
             # transformers' own tokenizer, not the policy's (load_tokenizer): it only pads here, so one without an
             # EOS token (an encoder's, BERT's) is as good as any
@@ -127,6 +127,11 @@ def _resolve_device(device: Any) -> torch.device:
                          "such as 'cpu' or 'cuda:0'") from None
     # the model's own device names its index: "cuda" compared with "cuda:0" would move it at every call
     return indexed_device(resolved) if torch.cuda.is_available() else resolved
+
+
+def reward_model_name(model: str) -> str:
+    """The name a reward model of ``model`` (a hub id or folder) gives itself: TRL's, the id's last part."""
+    return Path(model.rstrip("/")).name
 
 
 def is_reward_model_name(name: str) -> bool:

@@ -89,7 +89,8 @@ from lit_grpo.rollout.async_loop import run_concurrently
 from lit_grpo.rollout.math_reward import gold_answer
 from lit_grpo.rollout.prompts import message_text
 from lit_grpo.rollout.reward_log import LOG_KEYWORDS, CallLog, RewardLogs, as_number
-from lit_grpo.rollout.reward_model import RewardModel, is_reward_model_name, reward_model_kwargs
+from lit_grpo.rollout.reward_model import (RewardModel, is_reward_model_name, reward_model_kwargs,
+                                           reward_model_name)
 from lit_grpo.rollout.reward_functions import BUILTIN_REWARDS, reasoning_gym_source
 from lit_grpo.rollout.verl_reward import VerlScore, is_verl_score
 from lit_grpo.runtime.validation import (NOT_IMPORTABLE, check_choice, huge_int, plain_yaml_values, real_within,
@@ -633,9 +634,14 @@ def _reward_spelling(fn: Any) -> tuple[str, dict[str, Any] | None] | None:
         return ("overlong", options) if _reads_back(options) else None
     if not inspect.isroutine(fn):  # a class builds an object with the spec's options; another object is no name
         return None
-    builtin = next((key for key, value in BUILTIN_REWARDS.items() if value is fn), None)
+    builtin = _builtin_name(fn)
     name = builtin if builtin is not None else saved_name(fn)
     return None if name.startswith(NOT_IMPORTABLE) else (name, None)
+
+
+def _builtin_name(target: Any) -> str | None:
+    """The built-in name (``BUILTIN_REWARDS``) of the function or class ``target``, None where it is none."""
+    return next((key for key, value in BUILTIN_REWARDS.items() if value is target), None)
 
 
 def _reads_back(value: Any) -> bool:
@@ -743,7 +749,7 @@ def _compared_name(name: str, target: Any) -> str:
     name where it imports a built-in's function, which is logged under that name either way (a class is not: its
     object may name itself, a reward model after its folder); a reward model's local folder by its real path, which
     ``./rm``, ``/abs/rm/``, ``~/rm`` and a link all name; any other name as its text."""
-    builtin = next((key for key, value in BUILTIN_REWARDS.items() if value is target), None)
+    builtin = _builtin_name(target)
     if builtin is not None and inspect.isroutine(target):
         return builtin
     folder = os.path.expanduser(name)  # as RewardModel reads it
@@ -771,7 +777,7 @@ def _default_log_name(name: str) -> str | None:
     if name in BUILTIN_REWARDS:
         return name
     if is_reward_model_name(name):
-        return _logged_name(PurePath(name.rstrip("/")).name)
+        return _logged_name(reward_model_name(name))
     if name.startswith(NOT_IMPORTABLE) or ":" not in name:
         return None
     return _logged_name(name.rpartition(":")[2].rpartition(".")[2])
