@@ -226,16 +226,22 @@ def test_a_fit_refuses_mini_batches_that_do_not_divide_the_steps_groups_before_i
 def test_a_fit_whose_max_steps_ends_inside_a_training_step_says_where_it_ends():
     """Lightning stops after whole training steps: max_steps 3 of 2 optimizer steps each runs to global_step 4, which
     its schedule takes as its end; said before the first rollout (verl's and TRL's counts are easily mistaken)."""
+    _fit_to_its_max_steps_warning(GRPOModule(model="tiny-llama", num_mini_batches=2),
+                                  r"trainer.max_steps=3 is not a multiple of a training step's optimizer steps, 2 "
+                                  r"\(model.num_iterations 1 x model.num_mini_batches 2\): the fit runs 2 training "
+                                  r"steps, to global_step 4")
+
+
+def _fit_to_its_max_steps_warning(module: GRPOModule, match: str) -> None:
+    """A fit of ``module`` at max_steps 3 warns ``match`` before its first rollout (which fails: none is built)."""
     import lightning.pytorch as pl
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
     data.build_train_batch = None  # no rollout: the warning comes first
-    with pytest.warns(UserWarning, match=r"trainer.max_steps=3 is not a multiple of a training step's optimizer "
-                                         r"steps, 2 \(model.num_iterations 1 x model.num_mini_batches 2\): the fit "
-                                         r"runs 2 training steps, to global_step 4"), pytest.raises(TypeError):
-        trainer.fit(GRPOModule(model="tiny-llama", num_mini_batches=2), data)
+    with pytest.warns(UserWarning, match=match), pytest.raises(TypeError):
+        trainer.fit(module, data)
 
 
 def test_a_fit_of_more_iterations_than_python_prints_says_where_it_ends_by_their_digits():
@@ -243,21 +249,15 @@ def test_a_fit_of_more_iterations_than_python_prints_says_where_it_ends_by_their
     sys.get_int_max_str_digits()) is named in the warning of a max_steps inside a training step by its digits, as
     refusals name it, and the fit runs its one training step to that global_step, not to 0: the warning's f-string
     raised ValueError in its place, and the float division of the count ran to 0."""
-    import lightning.pytorch as pl
-
     from lit_grpo.update.lr_schedule import global_steps_to_run
 
     huge = 10**5000
     assert global_steps_to_run(3, huge) == huge and global_steps_to_run(10**17 + 1, 1) == 10**17 + 1
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    data = RolloutDataModule(**datamodule_arguments({"val_size": 0}))
-    data.build_train_batch = None  # no rollout: the warning comes first
-    with pytest.warns(UserWarning, match=r"trainer.max_steps=3 is not a multiple of a training step's optimizer "
-                                         r"steps, an int of 5001 digits \(model.num_iterations an int of 5001 digits x "
-                                         r"model.num_mini_batches 1\): the fit runs 1 training steps, to global_step "
-                                         r"an int of 5001 digits, where"), pytest.raises(TypeError):
-        trainer.fit(GRPOModule(model="tiny-llama", num_iterations=huge), data)
+    _fit_to_its_max_steps_warning(GRPOModule(model="tiny-llama", num_iterations=huge),
+                                  r"trainer.max_steps=3 is not a multiple of a training step's optimizer steps, an "
+                                  r"int of 5001 digits \(model.num_iterations an int of 5001 digits x "
+                                  r"model.num_mini_batches 1\): the fit runs 1 training steps, to global_step an int "
+                                  r"of 5001 digits, where")
 
 
 def test_a_dynamic_sampling_step_left_short_trains_its_mini_batches_on_the_groups_it_kept():
